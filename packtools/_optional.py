@@ -1,0 +1,27 @@
+"""Imports of optional dependencies, with an error that names the extra to install."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+_EXTRA_OF = {
+    "datasets": "datasets",
+    "torch": "torch",
+    "matplotlib": "plot",
+    "transformers": "hf",
+    "flash_attn": "flash",
+    "ray": "ray",
+}
+
+
+def require(module: str, feature: str) -> ModuleType:
+    """Import ``module`` or raise ``ImportError`` telling how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:  # pragma: no cover - exercised by tests with the module hidden
+        top = module.split(".")[0]
+        extra = _EXTRA_OF.get(top, top)
+        raise ImportError(
+            f"{feature} needs the optional dependency '{top}'. Install it with: pip install 'packtools[{extra}]'"
+        ) from exc

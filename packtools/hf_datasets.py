@@ -1,0 +1,168 @@
+"""Packing for Hugging Face ``datasets`` (extra ``packtools[datasets]``), imported only when used."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ._optional import require
+from .errors import PackingError
+from .packing import SEQ_LENGTHS, pack_columns, read_columns, truncate_table
+from .planning import PackPlan, Strategy, check_max_length, check_strategy
+from .planning import plan as make_plan
+
+DEFAULT_WINDOW = 100_000
+
+
+def _datasets():
+    return require("datasets", "packing a datasets.Dataset")
+
+
+def dataset_table(dataset: Any) -> tuple[pa.Table, np.ndarray | None]:
+    """The Arrow table behind a ``datasets.Dataset`` and its row indices mapping (after select/shuffle)."""
+    table = dataset.data.table
+    indices = None
+    if getattr(dataset, "_indices", None) is not None:
+        indices = dataset._indices.column(0).to_numpy().astype(np.int64)
+    return table, indices
+
+
+def _restore_format(ds: Any, fmt: dict[str, Any], added: list[str]) -> Any:
+    columns = fmt.get("columns")
+    if columns is not None:
+        columns = [c for c in columns if c in ds.column_names] + [c for c in added if c not in columns]
+    return ds.with_format(
+        fmt.get("type"),
+        columns=columns,
+        output_all_columns=fmt.get("output_all_columns", False),
+        **(fmt.get("format_kwargs") or {}),
+    )
+
+
+def _pack_split(
+    dataset: Any,
+    max_length: int,
+    strategy: str,
+    columns: Sequence[str] | None,
+    shuffle: bool,
+    seed: int,
+) -> tuple[Any, PackPlan]:
+    ds_mod = _datasets()
+    table, indices = dataset_table(dataset)
+    if columns is None:
+        columns = [c for c in dataset.column_names if c != SEQ_LENGTHS]
+    cols, lengths = read_columns(table, columns)
+    if indices is not None:
+        lengths = lengths[indices]
+    p = make_plan(lengths, max_length, strategy)
+    if shuffle:
+        p = p.shuffled(seed)
+    packed = pack_columns(cols, p, indices)
+    out = ds_mod.Dataset(packed, split=dataset.split)
+    added = [SEQ_LENGTHS] if SEQ_LENGTHS in packed.column_names else []
+    return _restore_format(out, dict(dataset.format), added), p
+
+
+def pack_dataset(
+    dataset: Any,
+    max_length: int,
+    strategy: Strategy | str = "bfd",
+    columns: Sequence[str] | None = None,
+    *,
+    shuffle: bool = False,
+    seed: int = 0,
+    window: int = DEFAULT_WINDOW,
+) -> Any:
+    """Pack a ``datasets.Dataset``, ``DatasetDict`` or ``IterableDataset`` into rows of ``max_length`` tokens.
+
+    A ``Dataset`` (each split of a ``DatasetDict``) is packed with one global plan, so rows are as full as
+    best-fit decreasing can make them; the result is an in-memory Arrow-backed ``Dataset`` with the same
+    format, and ``seq_lengths`` added for ``bfd``/``bfd_split``.  For a dataset of at most 1000 rows the output
+    equals ``trl.pack_dataset(dataset, max_length, strategy)`` row for row.
+
+    An ``IterableDataset`` is packed lazily in windows of ``window`` rows, each with its own plan.  A window
+    ends with one partly filled row, so a window of ``w`` rows of mean length ``m`` adds about
+    ``max_length / (2 * w * m)`` relative rows over a global plan: ~0.5% for TRL's 1000-row windows at
+    ``m / max_length = 0.1``, under 0.01% from 100k rows on.
+
+    ``shuffle=True`` reorders the packed rows with ``seed`` (BFD emits the fullest rows first).
+
+    >>> from datasets import Dataset
+    >>> ds = Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]]})
+    >>> pack_dataset(ds, 4)[:]
+    {'input_ids': [[1, 2, 3, 4], [8, 9, 10, 11], [6, 7]], 'seq_lengths': [[4], [3, 1], [2]]}
+    """
+    ds_mod = _datasets()
+    strategy = check_strategy(strategy)
+    max_length = check_max_length(max_length)
+    if isinstance(dataset, ds_mod.DatasetDict):
+        return ds_mod.DatasetDict(
+            {
+                name: _pack_split(split, max_length, strategy, columns, shuffle, seed)[0]
+                for name, split in dataset.items()
+            }
+        )
+    if isinstance(dataset, ds_mod.Dataset):
+        return _pack_split(dataset, max_length, strategy, columns, shuffle, seed)[0]
+    if isinstance(dataset, ds_mod.IterableDataset):
+        return _pack_iterable(dataset, max_length, strategy, columns, shuffle, seed, window)
+    raise PackingError(
+        f"dataset must be a datasets.Dataset, DatasetDict or IterableDataset, got {type(dataset).__name__}; "
+        f"for a pyarrow.Table use packtools.pack_table."
+    )
+
+
+def _pack_iterable(
+    dataset: Any,
+    max_length: int,
+    strategy: str,
+    columns: Sequence[str] | None,
+    shuffle: bool,
+    seed: int,
+    window: int,
+) -> Any:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise PackingError(f"window must be a positive number of rows, got {window!r}.")
+    names = list(columns) if columns is not None else None
+
+    def pack_window(batch: pa.Table) -> pa.Table:
+        cols, lengths = read_columns(batch, names)
+        p = make_plan(lengths, max_length, strategy)
+        if shuffle:
+            p = p.shuffled(seed)
+        return pack_columns(cols, p)
+
+    fmt = getattr(dataset, "_formatting", None)
+    fmt_type = getattr(fmt, "format_type", None)
+    remove = dataset.column_names if dataset.column_names is not None else None
+    packed = dataset.with_format("arrow").map(
+        pack_window, batched=True, batch_size=window, remove_columns=remove
+    )
+    return packed.with_format(fmt_type)
+
+
+def truncate_dataset(dataset: Any, max_length: int, columns: Sequence[str] | None = None) -> Any:
+    """Keep the first ``max_length`` values of each list column (all, or those named) of a dataset.
+
+    Works on ``Dataset`` and ``DatasetDict`` (and on a ``pyarrow.Table``); the format is kept.
+
+    >>> from datasets import Dataset
+    >>> truncate_dataset(Dataset.from_dict({"input_ids": [[1, 2, 3], [4]]}), 2)[:]
+    {'input_ids': [[1, 2], [4]]}
+    """
+    if isinstance(dataset, pa.Table):
+        return truncate_table(dataset, max_length, columns)
+    ds_mod = _datasets()
+    max_length = check_max_length(max_length)
+    if isinstance(dataset, ds_mod.DatasetDict):
+        return ds_mod.DatasetDict({k: truncate_dataset(v, max_length, columns) for k, v in dataset.items()})
+    if not isinstance(dataset, ds_mod.Dataset):
+        raise PackingError(f"dataset must be a datasets.Dataset or DatasetDict, got {type(dataset).__name__}.")
+    table, indices = dataset_table(dataset)
+    if indices is not None:
+        table = table.take(pa.array(indices))
+    out = ds_mod.Dataset(truncate_table(table, max_length, columns), split=dataset.split)
+    return _restore_format(out, dict(dataset.format), [])

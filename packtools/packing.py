@@ -1,0 +1,210 @@
+"""Pack, unpack and truncate Arrow tables with a :class:`PackPlan`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from . import _kernels
+from .arrow import ListColumn, check_aligned, is_list_type, list_array, read_list_column
+from .errors import PackingError
+from .planning import PackPlan, Strategy, check_max_length
+from .planning import plan as make_plan
+
+SEQ_LENGTHS = "seq_lengths"
+
+
+def _select_columns(table: pa.Table, columns: Sequence[str] | None) -> list[str]:
+    if columns is None:
+        names = [n for n in table.column_names if n != SEQ_LENGTHS]
+        if not names:
+            raise PackingError("the table has no columns to pack.")
+        return names
+    if isinstance(columns, str):
+        columns = [columns]
+    missing = [c for c in columns if c not in table.column_names]
+    if missing:
+        raise PackingError(f"columns {missing} are not in the table; it has {table.column_names}.")
+    if not columns:
+        raise PackingError("columns=[] names nothing to pack; name at least one list column.")
+    return list(columns)
+
+
+def read_columns(
+    table: pa.Table, columns: Sequence[str] | None = None
+) -> tuple[list[ListColumn], np.ndarray]:
+    """Read the columns to pack and their shared row lengths, validating everything."""
+    names = _select_columns(table, columns)
+    non_list = [n for n in names if not is_list_type(table.schema.field(n).type)]
+    if non_list and columns is None:
+        raise PackingError(
+            f"columns {non_list} are not list columns, so they cannot be packed; packed rows hold many "
+            f"sequences. Pass columns=[...] with the list columns to pack (the others are then left out), "
+            f"or remove {non_list} first."
+        )
+    cols = [read_list_column(table.column(n), n) for n in names]
+    return cols, check_aligned(cols)
+
+
+def gather_column(col: ListColumn, p: PackPlan, row_indices: np.ndarray | None = None) -> np.ndarray:
+    """Copy the planned segments of one column into a new contiguous values buffer."""
+    source = p.seg_source if row_indices is None else row_indices[p.seg_source]
+    dest = p.seg_dest
+    dtype = col.chunks[0].values.dtype if col.chunks else col.type.value_type.to_pandas_dtype()
+    out = np.empty(p.tokens_kept, dtype)
+    if p.num_segments == 0:
+        return out
+    if len(col.chunks) == 1:
+        chunk = col.chunks[0]
+        src = chunk.offsets[source] + p.seg_start
+        _kernels.copy_all_segments(chunk.values, src, p.seg_length, dest, out)
+        return out
+    starts = col.chunk_row_starts()
+    chunk_of = np.searchsorted(starts[1:], source, side="right")
+    order = np.argsort(chunk_of, kind="stable")
+    bounds = np.searchsorted(chunk_of[order], np.arange(len(col.chunks) + 1))
+    src = np.empty(p.num_segments, np.int64)
+    for c, chunk in enumerate(col.chunks):
+        sel = order[bounds[c] : bounds[c + 1]]
+        if sel.size == 0:
+            continue
+        src[sel] = chunk.offsets[source[sel] - chunk.row_start] + p.seg_start[sel]
+        _kernels.copy_segments(chunk.values, src, p.seg_length, dest, sel, out)
+    return out
+
+
+def pack_columns(
+    cols: list[ListColumn], p: PackPlan, row_indices: np.ndarray | None = None
+) -> pa.Table:
+    """Materialize packed list columns (and ``seq_lengths`` for bfd strategies) from a plan."""
+    token_offsets = p.token_offsets
+    arrays, names = [], []
+    for col in cols:
+        values = gather_column(col, p, row_indices)
+        arrays.append(
+            list_array(token_offsets, values, pa.types.is_large_list(col.type), col.type.value_type)
+        )
+        names.append(col.name)
+    if p.strategy != "wrapped":
+        arrays.append(p.seq_lengths)
+        names.append(SEQ_LENGTHS)
+    return pa.Table.from_arrays(arrays, names=names)
+
+
+def pack_table(
+    table: pa.Table,
+    max_length: int,
+    strategy: Strategy | str = "bfd",
+    columns: Sequence[str] | None = None,
+    *,
+    shuffle: bool = False,
+    seed: int = 0,
+    plan: PackPlan | None = None,
+) -> pa.Table:
+    """Pack the list columns of ``table`` into rows of at most ``max_length`` tokens.
+
+    All packed columns must share row lengths (e.g. ``input_ids``, ``labels``, ``attention_mask``).  With
+    ``columns=None`` every column is packed and all must be lists; otherwise only the named ones are, and
+    the rest are left out.  ``bfd``/``bfd_split`` add ``seq_lengths`` (``list<int32>``), the lengths of the
+    sequences inside each row.  ``shuffle=True`` reorders packed rows deterministically for ``seed``.
+
+    >>> import pyarrow as pa
+    >>> t = pa.table({"input_ids": [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]]})
+    >>> pack_table(t, 4).to_pydict()
+    {'input_ids': [[1, 2, 3, 4], [8, 9, 10, 11], [6, 7]], 'seq_lengths': [[4], [3, 1], [2]]}
+    """
+    if not isinstance(table, pa.Table):
+        raise PackingError(f"table must be a pyarrow.Table, got {type(table).__name__}.")
+    max_length = check_max_length(max_length)
+    cols, lengths = read_columns(table, columns)
+    if plan is None:
+        p = make_plan(lengths, max_length, strategy)
+    else:
+        p = plan
+        if p.num_sequences != len(lengths) or not np.array_equal(p.source_lengths, lengths):
+            raise PackingError(
+                "the plan was made for other lengths than this table's; re-plan with packtools.plan()."
+            )
+    if shuffle:
+        p = p.shuffled(seed)
+    return pack_columns(cols, p)
+
+
+def unpack(
+    table: pa.Table,
+    columns: Sequence[str] | None = None,
+    plan: PackPlan | None = None,
+) -> pa.Table:
+    """Recover the sequences from packed rows.
+
+    Without a plan, every entry of ``seq_lengths`` becomes one row, in packed order.  With the plan that
+    packed the table, rows come back in the original order, one per input sequence (the kept part; chunks
+    of ``bfd_split`` and pieces of ``wrapped`` are joined again; empty sequences come back empty).
+
+    >>> import pyarrow as pa
+    >>> t = pa.table({"input_ids": [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]]})
+    >>> p = make_plan([5, 2, 3, 1], 4, "bfd_split")
+    >>> unpack(pack_table(t, 4, "bfd_split", plan=p), plan=p).to_pydict()
+    {'input_ids': [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]]}
+    """
+    names = [n for n in _select_columns(table, columns) if n != SEQ_LENGTHS]
+    if plan is None:
+        if SEQ_LENGTHS not in table.column_names:
+            raise PackingError(
+                "unpack needs the 'seq_lengths' column (bfd/bfd_split output) or the plan (plan=...)."
+            )
+        seg_lengths = pc.list_flatten(table.column(SEQ_LENGTHS)).to_numpy().astype(np.int64)
+        offsets = np.concatenate(([0], np.cumsum(seg_lengths)))
+        arrays = []
+        for n in names:
+            col = read_list_column(table.column(n), n)
+            flat = np.concatenate([c.values[c.offsets[0] : c.offsets[-1]] for c in col.chunks])
+            if flat.shape[0] != offsets[-1]:
+                raise PackingError(
+                    f"column {n!r} holds {flat.shape[0]} values but seq_lengths sum to {offsets[-1]}."
+                )
+            arrays.append(list_array(offsets, flat, pa.types.is_large_list(col.type), col.type.value_type))
+        return pa.Table.from_arrays(arrays, names=names)
+    p = plan
+    if p.num_rows != table.num_rows:
+        raise PackingError(f"the plan has {p.num_rows} rows but the table has {table.num_rows}.")
+    # Segment k of the packed stream sits at seg_dest[k]; sort segments back by (source, start).
+    order = np.lexsort((p.seg_start, p.seg_source))
+    kept = np.bincount(p.seg_source, weights=p.seg_length, minlength=p.num_sequences).astype(np.int64)
+    offsets = np.concatenate(([0], np.cumsum(kept)))
+    dest = p.seg_dest
+    new_dst = np.zeros(p.num_segments, np.int64)
+    if p.num_segments:
+        np.cumsum(p.seg_length[order][:-1], out=new_dst[1:])
+    arrays = []
+    for n in names:
+        col = read_list_column(table.column(n), n)
+        flat = np.concatenate([c.values[c.offsets[0] : c.offsets[-1]] for c in col.chunks])
+        out = np.empty(int(offsets[-1]), flat.dtype)
+        _kernels.copy_all_segments(flat, dest[order], p.seg_length[order], new_dst, out)
+        arrays.append(list_array(offsets, out, pa.types.is_large_list(col.type), col.type.value_type))
+    return pa.Table.from_arrays(arrays, names=names)
+
+
+def truncate_table(table: pa.Table, max_length: int, columns: Sequence[str] | None = None) -> pa.Table:
+    """Keep the first ``max_length`` values of each row of the list columns (all of them, or those named).
+
+    >>> import pyarrow as pa
+    >>> truncate_table(pa.table({"input_ids": [[1, 2, 3], [4]], "id": [0, 1]}), 2).to_pydict()
+    {'input_ids': [[1, 2], [4]], 'id': [0, 1]}
+    """
+    max_length = check_max_length(max_length)
+    if columns is None:
+        names = [f.name for f in table.schema if is_list_type(f.type)]
+    else:
+        names = _select_columns(table, columns)
+        bad = [n for n in names if not is_list_type(table.schema.field(n).type)]
+        if bad:
+            raise PackingError(f"columns {bad} are not list columns and cannot be truncated.")
+    for n in names:
+        i = table.column_names.index(n)
+        table = table.set_column(i, table.schema.field(n), pc.list_slice(table.column(n), 0, max_length))
+    return table

@@ -1,0 +1,247 @@
+"""Packing plans: which tokens of which sequence go where, computed from lengths alone."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+
+from . import _kernels
+from .errors import PackingError
+
+Strategy = Literal["bfd", "bfd_split", "wrapped"]
+STRATEGIES: tuple[str, ...] = ("bfd", "bfd_split", "wrapped")
+
+
+def check_strategy(strategy: str) -> str:
+    if strategy not in STRATEGIES:
+        raise PackingError(f"strategy={strategy!r} is not a packing strategy; use one of {', '.join(STRATEGIES)}.")
+    return strategy
+
+
+def check_max_length(max_length: object) -> int:
+    if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)):
+        raise PackingError(f"max_length must be a positive int, got {max_length!r} ({type(max_length).__name__}).")
+    if max_length < 1:
+        raise PackingError(f"max_length must be >= 1, got {max_length}.")
+    return int(max_length)
+
+
+def as_lengths(lengths: object, name: str = "lengths") -> np.ndarray:
+    """Validate and cast sequence lengths to a C-contiguous int64 array."""
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise PackingError(f"{name} must be a 1-D array of sequence lengths, got shape {arr.shape}.")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise PackingError(f"{name} must hold integers, got dtype {arr.dtype}.")
+    arr = np.ascontiguousarray(arr, dtype=np.int64)
+    if arr.size and arr.min() < 0:
+        row = int(np.argmin(arr))
+        raise PackingError(f"{name}[{row}] = {arr[row]} is negative; lengths count tokens and must be >= 0.")
+    return arr
+
+
+@dataclass(frozen=True, eq=False)
+class PackPlan:
+    """Where every kept token goes, as plain NumPy arrays.
+
+    Rows are made of *segments*: segment ``s`` copies ``seg_length[s]`` tokens of sequence ``seg_source[s]``
+    starting at token ``seg_start[s]``.  Row ``r`` holds segments ``row_offsets[r]:row_offsets[r + 1]`` in
+    order.  A plan depends only on lengths, so it is cheap, and it can be saved and reused.
+
+    >>> p = plan([5, 2, 3, 1], max_length=4)
+    >>> p.num_rows, p.fill, p.tokens_dropped
+    (3, 0.8333333333333334, 1)
+    >>> [list(p.seq_lengths_of(r)) for r in range(p.num_rows)]
+    [[4], [3, 1], [2]]
+    """
+
+    max_length: int
+    strategy: str
+    seg_source: np.ndarray
+    seg_start: np.ndarray
+    seg_length: np.ndarray
+    row_offsets: np.ndarray
+    source_lengths: np.ndarray = field(repr=False)
+
+    # -- sizes -------------------------------------------------------------------------------------
+    @property
+    def num_sequences(self) -> int:
+        """Sequences in the input, empty ones included."""
+        return int(self.source_lengths.shape[0])
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.row_offsets.shape[0] - 1)
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.seg_length.shape[0])
+
+    @property
+    def num_empty(self) -> int:
+        """Empty input sequences; they produce no segment."""
+        return int(np.count_nonzero(self.source_lengths == 0))
+
+    @property
+    def tokens_in(self) -> int:
+        return int(self.source_lengths.sum())
+
+    @property
+    def tokens_kept(self) -> int:
+        return int(self.seg_length.sum())
+
+    @property
+    def tokens_dropped(self) -> int:
+        return self.tokens_in - self.tokens_kept
+
+    @property
+    def lower_bound(self) -> int:
+        """Fewest rows that could hold the kept tokens: ``ceil(tokens_kept / max_length)``."""
+        return -(-self.tokens_kept // self.max_length)
+
+    @property
+    def fill(self) -> float:
+        """Tokens kept / (rows * max_length); 1.0 for no rows."""
+        return self.tokens_kept / (self.num_rows * self.max_length) if self.num_rows else 1.0
+
+    # -- per row ---------------------------------------------------------------------------------
+    @property
+    def row_lengths(self) -> np.ndarray:
+        """Tokens in each packed row."""
+        csum = np.concatenate(([0], np.cumsum(self.seg_length)))
+        return csum[self.row_offsets[1:]] - csum[self.row_offsets[:-1]]
+
+    @property
+    def token_offsets(self) -> np.ndarray:
+        """Start of each row in the packed token stream (``num_rows + 1`` values)."""
+        return np.concatenate(([0], np.cumsum(self.row_lengths))).astype(np.int64)
+
+    @property
+    def seg_dest(self) -> np.ndarray:
+        """Start of each segment in the packed token stream."""
+        out = np.zeros(self.num_segments, np.int64)
+        np.cumsum(self.seg_length[:-1], out=out[1:])
+        return out
+
+    def seq_lengths_of(self, row: int) -> np.ndarray:
+        """Lengths of the segments that make up ``row``."""
+        return self.seg_length[self.row_offsets[row] : self.row_offsets[row + 1]]
+
+    @property
+    def seq_lengths(self) -> pa.ListArray:
+        """Per-row segment lengths as an Arrow ``list<int32>`` array (the ``seq_lengths`` column)."""
+        return pa.ListArray.from_arrays(
+            pa.array(self.row_offsets.astype(np.int32)), pa.array(self.seg_length.astype(np.int32))
+        )
+
+    # -- transforms ------------------------------------------------------------------------------
+    def shuffled(self, seed: int = 0) -> PackPlan:
+        """The same rows in a random order, deterministic for ``seed``."""
+        perm = np.random.default_rng(seed).permutation(self.num_rows)
+        counts = np.diff(self.row_offsets)[perm]
+        new_offsets = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        # Segment indices of the permuted rows, in order.
+        starts = self.row_offsets[:-1][perm]
+        idx = np.repeat(starts - new_offsets[:-1], counts) + np.arange(self.num_segments)
+        return PackPlan(
+            self.max_length,
+            self.strategy,
+            self.seg_source[idx],
+            self.seg_start[idx],
+            self.seg_length[idx],
+            new_offsets,
+            self.source_lengths,
+        )
+
+    def summary(self) -> dict[str, float | int | str]:
+        """The plan's statistics as a flat dict (what the CLI prints)."""
+        return {
+            "strategy": self.strategy,
+            "max_length": self.max_length,
+            "rows_in": self.num_sequences,
+            "empty": self.num_empty,
+            "rows_out": self.num_rows,
+            "lower_bound": self.lower_bound,
+            "rows_over_bound": self.num_rows - self.lower_bound,
+            "tokens_in": self.tokens_in,
+            "tokens_kept": self.tokens_kept,
+            "tokens_dropped": self.tokens_dropped,
+            "fill": self.fill,
+        }
+
+    # -- persistence -----------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan to ``path`` (``.npz``) atomically."""
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".npz", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                np.savez(
+                    fh,
+                    max_length=np.int64(self.max_length),
+                    strategy=np.array(self.strategy),
+                    seg_source=self.seg_source,
+                    seg_start=self.seg_start,
+                    seg_length=self.seg_length,
+                    row_offsets=self.row_offsets,
+                    source_lengths=self.source_lengths,
+                )
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> PackPlan:
+        """Read a plan written by :meth:`save`."""
+        with np.load(os.fspath(path), allow_pickle=False) as z:
+            return cls(
+                int(z["max_length"]),
+                str(z["strategy"]),
+                z["seg_source"],
+                z["seg_start"],
+                z["seg_length"],
+                z["row_offsets"],
+                z["source_lengths"],
+            )
+
+
+def plan(lengths: object, max_length: int, strategy: Strategy | str = "bfd") -> PackPlan:
+    """Plan how to pack sequences of the given lengths into rows of at most ``max_length`` tokens.
+
+    ``bfd`` keeps the first ``max_length`` tokens of each sequence and packs them best-fit decreasing;
+    ``bfd_split`` first cuts longer sequences into ``max_length`` chunks so every token is kept;
+    ``wrapped`` concatenates everything in order and cuts every ``max_length`` tokens.
+    Empty sequences are dropped (counted in :attr:`PackPlan.num_empty`).
+
+    >>> p = plan([5, 2, 3, 1], max_length=4, strategy="bfd_split")
+    >>> p.num_rows, p.tokens_dropped, p.lower_bound
+    (3, 0, 3)
+    >>> plan([5, 2, 3, 1], 4, "wrapped").row_lengths.tolist()
+    [4, 4, 3]
+    """
+    strategy = check_strategy(strategy)
+    max_length = check_max_length(max_length)
+    lens = as_lengths(lengths)
+    if strategy == "wrapped":
+        source, start, size, row_offsets = _kernels.wrapped_segments(lens, max_length)
+        return PackPlan(max_length, strategy, source, start, size, row_offsets, lens)
+    source, start, size = _kernels.make_items(lens, max_length, strategy == "bfd_split")
+    order, row_offsets = _kernels.bfd_assign(size, max_length)
+    return PackPlan(max_length, strategy, source[order], start[order], size[order], row_offsets, lens)
+
+
+def warmup() -> None:
+    """Compile (or load from the on-disk cache) every kernel on a tiny input."""
+    from .packing import pack_table
+
+    table = pa.table({"input_ids": pa.array([[1, 2, 3], [], [4]], pa.list_(pa.int32()))})
+    for strategy in STRATEGIES:
+        pack_table(table, 2, strategy)
