@@ -52,8 +52,6 @@ def _pack_split(
 ) -> tuple[Any, PackPlan]:
     ds_mod = _datasets()
     table, indices = dataset_table(dataset)
-    if columns is None:
-        columns = [c for c in dataset.column_names if c != SEQ_LENGTHS]
     cols, lengths = read_columns(table, columns)
     if indices is not None:
         lengths = lengths[indices]
@@ -137,10 +135,7 @@ def _pack_iterable(
 
     fmt = getattr(dataset, "_formatting", None)
     fmt_type = getattr(fmt, "format_type", None)
-    remove = dataset.column_names if dataset.column_names is not None else None
-    packed = dataset.with_format("arrow").map(
-        pack_window, batched=True, batch_size=window, remove_columns=remove
-    )
+    packed = dataset.with_format("arrow").map(pack_window, batched=True, batch_size=window)
     return packed.with_format(fmt_type)
 
 

@@ -19,7 +19,12 @@ SEQ_LENGTHS = "seq_lengths"
 
 def _select_columns(table: pa.Table, columns: Sequence[str] | None) -> list[str]:
     if columns is None:
-        names = [n for n in table.column_names if n != SEQ_LENGTHS]
+        if SEQ_LENGTHS in table.column_names:
+            raise PackingError(
+                f"the table already has a {SEQ_LENGTHS!r} column, so it is packed; packing it again would "
+                f"merge its sequences. Unpack it first (packtools.unpack), or name columns=[...] explicitly."
+            )
+        names = list(table.column_names)
         if not names:
             raise PackingError("the table has no columns to pack.")
         return names
@@ -150,7 +155,10 @@ def unpack(
     >>> unpack(pack_table(t, 4, "bfd_split", plan=p), plan=p).to_pydict()
     {'input_ids': [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]]}
     """
-    names = [n for n in _select_columns(table, columns) if n != SEQ_LENGTHS]
+    if columns is None:
+        names = [n for n in table.column_names if n != SEQ_LENGTHS]
+    else:
+        names = [n for n in _select_columns(table, columns) if n != SEQ_LENGTHS]
     if plan is None:
         if SEQ_LENGTHS not in table.column_names:
             raise PackingError(

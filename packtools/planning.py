@@ -56,7 +56,7 @@ class PackPlan:
     >>> p = plan([5, 2, 3, 1], max_length=4)
     >>> p.num_rows, p.fill, p.tokens_dropped
     (3, 0.8333333333333334, 1)
-    >>> [list(p.seq_lengths_of(r)) for r in range(p.num_rows)]
+    >>> [p.seq_lengths_of(r).tolist() for r in range(p.num_rows)]
     [[4], [3, 1], [2]]
     """
 

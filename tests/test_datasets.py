@@ -1,0 +1,122 @@
+"""pack_dataset / truncate_dataset on datasets objects, and exact parity with trl.pack_dataset."""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import packtools
+from packtools._reference import reference_pack
+
+datasets = pytest.importorskip("datasets")
+
+
+def random_dataset(rng, n, max_len=60, empty_share=0.1):
+    lengths = rng.integers(1, max_len, n)
+    lengths[rng.random(n) < empty_share] = 0
+    ids = [rng.integers(0, 32000, k).astype(np.int32).tolist() for k in lengths]
+    return datasets.Dataset.from_dict(
+        {
+            "input_ids": ids,
+            "attention_mask": [[1] * len(x) for x in ids],
+            "labels": [[t if j % 3 else -100 for j, t in enumerate(x)] for x in ids],
+        }
+    )
+
+
+@pytest.mark.parametrize("strategy", packtools.STRATEGIES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_identical_to_trl_under_1000_rows(strategy, seed):
+    trl_data_utils = pytest.importorskip("trl.data_utils")
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 1000))
+    max_length = int(rng.choice([8, 32, 64, 100]))
+    ds = random_dataset(rng, n)
+    ours = packtools.pack_dataset(ds, max_length, strategy)
+    theirs = trl_data_utils.pack_dataset(ds, max_length, strategy)
+    assert ours.column_names == theirs.column_names
+    assert ours.num_rows == theirs.num_rows
+    assert ours[:] == theirs[:]
+    assert ours.features == theirs.features
+
+
+def test_format_is_kept_and_seq_lengths_added():
+    ds = random_dataset(np.random.default_rng(0), 50).with_format("numpy", columns=["input_ids"])
+    out = packtools.pack_dataset(ds, 64)
+    assert out.format["type"] == "numpy"
+    assert out.format["columns"] == ["input_ids", "seq_lengths"]
+    row = out[0]
+    assert isinstance(row["input_ids"], np.ndarray)
+    assert row["seq_lengths"].sum() == row["input_ids"].shape[0]
+
+
+def test_indices_mapping_after_select_and_shuffle():
+    ds = random_dataset(np.random.default_rng(1), 300)
+    view = ds.shuffle(seed=0).select(range(120))
+    out = packtools.pack_dataset(view, 50, "bfd_split")
+    tokens, seq_lengths = reference_pack(view["input_ids"], 50, "bfd_split")
+    assert out["input_ids"] == tokens
+    assert out["seq_lengths"] == seq_lengths
+
+
+def test_memory_mapped_multichunk_dataset(tmp_path):
+    ds = random_dataset(np.random.default_rng(2), 2500)
+    ds.save_to_disk(str(tmp_path / "ds"), max_shard_size="20KB")
+    loaded = datasets.load_from_disk(str(tmp_path / "ds"))
+    assert loaded.data.table.column("input_ids").num_chunks > 1
+    out = packtools.pack_dataset(loaded, 128)
+    tokens, seq_lengths = reference_pack(ds["input_ids"], 128, "bfd")
+    assert out["input_ids"] == tokens
+    assert out["seq_lengths"] == seq_lengths
+
+
+def test_dataset_dict_packs_each_split():
+    rng = np.random.default_rng(3)
+    dd = datasets.DatasetDict({"train": random_dataset(rng, 80), "test": random_dataset(rng, 30)})
+    out = packtools.pack_dataset(dd, 64, "wrapped")
+    assert set(out) == {"train", "test"}
+    for split in dd:
+        flat = [t for row in dd[split]["input_ids"] for t in row]
+        assert [t for row in out[split]["input_ids"] for t in row] == flat
+
+
+def test_shuffle_reorders_rows_deterministically():
+    ds = random_dataset(np.random.default_rng(4), 400)
+    a = packtools.pack_dataset(ds, 64, shuffle=True, seed=7)
+    b = packtools.pack_dataset(ds, 64, shuffle=True, seed=7)
+    base = packtools.pack_dataset(ds, 64)
+    assert a[:] == b[:]
+    assert a["input_ids"] != base["input_ids"]
+    assert sorted(map(tuple, a["input_ids"])) == sorted(map(tuple, base["input_ids"]))
+
+
+def test_iterable_dataset_packs_in_windows():
+    ds = random_dataset(np.random.default_rng(5), 250)
+    stream = ds.to_iterable_dataset(num_shards=1)
+    out = list(packtools.pack_dataset(stream, 64, window=100))
+    expected = []
+    for start in range(0, 250, 100):
+        expected += reference_pack(ds["input_ids"][start : start + 100], 64, "bfd")[0]
+    assert [r["input_ids"] for r in out] == expected
+    assert all(sum(r["seq_lengths"]) == len(r["input_ids"]) for r in out)
+
+
+def test_truncate_dataset():
+    ds = random_dataset(np.random.default_rng(6), 40).with_format("numpy")
+    out = packtools.truncate_dataset(ds, 5)
+    assert out.format["type"] == "numpy"
+    assert all(len(r) <= 5 for r in out["input_ids"])
+    assert [list(r) for r in out["labels"]] == [r[:5] for r in ds.with_format(None)["labels"]]
+    dd = packtools.truncate_dataset(datasets.DatasetDict({"a": ds}), 3)
+    assert max(len(r) for r in dd["a"]["input_ids"]) <= 3
+
+
+def test_errors_on_datasets():
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2]], "text": ["hello"]})
+    with pytest.raises(packtools.PackingError, match=r"\['text'\] are not list columns"):
+        packtools.pack_dataset(ds, 4)
+    out = packtools.pack_dataset(ds, 4, columns=["input_ids"])
+    assert out.column_names == ["input_ids", "seq_lengths"]
+    with pytest.raises(packtools.PackingError, match="pack_table"):
+        packtools.pack_dataset(pa.table({"input_ids": [[1]]}), 4)
+    with pytest.raises(packtools.PackingError, match="window"):
+        packtools.pack_dataset(ds.to_iterable_dataset(), 4, columns=["input_ids"], window=0)

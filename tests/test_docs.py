@@ -1,0 +1,51 @@
+"""The docstring examples of the public modules run and print what they say."""
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import packtools
+
+# Modules whose examples need optional extras are still collected; they skip if the extra is missing.
+NEEDS = {"packtools.hf_datasets": "datasets"}
+
+
+def modules():
+    for info in pkgutil.iter_modules(packtools.__path__, "packtools."):
+        if not info.name.startswith("packtools._"):
+            yield info.name
+
+
+@pytest.mark.parametrize("name", sorted(modules()))
+def test_docstring_examples(name):
+    if name in NEEDS:
+        pytest.importorskip(NEEDS[name])
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0
+
+
+def test_import_is_light():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, packtools; heavy = [m for m in ('torch', 'datasets', 'transformers', 'matplotlib', 'ray')"
+        " if m in sys.modules]; print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_import_compiles_nothing():
+    import subprocess
+    import sys
+
+    code = (
+        "import packtools, packtools._kernels as k; "
+        "print(sum(len(f.signatures) for f in vars(k).values() if hasattr(f, 'signatures')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "0"

@@ -1,0 +1,169 @@
+"""pack_table / unpack / truncate_table on Arrow tables of every layout."""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import packtools
+from packtools._reference import reference_pack
+
+seqs_st = st.lists(st.lists(st.integers(0, 1000), max_size=30), max_size=40)
+
+
+def make_table(seqs, large=False, chunks=1, slice_from=0):
+    """A table with aligned int32 / int64 / float32 list columns, optionally chunked and sliced."""
+    ltype = pa.large_list if large else pa.list_
+
+    def column(dtype, fn):
+        data = [[fn(v) for v in s] for s in seqs]
+        arr = pa.array(data, type=ltype(dtype))
+        if chunks <= 1 or len(data) < 2:
+            return pa.chunked_array([arr])
+        cuts = np.linspace(0, len(data), chunks + 1).astype(int)
+        return pa.chunked_array([arr.slice(a, b - a) for a, b in zip(cuts[:-1], cuts[1:])], type=arr.type)
+
+    table = pa.table(
+        {
+            "input_ids": column(pa.int32(), int),
+            "labels": column(pa.int64(), lambda v: -v),
+            "weights": column(pa.float32(), lambda v: v / 2),
+        }
+    )
+    return table.slice(slice_from) if slice_from else table
+
+
+@pytest.mark.parametrize("layout", ["plain", "large", "chunked", "sliced", "sliced_chunked"])
+@given(seqs=seqs_st, max_length=st.integers(1, 20), strategy=st.sampled_from(packtools.STRATEGIES))
+def test_pack_table_equals_reference(layout, seqs, max_length, strategy):
+    skip = 3 if "sliced" in layout else 0
+    table = make_table(
+        [[7, 7, 7]] * skip + seqs,
+        large=layout == "large",
+        chunks=3 if "chunked" in layout else 1,
+        slice_from=skip,
+    )
+    out = packtools.pack_table(table, max_length, strategy)
+    tokens, seq_lengths = reference_pack(seqs, max_length, strategy)
+    d = out.to_pydict()
+    assert d["input_ids"] == tokens
+    assert d["labels"] == [[-v for v in row] for row in tokens]
+    assert d["weights"] == [[v / 2 for v in row] for row in tokens]
+    if strategy == "wrapped":
+        assert out.column_names == ["input_ids", "labels", "weights"]
+    else:
+        assert d["seq_lengths"] == seq_lengths
+        assert out.schema.field("seq_lengths").type == pa.list_(pa.int32())
+    expected_type = pa.large_list if layout == "large" else pa.list_
+    assert out.schema.field("input_ids").type == expected_type(pa.int32())
+    assert out.schema.field("labels").type == expected_type(pa.int64())
+
+
+@given(seqs=seqs_st, max_length=st.integers(1, 20), strategy=st.sampled_from(packtools.STRATEGIES))
+def test_unpack_with_plan_recovers_sequences(seqs, max_length, strategy):
+    table = make_table(seqs, chunks=2)
+    p = packtools.plan([len(s) for s in seqs], max_length, strategy)
+    packed = packtools.pack_table(table, max_length, strategy, plan=p)
+    back = packtools.unpack(packed, plan=p).to_pydict()
+    keep = max_length if strategy == "bfd" else None
+    assert back["input_ids"] == [s[:keep] for s in seqs]
+    assert back["labels"] == [[-v for v in s[:keep]] for s in seqs]
+
+
+@given(seqs=seqs_st, max_length=st.integers(1, 20), strategy=st.sampled_from(["bfd", "bfd_split"]))
+def test_unpack_without_plan_gives_segments(seqs, max_length, strategy):
+    packed = packtools.pack_table(make_table(seqs), max_length, strategy)
+    back = packtools.unpack(packed).to_pydict()
+    flat = [t for row in packed.column("input_ids").to_pylist() for t in row]
+    lengths = [n for row in packed.column("seq_lengths").to_pylist() for n in row]
+    segments, pos = [], 0
+    for n in lengths:
+        segments.append(flat[pos : pos + n])
+        pos += n
+    assert back["input_ids"] == segments
+    # Every kept sequence (or chunk) is one of the segments, whole.
+    keep = max_length if strategy == "bfd" else None
+    if strategy == "bfd":
+        assert sorted(map(tuple, back["input_ids"])) == sorted(tuple(s[:keep]) for s in seqs if s)
+
+
+def test_shuffle_is_deterministic_permutation():
+    seqs = [[i] * (i % 7 + 1) for i in range(200)]
+    table = make_table(seqs)
+    base = packtools.pack_table(table, 16).to_pydict()
+    a = packtools.pack_table(table, 16, shuffle=True, seed=1).to_pydict()
+    b = packtools.pack_table(table, 16, shuffle=True, seed=1).to_pydict()
+    assert a == b
+    assert a["input_ids"] != base["input_ids"]
+    pairs = lambda d: sorted(zip(map(tuple, d["input_ids"]), map(tuple, d["seq_lengths"])))  # noqa: E731
+    assert pairs(a) == pairs(base)
+
+
+def test_named_columns_leave_others_out():
+    table = pa.table({"input_ids": [[1, 2], [3]], "id": ["a", "b"], "labels": [[1, 2], [3]]})
+    out = packtools.pack_table(table, 4, columns=["input_ids"])
+    assert out.column_names == ["input_ids", "seq_lengths"]
+    assert out.to_pydict()["input_ids"] == [[1, 2, 3]]
+
+
+def test_total_past_int32_switches_to_large_list(monkeypatch):
+    # Materializing 2**31 tokens is too big for a unit test: lower the threshold the builder consults.
+    import packtools.arrow
+
+    monkeypatch.setattr(packtools.arrow, "INT32_MAX", 10)
+    seqs = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11], [12, 13, 14]]
+    out = packtools.pack_table(make_table(seqs), 8)
+    assert out.schema.field("input_ids").type == pa.large_list(pa.int32())
+    assert out.to_pydict()["input_ids"] == reference_pack(seqs, 8, "bfd")[0]
+    small = packtools.pack_table(make_table(seqs[:1]), 8)
+    assert small.schema.field("input_ids").type == pa.list_(pa.int32())
+
+
+# -- errors -------------------------------------------------------------------------------------------
+
+
+def test_error_non_list_column():
+    table = pa.table({"input_ids": [[1, 2], [3]], "source": ["a", "b"]})
+    with pytest.raises(packtools.PackingError, match=r"\['source'\] are not list columns.*columns=\["):
+        packtools.pack_table(table, 4)
+    with pytest.raises(packtools.PackingError, match=r"column 'source' has type string"):
+        packtools.pack_table(table, 4, columns=["input_ids", "source"])
+
+
+def test_error_misaligned_columns():
+    table = pa.table({"input_ids": [[1, 2], [3, 4, 5]], "labels": [[1, 2], [3, 4]]})
+    with pytest.raises(packtools.PackingError, match=r"'input_ids' and 'labels' differ in length at row 1 \(3 vs 2"):
+        packtools.pack_table(table, 4)
+
+
+def test_error_nulls():
+    table = pa.table({"input_ids": pa.array([[1], None, [2]], pa.list_(pa.int32()))})
+    with pytest.raises(packtools.PackingError, match=r"column 'input_ids' row 1 is null"):
+        packtools.pack_table(table, 4)
+    table = pa.table({"input_ids": pa.array([[1], [2, 3], [4, None]], pa.list_(pa.int32()))})
+    with pytest.raises(packtools.PackingError, match=r"row 2 contains a null value"):
+        packtools.pack_table(table, 4)
+
+
+def test_error_arguments():
+    table = pa.table({"input_ids": [[1, 2]]})
+    with pytest.raises(packtools.PackingError, match="max_length must be >= 1"):
+        packtools.pack_table(table, 0)
+    with pytest.raises(packtools.PackingError, match="one of bfd, bfd_split, wrapped"):
+        packtools.pack_table(table, 4, "first_fit")
+    with pytest.raises(packtools.PackingError, match=r"\['nope'\] are not in the table"):
+        packtools.pack_table(table, 4, columns=["nope"])
+    with pytest.raises(packtools.PackingError, match="made for other lengths"):
+        packtools.pack_table(table, 4, plan=packtools.plan([3], 4))
+    with pytest.raises(packtools.PackingError, match="lists of string"):
+        packtools.pack_table(pa.table({"x": [["a"]]}), 4)
+
+
+def test_truncate_table():
+    table = make_table([[1, 2, 3, 4], [5], []], chunks=2)
+    out = packtools.truncate_table(table, 2).to_pydict()
+    assert out["input_ids"] == [[1, 2], [5], []]
+    assert out["labels"] == [[-1, -2], [-5], []]
+    out = packtools.truncate_table(table, 2, columns=["labels"]).to_pydict()
+    assert out["input_ids"] == [[1, 2, 3, 4], [5], []]
