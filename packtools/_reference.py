@@ -6,9 +6,7 @@ It follows the definitions word for word, with no data structure cleverness: O(i
 from __future__ import annotations
 
 
-def reference_rows(
-    lengths: list[int], max_length: int, strategy: str
-) -> list[list[tuple[int, int, int]]]:
+def reference_rows(lengths: list[int], max_length: int, strategy: str) -> list[list[tuple[int, int, int]]]:
     """Packed rows as lists of segments ``(source, start, length)``."""
     if strategy == "wrapped":
         rows: list[list[tuple[int, int, int]]] = []

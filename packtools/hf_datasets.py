@@ -155,7 +155,9 @@ def truncate_dataset(dataset: Any, max_length: int, columns: Sequence[str] | Non
     if isinstance(dataset, ds_mod.DatasetDict):
         return ds_mod.DatasetDict({k: truncate_dataset(v, max_length, columns) for k, v in dataset.items()})
     if not isinstance(dataset, ds_mod.Dataset):
-        raise PackingError(f"dataset must be a datasets.Dataset or DatasetDict, got {type(dataset).__name__}.")
+        raise PackingError(
+            f"dataset must be a datasets.Dataset or DatasetDict, got {type(dataset).__name__}."
+        )
     table, indices = dataset_table(dataset)
     if indices is not None:
         table = table.take(pa.array(indices))

@@ -81,9 +81,7 @@ def gather_column(col: ListColumn, p: PackPlan, row_indices: np.ndarray | None =
     return out
 
 
-def pack_columns(
-    cols: list[ListColumn], p: PackPlan, row_indices: np.ndarray | None = None
-) -> pa.Table:
+def pack_columns(cols: list[ListColumn], p: PackPlan, row_indices: np.ndarray | None = None) -> pa.Table:
     """Materialize packed list columns (and ``seq_lengths`` for bfd strategies) from a plan."""
     token_offsets = p.token_offsets
     arrays, names = [], []

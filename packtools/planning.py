@@ -19,13 +19,17 @@ STRATEGIES: tuple[str, ...] = ("bfd", "bfd_split", "wrapped")
 
 def check_strategy(strategy: str) -> str:
     if strategy not in STRATEGIES:
-        raise PackingError(f"strategy={strategy!r} is not a packing strategy; use one of {', '.join(STRATEGIES)}.")
+        raise PackingError(
+            f"strategy={strategy!r} is not a packing strategy; use one of {', '.join(STRATEGIES)}."
+        )
     return strategy
 
 
 def check_max_length(max_length: object) -> int:
     if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)):
-        raise PackingError(f"max_length must be a positive int, got {max_length!r} ({type(max_length).__name__}).")
+        raise PackingError(
+            f"max_length must be a positive int, got {max_length!r} ({type(max_length).__name__})."
+        )
     if max_length < 1:
         raise PackingError(f"max_length must be >= 1, got {max_length}.")
     return int(max_length)

@@ -14,7 +14,9 @@ def stdlib_files(limit: int | None = None) -> list[str]:
     root = sysconfig.get_paths()["stdlib"]
     paths = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in {"site-packages", "__pycache__", "dist-packages"})
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in {"site-packages", "__pycache__", "dist-packages"}
+        )
         paths.extend(os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py"))
     return paths[:limit] if limit is not None else paths
 

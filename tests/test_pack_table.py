@@ -133,7 +133,9 @@ def test_error_non_list_column():
 
 def test_error_misaligned_columns():
     table = pa.table({"input_ids": [[1, 2], [3, 4, 5]], "labels": [[1, 2], [3, 4]]})
-    with pytest.raises(packtools.PackingError, match=r"'input_ids' and 'labels' differ in length at row 1 \(3 vs 2"):
+    with pytest.raises(
+        packtools.PackingError, match=r"'input_ids' and 'labels' differ in length at row 1 \(3 vs 2"
+    ):
         packtools.pack_table(table, 4)
 
 
