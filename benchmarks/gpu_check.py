@@ -1,0 +1,270 @@
+"""GPU check: flash-attn varlen against the PyTorch reference, and packed batches through a tiny Llama.
+
+Usage (on a CUDA machine with flash-attn installed):
+    python benchmarks/gpu_check.py [--dtypes bf16,fp16] [--seed 0] [--require-flash]
+    python benchmarks/gpu_check.py --device cpu      # smoke run of the script itself (reference + sdpa only)
+
+Part 1 runs ``packtools.varlen_attention`` with ``backend="flash"`` (``flash_attn_varlen_func``) and with the
+reference (SDPA per sequence) on the same inputs, forward and backward, causal and not, with grouped-query
+attention.  The yardstick is the reference in float32: flash passes when its error is at most twice the error
+of the reference run in the same low precision, plus a small floor (the test rule flash-attn itself uses).
+
+Part 2 packs documents with packtools, collates them with ``PaddingFreeCollator(pad_to_multiple_of=64)`` and runs
+a tiny random ``LlamaForCausalLM`` (``attn_implementation="flash_attention_2"``; ``sdpa`` without flash-attn)
+on the padding-free batch and on every document alone.  Logits, the token-weighted loss and all gradients of
+the packed run must match the one-by-one runs about as well as the one-by-one runs match a float32 sdpa
+reference.  A control run adds an all-ones ``attention_mask`` (the silent-contamination mistake) and must be
+detected as wrong, which shows the check can fail.
+
+Prints a table per part; exits 0 when every check passes (or when there is no CUDA device: skipped), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+FLOOR = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-5}
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+
+def max_err(a, b) -> float:
+    return float((a.detach().float() - b.detach().float()).abs().max())
+
+
+# -- part 1: varlen attention -------------------------------------------------------------------------
+def check_attention(torch, device: str, dtype, flash: bool, seed: int) -> tuple[list[list[str]], bool]:
+    from packtools import varlen_attention
+
+    cases = [
+        ([1, 17, 128, 300, 1000], 8, 8, 64, True),
+        ([1, 17, 128, 300, 1000], 8, 2, 64, True),
+        ([255, 256, 257, 3], 16, 4, 128, True),
+        ([64, 500, 7], 8, 1, 128, False),
+        ([2048], 4, 4, 64, True),
+    ]
+    rows, ok = [], True
+    for lengths, hq, hk, d, causal in cases:
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        total = sum(lengths)
+        q32 = torch.randn(total, hq, d, generator=g).to(device)
+        k32 = torch.randn(total, hk, d, generator=g).to(device)
+        v32 = torch.randn(total, hk, d, generator=g).to(device)
+        grad = torch.randn(total, hq, d, generator=g).to(device)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        m = max(lengths)
+
+        def run(q, k, v, backend, cu=cu, m=m, causal=causal, grad=grad):
+            q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+            out = varlen_attention(q, k, v, cu, cu, m, m, causal=causal, backend=backend)
+            grads = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
+            return out, grads
+
+        ref_out, ref_grads = run(q32, k32, v32, "reference")
+        low = [x.to(dtype) for x in (q32, k32, v32)]
+        lo_out, lo_grads = run(*low, "reference")
+        e_lo = max_err(lo_out, ref_out)
+        g_lo = max(max_err(a, b) for a, b in zip(lo_grads, ref_grads))
+        if flash:
+            fl_out, fl_grads = run(*low, "flash")
+            e_fl = max_err(fl_out, ref_out)
+            g_fl = max(max_err(a, b) for a, b in zip(fl_grads, ref_grads))
+            floor = FLOOR[str(dtype).split(".")[-1]]
+            passed = e_fl <= 2 * e_lo + floor and g_fl <= 2 * g_lo + floor
+            ok &= passed
+            verdict = "PASS" if passed else "FAIL"
+            fl = (f"{e_fl:.2e}", f"{g_fl:.2e}")
+        else:
+            verdict, fl = "SKIP (no flash-attn)", ("-", "-")
+        rows.append(
+            [
+                f"{len(lengths)} seqs, max {m}",
+                f"{hq}/{hk}x{d}",
+                "causal" if causal else "full",
+                str(dtype).split(".")[-1],
+                fl[0],
+                f"{e_lo:.2e}",
+                fl[1],
+                f"{g_lo:.2e}",
+                verdict,
+            ]
+        )
+    return rows, ok
+
+
+# -- part 2: tiny Llama, packed vs one by one ---------------------------------------------------------
+def check_llama(torch, device: str, dtype, impl: str, seed: int) -> tuple[list[list[str]], bool]:
+    import numpy as np
+    import pyarrow as pa
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from packtools import PaddingFreeCollator, pack_table
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    ref_model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").to(device).float()
+    model = copy.deepcopy(ref_model).to(dtype)
+    if impl != "sdpa":
+        model.set_attn_implementation(impl)
+    rng = np.random.default_rng(seed)
+    lengths = [37, 5, 120, 64, 1, 200, 300, 11, 2, 90]
+    docs = [rng.integers(1, config.vocab_size, n).tolist() for n in lengths]
+    packed = pack_table(pa.table({"input_ids": docs}), 512).to_pylist()
+    batch = PaddingFreeCollator(pad_token_id=0, pad_to_multiple_of=64)(packed)
+    batch = {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
+
+    def one_by_one(m):
+        """Logits per document and grads of the token-weighted loss, each document run alone."""
+        m.zero_grad()
+        logits, total = {}, sum(n - 1 for n in lengths)
+        for doc in docs:
+            ids = torch.tensor([doc], device=device)
+            out = m(input_ids=ids, labels=ids, use_cache=False)
+            logits[tuple(doc)] = out.logits[0].detach().float()
+            if len(doc) > 1:
+                (out.loss * (len(doc) - 1) / total).backward()
+        return logits, {n: p.grad.detach().float().clone() for n, p in m.named_parameters()}
+
+    def packed_run(m, extra=None):
+        m.zero_grad()
+        out = m(**batch, **(extra or {}), use_cache=False)
+        out.loss.backward()
+        cu = batch["cu_seq_lens_q"].tolist()
+        ids = batch["input_ids"][0].tolist()
+        logits = {}
+        for lo, hi in zip(cu[:-1], cu[1:]):
+            logits[tuple(ids[lo:hi])] = out.logits[0, lo:hi].detach().float()
+        return logits, {n: p.grad.detach().float().clone() for n, p in m.named_parameters()}
+
+    ref_logits, ref_grads = one_by_one(ref_model)
+    alone_logits, alone_grads = one_by_one(model)
+
+    def errors(logits, grads):
+        e_logit = max(max_err(logits[tuple(d)], ref_logits[tuple(d)]) for d in docs)
+        rel = max(
+            float((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-12)) for n in ref_grads
+        )
+        return e_logit, rel
+
+    base = errors(alone_logits, alone_grads)
+    floor = FLOOR[str(dtype).split(".")[-1]]
+    rows, ok = [], True
+    rows.append(
+        ["one by one", impl, str(dtype).split(".")[-1], f"{base[0]:.2e}", f"{base[1]:.2e}", "(yardstick)"]
+    )
+    packed = errors(*packed_run(model))
+    passed = packed[0] <= 2 * base[0] + floor and packed[1] <= 2 * base[1] + floor
+    ok &= passed
+    rows.append(
+        [
+            "packed, padding-free",
+            impl,
+            str(dtype).split(".")[-1],
+            f"{packed[0]:.2e}",
+            f"{packed[1]:.2e}",
+            "PASS" if passed else "FAIL",
+        ]
+    )
+    # The silent-contamination mistake: an all-ones attention_mask next to the packed batch.  transformers then
+    # derives one long sequence from the mask (flash) or skips packed-sequence detection (sdpa).
+    control = errors(*packed_run(model, {"attention_mask": torch.ones_like(batch["input_ids"])}))
+    detected = control[0] > 2 * base[0] + floor or control[1] > 2 * base[1] + floor
+    ok &= detected
+    rows.append(
+        [
+            "control: + all-ones attention_mask",
+            impl,
+            str(dtype).split(".")[-1],
+            f"{control[0]:.2e}",
+            f"{control[1]:.2e}",
+            "detected (ok)" if detected else "NOT DETECTED (check is blind)",
+        ]
+    )
+    return rows, ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtypes", default="bf16,fp16")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--require-flash", action="store_true", help="fail (exit 1) when flash-attn is missing"
+    )
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("SKIPPED: no CUDA device (run with --device cpu for a smoke run of this script).")
+        return 0
+    try:
+        import flash_attn
+
+        flash_version = flash_attn.__version__
+    except ImportError:
+        flash_version = None
+    flash = flash_version is not None and args.device.startswith("cuda")
+    if args.require_flash and not flash:
+        print("FAIL: flash-attn is not importable (pip install 'packtools[flash]').")
+        return 1
+    dtypes = [getattr(torch, DTYPES[d]) for d in args.dtypes.split(",")] if flash else [torch.float32]
+    if not flash:
+        print("flash-attn not used (not installed, or not on CUDA): flash rows are skipped, Llama runs sdpa.")
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+    print(f"device {name}; torch {torch.__version__}; flash-attn {flash_version}\n")
+
+    ok = True
+    att_rows = []
+    for dtype in dtypes:
+        rows, passed = check_attention(torch, args.device, dtype, flash, args.seed)
+        att_rows += rows
+        ok &= passed
+    print("Part 1: varlen_attention, flash vs reference (max abs error against the float32 reference)")
+    print(
+        table(
+            att_rows,
+            [
+                "sequences",
+                "heads q/kv x dim",
+                "mask",
+                "dtype",
+                "out err flash",
+                "out err ref lowp",
+                "grad err flash",
+                "grad err ref lowp",
+                "verdict",
+            ],
+        )
+    )
+    llama_rows = []
+    impl = "flash_attention_2" if flash else "sdpa"
+    for dtype in dtypes:
+        rows, passed = check_llama(torch, args.device, dtype, impl, args.seed)
+        llama_rows += rows
+        ok &= passed
+    print("\nPart 2: tiny LlamaForCausalLM, error against float32 sdpa one-by-one runs")
+    print(table(llama_rows, ["run", "attention", "dtype", "max logit err", "max rel grad err", "verdict"]))
+    print("\nALL CHECKS PASSED" if ok else "\nSOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
