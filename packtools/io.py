@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -28,23 +30,37 @@ def read_table(path: str | os.PathLike[str]) -> pa.Table:
     raise PackingError(f"input {path!r}: unknown format; give a .parquet or .arrow file.")
 
 
-def write_table(table: pa.Table, path: str | os.PathLike[str]) -> None:
-    """Write ``table`` to ``path`` (``.parquet`` or ``.arrow``) atomically: write aside, then rename."""
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[str]:
+    """Yield a temporary path next to ``path``; on success it is renamed to ``path``, on error removed.
+
+    The file gets the usual permissions (``0o666`` minus the umask), not ``mkstemp``'s private ``0o600``.
+    """
     path = os.fspath(path)
-    if not path.endswith((".parquet", ".arrow")):
-        raise PackingError(f"--out {path!r}: name the output .parquet or .arrow.")
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".packtools-", suffix=os.path.splitext(path)[1], dir=directory)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     try:
-        if path.endswith(".parquet"):
-            pq.write_table(table, tmp)
-        else:
-            with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-                writer.write_table(table)
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_table(table: pa.Table, path: str | os.PathLike[str]) -> None:
+    """Write ``table`` to ``path`` (``.parquet`` or ``.arrow``) atomically: write aside, then rename."""
+    path = os.fspath(path)
+    if not path.endswith((".parquet", ".arrow")):
+        raise PackingError(f"--out {path!r}: name the output .parquet or .arrow.")
+    with atomic_path(path) as tmp:
+        if path.endswith(".parquet"):
+            pq.write_table(table, tmp)
+        else:
+            with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+                writer.write_table(table)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -181,26 +180,19 @@ class PackPlan:
     # -- persistence -----------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan to ``path`` (``.npz``) atomically."""
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".npz", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                np.savez(
-                    fh,
-                    max_length=np.int64(self.max_length),
-                    strategy=np.array(self.strategy),
-                    seg_source=self.seg_source,
-                    seg_start=self.seg_start,
-                    seg_length=self.seg_length,
-                    row_offsets=self.row_offsets,
-                    source_lengths=self.source_lengths,
-                )
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        from .io import atomic_path
+
+        with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+            np.savez(
+                fh,
+                max_length=np.int64(self.max_length),
+                strategy=np.array(self.strategy),
+                seg_source=self.seg_source,
+                seg_start=self.seg_start,
+                seg_length=self.seg_length,
+                row_offsets=self.row_offsets,
+                source_lengths=self.source_lengths,
+            )
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> PackPlan:
