@@ -1,0 +1,347 @@
+"""The trainer adapter: transformers.Trainer and TRL SFTTrainer on packed rows train like one-by-one sequences.
+
+Each trainer run records the rows of every batch it drew (in its own shuffled order); the reference replays
+the same accumulation windows with each sequence run alone, SGD, token-weighted per window.  Parameters after
+training must agree within 1e-5 (they move by ~5e-2).
+"""
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+from _hf_models import (
+    PAD,
+    VOCAB,
+    Recorder,
+    max_diff,
+    params,
+    reference_training,
+    sequences,
+    tiny_llama,
+    torch,
+    transformers,
+)
+
+from packtools import pack_dataset
+from packtools.collate import PaddingFreeCollator
+from packtools.errors import PackingError
+from packtools.hf import (
+    causal_lm_loss,
+    check_attention_implementation,
+    check_forward_inputs,
+    guard_model,
+    packed_sft_config,
+    prepare_trainer,
+)
+
+datasets = pytest.importorskip("datasets")
+
+TOL = 1e-5
+LR = 0.5
+FIELDS = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+CHECKPOINTING = (
+    "activation_checkpointing" if "activation_checkpointing" in FIELDS else "gradient_checkpointing"
+)
+
+
+def packed_dataset(n=40, seed=5, max_length=32):
+    return pack_dataset(datasets.Dataset.from_list(sequences(n, seed=seed)), max_length)
+
+
+def train_args(tmp_path, cls=None, **overrides):
+    cls = cls or transformers.TrainingArguments
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_train_epochs=1,
+        learning_rate=LR,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def run_trainer(tmp_path, model, *, prepare=True, loss_kwargs=None, **overrides):
+    """Train with transformers.Trainer; return the trained and the reference parameters."""
+    reference = copy.deepcopy(model)
+    recorder = Recorder(PaddingFreeCollator(PAD))
+    args = train_args(tmp_path, **overrides)
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=packed_dataset(), data_collator=recorder
+    )
+    if loss_kwargs is not None:
+        trainer.model_accepts_loss_kwargs = loss_kwargs
+    if prepare:
+        prepare_trainer(trainer)
+    trainer.train()
+    reference_training(reference, recorder.batches, args.gradient_accumulation_steps, LR)
+    return trainer, recorder, params(model), params(reference)
+
+
+def test_trainer_with_accumulation_matches_one_by_one(tmp_path):
+    trainer, recorder, trained, reference = run_trainer(tmp_path, tiny_llama("sdpa"))
+    assert len(recorder.batches) >= 4 and all("seq_lengths" in row for b in recorder.batches for row in b)
+    assert max_diff(trained, reference) < TOL
+    assert max_diff(trained, params(tiny_llama("sdpa"))) > 1e-2  # training moved the weights
+
+
+def test_trainer_without_prepare_trains_wrong(tmp_path):
+    """Negative control: plain Trainer drops seq_lengths and runs with the KV cache, mixing sequences."""
+    trainer, recorder, trained, _ = run_trainer(tmp_path, tiny_llama("sdpa"), prepare=False)
+    assert not any("seq_lengths" in row for b in recorder.batches for row in b)
+    packed = packed_dataset()
+    ids = {tuple(r["input_ids"]): r for r in packed}
+    recorder.batches = [[ids[tuple(row["input_ids"])] for row in b] for b in recorder.batches]
+    reference = tiny_llama("sdpa")
+    reference_training(reference, recorder.batches, 2, LR)
+    assert max_diff(trained, params(reference)) > 10 * TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    ["eager", "checkpointing", "no_loss_kwargs", "lora", "lora_checkpointing"],
+)
+def test_trainer_variants_match_one_by_one(tmp_path, case):
+    model = tiny_llama("eager" if case == "eager" else "sdpa")
+    overrides = {}
+    if "checkpointing" in case:
+        overrides[CHECKPOINTING] = True  # with the trainer's default checkpointing kwargs
+    if "lora" in case:
+        peft = pytest.importorskip("peft")
+        config = peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"]
+        )
+        model = peft.get_peft_model(model, config)
+    loss_kwargs = False if case == "no_loss_kwargs" else None
+    trainer, _, trained, reference = run_trainer(tmp_path, model, loss_kwargs=loss_kwargs, **overrides)
+    if "checkpointing" in case:
+        assert checkpointing_on(trainer.model)
+    if case == "no_loss_kwargs":
+        assert trainer.compute_loss_func is causal_lm_loss
+    if "lora" in case:
+        assert all("lora_" in k for k in trained)
+    assert max_diff(trained, reference) < TOL
+
+
+def checkpointing_on(model):
+    on = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.24
+    return model.is_gradient_checkpointing if on is None else on
+
+
+def tiny_tokenizer():
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"<pad>": PAD, "<eos>": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+@pytest.mark.slow
+def test_sft_trainer_matches_one_by_one(tmp_path):
+    trl = pytest.importorskip("trl")
+    model = tiny_llama("sdpa")
+    reference = copy.deepcopy(model)
+    recorder = Recorder(PaddingFreeCollator(PAD))
+    args = train_args(tmp_path, cls=packed_sft_config, bf16=False)
+    trainer = trl.SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=packed_dataset(),
+        processing_class=tiny_tokenizer(),
+        data_collator=recorder,
+    )
+    prepare_trainer(trainer).train()
+    assert checkpointing_on(trainer.model)  # TRL's default, so this also covers checkpointing under TRL
+    assert all("seq_lengths" in row and "completion_mask" in row for b in recorder.batches for row in b)
+    reference_training(reference, recorder.batches, 2, LR)
+    assert max_diff(params(model), params(reference)) < TOL
+    assert max_diff(params(model), params(tiny_llama("sdpa"))) > 1e-2
+
+
+def test_sft_trainer_that_prepared_the_dataset_is_refused(tmp_path):
+    trl = pytest.importorskip("trl")
+    args = train_args(tmp_path, cls=trl.SFTConfig, bf16=False, max_length=None)
+    trainer = trl.SFTTrainer(
+        model=tiny_llama("sdpa"),
+        args=args,
+        train_dataset=packed_dataset(n=6),
+        processing_class=tiny_tokenizer(),
+        data_collator=PaddingFreeCollator(PAD),
+    )
+    with pytest.raises(PackingError, match="skip_prepare_dataset"):
+        prepare_trainer(trainer)
+
+
+def test_packed_sft_config_settings_and_refusals(tmp_path):
+    pytest.importorskip("trl")
+    args = packed_sft_config(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, dataset_kwargs={"x": 1}
+    )
+    assert (args.packing, args.padding_free) == (False, False)
+    assert args.dataset_kwargs == {"x": 1, "skip_prepare_dataset": True}
+    with pytest.raises(PackingError, match="packing=True"):
+        packed_sft_config(output_dir=str(tmp_path), packing=True)
+    with pytest.raises(PackingError, match="skip_prepare_dataset"):
+        packed_sft_config(output_dir=str(tmp_path), dataset_kwargs={"skip_prepare_dataset": False})
+
+
+def test_prepare_trainer_keeps_packing_columns(tmp_path):
+    trainer = transformers.Trainer(
+        model=tiny_llama(),
+        args=train_args(tmp_path),
+        train_dataset=packed_dataset(),
+        data_collator=PaddingFreeCollator(PAD),
+    )
+    prepare_trainer(trainer)
+    assert trainer.args.remove_unused_columns  # still on: other unused columns are still dropped
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert "attention_mask" not in batch
+    assert batch["cu_seq_lens_q"].shape[0] > 3  # two rows of several sequences, not two sequences
+    assert prepare_trainer(trainer) is trainer  # idempotent
+
+
+def test_collator_that_adds_attention_mask_fails_loudly(tmp_path):
+    inner = PaddingFreeCollator(PAD)
+
+    def with_mask(features):
+        batch = inner(features)
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+        return batch
+
+    trainer = transformers.Trainer(
+        model=tiny_llama(), args=train_args(tmp_path), train_dataset=packed_dataset(), data_collator=with_mask
+    )
+    with pytest.raises(PackingError, match="attention_mask"):
+        prepare_trainer(trainer).train()
+
+
+def test_guard_sets_use_cache_false_and_keeps_generation_working():
+    model = tiny_llama("sdpa")
+    seen = {}
+    model.model.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    guard_model(model)
+    model.train()
+    model(input_ids=torch.tensor([[5, 6, 7, 8]]), position_ids=torch.tensor([[0, 1, 0, 1]]))
+    assert seen["use_cache"] is False
+    model.eval()
+    prompt = torch.tensor([[5, 6, 7]])
+    out = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+    plain = tiny_llama("sdpa").eval().generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+    assert out.tolist() == plain.tolist()
+
+
+class _Config:
+    def __init__(self, impl):
+        self._attn_implementation = impl
+
+
+class _Model:
+    def __init__(self, impl, positions=True):
+        self.config = _Config(impl)
+        if not positions:
+            self.forward = lambda input_ids=None, attention_mask=None: None
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
+        return None
+
+
+@pytest.mark.parametrize(
+    "impl",
+    [
+        "sdpa",
+        "eager",
+        "flex_attention",
+        "flash_attention_2",
+        "flash_attention_3",
+        "kernels-community/flash-attn3",
+    ],
+)
+def test_attention_implementations_that_isolate_sequences(impl):
+    assert check_attention_implementation(_Model(impl)) == impl
+
+
+@pytest.mark.parametrize(
+    "impl", ["paged|eager", "paged|flash_attention_2", "kernels-staging/msa", "my_attention"]
+)
+def test_attention_implementations_that_cannot_isolate_sequences(impl):
+    with pytest.raises(PackingError, match=repr(impl).replace("|", r"\|")):
+        check_attention_implementation(_Model(impl))
+
+
+def test_model_without_position_ids_needs_flash():
+    with pytest.raises(PackingError, match="position_ids"):
+        check_attention_implementation(_Model("sdpa", positions=False))
+    assert check_attention_implementation(_Model("flash_attention_2", positions=False)) == "flash_attention_2"
+
+
+def test_forward_input_checks():
+    packed = np.array([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]])
+    cu = {"cu_seq_lens_q": 1, "cu_seq_lens_k": 1, "max_length_q": 3, "max_length_k": 3}
+    # Right or left padding next to an attention mask is not packing.
+    check_forward_inputs(
+        {"position_ids": np.array([[0, 1, 2, 0, 1]]), "attention_mask": np.array([[1, 1, 1, 0, 0]])}, "sdpa"
+    )
+    check_forward_inputs(
+        {"position_ids": np.array([[1, 1, 0, 1, 2]]), "attention_mask": np.array([[0, 0, 1, 1, 1]])}, "sdpa"
+    )
+    for impl in ("sdpa", "flash_attention_2"):
+        with pytest.raises(PackingError, match="attention_mask"):
+            check_forward_inputs({"position_ids": packed, "attention_mask": np.ones_like(packed)}, impl)
+    with pytest.raises(PackingError, match="no position_ids"):
+        check_forward_inputs(dict(cu), "eager")
+    check_forward_inputs(dict(cu), "flash_attention_2")
+    with pytest.raises(PackingError, match="2 packed rows"):
+        check_forward_inputs({"position_ids": packed}, "flash_attention_2")
+    check_forward_inputs({"position_ids": packed, **cu}, "flash_attention_2")
+    check_forward_inputs({"position_ids": packed}, "sdpa")  # sdpa builds the block mask from position_ids
+    # Generation (a cache passed in) is left alone.
+    check_forward_inputs(
+        {"position_ids": packed, "attention_mask": np.ones_like(packed), "cache": object()}, "sdpa"
+    )
+
+
+def test_causal_lm_loss_matches_model_loss():
+    model = tiny_llama()
+    batch = PaddingFreeCollator(PAD)([{"input_ids": [3, 4, 5, 6, 7], "seq_lengths": [2, 3]}])
+    with torch.no_grad():
+        out = model(**batch, use_cache=False)
+    assert batch["labels"].ne(-100).sum() == 3
+    assert abs(causal_lm_loss(out, batch["labels"]).item() - out.loss.item()) < 1e-6
+    assert abs(causal_lm_loss(out, batch["labels"], num_items_in_batch=6).item() * 2 - out.loss.item()) < 1e-6
+
+
+def test_guard_goes_on_the_peft_wrapper_too():
+    """PEFT calls its base model's .forward directly, skipping hooks there: the wrapper needs its own."""
+    peft = pytest.importorskip("peft")
+    base = tiny_llama()
+    base_handle = guard_model(base)
+    wrapped = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert guard_model(wrapped) is not base_handle
+    packed = torch.tensor([[0, 1, 0, 1]])
+    with pytest.raises(PackingError, match="attention_mask"):
+        wrapped(
+            input_ids=torch.tensor([[5, 6, 7, 8]]),
+            position_ids=packed,
+            attention_mask=torch.ones_like(packed),
+        )
+
+
+def test_old_transformers_without_position_masks_needs_flash(monkeypatch):
+    import packtools.hf
+
+    monkeypatch.setattr(packtools.hf, "_masks_from_positions", lambda: False)
+    with pytest.raises(PackingError, match="Upgrade transformers"):
+        check_attention_implementation(_Model("sdpa"))
+    assert check_attention_implementation(_Model("flash_attention_2")) == "flash_attention_2"
