@@ -1,0 +1,120 @@
+"""Row-wise operations on ragged arrays held as ``(offsets, values)`` NumPy pairs, vectorized (no Python loop
+over tokens): building them from token lists, concatenating rows, cutting windows out of rows.
+
+>>> a = from_lists([[1, 2], [3]])
+>>> b = from_lists([[9], []])
+>>> to_lists(concat([a, b]))
+[[1, 2, 9], [3]]
+>>> to_lists(window(a, starts=[1, 0], lengths=[1, 1]))
+[[2], [3]]
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import pyarrow as pa
+
+from .arrow import list_array, read_list_column
+
+
+class Ragged(NamedTuple):
+    """``values[offsets[i]:offsets[i + 1]]`` is row ``i``; ``offsets`` is int64 and starts at 0."""
+
+    offsets: np.ndarray
+    values: np.ndarray
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.offsets.shape[0] - 1)
+
+
+def from_lengths(lengths: np.ndarray, values: np.ndarray) -> Ragged:
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return Ragged(offsets, values)
+
+
+def from_lists(rows: Sequence[Sequence[int]], dtype: type = np.int32) -> Ragged:
+    """Token lists (what a tokenizer returns) to a ragged array, without building Arrow from Python lists."""
+    lengths = np.fromiter(map(len, rows), np.int64, count=len(rows))
+    total = int(lengths.sum())
+    values = np.fromiter(itertools.chain.from_iterable(rows), dtype, count=total)
+    return from_lengths(lengths, values)
+
+
+def full_like(r: Ragged, fill: int) -> Ragged:
+    """Same row lengths as ``r``, every value ``fill``."""
+    return Ragged(r.offsets, np.full(r.values.shape[0], fill, r.values.dtype))
+
+
+def constant_rows(num_rows: int, value: int, dtype: type = np.int32) -> Ragged:
+    """``num_rows`` rows of one value each (e.g. the EOS id to append)."""
+    return from_lengths(np.ones(num_rows, np.int64), np.full(num_rows, value, dtype))
+
+
+def _positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``concat(arange(s, s + l) for s, l in zip(starts, lengths))`` without a Python loop."""
+    total = int(lengths.sum())
+    first = np.zeros(len(lengths), np.int64)
+    np.cumsum(lengths[:-1], out=first[1:])
+    return np.repeat(starts - first, lengths) + np.arange(total, dtype=np.int64)
+
+
+def concat(parts: Sequence[Ragged]) -> Ragged:
+    """Row ``i`` of the result is row ``i`` of every part, one after the other."""
+    lengths = [p.lengths for p in parts]
+    out_lengths = np.sum(lengths, axis=0) if parts else np.zeros(0, np.int64)
+    out = from_lengths(out_lengths, np.empty(int(out_lengths.sum()), parts[0].values.dtype))
+    dest_start = out.offsets[:-1].copy()
+    for part, lens in zip(parts, lengths):
+        out.values[_positions(dest_start, lens)] = part.values
+        dest_start += lens
+    return out
+
+
+def window(r: Ragged, starts: object, lengths: object) -> Ragged:
+    """Row ``i`` becomes ``row[starts[i] : starts[i] + lengths[i]]`` (the window must lie inside the row)."""
+    starts = np.asarray(starts, np.int64)
+    lengths = np.asarray(lengths, np.int64)
+    return from_lengths(lengths, r.values[_positions(r.offsets[:-1] + starts, lengths)])
+
+
+def select(r: Ragged, keep: np.ndarray) -> Ragged:
+    """The rows where the boolean mask ``keep`` is true."""
+    lengths = r.lengths[keep]
+    return from_lengths(lengths, r.values[_positions(r.offsets[:-1][keep], lengths)])
+
+
+def to_arrow(r: Ragged) -> pa.Array:
+    return list_array(r.offsets, r.values, False, pa.from_numpy_dtype(r.values.dtype))
+
+
+def from_arrow(column: pa.ChunkedArray | pa.Array, name: str) -> Ragged:
+    """A list column (any chunking or slicing) as one ragged array; copies only when there are several chunks."""
+    col = read_list_column(column, name)
+    if len(col.chunks) == 1:
+        c = col.chunks[0]
+        return Ragged(c.offsets, c.values[: int(c.offsets[-1])])
+    if not col.chunks:
+        return Ragged(np.zeros(1, np.int64), np.zeros(0, col.value_dtype))
+    return concat_rows([Ragged(c.offsets, c.values) for c in col.chunks])
+
+
+def concat_rows(parts: Sequence[Ragged]) -> Ragged:
+    """The rows of every part, one part after the other (vertical stacking)."""
+    lengths = np.concatenate([p.lengths for p in parts])
+    values = np.concatenate([p.values[p.offsets[0] : p.offsets[-1]] for p in parts])
+    return from_lengths(lengths, values)
+
+
+def to_lists(r: Ragged) -> list[list[int]]:
+    """For tests and doctests only."""
+    return [r.values[r.offsets[i] : r.offsets[i + 1]].tolist() for i in range(r.num_rows)]

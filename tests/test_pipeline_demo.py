@@ -1,0 +1,53 @@
+"""``packtools demo``: profile, recommendation, three strategies, plot and packed folder on the stdlib corpus."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from packtools.cli import main
+from packtools.demo import byte_level_table, run_demo, stdlib_definitions
+from packtools.sample import stdlib_files
+
+
+def test_definitions_cut_sources_before_each_def():
+    pieces = stdlib_definitions(limit=5)
+    assert len(pieces) > 5
+    joined = b"".join(pieces)
+    assert len(joined) == sum(os.path.getsize(p) for p in stdlib_files(5))
+    starts = (b"def ", b"class ", b"async def ", b"    def ", b"    class ", b"    async def ")
+    assert sum(not p.startswith(starts) for p in pieces) <= 5  # only each file's header
+    table = byte_level_table(pieces)
+    assert table.num_rows == len(pieces)
+    assert bytes(table.column("input_ids")[0].values.to_numpy().astype("uint8")) == pieces[0]
+
+
+def test_demo_small_corpus(tmp_path):
+    pytest.importorskip("datasets")
+    lines: list[str] = []
+    out = str(tmp_path / "demo")
+    result = run_demo(out, limit=20, echo=lines.append, quiet=True)
+    text = "\n".join(lines)
+    assert "percentiles:" in text and "recommended: max_length=" in text
+    for strategy in ("bfd", "bfd_split", "wrapped"):
+        assert strategy in text
+    assert [p.strategy for p in result["plans"]] == ["bfd", "bfd_split", "wrapped"]
+    assert result["max_length"] == result["recommendation"].max_length
+    if result["plot"] is not None:
+        assert os.path.getsize(result["plot"]) > 1000
+    import datasets
+
+    ds = datasets.load_from_disk(os.path.join(out, "packed"))
+    assert ds.num_rows == result["plans"][0].num_rows
+    assert sum(map(sum, ds["seq_lengths"])) == result["plans"][0].tokens_kept
+    again = run_demo(out, limit=20, echo=lines.append, quiet=True)
+    assert again["packed"].cached
+
+
+@pytest.mark.slow
+def test_demo_command_full_corpus(tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path / "d"), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: max_length=" in out and "packed dataset" in out
+    assert os.path.isfile(tmp_path / "d" / "packed" / "manifest.json")
