@@ -102,12 +102,15 @@ def bfd_assign(sizes, max_length):
     head = np.full(max_length + 1, -1, np.int64)
     tail = np.full(max_length + 1, -1, np.int64)
     next_bin = np.full(max(n, 1), -1, np.int64)
-    item_bin = np.empty(n, np.int64)
+    # Work on sizes in sorted order: sequential reads instead of scattered ones.
+    sorted_sizes = np.empty(n, np.int64)
+    for k in range(n):
+        sorted_sizes[k] = sizes[order[k]]
+    placed_bin = np.empty(n, np.int64)  # bin of the k-th placed item
     bin_count = np.zeros(max(n, 1), np.int64)
     num_bins = 0
     for k in range(n):
-        item = order[k]
-        size = sizes[item]
+        size = sorted_sizes[k]
         # Leftmost leaf whose value is >= size: the smallest remaining space that fits.
         node = 1
         while node < leaves:
@@ -125,7 +128,7 @@ def bfd_assign(sizes, max_length):
             if head[space] == -1:
                 tail[space] = -1
                 _tree_set(tree, leaves, space, 0)
-        item_bin[item] = b
+        placed_bin[k] = b
         bin_count[b] += 1
         space -= size
         if space > 0:
@@ -144,9 +147,8 @@ def bfd_assign(sizes, max_length):
     fill = row_offsets[:num_bins].copy()
     item_order = np.empty(n, np.int64)
     for k in range(n):
-        item = order[k]
-        b = item_bin[item]
-        item_order[fill[b]] = item
+        b = placed_bin[k]
+        item_order[fill[b]] = order[k]
         fill[b] += 1
     return item_order, row_offsets
 

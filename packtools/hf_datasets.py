@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +30,12 @@ def dataset_table(dataset: Any) -> tuple[pa.Table, np.ndarray | None]:
     if getattr(dataset, "_indices", None) is not None:
         indices = dataset._indices.column(0).to_numpy().astype(np.int64)
     return table, indices
+
+
+def _derived_fingerprint(dataset: Any, operation: str, **params: Any) -> str:
+    """A fingerprint for a dataset made from ``dataset`` (else ``datasets`` pickles every token to hash it)."""
+    key = json.dumps([getattr(dataset, "_fingerprint", None), operation, params], sort_keys=True, default=str)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def _restore_format(ds: Any, fmt: dict[str, Any], added: list[str]) -> Any:
@@ -59,7 +67,10 @@ def _pack_split(
     if shuffle:
         p = p.shuffled(seed)
     packed = pack_columns(cols, p, indices)
-    out = ds_mod.Dataset(packed, split=dataset.split)
+    fingerprint = _derived_fingerprint(
+        dataset, "pack", max_length=max_length, strategy=strategy, columns=columns, shuffle=shuffle, seed=seed
+    )
+    out = ds_mod.Dataset(packed, split=dataset.split, fingerprint=fingerprint)
     added = [SEQ_LENGTHS] if SEQ_LENGTHS in packed.column_names else []
     return _restore_format(out, dict(dataset.format), added), p
 
@@ -161,5 +172,8 @@ def truncate_dataset(dataset: Any, max_length: int, columns: Sequence[str] | Non
     table, indices = dataset_table(dataset)
     if indices is not None:
         table = table.take(pa.array(indices))
-    out = ds_mod.Dataset(truncate_table(table, max_length, columns), split=dataset.split)
+    fingerprint = _derived_fingerprint(dataset, "truncate", max_length=max_length, columns=columns)
+    out = ds_mod.Dataset(
+        truncate_table(table, max_length, columns), split=dataset.split, fingerprint=fingerprint
+    )
     return _restore_format(out, dict(dataset.format), [])
