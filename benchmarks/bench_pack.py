@@ -166,6 +166,9 @@ def run_case(case: dict) -> dict:
         datasets.disable_progress_bars()
         ds = load_dataset_for(case)
         tiny = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4], [5, 6]]})
+        if case["source"] == "disk":
+            # No reuse of earlier results on either side: every timed call packs from scratch.
+            datasets.disable_caching()
         if kind == "packtools":
             import packtools
 
@@ -176,8 +179,6 @@ def run_case(case: dict) -> dict:
             import trl
 
             trl.pack_dataset(tiny, 4, strategy)
-            if case["source"] == "disk":
-                datasets.disable_caching()
             fn = trl.pack_dataset
         result["rss_input"] = rss_now()
         for _ in range(case["repeat"]):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,6 +51,44 @@ def _restore_format(ds: Any, fmt: dict[str, Any], added: list[str]) -> Any:
     )
 
 
+BLOCK_TOKENS = 1 << 26  # tokens gathered and written at a time when packing to a cache file
+
+
+def _cache_file(dataset: Any, fingerprint: str) -> tuple[str, bool]:
+    """Where the packed rows of ``dataset`` go, and whether an existing file there may be reused.
+
+    Like ``datasets.map``: next to the dataset's own cache files when it has some (and caching is on),
+    else in ``datasets``' temporary folder, which is deleted when the Python session ends.
+    """
+    ds_mod = _datasets()
+    caching = ds_mod.is_caching_enabled()
+    if caching and dataset.cache_files:
+        directory = os.path.dirname(dataset.cache_files[0]["filename"])
+        if os.access(directory, os.W_OK):
+            return os.path.join(directory, f"packtools-{fingerprint}.arrow"), True
+    directory = ds_mod.fingerprint.get_temporary_cache_files_directory()
+    return os.path.join(directory, f"packtools-{fingerprint}.arrow"), False
+
+
+def _write_packed(path: str, cols: list, p: PackPlan, indices: np.ndarray | None) -> None:
+    """Gather and write the packed rows block by block, giving back mapped input pages as it goes."""
+    from ._pages import PageReleaser
+    from .io import atomic_path
+
+    release = PageReleaser().release
+    blocks = p.row_blocks(BLOCK_TOKENS) or [(0, 0)]
+    scratch: dict[str, np.ndarray] = {}  # one buffer per column, reused: the writer copies each block out
+    with atomic_path(path) as tmp, pa.OSFile(tmp, "wb") as sink:
+        writer = None
+        for start, stop in blocks:
+            table = pack_columns(cols, p.slice_rows(start, stop), indices, release, scratch)
+            if writer is None:
+                writer = pa.ipc.new_stream(sink, table.schema)
+            writer.write_table(table)
+            del table
+        writer.close()
+
+
 def _pack_split(
     dataset: Any,
     max_length: int,
@@ -57,6 +96,7 @@ def _pack_split(
     columns: Sequence[str] | None,
     shuffle: bool,
     seed: int,
+    keep_in_memory: bool | None,
 ) -> tuple[Any, PackPlan]:
     ds_mod = _datasets()
     table, indices = dataset_table(dataset)
@@ -66,12 +106,20 @@ def _pack_split(
     p = make_plan(lengths, max_length, strategy)
     if shuffle:
         p = p.shuffled(seed)
-    packed = pack_columns(cols, p, indices)
     fingerprint = _derived_fingerprint(
         dataset, "pack", max_length=max_length, strategy=strategy, columns=columns, shuffle=shuffle, seed=seed
     )
-    out = ds_mod.Dataset(packed, split=dataset.split, fingerprint=fingerprint)
-    added = [SEQ_LENGTHS] if SEQ_LENGTHS in packed.column_names else []
+    if keep_in_memory is None:
+        keep_in_memory = not dataset.cache_files
+    if keep_in_memory:
+        out = ds_mod.Dataset(pack_columns(cols, p, indices), split=dataset.split, fingerprint=fingerprint)
+    else:
+        path, reuse = _cache_file(dataset, fingerprint)
+        if not (reuse and os.path.exists(path)):
+            _write_packed(path, cols, p, indices)
+        mapped = ds_mod.table.MemoryMappedTable.from_file(path)
+        out = ds_mod.Dataset(mapped, split=dataset.split, fingerprint=fingerprint)
+    added = [SEQ_LENGTHS] if SEQ_LENGTHS in out.column_names else []
     return _restore_format(out, dict(dataset.format), added), p
 
 
@@ -84,13 +132,22 @@ def pack_dataset(
     shuffle: bool = False,
     seed: int = 0,
     window: int = DEFAULT_WINDOW,
+    keep_in_memory: bool | None = None,
 ) -> Any:
     """Pack a ``datasets.Dataset``, ``DatasetDict`` or ``IterableDataset`` into rows of ``max_length`` tokens.
 
     A ``Dataset`` (each split of a ``DatasetDict``) is packed with one global plan, so rows are as full as
-    best-fit decreasing can make them; the result is an in-memory Arrow-backed ``Dataset`` with the same
-    format, and ``seq_lengths`` added for ``bfd``/``bfd_split``.  For a dataset of at most 1000 rows the output
-    equals ``trl.pack_dataset(dataset, max_length, strategy)`` row for row.
+    best-fit decreasing can make them; the result has the same format, with ``seq_lengths`` added for
+    ``bfd``/``bfd_split``.  For a dataset of at most 1000 rows the output equals
+    ``trl.pack_dataset(dataset, max_length, strategy)`` row for row.
+
+    Where the packed rows go (``keep_in_memory``): by default, a dataset that lives in memory is packed in
+    memory (fastest), and a memory-mapped one (``load_from_disk``, ``load_dataset``, ``map`` results) is
+    packed, as ``datasets.map`` would, block by block into an Arrow cache file next to its own cache files,
+    then memory-mapped: peak memory stays at about one block of 2**26 tokens, the input's pages are given
+    back as they are read, and a later call with the same dataset and arguments reuses the file (with
+    ``datasets`` caching on).  ``True`` / ``False`` force one way (``False`` on an in-memory dataset writes to
+    ``datasets``' temporary folder, deleted when Python exits).
 
     An ``IterableDataset`` is packed lazily in windows of ``window`` rows, each with its own plan.  A window
     ends with one partly filled row, so a window of ``w`` rows of mean length ``m`` adds about
@@ -110,12 +167,12 @@ def pack_dataset(
     if isinstance(dataset, ds_mod.DatasetDict):
         return ds_mod.DatasetDict(
             {
-                name: _pack_split(split, max_length, strategy, columns, shuffle, seed)[0]
+                name: _pack_split(split, max_length, strategy, columns, shuffle, seed, keep_in_memory)[0]
                 for name, split in dataset.items()
             }
         )
     if isinstance(dataset, ds_mod.Dataset):
-        return _pack_split(dataset, max_length, strategy, columns, shuffle, seed)[0]
+        return _pack_split(dataset, max_length, strategy, columns, shuffle, seed, keep_in_memory)[0]
     if isinstance(dataset, ds_mod.IterableDataset):
         return _pack_iterable(dataset, max_length, strategy, columns, shuffle, seed, window)
     raise PackingError(

@@ -19,10 +19,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from . import _kernels
 from .arrow import ListColumn, list_array
 from .errors import PackingError
-from .packing import SEQ_LENGTHS
+from .packing import SEQ_LENGTHS, gather_column
 from .planning import PackPlan
 from .tokenize import IGNORE_INDEX
 
@@ -136,23 +135,8 @@ class MappedArrow:
 
 
 def gather_released(col: ListColumn, p: PackPlan, mapped: MappedArrow) -> np.ndarray:
-    """:func:`packtools.packing.gather_column`, chunk by chunk, dropping each chunk's mapped pages after use."""
-    out = np.empty(p.tokens_kept, col.value_dtype)
-    if p.num_segments == 0:
-        return out
-    dest = p.seg_dest
-    # In input order (front-to-back reads, as gather_column does), which also groups segments by chunk.
-    order = np.argsort(p.seg_source)
-    chunk_of = np.searchsorted(col.chunk_row_starts()[1:], p.seg_source[order], side="right")
-    bounds = np.searchsorted(chunk_of, np.arange(len(col.chunks) + 1))
-    src = np.empty(p.num_segments, np.int64)
-    for c, chunk in enumerate(col.chunks):
-        sel = order[bounds[c] : bounds[c + 1]]
-        if sel.size:
-            src[sel] = chunk.offsets[p.seg_source[sel] - chunk.row_start] + p.seg_start[sel]
-            _kernels.copy_segments(chunk.values, src, p.seg_length, dest, sel, out)
-            mapped.release(chunk.values)
-    return out
+    """:func:`packtools.packing.gather_column`, dropping each chunk's mapped pages after use."""
+    return gather_column(col, p, release=mapped.release)
 
 
 def pack_slice(cols: list[ListColumn], p: PackPlan, mapped: MappedArrow) -> pa.Table:
@@ -216,28 +200,12 @@ class Staging:
 # -- plans and labels ----------------------------------------------------------------------------------
 def plan_slices(p: PackPlan, shard_tokens: int) -> list[tuple[int, int]]:
     """Row ranges ``[r0, r1)`` of at most ``shard_tokens`` tokens each (at least one row each)."""
-    csum = np.concatenate(([0], np.cumsum(p.row_lengths)))
-    bounds, r = [], 0
-    while r < p.num_rows:
-        end = int(np.searchsorted(csum, csum[r] + shard_tokens, side="right")) - 1
-        end = max(end, r + 1)
-        bounds.append((r, end))
-        r = end
-    return bounds
+    return p.row_blocks(shard_tokens)
 
 
 def slice_plan(p: PackPlan, r0: int, r1: int) -> PackPlan:
     """The rows ``r0:r1`` of a plan, as a plan of their own over the same sources."""
-    s0, s1 = int(p.row_offsets[r0]), int(p.row_offsets[r1])
-    return PackPlan(
-        p.max_length,
-        p.strategy,
-        p.seg_source[s0:s1],
-        p.seg_start[s0:s1],
-        p.seg_length[s0:s1],
-        p.row_offsets[r0 : r1 + 1] - s0,
-        p.source_lengths,
-    )
+    return p.slice_rows(r0, r1)
 
 
 def first_loss(labels: ListColumn, mapped: MappedArrow) -> np.ndarray:

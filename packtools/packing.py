@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -54,12 +54,26 @@ def read_columns(
     return cols, check_aligned(cols)
 
 
-def gather_column(col: ListColumn, p: PackPlan, row_indices: np.ndarray | None = None) -> np.ndarray:
-    """Copy the planned segments of one column into a new contiguous values buffer."""
+def gather_column(
+    col: ListColumn,
+    p: PackPlan,
+    row_indices: np.ndarray | None = None,
+    release: Callable[[np.ndarray], object] | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Copy the planned segments of one column into a contiguous values buffer.
+
+    ``row_indices`` maps the plan's sources to rows of ``col`` (a dataset's select/shuffle mapping).
+    ``release`` is called on each chunk's values once they have been copied from (to drop mapped pages).
+    ``out``, if given, is a buffer of at least ``p.tokens_kept`` values to fill (its first part is returned).
+    """
     source = p.seg_source if row_indices is None else row_indices[p.seg_source]
     dest = p.seg_dest
     dtype = col.chunks[0].values.dtype if col.chunks else col.type.value_type.to_pandas_dtype()
-    out = np.empty(p.tokens_kept, dtype)
+    if out is None or out.dtype != dtype or out.shape[0] < p.tokens_kept:
+        out = np.empty(p.tokens_kept, dtype)
+    else:
+        out = out[: p.tokens_kept]
     if p.num_segments == 0:
         return out
     # Copy segments in input order: reading the values front to back is ~2x faster than in plan order.
@@ -68,6 +82,8 @@ def gather_column(col: ListColumn, p: PackPlan, row_indices: np.ndarray | None =
         chunk = col.chunks[0]
         src = chunk.offsets[source[order]] + p.seg_start[order]
         _kernels.copy_all_segments(chunk.values, src, p.seg_length[order], dest[order], out)
+        if release is not None:
+            release(chunk.values)
         return out
     starts = col.chunk_row_starts()
     chunk_of = np.searchsorted(starts[1:], source[order], side="right")  # non-decreasing
@@ -79,15 +95,30 @@ def gather_column(col: ListColumn, p: PackPlan, row_indices: np.ndarray | None =
             continue
         src[sel] = chunk.offsets[source[sel] - chunk.row_start] + p.seg_start[sel]
         _kernels.copy_segments(chunk.values, src, p.seg_length, dest, sel, out)
+        if release is not None:
+            release(chunk.values)
     return out
 
 
-def pack_columns(cols: list[ListColumn], p: PackPlan, row_indices: np.ndarray | None = None) -> pa.Table:
-    """Materialize packed list columns (and ``seq_lengths`` for bfd strategies) from a plan."""
+def pack_columns(
+    cols: list[ListColumn],
+    p: PackPlan,
+    row_indices: np.ndarray | None = None,
+    release: Callable[[np.ndarray], object] | None = None,
+    scratch: dict[str, np.ndarray] | None = None,
+) -> pa.Table:
+    """Materialize packed list columns (and ``seq_lengths`` for bfd strategies) from a plan.
+
+    With ``scratch`` (column name -> buffer, filled in on first use), values are gathered into those
+    buffers instead of new memory: for writers that consume each table before the next call.
+    """
     token_offsets = p.token_offsets
     arrays, names = [], []
     for col in cols:
-        values = gather_column(col, p, row_indices)
+        buffer = scratch.get(col.name) if scratch is not None else None
+        values = gather_column(col, p, row_indices, release, buffer)
+        if scratch is not None and (buffer is None or buffer.shape[0] < values.shape[0]):
+            scratch[col.name] = values
         arrays.append(
             list_array(token_offsets, values, pa.types.is_large_list(col.type), col.type.value_type)
         )

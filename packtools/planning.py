@@ -161,6 +161,37 @@ class PackPlan:
             self.source_lengths,
         )
 
+    def slice_rows(self, start: int, stop: int) -> PackPlan:
+        """Rows ``start:stop`` as a plan of their own over the same sequences.
+
+        >>> plan([5, 2, 3, 1], max_length=4).slice_rows(1, 3).row_lengths.tolist()
+        [4, 2]
+        """
+        s0, s1 = int(self.row_offsets[start]), int(self.row_offsets[stop])
+        return PackPlan(
+            self.max_length,
+            self.strategy,
+            self.seg_source[s0:s1],
+            self.seg_start[s0:s1],
+            self.seg_length[s0:s1],
+            self.row_offsets[start : stop + 1] - s0,
+            self.source_lengths,
+        )
+
+    def row_blocks(self, max_tokens: int) -> list[tuple[int, int]]:
+        """Consecutive row ranges ``(start, stop)`` of at most ``max_tokens`` tokens (at least one row each).
+
+        >>> plan([5, 2, 3, 1], max_length=4).row_blocks(8)
+        [(0, 2), (2, 3)]
+        """
+        csum = np.concatenate(([0], np.cumsum(self.row_lengths)))
+        blocks, row = [], 0
+        while row < self.num_rows:
+            stop = max(int(np.searchsorted(csum, csum[row] + max_tokens, side="right")) - 1, row + 1)
+            blocks.append((row, stop))
+            row = stop
+        return blocks
+
     def summary(self) -> dict[str, float | int | str]:
         """The plan's statistics as a flat dict (what the CLI prints)."""
         return {

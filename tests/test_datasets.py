@@ -1,5 +1,7 @@
 """pack_dataset / truncate_dataset on datasets objects, and exact parity with trl.pack_dataset."""
 
+import os
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -120,3 +122,60 @@ def test_errors_on_datasets():
         packtools.pack_dataset(pa.table({"input_ids": [[1]]}), 4)
     with pytest.raises(packtools.PackingError, match="window"):
         packtools.pack_dataset(ds.to_iterable_dataset(), 4, columns=["input_ids"], window=0)
+
+
+def test_result_is_a_memory_mapped_cache_file_reused_on_rerun(tmp_path):
+    ds = random_dataset(np.random.default_rng(7), 300)
+    ds.save_to_disk(str(tmp_path / "ds"))
+    loaded = datasets.load_from_disk(str(tmp_path / "ds"))
+    out = packtools.pack_dataset(loaded, 64, "bfd_split")
+    in_memory = packtools.pack_dataset(loaded, 64, "bfd_split", keep_in_memory=True)
+    assert out[:] == in_memory[:]
+    assert in_memory.cache_files == []
+    (cache,) = out.cache_files
+    assert os.path.dirname(cache["filename"]) == str(tmp_path / "ds")
+    stamp = os.stat(cache["filename"]).st_mtime_ns
+    again = packtools.pack_dataset(loaded, 64, "bfd_split")
+    assert again.cache_files == out.cache_files and os.stat(cache["filename"]).st_mtime_ns == stamp
+    other = packtools.pack_dataset(loaded, 32, "bfd_split")
+    assert other.cache_files[0]["filename"] != cache["filename"]
+    # Blocks smaller than the data: several record batches, same rows.
+    import packtools.hf_datasets as hfd
+
+    old = hfd.BLOCK_TOKENS
+    hfd.BLOCK_TOKENS = 100
+    try:
+        blocked = packtools.pack_dataset(loaded, 64, "bfd_split", shuffle=True, seed=1)
+    finally:
+        hfd.BLOCK_TOKENS = old
+    assert blocked.data.table.column("input_ids").num_chunks > 1
+    assert (
+        blocked[:]
+        == packtools.pack_dataset(loaded, 64, "bfd_split", shuffle=True, seed=1, keep_in_memory=True)[:]
+    )
+
+
+def test_page_releaser_only_touches_read_only_file_mappings(tmp_path):
+    from packtools._pages import PageReleaser
+
+    anon = np.arange(1 << 16, dtype=np.int32)
+    path = tmp_path / "x.arrow"
+    table = pa.table({"x": anon})
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+        w.write_table(table)
+    mapped = pa.ipc.open_file(pa.memory_map(str(path))).read_all().column("x").chunks[0].to_numpy()
+    releaser = PageReleaser()
+    assert releaser.release(anon) is False
+    assert (anon == np.arange(1 << 16)).all()
+    if os.path.exists("/proc/self/maps"):
+        assert releaser.release(mapped) is True
+    assert (mapped == np.arange(1 << 16)).all()  # pages come back from the file
+
+
+def test_in_memory_dataset_packs_in_memory_unless_asked():
+    ds = random_dataset(np.random.default_rng(8), 200)
+    assert ds.cache_files == []
+    assert packtools.pack_dataset(ds, 64).cache_files == []
+    on_disk = packtools.pack_dataset(ds, 64, keep_in_memory=False)
+    assert len(on_disk.cache_files) == 1
+    assert on_disk[:] == packtools.pack_dataset(ds, 64)[:]
