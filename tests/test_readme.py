@@ -1,0 +1,31 @@
+"""The README's quickstart runs and prints what it says, and its set-up commands match CI."""
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+def code_blocks(lang):
+    return re.findall(rf"```{lang}\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_quickstart_runs_and_prints_its_comment():
+    pytest.importorskip("datasets")
+    block = next(b for b in code_blocks("python") if "Dataset.from_dict" in b)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(block, "README quickstart", "exec"), {})
+    expected = re.search(r"# (\{.*\})", block).group(1)
+    assert out.getvalue().strip() == expected
+
+
+def test_ci_runs_the_readme_test_command():
+    setup = code_blocks("bash")[0]
+    test_cmd = [ln for ln in setup.splitlines() if "pytest" in ln][0].strip()
+    ci = (Path(__file__).parents[1] / ".ci" / "run").read_text()
+    assert test_cmd in ci
