@@ -16,6 +16,9 @@ from . import __version__
 # subcommand name -> module with add_parser(subparsers) and run(args)
 SUBCOMMANDS: dict[str, str] = {
     "pack": "packtools.cli_pack",
+    "demo": "packtools.cli_demo",
+    "profile": "packtools.cli_profile",
+    "shard-pack": "packtools.cli_shards",
 }
 
 
