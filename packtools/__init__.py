@@ -3,16 +3,17 @@
 from .errors import PackingError
 from .hf_datasets import pack_dataset, truncate_dataset
 from .packing import pack_table, truncate_table, unpack
-from .pipeline import pack_files
 from .planning import STRATEGIES, PackPlan, plan, warmup
 from .profile import LengthProfile, profile_lengths
-from .ray_data import pack_ray_dataset
-from .shards import pack_shards
 
 __version__ = "0.1.0"
 
-# Public names whose modules need torch or transformers: imported on first attribute access.
+# Public names imported on first attribute access: modules that need torch or transformers, and the
+# pipeline and scale-out modules (kept out of `import packtools`, which every worker process pays).
 _LAZY = {
+    "pack_files": "packtools.pipeline",
+    "pack_shards": "packtools.shards",
+    "pack_ray_dataset": "packtools.ray_data",
     "ArrowCollator": "packtools.loader",
     "PackedRows": "packtools.loader",
     "PaddingFreeCollator": "packtools.collate",

@@ -14,6 +14,7 @@ import os
 import time
 from typing import Any
 
+from .cli_shards import add_executor_arguments, run_sharded, wants_sharding
 from .io import read_table, write_table
 from .packing import pack_table, read_columns
 from .planning import STRATEGIES, PackPlan, plan
@@ -74,6 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("input", nargs="*", help="input files, directories or save_to_disk folders")
     p.add_argument("--out", help="output folder (or a .parquet/.arrow file for tokenized input, in memory)")
     add_pipeline_arguments(p)
+    add_executor_arguments(p)  # tokenized inputs, shard by shard (local, pool or Ray): packtools.cli_shards
     return p
 
 
@@ -218,6 +220,9 @@ def _in_memory(args: argparse.Namespace, max_length: int) -> int:
 
 def run(args: argparse.Namespace) -> int:
     max_length = args.max_length if args.max_length is not None else 4096
+    if args.input and args.out and not args.out.endswith((".parquet", ".arrow")) and wants_sharding(args):
+        columns = args.columns.split(",") if args.columns else None
+        return run_sharded(args.input, args.out, max_length, args.strategy, columns, args)
     if not args.input or args.out is None or args.out.endswith((".parquet", ".arrow")):
         return _in_memory(args, max_length)
     from .pipeline import run_pipeline

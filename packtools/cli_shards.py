@@ -9,9 +9,19 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from .errors import PackingError
 from .executors import EXECUTORS
 from .planning import STRATEGIES
 from .shards import DEFAULT_SHARD_ROWS, format_report, pack_shards
+
+# options of `packtools pack` that only its full pipeline honours: flag -> argparse dest
+PIPELINE_ONLY = {
+    "--tokenizer": "tokenizer",
+    "--format": "format",
+    "--overlong": "overlong",
+    "--max-prompt-length": "max_prompt_length",
+    "--shuffle": "shuffle",
+}
 
 
 def add_executor_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +62,18 @@ def run_sharded(
 ) -> int:
     """Pack ``inputs`` into ``out_dir`` with the options of :func:`add_executor_arguments`; print the report;
     return the exit status (1 if a shard failed)."""
+    unsupported = [
+        flag
+        for flag, name in PIPELINE_ONLY.items()
+        if getattr(args, name, None) not in (None, False)
+        and not (name == "format" and args.format == "tokenized")
+    ]
+    if unsupported:
+        raise PackingError(
+            f"{', '.join(unsupported)} cannot be used with sharded packing (--executor/--address/--shard-rows), "
+            "which packs already-tokenized files shard by shard as they are; drop them, or drop the sharding "
+            "options to run the full pipeline."
+        )
     report = pack_shards(
         inputs,
         out_dir,

@@ -10,7 +10,8 @@ How an epoch is built, deterministically from ``(seed, epoch)``:
    multiset of lengths, so the number of batches is the same every epoch; shuffling changes which rows of
    equal length share a batch.
 2. The number of batches is made a multiple of ``num_replicas``: by splitting the biggest batches in two
-   (``drop_last=False``; no row is repeated unless there are fewer rows than replicas), or by dropping the
+   (``drop_last=False``; rows are repeated, as ``DistributedSampler`` does, only once every batch
+   is down to one row), or by dropping the
    smallest batches (``drop_last=True``).
 3. Batches are sorted by attention cost (sum of squared sequence lengths; per packed segment when
    ``seq_lengths`` is given) and cut into *steps* of ``num_replicas`` consecutive batches, so the ranks of a
@@ -186,7 +187,7 @@ class TokenBudgetBatchSampler:
             batches.append(second)
             need -= 1
         k = 0
-        while need:  # fewer rows than replicas: repeat batches, as DistributedSampler repeats samples
+        while need:  # every batch is one row: repeat batches, as DistributedSampler repeats samples
             batches.append(batches[k % len(batches)])
             k += 1
             need -= 1

@@ -273,3 +273,19 @@ def test_a_folder_stands_for_its_files_and_text_columns_fail_early(inputs, tmp_p
     with pytest.raises(packtools.PackingError, match="not token lists"):
         pack_shards([tmp_path / "raw.parquet"], tmp_path / "o", MAX_LENGTH)
     assert not (tmp_path / "o").exists()
+
+
+def test_pack_command_delegates_to_sharded_packing(inputs, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["pack", *inputs, "--out", str(out), "--max-length", "64", "--shard-rows", "100"]
+    assert main([*argv, "--executor", "pool", "--workers", "2"]) == 0
+    assert "10 shards (10 packed, 0 skipped, 0 failed) with pool" in capsys.readouterr().out
+    with open(out / MANIFEST) as fh:
+        assert json.load(fh)["config"] == {
+            "max_length": 64,
+            "strategy": "bfd",
+            "columns": None,
+            "shard_rows": 100,
+        }
+    assert main([*argv, "--shuffle"]) == 1
+    assert "--shuffle cannot be used with sharded packing" in capsys.readouterr().err
