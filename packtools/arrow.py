@@ -67,6 +67,11 @@ def read_list_column(column: pa.ChunkedArray | pa.Array, name: str) -> ListColum
             f"Pass columns=[...] naming the token columns, or remove {name!r} first."
         )
     vt = t.value_type
+    if pa.types.is_float16(vt):
+        raise PackingError(
+            f"column {name!r} holds lists of float16, which the packing kernels do not handle; cast it to "
+            f"float32 (or leave it out with columns=[...])."
+        )
     if not (pa.types.is_integer(vt) or pa.types.is_floating(vt)):
         raise PackingError(
             f"column {name!r} holds lists of {vt}; packtools packs lists of integers or floats. "

@@ -154,7 +154,9 @@ def pack_dataset(
     ``max_length / (2 * w * m)`` relative rows over a global plan: ~0.5% for TRL's 1000-row windows at
     ``m / max_length = 0.1``, under 0.01% from 100k rows on.
 
-    ``shuffle=True`` reorders the packed rows with ``seed`` (BFD emits the fullest rows first).
+    ``shuffle=True`` reorders the packed rows with ``seed`` (BFD emits the fullest rows first); for an
+    ``IterableDataset`` each window is shuffled on its own, with the same seed (shuffle the stream's
+    shards too, e.g. ``IterableDataset.shuffle``, for order across windows).
 
     >>> from datasets import Dataset
     >>> ds = Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]]})

@@ -22,7 +22,7 @@ def _select_columns(table: pa.Table, columns: Sequence[str] | None) -> list[str]
         if SEQ_LENGTHS in table.column_names:
             raise PackingError(
                 f"the table already has a {SEQ_LENGTHS!r} column, so it is packed; packing it again would "
-                f"merge its sequences. Unpack it first (packtools.unpack), or name columns=[...] explicitly."
+                f"merge its sequences. Unpack it first (packtools.unpack) and pack the result."
             )
         names = list(table.column_names)
         if not names:
@@ -157,15 +157,32 @@ def pack_table(
     cols, lengths = read_columns(table, columns)
     if plan is None:
         p = make_plan(lengths, max_length, strategy)
-    else:
-        p = plan
-        if p.num_sequences != len(lengths) or not np.array_equal(p.source_lengths, lengths):
-            raise PackingError(
-                "the plan was made for other lengths than this table's; re-plan with packtools.plan()."
-            )
+        if shuffle:
+            p = p.shuffled(seed)
+        return pack_columns(cols, p)
+    if p_mismatch := _plan_mismatch(plan, max_length, strategy):
+        raise PackingError(
+            f"plan= was made with {p_mismatch}; pass the same values or re-plan with packtools.plan()."
+        )
+    if plan.num_sequences != len(lengths) or not np.array_equal(plan.source_lengths, lengths):
+        raise PackingError(
+            "the plan was made for other lengths than this table's; re-plan with packtools.plan()."
+        )
     if shuffle:
-        p = p.shuffled(seed)
-    return pack_columns(cols, p)
+        raise PackingError(
+            "shuffle=True with plan=...: shuffle the plan itself (plan.shuffled(seed)) and pass that, so the "
+            "plan you keep is the one that made the rows (unpack needs it)."
+        )
+    return pack_columns(cols, plan)
+
+
+def _plan_mismatch(p: PackPlan, max_length: int, strategy: str) -> str:
+    parts = []
+    if p.max_length != max_length:
+        parts.append(f"max_length={p.max_length} (not {max_length})")
+    if p.strategy != strategy:
+        parts.append(f"strategy={p.strategy!r} (not {strategy!r})")
+    return " and ".join(parts)
 
 
 def unpack(
@@ -177,7 +194,9 @@ def unpack(
 
     Without a plan, every entry of ``seq_lengths`` becomes one row, in packed order.  With the plan that
     packed the table, rows come back in the original order, one per input sequence (the kept part; chunks
-    of ``bfd_split`` and pieces of ``wrapped`` are joined again; empty sequences come back empty).
+    of ``bfd_split`` and pieces of ``wrapped`` are joined again; empty sequences come back empty).  A plan
+    whose row or sequence lengths differ from the table's is refused; a plan knows only lengths, so keep the
+    one that made the rows (with shuffling, the shuffled plan).
 
     >>> import pyarrow as pa
     >>> t = pa.table({"input_ids": [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]]})
@@ -194,21 +213,44 @@ def unpack(
             raise PackingError(
                 "unpack needs the 'seq_lengths' column (bfd/bfd_split output) or the plan (plan=...)."
             )
-        seg_lengths = pc.list_flatten(table.column(SEQ_LENGTHS)).to_numpy().astype(np.int64)
+        seq = read_list_column(table.column(SEQ_LENGTHS), SEQ_LENGTHS)
+        seg_lengths = np.concatenate([c.values[c.offsets[0] : c.offsets[-1]] for c in seq.chunks] or [[]])
+        seg_lengths = seg_lengths.astype(np.int64)
+        bounds = np.concatenate(([0], np.cumsum(seq.lengths()))).astype(np.int64)
+        row_sums = np.add.reduceat(seg_lengths, bounds[:-1]) if seg_lengths.size else np.zeros(0, np.int64)
+        row_sums[np.diff(bounds) == 0] = 0
         offsets = np.concatenate(([0], np.cumsum(seg_lengths)))
         arrays = []
         for n in names:
             col = read_list_column(table.column(n), n)
-            flat = np.concatenate([c.values[c.offsets[0] : c.offsets[-1]] for c in col.chunks])
-            if flat.shape[0] != offsets[-1]:
+            bad = np.flatnonzero(col.lengths() != row_sums)
+            if bad.size:
+                r = int(bad[0])
                 raise PackingError(
-                    f"column {n!r} holds {flat.shape[0]} values but seq_lengths sum to {offsets[-1]}."
+                    f"row {r}: column {n!r} holds {col.lengths()[r]} values but its seq_lengths sum to "
+                    f"{row_sums[r]}; seq_lengths must describe each packed row exactly."
                 )
+            flat = np.concatenate([c.values[c.offsets[0] : c.offsets[-1]] for c in col.chunks])
             arrays.append(list_array(offsets, flat, pa.types.is_large_list(col.type), col.type.value_type))
         return pa.Table.from_arrays(arrays, names=names)
     p = plan
     if p.num_rows != table.num_rows:
         raise PackingError(f"the plan has {p.num_rows} rows but the table has {table.num_rows}.")
+    row_lengths = p.row_lengths
+    seq_lengths_column = table.column(SEQ_LENGTHS) if SEQ_LENGTHS in table.column_names else None
+    for n in names:
+        bad = np.flatnonzero(read_list_column(table.column(n), n).lengths() != row_lengths)
+        if bad.size:
+            raise PackingError(
+                f"row {int(bad[0])} of column {n!r} does not have the length the plan gives it: this plan did "
+                f"not make these rows (with shuffle, pass the shuffled plan)."
+            )
+    if seq_lengths_column is not None and not seq_lengths_column.equals(
+        pa.chunked_array([p.seq_lengths]).cast(seq_lengths_column.type)
+    ):
+        raise PackingError(
+            "the table's seq_lengths differ from the plan's: this plan did not make these rows."
+        )
     # Segment k of the packed stream sits at seg_dest[k]; sort segments back by (source, start).
     order = np.lexsort((p.seg_start, p.seg_source))
     kept = np.bincount(p.seg_source, weights=p.seg_length, minlength=p.num_sequences).astype(np.int64)
@@ -235,6 +277,12 @@ def truncate_table(table: pa.Table, max_length: int, columns: Sequence[str] | No
     {'input_ids': [[1, 2], [4]], 'id': [0, 1]}
     """
     max_length = check_max_length(max_length)
+    if SEQ_LENGTHS in table.column_names:
+        raise PackingError(
+            f"the table has a {SEQ_LENGTHS!r} column, so its rows are packed: truncating them would cut "
+            f"sequences and leave seq_lengths wrong. Truncate before packing (pack_table/pack_dataset keep "
+            f"the first max_length tokens of each sequence with strategy='bfd')."
+        )
     if columns is None:
         names = [f.name for f in table.schema if is_list_type(f.type)]
     else:

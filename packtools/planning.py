@@ -14,6 +14,7 @@ from .errors import PackingError
 
 Strategy = Literal["bfd", "bfd_split", "wrapped"]
 STRATEGIES: tuple[str, ...] = ("bfd", "bfd_split", "wrapped")
+MAX_TREE_LENGTH = 2**27  # bfd's tables take ~64 bytes per unit of max_length
 
 
 def check_strategy(strategy: str) -> str:
@@ -261,7 +262,18 @@ def plan(lengths: object, max_length: int, strategy: Strategy | str = "bfd") -> 
         source, start, size, row_offsets = _kernels.wrapped_segments(lens, max_length)
         return PackPlan(max_length, strategy, source, start, size, row_offsets, lens)
     source, start, size = _kernels.make_items(lens, max_length, strategy == "bfd_split")
-    order, row_offsets = _kernels.bfd_assign(size, max_length)
+    if max_length >= size.sum():
+        # Everything fits in one row (best fit puts every item there, longest first); this also spares
+        # the kernel's O(max_length) tables when max_length is huge.
+        order = np.argsort(-size, kind="stable")
+        row_offsets = np.array([0, size.shape[0]] if size.shape[0] else [0], np.int64)
+    else:
+        if max_length > MAX_TREE_LENGTH:
+            raise PackingError(
+                f"max_length={max_length:,} needs about {64 * max_length / 2**30:.1f} GiB of planning tables; "
+                f"packtools plans rows of at most {MAX_TREE_LENGTH:,} tokens. Use a smaller max_length."
+            )
+        order, row_offsets = _kernels.bfd_assign(size, max_length)
     return PackPlan(max_length, strategy, source[order], start[order], size[order], row_offsets, lens)
 
 

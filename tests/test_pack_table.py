@@ -169,3 +169,61 @@ def test_truncate_table():
     assert out["labels"] == [[-1, -2], [-5], []]
     out = packtools.truncate_table(table, 2, columns=["labels"]).to_pydict()
     assert out["input_ids"] == [[1, 2, 3, 4], [5], []]
+
+
+def test_unpack_refuses_a_plan_that_did_not_make_the_rows():
+    seqs = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10]]
+    table = make_table(seqs)
+    p = packtools.plan([3, 3, 3, 1], 3)
+    refused = 0
+    for seed in range(6):
+        shuffled = p.shuffled(seed)
+        packed = packtools.pack_table(table, 3, plan=shuffled)
+        assert packtools.unpack(packed, plan=shuffled).to_pydict()["input_ids"] == seqs
+        # A plan only knows lengths: it is refused when the row or sequence lengths differ.
+        if not np.array_equal(shuffled.seg_length, p.seg_length):
+            with pytest.raises(packtools.PackingError, match="did not make these rows"):
+                packtools.unpack(packed, plan=p)
+            refused += 1
+    assert refused > 0
+    t = make_table([[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]])
+    split = packtools.pack_table(t, 4, "bfd_split")
+    with pytest.raises(packtools.PackingError, match="did not make these rows"):
+        packtools.unpack(split, plan=packtools.plan([5, 2, 3, 1], 4, "bfd"))
+
+
+def test_unpack_checks_seq_lengths_row_by_row():
+    bad = pa.table({"input_ids": [[1, 2], [3]], "seq_lengths": [[1], [1, 1]]})
+    with pytest.raises(
+        packtools.PackingError, match="row 0: column 'input_ids' holds 2 values but its seq_lengths sum to 1"
+    ):
+        packtools.unpack(bad)
+
+
+def test_pack_table_with_plan_checks_arguments():
+    table = pa.table({"input_ids": [[1, 2], [3]]})
+    with pytest.raises(packtools.PackingError, match=r"max_length=5 \(not 2\)"):
+        packtools.pack_table(table, 2, plan=packtools.plan([2, 1], 5))
+    with pytest.raises(packtools.PackingError, match=r"strategy='bfd' \(not 'wrapped'\)"):
+        packtools.pack_table(table, 5, "wrapped", plan=packtools.plan([2, 1], 5))
+    with pytest.raises(packtools.PackingError, match="shuffle the plan itself"):
+        packtools.pack_table(table, 5, plan=packtools.plan([2, 1], 5), shuffle=True)
+
+
+def test_truncate_refuses_packed_rows():
+    packed = packtools.pack_table(pa.table({"input_ids": [[1, 2], [3]]}), 4)
+    with pytest.raises(packtools.PackingError, match="Truncate before packing"):
+        packtools.truncate_table(packed, 1)
+
+
+def test_float16_is_refused_with_the_fix():
+    table = pa.table({"x": pa.array([[1, 2, 3], [4]], pa.list_(pa.float16()))})
+    with pytest.raises(packtools.PackingError, match="cast it to float32"):
+        packtools.pack_table(table, 3)
+
+
+def test_huge_max_length():
+    p = packtools.plan([1, 2, 0, 3], 2**40)
+    assert p.num_rows == 1 and p.seg_length.tolist() == [3, 2, 1] and p.seg_source.tolist() == [3, 1, 0]
+    with pytest.raises(packtools.PackingError, match="Use a smaller max_length"):
+        packtools.plan([2**28, 2**28], 2**28)
