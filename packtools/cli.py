@@ -48,7 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except (PackingError, FileNotFoundError) as exc:
-        print(f"packtools {args.command}: error: {exc}", file=sys.stderr)
+        # The library's messages spell fixes as Python arguments; give the command-line flag instead.
+        message = str(exc).replace("columns=[...]", "--columns NAME,...")
+        print(f"packtools {args.command}: error: {message}", file=sys.stderr)
         return 1
 
 

@@ -307,3 +307,17 @@ def test_uncompressed_arrow_inputs_are_mapped_without_staging(tmp_path):
         )
         assert res.stats["staged"] is staged
         assert datasets.load_from_disk(out).data.table.equals(want)
+
+
+def test_cli_error_names_the_flag(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from packtools.cli import main
+
+    path = tmp_path / "mixed.parquet"
+    pq.write_table(pa.table({"input_ids": [[1, 2], [3]], "text": ["a", "b"]}), path)
+    assert main(["pack", str(path), "--out", str(tmp_path / "o.parquet"), "--max-length", "4"]) == 1
+    err = capsys.readouterr().err
+    assert "['text'] are not list columns" in err and "--columns NAME,..." in err
+    assert not (tmp_path / "o.parquet").exists()
