@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ._pages import PageReleaser
 from .arrow import ListColumn, list_array
 from .errors import PackingError
 from .packing import SEQ_LENGTHS, gather_column
@@ -99,6 +100,7 @@ class MappedArrow:
                 table = pa.ipc.open_stream(source).read_all()
             tables.append(table.select(list(columns)) if columns is not None else table)
         self.table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        self._releaser = PageReleaser()  # after mapping, so it knows these mappings
 
     def _find(self, values: np.ndarray) -> tuple[mmap.mmap, int] | None:
         for _, mm, base in self._maps:
@@ -115,13 +117,7 @@ class MappedArrow:
 
     def release(self, values: np.ndarray) -> None:
         """Drop the mapped pages under ``values`` (a view into one of the mappings)."""
-        if values.nbytes == 0 or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        found = self._find(values)
-        if found is not None and hasattr(found[0], "madvise"):
-            mm, offset = found
-            start = offset - offset % mmap.PAGESIZE
-            mm.madvise(mmap.MADV_DONTNEED, start, offset + values.nbytes - start)
+        self._releaser.release(values)
 
     def close(self) -> None:
         self.table = None

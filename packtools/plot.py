@@ -19,7 +19,6 @@ import base64
 import html
 import io
 import os
-import tempfile
 import textwrap
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -217,20 +216,10 @@ def save_figure(fig: Figure, path: str | os.PathLike[str], dpi: int = 120) -> No
 
 
 def _atomic_write(path: str, write: Any) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".packtools-", suffix=os.path.splitext(path)[1], dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; a report is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    from .io import atomic_path
+
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        write(fh)
 
 
 def _png_base64(fig: Figure) -> str:

@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -39,7 +38,7 @@ import pyarrow.parquet as pq
 from .arrow import is_list_type
 from .errors import PackingError
 from .executors import Executor, get_executor
-from .io import read_table, write_table
+from .io import atomic_path, read_table, write_table
 from .packing import pack_table, read_columns
 from .planning import check_max_length, check_strategy, plan
 
@@ -336,15 +335,8 @@ def write_manifest(report: ShardReport) -> str:
     for s in data["shards"]:
         s["output"] = os.path.basename(s["output"])
     path = report.manifest_path
-    fd, tmp = tempfile.mkstemp(prefix=".manifest-", suffix=".json", dir=report.out_dir)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "w") as fh:
+        json.dump(data, fh, indent=1)
     return path
 
 
