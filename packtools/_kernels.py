@@ -197,17 +197,6 @@ def wrapped_segments(lengths, max_length):
 
 
 @njit(cache=True)
-def copy_segments(values, src_start, size, dst_start, selected, out):
-    """``out[dst:dst+size] = values[src:src+size]`` for each segment index in ``selected``."""
-    for j in range(selected.shape[0]):
-        s = selected[j]
-        a = src_start[s]
-        d = dst_start[s]
-        m = size[s]
-        out[d : d + m] = values[a : a + m]
-
-
-@njit(cache=True)
 def copy_all_segments(values, src_start, size, dst_start, out):
     """``out[dst:dst+size] = values[src:src+size]`` for every segment."""
     for s in range(src_start.shape[0]):
@@ -215,15 +204,3 @@ def copy_all_segments(values, src_start, size, dst_start, out):
         d = dst_start[s]
         m = size[s]
         out[d : d + m] = values[a : a + m]
-
-
-@njit(cache=True)
-def expand_positions(seq_lengths, total):
-    """Position ids restarting at 0 at every segment: ``[0..l0-1, 0..l1-1, ...]``."""
-    out = np.empty(total, np.int64)
-    k = 0
-    for i in range(seq_lengths.shape[0]):
-        for j in range(seq_lengths[i]):
-            out[k] = j
-            k += 1
-    return out

@@ -48,6 +48,13 @@ class ListColumn:
             return np.zeros(0, np.int64)
         return np.concatenate([np.diff(c.offsets) for c in self.chunks])
 
+    def flat_values(self) -> np.ndarray:
+        """All rows' values, one after the other (a copy when there are several chunks)."""
+        parts = [c.values[c.offsets[0] : c.offsets[-1]] for c in self.chunks]
+        if not parts:
+            return np.zeros(0, self.value_dtype)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
     def chunk_row_starts(self) -> np.ndarray:
         return np.array([c.row_start for c in self.chunks] + [self.num_rows], np.int64)
 

@@ -54,21 +54,35 @@ def read_columns(
     return cols, check_aligned(cols)
 
 
+Segments = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def segments_in_input_order(p: PackPlan, row_indices: np.ndarray | None = None) -> Segments:
+    """The plan's segments as ``(source row, start, length, destination)``, sorted by source row.
+
+    Copying in this order reads each column front to back (~2x faster than plan order) and groups the
+    segments by chunk.  It depends only on the plan, so every column of a table shares it.
+    """
+    source = p.seg_source if row_indices is None else row_indices[p.seg_source]
+    order = np.argsort(source)
+    return source[order], p.seg_start[order], p.seg_length[order], p.seg_dest[order]
+
+
 def gather_column(
     col: ListColumn,
     p: PackPlan,
     row_indices: np.ndarray | None = None,
     release: Callable[[np.ndarray], object] | None = None,
     out: np.ndarray | None = None,
+    segments: Segments | None = None,
 ) -> np.ndarray:
     """Copy the planned segments of one column into a contiguous values buffer.
 
     ``row_indices`` maps the plan's sources to rows of ``col`` (a dataset's select/shuffle mapping).
     ``release`` is called on each chunk's values once they have been copied from (to drop mapped pages).
     ``out``, if given, is a buffer of at least ``p.tokens_kept`` values to fill (its first part is returned).
+    ``segments`` is :func:`segments_in_input_order` of the same plan and indices, if already computed.
     """
-    source = p.seg_source if row_indices is None else row_indices[p.seg_source]
-    dest = p.seg_dest
     dtype = col.chunks[0].values.dtype if col.chunks else col.type.value_type.to_pandas_dtype()
     if out is None or out.dtype != dtype or out.shape[0] < p.tokens_kept:
         out = np.empty(p.tokens_kept, dtype)
@@ -76,25 +90,16 @@ def gather_column(
         out = out[: p.tokens_kept]
     if p.num_segments == 0:
         return out
-    # Copy segments in input order: reading the values front to back is ~2x faster than in plan order.
-    order = np.argsort(source)
-    if len(col.chunks) == 1:
-        chunk = col.chunks[0]
-        src = chunk.offsets[source[order]] + p.seg_start[order]
-        _kernels.copy_all_segments(chunk.values, src, p.seg_length[order], dest[order], out)
-        if release is not None:
-            release(chunk.values)
-        return out
-    starts = col.chunk_row_starts()
-    chunk_of = np.searchsorted(starts[1:], source[order], side="right")  # non-decreasing
+    source, start, length, dest = (
+        segments if segments is not None else segments_in_input_order(p, row_indices)
+    )
+    chunk_of = np.searchsorted(col.chunk_row_starts()[1:], source, side="right")  # non-decreasing
     bounds = np.searchsorted(chunk_of, np.arange(len(col.chunks) + 1))
-    src = np.empty(p.num_segments, np.int64)
-    for c, chunk in enumerate(col.chunks):
-        sel = order[bounds[c] : bounds[c + 1]]
-        if sel.size == 0:
+    for chunk, a, b in zip(col.chunks, bounds[:-1], bounds[1:]):
+        if a == b:
             continue
-        src[sel] = chunk.offsets[source[sel] - chunk.row_start] + p.seg_start[sel]
-        _kernels.copy_segments(chunk.values, src, p.seg_length, dest, sel, out)
+        src = chunk.offsets[source[a:b] - chunk.row_start] + start[a:b]
+        _kernels.copy_all_segments(chunk.values, src, length[a:b], dest[a:b], out)
         if release is not None:
             release(chunk.values)
     return out
@@ -113,10 +118,11 @@ def pack_columns(
     buffers instead of new memory: for writers that consume each table before the next call.
     """
     token_offsets = p.token_offsets
+    segments = segments_in_input_order(p, row_indices) if p.num_segments else None
     arrays, names = [], []
     for col in cols:
         buffer = scratch.get(col.name) if scratch is not None else None
-        values = gather_column(col, p, row_indices, release, buffer)
+        values = gather_column(col, p, row_indices, release, buffer, segments)
         if scratch is not None and (buffer is None or buffer.shape[0] < values.shape[0]):
             scratch[col.name] = values
         arrays.append(
@@ -208,63 +214,57 @@ def unpack(
         names = [n for n in table.column_names if n != SEQ_LENGTHS]
     else:
         names = [n for n in _select_columns(table, columns) if n != SEQ_LENGTHS]
+    cols, lengths = read_columns(table, names)
     if plan is None:
         if SEQ_LENGTHS not in table.column_names:
             raise PackingError(
                 "unpack needs the 'seq_lengths' column (bfd/bfd_split output) or the plan (plan=...)."
             )
         seq = read_list_column(table.column(SEQ_LENGTHS), SEQ_LENGTHS)
-        seg_lengths = np.concatenate([c.values[c.offsets[0] : c.offsets[-1]] for c in seq.chunks] or [[]])
-        seg_lengths = seg_lengths.astype(np.int64)
-        bounds = np.concatenate(([0], np.cumsum(seq.lengths()))).astype(np.int64)
-        row_sums = np.add.reduceat(seg_lengths, bounds[:-1]) if seg_lengths.size else np.zeros(0, np.int64)
-        row_sums[np.diff(bounds) == 0] = 0
+        seg_lengths = seq.flat_values().astype(np.int64)
         offsets = np.concatenate(([0], np.cumsum(seg_lengths)))
-        arrays = []
-        for n in names:
-            col = read_list_column(table.column(n), n)
-            bad = np.flatnonzero(col.lengths() != row_sums)
-            if bad.size:
-                r = int(bad[0])
-                raise PackingError(
-                    f"row {r}: column {n!r} holds {col.lengths()[r]} values but its seq_lengths sum to "
-                    f"{row_sums[r]}; seq_lengths must describe each packed row exactly."
-                )
-            flat = np.concatenate([c.values[c.offsets[0] : c.offsets[-1]] for c in col.chunks])
-            arrays.append(list_array(offsets, flat, pa.types.is_large_list(col.type), col.type.value_type))
+        seg_bounds = np.concatenate(([0], np.cumsum(seq.lengths())))
+        row_sums = offsets[seg_bounds[1:]] - offsets[seg_bounds[:-1]]
+        bad = np.flatnonzero(lengths != row_sums)
+        if bad.size:
+            r = int(bad[0])
+            raise PackingError(
+                f"row {r}: column {names[0]!r} holds {lengths[r]} values but its seq_lengths sum to "
+                f"{row_sums[r]}; seq_lengths must describe each packed row exactly."
+            )
+        arrays = [
+            list_array(offsets, col.flat_values(), pa.types.is_large_list(col.type), col.type.value_type)
+            for col in cols
+        ]
         return pa.Table.from_arrays(arrays, names=names)
     p = plan
     if p.num_rows != table.num_rows:
         raise PackingError(f"the plan has {p.num_rows} rows but the table has {table.num_rows}.")
-    row_lengths = p.row_lengths
-    seq_lengths_column = table.column(SEQ_LENGTHS) if SEQ_LENGTHS in table.column_names else None
-    for n in names:
-        bad = np.flatnonzero(read_list_column(table.column(n), n).lengths() != row_lengths)
-        if bad.size:
-            raise PackingError(
-                f"row {int(bad[0])} of column {n!r} does not have the length the plan gives it: this plan did "
-                f"not make these rows (with shuffle, pass the shuffled plan)."
-            )
-    if seq_lengths_column is not None and not seq_lengths_column.equals(
-        pa.chunked_array([p.seq_lengths]).cast(seq_lengths_column.type)
-    ):
+    bad = np.flatnonzero(lengths != p.row_lengths)
+    if bad.size:
         raise PackingError(
-            "the table's seq_lengths differ from the plan's: this plan did not make these rows."
+            f"row {int(bad[0])} of column {names[0]!r} does not have the length the plan gives it: this plan "
+            f"did not make these rows (with shuffle, pass the shuffled plan)."
         )
+    if SEQ_LENGTHS in table.column_names:
+        column = table.column(SEQ_LENGTHS)
+        if not column.equals(pa.chunked_array([p.seq_lengths]).cast(column.type)):
+            raise PackingError(
+                "the table's seq_lengths differ from the plan's: this plan did not make these rows."
+            )
     # Segment k of the packed stream sits at seg_dest[k]; sort segments back by (source, start).
     order = np.lexsort((p.seg_start, p.seg_source))
     kept = np.bincount(p.seg_source, weights=p.seg_length, minlength=p.num_sequences).astype(np.int64)
     offsets = np.concatenate(([0], np.cumsum(kept)))
-    dest = p.seg_dest
-    new_dst = np.zeros(p.num_segments, np.int64)
+    src, size = p.seg_dest[order], p.seg_length[order]
+    dest = np.zeros(p.num_segments, np.int64)
     if p.num_segments:
-        np.cumsum(p.seg_length[order][:-1], out=new_dst[1:])
+        np.cumsum(size[:-1], out=dest[1:])
     arrays = []
-    for n in names:
-        col = read_list_column(table.column(n), n)
-        flat = np.concatenate([c.values[c.offsets[0] : c.offsets[-1]] for c in col.chunks])
+    for col in cols:
+        flat = col.flat_values()
         out = np.empty(int(offsets[-1]), flat.dtype)
-        _kernels.copy_all_segments(flat, dest[order], p.seg_length[order], new_dst, out)
+        _kernels.copy_all_segments(flat, src, size, dest, out)
         arrays.append(list_array(offsets, out, pa.types.is_large_list(col.type), col.type.value_type))
     return pa.Table.from_arrays(arrays, names=names)
 

@@ -227,3 +227,10 @@ def test_huge_max_length():
     assert p.num_rows == 1 and p.seg_length.tolist() == [3, 2, 1] and p.seg_source.tolist() == [3, 1, 0]
     with pytest.raises(packtools.PackingError, match="Use a smaller max_length"):
         packtools.plan([2**28, 2**28], 2**28)
+
+
+def test_unpack_without_plan_handles_empty_rows():
+    table = pa.table({"input_ids": [[1, 2], [], [3]], "seq_lengths": [[2], [], [1]]})
+    assert packtools.unpack(table).to_pydict() == {"input_ids": [[1, 2], [3]]}
+    table = pa.table({"input_ids": [[1, 2], [3], []], "seq_lengths": [[2], [1], []]})
+    assert packtools.unpack(table).to_pydict() == {"input_ids": [[1, 2], [3]]}
