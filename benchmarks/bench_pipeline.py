@@ -13,9 +13,9 @@ written in row groups of 65,536 rows (snappy).  Each case runs in a fresh subpro
 Numba up (``packtools.warmup()``) and reports its own ``ru_maxrss`` at the end, so the peak RSS belongs to
 that case alone (interpreter and imports included); the page cache is warm (the file was just written).
 
-- ``in-memory``: ``pq.read_table`` -> ``packtools.pack_table`` -> ``packtools.io.write_table`` (one ``.arrow``
+- ``in-memory``: ``pq.read_table`` -> ``packtools.pack_table`` -> ``packtools.io.atomic.write_table`` (one ``.arrow``
   file), the path of ``packtools pack IN.parquet --out OUT.arrow``.
-- ``out-of-core``: ``packtools.pipeline.pack_files`` (``packtools pack IN.parquet --out DIR``): stage to an
+- ``out-of-core``: ``packtools.pipeline.run.pack_files`` (``packtools pack IN.parquet --out DIR``): stage to an
   uncompressed Arrow file, plan from the offsets, gather and write 2**24-token shards from the memory map,
   dropping mapped pages after each shard.
 Throughput is input tokens per second of the timed call (reading and writing included).
@@ -79,7 +79,7 @@ def case_in_memory(src: str, out: str, max_length: int, strategy: str) -> dict:
     import pyarrow.parquet as pq
 
     import packtools
-    from packtools.io import write_table
+    from packtools.io.atomic import write_table
 
     packtools.warmup()
     t = time.perf_counter()
@@ -91,7 +91,7 @@ def case_in_memory(src: str, out: str, max_length: int, strategy: str) -> dict:
 
 def case_out_of_core(src: str, out: str, max_length: int, strategy: str) -> dict:
     import packtools
-    from packtools.pipeline import PipelineConfig, run_pipeline
+    from packtools.pipeline.run import PipelineConfig, run_pipeline
 
     packtools.warmup()
     t = time.perf_counter()
@@ -137,8 +137,8 @@ def bench_tokenize(workdir: str, rows: int, num_procs: list[int], repeat: int) -
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    from packtools.demo import stdlib_definitions
-    from packtools.pipeline import PipelineConfig, run_pipeline
+    from packtools.pipeline.demo import stdlib_definitions
+    from packtools.pipeline.run import PipelineConfig, run_pipeline
 
     texts = [t.decode("utf-8", errors="replace") for t in stdlib_definitions()[:rows]]
     tok_dir = build_tokenizer(texts[::10], os.path.join(workdir, "tokenizer"))

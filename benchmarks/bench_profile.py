@@ -100,7 +100,7 @@ def run_case(case: str, path: str, cold: bool) -> dict:
     import pyarrow.parquet  # noqa: F401  (both cases need it; imported before the baseline RSS)
 
     from packtools import LengthProfile, profile_lengths
-    from packtools.arrow import column_lengths
+    from packtools.core.arrow import column_lengths
 
     if cold:
         evict(path)

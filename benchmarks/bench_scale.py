@@ -78,7 +78,7 @@ def global_plan(paths: list[str], max_length: int, strategy: str) -> dict[str, i
     import pyarrow.parquet as pq
 
     import packtools
-    from packtools.arrow import column_lengths
+    from packtools.core.arrow import column_lengths
 
     lengths = np.concatenate([column_lengths(pq.read_table(p).column("input_ids")) for p in paths])
     start = time.perf_counter()

@@ -1,26 +1,25 @@
 """packtools: fast, exact sequence packing for LLM fine-tuning."""
 
+from .constants import __version__ as __version__
+from .core.pack import pack_table, truncate_table, unpack
+from .core.plan import STRATEGIES, PackPlan, plan, warmup
 from .errors import PackingError
-from .hf_datasets import pack_dataset, truncate_dataset
-from .packing import pack_table, truncate_table, unpack
-from .planning import STRATEGIES, PackPlan, plan, warmup
-from .profile import LengthProfile, profile_lengths
-
-__version__ = "0.1.0"
+from .integrations.datasets import pack_dataset, truncate_dataset
+from .profiling.profile import LengthProfile, profile_lengths
 
 # Public names imported on first attribute access: modules that need torch or transformers, and the
 # pipeline and scale-out modules (kept out of `import packtools`, which every worker process pays).
 _LAZY = {
-    "pack_files": "packtools.pipeline",
-    "pack_shards": "packtools.shards",
-    "pack_ray_dataset": "packtools.ray_data",
-    "ArrowCollator": "packtools.loader",
-    "PackedRows": "packtools.loader",
-    "PaddingFreeCollator": "packtools.collate",
-    "TokenBudgetBatchSampler": "packtools.sampler",
-    "varlen_attention": "packtools.attention",
-    "prepare_trainer": "packtools.hf",
-    "packed_sft_config": "packtools.hf",
+    "pack_files": "packtools.pipeline.run",
+    "pack_shards": "packtools.pipeline.shards",
+    "pack_ray_dataset": "packtools.integrations.ray",
+    "ArrowCollator": "packtools.batches.loader",
+    "PackedRows": "packtools.batches.loader",
+    "PaddingFreeCollator": "packtools.batches.collate",
+    "TokenBudgetBatchSampler": "packtools.batches.sampler",
+    "varlen_attention": "packtools.batches.attention",
+    "prepare_trainer": "packtools.integrations.transformers",
+    "packed_sft_config": "packtools.integrations.transformers",
 }
 
 

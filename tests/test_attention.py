@@ -14,8 +14,8 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from packtools import PackingError  # noqa: E402
-from packtools.attention import varlen_attention  # noqa: E402
-from packtools.collate import PaddingFreeCollator  # noqa: E402
+from packtools.batches.attention import varlen_attention  # noqa: E402
+from packtools.batches.collate import PaddingFreeCollator  # noqa: E402
 
 
 def _cu(lengths):
@@ -183,7 +183,7 @@ def test_flash_branch_default_scale_and_validation(fake_flash):
 
 
 def test_auto_uses_flash_only_for_cuda_half_tensors(fake_flash, monkeypatch):
-    import packtools.attention as attention
+    import packtools.batches.attention as attention
 
     q, k, v = _qkv()
     cu = torch.tensor([0, 5], dtype=torch.int32)
@@ -194,7 +194,7 @@ def test_auto_uses_flash_only_for_cuda_half_tensors(fake_flash, monkeypatch):
 
 
 def test_flash_eligible_needs_cuda_and_half():
-    from packtools.attention import _flash_eligible
+    from packtools.batches.attention import _flash_eligible
 
     x = torch.zeros(2, 1, 4, dtype=torch.bfloat16)
     assert not _flash_eligible(x, x, x)  # on CPU

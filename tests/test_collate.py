@@ -13,7 +13,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from packtools import PackingError  # noqa: E402
-from packtools.collate import PaddingFreeCollator, flatten_rows  # noqa: E402
+from packtools.batches.collate import PaddingFreeCollator, flatten_rows  # noqa: E402
 
 trl_sft = pytest.importorskip("trl.trainer.sft_trainer")
 transformers = pytest.importorskip("transformers")
@@ -296,7 +296,7 @@ def test_import_packtools_does_not_import_torch():
     code = (
         "import sys, packtools; packtools.PackingError; "
         "assert 'torch' not in sys.modules, 'torch imported'; "
-        "import packtools.sampler; assert 'torch' not in sys.modules, 'sampler imported torch'; "
+        "import packtools.batches.sampler; assert 'torch' not in sys.modules, 'sampler imported torch'; "
         "c = packtools.PaddingFreeCollator(0, return_tensors='np'); c([{'input_ids': [1]}]); "
         "assert 'torch' not in sys.modules, 'np collator imported torch'"
     )

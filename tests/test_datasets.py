@@ -7,7 +7,7 @@ import pyarrow as pa
 import pytest
 
 import packtools
-from packtools._reference import reference_pack
+from packtools.core.reference import reference_pack
 
 datasets = pytest.importorskip("datasets")
 
@@ -140,7 +140,7 @@ def test_result_is_a_memory_mapped_cache_file_reused_on_rerun(tmp_path):
     other = packtools.pack_dataset(loaded, 32, "bfd_split")
     assert other.cache_files[0]["filename"] != cache["filename"]
     # Blocks smaller than the data: several record batches, same rows.
-    import packtools.hf_datasets as hfd
+    import packtools.integrations.datasets as hfd
 
     old = hfd.BLOCK_TOKENS
     hfd.BLOCK_TOKENS = 100
@@ -156,7 +156,7 @@ def test_result_is_a_memory_mapped_cache_file_reused_on_rerun(tmp_path):
 
 
 def test_page_releaser_only_touches_read_only_file_mappings(tmp_path):
-    from packtools._pages import PageReleaser
+    from packtools.io.pages import PageReleaser
 
     anon = np.arange(1 << 16, dtype=np.int32)
     path = tmp_path / "x.arrow"

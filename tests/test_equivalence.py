@@ -20,8 +20,8 @@ from _hf_models import (
 )
 
 from packtools import pack_table
-from packtools.collate import PaddingFreeCollator
-from packtools.hf import guard_model
+from packtools.batches.collate import PaddingFreeCollator
+from packtools.integrations.transformers import guard_model
 
 TOL = 1e-5
 IMPLS = ["sdpa", "eager"]

@@ -24,9 +24,9 @@ from _hf_models import (
 )
 
 from packtools import pack_dataset
-from packtools.collate import PaddingFreeCollator
+from packtools.batches.collate import PaddingFreeCollator
 from packtools.errors import PackingError
-from packtools.hf import (
+from packtools.integrations.transformers import (
     causal_lm_loss,
     check_attention_implementation,
     check_forward_inputs,
@@ -339,9 +339,9 @@ def test_guard_goes_on_the_peft_wrapper_too():
 
 
 def test_old_transformers_without_position_masks_needs_flash(monkeypatch):
-    import packtools.hf
+    import packtools.integrations.transformers
 
-    monkeypatch.setattr(packtools.hf, "_masks_from_positions", lambda: False)
+    monkeypatch.setattr(packtools.integrations.transformers, "_masks_from_positions", lambda: False)
     with pytest.raises(PackingError, match="Upgrade transformers"):
         check_attention_implementation(_Model("sdpa"))
     assert check_attention_implementation(_Model("flash_attention_2")) == "flash_attention_2"

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import packtools
-from packtools._reference import reference_rows
+from packtools.core.reference import reference_rows
 
 lengths_st = st.lists(st.integers(0, 40), min_size=0, max_size=60)
 max_length_st = st.integers(1, 24)

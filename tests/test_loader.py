@@ -12,9 +12,9 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from packtools import PackingError, pack_dataset, pack_table  # noqa: E402
-from packtools.collate import PaddingFreeCollator  # noqa: E402
-from packtools.loader import ArrowCollator, PackedRows  # noqa: E402
-from packtools.sampler import TokenBudgetBatchSampler  # noqa: E402
+from packtools.batches.collate import PaddingFreeCollator  # noqa: E402
+from packtools.batches.loader import ArrowCollator, PackedRows  # noqa: E402
+from packtools.batches.sampler import TokenBudgetBatchSampler  # noqa: E402
 
 
 def _source(n=120, seed=0, with_labels=False, with_mask=False):

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import packtools
-from packtools._reference import reference_pack
+from packtools.core.reference import reference_pack
 
 seqs_st = st.lists(st.lists(st.integers(0, 1000), max_size=30), max_size=40)
 
@@ -109,9 +109,9 @@ def test_named_columns_leave_others_out():
 
 def test_total_past_int32_switches_to_large_list(monkeypatch):
     # Materializing 2**31 tokens is too big for a unit test: lower the threshold the builder consults.
-    import packtools.arrow
+    import packtools.core.arrow
 
-    monkeypatch.setattr(packtools.arrow, "INT32_MAX", 10)
+    monkeypatch.setattr(packtools.core.arrow, "INT32_MAX", 10)
     seqs = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11], [12, 13, 14]]
     out = packtools.pack_table(make_table(seqs), 8)
     assert out.schema.field("input_ids").type == pa.large_list(pa.int32())

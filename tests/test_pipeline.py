@@ -12,11 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 from _pipeline_data import build_tokenizer, load
 
-import packtools.outofcore as outofcore
-import packtools.pipeline as pipeline
+import packtools.pipeline.gather as outofcore
+import packtools.pipeline.run as pipeline
 from packtools import PackingError, pack_table, unpack
-from packtools.cli import main
-from packtools.pipeline import PipelineConfig, run_pipeline
+from packtools.cli.main import main
+from packtools.pipeline.run import PipelineConfig, run_pipeline
 
 datasets = pytest.importorskip("datasets")
 
@@ -313,7 +313,7 @@ def test_cli_error_names_the_flag(tmp_path, capsys):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from packtools.cli import main
+    from packtools.cli.main import main
 
     path = tmp_path / "mixed.parquet"
     pq.write_table(pa.table({"input_ids": [[1, 2], [3]], "text": ["a", "b"]}), path)

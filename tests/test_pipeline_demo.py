@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from packtools.cli import main
-from packtools.demo import byte_level_table, run_demo, stdlib_definitions
-from packtools.sample import stdlib_files
+from packtools.cli.main import main
+from packtools.pipeline.demo import byte_level_table, run_demo, stdlib_definitions
+from packtools.pipeline.sample import stdlib_files
 
 
 def test_definitions_cut_sources_before_each_def():

@@ -19,10 +19,10 @@ from _pipeline_data import (
 )
 
 from packtools import PackingError, unpack
-from packtools.pipeline import PipelineConfig, run_pipeline
-from packtools.preference import fit_preference
-from packtools.ragged import from_lists, to_lists
-from packtools.tokenize import IGNORE_INDEX, BatchTokenizer, detect_format
+from packtools.pipeline.run import PipelineConfig, run_pipeline
+from packtools.pipeline.preference import fit_preference
+from packtools.core.ragged import from_lists, to_lists
+from packtools.pipeline.tokenize import IGNORE_INDEX, BatchTokenizer, detect_format
 
 datasets = pytest.importorskip("datasets")
 

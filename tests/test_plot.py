@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from packtools import LengthProfile, profile_lengths
-from packtools.cli import main
+from packtools.cli.main import main
 
 matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg", force=True)
@@ -20,7 +20,7 @@ matplotlib.use("Agg", force=True)
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from packtools.plot import plot_lengths, plot_tradeoffs, profile_figure, save_figure, write_report  # noqa: E402
+from packtools.profiling.plot import plot_lengths, plot_tradeoffs, profile_figure, save_figure, write_report  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

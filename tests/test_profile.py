@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import packtools
 from packtools import LengthProfile, PackingError, profile_lengths
-from packtools.cli import main
-from packtools.tradeoffs import FIELDS
+from packtools.cli.main import main
+from packtools.profiling.tradeoffs import FIELDS
 
 
 def lognormal_lengths(rng, n=3000, empty=0.02):
@@ -289,7 +289,7 @@ def test_files_parquet_arrow_and_directories(tmp_path, rng, monkeypatch):
         w.write_table(table.slice(2500, 1000), max_chunksize=300)
     with pa.OSFile(str(tmp_path / "c.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
         w.write_table(table.slice(3500))  # the datasets cache format: an IPC stream
-    import packtools.profile as prof
+    import packtools.profiling.profile as prof
 
     monkeypatch.setattr(prof, "BATCH_TOKENS", 5000)  # many small parquet batches
     p = profile_lengths(tmp_path / "a.parquet")
@@ -329,7 +329,7 @@ def test_import_stays_light():
     import subprocess
     import sys
 
-    code = "import sys, packtools.profile; print(sorted(m for m in ('matplotlib', 'datasets', 'torch') if m in sys.modules))"
+    code = "import sys, packtools.profiling.profile; print(sorted(m for m in ('matplotlib', 'datasets', 'torch') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from packtools import pack_ray_dataset, pack_shards
-from packtools.shards import FAIL_ENV
+from packtools.pipeline.shards import FAIL_ENV
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
@@ -89,7 +89,7 @@ def test_ray_data_adapter_with_limit_downstream(ray_local, inputs):
 
 
 def test_ray_executor_reports_exceptions_and_dead_workers(ray_local):
-    from packtools.executors import RayExecutor
+    from packtools.pipeline.executors import RayExecutor
 
     ex = RayExecutor()
     out = dict(ex.run(abs, [-1, "x"]))

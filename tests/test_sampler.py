@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from packtools import PackingError
-from packtools.sampler import TokenBudgetBatchSampler, attention_costs
+from packtools.batches.sampler import TokenBudgetBatchSampler, attention_costs
 
 
 def all_ranks(lengths, max_tokens, replicas, **kw):

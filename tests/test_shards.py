@@ -10,9 +10,9 @@ import pytest
 
 import packtools
 from packtools import pack_shards
-from packtools.cli import main
-from packtools.executors import get_executor
-from packtools.shards import FAIL_ENV, MANIFEST, read_shard, row_ranges, shard_id
+from packtools.cli.main import main
+from packtools.pipeline.executors import get_executor
+from packtools.pipeline.shards import FAIL_ENV, MANIFEST, read_shard, row_ranges, shard_id
 
 MAX_LENGTH = 64
 ROWS = (300, 250, 400, 50)

@@ -9,7 +9,7 @@ import pytest
 from _hf_models import PAD, Recorder, max_diff, params, reference_training, sequences, tiny_llama, torch
 
 from packtools import pack_dataset
-from packtools.collate import PaddingFreeCollator
+from packtools.batches.collate import PaddingFreeCollator
 
 datasets = pytest.importorskip("datasets")
 

@@ -1,0 +1,195 @@
+"""Variable-length (padding-free) attention: flash-attn when it can run, an exact PyTorch reference otherwise.
+
+Tokens of several sequences are laid end to end: ``q`` is ``(total_q, heads, head_dim)`` and sequence ``i``
+owns rows ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` (likewise for ``k``/``v`` with ``cu_seqlens_k``).  No token
+attends outside its own sequence.  With ``causal=True`` and sequences of different query/key lengths, the
+causal mask is aligned to the bottom-right corner, as flash-attn >= 2.1 does; query rows that see no key give 0.
+
+The reference runs ``scaled_dot_product_attention`` once per sequence (memory ``O(sum L^2)``, not ``O(T^2)``),
+so it is correct forward and backward on CPU in any dtype; grouped-query attention (fewer k/v heads, query
+head ``h`` reading k/v head ``h // (heads_q // heads_k)``) is supported by both paths.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from types import ModuleType
+from typing import Any
+
+from .._optional import require
+from ..errors import PackingError
+
+BACKENDS = ("auto", "flash", "reference")
+
+
+def _torch() -> ModuleType:
+    return require("torch", "packtools.varlen_attention")
+
+
+def _flash_module() -> ModuleType | None:
+    try:
+        return importlib.import_module("flash_attn")
+    except ImportError:
+        return None
+
+
+def check_cu_seqlens(cu: Any, name: str, total: int, max_seqlen: object, max_name: str) -> list[int]:
+    """Validate ``cu_seqlens`` (int32, 1-D, 0 first, strictly increasing, ``total`` last) and ``max_seqlen``.
+
+    Returns the boundaries as Python ints.
+    """
+    torch = _torch()
+    if not isinstance(cu, torch.Tensor):
+        raise PackingError(f"{name} must be a torch.Tensor of int32, got {type(cu).__name__}.")
+    if cu.dtype != torch.int32:
+        raise PackingError(
+            f"{name} has dtype {cu.dtype}; flash-attn needs int32. Use {name}.to(torch.int32)."
+        )
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise PackingError(f"{name} must be 1-D with n + 1 >= 2 entries, got shape {tuple(cu.shape)}.")
+    bounds = cu.tolist()
+    if bounds[0] != 0:
+        raise PackingError(f"{name}[0] = {bounds[0]}; cumulative sequence lengths start at 0.")
+    steps = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    bad = next((i for i, s in enumerate(steps) if s <= 0), None)
+    if bad is not None:
+        raise PackingError(
+            f"{name} is not strictly increasing at index {bad + 1} ({bounds[bad]} -> {bounds[bad + 1]}); "
+            f"sequence {bad} would be empty or negative. Drop empty sequences."
+        )
+    if bounds[-1] != total:
+        raise PackingError(
+            f"{name}[-1] = {bounds[-1]} but the tensor has {total} tokens; the last boundary must be the total."
+        )
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+        raise PackingError(
+            f"{max_name} must be a Python int, got {max_seqlen!r} ({type(max_seqlen).__name__})."
+        )
+    longest = max(steps)
+    if max_seqlen < longest:
+        raise PackingError(
+            f"{max_name}={max_seqlen} is smaller than the longest sequence ({longest} tokens, sequence "
+            f"{steps.index(longest)}); flash-attn would silently skip rows. Pass {max_name}={longest}."
+        )
+    return bounds
+
+
+def _check_qkv(q: Any, k: Any, v: Any) -> tuple[int, int]:
+    torch = _torch()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise PackingError(f"{name} must be a (total_tokens, heads, head_dim) tensor, got {shape}.")
+    if k.shape[:2] != v.shape[:2]:
+        raise PackingError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same tokens and heads.")
+    if q.shape[2] != k.shape[2]:
+        raise PackingError(f"q head_dim {q.shape[2]} differs from k head_dim {k.shape[2]}.")
+    hq, hk = q.shape[1], k.shape[1]
+    if hk == 0 or hq % hk:
+        raise PackingError(
+            f"q has {hq} heads and k/v have {hk}; grouped-query attention needs heads_q to be a multiple of heads_k."
+        )
+    return hq, hk
+
+
+def _reference(q: Any, k: Any, v: Any, bq: list[int], bk: list[int], causal: bool, scale: float) -> Any:
+    torch = _torch()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    outs = []
+    for i in range(len(bq) - 1):
+        qs = q[bq[i] : bq[i + 1]].transpose(0, 1)  # (heads, Lq, D)
+        ks = k[bk[i] : bk[i + 1]].transpose(0, 1)
+        vs = v[bk[i] : bk[i + 1]].transpose(0, 1)
+        lq, lk = qs.shape[1], ks.shape[1]
+        if not causal:
+            out = sdpa(qs, ks, vs, scale=scale)
+        elif lq == lk:
+            out = sdpa(qs, ks, vs, is_causal=True, scale=scale)
+        else:
+            # Bottom-right aligned causal mask: query i sees keys j <= i + (lk - lq); rows seeing none give 0.
+            first = max(0, lq - lk)
+            rows = torch.arange(first, lq, device=q.device)[:, None]
+            mask = torch.arange(lk, device=q.device)[None, :] <= rows + (lk - lq)
+            seen = sdpa(qs[:, first:], ks, vs, attn_mask=mask, scale=scale)
+            out = torch.cat([seen.new_zeros(seen.shape[0], first, seen.shape[2]), seen], dim=1)
+        outs.append(out.transpose(0, 1))
+    return torch.cat(outs, dim=0)
+
+
+def _flash_eligible(q: Any, k: Any, v: Any) -> bool:
+    torch = _torch()
+    half = (torch.float16, torch.bfloat16)
+    return bool(q.is_cuda and q.dtype in half and k.dtype == q.dtype and v.dtype == q.dtype)
+
+
+def varlen_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    *,
+    backend: str = "auto",
+    check: bool = True,
+) -> Any:
+    """Attention over sequences laid end to end, never crossing a sequence boundary.
+
+    ``q`` is ``(total_q, heads_q, head_dim)``, ``k``/``v`` are ``(total_k, heads_k, head_dim)`` with
+    ``heads_q`` a multiple of ``heads_k``; ``cu_seqlens_*`` are int32 boundaries ``[0, ..., total]`` and
+    ``max_seqlen_*`` Python ints >= the longest sequence.  Returns ``(total_q, heads_q, head_dim)``.
+
+    ``backend="auto"`` calls ``flash_attn.flash_attn_varlen_func`` when flash-attn is installed and the tensors
+    are CUDA float16/bfloat16, else the PyTorch reference; ``"flash"`` or ``"reference"`` force one.  ``check``
+    validates ``cu_seqlens`` and ``max_seqlen`` (on CUDA this reads the boundaries back to the host once).
+
+    >>> import torch
+    >>> q = k = v = torch.randn(5, 2, 4)
+    >>> cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    >>> out = varlen_attention(q, k, v, cu, cu, max_seqlen_q=3, max_seqlen_k=3)
+    >>> out.shape
+    torch.Size([5, 2, 4])
+    >>> alone = torch.tensor([0, 2], dtype=torch.int32)  # the second sequence on its own
+    >>> torch.allclose(out[3:], varlen_attention(q[3:], k[3:], v[3:], alone, alone, 2, 2), atol=1e-6)
+    True
+    """
+    if backend not in BACKENDS:
+        raise PackingError(f"backend={backend!r}; use one of {', '.join(BACKENDS)}.")
+    _check_qkv(q, k, v)
+    bq = bk = None
+    if check or backend != "flash":
+        bq = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q")
+        bk = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, "max_seqlen_k")
+        if len(bq) != len(bk):
+            raise PackingError(
+                f"cu_seqlens_q has {len(bq) - 1} sequences but cu_seqlens_k has {len(bk) - 1}; they must match."
+            )
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    flash = None
+    if backend == "flash":
+        flash = require("flash_attn", "varlen_attention(backend='flash')")
+    elif backend == "auto" and _flash_eligible(q, k, v):
+        flash = _flash_module()
+    if flash is not None:
+        return flash.flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+        )
+    assert bq is not None and bk is not None
+    return _reference(q, k, v, bq, bk, causal, scale)

@@ -1,0 +1,262 @@
+"""Token-budget batching: batches of rows holding at most ``max_tokens`` tokens, balanced across ranks.
+
+Pure NumPy (plus the Numba best-fit-decreasing kernel); torch is not needed to import or use it, and it works
+as ``torch.utils.data.DataLoader(dataset, batch_sampler=...)``.
+
+How an epoch is built, deterministically from ``(seed, epoch)``:
+
+1. Rows are shuffled, then grouped into batches with best-fit decreasing on their token counts (the same
+   kernel that packs sequences), so batches are as full as possible.  The batch structure depends only on the
+   multiset of lengths, so the number of batches is the same every epoch; shuffling changes which rows of
+   equal length share a batch.
+2. The number of batches is made a multiple of ``num_replicas``: by splitting the biggest batches in two
+   (``drop_last=False``; rows are repeated, as ``DistributedSampler`` does, only once every batch
+   is down to one row), or by dropping the
+   smallest batches (``drop_last=True``).
+3. Batches are sorted by attention cost (sum of squared sequence lengths; per packed segment when
+   ``seq_lengths`` is given) and cut into *steps* of ``num_replicas`` consecutive batches, so the ranks of a
+   step get similar work; inside a step, batches go to ranks longest-processing-time first on the running
+   totals, which balances the epoch totals too.  Steps are then shuffled.
+
+:meth:`TokenBudgetBatchSampler.imbalance` reports what was reached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ..core import kernels
+from ..core.arrow import read_list_column
+from ..core.plan import as_lengths
+from ..errors import PackingError
+
+
+def _positive_int(value: object, name: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise PackingError(f"{name} must be an int >= {minimum}, got {value!r}.")
+    return int(value)
+
+
+def attention_costs(lengths: np.ndarray, seq_lengths: Any = None) -> np.ndarray:
+    """Per-row attention cost: the sum of squared sequence lengths (``length**2`` for an unpacked row).
+
+    ``seq_lengths`` is per-row segment lengths: a pyarrow list column (read from its buffers) or a sequence of
+    per-row sequences; each row's entries must sum to its length.
+
+    >>> attention_costs(np.array([4, 3]), [[2, 2], [3]]).tolist()
+    [8.0, 9.0]
+    """
+    if seq_lengths is None:
+        return lengths.astype(np.float64) ** 2
+    if isinstance(seq_lengths, (pa.Array, pa.ChunkedArray)):
+        col = read_list_column(seq_lengths, "seq_lengths")
+        parts = [(c.offsets, c.values.astype(np.float64)) for c in col.chunks]
+        sums, squares = [], []
+        for offsets, values in parts:
+            csum = np.concatenate(([0.0], np.cumsum(values)))
+            csq = np.concatenate(([0.0], np.cumsum(values * values)))
+            sums.append(csum[offsets[1:]] - csum[offsets[:-1]])
+            squares.append(csq[offsets[1:]] - csq[offsets[:-1]])
+        sums_arr = np.concatenate(sums) if sums else np.zeros(0)
+        cost = np.concatenate(squares) if squares else np.zeros(0)
+    else:
+        if len(seq_lengths) != len(lengths):
+            raise PackingError(
+                f"seq_lengths has {len(seq_lengths)} rows but lengths has {len(lengths)}; give one entry per row."
+            )
+        rows = [np.asarray(s, np.float64).reshape(-1) for s in seq_lengths]
+        sums_arr = np.array([r.sum() for r in rows])
+        cost = np.array([(r * r).sum() for r in rows])
+    if sums_arr.shape[0] != lengths.shape[0]:
+        raise PackingError(
+            f"seq_lengths has {sums_arr.shape[0]} rows but lengths has {lengths.shape[0]}; give one entry per row."
+        )
+    bad = np.flatnonzero(sums_arr != lengths)
+    if bad.size:
+        i = int(bad[0])
+        raise PackingError(
+            f"row {i}: seq_lengths sum to {int(sums_arr[i])} but lengths[{i}] = {int(lengths[i])}; "
+            f"pass the seq_lengths column of the same rows, in the same order."
+        )
+    return cost
+
+
+def _split_in_two(rows: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Split a batch of >= 2 rows into two with nearly equal tokens (greedy, longest first)."""
+    order = rows[np.argsort(-lengths[rows], kind="stable")]
+    a: list[int] = []
+    b: list[int] = []
+    ta = tb = 0
+    for r in order:
+        if ta <= tb:
+            a.append(int(r))
+            ta += int(lengths[r])
+        else:
+            b.append(int(r))
+            tb += int(lengths[r])
+    return np.array(a, np.int64), np.array(b, np.int64)
+
+
+class TokenBudgetBatchSampler:
+    """Yield lists of row indices holding at most ``max_tokens`` tokens each, balanced across replicas.
+
+    ``lengths`` are the rows' token counts (e.g. ``PackedRows.lengths`` or ``ds["input_ids"]`` lengths).
+    A row longer than ``max_tokens`` is an error (it would break the memory budget the batch size stands
+    for): raise ``max_tokens`` or pack with ``max_length <= max_tokens``.  Rows with no tokens are never
+    yielded.  With ``num_replicas > 1`` each rank yields the same number of batches; pass the rank's
+    ``rank`` and call :meth:`set_epoch` every epoch on every rank.
+
+    >>> s = TokenBudgetBatchSampler([3, 5, 2, 4, 6], max_tokens=8, shuffle=False)
+    >>> len(s), sorted(sorted(b) for b in s)
+    (3, [[0, 1], [2, 4], [3]])
+    >>> two = [TokenBudgetBatchSampler([3, 5, 2, 4, 6], 8, num_replicas=2, rank=r) for r in (0, 1)]
+    >>> [len(x) for x in two], sorted(i for x in two for b in x for i in b)
+    ([2, 2], [0, 1, 2, 3, 4])
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        max_tokens: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seq_lengths: Any = None,
+    ) -> None:
+        self.lengths = as_lengths(lengths)
+        self.max_tokens = _positive_int(max_tokens, "max_tokens")
+        self.num_replicas = _positive_int(num_replicas, "num_replicas")
+        self.rank = _positive_int(rank, "rank", minimum=0)
+        if self.rank >= self.num_replicas:
+            raise PackingError(f"rank={rank} must be < num_replicas={num_replicas}.")
+        self.seed = _positive_int(seed, "seed", minimum=0)
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        too_long = np.flatnonzero(self.lengths > self.max_tokens)
+        if too_long.size:
+            i = int(too_long[0])
+            raise PackingError(
+                f"row {i} has {int(self.lengths[i])} tokens, more than max_tokens={self.max_tokens} "
+                f"({too_long.size} rows do); raise max_tokens to at least {int(self.lengths.max())} or pack "
+                f"with max_length <= max_tokens."
+            )
+        self.costs = attention_costs(self.lengths, seq_lengths)
+        self.epoch = 0
+        self._cache: tuple[int, list[list[np.ndarray]]] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the shuffle of ``epoch`` (call on every rank before iterating)."""
+        self.epoch = _positive_int(epoch, "epoch", minimum=0)
+
+    # -- planning --------------------------------------------------------------------------------
+    def _batches(self, rng: np.random.Generator) -> list[np.ndarray]:
+        rows = np.flatnonzero(self.lengths > 0)
+        if self.shuffle:
+            rows = rng.permutation(rows)
+        if rows.size == 0:
+            return []
+        sizes = np.ascontiguousarray(self.lengths[rows])
+        item_order, offsets = kernels.bfd_assign(sizes, self.max_tokens)
+        ordered = rows[item_order]
+        return [ordered[offsets[b] : offsets[b + 1]] for b in range(offsets.shape[0] - 1)]
+
+    def _even_out(self, batches: list[np.ndarray]) -> list[np.ndarray]:
+        r = self.num_replicas
+        extra = len(batches) % r
+        if extra == 0:
+            return batches
+        tokens = np.array([self.lengths[b].sum() for b in batches])
+        if self.drop_last:
+            keep = np.sort(np.argsort(-tokens, kind="stable")[: len(batches) - extra])
+            return [batches[i] for i in keep]
+        need = r - extra
+        batches = list(batches)
+        while need:
+            splittable = [i for i, b in enumerate(batches) if b.size >= 2]
+            if not splittable:
+                break
+            i = max(splittable, key=lambda j: (int(self.lengths[batches[j]].sum()), -j))
+            first, second = _split_in_two(batches[i], self.lengths)
+            batches[i] = first
+            batches.append(second)
+            need -= 1
+        k = 0
+        while need:  # every batch is one row: repeat batches, as DistributedSampler repeats samples
+            batches.append(batches[k % len(batches)])
+            k += 1
+            need -= 1
+        return batches
+
+    def _plan(self) -> list[list[np.ndarray]]:
+        """Per step, the batch of each rank (computed once per epoch, identical on every rank)."""
+        if self._cache is not None and self._cache[0] == self.epoch:
+            return self._cache[1]
+        rng = np.random.default_rng([self.seed, self.epoch])
+        batches = self._even_out(self._batches(rng))
+        r = self.num_replicas
+        tokens = np.array([self.lengths[b].sum() for b in batches], np.float64)
+        costs = np.array([self.costs[b].sum() for b in batches], np.float64)
+        # Similar batches share a step: sort by cost (then tokens), cut into groups of r.
+        order = np.lexsort((-tokens, -costs))
+        weight = costs / max(costs.mean(), 1.0) + tokens / max(tokens.mean(), 1.0) if batches else costs
+        load = np.zeros(r)
+        steps: list[list[np.ndarray]] = []
+        for s in range(0, len(order), r):
+            group = order[s : s + r]
+            group = group[np.argsort(-weight[group], kind="stable")]
+            ranks = np.argsort(load, kind="stable")
+            step: list[np.ndarray] = [np.zeros(0, np.int64)] * r
+            for g, k in zip(group, ranks):
+                step[k] = batches[g]
+                load[k] += weight[g]
+            steps.append(step)
+        if self.shuffle:
+            steps = [steps[i] for i in rng.permutation(len(steps))]
+        self._cache = (self.epoch, steps)
+        return steps
+
+    # -- sampler protocol ------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in self._plan():
+            yield step[self.rank].tolist()
+
+    def __len__(self) -> int:
+        return len(self._plan())
+
+    def imbalance(self) -> dict[str, float]:
+        """How uneven the work of this epoch is across ranks, and how full batches are.
+
+        ``tokens`` / ``cost``: the busiest rank's epoch total over the mean rank's, minus 1 (0 = perfect).
+        ``step_tokens`` / ``step_cost``: the same ratio per step (what synchronous ranks wait on), averaged.
+        ``fill``: tokens yielded / (batches * max_tokens).
+        """
+        steps = self._plan()
+        if not steps:
+            return {"tokens": 0.0, "cost": 0.0, "step_tokens": 0.0, "step_cost": 0.0, "fill": 1.0}
+        tok = np.array([[self.lengths[b].sum() for b in step] for step in steps], np.float64)
+        cost = np.array([[self.costs[b].sum() for b in step] for step in steps], np.float64)
+
+        def ratio(x: np.ndarray, axis: int) -> np.ndarray:
+            mean = x.mean(axis=axis)
+            return np.where(mean > 0, x.max(axis=axis) / np.where(mean > 0, mean, 1.0) - 1.0, 0.0)
+
+        return {
+            "tokens": float(ratio(tok.sum(axis=0), 0)),
+            "cost": float(ratio(cost.sum(axis=0), 0)),
+            "step_tokens": float(ratio(tok, 1).mean()),
+            "step_cost": float(ratio(cost, 1).mean()),
+            "fill": float(tok.sum() / (tok.size * self.max_tokens)),
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenBudgetBatchSampler(rows={self.lengths.shape[0]}, max_tokens={self.max_tokens}, "
+            f"shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch}, drop_last={self.drop_last}, "
+            f"num_replicas={self.num_replicas}, rank={self.rank})"
+        )

@@ -1,0 +1,41 @@
+"""``packtools demo``: the whole pipeline on the standard library's sources (no download)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..core.plan import STRATEGIES
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "demo",
+        help="profile, plot and pack a built-in corpus (the standard library's sources) end to end",
+        description="Cut the running interpreter's standard library into functions, methods and classes "
+        "(byte-level ids, or --tokenizer DIR), print the length profile, the recommended max_length and the "
+        "three strategies side by side, write the length plot, and pack the corpus into OUT/packed (a "
+        "datasets.load_from_disk folder with a manifest; a second run finds it and does nothing).",
+    )
+    p.add_argument("--out", default="packtools-demo", help="working folder (default ./packtools-demo)")
+    p.add_argument("--max-length", type=int, help="max_length to pack with (default: the recommended one)")
+    p.add_argument("--strategy", choices=STRATEGIES, default="bfd", help="strategy of the packed output")
+    p.add_argument(
+        "--keep-tokens", type=float, default=0.95, help="share of tokens bfd must keep at the recommendation"
+    )
+    p.add_argument("--tokenizer", metavar="DIR", help="tokenize with this local tokenizer instead of bytes")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..pipeline.demo import run_demo
+
+    run_demo(
+        args.out,
+        max_length=args.max_length,
+        strategy=args.strategy,
+        keep_tokens=args.keep_tokens,
+        tokenizer=args.tokenizer,
+        quiet=args.quiet,
+    )
+    return 0

@@ -1,0 +1,19 @@
+"""Names and numbers shared by every layer: column names, the label ignore index, file names, versions."""
+
+from __future__ import annotations
+
+#: The package version (also the project's version in ``pyproject.toml``); part of every cache key.
+__version__ = "0.1.0"
+
+#: Label value that losses ignore (PyTorch's ``ignore_index`` and transformers' convention).
+IGNORE_INDEX = -100
+#: Column of packed rows holding each row's segment lengths.
+SEQ_LENGTHS = "seq_lengths"
+#: Per-token 0/1 columns that mark the tokens to learn (completion-only / assistant-only loss).
+MASK_COLUMNS = ("completion_mask", "assistant_masks")
+#: Columns packed rows carry that a model's ``forward`` does not name (kept through ``remove_unused_columns``).
+PACKED_COLUMNS = (SEQ_LENGTHS, *MASK_COLUMNS)
+#: Input formats of the offline pipeline.
+INPUT_FORMATS: tuple[str, ...] = ("text", "prompt_completion", "messages", "preference", "tokenized")
+#: File name of the pipeline's manifest in an output folder.
+MANIFEST = "manifest.json"

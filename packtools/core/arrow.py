@@ -1,0 +1,144 @@
+"""The one door between Arrow list columns and plain ``(offsets, values)`` NumPy arrays.
+
+A list column may be chunked, sliced (non-zero array offset) and ``list`` or ``large_list``.  For each chunk
+we hand out ``offsets`` (``len + 1`` int64 values, positions in ``values``) and ``values`` (a zero-copy
+NumPy view of the child array), so kernels never see an Arrow object and no token is converted to Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import PackingError
+
+INT32_MAX = 2**31 - 1
+
+
+def is_list_type(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+
+@dataclass(frozen=True)
+class ListChunk:
+    """One chunk of a list column: rows ``row_start .. row_start + len(offsets) - 2``."""
+
+    row_start: int
+    offsets: np.ndarray  # int64, len(rows) + 1, indexes into `values`
+    values: np.ndarray  # 1-D primitive NumPy view
+
+
+@dataclass(frozen=True)
+class ListColumn:
+    """A list column split into chunks of plain arrays."""
+
+    name: str
+    type: pa.DataType
+    chunks: tuple[ListChunk, ...]
+    num_rows: int
+
+    @property
+    def value_dtype(self) -> np.dtype:
+        return self.type.value_type.to_pandas_dtype() if self.chunks == () else self.chunks[0].values.dtype
+
+    def lengths(self) -> np.ndarray:
+        if not self.chunks:
+            return np.zeros(0, np.int64)
+        return np.concatenate([np.diff(c.offsets) for c in self.chunks])
+
+    def flat_values(self) -> np.ndarray:
+        """All rows' values, one after the other (a copy when there are several chunks)."""
+        parts = [c.values[c.offsets[0] : c.offsets[-1]] for c in self.chunks]
+        if not parts:
+            return np.zeros(0, self.value_dtype)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def chunk_row_starts(self) -> np.ndarray:
+        return np.array([c.row_start for c in self.chunks] + [self.num_rows], np.int64)
+
+
+def _first_null_row(arr: pa.Array) -> int:
+    return int(np.flatnonzero(np.asarray(arr.is_null()))[0])
+
+
+def read_list_column(column: pa.ChunkedArray | pa.Array, name: str) -> ListColumn:
+    """Split a list column into chunks of ``(offsets, values)``, checking nulls and value types."""
+    if isinstance(column, pa.Array):
+        column = pa.chunked_array([column], type=column.type)
+    t = column.type
+    if not is_list_type(t):
+        raise PackingError(
+            f"column {name!r} has type {t}, not a list; only list columns can be packed. "
+            f"Pass columns=[...] naming the token columns, or remove {name!r} first."
+        )
+    vt = t.value_type
+    if pa.types.is_float16(vt):
+        raise PackingError(
+            f"column {name!r} holds lists of float16, which the packing kernels do not handle; cast it to "
+            f"float32 (or leave it out with columns=[...])."
+        )
+    if not (pa.types.is_integer(vt) or pa.types.is_floating(vt)):
+        raise PackingError(
+            f"column {name!r} holds lists of {vt}; packtools packs lists of integers or floats. "
+            f"Cast it (e.g. to list<int32>) or leave it out with columns=[...]."
+        )
+    chunks = []
+    row = 0
+    for chunk in column.chunks:
+        n = len(chunk)
+        if chunk.null_count:
+            bad = row + _first_null_row(chunk)
+            raise PackingError(
+                f"column {name!r} row {bad} is null; packing needs a list in every row. "
+                f"Fill it (e.g. with an empty list) or filter the row out."
+            )
+        offsets = np.asarray(chunk.offsets).astype(np.int64, copy=False)
+        child = chunk.values
+        lo, hi = (int(offsets[0]), int(offsets[-1])) if n else (0, 0)
+        window = child.slice(lo, hi - lo)
+        if window.null_count:
+            inner = lo + _first_null_row(window)
+            bad = row + int(np.searchsorted(offsets, inner, side="right")) - 1
+            raise PackingError(
+                f"column {name!r} row {bad} contains a null value; packed token columns cannot hold nulls. "
+                f"Replace the nulls (e.g. with the pad id) or drop the row."
+            )
+        values = window.to_numpy(zero_copy_only=True) if len(window) else np.zeros(0, vt.to_pandas_dtype())
+        chunks.append(ListChunk(row, offsets - lo, values))
+        row += n
+    return ListColumn(name, t, tuple(chunks), row)
+
+
+def check_aligned(columns: list[ListColumn]) -> np.ndarray:
+    """Return the shared row lengths, or explain the first row where columns disagree."""
+    lengths = columns[0].lengths()
+    for col in columns[1:]:
+        other = col.lengths()
+        if not np.array_equal(lengths, other):
+            row = int(np.flatnonzero(lengths != other)[0])
+            raise PackingError(
+                f"columns {columns[0].name!r} and {col.name!r} differ in length at row {row} "
+                f"({lengths[row]} vs {other[row]} values); packed columns must be aligned token for token. "
+                f"Fix the data or pack them separately with columns=[...]."
+            )
+    return lengths
+
+
+def list_array(offsets: np.ndarray, values: np.ndarray, large: bool, value_type: pa.DataType) -> pa.Array:
+    """Build a ``list``/``large_list`` array from offsets and values without copying the values."""
+    vals = pa.array(values, type=value_type)
+    if large or int(offsets[-1]) > INT32_MAX:
+        return pa.LargeListArray.from_arrays(pa.array(offsets.astype(np.int64, copy=False)), vals)
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), vals)
+
+
+def column_lengths(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Row lengths of a list column read from its offsets only (no token is touched)."""
+    if isinstance(column, pa.Array):
+        column = pa.chunked_array([column], type=column.type)
+    if not is_list_type(column.type):
+        raise PackingError(f"expected a list column, got type {column.type}.")
+    parts = [np.diff(np.asarray(c.offsets).astype(np.int64, copy=False)) for c in column.chunks]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)

@@ -1,0 +1,260 @@
+"""Numba kernels: plain, C-contiguous NumPy arrays in and out.
+
+Everything here is compiled lazily on first call and cached on disk (``cache=True``); importing this module
+compiles nothing.  The Python wrappers in :mod:`packtools.core.plan` and :mod:`packtools.core.pack` validate and
+cast inputs once, so these functions trust their arguments.  They also run unchanged under
+``NUMBA_DISABLE_JIT=1``, which the test suite uses to check their Python semantics.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True)
+def make_items(lengths, max_length, split):
+    """Turn sequence lengths into packable items ``(source, start, length)``.
+
+    Empty sequences produce no item.  With ``split`` a sequence longer than ``max_length`` becomes the chunks
+    ``[0:L], [L:2L], ...``; without it, it becomes one item holding its first ``max_length`` tokens.
+    """
+    n = lengths.shape[0]
+    count = 0
+    for i in range(n):
+        length = lengths[i]
+        if length > 0:
+            if split:
+                count += (length + max_length - 1) // max_length
+            else:
+                count += 1
+    source = np.empty(count, np.int64)
+    start = np.empty(count, np.int64)
+    size = np.empty(count, np.int64)
+    k = 0
+    for i in range(n):
+        length = lengths[i]
+        if length <= 0:
+            continue
+        if split:
+            offset = 0
+            while offset < length:
+                source[k] = i
+                start[k] = offset
+                size[k] = min(max_length, length - offset)
+                offset += max_length
+                k += 1
+        else:
+            source[k] = i
+            start[k] = 0
+            size[k] = min(max_length, length)
+            k += 1
+    return source, start, size
+
+
+@njit(cache=True)
+def _tree_set(tree, leaves, space, value):
+    node = leaves + space
+    tree[node] = value
+    node //= 2
+    while node >= 1:
+        left = tree[2 * node]
+        right = tree[2 * node + 1]
+        tree[node] = left if left >= right else right
+        node //= 2
+
+
+@njit(cache=True)
+def bfd_assign(sizes, max_length):
+    """Best-fit decreasing over item sizes in ``[1, max_length]``.
+
+    Items are taken longest first, ties in input order (a stable counting sort).  Each goes to the open bin
+    with the smallest remaining space that still fits it, found in O(log L) with a max segment tree indexed
+    by remaining space; among bins with the same remaining space, the one that reached it first.  Bins are
+    numbered in creation order.
+
+    Returns ``(item_order, row_offsets)``: the item indices grouped by bin, in placement order inside a bin,
+    and the start of each bin in ``item_order`` (``num_bins + 1`` values).
+    """
+    n = sizes.shape[0]
+    # Stable counting sort by size, descending.
+    counts = np.zeros(max_length + 1, np.int64)
+    for i in range(n):
+        counts[sizes[i]] += 1
+    cursor = np.zeros(max_length + 1, np.int64)
+    position = 0
+    for size in range(max_length, 0, -1):
+        cursor[size] = position
+        position += counts[size]
+    order = np.empty(n, np.int64)
+    for i in range(n):
+        size = sizes[i]
+        order[cursor[size]] = i
+        cursor[size] += 1
+
+    # Segment tree over remaining space 0..max_length; a leaf holds its space if some bin has it, else 0.
+    leaves = 1
+    while leaves < max_length + 1:
+        leaves *= 2
+    tree = np.zeros(2 * leaves, np.int64)
+    _tree_set(tree, leaves, max_length, max_length)  # a fresh bin is always available
+    # FIFO queue of bins per remaining space, as linked lists.
+    head = np.full(max_length + 1, -1, np.int64)
+    tail = np.full(max_length + 1, -1, np.int64)
+    next_bin = np.full(max(n, 1), -1, np.int64)
+    # Work on sizes in sorted order: sequential reads instead of scattered ones.
+    sorted_sizes = np.empty(n, np.int64)
+    for k in range(n):
+        sorted_sizes[k] = sizes[order[k]]
+    placed_bin = np.empty(n, np.int64)  # bin of the k-th placed item
+    bin_count = np.zeros(max(n, 1), np.int64)
+    num_bins = 0
+    for k in range(n):
+        size = sorted_sizes[k]
+        # Leftmost leaf whose value is >= size: the smallest remaining space that fits.
+        node = 1
+        while node < leaves:
+            if tree[2 * node] >= size:
+                node = 2 * node
+            else:
+                node = 2 * node + 1
+        space = node - leaves
+        if space == max_length:
+            b = num_bins
+            num_bins += 1
+        else:
+            b = head[space]
+            head[space] = next_bin[b]
+            if head[space] == -1:
+                tail[space] = -1
+                _tree_set(tree, leaves, space, 0)
+        placed_bin[k] = b
+        bin_count[b] += 1
+        space -= size
+        if space > 0:
+            next_bin[b] = -1
+            if tail[space] == -1:
+                head[space] = b
+                _tree_set(tree, leaves, space, space)
+            else:
+                next_bin[tail[space]] = b
+            tail[space] = b
+
+    # Group items by bin (stable on placement order).
+    row_offsets = np.zeros(num_bins + 1, np.int64)
+    for b in range(num_bins):
+        row_offsets[b + 1] = row_offsets[b] + bin_count[b]
+    fill = row_offsets[:num_bins].copy()
+    item_order = np.empty(n, np.int64)
+    for k in range(n):
+        b = placed_bin[k]
+        item_order[fill[b]] = order[k]
+        fill[b] += 1
+    return item_order, row_offsets
+
+
+@njit(cache=True)
+def wrapped_segments(lengths, max_length):
+    """Concatenate all sequences in order and cut every ``max_length`` tokens.
+
+    Returns ``(source, start, size, row_offsets)``: the pieces of sequences that make up each row, in order.
+    """
+    n = lengths.shape[0]
+    total = 0
+    pieces = 0
+    for i in range(n):
+        if lengths[i] > 0:
+            total += lengths[i]
+    # A sequence of length l starting at stream position p spans the rows p // L ... (p + l - 1) // L.
+    position = 0
+    for i in range(n):
+        length = lengths[i]
+        if length > 0:
+            pieces += (position + length - 1) // max_length - position // max_length + 1
+            position += length
+    num_rows = (total + max_length - 1) // max_length
+    source = np.empty(pieces, np.int64)
+    start = np.empty(pieces, np.int64)
+    size = np.empty(pieces, np.int64)
+    row_offsets = np.zeros(num_rows + 1, np.int64)
+    k = 0
+    position = 0
+    for i in range(n):
+        length = lengths[i]
+        offset = 0
+        while offset < length:
+            row = position // max_length
+            room = (row + 1) * max_length - position
+            take = min(room, length - offset)
+            source[k] = i
+            start[k] = offset
+            size[k] = take
+            row_offsets[row + 1] = k + 1
+            k += 1
+            offset += take
+            position += take
+    return source, start, size, row_offsets
+
+
+@njit(cache=True)
+def copy_all_segments(values, src_start, size, dst_start, out):
+    """``out[dst:dst+size] = values[src:src+size]`` for every segment."""
+    for s in range(src_start.shape[0]):
+        a = src_start[s]
+        d = dst_start[s]
+        m = size[s]
+        out[d : d + m] = values[a : a + m]
+
+
+@njit(cache=True)
+def plan_violation(seg_source, seg_start, seg_length, row_offsets, source_lengths, max_length):
+    """First broken invariant of a packing plan as ``(code, index)``; ``(0, -1)`` when the plan is sound.
+
+    Codes: 1 ``row_offsets`` not 0..num_segments and non-decreasing (index: row); 2 an empty or negative
+    segment; 3 a source out of range; 4 a segment outside its sequence; 5 a row longer than ``max_length``
+    (index: row); 6 a segment overlapping another segment of the same sequence (index: the later one).
+    """
+    n_seg = seg_length.shape[0]
+    n_src = source_lengths.shape[0]
+    n_rows = row_offsets.shape[0] - 1
+    if n_rows < 0 or row_offsets[0] != 0 or row_offsets[n_rows] != n_seg:
+        return 1, 0
+    for r in range(n_rows):
+        if row_offsets[r + 1] < row_offsets[r]:
+            return 1, r
+    for s in range(n_seg):
+        if seg_length[s] < 1:
+            return 2, s
+        if seg_source[s] < 0 or seg_source[s] >= n_src:
+            return 3, s
+        if seg_start[s] < 0 or seg_start[s] + seg_length[s] > source_lengths[seg_source[s]]:
+            return 4, s
+    for r in range(n_rows):
+        total = 0
+        for s in range(row_offsets[r], row_offsets[r + 1]):
+            total += seg_length[s]
+        if total > max_length:
+            return 5, r
+    # Overlap: bucket segments by source (counting sort), then sort each bucket by start.
+    counts = np.zeros(n_src + 1, np.int64)
+    for s in range(n_seg):
+        counts[seg_source[s] + 1] += 1
+    for i in range(n_src):
+        counts[i + 1] += counts[i]
+    fill = counts[:-1].copy()
+    order = np.empty(n_seg, np.int64)
+    for s in range(n_seg):
+        src = seg_source[s]
+        order[fill[src]] = s
+        fill[src] += 1
+    for i in range(n_src):
+        lo = counts[i]
+        hi = counts[i + 1]
+        if hi - lo > 1:
+            group = order[lo:hi].copy()
+            order[lo:hi] = group[np.argsort(seg_start[group], kind="mergesort")]
+        for a in range(lo + 1, hi):
+            prev = order[a - 1]
+            if seg_start[prev] + seg_length[prev] > seg_start[order[a]]:
+                return 6, order[a]
+    return 0, -1

@@ -1,0 +1,1 @@
+"""Adapters to other libraries: Hugging Face ``datasets``, ``transformers``/TRL trainers, Ray Data."""

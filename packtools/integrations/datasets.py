@@ -1,0 +1,239 @@
+"""Packing for Hugging Face ``datasets`` (extra ``packtools[datasets]``), imported only when used."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from .._optional import require
+from ..constants import SEQ_LENGTHS
+from ..core.pack import pack_columns, read_columns, truncate_table
+from ..core.plan import PackPlan, Strategy, check_max_length, check_strategy
+from ..core.plan import plan as make_plan
+from ..errors import PackingError
+
+DEFAULT_WINDOW = 100_000
+
+
+def _datasets():
+    return require("datasets", "packing a datasets.Dataset")
+
+
+def dataset_table(dataset: Any) -> tuple[pa.Table, np.ndarray | None]:
+    """The Arrow table behind a ``datasets.Dataset`` and its row indices mapping (after select/shuffle)."""
+    table = dataset.data.table
+    indices = None
+    if getattr(dataset, "_indices", None) is not None:
+        indices = dataset._indices.column(0).to_numpy().astype(np.int64)
+    return table, indices
+
+
+def _derived_fingerprint(dataset: Any, operation: str, **params: Any) -> str:
+    """A fingerprint for a dataset made from ``dataset`` (else ``datasets`` pickles every token to hash it)."""
+    key = json.dumps([getattr(dataset, "_fingerprint", None), operation, params], sort_keys=True, default=str)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _restore_format(ds: Any, fmt: dict[str, Any], added: list[str]) -> Any:
+    columns = fmt.get("columns")
+    if columns is not None:
+        columns = [c for c in columns if c in ds.column_names] + [c for c in added if c not in columns]
+    return ds.with_format(
+        fmt.get("type"),
+        columns=columns,
+        output_all_columns=fmt.get("output_all_columns", False),
+        **(fmt.get("format_kwargs") or {}),
+    )
+
+
+BLOCK_TOKENS = 1 << 26  # tokens gathered and written at a time when packing to a cache file
+
+
+def _cache_file(dataset: Any, fingerprint: str) -> tuple[str, bool]:
+    """Where the packed rows of ``dataset`` go, and whether an existing file there may be reused.
+
+    Like ``datasets.map``: next to the dataset's own cache files when it has some (and caching is on),
+    else in ``datasets``' temporary folder, which is deleted when the Python session ends.
+    """
+    ds_mod = _datasets()
+    caching = ds_mod.is_caching_enabled()
+    if caching and dataset.cache_files:
+        directory = os.path.dirname(dataset.cache_files[0]["filename"])
+        if os.access(directory, os.W_OK):
+            return os.path.join(directory, f"packtools-{fingerprint}.arrow"), True
+    directory = ds_mod.fingerprint.get_temporary_cache_files_directory()
+    return os.path.join(directory, f"packtools-{fingerprint}.arrow"), False
+
+
+def _write_packed(path: str, cols: list, p: PackPlan, indices: np.ndarray | None) -> None:
+    """Gather and write the packed rows block by block, giving back mapped input pages as it goes."""
+    from ..io.atomic import atomic_path
+    from ..io.pages import PageReleaser
+
+    release = PageReleaser().release
+    blocks = p.row_blocks(BLOCK_TOKENS) or [(0, 0)]
+    scratch: dict[str, np.ndarray] = {}  # one buffer per column, reused: the writer copies each block out
+    with atomic_path(path) as tmp, pa.OSFile(tmp, "wb") as sink:
+        writer = None
+        for start, stop in blocks:
+            table = pack_columns(cols, p.slice_rows(start, stop), indices, release, scratch)
+            if writer is None:
+                writer = pa.ipc.new_stream(sink, table.schema)
+            writer.write_table(table)
+            del table
+        writer.close()
+
+
+def _pack_split(
+    dataset: Any,
+    max_length: int,
+    strategy: str,
+    columns: Sequence[str] | None,
+    shuffle: bool,
+    seed: int,
+    keep_in_memory: bool | None,
+) -> tuple[Any, PackPlan]:
+    ds_mod = _datasets()
+    table, indices = dataset_table(dataset)
+    cols, lengths = read_columns(table, columns)
+    if indices is not None:
+        lengths = lengths[indices]
+    p = make_plan(lengths, max_length, strategy)
+    if shuffle:
+        p = p.shuffled(seed)
+    fingerprint = _derived_fingerprint(
+        dataset, "pack", max_length=max_length, strategy=strategy, columns=columns, shuffle=shuffle, seed=seed
+    )
+    if keep_in_memory is None:
+        keep_in_memory = not dataset.cache_files
+    if keep_in_memory:
+        out = ds_mod.Dataset(pack_columns(cols, p, indices), split=dataset.split, fingerprint=fingerprint)
+    else:
+        path, reuse = _cache_file(dataset, fingerprint)
+        if not (reuse and os.path.exists(path)):
+            _write_packed(path, cols, p, indices)
+        mapped = ds_mod.table.MemoryMappedTable.from_file(path)
+        out = ds_mod.Dataset(mapped, split=dataset.split, fingerprint=fingerprint)
+    added = [SEQ_LENGTHS] if SEQ_LENGTHS in out.column_names else []
+    return _restore_format(out, dict(dataset.format), added), p
+
+
+def pack_dataset(
+    dataset: Any,
+    max_length: int,
+    strategy: Strategy | str = "bfd",
+    columns: Sequence[str] | None = None,
+    *,
+    shuffle: bool = False,
+    seed: int = 0,
+    window: int = DEFAULT_WINDOW,
+    keep_in_memory: bool | None = None,
+) -> Any:
+    """Pack a ``datasets.Dataset``, ``DatasetDict`` or ``IterableDataset`` into rows of ``max_length`` tokens.
+
+    A ``Dataset`` (each split of a ``DatasetDict``) is packed with one global plan, so rows are as full as
+    best-fit decreasing can make them; the result has the same format, with ``seq_lengths`` added for
+    ``bfd``/``bfd_split``.  For a dataset of at most 1000 rows the output equals
+    ``trl.pack_dataset(dataset, max_length, strategy)`` row for row.
+
+    Where the packed rows go (``keep_in_memory``): by default, a dataset that lives in memory is packed in
+    memory (fastest), and a memory-mapped one (``load_from_disk``, ``load_dataset``, ``map`` results) is
+    packed, as ``datasets.map`` would, block by block into an Arrow cache file next to its own cache files,
+    then memory-mapped: peak memory stays at about one block of 2**26 tokens, the input's pages are given
+    back as they are read, and a later call with the same dataset and arguments reuses the file (with
+    ``datasets`` caching on).  ``True`` / ``False`` force one way (``False`` on an in-memory dataset writes to
+    ``datasets``' temporary folder, deleted when Python exits).
+
+    An ``IterableDataset`` is packed lazily in windows of ``window`` rows, each with its own plan.  A window
+    ends with one partly filled row, so a window of ``w`` rows of mean length ``m`` adds about
+    ``max_length / (2 * w * m)`` relative rows over a global plan: ~0.5% for TRL's 1000-row windows at
+    ``m / max_length = 0.1``, under 0.01% from 100k rows on.
+
+    ``shuffle=True`` reorders the packed rows with ``seed`` (BFD emits the fullest rows first); for an
+    ``IterableDataset`` each window is shuffled on its own, with the same seed (shuffle the stream's
+    shards too, e.g. ``IterableDataset.shuffle``, for order across windows).
+
+    >>> from datasets import Dataset
+    >>> ds = Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]]})
+    >>> pack_dataset(ds, 4)[:]
+    {'input_ids': [[1, 2, 3, 4], [8, 9, 10, 11], [6, 7]], 'seq_lengths': [[4], [3, 1], [2]]}
+    """
+    ds_mod = _datasets()
+    strategy = check_strategy(strategy)
+    max_length = check_max_length(max_length)
+    if isinstance(dataset, ds_mod.DatasetDict):
+        return ds_mod.DatasetDict(
+            {
+                name: _pack_split(split, max_length, strategy, columns, shuffle, seed, keep_in_memory)[0]
+                for name, split in dataset.items()
+            }
+        )
+    if isinstance(dataset, ds_mod.Dataset):
+        return _pack_split(dataset, max_length, strategy, columns, shuffle, seed, keep_in_memory)[0]
+    if isinstance(dataset, ds_mod.IterableDataset):
+        return _pack_iterable(dataset, max_length, strategy, columns, shuffle, seed, window)
+    raise PackingError(
+        f"dataset must be a datasets.Dataset, DatasetDict or IterableDataset, got {type(dataset).__name__}; "
+        f"for a pyarrow.Table use packtools.pack_table."
+    )
+
+
+def _pack_iterable(
+    dataset: Any,
+    max_length: int,
+    strategy: str,
+    columns: Sequence[str] | None,
+    shuffle: bool,
+    seed: int,
+    window: int,
+) -> Any:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise PackingError(f"window must be a positive number of rows, got {window!r}.")
+    names = list(columns) if columns is not None else None
+
+    def pack_window(batch: pa.Table) -> pa.Table:
+        cols, lengths = read_columns(batch, names)
+        p = make_plan(lengths, max_length, strategy)
+        if shuffle:
+            p = p.shuffled(seed)
+        return pack_columns(cols, p)
+
+    fmt = getattr(dataset, "_formatting", None)
+    fmt_type = getattr(fmt, "format_type", None)
+    packed = dataset.with_format("arrow").map(pack_window, batched=True, batch_size=window)
+    return packed.with_format(fmt_type)
+
+
+def truncate_dataset(dataset: Any, max_length: int, columns: Sequence[str] | None = None) -> Any:
+    """Keep the first ``max_length`` values of each list column (all, or those named) of a dataset.
+
+    Works on ``Dataset`` and ``DatasetDict`` (and on a ``pyarrow.Table``); the format is kept.
+
+    >>> from datasets import Dataset
+    >>> truncate_dataset(Dataset.from_dict({"input_ids": [[1, 2, 3], [4]]}), 2)[:]
+    {'input_ids': [[1, 2], [4]]}
+    """
+    if isinstance(dataset, pa.Table):
+        return truncate_table(dataset, max_length, columns)
+    ds_mod = _datasets()
+    max_length = check_max_length(max_length)
+    if isinstance(dataset, ds_mod.DatasetDict):
+        return ds_mod.DatasetDict({k: truncate_dataset(v, max_length, columns) for k, v in dataset.items()})
+    if not isinstance(dataset, ds_mod.Dataset):
+        raise PackingError(
+            f"dataset must be a datasets.Dataset or DatasetDict, got {type(dataset).__name__}."
+        )
+    table, indices = dataset_table(dataset)
+    if indices is not None:
+        table = table.take(pa.array(indices))
+    fingerprint = _derived_fingerprint(dataset, "truncate", max_length=max_length, columns=columns)
+    out = ds_mod.Dataset(
+        truncate_table(table, max_length, columns), split=dataset.split, fingerprint=fingerprint
+    )
+    return _restore_format(out, dict(dataset.format), [])

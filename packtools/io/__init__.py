@@ -1,0 +1,1 @@
+"""Files on disk: input discovery and readers, atomic writes, mapped-page release, manifests, fingerprints."""

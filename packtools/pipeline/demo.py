@@ -1,0 +1,141 @@
+"""The whole pipeline on a corpus that needs no download: the running interpreter's standard library.
+
+The corpus is every function, method and class of the standard library's ``.py`` files: each source file is
+cut before every line that starts a ``def``/``class`` at the top level or one indent in, which gives tens of
+thousands of sequences with a long tail (a few huge literals).  Ids are the UTF-8 bytes (a byte-level
+vocabulary of 256), or come from a local tokenizer folder.  :func:`run_demo` profiles the lengths, picks
+``max_length``, compares the three strategies, writes the length plot and packs the corpus to a dataset
+folder with :func:`packtools.pipeline.run.pack_files`.
+
+>>> texts = stdlib_definitions(limit=3)
+>>> len(texts) > 3, all(isinstance(t, bytes) for t in texts)
+(True, True)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from .sample import stdlib_files
+
+_DEFINITION = re.compile(rb"^(?=(?:    )?(?:def |class |async def ))", re.M)
+
+
+def stdlib_definitions(limit: int | None = None) -> list[bytes]:
+    """The sources of the first ``limit`` standard-library files, cut before each top-level or method definition."""
+    pieces = []
+    for path in stdlib_files(limit):
+        with open(path, "rb") as fh:
+            data = fh.read()
+        bounds = [0] + [m.start() for m in _DEFINITION.finditer(data)] + [len(data)]
+        pieces.extend(data[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a)
+    return pieces
+
+
+def byte_level_table(texts: list[bytes]) -> pa.Table:
+    """``input_ids`` = the bytes of each text as int32 ids 0..255."""
+    lengths = np.fromiter(map(len, texts), np.int64, count=len(texts))
+    values = np.frombuffer(b"".join(texts), np.uint8).astype(np.int32)
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+    return pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))})
+
+
+def tokenized_table(texts: list[bytes], tokenizer_dir: str, batch_rows: int = 1000) -> pa.Table:
+    """Tokenize ``texts`` (decoded as UTF-8) with the pipeline's batch tokenizer, EOS appended."""
+    from .tokenize import BatchTokenizer
+
+    bt = BatchTokenizer(tokenizer_dir, "text")
+    parts = []
+    for start in range(0, len(texts), batch_rows):
+        chunk = [t.decode("utf-8", errors="replace") for t in texts[start : start + batch_rows]]
+        parts.append(bt(pa.table({"text": chunk}), start))
+    return pa.concat_tables(parts).combine_chunks()
+
+
+def run_demo(
+    out: str,
+    max_length: int | None = None,
+    strategy: str = "bfd",
+    keep_tokens: float = 0.95,
+    tokenizer: str | None = None,
+    quiet: bool = False,
+    echo: Callable[[str], Any] = print,
+    limit: int | None = None,
+) -> dict[str, Any]:
+    """Profile, recommend ``max_length``, compare strategies, plot and pack the stdlib corpus into ``out``.
+
+    Writes ``out/corpus/stdlib-definitions.parquet`` (kept between runs), ``out/lengths.png`` (with
+    matplotlib) and ``out/packed`` (a ``datasets.load_from_disk`` folder).  Returns what it printed, as data.
+    ``limit`` takes only the first source files (for quick checks).
+    """
+    from ..cli.pack import format_pipeline_summary, format_summary
+    from ..core.plan import STRATEGIES, plan
+    from ..io.atomic import write_table
+    from ..profiling.profile import profile_lengths
+    from .run import PipelineConfig, run_pipeline
+
+    started = time.perf_counter()
+    os.makedirs(out, exist_ok=True)
+    corpus = os.path.join(
+        out, "corpus", "stdlib-definitions.parquet" if tokenizer is None else "stdlib-tokenized.parquet"
+    )
+    what = "byte-level ids" if tokenizer is None else f"tokenizer {tokenizer}"
+    if os.path.exists(corpus):  # kept from an earlier run: the same interpreter gives the same corpus
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(corpus)
+    else:
+        texts = stdlib_definitions(limit)
+        table = byte_level_table(texts) if tokenizer is None else tokenized_table(texts, tokenizer)
+        write_table(table, corpus)
+    name = f"standard library definitions ({what})"
+    profile = profile_lengths(table, name=name)
+    echo(profile.to_text())
+    rec = profile.recommend(keep_tokens=keep_tokens)
+    echo(f"\nrecommended: {rec.reason}")
+    chosen = max_length if max_length is not None else rec.max_length
+    if max_length is not None:
+        echo(f"chosen: --max-length {chosen:,}")
+    lengths = profile.lengths
+    results = []
+    for s in STRATEGIES:
+        t = time.perf_counter()
+        p = plan(lengths, chosen, s)
+        results.append((p, time.perf_counter() - t))
+    echo("\n" + format_summary(results))
+    plot_path = os.path.join(out, "lengths.png")
+    try:
+        from ..profiling.plot import profile_figure, save_figure
+
+        # candidates around the bulk of the distribution rather than up to its longest outlier
+        candidates = sorted({1 << k for k in range(8, 17)} | {chosen})
+        save_figure(profile_figure(profile, candidates, max_length=chosen), plot_path)
+        echo(f"\nwrote the length plot to {plot_path}")
+    except ImportError as exc:
+        plot_path = None
+        echo(f"\nno plot: {exc}")
+    res = run_pipeline(
+        [corpus],
+        os.path.join(out, "packed"),
+        PipelineConfig(max_length=chosen, strategy=strategy),
+        quiet=quiet,
+    )
+    echo("\n" + format_pipeline_summary(res.stats, res.out, res.cached))
+    echo(
+        f"\ndemo done in {time.perf_counter() - started:.1f} s; load it with datasets.load_from_disk({res.out!r})"
+    )
+    return {
+        "profile": profile,
+        "recommendation": rec,
+        "max_length": chosen,
+        "plans": [p for p, _ in results],
+        "plot": plot_path,
+        "packed": res,
+    }

@@ -1,0 +1,154 @@
+"""Executors: run one function over many jobs, in-process, in a process pool, or as Ray tasks.
+
+They share one interface, :meth:`Executor.run`, which yields ``(index, outcome)`` pairs as jobs finish, where
+``outcome`` is the function's return value or the exception it raised.  An executor never retries and never
+raises a job's exception: retrying and reporting are the caller's business (see :func:`packtools.pack_shards`),
+so every executor behaves the same way.
+
+>>> with get_executor("local") as ex:
+...     sorted(ex.run(abs, [-1, 2, -3]))
+[(0, 1), (1, 2), (2, 3)]
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Any
+
+from .._optional import require
+from ..errors import PackingError
+
+EXECUTORS: tuple[str, ...] = ("local", "pool", "ray")
+
+
+class Executor:
+    """Runs ``fn(job)`` for every job and yields ``(index, result or exception)`` in completion order."""
+
+    name = "base"
+
+    def run(self, fn: Callable[[Any], Any], jobs: Sequence[Any]) -> Iterator[tuple[int, Any]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the executor holds (processes, a Ray runtime it started)."""
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LocalExecutor(Executor):
+    """In this process, one job after another (the default; no extra dependency)."""
+
+    name = "local"
+
+    def run(self, fn: Callable[[Any], Any], jobs: Sequence[Any]) -> Iterator[tuple[int, Any]]:
+        for i, job in enumerate(jobs):
+            try:
+                yield i, fn(job)
+            except Exception as exc:  # noqa: BLE001 - reported to the caller as the job's outcome
+                yield i, exc
+
+
+class PoolExecutor(Executor):
+    """A local pool of ``workers`` processes started with ``spawn`` (safe with threads and Numba).
+
+    ``fn`` and the jobs must be picklable and importable (module-level), and a script using it needs the usual
+    ``if __name__ == "__main__":`` guard.  A fresh pool serves each :meth:`run` call, so a worker that died
+    (e.g. killed for memory) fails only the jobs of that call, and a retry gets new processes.
+    """
+
+    name = "pool"
+
+    def __init__(self, workers: int | None = None) -> None:
+        self.workers = _check_workers(workers) or os.cpu_count() or 1
+
+    def run(self, fn: Callable[[Any], Any], jobs: Sequence[Any]) -> Iterator[tuple[int, Any]]:
+        if not jobs:
+            return
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=min(self.workers, len(jobs)), mp_context=ctx) as pool:
+            futures = {pool.submit(fn, job): i for i, job in enumerate(jobs)}
+            for fut in as_completed(futures):
+                try:
+                    yield futures[fut], fut.result()
+                except Exception as exc:  # noqa: BLE001 - includes BrokenProcessPool
+                    yield futures[fut], exc
+
+
+class RayExecutor(Executor):
+    """One Ray task (1 CPU) per job.  Needs ``pip install 'packtools[ray]'``.
+
+    Uses the running Ray runtime if there is one; otherwise calls ``ray.init(address=address)`` (``None``:
+    start a local runtime with ``workers`` CPUs) and shuts it down again on :meth:`close`.  On a cluster,
+    packtools must be importable on the workers (installed there, or through a ``runtime_env``).  Ray's own
+    retries are turned off: the caller retries, the same way for every executor.
+    """
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, workers: int | None = None, **init_kwargs: Any) -> None:
+        self.ray = require("ray", "the Ray executor")
+        self.workers = _check_workers(workers)
+        self._started = False
+        if not self.ray.is_initialized():
+            kwargs: dict[str, Any] = {
+                "include_dashboard": False,
+                "log_to_driver": False,
+                "logging_level": logging.WARNING,
+                **init_kwargs,
+            }
+            if address is None and self.workers is not None:
+                kwargs.setdefault("num_cpus", self.workers)
+            self.ray.init(address=address, **kwargs)
+            self._started = True
+
+    def run(self, fn: Callable[[Any], Any], jobs: Sequence[Any]) -> Iterator[tuple[int, Any]]:
+        ray = self.ray
+        task = ray.remote(num_cpus=1, max_retries=0, retry_exceptions=False)(_call)
+        pending = {task.remote(fn, job): i for i, job in enumerate(jobs)}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                i = pending.pop(ref)
+                try:
+                    yield i, ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - RayTaskError, WorkerCrashedError, ...
+                    yield i, getattr(exc, "cause", None) or exc
+
+    def close(self) -> None:
+        if self._started and self.ray.is_initialized():
+            self.ray.shutdown()
+        self._started = False
+
+
+def _call(fn: Callable[[Any], Any], job: Any) -> Any:
+    """The Ray task: any picklable callable (``ray.remote`` itself takes only Python functions)."""
+    return fn(job)
+
+
+def _check_workers(workers: int | None) -> int | None:
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise PackingError(f"workers={workers!r} must be a positive int (or None for all cores).")
+    return workers
+
+
+def get_executor(
+    name: str | Executor = "local", workers: int | None = None, address: str | None = None
+) -> Executor:
+    """The executor called ``name`` (``local``, ``pool`` or ``ray``); an :class:`Executor` is returned as is."""
+    if isinstance(name, Executor):
+        return name
+    if name == "local":
+        return LocalExecutor()
+    if name == "pool":
+        return PoolExecutor(workers)
+    if name == "ray":
+        return RayExecutor(address, workers)
+    raise PackingError(f"executor={name!r} is not an executor; use one of {', '.join(EXECUTORS)}.")

@@ -1,0 +1,296 @@
+"""Batched tokenization of raw rows into aligned Arrow token columns (extra ``packtools[hf]``).
+
+Formats, and what each row becomes:
+
+- ``text`` (column ``text``): ``input_ids`` = the tokenizer's encoding with its own special tokens (e.g. BOS),
+  then ``eos_token`` appended unless the encoding already ends with it (``add_eos=False`` turns this off).
+- ``prompt_completion`` (``prompt``, ``completion``): ``input_ids`` = prompt (with special tokens) + completion
+  (without) + EOS; ``labels`` = ``-100`` on the prompt, the token ids on completion and EOS.  The two parts are
+  tokenized separately, so the boundary is always a token boundary.  Conversational rows (lists of messages)
+  go through the chat template: prompt rendered with ``add_generation_prompt=True``, completion = the rest of
+  the full rendering; no EOS is added (the template closes the turn).
+- ``messages`` (column ``messages``): the chat template renders the conversation; ``labels`` are the token ids
+  on assistant turns only, ``-100`` elsewhere.  When the template marks assistant text with
+  ``{% generation %}``, transformers' ``return_assistant_tokens_mask`` gives the mask.  Otherwise the mask comes
+  from incremental rendering: assistant turn ``i`` covers the characters between the rendering of messages
+  ``[:i]`` with the generation prompt and the rendering of messages ``[:i + 1]``; a token is an assistant token
+  when it starts in such a span.  A template that does not render prefixes as prefixes of the whole (e.g. one
+  that rewrites earlier turns) is refused with an error naming the row.
+- ``preference`` (``prompt``, ``chosen``, ``rejected``): ``prompt_input_ids``, ``chosen_input_ids``,
+  ``rejected_input_ids``, tokenized like prompt-completion (EOS after string completions); not packed.
+
+Tokenization uses the fast tokenizer's batch API (Rust, multi-threaded); the pipeline can also spread batches
+over processes (``--num-proc``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from .._optional import require
+from ..constants import IGNORE_INDEX, INPUT_FORMATS
+from ..core import ragged
+from ..core.ragged import Ragged
+from ..errors import PackingError
+
+FORMATS = INPUT_FORMATS
+_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def detect_format(columns: Sequence[str]) -> str:
+    """Guess the format from column names.
+
+    >>> detect_format(["prompt", "chosen", "rejected"]), detect_format(["text", "id"])
+    ('preference', 'text')
+    """
+    names = set(columns)
+    if {"prompt", "chosen", "rejected"} <= names:
+        return "preference"
+    if {"prompt", "completion"} <= names:
+        return "prompt_completion"
+    if "messages" in names:
+        return "messages"
+    if "input_ids" in names:
+        return "tokenized"
+    if "text" in names:
+        return "text"
+    raise PackingError(
+        f"cannot tell the data format from the columns {sorted(names)}; expected 'text', 'prompt'+'completion', "
+        f"'messages', 'prompt'+'chosen'+'rejected' or 'input_ids'. Pass --format {{{','.join(FORMATS)}}}."
+    )
+
+
+def output_columns(fmt: str) -> list[str]:
+    """The token columns that tokenizing ``fmt`` produces."""
+    if fmt == "text":
+        return ["input_ids"]
+    if fmt == "preference":
+        return ["prompt_input_ids", "chosen_input_ids", "rejected_input_ids"]
+    return ["input_ids", "labels"]
+
+
+def input_columns(fmt: str) -> list[str]:
+    return {
+        "text": ["text"],
+        "prompt_completion": ["prompt", "completion"],
+        "messages": ["messages"],
+        "preference": ["prompt", "chosen", "rejected"],
+    }[fmt]
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """Load a fast tokenizer from a local directory (``save_pretrained`` output); never touches the network."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise PackingError(
+            f"--tokenizer {path!r} is not a directory; give a local tokenizer folder (tokenizer.json, "
+            f"tokenizer_config.json), e.g. one written by tokenizer.save_pretrained(DIR)."
+        )
+    transformers = require("transformers", "tokenizing text (--tokenizer)")
+    tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if not getattr(tok, "is_fast", False):
+        raise PackingError(f"--tokenizer {path!r} loads a slow tokenizer; packtools needs a fast (Rust) one.")
+    return tok
+
+
+def tokenizer_fingerprint(path: str | os.PathLike[str]) -> str:
+    """SHA-256 of the files of a tokenizer directory (names and contents)."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if os.path.isfile(full):
+            h.update(name.encode() + b"\0")
+            with open(full, "rb") as fh:
+                h.update(hashlib.sha256(fh.read()).digest())
+    return h.hexdigest()
+
+
+def _strings(table: pa.Table, name: str, first_row: int) -> list[str]:
+    values = table.column(name).to_pylist()
+    for i, v in enumerate(values):
+        if not isinstance(v, str):
+            raise PackingError(
+                f"column {name!r} row {first_row + i} is {type(v).__name__}, not a string; fix or filter that row."
+            )
+    return values
+
+
+def _clean_messages(conv: Any, name: str, row: int) -> list[dict[str, Any]]:
+    if not isinstance(conv, list) or not all(isinstance(m, dict) and "role" in m for m in conv):
+        raise PackingError(
+            f"column {name!r} row {row} is not a list of messages ({{'role': ..., 'content': ...}}); fix that row."
+        )
+    return [{k: v for k, v in m.items() if v is not None} for m in conv]
+
+
+class BatchTokenizer:
+    """Turns a table of raw rows into token columns (see the module docstring for each format).
+
+    Built from the tokenizer *directory*; worker processes build their own from the same arguments.
+    """
+
+    def __init__(self, tokenizer_dir: str, fmt: str, add_eos: bool = True) -> None:
+        if fmt not in FORMATS or fmt == "tokenized":
+            raise PackingError(f"--format {fmt!r} cannot be tokenized; use one of {', '.join(FORMATS[:-1])}.")
+        self.tokenizer_dir = tokenizer_dir
+        self.fmt = fmt
+        self.add_eos = add_eos
+        self.tok = load_tokenizer(tokenizer_dir)
+        self.eos_id = self.tok.eos_token_id
+        # One call through transformers puts the Rust backend in the state its __call__ uses (no truncation,
+        # no padding, special-token handling); plain encodings then go to the backend directly, which skips
+        # transformers' per-row Python conversion (the ids are the same).
+        self.tok(["x"], add_special_tokens=True)
+        backend = self.tok.backend_tokenizer
+        self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        template = self.tok.chat_template if isinstance(self.tok.chat_template, str) else None
+        self.has_generation_tags = bool(template and _GENERATION_TAG.search(template))
+
+    # -- building blocks -------------------------------------------------------------------------
+    def encode(self, texts: list[str], special: bool) -> Ragged:
+        return ragged.from_lists([e.ids for e in self._encode_batch(texts, add_special_tokens=special)])
+
+    def _eos_rows(self, n: int) -> Ragged:
+        if self.eos_id is None:
+            raise PackingError(
+                f"the tokenizer in {self.tokenizer_dir!r} has no eos_token, so none can end each sequence; "
+                f"set eos_token in its tokenizer_config.json or pass --no-eos."
+            )
+        return ragged.constant_rows(n, self.eos_id)
+
+    def _with_eos(self, r: Ragged) -> Ragged:
+        """Append EOS to every row that does not already end with it."""
+        if not self.add_eos:
+            return r
+        eos = self._eos_rows(r.num_rows)
+        lengths = r.lengths
+        ends = r.values[np.maximum(r.offsets[1:] - 1, 0)] if r.values.size else np.zeros(r.num_rows, np.int64)
+        needs = (lengths == 0) | (ends != self.eos_id)
+        eos = ragged.from_lengths(needs.astype(np.int64), eos.values[needs])
+        return ragged.concat([r, eos])
+
+    def _render(self, conv: list[dict[str, Any]], generation_prompt: bool) -> str:
+        if not self.tok.chat_template:
+            raise PackingError(
+                f"conversational data needs a chat template, and the tokenizer in {self.tokenizer_dir!r} has "
+                f"none; add one (tokenizer.chat_template = ...; save_pretrained) or pass plain strings."
+            )
+        return self.tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _split_rendering(self, prompt: list, completion: list, row: int) -> tuple[str, str]:
+        head = self._render(prompt, True)
+        full = self._render(prompt + completion, False)
+        if not full.startswith(head):
+            raise PackingError(
+                f"row {row}: the chat template renders the prompt differently alone and followed by the "
+                f"completion, so the completion cannot be cut out; use a template that renders prefixes stably."
+            )
+        return head, full[len(head) :]
+
+    def _prompt_and_completions(self, table: pa.Table, names: Sequence[str], first_row: int) -> list[Ragged]:
+        """Tokenized prompt (first) and completions (the others) of prompt-completion or preference rows."""
+        prompts = table.column("prompt").to_pylist()
+        conversational = bool(prompts) and isinstance(prompts[0], list)
+        if not conversational:
+            _strings(table, "prompt", first_row)
+            parts = [self.encode(prompts, special=True)]
+            for name in names:
+                done = self.encode(_strings(table, name, first_row), special=False)
+                parts.append(ragged.concat([done, self._eos_rows(done.num_rows)]) if self.add_eos else done)
+            return parts
+        columns = {n: table.column(n).to_pylist() for n in names}
+        heads: list[str] = []
+        tails: dict[str, list[str]] = {n: [] for n in names}
+        for i, prompt in enumerate(prompts):
+            p = _clean_messages(prompt, "prompt", first_row + i)
+            for n in names:
+                head, tail = self._split_rendering(
+                    p, _clean_messages(columns[n][i], n, first_row + i), first_row + i
+                )
+                tails[n].append(tail)
+            heads.append(head)
+        return [self.encode(heads, special=False)] + [self.encode(tails[n], special=False) for n in names]
+
+    def _assistant_labels(self, convs: list[list[dict[str, Any]]], first_row: int) -> tuple[Ragged, Ragged]:
+        if self.has_generation_tags:
+            out = self.tok.apply_chat_template(
+                convs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+            ids = ragged.from_lists(out["input_ids"])
+            mask = ragged.from_lists(out["assistant_masks"], np.int8)
+            return ids, Ragged(
+                ids.offsets, np.where(mask.values != 0, ids.values, IGNORE_INDEX).astype(np.int32)
+            )
+        texts, spans = [], []
+        for i, conv in enumerate(convs):
+            full = self._render(conv, False)
+            row_spans = []
+            for turn, message in enumerate(conv):
+                if message.get("role") != "assistant":
+                    continue
+                start = self._render(conv[:turn], True)
+                end = self._render(conv[: turn + 1], False)
+                if not (end.startswith(start) and full.startswith(end)):
+                    raise PackingError(
+                        f"column 'messages' row {first_row + i} turn {turn}: the chat template does not render "
+                        f"conversations incrementally (a prefix renders differently from the start of the whole), "
+                        f"so assistant tokens cannot be located; use a template with {{% generation %}} markers."
+                    )
+                row_spans.append((len(start), len(end)))
+            texts.append(full)
+            spans.append(row_spans)
+        enc = self.tok(
+            texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False
+        )
+        ids = ragged.from_lists(enc["input_ids"])
+        starts = np.fromiter(
+            (s for offsets in enc["offset_mapping"] for s, _ in offsets), np.int64, count=ids.values.shape[0]
+        )
+        labels = np.full(ids.values.shape[0], IGNORE_INDEX, np.int32)
+        for i, row_spans in enumerate(spans):
+            lo, hi = int(ids.offsets[i]), int(ids.offsets[i + 1])
+            row_starts = starts[lo:hi]
+            for a, b in row_spans:
+                sel = (row_starts >= a) & (row_starts < b)
+                labels[lo:hi][sel] = ids.values[lo:hi][sel]
+        return ids, Ragged(ids.offsets, labels)
+
+    # -- entry point -----------------------------------------------------------------------------
+    def __call__(self, table: pa.Table, first_row: int = 0) -> pa.Table:
+        """Tokenize one batch; ``first_row`` (the batch's position in the whole input) is used in errors."""
+        missing = [c for c in input_columns(self.fmt) if c not in table.column_names]
+        if missing:
+            raise PackingError(
+                f"--format {self.fmt} needs columns {input_columns(self.fmt)}; the input lacks {missing} "
+                f"(it has {table.column_names})."
+            )
+        if self.fmt == "text":
+            ids = self._with_eos(self.encode(_strings(table, "text", first_row), special=True))
+            return pa.table({"input_ids": ragged.to_arrow(ids)})
+        if self.fmt == "messages":
+            convs = [
+                _clean_messages(c, "messages", first_row + i)
+                for i, c in enumerate(table.column("messages").to_pylist())
+            ]
+            ids, labels = self._assistant_labels(convs, first_row)
+            return pa.table({"input_ids": ragged.to_arrow(ids), "labels": ragged.to_arrow(labels)})
+        if self.fmt == "prompt_completion":
+            prompt, completion = self._prompt_and_completions(table, ["completion"], first_row)
+            ids = ragged.concat([prompt, completion])
+            labels = ragged.concat([ragged.full_like(prompt, IGNORE_INDEX), completion])
+            return pa.table({"input_ids": ragged.to_arrow(ids), "labels": ragged.to_arrow(labels)})
+        prompt, chosen, rejected = self._prompt_and_completions(table, ["chosen", "rejected"], first_row)
+        return pa.table(
+            {
+                "prompt_input_ids": ragged.to_arrow(prompt),
+                "chosen_input_ids": ragged.to_arrow(chosen),
+                "rejected_input_ids": ragged.to_arrow(rejected),
+            }
+        )

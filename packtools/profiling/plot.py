@@ -1,0 +1,317 @@
+"""Plots and a shareable HTML report of a :class:`~packtools.LengthProfile` (extra ``packtools[plot]``).
+
+Not imported by ``packtools``; matplotlib is imported inside the functions.  With ``ax=None`` the plot
+functions open a new pyplot figure (shown inline in notebooks); pass ``ax`` to draw into your own figure.
+:func:`profile_figure` and :func:`write_report` build figures without pyplot, so they work on any backend
+and in threads.
+
+>>> from packtools import profile_lengths
+>>> from packtools.profiling.plot import plot_lengths
+>>> ax = plot_lengths(profile_lengths([10, 200, 3000, 45]), max_length=1024)
+>>> ax.get_xlabel()
+'sequence length (tokens, log scale)'
+>>> ax.figure.savefig(os.devnull, format="png")
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import os
+import textwrap
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from .._optional import require
+from .profile import LengthProfile, Recommendation
+from .tradeoffs import TradeoffTable
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+FEATURE = "plotting length profiles"
+PERCENTILE_COLORS = ("#4d4d4d", "#1b9e77", "#7570b3", "#e7298a", "#66a61e")
+MAX_LENGTH_COLOR = "#d62728"
+
+
+def _mpl() -> Any:
+    return require("matplotlib", FEATURE)
+
+
+def _new_axes(ax: Axes | None, figsize: tuple[float, float]) -> Axes:
+    if ax is not None:
+        return ax
+    _mpl()
+    import matplotlib.pyplot as plt
+
+    _, ax = plt.subplots(figsize=figsize, layout="constrained")
+    return ax
+
+
+def _tokens(x: float, _pos: object = None) -> str:
+    """1, 10, 100, 1k, 10k, 1.5M ..."""
+    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:g}{unit}"
+    return f"{x:g}"
+
+
+def plot_lengths(profile: LengthProfile, max_length: int | None = None, ax: Axes | None = None) -> Axes:
+    """Histogram of sequence lengths on a log length axis, with percentile markers and ``max_length``.
+
+    The title names the dataset and its counts; empty sequences (which a log axis cannot show) are counted
+    in the title.  A chosen ``max_length`` is drawn as a red line with what it truncates, the region it cuts
+    shaded.  Returns the axes.
+    """
+    ticker = require("matplotlib.ticker", FEATURE)
+    ax = _new_axes(ax, (9.0, 4.5))
+    edges, counts = profile.hist_edges, profile.hist_counts
+    ax.stairs(
+        counts,
+        edges,
+        fill=True,
+        color="#9ecae1",
+        edgecolor="#3182bd",
+        linewidth=0.8,
+        label="sequences per bin",
+    )
+    ax.set_xscale("log")
+    ax.set_xlim(edges[0], max(edges[-1], (max_length or 0) * 1.15))
+    if counts.sum() == 0:
+        ax.text(0.5, 0.5, "no non-empty sequences", transform=ax.transAxes, ha="center", va="center")
+    for (key, value), color in zip(profile.percentiles.items(), PERCENTILE_COLORS):
+        if value > 0:
+            ax.axvline(value, color=color, linestyle="--", linewidth=1.2, label=f"{key} = {value:,} tokens")
+    if max_length is not None:
+        share = profile.num_truncated(max_length) / profile.count if profile.count else 0.0
+        dropped = 1.0 - profile.tokens_kept_share(max_length)
+        ax.axvline(
+            max_length,
+            color=MAX_LENGTH_COLOR,
+            linewidth=2.2,
+            label=f"max_length = {max_length:,}\n  truncates {share:.2%} of sequences\n"
+            f"  bfd drops {dropped:.2%} of tokens",
+        )
+        right = ax.get_xlim()[1]
+        if right > max_length:
+            ax.axvspan(max_length, right, color=MAX_LENGTH_COLOR, alpha=0.07, linewidth=0)
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(_tokens))
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _p: f"{y:,.0f}"))
+    ax.set_xlabel("sequence length (tokens, log scale)")
+    ax.set_ylabel("sequences per bin")
+    ax.set_title("\n".join(textwrap.wrap(profile.title, 80)), fontsize=11)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    return ax
+
+
+def plot_tradeoffs(
+    profile: LengthProfile,
+    candidates: Iterable[int] | None = None,
+    ax: Axes | None = None,
+    *,
+    max_length: int | None = None,
+    batch_size: int = 8,
+    table: TradeoffTable | None = None,
+) -> Axes:
+    """Tokens kept and row fill of each strategy against ``max_length`` (from :meth:`LengthProfile.tradeoffs`).
+
+    Fill is the share of each packed row (or padded batch, without packing) holding real tokens.  Pass
+    ``table`` to reuse a computed :class:`~packtools.profiling.tradeoffs.TradeoffTable`.  Returns the axes.
+    """
+    ticker = require("matplotlib.ticker", FEATURE)
+    ax = _new_axes(ax, (9.0, 4.5))
+    if table is None:
+        table = profile.tradeoffs(candidates, batch_size=batch_size)
+    xs = [r.max_length for r in table]
+    series = [
+        (
+            "tokens kept, bfd",
+            [r.kept for r in table],
+            dict(color="C0", linestyle="-", marker="o", linewidth=2.2),
+        ),
+        ("row fill, bfd", [r.bfd_fill for r in table], dict(color="C0", linestyle="--", marker="s")),
+        (
+            "row fill, bfd_split",
+            [r.bfd_split_fill for r in table],
+            dict(color="C1", linestyle="--", marker="^"),
+        ),
+        ("row fill, wrapped", [r.wrapped_fill for r in table], dict(color="C2", linestyle="--", marker="v")),
+        (
+            f"batch fill, padded batches of {table.batch_size} (no packing)",
+            [1.0 - r.padding for r in table],
+            dict(color="C3", linestyle=":", marker="d"),
+        ),
+    ]
+    ax.axhline(
+        100,
+        color="0.5",
+        linestyle=":",
+        linewidth=1.2,
+        label="tokens kept, bfd_split and wrapped (always 100%)",
+    )
+    for label, ys, style in series:
+        ax.plot(xs, [100 * y for y in ys], label=label, **style)
+    if max_length is not None:
+        ax.axvline(
+            max_length,
+            color=MAX_LENGTH_COLOR,
+            linewidth=1.5,
+            alpha=0.8,
+            label=f"chosen max_length = {max_length:,}",
+        )
+    ax.set_xscale("log", base=2)
+    # label ticks at least 1.35x apart (the chosen max_length first), so rotated labels never overlap
+    labeled: list[int] = []
+    for x in ([max_length] if max_length in xs else []) + xs:
+        if all(max(x, y) / min(x, y) >= 1.35 for y in labeled):
+            labeled.append(x)
+    ax.set_xticks(xs, labels=[f"{x:,}" if x in labeled else "" for x in xs])
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+    if len(xs) > 5:
+        ax.tick_params(axis="x", labelrotation=30)
+    if len(xs) == 1:
+        ax.set_xlim(xs[0] / 1.5, xs[0] * 1.5)
+    low = min(min(ys) for _, ys, _ in series) * 100
+    ax.set_ylim(max(0.0, low - 5), 102)
+    ax.yaxis.set_major_formatter(ticker.PercentFormatter(decimals=0))
+    ax.set_xlabel("max_length (tokens, log scale)")
+    ax.set_ylabel("tokens kept / fill (%)")
+    ax.set_title(
+        "\n".join(
+            textwrap.wrap(f"{profile.name or 'dataset'}: what each strategy does at each max_length", 80)
+        ),
+        fontsize=11,
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    return ax
+
+
+def profile_figure(
+    profile: LengthProfile,
+    candidates: Iterable[int] | None = None,
+    max_length: int | None = None,
+    batch_size: int = 8,
+    table: TradeoffTable | None = None,
+) -> Figure:
+    """Both plots stacked in one figure, built without pyplot (any backend, any thread)."""
+    figure = require("matplotlib.figure", FEATURE)
+    fig = figure.Figure(figsize=(11.0, 8.5), layout="constrained")
+    top, bottom = fig.subplots(2, 1)
+    plot_lengths(profile, max_length, ax=top)
+    plot_tradeoffs(profile, candidates, ax=bottom, max_length=max_length, batch_size=batch_size, table=table)
+    return fig
+
+
+def save_figure(fig: Figure, path: str | os.PathLike[str], dpi: int = 120) -> None:
+    """Save ``fig`` to ``path`` atomically; the format comes from the suffix (``.png``, ``.svg``, ``.pdf``)."""
+    path = os.fspath(path)
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in (".png", ".svg", ".pdf"):
+        raise ValueError(f"plot path {path!r}: name a .png, .svg or .pdf file.")
+    _atomic_write(path, lambda fh: fig.savefig(fh, format=suffix[1:], dpi=dpi))
+
+
+def _atomic_write(path: str, write: Any) -> None:
+    from ..io.atomic import atomic_path
+
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        write(fh)
+
+
+def _png_base64(fig: Figure) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+_CSS = """
+body { font-family: system-ui, sans-serif; max-width: 1200px; margin: 2em auto; color: #222; }
+table { border-collapse: collapse; font-size: 0.85em; margin: 1em 0; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: right; }
+th { background: #f3f3f3; }
+img { max-width: 100%; display: block; margin: 1em 0; }
+.reason { background: #f6fbf4; border-left: 4px solid #2ca02c; padding: 0.6em 1em; }
+dt { font-weight: bold; } dd { margin: 0 0 0.5em 1.5em; }
+tr.chosen td { background: #fff3c4; font-weight: bold; }
+"""
+
+_DEFINITIONS = (
+    ("truncated", "share of sequences longer than max_length"),
+    (
+        "bfd dropped",
+        "share of tokens bfd drops (everything past max_length); bfd_split and wrapped drop none",
+    ),
+    ("rows / fill", "packed rows from the real planner; fill = tokens kept / (rows × max_length)"),
+    (
+        "padded, batch B",
+        "no packing: batches of B consecutive sequences in dataset order, each cut to max_length "
+        "and padded to the longest in its batch; padding = pad tokens / all tokens of the batches",
+    ),
+    (
+        "attention cost",
+        "sum of squared attention-block lengths, relative to training every sequence whole "
+        "one per block (sum of length²); blocks: segments for bfd/bfd_split (padding-free), whole rows for "
+        "wrapped, B × longest² per padded batch",
+    ),
+)
+
+
+def write_report(
+    profile: LengthProfile,
+    path: str | os.PathLike[str],
+    candidates: Iterable[int] | None = None,
+    max_length: int | None = None,
+    *,
+    batch_size: int = 8,
+    keep_tokens: float = 0.99,
+    multiple_of: int = 64,
+) -> Recommendation:
+    """Write one self-contained HTML file: statistics, recommendation, both plots (inline PNG) and the table.
+
+    Without ``max_length`` the recommended one is marked; either way it joins the candidates of the table.
+    Written atomically; returns the recommendation.
+    """
+    figure = require("matplotlib.figure", FEATURE)
+    rec = profile.recommend(keep_tokens=keep_tokens, multiple_of=multiple_of)
+    chosen = rec.max_length if max_length is None else max_length
+    cands = set(profile.default_candidates() if candidates is None else candidates) | {chosen}
+    table = profile.tradeoffs(sorted(cands), batch_size=batch_size)
+    images = []
+    for draw in (
+        lambda ax: plot_lengths(profile, chosen, ax=ax),
+        lambda ax: plot_tradeoffs(profile, ax=ax, max_length=chosen, table=table),
+    ):
+        fig = figure.Figure(figsize=(10.0, 4.6), layout="constrained")
+        draw(fig.subplots())
+        images.append(_png_base64(fig))
+    stats = "".join(
+        f"<tr><th>{html.escape(str(k))}</th><td>{v:,.1f}</td></tr>"
+        if isinstance(v, float)
+        else f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(f'{v:,}' if isinstance(v, int) else str(v))}</td></tr>"
+        for k, v in profile.summary().items()
+    )
+    defs = "".join(f"<dt>{html.escape(a)}</dt><dd>{html.escape(b)}</dd>" for a, b in _DEFINITIONS)
+    title = html.escape(profile.title)
+    doc = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>Length profile: {title}</title>
+<style>{_CSS}</style></head><body>
+<h1>Length profile: {html.escape(profile.name or "dataset")}</h1>
+<p>{title}</p>
+<h2>Recommendation</h2>
+<p class="reason">{html.escape(rec.reason)}</p>
+<h2>Length distribution</h2>
+<img alt="histogram of sequence lengths" src="data:image/png;base64,{images[0]}">
+<table class="stats">{stats}</table>
+<h2>Tradeoffs per max_length</h2>
+<img alt="tokens kept and fill per strategy against max_length" src="data:image/png;base64,{images[1]}">
+{table.to_html(highlight=chosen)}
+<dl>{defs}</dl>
+<p><small>Made by packtools from sequence lengths only; rows and fill come from packtools.plan.</small></p>
+</body></html>
+"""
+    _atomic_write(os.fspath(path), lambda fh: fh.write(doc.encode("utf-8")))
+    return rec
