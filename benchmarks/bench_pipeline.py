@@ -79,7 +79,7 @@ def case_in_memory(src: str, out: str, max_length: int, strategy: str) -> dict:
     import pyarrow.parquet as pq
 
     import packtools
-    from packtools.io.atomic import write_table
+    from packtools.io.files import write_table
 
     packtools.warmup()
     t = time.perf_counter()

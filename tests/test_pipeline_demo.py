@@ -7,7 +7,8 @@ import os
 import pytest
 
 from packtools.cli.main import main
-from packtools.pipeline.demo import byte_level_table, run_demo, stdlib_definitions
+from packtools.pipeline.demo import run_demo, stdlib_definitions
+from packtools.pipeline.sample import byte_level_table
 from packtools.pipeline.sample import stdlib_files
 
 

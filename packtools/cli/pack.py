@@ -16,8 +16,9 @@ from typing import Any
 
 from ..constants import INPUT_FORMATS
 from ..core.pack import pack_table, read_columns
-from ..core.plan import STRATEGIES, PackPlan, plan
-from ..io.atomic import read_table, write_table
+from ..core.plan import STRATEGIES, plan
+from ..io.files import read_table, write_table
+from ..pipeline.summary import format_pipeline_summary, format_summary
 from .shards import add_executor_arguments, run_sharded, wants_sharding
 
 
@@ -76,85 +77,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_pipeline_arguments(p)
     add_executor_arguments(p)  # tokenized inputs, shard by shard (local, pool or Ray): packtools.cli.shards
     return p
-
-
-def format_summary(results: list[tuple[PackPlan, float]]) -> str:
-    """A text table with one column per plan."""
-    rows = [
-        ("strategy", lambda p: p.strategy),
-        ("max_length", lambda p: f"{p.max_length:,}"),
-        ("rows in", lambda p: f"{p.num_sequences:,}"),
-        ("empty rows", lambda p: f"{p.num_empty:,}"),
-        ("rows out", lambda p: f"{p.num_rows:,}"),
-        ("lower bound", lambda p: f"{p.lower_bound:,}"),
-        ("rows over bound", lambda p: f"{p.num_rows - p.lower_bound:,}"),
-        ("tokens in", lambda p: f"{p.tokens_in:,}"),
-        ("tokens kept", lambda p: f"{p.tokens_kept:,}"),
-        ("tokens dropped", lambda p: f"{p.tokens_dropped:,}"),
-        ("fill", lambda p: f"{100 * p.fill:.2f}%"),
-    ]
-    cells = [[label] + [fn(p) for p, _ in results] for label, fn in rows]
-    cells.append(["time"] + [f"{t:.3f} s" for _, t in results])
-    return _table(cells)
-
-
-def _table(cells: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
-    lines = [
-        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-        for r in cells
-    ]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
-
-
-def format_pipeline_summary(stats: dict[str, Any], out: str, cached: bool = False) -> str:
-    """The final table of a pipeline run (or of the cached run the manifest describes)."""
-
-    def n(key: str) -> str:
-        return f"{stats.get(key, 0):,}"
-
-    head = "packed dataset" if stats.get("packed") else "preference dataset (not packed)"
-    cells = [["", head + (" (cached: inputs and options unchanged)" if cached else "")]]
-    cells.append(["format", str(stats.get("format"))])
-    if stats.get("packed"):
-        cells.append(["strategy", f"{stats['strategy']}, overlong={stats['overlong']}"])
-    else:
-        cells.append(["overlong", str(stats.get("overlong"))])
-    cells.append(["max_length", n("max_length")])
-    cells.append(["rows in", n("rows_in")])
-    if stats.get("packed"):
-        dropped = stats["rows_dropped_overlong"] + stats["rows_no_loss"] + stats["rows_empty"]
-        cells.append(
-            [
-                "rows dropped",
-                f"{dropped:,} (over-long {stats['rows_dropped_overlong']:,}, no label {stats['rows_no_loss']:,}, "
-                f"empty {stats['rows_empty']:,})",
-            ]
-        )
-        cells.append(["rows truncated", n("rows_truncated")])
-        cells.append(["rows split", n("rows_split")])
-        cells.append(["rows out (packed)", f"{stats['rows_out']:,} (lower bound {stats['lower_bound']:,})"])
-    else:
-        cells.append(["pairs dropped", n("pairs_dropped")])
-        cells.append(
-            [
-                "truncated",
-                f"prompts {stats['prompts_truncated']:,}, chosen {stats['chosen_truncated']:,}, "
-                f"rejected {stats['rejected_truncated']:,}",
-            ]
-        )
-        cells.append(["rows out", n("rows_out")])
-    cells.append(["tokens in", n("tokens_in")])
-    cells.append(["tokens kept", n("tokens_kept")])
-    cells.append(["tokens dropped", n("tokens_dropped")])
-    if stats.get("packed"):
-        cells.append(["fill", f"{100 * stats['fill']:.2f}%"])
-    cells.append(
-        ["time", f"{stats['time_s']:.2f} s (stage {stats['stage_s']:.2f} s, pack {stats['pack_s']:.2f} s)"]
-    )
-    cells.append(["output", f"{out} ({stats['shards']} shard{'s' if stats['shards'] != 1 else ''})"])
-    return _table(cells)
 
 
 def pipeline_config(args: argparse.Namespace, max_length: int) -> Any:

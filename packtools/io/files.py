@@ -18,11 +18,13 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import PackingError
+from .atomic import atomic_path
 
 SUFFIX_KINDS = {
     ".jsonl": "json",
@@ -129,17 +131,36 @@ def _read_json(path: str) -> pa.Table:
         raise PackingError(f"input {path!r}: rows disagree on column types ({exc}; {arrow_error}).") from None
 
 
-def _open_ipc(path: str) -> Iterator[pa.RecordBatch]:
+class IpcReader:
+    """An Arrow IPC *file* or *stream*, whichever ``source`` holds (``datasets`` cache files are streams)."""
+
+    def __init__(self, source: Any) -> None:
+        try:
+            self._file: Any = pa.ipc.open_file(source)
+            self._stream: Any = None
+            self.schema: pa.Schema = self._file.schema
+        except pa.ArrowInvalid:
+            source.seek(0)
+            self._file = None
+            self._stream = pa.ipc.open_stream(source)
+            self.schema = self._stream.schema
+
+    def batches(self) -> Iterator[pa.RecordBatch]:
+        if self._file is None:
+            yield from self._stream
+        else:
+            for i in range(self._file.num_record_batches):
+                yield self._file.get_batch(i)
+
+    def read_all(self) -> pa.Table:
+        return (self._stream if self._file is None else self._file).read_all()
+
+
+def _ipc_batches(path: str) -> Iterator[pa.RecordBatch]:
     # Plain reads, not a memory map: mapped pages that were read stay in the process's RSS, which would
     # then grow with the input size.
-    source = pa.OSFile(path, "rb")
-    try:
-        reader = pa.ipc.open_file(source)
-        for i in range(reader.num_record_batches):
-            yield reader.get_batch(i)
-    except pa.ArrowInvalid:
-        source.seek(0)
-        yield from pa.ipc.open_stream(source)
+    with pa.OSFile(path, "rb") as source:
+        yield from IpcReader(source).batches()
 
 
 def _rebatch(batches: Iterator[pa.RecordBatch], batch_rows: int) -> Iterator[pa.Table]:
@@ -158,12 +179,12 @@ def iter_tables(
     """
     cols = list(columns) if columns is not None else None
     if file.kind == "parquet":
-        # Buffered reads (see _open_ipc); pre_buffer=False, or pyarrow keeps the column chunks it read cached
+        # Buffered reads (see _ipc_batches); pre_buffer=False, or pyarrow keeps the column chunks it read cached
         # until the file is closed, and memory grows with the file.
         pf = pq.ParquetFile(file.path, pre_buffer=False)
         yield from _rebatch(pf.iter_batches(batch_size=batch_rows, columns=cols), batch_rows)
     elif file.kind == "arrow":
-        batches = _open_ipc(file.path)
+        batches = _ipc_batches(file.path)
         if cols is not None:
             batches = (b.select(cols) for b in batches)
         yield from _rebatch(batches, batch_rows)
@@ -179,12 +200,7 @@ def read_schema(file: InputFile) -> pa.Schema:
     if file.kind == "parquet":
         return pq.read_schema(file.path)
     if file.kind == "arrow":
-        source = pa.memory_map(file.path, "r")
-        try:
-            return pa.ipc.open_file(source).schema
-        except pa.ArrowInvalid:
-            source.seek(0)
-            return pa.ipc.open_stream(source).schema
+        return IpcReader(pa.memory_map(file.path, "r")).schema
     return _read_json(file.path).schema
 
 
@@ -193,3 +209,28 @@ def count_rows(file: InputFile) -> int | None:
     if file.kind == "parquet":
         return pq.ParquetFile(file.path).metadata.num_rows
     return None
+
+
+def read_table(path: str | os.PathLike[str]) -> pa.Table:
+    """Read a ``.parquet`` file or an Arrow IPC file/stream (``.arrow``, ``.feather``, datasets cache files)."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"input {path!r} does not exist.")
+    if path.endswith(".parquet"):
+        return pq.read_table(path, memory_map=True)
+    if path.endswith((".arrow", ".feather", ".ipc")):
+        return IpcReader(pa.memory_map(path, "r")).read_all()
+    raise PackingError(f"input {path!r}: unknown format; give a .parquet or .arrow file.")
+
+
+def write_table(table: pa.Table, path: str | os.PathLike[str]) -> None:
+    """Write ``table`` to ``path`` (``.parquet`` or ``.arrow``) atomically: write aside, then rename."""
+    path = os.fspath(path)
+    if not path.endswith((".parquet", ".arrow")):
+        raise PackingError(f"output {path!r}: name the output file .parquet or .arrow.", param="out")
+    with atomic_path(path) as tmp:
+        if path.endswith(".parquet"):
+            pq.write_table(table, tmp)
+        else:
+            with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+                writer.write_table(table)

@@ -20,10 +20,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
-from .sample import stdlib_files
+from .sample import byte_level_table, stdlib_files
 
 _DEFINITION = re.compile(rb"^(?=(?:    )?(?:def |class |async def ))", re.M)
 
@@ -37,14 +36,6 @@ def stdlib_definitions(limit: int | None = None) -> list[bytes]:
         bounds = [0] + [m.start() for m in _DEFINITION.finditer(data)] + [len(data)]
         pieces.extend(data[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a)
     return pieces
-
-
-def byte_level_table(texts: list[bytes]) -> pa.Table:
-    """``input_ids`` = the bytes of each text as int32 ids 0..255."""
-    lengths = np.fromiter(map(len, texts), np.int64, count=len(texts))
-    values = np.frombuffer(b"".join(texts), np.uint8).astype(np.int32)
-    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
-    return pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))})
 
 
 def tokenized_table(texts: list[bytes], tokenizer_dir: str, batch_rows: int = 1000) -> pa.Table:
@@ -75,11 +66,11 @@ def run_demo(
     matplotlib) and ``out/packed`` (a ``datasets.load_from_disk`` folder).  Returns what it printed, as data.
     ``limit`` takes only the first source files (for quick checks).
     """
-    from ..cli.pack import format_pipeline_summary, format_summary
     from ..core.plan import STRATEGIES, plan
-    from ..io.atomic import write_table
+    from ..io.files import write_table
     from ..profiling.profile import profile_lengths
     from .run import PipelineConfig, run_pipeline
+    from .summary import format_pipeline_summary, format_summary
 
     started = time.perf_counter()
     os.makedirs(out, exist_ok=True)

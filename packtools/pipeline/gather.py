@@ -1,10 +1,11 @@
 """The out-of-core parts of the pipeline: a staging file, memory-mapped Arrow inputs, a gather that gives
-mapped pages back, plan slices, and shard folders in the ``datasets.save_to_disk`` layout.
+mapped pages back, and shard folders in the ``datasets.save_to_disk`` layout.
 
->>> from packtools.core.plan import plan
->>> p = plan([5, 2, 3, 1], max_length=4)
->>> plan_slices(p, shard_tokens=8), slice_plan(p, 1, 3).row_lengths.tolist()
-([(0, 2), (2, 3)], [4, 2])
+>>> import os, tempfile, pyarrow as pa
+>>> folder = ShardFolder(tempfile.mkdtemp())
+>>> folder.write(pa.table({"input_ids": [[1, 2], [3]]}))
+>>> folder.finish(pa.schema([("input_ids", pa.list_(pa.int64()))]))
+['data-00000-of-00001.arrow']
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..constants import IGNORE_INDEX, SEQ_LENGTHS
-from ..core.arrow import ListColumn, list_array
-from ..core.pack import gather_column
-from ..core.plan import PackPlan
+from ..constants import IGNORE_INDEX
+from ..core.arrow import ListColumn
 from ..errors import PackingError
+from ..io.files import IpcReader
 from ..io.pages import PageReleaser
 
 
@@ -92,28 +92,22 @@ class MappedArrow:
             fh = open(path, "rb")
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
             self._maps.append((fh, mm, np.frombuffer(mm, np.uint8)))
-            source = pa.BufferReader(pa.py_buffer(mm))
-            try:
-                table = pa.ipc.open_file(source).read_all()
-            except pa.ArrowInvalid:
-                source.seek(0)
-                table = pa.ipc.open_stream(source).read_all()
+            table = IpcReader(pa.BufferReader(pa.py_buffer(mm))).read_all()
             tables.append(table.select(list(columns)) if columns is not None else table)
         self.table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         self._releaser = PageReleaser()  # after mapping, so it knows these mappings
 
-    def _find(self, values: np.ndarray) -> tuple[mmap.mmap, int] | None:
-        for _, mm, base in self._maps:
+    def _maps_over(self, values: np.ndarray) -> bool:
+        """Whether ``values`` lies inside one of the mappings."""
+        for _, _, base in self._maps:
             offset = values.ctypes.data - base.ctypes.data
             if 0 <= offset <= base.nbytes - values.nbytes:
-                return mm, offset
-        return None
+                return True
+        return False
 
     def zero_copy(self, cols: list[ListColumn]) -> bool:
         """Whether every chunk's values lie in a mapping (not so for compressed IPC files)."""
-        return all(
-            c.values.nbytes == 0 or self._find(c.values) is not None for col in cols for c in col.chunks
-        )
+        return all(c.values.nbytes == 0 or self._maps_over(c.values) for col in cols for c in col.chunks)
 
     def release(self, values: np.ndarray) -> None:
         """Drop the mapped pages under ``values`` (a view into one of the mappings)."""
@@ -128,27 +122,6 @@ class MappedArrow:
                 pass
             fh.close()
         self._maps = []
-
-
-def gather_released(col: ListColumn, p: PackPlan, mapped: MappedArrow) -> np.ndarray:
-    """:func:`packtools.core.pack.gather_column`, dropping each chunk's mapped pages after use."""
-    return gather_column(col, p, release=mapped.release)
-
-
-def pack_slice(cols: list[ListColumn], p: PackPlan, mapped: MappedArrow) -> pa.Table:
-    """:func:`packtools.core.pack.pack_columns` with :func:`gather_released`."""
-    offsets = p.token_offsets
-    arrays = [
-        list_array(
-            offsets, gather_released(col, p, mapped), pa.types.is_large_list(col.type), col.type.value_type
-        )
-        for col in cols
-    ]
-    names = [col.name for col in cols]
-    if p.strategy != "wrapped":
-        arrays.append(p.seq_lengths)
-        names.append(SEQ_LENGTHS)
-    return pa.Table.from_arrays(arrays, names=names)
 
 
 class Staging:
@@ -194,16 +167,6 @@ class Staging:
 
 
 # -- plans and labels ----------------------------------------------------------------------------------
-def plan_slices(p: PackPlan, shard_tokens: int) -> list[tuple[int, int]]:
-    """Row ranges ``[r0, r1)`` of at most ``shard_tokens`` tokens each (at least one row each)."""
-    return p.row_blocks(shard_tokens)
-
-
-def slice_plan(p: PackPlan, r0: int, r1: int) -> PackPlan:
-    """The rows ``r0:r1`` of a plan, as a plan of their own over the same sources."""
-    return p.slice_rows(r0, r1)
-
-
 def first_loss(labels: ListColumn, mapped: MappedArrow) -> np.ndarray:
     """Per row, the position of the first token with a label (not -100); the row length if there is none."""
     parts = []

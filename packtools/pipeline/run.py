@@ -41,7 +41,7 @@ import pyarrow as pa
 from .._progress import progress
 from ..constants import MANIFEST, __version__
 from ..core.arrow import is_list_type
-from ..core.pack import read_columns
+from ..core.pack import pack_columns, read_columns
 from ..core.plan import check_max_length, check_strategy
 from ..core.plan import plan as make_plan
 from ..errors import PackingError
@@ -51,9 +51,6 @@ from .gather import (
     ShardFolder,
     Staging,
     first_loss,
-    pack_slice,
-    plan_slices,
-    slice_plan,
     write_json,
 )
 from .preference import write_preference
@@ -301,13 +298,13 @@ def _pack_mapped(mapped: MappedArrow, folder: str, config: PipelineConfig, quiet
         if config.shuffle:
             p = p.shuffled(config.seed)
         shards = ShardFolder(folder)
-        slices = plan_slices(p, config.shard_tokens)
+        slices = p.row_blocks(config.shard_tokens)
         bar = progress(p.num_rows, "write", quiet=quiet)
         for r0, r1 in slices:
-            shards.write(pack_slice(cols, slice_plan(p, r0, r1), mapped))
+            shards.write(pack_columns(cols, p.slice_rows(r0, r1), release=mapped.release))
             bar.update(r1 - r0)
         bar.close()
-        empty = pack_slice(cols, slice_plan(p, 0, 0), mapped).schema
+        empty = pack_columns(cols, p.slice_rows(0, 0)).schema
         shards.finish(empty)
         tokens_in = int(lengths.sum())
         return {

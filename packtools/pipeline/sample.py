@@ -21,19 +21,23 @@ def stdlib_files(limit: int | None = None) -> list[str]:
     return paths[:limit] if limit is not None else paths
 
 
+def byte_level_table(texts: list[bytes]) -> pa.Table:
+    """``input_ids`` = the bytes of each text as int32 ids 0..255 (a byte-level vocabulary of 256)."""
+    lengths = np.fromiter(map(len, texts), np.int64, count=len(texts))
+    values = np.frombuffer(b"".join(texts), np.uint8).astype(np.int32)
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+    return pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))})
+
+
 def stdlib_table(limit: int | None = 2000) -> pa.Table:
-    """One row per standard-library source file: ``input_ids`` are its UTF-8 bytes (ids 0..255), as int32.
+    """One row per standard-library source file, its UTF-8 bytes as ids (:func:`byte_level_table`).
 
     >>> t = stdlib_table(limit=3)
     >>> t.column_names, t.num_rows
     (['input_ids'], 3)
     """
-    chunks, lengths = [], []
+    texts = []
     for path in stdlib_files(limit):
         with open(path, "rb") as fh:
-            data = np.frombuffer(fh.read(), dtype=np.uint8)
-        chunks.append(data)
-        lengths.append(data.shape[0])
-    values = np.concatenate(chunks).astype(np.int32) if chunks else np.zeros(0, np.int32)
-    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
-    return pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))})
+            texts.append(fh.read())
+    return byte_level_table(texts)

@@ -40,7 +40,8 @@ from ..core.arrow import is_list_type
 from ..core.pack import pack_table, read_columns
 from ..core.plan import check_max_length, check_strategy, plan
 from ..errors import PackingError
-from ..io.atomic import atomic_path, read_table, write_table
+from ..io.atomic import atomic_path
+from ..io.files import read_table, write_table
 from .executors import Executor, get_executor
 
 FORMAT = "packtools-shards/1"

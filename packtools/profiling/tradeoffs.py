@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._format import text_table
 from ..core.plan import check_max_length, plan
 from ..errors import PackingError
 
@@ -121,27 +122,7 @@ class TradeoffTable:
     def to_text(self) -> str:
         """A fixed-width table with a group header line (what the CLI prints)."""
         heads = [h for _, h, _, _ in COLUMNS]
-        cells = self._cells()
-        widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(heads)]
-        groups = self._groups()
-        # widen the last column of each group so the group label fits over its columns
-        spans: list[tuple[str, int, int]] = []
-        for i, g in enumerate(groups):
-            if spans and spans[-1][0] == g and g:
-                spans[-1] = (g, spans[-1][1], i)
-            else:
-                spans.append((g, i, i))
-        for g, a, b in spans:
-            room = sum(widths[a : b + 1]) + 2 * (b - a)
-            if len(g) > room:
-                widths[b] += len(g) - room
-        top = "  ".join(
-            g.center(sum(widths[a : b + 1]) + 2 * (b - a)) if g else " " * widths[a] for g, a, b in spans
-        )
-        lines = [top.rstrip(), "  ".join(h.rjust(w) for h, w in zip(heads, widths))]
-        lines.append("-" * len(lines[1]))
-        lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
-        return "\n".join(lines)
+        return text_table([heads, *self._cells()], groups=self._groups(), first_left=False)
 
     def to_markdown(self) -> str:
         """A GitHub-flavoured Markdown table."""
