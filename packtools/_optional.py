@@ -16,6 +16,15 @@ _EXTRA_OF = {
 }
 
 
+def is_instance(obj: object, module: str, cls: str) -> bool:
+    """``isinstance(obj, module.cls)`` without importing ``module`` (false when it is not installed).
+
+    >>> is_instance(object(), "datasets", "Dataset")
+    False
+    """
+    return any(t.__module__.split(".")[0] == module and t.__name__ == cls for t in type(obj).__mro__)
+
+
 def require(module: str, feature: str) -> ModuleType:
     """Import ``module`` or raise ``ImportError`` telling how to install it."""
     try:

@@ -271,12 +271,14 @@ def test_errors_name_the_problem(tmp_path, tok_dir):
     src = str(tmp_path / "data.jsonl")
     with open(src, "w") as fh:
         fh.write(json.dumps({"body": "x"}) + "\n")
-    with pytest.raises(PackingError, match="--format"):
+    with pytest.raises(PackingError, match="format=") as err:
         run_pipeline([src], str(tmp_path / "o"), PipelineConfig(max_length=8, tokenizer=tok_dir))
+    assert err.value.param == "format"
     with open(src, "w") as fh:
         fh.write(json.dumps({"text": "x"}) + "\n")
-    with pytest.raises(PackingError, match="--tokenizer"):
+    with pytest.raises(PackingError, match="tokenizer=") as err:
         run_pipeline([src], str(tmp_path / "o"), PipelineConfig(max_length=8))
+    assert err.value.param == "format"
     with pytest.raises(PackingError, match="unknown file type"):
         bad = tmp_path / "x.csv"
         bad.write_text("a\n")
@@ -319,5 +321,5 @@ def test_cli_error_names_the_flag(tmp_path, capsys):
     pq.write_table(pa.table({"input_ids": [[1, 2], [3]], "text": ["a", "b"]}), path)
     assert main(["pack", str(path), "--out", str(tmp_path / "o.parquet"), "--max-length", "4"]) == 1
     err = capsys.readouterr().err
-    assert "['text'] are not list columns" in err and "--columns NAME,..." in err
+    assert "['text'] are not list columns" in err and "error (--columns):" in err
     assert not (tmp_path / "o.parquet").exists()

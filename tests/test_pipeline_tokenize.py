@@ -74,8 +74,9 @@ def test_detect_format():
     assert detect_format(["messages"]) == "messages"
     assert detect_format(["prompt", "completion", "id"]) == "prompt_completion"
     assert detect_format(["input_ids", "text"]) == "tokenized"
-    with pytest.raises(PackingError, match="--format"):
+    with pytest.raises(PackingError, match="format=") as err:
         detect_format(["body"])
+    assert err.value.param == "format"
 
 
 def test_text_gets_one_eos(toks):

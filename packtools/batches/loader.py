@@ -26,16 +26,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from .._optional import is_instance
 from ..constants import IGNORE_INDEX, MASK_COLUMNS, SEQ_LENGTHS
 from ..core.arrow import ListColumn, check_aligned, read_list_column
 from ..errors import PackingError
 from .collate import FlatRows, PaddingFreeCollator
 
 TOKEN_KEYS = ("input_ids", "labels", *MASK_COLUMNS)
-
-
-def _is_hf_dataset(data: Any) -> bool:
-    return type(data).__module__.startswith("datasets") and hasattr(data, "data")
 
 
 def _check_integer(col: ListColumn) -> None:
@@ -57,7 +54,7 @@ class PackedRows:
     """
 
     def __init__(self, data: Any, columns: Sequence[str] | None = None) -> None:
-        if _is_hf_dataset(data):
+        if is_instance(data, "datasets", "Dataset"):
             from ..integrations.datasets import dataset_table
 
             table, indices = dataset_table(data)

@@ -48,9 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except (PackingError, FileNotFoundError) as exc:
-        # The library's messages spell fixes as Python arguments; give the command-line flag instead.
-        message = str(exc).replace("columns=[...]", "--columns NAME,...")
-        print(f"packtools {args.command}: error: {message}", file=sys.stderr)
+        # The library names Python arguments; an error about one of them also names its flag here.
+        param = getattr(exc, "param", None)
+        flag = f" (--{param.replace('_', '-')})" if param else ""
+        print(f"packtools {args.command}: error{flag}: {exc}", file=sys.stderr)
         return 1
 
 

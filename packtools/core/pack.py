@@ -47,7 +47,8 @@ def read_columns(
         raise PackingError(
             f"columns {non_list} are not list columns, so they cannot be packed; packed rows hold many "
             f"sequences. Pass columns=[...] with the list columns to pack (the others are then left out), "
-            f"or remove {non_list} first."
+            f"or remove {non_list} first.",
+            param="columns",
         )
     cols = [read_list_column(table.column(n), n) for n in names]
     return cols, check_aligned(cols)
@@ -288,7 +289,9 @@ def truncate_table(table: pa.Table, max_length: int, columns: Sequence[str] | No
         names = _select_columns(table, columns)
         bad = [n for n in names if not is_list_type(table.schema.field(n).type)]
         if bad:
-            raise PackingError(f"columns {bad} are not list columns and cannot be truncated.")
+            raise PackingError(
+                f"columns {bad} are not list columns and cannot be truncated.", param="columns"
+            )
     for n in names:
         i = table.column_names.index(n)
         table = table.set_column(i, table.schema.field(n), pc.list_slice(table.column(n), 0, max_length))

@@ -41,7 +41,9 @@ def fit_preference(
         counts = {"pairs_dropped": int(n - keep.sum()), "tokens_dropped": int((lp + lc + lr)[~keep].sum())}
         return [ragged.select(r, keep) for r in (prompt, chosen, rejected)], keep, counts
     if overlong != "truncate":
-        raise PackingError(f"--overlong {overlong} does not apply to preference data; use truncate or drop.")
+        raise PackingError(
+            f"overlong={overlong} does not apply to preference data; use truncate or drop.", param="overlong"
+        )
     budget = max_prompt_length if max_prompt_length is not None else max_length // 2
     kp = np.minimum(lp, budget)
     room = max_length - kp

@@ -80,16 +80,22 @@ class PipelineConfig:
         check_max_length(self.max_length)
         check_strategy(self.strategy)
         if self.format is not None and self.format not in FORMATS:
-            raise PackingError(f"--format {self.format!r} is unknown; use one of {', '.join(FORMATS)}.")
+            raise PackingError(
+                f"format={self.format!r} is unknown; use one of {', '.join(FORMATS)}.", param="format"
+            )
         if self.overlong is not None and self.overlong not in OVERLONG:
-            raise PackingError(f"--overlong {self.overlong!r} is unknown; use one of {', '.join(OVERLONG)}.")
+            raise PackingError(
+                f"overlong={self.overlong!r} is unknown; use one of {', '.join(OVERLONG)}.", param="overlong"
+            )
         if self.overlong == "split" and self.strategy == "bfd":
             raise PackingError(
-                "--overlong split needs --strategy bfd_split (or wrapped); bfd keeps one piece per sequence."
+                "overlong=split needs strategy=bfd_split (or wrapped); bfd keeps one piece per sequence.",
+                param="overlong",
             )
         if self.max_prompt_length is not None and not 0 < self.max_prompt_length < self.max_length:
             raise PackingError(
-                f"--max-prompt-length {self.max_prompt_length} must be in [1, max_length={self.max_length})."
+                f"max_prompt_length={self.max_prompt_length} must be in [1, max_length={self.max_length}).",
+                param="max_prompt_length",
             )
         if self.shard_tokens < 1:
             raise PackingError(f"shard_tokens must be >= 1, got {self.shard_tokens}.")
@@ -173,7 +179,8 @@ def _token_batches(
 
         if config.tokenizer is None:
             raise PackingError(
-                f"--format {fmt} needs a tokenizer: pass --tokenizer DIR (a local tokenizer folder)."
+                f"format={fmt} needs a tokenizer: pass tokenizer=DIR (a local tokenizer folder).",
+                param="format",
             )
         tokenizer = BatchTokenizer(config.tokenizer, fmt, config.add_eos)
         needed = input_columns(fmt)
@@ -218,7 +225,9 @@ def _token_columns(files: Sequence[InputFile], config: PipelineConfig) -> list[s
     if config.columns:
         missing = [c for c in config.columns if c not in schema.names]
         if missing:
-            raise PackingError(f"--columns {missing} are not in {files[0].path!r}; it has {schema.names}.")
+            raise PackingError(
+                f"columns={missing} are not in {files[0].path!r}; it has {schema.names}.", param="columns"
+            )
         return list(config.columns)
     cols = [
         f.name
@@ -228,8 +237,9 @@ def _token_columns(files: Sequence[InputFile], config: PipelineConfig) -> list[s
     ]
     if "input_ids" not in cols:
         raise PackingError(
-            f"{files[0].path!r} has no list column 'input_ids' (columns: {schema.names}); pass --format and "
-            f"--tokenizer for text, or --columns naming the token columns."
+            f"{files[0].path!r} has no list column 'input_ids' (columns: {schema.names}); pass format= and "
+            f"tokenizer= for text, or columns= naming the token columns.",
+            param="columns",
         )
     return cols
 
@@ -383,18 +393,23 @@ def run_pipeline(
     out = os.path.abspath(os.fspath(out))
     files = discover(inputs)
     if any(os.path.commonpath([out, f.path]) == out for f in files):
-        raise PackingError(f"--out {out!r} contains an input file; write the output somewhere else.")
+        raise PackingError(
+            f"out={out!r} contains an input file; write the output somewhere else.", param="out"
+        )
     fp = fingerprint(files, config)
     previous = read_manifest(out)
     if previous is not None and previous.get("fingerprint") == fp["fingerprint"]:
         return PipelineResult(out, previous.get("stats", {}), cached=True, manifest=previous)
     if os.path.exists(out) and previous is None:
         raise PackingError(
-            f"--out {out!r} exists and is not a packtools output (no {MANIFEST}); remove it or pick another folder."
+            f"out={out!r} exists and is not a packtools output (no {MANIFEST}); remove it or pick another folder.",
+            param="out",
         )
     fmt = config.format or detect_format(read_schema(files[0]).names)
     if fmt == "preference" and config.overlong == "split":
-        raise PackingError("--overlong split does not apply to preference data; use truncate or drop.")
+        raise PackingError(
+            "overlong=split does not apply to preference data; use truncate or drop.", param="overlong"
+        )
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)

@@ -160,7 +160,8 @@ def check_schema(path: str, columns: Sequence[str] | None) -> None:
     if not_lists:
         raise PackingError(
             f"{path!r}: columns {not_lists} are not token lists, so they cannot be packed. Pack tokenized files "
-            f"(name the token columns with columns=[...] / --columns), or tokenize first (packtools pack)."
+            f"(name the token columns with columns=[...]), or tokenize first (packtools pack).",
+            param="columns",
         )
 
 

@@ -63,7 +63,8 @@ def detect_format(columns: Sequence[str]) -> str:
         return "text"
     raise PackingError(
         f"cannot tell the data format from the columns {sorted(names)}; expected 'text', 'prompt'+'completion', "
-        f"'messages', 'prompt'+'chosen'+'rejected' or 'input_ids'. Pass --format {{{','.join(FORMATS)}}}."
+        f"'messages', 'prompt'+'chosen'+'rejected' or 'input_ids'. Pass format={{{','.join(FORMATS)}}}.",
+        param="format",
     )
 
 
@@ -90,13 +91,17 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise PackingError(
-            f"--tokenizer {path!r} is not a directory; give a local tokenizer folder (tokenizer.json, "
-            f"tokenizer_config.json), e.g. one written by tokenizer.save_pretrained(DIR)."
+            f"tokenizer={path!r} is not a directory; give a local tokenizer folder (tokenizer.json, "
+            f"tokenizer_config.json), e.g. one written by tokenizer.save_pretrained(DIR).",
+            param="tokenizer",
         )
     transformers = require("transformers", "tokenizing text (--tokenizer)")
     tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     if not getattr(tok, "is_fast", False):
-        raise PackingError(f"--tokenizer {path!r} loads a slow tokenizer; packtools needs a fast (Rust) one.")
+        raise PackingError(
+            f"tokenizer={path!r} loads a slow tokenizer; packtools needs a fast (Rust) one.",
+            param="tokenizer",
+        )
     return tok
 
 
@@ -138,7 +143,9 @@ class BatchTokenizer:
 
     def __init__(self, tokenizer_dir: str, fmt: str, add_eos: bool = True) -> None:
         if fmt not in FORMATS or fmt == "tokenized":
-            raise PackingError(f"--format {fmt!r} cannot be tokenized; use one of {', '.join(FORMATS[:-1])}.")
+            raise PackingError(
+                f"format={fmt!r} cannot be tokenized; use one of {', '.join(FORMATS[:-1])}.", param="format"
+            )
         self.tokenizer_dir = tokenizer_dir
         self.fmt = fmt
         self.add_eos = add_eos
@@ -161,7 +168,8 @@ class BatchTokenizer:
         if self.eos_id is None:
             raise PackingError(
                 f"the tokenizer in {self.tokenizer_dir!r} has no eos_token, so none can end each sequence; "
-                f"set eos_token in its tokenizer_config.json or pass --no-eos."
+                f"set eos_token in its tokenizer_config.json or pass add_eos=False.",
+                param="tokenizer",
             )
         return ragged.constant_rows(n, self.eos_id)
 
@@ -268,8 +276,9 @@ class BatchTokenizer:
         missing = [c for c in input_columns(self.fmt) if c not in table.column_names]
         if missing:
             raise PackingError(
-                f"--format {self.fmt} needs columns {input_columns(self.fmt)}; the input lacks {missing} "
-                f"(it has {table.column_names})."
+                f"format={self.fmt} needs columns {input_columns(self.fmt)}; the input lacks {missing} "
+                f"(it has {table.column_names}).",
+                param="format",
             )
         if self.fmt == "text":
             ids = self._with_eos(self.encode(_strings(table, "text", first_row), special=True))

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from .._optional import is_instance
 from ..core.arrow import column_lengths, is_list_type
 from ..errors import PackingError
 
@@ -301,7 +302,8 @@ def _lengths_of_array(arr: pa.ChunkedArray | pa.Array, column: str) -> np.ndarra
 def _table_column(schema: pa.Schema, column: str, where: str) -> pa.Field:
     if column not in schema.names:
         raise PackingError(
-            f"{where} has no column {column!r}; it has {schema.names}. Pass column=... (CLI: --column)."
+            f"{where} has no column {column!r}; it has {schema.names}. Pass column=....",
+            param="column",
         )
     f = schema.field(column)
     if not is_list_type(f.type):
@@ -372,10 +374,6 @@ def _ipc_lengths(path: str, column: str) -> np.ndarray:
         source.close()
 
 
-def _is_datasets_object(source: object, cls: str) -> bool:
-    return any(t.__module__.startswith("datasets") and t.__name__ == cls for t in type(source).__mro__)
-
-
 def profile_lengths(source: Any, column: str = "input_ids", name: str | None = None) -> LengthProfile:
     """Profile the sequence lengths of ``source``, reading list offsets only.
 
@@ -408,17 +406,17 @@ def profile_lengths(source: Any, column: str = "input_ids", name: str | None = N
         lengths = _lengths_of_list(source.column(column))
     elif isinstance(source, (pa.ChunkedArray, pa.Array)):
         lengths = _lengths_of_array(source, column)
-    elif _is_datasets_object(source, "DatasetDict"):
+    elif is_instance(source, "datasets", "DatasetDict"):
         raise PackingError(
             f"profile one split of the DatasetDict, e.g. profile_lengths(ds[{next(iter(source), 'train')!r}]); "
             f"it has splits {list(source)}."
         )
-    elif _is_datasets_object(source, "IterableDataset"):
+    elif is_instance(source, "datasets", "IterableDataset"):
         raise PackingError(
             "an IterableDataset has no offsets to read without streaming every token; profile the files it "
             "streams from (profile_lengths(paths)) or a materialized datasets.Dataset."
         )
-    elif _is_datasets_object(source, "Dataset"):
+    elif is_instance(source, "datasets", "Dataset"):
         from ..integrations.datasets import dataset_table
 
         table, indices = dataset_table(source)
