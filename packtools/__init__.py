@@ -1,8 +1,8 @@
 """packtools: fast, exact sequence packing for LLM fine-tuning."""
 
 from .constants import __version__ as __version__
-from .core.pack import pack_table, truncate_table, unpack
-from .core.plan import STRATEGIES, PackPlan, plan, warmup
+from .core.pack import pack_table, truncate_table, unpack, warmup
+from .core.plan import STRATEGIES, PackPlan, plan
 from .errors import PackingError
 from .integrations.datasets import pack_dataset, truncate_dataset
 from .profiling.profile import LengthProfile, profile_lengths

@@ -12,7 +12,7 @@ from ..constants import SEQ_LENGTHS
 from ..errors import PackingError
 from . import kernels
 from .arrow import ListColumn, check_aligned, is_list_type, list_array, read_list_column
-from .plan import PackPlan, Strategy, check_max_length
+from .plan import STRATEGIES, PackPlan, Strategy, check_max_length
 from .plan import plan as make_plan
 
 
@@ -296,3 +296,12 @@ def truncate_table(table: pa.Table, max_length: int, columns: Sequence[str] | No
         i = table.column_names.index(n)
         table = table.set_column(i, table.schema.field(n), pc.list_slice(table.column(n), 0, max_length))
     return table
+
+
+def warmup() -> None:
+    """Compile (or load from the on-disk cache) every kernel on a tiny input."""
+    from .pack import pack_table
+
+    table = pa.table({"input_ids": pa.array([[1, 2, 3], [], [4]], pa.list_(pa.int32()))})
+    for strategy in STRATEGIES:
+        pack_table(table, 2, strategy)
