@@ -13,7 +13,7 @@ written in row groups of 65,536 rows (snappy).  Each case runs in a fresh subpro
 Numba up (``packtools.warmup()``) and reports its own ``ru_maxrss`` at the end, so the peak RSS belongs to
 that case alone (interpreter and imports included); the page cache is warm (the file was just written).
 
-- ``in-memory``: ``pq.read_table`` -> ``packtools.pack_table`` -> ``packtools.io.atomic.write_table`` (one ``.arrow``
+- ``in-memory``: ``pq.read_table`` -> ``packtools.pack_table`` -> ``packtools._atomic.write_table`` (one ``.arrow``
   file), the path of ``packtools pack IN.parquet --out OUT.arrow``.
 - ``out-of-core``: ``packtools.pipeline.run.pack_files`` (``packtools pack IN.parquet --out DIR``): stage to an
   uncompressed Arrow file, plan from the offsets, gather and write 2**24-token shards from the memory map,

@@ -23,7 +23,7 @@ WITHOUT_EXAMPLES = {
     "packtools.cli.shards",
     "packtools.constants",
     "packtools.errors",
-    "packtools.io.atomic",
+    "packtools._atomic",
     "packtools.integrations.ray",  # its example needs a Ray runtime (skipped); tests/test_ray.py runs it
     "packtools.profiling.tradeoffs",
 }

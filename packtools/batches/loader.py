@@ -28,7 +28,7 @@ import pyarrow as pa
 
 from .._optional import is_instance
 from ..constants import IGNORE_INDEX, MASK_COLUMNS, SEQ_LENGTHS
-from ..core.arrow import ListColumn, check_aligned, read_list_column
+from ..core.arrow import ListColumn, check_aligned, dataset_table, read_list_column
 from ..errors import PackingError
 from .collate import FlatRows, PaddingFreeCollator
 
@@ -55,8 +55,6 @@ class PackedRows:
 
     def __init__(self, data: Any, columns: Sequence[str] | None = None) -> None:
         if is_instance(data, "datasets", "Dataset"):
-            from ..integrations.datasets import dataset_table
-
             table, indices = dataset_table(data)
         elif isinstance(data, pa.Table):
             table, indices = data, None

@@ -299,7 +299,7 @@ class PackPlan:
     # -- persistence -----------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan to ``path`` (``.npz``) atomically."""
-        from ..io.atomic import atomic_path
+        from .._atomic import atomic_path
 
         with atomic_path(path) as tmp, open(tmp, "wb") as fh:
             np.savez(

@@ -13,6 +13,7 @@ import pyarrow as pa
 
 from .._optional import require
 from ..constants import SEQ_LENGTHS
+from ..core.arrow import dataset_table
 from ..core.pack import pack_columns, read_columns, truncate_table
 from ..core.plan import PackPlan, Strategy, check_max_length, check_strategy
 from ..core.plan import plan as make_plan
@@ -23,15 +24,6 @@ DEFAULT_WINDOW = 100_000
 
 def _datasets():
     return require("datasets", "packing a datasets.Dataset")
-
-
-def dataset_table(dataset: Any) -> tuple[pa.Table, np.ndarray | None]:
-    """The Arrow table behind a ``datasets.Dataset`` and its row indices mapping (after select/shuffle)."""
-    table = dataset.data.table
-    indices = None
-    if getattr(dataset, "_indices", None) is not None:
-        indices = dataset._indices.column(0).to_numpy().astype(np.int64)
-    return table, indices
 
 
 def _derived_fingerprint(dataset: Any, operation: str, **params: Any) -> str:
@@ -73,7 +65,7 @@ def _cache_file(dataset: Any, fingerprint: str) -> tuple[str, bool]:
 
 def _write_packed(path: str, cols: list, p: PackPlan, indices: np.ndarray | None) -> None:
     """Gather and write the packed rows block by block, giving back mapped input pages as it goes."""
-    from ..io.atomic import atomic_path
+    from .._atomic import atomic_path
     from ..io.pages import PageReleaser
 
     release = PageReleaser().release

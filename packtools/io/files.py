@@ -23,8 +23,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .._atomic import atomic_path
 from ..errors import PackingError
-from .atomic import atomic_path
 
 SUFFIX_KINDS = {
     ".jsonl": "json",

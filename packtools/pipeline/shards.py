@@ -35,12 +35,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .._atomic import atomic_path
 from ..constants import MANIFEST
 from ..core.arrow import is_list_type
 from ..core.pack import pack_table, read_columns
 from ..core.plan import check_max_length, check_strategy, plan
 from ..errors import PackingError
-from ..io.atomic import atomic_path
 from ..io.files import read_table, write_table
 from .executors import Executor, get_executor
 
