@@ -90,7 +90,7 @@ def _pack_split(
     shuffle: bool,
     seed: int,
     keep_in_memory: bool | None,
-) -> tuple[Any, PackPlan]:
+) -> Any:
     ds_mod = _datasets()
     table, indices = dataset_table(dataset)
     cols, lengths = read_columns(table, columns)
@@ -113,7 +113,7 @@ def _pack_split(
         mapped = ds_mod.table.MemoryMappedTable.from_file(path)
         out = ds_mod.Dataset(mapped, split=dataset.split, fingerprint=fingerprint)
     added = [SEQ_LENGTHS] if SEQ_LENGTHS in out.column_names else []
-    return _restore_format(out, dict(dataset.format), added), p
+    return _restore_format(out, dict(dataset.format), added)
 
 
 def pack_dataset(
@@ -162,12 +162,12 @@ def pack_dataset(
     if isinstance(dataset, ds_mod.DatasetDict):
         return ds_mod.DatasetDict(
             {
-                name: _pack_split(split, max_length, strategy, columns, shuffle, seed, keep_in_memory)[0]
+                name: _pack_split(split, max_length, strategy, columns, shuffle, seed, keep_in_memory)
                 for name, split in dataset.items()
             }
         )
     if isinstance(dataset, ds_mod.Dataset):
-        return _pack_split(dataset, max_length, strategy, columns, shuffle, seed, keep_in_memory)[0]
+        return _pack_split(dataset, max_length, strategy, columns, shuffle, seed, keep_in_memory)
     if isinstance(dataset, ds_mod.IterableDataset):
         return _pack_iterable(dataset, max_length, strategy, columns, shuffle, seed, window)
     raise PackingError(
