@@ -34,6 +34,14 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--num-proc", type=int, default=1, help="tokenizer processes (default 1)")
     p.add_argument(
+        "--tokenizer-engine",
+        choices=("auto", "fast", "transformers"),
+        default="auto",
+        help="auto (default): the fast exact engine (packtools[fast]) for byte-level BPE tokenizers once it gives "
+        "transformers' ids on a built-in adversarial set and the first rows of the data, else transformers; "
+        "fast: the fast engine or an error; transformers: never the fast engine",
+    )
+    p.add_argument(
         "--overlong",
         choices=("truncate", "drop", "split"),
         help="sequences longer than --max-length: keep the start, drop them, or split them (default: truncate "
@@ -94,6 +102,7 @@ def pipeline_config(args: argparse.Namespace, max_length: int) -> Any:
         shuffle=args.shuffle,
         seed=args.seed,
         shard_tokens=args.shard_tokens,
+        tokenizer_engine=args.tokenizer_engine,
     )
 
 

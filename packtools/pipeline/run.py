@@ -46,6 +46,7 @@ from ..core.plan import check_max_length, check_strategy
 from ..core.plan import plan as make_plan
 from ..errors import PackingError
 from ..io.files import InputFile, count_rows, discover, iter_tables, read_schema
+from .fast_tokenize import check_engine
 from .gather import (
     MappedArrow,
     ShardFolder,
@@ -54,6 +55,7 @@ from .gather import (
     write_json,
 )
 from .preference import write_preference
+from .prefetch import prefetch
 from .tokenize import FORMATS, detect_format, output_columns
 
 OVERLONG = ("truncate", "drop", "split")
@@ -75,9 +77,13 @@ class PipelineConfig:
     shuffle: bool = False
     seed: int = 0
     shard_tokens: int = 1 << 24
+    tokenizer_engine: str = (
+        "auto"  # auto | fast | transformers: same ids either way (proven), so not fingerprinted
+    )
 
     def __post_init__(self) -> None:
         check_max_length(self.max_length)
+        check_engine(self.tokenizer_engine)
         check_strategy(self.strategy)
         if self.format is not None and self.format not in FORMATS:
             raise PackingError(
@@ -124,6 +130,7 @@ def fingerprint(files: Sequence[InputFile], config: PipelineConfig) -> dict[str,
     cfg = asdict(config)
     cfg["columns"] = list(config.columns) if config.columns else None
     cfg["overlong"] = config.overlong_policy
+    del cfg["tokenizer_engine"]
     tok = tokenizer_fingerprint(config.tokenizer) if config.tokenizer else None
     body = {"config": cfg, "inputs": [f.fingerprint() for f in files], "tokenizer_sha256": tok}
     digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
@@ -144,10 +151,10 @@ def _single_threaded_worker() -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
-_WORKER_TOKENIZERS: dict[tuple[str, str, bool], Any] = {}
+_WORKER_TOKENIZERS: dict[tuple[str, str, bool, str], Any] = {}
 
 
-def _tokenize_in_worker(key: tuple[str, str, bool], table: pa.Table, row: int) -> pa.Table:
+def _tokenize_in_worker(key: tuple[str, str, bool, str], table: pa.Table, row: int) -> pa.Table:
     """Tokenize one batch in a worker process, loading the tokenizer once per process."""
     from .tokenize import BatchTokenizer
 
@@ -157,9 +164,16 @@ def _tokenize_in_worker(key: tuple[str, str, bool], table: pa.Table, row: int) -
 
 
 def _token_batches(
-    files: Sequence[InputFile], config: PipelineConfig, fmt: str, num_proc: int, quiet: bool
+    files: Sequence[InputFile],
+    config: PipelineConfig,
+    fmt: str,
+    num_proc: int,
+    quiet: bool,
+    report: dict[str, Any] | None = None,
 ) -> Iterator[pa.Table]:
-    """Token tables in input order: read (and tokenize, in ``num_proc`` processes) batch after batch."""
+    """Token tables in input order: read (and tokenize, in ``num_proc`` processes) batch after batch.
+
+    Reading runs ahead in a thread.  ``report`` receives the tokenizer engine's report (which engine, why)."""
     from .tokenize import input_columns
 
     total = (
@@ -182,7 +196,9 @@ def _token_batches(
                 f"format={fmt} needs a tokenizer: pass tokenizer=DIR (a local tokenizer folder).",
                 param="format",
             )
-        tokenizer = BatchTokenizer(config.tokenizer, fmt, config.add_eos)
+        tokenizer = BatchTokenizer(config.tokenizer, fmt, config.add_eos, config.tokenizer_engine)
+        if report is not None:
+            report.update(tokenizer.report.to_dict())
         needed = input_columns(fmt)
 
         def batches() -> Iterator[tuple[pa.Table, int]]:
@@ -195,9 +211,11 @@ def _token_batches(
                     row += table.num_rows
 
         if num_proc <= 1:
-            for table, row in batches():
+            for table, row in prefetch(batches()):
                 yield tokenizer(table, row)
                 bar.update(table.num_rows)
+                if report is not None:
+                    report.update(tokenizer.report.to_dict())
             return
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
@@ -205,8 +223,20 @@ def _token_batches(
         ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds threads (Rust, Numba)
         with ProcessPoolExecutor(num_proc, mp_context=ctx, initializer=_single_threaded_worker) as pool:
             inflight: deque = deque()
-            for table, row in batches():
-                job = pool.submit(_tokenize_in_worker, (config.tokenizer, fmt, config.add_eos), table, row)
+            reader = prefetch(batches())
+            for table, row in reader:
+                # The first batch is tokenized here: it proves (or refuses) the fast engine, and the workers
+                # then use the engine this process chose (and stop rather than fall back if it disagrees).
+                yield tokenizer(table, row)
+                bar.update(table.num_rows)
+                if report is not None:
+                    report.update(tokenizer.report.to_dict())
+                break
+            engine = "fast" if tokenizer.fast is not None else "transformers"
+            for table, row in reader:
+                job = pool.submit(
+                    _tokenize_in_worker, (config.tokenizer, fmt, config.add_eos, engine), table, row
+                )
                 inflight.append((job, table.num_rows))
                 if len(inflight) >= 2 * num_proc:
                     fut, n = inflight.popleft()
@@ -420,7 +450,9 @@ def run_pipeline(
         if fmt == "tokenized":
             config = PipelineConfig(**{**asdict(config), "columns": tuple(_token_columns(files, config))})
         t0 = time.perf_counter()
-        batches = _token_batches(files, config, fmt, num_proc, quiet)
+        engine_report: dict[str, Any] = {}
+        # Tokenizing runs ahead of writing the staged file (and reading ahead of tokenizing).
+        batches = prefetch(_token_batches(files, config, fmt, num_proc, quiet, engine_report))
         if fmt == "preference":
             stats = write_preference(batches, tmp, config)
             tokenize_s = time.perf_counter() - t0
@@ -445,6 +477,8 @@ def run_pipeline(
             if staged is not None:
                 os.unlink(staged)
             pack_s = time.perf_counter() - t1
+        if engine_report:
+            stats["tokenizer"] = engine_report
         stats.update(
             {
                 "format": fmt,

@@ -42,6 +42,9 @@ def format_pipeline_summary(stats: dict[str, Any], out: str, cached: bool = Fals
     head = "packed dataset" if stats.get("packed") else "preference dataset (not packed)"
     cells = [["", head + (" (cached: inputs and options unchanged)" if cached else "")]]
     cells.append(["format", str(stats.get("format"))])
+    if stats.get("tokenizer"):
+        engine = stats["tokenizer"]
+        cells.append(["tokenizer engine", f"{engine['engine']} ({engine['reason']})"])
     if stats.get("packed"):
         cells.append(["strategy", f"{stats['strategy']}, overlong={stats['overlong']}"])
     else:

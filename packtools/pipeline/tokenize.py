@@ -20,7 +20,10 @@ Formats, and what each row becomes:
   ``rejected_input_ids``, tokenized like prompt-completion (EOS after string completions); not packed.
 
 Tokenization uses the fast tokenizer's batch API (Rust, multi-threaded); the pipeline can also spread batches
-over processes (``--num-proc``).
+over processes (``--num-proc``).  With ``engine="auto"`` (the default) a byte-level BPE tokenizer is run by the
+faster exact engine of :mod:`packtools.pipeline.fast_tokenize` once it has given the same ids (and assistant
+masks) as transformers on a built-in adversarial set and on the first rows of the data; a sample of every later
+batch is compared too.  ``report`` says which engine ran and why.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from ..constants import IGNORE_INDEX, INPUT_FORMATS
 from ..core import ragged
 from ..core.ragged import Ragged
 from ..errors import PackingError
+from . import fast_tokenize as fast_engine
 
 FORMATS = INPUT_FORMATS
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
@@ -141,7 +145,7 @@ class BatchTokenizer:
     Built from the tokenizer *directory*; worker processes build their own from the same arguments.
     """
 
-    def __init__(self, tokenizer_dir: str, fmt: str, add_eos: bool = True) -> None:
+    def __init__(self, tokenizer_dir: str, fmt: str, add_eos: bool = True, engine: str = "auto") -> None:
         if fmt not in FORMATS or fmt == "tokenized":
             raise PackingError(
                 f"format={fmt!r} cannot be tokenized; use one of {', '.join(FORMATS[:-1])}.", param="format"
@@ -159,9 +163,127 @@ class BatchTokenizer:
         self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
         template = self.tok.chat_template if isinstance(self.tok.chat_template, str) else None
         self.has_generation_tags = bool(template and _GENERATION_TAG.search(template))
+        self.fast: fast_engine.FastEncoder | None = None
+        self._proof_rows = (
+            fast_engine.PROOF_ROWS
+        )  # rows of the data still to compare before trusting the engine
+        self._audit_phase = 0
+        self.report = self._choose_engine(fast_engine.check_engine(engine))
+
+    # -- engine choice and proof -----------------------------------------------------------------
+    def _choose_engine(self, requested: str) -> fast_engine.EngineReport:
+        """The fast engine when it is installed, applies and passes the adversarial set; else transformers."""
+
+        def refuse(why: str) -> fast_engine.EngineReport:
+            if requested == "fast":
+                raise PackingError(
+                    f"tokenizer_engine='fast' cannot tokenize with {self.tokenizer_dir!r}: {why}; use "
+                    f"tokenizer_engine='auto' (falls back to transformers) or 'transformers'.",
+                    param="tokenizer_engine",
+                )
+            return fast_engine.EngineReport("transformers", why, requested)
+
+        if requested == "transformers":
+            return fast_engine.EngineReport(
+                "transformers", "requested (tokenizer_engine='transformers')", requested
+            )
+        version = fast_engine.engine_version()
+        if version is None:
+            return refuse("the fast engine is not installed (pip install 'packtools[fast]')")
+        try:
+            fast = fast_engine.FastEncoder(self.tokenizer_dir)
+        except (OSError, ValueError, RuntimeError) as exc:
+            return refuse(f"the fast engine cannot load its tokenizer.json ({exc})")
+        why = fast_engine.refusal(fast.spec)
+        if why is None and self.fmt == "messages":
+            why = fast_engine.offsets_refusal(fast.spec)
+        if why is not None:
+            return refuse(f"the tokenizer is not one the fast engine reproduces here: {why}")
+        specials = [a["content"] for a in fast.spec.get("added_tokens", [])]
+        texts = fast_engine.adversarial_texts(specials)
+        for special in (True, False):
+            got = fast.encode(texts, special)
+            ref = [e.ids for e in self._encode_batch(texts, add_special_tokens=special)]
+            bad = fast_engine.first_difference(got, ref)
+            if bad is not None:
+                row = got.values[got.offsets[bad] : got.offsets[bad + 1]].tolist()
+                return refuse(
+                    f"the fast engine's ids differ from transformers' on the built-in adversarial set "
+                    f"({fast_engine.describe_difference(texts, bad, row, ref[bad])})"
+                )
+        checked = {"adversarial_texts": 2 * len(texts)}
+        if self.fmt == "messages":
+            convs = fast_engine.adversarial_conversations(texts)
+            self.fast = fast
+            try:
+                mismatch = self._compare_labels(convs, range(len(convs)), 0)
+            except PackingError as exc:  # e.g. a template that is not incremental: data rows will say so
+                mismatch = f"the adversarial conversations cannot be tokenized: {exc}"
+            self.fast = None
+            if mismatch is not None:
+                return refuse(
+                    f"the fast path's chat tokens or assistant masks differ from transformers' ({mismatch})"
+                )
+            checked["adversarial_conversations"] = len(convs)
+        self.fast = fast
+        return fast_engine.EngineReport(
+            f"{fast_engine.ENGINE_MODULE} {version}",
+            f"byte-level BPE; identical ids to transformers on the built-in adversarial set; the first "
+            f"{fast_engine.PROOF_ROWS} rows of the data and 1 in {fast_engine.AUDIT_EVERY} rows after them are "
+            f"compared as they are tokenized",
+            requested,
+            checked,
+        )
+
+    def _sample(self, n: int) -> tuple[range, bool]:
+        """Rows of a batch of ``n`` to compare with transformers, and whether they are part of the initial proof."""
+        if self._proof_rows > 0:
+            return range(min(n, self._proof_rows)), True
+        start = (-self._audit_phase) % fast_engine.AUDIT_EVERY
+        self._audit_phase += n
+        return range(start, n, fast_engine.AUDIT_EVERY), False
+
+    def _disagree(self, what: str, initial: bool, first_row: int) -> None:
+        """The fast engine gave other tokens than transformers: fall back (initial proof, auto) or stop."""
+        if initial and self.report.requested == "auto":
+            self.fast = None
+            self.report = fast_engine.EngineReport(
+                "transformers",
+                f"fallback: the fast engine differed from transformers on the data ({what})",
+                "auto",
+                {**self.report.checked, "rows_checked": self.report.checked.get("rows_checked", 0)},
+            )
+            return
+        raise PackingError(
+            f"the fast tokenizer engine gave other tokens than transformers near input row {first_row} ({what}); "
+            f"no output was written from it. Rerun with tokenizer_engine='transformers'.",
+            param="tokenizer_engine",
+        )
+
+    def _count_checked(self, n: int, initial: bool) -> None:
+        if initial:
+            self._proof_rows -= n
+        self.report.checked["rows_checked"] = self.report.checked.get("rows_checked", 0) + n
 
     # -- building blocks -------------------------------------------------------------------------
-    def encode(self, texts: list[str], special: bool) -> Ragged:
+    def encode(self, texts: list[str], special: bool, first_row: int = 0) -> Ragged:
+        if self.fast is not None:
+            got = self.fast.encode(texts, special)
+            rows, initial = self._sample(len(texts))
+            sample = [texts[i] for i in rows]
+            ref = [e.ids for e in self._encode_batch(sample, add_special_tokens=special)]
+            bad = fast_engine.first_difference(ragged.select(got, np.asarray(rows, np.int64)), ref)
+            if bad is None:
+                self._count_checked(len(sample), initial)
+                return got
+            i = rows[bad]
+            self._disagree(
+                fast_engine.describe_difference(
+                    texts, i, got.values[got.offsets[i] : got.offsets[i + 1]].tolist(), ref[bad]
+                ),
+                initial,
+                first_row,
+            )
         return ragged.from_lists([e.ids for e in self._encode_batch(texts, add_special_tokens=special)])
 
     def _eos_rows(self, n: int) -> Ragged:
@@ -208,9 +330,9 @@ class BatchTokenizer:
         conversational = bool(prompts) and isinstance(prompts[0], list)
         if not conversational:
             _strings(table, "prompt", first_row)
-            parts = [self.encode(prompts, special=True)]
+            parts = [self.encode(prompts, special=True, first_row=first_row)]
             for name in names:
-                done = self.encode(_strings(table, name, first_row), special=False)
+                done = self.encode(_strings(table, name, first_row), special=False, first_row=first_row)
                 parts.append(
                     ragged.join_rows([done, self._eos_rows(done.num_rows)]) if self.add_eos else done
                 )
@@ -226,18 +348,89 @@ class BatchTokenizer:
                 )
                 tails[n].append(tail)
             heads.append(head)
-        return [self.encode(heads, special=False)] + [self.encode(tails[n], special=False) for n in names]
+        return [self.encode(heads, special=False, first_row=first_row)] + [
+            self.encode(tails[n], special=False, first_row=first_row) for n in names
+        ]
 
     def _assistant_labels(self, convs: list[list[dict[str, Any]]], first_row: int) -> tuple[Ragged, Ragged]:
+        """Token ids and labels (assistant tokens only) of conversations, from the fast engine when it is in use."""
+        if self.fast is not None:
+            got = self._assistant_labels_fast(convs, first_row)
+            if got is not None:
+                rows, initial = self._sample(len(convs))
+                mismatch = self._compare_labels(convs, rows, first_row, got)
+                if mismatch is None:
+                    self._count_checked(len(rows), initial)
+                    return got
+                self._disagree(mismatch, initial, first_row)
+        return self._assistant_labels_transformers(convs, first_row)
+
+    def _compare_labels(
+        self,
+        convs: list[list[dict[str, Any]]],
+        rows: Sequence[int],
+        first_row: int,
+        got: tuple[Ragged, Ragged] | None = None,
+    ) -> str | None:
+        """How the fast path's ids or labels differ from transformers' on ``rows`` of ``convs`` (None: identical)."""
+        if got is None:
+            got = self._assistant_labels_fast(convs, first_row)
+            if got is None:
+                return "its tokens do not spell the rendered text byte for byte"
+        index = np.asarray(rows, np.int64)
+        ref = self._assistant_labels_transformers([convs[i] for i in rows], first_row)
+        for name, mine, theirs in zip(("ids", "labels"), got, ref):
+            bad = fast_engine.first_difference(ragged.select(mine, index), ragged.to_lists(theirs))
+            if bad is not None:
+                return f"{name} of conversation {first_row + rows[bad]}: {convs[rows[bad]]!r:.200}"
+        return None
+
+    def _assistant_labels_fast(
+        self, convs: list[list[dict[str, Any]]], first_row: int
+    ) -> tuple[Ragged, Ragged] | None:
+        """Render, encode with the fast engine, and mark assistant tokens from byte offsets computed from the ids.
+
+        The two marking rules are transformers' (a token overlapping a ``{% generation %}`` span) and the
+        incremental one (a token starting inside an assistant turn); None when the tokens do not spell the
+        rendered text byte for byte (then offsets must come from transformers)."""
+        assert self.fast is not None
         if self.has_generation_tags:
-            out = self.tok.apply_chat_template(
-                convs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            from transformers.utils.chat_template_utils import render_jinja_template
+
+            texts, spans = render_jinja_template(
+                conversations=convs,
+                chat_template=self.tok.get_chat_template(),
+                return_assistant_tokens_mask=True,
+                **self.tok.special_tokens_map,
             )
-            ids = ragged.from_lists(out["input_ids"])
-            mask = ragged.from_lists(out["assistant_masks"], np.int8)
-            return ids, Ragged(
-                ids.offsets, np.where(mask.values != 0, ids.values, IGNORE_INDEX).astype(np.int32)
-            )
+        else:
+            texts, spans = self._incremental_spans(convs, first_row)
+        ids = self.fast.encode(texts, special=False)
+        token_bytes = self.fast.token_spans(texts, ids)
+        if token_bytes is None:
+            return None
+        starts, ends = token_bytes
+        lo, hi, base = [], [], 0
+        for text, row_spans in zip(texts, spans):
+            ascii_text = text.isascii()
+            for a, b in row_spans:
+                lo.append(base + (a if ascii_text else len(text[:a].encode("utf-8"))))
+                hi.append(base + (b if ascii_text else len(text[:b].encode("utf-8"))))
+            base += len(text) if ascii_text else len(text.encode("utf-8"))
+        lo_a, hi_a = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
+        if lo_a.size:
+            j = np.searchsorted(hi_a, starts, side="right")  # the first span that ends after the token starts
+            inside = j < lo_a.size
+            jj = np.minimum(j, lo_a.size - 1)
+            inside &= (ends > lo_a[jj]) if self.has_generation_tags else (starts >= lo_a[jj])
+        else:
+            inside = np.zeros(starts.shape[0], bool)
+        return ids, Ragged(ids.offsets, np.where(inside, ids.values, IGNORE_INDEX).astype(np.int32))
+
+    def _incremental_spans(
+        self, convs: list[list[dict[str, Any]]], first_row: int
+    ) -> tuple[list[str], list[list[tuple[int, int]]]]:
+        """Rendered conversations and the character span of every assistant turn (incremental rendering)."""
         texts, spans = [], []
         for i, conv in enumerate(convs):
             full = self._render(conv, False)
@@ -256,6 +449,21 @@ class BatchTokenizer:
                 row_spans.append((len(start), len(end)))
             texts.append(full)
             spans.append(row_spans)
+        return texts, spans
+
+    def _assistant_labels_transformers(
+        self, convs: list[list[dict[str, Any]]], first_row: int
+    ) -> tuple[Ragged, Ragged]:
+        if self.has_generation_tags:
+            out = self.tok.apply_chat_template(
+                convs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+            ids = ragged.from_lists(out["input_ids"])
+            mask = ragged.from_lists(out["assistant_masks"], np.int8)
+            return ids, Ragged(
+                ids.offsets, np.where(mask.values != 0, ids.values, IGNORE_INDEX).astype(np.int32)
+            )
+        texts, spans = self._incremental_spans(convs, first_row)
         enc = self.tok(
             texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False
         )
@@ -283,7 +491,9 @@ class BatchTokenizer:
                 param="format",
             )
         if self.fmt == "text":
-            ids = self._with_eos(self.encode(_strings(table, "text", first_row), special=True))
+            ids = self._with_eos(
+                self.encode(_strings(table, "text", first_row), special=True, first_row=first_row)
+            )
             return pa.table({"input_ids": ragged.to_arrow(ids)})
         if self.fmt == "messages":
             convs = [

@@ -1,0 +1,292 @@
+"""An exact fast tokenizer for byte-level BPE, proven against transformers before use (extra ``packtools[fast]``).
+
+The engine is `fastokens <https://pypi.org/project/fastokens/>`_, a Rust reimplementation of the
+``tokenizers`` pipeline that reads the same ``tokenizer.json`` and returns a whole batch as two flat buffers
+(``uint32`` ids, ``uint64`` offsets), which become the ``(offsets, values)`` of a :class:`Ragged` without a
+Python int per token.  It was picked by measuring the candidates pip can install here on the same texts and
+tokenizers (see ``docs/tokenize.md``): it was the fastest of those that gave identical ids.
+
+Nothing is taken on trust.  :func:`refusal` first checks that the tokenizer is of the kind the engine is used
+for here (a BPE model with a byte-level pre-tokenizer, no dropout, no subword prefix or suffix, a normalizer
+that is absent or NFC); anything else (Unigram/SentencePiece, WordPiece, ...) stays on transformers.
+:class:`FastEncoder` then has to give the same ids as the transformers tokenizer on :func:`adversarial_texts`
+(unicode, whitespace runs, digits, the tokenizer's own special-token strings inside text, empty strings), with
+and without special tokens, before the caller uses it; :class:`packtools.pipeline.tokenize.BatchTokenizer`
+also compares it on the first rows of the data and on a sample of every later batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..core.ragged import Ragged
+from ..errors import PackingError
+
+ENGINES = ("auto", "fast", "transformers")
+ENGINE_MODULE = "fastokens"
+PROOF_ROWS = 256  # rows at the start of the data compared with transformers before the engine is trusted
+AUDIT_EVERY = 200  # after that, one row in this many is compared
+_NORMALIZERS = (None, "NFC")
+
+
+def check_engine(engine: str) -> str:
+    if engine not in ENGINES:
+        raise PackingError(
+            f"tokenizer_engine={engine!r} is unknown; use one of {', '.join(ENGINES)}.",
+            param="tokenizer_engine",
+        )
+    return engine
+
+
+def engine_version() -> str | None:
+    """The installed engine's version, or None when ``packtools[fast]`` is not installed."""
+    try:
+        from importlib.metadata import version
+
+        import fastokens  # noqa: F401
+    except ImportError:
+        return None
+    return version(ENGINE_MODULE)
+
+
+def _types(node: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
+    """The components of a tokenizer.json node, with ``Sequence`` nodes flattened."""
+    if not node:
+        return []
+    if node.get("type") == "Sequence":
+        return [c for child in node.get(key, []) for c in _types(child, key)]
+    return [node]
+
+
+def refusal(spec: dict[str, Any]) -> str | None:
+    """Why the fast engine is not used for the tokenizer described by ``spec`` (a parsed tokenizer.json), or None."""
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        return f"its model is {model.get('type')}, not a byte-level BPE"
+    if model.get("dropout") not in (None, 0, 0.0):
+        return "its BPE has dropout (ids are random)"
+    if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        return "its BPE uses a subword prefix or an end-of-word suffix"
+    pre = _types(spec.get("pre_tokenizer"), "pretokenizers")
+    if not any(p.get("type") == "ByteLevel" for p in pre):
+        return "its pre-tokenizer is not byte-level"
+    other = sorted({p["type"] for p in pre} - {"ByteLevel", "Split"})
+    if other:
+        return f"its pre-tokenizer uses {', '.join(other)}"
+    norms = [n.get("type") for n in _types(spec.get("normalizer"), "normalizers")]
+    if any(n not in _NORMALIZERS for n in norms):
+        return f"its normalizer ({', '.join(map(str, norms))}) is not NFC"
+    return None
+
+
+def adversarial_texts(specials: Sequence[str] = (), seed: int = 0) -> list[str]:
+    """Texts that break inexact tokenizers: unicode, whitespace runs, digits, special-token strings, empty ones.
+
+    ``specials`` are the tokenizer's added-token strings; they are put inside text, next to each other,
+    cut short and repeated.  The list is deterministic for a given ``seed``.
+
+    >>> texts = adversarial_texts(["<|eos|>"])
+    >>> "" in texts, any("x<|eos|>y" in t for t in texts)
+    (True, True)
+    """
+    fixed = [
+        "",
+        " ",
+        "  ",
+        "\n",
+        "\n\n\n",
+        "\t \t",
+        "\r\n\r\n  \r\n",
+        " \u00a0\u2009\u3000\u2028 x",
+        "   leading spaces",
+        "trailing spaces    ",
+        "x" * 2000,
+        " " * 3000,
+        "\n" * 500 + "end",
+        "ab" * 700,
+        "0",
+        "1234567890123456789",
+        "3.14159 2,718 1e-9 0x1F -42 +7 1_000_000",
+        "٠١٢٣٤٥ ١٢٣ 一二三 ⅧⅨ ½ ² ①",
+        "Hello, World! HELLO world. héllo wörld",
+        "it's I'M you'RE they've we'll he'd ’s 's's",
+        "naïve café résumé Zürich Ærø Œuvre ß ẞ",
+        "e\u0301 a\u0308 n\u0303 (combining marks, not NFC)",
+        "日本語のテキストと中文文本，한국어 텍스트。",
+        "Русский текст, ελληνικά, עברית, العربية, हिन्दी, ไทย",
+        "emoji 🙂🙂🙂 👩‍👩‍👧‍👦 🏳️‍🌈 🇫🇷 ❤️ 1️⃣",
+        "\x00\x01\x7f\x1b[31mred\x1b[0m \ufeffbom \ufffd",
+        "def f(x):\n    return {'a': [1, 2, 3]}  # comment\n\n\n\tpass\n",
+        '<html><body class="x">&nbsp;&#x27;</body></html>',
+        "https://example.com/a?b=c&d=e#f user@example.com",
+        "MiXeD CaSe camelCase snake_case kebab-case ALLCAPS",
+        "....!!!???---___===+++***///\\\\\\|||",
+        "a\u200bb\u200cc\u200dd\u2060e",
+        "\U0001d54f\U0001d550 \U00020000\U0002a6d6 \U0010fffd",
+    ]
+    out = list(fixed)
+    for s in specials:
+        out += [
+            s,
+            s + s,
+            f"x{s}y",
+            f" {s} ",
+            f"\n{s}\n",
+            f"text before {s}text after",
+            s[:-1],
+            s[1:],
+            f"{s[: len(s) // 2]} {s[len(s) // 2 :]}",
+        ]
+    if len(specials) > 1:
+        out.append("".join(specials))
+        out.append(" ".join(specials) + " tail")
+    rng = random.Random(seed)
+    pools = [
+        " \t\n\r",
+        "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ",
+        "0123456789",
+        "'’.,;:!?()[]{}<>|-_=+*/\\\"#$%&@^`~",
+        "éüñçøåßÆœ日本語中文한국어Ωπ😀👍🏽é\u0301\u00a0\u3000",
+    ] + list(specials)
+    for _ in range(48):
+        n = rng.randint(1, 40)
+        parts = []
+        for _ in range(n):
+            pool = rng.choice(pools)
+            if pool in specials:
+                parts.append(pool)
+            else:
+                parts.append("".join(rng.choice(pool) for _ in range(rng.randint(1, 6))))
+        out.append("".join(parts))
+    return out
+
+
+def offsets_refusal(spec: dict[str, Any]) -> str | None:
+    """Why assistant masks cannot come from byte offsets computed from the ids (chat data), or None."""
+    if _types(spec.get("normalizer"), "normalizers"):
+        return "it has a normalizer, so token offsets do not follow the text byte for byte"
+    post = _types(spec.get("post_processor"), "processors")
+    if any(p.get("type") == "ByteLevel" and p.get("trim_offsets") for p in post):
+        return "its post-processor trims token offsets"
+    return None
+
+
+def adversarial_conversations(texts: Sequence[str]) -> list[list[dict[str, str]]]:
+    """Conversations built from ``texts`` (single and multi-turn, with a system turn, empty contents)."""
+    convs: list[list[dict[str, str]]] = []
+    for i in range(0, len(texts) - 1, 2):
+        convs.append([{"role": "user", "content": texts[i]}, {"role": "assistant", "content": texts[i + 1]}])
+    for i in range(0, len(texts) - 4, 5):
+        convs.append(
+            [
+                {"role": "system", "content": texts[i]},
+                {"role": "user", "content": texts[i + 1]},
+                {"role": "assistant", "content": texts[i + 2]},
+                {"role": "user", "content": texts[i + 3]},
+                {"role": "assistant", "content": texts[i + 4]},
+            ]
+        )
+    return convs
+
+
+@dataclass
+class EngineReport:
+    """Which engine tokenized the data and why (goes into the summary and the manifest)."""
+
+    engine: str
+    reason: str
+    requested: str = "auto"
+    checked: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine,
+            "requested": self.requested,
+            "reason": self.reason,
+            "checked": self.checked,
+        }
+
+
+class FastEncoder:
+    """Batch encoding of strings to a :class:`Ragged` with the fast engine, from a tokenizer folder.
+
+    ``threads``: the engine's worker threads (default: the engine's own choice, all cores; ``1`` where
+    ``TOKENIZERS_PARALLELISM=false``, which the pipeline sets in its worker processes).
+    """
+
+    def __init__(self, tokenizer_dir: str, threads: int | None = None) -> None:
+        try:
+            import fastokens
+        except ImportError as exc:
+            raise ImportError(
+                "the fast tokenizer engine needs the optional dependency 'fastokens'. Install it with: "
+                "pip install 'packtools[fast]'"
+            ) from exc
+        path = os.path.join(tokenizer_dir, "tokenizer.json")
+        if threads is None and os.environ.get("TOKENIZERS_PARALLELISM", "").lower() == "false":
+            threads = 1
+        if threads is not None:
+            os.environ.setdefault("FASTOKENS_BPE_THREADS", str(threads))
+        with open(path, encoding="utf-8") as fh:
+            self.spec = json.load(fh)
+        self._tok = fastokens.Tokenizer.from_file(path)
+        self._byte_lengths: np.ndarray | None = None
+
+    def encode(self, texts: list[str], special: bool) -> Ragged:
+        """Token ids of ``texts``; ``special`` adds the tokenizer's special tokens (e.g. BOS), like transformers."""
+        if not texts:
+            return Ragged(np.zeros(1, np.int64), np.zeros(0, np.int32))
+        ids, offsets = self._tok.encode_batch_flat(texts, add_special_tokens=special)
+        values = np.frombuffer(ids, np.uint32).view(np.int32)
+        return Ragged(np.frombuffer(offsets, np.uint64).view(np.int64), values)
+
+    def byte_lengths(self) -> np.ndarray:
+        """UTF-8 length of every token id's text (byte-level tokens: one byte per character of the token)."""
+        if self._byte_lengths is None:
+            vocab = self.spec["model"]["vocab"]
+            added = {a["id"]: a["content"] for a in self.spec.get("added_tokens", [])}
+            size = max([*vocab.values(), *added.keys()]) + 1
+            lengths = np.zeros(size, np.int64)
+            for token, i in vocab.items():
+                lengths[i] = len(token)
+            for i, content in added.items():
+                lengths[i] = len(content.encode("utf-8"))
+            self._byte_lengths = lengths
+        return self._byte_lengths
+
+    def token_spans(self, texts: list[str], ids: Ragged) -> tuple[np.ndarray, np.ndarray] | None:
+        """Byte range of every token in the concatenation of ``texts`` (flat ``(starts, ends)``), or None when
+        the tokens do not spell the texts byte for byte (e.g. a normalizer changed them)."""
+        lengths = self.byte_lengths()
+        if ids.values.size and int(ids.values.max()) >= lengths.shape[0]:
+            return None
+        tok_bytes = lengths[ids.values]
+        ends = np.zeros(tok_bytes.shape[0] + 1, np.int64)
+        np.cumsum(tok_bytes, out=ends[1:])
+        row_bytes = ends[ids.offsets[1:]] - ends[ids.offsets[:-1]]
+        if not np.array_equal(row_bytes, np.fromiter((len(t.encode("utf-8")) for t in texts), np.int64)):
+            return None
+        return ends[:-1], ends[1:]
+
+
+def first_difference(fast: Ragged, reference: Sequence[Sequence[int]]) -> int | None:
+    """Index of the first row where ``fast`` and the reference token lists differ, or None."""
+    if fast.num_rows != len(reference):
+        return min(fast.num_rows, len(reference))
+    for i, row in enumerate(reference):
+        if fast.values[fast.offsets[i] : fast.offsets[i + 1]].tolist() != list(row):
+            return i
+    return None
+
+
+def describe_difference(texts: Sequence[str], row: int, fast: Sequence[int], reference: Sequence[int]) -> str:
+    text = texts[row] if row < len(texts) else "?"
+    shown = text if len(text) <= 80 else text[:77] + "..."
+    return f"text {shown!r}: fast {list(fast)[:12]}..., transformers {list(reference)[:12]}..."
