@@ -56,6 +56,12 @@ def engine_version() -> str | None:
     return version(ENGINE_MODULE)
 
 
+def read_spec(tokenizer_dir: str) -> dict[str, Any]:
+    """The parsed ``tokenizer.json`` of a tokenizer folder."""
+    with open(os.path.join(tokenizer_dir, "tokenizer.json"), encoding="utf-8") as fh:
+        return json.load(fh)
+
+
 def _types(node: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
     """The components of a tokenizer.json node, with ``Sequence`` nodes flattened."""
     if not node:
@@ -234,8 +240,7 @@ class FastEncoder:
             threads = 1
         if threads is not None:
             os.environ.setdefault("FASTOKENS_BPE_THREADS", str(threads))
-        with open(path, encoding="utf-8") as fh:
-            self.spec = json.load(fh)
+        self.spec = read_spec(tokenizer_dir)
         self._tok = fastokens.Tokenizer.from_file(path)
         self._byte_lengths: np.ndarray | None = None
 

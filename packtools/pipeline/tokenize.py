@@ -191,14 +191,18 @@ class BatchTokenizer:
         if version is None:
             return refuse("the fast engine is not installed (pip install 'packtools[fast]')")
         try:
+            spec = fast_engine.read_spec(self.tokenizer_dir)
+        except (OSError, ValueError) as exc:
+            return refuse(f"its tokenizer.json cannot be read ({exc})")
+        why = fast_engine.refusal(spec)
+        if why is None and self.fmt == "messages":
+            why = fast_engine.offsets_refusal(spec)
+        if why is not None:
+            return refuse(f"the tokenizer is not one the fast engine reproduces here: {why}")
+        try:
             fast = fast_engine.FastEncoder(self.tokenizer_dir)
         except (OSError, ValueError, RuntimeError) as exc:
             return refuse(f"the fast engine cannot load its tokenizer.json ({exc})")
-        why = fast_engine.refusal(fast.spec)
-        if why is None and self.fmt == "messages":
-            why = fast_engine.offsets_refusal(fast.spec)
-        if why is not None:
-            return refuse(f"the tokenizer is not one the fast engine reproduces here: {why}")
         specials = [a["content"] for a in fast.spec.get("added_tokens", [])]
         texts = fast_engine.adversarial_texts(specials)
         for special in (True, False):

@@ -1,0 +1,342 @@
+"""The offline job end to end, raw text (and chat) JSONL to packed rows: packtools against datasets + TRL.
+
+Usage::
+
+    python benchmarks/bench_tokenize.py                     # 100k documents, text and chat
+    python benchmarks/bench_tokenize.py --docs 20000        # a quick check
+    python benchmarks/bench_tokenize.py --skip-chat --markdown out.md
+
+Data (seed 0): every document is 1-5 consecutive pieces of the running interpreter's standard library
+sources (``packtools.pipeline.demo.stdlib_definitions``, cut before each ``def``/``class``), written as JSONL
+``{"text": ...}``; chat rows are ``{"messages": [user, assistant, user, assistant]}`` with the pieces as
+contents.  The tokenizer is a byte-level BPE (GPT-2 pre-tokenizer, vocab 32,000, EOS ``<|endoftext|>``, a
+ChatML template with ``{% generation %}`` markers) trained locally with ``tokenizers`` on every fifth piece.
+
+Cases, each in a fresh process (``--case``) reporting its own peak RSS (``ru_maxrss``, with its child
+processes' for ``num_proc`` > 1), ``max_length`` 2048, ``bfd``:
+
+- ``HF + TRL``: ``datasets.load_dataset("json")`` -> ``map(tokenizer, batched=True)`` (+ EOS; for chat:
+  ``apply_chat_template(..., return_assistant_tokens_mask=True)``) -> ``trl.pack_dataset`` -> ``save_to_disk``,
+  with a fresh datasets cache folder.
+- ``packtools (transformers)``: ``packtools pack`` with ``tokenizer_engine="transformers"`` (what it did before).
+- ``packtools (auto)``: the default: the fast engine after its proof; also with ``num_proc=2``.
+
+Exactness: the token multiset (a histogram of ``input_ids`` over the whole output) of each packtools output
+must equal the HF + TRL one (same truncation to 2048), and for chat the multiset of label tokens (assistant
+tokens) must equal both TRL's masked tokens and packtools-transformers' labels.
+
+Tokenization alone (one process, texts in memory, after a warm-up, best of ``--repeat``): MB/s of text for
+transformers' ``tokenizer(batch)``, the fast engine on 1 and 2 threads, and packtools' whole stage (read +
+tokenize + EOS + Arrow + staged file) from the end-to-end case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+MAX_LENGTH = 2048
+TARGET_SPEEDUP = 3.0
+CHATML = (
+    "{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' }}"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% else %}{{ m['content'] + '<|im_end|>' }}{% endif %}"
+    "{{ '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+# -- data -------------------------------------------------------------------------------------------------
+def make_data(workdir: str, docs: int) -> dict:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from packtools.pipeline.demo import stdlib_definitions
+
+    pieces = [p.decode("utf-8", errors="replace") for p in stdlib_definitions()]
+    rng = random.Random(0)
+    text_path = os.path.join(workdir, "docs.jsonl")
+    chat_path = os.path.join(workdir, "chat.jsonl")
+    nbytes = chat_bytes = 0
+    with open(text_path, "w") as ft, open(chat_path, "w") as fc:
+        for _ in range(docs):
+            start = rng.randrange(len(pieces))
+            text = "".join(pieces[start : start + rng.randint(1, 5)])
+            ft.write(json.dumps({"text": text}) + "\n")
+            nbytes += len(text.encode())
+            turns = [pieces[(start + k) % len(pieces)] for k in range(4)]
+            msgs = [
+                {"role": "user", "content": turns[0][:300]},
+                {"role": "assistant", "content": turns[1]},
+                {"role": "user", "content": turns[2][:300]},
+                {"role": "assistant", "content": turns[3]},
+            ]
+            fc.write(json.dumps({"messages": msgs}) + "\n")
+            chat_bytes += sum(len(m["content"].encode()) for m in msgs)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=32000,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(pieces[::5], trainer)
+    tok_dir = os.path.join(workdir, "tokenizer")
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHATML
+    ).save_pretrained(tok_dir)
+    return {
+        "text": text_path,
+        "chat": chat_path,
+        "tokenizer": tok_dir,
+        "mb": nbytes / 1e6,
+        "chat_mb": chat_bytes / 1e6,
+    }
+
+
+# -- cases (each in a fresh process) ------------------------------------------------------------------------
+def case_hf_trl(src: str, out: str, tok_dir: str, kind: str) -> dict:
+    os.environ["HF_DATASETS_CACHE"] = out + ".cache"
+    import datasets
+    from transformers import AutoTokenizer
+    from trl import pack_dataset
+
+    datasets.disable_progress_bars()
+    t = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    ds = datasets.load_dataset("json", data_files=src, split="train")
+    if kind == "text":
+        eos = tok.eos_token_id
+
+        def fn(batch: dict) -> dict:
+            return {"input_ids": [ids + [eos] for ids in tok(batch["text"])["input_ids"]]}
+
+    else:
+
+        def fn(batch: dict) -> dict:
+            out = tok.apply_chat_template(
+                batch["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+            return {"input_ids": out["input_ids"], "assistant_masks": out["assistant_masks"]}
+
+    ds = ds.map(fn, batched=True, remove_columns=ds.column_names)
+    packed = pack_dataset(ds, MAX_LENGTH, strategy="bfd")
+    packed.save_to_disk(out)
+    elapsed = time.perf_counter() - t
+    shutil.rmtree(out + ".cache", ignore_errors=True)
+    return {"time": elapsed, "rows_out": packed.num_rows}
+
+
+def case_packtools(src: str, out: str, tok_dir: str, engine: str, num_proc: str) -> dict:
+    import packtools
+    from packtools.pipeline.run import PipelineConfig, run_pipeline
+
+    packtools.warmup()
+    t = time.perf_counter()
+    res = run_pipeline(
+        [src],
+        out,
+        PipelineConfig(max_length=MAX_LENGTH, tokenizer=tok_dir, tokenizer_engine=engine),
+        num_proc=int(num_proc),
+    )
+    return {
+        "time": time.perf_counter() - t,
+        "rows_out": res.stats["rows_out"],
+        "stage_s": res.stats["stage_s"],
+        "pack_s": res.stats["pack_s"],
+        "engine": res.stats["tokenizer"]["engine"],
+    }
+
+
+def case_tokenize_alone(src: str, tok_dir: str, repeat: str) -> dict:
+    """MB/s of text for transformers' batch call and the fast engine (1 and 2 threads), texts in memory."""
+    import pyarrow.json as pj
+    from transformers import AutoTokenizer
+
+    from packtools.pipeline.fast_tokenize import FastEncoder
+
+    texts = pj.read_json(src).column("text").to_pylist()
+    mb = sum(len(t.encode()) for t in texts) / 1e6
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    results = {}
+
+    def timed(fn) -> float:
+        fn(texts[:1000])
+        best = float("inf")
+        for _ in range(int(repeat)):
+            t = time.perf_counter()
+            for i in range(0, len(texts), 1000):
+                fn(texts[i : i + 1000])
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    results["transformers tokenizer(batch)"] = mb / timed(lambda b: tok(b)["input_ids"])
+    for threads in (1, 2):
+        os.environ["FASTOKENS_BPE_THREADS"] = str(threads)
+        enc = FastEncoder(tok_dir)
+        results[f"fast engine, {threads} thread{'s' if threads > 1 else ''}"] = mb / timed(
+            lambda b, enc=enc: enc.encode(b, True)
+        )
+    return {"mb_per_s": results, "mb": mb}
+
+
+def run_case(name: str, *args: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--case", name, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"case {name} {args} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# -- exactness -------------------------------------------------------------------------------------------
+def _columns(folder: str, names: list[str]) -> dict:
+    import pyarrow as pa
+
+    out: dict = {n: [] for n in names}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".arrow"):
+            with pa.memory_map(os.path.join(folder, f)) as src:
+                table = pa.ipc.open_stream(src).read_all()
+            for n in names:
+                if n in table.column_names:
+                    col = table.column(n).combine_chunks()
+                    out[n].append(np.asarray(col.flatten()))
+    return {n: np.concatenate(v) if v else None for n, v in out.items()}
+
+
+def histogram(folder: str, kind: str, trl: bool) -> dict:
+    """Token histograms of an output folder: all input_ids, and for chat the assistant (label) tokens."""
+    cols = _columns(folder, ["input_ids", "labels", "assistant_masks"])
+    ids = cols["input_ids"]
+    res = {"ids": np.bincount(ids, minlength=32003)}
+    if kind == "chat":
+        if trl:
+            picked = ids[cols["assistant_masks"].astype(bool)]
+        else:
+            labels = cols["labels"]
+            picked = labels[labels >= 0]
+        res["assistant"] = np.bincount(picked, minlength=32003)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--docs", type=int, default=100_000)
+    ap.add_argument("--workdir", help="where to put the data (default: a temporary folder, removed after)")
+    ap.add_argument("--repeat", type=int, default=2, help="tokenization-alone timings: best of this many")
+    ap.add_argument("--skip-chat", action="store_true")
+    ap.add_argument("--markdown", help="also write the tables to this file")
+    ap.add_argument("--case", help=argparse.SUPPRESS)
+    ap.add_argument("args", nargs="*", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.case:
+        fn = {"hf_trl": case_hf_trl, "packtools": case_packtools, "alone": case_tokenize_alone}[args.case]
+        result = fn(*args.args)
+        rss = max(
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+            resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
+        )
+        result["maxrss_gb"] = rss * 1024 / 2**30
+        print(json.dumps(result))
+        return 0
+
+    workdir = args.workdir or tempfile.mkdtemp(prefix="packtools-bench-tokenize-")
+    os.makedirs(workdir, exist_ok=True)
+    lines: list[str] = []
+    try:
+        t = time.perf_counter()
+        data = make_data(workdir, args.docs)
+        print(f"data + tokenizer in {time.perf_counter() - t:.1f} s: {data}", flush=True)
+        kinds = ["text"] + ([] if args.skip_chat else ["chat"])
+        for kind in kinds:
+            src = data[kind]
+            mb = data["mb"] if kind == "text" else data["chat_mb"]
+            cases = [
+                ("HF + TRL (datasets.map + pack_dataset + save_to_disk)", "hf_trl", [kind]),
+                ("packtools pack, tokenizer_engine=transformers", "packtools", ["transformers", "1"]),
+                ("packtools pack, tokenizer_engine=auto", "packtools", ["auto", "1"]),
+                ("packtools pack, tokenizer_engine=auto, num_proc=2", "packtools", ["auto", "2"]),
+            ]
+            results = []
+            for label, case, extra in cases:
+                out = os.path.join(workdir, f"out-{kind}-{len(results)}")
+                r = run_case(case, src, out, data["tokenizer"], *extra)
+                r["hist"] = histogram(out, kind, trl=case == "hf_trl")
+                shutil.rmtree(out, ignore_errors=True)
+                results.append((label, r))
+                print(kind, label, {k: v for k, v in r.items() if k != "hist"}, flush=True)
+            base = results[0][1]
+            lines += [
+                f"### {kind}: {args.docs:,} documents ({mb:.1f} MB of text), byte-level BPE vocab 32,000, "
+                f"max_length {MAX_LENGTH}, bfd",
+                "",
+                "| way | time (s) | peak RSS (GiB) | rows out | speed vs HF + TRL | same token multiset"
+                + (" | same assistant tokens" if kind == "chat" else "")
+                + " |",
+                "|---|---|---|---|---|---|" + ("---|" if kind == "chat" else ""),
+            ]
+            for label, r in results:
+                extra = (
+                    f" (stage {r['stage_s']:.1f} + pack {r['pack_s']:.1f}; {r['engine']})"
+                    if "stage_s" in r
+                    else ""
+                )
+                same = np.array_equal(r["hist"]["ids"], base["hist"]["ids"])
+                cells = [
+                    label,
+                    f"{r['time']:.1f}{extra}",
+                    f"{r['maxrss_gb']:.2f}",
+                    f"{r['rows_out']:,}",
+                    f"{base['time'] / r['time']:.2f}x",
+                    "yes" if same else "NO",
+                ]
+                if kind == "chat":
+                    cells.append(
+                        "yes" if np.array_equal(r["hist"]["assistant"], base["hist"]["assistant"]) else "NO"
+                    )
+                lines.append("| " + " | ".join(cells) + " |")
+            auto = results[2][1]
+            lines += [
+                "",
+                f"Target ({kind}): packtools (auto) >= {TARGET_SPEEDUP}x HF + TRL: "
+                f"{base['time'] / auto['time']:.2f}x, {'met' if base['time'] / auto['time'] >= TARGET_SPEEDUP else 'NOT met'}; "
+                f"peak RSS {auto['maxrss_gb']:.2f} vs {base['maxrss_gb']:.2f} GiB: "
+                f"{'met' if auto['maxrss_gb'] <= base['maxrss_gb'] else 'NOT met'}. "
+                f"packtools' whole stage (read + tokenize + Arrow + staged file): {mb / auto['stage_s']:.1f} MB/s.",
+                "",
+            ]
+        alone = run_case("alone", data["text"], data["tokenizer"], str(args.repeat))
+        lines += [
+            f"### Tokenization alone: {alone['mb']:.1f} MB of text in memory, batches of 1,000, best of {args.repeat}",
+            "",
+            "| engine | MB/s |",
+            "|---|---|",
+        ]
+        lines += [f"| {name} | {v:.1f} |" for name, v in alone["mb_per_s"].items()]
+        text = "\n".join(lines)
+        print("\n" + text)
+        if args.markdown:
+            with open(args.markdown, "w") as fh:
+                fh.write(text + "\n")
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
