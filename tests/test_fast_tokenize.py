@@ -142,8 +142,11 @@ def test_chat_ids_and_assistant_masks_match(tmp_path, template):
     fast = BatchTokenizer(path, "messages")
     assert fast.report.engine.startswith("fastokens"), fast.report.reason
     assert fast.report.checked["adversarial_conversations"] > 50
-    out = fast(table)
-    _same(out, BatchTokenizer(path, "messages", engine="transformers")(table))
+    ref = BatchTokenizer(path, "messages", engine="transformers")(table)
+    for _ in range(4):  # past the proof, small batches are audited (some batches have no audited row)
+        out = fast(table)
+        _same(out, ref)
+    assert fast.fast is not None
     labels = out.column("labels").to_pylist()
     assert any(x != -100 for row in labels for x in row) and any(x == -100 for row in labels for x in row)
 
@@ -321,3 +324,17 @@ def test_prefetch_keeps_order_and_raises_where_the_source_failed():
     assert [next(it) for _ in range(3)] == [0, 1, 2]
     it.close()
     assert closed == [True]
+
+
+def test_json_lines_stream_in_blocks_and_fall_back_when_types_change(tmp_path, monkeypatch):
+    from packtools.io import files
+
+    rows = [{"text": f"row {i}"} for i in range(200)] + [{"text": "late", "extra": 1.5}]
+    rows += [{"text": f"r{i}", "extra": None} for i in range(50)]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(files, "JSON_BLOCK_BYTES", 1024)  # the new field appears in a later block
+    (f,) = files.discover([str(path)])
+    got = [t for t in files.iter_tables(f, 64, ["text"])]
+    assert [x for t in got for x in t.column("text").to_pylist()] == [r["text"] for r in rows]
+    assert files.read_schema(f).names == ["text"]  # the first block's columns

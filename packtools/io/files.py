@@ -189,19 +189,43 @@ def iter_tables(
             batches = (b.select(cols) for b in batches)
         yield from _rebatch(batches, batch_rows)
     else:
-        table = _read_json(file.path)
-        if cols is not None:
-            table = table.select(cols)
-        yield from _rebatch(iter(table.to_batches()), batch_rows)
+        yield from _rebatch(_json_batches(file.path, cols), batch_rows)
+
+
+JSON_BLOCK_BYTES = 1 << 24
+
+
+def _json_batches(path: str, cols: list[str] | None) -> Iterator[pa.RecordBatch]:
+    """JSON lines streamed in 16 MiB blocks by Arrow's reader (memory bounded by a block, not the file);
+    when the types vary between blocks (or it is not JSON lines), the rest comes from :func:`_read_json`."""
+    import pyarrow.json as pj
+
+    done = 0
+    try:
+        reader = pj.open_json(path, read_options=pj.ReadOptions(block_size=JSON_BLOCK_BYTES))
+        for batch in reader:
+            batch = batch.select(cols) if cols is not None else batch
+            yield batch
+            done += batch.num_rows
+        return
+    except (pa.ArrowInvalid, KeyError):
+        pass
+    table = _read_json(path).slice(done)
+    yield from (table.select(cols) if cols is not None else table).to_batches()
 
 
 def read_schema(file: InputFile) -> pa.Schema:
-    """The columns of ``file`` (JSON files are parsed to find them)."""
+    """The columns of ``file`` (of a JSON file: its first block's, or the whole file's if that block is unusual)."""
     if file.kind == "parquet":
         return pq.read_schema(file.path)
     if file.kind == "arrow":
         return IpcReader(pa.memory_map(file.path, "r")).schema
-    return _read_json(file.path).schema
+    import pyarrow.json as pj
+
+    try:
+        return pj.open_json(file.path, read_options=pj.ReadOptions(block_size=JSON_BLOCK_BYTES)).schema
+    except pa.ArrowInvalid:
+        return _read_json(file.path).schema
 
 
 def count_rows(file: InputFile) -> int | None:

@@ -377,6 +377,8 @@ class BatchTokenizer:
         got: tuple[Ragged, Ragged] | None = None,
     ) -> str | None:
         """How the fast path's ids or labels differ from transformers' on ``rows`` of ``convs`` (None: identical)."""
+        if not rows:
+            return None
         if got is None:
             got = self._assistant_labels_fast(convs, first_row)
             if got is None:
