@@ -192,11 +192,11 @@ def iter_tables(
         yield from _rebatch(_json_batches(file.path, cols), batch_rows)
 
 
-JSON_BLOCK_BYTES = 1 << 24
+JSON_BLOCK_BYTES = 1 << 21
 
 
 def _json_batches(path: str, cols: list[str] | None) -> Iterator[pa.RecordBatch]:
-    """JSON lines streamed in 16 MiB blocks by Arrow's reader (memory bounded by a block, not the file);
+    """JSON lines streamed in 2 MiB blocks by Arrow's reader (memory bounded by a block, not the file);
     when the types vary between blocks (or it is not JSON lines), the rest comes from :func:`_read_json`."""
     import pyarrow.json as pj
 

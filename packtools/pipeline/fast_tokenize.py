@@ -32,7 +32,7 @@ from ..errors import PackingError
 ENGINES = ("auto", "fast", "transformers")
 ENGINE_MODULE = "fastokens"
 PROOF_ROWS = 256  # rows at the start of the data compared with transformers before the engine is trusted
-AUDIT_EVERY = 200  # after that, one row in this many is compared
+AUDIT_EVERY = 1000  # after that, one row in this many is compared
 _NORMALIZERS = (None, "NFC")
 
 
