@@ -77,9 +77,8 @@ class PipelineConfig:
     shuffle: bool = False
     seed: int = 0
     shard_tokens: int = 1 << 24
-    tokenizer_engine: str = (
-        "auto"  # auto | fast | transformers: same ids either way (proven), so not fingerprinted
-    )
+    # auto | fast | transformers: the same ids either way (proven), so it is not fingerprinted
+    tokenizer_engine: str = "auto"
 
     def __post_init__(self) -> None:
         check_max_length(self.max_length)

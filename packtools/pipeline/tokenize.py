@@ -164,9 +164,8 @@ class BatchTokenizer:
         template = self.tok.chat_template if isinstance(self.tok.chat_template, str) else None
         self.has_generation_tags = bool(template and _GENERATION_TAG.search(template))
         self.fast: fast_engine.FastEncoder | None = None
-        self._proof_rows = (
-            fast_engine.PROOF_ROWS
-        )  # rows of the data still to compare before trusting the engine
+        # rows of the data still to compare with transformers before the fast engine is trusted
+        self._proof_rows = fast_engine.PROOF_ROWS
         self._audit_phase = 0
         self.report = self._choose_engine(fast_engine.check_engine(engine))
 
