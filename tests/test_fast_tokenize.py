@@ -11,6 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from _pipeline_data import CHATML_GENERATION, CHATML_PLAIN, CORPUS, EOS, IM_END, IM_START, build_tokenizer
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from packtools.errors import PackingError
 from packtools.pipeline import fast_tokenize
@@ -18,9 +20,8 @@ from packtools.pipeline.fast_tokenize import adversarial_conversations, adversar
 from packtools.pipeline.prefetch import prefetch
 from packtools.pipeline.tokenize import BatchTokenizer
 
-pytest.importorskip("fastokens")
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers  # noqa: E402
-from transformers import PreTrainedTokenizerFast  # noqa: E402
+# Tests marked with this need the engine; the others (refusals, fallbacks, plumbing) run without it too.
+needs_engine = pytest.mark.skipif(fast_tokenize.engine_version() is None, reason="needs packtools[fast]")
 
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
@@ -111,6 +112,7 @@ def _same(a: pa.Table, b: pa.Table) -> None:
         assert a.column(name).to_pylist() == b.column(name).to_pylist(), name
 
 
+@needs_engine
 def test_fast_engine_is_chosen_and_gives_transformers_ids(bpe):
     fast = BatchTokenizer(bpe, "text")
     ref = BatchTokenizer(bpe, "text", engine="transformers")
@@ -122,6 +124,7 @@ def test_fast_engine_is_chosen_and_gives_transformers_ids(bpe):
     assert fast.fast is not None  # still on the fast engine after the proof and the audit
 
 
+@needs_engine
 def test_encoder_returns_flat_int32_buffers(bpe):
     enc = fast_tokenize.FastEncoder(bpe)
     texts = _texts()
@@ -132,6 +135,7 @@ def test_encoder_returns_flat_int32_buffers(bpe):
     assert enc.encode([], special=True).num_rows == 0
 
 
+@needs_engine
 @pytest.mark.parametrize(
     "template", [CHATML_GENERATION, CHATML_PLAIN], ids=["generation-tags", "incremental"]
 )
@@ -151,6 +155,7 @@ def test_chat_ids_and_assistant_masks_match(tmp_path, template):
     assert any(x != -100 for row in labels for x in row) and any(x == -100 for row in labels for x in row)
 
 
+@needs_engine
 @pytest.mark.parametrize("fmt", ["prompt_completion", "preference"])
 def test_prompt_completion_and_preference_match(bpe, fmt):
     texts = _texts()
@@ -162,6 +167,7 @@ def test_prompt_completion_and_preference_match(bpe, fmt):
     _same(BatchTokenizer(bpe, fmt)(table), BatchTokenizer(bpe, fmt, engine="transformers")(table))
 
 
+@needs_engine
 def test_unigram_is_refused(tmp_path):
     path = unigram(str(tmp_path))
     tok = BatchTokenizer(path, "text")
@@ -205,6 +211,7 @@ def _corrupt(monkeypatch, when) -> None:
     monkeypatch.setattr(fast_tokenize.FastEncoder, "encode", encode)
 
 
+@needs_engine
 def test_fallback_when_the_adversarial_set_differs(tmp_path, monkeypatch):
     path = build_tokenizer(str(tmp_path))
     _corrupt(monkeypatch, lambda t: EOS in t)
@@ -215,6 +222,7 @@ def test_fallback_when_the_adversarial_set_differs(tmp_path, monkeypatch):
         BatchTokenizer(path, "text", engine="fast")
 
 
+@needs_engine
 def test_fallback_when_the_data_differs(tmp_path, monkeypatch):
     path = build_tokenizer(str(tmp_path))
     _corrupt(monkeypatch, lambda t: "zebra" in t)
@@ -233,6 +241,7 @@ def test_fallback_when_the_data_differs(tmp_path, monkeypatch):
         forced(table)
 
 
+@needs_engine
 def test_audit_after_the_proof_stops_on_a_difference(tmp_path, monkeypatch):
     path = build_tokenizer(str(tmp_path))
     _corrupt(monkeypatch, lambda t: "zebra" in t)
@@ -262,6 +271,7 @@ def test_unknown_engine_is_refused(tmp_path):
         BatchTokenizer(build_tokenizer(str(tmp_path)), "text", engine="turbo")
 
 
+@needs_engine
 def test_pipeline_reports_the_engine_in_manifest_and_summary(tmp_path):
     from packtools.cli.main import main
     from packtools.constants import MANIFEST
