@@ -96,8 +96,15 @@ ARCHS = [
         "GPT-2",
         "GPT2LMHeadModel",
         "GPT2Config",
-        {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 128, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-         "attn_pdrop": 0.0},
+        {
+            "n_embd": 32,
+            "n_layer": 2,
+            "n_head": 4,
+            "n_positions": 128,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        },
         "absolute position embeddings",
     ),
     Arch("OLMo 2", "Olmo2ForCausalLM", "Olmo2Config", {}, "q/k norm, post-norm"),
@@ -117,7 +124,13 @@ ARCHS = [
         },
         "hybrid: gated DeltaNet (conv + linear attention) + attention",
     ),
-    Arch("Bamba", "BambaForCausalLM", "BambaConfig", {"attn_layer_indices": [1], **MAMBA}, "hybrid: Mamba-2 + attention"),
+    Arch(
+        "Bamba",
+        "BambaForCausalLM",
+        "BambaConfig",
+        {"attn_layer_indices": [1], **MAMBA},
+        "hybrid: Mamba-2 + attention",
+    ),
     Arch(
         "Falcon-H1",
         "FalconH1ForCausalLM",
@@ -187,7 +200,7 @@ def _refusal(arch: Arch, backend: str, err: Exception) -> str:
 
 
 def run_cell(arch: Arch, backend: str) -> Cell:
-    from packtools import PaddingFreeCollator, PackingError, check_isolation
+    from packtools import PackingError, PaddingFreeCollator, check_isolation
     from packtools.integrations.transformers import check_attention_implementation, guard_model
 
     try:
@@ -266,7 +279,9 @@ def markdown(cells: list[Cell], archs: list[Arch]) -> str:
     for c in cells:
         diff = "" if c.max_diff is None else f"{c.max_diff:.0e}"
         detail = c.detail.replace("|", "\\|")
-        lines.append(f"| {c.arch} | {notes[c.arch]} | `{c.backend}` | {c.status} | {c.needs} | {diff} | {detail} |")
+        lines.append(
+            f"| {c.arch} | {notes[c.arch]} | `{c.backend}` | {c.status} | {c.needs} | {diff} | {detail} |"
+        )
     lines += [
         "",
         "Hybrid models (Qwen3-Next, Bamba, Falcon-H1) run their convolution and state-space / linear-attention "
@@ -308,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def progress(cell: Cell, seconds: float) -> None:
         diff = "" if cell.max_diff is None else f"{cell.max_diff:.1e}"
-        print(f"{cell.arch:11s} {cell.backend:15s} {cell.status:16s} {cell.needs:34s} {diff:8s} {seconds:5.1f}s")
+        print(
+            f"{cell.arch:11s} {cell.backend:15s} {cell.status:16s} {cell.needs:34s} {diff:8s} {seconds:5.1f}s"
+        )
 
     cells = run_matrix(archs, tuple(args.backends), progress)
     if args.write:

@@ -94,7 +94,10 @@ def _compare(lq, lk, hq_hk, causal, head_dim, scale, seed):
 
 
 def test_collator_output_feeds_varlen_attention_like_one_by_one():
-    rows = [{"input_ids": list(range(7)), "seq_lengths": [3, 4]}, {"input_ids": list(range(5)), "seq_lengths": [5]}]
+    rows = [
+        {"input_ids": list(range(7)), "seq_lengths": [3, 4]},
+        {"input_ids": list(range(5)), "seq_lengths": [5]},
+    ]
     b = PaddingFreeCollator(pad_token_id=0, pad_to_multiple_of=8)(rows)
     T = b["input_ids"].shape[1]
     g = torch.Generator().manual_seed(0)

@@ -272,8 +272,14 @@ def test_return_numpy():
         ([{"input_ids": [1, 2], "seq_lengths": [2, 0]}], r"row 0: 'seq_lengths'\[1\] = 0"),
         ([{"input_ids": [1, 2], "completion_mask": [1]}], "row 0: 'completion_mask' has shape"),
         ([{"input_ids": []}], "every row in the batch is empty"),
-        ([{"input_ids": [1, 2], "seq_lengths": [2]}, {"input_ids": [3]}], "row 1 of the batch has no 'seq_lengths'"),
-        ([{"input_ids": [1, 2], "seq_lengths": [1, 1], "attention_mask": [1, 1]}], "row 0 has an 'attention_mask'"),
+        (
+            [{"input_ids": [1, 2], "seq_lengths": [2]}, {"input_ids": [3]}],
+            "row 1 of the batch has no 'seq_lengths'",
+        ),
+        (
+            [{"input_ids": [1, 2], "seq_lengths": [1, 1], "attention_mask": [1, 1]}],
+            "row 0 has an 'attention_mask'",
+        ),
     ],
 )
 def test_bad_rows_raise_packing_error(rows, match):
@@ -344,6 +350,9 @@ def test_key_switches_like_data_collator_with_flattening(switch, gone):
     c = PaddingFreeCollator(0, **{switch: False})
     less = c(rows)
     assert set(full) - set(less) == gone
-    assert all(torch.equal(less[k], full[k]) if isinstance(full[k], torch.Tensor) else less[k] == full[k] for k in less)
+    assert all(
+        torch.equal(less[k], full[k]) if isinstance(full[k], torch.Tensor) else less[k] == full[k]
+        for k in less
+    )
     assert c.replace(**{switch: True})(rows).keys() == full.keys()
     assert repr(c).startswith("PaddingFreeCollator(pad_token_id=0,") and f"{switch}=False" in repr(c)

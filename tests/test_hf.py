@@ -111,7 +111,9 @@ def test_trainer_without_prepare_fails_with_the_clear_error(tmp_path):
 def test_trainer_told_rows_are_unpacked_trains_wrong(tmp_path):
     """Negative control: told (wrongly) that rows are unpacked, a plain Trainer mixes packed sequences."""
     collator = PaddingFreeCollator(PAD, unpacked=True)
-    trainer, recorder, trained, _ = run_trainer(tmp_path, tiny_llama("sdpa"), prepare=False, collator=collator)
+    trainer, recorder, trained, _ = run_trainer(
+        tmp_path, tiny_llama("sdpa"), prepare=False, collator=collator
+    )
     assert not any("seq_lengths" in row for b in recorder.batches for row in b)
     packed = packed_dataset()
     ids = {tuple(r["input_ids"]): r for r in packed}
@@ -366,7 +368,10 @@ def test_prepare_trainer_runs_the_isolation_probe(tmp_path):
 
     def trainer_for(model):
         return transformers.Trainer(
-            model=model, args=train_args(tmp_path), train_dataset=packed_dataset(), data_collator=PaddingFreeCollator(0)
+            model=model,
+            args=train_args(tmp_path),
+            train_dataset=packed_dataset(),
+            data_collator=PaddingFreeCollator(0),
         )
 
     with pytest.raises(PackingError, match="FalconH1ForCausalLM with attn_implementation='sdpa' cannot keep"):
@@ -378,7 +383,9 @@ def test_prepare_trainer_runs_the_isolation_probe(tmp_path):
 class FixedSignatureLlama(transformers.LlamaForCausalLM):
     """A model whose forward names its inputs (no **kwargs): it takes no seq_idx or cu_seq_lens."""
 
-    def forward(self, input_ids=None, labels=None, position_ids=None, use_cache=None, num_items_in_batch=None):
+    def forward(
+        self, input_ids=None, labels=None, position_ids=None, use_cache=None, num_items_in_batch=None
+    ):
         return super().forward(
             input_ids=input_ids,
             labels=labels,

@@ -76,7 +76,9 @@ def test_report_without_raising_and_custom_lengths():
 def test_leak_attention_mask_in_the_batch():
     model = tiny_llama("sdpa")
     collator = Rows(PaddingFreeCollator(0), batch=add_attention_mask)
-    with pytest.raises(PackingError, match=r"LlamaForCausalLM with attn_implementation='sdpa'.*attention_mask"):
+    with pytest.raises(
+        PackingError, match=r"LlamaForCausalLM with attn_implementation='sdpa'.*attention_mask"
+    ):
         check_isolation(model, collator)
     guard_model(model)  # the adapter's guard refuses the same batch before the model runs
     with pytest.raises(PackingError, match="ignores position_ids"):
@@ -117,7 +119,7 @@ def test_leak_hybrid_mixers_without_seq_idx(arch):
     assert token_mixing_layers(model)
     # Without seq_idx / cu_seq_lens the convolution and scan layers run the packed row as one sequence.
     position_only = PaddingFreeCollator(0, return_seq_idx=False, return_flash_attn_kwargs=False)
-    with pytest.raises(PackingError, match="mix tokens outside attention and need seq_idx") as err:
+    with pytest.raises(PackingError, match="mix tokens outside attention and need seq_idx"):
         check_isolation(model, position_only)
     report = check_isolation(model, position_only, raise_on_leak=False)
     assert report.perturb_diff > 1e-4 and max(report.alone_diff) > 1e-4

@@ -225,9 +225,9 @@ def varlen_attention(
     if backend not in BACKENDS:
         raise PackingError(f"backend={backend!r}; use one of {', '.join(BACKENDS)}.")
     if not isinstance(causal, bool):
-        raise PackingError(f"causal must be True or False, got {causal!r}.")
+        raise PackingError(f"causal must be True or False, got {causal!r}.", param="causal")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise PackingError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}.")
+        raise PackingError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}.", param="dropout_p")
     _check_qkv(q, k, v)
     bq = bk = None
     if check or backend != "flash":

@@ -98,9 +98,7 @@ def _row_segments(row: Mapping[str, Any], i: int, n: int) -> np.ndarray:
     return seg
 
 
-def flatten_rows(
-    features: Sequence[Mapping[str, Any]], mask_keys: Sequence[str] = MASK_COLUMNS
-) -> FlatRows:
+def flatten_rows(features: Sequence[Mapping[str, Any]], mask_keys: Sequence[str] = MASK_COLUMNS) -> FlatRows:
     """Validate rows and lay them end to end (empty rows are skipped).
 
     ``mask_keys`` are the 0/1 columns applied to labels when a row has no ``labels`` (pass ``()`` to learn
@@ -346,9 +344,7 @@ class PaddingFreeCollator:
         self.completion_only_loss = bool(completion_only_loss)
         self.assistant_only_loss = bool(assistant_only_loss)
         self.mask_keys = tuple(
-            key
-            for key, on in zip(MASK_COLUMNS, (self.completion_only_loss, self.assistant_only_loss))
-            if on
+            key for key, on in zip(MASK_COLUMNS, (self.completion_only_loss, self.assistant_only_loss)) if on
         )
         self.dropped_keys = frozenset(
             key for switch, keys in SWITCHED_KEYS.items() if not getattr(self, switch) for key in keys

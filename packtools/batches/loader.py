@@ -198,9 +198,7 @@ class PackedRows:
             seg_lengths = row_lengths.astype(np.int64)
             segs_per_row = np.ones(rows.shape[0], np.int64)
         unmarked = None if SEQ_LENGTHS in self.columns else 0
-        return FlatRows(
-            input_ids, labels, row_lengths.astype(np.int64), seg_lengths, segs_per_row, unmarked
-        )
+        return FlatRows(input_ids, labels, row_lengths.astype(np.int64), seg_lengths, segs_per_row, unmarked)
 
     def iter_batches(
         self, batch_sampler: Iterable[Sequence[int]], collator: PaddingFreeCollator

@@ -15,7 +15,6 @@ from .arrow import ListColumn, check_aligned, is_list_type, list_array, read_lis
 from .plan import PackPlan, Strategy, check_max_length
 from .plan import plan as make_plan
 
-
 #: Columns that only packed (or already collated) data carries: their presence means the rows are packed.
 BOUNDARY_COLUMNS = ("cu_seq_lens", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
 

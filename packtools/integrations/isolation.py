@@ -105,7 +105,8 @@ def _check_lengths(lengths: Sequence[int]) -> tuple[int, ...]:
     out = tuple(int(n) for n in lengths)
     if len(out) < 2 or min(out) < 2 or any(isinstance(n, bool) for n in lengths):
         raise PackingError(
-            f"lengths={list(lengths)!r}: the probe needs at least two sequences of >= 2 tokens each."
+            f"lengths={list(lengths)!r}: the probe needs at least two sequences of >= 2 tokens each.",
+            param="lengths",
         )
     return out
 
@@ -116,9 +117,7 @@ def _rows(seqs: list[np.ndarray]) -> list[dict[str, Any]]:
     rows = []
     for part in (seqs[:half], seqs[half:]):
         if part:
-            rows.append(
-                {"input_ids": np.concatenate(part).tolist(), "seq_lengths": [len(s) for s in part]}
-            )
+            rows.append({"input_ids": np.concatenate(part).tolist(), "seq_lengths": [len(s) for s in part]})
     return rows
 
 
@@ -211,6 +210,20 @@ def check_isolation(
 
     Raises :class:`PackingError` naming the model class, the backend and the fix when sequences leak
     (or when transformers refuses the packed batch); ``raise_on_leak=False`` returns the report instead.
+
+    >>> import torch, transformers
+    >>> config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+    ...     num_hidden_layers=1, num_attention_heads=2, attn_implementation="eager")
+    >>> _ = torch.manual_seed(0)
+    >>> report = check_isolation(transformers.LlamaForCausalLM(config))
+    >>> report.leaks, report.perturb_diff, max(report.alone_diff) < 1e-5
+    (False, 0.0, True)
+    >>> from packtools import PaddingFreeCollator
+    >>> no_positions = PaddingFreeCollator(0, return_position_ids=False)  # eager then sees one long row
+    >>> check_isolation(transformers.LlamaForCausalLM(config), no_positions)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: LlamaForCausalLM with attn_implementation='eager' lets packed sequences see each other...
     """
     torch = require("torch", "packtools.check_isolation")
     lengths = _check_lengths(lengths)
