@@ -148,3 +148,12 @@ def test_probe_uses_the_models_vocabulary_without_special_tokens(monkeypatch):
     check_isolation(model, record)
     assert max(seen) < model.config.vocab_size and 0 not in seen
     assert len(np.unique(seen)) > 10
+
+
+def test_tolerance_follows_the_weights_dtype():
+    """bfloat16 weights: rounding noise is not a leak, a real leak still is."""
+    model = tiny_llama("sdpa").to(torch.bfloat16)
+    report = check_isolation(model)
+    assert report.dtype == "bfloat16" and report.tolerance >= 5e-2 and report.perturb_diff == 0.0
+    leaky = Rows(PaddingFreeCollator(0, unpacked=True), rows=drop_seq_lengths)
+    assert check_isolation(model, leaky, raise_on_leak=False).perturb_diff > 0

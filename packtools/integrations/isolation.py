@@ -277,7 +277,9 @@ def check_isolation(
             float((packed[r, a:b].float() - moved[r, a:b].float()).abs().max()) for r, a, b in spans[1:]
         )
         scale = max(1.0, max(float(al.float().abs().max()) for al in alone))
-        dtype = str(packed.dtype).replace("torch.", "")
+        # The compute dtype (of the weights), not the logits' (some heads upcast them to float32).
+        floating = next((p.dtype for p in base.parameters() if p.is_floating_point()), packed.dtype)
+        dtype = str(floating).replace("torch.", "")
         tol = float(atol) if atol is not None else TOLERANCE.get(dtype, 1e-5) * scale
         loss_diff = grad_diff = None
         if backward:
