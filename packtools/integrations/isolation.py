@@ -148,6 +148,18 @@ def _sum_loss(torch: Any, logits: Any, labels: Any) -> Any:
     )
 
 
+def _logits(out: Any, name: str) -> Any:
+    logits = getattr(out, "logits", None)
+    if logits is None and isinstance(out, (tuple, list)) and out:
+        logits = out[0]
+    if logits is None or getattr(logits, "ndim", 0) != 3:
+        raise PackingError(
+            f"{name} returned no [batch, tokens, vocab] logits; the isolation probe checks causal language "
+            f"models. For another head, pass check_isolation=False to prepare_trainer and check it yourself."
+        )
+    return logits
+
+
 def _translate(err: Exception, model_name: str, impl: str | None) -> PackingError | None:
     """transformers' own refusal (a mixer without the kernel that reads seq_idx) as a PackingError."""
     text = str(err)
@@ -257,10 +269,10 @@ def check_isolation(
             if translated is not None:
                 raise translated from err
             raise
-        return out.logits, labels, tuple(batch)
+        return _logits(out, name), labels, tuple(batch)
 
     def run_alone(seq: np.ndarray) -> Any:
-        return model(input_ids=torch.as_tensor(seq[None], device=device), **cache).logits[0]
+        return _logits(model(input_ids=torch.as_tensor(seq[None], device=device), **cache), name)[0]
 
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
