@@ -19,6 +19,7 @@ _LAZY = {
     "TokenBudgetBatchSampler": "packtools.batches.sampler",
     "varlen_attention": "packtools.batches.attention",
     "prepare_trainer": "packtools.integrations.transformers",
+    "check_isolation": "packtools.integrations.isolation",
     "packed_sft_config": "packtools.integrations.transformers",
 }
 
@@ -40,6 +41,7 @@ __all__ = [
     "PackingError",
     "PaddingFreeCollator",
     "TokenBudgetBatchSampler",
+    "check_isolation",
     "pack_dataset",
     "pack_files",
     "pack_ray_dataset",

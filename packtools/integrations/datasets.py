@@ -147,6 +147,12 @@ def pack_dataset(
     ``max_length / (2 * w * m)`` relative rows over a global plan: ~0.5% for TRL's 1000-row windows at
     ``m / max_length = 0.1``, under 0.01% from 100k rows on.
 
+    A dataset that is already packed is refused, since packing it again would merge the sequences of its
+    rows: packtools tells from a ``seq_lengths`` column, a ``cu_seq_lens*`` / ``cu_seqlens`` / ``seq_idx``
+    column, or ``position_ids`` that restart inside a row (:func:`packtools.core.pack.check_not_packed`).  It
+    cannot tell rows that were concatenated with none of these left (e.g. ``seq_lengths`` removed from
+    packtools output that had no ``position_ids``): keep ``seq_lengths`` with packed data.
+
     ``shuffle=True`` reorders the packed rows with ``seed`` (BFD emits the fullest rows first); for an
     ``IterableDataset`` each window is shuffled on its own, with the same seed (shuffle the stream's
     shards too, e.g. ``IterableDataset.shuffle``, for order across windows).
