@@ -318,13 +318,18 @@ def _materialize(
     )
     _copy_into(cols[1], source, zero, kc, pair_start + kp, tokens)
     _copy_into(cols[2], source, zero, kr, pair_start + chosen_len + kp, tokens)
-    # completion_mask: +1 where a completion starts, -1 where it ends, summed along the stream.
-    steps = np.zeros(total + 1, np.int8)
-    np.add.at(steps, pair_start + kp, 1)
-    np.add.at(steps, pair_start + chosen_len, -1)
-    np.add.at(steps, pair_start + chosen_len + kp, 1)
-    np.add.at(steps, pair_start + chosen_len + rejected_len, -1)
-    mask = np.cumsum(steps[:-1], dtype=np.int8)
+    # completion_mask: ones copied over each completion's span (the same segment-copy kernel).
+    mask = np.zeros(total, np.int8)
+    if pair.shape[0]:
+        ones = np.ones(int(max(kc.max(), kr.max())), np.int8)
+        spans = np.ascontiguousarray(np.concatenate([kc, kr]))
+        kernels.copy_all_segments(
+            ones,
+            np.zeros_like(spans),
+            spans,
+            np.concatenate([pair_start + kp, pair_start + chosen_len + kp]),
+            mask,
+        )
     token_offsets = p.token_offsets
     seq = np.empty(2 * pair.shape[0], np.int32)
     seq[0::2], seq[1::2] = chosen_len, rejected_len
