@@ -337,3 +337,20 @@ def test_guards(tmp_path):
     }
     with pytest.raises(PackingError, match="not right-padded"):
         trainer.model(**left, fused_lm_head=True)
+
+
+def test_bench_dpo_runs_the_same_pairs_and_packtools_sees_only_real_tokens(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_dpo.py"
+    spec = importlib.util.spec_from_file_location("bench_dpo", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows, (seconds, report) = bench.main(
+        ["--pairs", "16", "--pairs-per-step", "4", "--steps", "2", "--hidden", "64", "--pack-pairs", "3000"]
+    )
+    (trl_name, _, trl_ratio, *_), (name, _, ratio, *_) = rows
+    assert (trl_name, name) == ("TRL padded", "packtools")
+    assert ratio == 1.0 and trl_ratio > 1.0
+    assert report.pairs_out == 3000 and report.rows >= report.lower_bound

@@ -224,3 +224,29 @@ def test_token_budget_batches_keep_pairs_whole_across_micro_batches_and_ranks(nu
             seen.extend(i for f in features for i in f["idx"])
     assert len(seen) == len(set(seen)), "no pair twice"
     assert set(seen) <= {r["idx"] for r in rows}
+
+
+def test_cli_packs_preference_files_into_pair_rows(tmp_path):
+    """`packtools pack prefs.jsonl --format preference --tokenizer DIR --out DIR --max-length N`."""
+    import json
+
+    from _pipeline_data import build_tokenizer
+
+    from packtools.cli.main import main
+
+    tok_dir = build_tokenizer(str(tmp_path / "tok"))
+    src = tmp_path / "prefs.jsonl"
+    rows = [
+        {"prompt": "what is two plus two? " * k, "chosen": "four " * (k % 3 + 1), "rejected": "five"}
+        for k in range(1, 13)
+    ]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = str(tmp_path / "dpo")
+    args = ["pack", str(src), "--format", "preference", "--tokenizer", tok_dir, "--out", out]
+    assert main([*args, "--max-length", "96", "--quiet"]) == 0
+    ds = datasets.load_from_disk(out)
+    assert ds.column_names == ["input_ids", "completion_mask", "seq_lengths"]
+    packed = ds.data.table.append_column("idx", pa.array([[0] * (len(s) // 2) for s in ds["seq_lengths"]]))
+    pairs = read_pairs(packed)  # whole pairs, shared prompts, completion masks after the prompt
+    assert len(pairs) == len(rows) and all(len(x) <= 96 for x in ds["input_ids"])
+    assert ds.num_rows < len(rows)  # several pairs per row

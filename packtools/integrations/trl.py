@@ -64,7 +64,13 @@ def _transformers_model(model: Any) -> Any:
 
 
 def padding_free_layout(attention_mask: Any) -> tuple[Any, Any, Any]:
-    """``(lengths, valid, cu_seq_lens)`` of a right-padded ``[B, T]`` mask; raises if it is not right-padded."""
+    """``(lengths, valid, cu_seq_lens)`` of a right-padded ``[B, T]`` mask; raises if it is not right-padded.
+
+    >>> import torch
+    >>> lengths, valid, cu = padding_free_layout(torch.tensor([[1, 1, 1], [1, 1, 0]]))
+    >>> lengths.tolist(), cu.tolist()
+    ([3, 2], [0, 3, 5])
+    """
     torch = require("torch", "packtools.prepare_dpo_trainer")
     lengths = attention_mask.sum(1)
     valid = torch.arange(attention_mask.shape[1], device=attention_mask.device)[None, :] < lengths[:, None]
