@@ -267,15 +267,18 @@ def pack_pairs(
     if row_indices is not None:
         row_indices = np.ascontiguousarray(row_indices, np.int64)
         lp, lc, lr = lp[row_indices], lc[row_indices], lr[row_indices]
-    empty = np.flatnonzero((lp + lc == 0) | (lp + lr == 0))
+    fitted = fit_pairs(lp, lc, lr, max_length, overlong, max_prompt_length)
+    kp, kc, kr = fitted.prompt_keep, fitted.chosen_keep, fitted.rejected_keep
+    empty = np.flatnonzero(fitted.keep & ((kp + kc == 0) | (kp + kr == 0)))
     if empty.size:
         i = int(empty[0])
+        row = i if row_indices is None else int(row_indices[i])
         raise PackingError(
-            f"pair {i} has an empty sequence (prompt {lp[i]}, chosen {lc[i]}, rejected {lr[i]} tokens); every "
-            f"packed sequence needs at least one token. Filter such pairs out first.",
+            f"row {row}: a sequence of this pair would be empty (prompt {lp[i]}, chosen {lc[i]}, rejected "
+            f"{lr[i]} tokens; kept {kp[i]}, {kc[i]}, {kr[i]}); every packed sequence needs a token. Filter "
+            f"pairs with an empty completion out, or give the prompt a budget (max_prompt_length >= 1).",
             param="dataset",
         )
-    fitted = fit_pairs(lp, lc, lr, max_length, overlong, max_prompt_length)
     kept = np.flatnonzero(fitted.keep)
     units = fitted.pair_lengths[kept]
     p = make_plan(units, max_length, "bfd")
