@@ -354,3 +354,18 @@ def test_bench_dpo_runs_the_same_pairs_and_packtools_sees_only_real_tokens(capsy
     assert (trl_name, name) == ("TRL padded", "packtools")
     assert ratio == 1.0 and trl_ratio > 1.0
     assert report.pairs_out == 3000 and report.rows >= report.lower_bound
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_evaluate_equals_trl(tmp_path, packed):
+    """evaluate() on a text eval set: TRL's one-pair rows still work (packed mode keeps TRL's collator for them)."""
+    eval_set = datasets.Dataset.from_list(text_pairs(6, seed=9))
+    reference = build(tmp_path, n=16, per_device_eval_batch_size=3).evaluate(eval_set)
+    if packed:
+        prepared, _ = packed_trainer(tmp_path, per_device_eval_batch_size=3)
+    else:
+        prepared = prepare_dpo_trainer(build(tmp_path, n=16, per_device_eval_batch_size=3))
+    got = prepared.evaluate(eval_set)
+    keys = [k for k in reference if k.startswith("eval_") and "runtime" not in k and "per_second" not in k]
+    assert "eval_rewards/margins" in keys and "eval_loss" in keys
+    assert all(abs(reference[k] - got[k]) < TOL for k in keys), {k: (reference[k], got[k]) for k in keys}
