@@ -215,7 +215,11 @@ def test_fit_preference_keeps_prompt_end_and_completion_start():
     )
 
 
-def test_preference_end_to_end_counts(tmp_path, toks):
+def test_preference_end_to_end_packs_pairs_whole(tmp_path, toks):
+    """`packtools pack --format preference` writes packed pair rows: [prompt + chosen][prompt + rejected] per
+    pair, never split, each pair fitted to max_length (the prompt keeps its end)."""
+    from packtools.core.pairs import fit_pairs
+
     tok = load(toks["plain"])
     rows = {
         "prompt": ["what is two plus two? " * k for k in (1, 2, 6)],
@@ -224,34 +228,42 @@ def test_preference_end_to_end_counts(tmp_path, toks):
     }
     src = str(tmp_path / "pref.parquet")
     pq.write_table(pa.table(rows), src)
-    lp = [len(tok(p)["input_ids"]) for p in rows["prompt"]]
-    lc = [len(tok(c, add_special_tokens=False)["input_ids"]) + 1 for c in rows["chosen"]]
-    lr = [len(tok(c, add_special_tokens=False)["input_ids"]) + 1 for c in rows["rejected"]]
-    max_length = 24
+    prompts = [tok(p)["input_ids"] for p in rows["prompt"]]
+    chosen = [tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for c in rows["chosen"]]
+    rejected = [tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for c in rows["rejected"]]
+    lp, lc, lr = ([len(x) for x in col] for col in (prompts, chosen, rejected))
+    max_length = 48
     res = run_pipeline(
         [src], str(tmp_path / "t"), PipelineConfig(max_length=max_length, tokenizer=toks["plain"])
     )
-    budget = max_length // 2
-    assert res.stats["prompts_truncated"] == sum(n > budget for n in lp)
-    assert res.stats["chosen_truncated"] == sum(c > max_length - min(p, budget) for p, c in zip(lp, lc))
-    assert res.stats["rows_out"] == 3 and res.stats["packed"] is False
+    fitted = fit_pairs(np.array(lp), np.array(lc), np.array(lr), max_length)
+    assert res.stats["packed"] is True and res.stats["pairs_out"] == 3
+    assert res.stats["prompts_truncated"] == int((fitted.prompt_keep < np.array(lp)).sum()) >= 1
     ds = datasets.load_from_disk(str(tmp_path / "t"))
-    assert ds.column_names == ["prompt_input_ids", "chosen_input_ids", "rejected_input_ids"]
-    full = tok(rows["prompt"][2])["input_ids"]
-    assert ds[2]["prompt_input_ids"] == full[-budget:]  # the prompt keeps its end
+    assert ds.column_names == ["input_ids", "completion_mask", "seq_lengths"]
+    sequences = []
     for r in ds:
-        assert (
-            len(r["prompt_input_ids"]) + max(len(r["chosen_input_ids"]), len(r["rejected_input_ids"]))
-            <= max_length
-        )
+        assert len(r["input_ids"]) <= max_length and len(r["seq_lengths"]) % 2 == 0
+        start = 0
+        for n in r["seq_lengths"]:
+            sequences.append((r["input_ids"][start : start + n], r["completion_mask"][start : start + n]))
+            start += n
+    expected = []
+    for i in range(3):
+        kp, kc, kr = int(fitted.prompt_keep[i]), int(fitted.chosen_keep[i]), int(fitted.rejected_keep[i])
+        prompt = prompts[i][len(prompts[i]) - kp :]  # the prompt keeps its end
+        expected.append((prompt + chosen[i][:kc], [0] * kp + [1] * kc))
+        expected.append((prompt + rejected[i][:kr], [0] * kp + [1] * kr))
+    pairs = sorted(zip(sequences[0::2], sequences[1::2]))
+    assert pairs == sorted(zip(expected[0::2], expected[1::2]))
     res = run_pipeline(
         [src],
         str(tmp_path / "d"),
         PipelineConfig(max_length=max_length, tokenizer=toks["plain"], overlong="drop"),
     )
-    too_long = sum(p + max(c, r) > max_length for p, c, r in zip(lp, lc, lr))
+    too_long = sum(2 * p + c + r > max_length for p, c, r in zip(lp, lc, lr))
     assert too_long >= 1
-    assert res.stats["pairs_dropped"] == too_long and res.stats["rows_out"] == 3 - too_long
+    assert res.stats["pairs_dropped"] == too_long and res.stats["pairs_out"] == 3 - too_long
 
 
 @pytest.mark.slow

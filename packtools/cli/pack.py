@@ -42,7 +42,8 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-prompt-length",
         type=int,
-        help="preference data, --overlong truncate: prompt budget, keeping its end (default max_length // 2)",
+        help="preference data, --overlong truncate: tokens an over-long pair's prompt keeps at least, from its end "
+        "(default max_length // 4: its two copies fill at most half a row)",
     )
     p.add_argument(
         "--no-eos", action="store_true", help="do not append the tokenizer's EOS to text/completions"

@@ -17,9 +17,9 @@ fingerprint (absolute path, size and mtime of every file, plus a content hash of
 packtools version and the statistics; a rerun whose fingerprint matches does nothing.  Everything is written
 to a temporary folder renamed to ``out`` at the end, so an interrupted run leaves no output folder.
 
-Preference data (``prompt``/``chosen``/``rejected``) is not packed: the output holds ``prompt_input_ids``,
-``chosen_input_ids`` and ``rejected_input_ids``, one row per kept pair, truncated or filtered to fit
-``max_length`` (see :func:`packtools.pipeline.preference.fit_preference`).
+Preference data (``prompt``/``chosen``/``rejected``) is packed by pairs: each pair's ``[prompt + chosen][prompt +
+rejected]`` side by side in a row, never split (``input_ids``, ``completion_mask``, ``seq_lengths``; see
+:func:`packtools.pipeline.preference.write_packed_preference` and :func:`packtools.pack_preference`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from .gather import (
     first_loss,
     write_json,
 )
-from .preference import write_preference
+from .preference import write_packed_preference
 from .tokenize import FORMATS, detect_format, output_columns
 
 OVERLONG = ("truncate", "drop", "split")
@@ -422,7 +422,7 @@ def run_pipeline(
         t0 = time.perf_counter()
         batches = _token_batches(files, config, fmt, num_proc, quiet)
         if fmt == "preference":
-            stats = write_preference(batches, tmp, config)
+            stats = write_packed_preference(batches, tmp, config)
             tokenize_s = time.perf_counter() - t0
             pack_s = 0.0
         else:

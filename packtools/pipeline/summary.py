@@ -48,7 +48,7 @@ def format_pipeline_summary(stats: dict[str, Any], out: str, cached: bool = Fals
         cells.append(["overlong", str(stats.get("overlong"))])
     cells.append(["max_length", n("max_length")])
     cells.append(["rows in", n("rows_in")])
-    if stats.get("packed"):
+    if stats.get("packed") and "pairs_out" not in stats:
         dropped = stats["rows_dropped_overlong"] + stats["rows_no_loss"] + stats["rows_empty"]
         cells.append(
             [
@@ -69,7 +69,13 @@ def format_pipeline_summary(stats: dict[str, Any], out: str, cached: bool = Fals
                 f"rejected {stats['rejected_truncated']:,}",
             ]
         )
-        cells.append(["rows out", n("rows_out")])
+        if "pairs_out" in stats:  # preference pairs packed whole
+            cells.append(["pairs out", n("pairs_out")])
+            cells.append(
+                ["rows out (packed)", f"{stats['rows_out']:,} (lower bound {stats['lower_bound']:,})"]
+            )
+        else:
+            cells.append(["rows out", n("rows_out")])
     cells.append(["tokens in", n("tokens_in")])
     cells.append(["tokens kept", n("tokens_kept")])
     cells.append(["tokens dropped", n("tokens_dropped")])
