@@ -369,3 +369,18 @@ def test_evaluate_equals_trl(tmp_path, packed):
     keys = [k for k in reference if k.startswith("eval_") and "runtime" not in k and "per_second" not in k]
     assert "eval_rewards/margins" in keys and "eval_loss" in keys
     assert all(abs(reference[k] - got[k]) < TOL for k in keys), {k: (reference[k], got[k]) for k in keys}
+
+
+def test_prepare_dpo_trainer_runs_the_isolation_probe(tmp_path):
+    """A reference model whose packed sequences leak (a hybrid on CPU) is refused before training."""
+    from _hf_models import tiny_arch
+
+    trainer = build(tmp_path)
+    trainer.ref_model = tiny_arch("Falcon-H1", "sdpa")
+    with pytest.raises(PackingError, match="FalconH1ForCausalLM with attn_implementation='sdpa' cannot keep"):
+        prepare_dpo_trainer(trainer)
+    trainer = build(tmp_path)
+    trainer.ref_model = tiny_arch("Falcon-H1", "sdpa")
+    # Without the probe the next check speaks: this ref model was not built by DPOTrainer (no fused head).
+    with pytest.raises(PackingError, match="no fused LM head"):
+        prepare_dpo_trainer(trainer, check_isolation=False)

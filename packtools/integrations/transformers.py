@@ -354,7 +354,8 @@ def _probe_collator(collator: Any) -> Any:
     return inner if inner.return_tensors == "pt" else inner.replace(return_tensors="pt")
 
 
-def _run_probe(trainer: Any) -> None:
+def run_probe(trainer: Any, *extra_models: Any) -> None:
+    """Run :func:`packtools.check_isolation` on the trainer's model (and ``extra_models``) unless sharded."""
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
         warnings.warn(
             "prepare_trainer: the isolation probe was skipped because the model is sharded (DeepSpeed/FSDP) "
@@ -365,7 +366,10 @@ def _run_probe(trainer: Any) -> None:
         return
     from .isolation import check_isolation
 
-    check_isolation(trainer.model, _probe_collator(trainer.data_collator))
+    collator = _probe_collator(trainer.data_collator)
+    for model in (trainer.model, *extra_models):
+        if model is not None:
+            check_isolation(model, collator)
 
 
 def prepare_trainer(trainer: Any, *, check_isolation: bool = True) -> Any:
@@ -411,7 +415,7 @@ def prepare_trainer(trainer: Any, *, check_isolation: bool = True) -> Any:
     trainer.data_collator = adapt_collator(trainer.data_collator, trainer.model)
     guard_model(trainer.model)
     if check_isolation:
-        _run_probe(trainer)
+        run_probe(trainer)
     return trainer
 
 

@@ -43,6 +43,7 @@ from .transformers import (
     check_attention_implementation,
     check_forward_inputs,
     guard_model,
+    run_probe,
 )
 
 _WRAPPED = "_packtools_padding_free"
@@ -256,7 +257,7 @@ def _use_packed_dataset(trainer: Any, dataset: Any) -> None:
         trainer._signature_columns = kept + [c for c in (*PAIR_ROW_COLUMNS, *pair_columns) if c not in kept]
 
 
-def prepare_dpo_trainer(trainer: Any, train_dataset: Any = None) -> Any:
+def prepare_dpo_trainer(trainer: Any, train_dataset: Any = None, *, check_isolation: bool = True) -> Any:
     """Make a TRL ``DPOTrainer`` run without padding, with TRL's own loss code; returns the trainer.
 
     Build the trainer as usual (any dataset TRL takes), then call this before ``train()``.  Without
@@ -271,6 +272,9 @@ def prepare_dpo_trainer(trainer: Any, train_dataset: Any = None) -> Any:
         prepare_dpo_trainer(trainer, train_dataset=packed).train()
 
     The loss of an optimizer step is the mean over all pairs of the step (see the module docstring).
+    With ``check_isolation=True`` (the default) the policy and the reference model first go through
+    :func:`packtools.check_isolation` (tiny inputs, no gradients): a model whose packed sequences leak is
+    refused before training; ``check_isolation=False`` skips it.
     """
     require("trl", "packtools.prepare_dpo_trainer")
     _check_trainer(trainer)
@@ -279,6 +283,8 @@ def prepare_dpo_trainer(trainer: Any, train_dataset: Any = None) -> Any:
     check_attention_implementation(trainer.model)
     if trainer.ref_model is not None:
         check_attention_implementation(trainer.ref_model)
+    if check_isolation:
+        run_probe(trainer, trainer.ref_model)
     install_padding_free_forward(trainer.model)
     if trainer.ref_model is not None:
         install_padding_free_forward(trainer.ref_model)
