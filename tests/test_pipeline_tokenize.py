@@ -145,7 +145,7 @@ def test_both_chat_mask_methods_agree_on_content(toks):
 
 def test_unstable_template_is_refused_with_the_row(toks):
     bt = BatchTokenizer(toks["unstable"], "messages")
-    with pytest.raises(PackingError, match=r"row 7 turn 2.*generation"):
+    with pytest.raises(PackingError, match=r"row 7: column .messages. turn 2.*generation"):
         bt(pa.table({"messages": [CONVS[0]]}), 7)
 
 
@@ -156,7 +156,12 @@ def test_chat_end_to_end_packs_labels_alongside(tmp_path, toks):
     out = str(tmp_path / "out")
     res = run_pipeline([str(src)], out, PipelineConfig(max_length=128, tokenizer=toks["generation"]))
     assert res.stats["format"] == "messages"
-    assert res.stats["rows_no_loss"] == 1  # the conversation without an assistant turn is dropped
+    assert res.stats["rows_unlabeled"] == 1  # the conversation without an assistant turn: kept and counted
+    assert res.stats["sequences_packed"] == 11
+    res = run_pipeline(
+        [str(src)], out, PipelineConfig(max_length=128, tokenizer=toks["generation"], drop_unlabeled=True)
+    )
+    assert res.stats["rows_dropped_unlabeled"] == 1 and res.stats["sequences_packed"] == 10
     table = datasets.load_from_disk(out).data.table
     assert table.column_names == ["input_ids", "labels", "seq_lengths"]
     seqs = unpack(table)
@@ -185,7 +190,14 @@ def test_truncation_can_leave_a_chat_without_labels(tmp_path, toks):
         [str(src)], str(tmp_path / "o"), PipelineConfig(max_length=24, tokenizer=toks["plain"])
     )
     assert res.stats["rows_truncated"] == 1
-    assert res.stats["rows_no_loss"] == 1  # the first one's answer lies past max_length
+    assert res.stats["rows_unlabeled"] == 1  # the first one's answer lies past max_length: kept, counted
+    assert res.stats["sequences_packed"] == 2 and res.stats["tokens_kept"] == 24 + lengths[1]
+    res = run_pipeline(
+        [str(src)],
+        str(tmp_path / "o"),
+        PipelineConfig(max_length=24, tokenizer=toks["plain"], drop_unlabeled=True),
+    )
+    assert res.stats["rows_dropped_unlabeled"] == 1
     assert res.stats["sequences_packed"] == 1 and res.stats["tokens_kept"] == lengths[1]
 
 

@@ -62,7 +62,13 @@ def fit_preference(
     return cols, np.ones(n, bool), counts
 
 
-def write_preference(batches: Iterator[pa.Table], folder: str, config: Any) -> dict[str, Any]:
+def write_preference(
+    batches: Iterator[pa.Table], folder: str, config: Any, fingerprint: str = ""
+) -> dict[str, Any]:
+    """Write tokenized pairs (``batches`` of ``prompt_input_ids``/``chosen_input_ids``/``rejected_input_ids``,
+    in order) to ``folder`` as shards of a ``save_to_disk`` folder, fitted by :func:`fit_preference`; returns
+    the statistics.  A separate step of the engine (:func:`packtools.pipeline.run.run_pipeline`), which gives it
+    the staged tables; ``fingerprint`` names the dataset in ``state.json``."""
     policy = config.overlong or "truncate"
     shards = ShardFolder(folder)
     pending: list[pa.Table] = []
@@ -89,7 +95,7 @@ def write_preference(batches: Iterator[pa.Table], folder: str, config: Any) -> d
     if pending:
         shards.write(pa.concat_tables(pending).combine_chunks())
     schema = pa.schema([(n, pa.list_(pa.int32())) for n in names])
-    shards.finish(schema)
+    shards.finish(schema, fingerprint)
     return {
         "rows_in": rows_in,
         **{
