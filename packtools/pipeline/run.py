@@ -251,7 +251,11 @@ def token_schema(
                 f"{path!r} has a {SEQ_LENGTHS!r} column, so it is already packed; packing it again would merge its "
                 f"sequences. Pack the unpacked data (packtools.unpack), or pass columns=[...] to pack chosen columns."
             )
-        names = [f.name for f in schema if is_list_type(f.type) or pa.types.is_null(f.type)]
+        names = [
+            f.name
+            for f in schema
+            if is_list_type(f.type) or pa.types.is_null(f.type) or f.name in ("input_ids", "labels")
+        ]
     types = []
     for name in names:
         t = schema.field(name).type
@@ -271,7 +275,10 @@ def token_schema(
                 or name in ("input_ids", "labels")
                 or (vt is not None and pa.types.is_floating(vt))
             ):
-                raise PackingError(f"{path!r}: column {name!r} has type {t}; {fix}.", param="columns")
+                raise PackingError(
+                    f"{path!r}: column {name!r} has type {t}; {fix}.",
+                    param="columns" if config.columns else None,
+                )
             names = [n for n in names if n != name]
             continue
         types.append("int32" if files[0].kind == "json" else str(vt))
