@@ -8,8 +8,7 @@ import pytest
 
 from packtools.cli.main import main
 from packtools.pipeline.demo import run_demo, stdlib_definitions
-from packtools.pipeline.sample import byte_level_table
-from packtools.pipeline.sample import stdlib_files
+from packtools.pipeline.sample import byte_level_table, stdlib_files
 
 
 def test_definitions_cut_sources_before_each_def():

@@ -19,9 +19,9 @@ from _pipeline_data import (
 )
 
 from packtools import PackingError, unpack
-from packtools.pipeline.run import PipelineConfig, run_pipeline
-from packtools.pipeline.preference import fit_preference
 from packtools.core.ragged import from_lists, to_lists
+from packtools.pipeline.preference import fit_preference
+from packtools.pipeline.run import PipelineConfig, run_pipeline
 from packtools.pipeline.tokenize import IGNORE_INDEX, BatchTokenizer, detect_format
 
 datasets = pytest.importorskip("datasets")

@@ -15,6 +15,7 @@ finished staged parts.  A successful run removes the whole work folder.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -74,16 +75,18 @@ class Workspace:
                 f"{o.get('host', '?')}, since {since}); wait for it to finish, stop it, or choose another out.",
                 param="out",
             ) from None
-        except PermissionError as exc:
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
             raise PackingError(
                 f"out={self.out!r}: cannot write in {parent!r} ({exc.strerror}); choose a folder you can write to.",
                 param="out",
             ) from None
         self.took_over = stale
-        checkpoint("locked")
         try:
             self._recover()
             os.makedirs(self.stage, exist_ok=True)
+            checkpoint("locked")
         except BaseException:
             self.lock.release()
             raise
