@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
-import json
 import os
 import signal
 import threading
@@ -50,8 +48,10 @@ from ..core.plan import PackPlan, check_max_length, check_strategy
 from ..core.plan import plan as make_plan
 from ..errors import PackingError
 from ..io.files import InputFile, Part, discover, read_schema, split_file
+from ..io.fingerprint import cache_key
+from ..io.manifest import MANIFEST_FORMAT, read_manifest, write_manifest
 from .executors import EXECUTORS, Executor, get_executor, is_transient
-from .gather import WriteJob, shard_name, write_block, write_dataset_files, write_json
+from .gather import WriteJob, shard_name, write_block, write_dataset_files
 from .stage import StageJob, load_sidecar, stage_key, stage_part
 from .tokenize import FORMATS, detect_format, input_columns, output_columns
 from .workspace import Workspace, checkpoint
@@ -60,8 +60,6 @@ OVERLONG = ("truncate", "drop", "split")
 #: ``global``: one plan over every row (the default; fewest rows).  ``shards``: each part planned on its own
 #: and the plans put one after the other; costs a few rows per part (< 0.01% with parts of >= 100k rows).
 PLANS = ("global", "shards")
-#: Version of the output layout and manifest; part of the fingerprint (a new version never reuses old output).
-MANIFEST_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -147,20 +145,8 @@ def fingerprint(files: Sequence[InputFile], config: PipelineConfig) -> dict[str,
         "inputs": [f.fingerprint() for f in files],
         "tokenizer_sha256": tok,
     }
-    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    digest = cache_key("pack_files", MANIFEST_FORMAT, config=cfg, inputs=body["inputs"], tokenizer=tok)
     return {"fingerprint": digest, **body}
-
-
-def read_manifest(out: str) -> dict[str, Any] | None:
-    path = os.path.join(out, MANIFEST)
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as fh:
-            data = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 # -- checks before any work --------------------------------------------------------------------------------
@@ -692,6 +678,6 @@ def _run(
         {"format": fmt, "max_length": config.max_length, "columns": columns, "columns_left_out": left_out}
     )
     manifest = {**fp, "format": fmt, "stats": stats}
-    write_json(os.path.join(ws.build, MANIFEST), manifest)
+    write_manifest(ws.build, manifest)
     ws.install()
     return PipelineResult(ws.out, stats, cached=False, manifest=manifest, timings=timings)

@@ -15,8 +15,6 @@ records the input itself as the data to gather from (``data``).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -26,10 +24,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..constants import IGNORE_INDEX, __version__
+from ..constants import IGNORE_INDEX
 from ..core.arrow import check_aligned, is_list_type, read_list_column
 from ..errors import PackingError
 from ..io.files import Part, Where, iter_part
+from ..io.fingerprint import cache_key
 
 #: Version of the staged-file layout; part of every cache key.
 STAGE_FORMAT = 1
@@ -65,18 +64,17 @@ def stage_key(
     tokenizer_fp: str | None,
     add_eos: bool,
 ) -> str:
-    """The cache key of a staged part (hex): everything that decides its bytes, with the versions."""
-    body = {
-        "packtools": __version__,
-        "stage_format": STAGE_FORMAT,
-        "part": part.fingerprint(),
-        "format": fmt,
-        "columns": list(columns),
-        "types": list(value_types),
-        "tokenizer": tokenizer_fp,
-        "add_eos": add_eos if fmt != "tokenized" else None,
-    }
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
+    """The cache key of a staged part (32 hex digits): everything that decides its bytes, with the versions."""
+    return cache_key(
+        "stage",
+        STAGE_FORMAT,
+        part=part.fingerprint(),
+        format=fmt,
+        columns=list(columns),
+        types=list(value_types),
+        tokenizer=tokenizer_fp,
+        add_eos=add_eos if fmt != "tokenized" else None,
+    )[:32]
 
 
 # -- in the worker ---------------------------------------------------------------------------------------
