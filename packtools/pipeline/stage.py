@@ -32,10 +32,12 @@ from ..io.fingerprint import cache_key
 
 #: Version of the staged-file layout; part of every cache key.
 STAGE_FORMAT = 1
-#: Rows per block handed to the tokenizer, and per record batch of a staged file.
+#: Rows per block handed to the tokenizer, read from tokenized files, and most rows / bytes per record batch of
+#: a staged file.
 TOKENIZE_ROWS = 1000
 READ_ROWS = 8192
 STAGE_BATCH_ROWS = 1 << 16
+STAGE_BATCH_BYTES = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,7 @@ def stage_part(job: StageJob) -> dict[str, Any]:
         }
     schema = pa.schema([(c, pa.list_(pa.type_for_alias(v))) for c, v in zip(job.columns, job.value_types)])
     tmp = f"{job.staged}.tmp-{os.getpid()}"
-    lengths, firsts, pending, pending_rows = [], [], [], 0
+    lengths, firsts, pending, pending_rows, pending_bytes = [], [], [], 0, 0
     try:
         with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             for where, table in _token_tables(job):
@@ -231,9 +233,10 @@ def stage_part(job: StageJob) -> dict[str, Any]:
                     firsts.append(first_label(table.column("labels")))
                 pending.append(table.select(list(job.columns)).cast(schema))
                 pending_rows += table.num_rows
-                if pending_rows >= STAGE_BATCH_ROWS:
+                pending_bytes += table.nbytes
+                if pending_rows >= STAGE_BATCH_ROWS or pending_bytes >= STAGE_BATCH_BYTES:
                     writer.write_table(pa.concat_tables(pending).combine_chunks())
-                    pending, pending_rows = [], 0
+                    pending, pending_rows, pending_bytes = [], 0, 0
             if pending:
                 writer.write_table(pa.concat_tables(pending).combine_chunks())
         os.replace(tmp, job.staged)
