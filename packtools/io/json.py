@@ -6,13 +6,13 @@ parse that finds the culprit runs only when Arrow has already refused a block.
 >>> import os, tempfile
 >>> path = os.path.join(tempfile.mkdtemp(), "rows.jsonl")
 >>> _ = open(path, "w").write('{"text": "a"}\\n{"text": "b"}\\n{"text": "c"}\\n')
->>> [(line, t.num_rows) for line, t in iter_json_lines(path, block_bytes=20)]
-[(1, 1), (2, 1), (3, 1)]
+>>> [(k, t.num_rows) for k, t in iter_json_lines(path, block_bytes=20)]  # k: lines after the first
+[(0, 1), (1, 1), (2, 1)]
 >>> _ = open(path, "w").write('{"text": "a"}\\n{"text": "b",}\\n')
 >>> list(iter_json_lines(path))
 Traceback (most recent call last):
 ...
-packtools.errors.PackingError: input '...rows.jsonl' line 2 column 13: malformed JSON (Expecting property name enclosed in double quotes); fix or remove that line.
+packtools.errors.PackingError: input '...rows.jsonl' line 2 column 14: malformed JSON (Expecting property name enclosed in double quotes); fix or remove that line.
 """
 
 from __future__ import annotations

@@ -4,6 +4,14 @@ Written by the pipeline (:func:`packtools.pack_files`) into every output folder.
 same wherever and however the run went (no timings, hosts or executors), so it is part of the output's bytes:
 ``manifest_format``, ``packtools_version``, ``fingerprint`` (see :mod:`packtools.io.fingerprint`), ``config``,
 ``inputs``, ``tokenizer_sha256``, ``format`` and ``stats``.  A folder is a packtools output when it has one.
+
+>>> import tempfile
+>>> folder = tempfile.mkdtemp()
+>>> read_manifest(folder) is None
+True
+>>> _ = write_manifest(folder, {"manifest_format": MANIFEST_FORMAT, "stats": {"rows_out": 3}})
+>>> read_manifest(folder)["stats"]
+{'rows_out': 3}
 """
 
 from __future__ import annotations

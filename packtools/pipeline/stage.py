@@ -11,6 +11,15 @@ version and :data:`STAGE_FORMAT`), so a cached part can never be stale.
 
 A tokenized, uncompressed Arrow input whose columns already have the target types is not copied: the sidecar
 records the input itself as the data to gather from (``data``).
+
+>>> import os, tempfile, pyarrow as pa, pyarrow.parquet as pq
+>>> from packtools.io.files import Part, discover
+>>> d = tempfile.mkdtemp()
+>>> pq.write_table(pa.table({"input_ids": [[1, 2, 3], [4]]}), os.path.join(d, "t.parquet"))
+>>> job = StageJob(Part(discover([d])[0]), "tokenized", ("input_ids",), ("int64",), None, True,
+...                os.path.join(d, "s.arrow"), os.path.join(d, "s.npz"))
+>>> stage_part(job)["rows"], load_sidecar(job.sidecar)[0].tolist(), stage_part(job)["reused"]
+(2, [3, 1], True)
 """
 
 from __future__ import annotations

@@ -11,6 +11,16 @@ So ``DIR/out`` is always absent, the previous complete output or the new complet
 run and when.  The next run in that place takes the lock over from a dead run (the kernel released it), puts
 back a previous output that a kill caught mid-replacement, and removes everything else a dead run left except
 finished staged parts.  A successful run removes the whole work folder.
+
+>>> import os, tempfile
+>>> parent = tempfile.mkdtemp()
+>>> ws = Workspace(os.path.join(parent, "out"))
+>>> ws.acquire()
+>>> sorted(os.listdir(parent))
+['.out.packtools', '.out.packtools.lock']
+>>> os.makedirs(ws.build); ws.install(); ws.finish(ok=True, keep_stage=False)
+>>> sorted(os.listdir(parent))
+['out']
 """
 
 from __future__ import annotations
