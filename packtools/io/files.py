@@ -201,7 +201,8 @@ def iter_part(
 ) -> Iterator[tuple[Where, pa.Table]]:
     """Yield ``(where, table)`` for the rows of ``part`` in tables of at most ``batch_rows`` rows (only
     ``columns``, when given and present).  Memory is bounded by one row group, record batch or JSON block.
-    ``where(i)`` names row ``i`` of the table: ``input 'f.parquet' row 12`` / ``input 'f.jsonl' line 13``."""
+    ``where(i)`` names row ``i`` of the table: ``input 'f.parquet' row 12``, ``input 'f.jsonl' line 13`` or
+    ``input 'f.json' object 12`` (0-based rows and objects, 1-based lines)."""
     file = part.file
     path = file.path
     cols = list(columns) if columns is not None else None
@@ -226,10 +227,11 @@ def iter_part(
             for table in _rebatch(iter([batch]), batch_rows):
                 yield Where(path, row), table
                 row += table.num_rows
-    elif is_json_array(path):
+    elif is_json_array(path):  # objects may span lines: rows are named by their index in the array
         row = 0
-        for line, table in iter_json_array(path, batch_rows):
-            yield Where(path, line, "line"), _select(table, cols)
+        for _, table in iter_json_array(path, batch_rows):
+            yield Where(path, row, "object"), _select(table, cols)
+            row += table.num_rows
     else:
         base = LineBase(path, part.start)
         stop = part.stop if part.stop >= 0 else None
