@@ -606,6 +606,7 @@ def _run(
                 config.add_eos,
                 os.path.join(ws.stage, key + ".arrow"),
                 os.path.join(ws.stage, key + ".npz"),
+                single_threaded=getattr(executor, "name", executor) != "local",
             )
         )
     timings: dict[str, Any] = {"parts": len(parts)}

@@ -61,6 +61,9 @@ class StageJob:
     add_eos: bool
     staged: str  # path of the staged Arrow file
     sidecar: str  # path of the sidecar .npz (written last)
+    single_threaded: bool = (
+        False  # tokenize on one thread (a worker of a pool or of Ray: they are the parallelism)
+    )
 
     @property
     def has_labels(self) -> bool:
@@ -103,6 +106,8 @@ def preload_tokenizer(tokenizer: str, fmt: str, add_eos: bool) -> Any:
 
 
 def _tokenizer(job: StageJob) -> Any:
+    if job.single_threaded:  # before the tokenizers library starts its thread pool in this process
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     return preload_tokenizer(job.tokenizer, job.fmt, job.add_eos)
 
 
