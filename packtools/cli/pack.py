@@ -70,8 +70,7 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
         choices=("global", "shards"),
         default="global",
         help="global: one plan over all rows (default, fewest rows); shards: each input part planned on its own "
-        "(for more rows than one machine can plan; costs a few rows per part, < 0.01%% with parts of >= 100k "
-        "rows)",
+        "and the plans put one after the other (costs a few rows per part: < 0.01%% with parts of >= 100k rows)",
     )
     p.add_argument(
         "--part-rows",
