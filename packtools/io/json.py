@@ -225,6 +225,10 @@ def iter_json_array(
             c = w.peek()
             if c == "]":
                 break
+            if c == "":
+                raise PackingError(
+                    f"input {path!r} line {w.line_at(w.pos)}: the JSON array is not closed (no ']'); is the file cut?"
+                )
             if count:
                 if c != ",":
                     raise PackingError(
