@@ -524,7 +524,10 @@ def run_pipeline(
     except Exception as exc:
         with _signals_deferred():
             ws.finish(ok=False, keep_stage=False)  # a fault: leave nothing behind
-        raise _explain(exc, out) from (None if isinstance(exc, PackingError) else exc)
+        explained = _explain(exc, out)
+        if explained is exc:
+            raise
+        raise explained from exc
     except BaseException as exc:  # Ctrl-C, or SIGTERM through the CLI: keep finished parts for the next run
         with _signals_deferred():
             ws.finish(ok=False, keep_stage=True)
