@@ -81,7 +81,7 @@ def rerun(cmd: list[str], out: str) -> str:
     [
         "stage:2",
         pytest.param("plan", marks=pytest.mark.slow),
-        "write:2",
+        pytest.param("write:2", marks=pytest.mark.slow),
         pytest.param("install", marks=pytest.mark.slow),
     ],
 )
