@@ -1,8 +1,8 @@
 """packtools: fast, exact sequence packing for LLM fine-tuning."""
 
 from .constants import __version__ as __version__
-from .core.pack import pack_table, truncate_table, unpack
-from .core.plan import STRATEGIES, PackPlan, plan, warmup
+from .core.pack import pack_table, truncate_table, unpack, warmup
+from .core.plan import STRATEGIES, PackPlan, plan
 from .errors import PackingError
 from .integrations.datasets import pack_dataset, truncate_dataset
 from .profiling.profile import LengthProfile, profile_lengths
@@ -19,6 +19,7 @@ _LAZY = {
     "TokenBudgetBatchSampler": "packtools.batches.sampler",
     "varlen_attention": "packtools.batches.attention",
     "prepare_trainer": "packtools.integrations.transformers",
+    "check_isolation": "packtools.integrations.isolation",
     "packed_sft_config": "packtools.integrations.transformers",
 }
 
@@ -40,6 +41,7 @@ __all__ = [
     "PackingError",
     "PaddingFreeCollator",
     "TokenBudgetBatchSampler",
+    "check_isolation",
     "pack_dataset",
     "pack_files",
     "pack_ray_dataset",

@@ -299,7 +299,7 @@ class PackPlan:
     # -- persistence -----------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan to ``path`` (``.npz``) atomically."""
-        from ..io.atomic import atomic_path
+        from .._atomic import atomic_path
 
         with atomic_path(path) as tmp, open(tmp, "wb") as fh:
             np.savez(
@@ -368,12 +368,3 @@ def plan(lengths: object, max_length: int, strategy: Strategy | str = "bfd") -> 
             )
         order, row_offsets = kernels.bfd_assign(size, max_length)
     return PackPlan(max_length, strategy, source[order], start[order], size[order], row_offsets, lens)
-
-
-def warmup() -> None:
-    """Compile (or load from the on-disk cache) every kernel on a tiny input."""
-    from .pack import pack_table
-
-    table = pa.table({"input_ids": pa.array([[1, 2, 3], [], [4]], pa.list_(pa.int32()))})
-    for strategy in STRATEGIES:
-        pack_table(table, 2, strategy)

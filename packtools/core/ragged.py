@@ -3,7 +3,7 @@ over tokens): building them from token lists, concatenating rows, cutting window
 
 >>> a = from_lists([[1, 2], [3]])
 >>> b = from_lists([[9], []])
->>> to_lists(concat([a, b]))
+>>> to_lists(join_rows([a, b]))
 [[1, 2, 9], [3]]
 >>> to_lists(window(a, starts=[1, 0], lengths=[1, 1]))
 [[2], [3]]
@@ -61,14 +61,14 @@ def constant_rows(num_rows: int, value: int, dtype: type = np.int32) -> Ragged:
 
 
 def _positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """``concat(arange(s, s + l) for s, l in zip(starts, lengths))`` without a Python loop."""
+    """``np.concatenate(arange(s, s + l) for s, l in zip(starts, lengths))`` without a Python loop."""
     total = int(lengths.sum())
     first = np.zeros(len(lengths), np.int64)
     np.cumsum(lengths[:-1], out=first[1:])
     return np.repeat(starts - first, lengths) + np.arange(total, dtype=np.int64)
 
 
-def concat(parts: Sequence[Ragged]) -> Ragged:
+def join_rows(parts: Sequence[Ragged]) -> Ragged:
     """Row ``i`` of the result is row ``i`` of every part, one after the other."""
     lengths = [p.lengths for p in parts]
     out_lengths = np.sum(lengths, axis=0) if parts else np.zeros(0, np.int64)
@@ -105,10 +105,10 @@ def from_arrow(column: pa.ChunkedArray | pa.Array, name: str) -> Ragged:
         return Ragged(c.offsets, c.values[: int(c.offsets[-1])])
     if not col.chunks:
         return Ragged(np.zeros(1, np.int64), np.zeros(0, col.value_dtype))
-    return concat_rows([Ragged(c.offsets, c.values) for c in col.chunks])
+    return stack_rows([Ragged(c.offsets, c.values) for c in col.chunks])
 
 
-def concat_rows(parts: Sequence[Ragged]) -> Ragged:
+def stack_rows(parts: Sequence[Ragged]) -> Ragged:
     """The rows of every part, one part after the other (vertical stacking)."""
     lengths = np.concatenate([p.lengths for p in parts])
     values = np.concatenate([p.values[p.offsets[0] : p.offsets[-1]] for p in parts])

@@ -11,6 +11,7 @@ import pyarrow as pa
 
 from .._optional import require
 from ..constants import SEQ_LENGTHS
+from ..core.arrow import dataset_table
 from ..core.pack import pack_columns, read_columns, truncate_table
 from ..core.plan import PackPlan, Strategy, check_max_length, check_strategy
 from ..core.plan import plan as make_plan
@@ -21,15 +22,6 @@ DEFAULT_WINDOW = 100_000
 
 def _datasets():
     return require("datasets", "packing a datasets.Dataset")
-
-
-def dataset_table(dataset: Any) -> tuple[pa.Table, np.ndarray | None]:
-    """The Arrow table behind a ``datasets.Dataset`` and its row indices mapping (after select/shuffle)."""
-    table = dataset.data.table
-    indices = None
-    if getattr(dataset, "_indices", None) is not None:
-        indices = dataset._indices.column(0).to_numpy().astype(np.int64)
-    return table, indices
 
 
 def _derived_fingerprint(dataset: Any, operation: str, **params: Any) -> str:
@@ -72,7 +64,7 @@ def _cache_file(dataset: Any, fingerprint: str) -> tuple[str, bool]:
 
 def _write_packed(path: str, cols: list, p: PackPlan, indices: np.ndarray | None) -> None:
     """Gather and write the packed rows block by block, giving back mapped input pages as it goes."""
-    from ..io.atomic import atomic_path
+    from .._atomic import atomic_path
     from ..io.pages import PageReleaser
 
     release = PageReleaser().release
@@ -97,7 +89,7 @@ def _pack_split(
     shuffle: bool,
     seed: int,
     keep_in_memory: bool | None,
-) -> tuple[Any, PackPlan]:
+) -> Any:
     ds_mod = _datasets()
     table, indices = dataset_table(dataset)
     cols, lengths = read_columns(table, columns)
@@ -120,7 +112,7 @@ def _pack_split(
         mapped = ds_mod.table.MemoryMappedTable.from_file(path)
         out = ds_mod.Dataset(mapped, split=dataset.split, fingerprint=fingerprint)
     added = [SEQ_LENGTHS] if SEQ_LENGTHS in out.column_names else []
-    return _restore_format(out, dict(dataset.format), added), p
+    return _restore_format(out, dict(dataset.format), added)
 
 
 def pack_dataset(
@@ -154,6 +146,12 @@ def pack_dataset(
     ``max_length / (2 * w * m)`` relative rows over a global plan: ~0.5% for TRL's 1000-row windows at
     ``m / max_length = 0.1``, under 0.01% from 100k rows on.
 
+    A dataset that is already packed is refused, since packing it again would merge the sequences of its
+    rows: packtools tells from a ``seq_lengths`` column, a ``cu_seq_lens*`` / ``cu_seqlens`` / ``seq_idx``
+    column, or ``position_ids`` that restart inside a row (:func:`packtools.core.pack.check_not_packed`).  It
+    cannot tell rows that were concatenated with none of these left (e.g. ``seq_lengths`` removed from
+    packtools output that had no ``position_ids``): keep ``seq_lengths`` with packed data.
+
     ``shuffle=True`` reorders the packed rows with ``seed`` (BFD emits the fullest rows first); for an
     ``IterableDataset`` each window is shuffled on its own, with the same seed (shuffle the stream's
     shards too, e.g. ``IterableDataset.shuffle``, for order across windows).
@@ -169,12 +167,12 @@ def pack_dataset(
     if isinstance(dataset, ds_mod.DatasetDict):
         return ds_mod.DatasetDict(
             {
-                name: _pack_split(split, max_length, strategy, columns, shuffle, seed, keep_in_memory)[0]
+                name: _pack_split(split, max_length, strategy, columns, shuffle, seed, keep_in_memory)
                 for name, split in dataset.items()
             }
         )
     if isinstance(dataset, ds_mod.Dataset):
-        return _pack_split(dataset, max_length, strategy, columns, shuffle, seed, keep_in_memory)[0]
+        return _pack_split(dataset, max_length, strategy, columns, shuffle, seed, keep_in_memory)
     if isinstance(dataset, ds_mod.IterableDataset):
         return _pack_iterable(dataset, max_length, strategy, columns, shuffle, seed, window)
     raise PackingError(

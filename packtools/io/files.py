@@ -24,8 +24,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .._atomic import atomic_path
 from ..errors import PackingError
-from .atomic import atomic_path
 from .json import LineBase, is_json_array, iter_json_array, iter_json_lines, line_ranges
 
 SUFFIX_KINDS = {

@@ -250,7 +250,7 @@ class BatchTokenizer:
         ends = r.values[np.maximum(r.offsets[1:] - 1, 0)] if r.values.size else np.zeros(r.num_rows, np.int64)
         needs = (lengths == 0) | (ends != self.eos_id)
         eos = ragged.from_lengths(needs.astype(np.int64), eos.values[needs])
-        return ragged.concat([r, eos])
+        return ragged.join_rows([r, eos])
 
     def _render(self, conv: list[dict[str, Any]], generation_prompt: bool) -> str:
         if not self.tok.chat_template:
@@ -279,7 +279,9 @@ class BatchTokenizer:
             parts = [self.encode(prompts, special=True)]
             for name in names:
                 done = self.encode(_strings(table, name, first_row), special=False)
-                parts.append(ragged.concat([done, self._eos_rows(done.num_rows)]) if self.add_eos else done)
+                parts.append(
+                    ragged.join_rows([done, self._eos_rows(done.num_rows)]) if self.add_eos else done
+                )
             return parts
         columns = {n: table.column(n).to_pylist() for n in names}
         heads: list[str] = []
@@ -376,8 +378,8 @@ class BatchTokenizer:
             return pa.table({"input_ids": ragged.to_arrow(ids), "labels": ragged.to_arrow(labels)})
         if self.fmt == "prompt_completion":
             prompt, completion = self._prompt_and_completions(table, ["completion"], first_row)
-            ids = ragged.concat([prompt, completion])
-            labels = ragged.concat([ragged.full_like(prompt, IGNORE_INDEX), completion])
+            ids = ragged.join_rows([prompt, completion])
+            labels = ragged.join_rows([ragged.full_like(prompt, IGNORE_INDEX), completion])
             return pa.table({"input_ids": ragged.to_arrow(ids), "labels": ragged.to_arrow(labels)})
         prompt, chosen, rejected = self._prompt_and_completions(table, ["chosen", "rejected"], first_row)
         return pa.table(

@@ -216,7 +216,7 @@ def save_figure(fig: Figure, path: str | os.PathLike[str], dpi: int = 120) -> No
 
 
 def _atomic_write(path: str, write: Any) -> None:
-    from ..io.atomic import atomic_path
+    from .._atomic import atomic_path
 
     with atomic_path(path) as tmp, open(tmp, "wb") as fh:
         write(fh)

@@ -25,8 +25,9 @@ import numpy as np
 import pyarrow as pa
 
 from .._optional import is_instance
-from ..core.arrow import column_lengths, is_list_type
+from ..core.arrow import column_lengths, dataset_table, is_list_type
 from ..errors import PackingError
+from ..io.files import IpcReader
 
 if TYPE_CHECKING:
     from .tradeoffs import TradeoffTable
@@ -350,24 +351,12 @@ def _parquet_lengths(path: str, column: str) -> np.ndarray:
 
 def _ipc_lengths(path: str, column: str) -> np.ndarray:
     """Memory-mapped: only the offsets buffers of the column are touched."""
-    source = pa.memory_map(path, "r")
-    try:
-        try:
-            reader: Any = pa.ipc.open_file(source)
-        except pa.ArrowInvalid:
-            source.seek(0)
-            stream = pa.ipc.open_stream(source)
-            _table_column(stream.schema, column, f"file {path!r}")
-            return _lengths_of_list(
-                pa.chunked_array([b.column(column) for b in stream], stream.schema.field(column).type)
-            )
+    with pa.memory_map(path, "r") as source:
+        reader = IpcReader(source)
         _table_column(reader.schema, column, f"file {path!r}")
-        k = reader.num_record_batches
-        out = np.empty(sum(reader.get_batch(i).num_rows for i in range(k)), np.int64)
-        _write_lengths((reader.get_batch(i).column(column) for i in range(k)), out)
-        return out
-    finally:
-        source.close()
+        return _lengths_of_list(
+            pa.chunked_array([b.column(column) for b in reader.batches()], reader.schema.field(column).type)
+        )
 
 
 def profile_lengths(source: Any, column: str = "input_ids", name: str | None = None) -> LengthProfile:
@@ -413,8 +402,6 @@ def profile_lengths(source: Any, column: str = "input_ids", name: str | None = N
             "streams from (profile_lengths(paths)) or a materialized datasets.Dataset."
         )
     elif is_instance(source, "datasets", "Dataset"):
-        from ..integrations.datasets import dataset_table
-
         table, indices = dataset_table(source)
         _table_column(table.schema, column, "the dataset")
         lengths = _lengths_of_list(table.column(column))
