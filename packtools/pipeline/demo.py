@@ -70,7 +70,8 @@ def run_demo(
     matplotlib) and ``out/packed`` (a ``datasets.load_from_disk`` folder).  Returns what it printed, as data.
     ``limit`` takes only the first source files (for quick checks).
     """
-    from ..core.plan import STRATEGIES, plan, warmup
+    from ..core.pack import warmup
+    from ..core.plan import STRATEGIES, plan
     from ..io.files import write_table
     from ..profiling.profile import profile_lengths
     from .run import PipelineConfig, run_pipeline
