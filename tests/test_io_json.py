@@ -71,3 +71,17 @@ def test_errors_and_odd_files(tmp_path):
     scalars.write_text('{"a": 1}\n3\n')
     with pytest.raises(PackingError, match="line 2: each JSON line must be an object"):
         list(iter_json_lines(str(scalars)))
+
+
+def test_an_array_wrapped_in_one_key(tmp_path):
+    rows = [{"text": f"r{i}", "n": i} for i in range(25)]
+    wrapped = tmp_path / "wrapped.json"
+    wrapped.write_text(json.dumps({"data": rows}, indent=2))
+    [file] = discover([str(wrapped)])
+    assert [r for _, t in iter_part(split_file(file)[0], batch_rows=4) for r in t.to_pylist()] == rows
+    lines = tmp_path / "lines.json"  # JSON lines whose first object holds a list are still JSON lines
+    lines.write_text("".join(json.dumps({"data": [i]}) + "\n" for i in range(3)))
+    [file] = discover([str(lines)])
+    assert [r for _, t in iter_part(split_file(file)[0]) for r in t.to_pylist()] == [
+        {"data": [i]} for i in range(3)
+    ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from typing import IO
 
@@ -31,16 +32,25 @@ BLOCK_BYTES = 1 << 24
 MAX_OBJECT_CHARS = 1 << 27
 
 
+_WRAPPED = re.compile(rb'^\s*\{\s*"(?:[^"\\]|\\.)*"\s*:\s*\[')
+
+
 def is_json_array(path: str) -> bool:
-    """Whether the file's first non-blank character is ``[`` (one JSON array) rather than ``{`` (JSON lines)."""
+    """Whether the file holds one JSON array of objects (``[...]``, or ``{"name": [...]}`` wrapping one)
+    rather than JSON lines (one object per line)."""
     with open(path, "rb") as fh:
-        while True:
-            chunk = fh.read(4096)
-            if not chunk:
-                return False
-            stripped = chunk.lstrip(b" \t\r\n\xef\xbb\xbf")
-            if stripped:
-                return stripped[:1] == b"["
+        head = fh.read(1 << 16)
+    head = head.lstrip(b" \t\r\n\xef\xbb\xbf")
+    if head[:1] == b"[":
+        return True
+    if head[:1] != b"{" or not _WRAPPED.match(head):
+        return False
+    first = head.split(b"\n", 1)[0]
+    try:
+        json.loads(first)
+        return False  # the first line is a whole object: JSON lines
+    except ValueError:
+        return True
 
 
 def _not_utf8(path: str, line: int, raw: bytes, start: int, end: int) -> PackingError:
@@ -212,10 +222,21 @@ def iter_json_array(
     path: str, block_rows: int = 1000, read_bytes: int = 1 << 20
 ) -> Iterator[tuple[int, pa.Table]]:
     """Yield ``(line of the block's first object, table)`` for blocks of ``block_rows`` objects of a file that
-    holds one JSON array of objects."""
+    holds one JSON array of objects, or one object whose only key holds that array (``{"data": [...]}``)."""
     decoder = json.JSONDecoder()
     with open(path, "rb") as fh:
         w = _TextWindow(path, fh, read_bytes)
+        wrapped = w.peek() == "{"
+        if wrapped:  # {"data": [...]}: one key whose value is the array
+            w.pos += 1
+            w.peek()
+            try:
+                key, w.pos = decoder.raw_decode(w.buf, w.pos)
+            except json.JSONDecodeError:
+                key = None
+            if not isinstance(key, str) or w.peek() != ":":
+                raise PackingError(f"input {path!r}: expected JSON lines or one JSON array of objects.")
+            w.pos += 1
         if w.peek() != "[":
             raise PackingError(f"input {path!r}: expected JSON lines or one JSON array of objects.")
         w.pos += 1
@@ -264,6 +285,12 @@ def iter_json_array(
             if len(rows) >= block_rows:
                 yield first, _table(path, rows, first)
                 rows = []
+        w.pos += 1
+        if wrapped and w.peek() != "}":
+            raise PackingError(
+                f"input {path!r} line {w.line_at(w.pos)}: after the array, expected the '}}' that closes the object "
+                f"around it (one key holding the array of rows)."
+            )
         if rows:
             yield first, _table(path, rows, first)
 
