@@ -198,3 +198,26 @@ def test_executors_report_exceptions_and_dead_workers_as_outcomes():
     with get_executor("pool", workers=1) as ex:
         [(i, outcome)] = list(ex.run(os._exit, [3]))  # the worker process dies
     assert i == 0 and isinstance(outcome, Exception)
+
+
+def test_caches_cannot_go_stale(tmp_path, monkeypatch):
+    from packtools.io import fingerprint as fp_mod
+    from packtools.pipeline.tokenize import tokenizer_fingerprint
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text('{"model": 1}')
+    (tok / "model.safetensors").write_bytes(b"\0" * 4096)
+    first = tokenizer_fingerprint(str(tok))
+    (tok / "model.safetensors").write_bytes(b"\1" * 8192)  # weights are not read
+    assert tokenizer_fingerprint(str(tok)) == first
+    (tok / "tokenizer.json").write_text('{"model": 2}')
+    assert tokenizer_fingerprint(str(tok)) != first
+
+    src = str(tmp_path / "in.parquet")
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3], [4, 5]]}), src)
+    out = str(tmp_path / "out")
+    assert not pack_files(src, out, 4).cached
+    assert pack_files(src, out, 4).cached
+    monkeypatch.setattr(fp_mod, "__version__", "999.0")  # another packtools version: nothing is reused
+    assert not pack_files(src, out, 4).cached
