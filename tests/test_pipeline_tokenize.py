@@ -19,8 +19,6 @@ from _pipeline_data import (
 )
 
 from packtools import PackingError, unpack
-from packtools.core.ragged import from_lists, to_lists
-from packtools.pipeline.preference import fit_preference
 from packtools.pipeline.run import PipelineConfig, run_pipeline
 from packtools.pipeline.tokenize import IGNORE_INDEX, BatchTokenizer, detect_format
 
@@ -145,7 +143,7 @@ def test_both_chat_mask_methods_agree_on_content(toks):
 
 def test_unstable_template_is_refused_with_the_row(toks):
     bt = BatchTokenizer(toks["unstable"], "messages")
-    with pytest.raises(PackingError, match=r"row 7 turn 2.*generation"):
+    with pytest.raises(PackingError, match=r"row 7: column .messages. turn 2.*generation"):
         bt(pa.table({"messages": [CONVS[0]]}), 7)
 
 
@@ -156,7 +154,12 @@ def test_chat_end_to_end_packs_labels_alongside(tmp_path, toks):
     out = str(tmp_path / "out")
     res = run_pipeline([str(src)], out, PipelineConfig(max_length=128, tokenizer=toks["generation"]))
     assert res.stats["format"] == "messages"
-    assert res.stats["rows_no_loss"] == 1  # the conversation without an assistant turn is dropped
+    assert res.stats["rows_unlabeled"] == 1  # the conversation without an assistant turn: kept and counted
+    assert res.stats["sequences_packed"] == 11
+    res = run_pipeline(
+        [str(src)], out, PipelineConfig(max_length=128, tokenizer=toks["generation"], drop_unlabeled=True)
+    )
+    assert res.stats["rows_dropped_unlabeled"] == 1 and res.stats["sequences_packed"] == 10
     table = datasets.load_from_disk(out).data.table
     assert table.column_names == ["input_ids", "labels", "seq_lengths"]
     seqs = unpack(table)
@@ -185,34 +188,15 @@ def test_truncation_can_leave_a_chat_without_labels(tmp_path, toks):
         [str(src)], str(tmp_path / "o"), PipelineConfig(max_length=24, tokenizer=toks["plain"])
     )
     assert res.stats["rows_truncated"] == 1
-    assert res.stats["rows_no_loss"] == 1  # the first one's answer lies past max_length
-    assert res.stats["sequences_packed"] == 1 and res.stats["tokens_kept"] == lengths[1]
-
-
-def test_fit_preference_keeps_prompt_end_and_completion_start():
-    prompt = from_lists([[1, 2, 3, 4, 5, 6], [1, 2]])
-    chosen = from_lists([[10, 11, 12, 13, 14], [10]])
-    rejected = from_lists([[20], [20, 21, 22, 23, 24, 25, 26, 27]])
-    cols, keep, counts = fit_preference(prompt, chosen, rejected, 8, "truncate", max_prompt_length=4)
-    assert [to_lists(c) for c in cols] == [
-        [[3, 4, 5, 6], [1, 2]],
-        [[10, 11, 12, 13], [10]],
-        [[20], [20, 21, 22, 23, 24, 25]],
-    ]
-    assert counts == {
-        "prompts_truncated": 1,
-        "chosen_truncated": 1,
-        "rejected_truncated": 1,
-        "tokens_dropped": 2 + 1 + 2,
-    }
-    cols, keep, counts = fit_preference(prompt, chosen, rejected, 8, "drop")
-    assert keep.tolist() == [False, False] and counts["pairs_dropped"] == 2
-    cols, keep, counts = fit_preference(prompt, chosen, rejected, 10, "drop")  # 6 + 5 > 10, 2 + 8 <= 10
-    assert (
-        keep.tolist() == [False, True]
-        and to_lists(cols[0]) == [[1, 2]]
-        and to_lists(cols[2]) == [list(range(20, 28))]
+    assert res.stats["rows_unlabeled"] == 1  # the first one's answer lies past max_length: kept, counted
+    assert res.stats["sequences_packed"] == 2 and res.stats["tokens_kept"] == 24 + lengths[1]
+    res = run_pipeline(
+        [str(src)],
+        str(tmp_path / "o"),
+        PipelineConfig(max_length=24, tokenizer=toks["plain"], drop_unlabeled=True),
     )
+    assert res.stats["rows_dropped_unlabeled"] == 1
+    assert res.stats["sequences_packed"] == 1 and res.stats["tokens_kept"] == lengths[1]
 
 
 def test_preference_end_to_end_packs_pairs_whole(tmp_path, toks):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -28,8 +26,9 @@ def _datasets():
 
 def _derived_fingerprint(dataset: Any, operation: str, **params: Any) -> str:
     """A fingerprint for a dataset made from ``dataset`` (else ``datasets`` pickles every token to hash it)."""
-    key = json.dumps([getattr(dataset, "_fingerprint", None), operation, params], sort_keys=True, default=str)
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
+    from ..io.fingerprint import cache_key
+
+    return cache_key(operation, 1, dataset=getattr(dataset, "_fingerprint", None), params=params)[:16]
 
 
 def _restore_format(ds: Any, fmt: dict[str, Any], added: list[str]) -> Any:
