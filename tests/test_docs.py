@@ -23,6 +23,7 @@ WITHOUT_EXAMPLES = {
     "packtools.cli.shards",
     "packtools.constants",
     "packtools.errors",
+    "packtools.pipeline.preference",  # a pipeline step; tests/test_pipeline_tokenize.py runs it end to end
     "packtools._atomic",
     "packtools.integrations.ray",  # its example needs a Ray runtime (skipped); tests/test_ray.py runs it
     "packtools.profiling.tradeoffs",
