@@ -1,37 +1,32 @@
-"""The offline pipeline: out-of-core packing from disk against the in-memory path, and tokenization overhead.
+"""The file-packing engine: peak memory on a large JSON-lines input (parquet beside it), and the tokenize stage
+with 1 and 2 workers.
 
 Usage::
 
-    python benchmarks/bench_pipeline.py                         # full run: 500M tokens (~2 GB parquet)
-    python benchmarks/bench_pipeline.py --tokens 20_000_000     # a quick check
-    python benchmarks/bench_pipeline.py --skip-pack             # tokenization part only
-    python benchmarks/bench_pipeline.py --workdir /big/disk --markdown out.md
+    python benchmarks/bench_pipeline.py                           # full run: >= 1 GB of tokenized JSONL
+    python benchmarks/bench_pipeline.py --json-gb 0.2 --tok-rows 20000   # a quick check
+    python benchmarks/bench_pipeline.py --skip-json | --skip-tokenize --markdown out.md
 
-(a) Packing ``--tokens`` int32 tokens from a parquet file on disk.  Lengths ``max(1, floor(x))`` with
-``x ~ lognormal(5.5, 1.0)`` (mean ~403; 500M tokens is ~1.24M rows), tokens uniform in ``[0, 32000)``, seed 0;
-written in row groups of 65,536 rows (snappy).  Each case runs in a fresh subprocess (``--case``) that warms
-Numba up (``packtools.warmup()``) and reports its own ``ru_maxrss`` at the end, so the peak RSS belongs to
-that case alone (interpreter and imports included); the page cache is warm (the file was just written).
+(a) **Memory, JSON lines vs parquet.**  ``--json-gb`` GB of tokenized JSON lines (``{"input_ids": [...],
+"labels": [...]}``; lengths ``max(1, floor(x))``, ``x ~ lognormal(5.5, 1.0)``, ids uniform in ``[0, 32000)``,
+labels = ids with the first half of each row -100, seed 0), and the same rows as one parquet file (row
+groups of 65,536).  Each is packed by ``packtools.pack_files(src, out, 4096, "bfd")`` in a fresh subprocess
+that reports its own peak RSS (``ru_maxrss``: interpreter, imports and Numba included) and the run's stage
+timings.  Target: the JSON run under 1 GiB peak RSS (before this engine JSON was parsed whole, twice).
 
-- ``in-memory``: ``pq.read_table`` -> ``packtools.pack_table`` -> ``packtools._atomic.write_table`` (one ``.arrow``
-  file), the path of ``packtools pack IN.parquet --out OUT.arrow``.
-- ``out-of-core``: ``packtools.pipeline.run.pack_files`` (``packtools pack IN.parquet --out DIR``): stage to an
-  uncompressed Arrow file, plan from the offsets, gather and write 2**24-token shards from the memory map,
-  dropping mapped pages after each shard.
-Throughput is input tokens per second of the timed call (reading and writing included).
-
-(b) Tokenization: the standard library's definitions (the demo corpus, first ``--tok-rows`` pieces) as text,
-tokenized with a byte-level BPE (vocab 8,000) trained locally by ``tokenizers`` and saved as a transformers
-folder.  ``pipeline``: the stage step of ``pack_files`` on the same texts in a parquet file
-(read, tokenize, append EOS, convert to Arrow, write the staged file), from the run's ``stage_s``; also the
-whole ``pack_files`` time.  Two direct baselines: transformers' ``tokenizer(batch)["input_ids"]`` and the Rust
-backend's ``encode_batch_fast`` (what the pipeline calls), both over batches of 1,000 texts already in memory.
-All after a warm-up, same process, same tokenizer, best of ``--repeat`` runs (the machine may be shared).
+(b) **Tokenize stage, 1 vs 2 workers.**  The standard library's definitions (the demo corpus; ``--tok-rows``
+pieces) as raw ``text`` in ``--tok-files`` parquet files, tokenized by a byte-level BPE (vocab 8,000) trained
+here and saved as a transformers folder, packed with ``executor="pool"`` and ``workers=1`` then ``2`` (each
+case in a fresh subprocess, interleaved over ``--repeat`` rounds, best kept).  Reported: the stage time
+(read + tokenize + write the staged part), its ratio 1 worker / 2 workers, and that both outputs are the same
+bytes.  The machine has 2 cores shared with other work; the ratio cannot reach 2: the driver process, the
+pool's start-up and the parts' uneven sizes take their share.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -44,76 +39,77 @@ import time
 import numpy as np
 
 VOCAB = 32000
-ROW_GROUP = 65536
-TARGET_RSS_GB = 1.5
-TARGET_SPEED_RATIO = 0.5
-TARGET_TOKENIZE_RATIO = 1.3
+TARGET_JSON_RSS_GIB = 1.0
 
 
-def make_parquet(path: str, tokens: int, seed: int = 0) -> tuple[int, int]:
+def make_json_and_parquet(folder: str, gigabytes: float, seed: int = 0) -> tuple[str, str, int]:
+    """Write ``tokens.jsonl`` (about ``gigabytes`` GB) and the same rows as ``tokens.parquet``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rng = np.random.default_rng(seed)
-    vals = np.random.default_rng(seed + 1)
-    schema = pa.schema([("input_ids", pa.list_(pa.int32()))])
-    rows = total = 0
-    with pq.ParquetWriter(path, schema) as writer:
-        while total < tokens:
-            lengths = np.maximum(1, np.floor(rng.lognormal(5.5, 1.0, ROW_GROUP))).astype(np.int64)
-            csum = np.cumsum(lengths)
-            keep = int(np.searchsorted(csum, tokens - total, side="left")) + 1
-            lengths = lengths[:keep]
-            n = int(lengths.sum())
-            offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
-            values = vals.integers(0, VOCAB, n, dtype=np.int32)
-            arr = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
-            writer.write_table(pa.table({"input_ids": arr}, schema=schema), row_group_size=ROW_GROUP)
+    jsonl, parquet = os.path.join(folder, "tokens.jsonl"), os.path.join(folder, "tokens.parquet")
+    rng, vals = np.random.default_rng(seed), np.random.default_rng(seed + 1)
+    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))])
+    rows, target = 0, int(gigabytes * 1e9)
+    with open(jsonl, "w") as fh, pq.ParquetWriter(parquet, schema) as writer:
+        while fh.tell() < target:
+            lengths = np.maximum(1, np.floor(rng.lognormal(5.5, 1.0, 8192))).astype(np.int64)
+            offsets = np.concatenate(([0], np.cumsum(lengths)))
+            ids = vals.integers(0, VOCAB, int(offsets[-1]), dtype=np.int32)
+            labels = ids.copy()
+            for r in range(len(lengths)):
+                labels[offsets[r] : offsets[r] + lengths[r] // 2] = -100
+            lines = []
+            for r in range(len(lengths)):
+                a, b = offsets[r], offsets[r + 1]
+                lines.append(
+                    '{"input_ids": ['
+                    + ",".join(map(str, ids[a:b].tolist()))
+                    + '], "labels": ['
+                    + ",".join(map(str, labels[a:b].tolist()))
+                    + "]}\n"
+                )
+            fh.write("".join(lines))
+            lists = [
+                pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(v))
+                for v in (ids, labels)
+            ]
+            writer.write_table(pa.Table.from_arrays(lists, schema=schema), row_group_size=65536)
             rows += len(lengths)
-            total += n
-    return rows, total
+    return jsonl, parquet, rows
 
 
-# -- cases, each in its own process ------------------------------------------------------------------------
-def case_in_memory(src: str, out: str, max_length: int, strategy: str) -> dict:
-    import pyarrow.parquet as pq
-
+def case_pack(src: str, out: str, executor: str, workers: str, tokenizer: str) -> dict:
     import packtools
-    from packtools.io.files import write_table
 
     packtools.warmup()
+    kwargs = {"executor": executor, "workers": int(workers) if workers != "-" else None}
+    if tokenizer != "-":
+        kwargs["tokenizer"] = tokenizer
     t = time.perf_counter()
-    table = pq.read_table(src)
-    packed = packtools.pack_table(table, max_length, strategy)
-    write_table(packed, out)
-    return {"time": time.perf_counter() - t, "rows_out": packed.num_rows}
+    res = packtools.pack_files(src.split(","), out, 4096, "bfd", **kwargs)
+    return {"time": time.perf_counter() - t, "stats": res.stats, "timings": res.timings}
 
 
-def case_out_of_core(src: str, out: str, max_length: int, strategy: str) -> dict:
-    import packtools
-    from packtools.pipeline.run import PipelineConfig, run_pipeline
-
-    packtools.warmup()
-    t = time.perf_counter()
-    res = run_pipeline([src], out, PipelineConfig(max_length=max_length, strategy=strategy))
-    return {
-        "time": time.perf_counter() - t,
-        "rows_out": res.stats["rows_out"],
-        "stage_s": res.stats["stage_s"],
-        "pack_s": res.stats["pack_s"],
-        "shards": res.stats["shards"],
-    }
-
-
-def run_case(name: str, *args: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--case", name, *args]
+def run_case(*args: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--case", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"case {name} failed:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"case failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# -- tokenization ------------------------------------------------------------------------------------------
+def folder_digest(folder: str) -> str:
+    """SHA-256 over the data shards (the manifest names the inputs, so it differs between inputs)."""
+    h = hashlib.sha256()
+    for name in sorted(n for n in os.listdir(folder) if n.startswith("data-")):
+        h.update(name.encode())
+        with open(os.path.join(folder, name), "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
 def build_tokenizer(texts: list[str], path: str) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -132,171 +128,117 @@ def build_tokenizer(texts: list[str], path: str) -> str:
     return path
 
 
-def bench_tokenize(workdir: str, rows: int, num_procs: list[int], repeat: int) -> list[dict]:
+def bench_json(workdir: str, gigabytes: float) -> list[str]:
+    t = time.perf_counter()
+    jsonl, parquet, rows = make_json_and_parquet(workdir, gigabytes)
+    sizes = {p: os.path.getsize(p) / 1e9 for p in (jsonl, parquet)}
+    print(
+        f"wrote {rows:,} rows: {sizes[jsonl]:.2f} GB JSONL, {sizes[parquet]:.2f} GB parquet "
+        f"in {time.perf_counter() - t:.0f} s",
+        flush=True,
+    )
+    res = {}
+    for name, src in (("JSON lines", jsonl), ("parquet", parquet)):
+        out = os.path.join(workdir, "out-" + name.split()[0].lower())
+        shutil.rmtree(out, ignore_errors=True)
+        res[name] = run_case(src, out, "local", "-", "-")
+        res[name]["digest"] = folder_digest(out)
+        shutil.rmtree(out)
+        print(name, json.dumps({k: v for k, v in res[name].items() if k != "stats"}), flush=True)
+    same = res["JSON lines"]["digest"] == res["parquet"]["digest"]
+    lines = [
+        f"### Peak memory: {rows:,} tokenized rows ({res['parquet']['stats']['tokens_in']:,} tokens), "
+        f"max_length 4096, bfd, local executor",
+        "",
+        "| input | size (GB) | time (s) | stage (s) | write (s) | peak RSS (GiB) | rows out |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, src in (("JSON lines", jsonl), ("parquet", parquet)):
+        r = res[name]
+        lines.append(
+            f"| {name} | {sizes[src]:.2f} | {r['time']:.1f} | {r['timings']['stage_s']:.1f} | "
+            f"{r['timings']['write_s']:.1f} | {r['maxrss_gb']:.2f} | {r['stats']['rows_out']:,} |"
+        )
+    rss = res["JSON lines"]["maxrss_gb"]
+    lines += [
+        "",
+        f"JSON lines peak RSS {rss:.2f} GiB (target < {TARGET_JSON_RSS_GIB} GiB: "
+        f"{'met' if rss < TARGET_JSON_RSS_GIB else 'NOT met'}); data shards identical bytes: {same}.",
+    ]
+    return lines
+
+
+def bench_tokenize(workdir: str, rows: int, files: int, repeat: int) -> list[str]:
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from transformers import AutoTokenizer
 
     from packtools.pipeline.demo import stdlib_definitions
-    from packtools.pipeline.run import PipelineConfig, run_pipeline
 
-    texts = [t.decode("utf-8", errors="replace") for t in stdlib_definitions()[:rows]]
-    tok_dir = build_tokenizer(texts[::10], os.path.join(workdir, "tokenizer"))
-    src = os.path.join(workdir, "texts.parquet")
-    pq.write_table(pa.table({"text": texts}), src)
+    pieces = [t.decode("utf-8", errors="replace") for t in stdlib_definitions()]
+    texts = [pieces[i % len(pieces)] for i in range(rows)]
+    tok_dir = build_tokenizer(pieces[::10], os.path.join(workdir, "tokenizer"))
+    srcs = []
+    for i in range(files):
+        srcs.append(os.path.join(workdir, f"texts-{i}.parquet"))
+        pq.write_table(pa.table({"text": texts[i::files]}), srcs[-1])
     mb = sum(len(t.encode()) for t in texts) / 1e6
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    backend = tok.backend_tokenizer
-    tok(texts[:1000])  # warm-up
-
-    def via_transformers() -> int:
-        return sum(sum(map(len, tok(texts[i : i + 1000])["input_ids"])) for i in range(0, len(texts), 1000))
-
-    def via_backend() -> int:
-        return sum(
-            sum(len(e.ids) for e in backend.encode_batch_fast(texts[i : i + 1000], add_special_tokens=True))
-            for i in range(0, len(texts), 1000)
-        )
-
-    def via_pipeline(num_proc: int) -> dict:
-        out = os.path.join(workdir, f"tok-out-{num_proc}")
-        shutil.rmtree(out, ignore_errors=True)
-        t = time.perf_counter()
-        res = run_pipeline([src], out, PipelineConfig(max_length=4096, tokenizer=tok_dir), num_proc=num_proc)
-        # tokens without the appended EOS, to compare with the direct calls
-        return {
-            "stage": res.stats["stage_s"],
-            "total": time.perf_counter() - t,
-            "tokens": res.stats["tokens_in"] - res.stats["rows_in"],
-        }
-
-    run_pipeline([src], os.path.join(workdir, "tok-warm"), PipelineConfig(max_length=4096, tokenizer=tok_dir))
-    cases = [
-        ("direct: tokenizer(batch) (transformers)", via_transformers),
-        ("direct: backend.encode_batch_fast (tokenizers)", via_backend),
+    best: dict[int, dict] = {}
+    digests = {}
+    for _ in range(repeat):
+        for w in (1, 2):
+            out = os.path.join(workdir, f"tok-{w}")
+            shutil.rmtree(out, ignore_errors=True)
+            r = run_case(",".join(srcs), out, "pool", str(w), tok_dir)
+            digests[w] = folder_digest(out)
+            if w not in best or r["timings"]["stage_s"] < best[w]["timings"]["stage_s"]:
+                best[w] = r
+            print(f"workers={w}: stage {r['timings']['stage_s']:.2f} s, total {r['time']:.2f} s", flush=True)
+    ratio = best[1]["timings"]["stage_s"] / best[2]["timings"]["stage_s"]
+    lines = [
+        f"### Tokenize stage: {rows:,} texts ({mb:.0f} MB) in {files} parquet files, BPE vocab 8,000, "
+        f"executor pool, best of {repeat}",
+        "",
+        "| workers | stage (s) | MB/s | whole run (s) | tokens |",
+        "|---|---|---|---|---|",
     ]
-    cases += [(f"pipeline stage, num_proc={n}", (lambda n=n: via_pipeline(n))) for n in num_procs]
-    best: dict[str, dict] = {}
-    for _ in range(repeat):  # rounds interleave the cases, so a busy moment of the machine hits all alike
-        for name, fn in cases:
-            t = time.perf_counter()
-            got = fn()
-            elapsed = time.perf_counter() - t
-            row = (
-                {"case": name, "time": got["stage"], "total": got["total"], "tokens": got["tokens"], "mb": mb}
-                if isinstance(got, dict)
-                else {"case": name, "time": elapsed, "tokens": got, "mb": mb}
-            )
-            if name not in best or row["time"] < best[name]["time"]:
-                best[name] = row
-    results = [best[name] for name, _ in cases]
-    return results
+    for w in (1, 2):
+        r = best[w]
+        lines.append(
+            f"| {w} | {r['timings']['stage_s']:.2f} | {mb / r['timings']['stage_s']:.1f} | {r['time']:.2f} | "
+            f"{r['stats']['tokens_in']:,} |"
+        )
+    lines += [
+        "",
+        f"stage time 1 worker / 2 workers: {ratio:.2f}x; outputs identical bytes: {digests[1] == digests[2]}.",
+    ]
+    return lines
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=lambda s: int(s.replace("_", "")), default=500_000_000)
-    ap.add_argument("--max-length", type=int, default=4096)
-    ap.add_argument("--strategy", default="bfd")
+    ap.add_argument("--json-gb", type=float, default=1.05)
+    ap.add_argument("--tok-rows", type=int, default=200_000)
+    ap.add_argument("--tok-files", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--workdir", help="where to put the data (default: a temporary folder, removed after)")
-    ap.add_argument("--tok-rows", type=int, default=20000, help="texts for the tokenization part")
-    ap.add_argument("--num-procs", default="1,2", help="num_proc values for the tokenization part")
-    ap.add_argument("--repeat", type=int, default=3, help="tokenization timings: best of this many runs")
-    ap.add_argument("--skip-pack", action="store_true")
+    ap.add_argument("--skip-json", action="store_true")
     ap.add_argument("--skip-tokenize", action="store_true")
     ap.add_argument("--markdown", help="also write the tables to this file")
-    ap.add_argument("--case", help=argparse.SUPPRESS)
-    ap.add_argument("args", nargs="*", help=argparse.SUPPRESS)
+    ap.add_argument("--case", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
-        src, out, max_length, strategy = args.args
-        fn = {"in-memory": case_in_memory, "out-of-core": case_out_of_core}[args.case]
-        result = fn(src, out, int(max_length), strategy)
+        result = case_pack(*args.case)
         result["maxrss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
         print(json.dumps(result))
         return 0
-
     workdir = args.workdir or tempfile.mkdtemp(prefix="packtools-bench-pipeline-")
     os.makedirs(workdir, exist_ok=True)
-    lines = []
+    lines: list[str] = []
     try:
-        if not args.skip_pack:
-            src = os.path.join(workdir, "tokens.parquet")
-            t = time.perf_counter()
-            rows, tokens = make_parquet(src, args.tokens)
-            print(
-                f"wrote {rows:,} rows, {tokens:,} tokens, {os.path.getsize(src) / 2**30:.2f} GiB parquet "
-                f"in {time.perf_counter() - t:.1f} s",
-                flush=True,
-            )
-            res = {}
-            for name, out in (("in-memory", "packed.arrow"), ("out-of-core", "packed")):
-                path = os.path.join(workdir, out)
-                res[name] = run_case(name, src, path, str(args.max_length), args.strategy)
-                res[name]["out_gb"] = (
-                    os.path.getsize(path)
-                    if os.path.isfile(path)
-                    else sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
-                ) / 2**30
-                print(name, json.dumps(res[name]), flush=True)
-                if os.path.isfile(path):
-                    os.unlink(path)
-                else:
-                    shutil.rmtree(path)
-            base = res["in-memory"]
-            lines += [
-                f"### Packing {tokens:,} int32 tokens ({rows:,} rows, {os.path.getsize(src) / 2**30:.2f} GiB parquet), "
-                f"max_length {args.max_length}, {args.strategy}",
-                "",
-                "| path | time (s) | throughput (M tokens/s) | peak RSS (GiB) | rows out | vs in-memory speed |",
-                "|---|---|---|---|---|---|",
-            ]
-            for name in ("in-memory", "out-of-core"):
-                r = res[name]
-                extra = (
-                    f" (stage {r['stage_s']:.1f} s + pack {r['pack_s']:.1f} s, {r['shards']} shards)"
-                    if "stage_s" in r
-                    else ""
-                )
-                lines.append(
-                    f"| {name} | {r['time']:.2f}{extra} | {tokens / r['time'] / 1e6:.1f} | {r['maxrss_gb']:.2f} | "
-                    f"{r['rows_out']:,} | {base['time'] / r['time']:.2f}x |"
-                )
-            ooc = res["out-of-core"]
-            lines += [
-                "",
-                f"Targets: out-of-core peak RSS {ooc['maxrss_gb']:.2f} GiB < {TARGET_RSS_GB} GB: "
-                f"{'met' if ooc['maxrss_gb'] * 2**30 / 1e9 < TARGET_RSS_GB else 'NOT met'}; "
-                f"throughput {base['time'] / ooc['time']:.2f}x of in-memory >= {TARGET_SPEED_RATIO}: "
-                f"{'met' if base['time'] / ooc['time'] >= TARGET_SPEED_RATIO else 'NOT met'}.",
-                "",
-            ]
-            os.unlink(src)
+        if not args.skip_json:
+            lines += bench_json(workdir, args.json_gb) + [""]
         if not args.skip_tokenize:
-            num_procs = [int(x) for x in args.num_procs.split(",") if x]
-            tres = bench_tokenize(workdir, args.tok_rows, num_procs, args.repeat)
-            direct = tres[0]
-            lines += [
-                f"### Tokenization: {args.tok_rows:,} stdlib definitions ({direct['mb']:.1f} MB of text, "
-                f"{direct['tokens']:,} tokens), BPE vocab 8,000",
-                "",
-                "| case | time (s) | M tokens/s | MB text/s | time / transformers direct |",
-                "|---|---|---|---|---|",
-            ]
-            for r in tres:
-                total = f" (whole pack_files {r['total']:.2f} s)" if "total" in r else ""
-                lines.append(
-                    f"| {r['case']} | {r['time']:.2f}{total} | {r['tokens'] / r['time'] / 1e6:.2f} | "
-                    f"{r['mb'] / r['time']:.2f} | {r['time'] / direct['time']:.2f}x |"
-                )
-            one = next(r for r in tres if r["case"].endswith("num_proc=1"))
-            lines.append("")
-            for r in tres[:2]:
-                ratio = one["time"] / r["time"]
-                lines.append(
-                    f"Target: pipeline stage (num_proc=1) within {TARGET_TOKENIZE_RATIO}x of {r['case']}: "
-                    f"{ratio:.2f}x, {'met' if ratio <= TARGET_TOKENIZE_RATIO else 'NOT met'}."
-                )
+            lines += bench_tokenize(workdir, args.tok_rows, args.tok_files, args.repeat)
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)

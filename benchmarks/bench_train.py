@@ -9,7 +9,7 @@ All cases train the same randomly initialized 2-layer Llama (sdpa attention, fp3
 ~max_length/8, truncated to ``--max-length``), so they see exactly the same real tokens:
 
 * ``padded``: the sequences in random order, ``--batch-size`` per batch, right-padded to the longest of the
-  batch with an ``attention_mask`` (``PaddingFreeCollator(padding_free=False)`` on unpacked rows) -- what
+  batch with an ``attention_mask`` (``PaddingFreeCollator(padding_free=False, unpacked=True)`` on unpacked rows) -- what
   training without packing does;
 * ``packed``: ``pack_dataset(..., "bfd")`` rows of ``--max-length`` tokens, ``--rows-per-batch`` per batch,
   flattened by ``PaddingFreeCollator`` into one padding-free row with ``cu_seq_lens``;
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dataset = truncate_dataset(synthetic_dataset(args.sequences, args.max_length), args.max_length)
     packed = pack_dataset(dataset, args.max_length, "bfd")
     cases = [
-        ("padded", dataset, args.batch_size, PaddingFreeCollator(0, padding_free=False)),
+        ("padded", dataset, args.batch_size, PaddingFreeCollator(0, padding_free=False, unpacked=True)),
         ("packed", packed, args.rows_per_batch, PaddingFreeCollator(0)),
         ("packed-2d", packed, args.rows_per_batch, PaddingFreeCollator(0, padding_free=False)),
     ]

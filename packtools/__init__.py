@@ -4,7 +4,7 @@ from .constants import __version__ as __version__
 from .core.pack import pack_table, truncate_table, unpack, warmup
 from .core.plan import STRATEGIES, PackPlan, plan
 from .errors import PackingError
-from .integrations.datasets import pack_dataset, truncate_dataset
+from .integrations.datasets import pack_dataset, pack_preference, truncate_dataset
 from .profiling.profile import LengthProfile, profile_lengths
 
 # Public names imported on first attribute access: modules that need torch or transformers, and the
@@ -19,7 +19,11 @@ _LAZY = {
     "TokenBudgetBatchSampler": "packtools.batches.sampler",
     "varlen_attention": "packtools.batches.attention",
     "prepare_trainer": "packtools.integrations.transformers",
+    "check_isolation": "packtools.integrations.isolation",
     "packed_sft_config": "packtools.integrations.transformers",
+    "PreferenceCollator": "packtools.batches.preference",
+    "sequence_logps": "packtools.batches.logps",
+    "prepare_dpo_trainer": "packtools.integrations.trl",
 }
 
 
@@ -39,16 +43,21 @@ __all__ = [
     "PackedRows",
     "PackingError",
     "PaddingFreeCollator",
+    "PreferenceCollator",
     "TokenBudgetBatchSampler",
+    "check_isolation",
     "pack_dataset",
     "pack_files",
+    "pack_preference",
     "pack_ray_dataset",
     "pack_shards",
     "pack_table",
     "packed_sft_config",
     "plan",
+    "prepare_dpo_trainer",
     "prepare_trainer",
     "profile_lengths",
+    "sequence_logps",
     "truncate_dataset",
     "truncate_table",
     "unpack",

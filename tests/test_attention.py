@@ -94,7 +94,10 @@ def _compare(lq, lk, hq_hk, causal, head_dim, scale, seed):
 
 
 def test_collator_output_feeds_varlen_attention_like_one_by_one():
-    rows = [{"input_ids": list(range(7)), "seq_lengths": [3, 4]}, {"input_ids": list(range(5))}]
+    rows = [
+        {"input_ids": list(range(7)), "seq_lengths": [3, 4]},
+        {"input_ids": list(range(5)), "seq_lengths": [5]},
+    ]
     b = PaddingFreeCollator(pad_token_id=0, pad_to_multiple_of=8)(rows)
     T = b["input_ids"].shape[1]
     g = torch.Generator().manual_seed(0)
@@ -167,9 +170,15 @@ def test_flash_branch_passes_the_documented_arguments(fake_flash):
     out = varlen_attention(q, k, v, cu, cu, 3, 4, causal=False, softmax_scale=0.5, backend="flash")
     assert out == "flash-output"
     ((args, kwargs),) = fake_flash
-    assert args[0] is q and args[1] is k and args[2] is v and args[3] is cu and args[4] is cu
-    assert args[5:] == (3, 4)
-    assert kwargs == {"dropout_p": 0.0, "softmax_scale": 0.5, "causal": False}
+    assert args == ()  # every argument by name: flash-attn's positional order cannot be misread
+    assert kwargs["q"] is q and kwargs["k"] is k and kwargs["v"] is v
+    assert kwargs["cu_seqlens_q"] is cu and kwargs["cu_seqlens_k"] is cu
+    assert (kwargs["max_seqlen_q"], kwargs["max_seqlen_k"]) == (3, 4)
+    assert {k: kwargs[k] for k in ("dropout_p", "softmax_scale", "causal")} == {
+        "dropout_p": 0.0,
+        "softmax_scale": 0.5,
+        "causal": False,
+    }
 
 
 def test_flash_branch_default_scale_and_validation(fake_flash):
@@ -208,3 +217,37 @@ def test_forcing_flash_without_flash_attn_names_the_extra(monkeypatch):
         varlen_attention(q, k, v, cu, cu, 5, 5, backend="flash")
     # auto falls back to the reference
     assert varlen_attention(q, k, v, cu, cu, 5, 5).shape == q.shape
+
+
+def test_flash_attn_call_shape_is_refused():
+    """flash_attn_varlen_func's 8th positional argument is dropout_p; here it would have been causal."""
+    q, k, v = _qkv()
+    cu = _cu([2, 3])
+    with pytest.raises(TypeError, match="positional"):
+        varlen_attention(q, k, v, cu, cu, 3, 3, 0.0)
+    with pytest.raises(TypeError, match="unexpected keyword arguments"):
+        varlen_attention(q, k, v, cu, cu, 3, 3, casual=True)
+
+
+def test_collator_batch_unpacks_into_varlen_attention():
+    rows = [{"input_ids": list(range(7)), "seq_lengths": [3, 4]}]
+    batch = PaddingFreeCollator(pad_token_id=0)(rows)
+    q, k, v = _qkv(t=7)
+    out = varlen_attention(q, k, v, **batch)
+    ref = varlen_attention(q, k, v, batch["cu_seq_lens_q"], batch["cu_seq_lens_k"], 4, 4)
+    assert torch.equal(out, ref)
+    with pytest.raises(PackingError, match="both cu_seqlens_q and cu_seq_lens_q"):
+        varlen_attention(q, k, v, _cu([7]), **batch)
+    with pytest.raises(PackingError, match="needs"):
+        varlen_attention(q, k, v)
+
+
+def test_dropout_and_causal_arguments():
+    q, k, v = _qkv()
+    cu = _cu([2, 3])
+    torch.manual_seed(0)
+    dropped = varlen_attention(q, k, v, cu, cu, 3, 3, dropout_p=0.5)
+    assert not torch.allclose(dropped, varlen_attention(q, k, v, cu, cu, 3, 3))
+    for bad in ({"dropout_p": 1.0}, {"dropout_p": -0.1}, {"causal": 0.0}):
+        with pytest.raises(PackingError):
+            varlen_attention(q, k, v, cu, cu, 3, 3, **bad)

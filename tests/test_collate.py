@@ -185,12 +185,17 @@ def test_masks_build_labels_like_trl():
         {"input_ids": [8, 9, 10], "completion_mask": [0, 1, 1], "assistant_masks": [1, 0, 1]},
         {"input_ids": [11, 12], "labels": [11, 12], "completion_mask": [0, 0]},  # labels win
     ]
-    b = PaddingFreeCollator(pad_token_id=0)(rows)
+    b = PaddingFreeCollator(pad_token_id=0, unpacked=True)(rows)
     assert b["labels"][0].tolist() == [-100, -100, 3, 4, -100, 6, 7, -100, -100, 10, -100, 12]
+    # Loss masks switched off, like TRL's completion_only_loss=False / assistant_only_loss=False.
+    off = PaddingFreeCollator(pad_token_id=0, unpacked=True, completion_only_loss=False)(rows)
+    assert off["labels"][0].tolist() == [-100, 2, 3, 4, -100, 6, 7, -100, -100, 10, -100, 12]
+    both = PaddingFreeCollator(0, unpacked=True, completion_only_loss=False, assistant_only_loss=False)(rows)
+    assert both["labels"][0].tolist() == [-100, 2, 3, 4, -100, 6, 7, -100, 9, 10, -100, 12]
 
 
-def test_rows_without_seq_lengths_are_one_sequence_and_empty_rows_skipped():
-    b = PaddingFreeCollator(pad_token_id=9)(
+def test_rows_without_seq_lengths_are_one_sequence_when_unpacked_and_empty_rows_skipped():
+    b = PaddingFreeCollator(pad_token_id=9, unpacked=True)(
         [{"input_ids": [1, 2, 3]}, {"input_ids": []}, {"input_ids": [4], "seq_lengths": [1]}]
     )
     assert b["cu_seq_lens_q"].tolist() == [0, 3, 4]
@@ -239,7 +244,7 @@ def test_padded_mode_packed_rows_give_block_diagonal_attention_in_transformers()
 
 def test_padded_mode_unpacked_rows_match_trl_padded_collator():
     rows = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5], "labels": [-100, 5]}]
-    ours = PaddingFreeCollator(pad_token_id=0, padding_free=False, pad_to_multiple_of=4)(rows)
+    ours = PaddingFreeCollator(pad_token_id=0, padding_free=False, pad_to_multiple_of=4, unpacked=True)(rows)
     trl = trl_sft.DataCollatorForLanguageModeling(pad_token_id=0, pad_to_multiple_of=4)(rows)
     assert torch.equal(ours["input_ids"], trl["input_ids"])
     assert torch.equal(ours["attention_mask"], trl["attention_mask"])
@@ -249,7 +254,7 @@ def test_padded_mode_unpacked_rows_match_trl_padded_collator():
 
 
 def test_return_numpy():
-    b = PaddingFreeCollator(pad_token_id=0, return_tensors="np")([{"input_ids": [1, 2]}])
+    b = PaddingFreeCollator(pad_token_id=0, return_tensors="np")([{"input_ids": [1, 2], "seq_lengths": [2]}])
     assert isinstance(b["input_ids"], np.ndarray) and b["cu_seq_lens_q"].dtype == np.int32
 
 
@@ -259,7 +264,7 @@ def test_return_numpy():
         ([], "non-empty list"),
         ({"input_ids": [1]}, "non-empty list"),
         ([{"labels": [1]}], "row 0 has no 'input_ids'"),
-        ([{"input_ids": [1]}, {"input_ids": [1.5]}], "row 1: 'input_ids' holds float64"),
+        ([{"input_ids": [1], "seq_lengths": [1]}, {"input_ids": [1.5]}], "row 1: 'input_ids' holds float64"),
         ([{"input_ids": [[1, 2]]}], "row 0: 'input_ids' must be a flat list"),
         ([{"input_ids": [True, False]}], "row 0: 'input_ids' holds bool"),
         ([{"input_ids": [1, 2], "labels": [1]}], "row 0: 'labels' has 1 values"),
@@ -267,6 +272,14 @@ def test_return_numpy():
         ([{"input_ids": [1, 2], "seq_lengths": [2, 0]}], r"row 0: 'seq_lengths'\[1\] = 0"),
         ([{"input_ids": [1, 2], "completion_mask": [1]}], "row 0: 'completion_mask' has shape"),
         ([{"input_ids": []}], "every row in the batch is empty"),
+        (
+            [{"input_ids": [1, 2], "seq_lengths": [2]}, {"input_ids": [3]}],
+            "row 1 of the batch has no 'seq_lengths'",
+        ),
+        (
+            [{"input_ids": [1, 2], "seq_lengths": [1, 1], "attention_mask": [1, 1]}],
+            "row 0 has an 'attention_mask'",
+        ),
     ],
 )
 def test_bad_rows_raise_packing_error(rows, match):
@@ -297,7 +310,49 @@ def test_import_packtools_does_not_import_torch():
         "import sys, packtools; packtools.PackingError; "
         "assert 'torch' not in sys.modules, 'torch imported'; "
         "import packtools.batches.sampler; assert 'torch' not in sys.modules, 'sampler imported torch'; "
-        "c = packtools.PaddingFreeCollator(0, return_tensors='np'); c([{'input_ids': [1]}]); "
+        "c = packtools.PaddingFreeCollator(0, return_tensors='np'); c([{'input_ids': [1], 'seq_lengths': [1]}]); "
         "assert 'torch' not in sys.modules, 'np collator imported torch'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_rows_without_seq_lengths_are_refused_unless_unpacked():
+    """A packed row whose seq_lengths was dropped (remove_unused_columns) must not pass as one sequence."""
+    rows = [{"input_ids": [1, 2, 3, 4]}, {"input_ids": [5, 6]}]
+    for padding_free in (True, False):
+        with pytest.raises(PackingError, match=r"remove_unused_columns.*prepare_trainer.*unpacked=True"):
+            PaddingFreeCollator(0, padding_free=padding_free)(rows)
+        assert PaddingFreeCollator(0, padding_free=padding_free, unpacked=True)(rows)["input_ids"].numel() > 0
+
+
+def test_attention_mask_column():
+    packed = [{"input_ids": [1, 2, 3], "seq_lengths": [3], "attention_mask": [1, 1, 1]}]
+    with pytest.raises(PackingError, match="beside 'seq_lengths'.*remove_columns"):
+        PaddingFreeCollator(0)(packed)
+    plain = [{"input_ids": [1, 2, 3], "attention_mask": [1, 1, 1]}]
+    b = PaddingFreeCollator(0, unpacked=True)(plain)  # an all-ones mask on a plain sequence says nothing
+    assert "attention_mask" not in b
+    with pytest.raises(PackingError, match="has 0s, so the row holds padding"):
+        PaddingFreeCollator(0, unpacked=True)([{"input_ids": [1, 2, 0], "attention_mask": [1, 1, 0]}])
+
+
+@pytest.mark.parametrize(
+    "switch, gone",
+    [
+        ("return_position_ids", {"position_ids"}),
+        ("return_flash_attn_kwargs", {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}),
+        ("return_seq_idx", {"seq_idx"}),
+    ],
+)
+def test_key_switches_like_data_collator_with_flattening(switch, gone):
+    rows = [{"input_ids": [1, 2, 3, 4], "seq_lengths": [3, 1]}]
+    full = PaddingFreeCollator(0)(rows)
+    c = PaddingFreeCollator(0, **{switch: False})
+    less = c(rows)
+    assert set(full) - set(less) == gone
+    assert all(
+        torch.equal(less[k], full[k]) if isinstance(full[k], torch.Tensor) else less[k] == full[k]
+        for k in less
+    )
+    assert c.replace(**{switch: True})(rows).keys() == full.keys()
+    assert repr(c).startswith("PaddingFreeCollator(pad_token_id=0,") and f"{switch}=False" in repr(c)

@@ -179,3 +179,31 @@ def test_in_memory_dataset_packs_in_memory_unless_asked():
     on_disk = packtools.pack_dataset(ds, 64, keep_in_memory=False)
     assert len(on_disk.cache_files) == 1
     assert on_disk[:] == packtools.pack_dataset(ds, 64)[:]
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"seq_lengths": [[2], [1]]}, "already has a 'seq_lengths' column"),
+        ({"position_ids": [[0, 0], [0]]}, r"row 0: 'position_ids' restart inside the row"),
+        ({"cu_seq_lens_q": [[0, 2], [0, 1]]}, r"\['cu_seq_lens_q'\], columns that only packed"),
+        ({"seq_idx": [[0, 1], [0]]}, r"\['seq_idx'\]"),
+    ],
+)
+def test_already_packed_datasets_are_refused_even_without_seq_lengths(extra, match):
+    """Packing packed rows again would merge their sequences: refused from whatever shows they are packed."""
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]], **extra})
+    with pytest.raises(packtools.PackingError, match=match):
+        packtools.pack_dataset(ds, 8)
+    with pytest.raises(packtools.PackingError, match=match):  # naming the columns does not get around it
+        packtools.pack_dataset(ds, 8, columns=["input_ids"])
+    with pytest.raises(packtools.PackingError, match=match):
+        list(packtools.pack_dataset(ds.to_iterable_dataset(), 8))
+
+
+def test_position_ids_that_count_up_do_not_look_packed():
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5]], "position_ids": [[0, 1, 2], [0, 1]]})
+    out = packtools.pack_dataset(ds, 8)
+    assert out[0]["position_ids"] == [0, 1, 2, 0, 1] and out[0]["seq_lengths"] == [3, 2]
+    with pytest.raises(packtools.PackingError, match="position_ids' restart"):
+        packtools.pack_dataset(out.remove_columns("seq_lengths"), 8)  # the silent re-pack of issue 11

@@ -9,7 +9,7 @@ import pytest
 import packtools
 
 # Modules whose examples need optional extras are still collected; they skip if the extra is missing.
-NEEDS = {"packtools.integrations.datasets": "datasets"}
+NEEDS = {"packtools.integrations.datasets": "datasets", "packtools.integrations.isolation": "transformers"}
 # Command-line front ends and plumbing: exercised by their own tests rather than by docstring examples.
 WITHOUT_EXAMPLES = {
     "packtools.core.arrow",
@@ -23,6 +23,7 @@ WITHOUT_EXAMPLES = {
     "packtools.cli.shards",
     "packtools.constants",
     "packtools.errors",
+    "packtools.pipeline.preference",  # a pipeline step; tests/test_pipeline_tokenize.py runs it end to end
     "packtools._atomic",
     "packtools.integrations.ray",  # its example needs a Ray runtime (skipped); tests/test_ray.py runs it
     "packtools.profiling.tradeoffs",

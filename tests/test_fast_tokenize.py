@@ -334,17 +334,3 @@ def test_prefetch_keeps_order_and_raises_where_the_source_failed():
     assert [next(it) for _ in range(3)] == [0, 1, 2]
     it.close()
     assert closed == [True]
-
-
-def test_json_lines_stream_in_blocks_and_fall_back_when_types_change(tmp_path, monkeypatch):
-    from packtools.io import files
-
-    rows = [{"text": f"row {i}"} for i in range(200)] + [{"text": "late", "extra": 1.5}]
-    rows += [{"text": f"r{i}", "extra": None} for i in range(50)]
-    path = tmp_path / "t.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    monkeypatch.setattr(files, "JSON_BLOCK_BYTES", 1024)  # the new field appears in a later block
-    (f,) = files.discover([str(path)])
-    got = [t for t in files.iter_tables(f, 64, ["text"])]
-    assert [x for t in got for x in t.column("text").to_pylist()] == [r["text"] for r in rows]
-    assert files.read_schema(f).names == ["text"]  # the first block's columns

@@ -72,10 +72,10 @@ def train_args(tmp_path, cls=None, **overrides):
     return cls(**kwargs)
 
 
-def run_trainer(tmp_path, model, *, prepare=True, loss_kwargs=None, **overrides):
+def run_trainer(tmp_path, model, *, prepare=True, loss_kwargs=None, collator=None, **overrides):
     """Train with transformers.Trainer; return the trained and the reference parameters."""
     reference = copy.deepcopy(model)
-    recorder = Recorder(PaddingFreeCollator(PAD))
+    recorder = Recorder(collator or PaddingFreeCollator(PAD))
     args = train_args(tmp_path, **overrides)
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=packed_dataset(), data_collator=recorder
@@ -96,9 +96,24 @@ def test_trainer_with_accumulation_matches_one_by_one(tmp_path):
     assert max_diff(trained, params(tiny_llama("sdpa"))) > 1e-2  # training moved the weights
 
 
-def test_trainer_without_prepare_trains_wrong(tmp_path):
-    """Negative control: plain Trainer drops seq_lengths and runs with the KV cache, mixing sequences."""
-    trainer, recorder, trained, _ = run_trainer(tmp_path, tiny_llama("sdpa"), prepare=False)
+def test_trainer_without_prepare_fails_with_the_clear_error(tmp_path):
+    """The README's Trainer example without prepare_trainer: Trainer drops seq_lengths, the collator refuses."""
+    trainer = transformers.Trainer(
+        model=tiny_llama("sdpa"),
+        args=train_args(tmp_path),
+        train_dataset=packed_dataset(),
+        data_collator=PaddingFreeCollator(PAD),
+    )
+    with pytest.raises(PackingError, match=r"no 'seq_lengths'.*remove_unused_columns.*prepare_trainer"):
+        trainer.train()
+
+
+def test_trainer_told_rows_are_unpacked_trains_wrong(tmp_path):
+    """Negative control: told (wrongly) that rows are unpacked, a plain Trainer mixes packed sequences."""
+    collator = PaddingFreeCollator(PAD, unpacked=True)
+    trainer, recorder, trained, _ = run_trainer(
+        tmp_path, tiny_llama("sdpa"), prepare=False, collator=collator
+    )
     assert not any("seq_lengths" in row for b in recorder.batches for row in b)
     packed = packed_dataset()
     ids = {tuple(r["input_ids"]): r for r in packed}
@@ -345,3 +360,49 @@ def test_old_transformers_without_position_masks_needs_flash(monkeypatch):
     with pytest.raises(PackingError, match="Upgrade transformers"):
         check_attention_implementation(_Model("sdpa"))
     assert check_attention_implementation(_Model("flash_attention_2")) == "flash_attention_2"
+
+
+def test_prepare_trainer_runs_the_isolation_probe(tmp_path):
+    """A hybrid model whose mixers cannot separate sequences here is refused before training starts."""
+    from _hf_models import tiny_arch
+
+    def trainer_for(model):
+        return transformers.Trainer(
+            model=model,
+            args=train_args(tmp_path),
+            train_dataset=packed_dataset(),
+            data_collator=PaddingFreeCollator(0),
+        )
+
+    with pytest.raises(PackingError, match="FalconH1ForCausalLM with attn_implementation='sdpa' cannot keep"):
+        prepare_trainer(trainer_for(tiny_arch("Falcon-H1", "sdpa")))
+    trainer = prepare_trainer(trainer_for(tiny_arch("Falcon-H1", "sdpa")), check_isolation=False)
+    assert trainer.args.remove_unused_columns  # prepared (columns kept) without the probe
+
+
+class FixedSignatureLlama(transformers.LlamaForCausalLM):
+    """A model whose forward names its inputs (no **kwargs): it takes no seq_idx or cu_seq_lens."""
+
+    def forward(
+        self, input_ids=None, labels=None, position_ids=None, use_cache=None, num_items_in_batch=None
+    ):
+        return super().forward(
+            input_ids=input_ids,
+            labels=labels,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            num_items_in_batch=num_items_in_batch,
+        )
+
+
+def test_prepare_trainer_fits_the_collator_to_the_forward(tmp_path):
+    model = FixedSignatureLlama(tiny_llama("sdpa").config)
+    collator = PaddingFreeCollator(PAD)
+    trainer = transformers.Trainer(
+        model=model, args=train_args(tmp_path), train_dataset=packed_dataset(), data_collator=collator
+    )
+    prepare_trainer(trainer)
+    adapted = trainer.data_collator
+    assert adapted is not collator and not adapted.return_seq_idx and not adapted.return_flash_attn_kwargs
+    assert adapted.return_position_ids and collator.return_seq_idx  # the user's object is not changed
+    trainer.train()  # no TypeError for seq_idx / cu_seq_lens

@@ -63,7 +63,9 @@ def packed_views():
 def test_arrow_path_equals_list_collator(packed_views, view, picks, multiple, padding_free):
     ds = packed_views[view]
     indices = [p % len(ds) for p in picks]
-    collator = PaddingFreeCollator(pad_token_id=0, pad_to_multiple_of=multiple, padding_free=padding_free)
+    collator = PaddingFreeCollator(
+        pad_token_id=0, pad_to_multiple_of=multiple, padding_free=padding_free, unpacked=view == "unpacked"
+    )
     rows = PackedRows(ds)
     _assert_same(ArrowCollator(rows, collator)(indices), collator([ds[i] for i in indices]))
 
@@ -148,3 +150,15 @@ def test_bad_inputs():
         ArrowCollator(rows, lambda x: x)
     with pytest.raises(PackingError, match="not used by PackedRows"):
         PackedRows(pa.table({"input_ids": [[1]], "x": [[1]]}), columns=["input_ids", "x"])
+
+
+def test_arrow_path_is_strict_like_the_list_collator(packed_views):
+    rows = PackedRows(packed_views["unpacked"])
+    with pytest.raises(PackingError, match="no 'seq_lengths'.*remove_unused_columns"):
+        ArrowCollator(rows, PaddingFreeCollator(0))([0, 1])
+    masked = packed_views["masked"]
+    off = PaddingFreeCollator(0, completion_only_loss=False)
+    _assert_same(ArrowCollator(PackedRows(masked), off)([0, 1]), off([masked[0], masked[1]]))
+    table = pa.table({"input_ids": [[1, 2]], "seq_lengths": [[2]], "attention_mask": [[1, 1]]})
+    with pytest.raises(PackingError, match="'attention_mask' column beside 'seq_lengths'"):
+        PackedRows(table)

@@ -39,10 +39,17 @@ def test_demo_small_corpus(tmp_path):
     import datasets
 
     ds = datasets.load_from_disk(os.path.join(out, "packed"))
-    assert ds.num_rows == result["plans"][0].num_rows
-    assert sum(map(sum, ds["seq_lengths"])) == result["plans"][0].tokens_kept
+    split = result["plans"][1]  # the demo packs with bfd_split by default: every token kept
+    assert ds.num_rows == split.num_rows and split.tokens_dropped == 0
+    assert sum(map(sum, ds["seq_lengths"])) == split.tokens_in
+    assert result["recommendation"].keep_tokens == 0.99  # the library's default
     again = run_demo(out, limit=20, echo=lines.append, quiet=True)
     assert again["packed"].cached
+    lines.clear()
+    bfd = run_demo(str(tmp_path / "bfd"), limit=20, echo=lines.append, quiet=True, strategy="bfd")
+    dropped = bfd["packed"].stats["tokens_dropped"]
+    assert dropped == bfd["plans"][0].tokens_dropped
+    assert (f"dropped {dropped:,} tokens" in "\n".join(lines)) == (dropped > 0)
 
 
 @pytest.mark.slow

@@ -19,8 +19,6 @@ from _pipeline_data import (
 )
 
 from packtools import PackingError, unpack
-from packtools.core.ragged import from_lists, to_lists
-from packtools.pipeline.preference import fit_preference
 from packtools.pipeline.run import PipelineConfig, run_pipeline
 from packtools.pipeline.tokenize import IGNORE_INDEX, BatchTokenizer, detect_format
 
@@ -145,7 +143,7 @@ def test_both_chat_mask_methods_agree_on_content(toks):
 
 def test_unstable_template_is_refused_with_the_row(toks):
     bt = BatchTokenizer(toks["unstable"], "messages")
-    with pytest.raises(PackingError, match=r"row 7 turn 2.*generation"):
+    with pytest.raises(PackingError, match=r"row 7: column .messages. turn 2.*generation"):
         bt(pa.table({"messages": [CONVS[0]]}), 7)
 
 
@@ -156,7 +154,12 @@ def test_chat_end_to_end_packs_labels_alongside(tmp_path, toks):
     out = str(tmp_path / "out")
     res = run_pipeline([str(src)], out, PipelineConfig(max_length=128, tokenizer=toks["generation"]))
     assert res.stats["format"] == "messages"
-    assert res.stats["rows_no_loss"] == 1  # the conversation without an assistant turn is dropped
+    assert res.stats["rows_unlabeled"] == 1  # the conversation without an assistant turn: kept and counted
+    assert res.stats["sequences_packed"] == 11
+    res = run_pipeline(
+        [str(src)], out, PipelineConfig(max_length=128, tokenizer=toks["generation"], drop_unlabeled=True)
+    )
+    assert res.stats["rows_dropped_unlabeled"] == 1 and res.stats["sequences_packed"] == 10
     table = datasets.load_from_disk(out).data.table
     assert table.column_names == ["input_ids", "labels", "seq_lengths"]
     seqs = unpack(table)
@@ -185,37 +188,22 @@ def test_truncation_can_leave_a_chat_without_labels(tmp_path, toks):
         [str(src)], str(tmp_path / "o"), PipelineConfig(max_length=24, tokenizer=toks["plain"])
     )
     assert res.stats["rows_truncated"] == 1
-    assert res.stats["rows_no_loss"] == 1  # the first one's answer lies past max_length
+    assert res.stats["rows_unlabeled"] == 1  # the first one's answer lies past max_length: kept, counted
+    assert res.stats["sequences_packed"] == 2 and res.stats["tokens_kept"] == 24 + lengths[1]
+    res = run_pipeline(
+        [str(src)],
+        str(tmp_path / "o"),
+        PipelineConfig(max_length=24, tokenizer=toks["plain"], drop_unlabeled=True),
+    )
+    assert res.stats["rows_dropped_unlabeled"] == 1
     assert res.stats["sequences_packed"] == 1 and res.stats["tokens_kept"] == lengths[1]
 
 
-def test_fit_preference_keeps_prompt_end_and_completion_start():
-    prompt = from_lists([[1, 2, 3, 4, 5, 6], [1, 2]])
-    chosen = from_lists([[10, 11, 12, 13, 14], [10]])
-    rejected = from_lists([[20], [20, 21, 22, 23, 24, 25, 26, 27]])
-    cols, keep, counts = fit_preference(prompt, chosen, rejected, 8, "truncate", max_prompt_length=4)
-    assert [to_lists(c) for c in cols] == [
-        [[3, 4, 5, 6], [1, 2]],
-        [[10, 11, 12, 13], [10]],
-        [[20], [20, 21, 22, 23, 24, 25]],
-    ]
-    assert counts == {
-        "prompts_truncated": 1,
-        "chosen_truncated": 1,
-        "rejected_truncated": 1,
-        "tokens_dropped": 2 + 1 + 2,
-    }
-    cols, keep, counts = fit_preference(prompt, chosen, rejected, 8, "drop")
-    assert keep.tolist() == [False, False] and counts["pairs_dropped"] == 2
-    cols, keep, counts = fit_preference(prompt, chosen, rejected, 10, "drop")  # 6 + 5 > 10, 2 + 8 <= 10
-    assert (
-        keep.tolist() == [False, True]
-        and to_lists(cols[0]) == [[1, 2]]
-        and to_lists(cols[2]) == [list(range(20, 28))]
-    )
+def test_preference_end_to_end_packs_pairs_whole(tmp_path, toks):
+    """`packtools pack --format preference` writes packed pair rows: [prompt + chosen][prompt + rejected] per
+    pair, never split, each pair fitted to max_length (the prompt keeps its end)."""
+    from packtools.core.pairs import fit_pairs
 
-
-def test_preference_end_to_end_counts(tmp_path, toks):
     tok = load(toks["plain"])
     rows = {
         "prompt": ["what is two plus two? " * k for k in (1, 2, 6)],
@@ -224,34 +212,42 @@ def test_preference_end_to_end_counts(tmp_path, toks):
     }
     src = str(tmp_path / "pref.parquet")
     pq.write_table(pa.table(rows), src)
-    lp = [len(tok(p)["input_ids"]) for p in rows["prompt"]]
-    lc = [len(tok(c, add_special_tokens=False)["input_ids"]) + 1 for c in rows["chosen"]]
-    lr = [len(tok(c, add_special_tokens=False)["input_ids"]) + 1 for c in rows["rejected"]]
-    max_length = 24
+    prompts = [tok(p)["input_ids"] for p in rows["prompt"]]
+    chosen = [tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for c in rows["chosen"]]
+    rejected = [tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for c in rows["rejected"]]
+    lp, lc, lr = ([len(x) for x in col] for col in (prompts, chosen, rejected))
+    max_length = 48
     res = run_pipeline(
         [src], str(tmp_path / "t"), PipelineConfig(max_length=max_length, tokenizer=toks["plain"])
     )
-    budget = max_length // 2
-    assert res.stats["prompts_truncated"] == sum(n > budget for n in lp)
-    assert res.stats["chosen_truncated"] == sum(c > max_length - min(p, budget) for p, c in zip(lp, lc))
-    assert res.stats["rows_out"] == 3 and res.stats["packed"] is False
+    fitted = fit_pairs(np.array(lp), np.array(lc), np.array(lr), max_length)
+    assert res.stats["packed"] is True and res.stats["pairs_out"] == 3
+    assert res.stats["prompts_truncated"] == int((fitted.prompt_keep < np.array(lp)).sum()) >= 1
     ds = datasets.load_from_disk(str(tmp_path / "t"))
-    assert ds.column_names == ["prompt_input_ids", "chosen_input_ids", "rejected_input_ids"]
-    full = tok(rows["prompt"][2])["input_ids"]
-    assert ds[2]["prompt_input_ids"] == full[-budget:]  # the prompt keeps its end
+    assert ds.column_names == ["input_ids", "completion_mask", "seq_lengths"]
+    sequences = []
     for r in ds:
-        assert (
-            len(r["prompt_input_ids"]) + max(len(r["chosen_input_ids"]), len(r["rejected_input_ids"]))
-            <= max_length
-        )
+        assert len(r["input_ids"]) <= max_length and len(r["seq_lengths"]) % 2 == 0
+        start = 0
+        for n in r["seq_lengths"]:
+            sequences.append((r["input_ids"][start : start + n], r["completion_mask"][start : start + n]))
+            start += n
+    expected = []
+    for i in range(3):
+        kp, kc, kr = int(fitted.prompt_keep[i]), int(fitted.chosen_keep[i]), int(fitted.rejected_keep[i])
+        prompt = prompts[i][len(prompts[i]) - kp :]  # the prompt keeps its end
+        expected.append((prompt + chosen[i][:kc], [0] * kp + [1] * kc))
+        expected.append((prompt + rejected[i][:kr], [0] * kp + [1] * kr))
+    pairs = sorted(zip(sequences[0::2], sequences[1::2]))
+    assert pairs == sorted(zip(expected[0::2], expected[1::2]))
     res = run_pipeline(
         [src],
         str(tmp_path / "d"),
         PipelineConfig(max_length=max_length, tokenizer=toks["plain"], overlong="drop"),
     )
-    too_long = sum(p + max(c, r) > max_length for p, c, r in zip(lp, lc, lr))
+    too_long = sum(2 * p + c + r > max_length for p, c, r in zip(lp, lc, lr))
     assert too_long >= 1
-    assert res.stats["pairs_dropped"] == too_long and res.stats["rows_out"] == 3 - too_long
+    assert res.stats["pairs_dropped"] == too_long and res.stats["pairs_out"] == 3 - too_long
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """LengthProfile, the tradeoff table and the recommendation against independent NumPy / pure-Python numbers."""
 
 import math
+import os
 from fractions import Fraction
 
 import numpy as np
@@ -303,7 +304,7 @@ def test_files_parquet_arrow_and_directories(tmp_path, rng, monkeypatch):
     with pytest.raises(FileNotFoundError):
         profile_lengths(tmp_path / "missing.parquet")
     (tmp_path / "x.csv").write_text("a\n")
-    with pytest.raises(PackingError, match="unknown format"):
+    with pytest.raises(PackingError, match="unknown file type"):
         profile_lengths(tmp_path / "x.csv")
     with pytest.raises(PackingError, match="no column 'labels'"):
         profile_lengths(tmp_path / "a.parquet", column="labels")
@@ -358,3 +359,15 @@ def test_cli_profile_errors(tmp_path, capsys):
     assert "no column 'labels'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["profile", "--candidates", "12,x"])
+
+
+def test_a_save_to_disk_folder_is_read_through_its_state_json(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    table = pa.table({"input_ids": pa.array([[1] * n for n in range(1, 31)], pa.list_(pa.int32()))})
+    folder = str(tmp_path / "saved")
+    datasets.Dataset(table).save_to_disk(folder, num_shards=2)
+    stray = os.path.join(folder, "cache-0123456789abcdef.arrow")  # what a .map() leaves next to the data
+    with pa.OSFile(stray, "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    assert profile_lengths(folder).lengths.tolist() == list(range(1, 31))
+    assert main(["profile", folder]) == 0

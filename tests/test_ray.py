@@ -1,6 +1,9 @@
-"""The Ray executor and the Ray Data adapter on a local Ray (2 CPUs); skipped when ray is not installed."""
+"""The Ray executor (through the command line, which starts its own local Ray with 2 CPUs) and the Ray Data
+adapter (on a local Ray started here); skipped when ray is not installed."""
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -8,13 +11,39 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from packtools import pack_ray_dataset, pack_shards
-from packtools.pipeline.shards import FAIL_ENV
+from packtools import pack_ray_dataset
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
-from test_shards import MAX_LENGTH, make_inputs, read_outputs  # noqa: E402
+from test_pipeline_engine import folder_digest, make_inputs, tokenized_table  # noqa: E402
+
+MAX_LENGTH = 64
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_ray_executor_writes_the_same_bytes_as_local(tmp_path):
+    """``--executor ray`` from a fresh process: packtools starts a local Ray (2 CPUs), runs the read and write
+    stages as Ray tasks, shuts Ray down, and the folder is the same bytes as with ``--executor local``."""
+    paths, _ = make_inputs(str(tmp_path / "in"))
+    args = [
+        *paths,
+        "--max-length",
+        str(MAX_LENGTH),
+        "--shard-tokens",
+        "3000",
+        "--part-rows",
+        "100",
+        "--quiet",
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    for name, extra in (("local", []), ("ray", ["--executor", "ray", "--workers", "2"])):
+        cmd = [sys.executable, "-m", "packtools.cli", "pack", *args, "--out", str(tmp_path / name), *extra]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+    local = folder_digest(str(tmp_path / "local"))
+    assert len(local) > 5 and local == folder_digest(str(tmp_path / "ray"))
 
 
 @pytest.fixture(scope="module")
@@ -29,37 +58,22 @@ def ray_local():
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    return make_inputs(tmp_path_factory.mktemp("in"))
+    folder = tmp_path_factory.mktemp("in")
+    paths, first = [], 0
+    for i, n in enumerate((300, 250, 400, 50)):
+        ids = tokenized_table(n, seed=i, first_id=first).column("input_ids").combine_chunks()
+        first += len(ids.values)
+        labels = pa.ListArray.from_arrays(ids.offsets, pc.negate(ids.values))
+        t = pa.table({"input_ids": ids, "labels": labels})
+        paths.append(str(folder / f"part-{i}.parquet"))
+        pq.write_table(t, paths[-1])
+    return paths
 
 
 def dataset(inputs):
     """One block per file.  (Not ray.data.read_parquet: with fsspec installed but not aiohttp, Ray 2.60's
     parallel path resolution can race on a half-imported fsspec.implementations.http and fail.)"""
     return ray.data.from_arrow([pq.read_table(p) for p in inputs])
-
-
-def test_ray_executor_gives_the_same_shards_as_local(ray_local, inputs, tmp_path):
-    local = pack_shards(inputs, tmp_path / "local", MAX_LENGTH, "bfd", shard_rows=100)
-    on_ray = pack_shards(inputs, tmp_path / "ray", MAX_LENGTH, "bfd", shard_rows=100, executor="ray")
-    assert on_ray.executor == "ray" and on_ray.ok and ray_local.is_initialized()  # a running Ray is reused
-    lo, ra = read_outputs(local), read_outputs(on_ray)
-    assert lo.keys() == ra.keys() and len(lo) == 10
-    for k in lo:
-        assert ra[k].equals(lo[k])  # same rows, same tokens, shard by shard
-    assert on_ray.totals() == local.totals()
-    again = pack_shards(inputs, tmp_path / "ray", MAX_LENGTH, "bfd", shard_rows=100, executor="ray")
-    assert {s.status for s in again.shards} == {"skipped"}
-
-
-def test_ray_failing_shard_is_reported_while_others_land(ray_local, inputs, tmp_path, monkeypatch):
-    monkeypatch.setenv(FAIL_ENV, "part-0.0-100,part-3:1")  # one always fails, one fails once
-    report = pack_shards(inputs, tmp_path / "out", MAX_LENGTH, shard_rows=100, executor="ray", retries=1)
-    [bad] = report.failed
-    assert bad.shard_id.startswith("part-0.0-100.") and bad.attempts == 2 and "InjectedFailure" in bad.error
-    assert not os.path.exists(bad.output)
-    [retried] = [s for s in report.shards if s.shard_id.startswith("part-3")]
-    assert retried.status == "packed" and retried.attempts == 2
-    assert sum(s.status == "packed" for s in report.shards) == 9
 
 
 def test_ray_data_adapter_packs_every_token(ray_local, inputs):

@@ -93,7 +93,9 @@ def _check_qkv(q: Any, k: Any, v: Any) -> tuple[int, int]:
     return hq, hk
 
 
-def _reference(q: Any, k: Any, v: Any, bq: list[int], bk: list[int], causal: bool, scale: float) -> Any:
+def _reference(
+    q: Any, k: Any, v: Any, bq: list[int], bk: list[int], causal: bool, scale: float, dropout_p: float = 0.0
+) -> Any:
     torch = _torch()
     sdpa = torch.nn.functional.scaled_dot_product_attention
     groups = q.shape[1] // k.shape[1]
@@ -107,15 +109,15 @@ def _reference(q: Any, k: Any, v: Any, bq: list[int], bk: list[int], causal: boo
         vs = v[bk[i] : bk[i + 1]].transpose(0, 1)
         lq, lk = qs.shape[1], ks.shape[1]
         if not causal:
-            out = sdpa(qs, ks, vs, scale=scale)
+            out = sdpa(qs, ks, vs, scale=scale, dropout_p=dropout_p)
         elif lq == lk:
-            out = sdpa(qs, ks, vs, is_causal=True, scale=scale)
+            out = sdpa(qs, ks, vs, is_causal=True, scale=scale, dropout_p=dropout_p)
         else:
             # Bottom-right aligned causal mask: query i sees keys j <= i + (lk - lq); rows seeing none give 0.
             first = max(0, lq - lk)
             rows = torch.arange(first, lq, device=q.device)[:, None]
             mask = torch.arange(lk, device=q.device)[None, :] <= rows + (lk - lq)
-            seen = sdpa(qs[:, first:], ks, vs, attn_mask=mask, scale=scale)
+            seen = sdpa(qs[:, first:], ks, vs, attn_mask=mask, scale=scale, dropout_p=dropout_p)
             out = torch.cat([seen.new_zeros(seen.shape[0], first, seen.shape[2]), seen], dim=1)
         outs.append(out.transpose(0, 1))
     return torch.cat(outs, dim=0)
@@ -127,25 +129,70 @@ def _flash_eligible(q: Any, k: Any, v: Any) -> bool:
     return bool(q.is_cuda and q.dtype in half and k.dtype == q.dtype and v.dtype == q.dtype)
 
 
+#: Keys of a PaddingFreeCollator batch that varlen_attention accepts and ignores (``**batch`` works).
+BATCH_KEYS = ("input_ids", "labels", "position_ids", "seq_idx")
+#: Collator spellings of the boundary arguments, and flash-attn's.
+ALIASES = {
+    "cu_seq_lens_q": "cu_seqlens_q",
+    "cu_seq_lens_k": "cu_seqlens_k",
+    "max_length_q": "max_seqlen_q",
+    "max_length_k": "max_seqlen_k",
+}
+
+
+def _boundaries(given: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """Merge flash-attn names and collator names into flash-attn names; refuse unknown or doubled ones."""
+    unknown = sorted(k for k in extra if k not in ALIASES and k not in BATCH_KEYS)
+    if unknown:
+        raise TypeError(
+            f"varlen_attention() got unexpected keyword arguments {unknown}; it takes cu_seqlens_q/k and "
+            f"max_seqlen_q/k (or the collator's cu_seq_lens_q/k and max_length_q/k), then keyword-only "
+            f"causal, softmax_scale, dropout_p, backend, check."
+        )
+    out = dict(given)
+    for alias, name in ALIASES.items():
+        if extra.get(alias) is None:
+            continue
+        if out[name] is not None and out[name] is not extra[alias]:
+            raise PackingError(f"varlen_attention got both {name} and {alias}; pass one of them.")
+        out[name] = extra[alias]
+    missing = [name for name, value in out.items() if value is None]
+    if missing:
+        raise PackingError(
+            f"varlen_attention needs {missing} (or the collator's {[a for a, n in ALIASES.items() if n in missing]}); "
+            f"pass them, e.g. varlen_attention(q, k, v, **batch) with a PaddingFreeCollator batch."
+        )
+    return out
+
+
 def varlen_attention(
     q: Any,
     k: Any,
     v: Any,
-    cu_seqlens_q: Any,
-    cu_seqlens_k: Any,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
+    cu_seqlens_q: Any = None,
+    cu_seqlens_k: Any = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
     causal: bool = True,
     softmax_scale: float | None = None,
-    *,
+    dropout_p: float = 0.0,
     backend: str = "auto",
     check: bool = True,
+    **batch: Any,
 ) -> Any:
     """Attention over sequences laid end to end, never crossing a sequence boundary.
 
     ``q`` is ``(total_q, heads_q, head_dim)``, ``k``/``v`` are ``(total_k, heads_k, head_dim)`` with
     ``heads_q`` a multiple of ``heads_k``; ``cu_seqlens_*`` are int32 boundaries ``[0, ..., total]`` and
     ``max_seqlen_*`` Python ints >= the longest sequence.  Returns ``(total_q, heads_q, head_dim)``.
+
+    The boundaries may also be passed under the collator's names (``cu_seq_lens_q``, ``cu_seq_lens_k``,
+    ``max_length_q``, ``max_length_k``), so ``varlen_attention(q, k, v, **batch)`` works with a
+    ``PaddingFreeCollator`` batch (its ``input_ids``, ``labels``, ``position_ids`` and ``seq_idx`` are
+    ignored).  Everything after the boundaries is keyword-only: ``causal`` (default True),
+    ``softmax_scale``, ``dropout_p`` (default 0), so flash-attn's positional call shape
+    ``(q, k, v, cu, cu, m, m, dropout_p)`` raises instead of silently turning causality off.
 
     ``backend="auto"`` calls ``flash_attn.flash_attn_varlen_func`` when flash-attn is installed and the tensors
     are CUDA float16/bfloat16, else the PyTorch reference; ``"flash"`` or ``"reference"`` force one.  ``check``
@@ -160,9 +207,27 @@ def varlen_attention(
     >>> alone = torch.tensor([0, 2], dtype=torch.int32)  # the second sequence on its own
     >>> torch.allclose(out[3:], varlen_attention(q[3:], k[3:], v[3:], alone, alone, 2, 2), atol=1e-6)
     True
+    >>> batch = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 3, "max_length_k": 3}
+    >>> torch.equal(varlen_attention(q, k, v, **batch), out)
+    True
     """
+    args = _boundaries(
+        {
+            "cu_seqlens_q": cu_seqlens_q,
+            "cu_seqlens_k": cu_seqlens_k,
+            "max_seqlen_q": max_seqlen_q,
+            "max_seqlen_k": max_seqlen_k,
+        },
+        batch,
+    )
+    cu_seqlens_q, cu_seqlens_k = args["cu_seqlens_q"], args["cu_seqlens_k"]
+    max_seqlen_q, max_seqlen_k = args["max_seqlen_q"], args["max_seqlen_k"]
     if backend not in BACKENDS:
         raise PackingError(f"backend={backend!r}; use one of {', '.join(BACKENDS)}.")
+    if not isinstance(causal, bool):
+        raise PackingError(f"causal must be True or False, got {causal!r}.", param="causal")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise PackingError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}.", param="dropout_p")
     _check_qkv(q, k, v)
     bq = bk = None
     if check or backend != "flash":
@@ -180,16 +245,16 @@ def varlen_attention(
         flash = _flash_module()
     if flash is not None:
         return flash.flash_attn_varlen_func(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            dropout_p=0.0,
+            q=q,
+            k=k,
+            v=v,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            dropout_p=float(dropout_p),
             softmax_scale=scale,
             causal=causal,
         )
     assert bq is not None and bk is not None
-    return _reference(q, k, v, bq, bk, causal, scale)
+    return _reference(q, k, v, bq, bk, causal, scale, float(dropout_p))

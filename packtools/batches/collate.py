@@ -32,6 +32,7 @@ class FlatRows:
     row_lengths: np.ndarray  # int64 [B], every entry > 0
     seg_lengths: np.ndarray  # int64 [S], every entry > 0, sums per row to row_lengths
     segs_per_row: np.ndarray  # int64 [B]
+    unmarked_row: int | None = None  # first input row without ``seq_lengths`` (None: every row has it)
 
 
 def _int_array(value: Any, row: int, key: str) -> np.ndarray:
@@ -62,6 +63,23 @@ def _mask_array(value: Any, row: int, key: str, n: int) -> np.ndarray:
     return arr
 
 
+def _check_attention_mask(row: Mapping[str, Any], i: int, packed: bool) -> None:
+    mask = row.get("attention_mask")
+    if mask is None:
+        return
+    if packed:
+        raise PackingError(
+            f"row {i} has an 'attention_mask' beside 'seq_lengths': a packed row's mask cannot mark where its "
+            f"sequences end, and a model given one attends across them. Drop the column "
+            f"(ds.remove_columns('attention_mask')); PaddingFreeCollator separates sequences by itself."
+        )
+    if not np.all(np.asarray(mask) != 0):
+        raise PackingError(
+            f"row {i}: 'attention_mask' has 0s, so the row holds padding; padding-free batches cannot drop it "
+            f"for you. Strip the padding from the rows (tokenize without padding=...) or drop the column."
+        )
+
+
 def _row_segments(row: Mapping[str, Any], i: int, n: int) -> np.ndarray:
     if "seq_lengths" not in row or row["seq_lengths"] is None:
         return np.array([n], np.int64) if n else np.zeros(0, np.int64)
@@ -80,8 +98,11 @@ def _row_segments(row: Mapping[str, Any], i: int, n: int) -> np.ndarray:
     return seg
 
 
-def flatten_rows(features: Sequence[Mapping[str, Any]]) -> FlatRows:
+def flatten_rows(features: Sequence[Mapping[str, Any]], mask_keys: Sequence[str] = MASK_COLUMNS) -> FlatRows:
     """Validate rows and lay them end to end (empty rows are skipped).
+
+    ``mask_keys`` are the 0/1 columns applied to labels when a row has no ``labels`` (pass ``()`` to learn
+    every token).  An ``attention_mask`` is refused beside ``seq_lengths`` and when it holds 0s.
 
     >>> f = flatten_rows([{"input_ids": [5, 6, 7], "seq_lengths": [2, 1]}, {"input_ids": [8, 9]}])
     >>> f.input_ids.tolist(), f.seg_lengths.tolist(), f.row_lengths.tolist()
@@ -96,12 +117,17 @@ def flatten_rows(features: Sequence[Mapping[str, Any]]) -> FlatRows:
     seg_parts: list[np.ndarray] = []
     row_lengths: list[int] = []
     own_labels = False
+    unmarked: int | None = None
     for i, row in enumerate(features):
         if not isinstance(row, Mapping) or "input_ids" not in row:
             got = sorted(row) if isinstance(row, Mapping) else type(row).__name__
             raise PackingError(f"row {i} has no 'input_ids' (got {got}); every row needs its token ids.")
         ids = _int_array(row["input_ids"], i, "input_ids")
         n = ids.shape[0]
+        marked = row.get("seq_lengths") is not None
+        _check_attention_mask(row, i, marked)
+        if not marked and unmarked is None and n:
+            unmarked = i
         seg = _row_segments(row, i, n)
         labels = None
         if row.get("labels") is not None:
@@ -112,7 +138,7 @@ def flatten_rows(features: Sequence[Mapping[str, Any]]) -> FlatRows:
                     f"labels must align token for token."
                 )
         else:
-            for key in MASK_COLUMNS:
+            for key in mask_keys:
                 if row.get(key) is not None:
                     mask = _mask_array(row[key], i, key, n)
                     if labels is None:
@@ -138,6 +164,7 @@ def flatten_rows(features: Sequence[Mapping[str, Any]]) -> FlatRows:
         np.asarray(row_lengths, np.int64),
         np.concatenate(seg_parts),
         np.asarray([s.shape[0] for s in seg_parts], np.int64),
+        unmarked,
     )
 
 
@@ -250,25 +277,43 @@ def to_tensors(batch: dict[str, Any], return_tensors: str) -> dict[str, Any]:
     return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
 
 
+#: The keys each ``return_*`` switch of :class:`PaddingFreeCollator` controls (padding-free output).
+SWITCHED_KEYS = {
+    "return_position_ids": ("position_ids",),
+    "return_flash_attn_kwargs": ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"),
+    "return_seq_idx": ("seq_idx",),
+}
+
+
 class PaddingFreeCollator:
     """Collate packed rows into a padding-free batch for FlashAttention-varlen training.
 
-    Rows are dicts with ``input_ids`` and optionally ``labels``, ``seq_lengths`` (the sequences inside a
-    packed row; a row without it is one sequence) and ``completion_mask`` / ``assistant_masks`` (used when
-    there are no ``labels``: tokens where a mask is 0 get -100).  Values may be lists, NumPy arrays or CPU
-    tensors.  Empty rows are skipped.
+    Rows are dicts with ``input_ids``, ``seq_lengths`` (the lengths of the sequences packed in the row) and
+    optionally ``labels`` and ``completion_mask`` / ``assistant_masks`` (used when there are no ``labels``:
+    tokens where a mask is 0 get -100; ``completion_only_loss=False`` / ``assistant_only_loss=False``
+    ignore that mask and learn every token).  Values may be lists, NumPy arrays or CPU tensors.  Empty rows
+    are skipped.
+
+    A row without ``seq_lengths`` is refused: it may be a packed row whose ``seq_lengths`` column was
+    dropped on the way (``transformers.Trainer`` drops columns the model does not name unless
+    :func:`packtools.prepare_trainer` keeps them), and treating it as one sequence would let its sequences
+    attend to each other.  Pass ``unpacked=True`` when every row without ``seq_lengths`` really is one
+    sequence.  An ``attention_mask`` column is refused beside ``seq_lengths``, and when it holds padding.
 
     Padding-free output (``padding_free=True``): ``input_ids``, ``labels``, ``position_ids`` and ``seq_idx``
     of shape ``[1, T]``, ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32, ``[n + 1]``) and
     ``max_length_q``/``max_length_k`` (Python int).  Every sequence start and all padding get -100 in labels;
     padding for ``pad_to_multiple_of`` is one extra segment.  Without padding the values equal those of TRL's
-    ``DataCollatorForLanguageModeling(padding_free=True)`` on the same rows.
+    ``DataCollatorForLanguageModeling(padding_free=True)`` on the same rows.  Like transformers'
+    ``DataCollatorWithFlattening``, ``return_position_ids``, ``return_flash_attn_kwargs`` (``cu_seq_lens_*``,
+    ``max_length_*``) and ``return_seq_idx`` switch those keys off (:func:`prepare_trainer` switches off
+    the ones the model's ``forward`` does not take).
 
     Padded output (``padding_free=False``): ``[B, T]`` right-padded ``input_ids``, ``labels``,
     ``position_ids`` (restarting per packed sequence), and ``attention_mask`` only if no row is packed.
 
     >>> c = PaddingFreeCollator(pad_token_id=0, return_tensors="np")
-    >>> b = c([{"input_ids": [1, 2, 3, 4], "seq_lengths": [3, 1]}, {"input_ids": [5, 6]}])
+    >>> b = c([{"input_ids": [1, 2, 3, 4], "seq_lengths": [3, 1]}, {"input_ids": [5, 6], "seq_lengths": [2]}])
     >>> b["position_ids"].tolist(), b["labels"].tolist(), b["cu_seq_lens_q"].tolist(), b["max_length_q"]
     ([[0, 1, 2, 0, 0, 1]], [[-100, 2, 3, -100, -100, 6]], [0, 3, 4, 6], 3)
     """
@@ -279,23 +324,71 @@ class PaddingFreeCollator:
         pad_to_multiple_of: int | None = None,
         padding_free: bool = True,
         return_tensors: str = "pt",
+        *,
+        unpacked: bool = False,
+        return_position_ids: bool = True,
+        return_flash_attn_kwargs: bool = True,
+        return_seq_idx: bool = True,
+        completion_only_loss: bool = True,
+        assistant_only_loss: bool = True,
     ) -> None:
         self.pad_token_id, self.pad_to_multiple_of = check_pad_args(pad_token_id, pad_to_multiple_of)
         if return_tensors not in ("pt", "np"):
             raise PackingError(f"return_tensors must be 'pt' or 'np', got {return_tensors!r}.")
         self.padding_free = bool(padding_free)
         self.return_tensors = return_tensors
+        self.unpacked = bool(unpacked)
+        self.return_position_ids = bool(return_position_ids)
+        self.return_flash_attn_kwargs = bool(return_flash_attn_kwargs)
+        self.return_seq_idx = bool(return_seq_idx)
+        self.completion_only_loss = bool(completion_only_loss)
+        self.assistant_only_loss = bool(assistant_only_loss)
+        self.mask_keys = tuple(
+            key for key, on in zip(MASK_COLUMNS, (self.completion_only_loss, self.assistant_only_loss)) if on
+        )
+        self.dropped_keys = frozenset(
+            key for switch, keys in SWITCHED_KEYS.items() if not getattr(self, switch) for key in keys
+        )
+
+    def options(self) -> dict[str, Any]:
+        """The constructor arguments of this collator (``PaddingFreeCollator(**c.options())`` copies it)."""
+        names = (
+            "pad_token_id",
+            "pad_to_multiple_of",
+            "padding_free",
+            "return_tensors",
+            "unpacked",
+            *SWITCHED_KEYS,
+            "completion_only_loss",
+            "assistant_only_loss",
+        )
+        return {name: getattr(self, name) for name in names}
+
+    def replace(self, **changes: Any) -> PaddingFreeCollator:
+        """A copy with some arguments changed, e.g. ``c.replace(return_seq_idx=False)``."""
+        return type(self)(**{**self.options(), **changes})
 
     def __repr__(self) -> str:
-        return (
-            f"PaddingFreeCollator(pad_token_id={self.pad_token_id}, pad_to_multiple_of={self.pad_to_multiple_of}, "
-            f"padding_free={self.padding_free}, return_tensors={self.return_tensors!r})"
-        )
+        args = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
+        return f"PaddingFreeCollator({args})"
 
     def collate_flat(self, flat: FlatRows) -> dict[str, Any]:
         """Build the batch from rows already laid end to end (used by the Arrow-native loader)."""
+        if flat.unmarked_row is not None and not self.unpacked:
+            raise PackingError(
+                f"row {flat.unmarked_row} of the batch has no 'seq_lengths', so PaddingFreeCollator cannot tell "
+                f"whether it is one sequence or several packed ones (which would then attend to each other). "
+                f"If the dataset is packed, its 'seq_lengths' column was dropped on the way: "
+                f"transformers.Trainer drops columns the model's forward does not name "
+                f"(remove_unused_columns=True); call packtools.prepare_trainer(trainer), which keeps them, or "
+                f"set TrainingArguments(remove_unused_columns=False). If every row is one sequence, pass "
+                f"PaddingFreeCollator(..., unpacked=True)."
+            )
         build = assemble_padding_free if self.padding_free else assemble_padded
-        return to_tensors(build(flat, self.pad_token_id, self.pad_to_multiple_of), self.return_tensors)
+        batch = build(flat, self.pad_token_id, self.pad_to_multiple_of)
+        if self.dropped_keys:
+            batch = {k: v for k, v in batch.items() if k not in self.dropped_keys}
+        return to_tensors(batch, self.return_tensors)
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        return self.collate_flat(flatten_rows(features))
+        return self.collate_flat(flatten_rows(features, self.mask_keys))

@@ -62,6 +62,12 @@ class PackedRows:
             raise PackingError(
                 f"PackedRows needs a datasets.Dataset or a pyarrow.Table, got {type(data).__name__}."
             )
+        if "attention_mask" in table.column_names and SEQ_LENGTHS in table.column_names:
+            raise PackingError(
+                "the data has an 'attention_mask' column beside 'seq_lengths': a packed row's mask cannot mark "
+                "where its sequences end. Drop it (ds.remove_columns('attention_mask')); the collator separates "
+                "sequences by itself."
+            )
         names = [c for c in (columns or (*TOKEN_KEYS, SEQ_LENGTHS)) if c in table.column_names]
         if "input_ids" not in names:
             raise PackingError(
@@ -160,8 +166,13 @@ class PackedRows:
             np.concatenate(parts, out=out, casting="unsafe")
         return out
 
-    def gather(self, indices: Sequence[int] | np.ndarray) -> FlatRows:
-        """The rows at ``indices`` laid end to end (empty rows skipped), ready for a collator."""
+    def gather(
+        self, indices: Sequence[int] | np.ndarray, mask_keys: Sequence[str] = MASK_COLUMNS
+    ) -> FlatRows:
+        """The rows at ``indices`` laid end to end (empty rows skipped), ready for a collator.
+
+        ``mask_keys``: the 0/1 mask columns applied to labels when there is no ``labels`` column.
+        """
         rows = self._table_rows(indices)
         row_lengths = self._table_lengths[rows]
         rows = rows[row_lengths > 0]
@@ -174,7 +185,7 @@ class PackedRows:
             labels = self._gather("labels", rows, total)
         else:
             labels = input_ids.copy()
-            for key in MASK_COLUMNS:
+            for key in mask_keys:
                 if key in self.columns:
                     labels[self._gather(key, rows, total) == 0] = IGNORE_INDEX
         if SEQ_LENGTHS in self.columns:
@@ -184,14 +195,15 @@ class PackedRows:
         else:
             seg_lengths = row_lengths.astype(np.int64)
             segs_per_row = np.ones(rows.shape[0], np.int64)
-        return FlatRows(input_ids, labels, row_lengths.astype(np.int64), seg_lengths, segs_per_row)
+        unmarked = None if SEQ_LENGTHS in self.columns else 0
+        return FlatRows(input_ids, labels, row_lengths.astype(np.int64), seg_lengths, segs_per_row, unmarked)
 
     def iter_batches(
         self, batch_sampler: Iterable[Sequence[int]], collator: PaddingFreeCollator
     ) -> Iterator[dict[str, Any]]:
         """Batches for each list of indices from ``batch_sampler``, without a torch ``DataLoader``."""
         for indices in batch_sampler:
-            yield collator.collate_flat(self.gather(indices))
+            yield collator.collate_flat(self.gather(indices, collator.mask_keys))
 
 
 class ArrowCollator:
@@ -209,4 +221,4 @@ class ArrowCollator:
         self.collator = collator
 
     def __call__(self, indices: Sequence[int]) -> dict[str, Any]:
-        return self.collator.collate_flat(self.rows.gather(indices))
+        return self.collator.collate_flat(self.rows.gather(indices, self.collator.mask_keys))

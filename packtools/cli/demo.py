@@ -18,9 +18,18 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default="packtools-demo", help="working folder (default ./packtools-demo)")
     p.add_argument("--max-length", type=int, help="max_length to pack with (default: the recommended one)")
-    p.add_argument("--strategy", choices=STRATEGIES, default="bfd", help="strategy of the packed output")
     p.add_argument(
-        "--keep-tokens", type=float, default=0.95, help="share of tokens bfd must keep at the recommendation"
+        "--strategy",
+        choices=STRATEGIES,
+        default="bfd_split",
+        help="strategy of the packed output (default bfd_split: every token kept; bfd drops the ends of "
+        "sequences over max_length and says how many tokens)",
+    )
+    p.add_argument(
+        "--keep-tokens",
+        type=float,
+        default=0.99,
+        help="share of tokens bfd must keep at the recommended max_length (default 0.99, the library's)",
     )
     p.add_argument("--tokenizer", metavar="DIR", help="tokenize with this local tokenizer instead of bytes")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
+import traceback
 from collections.abc import Sequence
 
 from ..constants import __version__
@@ -22,6 +25,15 @@ SUBCOMMANDS: dict[str, str] = {
 }
 
 
+class Terminated(BaseException):
+    """Raised in the main thread on SIGTERM, so that cleanup runs as for Ctrl-C (not an ``Exception``: no
+    ``except Exception`` on the way may swallow it)."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="packtools",
@@ -32,12 +44,23 @@ def build_parser() -> argparse.ArgumentParser:
     for module in SUBCOMMANDS.values():
         mod = importlib.import_module(module)
         p = mod.add_parser(sub)
+        p.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
         p.set_defaults(_run=mod.run)
     return parser
 
 
+def _flag(exc: BaseException) -> str:
+    """`` (--flag)`` for an error about one argument (the library names Python arguments), else ``""``."""
+    param = getattr(exc, "param", None)
+    return f" (--{param.replace('_', '-')})" if param else ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``packtools`` console script; returns the exit status."""
+    """Entry point of the ``packtools`` console script; returns the exit status.
+
+    Every failure is one line on stderr and a non-zero status (``--debug`` adds the traceback): 1 for an
+    error, 130 for Ctrl-C, 143 for SIGTERM.  An interrupted ``pack`` leaves no output behind.
+    """
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     if getattr(args, "_run", None) is None:
@@ -45,14 +68,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from ..errors import PackingError
 
+    prog = f"packtools {args.command}"
+    debug = getattr(args, "debug", False)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(args._run(args) or 0)
-    except (PackingError, FileNotFoundError) as exc:
-        # The library names Python arguments; an error about one of them also names its flag here.
-        param = getattr(exc, "param", None)
-        flag = f" (--{param.replace('_', '-')})" if param else ""
-        print(f"packtools {args.command}: error{flag}: {exc}", file=sys.stderr)
+    except (KeyboardInterrupt, Terminated) as exc:
+        if debug:
+            traceback.print_exc()
+        what, status = ("Ctrl-C", 130) if isinstance(exc, KeyboardInterrupt) else ("SIGTERM", 143)
+        note = getattr(exc, "packtools_note", None) or "stopped"
+        print(f"{prog}: interrupted by {what}; {note}.", file=sys.stderr)
+        return status
+    except (PackingError, FileNotFoundError, ImportError) as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"{prog}: error{_flag(exc)}: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:  # noqa: BLE001 - anything else: still one line, the traceback on --debug
+        if debug:
+            traceback.print_exc()
+        detail = str(exc).splitlines()[0] if str(exc) else ""
+        print(
+            f"{prog}: error: {type(exc).__name__}: {detail} (run again with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,25 +1,31 @@
 """``packtools pack``: raw, chat, preference or tokenized files to a packed dataset folder, out of core.
 
 ``packtools pack INPUT... --out DIR --max-length N`` runs :func:`packtools.pipeline.run.pack_files` and prints a
-summary.  Two older forms stay: ``--out FILE.parquet|.arrow`` packs one tokenized file in memory and writes one
-file; without ``--out`` a tokenized file is only planned (the summary is printed).  Without INPUT, a built-in
-sample (the standard library's sources, byte-level) is packed in memory with every strategy; ``packtools demo``
-runs the whole pipeline on it.
+summary; ``--executor local|pool|ray`` (with ``--workers``, ``--address``) chooses where its read/tokenize and
+gather/write stages run, and changes nothing in the output.  Two smaller forms stay: ``--out FILE.parquet|
+.arrow`` packs one tokenized file in memory into one file; without ``--out`` a tokenized file is only planned
+(the summary is printed).  Without INPUT, a built-in sample (the standard library's sources, byte-level) is
+packed in memory with every strategy; ``packtools demo`` runs the whole pipeline on it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from typing import Any
 
-from ..constants import INPUT_FORMATS
+from ..constants import INPUT_FORMATS, __version__
 from ..core.pack import pack_table, read_columns
 from ..core.plan import STRATEGIES, plan
+from ..errors import PackingError
 from ..io.files import read_table, write_table
+from ..pipeline.executors import EXECUTORS
 from ..pipeline.summary import format_pipeline_summary, format_summary
-from .shards import add_executor_arguments, run_sharded, wants_sharding
+
+#: Schema metadata key marking a file written by ``packtools pack --out FILE`` (so a rerun may replace it).
+FILE_MARK = b"packtools"
 
 
 def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,19 +33,18 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", choices=STRATEGIES, default="bfd", help="packing strategy (default bfd)")
     p.add_argument("--tokenizer", metavar="DIR", help="local transformers tokenizer folder (for text input)")
     p.add_argument(
-        "--format",
-        choices=INPUT_FORMATS,
-        help="input format (default: from the columns: text | prompt+completion | messages | "
-        "prompt+chosen+rejected | input_ids)",
-    )
-    p.add_argument("--num-proc", type=int, default=1, help="tokenizer processes (default 1)")
-    p.add_argument(
         "--tokenizer-engine",
         choices=("auto", "fast", "transformers"),
         default="auto",
         help="auto (default): the fast exact engine (packtools[fast]) for byte-level BPE tokenizers once it gives "
         "transformers' ids on a built-in adversarial set and the first rows of the data, else transformers; "
         "fast: the fast engine or an error; transformers: never the fast engine",
+    )
+    p.add_argument(
+        "--format",
+        choices=INPUT_FORMATS,
+        help="input format (default: from the columns: text | prompt+completion | messages | "
+        "prompt+chosen+rejected | input_ids)",
     )
     p.add_argument(
         "--overlong",
@@ -50,23 +55,64 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-prompt-length",
         type=int,
-        help="preference data, --overlong truncate: prompt budget, keeping its end (default max_length // 2)",
+        help="preference data, --overlong truncate: tokens an over-long pair's prompt keeps at least, from its end "
+        "(default max_length // 4: its two copies fill at most half a row)",
     )
     p.add_argument(
         "--no-eos", action="store_true", help="do not append the tokenizer's EOS to text/completions"
     )
     p.add_argument(
-        "--columns", help="comma-separated token columns to pack (tokenized input; default: all lists)"
+        "--columns",
+        help="comma-separated token columns to pack (tokenized input; default: every list column, the others "
+        "are left out and listed in the summary)",
+    )
+    p.add_argument(
+        "--drop-unlabeled",
+        action="store_true",
+        help="drop rows with no label token (labels all -100 after truncation); by default they are kept and "
+        "counted",
     )
     p.add_argument("--shuffle", action="store_true", help="shuffle packed rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--plan",
+        choices=("global", "shards"),
+        default="global",
+        help="global: one plan over all rows (default, fewest rows); shards: each input part planned on its own "
+        "and the plans put one after the other (costs a few rows per part: < 0.01%% with parts of >= 100k rows)",
+    )
+    p.add_argument(
+        "--part-rows",
+        type=int,
+        default=1 << 17,
+        help="parquet files are read in parts of about this many rows (default 131072); with --plan shards, the "
+        "planning unit",
+    )
+    p.add_argument(
         "--shard-tokens",
         type=int,
         default=1 << 24,
-        help="tokens per output shard / write slice (default 2**24)",
+        help="tokens per output shard / write block (default 2**24)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bars and no summary")
+
+
+def add_executor_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("where the read/tokenize and gather/write stages run (the output is the same)")
+    g.add_argument(
+        "--executor",
+        choices=EXECUTORS,
+        default="local",
+        help="this process (local, default), a process pool (pool) or Ray tasks (ray)",
+    )
+    g.add_argument(
+        "--workers", type=int, help="processes for pool / CPUs for a local Ray (default: all cores)"
+    )
+    g.add_argument("--address", help="Ray cluster address for --executor ray (default: start Ray locally)")
+    g.add_argument(
+        "--retries", type=int, default=2, help="tries again per job whose worker was lost (default 2)"
+    )
+    g.add_argument("--num-proc", type=int, default=None, help="same as --executor pool --workers N")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -76,14 +122,16 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="Tokenize (unless already tokenized), truncate or filter, and pack INPUT... (.jsonl/.json, "
         ".parquet, .arrow/.feather files, directories of them, datasets save_to_disk folders) into --out DIR, "
         "a folder datasets.load_from_disk opens, with a manifest; a rerun with the same inputs and options does "
-        "nothing. Out of core: memory does not grow with the token count. --out FILE.parquet|.arrow packs one "
-        "tokenized file in memory instead. Without INPUT, packs a built-in sample (the standard library's "
-        "sources, byte-level) in memory with every strategy; `packtools demo` runs the whole pipeline on it.",
+        "nothing. Out of core: memory holds the row lengths and one block of rows, whatever the token count "
+        "(JSON is read in blocks too). One run at a time per --out; an interrupted run leaves no output, and "
+        "the next run reuses the parts it had finished. --out FILE.parquet|.arrow packs one tokenized file in "
+        "memory instead. Without INPUT, packs a built-in sample (the standard library's sources, byte-level) in "
+        "memory with every strategy; `packtools demo` runs the whole pipeline on it.",
     )
     p.add_argument("input", nargs="*", help="input files, directories or save_to_disk folders")
     p.add_argument("--out", help="output folder (or a .parquet/.arrow file for tokenized input, in memory)")
     add_pipeline_arguments(p)
-    add_executor_arguments(p)  # tokenized inputs, shard by shard (local, pool or Ray): packtools.cli.shards
+    add_executor_arguments(p)
     return p
 
 
@@ -102,14 +150,39 @@ def pipeline_config(args: argparse.Namespace, max_length: int) -> Any:
         shuffle=args.shuffle,
         seed=args.seed,
         shard_tokens=args.shard_tokens,
+        plan=args.plan,
+        drop_unlabeled=args.drop_unlabeled,
+        part_rows=args.part_rows,
         tokenizer_engine=args.tokenizer_engine,
     )
 
 
-def _in_memory(args: argparse.Namespace, max_length: int) -> int:
-    """The first form of the command: one tokenized file (or the built-in sample), packed in memory."""
-    from ..errors import PackingError
+def _check_file_out(path: str) -> None:
+    """Refuse to replace an existing file that ``packtools pack --out FILE`` did not write."""
+    if not os.path.exists(path):
+        return
+    if os.path.isdir(path):
+        raise PackingError(
+            f"--out {path!r} is a folder; name a .parquet/.arrow file, or drop the suffix.", param="out"
+        )
+    try:
+        if path.endswith(".parquet"):
+            import pyarrow.parquet as pq
 
+            meta = pq.read_schema(path).metadata or {}
+        else:
+            meta = read_table(path).schema.metadata or {}
+    except Exception:  # noqa: BLE001 - unreadable: certainly not ours
+        meta = {}
+    if FILE_MARK not in meta:
+        raise PackingError(
+            f"--out {path!r} exists and was not written by packtools pack; remove it or choose another name.",
+            param="out",
+        )
+
+
+def _in_memory(args: argparse.Namespace, max_length: int) -> int:
+    """The small forms of the command: one tokenized file (or the built-in sample), packed in memory."""
     columns = args.columns.split(",") if args.columns else None
     if not args.input:
         from ..pipeline.sample import stdlib_table
@@ -123,6 +196,8 @@ def _in_memory(args: argparse.Namespace, max_length: int) -> int:
                 "--out FILE (or no --out) packs one tokenized .parquet/.arrow file in memory; for several inputs, "
                 "directories or text, give --out DIR."
             )
+        if args.out:
+            _check_file_out(args.out)
         table = read_table(args.input[0])
         strategies = [args.strategy]
     _, lengths = read_columns(table, columns)
@@ -143,23 +218,29 @@ def _in_memory(args: argparse.Namespace, max_length: int) -> int:
             "\nrun `packtools demo` for the whole pipeline on this sample (profile, plot, packed dataset folder)."
         )
     if args.out and packed is not None:
-        write_table(packed, args.out)
+        mark = json.dumps({"version": __version__, "max_length": max_length, "strategy": args.strategy})
+        write_table(packed.replace_schema_metadata({FILE_MARK: mark.encode()}), args.out)
         print(f"wrote {packed.num_rows:,} packed rows ({args.strategy}) to {args.out}")
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
     max_length = args.max_length if args.max_length is not None else 4096
-    if args.input and args.out and not args.out.endswith((".parquet", ".arrow")) and wants_sharding(args):
-        columns = args.columns.split(",") if args.columns else None
-        return run_sharded(args.input, args.out, max_length, args.strategy, columns, args)
     if not args.input or args.out is None or args.out.endswith((".parquet", ".arrow")):
         return _in_memory(args, max_length)
     from ..pipeline.run import run_pipeline
 
     result = run_pipeline(
-        args.input, args.out, pipeline_config(args, max_length), num_proc=args.num_proc, quiet=args.quiet
+        args.input,
+        args.out,
+        pipeline_config(args, max_length),
+        executor=args.executor,
+        workers=args.workers,
+        address=args.address,
+        retries=args.retries,
+        num_proc=args.num_proc,
+        quiet=args.quiet,
     )
     if not args.quiet:
-        print(format_pipeline_summary(result.stats, result.out, result.cached))
+        print(format_pipeline_summary(result.stats, result.out, result.cached, result.timings))
     return 0

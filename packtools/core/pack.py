@@ -15,14 +15,60 @@ from .arrow import ListColumn, check_aligned, is_list_type, list_array, read_lis
 from .plan import STRATEGIES, PackPlan, Strategy, check_max_length
 from .plan import plan as make_plan
 
+#: Columns that only packed (or already collated) data carries: their presence means the rows are packed.
+BOUNDARY_COLUMNS = ("cu_seq_lens", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
+
+
+def _first_restart(col: ListColumn) -> int | None:
+    """The first row whose values do not step by exactly +1 (position ids restarting inside it), or None."""
+    for chunk in col.chunks:
+        base = int(chunk.offsets[0])
+        vals = chunk.values[base : int(chunk.offsets[-1])]
+        if vals.shape[0] < 2:
+            continue
+        broken = np.diff(vals.astype(np.int64)) != 1
+        crossings = chunk.offsets[1:-1] - base - 1  # steps from one row's last value to the next row's first
+        broken[crossings[(crossings >= 0) & (crossings < broken.shape[0])]] = False
+        bad = np.flatnonzero(broken)
+        if bad.size:
+            local = int(np.searchsorted(chunk.offsets - base, bad[0], side="right")) - 1
+            return chunk.row_start + local
+    return None
+
+
+def check_not_packed(table: pa.Table) -> None:
+    """Refuse a table that is already packed: packing it again would merge the sequences inside its rows.
+
+    What it can tell: a ``seq_lengths`` column, a boundary column (``cu_seq_lens*``, ``cu_seqlens``,
+    ``seq_idx``), or a ``position_ids`` list column that restarts inside a row.  What it cannot: rows that
+    were concatenated with no such column left (documents joined with EOS separators, ``wrapped`` chunks
+    whose ``position_ids`` were dropped) look exactly like long single sequences.
+    """
+    names = table.column_names
+    if SEQ_LENGTHS in names:
+        raise PackingError(
+            f"the table already has a {SEQ_LENGTHS!r} column, so it is packed; packing it again would "
+            f"merge its sequences. Unpack it first (packtools.unpack) and pack the result."
+        )
+    found = [c for c in BOUNDARY_COLUMNS if c in names]
+    if found:
+        raise PackingError(
+            f"the table has {found}, columns that only packed or collated rows carry; packing it again would "
+            f"merge the sequences inside its rows. Pack the original unpacked rows instead."
+        )
+    if "position_ids" in names and is_list_type(table.schema.field("position_ids").type):
+        row = _first_restart(read_list_column(table.column("position_ids"), "position_ids"))
+        if row is not None:
+            raise PackingError(
+                f"row {row}: 'position_ids' restart inside the row, so the rows are already packed (several "
+                f"sequences each) though there is no {SEQ_LENGTHS!r} column; packing them again would merge those "
+                f"sequences. Pack the original unpacked rows, or rebuild {SEQ_LENGTHS!r} from the restarts and "
+                f"unpack (packtools.unpack) first."
+            )
+
 
 def _select_columns(table: pa.Table, columns: Sequence[str] | None) -> list[str]:
     if columns is None:
-        if SEQ_LENGTHS in table.column_names:
-            raise PackingError(
-                f"the table already has a {SEQ_LENGTHS!r} column, so it is packed; packing it again would "
-                f"merge its sequences. Unpack it first (packtools.unpack) and pack the result."
-            )
         names = list(table.column_names)
         if not names:
             raise PackingError("the table has no columns to pack.")
@@ -38,9 +84,14 @@ def _select_columns(table: pa.Table, columns: Sequence[str] | None) -> list[str]
 
 
 def read_columns(
-    table: pa.Table, columns: Sequence[str] | None = None
+    table: pa.Table, columns: Sequence[str] | None = None, *, unpacked: bool = True
 ) -> tuple[list[ListColumn], np.ndarray]:
-    """Read the columns to pack and their shared row lengths, validating everything."""
+    """Read the columns to pack and their shared row lengths, validating everything.
+
+    With ``unpacked=True`` (for packing) a table that is already packed is refused (:func:`check_not_packed`).
+    """
+    if unpacked:
+        check_not_packed(table)
     names = _select_columns(table, columns)
     non_list = [n for n in names if not is_list_type(table.schema.field(n).type)]
     if non_list and columns is None:
@@ -214,7 +265,7 @@ def unpack(
         names = [n for n in table.column_names if n != SEQ_LENGTHS]
     else:
         names = [n for n in _select_columns(table, columns) if n != SEQ_LENGTHS]
-    cols, lengths = read_columns(table, names)
+    cols, lengths = read_columns(table, names, unpacked=False)
     if plan is None:
         if SEQ_LENGTHS not in table.column_names:
             raise PackingError(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -28,8 +26,9 @@ def _datasets():
 
 def _derived_fingerprint(dataset: Any, operation: str, **params: Any) -> str:
     """A fingerprint for a dataset made from ``dataset`` (else ``datasets`` pickles every token to hash it)."""
-    key = json.dumps([getattr(dataset, "_fingerprint", None), operation, params], sort_keys=True, default=str)
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
+    from ..io.fingerprint import cache_key
+
+    return cache_key(operation, 1, dataset=getattr(dataset, "_fingerprint", None), params=params)[:16]
 
 
 def _restore_format(ds: Any, fmt: dict[str, Any], added: list[str]) -> Any:
@@ -147,6 +146,12 @@ def pack_dataset(
     ``max_length / (2 * w * m)`` relative rows over a global plan: ~0.5% for TRL's 1000-row windows at
     ``m / max_length = 0.1``, under 0.01% from 100k rows on.
 
+    A dataset that is already packed is refused, since packing it again would merge the sequences of its
+    rows: packtools tells from a ``seq_lengths`` column, a ``cu_seq_lens*`` / ``cu_seqlens`` / ``seq_idx``
+    column, or ``position_ids`` that restart inside a row (:func:`packtools.core.pack.check_not_packed`).  It
+    cannot tell rows that were concatenated with none of these left (e.g. ``seq_lengths`` removed from
+    packtools output that had no ``position_ids``): keep ``seq_lengths`` with packed data.
+
     ``shuffle=True`` reorders the packed rows with ``seed`` (BFD emits the fullest rows first); for an
     ``IterableDataset`` each window is shuffled on its own, with the same seed (shuffle the stream's
     shards too, e.g. ``IterableDataset.shuffle``, for order across windows).
@@ -229,3 +234,104 @@ def truncate_dataset(dataset: Any, max_length: int, columns: Sequence[str] | Non
         truncate_table(table, max_length, columns), split=dataset.split, fingerprint=fingerprint
     )
     return _restore_format(out, dict(dataset.format), [])
+
+
+def pack_preference(
+    dataset: Any,
+    max_length: int,
+    strategy: str = "bfd",
+    columns: Sequence[str] = (),
+    *,
+    overlong: str = "truncate",
+    max_prompt_length: int | None = None,
+    shuffle: bool = False,
+    seed: int = 0,
+    return_report: bool = False,
+) -> Any:
+    """Pack preference pairs whole: each pair's ``[prompt + chosen][prompt + rejected]`` side by side in a row.
+
+    ``dataset``: a ``datasets.Dataset`` (select/shuffle mappings honoured), ``DatasetDict`` or
+    ``pyarrow.Table`` with ``prompt_ids``, ``chosen_ids`` and ``rejected_ids`` (TRL's tokenized format).
+    Output (same type): ``input_ids``, ``completion_mask``, ``seq_lengths`` (sequence ``2k`` of a row is pair
+    ``k``'s chosen, ``2k + 1`` its rejected) and each per-pair column named in ``columns`` (e.g.
+    ``ref_chosen_logps``) as a list aligned with the row's pairs.  One global best-fit-decreasing plan over
+    the pair lengths; a pair is never split.  Pairs longer than ``max_length`` are truncated (``overlong=
+    "truncate"``: the prompt keeps its end, the completions their start, see
+    :func:`packtools.core.pairs.fit_pairs`) or dropped (``"drop"``); a warning says how many, and
+    ``return_report=True`` also returns the :class:`~packtools.core.pairs.PairReport` (a dict of them for a
+    ``DatasetDict``).
+
+    >>> from datasets import Dataset
+    >>> ds = Dataset.from_dict({"prompt_ids": [[1, 2], [3]], "chosen_ids": [[4], [5]], "rejected_ids": [[6], [7, 8]]})
+    >>> pack_preference(ds, 8)[:]["seq_lengths"]
+    [[3, 3], [2, 3]]
+    """
+    import warnings
+
+    from ..core.pairs import pack_pairs
+
+    def one(split: Any) -> tuple[Any, Any]:
+        if isinstance(split, pa.Table):
+            return pack_pairs(
+                split,
+                max_length,
+                strategy,
+                columns,
+                overlong=overlong,
+                max_prompt_length=max_prompt_length,
+                shuffle=shuffle,
+                seed=seed,
+            )
+        table, indices = dataset_table(split)
+        packed, report = pack_pairs(
+            table,
+            max_length,
+            strategy,
+            columns,
+            overlong=overlong,
+            max_prompt_length=max_prompt_length,
+            shuffle=shuffle,
+            seed=seed,
+            row_indices=indices,
+        )
+        fingerprint = _derived_fingerprint(
+            split,
+            "pack_preference",
+            max_length=max_length,
+            columns=list(columns),
+            overlong=overlong,
+            max_prompt_length=max_prompt_length,
+            shuffle=shuffle,
+            seed=seed,
+        )
+        return ds_mod.Dataset(packed, split=split.split, fingerprint=fingerprint), report
+
+    def warn(report: Any, name: str = "") -> None:
+        if report.pairs_truncated or report.pairs_dropped:
+            where = f" in split {name!r}" if name else ""
+            warnings.warn(
+                f"pack_preference{where}: {report.pairs_truncated} of {report.pairs_in} pairs truncated and "
+                f"{report.pairs_dropped} dropped to fit max_length={max_length} ({report.tokens_dropped} tokens "
+                f"left out); pass return_report=True for the details.",
+                stacklevel=3,
+            )
+
+    if isinstance(dataset, pa.Table):
+        out, report = one(dataset)
+        warn(report)
+        return (out, report) if return_report else out
+    ds_mod = _datasets()
+    if isinstance(dataset, ds_mod.DatasetDict):
+        results = {name: one(split) for name, split in dataset.items()}
+        for name, (_, report) in results.items():
+            warn(report, name)
+        out = ds_mod.DatasetDict({name: r[0] for name, r in results.items()})
+        return (out, {name: r[1] for name, r in results.items()}) if return_report else out
+    if not isinstance(dataset, ds_mod.Dataset):
+        raise PackingError(
+            f"dataset must be a datasets.Dataset, DatasetDict or pyarrow.Table, got {type(dataset).__name__}.",
+            param="dataset",
+        )
+    out, report = one(dataset)
+    warn(report)
+    return (out, report) if return_report else out

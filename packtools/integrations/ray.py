@@ -4,7 +4,7 @@ Each Ray Data block is packed on its own by :func:`packtools.pack_table` inside 
 batches with ``batch_size=None`` (one batch per block).  Block boundaries are chosen by Ray (file layout, target
 block size, operator fusion, the number of CPUs) and are not deterministic: the same data can be packed into
 different rows from run to run, and small blocks cost extra rows over the lower bound.  For reproducible,
-resumable output with a manifest use :func:`packtools.pack_shards` (``executor="ray"``) instead.
+resumable output with a manifest use :func:`packtools.pack_files` (``executor="ray"``) instead.
 
 The packer changes the number of rows, so it is declared with ``udf_modifying_row_count=True`` where Ray has that
 argument (Ray >= 2.52).  Ray 2.52 and 2.53 defaulted it to ``False`` and then pushed a downstream ``limit()`` /

@@ -31,6 +31,7 @@ TRL's ``SFTTrainer`` needs three settings for an already-packed dataset; :func:`
 
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
 from collections.abc import Mapping
@@ -131,6 +132,66 @@ def check_attention_implementation(model: Any) -> str:
     return impl
 
 
+_MIXER_NAMES = ("Mamba", "DeltaNet", "LinearAttention", "ShortConv", "SSM", "RWKV", "Recurrent")
+
+
+def token_mixing_layers(model: Any) -> list[str]:
+    """Names of the layers that mix tokens outside attention (convolutions, state-space or linear-attention scans).
+
+    Such layers ignore ``position_ids``: they keep packed sequences apart only when given ``seq_idx`` or
+    ``cu_seq_lens`` *and* a kernel that reads them (mamba-ssm, causal-conv1d, flash-linear-attention).
+    Found by module type: a ``torch.nn.Conv1d`` with a kernel wider than 1 (reported as its parent
+    layer) or a class named like a Mamba / DeltaNet / linear-attention / RWKV block.
+    """
+    found: list[str] = []
+    for name, module in _base_model(model).named_modules():
+        cls = type(module).__name__
+        parent = name.rsplit(".", 1)[0] if "." in name else name
+        if any(name == f or name.startswith(f + ".") or parent == f for f in found):
+            continue
+        kernel = getattr(module, "kernel_size", None)
+        if cls == "Conv1d" and isinstance(kernel, tuple) and kernel[0] > 1:
+            found.append(parent)
+        elif any(part in cls for part in _MIXER_NAMES) and not cls.endswith(("Model", "ForCausalLM")):
+            found.append(name)
+    return found
+
+
+def forward_accepts(model: Any, key: str) -> bool:
+    """Whether the ``forward`` of the (unwrapped) model takes ``key`` (by name or through ``**kwargs``)."""
+    params = inspect.signature(_base_model(model).forward).parameters
+    return key in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def adapt_collator(collator: Any, model: Any) -> Any:
+    """``collator`` with the keys the model's ``forward`` does not take switched off.
+
+    Applies to a :class:`~packtools.PaddingFreeCollator` (or the one inside an ``ArrowCollator``);
+    any other collator is returned as is.  ``position_ids`` is never switched off here: without it
+    non-flash backends cannot separate sequences, which :func:`check_attention_implementation` refuses.
+    """
+    from ..batches.collate import SWITCHED_KEYS, PaddingFreeCollator
+
+    inner = getattr(collator, "collator", collator)
+    if not isinstance(inner, PaddingFreeCollator):
+        return collator
+    changes = {
+        switch: False
+        for switch, keys in SWITCHED_KEYS.items()
+        if switch != "return_position_ids"
+        and getattr(inner, switch)
+        and not all(forward_accepts(model, key) for key in keys)
+    }
+    if not changes:
+        return collator
+    adapted = inner.replace(**changes)
+    if inner is collator:
+        return adapted
+    wrapper = copy.copy(collator)
+    wrapper.collator = adapted
+    return wrapper
+
+
 def has_restarts(position_ids: Any, attention_mask: Any = None) -> bool:
     """True when some row of ``position_ids`` steps by anything but +1 between two attended tokens.
 
@@ -149,7 +210,9 @@ def has_restarts(position_ids: Any, attention_mask: Any = None) -> bool:
     return bool(broken.any())
 
 
-def check_forward_inputs(kwargs: Mapping[str, Any], implementation: str | None) -> None:
+def check_forward_inputs(
+    kwargs: Mapping[str, Any], implementation: str | None, mixers: tuple[str, ...] = ()
+) -> None:
     """Raise :class:`PackingError` on keyword inputs that make transformers attend across packed sequences.
 
     Inputs of generation (a cache passed in) are not checked.  Only the suspicious combinations read
@@ -176,6 +239,18 @@ def check_forward_inputs(kwargs: Mapping[str, Any], implementation: str | None) 
             "then ignores position_ids and every token attends across the sequence boundaries of its row. Drop "
             "'attention_mask' from packed batches (packtools.PaddingFreeCollator never returns it with packed "
             "rows); check that the collator is not wrapped in one that adds it."
+        )
+    if (
+        mixers
+        and kwargs.get("seq_idx") is None
+        and kwargs.get("cu_seq_lens_q") is None
+        and (any(kwargs.get(k) is not None for k in VARLEN_KEYS) or (pos is not None and has_restarts(pos)))
+    ):
+        raise PackingError(
+            f"the batch is packed but has neither seq_idx nor cu_seq_lens, and the model's layers "
+            f"{list(mixers)[:3]} mix tokens outside attention: they ignore position_ids and would run every "
+            f"packed row as one sequence. Keep seq_idx and cu_seq_lens in the batch "
+            f"(PaddingFreeCollator(return_seq_idx=True, return_flash_attn_kwargs=True)), or do not pack."
         )
     flash = is_flash(implementation)
     if pos is None and not flash and any(kwargs.get(k) is not None for k in VARLEN_KEYS):
@@ -212,11 +287,13 @@ def guard_model(model: Any) -> Any:
     if handle is not None:
         return handle
 
+    mixers = tuple(token_mixing_layers(model))
+
     def hook(
         module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         impl = attention_implementation(module)
-        check_forward_inputs(kwargs, impl)
+        check_forward_inputs(kwargs, impl, mixers)
         generating = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
         if not generating and (kwargs.get("use_cache") is None or module.training):
             kwargs["use_cache"] = False
@@ -267,7 +344,35 @@ def _check_sft(trainer: Any) -> None:
         )
 
 
-def prepare_trainer(trainer: Any) -> Any:
+def _probe_collator(collator: Any) -> Any:
+    """The trainer's PaddingFreeCollator (returning tensors), or None for the probe's default."""
+    from ..batches.collate import PaddingFreeCollator
+
+    inner = getattr(collator, "collator", collator)
+    if not isinstance(inner, PaddingFreeCollator):
+        return None
+    return inner if inner.return_tensors == "pt" else inner.replace(return_tensors="pt")
+
+
+def run_probe(trainer: Any, *extra_models: Any) -> None:
+    """Run :func:`packtools.check_isolation` on the trainer's model (and ``extra_models``) unless sharded."""
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+        warnings.warn(
+            "prepare_trainer: the isolation probe was skipped because the model is sharded (DeepSpeed/FSDP) "
+            "and cannot be run before train(); run packtools.check_isolation on an unsharded copy of the "
+            "model (same class, config and attn_implementation) to check it.",
+            stacklevel=3,
+        )
+        return
+    from .isolation import check_isolation
+
+    collator = _probe_collator(trainer.data_collator)
+    for model in (trainer.model, *extra_models):
+        if model is not None:
+            check_isolation(model, collator)
+
+
+def prepare_trainer(trainer: Any, *, check_isolation: bool = True) -> Any:
     """Make a ``transformers.Trainer`` (or TRL ``SFTTrainer``) train correctly on packed padding-free batches.
 
     Call it once, after building the trainer and before ``train()``::
@@ -280,7 +385,14 @@ def prepare_trainer(trainer: Any) -> Any:
     loss-mask columns through ``remove_unused_columns``, guards the model's forward (:func:`guard_model`:
     ``use_cache=False``, contamination errors), makes sure the loss is divided by the predicted tokens of the
     whole accumulation window (see the module docstring), and for ``SFTTrainer`` that the dataset was not
-    prepared again.  Returns the trainer.
+    prepared again.  A ``PaddingFreeCollator`` as ``data_collator`` is adapted to the model's ``forward``
+    (keys it does not take are switched off, :func:`adapt_collator`).
+
+    With ``check_isolation=True`` (the default) it then runs :func:`packtools.check_isolation` once: a
+    few short sequences through the model, packed as the collator packs them and alone, under
+    ``no_grad`` (well under a second for small models; a few forward passes of ~24 tokens for large ones),
+    and raises :class:`~packtools.errors.PackingError` if packed sequences leak into each other.
+    ``check_isolation=False`` skips it.  Returns the trainer.
     """
     require("transformers", "packtools.integrations.transformers.prepare_trainer")
     check_attention_implementation(trainer.model)
@@ -300,7 +412,10 @@ def prepare_trainer(trainer: Any) -> Any:
             "processes with fewer tokens weigh more. Set it to True for a token-weighted loss across processes.",
             stacklevel=2,
         )
+    trainer.data_collator = adapt_collator(trainer.data_collator, trainer.model)
     guard_model(trainer.model)
+    if check_isolation:
+        run_probe(trainer)
     return trainer
 
 

@@ -1,6 +1,7 @@
 """Input files of the offline pipeline: finding them, fingerprinting them, reading them in bounded batches.
 
-Accepted inputs: ``.jsonl``/``.json`` (JSON lines, or one JSON array of objects), ``.parquet``, Arrow IPC
+Accepted inputs: ``.jsonl``/``.json`` (JSON lines, or one JSON array of objects; read in blocks, see
+:mod:`packtools.io.json`), ``.parquet``, Arrow IPC
 files or streams (``.arrow``, ``.feather``, ``.ipc``), directories holding such files (searched recursively,
 in sorted order) and folders written by ``datasets.Dataset.save_to_disk`` (found by their ``state.json``).
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ import pyarrow.parquet as pq
 
 from .._atomic import atomic_path
 from ..errors import PackingError
+from .json import LineBase, is_json_array, iter_json_array, iter_json_lines, line_ranges
 
 SUFFIX_KINDS = {
     ".jsonl": "json",
@@ -47,6 +49,7 @@ class InputFile:
     mtime_ns: int
 
     def fingerprint(self) -> dict[str, object]:
+        """As :func:`packtools.io.fingerprint.file_fingerprint` (taken when the file was found)."""
         return {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns}
 
 
@@ -103,34 +106,6 @@ def discover(inputs: Sequence[str | os.PathLike[str]]) -> list[InputFile]:
     return unique
 
 
-def _read_json(path: str) -> pa.Table:
-    import pyarrow.json as pj
-
-    try:
-        return pj.read_json(path)
-    except pa.ArrowInvalid as exc:
-        arrow_error = exc
-    # Not JSON lines that Arrow could type: one JSON document (an array of objects, or {"data": [...]}),
-    # or JSON lines whose types vary between rows (parsed by Python, then typed by Arrow as a whole).
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError:
-        try:
-            doc = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as exc:
-            raise PackingError(f"input {path!r} is neither JSON lines nor a JSON document: {exc}.") from None
-    if isinstance(doc, dict) and len(doc) == 1 and isinstance(next(iter(doc.values())), list):
-        doc = next(iter(doc.values()))
-    if not isinstance(doc, list) or not all(isinstance(r, dict) for r in doc):
-        raise PackingError(f"input {path!r}: expected JSON lines or a JSON array of objects.")
-    try:
-        return pa.Table.from_pylist(doc)
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        raise PackingError(f"input {path!r}: rows disagree on column types ({exc}; {arrow_error}).") from None
-
-
 class IpcReader:
     """An Arrow IPC *file* or *stream*, whichever ``source`` holds (``datasets`` cache files are streams)."""
 
@@ -169,63 +144,127 @@ def _rebatch(batches: Iterator[pa.RecordBatch], batch_rows: int) -> Iterator[pa.
             yield pa.Table.from_batches([batch.slice(start, batch_rows)])
 
 
+@dataclass(frozen=True)
+class Part:
+    """A piece of one input file that one job reads: parquet row groups ``[start, stop)``, JSON-lines bytes
+    ``[start, stop)`` (cut after a newline), or the whole file (``stop == -1``)."""
+
+    file: InputFile
+    start: int = 0
+    stop: int = -1
+
+    def describe(self) -> str:
+        if self.stop < 0:
+            return self.file.path
+        what = "row groups" if self.file.kind == "parquet" else "bytes"
+        return f"{self.file.path} ({what} {self.start}-{self.stop})"
+
+    def fingerprint(self) -> dict[str, object]:
+        return {**self.file.fingerprint(), "start": self.start, "stop": self.stop}
+
+
+def split_file(file: InputFile, part_rows: int = 1 << 17, part_bytes: int = 1 << 26) -> list[Part]:
+    """Cut ``file`` into parts of about ``part_rows`` rows (parquet, at row-group boundaries) or ``part_bytes``
+    bytes (JSON lines, after a newline); other files are one part."""
+    if file.kind == "parquet":
+        md = pq.ParquetFile(file.path).metadata
+        sizes = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
+        cuts, rows = [0], 0
+        for g, n in enumerate(sizes):
+            rows += n
+            if rows >= part_rows and g + 1 < len(sizes):
+                cuts.append(g + 1)
+                rows = 0
+        cuts.append(len(sizes))
+        if len(cuts) <= 2:
+            return [Part(file)]
+        return [Part(file, a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+    if file.kind == "json" and not is_json_array(file.path):
+        ranges = line_ranges(file.path, part_bytes)
+        return [Part(file)] if len(ranges) <= 1 else [Part(file, a, b) for a, b in ranges]
+    return [Part(file)]
+
+
+class Where:
+    """Names row ``i`` of a block in error messages: the file and its row (or line) number."""
+
+    def __init__(self, path: str, first: int | Callable[[], int], unit: str = "row") -> None:
+        self.path, self._first, self.unit = path, first, unit
+
+    def __call__(self, i: int = 0) -> str:
+        first = self._first() if callable(self._first) else self._first
+        return f"input {self.path!r} {self.unit} {first + i}"
+
+
+def iter_part(
+    part: Part, batch_rows: int = 1000, columns: Sequence[str] | None = None
+) -> Iterator[tuple[Where, pa.Table]]:
+    """Yield ``(where, table)`` for the rows of ``part`` in tables of at most ``batch_rows`` rows (only
+    ``columns``, when given and present).  Memory is bounded by one row group, record batch or JSON block.
+    ``where(i)`` names row ``i`` of the table: ``input 'f.parquet' row 12``, ``input 'f.jsonl' line 13`` or
+    ``input 'f.json' object 12`` (0-based rows and objects, 1-based lines)."""
+    file = part.file
+    path = file.path
+    cols = list(columns) if columns is not None else None
+    if file.kind == "parquet":
+        # Buffered reads (see _open_ipc); pre_buffer=False, or pyarrow keeps the column chunks it read cached
+        # until the file is closed, and memory grows with the file.
+        pf = pq.ParquetFile(path, pre_buffer=False)
+        md = pf.metadata
+        stop = md.num_row_groups if part.stop < 0 else part.stop
+        row = sum(md.row_group(g).num_rows for g in range(part.start))
+        if cols is not None:
+            cols = [c for c in cols if c in pf.schema_arrow.names]
+        for g in range(part.start, stop):
+            for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[g], columns=cols):
+                yield Where(path, row), pa.Table.from_batches([batch])
+                row += batch.num_rows
+    elif file.kind == "arrow":
+        row = 0
+        for batch in _ipc_batches(path):
+            if cols is not None:
+                batch = batch.select([c for c in cols if c in batch.schema.names])
+            for table in _rebatch(iter([batch]), batch_rows):
+                yield Where(path, row), table
+                row += table.num_rows
+    elif is_json_array(path):  # objects may span lines: rows are named by their index in the array
+        row = 0
+        for _, table in iter_json_array(path, batch_rows):
+            yield Where(path, row, "object"), _select(table, cols)
+            row += table.num_rows
+    else:
+        base = LineBase(path, part.start)
+        stop = part.stop if part.stop >= 0 else None
+        for rel, table in iter_json_lines(path, part.start, stop):
+            table = _select(table, cols)
+            for start in range(0, table.num_rows, batch_rows):
+                yield (
+                    Where(path, lambda r=rel + start: base.value + r, "line"),
+                    table.slice(start, batch_rows),
+                )
+
+
+def _select(table: pa.Table, columns: list[str] | None) -> pa.Table:
+    return table if columns is None else table.select([c for c in columns if c in table.column_names])
+
+
 def iter_tables(
     file: InputFile, batch_rows: int = 1000, columns: Sequence[str] | None = None
 ) -> Iterator[pa.Table]:
-    """Yield the rows of ``file`` as tables of at most ``batch_rows`` rows (only ``columns`` if given).
-
-    Parquet and Arrow files are streamed with plain reads (memory bounded by one row group or record batch);
-    a JSON file is parsed whole, then cut into batches.
-    """
-    cols = list(columns) if columns is not None else None
-    if file.kind == "parquet":
-        # Buffered reads (see _ipc_batches); pre_buffer=False, or pyarrow keeps the column chunks it read cached
-        # until the file is closed, and memory grows with the file.
-        pf = pq.ParquetFile(file.path, pre_buffer=False)
-        yield from _rebatch(pf.iter_batches(batch_size=batch_rows, columns=cols), batch_rows)
-    elif file.kind == "arrow":
-        batches = _ipc_batches(file.path)
-        if cols is not None:
-            batches = (b.select(cols) for b in batches)
-        yield from _rebatch(batches, batch_rows)
-    else:
-        yield from _rebatch(_json_batches(file.path, cols), batch_rows)
-
-
-JSON_BLOCK_BYTES = 1 << 21
-
-
-def _json_batches(path: str, cols: list[str] | None) -> Iterator[pa.RecordBatch]:
-    """JSON lines streamed in 2 MiB blocks by Arrow's reader (memory bounded by a block, not the file);
-    when the types vary between blocks (or it is not JSON lines), the rest comes from :func:`_read_json`."""
-    import pyarrow.json as pj
-
-    done = 0
-    try:
-        reader = pj.open_json(path, read_options=pj.ReadOptions(block_size=JSON_BLOCK_BYTES))
-        for batch in reader:
-            batch = batch.select(cols) if cols is not None else batch
-            yield batch
-            done += batch.num_rows
-        return
-    except (pa.ArrowInvalid, KeyError):
-        pass
-    table = _read_json(path).slice(done)
-    yield from (table.select(cols) if cols is not None else table).to_batches()
+    """Yield the rows of ``file`` as tables of at most ``batch_rows`` rows (only ``columns`` if given)."""
+    for _, table in iter_part(Part(file), batch_rows, columns):
+        yield table
 
 
 def read_schema(file: InputFile) -> pa.Schema:
-    """The columns of ``file`` (of a JSON file: its first block's, or the whole file's if that block is unusual)."""
+    """The columns of ``file`` (for JSON, those of its first block: JSON has no schema)."""
     if file.kind == "parquet":
         return pq.read_schema(file.path)
     if file.kind == "arrow":
         return IpcReader(pa.memory_map(file.path, "r")).schema
-    import pyarrow.json as pj
-
-    try:
-        return pj.open_json(file.path, read_options=pj.ReadOptions(block_size=JSON_BLOCK_BYTES)).schema
-    except pa.ArrowInvalid:
-        return _read_json(file.path).schema
+    for _, table in iter_part(Part(file), 64):
+        return table.schema
+    return pa.schema([])
 
 
 def count_rows(file: InputFile) -> int | None:

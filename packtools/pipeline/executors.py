@@ -2,7 +2,7 @@
 
 They share one interface, :meth:`Executor.run`, which yields ``(index, outcome)`` pairs as jobs finish, where
 ``outcome`` is the function's return value or the exception it raised.  An executor never retries and never
-raises a job's exception: retrying and reporting are the caller's business (see :func:`packtools.pack_shards`),
+raises a job's exception: retrying and reporting are the caller's business (see :func:`packtools.pipeline.run.run_jobs`),
 so every executor behaves the same way.
 
 >>> with get_executor("local") as ex:
@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
@@ -60,26 +61,65 @@ class PoolExecutor(Executor):
     """A local pool of ``workers`` processes started with ``spawn`` (safe with threads and Numba).
 
     ``fn`` and the jobs must be picklable and importable (module-level), and a script using it needs the usual
-    ``if __name__ == "__main__":`` guard.  A fresh pool serves each :meth:`run` call, so a worker that died
-    (e.g. killed for memory) fails only the jobs of that call, and a retry gets new processes.
+    ``if __name__ == "__main__":`` guard.  The pool is started on the first :meth:`run` and kept for the next
+    ones (worker start-up, the import of packtools and a tokenizer, is paid once); a pool that lost a worker
+    (e.g. one killed for memory) fails the jobs in flight and is replaced by a fresh one on the next call.
+    Workers ignore Ctrl-C: the driver handles it and stops them.
     """
 
     name = "pool"
 
     def __init__(self, workers: int | None = None) -> None:
         self.workers = _check_workers(workers) or os.cpu_count() or 1
+        self._pool: ProcessPoolExecutor | None = None
+
+    def _get_pool(self) -> ProcessPoolExecutor:
+        if self._pool is not None and getattr(self._pool, "_broken", False):
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        if self._pool is None:
+            ctx = multiprocessing.get_context("spawn")
+            self._pool = ProcessPoolExecutor(
+                max_workers=self.workers, mp_context=ctx, initializer=_worker_init
+            )
+        return self._pool
 
     def run(self, fn: Callable[[Any], Any], jobs: Sequence[Any]) -> Iterator[tuple[int, Any]]:
         if not jobs:
             return
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=min(self.workers, len(jobs)), mp_context=ctx) as pool:
+        pool = self._get_pool()
+        finished = False
+        try:
             futures = {pool.submit(fn, job): i for i, job in enumerate(jobs)}
             for fut in as_completed(futures):
                 try:
                     yield futures[fut], fut.result()
                 except Exception as exc:  # noqa: BLE001 - includes BrokenProcessPool
                     yield futures[fut], exc
+            finished = True
+        finally:
+            if not finished:  # interrupted, or the caller stopped on an error: stop the workers now
+                self._terminate()
+
+    def _terminate(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            proc.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _worker_init() -> None:
+    """In each pool worker: leave Ctrl-C to the driver (which stops the pool), and tokenize on one thread
+    (the pool is the parallelism)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 class RayExecutor(Executor):
@@ -113,14 +153,21 @@ class RayExecutor(Executor):
         ray = self.ray
         task = ray.remote(num_cpus=1, max_retries=0, retry_exceptions=False)(_call)
         pending = {task.remote(fn, job): i for i, job in enumerate(jobs)}
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            for ref in done:
-                i = pending.pop(ref)
+        try:
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1)
+                for ref in done:
+                    i = pending.pop(ref)
+                    try:
+                        yield i, ray.get(ref)
+                    except Exception as exc:  # noqa: BLE001 - RayTaskError, WorkerCrashedError, ...
+                        yield i, getattr(exc, "cause", None) or exc
+        finally:
+            for ref in pending:  # interrupted, or the caller stopped on an error
                 try:
-                    yield i, ray.get(ref)
-                except Exception as exc:  # noqa: BLE001 - RayTaskError, WorkerCrashedError, ...
-                    yield i, getattr(exc, "cause", None) or exc
+                    ray.cancel(ref, force=True)
+                except Exception:  # noqa: BLE001, S110 - already finished or gone
+                    pass
 
     def close(self) -> None:
         if self._started and self.ray.is_initialized():
@@ -152,3 +199,23 @@ def get_executor(
     if name == "ray":
         return RayExecutor(address, workers)
     raise PackingError(f"executor={name!r} is not an executor; use one of {', '.join(EXECUTORS)}.")
+
+
+#: Exceptions that a lost worker raises rather than the job itself: worth trying again.
+TRANSIENT = frozenset(
+    {
+        "BrokenProcessPool",
+        "WorkerCrashedError",
+        "NodeDiedError",
+        "LocalRayletDiedError",
+        "OwnerDiedError",
+        "ObjectLostError",
+        "ActorDiedError",
+        "RaySystemError",
+    }
+)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` says a worker was lost (retry) rather than the job failing (deterministic: report)."""
+    return any(cls.__name__ in TRANSIENT for cls in type(exc).__mro__)

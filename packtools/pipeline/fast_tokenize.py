@@ -220,6 +220,28 @@ class EngineReport:
         }
 
 
+def engine_summary(reports: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """One report for a run from its parts' (None for parts that were reused or not tokenized): the engine and
+    reason of the first part, the parts per engine, and the rows compared in all.
+
+    >>> r = {"engine": "x 1", "requested": "auto", "reason": "ok", "checked": {"rows_checked": 2}}
+    >>> engine_summary([r, None, r])["checked"], engine_summary([r])["parts_by_engine"]
+    ({'rows_checked': 4}, {'x 1': 1})
+    """
+    done = [r for r in reports if r]
+    if not done:
+        return None
+    by_engine: dict[str, int] = {}
+    checked: dict[str, int] = {}
+    for r in done:
+        by_engine[r["engine"]] = by_engine.get(r["engine"], 0) + 1
+        for k, v in r.get("checked", {}).items():
+            checked[k] = checked.get(k, 0) + v if k == "rows_checked" else max(checked.get(k, 0), v)
+    fallback = next((r for r in done if r["engine"] == "transformers"), None)
+    first = fallback if fallback is not None and len(by_engine) > 1 else done[0]
+    return {**first, "checked": checked, "parts_by_engine": by_engine}
+
+
 class FastEncoder:
     """Batch encoding of strings to a :class:`Ragged` with the fast engine, from a tokenizer folder.
 

@@ -1,5 +1,10 @@
-"""The out-of-core parts of the pipeline: a staging file, memory-mapped Arrow inputs, a gather that gives
-mapped pages back, and shard folders in the ``datasets.save_to_disk`` layout.
+"""Stage 3 of :func:`packtools.pack_files`: gather packed rows from memory-mapped data files and write them as
+shards of a ``datasets.save_to_disk`` folder.
+
+:func:`write_block` runs one :class:`WriteJob` (one block of rows of the global plan) on any executor: it maps
+only the files the block reads, copies the block's segments chunk by chunk, drops each chunk's mapped pages
+once copied (so memory holds one block, whatever the token count), and writes one Arrow stream shard under a
+temporary name renamed into place.  The bytes depend on the plan and the data only.
 
 >>> import os, tempfile, pyarrow as pa
 >>> folder = ShardFolder(tempfile.mkdtemp())
@@ -15,14 +20,15 @@ import json
 import mmap
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from ..constants import IGNORE_INDEX
 from ..core.arrow import ListColumn
-from ..errors import PackingError
+from ..core.pack import pack_columns, read_columns
+from ..core.plan import PackPlan
 from ..io.files import IpcReader
 from ..io.pages import PageReleaser
 
@@ -54,25 +60,38 @@ class ShardFolder:
         self.paths.append(path)
         self.schema = table.schema
 
-    def finish(self, empty_schema: pa.Schema) -> list[str]:
+    def finish(self, empty_schema: pa.Schema, fingerprint: str = "") -> list[str]:
         if not self.paths:
             self.write(empty_schema.empty_table())
         n = len(self.paths)
-        names = [f"data-{i:05d}-of-{n:05d}.arrow" for i in range(n)]
+        names = [shard_name(i, n) for i in range(n)]
         for path, name in zip(self.paths, names):
             os.replace(path, os.path.join(self.folder, name))
-        state = {
-            "_data_files": [{"filename": name} for name in names],
-            "_fingerprint": hashlib.sha256("".join(names).encode() + self.folder.encode()).hexdigest()[:16],
-            "_format_columns": None,
-            "_format_kwargs": {},
-            "_format_type": None,
-            "_output_all_columns": False,
-            "_split": None,
-        }
-        write_json(os.path.join(self.folder, "state.json"), state)
-        write_json(os.path.join(self.folder, "dataset_info.json"), {"description": "packed by packtools"})
+        write_dataset_files(self.folder, names, fingerprint)
         return names
+
+
+def shard_name(i: int, n: int) -> str:
+    return f"data-{i:05d}-of-{n:05d}.arrow"
+
+
+def write_dataset_files(folder: str, names: Sequence[str], fingerprint: str) -> None:
+    """``state.json`` and ``dataset_info.json`` of a ``datasets.save_to_disk`` folder holding shards ``names``.
+
+    ``fingerprint`` (the run's, from its inputs and options) becomes the dataset's ``_fingerprint``: the files
+    are the same bytes for the same run wherever and however it ran."""
+    digest = hashlib.sha256((fingerprint + "".join(names)).encode()).hexdigest()[:16]
+    state = {
+        "_data_files": [{"filename": name} for name in names],
+        "_fingerprint": digest,
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": None,
+    }
+    write_json(os.path.join(folder, "state.json"), state)
+    write_json(os.path.join(folder, "dataset_info.json"), {"description": "packed by packtools"})
 
 
 # -- memory-mapped staged tokens -----------------------------------------------------------------------
@@ -124,59 +143,48 @@ class MappedArrow:
         self._maps = []
 
 
-class Staging:
-    """Appends token tables to an Arrow IPC file, in record batches of up to ``batch_rows`` rows / ``batch_bytes``."""
+# -- one block of output rows (runs in a worker) -----------------------------------------------------------
+@dataclass(frozen=True)
+class WriteJob:
+    """Rows of the global plan to gather and write as one shard (picklable).
 
-    def __init__(self, path: str, batch_rows: int = 65536, batch_bytes: int = 1 << 26) -> None:
-        self.path, self.batch_rows, self.batch_bytes = path, batch_rows, batch_bytes
-        self.pending: list[pa.Table] = []
-        self.pending_rows = self.pending_bytes = 0
-        self.writer: Any = None
-        self.sink: Any = None
-        self.schema: pa.Schema | None = None
+    ``seg_*`` and ``row_offsets`` are that block of the plan (sources are global row numbers); ``sources`` are
+    the data files it reads, as ``(path, first global row, rows)``.
+    """
 
-    def append(self, table: pa.Table) -> None:
-        if self.schema is None:
-            self.schema = table.schema
-            self.sink = pa.OSFile(self.path, "wb")
-            self.writer = pa.ipc.new_file(self.sink, self.schema)
-        elif table.schema != self.schema:
-            try:
-                table = table.cast(self.schema)
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as exc:
-                raise PackingError(
-                    f"input files disagree on columns or types: {table.schema} vs {self.schema} ({exc})."
-                ) from None
-        self.pending.append(table)
-        self.pending_rows += table.num_rows
-        self.pending_bytes += table.nbytes
-        if self.pending_rows >= self.batch_rows or self.pending_bytes >= self.batch_bytes:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.pending:
-            self.writer.write_table(pa.concat_tables(self.pending).combine_chunks())
-            self.pending, self.pending_rows, self.pending_bytes = [], 0, 0
-
-    def close(self, schema: pa.Schema) -> None:
-        if self.writer is None:
-            self.append(schema.empty_table())
-        self.flush()
-        self.writer.close()
-        self.sink.close()
+    path: str
+    max_length: int
+    strategy: str
+    columns: tuple[str, ...]
+    sources: tuple[tuple[str, int, int], ...]
+    seg_source: np.ndarray
+    seg_start: np.ndarray
+    seg_length: np.ndarray
+    row_offsets: np.ndarray
 
 
-# -- plans and labels ----------------------------------------------------------------------------------
-def first_loss(labels: ListColumn, mapped: MappedArrow) -> np.ndarray:
-    """Per row, the position of the first token with a label (not -100); the row length if there is none."""
-    parts = []
-    for chunk in labels.chunks:
-        lengths = np.diff(chunk.offsets)
-        first = lengths.copy()
-        idx = np.flatnonzero(chunk.values[: chunk.offsets[-1]] != IGNORE_INDEX)
-        rows = np.searchsorted(chunk.offsets, idx, side="right") - 1
-        uniq, where = np.unique(rows, return_index=True)
-        first[uniq] = idx[where] - chunk.offsets[uniq]
-        parts.append(first)
-        mapped.release(chunk.values)
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+def write_block(job: WriteJob) -> dict[str, Any]:
+    """Gather one block of packed rows from the (memory-mapped) data files and write it to ``job.path``, via a
+    temporary name in the same folder.  Returns ``{"rows", "bytes"}``."""
+    mapped = MappedArrow([p for p, _, _ in job.sources], job.columns)
+    try:
+        cols, lengths = read_columns(mapped.table, list(job.columns))
+        local_start = np.cumsum([0] + [n for _, _, n in job.sources[:-1]]).astype(np.int64)
+        global_start = np.array([r for _, r, _ in job.sources], np.int64)
+        which = np.searchsorted(global_start, job.seg_source, side="right") - 1
+        local = (job.seg_source - global_start[which] + local_start[which]).astype(np.int64)
+        p = PackPlan(
+            job.max_length, job.strategy, local, job.seg_start, job.seg_length, job.row_offsets, lengths
+        )
+        table = pack_columns(cols, p, release=mapped.release)
+    finally:
+        mapped.close()
+    tmp = f"{job.path}.tmp-{os.getpid()}"
+    try:
+        write_shard(tmp, table)
+        os.replace(tmp, job.path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return {"rows": table.num_rows, "bytes": os.path.getsize(job.path)}

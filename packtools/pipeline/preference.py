@@ -1,4 +1,4 @@
-"""Preference data (``prompt``/``chosen``/``rejected``): truncated or filtered to fit, not packed."""
+"""Preference data (``prompt``/``chosen``/``rejected``) in the pipeline: packed by pairs (:mod:`packtools.core.pairs`)."""
 
 from __future__ import annotations
 
@@ -8,98 +8,60 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..core import ragged
-from ..errors import PackingError
 from .gather import ShardFolder
 from .tokenize import output_columns
 
 
-def fit_preference(
-    prompt: ragged.Ragged,
-    chosen: ragged.Ragged,
-    rejected: ragged.Ragged,
-    max_length: int,
-    overlong: str,
-    max_prompt_length: int | None = None,
-) -> tuple[list[ragged.Ragged], np.ndarray, dict[str, int]]:
-    """Make preference pairs fit ``max_length``: truncate or drop (``overlong``).
+def write_packed_preference(
+    batches: Iterator[pa.Table], folder: str, config: Any, fingerprint: str = ""
+) -> dict[str, Any]:
+    """Tokenized preference batches to packed pair rows (:func:`packtools.core.pairs.pack_pairs`), in shards.
 
-    ``truncate``: the prompt keeps its *last* ``max_prompt_length`` tokens (default ``max_length // 2``), then
-    each completion keeps its *first* ``max_length - kept prompt`` tokens.  ``drop``: pairs whose prompt plus
-    longer completion exceeds ``max_length`` are removed.  Returns the new columns, the kept-row mask and counts.
-
-    >>> from packtools.core.ragged import from_lists, to_lists
-    >>> cols, keep, counts = fit_preference(
-    ...     from_lists([[1, 2, 3, 4]]), from_lists([[5, 6, 7]]), from_lists([[8]]), 5, "truncate", 2)
-    >>> [to_lists(c) for c in cols], counts["prompts_truncated"], counts["chosen_truncated"]
-    ([[[3, 4]], [[5, 6, 7]], [[8]]], 1, 0)
+    The tokenized pairs are gathered in memory (pair data is small next to pre-training corpora), then packed
+    with one global plan: ``max_length`` bounds each packed row, and each pair keeps ``2 * prompt + chosen +
+    rejected <= max_length`` under ``overlong`` (truncate: the prompt keeps its end, the completions their
+    start; drop).  Rows are written ``shard_tokens`` at a time; ``fingerprint`` names the dataset in
+    ``state.json``.  A separate step of the engine (:func:`packtools.pipeline.run.run_pipeline`).
     """
-    lp, lc, lr = prompt.lengths, chosen.lengths, rejected.lengths
-    n = prompt.num_rows
-    if overlong == "drop":
-        keep = lp + np.maximum(lc, lr) <= max_length
-        counts = {"pairs_dropped": int(n - keep.sum()), "tokens_dropped": int((lp + lc + lr)[~keep].sum())}
-        return [ragged.select(r, keep) for r in (prompt, chosen, rejected)], keep, counts
-    if overlong != "truncate":
-        raise PackingError(
-            f"overlong={overlong} does not apply to preference data; use truncate or drop.", param="overlong"
-        )
-    budget = max_prompt_length if max_prompt_length is not None else max_length // 2
-    kp = np.minimum(lp, budget)
-    room = max_length - kp
-    kc, kr = np.minimum(lc, room), np.minimum(lr, room)
-    cols = [
-        ragged.window(prompt, lp - kp, kp),
-        ragged.window(chosen, np.zeros(n, np.int64), kc),
-        ragged.window(rejected, np.zeros(n, np.int64), kr),
-    ]
-    counts = {
-        "prompts_truncated": int((kp < lp).sum()),
-        "chosen_truncated": int((kc < lc).sum()),
-        "rejected_truncated": int((kr < lr).sum()),
-        "tokens_dropped": int((lp - kp).sum() + (lc - kc).sum() + (lr - kr).sum()),
-    }
-    return cols, np.ones(n, bool), counts
+    from ..core.pairs import PAIR_COLUMNS, pack_pairs
 
-
-def write_preference(batches: Iterator[pa.Table], folder: str, config: Any) -> dict[str, Any]:
-    policy = config.overlong or "truncate"
-    shards = ShardFolder(folder)
-    pending: list[pa.Table] = []
-    pending_tokens = 0
-    totals: dict[str, int] = {}
-    rows_in = rows_out = tokens_in = tokens_kept = 0
     names = output_columns("preference")
-    for table in batches:
-        parts = [ragged.from_arrow(table.column(n), n) for n in names]
-        cols, keep, counts = fit_preference(*parts, config.max_length, policy, config.max_prompt_length)
-        for k, v in counts.items():
-            totals[k] = totals.get(k, 0) + v
-        out = pa.table({n: ragged.to_arrow(c) for n, c in zip(names, cols)})
-        rows_in += table.num_rows
-        rows_out += out.num_rows
-        tokens_in += sum(int(p.values.shape[0]) for p in parts)
-        kept = sum(int(c.values.shape[0]) for c in cols)
-        tokens_kept += kept
-        pending.append(out)
-        pending_tokens += kept
-        if pending_tokens >= config.shard_tokens:
-            shards.write(pa.concat_tables(pending).combine_chunks())
-            pending, pending_tokens = [], 0
-    if pending:
-        shards.write(pa.concat_tables(pending).combine_chunks())
-    schema = pa.schema([(n, pa.list_(pa.int32())) for n in names])
-    shards.finish(schema)
+    tables = [t.select(names).rename_columns(list(PAIR_COLUMNS)) for t in batches]
+    schema = pa.schema([(n, pa.list_(pa.int32())) for n in PAIR_COLUMNS])
+    table = pa.concat_tables(tables).combine_chunks() if tables else schema.empty_table()
+    packed, report = pack_pairs(
+        table,
+        config.max_length,
+        overlong=config.overlong or "truncate",
+        max_prompt_length=config.max_prompt_length,
+        shuffle=config.shuffle,
+        seed=config.seed,
+    )
+    shards = ShardFolder(folder)
+    lengths = np.diff(np.asarray(packed.column("input_ids").combine_chunks().offsets))
+    bounds = np.concatenate(([0], np.cumsum(lengths)))
+    start = 0
+    while start < packed.num_rows:
+        stop = max(
+            int(np.searchsorted(bounds, bounds[start] + config.shard_tokens, side="right")) - 1, start + 1
+        )
+        shards.write(packed.slice(start, stop - start))
+        start = stop
+    shards.finish(packed.schema, fingerprint)
     return {
-        "rows_in": rows_in,
-        **{
-            k: totals.get(k, 0)
-            for k in ("pairs_dropped", "prompts_truncated", "chosen_truncated", "rejected_truncated")
-        },
-        "rows_out": rows_out,
-        "tokens_in": tokens_in,
-        "tokens_kept": tokens_kept,
-        "tokens_dropped": tokens_in - tokens_kept,
+        "rows_in": report.pairs_in,
+        "pairs_dropped": report.pairs_dropped,
+        "pairs_truncated": report.pairs_truncated,
+        "prompts_truncated": report.prompts_truncated,
+        "chosen_truncated": report.chosen_truncated,
+        "rejected_truncated": report.rejected_truncated,
+        "pairs_out": report.pairs_out,
+        "rows_out": report.rows,
+        "lower_bound": report.lower_bound,
+        "fill": report.fill,
+        "tokens_in": report.tokens_in,
+        "tokens_kept": report.tokens_kept,
+        "tokens_dropped": report.tokens_dropped,
         "shards": len(shards.paths),
-        "packed": False,
+        "packed": True,
     }

@@ -1,37 +1,42 @@
-"""Offline preprocessing in one call: raw or tokenized files to packed shards on disk, out of core.
+"""The file-packing engine behind ``packtools pack`` and :func:`packtools.pack_files`.
 
-``pack_files(inputs, out, max_length, strategy, ...)`` runs three steps:
+One run, whatever executes it:
 
-1. **Stage**: read the inputs in batches, tokenize them (unless already tokenized) and append the token
-   columns to one uncompressed Arrow IPC file inside a temporary folder next to ``out``.
-2. **Plan**: memory-map the staged file, read the row lengths from its offsets (no token is touched), apply
-   the ``overlong`` policy to the lengths and plan globally (:func:`packtools.plan`).
-3. **Write**: cut the plan into slices of at most ``shard_tokens`` tokens; for each slice gather the packed
-   rows from the mapped file and write them as one Arrow stream shard, then drop the mapped pages, so memory
-   holds O(rows) of lengths and plan plus one slice, whatever the token count.
+1. **Discover** the input files and cut them into parts (parquet row groups, JSON-lines byte ranges, whole
+   files; :func:`packtools.io.files.split_file`).
+2. **Stage** every part on the executor: read it in blocks, tokenize raw rows (or check and cast tokenized
+   ones), write its token columns to a staged Arrow file plus a sidecar of row lengths
+   (:mod:`packtools.pipeline.stage`).  Staged parts are cached by a key of everything that decides them.
+3. **Plan** on the driver, from lengths alone (O(rows) memory, no token touched): apply the ``overlong``
+   policy, optionally drop rows without a label token, and make **one global plan** (``plan="shards"``
+   instead plans each part on its own, for lengths that do not fit one machine; see
+   :data:`PLANS`).
+4. **Gather and write** on the executor: the plan cut into blocks of at most ``shard_tokens`` tokens, each
+   gathered from the memory-mapped staged files and written as one shard
+   (:mod:`packtools.pipeline.gather`).
+5. **Install**: ``manifest.json``, ``state.json`` and ``dataset_info.json`` are written and the finished folder
+   is renamed to ``out`` (see :mod:`packtools.pipeline.workspace` for the lock and crash safety).
 
-The output folder is what ``datasets.Dataset.save_to_disk`` writes (``data-XXXXX-of-NNNNN.arrow`` stream
-files, ``state.json``, ``dataset_info.json``): ``datasets.load_from_disk(out)`` opens it memory-mapped, and
-``pyarrow.ipc.open_stream`` reads each shard.  ``manifest.json`` records the configuration, the inputs'
-fingerprint (absolute path, size and mtime of every file, plus a content hash of the tokenizer folder), the
-packtools version and the statistics; a rerun whose fingerprint matches does nothing.  Everything is written
-to a temporary folder renamed to ``out`` at the end, so an interrupted run leaves no output folder.
+The executor (``local``, ``pool``, ``ray``) decides where stages 2 and 4 run and nothing else: the output
+folder is the same bytes whichever runs it, and ``datasets.load_from_disk(out)`` opens it.  The manifest holds
+only what decides the output (configuration, input fingerprints, packtools and format versions) and its
+statistics, so a rerun whose fingerprint matches does nothing; timings are returned, not written.
 
-Preference data (``prompt``/``chosen``/``rejected``) is not packed: the output holds ``prompt_input_ids``,
-``chosen_input_ids`` and ``rejected_input_ids``, one row per kept pair, truncated or filtered to fit
-``max_length`` (see :func:`packtools.pipeline.preference.fit_preference`).
+Preference data (``prompt``/``chosen``/``rejected``) is staged the same way and then written as pairs by
+:func:`packtools.pipeline.preference.write_packed_preference`: each pair's ``[prompt + chosen][prompt +
+rejected]`` side by side in a row, never split (``input_ids``, ``completion_mask``, ``seq_lengths``; see
+:func:`packtools.pack_preference`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import contextlib
+import errno
 import os
-import shutil
-import tempfile
+import signal
+import threading
 import time
-from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -39,32 +44,31 @@ import numpy as np
 import pyarrow as pa
 
 from .._progress import progress
-from ..constants import MANIFEST, __version__
+from ..constants import MANIFEST, SEQ_LENGTHS, __version__
 from ..core.arrow import is_list_type
-from ..core.pack import pack_columns, read_columns
-from ..core.plan import check_max_length, check_strategy
+from ..core.plan import PackPlan, check_max_length, check_strategy
 from ..core.plan import plan as make_plan
 from ..errors import PackingError
-from ..io.files import InputFile, count_rows, discover, iter_tables, read_schema
-from .fast_tokenize import check_engine
-from .gather import (
-    MappedArrow,
-    ShardFolder,
-    Staging,
-    first_loss,
-    write_json,
-)
-from .preference import write_preference
-from .prefetch import prefetch
-from .tokenize import FORMATS, detect_format, output_columns
+from ..io.files import InputFile, Part, discover, read_schema, split_file
+from ..io.fingerprint import cache_key
+from ..io.manifest import MANIFEST_FORMAT, read_manifest, write_manifest
+from .executors import EXECUTORS, Executor, get_executor, is_transient
+from .fast_tokenize import check_engine, engine_summary
+from .gather import WriteJob, shard_name, write_block, write_dataset_files
+from .stage import StageJob, load_sidecar, stage_key, stage_part
+from .tokenize import FORMATS, detect_format, input_columns, output_columns
+from .workspace import Workspace, checkpoint
 
 OVERLONG = ("truncate", "drop", "split")
-STAGED = "_staged.arrow"
+#: ``global``: one plan over every row (the default; fewest rows).  ``shards``: each part planned on its own
+#: and the plans put one after the other; costs a few rows per part (< 0.01% with parts of >= 100k rows).
+PLANS = ("global", "shards")
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """Everything that decides the output (``num_proc`` and ``quiet`` do not, and are not fingerprinted)."""
+    """Everything that decides the output.  Where it runs (executor, workers) and ``quiet`` do not, and are not
+    fingerprinted."""
 
     max_length: int
     strategy: str = "bfd"
@@ -77,6 +81,10 @@ class PipelineConfig:
     shuffle: bool = False
     seed: int = 0
     shard_tokens: int = 1 << 24
+    plan: str = "global"
+    drop_unlabeled: bool = False
+    part_rows: int = 1 << 17
+    part_bytes: int = 1 << 26
     # auto | fast | transformers: the same ids either way (proven), so it is not fingerprinted
     tokenizer_engine: str = "auto"
 
@@ -94,7 +102,7 @@ class PipelineConfig:
             )
         if self.overlong == "split" and self.strategy == "bfd":
             raise PackingError(
-                "overlong=split needs strategy=bfd_split (or wrapped); bfd keeps one piece per sequence.",
+                "overlong='split' needs strategy='bfd_split' (or 'wrapped'); bfd keeps one piece per sequence.",
                 param="overlong",
             )
         if self.max_prompt_length is not None and not 0 < self.max_prompt_length < self.max_length:
@@ -102,8 +110,11 @@ class PipelineConfig:
                 f"max_prompt_length={self.max_prompt_length} must be in [1, max_length={self.max_length}).",
                 param="max_prompt_length",
             )
-        if self.shard_tokens < 1:
-            raise PackingError(f"shard_tokens must be >= 1, got {self.shard_tokens}.")
+        if self.plan not in PLANS:
+            raise PackingError(f"plan={self.plan!r} is unknown; use one of {', '.join(PLANS)}.", param="plan")
+        for name in ("shard_tokens", "part_rows", "part_bytes"):
+            if getattr(self, name) < 1:
+                raise PackingError(f"{name} must be >= 1, got {getattr(self, name)}.", param=name)
 
     @property
     def overlong_policy(self) -> str:
@@ -113,17 +124,20 @@ class PipelineConfig:
 
 @dataclass
 class PipelineResult:
-    """What a run did: the output folder, its statistics and whether the manifest made it a no-op."""
+    """What a run did: the output folder, its statistics (also in the manifest), whether the manifest made it
+    a no-op, and how long each stage took where (``timings``: not in the manifest, which must not depend on
+    where the run went)."""
 
     out: str
     stats: dict[str, Any]
     cached: bool = False
     manifest: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, Any] = field(default_factory=dict)
 
 
-# -- fingerprint and manifest --------------------------------------------------------------------------
+# -- fingerprint and manifest ------------------------------------------------------------------------------
 def fingerprint(files: Sequence[InputFile], config: PipelineConfig) -> dict[str, Any]:
-    """What the manifest compares: config, input files (path, size, mtime), tokenizer content, version."""
+    """What the manifest compares: config, input files (path, size, mtime), tokenizer files, versions."""
     from .tokenize import tokenizer_fingerprint
 
     cfg = asdict(config)
@@ -131,149 +145,178 @@ def fingerprint(files: Sequence[InputFile], config: PipelineConfig) -> dict[str,
     cfg["overlong"] = config.overlong_policy
     del cfg["tokenizer_engine"]
     tok = tokenizer_fingerprint(config.tokenizer) if config.tokenizer else None
-    body = {"config": cfg, "inputs": [f.fingerprint() for f in files], "tokenizer_sha256": tok}
-    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-    return {"fingerprint": digest, "packtools_version": __version__, **body}
+    body = {
+        "manifest_format": MANIFEST_FORMAT,
+        "packtools_version": __version__,
+        "config": cfg,
+        "inputs": [f.fingerprint() for f in files],
+        "tokenizer_sha256": tok,
+    }
+    digest = cache_key("pack_files", MANIFEST_FORMAT, config=cfg, inputs=body["inputs"], tokenizer=tok)
+    return {"fingerprint": digest, **body}
 
 
-def read_manifest(out: str) -> dict[str, Any] | None:
-    path = os.path.join(out, MANIFEST)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as fh:
-        return json.load(fh)
-
-
-# -- step 1: stage ----------------------------------------------------------------------------------------
-def _single_threaded_worker() -> None:
-    """Worker processes each tokenize one batch at a time on one thread; num_proc is the parallelism."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-
-
-_WORKER_TOKENIZERS: dict[tuple[str, str, bool, str], Any] = {}
-
-
-def _tokenize_in_worker(key: tuple[str, str, bool, str], table: pa.Table, row: int) -> pa.Table:
-    """Tokenize one batch in a worker process, loading the tokenizer once per process."""
-    from .tokenize import BatchTokenizer
-
-    if key not in _WORKER_TOKENIZERS:
-        _WORKER_TOKENIZERS[key] = BatchTokenizer(*key)
-    return _WORKER_TOKENIZERS[key](table, row)
-
-
-def _token_batches(
-    files: Sequence[InputFile],
-    config: PipelineConfig,
-    fmt: str,
-    num_proc: int,
-    quiet: bool,
-    report: dict[str, Any] | None = None,
-) -> Iterator[pa.Table]:
-    """Token tables in input order: read (and tokenize, in ``num_proc`` processes) batch after batch.
-
-    Reading runs ahead in a thread.  ``report`` receives the tokenizer engine's report (which engine, why)."""
-    from .tokenize import input_columns
-
-    total = (
-        sum(n for n in (count_rows(f) for f in files) if n is not None)
-        if all(f.kind == "parquet" for f in files)
-        else None
-    )
-    bar = progress(total, "tokenize" if fmt != "tokenized" else "stage", quiet=quiet)
-    try:
-        if fmt == "tokenized":
-            for f in files:
-                for table in iter_tables(f, 8192, config.columns):
-                    bar.update(table.num_rows)
-                    yield table
-            return
-        from .tokenize import BatchTokenizer
-
-        if config.tokenizer is None:
+# -- checks before any work --------------------------------------------------------------------------------
+def _check_out(out: str, inputs: Sequence[str], files: Sequence[InputFile]) -> None:
+    for f in files:
+        if os.path.commonpath([out, f.path]) == out:
             raise PackingError(
-                f"format={fmt} needs a tokenizer: pass tokenizer=DIR (a local tokenizer folder).",
-                param="format",
+                f"out={out!r} contains the input {f.path!r}; write the output somewhere else.", param="out"
             )
-        tokenizer = BatchTokenizer(config.tokenizer, fmt, config.add_eos, config.tokenizer_engine)
-        if report is not None:
-            report.update(tokenizer.report.to_dict())
-        needed = input_columns(fmt)
+    for item in inputs:
+        folder = os.path.abspath(os.fspath(item))
+        if os.path.isdir(folder) and os.path.commonpath([out, folder]) == folder:
+            raise PackingError(
+                f"out={out!r} is inside the input folder {folder!r}, so a later run would read the packed output "
+                f"as input; write it outside the input folder.",
+                param="out",
+            )
+    if os.path.exists(out) and read_manifest(out) is None:
+        if not os.path.isdir(out):
+            raise PackingError(
+                f"out={out!r} exists and is a file, not a packtools output folder; remove it or choose another "
+                f"out (a folder).",
+                param="out",
+            )
+        if os.listdir(out):
+            raise PackingError(
+                f"out={out!r} exists and is not a packtools output (no {MANIFEST}); remove it or choose another "
+                f"folder.",
+                param="out",
+            )
 
-        def batches() -> Iterator[tuple[pa.Table, int]]:
-            row = 0
-            for f in files:
-                names = read_schema(f).names if f.kind != "json" else None
-                cols = [c for c in needed if names is None or c in names] if names is not None else None
-                for table in iter_tables(f, 1000, cols):
-                    yield table, row
-                    row += table.num_rows
 
-        if num_proc <= 1:
-            for table, row in prefetch(batches()):
-                yield tokenizer(table, row)
-                bar.update(table.num_rows)
-                if report is not None:
-                    report.update(tokenizer.report.to_dict())
-            return
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds threads (Rust, Numba)
-        with ProcessPoolExecutor(num_proc, mp_context=ctx, initializer=_single_threaded_worker) as pool:
-            inflight: deque = deque()
-            reader = prefetch(batches())
-            for table, row in reader:
-                # The first batch is tokenized here: it proves (or refuses) the fast engine, and the workers
-                # then use the engine this process chose (and stop rather than fall back if it disagrees).
-                yield tokenizer(table, row)
-                bar.update(table.num_rows)
-                if report is not None:
-                    report.update(tokenizer.report.to_dict())
-                break
-            engine = "fast" if tokenizer.fast is not None else "transformers"
-            for table, row in reader:
-                job = pool.submit(
-                    _tokenize_in_worker, (config.tokenizer, fmt, config.add_eos, engine), table, row
+def data_format(files: Sequence[InputFile], config: PipelineConfig) -> str:
+    """The input format, the same for every file: ``config.format`` (checked against each file's columns) or
+    detected per file from its columns; mixed formats are refused naming the files."""
+    seen: dict[str, str] = {}
+    for f in files:
+        names = read_schema(f).names
+        if config.format is not None:
+            needed = (
+                input_columns(config.format)
+                if config.format != "tokenized"
+                else (list(config.columns) if config.columns else ["input_ids"])
+            )
+            missing = [c for c in needed if c not in names]
+            if missing:
+                raise PackingError(
+                    f"input {f.path!r} lacks the columns {missing} that format={config.format!r} needs (it has "
+                    f"{names}); fix the file or leave it out."
                 )
-                inflight.append((job, table.num_rows))
-                if len(inflight) >= 2 * num_proc:
-                    fut, n = inflight.popleft()
-                    yield fut.result()
-                    bar.update(n)
-            while inflight:
-                fut, n = inflight.popleft()
-                yield fut.result()
-                bar.update(n)
-    finally:
-        bar.close()
+            continue
+        try:
+            fmt = detect_format(names)
+        except PackingError as exc:
+            raise PackingError(f"input {f.path!r}: {exc}", param=exc.param) from None
+        if seen and fmt not in seen:
+            other, first = next(iter(seen.items()))
+            raise PackingError(
+                f"mixed input formats: {f.path!r} is {fmt} data but {first!r} is {other}; pack them in separate "
+                f"runs (or convert them to one format)."
+            )
+        seen.setdefault(fmt, f.path)
+    return config.format or next(iter(seen))
 
 
-def _token_columns(files: Sequence[InputFile], config: PipelineConfig) -> list[str]:
+def token_schema(
+    files: Sequence[InputFile], config: PipelineConfig
+) -> tuple[list[str], list[str], list[str]]:
+    """For tokenized input: the token columns, their value types and the columns left out.
+
+    The column policy: ``config.columns`` if given, else every list column of the first file; other columns
+    (ids, strings) are left out and reported.  Token columns hold integer lists: floats are refused with the
+    fix.  Each keeps the first file's integer type (``int32`` when the first file is JSON); other files are
+    cast to it, and a value that does not fit is an error naming the file and column.
+    """
     schema = read_schema(files[0])
+    path = files[0].path
     if config.columns:
         missing = [c for c in config.columns if c not in schema.names]
         if missing:
             raise PackingError(
-                f"columns={missing} are not in {files[0].path!r}; it has {schema.names}.", param="columns"
+                f"columns={missing} are not in {path!r}; it has {schema.names}.", param="columns"
             )
-        return list(config.columns)
-    cols = [
-        f.name
-        for f in schema
-        if is_list_type(f.type)
-        and (pa.types.is_integer(f.type.value_type) or pa.types.is_floating(f.type.value_type))
-    ]
-    if "input_ids" not in cols:
+        names = list(config.columns)
+    else:
+        if SEQ_LENGTHS in schema.names:
+            raise PackingError(
+                f"{path!r} has a {SEQ_LENGTHS!r} column, so it is already packed; packing it again would merge its "
+                f"sequences. Pack the unpacked data (packtools.unpack), or pass columns=[...] to pack chosen columns."
+            )
+        names = [
+            f.name
+            for f in schema
+            if is_list_type(f.type) or pa.types.is_null(f.type) or f.name in ("input_ids", "labels")
+        ]
+    types = []
+    for name in names:
+        t = schema.field(name).type
+        vt = t.value_type if is_list_type(t) else None
+        if vt is None or not pa.types.is_integer(vt):
+            if vt is not None and pa.types.is_floating(vt):
+                fix = (
+                    f"token ids must be integers: cast the column to list<int32> (e.g. "
+                    f"table.cast(...), or in datasets: ds.cast_column({name!r}, Sequence(Value('int32'))))"
+                )
+            elif name == "input_ids" and pa.types.is_string(t):
+                fix = "it holds text, not token ids: pass format='text' and tokenizer=DIR to tokenize it"
+            else:
+                fix = "token columns hold lists of integers: cast it, or choose the token columns with columns=[...]"
+            if (
+                config.columns
+                or name in ("input_ids", "labels")
+                or (vt is not None and pa.types.is_floating(vt))
+            ):
+                raise PackingError(
+                    f"{path!r}: column {name!r} has type {t}; {fix}.",
+                    param="columns" if config.columns else None,
+                )
+            names = [n for n in names if n != name]
+            continue
+        types.append("int32" if files[0].kind == "json" else str(vt))
+    if "input_ids" not in names and not config.columns:
         raise PackingError(
-            f"{files[0].path!r} has no list column 'input_ids' (columns: {schema.names}); pass format= and "
-            f"tokenizer= for text, or columns= naming the token columns.",
+            f"{path!r} has no token column 'input_ids' (columns: "
+            f"{', '.join(f'{f.name} ({f.type})' for f in schema)}); pass format= and tokenizer= for text, or "
+            f"columns= naming the token columns.",
             param="columns",
         )
-    return cols
+    left_out = [n for n in schema.names if n not in names]
+    return names, types, left_out
 
 
-# -- step 2 + 3: plan and write ---------------------------------------------------------------------------
+# -- running jobs on an executor ---------------------------------------------------------------------------
+def run_jobs(
+    ex: Executor, fn: Callable[[Any], Any], jobs: Sequence[Any], desc: str, quiet: bool, retries: int
+) -> list[Any]:
+    """Run ``fn`` over ``jobs`` on ``ex``; results in job order.  A job whose worker was lost is tried again
+    (up to ``retries`` times); any other exception is raised at once (it would fail again)."""
+    results: list[Any] = [None] * len(jobs)
+    todo = list(range(len(jobs)))
+    bar = progress(len(jobs), desc, unit="parts" if desc == "stage" else "shards", quiet=quiet)
+    try:
+        for attempt in range(retries + 1):
+            lost = []
+            for k, outcome in ex.run(fn, [jobs[i] for i in todo]):
+                i = todo[k]
+                if isinstance(outcome, BaseException):
+                    if is_transient(outcome) and attempt < retries:
+                        lost.append(i)
+                        continue
+                    raise outcome
+                results[i] = outcome
+                bar.update(1)
+                checkpoint(f"{desc}:{sum(r is not None for r in results)}")
+            todo = sorted(lost)
+            if not todo:
+                break
+    finally:
+        bar.close()
+    return results
+
+
+# -- planning ----------------------------------------------------------------------------------------------
 def apply_overlong(lengths: np.ndarray, max_length: int, policy: str) -> tuple[np.ndarray, dict[str, int]]:
     """Lengths to plan with under ``policy``, and what it cut.
 
@@ -302,97 +345,86 @@ def apply_overlong(lengths: np.ndarray, max_length: int, policy: str) -> tuple[n
     return lengths, counts
 
 
-def _map_inputs(files: Sequence[InputFile], columns: Sequence[str]) -> MappedArrow | None:
-    """Map tokenized Arrow inputs directly when they need no staging copy (uncompressed, same types)."""
-    if not all(f.kind == "arrow" for f in files):
-        return None
-    try:
-        mapped = MappedArrow([f.path for f in files], columns)
-    except (pa.ArrowInvalid, KeyError, ValueError):
-        return None
-    try:
-        cols, _ = read_columns(mapped.table, None)
-        if mapped.zero_copy(cols):
-            return mapped
-    except (PackingError, pa.ArrowInvalid):
-        pass
-    mapped.close()
-    return None
-
-
-def _pack_mapped(mapped: MappedArrow, folder: str, config: PipelineConfig, quiet: bool) -> dict[str, Any]:
-    try:
-        cols, lengths = read_columns(mapped.table, None)
-        policy = config.overlong_policy
-        eff, counts = apply_overlong(lengths, config.max_length, policy)
-        rows_no_loss = 0
-        if "labels" in mapped.table.column_names:
-            # Rows with no label left after truncation would only cost compute: drop them.
-            first = first_loss(next(c for c in cols if c.name == "labels"), mapped)
-            kept = eff > 0
-            no_loss = kept & (first >= np.minimum(eff, lengths))
-            rows_no_loss = int(no_loss.sum())
-            eff = np.where(no_loss, 0, eff)
+def plan_parts(eff: np.ndarray, bounds: Sequence[int], config: PipelineConfig) -> PackPlan:
+    """One global plan of ``eff`` or, with ``config.plan == "shards"``, one plan per part
+    (rows ``bounds[i]:bounds[i + 1]``) put one after the other."""
+    if config.plan == "global" or len(bounds) <= 2:
         p = make_plan(eff, config.max_length, config.strategy)
-        if config.shuffle:
-            p = p.shuffled(config.seed)
-        shards = ShardFolder(folder)
-        slices = p.row_blocks(config.shard_tokens)
-        bar = progress(p.num_rows, "write", quiet=quiet)
-        for r0, r1 in slices:
-            shards.write(pack_columns(cols, p.slice_rows(r0, r1), release=mapped.release))
-            bar.update(r1 - r0)
-        bar.close()
-        empty = pack_columns(cols, p.slice_rows(0, 0)).schema
-        shards.finish(empty)
-        tokens_in = int(lengths.sum())
-        return {
-            "rows_in": int(lengths.shape[0]),
-            "rows_empty": int(np.count_nonzero(lengths == 0)),
-            "rows_no_loss": rows_no_loss,
-            **counts,
-            "rows_out": p.num_rows,
-            "sequences_packed": int(np.count_nonzero(eff)),
-            "lower_bound": p.lower_bound,
-            "tokens_in": tokens_in,
-            "tokens_kept": p.tokens_kept,
-            "tokens_dropped": tokens_in - p.tokens_kept,
-            "fill": p.fill,
-            "shards": len(slices) or 1,
-            "packed": True,
-        }
-    finally:
-        mapped.close()
+    else:
+        plans = [
+            make_plan(eff[a:b], config.max_length, config.strategy) for a, b in zip(bounds[:-1], bounds[1:])
+        ]
+        seg_offsets = np.cumsum([0] + [q.num_segments for q in plans])
+        p = PackPlan(
+            config.max_length,
+            config.strategy,
+            np.concatenate([q.seg_source + a for q, a in zip(plans, bounds[:-1])]),
+            np.concatenate([q.seg_start for q in plans]),
+            np.concatenate([q.seg_length for q in plans]),
+            np.concatenate([[0]] + [q.row_offsets[1:] + s for q, s in zip(plans, seg_offsets[:-1])]).astype(
+                np.int64
+            ),
+            eff,
+        )
+    return p.shuffled(config.seed) if config.shuffle else p
+
+
+def write_jobs(
+    p: PackPlan,
+    data: Sequence[str],
+    bounds: Sequence[int],
+    config: PipelineConfig,
+    columns: Sequence[str],
+    folder: str,
+) -> list[WriteJob]:
+    """The plan cut into blocks of at most ``shard_tokens`` tokens, one :class:`WriteJob` each."""
+    blocks = p.row_blocks(config.shard_tokens) or [(0, 0)]
+    starts = np.asarray(bounds[:-1], np.int64)
+    jobs = []
+    for i, (r0, r1) in enumerate(blocks):
+        s0, s1 = int(p.row_offsets[r0]), int(p.row_offsets[r1])
+        src = p.seg_source[s0:s1]
+        parts = np.unique(np.searchsorted(starts, src, side="right") - 1) if s1 > s0 else np.array([0])
+        jobs.append(
+            WriteJob(
+                os.path.join(folder, shard_name(i, len(blocks))),
+                config.max_length,
+                config.strategy,
+                tuple(columns),
+                tuple((data[k], int(bounds[k]), int(bounds[k + 1] - bounds[k])) for k in parts),
+                src,
+                p.seg_start[s0:s1],
+                p.seg_length[s0:s1],
+                p.row_offsets[r0 : r1 + 1] - s0,
+            )
+        )
+    return jobs
 
 
 # -- the whole run -----------------------------------------------------------------------------------------
-def _install(tmp: str, out: str) -> None:
-    """Move the finished folder ``tmp`` to ``out``, replacing an earlier packtools output there."""
-    old = None
-    if os.path.exists(out):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=os.path.dirname(out))
-        os.rmdir(old)
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def pack_files(
     inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     out: str | os.PathLike[str],
     max_length: int,
     strategy: str = "bfd",
     *,
-    num_proc: int = 1,
+    executor: str | Executor = "local",
+    workers: int | None = None,
+    address: str | None = None,
+    retries: int = 2,
+    num_proc: int | None = None,
     quiet: bool = True,
     **options: Any,
 ) -> PipelineResult:
     """Tokenize (if needed), truncate or filter, pack and write ``inputs`` to the folder ``out``.
 
     ``options`` are the other fields of :class:`PipelineConfig` (``tokenizer``, ``format``, ``overlong``,
-    ``columns``, ``add_eos``, ``max_prompt_length``, ``shuffle``, ``seed``, ``shard_tokens``); see the module
-    docstring for the steps and the output.  ``num_proc`` tokenizer processes; ``quiet=False`` shows progress.
+    ``columns``, ``add_eos``, ``max_prompt_length``, ``shuffle``, ``seed``, ``shard_tokens``, ``plan``,
+    ``drop_unlabeled``, ...); see the module docstring for the stages and the output.  ``executor``
+    (``"local"``, ``"pool"`` with ``workers`` processes, ``"ray"`` at ``address`` or a local Ray with
+    ``workers`` CPUs, or an :class:`~packtools.pipeline.executors.Executor`) runs the read/tokenize and
+    gather/write stages and changes nothing in the output.  ``num_proc=N`` is ``executor="pool",
+    workers=N``.  ``quiet=False`` shows progress.
 
     >>> import os, tempfile, pyarrow as pa, pyarrow.parquet as pq
     >>> d = tempfile.mkdtemp()
@@ -406,7 +438,17 @@ def pack_files(
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
     config = PipelineConfig(max_length=max_length, strategy=strategy, **options)
-    return run_pipeline(inputs, out, config, num_proc=num_proc, quiet=quiet)
+    return run_pipeline(
+        inputs,
+        out,
+        config,
+        executor=executor,
+        workers=workers,
+        address=address,
+        retries=retries,
+        num_proc=num_proc,
+        quiet=quiet,
+    )
 
 
 def run_pipeline(
@@ -414,85 +456,243 @@ def run_pipeline(
     out: str | os.PathLike[str],
     config: PipelineConfig,
     *,
-    num_proc: int = 1,
+    executor: str | Executor = "local",
+    workers: int | None = None,
+    address: str | None = None,
+    retries: int = 2,
+    num_proc: int | None = None,
     quiet: bool = True,
 ) -> PipelineResult:
     """:func:`pack_files` with a ready :class:`PipelineConfig`."""
     started = time.perf_counter()
-    out = os.path.abspath(os.fspath(out))
-    files = discover(inputs)
-    if any(os.path.commonpath([out, f.path]) == out for f in files):
+    if isinstance(executor, str) and executor not in EXECUTORS:
         raise PackingError(
-            f"out={out!r} contains an input file; write the output somewhere else.", param="out"
+            f"executor={executor!r} is unknown; use one of {', '.join(EXECUTORS)}.", param="executor"
         )
+    if num_proc is not None and num_proc > 1 and executor == "local":
+        executor, workers = "pool", num_proc
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise PackingError(f"retries={retries!r} must be an int >= 0.", param="retries")
+    out = os.path.abspath(os.fspath(out))
+    if config.tokenizer is not None:
+        from .tokenize import check_tokenizer_dir
+
+        tok_dir = check_tokenizer_dir(config.tokenizer)
+        if tok_dir != config.tokenizer:
+            config = PipelineConfig(**{**asdict(config), "tokenizer": tok_dir})
+    files = discover(inputs)
+    _check_out(out, [os.fspath(i) for i in inputs], files)
     fp = fingerprint(files, config)
     previous = read_manifest(out)
     if previous is not None and previous.get("fingerprint") == fp["fingerprint"]:
         return PipelineResult(out, previous.get("stats", {}), cached=True, manifest=previous)
-    if os.path.exists(out) and previous is None:
-        raise PackingError(
-            f"out={out!r} exists and is not a packtools output (no {MANIFEST}); remove it or pick another folder.",
-            param="out",
-        )
-    fmt = config.format or detect_format(read_schema(files[0]).names)
+    fmt = data_format(files, config)
     if fmt == "preference" and config.overlong == "split":
         raise PackingError(
-            "overlong=split does not apply to preference data; use truncate or drop.", param="overlong"
+            "overlong='split' does not apply to preference data; use truncate or drop.", param="overlong"
         )
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes the folder private; the output is meant to be shared
+    if fmt != "tokenized":
+        if config.tokenizer is None:
+            raise PackingError(
+                f"format={fmt!r} needs a tokenizer: pass tokenizer=DIR (a local tokenizer folder).",
+                param="tokenizer",
+            )
+        from .stage import preload_tokenizer
+
+        preload_tokenizer(config.tokenizer, fmt, config.add_eos)  # fails here, once, if it cannot load
+        columns, types, left_out = output_columns(fmt), ["int32"] * len(output_columns(fmt)), []
+    else:
+        columns, types, left_out = token_schema(files, config)
+
+    ws = Workspace(out)
+    ws.acquire()
     try:
-        if fmt == "tokenized":
-            config = PipelineConfig(**{**asdict(config), "columns": tuple(_token_columns(files, config))})
-        t0 = time.perf_counter()
-        engine_report: dict[str, Any] = {}
-        # Tokenizing runs ahead of writing the staged file (and reading ahead of tokenizing).
-        batches = prefetch(_token_batches(files, config, fmt, num_proc, quiet, engine_report))
-        if fmt == "preference":
-            stats = write_preference(batches, tmp, config)
-            tokenize_s = time.perf_counter() - t0
-            pack_s = 0.0
+        previous = read_manifest(out)  # a run that held the lock may have just written the same output
+        if previous is not None and previous.get("fingerprint") == fp["fingerprint"]:
+            result = PipelineResult(out, previous.get("stats", {}), cached=True, manifest=previous)
         else:
-            # Tokenized uncompressed Arrow inputs (e.g. save_to_disk folders) are mapped as they are;
-            # everything else is tokenized or copied into one uncompressed Arrow file first.
-            mapped = _map_inputs(files, config.columns) if fmt == "tokenized" else None
-            staged = None
-            if mapped is None:
-                staged = os.path.join(tmp, STAGED)
-                staging = Staging(staged)
-                for table in batches:
-                    staging.append(table)
-                names = list(config.columns) if fmt == "tokenized" else output_columns(fmt)
-                staging.close(pa.schema([(c, pa.list_(pa.int32())) for c in names]))
-                mapped = MappedArrow([staged])
-            tokenize_s = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            stats = _pack_mapped(mapped, tmp, config, quiet)
-            stats["staged"] = staged is not None
-            if staged is not None:
-                os.unlink(staged)
-            pack_s = time.perf_counter() - t1
-        if engine_report:
-            stats["tokenizer"] = engine_report
-        stats.update(
-            {
-                "format": fmt,
-                "strategy": config.strategy if stats["packed"] else None,
-                "max_length": config.max_length,
-                "overlong": config.overlong_policy if stats["packed"] else (config.overlong or "truncate"),
-                "stage_s": round(tokenize_s, 3),
-                "pack_s": round(pack_s, 3),
-                "time_s": round(time.perf_counter() - started, 3),
-            }
-        )
-        manifest = {**fp, "format": fmt, "stats": stats, "created_unix": int(time.time())}
-        write_json(os.path.join(tmp, MANIFEST), manifest)
-        _install(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+            result = _run(
+                files,
+                fmt,
+                columns,
+                types,
+                left_out,
+                config,
+                fp,
+                ws,
+                executor,
+                workers,
+                address,
+                retries,
+                quiet,
+            )
+            result.timings["time_s"] = round(time.perf_counter() - started, 3)
+            result.timings["took_over_from"] = ws.took_over
+    except Exception as exc:
+        with _signals_deferred():
+            ws.finish(ok=False, keep_stage=False)  # a fault: leave nothing behind
+        explained = _explain(exc, out)
+        if explained is exc:
+            raise
+        raise explained from exc
+    except BaseException as exc:  # Ctrl-C, or SIGTERM through the CLI: keep finished parts for the next run
+        with _signals_deferred():
+            ws.finish(ok=False, keep_stage=True)
+        kept = ws.staged_parts()
+        note = "no output was written"
+        if kept:
+            note += (
+                f"; {kept} finished part(s) kept in {ws.root} for the next run (delete it to free the space)"
+            )
+        try:
+            exc.packtools_note = note  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
         raise
-    return PipelineResult(out, stats, cached=False, manifest=manifest)
+    with _signals_deferred():
+        ws.finish(ok=True, keep_stage=False)
+    return result
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back while cleaning up (they are delivered right after)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _explain(exc: BaseException, out: str) -> BaseException:
+    """OS errors while writing, as one clear line naming the place and the fix."""
+    if isinstance(exc, PackingError) or not isinstance(exc, OSError):
+        return exc
+    place = exc.filename or out
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return PackingError(
+            f"no space left on the device while writing {place!r}; free some space or choose another out "
+            f"(nothing was left behind).",
+            param="out",
+        )
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return PackingError(
+            f"cannot write {place!r} ({exc.strerror}); choose an out in a folder you can write to.",
+            param="out",
+        )
+    return exc
+
+
+def _run(
+    files: Sequence[InputFile],
+    fmt: str,
+    columns: list[str],
+    types: list[str],
+    left_out: list[str],
+    config: PipelineConfig,
+    fp: dict[str, Any],
+    ws: Workspace,
+    executor: str | Executor,
+    workers: int | None,
+    address: str | None,
+    retries: int,
+    quiet: bool,
+) -> PipelineResult:
+    tok_fp = fp["tokenizer_sha256"]
+    parts: list[Part] = [p for f in files for p in split_file(f, config.part_rows, config.part_bytes)]
+    jobs = []
+    for part in parts:
+        key = stage_key(part, fmt, tuple(columns), tuple(types), tok_fp, config.add_eos)
+        jobs.append(
+            StageJob(
+                part,
+                fmt,
+                tuple(columns),
+                tuple(types),
+                config.tokenizer,
+                config.add_eos,
+                os.path.join(ws.stage, key + ".arrow"),
+                os.path.join(ws.stage, key + ".npz"),
+                single_threaded=getattr(executor, "name", executor) != "local",
+                tokenizer_engine=config.tokenizer_engine,
+            )
+        )
+    timings: dict[str, Any] = {"parts": len(parts)}
+    ex = get_executor(executor, workers, address)
+    timings["executor"] = ex.name
+    try:
+        t0 = time.perf_counter()
+        staged = run_jobs(ex, stage_part, jobs, "stage", quiet, retries)
+        timings["stage_s"] = round(time.perf_counter() - t0, 3)
+        timings["parts_reused"] = sum(bool(s["reused"]) for s in staged)
+        timings["parts_mapped"] = sum(s["data"] == j.part.file.path for s, j in zip(staged, jobs))
+        os.makedirs(ws.build)
+        if fmt == "preference":
+            from .preference import write_packed_preference
+            from .stage import iter_staged
+
+            t1 = time.perf_counter()
+            stats = write_packed_preference(
+                iter_staged([s["data"] for s in staged]), ws.build, config, fp["fingerprint"]
+            )
+            timings["write_s"] = round(time.perf_counter() - t1, 3)
+            stats.update(strategy="bfd (pairs)", overlong=config.overlong or "truncate", plan="global")
+        else:
+            t1 = time.perf_counter()
+            sidecars = [load_sidecar(j.sidecar) for j in jobs]
+            bounds = np.cumsum([0] + [s[0].shape[0] for s in sidecars]).tolist()
+            lengths = np.concatenate([s[0] for s in sidecars]).astype(np.int64)
+            eff, counts = apply_overlong(lengths, config.max_length, config.overlong_policy)
+            rows_unlabeled = 0
+            if "labels" in columns:
+                first = np.concatenate([s[1] for s in sidecars])
+                kept_len = lengths if config.overlong_policy == "split" else eff
+                unlabeled = (eff > 0) & (first >= kept_len)
+                rows_unlabeled = int(unlabeled.sum())
+                if config.drop_unlabeled:
+                    eff = np.where(unlabeled, 0, eff)
+            del sidecars
+            checkpoint("plan")
+            p = plan_parts(eff, bounds, config)
+            timings["plan_s"] = round(time.perf_counter() - t1, 3)
+            t2 = time.perf_counter()
+            wjobs = write_jobs(p, [s["data"] for s in staged], bounds, config, columns, ws.build)
+            run_jobs(ex, write_block, wjobs, "write", quiet, retries)
+            timings["write_s"] = round(time.perf_counter() - t2, 3)
+            write_dataset_files(ws.build, [os.path.basename(j.path) for j in wjobs], fp["fingerprint"])
+            tokens_in = int(lengths.sum())
+            stats = {
+                "rows_in": int(lengths.shape[0]),
+                "rows_empty": int(np.count_nonzero(lengths == 0)),
+                "rows_unlabeled": rows_unlabeled,
+                "rows_dropped_unlabeled": rows_unlabeled if config.drop_unlabeled else 0,
+                **counts,
+                "rows_out": p.num_rows,
+                "sequences_packed": int(np.count_nonzero(eff)),
+                "lower_bound": p.lower_bound,
+                "tokens_in": tokens_in,
+                "tokens_kept": p.tokens_kept,
+                "tokens_dropped": tokens_in - p.tokens_kept,
+                "fill": p.fill,
+                "shards": len(wjobs),
+                "packed": True,
+                "strategy": config.strategy,
+                "overlong": config.overlong_policy,
+                "plan": config.plan,
+            }
+    finally:
+        if ex is not executor:
+            ex.close()
+    stats.update(
+        {"format": fmt, "max_length": config.max_length, "columns": columns, "columns_left_out": left_out}
+    )
+    engines = engine_summary([s.get("tokenizer") for s in staged])
+    if engines:
+        stats["tokenizer"] = engines
+    manifest = {**fp, "format": fmt, "stats": stats}
+    write_manifest(ws.build, manifest)
+    ws.install()
+    return PipelineResult(ws.out, stats, cached=False, manifest=manifest, timings=timings)

@@ -33,8 +33,11 @@ def format_summary(results: list[tuple[PackPlan, float]]) -> str:
     return text_table(cells)
 
 
-def format_pipeline_summary(stats: dict[str, Any], out: str, cached: bool = False) -> str:
-    """The final table of a pipeline run (or of the cached run the manifest describes)."""
+def format_pipeline_summary(
+    stats: dict[str, Any], out: str, cached: bool = False, timings: dict[str, Any] | None = None
+) -> str:
+    """The final table of a pipeline run (or of the cached run the manifest describes); ``timings`` are the
+    run's :attr:`~packtools.pipeline.run.PipelineResult.timings` (none for a cached run)."""
 
     def n(key: str) -> str:
         return f"{stats.get(key, 0):,}"
@@ -46,20 +49,35 @@ def format_pipeline_summary(stats: dict[str, Any], out: str, cached: bool = Fals
         engine = stats["tokenizer"]
         cells.append(["tokenizer engine", f"{engine['engine']} ({engine['reason']})"])
     if stats.get("packed"):
-        cells.append(["strategy", f"{stats['strategy']}, overlong={stats['overlong']}"])
+        cells.append(
+            [
+                "strategy",
+                f"{stats['strategy']}, overlong={stats['overlong']}, plan={stats.get('plan', 'global')}",
+            ]
+        )
     else:
         cells.append(["overlong", str(stats.get("overlong"))])
     cells.append(["max_length", n("max_length")])
+    cols = ", ".join(stats.get("columns", []))
+    if stats.get("columns_left_out"):
+        cols += f" (left out: {', '.join(stats['columns_left_out'])})"
+    if cols:
+        cells.append(["columns", cols])
     cells.append(["rows in", n("rows_in")])
-    if stats.get("packed"):
-        dropped = stats["rows_dropped_overlong"] + stats["rows_no_loss"] + stats["rows_empty"]
+    if stats.get("packed") and "pairs_out" not in stats:
+        dropped = stats["rows_dropped_overlong"] + stats.get("rows_dropped_unlabeled", 0)
         cells.append(
             [
                 "rows dropped",
-                f"{dropped:,} (over-long {stats['rows_dropped_overlong']:,}, no label {stats['rows_no_loss']:,}, "
-                f"empty {stats['rows_empty']:,})",
+                f"{dropped:,} (over-long {stats['rows_dropped_overlong']:,}, without a label token "
+                f"{stats.get('rows_dropped_unlabeled', 0):,})",
             ]
         )
+        if stats.get("rows_unlabeled") and not stats.get("rows_dropped_unlabeled"):
+            cells.append(
+                ["rows without labels", f"{stats['rows_unlabeled']:,} (kept; --drop-unlabeled drops them)"]
+            )
+        cells.append(["empty rows", f"{stats['rows_empty']:,} (no tokens, nothing to pack)"])
         cells.append(["rows truncated", n("rows_truncated")])
         cells.append(["rows split", n("rows_split")])
         cells.append(["rows out (packed)", f"{stats['rows_out']:,} (lower bound {stats['lower_bound']:,})"])
@@ -72,14 +90,28 @@ def format_pipeline_summary(stats: dict[str, Any], out: str, cached: bool = Fals
                 f"rejected {stats['rejected_truncated']:,}",
             ]
         )
-        cells.append(["rows out", n("rows_out")])
+        if "pairs_out" in stats:  # preference pairs packed whole
+            cells.append(["pairs out", n("pairs_out")])
+            cells.append(
+                ["rows out (packed)", f"{stats['rows_out']:,} (lower bound {stats['lower_bound']:,})"]
+            )
+        else:
+            cells.append(["rows out", n("rows_out")])
     cells.append(["tokens in", n("tokens_in")])
     cells.append(["tokens kept", n("tokens_kept")])
     cells.append(["tokens dropped", n("tokens_dropped")])
     if stats.get("packed"):
         cells.append(["fill", f"{100 * stats['fill']:.2f}%"])
-    cells.append(
-        ["time", f"{stats['time_s']:.2f} s (stage {stats['stage_s']:.2f} s, pack {stats['pack_s']:.2f} s)"]
-    )
+    if timings:
+        parts = f"{timings.get('parts', 0):,} parts"
+        if timings.get("parts_reused"):
+            parts += f", {timings['parts_reused']:,} reused from an interrupted run"
+        cells.append(
+            [
+                "time",
+                f"{timings.get('time_s', 0):.2f} s on {timings.get('executor')} (stage {timings.get('stage_s', 0):.2f} s"
+                f" [{parts}], plan {timings.get('plan_s', 0):.2f} s, write {timings.get('write_s', 0):.2f} s)",
+            ]
+        )
     cells.append(["output", f"{out} ({stats['shards']} shard{'s' if stats['shards'] != 1 else ''})"])
     return text_table(cells)

@@ -48,6 +48,21 @@ FORMATS = INPUT_FORMATS
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
+Row = Any  # a row number, or a callable naming row i of a block (packtools.io.files.Where)
+
+
+def shift(first_row: Row, i: int) -> Row:
+    """Row ``i`` of a block that starts at ``first_row``."""
+    if callable(first_row):
+        return lambda j=0: first_row(i + j)
+    return first_row + i
+
+
+def at(first_row: Row, i: int = 0) -> str:
+    """Where row ``i`` of a block is, for error messages: ``input 'f.jsonl' line 7`` or ``row 7``."""
+    return first_row(i) if callable(first_row) else f"row {first_row + i}"
+
+
 def detect_format(columns: Sequence[str]) -> str:
     """Guess the format from column names.
 
@@ -90,17 +105,65 @@ def input_columns(fmt: str) -> list[str]:
     }[fmt]
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> Any:
-    """Load a fast tokenizer from a local directory (``save_pretrained`` output); never touches the network."""
-    path = os.fspath(path)
+#: Files that make up a tokenizer folder (what ``save_pretrained`` writes); the fingerprint reads only these.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+#: Tokenizer files larger than this are fingerprinted by size and mtime instead of content.
+HASH_LIMIT = 1 << 26
+
+
+def tokenizer_files(path: str) -> list[str]:
+    """The tokenizer files in folder ``path`` (see :data:`TOKENIZER_FILES`), sorted."""
+    names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(path, n))]
+    extra = os.path.join(path, "additional_chat_templates")
+    if os.path.isdir(extra):
+        names += sorted(os.path.join("additional_chat_templates", n) for n in os.listdir(extra))
+    return sorted(names)
+
+
+def check_tokenizer_dir(path: str | os.PathLike[str]) -> str:
+    """``path`` as an absolute folder that holds tokenizer files, or an error that says what to pass."""
+    path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
+        what = "does not exist" if not os.path.exists(path) else "is not a directory"
         raise PackingError(
-            f"tokenizer={path!r} is not a directory; give a local tokenizer folder (tokenizer.json, "
-            f"tokenizer_config.json), e.g. one written by tokenizer.save_pretrained(DIR).",
+            f"tokenizer={path!r} {what}; give a local tokenizer folder (tokenizer.json, tokenizer_config.json), "
+            f"e.g. one written by tokenizer.save_pretrained(DIR).",
             param="tokenizer",
         )
+    if not tokenizer_files(path):
+        raise PackingError(
+            f"tokenizer={path!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); give the "
+            f"folder tokenizer.save_pretrained(DIR) wrote (for a model checkpoint, its folder with tokenizer.json).",
+            param="tokenizer",
+        )
+    return path
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """Load a fast tokenizer from a local directory (``save_pretrained`` output); never touches the network."""
+    path = check_tokenizer_dir(path)
     transformers = require("transformers", "tokenizing text (--tokenizer)")
-    tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; say which folder and why
+        raise PackingError(
+            f"tokenizer={path!r}: transformers cannot load a tokenizer from it ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); check the folder's tokenizer files.",
+            param="tokenizer",
+        ) from exc
     if not getattr(tok, "is_fast", False):
         raise PackingError(
             f"tokenizer={path!r} loads a slow tokenizer; packtools needs a fast (Rust) one.",
@@ -110,31 +173,36 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
 
 
 def tokenizer_fingerprint(path: str | os.PathLike[str]) -> str:
-    """SHA-256 of the files of a tokenizer directory (names and contents)."""
+    """SHA-256 over the tokenizer's own files (:func:`tokenizer_files`): names and contents, or for a file over
+    :data:`HASH_LIMIT` bytes its size and mtime.  Model weights and other files in the folder are not read."""
+    path = os.fspath(path)
     h = hashlib.sha256()
-    for name in sorted(os.listdir(path)):
+    for name in tokenizer_files(path):
         full = os.path.join(path, name)
-        if os.path.isfile(full):
-            h.update(name.encode() + b"\0")
-            with open(full, "rb") as fh:
-                h.update(hashlib.sha256(fh.read()).digest())
+        st = os.stat(full)
+        h.update(name.encode() + b"\0")
+        if st.st_size > HASH_LIMIT:
+            h.update(f"size={st.st_size} mtime_ns={st.st_mtime_ns}".encode())
+            continue
+        with open(full, "rb") as fh:
+            h.update(hashlib.sha256(fh.read()).digest())
     return h.hexdigest()
 
 
-def _strings(table: pa.Table, name: str, first_row: int) -> list[str]:
+def _strings(table: pa.Table, name: str, first_row: Row) -> list[str]:
     values = table.column(name).to_pylist()
     for i, v in enumerate(values):
         if not isinstance(v, str):
             raise PackingError(
-                f"column {name!r} row {first_row + i} is {type(v).__name__}, not a string; fix or filter that row."
+                f"{at(first_row, i)}: column {name!r} is {type(v).__name__}, not a string; fix or filter that row."
             )
     return values
 
 
-def _clean_messages(conv: Any, name: str, row: int) -> list[dict[str, Any]]:
+def _clean_messages(conv: Any, name: str, row: Row) -> list[dict[str, Any]]:
     if not isinstance(conv, list) or not all(isinstance(m, dict) and "role" in m for m in conv):
         raise PackingError(
-            f"column {name!r} row {row} is not a list of messages ({{'role': ..., 'content': ...}}); fix that row."
+            f"{at(row)}: column {name!r} is not a list of messages ({{'role': ..., 'content': ...}}); fix that row."
         )
     return [{k: v for k, v in m.items() if v is not None} for m in conv]
 
@@ -246,7 +314,7 @@ class BatchTokenizer:
         self._audit_phase += n
         return range(start, n, fast_engine.AUDIT_EVERY), False
 
-    def _disagree(self, what: str, initial: bool, first_row: int) -> None:
+    def _disagree(self, what: str, initial: bool, first_row: Row) -> None:
         """The fast engine gave other tokens than transformers: fall back (initial proof, auto) or stop."""
         if initial and self.report.requested == "auto":
             self.fast = None
@@ -258,7 +326,7 @@ class BatchTokenizer:
             )
             return
         raise PackingError(
-            f"the fast tokenizer engine gave other tokens than transformers near input row {first_row} ({what}); "
+            f"{at(first_row)}: the fast tokenizer engine gave other tokens than transformers ({what}); "
             f"no output was written from it. Rerun with tokenizer_engine='transformers'.",
             param="tokenizer_engine",
         )
@@ -269,7 +337,7 @@ class BatchTokenizer:
         self.report.checked["rows_checked"] = self.report.checked.get("rows_checked", 0) + n
 
     # -- building blocks -------------------------------------------------------------------------
-    def encode(self, texts: list[str], special: bool, first_row: int = 0) -> Ragged:
+    def encode(self, texts: list[str], special: bool, first_row: Row = 0) -> Ragged:
         if self.fast is not None:
             got = self.fast.encode(texts, special)
             rows, initial = self._sample(len(texts))
@@ -317,17 +385,17 @@ class BatchTokenizer:
             )
         return self.tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=generation_prompt)
 
-    def _split_rendering(self, prompt: list, completion: list, row: int) -> tuple[str, str]:
+    def _split_rendering(self, prompt: list, completion: list, row: Row) -> tuple[str, str]:
         head = self._render(prompt, True)
         full = self._render(prompt + completion, False)
         if not full.startswith(head):
             raise PackingError(
-                f"row {row}: the chat template renders the prompt differently alone and followed by the "
+                f"{at(row)}: the chat template renders the prompt differently alone and followed by the "
                 f"completion, so the completion cannot be cut out; use a template that renders prefixes stably."
             )
         return head, full[len(head) :]
 
-    def _prompt_and_completions(self, table: pa.Table, names: Sequence[str], first_row: int) -> list[Ragged]:
+    def _prompt_and_completions(self, table: pa.Table, names: Sequence[str], first_row: Row) -> list[Ragged]:
         """Tokenized prompt (first) and completions (the others) of prompt-completion or preference rows."""
         prompts = table.column("prompt").to_pylist()
         conversational = bool(prompts) and isinstance(prompts[0], list)
@@ -344,10 +412,10 @@ class BatchTokenizer:
         heads: list[str] = []
         tails: dict[str, list[str]] = {n: [] for n in names}
         for i, prompt in enumerate(prompts):
-            p = _clean_messages(prompt, "prompt", first_row + i)
+            p = _clean_messages(prompt, "prompt", shift(first_row, i))
             for n in names:
                 head, tail = self._split_rendering(
-                    p, _clean_messages(columns[n][i], n, first_row + i), first_row + i
+                    p, _clean_messages(columns[n][i], n, shift(first_row, i)), shift(first_row, i)
                 )
                 tails[n].append(tail)
             heads.append(head)
@@ -355,7 +423,7 @@ class BatchTokenizer:
             self.encode(tails[n], special=False, first_row=first_row) for n in names
         ]
 
-    def _assistant_labels(self, convs: list[list[dict[str, Any]]], first_row: int) -> tuple[Ragged, Ragged]:
+    def _assistant_labels(self, convs: list[list[dict[str, Any]]], first_row: Row) -> tuple[Ragged, Ragged]:
         """Token ids and labels (assistant tokens only) of conversations, from the fast engine when it is in use."""
         if self.fast is not None:
             got = self._assistant_labels_fast(convs, first_row)
@@ -372,7 +440,7 @@ class BatchTokenizer:
         self,
         convs: list[list[dict[str, Any]]],
         rows: Sequence[int],
-        first_row: int,
+        first_row: Row,
         got: tuple[Ragged, Ragged] | None = None,
     ) -> str | None:
         """How the fast path's ids or labels differ from transformers' on ``rows`` of ``convs`` (None: identical)."""
@@ -387,11 +455,11 @@ class BatchTokenizer:
         for name, mine, theirs in zip(("ids", "labels"), got, ref):
             bad = fast_engine.first_difference(ragged.select(mine, index), ragged.to_lists(theirs))
             if bad is not None:
-                return f"{name} of conversation {first_row + rows[bad]}: {convs[rows[bad]]!r:.200}"
+                return f"{name} of the conversation at {at(first_row, rows[bad])}: {convs[rows[bad]]!r:.200}"
         return None
 
     def _assistant_labels_fast(
-        self, convs: list[list[dict[str, Any]]], first_row: int
+        self, convs: list[list[dict[str, Any]]], first_row: Row
     ) -> tuple[Ragged, Ragged] | None:
         """Render, encode with the fast engine, and mark assistant tokens from byte offsets computed from the ids.
 
@@ -433,7 +501,7 @@ class BatchTokenizer:
         return ids, Ragged(ids.offsets, np.where(inside, ids.values, IGNORE_INDEX).astype(np.int32))
 
     def _incremental_spans(
-        self, convs: list[list[dict[str, Any]]], first_row: int
+        self, convs: list[list[dict[str, Any]]], first_row: Row
     ) -> tuple[list[str], list[list[tuple[int, int]]]]:
         """Rendered conversations and the character span of every assistant turn (incremental rendering)."""
         texts, spans = [], []
@@ -447,7 +515,7 @@ class BatchTokenizer:
                 end = self._render(conv[: turn + 1], False)
                 if not (end.startswith(start) and full.startswith(end)):
                     raise PackingError(
-                        f"column 'messages' row {first_row + i} turn {turn}: the chat template does not render "
+                        f"{at(first_row, i)}: column 'messages' turn {turn}: the chat template does not render "
                         f"conversations incrementally (a prefix renders differently from the start of the whole), "
                         f"so assistant tokens cannot be located; use a template with {{% generation %}} markers."
                     )
@@ -457,7 +525,7 @@ class BatchTokenizer:
         return texts, spans
 
     def _assistant_labels_transformers(
-        self, convs: list[list[dict[str, Any]]], first_row: int
+        self, convs: list[list[dict[str, Any]]], first_row: Row
     ) -> tuple[Ragged, Ragged]:
         if self.has_generation_tags:
             out = self.tok.apply_chat_template(
@@ -486,8 +554,24 @@ class BatchTokenizer:
         return ids, Ragged(ids.offsets, labels)
 
     # -- entry point -----------------------------------------------------------------------------
-    def __call__(self, table: pa.Table, first_row: int = 0) -> pa.Table:
-        """Tokenize one batch; ``first_row`` (the batch's position in the whole input) is used in errors."""
+    def __call__(self, table: pa.Table, first_row: Row = 0) -> pa.Table:
+        """Tokenize one batch; ``first_row`` (the batch's first row number, or a callable naming row ``i`` as
+        :class:`packtools.io.files.Where` does) locates bad rows in errors.  An exception raised by the
+        tokenizer or its chat template is turned into a :class:`PackingError` naming the first row that raises it."""
+        try:
+            return self._tokenize(table, first_row)
+        except PackingError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a template or tokenizer error: find the row that raises it
+            if table.num_rows > 1:
+                for i in range(table.num_rows):
+                    self(table.slice(i, 1), shift(first_row, i))
+            raise PackingError(
+                f"{at(first_row)}: tokenizing failed in the tokenizer or its chat template "
+                f"({type(exc).__name__}: {exc}); fix that row or the template."
+            ) from exc
+
+    def _tokenize(self, table: pa.Table, first_row: Row) -> pa.Table:
         missing = [c for c in input_columns(self.fmt) if c not in table.column_names]
         if missing:
             raise PackingError(
@@ -502,7 +586,7 @@ class BatchTokenizer:
             return pa.table({"input_ids": ragged.to_arrow(ids)})
         if self.fmt == "messages":
             convs = [
-                _clean_messages(c, "messages", first_row + i)
+                _clean_messages(c, "messages", shift(first_row, i))
                 for i, c in enumerate(table.column("messages").to_pylist())
             ]
             ids, labels = self._assistant_labels(convs, first_row)

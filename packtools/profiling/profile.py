@@ -313,23 +313,19 @@ def _table_column(schema: pa.Schema, column: str, where: str) -> pa.Field:
 
 
 def _expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
-    out = []
-    for p in paths:
-        p = os.fspath(p)
-        if os.path.isdir(p):
-            found = sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith(FILE_SUFFIXES))
-            if not found:
-                raise PackingError(f"directory {p!r} holds no .parquet or .arrow files.")
-            out.extend(found)
-        elif not os.path.exists(p):
-            raise FileNotFoundError(f"input {p!r} does not exist.")
-        elif not p.endswith(FILE_SUFFIXES):
+    """The files to profile, found as the pipeline finds its inputs (:func:`packtools.io.files.discover`): a
+    ``save_to_disk`` folder stands for the files its ``state.json`` lists (not every ``*.arrow`` in it)."""
+    from ..io.files import discover
+
+    files = discover(paths)
+    for f in files:
+        if f.kind not in ("parquet", "arrow"):
             raise PackingError(
-                f"input {p!r}: unknown format; give .parquet or .arrow files (or a directory)."
+                f"input {f.path!r}: the profiler reads tokenized .parquet or .arrow files (or folders of them); "
+                f"tokenize JSON first (packtools pack).",
+                param="paths",
             )
-        else:
-            out.append(p)
-    return out
+    return [f.path for f in files]
 
 
 def _parquet_lengths(path: str, column: str) -> np.ndarray:

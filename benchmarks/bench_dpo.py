@@ -1,0 +1,246 @@
+"""DPO without padding: TRL's padded DPOTrainer and packtools side by side, in one run.
+
+Usage:
+    python benchmarks/bench_dpo.py [--pairs 256] [--pairs-per-step 8] [--steps 12] [--hidden 256]
+                                   [--pack-pairs 1000000] [--skip-training]
+
+Part 1 (training step): synthetic preference pairs with lognormal prompt and completion lengths (completions
+up to 8x their median), a tiny random Llama on the CPU, TRL's ``DPOTrainer`` (fp32, separate reference model)
+as it is and the same trainer after ``packtools.prepare_dpo_trainer``.  Both run ``training_step`` (forward
+and backward of policy and reference) on the *same* micro-batches of pairs, interleaved, after a warm-up.
+Reported per step: tokens run through the model vs real tokens (a hook on the backbone counts them), the
+median step time, and the activation memory autograd keeps for the backward (sum of the saved tensors'
+sizes, a deterministic stand-in for the peak memory of a step).  Ratios are packtools / TRL.
+
+Part 2 (packing): ``pack_preference`` on ``--pack-pairs`` pairs (same length distribution, max_length 4096):
+seconds (after a warm-up call that compiles the kernels) and rows vs the lower bound ceil(tokens / max_length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import warnings
+
+import numpy as np
+
+VOCAB = 1024
+
+
+def lognormal_lengths(rng, n, median, cap):
+    return np.clip(rng.lognormal(np.log(median), 0.8, n).astype(np.int64), 1, cap)
+
+
+def pair_lengths(rng, n, prompt_median=32, completion_median=48):
+    return (
+        lognormal_lengths(rng, n, prompt_median, 8 * prompt_median),
+        lognormal_lengths(rng, n, completion_median, 8 * completion_median),
+        lognormal_lengths(rng, n, completion_median, 8 * completion_median),
+    )
+
+
+def text_pairs(n, seed=0):
+    rng = np.random.default_rng(seed)
+    lp, lc, lr = pair_lengths(rng, n)
+
+    def words(k):
+        return " ".join(f"w{t}" for t in rng.integers(2, VOCAB, k))
+
+    return [
+        {"prompt": words(p), "chosen": " " + words(c), "rejected": " " + words(r)}
+        for p, c, r in zip(lp, lc, lr)
+    ]
+
+
+def build_trainer(pairs, batch, out, args_hidden=256):
+    import datasets
+    import tokenizers
+    import torch
+    import transformers
+    import trl
+
+    def llama(seed):
+        torch.manual_seed(seed)
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=args_hidden,
+            intermediate_size=4 * args_hidden,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            pad_token_id=0,
+            eos_token_id=1,
+            attn_implementation="sdpa",
+        )
+        return transformers.LlamaForCausalLM(config)
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>"
+    )
+    args = trl.DPOConfig(
+        output_dir=out,
+        per_device_train_batch_size=batch,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        bf16=False,
+        max_length=None,
+    )
+    return trl.DPOTrainer(
+        llama(0),
+        ref_model=llama(1),
+        args=args,
+        train_dataset=datasets.Dataset.from_list(pairs),
+        processing_class=tokenizer,
+    )
+
+
+class TokenCounter:
+    def __init__(self, model):
+        self.tokens = 0
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.model.register_forward_pre_hook(self.hook, with_kwargs=True)
+
+    def hook(self, module, args, kwargs):
+        self.tokens += int(kwargs["input_ids"].numel())
+
+
+def saved_bytes(step):
+    import torch
+
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return total[0]
+
+
+def bench_training(args):
+    import tempfile
+
+    import torch
+
+    from packtools import prepare_dpo_trainer
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    pairs = text_pairs(args.pairs)
+    with tempfile.TemporaryDirectory() as out:
+        padded = build_trainer(pairs, args.pairs_per_step, out, args.hidden)
+        ours = prepare_dpo_trainer(build_trainer(pairs, args.pairs_per_step, out, args.hidden))
+        counters = {"TRL padded": TokenCounter(padded.model), "packtools": TokenCounter(ours.model)}
+        trainers = {"TRL padded": padded, "packtools": ours}
+        data = padded.train_dataset
+        batches = [
+            padded.data_collator(
+                [data[i] for i in range(s * args.pairs_per_step, (s + 1) * args.pairs_per_step)]
+            )
+            for s in range(min(args.steps, len(data) // args.pairs_per_step))
+        ]
+        real = [int(b["attention_mask"].sum()) for b in batches]
+        for t in trainers.values():  # warm-up
+            t.current_gradient_accumulation_steps = 1  # what Trainer sets before each optimizer step
+            t.model.train()
+            t.training_step(t.model, dict(batches[0]))
+            t.model.zero_grad()
+        times = {name: [] for name in trainers}
+        memory = {name: [] for name in trainers}
+        for c in counters.values():
+            c.tokens = 0
+        for batch in batches:
+            for name, t in trainers.items():
+                t0 = time.perf_counter()
+                t.training_step(t.model, dict(batch))
+                times[name].append(time.perf_counter() - t0)
+                t.model.zero_grad()
+        through = {name: c.tokens / len(batches) for name, c in counters.items()}  # one policy forward a step
+        for batch in batches[: min(3, len(batches))]:
+            for name, t in trainers.items():
+                memory[name].append(saved_bytes(lambda t=t, b=batch: t.training_step(t.model, dict(b))))
+                t.model.zero_grad()
+        n = len(batches)
+        rows = []
+        for name in trainers:
+            rows.append(
+                (
+                    name,
+                    through[name],
+                    through[name] / (sum(real) / n),
+                    statistics.median(times[name]),
+                    statistics.median(memory[name]) / 2**20,
+                )
+            )
+    print(f"training step: {n} steps of {args.pairs_per_step} pairs, real tokens/step {sum(real) / n:.0f}")
+    print(f"{'':12s} {'tokens/step':>12s} {'x real':>7s} {'step s':>8s} {'saved MB':>9s}")
+    for name, tokens, ratio, sec, mb in rows:
+        print(f"{name:12s} {tokens:12.0f} {ratio:7.3f} {sec:8.3f} {mb:9.1f}")
+    (_, _, r_trl, t_trl, m_trl), (_, _, r_ours, t_ours, m_ours) = rows
+    print(
+        f"packtools / TRL: tokens {r_ours / r_trl:.3f}x, step time {t_ours / t_trl:.3f}x, saved memory "
+        f"{m_ours / m_trl:.3f}x"
+    )
+    return rows
+
+
+def bench_packing(args):
+    import pyarrow as pa
+
+    from packtools import pack_preference
+
+    rng = np.random.default_rng(1)
+    n = args.pack_pairs
+    lengths = pair_lengths(rng, n)
+    columns = {}
+    for name, lens in zip(("prompt_ids", "chosen_ids", "rejected_ids"), lengths):
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        values = rng.integers(2, VOCAB, int(offsets[-1]), dtype=np.int32)
+        columns[name] = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
+    table = pa.table(columns)
+    small = table.slice(0, 1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pack_preference(small, args.max_length)  # compile the kernels
+        t0 = time.perf_counter()
+        packed, report = pack_preference(table, args.max_length, return_report=True)
+        seconds = time.perf_counter() - t0
+    print(
+        f"pack_preference: {n:,} pairs, {report.tokens_kept:,} tokens, max_length {args.max_length}: "
+        f"{seconds:.2f} s, {report.rows:,} rows, lower bound {report.lower_bound:,} "
+        f"({report.rows / report.lower_bound:.5f}x), fill {report.fill:.4f}, truncated {report.pairs_truncated}"
+    )
+    return seconds, report
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=256)
+    parser.add_argument("--pairs-per-step", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--pack-pairs", type=int, default=1_000_000)
+    parser.add_argument("--max-length", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size of the tiny Llama (MLP 4x)")
+    parser.add_argument("--skip-training", action="store_true")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    import logging
+
+    logging.disable(logging.WARNING)
+    rows = None if args.skip_training else bench_training(args)
+    packing = bench_packing(args) if args.pack_pairs else None
+    return rows, packing
+
+
+if __name__ == "__main__":
+    main()

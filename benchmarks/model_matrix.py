@@ -1,0 +1,358 @@
+"""Which decoder architectures keep packed sequences apart, with which attention backend: the compatibility matrix.
+
+Usage::
+
+    python benchmarks/model_matrix.py                 # every architecture x sdpa, eager, flex_attention
+    python benchmarks/model_matrix.py --write docs/models.md
+    python benchmarks/model_matrix.py --archs llama gpt2 --backends sdpa
+
+Each architecture is built tiny from its transformers config (2 layers, hidden size 32, random float32
+weights; sliding windows of 4 tokens so they matter on short sequences).  Each cell runs
+:func:`packtools.check_isolation` with ``backward=True``: four sequences (5, 9, 3 and 7 tokens) packed into
+two rows by ``PaddingFreeCollator`` and passed as :func:`packtools.prepare_trainer` would (keys filtered to
+the model's ``forward``, ``use_cache=False``, no ``attention_mask``), against each sequence run alone --
+logits, summed loss and parameter gradients, tolerance 1e-5 -- plus a check that changing one sequence does
+not move the others.  For the exact cells it then finds the fewest keys that keep them exact (``position_ids``
+alone, then with ``cu_seq_lens``/``max_length``, then with ``seq_idx``).
+
+A cell is one of: ``exact`` (logits, loss and gradients), ``exact (forward)`` (torch has no backward for
+this kernel on CPU, and raises), ``refused`` (packtools raises PackingError before any training step: the
+probe measured a leak, or transformers refused the packed batch), ``n/a`` (transformers itself does not
+offer this backend for this architecture).  A cell that leaked without an error would be ``SILENT LEAK``;
+the script exits with status 1 if any cell is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BACKENDS = ("sdpa", "eager", "flex_attention")
+VOCAB = 101
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One architecture: how to build it tiny, and what makes it interesting."""
+
+    name: str
+    model: str  # transformers class name
+    config: str  # transformers config class name
+    kwargs: dict[str, Any]
+    note: str
+
+
+ARCHS = [
+    Arch("Llama", "LlamaForCausalLM", "LlamaConfig", {}, "RoPE, grouped-query attention"),
+    Arch("Mistral", "MistralForCausalLM", "MistralConfig", {"sliding_window": 4}, "sliding window (4)"),
+    Arch("Qwen2", "Qwen2ForCausalLM", "Qwen2Config", {}, "RoPE, q/k/v bias"),
+    Arch("Qwen3", "Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 8}, "q/k norm"),
+    Arch("Qwen3-MoE", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", {"head_dim": 8, **MOE}, "mixture of experts"),
+    Arch(
+        "Mixtral",
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2},
+        "mixture of experts",
+    ),
+    Arch(
+        "Gemma 2",
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        {"head_dim": 8, "sliding_window": 4},
+        "sliding + global layers, logit soft-capping",
+    ),
+    Arch(
+        "Gemma 3",
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        {"head_dim": 8, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+        "sliding + global layers",
+    ),
+    Arch("Phi-3", "Phi3ForCausalLM", "Phi3Config", {}, "fused qkv, RoPE"),
+    Arch("GPT-NeoX", "GPTNeoXForCausalLM", "GPTNeoXConfig", {}, "partial rotary, parallel residual"),
+    Arch(
+        "GPT-2",
+        "GPT2LMHeadModel",
+        "GPT2Config",
+        {
+            "n_embd": 32,
+            "n_layer": 2,
+            "n_head": 4,
+            "n_positions": 128,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        },
+        "absolute position embeddings",
+    ),
+    Arch("OLMo 2", "Olmo2ForCausalLM", "Olmo2Config", {}, "q/k norm, post-norm"),
+    Arch(
+        "Qwen3-Next",
+        "Qwen3NextForCausalLM",
+        "Qwen3NextConfig",
+        {
+            "head_dim": 8,
+            **MOE,
+            "shared_expert_intermediate_size": 16,
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+        },
+        "hybrid: gated DeltaNet (conv + linear attention) + attention",
+    ),
+    Arch(
+        "Bamba",
+        "BambaForCausalLM",
+        "BambaConfig",
+        {"attn_layer_indices": [1], **MAMBA},
+        "hybrid: Mamba-2 + attention",
+    ),
+    Arch(
+        "Falcon-H1",
+        "FalconH1ForCausalLM",
+        "FalconH1Config",
+        {"head_dim": 8, "mamba_d_ssm": 64, **MAMBA},
+        "hybrid: parallel Mamba-2 + attention",
+    ),
+]
+FAST = ("Llama", "GPT-2", "Falcon-H1")  # the subset the default test run covers
+#: Collator switches tried, fewest keys first, to find what an exact cell needs.
+NEEDS = (
+    ("position_ids", {"return_flash_attn_kwargs": False, "return_seq_idx": False}),
+    ("position_ids, cu_seq_lens", {"return_seq_idx": False}),
+    ("position_ids, cu_seq_lens, seq_idx", {}),
+)
+
+
+@dataclass(frozen=True)
+class Cell:
+    arch: str
+    backend: str
+    status: str
+    needs: str
+    max_diff: float | None
+    detail: str
+
+    @property
+    def silent(self) -> bool:
+        return self.status == "SILENT LEAK"
+
+
+def build(arch: Arch, backend: str, seed: int = 0) -> Any:
+    import torch
+    import transformers
+
+    config_cls = getattr(transformers, arch.config)
+    base = {} if arch.config == "GPT2Config" else dict(SMALL)
+    if arch.config == "GPT2Config":
+        base = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2}
+    config = config_cls(**{**base, **arch.kwargs})
+    config._attn_implementation = backend
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch.model)(config).float()
+    if "flash" in backend:  # FlashAttention kernels: CUDA, half precision (the probe's tolerance follows)
+        model = model.to("cuda", torch.bfloat16)
+    return model
+
+
+def default_backends() -> tuple[str, ...]:
+    """The CPU backends, plus ``flash_attention_2`` when a GPU and flash-attn are there."""
+    import importlib.util
+
+    import torch
+
+    gpu = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+    return BACKENDS + (("flash_attention_2",) if gpu else ())
+
+
+def _short(err: Exception) -> str:
+    text = str(err).split("\n")[0]
+    return text if len(text) < 220 else text[:217] + "..."
+
+
+def _refusal(arch: Arch, backend: str, err: Exception) -> str:
+    """Why a cell is refused; for layers that mix tokens outside attention, also what they leak unguarded."""
+    from packtools import PaddingFreeCollator, check_isolation
+    from packtools.integrations.transformers import token_mixing_layers
+
+    model = build(arch, backend)
+    mixers = token_mixing_layers(model)
+    if not mixers:
+        return _short(err)
+    position_only = PaddingFreeCollator(0, return_seq_idx=False, return_flash_attn_kwargs=False)
+    leak = check_isolation(model, position_only, raise_on_leak=False)
+    return (
+        f"layers {', '.join(mixers)} mix tokens outside attention. With seq_idx/cu_seq_lens transformers' "
+        f"CPU fallback refuses the batch (it needs the CUDA kernels); without them they leak "
+        f"({leak.max_diff:.0e} measured, unguarded) and packtools refuses."
+    )
+
+
+def run_cell(arch: Arch, backend: str) -> Cell:
+    from packtools import PackingError, PaddingFreeCollator, check_isolation
+    from packtools.integrations.transformers import check_attention_implementation, guard_model
+
+    try:
+        model = build(arch, backend)
+    except (ValueError, ImportError, RuntimeError, AssertionError) as err:
+        return Cell(arch.name, backend, "n/a", "", None, f"transformers: {_short(err)}")
+    try:
+        check_attention_implementation(model)
+        guard_model(model)
+        try:
+            report = check_isolation(model, backward=True)
+            status = "exact"
+        except NotImplementedError as err:  # e.g. FlexAttention has no backward on CPU
+            report = check_isolation(model, backward=False)
+            status, detail = "exact (forward)", f"torch has no CPU backward here ({type(err).__name__})"
+        else:
+            detail = ""
+    except PackingError as err:
+        return Cell(arch.name, backend, "refused", "", None, _refusal(arch, backend, err))
+    # Not refused: it must really be exact, else it would be a silent leak.
+    if report.leaks:
+        return Cell(arch.name, backend, "SILENT LEAK", "", report.max_diff, str(report))
+    needs = "all"
+    for label, switches in NEEDS:
+        try:
+            fewer = check_isolation(model, PaddingFreeCollator(0, **switches), raise_on_leak=False)
+        except PackingError:
+            continue
+        if not fewer.leaks:
+            needs = label
+            break
+    return Cell(arch.name, backend, status, needs, report.max_diff, detail)
+
+
+def run_matrix(
+    archs: list[Arch], backends: tuple[str, ...], progress: Callable[[Cell, float], None] | None = None
+) -> list[Cell]:
+    cells = []
+    for arch in archs:
+        for backend in backends:
+            start = time.perf_counter()
+            cell = run_cell(arch, backend)
+            if progress is not None:
+                progress(cell, time.perf_counter() - start)
+            cells.append(cell)
+    return cells
+
+
+def markdown(cells: list[Cell], archs: list[Arch]) -> str:
+    import torch
+    import transformers
+
+    notes = {a.name: a.note for a in archs}
+    lines = [
+        "# Model compatibility matrix",
+        "",
+        "<!-- Generated by `python benchmarks/model_matrix.py --write docs/models.md`; do not edit by hand. -->",
+        "",
+        f"transformers {transformers.__version__}, torch {torch.__version__}, CPU, float32"
+        + ("; `flash_attention_2` cells: CUDA, bfloat16" if any("flash" in c.backend for c in cells) else "")
+        + ".  Each architecture "
+        "is built tiny from its config with random weights; each cell runs `packtools.check_isolation(model, "
+        "backward=True)`: four sequences packed into two rows by `PaddingFreeCollator`, passed as "
+        "`prepare_trainer` passes them, against each sequence run alone (logits, summed loss and gradients, "
+        "tolerance 1e-5), and a check that changing one sequence does not move the others.",
+        "",
+        "- **exact**: logits, loss and gradients of the packed batch equal the one-by-one run. *Needs* is the "
+        "fewest batch keys that keep it exact (`PaddingFreeCollator` sends all of them by default).",
+        "- **exact (forward)**: logits exact; torch has no CPU backward for this kernel and raises, so "
+        "training needs a GPU.",
+        "- **refused**: packtools raises `PackingError` before training (in `prepare_trainer` or "
+        "`check_isolation`), naming the fix.",
+        "- **n/a**: transformers itself does not offer this backend for this architecture.",
+        "",
+        "| architecture | what it tests | backend | result | needs | max diff | detail |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        diff = "" if c.max_diff is None else f"{c.max_diff:.0e}"
+        detail = c.detail.replace("|", "\\|")
+        lines.append(
+            f"| {c.arch} | {notes[c.arch]} | `{c.backend}` | {c.status} | {c.needs} | {diff} | {detail} |"
+        )
+    lines += [
+        "",
+        "Hybrid models (Qwen3-Next, Bamba, Falcon-H1) run their convolution and state-space / linear-attention "
+        "layers over the whole packed row unless those layers get `seq_idx` / `cu_seq_lens` *and* a kernel that "
+        "reads them (causal-conv1d, mamba-ssm, flash-linear-attention, CUDA only). On CPU transformers falls "
+        "back to PyTorch code that cannot separate sequences: it refuses a batch carrying `seq_idx` or "
+        "`cu_seq_lens`, and without them the layers leak silently (`check_isolation` measures it, see "
+        "`tests/test_isolation.py`). packtools therefore refuses them on CPU. With the CUDA kernels installed "
+        "the probe decides at `prepare_trainer` time; this matrix has not been run on a GPU.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def parse_table(text: str) -> dict[tuple[str, str], tuple[str, str]]:
+    """``(architecture, backend) -> (result, needs)`` from a generated document (for tests)."""
+    out = {}
+    for line in text.splitlines():
+        cols = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cols) >= 5 and cols[2].startswith("`"):
+            out[(cols[0], cols[2].strip("`"))] = (cols[3], cols[4])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--archs", nargs="*", help="architecture names (default: all)")
+    parser.add_argument(
+        "--backends", nargs="*", help="default: sdpa, eager, flex_attention (+ flash_attention_2 on GPU)"
+    )
+    parser.add_argument("--write", type=Path, help="write the markdown table to this file")
+    args = parser.parse_args(argv)
+    archs = [a for a in ARCHS if not args.archs or a.name in args.archs]
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+
+    def progress(cell: Cell, seconds: float) -> None:
+        diff = "" if cell.max_diff is None else f"{cell.max_diff:.1e}"
+        print(
+            f"{cell.arch:11s} {cell.backend:15s} {cell.status:16s} {cell.needs:34s} {diff:8s} {seconds:5.1f}s"
+        )
+
+    cells = run_matrix(archs, tuple(args.backends or default_backends()), progress)
+    if args.write:
+        args.write.write_text(markdown(cells, archs))
+        print(f"wrote {args.write}")
+    silent = [c for c in cells if c.silent]
+    for c in silent:
+        print(f"SILENT LEAK: {c.arch} {c.backend}\n{c.detail}", file=sys.stderr)
+    return 1 if silent else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Batches of preference pairs: packed pair rows (or TRL's one-pair rows) to model inputs.
+
+Two layouts, built with NumPy and wrapped as tensors at the end:
+
+* ``padding_free=True``: one flat row of every sequence of the batch, exactly as
+  :class:`~packtools.PaddingFreeCollator` builds it (``input_ids``, ``labels`` -100 outside completions and at
+  every sequence start, ``position_ids``, ``cu_seq_lens_*``, ``max_length_*``), the sequences in pair order
+  (chosen, rejected, chosen, ...), plus each per-pair column as a ``[n_pairs]`` tensor.  Feed it to the model,
+  then :func:`packtools.sequence_logps` and ``.pairs()``.
+* ``padding_free=False``: TRL's ``DPOTrainer`` layout (``input_ids``, ``attention_mask``, ``completion_mask``
+  of shape ``[2 * n_pairs, T]``, right-padded, all chosen sequences then all rejected ones, and
+  ``ref_chosen_logps`` / ``ref_rejected_logps`` as ``[n_pairs]``), for the trainer's own loss code;
+  :func:`packtools.prepare_dpo_trainer` runs it through the model as one padding-free row.
+
+A row is either a packed pair row (``input_ids``, ``completion_mask``, ``seq_lengths`` with an even count of
+sequences, per-pair columns as lists) or one pair in TRL's tokenized format (``prompt_ids``, ``chosen_ids``,
+``rejected_ids``, per-pair columns as scalars).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..constants import IGNORE_INDEX
+from ..errors import PackingError
+from .collate import check_pad_args, to_tensors
+
+REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+def _ints(value: Any, row: int, key: str) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iub"):
+        raise PackingError(
+            f"row {row}: {key!r} must be a flat list of integers, got {arr.dtype} {arr.shape}."
+        )
+    return arr.astype(np.int64, copy=False)
+
+
+def _pair_row(row: Mapping[str, Any], i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, completion mask, sequence lengths) of one row, in pair order."""
+    if "seq_lengths" in row:
+        ids = _ints(row["input_ids"], i, "input_ids")
+        if row.get("completion_mask") is None:
+            raise PackingError(
+                f"row {i} has no 'completion_mask'; packed pair rows need it to tell completions from prompts "
+                f"(packtools.pack_preference writes it; keep it through remove_unused_columns)."
+            )
+        mask = _ints(row["completion_mask"], i, "completion_mask")
+        seq = _ints(row["seq_lengths"], i, "seq_lengths")
+        if mask.shape != ids.shape or int(seq.sum()) != ids.shape[0] or (seq.size and seq.min() <= 0):
+            raise PackingError(
+                f"row {i}: input_ids ({ids.shape[0]}), completion_mask ({mask.shape[0]}) and seq_lengths "
+                f"(sum {int(seq.sum())}) disagree; re-pack with packtools.pack_preference."
+            )
+        if seq.shape[0] % 2:
+            raise PackingError(
+                f"row {i} holds {seq.shape[0]} sequences, an odd count, so it does not hold whole pairs; a pair "
+                f"row alternates chosen and rejected (packtools.pack_preference never splits a pair)."
+            )
+        return ids, mask, seq
+    try:
+        prompt, chosen, rejected = (row[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids"))
+    except KeyError:
+        raise PackingError(
+            f"row {i} is neither a packed pair row (input_ids, completion_mask, seq_lengths) nor a pair "
+            f"(prompt_ids, chosen_ids, rejected_ids); it has {sorted(row)}."
+        ) from None
+    p, c, r = (
+        _ints(v, i, k)
+        for v, k in ((prompt, "prompt_ids"), (chosen, "chosen_ids"), (rejected, "rejected_ids"))
+    )
+    ids = np.concatenate([p, c, p, r])
+    mask = np.concatenate([np.zeros_like(p), np.ones_like(c), np.zeros_like(p), np.ones_like(r)])
+    seq = np.array([p.size + c.size, p.size + r.size], np.int64)
+    if seq.min() == 0:
+        raise PackingError(f"row {i}: a pair with an empty sequence cannot be batched; drop it.")
+    return ids, mask, seq
+
+
+def _pair_values(row: Mapping[str, Any], i: int, key: str, n_pairs: int) -> np.ndarray:
+    if key not in row or row[key] is None:
+        raise PackingError(
+            f"row {i} has no {key!r}; name it in pair_columns only if every row carries it (pack it with "
+            f"pack_preference(..., columns=[{key!r}]))."
+        )
+    arr = np.asarray(row[key], np.float64 if np.asarray(row[key]).dtype.kind == "f" else None).reshape(-1)
+    if arr.shape[0] != n_pairs:
+        raise PackingError(
+            f"row {i}: {key!r} has {arr.shape[0]} values for {n_pairs} pairs; give one per pair."
+        )
+    return arr
+
+
+class PreferenceCollator:
+    """Collate preference pairs, never splitting one (see the module docstring for both layouts).
+
+    ``pair_columns`` names per-pair values to carry along (default: ``ref_chosen_logps`` and
+    ``ref_rejected_logps`` when the first row has them).  Floats come back as float32 tensors.
+
+    >>> c = PreferenceCollator(pad_token_id=0, return_tensors="np")
+    >>> b = c([{"input_ids": [1, 2, 1, 3, 3], "completion_mask": [0, 1, 0, 1, 1], "seq_lengths": [2, 3]}])
+    >>> b["labels"].tolist(), b["cu_seq_lens_q"].tolist()
+    ([[-100, 2, -100, 3, 3]], [0, 2, 5])
+    >>> c.padding_free = False
+    >>> t = c([{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3, 3]}])
+    >>> t["input_ids"].tolist(), t["completion_mask"].tolist()
+    ([[1, 2, 0], [1, 3, 3]], [[0, 1, 0], [0, 1, 1]])
+    """
+
+    def __init__(
+        self,
+        pad_token_id: int,
+        pair_columns: Sequence[str] | None = None,
+        padding_free: bool = True,
+        return_tensors: str = "pt",
+    ) -> None:
+        self.pad_token_id, _ = check_pad_args(pad_token_id, None)
+        self.pair_columns = None if pair_columns is None else list(pair_columns)
+        if return_tensors not in ("pt", "np"):
+            raise PackingError(f"return_tensors must be 'pt' or 'np', got {return_tensors!r}.")
+        self.padding_free = bool(padding_free)
+        self.return_tensors = return_tensors
+
+    def __repr__(self) -> str:
+        return (
+            f"PreferenceCollator(pad_token_id={self.pad_token_id}, pair_columns={self.pair_columns}, "
+            f"padding_free={self.padding_free}, return_tensors={self.return_tensors!r})"
+        )
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        if isinstance(features, Mapping) or not isinstance(features, Sequence) or len(features) == 0:
+            raise PackingError("features must be a non-empty list of rows.")
+        rows = [_pair_row(row, i) for i, row in enumerate(features)]
+        columns = self.pair_columns
+        if columns is None:
+            columns = [k for k in REF_COLUMNS if k in features[0]]
+        extra = {
+            key: np.concatenate(
+                [_pair_values(f, i, key, r[2].shape[0] // 2) for i, (f, r) in enumerate(zip(features, rows))]
+            )
+            for key in columns
+        }
+        ids = np.concatenate([r[0] for r in rows])
+        mask = np.concatenate([r[1] for r in rows])
+        seq = np.concatenate([r[2] for r in rows])
+        build = self._padding_free if self.padding_free else self._trl_layout
+        out = build(ids, mask, seq)
+        for key, values in extra.items():
+            out[key] = values.astype(np.float32) if values.dtype.kind == "f" else values
+        return to_tensors(out, self.return_tensors)
+
+    def _padding_free(self, ids: np.ndarray, mask: np.ndarray, seq: np.ndarray) -> dict[str, Any]:
+        cu = np.zeros(seq.shape[0] + 1, np.int32)
+        np.cumsum(seq, out=cu[1:])
+        labels = np.where(mask != 0, ids, IGNORE_INDEX)
+        labels[cu[:-1]] = IGNORE_INDEX  # a sequence start is never a target
+        positions = np.arange(ids.shape[0], dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), seq)
+        longest = int(seq.max())
+        return {
+            "input_ids": ids[None],
+            "labels": labels[None],
+            "position_ids": positions[None],
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu,
+            "max_length_q": longest,
+            "max_length_k": longest,
+        }
+
+    def _trl_layout(self, ids: np.ndarray, mask: np.ndarray, seq: np.ndarray) -> dict[str, Any]:
+        n = seq.shape[0]
+        order = np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)])  # chosen sequences, then rejected
+        starts = np.zeros(n, np.int64)
+        np.cumsum(seq[:-1], out=starts[1:])
+        width = int(seq.max())
+        lengths = seq[order]
+        cols = np.arange(width)
+        valid = cols[None, :] < lengths[:, None]
+        src = (starts[order][:, None] + cols[None, :])[valid]
+        input_ids = np.full((n, width), self.pad_token_id, np.int64)
+        input_ids[valid] = ids[src]
+        completion = np.zeros((n, width), np.int64)
+        completion[valid] = mask[src]
+        return {
+            "input_ids": input_ids,
+            "attention_mask": valid.astype(np.int64),
+            "completion_mask": completion,
+        }

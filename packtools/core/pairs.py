@@ -1,0 +1,371 @@
+"""Preference pairs packed whole: ``[prompt + chosen][prompt + rejected]`` side by side in one row.
+
+The packing unit is the pair.  Its two sequences sit next to each other, chosen first, and a pair is never
+split across rows, so a row's ``seq_lengths`` read ``[c0, r0, c1, r1, ...]``: sequence ``2k`` of a row is
+pair ``k``'s chosen, ``2k + 1`` its rejected.  The plan is one global best-fit-decreasing plan over the pair
+lengths ``len(prompt + chosen) + len(prompt + rejected)``, made by the same kernel as every other plan; the
+tokens are copied with the same segment-copy kernel.
+
+Pairs longer than ``max_length`` are made to fit (:func:`fit_pairs`) or dropped, and counted in a
+:class:`PairReport`; nothing else changes a pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from ..constants import SEQ_LENGTHS
+from ..errors import PackingError
+from . import kernels
+from .arrow import ListColumn, list_array, read_list_column
+from .plan import PackPlan, check_max_length
+from .plan import plan as make_plan
+
+#: Input columns of a tokenized preference table (TRL's names).
+PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+#: What to do with a pair longer than ``max_length``.
+OVERLONG = ("truncate", "drop")
+COMPLETION_MASK = "completion_mask"
+
+
+@dataclass(frozen=True)
+class PairReport:
+    """What packing did to the pairs: how many were kept whole, truncated or dropped, and the rows made.
+
+    ``tokens_*`` count the tokens of the packed layout, where the prompt appears twice (once per sequence).
+    """
+
+    max_length: int
+    pairs_in: int
+    pairs_out: int
+    pairs_truncated: int
+    prompts_truncated: int
+    chosen_truncated: int
+    rejected_truncated: int
+    pairs_dropped: int
+    tokens_in: int
+    tokens_kept: int
+    rows: int
+    lower_bound: int
+
+    @property
+    def tokens_dropped(self) -> int:
+        return self.tokens_in - self.tokens_kept
+
+    @property
+    def fill(self) -> float:
+        return self.tokens_kept / (self.rows * self.max_length) if self.rows else 1.0
+
+    def summary(self) -> dict[str, int | float]:
+        return {**asdict(self), "tokens_dropped": self.tokens_dropped, "fill": self.fill}
+
+
+@dataclass(frozen=True)
+class FittedPairs:
+    """Kept part of every pair: the prompt keeps its last ``prompt_keep`` tokens, the completions their first."""
+
+    keep: np.ndarray  # bool [n]: the pair is packed
+    prompt_keep: np.ndarray  # int64 [n]
+    chosen_keep: np.ndarray  # int64 [n]
+    rejected_keep: np.ndarray  # int64 [n]
+
+    @property
+    def pair_lengths(self) -> np.ndarray:
+        return 2 * self.prompt_keep + self.chosen_keep + self.rejected_keep
+
+
+def check_overlong(overlong: str) -> str:
+    if overlong not in OVERLONG:
+        raise PackingError(
+            f"overlong={overlong!r} is not a rule for over-long pairs; use 'truncate' (the prompt keeps its end, "
+            f"the completions their start) or 'drop'.",
+            param="overlong",
+        )
+    return overlong
+
+
+def default_prompt_budget(max_length: int) -> int:
+    """Tokens an over-long pair's prompt keeps at least (if it has them): a quarter of the row, so its two
+    copies take at most half of it."""
+    return max_length // 4
+
+
+def fit_pairs(
+    prompt: np.ndarray,
+    chosen: np.ndarray,
+    rejected: np.ndarray,
+    max_length: int,
+    overlong: str = "truncate",
+    max_prompt_length: int | None = None,
+) -> FittedPairs:
+    """Decide what each pair keeps so that ``2 * prompt + chosen + rejected <= max_length``.
+
+    Pairs that fit are untouched.  ``drop`` removes the others.  ``truncate`` keeps the *end* of the prompt
+    and the *start* of each completion: the prompt keeps ``min(len, max(budget, (max_length - chosen -
+    rejected) // 2))`` tokens, where ``budget`` is ``max_prompt_length`` (default ``max_length // 4``), so it
+    is cut only as far as the whole completions need; the completions then share what is left, the shorter
+    one whole if it fits in half, else both cut to half.
+
+    >>> f = fit_pairs(np.array([2, 10]), np.array([3, 9]), np.array([1, 2]), 12)
+    >>> f.prompt_keep.tolist(), f.chosen_keep.tolist(), f.rejected_keep.tolist(), f.pair_lengths.tolist()
+    ([2, 3], [3, 4], [1, 2], [8, 12])
+    """
+    overlong = check_overlong(overlong)
+    lp, lc, lr = (np.asarray(a, np.int64) for a in (prompt, chosen, rejected))
+    fits = 2 * lp + lc + lr <= max_length
+    if overlong == "drop":
+        return FittedPairs(fits, lp.copy(), lc.copy(), lr.copy())
+    budget = default_prompt_budget(max_length) if max_prompt_length is None else max_prompt_length
+    kp = np.where(fits, lp, np.minimum(lp, np.maximum(budget, (max_length - lc - lr) // 2)))
+    room = max_length - 2 * kp
+    cap = np.maximum(room // 2, room - np.minimum(lc, lr))
+    kc = np.where(fits, lc, np.minimum(lc, cap))
+    kr = np.where(fits, lr, np.minimum(lr, cap))
+    return FittedPairs(np.ones(lp.shape[0], bool), kp, kc, kr)
+
+
+def _check_prompt_budget(max_prompt_length: int | None, max_length: int) -> None:
+    if max_prompt_length is None:
+        return
+    if (
+        isinstance(max_prompt_length, bool)
+        or not isinstance(max_prompt_length, (int, np.integer))
+        or max_prompt_length < 0
+        or 2 * max_prompt_length + 2 > max_length
+    ):
+        raise PackingError(
+            f"max_prompt_length={max_prompt_length!r} must be an int with 2 * max_prompt_length + 2 <= "
+            f"max_length ({max_length}): a truncated pair holds its prompt twice and at least one token of each "
+            f"completion.",
+            param="max_prompt_length",
+        )
+
+
+def _read_pairs(table: pa.Table) -> list[ListColumn]:
+    missing = [c for c in PAIR_COLUMNS if c not in table.column_names]
+    if missing:
+        raise PackingError(
+            f"preference tables need the columns {list(PAIR_COLUMNS)}; {missing} missing (the table has "
+            f"{table.column_names}). Tokenize with TRL's DPOTrainer or `packtools pack --format preference`.",
+            param="dataset",
+        )
+    cols = [read_list_column(table.column(c), c) for c in PAIR_COLUMNS]
+    dtypes = {str(c.type.value_type) for c in cols}
+    if len(dtypes) > 1 or not pa.types.is_integer(cols[0].type.value_type):
+        raise PackingError(
+            f"{list(PAIR_COLUMNS)} must all hold lists of one integer type, got {sorted(dtypes)}; cast them "
+            f"(e.g. to list<int32>).",
+            param="dataset",
+        )
+    return cols
+
+
+def _read_pair_columns(table: pa.Table, names: Sequence[str]) -> list[tuple[str, pa.ChunkedArray]]:
+    if isinstance(names, str):
+        names = [names]
+    out = []
+    for name in names:
+        if name not in table.column_names:
+            raise PackingError(
+                f"per-pair column {name!r} is not in the table; it has {table.column_names}.", param="columns"
+            )
+        if name in PAIR_COLUMNS or name in (SEQ_LENGTHS, COMPLETION_MASK, "input_ids"):
+            raise PackingError(
+                f"{name!r} cannot be a per-pair column: packing builds it. Name only columns with one value "
+                f"per pair (e.g. ref_chosen_logps).",
+                param="columns",
+            )
+        column = table.column(name)
+        t = column.type
+        if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+            raise PackingError(
+                f"per-pair column {name!r} has type {t}; it must hold one number per pair (int, float or bool).",
+                param="columns",
+            )
+        if column.null_count:
+            row = int(np.flatnonzero(np.asarray(column.is_null()))[0])
+            raise PackingError(
+                f"per-pair column {name!r} is null at row {row}; fill or drop it.", param="columns"
+            )
+        out.append((name, column))
+    return out
+
+
+def _copy_into(
+    col: ListColumn,
+    source: np.ndarray,
+    start: np.ndarray,
+    length: np.ndarray,
+    dest: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    """Copy segments ``(source row, start, length)`` of ``col`` to ``out[dest:dest + length]``."""
+    order = np.argsort(source, kind="stable")  # read each chunk front to back
+    source, start, length, dest = source[order], start[order], length[order], dest[order]
+    chunk_of = np.searchsorted(col.chunk_row_starts()[1:], source, side="right")
+    bounds = np.searchsorted(chunk_of, np.arange(len(col.chunks) + 1))
+    for chunk, a, b in zip(col.chunks, bounds[:-1], bounds[1:]):
+        if a == b:
+            continue
+        src = np.ascontiguousarray(chunk.offsets[source[a:b] - chunk.row_start] + start[a:b])
+        kernels.copy_all_segments(
+            chunk.values, src, np.ascontiguousarray(length[a:b]), np.ascontiguousarray(dest[a:b]), out
+        )
+
+
+def pack_pairs(
+    table: pa.Table,
+    max_length: int,
+    strategy: str = "bfd",
+    columns: Sequence[str] = (),
+    *,
+    overlong: str = "truncate",
+    max_prompt_length: int | None = None,
+    shuffle: bool = False,
+    seed: int = 0,
+    row_indices: np.ndarray | None = None,
+) -> tuple[pa.Table, PairReport]:
+    """Pack the preference pairs of ``table`` whole into rows of at most ``max_length`` tokens.
+
+    Input: list columns ``prompt_ids``, ``chosen_ids``, ``rejected_ids``, plus the per-pair columns named in
+    ``columns`` (one number per pair, e.g. precomputed ``ref_chosen_logps``).  Output columns: ``input_ids``
+    (``[prompt + chosen][prompt + rejected]`` for each pair of the row, in that order), ``completion_mask``
+    (``list<int8>``, 1 on completion tokens), ``seq_lengths`` (``list<int32>``: ``2k`` is pair ``k``'s chosen,
+    ``2k + 1`` its rejected) and each named column as a list with one value per pair of the row, in the same
+    order.  ``row_indices`` selects (and orders) the input rows, as a dataset's indices mapping does.
+
+    >>> t = pa.table({"prompt_ids": [[1, 2], [3]], "chosen_ids": [[4], [5, 6]], "rejected_ids": [[7, 8], [9]],
+    ...               "score": [0.5, 1.5]})
+    >>> rows, report = pack_pairs(t, 16, columns=["score"])
+    >>> rows.to_pydict()["input_ids"], rows.to_pydict()["seq_lengths"], rows.to_pydict()["score"]
+    ([[1, 2, 4, 1, 2, 7, 8, 3, 5, 6, 3, 9]], [[3, 4, 3, 2]], [[0.5, 1.5]])
+    >>> rows.to_pydict()["completion_mask"]
+    [[0, 0, 1, 0, 0, 1, 1, 0, 1, 1, 0, 1]]
+    """
+    if not isinstance(table, pa.Table):
+        raise PackingError(f"table must be a pyarrow.Table, got {type(table).__name__}.", param="dataset")
+    max_length = check_max_length(max_length)
+    if strategy != "bfd":
+        raise PackingError(
+            f"strategy={strategy!r}: preference pairs are packed whole, so only 'bfd' applies ('bfd_split' and "
+            f"'wrapped' cut sequences, which would split a pair or a sequence's log-probability).",
+            param="strategy",
+        )
+    if max_length < 4:
+        raise PackingError(
+            f"max_length={max_length} cannot hold a pair (at least 4 tokens).", param="max_length"
+        )
+    overlong = check_overlong(overlong)
+    _check_prompt_budget(max_prompt_length, max_length)
+    cols = _read_pairs(table)
+    extra = _read_pair_columns(table, columns)
+    lp, lc, lr = (c.lengths() for c in cols)
+    if row_indices is not None:
+        row_indices = np.ascontiguousarray(row_indices, np.int64)
+        lp, lc, lr = lp[row_indices], lc[row_indices], lr[row_indices]
+    fitted = fit_pairs(lp, lc, lr, max_length, overlong, max_prompt_length)
+    kp, kc, kr = fitted.prompt_keep, fitted.chosen_keep, fitted.rejected_keep
+    empty = np.flatnonzero(fitted.keep & ((kp + kc == 0) | (kp + kr == 0)))
+    if empty.size:
+        i = int(empty[0])
+        row = i if row_indices is None else int(row_indices[i])
+        raise PackingError(
+            f"row {row}: a sequence of this pair would be empty (prompt {lp[i]}, chosen {lc[i]}, rejected "
+            f"{lr[i]} tokens; kept {kp[i]}, {kc[i]}, {kr[i]}); every packed sequence needs a token. Filter "
+            f"pairs with an empty completion out, or give the prompt a budget (max_prompt_length >= 1).",
+            param="dataset",
+        )
+    kept = np.flatnonzero(fitted.keep)
+    units = fitted.pair_lengths[kept]
+    p = make_plan(units, max_length, "bfd")
+    if shuffle:
+        p = p.shuffled(seed)
+    if p.tokens_dropped:  # cannot happen: every unit fits; a guard against a planning bug
+        raise PackingError("internal error: the pair plan cut a pair.")
+    out = _materialize(cols, extra, p, kept, fitted, row_indices)
+    report = _report(max_length, lp, lc, lr, fitted, p)
+    return out, report
+
+
+def _materialize(
+    cols: list[ListColumn],
+    extra: list[tuple[str, pa.ChunkedArray]],
+    p: PackPlan,
+    kept: np.ndarray,
+    fitted: FittedPairs,
+    row_indices: np.ndarray | None,
+) -> pa.Table:
+    pair = kept[p.seg_source]  # index into the (selected) input pairs, in packed order
+    source = pair if row_indices is None else row_indices[pair]
+    kp, kc, kr = fitted.prompt_keep[pair], fitted.chosen_keep[pair], fitted.rejected_keep[pair]
+    lp = cols[0].lengths()[source]
+    pair_start = p.seg_dest  # start of each pair in the packed token stream
+    chosen_len, rejected_len = kp + kc, kp + kr
+    total = p.tokens_kept
+    value_type = cols[0].type.value_type
+    dtype = cols[0].value_dtype
+    tokens = np.empty(total, dtype)
+    zero = np.zeros_like(source)
+    prompt_from = lp - kp  # the prompt keeps its end
+    _copy_into(
+        cols[0],
+        np.concatenate([source, source]),
+        np.concatenate([prompt_from, prompt_from]),
+        np.concatenate([kp, kp]),
+        np.concatenate([pair_start, pair_start + chosen_len]),
+        tokens,
+    )
+    _copy_into(cols[1], source, zero, kc, pair_start + kp, tokens)
+    _copy_into(cols[2], source, zero, kr, pair_start + chosen_len + kp, tokens)
+    # completion_mask: ones copied over each completion's span (the same segment-copy kernel).
+    mask = np.zeros(total, np.int8)
+    if pair.shape[0]:
+        ones = np.ones(int(max(kc.max(), kr.max())), np.int8)
+        spans = np.ascontiguousarray(np.concatenate([kc, kr]))
+        kernels.copy_all_segments(
+            ones,
+            np.zeros_like(spans),
+            spans,
+            np.concatenate([pair_start + kp, pair_start + chosen_len + kp]),
+            mask,
+        )
+    token_offsets = p.token_offsets
+    seq = np.empty(2 * pair.shape[0], np.int32)
+    seq[0::2], seq[1::2] = chosen_len, rejected_len
+    arrays = [
+        list_array(token_offsets, tokens, False, value_type),
+        list_array(token_offsets, mask, False, pa.int8()),
+        pa.ListArray.from_arrays(pa.array((2 * p.row_offsets).astype(np.int32)), pa.array(seq)),
+    ]
+    names = ["input_ids", COMPLETION_MASK, SEQ_LENGTHS]
+    pair_offsets = pa.array(p.row_offsets.astype(np.int32))
+    for name, column in extra:
+        values = column.take(pa.array(source)).combine_chunks()
+        arrays.append(pa.ListArray.from_arrays(pair_offsets, values))
+        names.append(name)
+    return pa.Table.from_arrays(arrays, names=names)
+
+
+def _report(max_length: int, lp, lc, lr, fitted: FittedPairs, p: PackPlan) -> PairReport:
+    keep = fitted.keep
+    cut_p = keep & (fitted.prompt_keep < lp)
+    cut_c = keep & (fitted.chosen_keep < lc)
+    cut_r = keep & (fitted.rejected_keep < lr)
+    return PairReport(
+        max_length=max_length,
+        pairs_in=int(lp.shape[0]),
+        pairs_out=int(keep.sum()),
+        pairs_truncated=int((cut_p | cut_c | cut_r).sum()),
+        prompts_truncated=int(cut_p.sum()),
+        chosen_truncated=int(cut_c.sum()),
+        rejected_truncated=int(cut_r.sum()),
+        pairs_dropped=int((~keep).sum()),
+        tokens_in=int((2 * lp + lc + lr).sum()),
+        tokens_kept=p.tokens_kept,
+        rows=p.num_rows,
+        lower_bound=p.lower_bound,
+    )

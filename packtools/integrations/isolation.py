@@ -1,0 +1,346 @@
+"""The isolation probe: does this model, with this attention backend and these batch keys, keep packed sequences apart?
+
+Padding-free training is right only when every layer that mixes tokens (attention, but also the convolutions
+and state-space or linear-attention scans of hybrid models) stops at sequence boundaries.  When one does not,
+nothing crashes: the loss just trains on the wrong context.  :func:`check_isolation` runs a few short
+sequences through the model twice -- packed into one batch exactly as the collator and the trainer adapter
+would feed them, and each sequence alone -- and compares the logits; it also changes the tokens of the first
+sequence and checks that the logits of the others do not move.  The model runs in eval mode (no dropout),
+without gradients unless ``backward=True``, and its train/eval flags are restored afterwards.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._optional import require
+from ..constants import IGNORE_INDEX
+from ..errors import PackingError
+from .transformers import _base_model, adapt_collator, attention_implementation, token_mixing_layers
+
+#: Sequence lengths of the probe batch (two packed rows of two sequences each).
+DEFAULT_LENGTHS = (5, 9, 3, 7)
+#: Relative tolerances by dtype (times ``max(1, largest |logit|)``): leaks in float32 show at ~1e-4 and above.
+TOLERANCE = {"float64": 1e-9, "float32": 1e-5, "bfloat16": 5e-2, "float16": 2e-2}
+
+
+@dataclass(frozen=True)
+class IsolationReport:
+    """What :func:`check_isolation` ran and measured.
+
+    ``alone_diff[i]``: largest ``|logit|`` difference of sequence ``i`` between the packed batch and the
+    sequence run alone; ``perturb_diff``: largest change of the other sequences' logits when the tokens of
+    sequence 0 change; ``loss_diff`` / ``grad_diff`` (``backward=True``): relative differences of the summed
+    token loss and of the parameter gradients, packed against one by one (divided by ``max(1, |loss|)`` and
+    ``max(1, largest |gradient|)``).  A difference above ``tolerance`` is a leak.
+    """
+
+    model: str
+    backend: str | None
+    dtype: str
+    device: str
+    lengths: tuple[int, ...]
+    keys: tuple[str, ...]
+    alone_diff: tuple[float, ...]
+    perturb_diff: float
+    tolerance: float
+    loss_diff: float | None = None
+    grad_diff: float | None = None
+
+    @property
+    def max_diff(self) -> float:
+        """The largest of all measured differences."""
+        extra = [d for d in (self.loss_diff, self.grad_diff) if d is not None]
+        return max([*self.alone_diff, self.perturb_diff, *extra])
+
+    @property
+    def leaks(self) -> bool:
+        return self.max_diff > self.tolerance
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.model} attn_implementation={self.backend!r} {self.dtype} on {self.device}",
+            f"batch keys: {', '.join(self.keys)}",
+            f"sequence lengths: {list(self.lengths)}",
+            "max |packed - alone| per sequence: " + ", ".join(f"{d:.1e}" for d in self.alone_diff),
+            f"max change of other sequences when sequence 0 changes: {self.perturb_diff:.1e}",
+        ]
+        if self.loss_diff is not None:
+            lines.append(
+                f"relative loss difference: {self.loss_diff:.1e}; relative gradient difference: {self.grad_diff:.1e}"
+            )
+        verdict = "LEAKS" if self.leaks else "isolated"
+        lines.append(f"tolerance {self.tolerance:.1e}: {verdict}")
+        return "\n".join(lines)
+
+
+def _probe_tokens(base: Any, total: int, rng: np.random.Generator) -> np.ndarray:
+    emb = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    vocab = getattr(emb, "num_embeddings", None)
+    config = getattr(base, "config", None)
+    if vocab is None and config is not None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        vocab = getattr(text, "vocab_size", None)
+    if not vocab:
+        raise PackingError(
+            f"cannot tell the vocabulary size of {type(base).__name__} (no input embeddings, no "
+            f"config.vocab_size); the isolation probe needs token ids the model accepts."
+        )
+    special = set()
+    if config is not None:
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(config, name, None)
+            special.update(value if isinstance(value, (list, tuple)) else [value])
+    ids = np.arange(int(vocab), dtype=np.int64)
+    ids = ids[~np.isin(ids, [v for v in special if isinstance(v, int)])]
+    return rng.choice(ids, size=total, replace=True)
+
+
+def _check_lengths(lengths: Sequence[int]) -> tuple[int, ...]:
+    out = tuple(int(n) for n in lengths)
+    if len(out) < 2 or min(out) < 2 or any(isinstance(n, bool) for n in lengths):
+        raise PackingError(
+            f"lengths={list(lengths)!r}: the probe needs at least two sequences of >= 2 tokens each.",
+            param="lengths",
+        )
+    return out
+
+
+def _rows(seqs: list[np.ndarray]) -> list[dict[str, Any]]:
+    """The sequences as two packed rows (first half, second half), in order."""
+    half = (len(seqs) + 1) // 2
+    rows = []
+    for part in (seqs[:half], seqs[half:]):
+        if part:
+            rows.append({"input_ids": np.concatenate(part).tolist(), "seq_lengths": [len(s) for s in part]})
+    return rows
+
+
+def _spans(seqs: list[np.ndarray], batch_rows: int) -> list[tuple[int, int, int]]:
+    """``(row, start, stop)`` of each sequence in the collated batch (flat when it has one row)."""
+    half = (len(seqs) + 1) // 2
+    spans, row, start = [], 0, 0
+    for i, s in enumerate(seqs):
+        if batch_rows > 1 and i == half:
+            row, start = 1, 0
+        spans.append((row, start, start + len(s)))
+        start += len(s)
+    return spans
+
+
+def _accepts(forward: Callable[..., Any], name: str) -> bool:
+    params = inspect.signature(forward).parameters
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _sum_loss(torch: Any, logits: Any, labels: Any) -> Any:
+    """Summed next-token cross-entropy (position ``i`` predicts ``labels[i + 1]``)."""
+    return torch.nn.functional.cross_entropy(
+        logits[..., :-1, :].float().reshape(-1, logits.shape[-1]),
+        labels[..., 1:].reshape(-1).to(logits.device),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def _logits(out: Any, name: str) -> Any:
+    logits = getattr(out, "logits", None)
+    if logits is None and isinstance(out, (tuple, list)) and out:
+        logits = out[0]
+    if logits is None or getattr(logits, "ndim", 0) != 3:
+        raise PackingError(
+            f"{name} returned no [batch, tokens, vocab] logits; the isolation probe checks causal language "
+            f"models. For another head, pass check_isolation=False to prepare_trainer and check it yourself."
+        )
+    return logits
+
+
+def _translate(err: Exception, model_name: str, impl: str | None) -> PackingError | None:
+    """transformers' own refusal (a mixer without the kernel that reads seq_idx) as a PackingError."""
+    text = str(err)
+    if "packed sequences apart" not in text:
+        return None
+    return PackingError(
+        f"{model_name} with attn_implementation={impl!r} cannot keep packed sequences apart on this machine: "
+        f"{text} Its convolution / state-space / linear-attention layers separate sequences only with "
+        f"seq_idx or cu_seq_lens, which the PyTorch fallback ignores. Fix: train on CUDA with those kernels "
+        f"installed, or do not pack (PaddingFreeCollator(padding_free=False, unpacked=True) on unpacked rows)."
+    )
+
+
+def _fix_hint(keys: Sequence[str], mixers: Sequence[str], impl: str | None) -> str:
+    if "attention_mask" in keys:
+        return (
+            "The batch carries an attention_mask, which makes transformers ignore the packed position_ids; "
+            "drop it (PaddingFreeCollator never emits one with packed rows)."
+        )
+    if "position_ids" not in keys and not any(k.startswith("cu_seq_lens") for k in keys):
+        return (
+            "The batch has no position_ids and no cu_seq_lens, so the model sees one long sequence; keep "
+            "them (PaddingFreeCollator(return_position_ids=True, return_flash_attn_kwargs=True))."
+        )
+    if mixers and "seq_idx" not in keys:
+        return (
+            f"Its layers {list(mixers)[:3]} mix tokens outside attention and need seq_idx/cu_seq_lens with "
+            f"their CUDA kernels (mamba-ssm, causal-conv1d, flash-linear-attention); pass them "
+            f"(PaddingFreeCollator(return_seq_idx=True, return_flash_attn_kwargs=True)) or do not pack."
+        )
+    return (
+        f"Use attn_implementation='sdpa' (or 'flash_attention_2' on GPU) instead of {impl!r}, or do not pack "
+        f"(PaddingFreeCollator(padding_free=False, unpacked=True) on unpacked rows)."
+    )
+
+
+def check_isolation(
+    model: Any,
+    collator: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
+    *,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    seed: int = 0,
+    atol: float | None = None,
+    backward: bool = False,
+    raise_on_leak: bool = True,
+) -> IsolationReport:
+    """Check that ``model`` keeps packed sequences apart; return an :class:`IsolationReport`.
+
+    A few sequences of ``lengths`` tokens (random ids from the model's vocabulary, special tokens left
+    out) are packed into two rows, collated by ``collator`` (default: ``PaddingFreeCollator`` with the
+    model's pad token), filtered to the keys the model's ``forward`` accepts (as :func:`prepare_trainer`
+    does), and run with ``use_cache=False`` and no ``attention_mask``; each sequence is also run alone.
+    ``backward=True`` also compares the summed token loss and the parameter gradients (without touching
+    ``.grad``).  A custom ``collator`` must keep the rows and their sequences in order.
+
+    ``atol`` defaults to a tolerance by dtype (:data:`TOLERANCE`, times the largest ``|logit|`` when that
+    exceeds 1).  In float32 a leak shows at 1e-4 and above while an isolated model stays near 1e-7; in
+    bfloat16/float16 only leaks larger than rounding noise are seen (the perturbation check still reads
+    ~0 when sequences are isolated).
+
+    Raises :class:`PackingError` naming the model class, the backend and the fix when sequences leak
+    (or when transformers refuses the packed batch); ``raise_on_leak=False`` returns the report instead.
+
+    >>> import torch, transformers
+    >>> config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+    ...     num_hidden_layers=1, num_attention_heads=2, attn_implementation="eager")
+    >>> _ = torch.manual_seed(0)
+    >>> report = check_isolation(transformers.LlamaForCausalLM(config))
+    >>> report.leaks, report.perturb_diff, max(report.alone_diff) < 1e-5
+    (False, 0.0, True)
+    >>> from packtools import PaddingFreeCollator
+    >>> no_positions = PaddingFreeCollator(0, return_position_ids=False)  # eager then sees one long row
+    >>> check_isolation(transformers.LlamaForCausalLM(config), no_positions)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: LlamaForCausalLM with attn_implementation='eager' lets packed sequences see each other...
+    """
+    torch = require("torch", "packtools.check_isolation")
+    lengths = _check_lengths(lengths)
+    base = _base_model(model)
+    impl = attention_implementation(model)
+    name = type(base).__name__
+    config = getattr(base, "config", None)
+    pad = getattr(config, "pad_token_id", None) if config is not None else None
+    if collator is None:
+        from ..batches.collate import PaddingFreeCollator
+
+        collator = PaddingFreeCollator(pad if isinstance(pad, int) else 0)
+    collator = adapt_collator(collator, model)
+    param = next(iter(base.parameters()), None)
+    device = param.device if param is not None else torch.device("cpu")
+    rng = np.random.default_rng(seed)
+    tokens = _probe_tokens(base, sum(lengths), rng)
+    seqs = np.split(tokens, np.cumsum(lengths)[:-1])
+    other = _probe_tokens(base, lengths[0], rng)
+    forward = base.forward
+    cache = {"use_cache": False} if _accepts(forward, "use_cache") else {}
+
+    def run_packed(parts: list[np.ndarray]) -> tuple[Any, Any, tuple[str, ...]]:
+        batch = dict(collator(_rows(parts)))
+        labels = batch.pop("labels", None)
+        batch = {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
+        try:
+            out = model(**batch, **cache)
+        except (ValueError, NotImplementedError) as err:
+            translated = _translate(err, name, impl)
+            if translated is not None:
+                raise translated from err
+            raise
+        return _logits(out, name), labels, tuple(batch)
+
+    def run_alone(seq: np.ndarray) -> Any:
+        return _logits(model(input_ids=torch.as_tensor(seq[None], device=device), **cache), name)[0]
+
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            packed, _, keys = run_packed(list(seqs))
+            moved, _, _ = run_packed([other, *seqs[1:]])
+            spans = _spans(list(seqs), packed.shape[0])
+            alone = [run_alone(s) for s in seqs]
+        diffs = tuple(
+            float((packed[r, a:b].float() - al.float()).abs().max()) for (r, a, b), al in zip(spans, alone)
+        )
+        perturb = max(
+            float((packed[r, a:b].float() - moved[r, a:b].float()).abs().max()) for r, a, b in spans[1:]
+        )
+        scale = max(1.0, max(float(al.float().abs().max()) for al in alone))
+        # The compute dtype (of the weights), not the logits' (some heads upcast them to float32).
+        floating = next((p.dtype for p in base.parameters() if p.is_floating_point()), packed.dtype)
+        dtype = str(floating).replace("torch.", "")
+        tol = float(atol) if atol is not None else TOLERANCE.get(dtype, 1e-5) * scale
+        loss_diff = grad_diff = None
+        if backward:
+            loss_diff, grad_diff = _compare_backward(torch, base, run_packed, run_alone, seqs)
+    finally:
+        for module, training in modes:
+            module.training = training
+    report = IsolationReport(
+        name, impl, dtype, str(device), lengths, keys, diffs, perturb, tol, loss_diff, grad_diff
+    )
+    if report.leaks and raise_on_leak:
+        mixers = token_mixing_layers(model)
+        raise PackingError(
+            f"{name} with attn_implementation={impl!r} lets packed sequences see each other: the logits of a "
+            f"sequence in a packed batch differ by up to {max(diffs):.1e} from the sequence run alone and move "
+            f"by {perturb:.1e} when another sequence of the batch changes (tolerance {tol:.1e}; batch keys "
+            f"{list(keys)}). {_fix_hint(keys, mixers, impl)} (prepare_trainer(..., check_isolation=False) "
+            f"skips this check; training would then be silently wrong.)\n{report}"
+        )
+    return report
+
+
+def _compare_backward(
+    torch: Any,
+    base: Any,
+    run_packed: Callable[..., Any],
+    run_alone: Callable[..., Any],
+    seqs: list[np.ndarray],
+) -> tuple[float, float]:
+    params = [p for p in base.parameters() if p.requires_grad]
+    if not params:
+        return 0.0, 0.0
+    logits, labels, _ = run_packed(list(seqs))
+    packed_loss = _sum_loss(torch, logits, labels)
+    packed_grads = torch.autograd.grad(packed_loss, params, allow_unused=True)
+    alone_loss = 0.0
+    alone_grads = [None] * len(params)
+    for seq in seqs:
+        loss = _sum_loss(torch, run_alone(seq)[None], torch.as_tensor(seq[None]))
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        alone_loss += float(loss.detach())
+        alone_grads = [g if a is None else (a if g is None else a + g) for a, g in zip(alone_grads, grads)]
+    grad_diff, grad_scale = 0.0, 1.0
+    for a, b in zip(packed_grads, alone_grads):
+        if a is None and b is None:
+            continue
+        a = torch.zeros_like(b) if a is None else a
+        b = torch.zeros_like(a) if b is None else b
+        grad_diff = max(grad_diff, float((a.float() - b.float()).abs().max()))
+        grad_scale = max(grad_scale, float(b.float().abs().max()))
+    loss_diff = abs(float(packed_loss.detach()) - alone_loss) / max(1.0, abs(alone_loss))
+    return loss_diff, grad_diff / grad_scale

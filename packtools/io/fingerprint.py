@@ -1,0 +1,33 @@
+"""One fingerprint scheme for every cache key in packtools.
+
+A key is the SHA-256 of canonical JSON (sorted keys) holding what it is for (``kind``), the packtools version,
+that kind's format version, and the parts that decide the cached content.  A new packtools version or format
+version therefore never reuses anything cached before it.  Files are fingerprinted by absolute path, size and
+modification time (:func:`file_fingerprint`), never by reading their content.
+
+>>> a = cache_key("example", 1, rows=[1, 2])
+>>> a == cache_key("example", 1, rows=[1, 2]), a == cache_key("example", 2, rows=[1, 2]), len(a)
+(True, False, 64)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+from ..constants import __version__
+
+
+def file_fingerprint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """``{"path", "size", "mtime_ns"}`` of a file (absolute path)."""
+    path = os.path.abspath(os.fspath(path))
+    st = os.stat(path)
+    return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def cache_key(kind: str, format_version: int, **parts: Any) -> str:
+    """SHA-256 (hex) of ``kind``, the packtools version, ``format_version`` and ``parts``."""
+    body = {"kind": kind, "packtools_version": __version__, "format_version": format_version, **parts}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()

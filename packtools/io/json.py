@@ -1,0 +1,304 @@
+"""JSON input read in blocks: JSON lines (parsed by Arrow, block by block) and files holding one JSON array
+(parsed object by object).  Memory is bounded by the block size and the longest line or object, never by the
+file size, and every byte is parsed once.  Errors name the file and its real line number: the slow Python
+parse that finds the culprit runs only when Arrow has already refused a block.
+
+>>> import os, tempfile
+>>> path = os.path.join(tempfile.mkdtemp(), "rows.jsonl")
+>>> _ = open(path, "w").write('{"text": "a"}\\n{"text": "b"}\\n{"text": "c"}\\n')
+>>> [(k, t.num_rows) for k, t in iter_json_lines(path, block_bytes=20)]  # k: lines after the first
+[(0, 1), (1, 1), (2, 1)]
+>>> _ = open(path, "w").write('{"text": "a"}\\n{"text": "b",}\\n')
+>>> list(iter_json_lines(path))
+Traceback (most recent call last):
+...
+packtools.errors.PackingError: input '...rows.jsonl' line 2 column 14: malformed JSON (Expecting property name enclosed in double quotes); fix or remove that line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from typing import IO
+
+import pyarrow as pa
+
+from ..errors import PackingError
+
+BLOCK_BYTES = 1 << 24
+#: An object longer than this (in characters) is reported as malformed rather than read on to the end.
+MAX_OBJECT_CHARS = 1 << 27
+
+
+_WRAPPED = re.compile(rb'^\s*\{\s*"(?:[^"\\]|\\.)*"\s*:\s*\[')
+
+
+def is_json_array(path: str) -> bool:
+    """Whether the file holds one JSON array of objects (``[...]``, or ``{"name": [...]}`` wrapping one)
+    rather than JSON lines (one object per line)."""
+    with open(path, "rb") as fh:
+        head = fh.read(1 << 16)
+    head = head.lstrip(b" \t\r\n\xef\xbb\xbf")
+    if head[:1] == b"[":
+        return True
+    if head[:1] != b"{" or not _WRAPPED.match(head):
+        return False
+    first = head.split(b"\n", 1)[0]
+    try:
+        json.loads(first)
+        return False  # the first line is a whole object: JSON lines
+    except ValueError:
+        return True
+
+
+def _not_utf8(path: str, line: int, raw: bytes, start: int, end: int) -> PackingError:
+    return PackingError(
+        f"input {path!r} line {line}: bytes {raw[start:end]!r} at column {start + 1} are not UTF-8; re-encode "
+        f"the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 IN > OUT) or remove that line."
+    )
+
+
+def _find_bad_line(path: str, data: bytes, first_line: int) -> PackingError | None:
+    """The error for the first line of ``data`` that is not one UTF-8 JSON object (error path only)."""
+    for i, raw in enumerate(data.split(b"\n")):
+        line = first_line + i
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return _not_utf8(path, line, raw, exc.start, exc.end)
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            return PackingError(
+                f"input {path!r} line {line} column {exc.colno}: malformed JSON ({exc.msg}); fix or remove that line."
+            )
+        if not isinstance(obj, dict):
+            return PackingError(
+                f"input {path!r} line {line}: each JSON line must be an object ({{...}}), got {type(obj).__name__}."
+            )
+    return None
+
+
+def count_lines(path: str, stop: int) -> int:
+    """Newlines in the first ``stop`` bytes of ``path`` (read in blocks; used to number lines on errors)."""
+    n = 0
+    with open(path, "rb") as fh:
+        left = stop
+        while left > 0:
+            chunk = fh.read(min(left, 1 << 24))
+            if not chunk:
+                break
+            n += chunk.count(b"\n")
+            left -= len(chunk)
+    return n
+
+
+def line_ranges(path: str, part_bytes: int) -> list[tuple[int, int]]:
+    """Byte ranges ``[start, stop)`` of about ``part_bytes`` each, cut just after a newline, covering the file."""
+    size = os.path.getsize(path)
+    cuts = [0]
+    with open(path, "rb") as fh:
+        while cuts[-1] + part_bytes < size:
+            fh.seek(cuts[-1] + part_bytes)
+            fh.readline()
+            pos = fh.tell()
+            if pos >= size:
+                break
+            cuts.append(pos)
+    cuts.append(size)
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+class LineBase:
+    """The line number of byte ``start`` of a file, counted only when first asked for (errors need it)."""
+
+    def __init__(self, path: str, start: int) -> None:
+        self.path, self.start = path, start
+        self._value: int | None = 1 if start == 0 else None
+
+    @property
+    def value(self) -> int:
+        if self._value is None:
+            self._value = 1 + count_lines(self.path, self.start)
+        return self._value
+
+
+def iter_json_lines(
+    path: str, start: int = 0, stop: int | None = None, block_bytes: int = BLOCK_BYTES
+) -> Iterator[tuple[int, pa.Table]]:
+    """Yield ``(k, table)`` for blocks of the JSON lines in bytes ``[start, stop)``: the block's first row is
+    on line ``LineBase(path, start).value + k``.  ``start`` must be 0 or just after a newline (see
+    :func:`line_ranges`).  Blank lines are skipped (rows are numbered as lines when there are none)."""
+    import pyarrow.json as pj
+
+    stop = os.path.getsize(path) if stop is None else stop
+    base = LineBase(path, start)
+    rel = 0  # newlines between `start` and the current block
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        left, tail = stop - start, b""
+        while left > 0 or tail:
+            chunk = fh.read(min(block_bytes, left)) if left > 0 else b""
+            left -= len(chunk)
+            data = tail + chunk
+            if left > 0:
+                cut = data.rfind(b"\n") + 1
+                if cut == 0:  # a line longer than the block: read on
+                    tail = data
+                    continue
+                data, tail = data[:cut], data[cut:]
+            else:
+                tail = b""
+            body = data.lstrip()
+            if body:
+                try:
+                    data.decode("utf-8")
+                except UnicodeDecodeError:
+                    err = _find_bad_line(path, data, base.value + rel)
+                    raise (err or PackingError(f"input {path!r}: not UTF-8.")) from None
+                try:
+                    options = pj.ReadOptions(block_size=max(len(data) + 1, 1 << 20), use_threads=False)
+                    table = pj.read_json(pa.BufferReader(data), read_options=options)
+                except pa.ArrowInvalid as exc:
+                    err = _find_bad_line(path, data, base.value + rel)
+                    raise (err or PackingError(f"input {path!r} lines {base.value + rel}+: {exc}")) from None
+                yield rel + data.count(b"\n", 0, len(data) - len(body)), table
+            rel += data.count(b"\n")
+
+
+class _TextWindow:
+    """The part of a UTF-8 file not parsed yet, as text, refilled on demand; knows its line numbers."""
+
+    def __init__(self, path: str, fh: IO[bytes], read_bytes: int) -> None:
+        self.path, self.fh, self.read_bytes = path, fh, read_bytes
+        self.buf, self.pos, self.line, self.eof, self.raw = "", 0, 1, False, b""
+
+    def line_at(self, pos: int) -> int:
+        return self.line + self.buf.count("\n", 0, pos)
+
+    def more(self) -> bool:
+        """Append the next bytes of the file (decoded); False at the end of the file."""
+        if self.eof:
+            return False
+        chunk = self.fh.read(self.read_bytes)
+        data = self.raw + chunk
+        if not chunk:
+            self.eof = True
+            if not data:
+                return False
+        try:
+            text, self.raw = data.decode("utf-8"), b""
+        except UnicodeDecodeError as exc:
+            if chunk and exc.reason == "unexpected end of data":  # a character cut by the read
+                text, self.raw = data[: exc.start].decode("utf-8"), data[exc.start :]
+            else:
+                head = data[: exc.start].decode("utf-8", "replace")
+                line = self.line_at(len(self.buf)) + head.count("\n")
+                column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1)
+                raise _not_utf8(
+                    self.path, line, data[exc.start - column :], column, column + exc.end - exc.start
+                ) from None
+        self.line = self.line_at(self.pos)
+        self.buf = self.buf[self.pos :] + text
+        self.pos = 0
+        return True
+
+    def peek(self) -> str:
+        """The next non-blank character ("" at the end of the file)."""
+        while True:
+            while self.pos < len(self.buf) and self.buf[self.pos] in " \t\r\n\ufeff":
+                self.pos += 1
+            if self.pos < len(self.buf):
+                return self.buf[self.pos]
+            if not self.more():
+                return ""
+
+
+def iter_json_array(
+    path: str, block_rows: int = 1000, read_bytes: int = 1 << 20
+) -> Iterator[tuple[int, pa.Table]]:
+    """Yield ``(line of the block's first object, table)`` for blocks of ``block_rows`` objects of a file that
+    holds one JSON array of objects, or one object whose only key holds that array (``{"data": [...]}``)."""
+    decoder = json.JSONDecoder()
+    with open(path, "rb") as fh:
+        w = _TextWindow(path, fh, read_bytes)
+        wrapped = w.peek() == "{"
+        if wrapped:  # {"data": [...]}: one key whose value is the array
+            w.pos += 1
+            w.peek()
+            try:
+                key, w.pos = decoder.raw_decode(w.buf, w.pos)
+            except json.JSONDecodeError:
+                key = None
+            if not isinstance(key, str) or w.peek() != ":":
+                raise PackingError(f"input {path!r}: expected JSON lines or one JSON array of objects.")
+            w.pos += 1
+        if w.peek() != "[":
+            raise PackingError(f"input {path!r}: expected JSON lines or one JSON array of objects.")
+        w.pos += 1
+        rows: list[dict] = []
+        first, count = 0, 0
+        while True:
+            c = w.peek()
+            if c == "]":
+                break
+            if c == "":
+                raise PackingError(
+                    f"input {path!r} line {w.line_at(w.pos)}: the JSON array is not closed (no ']'); is the file cut?"
+                )
+            if count:
+                if c != ",":
+                    raise PackingError(
+                        f"input {path!r} line {w.line_at(w.pos)}: expected ',' or ']' after an object of the array, "
+                        f"got {c!r}; fix the file."
+                    )
+                w.pos += 1
+                c = w.peek()
+            if c == "":
+                raise PackingError(
+                    f"input {path!r} line {w.line_at(w.pos)}: the JSON array is not closed (no ']'); is the file cut?"
+                )
+            while True:
+                try:
+                    obj, end = decoder.raw_decode(w.buf, w.pos)
+                    break
+                except json.JSONDecodeError as exc:
+                    if len(w.buf) - w.pos < MAX_OBJECT_CHARS and w.more():
+                        continue  # the object may only be cut by the read
+                    raise PackingError(
+                        f"input {path!r} line {w.line_at(exc.pos)} column {exc.colno}: malformed JSON ({exc.msg}); "
+                        f"fix that object."
+                    ) from None
+            if not isinstance(obj, dict):
+                raise PackingError(
+                    f"input {path!r} line {w.line_at(w.pos)}: the array must hold objects, got {type(obj).__name__}."
+                )
+            if not rows:
+                first = w.line_at(w.pos)
+            rows.append(obj)
+            count += 1
+            w.pos = end
+            if len(rows) >= block_rows:
+                yield first, _table(path, rows, first)
+                rows = []
+        w.pos += 1
+        if wrapped and w.peek() != "}":
+            raise PackingError(
+                f"input {path!r} line {w.line_at(w.pos)}: after the array, expected the '}}' that closes the object "
+                f"around it (one key holding the array of rows)."
+            )
+        if rows:
+            yield first, _table(path, rows, first)
+
+
+def _table(path: str, rows: list[dict], line: int) -> pa.Table:
+    try:
+        return pa.Table.from_pylist(rows)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise PackingError(
+            f"input {path!r} objects from line {line}: values of one key disagree in type ({exc}); fix the data."
+        ) from None

@@ -1,0 +1,286 @@
+"""Stage 1 of :func:`packtools.pack_files`: one part of the input read (and tokenized) into a staged file.
+
+A :class:`StageJob` runs on any executor (it is small and picklable; :func:`stage_part` is module-level).  It
+reads its :class:`~packtools.io.files.Part` block by block, tokenizes raw rows (or checks and casts the token
+columns of tokenized rows), and writes the token columns to an uncompressed Arrow IPC file, then a sidecar
+``.npz`` with each row's length (a preference pair's: its tokens in all three columns) and the position of its first label token.  Both are written under temporary
+names and renamed; the sidecar comes last, so its presence means the part is done: a rerun after a crash
+finds it and skips the part.  The file names are a hash of everything that decides their content (the part's
+path, size, mtime and range, the format, the tokenizer's fingerprint, the columns and types, the packtools
+version and :data:`STAGE_FORMAT`), so a cached part can never be stale.
+
+A tokenized, uncompressed Arrow input whose columns already have the target types is not copied: the sidecar
+records the input itself as the data to gather from (``data``).
+
+>>> import os, tempfile, pyarrow as pa, pyarrow.parquet as pq
+>>> from packtools.io.files import Part, discover
+>>> d = tempfile.mkdtemp()
+>>> pq.write_table(pa.table({"input_ids": [[1, 2, 3], [4]]}), os.path.join(d, "t.parquet"))
+>>> job = StageJob(Part(discover([d])[0]), "tokenized", ("input_ids",), ("int64",), None, True,
+...                os.path.join(d, "s.arrow"), os.path.join(d, "s.npz"))
+>>> stage_part(job)["rows"], load_sidecar(job.sidecar)[0].tolist(), stage_part(job)["reused"]
+(2, [3, 1], True)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ..constants import IGNORE_INDEX
+from ..core.arrow import check_aligned, is_list_type, read_list_column
+from ..errors import PackingError
+from ..io.files import Part, Where, iter_part
+from ..io.fingerprint import cache_key
+from .prefetch import prefetch
+
+#: Version of the staged-file layout; part of every cache key.
+STAGE_FORMAT = 1
+#: Rows per block handed to the tokenizer, read from tokenized files, and most rows / bytes per record batch of
+#: a staged file.
+TOKENIZE_ROWS = 1000
+READ_ROWS = 8192
+STAGE_BATCH_ROWS = 1 << 16
+STAGE_BATCH_BYTES = 1 << 26
+
+
+@dataclass(frozen=True)
+class StageJob:
+    """Everything a worker needs to stage one part (picklable, small)."""
+
+    part: Part
+    fmt: str
+    columns: tuple[str, ...]  # token columns of the staged file, in order
+    value_types: tuple[str, ...]  # their value types ("int32", ...)
+    tokenizer: str | None
+    add_eos: bool
+    staged: str  # path of the staged Arrow file
+    sidecar: str  # path of the sidecar .npz (written last)
+    single_threaded: bool = (
+        False  # tokenize on one thread (a worker of a pool or of Ray: they are the parallelism)
+    )
+    tokenizer_engine: str = (
+        "auto"  # packtools.pipeline.fast_tokenize.ENGINES; the ids are the same either way
+    )
+
+    @property
+    def has_labels(self) -> bool:
+        return "labels" in self.columns
+
+
+def stage_key(
+    part: Part,
+    fmt: str,
+    columns: tuple[str, ...],
+    value_types: tuple[str, ...],
+    tokenizer_fp: str | None,
+    add_eos: bool,
+) -> str:
+    """The cache key of a staged part (32 hex digits): everything that decides its bytes, with the versions."""
+    return cache_key(
+        "stage",
+        STAGE_FORMAT,
+        part=part.fingerprint(),
+        format=fmt,
+        columns=list(columns),
+        types=list(value_types),
+        tokenizer=tokenizer_fp,
+        add_eos=add_eos if fmt != "tokenized" else None,
+    )[:32]
+
+
+# -- in the worker ---------------------------------------------------------------------------------------
+_TOKENIZERS: dict[tuple[str, str, bool, str], Any] = {}
+
+
+def preload_tokenizer(tokenizer: str, fmt: str, add_eos: bool, engine: str = "auto") -> Any:
+    """The :class:`BatchTokenizer` for these arguments, loaded once per process (loading is the slow part)."""
+    from .tokenize import BatchTokenizer
+
+    key = (tokenizer, fmt, add_eos, engine)
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = BatchTokenizer(tokenizer, fmt, add_eos, engine)
+    return _TOKENIZERS[key]
+
+
+def _tokenizer(job: StageJob) -> Any:
+    if job.single_threaded:  # before the tokenizers library starts its thread pool in this process
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    return preload_tokenizer(job.tokenizer, job.fmt, job.add_eos, job.tokenizer_engine)
+
+
+def check_token_column(table: pa.Table, name: str, value_type: pa.DataType, where: Where) -> pa.ChunkedArray:
+    """Column ``name`` of ``table`` as ``list<value_type>``, or an error naming the file, column, type and fix."""
+    if name not in table.column_names:
+        raise PackingError(
+            f"{where()}: column {name!r} is missing (it has {table.column_names}); every input file needs the "
+            f"same token columns (pass columns=[...] to choose them)."
+        )
+    col = table.column(name)
+    t = col.type
+    if pa.types.is_null(t):  # JSON blocks where the column is null everywhere
+        return col.cast(pa.list_(value_type))
+    vt = t.value_type if is_list_type(t) else None
+    if vt is None or not pa.types.is_integer(vt):
+        hint = (
+            f"token ids must be integers: cast it, e.g. table.cast(...) with {name}: list<{value_type}>, "
+            f"or round the values in the source"
+            if vt is not None and pa.types.is_floating(vt)
+            else f"a token column holds lists of integers (list<{value_type}>); cast it or leave it out with columns=[...]"
+        )
+        raise PackingError(f"{where()}: column {name!r} has type {t}; {hint}.")
+    if vt != value_type or not pa.types.is_list(t):
+        try:
+            col = col.cast(pa.list_(value_type))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+            raise PackingError(
+                f"{where()}: column {name!r} ({t}) does not fit list<{value_type}>, the type of the first input "
+                f"file ({exc}); cast the files to one type first."
+            ) from None
+    return col
+
+
+def first_label(labels: pa.ChunkedArray) -> np.ndarray:
+    """Per row, the position of the first token with a label (not -100); the row length if there is none."""
+    parts = []
+    for chunk in read_list_column(labels, "labels").chunks:
+        first = np.diff(chunk.offsets)
+        idx = np.flatnonzero(chunk.values[: chunk.offsets[-1]] != IGNORE_INDEX)
+        rows = np.searchsorted(chunk.offsets, idx, side="right") - 1
+        uniq, at = np.unique(rows, return_index=True)
+        first[uniq] = idx[at] - chunk.offsets[uniq]
+        parts.append(first)
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+def _token_tables(job: StageJob):
+    """The part's token tables, in order, with their ``where``."""
+    types = [pa.type_for_alias(v) for v in job.value_types]
+    if job.fmt == "tokenized":
+        for where, table in iter_part(job.part, READ_ROWS, job.columns):
+            cols = [check_token_column(table, n, t, where) for n, t in zip(job.columns, types)]
+            yield where, pa.Table.from_arrays(cols, names=list(job.columns))
+        return
+    from .tokenize import input_columns
+
+    tok = _tokenizer(job)
+    # Reading runs ahead in a thread (Arrow's readers release the GIL), as does tokenizing (stage_part).
+    for where, table in prefetch(iter_part(job.part, TOKENIZE_ROWS, input_columns(job.fmt))):
+        yield where, tok(table, where)
+
+
+def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray] | None:
+    """Lengths and first labels of a tokenized Arrow input that can be gathered from directly, else None."""
+    if job.fmt != "tokenized" or job.part.file.kind != "arrow":
+        return None
+    from .gather import MappedArrow
+
+    want = [pa.list_(pa.type_for_alias(v)) for v in job.value_types]
+    try:
+        mapped = MappedArrow([job.part.file.path], job.columns)
+    except (pa.ArrowInvalid, KeyError, ValueError):
+        return None
+    try:
+        table = mapped.table
+        if [table.schema.field(c).type for c in job.columns] != want:
+            return None
+        cols = [read_list_column(table.column(c), c) for c in job.columns]
+        if not mapped.zero_copy(cols):
+            return None
+        lengths = check_aligned(cols).astype(np.int64)
+        first = first_label(table.column("labels")) if job.has_labels else np.zeros(0, np.int64)
+        for col in cols:
+            for chunk in col.chunks:
+                mapped.release(chunk.values)
+        return lengths, first
+    except PackingError as exc:
+        raise PackingError(f"input {job.part.file.path!r}: {exc}", param=exc.param) from None
+    finally:
+        mapped.close()
+
+
+def _save_sidecar(path: str, lengths: np.ndarray, first: np.ndarray, data: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        np.savez(fh, lengths=lengths, first_label=first, data=np.array(data))
+    os.replace(tmp, path)
+
+
+def load_sidecar(path: str) -> tuple[np.ndarray, np.ndarray, str]:
+    """``(lengths, first_label, data path)`` of a staged part."""
+    with np.load(path, allow_pickle=False) as z:
+        return z["lengths"], z["first_label"], str(z["data"])
+
+
+def stage_part(job: StageJob) -> dict[str, Any]:
+    """Stage one part (see the module docstring); returns ``{"rows", "reused", "seconds", "data"}``."""
+    start = time.perf_counter()
+    if os.path.exists(job.sidecar):
+        lengths, _, data = load_sidecar(job.sidecar)
+        if os.path.exists(data):
+            return {"rows": int(lengths.shape[0]), "reused": True, "seconds": 0.0, "data": data}
+    mapped = _map_as_is(job)
+    if mapped is not None:
+        _save_sidecar(job.sidecar, *mapped, job.part.file.path)
+        return {
+            "rows": int(mapped[0].shape[0]),
+            "reused": False,
+            "seconds": time.perf_counter() - start,
+            "data": job.part.file.path,
+        }
+    schema = pa.schema([(c, pa.list_(pa.type_for_alias(v))) for c, v in zip(job.columns, job.value_types)])
+    tmp = f"{job.staged}.tmp-{os.getpid()}"
+    lengths, firsts, pending, pending_rows, pending_bytes = [], [], [], 0, 0
+    try:
+        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+            for where, table in prefetch(_token_tables(job)):  # tokenizing runs ahead of writing
+                try:
+                    cols = [read_list_column(table.column(c), c) for c in job.columns]
+                    if job.fmt == "preference":  # a pair's columns differ in length: count all its tokens
+                        lengths.append(np.sum([c.lengths() for c in cols], axis=0).astype(np.int64))
+                    else:
+                        lengths.append(check_aligned(cols).astype(np.int64))
+                except PackingError as exc:
+                    raise PackingError(f"{where()} (block start): {exc}", param=exc.param) from None
+                if job.has_labels:
+                    firsts.append(first_label(table.column("labels")))
+                pending.append(table.select(list(job.columns)).cast(schema))
+                pending_rows += table.num_rows
+                pending_bytes += table.nbytes
+                if pending_rows >= STAGE_BATCH_ROWS or pending_bytes >= STAGE_BATCH_BYTES:
+                    writer.write_table(pa.concat_tables(pending).combine_chunks())
+                    pending, pending_rows, pending_bytes = [], 0, 0
+            if pending:
+                writer.write_table(pa.concat_tables(pending).combine_chunks())
+        os.replace(tmp, job.staged)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    all_first = np.concatenate(firsts) if firsts else np.zeros(0, np.int64)
+    _save_sidecar(job.sidecar, all_lengths, all_first, job.staged)
+    result = {
+        "rows": int(all_lengths.shape[0]),
+        "reused": False,
+        "seconds": time.perf_counter() - start,
+        "data": job.staged,
+    }
+    if job.fmt != "tokenized":  # which tokenizer engine ran, and why (packtools.pipeline.fast_tokenize)
+        result["tokenizer"] = _tokenizer(job).report.to_dict()
+    return result
+
+
+def iter_staged(paths: list[str]) -> Iterator[pa.Table]:
+    """The record batches of staged files, in order, as tables (plain reads, bounded memory)."""
+    for path in paths:
+        with pa.OSFile(path, "rb") as source:
+            reader = pa.ipc.open_file(source)
+            for i in range(reader.num_record_batches):
+                yield pa.Table.from_batches([reader.get_batch(i)])

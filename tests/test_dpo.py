@@ -1,0 +1,386 @@
+"""TRL's DPOTrainer without padding equals TRL's padded computation: loss, logged metrics and gradients.
+
+Each case builds two trainers from the same seeds: TRL as it is (padded batches) and one prepared by
+``prepare_dpo_trainer``.  Both compute the loss of the same pairs; the loss, every metric TRL logs and every
+gradient must agree within 1e-5 (fp32 on CPU; TRL's configs default to bf16, which autocasts the reference
+model on CPU, so the tests turn it off).  Packed mode is checked the same way against TRL on the pairs of each
+packed micro-batch, and gradient accumulation against the whole optimizer step computed at once.
+"""
+
+import copy
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+tokenizers = pytest.importorskip("tokenizers")
+
+from packtools import pack_preference, prepare_dpo_trainer, sequence_logps  # noqa: E402
+from packtools.batches.preference import PreferenceCollator  # noqa: E402
+from packtools.errors import PackingError  # noqa: E402
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+TOL = 1e-5
+VOCAB = 97
+PAD, EOS = 0, 1
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
+    "entropy",
+    "mean_token_accuracy",
+    "num_tokens",
+)
+
+
+def tiny_llama(impl="sdpa", seed=0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        attn_implementation=impl,
+    )
+    return transformers.LlamaForCausalLM(config).float()
+
+
+def word_tokenizer():
+    vocab = {"<pad>": PAD, "<eos>": EOS, **{f"w{i}": i for i in range(2, VOCAB)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def text_pairs(n, seed=0, max_prompt=8, max_completion=14):
+    """Pairs with skewed completion lengths, as text of word tokens."""
+    rng = np.random.default_rng(seed)
+
+    def words(k):
+        return " ".join(f"w{t}" for t in rng.integers(2, VOCAB, k))
+
+    return [
+        {
+            "prompt": words(int(rng.integers(1, max_prompt + 1))),
+            "chosen": " " + words(int(rng.integers(1, max_completion + 1))),
+            "rejected": " " + words(int(rng.integers(1, max_completion + 1))),
+        }
+        for _ in range(n)
+    ]
+
+
+def build(tmp_path, impl="sdpa", ref=True, lora=False, n=12, **config):
+    peft_config = None
+    if lora:
+        peft = pytest.importorskip("peft")
+        peft_config = peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
+        )
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        bf16=False,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        seed=0,
+    )
+    kwargs.update(config)
+    return trl.DPOTrainer(
+        tiny_llama(impl),
+        ref_model=tiny_llama(impl, seed=1) if ref else None,
+        args=trl.DPOConfig(**kwargs),
+        train_dataset=datasets.Dataset.from_list(text_pairs(n)),
+        processing_class=word_tokenizer(),
+        peft_config=peft_config,
+    )
+
+
+def loss_metrics_grads(trainer, batch):
+    """One micro-batch through the trainer's own compute_loss: loss, the metrics it logged, gradients."""
+    trainer.model.train()
+    trainer.model.zero_grad()
+    for values in trainer._metrics["train"].values():
+        values.clear()
+    loss = trainer.compute_loss(trainer.model, dict(batch))
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.item(), {k: v[-1] for k, v in trainer._metrics["train"].items()}, grads
+
+
+def assert_same(a, b, tol=TOL):
+    (la, ma, ga), (lb, mb, gb) = a, b
+    assert abs(la - lb) < tol, (la, lb)
+    assert set(METRICS) <= ma.keys() == mb.keys()
+    bad = {k: (ma[k], mb[k]) for k in ma if abs(ma[k] - mb[k]) > tol * max(1.0, abs(ma[k]))}
+    assert not bad, bad
+    assert ga.keys() == gb.keys() and len(ga) > 0
+    worst = max(float((ga[k] - gb[k]).abs().max()) for k in ga)
+    assert worst < tol, worst
+    assert max(float(g.abs().max()) for g in ga.values()) > 1e-3  # gradients that could differ
+
+
+class ShapeRecorder:
+    """Records the input_ids shape and attention_mask presence of every backbone call."""
+
+    def __init__(self, model):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.calls = []
+        base.model.register_forward_pre_hook(self.hook, with_kwargs=True)
+
+    def hook(self, module, args, kwargs):
+        self.calls.append((tuple(kwargs["input_ids"].shape), kwargs.get("attention_mask") is not None))
+
+
+CASES = {
+    "sigmoid-sdpa": dict(),
+    "sigmoid-eager": dict(impl="eager"),
+    "precompute_ref_log_probs": dict(ref=False, precompute_ref_log_probs=True),
+    "lora": dict(ref=False, lora=True),
+    "gradient_checkpointing": dict(gradient_checkpointing=True),
+    "ipo": dict(loss_type=["ipo"]),
+    "ld_alpha": dict(ld_alpha=0.5),
+    "ipo-eager-ld_alpha": dict(impl="eager", loss_type=["ipo"], ld_alpha=0.3),
+    "lora-checkpointing-precompute": dict(
+        ref=False, lora=True, gradient_checkpointing=True, precompute_ref_log_probs=True
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_unpacked_micro_batch_equals_trl_padded(tmp_path, case):
+    padded = build(tmp_path, **CASES[case])
+    prepared = prepare_dpo_trainer(build(tmp_path, **CASES[case]))
+    recorder = ShapeRecorder(prepared.model)
+    batch = padded.data_collator([padded.train_dataset[i] for i in range(4)])
+    assert_same(loss_metrics_grads(padded, batch), loss_metrics_grads(prepared, batch))
+    real = int(batch["attention_mask"].sum())
+    assert real < batch["attention_mask"].numel()  # TRL padded this batch
+    assert recorder.calls and all(call == ((1, real), False) for call in recorder.calls)
+
+
+def test_full_training_run_equals_trl(tmp_path):
+    """trainer.train() with accumulation: same parameters as TRL's padded run (equal micro-batches)."""
+    padded = build(tmp_path, gradient_accumulation_steps=2, per_device_train_batch_size=2, max_steps=2)
+    prepared = prepare_dpo_trainer(
+        build(tmp_path, gradient_accumulation_steps=2, per_device_train_batch_size=2, max_steps=2)
+    )
+    start = {k: p.detach().clone() for k, p in padded.model.named_parameters()}
+    padded.train()
+    prepared.train()
+    pa_, pb = dict(padded.model.named_parameters()), dict(prepared.model.named_parameters())
+    assert max(float((pa_[k] - pb[k]).abs().max()) for k in pa_) < TOL
+    assert max(float((pa_[k] - start[k]).abs().max()) for k in pa_) > 1e-3
+
+
+def packed_trainer(tmp_path, max_length=64, **config):
+    trainer = build(tmp_path, n=16, **config)
+    columns = ["ref_chosen_logps", "ref_rejected_logps"] if trainer.precompute_ref_logps else []
+    indexed = trainer.train_dataset.add_column("pair", list(range(len(trainer.train_dataset))))
+    packed = pack_preference(indexed, max_length, columns=[*columns, "pair"])
+    return prepare_dpo_trainer(trainer, train_dataset=packed), packed
+
+
+def trl_batch(reference, pairs):
+    return reference.data_collator([reference.train_dataset[int(i)] for i in pairs])
+
+
+@pytest.mark.parametrize("case", ["sigmoid-sdpa", "precompute_ref_log_probs", "ipo-eager-ld_alpha", "lora"])
+def test_packed_micro_batch_equals_trl_padded_on_its_pairs(tmp_path, case):
+    prepared, packed = packed_trainer(tmp_path, **CASES[case])
+    reference = build(tmp_path, n=16, **CASES[case])
+    rows = [packed[0], packed[1]]
+    pairs = [i for r in rows for i in r["pair"]]
+    assert len(pairs) > 2
+    batch = prepared.data_collator(rows)
+    assert batch["input_ids"].shape[0] == 2 * len(pairs)
+    assert_same(
+        loss_metrics_grads(reference, trl_batch(reference, pairs)), loss_metrics_grads(prepared, batch)
+    )
+
+
+def step_gradients(trainer):
+    """Train one optimizer step (SGD, lr 1); return the parameter change (= minus the gradient) and the rows."""
+    seen = []
+    inner = trainer.data_collator
+
+    def record(features):
+        seen.append([list(f["pair"]) for f in features])
+        return inner(features)
+
+    trainer.data_collator = record
+    before = {k: p.detach().clone() for k, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    after = dict(trainer.model.named_parameters())
+    return {k: before[k] - after[k].detach() for k in before}, seen
+
+
+def test_accumulation_is_the_mean_over_all_pairs_of_the_step(tmp_path):
+    """Micro-batches of unequal pair counts: the step's gradient is that of all its pairs at once (TRL padded),
+    and the logged loss is their mean.  Negative control: TRL's per-micro-batch mean differs."""
+    prepared, packed = packed_trainer(
+        tmp_path,
+        max_length=64,
+        gradient_accumulation_steps=3,
+        per_device_train_batch_size=1,
+        max_steps=1,
+        logging_strategy="steps",
+        logging_steps=1,
+        remove_unused_columns=False,
+    )
+    step, seen = step_gradients(prepared)
+    micro = [[p for row in batch for p in row] for batch in seen[:3]]  # accelerate fetches one batch ahead
+    assert len(seen) >= 3 and len({len(m) for m in micro}) > 1, micro  # unequal micro-batches
+    reference = build(tmp_path, n=16)
+    whole = loss_metrics_grads(reference, trl_batch(reference, [p for m in micro for p in m]))
+    assert max(float((step[k] - whole[2][k]).abs().max()) for k in whole[2]) < TOL
+    logged = prepared.state.log_history[0]["loss"]
+    assert abs(logged - whole[0]) < 1e-4
+    per_micro = np.mean([loss_metrics_grads(reference, trl_batch(reference, m))[0] for m in micro])
+    assert abs(per_micro - whole[0]) > 1e-3  # what TRL alone would have optimized
+
+
+def test_sequence_logps_is_exact_per_sequence_and_off_by_one_fails():
+    model = tiny_llama()
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(2, VOCAB, int(n)).tolist() for n in rng.integers(2, 12, 6)]
+    masks = [[0] * (len(s) // 2) + [1] * (len(s) - len(s) // 2) for s in seqs]
+    collator = PreferenceCollator(PAD)
+    row = {
+        "input_ids": sum(seqs, []),
+        "completion_mask": sum(masks, []),
+        "seq_lengths": [len(s) for s in seqs],
+    }
+    batch = collator([row])
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+        ).logits
+        out = sequence_logps(logits, batch["labels"], batch["cu_seq_lens_q"])
+        alone, counts = [], []
+        for s, m in zip(seqs, masks):
+            lp = model(input_ids=torch.tensor([s])).logits[0, :-1].float().log_softmax(-1)
+            picked = lp.gather(-1, torch.tensor(s[1:])[:, None])[:, 0]
+            keep = torch.tensor(m[1:]).bool()
+            alone.append(float(picked[keep].sum()))
+            counts.append(int(keep.sum()))
+        per_token = torch.zeros_like(batch["labels"], dtype=torch.float32)
+        per_token[0, 1:] = logits[0, :-1].log_softmax(-1).gather(-1, batch["input_ids"][0, 1:, None])[:, 0]
+        from_logprobs = sequence_logps(per_token, batch["labels"], batch["cu_seq_lens_q"])
+    assert np.allclose(out.logps.numpy(), alone, atol=TOL) and out.tokens.tolist() == counts
+    assert np.allclose(from_logprobs.logps.numpy(), alone, atol=TOL)
+    chosen_rejected, tokens = out.pairs()
+    assert chosen_rejected.shape == (3, 2) and tokens[:, 1].tolist() == counts[1::2]
+    shifted = batch["cu_seq_lens_q"].clone()
+    shifted[2] -= 1  # a boundary off by one: the last completion token of sequence 1 moves to sequence 2
+    wrong = sequence_logps(logits, batch["labels"], shifted).logps.numpy()
+    assert np.abs(wrong - np.array(alone)).max() > 1e-3
+    labels_across = batch["labels"].clone()
+    labels_across[0, batch["cu_seq_lens_q"][1:-1].long()] = batch["input_ids"][
+        0, batch["cu_seq_lens_q"][1:-1].long()
+    ]
+    across = sequence_logps(
+        logits, labels_across, batch["cu_seq_lens_q"]
+    )  # a start's label is never a target
+    assert torch.equal(across.logps, out.logps)
+
+
+def test_sequence_logps_refuses_bad_boundaries():
+    logits = torch.zeros(1, 5, 4)
+    labels = torch.zeros(1, 5, dtype=torch.long)
+    with pytest.raises(PackingError, match="end at the 5 tokens"):
+        sequence_logps(logits, labels, torch.tensor([0, 3]))
+    with pytest.raises(PackingError, match="strictly increasing"):
+        sequence_logps(logits, labels, torch.tensor([0, 3, 3, 5]))
+    with pytest.raises(PackingError, match="do not form pairs"):
+        sequence_logps(logits, labels, torch.tensor([0, 2, 3, 5])).pairs()
+
+
+def test_guards(tmp_path):
+    trainer = build(tmp_path)
+    trainer.model.config._attn_implementation = "paged|eager"
+    with pytest.raises(PackingError, match="cannot keep packed sequences apart"):
+        prepare_dpo_trainer(trainer)
+    trainer = prepare_dpo_trainer(build(tmp_path))
+    assert "_packtools_guard" in vars(trainer.model) and "_packtools_guard" in vars(trainer.ref_model)
+    with pytest.raises(PackingError, match="already called"):
+        prepare_dpo_trainer(trainer)
+    with pytest.raises(PackingError, match="expects a trl.DPOTrainer"):
+        prepare_dpo_trainer(copy.copy(transformers.Trainer))
+    with pytest.raises(PackingError, match="lacks"):
+        prepare_dpo_trainer(build(tmp_path), train_dataset=datasets.Dataset.from_dict({"input_ids": [[1]]}))
+    left = {
+        "input_ids": torch.tensor([[0, 5, 6]]),
+        "attention_mask": torch.tensor([[0, 1, 1]]),
+        "labels": torch.tensor([[-100, 5, 6]]),
+    }
+    with pytest.raises(PackingError, match="not right-padded"):
+        trainer.model(**left, fused_lm_head=True)
+
+
+def test_bench_dpo_runs_the_same_pairs_and_packtools_sees_only_real_tokens(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_dpo.py"
+    spec = importlib.util.spec_from_file_location("bench_dpo", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows, (seconds, report) = bench.main(
+        ["--pairs", "16", "--pairs-per-step", "4", "--steps", "2", "--hidden", "64", "--pack-pairs", "3000"]
+    )
+    (trl_name, _, trl_ratio, *_), (name, _, ratio, *_) = rows
+    assert (trl_name, name) == ("TRL padded", "packtools")
+    assert ratio == 1.0 and trl_ratio > 1.0
+    assert report.pairs_out == 3000 and report.rows >= report.lower_bound
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_evaluate_equals_trl(tmp_path, packed):
+    """evaluate() on a text eval set: TRL's one-pair rows still work (packed mode keeps TRL's collator for them)."""
+    eval_set = datasets.Dataset.from_list(text_pairs(6, seed=9))
+    reference = build(tmp_path, n=16, per_device_eval_batch_size=3).evaluate(eval_set)
+    if packed:
+        prepared, _ = packed_trainer(tmp_path, per_device_eval_batch_size=3)
+    else:
+        prepared = prepare_dpo_trainer(build(tmp_path, n=16, per_device_eval_batch_size=3))
+    got = prepared.evaluate(eval_set)
+    keys = [k for k in reference if k.startswith("eval_") and "runtime" not in k and "per_second" not in k]
+    assert "eval_rewards/margins" in keys and "eval_loss" in keys
+    assert all(abs(reference[k] - got[k]) < TOL for k in keys), {k: (reference[k], got[k]) for k in keys}
+
+
+def test_prepare_dpo_trainer_runs_the_isolation_probe(tmp_path):
+    """A reference model whose packed sequences leak (a hybrid on CPU) is refused before training."""
+    from _hf_models import tiny_arch
+
+    trainer = build(tmp_path)
+    trainer.ref_model = tiny_arch("Falcon-H1", "sdpa")
+    with pytest.raises(PackingError, match="FalconH1ForCausalLM with attn_implementation='sdpa' cannot keep"):
+        prepare_dpo_trainer(trainer)
+    trainer = build(tmp_path)
+    trainer.ref_model = tiny_arch("Falcon-H1", "sdpa")
+    # Without the probe the next check speaks: this ref model was not built by DPOTrainer (no fused head).
+    with pytest.raises(PackingError, match="no fused LM head"):
+        prepare_dpo_trainer(trainer, check_isolation=False)

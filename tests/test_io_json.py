@@ -1,0 +1,87 @@
+"""JSON input read in blocks: every row once and in order, whatever the block size; lines numbered right."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from packtools.errors import PackingError
+from packtools.io.files import discover, iter_part, split_file
+from packtools.io.json import LineBase, iter_json_array, iter_json_lines, line_ranges
+
+texts = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=30)
+rows_st = st.lists(st.fixed_dictionaries({"text": texts, "n": st.integers(-5, 5)}), min_size=1, max_size=40)
+
+
+@given(rows=rows_st, block=st.integers(1, 200), part=st.integers(1, 300))
+def test_lines_in_blocks_and_byte_ranges_read_every_row_once(tmp_path_factory, rows, block, part):
+    path = str(tmp_path_factory.mktemp("j") / "rows.jsonl")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    got = []
+    for start, stop in line_ranges(path, part):
+        base = LineBase(path, start).value
+        for k, table in iter_json_lines(path, start, stop, block_bytes=block):
+            assert base + k == len(got) + 1  # the block's first row is on this line
+            got += table.to_pylist()
+    assert got == rows
+
+
+@given(rows=rows_st, read=st.integers(1, 64), block_rows=st.integers(1, 7))
+def test_a_json_array_streams_object_by_object(tmp_path_factory, rows, read, block_rows):
+    path = str(tmp_path_factory.mktemp("a") / "rows.json")
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(rows, fh, indent=1, ensure_ascii=False)
+    got = [r for _, t in iter_json_array(path, block_rows, read_bytes=read) for r in t.to_pylist()]
+    assert got == rows
+
+
+def test_parts_of_a_file_give_its_rows_in_order(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"i": i, "pad": "x" * (i % 13)}) + "\n" for i in range(500)))
+    [file] = discover([str(path)])
+    parts = split_file(file, part_bytes=700)
+    assert len(parts) > 5
+    seen = [r["i"] for p in parts for _, t in iter_part(p, batch_rows=7) for r in t.to_pylist()]
+    assert seen == list(range(500))
+    where = [w(0) for _, (w, _) in zip(range(3), iter_part(parts[2], batch_rows=7))]
+    first_i = next(iter_part(parts[2], batch_rows=7))[1].column("i")[0].as_py()
+    assert where[0].endswith(f"line {first_i + 1}")
+
+
+def test_errors_and_odd_files(tmp_path):
+    crlf = tmp_path / "crlf.jsonl"
+    crlf.write_bytes(b'{"a": 1}\r\n\r\n{"a": 2}\r\n')
+    assert [r for _, t in iter_json_lines(str(crlf)) for r in t.to_pylist()] == [{"a": 1}, {"a": 2}]
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b'\xef\xbb\xbf[{"a": "]"}, {"a": ","}]')
+    assert [r for _, t in iter_json_array(str(bom)) for r in t.to_pylist()] == [{"a": "]"}, {"a": ","}]
+    cut = tmp_path / "cut.json"
+    cut.write_text('[{"a": 1},\n{"a": 2}')
+    with pytest.raises(PackingError, match="cut.json' line 2.*not closed"):
+        list(iter_json_array(str(cut)))
+    nocomma = tmp_path / "nocomma.json"
+    nocomma.write_text('[{"a": 1}\n{"a": 2}]')
+    with pytest.raises(PackingError, match="line 2: expected ',' or ']'"):
+        list(iter_json_array(str(nocomma)))
+    scalars = tmp_path / "scalars.jsonl"
+    scalars.write_text('{"a": 1}\n3\n')
+    with pytest.raises(PackingError, match="line 2: each JSON line must be an object"):
+        list(iter_json_lines(str(scalars)))
+
+
+def test_an_array_wrapped_in_one_key(tmp_path):
+    rows = [{"text": f"r{i}", "n": i} for i in range(25)]
+    wrapped = tmp_path / "wrapped.json"
+    wrapped.write_text(json.dumps({"data": rows}, indent=2))
+    [file] = discover([str(wrapped)])
+    assert [r for _, t in iter_part(split_file(file)[0], batch_rows=4) for r in t.to_pylist()] == rows
+    lines = tmp_path / "lines.json"  # JSON lines whose first object holds a list are still JSON lines
+    lines.write_text("".join(json.dumps({"data": [i]}) + "\n" for i in range(3)))
+    [file] = discover([str(lines)])
+    assert [r for _, t in iter_part(split_file(file)[0]) for r in t.to_pylist()] == [
+        {"data": [i]} for i in range(3)
+    ]
