@@ -156,9 +156,12 @@ class PackedView:
         self.plan = plan
         self._names = [c.name for c in cols]
         self._dtypes = {c.name: c.value_dtype for c in cols}
-        # Per column: each chunk's values (views of the source buffers), the first table row of each chunk,
-        # and where each table row starts inside its chunk's values (one array shared by aligned columns).
-        self._values = {c.name: [ch.values for ch in c.chunks] for c in cols}
+        # Per column: where its values live (`_sources`: the Arrow buffers behind its chunks, as NumPy views;
+        # chunks of one memory-mapped file share one) and, per chunk, which source and at which element it
+        # starts; shared by aligned columns: each chunk's first table row and each row's start in its chunk.
+        self._sources: dict[str, list[np.ndarray]] = {}
+        self._chunk_source: dict[str, np.ndarray] = {}
+        self._chunk_base: dict[str, np.ndarray] = {}
         self._row_starts: dict[str, np.ndarray] = {}
         self._row_begin: dict[str, np.ndarray] = {}
         for c in cols:
@@ -166,7 +169,8 @@ class PackedView:
             shared = next((n for n, s in self._row_starts.items() if np.array_equal(s, starts)), None)
             self._row_starts[c.name] = starts
             self._row_begin[c.name] = self._row_begin[shared] if shared else _row_begin(c)
-        self._seg_csum: np.ndarray | None = None
+            sources, which, base = _buffer_sources(table.column(c.name), c)
+            self._sources[c.name], self._chunk_source[c.name], self._chunk_base[c.name] = sources, which, base
         self._lengths: np.ndarray | None = None
 
     # -- what the view holds ---------------------------------------------------------------------
@@ -232,7 +236,6 @@ class PackedView:
     def _column(self, name: str, segs: np.ndarray, total: int, dtype: Any = None) -> np.ndarray:
         """Column ``name`` of the segments ``segs``, end to end, copied straight from the source buffers."""
         p = self.plan
-        values = self._values[name]
         out = np.empty(total, dtype or self._dtypes[name])
         if segs.size == 0:
             return out
@@ -241,14 +244,22 @@ class PackedView:
             rows = self._indices[rows]
         sizes = p.seg_length[segs]
         begin = self._row_begin[name][rows] + p.seg_start[segs]
-        if len(values) == 1:
-            dest = np.zeros(sizes.shape[0], np.int64)
-            np.cumsum(sizes[:-1], out=dest[1:])
-            kernels.copy_all_segments(values[0], begin, sizes, dest, out)
+        starts, sources = self._row_starts[name], self._sources[name]
+        chunk = (
+            np.searchsorted(starts, rows, side="right") - 1 if starts.shape[0] > 2 else np.zeros(1, np.int64)
+        )
+        begin += self._chunk_base[name][chunk]
+        dest = np.zeros(sizes.shape[0], np.int64)
+        np.cumsum(sizes[:-1], out=dest[1:])
+        # Copy in source order (reads front to back, which the memory system prefetches), one call per source.
+        if len(sources) == 1:
+            order = np.argsort(begin)
+            kernels.copy_all_segments(sources[0], begin[order], sizes[order], dest[order], out)
             return out
-        which = np.searchsorted(self._row_starts[name], rows, side="right") - 1
-        parts = [values[c][a:b] for c, a, b in zip(which.tolist(), begin.tolist(), (begin + sizes).tolist())]
-        np.concatenate(parts, out=out, casting="unsafe")
+        source = self._chunk_source[name][chunk]
+        order = np.lexsort((begin, source))
+        for group in np.split(order, np.flatnonzero(np.diff(source[order])) + 1):
+            kernels.copy_all_segments(sources[source[group[0]]], begin[group], sizes[group], dest[group], out)
         return out
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
@@ -339,3 +350,43 @@ def _row_begin(col: ListColumn) -> np.ndarray:
     """Where each row of ``col`` starts in its chunk's values (int64, one per row)."""
     parts = [c.offsets[:-1] for c in col.chunks]
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _buffer_sources(
+    column: pa.ChunkedArray, col: ListColumn
+) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """The buffers holding ``col``'s values: ``(sources, source of each chunk, start of each chunk in it)``.
+
+    Chunks read from one Arrow IPC file or stream (``datasets``' memory-mapped files, tables read with
+    pyarrow) are slices of one parent buffer, the mapped file: one zero-copy NumPy view of it serves them all,
+    so a batch is copied by one kernel call per file instead of one slice per segment.  A chunk with no such
+    parent is its own source.
+    """
+    sources: list[np.ndarray] = []
+    known: dict[tuple[int, int], int] = {}
+    which, base = [], []
+    for arr, chunk in zip(column.chunks, col.chunks):
+        values = chunk.values
+        root, addr, size = None, values.ctypes.data, values.itemsize
+        if values.size:
+            root = arr.values.buffers()[1]
+            while root.parent is not None:
+                root = root.parent
+            inside = root.address <= addr and addr + values.nbytes <= root.address + root.size
+            if not inside or root.address % size or (addr - root.address) % size:
+                root = None
+        if root is None:
+            which.append(len(sources))
+            base.append(0)
+            sources.append(values)
+            continue
+        key = (root.address, root.size)
+        if key not in known:
+            known[key] = len(sources)
+            whole = np.frombuffer(root, dtype=np.uint8)
+            sources.append(whole[: root.size - root.size % size].view(values.dtype))
+        which.append(known[key])
+        base.append((addr - root.address) // size)
+    if not sources:
+        sources.append(np.zeros(0, col.value_dtype))
+    return sources, np.array(which, np.int64), np.array(base, np.int64)
