@@ -36,7 +36,12 @@ def token_table(n=300, seed=0, chunk=None, masks=True, mean=3.0):
             pa.array(offsets.astype(np.int64)), pa.array(mask)
         )
     table = pa.table(cols)
-    if chunk:
+    if chunk == "separate":  # chunks in separately allocated buffers (several sources)
+        table = pa.concat_tables(
+            pa.table({k: pa.array(c.to_pylist(), c.type) for k, c in zip(table.column_names, t.columns)})
+            for t in table.to_batches(max_chunksize=50)
+        )
+    elif chunk:  # slices of the same buffers (one source)
         table = pa.Table.from_batches(table.to_batches(max_chunksize=chunk))
     return table
 
@@ -70,11 +75,13 @@ def ipc_bytes(table: pa.Table) -> bytes:
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("chunk", [None, 41])
+@pytest.mark.parametrize("chunk", [None, 41, "separate"])
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_view_of_a_table_is_pack_table(strategy, chunk, shuffle):
     table = token_table(chunk=chunk)
     view = packed_view(table, 64, strategy, shuffle=shuffle, seed=3)
+    sources = len(view._sources["input_ids"])
+    assert sources == (table.column("input_ids").num_chunks if chunk == "separate" else 1)
     packed = pack_table(table, 64, strategy, shuffle=shuffle, seed=3)
     assert type(view) is PackedView
     materialized = view.materialize()
@@ -86,7 +93,7 @@ def test_view_of_a_table_is_pack_table(strategy, chunk, shuffle):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("masks", [True, False])
 def test_view_batches_equal_packed_rows_batches(strategy, masks):
-    table = token_table(chunk=50, masks=masks)
+    table = token_table(chunk="separate", masks=masks)
     if not masks:
         table = table.drop_columns(["labels"])
     view = packed_view(table, 64, strategy)
