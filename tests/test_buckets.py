@@ -198,3 +198,20 @@ def test_profile_reports_the_padding_each_k_costs():
         assert r.padding == pytest.approx(bucket_padding(table.batch_tokens, r.buckets))
     text = table.to_text()
     assert "padding" in text and "1,024" in text
+
+
+def test_varlen_attention_accepts_a_padded_cu_seq_lens_tail():
+    torch = pytest.importorskip("torch")
+    from packtools.batches.attention import varlen_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(8, 2, 4) for _ in range(3))
+    cu = torch.tensor([0, 3, 5, 8], dtype=torch.int32)
+    padded = torch.from_numpy(pad_cu_seq_lens(cu.numpy(), 7))
+    expected = varlen_attention(q, k, v, cu, cu, 3, 3)
+    torch.testing.assert_close(varlen_attention(q, k, v, padded, padded, 8, 8), expected, rtol=0, atol=0)
+    with pytest.raises(
+        PackingError, match="strictly increasing"
+    ):  # an empty sequence inside is still refused
+        bad = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+        varlen_attention(q, k, v, bad, bad, 5, 5)

@@ -32,7 +32,8 @@ from ..constants import IGNORE_INDEX, MASK_COLUMNS, SEQ_LENGTHS
 from ..core import kernels
 from ..core.arrow import ListColumn
 from ..core.pack import pack_columns, read_columns
-from ..core.plan import PackPlan
+from ..core.plan import PackPlan, check_max_length
+from ..core.plan import plan as make_plan
 from ..errors import PackingError
 from .collate import FlatRows, PaddingFreeCollator
 
@@ -113,9 +114,6 @@ class PackedView:
         indices: Sequence[int] | np.ndarray | None = None,
     ) -> PackedView:
         """Plan ``table``'s rows (through ``indices``) and view them; the plan is the one ``pack_table`` makes."""
-        from ..core.plan import check_max_length
-        from ..core.plan import plan as make_plan
-
         max_length = check_max_length(max_length)
         cols, lengths = read_columns(table, columns)
         idx = _as_indices(indices, table.num_rows)
