@@ -140,3 +140,16 @@ def test_plan_rejects_bad_lengths():
         packtools.plan([[1, 2]], 4)
     with pytest.raises(packtools.PackingError, match="integers"):
         packtools.plan([1.5], 4)
+
+
+def test_gather_scattered_copies_like_slices():
+    from packtools.core import kernels as k
+
+    rng = np.random.default_rng(0)
+    values = rng.integers(-5, 5, 5000).astype(np.int32)
+    size = rng.integers(1, 3000, 12)
+    start = np.array([rng.integers(0, 5000 - m + 1) for m in size], np.int64)
+    dest = np.concatenate(([0], np.cumsum(size)[:-1])).astype(np.int64)
+    out = np.empty(int(size.sum()), np.int64)
+    k.gather_scattered(values, start, size.astype(np.int64), dest, out)
+    np.testing.assert_array_equal(out, np.concatenate([values[a : a + m] for a, m in zip(start, size)]))

@@ -252,12 +252,14 @@ class PackedView:
         # Copy in source order (reads front to back, which the memory system prefetches), one call per source.
         if len(sources) == 1:
             order = np.argsort(begin)
-            kernels.copy_all_segments(sources[0], begin[order], sizes[order], dest[order], out)
+            kernels.gather_scattered(sources[0], begin[order], sizes[order], dest[order], out)
             return out
         source = self._chunk_source[name][chunk]
         order = np.lexsort((begin, source))
-        for group in np.split(order, np.flatnonzero(np.diff(source[order])) + 1):
-            kernels.copy_all_segments(sources[source[group[0]]], begin[group], sizes[group], dest[group], out)
+        begin, sizes, dest, source = begin[order], sizes[order], dest[order], source[order]
+        cuts = [0, *(np.flatnonzero(source[1:] != source[:-1]) + 1).tolist(), source.shape[0]]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            kernels.gather_scattered(sources[source[a]], begin[a:b], sizes[a:b], dest[a:b], out)
         return out
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
@@ -290,10 +292,8 @@ class PackedView:
         segs = self._segments(rows)
         seg_lengths = self.plan.seg_length[segs]
         counts = self.plan.row_offsets[rows + 1] - self.plan.row_offsets[rows]
-        total = int(seg_lengths.sum())
-        row_lengths = np.add.reduceat(seg_lengths, np.concatenate(([0], np.cumsum(counts[:-1])))).astype(
-            np.int64
-        )
+        row_lengths = self.lengths[rows]
+        total = int(row_lengths.sum())
         input_ids = self._column("input_ids", segs, total, np.int64)
         if "labels" in self._names:
             labels = self._column("labels", segs, total, np.int64)
@@ -304,7 +304,7 @@ class PackedView:
                     labels[self._column(key, segs, total) == 0] = IGNORE_INDEX
         if self.plan.strategy == "wrapped":  # a wrapped row has no seq_lengths: it is one sequence
             seg_lengths, counts = row_lengths, np.ones(rows.shape[0], np.int64)
-        return FlatRows(input_ids, labels, row_lengths, seg_lengths.astype(np.int64), counts.astype(np.int64))
+        return FlatRows(input_ids, labels, row_lengths, seg_lengths.astype(np.int64, copy=False), counts)
 
     def iter_batches(
         self, batch_sampler: Iterable[Sequence[int]], collator: PaddingFreeCollator
