@@ -221,7 +221,8 @@ class ArrowCollator:
             view = items[0].view  # the view that made them (in a worker process: its copy)
             if not all(isinstance(r, PackedRow) and r.view is view for r in items):
                 raise PackingError("the batch mixes rows of several PackedViews; collate rows of one view.")
-            return self.collator.collate_flat(view.gather([r.index for r in items]))
+            rows = np.fromiter((r.index for r in items), np.int64, len(items))  # checked by __getitems__
+            return self.collator.collate_flat(view._gather(rows))
         if len(items) and isinstance(items[0], Mapping):
             return self.collator(items)
         return self.collator.collate_flat(self.rows.gather(items))

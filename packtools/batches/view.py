@@ -39,6 +39,8 @@ from .collate import FlatRows, PaddingFreeCollator
 
 __all__ = ["PackedRow", "PackedView"]
 
+_NO_INDICES = np.zeros(0, np.int64)
+
 #: Columns the collator path (:meth:`PackedView.gather`) reads; they must hold integers.
 TOKEN_COLUMNS = ("input_ids", "labels", *MASK_COLUMNS)
 
@@ -223,44 +225,30 @@ class PackedView:
             raise IndexError(f"row {bad} is out of range for a view of {n} rows.")
         return idx % n if idx.size else idx
 
-    def _segments(self, rows: np.ndarray) -> np.ndarray:
-        """Indices of the plan's segments that make up ``rows``, in order."""
-        offsets = self.plan.row_offsets
-        counts = offsets[rows + 1] - offsets[rows]
-        starts = np.zeros(counts.shape[0], np.int64)
-        np.cumsum(counts[:-1], out=starts[1:])
-        return np.repeat(offsets[rows] - starts, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+    def _column(
+        self, name: str, rows: np.ndarray, total: int, dtype: Any = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Column ``name`` of the packed ``rows``, end to end, copied straight from the source buffers, and
+        the lengths of the segments (row order).
 
-    def _column(self, name: str, segs: np.ndarray, total: int, dtype: Any = None) -> np.ndarray:
-        """Column ``name`` of the segments ``segs``, end to end, copied straight from the source buffers."""
+        One kernel finds every segment in the source buffers (sorted by buffer, then position, so each buffer
+        is read front to back), then one copy kernel call per buffer.
+        """
         p = self.plan
         out = np.empty(total, dtype or self._dtypes[name])
-        if segs.size == 0:
-            return out
-        rows = p.seg_source[segs]
-        if self._indices is not None:
-            rows = self._indices[rows]
-        sizes = p.seg_length[segs]
-        begin = self._row_begin[name][rows] + p.seg_start[segs]
-        starts, sources = self._row_starts[name], self._sources[name]
-        chunk = (
-            np.searchsorted(starts, rows, side="right") - 1 if starts.shape[0] > 2 else np.zeros(1, np.int64)
-        )
-        begin += self._chunk_base[name][chunk]
-        dest = np.zeros(sizes.shape[0], np.int64)
-        np.cumsum(sizes[:-1], out=dest[1:])
-        # Copy in source order (reads front to back, which the memory system prefetches), one call per source.
-        if len(sources) == 1:
-            order = np.argsort(begin)
-            kernels.gather_scattered(sources[0], begin[order], sizes[order], dest[order], out)
-            return out
-        source = self._chunk_source[name][chunk]
-        order = np.lexsort((begin, source))
-        begin, sizes, dest, source = begin[order], sizes[order], dest[order], source[order]
-        cuts = [0, *(np.flatnonzero(source[1:] != source[:-1]) + 1).tolist(), source.shape[0]]
-        for a, b in zip(cuts[:-1], cuts[1:]):
-            kernels.gather_scattered(sources[source[a]], begin[a:b], sizes[a:b], dest[a:b], out)
-        return out
+        sources = self._sources[name]
+        mapped = self._indices is not None
+        begin, size, dest, bounds, seg_lengths = kernels.view_segments(
+            rows, p.row_offsets, p.seg_source, p.seg_start, p.seg_length, mapped,
+            self._indices if mapped else _NO_INDICES, self._row_begin[name], self._row_starts[name],
+            self._chunk_base[name], self._chunk_source[name], len(sources),
+        )  # fmt: skip
+        cuts = bounds.tolist()
+        for j, source in enumerate(sources):
+            a, b = cuts[j], cuts[j + 1]
+            if a < b:
+                kernels.gather_scattered(source, begin[a:b], size[a:b], dest[a:b], out)
+        return out, seg_lengths
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         if isinstance(i, slice) or not isinstance(i, (int, np.integer)):
@@ -269,11 +257,13 @@ class PackedView:
                 f"batch, or view.materialize() for every row."
             )
         row = self._rows([i])
-        segs = self._segments(row)
-        total = int(self.plan.seg_length[segs].sum())
-        out = {name: self._column(name, segs, total) for name in self._names}
+        total = int(self.lengths[row[0]])
+        out, seg_lengths = {}, None
+        for name in self._names:
+            out[name], seg_lengths = self._column(name, row, total)
         if self.plan.strategy != "wrapped":
-            out[SEQ_LENGTHS] = self.plan.seg_length[segs].astype(np.int32)
+            start, stop = self.plan.row_offsets[row[0]], self.plan.row_offsets[row[0] + 1]
+            out[SEQ_LENGTHS] = self.plan.seg_length[start:stop].astype(np.int32)
         return out
 
     def __getitems__(self, indices: Sequence[int]) -> list[PackedRow]:
@@ -282,29 +272,30 @@ class PackedView:
 
     def gather(self, indices: Sequence[int] | np.ndarray) -> FlatRows:
         """The packed rows at ``indices`` laid end to end, ready for a collator (see :class:`PackedRows`)."""
+        return self._gather(self._rows(indices))
+
+    def _gather(self, rows: np.ndarray) -> FlatRows:
+        """:meth:`gather` for row numbers already checked (int64, in range)."""
         if "input_ids" not in self._names:
             raise PackingError(
                 f"the view has no 'input_ids' column (columns: {self._names}); batches need token ids."
             )
-        rows = self._rows(indices)
         if rows.size == 0:
             raise PackingError("the batch is empty; a batch needs at least one row.")
-        segs = self._segments(rows)
-        seg_lengths = self.plan.seg_length[segs]
         counts = self.plan.row_offsets[rows + 1] - self.plan.row_offsets[rows]
         row_lengths = self.lengths[rows]
         total = int(row_lengths.sum())
-        input_ids = self._column("input_ids", segs, total, np.int64)
+        input_ids, seg_lengths = self._column("input_ids", rows, total, np.int64)
         if "labels" in self._names:
-            labels = self._column("labels", segs, total, np.int64)
+            labels = self._column("labels", rows, total, np.int64)[0]
         else:
             labels = input_ids.copy()
             for key in MASK_COLUMNS:
                 if key in self._names:
-                    labels[self._column(key, segs, total) == 0] = IGNORE_INDEX
+                    labels[self._column(key, rows, total)[0] == 0] = IGNORE_INDEX
         if self.plan.strategy == "wrapped":  # a wrapped row has no seq_lengths: it is one sequence
             seg_lengths, counts = row_lengths, np.ones(rows.shape[0], np.int64)
-        return FlatRows(input_ids, labels, row_lengths, seg_lengths.astype(np.int64, copy=False), counts)
+        return FlatRows(input_ids, labels, row_lengths, seg_lengths, counts)
 
     def iter_batches(
         self, batch_sampler: Iterable[Sequence[int]], collator: PaddingFreeCollator
