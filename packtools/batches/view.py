@@ -258,9 +258,7 @@ class PackedView:
             )
         row = self._rows([i])
         total = int(self.lengths[row[0]])
-        out, seg_lengths = {}, None
-        for name in self._names:
-            out[name], seg_lengths = self._column(name, row, total)
+        out = {name: self._column(name, row, total)[0] for name in self._names}
         if self.plan.strategy != "wrapped":
             start, stop = self.plan.row_offsets[row[0]], self.plan.row_offsets[row[0] + 1]
             out[SEQ_LENGTHS] = self.plan.seg_length[start:stop].astype(np.int32)
