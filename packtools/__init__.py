@@ -4,7 +4,7 @@ from .constants import __version__ as __version__
 from .core.pack import pack_table, truncate_table, unpack, warmup
 from .core.plan import STRATEGIES, PackPlan, plan
 from .errors import PackingError
-from .integrations.datasets import pack_dataset, pack_preference, truncate_dataset
+from .integrations.datasets import pack_dataset, pack_preference, packed_view, truncate_dataset
 from .profiling.profile import LengthProfile, profile_lengths
 
 # Public names imported on first attribute access: modules that need torch or transformers, and the
@@ -15,6 +15,8 @@ _LAZY = {
     "pack_ray_dataset": "packtools.integrations.ray",
     "ArrowCollator": "packtools.batches.loader",
     "PackedRows": "packtools.batches.loader",
+    "PackedView": "packtools.batches.view",
+    "choose_buckets": "packtools.batches.buckets",
     "PaddingFreeCollator": "packtools.batches.collate",
     "TokenBudgetBatchSampler": "packtools.batches.sampler",
     "varlen_attention": "packtools.batches.attention",
@@ -41,17 +43,20 @@ __all__ = [
     "LengthProfile",
     "PackPlan",
     "PackedRows",
+    "PackedView",
     "PackingError",
     "PaddingFreeCollator",
     "PreferenceCollator",
     "TokenBudgetBatchSampler",
     "check_isolation",
+    "choose_buckets",
     "pack_dataset",
     "pack_files",
     "pack_preference",
     "pack_ray_dataset",
     "pack_shards",
     "pack_table",
+    "packed_view",
     "packed_sft_config",
     "plan",
     "prepare_dpo_trainer",

@@ -140,3 +140,50 @@ def test_plan_rejects_bad_lengths():
         packtools.plan([[1, 2]], 4)
     with pytest.raises(packtools.PackingError, match="integers"):
         packtools.plan([1.5], 4)
+
+
+def test_gather_scattered_copies_like_slices():
+    from packtools.core import kernels as k
+
+    rng = np.random.default_rng(0)
+    values = rng.integers(-5, 5, 5000).astype(np.int32)
+    size = rng.integers(1, 3000, 12)
+    start = np.array([rng.integers(0, 5000 - m + 1) for m in size], np.int64)
+    dest = np.concatenate(([0], np.cumsum(size)[:-1])).astype(np.int64)
+    out = np.empty(int(size.sum()), np.int64)
+    k.gather_scattered(values, start, size.astype(np.int64), dest, out)
+    np.testing.assert_array_equal(out, np.concatenate([values[a : a + m] for a, m in zip(start, size)]))
+
+
+def test_view_segments_finds_every_segment_in_its_source():
+    from packtools.core import kernels as k
+
+    p = packtools.plan([5, 2, 3, 1, 6], 4, "bfd_split")
+    indices = np.array([4, 3, 2, 1, 0], np.int64)  # source sequence s is table row 4 - s
+    row_begin = np.array([0, 6, 0, 1, 0], np.int64)  # rows 0-1 in chunk 0, rows 2-4 in chunk 1
+    chunk_starts = np.array([0, 2, 5], np.int64)
+    chunk_base = np.array([100, 7], np.int64)
+    chunk_source = np.array([1, 0], np.int64)
+    rows = np.array([2, 0], np.int64)
+    begin, size, dest, bounds, seg_lengths = k.view_segments(
+        rows, p.row_offsets, p.seg_source, p.seg_start, p.seg_length, True, indices, row_begin, chunk_starts,
+        chunk_base, chunk_source, 2,
+    )  # fmt: skip
+    expected = []  # (source, begin, size, dest) by hand from the definitions
+    at = 0
+    for r in rows:
+        for s in range(p.row_offsets[r], p.row_offsets[r + 1]):
+            t = indices[p.seg_source[s]]
+            c = 0 if t < 2 else 1
+            expected.append(
+                (chunk_source[c], chunk_base[c] + row_begin[t] + p.seg_start[s], p.seg_length[s], at)
+            )
+            at += p.seg_length[s]
+    assert seg_lengths.tolist() == [e[2] for e in expected]
+    expected.sort(key=lambda e: (e[0], e[1]))
+    got = [
+        (j, b, m, d)
+        for j in range(2)
+        for b, m, d in zip(*(x[bounds[j] : bounds[j + 1]] for x in (begin, size, dest)))
+    ]
+    assert got == expected

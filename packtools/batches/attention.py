@@ -37,7 +37,9 @@ def _flash_module() -> ModuleType | None:
 def check_cu_seqlens(cu: Any, name: str, total: int, max_seqlen: object, max_name: str) -> list[int]:
     """Validate ``cu_seqlens`` (int32, 1-D, 0 first, strictly increasing, ``total`` last) and ``max_seqlen``.
 
-    Returns the boundaries as Python ints.
+    A tail repeating ``total`` (empty trailing sequences: the fixed-size ``cu_seqlens`` that
+    ``PaddingFreeCollator(pad_cu_seq_lens_to=...)`` writes for CUDA graphs) is allowed.  Returns the
+    boundaries as Python ints, without that tail.
     """
     torch = _torch()
     if not isinstance(cu, torch.Tensor):
@@ -49,6 +51,8 @@ def check_cu_seqlens(cu: Any, name: str, total: int, max_seqlen: object, max_nam
     if cu.dim() != 1 or cu.numel() < 2:
         raise PackingError(f"{name} must be 1-D with n + 1 >= 2 entries, got shape {tuple(cu.shape)}.")
     bounds = cu.tolist()
+    while len(bounds) > 2 and bounds[-1] == bounds[-2] == total:
+        bounds.pop()
     if bounds[0] != 0:
         raise PackingError(f"{name}[0] = {bounds[0]}; cumulative sequence lengths start at 0.")
     steps = [b - a for a, b in zip(bounds[:-1], bounds[1:])]

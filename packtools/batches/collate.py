@@ -21,6 +21,7 @@ import numpy as np
 from .._optional import require
 from ..constants import IGNORE_INDEX, MASK_COLUMNS
 from ..errors import PackingError
+from .buckets import bucket_for, check_buckets, pad_cu_seq_lens
 
 
 @dataclass(frozen=True)
@@ -254,6 +255,63 @@ def assemble_padded(
     return out
 
 
+def check_static_args(
+    pad_to_buckets: object, pad_cu_seq_lens_to: object, pad_to_multiple_of: int | None, padding_free: bool
+) -> tuple[tuple[int, ...] | None, int | None]:
+    """Validate the static-shape options; bucket sizes come back rounded up to ``pad_to_multiple_of``."""
+    if pad_to_buckets is None and pad_cu_seq_lens_to is None:
+        return None, None
+    if not padding_free:
+        raise PackingError(
+            "pad_to_buckets / pad_cu_seq_lens_to make padding-free batches static; padded batches [B, T] also "
+            "vary in B. Use padding_free=True (one [1, T] row) for static shapes.",
+            param="padding_free",
+        )
+    buckets = None
+    if pad_to_buckets is not None:
+        sizes = check_buckets(pad_to_buckets, "pad_to_buckets")
+        buckets = tuple(sorted({_padded_total(b, pad_to_multiple_of) for b in sizes}))
+    if pad_cu_seq_lens_to is not None and (
+        isinstance(pad_cu_seq_lens_to, bool)
+        or not isinstance(pad_cu_seq_lens_to, (int, np.integer))
+        or pad_cu_seq_lens_to < 2
+    ):
+        raise PackingError(
+            f"pad_cu_seq_lens_to must be None or an int >= 2 (entries of cu_seq_lens), got {pad_cu_seq_lens_to!r}.",
+            param="pad_cu_seq_lens_to",
+        )
+    return buckets, None if pad_cu_seq_lens_to is None else int(pad_cu_seq_lens_to)
+
+
+def assemble_static(
+    flat: FlatRows,
+    pad_token_id: int,
+    pad_to_multiple_of: int | None,
+    buckets: tuple[int, ...] | None,
+    cu_size: int | None,
+) -> dict[str, Any]:
+    """A padding-free batch with static shapes: ``T`` rounded up to a bucket, ``cu_seq_lens`` to ``cu_size``.
+
+    The bucket padding is one segment, as for ``pad_to_multiple_of``; ``max_length_q/k`` become the bucket size
+    (an upper bound on every segment, and one value per bucket, so compilers see one shape per bucket).
+    ``cu_seq_lens`` is padded by repeating its last value (empty trailing segments, which FlashAttention skips).
+
+    >>> f = flatten_rows([{"input_ids": [5, 6, 7], "seq_lengths": [2, 1]}])
+    >>> b = assemble_static(f, 0, None, (4, 8), cu_size=6)
+    >>> b["input_ids"].tolist(), b["cu_seq_lens_q"].tolist(), b["max_length_q"]
+    ([[5, 6, 7, 0]], [0, 2, 3, 4, 4, 4], 4)
+    """
+    if buckets is None:
+        batch = assemble_padding_free(flat, pad_token_id, pad_to_multiple_of)
+    else:
+        target = bucket_for(int(flat.input_ids.shape[0]), buckets)
+        batch = assemble_padding_free(flat, pad_token_id, target)  # pads to exactly `target`, one segment
+        batch["max_length_q"] = batch["max_length_k"] = target
+    if cu_size is not None:
+        batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = pad_cu_seq_lens(batch["cu_seq_lens_q"], cu_size)
+    return batch
+
+
 def check_pad_args(pad_token_id: object, pad_to_multiple_of: object) -> tuple[int, int | None]:
     if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, (int, np.integer)):
         raise PackingError(
@@ -312,6 +370,12 @@ class PaddingFreeCollator:
     Padded output (``padding_free=False``): ``[B, T]`` right-padded ``input_ids``, ``labels``,
     ``position_ids`` (restarting per packed sequence), and ``attention_mask`` only if no row is packed.
 
+    Static shapes, for ``torch.compile(dynamic=False)`` and CUDA graphs (padding-free only): with
+    ``pad_to_buckets`` (sizes, e.g. ``TokenBudgetBatchSampler(..., buckets=K).buckets``) ``T`` is rounded up to
+    the smallest size that holds it (one padding segment) and ``max_length_q/k`` is that size; with
+    ``pad_cu_seq_lens_to=N`` ``cu_seq_lens`` has exactly ``N`` entries (its last value repeated).  See
+    :func:`assemble_static`.
+
     >>> c = PaddingFreeCollator(pad_token_id=0, return_tensors="np")
     >>> b = c([{"input_ids": [1, 2, 3, 4], "seq_lengths": [3, 1]}, {"input_ids": [5, 6], "seq_lengths": [2]}])
     >>> b["position_ids"].tolist(), b["labels"].tolist(), b["cu_seq_lens_q"].tolist(), b["max_length_q"]
@@ -331,6 +395,8 @@ class PaddingFreeCollator:
         return_seq_idx: bool = True,
         completion_only_loss: bool = True,
         assistant_only_loss: bool = True,
+        pad_to_buckets: Sequence[int] | None = None,
+        pad_cu_seq_lens_to: int | None = None,
     ) -> None:
         self.pad_token_id, self.pad_to_multiple_of = check_pad_args(pad_token_id, pad_to_multiple_of)
         if return_tensors not in ("pt", "np"):
@@ -349,6 +415,9 @@ class PaddingFreeCollator:
         self.dropped_keys = frozenset(
             key for switch, keys in SWITCHED_KEYS.items() if not getattr(self, switch) for key in keys
         )
+        self.pad_to_buckets, self.pad_cu_seq_lens_to = check_static_args(
+            pad_to_buckets, pad_cu_seq_lens_to, self.pad_to_multiple_of, self.padding_free
+        )
 
     def options(self) -> dict[str, Any]:
         """The constructor arguments of this collator (``PaddingFreeCollator(**c.options())`` copies it)."""
@@ -361,6 +430,8 @@ class PaddingFreeCollator:
             *SWITCHED_KEYS,
             "completion_only_loss",
             "assistant_only_loss",
+            "pad_to_buckets",
+            "pad_cu_seq_lens_to",
         )
         return {name: getattr(self, name) for name in names}
 
@@ -384,6 +455,13 @@ class PaddingFreeCollator:
                 f"set TrainingArguments(remove_unused_columns=False). If every row is one sequence, pass "
                 f"PaddingFreeCollator(..., unpacked=True)."
             )
+        if self.pad_to_buckets is not None or self.pad_cu_seq_lens_to is not None:
+            batch = assemble_static(
+                flat, self.pad_token_id, self.pad_to_multiple_of, self.pad_to_buckets, self.pad_cu_seq_lens_to
+            )
+            if self.dropped_keys:
+                batch = {k: v for k, v in batch.items() if k not in self.dropped_keys}
+            return to_tensors(batch, self.return_tensors)
         build = assemble_padding_free if self.padding_free else assemble_padded
         batch = build(flat, self.pad_token_id, self.pad_to_multiple_of)
         if self.dropped_keys:

@@ -20,7 +20,7 @@ With torch: ``DataLoader(rows, batch_sampler=TokenBudgetBatchSampler(rows.length
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -207,18 +207,32 @@ class PackedRows:
 
 
 class ArrowCollator:
-    """``collate_fn`` for a ``DataLoader`` over :class:`PackedRows`: indices in, padding-free batch out.
+    """``collate_fn`` for a ``DataLoader`` over :class:`PackedRows` or a :class:`~packtools.PackedView`.
 
-    Gives the same tensors as ``collator`` on the same rows read as Python lists.
+    Takes row indices (what ``PackedRows`` yields) or the lazy rows a ``PackedView`` yields, and gathers the
+    batch straight from the Arrow buffers; gives the same tensors as ``collator`` on the same rows read as
+    Python lists.  Other rows (dicts) are passed to ``collator`` as they are.
     """
 
-    def __init__(self, rows: PackedRows, collator: PaddingFreeCollator) -> None:
-        if not isinstance(rows, PackedRows):
-            raise PackingError(f"rows must be a PackedRows, got {type(rows).__name__}.")
+    def __init__(self, rows: Any, collator: PaddingFreeCollator) -> None:
+        from .view import PackedView
+
+        if not isinstance(rows, (PackedRows, PackedView)):
+            raise PackingError(f"rows must be a PackedRows or a PackedView, got {type(rows).__name__}.")
         if not isinstance(collator, PaddingFreeCollator):
             raise PackingError(f"collator must be a PaddingFreeCollator, got {type(collator).__name__}.")
         self.rows = rows
         self.collator = collator
 
-    def __call__(self, indices: Sequence[int]) -> dict[str, Any]:
-        return self.collator.collate_flat(self.rows.gather(indices, self.collator.mask_keys))
+    def __call__(self, items: Sequence[Any]) -> dict[str, Any]:
+        from .view import PackedRow
+
+        if len(items) and isinstance(items[0], PackedRow):
+            view = items[0].view  # the view that made them (in a worker process: its copy)
+            if not all(isinstance(r, PackedRow) and r.view is view for r in items):
+                raise PackingError("the batch mixes rows of several PackedViews; collate rows of one view.")
+            rows = np.fromiter((r.index for r in items), np.int64, len(items))  # checked by __getitems__
+            return self.collator.collate_flat(view._gather(rows, self.collator.mask_keys))
+        if len(items) and isinstance(items[0], Mapping):
+            return self.collator(items)
+        return self.collator.collate_flat(self.rows.gather(items, self.collator.mask_keys))

@@ -33,6 +33,7 @@ from ..core import kernels
 from ..core.arrow import read_list_column
 from ..core.plan import as_lengths
 from ..errors import PackingError
+from .buckets import bucket_padding, check_buckets, choose_buckets
 
 
 def _positive_int(value: object, name: str, minimum: int = 1) -> int:
@@ -110,6 +111,11 @@ class TokenBudgetBatchSampler:
     yielded.  With ``num_replicas > 1`` each rank yields the same number of batches; pass the rank's
     ``rank`` and call :meth:`set_epoch` every epoch on every rank.
 
+    Static shapes: ``buckets=K`` picks at most ``K`` batch sizes in tokens (:attr:`buckets`) that cost the least
+    padding on epoch 0's batches, with ``max_tokens`` (rounded up to ``bucket_multiple_of``) the largest, so
+    every epoch's batches fit; ``buckets=[...]`` gives them.  Pass them to
+    ``PaddingFreeCollator(pad_to_buckets=sampler.buckets)``; :meth:`padding_share` says what they cost.
+
     >>> s = TokenBudgetBatchSampler([3, 5, 2, 4, 6], max_tokens=8, shuffle=False)
     >>> len(s), sorted(sorted(b) for b in s)
     (3, [[0, 1], [2, 4], [3]])
@@ -128,6 +134,8 @@ class TokenBudgetBatchSampler:
         num_replicas: int = 1,
         rank: int = 0,
         seq_lengths: Any = None,
+        buckets: int | Sequence[int] | None = None,
+        bucket_multiple_of: int = 1,
     ) -> None:
         self.lengths = as_lengths(lengths)
         self.max_tokens = _positive_int(max_tokens, "max_tokens")
@@ -149,6 +157,42 @@ class TokenBudgetBatchSampler:
         self.costs = attention_costs(self.lengths, seq_lengths)
         self.epoch = 0
         self._cache: tuple[int, list[list[np.ndarray]]] | None = None
+        self.buckets = self._choose_buckets(buckets, bucket_multiple_of)
+
+    def _choose_buckets(
+        self, buckets: int | Sequence[int] | None, multiple_of: int
+    ) -> tuple[int, ...] | None:
+        """Bucket sizes: given, or ``K`` chosen from epoch 0's batch totals with ``max_tokens`` on top."""
+        if buckets is None:
+            return None
+        if isinstance(buckets, (int, np.integer)) and not isinstance(buckets, bool):
+            k = _positive_int(buckets, "buckets")
+            top = -(-self.max_tokens // _positive_int(multiple_of, "bucket_multiple_of")) * int(multiple_of)
+            return choose_buckets(self.batch_tokens(0), k, multiple_of=int(multiple_of), top=top)
+        sizes = check_buckets(buckets)
+        if sizes[-1] < self.max_tokens:
+            raise PackingError(
+                f"the largest bucket ({sizes[-1]}) is smaller than max_tokens={self.max_tokens}, so a full batch "
+                f"would not fit; add a bucket of at least {self.max_tokens} tokens, or pass buckets=K to choose them.",
+                param="buckets",
+            )
+        return sizes
+
+    def batch_tokens(self, epoch: int | None = None) -> np.ndarray:
+        """Tokens in each batch of ``epoch`` (default: the current one), all ranks, in step order."""
+        saved = self.epoch
+        self.epoch = self.epoch if epoch is None else _positive_int(epoch, "epoch", minimum=0)
+        try:
+            steps = self._plan()
+        finally:
+            self.epoch = saved
+        return np.array([int(self.lengths[b].sum()) for step in steps for b in step if b.size], np.int64)
+
+    def padding_share(self) -> float:
+        """Share of padding when this epoch's batches are rounded up to :attr:`buckets` (0.0 without buckets)."""
+        if self.buckets is None:
+            return 0.0
+        return bucket_padding(self.batch_tokens(), self.buckets)
 
     def set_epoch(self, epoch: int) -> None:
         """Use the shuffle of ``epoch`` (call on every rank before iterating)."""

@@ -207,6 +207,95 @@ def copy_all_segments(values, src_start, size, dst_start, out):
 
 
 @njit(cache=True)
+def view_segments(
+    rows,
+    row_offsets,
+    seg_source,
+    seg_start,
+    seg_length,
+    mapped,
+    indices,
+    row_begin,
+    chunk_starts,
+    chunk_base,
+    chunk_source,
+    num_sources,
+):
+    """Where the segments of packed ``rows`` (of a plan) lie in a column's source buffers, for one batch.
+
+    Segment ``k`` of the batch (row order) comes from table row ``t = indices[seg_source[s]]`` (or
+    ``seg_source[s]`` when not ``mapped``), found in chunk ``c`` (``chunk_starts[c] <= t < chunk_starts[c + 1]``),
+    at element ``chunk_base[c] + row_begin[t] + seg_start[s]`` of source ``chunk_source[c]``.  Returns
+    ``(begin, size, dest, bounds)`` sorted by source, then by begin (reads front to back), with the segments
+    of source ``j`` at ``bounds[j]:bounds[j + 1]``; ``dest`` is each segment's place in the batch.  The fifth
+    array is the segments' lengths in row order.
+    """
+    n = 0
+    for i in range(rows.shape[0]):
+        n += row_offsets[rows[i] + 1] - row_offsets[rows[i]]
+    begin = np.empty(n, np.int64)
+    size = np.empty(n, np.int64)
+    dest = np.empty(n, np.int64)
+    source = np.empty(n, np.int64)
+    k = 0
+    at = 0
+    for i in range(rows.shape[0]):
+        for s in range(row_offsets[rows[i]], row_offsets[rows[i] + 1]):
+            t = indices[seg_source[s]] if mapped else seg_source[s]
+            c = np.searchsorted(chunk_starts, t, side="right") - 1
+            begin[k] = chunk_base[c] + row_begin[t] + seg_start[s]
+            size[k] = seg_length[s]
+            dest[k] = at
+            source[k] = chunk_source[c]
+            at += seg_length[s]
+            k += 1
+    order = np.argsort(begin, kind="mergesort")
+    bounds = np.zeros(num_sources + 1, np.int64)
+    for k in range(n):
+        bounds[source[k] + 1] += 1
+    for j in range(num_sources):
+        bounds[j + 1] += bounds[j]
+    fill = bounds[:-1].copy()
+    out_begin = np.empty(n, np.int64)
+    out_size = np.empty(n, np.int64)
+    out_dest = np.empty(n, np.int64)
+    for q in range(n):
+        k = order[q]
+        j = fill[source[k]]
+        out_begin[j] = begin[k]
+        out_size[j] = size[k]
+        out_dest[j] = dest[k]
+        fill[source[k]] += 1
+    return out_begin, out_size, out_dest, bounds, size
+
+
+@njit(cache=True)
+def gather_scattered(values, src_start, size, dst_start, out):
+    """``copy_all_segments`` for segments scattered over a large buffer (a packed view's source file).
+
+    A first pass reads one value per 1024 of every segment, so the cache and TLB misses of all segments
+    overlap instead of stalling the copy one segment at a time (~25% faster on a 1.6 GB memory-mapped file);
+    then the segments are copied.  Returns how many values read in the first pass are non-zero (so the reads
+    are not elided).
+    """
+    acc = 0
+    for s in range(src_start.shape[0]):
+        a = src_start[s]
+        end = a + size[s]
+        k = a
+        while k < end:
+            acc += values[k] != 0
+            k += 1024
+        acc += values[end - 1] != 0
+    for s in range(src_start.shape[0]):
+        a = src_start[s]
+        d = dst_start[s]
+        m = size[s]
+        out[d : d + m] = values[a : a + m]
+    return acc
+
+
+@njit(cache=True)
 def plan_violation(seg_source, seg_start, seg_length, row_offsets, source_lengths, max_length):
     """First broken invariant of a packing plan as ``(code, index)``; ``(0, -1)`` when the plan is sound.
 

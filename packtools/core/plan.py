@@ -112,6 +112,30 @@ class PackPlan:
             self._fail(int(code), int(i))
         self._check_strategy_rule()
 
+    @classmethod
+    def _unchecked(
+        cls,
+        max_length: int,
+        strategy: str,
+        seg_source: np.ndarray,
+        seg_start: np.ndarray,
+        seg_length: np.ndarray,
+        row_offsets: np.ndarray,
+        source_lengths: np.ndarray,
+    ) -> PackPlan:
+        """A plan straight from the kernels (or a row transform of a checked plan): sound by construction.
+
+        The kernels are tested against the pure-Python oracle (``core/reference.py``); checking their output
+        again would double the cost of :func:`plan`.  Everything else goes through the checks.
+        """
+        self = object.__new__(cls)
+        values = (max_length, strategy, seg_source, seg_start, seg_length, row_offsets, source_lengths)
+        for name, value in zip(("max_length", "strategy", *_PLAN_ARRAYS), values):
+            if isinstance(value, np.ndarray):
+                value = np.ascontiguousarray(value, dtype=np.int64)
+            object.__setattr__(self, name, value)
+        return self
+
     def _fail(self, code: int, i: int) -> None:
         facts: dict[str, object] = {"i": i, "max_length": self.max_length, "n": self.num_sequences}
         if code in (2, 3, 4, 6):
@@ -239,7 +263,7 @@ class PackPlan:
         # Segment indices of the permuted rows, in order.
         starts = self.row_offsets[:-1][perm]
         idx = np.repeat(starts - new_offsets[:-1], counts) + np.arange(self.num_segments)
-        return PackPlan(
+        return PackPlan._unchecked(
             self.max_length,
             self.strategy,
             self.seg_source[idx],
@@ -256,7 +280,7 @@ class PackPlan:
         [4, 2]
         """
         s0, s1 = int(self.row_offsets[start]), int(self.row_offsets[stop])
-        return PackPlan(
+        return PackPlan._unchecked(
             self.max_length,
             self.strategy,
             self.seg_source[s0:s1],
@@ -353,7 +377,7 @@ def plan(lengths: object, max_length: int, strategy: Strategy | str = "bfd") -> 
     lens = as_lengths(lengths)
     if strategy == "wrapped":
         source, start, size, row_offsets = kernels.wrapped_segments(lens, max_length)
-        return PackPlan(max_length, strategy, source, start, size, row_offsets, lens)
+        return PackPlan._unchecked(max_length, strategy, source, start, size, row_offsets, lens)
     source, start, size = kernels.make_items(lens, max_length, strategy == "bfd_split")
     if max_length >= size.sum():
         # Everything fits in one row (best fit puts every item there, longest first); this also spares
@@ -367,4 +391,6 @@ def plan(lengths: object, max_length: int, strategy: Strategy | str = "bfd") -> 
                 f"packtools plans rows of at most {MAX_TREE_LENGTH:,} tokens. Use a smaller max_length."
             )
         order, row_offsets = kernels.bfd_assign(size, max_length)
-    return PackPlan(max_length, strategy, source[order], start[order], size[order], row_offsets, lens)
+    return PackPlan._unchecked(
+        max_length, strategy, source[order], start[order], size[order], row_offsets, lens
+    )

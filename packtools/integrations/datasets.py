@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 
 from .._optional import require
+from ..batches.view import PackedView
 from ..constants import SEQ_LENGTHS
 from ..core.arrow import dataset_table
 from ..core.pack import pack_columns, read_columns, truncate_table
@@ -89,15 +90,20 @@ def _pack_split(
     shuffle: bool,
     seed: int,
     keep_in_memory: bool | None,
+    plan: PackPlan | None = None,
 ) -> Any:
+    """Pack one ``Dataset``; with ``plan`` (made for these arguments, e.g. by :func:`packed_view`) reuse it."""
     ds_mod = _datasets()
     table, indices = dataset_table(dataset)
     cols, lengths = read_columns(table, columns)
-    if indices is not None:
-        lengths = lengths[indices]
-    p = make_plan(lengths, max_length, strategy)
-    if shuffle:
-        p = p.shuffled(seed)
+    if plan is not None:
+        p = plan
+    else:
+        if indices is not None:
+            lengths = lengths[indices]
+        p = make_plan(lengths, max_length, strategy)
+        if shuffle:
+            p = p.shuffled(seed)
     fingerprint = _derived_fingerprint(
         dataset, "pack", max_length=max_length, strategy=strategy, columns=columns, shuffle=shuffle, seed=seed
     )
@@ -335,3 +341,94 @@ def pack_preference(
     out, report = one(dataset)
     warn(report)
     return (out, report) if return_report else out
+
+
+class DatasetView(PackedView):
+    """A :class:`~packtools.batches.view.PackedView` over a ``datasets.Dataset`` (made by :func:`packed_view`).
+
+    It keeps the dataset, so :meth:`materialize` returns what :func:`pack_dataset` returns for the same
+    arguments, and pickling sends the dataset (for a memory-mapped one: its file paths and row mapping).
+    """
+
+    dataset: Any
+    _args: dict[str, Any]
+
+    def materialize(self, keep_in_memory: bool | None = None) -> Any:  # type: ignore[override]
+        """Every packed row, as :func:`pack_dataset` with the same arguments returns them (same plan, same
+        format, same cache file for a memory-mapped dataset; ``keep_in_memory`` as there)."""
+        a = self._args
+        return _pack_split(
+            self.dataset,
+            self.plan.max_length,
+            self.plan.strategy,
+            a["columns"],
+            a["shuffle"],
+            a["seed"],
+            keep_in_memory,
+            plan=self.plan,
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"dataset": self.dataset, "plan": self.plan, "args": self._args, "columns": self._names}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.dataset, self._args = state["dataset"], state["args"]
+        table, indices = dataset_table(self.dataset)
+        self._bind(table, *read_columns(table, state["columns"]), state["plan"], indices)
+
+
+def packed_view(
+    dataset: Any,
+    max_length: int,
+    strategy: Strategy | str = "bfd",
+    *,
+    shuffle: bool = False,
+    seed: int = 0,
+    columns: Sequence[str] | None = None,
+) -> Any:
+    """Packed rows of ``dataset`` gathered on demand from its Arrow buffers: a :class:`PackedView`.
+
+    Takes what :func:`pack_dataset` takes -- a ``datasets.Dataset`` (in memory or memory-mapped, with
+    select/shuffle mappings; a ``DatasetDict`` gives a dict of views) or a ``pyarrow.Table`` -- and plans the
+    same rows, but copies no token: ``view[i]`` gathers row ``i`` (a dict of NumPy arrays with
+    ``seq_lengths``), :class:`~packtools.ArrowCollator` gathers a whole batch, and ``view.materialize()``
+    returns exactly what ``pack_dataset`` (``pack_table`` for a table) returns for the same arguments.
+
+    >>> from datasets import Dataset
+    >>> ds = Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]]})
+    >>> view = packed_view(ds, 4)
+    >>> len(view), view[1]["input_ids"].tolist(), view[1]["seq_lengths"].tolist()
+    (3, [8, 9, 10, 11], [3, 1])
+    >>> view.materialize()[:] == pack_dataset(ds, 4)[:]
+    True
+    """
+    strategy = check_strategy(strategy)
+    max_length = check_max_length(max_length)
+    if isinstance(dataset, pa.Table):
+        return PackedView.from_table(
+            dataset, max_length, strategy, shuffle=shuffle, seed=seed, columns=columns
+        )
+    ds_mod = _datasets()
+    if isinstance(dataset, ds_mod.DatasetDict):
+        return {
+            name: packed_view(split, max_length, strategy, shuffle=shuffle, seed=seed, columns=columns)
+            for name, split in dataset.items()
+        }
+    if isinstance(dataset, ds_mod.IterableDataset):
+        raise PackingError(
+            "an IterableDataset has no random access, so it cannot be viewed by row; pack it as a stream with "
+            "packtools.pack_dataset(dataset, max_length) (windows of rows), or load it as a Dataset.",
+            param="dataset",
+        )
+    if not isinstance(dataset, ds_mod.Dataset):
+        raise PackingError(
+            f"dataset must be a datasets.Dataset, DatasetDict or pyarrow.Table, got {type(dataset).__name__}.",
+            param="dataset",
+        )
+    table, indices = dataset_table(dataset)
+    view = DatasetView.from_table(
+        table, max_length, strategy, shuffle=shuffle, seed=seed, columns=columns, indices=indices
+    )
+    view.dataset = dataset
+    view._args = {"columns": None if columns is None else list(columns), "shuffle": shuffle, "seed": seed}
+    return view

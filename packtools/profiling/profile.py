@@ -30,7 +30,7 @@ from ..errors import PackingError
 from ..io.files import IpcReader
 
 if TYPE_CHECKING:
-    from .tradeoffs import TradeoffTable
+    from .tradeoffs import BucketTable, TradeoffTable
 
 PERCENTILES: tuple[float, ...] = (50.0, 90.0, 95.0, 99.0, 99.9)
 FILE_SUFFIXES = (".parquet", ".arrow", ".feather", ".ipc")
@@ -200,6 +200,29 @@ class LengthProfile:
         return tradeoff_table(
             self, self.default_candidates() if candidates is None else candidates, batch_size
         )
+
+    def bucket_tradeoffs(
+        self,
+        max_length: int,
+        max_tokens: int,
+        candidates: Iterable[int] = (1, 2, 4, 8, 16),
+        strategy: str = "bfd",
+        multiple_of: int = 1,
+    ) -> BucketTable:
+        """For static shapes: the padding share that rounding batches up to ``K`` bucket sizes costs.
+
+        Packs the lengths with ``strategy`` at ``max_length``, batches the packed rows with
+        :class:`~packtools.TokenBudgetBatchSampler` (``max_tokens``), and for each ``K`` in ``candidates``
+        chooses the sizes (:func:`~packtools.choose_buckets`, ``max_tokens`` the largest); the first row is
+        no bucketing (padding 0, one shape per distinct batch length).
+
+        >>> t = LengthProfile([5, 2, 3, 1, 7, 4]).bucket_tradeoffs(8, 16, candidates=[1, 2])
+        >>> [(r.k, r.buckets, r.shapes) for r in t]
+        [(None, (), 2), (1, (16,), 1), (2, (6, 16), 2)]
+        """
+        from .tradeoffs import bucket_table
+
+        return bucket_table(self, max_length, max_tokens, candidates, strategy, multiple_of)
 
     def recommend(self, keep_tokens: float = 0.99, multiple_of: int = 64) -> Recommendation:
         """The smallest multiple of ``multiple_of`` at which ``bfd`` keeps at least ``keep_tokens`` of the tokens.

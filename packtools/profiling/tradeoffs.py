@@ -227,3 +227,93 @@ def tradeoff_table(profile: LengthProfile, candidates: Iterable[int], batch_size
 
 
 FIELDS = tuple(f.name for f in fields(Tradeoff))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Static shapes: what rounding each batch up to one of K bucket sizes costs
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BucketTradeoff:
+    """One candidate number of bucket sizes ``k`` (``None``: no buckets, every batch its own length).
+
+    ``buckets``: the sizes :func:`~packtools.choose_buckets` picks; ``shapes``: distinct batch lengths over the
+    epoch (what ``torch.compile(dynamic=False)`` compiles once each); ``padding``: pad tokens / all tokens.
+    """
+
+    k: int | None
+    buckets: tuple[int, ...]
+    shapes: int
+    padding: float
+
+
+@dataclass(frozen=True)
+class BucketTable:
+    """Rows of :class:`BucketTradeoff` for one ``max_length`` / ``max_tokens`` / strategy."""
+
+    rows: tuple[BucketTradeoff, ...]
+    max_length: int
+    max_tokens: int
+    strategy: str
+    batch_tokens: np.ndarray  # tokens in each batch of the epoch the buckets were chosen on
+
+    def __iter__(self) -> Iterator[BucketTradeoff]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def to_dicts(self) -> list[dict[str, Any]]:
+        return [asdict(r) for r in self.rows]
+
+    def _cells(self) -> list[list[str]]:
+        return [
+            [
+                "none" if r.k is None else str(r.k),
+                _int(r.shapes),
+                _pct(r.padding),
+                "-" if r.k is None else ", ".join(_int(b) for b in r.buckets),
+            ]
+            for r in self.rows
+        ]
+
+    def to_text(self) -> str:
+        """A fixed-width table with a title line."""
+        title = (
+            f"{self.strategy} rows of max_length {_int(self.max_length)} in batches of <= {_int(self.max_tokens)} "
+            f"tokens ({_int(len(self.batch_tokens))} batches)"
+        )
+        return title + "\n" + text_table([["K", "shapes", "padding", "bucket sizes"], *self._cells()])
+
+    def to_markdown(self) -> str:
+        lines = ["| K | shapes | padding | bucket sizes |", "|---:|---:|---:|---|"]
+        lines += ["| " + " | ".join(row) + " |" for row in self._cells()]
+        return "\n".join(lines)
+
+
+def bucket_table(
+    profile: LengthProfile,
+    max_length: int,
+    max_tokens: int,
+    candidates: Iterable[int] = (1, 2, 4, 8, 16),
+    strategy: str = "bfd",
+    multiple_of: int = 1,
+    seed: int = 0,
+) -> BucketTable:
+    """See :meth:`packtools.LengthProfile.bucket_tradeoffs`."""
+    from ..batches.buckets import bucket_padding, choose_buckets
+    from ..batches.sampler import TokenBudgetBatchSampler
+
+    max_length = check_max_length(max_length)
+    ks = sorted({check_max_length(k) for k in candidates}) if candidates else []
+    if not ks:
+        raise PackingError("candidates is empty; give at least one K, e.g. [1, 2, 4, 8].", param="candidates")
+    p = plan(profile.lengths, max_length, strategy)
+    sampler = TokenBudgetBatchSampler(p.row_lengths, max_tokens, seed=seed)
+    totals = sampler.batch_tokens(0)
+    top = -(-sampler.max_tokens // multiple_of) * multiple_of
+    rows = [BucketTradeoff(None, (), int(np.unique(totals).shape[0]), 0.0)]
+    for k in ks:
+        sizes = choose_buckets(totals, k, multiple_of=multiple_of, top=top)
+        used = np.unique(np.asarray(sizes)[np.searchsorted(sizes, totals)]) if totals.size else totals
+        rows.append(BucketTradeoff(k, sizes, int(used.shape[0]), bucket_padding(totals, sizes)))
+    return BucketTable(tuple(rows), max_length, sampler.max_tokens, strategy, totals)
