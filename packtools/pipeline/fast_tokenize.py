@@ -249,7 +249,9 @@ class FastEncoder:
     ``TOKENIZERS_PARALLELISM=false``, which the pipeline sets in its worker processes).
     """
 
-    def __init__(self, tokenizer_dir: str, threads: int | None = None) -> None:
+    def __init__(
+        self, tokenizer_dir: str, threads: int | None = None, spec: dict[str, Any] | None = None
+    ) -> None:
         try:
             import fastokens
         except ImportError as exc:
@@ -262,9 +264,9 @@ class FastEncoder:
             threads = 1
         if threads is not None:
             os.environ.setdefault("FASTOKENS_BPE_THREADS", str(threads))
-        self.spec = read_spec(tokenizer_dir)
+        spec = spec if spec is not None else read_spec(tokenizer_dir)
         self._tok = fastokens.Tokenizer.from_file(path)
-        self._byte_lengths: np.ndarray | None = None
+        self._byte_lengths = _byte_lengths(spec)  # the parsed tokenizer.json itself is not kept (memory)
 
     def encode(self, texts: list[str], special: bool) -> Ragged:
         """Token ids of ``texts``; ``special`` adds the tokenizer's special tokens (e.g. BOS), like transformers."""
@@ -276,16 +278,6 @@ class FastEncoder:
 
     def byte_lengths(self) -> np.ndarray:
         """UTF-8 length of every token id's text (byte-level tokens: one byte per character of the token)."""
-        if self._byte_lengths is None:
-            vocab = self.spec["model"]["vocab"]
-            added = {a["id"]: a["content"] for a in self.spec.get("added_tokens", [])}
-            size = max([*vocab.values(), *added.keys()]) + 1
-            lengths = np.zeros(size, np.int64)
-            for token, i in vocab.items():
-                lengths[i] = len(token)
-            for i, content in added.items():
-                lengths[i] = len(content.encode("utf-8"))
-            self._byte_lengths = lengths
         return self._byte_lengths
 
     def token_spans(self, texts: list[str], ids: Ragged) -> tuple[np.ndarray, np.ndarray] | None:
@@ -301,6 +293,17 @@ class FastEncoder:
         if not np.array_equal(row_bytes, np.fromiter((len(t.encode("utf-8")) for t in texts), np.int64)):
             return None
         return ends[:-1], ends[1:]
+
+
+def _byte_lengths(spec: dict[str, Any]) -> np.ndarray:
+    vocab = spec["model"]["vocab"]
+    added = {a["id"]: a["content"] for a in spec.get("added_tokens", [])}
+    lengths = np.zeros(max([*vocab.values(), *added.keys()]) + 1, np.int64)
+    for token, i in vocab.items():
+        lengths[i] = len(token)
+    for i, content in added.items():
+        lengths[i] = len(content.encode("utf-8"))
+    return lengths
 
 
 def first_difference(fast: Ragged, reference: Sequence[Sequence[int]]) -> int | None:

@@ -499,7 +499,9 @@ def run_pipeline(
             )
         from .stage import preload_tokenizer
 
-        preload_tokenizer(config.tokenizer, fmt, config.add_eos)  # fails here, once, if it cannot load
+        preload_tokenizer(
+            config.tokenizer, fmt, config.add_eos, config.tokenizer_engine
+        )  # fails here, once, if it cannot load
         columns, types, left_out = output_columns(fmt), ["int32"] * len(output_columns(fmt)), []
     else:
         columns, types, left_out = token_schema(files, config)

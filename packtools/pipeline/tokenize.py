@@ -267,10 +267,11 @@ class BatchTokenizer:
         if why is not None:
             return refuse(f"the tokenizer is not one the fast engine reproduces here: {why}")
         try:
-            fast = fast_engine.FastEncoder(self.tokenizer_dir)
+            fast = fast_engine.FastEncoder(self.tokenizer_dir, spec=spec)
         except (OSError, ValueError, RuntimeError) as exc:
             return refuse(f"the fast engine cannot load its tokenizer.json ({exc})")
-        specials = [a["content"] for a in fast.spec.get("added_tokens", [])]
+        specials = [a["content"] for a in spec.get("added_tokens", [])]
+        del spec
         texts = fast_engine.adversarial_texts(specials)
         for special in (True, False):
             got = fast.encode(texts, special)
