@@ -244,6 +244,7 @@ def main() -> int:
     ap.add_argument("--workdir", help="where to put the data (default: a temporary folder, removed after)")
     ap.add_argument("--repeat", type=int, default=2, help="tokenization-alone timings: best of this many")
     ap.add_argument("--skip-chat", action="store_true")
+    ap.add_argument("--skip-text", action="store_true", help="chat only (tokenization alone still uses text)")
     ap.add_argument("--markdown", help="also write the tables to this file")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("args", nargs="*", help=argparse.SUPPRESS)
@@ -272,7 +273,7 @@ def main() -> int:
         data = run_case("data", workdir, str(args.docs))
         data.pop("maxrss_gb")
         print(f"data + tokenizer in {time.perf_counter() - t:.1f} s: {data}", flush=True)
-        kinds = ["text"] + ([] if args.skip_chat else ["chat"])
+        kinds = ([] if args.skip_text else ["text"]) + ([] if args.skip_chat else ["chat"])
         for kind in kinds:
             src = data[kind]
             mb = data["mb"] if kind == "text" else data["chat_mb"]
