@@ -334,3 +334,20 @@ def test_prefetch_keeps_order_and_raises_where_the_source_failed():
     assert [next(it) for _ in range(3)] == [0, 1, 2]
     it.close()
     assert closed == [True]
+
+
+@needs_engine
+def test_an_engine_error_tokenizes_that_batch_with_transformers(tmp_path, monkeypatch):
+    path = build_tokenizer(str(tmp_path))
+    tok = BatchTokenizer(path, "text")
+    real = fast_tokenize.FastEncoder.encode
+
+    def encode(self, texts, special):
+        if any("boom" in t for t in texts):
+            raise RuntimeError("match limit exceeded")
+        return real(self, texts, special)
+
+    monkeypatch.setattr(fast_tokenize.FastEncoder, "encode", encode)
+    table = pa.table({"text": ["boom " + t for t in CORPUS[:20]]})
+    _same(tok(table), BatchTokenizer(path, "text", engine="transformers")(table))
+    assert tok.report.checked["batches_on_transformers"] == 1 and tok.fast is not None

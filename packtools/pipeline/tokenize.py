@@ -340,7 +340,15 @@ class BatchTokenizer:
     # -- building blocks -------------------------------------------------------------------------
     def encode(self, texts: list[str], special: bool, first_row: Row = 0) -> Ragged:
         if self.fast is not None:
-            got = self.fast.encode(texts, special)
+            try:
+                got = self.fast.encode(texts, special)
+            except Exception:  # noqa: BLE001 - e.g. a regex limit on a pathological row: transformers does it
+                self.report.checked["batches_on_transformers"] = (
+                    self.report.checked.get("batches_on_transformers", 0) + 1
+                )
+                return ragged.from_lists(
+                    [e.ids for e in self._encode_batch(texts, add_special_tokens=special)]
+                )
             rows, initial = self._sample(len(texts))
             sample = [texts[i] for i in rows]
             ref = [e.ids for e in self._encode_batch(sample, add_special_tokens=special)]
@@ -427,7 +435,12 @@ class BatchTokenizer:
     def _assistant_labels(self, convs: list[list[dict[str, Any]]], first_row: Row) -> tuple[Ragged, Ragged]:
         """Token ids and labels (assistant tokens only) of conversations, from the fast engine when it is in use."""
         if self.fast is not None:
-            got = self._assistant_labels_fast(convs, first_row)
+            try:
+                got = self._assistant_labels_fast(convs, first_row)
+            except PackingError:
+                raise
+            except Exception:  # noqa: BLE001 - an engine error: transformers tokenizes this batch
+                got = None
             if got is not None:
                 rows, initial = self._sample(len(convs))
                 mismatch = self._compare_labels(convs, rows, first_row, got)
