@@ -277,18 +277,7 @@ def pack_preference(
     from ..core.pairs import pack_pairs
 
     def one(split: Any) -> tuple[Any, Any]:
-        if isinstance(split, pa.Table):
-            return pack_pairs(
-                split,
-                max_length,
-                strategy,
-                columns,
-                overlong=overlong,
-                max_prompt_length=max_prompt_length,
-                shuffle=shuffle,
-                seed=seed,
-            )
-        table, indices = dataset_table(split)
+        table, indices = (split, None) if isinstance(split, pa.Table) else dataset_table(split)
         packed, report = pack_pairs(
             table,
             max_length,
@@ -300,6 +289,8 @@ def pack_preference(
             seed=seed,
             row_indices=indices,
         )
+        if isinstance(split, pa.Table):
+            return packed, report
         fingerprint = _derived_fingerprint(
             split,
             "pack_preference",

@@ -39,6 +39,7 @@ from .._optional import require
 from ..constants import SEQ_LENGTHS
 from ..errors import PackingError
 from .transformers import (
+    _base_model,
     attention_implementation,
     check_attention_implementation,
     check_forward_inputs,
@@ -51,17 +52,6 @@ _PATCHED = "_packtools_dpo"
 #: Per-token fields of TRL's fused LM head output, scattered back to the padded layout.
 PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
 PAIR_ROW_COLUMNS = ("input_ids", "completion_mask", SEQ_LENGTHS)
-
-
-def _transformers_model(model: Any) -> Any:
-    for _ in range(4):
-        if hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        elif hasattr(model, "module") and not hasattr(model, "config"):
-            model = model.module
-        else:
-            break
-    return model
 
 
 def padding_free_layout(attention_mask: Any) -> tuple[Any, Any, Any]:
@@ -154,7 +144,7 @@ def _padding_free_forward(model: Any, inner: Any) -> Any:
 
 def install_padding_free_forward(model: Any) -> None:
     """Wrap the fused-LM-head forward that TRL put on ``model`` (once) so it runs one padding-free row."""
-    base = _transformers_model(model)
+    base = _base_model(model)
     if vars(base).get(_WRAPPED):
         return
     if "forward" not in vars(base):
