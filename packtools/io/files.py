@@ -267,13 +267,6 @@ def read_schema(file: InputFile) -> pa.Schema:
     return pa.schema([])
 
 
-def count_rows(file: InputFile) -> int | None:
-    """Rows in ``file`` when known without reading the data (parquet metadata), else ``None``."""
-    if file.kind == "parquet":
-        return pq.ParquetFile(file.path).metadata.num_rows
-    return None
-
-
 def read_table(path: str | os.PathLike[str]) -> pa.Table:
     """Read a ``.parquet`` file or an Arrow IPC file/stream (``.arrow``, ``.feather``, datasets cache files)."""
     path = os.fspath(path)
