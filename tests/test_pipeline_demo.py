@@ -42,11 +42,14 @@ def test_demo_small_corpus(tmp_path):
     split = result["plans"][1]  # the demo packs with bfd_split by default: every token kept
     assert ds.num_rows == split.num_rows and split.tokens_dropped == 0
     assert sum(map(sum, ds["seq_lengths"])) == split.tokens_in
-    assert result["recommendation"].keep_tokens == 0.99  # the library's default
+    rec = result["recommendation"]  # bfd_split: the length that holds 99% of the sequences whole
+    assert rec.keep_sequences == 0.99 and rec.truncated_share <= 0.01
+    assert rec.max_length == result["profile"].recommend(keep_sequences=0.99).max_length
     again = run_demo(out, limit=20, echo=lines.append, quiet=True)
     assert again["packed"].cached
     lines.clear()
     bfd = run_demo(str(tmp_path / "bfd"), limit=20, echo=lines.append, quiet=True, strategy="bfd")
+    assert bfd["recommendation"].keep_tokens == 0.99  # bfd: the library's token rule
     dropped = bfd["packed"].stats["tokens_dropped"]
     assert dropped == bfd["plans"][0].tokens_dropped
     assert (f"dropped {dropped:,} tokens" in "\n".join(lines)) == (dropped > 0)

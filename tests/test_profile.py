@@ -371,3 +371,18 @@ def test_a_save_to_disk_folder_is_read_through_its_state_json(tmp_path):
         w.write_table(table)
     assert profile_lengths(folder).lengths.tolist() == list(range(1, 31))
     assert main(["profile", folder]) == 0
+
+
+def test_recommend_keep_sequences_holds_that_share_whole():
+    # one huge sequence holds most tokens: the token rule needs it, the sequence rule does not
+    lengths = [50] * 95 + [200] * 4 + [100_000]
+    p = LengthProfile(lengths)
+    assert p.recommend(keep_tokens=0.99).max_length >= 90_000
+    rec = p.recommend(keep_sequences=0.99, multiple_of=64)
+    assert rec.max_length == 256 and rec.keep_sequences == 0.99 and rec.keep_tokens is None
+    assert rec.truncated_share == 0.01 and "bfd_split cuts the other 1" in rec.reason
+    assert p.recommend(keep_sequences=1.0, multiple_of=64).max_length == 100_032
+    assert p.recommend(keep_sequences=0.95, multiple_of=1).max_length == 50
+    with pytest.raises(PackingError, match="keep_sequences=1.5") as err:
+        p.recommend(keep_sequences=1.5)
+    assert err.value.param == "keep_sequences"

@@ -26,10 +26,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "sequences over max_length and says how many tokens)",
     )
     p.add_argument(
-        "--keep-tokens",
+        "--keep",
         type=float,
         default=0.99,
-        help="share of tokens bfd must keep at the recommended max_length (default 0.99, the library's)",
+        help="the recommended max_length holds this share of the sequences whole (bfd_split, wrapped) or "
+        "keeps this share of the tokens (bfd); default 0.99",
     )
     p.add_argument("--tokenizer", metavar="DIR", help="tokenize with this local tokenizer instead of bytes")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         args.out,
         max_length=args.max_length,
         strategy=args.strategy,
-        keep_tokens=args.keep_tokens,
+        keep=args.keep,
         tokenizer=args.tokenizer,
         quiet=args.quiet,
     )

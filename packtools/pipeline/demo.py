@@ -54,7 +54,7 @@ def run_demo(
     out: str,
     max_length: int | None = None,
     strategy: str = "bfd_split",
-    keep_tokens: float = 0.99,
+    keep: float = 0.99,
     tokenizer: str | None = None,
     quiet: bool = False,
     echo: Callable[[str], Any] = print,
@@ -62,9 +62,10 @@ def run_demo(
 ) -> dict[str, Any]:
     """Profile, recommend ``max_length``, compare strategies, plot and pack the stdlib corpus into ``out``.
 
-    The recommendation keeps ``keep_tokens`` of the tokens with ``bfd`` (0.99, the library's default); the
-    corpus is packed with ``strategy`` (``bfd_split`` by default: no token is dropped; with ``bfd`` the summary
-    says how many tokens it dropped).  Strategies are timed after the kernels are compiled.
+    The recommendation follows the strategy the corpus is packed with (``bfd_split`` by default: no token is
+    dropped): for ``bfd_split`` and ``wrapped`` the smallest ``max_length`` that holds ``keep`` of the sequences
+    whole, for ``bfd`` the smallest at which ``bfd`` keeps ``keep`` of the tokens (the library's default rule,
+    0.99); with ``bfd`` the summary says how many tokens it dropped.  Strategies are timed after the kernels are compiled.
 
     Writes ``out/corpus/stdlib-definitions.parquet`` (kept between runs), ``out/lengths.png`` (with
     matplotlib) and ``out/packed`` (a ``datasets.load_from_disk`` folder).  Returns what it printed, as data.
@@ -94,7 +95,10 @@ def run_demo(
     name = f"standard library definitions ({what})"
     profile = profile_lengths(table, name=name)
     echo(profile.to_text())
-    rec = profile.recommend(keep_tokens=keep_tokens)
+    if strategy == "bfd":
+        rec = profile.recommend(keep_tokens=keep)
+    else:
+        rec = profile.recommend(keep_sequences=keep)
     echo(f"\nrecommended: {rec.reason}")
     chosen = max_length if max_length is not None else rec.max_length
     if max_length is not None:

@@ -47,9 +47,10 @@ class Recommendation:
 
     max_length: int
     reason: str
-    keep_tokens: float
+    keep_tokens: float | None
     tokens_kept_share: float
     truncated_share: float
+    keep_sequences: float | None = None
 
     def __str__(self) -> str:
         return self.reason
@@ -224,13 +225,21 @@ class LengthProfile:
 
         return bucket_table(self, max_length, max_tokens, candidates, strategy, multiple_of)
 
-    def recommend(self, keep_tokens: float = 0.99, multiple_of: int = 64) -> Recommendation:
+    def recommend(
+        self, keep_tokens: float = 0.99, multiple_of: int = 64, *, keep_sequences: float | None = None
+    ) -> Recommendation:
         """The smallest multiple of ``multiple_of`` at which ``bfd`` keeps at least ``keep_tokens`` of the tokens.
 
-        >>> LengthProfile([100] * 98 + [1000, 3000]).recommend(keep_tokens=0.9).max_length
-        1664
+        With ``keep_sequences`` instead: the smallest multiple at which at least that share of the sequences
+        fits whole -- the rule for ``bfd_split``, which keeps every token at any length and only cuts the
+        longer sequences.  When a few huge sequences hold the token mass, the token rule asks for a huge
+        ``max_length`` and the sequence rule does not.
+
+        >>> p = LengthProfile([100] * 98 + [1000, 3000])
+        >>> p.recommend(keep_tokens=0.9).max_length, p.recommend(keep_sequences=0.98).max_length
+        (1664, 128)
         """
-        return recommend(self, keep_tokens, multiple_of)
+        return recommend(self, keep_tokens, multiple_of, keep_sequences=keep_sequences)
 
 
 def log_edges(max_length: int, per_decade: int = 12) -> np.ndarray:
@@ -242,8 +251,16 @@ def log_edges(max_length: int, per_decade: int = 12) -> np.ndarray:
     return np.unique(edges)
 
 
-def recommend(profile: LengthProfile, keep_tokens: float = 0.99, multiple_of: int = 64) -> Recommendation:
+def recommend(
+    profile: LengthProfile,
+    keep_tokens: float = 0.99,
+    multiple_of: int = 64,
+    *,
+    keep_sequences: float | None = None,
+) -> Recommendation:
     """See :meth:`LengthProfile.recommend`."""
+    if keep_sequences is not None:
+        return _recommend_whole(profile, keep_sequences, multiple_of)
     if isinstance(keep_tokens, bool) or not isinstance(keep_tokens, (int, float)) or not 0 < keep_tokens <= 1:
         raise PackingError(f"keep_tokens={keep_tokens!r} must be a share of tokens in (0, 1], e.g. 0.99.")
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, (int, np.integer)) or multiple_of < 1:
@@ -287,6 +304,47 @@ def recommend(profile: LengthProfile, keep_tokens: float = 0.99, multiple_of: in
             f"strategy='bfd_split', or filter the over-long sequences out."
         )
     return Recommendation(m, reason, float(keep_tokens), kept / total, truncated / profile.count)
+
+
+def _recommend_whole(profile: LengthProfile, keep_sequences: float, multiple_of: int) -> Recommendation:
+    """The smallest multiple of ``multiple_of`` that holds at least ``keep_sequences`` of the sequences whole."""
+    share = keep_sequences
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise PackingError(
+            f"keep_sequences={share!r} must be a share of sequences in (0, 1], e.g. 0.99.",
+            param="keep_sequences",
+        )
+    if isinstance(multiple_of, bool) or not isinstance(multiple_of, (int, np.integer)) or multiple_of < 1:
+        raise PackingError(
+            f"multiple_of={multiple_of!r} must be a positive int, e.g. 64.", param="multiple_of"
+        )
+    multiple_of = int(multiple_of)
+    if profile.count == 0 or profile.total_tokens == 0:
+        return Recommendation(
+            multiple_of,
+            "the dataset holds no tokens; any max_length keeps everything.",
+            None,
+            1.0,
+            0.0,
+            share,
+        )
+    need = math.ceil(Fraction(str(share)) * profile.count)
+    longest_needed = int(np.sort(profile.lengths)[need - 1])
+    m = max(1, -(-longest_needed // multiple_of)) * multiple_of
+    cut = profile.num_truncated(m)
+    kept_share = profile.tokens_kept(m) / profile.total_tokens
+    reason = (
+        f"max_length={m} is the smallest multiple of {multiple_of} that holds at least {share:.1%} of the "
+        f"sequences whole: {profile.count - cut:,} of {profile.count:,} fit ({(profile.count - cut) / profile.count:.2%})."
+    )
+    if cut:
+        reason += (
+            f" bfd_split cuts the other {cut:,} into max_length chunks and keeps every token; bfd would keep "
+            f"{kept_share:.2%} of the tokens (the longest sequence has {profile.max:,})."
+        )
+    else:
+        reason += " Every sequence fits, so bfd and bfd_split are identical."
+    return Recommendation(m, reason, None, kept_share, cut / profile.count, share)
 
 
 # -- reading lengths from sources --------------------------------------------------------------------
