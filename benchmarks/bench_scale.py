@@ -70,24 +70,12 @@ def make_tokenized(folder: str, rows: int, scale: float, seed: int = 0) -> list[
 
 def make_raw(folder: str, rows: int) -> tuple[list[str], str]:
     import pyarrow as pa
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from bench_pipeline import build_tokenizer  # the same local byte-level BPE (vocab 8000)
 
     from packtools.pipeline.demo import stdlib_definitions
 
     pieces = [t.decode("utf-8", errors="replace") for t in stdlib_definitions()]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=8000,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(pieces[::10], trainer)
-    tok_dir = os.path.join(folder, "tokenizer")
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(tok_dir)
+    tok_dir = build_tokenizer(pieces[::10], os.path.join(folder, "tokenizer"))
     texts = [pieces[i % len(pieces)] for i in range(rows)]
     return _split_write(pa.table({"text": texts}), folder), tok_dir
 
