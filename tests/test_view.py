@@ -325,3 +325,26 @@ def test_readme_view_block_runs():
     batches = list(scope["loader"])
     assert len(batches) == len(scope["sampler"]) > 1
     assert {b["input_ids"].shape[1] for b in batches} <= set(scope["sampler"].buckets)
+
+
+def test_view_batches_follow_the_collators_loss_mask_switch():
+    # Without a labels column the completion mask decides the labels, unless the collator turns it off;
+    # every way the view builds a batch must follow that switch, like PackedRows does.
+    table = token_table().drop_columns(["labels"])
+    view = packed_view(table, 64)
+    rows = PackedRows(view.materialize())
+    idx = [[0, 1, 2], [3, 4]]
+    for collator in (
+        PaddingFreeCollator(0, return_tensors="np"),
+        PaddingFreeCollator(0, return_tensors="np", completion_only_loss=False),
+    ):
+        expected = [ArrowCollator(rows, collator)(i) for i in idx]
+        for got, want in zip(view.iter_batches(idx, collator), expected):
+            assert_batches_equal(got, want)
+        for i, want in zip(idx, expected):
+            assert_batches_equal(ArrowCollator(view, collator)(i), want)
+    masked = ArrowCollator(view, PaddingFreeCollator(0, return_tensors="np"))(idx[0])["labels"]
+    plain = ArrowCollator(view, PaddingFreeCollator(0, return_tensors="np", completion_only_loss=False))(
+        idx[0]
+    )
+    assert (masked == -100).sum() > (plain["labels"] == -100).sum()  # the switch changes something here

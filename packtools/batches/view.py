@@ -308,7 +308,7 @@ class PackedView:
     ) -> Iterator[dict[str, Any]]:
         """Batches for each list of indices from ``batch_sampler``, without a torch ``DataLoader``."""
         for indices in batch_sampler:
-            yield collator.collate_flat(self.gather(indices))
+            yield collator.collate_flat(self.gather(indices, collator.mask_keys))
 
     def materialize(self) -> pa.Table:
         """Every packed row, written out: equal to ``pack_table`` with the same arguments."""
