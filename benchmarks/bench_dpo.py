@@ -6,8 +6,10 @@ Usage:
 
 Part 1 (training step): synthetic preference pairs with lognormal prompt and completion lengths (completions
 up to 8x their median), a tiny random Llama on the CPU, TRL's ``DPOTrainer`` (fp32, separate reference model)
-as it is and the same trainer after ``packtools.prepare_dpo_trainer``.  Both run ``training_step`` (forward
-and backward of policy and reference) on the *same* micro-batches of pairs, interleaved, after a warm-up.
+as it is, the same trainer after ``packtools.prepare_dpo_trainer`` ("packtools": its per-sequence ``sdpa``),
+and after ``prepare_dpo_trainer(..., segmented_sdpa=False)`` ("block mask": transformers' ``sdpa`` with the
+block-diagonal mask over the whole row).  All run ``training_step`` (forward and backward of policy and
+reference) on the *same* micro-batches of pairs, interleaved, after a warm-up.
 Reported per step: tokens run through the model vs real tokens (a hook on the backbone counts them), the
 median step time, and the activation memory autograd keeps for the backward (sum of the saved tensors'
 sizes, a deterministic stand-in for the peak memory of a step).  Ratios are packtools / TRL.
@@ -138,9 +140,14 @@ def bench_training(args):
     pairs = text_pairs(args.pairs)
     with tempfile.TemporaryDirectory() as out:
         padded = build_trainer(pairs, args.pairs_per_step, out, args.hidden)
-        ours = prepare_dpo_trainer(build_trainer(pairs, args.pairs_per_step, out, args.hidden))
-        counters = {"TRL padded": TokenCounter(padded.model), "packtools": TokenCounter(ours.model)}
-        trainers = {"TRL padded": padded, "packtools": ours}
+        trainers = {
+            "TRL padded": padded,
+            "packtools": prepare_dpo_trainer(build_trainer(pairs, args.pairs_per_step, out, args.hidden)),
+            "block mask": prepare_dpo_trainer(
+                build_trainer(pairs, args.pairs_per_step, out, args.hidden), segmented_sdpa=False
+            ),
+        }
+        counters = {name: TokenCounter(t.model) for name, t in trainers.items()}
         data = padded.train_dataset
         batches = [
             padded.data_collator(
@@ -185,11 +192,12 @@ def bench_training(args):
     print(f"{'':12s} {'tokens/step':>12s} {'x real':>7s} {'step s':>8s} {'saved MB':>9s}")
     for name, tokens, ratio, sec, mb in rows:
         print(f"{name:12s} {tokens:12.0f} {ratio:7.3f} {sec:8.3f} {mb:9.1f}")
-    (_, _, r_trl, t_trl, m_trl), (_, _, r_ours, t_ours, m_ours) = rows
-    print(
-        f"packtools / TRL: tokens {r_ours / r_trl:.3f}x, step time {t_ours / t_trl:.3f}x, saved memory "
-        f"{m_ours / m_trl:.3f}x"
-    )
+    (_, _, r_trl, t_trl, m_trl), *ours = rows
+    for name, _, r_ours, t_ours, m_ours in ours:
+        print(
+            f"{name} / TRL: tokens {r_ours / r_trl:.3f}x, step time {t_ours / t_trl:.3f}x, saved memory "
+            f"{m_ours / m_trl:.3f}x"
+        )
     return rows
 
 

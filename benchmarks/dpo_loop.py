@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     import torch
     from torch.utils.data import DataLoader
 
-    from packtools import PreferenceCollator, pack_preference
+    from packtools import PreferenceCollator, pack_preference, use_segmented_sdpa
 
     # --- the README example ------------------------------------------------------------------------------
     pairs = synthetic_pairs(args.pairs, args.max_length)  # prompt_ids, chosen_ids, rejected_ids
@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         packed, batch_size=args.rows_per_batch, shuffle=True, collate_fn=PreferenceCollator(pad_token_id=0)
     )
     model = tiny_llama()
+    use_segmented_sdpa(model)  # sdpa models: attention per sequence, not over the whole packed row
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = train_dpo(

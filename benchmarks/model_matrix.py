@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/model_matrix.py                 # every architecture x sdpa, eager, flex_attention
+    python benchmarks/model_matrix.py                 # every architecture x sdpa, eager, flex_attention, packtools_sdpa
     python benchmarks/model_matrix.py --write docs/models.md
     python benchmarks/model_matrix.py --archs llama gpt2 --backends sdpa
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-BACKENDS = ("sdpa", "eager", "flex_attention")
+BACKENDS = ("sdpa", "eager", "flex_attention", "packtools_sdpa")
 VOCAB = 101
 SMALL = dict(
     vocab_size=VOCAB,
@@ -171,6 +171,10 @@ def build(arch: Arch, backend: str, seed: int = 0) -> Any:
     if arch.config == "GPT2Config":
         base = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2}
     config = config_cls(**{**base, **arch.kwargs})
+    if backend == "packtools_sdpa":
+        from packtools.integrations.segmented import register
+
+        register()
     config._attn_implementation = backend
     torch.manual_seed(seed)
     model = getattr(transformers, arch.model)(config).float()
@@ -287,6 +291,10 @@ def markdown(cells: list[Cell], archs: list[Arch]) -> str:
         "- **refused**: packtools raises `PackingError` before training (in `prepare_trainer` or "
         "`check_isolation`), naming the fix.",
         "- **n/a**: transformers itself does not offer this backend for this architecture.",
+        "- `packtools_sdpa` is packtools' per-sequence sdpa, which `prepare_trainer` and `prepare_dpo_trainer` "
+        "switch `sdpa` models to: on a padding-free row with `cu_seq_lens` each sequence runs on its own "
+        "(attention cost sum(L_i^2) instead of (sum L_i)^2) with the diagonal blocks of sdpa's mask; on a batch "
+        "with `position_ids` only it is transformers' sdpa, hence *needs* `position_ids`.",
         "",
         "| architecture | what it tests | backend | result | needs | max diff | detail |",
         "|---|---|---|---|---|---|---|",
@@ -325,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--archs", nargs="*", help="architecture names (default: all)")
     parser.add_argument(
-        "--backends", nargs="*", help="default: sdpa, eager, flex_attention (+ flash_attention_2 on GPU)"
+        "--backends",
+        nargs="*",
+        help="default: sdpa, eager, flex_attention, packtools_sdpa (+ flash_attention_2 on GPU)",
     )
     parser.add_argument("--write", type=Path, help="write the markdown table to this file")
     args = parser.parse_args(argv)

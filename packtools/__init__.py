@@ -26,6 +26,7 @@ _LAZY = {
     "PreferenceCollator": "packtools.batches.preference",
     "sequence_logps": "packtools.batches.logps",
     "prepare_dpo_trainer": "packtools.integrations.trl",
+    "use_segmented_sdpa": "packtools.integrations.transformers",
 }
 
 
@@ -66,6 +67,7 @@ __all__ = [
     "truncate_dataset",
     "truncate_table",
     "unpack",
+    "use_segmented_sdpa",
     "varlen_attention",
     "warmup",
 ]

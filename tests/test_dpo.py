@@ -155,6 +155,7 @@ class ShapeRecorder:
 
 CASES = {
     "sigmoid-sdpa": dict(),
+    "sigmoid-sdpa-block-mask": dict(segmented_sdpa=False),
     "sigmoid-eager": dict(impl="eager"),
     "precompute_ref_log_probs": dict(ref=False, precompute_ref_log_probs=True),
     "lora": dict(ref=False, lora=True),
@@ -170,8 +171,14 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_unpacked_micro_batch_equals_trl_padded(tmp_path, case):
-    padded = build(tmp_path, **CASES[case])
-    prepared = prepare_dpo_trainer(build(tmp_path, **CASES[case]))
+    config = dict(CASES[case])
+    segmented = config.pop("segmented_sdpa", True)
+    padded = build(tmp_path, **config)
+    prepared = prepare_dpo_trainer(build(tmp_path, **config), segmented_sdpa=segmented)
+    impl = prepared.model.config._attn_implementation
+    assert impl == (
+        "packtools_sdpa" if segmented and config.get("impl", "sdpa") == "sdpa" else config.get("impl", "sdpa")
+    )
     recorder = ShapeRecorder(prepared.model)
     batch = padded.data_collator([padded.train_dataset[i] for i in range(4)])
     assert_same(loss_metrics_grads(padded, batch), loss_metrics_grads(prepared, batch))
@@ -350,9 +357,8 @@ def test_bench_dpo_runs_the_same_pairs_and_packtools_sees_only_real_tokens(capsy
     rows, (seconds, report) = bench.main(
         ["--pairs", "16", "--pairs-per-step", "4", "--steps", "2", "--hidden", "64", "--pack-pairs", "3000"]
     )
-    (trl_name, _, trl_ratio, *_), (name, _, ratio, *_) = rows
-    assert (trl_name, name) == ("TRL padded", "packtools")
-    assert ratio == 1.0 and trl_ratio > 1.0
+    assert [r[0] for r in rows] == ["TRL padded", "packtools", "block mask"]
+    assert rows[0][2] > 1.0 and rows[1][2] == rows[2][2] == 1.0
     assert report.pairs_out == 3000 and report.rows >= report.lower_bound
 
 
@@ -379,6 +385,10 @@ def test_prepare_dpo_trainer_runs_the_isolation_probe(tmp_path):
     trainer.ref_model = tiny_arch("Falcon-H1", "sdpa")
     with pytest.raises(PackingError, match="FalconH1ForCausalLM with attn_implementation='sdpa' cannot keep"):
         prepare_dpo_trainer(trainer)
+    # A refused trainer is left as it came: no model stays on packtools' per-sequence sdpa.
+    assert (
+        trainer.model.config._attn_implementation == trainer.ref_model.config._attn_implementation == "sdpa"
+    )
     trainer = build(tmp_path)
     trainer.ref_model = tiny_arch("Falcon-H1", "sdpa")
     # Without the probe the next check speaks: this ref model was not built by DPOTrainer (no fused head).

@@ -84,7 +84,9 @@ def test_loop_matches_pairs_one_sequence_at_a_time(accumulation):
     assert len(sizes) > 1  # micro-batches with different numbers of pairs
     reference = copy.deepcopy(start)
     reference_training(reference, ref_model, recorder.batches, accumulation)
-    assert max_diff(params(model), params(reference)) < 1e-5
+    # Several SGD steps (lr 0.1) of float32 rounding: up to ~1.3e-5 on some CPUs. The per-micro-batch mean
+    # (test_mean_per_micro_batch_is_caught) is off by ~1.8e-2.
+    assert max_diff(params(model), params(reference)) < 1e-4
     assert max_diff(params(model), params(start)) > 1e-3
 
 

@@ -16,6 +16,10 @@ and this module closes exactly those gaps, nothing more:
   non-flash backend (which ignores them); several packed rows without ``cu_seq_lens_*`` on a flash backend
   (transformers infers segments from ``position_ids`` only for one row).  Backends that cannot isolate
   packed sequences (paged attention, custom kernels) are refused up front.
+* **Attention cost.** Under a block-diagonal mask a padding-free row of ``N`` tokens costs ``N²`` per
+  attention layer.  :func:`prepare_trainer` switches ``sdpa`` models to packtools' per-sequence ``sdpa``
+  (:mod:`packtools.integrations.segmented`, :func:`use_segmented_sdpa`), which costs ``sum(L_i²)`` like
+  FlashAttention varlen and gives the same result; ``segmented_sdpa=False`` keeps transformers' ``sdpa``.
 * **Loss denominator.** ``Trainer`` prefetches the ``gradient_accumulation_steps`` batches of an optimizer
   step, counts ``labels[..., 1:] != -100`` over all of them (``num_items_in_batch``) and passes that count
   to the model, whose causal-LM loss is then ``sum of token losses / count`` -- the token-weighted mean over
@@ -34,16 +38,17 @@ from __future__ import annotations
 import copy
 import inspect
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._optional import require
 from ..constants import IGNORE_INDEX, PACKED_COLUMNS
 from ..errors import PackingError
+from .segmented import SEGMENTED_SDPA, register
 
 #: Dataset columns the collator reads that a model's ``forward`` does not name.
 #: Backends that build a block-diagonal mask from ``position_ids`` (with no ``attention_mask``, no cache).
-MASK_BACKENDS = ("sdpa", "eager", "flex_attention")
+MASK_BACKENDS = ("sdpa", "eager", "flex_attention", SEGMENTED_SDPA)
 VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _HOOK_ATTR = "_packtools_guard"
 
@@ -130,6 +135,30 @@ def check_attention_implementation(model: Any) -> str:
                 f"cannot separate packed sequences. Use attn_implementation='flash_attention_2', or do not pack."
             )
     return impl
+
+
+def use_segmented_sdpa(model: Any) -> bool:
+    """Switch a text model from ``sdpa`` to packtools' per-sequence ``sdpa``; returns whether it switched.
+
+    Padding-free rows then cost ``sum(L_i²)`` per attention layer instead of ``(sum L_i)²``, with the same
+    result (see :mod:`packtools.integrations.segmented`).  Other backends, composite (multimodal) configs and
+    models without ``set_attn_implementation`` are left as they are.  ``model.set_attn_implementation("sdpa")``
+    switches back; the name is not saved with the config.
+    """
+    base = _base_model(model)
+    config = getattr(base, "config", None)
+    if attention_implementation(model) != "sdpa" or not hasattr(base, "set_attn_implementation"):
+        return False
+    if getattr(config, "sub_configs", None):
+        return False
+    base.set_attn_implementation(register())
+    return True
+
+
+def switch_back(models: Sequence[Any]) -> None:
+    """Undo :func:`use_segmented_sdpa` on ``models``."""
+    for model in models:
+        _base_model(model).set_attn_implementation("sdpa")
 
 
 _MIXER_NAMES = ("Mamba", "DeltaNet", "LinearAttention", "ShortConv", "SSM", "RWKV", "Recurrent")
@@ -354,8 +383,12 @@ def _probe_collator(collator: Any) -> Any:
     return inner if inner.return_tensors == "pt" else inner.replace(return_tensors="pt")
 
 
-def run_probe(trainer: Any, *extra_models: Any) -> None:
-    """Run :func:`packtools.check_isolation` on the trainer's model (and ``extra_models``) unless sharded."""
+def run_probe(trainer: Any, *extra_models: Any, switched: Sequence[Any] = ()) -> None:
+    """Run :func:`packtools.check_isolation` on the trainer's model (and ``extra_models``) unless sharded.
+
+    ``switched`` are the models :func:`use_segmented_sdpa` switched: if the probe fails, they go back to
+    ``sdpa`` and are probed again, so the error names either the model's own leak or packtools' backend.
+    """
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
         warnings.warn(
             "prepare_trainer: the isolation probe was skipped because the model is sharded (DeepSpeed/FSDP) "
@@ -367,12 +400,27 @@ def run_probe(trainer: Any, *extra_models: Any) -> None:
     from .isolation import check_isolation
 
     collator = _probe_collator(trainer.data_collator)
-    for model in (trainer.model, *extra_models):
-        if model is not None:
-            check_isolation(model, collator)
+
+    def probe() -> None:
+        for model in (trainer.model, *extra_models):
+            if model is not None:
+                check_isolation(model, collator)
+
+    try:
+        probe()
+    except PackingError:
+        if not switched:
+            raise
+        switch_back(switched)
+        probe()  # leaks with plain sdpa too: this error names the cause
+        raise PackingError(
+            f"packtools' per-sequence sdpa ({SEGMENTED_SDPA!r}) let packed sequences of "
+            f"{type(_base_model(switched[0])).__name__} leak while its own 'sdpa' keeps them apart; the models "
+            f"were switched back to 'sdpa'. Pass segmented_sdpa=False, and please report the model."
+        ) from None
 
 
-def prepare_trainer(trainer: Any, *, check_isolation: bool = True) -> Any:
+def prepare_trainer(trainer: Any, *, check_isolation: bool = True, segmented_sdpa: bool = True) -> Any:
     """Make a ``transformers.Trainer`` (or TRL ``SFTTrainer``) train correctly on packed padding-free batches.
 
     Call it once, after building the trainer and before ``train()``::
@@ -392,7 +440,12 @@ def prepare_trainer(trainer: Any, *, check_isolation: bool = True) -> Any:
     few short sequences through the model, packed as the collator packs them and alone, under
     ``no_grad`` (well under a second for small models; a few forward passes of ~24 tokens for large ones),
     and raises :class:`~packtools.errors.PackingError` if packed sequences leak into each other.
-    ``check_isolation=False`` skips it.  Returns the trainer.
+    ``check_isolation=False`` skips it.
+
+    With ``segmented_sdpa=True`` (the default) an ``sdpa`` model is switched to packtools' per-sequence
+    ``sdpa`` (:func:`use_segmented_sdpa`): a padding-free row's attention then costs ``sum(L_i²)`` like
+    FlashAttention varlen instead of ``(sum L_i)²`` under the block-diagonal mask, with the same result
+    (the probe runs on it).  Returns the trainer.
     """
     require("transformers", "packtools.integrations.transformers.prepare_trainer")
     check_attention_implementation(trainer.model)
@@ -414,8 +467,13 @@ def prepare_trainer(trainer: Any, *, check_isolation: bool = True) -> Any:
         )
     trainer.data_collator = adapt_collator(trainer.data_collator, trainer.model)
     guard_model(trainer.model)
+    switched = [trainer.model] if segmented_sdpa and use_segmented_sdpa(trainer.model) else []
     if check_isolation:
-        run_probe(trainer)
+        try:
+            run_probe(trainer, switched=switched)
+        except BaseException:
+            switch_back(switched)
+            raise
     return trainer
 
 

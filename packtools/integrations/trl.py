@@ -45,6 +45,8 @@ from .transformers import (
     check_forward_inputs,
     guard_model,
     run_probe,
+    switch_back,
+    use_segmented_sdpa,
 )
 
 _WRAPPED = "_packtools_padding_free"
@@ -142,16 +144,21 @@ def _padding_free_forward(model: Any, inner: Any) -> Any:
     return forward
 
 
-def install_padding_free_forward(model: Any) -> None:
-    """Wrap the fused-LM-head forward that TRL put on ``model`` (once) so it runs one padding-free row."""
+def _check_fused_head(model: Any) -> None:
     base = _base_model(model)
-    if vars(base).get(_WRAPPED):
-        return
     if "forward" not in vars(base):
         raise PackingError(
             f"{type(base).__name__} has no fused LM head: build the DPOTrainer first (it adds one), then call "
             f"packtools.prepare_dpo_trainer(trainer)."
         )
+
+
+def install_padding_free_forward(model: Any) -> None:
+    """Wrap the fused-LM-head forward that TRL put on ``model`` (once) so it runs one padding-free row."""
+    base = _base_model(model)
+    if vars(base).get(_WRAPPED):
+        return
+    _check_fused_head(model)
     inner = base.forward
     base.forward = types.MethodType(_padding_free_forward(base, inner), base)
     object.__setattr__(base, _WRAPPED, True)
@@ -247,7 +254,9 @@ def _use_packed_dataset(trainer: Any, dataset: Any) -> None:
         trainer._signature_columns = kept + [c for c in (*PAIR_ROW_COLUMNS, *pair_columns) if c not in kept]
 
 
-def prepare_dpo_trainer(trainer: Any, train_dataset: Any = None, *, check_isolation: bool = True) -> Any:
+def prepare_dpo_trainer(
+    trainer: Any, train_dataset: Any = None, *, check_isolation: bool = True, segmented_sdpa: bool = True
+) -> Any:
     """Make a TRL ``DPOTrainer`` run without padding, with TRL's own loss code; returns the trainer.
 
     Build the trainer as usual (any dataset TRL takes), then call this before ``train()``.  Without
@@ -265,19 +274,30 @@ def prepare_dpo_trainer(trainer: Any, train_dataset: Any = None, *, check_isolat
     With ``check_isolation=True`` (the default) the policy and the reference model first go through
     :func:`packtools.check_isolation` (tiny inputs, no gradients): a model whose packed sequences leak is
     refused before training; ``check_isolation=False`` skips it.
+
+    With ``segmented_sdpa=True`` (the default) ``sdpa`` models are switched to packtools' per-sequence
+    ``sdpa`` (:func:`~packtools.integrations.transformers.use_segmented_sdpa`): the flat row's attention then
+    costs ``sum(L_i²)`` like FlashAttention varlen, not ``(sum L_i)²`` under a block-diagonal mask, with the
+    same result.  FlashAttention and ``eager`` models are left as they are.
     """
     require("trl", "packtools.prepare_dpo_trainer")
     _check_trainer(trainer)
     if vars(trainer).get(_PATCHED):
         raise PackingError("prepare_dpo_trainer was already called on this trainer.")
-    check_attention_implementation(trainer.model)
-    if trainer.ref_model is not None:
-        check_attention_implementation(trainer.ref_model)
-    if check_isolation:
-        run_probe(trainer, trainer.ref_model)
-    install_padding_free_forward(trainer.model)
-    if trainer.ref_model is not None:
-        install_padding_free_forward(trainer.ref_model)
+    models = [m for m in (trainer.model, trainer.ref_model) if m is not None]
+    for model in models:
+        check_attention_implementation(model)
+    switched = [m for m in models if segmented_sdpa and use_segmented_sdpa(m)]
+    try:
+        if check_isolation:
+            run_probe(trainer, trainer.ref_model, switched=switched)
+        for model in models:
+            _check_fused_head(model)
+    except BaseException:
+        switch_back(switched)  # a refused trainer is left as it came
+        raise
+    for model in models:
+        install_padding_free_forward(model)
     guard_model(trainer.model)
     if trainer.ref_model is not None:
         guard_model(trainer.ref_model)

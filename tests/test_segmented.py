@@ -1,0 +1,191 @@
+"""packtools' per-sequence sdpa (``packtools_sdpa``) equals transformers' sdpa with the block-diagonal mask.
+
+Forward and backward, on a flat padding-free row with a one-token sequence, with grouped-query attention,
+with a sliding window (the diagonal blocks of the mask are used, not a plain causal triangle), and through
+transformers' own sdpa on every call that is not one padding-free row.  Negative controls: a boundary off by
+one and a backend that ignores the boundaries both change the result, and prepare_dpo_trainer refuses the
+latter, naming it.
+"""
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from packtools import PaddingFreeCollator, check_isolation  # noqa: E402
+from packtools.errors import PackingError  # noqa: E402
+from packtools.integrations import segmented  # noqa: E402
+from packtools.integrations.transformers import use_segmented_sdpa  # noqa: E402
+
+LENGTHS = [5, 1, 9, 3, 12]
+VOCAB = 61
+
+
+def tiny(kind="llama", impl="sdpa", seed=0, **extra):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        attn_implementation=impl,
+        **extra,
+    )
+    if kind == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=4, **common)).float()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).float()
+
+
+def flat_batch(lengths=LENGTHS, seed=0, shift=0):
+    """One padding-free row; ``shift`` moves the third boundary of cu_seq_lens (a negative control)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (1, sum(lengths)), generator=g)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    if shift:
+        cu = cu.clone()
+        cu[3] += shift
+    longest = max(lengths)
+    return dict(
+        input_ids=ids,
+        position_ids=positions,
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=longest,
+        max_length_k=longest,
+        use_cache=False,
+    )
+
+
+def logits_and_grads(model, batch):
+    model.zero_grad()
+    out = model(**batch).logits
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return out.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def same_model_two_backends(kind, batch):
+    model = tiny(kind)
+    block_mask = logits_and_grads(model, batch)
+    model.set_attn_implementation(segmented.register())
+    calls = []
+    real = segmented._segments_apply
+
+    def spy(*args):
+        calls.append(real(*args))
+        return calls[-1]
+
+    segmented._segments_apply = spy
+    try:
+        ours = logits_and_grads(model, batch)
+    finally:
+        segmented._segments_apply = real
+    return block_mask, ours, calls
+
+
+def worst(a, b):
+    (la, ga), (lb, gb) = a, b
+    assert ga.keys() == gb.keys() and ga
+    return max(float((la - lb).abs().max()), max(float((ga[k] - gb[k]).abs().max()) for k in ga))
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_equals_sdpa_with_the_block_diagonal_mask_forward_and_backward(kind):
+    block_mask, ours, calls = same_model_two_backends(kind, flat_batch())
+    assert calls and all(bounds is not None for bounds in calls)  # every layer ran per sequence
+    assert worst(block_mask, ours) < 1e-5
+
+
+def test_sliding_window_is_kept():
+    """Mistral's window of 4 tokens matters here: dropping it (a plain causal block) would change the logits."""
+    batch = flat_batch()
+    windowed = tiny("mistral")
+    windowed.set_attn_implementation(segmented.register())
+    unwindowed = tiny("mistral")
+    unwindowed.config.sliding_window = None
+    unwindowed.set_attn_implementation(segmented.register())
+    a, b = windowed(**batch).logits, unwindowed(**batch).logits
+    assert float((a - b).abs().max()) > 1e-3
+    assert (
+        worst(same_model_two_backends("mistral", batch)[0], same_model_two_backends("mistral", batch)[1])
+        < 1e-5
+    )
+
+
+def test_each_sequence_equals_it_alone():
+    model = tiny()
+    model.set_attn_implementation(segmented.register())
+    report = check_isolation(model, PaddingFreeCollator(0), lengths=(5, 2, 9, 3), backward=True)
+    assert not report.leaks and report.max_diff < 1e-5 and report.grad_diff < 1e-5
+
+
+def test_boundary_off_by_one_changes_the_result():
+    """Negative control: the per-sequence runs follow cu_seq_lens, so a wrong boundary shows."""
+    model = tiny()
+    model.set_attn_implementation(segmented.register())
+    right = model(**flat_batch()).logits
+    wrong = model(**flat_batch(shift=-1)).logits  # the 9-token sequence loses its last token's keys
+    assert float((right - wrong).abs().max()) > 1e-3
+
+
+def test_other_calls_go_to_transformers_sdpa_unchanged():
+    """Padded batches with an attention_mask, rows without cu_seq_lens, several rows: plain sdpa, bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, VOCAB, (2, 7), generator=g)
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])
+    sdpa = tiny()
+    ours = tiny()
+    ours.set_attn_implementation(segmented.register())
+    for kwargs in (dict(input_ids=ids, attention_mask=mask), dict(input_ids=ids[:1])):
+        assert torch.equal(sdpa(**kwargs).logits, ours(**kwargs).logits)
+    batch = flat_batch()
+    del batch["cu_seq_lens_q"], batch["cu_seq_lens_k"], batch["max_length_q"], batch["max_length_k"]
+    assert torch.equal(sdpa(**batch).logits, ours(**batch).logits)  # position_ids alone: sdpa's mask
+
+
+def test_generation_with_a_cache_is_unchanged():
+    sdpa, ours = tiny(), tiny()
+    ours.set_attn_implementation(segmented.register())
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(sdpa.generate(prompt, **kwargs), ours.generate(prompt, **kwargs))
+
+
+def test_use_segmented_sdpa_switches_only_sdpa_and_is_not_saved(tmp_path):
+    eager = tiny(impl="eager")
+    assert not use_segmented_sdpa(eager) and eager.config._attn_implementation == "eager"
+    model = tiny()
+    assert use_segmented_sdpa(model) and model.config._attn_implementation == "packtools_sdpa"
+    assert not use_segmented_sdpa(model)  # already switched
+    model.config.save_pretrained(tmp_path)
+    assert "packtools_sdpa" not in json.dumps(json.loads((tmp_path / "config.json").read_text()))
+
+
+def test_prepare_dpo_trainer_refuses_a_per_sequence_backend_that_leaks(monkeypatch, tmp_path):
+    """If packtools_sdpa leaked where sdpa does not, prepare_dpo_trainer says so and switches the models back."""
+    pytest.importorskip("trl")
+    from test_dpo import build
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from packtools import prepare_dpo_trainer
+
+    def whole_row(module, query, key, value, attention_mask, **kwargs):  # ignores mask and boundaries
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+    segmented.register()
+    monkeypatch.setitem(AttentionInterface._global_mapping, segmented.SEGMENTED_SDPA, whole_row)
+    trainer = build(tmp_path)
+    with pytest.raises(PackingError, match="per-sequence sdpa .'packtools_sdpa'. let packed sequences"):
+        prepare_dpo_trainer(trainer)
+    assert (
+        trainer.model.config._attn_implementation == trainer.ref_model.config._attn_implementation == "sdpa"
+    )
+    monkeypatch.undo()
+    prepare_dpo_trainer(trainer, segmented_sdpa=False)  # the model itself is fine with sdpa
