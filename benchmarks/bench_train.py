@@ -14,21 +14,24 @@ All cases train the same randomly initialized 2-layer Llama (sdpa attention, fp3
 * ``packed``: ``pack_dataset(..., "bfd")`` rows of ``--max-length`` tokens, ``--rows-per-batch`` per batch,
   flattened by ``PaddingFreeCollator`` into one padding-free row with ``cu_seq_lens``;
 * ``packed-2d``: the same packed rows and batches, ``PaddingFreeCollator(padding_free=False)``: ``[B, T]``
-  rows (padded to the longest row), positions restarting per sequence, no attention mask.
+  rows (padded to the longest row), positions restarting per sequence, no attention mask;
+* ``packed-seq``: ``packed`` with the model switched to packtools' per-sequence sdpa
+  (``packtools.use_segmented_sdpa``, what ``prepare_trainer`` does): each sequence of the flat row is
+  attended on its own, ``sum(l_i^2)`` like FlashAttention varlen.
 
 Each case is warmed up for a few steps on a throwaway model first; the cases then alternate for
 ``--repeats`` epochs each (every epoch from the same initial weights and batch order) and the fastest epoch
 of each case is kept (wall and process CPU time separately), which damps the noise of a shared machine.
 Printed: optimizer steps, real tokens, tokens processed (padding included), padding share, wall and CPU
 seconds, real tokens/s (wall), the speed-up over ``padded`` by wall and by CPU time, and the mean loss of
-the last 5 steps (a sanity check: ``packed`` and ``packed-2d`` train on the same batches and must agree;
-``padded`` batches differ).
+the last 5 steps (a sanity check: the packed cases train on the same batches and must agree; ``padded``
+batches differ).
 
-On the CPU, sdpa computes the full ``T x T`` scores of a packed row under a block-diagonal mask, so the
-packed cases pay attention for ``T^2`` where FlashAttention varlen on a GPU pays ``sum(l_i^2)``; in a model
-this small attention costs as much as the linear layers at T = 1024, so the flat ``packed`` case (T = 2 x
-max_length) pays twice the attention of ``packed-2d``.  The gain measured here comes from not computing
-padding in the linear layers, and likely understates the GPU gain (not measured here).
+transformers' sdpa computes the full ``T x T`` scores of a packed row under a block-diagonal mask, so
+``packed`` and ``packed-2d`` pay attention for ``T^2`` where FlashAttention varlen on a GPU pays
+``sum(l_i^2)``; in a model this small attention costs as much as the linear layers at T = 1024, so the flat
+``packed`` case (T = 2 x max_length) pays twice the attention of ``packed-2d``.  ``packed-seq`` pays
+``sum(l_i^2)`` on the CPU too.
 ``--threads`` defaults to 1: on a machine shared with other jobs, multi-threaded kernels wait for their
 slowest thread and the timings of every case become several times slower and much noisier.
 """
@@ -59,11 +62,20 @@ class Counting:
         return batch
 
 
-def warm_up(dataset, batch_size, collator, args, steps: int = 3) -> None:
+def model_for(name, args, seed):
+    from packtools import use_segmented_sdpa
+
+    model = tiny_llama(hidden_size=args.hidden, seed=seed)
+    if name == "packed-seq":
+        assert use_segmented_sdpa(model)
+    return model
+
+
+def warm_up(name, dataset, batch_size, collator, args, steps: int = 3) -> None:
     import torch
     from torch.utils.data import DataLoader
 
-    model = tiny_llama(hidden_size=args.hidden, seed=1)
+    model = model_for(name, args, seed=1)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=collator)
     train(model, loader, torch.optim.AdamW(model.parameters(), lr=1e-3), max_steps=steps)
 
@@ -76,7 +88,7 @@ def run(name, dataset, batch_size, collator, args) -> dict:
     counter = Counting(collator)
     gen = torch.Generator().manual_seed(0)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=gen, collate_fn=counter)
-    model = tiny_llama(hidden_size=args.hidden, seed=0)
+    model = model_for(name, args, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     start, cpu_start = time.perf_counter(), time.process_time()
     losses = train(model, loader, optimizer)
@@ -115,9 +127,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ("padded", dataset, args.batch_size, PaddingFreeCollator(0, padding_free=False, unpacked=True)),
         ("packed", packed, args.rows_per_batch, PaddingFreeCollator(0)),
         ("packed-2d", packed, args.rows_per_batch, PaddingFreeCollator(0, padding_free=False)),
+        ("packed-seq", packed, args.rows_per_batch, PaddingFreeCollator(0)),
     ]
-    for _, data, batch_size, collator in cases:
-        warm_up(data, batch_size, collator, args)
+    for name, data, batch_size, collator in cases:
+        warm_up(name, data, batch_size, collator, args)
     best: dict[str, dict] = {}
     for _ in range(args.repeats):
         for name, data, batch_size, collator in cases:
@@ -134,16 +147,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"max_length {args.max_length}, torch threads {torch.get_num_threads()}, best of {args.repeats} epochs"
     )
     head = (
-        f"{'case':<9} {'batch':>11} {'steps':>6} {'real tokens':>12} {'processed':>10} {'padding':>8} "
+        f"{'case':<10} {'batch':>11} {'steps':>6} {'real tokens':>12} {'processed':>10} {'padding':>8} "
         f"{'wall s':>7} {'cpu s':>7} {'real tok/s':>11} {'speed-up':>9} {'(cpu)':>7} {'loss (last 5)':>14}"
     )
     print(head)
     base = results[0]
-    sizes = (f"{args.batch_size} seqs", f"{args.rows_per_batch} rows", f"{args.rows_per_batch} rows")
+    sizes = (f"{args.batch_size} seqs", *[f"{args.rows_per_batch} rows"] * 3)
     for r, batch in zip(results, sizes):
         pad = 1 - r["real"] / r["processed"]
         print(
-            f"{r['case']:<9} {batch:>11} {r['steps']:>6} {r['real']:>12,} {r['processed']:>10,} {pad:>8.1%} "
+            f"{r['case']:<10} {batch:>11} {r['steps']:>6} {r['real']:>12,} {r['processed']:>10,} {pad:>8.1%} "
             f"{r['seconds']:>7.1f} {r['cpu']:>7.1f} {r['real'] / r['seconds']:>11,.0f} "
             f"{base['seconds'] / r['seconds']:>8.2f}x {base['cpu'] / r['cpu']:>6.2f}x {r['last_loss']:>14.3f}"
         )

@@ -72,7 +72,9 @@ def train_args(tmp_path, cls=None, **overrides):
     return cls(**kwargs)
 
 
-def run_trainer(tmp_path, model, *, prepare=True, loss_kwargs=None, collator=None, **overrides):
+def run_trainer(
+    tmp_path, model, *, prepare=True, loss_kwargs=None, collator=None, segmented_sdpa=True, **overrides
+):
     """Train with transformers.Trainer; return the trained and the reference parameters."""
     reference = copy.deepcopy(model)
     recorder = Recorder(collator or PaddingFreeCollator(PAD))
@@ -83,14 +85,19 @@ def run_trainer(tmp_path, model, *, prepare=True, loss_kwargs=None, collator=Non
     if loss_kwargs is not None:
         trainer.model_accepts_loss_kwargs = loss_kwargs
     if prepare:
-        prepare_trainer(trainer)
+        prepare_trainer(trainer, segmented_sdpa=segmented_sdpa)
     trainer.train()
     reference_training(reference, recorder.batches, args.gradient_accumulation_steps, LR)
     return trainer, recorder, params(model), params(reference)
 
 
-def test_trainer_with_accumulation_matches_one_by_one(tmp_path):
-    trainer, recorder, trained, reference = run_trainer(tmp_path, tiny_llama("sdpa"))
+@pytest.mark.parametrize("segmented", [True, False])
+def test_trainer_with_accumulation_matches_one_by_one(tmp_path, segmented):
+    trainer, recorder, trained, reference = run_trainer(
+        tmp_path, tiny_llama("sdpa"), segmented_sdpa=segmented
+    )
+    # prepare_trainer switches sdpa to packtools' per-sequence sdpa unless told not to.
+    assert trainer.model.config._attn_implementation == ("packtools_sdpa" if segmented else "sdpa")
     assert len(recorder.batches) >= 4 and all("seq_lengths" in row for b in recorder.batches for row in b)
     assert max_diff(trained, reference) < TOL
     assert max_diff(trained, params(tiny_llama("sdpa"))) > 1e-2  # training moved the weights
@@ -374,8 +381,10 @@ def test_prepare_trainer_runs_the_isolation_probe(tmp_path):
             data_collator=PaddingFreeCollator(0),
         )
 
+    model = tiny_arch("Falcon-H1", "sdpa")
     with pytest.raises(PackingError, match="FalconH1ForCausalLM with attn_implementation='sdpa' cannot keep"):
-        prepare_trainer(trainer_for(tiny_arch("Falcon-H1", "sdpa")))
+        prepare_trainer(trainer_for(model))
+    assert model.config._attn_implementation == "sdpa"  # a refused model is left on its own backend
     trainer = prepare_trainer(trainer_for(tiny_arch("Falcon-H1", "sdpa")), check_isolation=False)
     assert trainer.args.remove_unused_columns  # prepared (columns kept) without the probe
 

@@ -56,9 +56,14 @@ def test_bench_train_cases_see_the_same_tokens_and_packed_layouts_agree(capsys):
     spec = importlib.util.spec_from_file_location("bench_train", SCRIPT.parent / "bench_train.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    padded, flat, two_d = bench.main(["--sequences", "40", "--max-length", "128", "--repeats", "1"])
-    assert padded["real"] == flat["real"] == two_d["real"] == flat["processed"]
+    padded, flat, two_d, per_seq = bench.main(["--sequences", "40", "--max-length", "128", "--repeats", "1"])
+    assert padded["real"] == flat["real"] == two_d["real"] == per_seq["real"] == flat["processed"]
     assert padded["processed"] > padded["real"]
-    # Flat padding-free and [B, T] packed batches train identically (same rows, same order, same math).
-    assert flat["steps"] == two_d["steps"] and abs(flat["last_loss"] - two_d["last_loss"]) < 1e-4
-    assert "packed-2d" in capsys.readouterr().out
+    # Flat padding-free and [B, T] packed batches, and the flat row under packtools' per-sequence sdpa, train
+    # identically (same rows, same order, same math).
+    assert flat["steps"] == two_d["steps"] == per_seq["steps"]
+    assert (
+        abs(flat["last_loss"] - two_d["last_loss"]) < 1e-4
+        and abs(flat["last_loss"] - per_seq["last_loss"]) < 1e-4
+    )
+    assert "packed-seq" in capsys.readouterr().out
