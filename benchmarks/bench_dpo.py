@@ -2,7 +2,7 @@
 
 Usage:
     python benchmarks/bench_dpo.py [--pairs 256] [--pairs-per-step 8] [--steps 12] [--hidden 256]
-                                   [--pack-pairs 1000000] [--skip-training]
+                                   [--pack-pairs 1000000] [--skip-training] [--peak-rss]
 
 Part 1 (training step): synthetic preference pairs with lognormal prompt and completion lengths (completions
 up to 8x their median), a tiny random Llama on the CPU, TRL's ``DPOTrainer`` (fp32, separate reference model)
@@ -12,7 +12,9 @@ block-diagonal mask over the whole row).  All run ``training_step`` (forward and
 reference) on the *same* micro-batches of pairs, interleaved, after a warm-up.
 Reported per step: tokens run through the model vs real tokens (a hook on the backbone counts them), the
 median step time, and the activation memory autograd keeps for the backward (sum of the saved tensors'
-sizes, a deterministic stand-in for the peak memory of a step).  Ratios are packtools / TRL.
+sizes, a deterministic stand-in for the peak memory of a step).  Ratios are packtools / TRL.  ``--peak-rss``
+also runs each variant alone in a fresh process and reports the peak resident memory its steps add (the
+kernel's high-water mark, reset before the first step; Linux).
 
 Part 2 (packing): ``pack_preference`` on ``--pack-pairs`` pairs (same length distribution, max_length 4096):
 seconds (after a warm-up call that compiles the kernels) and rows vs the lower bound ceil(tokens / max_length).
@@ -129,24 +131,86 @@ def saved_bytes(step):
     return total[0]
 
 
+#: The trainers compared: TRL as it is, prepared (per-sequence sdpa), prepared with sdpa's block-diagonal mask.
+VARIANTS = {"TRL padded": None, "packtools": True, "block mask": False}
+
+
+def make_trainer(name, pairs, args, out):
+    from packtools import prepare_dpo_trainer
+
+    trainer = build_trainer(pairs, args.pairs_per_step, out, args.hidden)
+    segmented = VARIANTS[name]
+    return trainer if segmented is None else prepare_dpo_trainer(trainer, segmented_sdpa=segmented)
+
+
+def _status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def step_peak_rss(args):
+    """In this (fresh) process: the peak resident memory the training steps of one variant add, in MiB.
+
+    The trainer is built and the batches collated first; then the kernel's high-water mark is reset
+    (``/proc/self/clear_refs``, Linux) and the steps run; the result is ``VmHWM`` after minus ``VmRSS`` before.
+    """
+    import tempfile
+
+    pairs = text_pairs(args.pairs)
+    with tempfile.TemporaryDirectory() as out:
+        t = make_trainer(args.peak_of, pairs, args, out)
+        data = t.train_dataset
+        n = args.pairs_per_step
+        batches = [
+            t.data_collator([data[i] for i in range(s * n, (s + 1) * n)])
+            for s in range(min(args.steps, len(data) // n))
+        ]
+        t.current_gradient_accumulation_steps = 1
+        t.model.train()
+        before = _status_kib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current resident size
+        for batch in batches:
+            t.training_step(t.model, dict(batch))
+            t.model.zero_grad()
+        return (_status_kib("VmHWM") - before) / 1024
+
+
+def bench_peak_rss(args):
+    """Each variant in a fresh process (the allocator keeps freed memory, so variants must not share one)."""
+    import subprocess
+    import sys
+
+    peaks = {}
+    for name in VARIANTS:
+        command = [sys.executable, __file__, "--peak-of", name, "--pack-pairs", "0"]
+        for flag in ("pairs", "pairs_per_step", "steps", "hidden"):
+            command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        peaks[name] = float(done.stdout.strip().splitlines()[-1].split()[-1])
+    print(f"peak resident memory added by {args.steps} training steps (fresh process each, MiB):")
+    for name, mib in peaks.items():
+        print(
+            f"{name:12s} {mib:9.1f}"
+            + ("" if name == "TRL padded" else f"  {mib / peaks['TRL padded']:.3f}x TRL")
+        )
+    return peaks
+
+
 def bench_training(args):
     import tempfile
 
     import torch
 
-    from packtools import prepare_dpo_trainer
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     pairs = text_pairs(args.pairs)
     with tempfile.TemporaryDirectory() as out:
-        padded = build_trainer(pairs, args.pairs_per_step, out, args.hidden)
-        trainers = {
-            "TRL padded": padded,
-            "packtools": prepare_dpo_trainer(build_trainer(pairs, args.pairs_per_step, out, args.hidden)),
-            "block mask": prepare_dpo_trainer(
-                build_trainer(pairs, args.pairs_per_step, out, args.hidden), segmented_sdpa=False
-            ),
-        }
+        trainers = {name: make_trainer(name, pairs, args, out) for name in VARIANTS}
+        padded = trainers["TRL padded"]
         counters = {name: TokenCounter(t.model) for name, t in trainers.items()}
         data = padded.train_dataset
         batches = [
@@ -240,14 +304,22 @@ def main(argv=None):
     parser.add_argument("--max-length", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=256, help="hidden size of the tiny Llama (MLP 4x)")
     parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument(
+        "--peak-rss", action="store_true", help="also measure each variant's peak resident memory (Linux)"
+    )
+    parser.add_argument("--peak-of", choices=list(VARIANTS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ.setdefault("TQDM_DISABLE", "1")
     import logging
 
     logging.disable(logging.WARNING)
+    if args.peak_of:
+        print(f"peak_rss_mib {step_peak_rss(args):.1f}")
+        return None, None, None
     rows = None if args.skip_training else bench_training(args)
+    peaks = bench_peak_rss(args) if args.peak_rss else None
     packing = bench_packing(args) if args.pack_pairs else None
-    return rows, packing
+    return rows, packing, peaks
 
 
 if __name__ == "__main__":

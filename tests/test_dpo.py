@@ -354,9 +354,13 @@ def test_bench_dpo_runs_the_same_pairs_and_packtools_sees_only_real_tokens(capsy
     spec = importlib.util.spec_from_file_location("bench_dpo", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    rows, (seconds, report) = bench.main(
+    rows, (seconds, report), peaks = bench.main(
         ["--pairs", "16", "--pairs-per-step", "4", "--steps", "2", "--hidden", "64", "--pack-pairs", "3000"]
+        + ["--peak-rss"]
     )
+    # Each variant ran its steps in its own process and reported the resident memory they added.
+    assert list(peaks) == ["TRL padded", "packtools", "block mask"]
+    assert all(0 <= mib < 4096 for mib in peaks.values())
     assert [r[0] for r in rows] == ["TRL padded", "packtools", "block mask"]
     assert rows[0][2] > 1.0 and rows[1][2] == rows[2][2] == 1.0
     assert report.pairs_out == 3000 and report.rows >= report.lower_bound
