@@ -205,7 +205,6 @@ def bench_training(args):
 
     import torch
 
-
     torch.set_num_threads(max(1, torch.get_num_threads()))
     pairs = text_pairs(args.pairs)
     with tempfile.TemporaryDirectory() as out:
