@@ -207,3 +207,12 @@ def test_position_ids_that_count_up_do_not_look_packed():
     assert out[0]["position_ids"] == [0, 1, 2, 0, 1] and out[0]["seq_lengths"] == [3, 2]
     with pytest.raises(packtools.PackingError, match="position_ids' restart"):
         packtools.pack_dataset(out.remove_columns("seq_lengths"), 8)  # the silent re-pack of issue 11
+
+
+def test_pack_dataset_refuses_padded_rows():
+    """The common slip: tokenizer(..., padding="max_length") before packing. Refused, naming the row."""
+    ds = datasets.Dataset.from_dict(
+        {"input_ids": [[5, 6, 7], [8, 0, 0]], "attention_mask": [[1, 1, 1], [1, 0, 0]]}
+    )
+    with pytest.raises(packtools.PackingError, match="first in row 1, position 1"):
+        packtools.pack_dataset(ds, 8)

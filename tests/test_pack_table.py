@@ -234,3 +234,19 @@ def test_unpack_without_plan_handles_empty_rows():
     assert packtools.unpack(table).to_pydict() == {"input_ids": [[1, 2], [3]]}
     table = pa.table({"input_ids": [[1, 2], [3], []], "seq_lengths": [[2], [1], []]})
     assert packtools.unpack(table).to_pydict() == {"input_ids": [[1, 2], [3]]}
+
+
+def test_padded_attention_mask_is_refused_with_its_row():
+    """An attention_mask with 0s means padded rows: packing them would keep the pads as tokens, silently."""
+    t = pa.table(
+        {"input_ids": [[1, 2], [3, 4, 5], [6, 0, 0]], "attention_mask": [[1, 1], [1, 1, 1], [1, 0, 0]]}
+    )
+    with pytest.raises(
+        packtools.PackingError, match=r"'attention_mask' has 0s \(first in row 2, position 1\)"
+    ):
+        packtools.pack_table(t, 4)
+    chunked = pa.Table.from_batches(t.to_batches(max_chunksize=1))  # the row is found across chunks
+    with pytest.raises(packtools.PackingError, match="first in row 2, position 1"):
+        packtools.pack_table(chunked, 4)
+    ones = t.slice(0, 2)
+    assert packtools.pack_table(ones, 8).to_pydict()["attention_mask"] == [[1, 1, 1, 1, 1]]

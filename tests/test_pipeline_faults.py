@@ -173,3 +173,19 @@ def test_a_real_read_only_folder(tmp_path, capsys):
     with mounted(tmp_path / "ro", "ro,size=64k") as ro:
         err = fails(["pack", src, "--out", str(ro / "out"), "--max-length", "256"], capsys)
         assert "cannot write in" in err and "(--out)" in err
+
+
+def test_padded_rows_are_refused_not_packed(tmp_path, capsys):
+    """Tokenized rows padded to a fixed length (attention_mask 0s): packing would keep the pads as tokens."""
+    src = str(tmp_path / "padded.parquet")
+    pq.write_table(
+        pa.table({"input_ids": [[5, 6, 0, 0], [7, 8, 9, 0]], "attention_mask": [[1, 1, 0, 0], [1, 1, 1, 0]]}),
+        src,
+    )
+    err = fails(["pack", src, "--out", str(tmp_path / "out"), "--max-length", "8"], capsys)
+    assert "'attention_mask' has 0s (first in row 0, position 2)" in err and "padding" in err
+    assert sorted(os.listdir(tmp_path)) == ["padded.parquet"]
+    # The same rows without their padding pack, the all-ones mask with them.
+    ok = str(tmp_path / "stripped.parquet")
+    pq.write_table(pa.table({"input_ids": [[5, 6], [7, 8, 9]], "attention_mask": [[1, 1], [1, 1, 1]]}), ok)
+    assert main(["pack", ok, "--out", str(tmp_path / "out"), "--max-length", "8"]) == 0

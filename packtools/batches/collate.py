@@ -68,16 +68,17 @@ def _check_attention_mask(row: Mapping[str, Any], i: int, packed: bool) -> None:
     mask = row.get("attention_mask")
     if mask is None:
         return
+    if not np.all(np.asarray(mask) != 0):
+        raise PackingError(
+            f"row {i}: 'attention_mask' has 0s, so the row holds padding; padding-free batches cannot drop it "
+            f"for you. Strip the padding from the rows (tokenize without padding=...); dropping the column "
+            f"alone would keep the pad tokens as data."
+        )
     if packed:
         raise PackingError(
             f"row {i} has an 'attention_mask' beside 'seq_lengths': a packed row's mask cannot mark where its "
             f"sequences end, and a model given one attends across them. Drop the column "
             f"(ds.remove_columns('attention_mask')); PaddingFreeCollator separates sequences by itself."
-        )
-    if not np.all(np.asarray(mask) != 0):
-        raise PackingError(
-            f"row {i}: 'attention_mask' has 0s, so the row holds padding; padding-free batches cannot drop it "
-            f"for you. Strip the padding from the rows (tokenize without padding=...) or drop the column."
         )
 
 

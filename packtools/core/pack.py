@@ -102,7 +102,39 @@ def read_columns(
             param="columns",
         )
     cols = [read_list_column(table.column(n), n) for n in names]
-    return cols, check_aligned(cols)
+    lengths = check_aligned(cols)
+    if unpacked:
+        check_no_padding(cols)
+    return cols, lengths
+
+
+def check_no_padding(cols: Sequence[ListColumn]) -> None:
+    """Refuse an ``attention_mask`` column with 0s: the rows hold padding, which packing would keep as tokens.
+
+    >>> import pyarrow as pa
+    >>> from packtools.core.arrow import read_list_column
+    >>> mask = pa.array([[1, 1], [1, 1, 0]])
+    >>> check_no_padding([read_list_column(mask, "attention_mask")])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: column 'attention_mask' has 0s (first in row 1, position 2): the rows hold padding...
+    """
+    for col in cols:
+        if col.name != "attention_mask":
+            continue
+        for chunk in col.chunks:
+            values = chunk.values[chunk.offsets[0] : chunk.offsets[-1]]
+            zeros = np.flatnonzero(values == 0)
+            if zeros.size:
+                at = int(zeros[0]) + int(chunk.offsets[0])
+                row = int(np.searchsorted(chunk.offsets, at, side="right")) - 1
+                raise PackingError(
+                    f"column 'attention_mask' has 0s (first in row {chunk.row_start + row}, position "
+                    f"{at - int(chunk.offsets[row])}): the rows hold padding, which packing would keep as tokens "
+                    f"of the packed rows (attended to, and trained on unless labels are -100 there). Tokenize "
+                    f"without padding=..., or strip the padded positions from every column first. An all-ones "
+                    f"attention_mask packs as is, and can be dropped: PaddingFreeCollator needs none."
+                )
 
 
 Segments = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
