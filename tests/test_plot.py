@@ -152,6 +152,9 @@ def test_write_report_is_self_contained(profile, tmp_path):
         assert base64.b64decode(img).startswith(b"\x89PNG")
     assert "http" not in doc.replace("http-equiv", "")  # nothing fetched from elsewhere
     assert oct(path.stat().st_mode & 0o044) != "0o0"  # readable by others, unlike a bare mkstemp file
+    split = write_report(profile, tmp_path / "split.html", keep_sequences=0.95)  # the bfd_split rule
+    assert split == profile.recommend(keep_sequences=0.95) and split.keep_sequences == 0.95
+    assert html.escape(split.reason) in (tmp_path / "split.html").read_text(encoding="utf-8")
 
 
 def test_missing_matplotlib_names_the_extra(monkeypatch, profile):

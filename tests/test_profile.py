@@ -351,6 +351,20 @@ def test_cli_profile_file(tmp_path, rng, capsys):
     assert p.recommend().reason in out
 
 
+def test_cli_profile_keep_sequences(tmp_path, capsys):
+    """--keep-sequences: the bfd_split rule, where one huge sequence would make the token rule useless."""
+    lengths = [50] * 95 + [200] * 4 + [100_000]
+    pq.write_table(list_table(lengths), tmp_path / "d.parquet")
+    assert main(["profile", str(tmp_path / "d.parquet"), "--keep-sequences", "0.99"]) == 0
+    out = capsys.readouterr().out
+    rec = LengthProfile(lengths).recommend(keep_sequences=0.99)
+    assert rec.max_length == 256 and f"recommended: {rec.reason}" in out
+    with pytest.raises(SystemExit):  # one rule at a time
+        main(["profile", str(tmp_path / "d.parquet"), "--keep-sequences", "0.99", "--keep-tokens", "0.9"])
+    assert main(["profile", str(tmp_path / "d.parquet"), "--keep-sequences", "1.5"]) == 1
+    assert "keep_sequences" in capsys.readouterr().err
+
+
 def test_cli_profile_errors(tmp_path, capsys):
     assert main(["profile", str(tmp_path / "nope.parquet")]) == 1
     assert "does not exist" in capsys.readouterr().err

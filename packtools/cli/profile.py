@@ -45,11 +45,18 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-size", type=int, default=8, help="batch size of the padded-batches column (default 8)"
     )
-    p.add_argument(
+    keep = p.add_mutually_exclusive_group()
+    keep.add_argument(
         "--keep-tokens",
         type=float,
         default=0.99,
         help="share of tokens bfd must keep at the recommended max_length (default 0.99)",
+    )
+    keep.add_argument(
+        "--keep-sequences",
+        type=float,
+        help="recommend for bfd_split instead: the share of sequences the recommended max_length holds whole "
+        "(bfd_split keeps every token and cuts only the longer ones), e.g. 0.99",
     )
     p.add_argument(
         "--multiple-of", type=int, default=64, help="the recommended max_length is a multiple of this"
@@ -73,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_length is not None and args.max_length < 1:
         raise PackingError(f"--max-length must be >= 1, got {args.max_length}.")
     profile = load_profile(args)
-    rec = profile.recommend(keep_tokens=args.keep_tokens, multiple_of=args.multiple_of)
+    rec = profile.recommend(
+        keep_tokens=args.keep_tokens, multiple_of=args.multiple_of, keep_sequences=args.keep_sequences
+    )
     chosen = args.max_length if args.max_length is not None else rec.max_length
     candidates = sorted(set(args.candidates or profile.default_candidates()) | {chosen})
     table = profile.tradeoffs(candidates, batch_size=args.batch_size)
@@ -104,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             keep_tokens=args.keep_tokens,
             multiple_of=args.multiple_of,
+            keep_sequences=args.keep_sequences,
         )
         print(f"wrote report to {args.html}")
     return 0

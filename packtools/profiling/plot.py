@@ -269,14 +269,16 @@ def write_report(
     batch_size: int = 8,
     keep_tokens: float = 0.99,
     multiple_of: int = 64,
+    keep_sequences: float | None = None,
 ) -> Recommendation:
     """Write one self-contained HTML file: statistics, recommendation, both plots (inline PNG) and the table.
 
     Without ``max_length`` the recommended one is marked; either way it joins the candidates of the table.
+    The recommendation follows :meth:`LengthProfile.recommend` (``keep_sequences`` for ``bfd_split``).
     Written atomically; returns the recommendation.
     """
     figure = require("matplotlib.figure", FEATURE)
-    rec = profile.recommend(keep_tokens=keep_tokens, multiple_of=multiple_of)
+    rec = profile.recommend(keep_tokens=keep_tokens, multiple_of=multiple_of, keep_sequences=keep_sequences)
     chosen = rec.max_length if max_length is None else max_length
     cands = set(profile.default_candidates() if candidates is None else candidates) | {chosen}
     table = profile.tradeoffs(sorted(cands), batch_size=batch_size)
