@@ -348,3 +348,27 @@ def test_view_batches_follow_the_collators_loss_mask_switch():
         idx[0]
     )
     assert (masked == -100).sum() > (plain["labels"] == -100).sum()  # the switch changes something here
+
+
+def test_warmup_compiles_the_view_and_plan_check_kernels():
+    """After packtools.warmup() a packed view's first gather compiles nothing new (fresh process)."""
+    import subprocess
+    import sys
+
+    code = """
+import pyarrow as pa, packtools
+from packtools.core import kernels
+packtools.warmup()
+names = ("view_segments", "gather_scattered", "plan_violation")
+before = {k: set(getattr(kernels, k).signatures) for k in names}
+t = pa.table({"input_ids": pa.array([[1, 2, 3], [4, 5], [6]], pa.list_(pa.int32())),
+              "labels": pa.array([[1, 2, 3], [4, 5], [6]], pa.list_(pa.int64()))})
+view = packtools.packed_view(t, 4)
+view.gather([0, 1]); view[0]
+after = {k: set(getattr(kernels, k).signatures) for k in names}
+assert all(before[k] for k in names), before
+assert after == before, {k: after[k] - before[k] for k in names}
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

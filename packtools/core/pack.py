@@ -388,3 +388,13 @@ def warmup() -> None:
     table = pa.table({"input_ids": pa.array([[1, 2, 3], [], [4]], pa.list_(pa.int32()))})
     for strategy in STRATEGIES:
         pack_table(table, 2, strategy)
+    # The plan check and the packed-view kernels, with the argument types their callers pass.
+    p = make_plan(np.array([3, 0, 1], np.int64), 2, "bfd_split")
+    kernels.plan_violation(p.seg_source, p.seg_start, p.seg_length, p.row_offsets, p.source_lengths, 2)
+    one = np.zeros(1, np.int64)
+    rows = np.array([0], np.int64)
+    kernels.view_segments(
+        rows, p.row_offsets, p.seg_source, p.seg_start, p.seg_length, False, one, one, one, one, one, 1
+    )
+    for source, out in ((np.int32, np.int32), (np.int32, np.int64), (np.int64, np.int64)):
+        kernels.gather_scattered(np.ones(4, source), one, one + 1, one, np.empty(1, out))
