@@ -163,6 +163,17 @@ def test_use_segmented_sdpa_switches_only_sdpa_and_is_not_saved(tmp_path):
     model = tiny()
     assert use_segmented_sdpa(model) and model.config._attn_implementation == "packtools_sdpa"
     assert not use_segmented_sdpa(model)  # already switched
+    falcon = transformers.FalconForCausalLM(
+        transformers.FalconConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            attn_implementation="sdpa",
+        )
+    )
+    assert not use_segmented_sdpa(falcon)  # its attention ignores transformers' interface: it stays on sdpa
+    assert falcon.config._attn_implementation == "sdpa"
     model.config.save_pretrained(tmp_path)
     assert "packtools_sdpa" not in json.dumps(json.loads((tmp_path / "config.json").read_text()))
 
@@ -189,3 +200,32 @@ def test_prepare_dpo_trainer_refuses_a_per_sequence_backend_that_leaks(monkeypat
     )
     monkeypatch.undo()
     prepare_dpo_trainer(trainer, segmented_sdpa=False)  # the model itself is fine with sdpa
+
+
+def test_boundaries_changed_in_place_are_followed():
+    """The per-forward cache of cu_seq_lens is keyed on the tensor's version: an in-place change is seen."""
+    model = tiny()
+    model.set_attn_implementation(segmented.register())
+    batch = flat_batch()
+    first = model(**batch).logits
+    moved = flat_batch(shift=-1)
+    batch["cu_seq_lens_q"].copy_(moved["cu_seq_lens_q"])  # the same tensor object, new boundaries
+    batch["cu_seq_lens_k"] = batch["cu_seq_lens_q"]
+    again = model(**batch).logits
+    fresh = model(**moved).logits
+    assert torch.equal(again, fresh) and float((again - first).abs().max()) > 1e-3
+
+
+def test_inference_mode_and_masks_not_kept_alive():
+    import gc
+
+    model = tiny("mistral")  # sliding window: the masks' blocks are checked and their kinds cached
+    model.set_attn_implementation(segmented.register())
+    batch = flat_batch()
+    with torch.inference_mode():  # inference tensors have no version counter: nothing cached, still exact
+        inferred = model(**batch).logits
+    with torch.no_grad():
+        plain = model(**batch).logits
+    assert torch.equal(inferred, plain)
+    gc.collect()
+    assert segmented._BLOCK_KINDS and all(entry[0]() is None for entry in segmented._BLOCK_KINDS.values())

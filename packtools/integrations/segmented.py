@@ -13,6 +13,9 @@ on a GPU without flash-attn, this backend gets the same order:
   so sliding windows and any other rule of the model's mask are kept, and nothing crosses a boundary;
 * every other call (padded batches, generation with a cache, ``position_bias``, ``softcap``) goes to
   transformers' ``sdpa`` unchanged.
+* the boundaries are read back to the host once per forward and which blocks are plain causal once per
+  mask (both cached on the tensors' identity and in-place version counter, so a tensor changed in place is
+  read again; masks are held weakly).
 
 The result equals ``sdpa`` with the block-diagonal mask up to float rounding (tested against it, and against
 each sequence run alone, forward and backward).
@@ -20,28 +23,67 @@ each sequence run alone, forward and backward).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from .._optional import require
 
 #: The attention implementation name registered with transformers.
 SEGMENTED_SDPA = "packtools_sdpa"
-_CAUSAL: dict[tuple[int, Any], Any] = {}
-#: The last boundaries read back to the host: every layer of a forward gets the same tensor (one sync).
-_LAST: list[Any] = [None, None]
+#: The last boundaries read back to the host, keyed by the tensors *and* their version counters (an in-place
+#: change bumps it): every layer of a forward gets the same tensors, so a forward syncs once.  One tuple,
+#: replaced whole, so a thread never pairs one call's key with another call's boundaries.
+_LAST_BOUNDS: tuple[Any, ...] = ()
+#: Per mask (weakly held, same key scheme): which diagonal blocks are the plain causal triangle.  Layers of one
+#: type share one mask object; a few types (full, sliding, chunked) are kept.
+_BLOCK_KINDS: dict[int, tuple[Any, ...]] = {}
 
 
-def _causal(length: int, device: Any) -> Any:
-    """The ``[length, length]`` lower triangle (cached: rows of a batch repeat lengths)."""
+def _version(tensor: Any) -> int | None:
+    """The tensor's in-place version counter; ``None`` for inference-mode tensors (which have none: no cache)."""
+    try:
+        return int(tensor._version)
+    except RuntimeError:
+        return None
+
+
+def _boundaries(cu_q: Any, cu_k: Any) -> list[int] | None:
+    """``cu_seq_lens`` as a host list (cached per forward), or ``None`` if they are not one row's boundaries."""
+    global _LAST_BOUNDS
+    vq, vk = _version(cu_q), _version(cu_k)
+    last = _LAST_BOUNDS
+    if vq is not None and vk is not None and last and last[0] is cu_q and last[2] is cu_k:
+        if (last[1], last[3]) == (vq, vk):
+            return last[4]
+    bounds = cu_q.tolist()
+    if cu_k is not cu_q and cu_k.tolist() != bounds:
+        bounds = None
+    elif not bounds or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
+        bounds = None  # not boundaries: transformers' sdpa with the mask from position_ids
+    _LAST_BOUNDS = (cu_q, vq, cu_k, vk, bounds)
+    return bounds
+
+
+def _causal_blocks(mask: Any, bounds: list[int]) -> list[bool]:
+    """For each sequence, whether its diagonal block of ``mask`` is exactly the causal triangle (one sync)."""
     torch = require("torch", "packtools segmented sdpa")
-    key = (length, device)
-    mask = _CAUSAL.get(key)
-    if mask is None:
-        if len(_CAUSAL) > 256:
-            _CAUSAL.clear()
-        mask = torch.ones(length, length, dtype=torch.bool, device=device).tril_()
-        _CAUSAL[key] = mask
-    return mask
+    if mask.dtype != torch.bool or mask.shape[:2] != (1, 1):
+        return [False] * (len(bounds) - 1)
+    version = _version(mask)
+    entry = _BLOCK_KINDS.get(id(mask))
+    if version is not None and entry is not None and entry[0]() is mask and entry[1:3] == (version, bounds):
+        return entry[3]
+    differs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        block = mask[0, 0, start:end, start:end]
+        triangle = torch.ones(end - start, end - start, dtype=torch.bool, device=mask.device).tril_()
+        differs.append((block != triangle).any())
+    kinds = [not d for d in torch.stack(differs).tolist()] if differs else []
+    if version is not None:
+        if len(_BLOCK_KINDS) >= 4:
+            _BLOCK_KINDS.clear()
+        _BLOCK_KINDS[id(mask)] = (weakref.ref(mask), version, list(bounds), kinds)
+    return kinds
 
 
 def _segments_apply(kwargs: dict[str, Any], query: Any, key: Any) -> list[int] | None:
@@ -49,20 +91,14 @@ def _segments_apply(kwargs: dict[str, Any], query: Any, key: Any) -> list[int] |
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None or cu_k is None or query.shape[0] != 1:
         return None
+    if not hasattr(cu_q, "tolist") or not hasattr(cu_k, "tolist") or getattr(cu_q, "ndim", 0) != 1:
+        return None
     if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
         return None
     if kwargs.get("output_attentions", False) or kwargs.get("s_aux") is not None:
         return None
-    if _LAST[0] is cu_q:
-        bounds = _LAST[1]
-    else:
-        bounds = cu_q.tolist()
-        if not bounds or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
-            bounds = None  # not boundaries: transformers' sdpa with the mask from position_ids
-        _LAST[:] = [cu_q, bounds]
-    if bounds is None or (cu_k is not cu_q and cu_k.tolist() != bounds):
-        return None
-    if bounds[-1] != query.shape[2] or key.shape[2] != query.shape[2]:
+    bounds = _boundaries(cu_q, cu_k)
+    if bounds is None or bounds[-1] != query.shape[2] or key.shape[2] != query.shape[2]:
         return None
     return bounds
 
@@ -109,18 +145,19 @@ def segmented_sdpa_forward(
         key = repeat_kv(key, groups)
         value = repeat_kv(value, groups)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    plain = None if attention_mask is None else _causal_blocks(attention_mask, bounds)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         if end == start:
             continue
         q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
-        block, use_causal = None, causal
-        if attention_mask is not None:
+        if plain is None:
+            block, use_causal = None, causal
+        elif plain[i]:
+            block, use_causal = None, True
+        else:
             block, use_causal = attention_mask[:, :, start:end, start:end], False
-            if block.dtype == torch.bool and block.shape[:2] == (1, 1):
-                if torch.equal(block[0, 0], _causal(end - start, block.device)):
-                    block, use_causal = None, True
         outs.append(sdpa(q, k, v, attn_mask=block, dropout_p=dropout, scale=scaling, is_causal=use_causal))
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return out.transpose(1, 2).contiguous(), None

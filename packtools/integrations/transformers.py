@@ -152,7 +152,7 @@ def use_segmented_sdpa(model: Any) -> bool:
     if getattr(config, "sub_configs", None):
         return False
     base.set_attn_implementation(register())
-    return True
+    return attention_implementation(model) == SEGMENTED_SDPA  # some models keep their own (e.g. Falcon)
 
 
 def switch_back(models: Sequence[Any]) -> None:
