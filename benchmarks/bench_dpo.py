@@ -143,6 +143,15 @@ def make_trainer(name, pairs, args, out):
     return trainer if segmented is None else prepare_dpo_trainer(trainer, segmented_sdpa=segmented)
 
 
+def step_batches(trainer, args):
+    """The micro-batches of the timed steps: ``--pairs-per-step`` consecutive pairs each, TRL's collator."""
+    data, n = trainer.train_dataset, args.pairs_per_step
+    return [
+        trainer.data_collator([data[i] for i in range(s * n, (s + 1) * n)])
+        for s in range(min(args.steps, len(data) // n))
+    ]
+
+
 def _status_kib(field):
     with open("/proc/self/status") as f:
         for line in f:
@@ -162,12 +171,7 @@ def step_peak_rss(args):
     pairs = text_pairs(args.pairs)
     with tempfile.TemporaryDirectory() as out:
         t = make_trainer(args.peak_of, pairs, args, out)
-        data = t.train_dataset
-        n = args.pairs_per_step
-        batches = [
-            t.data_collator([data[i] for i in range(s * n, (s + 1) * n)])
-            for s in range(min(args.steps, len(data) // n))
-        ]
+        batches = step_batches(t, args)
         t.current_gradient_accumulation_steps = 1
         t.model.train()
         before = _status_kib("VmRSS")
@@ -211,13 +215,7 @@ def bench_training(args):
         trainers = {name: make_trainer(name, pairs, args, out) for name in VARIANTS}
         padded = trainers["TRL padded"]
         counters = {name: TokenCounter(t.model) for name, t in trainers.items()}
-        data = padded.train_dataset
-        batches = [
-            padded.data_collator(
-                [data[i] for i in range(s * args.pairs_per_step, (s + 1) * args.pairs_per_step)]
-            )
-            for s in range(min(args.steps, len(data) // args.pairs_per_step))
-        ]
+        batches = step_batches(padded, args)
         real = [int(b["attention_mask"].sum()) for b in batches]
         for t in trainers.values():  # warm-up
             t.current_gradient_accumulation_steps = 1  # what Trainer sets before each optimizer step

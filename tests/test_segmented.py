@@ -10,6 +10,7 @@ latter, naming it.
 import json
 
 import pytest
+from _hf_models import tiny_arch
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -21,25 +22,6 @@ from packtools.integrations.transformers import use_segmented_sdpa  # noqa: E402
 
 LENGTHS = [5, 1, 9, 3, 12]
 VOCAB = 61
-
-
-def tiny(kind="llama", impl="sdpa", seed=0, **extra):
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        attn_implementation=impl,
-        **extra,
-    )
-    if kind == "mistral":
-        return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=4, **common)).float()
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).float()
 
 
 def flat_batch(lengths=LENGTHS, seed=0, shift=0):
@@ -71,7 +53,7 @@ def logits_and_grads(model, batch):
 
 
 def same_model_two_backends(kind, batch):
-    model = tiny(kind)
+    model = tiny_arch(kind)
     block_mask = logits_and_grads(model, batch)
     model.set_attn_implementation(segmented.register())
     calls = []
@@ -95,7 +77,7 @@ def worst(a, b):
     return max(float((la - lb).abs().max()), max(float((ga[k] - gb[k]).abs().max()) for k in ga))
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("kind", ["Llama", "Mistral"])
 def test_equals_sdpa_with_the_block_diagonal_mask_forward_and_backward(kind):
     block_mask, ours, calls = same_model_two_backends(kind, flat_batch())
     assert calls and all(bounds is not None for bounds in calls)  # every layer ran per sequence
@@ -105,21 +87,21 @@ def test_equals_sdpa_with_the_block_diagonal_mask_forward_and_backward(kind):
 def test_sliding_window_is_kept():
     """Mistral's window of 4 tokens matters here: dropping it (a plain causal block) would change the logits."""
     batch = flat_batch()
-    windowed = tiny("mistral")
+    windowed = tiny_arch("Mistral")
     windowed.set_attn_implementation(segmented.register())
-    unwindowed = tiny("mistral")
+    unwindowed = tiny_arch("Mistral")
     unwindowed.config.sliding_window = None
     unwindowed.set_attn_implementation(segmented.register())
     a, b = windowed(**batch).logits, unwindowed(**batch).logits
     assert float((a - b).abs().max()) > 1e-3
     assert (
-        worst(same_model_two_backends("mistral", batch)[0], same_model_two_backends("mistral", batch)[1])
+        worst(same_model_two_backends("Mistral", batch)[0], same_model_two_backends("Mistral", batch)[1])
         < 1e-5
     )
 
 
 def test_each_sequence_equals_it_alone():
-    model = tiny()
+    model = tiny_arch("Llama")
     model.set_attn_implementation(segmented.register())
     report = check_isolation(model, PaddingFreeCollator(0), lengths=(5, 2, 9, 3), backward=True)
     assert not report.leaks and report.max_diff < 1e-5 and report.grad_diff < 1e-5
@@ -127,7 +109,7 @@ def test_each_sequence_equals_it_alone():
 
 def test_boundary_off_by_one_changes_the_result():
     """Negative control: the per-sequence runs follow cu_seq_lens, so a wrong boundary shows."""
-    model = tiny()
+    model = tiny_arch("Llama")
     model.set_attn_implementation(segmented.register())
     right = model(**flat_batch()).logits
     wrong = model(**flat_batch(shift=-1)).logits  # the 9-token sequence loses its last token's keys
@@ -139,8 +121,8 @@ def test_other_calls_go_to_transformers_sdpa_unchanged():
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(2, VOCAB, (2, 7), generator=g)
     mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])
-    sdpa = tiny()
-    ours = tiny()
+    sdpa = tiny_arch("Llama")
+    ours = tiny_arch("Llama")
     ours.set_attn_implementation(segmented.register())
     for kwargs in (dict(input_ids=ids, attention_mask=mask), dict(input_ids=ids[:1])):
         assert torch.equal(sdpa(**kwargs).logits, ours(**kwargs).logits)
@@ -150,7 +132,7 @@ def test_other_calls_go_to_transformers_sdpa_unchanged():
 
 
 def test_generation_with_a_cache_is_unchanged():
-    sdpa, ours = tiny(), tiny()
+    sdpa, ours = tiny_arch("Llama"), tiny_arch("Llama")
     ours.set_attn_implementation(segmented.register())
     prompt = torch.tensor([[5, 6, 7, 8]])
     kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
@@ -158,9 +140,9 @@ def test_generation_with_a_cache_is_unchanged():
 
 
 def test_use_segmented_sdpa_switches_only_sdpa_and_is_not_saved(tmp_path):
-    eager = tiny(impl="eager")
+    eager = tiny_arch("Llama", "eager")
     assert not use_segmented_sdpa(eager) and eager.config._attn_implementation == "eager"
-    model = tiny()
+    model = tiny_arch("Llama")
     assert use_segmented_sdpa(model) and model.config._attn_implementation == "packtools_sdpa"
     assert not use_segmented_sdpa(model)  # already switched
     falcon = transformers.FalconForCausalLM(
@@ -204,7 +186,7 @@ def test_prepare_dpo_trainer_refuses_a_per_sequence_backend_that_leaks(monkeypat
 
 def test_boundaries_changed_in_place_are_followed():
     """The per-forward cache of cu_seq_lens is keyed on the tensor's version: an in-place change is seen."""
-    model = tiny()
+    model = tiny_arch("Llama")
     model.set_attn_implementation(segmented.register())
     batch = flat_batch()
     first = model(**batch).logits
@@ -219,7 +201,7 @@ def test_boundaries_changed_in_place_are_followed():
 def test_inference_mode_and_masks_not_kept_alive():
     import gc
 
-    model = tiny("mistral")  # sliding window: the masks' blocks are checked and their kinds cached
+    model = tiny_arch("Mistral")  # sliding window: the masks' blocks are checked and their kinds cached
     model.set_attn_implementation(segmented.register())
     batch = flat_batch()
     with torch.inference_mode():  # inference tensors have no version counter: nothing cached, still exact

@@ -35,10 +35,11 @@ TRL's ``SFTTrainer`` needs three settings for an already-packed dataset; :func:`
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from .._optional import require
@@ -159,6 +160,18 @@ def switch_back(models: Sequence[Any]) -> None:
     """Undo :func:`use_segmented_sdpa` on ``models``."""
     for model in models:
         _base_model(model).set_attn_implementation("sdpa")
+
+
+@contextlib.contextmanager
+def segmented_sdpa_until_checked(models: Sequence[Any], enabled: bool = True) -> Iterator[list[Any]]:
+    """Switch the ``sdpa`` models among ``models`` (:func:`use_segmented_sdpa`) and yield those switched; if
+    the block raises (a refused trainer), switch them back, so the caller's models are left as they came."""
+    switched = [m for m in models if m is not None and enabled and use_segmented_sdpa(m)]
+    try:
+        yield switched
+    except BaseException:
+        switch_back(switched)
+        raise
 
 
 _MIXER_NAMES = ("Mamba", "DeltaNet", "LinearAttention", "ShortConv", "SSM", "RWKV", "Recurrent")
@@ -467,13 +480,9 @@ def prepare_trainer(trainer: Any, *, check_isolation: bool = True, segmented_sdp
         )
     trainer.data_collator = adapt_collator(trainer.data_collator, trainer.model)
     guard_model(trainer.model)
-    switched = [trainer.model] if segmented_sdpa and use_segmented_sdpa(trainer.model) else []
-    if check_isolation:
-        try:
+    with segmented_sdpa_until_checked([trainer.model], segmented_sdpa) as switched:
+        if check_isolation:
             run_probe(trainer, switched=switched)
-        except BaseException:
-            switch_back(switched)
-            raise
     return trainer
 
 

@@ -45,8 +45,7 @@ from .transformers import (
     check_forward_inputs,
     guard_model,
     run_probe,
-    switch_back,
-    use_segmented_sdpa,
+    segmented_sdpa_until_checked,
 )
 
 _WRAPPED = "_packtools_padding_free"
@@ -287,15 +286,11 @@ def prepare_dpo_trainer(
     models = [m for m in (trainer.model, trainer.ref_model) if m is not None]
     for model in models:
         check_attention_implementation(model)
-    switched = [m for m in models if segmented_sdpa and use_segmented_sdpa(m)]
-    try:
+    with segmented_sdpa_until_checked(models, segmented_sdpa) as switched:
         if check_isolation:
             run_probe(trainer, trainer.ref_model, switched=switched)
         for model in models:
             _check_fused_head(model)
-    except BaseException:
-        switch_back(switched)  # a refused trainer is left as it came
-        raise
     for model in models:
         install_padding_free_forward(model)
     guard_model(trainer.model)
