@@ -1,7 +1,7 @@
 """Crash safety of ``packtools pack`` with real signals on a subprocess.
 
-The run is stopped at a chosen point through the engine's checkpoint hook (``PACKTOOLS_PAUSE_AT``): it waits
-there until it gets the signal.  After SIGKILL the output is absent (or the previous output whole), a rerun
+The run is stopped at a chosen point by a test-only wrapper (``tests/_paused_run.py``, an observer of the run's
+checkpoints; production code has no pause hook): it waits there until it gets the signal.  After SIGKILL the output is absent (or the previous output whole), a rerun
 removes what the dead run left, reuses its finished parts and writes the same bytes as a run never
 interrupted; SIGTERM / Ctrl-C clean up, print one line and exit 143 / 130; a second run into an ``--out`` that
 a live run holds refuses, naming its pid.
@@ -21,9 +21,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from packtools.pipeline.workspace import CHECKPOINTS_ENV, PAUSE_ENV
+from packtools.pipeline.workspace import MARKER
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAUSED = os.path.join(ROOT, "tests", "_paused_run.py")
 
 
 def digest(folder: str) -> dict[str, str]:
@@ -55,9 +56,10 @@ def data(tmp_path_factory):
 
 def start_paused(cmd: list[str], out: str, point: str, log: str) -> subprocess.Popen:
     """Start ``cmd --out out`` and return once it waits at checkpoint ``point``."""
+    assert cmd[1:3] == ["-m", "packtools.cli"]
     proc = subprocess.Popen(
-        [*cmd, "--out", out, "--quiet"],
-        env=env(**{CHECKPOINTS_ENV: log, PAUSE_ENV: point}),
+        [cmd[0], PAUSED, log, point, *cmd[3:], "--out", out, "--quiet"],
+        env=env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -134,7 +136,7 @@ def test_sigterm_and_ctrl_c_clean_up_with_one_line(data, tmp_path, sig, status, 
     assert err.count("\n") == 1 and "Traceback" not in err
     assert f"interrupted by {name}; no output was written; 4 finished part(s) kept" in err
     assert not os.path.exists(out) and not os.path.exists(str(tmp_path / ".out.packtools.lock"))
-    assert sorted(os.listdir(tmp_path / ".out.packtools")) == ["stage"]  # finished parts only
+    assert sorted(os.listdir(tmp_path / ".out.packtools")) == [MARKER, "stage"]  # finished parts only
     assert "4 reused" in rerun(cmd, out)
     assert digest(out) == want and sorted(os.listdir(tmp_path)) == ["log", "out"]
 
@@ -152,3 +154,64 @@ def test_a_second_run_into_a_held_out_refuses_naming_the_pid(data, tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     rerun(cmd, out)  # the lock of the dead run is taken over
+
+
+@pytest.mark.parametrize("replacing", [True, False])
+def test_sigkill_during_cleanup_after_install_is_tidied_by_the_cached_rerun(data, tmp_path, replacing):
+    """L1: killed after the new output was installed, while the old output / work folder is being removed: the
+    rerun is a cache hit, and still removes what the dead run left (the lock and the work folder)."""
+    cmd, want = data
+    out = str(tmp_path / "out")
+    if replacing:
+        subprocess.run(
+            [*cmd, "--out", out, "--shuffle", "--quiet"], env=env(), check=True, capture_output=True
+        )
+    proc = start_paused(cmd, out, "installed", str(tmp_path / "log"))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert digest(out) == want  # the new output is in place
+    left = sorted(os.listdir(tmp_path))
+    assert ".out.packtools" in left and ".out.packtools.lock" in left  # what the dead run left
+    if replacing:
+        assert os.path.isdir(tmp_path / ".out.packtools" / "old")
+    assert "cached" in rerun(cmd, out)
+    assert digest(out) == want
+    assert sorted(os.listdir(tmp_path)) == ["log", "out"]
+
+
+def _children(pid: int) -> set[int]:
+    kids = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as fh:
+            kids.update(int(k) for k in fh.read().split())
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the process tree from /proc")
+def test_pool_workers_die_with_a_sigkilled_driver(data, tmp_path):
+    """L3: the OOM killer's SIGKILL of the driver must not leave the pool's workers blocked forever (holding
+    the caller's pipes): they notice their parent is gone and exit."""
+    cmd, _ = data
+    out = str(tmp_path / "out")
+    proc = start_paused([*cmd, "--executor", "pool", "--workers", "2"], out, "stage:1", str(tmp_path / "log"))
+    try:
+        workers = _children(proc.pid)
+        assert len(workers) >= 2  # the two workers (and the resource tracker)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [w for w in workers if _alive(w)]
+    for w in alive:  # do not leak them from the test either
+        os.kill(w, signal.SIGKILL)
+    assert not alive, f"workers {alive} outlived their driver"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -243,4 +244,6 @@ def run(args: argparse.Namespace) -> int:
     )
     if not args.quiet:
         print(format_pipeline_summary(result.stats, result.out, result.cached, result.timings))
+    for note in result.notes:
+        print(f"packtools pack: note: {note}", file=sys.stderr)
     return 0

