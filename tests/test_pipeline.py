@@ -87,7 +87,8 @@ def test_every_input_format_packs_the_same_tokens(tmp_path, tok_dir):
         assert manifest["stats"]["tokens_kept"] == sum(len(s) for s in expected)
         assert [os.path.basename(f["path"]) for f in manifest["inputs"]]
     files = sorted(os.listdir(tmp_path / "out-jsonl"))
-    assert files == ["data-00000-of-00001.arrow", "dataset_info.json", "manifest.json", "state.json"]
+    run = json.load(open(tmp_path / "out-jsonl" / "manifest.json"))["fingerprint"][:12]
+    assert files == [f"data-{run}-00000-of-00001.arrow", "dataset_info.json", "manifest.json", "state.json"]
 
 
 def test_out_of_core_slices_equal_the_in_memory_packing(tmp_path):

@@ -151,3 +151,59 @@ def test_out_inside_an_input_folder_through_a_symlink(tmp_path, capsys):
     assert sorted(os.listdir(folder)) == ["a.parquet"]
     with pytest.raises(PackingError, match="inside the input folder"):
         pack_files(str(folder), str(folder / "packed"), max_length=8)
+
+
+def _rows(folder: str) -> int:
+    return sum(pa.ipc.open_stream(os.path.join(folder, f["filename"])).read_all().num_rows for f in _state(folder))
+
+
+def _state(folder: str) -> list[dict]:
+    return json.load(open(os.path.join(folder, "state.json")))["_data_files"]
+
+
+def test_a_reader_holding_the_old_state_json_never_opens_new_shards(tmp_path):
+    """S17: old and new outputs name their shards apart, so a reader that read the old ``state.json`` before a
+    replacing run finds its files gone (an error it can retry) instead of reading the new ones (a mix)."""
+    src = str(tmp_path / "in.parquet")
+    pq.write_table(pa.table({"input_ids": [[i] * (1 + i % 7) for i in range(400)]}), src)
+    out = str(tmp_path / "out")
+    pack_files(src, out, max_length=16, shard_tokens=200)
+    stale = _state(out)  # what a reader read just before the replacement
+    new = pack_files(src, out, max_length=32, shard_tokens=200)
+    assert len(stale) == len(_state(out)) > 1  # the same number of shards, so the same names before the fix
+    for f in stale:
+        assert not os.path.exists(os.path.join(out, f["filename"])), f
+    assert _rows(out) == new.stats["rows_out"]
+
+
+def test_a_concurrent_load_from_disk_sees_the_old_or_the_new_output_whole(tmp_path):
+    """S17 through ``datasets``: a thread loops ``load_from_disk`` while runs replace the output; every load
+    gives the old or the new rows exactly, or fails (and a retry succeeds); none mixes them."""
+    datasets = pytest.importorskip("datasets")
+    import threading
+
+    src = str(tmp_path / "in.parquet")
+    pq.write_table(pa.table({"input_ids": [[i] * (1 + i % 13) for i in range(3000)]}), src)
+    out = str(tmp_path / "out")
+    wants = {pack_files(src, out, max_length=m, shard_tokens=500).stats["rows_out"] for m in (16, 32)}
+    assert len(wants) == 2
+    seen: list[object] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                seen.append(datasets.load_from_disk(out).num_rows)
+            except (FileNotFoundError, OSError):
+                seen.append("gone")
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for m in (16, 32, 16, 32, 16, 32):
+            pack_files(src, out, max_length=m, shard_tokens=500)
+    finally:
+        stop.set()
+        reader.join()
+    counts = [n for n in seen if n != "gone"]
+    assert counts and set(counts) <= wants, sorted(set(counts) - wants)

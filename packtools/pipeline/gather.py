@@ -64,15 +64,23 @@ class ShardFolder:
         if not self.paths:
             self.write(empty_schema.empty_table())
         n = len(self.paths)
-        names = [shard_name(i, n) for i in range(n)]
+        names = [shard_name(i, n, run_token(fingerprint)) for i in range(n)]
         for path, name in zip(self.paths, names):
             os.replace(path, os.path.join(self.folder, name))
         write_dataset_files(self.folder, names, fingerprint)
         return names
 
 
-def shard_name(i: int, n: int) -> str:
-    return f"data-{i:05d}-of-{n:05d}.arrow"
+def shard_name(i: int, n: int, run: str = "") -> str:
+    """``data-RUN-XXXXX-of-NNNNN.arrow``: ``run`` (the start of the run's fingerprint) differs between runs with
+    other inputs or options, so a replacing run never reuses an old shard's name: a reader holding the old
+    ``state.json`` then fails to find its shards instead of reading the new ones in their place (a mix)."""
+    return f"data-{run}-{i:05d}-of-{n:05d}.arrow" if run else f"data-{i:05d}-of-{n:05d}.arrow"
+
+
+def run_token(fingerprint: str) -> str:
+    """The part of a run's fingerprint that goes into its shard names."""
+    return fingerprint[:12]
 
 
 def write_dataset_files(folder: str, names: Sequence[str], fingerprint: str) -> None:

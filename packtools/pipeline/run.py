@@ -54,7 +54,7 @@ from ..io.fingerprint import cache_key
 from ..io.manifest import MANIFEST_FORMAT, read_manifest, write_manifest
 from .executors import EXECUTORS, Executor, get_executor, is_transient
 from .fast_tokenize import check_engine, engine_summary
-from .gather import WriteJob, shard_name, write_block, write_dataset_files
+from .gather import WriteJob, run_token, shard_name, write_block, write_dataset_files
 from .outcheck import check_out
 from .stage import StageJob, load_sidecar, stage_key, stage_part
 from .tokenize import FORMATS, detect_format, input_columns, output_columns
@@ -350,6 +350,7 @@ def write_jobs(
     config: PipelineConfig,
     columns: Sequence[str],
     folder: str,
+    run: str = "",
 ) -> list[WriteJob]:
     """The plan cut into blocks of at most ``shard_tokens`` tokens, one :class:`WriteJob` each."""
     blocks = p.row_blocks(config.shard_tokens) or [(0, 0)]
@@ -361,7 +362,7 @@ def write_jobs(
         parts = np.unique(np.searchsorted(starts, src, side="right") - 1) if s1 > s0 else np.array([0])
         jobs.append(
             WriteJob(
-                os.path.join(folder, shard_name(i, len(blocks))),
+                os.path.join(folder, shard_name(i, len(blocks), run)),
                 config.max_length,
                 config.strategy,
                 tuple(columns),
@@ -404,8 +405,8 @@ def pack_files(
     >>> d = tempfile.mkdtemp()
     >>> pq.write_table(pa.table({"input_ids": [[1, 2, 3], [4, 5], [6]]}), os.path.join(d, "in.parquet"))
     >>> res = pack_files(os.path.join(d, "in.parquet"), os.path.join(d, "out"), max_length=4)
-    >>> res.stats["rows_out"], res.stats["fill"], sorted(os.listdir(res.out))[0]
-    (2, 0.75, 'data-00000-of-00001.arrow')
+    >>> res.stats["rows_out"], res.stats["fill"], sorted(os.listdir(res.out))[0].endswith("-00000-of-00001.arrow")
+    (2, 0.75, True)
     >>> pack_files(os.path.join(d, "in.parquet"), os.path.join(d, "out"), max_length=4).cached
     True
     """
@@ -637,7 +638,9 @@ def _run(
             p = plan_parts(eff, bounds, config)
             timings["plan_s"] = round(time.perf_counter() - t1, 3)
             t2 = time.perf_counter()
-            wjobs = write_jobs(p, [s["data"] for s in staged], bounds, config, columns, ws.build)
+            wjobs = write_jobs(
+                p, [s["data"] for s in staged], bounds, config, columns, ws.build, run_token(fp["fingerprint"])
+            )
             run_jobs(ex, write_block, wjobs, "write", quiet, retries)
             timings["write_s"] = round(time.perf_counter() - t2, 3)
             write_dataset_files(ws.build, [os.path.basename(j.path) for j in wjobs], fp["fingerprint"])
