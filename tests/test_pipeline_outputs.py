@@ -154,7 +154,9 @@ def test_out_inside_an_input_folder_through_a_symlink(tmp_path, capsys):
 
 
 def _rows(folder: str) -> int:
-    return sum(pa.ipc.open_stream(os.path.join(folder, f["filename"])).read_all().num_rows for f in _state(folder))
+    return sum(
+        pa.ipc.open_stream(os.path.join(folder, f["filename"])).read_all().num_rows for f in _state(folder)
+    )
 
 
 def _state(folder: str) -> list[dict]:

@@ -15,6 +15,7 @@ in sorted order) and folders written by ``datasets.Dataset.save_to_disk`` (found
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +38,33 @@ SUFFIX_KINDS = {
     ".feather": "arrow",
     ".ipc": "arrow",
 }
+
+
+@contextlib.contextmanager
+def reading(path: str, kind: str) -> Iterator[None]:
+    """Arrow's and Parquet's read errors (a cut, corrupted or mislabelled file) as one line naming the file."""
+    try:
+        yield
+    except (pa.ArrowInvalid, pa.ArrowIOError, EOFError) as exc:
+        if isinstance(exc, (FileNotFoundError, PermissionError)):
+            raise
+        name = "a Parquet" if kind == "parquet" else "an Arrow IPC"
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PackingError(
+            f"input {path!r} cannot be read as {name} file ({detail}): it is cut, corrupted or not {name} "
+            f"file; copy it again, or leave it out."
+        ) from None
+
+
+def guarded(items: Iterator[Any], path: str, kind: str) -> Iterator[Any]:
+    """``items``, with read errors raised while producing them turned into one line (see :func:`reading`)."""
+    while True:
+        with reading(path, kind):
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+        yield item
 
 
 @dataclass(frozen=True)
@@ -70,14 +98,66 @@ def _saved_dataset_files(folder: str) -> list[str]:
     return [os.path.join(folder, f["filename"]) for f in state.get("_data_files", [])]
 
 
+#: Compression suffixes: a data file compressed with one is refused (packtools reads files uncompressed), never
+#: skipped, since a folder of mixed plain and compressed shards would otherwise lose the compressed ones.
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zstd", ".lz4", ".zip", ".br", ".snappy")
+#: JSON files that a data folder often holds beside its data and that are not data (dataset cards, configs,
+#: datasets' and packtools' own metadata): skipped in a folder (read when named as an input).
+METADATA_JSON = frozenset(
+    {
+        "meta.json",
+        "metadata.json",
+        "info.json",
+        "config.json",
+        "manifest.json",
+        "state.json",
+        "dataset_info.json",
+        "dataset_infos.json",
+        "dataset_dict.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A path under an input folder that the run does not read, and why (reported in the summary and the
+    manifest: nothing in an input folder is left out without a word)."""
+
+    path: str
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"path": self.path, "reason": self.reason}
+
+
 def discover(inputs: Sequence[str | os.PathLike[str]]) -> list[InputFile]:
     """Expand inputs (files, directories, ``save_to_disk`` folders) into a sorted list of files."""
+    return find_inputs(inputs)[0]
+
+
+def find_inputs(inputs: Sequence[str | os.PathLike[str]]) -> tuple[list[InputFile], list[Skipped]]:
+    """The input files (in order: inputs as given, each folder's files sorted, searched recursively) and what
+    was skipped, with the reason.
+
+    The rules, one way each: a folder's hidden entries (``.name``), files without a data suffix and known
+    metadata JSON (:data:`METADATA_JSON`) are skipped and listed; a compressed data file (``x.jsonl.gz``) stops
+    the run; symlinked sub-folders are followed (a folder reached twice, e.g. through a loop, is read once and
+    the repeat listed); a file reached twice (named twice, a file and its folder, or through a symlink: the
+    same real path) is read once and the repeat listed; a ``save_to_disk`` folder inside an input folder stops
+    the run (pass one split).
+    """
     files: list[InputFile] = []
+    skipped: list[Skipped] = []
     for item in inputs:
         path = os.fspath(item)
         if not os.path.exists(path):
             raise FileNotFoundError(f"input {path!r} does not exist.")
         if os.path.isfile(path):
+            _refuse_compressed(path)
             files.append(_input_file(path))
         elif os.path.exists(os.path.join(path, "state.json")):
             files.extend(_input_file(p) for p in _saved_dataset_files(path))
@@ -88,28 +168,108 @@ def discover(inputs: Sequence[str | os.PathLike[str]]) -> list[InputFile]:
                 f"e.g. {os.path.join(path, splits[0] if splits else 'train')!r}."
             )
         else:
-            found = []
-            for dirpath, dirnames, filenames in os.walk(path):
-                dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-                for name in sorted(filenames):
-                    if not name.startswith(".") and os.path.splitext(name)[1].lower() in SUFFIX_KINDS:
-                        found.append(_input_file(os.path.join(dirpath, name)))
+            found = _walk(path, skipped)
             if not found:
                 raise PackingError(
-                    f"input directory {path!r} holds no .jsonl/.json/.parquet/.arrow/.feather file."
+                    f"input directory {path!r} holds no .jsonl/.json/.parquet/.arrow/.feather file"
+                    + (
+                        f" (skipped: {', '.join(os.path.basename(s.path) for s in skipped[:5])})"
+                        if skipped
+                        else ""
+                    )
+                    + "."
                 )
             files.extend(found)
-    seen: set[str] = set()
-    unique = [f for f in files if not (f.path in seen or seen.add(f.path))]
+    seen: dict[str, str] = {}
+    unique = []
+    for f in files:
+        real = os.path.realpath(f.path)
+        if real in seen:
+            skipped.append(Skipped(f.path, f"the same file as {seen[real]!r} (read once)"))
+            continue
+        seen[real] = f.path
+        unique.append(f)
     if not unique:
         raise PackingError("no input given; name files, directories or save_to_disk folders.")
-    return unique
+    return unique, skipped
+
+
+def skipped_notes(skipped: Sequence[Skipped]) -> list[str]:
+    """One line telling the user what the run did not read, and why (empty when it read everything)."""
+    if not skipped:
+        return []
+    shown = "; ".join(f"{s.path} ({s.reason})" for s in skipped[:10])
+    more = (
+        f"; and {len(skipped) - 10} more (all in manifest.json, inputs_skipped)" if len(skipped) > 10 else ""
+    )
+    return [f"not read: {len(skipped)} path(s) under the inputs: {shown}{more}."]
+
+
+def _refuse_compressed(path: str) -> None:
+    stem, last = os.path.splitext(path)
+    if last.lower() in COMPRESSED and os.path.splitext(stem)[1].lower() in SUFFIX_KINDS:
+        raise PackingError(
+            f"input {path!r} is compressed ({last}), and packtools reads data files uncompressed; decompress it "
+            f"(e.g. gunzip / zstd -d) and pass the result, or move it out of the input folder."
+        )
+
+
+def _walk(top: str, skipped: list[Skipped]) -> list[InputFile]:
+    found: list[InputFile] = []
+    visited = {os.path.realpath(top)}
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+        keep = []
+        for d in sorted(dirnames):
+            full = os.path.join(dirpath, d)
+            real = os.path.realpath(full)
+            if d.startswith("."):
+                skipped.append(Skipped(full, "hidden folder"))
+            elif real in visited:
+                skipped.append(Skipped(full, f"a symlink to a folder already read ({real!r})"))
+            elif os.path.exists(os.path.join(full, "state.json")) or os.path.exists(
+                os.path.join(full, "dataset_dict.json")
+            ):
+                raise PackingError(
+                    f"input folder {top!r} holds the saved dataset {full!r} (a datasets save_to_disk folder, e.g. "
+                    f"one split of a DatasetDict); pass that folder (one split) as the input, not the folder "
+                    f"above it."
+                )
+            else:
+                visited.add(real)
+                keep.append(d)
+        dirnames[:] = keep
+        for name in sorted(filenames):
+            full = os.path.join(dirpath, name)
+            suffix = os.path.splitext(name)[1].lower()
+            if name.startswith("."):
+                skipped.append(Skipped(full, "hidden file"))
+            elif suffix not in SUFFIX_KINDS:
+                _refuse_compressed(full)
+                skipped.append(Skipped(full, f"not a data file ({suffix or 'no suffix'})"))
+            elif name.lower() in METADATA_JSON:
+                skipped.append(Skipped(full, "a metadata file, not data (name it as an input to read it)"))
+            else:
+                found.append(_input_file(full))
+    return found
+
+
+#: The end-of-stream marker of an Arrow IPC stream (continuation token and a zero length; before Arrow 0.15,
+#: only the zero length).
+EOS_MARKERS = (b"\xff\xff\xff\xff\x00\x00\x00\x00", b"\x00\x00\x00\x00")
 
 
 class IpcReader:
-    """An Arrow IPC *file* or *stream*, whichever ``source`` holds (``datasets`` cache files are streams)."""
+    """An Arrow IPC *file* or *stream*, whichever ``source`` holds (``datasets`` cache files are streams).
 
-    def __init__(self, source: Any) -> None:
+    A stream must end with its end-of-stream marker: pyarrow ends a stream quietly at the end of the bytes when
+    a copy was cut right after a record batch, and the rows after the cut would be lost without a word.  A
+    stream without the marker raises :class:`PackingError` naming the file (``name``) once its batches are read.
+    (An IPC *file* is checked by its footer, which a cut file lacks.)
+    """
+
+    def __init__(self, source: Any, name: str | None = None) -> None:
+        self.name = name
+        self._source = source
         try:
             self._file: Any = pa.ipc.open_file(source)
             self._stream: Any = None
@@ -122,20 +282,42 @@ class IpcReader:
 
     def batches(self) -> Iterator[pa.RecordBatch]:
         if self._file is None:
-            yield from self._stream
+            end, rows = self._source.tell(), 0
+            for batch in self._stream:
+                end, rows = self._source.tell(), rows + batch.num_rows
+                yield batch
+            self._check_end(end, rows)
         else:
             for i in range(self._file.num_record_batches):
                 yield self._file.get_batch(i)
 
+    def _check_end(self, end: int, rows: int) -> None:
+        size = self._source.size()
+        self._source.seek(end)
+        tail = self._source.read(size - end) if size - end <= 8 else b""
+        if tail not in EOS_MARKERS:
+            what = f"input {self.name!r}" if self.name else "an Arrow stream"
+            raise PackingError(
+                f"{what} is an Arrow IPC stream that ends after {rows:,} rows without its end-of-stream marker, so "
+                f"it was cut (an interrupted copy or download, or a writer that was never closed) and rows may be "
+                f"missing; copy the file again, or rewrite it and close the writer."
+            )
+
     def read_all(self) -> pa.Table:
-        return (self._stream if self._file is None else self._file).read_all()
+        if self._file is None:
+            return pa.Table.from_batches(list(self.batches()), self.schema)
+        return self._file.read_all()
 
 
 def _ipc_batches(path: str) -> Iterator[pa.RecordBatch]:
     # Plain reads, not a memory map: mapped pages that were read stay in the process's RSS, which would
     # then grow with the input size.
-    with pa.OSFile(path, "rb") as source:
-        yield from IpcReader(source).batches()
+    with reading(path, "arrow"):
+        source = pa.OSFile(path, "rb")
+    with source:
+        with reading(path, "arrow"):
+            reader = IpcReader(source, path)
+        yield from guarded(reader.batches(), path, "arrow")
 
 
 def _rebatch(batches: Iterator[pa.RecordBatch], batch_rows: int) -> Iterator[pa.Table]:
@@ -167,7 +349,8 @@ def split_file(file: InputFile, part_rows: int = 1 << 17, part_bytes: int = 1 <<
     """Cut ``file`` into parts of about ``part_rows`` rows (parquet, at row-group boundaries) or ``part_bytes``
     bytes (JSON lines, after a newline); other files are one part."""
     if file.kind == "parquet":
-        md = pq.ParquetFile(file.path).metadata
+        with reading(file.path, "parquet"):
+            md = pq.ParquetFile(file.path).metadata
         sizes = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
         cuts, rows = [0], 0
         for g, n in enumerate(sizes):
@@ -197,26 +380,35 @@ class Where:
 
 
 def iter_part(
-    part: Part, batch_rows: int = 1000, columns: Sequence[str] | None = None
+    part: Part,
+    batch_rows: int = 1000,
+    columns: Sequence[str] | None = None,
+    known_columns: Sequence[str] | None = None,
 ) -> Iterator[tuple[Where, pa.Table]]:
     """Yield ``(where, table)`` for the rows of ``part`` in tables of at most ``batch_rows`` rows (only
     ``columns``, when given and present).  Memory is bounded by one row group, record batch or JSON block.
     ``where(i)`` names row ``i`` of the table: ``input 'f.parquet' row 12``, ``input 'f.jsonl' line 13`` or
-    ``input 'f.json' object 12`` (0-based rows and objects, 1-based lines)."""
+    ``input 'f.json' object 12`` (0-based rows and objects, 1-based lines).
+
+    ``known_columns``: the columns the run chose its token columns from (JSON has no schema: they are those of
+    the first block); a later JSON block holding any other column raises :class:`PackingError` naming the
+    file, the row and the column, instead of dropping it."""
     file = part.file
     path = file.path
     cols = list(columns) if columns is not None else None
     if file.kind == "parquet":
         # Buffered reads (see _open_ipc); pre_buffer=False, or pyarrow keeps the column chunks it read cached
         # until the file is closed, and memory grows with the file.
-        pf = pq.ParquetFile(path, pre_buffer=False)
+        with reading(path, "parquet"):
+            pf = pq.ParquetFile(path, pre_buffer=False)
         md = pf.metadata
         stop = md.num_row_groups if part.stop < 0 else part.stop
         row = sum(md.row_group(g).num_rows for g in range(part.start))
         if cols is not None:
             cols = [c for c in cols if c in pf.schema_arrow.names]
         for g in range(part.start, stop):
-            for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[g], columns=cols):
+            batches = pf.iter_batches(batch_size=batch_rows, row_groups=[g], columns=cols)
+            for batch in guarded(batches, path, "parquet"):
                 yield Where(path, row), pa.Table.from_batches([batch])
                 row += batch.num_rows
     elif file.kind == "arrow":
@@ -230,18 +422,35 @@ def iter_part(
     elif is_json_array(path):  # objects may span lines: rows are named by their index in the array
         row = 0
         for _, table in iter_json_array(path, batch_rows):
+            _check_known(table, known_columns, Where(path, row, "object"))
             yield Where(path, row, "object"), _select(table, cols)
             row += table.num_rows
     else:
         base = LineBase(path, part.start)
         stop = part.stop if part.stop >= 0 else None
         for rel, table in iter_json_lines(path, part.start, stop):
+            _check_known(table, known_columns, Where(path, lambda r=rel: base.value + r, "line"))
             table = _select(table, cols)
             for start in range(0, table.num_rows, batch_rows):
                 yield (
                     Where(path, lambda r=rel + start: base.value + r, "line"),
                     table.slice(start, batch_rows),
                 )
+
+
+def _check_known(table: pa.Table, known: Sequence[str] | None, where: Where) -> None:
+    if known is None:
+        return
+    new = [c for c in table.column_names if c not in known]
+    if new:
+        col = table.column(new[0])
+        first = next((i for i in range(table.num_rows) if col[i].is_valid), 0)
+        raise PackingError(
+            f"{where(first)} has the column {new[0]!r}, which the first rows of the input lack (the token columns "
+            f"were chosen from those: the first file's schema, or the first block of a JSON file), so it would be "
+            f"dropped; give every row the same columns (e.g. {new[0]!r}: null is not enough: drop it, or put it in "
+            f"the first rows too), or pass columns=[...] to choose the token columns (the others are left out)."
+        )
 
 
 def _select(table: pa.Table, columns: list[str] | None) -> pa.Table:
@@ -259,9 +468,11 @@ def iter_tables(
 def read_schema(file: InputFile) -> pa.Schema:
     """The columns of ``file`` (for JSON, those of its first block: JSON has no schema)."""
     if file.kind == "parquet":
-        return pq.read_schema(file.path)
+        with reading(file.path, "parquet"):
+            return pq.read_schema(file.path)
     if file.kind == "arrow":
-        return IpcReader(pa.memory_map(file.path, "r")).schema
+        with reading(file.path, "arrow"):
+            return IpcReader(pa.memory_map(file.path, "r"), file.path).schema
     for _, table in iter_part(Part(file), 64):
         return table.schema
     return pa.schema([])
@@ -273,9 +484,11 @@ def read_table(path: str | os.PathLike[str]) -> pa.Table:
     if not os.path.exists(path):
         raise FileNotFoundError(f"input {path!r} does not exist.")
     if path.endswith(".parquet"):
-        return pq.read_table(path, memory_map=True)
+        with reading(path, "parquet"):
+            return pq.read_table(path, memory_map=True)
     if path.endswith((".arrow", ".feather", ".ipc")):
-        return IpcReader(pa.memory_map(path, "r")).read_all()
+        with reading(path, "arrow"):
+            return IpcReader(pa.memory_map(path, "r"), path).read_all()
     raise PackingError(f"input {path!r}: unknown format; give a .parquet or .arrow file.")
 
 

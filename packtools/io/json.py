@@ -296,8 +296,11 @@ def iter_json_array(
 
 
 def _table(path: str, rows: list[dict], line: int) -> pa.Table:
+    keys = list(
+        dict.fromkeys(k for row in rows for k in row)
+    )  # every object's keys (from_pylist takes the first's)
     try:
-        return pa.Table.from_pylist(rows)
+        return pa.Table.from_pydict({k: [row.get(k) for row in rows] for k in keys})
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         raise PackingError(
             f"input {path!r} objects from line {line}: values of one key disagree in type ({exc}); fix the data."

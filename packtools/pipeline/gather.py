@@ -29,7 +29,7 @@ import pyarrow as pa
 from ..core.arrow import ListColumn
 from ..core.pack import pack_columns, read_columns
 from ..core.plan import PackPlan
-from ..io.files import IpcReader
+from ..io.files import IpcReader, reading
 from ..io.pages import PageReleaser
 
 
@@ -119,7 +119,8 @@ class MappedArrow:
             fh = open(path, "rb")
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
             self._maps.append((fh, mm, np.frombuffer(mm, np.uint8)))
-            table = IpcReader(pa.BufferReader(pa.py_buffer(mm))).read_all()
+            with reading(path, "arrow"):
+                table = IpcReader(pa.BufferReader(pa.py_buffer(mm)), path).read_all()
             tables.append(table.select(list(columns)) if columns is not None else table)
         self.table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         self._releaser = PageReleaser()  # after mapping, so it knows these mappings

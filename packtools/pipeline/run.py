@@ -41,23 +41,22 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from .._progress import progress
-from ..constants import SEQ_LENGTHS, __version__
-from ..core.arrow import is_list_type
+from ..constants import __version__
 from ..core.plan import PackPlan, check_max_length, check_strategy
 from ..core.plan import plan as make_plan
 from ..errors import PackingError
-from ..io.files import InputFile, Part, discover, read_schema, split_file
+from ..io.files import InputFile, Part, find_inputs, skipped_notes, split_file
 from ..io.fingerprint import cache_key
 from ..io.manifest import MANIFEST_FORMAT, read_manifest, write_manifest
 from .executors import EXECUTORS, Executor, get_executor, is_transient
 from .fast_tokenize import check_engine, engine_summary
 from .gather import WriteJob, run_token, shard_name, write_block, write_dataset_files
 from .outcheck import check_out
+from .schema import data_format, known_columns, token_schema
 from .stage import StageJob, load_sidecar, stage_key, stage_part
-from .tokenize import FORMATS, detect_format, input_columns, output_columns
+from .tokenize import FORMATS, output_columns
 from .workspace import Workspace, checkpoint, left_behind_notes, tidy_after_dead_run
 
 OVERLONG = ("truncate", "drop", "split")
@@ -160,106 +159,6 @@ def fingerprint(files: Sequence[InputFile], config: PipelineConfig) -> dict[str,
 
 
 # -- checks before any work --------------------------------------------------------------------------------
-def data_format(files: Sequence[InputFile], config: PipelineConfig) -> str:
-    """The input format, the same for every file: ``config.format`` (checked against each file's columns) or
-    detected per file from its columns; mixed formats are refused naming the files."""
-    seen: dict[str, str] = {}
-    for f in files:
-        names = read_schema(f).names
-        if config.format is not None:
-            needed = (
-                input_columns(config.format)
-                if config.format != "tokenized"
-                else (list(config.columns) if config.columns else ["input_ids"])
-            )
-            missing = [c for c in needed if c not in names]
-            if missing:
-                raise PackingError(
-                    f"input {f.path!r} lacks the columns {missing} that format={config.format!r} needs (it has "
-                    f"{names}); fix the file or leave it out."
-                )
-            continue
-        try:
-            fmt = detect_format(names)
-        except PackingError as exc:
-            raise PackingError(f"input {f.path!r}: {exc}", param=exc.param) from None
-        if seen and fmt not in seen:
-            other, first = next(iter(seen.items()))
-            raise PackingError(
-                f"mixed input formats: {f.path!r} is {fmt} data but {first!r} is {other}; pack them in separate "
-                f"runs (or convert them to one format)."
-            )
-        seen.setdefault(fmt, f.path)
-    return config.format or next(iter(seen))
-
-
-def token_schema(
-    files: Sequence[InputFile], config: PipelineConfig
-) -> tuple[list[str], list[str], list[str]]:
-    """For tokenized input: the token columns, their value types and the columns left out.
-
-    The column policy: ``config.columns`` if given, else every list column of the first file; other columns
-    (ids, strings) are left out and reported.  Token columns hold integer lists: floats are refused with the
-    fix.  Each keeps the first file's integer type (``int32`` when the first file is JSON); other files are
-    cast to it, and a value that does not fit is an error naming the file and column.
-    """
-    schema = read_schema(files[0])
-    path = files[0].path
-    if config.columns:
-        missing = [c for c in config.columns if c not in schema.names]
-        if missing:
-            raise PackingError(
-                f"columns={missing} are not in {path!r}; it has {schema.names}.", param="columns"
-            )
-        names = list(config.columns)
-    else:
-        if SEQ_LENGTHS in schema.names:
-            raise PackingError(
-                f"{path!r} has a {SEQ_LENGTHS!r} column, so it is already packed; packing it again would merge its "
-                f"sequences. Pack the unpacked data (packtools.unpack), or pass columns=[...] to pack chosen columns."
-            )
-        names = [
-            f.name
-            for f in schema
-            if is_list_type(f.type) or pa.types.is_null(f.type) or f.name in ("input_ids", "labels")
-        ]
-    types = []
-    for name in names:
-        t = schema.field(name).type
-        vt = t.value_type if is_list_type(t) else None
-        if vt is None or not pa.types.is_integer(vt):
-            if vt is not None and pa.types.is_floating(vt):
-                fix = (
-                    f"token ids must be integers: cast the column to list<int32> (e.g. "
-                    f"table.cast(...), or in datasets: ds.cast_column({name!r}, Sequence(Value('int32'))))"
-                )
-            elif name == "input_ids" and pa.types.is_string(t):
-                fix = "it holds text, not token ids: pass format='text' and tokenizer=DIR to tokenize it"
-            else:
-                fix = "token columns hold lists of integers: cast it, or choose the token columns with columns=[...]"
-            if (
-                config.columns
-                or name in ("input_ids", "labels")
-                or (vt is not None and pa.types.is_floating(vt))
-            ):
-                raise PackingError(
-                    f"{path!r}: column {name!r} has type {t}; {fix}.",
-                    param="columns" if config.columns else None,
-                )
-            names = [n for n in names if n != name]
-            continue
-        types.append("int32" if files[0].kind == "json" else str(vt))
-    if "input_ids" not in names and not config.columns:
-        raise PackingError(
-            f"{path!r} has no token column 'input_ids' (columns: "
-            f"{', '.join(f'{f.name} ({f.type})' for f in schema)}); pass format= and tokenizer= for text, or "
-            f"columns= naming the token columns.",
-            param="columns",
-        )
-    left_out = [n for n in schema.names if n not in names]
-    return names, types, left_out
-
-
 # -- running jobs on an executor ---------------------------------------------------------------------------
 def run_jobs(
     ex: Executor, fn: Callable[[Any], Any], jobs: Sequence[Any], desc: str, quiet: bool, retries: int
@@ -455,13 +354,17 @@ def run_pipeline(
         tok_dir = check_tokenizer_dir(config.tokenizer)
         if tok_dir != config.tokenizer:
             config = PipelineConfig(**{**asdict(config), "tokenizer": tok_dir})
-    files = discover(inputs)
+    files, skipped = find_inputs(inputs)
     check_out(out, [os.fspath(i) for i in inputs], files)
     fp = fingerprint(files, config)
+    if skipped:  # listed in the manifest (not fingerprinted: they decide nothing in the output)
+        fp["inputs_skipped"] = [s.to_dict() for s in skipped]
     previous = read_manifest(out)
     if previous is not None and previous.get("fingerprint") == fp["fingerprint"]:
         tidy_after_dead_run(out)  # a run killed after installing this output may have left its work folder
-        return PipelineResult(out, previous.get("stats", {}), cached=True, manifest=previous)
+        return PipelineResult(
+            out, previous.get("stats", {}), cached=True, manifest=previous, notes=skipped_notes(skipped)
+        )
     fmt = data_format(files, config)
     if fmt == "preference" and config.overlong == "split":
         raise PackingError(
@@ -529,7 +432,7 @@ def run_pipeline(
         raise
     with _signals_deferred():
         ws.finish(ok=True, keep_stage=False)
-    result.notes.extend(left_behind_notes(ws))
+    result.notes.extend(skipped_notes(skipped) + left_behind_notes(ws))
     return result
 
 
@@ -597,6 +500,9 @@ def _run(
                 os.path.join(ws.stage, key + ".npz"),
                 single_threaded=getattr(executor, "name", executor) != "local",
                 tokenizer_engine=config.tokenizer_engine,
+                known_columns=known_columns(columns, left_out)
+                if fmt == "tokenized" and not config.columns
+                else None,
             )
         )
     timings: dict[str, Any] = {"parts": len(parts)}
@@ -639,7 +545,13 @@ def _run(
             timings["plan_s"] = round(time.perf_counter() - t1, 3)
             t2 = time.perf_counter()
             wjobs = write_jobs(
-                p, [s["data"] for s in staged], bounds, config, columns, ws.build, run_token(fp["fingerprint"])
+                p,
+                [s["data"] for s in staged],
+                bounds,
+                config,
+                columns,
+                ws.build,
+                run_token(fp["fingerprint"]),
             )
             run_jobs(ex, write_block, wjobs, "write", quiet, retries)
             timings["write_s"] = round(time.perf_counter() - t2, 3)

@@ -68,6 +68,7 @@ class StageJob:
     tokenizer_engine: str = (
         "auto"  # packtools.pipeline.fast_tokenize.ENGINES; the ids are the same either way
     )
+    known_columns: tuple[str, ...] | None = None  # tokenized JSON: a block with other columns is refused
 
     @property
     def has_labels(self) -> bool:
@@ -163,7 +164,7 @@ def _token_tables(job: StageJob):
     """The part's token tables, in order, with their ``where``."""
     types = [pa.type_for_alias(v) for v in job.value_types]
     if job.fmt == "tokenized":
-        for where, table in iter_part(job.part, READ_ROWS, job.columns):
+        for where, table in iter_part(job.part, READ_ROWS, job.columns, job.known_columns):
             cols = [check_token_column(table, n, t, where) for n, t in zip(job.columns, types)]
             yield where, pa.Table.from_arrays(cols, names=list(job.columns))
         return

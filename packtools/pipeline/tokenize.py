@@ -200,9 +200,10 @@ def _strings(table: pa.Table, name: str, first_row: Row) -> list[str]:
 
 
 def _clean_messages(conv: Any, name: str, row: Row) -> list[dict[str, Any]]:
-    if not isinstance(conv, list) or not all(isinstance(m, dict) and "role" in m for m in conv):
-        raise PackingError(
-            f"{at(row)}: column {name!r} is not a list of messages ({{'role': ..., 'content': ...}}); fix that row."
+    if not isinstance(conv, list) or not all(isinstance(m, dict) and m.get("role") is not None for m in conv):
+        raise PackingError(  # Arrow gives a message's missing "role" as None: that is a missing role too
+            f"{at(row)}: column {name!r} is not a list of messages ({{'role': ..., 'content': ...}}, every "
+            f"message with a role); fix that row."
         )
     return [{k: v for k, v in m.items() if v is not None} for m in conv]
 

@@ -433,7 +433,7 @@ def _parquet_lengths(path: str, column: str) -> np.ndarray:
 def _ipc_lengths(path: str, column: str) -> np.ndarray:
     """Memory-mapped: only the offsets buffers of the column are touched."""
     with pa.memory_map(path, "r") as source:
-        reader = IpcReader(source)
+        reader = IpcReader(source, path)
         _table_column(reader.schema, column, f"file {path!r}")
         return _lengths_of_list(
             pa.chunked_array([b.column(column) for b in reader.batches()], reader.schema.field(column).type)

@@ -1,0 +1,163 @@
+"""The input's format and token columns, decided from **every** input file before any work.
+
+:func:`data_format` detects the format of each file (or checks ``config.format`` against each).
+:func:`token_schema` chooses the token columns of tokenized input and the columns left out.  Every file's
+columns are read (Parquet and Arrow from their schemas, JSON from its first block; the JSON blocks after it are
+checked as they are staged, see ``known_columns`` of :func:`packtools.io.files.iter_part`), so a column that
+only a later file holds is never dropped without a word: without ``columns=``, a token column missing from
+some file stops the run naming both files; with ``columns=``, the others are left out and listed.  Already
+packed input (``seq_lengths`` or a boundary column in any file) is refused whatever ``columns`` says, since
+packing it again merges its sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+
+from ..constants import SEQ_LENGTHS
+from ..core.arrow import is_list_type
+from ..core.pack import BOUNDARY_COLUMNS
+from ..errors import PackingError
+from ..io.files import InputFile, read_schema
+from .tokenize import detect_format, input_columns
+
+if TYPE_CHECKING:
+    from .run import PipelineConfig
+
+
+def data_format(files: Sequence[InputFile], config: PipelineConfig) -> str:
+    """The input format, the same for every file: ``config.format`` (checked against each file's columns) or
+    detected per file from its columns; mixed formats are refused naming the files."""
+    seen: dict[str, str] = {}
+    for f in files:
+        names = read_schema(f).names
+        if not names:
+            raise PackingError(
+                f"input {f.path!r} holds no rows (an empty file, only whitespace, or an empty JSON array); "
+                f"leave it out or fill it."
+            )
+        if config.format is not None:
+            needed = (
+                input_columns(config.format)
+                if config.format != "tokenized"
+                else (list(config.columns) if config.columns else ["input_ids"])
+            )
+            missing = [c for c in needed if c not in names]
+            if missing:
+                raise PackingError(
+                    f"input {f.path!r} lacks the columns {missing} that format={config.format!r} needs (it has "
+                    f"{names}); fix the file or leave it out."
+                )
+            continue
+        try:
+            fmt = detect_format(names)
+        except PackingError as exc:
+            raise PackingError(f"input {f.path!r}: {exc}", param=exc.param) from None
+        if seen and fmt not in seen:
+            other, first = next(iter(seen.items()))
+            raise PackingError(
+                f"mixed input formats: {f.path!r} is {fmt} data but {first!r} is {other}; pack them in separate "
+                f"runs (or convert them to one format)."
+            )
+        seen.setdefault(fmt, f.path)
+    return config.format or next(iter(seen))
+
+
+def _is_token_field(f: pa.Field) -> bool:
+    return is_list_type(f.type) or pa.types.is_null(f.type) or f.name in ("input_ids", "labels")
+
+
+def _refuse_packed(schemas: Sequence[pa.Schema], files: Sequence[InputFile]) -> None:
+    for schema, f in zip(schemas, files):
+        found = [c for c in (SEQ_LENGTHS, *BOUNDARY_COLUMNS) if c in schema.names]
+        if found:
+            raise PackingError(
+                f"{f.path!r} has {found}, so it is already packed; packing it again would merge its sequences "
+                f"(whichever columns are chosen). Unpack it first (packtools.unpack) and pack the result, or "
+                f"pack the original unpacked data."
+            )
+
+
+def token_schema(
+    files: Sequence[InputFile], config: PipelineConfig
+) -> tuple[list[str], list[str], list[str]]:
+    """For tokenized input: the token columns, their value types and the columns left out.
+
+    The column policy: ``config.columns`` if given, else every list column of the first file, which every
+    other file must hold too; other columns (ids, strings) are left out and reported, those of every file.
+    Token columns hold integer lists: floats are refused with the fix.  Each keeps the first file's integer
+    type (``int32`` when the first file is JSON); other files are cast to it, and a value that does not fit is
+    an error naming the file and column.
+    """
+    schemas = [read_schema(f) for f in files]
+    _refuse_packed(schemas, files)
+    schema = schemas[0]
+    path = files[0].path
+    if config.columns:
+        missing = [c for c in config.columns if c not in schema.names]
+        if missing:
+            raise PackingError(
+                f"columns={missing} are not in {path!r}; it has {schema.names}.", param="columns"
+            )
+        names = list(config.columns)
+    else:
+        names = [f.name for f in schema if _is_token_field(f)]
+        for other, f in zip(schemas[1:], files[1:]):
+            extra = [x.name for x in other if _is_token_field(x) and x.name not in names]
+            if extra:
+                raise PackingError(
+                    f"{f.path!r} has the token column(s) {extra} that the first file {path!r} lacks, so they "
+                    f"would be dropped from {f.path!r}; give every file the same token columns, or pass "
+                    f"columns=[...] to choose them (the others are then left out, and listed).",
+                    param="columns",
+                )
+    types = []
+    for name in list(names):
+        t = schema.field(name).type
+        vt = t.value_type if is_list_type(t) else None
+        if vt is None or not pa.types.is_integer(vt):
+            if vt is not None and pa.types.is_floating(vt):
+                fix = (
+                    f"token ids must be integers: cast the column to list<int32> (e.g. "
+                    f"table.cast(...), or in datasets: ds.cast_column({name!r}, Sequence(Value('int32'))))"
+                )
+                if files[0].kind == "json":
+                    fix += (
+                        "; in JSON, integers beyond the int64 range (|id| >= 2**63) are read as floats too: "
+                        "no tokenizer has such ids, so the file is likely wrong"
+                    )
+            elif name == "input_ids" and pa.types.is_string(t):
+                fix = "it holds text, not token ids: pass format='text' and tokenizer=DIR to tokenize it"
+            else:
+                fix = "token columns hold lists of integers: cast it, or choose the token columns with columns=[...]"
+            if (
+                config.columns
+                or name in ("input_ids", "labels")
+                or (vt is not None and pa.types.is_floating(vt))
+            ):
+                raise PackingError(
+                    f"{path!r}: column {name!r} has type {t}; {fix}.",
+                    param="columns" if config.columns else None,
+                )
+            names = [n for n in names if n != name]
+            continue
+        types.append("int32" if files[0].kind == "json" else str(vt))
+    if "input_ids" not in names and not config.columns:
+        raise PackingError(
+            f"{path!r} has no token column 'input_ids' (columns: "
+            f"{', '.join(f'{f.name} ({f.type})' for f in schema)}); pass format= and tokenizer= for text, or "
+            f"columns= naming the token columns.",
+            param="columns",
+        )
+    left_out: list[str] = []
+    for s in schemas:
+        left_out += [n for n in s.names if n not in names and n not in left_out]
+    return names, types, left_out
+
+
+def known_columns(columns: Sequence[str], left_out: Sequence[str]) -> tuple[str, ...]:
+    """Every column the schema step saw (kept or left out): a JSON block with any other column is refused."""
+    return tuple(columns) + tuple(left_out)

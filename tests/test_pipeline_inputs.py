@@ -1,0 +1,246 @@
+"""Every input file is read whole or the run fails (issue 22 item 2; findings S1-S9, S13, U1, U2, U3, U9).
+
+Each silent case of the findings is run as it was found, and shows the run now fails with one line naming the
+file (or packs everything and says what it skipped); each has a negative control: the same input without the
+fault packs every row."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from _pipeline_data import build_tokenizer
+
+from packtools import pack_files, profile_lengths
+from packtools.cli.main import main
+from packtools.errors import PackingError
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return build_tokenizer(str(tmp_path_factory.mktemp("tok")))
+
+
+def jsonl(path, rows) -> str:
+    with open(path, "w") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+def manifest(out) -> dict:
+    return json.load(open(os.path.join(out, "manifest.json")))
+
+
+# -- S1: an Arrow stream cut at a record-batch boundary ------------------------------------------------------
+def _stream(path, rows=5000, batches=5) -> bytes:
+    t = pa.table({"input_ids": pa.array([[i, i + 1] for i in range(rows)], pa.list_(pa.int32()))})
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, t.schema) as w:
+        for b in t.to_batches(max_chunksize=rows // batches):
+            w.write_batch(b)
+    return open(path, "rb").read()
+
+
+def _batch_ends(path) -> list[int]:
+    with pa.OSFile(str(path), "rb") as src:
+        reader = pa.ipc.open_stream(src)
+        return [src.tell() for _ in reader]
+
+
+def test_an_arrow_stream_cut_at_a_batch_boundary_is_refused(tmp_path):
+    whole = _stream(tmp_path / "whole.arrow")
+    cut = tmp_path / "cut.arrow"
+    cut.write_bytes(whole[: _batch_ends(tmp_path / "whole.arrow")[2]])  # 3 of 5 batches, no end marker
+    with pytest.raises(PackingError, match=r"cut\.arrow' is an Arrow IPC stream that ends after 3,000 rows"):
+        pack_files(str(cut), str(tmp_path / "out"), max_length=64)
+    with pytest.raises(PackingError, match="without its end-of-stream marker"):
+        profile_lengths(str(cut))  # profile read the same 3,000 rows before
+    assert not (tmp_path / "out").exists()
+    # control: the whole stream packs all 5,000 rows
+    assert (
+        pack_files(str(tmp_path / "whole.arrow"), str(tmp_path / "out"), max_length=64).stats["rows_in"]
+        == 5000
+    )
+
+
+def test_cut_and_corrupted_files_name_the_file(tmp_path, capsys):
+    """U2: raw Arrow/Parquet errors become one line naming the file and the fix."""
+    whole = _stream(tmp_path / "whole.arrow")
+    pq.write_table(pa.table({"input_ids": [[1, 2]] * 100}), str(tmp_path / "ok.parquet"))
+    pq_bytes = (tmp_path / "ok.parquet").read_bytes()
+    cases = {"mid.arrow": whole[:-100], "zero.parquet": b"", "half.parquet": pq_bytes[: len(pq_bytes) // 2]}
+    for name, blob in cases.items():
+        (tmp_path / name).write_bytes(blob)
+        assert main(["pack", str(tmp_path / name), "--out", str(tmp_path / "out"), "--max-length", "8"]) == 1
+        err = capsys.readouterr().err
+        assert f"{name}' cannot be read as" in err and "copy it again" in err and "Error:" not in err, err
+
+
+# -- S2-S4: a column that appears only later ----------------------------------------------------------------
+def test_labels_only_in_a_later_file_stop_the_run(tmp_path):
+    a, b = str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3]] * 3}), a)
+    pq.write_table(pa.table({"input_ids": [[4, 5]] * 3, "labels": [[-100, 5]] * 3}), b)
+    with pytest.raises(
+        PackingError, match=r"b\.parquet' has the token column\(s\) \['labels'\] that the first"
+    ):
+        pack_files([a, b], str(tmp_path / "out"), max_length=8)
+    # choosing the columns is explicit, and what is left out is listed (from every file)
+    res = pack_files([a, b], str(tmp_path / "out"), max_length=8, columns=("input_ids",))
+    assert res.stats["columns_left_out"] == ["labels"] and res.stats["rows_in"] == 6
+    # control: the same files with labels in both pack with labels
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3]] * 3, "labels": [[1, 2, 3]] * 3}), a)
+    assert pack_files([a, b], str(tmp_path / "out2"), max_length=8).stats["columns"] == [
+        "input_ids",
+        "labels",
+    ]
+
+
+def test_labels_only_after_the_first_jsonl_block_stop_the_run(tmp_path, monkeypatch):
+    import packtools.io.json as pj
+
+    # 4 KiB blocks instead of 16 MiB: the same code path as the finding's 900,000 lines, in 2,010
+    monkeypatch.setattr(pj.iter_json_lines, "__defaults__", (0, None, 1 << 12))
+    rows = [{"input_ids": [1, 2, 3]}] * 2000 + [{"input_ids": [4, 5], "labels": [-100, 5]}] * 10
+    src = jsonl(tmp_path / "late.jsonl", rows)
+    with pytest.raises(PackingError, match=r"late\.jsonl' line 2001 has the column 'labels'"):
+        pack_files(src, str(tmp_path / "out"), max_length=8)
+    assert not (tmp_path / "out").exists()
+    # control: labels from the first line on are kept
+    src = jsonl(tmp_path / "early.jsonl", [{**r, "labels": r["input_ids"]} for r in rows])
+    assert pack_files(src, str(tmp_path / "out"), max_length=8).stats["columns"] == ["input_ids", "labels"]
+
+
+def test_labels_only_from_json_object_64_on_stop_the_run(tmp_path):
+    rows = [{"input_ids": [1, 2, 3]}] * 70 + [{"input_ids": [4, 5], "labels": [-100, 5]}] * 30
+    src = tmp_path / "arr.json"
+    src.write_text(json.dumps(rows))
+    with pytest.raises(PackingError, match=r"arr\.json' object 70 has the column 'labels'"):
+        pack_files(str(src), str(tmp_path / "out"), max_length=8)
+    src.write_text(json.dumps([{**r, "labels": r["input_ids"]} for r in rows]))  # control
+    assert pack_files(str(src), str(tmp_path / "out"), max_length=8).stats["columns"] == [
+        "input_ids",
+        "labels",
+    ]
+
+
+# -- S5: a chat message without a role ------------------------------------------------------------------------
+def test_a_message_without_a_role_is_refused(tmp_path, tok_dir):
+    bad = [{"messages": [{"content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    src = jsonl(tmp_path / "chat.jsonl", bad)
+    with pytest.raises(PackingError, match="every message with a role"):
+        pack_files(src, str(tmp_path / "out"), max_length=64, tokenizer=tok_dir)
+    good = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    src = jsonl(tmp_path / "chat.jsonl", good)  # control
+    assert pack_files(src, str(tmp_path / "out"), max_length=64, tokenizer=tok_dir).stats["rows_in"] == 1
+
+
+# -- S6-S9: what a folder holds ---------------------------------------------------------------------------------
+def test_every_file_in_a_folder_is_read_or_listed(tmp_path, capsys):
+    d = tmp_path / "in"
+    d.mkdir()
+    jsonl(d / "a.jsonl", [{"input_ids": [1, 2]}])
+    pq.write_table(pa.table({"input_ids": [[3, 4]]}), str(d / "b.parquet"))
+    (d / "notes.txt").write_text("n")
+    (d / "c.csv").write_text("input_ids\n")
+    jsonl(d / ".hidden.jsonl", [{"input_ids": [9]}])
+    out = str(tmp_path / "out")
+    assert main(["pack", str(d), "--out", out, "--max-length", "8", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "not read: 3 path(s)" in err and "notes.txt (not a data file (.txt))" in err and "hidden file" in err
+    )
+    listed = {os.path.basename(s["path"]): s["reason"] for s in manifest(out)["inputs_skipped"]}
+    assert sorted(listed) == [".hidden.jsonl", "c.csv", "notes.txt"]
+    assert manifest(out)["stats"]["rows_in"] == 2
+    # a compressed shard stops the run (a folder of mixed shards would lose it)
+    jsonl(d / "d.jsonl", [{"input_ids": [5]}])
+    os.system(f"gzip {d / 'd.jsonl'}")
+    assert main(["pack", str(d), "--out", out, "--max-length", "8", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "d.jsonl.gz' is compressed (.gz)" in err and "decompress it" in err
+
+
+def test_symlinked_sub_folders_are_followed_and_loops_listed(tmp_path):
+    d, elsewhere = tmp_path / "in", tmp_path / "elsewhere"
+    d.mkdir()
+    elsewhere.mkdir()
+    jsonl(d / "a.jsonl", [{"input_ids": [1, 2]}, {"input_ids": [3]}, {"input_ids": [4]}])
+    jsonl(elsewhere / "b.jsonl", [{"input_ids": [5]}])
+    os.symlink(elsewhere, d / "sub")
+    os.symlink(d, d / "loop")
+    res = pack_files(str(d), str(tmp_path / "out"), max_length=8)
+    assert res.stats["rows_in"] == 4  # 3 + 1: the symlinked folder is read
+    reasons = [s["reason"] for s in res.manifest["inputs_skipped"]]
+    assert any("a symlink to a folder already read" in r for r in reasons)
+
+
+def test_duplicates_by_real_path_are_read_once_and_listed(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    a = jsonl(d / "a.jsonl", [{"input_ids": [1, 2]}, {"input_ids": [3]}, {"input_ids": [4]}])
+    os.symlink(a, tmp_path / "b.jsonl")
+    for inputs in ([a, a], [a, str(d)], [a, str(tmp_path / "b.jsonl")]):
+        res = pack_files(inputs, str(tmp_path / "out"), max_length=8)
+        assert res.stats["rows_in"] == 3, inputs  # one way: read once (a symlink packed it twice before)
+        assert [s["reason"] for s in res.manifest["inputs_skipped"]] == [
+            f"the same file as {a!r} (read once)"
+        ]
+
+
+def test_metadata_json_in_a_data_folder_is_not_a_document(tmp_path, tok_dir):
+    d = tmp_path / "in"
+    d.mkdir()
+    jsonl(d / "a.jsonl", [{"text": "hello world"}])
+    (d / "meta.json").write_text(json.dumps({"text": "DATASET CARD: do not train on me", "license": "cc"}))
+    res = pack_files(str(d), str(tmp_path / "out"), max_length=64, tokenizer=tok_dir)
+    assert res.stats["rows_in"] == 1
+    assert res.manifest["inputs_skipped"][0]["reason"].startswith("a metadata file, not data")
+    # named as an input, it is read (the rule is about folders)
+    res = pack_files(
+        [str(d / "a.jsonl"), str(d / "meta.json")], str(tmp_path / "o2"), max_length=64, tokenizer=tok_dir
+    )
+    assert res.stats["rows_in"] == 2
+
+
+def test_a_folder_of_save_to_disk_splits_says_pass_one_split(tmp_path):
+    """U9."""
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]]})
+    ds.save_to_disk(str(tmp_path / "in" / "train"))
+    ds.save_to_disk(str(tmp_path / "in" / "test"))
+    with pytest.raises(PackingError, match="pass that folder .one split. as the input"):
+        pack_files(str(tmp_path / "in"), str(tmp_path / "out"), max_length=8)
+    assert (
+        pack_files(str(tmp_path / "in" / "train"), str(tmp_path / "out"), max_length=8).stats["rows_in"] == 2
+    )
+
+
+# -- S13: the fix an error suggests must not merge --------------------------------------------------------------
+def test_packed_input_is_refused_whatever_columns_are_chosen(tmp_path):
+    src = str(tmp_path / "in.parquet")
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3], [4, 5], [6]]}), src)
+    packed = pack_files(src, str(tmp_path / "packed"), max_length=8).out
+    for columns in (None, ("input_ids",)):
+        with pytest.raises(PackingError, match="already packed") as info:
+            pack_files(packed, str(tmp_path / "again"), max_length=8, columns=columns)
+        assert "columns=[" not in str(info.value)  # the suggestion that merged sequences is gone
+        assert "packtools.unpack" in str(info.value)
+
+
+# -- U1, U3 -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("content", ["", "  \n\n", "[]"])
+def test_an_empty_input_says_it_holds_no_rows(tmp_path, content):
+    src = tmp_path / ("a.json" if content == "[]" else "a.jsonl")
+    src.write_text(content)
+    with pytest.raises(PackingError, match="holds no rows"):
+        pack_files(str(src), str(tmp_path / "out"), max_length=8)
+
+
+def test_ids_beyond_int64_in_json_say_so(tmp_path):
+    src = jsonl(tmp_path / "big.jsonl", [{"input_ids": [1, 30000000000000000000]}])
+    with pytest.raises(PackingError, match="beyond the int64 range"):
+        pack_files(src, str(tmp_path / "out"), max_length=8)
