@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zipfile
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -344,12 +345,34 @@ class PackPlan:
 
         A plan saved as a slice of rows (:meth:`slice_rows`) is partial; load it with ``complete=False``.
         """
-        with np.load(os.fspath(path), allow_pickle=False) as z:
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"plan file {path!r} does not exist.")
+        try:
+            return cls._load(path, complete)
+        except PackingError:
+            raise
+        except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if "pickled" in detail:  # numpy's reading of bytes that are no .npz at all
+                detail = "not a NumPy .npz archive"
+            raise PackingError(
+                f"plan file {path!r} cannot be read as a packtools plan ({type(exc).__name__}: {detail}): it is "
+                f"cut, corrupted or not a plan saved by PackPlan.save; make the plan again with "
+                f"packtools.plan(lengths, ...) and save it."
+            ) from None
+
+    @classmethod
+    def _load(cls, path: str, complete: bool) -> PackPlan:
+        z = np.load(path, allow_pickle=False)
+        if not hasattr(z, "files"):
+            raise ValueError("it holds one array, not a plan's arrays")
+        with z:
             version = int(z["format"]) if "format" in z.files else 0
             if version != PLAN_FORMAT:
                 age = "an older" if version < PLAN_FORMAT else "a newer"
                 raise PackingError(
-                    f"plan file {os.fspath(path)!r} has plan format {version}, from {age} packtools; this one "
+                    f"plan file {path!r} has plan format {version}, from {age} packtools; this one "
                     f"reads format {PLAN_FORMAT}. Make the plan again with packtools.plan(lengths, ...)."
                 )
             loaded = cls(int(z["max_length"]), str(z["strategy"]), *(z[name] for name in _PLAN_ARRAYS))
