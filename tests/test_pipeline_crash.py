@@ -215,3 +215,37 @@ def test_pool_workers_die_with_a_sigkilled_driver(data, tmp_path):
     for w in alive:  # do not leak them from the test either
         os.kill(w, signal.SIGKILL)
     assert not alive, f"workers {alive} outlived their driver"
+
+
+@pytest.fixture(scope="module")
+def text_data(tmp_path_factory):
+    """Text input (tokenized by the run, so the manifest carries the tokenizer engine's report) in 4 parts."""
+    from _pipeline_data import build_tokenizer
+
+    root = tmp_path_factory.mktemp("crash-text")
+    tok = build_tokenizer(str(root / "tok"))
+    rng = np.random.default_rng(1)
+    words = ["alpha", "beta", "gamma", "delta", "hello", "world", "packing", "tokens"]
+    src = str(root / "in.parquet")
+    texts = [" ".join(rng.choice(words, k)) for k in rng.integers(1, 40, 600)]
+    pq.write_table(pa.table({"text": texts}), src, row_group_size=200)
+    cmd = [sys.executable, "-m", "packtools.cli", "pack", src, "--max-length", "256", "--part-rows", "200"]
+    cmd += ["--tokenizer", tok]
+    ref = str(root / "ref")
+    subprocess.run([*cmd, "--out", ref, "--quiet"], env=env(), check=True, capture_output=True)
+    return cmd, digest(ref)
+
+
+@pytest.mark.parametrize("point", ["stage:2"])
+def test_the_manifest_after_a_kill_and_rerun_is_byte_identical(text_data, tmp_path, point):
+    """U13: reused parts keep their tokenizer engine report, and the manifest holds nothing that depends on
+    which process tokenized what, so every file of the output (manifest.json included) equals a clean run's."""
+    cmd, want = text_data
+    out = str(tmp_path / "out")
+    proc = start_paused(cmd, out, point, str(tmp_path / "log"))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert "reused from an interrupted run" in rerun(cmd, out)
+    got = digest(out)
+    assert got["manifest.json"] == want["manifest.json"], open(os.path.join(out, "manifest.json")).read()
+    assert got == want

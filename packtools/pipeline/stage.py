@@ -24,6 +24,7 @@ records the input itself as the data to gather from (``data``).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -206,11 +207,17 @@ def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray] | None:
         mapped.close()
 
 
-def _save_sidecar(path: str, lengths: np.ndarray, first: np.ndarray, data: str) -> None:
+def _save_sidecar(path: str, lengths: np.ndarray, first: np.ndarray, data: str, report: str = "") -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as fh:
-        np.savez(fh, lengths=lengths, first_label=first, data=np.array(data))
+        np.savez(fh, lengths=lengths, first_label=first, data=np.array(data), report=np.array(report))
     os.replace(tmp, path)
+
+
+def _engine_report(job: StageJob) -> dict[str, Any]:
+    """Which tokenizer engine staged the part, and why; kept in the sidecar, so a part reused by a rerun
+    reports the same (the manifest is then the same bytes as an uninterrupted run's)."""
+    return _tokenizer(job).report.to_dict()
 
 
 def load_sidecar(path: str) -> tuple[np.ndarray, np.ndarray, str]:
@@ -225,7 +232,17 @@ def stage_part(job: StageJob) -> dict[str, Any]:
     if os.path.exists(job.sidecar):
         lengths, _, data = load_sidecar(job.sidecar)
         if os.path.exists(data):
-            return {"rows": int(lengths.shape[0]), "reused": True, "seconds": 0.0, "data": data}
+            reused: dict[str, Any] = {
+                "rows": int(lengths.shape[0]),
+                "reused": True,
+                "seconds": 0.0,
+                "data": data,
+            }
+            with np.load(job.sidecar, allow_pickle=False) as z:
+                report = str(z["report"]) if "report" in z.files else ""
+            if report:
+                reused["tokenizer"] = json.loads(report)
+            return reused
     mapped = _map_as_is(job)
     if mapped is not None:
         _save_sidecar(job.sidecar, *mapped, job.part.file.path)
@@ -266,15 +283,16 @@ def stage_part(job: StageJob) -> dict[str, Any]:
         raise
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
     all_first = np.concatenate(firsts) if firsts else np.zeros(0, np.int64)
-    _save_sidecar(job.sidecar, all_lengths, all_first, job.staged)
+    report = _engine_report(job) if job.fmt != "tokenized" else None  # (packtools.pipeline.fast_tokenize)
+    _save_sidecar(job.sidecar, all_lengths, all_first, job.staged, json.dumps(report) if report else "")
     result = {
         "rows": int(all_lengths.shape[0]),
         "reused": False,
         "seconds": time.perf_counter() - start,
         "data": job.staged,
     }
-    if job.fmt != "tokenized":  # which tokenizer engine ran, and why (packtools.pipeline.fast_tokenize)
-        result["tokenizer"] = _tokenizer(job).report.to_dict()
+    if report:
+        result["tokenizer"] = report
     return result
 
 
