@@ -108,6 +108,10 @@ def test_labels_only_after_the_first_jsonl_block_stop_the_run(tmp_path, monkeypa
     src = jsonl(tmp_path / "late.jsonl", rows)
     with pytest.raises(PackingError, match=r"late\.jsonl' line 2001 has the column 'labels'"):
         pack_files(src, str(tmp_path / "out"), max_length=8)
+    # choosing the columns cannot list a key the first block lacks, so it is refused too (no suggested fix
+    # drops data unlisted)
+    with pytest.raises(PackingError, match="has the column 'labels'"):
+        pack_files(src, str(tmp_path / "out"), max_length=8, columns=("input_ids",))
     assert not (tmp_path / "out").exists()
     # control: labels from the first line on are kept
     src = jsonl(tmp_path / "early.jsonl", [{**r, "labels": r["input_ids"]} for r in rows])
@@ -229,6 +233,14 @@ def test_packed_input_is_refused_whatever_columns_are_chosen(tmp_path):
             pack_files(packed, str(tmp_path / "again"), max_length=8, columns=columns)
         assert "columns=[" not in str(info.value)  # the suggestion that merged sequences is gone
         assert "packtools.unpack" in str(info.value)
+    # following the suggestion that is left keeps every sequence apart
+    from packtools import unpack
+    from packtools.io.files import read_table
+
+    shard = next(n for n in sorted(os.listdir(packed)) if n.endswith(".arrow"))
+    pq.write_table(unpack(read_table(os.path.join(packed, shard))), str(tmp_path / "unpacked.parquet"))
+    again = pack_files(str(tmp_path / "unpacked.parquet"), str(tmp_path / "again"), max_length=8)
+    assert again.stats["rows_in"] == 3 and again.stats["sequences_packed"] == 3
 
 
 # -- U1, U3 -------------------------------------------------------------------------------------------------------

@@ -448,8 +448,9 @@ def _check_known(table: pa.Table, known: Sequence[str] | None, where: Where) -> 
         raise PackingError(
             f"{where(first)} has the column {new[0]!r}, which the first rows of the input lack (the token columns "
             f"were chosen from those: the first file's schema, or the first block of a JSON file), so it would be "
-            f"dropped; give every row the same columns (e.g. {new[0]!r}: null is not enough: drop it, or put it in "
-            f"the first rows too), or pass columns=[...] to choose the token columns (the others are left out)."
+            f"dropped without a word; give every row the same keys: put {new[0]!r} in the first rows too (an empty "
+            f"list where there is none), or remove it from these rows (choosing columns=[...] does not help: a key "
+            f"the first rows lack cannot be listed as left out, so it is refused either way)."
         )
 
 

@@ -500,9 +500,7 @@ def _run(
                 os.path.join(ws.stage, key + ".npz"),
                 single_threaded=getattr(executor, "name", executor) != "local",
                 tokenizer_engine=config.tokenizer_engine,
-                known_columns=known_columns(columns, left_out)
-                if fmt == "tokenized" and not config.columns
-                else None,
+                known_columns=known_columns(columns, left_out) if fmt == "tokenized" else None,
             )
         )
     timings: dict[str, Any] = {"parts": len(parts)}
