@@ -5,6 +5,15 @@ packtools wrote, see :func:`packtools.io.manifest.is_packtools_manifest`) holdin
 wrote there: its manifest, ``state.json``, ``dataset_info.json`` and the data files ``state.json`` lists.  Any
 other file (notes, checkpoints, a web app) stops the run with the fix, since replacing the folder would delete
 it.  Paths are compared by real path, so a symlink cannot put the output inside an input folder.
+
+>>> import os, tempfile
+>>> out = tempfile.mkdtemp()
+>>> with open(os.path.join(out, "manifest.json"), "w") as fh:
+...     _ = fh.write('{"name": "My PWA"}')
+>>> check_out(out, [], [])
+Traceback (most recent call last):
+    ...
+packtools.errors.PackingError: out=... has a manifest.json that packtools did not write ...
 """
 
 from __future__ import annotations

@@ -8,6 +8,19 @@ only a later file holds is never dropped without a word: without ``columns=``, a
 some file stops the run naming both files; with ``columns=``, the others are left out and listed.  Already
 packed input (``seq_lengths`` or a boundary column in any file) is refused whatever ``columns`` says, since
 packing it again merges its sequences.
+
+>>> import os, tempfile, pyarrow.parquet as pq
+>>> from packtools.io.files import discover
+>>> from packtools.pipeline.run import PipelineConfig
+>>> d = tempfile.mkdtemp()
+>>> pq.write_table(pa.table({"input_ids": [[1, 2]], "id": ["x"]}), os.path.join(d, "a.parquet"))
+>>> pq.write_table(pa.table({"input_ids": [[3]], "labels": [[3]]}), os.path.join(d, "b.parquet"))
+>>> token_schema(discover([d]), PipelineConfig(max_length=8))
+Traceback (most recent call last):
+    ...
+packtools.errors.PackingError: '.../b.parquet' has the token column(s) ['labels'] that the first file ...
+>>> token_schema(discover([d]), PipelineConfig(max_length=8, columns=("input_ids",)))
+(['input_ids'], ['int64'], ['id', 'labels'])
 """
 
 from __future__ import annotations
