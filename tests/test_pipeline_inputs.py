@@ -256,3 +256,47 @@ def test_ids_beyond_int64_in_json_say_so(tmp_path):
     src = jsonl(tmp_path / "big.jsonl", [{"input_ids": [1, 30000000000000000000]}])
     with pytest.raises(PackingError, match="beyond the int64 range"):
         pack_files(src, str(tmp_path / "out"), max_length=8)
+
+
+# -- U7, U10, U14 ---------------------------------------------------------------------------------------------
+def test_an_empty_preference_pair_names_the_file_not_a_flag(tmp_path, tok_dir, capsys):
+    src = jsonl(
+        tmp_path / "pref.jsonl",
+        [{"prompt": "hi", "chosen": "yes", "rejected": "no"}, {"prompt": "", "chosen": "", "rejected": ""}],
+    )
+    out = str(tmp_path / "out")
+    assert (
+        main(["pack", src, "--out", out, "--max-length", "64", "--tokenizer", tok_dir, "--no-eos", "--quiet"])
+        == 1
+    )
+    err = capsys.readouterr().err
+    assert "(--dataset)" not in err and "pref.jsonl' pair 1: a sequence of this pair would be empty" in err
+
+
+def test_out_file_with_a_jsonl_input_says_give_a_folder(tmp_path, capsys):
+    src = jsonl(tmp_path / "a.jsonl", [{"input_ids": [1, 2]}])
+    assert main(["pack", src, "--out", str(tmp_path / "y.arrow"), "--max-length", "8"]) == 1
+    err = capsys.readouterr().err
+    assert "(--out)" in err and "give --out a folder" in err
+    assert main(["pack", src, "--out", str(tmp_path / "y"), "--max-length", "8", "--quiet"]) == 0  # control
+
+
+def test_a_held_out_is_refused_before_the_tokenizer_loads(tmp_path, tok_dir, monkeypatch):
+    """U14: the refusal names the holder and comes before the slow steps."""
+    import packtools.pipeline.stage as stage
+    from packtools.io.lock import OutputLock
+
+    src = jsonl(tmp_path / "a.jsonl", [{"text": "hello"}])
+    loaded = []
+    real = stage.preload_tokenizer
+    monkeypatch.setattr(stage, "preload_tokenizer", lambda *a, **k: loaded.append(a) or real(*a, **k))
+    lock = OutputLock(str(tmp_path / ".out.packtools.lock"))
+    lock.acquire()
+    try:
+        with pytest.raises(PackingError, match=rf"another packtools run \(pid {os.getpid()} on host"):
+            pack_files(src, str(tmp_path / "out"), max_length=16, tokenizer=tok_dir)
+        assert loaded == []
+    finally:
+        lock.release()
+    pack_files(src, str(tmp_path / "out"), max_length=16, tokenizer=tok_dir)  # control: free, it runs
+    assert loaded

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from ..errors import PackingError
 from .gather import ShardFolder
 from .tokenize import output_columns
 
 
 def write_packed_preference(
-    batches: Iterator[pa.Table], folder: str, config: Any, fingerprint: str = ""
+    batches: Iterator[pa.Table],
+    folder: str,
+    config: Any,
+    fingerprint: str = "",
+    parts: Sequence[tuple[str, int]] | None = None,
 ) -> dict[str, Any]:
     """Tokenized preference batches to packed pair rows (:func:`packtools.core.pairs.pack_pairs`), in shards.
 
@@ -29,14 +35,17 @@ def write_packed_preference(
     tables = [t.select(names).rename_columns(list(PAIR_COLUMNS)) for t in batches]
     schema = pa.schema([(n, pa.list_(pa.int32())) for n in PAIR_COLUMNS])
     table = pa.concat_tables(tables).combine_chunks() if tables else schema.empty_table()
-    packed, report = pack_pairs(
-        table,
-        config.max_length,
-        overlong=config.overlong or "truncate",
-        max_prompt_length=config.max_prompt_length,
-        shuffle=config.shuffle,
-        seed=config.seed,
-    )
+    try:
+        packed, report = pack_pairs(
+            table,
+            config.max_length,
+            overlong=config.overlong or "truncate",
+            max_prompt_length=config.max_prompt_length,
+            shuffle=config.shuffle,
+            seed=config.seed,
+        )
+    except PackingError as exc:
+        raise _in_input(exc, parts) from None
     shards = ShardFolder(folder)
     lengths = np.diff(np.asarray(packed.column("input_ids").combine_chunks().offsets))
     bounds = np.concatenate(([0], np.cumsum(lengths)))
@@ -65,3 +74,16 @@ def write_packed_preference(
         "shards": len(shards.paths),
         "packed": True,
     }
+
+
+def _in_input(exc: PackingError, parts: Sequence[tuple[str, int]] | None) -> PackingError:
+    """``pack_pairs``' error about row N of all pairs, as one about the input file (and its row) holding it."""
+    found = re.match(r"row (\d+): ", str(exc))
+    if not found or not parts:
+        return PackingError(str(exc))
+    row = int(found.group(1))
+    for where, rows in parts:
+        if row < rows:
+            return PackingError(f"input {where!r} pair {row}: {str(exc)[found.end() :]}")
+        row -= rows
+    return PackingError(str(exc))

@@ -365,6 +365,7 @@ def run_pipeline(
         return PipelineResult(
             out, previous.get("stats", {}), cached=True, manifest=previous, notes=skipped_notes(skipped)
         )
+    Workspace(out).refuse_if_held()  # before loading the tokenizer: a busy out fails at once
     fmt = data_format(files, config)
     if fmt == "preference" and config.overlong == "split":
         raise PackingError(
@@ -519,7 +520,11 @@ def _run(
 
             t1 = time.perf_counter()
             stats = write_packed_preference(
-                iter_staged([s["data"] for s in staged]), ws.build, config, fp["fingerprint"]
+                iter_staged([s["data"] for s in staged]),
+                ws.build,
+                config,
+                fp["fingerprint"],
+                [(j.part.describe(), s["rows"]) for j, s in zip(jobs, staged)],
             )
             timings["write_s"] = round(time.perf_counter() - t1, 3)
             stats.update(strategy="bfd (pairs)", overlong=config.overlong or "truncate", plan="global")

@@ -27,6 +27,7 @@ A folder of that name without the marker (someone else's) is never touched: the 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
 import sys
@@ -79,22 +80,7 @@ class Workspace:
             stale = self.lock.owner() if os.path.exists(self.lock.path) else None
             self.lock.acquire()
         except LockHeld as exc:
-            o = exc.owner
-            since = (
-                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(o["started_unix"]))
-                if "started_unix" in o
-                else None
-            )
-            who = (
-                f"pid {o.get('pid')} on host {o.get('host')}, since {since}"
-                if since and o.get("pid")
-                else "it is just starting, or another process holds the lock file"
-            )
-            raise PackingError(
-                f"out={self.out!r} is being written by another packtools run ({who}; lock file "
-                f"{self.lock.path!r}); wait for it to finish, stop it, or choose another out.",
-                param="out",
-            ) from None
+            self._held(exc.owner)
         except OSError as exc:
             if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 raise
@@ -113,6 +99,39 @@ class Workspace:
         except BaseException:
             self.lock.release()
             raise
+
+    def refuse_if_held(self) -> None:
+        """Fail at once if a live run holds ``out`` (before the slow steps: loading the tokenizer, reading the
+        inputs' schemas), with the same message as :meth:`acquire`.  Takes nothing."""
+        self._check_paths()
+        try:
+            fd = os.open(self.lock.path, os.O_RDWR)
+        except OSError:
+            return  # no lock file: nobody holds it (acquire decides for good)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            self._held(self.lock.owner())
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+    def _held(self, o: dict[str, Any]) -> None:
+        since = (
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(o["started_unix"]))
+            if "started_unix" in o
+            else None
+        )
+        who = (
+            f"pid {o.get('pid')} on host {o.get('host')}, since {since}"
+            if since and o.get("pid")
+            else "it is just starting, or another process holds the lock file"
+        )
+        raise PackingError(
+            f"out={self.out!r} is being written by another packtools run ({who}; lock file "
+            f"{self.lock.path!r}); wait for it to finish, stop it, or choose another out.",
+            param="out",
+        ) from None
 
     def _check_paths(self) -> None:
         """Refuse a lock path or work folder that is not packtools' (a folder, a file, someone's folder)."""
