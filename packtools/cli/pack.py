@@ -225,12 +225,10 @@ def _in_memory(args: argparse.Namespace, max_length: int) -> int:
     return 0
 
 
-def _check_file_out(args: argparse.Namespace) -> None:
+def _check_in_memory_inputs(args: argparse.Namespace) -> None:
     """``--out FILE.parquet|.arrow`` packs one tokenized Parquet/Arrow file in memory; say so for anything else."""
     others = [i for i in args.input or [] if not str(i).endswith((".parquet", ".arrow", ".feather", ".ipc"))]
     if args.out is not None and others:
-        from ..errors import PackingError
-
         raise PackingError(
             f"--out {args.out!r} is a file: that packs one tokenized .parquet/.arrow file in memory, and "
             f"{others[0]!r} is not one; give --out a folder (e.g. --out {os.path.splitext(args.out)[0]!r}) to run "
@@ -242,7 +240,7 @@ def _check_file_out(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     max_length = args.max_length if args.max_length is not None else 4096
     if not args.input or args.out is None or args.out.endswith((".parquet", ".arrow")):
-        _check_file_out(args)
+        _check_in_memory_inputs(args)
         return _in_memory(args, max_length)
     from ..pipeline.run import run_pipeline
 
