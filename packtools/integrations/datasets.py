@@ -26,10 +26,22 @@ def _datasets():
 
 
 def _derived_fingerprint(dataset: Any, operation: str, **params: Any) -> str:
-    """A fingerprint for a dataset made from ``dataset`` (else ``datasets`` pickles every token to hash it)."""
+    """A fingerprint for a dataset made from ``dataset`` (else ``datasets`` pickles every token to hash it).
+
+    Besides ``datasets``' own ``_fingerprint`` it takes the size and mtime of the Arrow files behind the dataset:
+    files replaced under an unchanged ``state.json`` (same fingerprint, other rows) must not reuse the packing
+    of the old rows."""
     from ..io.fingerprint import cache_key
 
-    return cache_key(operation, 1, dataset=getattr(dataset, "_fingerprint", None), params=params)[:16]
+    files = []
+    for f in getattr(dataset, "cache_files", None) or []:
+        try:
+            st = os.stat(f["filename"])
+            files.append([f["filename"], st.st_size, st.st_mtime_ns])
+        except (OSError, KeyError, TypeError):
+            files.append([str(f), None, None])
+    fp = getattr(dataset, "_fingerprint", None)
+    return cache_key(operation, 1, dataset=fp, files=files, params=params)[:16]
 
 
 def _restore_format(ds: Any, fmt: dict[str, Any], added: list[str]) -> Any:
