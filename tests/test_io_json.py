@@ -85,3 +85,20 @@ def test_an_array_wrapped_in_one_key(tmp_path):
     assert [r for _, t in iter_part(split_file(file)[0]) for r in t.to_pylist()] == [
         {"data": [i]} for i in range(3)
     ]
+
+
+def test_json_that_python_reads_but_arrow_refuses_names_the_line_and_the_fix(tmp_path):
+    """U4, U5: a lone surrogate escape, and a key that is a list in one row and a string in another."""
+    from packtools import pack_files
+    from packtools.errors import PackingError
+
+    src = tmp_path / "u4.jsonl"
+    src.write_text('{"input_ids": [1, 2]}\n\n{"input_ids": [3], "note": "\\ud800"}\n')
+    with pytest.raises(PackingError, match=r"u4\.jsonl' line 3: .*lone UTF-16 surrogate escape"):
+        pack_files(str(src), str(tmp_path / "out"), max_length=8)
+    src = tmp_path / "u5.jsonl"
+    src.write_text('{"input_ids": [1], "meta": [1]}\n{"input_ids": [2], "meta": "x"}\n')
+    with pytest.raises(PackingError, match=r"u5\.jsonl' line 2: .*different types in different rows"):
+        pack_files(str(src), str(tmp_path / "out"), max_length=8)
+    src.write_text('{"input_ids": [1], "meta": [1]}\n{"input_ids": [2], "meta": [2]}\n')  # control
+    assert pack_files(str(src), str(tmp_path / "out"), max_length=8).stats["rows_in"] == 2

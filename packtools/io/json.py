@@ -83,6 +83,32 @@ def _find_bad_line(path: str, data: bytes, first_line: int) -> PackingError | No
     return None
 
 
+def _arrow_json_error(path: str, data: bytes, first_line: int, exc: Exception) -> PackingError:
+    """Arrow's refusal of valid JSON (Python's parser took every line), as a line number and what to change."""
+    msg = str(exc).replace("JSON parse error: ", "").strip()
+    where = f"lines {first_line}+"
+    found = re.search(r"in row (\d+)", msg)
+    if found:  # Arrow counts objects: the row-th non-blank line
+        rows = [i for i, raw in enumerate(data.split(b"\n")) if raw.strip()]
+        k = int(found.group(1))
+        if k < len(rows):
+            where = f"line {first_line + rows[k]}"
+        msg = msg[: found.start()].strip()
+    if "surrogate" in msg:
+        fix = (
+            "a lone UTF-16 surrogate escape (such as \\ud800) is not a character and cannot be read; replace or "
+            "remove it"
+        )
+    elif "changed from" in msg:
+        fix = (
+            "a key holds values of different types in different rows (e.g. a message's content as a list of parts "
+            "in one row and a string in another); one column has one type: make them all strings or all lists"
+        )
+    else:
+        fix = "fix that line"
+    return PackingError(f"input {path!r} {where}: JSON that Arrow cannot read ({msg}); {fix}.")
+
+
 def count_lines(path: str, stop: int) -> int:
     """Newlines in the first ``stop`` bytes of ``path`` (read in blocks; used to number lines on errors)."""
     n = 0
@@ -165,7 +191,7 @@ def iter_json_lines(
                     table = pj.read_json(pa.BufferReader(data), read_options=options)
                 except pa.ArrowInvalid as exc:
                     err = _find_bad_line(path, data, base.value + rel)
-                    raise (err or PackingError(f"input {path!r} lines {base.value + rel}+: {exc}")) from None
+                    raise (err or _arrow_json_error(path, data, base.value + rel, exc)) from None
                 yield rel + data.count(b"\n", 0, len(data) - len(body)), table
             rel += data.count(b"\n")
 
