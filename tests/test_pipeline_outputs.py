@@ -202,7 +202,7 @@ def test_a_concurrent_load_from_disk_sees_the_old_or_the_new_output_whole(tmp_pa
     reader = threading.Thread(target=read)
     reader.start()
     try:
-        for m in (16, 32, 16, 32, 16, 32):
+        for m in (16, 32, 16, 32):
             pack_files(src, out, max_length=m, shard_tokens=500)
     finally:
         stop.set()
