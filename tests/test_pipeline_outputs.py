@@ -58,6 +58,7 @@ def test_user_files_inside_an_output_stop_the_rerun(tmp_path, src, capsys):
     (out / "my_notes.md").write_text("mine")
     (out / "checkpoints").mkdir()
     (out / "checkpoints" / "step1.bin").write_bytes(b"\1")
+    assert pack_files(src, str(out), max_length=8).cached  # a cached rerun deletes nothing: not refused
     err = fails(["pack", src, "--out", str(out), "--max-length", "128", "--quiet"], capsys)
     assert (
         "'checkpoints', 'my_notes.md'" in err and "packtools did not write" in err and "Move them out" in err

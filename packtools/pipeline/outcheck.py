@@ -92,6 +92,13 @@ def check_out(out: str, inputs: Sequence[str], files: Sequence[InputFile]) -> No
                 param="out",
             )
         return
+
+
+def check_replaceable(out: str) -> None:
+    """Refuse to replace the packtools output ``out`` while it holds files packtools did not write (a run that
+    finds its output already there, a cache hit, deletes nothing and is not refused)."""
+    if read_manifest(out) is None or not os.path.isdir(out):
+        return
     foreign = foreign_entries(out)
     if foreign:
         shown = ", ".join(repr(n) for n in foreign[:5]) + (

@@ -53,7 +53,7 @@ from ..io.manifest import MANIFEST_FORMAT, read_manifest, write_manifest
 from .executors import EXECUTORS, Executor, get_executor, is_transient
 from .fast_tokenize import check_engine, engine_summary
 from .gather import WriteJob, run_token, shard_name, write_block, write_dataset_files
-from .outcheck import check_out
+from .outcheck import check_out, check_replaceable
 from .schema import data_format, known_columns, token_schema
 from .stage import StageJob, load_sidecar, stage_key, stage_part
 from .tokenize import FORMATS, output_columns
@@ -365,6 +365,7 @@ def run_pipeline(
         return PipelineResult(
             out, previous.get("stats", {}), cached=True, manifest=previous, notes=skipped_notes(skipped)
         )
+    check_replaceable(out)
     Workspace(out).refuse_if_held()  # before loading the tokenizer: a busy out fails at once
     fmt = data_format(files, config)
     if fmt == "preference" and config.overlong == "split":
