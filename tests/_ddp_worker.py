@@ -25,6 +25,7 @@ from packtools import PaddingFreeCollator, pack_dataset, packed_view, prepare_tr
 from packtools.errors import PackingError
 
 LR = 1.0
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the README loops
 
 
 class Recorder:
@@ -173,6 +174,62 @@ def check_dpo(out):
     }
 
 
+def loop_data():
+    """Packed rows and packed pairs for the README loops (the test rebuilds the same)."""
+    import dpo_loop
+
+    from packtools import pack_preference
+
+    pairs = pack_preference(dpo_loop.synthetic_pairs(40, 64, vocab_size=97), max_length=64)
+    return packed_rows(), pairs
+
+
+def check_loops(out):
+    """benchmarks/train_loop.py and dpo_loop.py under DDP, TokenBudgetBatchSampler(num_replicas=2) per rank."""
+    import copy
+
+    import dpo_loop
+    import train_loop
+    from torch.nn.parallel import DistributedDataParallel
+
+    from packtools import PreferenceCollator, TokenBudgetBatchSampler
+
+    if not torch.distributed.is_initialized():  # the Trainer checks before have set it up already
+        torch.distributed.init_process_group("gloo")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rows, pairs = loop_data()
+    results = {}
+    for name, data, collator, budget in (
+        ("loop_sft", rows, PaddingFreeCollator(PAD), 64),
+        ("loop_dpo", pairs, PreferenceCollator(PAD), 96),
+    ):
+        lengths = [len(r) for r in data["input_ids"]]
+        sampler = TokenBudgetBatchSampler(lengths, budget, num_replicas=world, rank=rank)
+        recorder = Recorder(collator, ids_key)
+        loader = torch.utils.data.DataLoader(data, batch_sampler=sampler, collate_fn=recorder)
+        model = tiny_llama("sdpa")
+        frozen = copy.deepcopy(model).eval().requires_grad_(False)
+        before = {k: p.detach().clone() for k, p in model.named_parameters()}
+        ddp = DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        if name == "loop_sft":
+            steps = train_loop.train(ddp, loader, opt, accumulation_steps=2)
+        else:
+            steps = dpo_loop.train_dpo(ddp, frozen, loader, opt, accumulation_steps=2)
+        results[name] = {"batches": list(recorder.batches), "steps": len(steps), "losses": steps}
+        # the first step's change is recomputed from a second run stopped after one step
+        model = tiny_llama("sdpa")
+        ddp = DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        if name == "loop_sft":
+            train_loop.train(ddp, loader, opt, accumulation_steps=2, max_steps=1)
+        else:
+            dpo_loop.train_dpo(ddp, frozen, loader, opt, accumulation_steps=2, max_steps=1)
+        delta = {k: before[k] - p.detach() for k, p in model.named_parameters()}
+        results[name]["delta"] = delta
+    return results
+
+
 def check_refusal(out):
     """A TokenBudgetBatchSampler(num_replicas=2) handed to accelerate's sharding is refused."""
     import accelerate
@@ -196,15 +253,24 @@ def main(out: str) -> None:
     rank = int(os.environ["RANK"])
     results = {}
     tmp = os.path.join(out, "work")  # shared by the ranks (rank 0 writes the checkpoints)
-    checks = (("sft", check_sft), ("dpo", check_dpo), ("resume", check_resume), ("refusal", check_refusal))
+    checks = (
+        ("sft", check_sft),
+        ("dpo", check_dpo),
+        ("resume", check_resume),
+        ("refusal", check_refusal),
+        ("loops", check_loops),
+    )
+    only = sys.argv[2].split(",") if len(sys.argv) > 2 else None  # e.g. "loops": run some checks only
     for name, check in checks:
+        if only and name not in only:
+            continue
         start = time.time()
         try:
             value = check(tmp)
         except Exception:
             value = {"error": traceback.format_exc()}
         results.setdefault("seconds", {})[name] = time.time() - start
-        if name in ("sft", "dpo") and "error" not in value:
+        if name in ("sft", "dpo", "loops") and "error" not in value:
             results.update(value)
         else:
             results[name] = value

@@ -49,11 +49,17 @@ def ranks(tmp_path_factory):
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-    for r, res in enumerate(results):
-        errors = {k: v["error"] for k, v in res.items() if isinstance(v, dict) and "error" in v}
-        assert not errors, f"rank {r}: {errors}"
-    return results
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def ok(ranks, *names):
+    """Fail (with the worker's traceback) when a check of the worker raised."""
+    for r, res in enumerate(ranks):
+        for name in names:
+            group = {"sft": "sft", "dpo": "dpo", "loop": "loops"}.get(name.split("_")[0], name)
+            value = res.get(name, res.get(group))
+            assert value is not None, f"rank {r}: no result for {name}"
+            assert not (isinstance(value, dict) and "error" in value), f"rank {r}: {value['error']}"
 
 
 def rel(a: dict, b: dict) -> float:
@@ -109,6 +115,7 @@ SFT = {"sft_packed": "packed", "sft_budget": "packed", "sft_view": "view", "sft_
 
 @pytest.mark.parametrize("name", list(SFT))
 def test_sft_step_equals_one_process_and_epoch_covers_every_row_once(ranks, rows, name):
+    ok(ranks, name)
     table = rows[SFT[name]]
     unpacked = SFT[name] == "unpacked"
     assert ranks[0][name]["steps"] == ranks[1][name]["steps"] > 1
@@ -130,6 +137,7 @@ def test_sft_step_equals_one_process_and_epoch_covers_every_row_once(ranks, rows
 
 def test_trainer_own_loader_repeats_rows_under_ddp_and_the_check_catches_it(ranks, rows):
     """Negative control for the coverage check: Trainer's even_batches padding trains some rows twice."""
+    ok(ranks, "sft_plain_trainer")
     seen = coverage(ranks, "sft_plain_trainer")
     assert set(seen) == set(rows["packed"])
     repeated = [k for k, n in seen.items() if n > 1]
@@ -158,6 +166,7 @@ def pair_ids(key, index):
 def test_dpo_step_equals_one_process_and_epoch_covers_every_pair_once(ranks, dpo_reference, name):
     import test_dpo
 
+    ok(ranks, name)
     reference, index = dpo_reference
     assert ranks[0][name]["steps"] == ranks[1][name]["steps"] > 1
     seen = collections.Counter(
@@ -175,6 +184,7 @@ def test_dpo_negative_control_the_mean_of_per_rank_means_is_another_step(ranks, 
     DDP does with TRL's loss alone) gives another update than the one the ranks made."""
     import test_dpo
 
+    ok(ranks, *DPO)
     reference, index = dpo_reference
     uneven = 0
     for name in DPO:
@@ -194,6 +204,7 @@ def test_dpo_negative_control_the_mean_of_per_rank_means_is_another_step(ranks, 
 
 # -- resume, refusal ------------------------------------------------------------------------------------
 def test_resume_mid_epoch_sees_the_batches_of_the_uninterrupted_run(ranks):
+    ok(ranks, "resume")
     for res in ranks:
         full, resumed = res["resume"]["full"], res["resume"]["resumed"]
         per_epoch = len(full) // 2
@@ -204,6 +215,45 @@ def test_resume_mid_epoch_sees_the_batches_of_the_uninterrupted_run(ranks):
 
 
 def test_token_budget_sampler_under_accelerate_sharding_is_refused(ranks):
+    ok(ranks, "refusal")
     for res in ranks:
         assert res["refusal"] is not None
         assert "prepare_trainer(trainer, max_tokens=N)" in res["refusal"]
+
+
+# -- the README loops -----------------------------------------------------------------------------------
+def test_readme_loops_under_ddp_equal_one_process(ranks):
+    """benchmarks/train_loop.py and dpo_loop.py, DDP-wrapped, one TokenBudgetBatchSampler per rank: the first
+    step equals the same loops run by one process on one batch of all the step's rows; every row once."""
+    import copy
+
+    ok(ranks, "loop_sft", "loop_dpo")
+    import _ddp_worker
+
+    from packtools import PreferenceCollator
+
+    rows, pairs = _ddp_worker.loop_data()
+    import dpo_loop
+    import train_loop
+
+    for name, data, collator in (
+        ("loop_sft", rows, PaddingFreeCollator(PAD)),
+        ("loop_dpo", pairs, PreferenceCollator(PAD)),
+    ):
+        table = {tuple(int(t) for t in r["input_ids"]): r for r in data}
+        assert ranks[0][name]["steps"] == ranks[1][name]["steps"] > 1
+        seen = coverage(ranks, name)
+        assert set(seen) == set(table) and set(seen.values()) == {1}
+        step_rows = [table[k] for p in first_step_rows(ranks, name) for k in p]
+        model = tiny_llama("sdpa")
+        frozen = copy.deepcopy(model).eval().requires_grad_(False)
+        before = {k: p.detach().clone() for k, p in model.named_parameters()}
+        opt = torch.optim.SGD(model.parameters(), lr=_ddp_worker.LR)
+        loader = [collator(step_rows)]  # one process, one batch: the step's global mean
+        if name == "loop_sft":
+            train_loop.train(model, loader, opt, max_steps=1)
+        else:
+            dpo_loop.train_dpo(model, frozen, loader, opt, max_steps=1)
+        whole = {k: before[k] - p.detach() for k, p in model.named_parameters()}
+        for res in ranks:
+            assert rel(res[name]["delta"], whole) < TOL, name

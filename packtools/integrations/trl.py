@@ -41,6 +41,7 @@ from ..constants import SEQ_LENGTHS
 from ..errors import PackingError
 from .budget_loader import install_train_loader
 from .distributed import check_loss_path, trainer_divides_by_accumulation, uneven_gather
+from .dpo_probe import check_padding_free_forward
 from .transformers import (
     _base_model,
     attention_implementation,
@@ -173,7 +174,17 @@ def install_padding_free_forward(model: Any) -> None:
     _check_fused_head(model)
     inner = base.forward
     base.forward = types.MethodType(_padding_free_forward(base, inner), base)
+    base.forward.__func__._packtools_inner = inner
     object.__setattr__(base, _WRAPPED, True)
+
+
+def uninstall_padding_free_forward(model: Any) -> None:
+    """Undo :func:`install_padding_free_forward` (TRL's fused-head forward comes back)."""
+    base = _base_model(model)
+    if vars(base).get(_WRAPPED):
+        forward = vars(base)["forward"]
+        base.forward = forward._packtools_inner
+        object.__delattr__(base, _WRAPPED)
 
 
 def _check_trainer(trainer: Any) -> None:
@@ -317,8 +328,16 @@ def prepare_dpo_trainer(
             run_probe(trainer, trainer.ref_model, switched=switched)
         for model in models:
             _check_fused_head(model)
-    for model in models:
-        install_padding_free_forward(model)
+        for model in models:
+            install_padding_free_forward(model)
+        if check_isolation:  # the same probe through the forward training calls (seq_idx and all)
+            try:
+                for model in models:
+                    check_padding_free_forward(model)
+            except PackingError:
+                for model in models:
+                    uninstall_padding_free_forward(model)
+                raise
     guard_model(trainer.model)
     if trainer.ref_model is not None:
         guard_model(trainer.ref_model)
