@@ -46,3 +46,26 @@ def test_seq_idx_reaches_a_model_that_names_it():
     mask = (ids != 0).long()
     model(input_ids=ids, attention_mask=mask, labels=ids, fused_lm_head=True)
     assert seen["seq_idx"].tolist() == [[0, 0, 0, 1, 1]]
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_dpo_step_scaling_follows_the_trainer_predicate(tmp_path, scaled):
+    """Flip the predicate Trainer reads (loss_is_scaled_for_ga): Trainer then divides by the accumulation steps
+    or not, and the step must stay the mean over all its pairs either way (the old code assumed a division
+    and would be 3x off with True)."""
+    import test_dpo
+
+    prepared, _ = test_dpo.packed_trainer(
+        tmp_path,
+        max_length=64,
+        gradient_accumulation_steps=3,
+        per_device_train_batch_size=1,
+        max_steps=1,
+        remove_unused_columns=False,
+    )
+    prepared.loss_is_scaled_for_ga = scaled
+    step, seen = test_dpo.step_gradients(prepared)
+    micro = [p for batch in seen[:3] for row in batch for p in row]
+    reference = test_dpo.build(tmp_path, n=16)
+    whole = test_dpo.loss_metrics_grads(reference, test_dpo.trl_batch(reference, micro))[2]
+    assert max(float((step[k] - whole[k]).abs().max()) for k in whole) < test_dpo.TOL

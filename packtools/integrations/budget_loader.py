@@ -205,7 +205,10 @@ def install_train_loader(trainer: Any, max_tokens: int | None = None) -> None:
             dataset = self._remove_unused_columns(dataset, description="Training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="Training")
-        if isinstance(dataset, torch.utils.data.IterableDataset):
+        streaming = isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__")
+        if streaming and max_tokens is None:  # a stream has no length to plan from: Trainer shards it
+            return original()
+        if streaming:
             raise PackingError(
                 "token-budget / per-rank batches need a map-style training dataset (with a length); "
                 "got an IterableDataset.",

@@ -19,7 +19,13 @@ model:
   pairs.  Here the loss of an optimizer step is **the mean over all pairs of the step** (over all processes):
   ``Trainer`` prefetches the micro-batches of a step, their pairs are counted (summed across processes), and
   each micro-batch's loss is rescaled by ``its pairs / step pairs`` (times the factors ``Trainer`` and DDP
-  divide by).  With equal micro-batches this is TRL's loss exactly; the logged ``loss`` is the step mean.
+  divide by: the number of processes, and the accumulation steps only when the installed ``Trainer``'s own
+  predicate says ``training_step`` divides, :func:`~packtools.integrations.distributed.trainer_divides_by_accumulation`).
+  With equal micro-batches this is TRL's loss exactly; the logged ``loss`` is the step mean.
+* **Several processes.**  Ranks hold different numbers of pairs; TRL's gathers of per-pair metrics are made
+  size-safe (:func:`~packtools.integrations.distributed.uneven_gather`), and the training loader gives every
+  process the same number of micro-batches without repeating a pair (``max_tokens=N`` for token-budget
+  batches of whole pairs; :mod:`packtools.integrations.budget_loader`).
 * **Guards.**  Those of :func:`packtools.prepare_trainer`: the attention backend must isolate packed sequences
   (:func:`~packtools.integrations.transformers.check_attention_implementation`), the forward runs with
   ``use_cache=False`` (:func:`~packtools.integrations.transformers.guard_model`) and the flat call is checked
