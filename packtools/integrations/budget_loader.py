@@ -36,7 +36,13 @@ PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
 
 class RankBatches:
-    """A rank's batch sampler as ``Trainer`` sees it: no ``batch_size``, ``set_epoch`` forwarded."""
+    """A rank's batch sampler as ``Trainer`` sees it: no ``batch_size``, ``set_epoch`` forwarded.
+
+    >>> from packtools.batches.row_sampler import RowBatchSampler
+    >>> batches = RankBatches(RowBatchSampler(5, 2, shuffle=False, num_replicas=2, rank=1))
+    >>> len(batches), list(batches)
+    (2, [[1], [4]])
+    """
 
     def __init__(self, sampler: Any) -> None:
         self.sampler = sampler

@@ -42,6 +42,13 @@ def trainer_divides_by_accumulation(trainer: Any, num_items_in_batch: Any = None
     """Whether ``Trainer.training_step`` divides the loss of ``compute_loss`` by the step's micro-batches.
 
     The same predicate the installed ``transformers.Trainer`` evaluates (see :func:`check_loss_path`).
+
+    >>> from types import SimpleNamespace as T
+    >>> trainer_divides_by_accumulation(T(loss_is_scaled_for_ga=False))  # TRL's DPOTrainer
+    True
+    >>> trainer_divides_by_accumulation(T(loss_is_scaled_for_ga=None, model_accepts_loss_kwargs=True,
+    ...                                   compute_loss_func=None), num_items_in_batch=40)
+    False
     """
     flag = getattr(trainer, "loss_is_scaled_for_ga", None)
     if flag is not None:

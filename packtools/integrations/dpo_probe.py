@@ -30,6 +30,18 @@ def check_padding_free_forward(
     ``model`` must carry packtools' padding-free forward
     (:func:`~packtools.integrations.trl.install_padding_free_forward`).  Runs under ``no_grad`` in eval mode
     and restores the mode.
+
+    >>> import torch
+    >>> from trl.trainer.utils import add_fused_lm_head
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from packtools.integrations.trl import install_padding_free_forward
+    >>> _ = torch.manual_seed(0)
+    >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa"))
+    >>> add_fused_lm_head(model)
+    >>> install_padding_free_forward(model)
+    >>> check_padding_free_forward(model) < 1e-5
+    True
     """
     torch = require("torch", "packtools.prepare_dpo_trainer")
     base = _base_model(model)
