@@ -116,7 +116,8 @@ def check_resume(out):
     from packtools import TokenBudgetBatchSampler
 
     lengths = [len(r) for r in rows["input_ids"]]
-    per_epoch = -(-len(TokenBudgetBatchSampler(lengths, 64, num_replicas=2)) // 2)
+    world = int(os.environ["WORLD_SIZE"])
+    per_epoch = -(-len(TokenBudgetBatchSampler(lengths, 64, num_replicas=world)) // 2)
     resume_at = per_epoch + 1  # one optimizer step into epoch 1
     full = run_sft(
         ckpt,
