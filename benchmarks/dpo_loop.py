@@ -23,9 +23,17 @@ from typing import Any
 
 
 def train_dpo(model, ref_model, loader, optimizer, beta=0.1, accumulation_steps=1, max_steps=None):
-    """DPO on packed pair batches; return the loss of each optimizer step (the mean over its pairs)."""
+    """DPO on packed pair batches; return the loss of each optimizer step (the mean over its pairs).
+
+    Under DDP (``torch.distributed`` initialized, ``model`` wrapped in ``DistributedDataParallel``, a
+    ``TokenBudgetBatchSampler(num_replicas=world, rank=rank)`` per process) the pairs of the window are counted
+    over all processes and each loss is multiplied by the number of processes (DDP averages gradients).
+    """
     import torch
+    import torch.distributed as dist
     import torch.nn.functional as F
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
     from packtools import sequence_logps
 
@@ -38,6 +46,10 @@ def train_dpo(model, ref_model, loader, optimizer, beta=0.1, accumulation_steps=
             break
         # Pairs in the whole window: every micro-batch's loss is divided by this count.
         num_pairs = sum((len(b["cu_seq_lens_q"]) - 1) // 2 for b in window)
+        if world > 1:  # over all processes: the mean over every pair of the step
+            total = torch.tensor([num_pairs])
+            dist.all_reduce(total)
+            num_pairs = int(total)
         step_loss = 0.0
         for batch in window:
             # One padding-free row; use_cache=False so sdpa/eager keep the packed sequences apart.
@@ -60,10 +72,14 @@ def train_dpo(model, ref_model, loader, optimizer, beta=0.1, accumulation_steps=
             # Columns: 0 chosen, 1 rejected.  -log sigmoid(beta * (policy margin - reference margin)).
             margins = (policy[:, 0] - ref[:, 0]) - (policy[:, 1] - ref[:, 1])
             loss = -F.logsigmoid(beta * margins).sum() / num_pairs
-            loss.backward()
+            (loss * world).backward()  # DDP averages gradients over the processes
             step_loss += loss.item()
         optimizer.step()
         optimizer.zero_grad()
+        if world > 1:
+            shared = torch.tensor([step_loss])
+            dist.all_reduce(shared)
+            step_loss = float(shared)
         losses.append(step_loss)
     return losses
 

@@ -4,9 +4,10 @@ Usage (on a CUDA machine with flash-attn installed):
     python benchmarks/gpu_check.py [--dtypes bf16,fp16] [--seed 0] [--require-flash]
     python benchmarks/gpu_check.py --device cpu      # smoke run of the script itself (reference + sdpa only)
 
-Part 1 runs ``packtools.varlen_attention`` with ``backend="flash"`` (``flash_attn_varlen_func``) and with the
-reference (SDPA per sequence) on the same inputs, forward and backward, causal and not, with grouped-query
-attention.  The yardstick is the reference in float32: flash passes when its error is at most twice the error
+Part 1 runs ``packtools.varlen_attention`` with ``backend="flash"`` (``flash_attn_varlen_func``, when flash-attn
+is installed), with ``backend="torch"`` (PyTorch's ``torch.nn.attention.varlen.varlen_attn``, what ``"auto"``
+uses on CUDA without flash-attn; torch >= 2.9) and with the reference (SDPA per sequence) on the same inputs,
+forward and backward, causal and not, with grouped-query attention.  The yardstick is the reference in float32: flash passes when its error is at most twice the error
 of the reference run in the same low precision, plus a small floor (the test rule flash-attn itself uses).
 
 Part 2 packs documents with packtools, collates them with ``PaddingFreeCollator(pad_to_multiple_of=64)`` and runs
@@ -40,7 +41,11 @@ def max_err(a, b) -> float:
 
 
 # -- part 1: varlen attention -------------------------------------------------------------------------
-def check_attention(torch, device: str, dtype, flash: bool, seed: int) -> tuple[list[list[str]], bool]:
+def check_attention(
+    torch, device: str, dtype, backends: list[str], seed: int
+) -> tuple[list[list[str]], bool]:
+    """Each fast backend (``flash``: flash-attn, ``torch``: torch.nn.attention.varlen.varlen_attn) against the
+    float32 reference, judged by the error of the reference itself run in ``dtype``."""
     from packtools import varlen_attention
 
     cases = [
@@ -72,30 +77,32 @@ def check_attention(torch, device: str, dtype, flash: bool, seed: int) -> tuple[
         lo_out, lo_grads = run(*low, "reference")
         e_lo = max_err(lo_out, ref_out)
         g_lo = max(max_err(a, b) for a, b in zip(lo_grads, ref_grads))
-        if flash:
-            fl_out, fl_grads = run(*low, "flash")
-            e_fl = max_err(fl_out, ref_out)
-            g_fl = max(max_err(a, b) for a, b in zip(fl_grads, ref_grads))
-            floor = FLOOR[str(dtype).split(".")[-1]]
-            passed = e_fl <= 2 * e_lo + floor and g_fl <= 2 * g_lo + floor
-            ok &= passed
-            verdict = "PASS" if passed else "FAIL"
-            fl = (f"{e_fl:.2e}", f"{g_fl:.2e}")
-        else:
-            verdict, fl = "SKIP (no flash-attn)", ("-", "-")
-        rows.append(
-            [
-                f"{len(lengths)} seqs, max {m}",
-                f"{hq}/{hk}x{d}",
-                "causal" if causal else "full",
-                str(dtype).split(".")[-1],
-                fl[0],
-                f"{e_lo:.2e}",
-                fl[1],
-                f"{g_lo:.2e}",
-                verdict,
-            ]
-        )
+        for backend in backends or ["-"]:
+            if backend == "-":
+                verdict, fl = "SKIP (no CUDA varlen kernel)", ("-", "-")
+            else:
+                fl_out, fl_grads = run(*low, backend)
+                e_fl = max_err(fl_out, ref_out)
+                g_fl = max(max_err(a, b) for a, b in zip(fl_grads, ref_grads))
+                floor = FLOOR[str(dtype).split(".")[-1]]
+                passed = e_fl <= 2 * e_lo + floor and g_fl <= 2 * g_lo + floor
+                ok &= passed
+                verdict = "PASS" if passed else "FAIL"
+                fl = (f"{e_fl:.2e}", f"{g_fl:.2e}")
+            rows.append(
+                [
+                    f"{len(lengths)} seqs, max {m}",
+                    f"{hq}/{hk}x{d}",
+                    "causal" if causal else "full",
+                    str(dtype).split(".")[-1],
+                    backend,
+                    fl[0],
+                    f"{e_lo:.2e}",
+                    fl[1],
+                    f"{g_lo:.2e}",
+                    verdict,
+                ]
+            )
     return rows, ok
 
 
@@ -225,19 +232,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.require_flash and not flash:
         print("FAIL: flash-attn is not importable (pip install 'packtools[flash]').")
         return 1
-    dtypes = [getattr(torch, DTYPES[d]) for d in args.dtypes.split(",")] if flash else [torch.float32]
-    if not flash:
-        print("flash-attn not used (not installed, or not on CUDA): flash rows are skipped, Llama runs sdpa.")
+    from packtools.batches.attention import _torch_varlen
+
+    torch_varlen = _torch_varlen() is not None and args.device.startswith("cuda")
+    backends = (["flash"] if flash else []) + (["torch"] if torch_varlen else [])
+    fast = bool(backends)
+    dtypes = [getattr(torch, DTYPES[d]) for d in args.dtypes.split(",")] if fast else [torch.float32]
+    if not fast:
+        print(
+            "no CUDA varlen kernel (not on CUDA, or neither flash-attn nor torch varlen_attn): rows skipped."
+        )
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     print(f"device {name}; torch {torch.__version__}; flash-attn {flash_version}\n")
 
     ok = True
     att_rows = []
     for dtype in dtypes:
-        rows, passed = check_attention(torch, args.device, dtype, flash, args.seed)
+        rows, passed = check_attention(torch, args.device, dtype, backends, args.seed)
         att_rows += rows
         ok &= passed
-    print("Part 1: varlen_attention, flash vs reference (max abs error against the float32 reference)")
+    print(
+        "Part 1: varlen_attention, flash-attn and torch varlen_attn vs reference "
+        "(max abs error against the float32 reference)"
+    )
     print(
         table(
             att_rows,
@@ -246,9 +263,10 @@ def main(argv: list[str] | None = None) -> int:
                 "heads q/kv x dim",
                 "mask",
                 "dtype",
-                "out err flash",
+                "backend",
+                "out err fast",
                 "out err ref lowp",
-                "grad err flash",
+                "grad err fast",
                 "grad err ref lowp",
                 "verdict",
             ],

@@ -23,7 +23,17 @@ from typing import Any
 
 
 def train(model, loader, optimizer, accumulation_steps=1, device="cpu", max_steps=None):
-    """Train ``model`` on the batches of ``loader``; return the loss of each optimizer step."""
+    """Train ``model`` on the batches of ``loader``; return the loss of each optimizer step.
+
+    Under DDP (``torch.distributed`` initialized, ``model`` wrapped in ``DistributedDataParallel``, one
+    ``TokenBudgetBatchSampler(num_replicas=world, rank=rank)`` per process, so every process runs the same
+    number of micro-batches), the denominator is the predicted tokens of the window over all processes and
+    each loss is multiplied by the number of processes, which DDP's gradient mean divides by again.
+    """
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     model.train()
     batches = iter(loader)
     losses = []
@@ -33,15 +43,23 @@ def train(model, loader, optimizer, accumulation_steps=1, device="cpu", max_step
             break
         # Tokens predicted in the whole accumulation window: the loss denominator of every micro-batch.
         num_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in window)
+        if world > 1:  # over all processes: the global token mean
+            total = torch.tensor([num_items])
+            dist.all_reduce(total)
+            num_items = int(total)
         step_loss = 0.0
         for batch in window:
             batch = {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
             # use_cache=False: with sdpa/eager, transformers separates packed sequences only without a cache.
             loss = model(**batch, use_cache=False, num_items_in_batch=num_items).loss
-            loss.backward()
+            (loss * world).backward()  # DDP averages gradients over the processes
             step_loss += loss.item()
         optimizer.step()
         optimizer.zero_grad()
+        if world > 1:  # this process's share of the step's loss, summed over processes
+            shared = torch.tensor([step_loss])
+            dist.all_reduce(shared)
+            step_loss = float(shared)
         losses.append(step_loss)
     return losses
 

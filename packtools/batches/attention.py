@@ -13,6 +13,7 @@ head ``h`` reading k/v head ``h // (heads_q // heads_k)``) is supported by both 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from types import ModuleType
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 from .._optional import require
 from ..errors import PackingError
 
-BACKENDS = ("auto", "flash", "reference")
+BACKENDS = ("auto", "flash", "torch", "reference")
 
 
 def _torch() -> ModuleType:
@@ -127,6 +128,49 @@ def _reference(
     return torch.cat(outs, dim=0)
 
 
+def _torch_varlen() -> Any:
+    """``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.9, CUDA kernels only), or None."""
+    try:
+        from torch.nn.attention import varlen
+    except ImportError:
+        return None
+    return getattr(varlen, "varlen_attn", None)
+
+
+def torch_varlen_kwargs(fn: Any, causal: bool, scale: float, heads_q: int, heads_k: int) -> dict[str, Any]:
+    """Keyword arguments for the installed ``varlen_attn`` (its keywords changed across torch releases).
+
+    torch 2.13: ``window_size=(-1, 0)`` is causal (bottom-right aligned, as flash-attn), ``(-1, -1)`` full;
+    ``enable_gqa`` for fewer k/v heads; ``scale``.  Older releases took ``is_causal``.  Raises
+    :class:`PackingError` when the signature offers neither, rather than guess.
+    """
+    params = inspect.signature(fn).parameters
+    kwargs: dict[str, Any] = {}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    elif "is_causal" in params:
+        kwargs["is_causal"] = causal
+    else:
+        raise PackingError(
+            f"torch.nn.attention.varlen.varlen_attn{inspect.signature(fn)} takes neither window_size nor "
+            f"is_causal; packtools cannot tell it causality. Install flash-attn, or use backend='reference'."
+        )
+    if "scale" not in params:
+        raise PackingError(
+            f"torch.nn.attention.varlen.varlen_attn{inspect.signature(fn)} takes no scale; install flash-attn, "
+            f"or use backend='reference'."
+        )
+    kwargs["scale"] = scale
+    if heads_q != heads_k:
+        if "enable_gqa" not in params:
+            raise PackingError(
+                f"q has {heads_q} heads and k/v {heads_k}, but this torch's varlen_attn has no enable_gqa; "
+                f"install flash-attn, or use backend='reference'."
+            )
+        kwargs["enable_gqa"] = True
+    return kwargs
+
+
 def _flash_eligible(q: Any, k: Any, v: Any) -> bool:
     torch = _torch()
     half = (torch.float16, torch.bfloat16)
@@ -199,7 +243,10 @@ def varlen_attention(
     ``(q, k, v, cu, cu, m, m, dropout_p)`` raises instead of silently turning causality off.
 
     ``backend="auto"`` calls ``flash_attn.flash_attn_varlen_func`` when flash-attn is installed and the tensors
-    are CUDA float16/bfloat16, else the PyTorch reference; ``"flash"`` or ``"reference"`` force one.  ``check``
+    are CUDA float16/bfloat16; without flash-attn, on those tensors, PyTorch's own
+    ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.9; keywords read from the installed signature,
+    :func:`torch_varlen_kwargs`; not with dropout); else the PyTorch reference.  ``"flash"``, ``"torch"`` or
+    ``"reference"`` force one.  ``check``
     validates ``cu_seqlens`` and ``max_seqlen`` (on CUDA this reads the boundaries back to the host once).
 
     >>> import torch
@@ -247,6 +294,30 @@ def varlen_attention(
         flash = require("flash_attn", "varlen_attention(backend='flash')")
     elif backend == "auto" and _flash_eligible(q, k, v):
         flash = _flash_module()
+    torch_fn = None
+    if backend == "torch" or (backend == "auto" and flash is None and _flash_eligible(q, k, v)):
+        torch_fn = _torch_varlen()
+        if backend == "torch" and (torch_fn is None or not _flash_eligible(q, k, v)):
+            raise PackingError(
+                "backend='torch' needs torch.nn.attention.varlen.varlen_attn (torch >= 2.9) and CUDA "
+                "float16/bfloat16 tensors (it has no CPU kernel); use backend='reference' elsewhere.",
+                param="backend",
+            )
+        if dropout_p > 0.0:  # varlen_attn has no dropout
+            if backend == "torch":
+                raise PackingError("varlen_attn has no dropout; use dropout_p=0 or another backend.")
+            torch_fn = None
+    if torch_fn is not None:
+        return torch_fn(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            **torch_varlen_kwargs(torch_fn, causal, scale, q.shape[1], k.shape[1]),
+        )
     if flash is not None:
         return flash.flash_attn_varlen_func(
             q=q,

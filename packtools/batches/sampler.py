@@ -178,6 +178,22 @@ class TokenBudgetBatchSampler:
             )
         return sizes
 
+    @property
+    def batch_size(self) -> None:
+        """``None`` (batches vary in rows).  With ``num_replicas > 1`` reading it raises: the readers of a batch
+        sampler's ``batch_size`` are sharding wrappers (accelerate's ``BatchSamplerShard``), and sharding an
+        already sharded sampler again would keep ``1/num_replicas`` of each rank's batches."""
+        if self.num_replicas > 1:
+            raise PackingError(
+                f"TokenBudgetBatchSampler(num_replicas={self.num_replicas}) is already sharded across ranks and "
+                f"is being wrapped by a sampler that shards again (accelerate's BatchSamplerShard, through "
+                f"accelerator.prepare or Trainer): each rank would keep 1/{self.num_replicas} of its batches. "
+                f"Under Trainer use packtools.prepare_trainer(trainer, max_tokens=N) (or prepare_dpo_trainer(..., "
+                f"max_tokens=N)); in your own loop do not pass this DataLoader to accelerator.prepare.",
+                param="batch_sampler",
+            )
+        return None
+
     def batch_tokens(self, epoch: int | None = None) -> np.ndarray:
         """Tokens in each batch of ``epoch`` (default: the current one), all ranks, in step order."""
         saved = self.epoch

@@ -433,7 +433,9 @@ def run_probe(trainer: Any, *extra_models: Any, switched: Sequence[Any] = ()) ->
         ) from None
 
 
-def prepare_trainer(trainer: Any, *, check_isolation: bool = True, segmented_sdpa: bool = True) -> Any:
+def prepare_trainer(
+    trainer: Any, *, max_tokens: int | None = None, check_isolation: bool = True, segmented_sdpa: bool = True
+) -> Any:
     """Make a ``transformers.Trainer`` (or TRL ``SFTTrainer``) train correctly on packed padding-free batches.
 
     Call it once, after building the trainer and before ``train()``::
@@ -458,7 +460,9 @@ def prepare_trainer(trainer: Any, *, check_isolation: bool = True, segmented_sdp
     With ``segmented_sdpa=True`` (the default) an ``sdpa`` model is switched to packtools' per-sequence
     ``sdpa`` (:func:`use_segmented_sdpa`): a padding-free row's attention then costs ``sum(L_i²)`` like
     FlashAttention varlen instead of ``(sum L_i)²`` under the block-diagonal mask, with the same result
-    (the probe runs on it).  Returns the trainer.
+    (the probe runs on it).  ``max_tokens=N`` batches by a token budget per process; with several processes
+    every process runs the same number of micro-batches and no row is repeated
+    (:mod:`packtools.integrations.budget_loader`).  Returns the trainer.
     """
     require("transformers", "packtools.integrations.transformers.prepare_trainer")
     check_attention_implementation(trainer.model)
@@ -479,6 +483,9 @@ def prepare_trainer(trainer: Any, *, check_isolation: bool = True, segmented_sdp
             stacklevel=2,
         )
     trainer.data_collator = adapt_collator(trainer.data_collator, trainer.model)
+    from .budget_loader import install_train_loader
+
+    install_train_loader(trainer, max_tokens)
     guard_model(trainer.model)
     with segmented_sdpa_until_checked([trainer.model], segmented_sdpa) as switched:
         if check_isolation:

@@ -19,7 +19,13 @@ model:
   pairs.  Here the loss of an optimizer step is **the mean over all pairs of the step** (over all processes):
   ``Trainer`` prefetches the micro-batches of a step, their pairs are counted (summed across processes), and
   each micro-batch's loss is rescaled by ``its pairs / step pairs`` (times the factors ``Trainer`` and DDP
-  divide by).  With equal micro-batches this is TRL's loss exactly; the logged ``loss`` is the step mean.
+  divide by: the number of processes, and the accumulation steps only when the installed ``Trainer``'s own
+  predicate says ``training_step`` divides, :func:`~packtools.integrations.distributed.trainer_divides_by_accumulation`).
+  With equal micro-batches this is TRL's loss exactly; the logged ``loss`` is the step mean.
+* **Several processes.**  Ranks hold different numbers of pairs; TRL's gathers of per-pair metrics are made
+  size-safe (:func:`~packtools.integrations.distributed.uneven_gather`), and the training loader gives every
+  process the same number of micro-batches without repeating a pair (``max_tokens=N`` for token-budget
+  batches of whole pairs; :mod:`packtools.integrations.budget_loader`).
 * **Guards.**  Those of :func:`packtools.prepare_trainer`: the attention backend must isolate packed sequences
   (:func:`~packtools.integrations.transformers.check_attention_implementation`), the forward runs with
   ``use_cache=False`` (:func:`~packtools.integrations.transformers.guard_model`) and the flat call is checked
@@ -32,20 +38,26 @@ to compare against the padded trainer bit for bit.
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any
 
 from .._optional import require
 from ..constants import SEQ_LENGTHS
 from ..errors import PackingError
+from .budget_loader import install_train_loader
+from .distributed import check_loss_path, trainer_divides_by_accumulation, uneven_gather
+from .dpo_probe import check_padding_free_forward
 from .transformers import (
     _base_model,
     attention_implementation,
     check_attention_implementation,
     check_forward_inputs,
+    forward_accepts,
     guard_model,
     run_probe,
     segmented_sdpa_until_checked,
+    token_mixing_layers,
 )
 
 _WRAPPED = "_packtools_padding_free"
@@ -80,6 +92,10 @@ def padding_free_layout(attention_mask: Any) -> tuple[Any, Any, Any]:
 
 def _padding_free_forward(model: Any, inner: Any) -> Any:
     torch = require("torch", "packtools.prepare_dpo_trainer")
+    mixers = tuple(token_mixing_layers(model))
+    # seq_idx goes to models that name it, or that take **kwargs and have token-mixing layers (hybrids).
+    names = inspect.signature(_base_model(model).forward).parameters
+    send_seq_idx = "seq_idx" in names or (bool(mixers) and forward_accepts(model, "seq_idx"))
 
     def forward(self: Any, *args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
         ids, mask, labels = kwargs.get("input_ids"), kwargs.get("attention_mask"), kwargs.get("labels")
@@ -110,6 +126,10 @@ def _padding_free_forward(model: Any, inner: Any) -> Any:
             starts, lengths
         )
         longest = int(lengths.max())
+        if send_seq_idx:  # Mamba-2 style layers read only seq_idx in their kernels
+            kwargs["seq_idx"] = torch.repeat_interleave(
+                torch.arange(n_seq, dtype=torch.int32, device=ids.device), lengths
+            )[None]
         flat = {
             "input_ids": flat_ids[None],
             "labels": flat_labels[None],
@@ -121,7 +141,7 @@ def _padding_free_forward(model: Any, inner: Any) -> Any:
             **kwargs,
         }
         flat["use_cache"] = False
-        check_forward_inputs(flat, attention_implementation(self))
+        check_forward_inputs(flat, attention_implementation(self), mixers)
         out = inner(fused_lm_head=True, **flat)
         # Flat output i scores token i + 1; padded (b, j) scores token j + 1 of sequence b.
         target = valid[:, 1:]
@@ -160,7 +180,17 @@ def install_padding_free_forward(model: Any) -> None:
     _check_fused_head(model)
     inner = base.forward
     base.forward = types.MethodType(_padding_free_forward(base, inner), base)
+    base.forward.__func__._packtools_inner = inner
     object.__setattr__(base, _WRAPPED, True)
+
+
+def uninstall_padding_free_forward(model: Any) -> None:
+    """Undo :func:`install_padding_free_forward` (TRL's fused-head forward comes back)."""
+    base = _base_model(model)
+    if vars(base).get(_WRAPPED):
+        forward = vars(base)["forward"]
+        base.forward = forward._packtools_inner
+        object.__delattr__(base, _WRAPPED)
 
 
 def _check_trainer(trainer: Any) -> None:
@@ -202,16 +232,19 @@ def _mean_over_step(trainer: Any) -> None:
     def compute_loss(
         model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
-        result = original(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        with uneven_gather(trainer.accelerator):  # per-pair metrics: ranks hold different numbers of pairs
+            result = original(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         step_pairs = getattr(trainer, "_packtools_step_pairs", None)
         if not trainer.model.training or not step_pairs:
             return result
         loss = result[0] if return_outputs else result
         pairs = int(inputs["completion_mask"].shape[0]) // 2
-        # Trainer divides by the micro-batches of the step, DDP averages over processes: undo both.
-        scale = (
-            pairs * trainer.current_gradient_accumulation_steps * max(trainer.args.world_size, 1) / step_pairs
-        )
+        # Undo what training_step divides by (read from Trainer's own predicate) and DDP's mean over processes.
+        divided = trainer_divides_by_accumulation(trainer, num_items_in_batch)
+        steps = trainer.current_gradient_accumulation_steps if divided else 1
+        scale = pairs * steps * max(trainer.args.world_size, 1) / step_pairs
         loss = loss * scale
         return (loss, result[1]) if return_outputs else loss
 
@@ -254,7 +287,12 @@ def _use_packed_dataset(trainer: Any, dataset: Any) -> None:
 
 
 def prepare_dpo_trainer(
-    trainer: Any, train_dataset: Any = None, *, check_isolation: bool = True, segmented_sdpa: bool = True
+    trainer: Any,
+    train_dataset: Any = None,
+    *,
+    max_tokens: int | None = None,
+    check_isolation: bool = True,
+    segmented_sdpa: bool = True,
 ) -> Any:
     """Make a TRL ``DPOTrainer`` run without padding, with TRL's own loss code; returns the trainer.
 
@@ -269,7 +307,11 @@ def prepare_dpo_trainer(
         packed = pack_preference(trainer.train_dataset, max_length=4096)
         prepare_dpo_trainer(trainer, train_dataset=packed).train()
 
-    The loss of an optimizer step is the mean over all pairs of the step (see the module docstring).
+    The loss of an optimizer step is the mean over all pairs of the step, over all processes (see the module
+    docstring).  ``max_tokens=N`` batches whole pairs (or whole packed pair rows) by a token budget per process,
+    balanced across processes by attention cost; with several processes and no ``max_tokens`` each process
+    gets ``per_device_train_batch_size`` rows per micro-batch, the same number of micro-batches everywhere, and
+    no row is repeated (:mod:`packtools.integrations.budget_loader`).
     With ``check_isolation=True`` (the default) the policy and the reference model first go through
     :func:`packtools.check_isolation` (tiny inputs, no gradients): a model whose packed sequences leak is
     refused before training; ``check_isolation=False`` skips it.
@@ -281,6 +323,7 @@ def prepare_dpo_trainer(
     """
     require("trl", "packtools.prepare_dpo_trainer")
     _check_trainer(trainer)
+    check_loss_path(trainer)
     if vars(trainer).get(_PATCHED):
         raise PackingError("prepare_dpo_trainer was already called on this trainer.")
     models = [m for m in (trainer.model, trainer.ref_model) if m is not None]
@@ -291,13 +334,22 @@ def prepare_dpo_trainer(
             run_probe(trainer, trainer.ref_model, switched=switched)
         for model in models:
             _check_fused_head(model)
-    for model in models:
-        install_padding_free_forward(model)
+        for model in models:
+            install_padding_free_forward(model)
+        if check_isolation:  # the same probe through the forward training calls (seq_idx and all)
+            try:
+                for model in models:
+                    check_padding_free_forward(model)
+            except PackingError:
+                for model in models:
+                    uninstall_padding_free_forward(model)
+                raise
     guard_model(trainer.model)
     if trainer.ref_model is not None:
         guard_model(trainer.ref_model)
     if train_dataset is not None:
         _use_packed_dataset(trainer, train_dataset)
+    install_train_loader(trainer, max_tokens)
     _count_step_pairs(trainer)
     _mean_over_step(trainer)
     object.__setattr__(trainer, _PATCHED, True)

@@ -1,0 +1,238 @@
+"""The training dataloader of a ``Trainer`` under data parallelism: per-rank batches, each row once per epoch.
+
+:func:`install_train_loader` replaces ``trainer.get_train_dataloader`` by one whose batches come from a
+rank-aware batch sampler of packtools:
+
+* ``max_tokens=N``: a :class:`~packtools.TokenBudgetBatchSampler` per rank (batches of at most ``N`` tokens,
+  balanced across ranks by attention cost, ``sum(L_i²)`` per packed segment or per sequence of a pair);
+* otherwise, with several processes: a :class:`~packtools.batches.row_sampler.RowBatchSampler`
+  (``per_device_train_batch_size`` rows, the same number of batches on every rank, no row repeated; the
+  rows accelerate's ``even_batches`` would have repeated are spread by splitting batches instead).
+
+The loader still goes through ``accelerator.prepare`` (device placement, the data-loader state ``Trainer``
+reads), but accelerate's ``BatchSamplerShard`` is made a pass-through (the sampler already shards), and it
+forwards ``set_epoch`` to the sampler, also after ``skip_first_batches`` wraps it when resuming from a
+checkpoint.  Every epoch is a deterministic function of ``(seed, epoch)``, so a resumed run sees the batches
+the uninterrupted run would have.
+
+:func:`check_sharding` refuses a ``TokenBudgetBatchSampler(num_replicas > 1)`` under accelerate's own
+sharding (each rank would keep ``1/W`` of its own batches and skip ``(W-1)/W`` of every epoch).
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from typing import Any
+
+import numpy as np
+
+from .._optional import require
+from ..constants import SEQ_LENGTHS
+from ..errors import PackingError
+
+_INSTALLED = "_packtools_train_loader"
+PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+
+class RankBatches:
+    """A rank's batch sampler as ``Trainer`` sees it: no ``batch_size``, ``set_epoch`` forwarded.
+
+    >>> from packtools.batches.row_sampler import RowBatchSampler
+    >>> batches = RankBatches(RowBatchSampler(5, 2, shuffle=False, num_replicas=2, rank=1))
+    >>> len(batches), list(batches)
+    (2, [[1], [4]])
+    """
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Any:
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+def _list_lengths(dataset: Any, column: str) -> np.ndarray:
+    from ..core.arrow import column_lengths, dataset_table
+
+    table, indices = dataset_table(dataset)
+    lengths = column_lengths(table.column(column))
+    return lengths if indices is None else lengths[indices]
+
+
+def _seq_lengths_column(dataset: Any) -> Any:
+    from ..core.arrow import dataset_table
+
+    table, indices = dataset_table(dataset)
+    column = table.column(SEQ_LENGTHS)
+    return column if indices is None else column.take(indices)
+
+
+def row_lengths_and_segments(dataset: Any) -> tuple[np.ndarray, Any]:
+    """Per-row token counts and per-row segment lengths (or None) of a training dataset.
+
+    Packed rows (``seq_lengths`` column), a :class:`~packtools.PackedView`, TRL's tokenized preference pairs
+    (``prompt_ids`` / ``chosen_ids`` / ``rejected_ids``: a pair is ``[prompt + chosen, prompt + rejected]``)
+    or plain rows (``input_ids``).
+    """
+    pa = require("pyarrow", "packtools.integrations.budget_loader")
+    if hasattr(dataset, "plan") and hasattr(dataset, "seq_lengths"):  # PackedView
+        return np.asarray(dataset.lengths, np.int64), dataset.seq_lengths
+    names = list(getattr(dataset, "column_names", None) or [])
+    if not hasattr(dataset, "data"):
+        raise PackingError(
+            f"token-budget batches need the row lengths of the training dataset; "
+            f"{type(dataset).__name__} is neither a datasets.Dataset nor a packtools.PackedView.",
+            param="train_dataset",
+        )
+    if all(c in names for c in PAIR_COLUMNS) and "input_ids" not in names:
+        p, c, r = (_list_lengths(dataset, n).astype(np.int64) for n in PAIR_COLUMNS)
+        segments = np.stack([p + c, p + r], axis=1).reshape(-1).astype(np.int32)
+        offsets = np.arange(0, segments.shape[0] + 1, 2, dtype=np.int32)
+        return 2 * p + c + r, pa.ListArray.from_arrays(pa.array(offsets), pa.array(segments))
+    if "input_ids" not in names:
+        raise PackingError(
+            f"the training dataset has no input_ids column (has {names}); token-budget batches need row lengths.",
+            param="train_dataset",
+        )
+    lengths = _list_lengths(dataset, "input_ids").astype(np.int64)
+    return lengths, _seq_lengths_column(dataset) if SEQ_LENGTHS in names else None
+
+
+def make_sampler(trainer: Any, dataset: Any, max_tokens: int | None) -> Any:
+    """The rank's batch sampler for ``dataset`` (see the module docstring)."""
+    from ..batches.row_sampler import RowBatchSampler
+    from ..batches.sampler import TokenBudgetBatchSampler
+
+    args = trainer.args
+    seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed
+    world, rank = max(int(args.world_size), 1), int(args.process_index)
+    if max_tokens is None:
+        sampler = RowBatchSampler(
+            len(dataset), args.per_device_train_batch_size, seed=seed, num_replicas=world, rank=rank
+        )
+        if sampler.dropped and rank == 0:
+            warnings.warn(
+                f"{len(dataset)} training rows in batches of {sampler.batch_size} cannot give {world} processes "
+                f"the same number of batches without repeating rows: {sampler.dropped} row(s) of each epoch's "
+                f"shuffle (different ones every epoch) sit that epoch out. Use a row count divisible by "
+                f"{world}, or max_tokens=N (token-budget batches split rows evenly).",
+                stacklevel=4,
+            )
+        return sampler
+    lengths, segments = row_lengths_and_segments(dataset)
+    if int((lengths > 0).sum()) < world:
+        raise PackingError(
+            f"{int((lengths > 0).sum())} non-empty rows cannot give each of {world} processes a batch without "
+            f"repeating rows; use more data or fewer processes.",
+            param="train_dataset",
+        )
+    return TokenBudgetBatchSampler(
+        lengths, max_tokens, seed=seed, num_replicas=world, rank=rank, seq_lengths=segments
+    )
+
+
+def _passthrough(prepared: Any, ours: RankBatches) -> Any:
+    """Make accelerate's ``BatchSamplerShard`` around ``ours`` yield every batch and forward ``set_epoch``."""
+    shard = getattr(prepared, "batch_sampler", None)
+    if shard is ours:
+        return prepared
+    if getattr(shard, "batch_sampler", None) is not ours:
+        raise PackingError(
+            f"accelerate wrapped packtools' training batch sampler in {type(shard).__name__}, which packtools "
+            f"does not know how to keep from sharding it again; please report the accelerate version."
+        )
+    if getattr(shard, "split_batches", False):
+        raise PackingError(
+            "accelerator_config.split_batches=True cuts every batch into per-process slices, which would split "
+            "packed rows and pairs across processes; packtools shards whole batches. Set split_batches=False.",
+            param="split_batches",
+        )
+    shard.num_processes = 1
+    shard.process_index = 0
+    shard.set_epoch = ours.set_epoch  # reached by Trainer through skip_first_batches' SkipBatchSampler too
+    return prepared
+
+
+def check_sharding(loader: Any) -> None:
+    """Raise if a ``TokenBudgetBatchSampler`` with ``num_replicas > 1`` sits under accelerate's sharding."""
+    from ..batches.sampler import TokenBudgetBatchSampler
+
+    shard = getattr(loader, "batch_sampler", None)
+    inner = getattr(shard, "batch_sampler", None)
+    if (
+        isinstance(inner, TokenBudgetBatchSampler)
+        and inner.num_replicas > 1
+        and getattr(shard, "num_processes", 1) > 1
+    ):
+        raise PackingError(
+            f"TokenBudgetBatchSampler(num_replicas={inner.num_replicas}) is sharded again by accelerate's "
+            f"{type(shard).__name__}: each process would keep 1/{shard.num_processes} of its own batches and "
+            f"skip the rest of the epoch. Under Trainer use packtools.prepare_trainer(trainer, max_tokens=N) "
+            f"(or prepare_dpo_trainer(..., max_tokens=N)); in your own accelerate loop, do not pass that "
+            f"DataLoader to accelerator.prepare (move batches to the device yourself).",
+            param="batch_sampler",
+        )
+
+
+def install_train_loader(trainer: Any, max_tokens: int | None = None) -> None:
+    """Give ``trainer`` packtools' per-rank training loader (see the module docstring).
+
+    Without ``max_tokens`` and with one process, ``Trainer``'s own loader is kept (it repeats nothing).
+    """
+    if max_tokens is not None:
+        from ..batches.sampler import _positive_int
+
+        _positive_int(max_tokens, "max_tokens")
+    original = trainer.get_train_dataloader
+    if vars(trainer).get(_INSTALLED):
+        raise PackingError("the training loader was already installed on this trainer.")
+    if max_tokens is None and max(int(trainer.args.world_size), 1) == 1:
+
+        def checked(self: Any) -> Any:
+            loader = original()
+            check_sharding(loader)
+            return loader
+
+        trainer.get_train_dataloader = types.MethodType(checked, trainer)
+        return
+    torch = require("torch", "packtools.prepare_trainer(max_tokens=...)")
+
+    def get_train_dataloader(self: Any) -> Any:
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        dataset, collator = self.train_dataset, self.data_collator
+        if hasattr(dataset, "column_names") and hasattr(dataset, "remove_columns"):
+            dataset = self._remove_unused_columns(dataset, description="Training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="Training")
+        streaming = isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__")
+        if streaming and max_tokens is None:  # a stream has no length to plan from: Trainer shards it
+            return original()
+        if streaming:
+            raise PackingError(
+                "token-budget / per-rank batches need a map-style training dataset (with a length); "
+                "got an IterableDataset.",
+                param="train_dataset",
+            )
+        ours = RankBatches(make_sampler(self, dataset, max_tokens))
+        args = self.args
+        params: dict[str, Any] = {
+            "batch_sampler": ours,
+            "collate_fn": collator,
+            "num_workers": args.dataloader_num_workers,
+            "pin_memory": args.dataloader_pin_memory,
+        }
+        if args.dataloader_num_workers > 0:
+            params["persistent_workers"] = args.dataloader_persistent_workers
+            params["prefetch_factor"] = args.dataloader_prefetch_factor
+        loader = torch.utils.data.DataLoader(dataset, **params)
+        return _passthrough(self.accelerator.prepare(loader), ours)
+
+    trainer.get_train_dataloader = types.MethodType(get_train_dataloader, trainer)
+    object.__setattr__(trainer, _INSTALLED, True)

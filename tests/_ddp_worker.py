@@ -1,0 +1,282 @@
+"""One process of the data-parallel harness of ``tests/test_distributed.py`` (run by ``torchrun``, gloo, CPU).
+
+Usage: ``torchrun --nproc_per_node 2 tests/_ddp_worker.py OUT_DIR``.  Every check trains on a tiny Llama
+(fp32, SGD, lr 1, no clipping) and records, per rank: the rows of every micro-batch in the order the
+trainer drew them, the parameter change of the first optimizer step (``-lr * gradient``) and the number of
+optimizer steps.  The results of rank ``r`` go to ``OUT_DIR/rank{r}.pt``; the test compares them with one
+process on the same global batches.  Launching once and running every check in it keeps the cost to one
+process start.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import datasets
+import torch
+import transformers
+from _hf_models import PAD, sequences, tiny_llama
+
+from packtools import PaddingFreeCollator, pack_dataset, packed_view, prepare_trainer
+from packtools.errors import PackingError
+
+LR = 1.0
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the README loops
+
+
+class Recorder:
+    def __init__(self, inner, key):
+        self.inner, self.key, self.batches = inner, key, []
+
+    def __call__(self, features):
+        self.batches.append([self.key(f) for f in features])
+        return self.inner(features)
+
+
+class FirstStep(transformers.TrainerCallback):
+    """Keeps the parameter change of the first optimizer step."""
+
+    def __init__(self, model):
+        self.model = model
+        self.before = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
+        self.delta = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            self.delta = {
+                k: self.before[k] - p.detach() for k, p in self.model.named_parameters() if k in self.before
+            }
+
+
+def ids_key(f):
+    return tuple(int(t) for t in f["input_ids"])
+
+
+def args(out, **overrides):
+    kwargs = dict(
+        output_dir=out,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_train_epochs=1,
+        learning_rate=LR,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    kwargs.update(overrides)
+    return transformers.TrainingArguments(**kwargs)
+
+
+def packed_rows():
+    return pack_dataset(datasets.Dataset.from_list(sequences(40, seed=5, masks=False)), 32)
+
+
+def run_sft(out, dataset, prepare=True, unpacked=False, **overrides):
+    model = tiny_llama("sdpa")
+    recorder = Recorder(PaddingFreeCollator(PAD, unpacked=unpacked), ids_key)
+    trainer = transformers.Trainer(
+        model=model, args=args(out, **overrides), train_dataset=dataset, data_collator=recorder
+    )
+    if prepare is not None:
+        prepare_trainer(trainer, **(prepare or {}))
+    first = FirstStep(model)
+    trainer.add_callback(first)
+    trainer.train()
+    return {"batches": recorder.batches, "delta": first.delta, "steps": trainer.state.global_step}
+
+
+def check_sft(out):
+    rows = packed_rows()
+    unpacked = datasets.Dataset.from_list(sequences(41, seed=3, masks=False))
+    view = packed_view(datasets.Dataset.from_list(sequences(40, seed=5, masks=False)), 32)
+    return {
+        "sft_packed": run_sft(out, rows, prepare={}),
+        "sft_budget": run_sft(out, rows, prepare={"max_tokens": 64}),
+        "sft_unpacked": run_sft(out, unpacked, prepare={}, unpacked=True),
+        "sft_view": run_sft(out, view, prepare={"max_tokens": 64}, remove_unused_columns=False),
+        "sft_plain_trainer": run_sft(out, rows, prepare=None, remove_unused_columns=False),
+    }
+
+
+def check_resume(out):
+    """Token-budget batches, two epochs; a second trainer resumes from the checkpoint in the middle of epoch 1."""
+    rows = packed_rows()
+    ckpt = os.path.join(out, "resume")
+    from packtools import TokenBudgetBatchSampler
+
+    lengths = [len(r) for r in rows["input_ids"]]
+    world = int(os.environ["WORLD_SIZE"])
+    per_epoch = -(-len(TokenBudgetBatchSampler(lengths, 64, num_replicas=world)) // 2)
+    resume_at = per_epoch + 1  # one optimizer step into epoch 1
+    full = run_sft(
+        ckpt,
+        rows,
+        prepare={"max_tokens": 64},
+        num_train_epochs=2,
+        save_strategy="steps",
+        save_steps=resume_at,
+    )
+    model = tiny_llama("sdpa")
+    recorder = Recorder(PaddingFreeCollator(PAD), ids_key)
+    trainer = transformers.Trainer(
+        model=model, args=args(ckpt, num_train_epochs=2), train_dataset=rows, data_collator=recorder
+    )
+    prepare_trainer(trainer, max_tokens=64)
+    trainer.train(resume_from_checkpoint=os.path.join(ckpt, f"checkpoint-{resume_at}"))
+    return {"full": full["batches"], "resumed": recorder.batches, "resume_at": resume_at, "ga": 2}
+
+
+def pair_key(f):
+    return (
+        tuple(int(p) for p in f["pair"]) if "pair" in f else (tuple(f["prompt_ids"]), tuple(f["chosen_ids"]))
+    )
+
+
+def run_dpo(out, packed, **prepare):
+    import test_dpo
+    from trl import DPOTrainer  # noqa: F401  (imported by test_dpo too)
+
+    from packtools import pack_preference, prepare_dpo_trainer
+
+    trainer = test_dpo.build(
+        Path(out), n=24, per_device_train_batch_size=1, gradient_accumulation_steps=2, num_train_epochs=1
+    )
+    dataset = None
+    if packed:
+        indexed = trainer.train_dataset.add_column("pair", list(range(len(trainer.train_dataset))))
+        dataset = pack_preference(indexed, 64, columns=["pair"])
+        trainer.args.remove_unused_columns = False
+    prepare_dpo_trainer(trainer, train_dataset=dataset, **prepare)
+    recorder = Recorder(trainer.data_collator, pair_key)
+    trainer.data_collator = recorder
+    first = FirstStep(trainer.model)
+    trainer.add_callback(first)
+    trainer.train()
+    return {"batches": recorder.batches, "delta": first.delta, "steps": trainer.state.global_step}
+
+
+def check_dpo(out):
+    return {
+        "dpo_packed": run_dpo(out, True),
+        "dpo_packed_budget": run_dpo(out, True, max_tokens=128),
+        "dpo_unpacked": run_dpo(out, False),
+        "dpo_unpacked_budget": run_dpo(out, False, max_tokens=60),
+    }
+
+
+def loop_data():
+    """Packed rows and packed pairs for the README loops (the test rebuilds the same)."""
+    import dpo_loop
+
+    from packtools import pack_preference
+
+    pairs = pack_preference(dpo_loop.synthetic_pairs(40, 64, vocab_size=97), max_length=64)
+    return packed_rows(), pairs
+
+
+def check_loops(out):
+    """benchmarks/train_loop.py and dpo_loop.py under DDP, TokenBudgetBatchSampler(num_replicas=2) per rank."""
+    import copy
+
+    import dpo_loop
+    import train_loop
+    from torch.nn.parallel import DistributedDataParallel
+
+    from packtools import PreferenceCollator, TokenBudgetBatchSampler
+
+    if not torch.distributed.is_initialized():  # the Trainer checks before have set it up already
+        torch.distributed.init_process_group("gloo")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rows, pairs = loop_data()
+    results = {}
+    for name, data, collator, budget in (
+        ("loop_sft", rows, PaddingFreeCollator(PAD), 64),
+        ("loop_dpo", pairs, PreferenceCollator(PAD), 96),
+    ):
+        lengths = [len(r) for r in data["input_ids"]]
+        sampler = TokenBudgetBatchSampler(lengths, budget, num_replicas=world, rank=rank)
+        recorder = Recorder(collator, ids_key)
+        loader = torch.utils.data.DataLoader(data, batch_sampler=sampler, collate_fn=recorder)
+        model = tiny_llama("sdpa")
+        frozen = copy.deepcopy(model).eval().requires_grad_(False)
+        before = {k: p.detach().clone() for k, p in model.named_parameters()}
+        ddp = DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        if name == "loop_sft":
+            steps = train_loop.train(ddp, loader, opt, accumulation_steps=2)
+        else:
+            steps = dpo_loop.train_dpo(ddp, frozen, loader, opt, accumulation_steps=2)
+        results[name] = {"batches": list(recorder.batches), "steps": len(steps), "losses": steps}
+        # the first step's change is recomputed from a second run stopped after one step
+        model = tiny_llama("sdpa")
+        ddp = DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        if name == "loop_sft":
+            train_loop.train(ddp, loader, opt, accumulation_steps=2, max_steps=1)
+        else:
+            dpo_loop.train_dpo(ddp, frozen, loader, opt, accumulation_steps=2, max_steps=1)
+        delta = {k: before[k] - p.detach() for k, p in model.named_parameters()}
+        results[name]["delta"] = delta
+    return results
+
+
+def check_refusal(out):
+    """A TokenBudgetBatchSampler(num_replicas=2) handed to accelerate's sharding is refused."""
+    import accelerate
+
+    from packtools import TokenBudgetBatchSampler
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    sampler = TokenBudgetBatchSampler([5, 7, 3, 9, 4, 6], 12, num_replicas=world, rank=rank)
+    loader = torch.utils.data.DataLoader(list(range(6)), batch_sampler=sampler)
+    try:
+        accelerate.Accelerator(cpu=True).prepare(loader)
+    except PackingError as e:
+        return str(e)
+    return None
+
+
+def main(out: str) -> None:
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    rank = int(os.environ["RANK"])
+    results = {}
+    tmp = os.path.join(out, "work")  # shared by the ranks (rank 0 writes the checkpoints)
+    checks = (
+        ("sft", check_sft),
+        ("dpo", check_dpo),
+        ("resume", check_resume),
+        ("refusal", check_refusal),
+        ("loops", check_loops),
+    )
+    only = sys.argv[2].split(",") if len(sys.argv) > 2 else None  # e.g. "loops": run some checks only
+    for name, check in checks:
+        if only and name not in only:
+            continue
+        start = time.time()
+        try:
+            value = check(tmp)
+        except Exception:
+            value = {"error": traceback.format_exc()}
+        results.setdefault("seconds", {})[name] = time.time() - start
+        if name in ("sft", "dpo", "loops") and "error" not in value:
+            results.update(value)
+        else:
+            results[name] = value
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

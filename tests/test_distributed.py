@@ -1,0 +1,259 @@
+"""Data parallelism, for real: 2 processes (``torchrun``, gloo, CPU) against one process on the same global batch.
+
+One launch of ``tests/_ddp_worker.py`` runs every training path (Trainer on packed rows, token-budget
+batches, unpacked rows and a ``packed_view``; DPOTrainer unpacked and on packed pairs, with and without
+``max_tokens``; resume from a checkpoint in the middle of epoch 1; the double-sharding refusal) and records
+per rank the rows of every micro-batch, the parameter change of the first optimizer step and the number of
+steps.  Here, in one process: that change must equal the gradient of the step's global batch (token mean for
+SFT, pair mean for DPO) within 1e-5 relative; each row (pair) must be trained exactly once per epoch; both
+ranks must run the same number of steps.  Negative controls: the mean of per-rank means differs from the
+global mean, and the repeated rows of Trainer's own loader under DDP are caught by the same coverage check.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _hf_models import PAD, sequences, tiny_llama, torch
+
+datasets = pytest.importorskip("datasets")
+pytest.importorskip("trl")
+
+from packtools import PaddingFreeCollator, pack_dataset, packed_view  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 1e-5
+GA = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+        str(ROOT / "tests" / "_ddp_worker.py"), str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def ok(ranks, *names):
+    """Fail (with the worker's traceback) when a check of the worker raised."""
+    for r, res in enumerate(ranks):
+        for name in names:
+            group = {"sft": "sft", "dpo": "dpo", "loop": "loops"}.get(name.split("_")[0], name)
+            value = res.get(name, res.get(group))
+            assert value is not None, f"rank {r}: no result for {name}"
+            assert not (isinstance(value, dict) and "error" in value), f"rank {r}: {value['error']}"
+
+
+def rel(a: dict, b: dict) -> float:
+    num = sum(float((a[k] - b[k]).pow(2).sum()) for k in b)
+    den = sum(float(b[k].pow(2).sum()) for k in b)
+    return (num / den) ** 0.5
+
+
+def coverage(ranks, name, epoch_batches=None):
+    """Counter of how often each row key was trained, over all ranks (one epoch)."""
+    seen = collections.Counter()
+    for res in ranks:
+        batches = res[name]["batches"] if epoch_batches is None else epoch_batches(res)
+        seen.update(key for batch in batches for key in batch)
+    return seen
+
+
+def first_step_rows(ranks, name):
+    return [[key for batch in res[name]["batches"][:GA] for key in batch] for res in ranks]
+
+
+# -- SFT ------------------------------------------------------------------------------------------------
+def sft_rows():
+    packed = pack_dataset(datasets.Dataset.from_list(sequences(40, seed=5, masks=False)), 32)
+    view = packed_view(datasets.Dataset.from_list(sequences(40, seed=5, masks=False)), 32)
+    unpacked = datasets.Dataset.from_list(sequences(41, seed=3, masks=False))
+
+    def index(rows, key="input_ids"):
+        return {tuple(int(t) for t in r[key]): {k: list(v) for k, v in dict(r).items()} for r in rows}
+
+    return {
+        "packed": index(packed),
+        "view": index(view[i] for i in range(len(view))),
+        "unpacked": index(unpacked),
+    }
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return sft_rows()
+
+
+def sft_grad(rows, unpacked):
+    """The gradient of one process's token mean over ``rows`` (one padding-free batch)."""
+    model = tiny_llama("sdpa")
+    batch = PaddingFreeCollator(PAD, unpacked=unpacked)(rows)
+    model(**batch, use_cache=False).loss.backward()
+    return {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+
+
+SFT = {"sft_packed": "packed", "sft_budget": "packed", "sft_view": "view", "sft_unpacked": "unpacked"}
+
+
+@pytest.mark.parametrize("name", list(SFT))
+def test_sft_step_equals_one_process_and_epoch_covers_every_row_once(ranks, rows, name):
+    ok(ranks, name)
+    table = rows[SFT[name]]
+    unpacked = SFT[name] == "unpacked"
+    assert ranks[0][name]["steps"] == ranks[1][name]["steps"] > 1
+    assert len(ranks[0][name]["batches"]) == len(ranks[1][name]["batches"])
+    seen = coverage(ranks, name)
+    assert set(seen) == set(table) and set(seen.values()) == {1}  # every row once, nothing repeated
+    per_rank = first_step_rows(ranks, name)
+    assert all(per_rank) and {len(p) for p in per_rank} != {0}
+    whole = sft_grad([table[k] for p in per_rank for k in p], unpacked)
+    for res in ranks:  # DDP: both ranks made the same update, the global token mean's
+        assert rel(res[name]["delta"], whole) < TOL
+    if name == "sft_unpacked":  # negative control: the mean of the ranks' own token means is another step
+        tokens = [sum(len(k) - 1 for k in p) for p in per_rank]
+        assert tokens[0] != tokens[1]  # the ranks really held different numbers of tokens
+        means = [sft_grad([table[k] for k in p], unpacked) for p in per_rank]
+        per_rank_mean = {k: (means[0][k] + means[1][k]) / 2 for k in whole}
+        assert rel(per_rank_mean, whole) > 1e-3
+
+
+def test_trainer_own_loader_repeats_rows_under_ddp_and_the_check_catches_it(ranks, rows):
+    """Negative control for the coverage check: Trainer's even_batches padding trains some rows twice."""
+    ok(ranks, "sft_plain_trainer")
+    seen = coverage(ranks, "sft_plain_trainer")
+    assert set(seen) == set(rows["packed"])
+    repeated = [k for k, n in seen.items() if n > 1]
+    assert repeated, "accelerate's even_batches no longer repeats rows: update the docs"
+
+
+# -- DPO ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dpo_reference(tmp_path_factory):
+    import test_dpo
+
+    trainer = test_dpo.build(tmp_path_factory.mktemp("dpo"), n=24)
+    ds = trainer.train_dataset
+    index = {(tuple(r["prompt_ids"]), tuple(r["chosen_ids"])): i for i, r in enumerate(ds)}
+    return trainer, index
+
+
+DPO = ["dpo_packed", "dpo_packed_budget", "dpo_unpacked", "dpo_unpacked_budget"]
+
+
+def pair_ids(key, index):
+    return [int(p) for p in key] if isinstance(key[0], int) else [index[key]]
+
+
+@pytest.mark.parametrize("name", DPO)
+def test_dpo_step_equals_one_process_and_epoch_covers_every_pair_once(ranks, dpo_reference, name):
+    import test_dpo
+
+    ok(ranks, name)
+    reference, index = dpo_reference
+    assert ranks[0][name]["steps"] == ranks[1][name]["steps"] > 1
+    seen = collections.Counter(
+        p for key, n in coverage(ranks, name).items() for p in pair_ids(key, index) for _ in range(n)
+    )
+    assert set(seen) == set(range(len(reference.train_dataset))) and set(seen.values()) == {1}
+    per_rank = [[p for key in keys for p in pair_ids(key, index)] for keys in first_step_rows(ranks, name)]
+    whole = test_dpo.loss_metrics_grads(reference, test_dpo.trl_batch(reference, sum(per_rank, [])))[2]
+    for res in ranks:
+        assert rel(res[name]["delta"], whole) < TOL
+
+
+def test_dpo_negative_control_the_mean_of_per_rank_means_is_another_step(ranks, dpo_reference):
+    """Where the ranks' first steps held different numbers of pairs, averaging each rank's own pair mean (what
+    DDP does with TRL's loss alone) gives another update than the one the ranks made."""
+    import test_dpo
+
+    ok(ranks, *DPO)
+    reference, index = dpo_reference
+    uneven = 0
+    for name in DPO:
+        per_rank = [
+            [p for key in keys for p in pair_ids(key, index)] for keys in first_step_rows(ranks, name)
+        ]
+        if len(per_rank[0]) == len(per_rank[1]):
+            continue
+        uneven += 1
+        means = [
+            test_dpo.loss_metrics_grads(reference, test_dpo.trl_batch(reference, p))[2] for p in per_rank
+        ]
+        per_rank_mean = {k: (means[0][k] + means[1][k]) / 2 for k in means[0]}
+        assert rel(per_rank_mean, ranks[0][name]["delta"]) > 1e-3, name
+    assert uneven  # the harness does hold uneven ranks
+
+
+# -- resume, refusal ------------------------------------------------------------------------------------
+def test_resume_mid_epoch_sees_the_batches_of_the_uninterrupted_run(ranks):
+    ok(ranks, "resume")
+    for res in ranks:
+        full, resumed = res["resume"]["full"], res["resume"]["resumed"]
+        per_epoch = len(full) // 2
+        assert (
+            full[per_epoch:] != full[:per_epoch]
+        )  # epoch 1 is another shuffle: set_epoch reached the sampler
+        assert resumed == full[per_epoch + GA :]  # one optimizer step into epoch 1
+
+
+def test_token_budget_sampler_under_accelerate_sharding_is_refused(ranks):
+    ok(ranks, "refusal")
+    for res in ranks:
+        assert res["refusal"] is not None
+        assert "prepare_trainer(trainer, max_tokens=N)" in res["refusal"]
+
+
+# -- the README loops -----------------------------------------------------------------------------------
+def test_readme_loops_under_ddp_equal_one_process(ranks):
+    """benchmarks/train_loop.py and dpo_loop.py, DDP-wrapped, one TokenBudgetBatchSampler per rank: the first
+    step equals the same loops run by one process on one batch of all the step's rows; every row once."""
+    import copy
+
+    ok(ranks, "loop_sft", "loop_dpo")
+    import _ddp_worker
+
+    from packtools import PreferenceCollator
+
+    rows, pairs = _ddp_worker.loop_data()
+    import dpo_loop
+    import train_loop
+
+    for name, data, collator in (
+        ("loop_sft", rows, PaddingFreeCollator(PAD)),
+        ("loop_dpo", pairs, PreferenceCollator(PAD)),
+    ):
+        table = {tuple(int(t) for t in r["input_ids"]): r for r in data}
+        assert ranks[0][name]["steps"] == ranks[1][name]["steps"] > 1
+        seen = coverage(ranks, name)
+        assert set(seen) == set(table) and set(seen.values()) == {1}
+        step_rows = [table[k] for p in first_step_rows(ranks, name) for k in p]
+        model = tiny_llama("sdpa")
+        frozen = copy.deepcopy(model).eval().requires_grad_(False)
+        before = {k: p.detach().clone() for k, p in model.named_parameters()}
+        opt = torch.optim.SGD(model.parameters(), lr=_ddp_worker.LR)
+        loader = [collator(step_rows)]  # one process, one batch: the step's global mean
+        if name == "loop_sft":
+            train_loop.train(model, loader, opt, max_steps=1)
+        else:
+            dpo_loop.train_dpo(model, frozen, loader, opt, max_steps=1)
+        whole = {k: before[k] - p.detach() for k, p in model.named_parameters()}
+        for res in ranks:
+            assert rel(res[name]["delta"], whole) < TOL, name

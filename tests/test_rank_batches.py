@@ -1,0 +1,109 @@
+"""Per-rank batches without repeated rows, the loss-scaling predicate read from Trainer, the sharding refusal."""
+
+import collections
+import types
+
+import numpy as np
+import pytest
+
+from packtools import TokenBudgetBatchSampler
+from packtools.batches.row_sampler import RowBatchSampler
+from packtools.errors import PackingError
+from packtools.integrations.budget_loader import check_sharding
+from packtools.integrations.distributed import check_loss_path, trainer_divides_by_accumulation
+
+
+def epoch(samplers):
+    return [b for s in samplers for b in s]
+
+
+@pytest.mark.parametrize("rows,batch,world", [(41, 2, 2), (41, 2, 3), (7, 3, 2), (40, 4, 3), (5, 1, 5)])
+def test_row_batches_cover_every_row_once_with_equal_counts(rows, batch, world):
+    samplers = [RowBatchSampler(rows, batch, seed=1, num_replicas=world, rank=r) for r in range(world)]
+    assert len({len(s) for s in samplers}) == 1 and all(len(list(s)) == len(s) for s in samplers)
+    seen = collections.Counter(i for b in epoch(samplers) for i in b)
+    assert sorted(seen) == list(range(rows)) and set(seen.values()) == {1}
+    assert all(0 < len(b) <= batch for b in epoch(samplers))
+    first = epoch(samplers)
+    for s in samplers:
+        s.set_epoch(1)
+    assert epoch(samplers) != first
+
+
+def test_row_batches_that_cannot_split_drop_different_rows_each_epoch():
+    samplers = [RowBatchSampler(41, 1, num_replicas=2, rank=r) for r in (0, 1)]
+    assert samplers[0].dropped == 1 and len(samplers[0]) == 20
+    missing = []
+    for e in (0, 1, 2):
+        for s in samplers:
+            s.set_epoch(e)
+        seen = collections.Counter(i for b in epoch(samplers) for i in b)
+        assert set(seen.values()) == {1} and len(seen) == 40
+        missing.append(set(range(41)) - set(seen))
+    assert len({frozenset(m) for m in missing}) > 1
+
+
+def test_accelerate_style_even_batches_repeat_rows_and_ours_do_not():
+    """Negative control: the row repetition that Trainer's default (even_batches) loader does."""
+    accelerate = pytest.importorskip("accelerate.data_loader")
+    torch = pytest.importorskip("torch")
+    inner = torch.utils.data.BatchSampler(range(41), 2, drop_last=False)
+    shards = [accelerate.BatchSamplerShard(inner, 2, r, even_batches=True) for r in (0, 1)]
+    seen = collections.Counter(i for s in shards for b in s for i in b)
+    assert max(seen.values()) == 2  # repeated rows
+    ours = [RowBatchSampler(41, 2, num_replicas=2, rank=r) for r in (0, 1)]
+    assert max(collections.Counter(i for s in ours for b in s for i in b).values()) == 1
+
+
+def test_double_sharding_is_refused():
+    sampler = TokenBudgetBatchSampler([5, 7, 3, 9], 12, num_replicas=2, rank=0)
+    with pytest.raises(PackingError, match=r"prepare_trainer\(trainer, max_tokens=N\)"):
+        getattr(
+            sampler, "batch_size", None
+        )  # what accelerate's BatchSamplerShard reads when it wraps a batch sampler
+    assert TokenBudgetBatchSampler([5, 7], 12).batch_size is None
+    shard = types.SimpleNamespace(batch_sampler=TokenBudgetBatchSampler([5, 7], 12), num_processes=2)
+    check_sharding(types.SimpleNamespace(batch_sampler=shard))  # one replica: nothing sharded twice
+    object.__setattr__(shard.batch_sampler, "num_replicas", 2)
+    with pytest.raises(PackingError, match="sharded again"):
+        check_sharding(types.SimpleNamespace(batch_sampler=shard))
+
+
+def test_divides_by_accumulation_reads_trainer_predicate():
+    t = types.SimpleNamespace(
+        loss_is_scaled_for_ga=None, model_accepts_loss_kwargs=True, compute_loss_func=None
+    )
+    assert not trainer_divides_by_accumulation(t, num_items_in_batch=12)
+    assert trainer_divides_by_accumulation(t, num_items_in_batch=None)
+    t.model_accepts_loss_kwargs = False
+    assert trainer_divides_by_accumulation(t, 12)
+    t.compute_loss_func = lambda *a: 0
+    assert not trainer_divides_by_accumulation(t, 12)
+    t.loss_is_scaled_for_ga = False  # an explicit flag wins (TRL's DPOTrainer sets False)
+    assert trainer_divides_by_accumulation(t, 12)
+    t.loss_is_scaled_for_ga = True
+    assert not trainer_divides_by_accumulation(t, None)
+
+
+def test_loss_path_refusals():
+    class Old:  # a Trainer without the predicate
+        args = types.SimpleNamespace(n_gpu=1)
+
+    with pytest.raises(PackingError, match="loss_is_scaled_for_ga"):
+        check_loss_path(Old())
+
+    class DataParallel:
+        loss_is_scaled_for_ga = None
+        args = types.SimpleNamespace(n_gpu=2)
+
+    with pytest.raises(PackingError, match="DataParallel"):
+        check_loss_path(DataParallel())
+
+
+def test_token_budget_fill_and_imbalance_are_reported():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(100, 2048, 4000)
+    samplers = [TokenBudgetBatchSampler(lengths, 8192, num_replicas=2, rank=r) for r in (0, 1)]
+    stats = samplers[0].imbalance()
+    assert 0.8 < stats["fill"] <= 1.0 and stats["step_cost"] < 0.5
+    assert len(samplers[0]) == len(samplers[1])
