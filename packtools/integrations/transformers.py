@@ -396,7 +396,9 @@ def _probe_collator(collator: Any) -> Any:
     return inner if inner.return_tensors == "pt" else inner.replace(return_tensors="pt")
 
 
-def run_probe(trainer: Any, *extra_models: Any, switched: Sequence[Any] = ()) -> None:
+def run_probe(
+    trainer: Any, *extra_models: Any, switched: Sequence[Any] = (), collator: Any = None, packed: bool = True
+) -> None:
     """Run :func:`packtools.check_isolation` on the trainer's model (and ``extra_models``) unless sharded.
 
     ``switched`` are the models :func:`use_segmented_sdpa` switched: if the probe fails, they go back to
@@ -412,12 +414,13 @@ def run_probe(trainer: Any, *extra_models: Any, switched: Sequence[Any] = ()) ->
         return
     from .isolation import check_isolation
 
-    collator = _probe_collator(trainer.data_collator)
+    if collator is None:
+        collator = _probe_collator(trainer.data_collator)
 
     def probe() -> None:
         for model in (trainer.model, *extra_models):
             if model is not None:
-                check_isolation(model, collator)
+                check_isolation(model, collator, packed=packed)
 
     try:
         probe()
@@ -479,10 +482,16 @@ def prepare_trainer(trainer: Any, *, check_isolation: bool = True, segmented_sdp
             stacklevel=2,
         )
     trainer.data_collator = adapt_collator(trainer.data_collator, trainer.model)
+    if (
+        check_isolation
+    ):  # the trainer's own collator on a real batch (collator_check), then the probe through it
+        from .collator_check import check_trainer_collator
+
+        probe_collator, packed = check_trainer_collator(trainer)
     guard_model(trainer.model)
     with segmented_sdpa_until_checked([trainer.model], segmented_sdpa) as switched:
         if check_isolation:
-            run_probe(trainer, switched=switched)
+            run_probe(trainer, switched=switched, collator=probe_collator, packed=packed)
     return trainer
 
 

@@ -38,6 +38,7 @@ from typing import Any
 from .._optional import require
 from ..constants import SEQ_LENGTHS
 from ..errors import PackingError
+from .collator_check import check_preference_collator
 from .transformers import (
     _base_model,
     attention_implementation,
@@ -286,6 +287,8 @@ def prepare_dpo_trainer(
     models = [m for m in (trainer.model, trainer.ref_model) if m is not None]
     for model in models:
         check_attention_implementation(model)
+    if check_isolation:  # the user's collator must keep every sequence in its own row (collator_check)
+        check_preference_collator(trainer)
     with segmented_sdpa_until_checked(models, segmented_sdpa) as switched:
         if check_isolation:
             run_probe(trainer, trainer.ref_model, switched=switched)
