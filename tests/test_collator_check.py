@@ -173,6 +173,7 @@ def test_batch_problems_names_each_way_a_batch_can_merge_sequences():
     assert batch_problems(good, tokens, lengths) == []  # negative control: the intact batch passes
     assert batch_problems(batch_of(rows, padding_free=False), tokens, lengths) == []
     assert batch_problems(batch_of(rows, pad_to_multiple_of=4), tokens, lengths) == []
+    assert batch_problems(batch_of(rows, pad_to_buckets=(16,), pad_cu_seq_lens_to=9), tokens, lengths) == []
 
     def broken(**changes):
         return batch_problems({**good, **changes}, tokens, lengths)

@@ -193,16 +193,16 @@ def batch_problems(
         labels = _array(labels)
         labels = labels[None] if labels.ndim == 1 else labels
         if labels.shape == ids.shape:
-            # A start at column 0 is never a target (labels are shifted); any other one is.
-            bad = [(b, a) for b, a, _ in spans if a > 0 and labels[b, a] != IGNORE_INDEX]
+            real = np.zeros(ids.shape, bool)
+            for b, a, e in spans:
+                real[b, a:e] = True
+            # A start with another sequence's token before it is a target of that token unless it is -100.
+            bad = [(b, a) for b, a, _ in spans if real[b, :a].any() and labels[b, a] != IGNORE_INDEX]
             if bad:
                 problems.append(
                     f"its labels are not -100 at the first token of a packed sequence (batch row {bad[0][0]}, "
                     f"token {bad[0][1]}): the previous sequence's last token would learn to predict it"
                 )
-            real = np.zeros(ids.shape, bool)
-            for b, a, e in spans:
-                real[b, a:e] = True
             if (labels[~real] != IGNORE_INDEX).any():
                 problems.append("its labels are not -100 on padding: padding would be learned")
     return problems
@@ -222,7 +222,11 @@ def _varlen_problems(
         cu = _array(cu).reshape(-1).astype(np.int64)
         if shape[0] != 1:
             problems.append(f"it returns {key} with {shape[0]} batch rows; cu_seq_lens describe one flat row")
-        elif [int(c) for c in cu if c <= total] != bounds or (cu[1:] < cu[:-1]).any() or cu[-1] > shape[1]:
+        elif (
+            list(dict.fromkeys(int(c) for c in cu if c <= total)) != bounds  # empty segments repeat a value
+            or (cu[1:] < cu[:-1]).any()
+            or cu[-1] > shape[1]
+        ):
             problems.append(
                 f"its {key} {cu.tolist()[:8]}{'...' if cu.size > 8 else ''} do not mark the sequences' "
                 f"boundaries {bounds[:8]}{'...' if len(bounds) > 8 else ''}"

@@ -452,11 +452,13 @@ def prepare_trainer(trainer: Any, *, check_isolation: bool = True, segmented_sdp
     prepared again.  A ``PaddingFreeCollator`` as ``data_collator`` is adapted to the model's ``forward``
     (keys it does not take are switched off, :func:`adapt_collator`).
 
-    With ``check_isolation=True`` (the default) it then runs :func:`packtools.check_isolation` once: a
-    few short sequences through the model, packed as the collator packs them and alone, under
+    With ``check_isolation=True`` (the default) it first checks the trainer's own ``data_collator`` on a real
+    batch of its train dataset and refuses one that merges packed sequences, with the fix
+    (:mod:`packtools.integrations.collator_check`), then runs :func:`packtools.check_isolation` once through
+    that collator: a few short sequences through the model, packed as the collator packs them and alone, under
     ``no_grad`` (well under a second for small models; a few forward passes of ~24 tokens for large ones),
     and raises :class:`~packtools.errors.PackingError` if packed sequences leak into each other.
-    ``check_isolation=False`` skips it.
+    ``check_isolation=False`` skips both.
 
     With ``segmented_sdpa=True`` (the default) an ``sdpa`` model is switched to packtools' per-sequence
     ``sdpa`` (:func:`use_segmented_sdpa`): a padding-free row's attention then costs ``sum(L_i²)`` like
