@@ -150,10 +150,80 @@ def test_probe_uses_the_models_vocabulary_without_special_tokens(monkeypatch):
     assert len(np.unique(seen)) > 10
 
 
-def test_tolerance_follows_the_weights_dtype():
-    """bfloat16 weights: rounding noise is not a leak, a real leak still is."""
+LEAK = "packtools_test_leaky_sdpa"
+
+
+def register_leaky_sdpa(eps):
+    """sdpa plus ``eps`` times the mean query over the whole row: a small leak across packed sequences."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    def leaky(module, query, key, value, attention_mask, **kwargs):
+        out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return out + eps * query.mean(dim=2)[:, None], weights
+
+    AttentionInterface.register(LEAK, leaky)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(LEAK, sdpa_mask)
+    return LEAK
+
+
+def test_bfloat16_verdicts_both_ways():
+    """bfloat16: rounding noise is not a leak, and a leak too small to stand out of it still is.
+
+    The packed-against-alone logits carry rounding noise (tolerance 5e-2 x max |logit|); the perturbation
+    signal does not: an isolated model moves the other sequences by exactly 0, so it is judged against ~0.
+    """
     model = tiny_llama("sdpa").to(torch.bfloat16)
-    report = check_isolation(model)
-    assert report.dtype == "bfloat16" and report.tolerance >= 5e-2 and report.perturb_diff == 0.0
+    report = check_isolation(model)  # raises if it judged the isolated model leaking
+    assert report.dtype == "bfloat16" and report.tolerance >= 5e-2 and not report.leaks
+    assert report.perturb_diff == 0.0 and report.perturb_tolerance < 1e-4
+    assert max(report.alone_diff) > 0  # the rounding noise the loose tolerance is for
+
+    leaky = tiny_llama("sdpa").to(torch.bfloat16)
+    leaky.set_attn_implementation(register_leaky_sdpa(eps=0.02))
+    with pytest.raises(PackingError, match="lets packed sequences see each other"):
+        check_isolation(leaky)
+    report = check_isolation(leaky, raise_on_leak=False)
+    assert report.leaks
+    # Negative control: judged by the loose bfloat16 tolerance alone (the old rule) this leak passed.
+    assert max(*report.alone_diff, report.perturb_diff) < report.tolerance, report
+    assert report.perturb_diff > 100 * report.perturb_tolerance
+    # The same leak in float32 is plain to see in every measure.
+    leaky32 = tiny_llama("sdpa")
+    leaky32.set_attn_implementation(LEAK)
+    assert check_isolation(leaky32, raise_on_leak=False).leaks
+
+
+def test_a_dropped_boundary_in_bfloat16_moves_the_other_sequences():
+    model = tiny_llama("sdpa").to(torch.bfloat16)
     leaky = Rows(PaddingFreeCollator(0, unpacked=True), rows=drop_seq_lengths)
-    assert check_isolation(model, leaky, raise_on_leak=False).perturb_diff > 0
+    report = check_isolation(model, leaky, raise_on_leak=False)
+    assert report.leaks and report.perturb_diff > report.perturb_tolerance
+
+
+def test_probe_finds_the_sequences_in_a_padded_or_left_padded_batch():
+    """Any collator's layout: one sequence per row (packed=False), right- or left-padded, with its mask."""
+    model = tiny_llama("sdpa")
+    tok = PaddingFreeCollator(0, padding_free=False, unpacked=True)
+
+    def left_padded(rows):
+        batch = tok(rows)
+        ids, keep = batch["input_ids"], batch["attention_mask"].bool()
+        width = ids.shape[1]
+        out = {k: torch.zeros_like(v) for k, v in batch.items() if k != "labels"}
+        for b in range(ids.shape[0]):
+            n = int(keep[b].sum())
+            out["input_ids"][b, width - n :] = ids[b, :n]
+            out["attention_mask"][b, width - n :] = 1
+            out["position_ids"][b, width - n :] = torch.arange(n)
+        return out
+
+    assert not check_isolation(model, tok, packed=False).leaks
+    assert not check_isolation(model, left_padded, packed=False).leaks
+
+    def merged(rows):  # two sequences merged into one row: the probe cannot find its rows and says so
+        return tok([{"input_ids": rows[0]["input_ids"] + rows[1]["input_ids"]}, *rows[2:]])
+
+    with pytest.raises(PackingError, match="does not hold the probe's 4 rows in order"):
+        check_isolation(model, merged, packed=False)

@@ -211,3 +211,55 @@ def test_inference_mode_and_masks_not_kept_alive():
     assert torch.equal(inferred, plain)
     gc.collect()
     assert segmented._BLOCK_KINDS and all(entry[0]() is None for entry in segmented._BLOCK_KINDS.values())
+
+
+def sgd_step(model, batch, lr=0.5):
+    """One SGD step on the summed next-token loss of ``batch``; returns the new parameters."""
+    model.zero_grad()
+    out = model(**batch)
+    out.loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+    return {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def test_compiled_training_step_equals_the_eager_step(monkeypatch):
+    """torch.compile of a packtools_sdpa model: while Dynamo traces, every call goes to transformers' sdpa with the
+    block-diagonal mask (the per-sequence loop would read the boundaries to the host: a graph break per layer and a
+    recompile per set of boundaries), so the step compiles to one graph and equals the eager step.
+
+    backend="aot_eager": Dynamo and AOT autograd, what a graph break or a host read would trip; inductor's C++
+    code generation adds nothing here and takes minutes on this 2-core machine.
+    """
+    import copy
+
+    from _hf_models import tiny_llama
+
+    rows = [
+        {"input_ids": list(range(2, 14)), "seq_lengths": [5, 7]},
+        {"input_ids": [30, 31, 32], "seq_lengths": [3]},
+    ]
+    batch = dict(PaddingFreeCollator(0)(rows), use_cache=False)
+    model = tiny_llama("sdpa")
+    assert use_segmented_sdpa(model)
+    unpacked = copy.deepcopy(model)
+    compiled_model = copy.deepcopy(model)
+    eager = sgd_step(model, batch)
+    torch._dynamo.reset()
+    segmented._LAST_BOUNDS = ()
+    sgd_step(torch.compile(compiled_model, backend="aot_eager", fullgraph=True), batch)  # no graph break
+    assert segmented._LAST_BOUNDS == ()  # the compiled graph never read the boundaries to the host
+    assert max(float((eager[k] - p).abs().max()) for k, p in compiled_model.named_parameters()) < 1e-5
+    # Negative controls: the same rows with their sequences merged (no seq_lengths) move the weights elsewhere,
+    # so the comparison above can fail; and the per-sequence loop under Dynamo breaks the graph.
+    merged_rows = [{"input_ids": r["input_ids"]} for r in rows]
+    merged = dict(PaddingFreeCollator(0, unpacked=True)(merged_rows), use_cache=False)
+    wrong = sgd_step(unpacked, merged)
+    assert max(float((eager[k] - wrong[k]).abs().max()) for k in eager) > 1e-3
+    torch._dynamo.reset()
+    monkeypatch.setattr(segmented, "_compiling", lambda torch: False)
+    with pytest.raises(Exception, match="(?i)data.dependent|graph break|local_scalar_dense"):
+        torch.compile(copy.deepcopy(unpacked), backend="aot_eager", fullgraph=True)(**batch)
+    torch._dynamo.reset()

@@ -25,8 +25,14 @@ from .transformers import _base_model, adapt_collator, attention_implementation,
 
 #: Sequence lengths of the probe batch (two packed rows of two sequences each).
 DEFAULT_LENGTHS = (5, 9, 3, 7)
-#: Relative tolerances by dtype (times ``max(1, largest |logit|)``): leaks in float32 show at ~1e-4 and above.
+#: Relative tolerances by dtype (times ``max(1, largest |logit|)``) for packed-against-alone differences, which
+#: carry rounding noise (different kernels, shapes and summation orders): leaks in float32 show at ~1e-4 and above.
 TOLERANCE = {"float64": 1e-9, "float32": 1e-5, "bfloat16": 5e-2, "float16": 2e-2}
+#: Relative tolerance, in every dtype, for the perturbation signal: the same batch run twice with only the first
+#: sequence's tokens changed.  The other sequences' computations are then the same operations on the same values,
+#: so an isolated model moves them by exactly 0 whatever the dtype; any leak moves some logit by at least one
+#: rounding step of its dtype (~4e-3 x |logit| in bfloat16), far above this.
+PERTURB_TOLERANCE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,9 @@ class IsolationReport:
     sequence run alone; ``perturb_diff``: largest change of the other sequences' logits when the tokens of
     sequence 0 change; ``loss_diff`` / ``grad_diff`` (``backward=True``): relative differences of the summed
     token loss and of the parameter gradients, packed against one by one (divided by ``max(1, |loss|)`` and
-    ``max(1, largest |gradient|)``).  A difference above ``tolerance`` is a leak.
+    ``max(1, largest |gradient|)``).  A packed-against-alone difference above ``tolerance`` (which follows the
+    dtype's rounding noise) is a leak, and so is a perturbation above ``perturb_tolerance`` (~0 in every dtype:
+    an isolated model moves the other sequences by exactly 0).
     """
 
     model: str
@@ -51,6 +59,7 @@ class IsolationReport:
     tolerance: float
     loss_diff: float | None = None
     grad_diff: float | None = None
+    perturb_tolerance: float = 0.0
 
     @property
     def max_diff(self) -> float:
@@ -60,7 +69,9 @@ class IsolationReport:
 
     @property
     def leaks(self) -> bool:
-        return self.max_diff > self.tolerance
+        extra = [d for d in (self.loss_diff, self.grad_diff) if d is not None]
+        alone = max([*self.alone_diff, *extra])
+        return alone > self.tolerance or self.perturb_diff > self.perturb_tolerance
 
     def __str__(self) -> str:
         lines = [
@@ -68,7 +79,8 @@ class IsolationReport:
             f"batch keys: {', '.join(self.keys)}",
             f"sequence lengths: {list(self.lengths)}",
             "max |packed - alone| per sequence: " + ", ".join(f"{d:.1e}" for d in self.alone_diff),
-            f"max change of other sequences when sequence 0 changes: {self.perturb_diff:.1e}",
+            f"max change of other sequences when sequence 0 changes: {self.perturb_diff:.1e} "
+            f"(tolerance {self.perturb_tolerance:.1e})",
         ]
         if self.loss_diff is not None:
             lines.append(
@@ -111,8 +123,10 @@ def _check_lengths(lengths: Sequence[int]) -> tuple[int, ...]:
     return out
 
 
-def _rows(seqs: list[np.ndarray]) -> list[dict[str, Any]]:
-    """The sequences as two packed rows (first half, second half), in order."""
+def _rows(seqs: list[np.ndarray], packed: bool = True) -> list[dict[str, Any]]:
+    """The sequences as two packed rows (first half, second half), in order; one row each if not ``packed``."""
+    if not packed:
+        return [{"input_ids": s.tolist()} for s in seqs]
     half = (len(seqs) + 1) // 2
     rows = []
     for part in (seqs[:half], seqs[half:]):
@@ -121,15 +135,61 @@ def _rows(seqs: list[np.ndarray]) -> list[dict[str, Any]]:
     return rows
 
 
-def _spans(seqs: list[np.ndarray], batch_rows: int) -> list[tuple[int, int, int]]:
-    """``(row, start, stop)`` of each sequence in the collated batch (flat when it has one row)."""
-    half = (len(seqs) + 1) // 2
-    spans, row, start = [], 0, 0
-    for i, s in enumerate(seqs):
-        if batch_rows > 1 and i == half:
-            row, start = 1, 0
-        spans.append((row, start, start + len(s)))
-        start += len(s)
+def locate_rows(input_ids: Any, rows: Sequence[np.ndarray]) -> list[tuple[int, int]] | None:
+    """Where each of ``rows`` (token arrays, in order) sits in a collated ``[B, T]`` ``input_ids``.
+
+    Returns ``(batch_row, offset)`` per row: laid end to end in one flat row (``B == 1``), or one row each,
+    right- or left-padded (``B == len(rows)``); ``None`` when the batch holds the rows neither way (merged,
+    reordered, truncated or changed tokens).
+
+    >>> locate_rows(np.array([[5, 6, 7, 8, 0]]), [np.array([5, 6]), np.array([7, 8])])
+    [(0, 0), (0, 2)]
+    >>> locate_rows(np.array([[5, 6, 0], [0, 7, 8]]), [np.array([5, 6]), np.array([7, 8])])
+    [(0, 0), (1, 1)]
+    >>> locate_rows(np.array([[5, 6, 7, 9]]), [np.array([5, 6]), np.array([7, 8])]) is None
+    True
+    """
+    ids = np.asarray(input_ids.detach().cpu() if hasattr(input_ids, "detach") else input_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2:
+        return None
+    width = ids.shape[1]
+    lengths = [len(r) for r in rows]
+    if ids.shape[0] == 1 and sum(lengths) <= width:
+        flat = np.concatenate([np.asarray(r, np.int64) for r in rows]) if rows else np.zeros(0, np.int64)
+        if np.array_equal(ids[0, : flat.shape[0]], flat):
+            return [(0, int(o)) for o in np.cumsum([0, *lengths[:-1]])]
+    if ids.shape[0] != len(rows) or max(lengths, default=0) > width:
+        return None
+    out = []
+    for b, (row, n) in enumerate(zip(rows, lengths)):
+        row = np.asarray(row, np.int64)
+        if np.array_equal(ids[b, :n], row):
+            out.append((b, 0))
+        elif np.array_equal(ids[b, width - n :], row):
+            out.append((b, width - n))
+        else:
+            return None
+    return out
+
+
+def _spans(rows: list[dict[str, Any]], input_ids: Any, name: str) -> list[tuple[int, int, int]]:
+    """``(batch_row, start, stop)`` of each probe sequence in the collated batch."""
+    where = locate_rows(input_ids, [np.asarray(r["input_ids"]) for r in rows])
+    if where is None:
+        raise PackingError(
+            f"the collator's batch (input_ids of shape {tuple(input_ids.shape)}) does not hold the probe's "
+            f"{len(rows)} rows in order, either flat ([1, T]) or one per row ([B, T], padded): it merges, "
+            f"reorders or cuts rows, so the isolation probe cannot check {name}. Use "
+            f"packtools.PaddingFreeCollator."
+        )
+    spans = []
+    for (b, offset), row in zip(where, rows):
+        start = offset
+        for n in row.get("seq_lengths") or [len(row["input_ids"])]:
+            spans.append((b, start, start + n))
+            start += n
     return spans
 
 
@@ -205,6 +265,7 @@ def check_isolation(
     atol: float | None = None,
     backward: bool = False,
     raise_on_leak: bool = True,
+    packed: bool = True,
 ) -> IsolationReport:
     """Check that ``model`` keeps packed sequences apart; return an :class:`IsolationReport`.
 
@@ -213,12 +274,16 @@ def check_isolation(
     model's pad token), filtered to the keys the model's ``forward`` accepts (as :func:`prepare_trainer`
     does), and run with ``use_cache=False`` and no ``attention_mask``; each sequence is also run alone.
     ``backward=True`` also compares the summed token loss and the parameter gradients (without touching
-    ``.grad``).  A custom ``collator`` must keep the rows and their sequences in order.
+    ``.grad``).  A custom ``collator`` must keep the rows and their sequences in order (flat, or one batch row
+    per row, right- or left-padded: :func:`locate_rows`).  ``packed=False`` gives it one sequence per row
+    (no ``seq_lengths``), as an unpacked dataset would.
 
     ``atol`` defaults to a tolerance by dtype (:data:`TOLERANCE`, times the largest ``|logit|`` when that
-    exceeds 1).  In float32 a leak shows at 1e-4 and above while an isolated model stays near 1e-7; in
-    bfloat16/float16 only leaks larger than rounding noise are seen (the perturbation check still reads
-    ~0 when sequences are isolated).
+    exceeds 1) for the packed-against-alone differences: in float32 a leak shows at 1e-4 and above while an
+    isolated model stays near 1e-7; in bfloat16/float16 rounding noise is larger.  The perturbation signal is
+    judged against ~0 in every dtype (:data:`PERTURB_TOLERANCE` times the same scale, or ``atol`` if smaller):
+    an isolated model moves the other sequences by exactly 0, so a leak too small to stand out of bfloat16
+    rounding in the alone comparison is still caught.
 
     Raises :class:`PackingError` naming the model class, the backend and the fix when sequences leak
     (or when transformers refuses the packed batch); ``raise_on_leak=False`` returns the report instead.
@@ -247,7 +312,7 @@ def check_isolation(
     if collator is None:
         from ..batches.collate import PaddingFreeCollator
 
-        collator = PaddingFreeCollator(pad if isinstance(pad, int) else 0)
+        collator = PaddingFreeCollator(pad if isinstance(pad, int) else 0, unpacked=not packed)
     collator = adapt_collator(collator, model)
     param = next(iter(base.parameters()), None)
     device = param.device if param is not None else torch.device("cpu")
@@ -258,8 +323,12 @@ def check_isolation(
     forward = base.forward
     cache = {"use_cache": False} if _accepts(forward, "use_cache") else {}
 
-    def run_packed(parts: list[np.ndarray]) -> tuple[Any, Any, tuple[str, ...]]:
-        batch = dict(collator(_rows(parts)))
+    def run_packed(parts: list[np.ndarray]) -> tuple[Any, Any, tuple[str, ...], list[tuple[int, int, int]]]:
+        rows = _rows(parts, packed)
+        batch = dict(collator(rows))
+        if "input_ids" not in batch:
+            raise PackingError(f"the collator returned no 'input_ids' (keys {sorted(batch)}).")
+        spans = _spans(rows, batch["input_ids"], name)
         labels = batch.pop("labels", None)
         batch = {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
         try:
@@ -269,7 +338,7 @@ def check_isolation(
             if translated is not None:
                 raise translated from err
             raise
-        return _logits(out, name), labels, tuple(batch)
+        return _logits(out, name), labels, tuple(batch), spans
 
     def run_alone(seq: np.ndarray) -> Any:
         return _logits(model(input_ids=torch.as_tensor(seq[None], device=device), **cache), name)[0]
@@ -278,21 +347,22 @@ def check_isolation(
     model.eval()
     try:
         with torch.no_grad():
-            packed, _, keys = run_packed(list(seqs))
-            moved, _, _ = run_packed([other, *seqs[1:]])
-            spans = _spans(list(seqs), packed.shape[0])
+            logits, _, keys, spans = run_packed(list(seqs))
+            moved, _, _, moved_spans = run_packed([other, *seqs[1:]])
             alone = [run_alone(s) for s in seqs]
         diffs = tuple(
-            float((packed[r, a:b].float() - al.float()).abs().max()) for (r, a, b), al in zip(spans, alone)
+            float((logits[r, a:b].float() - al.float()).abs().max()) for (r, a, b), al in zip(spans, alone)
         )
         perturb = max(
-            float((packed[r, a:b].float() - moved[r, a:b].float()).abs().max()) for r, a, b in spans[1:]
+            float((logits[r, a:b].float() - moved[mr, ma:mb].float()).abs().max())
+            for (r, a, b), (mr, ma, mb) in zip(spans[1:], moved_spans[1:])
         )
         scale = max(1.0, max(float(al.float().abs().max()) for al in alone))
         # The compute dtype (of the weights), not the logits' (some heads upcast them to float32).
-        floating = next((p.dtype for p in base.parameters() if p.is_floating_point()), packed.dtype)
+        floating = next((p.dtype for p in base.parameters() if p.is_floating_point()), logits.dtype)
         dtype = str(floating).replace("torch.", "")
         tol = float(atol) if atol is not None else TOLERANCE.get(dtype, 1e-5) * scale
+        perturb_tol = min(tol, PERTURB_TOLERANCE * scale)
         loss_diff = grad_diff = None
         if backward:
             loss_diff, grad_diff = _compare_backward(torch, base, run_packed, run_alone, seqs)
@@ -300,15 +370,15 @@ def check_isolation(
         for module, training in modes:
             module.training = training
     report = IsolationReport(
-        name, impl, dtype, str(device), lengths, keys, diffs, perturb, tol, loss_diff, grad_diff
+        name, impl, dtype, str(device), lengths, keys, diffs, perturb, tol, loss_diff, grad_diff, perturb_tol
     )
     if report.leaks and raise_on_leak:
         mixers = token_mixing_layers(model)
         raise PackingError(
             f"{name} with attn_implementation={impl!r} lets packed sequences see each other: the logits of a "
             f"sequence in a packed batch differ by up to {max(diffs):.1e} from the sequence run alone and move "
-            f"by {perturb:.1e} when another sequence of the batch changes (tolerance {tol:.1e}; batch keys "
-            f"{list(keys)}). {_fix_hint(keys, mixers, impl)} (prepare_trainer(..., check_isolation=False) "
+            f"by {perturb:.1e} when another sequence of the batch changes (tolerances {tol:.1e} and "
+            f"{perturb_tol:.1e}; batch keys {list(keys)}). {_fix_hint(keys, mixers, impl)} (prepare_trainer(..., check_isolation=False) "
             f"skips this check; training would then be silently wrong.)\n{report}"
         )
     return report
@@ -324,7 +394,7 @@ def _compare_backward(
     params = [p for p in base.parameters() if p.requires_grad]
     if not params:
         return 0.0, 0.0
-    logits, labels, _ = run_packed(list(seqs))
+    logits, labels, _, _ = run_packed(list(seqs))
     packed_loss = _sum_loss(torch, logits, labels)
     packed_grads = torch.autograd.grad(packed_loss, params, allow_unused=True)
     alone_loss = 0.0

@@ -12,7 +12,13 @@ on a GPU without flash-attn, this backend gets the same order:
   block is the causal triangle, which is what a model without sliding windows or bidirectional spans gets),
   so sliding windows and any other rule of the model's mask are kept, and nothing crosses a boundary;
 * every other call (padded batches, generation with a cache, ``position_bias``, ``softcap``) goes to
-  transformers' ``sdpa`` unchanged.
+  transformers' ``sdpa`` unchanged;
+* under ``torch.compile`` (while Dynamo traces) every call goes to transformers' ``sdpa`` with the mask too: the
+  per-sequence loop needs the boundaries on the host, which inside a compiled graph is a graph break whose
+  Python ints then specialize the graph, recompiling for every new set of boundaries.  transformers builds the
+  block-diagonal mask from ``position_ids`` whenever it traces, so the compiled step is exact, at the masked
+  ``(sum L_i)²`` cost (bucketed static shapes, :class:`~packtools.PaddingFreeCollator` ``pad_to_buckets``,
+  keep the compile count down).
 * the boundaries are read back to the host once per forward and which blocks are plain causal once per
   mask (both cached on the tensors' identity and in-place version counter, so a tensor changed in place is
   read again; masks are held weakly).
@@ -37,6 +43,28 @@ _LAST_BOUNDS: tuple[Any, ...] = ()
 #: Per mask (weakly held, same key scheme): which diagonal blocks are the plain causal triangle.  Layers of one
 #: type share one mask object; a few types (full, sliding, chunked) are kept.
 _BLOCK_KINDS: dict[int, tuple[Any, ...]] = {}
+
+
+#: ``(torch, transformers' sdpa_attention_forward, repeat_kv)``, imported once: an import inside the attention
+#: function would be a graph break in every layer under ``torch.compile``.
+_FUNCTIONS: tuple[Any, ...] = ()
+
+
+def _functions() -> tuple[Any, ...]:
+    global _FUNCTIONS
+    if not _FUNCTIONS:
+        torch = require("torch", "packtools segmented sdpa")
+        require("transformers", "packtools segmented sdpa")
+        from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+        _FUNCTIONS = (torch, sdpa_attention_forward, repeat_kv)
+    return _FUNCTIONS
+
+
+def _compiling(torch: Any) -> bool:
+    """Whether Dynamo is tracing this call (``torch.compile``): then the host-side boundaries are not read."""
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
 def _version(tensor: Any) -> int | None:
@@ -124,10 +152,8 @@ def segmented_sdpa_forward(
     >>> out.shape, torch.allclose(out[:, 3:], second, atol=1e-6)
     (torch.Size([1, 5, 2, 4]), True)
     """
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-
-    torch = require("torch", "packtools segmented sdpa")
-    bounds = _segments_apply(kwargs, query, key)
+    torch, sdpa_attention_forward, repeat_kv = _functions()
+    bounds = None if _compiling(torch) else _segments_apply(kwargs, query, key)
     if bounds is None:
         return sdpa_attention_forward(
             module,
@@ -173,6 +199,7 @@ def register() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+    _functions()
     if SEGMENTED_SDPA not in AttentionInterface._global_mapping:
         AttentionInterface.register(SEGMENTED_SDPA, segmented_sdpa_forward)
     if SEGMENTED_SDPA not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:

@@ -396,7 +396,9 @@ def _probe_collator(collator: Any) -> Any:
     return inner if inner.return_tensors == "pt" else inner.replace(return_tensors="pt")
 
 
-def run_probe(trainer: Any, *extra_models: Any, switched: Sequence[Any] = ()) -> None:
+def run_probe(
+    trainer: Any, *extra_models: Any, switched: Sequence[Any] = (), collator: Any = None, packed: bool = True
+) -> None:
     """Run :func:`packtools.check_isolation` on the trainer's model (and ``extra_models``) unless sharded.
 
     ``switched`` are the models :func:`use_segmented_sdpa` switched: if the probe fails, they go back to
@@ -412,12 +414,13 @@ def run_probe(trainer: Any, *extra_models: Any, switched: Sequence[Any] = ()) ->
         return
     from .isolation import check_isolation
 
-    collator = _probe_collator(trainer.data_collator)
+    if collator is None:
+        collator = _probe_collator(trainer.data_collator)
 
     def probe() -> None:
         for model in (trainer.model, *extra_models):
             if model is not None:
-                check_isolation(model, collator)
+                check_isolation(model, collator, packed=packed)
 
     try:
         probe()
@@ -451,11 +454,13 @@ def prepare_trainer(
     prepared again.  A ``PaddingFreeCollator`` as ``data_collator`` is adapted to the model's ``forward``
     (keys it does not take are switched off, :func:`adapt_collator`).
 
-    With ``check_isolation=True`` (the default) it then runs :func:`packtools.check_isolation` once: a
-    few short sequences through the model, packed as the collator packs them and alone, under
+    With ``check_isolation=True`` (the default) it first checks the trainer's own ``data_collator`` on a real
+    batch of its train dataset and refuses one that merges packed sequences, with the fix
+    (:mod:`packtools.integrations.collator_check`), then runs :func:`packtools.check_isolation` once through
+    that collator: a few short sequences through the model, packed as the collator packs them and alone, under
     ``no_grad`` (well under a second for small models; a few forward passes of ~24 tokens for large ones),
     and raises :class:`~packtools.errors.PackingError` if packed sequences leak into each other.
-    ``check_isolation=False`` skips it.
+    ``check_isolation=False`` skips both.
 
     With ``segmented_sdpa=True`` (the default) an ``sdpa`` model is switched to packtools' per-sequence
     ``sdpa`` (:func:`use_segmented_sdpa`): a padding-free row's attention then costs ``sum(L_i²)`` like
@@ -483,13 +488,17 @@ def prepare_trainer(
             stacklevel=2,
         )
     trainer.data_collator = adapt_collator(trainer.data_collator, trainer.model)
+    if check_isolation:  # the trainer's own collator on a real batch, then the probe through it
+        from .collator_check import check_trainer_collator
+
+        probe_collator, packed = check_trainer_collator(trainer)
     from .budget_loader import install_train_loader
 
     install_train_loader(trainer, max_tokens)
     guard_model(trainer.model)
     with segmented_sdpa_until_checked([trainer.model], segmented_sdpa) as switched:
         if check_isolation:
-            run_probe(trainer, switched=switched)
+            run_probe(trainer, switched=switched, collator=probe_collator, packed=packed)
     return trainer
 
 

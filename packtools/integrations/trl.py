@@ -46,6 +46,7 @@ from .._optional import require
 from ..constants import SEQ_LENGTHS
 from ..errors import PackingError
 from .budget_loader import install_train_loader
+from .collator_check import check_preference_collator
 from .distributed import check_loss_path, trainer_divides_by_accumulation, uneven_gather
 from .dpo_probe import check_padding_free_forward
 from .transformers import (
@@ -329,6 +330,8 @@ def prepare_dpo_trainer(
     models = [m for m in (trainer.model, trainer.ref_model) if m is not None]
     for model in models:
         check_attention_implementation(model)
+    if check_isolation:  # the user's collator must keep every sequence in its own row (collator_check)
+        check_preference_collator(trainer)
     with segmented_sdpa_until_checked(models, segmented_sdpa) as switched:
         if check_isolation:
             run_probe(trainer, trainer.ref_model, switched=switched)
