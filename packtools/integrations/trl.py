@@ -254,7 +254,12 @@ def _use_packed_dataset(trainer: Any, dataset: Any) -> None:
 
 
 def prepare_dpo_trainer(
-    trainer: Any, train_dataset: Any = None, *, check_isolation: bool = True, segmented_sdpa: bool = True
+    trainer: Any,
+    train_dataset: Any = None,
+    *,
+    check_isolation: bool = True,
+    segmented_sdpa: bool = True,
+    share_prompt: bool | None = None,
 ) -> Any:
     """Make a TRL ``DPOTrainer`` run without padding, with TRL's own loss code; returns the trainer.
 
@@ -278,6 +283,10 @@ def prepare_dpo_trainer(
     ``sdpa`` (:func:`~packtools.integrations.transformers.use_segmented_sdpa`): the flat row's attention then
     costs ``sum(L_i²)`` like FlashAttention varlen, not ``(sum L_i)²`` under a block-diagonal mask, with the
     same result.  FlashAttention and ``eager`` models are left as they are.
+
+    With ``share_prompt=True`` (the default when ``train_dataset`` comes from ``pack_preference(...,
+    share_prompt=True)``) each pair's prompt runs through the model once, on packtools' tree attention
+    (:mod:`packtools.integrations.shared_dpo`); models it cannot serve are refused by name.
     """
     require("trl", "packtools.prepare_dpo_trainer")
     _check_trainer(trainer)
@@ -291,13 +300,19 @@ def prepare_dpo_trainer(
             run_probe(trainer, trainer.ref_model, switched=switched)
         for model in models:
             _check_fused_head(model)
-    for model in models:
+    from .shared_dpo import keep_tree_columns, prepare_shared_prompt, shares_prompt
+
+    shared = shares_prompt(train_dataset) if share_prompt is None else share_prompt
+    if shared:
+        prepare_shared_prompt(trainer, models, check_isolation)
+    for model in models if not shared else ():
         install_padding_free_forward(model)
     guard_model(trainer.model)
     if trainer.ref_model is not None:
         guard_model(trainer.ref_model)
     if train_dataset is not None:
         _use_packed_dataset(trainer, train_dataset)
+        keep_tree_columns(trainer)
     _count_step_pairs(trainer)
     _mean_over_step(trainer)
     object.__setattr__(trainer, _PATCHED, True)
