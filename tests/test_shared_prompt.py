@@ -311,3 +311,96 @@ def test_probe_refuses_a_model_whose_attention_ignores_the_tree(monkeypatch):
     with pytest.raises(PackingError, match="differs from the same prompt"):
         use_tree_attention(model)
     assert model.config._attn_implementation == "sdpa"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TRL: prepare_dpo_trainer on prompt-shared rows equals TRL's padded DPO
+
+trl = pytest.importorskip("trl")
+import test_dpo as dpo  # noqa: E402
+
+from packtools import prepare_dpo_trainer  # noqa: E402
+
+
+class BackboneTokens:
+    """Records the number of tokens of every backbone call."""
+
+    def __init__(self, model):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.calls = []
+        base.model.register_forward_pre_hook(
+            lambda m, a, kw: self.calls.append(kw["input_ids"].shape), with_kwargs=True
+        )
+
+
+def shared_trainer(tmp_path, **config):
+    trainer = dpo.build(tmp_path, n=16, **config)
+    columns = ["ref_chosen_logps", "ref_rejected_logps"] if trainer.precompute_ref_logps else []
+    indexed = trainer.train_dataset.add_column("pair", list(range(len(trainer.train_dataset))))
+    packed = pack_preference(indexed, 64, columns=[*columns, "pair"], share_prompt=True)
+    return prepare_dpo_trainer(trainer, train_dataset=packed), packed
+
+
+@pytest.mark.parametrize("case", ["sigmoid-sdpa", "ipo-eager-ld_alpha", "precompute_ref_log_probs"])
+def test_trl_on_shared_rows_equals_trl_padded(tmp_path, case):
+    prepared, packed = shared_trainer(tmp_path, **dpo.CASES[case])
+    assert prepared.model.config._attn_implementation == "packtools_tree"
+    reference = dpo.build(tmp_path, n=16, **dpo.CASES[case])
+    rows = [packed[0], packed[1]]
+    pairs = [i for r in rows for i in r["pair"]]
+    recorder = BackboneTokens(prepared.model)
+    batch = prepared.data_collator(rows)
+    got = dpo.loss_metrics_grads(prepared, batch)
+    dpo.assert_same(dpo.loss_metrics_grads(reference, dpo.trl_batch(reference, pairs)), got)
+    # The backbone ran P + C + R + 1 tokens per pair (the prompt once), not 2P + C + R.
+    prompt = [len(reference.train_dataset[i]["prompt_ids"]) for i in pairs]
+    comp = [len(reference.train_dataset[i][k]) for i in pairs for k in ("chosen_ids", "rejected_ids")]
+    shared = sum(prompt) + sum(comp) + len(pairs)
+    assert recorder.calls and all(tuple(c) == (1, shared) for c in recorder.calls)
+    assert shared < 2 * sum(prompt) + sum(comp)
+
+
+def test_trl_accumulation_on_shared_rows_is_the_mean_over_the_step(tmp_path):
+    prepared, _ = shared_trainer(
+        tmp_path,
+        gradient_accumulation_steps=3,
+        per_device_train_batch_size=1,
+        max_steps=1,
+        logging_strategy="steps",
+        logging_steps=1,
+        remove_unused_columns=False,
+    )
+    step, seen = dpo.step_gradients(prepared)
+    micro = [[p for row in batch for p in row] for batch in seen[:3]]
+    assert len({len(m) for m in micro}) > 1, micro  # unequal micro-batches
+    reference = dpo.build(tmp_path, n=16)
+    whole = dpo.loss_metrics_grads(reference, dpo.trl_batch(reference, [p for m in micro for p in m]))
+    assert max(float((step[k] - whole[2][k]).abs().max()) for k in whole[2]) < TOL
+    assert abs(prepared.state.log_history[0]["loss"] - whole[0]) < 1e-4
+
+
+def test_trl_share_prompt_on_trl_batches_and_refusal(tmp_path):
+    """share_prompt=True without a packed dataset folds TRL's own batches; a hybrid model is refused."""
+    padded = dpo.build(tmp_path)
+    prepared = prepare_dpo_trainer(dpo.build(tmp_path), share_prompt=True)
+    batch = padded.data_collator([padded.train_dataset[i] for i in range(4)])
+    dpo.assert_same(dpo.loss_metrics_grads(padded, batch), dpo.loss_metrics_grads(prepared, batch))
+    trainer = dpo.build(tmp_path)
+    trainer.ref_model = tiny_arch("Falcon-H1", "sdpa")
+    with pytest.raises(PackingError, match="FalconH1ForCausalLM"):  # refused before anything is switched
+        prepare_dpo_trainer(trainer, share_prompt=True)
+    assert trainer.model.config._attn_implementation == "sdpa"
+
+
+def test_trl_train_keeps_prompt_lengths_through_remove_unused_columns(tmp_path):
+    prepared, _ = shared_trainer(tmp_path, max_steps=1, remove_unused_columns=True)
+    seen = []
+    inner = prepared.data_collator
+
+    def record(features):
+        seen.append(sorted(features[0]))
+        return inner(features)
+
+    prepared.data_collator = record
+    prepared.train()
+    assert seen and all("prompt_lengths" in keys and "pair" not in keys for keys in seen)
