@@ -404,3 +404,24 @@ def test_trl_train_keeps_prompt_lengths_through_remove_unused_columns(tmp_path):
     prepared.data_collator = record
     prepared.train()
     assert seen and all("prompt_lengths" in keys and "pair" not in keys for keys in seen)
+
+
+def test_overlong_groups_truncate_shorter_completions_whole_first_or_drop():
+    table = pa.table(
+        {
+            "prompt_ids": [list(range(2, 22)), [5, 6]],
+            "completion_ids": [[[40] * 2, [41] * 30, [42] * 12], [[7], [8]]],
+        }
+    )
+    rows, report = pack_groups(table, 32, return_report=True)
+    assert all(len(r) <= 32 for r in rows.column("input_ids").to_pylist())
+    seqs = sequences_of(rows.to_pylist())
+    by_head = {tuple(s[-1:]): s for s, _ in seqs}
+    kp = rows.column("prompt_lengths").to_pylist()
+    p = next(x for r in kp for x in r if x != 2)
+    assert p == 8  # max_length // 4: the prompt keeps its last 8 tokens
+    assert by_head[(40,)][:p] == list(range(14, 22)) and by_head[(40,)][p:] == [40, 40]  # short one whole
+    assert len(by_head[(41,)]) - p == len(by_head[(42,)]) - p  # the two long ones share the rest equally
+    assert report.units_truncated == 1 and report.units_dropped == 0
+    dropped, report = pack_groups(table, 32, overlong="drop", return_report=True)
+    assert report.units_dropped == 1 and dropped.column("prompt_lengths").to_pylist() == [[2]]

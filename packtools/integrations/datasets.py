@@ -393,7 +393,7 @@ def pack_groups(
     list of token lists per row); per-group ``columns`` and per-completion ``completion_columns`` (e.g.
     ``rewards``, ``advantages``) are kept aligned (see :func:`packtools.core.shared_pairs.pack_groups`).
     """
-    from ..core.shared_pairs import pack_groups as pack_table_groups
+    from ..core.shared_groups import pack_groups as pack_table_groups
 
     table, indices = (dataset, None) if isinstance(dataset, pa.Table) else dataset_table(dataset)
     packed, report = pack_table_groups(
