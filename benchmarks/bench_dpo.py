@@ -244,6 +244,11 @@ def bench_training(args):
         counters = {name: TokenCounter(t.model) for name, t in trainers.items()}
         batches = step_batches(padded, args)
         real = [int(b["attention_mask"].sum()) for b in batches]
+        # sum(P + C + R): each pair's prompt once (its prompt tokens appear in both of its sequences).
+        unique = [
+            r - int((b["attention_mask"].sum() - b["completion_mask"].sum()) // 2)
+            for r, b in zip(real, batches)
+        ]
         for t in trainers.values():  # warm-up
             t.current_gradient_accumulation_steps = 1  # what Trainer sets before each optimizer step
             t.model.train()
@@ -280,6 +285,11 @@ def bench_training(args):
     print(f"{'':12s} {'tokens/step':>12s} {'x real':>7s} {'step s':>8s} {'saved MB':>9s}")
     for name, tokens, ratio, sec, mb in rows:
         print(f"{name:12s} {tokens:12.0f} {ratio:7.3f} {sec:8.3f} {mb:9.1f}")
+    if SHARED in through:
+        print(
+            f"{SHARED}: {through[SHARED] / (sum(unique) / n):.4f}x sum(P + C + R) through the model per step "
+            f"(sum(P + C + R) = {sum(unique) / n:.0f}, sum(2P + C + R) = {sum(real) / n:.0f})"
+        )
     (_, _, r_trl, t_trl, m_trl), *ours = rows
     for name, _, r_ours, t_ours, m_ours in ours:
         print(

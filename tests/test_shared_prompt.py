@@ -278,6 +278,14 @@ def test_refuses_models_it_cannot_serve(arch, impl, match):
     assert model.config._attn_implementation == impl  # left as it came
 
 
+@pytest.mark.parametrize("arch", ["GPT-2", "Qwen3"])
+def test_accepts_models_it_serves_exactly(arch):
+    """GPT-2's learned absolute positions are right when the completions continue at P (positions passed)."""
+    model = tiny_arch(arch, "sdpa")
+    assert use_tree_attention(model) == "packtools_tree"
+    assert model.config._attn_implementation == "packtools_tree"
+
+
 def test_refuses_alibi_and_models_without_position_ids():
     bloom = transformers.BloomForCausalLM(
         transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=1, n_head=2)
