@@ -89,6 +89,16 @@ def test_packer_every_token_once_prompt_once_rows_fit(n, max_length, seed):
     fits = [p for p in range(n) if len(prompts[p]) + len(chosen[p]) + len(rejected[p]) + 1 <= max_length]
     assert sorted(kept) == fits and report.units_dropped == n - len(fits)
     assert report.tokens_unshared - report.tokens_kept == sum(len(prompts[p]) - 1 for p in kept)
+    cut, cut_report = pack_shared_pairs(table, max_length, columns=["pair"])  # overlong="truncate"
+    assert all(len(r) <= max_length for r in cut.column("input_ids").to_pylist())
+    assert cut_report.units_out == n and sorted(p for r in cut.column("pair").to_pylist() for p in r) == list(
+        range(n)
+    )
+    for (seq, mask), p in zip(
+        sequences_of(cut.to_pylist()), [p for r in cut.column("pair").to_pylist() for p in r for _ in (0, 1)]
+    ):
+        k = len(seq) - sum(mask)  # kept prompt: its end; kept completion: its start
+        assert seq[:k] == prompts[p][len(prompts[p]) - k :] and sum(mask) >= 1
 
 
 def test_truncation_keeps_prompt_end_and_completion_starts_and_reports():
@@ -398,6 +408,14 @@ def test_trl_share_prompt_on_trl_batches_and_refusal(tmp_path):
     with pytest.raises(PackingError, match="FalconH1ForCausalLM"):  # refused before anything is switched
         prepare_dpo_trainer(trainer, share_prompt=True)
     assert trainer.model.config._attn_implementation == "sdpa"
+    # The tree's own check runs on every model before any is switched: the policy stays as it was, unwrapped.
+    from packtools.integrations.shared_dpo import prepare_shared_prompt
+
+    trainer = dpo.build(tmp_path)
+    with pytest.raises(PackingError, match="sliding-window"):
+        prepare_shared_prompt(trainer, [trainer.model, tiny_arch("Mistral", "sdpa")])
+    assert trainer.model.config._attn_implementation == "sdpa"
+    assert "_packtools_shared_prompt" not in vars(trainer.model)
 
 
 def test_trl_train_keeps_prompt_lengths_through_remove_unused_columns(tmp_path):

@@ -21,8 +21,9 @@ from .._optional import require
 from ..batches.tree import TREE_KEY, TreeLayout, tree_segments, unshared_index
 from ..core.shared_pairs import PROMPT_LENGTHS
 from ..errors import PackingError
-from .transformers import _base_model
-from .tree_attention import use_tree_attention
+from .segmented import SEGMENTED_SDPA
+from .transformers import _base_model, attention_implementation
+from .tree_attention import check_tree_model, use_tree_attention
 from .trl import PER_TOKEN, _check_fused_head, padding_free_layout
 
 _WRAPPED = "_packtools_shared_prompt"
@@ -155,9 +156,24 @@ def install_shared_prompt_forward(model: Any) -> None:
 
 
 def prepare_shared_prompt(trainer: Any, models: list[Any], check_isolation: bool = True) -> None:
-    """Put ``models`` on the tree attention (refused by name if they cannot run it; probed) and fold batches."""
+    """Put ``models`` on the tree attention and fold their batches; all or none.
+
+    Every model is checked first (:func:`~packtools.integrations.tree_attention.check_tree_model`: refused by
+    name if the tree cannot serve it), then switched and probed; if one fails, all go back to ``sdpa`` (or
+    their own backend) and nothing is wrapped.
+    """
     for model in models:
-        use_tree_attention(model, check_isolation=check_isolation)
+        check_tree_model(model)
+    switched = []
+    try:
+        for model in models:
+            switched.append((model, attention_implementation(model)))
+            use_tree_attention(model, check_isolation=check_isolation)
+    except BaseException:
+        for model, before in switched:
+            _base_model(model).set_attn_implementation("sdpa" if before == SEGMENTED_SDPA else before)
+        raise
+    for model in models:
         install_shared_prompt_forward(model)
 
 
