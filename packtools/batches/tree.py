@@ -16,7 +16,7 @@ sequences one after the other (what TRL's padded layout holds).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -107,6 +107,21 @@ class TreeLayout:
     branches: Any
     max_q: int
     max_k: int
+    #: Bottom-right causal masks by (queries, prefix, device, dtype), built once for all layers of a forward.
+    masks: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def mask(self, q_len: int, pre_len: int, device: Any, dtype: Any) -> Any:
+        """Additive mask of a segment: query ``i`` sees the ``pre_len`` prefix keys and its own first ``i + 1``."""
+        key = (q_len, pre_len, str(device), dtype)
+        found = self.masks.get(key)
+        if found is None:
+            torch = require("torch", "packtools tree attention")
+            rows = torch.arange(q_len, device=device)[:, None]
+            cols = torch.arange(pre_len + q_len, device=device)[None, :]
+            found = torch.zeros((q_len, pre_len + q_len), dtype=dtype, device=device)
+            found.masked_fill_(cols > rows + pre_len, float("-inf"))
+            self.masks[key] = found
+        return found
 
     @classmethod
     def build(cls, segments: np.ndarray, is_branch: np.ndarray, group_sizes: np.ndarray) -> TreeLayout:
@@ -155,6 +170,7 @@ class TreeLayout:
             cu_k=self.cu_k.to(device),
             kv_index=self.kv_index.to(device),
             branches=self.branches.to(device),
+            masks={},
         )
 
 

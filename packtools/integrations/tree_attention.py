@@ -111,19 +111,30 @@ def tree_attention_forward(
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    # One split per tensor (its backward is one concatenation), not a slice per segment (each slice's
+    # backward writes a zero tensor the size of the whole row).
+    lengths = tree.segments[:, 1].tolist()
+    qs, ks, vs = (t.split(lengths, dim=2) for t in (query, key, value))
+    segment_at = {start: i for i, start in enumerate(tree.segments[:, 0].tolist())}
     outs = []
-    for q_start, q_len, pre_start, pre_len in tree.segments.tolist():
-        q = query[:, :, q_start : q_start + q_len]
-        k = key[:, :, q_start : q_start + q_len]
-        v = value[:, :, q_start : q_start + q_len]
+    for i, (_, q_len, pre_start, pre_len) in enumerate(tree.segments.tolist()):
         if pre_len == 0:
-            outs.append(sdpa(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True))
+            outs.append(sdpa(qs[i], ks[i], vs[i], dropout_p=dropout, scale=scaling, is_causal=True))
             continue
-        k = torch.cat([key[:, :, pre_start : pre_start + pre_len], k], dim=2)
-        v = torch.cat([value[:, :, pre_start : pre_start + pre_len], v], dim=2)
-        rows = torch.arange(q_len, device=query.device)[:, None]
-        cols = torch.arange(pre_len + q_len, device=query.device)[None, :]
-        outs.append(sdpa(q, k, v, attn_mask=cols <= rows + pre_len, dropout_p=dropout, scale=scaling))
+        prefix = segment_at.get(pre_start)
+        if (
+            prefix is not None and lengths[prefix] == pre_len
+        ):  # the unit's prefix segment, as packtools builds
+            k_pre, v_pre = ks[prefix], vs[prefix]
+        else:  # any other span of keys a layout names
+            k_pre, v_pre = (
+                key[:, :, pre_start : pre_start + pre_len],
+                value[:, :, pre_start : pre_start + pre_len],
+            )
+        k = torch.cat([k_pre, ks[i]], dim=2)
+        v = torch.cat([v_pre, vs[i]], dim=2)
+        mask = tree.mask(q_len, pre_len, query.device, query.dtype)
+        outs.append(sdpa(qs[i], k, v, attn_mask=mask, dropout_p=dropout, scale=scaling))
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return out.transpose(1, 2).contiguous(), None
 
