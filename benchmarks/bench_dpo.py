@@ -152,7 +152,12 @@ SHARED = "shared prompt"
 
 def variants(args):
     """The variants of this run: those above, and the prompt-shared trainer with ``--share-prompt``."""
-    return {**VARIANTS, **({SHARED: "shared"} if getattr(args, "share_prompt", False) else {})}
+    chosen = {
+        k: v
+        for k, v in VARIANTS.items()
+        if not (k == "block mask" and getattr(args, "skip_block_mask", False))
+    }
+    return {**chosen, **({SHARED: "shared"} if getattr(args, "share_prompt", False) else {})}
 
 
 def make_trainer(name, pairs, args, out):
@@ -354,6 +359,7 @@ def main(argv=None):
         "--peak-rss", action="store_true", help="also measure each variant's peak resident memory (Linux)"
     )
     parser.add_argument("--share-prompt", action="store_true", help="add the prompt-shared variant")
+    parser.add_argument("--skip-block-mask", action="store_true", help="leave the block-mask variant out")
     parser.add_argument("--long-prompts", action="store_true", help="the skewed long-prompt set (P ~ 800)")
     parser.add_argument("--peak-of", choices=[*VARIANTS, SHARED], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
