@@ -67,7 +67,19 @@ def tree_attention_forward(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[Any, None]:
-    """transformers attention function (``query``/``key``/``value`` are ``[1, heads, tokens, dim]``)."""
+    """transformers attention function (``query``/``key``/``value`` are ``[1, heads, tokens, dim]``).
+
+    >>> import numpy as np, torch
+    >>> from packtools.batches.tree import tree_segments
+    >>> seg, branch = tree_segments(np.array([3]), np.array([2]), np.array([1, 2]))  # [p0 p1][p2 c][p2 r r]
+    >>> tree = TreeLayout.build(seg, branch, np.array([2]))
+    >>> q, k, v = torch.randn(3, 1, 2, 7, 4)
+    >>> out, _ = tree_attention_forward(None, q, k, v, None, packtools_tree=tree)
+    >>> rejected = [0, 1, 4, 5, 6]  # the prompt, then the rejected branch: what it sees alone
+    >>> alone, _ = tree_attention_forward(None, q[:, :, rejected], k[:, :, rejected], v[:, :, rejected], None)
+    >>> out.shape, torch.allclose(out[:, 4:], alone[:, 2:], atol=1e-6)
+    (torch.Size([1, 7, 2, 4]), True)
+    """
     tree = kwargs.pop(TREE_KEY, None)
     if not isinstance(tree, TreeLayout):
         return segmented_sdpa_forward(
@@ -140,7 +152,11 @@ def tree_attention_forward(
 
 
 def register() -> str:
-    """Register :data:`TREE_ATTENTION` with transformers (attention and mask functions); returns the name."""
+    """Register :data:`TREE_ATTENTION` with transformers (attention and mask functions); returns the name.
+
+    >>> register()
+    'packtools_tree'
+    """
     require("transformers", "packtools tree attention")
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
