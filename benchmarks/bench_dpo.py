@@ -16,6 +16,14 @@ sizes, a deterministic stand-in for the peak memory of a step).  Ratios are pack
 also runs each variant alone in a fresh process and reports the peak resident memory its steps add (the
 kernel's high-water mark, reset before the first step; Linux).
 
+``--share-prompt`` adds a fourth variant, "shared prompt": ``prepare_dpo_trainer(trainer, share_prompt=True)``
+(each pair's prompt forwarded once, packtools' tree attention), and times ``pack_preference(...,
+share_prompt=True)`` beside ``pack_preference`` in part 2.  ``--long-prompts`` draws the skewed long-prompt set
+(prompt median 800, completions median 150, narrow spread) where prompt sharing matters::
+
+    python benchmarks/bench_dpo.py --long-prompts --share-prompt --pairs 32 --pairs-per-step 4 --steps 4 \
+        --hidden 128 --pack-pairs 1000000
+
 Part 2 (packing): ``pack_preference`` on ``--pack-pairs`` pairs (same length distribution, max_length 4096):
 seconds (after a warm-up call that compiles the kernels) and rows vs the lower bound ceil(tokens / max_length).
 """
@@ -37,7 +45,13 @@ def lognormal_lengths(rng, n, median, cap):
     return np.clip(rng.lognormal(np.log(median), 0.8, n).astype(np.int64), 1, cap)
 
 
-def pair_lengths(rng, n, prompt_median=32, completion_median=48):
+def pair_lengths(rng, n, prompt_median=32, completion_median=48, long_prompts=False):
+    if long_prompts:  # the skewed long-prompt set: P ~ 800, C, R ~ 150
+        return (
+            np.clip(rng.lognormal(np.log(800), 0.2, n).astype(np.int64), 1, 1600),
+            np.clip(rng.lognormal(np.log(150), 0.3, n).astype(np.int64), 1, 600),
+            np.clip(rng.lognormal(np.log(150), 0.3, n).astype(np.int64), 1, 600),
+        )
     return (
         lognormal_lengths(rng, n, prompt_median, 8 * prompt_median),
         lognormal_lengths(rng, n, completion_median, 8 * completion_median),
@@ -45,9 +59,9 @@ def pair_lengths(rng, n, prompt_median=32, completion_median=48):
     )
 
 
-def text_pairs(n, seed=0):
+def text_pairs(n, seed=0, long_prompts=False):
     rng = np.random.default_rng(seed)
-    lp, lc, lr = pair_lengths(rng, n)
+    lp, lc, lr = pair_lengths(rng, n, long_prompts=long_prompts)
 
     def words(k):
         return " ".join(f"w{t}" for t in rng.integers(2, VOCAB, k))
@@ -133,13 +147,26 @@ def saved_bytes(step):
 
 #: The trainers compared: TRL as it is, prepared (per-sequence sdpa), prepared with sdpa's block-diagonal mask.
 VARIANTS = {"TRL padded": None, "packtools": True, "block mask": False}
+SHARED = "shared prompt"
+
+
+def variants(args):
+    """The variants of this run: those above, and the prompt-shared trainer with ``--share-prompt``."""
+    chosen = {
+        k: v
+        for k, v in VARIANTS.items()
+        if not (k == "block mask" and getattr(args, "skip_block_mask", False))
+    }
+    return {**chosen, **({SHARED: "shared"} if getattr(args, "share_prompt", False) else {})}
 
 
 def make_trainer(name, pairs, args, out):
     from packtools import prepare_dpo_trainer
 
     trainer = build_trainer(pairs, args.pairs_per_step, out, args.hidden)
-    segmented = VARIANTS[name]
+    segmented = variants(args)[name]
+    if segmented == "shared":
+        return prepare_dpo_trainer(trainer, share_prompt=True)
     return trainer if segmented is None else prepare_dpo_trainer(trainer, segmented_sdpa=segmented)
 
 
@@ -168,7 +195,7 @@ def step_peak_rss(args):
     """
     import tempfile
 
-    pairs = text_pairs(args.pairs)
+    pairs = text_pairs(args.pairs, long_prompts=args.long_prompts)
     with tempfile.TemporaryDirectory() as out:
         t = make_trainer(args.peak_of, pairs, args, out)
         batches = step_batches(t, args)
@@ -189,8 +216,13 @@ def bench_peak_rss(args):
     import sys
 
     peaks = {}
-    for name in VARIANTS:
+    for name in variants(args):
         command = [sys.executable, __file__, "--peak-of", name, "--pack-pairs", "0"]
+        command += [
+            f
+            for f, on in (("--long-prompts", args.long_prompts), ("--share-prompt", args.share_prompt))
+            if on
+        ]
         for flag in ("pairs", "pairs_per_step", "steps", "hidden"):
             command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         done = subprocess.run(command, capture_output=True, text=True, check=True)
@@ -210,13 +242,18 @@ def bench_training(args):
     import torch
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    pairs = text_pairs(args.pairs)
+    pairs = text_pairs(args.pairs, long_prompts=args.long_prompts)
     with tempfile.TemporaryDirectory() as out:
-        trainers = {name: make_trainer(name, pairs, args, out) for name in VARIANTS}
+        trainers = {name: make_trainer(name, pairs, args, out) for name in variants(args)}
         padded = trainers["TRL padded"]
         counters = {name: TokenCounter(t.model) for name, t in trainers.items()}
         batches = step_batches(padded, args)
         real = [int(b["attention_mask"].sum()) for b in batches]
+        # sum(P + C + R): each pair's prompt once (its prompt tokens appear in both of its sequences).
+        unique = [
+            r - int((b["attention_mask"].sum() - b["completion_mask"].sum()) // 2)
+            for r, b in zip(real, batches)
+        ]
         for t in trainers.values():  # warm-up
             t.current_gradient_accumulation_steps = 1  # what Trainer sets before each optimizer step
             t.model.train()
@@ -253,6 +290,11 @@ def bench_training(args):
     print(f"{'':12s} {'tokens/step':>12s} {'x real':>7s} {'step s':>8s} {'saved MB':>9s}")
     for name, tokens, ratio, sec, mb in rows:
         print(f"{name:12s} {tokens:12.0f} {ratio:7.3f} {sec:8.3f} {mb:9.1f}")
+    if SHARED in through:
+        print(
+            f"{SHARED}: {through[SHARED] / (sum(unique) / n):.4f}x sum(P + C + R) through the model per step "
+            f"(sum(P + C + R) = {sum(unique) / n:.0f}, sum(2P + C + R) = {sum(real) / n:.0f})"
+        )
     (_, _, r_trl, t_trl, m_trl), *ours = rows
     for name, _, r_ours, t_ours, m_ours in ours:
         print(
@@ -269,7 +311,7 @@ def bench_packing(args):
 
     rng = np.random.default_rng(1)
     n = args.pack_pairs
-    lengths = pair_lengths(rng, n)
+    lengths = pair_lengths(rng, n, long_prompts=args.long_prompts)
     columns = {}
     for name, lens in zip(("prompt_ids", "chosen_ids", "rejected_ids"), lengths):
         offsets = np.zeros(n + 1, np.int64)
@@ -289,6 +331,18 @@ def bench_packing(args):
         f"{seconds:.2f} s, {report.rows:,} rows, lower bound {report.lower_bound:,} "
         f"({report.rows / report.lower_bound:.5f}x), fill {report.fill:.4f}, truncated {report.pairs_truncated}"
     )
+    if args.share_prompt:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pack_preference(small, args.max_length, share_prompt=True)  # compile
+            t0 = time.perf_counter()
+            _, shared = pack_preference(table, args.max_length, return_report=True, share_prompt=True)
+            shared_seconds = time.perf_counter() - t0
+        print(
+            f"pack_preference(share_prompt=True): {shared_seconds:.2f} s ({shared_seconds / seconds:.3f}x the "
+            f"unshared), {shared.tokens_kept:,} tokens ({shared.saved:.1%} of the unshared layout saved), "
+            f"{shared.rows:,} rows, truncated {shared.pairs_truncated}"
+        )
     return seconds, report
 
 
@@ -304,7 +358,10 @@ def main(argv=None):
     parser.add_argument(
         "--peak-rss", action="store_true", help="also measure each variant's peak resident memory (Linux)"
     )
-    parser.add_argument("--peak-of", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    parser.add_argument("--share-prompt", action="store_true", help="add the prompt-shared variant")
+    parser.add_argument("--skip-block-mask", action="store_true", help="leave the block-mask variant out")
+    parser.add_argument("--long-prompts", action="store_true", help="the skewed long-prompt set (P ~ 800)")
+    parser.add_argument("--peak-of", choices=[*VARIANTS, SHARED], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ.setdefault("TQDM_DISABLE", "1")
     import logging

@@ -4,7 +4,7 @@ from .constants import __version__ as __version__
 from .core.pack import pack_table, truncate_table, unpack, warmup
 from .core.plan import STRATEGIES, PackPlan, plan
 from .errors import PackingError
-from .integrations.datasets import pack_dataset, pack_preference, packed_view, truncate_dataset
+from .integrations.datasets import pack_dataset, pack_groups, pack_preference, packed_view, truncate_dataset
 from .profiling.profile import LengthProfile, profile_lengths
 
 # Public names imported on first attribute access: modules that need torch or transformers, and the
@@ -27,6 +27,8 @@ _LAZY = {
     "sequence_logps": "packtools.batches.logps",
     "prepare_dpo_trainer": "packtools.integrations.trl",
     "use_segmented_sdpa": "packtools.integrations.transformers",
+    "TreeCollator": "packtools.batches.tree",
+    "use_tree_attention": "packtools.integrations.tree_attention",
 }
 
 
@@ -49,10 +51,12 @@ __all__ = [
     "PaddingFreeCollator",
     "PreferenceCollator",
     "TokenBudgetBatchSampler",
+    "TreeCollator",
     "check_isolation",
     "choose_buckets",
     "pack_dataset",
     "pack_files",
+    "pack_groups",
     "pack_preference",
     "pack_ray_dataset",
     "pack_shards",
@@ -68,6 +72,7 @@ __all__ = [
     "truncate_table",
     "unpack",
     "use_segmented_sdpa",
+    "use_tree_attention",
     "varlen_attention",
     "warmup",
 ]

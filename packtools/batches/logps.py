@@ -22,6 +22,20 @@ class SequenceLogps(NamedTuple):
 
     logps: Any  # float [S]
     tokens: Any  # int64 [S]
+    group_sizes: Any = None  # prompt-shared batches: completions per prompt (host array), else None
+
+    def groups(self) -> tuple[Any, Any]:
+        """``(logps, tokens)`` of a prompt-shared batch viewed as ``[n_groups, G]`` (one row per prompt, its
+        completions in order); every group of the batch must have the same ``G``."""
+        sizes = self.group_sizes
+        if sizes is None or len(sizes) == 0 or int(min(sizes)) != int(max(sizes)):
+            raise PackingError(
+                f"groups() needs a prompt-shared batch whose groups all have one size; got group sizes "
+                f"{None if sizes is None else list(sizes)[:8]}.",
+                param="cu_seq_lens",
+            )
+        g = int(sizes[0])
+        return self.logps.view(-1, g), self.tokens.view(-1, g)
 
     def pairs(self) -> tuple[Any, Any]:
         """``(logps, tokens)`` viewed as ``[n_pairs, 2]``: column 0 the chosen, column 1 the rejected sequence.
@@ -60,8 +74,10 @@ def sequence_logps(logits_or_logprobs: Any, labels: Any, cu_seq_lens: Any) -> Se
     at the labels, ``[1, T]`` or ``[T]``, aligned with ``labels`` (entry ``i`` is ``log p(token i)``).
     ``labels``: ``[1, T]`` or ``[T]``, ``-100`` on tokens that are not targets (prompt, padding).
     ``cu_seq_lens``: ``[S + 1]`` sequence boundaries (int, starting at 0, ending at ``T``), as
-    :class:`~packtools.PaddingFreeCollator` returns them.  Returns :class:`SequenceLogps`; its ``logps``
-    carries gradients.
+    :class:`~packtools.PaddingFreeCollator` returns them, or the :class:`~packtools.batches.tree.TreeLayout` of
+    a prompt-shared batch (``batch["packtools_tree"]``): then one sum per *completion* (the prompt segments,
+    which predict nothing, are left out), ``.pairs()`` for preference pairs and ``.groups()`` for groups.
+    Returns :class:`SequenceLogps`; its ``logps`` carries gradients.
 
     >>> import torch
     >>> logits = torch.zeros(1, 5, 4)  # uniform: every predicted token has log-probability log(1/4)
@@ -70,6 +86,11 @@ def sequence_logps(logits_or_logprobs: Any, labels: Any, cu_seq_lens: Any) -> Se
     ([2, 1], [-2.7726, -1.3863])
     """
     torch = require("torch", "packtools.sequence_logps")
+    if hasattr(cu_seq_lens, "branches") and hasattr(cu_seq_lens, "cu_seq_lens"):  # a prompt-shared tree
+        tree = cu_seq_lens
+        every = sequence_logps(logits_or_logprobs, labels, tree.cu_seq_lens)
+        index = tree.branches.to(every.logps.device)
+        return SequenceLogps(every.logps[index], every.tokens[index], tree.group_sizes)
     labels = _flat("labels", labels, 2)
     total = labels.shape[0]
     cu = torch.as_tensor(cu_seq_lens, device=labels.device).long()

@@ -42,6 +42,17 @@ def _ints(value: Any, row: int, key: str) -> np.ndarray:
 
 def _pair_row(row: Mapping[str, Any], i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, completion mask, sequence lengths) of one row, in pair order."""
+    if row.get("prompt_lengths") is not None:  # prompt-shared: expand to [prompt + chosen][prompt + rejected]
+        from .tree import row_groups, tree_row, unshared_index
+
+        if (row_groups(row) != 2).any():
+            raise PackingError(
+                f"row {i} holds groups of completions, not preference pairs (group_sizes != 2)."
+            )
+        ids, mask, segments, is_branch = tree_row(row, i)
+        index, lengths = unshared_index(segments, is_branch)
+        unshared_mask = mask[index].copy()
+        return ids[index], unshared_mask, lengths
     if "seq_lengths" in row:
         ids = _ints(row["input_ids"], i, "input_ids")
         if row.get("completion_mask") is None:

@@ -265,6 +265,7 @@ def pack_preference(
     shuffle: bool = False,
     seed: int = 0,
     return_report: bool = False,
+    share_prompt: bool = False,
 ) -> Any:
     """Pack preference pairs whole: each pair's ``[prompt + chosen][prompt + rejected]`` side by side in a row.
 
@@ -279,6 +280,11 @@ def pack_preference(
     ``return_report=True`` also returns the :class:`~packtools.core.pairs.PairReport` (a dict of them for a
     ``DatasetDict``).
 
+    ``share_prompt=True`` writes each pair as ``[prompt][chosen][rejected]``, the prompt once, with
+    ``prompt_lengths`` beside the columns above (layout: :mod:`packtools.core.shared_pairs`; the report is a
+    :class:`~packtools.core.shared_pairs.SharedReport`); train on it with the tree attention
+    (:func:`packtools.prepare_dpo_trainer` selects it, or :class:`~packtools.batches.tree.TreeCollator`).
+
     >>> from datasets import Dataset
     >>> ds = Dataset.from_dict({"prompt_ids": [[1, 2], [3]], "chosen_ids": [[4], [5]], "rejected_ids": [[6], [7, 8]]})
     >>> pack_preference(ds, 8)[:]["seq_lengths"]
@@ -287,10 +293,11 @@ def pack_preference(
     import warnings
 
     from ..core.pairs import pack_pairs
+    from ..core.shared_pairs import pack_shared_pairs
 
     def one(split: Any) -> tuple[Any, Any]:
         table, indices = (split, None) if isinstance(split, pa.Table) else dataset_table(split)
-        packed, report = pack_pairs(
+        packed, report = (pack_shared_pairs if share_prompt else pack_pairs)(
             table,
             max_length,
             strategy,
@@ -306,6 +313,7 @@ def pack_preference(
         fingerprint = _derived_fingerprint(
             split,
             "pack_preference",
+            share_prompt=bool(share_prompt),
             max_length=max_length,
             columns=list(columns),
             overlong=overlong,
@@ -378,6 +386,51 @@ class DatasetView(PackedView):
         self.dataset, self._args = state["dataset"], state["args"]
         table, indices = dataset_table(self.dataset)
         self._bind(table, *read_columns(table, state["columns"]), state["plan"], indices)
+
+
+def pack_groups(
+    dataset: Any,
+    max_length: int,
+    columns: Sequence[str] = (),
+    completion_columns: Sequence[str] = (),
+    *,
+    overlong: str = "truncate",
+    shuffle: bool = False,
+    seed: int = 0,
+    return_report: bool = False,
+) -> Any:
+    """Pack groups of one prompt and ``G`` completions as ``[P][C_1]...[C_G]``, the prompt once.
+
+    ``dataset``: a ``datasets.Dataset`` or ``pyarrow.Table`` with ``prompt_ids`` and ``completion_ids`` (a
+    list of token lists per row); per-group ``columns`` and per-completion ``completion_columns`` (e.g.
+    ``rewards``, ``advantages``) are kept aligned (see :func:`packtools.core.shared_pairs.pack_groups`).
+    """
+    from ..core.shared_groups import pack_groups as pack_table_groups
+
+    table, indices = (dataset, None) if isinstance(dataset, pa.Table) else dataset_table(dataset)
+    packed, report = pack_table_groups(
+        table,
+        max_length,
+        columns,
+        completion_columns,
+        overlong=overlong,
+        shuffle=shuffle,
+        seed=seed,
+        row_indices=indices,
+    )
+    if not isinstance(dataset, pa.Table):
+        fingerprint = _derived_fingerprint(
+            dataset,
+            "pack_groups",
+            max_length=max_length,
+            columns=list(columns),
+            completion_columns=list(completion_columns),
+            overlong=overlong,
+            shuffle=shuffle,
+            seed=seed,
+        )
+        packed = _datasets().Dataset(packed, split=dataset.split, fingerprint=fingerprint)
+    return (packed, report) if return_report else packed
 
 
 def packed_view(

@@ -294,6 +294,7 @@ def prepare_dpo_trainer(
     max_tokens: int | None = None,
     check_isolation: bool = True,
     segmented_sdpa: bool = True,
+    share_prompt: bool | None = None,
 ) -> Any:
     """Make a TRL ``DPOTrainer`` run without padding, with TRL's own loss code; returns the trainer.
 
@@ -321,6 +322,10 @@ def prepare_dpo_trainer(
     ``sdpa`` (:func:`~packtools.integrations.transformers.use_segmented_sdpa`): the flat row's attention then
     costs ``sum(L_i²)`` like FlashAttention varlen, not ``(sum L_i)²`` under a block-diagonal mask, with the
     same result.  FlashAttention and ``eager`` models are left as they are.
+
+    With ``share_prompt=True`` (the default when ``train_dataset`` comes from ``pack_preference(...,
+    share_prompt=True)``) each pair's prompt runs through the model once, on packtools' tree attention
+    (:mod:`packtools.integrations.shared_dpo`); models it cannot serve are refused by name.
     """
     require("trl", "packtools.prepare_dpo_trainer")
     _check_trainer(trainer)
@@ -332,14 +337,20 @@ def prepare_dpo_trainer(
         check_attention_implementation(model)
     if check_isolation:  # the user's collator must keep every sequence in its own row (collator_check)
         check_preference_collator(trainer)
+    from .shared_dpo import keep_tree_columns, prepare_shared_prompt, shares_prompt
+
+    shared = shares_prompt(train_dataset) if share_prompt is None else share_prompt
     with segmented_sdpa_until_checked(models, segmented_sdpa) as switched:
         if check_isolation:
             run_probe(trainer, trainer.ref_model, switched=switched)
         for model in models:
             _check_fused_head(model)
-        for model in models:
-            install_padding_free_forward(model)
-        if check_isolation:  # the same probe through the forward training calls (seq_idx and all)
+        if not shared:
+            for model in models:
+                install_padding_free_forward(model)
+        if (
+            check_isolation and not shared
+        ):  # the same probe through the forward training calls (seq_idx and all)
             try:
                 for model in models:
                     check_padding_free_forward(model)
@@ -347,11 +358,14 @@ def prepare_dpo_trainer(
                 for model in models:
                     uninstall_padding_free_forward(model)
                 raise
+    if shared:
+        prepare_shared_prompt(trainer, models, check_isolation)
     guard_model(trainer.model)
     if trainer.ref_model is not None:
         guard_model(trainer.ref_model)
     if train_dataset is not None:
         _use_packed_dataset(trainer, train_dataset)
+        keep_tree_columns(trainer)
     install_train_loader(trainer, max_tokens)
     _count_step_pairs(trainer)
     _mean_over_step(trainer)

@@ -1,0 +1,274 @@
+"""Prompt-shared rows as batches: the segments, positions and key/value gather the tree attention needs.
+
+A prompt-shared row (:mod:`packtools.core.shared_pairs`) holds units ``[prefix][branch_1]...[branch_G]``.
+Flattened, a batch is one row of *segments*: each unit's prefix (if not empty), then its branches.  A
+segment's queries are its own tokens; its keys are the unit's prefix followed by its own tokens (a prefix
+segment has only its own), causal with the queries aligned to the end of the keys (bottom-right).  So a
+completion sees its prompt and the tokens before it in its own branch, never a sibling or another unit.
+
+:class:`TreeLayout` carries this for the attention (host ``segments`` for the per-segment CPU path,
+``cu_q``/``cu_k``/``kv_index`` for FlashAttention varlen over gathered keys) and for
+:func:`packtools.sequence_logps` (``cu_seq_lens`` and which segments are branches).  :class:`TreeCollator`
+builds it from packed rows; :func:`unshared_index` maps the tree row back to ``prompt + completion``
+sequences one after the other (what TRL's padded layout holds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from .._optional import require
+from ..constants import IGNORE_INDEX
+from ..errors import PackingError
+
+#: The keyword the model's forward passes down to the attention function.
+TREE_KEY = "packtools_tree"
+TREE_ROW_COLUMNS = ("input_ids", "completion_mask", "seq_lengths", "prompt_lengths")
+
+
+def tree_segments(
+    prompt_lengths: np.ndarray, group_sizes: np.ndarray, completion_lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(segments, is_branch)``: per segment ``[q_start, q_len, prefix_start, prefix_len]`` in the flat row.
+
+    >>> seg, branch = tree_segments(np.array([3]), np.array([2]), np.array([1, 2]))
+    >>> seg.tolist(), branch.tolist()
+    ([[0, 2, 0, 0], [2, 2, 0, 2], [4, 3, 0, 2]], [False, True, True])
+    """
+    p = np.asarray(prompt_lengths, np.int64)
+    g = np.asarray(group_sizes, np.int64)
+    c = np.asarray(completion_lengths, np.int64)
+    if g.sum() != c.shape[0]:
+        raise PackingError(f"group sizes sum to {int(g.sum())} but there are {c.shape[0]} completions.")
+    prefix = np.maximum(p - 1, 0)
+    head = (p > 0).astype(np.int64)
+    unit = np.repeat(np.arange(p.shape[0]), g)
+    branch_len = head[unit] + c
+    # Segments in order: per unit, its prefix (dropped when empty), then its branches.
+    counts = 1 + g
+    n = int(counts.sum())
+    first = np.zeros(p.shape[0] + 1, np.int64)
+    np.cumsum(counts, out=first[1:])
+    length = np.zeros(n, np.int64)
+    length[first[:-1]] = prefix
+    is_branch = np.ones(n, bool)
+    is_branch[first[:-1]] = False
+    length[is_branch] = branch_len
+    seg_unit = np.repeat(np.arange(p.shape[0]), counts)
+    start = np.zeros(n, np.int64)
+    np.cumsum(length[:-1], out=start[1:])
+    pre_start = start[first[:-1]][seg_unit]
+    pre_len = np.where(is_branch, prefix[seg_unit], 0)
+    seg = np.stack([start, length, pre_start, pre_len], 1)
+    keep = length > 0
+    return np.ascontiguousarray(seg[keep]), is_branch[keep]
+
+
+def unshared_index(segments: np.ndarray, is_branch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(index, lengths)``: the flat-row positions of every branch's ``prompt + completion`` sequence.
+
+    >>> seg, branch = tree_segments(np.array([3]), np.array([2]), np.array([1, 2]))
+    >>> index, lengths = unshared_index(seg, branch)
+    >>> index.tolist(), lengths.tolist()
+    ([0, 1, 2, 3, 0, 1, 4, 5, 6], [4, 5])
+    """
+    b = segments[is_branch]
+    q_start, q_len, pre_start, pre_len = b.T
+    lengths = pre_len + q_len
+    cu = np.zeros(b.shape[0] + 1, np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    which = np.repeat(np.arange(b.shape[0]), lengths)
+    j = np.arange(int(cu[-1])) - cu[:-1][which]
+    index = np.where(j < pre_len[which], pre_start[which] + j, q_start[which] + j - pre_len[which])
+    return index, lengths
+
+
+@dataclass(frozen=True)
+class TreeLayout:
+    """One flat row's tree: host ``segments`` and ``is_branch``, device tensors for kernels and log-probs.
+
+    ``cu_q``: int32 ``[S + 1]`` query segment boundaries (= ``cu_seq_lens`` of the flat row); ``cu_k``:
+    int32 ``[S + 1]`` boundaries of the gathered keys; ``kv_index``: int64 positions of the flat row whose
+    keys and values, gathered, form each segment's keys (its prefix, then itself); ``branches``: int64 index
+    of the branch segments (one per completion, in order); ``group_sizes``: completions per unit (host).
+    ``.to(device)`` moves the tensors (``Trainer`` and accelerate call it on batch values).
+    """
+
+    segments: np.ndarray
+    is_branch: np.ndarray
+    group_sizes: np.ndarray
+    cu_q: Any
+    cu_k: Any
+    kv_index: Any
+    branches: Any
+    max_q: int
+    max_k: int
+    #: Bottom-right causal masks by (queries, prefix, device, dtype), built once for all layers of a forward.
+    masks: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def mask(self, q_len: int, pre_len: int, device: Any, dtype: Any) -> Any:
+        """Additive mask of a segment: query ``i`` sees the ``pre_len`` prefix keys and its own first ``i + 1``."""
+        key = (q_len, pre_len, str(device), dtype)
+        found = self.masks.get(key)
+        if found is None:
+            torch = require("torch", "packtools tree attention")
+            rows = torch.arange(q_len, device=device)[:, None]
+            cols = torch.arange(pre_len + q_len, device=device)[None, :]
+            found = torch.zeros((q_len, pre_len + q_len), dtype=dtype, device=device)
+            found.masked_fill_(cols > rows + pre_len, float("-inf"))
+            self.masks[key] = found
+        return found
+
+    @classmethod
+    def build(cls, segments: np.ndarray, is_branch: np.ndarray, group_sizes: np.ndarray) -> TreeLayout:
+        torch = require("torch", "packtools tree batches")
+        q_start, q_len, pre_start, pre_len = segments.T
+        k_len = pre_len + q_len
+        cu_q = np.zeros(segments.shape[0] + 1, np.int64)
+        np.cumsum(q_len, out=cu_q[1:])
+        cu_k = np.zeros(segments.shape[0] + 1, np.int64)
+        np.cumsum(k_len, out=cu_k[1:])
+        which = np.repeat(np.arange(segments.shape[0]), k_len)
+        j = np.arange(int(cu_k[-1])) - cu_k[:-1][which]
+        kv = np.where(j < pre_len[which], pre_start[which] + j, q_start[which] + j - pre_len[which])
+        return cls(
+            segments=segments,
+            is_branch=is_branch,
+            group_sizes=np.asarray(group_sizes, np.int64),
+            cu_q=torch.from_numpy(cu_q.astype(np.int32)),
+            cu_k=torch.from_numpy(cu_k.astype(np.int32)),
+            kv_index=torch.from_numpy(kv),
+            branches=torch.from_numpy(np.flatnonzero(is_branch)),
+            max_q=int(q_len.max()) if q_len.size else 0,
+            max_k=int(k_len.max()) if k_len.size else 0,
+        )
+
+    @property
+    def cu_seq_lens(self) -> Any:
+        return self.cu_q
+
+    @property
+    def total(self) -> int:
+        return int(self.segments[-1, 0] + self.segments[-1, 1]) if self.segments.size else 0
+
+    def positions(self) -> np.ndarray:
+        """Position ids of the flat row: ``prefix_len + 0, 1, ...`` on every segment."""
+        q_len, pre_len = self.segments[:, 1], self.segments[:, 3]
+        cu = np.zeros(q_len.shape[0] + 1, np.int64)
+        np.cumsum(q_len, out=cu[1:])
+        which = np.repeat(np.arange(q_len.shape[0]), q_len)
+        return np.arange(int(cu[-1])) - cu[:-1][which] + pre_len[which]
+
+    def to(self, device: Any, *args: Any, **kwargs: Any) -> TreeLayout:
+        return replace(
+            self,
+            cu_q=self.cu_q.to(device),
+            cu_k=self.cu_k.to(device),
+            kv_index=self.kv_index.to(device),
+            branches=self.branches.to(device),
+            masks={},
+        )
+
+
+def _ints(row: Mapping[str, Any], key: str, i: int) -> np.ndarray:
+    if row.get(key) is None:
+        raise PackingError(
+            f"row {i} has no {key!r}: prompt-shared rows carry {list(TREE_ROW_COLUMNS)} (packtools."
+            f"pack_preference(..., share_prompt=True) or pack_groups write them; keep them through "
+            f"remove_unused_columns)."
+        )
+    arr = np.asarray(row[key])
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iub"):
+        raise PackingError(f"row {i}: {key!r} must be a flat list of integers, got {arr.dtype} {arr.shape}.")
+    return arr.astype(np.int64, copy=False)
+
+
+def tree_row(row: Mapping[str, Any], i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(tokens, completion_mask, segments, is_branch)`` of one prompt-shared row, its sizes checked."""
+    ids, mask = _ints(row, "input_ids", i), _ints(row, "completion_mask", i)
+    seq, prompts = _ints(row, "seq_lengths", i), _ints(row, "prompt_lengths", i)
+    groups = (
+        _ints(row, "group_sizes", i) if row.get("group_sizes") is not None else np.full(prompts.shape[0], 2)
+    )
+    if groups.sum() != seq.shape[0] or (groups.size and groups.min() < 1):
+        raise PackingError(
+            f"row {i}: group_sizes {groups.tolist()[:8]} do not account for its {seq.shape[0]} sequences (a "
+            f"pair row without group_sizes holds two per prompt)."
+        )
+    unit = np.repeat(np.arange(prompts.shape[0]), groups)
+    completion = seq - prompts[unit]
+    segments, is_branch = tree_segments(prompts, groups, completion)
+    total = int(segments[-1, 0] + segments[-1, 1]) if segments.size else 0
+    if (completion.size and completion.min() < 1) or total != ids.shape[0] or mask.shape != ids.shape:
+        raise PackingError(
+            f"row {i}: input_ids ({ids.shape[0]}), completion_mask ({mask.shape[0]}), seq_lengths and "
+            f"prompt_lengths (a tree of {total} tokens) disagree; re-pack with share_prompt=True."
+        )
+    return ids, mask, segments, is_branch
+
+
+def row_groups(row: Mapping[str, Any]) -> np.ndarray:
+    n = len(row["prompt_lengths"])
+    return np.asarray(row["group_sizes"], np.int64) if row.get("group_sizes") is not None else np.full(n, 2)
+
+
+def concat_trees(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> tuple:
+    """Rows side by side in one flat row: ``(ids, mask, segments, is_branch)``."""
+    offset = 0
+    segs = []
+    for ids, _, seg, _ in parts:
+        moved = seg.copy()
+        moved[:, 0] += offset
+        moved[:, 2] += offset
+        segs.append(moved)
+        offset += ids.shape[0]
+    return (
+        np.concatenate([p[0] for p in parts]),
+        np.concatenate([p[1] for p in parts]),
+        np.concatenate(segs),
+        np.concatenate([p[3] for p in parts]),
+    )
+
+
+class TreeCollator:
+    """Prompt-shared rows to one flat row for the tree attention (torch tensors).
+
+    Returns ``input_ids``, ``labels`` (completion tokens; -100 on prompts and at every segment start),
+    ``position_ids`` (``[1, T]``), ``packtools_tree`` (a :class:`TreeLayout`: pass it to the model's forward,
+    which hands it to the attention, and to :func:`packtools.sequence_logps` as ``cu_seq_lens``), each
+    per-unit column of ``unit_columns`` as ``[n_units]`` and each per-completion column of
+    ``completion_columns`` as ``[n_completions]`` (floats as float32).
+    """
+
+    def __init__(self, unit_columns: Sequence[str] = (), completion_columns: Sequence[str] = ()) -> None:
+        self.unit_columns = list(unit_columns)
+        self.completion_columns = list(completion_columns)
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        torch = require("torch", "packtools.batches.tree.TreeCollator")
+        if isinstance(features, Mapping) or not isinstance(features, Sequence) or not features:
+            raise PackingError("features must be a non-empty list of prompt-shared rows.")
+        parts = [tree_row(row, i) for i, row in enumerate(features)]
+        groups = np.concatenate([row_groups(row) for row in features])
+        ids, mask, segments, is_branch = concat_trees(parts)
+        layout = TreeLayout.build(segments, is_branch, groups)
+        labels = np.where(mask != 0, ids, IGNORE_INDEX)
+        labels[segments[:, 0]] = IGNORE_INDEX
+        out: dict[str, Any] = {
+            "input_ids": torch.from_numpy(ids)[None],
+            "labels": torch.from_numpy(labels)[None],
+            "position_ids": torch.from_numpy(layout.positions())[None],
+            TREE_KEY: layout,
+        }
+        for key, want in [(k, groups.shape[0]) for k in self.unit_columns] + [
+            (k, int(groups.sum())) for k in self.completion_columns
+        ]:
+            values = np.concatenate([np.asarray(f[key]).reshape(-1) for f in features])
+            if values.shape[0] != want:
+                raise PackingError(f"{key!r} has {values.shape[0]} values for {want} units/completions.")
+            out[key] = torch.from_numpy(values.astype(np.float32) if values.dtype.kind == "f" else values)
+        return out

@@ -1,0 +1,313 @@
+"""Prompt-shared packing: a preference pair or a group of completions with its prompt written once.
+
+A *unit* is one prompt with ``G`` completions (a preference pair is a unit of two: chosen, then rejected).
+In a row a unit of a kept prompt ``p`` (``P`` tokens) and completions ``c_1 .. c_G`` is laid out as::
+
+    [p_0 .. p_{P-2}] [p_{P-1} c_1] [p_{P-1} c_2] ... [p_{P-1} c_G]
+     shared prefix    branch 1      branch 2          branch G
+
+The last prompt token heads each branch, so every position of a branch predicts the next token of the same
+branch (the first completion token is predicted from the prompt's last token, once per completion); the unit
+takes ``P + sum(C_g) + G - 1`` tokens instead of the ``G * P + sum(C_g)`` of ``[p c_1][p c_2]...``.
+Position ids run ``0 .. P-2`` on the prefix and ``P-1, P, ...`` on every branch, so each completion continues
+at ``P`` as it does after its own prompt.  A unit with an empty prompt has no prefix and no branch heads.
+
+Rows carry ``input_ids``, ``completion_mask`` (1 on completion tokens), ``seq_lengths`` (one per completion:
+the length ``P + C_g`` of the sequence ``prompt + completion`` the unit stands for, in unit order),
+``prompt_lengths`` (one per unit: the kept ``P``) and, for groups, ``group_sizes`` (one per unit: ``G``).
+:mod:`packtools.batches.tree` turns a row into the batch the tree attention needs.
+
+One global best-fit-decreasing plan over the unit lengths (the same planner as every other plan); tokens are
+copied with the same segment-copy kernel as unshared pairs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from ..constants import SEQ_LENGTHS
+from ..errors import PackingError
+from . import kernels
+from .arrow import ListColumn, list_array
+from .pairs import (
+    COMPLETION_MASK,
+    _check_prompt_budget,
+    _copy_into,
+    _read_pair_columns,
+    _read_pairs,
+    check_overlong,
+    default_prompt_budget,
+)
+from .plan import PackPlan, check_max_length
+from .plan import plan as make_plan
+
+PROMPT_LENGTHS = "prompt_lengths"
+GROUP_SIZES = "group_sizes"
+
+
+@dataclass(frozen=True)
+class SharedReport:
+    """What prompt-shared packing did: units (pairs or groups) kept whole, truncated, dropped; rows made.
+
+    ``tokens_in`` counts the input (each prompt once), ``tokens_kept`` the packed layout, ``tokens_unshared``
+    what the kept units would take with the prompt repeated per completion (``G * P + sum(C)``).
+    """
+
+    max_length: int
+    units_in: int
+    units_out: int
+    units_truncated: int
+    prompts_truncated: int
+    completions_truncated: int
+    units_dropped: int
+    tokens_in: int
+    tokens_kept: int
+    tokens_unshared: int
+    rows: int
+    lower_bound: int
+    repeated: int = 0  # branch heads beyond a unit's first: the prompt's last token, once more per completion
+
+    # The names of PairReport, so the callers' warnings read either report.
+    @property
+    def pairs_in(self) -> int:
+        return self.units_in
+
+    @property
+    def pairs_truncated(self) -> int:
+        return self.units_truncated
+
+    @property
+    def pairs_dropped(self) -> int:
+        return self.units_dropped
+
+    @property
+    def tokens_dropped(self) -> int:
+        """Input tokens left out (the repeated branch heads are not input tokens)."""
+        return self.tokens_in - self.tokens_kept + self.repeated
+
+    @property
+    def saved(self) -> float:
+        """Share of the unshared layout's tokens that sharing the prompt saves."""
+        return 1.0 - self.tokens_kept / self.tokens_unshared if self.tokens_unshared else 0.0
+
+    @property
+    def fill(self) -> float:
+        return self.tokens_kept / (self.rows * self.max_length) if self.rows else 1.0
+
+    def summary(self) -> dict[str, int | float]:
+        return {**asdict(self), "tokens_dropped": self.tokens_dropped, "saved": self.saved, "fill": self.fill}
+
+
+def unit_lengths(prompt: np.ndarray, completion_sums: np.ndarray, group_sizes: np.ndarray) -> np.ndarray:
+    """Tokens a unit takes: ``P + sum(C) + G - 1`` (``sum(C)`` without a prompt).
+
+    >>> unit_lengths(np.array([5, 0]), np.array([7, 3]), np.array([2, 2])).tolist()
+    [13, 3]
+    """
+    p = np.asarray(prompt, np.int64)
+    return np.where(p > 0, p + completion_sums + group_sizes - 1, completion_sums)
+
+
+def _fit_pairs_fast(lp, lc, lr, max_length, overlong, max_prompt_length):
+    """:func:`fit_units` for units of two, vectorized (the per-unit loop would cost seconds on 1M pairs)."""
+    fits = unit_lengths(lp, lc + lr, np.full(lp.shape[0], 2)) <= max_length
+    if overlong == "drop":
+        return fits, lp.copy(), lc.copy(), lr.copy()
+    budget = default_prompt_budget(max_length) if max_prompt_length is None else max_prompt_length
+    kp = np.where(fits, lp, np.minimum(lp, np.maximum(budget, max_length - lc - lr - 1)))
+    room = max_length - np.where(kp > 0, kp + 1, 0)
+    cap = np.maximum(room // 2, room - np.minimum(lc, lr))
+    kc = np.where(fits, lc, np.minimum(lc, cap))
+    kr = np.where(fits, lr, np.minimum(lr, cap))
+    return np.ones(lp.shape[0], bool), kp, kc, kr
+
+
+@dataclass(frozen=True)
+class _Units:
+    """The kept units in packed order, and each branch's completion source."""
+
+    source: np.ndarray  # int64 [U]: input row of each unit
+    prompt_from: np.ndarray  # int64 [U]: first kept prompt token
+    prompt_keep: np.ndarray  # int64 [U]
+    group: np.ndarray  # int64 [U]: completions per unit
+    column: np.ndarray  # int64 [B]: which completion column a branch reads
+    row: np.ndarray  # int64 [B]: the row of that column
+    keep: np.ndarray  # int64 [B]: kept completion tokens
+
+
+def _materialize(
+    prompt: ListColumn,
+    completion_cols: list[ListColumn],
+    units: _Units,
+    p: PackPlan,
+    with_groups: bool,
+) -> list[tuple[str, pa.Array]]:
+    kp, g = units.prompt_keep, units.group
+    head = (kp > 0).astype(np.int64)
+    prefix = np.maximum(kp - 1, 0)
+    unit_start = p.seg_dest
+    branch_unit = np.repeat(np.arange(kp.shape[0]), g)
+    branch_len = head[branch_unit] + units.keep
+    first_branch = np.zeros(kp.shape[0] + 1, np.int64)
+    np.cumsum(g, out=first_branch[1:])
+    within = np.zeros(branch_len.shape[0] + 1, np.int64)
+    np.cumsum(branch_len, out=within[1:])
+    branch_start = (
+        unit_start[branch_unit] + prefix[branch_unit] + within[:-1] - within[first_branch[:-1]][branch_unit]
+    )
+    total = p.tokens_kept
+    tokens = np.empty(total, prompt.value_dtype)
+    # The prompt: the shared prefix once, then its last token at the head of every branch.
+    last = units.prompt_from + kp - 1
+    bsrc = units.source[branch_unit]
+    _copy_into(
+        prompt,
+        np.concatenate([units.source, bsrc]),
+        np.concatenate([units.prompt_from, last[branch_unit]]),
+        np.concatenate([prefix, head[branch_unit]]),
+        np.concatenate([unit_start, branch_start]),
+        tokens,
+    )
+    comp_dest = branch_start + head[branch_unit]
+    for c, col in enumerate(completion_cols):
+        sel = units.column == c
+        _copy_into(
+            col, units.row[sel], np.zeros(int(sel.sum()), np.int64), units.keep[sel], comp_dest[sel], tokens
+        )
+    mask = np.zeros(total, np.int8)
+    if units.keep.shape[0] and units.keep.max() > 0:
+        ones = np.ones(int(units.keep.max()), np.int8)
+        kernels.copy_all_segments(
+            ones,
+            np.zeros_like(units.keep),
+            np.ascontiguousarray(units.keep),
+            np.ascontiguousarray(comp_dest),
+            mask,
+        )
+    branch_offsets = pa.array(first_branch[p.row_offsets].astype(np.int32))
+    unit_offsets = pa.array(p.row_offsets.astype(np.int32))
+    seq = (kp[branch_unit] + units.keep).astype(np.int32)
+    out = [
+        ("input_ids", list_array(p.token_offsets, tokens, False, prompt.type.value_type)),
+        (COMPLETION_MASK, list_array(p.token_offsets, mask, False, pa.int8())),
+        (SEQ_LENGTHS, pa.ListArray.from_arrays(branch_offsets, pa.array(seq))),
+        (PROMPT_LENGTHS, pa.ListArray.from_arrays(unit_offsets, pa.array(kp.astype(np.int32)))),
+    ]
+    if with_groups:
+        out.append((GROUP_SIZES, pa.ListArray.from_arrays(unit_offsets, pa.array(g.astype(np.int32)))))
+    return out
+
+
+def _plan(units_len: np.ndarray, max_length: int, shuffle: bool, seed: int) -> PackPlan:
+    p = make_plan(units_len, max_length, "bfd")
+    if shuffle:
+        p = p.shuffled(seed)
+    if p.tokens_dropped:  # cannot happen: every unit fits; a guard against a planning bug
+        raise PackingError("internal error: the shared-prompt plan cut a unit.")
+    return p
+
+
+def _check_args(table: pa.Table, max_length: int, strategy: str, overlong: str) -> int:
+    if not isinstance(table, pa.Table):
+        raise PackingError(f"table must be a pyarrow.Table, got {type(table).__name__}.", param="dataset")
+    max_length = check_max_length(max_length)
+    if strategy != "bfd":
+        raise PackingError(
+            f"strategy={strategy!r}: prompt-shared units are packed whole, so only 'bfd' applies.",
+            param="strategy",
+        )
+    if max_length < 4:
+        raise PackingError(
+            f"max_length={max_length} cannot hold a unit (at least 4 tokens).", param="max_length"
+        )
+    check_overlong(overlong)
+    return max_length
+
+
+def _check_nonempty(
+    keep: np.ndarray, comp_keep: np.ndarray, branch_unit: np.ndarray, rows: np.ndarray
+) -> None:
+    empty = np.flatnonzero(keep[branch_unit] & (comp_keep == 0))
+    if empty.size:
+        row = int(rows[branch_unit[empty[0]]])
+        raise PackingError(
+            f"row {row}: a completion would be empty (kept 0 tokens); every completion needs a token to have a "
+            f"log-probability. Filter units with an empty completion out, or use overlong='drop'.",
+            param="dataset",
+        )
+
+
+def pack_shared_pairs(
+    table: pa.Table,
+    max_length: int,
+    strategy: str = "bfd",
+    columns: Sequence[str] = (),
+    *,
+    overlong: str = "truncate",
+    max_prompt_length: int | None = None,
+    shuffle: bool = False,
+    seed: int = 0,
+    row_indices: np.ndarray | None = None,
+) -> tuple[pa.Table, SharedReport]:
+    """Pack preference pairs as ``[prompt][chosen][rejected]``, the prompt once (layout: module docstring).
+
+    The arguments and per-pair ``columns`` are those of :func:`packtools.core.pairs.pack_pairs`; a pair takes
+    ``P + C + R + 1`` tokens.  ``seq_lengths`` holds ``P + C, P + R`` per pair (chosen, rejected).
+
+    >>> t = pa.table({"prompt_ids": [[1, 2, 3]], "chosen_ids": [[4]], "rejected_ids": [[5, 6]]})
+    >>> rows, report = pack_shared_pairs(t, 16)
+    >>> d = rows.to_pydict()
+    >>> d["input_ids"], d["completion_mask"], d["seq_lengths"], d["prompt_lengths"]
+    ([[1, 2, 3, 4, 3, 5, 6]], [[0, 0, 0, 1, 0, 1, 1]], [[4, 5]], [[3]])
+    """
+    max_length = _check_args(table, max_length, strategy, overlong)
+    _check_prompt_budget(max_prompt_length, max_length)
+    cols = _read_pairs(table)
+    extra = _read_pair_columns(table, columns)
+    lp, lc, lr = (c.lengths() for c in cols)
+    rows = np.arange(lp.shape[0]) if row_indices is None else np.ascontiguousarray(row_indices, np.int64)
+    lp, lc, lr = lp[rows], lc[rows], lr[rows]
+    keep, kp, kc, kr = _fit_pairs_fast(lp, lc, lr, max_length, overlong, max_prompt_length)
+    n = lp.shape[0]
+    _check_nonempty(keep, np.stack([kc, kr], 1).reshape(-1), np.repeat(np.arange(n), 2), rows)
+    kept = np.flatnonzero(keep)
+    lengths = unit_lengths(kp[kept], kc[kept] + kr[kept], np.full(kept.shape[0], 2))
+    p = _plan(lengths, max_length, shuffle, seed)
+    order = kept[p.seg_source]
+    source = rows[order]
+    two = np.full(order.shape[0], 2, np.int64)
+    units = _Units(
+        source=source,
+        prompt_from=lp[order] - kp[order],
+        prompt_keep=kp[order],
+        group=two,
+        column=np.tile(np.array([0, 1], np.int64), order.shape[0]),
+        row=np.repeat(source, 2),
+        keep=np.stack([kc[order], kr[order]], 1).reshape(-1),
+    )
+    arrays = _materialize(cols[0], cols[1:], units, p, with_groups=False)
+    unit_offsets = pa.array(p.row_offsets.astype(np.int32))
+    for name, column in extra:
+        values = column.take(pa.array(source)).combine_chunks()
+        arrays.append((name, pa.ListArray.from_arrays(unit_offsets, values)))
+    cut_p, cut_c = keep & (kp < lp), keep & ((kc < lc) | (kr < lr))
+    report = SharedReport(
+        max_length=max_length,
+        units_in=n,
+        units_out=int(keep.sum()),
+        units_truncated=int((cut_p | cut_c).sum()),
+        prompts_truncated=int(cut_p.sum()),
+        completions_truncated=int((keep & (kc < lc)).sum() + (keep & (kr < lr)).sum()),
+        units_dropped=int((~keep).sum()),
+        tokens_in=int((lp + lc + lr).sum()),
+        tokens_kept=p.tokens_kept,
+        tokens_unshared=int((2 * kp[kept] + kc[kept] + kr[kept]).sum()),
+        rows=p.num_rows,
+        lower_bound=p.lower_bound,
+        repeated=int((kp[kept] > 0).sum()),
+    )
+    return pa.Table.from_arrays([a for _, a in arrays], names=[n_ for n_, _ in arrays]), report
