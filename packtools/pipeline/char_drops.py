@@ -73,8 +73,27 @@ def check_on_unencodable(value: str) -> str:
 
 
 def describe_bytes(missing: Sequence[int]) -> str:
-    shown = ", ".join(f"0x{b:02x}" + (f" {chr(b)!r}" if b < 0x80 else "") for b in missing[:8])
-    return shown + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    """``missing`` byte values as ranges, naming the common whitespace among them.
+
+    >>> describe_bytes([0, 1, 2, 9, 10, 200])
+    '6 bytes (0x00-0x02, 0x09-0x0a, 0xc8; among them tab, newline)'
+    """
+    runs: list[str] = []
+    for b in sorted(missing):
+        if runs and runs[-1][1] == b - 1:
+            runs[-1] = (runs[-1][0], b)
+        else:
+            runs.append((b, b))
+    shown = ", ".join(f"0x{a:02x}" if a == b else f"0x{a:02x}-0x{b:02x}" for a, b in runs[:12])
+    if len(runs) > 12:
+        shown += ", ..."
+    names = [n for b, n in _NAMED.items() if b in set(missing)]
+    return f"{len(missing)} byte{'s' if len(missing) != 1 else ''} ({shown}" + (
+        f"; among them {', '.join(names)})" if names else ")"
+    )
+
+
+_NAMED = {9: "tab", 10: "newline", 13: "carriage return", 32: "space"}
 
 
 class DropCounter:
@@ -115,7 +134,7 @@ class DropCounter:
             if self.on_unencodable == "error":
                 raise PackingError(
                     f"{where(i)}: the tokenizer has no token for {_chars(found)} (byte-level vocabulary without "
-                    f"bytes {describe_bytes(self.missing)}), so transformers would leave them out of the ids; "
+                    f"{describe_bytes(self.missing)}), so transformers would leave them out of the ids; "
                     f"use a tokenizer trained with the full byte alphabet, remove those characters, or pass "
                     f"on_unencodable='report' to drop them as transformers does and have them counted.",
                     param="on_unencodable",

@@ -98,7 +98,7 @@ def choose_engine(bt: Any, requested: str, spec: dict[str, Any] | None) -> fast_
     missing = missing_bytes(spec)
     if missing:
         return refuse(
-            f"its byte-level vocabulary ({bt.tokenizer_dir}/tokenizer.json) has no token for the bytes "
+            f"its byte-level vocabulary ({bt.tokenizer_dir}/tokenizer.json) has no token for "
             f"{describe_bytes(missing)}: transformers leaves those bytes out of the ids (packtools counts them), "
             f"the fast engine cannot encode them"
         )

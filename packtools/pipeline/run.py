@@ -57,6 +57,7 @@ from .executors import EXECUTORS, Executor, get_executor, is_transient
 from .fast_tokenize import check_audit_rate, check_engine, engine_key, engine_summary
 from .gather import WriteJob, shard_name, write_block, write_dataset_files
 from .stage import StageJob, load_sidecar, stage_key, stage_part
+from .summary import tokenizer_timings
 from .tokenize import FORMATS, detect_format, input_columns, output_columns
 from .workspace import Workspace, checkpoint
 
@@ -491,6 +492,7 @@ def run_pipeline(
     previous = read_manifest(out)
     if previous is not None and previous.get("fingerprint") == fp["fingerprint"]:
         return PipelineResult(out, previous.get("stats", {}), cached=True, manifest=previous)
+    early: dict[str, Any] = {}  # seconds before staging, itemized in the summary
     fmt = data_format(files, config)
     if fmt == "preference" and config.overlong == "split":
         raise PackingError(
@@ -504,11 +506,14 @@ def run_pipeline(
             )
         from .stage import freeze_report, preload_tokenizer
 
+        t_tok = time.perf_counter()
+        early["setup_s"] = round(t_tok - started, 3)
         tok = preload_tokenizer(  # fails here, once, if it cannot load; workers take the engine it chose
             config.tokenizer, fmt, config.add_eos, config.tokenizer_engine, config.tokenizer_audit,
             config.on_unencodable,
         )  # fmt: skip
         proven = freeze_report(tok.report.to_dict())
+        early.update(tokenizer_timings(tok, time.perf_counter() - t_tok))
         columns, types, left_out = output_columns(fmt), ["int32"] * len(output_columns(fmt)), []
     else:
         columns, types, left_out = token_schema(files, config)
@@ -537,6 +542,7 @@ def run_pipeline(
                 retries,
                 quiet,
             )
+            result.timings.update(early)
             result.timings["time_s"] = round(time.perf_counter() - started, 3)
             result.timings["took_over_from"] = ws.took_over
     except Exception as exc:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -236,6 +237,7 @@ class BatchTokenizer:
         self.tokenizer_dir = tokenizer_dir
         self.fmt = fmt
         self.add_eos = add_eos
+        started = time.perf_counter()
         self.tok = load_tokenizer(tokenizer_dir)
         self.eos_id = self.tok.eos_token_id
         # One call through transformers puts the Rust backend in the state its __call__ uses (no truncation,
@@ -255,11 +257,14 @@ class BatchTokenizer:
         self.drops = DropCounter.from_spec(spec, on_unencodable) if spec is not None else None
         check_on_unencodable(on_unencodable)
         requested = fast_engine.check_engine(engine)
+        loaded = time.perf_counter()
         if proven is not None:
             self.report = engine_proof.adopt(self, proven, spec)
         else:
             self.report = engine_proof.choose_engine(self, requested, spec)
         del spec
+        #: seconds spent loading the tokenizer (transformers, its tokenizer.json, the fast engine) and proving it
+        self.seconds = {"load_s": loaded - started, "proof_s": time.perf_counter() - loaded}
 
     # -- per part ----------------------------------------------------------------------------------
     def start_part(self, seed: str) -> None:
