@@ -269,3 +269,49 @@ def test_a_worker_takes_the_drivers_engine(tok_bl):
         proven = BatchTokenizer(tok_bl, "text").report.to_dict()
         worker = BatchTokenizer(tok_bl, "text", proven=proven)
         assert worker.fast is not None and worker.report.to_dict() == proven
+
+
+# -- the lite reference: transformers' ids without importing transformers, once checked -----------------------
+def test_the_lite_reference_is_used_only_after_a_recorded_check(tok_bl, tmp_path, monkeypatch):
+    from packtools.pipeline import reference
+    from packtools.pipeline.tokenize import tokenizer_fingerprint
+
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    table = pa.table({"text": fast_tokenize.adversarial_texts([EOS]) + CORPUS[:5]})
+    first = BatchTokenizer(tok_bl, "text", engine="transformers")
+    assert first._tok is not None and first.reference_engine == "transformers"  # no verdict yet: transformers
+    second = BatchTokenizer(tok_bl, "text", engine="transformers")
+    assert second._tok is None and second.reference_engine.startswith("tokenizers")  # the recorded verdict
+    assert second(table).to_pydict() == first(table).to_pydict()
+    assert second.eos_id == load(tok_bl).eos_token_id
+    # a verdict that says "different" (or none, or another tokenizer) means transformers again
+    path = reference._verdict_path(tokenizer_fingerprint(tok_bl))
+    with open(path) as fh:
+        verdict = json.load(fh)
+    assert verdict["same"] is True
+    with open(path, "w") as fh:
+        json.dump({**verdict, "same": False}, fh)
+    assert BatchTokenizer(tok_bl, "text", engine="transformers")._tok is not None
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", "")
+    assert reference.load_verified(tok_bl, tokenizer_fingerprint(tok_bl)) is None
+
+
+def test_record_says_different_when_the_ids_differ(tok_bl, tmp_path, monkeypatch):
+    from packtools.pipeline import reference
+
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    tok = load(tok_bl)
+
+    class Shifted:  # transformers' tokenizer with other ids: the check must see it
+        eos_token_id = tok.eos_token_id
+
+        def __call__(self, texts, add_special_tokens=True):
+            ids = tok(texts, add_special_tokens=add_special_tokens)["input_ids"]
+            return {"input_ids": [[i + 1 for i in row] for row in ids]}
+
+    assert reference.record(tok_bl, "fp-x", tok, CORPUS[:5]) is True
+    assert reference.record(tok_bl, "fp-y", Shifted(), CORPUS[:5]) is False
+    assert (
+        reference.load_verified(tok_bl, "fp-y") is None
+        and reference.load_verified(tok_bl, "fp-x") is not None
+    )

@@ -43,7 +43,7 @@ from ..constants import IGNORE_INDEX, INPUT_FORMATS
 from ..core import ragged
 from ..core.ragged import Ragged
 from ..errors import PackingError
-from . import chat_labels, engine_proof
+from . import chat_labels, engine_proof, reference
 from . import fast_tokenize as fast_engine
 from .char_drops import DropCounter, check_on_unencodable
 from .engine_proof import Proof
@@ -238,16 +238,20 @@ class BatchTokenizer:
         self.fmt = fmt
         self.add_eos = add_eos
         started = time.perf_counter()
-        self.tok = load_tokenizer(tokenizer_dir)
-        self.eos_id = self.tok.eos_token_id
-        # One call through transformers puts the Rust backend in the state its __call__ uses (no truncation,
-        # no padding, special-token handling); plain encodings then go to the backend directly, which skips
-        # transformers' per-row Python conversion (the ids are the same).
-        self.tok(["x"], add_special_tokens=True)
-        backend = self.tok.backend_tokenizer
+        check_on_unencodable(on_unencodable)
+        self._tok: Any = None
+        self._generation_tags: bool | None = None
+        fp = tokenizer_fingerprint(tokenizer_dir)
+        # transformers' ids from the tokenizers library alone where a recorded check says they are the same
+        # (packtools.pipeline.reference): importing transformers costs seconds a run
+        lite = reference.load_verified(tokenizer_dir, fp) if fmt != "messages" else None
+        if lite is not None:
+            backend, self.eos_id = lite.backend, lite.eos_id
+            self.reference_engine = "tokenizers (checked equal to transformers)"
+        else:
+            backend, self.eos_id = self.tok.backend_tokenizer, self.tok.eos_token_id
+            self.reference_engine = "transformers"
         self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
-        template = self.tok.chat_template if isinstance(self.tok.chat_template, str) else None
-        self.has_generation_tags = bool(template and chat_labels.GENERATION_TAG.search(template))
         self.fast: fast_engine.FastEncoder | None = None
         self.proof = Proof(audit_rate)
         try:
@@ -255,7 +259,9 @@ class BatchTokenizer:
         except (OSError, ValueError):
             spec = None
         self.drops = DropCounter.from_spec(spec, on_unencodable) if spec is not None else None
-        check_on_unencodable(on_unencodable)
+        if lite is None and fmt != "messages" and spec is not None:
+            specials = [a.get("content", "") for a in spec.get("added_tokens", [])]
+            reference.record(tokenizer_dir, fp, self.tok, fast_engine.adversarial_texts(specials))
         requested = fast_engine.check_engine(engine)
         loaded = time.perf_counter()
         if proven is not None:
@@ -265,6 +271,25 @@ class BatchTokenizer:
         del spec
         #: seconds spent loading the tokenizer (transformers, its tokenizer.json, the fast engine) and proving it
         self.seconds = {"load_s": loaded - started, "proof_s": time.perf_counter() - loaded}
+
+    @property
+    def tok(self) -> Any:
+        """The transformers tokenizer, loaded on first use (chat templates need it; plain text may not)."""
+        if self._tok is None:
+            self._tok = load_tokenizer(self.tokenizer_dir)
+            # One call through transformers puts the Rust backend in the state its __call__ uses (no truncation,
+            # no padding, special-token handling); plain encodings then go to the backend directly, which skips
+            # transformers' per-row Python conversion (the ids are the same).
+            self._tok(["x"], add_special_tokens=True)
+        return self._tok
+
+    @property
+    def has_generation_tags(self) -> bool:
+        """Whether the chat template marks assistant text with ``{% generation %}``."""
+        if self._generation_tags is None:
+            template = self.tok.chat_template if isinstance(self.tok.chat_template, str) else None
+            self._generation_tags = bool(template and chat_labels.GENERATION_TAG.search(template))
+        return self._generation_tags
 
     # -- per part ----------------------------------------------------------------------------------
     def start_part(self, seed: str) -> None:
