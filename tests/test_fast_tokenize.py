@@ -120,7 +120,8 @@ def test_fast_engine_is_chosen_and_gives_transformers_ids(bpe):
     assert ref.report.engine == "transformers"
     table = pa.table({"text": _texts() * 3})
     _same(fast(table), ref(table))
-    assert fast.part_report()["checked"]["rows_checked"] == fast_tokenize.PROOF_ROWS
+    checked = fast.part_report()["checked"]
+    assert checked["proof_rows"] == fast_tokenize.PROOF_ROWS <= checked["rows_checked"] < table.num_rows
     assert fast.fast is not None  # still on the fast engine after the proof and the audit
 
 
@@ -251,7 +252,9 @@ def test_audit_after_the_proof_stops_on_a_difference(tmp_path, monkeypatch):
     batch = ["zebra"] * 5000  # the 0.001 random audit samples some of these rows (seeded: always the same)
     with pytest.raises(PackingError, match="tokenizer_engine='transformers'") as err:
         tok(pa.table({"text": batch}), first_row=1000)
-    assert "1000" in str(err.value)
+    import re
+
+    assert int(re.match(r"row (\d+):", str(err.value)).group(1)) >= 1000  # the audited row that differs
 
 
 def test_without_the_engine_installed_transformers_is_used(tmp_path, monkeypatch):

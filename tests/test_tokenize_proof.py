@@ -217,14 +217,15 @@ def test_the_audit_is_a_seeded_random_sample():
     a, b, c = Proof(0.01), Proof(0.01), Proof(0.01)
     for p, seed in ((a, "part-1"), (b, "part-1"), (c, "part-2")):
         p.start_part(seed)
-        p.count("text", 256, True)
+        p.count("text", 256, 256)
     picks = [p.sample("text", 20_000)[0] for p in (a, b, c)]
     assert np.array_equal(picks[0], picks[1]) and not np.array_equal(picks[0], picks[2])
     assert 100 < picks[0].size < 300  # about 1% of 20,000, not every 1000th row
     assert np.diff(picks[0]).std() > 0  # not a stride
     full = Proof(1.0)
-    full.count("text", 256, True)
-    assert full.sample("text", 50)[0].tolist() == list(range(50))
+    full.count("text", 250, 250)
+    rows, proof = full.sample("text", 50)  # 6 rows left of the proof, then every row audited
+    assert proof == 6 and rows.tolist() == list(range(50))
     with pytest.raises(PackingError, match="tokenizer_audit"):
         Proof(1.5)
 

@@ -6,6 +6,9 @@ assistant token when it overlaps a marked span (``return_assistant_tokens_mask``
 rendering of messages ``[:i + 1]``, and a token is an assistant token when it starts inside such a span.  The
 fast path computes token byte offsets from the ids (each byte-level token spells its bytes) instead of asking
 transformers for offsets.
+
+>>> bool(GENERATION_TAG.search("{% generation %}{{ m['content'] }}{% endgeneration %}"))
+True
 """
 
 from __future__ import annotations

@@ -9,6 +9,16 @@ transformers (``auto``) or a clear error (``fast``).  A worker process is handed
 :data:`~packtools.pipeline.fast_tokenize.PROOF_ROWS` rows of *each* column (prompt and completion alike), then a
 random sample of the rest at the audit rate, seeded by the part (so a rerun compares the same rows).  It counts
 what it compared per part, for the manifest.
+
+>>> p = Proof(audit_rate=0.5)
+>>> p.start_part("part-0")
+>>> rows, proof = p.sample("text", 300)
+>>> proof, rows[:proof].tolist() == list(range(256)), 10 < len(rows) - proof < 40
+(256, True, True)
+>>> p.count("text", 256, 256)
+>>> rows, proof = p.sample("text", 1000)
+>>> proof, 400 < len(rows) < 600, p.checked()
+(0, True, {'rows_checked': 256, 'proof_rows': 256})
 """
 
 from __future__ import annotations
@@ -38,20 +48,22 @@ class Proof:
         self.proof_rows = 0
         self.batches_on_transformers = 0
 
-    def sample(self, column: str, n: int) -> tuple[np.ndarray, bool]:
-        """Rows of a batch of ``n`` rows of ``column`` to compare, and whether they are (part of) its proof."""
-        left = self._budget.setdefault(column, fast_engine.PROOF_ROWS)
-        if left > 0:
-            return np.arange(min(n, left), dtype=np.int64), True
-        if self.audit_rate <= 0.0:
-            return np.zeros(0, np.int64), False
-        return np.flatnonzero(self._rng.random(n) < self.audit_rate).astype(np.int64), False
+    def sample(self, column: str, n: int) -> tuple[np.ndarray, int]:
+        """Rows of a batch of ``n`` rows of ``column`` to compare, and how many of them (the first ones) are
+        the column's proof; the rest of the batch is sampled at the audit rate."""
+        proof = min(n, max(self._budget.setdefault(column, fast_engine.PROOF_ROWS), 0))
+        rest = n - proof
+        if rest and self.audit_rate > 0.0:
+            audit = proof + np.flatnonzero(self._rng.random(rest) < self.audit_rate).astype(np.int64)
+        else:
+            audit = np.zeros(0, np.int64)
+        return np.concatenate([np.arange(proof, dtype=np.int64), audit]), proof
 
-    def count(self, column: str, n: int, initial: bool) -> None:
-        if initial:
-            self._budget[column] = self._budget.get(column, fast_engine.PROOF_ROWS) - n
-            self.proof_rows += n
-        self.rows_checked += n
+    def count(self, column: str, rows: int, proof: int) -> None:
+        """``rows`` rows of ``column`` were compared, the first ``proof`` of them as its proof."""
+        self._budget[column] = self._budget.get(column, fast_engine.PROOF_ROWS) - proof
+        self.proof_rows += proof
+        self.rows_checked += rows
 
     def checked(self) -> dict[str, int]:
         out = {"rows_checked": self.rows_checked, "proof_rows": self.proof_rows}
@@ -127,7 +139,8 @@ def choose_engine(bt: Any, requested: str, spec: dict[str, Any] | None) -> fast_
         convs = fast_engine.adversarial_conversations(texts)
         bt.fast = fast
         try:
-            mismatch = bt.compare_labels(convs, range(len(convs)), 0)
+            found = bt.compare_labels(convs, range(len(convs)), 0)
+            mismatch = found[1] if found is not None else None
         except PackingError as exc:  # e.g. a template that is not incremental: data rows will say so
             mismatch = f"the adversarial conversations cannot be tokenized: {exc}"
         except Exception as exc:  # noqa: BLE001 - an engine error on a rendered conversation

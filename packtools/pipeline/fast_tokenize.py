@@ -360,6 +360,16 @@ def first_difference(fast: Ragged, reference: Sequence[Sequence[int]]) -> int | 
 
 
 def describe_difference(texts: Sequence[str], row: int, fast: Sequence[int], reference: Sequence[int]) -> str:
+    """The text and where the two id lists part: the first differing position, the ids from there, the lengths.
+
+    >>> describe_difference(["ab"], 0, [1, 2, 3], [1, 2])
+    "text 'ab': ids differ from position 2 of 3 (fast) / 2 (transformers): fast [3], transformers []"
+    """
     text = texts[row] if row < len(texts) else "?"
     shown = text if len(text) <= 80 else text[:77] + "..."
-    return f"text {shown!r}: fast {list(fast)[:12]}..., transformers {list(reference)[:12]}..."
+    fast, reference = list(fast), list(reference)
+    at = next((i for i, (a, b) in enumerate(zip(fast, reference)) if a != b), min(len(fast), len(reference)))
+    return (
+        f"text {shown!r}: ids differ from position {at} of {len(fast)} (fast) / {len(reference)} (transformers): "
+        f"fast {fast[at : at + 8]}, transformers {reference[at : at + 8]}"
+    )

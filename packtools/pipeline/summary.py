@@ -41,10 +41,10 @@ def label_value_table(rows: list[tuple[str, str]], width: int = WIDTH) -> str:
     """Two columns, labels left and values left-aligned after them; a value too long for ``width`` columns
     wraps onto the next lines, indented under the value column (paths and other unbreakable words stay whole).
 
-    >>> print(label_value_table([("rows in", "3"), ("why", "a b c d e f")], width=14))
+    >>> print(label_value_table([("rows in", "3"), ("why", "alpha beta gamma delta epsilon")], width=30))
     rows in  3
-    why      a b c
-             d e f
+    why      alpha beta gamma
+             delta epsilon
     """
     import textwrap
 

@@ -356,19 +356,19 @@ class BatchTokenizer:
             except Exception as exc:  # noqa: BLE001 - e.g. a regex limit on a pathological row
                 self._engine_error(exc, texts, special, first_row)
                 return ragged.from_lists(self.reference_ids(texts, special))
-            rows, initial = self.proof.sample(column, len(texts))
+            rows, proof = self.proof.sample(column, len(texts))
             ref = self.reference_ids([texts[i] for i in rows], special)
             bad = fast_engine.first_difference(ragged.select(got, rows), ref)
             if bad is None:
-                self.proof.count(column, len(rows), initial)
+                self.proof.count(column, len(rows), proof)
                 return got
             i = int(rows[bad])
             self._disagree(
                 fast_engine.describe_difference(
                     texts, i, got.values[got.offsets[i] : got.offsets[i + 1]].tolist(), ref[bad]
                 ),
-                initial,
-                first_row,
+                bad < proof,
+                shift(first_row, i),
             )
         return ragged.from_lists(self.reference_ids(texts, special))
 
@@ -446,12 +446,12 @@ class BatchTokenizer:
                 self._engine_error(exc, [], False, first_row)
                 got = None
             if got is not None:
-                rows_, initial = self.proof.sample("messages", len(convs))
+                rows_, proof = self.proof.sample("messages", len(convs))
                 mismatch = self.compare_labels(convs, rows_, first_row, got)
                 if mismatch is None:
-                    self.proof.count("messages", len(rows_), initial)
+                    self.proof.count("messages", len(rows_), proof)
                     return got
-                self._disagree(mismatch, initial, first_row)
+                self._disagree(mismatch[1], mismatch[0] < proof, first_row)
         return chat_labels.labels_transformers(self, convs, where)
 
     def compare_labels(
@@ -460,21 +460,25 @@ class BatchTokenizer:
         rows: Sequence[int],
         first_row: Row,
         got: tuple[Ragged, Ragged] | None = None,
-    ) -> str | None:
-        """How the fast path's ids or labels differ from transformers' on ``rows`` of ``convs`` (None: identical)."""
+    ) -> tuple[int, str] | None:
+        """Where (index into ``rows``) and how the fast path's ids or labels first differ from transformers' on
+        ``rows`` of ``convs`` (None: identical)."""
         if not len(rows):
             return None
         where = lambda i: at(first_row, i)  # noqa: E731
         if got is None:
             got = chat_labels.labels_fast(self, convs, where)
             if got is None:
-                return "its tokens do not spell the rendered text byte for byte"
+                return 0, "its tokens do not spell the rendered text byte for byte"
         index = np.asarray(rows, np.int64)
         ref = chat_labels.labels_transformers(self, [convs[i] for i in rows], where)
         for name, mine, theirs in zip(("ids", "labels"), got, ref):
             bad = fast_engine.first_difference(ragged.select(mine, index), ragged.to_lists(theirs))
             if bad is not None:
-                return f"{name} of the conversation at {at(first_row, int(rows[bad]))}: {convs[rows[bad]]!r:.200}"
+                return (
+                    bad,
+                    f"{name} of the conversation at {at(first_row, int(rows[bad]))}: {convs[rows[bad]]!r:.200}",
+                )
         return None
 
     # -- entry point -----------------------------------------------------------------------------
