@@ -316,3 +316,21 @@ def test_record_says_different_when_the_ids_differ(tok_bl, tmp_path, monkeypatch
         reference.load_verified(tok_bl, "fp-y") is None
         and reference.load_verified(tok_bl, "fp-x") is not None
     )
+
+
+@needs_engine
+def test_a_fallback_is_the_parts_and_the_next_part_is_proven_again(tok_bl, tmp_path, monkeypatch):
+    _corrupt(monkeypatch, lambda t: "zebra" in t)
+    src = tmp_path / "two.parquet"
+    texts = ["a zebra crossing"] + CORPUS[:99] + CORPUS[:100]
+    pq.write_table(pa.table({"text": texts}), src, row_group_size=100)
+    res = pack_files(str(src), tmp_path / "out", 64, tokenizer=tok_bl, part_rows=100)
+    engines = res.stats["tokenizer"]["parts_by_engine"]
+    assert engines["transformers"] == 1 and sum(engines.values()) == 2, (
+        engines
+    )  # only the zebra part fell back
+    assert "zebra" in res.stats["tokenizer"]["reason"]
+    ref = pack_files(
+        str(src), tmp_path / "ref", 64, tokenizer=tok_bl, part_rows=100, tokenizer_engine="transformers"
+    )
+    assert sorted(_docs(res.out)) == sorted(_docs(ref.out))

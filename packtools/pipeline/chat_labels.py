@@ -3,9 +3,12 @@
 Two marking rules, both transformers': with ``{% generation %}`` markers in the template, a token is an
 assistant token when it overlaps a marked span (``return_assistant_tokens_mask``); without them, assistant turn
 ``i`` spans the characters between the rendering of messages ``[:i]`` with the generation prompt and the
-rendering of messages ``[:i + 1]``, and a token is an assistant token when it starts inside such a span.  The
+rendering of messages ``[:i + 1]``, and a token is an assistant token when it overlaps such a span too (the same
+rule as with markers, so a plain template and a copy with markers around the same text give the same labels: a
+token that starts in the assistant header and runs into the turn, e.g. ``"\n\n"``, is the turn's).  The
 fast path computes token byte offsets from the ids (each byte-level token spells its bytes) instead of asking
-transformers for offsets.
+transformers for offsets.  With an NFC normalizer it does so for batches whose rendered text is already NFC;
+other batches go to transformers.
 
 >>> bool(GENERATION_TAG.search("{% generation %}{{ m['content'] }}{% endgeneration %}"))
 True
@@ -14,6 +17,7 @@ True
 from __future__ import annotations
 
 import re
+import unicodedata
 from typing import Any
 
 import numpy as np
@@ -74,15 +78,15 @@ def labels_transformers(bt: Any, convs: Conversations, where: Any) -> tuple[Ragg
     texts, spans = incremental_spans(bt, convs, where)
     enc = bt.tok(texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
     ids = ragged.from_lists(enc["input_ids"])
-    starts = np.fromiter(
-        (s for offsets in enc["offset_mapping"] for s, _ in offsets), np.int64, count=ids.values.shape[0]
-    )
-    labels = np.full(ids.values.shape[0], IGNORE_INDEX, np.int32)
+    n = ids.values.shape[0]
+    starts = np.fromiter((s for offsets in enc["offset_mapping"] for s, _ in offsets), np.int64, count=n)
+    ends = np.fromiter((e for offsets in enc["offset_mapping"] for _, e in offsets), np.int64, count=n)
+    labels = np.full(n, IGNORE_INDEX, np.int32)
     for i, row_spans in enumerate(spans):
         lo, hi = int(ids.offsets[i]), int(ids.offsets[i + 1])
-        row_starts = starts[lo:hi]
+        row_starts, row_ends = starts[lo:hi], ends[lo:hi]
         for a, b in row_spans:
-            sel = (row_starts >= a) & (row_starts < b)
+            sel = (row_starts < b) & (row_ends > a)  # overlaps the turn
             labels[lo:hi][sel] = ids.values[lo:hi][sel]
     return ids, Ragged(ids.offsets, labels)
 
@@ -102,6 +106,8 @@ def labels_fast(bt: Any, convs: Conversations, where: Any) -> tuple[Ragged, Ragg
         )
     else:
         texts, spans = incremental_spans(bt, convs, where)
+    if bt.fast.nfc and not all(unicodedata.is_normalized("NFC", t) for t in texts):
+        return None  # NFC would move characters: offsets from the ids would not follow this text
     ids = bt.fast.encode(texts, special=False)
     token_bytes = bt.fast.token_spans(texts, ids)
     if token_bytes is None:
@@ -119,7 +125,7 @@ def labels_fast(bt: Any, convs: Conversations, where: Any) -> tuple[Ragged, Ragg
         j = np.searchsorted(hi_a, starts, side="right")  # the first span that ends after the token starts
         inside = j < lo_a.size
         jj = np.minimum(j, lo_a.size - 1)
-        inside &= (ends > lo_a[jj]) if bt.has_generation_tags else (starts >= lo_a[jj])
+        inside &= ends > lo_a[jj]  # overlaps the span (both rules; see the module docstring)
     else:
         inside = np.zeros(starts.shape[0], bool)
     return ids, Ragged(ids.offsets, np.where(inside, ids.values, IGNORE_INDEX).astype(np.int32))

@@ -24,6 +24,7 @@ what it compared per part, for the manifest.
 from __future__ import annotations
 
 import random
+import unicodedata
 from typing import Any
 
 import numpy as np
@@ -136,6 +137,10 @@ def choose_engine(bt: Any, requested: str, spec: dict[str, Any] | None) -> fast_
             )
     checked = {"adversarial_texts": 2 * len(texts)}
     if bt.fmt == "messages":
+        if (
+            fast.nfc
+        ):  # the fast chat path runs on NFC text only (other batches: transformers), so prove it there
+            texts = [unicodedata.normalize("NFC", t) for t in texts]
         convs = fast_engine.adversarial_conversations(texts)
         bt.fast = fast
         try:

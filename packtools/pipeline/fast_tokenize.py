@@ -203,13 +203,21 @@ def adversarial_texts(specials: Sequence[str] = (), seed: int = 0) -> list[str]:
 
 
 def offsets_refusal(spec: dict[str, Any]) -> str | None:
-    """Why assistant masks cannot come from byte offsets computed from the ids (chat data), or None."""
-    if _types(spec.get("normalizer"), "normalizers"):
-        return "it has a normalizer, so token offsets do not follow the text byte for byte"
+    """Why assistant masks cannot come from byte offsets computed from the ids (chat data), or None.  An NFC
+    normalizer is fine: batches whose rendered text is already NFC (normalizing changes nothing) take the fast
+    path, the others go to transformers (see :mod:`packtools.pipeline.chat_labels`)."""
+    norms = [n.get("type") for n in _types(spec.get("normalizer"), "normalizers")]
+    if any(n != "NFC" for n in norms):
+        return "it has a normalizer other than NFC, so token offsets do not follow the text byte for byte"
     post = _types(spec.get("post_processor"), "processors")
     if any(p.get("type") == "ByteLevel" and p.get("trim_offsets") for p in post):
         return "its post-processor trims token offsets"
     return None
+
+
+def has_nfc(spec: dict[str, Any]) -> bool:
+    """Whether the tokenizer normalizes text to NFC."""
+    return any(n.get("type") == "NFC" for n in _types(spec.get("normalizer"), "normalizers"))
 
 
 def adversarial_conversations(texts: Sequence[str]) -> list[list[dict[str, str]]]:
@@ -310,6 +318,7 @@ class FastEncoder:
         self._tok.no_truncation()
         self._tok.no_padding()
         self._byte_lengths = _byte_lengths(spec)  # the parsed tokenizer.json itself is not kept (memory)
+        self.nfc = has_nfc(spec)  # offsets follow the text only where it is already NFC
 
     def encode(self, texts: list[str], special: bool) -> Ragged:
         """Token ids of ``texts``; ``special`` adds the tokenizer's special tokens (e.g. BOS), like transformers."""

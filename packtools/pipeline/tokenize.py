@@ -14,7 +14,7 @@ Formats, and what each row becomes:
   ``{% generation %}``, transformers' ``return_assistant_tokens_mask`` gives the mask.  Otherwise the mask comes
   from incremental rendering: assistant turn ``i`` covers the characters between the rendering of messages
   ``[:i]`` with the generation prompt and the rendering of messages ``[:i + 1]``; a token is an assistant token
-  when it starts in such a span.  A template that does not render prefixes as prefixes of the whole (e.g. one
+  when it overlaps such a span (as with markers).  A template that does not render prefixes as prefixes of the whole (e.g. one
   that rewrites earlier turns) is refused with an error naming the row.
 - ``preference`` (``prompt``, ``chosen``, ``rejected``): ``prompt_input_ids``, ``chosen_input_ids``,
   ``rejected_input_ids``, tokenized like prompt-completion (EOS after string completions); not packed.
@@ -269,6 +269,7 @@ class BatchTokenizer:
         else:
             self.report = engine_proof.choose_engine(self, requested, spec)
         del spec
+        self._chosen = (self.report, self.fast)  # each part starts from the engine chosen here
         #: seconds spent loading the tokenizer (transformers, its tokenizer.json, the fast engine) and proving it
         self.seconds = {"load_s": loaded - started, "proof_s": time.perf_counter() - loaded}
 
@@ -293,7 +294,9 @@ class BatchTokenizer:
 
     # -- per part ----------------------------------------------------------------------------------
     def start_part(self, seed: str) -> None:
-        """A new part (a unit of work with its own report): the proof starts again for every column."""
+        """A new part (a unit of work with its own report): the engine chosen at load (a fallback on an earlier
+        part's data is that part's), and the proof starts again for every column."""
+        self.report, self.fast = self._chosen
         self.proof.start_part(seed)
         if self.drops is not None:
             self.drops.take()
@@ -445,6 +448,8 @@ class BatchTokenizer:
             except Exception as exc:  # noqa: BLE001 - an engine error: transformers tokenizes this batch
                 self._engine_error(exc, [], False, first_row)
                 got = None
+            if got is None:  # e.g. text that is not NFC for an NFC tokenizer
+                self.proof.batches_on_transformers += 1
             if got is not None:
                 rows_, proof = self.proof.sample("messages", len(convs))
                 mismatch = self.compare_labels(convs, rows_, first_row, got)
