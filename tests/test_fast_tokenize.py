@@ -352,4 +352,6 @@ def test_an_engine_error_tokenizes_that_batch_with_transformers(tmp_path, monkey
     monkeypatch.setattr(fast_tokenize.FastEncoder, "encode", encode)
     table = pa.table({"text": ["boom " + t for t in CORPUS[:20]]})
     _same(tok(table), BatchTokenizer(path, "text", engine="transformers")(table))
-    assert tok.part_report()["checked"]["batches_on_transformers"] == 1 and tok.fast is not None
+    report = tok.part_report()
+    assert report["checked"]["batches_on_transformers"] == 1 and tok.fast is not None
+    assert "match limit exceeded" in report["batches_on_transformers_why"]  # says why

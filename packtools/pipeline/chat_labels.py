@@ -17,6 +17,7 @@ True
 from __future__ import annotations
 
 import re
+import time
 import unicodedata
 from typing import Any
 
@@ -95,6 +96,7 @@ def labels_fast(bt: Any, convs: Conversations, where: Any) -> tuple[Ragged, Ragg
     """Render, encode with the fast engine, and mark assistant tokens from byte offsets computed from the ids;
     None when the tokens do not spell the rendered text byte for byte (then offsets must come from transformers)."""
     assert bt.fast is not None
+    t0 = time.perf_counter()
     if bt.has_generation_tags:
         from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -108,7 +110,9 @@ def labels_fast(bt: Any, convs: Conversations, where: Any) -> tuple[Ragged, Ragg
         texts, spans = incremental_spans(bt, convs, where)
     if bt.fast.nfc and not all(unicodedata.is_normalized("NFC", t) for t in texts):
         return None  # NFC would move characters: offsets from the ids would not follow this text
+    t1 = time.perf_counter()
     ids = bt.fast.encode(texts, special=False)
+    t2 = time.perf_counter()
     token_bytes = bt.fast.token_spans(texts, ids)
     if token_bytes is None:
         return None
@@ -128,4 +132,9 @@ def labels_fast(bt: Any, convs: Conversations, where: Any) -> tuple[Ragged, Ragg
         inside &= ends > lo_a[jj]  # overlaps the span (both rules; see the module docstring)
     else:
         inside = np.zeros(starts.shape[0], bool)
-    return ids, Ragged(ids.offsets, np.where(inside, ids.values, IGNORE_INDEX).astype(np.int32))
+    out = ids, Ragged(ids.offsets, np.where(inside, ids.values, IGNORE_INDEX).astype(np.int32))
+    seconds = bt.chat_seconds  # where chat time goes (benchmarks/bench_tokenize.py prints it)
+    seconds["render"] += t1 - t0
+    seconds["encode"] += t2 - t1
+    seconds["masks"] += time.perf_counter() - t2
+    return out

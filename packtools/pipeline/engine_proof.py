@@ -48,6 +48,7 @@ class Proof:
         self.rows_checked = 0
         self.proof_rows = 0
         self.batches_on_transformers = 0
+        self.why_transformers: str | None = None  # why the first such batch went to transformers
 
     def sample(self, column: str, n: int) -> tuple[np.ndarray, int]:
         """Rows of a batch of ``n`` rows of ``column`` to compare, and how many of them (the first ones) are
@@ -65,6 +66,12 @@ class Proof:
         self._budget[column] = self._budget.get(column, fast_engine.PROOF_ROWS) - proof
         self.proof_rows += proof
         self.rows_checked += rows
+
+    def to_transformers(self, why: str) -> None:
+        """A batch is tokenized by transformers instead (an engine error, text the fast path does not take)."""
+        self.batches_on_transformers += 1
+        if self.why_transformers is None:
+            self.why_transformers = why
 
     def checked(self) -> dict[str, int]:
         out = {"rows_checked": self.rows_checked, "proof_rows": self.proof_rows}

@@ -278,8 +278,11 @@ def engine_summary(reports: Sequence[dict[str, Any] | None]) -> dict[str, Any] |
             checked[k] = checked.get(k, 0) + v if k in _PER_PART else max(checked.get(k, 0), v)
     fallback = next((r for r in done if r["engine"] == "transformers"), None)
     first = fallback if fallback is not None and len(by_engine) > 1 else done[0]
-    out = {k: v for k, v in first.items() if k != "unencodable"}
+    out = {k: v for k, v in first.items() if k not in ("unencodable", "batches_on_transformers_why")}
     out.update(checked=checked, parts_by_engine=by_engine)
+    why = next((r["batches_on_transformers_why"] for r in done if r.get("batches_on_transformers_why")), None)
+    if why is not None:
+        out["batches_on_transformers_why"] = why
     dropped = merge_reports([r.get("unencodable") for r in done])
     if dropped is not None:
         out["unencodable"] = dropped

@@ -69,7 +69,8 @@ def _engine_rows(engine: dict[str, Any]) -> list[tuple[str, str]]:
         if "proof_rows" in checked:
             line += f" ({checked['proof_rows']:,} proof, {checked['rows_checked'] - checked['proof_rows']:,} audit)"
         if checked.get("batches_on_transformers"):
-            line += f"; {checked['batches_on_transformers']:,} batches tokenized by transformers after an engine error"
+            line += f"; {checked['batches_on_transformers']:,} batches tokenized by transformers (first: "
+            line += f"{engine.get('batches_on_transformers_why', '?')})"
         rows.append(("engine checks", line + (f"; parts by engine: {by}" if by else "")))
     dropped = engine.get("unencodable")
     if dropped:

@@ -254,6 +254,7 @@ class BatchTokenizer:
         self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
         self.fast: fast_engine.FastEncoder | None = None
         self.proof = Proof(audit_rate)
+        self.chat_seconds = {"render": 0.0, "encode": 0.0, "masks": 0.0}  # the fast chat path's time, by step
         try:
             spec: dict[str, Any] | None = fast_engine.read_spec(tokenizer_dir)
         except (OSError, ValueError):
@@ -305,6 +306,8 @@ class BatchTokenizer:
         """The engine report of the part since :meth:`start_part`: engine, reason, rows compared, characters left out."""
         out = self.report.to_dict()
         out["checked"] = {**out["checked"], **self.proof.checked()}
+        if self.proof.why_transformers is not None:
+            out["batches_on_transformers_why"] = self.proof.why_transformers
         dropped = self.drops.take() if self.drops is not None else None
         if dropped is not None:
             out["unencodable"] = dropped
@@ -334,7 +337,7 @@ class BatchTokenizer:
     def _engine_error(self, exc: Exception, texts: list[str], special: bool, first_row: Row) -> None:
         """The fast engine raised on a batch: transformers tokenizes it (auto), or stop naming the row (fast)."""
         if self.report.requested != "fast":
-            self.proof.batches_on_transformers += 1
+            self.proof.to_transformers(f"{at(first_row)}: the fast engine raised {type(exc).__name__}: {exc}")
             return
         row = 0
         for i, text in enumerate(texts):
@@ -449,7 +452,10 @@ class BatchTokenizer:
                 self._engine_error(exc, [], False, first_row)
                 got = None
             if got is None:  # e.g. text that is not NFC for an NFC tokenizer
-                self.proof.batches_on_transformers += 1
+                self.proof.to_transformers(
+                    f"{at(first_row)}: the rendered text is not NFC (or its tokens do not spell it byte for byte), "
+                    f"so token offsets cannot come from the ids"
+                )
             if got is not None:
                 rows_, proof = self.proof.sample("messages", len(convs))
                 mismatch = self.compare_labels(convs, rows_, first_row, got)
