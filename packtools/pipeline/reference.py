@@ -12,6 +12,13 @@ records the verdict in a small file keyed by the tokenizer's fingerprint and the
 tokenizers and packtools (under ``$PACKTOOLS_CACHE_DIR``, default ``~/.cache/packtools``).  Later runs with a
 "same" verdict skip transformers; anything else (a differing id, a new version, no verdict) loads transformers.
 ``PACKTOOLS_CACHE_DIR=''`` turns the shortcut off.
+
+>>> import os
+>>> saved = os.environ.get("PACKTOOLS_CACHE_DIR")
+>>> os.environ["PACKTOOLS_CACHE_DIR"] = ""
+>>> cache_dir() is None, load_verified(".", "0" * 64) is None
+(True, True)
+>>> _ = os.environ.pop("PACKTOOLS_CACHE_DIR") if saved is None else os.environ.update(PACKTOOLS_CACHE_DIR=saved)
 """
 
 from __future__ import annotations
@@ -106,7 +113,7 @@ def record(tokenizer_dir: str, tokenizer_fp: str, tok: Any, texts: list[str]) ->
     """Compare the lite reference with transformers' tokenizer ``tok`` on ``texts`` and record the verdict;
     returns it (None when no verdict could be recorded: the shortcut is off or the cache is not writable)."""
     path = _verdict_path(tokenizer_fp)
-    if path is None:
+    if path is None or os.path.isfile(path):  # off, or already decided (a "different" verdict is kept)
         return None
     try:
         lite = LiteReference(tokenizer_dir)
