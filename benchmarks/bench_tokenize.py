@@ -206,7 +206,15 @@ def case_fixed(src: str, out: str, tok_dir: str) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
     wall = time.perf_counter() - t
     shutil.rmtree(out)
-    time_line = [ln for ln in proc.stdout.splitlines() if ln.startswith("time") or ln.startswith("   ")]
+    time_line: list[str] = []
+    for ln in proc.stdout.splitlines():  # the summary's "time" entry and its wrapped continuation lines
+        if ln.startswith("time "):
+            time_line = [ln[4:]]
+        elif time_line and ln.startswith(" ") and not time_line[-1].endswith("\0"):
+            time_line.append(ln)
+        elif time_line:
+            time_line[-1] += "\0"  # the next label: the entry ended
+    time_line = [x.rstrip("\0") for x in time_line]
     return {"wall_s": wall, "summary_time": " ".join(" ".join(time_line).split())}
 
 
