@@ -42,6 +42,21 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
         "fast: the fast engine or an error; transformers: never the fast engine",
     )
     p.add_argument(
+        "--tokenizer-audit",
+        type=float,
+        default=0.001,
+        metavar="RATE",
+        help="fast engine: after the first 256 rows of each column of each part, compare this random share of "
+        "the rows with transformers (seeded; default 0.001; 1 compares every row)",
+    )
+    p.add_argument(
+        "--on-unencodable",
+        choices=("report", "error"),
+        default="report",
+        help="characters the tokenizer has no token for (transformers leaves them out of the ids): report "
+        "(default; counted in the summary and the manifest) or error",
+    )
+    p.add_argument(
         "--format",
         choices=INPUT_FORMATS,
         help="input format (default: from the columns: text | prompt+completion | messages | "
@@ -155,6 +170,8 @@ def pipeline_config(args: argparse.Namespace, max_length: int) -> Any:
         drop_unlabeled=args.drop_unlabeled,
         part_rows=args.part_rows,
         tokenizer_engine=args.tokenizer_engine,
+        tokenizer_audit=args.tokenizer_audit,
+        on_unencodable=args.on_unencodable,
     )
 
 

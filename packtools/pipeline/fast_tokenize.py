@@ -31,8 +31,13 @@ from ..errors import PackingError
 
 ENGINES = ("auto", "fast", "transformers")
 ENGINE_MODULE = "fastokens"
-PROOF_ROWS = 256  # rows at the start of the data compared with transformers before the engine is trusted
-AUDIT_EVERY = 1000  # after that, one row in this many is compared
+PROOF_ROWS = (
+    256  # rows at the start of each part, per column, compared with transformers before the engine is trusted
+)
+AUDIT_RATE = 0.001  # after that, each row is compared with this probability (seeded random sample)
+LONG_TEXT_WORDS = (
+    12_000  # the adversarial set's longest text: more tokens than any usual configured truncation
+)
 _NORMALIZERS = (None, "NFC")
 
 
@@ -54,6 +59,25 @@ def engine_version() -> str | None:
     except ImportError:
         return None
     return version(ENGINE_MODULE)
+
+
+def engine_key(requested: str) -> str:
+    """What of the engine choice goes into cache keys and fingerprints: the requested engine and, unless it is
+    ``transformers``, the installed fast engine's version (``'auto fastokens 0.3.5'``, ``'transformers'``)."""
+    if requested == "transformers":
+        return requested
+    return f"{requested} {ENGINE_MODULE} {engine_version() or 'absent'}"
+
+
+def check_audit_rate(rate: float) -> float:
+    """``rate`` if it is a probability in [0, 1], else an error naming the option."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+        raise PackingError(
+            f"tokenizer_audit={rate!r} must be a number in [0, 1] (the share of rows after the proof that are "
+            f"compared with transformers; default {AUDIT_RATE}).",
+            param="tokenizer_audit",
+        )
+    return float(rate)
 
 
 def read_spec(tokenizer_dir: str) -> dict[str, Any]:
@@ -138,6 +162,10 @@ def adversarial_texts(specials: Sequence[str] = (), seed: int = 0) -> list[str]:
         "\U0001d54f\U0001d550 \U00020000\U0002a6d6 \U0010fffd",
     ]
     out = list(fixed)
+    # One text longer than any usual configured truncation (a tokenizer.json ``truncation`` block must not apply).
+    words = ["alpha", "beta", "gamma", "x7", "déjà", "日本", "🙂", "q", "zz", "\n"]
+    long_rng = random.Random(seed + 1)
+    out.append(" ".join(long_rng.choice(words) for _ in range(LONG_TEXT_WORDS)))
     for s in specials:
         out += [
             s,
@@ -175,13 +203,21 @@ def adversarial_texts(specials: Sequence[str] = (), seed: int = 0) -> list[str]:
 
 
 def offsets_refusal(spec: dict[str, Any]) -> str | None:
-    """Why assistant masks cannot come from byte offsets computed from the ids (chat data), or None."""
-    if _types(spec.get("normalizer"), "normalizers"):
-        return "it has a normalizer, so token offsets do not follow the text byte for byte"
+    """Why assistant masks cannot come from byte offsets computed from the ids (chat data), or None.  An NFC
+    normalizer is fine: batches whose rendered text is already NFC (normalizing changes nothing) take the fast
+    path, the others go to transformers (see :mod:`packtools.pipeline.chat_labels`)."""
+    norms = [n.get("type") for n in _types(spec.get("normalizer"), "normalizers")]
+    if any(n != "NFC" for n in norms):
+        return "it has a normalizer other than NFC, so token offsets do not follow the text byte for byte"
     post = _types(spec.get("post_processor"), "processors")
     if any(p.get("type") == "ByteLevel" and p.get("trim_offsets") for p in post):
         return "its post-processor trims token offsets"
     return None
+
+
+def has_nfc(spec: dict[str, Any]) -> bool:
+    """Whether the tokenizer normalizes text to NFC."""
+    return any(n.get("type") == "NFC" for n in _types(spec.get("normalizer"), "normalizers"))
 
 
 def adversarial_conversations(texts: Sequence[str]) -> list[list[dict[str, str]]]:
@@ -221,13 +257,16 @@ class EngineReport:
 
 
 def engine_summary(reports: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
-    """One report for a run from its parts' (None for parts that were reused or not tokenized): the engine and
-    reason of the first part, the parts per engine, and the rows compared in all.
+    """One report for a run from its parts' (None for tokenized parts): the engine and reason of the first part
+    (of the first that fell back, if any did), the parts per engine, the rows compared in all parts (each part's
+    report counts its own rows), and the characters left out (:func:`packtools.pipeline.char_drops.merge_reports`).
 
     >>> r = {"engine": "x 1", "requested": "auto", "reason": "ok", "checked": {"rows_checked": 2}}
     >>> engine_summary([r, None, r])["checked"], engine_summary([r])["parts_by_engine"]
     ({'rows_checked': 4}, {'x 1': 1})
     """
+    from .char_drops import merge_reports
+
     done = [r for r in reports if r]
     if not done:
         return None
@@ -236,10 +275,21 @@ def engine_summary(reports: Sequence[dict[str, Any] | None]) -> dict[str, Any] |
     for r in done:
         by_engine[r["engine"]] = by_engine.get(r["engine"], 0) + 1
         for k, v in r.get("checked", {}).items():
-            checked[k] = checked.get(k, 0) + v if k == "rows_checked" else max(checked.get(k, 0), v)
+            checked[k] = checked.get(k, 0) + v if k in _PER_PART else max(checked.get(k, 0), v)
     fallback = next((r for r in done if r["engine"] == "transformers"), None)
     first = fallback if fallback is not None and len(by_engine) > 1 else done[0]
-    return {**first, "checked": checked, "parts_by_engine": by_engine}
+    out = {k: v for k, v in first.items() if k not in ("unencodable", "batches_on_transformers_why")}
+    out.update(checked=checked, parts_by_engine=by_engine)
+    why = next((r["batches_on_transformers_why"] for r in done if r.get("batches_on_transformers_why")), None)
+    if why is not None:
+        out["batches_on_transformers_why"] = why
+    dropped = merge_reports([r.get("unencodable") for r in done])
+    if dropped is not None:
+        out["unencodable"] = dropped
+    return out
+
+
+_PER_PART = frozenset({"rows_checked", "proof_rows", "batches_on_transformers"})
 
 
 class FastEncoder:
@@ -266,7 +316,12 @@ class FastEncoder:
             os.environ.setdefault("FASTOKENS_BPE_THREADS", str(threads))
         spec = spec if spec is not None else read_spec(tokenizer_dir)
         self._tok = fastokens.Tokenizer.from_file(path)
+        # transformers' __call__ ignores the file's truncation and padding blocks (save_pretrained writes them
+        # after a single tokenizer(..., truncation=True) call): so does this engine.
+        self._tok.no_truncation()
+        self._tok.no_padding()
         self._byte_lengths = _byte_lengths(spec)  # the parsed tokenizer.json itself is not kept (memory)
+        self.nfc = has_nfc(spec)  # offsets follow the text only where it is already NFC
 
     def encode(self, texts: list[str], special: bool) -> Ragged:
         """Token ids of ``texts``; ``special`` adds the tokenizer's special tokens (e.g. BOS), like transformers."""
@@ -317,6 +372,16 @@ def first_difference(fast: Ragged, reference: Sequence[Sequence[int]]) -> int | 
 
 
 def describe_difference(texts: Sequence[str], row: int, fast: Sequence[int], reference: Sequence[int]) -> str:
+    """The text and where the two id lists part: the first differing position, the ids from there, the lengths.
+
+    >>> describe_difference(["ab"], 0, [1, 2, 3], [1, 2])
+    "text 'ab': ids differ from position 2 of 3 (fast) / 2 (transformers): fast [3], transformers []"
+    """
     text = texts[row] if row < len(texts) else "?"
     shown = text if len(text) <= 80 else text[:77] + "..."
-    return f"text {shown!r}: fast {list(fast)[:12]}..., transformers {list(reference)[:12]}..."
+    fast, reference = list(fast), list(reference)
+    at = next((i for i, (a, b) in enumerate(zip(fast, reference)) if a != b), min(len(fast), len(reference)))
+    return (
+        f"text {shown!r}: ids differ from position {at} of {len(fast)} (fast) / {len(reference)} (transformers): "
+        f"fast {fast[at : at + 8]}, transformers {reference[at : at + 8]}"
+    )

@@ -50,12 +50,14 @@ from ..errors import PackingError
 from ..io.files import InputFile, Part, find_inputs, skipped_notes, split_file
 from ..io.fingerprint import cache_key
 from ..io.manifest import MANIFEST_FORMAT, read_manifest, write_manifest
+from .char_drops import check_on_unencodable
 from .executors import EXECUTORS, Executor, get_executor, is_transient
-from .fast_tokenize import check_engine, engine_summary
+from .fast_tokenize import check_audit_rate, check_engine, engine_key, engine_summary
 from .gather import WriteJob, run_token, shard_name, write_block, write_dataset_files
 from .outcheck import check_out, check_replaceable
 from .schema import data_format, known_columns, token_schema
 from .stage import StageJob, load_sidecar, stage_key, stage_part
+from .summary import tokenizer_timings
 from .tokenize import FORMATS, output_columns
 from .workspace import Workspace, checkpoint, left_behind_notes, tidy_after_dead_run
 
@@ -85,12 +87,16 @@ class PipelineConfig:
     drop_unlabeled: bool = False
     part_rows: int = 1 << 17
     part_bytes: int = 1 << 26
-    # auto | fast | transformers: the same ids either way (proven), so it is not fingerprinted
+    # auto | fast | transformers: the same ids either way (proven); fingerprinted with the engine's version
     tokenizer_engine: str = "auto"
+    tokenizer_audit: float = 0.001  # share of rows compared with transformers after the proof
+    on_unencodable: str = "report"  # characters the tokenizer cannot encode: report | error
 
     def __post_init__(self) -> None:
         check_max_length(self.max_length)
         check_engine(self.tokenizer_engine)
+        check_audit_rate(self.tokenizer_audit)
+        check_on_unencodable(self.on_unencodable)
         check_strategy(self.strategy)
         if self.format is not None and self.format not in FORMATS:
             raise PackingError(
@@ -145,7 +151,7 @@ def fingerprint(files: Sequence[InputFile], config: PipelineConfig) -> dict[str,
     cfg = asdict(config)
     cfg["columns"] = list(config.columns) if config.columns else None
     cfg["overlong"] = config.overlong_policy
-    del cfg["tokenizer_engine"]
+    cfg["tokenizer_engine"] = engine_key(config.tokenizer_engine)  # S15: another engine is another output
     tok = tokenizer_fingerprint(config.tokenizer) if config.tokenizer else None
     body = {
         "manifest_format": MANIFEST_FORMAT,
@@ -367,6 +373,7 @@ def run_pipeline(
         )
     check_replaceable(out)
     Workspace(out).refuse_if_held()  # before loading the tokenizer: a busy out fails at once
+    early: dict[str, Any] = {}  # seconds before staging, itemized in the summary
     fmt = data_format(files, config)
     if fmt == "preference" and config.overlong == "split":
         raise PackingError(
@@ -378,14 +385,20 @@ def run_pipeline(
                 f"format={fmt!r} needs a tokenizer: pass tokenizer=DIR (a local tokenizer folder).",
                 param="tokenizer",
             )
-        from .stage import preload_tokenizer
+        from .stage import freeze_report, preload_tokenizer
 
-        preload_tokenizer(
-            config.tokenizer, fmt, config.add_eos, config.tokenizer_engine
-        )  # fails here, once, if it cannot load
+        t_tok = time.perf_counter()
+        early["setup_s"] = round(t_tok - started, 3)
+        tok = preload_tokenizer(  # fails here, once, if it cannot load; workers take the engine it chose
+            config.tokenizer, fmt, config.add_eos, config.tokenizer_engine, config.tokenizer_audit,
+            config.on_unencodable,
+        )  # fmt: skip
+        proven = freeze_report(tok.report.to_dict())
+        early.update(tokenizer_timings(tok, time.perf_counter() - t_tok))
         columns, types, left_out = output_columns(fmt), ["int32"] * len(output_columns(fmt)), []
     else:
         columns, types, left_out = token_schema(files, config)
+        proven = None
 
     ws = Workspace(out)
     ws.acquire()
@@ -403,12 +416,14 @@ def run_pipeline(
                 config,
                 fp,
                 ws,
+                proven,
                 executor,
                 workers,
                 address,
                 retries,
                 quiet,
             )
+            result.timings.update(early)
             result.timings["time_s"] = round(time.perf_counter() - started, 3)
             result.timings["took_over_from"] = ws.took_over
     except Exception as exc:
@@ -479,6 +494,7 @@ def _run(
     config: PipelineConfig,
     fp: dict[str, Any],
     ws: Workspace,
+    proven: Any,
     executor: str | Executor,
     workers: int | None,
     address: str | None,
@@ -489,7 +505,10 @@ def _run(
     parts: list[Part] = [p for f in files for p in split_file(f, config.part_rows, config.part_bytes)]
     jobs = []
     for part in parts:
-        key = stage_key(part, fmt, tuple(columns), tuple(types), tok_fp, config.add_eos)
+        key = stage_key(
+            part, fmt, tuple(columns), tuple(types), tok_fp, config.add_eos,
+            engine_key(config.tokenizer_engine), config.on_unencodable,
+        )  # fmt: skip
         jobs.append(
             StageJob(
                 part,
@@ -503,6 +522,9 @@ def _run(
                 single_threaded=getattr(executor, "name", executor) != "local",
                 tokenizer_engine=config.tokenizer_engine,
                 known_columns=known_columns(columns, left_out) if fmt == "tokenized" else None,
+                engine_proven=proven,
+                audit_rate=config.tokenizer_audit,
+                on_unencodable=config.on_unencodable,
             )
         )
     timings: dict[str, Any] = {"parts": len(parts)}
@@ -587,8 +609,7 @@ def _run(
         {"format": fmt, "max_length": config.max_length, "columns": columns, "columns_left_out": left_out}
     )
     engines = engine_summary([s.get("tokenizer") for s in staged])
-    if engines:  # rows compared depend on which process proved what: a timing, not part of the output
-        timings["tokenizer_checked"] = engines.pop("checked", None)
+    if engines:  # per-part reports (kept in the sidecars), so a rerun after a kill writes the same manifest
         stats["tokenizer"] = engines
     manifest = {**fp, "format": fmt, "stats": stats}
     write_manifest(ws.build, manifest)

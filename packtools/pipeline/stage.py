@@ -42,7 +42,7 @@ from ..io.fingerprint import cache_key
 from .prefetch import prefetch
 
 #: Version of the staged-file layout; part of every cache key.
-STAGE_FORMAT = 1
+STAGE_FORMAT = 2  # 2: the sidecar keeps the tokenizer engine report
 #: Rows per block handed to the tokenizer, read from tokenized files, and most rows / bytes per record batch of
 #: a staged file.
 TOKENIZE_ROWS = 1000
@@ -70,6 +70,11 @@ class StageJob:
         "auto"  # packtools.pipeline.fast_tokenize.ENGINES; the ids are the same either way
     )
     known_columns: tuple[str, ...] | None = None  # tokenized JSON: a block with other columns is refused
+    engine_proven: tuple[tuple[str, Any], ...] | None = (
+        None  # the driver's engine choice (EngineReport items)
+    )
+    audit_rate: float = 0.001  # packtools.pipeline.fast_tokenize.AUDIT_RATE
+    on_unencodable: str = "report"  # packtools.pipeline.char_drops.ON_UNENCODABLE
 
     @property
     def has_labels(self) -> bool:
@@ -83,8 +88,13 @@ def stage_key(
     value_types: tuple[str, ...],
     tokenizer_fp: str | None,
     add_eos: bool,
+    engine: str | None = None,
+    on_unencodable: str = "report",
 ) -> str:
-    """The cache key of a staged part (32 hex digits): everything that decides its bytes, with the versions."""
+    """The cache key of a staged part (32 hex digits): everything that decides its bytes or its report, with the
+    versions.  ``engine`` is :func:`packtools.pipeline.fast_tokenize.engine_key` of the requested engine (the
+    engine and its version); it and ``on_unencodable`` count only for raw formats."""
+    raw = fmt != "tokenized"
     return cache_key(
         "stage",
         STAGE_FORMAT,
@@ -93,28 +103,66 @@ def stage_key(
         columns=list(columns),
         types=list(value_types),
         tokenizer=tokenizer_fp,
-        add_eos=add_eos if fmt != "tokenized" else None,
+        add_eos=add_eos if raw else None,
+        engine=engine if raw else None,
+        on_unencodable=on_unencodable if raw else None,
     )[:32]
 
 
 # -- in the worker ---------------------------------------------------------------------------------------
-_TOKENIZERS: dict[tuple[str, str, bool, str], Any] = {}
+_TOKENIZERS: dict[tuple[Any, ...], Any] = {}
 
 
-def preload_tokenizer(tokenizer: str, fmt: str, add_eos: bool, engine: str = "auto") -> Any:
-    """The :class:`BatchTokenizer` for these arguments, loaded once per process (loading is the slow part)."""
-    from .tokenize import BatchTokenizer
+def preload_tokenizer(
+    tokenizer: str,
+    fmt: str,
+    add_eos: bool,
+    engine: str = "auto",
+    audit_rate: float = 0.001,
+    on_unencodable: str = "report",
+    proven: tuple[tuple[str, Any], ...] | None = None,
+) -> Any:
+    """The :class:`BatchTokenizer` for these arguments, loaded once per process (loading is the slow part).
+    ``proven``: the driver's engine choice, taken as it is (workers do not choose again)."""
+    from .tokenize import BatchTokenizer, tokenizer_fingerprint
 
-    key = (tokenizer, fmt, add_eos, engine)
+    key = (tokenizer, tokenizer_fingerprint(tokenizer), fmt, add_eos, engine, audit_rate, on_unencodable)
     if key not in _TOKENIZERS:
-        _TOKENIZERS[key] = BatchTokenizer(tokenizer, fmt, add_eos, engine)
+        _TOKENIZERS[key] = BatchTokenizer(
+            tokenizer,
+            fmt,
+            add_eos,
+            engine,
+            audit_rate=audit_rate,
+            on_unencodable=on_unencodable,
+            proven=_thaw(proven) if proven is not None else None,
+        )
     return _TOKENIZERS[key]
+
+
+def freeze_report(report: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """An engine report (:meth:`EngineReport.to_dict`) as a hashable tuple, for :attr:`StageJob.engine_proven`."""
+    return tuple(
+        (k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in sorted(report.items())
+    )
+
+
+def _thaw(frozen: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    return {k: dict(v) if k == "checked" else v for k, v in frozen}
 
 
 def _tokenizer(job: StageJob) -> Any:
     if job.single_threaded:  # before the tokenizers library starts its thread pool in this process
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    return preload_tokenizer(job.tokenizer, job.fmt, job.add_eos, job.tokenizer_engine)
+    return preload_tokenizer(
+        job.tokenizer,
+        job.fmt,
+        job.add_eos,
+        job.tokenizer_engine,
+        job.audit_rate,
+        job.on_unencodable,
+        job.engine_proven,
+    )
 
 
 def check_token_column(table: pa.Table, name: str, value_type: pa.DataType, where: Where) -> pa.ChunkedArray:
@@ -172,6 +220,9 @@ def _token_tables(job: StageJob):
     from .tokenize import input_columns
 
     tok = _tokenizer(job)
+    tok.start_part(
+        os.path.basename(job.sidecar)
+    )  # each part proves the engine on its own rows (seeded audit)
     # Reading runs ahead in a thread (Arrow's readers release the GIL), as does tokenizing (stage_part).
     for where, table in prefetch(iter_part(job.part, TOKENIZE_ROWS, input_columns(job.fmt))):
         yield where, tok(table, where)
@@ -207,17 +258,19 @@ def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray] | None:
         mapped.close()
 
 
-def _save_sidecar(path: str, lengths: np.ndarray, first: np.ndarray, data: str, report: str = "") -> None:
+def _save_sidecar(
+    path: str, lengths: np.ndarray, first: np.ndarray, data: str, report: dict[str, Any] | None = None
+) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as fh:
-        np.savez(fh, lengths=lengths, first_label=first, data=np.array(data), report=np.array(report))
+        np.savez(
+            fh,
+            lengths=lengths,
+            first_label=first,
+            data=np.array(data),
+            tokenizer=np.array(json.dumps(report, sort_keys=True) if report else ""),
+        )
     os.replace(tmp, path)
-
-
-def _engine_report(job: StageJob) -> dict[str, Any]:
-    """Which tokenizer engine staged the part, and why; kept in the sidecar, so a part reused by a rerun
-    reports the same (the manifest is then the same bytes as an uninterrupted run's)."""
-    return _tokenizer(job).report.to_dict()
 
 
 def load_sidecar(path: str) -> tuple[np.ndarray, np.ndarray, str]:
@@ -226,22 +279,23 @@ def load_sidecar(path: str) -> tuple[np.ndarray, np.ndarray, str]:
         return z["lengths"], z["first_label"], str(z["data"])
 
 
+def sidecar_report(path: str) -> dict[str, Any] | None:
+    """The tokenizer engine report a staged part was written with (None for tokenized input)."""
+    with np.load(path, allow_pickle=False) as z:
+        text = str(z["tokenizer"]) if "tokenizer" in z.files else ""
+    return json.loads(text) if text else None
+
+
 def stage_part(job: StageJob) -> dict[str, Any]:
     """Stage one part (see the module docstring); returns ``{"rows", "reused", "seconds", "data"}``."""
     start = time.perf_counter()
     if os.path.exists(job.sidecar):
         lengths, _, data = load_sidecar(job.sidecar)
         if os.path.exists(data):
-            reused: dict[str, Any] = {
-                "rows": int(lengths.shape[0]),
-                "reused": True,
-                "seconds": 0.0,
-                "data": data,
-            }
-            with np.load(job.sidecar, allow_pickle=False) as z:
-                report = str(z["report"]) if "report" in z.files else ""
-            if report:
-                reused["tokenizer"] = json.loads(report)
+            reused = {"rows": int(lengths.shape[0]), "reused": True, "seconds": 0.0, "data": data}
+            report = sidecar_report(job.sidecar)  # a rerun's manifest says what the run that wrote it did
+            if report is not None:
+                reused["tokenizer"] = report
             return reused
     mapped = _map_as_is(job)
     if mapped is not None:
@@ -283,15 +337,16 @@ def stage_part(job: StageJob) -> dict[str, Any]:
         raise
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
     all_first = np.concatenate(firsts) if firsts else np.zeros(0, np.int64)
-    report = _engine_report(job) if job.fmt != "tokenized" else None  # (packtools.pipeline.fast_tokenize)
-    _save_sidecar(job.sidecar, all_lengths, all_first, job.staged, json.dumps(report) if report else "")
+    # which tokenizer engine ran, and why; rows compared; characters left out (kept with the part for reruns)
+    report = _tokenizer(job).part_report() if job.fmt != "tokenized" else None
+    _save_sidecar(job.sidecar, all_lengths, all_first, job.staged, report)
     result = {
         "rows": int(all_lengths.shape[0]),
         "reused": False,
         "seconds": time.perf_counter() - start,
         "data": job.staged,
     }
-    if report:
+    if report is not None:
         result["tokenizer"] = report
     return result
 

@@ -33,85 +33,165 @@ def format_summary(results: list[tuple[PackPlan, float]]) -> str:
     return text_table(cells)
 
 
+#: The pipeline summary fits this many columns; longer values wrap under themselves.
+WIDTH = 100
+
+
+def label_value_table(rows: list[tuple[str, str]], width: int = WIDTH) -> str:
+    """Two columns, labels left and values left-aligned after them; a value too long for ``width`` columns
+    wraps onto the next lines, indented under the value column (paths and other unbreakable words stay whole).
+
+    >>> print(label_value_table([("rows in", "3"), ("why", "alpha beta gamma delta epsilon")], width=30))
+    rows in  3
+    why      alpha beta gamma
+             delta epsilon
+    """
+    import textwrap
+
+    label_w = max((len(k) for k, _ in rows), default=0)
+    room = max(20, width - label_w - 2)
+    lines = []
+    for label, value in rows:
+        wrapped = textwrap.wrap(value, room, break_long_words=False, break_on_hyphens=False) or [""]
+        lines.append(f"{label:<{label_w}}  {wrapped[0]}".rstrip())
+        lines += [" " * (label_w + 2) + w for w in wrapped[1:]]
+    return "\n".join(lines)
+
+
+def _engine_rows(engine: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = [("tokenizer engine", f"{engine['engine']} (requested {engine.get('requested', 'auto')})")]
+    rows.append(("engine reason", str(engine["reason"])))
+    checked = engine.get("checked", {})
+    if checked.get("rows_checked") or checked.get("adversarial_texts"):
+        parts = engine.get("parts_by_engine", {})
+        by = ", ".join(f"{k}: {v:,}" for k, v in parts.items())
+        line = f"{checked.get('rows_checked', 0):,} rows compared with transformers"
+        if "proof_rows" in checked:
+            line += f" ({checked['proof_rows']:,} proof, {checked['rows_checked'] - checked['proof_rows']:,} audit)"
+        if checked.get("batches_on_transformers"):
+            line += f"; {checked['batches_on_transformers']:,} batches tokenized by transformers (first: "
+            line += f"{engine.get('batches_on_transformers_why', '?')})"
+        rows.append(("engine checks", line + (f"; parts by engine: {by}" if by else "")))
+    dropped = engine.get("unencodable")
+    if dropped:
+        chars = ", ".join(f"'{c}' x{n:,}" for c, n in list(dropped["chars"].items())[:8])
+        rows.append(
+            (
+                "unencodable chars",
+                f"{dropped['count']:,} characters in {dropped['rows']:,} rows left out of the ids, as transformers "
+                f"does (the vocabulary has no token for bytes {', '.join(dropped['missing_bytes'][:6])}"
+                f"{', ...' if len(dropped['missing_bytes']) > 6 else ''}): {chars}; first rows: "
+                f"{'; '.join(dropped['first_rows'])}. --on-unencodable error stops instead.",
+            )
+        )
+    return rows
+
+
+def _time_rows(timings: dict[str, Any]) -> list[tuple[str, str]]:
+    """Every second of the run: setup, tokenizer load and engine proof, stage, plan, write, and the rest."""
+    parts = f"{timings.get('parts', 0):,} parts"
+    if timings.get("parts_reused"):
+        parts += f", {timings['parts_reused']:,} reused from an interrupted run"
+    items = [
+        ("setup", timings.get("setup_s")),
+        ("tokenizer load", timings.get("tokenizer_load_s")),
+        ("engine proof", timings.get("engine_proof_s")),
+        (f"stage [{parts}]", timings.get("stage_s")),
+        ("plan", timings.get("plan_s")),
+        ("write", timings.get("write_s")),
+    ]
+    total = float(timings.get("time_s", 0.0))
+    known = [(k, float(v)) for k, v in items if v is not None]
+    rest = total - sum(v for _, v in known)
+    if abs(rest) >= 0.005 and total:
+        known.append(("install and other", rest))
+    line = f"{total:.2f} s on {timings.get('executor')} = " + " + ".join(f"{k} {v:.2f} s" for k, v in known)
+    if timings.get("tokenizer_preloaded"):
+        line += " (tokenizer loaded earlier in this process)"
+    return [("time", line)]
+
+
+def tokenizer_timings(tok: Any, seconds: float) -> dict[str, Any]:
+    """The tokenizer's part of a run's timings: its load and engine proof (``tok.seconds``), or, when it was
+    loaded earlier in the process, the ``seconds`` it took to get it now."""
+    load, proof = tok.seconds["load_s"], tok.seconds["proof_s"]
+    if seconds + 1e-3 < load + proof:
+        return {"tokenizer_load_s": round(seconds, 3), "tokenizer_preloaded": True}
+    return {"tokenizer_load_s": round(load, 3), "engine_proof_s": round(proof, 3)}
+
+
 def format_pipeline_summary(
     stats: dict[str, Any], out: str, cached: bool = False, timings: dict[str, Any] | None = None
 ) -> str:
-    """The final table of a pipeline run (or of the cached run the manifest describes); ``timings`` are the
-    run's :attr:`~packtools.pipeline.run.PipelineResult.timings` (none for a cached run)."""
+    """The final summary of a pipeline run (or of the cached run the manifest describes): one label and one
+    value per line, :data:`WIDTH` columns at most.  ``timings`` are the run's
+    :attr:`~packtools.pipeline.run.PipelineResult.timings` (none for a cached run)."""
 
     def n(key: str) -> str:
         return f"{stats.get(key, 0):,}"
 
     head = "packed dataset" if stats.get("packed") else "preference dataset (not packed)"
-    cells = [["", head + (" (cached: inputs and options unchanged)" if cached else "")]]
-    cells.append(["format", str(stats.get("format"))])
+    cells: list[tuple[str, str]] = [
+        ("", head + (" (cached: inputs and options unchanged)" if cached else "")),
+        ("format", str(stats.get("format"))),
+    ]
     if stats.get("tokenizer"):
-        engine = stats["tokenizer"]
-        cells.append(["tokenizer engine", f"{engine['engine']} ({engine['reason']})"])
+        cells += _engine_rows(stats["tokenizer"])
     if stats.get("packed"):
         cells.append(
-            [
+            (
                 "strategy",
                 f"{stats['strategy']}, overlong={stats['overlong']}, plan={stats.get('plan', 'global')}",
-            ]
+            )
         )
     else:
-        cells.append(["overlong", str(stats.get("overlong"))])
-    cells.append(["max_length", n("max_length")])
+        cells.append(("overlong", str(stats.get("overlong"))))
+    cells.append(("max_length", n("max_length")))
     cols = ", ".join(stats.get("columns", []))
     if stats.get("columns_left_out"):
         cols += f" (left out: {', '.join(stats['columns_left_out'])})"
     if cols:
-        cells.append(["columns", cols])
-    cells.append(["rows in", n("rows_in")])
+        cells.append(("columns", cols))
+    cells.append(("rows in", n("rows_in")))
     if stats.get("packed") and "pairs_out" not in stats:
         dropped = stats["rows_dropped_overlong"] + stats.get("rows_dropped_unlabeled", 0)
         cells.append(
-            [
+            (
                 "rows dropped",
                 f"{dropped:,} (over-long {stats['rows_dropped_overlong']:,}, without a label token "
                 f"{stats.get('rows_dropped_unlabeled', 0):,})",
-            ]
+            )
         )
         if stats.get("rows_unlabeled") and not stats.get("rows_dropped_unlabeled"):
             cells.append(
-                ["rows without labels", f"{stats['rows_unlabeled']:,} (kept; --drop-unlabeled drops them)"]
+                ("rows without labels", f"{stats['rows_unlabeled']:,} (kept; --drop-unlabeled drops them)")
             )
-        cells.append(["empty rows", f"{stats['rows_empty']:,} (no tokens, nothing to pack)"])
-        cells.append(["rows truncated", n("rows_truncated")])
-        cells.append(["rows split", n("rows_split")])
-        cells.append(["rows out (packed)", f"{stats['rows_out']:,} (lower bound {stats['lower_bound']:,})"])
+        cells.append(("empty rows", f"{stats['rows_empty']:,} (no tokens, nothing to pack)"))
+        cells.append(("rows truncated", n("rows_truncated")))
+        cells.append(("rows split", n("rows_split")))
+        cells.append(("rows out (packed)", f"{stats['rows_out']:,} (lower bound {stats['lower_bound']:,})"))
     else:
-        cells.append(["pairs dropped", n("pairs_dropped")])
+        cells.append(("pairs dropped", n("pairs_dropped")))
         cells.append(
-            [
+            (
                 "truncated",
                 f"prompts {stats['prompts_truncated']:,}, chosen {stats['chosen_truncated']:,}, "
                 f"rejected {stats['rejected_truncated']:,}",
-            ]
+            )
         )
         if "pairs_out" in stats:  # preference pairs packed whole
-            cells.append(["pairs out", n("pairs_out")])
+            cells.append(("pairs out", n("pairs_out")))
             cells.append(
-                ["rows out (packed)", f"{stats['rows_out']:,} (lower bound {stats['lower_bound']:,})"]
+                ("rows out (packed)", f"{stats['rows_out']:,} (lower bound {stats['lower_bound']:,})")
             )
         else:
-            cells.append(["rows out", n("rows_out")])
-    cells.append(["tokens in", n("tokens_in")])
-    cells.append(["tokens kept", n("tokens_kept")])
-    cells.append(["tokens dropped", n("tokens_dropped")])
+            cells.append(("rows out", n("rows_out")))
+    cells.append(("tokens in", n("tokens_in")))
+    cells.append(("tokens kept", n("tokens_kept")))
+    cells.append(("tokens dropped", n("tokens_dropped")))
     if stats.get("packed"):
-        cells.append(["fill", f"{100 * stats['fill']:.2f}%"])
+        cells.append(("fill", f"{100 * stats['fill']:.2f}%"))
     if timings:
-        parts = f"{timings.get('parts', 0):,} parts"
-        if timings.get("parts_reused"):
-            parts += f", {timings['parts_reused']:,} reused from an interrupted run"
-        cells.append(
-            [
-                "time",
-                f"{timings.get('time_s', 0):.2f} s on {timings.get('executor')} (stage {timings.get('stage_s', 0):.2f} s"
-                f" [{parts}], plan {timings.get('plan_s', 0):.2f} s, write {timings.get('write_s', 0):.2f} s)",
-            ]
-        )
-    cells.append(["output", f"{out} ({stats['shards']} shard{'s' if stats['shards'] != 1 else ''})"])
-    return text_table(cells)
+        cells += _time_rows(timings)
+    cells.append(("output", f"{out} ({stats['shards']} shard{'s' if stats['shards'] != 1 else ''})"))
+    return label_value_table(cells)

@@ -14,7 +14,7 @@ Formats, and what each row becomes:
   ``{% generation %}``, transformers' ``return_assistant_tokens_mask`` gives the mask.  Otherwise the mask comes
   from incremental rendering: assistant turn ``i`` covers the characters between the rendering of messages
   ``[:i]`` with the generation prompt and the rendering of messages ``[:i + 1]``; a token is an assistant token
-  when it starts in such a span.  A template that does not render prefixes as prefixes of the whole (e.g. one
+  when it overlaps such a span (as with markers).  A template that does not render prefixes as prefixes of the whole (e.g. one
   that rewrites earlier turns) is refused with an error naming the row.
 - ``preference`` (``prompt``, ``chosen``, ``rejected``): ``prompt_input_ids``, ``chosen_input_ids``,
   ``rejected_input_ids``, tokenized like prompt-completion (EOS after string completions); not packed.
@@ -22,15 +22,16 @@ Formats, and what each row becomes:
 Tokenization uses the fast tokenizer's batch API (Rust, multi-threaded); the pipeline can also spread batches
 over processes (``--num-proc``).  With ``engine="auto"`` (the default) a byte-level BPE tokenizer is run by the
 faster exact engine of :mod:`packtools.pipeline.fast_tokenize` once it has given the same ids (and assistant
-masks) as transformers on a built-in adversarial set and on the first rows of the data; a sample of every later
-batch is compared too.  ``report`` says which engine ran and why.
+masks) as transformers on a built-in adversarial set; :mod:`packtools.pipeline.engine_proof` compares it on the
+first rows of each column of every part and on a random sample of the rest.  ``report`` says which engine ran
+and why; characters the tokenizer cannot encode are counted (:mod:`packtools.pipeline.char_drops`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import re
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,10 +43,12 @@ from ..constants import IGNORE_INDEX, INPUT_FORMATS
 from ..core import ragged
 from ..core.ragged import Ragged
 from ..errors import PackingError
+from . import chat_labels, engine_proof, reference
 from . import fast_tokenize as fast_engine
+from .char_drops import DropCounter, check_on_unencodable
+from .engine_proof import Proof
 
 FORMATS = INPUT_FORMATS
-_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 Row = Any  # a row number, or a callable naming row i of a block (packtools.io.files.Where)
@@ -211,10 +214,23 @@ def _clean_messages(conv: Any, name: str, row: Row) -> list[dict[str, Any]]:
 class BatchTokenizer:
     """Turns a table of raw rows into token columns (see the module docstring for each format).
 
-    Built from the tokenizer *directory*; worker processes build their own from the same arguments.
+    Built from the tokenizer *directory*; worker processes build their own from the same arguments, with
+    ``proven`` the driver's engine choice (:meth:`EngineReport.to_dict`), which they take without choosing again.
+    ``on_unencodable``: ``report`` counts characters the tokenizer cannot encode (transformers leaves them out of
+    the ids; see :mod:`packtools.pipeline.char_drops`), ``error`` stops at the first one.
     """
 
-    def __init__(self, tokenizer_dir: str, fmt: str, add_eos: bool = True, engine: str = "auto") -> None:
+    def __init__(
+        self,
+        tokenizer_dir: str,
+        fmt: str,
+        add_eos: bool = True,
+        engine: str = "auto",
+        *,
+        audit_rate: float = fast_engine.AUDIT_RATE,
+        on_unencodable: str = "report",
+        proven: dict[str, Any] | None = None,
+    ) -> None:
         if fmt not in FORMATS or fmt == "tokenized":
             raise PackingError(
                 f"format={fmt!r} cannot be tokenized; use one of {', '.join(FORMATS[:-1])}.", param="format"
@@ -222,99 +238,85 @@ class BatchTokenizer:
         self.tokenizer_dir = tokenizer_dir
         self.fmt = fmt
         self.add_eos = add_eos
-        self.tok = load_tokenizer(tokenizer_dir)
-        self.eos_id = self.tok.eos_token_id
-        # One call through transformers puts the Rust backend in the state its __call__ uses (no truncation,
-        # no padding, special-token handling); plain encodings then go to the backend directly, which skips
-        # transformers' per-row Python conversion (the ids are the same).
-        self.tok(["x"], add_special_tokens=True)
-        backend = self.tok.backend_tokenizer
+        started = time.perf_counter()
+        check_on_unencodable(on_unencodable)
+        self._tok: Any = None
+        self._generation_tags: bool | None = None
+        fp = tokenizer_fingerprint(tokenizer_dir)
+        # transformers' ids from the tokenizers library alone where a recorded check says they are the same
+        # (packtools.pipeline.reference): importing transformers costs seconds a run
+        lite = reference.load_verified(tokenizer_dir, fp) if fmt != "messages" else None
+        if lite is not None:
+            backend, self.eos_id = lite.backend, lite.eos_id
+            self.reference_engine = "tokenizers (checked equal to transformers)"
+        else:
+            backend, self.eos_id = self.tok.backend_tokenizer, self.tok.eos_token_id
+            self.reference_engine = "transformers"
         self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
-        template = self.tok.chat_template if isinstance(self.tok.chat_template, str) else None
-        self.has_generation_tags = bool(template and _GENERATION_TAG.search(template))
         self.fast: fast_engine.FastEncoder | None = None
-        # rows of the data still to compare with transformers before the fast engine is trusted
-        self._proof_rows = fast_engine.PROOF_ROWS
-        self._audit_phase = 0
-        self.report = self._choose_engine(fast_engine.check_engine(engine))
-
-    # -- engine choice and proof -----------------------------------------------------------------
-    def _choose_engine(self, requested: str) -> fast_engine.EngineReport:
-        """The fast engine when it is installed, applies and passes the adversarial set; else transformers."""
-
-        def refuse(why: str) -> fast_engine.EngineReport:
-            if requested == "fast":
-                raise PackingError(
-                    f"tokenizer_engine='fast' cannot tokenize with {self.tokenizer_dir!r}: {why}; use "
-                    f"tokenizer_engine='auto' (falls back to transformers) or 'transformers'.",
-                    param="tokenizer_engine",
-                )
-            return fast_engine.EngineReport("transformers", why, requested)
-
-        if requested == "transformers":
-            return fast_engine.EngineReport(
-                "transformers", "requested (tokenizer_engine='transformers')", requested
-            )
-        version = fast_engine.engine_version()
-        if version is None:
-            return refuse("the fast engine is not installed (pip install 'packtools[fast]')")
+        self.proof = Proof(audit_rate)
+        self.chat_seconds = {"render": 0.0, "encode": 0.0, "masks": 0.0}  # the fast chat path's time, by step
         try:
-            spec = fast_engine.read_spec(self.tokenizer_dir)
-        except (OSError, ValueError) as exc:
-            return refuse(f"its tokenizer.json cannot be read ({exc})")
-        why = fast_engine.refusal(spec)
-        if why is None and self.fmt == "messages":
-            why = fast_engine.offsets_refusal(spec)
-        if why is not None:
-            return refuse(f"the tokenizer is not one the fast engine reproduces here: {why}")
-        try:
-            fast = fast_engine.FastEncoder(self.tokenizer_dir, spec=spec)
-        except (OSError, ValueError, RuntimeError) as exc:
-            return refuse(f"the fast engine cannot load its tokenizer.json ({exc})")
-        specials = [a["content"] for a in spec.get("added_tokens", [])]
+            spec: dict[str, Any] | None = fast_engine.read_spec(tokenizer_dir)
+        except (OSError, ValueError):
+            spec = None
+        self.drops = DropCounter.from_spec(spec, on_unencodable) if spec is not None else None
+        if lite is None and fmt != "messages" and spec is not None:
+            specials = [a.get("content", "") for a in spec.get("added_tokens", [])]
+            reference.record(tokenizer_dir, fp, self.tok, fast_engine.adversarial_texts(specials))
+        requested = fast_engine.check_engine(engine)
+        loaded = time.perf_counter()
+        if proven is not None:
+            self.report = engine_proof.adopt(self, proven, spec)
+        else:
+            self.report = engine_proof.choose_engine(self, requested, spec)
         del spec
-        texts = fast_engine.adversarial_texts(specials)
-        for special in (True, False):
-            got = fast.encode(texts, special)
-            ref = [e.ids for e in self._encode_batch(texts, add_special_tokens=special)]
-            bad = fast_engine.first_difference(got, ref)
-            if bad is not None:
-                row = got.values[got.offsets[bad] : got.offsets[bad + 1]].tolist()
-                return refuse(
-                    f"the fast engine's ids differ from transformers' on the built-in adversarial set "
-                    f"({fast_engine.describe_difference(texts, bad, row, ref[bad])})"
-                )
-        checked = {"adversarial_texts": 2 * len(texts)}
-        if self.fmt == "messages":
-            convs = fast_engine.adversarial_conversations(texts)
-            self.fast = fast
-            try:
-                mismatch = self._compare_labels(convs, range(len(convs)), 0)
-            except PackingError as exc:  # e.g. a template that is not incremental: data rows will say so
-                mismatch = f"the adversarial conversations cannot be tokenized: {exc}"
-            self.fast = None
-            if mismatch is not None:
-                return refuse(
-                    f"the fast path's chat tokens or assistant masks differ from transformers' ({mismatch})"
-                )
-            checked["adversarial_conversations"] = len(convs)
-        self.fast = fast
-        return fast_engine.EngineReport(
-            f"{fast_engine.ENGINE_MODULE} {version}",
-            f"byte-level BPE; identical ids to transformers on the built-in adversarial set; the first "
-            f"{fast_engine.PROOF_ROWS} rows of the data and 1 in {fast_engine.AUDIT_EVERY} rows after them are "
-            f"compared as they are tokenized",
-            requested,
-            checked,
-        )
+        self._chosen = (self.report, self.fast)  # each part starts from the engine chosen here
+        #: seconds spent loading the tokenizer (transformers, its tokenizer.json, the fast engine) and proving it
+        self.seconds = {"load_s": loaded - started, "proof_s": time.perf_counter() - loaded}
 
-    def _sample(self, n: int) -> tuple[range, bool]:
-        """Rows of a batch of ``n`` to compare with transformers, and whether they are part of the initial proof."""
-        if self._proof_rows > 0:
-            return range(min(n, self._proof_rows)), True
-        start = (-self._audit_phase) % fast_engine.AUDIT_EVERY
-        self._audit_phase += n
-        return range(start, n, fast_engine.AUDIT_EVERY), False
+    @property
+    def tok(self) -> Any:
+        """The transformers tokenizer, loaded on first use (chat templates need it; plain text may not)."""
+        if self._tok is None:
+            self._tok = load_tokenizer(self.tokenizer_dir)
+            # One call through transformers puts the Rust backend in the state its __call__ uses (no truncation,
+            # no padding, special-token handling); plain encodings then go to the backend directly, which skips
+            # transformers' per-row Python conversion (the ids are the same).
+            self._tok(["x"], add_special_tokens=True)
+        return self._tok
+
+    @property
+    def has_generation_tags(self) -> bool:
+        """Whether the chat template marks assistant text with ``{% generation %}``."""
+        if self._generation_tags is None:
+            template = self.tok.chat_template if isinstance(self.tok.chat_template, str) else None
+            self._generation_tags = bool(template and chat_labels.GENERATION_TAG.search(template))
+        return self._generation_tags
+
+    # -- per part ----------------------------------------------------------------------------------
+    def start_part(self, seed: str) -> None:
+        """A new part (a unit of work with its own report): the engine chosen at load (a fallback on an earlier
+        part's data is that part's), and the proof starts again for every column."""
+        self.report, self.fast = self._chosen
+        self.proof.start_part(seed)
+        if self.drops is not None:
+            self.drops.take()
+
+    def part_report(self) -> dict[str, Any]:
+        """The engine report of the part since :meth:`start_part`: engine, reason, rows compared, characters left out."""
+        out = self.report.to_dict()
+        out["checked"] = {**out["checked"], **self.proof.checked()}
+        if self.proof.why_transformers is not None:
+            out["batches_on_transformers_why"] = self.proof.why_transformers
+        dropped = self.drops.take() if self.drops is not None else None
+        if dropped is not None:
+            out["unencodable"] = dropped
+        return out
+
+    def reference_ids(self, texts: list[str], special: bool) -> list[list[int]]:
+        """transformers' ids of ``texts`` (its Rust backend, as ``tokenizer(texts)`` gives them)."""
+        return [e.ids for e in self._encode_batch(texts, add_special_tokens=special)]
 
     def _disagree(self, what: str, initial: bool, first_row: Row) -> None:
         """The fast engine gave other tokens than transformers: fall back (initial proof, auto) or stop."""
@@ -324,7 +326,7 @@ class BatchTokenizer:
                 "transformers",
                 f"fallback: the fast engine differed from transformers on the data ({what})",
                 "auto",
-                {**self.report.checked, "rows_checked": self.report.checked.get("rows_checked", 0)},
+                dict(self.report.checked),
             )
             return
         raise PackingError(
@@ -333,39 +335,49 @@ class BatchTokenizer:
             param="tokenizer_engine",
         )
 
-    def _count_checked(self, n: int, initial: bool) -> None:
-        if initial:
-            self._proof_rows -= n
-        self.report.checked["rows_checked"] = self.report.checked.get("rows_checked", 0) + n
+    def _engine_error(self, exc: Exception, texts: list[str], special: bool, first_row: Row) -> None:
+        """The fast engine raised on a batch: transformers tokenizes it (auto), or stop naming the row (fast)."""
+        if self.report.requested != "fast":
+            self.proof.to_transformers(f"{at(first_row)}: the fast engine raised {type(exc).__name__}: {exc}")
+            return
+        row = 0
+        for i, text in enumerate(texts):
+            try:
+                self.fast.encode([text], special)  # type: ignore[union-attr]
+            except Exception:  # noqa: BLE001 - this is the row
+                row = i
+                break
+        raise PackingError(
+            f"{at(first_row, row)}: the fast tokenizer engine cannot encode this text ({type(exc).__name__}: "
+            f"{exc}); transformers can: rerun with tokenizer_engine='auto' or 'transformers'.",
+            param="tokenizer_engine",
+        ) from exc
 
     # -- building blocks -------------------------------------------------------------------------
-    def encode(self, texts: list[str], special: bool, first_row: Row = 0) -> Ragged:
+    def encode(self, texts: list[str], special: bool, first_row: Row = 0, column: str = "text") -> Ragged:
+        if self.drops is not None:
+            self.drops.scan(texts, lambda i: at(first_row, i) + f" (column {column!r})")
         if self.fast is not None:
             try:
                 got = self.fast.encode(texts, special)
-            except Exception:  # noqa: BLE001 - e.g. a regex limit on a pathological row: transformers does it
-                self.report.checked["batches_on_transformers"] = (
-                    self.report.checked.get("batches_on_transformers", 0) + 1
-                )
-                return ragged.from_lists(
-                    [e.ids for e in self._encode_batch(texts, add_special_tokens=special)]
-                )
-            rows, initial = self._sample(len(texts))
-            sample = [texts[i] for i in rows]
-            ref = [e.ids for e in self._encode_batch(sample, add_special_tokens=special)]
-            bad = fast_engine.first_difference(ragged.select(got, np.asarray(rows, np.int64)), ref)
+            except Exception as exc:  # noqa: BLE001 - e.g. a regex limit on a pathological row
+                self._engine_error(exc, texts, special, first_row)
+                return ragged.from_lists(self.reference_ids(texts, special))
+            rows, proof = self.proof.sample(column, len(texts))
+            ref = self.reference_ids([texts[i] for i in rows], special)
+            bad = fast_engine.first_difference(ragged.select(got, rows), ref)
             if bad is None:
-                self._count_checked(len(sample), initial)
+                self.proof.count(column, len(rows), proof)
                 return got
-            i = rows[bad]
+            i = int(rows[bad])
             self._disagree(
                 fast_engine.describe_difference(
                     texts, i, got.values[got.offsets[i] : got.offsets[i + 1]].tolist(), ref[bad]
                 ),
-                initial,
-                first_row,
+                bad < proof,
+                shift(first_row, i),
             )
-        return ragged.from_lists([e.ids for e in self._encode_batch(texts, add_special_tokens=special)])
+        return ragged.from_lists(self.reference_ids(texts, special))
 
     def _eos_rows(self, n: int) -> Ragged:
         if self.eos_id is None:
@@ -387,17 +399,9 @@ class BatchTokenizer:
         eos = ragged.from_lengths(needs.astype(np.int64), eos.values[needs])
         return ragged.join_rows([r, eos])
 
-    def _render(self, conv: list[dict[str, Any]], generation_prompt: bool) -> str:
-        if not self.tok.chat_template:
-            raise PackingError(
-                f"conversational data needs a chat template, and the tokenizer in {self.tokenizer_dir!r} has "
-                f"none; add one (tokenizer.chat_template = ...; save_pretrained) or pass plain strings."
-            )
-        return self.tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=generation_prompt)
-
     def _split_rendering(self, prompt: list, completion: list, row: Row) -> tuple[str, str]:
-        head = self._render(prompt, True)
-        full = self._render(prompt + completion, False)
+        head = chat_labels.render(self.tok, self.tokenizer_dir, prompt, True)
+        full = chat_labels.render(self.tok, self.tokenizer_dir, prompt + completion, False)
         if not full.startswith(head):
             raise PackingError(
                 f"{at(row)}: the chat template renders the prompt differently alone and followed by the "
@@ -411,9 +415,9 @@ class BatchTokenizer:
         conversational = bool(prompts) and isinstance(prompts[0], list)
         if not conversational:
             _strings(table, "prompt", first_row)
-            parts = [self.encode(prompts, special=True, first_row=first_row)]
+            parts = [self.encode(prompts, special=True, first_row=first_row, column="prompt")]
             for name in names:
-                done = self.encode(_strings(table, name, first_row), special=False, first_row=first_row)
+                done = self.encode(_strings(table, name, first_row), False, first_row, name)
                 parts.append(
                     ragged.join_rows([done, self._eos_rows(done.num_rows)]) if self.add_eos else done
                 )
@@ -429,144 +433,65 @@ class BatchTokenizer:
                 )
                 tails[n].append(tail)
             heads.append(head)
-        return [self.encode(heads, special=False, first_row=first_row)] + [
-            self.encode(tails[n], special=False, first_row=first_row) for n in names
+        return [self.encode(heads, False, first_row, "prompt")] + [
+            self.encode(tails[n], False, first_row, n) for n in names
         ]
 
     def _assistant_labels(self, convs: list[list[dict[str, Any]]], first_row: Row) -> tuple[Ragged, Ragged]:
         """Token ids and labels (assistant tokens only) of conversations, from the fast engine when it is in use."""
+        where = lambda i: at(first_row, i)  # noqa: E731
+        if self.drops is not None:
+            contents = [m.get("content") for c in convs for m in c]
+            rows = [i for i, c in enumerate(convs) for _ in c]
+            self.drops.scan([c if isinstance(c, str) else "" for c in contents], lambda k: where(rows[k]))
         if self.fast is not None:
             try:
-                got = self._assistant_labels_fast(convs, first_row)
+                got = chat_labels.labels_fast(self, convs, where)
             except PackingError:
                 raise
-            except Exception:  # noqa: BLE001 - an engine error: transformers tokenizes this batch
+            except Exception as exc:  # noqa: BLE001 - an engine error: transformers tokenizes this batch
+                self._engine_error(exc, [], False, first_row)
                 got = None
+            if got is None:  # e.g. text that is not NFC for an NFC tokenizer
+                self.proof.to_transformers(
+                    f"{at(first_row)}: the rendered text is not NFC (or its tokens do not spell it byte for byte), "
+                    f"so token offsets cannot come from the ids"
+                )
             if got is not None:
-                rows, initial = self._sample(len(convs))
-                mismatch = self._compare_labels(convs, rows, first_row, got)
+                rows_, proof = self.proof.sample("messages", len(convs))
+                mismatch = self.compare_labels(convs, rows_, first_row, got)
                 if mismatch is None:
-                    self._count_checked(len(rows), initial)
+                    self.proof.count("messages", len(rows_), proof)
                     return got
-                self._disagree(mismatch, initial, first_row)
-        return self._assistant_labels_transformers(convs, first_row)
+                self._disagree(mismatch[1], mismatch[0] < proof, first_row)
+        return chat_labels.labels_transformers(self, convs, where)
 
-    def _compare_labels(
+    def compare_labels(
         self,
         convs: list[list[dict[str, Any]]],
         rows: Sequence[int],
         first_row: Row,
         got: tuple[Ragged, Ragged] | None = None,
-    ) -> str | None:
-        """How the fast path's ids or labels differ from transformers' on ``rows`` of ``convs`` (None: identical)."""
-        if not rows:
+    ) -> tuple[int, str] | None:
+        """Where (index into ``rows``) and how the fast path's ids or labels first differ from transformers' on
+        ``rows`` of ``convs`` (None: identical)."""
+        if not len(rows):
             return None
+        where = lambda i: at(first_row, i)  # noqa: E731
         if got is None:
-            got = self._assistant_labels_fast(convs, first_row)
+            got = chat_labels.labels_fast(self, convs, where)
             if got is None:
-                return "its tokens do not spell the rendered text byte for byte"
+                return 0, "its tokens do not spell the rendered text byte for byte"
         index = np.asarray(rows, np.int64)
-        ref = self._assistant_labels_transformers([convs[i] for i in rows], first_row)
+        ref = chat_labels.labels_transformers(self, [convs[i] for i in rows], where)
         for name, mine, theirs in zip(("ids", "labels"), got, ref):
             bad = fast_engine.first_difference(ragged.select(mine, index), ragged.to_lists(theirs))
             if bad is not None:
-                return f"{name} of the conversation at {at(first_row, rows[bad])}: {convs[rows[bad]]!r:.200}"
+                return (
+                    bad,
+                    f"{name} of the conversation at {at(first_row, int(rows[bad]))}: {convs[rows[bad]]!r:.200}",
+                )
         return None
-
-    def _assistant_labels_fast(
-        self, convs: list[list[dict[str, Any]]], first_row: Row
-    ) -> tuple[Ragged, Ragged] | None:
-        """Render, encode with the fast engine, and mark assistant tokens from byte offsets computed from the ids.
-
-        The two marking rules are transformers' (a token overlapping a ``{% generation %}`` span) and the
-        incremental one (a token starting inside an assistant turn); None when the tokens do not spell the
-        rendered text byte for byte (then offsets must come from transformers)."""
-        assert self.fast is not None
-        if self.has_generation_tags:
-            from transformers.utils.chat_template_utils import render_jinja_template
-
-            texts, spans = render_jinja_template(
-                conversations=convs,
-                chat_template=self.tok.get_chat_template(),
-                return_assistant_tokens_mask=True,
-                **self.tok.special_tokens_map,
-            )
-        else:
-            texts, spans = self._incremental_spans(convs, first_row)
-        ids = self.fast.encode(texts, special=False)
-        token_bytes = self.fast.token_spans(texts, ids)
-        if token_bytes is None:
-            return None
-        starts, ends = token_bytes
-        lo, hi, base = [], [], 0
-        for text, row_spans in zip(texts, spans):
-            ascii_text = text.isascii()
-            for a, b in row_spans:
-                lo.append(base + (a if ascii_text else len(text[:a].encode("utf-8"))))
-                hi.append(base + (b if ascii_text else len(text[:b].encode("utf-8"))))
-            base += len(text) if ascii_text else len(text.encode("utf-8"))
-        lo_a, hi_a = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
-        if lo_a.size:
-            j = np.searchsorted(hi_a, starts, side="right")  # the first span that ends after the token starts
-            inside = j < lo_a.size
-            jj = np.minimum(j, lo_a.size - 1)
-            inside &= (ends > lo_a[jj]) if self.has_generation_tags else (starts >= lo_a[jj])
-        else:
-            inside = np.zeros(starts.shape[0], bool)
-        return ids, Ragged(ids.offsets, np.where(inside, ids.values, IGNORE_INDEX).astype(np.int32))
-
-    def _incremental_spans(
-        self, convs: list[list[dict[str, Any]]], first_row: Row
-    ) -> tuple[list[str], list[list[tuple[int, int]]]]:
-        """Rendered conversations and the character span of every assistant turn (incremental rendering)."""
-        texts, spans = [], []
-        for i, conv in enumerate(convs):
-            full = self._render(conv, False)
-            row_spans = []
-            for turn, message in enumerate(conv):
-                if message.get("role") != "assistant":
-                    continue
-                start = self._render(conv[:turn], True)
-                end = self._render(conv[: turn + 1], False)
-                if not (end.startswith(start) and full.startswith(end)):
-                    raise PackingError(
-                        f"{at(first_row, i)}: column 'messages' turn {turn}: the chat template does not render "
-                        f"conversations incrementally (a prefix renders differently from the start of the whole), "
-                        f"so assistant tokens cannot be located; use a template with {{% generation %}} markers."
-                    )
-                row_spans.append((len(start), len(end)))
-            texts.append(full)
-            spans.append(row_spans)
-        return texts, spans
-
-    def _assistant_labels_transformers(
-        self, convs: list[list[dict[str, Any]]], first_row: Row
-    ) -> tuple[Ragged, Ragged]:
-        if self.has_generation_tags:
-            out = self.tok.apply_chat_template(
-                convs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-            )
-            ids = ragged.from_lists(out["input_ids"])
-            mask = ragged.from_lists(out["assistant_masks"], np.int8)
-            return ids, Ragged(
-                ids.offsets, np.where(mask.values != 0, ids.values, IGNORE_INDEX).astype(np.int32)
-            )
-        texts, spans = self._incremental_spans(convs, first_row)
-        enc = self.tok(
-            texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False
-        )
-        ids = ragged.from_lists(enc["input_ids"])
-        starts = np.fromiter(
-            (s for offsets in enc["offset_mapping"] for s, _ in offsets), np.int64, count=ids.values.shape[0]
-        )
-        labels = np.full(ids.values.shape[0], IGNORE_INDEX, np.int32)
-        for i, row_spans in enumerate(spans):
-            lo, hi = int(ids.offsets[i]), int(ids.offsets[i + 1])
-            row_starts = starts[lo:hi]
-            for a, b in row_spans:
-                sel = (row_starts >= a) & (row_starts < b)
-                labels[lo:hi][sel] = ids.values[lo:hi][sel]
-        return ids, Ragged(ids.offsets, labels)
 
     # -- entry point -----------------------------------------------------------------------------
     def __call__(self, table: pa.Table, first_row: Row = 0) -> pa.Table:

@@ -1,0 +1,179 @@
+"""Choosing the tokenizer engine, and the proof that keeps the fast one honest on the data.
+
+:func:`choose_engine` picks the fast engine of :mod:`packtools.pipeline.fast_tokenize` for a tokenizer it
+reproduces once it gave transformers' ids (and assistant masks) on the built-in adversarial set; otherwise
+transformers (``auto``) or a clear error (``fast``).  A worker process is handed the driver's choice
+(``proven``) and does not choose again.
+
+:class:`Proof` then decides which rows of the data are compared with transformers: in every part, the first
+:data:`~packtools.pipeline.fast_tokenize.PROOF_ROWS` rows of *each* column (prompt and completion alike), then a
+random sample of the rest at the audit rate, seeded by the part (so a rerun compares the same rows).  It counts
+what it compared per part, for the manifest.
+
+>>> p = Proof(audit_rate=0.5)
+>>> p.start_part("part-0")
+>>> rows, proof = p.sample("text", 300)
+>>> proof, rows[:proof].tolist() == list(range(256)), 10 < len(rows) - proof < 40
+(256, True, True)
+>>> p.count("text", 256, 256)
+>>> rows, proof = p.sample("text", 1000)
+>>> proof, 400 < len(rows) < 600, p.checked()
+(0, True, {'rows_checked': 256, 'proof_rows': 256})
+"""
+
+from __future__ import annotations
+
+import random
+import unicodedata
+from typing import Any
+
+import numpy as np
+
+from ..errors import PackingError
+from . import fast_tokenize as fast_engine
+from .char_drops import describe_bytes, missing_bytes
+
+
+class Proof:
+    """Per part: the proof budget per column, the seeded audit sample, and the counts of compared rows."""
+
+    def __init__(self, audit_rate: float = fast_engine.AUDIT_RATE) -> None:
+        self.audit_rate = fast_engine.check_audit_rate(audit_rate)
+        self.start_part("")
+
+    def start_part(self, seed: str) -> None:
+        """A new part: every column gets its proof again; the audit sample is seeded by ``seed``."""
+        self._budget: dict[str, int] = {}
+        self._rng = np.random.default_rng(random.Random(seed).getrandbits(64))
+        self.rows_checked = 0
+        self.proof_rows = 0
+        self.batches_on_transformers = 0
+        self.why_transformers: str | None = None  # why the first such batch went to transformers
+
+    def sample(self, column: str, n: int) -> tuple[np.ndarray, int]:
+        """Rows of a batch of ``n`` rows of ``column`` to compare, and how many of them (the first ones) are
+        the column's proof; the rest of the batch is sampled at the audit rate."""
+        proof = min(n, max(self._budget.setdefault(column, fast_engine.PROOF_ROWS), 0))
+        rest = n - proof
+        if rest and self.audit_rate > 0.0:
+            audit = proof + np.flatnonzero(self._rng.random(rest) < self.audit_rate).astype(np.int64)
+        else:
+            audit = np.zeros(0, np.int64)
+        return np.concatenate([np.arange(proof, dtype=np.int64), audit]), proof
+
+    def count(self, column: str, rows: int, proof: int) -> None:
+        """``rows`` rows of ``column`` were compared, the first ``proof`` of them as its proof."""
+        self._budget[column] = self._budget.get(column, fast_engine.PROOF_ROWS) - proof
+        self.proof_rows += proof
+        self.rows_checked += rows
+
+    def to_transformers(self, why: str) -> None:
+        """A batch is tokenized by transformers instead (an engine error, text the fast path does not take)."""
+        self.batches_on_transformers += 1
+        if self.why_transformers is None:
+            self.why_transformers = why
+
+    def checked(self) -> dict[str, int]:
+        out = {"rows_checked": self.rows_checked, "proof_rows": self.proof_rows}
+        if self.batches_on_transformers:
+            out["batches_on_transformers"] = self.batches_on_transformers
+        return out
+
+
+def proof_reason(audit_rate: float) -> str:
+    return (
+        f"byte-level BPE; identical ids to transformers on the built-in adversarial set; in every part the first "
+        f"{fast_engine.PROOF_ROWS} rows of each column and a random {audit_rate:.4g} of the rows after them are "
+        f"compared as they are tokenized"
+    )
+
+
+def choose_engine(bt: Any, requested: str, spec: dict[str, Any] | None) -> fast_engine.EngineReport:
+    """The engine for :class:`~packtools.pipeline.tokenize.BatchTokenizer` ``bt`` (sets ``bt.fast`` when it is
+    the fast one); ``spec`` is the parsed tokenizer.json (None when it could not be read)."""
+
+    def refuse(why: str) -> fast_engine.EngineReport:
+        if requested == "fast":
+            raise PackingError(
+                f"tokenizer_engine='fast' cannot tokenize with {bt.tokenizer_dir!r}: {why}; use "
+                f"tokenizer_engine='auto' (falls back to transformers) or 'transformers'.",
+                param="tokenizer_engine",
+            )
+        return fast_engine.EngineReport("transformers", why, requested)
+
+    if requested == "transformers":
+        return fast_engine.EngineReport(
+            "transformers", "requested (tokenizer_engine='transformers')", requested
+        )
+    version = fast_engine.engine_version()
+    if version is None:
+        return refuse("the fast engine is not installed (pip install 'packtools[fast]')")
+    if spec is None:
+        return refuse("its tokenizer.json cannot be read")
+    why = fast_engine.refusal(spec)
+    if why is None and bt.fmt == "messages":
+        why = fast_engine.offsets_refusal(spec)
+    if why is not None:
+        return refuse(f"the tokenizer is not one the fast engine reproduces here: {why}")
+    missing = missing_bytes(spec)
+    if missing:
+        return refuse(
+            f"its byte-level vocabulary ({bt.tokenizer_dir}/tokenizer.json) has no token for "
+            f"{describe_bytes(missing)}: transformers leaves those bytes out of the ids (packtools counts them), "
+            f"the fast engine cannot encode them"
+        )
+    try:
+        fast = fast_engine.FastEncoder(bt.tokenizer_dir, spec=spec)
+    except (OSError, ValueError, RuntimeError) as exc:
+        return refuse(f"the fast engine cannot load its tokenizer.json ({exc})")
+    texts = fast_engine.adversarial_texts([a["content"] for a in spec.get("added_tokens", [])])
+    for special in (True, False):
+        try:
+            got = fast.encode(texts, special)
+        except Exception as exc:  # noqa: BLE001 - any engine error: transformers tokenizes (auto) or we stop
+            return refuse(
+                f"the fast engine fails on the built-in adversarial set ({type(exc).__name__}: {exc})"
+            )
+        ref = bt.reference_ids(texts, special)
+        bad = fast_engine.first_difference(got, ref)
+        if bad is not None:
+            row = got.values[got.offsets[bad] : got.offsets[bad + 1]].tolist()
+            return refuse(
+                f"the fast engine's ids differ from transformers' on the built-in adversarial set "
+                f"({fast_engine.describe_difference(texts, bad, row, ref[bad])})"
+            )
+    checked = {"adversarial_texts": 2 * len(texts)}
+    if bt.fmt == "messages":
+        if (
+            fast.nfc
+        ):  # the fast chat path runs on NFC text only (other batches: transformers), so prove it there
+            texts = [unicodedata.normalize("NFC", t) for t in texts]
+        convs = fast_engine.adversarial_conversations(texts)
+        bt.fast = fast
+        try:
+            found = bt.compare_labels(convs, range(len(convs)), 0)
+            mismatch = found[1] if found is not None else None
+        except PackingError as exc:  # e.g. a template that is not incremental: data rows will say so
+            mismatch = f"the adversarial conversations cannot be tokenized: {exc}"
+        except Exception as exc:  # noqa: BLE001 - an engine error on a rendered conversation
+            mismatch = f"the fast engine fails on them ({type(exc).__name__}: {exc})"
+        bt.fast = None
+        if mismatch is not None:
+            return refuse(
+                f"the fast path's chat tokens or assistant masks differ from transformers' ({mismatch})"
+            )
+        checked["adversarial_conversations"] = len(convs)
+    bt.fast = fast
+    return fast_engine.EngineReport(
+        f"{fast_engine.ENGINE_MODULE} {version}", proof_reason(bt.proof.audit_rate), requested, checked
+    )
+
+
+def adopt(bt: Any, proven: dict[str, Any], spec: dict[str, Any] | None) -> fast_engine.EngineReport:
+    """In a worker: take the driver's engine choice ``proven`` (an :meth:`EngineReport.to_dict`) as it is."""
+    report = fast_engine.EngineReport(
+        proven["engine"], proven["reason"], proven.get("requested", "auto"), dict(proven.get("checked", {}))
+    )
+    if report.engine != "transformers":
+        bt.fast = fast_engine.FastEncoder(bt.tokenizer_dir, spec=spec)
+    return report

@@ -1,0 +1,133 @@
+"""transformers' ids without importing transformers, where that is proven to give the same ids.
+
+Loading a tokenizer through transformers imports transformers (and with it torch): seconds of fixed cost per run,
+more than tokenizing 100 MB of text with the fast engine takes.  For plain-text formats the reference ids (what
+the fast engine is compared with, and what runs when it does not apply) need only the Rust ``tokenizers``
+library that transformers itself calls, loaded from the same ``tokenizer.json`` with truncation and padding
+off, and the EOS id from the tokenizer's config.
+
+That this gives transformers' ids is not assumed: the first run with a tokenizer loads it through transformers
+too, compares both on the built-in adversarial set (with and without special tokens) and their EOS ids, and
+records the verdict in a small file keyed by the tokenizer's fingerprint and the versions of transformers,
+tokenizers and packtools (under ``$PACKTOOLS_CACHE_DIR``, default ``~/.cache/packtools``).  Later runs with a
+"same" verdict skip transformers; anything else (a differing id, a new version, no verdict) loads transformers.
+``PACKTOOLS_CACHE_DIR=''`` turns the shortcut off.
+
+>>> import os
+>>> saved = os.environ.get("PACKTOOLS_CACHE_DIR")
+>>> os.environ["PACKTOOLS_CACHE_DIR"] = ""
+>>> cache_dir() is None, load_verified(".", "0" * 64) is None
+(True, True)
+>>> _ = os.environ.pop("PACKTOOLS_CACHE_DIR") if saved is None else os.environ.update(PACKTOOLS_CACHE_DIR=saved)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from .._atomic import atomic_path
+from ..constants import __version__
+from ..io.fingerprint import cache_key
+
+VERDICT_FORMAT = 1
+
+
+def cache_dir() -> str | None:
+    """Where verdicts are kept (None: the shortcut is off)."""
+    env = os.environ.get("PACKTOOLS_CACHE_DIR")
+    if env is not None:
+        return env or None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "packtools")
+
+
+def _versions() -> dict[str, str]:
+    out = {"packtools": __version__}
+    for name in ("transformers", "tokenizers"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+def _verdict_path(tokenizer_fp: str) -> str | None:
+    root = cache_dir()
+    if root is None:
+        return None
+    key = cache_key("reference", VERDICT_FORMAT, tokenizer=tokenizer_fp, versions=_versions())[:32]
+    return os.path.join(root, "reference", key + ".json")
+
+
+class LiteReference:
+    """The ``tokenizers`` library's tokenizer of a folder, as transformers' ``__call__`` runs it."""
+
+    def __init__(self, tokenizer_dir: str) -> None:
+        from tokenizers import Tokenizer
+
+        self.backend = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
+        self.backend.no_truncation()
+        self.backend.no_padding()
+        eos = _config_eos(tokenizer_dir)
+        self.eos_id = self.backend.token_to_id(eos) if eos is not None else None
+
+
+def _config_eos(tokenizer_dir: str) -> str | None:
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            with open(os.path.join(tokenizer_dir, name), encoding="utf-8") as fh:
+                value = json.load(fh).get("eos_token")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def load_verified(tokenizer_dir: str, tokenizer_fp: str) -> LiteReference | None:
+    """The lite reference when a recorded verdict says it gives transformers' ids for this tokenizer and these
+    versions; None otherwise (then transformers must be loaded)."""
+    path = _verdict_path(tokenizer_fp)
+    if path is None or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            verdict = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(verdict, dict) or verdict.get("same") is not True:
+        return None
+    try:
+        lite = LiteReference(tokenizer_dir)
+    except Exception:  # noqa: BLE001 - unreadable for the library: transformers will say why
+        return None
+    return lite if lite.eos_id == verdict.get("eos_id") else None
+
+
+def record(tokenizer_dir: str, tokenizer_fp: str, tok: Any, texts: list[str]) -> bool | None:
+    """Compare the lite reference with transformers' tokenizer ``tok`` on ``texts`` and record the verdict;
+    returns it (None when no verdict could be recorded: the shortcut is off or the cache is not writable)."""
+    path = _verdict_path(tokenizer_fp)
+    if path is None or os.path.isfile(path):  # off, or already decided (a "different" verdict is kept)
+        return None
+    try:
+        lite = LiteReference(tokenizer_dir)
+        same = lite.eos_id == tok.eos_token_id
+        for special in (True, False):
+            if not same:
+                break
+            mine = [e.ids for e in lite.backend.encode_batch(texts, add_special_tokens=special)]
+            same = mine == tok(texts, add_special_tokens=special)["input_ids"]
+    except Exception:  # noqa: BLE001 - the library cannot load or run it: not the same
+        same, lite = False, None
+    try:
+        with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+            json.dump({"same": same, "eos_id": getattr(lite, "eos_id", None), **_versions()}, fh)
+    except OSError:
+        return None
+    return same
