@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..constants import IGNORE_INDEX, MASK_COLUMNS, SEQ_LENGTHS
+from ..constants import IGNORE_INDEX, MASK_COLUMNS, SEQ_LENGTHS, TOKEN_COLUMNS
 from ..core import kernels
 from ..core.arrow import ListColumn
 from ..core.pack import pack_columns, read_columns
@@ -40,9 +40,6 @@ from .collate import FlatRows, PaddingFreeCollator
 __all__ = ["PackedRow", "PackedView"]
 
 _NO_INDICES = np.zeros(0, np.int64)
-
-#: Columns the collator path (:meth:`PackedView.gather`) reads; they must hold integers.
-TOKEN_COLUMNS = ("input_ids", "labels", *MASK_COLUMNS)
 
 
 class PackedRow(Mapping):
