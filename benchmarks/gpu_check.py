@@ -4,7 +4,7 @@ Usage (on a CUDA machine with flash-attn installed):
     python benchmarks/gpu_check.py [--dtypes bf16,fp16] [--seed 0] [--require-flash]
     python benchmarks/gpu_check.py --device cpu      # smoke run of the script itself (reference + sdpa only)
 
-Part 1 runs ``packtools.varlen_attention`` with ``backend="flash"`` (``flash_attn_varlen_func``) and with the
+Part 1 runs ``packtools.batches.varlen_attention`` with ``backend="flash"`` (``flash_attn_varlen_func``) and with the
 reference (SDPA per sequence) on the same inputs, forward and backward, causal and not, with grouped-query
 attention.  The yardstick is the reference in float32: flash passes when its error is at most twice the error
 of the reference run in the same low precision, plus a small floor (the test rule flash-attn itself uses).
@@ -41,7 +41,7 @@ def max_err(a, b) -> float:
 
 # -- part 1: varlen attention -------------------------------------------------------------------------
 def check_attention(torch, device: str, dtype, flash: bool, seed: int) -> tuple[list[list[str]], bool]:
-    from packtools import varlen_attention
+    from packtools.batches import varlen_attention
 
     cases = [
         ([1, 17, 128, 300, 1000], 8, 8, 64, True),

@@ -1,4 +1,4 @@
-"""The isolation probe (packtools.check_isolation): it passes isolated models and catches every kind of leak.
+"""The isolation probe (packtools.integrations.check_isolation): it passes isolated models and catches every kind of leak.
 
 Negative controls: each way packed sequences can leak into each other -- an attention_mask in the batch,
 seq_lengths dropped, position_ids dropped, wrong absolute positions, a hybrid model's mixers without seq_idx --
@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from _hf_models import tiny_arch, tiny_llama, torch
 
-from packtools import PaddingFreeCollator, check_isolation
+from packtools import PaddingFreeCollator
 from packtools.errors import PackingError
+from packtools.integrations import check_isolation
 from packtools.integrations.isolation import IsolationReport
 from packtools.integrations.transformers import guard_model, token_mixing_layers
 
