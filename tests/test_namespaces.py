@@ -110,7 +110,7 @@ def test_pack_shards_warns_once_when_called_not_when_read():
     assert func is pack_shards and "plan='shards'" in SHARDS_DEPRECATED
 
 
-@pytest.mark.parametrize("name", [n for n in NAMESPACES if n != "packtools"])
+@pytest.mark.parametrize("name", [*(n for n in NAMESPACES if n != "packtools"), "packtools._lazy"])
 def test_namespace_docstring_example_runs(name):
     if name in NEEDS:
         pytest.importorskip(NEEDS[name])

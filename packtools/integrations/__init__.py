@@ -5,7 +5,7 @@ Each name is imported on first use (``datasets``, ``transformers``, ``trl`` or `
 
 >>> import datasets
 >>> from packtools.integrations import truncate_dataset
->>> truncate_dataset(datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4]]}), 2)["input_ids"]
+>>> truncate_dataset(datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4]]}), 2)[:]["input_ids"]
 [[1, 2], [4]]
 """
 
