@@ -1,4 +1,4 @@
-"""The lower bounds of pyproject.toml are the versions CI's lowest-versions job pins (.ci/lowest.txt)."""
+"""The lower bounds of pyproject.toml are the versions the lowest-versions job (.ci/run-lowest) pins in .ci/lowest.txt."""
 
 import pathlib
 import re
