@@ -158,3 +158,29 @@ def test_tolerance_follows_the_weights_dtype():
     assert report.dtype == "bfloat16" and report.tolerance >= 5e-2 and report.perturb_diff == 0.0
     leaky = Rows(PaddingFreeCollator(0, unpacked=True), rows=drop_seq_lengths)
     assert check_isolation(model, leaky, raise_on_leak=False).perturb_diff > 0
+
+
+def leaky_conv_llama():
+    """A Llama whose embeddings pass through a causal Conv1d that ignores seq_idx (as transformers <= 5.0's
+    PyTorch fallback of the Mamba/conv mixers does: it takes seq_idx and runs the packed row as one)."""
+    model = tiny_llama("sdpa")
+    hidden = model.config.hidden_size
+    conv = torch.nn.Conv1d(hidden, hidden, 3, padding=2, groups=hidden)
+    model.model.embed_tokens.add_module("conv_mixer", conv)
+    model.model.embed_tokens.register_forward_hook(
+        lambda _m, _i, out: out + conv(out.transpose(1, 2))[..., : out.shape[1]].transpose(1, 2)
+    )
+    return model
+
+
+def test_mixers_that_take_seq_idx_but_leak_are_refused_with_the_mixer_fix():
+    model = leaky_conv_llama()
+    assert token_mixing_layers(model) == ["model.embed_tokens"]
+    # seq_idx reaches the model (its forward takes **kwargs) and the leak is measured: the message names the
+    # mixers and says not to pack, not "use sdpa instead of 'sdpa'" (the hint for attention-only models).
+    with pytest.raises(PackingError, match="cannot keep packed sequences apart on this machine") as err:
+        check_isolation(model)
+    assert "model.embed_tokens" in str(err.value) and "do not pack" in str(err.value)
+    assert "instead of 'sdpa'" not in str(err.value)
+    report = check_isolation(model, raise_on_leak=False)
+    assert "seq_idx" in report.keys and report.leaks
