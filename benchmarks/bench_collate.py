@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import DataCollatorWithFlattening
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    from packtools import ArrowCollator, PackedRows, PaddingFreeCollator
+    from packtools import PaddingFreeCollator
+    from packtools.batches import ArrowCollator, PackedRows
 
     torch.set_num_threads(1)
     ds = make_rows(args.rows, args.max_length)

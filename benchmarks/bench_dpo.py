@@ -307,7 +307,7 @@ def bench_training(args):
 def bench_packing(args):
     import pyarrow as pa
 
-    from packtools import pack_preference
+    from packtools.dpo import pack_preference
 
     rng = np.random.default_rng(1)
     n = args.pack_pairs

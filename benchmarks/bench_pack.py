@@ -19,7 +19,7 @@ Cases, each in its own fresh subprocess (``--case``), so that peak RSS (``ru_max
 end) belongs to one case only.  The peak includes the interpreter, the imports and the input itself; ``input``
 is the process RSS just before the timed call (input built, warm-ups done), printed next to it:
 
-- ``packtools``: ``packtools.pack_dataset(ds, max_length, strategy)`` end to end (after ``packtools.warmup()``
+- ``packtools``: ``packtools.pack_dataset(ds, max_length, strategy)`` end to end (after ``packtools.core.warmup()``
   and a tiny pack to load Numba's on-disk cache and the lazy imports).
 - ``trl``: ``trl.pack_dataset(ds, max_length, strategy)`` on the same dataset (after a tiny warm-up pack).
   On the ``disk`` source ``datasets`` caching is disabled in that process so no earlier result is reused; its
@@ -33,7 +33,7 @@ calls; the tables give the first (what a one-off run sees, including the page fa
 and the best.  Peak RSS covers all calls of the process.
 
 Before the cases, fresh processes time ``import packtools`` (and check that it compiles and imports nothing
-heavy), ``packtools.warmup()`` with an empty Numba cache and with the project's on-disk one, and two runs of
+heavy), ``packtools.core.warmup()`` with an empty Numba cache and with the project's on-disk one, and two runs of
 ``python -m packtools.cli pack --max-length 2048`` (built-in sample) sharing a fresh ``NUMBA_CACHE_DIR``.
 """
 
@@ -136,7 +136,7 @@ def run_case(case: dict) -> dict:
     if kind == "plan":
         import packtools
 
-        packtools.warmup()
+        packtools.core.warmup()
         result["rss_input"] = rss_now()
         for _ in range(case["repeat"]):
             t = time.perf_counter()
@@ -172,7 +172,7 @@ def run_case(case: dict) -> dict:
         if kind == "packtools":
             import packtools
 
-            packtools.warmup()
+            packtools.core.warmup()
             packtools.pack_dataset(tiny, 4, strategy)
             fn = packtools.pack_dataset
         else:
@@ -232,7 +232,7 @@ WARMUP_PROBE = """
 import json, time
 import packtools
 t = time.perf_counter()
-packtools.warmup()
+packtools.core.warmup()
 print("RESULT " + json.dumps({"time": time.perf_counter() - t}))
 """
 
@@ -257,9 +257,9 @@ def compile_checks() -> list[tuple[str, str]]:
             )
         )
         w = _probe(WARMUP_PROBE, fresh)
-        rows.append(("`packtools.warmup()`, empty Numba cache (compiles)", f"{w['time']:.2f} s"))
+        rows.append(("`packtools.core.warmup()`, empty Numba cache (compiles)", f"{w['time']:.2f} s"))
     w = _probe(WARMUP_PROBE, base)
-    rows.append(("`packtools.warmup()`, project's on-disk cache (loads)", f"{w['time']:.2f} s"))
+    rows.append(("`packtools.core.warmup()`, project's on-disk cache (loads)", f"{w['time']:.2f} s"))
     with tempfile.TemporaryDirectory(prefix="packtools-numba-") as cache:
         env = {**base, "NUMBA_CACHE_DIR": cache}
         cmd = [sys.executable, "-m", "packtools.cli", "pack", "--max-length", "2048"]

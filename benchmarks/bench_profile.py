@@ -99,8 +99,9 @@ def run_case(case: str, path: str, cold: bool) -> dict:
     """Runs inside the subprocess."""
     import pyarrow.parquet  # noqa: F401  (both cases need it; imported before the baseline RSS)
 
-    from packtools import LengthProfile, profile_lengths
+    from packtools import profile_lengths
     from packtools.core.arrow import column_lengths
+    from packtools.profiling import LengthProfile
 
     if cold:
         evict(path)

@@ -180,7 +180,7 @@ def case_packtools(src: str, out: str, tok_dir: str, engine: str, num_proc: str)
     import packtools
     from packtools.pipeline.run import PipelineConfig, run_pipeline
 
-    packtools.warmup()
+    packtools.core.warmup()
     res = run_pipeline(
         [src],
         out,

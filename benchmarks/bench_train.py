@@ -16,7 +16,7 @@ All cases train the same randomly initialized 2-layer Llama (sdpa attention, fp3
 * ``packed-2d``: the same packed rows and batches, ``PaddingFreeCollator(padding_free=False)``: ``[B, T]``
   rows (padded to the longest row), positions restarting per sequence, no attention mask;
 * ``packed-seq``: ``packed`` with the model switched to packtools' per-sequence sdpa
-  (``packtools.use_segmented_sdpa``, what ``prepare_trainer`` does): each sequence of the flat row is
+  (``packtools.integrations.use_segmented_sdpa``, what ``prepare_trainer`` does): each sequence of the flat row is
   attended on its own, ``sum(l_i^2)`` like FlashAttention varlen.
 
 Each case is warmed up for a few steps on a throwaway model first; the cases then alternate for
@@ -63,7 +63,7 @@ class Counting:
 
 
 def model_for(name, args, seed):
-    from packtools import use_segmented_sdpa
+    from packtools.integrations import use_segmented_sdpa
 
     model = tiny_llama(hidden_size=args.hidden, seed=seed)
     if name == "packed-seq":
@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     import torch
 
-    from packtools import PaddingFreeCollator, pack_dataset, truncate_dataset
+    from packtools import PaddingFreeCollator, pack_dataset
+    from packtools.integrations import truncate_dataset
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -85,7 +85,7 @@ def run_build(case: dict) -> dict:
     else:
         import packtools
 
-        packtools.warmup()
+        packtools.core.warmup()
         if kind == "view":
             packtools.packed_view(tiny, 4)
             fn = lambda: packtools.packed_view(ds, max_length)  # noqa: E731
@@ -118,12 +118,13 @@ def run_loader(case: dict) -> dict:
     import torch
 
     import packtools
-    from packtools import ArrowCollator, PackedRows, PaddingFreeCollator, TokenBudgetBatchSampler
+    from packtools import PaddingFreeCollator
+    from packtools.batches import ArrowCollator, PackedRows, TokenBudgetBatchSampler
 
     torch.set_num_threads(1)
     datasets.disable_progress_bars()
     datasets.disable_caching()
-    packtools.warmup()
+    packtools.core.warmup()
     ds = datasets.load_from_disk(case["path"])
     view = packtools.packed_view(ds, case["max_length"])
     rows = PackedRows(view.materialize())
@@ -193,7 +194,8 @@ def run_compile(case: dict) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import packtools
-    from packtools import ArrowCollator, PaddingFreeCollator, TokenBudgetBatchSampler, choose_buckets
+    from packtools import PaddingFreeCollator
+    from packtools.batches import ArrowCollator, TokenBudgetBatchSampler, choose_buckets
     from packtools.batches.buckets import bucket_padding
 
     torch.set_num_threads(1)

@@ -1,12 +1,12 @@
-"""A plain PyTorch DPO loop on packed preference pairs, no Trainer: the README's example.
+"""A plain PyTorch DPO loop on packed preference pairs, no Trainer: the example of docs/preference.md.
 
 Usage:
     python benchmarks/dpo_loop.py [--pairs 1000] [--max-length 512] [--accumulation 2]
 
-Packs synthetic tokenized pairs with ``packtools.pack_preference`` (each pair's ``[prompt + chosen][prompt +
+Packs synthetic tokenized pairs with ``packtools.dpo.pack_preference`` (each pair's ``[prompt + chosen][prompt +
 rejected]`` side by side, never split), batches whole rows with ``PreferenceCollator`` in a ``DataLoader``,
 and trains a tiny random Llama with the DPO loss against a frozen copy of itself, printing the loss of each
-optimizer step.  ``train_dpo`` is the loop the README shows; ``tests/test_dpo_loop.py`` checks that it trains
+optimizer step.  ``train_dpo`` is the loop docs/preference.md shows (verbatim); ``tests/test_dpo_loop.py`` checks that it trains
 exactly like the same pairs computed one sequence at a time.
 
 The subtle line is the mean.  Micro-batches of packed rows hold different numbers of pairs, so each one's
@@ -35,7 +35,7 @@ def train_dpo(model, ref_model, loader, optimizer, beta=0.1, accumulation_steps=
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
-    from packtools import sequence_logps
+    from packtools.dpo import sequence_logps
 
     model.train()
     batches = iter(loader)
@@ -140,9 +140,11 @@ def main(argv: list[str] | None = None) -> list[float]:
     import torch
     from torch.utils.data import DataLoader
 
-    from packtools import PreferenceCollator, pack_preference, use_segmented_sdpa
+    from packtools.dpo import PreferenceCollator, pack_preference
 
-    # --- the README example ------------------------------------------------------------------------------
+    # --- the docs/preference.md example ------------------------------------------------------------------------------
+    from packtools.integrations import use_segmented_sdpa
+
     pairs = synthetic_pairs(args.pairs, args.max_length)  # prompt_ids, chosen_ids, rejected_ids
     packed = pack_preference(pairs, max_length=args.max_length, shuffle=True, seed=0)
     loader = DataLoader(

@@ -4,7 +4,7 @@ Usage (on a CUDA machine with flash-attn installed):
     python benchmarks/gpu_check.py [--dtypes bf16,fp16] [--seed 0] [--require-flash]
     python benchmarks/gpu_check.py --device cpu      # smoke run of the script itself (reference + sdpa only)
 
-Part 1 runs ``packtools.varlen_attention`` with ``backend="flash"`` (``flash_attn_varlen_func``, when flash-attn
+Part 1 runs ``packtools.batches.varlen_attention`` with ``backend="flash"`` (``flash_attn_varlen_func``, when flash-attn
 is installed), with ``backend="torch"`` (PyTorch's ``torch.nn.attention.varlen.varlen_attn``, what ``"auto"``
 uses on CUDA without flash-attn; torch >= 2.9) and with the reference (SDPA per sequence) on the same inputs,
 forward and backward, causal and not, with grouped-query attention.  The yardstick is the reference in float32: flash passes when its error is at most twice the error
@@ -46,7 +46,7 @@ def check_attention(
 ) -> tuple[list[list[str]], bool]:
     """Each fast backend (``flash``: flash-attn, ``torch``: torch.nn.attention.varlen.varlen_attn) against the
     float32 reference, judged by the error of the reference itself run in ``dtype``."""
-    from packtools import varlen_attention
+    from packtools.batches import varlen_attention
 
     cases = [
         ([1, 17, 128, 300, 1000], 8, 8, 64, True),

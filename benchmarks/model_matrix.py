@@ -8,7 +8,7 @@ Usage::
 
 Each architecture is built tiny from its transformers config (2 layers, hidden size 32, random float32
 weights; sliding windows of 4 tokens so they matter on short sequences).  Each cell runs
-:func:`packtools.check_isolation` with ``backward=True``: four sequences (5, 9, 3 and 7 tokens) packed into
+:func:`packtools.integrations.check_isolation` with ``backward=True``: four sequences (5, 9, 3 and 7 tokens) packed into
 two rows by ``PaddingFreeCollator`` and passed as :func:`packtools.prepare_trainer` would (keys filtered to
 the model's ``forward``, ``use_cache=False``, no ``attention_mask``), against each sequence run alone --
 logits, summed loss and parameter gradients, tolerance 1e-5 -- plus a check that changing one sequence does
@@ -200,7 +200,8 @@ def _short(err: Exception) -> str:
 
 def _refusal(arch: Arch, backend: str, err: Exception) -> str:
     """Why a cell is refused; for layers that mix tokens outside attention, also what they leak unguarded."""
-    from packtools import PaddingFreeCollator, check_isolation
+    from packtools import PaddingFreeCollator
+    from packtools.integrations import check_isolation
     from packtools.integrations.transformers import token_mixing_layers
 
     model = build(arch, backend)
@@ -217,7 +218,8 @@ def _refusal(arch: Arch, backend: str, err: Exception) -> str:
 
 
 def run_cell(arch: Arch, backend: str) -> Cell:
-    from packtools import PackingError, PaddingFreeCollator, check_isolation
+    from packtools import PackingError, PaddingFreeCollator
+    from packtools.integrations import check_isolation
     from packtools.integrations.transformers import check_attention_implementation, guard_model
 
     try:
@@ -279,7 +281,7 @@ def markdown(cells: list[Cell], archs: list[Arch]) -> str:
         f"transformers {transformers.__version__}, torch {torch.__version__}, CPU, float32"
         + ("; `flash_attention_2` cells: CUDA, bfloat16" if any("flash" in c.backend for c in cells) else "")
         + ".  Each architecture "
-        "is built tiny from its config with random weights; each cell runs `packtools.check_isolation(model, "
+        "is built tiny from its config with random weights; each cell runs `packtools.integrations.check_isolation(model, "
         "backward=True)`: four sequences packed into two rows by `PaddingFreeCollator`, passed as "
         "`prepare_trainer` passes them, against each sequence run alone (logits, summed loss and gradients, "
         "tolerance 1e-5), and a check that changing one sequence does not move the others.",

@@ -1,11 +1,11 @@
-"""A plain PyTorch training loop on packed padding-free batches, no Trainer: the README's example.
+"""A plain PyTorch training loop on packed padding-free batches, no Trainer: the example of docs/training.md.
 
 Usage:
     python benchmarks/train_loop.py [--sequences 2000] [--max-length 512] [--accumulation 2]
 
 Packs a synthetic tokenized dataset with ``packtools.pack_dataset``, batches it with ``PaddingFreeCollator``
 in a ``DataLoader`` and trains a tiny random Llama on the CPU, printing the loss of each optimizer step.
-``train`` is the loop the README shows; ``tests/test_train_loop.py`` checks that it trains exactly like the
+``train`` is the loop docs/training.md shows (verbatim); ``tests/test_train_loop.py`` checks that it trains exactly like the
 same sequences run one by one, and ``bench_train.py`` times it on padded and on packed batches.
 
 The one subtle line is the loss denominator.  With gradient accumulation, each micro-batch's loss must be
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> list[float]:
 
     from packtools import PaddingFreeCollator, pack_dataset
 
-    # --- the README example ------------------------------------------------------------------------------
+    # --- the docs/training.md example ------------------------------------------------------------------------------
     dataset = synthetic_dataset(args.sequences, args.max_length)  # any dataset with an "input_ids" column
     packed = pack_dataset(dataset, max_length=args.max_length, strategy="bfd_split", shuffle=True, seed=0)
     loader = DataLoader(

@@ -1,78 +1,71 @@
-"""packtools: fast, exact sequence packing for LLM fine-tuning."""
+"""packtools: fast, exact sequence packing for LLM fine-tuning.
 
+The front door holds what most runs call: pack (``pack_dataset``, ``pack_table``, ``pack_files``), view
+(``packed_view``), plan (``plan``, ``PackPlan``), collate (``PaddingFreeCollator``), prepare a trainer
+(``prepare_trainer``, ``prepare_dpo_trainer``), profile (``profile_lengths``) and the error (``PackingError``).
+Everything else lives in a namespace named for what it is: ``packtools.core``, ``packtools.batches``,
+``packtools.integrations``, ``packtools.pipeline``, ``packtools.profiling`` and ``packtools.dpo``.
+"""
+
+from ._lazy import lazy_exports, moved_to
 from .constants import __version__ as __version__
-from .core.pack import pack_table, truncate_table, unpack, warmup
-from .core.plan import STRATEGIES, PackPlan, plan
+from .core.pack import pack_table
+from .core.plan import PackPlan, plan
 from .errors import PackingError
-from .integrations.datasets import pack_dataset, pack_groups, pack_preference, packed_view, truncate_dataset
-from .profiling.profile import LengthProfile, profile_lengths
+from .integrations.datasets import pack_dataset, packed_view
+from .profiling.profile import profile_lengths
 
-# Public names imported on first attribute access: modules that need torch or transformers, and the
-# pipeline and scale-out modules (kept out of `import packtools`, which every worker process pays).
+# Imported on first use: they need torch or transformers, or the pipeline (kept out of `import packtools`,
+# which every worker process pays).
 _LAZY = {
     "pack_files": "packtools.pipeline.run",
-    "pack_shards": "packtools.pipeline.shards",
-    "pack_ray_dataset": "packtools.integrations.ray",
-    "ArrowCollator": "packtools.batches.loader",
-    "PackedRows": "packtools.batches.loader",
-    "PackedView": "packtools.batches.view",
-    "choose_buckets": "packtools.batches.buckets",
     "PaddingFreeCollator": "packtools.batches.collate",
-    "TokenBudgetBatchSampler": "packtools.batches.sampler",
-    "varlen_attention": "packtools.batches.attention",
     "prepare_trainer": "packtools.integrations.transformers",
-    "check_isolation": "packtools.integrations.isolation",
-    "packed_sft_config": "packtools.integrations.transformers",
-    "PreferenceCollator": "packtools.batches.preference",
-    "sequence_logps": "packtools.batches.logps",
     "prepare_dpo_trainer": "packtools.integrations.trl",
-    "use_segmented_sdpa": "packtools.integrations.transformers",
-    "TreeCollator": "packtools.batches.tree",
-    "use_tree_attention": "packtools.integrations.tree_attention",
 }
 
+# Names that left the front door: they still resolve here, with a DeprecationWarning naming the new home.
+_MOVED = {
+    **{n: moved_to("packtools.core", n) for n in ("STRATEGIES", "truncate_table", "unpack", "warmup")},
+    **{
+        n: moved_to("packtools.batches", n)
+        for n in (
+            "ArrowCollator",
+            "PackedRows",
+            "PackedView",
+            "TokenBudgetBatchSampler",
+            "choose_buckets",
+            "varlen_attention",
+        )
+    },
+    **{
+        n: moved_to("packtools.integrations", n)
+        for n in (
+            "truncate_dataset",
+            "pack_ray_dataset",
+            "packed_sft_config",
+            "use_segmented_sdpa",
+            "check_isolation",
+        )
+    },
+    **{n: moved_to("packtools.dpo", n) for n in ("pack_preference", "PreferenceCollator", "sequence_logps")},
+    "LengthProfile": moved_to("packtools.profiling", "LengthProfile"),
+    "pack_shards": ("packtools.pipeline.shards", None),  # deprecated as a whole: calling it warns
+}
 
-def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'packtools' has no attribute {name!r}")
-
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY, _MOVED)
+del lazy_exports, moved_to
 
 __all__ = [
-    "STRATEGIES",
-    "ArrowCollator",
-    "LengthProfile",
     "PackPlan",
-    "PackedRows",
-    "PackedView",
     "PackingError",
     "PaddingFreeCollator",
-    "PreferenceCollator",
-    "TokenBudgetBatchSampler",
-    "TreeCollator",
-    "check_isolation",
-    "choose_buckets",
     "pack_dataset",
     "pack_files",
-    "pack_groups",
-    "pack_preference",
-    "pack_ray_dataset",
-    "pack_shards",
     "pack_table",
     "packed_view",
-    "packed_sft_config",
     "plan",
     "prepare_dpo_trainer",
     "prepare_trainer",
     "profile_lengths",
-    "sequence_logps",
-    "truncate_dataset",
-    "truncate_table",
-    "unpack",
-    "use_segmented_sdpa",
-    "use_tree_attention",
-    "varlen_attention",
-    "warmup",
 ]

@@ -11,6 +11,8 @@ IGNORE_INDEX = -100
 SEQ_LENGTHS = "seq_lengths"
 #: Per-token 0/1 columns that mark the tokens to learn (completion-only / assistant-only loss).
 MASK_COLUMNS = ("completion_mask", "assistant_masks")
+#: Per-token columns a padding-free batch is built from (what the loaders and views read; integers).
+TOKEN_COLUMNS = ("input_ids", "labels", *MASK_COLUMNS)
 #: Columns packed rows carry that a model's ``forward`` does not name (kept through ``remove_unused_columns``).
 PACKED_COLUMNS = (SEQ_LENGTHS, *MASK_COLUMNS)
 #: Input formats of the offline pipeline.

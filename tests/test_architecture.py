@@ -16,6 +16,7 @@ LAYERS = {
     "_format": 0,
     "_progress": 0,
     "_atomic": 0,
+    "_lazy": 0,
     "core": 1,
     "io": 2,
     "batches": 2,
@@ -23,6 +24,8 @@ LAYERS = {
     "profiling": 3,
     "pipeline": 4,
     "cli": 5,
+    # a namespace of the front door (like packtools/__init__.py): re-exports DPO names of lower layers lazily
+    "dpo": 6,
 }
 
 

@@ -8,11 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packtools import LengthProfile, choose_buckets, packed_view
+from packtools import packed_view
+from packtools.batches import choose_buckets
 from packtools.batches.buckets import bucket_for, bucket_padding, pad_cu_seq_lens
 from packtools.batches.collate import IGNORE_INDEX, PaddingFreeCollator
 from packtools.batches.sampler import TokenBudgetBatchSampler
 from packtools.errors import PackingError
+from packtools.profiling import LengthProfile
 
 
 def padding_of(lengths, buckets):

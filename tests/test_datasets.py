@@ -25,7 +25,7 @@ def random_dataset(rng, n, max_len=60, empty_share=0.1):
     )
 
 
-@pytest.mark.parametrize("strategy", packtools.STRATEGIES)
+@pytest.mark.parametrize("strategy", packtools.core.STRATEGIES)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_identical_to_trl_under_1000_rows(strategy, seed):
     trl_data_utils = pytest.importorskip("trl.data_utils")
@@ -104,11 +104,11 @@ def test_iterable_dataset_packs_in_windows():
 
 def test_truncate_dataset():
     ds = random_dataset(np.random.default_rng(6), 40).with_format("numpy")
-    out = packtools.truncate_dataset(ds, 5)
+    out = packtools.integrations.truncate_dataset(ds, 5)
     assert out.format["type"] == "numpy"
     assert all(len(r) <= 5 for r in out["input_ids"])
     assert [list(r) for r in out["labels"]] == [r[:5] for r in ds.with_format(None)["labels"]]
-    dd = packtools.truncate_dataset(datasets.DatasetDict({"a": ds}), 3)
+    dd = packtools.integrations.truncate_dataset(datasets.DatasetDict({"a": ds}), 3)
     assert max(len(r) for r in dd["a"]["input_ids"]) <= 3
 
 

@@ -19,8 +19,9 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 tokenizers = pytest.importorskip("tokenizers")
 
-from packtools import pack_preference, prepare_dpo_trainer, sequence_logps  # noqa: E402
+from packtools import prepare_dpo_trainer  # noqa: E402
 from packtools.batches.preference import PreferenceCollator  # noqa: E402
+from packtools.dpo import pack_preference, sequence_logps  # noqa: E402
 from packtools.errors import PackingError  # noqa: E402
 
 os.environ.setdefault("TQDM_DISABLE", "1")

@@ -1,4 +1,4 @@
-"""The README's plain PyTorch DPO loop (benchmarks/dpo_loop.py) trains like the pairs computed one sequence at a
+"""The plain PyTorch DPO loop of docs/preference.md (benchmarks/dpo_loop.py) trains like the pairs computed one sequence at a
 time, with the loss of each optimizer step the mean over all its pairs."""
 
 import copy
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from _hf_models import Recorder, max_diff, params, tiny_llama, torch
 
-from packtools import PreferenceCollator, pack_preference
+from packtools.dpo import PreferenceCollator, pack_preference
 
 datasets = pytest.importorskip("datasets")
 F = torch.nn.functional
@@ -93,7 +93,7 @@ def test_loop_matches_pairs_one_sequence_at_a_time(accumulation):
 def test_mean_per_micro_batch_is_caught():
     """Negative control: each micro-batch averaged over its own pairs, then over the micro-batches (the
     weighting that flipped a peer's gradient), does not match the reference."""
-    from packtools import sequence_logps
+    from packtools.dpo import sequence_logps
 
     packed = pack_preference(pairs(12, seed=3), 48, shuffle=True, seed=1)
     recorder = Recorder(PreferenceCollator(0))
@@ -127,5 +127,5 @@ def test_readme_example_runs():
 
 
 def test_readme_shows_this_loop():
-    readme = SCRIPT.parents[1] / "README.md"
+    readme = SCRIPT.parents[1] / "docs" / "preference.md"
     assert inspect.getsource(load_script().train_dpo) in readme.read_text()

@@ -1,4 +1,4 @@
-"""The isolation probe (packtools.check_isolation): it passes isolated models and catches every kind of leak.
+"""The isolation probe (packtools.integrations.check_isolation): it passes isolated models and catches every kind of leak.
 
 Negative controls: each way packed sequences can leak into each other -- an attention_mask in the batch,
 seq_lengths dropped, position_ids dropped, wrong absolute positions, a hybrid model's mixers without seq_idx --
@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from _hf_models import tiny_arch, tiny_llama, torch
 
-from packtools import PaddingFreeCollator, check_isolation
+from packtools import PaddingFreeCollator
 from packtools.errors import PackingError
+from packtools.integrations import check_isolation
 from packtools.integrations.isolation import IsolationReport
 from packtools.integrations.transformers import guard_model, token_mixing_layers
 
@@ -227,3 +228,29 @@ def test_probe_finds_the_sequences_in_a_padded_or_left_padded_batch():
 
     with pytest.raises(PackingError, match="does not hold the probe's 4 rows in order"):
         check_isolation(model, merged, packed=False)
+
+
+def leaky_conv_llama():
+    """A Llama whose embeddings pass through a causal Conv1d that ignores seq_idx (as transformers <= 5.0's
+    PyTorch fallback of the Mamba/conv mixers does: it takes seq_idx and runs the packed row as one)."""
+    model = tiny_llama("sdpa")
+    hidden = model.config.hidden_size
+    conv = torch.nn.Conv1d(hidden, hidden, 3, padding=2, groups=hidden)
+    model.model.embed_tokens.add_module("conv_mixer", conv)
+    model.model.embed_tokens.register_forward_hook(
+        lambda _m, _i, out: out + conv(out.transpose(1, 2))[..., : out.shape[1]].transpose(1, 2)
+    )
+    return model
+
+
+def test_mixers_that_take_seq_idx_but_leak_are_refused_with_the_mixer_fix():
+    model = leaky_conv_llama()
+    assert token_mixing_layers(model) == ["model.embed_tokens"]
+    # seq_idx reaches the model (its forward takes **kwargs) and the leak is measured: the message names the
+    # mixers and says not to pack, not "use sdpa instead of 'sdpa'" (the hint for attention-only models).
+    with pytest.raises(PackingError, match="cannot keep packed sequences apart on this machine") as err:
+        check_isolation(model)
+    assert "model.embed_tokens" in str(err.value) and "do not pack" in str(err.value)
+    assert "instead of 'sdpa'" not in str(err.value)
+    report = check_isolation(model, raise_on_leak=False)
+    assert "seq_idx" in report.keys and report.leaks

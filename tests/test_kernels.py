@@ -13,7 +13,7 @@ from packtools.core.reference import reference_rows
 
 lengths_st = st.lists(st.integers(0, 40), min_size=0, max_size=60)
 max_length_st = st.integers(1, 24)
-strategy_st = st.sampled_from(packtools.STRATEGIES)
+strategy_st = st.sampled_from(packtools.core.STRATEGIES)
 
 
 def plan_rows(p):

@@ -35,7 +35,7 @@ def make_table(seqs, large=False, chunks=1, slice_from=0):
 
 
 @pytest.mark.parametrize("layout", ["plain", "large", "chunked", "sliced", "sliced_chunked"])
-@given(seqs=seqs_st, max_length=st.integers(1, 20), strategy=st.sampled_from(packtools.STRATEGIES))
+@given(seqs=seqs_st, max_length=st.integers(1, 20), strategy=st.sampled_from(packtools.core.STRATEGIES))
 def test_pack_table_equals_reference(layout, seqs, max_length, strategy):
     skip = 3 if "sliced" in layout else 0
     table = make_table(
@@ -60,12 +60,12 @@ def test_pack_table_equals_reference(layout, seqs, max_length, strategy):
     assert out.schema.field("labels").type == expected_type(pa.int64())
 
 
-@given(seqs=seqs_st, max_length=st.integers(1, 20), strategy=st.sampled_from(packtools.STRATEGIES))
+@given(seqs=seqs_st, max_length=st.integers(1, 20), strategy=st.sampled_from(packtools.core.STRATEGIES))
 def test_unpack_with_plan_recovers_sequences(seqs, max_length, strategy):
     table = make_table(seqs, chunks=2)
     p = packtools.plan([len(s) for s in seqs], max_length, strategy)
     packed = packtools.pack_table(table, max_length, strategy, plan=p)
-    back = packtools.unpack(packed, plan=p).to_pydict()
+    back = packtools.core.unpack(packed, plan=p).to_pydict()
     keep = max_length if strategy == "bfd" else None
     assert back["input_ids"] == [s[:keep] for s in seqs]
     assert back["labels"] == [[-v for v in s[:keep]] for s in seqs]
@@ -74,7 +74,7 @@ def test_unpack_with_plan_recovers_sequences(seqs, max_length, strategy):
 @given(seqs=seqs_st, max_length=st.integers(1, 20), strategy=st.sampled_from(["bfd", "bfd_split"]))
 def test_unpack_without_plan_gives_segments(seqs, max_length, strategy):
     packed = packtools.pack_table(make_table(seqs), max_length, strategy)
-    back = packtools.unpack(packed).to_pydict()
+    back = packtools.core.unpack(packed).to_pydict()
     flat = [t for row in packed.column("input_ids").to_pylist() for t in row]
     lengths = [n for row in packed.column("seq_lengths").to_pylist() for n in row]
     segments, pos = [], 0
@@ -164,10 +164,10 @@ def test_error_arguments():
 
 def test_truncate_table():
     table = make_table([[1, 2, 3, 4], [5], []], chunks=2)
-    out = packtools.truncate_table(table, 2).to_pydict()
+    out = packtools.core.truncate_table(table, 2).to_pydict()
     assert out["input_ids"] == [[1, 2], [5], []]
     assert out["labels"] == [[-1, -2], [-5], []]
-    out = packtools.truncate_table(table, 2, columns=["labels"]).to_pydict()
+    out = packtools.core.truncate_table(table, 2, columns=["labels"]).to_pydict()
     assert out["input_ids"] == [[1, 2, 3, 4], [5], []]
 
 
@@ -179,17 +179,17 @@ def test_unpack_refuses_a_plan_that_did_not_make_the_rows():
     for seed in range(6):
         shuffled = p.shuffled(seed)
         packed = packtools.pack_table(table, 3, plan=shuffled)
-        assert packtools.unpack(packed, plan=shuffled).to_pydict()["input_ids"] == seqs
+        assert packtools.core.unpack(packed, plan=shuffled).to_pydict()["input_ids"] == seqs
         # A plan only knows lengths: it is refused when the row or sequence lengths differ.
         if not np.array_equal(shuffled.seg_length, p.seg_length):
             with pytest.raises(packtools.PackingError, match="did not make these rows"):
-                packtools.unpack(packed, plan=p)
+                packtools.core.unpack(packed, plan=p)
             refused += 1
     assert refused > 0
     t = make_table([[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]])
     split = packtools.pack_table(t, 4, "bfd_split")
     with pytest.raises(packtools.PackingError, match="did not make these rows"):
-        packtools.unpack(split, plan=packtools.plan([5, 2, 3, 1], 4, "bfd"))
+        packtools.core.unpack(split, plan=packtools.plan([5, 2, 3, 1], 4, "bfd"))
 
 
 def test_unpack_checks_seq_lengths_row_by_row():
@@ -197,7 +197,7 @@ def test_unpack_checks_seq_lengths_row_by_row():
     with pytest.raises(
         packtools.PackingError, match="row 0: column 'input_ids' holds 2 values but its seq_lengths sum to 1"
     ):
-        packtools.unpack(bad)
+        packtools.core.unpack(bad)
 
 
 def test_pack_table_with_plan_checks_arguments():
@@ -213,7 +213,7 @@ def test_pack_table_with_plan_checks_arguments():
 def test_truncate_refuses_packed_rows():
     packed = packtools.pack_table(pa.table({"input_ids": [[1, 2], [3]]}), 4)
     with pytest.raises(packtools.PackingError, match="Truncate before packing"):
-        packtools.truncate_table(packed, 1)
+        packtools.core.truncate_table(packed, 1)
 
 
 def test_float16_is_refused_with_the_fix():
@@ -231,9 +231,9 @@ def test_huge_max_length():
 
 def test_unpack_without_plan_handles_empty_rows():
     table = pa.table({"input_ids": [[1, 2], [], [3]], "seq_lengths": [[2], [], [1]]})
-    assert packtools.unpack(table).to_pydict() == {"input_ids": [[1, 2], [3]]}
+    assert packtools.core.unpack(table).to_pydict() == {"input_ids": [[1, 2], [3]]}
     table = pa.table({"input_ids": [[1, 2], [3], []], "seq_lengths": [[2], [1], []]})
-    assert packtools.unpack(table).to_pydict() == {"input_ids": [[1, 2], [3]]}
+    assert packtools.core.unpack(table).to_pydict() == {"input_ids": [[1, 2], [3]]}
 
 
 def test_padded_attention_mask_is_refused_with_its_row():

@@ -14,8 +14,9 @@ from _pipeline_data import build_tokenizer, load
 
 import packtools.pipeline.gather as outofcore
 import packtools.pipeline.run as pipeline
-from packtools import PackingError, pack_table, unpack
+from packtools import PackingError, pack_table
 from packtools.cli.main import main
+from packtools.core import unpack
 from packtools.pipeline.run import PipelineConfig, run_pipeline
 
 datasets = pytest.importorskip("datasets")

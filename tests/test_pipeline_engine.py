@@ -11,11 +11,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from packtools import pack_files, pack_shards, pack_table, unpack
+from packtools import pack_files, pack_table
 from packtools.cli.main import main
+from packtools.core import unpack
 from packtools.errors import PackingError
 from packtools.pipeline.executors import PoolExecutor, get_executor
 from packtools.pipeline.run import run_jobs
+from packtools.pipeline.shards import pack_shards
 
 datasets = pytest.importorskip("datasets")
 
@@ -115,7 +117,11 @@ def test_drop_unlabeled_and_plan_shards(mixed, tmp_path):
     assert all(any(v != -100 for v in labels) for labels in seqs.column("labels").to_pylist())
 
     glob = pack_files(paths, tmp_path / "g", MAX_LENGTH, "bfd", part_rows=100)
-    shards = pack_shards(paths, tmp_path / "s", MAX_LENGTH, "bfd", shard_rows=100)
+    with pytest.warns(DeprecationWarning, match=r"pack_files\(.*plan='shards', part_rows=N\)"):
+        shards = pack_shards(paths, tmp_path / "s", MAX_LENGTH, "bfd", shard_rows=100)
+    # pack_shards is deprecated and is exactly pack_files(plan="shards"): the same folder, byte for byte
+    pack_files(paths, tmp_path / "s2", MAX_LENGTH, "bfd", plan="shards", part_rows=100)
+    assert folder_digest(str(tmp_path / "s")) == folder_digest(str(tmp_path / "s2"))
     assert shards.stats["plan"] == "shards" and shards.stats["tokens_kept"] == glob.stats["tokens_kept"]
     assert shards.stats["rows_out"] >= glob.stats["rows_out"]
     # each part is planned alone: the output is the parts packed one by one, one after the other
@@ -132,7 +138,8 @@ def test_shard_pack_command_is_the_same_engine(mixed, tmp_path, capsys):
     paths, _ = mixed
     common = ["--max-length", str(MAX_LENGTH), "--quiet"]
     assert main(["shard-pack", *paths, "--out", str(tmp_path / "a"), "--shard-rows", "100", *common]) == 0
-    assert "--plan shards" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "deprecated" in err and "packtools pack --plan shards" in err
     argv = ["pack", *paths, "--out", str(tmp_path / "b"), "--plan", "shards", "--part-rows", "100", *common]
     assert main(argv) == 0
     assert folder_digest(str(tmp_path / "a")) == folder_digest(str(tmp_path / "b"))

@@ -18,7 +18,8 @@ from _pipeline_data import (
     load,
 )
 
-from packtools import PackingError, unpack
+from packtools import PackingError
+from packtools.core import unpack
 from packtools.pipeline.run import PipelineConfig, run_pipeline
 from packtools.pipeline.tokenize import IGNORE_INDEX, BatchTokenizer, detect_format
 

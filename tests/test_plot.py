@@ -11,8 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from packtools import LengthProfile, profile_lengths
+from packtools import profile_lengths
 from packtools.cli.main import main
+from packtools.profiling import LengthProfile
 
 matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg", force=True)

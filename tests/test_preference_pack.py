@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from packtools import pack_preference
 from packtools.batches.preference import PreferenceCollator
 from packtools.batches.sampler import TokenBudgetBatchSampler
 from packtools.core.pairs import fit_pairs, pack_pairs
 from packtools.core.plan import plan
+from packtools.dpo import pack_preference
 from packtools.errors import PackingError
 
 datasets = pytest.importorskip("datasets")

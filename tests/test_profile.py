@@ -12,8 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import packtools
-from packtools import LengthProfile, PackingError, profile_lengths
+from packtools import PackingError, profile_lengths
 from packtools.cli.main import main
+from packtools.profiling import LengthProfile
 from packtools.profiling.tradeoffs import FIELDS
 
 

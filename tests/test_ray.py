@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from packtools import pack_ray_dataset
+from packtools.integrations import pack_ray_dataset
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")

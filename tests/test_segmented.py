@@ -15,9 +15,9 @@ from _hf_models import tiny_arch
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from packtools import PaddingFreeCollator, check_isolation  # noqa: E402
+from packtools import PaddingFreeCollator  # noqa: E402
 from packtools.errors import PackingError  # noqa: E402
-from packtools.integrations import segmented  # noqa: E402
+from packtools.integrations import check_isolation, segmented  # noqa: E402
 from packtools.integrations.transformers import use_segmented_sdpa  # noqa: E402
 
 LENGTHS = [5, 1, 9, 3, 12]

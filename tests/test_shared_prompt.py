@@ -23,9 +23,10 @@ from hypothesis import strategies as st  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from _hf_models import tiny_arch, tiny_llama  # noqa: E402
 
-from packtools import PackingError, TreeCollator, pack_groups, pack_preference, sequence_logps  # noqa: E402
+from packtools import PackingError  # noqa: E402
 from packtools.batches.tree import TREE_KEY, TreeLayout, tree_row, unshared_index  # noqa: E402
 from packtools.core.shared_pairs import pack_shared_pairs  # noqa: E402
+from packtools.dpo import TreeCollator, pack_groups, pack_preference, sequence_logps  # noqa: E402
 from packtools.integrations.tree_attention import (  # noqa: E402
     check_tree_model,
     tree_attention_forward,

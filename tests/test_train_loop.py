@@ -1,4 +1,4 @@
-"""The README's plain PyTorch loop (benchmarks/train_loop.py) trains like the sequences run one by one."""
+"""The plain PyTorch loop of docs/training.md (benchmarks/train_loop.py) trains like the sequences run one by one."""
 
 import copy
 import importlib.util
@@ -45,10 +45,10 @@ def test_readme_example_runs():
 
 
 def test_readme_shows_this_loop():
-    """The README's loop is this file's ``train``, verbatim."""
+    """docs/training.md's loop is this file's ``train``, verbatim."""
     import inspect
 
-    readme = SCRIPT.parents[1] / "README.md"
+    readme = SCRIPT.parents[1] / "docs" / "training.md"
     assert inspect.getsource(load_script().train) in readme.read_text()
 
 

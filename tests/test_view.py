@@ -7,11 +7,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from packtools import STRATEGIES, pack_dataset, pack_table, packed_view, plan
+from packtools import pack_dataset, pack_table, packed_view, plan
 from packtools.batches.collate import PaddingFreeCollator
 from packtools.batches.loader import ArrowCollator, PackedRows
 from packtools.batches.sampler import TokenBudgetBatchSampler
 from packtools.batches.view import PackedRow, PackedView
+from packtools.core import STRATEGIES
 from packtools.errors import PackingError
 
 datasets = pytest.importorskip("datasets")
@@ -351,14 +352,14 @@ def test_view_batches_follow_the_collators_loss_mask_switch():
 
 
 def test_warmup_compiles_the_view_and_plan_check_kernels():
-    """After packtools.warmup() a packed view's first gather compiles nothing new (fresh process)."""
+    """After packtools.core.warmup() a packed view's first gather compiles nothing new (fresh process)."""
     import subprocess
     import sys
 
     code = """
 import pyarrow as pa, packtools
 from packtools.core import kernels
-packtools.warmup()
+packtools.core.warmup()
 names = ("view_segments", "gather_scattered", "plan_violation")
 before = {k: set(getattr(kernels, k).signatures) for k in names}
 t = pa.table({"input_ids": pa.array([[1, 2, 3], [4, 5], [6]], pa.list_(pa.int32())),

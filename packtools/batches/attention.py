@@ -25,7 +25,7 @@ BACKENDS = ("auto", "flash", "torch", "reference")
 
 
 def _torch() -> ModuleType:
-    return require("torch", "packtools.varlen_attention")
+    return require("torch", "packtools.batches.varlen_attention")
 
 
 def _flash_module() -> ModuleType | None:

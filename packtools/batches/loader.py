@@ -27,12 +27,10 @@ import numpy as np
 import pyarrow as pa
 
 from .._optional import is_instance
-from ..constants import IGNORE_INDEX, MASK_COLUMNS, SEQ_LENGTHS
+from ..constants import IGNORE_INDEX, MASK_COLUMNS, SEQ_LENGTHS, TOKEN_COLUMNS
 from ..core.arrow import ListColumn, check_aligned, dataset_table, read_list_column
 from ..errors import PackingError
 from .collate import FlatRows, PaddingFreeCollator
-
-TOKEN_KEYS = ("input_ids", "labels", *MASK_COLUMNS)
 
 
 def _check_integer(col: ListColumn) -> None:
@@ -68,15 +66,15 @@ class PackedRows:
                 "where its sequences end. Drop it (ds.remove_columns('attention_mask')); the collator separates "
                 "sequences by itself."
             )
-        names = [c for c in (columns or (*TOKEN_KEYS, SEQ_LENGTHS)) if c in table.column_names]
+        names = [c for c in (columns or (*TOKEN_COLUMNS, SEQ_LENGTHS)) if c in table.column_names]
         if "input_ids" not in names:
             raise PackingError(
                 f"the data has no 'input_ids' column (columns: {table.column_names}); tokenize it first."
             )
-        unknown = [c for c in names if c not in (*TOKEN_KEYS, SEQ_LENGTHS)]
+        unknown = [c for c in names if c not in (*TOKEN_COLUMNS, SEQ_LENGTHS)]
         if unknown:
             raise PackingError(
-                f"columns {unknown} are not used by PackedRows; it reads {TOKEN_KEYS + (SEQ_LENGTHS,)}."
+                f"columns {unknown} are not used by PackedRows; it reads {TOKEN_COLUMNS + (SEQ_LENGTHS,)}."
             )
         self.columns: dict[str, ListColumn] = {}
         for name in names:
@@ -207,7 +205,7 @@ class PackedRows:
 
 
 class ArrowCollator:
-    """``collate_fn`` for a ``DataLoader`` over :class:`PackedRows` or a :class:`~packtools.PackedView`.
+    """``collate_fn`` for a ``DataLoader`` over :class:`PackedRows` or a :class:`~packtools.batches.PackedView`.
 
     Takes row indices (what ``PackedRows`` yields) or the lazy rows a ``PackedView`` yields, and gathers the
     batch straight from the Arrow buffers; gives the same tensors as ``collator`` on the same rows read as

@@ -40,7 +40,7 @@ class SequenceLogps(NamedTuple):
     def pairs(self) -> tuple[Any, Any]:
         """``(logps, tokens)`` viewed as ``[n_pairs, 2]``: column 0 the chosen, column 1 the rejected sequence.
 
-        Sequences ``2k`` and ``2k + 1`` form pair ``k`` (the layout of :func:`packtools.pack_preference`).  A
+        Sequences ``2k`` and ``2k + 1`` form pair ``k`` (the layout of :func:`packtools.dpo.pack_preference`).  A
         last, odd segment without predicted tokens (the padding of ``pad_to_multiple_of``) is left out; any
         other odd count is an error.
         """
@@ -85,7 +85,7 @@ def sequence_logps(logits_or_logprobs: Any, labels: Any, cu_seq_lens: Any) -> Se
     >>> out.tokens.tolist(), [round(x, 4) for x in out.logps.tolist()]
     ([2, 1], [-2.7726, -1.3863])
     """
-    torch = require("torch", "packtools.sequence_logps")
+    torch = require("torch", "packtools.dpo.sequence_logps")
     if hasattr(cu_seq_lens, "branches") and hasattr(cu_seq_lens, "cu_seq_lens"):  # a prompt-shared tree
         tree = cu_seq_lens
         every = sequence_logps(logits_or_logprobs, labels, tree.cu_seq_lens)

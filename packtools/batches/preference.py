@@ -6,7 +6,7 @@ Two layouts, built with NumPy and wrapped as tensors at the end:
   :class:`~packtools.PaddingFreeCollator` builds it (``input_ids``, ``labels`` -100 outside completions and at
   every sequence start, ``position_ids``, ``cu_seq_lens_*``, ``max_length_*``), the sequences in pair order
   (chosen, rejected, chosen, ...), plus each per-pair column as a ``[n_pairs]`` tensor.  Feed it to the model,
-  then :func:`packtools.sequence_logps` and ``.pairs()``.
+  then :func:`packtools.dpo.sequence_logps` and ``.pairs()``.
 * ``padding_free=False``: TRL's ``DPOTrainer`` layout (``input_ids``, ``attention_mask``, ``completion_mask``
   of shape ``[2 * n_pairs, T]``, right-padded, all chosen sequences then all rejected ones, and
   ``ref_chosen_logps`` / ``ref_rejected_logps`` as ``[n_pairs]``), for the trainer's own loss code;
@@ -58,19 +58,19 @@ def _pair_row(row: Mapping[str, Any], i: int) -> tuple[np.ndarray, np.ndarray, n
         if row.get("completion_mask") is None:
             raise PackingError(
                 f"row {i} has no 'completion_mask'; packed pair rows need it to tell completions from prompts "
-                f"(packtools.pack_preference writes it; keep it through remove_unused_columns)."
+                f"(packtools.dpo.pack_preference writes it; keep it through remove_unused_columns)."
             )
         mask = _ints(row["completion_mask"], i, "completion_mask")
         seq = _ints(row["seq_lengths"], i, "seq_lengths")
         if mask.shape != ids.shape or int(seq.sum()) != ids.shape[0] or (seq.size and seq.min() <= 0):
             raise PackingError(
                 f"row {i}: input_ids ({ids.shape[0]}), completion_mask ({mask.shape[0]}) and seq_lengths "
-                f"(sum {int(seq.sum())}) disagree; re-pack with packtools.pack_preference."
+                f"(sum {int(seq.sum())}) disagree; re-pack with packtools.dpo.pack_preference."
             )
         if seq.shape[0] % 2:
             raise PackingError(
                 f"row {i} holds {seq.shape[0]} sequences, an odd count, so it does not hold whole pairs; a pair "
-                f"row alternates chosen and rejected (packtools.pack_preference never splits a pair)."
+                f"row alternates chosen and rejected (packtools.dpo.pack_preference never splits a pair)."
             )
         return ids, mask, seq
     try:

@@ -8,7 +8,7 @@ completion sees its prompt and the tokens before it in its own branch, never a s
 
 :class:`TreeLayout` carries this for the attention (host ``segments`` for the per-segment CPU path,
 ``cu_q``/``cu_k``/``kv_index`` for FlashAttention varlen over gathered keys) and for
-:func:`packtools.sequence_logps` (``cu_seq_lens`` and which segments are branches).  :class:`TreeCollator`
+:func:`packtools.dpo.sequence_logps` (``cu_seq_lens`` and which segments are branches).  :class:`TreeCollator`
 builds it from packed rows; :func:`unshared_index` maps the tree row back to ``prompt + completion``
 sequences one after the other (what TRL's padded layout holds).
 """
@@ -239,7 +239,7 @@ class TreeCollator:
 
     Returns ``input_ids``, ``labels`` (completion tokens; -100 on prompts and at every segment start),
     ``position_ids`` (``[1, T]``), ``packtools_tree`` (a :class:`TreeLayout`: pass it to the model's forward,
-    which hands it to the attention, and to :func:`packtools.sequence_logps` as ``cu_seq_lens``), each
+    which hands it to the attention, and to :func:`packtools.dpo.sequence_logps` as ``cu_seq_lens``), each
     per-unit column of ``unit_columns`` as ``[n_units]`` and each per-completion column of
     ``completion_columns`` as ``[n_completions]`` (floats as float32).
     """

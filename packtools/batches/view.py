@@ -16,7 +16,7 @@ columns' offsets, a few dozen bytes per sequence.
 True
 
 As a map-style dataset it works with a torch ``DataLoader`` (and worker processes: pickling sends the plan
-and the source's file paths, see :meth:`PackedView.__getstate__`) and, through :class:`~packtools.ArrowCollator`,
+and the source's file paths, see :meth:`PackedView.__getstate__`) and, through :class:`~packtools.batches.ArrowCollator`,
 gathers whole batches straight from the source buffers.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..constants import IGNORE_INDEX, MASK_COLUMNS, SEQ_LENGTHS
+from ..constants import IGNORE_INDEX, MASK_COLUMNS, SEQ_LENGTHS, TOKEN_COLUMNS
 from ..core import kernels
 from ..core.arrow import ListColumn
 from ..core.pack import pack_columns, read_columns
@@ -41,15 +41,12 @@ __all__ = ["PackedRow", "PackedView"]
 
 _NO_INDICES = np.zeros(0, np.int64)
 
-#: Columns the collator path (:meth:`PackedView.gather`) reads; they must hold integers.
-TOKEN_COLUMNS = ("input_ids", "labels", *MASK_COLUMNS)
-
 
 class PackedRow(Mapping):
     """One packed row of a :class:`PackedView`, gathered on first access (what ``__getitems__`` returns).
 
     It is a read-only mapping with the keys of ``view[i]``, so any collator that reads rows as dicts works;
-    :class:`~packtools.ArrowCollator` recognizes it and gathers the whole batch from the source buffers instead.
+    :class:`~packtools.batches.ArrowCollator` recognizes it and gathers the whole batch from the source buffers instead.
     """
 
     __slots__ = ("_row", "index", "view")
@@ -187,7 +184,7 @@ class PackedView:
 
     @property
     def lengths(self) -> np.ndarray:
-        """Tokens in each packed row (int64): what :class:`~packtools.TokenBudgetBatchSampler` needs."""
+        """Tokens in each packed row (int64): what :class:`~packtools.batches.TokenBudgetBatchSampler` needs."""
         if self._lengths is None:
             self._lengths = self.plan.row_lengths
         return self._lengths

@@ -1,7 +1,8 @@
-"""``packtools shard-pack``: the same engine as ``packtools pack``, with ``--plan shards`` by default.
+"""``packtools shard-pack``, deprecated: it is ``packtools pack --plan shards``.
 
-Kept so that scripts using it go on working; it takes ``pack``'s options and writes the same output folder
-(a ``datasets.load_from_disk`` folder with ``manifest.json``).  ``--shard-rows`` is ``--part-rows``.
+Kept so that scripts using it go on working; it takes ``pack``'s options, says on stderr that it is
+deprecated and which command to use, and writes the same output folder (a ``datasets.load_from_disk`` folder
+with ``manifest.json``).  ``--shard-rows`` is ``--part-rows``.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from .pack import add_executor_arguments, add_pipeline_arguments
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "shard-pack",
-        help="packtools pack --plan shards (each input part planned on its own), kept for old scripts",
-        description="The engine of `packtools pack` with --plan shards: every input part (a parquet row-group "
-        "range, a JSON-lines byte range or a file) is planned on its own, and the plans are put one after the "
-        "other. Same options and output as `packtools pack`.",
+        help="deprecated: use `packtools pack --plan shards` (the same engine and output)",
+        description="Deprecated: use `packtools pack --plan shards --part-rows N`. Runs exactly that: every "
+        "input part (a parquet row-group range, a JSON-lines byte range or a file) is planned on its own, and "
+        "the plans are put one after the other. Same options and output as `packtools pack`.",
     )
     p.add_argument("input", nargs="+", help="input files, directories or save_to_disk folders")
     p.add_argument("--out", required=True, help="output folder")
@@ -35,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
     if args.part_rows is None:
         args.part_rows = 1 << 17
     print(
-        "packtools shard-pack: running `packtools pack --plan shards` (one engine, one output format).",
+        "packtools shard-pack is deprecated: use `packtools pack --plan shards --part-rows N` "
+        "(the same engine and output); running it now.",
         file=sys.stderr,
     )
     return pack.run(args)

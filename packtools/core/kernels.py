@@ -65,6 +65,25 @@ def _tree_set(tree, leaves, space, value):
 
 
 @njit(cache=True)
+def bucket_order(keys, num_keys):
+    """The stable counting sort: ``(order, offsets)`` with the indices of ``keys`` (integers in
+    ``[0, num_keys)``) grouped by key, ascending, in input order within a key, and the start of each key's
+    group in ``order`` (``num_keys + 1`` values)."""
+    offsets = np.zeros(num_keys + 1, np.int64)
+    for i in range(keys.shape[0]):
+        offsets[keys[i] + 1] += 1
+    for k in range(num_keys):
+        offsets[k + 1] += offsets[k]
+    fill = offsets[:-1].copy()
+    order = np.empty(keys.shape[0], np.int64)
+    for i in range(keys.shape[0]):
+        key = keys[i]
+        order[fill[key]] = i
+        fill[key] += 1
+    return order, offsets
+
+
+@njit(cache=True)
 def bfd_assign(sizes, max_length):
     """Best-fit decreasing over item sizes in ``[1, max_length]``.
 
@@ -77,20 +96,8 @@ def bfd_assign(sizes, max_length):
     and the start of each bin in ``item_order`` (``num_bins + 1`` values).
     """
     n = sizes.shape[0]
-    # Stable counting sort by size, descending.
-    counts = np.zeros(max_length + 1, np.int64)
-    for i in range(n):
-        counts[sizes[i]] += 1
-    cursor = np.zeros(max_length + 1, np.int64)
-    position = 0
-    for size in range(max_length, 0, -1):
-        cursor[size] = position
-        position += counts[size]
-    order = np.empty(n, np.int64)
-    for i in range(n):
-        size = sizes[i]
-        order[cursor[size]] = i
-        cursor[size] += 1
+    # Longest first, ties in input order: the stable counting sort on ``max_length - size``.
+    order, _ = bucket_order(max_length - sizes, max_length)
 
     # Segment tree over remaining space 0..max_length; a leaf holds its space if some bin has it, else 0.
     leaves = 1
@@ -107,7 +114,6 @@ def bfd_assign(sizes, max_length):
     for k in range(n):
         sorted_sizes[k] = sizes[order[k]]
     placed_bin = np.empty(n, np.int64)  # bin of the k-th placed item
-    bin_count = np.zeros(max(n, 1), np.int64)
     num_bins = 0
     for k in range(n):
         size = sorted_sizes[k]
@@ -129,7 +135,6 @@ def bfd_assign(sizes, max_length):
                 tail[space] = -1
                 _tree_set(tree, leaves, space, 0)
         placed_bin[k] = b
-        bin_count[b] += 1
         space -= size
         if space > 0:
             next_bin[b] = -1
@@ -141,15 +146,10 @@ def bfd_assign(sizes, max_length):
             tail[space] = b
 
     # Group items by bin (stable on placement order).
-    row_offsets = np.zeros(num_bins + 1, np.int64)
-    for b in range(num_bins):
-        row_offsets[b + 1] = row_offsets[b] + bin_count[b]
-    fill = row_offsets[:num_bins].copy()
+    by_bin, row_offsets = bucket_order(placed_bin, num_bins)
     item_order = np.empty(n, np.int64)
-    for k in range(n):
-        b = placed_bin[k]
-        item_order[fill[b]] = order[k]
-        fill[b] += 1
+    for j in range(n):
+        item_order[j] = order[by_bin[j]]
     return item_order, row_offsets
 
 
@@ -325,17 +325,7 @@ def plan_violation(seg_source, seg_start, seg_length, row_offsets, source_length
         if total > max_length:
             return 5, r
     # Overlap: bucket segments by source (counting sort), then sort each bucket by start.
-    counts = np.zeros(n_src + 1, np.int64)
-    for s in range(n_seg):
-        counts[seg_source[s] + 1] += 1
-    for i in range(n_src):
-        counts[i + 1] += counts[i]
-    fill = counts[:-1].copy()
-    order = np.empty(n_seg, np.int64)
-    for s in range(n_seg):
-        src = seg_source[s]
-        order[fill[src]] = s
-        fill[src] += 1
+    order, counts = bucket_order(seg_source, n_src)
     for i in range(n_src):
         lo = counts[i]
         hi = counts[i + 1]

@@ -48,7 +48,7 @@ def check_not_packed(table: pa.Table) -> None:
     if SEQ_LENGTHS in names:
         raise PackingError(
             f"the table already has a {SEQ_LENGTHS!r} column, so it is packed; packing it again would "
-            f"merge its sequences. Unpack it first (packtools.unpack) and pack the result."
+            f"merge its sequences. Unpack it first (packtools.core.unpack) and pack the result."
         )
     found = [c for c in BOUNDARY_COLUMNS if c in names]
     if found:
@@ -63,7 +63,7 @@ def check_not_packed(table: pa.Table) -> None:
                 f"row {row}: 'position_ids' restart inside the row, so the rows are already packed (several "
                 f"sequences each) though there is no {SEQ_LENGTHS!r} column; packing them again would merge those "
                 f"sequences. Pack the original unpacked rows, or rebuild {SEQ_LENGTHS!r} from the restarts and "
-                f"unpack (packtools.unpack) first."
+                f"unpack (packtools.core.unpack) first."
             )
 
 

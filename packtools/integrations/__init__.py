@@ -1,1 +1,42 @@
-"""Adapters to other libraries: Hugging Face ``datasets``, ``transformers``/TRL trainers, Ray Data."""
+"""Adapters to other libraries: Hugging Face ``datasets``, ``transformers``/TRL trainers, Ray Data.
+
+Each name is imported on first use (``datasets``, ``transformers``, ``trl`` or ``ray`` only then).
+``pack_dataset``, ``packed_view``, ``prepare_trainer`` and ``prepare_dpo_trainer`` are also at the front door.
+
+>>> import datasets
+>>> from packtools.integrations import truncate_dataset
+>>> truncate_dataset(datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4]]}), 2)[:]["input_ids"]
+[[1, 2], [4]]
+"""
+
+from .._lazy import lazy_exports
+
+# public name -> the module that defines it (imported on first use)
+_EXPORTS = {
+    "pack_dataset": "packtools.integrations.datasets",
+    "packed_view": "packtools.integrations.datasets",
+    "truncate_dataset": "packtools.integrations.datasets",
+    "pack_preference": "packtools.integrations.datasets",
+    "pack_ray_dataset": "packtools.integrations.ray",
+    "prepare_trainer": "packtools.integrations.transformers",
+    "packed_sft_config": "packtools.integrations.transformers",
+    "use_segmented_sdpa": "packtools.integrations.transformers",
+    "check_isolation": "packtools.integrations.isolation",
+    "prepare_dpo_trainer": "packtools.integrations.trl",
+}
+
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+del lazy_exports
+
+__all__ = [
+    "check_isolation",
+    "pack_dataset",
+    "pack_preference",
+    "pack_ray_dataset",
+    "packed_sft_config",
+    "packed_view",
+    "prepare_dpo_trainer",
+    "prepare_trainer",
+    "truncate_dataset",
+    "use_segmented_sdpa",
+]

@@ -3,7 +3,7 @@
 :func:`install_train_loader` replaces ``trainer.get_train_dataloader`` by one whose batches come from a
 rank-aware batch sampler of packtools:
 
-* ``max_tokens=N``: a :class:`~packtools.TokenBudgetBatchSampler` per rank (batches of at most ``N`` tokens,
+* ``max_tokens=N``: a :class:`~packtools.batches.TokenBudgetBatchSampler` per rank (batches of at most ``N`` tokens,
   balanced across ranks by attention cost, ``sum(L_i²)`` per packed segment or per sequence of a pair);
 * otherwise, with several processes: a :class:`~packtools.batches.row_sampler.RowBatchSampler`
   (``per_device_train_batch_size`` rows, the same number of batches on every rank, no row repeated; the
@@ -76,7 +76,7 @@ def _seq_lengths_column(dataset: Any) -> Any:
 def row_lengths_and_segments(dataset: Any) -> tuple[np.ndarray, Any]:
     """Per-row token counts and per-row segment lengths (or None) of a training dataset.
 
-    Packed rows (``seq_lengths`` column), a :class:`~packtools.PackedView`, TRL's tokenized preference pairs
+    Packed rows (``seq_lengths`` column), a :class:`~packtools.batches.PackedView`, TRL's tokenized preference pairs
     (``prompt_ids`` / ``chosen_ids`` / ``rejected_ids``: a pair is ``[prompt + chosen, prompt + rejected]``)
     or plain rows (``input_ids``).
     """
@@ -87,7 +87,7 @@ def row_lengths_and_segments(dataset: Any) -> tuple[np.ndarray, Any]:
     if not hasattr(dataset, "data"):
         raise PackingError(
             f"token-budget batches need the row lengths of the training dataset; "
-            f"{type(dataset).__name__} is neither a datasets.Dataset nor a packtools.PackedView.",
+            f"{type(dataset).__name__} is neither a datasets.Dataset nor a packtools.batches.PackedView.",
             param="train_dataset",
         )
     if all(c in names for c in PAIR_COLUMNS) and "input_ids" not in names:

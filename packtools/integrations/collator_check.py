@@ -15,7 +15,7 @@ rows' own ``seq_lengths``:
   longest, ``seq_idx`` changes exactly at the boundaries;
 * ``labels`` are -100 at every sequence start inside a row and on padding.
 
-It then returns a collator for :func:`packtools.check_isolation` that feeds the probe's rows, shaped like the
+It then returns a collator for :func:`packtools.integrations.check_isolation` that feeds the probe's rows, shaped like the
 real ones, through the trainer's collator, so the probe measures the batches training will see.  Any collator
 that passes is accepted as it is (a correct one is judged by its batch, never by its class name); one that fails
 is refused with the fix, ``data_collator=packtools.PaddingFreeCollator(pad_token_id)``.
@@ -310,7 +310,7 @@ def check_trainer_collator(trainer: Any) -> tuple[ProbeRows | None, bool]:
     """Check ``trainer.data_collator`` on a real batch of ``trainer.train_dataset``; raise :class:`PackingError`
     with the fix when it lets packed sequences see each other.
 
-    Returns ``(probe_collator, packed)`` for :func:`packtools.check_isolation`: the trainer's collator fed rows
+    Returns ``(probe_collator, packed)`` for :func:`packtools.integrations.check_isolation`: the trainer's collator fed rows
     shaped like the dataset's, and whether the dataset is packed (has ``seq_lengths``).  ``(None, True)`` when
     there is no dataset to sample (the probe then uses its own ``PaddingFreeCollator``).
     """
@@ -359,7 +359,7 @@ def check_preference_collator(trainer: Any) -> None:
             f"prepare_dpo_trainer flattens TRL's layout (one right-padded row per chosen and per rejected "
             f"sequence, chosen rows first) into a padding-free row; a row holding several sequences would let "
             f"them attend to each other. Fix: leave data_collator unset (TRL's DataCollatorForPreference), and "
-            f"for packed pairs pass prepare_dpo_trainer(trainer, train_dataset=packtools.pack_preference(...))."
+            f"for packed pairs pass prepare_dpo_trainer(trainer, train_dataset=packtools.dpo.pack_preference(...))."
         )
 
 

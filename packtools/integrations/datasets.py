@@ -447,7 +447,7 @@ def packed_view(
     Takes what :func:`pack_dataset` takes -- a ``datasets.Dataset`` (in memory or memory-mapped, with
     select/shuffle mappings; a ``DatasetDict`` gives a dict of views) or a ``pyarrow.Table`` -- and plans the
     same rows, but copies no token: ``view[i]`` gathers row ``i`` (a dict of NumPy arrays with
-    ``seq_lengths``), :class:`~packtools.ArrowCollator` gathers a whole batch, and ``view.materialize()``
+    ``seq_lengths``), :class:`~packtools.batches.ArrowCollator` gathers a whole batch, and ``view.materialize()``
     returns exactly what ``pack_dataset`` (``pack_table`` for a table) returns for the same arguments.
 
     >>> from datasets import Dataset

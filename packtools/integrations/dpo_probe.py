@@ -1,6 +1,6 @@
 """The isolation probe of the DPO path, run through the forward that training really calls.
 
-:func:`packtools.check_isolation` checks a batch built by ``PaddingFreeCollator``; ``DPOTrainer`` under
+:func:`packtools.integrations.check_isolation` checks a batch built by ``PaddingFreeCollator``; ``DPOTrainer`` under
 :func:`packtools.prepare_dpo_trainer` sends something else: TRL's padded ``[2 * pairs, T]`` batch, flattened by
 packtools' padding-free forward into one row (``position_ids``, ``cu_seq_lens``, ``seq_idx`` where the model
 takes it).  :func:`check_padding_free_forward` runs a few sequences through that installed forward, as one

@@ -225,11 +225,17 @@ def _translate(err: Exception, model_name: str, impl: str | None) -> PackingErro
     text = str(err)
     if "packed sequences apart" not in text:
         return None
-    return PackingError(
+    return PackingError(_mixer_refusal(model_name, impl, (), text))
+
+
+def _mixer_refusal(model_name: str, impl: str | None, mixers: Sequence[str], detail: str) -> str:
+    layers = f" {list(mixers)[:3]}" if mixers else ""
+    return (
         f"{model_name} with attn_implementation={impl!r} cannot keep packed sequences apart on this machine: "
-        f"{text} Its convolution / state-space / linear-attention layers separate sequences only with "
+        f"its convolution / state-space / linear-attention layers{layers} separate sequences only with "
         f"seq_idx or cu_seq_lens, which the PyTorch fallback ignores. Fix: train on CUDA with those kernels "
-        f"installed, or do not pack (PaddingFreeCollator(padding_free=False, unpacked=True) on unpacked rows)."
+        f"installed, or do not pack (PaddingFreeCollator(padding_free=False, unpacked=True) on unpacked rows). "
+        f"{detail}"
     )
 
 
@@ -302,7 +308,7 @@ def check_isolation(
     ...
     packtools.errors.PackingError: LlamaForCausalLM with attn_implementation='eager' lets packed sequences see each other...
     """
-    torch = require("torch", "packtools.check_isolation")
+    torch = require("torch", "packtools.integrations.check_isolation")
     lengths = _check_lengths(lengths)
     base = _base_model(model)
     impl = attention_implementation(model)
@@ -374,6 +380,12 @@ def check_isolation(
     )
     if report.leaks and raise_on_leak:
         mixers = token_mixing_layers(model)
+        if mixers and "seq_idx" in keys:
+            # transformers <= 5.0 runs these layers' PyTorch fallback on seq_idx without refusing (later ones
+            # raise, see _translate): the same refusal, from the measured leak.
+            raise PackingError(
+                _mixer_refusal(name, impl, mixers, f"packed logits move by {perturb:.1e}.\n{report}")
+            )
         raise PackingError(
             f"{name} with attn_implementation={impl!r} lets packed sequences see each other: the logits of a "
             f"sequence in a packed batch differ by up to {max(diffs):.1e} from the sequence run alone and move "

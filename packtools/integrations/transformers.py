@@ -399,7 +399,7 @@ def _probe_collator(collator: Any) -> Any:
 def run_probe(
     trainer: Any, *extra_models: Any, switched: Sequence[Any] = (), collator: Any = None, packed: bool = True
 ) -> None:
-    """Run :func:`packtools.check_isolation` on the trainer's model (and ``extra_models``) unless sharded.
+    """Run :func:`packtools.integrations.check_isolation` on the trainer's model (and ``extra_models``) unless sharded.
 
     ``switched`` are the models :func:`use_segmented_sdpa` switched: if the probe fails, they go back to
     ``sdpa`` and are probed again, so the error names either the model's own leak or packtools' backend.
@@ -407,7 +407,7 @@ def run_probe(
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
         warnings.warn(
             "prepare_trainer: the isolation probe was skipped because the model is sharded (DeepSpeed/FSDP) "
-            "and cannot be run before train(); run packtools.check_isolation on an unsharded copy of the "
+            "and cannot be run before train(); run packtools.integrations.check_isolation on an unsharded copy of the "
             "model (same class, config and attn_implementation) to check it.",
             stacklevel=3,
         )
@@ -456,7 +456,7 @@ def prepare_trainer(
 
     With ``check_isolation=True`` (the default) it first checks the trainer's own ``data_collator`` on a real
     batch of its train dataset and refuses one that merges packed sequences, with the fix
-    (:mod:`packtools.integrations.collator_check`), then runs :func:`packtools.check_isolation` once through
+    (:mod:`packtools.integrations.collator_check`), then runs :func:`packtools.integrations.check_isolation` once through
     that collator: a few short sequences through the model, packed as the collator packs them and alone, under
     ``no_grad`` (well under a second for small models; a few forward passes of ~24 tokens for large ones),
     and raises :class:`~packtools.errors.PackingError` if packed sequences leak into each other.

@@ -11,7 +11,7 @@ model:
   scattered back into the padded layout (they are zero on padding, as TRL's are).  Padding costs a few
   integer tensors, never a forward.  The policy, a separate reference model, the reference under a disabled
   PEFT adapter and the reference log-probabilities precomputed later (``evaluate``) all go through it.
-* **Packed pairs.**  With ``train_dataset=`` the output of :func:`packtools.pack_preference`, micro-batches are
+* **Packed pairs.**  With ``train_dataset=`` the output of :func:`packtools.dpo.pack_preference`, micro-batches are
   whole packed rows (``per_device_train_batch_size`` rows, so a steady token count); a
   :class:`~packtools.batches.preference.PreferenceCollator` lays their pairs out the way TRL's loss expects.
 * **Gradient accumulation.**  TRL averages its loss over the pairs of each micro-batch and ``Trainer`` divides
@@ -82,7 +82,7 @@ def padding_free_layout(attention_mask: Any) -> tuple[Any, Any, Any]:
     if not torch.equal(valid, attention_mask.bool()):
         raise PackingError(
             "the preference batch is not right-padded (its attention_mask has holes or left padding); packtools "
-            "flattens TRL's DataCollatorForPreference layout. Use TRL's collator or packtools.PreferenceCollator."
+            "flattens TRL's DataCollatorForPreference layout. Use TRL's collator or packtools.dpo.PreferenceCollator."
         )
     if bool((lengths == 0).any()):
         raise PackingError("the preference batch has an empty sequence; every sequence needs a token.")
@@ -259,7 +259,7 @@ def _use_packed_dataset(trainer: Any, dataset: Any) -> None:
     missing = [c for c in PAIR_ROW_COLUMNS if c not in names]
     if missing:
         raise PackingError(
-            f"train_dataset must be packtools.pack_preference output; it lacks {missing} (has {names}).",
+            f"train_dataset must be packtools.dpo.pack_preference output; it lacks {missing} (has {names}).",
             param="train_dataset",
         )
     pair_columns = []
@@ -300,7 +300,7 @@ def prepare_dpo_trainer(
 
     Build the trainer as usual (any dataset TRL takes), then call this before ``train()``.  Without
     ``train_dataset`` each micro-batch of TRL's pairs runs through the model as one padding-free row.  With
-    ``train_dataset=packtools.pack_preference(trainer.train_dataset, max_length, ...)`` the trainer trains on
+    ``train_dataset=packtools.dpo.pack_preference(trainer.train_dataset, max_length, ...)`` the trainer trains on
     packed pair rows instead (TRL 1.16 cannot take a tokenized or packed dataset in its constructor, so the
     packed rows come in here; pack ``trainer.train_dataset`` with ``columns=["ref_chosen_logps",
     "ref_rejected_logps"]`` when ``precompute_ref_log_probs=True``)::
@@ -315,7 +315,7 @@ def prepare_dpo_trainer(
     gets ``per_device_train_batch_size`` rows per micro-batch, the same number of micro-batches everywhere, and
     no row is repeated (:mod:`packtools.integrations.budget_loader`).
     With ``check_isolation=True`` (the default) the policy and the reference model first go through
-    :func:`packtools.check_isolation` (tiny inputs, no gradients): a model whose packed sequences leak is
+    :func:`packtools.integrations.check_isolation` (tiny inputs, no gradients): a model whose packed sequences leak is
     refused before training; ``check_isolation=False`` skips it.
 
     With ``segmented_sdpa=True`` (the default) ``sdpa`` models are switched to packtools' per-sequence

@@ -25,7 +25,7 @@ statistics, so a rerun whose fingerprint matches does nothing; timings are retur
 Preference data (``prompt``/``chosen``/``rejected``) is staged the same way and then written as pairs by
 :func:`packtools.pipeline.preference.write_packed_preference`: each pair's ``[prompt + chosen][prompt +
 rejected]`` side by side in a row, never split (``input_ids``, ``completion_mask``, ``seq_lengths``; see
-:func:`packtools.pack_preference`).
+:func:`packtools.dpo.pack_preference`).
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ def _refuse_packed(schemas: Sequence[pa.Schema], files: Sequence[InputFile]) -> 
         if found:
             raise PackingError(
                 f"{f.path!r} has {found}, so it is already packed; packing it again would merge its sequences "
-                f"(whichever columns are chosen). Unpack it first (packtools.unpack) and pack the result, or "
+                f"(whichever columns are chosen). Unpack it first (packtools.core.unpack) and pack the result, or "
                 f"pack the original unpacked data."
             )
 

@@ -1,27 +1,35 @@
-"""``pack_shards``: :func:`packtools.pack_files` with ``plan="shards"`` (kept for code written against it).
+"""``pack_shards``, deprecated: call :func:`packtools.pack_files` with ``plan="shards"``.
 
 There is one engine and one output format: ``pack_shards(inputs, out, max_length, ...)`` is
 ``pack_files(inputs, out, max_length, ..., plan="shards", part_rows=shard_rows)``, which plans every input part
 (a parquet row-group range of about ``shard_rows`` rows, a JSON-lines byte range or a file) on its own and
-writes the same ``datasets.load_from_disk`` folder with ``manifest.json``.
+writes the same ``datasets.load_from_disk`` folder with ``manifest.json``.  Calling it warns
+(``DeprecationWarning``) and then makes exactly that call.
 
->>> import os, tempfile, pyarrow as pa, pyarrow.parquet as pq
+>>> import os, tempfile, warnings, pyarrow as pa, pyarrow.parquet as pq
 >>> d = tempfile.mkdtemp()
 >>> pq.write_table(pa.table({"input_ids": [[1, 2, 3], [4, 5], [6]]}), os.path.join(d, "a.parquet"))
->>> res = pack_shards([os.path.join(d, "a.parquet")], os.path.join(d, "out"), max_length=4)
->>> res.stats["rows_out"], res.stats["plan"]
-(2, 'shards')
+>>> with warnings.catch_warnings(record=True) as caught:
+...     warnings.simplefilter("always")
+...     res = pack_shards([os.path.join(d, "a.parquet")], os.path.join(d, "out"), max_length=4)
+>>> res.stats["rows_out"], res.stats["plan"], caught[0].category.__name__
+(2, 'shards', 'DeprecationWarning')
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from .run import PipelineResult, pack_files
 
 DEFAULT_SHARD_ROWS = 1 << 17
+SHARDS_DEPRECATED = (
+    "packtools.pack_shards is deprecated: call packtools.pack_files(inputs, out, max_length, strategy, "
+    "plan='shards', part_rows=N) (the same engine and output; shard_rows is part_rows)"
+)
 
 
 def pack_shards(
@@ -34,8 +42,9 @@ def pack_shards(
     shard_rows: int | None = DEFAULT_SHARD_ROWS,
     **kwargs: Any,
 ) -> PipelineResult:
-    """:func:`packtools.pack_files` with ``plan="shards"``; ``shard_rows`` is ``part_rows`` and ``kwargs`` go
-    to :func:`~packtools.pack_files` (``executor``, ``workers``, ``address``, ``retries``, ...)."""
+    """Deprecated: :func:`packtools.pack_files` with ``plan="shards"``; ``shard_rows`` is ``part_rows`` and
+    ``kwargs`` go to :func:`~packtools.pack_files` (``executor``, ``workers``, ``address``, ``retries``, ...)."""
+    warnings.warn(SHARDS_DEPRECATED, DeprecationWarning, stacklevel=2)
     if isinstance(columns, str):
         columns = [columns]
     return pack_files(

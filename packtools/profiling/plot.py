@@ -1,4 +1,4 @@
-"""Plots and a shareable HTML report of a :class:`~packtools.LengthProfile` (extra ``packtools[plot]``).
+"""Plots and a shareable HTML report of a :class:`~packtools.profiling.LengthProfile` (extra ``packtools[plot]``).
 
 Not imported by ``packtools``; matplotlib is imported inside the functions.  With ``ax=None`` the plot
 functions open a new pyplot figure (shown inline in notebooks); pass ``ax`` to draw into your own figure.

@@ -213,8 +213,8 @@ class LengthProfile:
         """For static shapes: the padding share that rounding batches up to ``K`` bucket sizes costs.
 
         Packs the lengths with ``strategy`` at ``max_length``, batches the packed rows with
-        :class:`~packtools.TokenBudgetBatchSampler` (``max_tokens``), and for each ``K`` in ``candidates``
-        chooses the sizes (:func:`~packtools.choose_buckets`, ``max_tokens`` the largest); the first row is
+        :class:`~packtools.batches.TokenBudgetBatchSampler` (``max_tokens``), and for each ``K`` in ``candidates``
+        chooses the sizes (:func:`~packtools.batches.choose_buckets`, ``max_tokens`` the largest); the first row is
         no bucketing (padding 0, one shape per distinct batch length).
 
         >>> t = LengthProfile([5, 2, 3, 1, 7, 4]).bucket_tradeoffs(8, 16, candidates=[1, 2])

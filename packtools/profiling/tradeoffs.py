@@ -219,7 +219,7 @@ def tradeoff_row(profile: LengthProfile, max_length: int, batch_size: int) -> Tr
 
 
 def tradeoff_table(profile: LengthProfile, candidates: Iterable[int], batch_size: int = 8) -> TradeoffTable:
-    """See :meth:`packtools.LengthProfile.tradeoffs`."""
+    """See :meth:`packtools.profiling.LengthProfile.tradeoffs`."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise PackingError(f"batch_size={batch_size!r} must be a positive int (sequences per padded batch).")
     rows = tuple(tradeoff_row(profile, m, int(batch_size)) for m in _check_candidates(candidates))
@@ -236,7 +236,7 @@ FIELDS = tuple(f.name for f in fields(Tradeoff))
 class BucketTradeoff:
     """One candidate number of bucket sizes ``k`` (``None``: no buckets, every batch its own length).
 
-    ``buckets``: the sizes :func:`~packtools.choose_buckets` picks; ``shapes``: distinct batch lengths over the
+    ``buckets``: the sizes :func:`~packtools.batches.choose_buckets` picks; ``shapes``: distinct batch lengths over the
     epoch (what ``torch.compile(dynamic=False)`` compiles once each); ``padding``: pad tokens / all tokens.
     """
 
@@ -299,7 +299,7 @@ def bucket_table(
     multiple_of: int = 1,
     seed: int = 0,
 ) -> BucketTable:
-    """See :meth:`packtools.LengthProfile.bucket_tradeoffs`."""
+    """See :meth:`packtools.profiling.LengthProfile.bucket_tradeoffs`."""
     from ..batches.buckets import bucket_padding, choose_buckets
     from ..batches.sampler import TokenBudgetBatchSampler
 

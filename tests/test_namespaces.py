@@ -1,0 +1,129 @@
+"""The front door is small, every namespace lists and resolves its names, and the names that left the front
+door still resolve there with a DeprecationWarning naming their new home."""
+
+import doctest
+import importlib
+import importlib.util
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import packtools
+
+NAMESPACES = [
+    "packtools",
+    "packtools.core",
+    "packtools.batches",
+    "packtools.integrations",
+    "packtools.pipeline",
+    "packtools.profiling",
+    "packtools.dpo",
+]
+FRONT_DOOR = {
+    "PackPlan",
+    "PackingError",
+    "PaddingFreeCollator",
+    "pack_dataset",
+    "pack_files",
+    "pack_table",
+    "packed_view",
+    "plan",
+    "prepare_dpo_trainer",
+    "prepare_trainer",
+    "profile_lengths",
+}
+# name that left the front door -> its new home
+MOVED = {
+    "STRATEGIES": "packtools.core",
+    "truncate_table": "packtools.core",
+    "unpack": "packtools.core",
+    "warmup": "packtools.core",
+    "ArrowCollator": "packtools.batches",
+    "PackedRows": "packtools.batches",
+    "PackedView": "packtools.batches",
+    "TokenBudgetBatchSampler": "packtools.batches",
+    "choose_buckets": "packtools.batches",
+    "varlen_attention": "packtools.batches",
+    "truncate_dataset": "packtools.integrations",
+    "pack_ray_dataset": "packtools.integrations",
+    "packed_sft_config": "packtools.integrations",
+    "use_segmented_sdpa": "packtools.integrations",
+    "check_isolation": "packtools.integrations",
+    "pack_preference": "packtools.dpo",
+    "PreferenceCollator": "packtools.dpo",
+    "sequence_logps": "packtools.dpo",
+    "LengthProfile": "packtools.profiling",
+}
+NEEDS = {"packtools.integrations": "datasets", "packtools.dpo": "datasets"}
+
+
+def test_front_door_is_small():
+    assert set(packtools.__all__) == FRONT_DOOR
+    public = {n for n in dir(packtools) if not n.startswith("_")}
+    # dir() lists the lazily imported names too, and no name that moved away
+    assert FRONT_DOOR <= public and not public & set(MOVED)
+
+
+@pytest.mark.parametrize("name", NAMESPACES)
+def test_namespace_lists_and_resolves_its_names(name):
+    module = importlib.import_module(name)
+    lazy = getattr(module, "_EXPORTS", getattr(module, "_LAZY", {}))
+    for attr in module.__all__:
+        assert attr in dir(module), f"{name}.{attr} missing from dir()"
+        if attr in lazy and not all(importlib.util.find_spec(m) for m in ("torch", "transformers", "trl")):
+            continue  # needs an optional extra this environment lacks
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a listed name never warns
+            obj = getattr(module, attr)
+        if attr in lazy:  # the very object its defining module holds
+            assert obj is getattr(importlib.import_module(lazy[attr]), attr)
+
+
+def test_unknown_name_is_an_attribute_error():
+    for name in NAMESPACES:
+        with pytest.raises(AttributeError, match="no attribute 'nope'"):
+            importlib.import_module(name).nope  # noqa: B018
+
+
+@pytest.mark.parametrize("name", sorted(MOVED))
+def test_moved_name_warns_and_is_the_same_object(name):
+    home = MOVED[name]
+    if home in NEEDS:
+        pytest.importorskip(NEEDS[home])
+    with pytest.warns(
+        DeprecationWarning, match=rf"moved to {home}: use `from {home} import {name}`"
+    ) as caught:
+        old = getattr(packtools, name)
+    assert caught[0].filename == __file__  # the warning points at the caller, not at packtools
+    assert old is getattr(importlib.import_module(home), name)
+    assert name in importlib.import_module(home).__all__
+
+
+def test_pack_shards_warns_once_when_called_not_when_read():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        func = packtools.pack_shards  # reading it is silent: the call says what to use instead
+    from packtools.pipeline.shards import SHARDS_DEPRECATED, pack_shards
+
+    assert func is pack_shards and "plan='shards'" in SHARDS_DEPRECATED
+
+
+@pytest.mark.parametrize("name", [*(n for n in NAMESPACES if n != "packtools"), "packtools._lazy"])
+def test_namespace_docstring_example_runs(name):
+    if name in NEEDS:
+        pytest.importorskip(NEEDS[name])
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_namespaces_import_light():
+    code = (
+        "import sys, packtools, packtools.batches, packtools.integrations, packtools.pipeline, packtools.dpo, "
+        "packtools.profiling; print(sorted(m for m in ('torch', 'datasets', 'transformers', 'trl', 'matplotlib', "
+        "'ray', 'packtools.pipeline.run') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
