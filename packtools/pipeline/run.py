@@ -55,7 +55,8 @@ from ..io.manifest import MANIFEST_FORMAT, read_manifest, write_manifest
 from .executors import EXECUTORS, Executor, get_executor, is_transient
 from .fast_tokenize import check_engine, engine_summary
 from .gather import WriteJob, shard_name, write_block, write_dataset_files
-from .stage import StageJob, load_sidecar, stage_key, stage_part
+from .stage import load_sidecar, stage_part
+from .stage_cache import adopt_cached, stage_jobs
 from .tokenize import FORMATS, detect_format, input_columns, output_columns
 from .workspace import Workspace, checkpoint
 
@@ -605,24 +606,20 @@ def _run(
 ) -> PipelineResult:
     tok_fp = fp["tokenizer_sha256"]
     parts: list[Part] = [p for f in files for p in split_file(f, config.part_rows, config.part_bytes)]
-    jobs = []
-    for part in parts:
-        key = stage_key(part, fmt, tuple(columns), tuple(types), tok_fp, config.add_eos)
-        jobs.append(
-            StageJob(
-                part,
-                fmt,
-                tuple(columns),
-                tuple(types),
-                config.tokenizer,
-                config.add_eos,
-                os.path.join(ws.stage, key + ".arrow"),
-                os.path.join(ws.stage, key + ".npz"),
-                single_threaded=getattr(executor, "name", executor) != "local",
-                tokenizer_engine=config.tokenizer_engine,
-            )
-        )
-    timings: dict[str, Any] = {"parts": len(parts)}
+    jobs = stage_jobs(
+        parts,
+        fmt,
+        columns,
+        types,
+        tok_fp,
+        config.tokenizer,
+        config.add_eos,
+        ws.stage,
+        single_threaded=getattr(executor, "name", executor) != "local",
+        tokenizer_engine=config.tokenizer_engine,
+    )
+    from_cache = adopt_cached(jobs)  # parts `packtools profile --tokenizer` staged: not tokenized again
+    timings: dict[str, Any] = {"parts": len(parts), "parts_from_stage_cache": from_cache}
     ex = get_executor(executor, workers, address)
     timings["executor"] = ex.name
     try:

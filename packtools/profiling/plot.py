@@ -237,6 +237,7 @@ img { max-width: 100%; display: block; margin: 1em 0; }
 .reason { background: #f6fbf4; border-left: 4px solid #2ca02c; padding: 0.6em 1em; }
 dt { font-weight: bold; } dd { margin: 0 0 0.5em 1.5em; }
 tr.chosen td { background: #fff3c4; font-weight: bold; }
+.flag { background: #fff4f0; border-left: 4px solid #d62728; padding: 0.6em 1em; }
 """
 
 _DEFINITIONS = (
@@ -260,6 +261,25 @@ _DEFINITIONS = (
 )
 
 
+def _rules_html(rec: Recommendation) -> str:
+    """Both rules side by side (the recommended one marked), and the flags."""
+    if not rec.options:
+        return ""
+    head = (
+        "<tr><th>rule</th><th>max_length</th><th>sequences cut</th><th>tokens bfd drops</th><th>rows bfd</th>"
+        "<th>rows bfd_split</th><th>attention cost</th></tr>"
+    )
+    chosen = ' class="chosen"'
+    rows = "".join(
+        f"<tr{chosen if o.rule == rec.rule else ''}><td>{html.escape(o.label)}</td>"
+        f"<td>{o.max_length:,}</td><td>{o.sequences_cut:,}</td><td>{o.tokens_dropped_bfd:,}</td>"
+        f"<td>{o.bfd_rows:,}</td><td>{o.bfd_split_rows:,}</td><td>{o.attention:.3g}x ({o.strategy})</td></tr>"
+        for o in rec.options
+    )
+    flags = "".join(f'<p class="flag">{html.escape(f)}</p>' for f in rec.flags)
+    return f'<table class="rules">{head}{rows}</table>{flags}'
+
+
 def write_report(
     profile: LengthProfile,
     path: str | os.PathLike[str],
@@ -267,18 +287,26 @@ def write_report(
     max_length: int | None = None,
     *,
     batch_size: int = 8,
-    keep_tokens: float = 0.99,
+    keep_tokens: float | None = None,
     multiple_of: int = 64,
     keep_sequences: float | None = None,
+    max_context: int = 32768,
 ) -> Recommendation:
     """Write one self-contained HTML file: statistics, recommendation, both plots (inline PNG) and the table.
 
     Without ``max_length`` the recommended one is marked; either way it joins the candidates of the table.
-    The recommendation follows :meth:`LengthProfile.recommend` (``keep_sequences`` for ``bfd_split``).
+    The recommendation follows :meth:`LengthProfile.recommend` (default: the sequence rule at 0.99, for
+    ``bfd_split``); both rules are shown side by side with their costs, and any flag (a value above
+    ``max_context``) is printed under them.
     Written atomically; returns the recommendation.
     """
     figure = require("matplotlib.figure", FEATURE)
-    rec = profile.recommend(keep_tokens=keep_tokens, multiple_of=multiple_of, keep_sequences=keep_sequences)
+    rec = profile.recommend(
+        keep_tokens=keep_tokens,
+        multiple_of=multiple_of,
+        keep_sequences=keep_sequences,
+        max_context=max_context,
+    )
     chosen = rec.max_length if max_length is None else max_length
     cands = set(profile.default_candidates() if candidates is None else candidates) | {chosen}
     table = profile.tradeoffs(sorted(cands), batch_size=batch_size)
@@ -305,6 +333,7 @@ def write_report(
 <p>{title}</p>
 <h2>Recommendation</h2>
 <p class="reason">{html.escape(rec.reason)}</p>
+{_rules_html(rec)}
 <h2>Length distribution</h2>
 <img alt="histogram of sequence lengths" src="data:image/png;base64,{images[0]}">
 <table class="stats">{stats}</table>
