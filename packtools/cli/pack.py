@@ -243,4 +243,10 @@ def run(args: argparse.Namespace) -> int:
     )
     if not args.quiet:
         print(format_pipeline_summary(result.stats, result.out, result.cached, result.timings))
+        reused = result.timings.get("parts_from_stage_cache", 0)
+        if reused:
+            print(
+                f"stage cache: {reused} of {result.timings['parts']} part(s) were tokenized by an earlier "
+                f"`packtools profile` and reused, not tokenized again"
+            )
     return 0
