@@ -104,8 +104,8 @@ def profile_files(
 
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
-    if format is None and column != "input_ids":  # a named token column: tokenized data
-        format = "tokenized"
+    if format in (None, "tokenized") and column != "input_ids":  # a named token column: read it as is
+        return ProfiledInput(profile_lengths(list(inputs), column=column, name=name), "tokenized")
     config = PipelineConfig(
         max_length=1,
         format=format,

@@ -503,7 +503,8 @@ def run_pipeline(
         preload_tokenizer(
             config.tokenizer, fmt, config.add_eos, config.tokenizer_engine
         )  # fails here, once, if it cannot load
-        columns, types, left_out = output_columns(fmt), ["int32"] * len(output_columns(fmt)), []
+        columns, types = output_columns(fmt), ["int32"] * len(output_columns(fmt))
+        left_out = [n for n in read_schema(files[0]).names if n not in input_columns(fmt)]
     else:
         columns, types, left_out = token_schema(files, config)
 

@@ -297,8 +297,14 @@ def _lengths_of_array(arr: pa.ChunkedArray | pa.Array, column: str) -> np.ndarra
 
 def _table_column(schema: pa.Schema, column: str, where: str) -> pa.Field:
     if column not in schema.names:
+        if {"text", "messages", "prompt"} & set(schema.names):
+            raise PackingError(
+                f"{where} holds raw text (columns {schema.names}), not token ids: profile it through the "
+                f"tokenizer you will pack with, packtools.profile_files(paths, tokenizer=DIR).",
+                param="tokenizer",
+            )
         raise PackingError(
-            f"{where} has no column {column!r}; it has {schema.names}. Pass column=....",
+            f"{where} has no column {column!r}; it has {schema.names}. Pass column=... naming the token column.",
             param="column",
         )
     f = schema.field(column)
