@@ -11,6 +11,7 @@ from .profiling.profile import LengthProfile, profile_lengths
 # pipeline and scale-out modules (kept out of `import packtools`, which every worker process pays).
 _LAZY = {
     "pack_files": "packtools.pipeline.run",
+    "profile_files": "packtools.pipeline.profile",
     "pack_shards": "packtools.pipeline.shards",
     "pack_ray_dataset": "packtools.integrations.ray",
     "ArrowCollator": "packtools.batches.loader",
@@ -62,6 +63,7 @@ __all__ = [
     "plan",
     "prepare_dpo_trainer",
     "prepare_trainer",
+    "profile_files",
     "profile_lengths",
     "sequence_logps",
     "truncate_dataset",

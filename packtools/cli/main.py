@@ -76,7 +76,8 @@ def _flag(exc: BaseException) -> str:
 
 
 def cli_words(message: str, param: str | None = None) -> str:
-    """A library message in command-line words: ``pass tokenizer=DIR`` -> ``pass --tokenizer DIR``.
+    """A library message in command-line words: ``pass tokenizer=DIR`` -> ``pass --tokenizer DIR``; a call
+    written out in Python (``f(x, tokenizer=DIR)``) is left as it is.
 
     >>> cli_words("format='text' needs a tokenizer: pass tokenizer=DIR (a local tokenizer folder).")
     "--format 'text' needs a tokenizer: pass --tokenizer DIR (a local tokenizer folder)."
@@ -86,7 +87,7 @@ def cli_words(message: str, param: str | None = None) -> str:
     import re
 
     for python, flag in _PYTHON_WORDS:
-        message = re.sub(r"(?<![\w-])" + re.escape(python), flag.replace("\\", r"\\"), message)
+        message = re.sub(r"(?<![\w(-])(?<!, )" + re.escape(python), flag.replace("\\", r"\\"), message)
     if param and param not in POSITIONAL:
         message = re.sub(rf"(?<![\w-]){re.escape(param)}=", f"--{param.replace('_', '-')} ", message)
     return re.sub(r"  +", " ", message)

@@ -297,10 +297,11 @@ def _lengths_of_array(arr: pa.ChunkedArray | pa.Array, column: str) -> np.ndarra
 
 def _table_column(schema: pa.Schema, column: str, where: str) -> pa.Field:
     if column not in schema.names:
-        if {"text", "messages", "prompt"} & set(schema.names):
+        if column == "input_ids" and {"text", "messages", "prompt"} & set(schema.names):
             raise PackingError(
                 f"{where} holds raw text (columns {schema.names}), not token ids: profile it through the "
-                f"tokenizer you will pack with, packtools.profile_files(paths, tokenizer=DIR).",
+                f"tokenizer you will pack with: pass tokenizer=DIR, i.e. packtools.profile_files(paths, "
+                f"tokenizer=DIR) (packtools profile PATH --tokenizer DIR).",
                 param="tokenizer",
             )
         raise PackingError(
