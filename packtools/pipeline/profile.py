@@ -11,6 +11,13 @@ What one "sequence" is, per format: ``text``, ``prompt_completion`` and ``messag
 in a row, ``2 * prompt + chosen + rejected`` (``[prompt + chosen][prompt + rejected]``, never split).
 Tokenized input (``input_ids`` ...) needs no stage: its lengths are read from the list offsets
 (:func:`packtools.profile_lengths`), and packed input by its ``seq_lengths``.
+
+>>> import os, tempfile, pyarrow as pa, pyarrow.parquet as pq
+>>> d = tempfile.mkdtemp()
+>>> pq.write_table(pa.table({"input_ids": [[1, 2, 3], [4]]}), os.path.join(d, "t.parquet"))
+>>> res = profile_files(d)
+>>> res.format, res.profile.lengths.tolist(), res.stage
+('tokenized', [3, 1], None)
 """
 
 from __future__ import annotations

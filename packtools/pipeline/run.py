@@ -686,8 +686,9 @@ def _run(
     finally:
         if ex is not executor:
             ex.close()
+    cols = stats.pop("columns", columns)  # preference rows have their own columns
     stats.update(
-        {"format": fmt, "max_length": config.max_length, "columns": columns, "columns_left_out": left_out}
+        {"format": fmt, "max_length": config.max_length, "columns": cols, "columns_left_out": left_out}
     )
     engines = engine_summary([s.get("tokenizer") for s in staged])
     if engines:

@@ -22,6 +22,11 @@ runs only under the exclusive lock, taken without waiting (a busy cache is simpl
 Bounded: after each profile the least recently used entries are removed until the cache holds at most
 ``$PACKTOOLS_STAGE_CACHE_MAX_GB`` (default :data:`DEFAULT_MAX_GB`) GB; the entries of the run that just
 finished are kept.  ``rm -rf`` of the folder is always safe when no packtools run is going.
+
+>>> import tempfile
+>>> d = tempfile.mkdtemp()
+>>> cache_dir(d) == d, evict(d, budget=0)
+(True, (0, 0))
 """
 
 from __future__ import annotations

@@ -14,6 +14,14 @@ The default (neither share given) is the **sequence rule at 0.99**, packed with 
 carries both rules with what each costs (sequences cut, tokens ``bfd`` drops, packed rows, attention cost
 from the real planner), and a flag for any value above ``max_context`` (default :data:`COMMON_CONTEXT`, the
 largest context most fine-tuning runs train with): such a value is never offered without saying so.
+
+>>> from packtools import LengthProfile
+>>> p = LengthProfile([100] * 990 + [50_000] * 10)
+>>> sequence_rule(p, 0.99, 64), token_rule(p, 0.99, 64)
+(128, 49408)
+>>> rec = p.recommend()
+>>> rec.max_length, rec.strategy, [o.max_length for o in rec.options], len(rec.flags)
+(128, 'bfd_split', [128, 49408], 1)
 """
 
 from __future__ import annotations
