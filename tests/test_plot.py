@@ -241,3 +241,14 @@ def test_every_marker_is_labelled_and_no_candidate_loses_its_tick(tmp_path):
     assert labels == ["1,024", "2,048", "4,096", "8,192"]  # none dropped for the chosen value
     assert any(t.get_text() == f"chosen {chosen:,}" for t in bottom.texts)
     fig.savefig(tmp_path / "p.png")
+
+
+def test_report_shows_both_rules_and_flags(tmp_path):
+    lens = [100] * 990 + [50_000] * 10
+    page = tmp_path / "r.html"
+    rec = write_report(profile_lengths(lens), page, [128, 1024], max_context=4096)
+    doc = page.read_text()
+    assert rec.rule == "sequences" and rec.max_length == 128
+    assert doc.count("<tr") >= 2 and "sequences whole &gt;= 99.0% (bfd_split)" in doc
+    assert "tokens kept by bfd &gt;= 99.0%" in doc and "49,408" in doc
+    assert 'class="flag"' in doc and "above 4,096" in doc  # the token rule's value is flagged
