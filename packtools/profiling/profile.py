@@ -29,6 +29,7 @@ from ..constants import SEQ_LENGTHS
 from ..core.arrow import column_lengths, dataset_table, is_list_type
 from ..errors import PackingError
 from ..io.files import IpcReader
+from .packed import file_schema, packed_info, packed_rows, profile_packed
 from .recommend import Recommendation, recommend
 
 if TYPE_CHECKING:
@@ -361,97 +362,6 @@ def _ipc_lengths(path: str, column: str) -> np.ndarray:
         )
 
 
-def packed_rows(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """``(sequence lengths, tokens per row)`` of a packed ``seq_lengths`` column (list of ints per row)."""
-    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
-    seqs, rows = [], []
-    for chunk in chunks:
-        if not is_list_type(chunk.type) or not pa.types.is_integer(chunk.type.value_type):
-            raise PackingError(
-                f"column {SEQ_LENGTHS!r} has type {chunk.type}; packed data holds a list of ints per row."
-            )
-        offsets = np.asarray(chunk.offsets).astype(np.int64)
-        values = np.asarray(chunk.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]], np.int64)
-        cs = np.concatenate(([0], np.cumsum(values)))
-        rows.append(cs[offsets[1:] - offsets[0]] - cs[offsets[:-1] - offsets[0]])
-        seqs.append(values)
-    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
-    return cat(seqs), cat(rows)
-
-
-def _packed_info(
-    row_tokens: np.ndarray, max_length: int | None, source: str, split: str | None
-) -> dict[str, Any]:
-    rows = int(row_tokens.shape[0])
-    m = int(max_length) if max_length else (int(row_tokens.max()) if rows else 0)
-    src = source if max_length else "the longest row: no manifest says the max_length"
-    fill = float(row_tokens.sum()) / (rows * m) if rows and m else 0.0
-    return {"rows": rows, "max_length": m, "source": src, "fill": fill, "split": split}
-
-
-def _manifest_of(paths: Sequence[str | os.PathLike[str]]) -> dict[str, Any] | None:
-    from ..io.manifest import read_manifest
-
-    for p in paths:
-        if os.path.isdir(p):
-            m = read_manifest(p)
-            if m is not None:
-                return m
-    return None
-
-
-def _file_schema(path: str) -> pa.Schema:
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        return pq.read_schema(path)
-    with pa.memory_map(path, "r") as source:
-        return IpcReader(source).schema
-
-
-def _file_column(path: str, column: str) -> pa.ChunkedArray:
-    """A small column read whole (``seq_lengths``: a few ints per packed row)."""
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path, columns=[column]).column(column)
-    with pa.memory_map(path, "r") as source:
-        reader = IpcReader(source)
-        return pa.chunked_array(
-            [b.column(column) for b in reader.batches()], reader.schema.field(column).type
-        ).combine_chunks()
-
-
-def _profile_packed(paths: list[str], given: Sequence[Any], name: str | None) -> LengthProfile:
-    seqs, rows = [], []
-    for p in paths:
-        if SEQ_LENGTHS not in _file_schema(p).names:
-            raise PackingError(
-                f"file {p!r} has no {SEQ_LENGTHS!r} column but other inputs are packed; profile packed and "
-                f"unpacked data apart.",
-                param="paths",
-            )
-        s, r = packed_rows(_file_column(p, SEQ_LENGTHS))
-        seqs.append(s)
-        rows.append(r)
-    manifest = _manifest_of(given) or {}
-    stats = manifest.get("stats", {})
-    split = stats.get("strategy") if stats.get("rows_split") else None
-    info = _packed_info(
-        np.concatenate(rows),
-        stats.get("max_length"),
-        "from manifest.json",
-        split if split in ("bfd_split", "wrapped") else None,
-    )
-    if name is None:
-        name = (
-            os.path.basename(os.path.normpath(os.fspath(given[0])))
-            if len(given) == 1
-            else f"{len(paths)} files"
-        )
-    return LengthProfile(np.concatenate(seqs), name, info)
-
-
 def profile_lengths(source: Any, column: str = "input_ids", name: str | None = None) -> LengthProfile:
     """Profile the sequence lengths of ``source``, reading list offsets only.
 
@@ -474,8 +384,8 @@ def profile_lengths(source: Any, column: str = "input_ids", name: str | None = N
     ):
         given = [source] if isinstance(source, (str, os.PathLike)) else list(source)
         paths = _expand_paths(given)
-        if column == SEQ_LENGTHS or any(SEQ_LENGTHS in _file_schema(p).names for p in paths):
-            return _profile_packed(paths, given, name)
+        if column == SEQ_LENGTHS or any(SEQ_LENGTHS in file_schema(p).names for p in paths):
+            return LengthProfile(*profile_packed(paths, given, name))
         parts = [
             _parquet_lengths(p, column) if p.endswith(".parquet") else _ipc_lengths(p, column) for p in paths
         ]
@@ -484,7 +394,7 @@ def profile_lengths(source: Any, column: str = "input_ids", name: str | None = N
             name = os.path.basename(paths[0]) if len(paths) == 1 else f"{len(paths)} files"
     elif isinstance(source, (pa.Table, pa.RecordBatch)) and SEQ_LENGTHS in source.schema.names:
         seqs, rows = packed_rows(source.column(SEQ_LENGTHS))
-        return LengthProfile(seqs, name, _packed_info(rows, None, "", None))
+        return LengthProfile(seqs, name, packed_info(rows, None, "", None))
     elif isinstance(source, (pa.Table, pa.RecordBatch)):
         _table_column(source.schema, column, "the table")
         lengths = _lengths_of_list(source.column(column))
@@ -505,7 +415,7 @@ def profile_lengths(source: Any, column: str = "input_ids", name: str | None = N
         if SEQ_LENGTHS in table.schema.names:
             col = table.column(SEQ_LENGTHS)
             seqs, rows = packed_rows(col if indices is None else col.take(pa.array(indices)))
-            return LengthProfile(seqs, name, _packed_info(rows, None, "", None))
+            return LengthProfile(seqs, name, packed_info(rows, None, "", None))
         _table_column(table.schema, column, "the dataset")
         lengths = _lengths_of_list(table.column(column))
         if indices is not None:
