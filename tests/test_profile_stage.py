@@ -230,3 +230,13 @@ def test_cli_errors_use_flag_names(tmp_path, capsys):
     assert main(["profile", str(tmp_path / "raw.parquet"), "--column", "ids"]) == 1
     err = capsys.readouterr().err
     assert "--column NAME" in err and "column=" not in err
+
+
+def test_tokenized_json_lines_are_staged_and_reused(tmp_path, cache):
+    rows = [{"input_ids": list(range(n)), "id": n} for n in (3, 9, 1, 40)]
+    data = _write_jsonl(tmp_path / "tok.jsonl", rows)
+    res = profile_files(data)
+    assert res.format == "tokenized" and res.profile.lengths.tolist() == [3, 9, 1, 40]
+    assert res.stage["parts"] == 1 and res.stage["reused"] == 0
+    packed = pack_files(data, tmp_path / "p", 16, "bfd_split")
+    assert packed.timings["parts_from_stage_cache"] == 1 and packed.stats["tokens_in"] == 53

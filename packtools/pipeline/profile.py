@@ -106,7 +106,7 @@ def profile_files(
     (default :func:`packtools.pipeline.stage_cache.cache_dir`, which ``pack`` looks in; ``False`` stages into a
     temporary folder removed afterwards).  ``executor``/``workers`` as for :func:`packtools.pack_files`.
     """
-    from .run import PipelineConfig, data_format, get_executor, run_jobs
+    from .run import PipelineConfig, data_format, get_executor, run_jobs, token_schema
     from .stage_cache import CacheLock, cache_dir, evict, max_bytes, stage_jobs
 
     if isinstance(inputs, (str, os.PathLike)):
@@ -127,22 +127,26 @@ def profile_files(
     if not files:
         raise PackingError(f"no input files in {[os.fspath(i) for i in inputs]}.", param="paths")
     fmt = data_format(files, config)
-    if fmt == "tokenized":
+    if fmt == "tokenized" and all(f.kind != "json" for f in files):  # offsets only: nothing to stage
         prof = profile_lengths([f.path for f in files], column=column, name=name)
         return ProfiledInput(prof, fmt)
-    if tokenizer is None:
+    if fmt == "tokenized":  # token ids in JSON: parsed and checked by the stage, as pack does
+        columns, types, _ = token_schema(files, config)
+        tok_dir = tok_fp = None
+    elif tokenizer is None:
         raise PackingError(
             f"the input is {fmt} data (columns of {files[0].path!r}); tokenize it to profile it: pass "
             f"tokenizer=DIR (a local tokenizer folder), the one you will pack with.",
             param="tokenizer",
         )
-    from .tokenize import check_tokenizer_dir, output_columns, tokenizer_fingerprint
+    else:
+        from .stage import preload_tokenizer
+        from .tokenize import check_tokenizer_dir, output_columns, tokenizer_fingerprint
 
-    tok_dir = check_tokenizer_dir(tokenizer)
-    from .stage import preload_tokenizer
-
-    preload_tokenizer(tok_dir, fmt, add_eos, tokenizer_engine)  # fails here, once, if it cannot load
-    columns = output_columns(fmt)
+        tok_dir = check_tokenizer_dir(tokenizer)
+        preload_tokenizer(tok_dir, fmt, add_eos, tokenizer_engine)  # fails here, once, if it cannot load
+        columns, tok_fp = output_columns(fmt), tokenizer_fingerprint(tok_dir)
+        types = ["int32"] * len(columns)
     keep = stage_cache is not False
     folder = (
         cache_dir(None if stage_cache in (None, True) else stage_cache)
@@ -162,8 +166,8 @@ def profile_files(
         parts,
         fmt,
         columns,
-        ["int32"] * len(columns),
-        tokenizer_fingerprint(tok_dir),
+        types,
+        tok_fp,
         tok_dir,
         add_eos,
         folder,

@@ -325,7 +325,8 @@ def _expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
         if f.kind not in ("parquet", "arrow"):
             raise PackingError(
                 f"input {f.path!r}: the profiler reads tokenized .parquet or .arrow files (or folders of them); "
-                f"tokenize JSON first (packtools pack).",
+                f"for JSON lines use packtools.profile_files(paths) (CLI: packtools profile PATH), which stages them as "
+                f"pack does.",
                 param="paths",
             )
     return [f.path for f in files]
