@@ -19,6 +19,14 @@ Cases, for each format:
   ``LengthProfile(lengths)`` (so both cases end with the same profile).
 - ``profile_lengths``: ``packtools.profile_lengths(path)``.
 On the Arrow file, ``+ tradeoffs`` also runs ``LengthProfile.tradeoffs`` for 4 candidates (12 plans).
+
+``--stage`` measures instead what ``packtools profile --tokenizer`` saves the following ``pack``: raw text
+(``--rows`` JSON lines, lognormal word counts) and a byte-level BPE trained offline; each step in a fresh
+process: ``pack`` alone (empty stage cache), then ``profile`` (which stages into the cache) and ``pack`` again
+(same inputs and tokenizer, into another ``--out``).  Prints each step's stage seconds and whole time, how many
+parts pack took from the cache, and checks that both packs wrote the same bytes::
+
+    python benchmarks/bench_profile.py --stage --rows 200000
 """
 
 from __future__ import annotations
@@ -141,16 +149,86 @@ def measure(case: str, path: str, repeat: int, cold: bool) -> dict:
     }
 
 
+STAGE_STEP = """
+import json, sys, time
+t0 = time.perf_counter()
+step, data, tok, out = sys.argv[1:5]
+if step == "profile":
+    from packtools.pipeline.profile import profile_files
+    res = profile_files(data, tok)
+    print(json.dumps({"stage_s": res.stage["stage_s"], "time_s": time.perf_counter() - t0,
+                      "from_cache": res.stage["reused"], "parts": res.stage["parts"]}))
+else:
+    from packtools import pack_files
+    res = pack_files(data, out, 1024, "bfd_split", tokenizer=tok)
+    print(json.dumps({"stage_s": res.timings["stage_s"], "time_s": time.perf_counter() - t0,
+                      "from_cache": res.timings["parts_from_stage_cache"], "parts": res.timings["parts"]}))
+"""
+
+
+def stage_bench(rows: int, folder: str) -> None:
+    """``pack`` alone vs ``profile`` then ``pack`` (see the module docstring)."""
+    import filecmp
+    import shutil
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from _pipeline_data import CORPUS, build_tokenizer
+
+    os.makedirs(folder, exist_ok=True)
+    tok = build_tokenizer(os.path.join(folder, "tok"))
+    data = os.path.join(folder, f"text-{rows}.jsonl")
+    if not os.path.exists(data):
+        rng = np.random.default_rng(0)
+        words = np.array(" ".join(CORPUS).split())
+        with open(data, "w") as fh:
+            for _ in range(rows):
+                fh.write(
+                    json.dumps({"text": " ".join(rng.choice(words, int(rng.lognormal(3.5, 1.0)) + 1))}) + "\n"
+                )
+    cache = os.path.join(folder, "stage-cache")
+    for d in (cache, os.path.join(folder, "out-a"), os.path.join(folder, "out-b")):
+        shutil.rmtree(d, ignore_errors=True)
+    env = {**os.environ, "PACKTOOLS_STAGE_CACHE": cache}
+
+    def step(name: str, out: str) -> dict:
+        cmd = [sys.executable, "-c", STAGE_STEP, name, data, tok, os.path.join(folder, out)]
+        return json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout)
+
+    alone = step("pack", "out-a")
+    prof = step("profile", "")
+    after = step("pack", "out-b")
+    print(
+        f"{rows:,} texts ({os.path.getsize(data) / 1e6:.1f} MB JSON lines), BPE vocab 400, each step a fresh process"
+    )
+    print(f"{'step':<28} {'stage (s)':>9} {'whole (s)':>9} {'parts from cache':>17}")
+    for name, r in (("pack alone", alone), ("profile --tokenizer", prof), ("pack after profile", after)):
+        print(f"{name:<28} {r['stage_s']:>9.2f} {r['time_s']:>9.2f} {r['from_cache']:>10} of {r['parts']}")
+    a, b = os.path.join(folder, "out-a"), os.path.join(folder, "out-b")
+    same = all(
+        filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False)
+        for n in os.listdir(a)
+        if n != "manifest.json"
+    )
+    print(
+        f"pack's stage after profile / alone: {after['stage_s'] / alone['stage_s']:.3f}x; profile + pack / pack "
+        f"alone (whole): {(prof['time_s'] + after['time_s']) / alone['time_s']:.2f}x; same output bytes: {same}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=10_000_000)
     ap.add_argument("--dir", default="bench_out")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--keep", action="store_true", help="keep the generated files")
+    ap.add_argument("--stage", action="store_true", help="profile --tokenizer then pack: the stage reused")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     ap.add_argument("--cold", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.stage:
+        stage_bench(args.rows, args.dir)
+        return
     if args.case:
         print(json.dumps(run_case(args.case, args.path, args.cold)))
         return

@@ -19,6 +19,7 @@ from .profiling.profile import profile_lengths
 # which every worker process pays).
 _LAZY = {
     "pack_files": "packtools.pipeline.run",
+    "profile_files": "packtools.pipeline.profile",
     "PaddingFreeCollator": "packtools.batches.collate",
     "prepare_trainer": "packtools.integrations.transformers",
     "prepare_dpo_trainer": "packtools.integrations.trl",
@@ -67,5 +68,6 @@ __all__ = [
     "plan",
     "prepare_dpo_trainer",
     "prepare_trainer",
+    "profile_files",
     "profile_lengths",
 ]

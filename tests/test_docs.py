@@ -16,7 +16,6 @@ WITHOUT_EXAMPLES = {
     "packtools.core.kernels",  # plumbing under plan/pack; tests/test_kernels.py and test_nojit.py run it
     "packtools.core.reference",  # the oracle; tests/test_kernels.py compares the kernels with it
     "packtools.io.pages",
-    "packtools.cli.main",
     "packtools.cli.demo",
     "packtools.cli.pack",
     "packtools.cli.profile",
@@ -70,3 +69,48 @@ def test_import_compiles_nothing():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "0"
+
+
+# -- documented defaults match the code -------------------------------------------------------------------
+def _doc(name):
+    import pathlib
+
+    return (pathlib.Path(__file__).parent.parent / name).read_text()
+
+
+def _cli_default(command, dest):
+    from packtools.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if getattr(a, "choices", None) and command in a.choices)
+    return sub.choices[command].get_default(dest)
+
+
+def test_documented_defaults_match_the_code():
+    import re
+
+    from packtools.core.pairs import default_prompt_budget
+    from packtools.pipeline import stage_cache
+    from packtools.profiling import recommend
+
+    pipeline, profiling = _doc("docs/pipeline.md"), _doc("docs/profiling.md")
+    # --max-prompt-length: `max_length // N` in the docs, N from the code
+    for text in (pipeline, _doc("docs/preference.md")):
+        for n in re.findall(r"default `max_length // (\d+)`", text):
+            assert default_prompt_budget(1 << 12) == (1 << 12) // int(n), n
+    assert re.search(r"default `max_length // \d+`", pipeline)
+    assert "not packed" not in pipeline  # preference data is packed, by pairs
+    # the recommendation's default rule and shares, the flag threshold, the CLI defaults
+    assert "sequence rule at 0.99" in profiling and recommend.DEFAULT_KEEP_SEQUENCES == 0.99
+    assert f"`--max-context` (default {recommend.COMMON_CONTEXT})" in profiling
+    assert _cli_default("profile", "max_context") == recommend.COMMON_CONTEXT
+    assert (
+        _cli_default("profile", "keep_tokens") is None and _cli_default("profile", "keep_sequences") is None
+    )
+    m = re.search(r"`--multiple-of` \(default (\d+)\)", profiling)
+    assert m and int(m.group(1)) == _cli_default("profile", "multiple_of")
+    m = re.search(r"`--batch-size` \(padded-batches column, default (\d+)\)", profiling)
+    assert m and int(m.group(1)) == _cli_default("profile", "batch_size")
+    m = re.search(r"`\$PACKTOOLS_STAGE_CACHE_MAX_GB` \(default (\d+)\)", pipeline)
+    assert m and float(m.group(1)) == stage_cache.DEFAULT_MAX_GB
+    # the README's reruns sentence: the same --out is not refused when no run holds it
+    assert "a second run into the same `--out` refuses" not in _doc("README.md")

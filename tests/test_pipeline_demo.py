@@ -30,6 +30,7 @@ def test_demo_small_corpus(tmp_path):
     result = run_demo(out, limit=20, echo=lines.append, quiet=True)
     text = "\n".join(lines)
     assert "percentiles:" in text and "recommended: max_length=" in text
+    assert "both rules (* = recommended):" in text and "kernels compiled or loaded in" in text
     for strategy in ("bfd", "bfd_split", "wrapped"):
         assert strategy in text
     assert [p.strategy for p in result["plans"]] == ["bfd", "bfd_split", "wrapped"]
@@ -49,7 +50,7 @@ def test_demo_small_corpus(tmp_path):
     assert again["packed"].cached
     lines.clear()
     bfd = run_demo(str(tmp_path / "bfd"), limit=20, echo=lines.append, quiet=True, strategy="bfd")
-    assert bfd["recommendation"].keep_tokens == 0.99  # bfd: the library's token rule
+    assert bfd["recommendation"].keep_tokens == 0.99  # bfd: the token rule
     dropped = bfd["packed"].stats["tokens_dropped"]
     assert dropped == bfd["plans"][0].tokens_dropped
     assert (f"dropped {dropped:,} tokens" in "\n".join(lines)) == (dropped > 0)

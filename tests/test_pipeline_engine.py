@@ -157,7 +157,9 @@ def test_token_column_types(tmp_path, capsys):
     pq.write_table(pa.table({"input_ids": ["a b", "c"]}), text_ids)
     assert main(["pack", text_ids, "--out", str(tmp_path / "o2"), "--max-length", "4"]) == 1
     err = capsys.readouterr().err
-    assert "'input_ids' has type string" in err and "--format" not in err and "tokenizer=DIR" in err
+    # in command-line words (issue 23): flags, not Python arguments
+    assert "'input_ids' has type string" in err and "--format 'text' and --tokenizer DIR" in err
+    assert "tokenizer=DIR" not in err and "format=" not in err
     jsonl = tmp_path / "j.jsonl"  # floats in a JSON file: refused naming the file
     jsonl.write_text(json.dumps({"input_ids": [1, 2]}) + "\n" + json.dumps({"input_ids": [1.5, 2]}) + "\n")
     assert main(["pack", str(jsonl), "--out", str(tmp_path / "o3"), "--max-length", "4"]) == 1

@@ -205,4 +205,51 @@ def test_profile_of_files_matches_plot_title(tmp_path):
 def test_tradeoff_tick_labels_never_crowd(profile):
     ax = plot_tradeoffs(profile, [1000, 1100, 4096, 4500], max_length=1100)
     labels = [t.get_text() for t in ax.get_xticklabels()]
-    assert labels == ["", "1,100", "4,096", ""]  # the chosen one wins over its close neighbour
+    # every candidate keeps its label (rotated, as two are close); the chosen one is written at the top
+    assert labels == ["1,000", "4,096", "4,500"]
+    assert [t.get_text() for t in ax.texts] == ["chosen 1,100"]
+    assert all(t.get_rotation() == 40 for t in ax.get_xticklabels())
+
+
+def test_every_marker_is_labelled_and_no_candidate_loses_its_tick(tmp_path):
+    """p99 right next to max_length, and the chosen value next to a candidate: all still labelled."""
+    from matplotlib.figure import Figure
+
+    rng = np.random.default_rng(0)
+    lens = np.clip(rng.lognormal(5.5, 1.2, 20000), 1, 200000).astype(int)
+    profile = profile_lengths(lens)
+    chosen = profile.recommend().max_length  # 3,968: p99 is 3,913 and the candidate 4,096 is next to it
+    assert abs(chosen - profile.percentiles["p99"]) < 0.05 * chosen
+    fig = Figure()
+    top, bottom = fig.subplots(2, 1)
+    plot_lengths(profile, chosen, ax=top)
+    texts = [t.get_text() for t in top.texts]
+    for key in ("p50", "p90", "p99"):
+        assert f"{key} {profile.percentiles[key]:,}" in texts
+    assert f"max {profile.max:,}" in texts and f"max_length {chosen:,}" in texts
+    assert top.get_xlim()[1] > profile.max  # the longest sequence is inside the plot
+    # labels in one row never overlap: the renderer's boxes of the texts at the same height are disjoint
+    fig.canvas.draw()
+    boxes = {}
+    for t in top.texts:
+        boxes.setdefault(round(t.get_position()[1], 6), []).append(t.get_window_extent())
+    for row in boxes.values():
+        row.sort(key=lambda b: b.x0)
+        assert all(a.x1 <= b.x0 + 1 for a, b in zip(row, row[1:]))
+    cands = [1024, 2048, 4096, 8192, chosen]
+    plot_tradeoffs(profile, cands, ax=bottom, max_length=chosen)
+    labels = [t.get_text() for t in bottom.get_xticklabels()]
+    assert labels == ["1,024", "2,048", "4,096", "8,192"]  # none dropped for the chosen value
+    assert any(t.get_text() == f"chosen {chosen:,}" for t in bottom.texts)
+    fig.savefig(tmp_path / "p.png")
+
+
+def test_report_shows_both_rules_and_flags(tmp_path):
+    lens = [100] * 990 + [50_000] * 10
+    page = tmp_path / "r.html"
+    rec = write_report(profile_lengths(lens), page, [128, 1024], max_context=4096)
+    doc = page.read_text()
+    assert rec.rule == "sequences" and rec.max_length == 128
+    assert doc.count("<tr") >= 2 and "sequences whole &gt;= 99.0% (bfd_split)" in doc
+    assert "tokens kept by bfd &gt;= 99.0%" in doc and "49,408" in doc
+    assert 'class="flag"' in doc and "above 4,096" in doc  # the token rule's value is flagged

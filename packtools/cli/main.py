@@ -49,10 +49,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Python argument names that are positional on the command line (shown as the metavar, not as a flag).
+POSITIONAL = {"paths": "PATH", "inputs": "INPUT", "input": "INPUT"}
+#: Python spellings the library's messages use for values a user passes, and the flag that passes them.
+_PYTHON_WORDS = (
+    ("tokenizer=DIR", "--tokenizer DIR"),
+    ("column=...", "--column NAME"),
+    ("columns=[...]", "--columns A,B"),
+    ("format=", "--format "),
+    ("tokenizer=", "--tokenizer "),
+    ("columns=", "--columns "),
+    ("column=", "--column "),
+    ("keep_sequences=", "--keep-sequences "),
+    ("keep_tokens=", "--keep-tokens "),
+    ("multiple_of=", "--multiple-of "),
+    ("max_context=", "--max-context "),
+)
+
+
 def _flag(exc: BaseException) -> str:
     """`` (--flag)`` for an error about one argument (the library names Python arguments), else ``""``."""
     param = getattr(exc, "param", None)
-    return f" (--{param.replace('_', '-')})" if param else ""
+    if not param:
+        return ""
+    return f" ({POSITIONAL[param]})" if param in POSITIONAL else f" (--{param.replace('_', '-')})"
+
+
+def cli_words(message: str, param: str | None = None) -> str:
+    """A library message in command-line words: ``pass tokenizer=DIR`` -> ``pass --tokenizer DIR``; a call
+    written out in Python (``f(x, tokenizer=DIR)``) is left as it is.
+
+    >>> cli_words("format='text' needs a tokenizer: pass tokenizer=DIR (a local tokenizer folder).")
+    "--format 'text' needs a tokenizer: pass --tokenizer DIR (a local tokenizer folder)."
+    >>> cli_words("max_prompt_length=9 must be in [1, max_length=8).", "max_prompt_length")
+    '--max-prompt-length 9 must be in [1, max_length=8).'
+    """
+    import re
+
+    for python, flag in _PYTHON_WORDS:
+        message = re.sub(r"(?<![\w(-])(?<!, )" + re.escape(python), flag.replace("\\", r"\\"), message)
+    if param and param not in POSITIONAL:
+        message = re.sub(rf"(?<![\w-]){re.escape(param)}=", f"--{param.replace('_', '-')} ", message)
+    return re.sub(r"  +", " ", message)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,7 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PackingError, FileNotFoundError, ImportError) as exc:
         if debug:
             traceback.print_exc()
-        print(f"{prog}: error{_flag(exc)}: {exc}", file=sys.stderr)
+        print(
+            f"{prog}: error{_flag(exc)}: {cli_words(str(exc), getattr(exc, 'param', None))}", file=sys.stderr
+        )
         return 1
     except Exception as exc:  # noqa: BLE001 - anything else: still one line, the traceback on --debug
         if debug:

@@ -199,6 +199,24 @@ def _check_file_out(path: str) -> None:
         )
 
 
+def _check_tokenized(path: str, args: argparse.Namespace) -> None:
+    """The in-memory forms take tokenized input only: raw input is told to use ``--out DIR``."""
+    from ..io.files import discover, read_schema
+    from ..pipeline.tokenize import detect_format
+
+    try:
+        fmt = args.format or detect_format(read_schema(discover([path])[0]).names)
+    except PackingError:
+        return  # read_columns says what is wrong with the columns
+    if fmt != "tokenized":
+        what = f"--out {args.out}" if args.out else "no --out"
+        raise PackingError(
+            f"INPUT {path!r} holds {fmt} data, and {what} packs tokenized input in memory only; use --out DIR (a "
+            f"folder) with --tokenizer DIR to tokenize and pack it.",
+            param="out",
+        )
+
+
 def _in_memory(args: argparse.Namespace, max_length: int) -> int:
     """The small forms of the command: one tokenized file (or the built-in sample), packed in memory."""
     columns = args.columns.split(",") if args.columns else None
@@ -214,11 +232,17 @@ def _in_memory(args: argparse.Namespace, max_length: int) -> int:
                 "--out FILE (or no --out) packs one tokenized .parquet/.arrow file in memory; for several inputs, "
                 "directories or text, give --out DIR."
             )
+        _check_tokenized(args.input[0], args)
         if args.out:
             _check_file_out(args.out)
         table = read_table(args.input[0])
         strategies = [args.strategy]
     _, lengths = read_columns(table, columns)
+    from ..core.pack import warmup
+
+    t0 = time.perf_counter()
+    warmup()  # compile (or load) the kernels first: the timings below are the strategies' own
+    print(f"kernels compiled or loaded in {time.perf_counter() - t0:.2f} s (not in the timings below)")
     results = []
     packed = None
     for strategy in strategies:
@@ -274,6 +298,12 @@ def run(args: argparse.Namespace) -> int:
     )
     if not args.quiet:
         print(format_pipeline_summary(result.stats, result.out, result.cached, result.timings))
+        reused = result.timings.get("parts_from_stage_cache", 0)
+        if reused:
+            print(
+                f"stage cache: {reused} of {result.timings['parts']} part(s) were tokenized by an earlier "
+                f"`packtools profile` and reused, not tokenized again"
+            )
     for note in result.notes:
         print(f"packtools pack: note: {note}", file=sys.stderr)
     return 0

@@ -1,11 +1,19 @@
-"""``packtools profile``: the length distribution of tokenized files and what each max_length would do."""
+"""``packtools profile``: the length distribution of a dataset and what each max_length would do.
+
+Tokenized files are read from their list offsets; raw text, chat, prompt/completion and preference files are
+tokenized with ``--tokenizer`` through the same stage as ``packtools pack`` (:mod:`packtools.pipeline.profile`),
+into the shared stage cache, so a following ``pack`` of the same inputs tokenizes nothing again.  Packed
+input (a ``seq_lengths`` column) is profiled by its sequences and its rows' fill.
+"""
 
 from __future__ import annotations
 
 import argparse
 
+from ..constants import INPUT_FORMATS
 from ..errors import PackingError
 from ..profiling.profile import LengthProfile, profile_lengths
+from ..profiling.recommend import COMMON_CONTEXT
 
 
 def _int_list(text: str) -> list[int]:
@@ -23,13 +31,46 @@ def _int_list(text: str) -> list[int]:
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "profile",
-        help="length distribution and max_length tradeoffs of tokenized files (no input: a built-in sample)",
-        description="Profile sequence lengths of one dataset made of PATH... (.parquet / .arrow files or "
-        "directories), reading list offsets only, then print the tradeoff table of every strategy at each "
-        "candidate max_length and a recommended max_length. Without PATH, profiles a built-in sample "
-        "(the standard library's sources, byte-level).",
+        help="choose max_length: length distribution and tradeoffs of raw, tokenized or packed data "
+        "(no input: a built-in sample)",
+        description="Profile the sequence lengths of one dataset made of PATH... (.jsonl/.json, .parquet, "
+        ".arrow files, directories, save_to_disk or packtools output folders), then print the tradeoff table "
+        "of every strategy at each candidate max_length and a recommended max_length with both rules side "
+        "by side. Tokenized files are read from their list offsets; raw text, chat, prompt/completion and "
+        "preference data are tokenized with --tokenizer through the same stage as `packtools pack`, kept in "
+        "the stage cache ($PACKTOOLS_STAGE_CACHE, default ~/.cache/packtools/stage), so a following "
+        "`packtools pack` of the same inputs with the same tokenizer does not tokenize again. Packed data "
+        "(seq_lengths) is profiled by its sequences and its rows' fill. Without PATH, profiles a built-in "
+        "sample (the standard library's sources, byte-level).",
     )
-    p.add_argument("paths", nargs="*", metavar="PATH", help=".parquet / .arrow files or directories")
+    p.add_argument(
+        "paths", nargs="*", metavar="PATH", help="input files, directories or dataset folders (as for pack)"
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="local tokenizer folder: tokenizes raw input as `packtools pack --tokenizer DIR` would",
+    )
+    p.add_argument(
+        "--format",
+        choices=INPUT_FORMATS,
+        help="input format, as for pack (default: from the columns)",
+    )
+    p.add_argument("--no-eos", action="store_true", help="as for pack: do not append EOS when tokenizing")
+    p.add_argument(
+        "--tokenizer-engine",
+        choices=("auto", "fast", "transformers"),
+        default="auto",
+        help="as for pack (the ids are the same)",
+    )
+    p.add_argument(
+        "--workers", type=int, help="tokenize on a pool of this many processes (default: this one)"
+    )
+    p.add_argument(
+        "--no-stage-cache",
+        action="store_true",
+        help="do not keep the tokenized parts for a following pack (they are staged in a temporary folder)",
+    )
     p.add_argument(
         "--column", default="input_ids", help="list column holding the token ids (default input_ids)"
     )
@@ -47,20 +88,28 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     keep = p.add_mutually_exclusive_group()
     keep.add_argument(
-        "--keep-tokens",
-        type=float,
-        default=0.99,
-        help="share of tokens bfd must keep at the recommended max_length (default 0.99)",
-    )
-    keep.add_argument(
         "--keep-sequences",
         type=float,
-        help="recommend for bfd_split instead: the share of sequences the recommended max_length holds whole "
-        "(bfd_split keeps every token and cuts only the longer ones), e.g. 0.99",
+        help="the sequence rule (the default, at 0.99): the recommended max_length holds this share of the "
+        "sequences whole; pack with bfd_split, which keeps every token and cuts only the longer ones",
+    )
+    keep.add_argument(
+        "--keep-tokens",
+        type=float,
+        help="the token rule instead: bfd (which truncates) keeps this share of the tokens at the recommended "
+        "max_length, e.g. 0.99 (on long-tailed data it asks for a much larger max_length)",
     )
     p.add_argument(
         "--multiple-of", type=int, default=64, help="the recommended max_length is a multiple of this"
     )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=COMMON_CONTEXT,
+        help=f"a recommended max_length above this is flagged (default {COMMON_CONTEXT}: the largest context "
+        "most fine-tuning runs train with)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar while tokenizing")
     p.add_argument("--plot", help="write both plots to this .png / .svg / .pdf file")
     p.add_argument("--html", help="write a self-contained HTML report to this file")
     return p
@@ -68,7 +117,25 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def load_profile(args: argparse.Namespace) -> LengthProfile:
     if args.paths:
-        return profile_lengths(args.paths, column=args.column, name=args.name)
+        from ..pipeline.profile import profile_files
+
+        res = profile_files(
+            args.paths,
+            args.tokenizer,
+            format=args.format,
+            column=args.column,
+            add_eos=not args.no_eos,
+            tokenizer_engine=args.tokenizer_engine,
+            stage_cache=False if args.no_stage_cache else None,
+            executor="pool" if args.workers and args.workers > 1 else "local",
+            workers=args.workers,
+            quiet=args.quiet,
+            name=args.name,
+        )
+        args._stage_text = res.to_text()
+        if args.tokenizer and res.format == "tokenized":
+            args._stage_text = "note: the input is already tokenized; --tokenizer was not used"
+        return res.profile
     from ..pipeline.sample import stdlib_table
 
     table = stdlib_table()
@@ -77,20 +144,28 @@ def load_profile(args: argparse.Namespace) -> LengthProfile:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.max_length is not None and args.max_length < 1:
-        raise PackingError(f"--max-length must be >= 1, got {args.max_length}.")
+    for flag, value in (("--max-length", args.max_length), ("--max-context", args.max_context)):
+        if value is not None and value < 1:
+            raise PackingError(f"{flag} must be >= 1, got {value}.")
     profile = load_profile(args)
     rec = profile.recommend(
-        keep_tokens=args.keep_tokens, multiple_of=args.multiple_of, keep_sequences=args.keep_sequences
+        keep_tokens=args.keep_tokens,
+        multiple_of=args.multiple_of,
+        keep_sequences=args.keep_sequences,
+        max_context=args.max_context,
     )
     chosen = args.max_length if args.max_length is not None else rec.max_length
     candidates = sorted(set(args.candidates or profile.default_candidates()) | {chosen})
     table = profile.tradeoffs(candidates, batch_size=args.batch_size)
+    stage_text = getattr(args, "_stage_text", "")
+    if stage_text:
+        print(stage_text)
+        print()
     print(profile.to_text())
     print()
     print(table.to_text())
     print()
-    print(f"recommended: {rec.reason}")
+    print(rec.to_text())
     if args.max_length is not None:
         print(f"chosen: --max-length {chosen:,} (its row is in the table; plots mark it)")
     if args.plot:
@@ -114,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
             keep_tokens=args.keep_tokens,
             multiple_of=args.multiple_of,
             keep_sequences=args.keep_sequences,
+            max_context=args.max_context,
         )
         print(f"wrote report to {args.html}")
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ from ..core.pack import pack_columns, read_columns, truncate_table
 from ..core.plan import PackPlan, Strategy, check_max_length, check_strategy
 from ..core.plan import plan as make_plan
 from ..errors import PackingError
+from .drops import DropReport, TokensDroppedWarning, warn_dropped
 
 DEFAULT_WINDOW = 100_000
 
@@ -130,7 +132,7 @@ def _pack_split(
         mapped = ds_mod.table.MemoryMappedTable.from_file(path)
         out = ds_mod.Dataset(mapped, split=dataset.split, fingerprint=fingerprint)
     added = [SEQ_LENGTHS] if SEQ_LENGTHS in out.column_names else []
-    return _restore_format(out, dict(dataset.format), added)
+    return _restore_format(out, dict(dataset.format), added), DropReport.from_plan(p)
 
 
 def pack_dataset(
@@ -143,6 +145,7 @@ def pack_dataset(
     seed: int = 0,
     window: int = DEFAULT_WINDOW,
     keep_in_memory: bool | None = None,
+    return_report: bool = False,
 ) -> Any:
     """Pack a ``datasets.Dataset``, ``DatasetDict`` or ``IterableDataset`` into rows of ``max_length`` tokens.
 
@@ -170,6 +173,11 @@ def pack_dataset(
     cannot tell rows that were concatenated with none of these left (e.g. ``seq_lengths`` removed from
     packtools output that had no ``position_ids``): keep ``seq_lengths`` with packed data.
 
+    Tokens dropped (``bfd`` cuts sequences longer than ``max_length``) raise a
+    :class:`~packtools.integrations.drops.TokensDroppedWarning` with their share and the ``bfd_split`` hint;
+    ``return_report=True`` returns ``(packed, report)`` (a :class:`~packtools.integrations.drops.DropReport`, a
+    dict of them for a ``DatasetDict``; not for an ``IterableDataset``, packed lazily).
+
     ``shuffle=True`` reorders the packed rows with ``seed`` (BFD emits the fullest rows first); for an
     ``IterableDataset`` each window is shuffled on its own, with the same seed (shuffle the stream's
     shards too, e.g. ``IterableDataset.shuffle``, for order across windows).
@@ -183,15 +191,24 @@ def pack_dataset(
     strategy = check_strategy(strategy)
     max_length = check_max_length(max_length)
     if isinstance(dataset, ds_mod.DatasetDict):
-        return ds_mod.DatasetDict(
-            {
-                name: _pack_split(split, max_length, strategy, columns, shuffle, seed, keep_in_memory)
-                for name, split in dataset.items()
-            }
-        )
+        results = {
+            name: _pack_split(split, max_length, strategy, columns, shuffle, seed, keep_in_memory)
+            for name, split in dataset.items()
+        }
+        for name, (_, report) in results.items():
+            warn_dropped(report, "pack_dataset", name)
+        out = ds_mod.DatasetDict({name: r[0] for name, r in results.items()})
+        return (out, {name: r[1] for name, r in results.items()}) if return_report else out
     if isinstance(dataset, ds_mod.Dataset):
-        return _pack_split(dataset, max_length, strategy, columns, shuffle, seed, keep_in_memory)
+        out, report = _pack_split(dataset, max_length, strategy, columns, shuffle, seed, keep_in_memory)
+        warn_dropped(report, "pack_dataset")
+        return (out, report) if return_report else out
     if isinstance(dataset, ds_mod.IterableDataset):
+        if return_report:
+            raise PackingError(
+                "return_report=True needs a Dataset: an IterableDataset is packed lazily, window by window.",
+                param="return_report",
+            )
         return _pack_iterable(dataset, max_length, strategy, columns, shuffle, seed, window)
     raise PackingError(
         f"dataset must be a datasets.Dataset, DatasetDict or IterableDataset, got {type(dataset).__name__}; "
@@ -225,21 +242,36 @@ def _pack_iterable(
     return packed.with_format(fmt_type)
 
 
-def truncate_dataset(dataset: Any, max_length: int, columns: Sequence[str] | None = None) -> Any:
+def truncate_dataset(
+    dataset: Any, max_length: int, columns: Sequence[str] | None = None, *, return_report: bool = False
+) -> Any:
     """Keep the first ``max_length`` values of each list column (all, or those named) of a dataset.
 
-    Works on ``Dataset`` and ``DatasetDict`` (and on a ``pyarrow.Table``); the format is kept.
+    Works on ``Dataset`` and ``DatasetDict`` (and on a ``pyarrow.Table``); the format is kept.  Tokens cut
+    (counted on ``input_ids``, else the first truncated column) raise a
+    :class:`~packtools.integrations.drops.TokensDroppedWarning`; ``return_report=True`` returns
+    ``(truncated, report)``.
 
     >>> from datasets import Dataset
     >>> truncate_dataset(Dataset.from_dict({"input_ids": [[1, 2, 3], [4]]}), 2)[:]
     {'input_ids': [[1, 2], [4]]}
     """
     if isinstance(dataset, pa.Table):
-        return truncate_table(dataset, max_length, columns)
+        out = truncate_table(dataset, max_length, columns)
+        report = _truncate_report(dataset, max_length, columns)
+        warn_dropped(report, "truncate_dataset")
+        return (out, report) if return_report else out
     ds_mod = _datasets()
     max_length = check_max_length(max_length)
     if isinstance(dataset, ds_mod.DatasetDict):
-        return ds_mod.DatasetDict({k: truncate_dataset(v, max_length, columns) for k, v in dataset.items()})
+        results = {}
+        for k, v in dataset.items():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", TokensDroppedWarning)
+                results[k] = truncate_dataset(v, max_length, columns, return_report=True)
+            warn_dropped(results[k][1], "truncate_dataset", k)
+        out = ds_mod.DatasetDict({k: r[0] for k, r in results.items()})
+        return (out, {k: r[1] for k, r in results.items()}) if return_report else out
     if not isinstance(dataset, ds_mod.Dataset):
         raise PackingError(
             f"dataset must be a datasets.Dataset or DatasetDict, got {type(dataset).__name__}."
@@ -251,7 +283,19 @@ def truncate_dataset(dataset: Any, max_length: int, columns: Sequence[str] | Non
     out = ds_mod.Dataset(
         truncate_table(table, max_length, columns), split=dataset.split, fingerprint=fingerprint
     )
-    return _restore_format(out, dict(dataset.format), [])
+    report = _truncate_report(table, max_length, columns)
+    warn_dropped(report, "truncate_dataset")
+    out = _restore_format(out, dict(dataset.format), [])
+    return (out, report) if return_report else out
+
+
+def _truncate_report(table: pa.Table, max_length: int, columns: Sequence[str] | None) -> DropReport:
+    from ..core.arrow import column_lengths, is_list_type
+
+    names = [f.name for f in table.schema if is_list_type(f.type)] if columns is None else list(columns)
+    name = "input_ids" if "input_ids" in names else (names[0] if names else None)
+    lengths = column_lengths(table.column(name)) if name else np.zeros(0, np.int64)
+    return DropReport.from_lengths(lengths, max_length, "truncate")
 
 
 def pack_preference(
@@ -290,8 +334,6 @@ def pack_preference(
     >>> pack_preference(ds, 8)[:]["seq_lengths"]
     [[3, 3], [2, 3]]
     """
-    import warnings
-
     from ..core.pairs import pack_pairs
     from ..core.shared_pairs import pack_shared_pairs
 
@@ -368,7 +410,7 @@ class DatasetView(PackedView):
         """Every packed row, as :func:`pack_dataset` with the same arguments returns them (same plan, same
         format, same cache file for a memory-mapped dataset; ``keep_in_memory`` as there)."""
         a = self._args
-        return _pack_split(
+        packed, _ = _pack_split(
             self.dataset,
             self.plan.max_length,
             self.plan.strategy,
@@ -378,6 +420,7 @@ class DatasetView(PackedView):
             keep_in_memory,
             plan=self.plan,
         )
+        return packed
 
     def __getstate__(self) -> dict[str, Any]:
         return {"dataset": self.dataset, "plan": self.plan, "args": self._args, "columns": self._names}
@@ -441,6 +484,7 @@ def packed_view(
     shuffle: bool = False,
     seed: int = 0,
     columns: Sequence[str] | None = None,
+    return_report: bool = False,
 ) -> Any:
     """Packed rows of ``dataset`` gathered on demand from its Arrow buffers: a :class:`PackedView`.
 
@@ -457,19 +501,27 @@ def packed_view(
     (3, [8, 9, 10, 11], [3, 1])
     >>> view.materialize()[:] == pack_dataset(ds, 4)[:]
     True
+
+    Tokens the plan drops raise a :class:`~packtools.integrations.drops.TokensDroppedWarning`, as in
+    :func:`pack_dataset`; ``return_report=True`` returns ``(view, report)``.
     """
     strategy = check_strategy(strategy)
     max_length = check_max_length(max_length)
     if isinstance(dataset, pa.Table):
-        return PackedView.from_table(
+        tview = PackedView.from_table(
             dataset, max_length, strategy, shuffle=shuffle, seed=seed, columns=columns
         )
+        return _reported(tview, "packed_view", return_report)
     ds_mod = _datasets()
     if isinstance(dataset, ds_mod.DatasetDict):
-        return {
-            name: packed_view(split, max_length, strategy, shuffle=shuffle, seed=seed, columns=columns)
-            for name, split in dataset.items()
-        }
+        views = {}
+        for name, split in dataset.items():
+            views[name] = packed_view(
+                split, max_length, strategy, shuffle=shuffle, seed=seed, columns=columns
+            )
+        if not return_report:
+            return views
+        return views, {name: DropReport.from_plan(v.plan) for name, v in views.items()}
     if isinstance(dataset, ds_mod.IterableDataset):
         raise PackingError(
             "an IterableDataset has no random access, so it cannot be viewed by row; pack it as a stream with "
@@ -487,4 +539,10 @@ def packed_view(
     )
     view.dataset = dataset
     view._args = {"columns": None if columns is None else list(columns), "shuffle": shuffle, "seed": seed}
-    return view
+    return _reported(view, "packed_view", return_report)
+
+
+def _reported(view: Any, what: str, return_report: bool) -> Any:
+    report = DropReport.from_plan(view.plan)
+    warn_dropped(report, what, stacklevel=3)
+    return (view, report) if return_report else view

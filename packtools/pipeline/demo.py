@@ -63,9 +63,11 @@ def run_demo(
     """Profile, recommend ``max_length``, compare strategies, plot and pack the stdlib corpus into ``out``.
 
     The recommendation follows the strategy the corpus is packed with (``bfd_split`` by default: no token is
-    dropped): for ``bfd_split`` and ``wrapped`` the smallest ``max_length`` that holds ``keep`` of the sequences
-    whole, for ``bfd`` the smallest at which ``bfd`` keeps ``keep`` of the tokens (the library's default rule,
-    0.99); with ``bfd`` the summary says how many tokens it dropped.  Strategies are timed after the kernels are compiled.
+    dropped): for ``bfd_split`` and ``wrapped`` the sequence rule (the library's default), the smallest
+    ``max_length`` that holds ``keep`` of the sequences whole; for ``bfd`` the token rule, the smallest at which
+    ``bfd`` keeps ``keep`` of the tokens; both rules are printed side by side.  With ``bfd`` the summary says
+    how many tokens it dropped.  Strategies are timed after the kernels are compiled (the compile time is
+    printed apart).
 
     Writes ``out/corpus/stdlib-definitions.parquet`` (kept between runs), ``out/lengths.png`` (with
     matplotlib) and ``out/packed`` (a ``datasets.load_from_disk`` folder).  Returns what it printed, as data.
@@ -99,12 +101,14 @@ def run_demo(
         rec = profile.recommend(keep_tokens=keep)
     else:
         rec = profile.recommend(keep_sequences=keep)
-    echo(f"\nrecommended: {rec.reason}")
+    echo("\n" + rec.to_text())
     chosen = max_length if max_length is not None else rec.max_length
     if max_length is not None:
         echo(f"chosen: --max-length {chosen:,}")
     lengths = profile.lengths
+    t0 = time.perf_counter()
     warmup()  # compile (or load) the kernels first, so the timings below are the strategies' own
+    echo(f"\nkernels compiled or loaded in {time.perf_counter() - t0:.2f} s (not in the strategy timings)")
     results = []
     for s in STRATEGIES:
         t = time.perf_counter()

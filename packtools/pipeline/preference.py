@@ -73,6 +73,7 @@ def write_packed_preference(
         "tokens_dropped": report.tokens_dropped,
         "shards": len(shards.paths),
         "packed": True,
+        "columns": packed.column_names,
     }
 
 

@@ -47,18 +47,19 @@ from ..constants import __version__
 from ..core.plan import PackPlan, check_max_length, check_strategy
 from ..core.plan import plan as make_plan
 from ..errors import PackingError
-from ..io.files import InputFile, Part, find_inputs, skipped_notes, split_file
+from ..io.files import InputFile, Part, find_inputs, read_schema, skipped_notes, split_file
 from ..io.fingerprint import cache_key
 from ..io.manifest import MANIFEST_FORMAT, read_manifest, write_manifest
 from .char_drops import check_on_unencodable
 from .executors import EXECUTORS, Executor, get_executor, is_transient
-from .fast_tokenize import check_audit_rate, check_engine, engine_key, engine_summary
+from .fast_tokenize import check_audit_rate, check_engine, engine_summary
 from .gather import WriteJob, run_token, shard_name, write_block, write_dataset_files
 from .outcheck import check_out, check_replaceable
 from .schema import data_format, known_columns, token_schema
-from .stage import StageJob, load_sidecar, stage_key, stage_part
+from .stage import load_sidecar, stage_part
+from .stage_cache import adopt_cached, stage_jobs
 from .summary import tokenizer_timings
-from .tokenize import FORMATS, output_columns
+from .tokenize import FORMATS, input_columns, output_columns
 from .workspace import Workspace, checkpoint, left_behind_notes, tidy_after_dead_run
 
 OVERLONG = ("truncate", "drop", "split")
@@ -395,7 +396,9 @@ def run_pipeline(
         )  # fmt: skip
         proven = freeze_report(tok.report.to_dict())
         early.update(tokenizer_timings(tok, time.perf_counter() - t_tok))
-        columns, types, left_out = output_columns(fmt), ["int32"] * len(output_columns(fmt)), []
+        columns, types = output_columns(fmt), ["int32"] * len(output_columns(fmt))
+        read = set(input_columns(fmt))  # every file's other columns are listed as left out
+        left_out = list(dict.fromkeys(n for f in files for n in read_schema(f).names if n not in read))
     else:
         columns, types, left_out = token_schema(files, config)
         proven = None
@@ -503,31 +506,24 @@ def _run(
 ) -> PipelineResult:
     tok_fp = fp["tokenizer_sha256"]
     parts: list[Part] = [p for f in files for p in split_file(f, config.part_rows, config.part_bytes)]
-    jobs = []
-    for part in parts:
-        key = stage_key(
-            part, fmt, tuple(columns), tuple(types), tok_fp, config.add_eos,
-            engine_key(config.tokenizer_engine), config.on_unencodable,
-        )  # fmt: skip
-        jobs.append(
-            StageJob(
-                part,
-                fmt,
-                tuple(columns),
-                tuple(types),
-                config.tokenizer,
-                config.add_eos,
-                os.path.join(ws.stage, key + ".arrow"),
-                os.path.join(ws.stage, key + ".npz"),
-                single_threaded=getattr(executor, "name", executor) != "local",
-                tokenizer_engine=config.tokenizer_engine,
-                known_columns=known_columns(columns, left_out) if fmt == "tokenized" else None,
-                engine_proven=proven,
-                audit_rate=config.tokenizer_audit,
-                on_unencodable=config.on_unencodable,
-            )
-        )
-    timings: dict[str, Any] = {"parts": len(parts)}
+    jobs = stage_jobs(
+        parts,
+        fmt,
+        columns,
+        types,
+        tok_fp,
+        config.tokenizer,
+        config.add_eos,
+        ws.stage,
+        single_threaded=getattr(executor, "name", executor) != "local",
+        tokenizer_engine=config.tokenizer_engine,
+        known_columns=known_columns(columns, left_out) if fmt == "tokenized" else None,
+        engine_proven=proven,
+        audit_rate=config.tokenizer_audit,
+        on_unencodable=config.on_unencodable,
+    )
+    from_cache = adopt_cached(jobs)  # parts `packtools profile --tokenizer` staged: not tokenized again
+    timings: dict[str, Any] = {"parts": len(parts), "parts_from_stage_cache": from_cache}
     ex = get_executor(executor, workers, address)
     timings["executor"] = ex.name
     try:
@@ -605,8 +601,9 @@ def _run(
     finally:
         if ex is not executor:
             ex.close()
+    cols = stats.pop("columns", columns)  # preference rows have their own columns
     stats.update(
-        {"format": fmt, "max_length": config.max_length, "columns": columns, "columns_left_out": left_out}
+        {"format": fmt, "max_length": config.max_length, "columns": cols, "columns_left_out": left_out}
     )
     engines = engine_summary([s.get("tokenizer") for s in staged])
     if engines:  # per-part reports (kept in the sidecars), so a rerun after a kill writes the same manifest

@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import math
 import os
 import textwrap
 from collections.abc import Iterable
@@ -58,6 +59,25 @@ def _tokens(x: float, _pos: object = None) -> str:
     return f"{x:g}"
 
 
+def _stagger(xs: list[float], decades: float, width: float = 0.14) -> list[int]:
+    """A text row for each label at ``xs`` (log axis spanning ``decades``) so that no two in a row overlap:
+    labels whose centres are closer than ``width`` of the axis go to the next row up."""
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    rows: list[list[float]] = []
+    levels = [0] * len(xs)
+    for i in order:
+        pos = math.log10(max(xs[i], 1)) / max(decades, 1e-9)
+        for r, taken in enumerate(rows):
+            if all(abs(pos - q) >= width for q in taken):
+                taken.append(pos)
+                levels[i] = r
+                break
+        else:
+            rows.append([pos])
+            levels[i] = len(rows) - 1
+    return levels
+
+
 def plot_lengths(profile: LengthProfile, max_length: int | None = None, ax: Axes | None = None) -> Axes:
     """Histogram of sequence lengths on a log length axis, with percentile markers and ``max_length``.
 
@@ -78,25 +98,57 @@ def plot_lengths(profile: LengthProfile, max_length: int | None = None, ax: Axes
         label="sequences per bin",
     )
     ax.set_xscale("log")
-    ax.set_xlim(edges[0], max(edges[-1], (max_length or 0) * 1.15))
     if counts.sum() == 0:
         ax.text(0.5, 0.5, "no non-empty sequences", transform=ax.transAxes, ha="center", va="center")
-    for (key, value), color in zip(profile.percentiles.items(), PERCENTILE_COLORS):
-        if value > 0:
-            ax.axvline(value, color=color, linestyle="--", linewidth=1.2, label=f"{key} = {value:,} tokens")
+    marks = []  # (x, short label, color): every marker is also written at the top of the plot
     if max_length is not None:
         share = profile.num_truncated(max_length) / profile.count if profile.count else 0.0
         dropped = 1.0 - profile.tokens_kept_share(max_length)
         ax.axvline(
             max_length,
             color=MAX_LENGTH_COLOR,
-            linewidth=2.2,
+            linewidth=2.6,
+            alpha=0.55,
+            zorder=2,
             label=f"max_length = {max_length:,}\n  truncates {share:.2%} of sequences\n"
             f"  bfd drops {dropped:.2%} of tokens",
         )
-        right = ax.get_xlim()[1]
-        if right > max_length:
-            ax.axvspan(max_length, right, color=MAX_LENGTH_COLOR, alpha=0.07, linewidth=0)
+        marks.append((max_length, f"max_length {max_length:,}", MAX_LENGTH_COLOR))
+    for (key, value), color in zip(profile.percentiles.items(), PERCENTILE_COLORS):
+        if value > 0:  # drawn over the max_length line, so a percentile next to it stays visible
+            ax.axvline(
+                value, color=color, linestyle="--", linewidth=1.2, zorder=3, label=f"{key} = {value:,} tokens"
+            )
+            marks.append((value, f"{key} {value:,}", color))
+    if profile.max > 0:
+        ax.axvline(
+            profile.max,
+            color="black",
+            linestyle=":",
+            linewidth=1.4,
+            zorder=3,
+            label=f"max = {profile.max:,} tokens",
+        )
+        marks.append((profile.max, f"max {profile.max:,}", "black"))
+    right = max(edges[-1], profile.max, max_length or 0) * 1.6
+    ax.set_xlim(edges[0], right)
+    if max_length is not None and right > max_length:
+        ax.axvspan(max_length, right, color=MAX_LENGTH_COLOR, alpha=0.07, linewidth=0)
+    top = float(counts.max()) if counts.size and counts.max() > 0 else 1.0
+    levels = _stagger([x for x, _, _ in marks], math.log10(right / edges[0]))
+    ax.set_ylim(0, top * (1.12 + 0.09 * (max(levels, default=0) + 1)))
+    for (x, text, color), level in zip(marks, levels):
+        ax.text(
+            x,
+            top * (1.06 + 0.09 * level),
+            text,
+            color=color,
+            fontsize=7.5,
+            ha="center",
+            va="bottom",
+            zorder=4,
+            bbox=dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none", alpha=0.85),
+        )
     ax.xaxis.set_major_formatter(ticker.FuncFormatter(_tokens))
     ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _p: f"{y:,.0f}"))
     ax.set_xlabel("sequence length (tokens, log scale)")
@@ -162,16 +214,28 @@ def plot_tradeoffs(
             alpha=0.8,
             label=f"chosen max_length = {max_length:,}",
         )
+        # the chosen value is written at the top, next to its line: no candidate's tick label gives way to it
+        ax.annotate(
+            f"chosen {max_length:,}",
+            (max_length, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(0, 3),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            color=MAX_LENGTH_COLOR,
+            fontsize=8,
+            fontweight="bold",
+        )
     ax.set_xscale("log", base=2)
-    # label ticks at least 1.35x apart (the chosen max_length first), so rotated labels never overlap
-    labeled: list[int] = []
-    for x in ([max_length] if max_length in xs else []) + xs:
-        if all(max(x, y) / min(x, y) >= 1.35 for y in labeled):
-            labeled.append(x)
-    ax.set_xticks(xs, labels=[f"{x:,}" if x in labeled else "" for x in xs])
+    ticks = [x for x in xs if x != max_length] or xs  # every candidate is labelled
+    ax.set_xticks(ticks, labels=[f"{x:,}" for x in ticks])
     ax.xaxis.set_minor_formatter(ticker.NullFormatter())
-    if len(xs) > 5:
-        ax.tick_params(axis="x", labelrotation=30)
+    close = any(b / a < 1.5 for a, b in zip(ticks, ticks[1:]))
+    if len(ticks) > 5 or close:
+        ax.tick_params(axis="x", labelrotation=40, labelsize=8)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
     if len(xs) == 1:
         ax.set_xlim(xs[0] / 1.5, xs[0] * 1.5)
     low = min(min(ys) for _, ys, _ in series) * 100
@@ -184,6 +248,7 @@ def plot_tradeoffs(
             textwrap.wrap(f"{profile.name or 'dataset'}: what each strategy does at each max_length", 80)
         ),
         fontsize=11,
+        pad=14,
     )
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
@@ -237,6 +302,7 @@ img { max-width: 100%; display: block; margin: 1em 0; }
 .reason { background: #f6fbf4; border-left: 4px solid #2ca02c; padding: 0.6em 1em; }
 dt { font-weight: bold; } dd { margin: 0 0 0.5em 1.5em; }
 tr.chosen td { background: #fff3c4; font-weight: bold; }
+.flag { background: #fff4f0; border-left: 4px solid #d62728; padding: 0.6em 1em; }
 """
 
 _DEFINITIONS = (
@@ -260,6 +326,25 @@ _DEFINITIONS = (
 )
 
 
+def _rules_html(rec: Recommendation) -> str:
+    """Both rules side by side (the recommended one marked), and the flags."""
+    if not rec.options:
+        return ""
+    head = (
+        "<tr><th>rule</th><th>max_length</th><th>sequences cut</th><th>tokens bfd drops</th><th>rows bfd</th>"
+        "<th>rows bfd_split</th><th>attention cost</th></tr>"
+    )
+    chosen = ' class="chosen"'
+    rows = "".join(
+        f"<tr{chosen if o.rule == rec.rule else ''}><td>{html.escape(o.label)}</td>"
+        f"<td>{o.max_length:,}</td><td>{o.sequences_cut:,}</td><td>{o.tokens_dropped_bfd:,}</td>"
+        f"<td>{o.bfd_rows:,}</td><td>{o.bfd_split_rows:,}</td><td>{o.attention:.3g}x ({o.strategy})</td></tr>"
+        for o in rec.options
+    )
+    flags = "".join(f'<p class="flag">{html.escape(f)}</p>' for f in rec.flags)
+    return f'<table class="rules">{head}{rows}</table>{flags}'
+
+
 def write_report(
     profile: LengthProfile,
     path: str | os.PathLike[str],
@@ -267,18 +352,26 @@ def write_report(
     max_length: int | None = None,
     *,
     batch_size: int = 8,
-    keep_tokens: float = 0.99,
+    keep_tokens: float | None = None,
     multiple_of: int = 64,
     keep_sequences: float | None = None,
+    max_context: int = 32768,
 ) -> Recommendation:
     """Write one self-contained HTML file: statistics, recommendation, both plots (inline PNG) and the table.
 
     Without ``max_length`` the recommended one is marked; either way it joins the candidates of the table.
-    The recommendation follows :meth:`LengthProfile.recommend` (``keep_sequences`` for ``bfd_split``).
+    The recommendation follows :meth:`LengthProfile.recommend` (default: the sequence rule at 0.99, for
+    ``bfd_split``); both rules are shown side by side with their costs, and any flag (a value above
+    ``max_context``) is printed under them.
     Written atomically; returns the recommendation.
     """
     figure = require("matplotlib.figure", FEATURE)
-    rec = profile.recommend(keep_tokens=keep_tokens, multiple_of=multiple_of, keep_sequences=keep_sequences)
+    rec = profile.recommend(
+        keep_tokens=keep_tokens,
+        multiple_of=multiple_of,
+        keep_sequences=keep_sequences,
+        max_context=max_context,
+    )
     chosen = rec.max_length if max_length is None else max_length
     cands = set(profile.default_candidates() if candidates is None else candidates) | {chosen}
     table = profile.tradeoffs(sorted(cands), batch_size=batch_size)
@@ -305,6 +398,7 @@ def write_report(
 <p>{title}</p>
 <h2>Recommendation</h2>
 <p class="reason">{html.escape(rec.reason)}</p>
+{_rules_html(rec)}
 <h2>Length distribution</h2>
 <img alt="histogram of sequence lengths" src="data:image/png;base64,{images[0]}">
 <table class="stats">{stats}</table>

@@ -25,9 +25,12 @@ import numpy as np
 import pyarrow as pa
 
 from .._optional import is_instance
+from ..constants import SEQ_LENGTHS
 from ..core.arrow import column_lengths, dataset_table, is_list_type
 from ..errors import PackingError
 from ..io.files import IpcReader
+from .packed import file_schema, packed_info, packed_rows, profile_packed
+from .recommend import Recommendation, recommend
 
 if TYPE_CHECKING:
     from .tradeoffs import BucketTable, TradeoffTable
@@ -39,21 +42,6 @@ BATCH_TOKENS = 1 << 20  # about this many values decoded per parquet batch
 
 def _pct_key(q: float) -> str:
     return f"p{q:g}"
-
-
-@dataclass(frozen=True, eq=False)
-class Recommendation:
-    """A ``max_length`` and why: ``str(rec)`` is the reason in words."""
-
-    max_length: int
-    reason: str
-    keep_tokens: float | None
-    tokens_kept_share: float
-    truncated_share: float
-    keep_sequences: float | None = None
-
-    def __str__(self) -> str:
-        return self.reason
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,6 +63,8 @@ class LengthProfile:
 
     lengths: np.ndarray = field(repr=False)
     name: str | None = None
+    #: For packed input (a ``seq_lengths`` column): its rows, ``max_length`` and fill (:func:`packed_rows`).
+    packed: dict[str, Any] | None = None
     count: int = field(init=False)
     total_tokens: int = field(init=False)
     empty: int = field(init=False)
@@ -171,11 +161,20 @@ class LengthProfile:
     def to_text(self) -> str:
         """A short multi-line description, as the CLI prints it."""
         pct = "  ".join(f"{k}={v:,}" for k, v in self.percentiles.items())
-        return (
+        text = (
             f"{self.title}\n"
             f"length (tokens): min={self.min:,}  mean={self.mean:,.1f}  max={self.max:,}\n"
             f"percentiles: {pct}"
         )
+        if self.packed:
+            k = self.packed
+            text += (
+                f"\npacked input: {k['rows']:,} rows of max_length {k['max_length']:,} ({k['source']}), fill "
+                f"{k['fill']:.2%}; profiled by its {self.count:,} sequences (seq_lengths), not by rows"
+            )
+            if k.get("split"):
+                text += f" (packed with {k['split']}: a sequence cut in pieces counts as its pieces)"
+        return text
 
     def default_candidates(self) -> list[int]:
         """Powers of two from about the median length up to the first one that holds the longest sequence."""
@@ -226,20 +225,32 @@ class LengthProfile:
         return bucket_table(self, max_length, max_tokens, candidates, strategy, multiple_of)
 
     def recommend(
-        self, keep_tokens: float = 0.99, multiple_of: int = 64, *, keep_sequences: float | None = None
+        self,
+        keep_tokens: float | None = None,
+        multiple_of: int = 64,
+        *,
+        keep_sequences: float | None = None,
+        max_context: int = 32768,
     ) -> Recommendation:
-        """The smallest multiple of ``multiple_of`` at which ``bfd`` keeps at least ``keep_tokens`` of the tokens.
+        """A ``max_length`` (a multiple of ``multiple_of``) and why, with both rules side by side.
 
-        With ``keep_sequences`` instead: the smallest multiple at which at least that share of the sequences
-        fits whole -- the rule for ``bfd_split``, which keeps every token at any length and only cuts the
-        longer sequences.  When a few huge sequences hold the token mass, the token rule asks for a huge
-        ``max_length`` and the sequence rule does not.
+        By default (no share given) the **sequence rule at 0.99**: the smallest multiple that holds at least
+        99% of the sequences whole, packed with ``bfd_split`` (which keeps every token and cuts only the
+        longer sequences).  ``keep_sequences=S`` sets that share; ``keep_tokens=T`` instead picks by the token
+        rule, the smallest multiple at which ``bfd`` (truncating) keeps ``T`` of the tokens -- on long-tailed
+        data it asks for a huge ``max_length``.  ``rec.options`` holds both rules with their costs (sequences
+        cut, tokens bfd drops, rows, attention cost); ``rec.flags`` says when a value is above
+        ``max_context`` (see :mod:`packtools.profiling.recommend`).
 
         >>> p = LengthProfile([100] * 98 + [1000, 3000])
-        >>> p.recommend(keep_tokens=0.9).max_length, p.recommend(keep_sequences=0.98).max_length
-        (1664, 128)
+        >>> p.recommend().max_length, p.recommend(keep_sequences=0.98).max_length
+        (1024, 128)
+        >>> p.recommend(keep_tokens=0.9).max_length, [o.max_length for o in p.recommend().options]
+        (1664, [1024, 2880])
         """
-        return recommend(self, keep_tokens, multiple_of, keep_sequences=keep_sequences)
+        return recommend(
+            self, keep_tokens, multiple_of, keep_sequences=keep_sequences, max_context=max_context
+        )
 
 
 def log_edges(max_length: int, per_decade: int = 12) -> np.ndarray:
@@ -249,102 +260,6 @@ def log_edges(max_length: int, per_decade: int = 12) -> np.ndarray:
     edges = np.unique(np.round(np.logspace(0.0, math.log10(top), k + 1)).astype(np.int64))
     edges[0], edges[-1] = 1, top
     return np.unique(edges)
-
-
-def recommend(
-    profile: LengthProfile,
-    keep_tokens: float = 0.99,
-    multiple_of: int = 64,
-    *,
-    keep_sequences: float | None = None,
-) -> Recommendation:
-    """See :meth:`LengthProfile.recommend`."""
-    if keep_sequences is not None:
-        return _recommend_whole(profile, keep_sequences, multiple_of)
-    if isinstance(keep_tokens, bool) or not isinstance(keep_tokens, (int, float)) or not 0 < keep_tokens <= 1:
-        raise PackingError(f"keep_tokens={keep_tokens!r} must be a share of tokens in (0, 1], e.g. 0.99.")
-    if isinstance(multiple_of, bool) or not isinstance(multiple_of, (int, np.integer)) or multiple_of < 1:
-        raise PackingError(f"multiple_of={multiple_of!r} must be a positive int, e.g. 64.")
-    multiple_of = int(multiple_of)
-    total = profile.total_tokens
-    if total == 0:
-        return Recommendation(
-            multiple_of,
-            "the dataset holds no tokens; any max_length keeps everything.",
-            float(keep_tokens),
-            1.0,
-            0.0,
-        )
-    need = math.ceil(Fraction(str(keep_tokens)) * total)
-    lo, hi = 1, -(-profile.max // multiple_of)  # in units of multiple_of; hi keeps every token
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if profile.tokens_kept(mid * multiple_of) >= need:
-            hi = mid
-        else:
-            lo = mid + 1
-    m = lo * multiple_of
-    kept = profile.tokens_kept(m)
-    truncated = profile.num_truncated(m)
-    reason = (
-        f"max_length={m} is the smallest multiple of {multiple_of} at which bfd keeps at least "
-        f"{keep_tokens:.1%} of the tokens: it keeps {kept / total:.2%} ({total - kept:,} of {total:,} dropped) "
-        f"and truncates {truncated:,} of {profile.count:,} sequences ({truncated / profile.count:.2%})."
-    )
-    if m > multiple_of:
-        below = profile.tokens_kept(m - multiple_of)
-        reason += (
-            f" {m - multiple_of} would keep {below:,} tokens, {need - below:,} short of the {need:,} needed."
-        )
-    if truncated == 0:
-        reason += f" Every sequence fits (the longest has {profile.max:,} tokens), so bfd and bfd_split are identical."
-    else:
-        reason += (
-            f" The longest sequence has {profile.max:,} tokens; to keep every token at this length use "
-            f"strategy='bfd_split', or filter the over-long sequences out."
-        )
-    return Recommendation(m, reason, float(keep_tokens), kept / total, truncated / profile.count)
-
-
-def _recommend_whole(profile: LengthProfile, keep_sequences: float, multiple_of: int) -> Recommendation:
-    """The smallest multiple of ``multiple_of`` that holds at least ``keep_sequences`` of the sequences whole."""
-    share = keep_sequences
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-        raise PackingError(
-            f"keep_sequences={share!r} must be a share of sequences in (0, 1], e.g. 0.99.",
-            param="keep_sequences",
-        )
-    if isinstance(multiple_of, bool) or not isinstance(multiple_of, (int, np.integer)) or multiple_of < 1:
-        raise PackingError(
-            f"multiple_of={multiple_of!r} must be a positive int, e.g. 64.", param="multiple_of"
-        )
-    multiple_of = int(multiple_of)
-    if profile.count == 0 or profile.total_tokens == 0:
-        return Recommendation(
-            multiple_of,
-            "the dataset holds no tokens; any max_length keeps everything.",
-            None,
-            1.0,
-            0.0,
-            share,
-        )
-    need = math.ceil(Fraction(str(share)) * profile.count)
-    longest_needed = int(np.sort(profile.lengths)[need - 1])
-    m = max(1, -(-longest_needed // multiple_of)) * multiple_of
-    cut = profile.num_truncated(m)
-    kept_share = profile.tokens_kept(m) / profile.total_tokens
-    reason = (
-        f"max_length={m} is the smallest multiple of {multiple_of} that holds at least {share:.1%} of the "
-        f"sequences whole: {profile.count - cut:,} of {profile.count:,} fit ({(profile.count - cut) / profile.count:.2%})."
-    )
-    if cut:
-        reason += (
-            f" bfd_split cuts the other {cut:,} into max_length chunks and keeps every token; bfd would keep "
-            f"{kept_share:.2%} of the tokens (the longest sequence has {profile.max:,})."
-        )
-    else:
-        reason += " Every sequence fits, so bfd and bfd_split are identical."
-    return Recommendation(m, reason, None, kept_share, cut / profile.count, share)
 
 
 # -- reading lengths from sources --------------------------------------------------------------------
@@ -383,8 +298,15 @@ def _lengths_of_array(arr: pa.ChunkedArray | pa.Array, column: str) -> np.ndarra
 
 def _table_column(schema: pa.Schema, column: str, where: str) -> pa.Field:
     if column not in schema.names:
+        if column == "input_ids" and {"text", "messages", "prompt"} & set(schema.names):
+            raise PackingError(
+                f"{where} holds raw text (columns {schema.names}), not token ids: profile it through the "
+                f"tokenizer you will pack with: pass tokenizer=DIR, i.e. packtools.profile_files(paths, "
+                f"tokenizer=DIR) (packtools profile PATH --tokenizer DIR).",
+                param="tokenizer",
+            )
         raise PackingError(
-            f"{where} has no column {column!r}; it has {schema.names}. Pass column=....",
+            f"{where} has no column {column!r}; it has {schema.names}. Pass column=... naming the token column.",
             param="column",
         )
     f = schema.field(column)
@@ -403,7 +325,8 @@ def _expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
         if f.kind not in ("parquet", "arrow"):
             raise PackingError(
                 f"input {f.path!r}: the profiler reads tokenized .parquet or .arrow files (or folders of them); "
-                f"tokenize JSON first (packtools pack).",
+                f"for JSON lines use packtools.profile_files(paths) (CLI: packtools profile PATH), which stages them as "
+                f"pack does.",
                 param="paths",
             )
     return [f.path for f in files]
@@ -460,13 +383,19 @@ def profile_lengths(source: Any, column: str = "input_ids", name: str | None = N
         and source
         and all(isinstance(s, (str, os.PathLike)) for s in source)
     ):
-        paths = _expand_paths([source] if isinstance(source, (str, os.PathLike)) else list(source))
+        given = [source] if isinstance(source, (str, os.PathLike)) else list(source)
+        paths = _expand_paths(given)
+        if column == SEQ_LENGTHS or any(SEQ_LENGTHS in file_schema(p).names for p in paths):
+            return LengthProfile(*profile_packed(paths, given, name))
         parts = [
             _parquet_lengths(p, column) if p.endswith(".parquet") else _ipc_lengths(p, column) for p in paths
         ]
         lengths = parts[0] if len(parts) == 1 else np.concatenate(parts)
         if name is None:
             name = os.path.basename(paths[0]) if len(paths) == 1 else f"{len(paths)} files"
+    elif isinstance(source, (pa.Table, pa.RecordBatch)) and SEQ_LENGTHS in source.schema.names:
+        seqs, rows = packed_rows(source.column(SEQ_LENGTHS))
+        return LengthProfile(seqs, name, packed_info(rows, None, "", None))
     elif isinstance(source, (pa.Table, pa.RecordBatch)):
         _table_column(source.schema, column, "the table")
         lengths = _lengths_of_list(source.column(column))
@@ -484,6 +413,10 @@ def profile_lengths(source: Any, column: str = "input_ids", name: str | None = N
         )
     elif is_instance(source, "datasets", "Dataset"):
         table, indices = dataset_table(source)
+        if SEQ_LENGTHS in table.schema.names:
+            col = table.column(SEQ_LENGTHS)
+            seqs, rows = packed_rows(col if indices is None else col.take(pa.array(indices)))
+            return LengthProfile(seqs, name, packed_info(rows, None, "", None))
         _table_column(table.schema, column, "the dataset")
         lengths = _lengths_of_list(table.column(column))
         if indices is not None:

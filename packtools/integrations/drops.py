@@ -1,0 +1,80 @@
+"""What packing or truncating left out, as a report and a warning (the Python API never drops tokens silently).
+
+:func:`packtools.pack_dataset`, :func:`packtools.packed_view` and :func:`packtools.truncate_dataset` call
+:func:`warn_dropped` with a :class:`DropReport` (and return it with ``return_report=True``): when any token is
+dropped, a :class:`TokensDroppedWarning` says how many, their share, how many sequences were cut, and that
+``strategy='bfd_split'`` keeps every token.
+
+>>> r = DropReport.from_lengths([5, 2, 3], 4, "bfd")
+>>> r.tokens_in, r.tokens_kept, r.tokens_dropped, r.sequences_truncated, f"{r.dropped_share:.0%}"
+(10, 9, 1, 1, '10%')
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class TokensDroppedWarning(UserWarning):
+    """Packing or truncation dropped tokens (filter with ``warnings.filterwarnings``)."""
+
+
+@dataclass(frozen=True)
+class DropReport:
+    """Tokens and sequences in and what ``max_length`` cut (``strategy``: the one used, or ``"truncate"``)."""
+
+    max_length: int
+    strategy: str
+    sequences: int
+    sequences_truncated: int
+    tokens_in: int
+    tokens_kept: int
+
+    @property
+    def tokens_dropped(self) -> int:
+        return self.tokens_in - self.tokens_kept
+
+    @property
+    def dropped_share(self) -> float:
+        return self.tokens_dropped / self.tokens_in if self.tokens_in else 0.0
+
+    @classmethod
+    def from_lengths(cls, lengths: object, max_length: int, strategy: str) -> DropReport:
+        """For ``bfd`` / ``"truncate"``: every sequence cut to ``max_length``; ``bfd_split``/``wrapped`` drop none."""
+        lens = np.asarray(lengths, np.int64)
+        total = int(lens.sum())
+        over = int(np.count_nonzero(lens > max_length))
+        kept = int(np.minimum(lens, max_length).sum()) if strategy in ("bfd", "truncate") else total
+        return cls(max_length, strategy, int(lens.shape[0]), over, total, kept)
+
+    @classmethod
+    def from_plan(cls, plan: object) -> DropReport:
+        lens = plan.source_lengths  # type: ignore[attr-defined]
+        return cls(
+            plan.max_length,  # type: ignore[attr-defined]
+            plan.strategy,  # type: ignore[attr-defined]
+            int(lens.shape[0]),
+            int(np.count_nonzero(lens > plan.max_length)),  # type: ignore[attr-defined]
+            plan.tokens_in,  # type: ignore[attr-defined]
+            plan.tokens_kept,  # type: ignore[attr-defined]
+        )
+
+    def message(self, what: str, split: str = "") -> str:
+        where = f" (split {split!r})" if split else ""
+        how = "truncated" if self.strategy == "truncate" else f"strategy={self.strategy!r}"
+        return (
+            f"{what}{where}: {how} at max_length={self.max_length:,} dropped {self.tokens_dropped:,} of "
+            f"{self.tokens_in:,} tokens ({self.dropped_share:.2%}; the ends of {self.sequences_truncated:,} of "
+            f"{self.sequences:,} sequences longer than max_length). strategy='bfd_split' keeps every token "
+            f"(it splits long sequences); or choose max_length with packtools.profile_lengths(...).recommend(). "
+            f"Pass return_report=True for the counts."
+        )
+
+
+def warn_dropped(report: DropReport, what: str, split: str = "", stacklevel: int = 2) -> None:
+    """A :class:`TokensDroppedWarning` if ``report`` dropped any token."""
+    if report.tokens_dropped:
+        warnings.warn(report.message(what, split), TokensDroppedWarning, stacklevel=stacklevel + 1)

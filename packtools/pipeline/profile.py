@@ -1,0 +1,212 @@
+"""Profile raw input (text, chat, prompt/completion, preference) through the same stage as ``packtools pack``.
+
+:func:`profile_files` finds and splits the input files as :func:`packtools.pack_files` does, stages every
+part with :func:`packtools.pipeline.stage.stage_part` on the chosen executor (reading in blocks and
+tokenizing: out of core, only the lengths are held), and profiles the staged lengths.  The staged parts go
+to the shared stage cache (:mod:`packtools.pipeline.stage_cache`), where a following ``packtools pack`` of the
+same inputs with the same tokenizer (and format, ``add_eos``) finds them: it tokenizes nothing again.
+
+What one "sequence" is, per format: ``text``, ``prompt_completion`` and ``messages`` -- one tokenized row
+(EOS included when ``add_eos``), the length ``pack`` packs; ``preference`` -- one pair as ``pack`` lays it out
+in a row, ``2 * prompt + chosen + rejected`` (``[prompt + chosen][prompt + rejected]``, never split).
+Tokenized input (``input_ids`` ...) needs no stage: its lengths are read from the list offsets
+(:func:`packtools.profile_lengths`), and packed input by its ``seq_lengths``.
+
+>>> import os, tempfile, pyarrow as pa, pyarrow.parquet as pq
+>>> d = tempfile.mkdtemp()
+>>> pq.write_table(pa.table({"input_ids": [[1, 2, 3], [4]]}), os.path.join(d, "t.parquet"))
+>>> res = profile_files(d)
+>>> res.format, res.profile.lengths.tolist(), res.stage
+('tokenized', [3, 1], None)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import PackingError
+from ..io.discover import discover
+from ..io.files import split_file
+from ..profiling.profile import LengthProfile, profile_lengths
+from .stage import load_sidecar, stage_part
+
+
+@dataclass
+class ProfiledInput:
+    """A profile and how it was read: ``format``, ``stage`` (parts, reused, seconds, cache folder) or None."""
+
+    profile: LengthProfile
+    format: str
+    stage: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_text(self) -> str:
+        """The lines ``packtools profile`` prints about the stage."""
+        if not self.stage:
+            return ""
+        s = self.stage
+        done = s["parts"] - s["reused"]
+        lines = [
+            f"stage: {s['parts']} part(s), {done} tokenized in {s['stage_s']:.2f} s, {s['reused']} already "
+            f"in the stage cache {s['folder']}"
+        ]
+        if s.get("kept", True):
+            lines.append(
+                f"  a following `packtools pack` of the same inputs with the same --tokenizer (and --format, "
+                f"--no-eos) reuses these {s['parts']} staged part(s) instead of tokenizing again "
+                f"(cache: {s['cache_bytes'] / 1e9:.2f} GB of {s['budget_bytes'] / 1e9:g} GB, "
+                f"${'PACKTOOLS_STAGE_CACHE_MAX_GB'}; {s['evicted']} old entr(ies) evicted)"
+            )
+        else:
+            lines.append("  (--no-stage-cache: the staged parts were removed; a pack tokenizes again)")
+        return "\n".join(lines)
+
+
+def _pair_lengths(paths: Sequence[str]) -> np.ndarray:
+    """``2 * prompt + chosen + rejected`` per pair of staged preference files (offsets only, memory-mapped)."""
+    from .tokenize import output_columns
+
+    prompt, chosen, rejected = output_columns("preference")
+    out = []
+    for path in paths:
+        with pa.memory_map(path, "r") as source:
+            table = pa.ipc.open_file(source).read_all()
+            lens = [profile_lengths(table, column=c).lengths for c in (prompt, chosen, rejected)]
+            out.append(2 * lens[0] + lens[1] + lens[2])
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def profile_files(
+    inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    tokenizer: str | os.PathLike[str] | None = None,
+    *,
+    format: str | None = None,
+    column: str = "input_ids",
+    add_eos: bool = True,
+    tokenizer_engine: str = "auto",
+    stage_cache: str | os.PathLike[str] | bool | None = None,
+    executor: str = "local",
+    workers: int | None = None,
+    quiet: bool = True,
+    name: str | None = None,
+    part_rows: int = 1 << 17,
+    part_bytes: int = 1 << 26,
+) -> ProfiledInput:
+    """Profile the files ``inputs`` as ``pack`` would see them; raw formats are tokenized with ``tokenizer``.
+
+    ``format`` as for ``pack`` (default: from the columns).  ``stage_cache``: the folder for the staged parts
+    (default :func:`packtools.pipeline.stage_cache.cache_dir`, which ``pack`` looks in; ``False`` stages into a
+    temporary folder removed afterwards).  ``executor``/``workers`` as for :func:`packtools.pack_files`.
+    """
+    from .run import PipelineConfig, data_format, get_executor, run_jobs, token_schema
+    from .stage_cache import CacheLock, cache_dir, evict, max_bytes, stage_jobs
+
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
+    if format in (None, "tokenized") and column != "input_ids":  # a named token column: read it as is
+        return ProfiledInput(profile_lengths(list(inputs), column=column, name=name), "tokenized")
+    config = PipelineConfig(
+        max_length=1,
+        format=format,
+        tokenizer=None if tokenizer is None else os.fspath(tokenizer),
+        add_eos=add_eos,
+        tokenizer_engine=tokenizer_engine,
+        part_rows=part_rows,
+        part_bytes=part_bytes,
+        columns=None if format != "tokenized" or column == "input_ids" else (column,),
+    )
+    files = discover(inputs)
+    if not files:
+        raise PackingError(f"no input files in {[os.fspath(i) for i in inputs]}.", param="paths")
+    fmt = data_format(files, config)
+    if fmt == "tokenized" and all(f.kind != "json" for f in files):  # offsets only: nothing to stage
+        prof = profile_lengths([f.path for f in files], column=column, name=name)
+        return ProfiledInput(prof, fmt)
+    if fmt == "tokenized":  # token ids in JSON: parsed and checked by the stage, as pack does
+        columns, types, _ = token_schema(files, config)
+        tok_dir = tok_fp = proven = None
+    elif tokenizer is None:
+        raise PackingError(
+            f"the input is {fmt} data (columns of {files[0].path!r}); tokenize it to profile it: pass "
+            f"tokenizer=DIR (a local tokenizer folder), the one you will pack with.",
+            param="tokenizer",
+        )
+    else:
+        from .stage import freeze_report, preload_tokenizer
+        from .tokenize import check_tokenizer_dir, output_columns, tokenizer_fingerprint
+
+        tok_dir = check_tokenizer_dir(tokenizer)
+        tok = preload_tokenizer(
+            tok_dir, fmt, add_eos, tokenizer_engine
+        )  # fails here, once, if it cannot load
+        proven = freeze_report(tok.report.to_dict())  # workers take the engine the driver proved, as in pack
+        columns, tok_fp = output_columns(fmt), tokenizer_fingerprint(tok_dir)
+        types = ["int32"] * len(columns)
+    keep = stage_cache is not False
+    folder = (
+        cache_dir(None if stage_cache in (None, True) else stage_cache)
+        if keep
+        else tempfile.mkdtemp(prefix="packtools-stage-")
+    )
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise PackingError(
+            f"stage cache {folder!r}: cannot create it ({exc.strerror}); set $PACKTOOLS_STAGE_CACHE to a folder "
+            f"you can write, or pass --no-stage-cache.",
+            param="stage_cache",
+        ) from None
+    parts = [p for f in files for p in split_file(f, part_rows, part_bytes)]
+    jobs = stage_jobs(
+        parts,
+        fmt,
+        columns,
+        types,
+        tok_fp,
+        tok_dir,
+        add_eos,
+        folder,
+        single_threaded=executor != "local",
+        tokenizer_engine=tokenizer_engine,
+        engine_proven=proven,
+    )
+    ex = get_executor(executor, workers, None)
+    t0 = time.perf_counter()
+    try:
+        with CacheLock(folder):  # no eviction under a running stage
+            staged = run_jobs(ex, stage_part, jobs, "stage", quiet, 2)
+        stage_s = time.perf_counter() - t0
+        if fmt == "preference":
+            lengths = _pair_lengths([s["data"] for s in staged])
+        else:
+            sidecars = [load_sidecar(j.sidecar)[0] for j in jobs]
+            lengths = np.concatenate(sidecars) if sidecars else np.zeros(0, np.int64)
+    finally:
+        ex.close()
+        if not keep:
+            shutil.rmtree(folder, ignore_errors=True)
+    info: dict[str, Any] = {
+        "folder": folder,
+        "parts": len(jobs),
+        "reused": sum(bool(s["reused"]) for s in staged),
+        "stage_s": round(stage_s, 3),
+        "kept": keep,
+    }
+    if keep:
+        keys = [os.path.basename(j.sidecar)[: -len(".npz")] for j in jobs]
+        evicted, total = evict(folder, keys)
+        info.update(evicted=evicted, cache_bytes=total, budget_bytes=max_bytes())
+    if name is None:
+        base = os.path.basename(files[0].path) if len(files) == 1 else f"{len(files)} files"
+        what = "pairs as packed: 2 x prompt + chosen + rejected" if fmt == "preference" else "tokenized"
+        name = f"{base} ({fmt}, {what})"
+    return ProfiledInput(LengthProfile(lengths, name), fmt, info)

@@ -1,0 +1,290 @@
+"""The shared stage cache: tokenized parts that ``packtools profile`` staged, found again by ``packtools pack``.
+
+``packtools pack`` stages each input part (:mod:`packtools.pipeline.stage`) in its work folder next to
+``--out`` and removes it when the run succeeds.  ``packtools profile --tokenizer`` has no ``--out``, so it
+stages into one folder per user, :func:`cache_dir`:
+
+- ``$PACKTOOLS_STAGE_CACHE`` if set, else ``$XDG_CACHE_HOME/packtools/stage``, else
+  ``~/.cache/packtools/stage``.
+
+A staged part's file names are its cache key (:func:`packtools.pipeline.stage.stage_key`: the part's path,
+size, mtime and byte range, the format, the columns and types, the tokenizer files' hash, ``add_eos``, the
+packtools version and the stage format), so an entry can never be stale: a changed input or tokenizer has
+another key.  Before staging, ``pack`` looks each of its parts up here (:func:`adopt_cached`): a hit is
+**hard-linked** into the run's own ``stage/`` folder with a sidecar that points at the link, so the run
+tokenizes nothing for it and an eviction here cannot pull the file from under a running pack.  (When the
+cache is on another file system, where a hard link cannot be made, the run reads the cache file in place;
+entries used in the last :data:`MIN_AGE_S` seconds are never evicted.)
+
+Safety: entries are written under temporary names and renamed (the sidecar last, so its presence means the
+entry is complete); writers hold a shared ``flock`` on ``.lock`` while staging and adopting, and eviction
+runs only under the exclusive lock, taken without waiting (a busy cache is simply not trimmed that time).
+Bounded: after each profile the least recently used entries are removed until the cache holds at most
+``$PACKTOOLS_STAGE_CACHE_MAX_GB`` (default :data:`DEFAULT_MAX_GB`) GB; the entries of the run that just
+finished are kept.  ``rm -rf`` of the folder is always safe when no packtools run is going.
+
+>>> import tempfile
+>>> d = tempfile.mkdtemp()
+>>> cache_dir(d) == d, evict(d, budget=0)
+(True, (0, 0))
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import PackingError
+from ..io.files import Part
+from .stage import StageJob, _save_sidecar, load_sidecar, stage_key
+
+CACHE_ENV, MAX_GB_ENV = "PACKTOOLS_STAGE_CACHE", "PACKTOOLS_STAGE_CACHE_MAX_GB"
+DEFAULT_MAX_GB = 20.0
+#: An entry used (staged or adopted) this recently is never evicted.
+MIN_AGE_S = 3600.0
+
+
+def cache_dir(explicit: str | os.PathLike[str] | None = None) -> str:
+    """The stage cache folder: ``explicit``, else ``$PACKTOOLS_STAGE_CACHE``, else the user cache folder."""
+    if explicit is not None:
+        return os.path.abspath(os.fspath(explicit))
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return os.path.abspath(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "packtools", "stage")
+
+
+def max_bytes() -> int:
+    """The cache's size budget in bytes (``$PACKTOOLS_STAGE_CACHE_MAX_GB``)."""
+    raw = os.environ.get(MAX_GB_ENV)
+    try:
+        gb = float(raw) if raw else DEFAULT_MAX_GB
+    except ValueError:
+        raise PackingError(
+            f"${MAX_GB_ENV}={raw!r} is not a number of gigabytes; set it to e.g. 20, or unset it."
+        ) from None
+    return int(gb * 1e9)
+
+
+class CacheLock:
+    """``flock`` on ``DIR/.lock``: shared while staging or adopting, exclusive (never waited for) to evict."""
+
+    def __init__(self, folder: str) -> None:
+        self.path = os.path.join(folder, ".lock")
+        self._fd: int | None = None
+
+    def shared(self) -> CacheLock:
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+        return self
+
+    def try_exclusive(self) -> bool:
+        """Upgrade to exclusive if no other process holds the lock (a no-op ``False`` otherwise)."""
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            fcntl.flock(self._fd, fcntl.LOCK_SH)
+            return False
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> CacheLock:
+        return self.shared()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def stage_jobs(
+    parts: Sequence[Part],
+    fmt: str,
+    columns: Sequence[str],
+    types: Sequence[str],
+    tokenizer_fp: str | None,
+    tokenizer: str | None,
+    add_eos: bool,
+    folder: str,
+    *,
+    single_threaded: bool = False,
+    tokenizer_engine: str = "auto",
+    known_columns: tuple[str, ...] | None = None,
+    engine_proven: tuple[tuple[str, Any], ...] | None = None,
+    audit_rate: float = 0.001,
+    on_unencodable: str = "report",
+) -> list[StageJob]:
+    """One :class:`StageJob` per part, its files named by their cache key in ``folder`` (as ``pack`` names them:
+    the key holds the requested tokenizer engine and its version, and ``on_unencodable``)."""
+    from .fast_tokenize import engine_key
+
+    jobs = []
+    for part in parts:
+        key = stage_key(
+            part, fmt, tuple(columns), tuple(types), tokenizer_fp, add_eos, engine_key(tokenizer_engine),
+            on_unencodable,
+        )  # fmt: skip
+        jobs.append(
+            StageJob(
+                part,
+                fmt,
+                tuple(columns),
+                tuple(types),
+                tokenizer,
+                add_eos,
+                os.path.join(folder, key + ".arrow"),
+                os.path.join(folder, key + ".npz"),
+                single_threaded=single_threaded,
+                tokenizer_engine=tokenizer_engine,
+                known_columns=known_columns,
+                engine_proven=engine_proven,
+                audit_rate=audit_rate,
+                on_unencodable=on_unencodable,
+            )
+        )
+    return jobs
+
+
+def _entry(folder: str, job: StageJob) -> tuple[str, str]:
+    name = os.path.basename(job.sidecar)[: -len(".npz")]
+    return os.path.join(folder, name + ".arrow"), os.path.join(folder, name + ".npz")
+
+
+def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> int:
+    """For each job not yet staged, take a finished entry of the stage cache (hard link, or in place); returns
+    how many parts came from the cache.  A missing or unreadable cache is no error: the parts are staged."""
+    folder = cache_dir(folder)
+    if not os.path.isdir(folder):
+        return 0
+    adopted = 0
+    try:
+        lock = CacheLock(folder).shared()
+    except OSError:
+        return 0
+    try:
+        for job in jobs:
+            if os.path.exists(job.sidecar):
+                continue
+            arrow, sidecar = _entry(folder, job)
+            if not (os.path.exists(sidecar) and os.path.exists(arrow)):
+                continue
+            try:
+                lengths, first, data = load_sidecar(sidecar)
+            except (OSError, ValueError, KeyError):
+                continue
+            if os.path.abspath(data) != arrow:
+                continue  # an entry that points elsewhere (an as-is input): stage it normally
+            target = arrow
+            try:
+                os.makedirs(os.path.dirname(job.staged), exist_ok=True)
+                if os.path.exists(job.staged):
+                    os.unlink(job.staged)
+                os.link(arrow, job.staged)
+                target = job.staged
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                    raise
+            _save_sidecar(job.sidecar, lengths, first, target)
+            now = time.time()
+            for path in (arrow, sidecar):
+                try:
+                    os.utime(path, (now, now))  # used: the last to be evicted
+                except OSError:
+                    pass
+            adopted += 1
+    finally:
+        lock.release()
+    return adopted
+
+
+@dataclass
+class CacheUse:
+    """What a profile did in the stage cache."""
+
+    folder: str
+    parts: int
+    reused: int  # parts already in the cache (from an earlier profile): nothing tokenized
+    staged_bytes: int  # bytes of this run's entries
+    cache_bytes: int  # the whole cache after eviction
+    evicted: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _entries(folder: str) -> list[tuple[float, int, str]]:
+    """``(last use, bytes, key)`` of each complete entry."""
+    out = []
+    for name in os.listdir(folder):
+        if not name.endswith(".npz") or ".tmp-" in name:
+            continue
+        key = name[: -len(".npz")]
+        size, used = 0, 0.0
+        for suffix in (".npz", ".arrow"):
+            try:
+                st = os.stat(os.path.join(folder, key + suffix))
+            except FileNotFoundError:
+                continue
+            size += st.st_size
+            used = max(used, st.st_mtime)
+        out.append((used, size, key))
+    return out
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def evict(folder: str, keep: Sequence[str] = (), budget: int | None = None) -> tuple[int, int]:
+    """Remove least recently used entries (never ``keep``, never one used in the last :data:`MIN_AGE_S`) until
+    the cache holds at most ``budget`` bytes, and temporary files of dead runs; returns ``(evicted, bytes)``.
+    Runs only if the exclusive lock is free right now."""
+    budget = max_bytes() if budget is None else budget
+    lock = CacheLock(folder)
+    if not lock.try_exclusive():
+        lock.release()
+        return 0, sum(e[1] for e in _entries(folder))
+    try:
+        for name in os.listdir(folder):
+            if ".tmp-" in name:
+                pid = name.rsplit(".tmp-", 1)[1]
+                if pid.isdigit() and not _pid_alive(int(pid)):
+                    try:
+                        os.unlink(os.path.join(folder, name))
+                    except FileNotFoundError:
+                        pass
+        entries = sorted(_entries(folder))
+        total = sum(e[1] for e in entries)
+        keep_set, now, evicted = set(keep), time.time(), 0
+        for used, size, key in entries:
+            if total <= budget:
+                break
+            if key in keep_set or now - used < MIN_AGE_S:
+                continue
+            for suffix in (".npz", ".arrow"):  # the sidecar first: without it the entry is not complete
+                try:
+                    os.unlink(os.path.join(folder, key + suffix))
+                except FileNotFoundError:
+                    pass
+            total -= size
+            evicted += 1
+        return evicted, total
+    finally:
+        lock.release()

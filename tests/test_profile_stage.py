@@ -1,0 +1,242 @@
+"""Profiling raw and packed input: through pack's stage into the stage cache (which pack reuses), packed
+folders by their sequences, the default rule on long-tailed data, and no silent drop in the Python API."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import warnings
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from _pipeline_data import CORPUS, build_tokenizer  # noqa: E402
+
+from packtools import LengthProfile, pack_files, profile_lengths
+from packtools.cli.main import main
+from packtools.errors import PackingError
+from packtools.pipeline import stage_cache
+from packtools.pipeline.profile import profile_files
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return build_tokenizer(str(tmp_path_factory.mktemp("tok") / "tok"))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    folder = str(tmp_path / "stage-cache")
+    monkeypatch.setenv(stage_cache.CACHE_ENV, folder)
+    return folder
+
+
+def _texts(n=400, seed=0):
+    rng = np.random.default_rng(seed)
+    words = " ".join(CORPUS).split()
+    return [" ".join(rng.choice(words, int(rng.lognormal(2.5, 1.0)) + 1)) for _ in range(n)]
+
+
+def _write_jsonl(path, rows):
+    with open(path, "w") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+def _same_folder(a, b):
+    names = sorted(n for n in os.listdir(a) if n != "manifest.json")
+    assert names == sorted(n for n in os.listdir(b) if n != "manifest.json")
+    return all(filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False) for n in names)
+
+
+def test_profile_then_pack_reuses_the_stage(tmp_path, tok, cache, capsys):
+    data = _write_jsonl(tmp_path / "text.jsonl", [{"text": t, "id": i} for i, t in enumerate(_texts())])
+    assert main(["profile", data, "--tokenizer", tok, "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "1 tokenized" in out and "reuses these 1 staged part(s)" in out
+    assert any(n.endswith(".npz") for n in os.listdir(cache))
+    prof = profile_files(data, tok).profile  # a second profile finds the cache
+    assert profile_files(data, tok).stage["reused"] == 1
+
+    res = pack_files(data, tmp_path / "packed", 256, "bfd_split", tokenizer=tok)
+    assert res.timings["parts_from_stage_cache"] == 1 == res.timings["parts_reused"]
+    # the profile measured what pack packs
+    assert prof.total_tokens == res.stats["tokens_in"] and prof.count == res.stats["rows_in"]
+    assert res.stats["columns_left_out"] == ["id"]
+    # negative control: with another (empty) cache pack tokenizes, and writes the same bytes
+    os.environ[stage_cache.CACHE_ENV] = str(tmp_path / "empty-cache")
+    fresh = pack_files(data, tmp_path / "fresh", 256, "bfd_split", tokenizer=tok)
+    assert fresh.timings["parts_from_stage_cache"] == 0 == fresh.timings["parts_reused"]
+    assert _same_folder(res.out, fresh.out)
+    # the cache entry outlives the pack (its hard link in the work folder is gone with the work folder)
+    assert any(n.endswith(".arrow") for n in os.listdir(cache))
+
+
+def test_pack_cli_says_it_reused_the_stage(tmp_path, tok, cache, capsys):
+    data = _write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in _texts(50)])
+    profile_files(data, tok)
+    assert main(["pack", data, "--tokenizer", tok, "--out", str(tmp_path / "o"), "--max-length", "128"]) == 0
+    assert "reused, not tokenized again" in capsys.readouterr().out
+
+
+def test_another_tokenizer_or_option_does_not_reuse(tmp_path, tok, cache):
+    data = _write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in _texts(50)])
+    profile_files(data, tok)
+    res = pack_files(data, tmp_path / "a", 128, tokenizer=tok, add_eos=False)
+    assert res.timings["parts_from_stage_cache"] == 0  # add_eos is part of the key
+    other = build_tokenizer(str(tmp_path / "tok2"), chat_template=None)  # other files, other hash
+    assert pack_files(data, tmp_path / "b", 128, tokenizer=other).timings["parts_from_stage_cache"] == 0
+    assert pack_files(data, tmp_path / "c", 128, tokenizer=tok).timings["parts_from_stage_cache"] == 1
+
+
+def test_no_stage_cache_leaves_nothing(tmp_path, tok, cache):
+    data = _write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in _texts(30)])
+    res = profile_files(data, tok, stage_cache=False)
+    assert res.profile.count == 30 and not os.path.exists(cache) and not os.path.exists(res.stage["folder"])
+
+
+def test_chat_prompt_completion_and_preference_lengths(tmp_path, tok, cache):
+    from packtools.pipeline.tokenize import BatchTokenizer
+
+    texts = _texts(40)
+    sets = {
+        "prompt_completion": [{"prompt": a, "completion": b} for a, b in zip(texts, texts[1:])],
+        "messages": [
+            {"messages": [{"role": "user", "content": a}, {"role": "assistant", "content": b}]}
+            for a, b in zip(texts, texts[1:])
+        ],
+        "preference": [
+            {"prompt": a, "chosen": b, "rejected": c} for a, b, c in zip(texts, texts[1:], texts[2:])
+        ],
+    }
+    for fmt, rows in sets.items():
+        path = _write_jsonl(tmp_path / f"{fmt}.jsonl", rows)
+        res = profile_files(path, tok)
+        assert res.format == fmt
+        table = BatchTokenizer(tok, fmt)(pa.Table.from_pylist(rows), 0)
+        lens = {c: np.array([len(x) for x in table.column(c).to_pylist()]) for c in table.column_names}
+        if fmt == "preference":  # a pair as pack lays it out: [prompt + chosen][prompt + rejected]
+            want = 2 * lens["prompt_input_ids"] + lens["chosen_input_ids"] + lens["rejected_input_ids"]
+        else:
+            want = lens["input_ids"]
+        assert res.profile.lengths.tolist() == want.tolist(), fmt
+
+
+def test_raw_input_without_tokenizer_names_the_flag(tmp_path, capsys):
+    data = _write_jsonl(tmp_path / "t.jsonl", [{"text": "a b"}])
+    assert main(["profile", data]) == 1
+    err = capsys.readouterr().err
+    assert "(--tokenizer)" in err and "--tokenizer DIR" in err and "tokenizer=" not in err
+    pq.write_table(pa.table({"text": ["a b"]}), tmp_path / "t.parquet")
+    with pytest.raises(PackingError, match="profile_files") as e:
+        profile_lengths(str(tmp_path / "t.parquet"))
+    assert e.value.param == "tokenizer"
+
+
+def test_eviction_keeps_the_budget_and_this_runs_entries(tmp_path, tok, cache, monkeypatch):
+    a = _write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in _texts(60, 1)])
+    b = _write_jsonl(tmp_path / "b.jsonl", [{"text": t} for t in _texts(60, 2)])
+    profile_files(a, tok)
+    first = {n for n in os.listdir(cache) if n.endswith(".npz")}
+    monkeypatch.setattr(stage_cache, "MIN_AGE_S", 0.0)
+    monkeypatch.setenv(stage_cache.MAX_GB_ENV, "0")
+    res = profile_files(b, tok)
+    left = {n for n in os.listdir(cache) if n.endswith(".npz")}
+    assert res.stage["evicted"] == 1 and not (first & left) and len(left) == 1
+    # negative control: the budget is what evicts (a large one keeps both)
+    monkeypatch.setenv(stage_cache.MAX_GB_ENV, "10")
+    profile_files(a, tok)
+    assert len({n for n in os.listdir(cache) if n.endswith(".npz")}) == 2
+
+
+def test_a_packed_folder_is_profiled_by_its_sequences(tmp_path, capsys):
+    rng = np.random.default_rng(3)
+    lens = np.clip(rng.lognormal(4.0, 1.0, 500), 1, 900).astype(np.int64)
+    offsets = np.concatenate(([0], np.cumsum(lens))).astype(np.int32)
+    col = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.ones(offsets[-1], np.int32)))
+    pq.write_table(pa.table({"input_ids": col}), tmp_path / "in.parquet")
+    res = pack_files(str(tmp_path / "in.parquet"), tmp_path / "packed", 1024)
+    for column in ("input_ids", "seq_lengths"):  # by default, and with --column seq_lengths
+        p = profile_lengths(res.out, column=column)
+        assert sorted(p.lengths.tolist()) == sorted(lens.tolist())  # sequences, not rows (nor segment counts)
+        assert p.count == 500 != res.stats["rows_out"]
+        assert p.packed["rows"] == res.stats["rows_out"] and p.packed["max_length"] == 1024
+        assert p.packed["fill"] == pytest.approx(res.stats["fill"])
+    assert main(["profile", res.out, "--column", "seq_lengths"]) == 0
+    out = capsys.readouterr().out
+    assert "500 sequences" in out and f"packed input: {res.stats['rows_out']:,} rows" in out
+    table = pa.table({"seq_lengths": [[3, 4], [5]], "input_ids": [[1] * 7, [2] * 5]})
+    assert profile_lengths(table).lengths.tolist() == [3, 4, 5]
+
+
+def test_default_rule_holds_on_a_long_tail():
+    rng = np.random.default_rng(0)
+    lens = np.clip(rng.lognormal(5.0, 1.6, 20_000), 1, 2_000_000).astype(np.int64)
+    p = LengthProfile(lens)
+    rec = p.recommend()
+    assert rec.rule == "sequences" and rec.strategy == "bfd_split"
+    assert (lens <= rec.max_length).mean() >= 0.99
+    tok = p.recommend(keep_tokens=0.99)
+    assert tok.max_length > 2 * rec.max_length  # the token rule would ask for much more on this tail
+    assert [o.rule for o in rec.options] == ["sequences", "tokens"]
+    assert rec.options[1].max_length == tok.max_length and rec.options[0].tokens_dropped_bfd > 0
+    # above max_context: said, never silent
+    assert not p.recommend(max_context=1 << 20).flags[:1] or rec.max_length > 1 << 20
+    flagged = p.recommend(max_context=rec.max_length - 1)
+    assert flagged.max_length == rec.max_length and "recommended value" in flagged.flags[0]
+    assert "both rules" in rec.to_text() and rec.reason in rec.to_text()
+
+
+def test_python_api_warns_when_tokens_are_dropped():
+    datasets = pytest.importorskip("datasets")
+    from packtools import pack_dataset, packed_view, truncate_dataset
+    from packtools.integrations.drops import TokensDroppedWarning
+
+    ds = datasets.Dataset.from_dict({"input_ids": [[1] * 50, [2] * 5, [3] * 3000]})
+    for call in (
+        lambda: pack_dataset(ds, 1024),
+        lambda: packed_view(ds, 1024),
+        lambda: truncate_dataset(ds, 1024),
+        lambda: packed_view(ds.data.table, 1024),
+    ):
+        with pytest.warns(TokensDroppedWarning, match=r"dropped 1,976 of 3,055 tokens \(64\.68%.*bfd_split"):
+            call()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TokensDroppedWarning)  # negative control: nothing dropped, no warning
+        pack_dataset(ds, 1024, "bfd_split")
+        packed_view(ds, 4096)
+        truncate_dataset(ds, 4096)
+    with pytest.warns(TokensDroppedWarning):
+        out, report = pack_dataset(ds, 1024, return_report=True)
+    assert (report.tokens_in, report.tokens_dropped, report.sequences_truncated) == (3055, 1976, 1)
+    assert len(out) == 2
+    with pytest.warns(TokensDroppedWarning, match="split 'train'"):
+        _, reports = truncate_dataset(datasets.DatasetDict({"train": ds}), 1024, return_report=True)
+    assert reports["train"].tokens_kept == 1079
+
+
+def test_cli_errors_use_flag_names(tmp_path, capsys):
+    pq.write_table(pa.table({"text": ["a b"]}), tmp_path / "raw.parquet")
+    assert main(["pack", str(tmp_path / "raw.parquet"), "--out", str(tmp_path / "x.parquet")]) == 1
+    err = capsys.readouterr().err
+    assert "use --out DIR" in err and "(--out)" in err
+    assert main(["pack", str(tmp_path / "raw.parquet"), "--out", str(tmp_path / "d")]) == 1
+    err = capsys.readouterr().err
+    assert "pass --tokenizer DIR" in err and "tokenizer=DIR" not in err
+    assert main(["profile", str(tmp_path / "nope")]) == 1
+    assert main(["profile", str(tmp_path / "raw.parquet"), "--column", "ids"]) == 1
+    err = capsys.readouterr().err
+    assert "--column NAME" in err and "column=" not in err
+
+
+def test_tokenized_json_lines_are_staged_and_reused(tmp_path, cache):
+    rows = [{"input_ids": list(range(n)), "id": n} for n in (3, 9, 1, 40)]
+    data = _write_jsonl(tmp_path / "tok.jsonl", rows)
+    res = profile_files(data)
+    assert res.format == "tokenized" and res.profile.lengths.tolist() == [3, 9, 1, 40]
+    assert res.stage["parts"] == 1 and res.stage["reused"] == 0
+    packed = pack_files(data, tmp_path / "p", 16, "bfd_split")
+    assert packed.timings["parts_from_stage_cache"] == 1 and packed.stats["tokens_in"] == 53
