@@ -52,7 +52,7 @@ from ..io.fingerprint import cache_key
 from ..io.manifest import MANIFEST_FORMAT, read_manifest, write_manifest
 from .char_drops import check_on_unencodable
 from .executors import EXECUTORS, Executor, get_executor, is_transient
-from .fast_tokenize import check_audit_rate, check_engine, engine_summary
+from .fast_tokenize import check_audit_rate, check_engine, engine_key, engine_summary
 from .gather import WriteJob, run_token, shard_name, write_block, write_dataset_files
 from .outcheck import check_out, check_replaceable
 from .schema import data_format, known_columns, token_schema
