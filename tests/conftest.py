@@ -14,3 +14,14 @@ settings.load_profile("nojit" if os.environ.get("NUMBA_DISABLE_JIT") == "1" else
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+def pytest_configure(config):
+    """Keep packtools' user caches (the stage cache `packtools profile` fills, the tokenizer reference verdicts)
+    out of the home folder and fresh for every run: a cache left by an earlier run, or by an earlier test of
+    this one through another name, must never decide what a test sees. Subprocesses inherit the variables."""
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="packtools-test-caches-")
+    os.environ.setdefault("PACKTOOLS_STAGE_CACHE", os.path.join(root, "stage"))
+    os.environ.setdefault("PACKTOOLS_CACHE_DIR", os.path.join(root, "cache"))
