@@ -269,6 +269,86 @@ def test_negative_controls_sibling_visible_or_position_off_by_one_fail():
 
 
 # ---------------------------------------------------------------------------------------------------------
+# A tree batch on a model that was never switched to the tree attention is refused, not silently wrong
+
+
+def forward_logits(model, batch, layout=None):
+    layout = batch[TREE_KEY] if layout is None else layout
+    return model(
+        input_ids=batch["input_ids"], position_ids=batch["position_ids"], **{TREE_KEY: layout}
+    ).logits
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_plain_loop_on_an_unswitched_model_is_refused_before_the_loss(impl, monkeypatch):
+    rows = pack_preference(random_pairs(6, 7), 64, share_prompt=True).to_pylist()
+    plain = tiny_llama(impl)  # never given to use_tree_attention
+    batch = TreeCollator()(rows)
+    logits = forward_logits(plain, batch)  # runs: transformers' backends ignore the tree keyword
+    with pytest.raises(PackingError, match=r"sequence_logps: no model ran .*use_tree_attention\(model\)"):
+        sequence_logps(logits, batch["labels"], batch[TREE_KEY])
+    # Negative control: without the check the same call returns log-probs that are wrong (not those of
+    # each prompt + completion alone), with nothing raised.
+    from packtools.batches.tree import TreeReads
+
+    monkeypatch.setattr(TreeReads, "take", lambda self, output, reader: None)
+    with torch.no_grad():
+        want = alone_logps(plain, sequences_of(rows))
+    wrong = sequence_logps(logits, batch["labels"], batch[TREE_KEY]).logps.detach()
+    assert float((wrong - want).abs().max()) > 1e-2
+
+
+def test_one_model_as_reference_and_policy_reads_twice_and_a_mixed_pair_is_refused():
+    rows = pack_preference(random_pairs(6, 8), 64, share_prompt=True).to_pylist()
+    model = tree_model()
+    with torch.no_grad():
+        want = alone_logps(model, sequences_of(rows))
+    batch = TreeCollator()(rows)
+    layout = batch[TREE_KEY]
+    # Both forwards first, then both reads (and the policy's output read twice): no false alarm.
+    with torch.no_grad():
+        ref = forward_logits(model, batch)
+    policy = forward_logits(model, batch)
+    got = [sequence_logps(x, batch["labels"], layout).logps for x in (ref, policy, policy)]
+    assert all(float((g - want).abs().max()) < TOL for g in got)
+    assert layout.reads.forwards == 0 and layout.reads.layers == 2 * 2  # two forwards of two layers
+    (-got[1].sum()).backward()  # and a loss backpropagates through it
+    # One model on the tree and a reference that was not switched: the second new output is refused.
+    batch = TreeCollator()(rows)
+    tree_out = forward_logits(model, batch)
+    with torch.no_grad():
+        plain_out = forward_logits(tiny_llama(), batch)
+    sequence_logps(tree_out, batch["labels"], batch[TREE_KEY])
+    with pytest.raises(PackingError, match="read more often than a model ran it"):
+        sequence_logps(plain_out, batch["labels"], batch[TREE_KEY])
+
+
+def test_gradient_checkpointing_recompute_is_not_a_forward():
+    rows = pack_preference(random_pairs(4, 9), 64, share_prompt=True).to_pylist()
+    model = tree_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    batch = TreeCollator()(rows)
+    layout = batch[TREE_KEY]
+    logps = sequence_logps(forward_logits(model, batch), batch["labels"], layout).logps
+    calls = layout.reads.layers
+    (-logps.sum()).backward()
+    assert calls == 2 and layout.reads.layers == calls and layout.reads.forwards == 0
+    with pytest.raises(PackingError, match="use_tree_attention"):  # backward gave no credit for a new read
+        sequence_logps(torch.zeros(layout.total, VOCAB), batch["labels"], layout)
+
+
+def test_tree_batch_on_packtools_sdpa_is_refused_at_the_forward():
+    from packtools.integrations.transformers import use_segmented_sdpa
+
+    model = tiny_llama()
+    use_segmented_sdpa(model)
+    batch = TreeCollator()(pack_preference(random_pairs(3, 1), 64, share_prompt=True).to_pylist())
+    with pytest.raises(PackingError, match="use_tree_attention"):
+        forward_logits(model, batch)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Refusals
 
 

@@ -133,6 +133,7 @@ def _shared_forward(inner: Any) -> Any:
             **{TREE_KEY: folded["tree"]},
             **kwargs,
         )
+        folded["tree"].reads.take(None, "prepare_dpo_trainer(share_prompt=True)")  # it ran the tree
         n_seq, width = ids.shape
         target = folded["valid"][:, 1:]
         for name in PER_TOKEN:
