@@ -8,6 +8,7 @@ against each prompt + completion alone; and the refusal of each model kind the t
 """
 
 import os
+import re
 import sys
 
 import numpy as np
@@ -496,6 +497,50 @@ def test_trl_share_prompt_on_trl_batches_and_refusal(tmp_path):
         prepare_shared_prompt(trainer, [trainer.model, tiny_arch("Mistral", "sdpa")])
     assert trainer.model.config._attn_implementation == "sdpa"
     assert "_packtools_shared_prompt" not in vars(trainer.model)
+
+
+def mistral_policy_trainer(tmp_path, monkeypatch, arch="Mistral", role="policy"):
+    """TRL's DPOTrainer built with a tiny ``arch`` model as the policy (or reference), the other a Llama."""
+    swap = 0 if role == "policy" else 1
+    monkeypatch.setattr(
+        dpo,
+        "tiny_llama",
+        lambda impl="sdpa", seed=0: tiny_arch(arch, impl) if seed == swap else tiny_llama(impl, seed),
+    )
+    trainer = dpo.build(tmp_path, n=8)
+    monkeypatch.undo()
+    return trainer
+
+
+@pytest.mark.parametrize(
+    "arch, role, match",
+    [
+        ("Mistral", "policy", "MistralForCausalLM has sliding-window"),
+        ("Falcon-H1", "reference", "FalconH1ForCausalLM has layers that mix tokens outside attention"),
+    ],
+)
+def test_prepare_dpo_trainer_refuses_what_the_tree_cannot_serve_by_its_own_check(
+    tmp_path, monkeypatch, arch, role, match
+):
+    trainer = mistral_policy_trainer(tmp_path, monkeypatch, arch, role)
+    packed = pack_preference(trainer.train_dataset, 64, share_prompt=True)
+    model = trainer.model if role == "policy" else trainer.ref_model
+    before = model.config._attn_implementation
+    with pytest.raises(PackingError, match=match):
+        prepare_dpo_trainer(trainer, train_dataset=packed)
+    assert model.config._attn_implementation == before and trainer.model.config._attn_implementation == "sdpa"
+    assert "_packtools_shared_prompt" not in vars(trainer.model)  # nothing wrapped
+    # Negative control: with the tree's check disabled, the same call no longer refuses the model by name
+    # (Mistral then gets through the generic checks and is stopped only by the tree's isolation probe, by
+    # value; Falcon-H1 by the generic probe's message).
+    from packtools.integrations import shared_dpo
+
+    trainer = mistral_policy_trainer(tmp_path, monkeypatch, arch, role)
+    monkeypatch.setattr(shared_dpo, "check_tree_model", lambda model: None)
+    monkeypatch.setattr("packtools.integrations.tree_attention.check_tree_model", lambda model: None)
+    with pytest.raises(PackingError) as caught:
+        prepare_dpo_trainer(trainer, train_dataset=packed)
+    assert not re.search(match, str(caught.value)), caught.value
 
 
 def test_trl_train_keeps_prompt_lengths_through_remove_unused_columns(tmp_path):
