@@ -432,6 +432,21 @@ class BackboneTokens:
         )
 
 
+def engage_checkpointing(trainer):
+    """Turn on the gradient checkpointing ``args`` ask for (Trainer does it only in ``train()``, and these
+    tests call ``compute_loss``); returns a list recording the first attention layer's calls, else None."""
+    if not trainer.args.gradient_checkpointing:
+        return None
+    trainer.model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs
+    )
+    base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+    assert base.is_gradient_checkpointing
+    calls = []
+    base.model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: calls.append(1))
+    return calls
+
+
 def shared_trainer(tmp_path, **config):
     trainer = dpo.build(tmp_path, n=16, **config)
     columns = ["ref_chosen_logps", "ref_rejected_logps"] if trainer.precompute_ref_logps else []
@@ -440,23 +455,64 @@ def shared_trainer(tmp_path, **config):
     return prepare_dpo_trainer(trainer, train_dataset=packed), packed
 
 
-@pytest.mark.parametrize("case", ["sigmoid-sdpa", "ipo-eager-ld_alpha", "precompute_ref_log_probs"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "sigmoid-sdpa",
+        "ipo-eager-ld_alpha",
+        "precompute_ref_log_probs",
+        "lora",
+        "gradient_checkpointing",
+        "lora-checkpointing-precompute",
+    ],
+)
 def test_trl_on_shared_rows_equals_trl_padded(tmp_path, case):
     prepared, packed = shared_trainer(tmp_path, **dpo.CASES[case])
     assert prepared.model.config._attn_implementation == "packtools_tree"
     reference = dpo.build(tmp_path, n=16, **dpo.CASES[case])
+    recomputed = [engage_checkpointing(t) for t in (prepared, reference)][0]
     rows = [packed[0], packed[1]]
     pairs = [i for r in rows for i in r["pair"]]
     recorder = BackboneTokens(prepared.model)
     batch = prepared.data_collator(rows)
     got = dpo.loss_metrics_grads(prepared, batch)
     dpo.assert_same(dpo.loss_metrics_grads(reference, dpo.trl_batch(reference, pairs)), got)
+    if recomputed is not None:  # the policy's layers really ran again in the backward pass
+        assert len(recomputed) > len(recorder.calls), (len(recomputed), len(recorder.calls))
     # The backbone ran P + C + R + 1 tokens per pair (the prompt once), not 2P + C + R.
     prompt = [len(reference.train_dataset[i]["prompt_ids"]) for i in pairs]
     comp = [len(reference.train_dataset[i][k]) for i in pairs for k in ("chosen_ids", "rejected_ids")]
     shared = sum(prompt) + sum(comp) + len(pairs)
     assert recorder.calls and all(tuple(c) == (1, shared) for c in recorder.calls)
     assert shared < 2 * sum(prompt) + sum(comp)
+
+
+def test_trl_shared_lora_checkpointing_negative_control_recompute_off_by_one(tmp_path, monkeypatch):
+    """The LoRA + checkpointing equality above can fail: a backward recompute whose attention hides one
+    prefix key from each completion (a gather off by one, only in the recompute) moves the gradients."""
+    case = dpo.CASES["lora-checkpointing-precompute"]
+    prepared, packed = shared_trainer(tmp_path, **case)
+    reference = dpo.build(tmp_path, n=16, **case)
+    for t in (prepared, reference):
+        engage_checkpointing(t)
+    rows = [packed[0], packed[1]]
+    pairs = [i for r in rows for i in r["pair"]]
+    batch = prepared.data_collator(rows)
+    exact = TreeLayout.mask
+
+    def off_by_one(self, q_len, pre_len, device, dtype):
+        mask = exact(self, q_len, pre_len, device, dtype)
+        if pre_len > 1 and torch._C._current_graph_task_id() != -1:  # in the backward recompute only
+            mask = mask.clone()
+            mask[:, 0] = float("-inf")
+        return mask
+
+    monkeypatch.setattr(TreeLayout, "mask", off_by_one)
+    got = dpo.loss_metrics_grads(prepared, batch)
+    want = dpo.loss_metrics_grads(reference, dpo.trl_batch(reference, pairs))
+    assert abs(got[0] - want[0]) < TOL  # the forward is exact...
+    assert want[2].keys() == got[2].keys()
+    assert max(float((got[2][k] - want[2][k]).abs().max()) for k in want[2]) > 1e-4  # ...the gradients not
 
 
 def test_trl_accumulation_on_shared_rows_is_the_mean_over_the_step(tmp_path):
