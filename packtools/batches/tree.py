@@ -115,7 +115,8 @@ class TreeReads:
 
     def consumed(self, module: Any) -> None:
         torch = require("torch", "packtools tree attention")
-        if torch._C._current_graph_task_id() != -1:  # recomputed inside backward (checkpointing)
+        task = getattr(torch._C, "_current_graph_task_id", None)
+        if task is not None and task() != -1:  # recomputed inside backward (checkpointing)
             return
         self.layers += 1
         idx = getattr(module, "layer_idx", None)
