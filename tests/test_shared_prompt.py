@@ -515,6 +515,17 @@ def test_trl_shared_lora_checkpointing_negative_control_recompute_off_by_one(tmp
     assert max(float((got[2][k] - want[2][k]).abs().max()) for k in want[2]) > 1e-4  # ...the gradients not
 
 
+def test_trl_fold_refuses_a_model_switched_off_the_tree_after_prepare(tmp_path):
+    prepared, packed = shared_trainer(tmp_path)
+    batch = prepared.data_collator([packed[0], packed[1]])
+    dpo.loss_metrics_grads(prepared, batch)  # on the tree: runs
+    prepared.model.set_attn_implementation("sdpa")  # e.g. a user's later switch: the fold must not run wrong
+    with pytest.raises(
+        PackingError, match=r"prepare_dpo_trainer\(share_prompt=True\): no model ran .*use_tree"
+    ):
+        dpo.loss_metrics_grads(prepared, batch)
+
+
 def test_trl_accumulation_on_shared_rows_is_the_mean_over_the_step(tmp_path):
     prepared, _ = shared_trainer(
         tmp_path,
