@@ -96,7 +96,12 @@ def run_sft(out, dataset, prepare=True, unpacked=False, **overrides):
     first = FirstStep(model)
     trainer.add_callback(first)
     trainer.train()
-    return {"batches": recorder.batches, "delta": first.delta, "steps": trainer.state.global_step}
+    return {
+        "batches": recorder.batches,
+        "delta": first.delta,
+        "steps": trainer.state.global_step,
+        "attention": trainer.model.config._attn_implementation,
+    }
 
 
 def check_sft(out):
@@ -146,7 +151,7 @@ def pair_key(f):
     )
 
 
-def run_dpo(out, packed, **prepare):
+def run_dpo(out, packed, share_prompt=False, **prepare):
     import test_dpo
     from trl import DPOTrainer  # noqa: F401  (imported by test_dpo too)
 
@@ -158,7 +163,7 @@ def run_dpo(out, packed, **prepare):
     dataset = None
     if packed:
         indexed = trainer.train_dataset.add_column("pair", list(range(len(trainer.train_dataset))))
-        dataset = pack_preference(indexed, 64, columns=["pair"])
+        dataset = pack_preference(indexed, 64, columns=["pair"], share_prompt=share_prompt)
         trainer.args.remove_unused_columns = False
     prepare_dpo_trainer(trainer, train_dataset=dataset, **prepare)
     recorder = Recorder(trainer.data_collator, pair_key)
@@ -166,13 +171,19 @@ def run_dpo(out, packed, **prepare):
     first = FirstStep(trainer.model)
     trainer.add_callback(first)
     trainer.train()
-    return {"batches": recorder.batches, "delta": first.delta, "steps": trainer.state.global_step}
+    return {
+        "batches": recorder.batches,
+        "delta": first.delta,
+        "steps": trainer.state.global_step,
+        "attention": trainer.model.config._attn_implementation,
+    }
 
 
 def check_dpo(out):
     return {
         "dpo_packed": run_dpo(out, True),
         "dpo_packed_budget": run_dpo(out, True, max_tokens=128),
+        "dpo_packed_shared": run_dpo(out, True, share_prompt=True),  # the prompt once (tree attention)
         "dpo_unpacked": run_dpo(out, False),
         "dpo_unpacked_budget": run_dpo(out, False, max_tokens=60),
     }

@@ -2,9 +2,9 @@
 
 One launch of ``tests/_ddp_worker.py`` runs every training path (Trainer on packed rows, token-budget
 batches, unpacked rows and a ``packed_view``; DPOTrainer unpacked and on packed pairs, with and without
-``max_tokens``; resume from a checkpoint in the middle of epoch 1; the double-sharding refusal) and records
-per rank the rows of every micro-batch, the parameter change of the first optimizer step and the number of
-steps.  Here, in one process: that change must equal the gradient of the step's global batch (token mean for
+``max_tokens``, and on prompt-shared pairs (``share_prompt=True``, the tree attention); resume from a
+checkpoint in the middle of epoch 1; the double-sharding refusal) and records per rank the rows of every
+micro-batch, the parameter change of the first optimizer step and the number of steps.  Here, in one process: that change must equal the gradient of the step's global batch (token mean for
 SFT, pair mean for DPO) within 1e-5 relative; each row (pair) must be trained exactly once per epoch; both
 ranks must run the same number of steps.  Negative controls: the mean of per-rank means differs from the
 global mean, and the repeated rows of Trainer's own loader under DDP are caught by the same coverage check.
@@ -155,7 +155,7 @@ def dpo_reference(tmp_path_factory):
     return trainer, index
 
 
-DPO = ["dpo_packed", "dpo_packed_budget", "dpo_unpacked", "dpo_unpacked_budget"]
+DPO = ["dpo_packed", "dpo_packed_budget", "dpo_packed_shared", "dpo_unpacked", "dpo_unpacked_budget"]
 
 
 def pair_ids(key, index):
@@ -169,6 +169,8 @@ def test_dpo_step_equals_one_process_and_epoch_covers_every_pair_once(ranks, dpo
     ok(ranks, name)
     reference, index = dpo_reference
     assert ranks[0][name]["steps"] == ranks[1][name]["steps"] > 1
+    shared = [res[name]["attention"] == "packtools_tree" for res in ranks]  # the prompt once: the tree
+    assert shared == [name == "dpo_packed_shared"] * 2
     seen = collections.Counter(
         p for key, n in coverage(ranks, name).items() for p in pair_ids(key, index) for _ in range(n)
     )

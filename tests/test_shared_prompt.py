@@ -8,6 +8,7 @@ against each prompt + completion alone; and the refusal of each model kind the t
 """
 
 import os
+import re
 import sys
 
 import numpy as np
@@ -270,6 +271,86 @@ def test_negative_controls_sibling_visible_or_position_off_by_one_fail():
 
 
 # ---------------------------------------------------------------------------------------------------------
+# A tree batch on a model that was never switched to the tree attention is refused, not silently wrong
+
+
+def forward_logits(model, batch, layout=None):
+    layout = batch[TREE_KEY] if layout is None else layout
+    return model(
+        input_ids=batch["input_ids"], position_ids=batch["position_ids"], **{TREE_KEY: layout}
+    ).logits
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_plain_loop_on_an_unswitched_model_is_refused_before_the_loss(impl, monkeypatch):
+    rows = pack_preference(random_pairs(6, 7), 64, share_prompt=True).to_pylist()
+    plain = tiny_llama(impl)  # never given to use_tree_attention
+    batch = TreeCollator()(rows)
+    logits = forward_logits(plain, batch)  # runs: transformers' backends ignore the tree keyword
+    with pytest.raises(PackingError, match=r"sequence_logps: no model ran .*use_tree_attention\(model\)"):
+        sequence_logps(logits, batch["labels"], batch[TREE_KEY])
+    # Negative control: without the check the same call returns log-probs that are wrong (not those of
+    # each prompt + completion alone), with nothing raised.
+    from packtools.batches.tree import TreeReads
+
+    monkeypatch.setattr(TreeReads, "take", lambda self, output, reader: None)
+    with torch.no_grad():
+        want = alone_logps(plain, sequences_of(rows))
+    wrong = sequence_logps(logits, batch["labels"], batch[TREE_KEY]).logps.detach()
+    assert float((wrong - want).abs().max()) > 1e-2
+
+
+def test_one_model_as_reference_and_policy_reads_twice_and_a_mixed_pair_is_refused():
+    rows = pack_preference(random_pairs(6, 8), 64, share_prompt=True).to_pylist()
+    model = tree_model()
+    with torch.no_grad():
+        want = alone_logps(model, sequences_of(rows))
+    batch = TreeCollator()(rows)
+    layout = batch[TREE_KEY]
+    # Both forwards first, then both reads (and the policy's output read twice): no false alarm.
+    with torch.no_grad():
+        ref = forward_logits(model, batch)
+    policy = forward_logits(model, batch)
+    got = [sequence_logps(x, batch["labels"], layout).logps for x in (ref, policy, policy)]
+    assert all(float((g - want).abs().max()) < TOL for g in got)
+    assert layout.reads.forwards == 0 and layout.reads.layers == 2 * 2  # two forwards of two layers
+    (-got[1].sum()).backward()  # and a loss backpropagates through it
+    # One model on the tree and a reference that was not switched: the second new output is refused.
+    batch = TreeCollator()(rows)
+    tree_out = forward_logits(model, batch)
+    with torch.no_grad():
+        plain_out = forward_logits(tiny_llama(), batch)
+    sequence_logps(tree_out, batch["labels"], batch[TREE_KEY])
+    with pytest.raises(PackingError, match="read more often than a model ran it"):
+        sequence_logps(plain_out, batch["labels"], batch[TREE_KEY])
+
+
+def test_gradient_checkpointing_recompute_is_not_a_forward():
+    rows = pack_preference(random_pairs(4, 9), 64, share_prompt=True).to_pylist()
+    model = tree_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    batch = TreeCollator()(rows)
+    layout = batch[TREE_KEY]
+    logps = sequence_logps(forward_logits(model, batch), batch["labels"], layout).logps
+    calls = layout.reads.layers
+    (-logps.sum()).backward()
+    assert calls == 2 and layout.reads.layers == calls and layout.reads.forwards == 0
+    with pytest.raises(PackingError, match="use_tree_attention"):  # backward gave no credit for a new read
+        sequence_logps(torch.zeros(layout.total, VOCAB), batch["labels"], layout)
+
+
+def test_tree_batch_on_packtools_sdpa_is_refused_at_the_forward():
+    from packtools.integrations.transformers import use_segmented_sdpa
+
+    model = tiny_llama()
+    use_segmented_sdpa(model)
+    batch = TreeCollator()(pack_preference(random_pairs(3, 1), 64, share_prompt=True).to_pylist())
+    with pytest.raises(PackingError, match="use_tree_attention"):
+        forward_logits(model, batch)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Refusals
 
 
@@ -352,6 +433,21 @@ class BackboneTokens:
         )
 
 
+def engage_checkpointing(trainer):
+    """Turn on the gradient checkpointing ``args`` ask for (Trainer does it only in ``train()``, and these
+    tests call ``compute_loss``); returns a list recording the first attention layer's calls, else None."""
+    if not trainer.args.gradient_checkpointing:
+        return None
+    trainer.model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs
+    )
+    base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+    assert base.is_gradient_checkpointing
+    calls = []
+    base.model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: calls.append(1))
+    return calls
+
+
 def shared_trainer(tmp_path, **config):
     trainer = dpo.build(tmp_path, n=16, **config)
     columns = ["ref_chosen_logps", "ref_rejected_logps"] if trainer.precompute_ref_logps else []
@@ -360,23 +456,75 @@ def shared_trainer(tmp_path, **config):
     return prepare_dpo_trainer(trainer, train_dataset=packed), packed
 
 
-@pytest.mark.parametrize("case", ["sigmoid-sdpa", "ipo-eager-ld_alpha", "precompute_ref_log_probs"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "sigmoid-sdpa",
+        "ipo-eager-ld_alpha",
+        "precompute_ref_log_probs",
+        "lora",
+        "gradient_checkpointing",
+        "lora-checkpointing-precompute",
+    ],
+)
 def test_trl_on_shared_rows_equals_trl_padded(tmp_path, case):
     prepared, packed = shared_trainer(tmp_path, **dpo.CASES[case])
     assert prepared.model.config._attn_implementation == "packtools_tree"
     reference = dpo.build(tmp_path, n=16, **dpo.CASES[case])
+    recomputed = [engage_checkpointing(t) for t in (prepared, reference)][0]
     rows = [packed[0], packed[1]]
     pairs = [i for r in rows for i in r["pair"]]
     recorder = BackboneTokens(prepared.model)
     batch = prepared.data_collator(rows)
     got = dpo.loss_metrics_grads(prepared, batch)
     dpo.assert_same(dpo.loss_metrics_grads(reference, dpo.trl_batch(reference, pairs)), got)
+    if recomputed is not None:  # the policy's layers really ran again in the backward pass
+        assert len(recomputed) > len(recorder.calls), (len(recomputed), len(recorder.calls))
     # The backbone ran P + C + R + 1 tokens per pair (the prompt once), not 2P + C + R.
     prompt = [len(reference.train_dataset[i]["prompt_ids"]) for i in pairs]
     comp = [len(reference.train_dataset[i][k]) for i in pairs for k in ("chosen_ids", "rejected_ids")]
     shared = sum(prompt) + sum(comp) + len(pairs)
     assert recorder.calls and all(tuple(c) == (1, shared) for c in recorder.calls)
     assert shared < 2 * sum(prompt) + sum(comp)
+
+
+def test_trl_shared_lora_checkpointing_negative_control_recompute_off_by_one(tmp_path, monkeypatch):
+    """The LoRA + checkpointing equality above can fail: a backward recompute whose attention hides one
+    prefix key from each completion (a gather off by one, only in the recompute) moves the gradients."""
+    case = dpo.CASES["lora-checkpointing-precompute"]
+    prepared, packed = shared_trainer(tmp_path, **case)
+    reference = dpo.build(tmp_path, n=16, **case)
+    for t in (prepared, reference):
+        engage_checkpointing(t)
+    rows = [packed[0], packed[1]]
+    pairs = [i for r in rows for i in r["pair"]]
+    batch = prepared.data_collator(rows)
+    exact = TreeLayout.mask
+
+    def off_by_one(self, q_len, pre_len, device, dtype):
+        mask = exact(self, q_len, pre_len, device, dtype)
+        if pre_len > 1 and torch._C._current_graph_task_id() != -1:  # in the backward recompute only
+            mask = mask.clone()
+            mask[:, 0] = float("-inf")
+        return mask
+
+    monkeypatch.setattr(TreeLayout, "mask", off_by_one)
+    got = dpo.loss_metrics_grads(prepared, batch)
+    want = dpo.loss_metrics_grads(reference, dpo.trl_batch(reference, pairs))
+    assert abs(got[0] - want[0]) < TOL  # the forward is exact...
+    assert want[2].keys() == got[2].keys()
+    assert max(float((got[2][k] - want[2][k]).abs().max()) for k in want[2]) > 1e-4  # ...the gradients not
+
+
+def test_trl_fold_refuses_a_model_switched_off_the_tree_after_prepare(tmp_path):
+    prepared, packed = shared_trainer(tmp_path)
+    batch = prepared.data_collator([packed[0], packed[1]])
+    dpo.loss_metrics_grads(prepared, batch)  # on the tree: runs
+    prepared.model.set_attn_implementation("sdpa")  # e.g. a user's later switch: the fold must not run wrong
+    with pytest.raises(
+        PackingError, match=r"prepare_dpo_trainer\(share_prompt=True\): no model ran .*use_tree"
+    ):
+        dpo.loss_metrics_grads(prepared, batch)
 
 
 def test_trl_accumulation_on_shared_rows_is_the_mean_over_the_step(tmp_path):
@@ -417,6 +565,50 @@ def test_trl_share_prompt_on_trl_batches_and_refusal(tmp_path):
         prepare_shared_prompt(trainer, [trainer.model, tiny_arch("Mistral", "sdpa")])
     assert trainer.model.config._attn_implementation == "sdpa"
     assert "_packtools_shared_prompt" not in vars(trainer.model)
+
+
+def mistral_policy_trainer(tmp_path, monkeypatch, arch="Mistral", role="policy"):
+    """TRL's DPOTrainer built with a tiny ``arch`` model as the policy (or reference), the other a Llama."""
+    swap = 0 if role == "policy" else 1
+    monkeypatch.setattr(
+        dpo,
+        "tiny_llama",
+        lambda impl="sdpa", seed=0: tiny_arch(arch, impl) if seed == swap else tiny_llama(impl, seed),
+    )
+    trainer = dpo.build(tmp_path, n=8)
+    monkeypatch.undo()
+    return trainer
+
+
+@pytest.mark.parametrize(
+    "arch, role, match",
+    [
+        ("Mistral", "policy", "MistralForCausalLM has sliding-window"),
+        ("Falcon-H1", "reference", "FalconH1ForCausalLM has layers that mix tokens outside attention"),
+    ],
+)
+def test_prepare_dpo_trainer_refuses_what_the_tree_cannot_serve_by_its_own_check(
+    tmp_path, monkeypatch, arch, role, match
+):
+    trainer = mistral_policy_trainer(tmp_path, monkeypatch, arch, role)
+    packed = pack_preference(trainer.train_dataset, 64, share_prompt=True)
+    model = trainer.model if role == "policy" else trainer.ref_model
+    before = model.config._attn_implementation
+    with pytest.raises(PackingError, match=match):
+        prepare_dpo_trainer(trainer, train_dataset=packed)
+    assert model.config._attn_implementation == before and trainer.model.config._attn_implementation == "sdpa"
+    assert "_packtools_shared_prompt" not in vars(trainer.model)  # nothing wrapped
+    # Negative control: with the tree's check disabled, the same call no longer refuses the model by name
+    # (Mistral then gets through the generic checks and is stopped only by the tree's isolation probe, by
+    # value; Falcon-H1 by the generic probe's message).
+    from packtools.integrations import shared_dpo
+
+    trainer = mistral_policy_trainer(tmp_path, monkeypatch, arch, role)
+    monkeypatch.setattr(shared_dpo, "check_tree_model", lambda model: None)
+    monkeypatch.setattr("packtools.integrations.tree_attention.check_tree_model", lambda model: None)
+    with pytest.raises(PackingError) as caught:
+        prepare_dpo_trainer(trainer, train_dataset=packed)
+    assert not re.search(match, str(caught.value)), caught.value
 
 
 def test_trl_train_keeps_prompt_lengths_through_remove_unused_columns(tmp_path):

@@ -77,6 +77,9 @@ def sequence_logps(logits_or_logprobs: Any, labels: Any, cu_seq_lens: Any) -> Se
     :class:`~packtools.PaddingFreeCollator` returns them, or the :class:`~packtools.batches.tree.TreeLayout` of
     a prompt-shared batch (``batch["packtools_tree"]``): then one sum per *completion* (the prompt segments,
     which predict nothing, are left out), ``.pairs()`` for preference pairs and ``.groups()`` for groups.
+    Each new output read over a layout needs a forward that ran it through the ``packtools_tree`` attention
+    (:class:`~packtools.batches.tree.TreeReads`); else :class:`PackingError` (a model on any other attention
+    ignores the tree and its output is wrong).
     Returns :class:`SequenceLogps`; its ``logps`` carries gradients.
 
     >>> import torch
@@ -88,6 +91,7 @@ def sequence_logps(logits_or_logprobs: Any, labels: Any, cu_seq_lens: Any) -> Se
     torch = require("torch", "packtools.dpo.sequence_logps")
     if hasattr(cu_seq_lens, "branches") and hasattr(cu_seq_lens, "cu_seq_lens"):  # a prompt-shared tree
         tree = cu_seq_lens
+        tree.reads.take(logits_or_logprobs, "sequence_logps")  # refuses output no tree attention made
         every = sequence_logps(logits_or_logprobs, labels, tree.cu_seq_lens)
         index = tree.branches.to(every.logps.device)
         return SequenceLogps(every.logps[index], every.tokens[index], tree.group_sizes)

@@ -15,6 +15,7 @@ sequences one after the other (what TRL's padded layout holds).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -87,6 +88,76 @@ def unshared_index(segments: np.ndarray, is_branch: np.ndarray) -> tuple[np.ndar
     return index, lengths
 
 
+FIX_HINT = (
+    "switch every model that runs this batch with packtools.integrations.tree_attention.use_tree_attention(model) "
+    "(prepare_dpo_trainer does it for TRL)"
+)
+
+
+class TreeReads:
+    """Forwards that ran a layout through the tree attention, and the outputs read from it since.
+
+    Shared by a layout and its ``.to(device)`` copies.  The tree attention calls :meth:`consumed` once per
+    layer; a forward is counted at its first attention layer (the lowest ``layer_idx`` seen, or every call
+    of a layer without one).  A reader (:func:`packtools.sequence_logps`) calls :meth:`take`: each read of a
+    new output needs a forward not yet read, so a model that ignored the tree (any other attention backend)
+    cannot hand over its output unnoticed, while one model used twice (reference and policy) reads twice.
+    Recomputation in the backward pass (gradient checkpointing) is not a forward.
+    """
+
+    __slots__ = ("forwards", "layers", "_low", "_read")
+
+    def __init__(self) -> None:
+        self.forwards = 0
+        self.layers = 0
+        self._low: int | None = None
+        self._read: list[Any] = []
+
+    def consumed(self, module: Any) -> None:
+        torch = require("torch", "packtools tree attention")
+        task = getattr(torch._C, "_current_graph_task_id", None)
+        if task is not None and task() != -1:  # recomputed inside backward (checkpointing)
+            return
+        self.layers += 1
+        idx = getattr(module, "layer_idx", None)
+        if not isinstance(idx, int):
+            self.forwards += 1
+        elif self._low is None or idx <= self._low:
+            self._low = idx
+            self.forwards += 1
+
+    def take(self, output: Any, reader: str) -> None:
+        """Account for ``reader`` reading ``output``; raise if no unread forward ran the tree attention."""
+        where = _address(output)
+        if where is not None and any(_address(ref()) == where for ref in self._read):
+            return  # the same forward's output (or a view of it) read again
+        if self.forwards <= 0:
+            seen = (
+                "no model ran this prompt-shared batch through the packtools_tree attention"
+                if self.layers == 0
+                else "this prompt-shared batch was read more often than a model ran it through the "
+                "packtools_tree attention (one of the models that ran it is on another attention)"
+            )
+            raise PackingError(
+                f"{reader}: {seen}; any other attention ignores the tree (a completion would lose its prompt or "
+                f"see its sibling), so the result would be silently wrong. Fix: {FIX_HINT}.",
+                param="packtools_tree",
+            )
+        self.forwards -= 1
+        if where is not None:
+            self._read.append(weakref.ref(output))  # alive: its storage's address is not reused
+
+
+def _address(output: Any) -> Any:
+    """The address of ``output``'s storage (a tensor), else None."""
+    if output is None:
+        return None
+    try:
+        return output.untyped_storage().data_ptr()
+    except (AttributeError, RuntimeError):
+        return None
+
+
 @dataclass(frozen=True)
 class TreeLayout:
     """One flat row's tree: host ``segments`` and ``is_branch``, device tensors for kernels and log-probs.
@@ -109,6 +180,8 @@ class TreeLayout:
     max_k: int
     #: Bottom-right causal masks by (queries, prefix, device, dtype), built once for all layers of a forward.
     masks: dict = field(default_factory=dict, compare=False, repr=False)
+    #: Forwards through the tree attention and reads since (shared with ``.to`` copies): :class:`TreeReads`.
+    reads: TreeReads = field(default_factory=TreeReads, compare=False, repr=False)
 
     def mask(self, q_len: int, pre_len: int, device: Any, dtype: Any) -> Any:
         """Additive mask of a segment: query ``i`` sees the ``pre_len`` prefix keys and its own first ``i + 1``."""

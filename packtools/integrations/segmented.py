@@ -33,6 +33,7 @@ import weakref
 from typing import Any
 
 from .._optional import require
+from ..errors import PackingError
 
 #: The attention implementation name registered with transformers.
 SEGMENTED_SDPA = "packtools_sdpa"
@@ -152,6 +153,11 @@ def segmented_sdpa_forward(
     >>> out.shape, torch.allclose(out[:, 3:], second, atol=1e-6)
     (torch.Size([1, 5, 2, 4]), True)
     """
+    if kwargs.get("packtools_tree") is not None:  # a prompt-shared batch on a model not switched to the tree
+        raise PackingError(
+            "a prompt-shared batch (packtools_tree) reached the packtools_sdpa attention, which would ignore the "
+            "tree; switch the model with packtools.integrations.tree_attention.use_tree_attention(model)."
+        )
     torch, sdpa_attention_forward, repeat_kv = _functions()
     bounds = None if _compiling(torch) else _segments_apply(kwargs, query, key)
     if bounds is None:

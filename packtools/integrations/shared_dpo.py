@@ -133,6 +133,7 @@ def _shared_forward(inner: Any) -> Any:
             **{TREE_KEY: folded["tree"]},
             **kwargs,
         )
+        folded["tree"].reads.take(None, "prepare_dpo_trainer(share_prompt=True)")  # it ran the tree
         n_seq, width = ids.shape
         target = folded["valid"][:, 1:]
         for name in PER_TOKEN:
@@ -162,6 +163,12 @@ def install_shared_prompt_forward(model: Any) -> None:
     object.__setattr__(base, _WRAPPED, True)
 
 
+def check_tree_models(models: list[Any]) -> None:
+    """:func:`~packtools.integrations.tree_attention.check_tree_model` on every model (policy, reference)."""
+    for model in models:
+        check_tree_model(model)
+
+
 def prepare_shared_prompt(trainer: Any, models: list[Any], check_isolation: bool = True) -> None:
     """Put ``models`` on the tree attention and fold their batches; all or none.
 
@@ -169,8 +176,7 @@ def prepare_shared_prompt(trainer: Any, models: list[Any], check_isolation: bool
     name if the tree cannot serve it), then switched and probed; if one fails, all go back to ``sdpa`` (or
     their own backend) and nothing is wrapped.
     """
-    for model in models:
-        check_tree_model(model)
+    check_tree_models(models)
     switched = []
     try:
         for model in models:

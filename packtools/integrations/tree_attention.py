@@ -95,6 +95,7 @@ def tree_attention_forward(
         )
     torch = require("torch", "packtools tree attention")
     _refuse_call(module, kwargs)
+    tree.reads.consumed(module)  # what sequence_logps checks: a tree attention ran this layout
     if query.shape[0] != 1 or query.shape[2] != tree.total or key.shape[2] != tree.total:
         raise PackingError(
             f"the tree attention got {tuple(query.shape)} queries for a tree of {tree.total} tokens in one row; "

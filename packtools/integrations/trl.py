@@ -333,13 +333,15 @@ def prepare_dpo_trainer(
     if vars(trainer).get(_PATCHED):
         raise PackingError("prepare_dpo_trainer was already called on this trainer.")
     models = [m for m in (trainer.model, trainer.ref_model) if m is not None]
+    from .shared_dpo import check_tree_models, keep_tree_columns, prepare_shared_prompt, shares_prompt
+
+    shared = shares_prompt(train_dataset) if share_prompt is None else share_prompt
+    if shared:  # the tree's own refusal, by name, before any generic probe runs
+        check_tree_models(models)
     for model in models:
         check_attention_implementation(model)
     if check_isolation:  # the user's collator must keep every sequence in its own row (collator_check)
         check_preference_collator(trainer)
-    from .shared_dpo import keep_tree_columns, prepare_shared_prompt, shares_prompt
-
-    shared = shares_prompt(train_dataset) if share_prompt is None else share_prompt
     with segmented_sdpa_until_checked(models, segmented_sdpa) as switched:
         if check_isolation:
             run_probe(trainer, trainer.ref_model, switched=switched)
