@@ -170,12 +170,26 @@ CASES = {
 }
 
 
+def engage_checkpointing(trainer):
+    """Turn on the gradient checkpointing ``args`` ask for: Trainer does it only in ``train()``, and these tests
+    call ``compute_loss`` directly, so without this the checkpointing cases would not checkpoint."""
+    if not trainer.args.gradient_checkpointing:
+        return
+    trainer.model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs
+    )
+    base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+    assert base.is_gradient_checkpointing
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_unpacked_micro_batch_equals_trl_padded(tmp_path, case):
     config = dict(CASES[case])
     segmented = config.pop("segmented_sdpa", True)
     padded = build(tmp_path, **config)
     prepared = prepare_dpo_trainer(build(tmp_path, **config), segmented_sdpa=segmented)
+    for trainer in (padded, prepared):
+        engage_checkpointing(trainer)
     impl = prepared.model.config._attn_implementation
     assert impl == (
         "packtools_sdpa" if segmented and config.get("impl", "sdpa") == "sdpa" else config.get("impl", "sdpa")
