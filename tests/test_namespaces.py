@@ -32,6 +32,7 @@ FRONT_DOOR = {
     "plan",
     "prepare_dpo_trainer",
     "prepare_trainer",
+    "profile_files",
     "profile_lengths",
 }
 # name that left the front door -> its new home

@@ -23,9 +23,12 @@ needs_engine = pytest.mark.skipif(fast_tokenize.engine_version() is None, reason
 
 
 @pytest.fixture(scope="session")
-def vocab(request):
-    """name -> folder; built once and kept in pytest's cache, keyed by the quicktok version and the build."""
-    root = request.config.cache.mkdir(f"packtools-vocab-{version('quicktok-v1')}-{_real_vocab.BUILD_VERSION}")
+def vocab(request, tmp_path_factory):
+    """name -> folder; built once and kept in pytest's cache, keyed by the quicktok version and the build
+    (in a temporary folder when the cache plugin is off, ``-p no:cacheprovider``)."""
+    key = f"packtools-vocab-{version('quicktok-v1')}-{_real_vocab.BUILD_VERSION}"
+    cache = getattr(request.config, "cache", None)
+    root = str(cache.mkdir(key)) if cache is not None else str(tmp_path_factory.mktemp(key))
     built = {}
 
     def get(name: str) -> str:
