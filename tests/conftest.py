@@ -14,3 +14,10 @@ settings.load_profile("nojit" if os.environ.get("NUMBA_DISABLE_JIT") == "1" else
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture(autouse=True)
+def _own_packtools_cache(tmp_path_factory, monkeypatch):
+    """Each test gets an empty packtools cache (recorded reference and proof verdicts): a verdict recorded by
+    another test, or by an earlier run in ~/.cache, must not skip the proof a test breaks on purpose."""
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path_factory.mktemp("packtools-cache")))
