@@ -21,6 +21,7 @@ from .._optional import require
 from ..batches.tree import TREE_KEY, TreeLayout, tree_segments, unshared_index
 from ..core.shared_pairs import PROMPT_LENGTHS
 from ..errors import PackingError
+from .dpo_calls import padded_preference_call
 from .segmented import SEGMENTED_SDPA
 from .transformers import _base_model, attention_implementation
 from .tree_attention import check_tree_model, use_tree_attention
@@ -105,24 +106,10 @@ def fold_pairs(ids: Any, mask: Any, labels: Any) -> dict[str, Any]:
 
 def _shared_forward(inner: Any) -> Any:
     def forward(self: Any, *args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
-        ids, mask, labels = kwargs.get("input_ids"), kwargs.get("attention_mask"), kwargs.get("labels")
-        if (
-            not fused_lm_head
-            or args
-            or ids is None
-            or mask is None
-            or labels is None
-            or ids.dim() != 2
-            or kwargs.get("inputs_embeds") is not None
-            or kwargs.get("shift_labels") is not None
-        ):
+        call = padded_preference_call(args, kwargs, fused_lm_head)
+        if call is None:
             return inner(*args, fused_lm_head=fused_lm_head, **kwargs)
-        kwargs = dict(kwargs)
-        del kwargs["input_ids"], kwargs["attention_mask"], kwargs["labels"]
-        if kwargs.pop("position_ids", None) is not None:
-            raise PackingError(
-                "a padded preference batch came with position_ids; packtools builds them itself."
-            )
+        ids, mask, labels, kwargs = call
         folded = fold_pairs(ids, mask, labels)
         kwargs["use_cache"] = False
         out = inner(

@@ -48,6 +48,7 @@ from ..errors import PackingError
 from .budget_loader import install_train_loader
 from .collator_check import check_preference_collator
 from .distributed import check_loss_path, trainer_divides_by_accumulation, uneven_gather
+from .dpo_calls import padded_preference_call
 from .dpo_probe import check_padding_free_forward
 from .transformers import (
     _base_model,
@@ -99,24 +100,10 @@ def _padding_free_forward(model: Any, inner: Any) -> Any:
     send_seq_idx = "seq_idx" in names or (bool(mixers) and forward_accepts(model, "seq_idx"))
 
     def forward(self: Any, *args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
-        ids, mask, labels = kwargs.get("input_ids"), kwargs.get("attention_mask"), kwargs.get("labels")
-        if (
-            not fused_lm_head
-            or args
-            or ids is None
-            or mask is None
-            or labels is None
-            or ids.dim() != 2
-            or kwargs.get("inputs_embeds") is not None
-            or kwargs.get("shift_labels") is not None
-        ):
+        call = padded_preference_call(args, kwargs, fused_lm_head)
+        if call is None:
             return inner(*args, fused_lm_head=fused_lm_head, **kwargs)
-        kwargs = dict(kwargs)
-        del kwargs["input_ids"], kwargs["attention_mask"], kwargs["labels"]
-        if kwargs.pop("position_ids", None) is not None:
-            raise PackingError(
-                "a padded preference batch came with position_ids; packtools builds them itself."
-            )
+        ids, mask, labels, kwargs = call
         lengths, valid, cu = padding_free_layout(mask)
         n_seq, width = ids.shape
         flat_ids = ids[valid]

@@ -32,7 +32,7 @@ from typing import Any
 from .._atomic import atomic_path
 from ..io.fingerprint import cache_key
 from . import fast_tokenize as fast_engine
-from .reference import _versions, cache_dir
+from .reference import _versions, cache_dir, read_verdict
 
 PROOF_CACHE_FORMAT = 1
 
@@ -75,15 +75,9 @@ def _code_hash() -> str:
 
 def load(path: str | None) -> dict[str, int] | None:
     """The ``checked`` counts of a recorded passing verdict at ``path``, or None (no verdict: run the proof)."""
-    if path is None or not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as fh:
-            verdict = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    checked = verdict.get("checked") if isinstance(verdict, dict) else None
-    if verdict.get("same") is not True or not isinstance(checked, dict):
+    verdict = read_verdict(path)
+    checked = verdict.get("checked") if verdict is not None else None
+    if not isinstance(checked, dict):
         return None
     if not all(isinstance(k, str) and isinstance(v, int) for k, v in checked.items()):
         return None

@@ -89,10 +89,9 @@ def _config_eos(tokenizer_dir: str) -> str | None:
     return None
 
 
-def load_verified(tokenizer_dir: str, tokenizer_fp: str) -> LiteReference | None:
-    """The lite reference when a recorded verdict says it gives transformers' ids for this tokenizer and these
-    versions; None otherwise (then transformers must be loaded)."""
-    path = _verdict_path(tokenizer_fp)
+def read_verdict(path: str | None) -> dict[str, Any] | None:
+    """A recorded passing verdict (a JSON object with ``"same": true``) at ``path``, or None: absent, unreadable
+    or not a pass all mean "check again"."""
     if path is None or not os.path.isfile(path):
         return None
     try:
@@ -100,7 +99,14 @@ def load_verified(tokenizer_dir: str, tokenizer_fp: str) -> LiteReference | None
             verdict = json.load(fh)
     except (OSError, ValueError):
         return None
-    if not isinstance(verdict, dict) or verdict.get("same") is not True:
+    return verdict if isinstance(verdict, dict) and verdict.get("same") is True else None
+
+
+def load_verified(tokenizer_dir: str, tokenizer_fp: str) -> LiteReference | None:
+    """The lite reference when a recorded verdict says it gives transformers' ids for this tokenizer and these
+    versions; None otherwise (then transformers must be loaded)."""
+    verdict = read_verdict(_verdict_path(tokenizer_fp))
+    if verdict is None:
         return None
     try:
         lite = LiteReference(tokenizer_dir)
