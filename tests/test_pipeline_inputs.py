@@ -142,6 +142,20 @@ def test_a_message_without_a_role_is_refused(tmp_path, tok_dir):
     assert pack_files(src, str(tmp_path / "out"), max_length=64, tokenizer=tok_dir).stats["rows_in"] == 1
 
 
+def test_an_empty_conversational_completion_is_named_not_blamed_on_the_template(tmp_path, tok_dir):
+    """U6: a preference pair whose chosen conversation is [] says so (the template is fine)."""
+    prompt = [{"role": "user", "content": "hi"}]
+    reply = [{"role": "assistant", "content": "yo"}]
+    bad = [{"prompt": prompt, "chosen": [], "rejected": reply}]
+    src = jsonl(tmp_path / "pref.jsonl", bad)
+    with pytest.raises(PackingError, match="column 'chosen' is an empty conversation") as info:
+        pack_files(src, str(tmp_path / "out"), max_length=64, tokenizer=tok_dir)
+    assert "renders the prompt differently" not in str(info.value)
+    good = [{"prompt": prompt, "chosen": reply, "rejected": reply}]
+    src = jsonl(tmp_path / "pref.jsonl", good)  # control: the same template packs a non-empty pair
+    assert pack_files(src, str(tmp_path / "out"), max_length=64, tokenizer=tok_dir).stats["rows_in"] == 1
+
+
 # -- S6-S9: what a folder holds ---------------------------------------------------------------------------------
 def test_every_file_in_a_folder_is_read_or_listed(tmp_path, capsys):
     d = tmp_path / "in"

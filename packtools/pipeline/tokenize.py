@@ -429,9 +429,13 @@ class BatchTokenizer:
         for i, prompt in enumerate(prompts):
             p = _clean_messages(prompt, "prompt", shift(first_row, i))
             for n in names:
-                head, tail = self._split_rendering(
-                    p, _clean_messages(columns[n][i], n, shift(first_row, i)), shift(first_row, i)
-                )
+                completion = _clean_messages(columns[n][i], n, shift(first_row, i))
+                if not completion:  # not the template's fault: there is nothing to render after the prompt
+                    raise PackingError(
+                        f"{at(shift(first_row, i))}: column {n!r} is an empty conversation ([]); every completion "
+                        f"needs at least one message (drop the row, or give it the assistant's reply)."
+                    )
+                head, tail = self._split_rendering(p, completion, shift(first_row, i))
                 tails[n].append(tail)
             heads.append(head)
         return [self.encode(heads, False, first_row, "prompt")] + [
