@@ -231,7 +231,7 @@ def test_probe_finds_the_sequences_in_a_padded_or_left_padded_batch():
 
 
 def leaky_conv_llama():
-    """A Llama whose embeddings pass through a causal Conv1d that ignores seq_idx (as transformers <= 5.0's
+    """A Llama whose embeddings pass through a causal Conv1d that ignores seq_idx (as transformers before 5.20's
     PyTorch fallback of the Mamba/conv mixers does: it takes seq_idx and runs the packed row as one)."""
     model = tiny_llama("sdpa")
     hidden = model.config.hidden_size

@@ -381,7 +381,7 @@ def check_isolation(
     if report.leaks and raise_on_leak:
         mixers = token_mixing_layers(model)
         if mixers and "seq_idx" in keys:
-            # transformers <= 5.0 runs these layers' PyTorch fallback on seq_idx without refusing (later ones
+            # transformers before 5.20 runs these layers' PyTorch fallback on seq_idx without refusing (later ones
             # raise, see _translate): the same refusal, from the measured leak.
             raise PackingError(
                 _mixer_refusal(name, impl, mixers, f"packed logits move by {perturb:.1e}.\n{report}")
