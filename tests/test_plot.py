@@ -26,9 +26,9 @@ from packtools.profiling.plot import plot_lengths, plot_tradeoffs, profile_figur
 
 @pytest.fixture(autouse=True)
 def close_figures():
-    yield
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # imported before the test: a test may hide matplotlib from sys.modules
 
+    yield
     plt.close("all")
 
 

@@ -312,17 +312,17 @@ def test_errors_name_the_problem():
     assert view[-1]["input_ids"].tolist() == view[len(view) - 1]["input_ids"].tolist()
 
 
-def test_readme_view_block_runs():
+def test_docs_static_shapes_view_block_runs():
     import re
     from pathlib import Path
 
     import packtools
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "packed_view(ds" in b)
+    doc = (Path(__file__).parents[1] / "docs" / "batches.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", doc, flags=re.S) if "pad_to_buckets" in b)
     ds = datasets.Dataset(token_table(400, masks=False, mean=5.0))
     scope = {"packtools": packtools, "ds": ds, "DataLoader": torch.utils.data.DataLoader}
-    exec(compile(block, "README view block", "exec"), scope)
+    exec(compile(block, "docs/batches.md view block", "exec"), scope)
     batches = list(scope["loader"])
     assert len(batches) == len(scope["sampler"]) > 1
     assert {b["input_ids"].shape[1] for b in batches} <= set(scope["sampler"].buckets)
