@@ -1,0 +1,101 @@
+"""Every touch of another library's internals, one module per library, recorded so it can be undone.
+
+``compat.transformers``, ``compat.trl``, ``compat.datasets``, ``compat.accelerate`` and ``compat.torch`` each
+name the versions their shapes were checked against (``CHECKED``) and refuse, with a
+:class:`~packtools.errors.PackingError`, an object whose shape they do not know, instead of patching it
+silently.  What they change on a live object (an attribute, a bound method, a registry entry) goes through
+:func:`set_attr`, which records the old value in the object's :class:`Patches`; :func:`undo` puts every
+recorded value back, newest first (``packtools.integrations.unprepare``).
+
+>>> class T: pass
+>>> t = T(); t.x = 1
+>>> set_attr(t, "x", 2, owner=t); set_attr(t, "y", 3, owner=t); (t.x, t.y)
+(2, 3)
+>>> undo(t); (t.x, hasattr(t, "y"))
+(1, False)
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import PackingError
+
+_PATCHES_ATTR = "_packtools_patches"
+_MISSING = object()
+
+
+@dataclass
+class Patches:
+    """The changes packtools made for one owner (a trainer, a model), oldest first, each with its undo."""
+
+    undos: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
+
+    def add(self, what: str, undo_fn: Callable[[], None]) -> None:
+        self.undos.append((what, undo_fn))
+
+    def names(self) -> list[str]:
+        return [what for what, _ in self.undos]
+
+    def undo(self) -> None:
+        while self.undos:
+            _, fn = self.undos.pop()
+            fn()
+
+
+def patches_of(owner: Any) -> Patches:
+    """The :class:`Patches` recorded on ``owner`` (created on first use)."""
+    found = owner.__dict__.get(_PATCHES_ATTR) if hasattr(owner, "__dict__") else None
+    if found is None:
+        found = Patches()
+        object.__setattr__(owner, _PATCHES_ATTR, found)
+    return found
+
+
+def set_attr(obj: Any, name: str, value: Any, *, owner: Any) -> None:
+    """``setattr(obj, name, value)``, recorded on ``owner`` so :func:`undo` restores (or deletes) it."""
+    old = obj.__dict__.get(name, _MISSING) if hasattr(obj, "__dict__") else getattr(obj, name, _MISSING)
+
+    def restore() -> None:
+        if old is _MISSING:
+            if name in getattr(obj, "__dict__", {}):
+                delattr(obj, name)
+        else:
+            setattr(obj, name, old)
+
+    setattr(obj, name, value)
+    patches_of(owner).add(f"{type(obj).__name__}.{name}", restore)
+
+
+def record(owner: Any, what: str, undo_fn: Callable[[], None]) -> None:
+    """Record a change made some other way (a registry entry, a callback) with the function that undoes it."""
+    patches_of(owner).add(what, undo_fn)
+
+
+def undo(owner: Any) -> list[str]:
+    """Undo every change recorded on ``owner``, newest first; returns what was undone (oldest first)."""
+    found = owner.__dict__.get(_PATCHES_ATTR) if hasattr(owner, "__dict__") else None
+    if found is None:
+        return []
+    names = found.names()
+    found.undo()
+    return names
+
+
+def version(distribution: str) -> str | None:
+    """The installed version of ``distribution``, or None."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def unknown_shape(library: str, checked: str, what: str, fix: str) -> PackingError:
+    """The error for an object whose internals are not the shape packtools checked (never patch blindly)."""
+    return PackingError(
+        f"packtools does not know this {library} {version(library) or '(unknown version)'}: {what}. "
+        f"packtools was checked against {library} {checked}. {fix}"
+    )
