@@ -11,7 +11,9 @@ recorded value back, newest first (``packtools.integrations.unprepare``).
 >>> t = T(); t.x = 1
 >>> set_attr(t, "x", 2, owner=t); set_attr(t, "y", 3, owner=t); (t.x, t.y)
 (2, 3)
->>> undo(t); (t.x, hasattr(t, "y"))
+>>> undo(t)
+['T.x', 'T.y']
+>>> (t.x, hasattr(t, "y"))
 (1, False)
 """
 
