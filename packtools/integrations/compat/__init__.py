@@ -101,3 +101,13 @@ def unknown_shape(library: str, checked: str, what: str, fix: str) -> PackingErr
         f"packtools does not know this {library} {version(library) or '(unknown version)'}: {what}. "
         f"packtools was checked against {library} {checked}. {fix}"
     )
+
+
+def unprepare(trainer: Any) -> Any:
+    """Undo what ``prepare_trainer`` / ``prepare_dpo_trainer`` changed on ``trainer`` (and the objects it holds).
+
+    Every change packtools makes to a trainer, its model, its collator or a library registry for it is recorded
+    on the trainer (``owner=trainer``), so this puts the trainer back as it was built.  Returns the trainer.
+    """
+    undo(trainer)
+    return trainer
