@@ -180,7 +180,8 @@ def case_hf_trl(src: str, out: str, tok_dir: str, kind: str) -> dict:
 def case_packtools(src: str, out: str, tok_dir: str, engine: str, num_proc: str) -> dict:
     t = time.perf_counter()
     import packtools
-    from packtools.pipeline.run import PipelineConfig, run_pipeline
+    from packtools.pipeline.config import PipelineConfig
+    from packtools.pipeline.run import run_pipeline
 
     packtools.core.warmup()
     res = run_pipeline(

@@ -17,7 +17,8 @@ import packtools.pipeline.run as pipeline
 from packtools import PackingError, pack_table
 from packtools.cli.main import main
 from packtools.core import unpack
-from packtools.pipeline.run import PipelineConfig, run_pipeline
+from packtools.pipeline.config import PipelineConfig
+from packtools.pipeline.run import run_pipeline
 
 datasets = pytest.importorskip("datasets")
 

@@ -16,7 +16,7 @@ from packtools.cli.main import main
 from packtools.core import unpack
 from packtools.errors import PackingError
 from packtools.pipeline.executors import PoolExecutor, get_executor
-from packtools.pipeline.run import run_jobs
+from packtools.pipeline.jobs import run_jobs
 from packtools.pipeline.shards import pack_shards
 
 datasets = pytest.importorskip("datasets")

@@ -20,7 +20,8 @@ from _pipeline_data import (
 
 from packtools import PackingError
 from packtools.core import unpack
-from packtools.pipeline.run import PipelineConfig, run_pipeline
+from packtools.pipeline.config import PipelineConfig
+from packtools.pipeline.run import run_pipeline
 from packtools.pipeline.tokenize import IGNORE_INDEX, BatchTokenizer, detect_format
 
 datasets = pytest.importorskip("datasets")

@@ -241,10 +241,10 @@ def test_engine_and_version_are_in_the_fingerprint_and_stage_keys(tok_bl, tmp_pa
     assert first.manifest["fingerprint"] != again.manifest["fingerprint"]
     part = Part(discover([src])[0])
     args = (part, "text", ("input_ids",), ("int32",), "fp", True)
-    keys = {stage_key(*args, fast_tokenize.engine_key(e)) for e in ("auto", "fast", "transformers")}
+    keys = {stage_key(*args, engine=fast_tokenize.engine_key(e)) for e in ("auto", "fast", "transformers")}
     assert len(keys) == 3
     monkeypatch.setattr(fast_tokenize, "engine_version", lambda: "9.9.9")
-    assert stage_key(*args, fast_tokenize.engine_key("auto")) not in keys  # another engine version
+    assert stage_key(*args, engine=fast_tokenize.engine_key("auto")) not in keys  # another engine version
 
 
 def test_a_reused_part_keeps_its_tokenizer_report(tok_bl, tmp_path):

@@ -152,7 +152,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def pipeline_config(args: argparse.Namespace, max_length: int) -> Any:
-    from ..pipeline.run import PipelineConfig
+    from ..pipeline.config import PipelineConfig
 
     return PipelineConfig(
         max_length=max_length,

@@ -17,8 +17,8 @@ from .._lazy import lazy_exports
 _EXPORTS = {
     "pack_files": "packtools.pipeline.run",
     "run_pipeline": "packtools.pipeline.run",
-    "PipelineConfig": "packtools.pipeline.run",
-    "PipelineResult": "packtools.pipeline.run",
+    "PipelineConfig": "packtools.pipeline.config",
+    "PipelineResult": "packtools.pipeline.config",
 }
 
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -52,6 +52,7 @@ def tokenized_table(texts: list[bytes], tokenizer_dir: str, batch_rows: int = 10
 
 def run_demo(
     out: str,
+    *,
     max_length: int | None = None,
     strategy: str = "bfd_split",
     keep: float = 0.99,
@@ -77,7 +78,8 @@ def run_demo(
     from ..core.plan import STRATEGIES, plan
     from ..io.files import write_table
     from ..profiling.profile import profile_lengths
-    from .run import PipelineConfig, run_pipeline
+    from .config import PipelineConfig
+    from .run import run_pipeline
     from .summary import format_pipeline_summary, format_summary
 
     started = time.perf_counter()

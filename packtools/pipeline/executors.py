@@ -2,7 +2,7 @@
 
 They share one interface, :meth:`Executor.run`, which yields ``(index, outcome)`` pairs as jobs finish, where
 ``outcome`` is the function's return value or the exception it raised.  An executor never retries and never
-raises a job's exception: retrying and reporting are the caller's business (see :func:`packtools.pipeline.run.run_jobs`),
+raises a job's exception: retrying and reporting are the caller's business (see :func:`packtools.pipeline.jobs.run_jobs`),
 so every executor behaves the same way.
 
 >>> with get_executor("local") as ex:

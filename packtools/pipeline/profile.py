@@ -107,7 +107,10 @@ def profile_files(
     (default :func:`packtools.pipeline.stage_cache.cache_dir`, which ``pack`` looks in; ``False`` stages into a
     temporary folder removed afterwards).  ``executor``/``workers`` as for :func:`packtools.pack_files`.
     """
-    from .run import PipelineConfig, data_format, get_executor, run_jobs, token_schema
+    from .config import PipelineConfig
+    from .executors import get_executor
+    from .jobs import run_jobs
+    from .schema import data_format, token_schema
     from .stage_cache import CacheLock, cache_dir, evict, max_bytes, stage_jobs
 
     if isinstance(inputs, (str, os.PathLike)):
@@ -171,10 +174,10 @@ def profile_files(
         fmt,
         columns,
         types,
-        tok_fp,
-        tok_dir,
-        add_eos,
         folder,
+        tokenizer=tok_dir,
+        tokenizer_fp=tok_fp,
+        add_eos=add_eos,
         single_threaded=executor != "local",
         tokenizer_engine=tokenizer_engine,
         engine_proven=proven,

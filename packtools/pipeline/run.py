@@ -10,7 +10,7 @@ One run, whatever executes it:
 3. **Plan** on the driver, from lengths alone (O(rows) memory, no token touched): apply the ``overlong``
    policy, optionally drop rows without a label token, and make **one global plan** (``plan="shards"``
    instead plans each part on its own, for lengths that do not fit one machine; see
-   :data:`PLANS`).
+   :data:`packtools.pipeline.config.PLANS` and :mod:`packtools.pipeline.planning`).
 4. **Gather and write** on the executor: the plan cut into blocks of at most ``shard_tokens`` tokens, each
    gathered from the memory-mapped staged files and written as one shard
    (:mod:`packtools.pipeline.gather`).
@@ -30,256 +30,53 @@ rejected]`` side by side in a row, never split (``input_ids``, ``completion_mask
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
-
-from .._progress import progress
-from ..constants import __version__
-from ..core.plan import PackPlan, check_max_length, check_strategy
-from ..core.plan import plan as make_plan
 from ..errors import PackingError
 from ..io.files import InputFile, Part, find_inputs, read_schema, skipped_notes, split_file
-from ..io.fingerprint import cache_key
-from ..io.manifest import MANIFEST_FORMAT, read_manifest, write_manifest
-from .char_drops import check_on_unencodable
-from .executors import EXECUTORS, Executor, get_executor, is_transient
-from .fast_tokenize import check_audit_rate, check_engine, engine_key, engine_summary
-from .gather import WriteJob, run_token, shard_name, write_block, write_dataset_files
+from ..io.manifest import read_manifest, write_manifest
+from .config import PipelineConfig, PipelineResult, fingerprint
+from .executors import EXECUTORS, Executor, get_executor
+from .failures import explain_os_error, note_interrupted, signals_deferred
+from .fast_tokenize import engine_summary
+from .gather import run_token, write_block, write_dataset_files
+from .jobs import run_jobs
 from .outcheck import check_out, check_replaceable
+from .planning import plan_parts, row_plan, write_jobs
 from .schema import data_format, known_columns, token_schema
 from .stage import load_sidecar, stage_part
 from .stage_cache import adopt_cached, stage_jobs
 from .summary import tokenizer_timings
-from .tokenize import FORMATS, input_columns, output_columns
+from .tokenize import input_columns, output_columns
 from .workspace import Workspace, checkpoint, left_behind_notes, tidy_after_dead_run
-
-OVERLONG = ("truncate", "drop", "split")
-#: ``global``: one plan over every row (the default; fewest rows).  ``shards``: each part planned on its own
-#: and the plans put one after the other; costs a few rows per part (< 0.01% with parts of >= 100k rows).
-PLANS = ("global", "shards")
 
 
 @dataclass(frozen=True)
-class PipelineConfig:
-    """Everything that decides the output.  Where it runs (executor, workers) and ``quiet`` do not, and are not
-    fingerprinted."""
+class RunInputs:
+    """What the driver decided about the inputs before taking the lock: their format, the token columns to
+    write (with their value types) and the columns left out, and the tokenizer engine it proved (raw input)."""
 
-    max_length: int
-    strategy: str = "bfd"
-    format: str | None = None
-    tokenizer: str | None = None
-    overlong: str | None = None
-    columns: tuple[str, ...] | None = None
-    add_eos: bool = True
-    max_prompt_length: int | None = None
-    shuffle: bool = False
-    seed: int = 0
-    shard_tokens: int = 1 << 24
-    plan: str = "global"
-    drop_unlabeled: bool = False
-    part_rows: int = 1 << 17
-    part_bytes: int = 1 << 26
-    # auto | fast | transformers: the same ids either way (proven); fingerprinted with the engine's version
-    tokenizer_engine: str = "auto"
-    tokenizer_audit: float = 0.001  # share of rows compared with transformers after the proof
-    on_unencodable: str = "report"  # characters the tokenizer cannot encode: report | error
-
-    def __post_init__(self) -> None:
-        check_max_length(self.max_length)
-        check_engine(self.tokenizer_engine)
-        check_audit_rate(self.tokenizer_audit)
-        check_on_unencodable(self.on_unencodable)
-        check_strategy(self.strategy)
-        if self.format is not None and self.format not in FORMATS:
-            raise PackingError(
-                f"format={self.format!r} is unknown; use one of {', '.join(FORMATS)}.", param="format"
-            )
-        if self.overlong is not None and self.overlong not in OVERLONG:
-            raise PackingError(
-                f"overlong={self.overlong!r} is unknown; use one of {', '.join(OVERLONG)}.", param="overlong"
-            )
-        if self.overlong == "split" and self.strategy == "bfd":
-            raise PackingError(
-                "overlong='split' needs strategy='bfd_split' (or 'wrapped'); bfd keeps one piece per sequence.",
-                param="overlong",
-            )
-        if self.max_prompt_length is not None and not 0 < self.max_prompt_length < self.max_length:
-            raise PackingError(
-                f"max_prompt_length={self.max_prompt_length} must be in [1, max_length={self.max_length}).",
-                param="max_prompt_length",
-            )
-        if self.plan not in PLANS:
-            raise PackingError(f"plan={self.plan!r} is unknown; use one of {', '.join(PLANS)}.", param="plan")
-        for name in ("shard_tokens", "part_rows", "part_bytes"):
-            if getattr(self, name) < 1:
-                raise PackingError(f"{name} must be >= 1, got {getattr(self, name)}.", param=name)
-
-    @property
-    def overlong_policy(self) -> str:
-        """``overlong`` or its default: ``truncate`` for bfd, ``split`` for bfd_split and wrapped."""
-        return self.overlong or ("truncate" if self.strategy == "bfd" else "split")
+    files: Sequence[InputFile]
+    fmt: str
+    columns: list[str]
+    types: list[str]
+    left_out: list[str]
+    proven: Any = None  # stage.freeze_report of the engine report; None for tokenized input
 
 
-@dataclass
-class PipelineResult:
-    """What a run did: the output folder, its statistics (also in the manifest), whether the manifest made it
-    a no-op, and how long each stage took where (``timings``: not in the manifest, which must not depend on
-    where the run went)."""
+@dataclass(frozen=True)
+class Execution:
+    """Where and how the parallel stages run; nothing here changes the output."""
 
-    out: str
-    stats: dict[str, Any]
-    cached: bool = False
-    manifest: dict[str, Any] = field(default_factory=dict)
-    timings: dict[str, Any] = field(default_factory=dict)
-    #: Things to tell the user that did not fail the run (e.g. files of the old output that could not be removed).
-    notes: list[str] = field(default_factory=list)
-
-
-# -- fingerprint and manifest ------------------------------------------------------------------------------
-def fingerprint(files: Sequence[InputFile], config: PipelineConfig) -> dict[str, Any]:
-    """What the manifest compares: config, input files (path, size, mtime), tokenizer files, versions."""
-    from .tokenize import tokenizer_fingerprint
-
-    cfg = asdict(config)
-    cfg["columns"] = list(config.columns) if config.columns else None
-    cfg["overlong"] = config.overlong_policy
-    cfg["tokenizer_engine"] = engine_key(config.tokenizer_engine)  # S15: another engine is another output
-    tok = tokenizer_fingerprint(config.tokenizer) if config.tokenizer else None
-    body = {
-        "manifest_format": MANIFEST_FORMAT,
-        "packtools_version": __version__,
-        "config": cfg,
-        "inputs": [f.fingerprint() for f in files],
-        "tokenizer_sha256": tok,
-    }
-    digest = cache_key("pack_files", MANIFEST_FORMAT, config=cfg, inputs=body["inputs"], tokenizer=tok)
-    return {"fingerprint": digest, **body}
-
-
-# -- checks before any work --------------------------------------------------------------------------------
-# -- running jobs on an executor ---------------------------------------------------------------------------
-def run_jobs(
-    ex: Executor, fn: Callable[[Any], Any], jobs: Sequence[Any], desc: str, quiet: bool, retries: int
-) -> list[Any]:
-    """Run ``fn`` over ``jobs`` on ``ex``; results in job order.  A job whose worker was lost is tried again
-    (up to ``retries`` times); any other exception is raised at once (it would fail again)."""
-    results: list[Any] = [None] * len(jobs)
-    todo = list(range(len(jobs)))
-    bar = progress(len(jobs), desc, unit="parts" if desc == "stage" else "shards", quiet=quiet)
-    try:
-        for attempt in range(retries + 1):
-            lost = []
-            for k, outcome in ex.run(fn, [jobs[i] for i in todo]):
-                i = todo[k]
-                if isinstance(outcome, BaseException):
-                    if is_transient(outcome) and attempt < retries:
-                        lost.append(i)
-                        continue
-                    raise outcome
-                results[i] = outcome
-                bar.update(1)
-                checkpoint(f"{desc}:{sum(r is not None for r in results)}")
-            todo = sorted(lost)
-            if not todo:
-                break
-    finally:
-        bar.close()
-    return results
-
-
-# -- planning ----------------------------------------------------------------------------------------------
-def apply_overlong(lengths: np.ndarray, max_length: int, policy: str) -> tuple[np.ndarray, dict[str, int]]:
-    """Lengths to plan with under ``policy``, and what it cut.
-
-    >>> eff, counts = apply_overlong(np.array([5, 2, 9]), 4, "drop")
-    >>> eff.tolist(), counts["rows_dropped_overlong"], counts["tokens_dropped_overlong"]
-    ([0, 2, 0], 2, 14)
-    """
-    over = lengths > max_length
-    excess = np.maximum(lengths - max_length, 0)
-    counts = {
-        "rows_truncated": 0,
-        "tokens_truncated": 0,
-        "rows_dropped_overlong": 0,
-        "tokens_dropped_overlong": 0,
-        "rows_split": 0,
-    }
-    if policy == "truncate":
-        counts["rows_truncated"] = int(over.sum())
-        counts["tokens_truncated"] = int(excess.sum())
-        return np.minimum(lengths, max_length), counts
-    if policy == "drop":
-        counts["rows_dropped_overlong"] = int(over.sum())
-        counts["tokens_dropped_overlong"] = int(lengths[over].sum())
-        return np.where(over, 0, lengths), counts
-    counts["rows_split"] = int(over.sum())
-    return lengths, counts
-
-
-def plan_parts(eff: np.ndarray, bounds: Sequence[int], config: PipelineConfig) -> PackPlan:
-    """One global plan of ``eff`` or, with ``config.plan == "shards"``, one plan per part
-    (rows ``bounds[i]:bounds[i + 1]``) put one after the other."""
-    if config.plan == "global" or len(bounds) <= 2:
-        p = make_plan(eff, config.max_length, config.strategy)
-    else:
-        plans = [
-            make_plan(eff[a:b], config.max_length, config.strategy) for a, b in zip(bounds[:-1], bounds[1:])
-        ]
-        seg_offsets = np.cumsum([0] + [q.num_segments for q in plans])
-        p = PackPlan(
-            config.max_length,
-            config.strategy,
-            np.concatenate([q.seg_source + a for q, a in zip(plans, bounds[:-1])]),
-            np.concatenate([q.seg_start for q in plans]),
-            np.concatenate([q.seg_length for q in plans]),
-            np.concatenate([[0]] + [q.row_offsets[1:] + s for q, s in zip(plans, seg_offsets[:-1])]).astype(
-                np.int64
-            ),
-            eff,
-        )
-    return p.shuffled(config.seed) if config.shuffle else p
-
-
-def write_jobs(
-    p: PackPlan,
-    data: Sequence[str],
-    bounds: Sequence[int],
-    config: PipelineConfig,
-    columns: Sequence[str],
-    folder: str,
-    run: str = "",
-) -> list[WriteJob]:
-    """The plan cut into blocks of at most ``shard_tokens`` tokens, one :class:`WriteJob` each."""
-    blocks = p.row_blocks(config.shard_tokens) or [(0, 0)]
-    starts = np.asarray(bounds[:-1], np.int64)
-    jobs = []
-    for i, (r0, r1) in enumerate(blocks):
-        s0, s1 = int(p.row_offsets[r0]), int(p.row_offsets[r1])
-        src = p.seg_source[s0:s1]
-        parts = np.unique(np.searchsorted(starts, src, side="right") - 1) if s1 > s0 else np.array([0])
-        jobs.append(
-            WriteJob(
-                os.path.join(folder, shard_name(i, len(blocks), run)),
-                config.max_length,
-                config.strategy,
-                tuple(columns),
-                tuple((data[k], int(bounds[k]), int(bounds[k + 1] - bounds[k])) for k in parts),
-                src,
-                p.seg_start[s0:s1],
-                p.seg_length[s0:s1],
-                p.row_offsets[r0 : r1 + 1] - s0,
-            )
-        )
-    return jobs
+    executor: str | Executor = "local"
+    workers: int | None = None
+    address: str | None = None
+    retries: int = 2
+    quiet: bool = True
 
 
 # -- the whole run -----------------------------------------------------------------------------------------
@@ -374,34 +171,7 @@ def run_pipeline(
         )
     check_replaceable(out)
     Workspace(out).refuse_if_held()  # before loading the tokenizer: a busy out fails at once
-    early: dict[str, Any] = {}  # seconds before staging, itemized in the summary
-    fmt = data_format(files, config)
-    if fmt == "preference" and config.overlong == "split":
-        raise PackingError(
-            "overlong='split' does not apply to preference data; use truncate or drop.", param="overlong"
-        )
-    if fmt != "tokenized":
-        if config.tokenizer is None:
-            raise PackingError(
-                f"format={fmt!r} needs a tokenizer: pass tokenizer=DIR (a local tokenizer folder).",
-                param="tokenizer",
-            )
-        from .stage import freeze_report, preload_tokenizer
-
-        t_tok = time.perf_counter()
-        early["setup_s"] = round(t_tok - started, 3)
-        tok = preload_tokenizer(  # fails here, once, if it cannot load; workers take the engine it chose
-            config.tokenizer, fmt, config.add_eos, config.tokenizer_engine, config.tokenizer_audit,
-            config.on_unencodable,
-        )  # fmt: skip
-        proven = freeze_report(tok.report.to_dict())
-        early.update(tokenizer_timings(tok, time.perf_counter() - t_tok))
-        columns, types = output_columns(fmt), ["int32"] * len(output_columns(fmt))
-        read = set(input_columns(fmt))  # every file's other columns are listed as left out
-        left_out = list(dict.fromkeys(n for f in files for n in read_schema(f).names if n not in read))
-    else:
-        columns, types, left_out = token_schema(files, config)
-        proven = None
+    found, early = _inputs(files, config, started)  # early: seconds before staging, itemized in the summary
 
     ws = Workspace(out)
     ws.acquire()
@@ -410,125 +180,97 @@ def run_pipeline(
         if previous is not None and previous.get("fingerprint") == fp["fingerprint"]:
             result = PipelineResult(out, previous.get("stats", {}), cached=True, manifest=previous)
         else:
-            result = _run(
-                files,
-                fmt,
-                columns,
-                types,
-                left_out,
-                config,
-                fp,
-                ws,
-                proven,
-                executor,
-                workers,
-                address,
-                retries,
-                quiet,
-            )
+            how = Execution(executor, workers, address, retries, quiet)
+            result = _run(found, config, fp, ws, how)
             result.timings.update(early)
             result.timings["time_s"] = round(time.perf_counter() - started, 3)
             result.timings["took_over_from"] = ws.took_over
     except Exception as exc:
-        with _signals_deferred():
+        with signals_deferred():
             ws.finish(ok=False, keep_stage=False)  # a fault: leave nothing behind
-        explained = _explain(exc, out)
+        explained = explain_os_error(exc, out)
         if explained is exc:
             raise
         raise explained from exc
     except BaseException as exc:  # Ctrl-C, or SIGTERM through the CLI: keep finished parts for the next run
-        with _signals_deferred():
+        with signals_deferred():
             ws.finish(ok=False, keep_stage=True)
-        kept = ws.staged_parts()
-        note = "no output was written"
-        if kept:
-            note += (
-                f"; {kept} finished part(s) kept in {ws.root} for the next run (delete it to free the space)"
-            )
-        try:
-            exc.packtools_note = note  # type: ignore[attr-defined]
-        except AttributeError:
-            pass
+        note_interrupted(exc, ws)
         raise
-    with _signals_deferred():
+    with signals_deferred():
         ws.finish(ok=True, keep_stage=False)
     result.notes.extend(skipped_notes(skipped) + left_behind_notes(ws))
     return result
 
 
-@contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM back while cleaning up (they are delivered right after)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-
-
-def _explain(exc: BaseException, out: str) -> BaseException:
-    """OS errors while writing, as one clear line naming the place and the fix."""
-    if isinstance(exc, PackingError) or not isinstance(exc, OSError):
-        return exc
-    place = exc.filename or out
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return PackingError(
-            f"no space left on the device while writing {place!r}; free some space or choose another out "
-            f"(nothing was left behind).",
-            param="out",
+def _inputs(
+    files: Sequence[InputFile], config: PipelineConfig, started: float
+) -> tuple[RunInputs, dict[str, Any]]:
+    """The format and columns of ``files``, the tokenizer loaded and its engine proved once (raw input), and
+    the seconds that took."""
+    early: dict[str, Any] = {}
+    fmt = data_format(files, config)
+    if fmt == "preference" and config.overlong == "split":
+        raise PackingError(
+            "overlong='split' does not apply to preference data; use truncate or drop.", param="overlong"
         )
-    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return PackingError(
-            f"cannot write {place!r} ({exc.strerror}); choose an out in a folder you can write to.",
-            param="out",
+    if fmt == "tokenized":
+        columns, types, left_out = token_schema(files, config)
+        return RunInputs(files, fmt, columns, types, left_out), early
+    if config.tokenizer is None:
+        raise PackingError(
+            f"format={fmt!r} needs a tokenizer: pass tokenizer=DIR (a local tokenizer folder).",
+            param="tokenizer",
         )
-    return exc
+    from .stage import freeze_report, preload_tokenizer
+
+    t_tok = time.perf_counter()
+    early["setup_s"] = round(t_tok - started, 3)
+    tok = preload_tokenizer(  # fails here, once, if it cannot load; workers take the engine it chose
+        config.tokenizer,
+        fmt,
+        config.add_eos,
+        config.tokenizer_engine,
+        audit_rate=config.tokenizer_audit,
+        on_unencodable=config.on_unencodable,
+    )
+    proven = freeze_report(tok.report.to_dict())
+    early.update(tokenizer_timings(tok, time.perf_counter() - t_tok))
+    columns, types = output_columns(fmt), ["int32"] * len(output_columns(fmt))
+    read = set(input_columns(fmt))  # every file's other columns are listed as left out
+    left_out = list(dict.fromkeys(n for f in files for n in read_schema(f).names if n not in read))
+    return RunInputs(files, fmt, columns, types, left_out, proven), early
 
 
 def _run(
-    files: Sequence[InputFile],
-    fmt: str,
-    columns: list[str],
-    types: list[str],
-    left_out: list[str],
-    config: PipelineConfig,
-    fp: dict[str, Any],
-    ws: Workspace,
-    proven: Any,
-    executor: str | Executor,
-    workers: int | None,
-    address: str | None,
-    retries: int,
-    quiet: bool,
+    found: RunInputs, config: PipelineConfig, fp: dict[str, Any], ws: Workspace, how: Execution
 ) -> PipelineResult:
-    tok_fp = fp["tokenizer_sha256"]
-    parts: list[Part] = [p for f in files for p in split_file(f, config.part_rows, config.part_bytes)]
+    """Stage, plan, write and install, holding the lock of ``ws``."""
+    fmt, columns = found.fmt, found.columns
+    parts: list[Part] = [p for f in found.files for p in split_file(f, config.part_rows, config.part_bytes)]
     jobs = stage_jobs(
         parts,
         fmt,
         columns,
-        types,
-        tok_fp,
-        config.tokenizer,
-        config.add_eos,
+        found.types,
         ws.stage,
-        single_threaded=getattr(executor, "name", executor) != "local",
+        tokenizer=config.tokenizer,
+        tokenizer_fp=fp["tokenizer_sha256"],
+        add_eos=config.add_eos,
+        single_threaded=getattr(how.executor, "name", how.executor) != "local",
         tokenizer_engine=config.tokenizer_engine,
-        known_columns=known_columns(columns, left_out) if fmt == "tokenized" else None,
-        engine_proven=proven,
+        known_columns=known_columns(columns, found.left_out) if fmt == "tokenized" else None,
+        engine_proven=found.proven,
         audit_rate=config.tokenizer_audit,
         on_unencodable=config.on_unencodable,
     )
     from_cache = adopt_cached(jobs)  # parts `packtools profile --tokenizer` staged: not tokenized again
     timings: dict[str, Any] = {"parts": len(parts), "parts_from_stage_cache": from_cache}
-    ex = get_executor(executor, workers, address)
+    ex = get_executor(how.executor, how.workers, how.address)
     timings["executor"] = ex.name
     try:
         t0 = time.perf_counter()
-        staged = run_jobs(ex, stage_part, jobs, "stage", quiet, retries)
+        staged = run_jobs(ex, stage_part, jobs, "stage", how.quiet, how.retries)
         timings["stage_s"] = round(time.perf_counter() - t0, 3)
         timings["parts_reused"] = sum(bool(s["reused"]) for s in staged)
         timings["parts_mapped"] = sum(s["data"] == j.part.file.path for s, j in zip(staged, jobs))
@@ -549,61 +291,25 @@ def _run(
             stats.update(strategy="bfd (pairs)", overlong=config.overlong or "truncate", plan="global")
         else:
             t1 = time.perf_counter()
-            sidecars = [load_sidecar(j.sidecar) for j in jobs]
-            bounds = np.cumsum([0] + [s[0].shape[0] for s in sidecars]).tolist()
-            lengths = np.concatenate([s[0] for s in sidecars]).astype(np.int64)
-            eff, counts = apply_overlong(lengths, config.max_length, config.overlong_policy)
-            rows_unlabeled = 0
-            if "labels" in columns:
-                first = np.concatenate([s[1] for s in sidecars])
-                kept_len = lengths if config.overlong_policy == "split" else eff
-                unlabeled = (eff > 0) & (first >= kept_len)
-                rows_unlabeled = int(unlabeled.sum())
-                if config.drop_unlabeled:
-                    eff = np.where(unlabeled, 0, eff)
-            del sidecars
+            rows = row_plan([load_sidecar(j.sidecar) for j in jobs], columns, config)
             checkpoint("plan")
-            p = plan_parts(eff, bounds, config)
+            p = plan_parts(rows.eff, rows.bounds, config)
             timings["plan_s"] = round(time.perf_counter() - t1, 3)
             t2 = time.perf_counter()
+            data = [s["data"] for s in staged]
             wjobs = write_jobs(
-                p,
-                [s["data"] for s in staged],
-                bounds,
-                config,
-                columns,
-                ws.build,
-                run_token(fp["fingerprint"]),
+                p, data, rows.bounds, config, columns, ws.build, run=run_token(fp["fingerprint"])
             )
-            run_jobs(ex, write_block, wjobs, "write", quiet, retries)
+            run_jobs(ex, write_block, wjobs, "write", how.quiet, how.retries)
             timings["write_s"] = round(time.perf_counter() - t2, 3)
             write_dataset_files(ws.build, [os.path.basename(j.path) for j in wjobs], fp["fingerprint"])
-            tokens_in = int(lengths.sum())
-            stats = {
-                "rows_in": int(lengths.shape[0]),
-                "rows_empty": int(np.count_nonzero(lengths == 0)),
-                "rows_unlabeled": rows_unlabeled,
-                "rows_dropped_unlabeled": rows_unlabeled if config.drop_unlabeled else 0,
-                **counts,
-                "rows_out": p.num_rows,
-                "sequences_packed": int(np.count_nonzero(eff)),
-                "lower_bound": p.lower_bound,
-                "tokens_in": tokens_in,
-                "tokens_kept": p.tokens_kept,
-                "tokens_dropped": tokens_in - p.tokens_kept,
-                "fill": p.fill,
-                "shards": len(wjobs),
-                "packed": True,
-                "strategy": config.strategy,
-                "overlong": config.overlong_policy,
-                "plan": config.plan,
-            }
+            stats = rows.stats(p, len(wjobs), config)
     finally:
-        if ex is not executor:
+        if ex is not how.executor:
             ex.close()
     cols = stats.pop("columns", columns)  # preference rows have their own columns
     stats.update(
-        {"format": fmt, "max_length": config.max_length, "columns": cols, "columns_left_out": left_out}
+        {"format": fmt, "max_length": config.max_length, "columns": cols, "columns_left_out": found.left_out}
     )
     engines = engine_summary([s.get("tokenizer") for s in staged])
     if engines:  # per-part reports (kept in the sidecars), so a rerun after a kill writes the same manifest

@@ -11,7 +11,7 @@ packing it again merges its sequences.
 
 >>> import os, tempfile, pyarrow.parquet as pq
 >>> from packtools.io.files import discover
->>> from packtools.pipeline.run import PipelineConfig
+>>> from packtools.pipeline.config import PipelineConfig
 >>> d = tempfile.mkdtemp()
 >>> pq.write_table(pa.table({"input_ids": [[1, 2]], "id": ["x"]}), os.path.join(d, "a.parquet"))
 >>> pq.write_table(pa.table({"input_ids": [[3]], "labels": [[3]]}), os.path.join(d, "b.parquet"))
@@ -38,7 +38,7 @@ from ..io.files import InputFile, read_schema
 from .tokenize import detect_format, input_columns
 
 if TYPE_CHECKING:
-    from .run import PipelineConfig
+    from .config import PipelineConfig
 
 
 def data_format(files: Sequence[InputFile], config: PipelineConfig) -> str:

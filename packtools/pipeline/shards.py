@@ -23,7 +23,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from .run import PipelineResult, pack_files
+from .config import PipelineResult
+from .run import pack_files
 
 DEFAULT_SHARD_ROWS = 1 << 17
 SHARDS_DEPRECATED = (

@@ -88,6 +88,7 @@ def stage_key(
     value_types: tuple[str, ...],
     tokenizer_fp: str | None,
     add_eos: bool,
+    *,
     engine: str | None = None,
     on_unencodable: str = "report",
 ) -> str:
@@ -118,6 +119,7 @@ def preload_tokenizer(
     fmt: str,
     add_eos: bool,
     engine: str = "auto",
+    *,
     audit_rate: float = 0.001,
     on_unencodable: str = "report",
     proven: tuple[tuple[str, Any], ...] | None = None,
@@ -159,9 +161,9 @@ def _tokenizer(job: StageJob) -> Any:
         job.fmt,
         job.add_eos,
         job.tokenizer_engine,
-        job.audit_rate,
-        job.on_unencodable,
-        job.engine_proven,
+        audit_rate=job.audit_rate,
+        on_unencodable=job.on_unencodable,
+        proven=job.engine_proven,
     )
 
 

@@ -113,11 +113,11 @@ def stage_jobs(
     fmt: str,
     columns: Sequence[str],
     types: Sequence[str],
-    tokenizer_fp: str | None,
-    tokenizer: str | None,
-    add_eos: bool,
     folder: str,
     *,
+    tokenizer: str | None,
+    tokenizer_fp: str | None,
+    add_eos: bool,
     single_threaded: bool = False,
     tokenizer_engine: str = "auto",
     known_columns: tuple[str, ...] | None = None,
@@ -132,9 +132,15 @@ def stage_jobs(
     jobs = []
     for part in parts:
         key = stage_key(
-            part, fmt, tuple(columns), tuple(types), tokenizer_fp, add_eos, engine_key(tokenizer_engine),
-            on_unencodable,
-        )  # fmt: skip
+            part,
+            fmt,
+            tuple(columns),
+            tuple(types),
+            tokenizer_fp,
+            add_eos,
+            engine=engine_key(tokenizer_engine),
+            on_unencodable=on_unencodable,
+        )
         jobs.append(
             StageJob(
                 part,

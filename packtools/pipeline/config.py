@@ -1,0 +1,127 @@
+"""What decides a pipeline run's output: :class:`PipelineConfig` (checked when built), its :func:`fingerprint`
+(the key the manifest compares), and :class:`PipelineResult`, what a run returns.
+
+>>> config = PipelineConfig(max_length=8, strategy="bfd_split")
+>>> config.overlong_policy
+'split'
+>>> PipelineConfig(max_length=8, plan="everything")
+Traceback (most recent call last):
+    ...
+packtools.errors.PackingError: plan='everything' is unknown; use one of global, shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..constants import __version__
+from ..core.plan import check_max_length, check_strategy
+from ..errors import PackingError
+from ..io.files import InputFile
+from ..io.fingerprint import cache_key
+from ..io.manifest import MANIFEST_FORMAT
+from .char_drops import check_on_unencodable
+from .fast_tokenize import check_audit_rate, check_engine, engine_key
+from .tokenize import FORMATS, tokenizer_fingerprint
+
+OVERLONG = ("truncate", "drop", "split")
+#: ``global``: one plan over every row (the default; fewest rows).  ``shards``: each part planned on its own
+#: and the plans put one after the other; costs a few rows per part (< 0.01% with parts of >= 100k rows).
+PLANS = ("global", "shards")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Everything that decides the output.  Where it runs (executor, workers) and ``quiet`` do not, and are not
+    fingerprinted."""
+
+    max_length: int
+    strategy: str = "bfd"
+    format: str | None = None
+    tokenizer: str | None = None
+    overlong: str | None = None
+    columns: tuple[str, ...] | None = None
+    add_eos: bool = True
+    max_prompt_length: int | None = None
+    shuffle: bool = False
+    seed: int = 0
+    shard_tokens: int = 1 << 24
+    plan: str = "global"
+    drop_unlabeled: bool = False
+    part_rows: int = 1 << 17
+    part_bytes: int = 1 << 26
+    # auto | fast | transformers: the same ids either way (proven); fingerprinted with the engine's version
+    tokenizer_engine: str = "auto"
+    tokenizer_audit: float = 0.001  # share of rows compared with transformers after the proof
+    on_unencodable: str = "report"  # characters the tokenizer cannot encode: report | error
+
+    def __post_init__(self) -> None:
+        check_max_length(self.max_length)
+        check_engine(self.tokenizer_engine)
+        check_audit_rate(self.tokenizer_audit)
+        check_on_unencodable(self.on_unencodable)
+        check_strategy(self.strategy)
+        if self.format is not None and self.format not in FORMATS:
+            raise PackingError(
+                f"format={self.format!r} is unknown; use one of {', '.join(FORMATS)}.", param="format"
+            )
+        if self.overlong is not None and self.overlong not in OVERLONG:
+            raise PackingError(
+                f"overlong={self.overlong!r} is unknown; use one of {', '.join(OVERLONG)}.", param="overlong"
+            )
+        if self.overlong == "split" and self.strategy == "bfd":
+            raise PackingError(
+                "overlong='split' needs strategy='bfd_split' (or 'wrapped'); bfd keeps one piece per sequence.",
+                param="overlong",
+            )
+        if self.max_prompt_length is not None and not 0 < self.max_prompt_length < self.max_length:
+            raise PackingError(
+                f"max_prompt_length={self.max_prompt_length} must be in [1, max_length={self.max_length}).",
+                param="max_prompt_length",
+            )
+        if self.plan not in PLANS:
+            raise PackingError(f"plan={self.plan!r} is unknown; use one of {', '.join(PLANS)}.", param="plan")
+        for name in ("shard_tokens", "part_rows", "part_bytes"):
+            if getattr(self, name) < 1:
+                raise PackingError(f"{name} must be >= 1, got {getattr(self, name)}.", param=name)
+
+    @property
+    def overlong_policy(self) -> str:
+        """``overlong`` or its default: ``truncate`` for bfd, ``split`` for bfd_split and wrapped."""
+        return self.overlong or ("truncate" if self.strategy == "bfd" else "split")
+
+
+@dataclass
+class PipelineResult:
+    """What a run did: the output folder, its statistics (also in the manifest), whether the manifest made it
+    a no-op, and how long each stage took where (``timings``: not in the manifest, which must not depend on
+    where the run went)."""
+
+    out: str
+    stats: dict[str, Any]
+    cached: bool = False
+    manifest: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, Any] = field(default_factory=dict)
+    #: Things to tell the user that did not fail the run (e.g. files of the old output that could not be removed).
+    notes: list[str] = field(default_factory=list)
+
+
+# -- the manifest's key --------------------------------------------------------------------------------------
+def fingerprint(files: Sequence[InputFile], config: PipelineConfig) -> dict[str, Any]:
+    """What the manifest compares: config, input files (path, size, mtime), tokenizer files, versions."""
+    cfg = asdict(config)
+    cfg["columns"] = list(config.columns) if config.columns else None
+    cfg["overlong"] = config.overlong_policy
+    cfg["tokenizer_engine"] = engine_key(config.tokenizer_engine)  # S15: another engine is another output
+    tok = tokenizer_fingerprint(config.tokenizer) if config.tokenizer else None
+    body = {
+        "manifest_format": MANIFEST_FORMAT,
+        "packtools_version": __version__,
+        "config": cfg,
+        "inputs": [f.fingerprint() for f in files],
+        "tokenizer_sha256": tok,
+    }
+    digest = cache_key("pack_files", MANIFEST_FORMAT, config=cfg, inputs=body["inputs"], tokenizer=tok)
+    return {"fingerprint": digest, **body}

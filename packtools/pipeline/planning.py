@@ -1,0 +1,169 @@
+"""Planning on the driver, from the staged parts' row lengths alone (O(rows) memory, no token touched): the
+``overlong`` policy, rows without a label token, one global plan (or one per part, ``plan="shards"``), the plan
+cut into write jobs of at most ``shard_tokens`` tokens, and the statistics of the packed output.
+
+>>> import numpy as np
+>>> from packtools.pipeline.config import PipelineConfig
+>>> rows = row_plan([(np.array([5, 2, 9]), np.zeros(3))], [], PipelineConfig(max_length=4, overlong="drop"))
+>>> rows.eff.tolist(), rows.bounds
+([0, 2, 0], [0, 3])
+>>> p = plan_parts(rows.eff, rows.bounds, PipelineConfig(max_length=4, overlong="drop"))
+>>> p.num_rows, rows.stats(p, 1, PipelineConfig(max_length=4, overlong="drop"))["tokens_dropped"]
+(1, 14)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..core.plan import PackPlan
+from ..core.plan import plan as make_plan
+from .gather import WriteJob, shard_name
+
+if TYPE_CHECKING:
+    from .config import PipelineConfig
+
+
+def apply_overlong(lengths: np.ndarray, max_length: int, policy: str) -> tuple[np.ndarray, dict[str, int]]:
+    """Lengths to plan with under ``policy``, and what it cut.
+
+    >>> eff, counts = apply_overlong(np.array([5, 2, 9]), 4, "drop")
+    >>> eff.tolist(), counts["rows_dropped_overlong"], counts["tokens_dropped_overlong"]
+    ([0, 2, 0], 2, 14)
+    """
+    over = lengths > max_length
+    excess = np.maximum(lengths - max_length, 0)
+    counts = {
+        "rows_truncated": 0,
+        "tokens_truncated": 0,
+        "rows_dropped_overlong": 0,
+        "tokens_dropped_overlong": 0,
+        "rows_split": 0,
+    }
+    if policy == "truncate":
+        counts["rows_truncated"] = int(over.sum())
+        counts["tokens_truncated"] = int(excess.sum())
+        return np.minimum(lengths, max_length), counts
+    if policy == "drop":
+        counts["rows_dropped_overlong"] = int(over.sum())
+        counts["tokens_dropped_overlong"] = int(lengths[over].sum())
+        return np.where(over, 0, lengths), counts
+    counts["rows_split"] = int(over.sum())
+    return lengths, counts
+
+
+def plan_parts(eff: np.ndarray, bounds: Sequence[int], config: PipelineConfig) -> PackPlan:
+    """One global plan of ``eff`` or, with ``config.plan == "shards"``, one plan per part
+    (rows ``bounds[i]:bounds[i + 1]``) put one after the other."""
+    if config.plan == "global" or len(bounds) <= 2:
+        p = make_plan(eff, config.max_length, config.strategy)
+    else:
+        plans = [
+            make_plan(eff[a:b], config.max_length, config.strategy) for a, b in zip(bounds[:-1], bounds[1:])
+        ]
+        seg_offsets = np.cumsum([0] + [q.num_segments for q in plans])
+        p = PackPlan(
+            config.max_length,
+            config.strategy,
+            np.concatenate([q.seg_source + a for q, a in zip(plans, bounds[:-1])]),
+            np.concatenate([q.seg_start for q in plans]),
+            np.concatenate([q.seg_length for q in plans]),
+            np.concatenate([[0]] + [q.row_offsets[1:] + s for q, s in zip(plans, seg_offsets[:-1])]).astype(
+                np.int64
+            ),
+            eff,
+        )
+    return p.shuffled(config.seed) if config.shuffle else p
+
+
+def write_jobs(
+    p: PackPlan,
+    data: Sequence[str],
+    bounds: Sequence[int],
+    config: PipelineConfig,
+    columns: Sequence[str],
+    folder: str,
+    *,
+    run: str = "",
+) -> list[WriteJob]:
+    """The plan cut into blocks of at most ``shard_tokens`` tokens, one :class:`WriteJob` each, its shard in
+    ``folder`` (named with ``run``, :func:`packtools.pipeline.gather.run_token`)."""
+    blocks = p.row_blocks(config.shard_tokens) or [(0, 0)]
+    starts = np.asarray(bounds[:-1], np.int64)
+    jobs = []
+    for i, (r0, r1) in enumerate(blocks):
+        s0, s1 = int(p.row_offsets[r0]), int(p.row_offsets[r1])
+        src = p.seg_source[s0:s1]
+        parts = np.unique(np.searchsorted(starts, src, side="right") - 1) if s1 > s0 else np.array([0])
+        jobs.append(
+            WriteJob(
+                os.path.join(folder, shard_name(i, len(blocks), run)),
+                config.max_length,
+                config.strategy,
+                tuple(columns),
+                tuple((data[k], int(bounds[k]), int(bounds[k + 1] - bounds[k])) for k in parts),
+                src,
+                p.seg_start[s0:s1],
+                p.seg_length[s0:s1],
+                p.row_offsets[r0 : r1 + 1] - s0,
+            )
+        )
+    return jobs
+
+
+@dataclass
+class RowPlan:
+    """The row lengths of every staged part, in input order, and what the driver plans with."""
+
+    lengths: np.ndarray  # tokens per input row
+    bounds: list[int]  # first row of each part, then the row count
+    eff: np.ndarray  # lengths to plan with: after the overlong policy and drop_unlabeled (0: not packed)
+    counts: dict[str, int]  # what the overlong policy cut (apply_overlong)
+    rows_unlabeled: int  # rows kept whose labels are all -100
+
+    def stats(self, p: PackPlan, shards: int, config: PipelineConfig) -> dict[str, Any]:
+        """The statistics of the output packed by ``p`` in ``shards`` shards (the manifest's ``stats``)."""
+        lengths, tokens_in = self.lengths, int(self.lengths.sum())
+        return {
+            "rows_in": int(lengths.shape[0]),
+            "rows_empty": int(np.count_nonzero(lengths == 0)),
+            "rows_unlabeled": self.rows_unlabeled,
+            "rows_dropped_unlabeled": self.rows_unlabeled if config.drop_unlabeled else 0,
+            **self.counts,
+            "rows_out": p.num_rows,
+            "sequences_packed": int(np.count_nonzero(self.eff)),
+            "lower_bound": p.lower_bound,
+            "tokens_in": tokens_in,
+            "tokens_kept": p.tokens_kept,
+            "tokens_dropped": tokens_in - p.tokens_kept,
+            "fill": p.fill,
+            "shards": shards,
+            "packed": True,
+            "strategy": config.strategy,
+            "overlong": config.overlong_policy,
+            "plan": config.plan,
+        }
+
+
+def row_plan(
+    sidecars: Sequence[tuple[np.ndarray, np.ndarray]], columns: Sequence[str], config: PipelineConfig
+) -> RowPlan:
+    """The :class:`RowPlan` of the parts whose sidecars (row lengths, first label position;
+    :func:`packtools.pipeline.stage.load_sidecar`) are ``sidecars``."""
+    bounds = np.cumsum([0] + [s[0].shape[0] for s in sidecars]).tolist()
+    lengths = np.concatenate([s[0] for s in sidecars]).astype(np.int64)
+    eff, counts = apply_overlong(lengths, config.max_length, config.overlong_policy)
+    rows_unlabeled = 0
+    if "labels" in columns:
+        first = np.concatenate([s[1] for s in sidecars])
+        kept_len = lengths if config.overlong_policy == "split" else eff
+        unlabeled = (eff > 0) & (first >= kept_len)
+        rows_unlabeled = int(unlabeled.sum())
+        if config.drop_unlabeled:
+            eff = np.where(unlabeled, 0, eff)
+    return RowPlan(lengths, bounds, eff, counts, rows_unlabeled)
