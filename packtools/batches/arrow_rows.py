@@ -1,0 +1,223 @@
+"""Batches copied straight from Arrow buffers: the gather both Arrow-backed datasets of the collators share.
+
+:class:`ArrowSource` holds a table's list columns as zero-copy NumPy views of the buffers behind them and
+copies *segments* (a table row, or a part of one, per segment) of a batch of rows end to end with the
+:func:`~packtools.core.kernels.view_segments` / ``gather_scattered`` kernels.  The two datasets differ only in
+where their segments come from: :class:`~packtools.batches.PackedView` takes them from a
+:class:`~packtools.PackPlan` over unpacked rows, :class:`~packtools.batches.PackedRows` serves rows that are
+already packed (each table row is one segment; its sequences come from its ``seq_lengths`` column).
+:class:`ArrowBatches` is what they have in common as datasets: the ``FlatRows`` of a batch (labels from
+:mod:`packtools.batches.labels`) and ``iter_batches``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+
+from ..constants import MASK_COLUMNS
+from ..core import kernels
+from ..core.arrow import ListColumn
+from ..errors import PackingError
+from .flatten import FlatRows
+from .labels import labels_of
+
+if TYPE_CHECKING:
+    from .collate import PaddingFreeCollator
+
+__all__ = ["ArrowBatches", "ArrowSource", "Segments", "check_integer", "checked_rows"]
+
+#: ``(row_offsets, seg_source, seg_start, seg_length)``: row ``r`` is segments ``row_offsets[r]:row_offsets[r+1]``,
+#: segment ``s`` is ``seg_length[s]`` values of source row ``seg_source[s]`` from its element ``seg_start[s]``.
+Segments = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+_NO_INDICES = np.zeros(0, np.int64)
+
+
+def check_integer(col: ListColumn, param: str | None = None) -> None:
+    """Refuse a token column of non-integer values (the batch's tokens, labels and masks are integers)."""
+    if col.chunks and col.chunks[0].values.dtype.kind not in "iub":
+        raise PackingError(
+            f"column {col.name!r} holds {col.chunks[0].values.dtype} values; token columns must hold integers. "
+            f"Cast it, e.g. ds.cast_column({col.name!r}, Sequence(Value('int32'))) (a pyarrow.Table: to "
+            f"list<int32>).",
+            param=param,
+        )
+
+
+def checked_rows(
+    indices: Sequence[int] | np.ndarray, n: int, error: type[Exception] = PackingError
+) -> np.ndarray:
+    """``indices`` as int64 row numbers in ``[0, n)`` (negative ones count from the end); ``error`` if out of range."""
+    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+    if idx.size and (idx.min() < -n or idx.max() >= n):
+        bad = int(idx[(idx < -n) | (idx >= n)][0])
+        raise error(f"row index {bad} is out of range for {n} rows.")
+    return idx % n if idx.size else idx
+
+
+def identity_segments(lengths: np.ndarray) -> Segments:
+    """Every source row whole, as one segment of one row of its own."""
+    n = lengths.shape[0]
+    return np.arange(n + 1, dtype=np.int64), np.arange(n, dtype=np.int64), np.zeros(n, np.int64), lengths
+
+
+class ArrowSource:
+    """The list columns ``cols`` of ``table`` (read through ``indices`` when given) as NumPy views of their
+    buffers, and :meth:`column`, the one copy of a batch's segments out of them.
+
+    ``cols`` are aligned (equal row lengths, e.g. ``input_ids`` and ``labels``: they share their row starts);
+    ``others`` are columns of other row lengths (``seq_lengths``).
+    """
+
+    def __init__(
+        self,
+        table: pa.Table,
+        cols: Sequence[ListColumn],
+        indices: np.ndarray | None = None,
+        others: Sequence[ListColumn] = (),
+    ) -> None:
+        self.indices = indices
+        self.names = [c.name for c in (*cols, *others)]
+        self.dtypes = {c.name: c.value_dtype for c in (*cols, *others)}
+        # Per column: where its values live (`sources`: the Arrow buffers behind its chunks, as NumPy views;
+        # chunks of one memory-mapped file share one) and, per chunk, which source and at which element it
+        # starts; shared by aligned columns: each chunk's first table row and each row's start in its chunk.
+        self.sources: dict[str, list[np.ndarray]] = {}
+        self.chunk_source: dict[str, np.ndarray] = {}
+        self.chunk_base: dict[str, np.ndarray] = {}
+        self.row_starts: dict[str, np.ndarray] = {}
+        self.row_begin: dict[str, np.ndarray] = {}
+        for c in cols:
+            starts = c.chunk_row_starts()
+            shared = next((n for n, s in self.row_starts.items() if np.array_equal(s, starts)), None)
+            self.row_starts[c.name] = starts
+            self.row_begin[c.name] = self.row_begin[shared] if shared else _row_begin(c)
+            sources, which, base = _buffer_sources(table.column(c.name), c)
+            self.sources[c.name], self.chunk_source[c.name], self.chunk_base[c.name] = sources, which, base
+        for c in others:
+            self.row_starts[c.name], self.row_begin[c.name] = c.chunk_row_starts(), _row_begin(c)
+            sources, which, base = _buffer_sources(table.column(c.name), c)
+            self.sources[c.name], self.chunk_source[c.name], self.chunk_base[c.name] = sources, which, base
+
+    @property
+    def offsets_bytes(self) -> int:
+        """Memory of the per-row starts (shared between aligned columns) and the row mapping."""
+        arrays = list({id(a): a for a in self.row_begin.values()}.values())
+        if self.indices is not None:
+            arrays.append(self.indices)
+        return int(sum(a.nbytes for a in arrays))
+
+    def column(
+        self, name: str, rows: np.ndarray, total: int, segments: Segments, dtype: Any = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Column ``name`` of ``rows`` (their ``total`` values, end to end) and the lengths of their segments.
+
+        One kernel finds every segment in the source buffers (sorted by buffer, then position, so each buffer
+        is read front to back), then one copy kernel call per buffer.
+        """
+        out = np.empty(total, dtype or self.dtypes[name])
+        sources = self.sources[name]
+        mapped = self.indices is not None
+        row_offsets, seg_source, seg_start, seg_length = segments
+        begin, size, dest, bounds, seg_lengths = kernels.view_segments(
+            rows, row_offsets, seg_source, seg_start, seg_length, mapped,
+            self.indices if mapped else _NO_INDICES, self.row_begin[name], self.row_starts[name],
+            self.chunk_base[name], self.chunk_source[name], len(sources),
+        )  # fmt: skip
+        cuts = bounds.tolist()
+        for j, source in enumerate(sources):
+            a, b = cuts[j], cuts[j + 1]
+            if a < b:
+                kernels.gather_scattered(source, begin[a:b], size[a:b], dest[a:b], out)
+        return out, seg_lengths
+
+
+class ArrowBatches:
+    """What an Arrow-backed dataset of the collators provides: ``gather`` (the batch as :class:`FlatRows`) and
+    ``iter_batches``.  A subclass sets ``_source`` and implements :meth:`_gather`."""
+
+    _source: ArrowSource
+
+    def _gather(self, rows: np.ndarray, mask_keys: Sequence[str]) -> FlatRows:
+        raise NotImplementedError
+
+    def _rows(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        return checked_rows(indices, len(self))  # type: ignore[arg-type]
+
+    def _tokens(
+        self, rows: np.ndarray, total: int, segments: Segments, mask_keys: Sequence[str]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(input_ids, labels, segment lengths)`` of ``rows``: the labels column, else the masks applied."""
+        source = self._source
+        input_ids, seg_lengths = source.column("input_ids", rows, total, segments, np.int64)
+        own = (
+            source.column("labels", rows, total, segments, np.int64)[0] if "labels" in source.names else None
+        )
+        masks = (source.column(k, rows, total, segments)[0] for k in mask_keys if k in source.names)
+        return input_ids, labels_of(input_ids, own, masks), seg_lengths
+
+    def gather(
+        self, indices: Sequence[int] | np.ndarray, mask_keys: Sequence[str] = MASK_COLUMNS
+    ) -> FlatRows:
+        """The rows at ``indices`` laid end to end, ready for a collator (``collator.collate_flat``).
+
+        ``mask_keys``: the 0/1 mask columns applied to labels when there is no ``labels`` column.
+        """
+        return self._gather(self._rows(indices), mask_keys)
+
+    def iter_batches(
+        self, batch_sampler: Iterable[Sequence[int]], collator: PaddingFreeCollator
+    ) -> Iterator[dict[str, Any]]:
+        """Batches for each list of indices from ``batch_sampler``, without a torch ``DataLoader``."""
+        for indices in batch_sampler:
+            yield collator.collate_flat(self.gather(indices, collator.mask_keys))
+
+
+def _row_begin(col: ListColumn) -> np.ndarray:
+    """Where each row of ``col`` starts in its chunk's values (int64, one per row)."""
+    parts = [c.offsets[:-1] for c in col.chunks]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _buffer_sources(
+    column: pa.ChunkedArray, col: ListColumn
+) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """The buffers holding ``col``'s values: ``(sources, source of each chunk, start of each chunk in it)``.
+
+    Chunks read from one Arrow IPC file or stream (``datasets``' memory-mapped files, tables read with
+    pyarrow) are slices of one parent buffer, the mapped file: one zero-copy NumPy view of it serves them all,
+    so a batch is copied by one kernel call per file instead of one slice per segment.  A chunk with no such
+    parent is its own source.
+    """
+    sources: list[np.ndarray] = []
+    known: dict[tuple[int, int], int] = {}
+    which, base = [], []
+    for arr, chunk in zip(column.chunks, col.chunks):
+        values = chunk.values
+        root, addr, size = None, values.ctypes.data, values.itemsize
+        if values.size:
+            root = arr.values.buffers()[1]
+            while root.parent is not None:
+                root = root.parent
+            inside = root.address <= addr and addr + values.nbytes <= root.address + root.size
+            if not inside or root.address % size or (addr - root.address) % size:
+                root = None
+        if root is None:
+            which.append(len(sources))
+            base.append(0)
+            sources.append(values)
+            continue
+        key = (root.address, root.size)
+        if key not in known:
+            known[key] = len(sources)
+            whole = np.frombuffer(root, dtype=np.uint8)
+            sources.append(whole[: root.size - root.size % size].view(values.dtype))
+        which.append(known[key])
+        base.append((addr - root.address) // size)
+    if not sources:
+        sources.append(np.zeros(0, col.value_dtype))
+    return sources, np.array(which, np.int64), np.array(base, np.int64)
