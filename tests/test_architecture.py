@@ -90,3 +90,70 @@ def test_the_check_catches_an_upward_import(tmp_path, monkeypatch):
     source = fake.read_text() + "\nfrom ..pipeline.run import pack_files\n"
     monkeypatch.setattr(pathlib.Path, "read_text", lambda self: source if self == fake else open(self).read())
     assert any("pipeline.run" in v for v in violations(fake))
+
+
+# -- no import circles (lazy imports inside functions and TYPE_CHECKING blocks count) -------------------------
+CIRCLE_FREE = ("core", "batches", "profiling")
+
+
+def module_edges(path: pathlib.Path) -> set[str]:
+    """The packtools modules ``path`` imports (``from ..core import kernels`` is ``packtools.core.kernels``)."""
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    package = list(rel.parts[:-1])
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                out.add(sub if _is_module(sub) else target)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {m for m in out if m.startswith("packtools.") and _is_module(m)}
+
+
+def _is_module(name: str) -> bool:
+    return ROOT.parent.joinpath(*name.split(".")).with_suffix(".py").is_file()
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle of ``graph`` found by a depth-first walk (each as the path that closes it)."""
+    found, state = [], {}
+
+    def walk(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                found.append(path[path.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                walk(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            walk(node, [node])
+    return found
+
+
+def _graph(parts=CIRCLE_FREE) -> dict[str, set[str]]:
+    graph = {}
+    for path in modules():
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        if rel.parts[1] in parts and rel.name != "__init__":
+            graph[".".join(rel.parts)] = module_edges(path)
+    return graph
+
+
+def test_no_import_circles_in_core_batches_profiling():
+    assert circles(_graph()) == []
+
+
+def test_the_circle_check_catches_a_circle():
+    graph = _graph()
+    assert "packtools.batches.collate" in graph["packtools.batches.loader"]
+    graph["packtools.batches.collate"] = graph["packtools.batches.collate"] | {"packtools.batches.loader"}
+    assert ["packtools.batches.collate", "packtools.batches.loader", "packtools.batches.collate"] in circles(
+        graph
+    )
+    assert "packtools.profiling.tradeoffs" in module_edges(ROOT / "profiling" / "profile.py")

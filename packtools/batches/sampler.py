@@ -128,6 +128,7 @@ class TokenBudgetBatchSampler:
         self,
         lengths: Sequence[int] | np.ndarray,
         max_tokens: int,
+        *,
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,

@@ -383,8 +383,6 @@ def truncate_table(table: pa.Table, max_length: int, columns: Sequence[str] | No
 
 def warmup() -> None:
     """Compile (or load from the on-disk cache) every kernel on a tiny input."""
-    from .pack import pack_table
-
     table = pa.table({"input_ids": pa.array([[1, 2, 3], [], [4]], pa.list_(pa.int32()))})
     for strategy in STRATEGIES:
         pack_table(table, 2, strategy)
