@@ -92,16 +92,11 @@ class PackedRows(ArrowBatches):
             self._seq_column = table.column(SEQ_LENGTHS)
 
     def _check_seq_lengths(self, col: ListColumn) -> None:
-        sums, zeros = [], []
-        for chunk in col.chunks:
-            csum = np.concatenate(([0], np.cumsum(chunk.values, dtype=np.int64)))
-            sums.append(csum[chunk.offsets[1:]] - csum[chunk.offsets[:-1]])
-            zeros.append(chunk.values[chunk.offsets[0] : chunk.offsets[-1]].min(initial=1) <= 0)
-        if any(zeros):
+        if col.flat_values().min(initial=1) <= 0:
             raise PackingError(
                 "column 'seq_lengths' has an entry <= 0; every packed sequence needs >= 1 token. Re-pack the data."
             )
-        total = np.concatenate(sums) if sums else np.zeros(0, np.int64)
+        total = col.row_sums()
         bad = np.flatnonzero(total != self._table_lengths)
         if bad.size:
             r = int(bad[0])

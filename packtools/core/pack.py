@@ -306,8 +306,7 @@ def unpack(
         seq = read_list_column(table.column(SEQ_LENGTHS), SEQ_LENGTHS)
         seg_lengths = seq.flat_values().astype(np.int64)
         offsets = np.concatenate(([0], np.cumsum(seg_lengths)))
-        seg_bounds = np.concatenate(([0], np.cumsum(seq.lengths())))
-        row_sums = offsets[seg_bounds[1:]] - offsets[seg_bounds[:-1]]
+        row_sums = seq.row_sums()
         bad = np.flatnonzero(lengths != row_sums)
         if bad.size:
             r = int(bad[0])
