@@ -5,14 +5,16 @@ copies *segments* (a table row, or a part of one, per segment) of a batch of row
 :func:`~packtools.core.kernels.view_segments` / ``gather_scattered`` kernels.  The two datasets differ only in
 where their segments come from: :class:`~packtools.batches.PackedView` takes them from a
 :class:`~packtools.PackPlan` over unpacked rows, :class:`~packtools.batches.PackedRows` serves rows that are
-already packed (each table row is one segment; its sequences come from its ``seq_lengths`` column).
+already packed (whole table rows; their sequences come from their ``seq_lengths`` column).
 :class:`ArrowBatches` is what they have in common as datasets: the ``FlatRows`` of a batch (labels from
-:mod:`packtools.batches.labels`) and ``iter_batches``.
+:mod:`packtools.batches.labels`) and ``iter_batches``.  ``PackedRows`` copies whole rows with
+:meth:`ArrowSource.whole_rows` (one NumPy concatenate: for whole rows the kernels' segment search and dispatch
+only cost time).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -59,12 +61,6 @@ def checked_rows(
     return idx % n if idx.size else idx
 
 
-def identity_segments(lengths: np.ndarray) -> Segments:
-    """Every source row whole, as one segment of one row of its own."""
-    n = lengths.shape[0]
-    return np.arange(n + 1, dtype=np.int64), np.arange(n, dtype=np.int64), np.zeros(n, np.int64), lengths
-
-
 class ArrowSource:
     """The list columns ``cols`` of ``table`` (read through ``indices`` when given) as NumPy views of their
     buffers, and :meth:`column`, the one copy of a batch's segments out of them.
@@ -81,6 +77,7 @@ class ArrowSource:
         others: Sequence[ListColumn] = (),
     ) -> None:
         self.indices = indices
+        self.chunks = {c.name: c.chunks for c in (*cols, *others)}
         self.names = [c.name for c in (*cols, *others)]
         self.dtypes = {c.name: c.value_dtype for c in (*cols, *others)}
         # Per column: where its values live (`sources`: the Arrow buffers behind its chunks, as NumPy views;
@@ -135,6 +132,25 @@ class ArrowSource:
                 kernels.gather_scattered(source, begin[a:b], size[a:b], dest[a:b], out)
         return out, seg_lengths
 
+    def whole_rows(self, name: str, rows: np.ndarray, total: int, dtype: Any = None) -> np.ndarray:
+        """Column ``name`` of the table ``rows`` (no row mapping), whole, end to end: one NumPy concatenate of
+        row slices.  For whole rows this beats :meth:`column` (no segment search, no kernel dispatch)."""
+        chunks = self.chunks[name]
+        if len(chunks) == 1:
+            off, vals = chunks[0].offsets, chunks[0].values
+            parts = [vals[off[r] : off[r + 1]] for r in rows.tolist()]
+        else:
+            which = np.searchsorted(self.row_starts[name], rows, side="right") - 1
+            parts = []
+            for r, c in zip(rows.tolist(), which.tolist()):
+                chunk = chunks[c]
+                local = r - chunk.row_start
+                parts.append(chunk.values[chunk.offsets[local] : chunk.offsets[local + 1]])
+        out = np.empty(total, dtype or self.dtypes[name])
+        if parts:
+            np.concatenate(parts, out=out, casting="unsafe")
+        return out
+
 
 class ArrowBatches:
     """What an Arrow-backed dataset of the collators provides: ``gather`` (the batch as :class:`FlatRows`) and
@@ -148,17 +164,15 @@ class ArrowBatches:
     def _rows(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         return checked_rows(indices, len(self))  # type: ignore[arg-type]
 
-    def _tokens(
-        self, rows: np.ndarray, total: int, segments: Segments, mask_keys: Sequence[str]
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(input_ids, labels, segment lengths)`` of ``rows``: the labels column, else the masks applied."""
-        source = self._source
-        input_ids, seg_lengths = source.column("input_ids", rows, total, segments, np.int64)
-        own = (
-            source.column("labels", rows, total, segments, np.int64)[0] if "labels" in source.names else None
-        )
-        masks = (source.column(k, rows, total, segments)[0] for k in mask_keys if k in source.names)
-        return input_ids, labels_of(input_ids, own, masks), seg_lengths
+    def _labels(
+        self, input_ids: np.ndarray, read: Callable[[str, Any], np.ndarray], mask_keys: Sequence[str]
+    ) -> np.ndarray:
+        """The labels of a batch whose tokens are ``input_ids``: the labels column, else the masks applied.
+
+        ``read(name, dtype)`` is the batch's column ``name`` (read only when it is needed)."""
+        names = self._source.names
+        own = read("labels", np.int64) if "labels" in names else None
+        return labels_of(input_ids, own, (read(k, None) for k in mask_keys if k in names))
 
     def gather(
         self, indices: Sequence[int] | np.ndarray, mask_keys: Sequence[str] = MASK_COLUMNS

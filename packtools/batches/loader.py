@@ -30,7 +30,7 @@ from .._optional import is_instance
 from ..constants import SEQ_LENGTHS, TOKEN_COLUMNS
 from ..core.arrow import ListColumn, check_aligned, dataset_table, read_list_column
 from ..errors import PackingError
-from .arrow_rows import ArrowBatches, ArrowSource, check_integer, identity_segments
+from .arrow_rows import ArrowBatches, ArrowSource, check_integer
 from .collate import PaddingFreeCollator
 from .flatten import FlatRows
 from .view import PackedRow, PackedView
@@ -80,15 +80,12 @@ class PackedRows(ArrowBatches):
         seq = [c for c in cols if c.name == SEQ_LENGTHS]
         self._table_lengths = check_aligned(tokens)
         self._indices = indices
-        # The gather runs on table rows (a row mapping is applied first), each row one segment of its own.
+        # The gather runs on table rows (a row mapping is applied first), whole rows.
         self._source = ArrowSource(table, tokens, others=seq)
-        self._segments = identity_segments(self._table_lengths)
         self._seq_column = None
         if seq:
             self._check_seq_lengths(seq[0])
-            counts = [np.diff(c.offsets).astype(np.int64) for c in seq[0].chunks]
-            self._seq_counts = np.concatenate(counts) if counts else np.zeros(0, np.int64)
-            self._seq_segments = identity_segments(self._seq_counts)
+            self._seq_counts = seq[0].lengths().astype(np.int64)
             self._seq_column = table.column(SEQ_LENGTHS)
 
     def _check_seq_lengths(self, col: ListColumn) -> None:
@@ -139,12 +136,15 @@ class PackedRows(ArrowBatches):
         row_lengths = row_lengths[row_lengths > 0].astype(np.int64)
         if rows.size == 0:
             raise PackingError("every row in the batch is empty; a batch needs at least one token.")
-        input_ids, labels, _ = self._tokens(rows, int(row_lengths.sum()), self._segments, mask_keys)
+        total = int(row_lengths.sum())
+        read = lambda name, dtype: self._source.whole_rows(name, rows, total, dtype)  # noqa: E731
+        input_ids = read("input_ids", np.int64)
+        labels = self._labels(input_ids, read, mask_keys)
         if self._seq_column is None:
             ones = np.ones(rows.shape[0], np.int64)
             return FlatRows(input_ids, labels, row_lengths, row_lengths, ones, unmarked_row=0)
         counts = self._seq_counts[rows]
-        seg = self._source.column(SEQ_LENGTHS, rows, int(counts.sum()), self._seq_segments, np.int64)[0]
+        seg = self._source.whole_rows(SEQ_LENGTHS, rows, int(counts.sum()), np.int64)
         return FlatRows(input_ids, labels, row_lengths, seg, counts)
 
 

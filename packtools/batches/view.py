@@ -225,7 +225,10 @@ class PackedView(ArrowBatches):
             raise PackingError("the batch is empty; a batch needs at least one row.")
         counts = self.plan.row_offsets[rows + 1] - self.plan.row_offsets[rows]
         row_lengths = self.lengths[rows]
-        input_ids, labels, seg_lengths = self._tokens(rows, int(row_lengths.sum()), self._segments, mask_keys)
+        total = int(row_lengths.sum())
+        input_ids, seg_lengths = self._source.column("input_ids", rows, total, self._segments, np.int64)
+        read = lambda name, dtype: self._source.column(name, rows, total, self._segments, dtype)[0]  # noqa: E731
+        labels = self._labels(input_ids, read, mask_keys)
         if self.plan.strategy == "wrapped":
             # A wrapped row has no seq_lengths, as in pack_table's output: the collator treats it as one
             # sequence only when told the rows are unpacked (unmarked_row), like every row without them.
