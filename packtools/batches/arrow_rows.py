@@ -1,15 +1,14 @@
-"""Batches copied straight from Arrow buffers: the gather both Arrow-backed datasets of the collators share.
+"""Batches copied straight from Arrow buffers: what both Arrow-backed datasets of the collators share.
 
-:class:`ArrowSource` holds a table's list columns as zero-copy NumPy views of the buffers behind them and
-copies *segments* (a table row, or a part of one, per segment) of a batch of rows end to end with the
-:func:`~packtools.core.kernels.view_segments` / ``gather_scattered`` kernels.  The two datasets differ only in
-where their segments come from: :class:`~packtools.batches.PackedView` takes them from a
-:class:`~packtools.PackPlan` over unpacked rows, :class:`~packtools.batches.PackedRows` serves rows that are
-already packed (whole table rows; their sequences come from their ``seq_lengths`` column).
-:class:`ArrowBatches` is what they have in common as datasets: the ``FlatRows`` of a batch (labels from
-:mod:`packtools.batches.labels`) and ``iter_batches``.  ``PackedRows`` copies whole rows with
-:meth:`ArrowSource.whole_rows` (one NumPy concatenate: for whole rows the kernels' segment search and dispatch
-only cost time).
+:class:`ArrowSource` holds a table's list columns as zero-copy NumPy views of the buffers behind them and copies
+a batch out of them, end to end: :meth:`ArrowSource.column` copies *segments* (parts of table rows, as a
+:class:`~packtools.PackPlan` places them) with the :func:`~packtools.core.kernels.view_segments` /
+``gather_scattered`` kernels; :meth:`ArrowSource.whole_rows` copies whole rows with one NumPy concatenate.
+:class:`~packtools.batches.PackedView` (rows packed on the fly by a plan) uses the first,
+:class:`~packtools.batches.PackedRows` (rows already packed, their sequences in a ``seq_lengths`` column) the
+second.  :class:`ArrowBatches` is what the two have in common as datasets: ``gather`` (the batch as
+``FlatRows``, labels from :mod:`packtools.batches.labels`) and ``iter_batches``.  Why there are two datasets:
+``docs/batches.md``.
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ def checked_rows(
 
 class ArrowSource:
     """The list columns ``cols`` of ``table`` (read through ``indices`` when given) as NumPy views of their
-    buffers, and :meth:`column`, the one copy of a batch's segments out of them.
+    buffers, and the copies of a batch out of them (:meth:`column`, :meth:`whole_rows`).
 
     ``cols`` are aligned (equal row lengths, e.g. ``input_ids`` and ``labels``: they share their row starts);
     ``others`` are columns of other row lengths (``seq_lengths``).
