@@ -9,6 +9,16 @@ a batch out of them, end to end: :meth:`ArrowSource.column` copies *segments* (p
 second.  :class:`ArrowBatches` is what the two have in common as datasets: ``gather`` (the batch as
 ``FlatRows``, labels from :mod:`packtools.batches.labels`) and ``iter_batches``.  Why there are two datasets:
 ``docs/batches.md``.
+
+>>> from packtools.core.arrow import read_list_column
+>>> table = pa.table({"input_ids": [[1, 2, 3], [4, 5], [6]]})
+>>> source = ArrowSource(table, [read_list_column(table.column("input_ids"), "input_ids")])
+>>> source.whole_rows("input_ids", np.array([2, 0]), 4).tolist()
+[6, 1, 2, 3]
+>>> segments = (np.array([0, 2]), np.array([1, 0]), np.array([0, 1]), np.array([2, 2]))  # one row: 4, 5 | 2, 3
+>>> out, lengths = source.column("input_ids", np.array([0]), 4, segments)
+>>> out.tolist(), lengths.tolist()
+([4, 5, 2, 3], [2, 2])
 """
 
 from __future__ import annotations

@@ -2,6 +2,13 @@
 
 :meth:`PackPlan.save` / :meth:`PackPlan.load` call these; a file that is cut, corrupted, not a plan, or of
 another format version is refused with a :class:`PackingError` that names the file and the fix.
+
+>>> import tempfile
+>>> path = os.path.join(tempfile.mkdtemp(), "plan.npz")
+>>> write_plan(path, 4, "bfd", [np.array([0]), np.array([0]), np.array([3]), np.array([0, 1]), np.array([3])])
+>>> max_length, strategy, arrays = read_plan(path)
+>>> max_length, strategy, [a.tolist() for a in arrays]
+(4, 'bfd', [[0], [0], [3], [0, 1], [3]])
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@ The drawing itself (matplotlib, imported inside the functions); :mod:`packtools.
 import them from, with saving and the HTML report.  With ``ax=None`` the plot functions open a new pyplot
 figure (shown inline in notebooks); pass ``ax`` to draw into your own figure.  :func:`profile_figure` builds
 its figure without pyplot, so it works on any backend and in threads.
+
+>>> from packtools import profile_lengths
+>>> fig = profile_figure(profile_lengths([10, 200, 3000, 45]), [256, 4096], max_length=1024)
+>>> [ax.get_xlabel() for ax in fig.axes][0]
+'sequence length (tokens, log scale)'
 """
 
 from __future__ import annotations
