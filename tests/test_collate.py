@@ -13,7 +13,8 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from packtools import PackingError  # noqa: E402
-from packtools.batches.collate import PaddingFreeCollator, flatten_rows  # noqa: E402
+from packtools.batches.collate import PaddingFreeCollator  # noqa: E402
+from packtools.batches.flatten import flatten_rows  # noqa: E402
 
 trl_sft = pytest.importorskip("trl.trainer.sft_trainer")
 transformers = pytest.importorskip("transformers")

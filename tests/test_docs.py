@@ -12,7 +12,6 @@ import packtools
 NEEDS = {"packtools.integrations.datasets": "datasets", "packtools.integrations.isolation": "transformers"}
 # Command-line front ends and plumbing: exercised by their own tests rather than by docstring examples.
 WITHOUT_EXAMPLES = {
-    "packtools.core.arrow",
     "packtools.core.kernels",  # plumbing under plan/pack; tests/test_kernels.py and test_nojit.py run it
     "packtools.core.reference",  # the oracle; tests/test_kernels.py compares the kernels with it
     "packtools.io.pages",

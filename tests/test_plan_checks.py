@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import packtools
 from packtools import PackingError, PackPlan
-from packtools.core.plan import PLAN_FORMAT
+from packtools.core.plan_file import PLAN_FORMAT
 
 FIELDS = ("seg_source", "seg_start", "seg_length", "row_offsets", "source_lengths")
 

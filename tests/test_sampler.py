@@ -180,3 +180,9 @@ def test_sampler_does_not_import_torch():
         "assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_options_after_max_tokens_are_keyword_only():
+    with pytest.raises(TypeError):
+        TokenBudgetBatchSampler([3, 4], 8, False)  # shuffle only by name
+    assert TokenBudgetBatchSampler([3, 4], 8, shuffle=False).shuffle is False

@@ -81,7 +81,7 @@ def ipc_bytes(table: pa.Table) -> bytes:
 def test_view_of_a_table_is_pack_table(strategy, chunk, shuffle):
     table = token_table(chunk=chunk)
     view = packed_view(table, 64, strategy, shuffle=shuffle, seed=3)
-    sources = len(view._sources["input_ids"])
+    sources = len(view._source.sources["input_ids"])
     assert sources == (table.column("input_ids").num_chunks if chunk == "separate" else 1)
     packed = pack_table(table, 64, strategy, shuffle=shuffle, seed=3)
     assert type(view) is PackedView

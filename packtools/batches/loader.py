@@ -20,33 +20,30 @@ With torch: ``DataLoader(rows, batch_sampler=TokenBudgetBatchSampler(rows.length
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from .._optional import is_instance
-from ..constants import IGNORE_INDEX, MASK_COLUMNS, SEQ_LENGTHS, TOKEN_COLUMNS
+from ..constants import SEQ_LENGTHS, TOKEN_COLUMNS
 from ..core.arrow import ListColumn, check_aligned, dataset_table, read_list_column
 from ..errors import PackingError
-from .collate import FlatRows, PaddingFreeCollator
+from .arrow_rows import ArrowBatches, ArrowSource, check_integer
+from .collate import PaddingFreeCollator
+from .flatten import FlatRows
+from .view import PackedRow, PackedView
 
 
-def _check_integer(col: ListColumn) -> None:
-    if col.chunks and col.chunks[0].values.dtype.kind not in "iub":
-        raise PackingError(
-            f"column {col.name!r} holds {col.chunks[0].values.dtype} values; token columns must hold integers. "
-            f"Cast it, e.g. ds.cast_column({col.name!r}, Sequence(Value('int32')))."
-        )
-
-
-class PackedRows:
-    """Rows of a ``datasets.Dataset`` or ``pyarrow.Table`` served from their Arrow buffers.
+class PackedRows(ArrowBatches):
+    """Rows of a ``datasets.Dataset`` or ``pyarrow.Table`` served from their Arrow buffers, as they are.
 
     Reads ``input_ids`` and, when present, ``labels``, ``completion_mask``, ``assistant_masks`` and
     ``seq_lengths`` (a row without ``seq_lengths`` is one sequence).  Columns are validated once here
     (aligned lengths, ``seq_lengths`` summing to the row length, no empty segment), so batches are only copies.
+    Row ``i`` is row ``i`` of the data (empty rows included; a batch skips them); for rows packed on the fly
+    from a plan, see :class:`~packtools.batches.PackedView`, which shares this class's gather.
 
     As a map-style dataset, ``rows[i]`` is just ``i``: pair it with :class:`ArrowCollator` as ``collate_fn``.
     """
@@ -76,30 +73,27 @@ class PackedRows:
             raise PackingError(
                 f"columns {unknown} are not used by PackedRows; it reads {TOKEN_COLUMNS + (SEQ_LENGTHS,)}."
             )
-        self.columns: dict[str, ListColumn] = {}
-        for name in names:
-            col = read_list_column(table.column(name), name)
-            _check_integer(col)
-            self.columns[name] = col
-        token_cols = [self.columns[n] for n in names if n != SEQ_LENGTHS]
-        self._table_lengths = check_aligned(token_cols)
+        cols = [read_list_column(table.column(name), name) for name in names]
+        for col in cols:
+            check_integer(col)
+        tokens = [c for c in cols if c.name != SEQ_LENGTHS]
+        seq = [c for c in cols if c.name == SEQ_LENGTHS]
+        self._table_lengths = check_aligned(tokens)
         self._indices = indices
-        self._row_starts = {n: c.chunk_row_starts() for n, c in self.columns.items()}
-        if SEQ_LENGTHS in self.columns:
-            self._check_seq_lengths(self.columns[SEQ_LENGTHS])
-        self._seq_column = table.column(SEQ_LENGTHS) if SEQ_LENGTHS in self.columns else None
+        # The gather runs on table rows (a row mapping is applied first), whole rows.
+        self._source = ArrowSource(table, tokens, others=seq)
+        self._seq_column = None
+        if seq:
+            self._check_seq_lengths(seq[0])
+            self._seq_counts = seq[0].lengths().astype(np.int64)
+            self._seq_column = table.column(SEQ_LENGTHS)
 
     def _check_seq_lengths(self, col: ListColumn) -> None:
-        sums, zeros = [], []
-        for chunk in col.chunks:
-            csum = np.concatenate(([0], np.cumsum(chunk.values, dtype=np.int64)))
-            sums.append(csum[chunk.offsets[1:]] - csum[chunk.offsets[:-1]])
-            zeros.append(chunk.values[chunk.offsets[0] : chunk.offsets[-1]].min(initial=1) <= 0)
-        if any(zeros):
+        if col.flat_values().min(initial=1) <= 0:
             raise PackingError(
                 "column 'seq_lengths' has an entry <= 0; every packed sequence needs >= 1 token. Re-pack the data."
             )
-        total = np.concatenate(sums) if sums else np.zeros(0, np.int64)
+        total = col.row_sums()
         bad = np.flatnonzero(total != self._table_lengths)
         if bad.size:
             r = int(bad[0])
@@ -134,74 +128,24 @@ class PackedRows:
         return self._seq_column.take(pa.array(self._indices))
 
     # -- gathering -------------------------------------------------------------------------------
-    def _table_rows(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        n = len(self)
-        if idx.size and (idx.min() < -n or idx.max() >= n):
-            bad = int(idx[(idx < -n) | (idx >= n)][0])
-            raise PackingError(f"row index {bad} is out of range for {n} rows.")
-        idx = idx % n if idx.size else idx
-        return idx if self._indices is None else self._indices[idx]
-
-    def _slices(self, name: str, rows: np.ndarray) -> list[np.ndarray]:
-        col = self.columns[name]
-        if len(col.chunks) == 1:
-            chunk = col.chunks[0]
-            off, vals = chunk.offsets, chunk.values
-            return [vals[off[r] : off[r + 1]] for r in rows.tolist()]
-        which = np.searchsorted(self._row_starts[name], rows, side="right") - 1
-        parts = []
-        for r, c in zip(rows.tolist(), which.tolist()):
-            chunk = col.chunks[c]
-            local = r - chunk.row_start
-            parts.append(chunk.values[chunk.offsets[local] : chunk.offsets[local + 1]])
-        return parts
-
-    def _gather(self, name: str, rows: np.ndarray, total: int) -> np.ndarray:
-        out = np.empty(total, np.int64)
-        parts = self._slices(name, rows)
-        if parts:
-            np.concatenate(parts, out=out, casting="unsafe")
-        return out
-
-    def gather(
-        self, indices: Sequence[int] | np.ndarray, mask_keys: Sequence[str] = MASK_COLUMNS
-    ) -> FlatRows:
-        """The rows at ``indices`` laid end to end (empty rows skipped), ready for a collator.
-
-        ``mask_keys``: the 0/1 mask columns applied to labels when there is no ``labels`` column.
-        """
-        rows = self._table_rows(indices)
+    def _gather(self, rows: np.ndarray, mask_keys: Sequence[str]) -> FlatRows:
+        """:meth:`gather` for dataset rows already checked (int64, in range)."""
+        rows = rows if self._indices is None else self._indices[rows]
         row_lengths = self._table_lengths[rows]
         rows = rows[row_lengths > 0]
-        row_lengths = row_lengths[row_lengths > 0]
+        row_lengths = row_lengths[row_lengths > 0].astype(np.int64)
         if rows.size == 0:
             raise PackingError("every row in the batch is empty; a batch needs at least one token.")
         total = int(row_lengths.sum())
-        input_ids = self._gather("input_ids", rows, total)
-        if "labels" in self.columns:
-            labels = self._gather("labels", rows, total)
-        else:
-            labels = input_ids.copy()
-            for key in mask_keys:
-                if key in self.columns:
-                    labels[self._gather(key, rows, total) == 0] = IGNORE_INDEX
-        if SEQ_LENGTHS in self.columns:
-            segs = self._slices(SEQ_LENGTHS, rows)
-            seg_lengths = np.concatenate(segs).astype(np.int64)
-            segs_per_row = np.array([s.shape[0] for s in segs], np.int64)
-        else:
-            seg_lengths = row_lengths.astype(np.int64)
-            segs_per_row = np.ones(rows.shape[0], np.int64)
-        unmarked = None if SEQ_LENGTHS in self.columns else 0
-        return FlatRows(input_ids, labels, row_lengths.astype(np.int64), seg_lengths, segs_per_row, unmarked)
-
-    def iter_batches(
-        self, batch_sampler: Iterable[Sequence[int]], collator: PaddingFreeCollator
-    ) -> Iterator[dict[str, Any]]:
-        """Batches for each list of indices from ``batch_sampler``, without a torch ``DataLoader``."""
-        for indices in batch_sampler:
-            yield collator.collate_flat(self.gather(indices, collator.mask_keys))
+        read = lambda name, dtype: self._source.whole_rows(name, rows, total, dtype)  # noqa: E731
+        input_ids = read("input_ids", np.int64)
+        labels = self._labels(input_ids, read, mask_keys)
+        if self._seq_column is None:
+            ones = np.ones(rows.shape[0], np.int64)
+            return FlatRows(input_ids, labels, row_lengths, row_lengths, ones, unmarked_row=0)
+        counts = self._seq_counts[rows]
+        seg = self._source.whole_rows(SEQ_LENGTHS, rows, int(counts.sum()), np.int64)
+        return FlatRows(input_ids, labels, row_lengths, seg, counts)
 
 
 class ArrowCollator:
@@ -213,8 +157,6 @@ class ArrowCollator:
     """
 
     def __init__(self, rows: Any, collator: PaddingFreeCollator) -> None:
-        from .view import PackedView
-
         if not isinstance(rows, (PackedRows, PackedView)):
             raise PackingError(f"rows must be a PackedRows or a PackedView, got {type(rows).__name__}.")
         if not isinstance(collator, PaddingFreeCollator):
@@ -223,8 +165,6 @@ class ArrowCollator:
         self.collator = collator
 
     def __call__(self, items: Sequence[Any]) -> dict[str, Any]:
-        from .view import PackedRow
-
         if len(items) and isinstance(items[0], PackedRow):
             view = items[0].view  # the view that made them (in a worker process: its copy)
             if not all(isinstance(r, PackedRow) and r.view is view for r in items):

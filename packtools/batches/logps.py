@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 from .._optional import require
 from ..constants import IGNORE_INDEX
 from ..errors import PackingError
+from .labels import ignore_starts
 
 
 class SequenceLogps(NamedTuple):
@@ -112,7 +113,7 @@ def sequence_logps(logits_or_logprobs: Any, labels: Any, cu_seq_lens: Any) -> Se
     n_seq = lengths.shape[0]
     seg = torch.repeat_interleave(torch.arange(n_seq, device=labels.device), lengths)
     target = labels.clone()
-    target[cu[:-1]] = IGNORE_INDEX  # a sequence's first token is never predicted (from the previous one)
+    ignore_starts(target, cu[:-1])  # a sequence's first token is never predicted (from the previous one)
     scores = logits_or_logprobs
     is_logits = scores.dim() == 3 or (scores.dim() == 2 and tuple(scores.shape) != (1, total))
     if is_logits:

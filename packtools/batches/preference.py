@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from ..constants import IGNORE_INDEX
 from ..errors import PackingError
 from .collate import check_pad_args, to_tensors
+from .labels import ignore_starts, labels_of
 
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
@@ -167,8 +167,7 @@ class PreferenceCollator:
     def _padding_free(self, ids: np.ndarray, mask: np.ndarray, seq: np.ndarray) -> dict[str, Any]:
         cu = np.zeros(seq.shape[0] + 1, np.int32)
         np.cumsum(seq, out=cu[1:])
-        labels = np.where(mask != 0, ids, IGNORE_INDEX)
-        labels[cu[:-1]] = IGNORE_INDEX  # a sequence start is never a target
+        labels = ignore_starts(labels_of(ids, None, [mask]), cu[:-1])  # a sequence start is never a target
         positions = np.arange(ids.shape[0], dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), seq)
         longest = int(seq.max())
         return {

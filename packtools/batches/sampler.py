@@ -55,15 +55,8 @@ def attention_costs(lengths: np.ndarray, seq_lengths: Any = None) -> np.ndarray:
         return lengths.astype(np.float64) ** 2
     if isinstance(seq_lengths, (pa.Array, pa.ChunkedArray)):
         col = read_list_column(seq_lengths, "seq_lengths")
-        parts = [(c.offsets, c.values.astype(np.float64)) for c in col.chunks]
-        sums, squares = [], []
-        for offsets, values in parts:
-            csum = np.concatenate(([0.0], np.cumsum(values)))
-            csq = np.concatenate(([0.0], np.cumsum(values * values)))
-            sums.append(csum[offsets[1:]] - csum[offsets[:-1]])
-            squares.append(csq[offsets[1:]] - csq[offsets[:-1]])
-        sums_arr = np.concatenate(sums) if sums else np.zeros(0)
-        cost = np.concatenate(squares) if squares else np.zeros(0)
+        sums_arr = col.row_sums(np.float64)
+        cost = col.row_sums(np.float64, squared=True)
     else:
         if len(seq_lengths) != len(lengths):
             raise PackingError(
@@ -128,6 +121,7 @@ class TokenBudgetBatchSampler:
         self,
         lengths: Sequence[int] | np.ndarray,
         max_tokens: int,
+        *,
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,

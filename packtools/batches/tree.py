@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from .._optional import require
-from ..constants import IGNORE_INDEX
 from ..errors import PackingError
+from .labels import ignore_starts, labels_of
 
 #: The keyword the model's forward passes down to the attention function.
 TREE_KEY = "packtools_tree"
@@ -329,8 +329,7 @@ class TreeCollator:
         groups = np.concatenate([row_groups(row) for row in features])
         ids, mask, segments, is_branch = concat_trees(parts)
         layout = TreeLayout.build(segments, is_branch, groups)
-        labels = np.where(mask != 0, ids, IGNORE_INDEX)
-        labels[segments[:, 0]] = IGNORE_INDEX
+        labels = ignore_starts(labels_of(ids, None, [mask]), segments[:, 0])
         out: dict[str, Any] = {
             "input_ids": torch.from_numpy(ids)[None],
             "labels": torch.from_numpy(labels)[None],

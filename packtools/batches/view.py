@@ -22,24 +22,22 @@ gathers whole batches straight from the source buffers.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from ..constants import IGNORE_INDEX, MASK_COLUMNS, SEQ_LENGTHS, TOKEN_COLUMNS
-from ..core import kernels
+from ..constants import SEQ_LENGTHS, TOKEN_COLUMNS
 from ..core.arrow import ListColumn
 from ..core.pack import pack_columns, read_columns
 from ..core.plan import PackPlan, check_max_length
 from ..core.plan import plan as make_plan
 from ..errors import PackingError
-from .collate import FlatRows, PaddingFreeCollator
+from .arrow_rows import ArrowBatches, ArrowSource, Segments, check_integer, checked_rows
+from .flatten import FlatRows
 
 __all__ = ["PackedRow", "PackedView"]
-
-_NO_INDICES = np.zeros(0, np.int64)
 
 
 class PackedRow(Mapping):
@@ -74,7 +72,7 @@ class PackedRow(Mapping):
         return f"PackedRow(index={self.index})"
 
 
-class PackedView:
+class PackedView(ArrowBatches):
     """Packed rows of ``table`` as ``plan`` places them, gathered from the table's buffers when read.
 
     ``plan`` must be made for the lengths of the packed columns (``columns``, else every column, all lists),
@@ -142,32 +140,14 @@ class PackedView:
                 param="plan",
             )
         for col in cols:
-            if col.name in TOKEN_COLUMNS and col.chunks and col.chunks[0].values.dtype.kind not in "iub":
-                raise PackingError(
-                    f"column {col.name!r} holds {col.chunks[0].values.dtype} values; token columns must hold "
-                    f"integers. Cast it (e.g. to list<int32>) before viewing it.",
-                    param="columns",
-                )
+            if col.name in TOKEN_COLUMNS:
+                check_integer(col, param="columns")
         self._table = table
         self._indices = indices
         self.plan = plan
         self._names = [c.name for c in cols]
-        self._dtypes = {c.name: c.value_dtype for c in cols}
-        # Per column: where its values live (`_sources`: the Arrow buffers behind its chunks, as NumPy views;
-        # chunks of one memory-mapped file share one) and, per chunk, which source and at which element it
-        # starts; shared by aligned columns: each chunk's first table row and each row's start in its chunk.
-        self._sources: dict[str, list[np.ndarray]] = {}
-        self._chunk_source: dict[str, np.ndarray] = {}
-        self._chunk_base: dict[str, np.ndarray] = {}
-        self._row_starts: dict[str, np.ndarray] = {}
-        self._row_begin: dict[str, np.ndarray] = {}
-        for c in cols:
-            starts = c.chunk_row_starts()
-            shared = next((n for n, s in self._row_starts.items() if np.array_equal(s, starts)), None)
-            self._row_starts[c.name] = starts
-            self._row_begin[c.name] = self._row_begin[shared] if shared else _row_begin(c)
-            sources, which, base = _buffer_sources(table.column(c.name), c)
-            self._sources[c.name], self._chunk_source[c.name], self._chunk_base[c.name] = sources, which, base
+        self._source = ArrowSource(table, cols, indices)
+        self._segments: Segments = (plan.row_offsets, plan.seg_source, plan.seg_start, plan.seg_length)
         self._lengths: np.ndarray | None = None
 
     # -- what the view holds ---------------------------------------------------------------------
@@ -199,10 +179,7 @@ class PackedView:
         """Memory the view holds besides the source: the plan, the row mapping and the columns' offsets."""
         p = self.plan
         arrays = [p.seg_source, p.seg_start, p.seg_length, p.row_offsets, p.source_lengths]
-        if self._indices is not None:
-            arrays.append(self._indices)
-        arrays += list({id(a): a for a in self._row_begin.values()}.values())
-        return int(sum(a.nbytes for a in arrays))
+        return int(sum(a.nbytes for a in arrays)) + self._source.offsets_bytes
 
     def __len__(self) -> int:
         return self.plan.num_rows
@@ -215,37 +192,10 @@ class PackedView:
 
     # -- gathering -------------------------------------------------------------------------------
     def _rows(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        n = len(self)
-        if idx.size and (idx.min() < -n or idx.max() >= n):
-            bad = int(idx[(idx < -n) | (idx >= n)][0])
-            raise IndexError(f"row {bad} is out of range for a view of {n} rows.")
-        return idx % n if idx.size else idx
+        return checked_rows(indices, len(self), IndexError)
 
-    def _column(
-        self, name: str, rows: np.ndarray, total: int, dtype: Any = None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Column ``name`` of the packed ``rows``, end to end, copied straight from the source buffers, and
-        the lengths of the segments (row order).
-
-        One kernel finds every segment in the source buffers (sorted by buffer, then position, so each buffer
-        is read front to back), then one copy kernel call per buffer.
-        """
-        p = self.plan
-        out = np.empty(total, dtype or self._dtypes[name])
-        sources = self._sources[name]
-        mapped = self._indices is not None
-        begin, size, dest, bounds, seg_lengths = kernels.view_segments(
-            rows, p.row_offsets, p.seg_source, p.seg_start, p.seg_length, mapped,
-            self._indices if mapped else _NO_INDICES, self._row_begin[name], self._row_starts[name],
-            self._chunk_base[name], self._chunk_source[name], len(sources),
-        )  # fmt: skip
-        cuts = bounds.tolist()
-        for j, source in enumerate(sources):
-            a, b = cuts[j], cuts[j + 1]
-            if a < b:
-                kernels.gather_scattered(source, begin[a:b], size[a:b], dest[a:b], out)
-        return out, seg_lengths
+    def _column(self, name: str, rows: np.ndarray, total: int) -> np.ndarray:
+        return self._source.column(name, rows, total, self._segments)[0]
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         if isinstance(i, slice) or not isinstance(i, (int, np.integer)):
@@ -255,7 +205,7 @@ class PackedView:
             )
         row = self._rows([i])
         total = int(self.lengths[row[0]])
-        out = {name: self._column(name, row, total)[0] for name in self._names}
+        out = {name: self._column(name, row, total) for name in self._names}
         if self.plan.strategy != "wrapped":
             start, stop = self.plan.row_offsets[row[0]], self.plan.row_offsets[row[0] + 1]
             out[SEQ_LENGTHS] = self.plan.seg_length[start:stop].astype(np.int32)
@@ -265,16 +215,7 @@ class PackedView:
         """Rows that gather themselves on first access (a ``DataLoader`` calls this for a batch)."""
         return [PackedRow(self, int(i)) for i in self._rows(indices).tolist()]
 
-    def gather(
-        self, indices: Sequence[int] | np.ndarray, mask_keys: Sequence[str] = MASK_COLUMNS
-    ) -> FlatRows:
-        """The packed rows at ``indices`` laid end to end, ready for a collator (see :class:`PackedRows`).
-
-        ``mask_keys``: the 0/1 mask columns applied to labels when there is no ``labels`` column.
-        """
-        return self._gather(self._rows(indices), mask_keys)
-
-    def _gather(self, rows: np.ndarray, mask_keys: Sequence[str] = MASK_COLUMNS) -> FlatRows:
+    def _gather(self, rows: np.ndarray, mask_keys: Sequence[str]) -> FlatRows:
         """:meth:`gather` for row numbers already checked (int64, in range)."""
         if "input_ids" not in self._names:
             raise PackingError(
@@ -285,27 +226,15 @@ class PackedView:
         counts = self.plan.row_offsets[rows + 1] - self.plan.row_offsets[rows]
         row_lengths = self.lengths[rows]
         total = int(row_lengths.sum())
-        input_ids, seg_lengths = self._column("input_ids", rows, total, np.int64)
-        if "labels" in self._names:
-            labels = self._column("labels", rows, total, np.int64)[0]
-        else:
-            labels = input_ids.copy()
-            for key in mask_keys:
-                if key in self._names:
-                    labels[self._column(key, rows, total)[0] == 0] = IGNORE_INDEX
+        input_ids, seg_lengths = self._source.column("input_ids", rows, total, self._segments, np.int64)
+        read = lambda name, dtype: self._source.column(name, rows, total, self._segments, dtype)[0]  # noqa: E731
+        labels = self._labels(input_ids, read, mask_keys)
         if self.plan.strategy == "wrapped":
             # A wrapped row has no seq_lengths, as in pack_table's output: the collator treats it as one
             # sequence only when told the rows are unpacked (unmarked_row), like every row without them.
             seg_lengths, counts = row_lengths, np.ones(rows.shape[0], np.int64)
             return FlatRows(input_ids, labels, row_lengths, seg_lengths, counts, unmarked_row=0)
         return FlatRows(input_ids, labels, row_lengths, seg_lengths, counts)
-
-    def iter_batches(
-        self, batch_sampler: Iterable[Sequence[int]], collator: PaddingFreeCollator
-    ) -> Iterator[dict[str, Any]]:
-        """Batches for each list of indices from ``batch_sampler``, without a torch ``DataLoader``."""
-        for indices in batch_sampler:
-            yield collator.collate_flat(self.gather(indices, collator.mask_keys))
 
     def materialize(self) -> pa.Table:
         """Every packed row, written out: equal to ``pack_table`` with the same arguments."""
@@ -336,49 +265,3 @@ def _as_indices(indices: Sequence[int] | np.ndarray | None, num_rows: int) -> np
             f"indices holds {bad}, out of range for a table of {num_rows} rows.", param="indices"
         )
     return idx
-
-
-def _row_begin(col: ListColumn) -> np.ndarray:
-    """Where each row of ``col`` starts in its chunk's values (int64, one per row)."""
-    parts = [c.offsets[:-1] for c in col.chunks]
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
-
-
-def _buffer_sources(
-    column: pa.ChunkedArray, col: ListColumn
-) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-    """The buffers holding ``col``'s values: ``(sources, source of each chunk, start of each chunk in it)``.
-
-    Chunks read from one Arrow IPC file or stream (``datasets``' memory-mapped files, tables read with
-    pyarrow) are slices of one parent buffer, the mapped file: one zero-copy NumPy view of it serves them all,
-    so a batch is copied by one kernel call per file instead of one slice per segment.  A chunk with no such
-    parent is its own source.
-    """
-    sources: list[np.ndarray] = []
-    known: dict[tuple[int, int], int] = {}
-    which, base = [], []
-    for arr, chunk in zip(column.chunks, col.chunks):
-        values = chunk.values
-        root, addr, size = None, values.ctypes.data, values.itemsize
-        if values.size:
-            root = arr.values.buffers()[1]
-            while root.parent is not None:
-                root = root.parent
-            inside = root.address <= addr and addr + values.nbytes <= root.address + root.size
-            if not inside or root.address % size or (addr - root.address) % size:
-                root = None
-        if root is None:
-            which.append(len(sources))
-            base.append(0)
-            sources.append(values)
-            continue
-        key = (root.address, root.size)
-        if key not in known:
-            known[key] = len(sources)
-            whole = np.frombuffer(root, dtype=np.uint8)
-            sources.append(whole[: root.size - root.size % size].view(values.dtype))
-        which.append(known[key])
-        base.append((addr - root.address) // size)
-    if not sources:
-        sources.append(np.zeros(0, col.value_dtype))
-    return sources, np.array(which, np.int64), np.array(base, np.int64)

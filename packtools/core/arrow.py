@@ -59,6 +59,20 @@ class ListColumn:
     def chunk_row_starts(self) -> np.ndarray:
         return np.array([c.row_start for c in self.chunks] + [self.num_rows], np.int64)
 
+    def row_sums(self, dtype: type = np.int64, *, squared: bool = False) -> np.ndarray:
+        """The sum of each row's values (of their squares with ``squared=True``), one running sum per chunk.
+
+        >>> col = read_list_column(pa.array([[2, 1], [], [3]]), "seq_lengths")
+        >>> col.row_sums().tolist(), col.row_sums(np.float64, squared=True).tolist()
+        ([3, 0, 3], [5.0, 0.0, 9.0])
+        """
+        parts = []
+        for c in self.chunks:
+            values = c.values.astype(dtype)
+            csum = np.concatenate((np.zeros(1, dtype), np.cumsum(values * values if squared else values)))
+            parts.append(csum[c.offsets[1:]] - csum[c.offsets[:-1]])
+        return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
 
 def _first_null_row(arr: pa.Array) -> int:
     return int(np.flatnonzero(np.asarray(arr.is_null()))[0])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import zipfile
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -12,13 +11,11 @@ import pyarrow as pa
 
 from ..errors import PackingError
 from . import kernels
+from .plan_file import PLAN_ARRAYS, read_plan, write_plan
 
 Strategy = Literal["bfd", "bfd_split", "wrapped"]
 STRATEGIES: tuple[str, ...] = ("bfd", "bfd_split", "wrapped")
 MAX_TREE_LENGTH = 2**27  # bfd's tables take ~64 bytes per unit of max_length
-#: Version of the ``.npz`` layout written by :meth:`PackPlan.save`; other versions are refused on load.
-PLAN_FORMAT = 1
-_PLAN_ARRAYS = ("seg_source", "seg_start", "seg_length", "row_offsets", "source_lengths")
 _VIOLATIONS = {
     1: "row_offsets must start at 0, never decrease and end at the number of segments (broken at row {i})",
     2: "segment {i} is empty (seg_length {length}); segments hold at least one token",
@@ -88,7 +85,7 @@ class PackPlan:
         """Check every invariant the gather kernels rely on; raise :class:`PackingError` on the first broken one."""
         check_strategy(self.strategy)
         object.__setattr__(self, "max_length", check_max_length(self.max_length))
-        for name in _PLAN_ARRAYS:
+        for name in PLAN_ARRAYS:
             arr = np.asarray(getattr(self, name))
             if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
                 raise PackingError(
@@ -118,20 +115,19 @@ class PackPlan:
         cls,
         max_length: int,
         strategy: str,
-        seg_source: np.ndarray,
-        seg_start: np.ndarray,
-        seg_length: np.ndarray,
+        segments: tuple[np.ndarray, np.ndarray, np.ndarray],
         row_offsets: np.ndarray,
         source_lengths: np.ndarray,
     ) -> PackPlan:
         """A plan straight from the kernels (or a row transform of a checked plan): sound by construction.
 
-        The kernels are tested against the pure-Python oracle (``core/reference.py``); checking their output
-        again would double the cost of :func:`plan`.  Everything else goes through the checks.
+        ``segments`` is ``(seg_source, seg_start, seg_length)``.  The kernels are tested against the
+        pure-Python oracle (``core/reference.py``); checking their output again would double the cost of
+        :func:`plan`.  Everything else goes through the checks.
         """
         self = object.__new__(cls)
-        values = (max_length, strategy, seg_source, seg_start, seg_length, row_offsets, source_lengths)
-        for name, value in zip(("max_length", "strategy", *_PLAN_ARRAYS), values):
+        values = (max_length, strategy, *segments, row_offsets, source_lengths)
+        for name, value in zip(("max_length", "strategy", *PLAN_ARRAYS), values):
             if isinstance(value, np.ndarray):
                 value = np.ascontiguousarray(value, dtype=np.int64)
             object.__setattr__(self, name, value)
@@ -267,9 +263,7 @@ class PackPlan:
         return PackPlan._unchecked(
             self.max_length,
             self.strategy,
-            self.seg_source[idx],
-            self.seg_start[idx],
-            self.seg_length[idx],
+            (self.seg_source[idx], self.seg_start[idx], self.seg_length[idx]),
             new_offsets,
             self.source_lengths,
         )
@@ -284,9 +278,7 @@ class PackPlan:
         return PackPlan._unchecked(
             self.max_length,
             self.strategy,
-            self.seg_source[s0:s1],
-            self.seg_start[s0:s1],
-            self.seg_length[s0:s1],
+            (self.seg_source[s0:s1], self.seg_start[s0:s1], self.seg_length[s0:s1]),
             self.row_offsets[start : stop + 1] - s0,
             self.source_lengths,
         )
@@ -321,23 +313,10 @@ class PackPlan:
             "fill": self.fill,
         }
 
-    # -- persistence -----------------------------------------------------------------------------
+    # -- persistence: the .npz file of a plan (``core/plan_file.py``) -------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan to ``path`` (``.npz``) atomically."""
-        from .._atomic import atomic_path
-
-        with atomic_path(path) as tmp, open(tmp, "wb") as fh:
-            np.savez(
-                fh,
-                format=np.int64(PLAN_FORMAT),
-                max_length=np.int64(self.max_length),
-                strategy=np.array(self.strategy),
-                seg_source=self.seg_source,
-                seg_start=self.seg_start,
-                seg_length=self.seg_length,
-                row_offsets=self.row_offsets,
-                source_lengths=self.source_lengths,
-            )
+        write_plan(path, self.max_length, self.strategy, [getattr(self, name) for name in PLAN_ARRAYS])
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, complete: bool = True) -> PackPlan:
@@ -345,37 +324,8 @@ class PackPlan:
 
         A plan saved as a slice of rows (:meth:`slice_rows`) is partial; load it with ``complete=False``.
         """
-        path = os.fspath(path)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"plan file {path!r} does not exist.")
-        try:
-            return cls._load(path, complete)
-        except PackingError:
-            raise
-        except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as exc:
-            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            if "pickled" in detail:  # numpy's reading of bytes that are no .npz at all
-                detail = "not a NumPy .npz archive"
-            raise PackingError(
-                f"plan file {path!r} cannot be read as a packtools plan ({type(exc).__name__}: {detail}): it is "
-                f"cut, corrupted or not a plan saved by PackPlan.save; make the plan again with "
-                f"packtools.plan(lengths, ...) and save it."
-            ) from None
-
-    @classmethod
-    def _load(cls, path: str, complete: bool) -> PackPlan:
-        z = np.load(path, allow_pickle=False)
-        if not hasattr(z, "files"):
-            raise ValueError("it holds one array, not a plan's arrays")
-        with z:
-            version = int(z["format"]) if "format" in z.files else 0
-            if version != PLAN_FORMAT:
-                age = "an older" if version < PLAN_FORMAT else "a newer"
-                raise PackingError(
-                    f"plan file {path!r} has plan format {version}, from {age} packtools; this one "
-                    f"reads format {PLAN_FORMAT}. Make the plan again with packtools.plan(lengths, ...)."
-                )
-            loaded = cls(int(z["max_length"]), str(z["strategy"]), *(z[name] for name in _PLAN_ARRAYS))
+        max_length, strategy, arrays = read_plan(path)
+        loaded = cls(max_length, strategy, *arrays)
         if complete:
             loaded.check_complete()
         return loaded
@@ -400,7 +350,7 @@ def plan(lengths: object, max_length: int, strategy: Strategy | str = "bfd") -> 
     lens = as_lengths(lengths)
     if strategy == "wrapped":
         source, start, size, row_offsets = kernels.wrapped_segments(lens, max_length)
-        return PackPlan._unchecked(max_length, strategy, source, start, size, row_offsets, lens)
+        return PackPlan._unchecked(max_length, strategy, (source, start, size), row_offsets, lens)
     source, start, size = kernels.make_items(lens, max_length, strategy == "bfd_split")
     if max_length >= size.sum():
         # Everything fits in one row (best fit puts every item there, longest first); this also spares
@@ -414,6 +364,5 @@ def plan(lengths: object, max_length: int, strategy: Strategy | str = "bfd") -> 
                 f"packtools plans rows of at most {MAX_TREE_LENGTH:,} tokens. Use a smaller max_length."
             )
         order, row_offsets = kernels.bfd_assign(size, max_length)
-    return PackPlan._unchecked(
-        max_length, strategy, source[order], start[order], size[order], row_offsets, lens
-    )
+    segments = (source[order], start[order], size[order])
+    return PackPlan._unchecked(max_length, strategy, segments, row_offsets, lens)

@@ -14,8 +14,8 @@ from .._lazy import lazy_exports
 _EXPORTS = {
     "profile_lengths": "packtools.profiling.profile",
     "LengthProfile": "packtools.profiling.profile",
-    "plot_lengths": "packtools.profiling.plot",
-    "plot_tradeoffs": "packtools.profiling.plot",
+    "plot_lengths": "packtools.profiling.figures",
+    "plot_tradeoffs": "packtools.profiling.figures",
     "write_report": "packtools.profiling.plot",
 }
 

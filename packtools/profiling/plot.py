@@ -1,9 +1,9 @@
 """Plots and a shareable HTML report of a :class:`~packtools.profiling.LengthProfile` (extra ``packtools[plot]``).
 
-Not imported by ``packtools``; matplotlib is imported inside the functions.  With ``ax=None`` the plot
-functions open a new pyplot figure (shown inline in notebooks); pass ``ax`` to draw into your own figure.
-:func:`profile_figure` and :func:`write_report` build figures without pyplot, so they work on any backend
-and in threads.
+Not imported by ``packtools``; matplotlib is imported inside the functions.  The figures are drawn by
+:mod:`packtools.profiling.figures` (:func:`plot_lengths`, :func:`plot_tradeoffs`, :func:`profile_figure`, all
+importable from here); this module saves them (:func:`save_figure`) and writes the HTML report
+(:func:`write_report`), whose figures are built without pyplot, so it works on any backend and in threads.
 
 >>> from packtools import profile_lengths
 >>> from packtools.profiling.plot import plot_lengths
@@ -18,257 +18,20 @@ from __future__ import annotations
 import base64
 import html
 import io
-import math
 import os
-import textwrap
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from .._atomic import atomic_path
 from .._optional import require
-from .profile import LengthProfile, Recommendation
-from .tradeoffs import TradeoffTable
+from .figures import FEATURE, plot_lengths, plot_tradeoffs, profile_figure
+from .profile import LengthProfile
+from .recommend import Recommendation
 
 if TYPE_CHECKING:
-    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-FEATURE = "plotting length profiles"
-PERCENTILE_COLORS = ("#4d4d4d", "#1b9e77", "#7570b3", "#e7298a", "#66a61e")
-MAX_LENGTH_COLOR = "#d62728"
-
-
-def _mpl() -> Any:
-    return require("matplotlib", FEATURE)
-
-
-def _new_axes(ax: Axes | None, figsize: tuple[float, float]) -> Axes:
-    if ax is not None:
-        return ax
-    _mpl()
-    import matplotlib.pyplot as plt
-
-    _, ax = plt.subplots(figsize=figsize, layout="constrained")
-    return ax
-
-
-def _tokens(x: float, _pos: object = None) -> str:
-    """1, 10, 100, 1k, 10k, 1.5M ..."""
-    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= div:
-            return f"{x / div:g}{unit}"
-    return f"{x:g}"
-
-
-def _stagger(xs: list[float], decades: float, width: float = 0.14) -> list[int]:
-    """A text row for each label at ``xs`` (log axis spanning ``decades``) so that no two in a row overlap:
-    labels whose centres are closer than ``width`` of the axis go to the next row up."""
-    order = sorted(range(len(xs)), key=lambda i: xs[i])
-    rows: list[list[float]] = []
-    levels = [0] * len(xs)
-    for i in order:
-        pos = math.log10(max(xs[i], 1)) / max(decades, 1e-9)
-        for r, taken in enumerate(rows):
-            if all(abs(pos - q) >= width for q in taken):
-                taken.append(pos)
-                levels[i] = r
-                break
-        else:
-            rows.append([pos])
-            levels[i] = len(rows) - 1
-    return levels
-
-
-def plot_lengths(profile: LengthProfile, max_length: int | None = None, ax: Axes | None = None) -> Axes:
-    """Histogram of sequence lengths on a log length axis, with percentile markers and ``max_length``.
-
-    The title names the dataset and its counts; empty sequences (which a log axis cannot show) are counted
-    in the title.  A chosen ``max_length`` is drawn as a red line with what it truncates, the region it cuts
-    shaded.  Returns the axes.
-    """
-    ticker = require("matplotlib.ticker", FEATURE)
-    ax = _new_axes(ax, (9.0, 4.5))
-    edges, counts = profile.hist_edges, profile.hist_counts
-    ax.stairs(
-        counts,
-        edges,
-        fill=True,
-        color="#9ecae1",
-        edgecolor="#3182bd",
-        linewidth=0.8,
-        label="sequences per bin",
-    )
-    ax.set_xscale("log")
-    if counts.sum() == 0:
-        ax.text(0.5, 0.5, "no non-empty sequences", transform=ax.transAxes, ha="center", va="center")
-    marks = []  # (x, short label, color): every marker is also written at the top of the plot
-    if max_length is not None:
-        share = profile.num_truncated(max_length) / profile.count if profile.count else 0.0
-        dropped = 1.0 - profile.tokens_kept_share(max_length)
-        ax.axvline(
-            max_length,
-            color=MAX_LENGTH_COLOR,
-            linewidth=2.6,
-            alpha=0.55,
-            zorder=2,
-            label=f"max_length = {max_length:,}\n  truncates {share:.2%} of sequences\n"
-            f"  bfd drops {dropped:.2%} of tokens",
-        )
-        marks.append((max_length, f"max_length {max_length:,}", MAX_LENGTH_COLOR))
-    for (key, value), color in zip(profile.percentiles.items(), PERCENTILE_COLORS):
-        if value > 0:  # drawn over the max_length line, so a percentile next to it stays visible
-            ax.axvline(
-                value, color=color, linestyle="--", linewidth=1.2, zorder=3, label=f"{key} = {value:,} tokens"
-            )
-            marks.append((value, f"{key} {value:,}", color))
-    if profile.max > 0:
-        ax.axvline(
-            profile.max,
-            color="black",
-            linestyle=":",
-            linewidth=1.4,
-            zorder=3,
-            label=f"max = {profile.max:,} tokens",
-        )
-        marks.append((profile.max, f"max {profile.max:,}", "black"))
-    right = max(edges[-1], profile.max, max_length or 0) * 1.6
-    ax.set_xlim(edges[0], right)
-    if max_length is not None and right > max_length:
-        ax.axvspan(max_length, right, color=MAX_LENGTH_COLOR, alpha=0.07, linewidth=0)
-    top = float(counts.max()) if counts.size and counts.max() > 0 else 1.0
-    levels = _stagger([x for x, _, _ in marks], math.log10(right / edges[0]))
-    ax.set_ylim(0, top * (1.12 + 0.09 * (max(levels, default=0) + 1)))
-    for (x, text, color), level in zip(marks, levels):
-        ax.text(
-            x,
-            top * (1.06 + 0.09 * level),
-            text,
-            color=color,
-            fontsize=7.5,
-            ha="center",
-            va="bottom",
-            zorder=4,
-            bbox=dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none", alpha=0.85),
-        )
-    ax.xaxis.set_major_formatter(ticker.FuncFormatter(_tokens))
-    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _p: f"{y:,.0f}"))
-    ax.set_xlabel("sequence length (tokens, log scale)")
-    ax.set_ylabel("sequences per bin")
-    ax.set_title("\n".join(textwrap.wrap(profile.title, 80)), fontsize=11)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    return ax
-
-
-def plot_tradeoffs(
-    profile: LengthProfile,
-    candidates: Iterable[int] | None = None,
-    ax: Axes | None = None,
-    *,
-    max_length: int | None = None,
-    batch_size: int = 8,
-    table: TradeoffTable | None = None,
-) -> Axes:
-    """Tokens kept and row fill of each strategy against ``max_length`` (from :meth:`LengthProfile.tradeoffs`).
-
-    Fill is the share of each packed row (or padded batch, without packing) holding real tokens.  Pass
-    ``table`` to reuse a computed :class:`~packtools.profiling.tradeoffs.TradeoffTable`.  Returns the axes.
-    """
-    ticker = require("matplotlib.ticker", FEATURE)
-    ax = _new_axes(ax, (9.0, 4.5))
-    if table is None:
-        table = profile.tradeoffs(candidates, batch_size=batch_size)
-    xs = [r.max_length for r in table]
-    series = [
-        (
-            "tokens kept, bfd",
-            [r.kept for r in table],
-            dict(color="C0", linestyle="-", marker="o", linewidth=2.2),
-        ),
-        ("row fill, bfd", [r.bfd_fill for r in table], dict(color="C0", linestyle="--", marker="s")),
-        (
-            "row fill, bfd_split",
-            [r.bfd_split_fill for r in table],
-            dict(color="C1", linestyle="--", marker="^"),
-        ),
-        ("row fill, wrapped", [r.wrapped_fill for r in table], dict(color="C2", linestyle="--", marker="v")),
-        (
-            f"batch fill, padded batches of {table.batch_size} (no packing)",
-            [1.0 - r.padding for r in table],
-            dict(color="C3", linestyle=":", marker="d"),
-        ),
-    ]
-    ax.axhline(
-        100,
-        color="0.5",
-        linestyle=":",
-        linewidth=1.2,
-        label="tokens kept, bfd_split and wrapped (always 100%)",
-    )
-    for label, ys, style in series:
-        ax.plot(xs, [100 * y for y in ys], label=label, **style)
-    if max_length is not None:
-        ax.axvline(
-            max_length,
-            color=MAX_LENGTH_COLOR,
-            linewidth=1.5,
-            alpha=0.8,
-            label=f"chosen max_length = {max_length:,}",
-        )
-        # the chosen value is written at the top, next to its line: no candidate's tick label gives way to it
-        ax.annotate(
-            f"chosen {max_length:,}",
-            (max_length, 1.0),
-            xycoords=("data", "axes fraction"),
-            xytext=(0, 3),
-            textcoords="offset points",
-            ha="center",
-            va="bottom",
-            color=MAX_LENGTH_COLOR,
-            fontsize=8,
-            fontweight="bold",
-        )
-    ax.set_xscale("log", base=2)
-    ticks = [x for x in xs if x != max_length] or xs  # every candidate is labelled
-    ax.set_xticks(ticks, labels=[f"{x:,}" for x in ticks])
-    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
-    close = any(b / a < 1.5 for a, b in zip(ticks, ticks[1:]))
-    if len(ticks) > 5 or close:
-        ax.tick_params(axis="x", labelrotation=40, labelsize=8)
-        for label in ax.get_xticklabels():
-            label.set_horizontalalignment("right")
-    if len(xs) == 1:
-        ax.set_xlim(xs[0] / 1.5, xs[0] * 1.5)
-    low = min(min(ys) for _, ys, _ in series) * 100
-    ax.set_ylim(max(0.0, low - 5), 102)
-    ax.yaxis.set_major_formatter(ticker.PercentFormatter(decimals=0))
-    ax.set_xlabel("max_length (tokens, log scale)")
-    ax.set_ylabel("tokens kept / fill (%)")
-    ax.set_title(
-        "\n".join(
-            textwrap.wrap(f"{profile.name or 'dataset'}: what each strategy does at each max_length", 80)
-        ),
-        fontsize=11,
-        pad=14,
-    )
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    return ax
-
-
-def profile_figure(
-    profile: LengthProfile,
-    candidates: Iterable[int] | None = None,
-    max_length: int | None = None,
-    batch_size: int = 8,
-    table: TradeoffTable | None = None,
-) -> Figure:
-    """Both plots stacked in one figure, built without pyplot (any backend, any thread)."""
-    figure = require("matplotlib.figure", FEATURE)
-    fig = figure.Figure(figsize=(11.0, 8.5), layout="constrained")
-    top, bottom = fig.subplots(2, 1)
-    plot_lengths(profile, max_length, ax=top)
-    plot_tradeoffs(profile, candidates, ax=bottom, max_length=max_length, batch_size=batch_size, table=table)
-    return fig
+__all__ = ["plot_lengths", "plot_tradeoffs", "profile_figure", "save_figure", "write_report"]
 
 
 def save_figure(fig: Figure, path: str | os.PathLike[str], dpi: int = 120) -> None:
@@ -281,8 +44,6 @@ def save_figure(fig: Figure, path: str | os.PathLike[str], dpi: int = 120) -> No
 
 
 def _atomic_write(path: str, write: Any) -> None:
-    from .._atomic import atomic_path
-
     with atomic_path(path) as tmp, open(tmp, "wb") as fh:
         write(fh)
 

@@ -15,7 +15,7 @@ carries both rules with what each costs (sequences cut, tokens ``bfd`` drops, pa
 from the real planner), and a flag for any value above ``max_context`` (default :data:`COMMON_CONTEXT`, the
 largest context most fine-tuning runs train with): such a value is never offered without saying so.
 
->>> from packtools import LengthProfile
+>>> from packtools.profiling import LengthProfile
 >>> p = LengthProfile([100] * 990 + [50_000] * 10)
 >>> sequence_rule(p, 0.99, 64), token_rule(p, 0.99, 64)
 (128, 49408)
@@ -29,15 +29,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .._format import text_table
 from ..errors import PackingError
-
-if TYPE_CHECKING:
-    from .profile import LengthProfile
+from .distribution import LengthDistribution
+from .tradeoffs import tradeoff_row
 
 DEFAULT_KEEP_SEQUENCES = 0.99
 DEFAULT_KEEP_TOKENS = 0.99
@@ -125,7 +123,7 @@ def _check_share(value: object, name: str, what: str) -> float:
     return float(value)
 
 
-def token_rule(profile: LengthProfile, keep_tokens: float, multiple_of: int) -> int:
+def token_rule(profile: LengthDistribution, keep_tokens: float, multiple_of: int) -> int:
     """The smallest multiple of ``multiple_of`` at which ``bfd`` keeps at least ``keep_tokens`` of the tokens."""
     need = math.ceil(Fraction(str(keep_tokens)) * profile.total_tokens)
     lo, hi = 1, max(1, -(-profile.max // multiple_of))
@@ -138,16 +136,14 @@ def token_rule(profile: LengthProfile, keep_tokens: float, multiple_of: int) -> 
     return lo * multiple_of
 
 
-def sequence_rule(profile: LengthProfile, keep_sequences: float, multiple_of: int) -> int:
+def sequence_rule(profile: LengthDistribution, keep_sequences: float, multiple_of: int) -> int:
     """The smallest multiple of ``multiple_of`` that holds at least ``keep_sequences`` of the sequences whole."""
     need = max(1, math.ceil(Fraction(str(keep_sequences)) * profile.count))
     longest = int(profile._values[np.searchsorted(profile._cum_rows, need, side="left") - 1])
     return max(1, -(-longest // multiple_of)) * multiple_of
 
 
-def _option(profile: LengthProfile, rule: str, share: float, m: int, max_context: int) -> RuleOption:
-    from .tradeoffs import tradeoff_row
-
+def _option(profile: LengthDistribution, rule: str, share: float, m: int, max_context: int) -> RuleOption:
     row = tradeoff_row(profile, m, 8)
     strategy = "bfd_split" if rule == "sequences" else "bfd"
     return RuleOption(
@@ -165,7 +161,7 @@ def _option(profile: LengthProfile, rule: str, share: float, m: int, max_context
 
 
 def recommend(
-    profile: LengthProfile,
+    profile: LengthDistribution,
     keep_tokens: float | None = None,
     multiple_of: int = 64,
     *,

@@ -22,16 +22,14 @@ from __future__ import annotations
 import html
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .._format import text_table
 from ..core.plan import check_max_length, plan
 from ..errors import PackingError
-
-if TYPE_CHECKING:
-    from .profile import LengthProfile
+from .distribution import LengthDistribution
 
 
 @dataclass(frozen=True)
@@ -191,7 +189,7 @@ def padded_batches(lengths: np.ndarray, max_length: int, batch_size: int) -> tup
     return nb, int(np.dot(sizes, longest)), float(np.dot(sizes.astype(np.float64), f * f))
 
 
-def tradeoff_row(profile: LengthProfile, max_length: int, batch_size: int) -> Tradeoff:
+def tradeoff_row(profile: LengthDistribution, max_length: int, batch_size: int) -> Tradeoff:
     """Plan ``bfd``, ``bfd_split`` and ``wrapped`` at ``max_length`` and summarize them."""
     lens = profile.lengths
     n, total = profile.count, profile.total_tokens
@@ -218,7 +216,9 @@ def tradeoff_row(profile: LengthProfile, max_length: int, batch_size: int) -> Tr
     )
 
 
-def tradeoff_table(profile: LengthProfile, candidates: Iterable[int], batch_size: int = 8) -> TradeoffTable:
+def tradeoff_table(
+    profile: LengthDistribution, candidates: Iterable[int], batch_size: int = 8
+) -> TradeoffTable:
     """See :meth:`packtools.profiling.LengthProfile.tradeoffs`."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise PackingError(f"batch_size={batch_size!r} must be a positive int (sequences per padded batch).")
@@ -291,9 +291,10 @@ class BucketTable:
 
 
 def bucket_table(
-    profile: LengthProfile,
+    profile: LengthDistribution,
     max_length: int,
     max_tokens: int,
+    *,
     candidates: Iterable[int] = (1, 2, 4, 8, 16),
     strategy: str = "bfd",
     multiple_of: int = 1,

@@ -1,0 +1,160 @@
+"""Rows laid end to end: the validation and flattening every padding-free collator starts from.
+
+:func:`flatten_rows` checks a batch of rows (dicts of lists, NumPy arrays or CPU tensors) and lays them end to
+end as one :class:`FlatRows`: tokens, labels (masks applied by :mod:`packtools.batches.labels`, sequence starts
+not yet) and the segment structure.  ``PackedRows`` and ``PackedView`` build the same :class:`FlatRows` straight
+from Arrow buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..constants import MASK_COLUMNS
+from ..errors import PackingError
+from .labels import masked_labels
+
+
+@dataclass(frozen=True)
+class FlatRows:
+    """Rows laid end to end: tokens, labels (masks applied, starts not yet) and segment structure."""
+
+    input_ids: np.ndarray  # int64 [N]
+    labels: np.ndarray  # int64 [N]
+    row_lengths: np.ndarray  # int64 [B], every entry > 0
+    seg_lengths: np.ndarray  # int64 [S], every entry > 0, sums per row to row_lengths
+    segs_per_row: np.ndarray  # int64 [B]
+    unmarked_row: int | None = None  # first input row without ``seq_lengths`` (None: every row has it)
+
+
+def _int_array(value: Any, row: int, key: str) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise PackingError(
+            f"row {row}: {key!r} must be a flat list of integers, got shape {arr.shape}; "
+            f"pass one list per row (e.g. ds.with_format(None) rows)."
+        )
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0:
+            return np.zeros(0, np.int64)
+        raise PackingError(
+            f"row {row}: {key!r} holds {arr.dtype} values; it must hold integers. Cast it to int before collating."
+        )
+    return arr.astype(np.int64, copy=False)
+
+
+def _mask_array(value: Any, row: int, key: str, n: int) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim != 1 or arr.shape[0] != n:
+        raise PackingError(
+            f"row {row}: {key!r} has shape {arr.shape} but 'input_ids' has {n} tokens; the mask must give "
+            f"one 0/1 value per token."
+        )
+    if arr.dtype.kind not in "iub" and arr.size:
+        raise PackingError(f"row {row}: {key!r} holds {arr.dtype} values; use 0/1 integers or booleans.")
+    return arr
+
+
+def _check_attention_mask(row: Mapping[str, Any], i: int, packed: bool) -> None:
+    mask = row.get("attention_mask")
+    if mask is None:
+        return
+    if not np.all(np.asarray(mask) != 0):
+        raise PackingError(
+            f"row {i}: 'attention_mask' has 0s, so the row holds padding; padding-free batches cannot drop it "
+            f"for you. Strip the padding from the rows (tokenize without padding=...); dropping the column "
+            f"alone would keep the pad tokens as data."
+        )
+    if packed:
+        raise PackingError(
+            f"row {i} has an 'attention_mask' beside 'seq_lengths': a packed row's mask cannot mark where its "
+            f"sequences end, and a model given one attends across them. Drop the column "
+            f"(ds.remove_columns('attention_mask')); PaddingFreeCollator separates sequences by itself."
+        )
+
+
+def _row_segments(row: Mapping[str, Any], i: int, n: int) -> np.ndarray:
+    if "seq_lengths" not in row or row["seq_lengths"] is None:
+        return np.array([n], np.int64) if n else np.zeros(0, np.int64)
+    seg = _int_array(row["seq_lengths"], i, "seq_lengths")
+    if seg.size and seg.min() <= 0:
+        j = int(np.argmin(seg))
+        raise PackingError(
+            f"row {i}: 'seq_lengths'[{j}] = {seg[j]}; every packed sequence must have >= 1 token. "
+            f"Drop the empty entries (packtools.pack_* never writes them)."
+        )
+    if int(seg.sum()) != n:
+        raise PackingError(
+            f"row {i}: 'seq_lengths' sum to {int(seg.sum())} but 'input_ids' has {n} tokens; they must match. "
+            f"Re-pack the rows, or drop 'seq_lengths' to treat each row as one sequence."
+        )
+    return seg
+
+
+def flatten_rows(features: Sequence[Mapping[str, Any]], mask_keys: Sequence[str] = MASK_COLUMNS) -> FlatRows:
+    """Validate rows and lay them end to end (empty rows are skipped).
+
+    ``mask_keys`` are the 0/1 columns applied to labels when a row has no ``labels`` (pass ``()`` to learn
+    every token).  An ``attention_mask`` is refused beside ``seq_lengths`` and when it holds 0s.
+
+    >>> f = flatten_rows([{"input_ids": [5, 6, 7], "seq_lengths": [2, 1]}, {"input_ids": [8, 9]}])
+    >>> f.input_ids.tolist(), f.seg_lengths.tolist(), f.row_lengths.tolist()
+    ([5, 6, 7, 8, 9], [2, 1, 2], [3, 2])
+    """
+    if isinstance(features, Mapping) or not isinstance(features, Sequence) or len(features) == 0:
+        raise PackingError(
+            f"features must be a non-empty list of rows (dicts with 'input_ids'), got {type(features).__name__}."
+        )
+    ids_parts: list[np.ndarray] = []
+    label_parts: list[np.ndarray | None] = []
+    seg_parts: list[np.ndarray] = []
+    row_lengths: list[int] = []
+    own_labels = False
+    unmarked: int | None = None
+    for i, row in enumerate(features):
+        if not isinstance(row, Mapping) or "input_ids" not in row:
+            got = sorted(row) if isinstance(row, Mapping) else type(row).__name__
+            raise PackingError(f"row {i} has no 'input_ids' (got {got}); every row needs its token ids.")
+        ids = _int_array(row["input_ids"], i, "input_ids")
+        n = ids.shape[0]
+        marked = row.get("seq_lengths") is not None
+        _check_attention_mask(row, i, marked)
+        if not marked and unmarked is None and n:
+            unmarked = i
+        seg = _row_segments(row, i, n)
+        labels = None
+        if row.get("labels") is not None:
+            labels = _int_array(row["labels"], i, "labels")
+            if labels.shape[0] != n:
+                raise PackingError(
+                    f"row {i}: 'labels' has {labels.shape[0]} values but 'input_ids' has {n}; "
+                    f"labels must align token for token."
+                )
+        masks = (_mask_array(row[key], i, key, n) for key in mask_keys if row.get(key) is not None)
+        labels = masked_labels(ids, labels, masks)
+        if n == 0:
+            continue
+        own_labels = own_labels or labels is not None
+        ids_parts.append(ids)
+        label_parts.append(labels)
+        seg_parts.append(seg)
+        row_lengths.append(n)
+    if not ids_parts:
+        raise PackingError("every row in the batch is empty; a batch needs at least one token.")
+    input_ids = np.concatenate(ids_parts) if len(ids_parts) > 1 else ids_parts[0].copy()
+    if own_labels:
+        labels = np.concatenate([ids if lab is None else lab for ids, lab in zip(ids_parts, label_parts)])
+    else:
+        labels = input_ids.copy()
+    return FlatRows(
+        input_ids,
+        labels,
+        np.asarray(row_lengths, np.int64),
+        np.concatenate(seg_parts),
+        np.asarray([s.shape[0] for s in seg_parts], np.int64),
+        unmarked,
+    )
