@@ -125,9 +125,6 @@ CYCLE_EDGES_ALLOWED = {
         "integrations.transformers",
         "integrations.collator_check",
     ): "collator_check <-> transformers (same split)",
-    # profile imports tradeoffs (lazily) and recommend; both name LengthProfile under TYPE_CHECKING
-    ("profiling.tradeoffs", "profiling.profile"): "profile <-> tradeoffs (profiling split)",
-    ("profiling.recommend", "profiling.profile"): "profile <-> recommend (profiling split)",
     # shared_dpo imports trl at module level; trl imports shared_dpo lazily
     ("integrations.trl", "integrations.shared_dpo"): "trl <-> shared_dpo (integrations split)",
 }
@@ -242,10 +239,6 @@ LONG_MODULES_ALLOWED = {
     "integrations/datasets.py",
     "integrations/isolation.py",
     "integrations/collator_check.py",
-    "batches/collate.py",
-    "profiling/profile.py",
-    "profiling/plot.py",
-    "core/plan.py",
 }
 
 
@@ -291,11 +284,8 @@ POSITIONAL_ALLOWED = {
     ("batches/attention.py", "_reference"): "the exact reference of varlen_attention, called as it",
     # Temporary: functions other helpers own this round (issue 20); the lead removes each entry at merge (an
     # entry within the limit fails test_the_positional_allow_list_is_current).
-    ("batches/sampler.py", "TokenBudgetBatchSampler.__init__"): "temporary (batches helper)",
-    ("core/plan.py", "PackPlan._unchecked"): "temporary (core helper)",
     ("integrations/datasets.py", "_pack_split"): "temporary (integrations helper)",
     ("integrations/datasets.py", "_pack_iterable"): "temporary (integrations helper)",
-    ("profiling/tradeoffs.py", "bucket_table"): "temporary (profiling helper)",
 }
 
 
