@@ -53,13 +53,13 @@ from ..io.manifest import MANIFEST_FORMAT, read_manifest, write_manifest
 from .char_drops import check_on_unencodable
 from .executors import EXECUTORS, Executor, get_executor, is_transient
 from .fast_tokenize import check_audit_rate, check_engine, engine_key, engine_summary
+from .formats import FORMATS, input_columns, output_columns
 from .gather import WriteJob, run_token, shard_name, write_block, write_dataset_files
 from .outcheck import check_out, check_replaceable
 from .schema import data_format, known_columns, token_schema
 from .stage import load_sidecar, stage_part
 from .stage_cache import adopt_cached, stage_jobs
 from .summary import tokenizer_timings
-from .tokenize import FORMATS, input_columns, output_columns
 from .workspace import Workspace, checkpoint, left_behind_notes, tidy_after_dead_run
 
 OVERLONG = ("truncate", "drop", "split")
@@ -147,7 +147,7 @@ class PipelineResult:
 # -- fingerprint and manifest ------------------------------------------------------------------------------
 def fingerprint(files: Sequence[InputFile], config: PipelineConfig) -> dict[str, Any]:
     """What the manifest compares: config, input files (path, size, mtime), tokenizer files, versions."""
-    from .tokenize import tokenizer_fingerprint
+    from .tokenizer_dir import tokenizer_fingerprint
 
     cfg = asdict(config)
     cfg["columns"] = list(config.columns) if config.columns else None
@@ -356,7 +356,7 @@ def run_pipeline(
         raise PackingError(f"retries={retries!r} must be an int >= 0.", param="retries")
     out = os.path.abspath(os.fspath(out))
     if config.tokenizer is not None:
-        from .tokenize import check_tokenizer_dir
+        from .tokenizer_dir import check_tokenizer_dir
 
         tok_dir = check_tokenizer_dir(config.tokenizer)
         if tok_dir != config.tokenizer:
