@@ -10,7 +10,8 @@ Every figure is a fresh process (``python -c ...`` or the CLI), timed from befor
 - ``pack cold`` / ``pack 2nd`` / ``pack warm``: ``packtools pack`` on a one-document JSONL with an empty
   ``PACKTOOLS_CACHE_DIR``, then again (the reference verdict is recorded, the engine proof is recorded against the
   ``tokenizers`` reference), then again (both verdicts recorded): process start to exit, with the run summary's own
-  split (tokenizer load, engine proof, stage of the one part, plan + write).
+  split (tokenizer load, engine proof, stage of the one part, plan + write), and the warm run's CPU time (user +
+  system, all threads: less sensitive to a busy machine than wall time).
 - ``--baseline-tree DIR`` (a checkout of packtools, e.g. ``git archive <commit> packtools | tar -x -C DIR``):
   the same three runs with ``PYTHONPATH=DIR`` too, interleaved with this tree's (same load), one row each: the
   before/after of a change side by side.
@@ -31,6 +32,7 @@ import importlib.util
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -117,7 +119,10 @@ def build(name: str, path: str, qwen_wheel_dir: str | None) -> str:
 
 def _wall(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    # run from the tree on PYTHONPATH: `python -m` puts the working folder first on sys.path, so a run started
+    # from another checkout would import that checkout's packtools
+    cwd = env.get("PYTHONPATH", "").split(os.pathsep)[0] or None
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd)
     wall = time.perf_counter() - t
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd} failed:\n{proc.stderr[-3000:]}")
@@ -225,8 +230,12 @@ def run(
                     cmd = [py, "-m", "packtools.cli", "pack", one, "--tokenizer", tok_dir, "--out", out,
                            "--max-length", "2048"]  # fmt: skip
                     loads.append(os.getloadavg()[0])
+                    before = resource.getrusage(resource.RUSAGE_CHILDREN)
                     wall, stdout = _wall(cmd, run_env)
-                    packs[tree][label].append((wall, _summary_split(stdout)))
+                    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    split = _summary_split(stdout)
+                    split["cpu"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+                    packs[tree][label].append((wall, split))
                     subprocess.run(["rm", "-rf", out], check=True)
         for tree, _ in trees:
             pick = {k: min(v, key=lambda x: x[0]) for k, v in packs[tree].items()}
@@ -235,7 +244,7 @@ def run(
                 f"| {name} | {tree} | {n_tokens:,} | {size:.1f} | {load['tokenizers']:.2f} | "
                 f"{load['fastokens']:.2f} / {load['fastokens compact']:.2f} | "
                 f"{load['json']:.2f} | {load['transformers']:.2f} | {pick['cold'][0]:.2f} | {pick['2nd'][0]:.2f} | "
-                f"**{pick['warm'][0]:.2f}** | {w['load']:.2f} + {w['proof']:.2f} + {w['stage']:.2f} + "
+                f"**{pick['warm'][0]:.2f}** (CPU {w['cpu']:.1f}) | {w['load']:.2f} + {w['proof']:.2f} + {w['stage']:.2f} + "
                 f"{w['plan'] + w['write']:.2f} (rest: start, imports, exit {pick['warm'][0] - w['summary_total']:.2f}) | "
                 f"{min(loads):.1f}-{max(loads):.1f} |"
             )
