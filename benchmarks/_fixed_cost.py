@@ -10,7 +10,11 @@ Every figure is a fresh process (``python -c ...`` or the CLI), timed from befor
 - ``pack cold`` / ``pack 2nd`` / ``pack warm``: ``packtools pack`` on a one-document JSONL with an empty
   ``PACKTOOLS_CACHE_DIR``, then again (the reference verdict is recorded, the engine proof is recorded against the
   ``tokenizers`` reference), then again (both verdicts recorded): process start to exit, with the run summary's own
-  split (tokenizer load, engine proof, stage of the one part, plan + write).
+  split (tokenizer load, engine proof, stage of the one part, plan + write), and the warm run's CPU time (user +
+  system, all threads: less sensitive to a busy machine than wall time).
+- ``--baseline-tree DIR`` (a checkout of packtools, e.g. ``git archive <commit> packtools | tar -x -C DIR``):
+  the same three runs with ``PYTHONPATH=DIR`` too, interleaved with this tree's (same load), one row each: the
+  before/after of a change side by side.
 - ``--overlap-probe``: in one process, the ``tokenizers`` load + ``json`` parse with the fast engine loading in a
   background thread, against the same three one after the other (does threading hide the fast engine's load?).
 
@@ -28,6 +32,7 @@ import importlib.util
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -47,6 +52,7 @@ O200K_REGEX = "|".join(
 LOADS = {
     "tokenizers": "from tokenizers import Tokenizer; t = time.perf_counter(); Tokenizer.from_file(P)",
     "fastokens": "import fastokens; t = time.perf_counter(); fastokens.Tokenizer.from_file(P)",
+    "fastokens compact": "import fastokens; t = time.perf_counter(); fastokens.Tokenizer.from_file(C)",
     "json": "import json; t = time.perf_counter(); json.load(open(P, encoding='utf-8'))",
     "transformers": "t = time.perf_counter(); from transformers import AutoTokenizer; AutoTokenizer.from_pretrained(D)",
 }
@@ -113,7 +119,10 @@ def build(name: str, path: str, qwen_wheel_dir: str | None) -> str:
 
 def _wall(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    # run from the tree on PYTHONPATH: `python -m` puts the working folder first on sys.path, so a run started
+    # from another checkout would import that checkout's packtools
+    cwd = env.get("PYTHONPATH", "").split(os.pathsep)[0] or None
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd)
     wall = time.perf_counter() - t
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd} failed:\n{proc.stderr[-3000:]}")
@@ -133,8 +142,21 @@ def _summary_split(stdout: str) -> dict[str, float]:
     return out
 
 
+def _compact(tok_dir: str, workdir: str) -> str:
+    """tokenizer.json with "a b" merges (what packtools caches for the fast engine, tokenizer_load.write_compact)."""
+    from packtools.pipeline.tokenizer_load import write_compact
+
+    path = os.path.join(workdir, os.path.basename(tok_dir) + "-compact.json")
+    if not os.path.isfile(path):
+        with open(os.path.join(tok_dir, "tokenizer.json"), encoding="utf-8") as fh:
+            if not write_compact(path, json.load(fh)):
+                return os.path.join(tok_dir, "tokenizer.json")
+    return path
+
+
 def _load_s(what: str, tok_dir: str, env: dict[str, str]) -> float:
     code = f"import time; P = {os.path.join(tok_dir, 'tokenizer.json')!r}; D = {tok_dir!r}; "
+    code += f"C = {_compact(tok_dir, os.path.dirname(tok_dir))!r}; "
     code += LOADS[what] + "; print(time.perf_counter() - t)"
     return float(_wall([sys.executable, "-c", code], env)[1].split()[-1])
 
@@ -158,9 +180,20 @@ print(serial, time.perf_counter() - a)
     return f"tokenizers + json + fast engine one after the other {serial:.2f} s; fast engine in a thread {threaded:.2f} s"
 
 
-def run(vocabs: list[str], workdir: str, qwen_wheel_dir: str | None, repeat: int, probe: bool) -> list[str]:
+def run(
+    vocabs: list[str],
+    workdir: str,
+    qwen_wheel_dir: str | None,
+    repeat: int,
+    probe: bool,
+    *,
+    baseline_tree: str | None = None,
+) -> list[str]:
     env = dict(os.environ)
     env.setdefault("PYTHONPATH", os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    trees = [("this tree", env["PYTHONPATH"])]
+    if baseline_tree is not None:
+        trees.insert(0, ("baseline", os.path.abspath(baseline_tree)))
     one = os.path.join(workdir, "one.jsonl")
     with open(one, "w") as fh:
         fh.write(json.dumps({"text": "One short document, to time what a run costs before its data."}) + "\n")
@@ -175,8 +208,8 @@ def run(vocabs: list[str], workdir: str, qwen_wheel_dir: str | None, repeat: int
         f"Fixed cost (best of {repeat} fresh processes each; load average at start: {os.getloadavg()[0]:.2f}): "
         + ", ".join(f"{k} {v:.2f} s" for k, v in base.items()),
         "",
-        "| vocabulary | tokens | tokenizer.json MB | tokenizers load | fast engine load | json parse | transformers (import + load) | pack cold | pack 2nd | pack warm | warm: load + proof + stage + plan/write (summary) | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| vocabulary | tree | tokens | tokenizer.json MB | tokenizers load | fast engine load (tokenizer.json / compact) | json parse | transformers (import + load) | pack cold | pack 2nd | pack warm | warm: load + proof + stage + plan/write (summary) | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in vocabs:
         tok_dir = build(name, os.path.join(workdir, f"tok-{name}"), qwen_wheel_dir)
@@ -186,27 +219,36 @@ def run(vocabs: list[str], workdir: str, qwen_wheel_dir: str | None, repeat: int
         n_tokens = len(spec["model"]["vocab"]) + len(spec.get("added_tokens", []))
         del spec
         load = {k: best(lambda k=k, d=tok_dir: _load_s(k, d, env)) for k in LOADS}
-        packs: dict[str, list[tuple[float, dict[str, float]]]] = {"cold": [], "2nd": [], "warm": []}
+        packs = {tree: {"cold": [], "2nd": [], "warm": []} for tree, _ in trees}
+        loads: list[float] = []
         for _ in range(repeat):
-            cache = tempfile.mkdtemp(prefix="ptc-", dir=workdir)
-            run_env = dict(env, PACKTOOLS_CACHE_DIR=cache)
-            for label in ("cold", "2nd", "warm"):
-                out = os.path.join(workdir, f"out-{name}-{label}")
-                cmd = [py, "-m", "packtools.cli", "pack", one, "--tokenizer", tok_dir, "--out", out,
-                       "--max-length", "2048"]  # fmt: skip
-                wall, stdout = _wall(cmd, run_env)
-                packs[label].append((wall, _summary_split(stdout)))
-                subprocess.run(["rm", "-rf", out], check=True)
-        pick = {k: min(v, key=lambda x: x[0]) for k, v in packs.items()}
-        w = pick["warm"][1]
-        lines.append(
-            f"| {name} | {n_tokens:,} | {size:.1f} | {load['tokenizers']:.2f} | {load['fastokens']:.2f} | "
-            f"{load['json']:.2f} | {load['transformers']:.2f} | {pick['cold'][0]:.2f} | {pick['2nd'][0]:.2f} | "
-            f"**{pick['warm'][0]:.2f}** | {w['load']:.2f} + {w['proof']:.2f} + {w['stage']:.2f} + "
-            f"{w['plan'] + w['write']:.2f} (rest: start, imports, exit {pick['warm'][0] - w['summary_total']:.2f}) | "
-            f"{os.getloadavg()[0]:.2f} |"
-        )
-        print(lines[-1], flush=True)
+            for tree, path in trees:  # interleaved: each tree's runs see the same load
+                cache = tempfile.mkdtemp(prefix="ptc-", dir=workdir)
+                run_env = dict(env, PACKTOOLS_CACHE_DIR=cache, PYTHONPATH=path)
+                for label in ("cold", "2nd", "warm"):
+                    out = os.path.join(workdir, f"out-{name}-{label}")
+                    cmd = [py, "-m", "packtools.cli", "pack", one, "--tokenizer", tok_dir, "--out", out,
+                           "--max-length", "2048"]  # fmt: skip
+                    loads.append(os.getloadavg()[0])
+                    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    wall, stdout = _wall(cmd, run_env)
+                    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    split = _summary_split(stdout)
+                    split["cpu"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+                    packs[tree][label].append((wall, split))
+                    subprocess.run(["rm", "-rf", out], check=True)
+        for tree, _ in trees:
+            pick = {k: min(v, key=lambda x: x[0]) for k, v in packs[tree].items()}
+            w = pick["warm"][1]
+            lines.append(
+                f"| {name} | {tree} | {n_tokens:,} | {size:.1f} | {load['tokenizers']:.2f} | "
+                f"{load['fastokens']:.2f} / {load['fastokens compact']:.2f} | "
+                f"{load['json']:.2f} | {load['transformers']:.2f} | {pick['cold'][0]:.2f} | {pick['2nd'][0]:.2f} | "
+                f"**{pick['warm'][0]:.2f}** (CPU {w['cpu']:.1f}) | {w['load']:.2f} + {w['proof']:.2f} + {w['stage']:.2f} + "
+                f"{w['plan'] + w['write']:.2f} (rest: start, imports, exit {pick['warm'][0] - w['summary_total']:.2f}) | "
+                f"{min(loads):.1f}-{max(loads):.1f} |"
+            )
+            print(lines[-1], flush=True)
         if probe:
             lines.append(f"  overlap probe ({name}): {overlap_probe(tok_dir)}")
             print(lines[-1], flush=True)

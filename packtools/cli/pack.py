@@ -202,7 +202,7 @@ def _check_file_out(path: str) -> None:
 def _check_tokenized(path: str, args: argparse.Namespace) -> None:
     """The in-memory forms take tokenized input only: raw input is told to use ``--out DIR``."""
     from ..io.files import discover, read_schema
-    from ..pipeline.tokenize import detect_format
+    from ..pipeline.formats import detect_format
 
     try:
         fmt = args.format or detect_format(read_schema(discover([path])[0]).names)

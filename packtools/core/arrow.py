@@ -141,12 +141,27 @@ def check_aligned(columns: list[ListColumn]) -> np.ndarray:
     return lengths
 
 
+def numeric_array(values: np.ndarray, value_type: pa.DataType) -> pa.Array:
+    """A 1-D NumPy array as an Arrow array of ``value_type``: its buffer as it is when the dtypes match (no copy;
+    unlike ``pa.array(ndarray)``, this does not import pandas, seconds of a run's fixed cost), else converted."""
+    if (
+        values.ndim == 1
+        and values.flags.c_contiguous
+        and values.dtype.isnative
+        and pa.from_numpy_dtype(values.dtype) == value_type
+    ):
+        return pa.Array.from_buffers(value_type, values.shape[0], [None, pa.py_buffer(values)])
+    return pa.array(values, type=value_type)
+
+
 def list_array(offsets: np.ndarray, values: np.ndarray, large: bool, value_type: pa.DataType) -> pa.Array:
     """Build a ``list``/``large_list`` array from offsets and values without copying the values."""
-    vals = pa.array(values, type=value_type)
+    vals = numeric_array(values, value_type)
     if large or int(offsets[-1]) > INT32_MAX:
-        return pa.LargeListArray.from_arrays(pa.array(offsets.astype(np.int64, copy=False)), vals)
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), vals)
+        return pa.LargeListArray.from_arrays(
+            numeric_array(offsets.astype(np.int64, copy=False), pa.int64()), vals
+        )
+    return pa.ListArray.from_arrays(numeric_array(offsets.astype(np.int32), pa.int32()), vals)
 
 
 def column_lengths(column: pa.ChunkedArray | pa.Array) -> np.ndarray:

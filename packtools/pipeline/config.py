@@ -24,7 +24,8 @@ from ..io.fingerprint import cache_key
 from ..io.manifest import MANIFEST_FORMAT
 from .char_drops import check_on_unencodable
 from .fast_tokenize import check_audit_rate, check_engine, engine_key
-from .tokenize import FORMATS, tokenizer_fingerprint
+from .formats import FORMATS
+from .tokenizer_dir import tokenizer_fingerprint
 
 OVERLONG = ("truncate", "drop", "split")
 #: ``global``: one plan over every row (the default; fewest rows).  ``shards``: each part planned on its own

@@ -32,7 +32,8 @@ import numpy as np
 from ..errors import PackingError
 from . import fast_tokenize as fast_engine
 from . import proof_cache
-from .char_drops import describe_bytes, missing_bytes
+from .char_drops import describe_bytes
+from .formats import at
 
 
 class Proof:
@@ -89,9 +90,11 @@ def proof_reason(audit_rate: float) -> str:
     )
 
 
-def choose_engine(bt: Any, requested: str, spec: dict[str, Any] | None) -> fast_engine.EngineReport:
+def choose_engine(bt: Any, requested: str, facts: Any) -> fast_engine.EngineReport:
     """The engine for :class:`~packtools.pipeline.tokenize.BatchTokenizer` ``bt`` (sets ``bt.fast`` when it is
-    the fast one); ``spec`` is the parsed tokenizer.json (None when it could not be read)."""
+    the fast one); ``facts``: the :class:`~packtools.pipeline.tokenizer_load.TokenizerFacts` of its
+    tokenizer.json (None when it could not be read).  The fast engine comes from ``bt``'s background load
+    (:class:`~packtools.pipeline.tokenizer_load.FastLoad`) when one was started."""
 
     def refuse(why: str) -> fast_engine.EngineReport:
         if requested == "fast":
@@ -109,37 +112,47 @@ def choose_engine(bt: Any, requested: str, spec: dict[str, Any] | None) -> fast_
     version = fast_engine.engine_version()
     if version is None:
         return refuse("the fast engine is not installed (pip install 'packtools[fast]')")
-    if spec is None:
+    if facts is None:
         return refuse("its tokenizer.json cannot be read")
-    why = fast_engine.refusal(spec)
+    why = facts.refusal
     if why is None and bt.fmt == "messages":
-        why = fast_engine.offsets_refusal(spec)
+        why = facts.chat_refusal
     if why is not None:
         return refuse(f"the tokenizer is not one the fast engine reproduces here: {why}")
-    missing = missing_bytes(spec)
+    missing = facts.missing
     if missing:
         return refuse(
             f"its byte-level vocabulary ({bt.tokenizer_dir}/tokenizer.json) has no token for "
             f"{describe_bytes(missing)}: transformers leaves those bytes out of the ids (packtools counts them), "
             f"the fast engine cannot encode them"
         )
-    try:
-        fast = fast_engine.FastEncoder(bt.tokenizer_dir, spec=spec)
-    except (OSError, ValueError, RuntimeError) as exc:
-        return refuse(f"the fast engine cannot load its tokenizer.json ({exc})")
-    texts = fast_engine.adversarial_texts([a["content"] for a in spec.get("added_tokens", [])])
-    # a passing verdict on this fixed set, recorded by an earlier run for the same tokenizer, kind, reference and
-    # versions, is taken as it is (packtools.pipeline.proof_cache); the per-part proof of the data still runs
-    verdict = proof_cache.verdict_path(
-        bt.fingerprint, "messages" if bt.fmt == "messages" else "text", bt.reference_engine, texts
-    )
+    load = getattr(bt, "_fast_load", None)
+    texts = fast_engine.adversarial_texts(facts.specials)
+    # a passing verdict on this fixed set, recorded by an earlier run for the same tokenizer, kind, reference,
+    # form of the engine's file and versions, is taken as it is (packtools.pipeline.proof_cache); the per-part
+    # proof of the data still runs
+    kind = "messages" if bt.fmt == "messages" else "text"
+    bt.fast_source = source = load.source if load is not None else "tokenizer.json"
+    verdict = proof_cache.verdict_path(bt.fingerprint, kind, bt.reference_engine, texts, source=source)
     recorded = proof_cache.load(verdict)
     bt.proof_recorded = recorded is not None
+    report = fast_engine.EngineReport(
+        f"{fast_engine.ENGINE_MODULE} {version}", proof_reason(bt.proof.audit_rate), requested, recorded or {}
+    )
+    overlap = not bt.wait_for_engine and requested == "auto" and bt.fmt != "messages"
+    if recorded is not None and load is not None and overlap and load.overlaps():
+        # still loading: the reference tokenizes the first batches meanwhile (BatchTokenizer.encode takes the
+        # engine at the first batch after the load finished)
+        bt.pending = load
+        bt._fast_load = None
+        return report
+    try:
+        fast = _fast_encoder(bt, facts)
+    except (OSError, ValueError, RuntimeError) as exc:
+        return refuse(f"the fast engine cannot load its tokenizer.json ({exc})")
     if recorded is not None:
         bt.fast = fast
-        return fast_engine.EngineReport(
-            f"{fast_engine.ENGINE_MODULE} {version}", proof_reason(bt.proof.audit_rate), requested, recorded
-        )
+        return report
     for special in (True, False):
         try:
             got = fast.encode(texts, special)
@@ -183,11 +196,66 @@ def choose_engine(bt: Any, requested: str, spec: dict[str, Any] | None) -> fast_
     )
 
 
-def adopt(bt: Any, proven: dict[str, Any], spec: dict[str, Any] | None) -> fast_engine.EngineReport:
+def take_pending(bt: Any) -> None:
+    """At a batch of :class:`~packtools.pipeline.tokenize.BatchTokenizer` ``bt``, made with
+    ``wait_for_engine=False``, whose adversarial verdict was a recorded one taken while the fast engine (of a
+    large vocabulary: :meth:`~packtools.pipeline.tokenizer_load.FastLoad.overlaps`) was still loading: the
+    engine becomes the fast one once its load has finished, and the per-part proof then compares the first rows
+    *it* tokenizes of each column; until then each batch goes to the reference (exact by definition: its ids are
+    the ones compared against), counted in the part's ``batches_on_transformers`` with the reason.  A failed load
+    falls back to transformers for the run, saying why."""
+    load = bt.pending
+    if not load.done():
+        bt.proof.to_transformers(
+            "the fast engine was still loading its vocabulary (the reference tokenized it)"
+        )
+        return
+    bt.pending = None
+    try:
+        fast = fast_engine.FastEncoder(bt.tokenizer_dir, facts=bt._facts, native=load.result())
+    except (OSError, ValueError, RuntimeError) as exc:
+        bt.report = fast_engine.EngineReport(
+            "transformers", f"fallback: the fast engine cannot load its tokenizer.json ({exc})", "auto"
+        )
+        bt._chosen = (bt.report, None)
+        return
+    bt.fast = fast
+    bt._chosen = (bt.report, fast)
+
+
+def _fast_encoder(bt: Any, facts: Any) -> fast_engine.FastEncoder:
+    load = getattr(bt, "_fast_load", None)
+    bt._fast_load = None  # loaded once: the encoder holds it from here on
+    native = load.result() if load is not None else None
+    bt.fast_source = load.source if load is not None else "tokenizer.json"
+    return fast_engine.FastEncoder(bt.tokenizer_dir, facts=facts, native=native)
+
+
+def adopt(bt: Any, proven: dict[str, Any], facts: Any) -> fast_engine.EngineReport:
     """In a worker: take the driver's engine choice ``proven`` (an :meth:`EngineReport.to_dict`) as it is."""
     report = fast_engine.EngineReport(
         proven["engine"], proven["reason"], proven.get("requested", "auto"), dict(proven.get("checked", {}))
     )
     if report.engine != "transformers":
-        bt.fast = fast_engine.FastEncoder(bt.tokenizer_dir, spec=spec)
+        bt.fast = _fast_encoder(bt, facts)
     return report
+
+
+def engine_error(bt: Any, exc: Exception, texts: list[str], special: bool, first_row: Any) -> None:
+    """The fast engine raised on a batch of ``bt``: transformers tokenizes it (auto; counted), or a clear error
+    naming the row (fast)."""
+    if bt.report.requested != "fast":
+        bt.proof.to_transformers(f"{at(first_row)}: the fast engine raised {type(exc).__name__}: {exc}")
+        return
+    row = 0
+    for i, text in enumerate(texts):
+        try:
+            bt.fast.encode([text], special)  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - this is the row
+            row = i
+            break
+    raise PackingError(
+        f"{at(first_row, row)}: the fast tokenizer engine cannot encode this text ({type(exc).__name__}: "
+        f"{exc}); transformers can: rerun with tokenizer_engine='auto' or 'transformers'.",
+        param="tokenizer_engine",
+    ) from exc

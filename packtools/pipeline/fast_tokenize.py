@@ -300,28 +300,29 @@ class FastEncoder:
     """
 
     def __init__(
-        self, tokenizer_dir: str, threads: int | None = None, spec: dict[str, Any] | None = None
+        self, tokenizer_dir: str, threads: int | None = None, *, facts: Any = None, native: Any = None
     ) -> None:
-        try:
-            import fastokens
-        except ImportError as exc:
-            raise ImportError(
-                "the fast tokenizer engine needs the optional dependency 'fastokens'. Install it with: "
-                "pip install 'packtools[fast]'"
-            ) from exc
-        path = os.path.join(tokenizer_dir, "tokenizer.json")
-        if threads is None and os.environ.get("TOKENIZERS_PARALLELISM", "").lower() == "false":
-            threads = 1
-        if threads is not None:
-            os.environ.setdefault("FASTOKENS_BPE_THREADS", str(threads))
-        spec = spec if spec is not None else read_spec(tokenizer_dir)
-        self._tok = fastokens.Tokenizer.from_file(path)
+        if native is None:
+            try:
+                import fastokens
+            except ImportError as exc:
+                raise ImportError(
+                    "the fast tokenizer engine needs the optional dependency 'fastokens'. Install it with: "
+                    "pip install 'packtools[fast]'"
+                ) from exc
+            set_engine_threads(threads)
+            native = fastokens.Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
+        self._tok = native
         # transformers' __call__ ignores the file's truncation and padding blocks (save_pretrained writes them
         # after a single tokenizer(..., truncation=True) call): so does this engine.
         self._tok.no_truncation()
         self._tok.no_padding()
-        self._byte_lengths = _byte_lengths(spec)  # the parsed tokenizer.json itself is not kept (memory)
-        self.nfc = has_nfc(spec)  # offsets follow the text only where it is already NFC
+        if facts is None:  # the parsed tokenizer.json itself is not kept (memory)
+            spec = read_spec(tokenizer_dir)
+            self._byte_lengths, self.nfc = byte_lengths_of(spec), has_nfc(spec)
+        else:  # a packtools.pipeline.tokenizer_load.TokenizerFacts
+            self._byte_lengths, self.nfc = facts.byte_lengths, facts.nfc
+        # (nfc: offsets follow the text only where it is already NFC)
 
     def encode(self, texts: list[str], special: bool) -> Ragged:
         """Token ids of ``texts``; ``special`` adds the tokenizer's special tokens (e.g. BOS), like transformers."""
@@ -350,7 +351,17 @@ class FastEncoder:
         return ends[:-1], ends[1:]
 
 
-def _byte_lengths(spec: dict[str, Any]) -> np.ndarray:
+def set_engine_threads(threads: int | None) -> None:
+    """The engine's worker threads, set before it loads (None: its own choice, all cores; one thread where
+    ``TOKENIZERS_PARALLELISM=false``, which the pipeline sets in its worker processes)."""
+    if threads is None and os.environ.get("TOKENIZERS_PARALLELISM", "").lower() == "false":
+        threads = 1
+    if threads is not None:
+        os.environ.setdefault("FASTOKENS_BPE_THREADS", str(threads))
+
+
+def byte_lengths_of(spec: dict[str, Any]) -> np.ndarray:
+    """UTF-8 length of every token id's text, from a parsed tokenizer.json (byte-level BPE)."""
     vocab = spec["model"]["vocab"]
     added = {a["id"]: a["content"] for a in spec.get("added_tokens", [])}
     lengths = np.zeros(max([*vocab.values(), *added.keys()]) + 1, np.int64)

@@ -10,8 +10,8 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import PackingError
+from .formats import output_columns
 from .gather import ShardFolder
-from .tokenize import output_columns
 
 
 def write_packed_preference(

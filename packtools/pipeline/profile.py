@@ -73,7 +73,7 @@ class ProfiledInput:
 
 def _pair_lengths(paths: Sequence[str]) -> np.ndarray:
     """``2 * prompt + chosen + rejected`` per pair of staged preference files (offsets only, memory-mapped)."""
-    from .tokenize import output_columns
+    from .formats import output_columns
 
     prompt, chosen, rejected = output_columns("preference")
     out = []
@@ -144,8 +144,9 @@ def profile_files(
             param="tokenizer",
         )
     else:
+        from .formats import output_columns
         from .stage import freeze_report, preload_tokenizer
-        from .tokenize import check_tokenizer_dir, output_columns, tokenizer_fingerprint
+        from .tokenizer_dir import check_tokenizer_dir, tokenizer_fingerprint
 
         tok_dir = check_tokenizer_dir(tokenizer)
         tok = preload_tokenizer(

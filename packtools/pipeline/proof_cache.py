@@ -4,8 +4,8 @@ The adversarial proof (:func:`packtools.pipeline.engine_proof.choose_engine`) co
 reference on the same fixed texts (and conversations, for chat) every run: the same inputs, the same tokenizer,
 the same libraries give the same answer.  So a *passing* verdict is written to
 ``$PACKTOOLS_CACHE_DIR/engine-proof/`` (atomically), keyed by everything the answer depends on: the tokenizer's
-fingerprint (its files: vocabulary, merges, added tokens, chat template), the data kind (chat or not), which
-reference gave the ids (transformers or the ``tokenizers`` library checked equal to it), a hash of the adversarial
+fingerprint (its files: vocabulary, merges, added tokens, chat template), the data kind (chat or not), the
+form the fast engine was loaded from (tokenizer.json or its copy with ``"a b"`` merges), which reference gave the ids (transformers or the ``tokenizers`` library checked equal to it), a hash of the adversarial
 texts themselves, and the versions of packtools, the fast engine, tokenizers and transformers.  Anything else
 (another tokenizer or version, a failed proof, no cache) runs the proof.  A failing verdict is not recorded:
 it is computed again, and says why each time.
@@ -37,8 +37,16 @@ from .reference import _versions, cache_dir, read_verdict
 PROOF_CACHE_FORMAT = 1
 
 
-def verdict_path(tokenizer_fp: str, kind: str, reference_engine: str, texts: Sequence[str]) -> str | None:
-    """Where the verdict for these inputs is kept (None: the cache is off)."""
+def verdict_path(
+    tokenizer_fp: str,
+    kind: str,
+    reference_engine: str,
+    texts: Sequence[str],
+    *,
+    source: str = "tokenizer.json",
+) -> str | None:
+    """Where the verdict for these inputs is kept (None: the cache is off); ``source``: what the fast engine was
+    loaded from (:class:`packtools.pipeline.tokenizer_load.FastLoad`)."""
     root = cache_dir()
     if root is None:
         return None
@@ -52,6 +60,7 @@ def verdict_path(tokenizer_fp: str, kind: str, reference_engine: str, texts: Seq
         data=kind,
         reference=reference_engine,
         texts=h.hexdigest(),
+        source=source,
         engine=fast_engine.engine_key("auto"),
         versions=_versions(),
         code=_code_hash(),
@@ -59,7 +68,14 @@ def verdict_path(tokenizer_fp: str, kind: str, reference_engine: str, texts: Seq
     return os.path.join(root, "engine-proof", key + ".json")
 
 
-_PROOF_MODULES = ("engine_proof.py", "fast_tokenize.py", "chat_labels.py", "tokenize.py", "proof_cache.py")
+_PROOF_MODULES = (
+    "engine_proof.py",
+    "fast_tokenize.py",
+    "chat_labels.py",
+    "tokenize.py",
+    "proof_cache.py",
+    "tokenizer_load.py",
+)
 
 
 def _code_hash() -> str:

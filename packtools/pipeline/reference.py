@@ -8,7 +8,8 @@ off, and the EOS id from the tokenizer's config.
 
 That this gives transformers' ids is not assumed: the first run with a tokenizer loads it through transformers
 too, compares both on the built-in adversarial set (with and without special tokens) and their EOS ids, and
-records the verdict in a small file keyed by the tokenizer's fingerprint and the versions of transformers,
+records the verdict in a small file keyed by the tokenizer's fingerprint, the file the library loads (tokenizer.json
+or its copy with ``"a b"`` merges, :mod:`packtools.pipeline.tokenizer_load`) and the versions of transformers,
 tokenizers and packtools (under ``$PACKTOOLS_CACHE_DIR``, default ``~/.cache/packtools``).  Later runs with a
 "same" verdict skip transformers; anything else (a differing id, a new version, no verdict) loads transformers.
 ``PACKTOOLS_CACHE_DIR=''`` turns the shortcut off.
@@ -54,21 +55,23 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _verdict_path(tokenizer_fp: str) -> str | None:
+def _verdict_path(tokenizer_fp: str, file: str | None = None) -> str | None:
     root = cache_dir()
     if root is None:
         return None
-    key = cache_key("reference", VERDICT_FORMAT, tokenizer=tokenizer_fp, versions=_versions())[:32]
+    source = {} if file is None else {"source": "compact"}  # the copy with "a b" merges (tokenizer_load)
+    key = cache_key("reference", VERDICT_FORMAT, tokenizer=tokenizer_fp, versions=_versions(), **source)[:32]
     return os.path.join(root, "reference", key + ".json")
 
 
 class LiteReference:
-    """The ``tokenizers`` library's tokenizer of a folder, as transformers' ``__call__`` runs it."""
+    """The ``tokenizers`` library's tokenizer of a folder, as transformers' ``__call__`` runs it; ``file``: a copy
+    of its tokenizer.json to load instead (the one with ``"a b"`` merges, which loads faster)."""
 
-    def __init__(self, tokenizer_dir: str) -> None:
+    def __init__(self, tokenizer_dir: str, file: str | None = None) -> None:
         from tokenizers import Tokenizer
 
-        self.backend = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
+        self.backend = Tokenizer.from_file(file or os.path.join(tokenizer_dir, "tokenizer.json"))
         self.backend.no_truncation()
         self.backend.no_padding()
         eos = _config_eos(tokenizer_dir)
@@ -102,27 +105,30 @@ def read_verdict(path: str | None) -> dict[str, Any] | None:
     return verdict if isinstance(verdict, dict) and verdict.get("same") is True else None
 
 
-def load_verified(tokenizer_dir: str, tokenizer_fp: str) -> LiteReference | None:
-    """The lite reference when a recorded verdict says it gives transformers' ids for this tokenizer and these
-    versions; None otherwise (then transformers must be loaded)."""
-    verdict = read_verdict(_verdict_path(tokenizer_fp))
+def load_verified(tokenizer_dir: str, tokenizer_fp: str, file: str | None = None) -> LiteReference | None:
+    """The lite reference (loaded from ``file`` if given) when a recorded verdict says it gives transformers' ids
+    for this tokenizer, source and these versions; None otherwise (then transformers must be loaded)."""
+    verdict = read_verdict(_verdict_path(tokenizer_fp, file))
     if verdict is None:
         return None
     try:
-        lite = LiteReference(tokenizer_dir)
+        lite = LiteReference(tokenizer_dir, file)
     except Exception:  # noqa: BLE001 - unreadable for the library: transformers will say why
         return None
     return lite if lite.eos_id == verdict.get("eos_id") else None
 
 
-def record(tokenizer_dir: str, tokenizer_fp: str, tok: Any, texts: list[str]) -> bool | None:
-    """Compare the lite reference with transformers' tokenizer ``tok`` on ``texts`` and record the verdict;
-    returns it (None when no verdict could be recorded: the shortcut is off or the cache is not writable)."""
-    path = _verdict_path(tokenizer_fp)
+def record(
+    tokenizer_dir: str, tokenizer_fp: str, tok: Any, texts: list[str], file: str | None = None
+) -> bool | None:
+    """Compare the lite reference (from ``file`` if given) with transformers' tokenizer ``tok`` on ``texts`` and
+    record the verdict; returns it (None when no verdict could be recorded: the shortcut is off or the cache is
+    not writable)."""
+    path = _verdict_path(tokenizer_fp, file)
     if path is None or os.path.isfile(path):  # off, or already decided (a "different" verdict is kept)
         return None
     try:
-        lite = LiteReference(tokenizer_dir)
+        lite = LiteReference(tokenizer_dir, file)
         same = lite.eos_id == tok.eos_token_id
         for special in (True, False):
             if not same:

@@ -43,6 +43,7 @@ from .config import PipelineConfig, PipelineResult, fingerprint
 from .executors import EXECUTORS, Executor, get_executor
 from .failures import explain_os_error, note_interrupted, signals_deferred
 from .fast_tokenize import engine_summary
+from .formats import input_columns, output_columns
 from .gather import run_token, write_block, write_dataset_files
 from .jobs import run_jobs
 from .outcheck import check_out, check_replaceable
@@ -51,7 +52,6 @@ from .schema import data_format, known_columns, token_schema
 from .stage import load_sidecar, stage_part
 from .stage_cache import adopt_cached, stage_jobs
 from .summary import tokenizer_timings
-from .tokenize import input_columns, output_columns
 from .workspace import Workspace, checkpoint, left_behind_notes, tidy_after_dead_run
 
 
@@ -153,7 +153,7 @@ def run_pipeline(
         raise PackingError(f"retries={retries!r} must be an int >= 0.", param="retries")
     out = os.path.abspath(os.fspath(out))
     if config.tokenizer is not None:
-        from .tokenize import check_tokenizer_dir
+        from .tokenizer_dir import check_tokenizer_dir
 
         tok_dir = check_tokenizer_dir(config.tokenizer)
         if tok_dir != config.tokenizer:

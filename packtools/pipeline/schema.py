@@ -35,7 +35,7 @@ from ..core.arrow import is_list_type
 from ..core.pack import BOUNDARY_COLUMNS
 from ..errors import PackingError
 from ..io.files import InputFile, read_schema
-from .tokenize import detect_format, input_columns
+from .formats import detect_format, input_columns
 
 if TYPE_CHECKING:
     from .config import PipelineConfig

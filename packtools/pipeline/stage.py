@@ -126,7 +126,8 @@ def preload_tokenizer(
 ) -> Any:
     """The :class:`BatchTokenizer` for these arguments, loaded once per process (loading is the slow part).
     ``proven``: the driver's engine choice, taken as it is (workers do not choose again)."""
-    from .tokenize import BatchTokenizer, tokenizer_fingerprint
+    from .tokenize import BatchTokenizer
+    from .tokenizer_dir import tokenizer_fingerprint
 
     key = (tokenizer, tokenizer_fingerprint(tokenizer), fmt, add_eos, engine, audit_rate, on_unencodable)
     if key not in _TOKENIZERS:
@@ -138,6 +139,7 @@ def preload_tokenizer(
             audit_rate=audit_rate,
             on_unencodable=on_unencodable,
             proven=_thaw(proven) if proven is not None else None,
+            wait_for_engine=False,  # a large vocabulary's first batches may go to the reference meanwhile
         )
     return _TOKENIZERS[key]
 
@@ -219,7 +221,7 @@ def _token_tables(job: StageJob):
             cols = [check_token_column(table, n, t, where) for n, t in zip(job.columns, types)]
             yield where, pa.Table.from_arrays(cols, names=list(job.columns))
         return
-    from .tokenize import input_columns
+    from .formats import input_columns
 
     tok = _tokenizer(job)
     tok.start_part(

@@ -1,36 +1,18 @@
-"""Batched tokenization of raw rows into aligned Arrow token columns (extra ``packtools[hf]``).
+"""Batched tokenization of raw rows into aligned Arrow token columns (extra ``packtools[hf]``); what each format
+becomes is in :mod:`packtools.pipeline.formats`.  Tokenization uses the fast tokenizer's batch API (Rust); the
+pipeline can also spread batches over processes (``--num-proc``).  With ``engine="auto"`` (the default) a
+byte-level BPE tokenizer is run by the exact engine of :mod:`packtools.pipeline.fast_tokenize` once it has given
+the same ids (and assistant masks) as transformers on a built-in adversarial set; :mod:`~.engine_proof` compares
+it on the first rows of each column of every part and a random sample of the rest.  ``report`` says which engine
+ran and why; characters the tokenizer cannot encode are counted (:mod:`packtools.pipeline.char_drops`).
 
-Formats, and what each row becomes:
-
-- ``text`` (column ``text``): ``input_ids`` = the tokenizer's encoding with its own special tokens (e.g. BOS),
-  then ``eos_token`` appended unless the encoding already ends with it (``add_eos=False`` turns this off).
-- ``prompt_completion`` (``prompt``, ``completion``): ``input_ids`` = prompt (with special tokens) + completion
-  (without) + EOS; ``labels`` = ``-100`` on the prompt, the token ids on completion and EOS.  The two parts are
-  tokenized separately, so the boundary is always a token boundary.  Conversational rows (lists of messages)
-  go through the chat template: prompt rendered with ``add_generation_prompt=True``, completion = the rest of
-  the full rendering; no EOS is added (the template closes the turn).
-- ``messages`` (column ``messages``): the chat template renders the conversation; ``labels`` are the token ids
-  on assistant turns only, ``-100`` elsewhere.  When the template marks assistant text with
-  ``{% generation %}``, transformers' ``return_assistant_tokens_mask`` gives the mask.  Otherwise the mask comes
-  from incremental rendering: assistant turn ``i`` covers the characters between the rendering of messages
-  ``[:i]`` with the generation prompt and the rendering of messages ``[:i + 1]``; a token is an assistant token
-  when it overlaps such a span (as with markers).  A template that does not render prefixes as prefixes of the whole (e.g. one
-  that rewrites earlier turns) is refused with an error naming the row.
-- ``preference`` (``prompt``, ``chosen``, ``rejected``): ``prompt_input_ids``, ``chosen_input_ids``,
-  ``rejected_input_ids``, tokenized like prompt-completion (EOS after string completions); not packed.
-
-Tokenization uses the fast tokenizer's batch API (Rust, multi-threaded); the pipeline can also spread batches
-over processes (``--num-proc``).  With ``engine="auto"`` (the default) a byte-level BPE tokenizer is run by the
-faster exact engine of :mod:`packtools.pipeline.fast_tokenize` once it has given the same ids (and assistant
-masks) as transformers on a built-in adversarial set; :mod:`packtools.pipeline.engine_proof` compares it on the
-first rows of each column of every part and on a random sample of the rest.  ``report`` says which engine ran
-and why; characters the tokenizer cannot encode are counted (:mod:`packtools.pipeline.char_drops`).
+>>> BatchTokenizer("tok", "tokenized")
+Traceback (most recent call last):
+packtools.errors.PackingError: format='tokenized' cannot be tokenized; use one of text, prompt_completion, messages, preference.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -38,158 +20,16 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .._optional import require
-from ..constants import IGNORE_INDEX, INPUT_FORMATS
+from ..constants import IGNORE_INDEX
 from ..core import ragged
 from ..core.ragged import Ragged
 from ..errors import PackingError
-from . import chat_labels, engine_proof, reference
+from . import chat_labels, engine_proof, reference, tokenizer_load
 from . import fast_tokenize as fast_engine
 from .char_drops import DropCounter, check_on_unencodable
 from .engine_proof import Proof
-
-FORMATS = INPUT_FORMATS
-
-
-Row = Any  # a row number, or a callable naming row i of a block (packtools.io.files.Where)
-
-
-def shift(first_row: Row, i: int) -> Row:
-    """Row ``i`` of a block that starts at ``first_row``."""
-    if callable(first_row):
-        return lambda j=0: first_row(i + j)
-    return first_row + i
-
-
-def at(first_row: Row, i: int = 0) -> str:
-    """Where row ``i`` of a block is, for error messages: ``input 'f.jsonl' line 7`` or ``row 7``."""
-    return first_row(i) if callable(first_row) else f"row {first_row + i}"
-
-
-def detect_format(columns: Sequence[str]) -> str:
-    """Guess the format from column names.
-
-    >>> detect_format(["prompt", "chosen", "rejected"]), detect_format(["text", "id"])
-    ('preference', 'text')
-    """
-    names = set(columns)
-    if {"prompt", "chosen", "rejected"} <= names:
-        return "preference"
-    if {"prompt", "completion"} <= names:
-        return "prompt_completion"
-    if "messages" in names:
-        return "messages"
-    if "input_ids" in names:
-        return "tokenized"
-    if "text" in names:
-        return "text"
-    raise PackingError(
-        f"cannot tell the data format from the columns {sorted(names)}; expected 'text', 'prompt'+'completion', "
-        f"'messages', 'prompt'+'chosen'+'rejected' or 'input_ids'. Pass format={{{','.join(FORMATS)}}}.",
-        param="format",
-    )
-
-
-def output_columns(fmt: str) -> list[str]:
-    """The token columns that tokenizing ``fmt`` produces."""
-    if fmt == "text":
-        return ["input_ids"]
-    if fmt == "preference":
-        return ["prompt_input_ids", "chosen_input_ids", "rejected_input_ids"]
-    return ["input_ids", "labels"]
-
-
-def input_columns(fmt: str) -> list[str]:
-    return {
-        "text": ["text"],
-        "prompt_completion": ["prompt", "completion"],
-        "messages": ["messages"],
-        "preference": ["prompt", "chosen", "rejected"],
-    }[fmt]
-
-
-#: Files that make up a tokenizer folder (what ``save_pretrained`` writes); the fingerprint reads only these.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "tokenizer.model",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-)
-#: Tokenizer files larger than this are fingerprinted by size and mtime instead of content.
-HASH_LIMIT = 1 << 26
-
-
-def tokenizer_files(path: str) -> list[str]:
-    """The tokenizer files in folder ``path`` (see :data:`TOKENIZER_FILES`), sorted."""
-    names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(path, n))]
-    extra = os.path.join(path, "additional_chat_templates")
-    if os.path.isdir(extra):
-        names += sorted(os.path.join("additional_chat_templates", n) for n in os.listdir(extra))
-    return sorted(names)
-
-
-def check_tokenizer_dir(path: str | os.PathLike[str]) -> str:
-    """``path`` as an absolute folder that holds tokenizer files, or an error that says what to pass."""
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(path):
-        what = "does not exist" if not os.path.exists(path) else "is not a directory"
-        raise PackingError(
-            f"tokenizer={path!r} {what}; give a local tokenizer folder (tokenizer.json, tokenizer_config.json), "
-            f"e.g. one written by tokenizer.save_pretrained(DIR).",
-            param="tokenizer",
-        )
-    if not tokenizer_files(path):
-        raise PackingError(
-            f"tokenizer={path!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); give the "
-            f"folder tokenizer.save_pretrained(DIR) wrote (for a model checkpoint, its folder with tokenizer.json).",
-            param="tokenizer",
-        )
-    return path
-
-
-def load_tokenizer(path: str | os.PathLike[str]) -> Any:
-    """Load a fast tokenizer from a local directory (``save_pretrained`` output); never touches the network."""
-    path = check_tokenizer_dir(path)
-    transformers = require("transformers", "tokenizing text (--tokenizer)")
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; say which folder and why
-        raise PackingError(
-            f"tokenizer={path!r}: transformers cannot load a tokenizer from it ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}); check the folder's tokenizer files.",
-            param="tokenizer",
-        ) from exc
-    if not getattr(tok, "is_fast", False):
-        raise PackingError(
-            f"tokenizer={path!r} loads a slow tokenizer; packtools needs a fast (Rust) one.",
-            param="tokenizer",
-        )
-    return tok
-
-
-def tokenizer_fingerprint(path: str | os.PathLike[str]) -> str:
-    """SHA-256 over the tokenizer's own files (:func:`tokenizer_files`): names and contents, or for a file over
-    :data:`HASH_LIMIT` bytes its size and mtime.  Model weights and other files in the folder are not read."""
-    path = os.fspath(path)
-    h = hashlib.sha256()
-    for name in tokenizer_files(path):
-        full = os.path.join(path, name)
-        st = os.stat(full)
-        h.update(name.encode() + b"\0")
-        if st.st_size > HASH_LIMIT:
-            h.update(f"size={st.st_size} mtime_ns={st.st_mtime_ns}".encode())
-            continue
-        with open(full, "rb") as fh:
-            h.update(hashlib.sha256(fh.read()).digest())
-    return h.hexdigest()
+from .formats import FORMATS, Row, at, input_columns, shift
+from .tokenizer_dir import load_tokenizer, tokenizer_fingerprint
 
 
 def _strings(table: pa.Table, name: str, first_row: Row) -> list[str]:
@@ -217,7 +57,8 @@ class BatchTokenizer:
     Built from the tokenizer *directory*; worker processes build their own from the same arguments, with
     ``proven`` the driver's engine choice (:meth:`EngineReport.to_dict`), which they take without choosing again.
     ``on_unencodable``: ``report`` counts characters the tokenizer cannot encode (transformers leaves them out of
-    the ids; see :mod:`packtools.pipeline.char_drops`), ``error`` stops at the first one.
+    the ids; see :mod:`packtools.pipeline.char_drops`), ``error`` stops at the first one.  ``wait_for_engine``:
+    see :func:`packtools.pipeline.engine_proof.take_pending` (the pipeline passes False).
     """
 
     def __init__(
@@ -230,6 +71,7 @@ class BatchTokenizer:
         audit_rate: float = fast_engine.AUDIT_RATE,
         on_unencodable: str = "report",
         proven: dict[str, Any] | None = None,
+        wait_for_engine: bool = True,
     ) -> None:
         if fmt not in FORMATS or fmt == "tokenized":
             raise PackingError(
@@ -240,12 +82,20 @@ class BatchTokenizer:
         self.add_eos = add_eos
         started = time.perf_counter()
         check_on_unencodable(on_unencodable)
+        requested = fast_engine.check_engine(engine)
         self._tok: Any = None
         self._generation_tags: bool | None = None
         self.fingerprint = fp = tokenizer_fingerprint(tokenizer_dir)
+        # tokenizer.json's facts, recorded by an earlier run; the fast engine loads in a background thread
+        self._facts = facts = tokenizer_load.load_facts(tokenizer_dir, fp)
+        adopted = proven.get("engine") if proven is not None else None
+        self._fast_load = tokenizer_load.start_fast_load(
+            tokenizer_dir, fp, facts, fmt, "transformers" if adopted == "transformers" else requested
+        )
         # transformers' ids from the tokenizers library alone where a recorded check says they are the same
         # (packtools.pipeline.reference): importing transformers costs seconds a run
-        lite = reference.load_verified(tokenizer_dir, fp) if fmt != "messages" else None
+        copy = tokenizer_load.compact_file(fp)  # tokenizer.json with "a b" merges: loads faster, same merges
+        lite = reference.load_verified(tokenizer_dir, fp, copy) if fmt != "messages" else None
         if lite is not None:
             backend, self.eos_id = lite.backend, lite.eos_id
             self.reference_engine = "tokenizers (checked equal to transformers)"
@@ -257,23 +107,24 @@ class BatchTokenizer:
         self.proof_recorded = False  # the adversarial set's verdict was a recorded one (proof_cache)
         self.proof = Proof(audit_rate)
         self.chat_seconds = {"render": 0.0, "encode": 0.0, "masks": 0.0}  # the fast chat path's time, by step
-        try:
-            spec: dict[str, Any] | None = fast_engine.read_spec(tokenizer_dir)
-        except (OSError, ValueError):
-            spec = None
-        self.drops = DropCounter.from_spec(spec, on_unencodable) if spec is not None else None
-        if lite is None and fmt != "messages" and spec is not None:
-            specials = [a.get("content", "") for a in spec.get("added_tokens", [])]
-            reference.record(tokenizer_dir, fp, self.tok, fast_engine.adversarial_texts(specials))
-        requested = fast_engine.check_engine(engine)
+        self.drops = (
+            DropCounter(facts.missing, facts.specials, on_unencodable)
+            if facts is not None and facts.missing
+            else None
+        )
+        if lite is None and fmt != "messages" and facts is not None:
+            reference.record(tokenizer_dir, fp, self.tok, fast_engine.adversarial_texts(facts.specials), copy)
         loaded = time.perf_counter()
+        self.pending, self.wait_for_engine = (
+            None,
+            wait_for_engine,
+        )  # pending: a FastLoad (engine_proof.take_pending)
         if proven is not None:
-            self.report = engine_proof.adopt(self, proven, spec)
+            self.report = engine_proof.adopt(self, proven, facts)
         else:
-            self.report = engine_proof.choose_engine(self, requested, spec)
-        del spec
-        self._chosen = (self.report, self.fast)  # each part starts from the engine chosen here
-        #: seconds spent loading the tokenizer (transformers, its tokenizer.json, the fast engine) and proving it
+            self.report = engine_proof.choose_engine(self, requested, facts)
+        self._fast_load, self._chosen = None, (self.report, self.fast)  # each part starts from this engine
+        #: seconds spent loading the reference (or transformers) and tokenizer facts; choosing/proving the engine
         self.seconds = {"load_s": loaded - started, "proof_s": time.perf_counter() - loaded}
 
     @property
@@ -338,24 +189,12 @@ class BatchTokenizer:
 
     def _engine_error(self, exc: Exception, texts: list[str], special: bool, first_row: Row) -> None:
         """The fast engine raised on a batch: transformers tokenizes it (auto), or stop naming the row (fast)."""
-        if self.report.requested != "fast":
-            self.proof.to_transformers(f"{at(first_row)}: the fast engine raised {type(exc).__name__}: {exc}")
-            return
-        row = 0
-        for i, text in enumerate(texts):
-            try:
-                self.fast.encode([text], special)  # type: ignore[union-attr]
-            except Exception:  # noqa: BLE001 - this is the row
-                row = i
-                break
-        raise PackingError(
-            f"{at(first_row, row)}: the fast tokenizer engine cannot encode this text ({type(exc).__name__}: "
-            f"{exc}); transformers can: rerun with tokenizer_engine='auto' or 'transformers'.",
-            param="tokenizer_engine",
-        ) from exc
+        engine_proof.engine_error(self, exc, texts, special, first_row)
 
     # -- building blocks -------------------------------------------------------------------------
     def encode(self, texts: list[str], special: bool, first_row: Row = 0, column: str = "text") -> Ragged:
+        if self.pending is not None:
+            engine_proof.take_pending(self)  # the reference tokenizes until the fast engine has loaded
         if self.drops is not None:
             self.drops.scan(texts, lambda i: at(first_row, i) + f" (column {column!r})")
         if self.fast is not None:

@@ -1,0 +1,92 @@
+"""The raw input formats: which one a table is, the columns each reads and writes, and where a row is.
+
+``text``, ``prompt_completion``, ``messages`` and ``preference`` are tokenized
+(:class:`packtools.pipeline.tokenize.BatchTokenizer`); ``tokenized`` is taken as it is.  A *row* in an error
+message is a row number, or a callable naming row ``i`` of a block (:class:`packtools.io.files.Where`).
+
+Formats, and what each row becomes:
+
+- ``text`` (column ``text``): ``input_ids`` = the tokenizer's encoding with its own special tokens (e.g. BOS),
+  then ``eos_token`` appended unless the encoding already ends with it (``add_eos=False`` turns this off).
+- ``prompt_completion`` (``prompt``, ``completion``): ``input_ids`` = prompt (with special tokens) + completion
+  (without) + EOS; ``labels`` = ``-100`` on the prompt, the token ids on completion and EOS.  The two parts are
+  tokenized separately, so the boundary is always a token boundary.  Conversational rows (lists of messages)
+  go through the chat template: prompt rendered with ``add_generation_prompt=True``, completion = the rest of
+  the full rendering; no EOS is added (the template closes the turn).
+- ``messages`` (column ``messages``): the chat template renders the conversation; ``labels`` are the token ids
+  on assistant turns only, ``-100`` elsewhere.  When the template marks assistant text with
+  ``{% generation %}``, transformers' ``return_assistant_tokens_mask`` gives the mask.  Otherwise the mask comes
+  from incremental rendering: assistant turn ``i`` covers the characters between the rendering of messages
+  ``[:i]`` with the generation prompt and the rendering of messages ``[:i + 1]``; a token is an assistant token
+  when it overlaps such a span (as with markers).  A template that does not render prefixes as prefixes of the whole (e.g. one
+  that rewrites earlier turns) is refused with an error naming the row.
+- ``preference`` (``prompt``, ``chosen``, ``rejected``): ``prompt_input_ids``, ``chosen_input_ids``,
+  ``rejected_input_ids``, tokenized like prompt-completion (EOS after string completions); not packed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..constants import INPUT_FORMATS
+from ..errors import PackingError
+
+FORMATS = INPUT_FORMATS
+
+
+Row = Any  # a row number, or a callable naming row i of a block (packtools.io.files.Where)
+
+
+def shift(first_row: Row, i: int) -> Row:
+    """Row ``i`` of a block that starts at ``first_row``."""
+    if callable(first_row):
+        return lambda j=0: first_row(i + j)
+    return first_row + i
+
+
+def at(first_row: Row, i: int = 0) -> str:
+    """Where row ``i`` of a block is, for error messages: ``input 'f.jsonl' line 7`` or ``row 7``."""
+    return first_row(i) if callable(first_row) else f"row {first_row + i}"
+
+
+def detect_format(columns: Sequence[str]) -> str:
+    """Guess the format from column names.
+
+    >>> detect_format(["prompt", "chosen", "rejected"]), detect_format(["text", "id"])
+    ('preference', 'text')
+    """
+    names = set(columns)
+    if {"prompt", "chosen", "rejected"} <= names:
+        return "preference"
+    if {"prompt", "completion"} <= names:
+        return "prompt_completion"
+    if "messages" in names:
+        return "messages"
+    if "input_ids" in names:
+        return "tokenized"
+    if "text" in names:
+        return "text"
+    raise PackingError(
+        f"cannot tell the data format from the columns {sorted(names)}; expected 'text', 'prompt'+'completion', "
+        f"'messages', 'prompt'+'chosen'+'rejected' or 'input_ids'. Pass format={{{','.join(FORMATS)}}}.",
+        param="format",
+    )
+
+
+def output_columns(fmt: str) -> list[str]:
+    """The token columns that tokenizing ``fmt`` produces."""
+    if fmt == "text":
+        return ["input_ids"]
+    if fmt == "preference":
+        return ["prompt_input_ids", "chosen_input_ids", "rejected_input_ids"]
+    return ["input_ids", "labels"]
+
+
+def input_columns(fmt: str) -> list[str]:
+    return {
+        "text": ["text"],
+        "prompt_completion": ["prompt", "completion"],
+        "messages": ["messages"],
+        "preference": ["prompt", "chosen", "rejected"],
+    }[fmt]

@@ -1,0 +1,101 @@
+"""A local tokenizer folder: its files, the check that it is one, its fingerprint, and loading it (transformers).
+
+Never touches the network: the folder is what ``tokenizer.save_pretrained(DIR)`` wrote (or a model checkpoint's
+folder with its ``tokenizer.json``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+from .._optional import require
+from ..errors import PackingError
+
+#: Files that make up a tokenizer folder (what ``save_pretrained`` writes); the fingerprint reads only these.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+#: Tokenizer files larger than this are fingerprinted by size and mtime instead of content.
+HASH_LIMIT = 1 << 26
+
+
+def tokenizer_files(path: str) -> list[str]:
+    """The tokenizer files in folder ``path`` (see :data:`TOKENIZER_FILES`), sorted.
+
+    >>> tokenizer_files("/no/such/folder")
+    []
+    """
+    names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(path, n))]
+    extra = os.path.join(path, "additional_chat_templates")
+    if os.path.isdir(extra):
+        names += sorted(os.path.join("additional_chat_templates", n) for n in os.listdir(extra))
+    return sorted(names)
+
+
+def check_tokenizer_dir(path: str | os.PathLike[str]) -> str:
+    """``path`` as an absolute folder that holds tokenizer files, or an error that says what to pass."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        what = "does not exist" if not os.path.exists(path) else "is not a directory"
+        raise PackingError(
+            f"tokenizer={path!r} {what}; give a local tokenizer folder (tokenizer.json, tokenizer_config.json), "
+            f"e.g. one written by tokenizer.save_pretrained(DIR).",
+            param="tokenizer",
+        )
+    if not tokenizer_files(path):
+        raise PackingError(
+            f"tokenizer={path!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); give the "
+            f"folder tokenizer.save_pretrained(DIR) wrote (for a model checkpoint, its folder with tokenizer.json).",
+            param="tokenizer",
+        )
+    return path
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """Load a fast tokenizer from a local directory (``save_pretrained`` output); never touches the network."""
+    path = check_tokenizer_dir(path)
+    transformers = require("transformers", "tokenizing text (--tokenizer)")
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; say which folder and why
+        raise PackingError(
+            f"tokenizer={path!r}: transformers cannot load a tokenizer from it ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); check the folder's tokenizer files.",
+            param="tokenizer",
+        ) from exc
+    if not getattr(tok, "is_fast", False):
+        raise PackingError(
+            f"tokenizer={path!r} loads a slow tokenizer; packtools needs a fast (Rust) one.",
+            param="tokenizer",
+        )
+    return tok
+
+
+def tokenizer_fingerprint(path: str | os.PathLike[str]) -> str:
+    """SHA-256 over the tokenizer's own files (:func:`tokenizer_files`): names and contents, or for a file over
+    :data:`HASH_LIMIT` bytes its size and mtime.  Model weights and other files in the folder are not read."""
+    path = os.fspath(path)
+    h = hashlib.sha256()
+    for name in tokenizer_files(path):
+        full = os.path.join(path, name)
+        st = os.stat(full)
+        h.update(name.encode() + b"\0")
+        if st.st_size > HASH_LIMIT:
+            h.update(f"size={st.st_size} mtime_ns={st.st_mtime_ns}".encode())
+            continue
+        with open(full, "rb") as fh:
+            h.update(hashlib.sha256(fh.read()).digest())
+    return h.hexdigest()

@@ -1,0 +1,179 @@
+"""What a run loads before its data (packtools.pipeline.tokenizer_load): the recorded facts of tokenizer.json are
+the parsed file's facts and spare later runs the parse (negative control: with the cache off the file is parsed
+every time); a damaged record is parsed again; the fast engine's copy with "a b" merges gives the same ids as
+tokenizer.json, is written only when that spelling means the same, and is named in the proof's verdict key."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from _pipeline_data import CORPUS, build_tokenizer
+
+from packtools.pipeline import fast_tokenize, proof_cache, tokenizer_load
+from packtools.pipeline.tokenize import BatchTokenizer
+from packtools.pipeline.tokenizer_dir import tokenizer_fingerprint
+
+pytestmark = pytest.mark.skipif(fast_tokenize.engine_version() is None, reason="needs packtools[fast]")
+
+
+@pytest.fixture
+def tok(tmp_path, monkeypatch):
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    return build_tokenizer(str(tmp_path / "tok"))
+
+
+def _count_parses(monkeypatch) -> list[str]:
+    calls: list[str] = []
+    real = fast_tokenize.read_spec
+
+    def read_spec(path):
+        calls.append(path)
+        return real(path)
+
+    monkeypatch.setattr(fast_tokenize, "read_spec", read_spec)
+    return calls
+
+
+@pytest.mark.parametrize("cache_on", [True, False], ids=["recorded", "cache-off-control"])
+def test_recorded_facts_spare_the_parse_and_equal_the_parsed_ones(tok, monkeypatch, cache_on):
+    if not cache_on:
+        monkeypatch.setenv("PACKTOOLS_CACHE_DIR", "")
+    first = BatchTokenizer(tok, "text")
+    calls = _count_parses(monkeypatch)
+    second = BatchTokenizer(tok, "text")
+    assert second.fast is not None
+    assert (calls == []) is cache_on  # the control parses tokenizer.json again
+    fp = tokenizer_fingerprint(tok)
+    recorded = tokenizer_load.load_facts(tok, fp)
+    parsed = tokenizer_load.TokenizerFacts.from_spec(fast_tokenize.read_spec(tok))
+    assert recorded.recorded is cache_on and not parsed.recorded
+    assert recorded._meta() == parsed._meta()
+    assert np.array_equal(recorded.byte_lengths, parsed.byte_lengths)
+    texts = CORPUS[:20]
+    assert first.encode(texts, True).values.tolist() == second.encode(texts, True).values.tolist()
+
+
+def test_a_damaged_facts_record_is_parsed_again(tok):
+    fp = tokenizer_fingerprint(tok)
+    good = tokenizer_load.load_facts(tok, fp)
+    path = tokenizer_load.facts_path(fp)
+    assert os.path.isfile(path)
+    with open(path, "wb") as fh:
+        fh.write(b"not an npz")
+    again = tokenizer_load.load_facts(tok, fp)
+    assert not again.recorded and again._meta() == good._meta()
+    assert tokenizer_load.load_facts(tok, fp).recorded  # and recorded anew
+
+
+def test_the_compact_copy_gives_the_same_ids_and_is_keyed_by_its_source(tok, tmp_path):
+    import fastokens
+
+    bt = BatchTokenizer(tok, "text")
+    assert bt.fast_source == "compact"  # written by the first run's parse, before the engine loads
+    compact = tokenizer_load.compact_path(bt.fingerprint)
+    with open(compact, encoding="utf-8") as fh:
+        merges = json.load(fh)["model"]["merges"]
+    assert merges and all(isinstance(m, str) and m.count(" ") == 1 for m in merges)
+    texts = fast_tokenize.adversarial_texts(["<|endoftext|>"]) + CORPUS
+    original = fastokens.Tokenizer.from_file(os.path.join(tok, "tokenizer.json"))
+    copy = fastokens.Tokenizer.from_file(compact)
+    for special in (True, False):
+        a = original.encode_batch_flat(texts, add_special_tokens=special)
+        b = copy.encode_batch_flat(texts, add_special_tokens=special)
+        assert a == b
+    from tokenizers import Tokenizer  # the reference reads the copy too (reference.LiteReference)
+
+    ref_original, ref_copy = (
+        Tokenizer.from_file(os.path.join(tok, "tokenizer.json")),
+        Tokenizer.from_file(compact),
+    )
+    for special in (True, False):
+        want = [e.ids for e in ref_original.encode_batch(texts, add_special_tokens=special)]
+        assert [e.ids for e in ref_copy.encode_batch(texts, add_special_tokens=special)] == want
+    assert BatchTokenizer(tok, "text").reference_engine.startswith("tokenizers")  # its verdict names the copy
+    keys = {
+        s: proof_cache.verdict_path("0" * 64, "text", "t", ["a"], source=s)
+        for s in ("compact", "tokenizer.json")
+    }
+    assert keys["compact"] != keys["tokenizer.json"]
+
+
+def test_no_compact_copy_when_a_merge_piece_has_a_space(tmp_path):
+    spec = {"model": {"type": "BPE", "merges": [["a", "b"], ["a b", "c"]]}}
+    path = str(tmp_path / "c.json")
+    assert not tokenizer_load.write_compact(path, spec) and not os.path.exists(path)
+    spec["model"]["merges"] = [["a", "b"], ["ab", "c"]]
+    assert tokenizer_load.write_compact(path, spec)
+    with open(path, encoding="utf-8") as fh:
+        assert json.load(fh)["model"]["merges"] == ["a b", "ab c"]
+
+
+def test_a_failed_background_load_is_a_refusal_under_auto(tok, monkeypatch):
+    def broken(self):
+        self._error = ValueError("model error: simulated")
+
+    monkeypatch.setattr(tokenizer_load.FastLoad, "_load", broken)
+    bt = BatchTokenizer(tok, "text")
+    assert bt.fast is None and "cannot load" in bt.report.reason
+    assert bt.encode(["hello world"], True).num_rows == 1
+
+
+@pytest.mark.parametrize("wait", [False, True], ids=["overlapped", "wait-control"])
+def test_batches_before_the_fast_engine_has_loaded_go_to_the_reference(tok, monkeypatch, wait):
+    import threading
+
+    BatchTokenizer(tok, "text")  # records the verdicts
+    BatchTokenizer(tok, "text")
+    release = threading.Event()
+    real = tokenizer_load.FastLoad._load
+
+    def slow(self):
+        release.wait(30)
+        real(self)
+
+    monkeypatch.setattr(tokenizer_load.FastLoad, "_load", slow)
+    monkeypatch.setattr(tokenizer_load, "OVERLAP_MIN_BYTES", 0)  # the test tokenizer is small
+    if wait:
+        threading.Timer(0.2, release.set).start()
+    bt = BatchTokenizer(tok, "text", wait_for_engine=wait)
+    assert bt.proof_recorded and bt.report.engine.startswith("fastokens")
+    assert (bt.pending is None and bt.fast is not None) is wait
+    texts = CORPUS[:30]
+    ref = bt.reference_ids(texts, True)
+    bt.start_part("p")
+    first = bt.encode(texts, True)  # overlapped: the reference's ids, counted as such
+    assert ragged_lists(first) == ref
+    release.set()
+    while bt.pending is not None and not bt.pending.done():
+        bt.pending._thread.join(0.05)
+    second = bt.encode(texts, True, column="text")  # from here the fast engine, with its own proof rows
+    assert ragged_lists(second) == ref and bt.fast is not None
+    checked = bt.part_report()["checked"]
+    assert checked.get("batches_on_transformers", 0) == (0 if wait else 1)
+    assert checked["proof_rows"] == (60 if wait else 30)
+
+
+def ragged_lists(r) -> list[list[int]]:
+    return [r.values[r.offsets[i] : r.offsets[i + 1]].tolist() for i in range(r.num_rows)]
+
+
+def test_token_columns_are_built_without_importing_pandas():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np, pyarrow as pa\n"
+        "from packtools.core.arrow import list_array\n"
+        "a = list_array(np.array([0, 2, 5]), np.arange(5, dtype=np.int32), False, pa.int32())\n"
+        "assert a.to_pylist() == [[0, 1], [2, 3, 4]]\n"
+        "print('pandas' in sys.modules)\n"
+        "pa.array(np.arange(3))\n"  # the control: pyarrow's own NumPy conversion does import it
+        "print('pandas' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["False", "True"]
