@@ -59,7 +59,15 @@ def verdict_path(tokenizer_fp: str, kind: str, reference_engine: str, texts: Seq
     return os.path.join(root, "engine-proof", key + ".json")
 
 
-_PROOF_MODULES = ("engine_proof.py", "fast_tokenize.py", "chat_labels.py", "tokenize.py", "proof_cache.py")
+_PROOF_MODULES = (
+    "engine_proof.py",
+    "fast_tokenize.py",
+    "chat_labels.py",
+    "chat.py",
+    "chat_render.py",
+    "tokenize.py",
+    "proof_cache.py",
+)
 
 
 def _code_hash() -> str:
