@@ -112,3 +112,36 @@ def test_chat_needs_no_transformers_once_proven(tokdir, tmp_path, monkeypatch):
     assert second._tok is None, "transformers was loaded"
     assert isinstance(second.chat.renderer, ChatRenderer) and got.equals(want)
     assert second.chat.render_engine.startswith("jinja2")
+
+
+@pytest.mark.skipif(fast_tokenize.engine_version() is None, reason="needs packtools[fast]")
+def test_rows_not_nfc_take_the_reference_and_the_rest_stay_fast(tmp_path, monkeypatch):
+    """An NFC tokenizer: the rows of a batch whose rendering is not NFC go through the reference, the others stay
+    on the fast engine (and are proven), and the rows come back in their order with transformers' ids and labels."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    path = str(tmp_path / "tok")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", chat_template=TEMPLATE).save_pretrained(
+        path
+    )
+    convs = [
+        [
+            {"role": "user", "content": str(i) + (" cafe\u0301" if i % 2 else " café")},
+            {"role": "assistant", "content": "ok"},
+        ]
+        for i in range(6)
+    ]
+    table = pa.table({"messages": convs})
+    want = BatchTokenizer(path, "messages", engine="transformers")(table)
+    bt = BatchTokenizer(path, "messages")
+    assert bt.fast is not None, bt.report.reason
+    bt.start_part("p")
+    got = bt(table)
+    assert got.equals(want)
+    checked = bt.part_report()["checked"]
+    assert checked["batches_on_transformers"] == 1 and checked["rows_checked"] == 3  # the 3 NFC rows, fast

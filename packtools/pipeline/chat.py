@@ -17,6 +17,7 @@ encoding, and the masks (numpy on byte offsets computed from the ids).
 from __future__ import annotations
 
 import time
+import unicodedata
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -253,6 +254,44 @@ class ChatTokens:
         if bt.fast is None:
             return self.reference(convs, where)
         rendered = self.rendered(convs, where)
+        if bt.fast.nfc:  # NFC would move characters of a text that is not NFC: those rows take the reference
+            nfc = np.fromiter((unicodedata.is_normalized("NFC", t) for t in rendered[0]), bool, len(convs))
+            if not nfc.all():
+                return self._split_nfc(convs, rendered, nfc, first_row)
+        return self._fast_labels(convs, rendered, first_row)
+
+    def _split_nfc(
+        self, convs: list, rendered: tuple[list[str], list], nfc: np.ndarray, first_row: Row
+    ) -> tuple[Ragged, Ragged]:
+        """The NFC rows on the fast path, the others through the reference, in their order."""
+        fast_rows, slow_rows = np.flatnonzero(nfc), np.flatnonzero(~nfc)
+        self.bt.proof.to_transformers(
+            f"{_at(first_row, int(slow_rows[0]))}: {len(slow_rows)} of {len(convs)} rendered conversations of a batch "
+            f"are not NFC, so token offsets cannot come from the ids: the reference tokenized those rows"
+        )
+        parts = []
+        for rows in (fast_rows, slow_rows):
+            sub = [convs[i] for i in rows], ([rendered[0][i] for i in rows], [rendered[1][i] for i in rows])
+            if rows is fast_rows:
+                named = lambda i=0, rows=rows: _at(first_row, int(rows[i]))  # noqa: E731 - rows of the batch
+                parts.append(self._fast_labels(sub[0], sub[1], named) if len(rows) else None)
+            else:
+                parts.append(
+                    self.reference(sub[0], lambda i, rows=rows: _at(first_row, int(rows[i])), sub[1])
+                )
+        if parts[0] is None:
+            return parts[1]
+        position = np.empty(len(convs), np.int64)
+        position[fast_rows] = np.arange(len(fast_rows))
+        position[slow_rows] = len(fast_rows) + np.arange(len(slow_rows))
+        ids, labels = (ragged.select(ragged.stack_rows([parts[0][k], parts[1][k]]), position) for k in (0, 1))
+        return ids, labels
+
+    def _fast_labels(
+        self, convs: list, rendered: tuple[list[str], list], first_row: Row
+    ) -> tuple[Ragged, Ragged]:
+        bt = self.bt
+        where = lambda i: _at(first_row, i)  # noqa: E731
         try:
             got = chat_labels.labels_fast(bt, *rendered)
         except PackingError:
@@ -260,10 +299,10 @@ class ChatTokens:
         except Exception as exc:  # noqa: BLE001 - an engine error: transformers tokenizes this batch
             bt._engine_error(exc, [], False, first_row)
             got = None
-        if got is None:  # e.g. text that is not NFC for an NFC tokenizer
+        if got is None:  # the tokens do not spell the text byte for byte
             bt.proof.to_transformers(
-                f"{_at(first_row)}: the rendered text is not NFC (or its tokens do not spell it byte for byte), "
-                f"so token offsets cannot come from the ids"
+                f"{_at(first_row)}: the tokens of the rendered text do not spell it byte for byte, so token "
+                f"offsets cannot come from the ids"
             )
             return self.reference(convs, where, rendered)
         rows_, proof = bt.proof.sample("messages", len(convs))
