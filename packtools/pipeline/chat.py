@@ -12,6 +12,9 @@ Where chat time goes (``BatchTokenizer.chat_seconds``, printed by ``benchmarks/b
 rendering (one render per conversation with ``{% generation %}`` markers; without them one per assistant turn
 and one per prefix before it, the incremental rule of :mod:`packtools.pipeline.chat_labels`), the fast engine's
 encoding, and the masks (numpy on byte offsets computed from the ids).
+
+>>> clean_messages([{"role": "user", "content": "hi", "tool_calls": None}], "messages", 0)
+[{'role': 'user', 'content': 'hi'}]
 """
 
 from __future__ import annotations
@@ -191,13 +194,10 @@ class ChatTokens:
         return head, full[len(head) :]
 
     def prompt_and_completions(
-        self, table: pa.Table, names: Sequence[str], first_row: Row
-    ) -> list[Ragged] | None:
-        """Tokenized prompt (first) and completions (the others) of conversational rows; None when the prompts
-        are plain strings (not chat)."""
-        prompts = table.column("prompt").to_pylist()
-        if not (prompts and isinstance(prompts[0], list)):
-            return None
+        self, table: pa.Table, prompts: list, names: Sequence[str], first_row: Row
+    ) -> list[Ragged]:
+        """Tokenized prompt (first) and completions (the others) of conversational rows (``prompts``: the
+        table's ``prompt`` column as Python lists of messages)."""
         columns = {n: table.column(n).to_pylist() for n in names}
         heads: list[str] = []
         tails: dict[str, list[str]] = {n: [] for n in names}

@@ -192,8 +192,8 @@ def tokenizer_fingerprint(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
-def _strings(table: pa.Table, name: str, first_row: Row) -> list[str]:
-    values = table.column(name).to_pylist()
+def _strings(table: pa.Table, name: str, first_row: Row, values: list | None = None) -> list[str]:
+    values = table.column(name).to_pylist() if values is None else values
     for i, v in enumerate(values):
         if not isinstance(v, str):
             raise PackingError(
@@ -393,10 +393,10 @@ class BatchTokenizer:
 
     def _prompt_and_completions(self, table: pa.Table, names: Sequence[str], first_row: Row) -> list[Ragged]:
         """Tokenized prompt (first) and completions (the others) of prompt-completion or preference rows."""
-        chats = self.chat.prompt_and_completions(table, names, first_row)  # conversational rows (.chat)
-        if chats is not None:
-            return chats
-        parts = [self.encode(_strings(table, "prompt", first_row), True, first_row, "prompt")]
+        prompts = table.column("prompt").to_pylist()
+        if prompts and isinstance(prompts[0], list):  # conversational rows (packtools.pipeline.chat)
+            return self.chat.prompt_and_completions(table, prompts, names, first_row)
+        parts = [self.encode(_strings(table, "prompt", first_row, prompts), True, first_row, "prompt")]
         for name in names:
             done = self.encode(_strings(table, name, first_row), False, first_row, name)
             parts.append(ragged.join_rows([done, self._eos_rows(done.num_rows)]) if self.add_eos else done)
