@@ -6,9 +6,12 @@ assistant token when it overlaps a marked span (``return_assistant_tokens_mask``
 rendering of messages ``[:i + 1]``, and a token is an assistant token when it overlaps such a span too (the same
 rule as with markers, so a plain template and a copy with markers around the same text give the same labels: a
 token that starts in the assistant header and runs into the turn, e.g. ``"\n\n"``, is the turn's).  The
-fast path computes token byte offsets from the ids (each byte-level token spells its bytes) instead of asking
-transformers for offsets.  With an NFC normalizer it does so for batches whose rendered text is already NFC;
-other batches go to transformers.
+fast path computes token byte offsets from the ids (each byte-level token spells its bytes) instead of asking a
+tokenizer for offsets (:func:`labels_fast`); with an NFC normalizer it does so for batches whose rendered text is
+already NFC, other batches take the reference: the reference tokenizer's character offsets
+(:func:`labels_from_offsets`, what transformers computes the mask from), or transformers itself
+(:func:`labels_transformers`) when the renderer is transformers'.  The first two mark tokens with
+:func:`overlap_mask`.
 
 >>> bool(GENERATION_TAG.search("{% generation %}{{ m['content'] }}{% endgeneration %}"))
 True
@@ -32,29 +35,23 @@ GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 Conversations = list[list[dict[str, Any]]]
 
 
-def render(tok: Any, tokenizer_dir: str, conv: list[dict[str, Any]], generation_prompt: bool) -> str:
-    if not tok.chat_template:
-        raise PackingError(
-            f"conversational data needs a chat template, and the tokenizer in {tokenizer_dir!r} has "
-            f"none; add one (tokenizer.chat_template = ...; save_pretrained) or pass plain strings."
-        )
-    return tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=generation_prompt)
-
-
 def incremental_spans(
-    bt: Any, convs: Conversations, where: Any
+    renderer: Any, convs: Conversations, where: Any
 ) -> tuple[list[str], list[list[tuple[int, int]]]]:
-    """Rendered conversations and the character span of every assistant turn (incremental rendering);
-    ``where(i)`` names conversation ``i`` in errors."""
+    """Rendered conversations and the character span of every assistant turn (incremental rendering) by
+    ``renderer`` (``render(conv, generation_prompt)``); ``where(i)`` names conversation ``i`` in errors.  The
+    rendering of the whole conversation is reused for its last turn (no render of the same text twice)."""
     texts, spans = [], []
+    render = renderer.render
     for i, conv in enumerate(convs):
-        full = render(bt.tok, bt.tokenizer_dir, conv, False)
+        full = render(conv, False)
         row_spans = []
+        last = len(conv) - 1
         for turn, message in enumerate(conv):
             if message.get("role") != "assistant":
                 continue
-            start = render(bt.tok, bt.tokenizer_dir, conv[:turn], True)
-            end = render(bt.tok, bt.tokenizer_dir, conv[: turn + 1], False)
+            start = render(conv[:turn], True)
+            end = full if turn == last else render(conv[: turn + 1], False)
             if not (end.startswith(start) and full.startswith(end)):
                 raise PackingError(
                     f"{where(i)}: column 'messages' turn {turn}: the chat template does not render "
@@ -67,6 +64,41 @@ def incremental_spans(
     return texts, spans
 
 
+def overlap_mask(starts: np.ndarray, ends: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Which tokens ``[starts, ends)`` overlap one of the sorted, disjoint spans ``[lo, hi)`` (all flat, in one
+    coordinate system): transformers' rule, a token overlapping the first span that ends after it starts.
+
+    >>> overlap_mask(np.array([0, 2, 4]), np.array([2, 4, 6]), np.array([3]), np.array([4])).tolist()
+    [False, True, False]
+    """
+    if not lo.size:
+        return np.zeros(starts.shape[0], bool)
+    j = np.searchsorted(hi, starts, side="right")  # the first span that ends after the token starts
+    inside = j < lo.size
+    inside &= ends > lo[np.minimum(j, lo.size - 1)]
+    return inside
+
+
+def labels_from_offsets(
+    backend: Any, texts: list[str], spans: list[list[tuple[int, int]]]
+) -> tuple[Ragged, Ragged]:
+    """Ids and labels of rendered ``texts`` from the reference ``tokenizers`` backend (what transformers'
+    ``tokenizer(texts, add_special_tokens=False)`` runs), assistant tokens being those whose character offsets
+    overlap ``spans``: transformers' own computation, with numpy."""
+    enc = backend.encode_batch(texts, add_special_tokens=False)
+    ids = ragged.from_lists([e.ids for e in enc])
+    n = ids.values.shape[0]
+    base = np.zeros(len(texts) + 1, np.int64)
+    np.cumsum([len(t) for t in texts], out=base[1:])
+    row_of = np.repeat(np.arange(len(texts)), np.diff(ids.offsets))
+    flat = np.fromiter((x for e in enc for se in e.offsets for x in se), np.int64, count=2 * n).reshape(n, 2)
+    starts, ends = flat[:, 0] + base[row_of], flat[:, 1] + base[row_of]
+    lo = np.fromiter((base[i] + a for i, r in enumerate(spans) for a, _ in r), np.int64)
+    hi = np.fromiter((base[i] + b for i, r in enumerate(spans) for _, b in r), np.int64)
+    inside = overlap_mask(starts, ends, lo, hi)
+    return ids, Ragged(ids.offsets, np.where(inside, ids.values, IGNORE_INDEX).astype(np.int32))
+
+
 def labels_transformers(bt: Any, convs: Conversations, where: Any) -> tuple[Ragged, Ragged]:
     """Ids and labels as transformers gives them."""
     if bt.has_generation_tags:
@@ -76,7 +108,7 @@ def labels_transformers(bt: Any, convs: Conversations, where: Any) -> tuple[Ragg
         ids = ragged.from_lists(out["input_ids"])
         mask = ragged.from_lists(out["assistant_masks"], np.int8)
         return ids, Ragged(ids.offsets, np.where(mask.values != 0, ids.values, IGNORE_INDEX).astype(np.int32))
-    texts, spans = incremental_spans(bt, convs, where)
+    texts, spans = incremental_spans(bt.chat.renderer, convs, where)
     enc = bt.tok(texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
     ids = ragged.from_lists(enc["input_ids"])
     n = ids.values.shape[0]
@@ -92,25 +124,16 @@ def labels_transformers(bt: Any, convs: Conversations, where: Any) -> tuple[Ragg
     return ids, Ragged(ids.offsets, labels)
 
 
-def labels_fast(bt: Any, convs: Conversations, where: Any) -> tuple[Ragged, Ragged] | None:
-    """Render, encode with the fast engine, and mark assistant tokens from byte offsets computed from the ids;
-    None when the tokens do not spell the rendered text byte for byte (then offsets must come from transformers)."""
+def labels_fast(
+    bt: Any, texts: list[str], spans: list[list[tuple[int, int]]]
+) -> tuple[Ragged, Ragged] | None:
+    """Rendered ``texts`` encoded with the fast engine, assistant tokens marked from byte offsets computed from
+    the ids; None when the tokens do not spell the texts byte for byte (then offsets must come from the
+    reference tokenizer)."""
     assert bt.fast is not None
-    t0 = time.perf_counter()
-    if bt.has_generation_tags:
-        from transformers.utils.chat_template_utils import render_jinja_template
-
-        texts, spans = render_jinja_template(
-            conversations=convs,
-            chat_template=bt.tok.get_chat_template(),
-            return_assistant_tokens_mask=True,
-            **bt.tok.special_tokens_map,
-        )
-    else:
-        texts, spans = incremental_spans(bt, convs, where)
+    t1 = time.perf_counter()
     if bt.fast.nfc and not all(unicodedata.is_normalized("NFC", t) for t in texts):
         return None  # NFC would move characters: offsets from the ids would not follow this text
-    t1 = time.perf_counter()
     ids = bt.fast.encode(texts, special=False)
     t2 = time.perf_counter()
     token_bytes = bt.fast.token_spans(texts, ids)
@@ -124,17 +147,9 @@ def labels_fast(bt: Any, convs: Conversations, where: Any) -> tuple[Ragged, Ragg
             lo.append(base + (a if ascii_text else len(text[:a].encode("utf-8"))))
             hi.append(base + (b if ascii_text else len(text[:b].encode("utf-8"))))
         base += len(text) if ascii_text else len(text.encode("utf-8"))
-    lo_a, hi_a = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
-    if lo_a.size:
-        j = np.searchsorted(hi_a, starts, side="right")  # the first span that ends after the token starts
-        inside = j < lo_a.size
-        jj = np.minimum(j, lo_a.size - 1)
-        inside &= ends > lo_a[jj]  # overlaps the span (both rules; see the module docstring)
-    else:
-        inside = np.zeros(starts.shape[0], bool)
+    inside = overlap_mask(starts, ends, np.asarray(lo, np.int64), np.asarray(hi, np.int64))
     out = ids, Ragged(ids.offsets, np.where(inside, ids.values, IGNORE_INDEX).astype(np.int32))
     seconds = bt.chat_seconds  # where chat time goes (benchmarks/bench_tokenize.py prints it)
-    seconds["render"] += t1 - t0
     seconds["encode"] += t2 - t1
     seconds["masks"] += time.perf_counter() - t2
     return out

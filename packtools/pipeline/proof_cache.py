@@ -72,6 +72,8 @@ _PROOF_MODULES = (
     "engine_proof.py",
     "fast_tokenize.py",
     "chat_labels.py",
+    "chat.py",
+    "chat_render.py",
     "tokenize.py",
     "proof_cache.py",
     "tokenizer_load.py",

@@ -24,7 +24,7 @@ from ..constants import IGNORE_INDEX
 from ..core import ragged
 from ..core.ragged import Ragged
 from ..errors import PackingError
-from . import chat_labels, engine_proof, reference, tokenizer_load
+from . import chat, engine_proof, reference, tokenizer_load
 from . import fast_tokenize as fast_engine
 from .char_drops import DropCounter, check_on_unencodable
 from .engine_proof import Proof
@@ -32,23 +32,14 @@ from .formats import FORMATS, Row, at, input_columns, shift
 from .tokenizer_dir import load_tokenizer, tokenizer_fingerprint
 
 
-def _strings(table: pa.Table, name: str, first_row: Row) -> list[str]:
-    values = table.column(name).to_pylist()
+def _strings(table: pa.Table, name: str, first_row: Row, values: list | None = None) -> list[str]:
+    values = table.column(name).to_pylist() if values is None else values
     for i, v in enumerate(values):
         if not isinstance(v, str):
             raise PackingError(
                 f"{at(first_row, i)}: column {name!r} is {type(v).__name__}, not a string; fix or filter that row."
             )
     return values
-
-
-def _clean_messages(conv: Any, name: str, row: Row) -> list[dict[str, Any]]:
-    if not isinstance(conv, list) or not all(isinstance(m, dict) and m.get("role") is not None for m in conv):
-        raise PackingError(  # Arrow gives a message's missing "role" as None: that is a missing role too
-            f"{at(row)}: column {name!r} is not a list of messages ({{'role': ..., 'content': ...}}, every "
-            f"message with a role); fix that row."
-        )
-    return [{k: v for k, v in m.items() if v is not None} for m in conv]
 
 
 class BatchTokenizer:
@@ -84,7 +75,6 @@ class BatchTokenizer:
         check_on_unencodable(on_unencodable)
         requested = fast_engine.check_engine(engine)
         self._tok: Any = None
-        self._generation_tags: bool | None = None
         self.fingerprint = fp = tokenizer_fingerprint(tokenizer_dir)
         # tokenizer.json's facts, recorded by an earlier run; the fast engine loads in a background thread
         self._facts = facts = tokenizer_load.load_facts(tokenizer_dir, fp)
@@ -95,13 +85,14 @@ class BatchTokenizer:
         # transformers' ids from the tokenizers library alone where a recorded check says they are the same
         # (packtools.pipeline.reference): importing transformers costs seconds a run
         copy = tokenizer_load.compact_file(fp)  # tokenizer.json with "a b" merges: loads faster, same merges
-        lite = reference.load_verified(tokenizer_dir, fp, copy) if fmt != "messages" else None
+        lite = reference.load_verified(tokenizer_dir, fp, copy)
         if lite is not None:
             backend, self.eos_id = lite.backend, lite.eos_id
             self.reference_engine = "tokenizers (checked equal to transformers)"
         else:
             backend, self.eos_id = self.tok.backend_tokenizer, self.tok.eos_token_id
             self.reference_engine = "transformers"
+        self.backend = backend  # the reference tokenizer (offsets of chat tokens: packtools.pipeline.chat)
         self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
         self.fast: fast_engine.FastEncoder | None = None
         self.proof_recorded = False  # the adversarial set's verdict was a recorded one (proof_cache)
@@ -112,8 +103,9 @@ class BatchTokenizer:
             if facts is not None and facts.missing
             else None
         )
-        if lite is None and fmt != "messages" and facts is not None:
+        if lite is None and facts is not None:
             reference.record(tokenizer_dir, fp, self.tok, fast_engine.adversarial_texts(facts.specials), copy)
+        self.chat = chat.ChatTokens(self, requested)  # the chat formats (renderer chosen on first use)
         loaded = time.perf_counter()
         self.pending, self.wait_for_engine = (
             None,
@@ -140,11 +132,8 @@ class BatchTokenizer:
 
     @property
     def has_generation_tags(self) -> bool:
-        """Whether the chat template marks assistant text with ``{% generation %}``."""
-        if self._generation_tags is None:
-            template = self.tok.chat_template if isinstance(self.tok.chat_template, str) else None
-            self._generation_tags = bool(template and chat_labels.GENERATION_TAG.search(template))
-        return self._generation_tags
+        """Whether the chat template marks assistant text with ``{% generation %}`` (:mod:`.chat`)."""
+        return self.chat.has_generation_tags
 
     # -- per part ----------------------------------------------------------------------------------
     def start_part(self, seed: str) -> None:
@@ -164,6 +153,8 @@ class BatchTokenizer:
         dropped = self.drops.take() if self.drops is not None else None
         if dropped is not None:
             out["unencodable"] = dropped
+        if self.chat.render_engine:  # which renderer ran the chat template, and why
+            out["chat_render"] = self.chat.render_engine
         return out
 
     def reference_ids(self, texts: list[str], special: bool) -> list[list[int]]:
@@ -239,103 +230,20 @@ class BatchTokenizer:
         eos = ragged.from_lengths(needs.astype(np.int64), eos.values[needs])
         return ragged.join_rows([r, eos])
 
-    def _split_rendering(self, prompt: list, completion: list, row: Row) -> tuple[str, str]:
-        head = chat_labels.render(self.tok, self.tokenizer_dir, prompt, True)
-        full = chat_labels.render(self.tok, self.tokenizer_dir, prompt + completion, False)
-        if not full.startswith(head):
-            raise PackingError(
-                f"{at(row)}: the chat template renders the prompt differently alone and followed by the "
-                f"completion, so the completion cannot be cut out; use a template that renders prefixes stably."
-            )
-        return head, full[len(head) :]
-
     def _prompt_and_completions(self, table: pa.Table, names: Sequence[str], first_row: Row) -> list[Ragged]:
         """Tokenized prompt (first) and completions (the others) of prompt-completion or preference rows."""
         prompts = table.column("prompt").to_pylist()
-        conversational = bool(prompts) and isinstance(prompts[0], list)
-        if not conversational:
-            _strings(table, "prompt", first_row)
-            parts = [self.encode(prompts, special=True, first_row=first_row, column="prompt")]
-            for name in names:
-                done = self.encode(_strings(table, name, first_row), False, first_row, name)
-                parts.append(
-                    ragged.join_rows([done, self._eos_rows(done.num_rows)]) if self.add_eos else done
-                )
-            return parts
-        columns = {n: table.column(n).to_pylist() for n in names}
-        heads: list[str] = []
-        tails: dict[str, list[str]] = {n: [] for n in names}
-        for i, prompt in enumerate(prompts):
-            p = _clean_messages(prompt, "prompt", shift(first_row, i))
-            for n in names:
-                completion = _clean_messages(columns[n][i], n, shift(first_row, i))
-                if not completion:  # not the template's fault: there is nothing to render after the prompt
-                    raise PackingError(
-                        f"{at(shift(first_row, i))}: column {n!r} is an empty conversation ([]); every completion "
-                        f"needs at least one message (drop the row, or give it the assistant's reply)."
-                    )
-                head, tail = self._split_rendering(p, completion, shift(first_row, i))
-                tails[n].append(tail)
-            heads.append(head)
-        return [self.encode(heads, False, first_row, "prompt")] + [
-            self.encode(tails[n], False, first_row, n) for n in names
-        ]
+        if prompts and isinstance(prompts[0], list):  # conversational rows (packtools.pipeline.chat)
+            return self.chat.prompt_and_completions(table, prompts, names, first_row)
+        parts = [self.encode(_strings(table, "prompt", first_row, prompts), True, first_row, "prompt")]
+        for name in names:
+            done = self.encode(_strings(table, name, first_row), False, first_row, name)
+            parts.append(ragged.join_rows([done, self._eos_rows(done.num_rows)]) if self.add_eos else done)
+        return parts
 
-    def _assistant_labels(self, convs: list[list[dict[str, Any]]], first_row: Row) -> tuple[Ragged, Ragged]:
-        """Token ids and labels (assistant tokens only) of conversations, from the fast engine when it is in use."""
-        where = lambda i: at(first_row, i)  # noqa: E731
-        if self.drops is not None:
-            contents = [m.get("content") for c in convs for m in c]
-            rows = [i for i, c in enumerate(convs) for _ in c]
-            self.drops.scan([c if isinstance(c, str) else "" for c in contents], lambda k: where(rows[k]))
-        if self.fast is not None:
-            try:
-                got = chat_labels.labels_fast(self, convs, where)
-            except PackingError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - an engine error: transformers tokenizes this batch
-                self._engine_error(exc, [], False, first_row)
-                got = None
-            if got is None:  # e.g. text that is not NFC for an NFC tokenizer
-                self.proof.to_transformers(
-                    f"{at(first_row)}: the rendered text is not NFC (or its tokens do not spell it byte for byte), "
-                    f"so token offsets cannot come from the ids"
-                )
-            if got is not None:
-                rows_, proof = self.proof.sample("messages", len(convs))
-                mismatch = self.compare_labels(convs, rows_, first_row, got)
-                if mismatch is None:
-                    self.proof.count("messages", len(rows_), proof)
-                    return got
-                self._disagree(mismatch[1], mismatch[0] < proof, first_row)
-        return chat_labels.labels_transformers(self, convs, where)
-
-    def compare_labels(
-        self,
-        convs: list[list[dict[str, Any]]],
-        rows: Sequence[int],
-        first_row: Row,
-        got: tuple[Ragged, Ragged] | None = None,
-    ) -> tuple[int, str] | None:
-        """Where (index into ``rows``) and how the fast path's ids or labels first differ from transformers' on
-        ``rows`` of ``convs`` (None: identical)."""
-        if not len(rows):
-            return None
-        where = lambda i: at(first_row, i)  # noqa: E731
-        if got is None:
-            got = chat_labels.labels_fast(self, convs, where)
-            if got is None:
-                return 0, "its tokens do not spell the rendered text byte for byte"
-        index = np.asarray(rows, np.int64)
-        ref = chat_labels.labels_transformers(self, [convs[i] for i in rows], where)
-        for name, mine, theirs in zip(("ids", "labels"), got, ref):
-            bad = fast_engine.first_difference(ragged.select(mine, index), ragged.to_lists(theirs))
-            if bad is not None:
-                return (
-                    bad,
-                    f"{name} of the conversation at {at(first_row, int(rows[bad]))}: {convs[rows[bad]]!r:.200}",
-                )
-        return None
+    def compare_labels(self, convs: list, rows: Sequence[int], first_row: Row) -> tuple[int, str] | None:
+        """Where the fast chat path first differs from the reference on ``rows`` of ``convs`` (:mod:`.chat`)."""
+        return self.chat.compare_labels(convs, rows, first_row)
 
     # -- entry point -----------------------------------------------------------------------------
     def __call__(self, table: pa.Table, first_row: Row = 0) -> pa.Table:
@@ -370,10 +278,10 @@ class BatchTokenizer:
             return pa.table({"input_ids": ragged.to_arrow(ids)})
         if self.fmt == "messages":
             convs = [
-                _clean_messages(c, "messages", shift(first_row, i))
+                chat.clean_messages(c, "messages", shift(first_row, i))
                 for i, c in enumerate(table.column("messages").to_pylist())
             ]
-            ids, labels = self._assistant_labels(convs, first_row)
+            ids, labels = self.chat.assistant_labels(convs, first_row)
             return pa.table({"input_ids": ragged.to_arrow(ids), "labels": ragged.to_arrow(labels)})
         if self.fmt == "prompt_completion":
             prompt, completion = self._prompt_and_completions(table, ["completion"], first_row)

@@ -1,0 +1,216 @@
+"""Chat templates rendered with jinja2 alone, configured as transformers configures it (no transformers import).
+
+Importing transformers and loading its tokenizer costs seconds a run, and ``apply_chat_template`` adds Python
+work per call; the chat path needs neither once a template renders the same here.  :func:`read_settings` reads
+the template (``chat_template.jinja``, ``chat_template.json`` or ``tokenizer_config.json``'s ``chat_template``,
+a named ``default`` among several) and the named special tokens (``bos_token``, ``eos_token``, ...) straight
+from the tokenizer folder; :class:`ChatRenderer` compiles the template once in jinja2's immutable sandbox with
+the environment transformers documents for chat templates: ``trim_blocks`` and ``lstrip_blocks``, loop controls
+(``break``/``continue``), a ``{% generation %}`` block whose character span is recorded, ``raise_exception``,
+``strftime_now``, a ``tojson`` filter that does not escape HTML, ``dict`` and ``namespace``; the template sees
+``messages``, ``tools`` (None), ``documents`` (None), ``add_generation_prompt`` and the special-token strings,
+and a message's ``reasoning_content`` under its older names as transformers aliases them.
+
+Equal rendering is not assumed: :mod:`packtools.pipeline.chat` compares it with transformers' on the built-in
+adversarial conversations (every prefix, with and without the generation prompt, and the ``{% generation %}``
+spans) before using it, and falls back to transformers with the reason otherwise.
+
+>>> r = ChatRenderer("{{ bos_token }}{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}"
+...                  "{% endfor %}", {"bos_token": "<s>"})
+>>> r.render_spans([{"role": "assistant", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+('<s>hiyo', [(3, 5), (5, 7)])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from typing import Any
+
+#: The special-token names transformers passes to a chat template (its named special tokens).
+SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+#: A message's reasoning may come under these names; templates read the first (transformers fills it and
+#: ``thinking`` from the others).
+REASONING_NAMES = ("reasoning_content", "thinking", "reasoning")
+
+
+def _load_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as fh:
+        data = json.load(fh)
+    return data if isinstance(data, dict) else {}
+
+
+def _template_of(value: Any) -> str | None:
+    """A ``chat_template`` value: a string, or a list / dict of named templates (the ``default`` one)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        value = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+    if isinstance(value, dict):
+        found = value.get("default")
+        return found if isinstance(found, str) else None
+    return None
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # an AddedToken written out: {"content": ..., ...}
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def read_settings(tokenizer_dir: str) -> tuple[str | None, dict[str, str]]:
+    """The chat template (None: the folder has none) and the named special tokens of a tokenizer folder, read
+    the way ``save_pretrained`` writes them (``chat_template.jinja`` first)."""
+    config = _load_json(os.path.join(tokenizer_dir, "tokenizer_config.json"))
+    template = None
+    jinja = os.path.join(tokenizer_dir, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as fh:
+            template = fh.read()
+    if template is None:
+        template = _template_of(
+            _load_json(os.path.join(tokenizer_dir, "chat_template.json")).get("chat_template")
+        )
+    if template is None:
+        template = _template_of(config.get("chat_template"))
+    mapped = _load_json(os.path.join(tokenizer_dir, "special_tokens_map.json"))
+    specials = {}
+    for name in SPECIAL_NAMES:
+        text = _token_text(config.get(name))
+        if text is None:
+            text = _token_text(mapped.get(name))
+        if text is not None:
+            specials[name] = text
+    return template, specials
+
+
+def template_messages(conv: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as the template sees them: reasoning filled in under ``reasoning_content`` and
+    ``thinking`` when a message gives it under any of :data:`REASONING_NAMES` (as transformers does)."""
+    out = []
+    for m in conv:
+        reasoning = next((m[k] for k in REASONING_NAMES if m.get(k) is not None), None)
+        out.append(m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning})
+    return out
+
+
+class _Spans:
+    """Where the output of a render stands, and the generation spans found so far (None: not tracking)."""
+
+    def __init__(self) -> None:
+        self.length = 0
+        self.spans: list[tuple[int, int]] | None = None
+
+
+def _environment(state: _Spans) -> Any:
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}``: renders its body and records its character span."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller: Any) -> str:
+            text = caller()
+            if state.spans is not None:  # the span starts after everything the render has put out so far
+                state.spans.append((state.length, state.length + len(text)))
+            return text
+
+    class Namespace(jinja2.utils.Namespace):
+        """jinja's ``namespace`` without underscore-prefixed attributes (no way into Python internals)."""
+
+        def __init__(*args: Any, **kwargs: Any) -> None:
+            self, attrs = args[0], dict(*args[1:], **kwargs)
+            for key in attrs:
+                Namespace._check(key)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, key: Any, value: Any) -> None:
+            Namespace._check(key)
+            jinja2.utils.Namespace.__setitem__(self, key, value)
+
+        @staticmethod
+        def _check(key: Any) -> None:
+            if isinstance(key, str) and key.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"a chat template may not set {key!r} on a namespace")
+
+    class Dicts:
+        """``dict(...)`` and ``dict.fromkeys(...)`` inside a template, and nothing else of the type."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> dict:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+            return dict.fromkeys(*args, **kwargs)
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: Any = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals.update(
+        raise_exception=raise_exception,
+        strftime_now=lambda fmt: datetime.now().strftime(fmt),
+        dict=Dicts(),
+        namespace=Namespace,
+    )
+    return env
+
+
+class ChatRenderer:
+    """One compiled chat template with its special tokens; renders one conversation at a time."""
+
+    def __init__(self, template: str, specials: dict[str, str]) -> None:
+        self.template = template
+        self._state = _Spans()
+        self._compiled = _environment(self._state).from_string(template)
+        self._variables = {**specials, "tools": None, "documents": None}
+
+    def render(self, conv: list[dict[str, Any]], generation_prompt: bool) -> str:
+        """The conversation rendered (``generation_prompt``: with the assistant header that opens a reply);
+        an empty one is refused, as transformers refuses it."""
+        if not conv:
+            raise ValueError("an empty conversation has no chat rendering")
+        return self._compiled.render(
+            messages=template_messages(conv), add_generation_prompt=generation_prompt, **self._variables
+        )
+
+    def render_spans(self, conv: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation rendered, and the character span of every ``{% generation %}`` block in it."""
+        if not conv:
+            raise ValueError("an empty conversation has no chat rendering")
+        state = self._state
+        state.length, state.spans = 0, []
+        parts = []
+        try:
+            for block in self._compiled.generate(
+                messages=template_messages(conv), add_generation_prompt=False, **self._variables
+            ):
+                parts.append(block)
+                state.length += len(block)
+            return "".join(parts), state.spans
+        finally:
+            state.spans = None

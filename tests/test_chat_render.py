@@ -1,0 +1,147 @@
+"""The chat template rendered by jinja2 alone (packtools.pipeline.chat_render) equals transformers' rendering,
+and a renderer that differs is caught and replaced by transformers with the reason (packtools.pipeline.chat)."""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow as pa
+import pytest
+
+pytest.importorskip("transformers")
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+
+from packtools.pipeline import chat, fast_tokenize  # noqa: E402
+from packtools.pipeline.chat_render import ChatRenderer, read_settings  # noqa: E402
+from packtools.pipeline.tokenize import BatchTokenizer  # noqa: E402
+
+# a template that uses what transformers' environment gives: loop controls, namespace, tojson, raise_exception,
+# trim/lstrip blocks, reasoning aliases, bos/eos variables, and {% generation %} spans
+TEMPLATE = """{{ bos_token }}
+{%- set ns = namespace(n=0) %}
+{% for m in messages %}
+    {% if m['role'] == 'bad' %}{{ raise_exception('bad role') }}{% endif %}
+    {% set ns.n = ns.n + 1 %}
+    {% if m['role'] == 'assistant' %}
+<|im_start|>assistant {{ ns.n }}
+{% generation %}{% if m.thinking is defined %}<think>{{ m.thinking | trim }}</think>{% endif %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}
+    {% else %}
+<|im_start|>{{ m['role'] }} {{ {'k': m['content'][:3]} | tojson }}
+{{ m['content'] }}<|im_end|>
+    {% endif %}
+    {% if loop.index > 40 %}{% break %}{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}<|im_start|>assistant {{ ns.n + 1 }}
+{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def tokdir(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    path = str(tmp_path_factory.mktemp("tok"))
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    ).save_pretrained(path)
+    with open(os.path.join(path, "chat_template.jinja"), "w") as fh:
+        fh.write(TEMPLATE)
+    return path
+
+
+def conversations():
+    texts = fast_tokenize.adversarial_texts(["<s>", "</s>", "<|im_start|>"])
+    convs = fast_tokenize.adversarial_conversations(texts)
+    convs.append(
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": " r "}]
+    )
+    convs.append([{"role": "bad", "content": "x"}])
+    return convs
+
+
+def test_jinja_alone_renders_as_transformers(tokdir):
+    tok = BatchTokenizer(tokdir, "messages", engine="transformers").tok
+    template, specials = read_settings(tokdir)
+    assert template == TEMPLATE and specials == tok.special_tokens_map
+    mine, theirs = ChatRenderer(template, specials), chat.TransformersRenderer(tok)
+    convs = conversations()
+    assert chat.render_difference(mine, theirs, convs, tags=True) is None
+    text, spans = mine.render_spans(convs[-2])
+    assert [text[a:b] for a, b in spans] == ["<think>r</think>a</s>"]  # the aliased reasoning, in its span
+
+
+def test_a_renderer_that_differs_is_caught(tokdir, monkeypatch):
+    """Negative control: jinja2 without transformers' lstrip_blocks renders other whitespace; the proof sees it
+    and the run renders with transformers, saying why."""
+    import jinja2.sandbox
+
+    tok = BatchTokenizer(tokdir, "messages", engine="transformers").tok
+    real = jinja2.sandbox.ImmutableSandboxedEnvironment
+
+    def without_lstrip(*args, **kwargs):
+        return real(*args, **{**kwargs, "lstrip_blocks": False})
+
+    monkeypatch.setattr(jinja2.sandbox, "ImmutableSandboxedEnvironment", without_lstrip)
+    mine = ChatRenderer(*read_settings(tokdir))
+    assert (
+        chat.render_difference(mine, chat.TransformersRenderer(tok), conversations(), tags=True) is not None
+    )
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", "")  # no recorded verdict
+    bt = BatchTokenizer(tokdir, "messages")
+    out = bt(pa.table({"messages": [conversations()[0]]}))
+    assert bt.chat.render_engine.startswith("transformers (jinja2 alone rendered differently")
+    assert isinstance(bt.chat.renderer, chat.TransformersRenderer) and out.num_rows == 1
+
+
+def test_chat_needs_no_transformers_once_proven(tokdir, tmp_path, monkeypatch):
+    """The second tokenizer of the same folder renders, encodes and labels without loading transformers, with
+    the same ids and labels as transformers' own path."""
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    convs = conversations()[:-1]
+    table = pa.table({"messages": convs})
+    first = BatchTokenizer(tokdir, "messages")
+    want = BatchTokenizer(tokdir, "messages", engine="transformers")(table)
+    assert first(table).equals(want)
+    second = BatchTokenizer(tokdir, "messages")
+    got = second(table)
+    assert second._tok is None, "transformers was loaded"
+    assert isinstance(second.chat.renderer, ChatRenderer) and got.equals(want)
+    assert second.chat.render_engine.startswith("jinja2")
+
+
+@pytest.mark.skipif(fast_tokenize.engine_version() is None, reason="needs packtools[fast]")
+def test_rows_not_nfc_take_the_reference_and_the_rest_stay_fast(tmp_path, monkeypatch):
+    """An NFC tokenizer: the rows of a batch whose rendering is not NFC go through the reference, the others stay
+    on the fast engine (and are proven), and the rows come back in their order with transformers' ids and labels."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    path = str(tmp_path / "tok")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", chat_template=TEMPLATE).save_pretrained(
+        path
+    )
+    convs = [
+        [
+            {"role": "user", "content": str(i) + (" cafe\u0301" if i % 2 else " café")},
+            {"role": "assistant", "content": "ok"},
+        ]
+        for i in range(6)
+    ]
+    table = pa.table({"messages": convs})
+    want = BatchTokenizer(path, "messages", engine="transformers")(table)
+    bt = BatchTokenizer(path, "messages")
+    assert bt.fast is not None, bt.report.reason
+    bt.start_part("p")
+    got = bt(table)
+    assert got.equals(want)
+    checked = bt.part_report()["checked"]
+    assert checked["batches_on_transformers"] == 1 and checked["rows_checked"] == 3  # the 3 NFC rows, fast
