@@ -274,7 +274,7 @@ def test_a_worker_takes_the_drivers_engine(tok_bl):
 
 # -- the lite reference: transformers' ids without importing transformers, once checked -----------------------
 def test_the_lite_reference_is_used_only_after_a_recorded_check(tok_bl, tmp_path, monkeypatch):
-    from packtools.pipeline import reference
+    from packtools.pipeline import reference, tokenizer_load
     from packtools.pipeline.tokenizer_dir import tokenizer_fingerprint
 
     monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
@@ -286,7 +286,8 @@ def test_the_lite_reference_is_used_only_after_a_recorded_check(tok_bl, tmp_path
     assert second(table).to_pydict() == first(table).to_pydict()
     assert second.eos_id == load(tok_bl).eos_token_id
     # a verdict that says "different" (or none, or another tokenizer) means transformers again
-    path = reference._verdict_path(tokenizer_fingerprint(tok_bl))
+    fp = tokenizer_fingerprint(tok_bl)
+    path = reference._verdict_path(fp, tokenizer_load.compact_file(fp))  # keyed by the file it loads too
     with open(path) as fh:
         verdict = json.load(fh)
     assert verdict["same"] is True

@@ -201,11 +201,15 @@ def take_pending(bt: Any) -> None:
     ``wait_for_engine=False``, whose adversarial verdict was a recorded one taken while the fast engine (of a
     large vocabulary: :meth:`~packtools.pipeline.tokenizer_load.FastLoad.overlaps`) was still loading: the
     engine becomes the fast one once its load has finished, and the per-part proof then compares the first rows
-    *it* tokenizes of each column; until then each batch goes to the reference (exact by definition: its ids are
-    the ones compared against), counted in the part's ``batches_on_transformers`` with the reason.  A failed load
+    *it* tokenizes of each column.  The first batch, if the load is still running, goes to the reference (exact
+    by definition: its ids are the ones compared against), counted in the part's ``batches_on_transformers``
+    with the reason; a later batch waits for the load.  A failed load
     falls back to transformers for the run, saying why."""
     load = bt.pending
-    if not load.done():
+    if not load.done() and not getattr(bt, "_reference_batch_done", False):
+        # the first batch only: the reference is several times slower than the engine and, on a busy machine,
+        # slows the load it waits for; later batches wait for the load (a one-batch run never does)
+        bt._reference_batch_done = True
         bt.proof.to_transformers(
             "the fast engine was still loading its vocabulary (the reference tokenized it)"
         )
