@@ -18,6 +18,9 @@ LAYERS = {
     "_atomic": 0,
     "_lazy": 0,
     "core": 1,
+    # integrations/compat: the reads and patches of other libraries' internals, below every layer that meets
+    # those libraries' objects (it imports only layer 0 and itself)
+    "compat": 1,
     "io": 2,
     "batches": 2,
     "integrations": 3,
@@ -30,8 +33,9 @@ LAYERS = {
 
 
 def part_of(module: str) -> str:
-    """``packtools.core.plan`` -> ``core``."""
-    return module.split(".")[1]
+    """``packtools.core.plan`` -> ``core``; ``packtools.integrations.compat.trl`` -> ``compat``."""
+    parts = module.split(".")
+    return "compat" if parts[1:3] == ["integrations", "compat"] else parts[1]
 
 
 def imports_of(path: pathlib.Path) -> list[tuple[int, str]]:
@@ -62,7 +66,7 @@ def modules():
 
 def violations(path: pathlib.Path) -> list[str]:
     rel = path.relative_to(ROOT.parent).with_suffix("")
-    own = rel.parts[1] if len(rel.parts) > 1 else rel.parts[0]
+    own = part_of(".".join(rel.parts)) if len(rel.parts) > 1 else rel.parts[0]
     own_layer = LAYERS[own.removesuffix(".py")]
     bad = []
     for line, target in imports_of(path):
@@ -75,7 +79,7 @@ def violations(path: pathlib.Path) -> list[str]:
 
 
 def test_every_part_has_a_layer():
-    parts = {p.relative_to(ROOT).parts[0].removesuffix(".py") for p in modules()}
+    parts = {part_of("packtools." + ".".join(p.relative_to(ROOT).with_suffix("").parts)) for p in modules()}
     assert parts <= set(LAYERS), parts - set(LAYERS)
 
 
@@ -90,3 +94,18 @@ def test_the_check_catches_an_upward_import(tmp_path, monkeypatch):
     source = fake.read_text() + "\nfrom ..pipeline.run import pack_files\n"
     monkeypatch.setattr(pathlib.Path, "read_text", lambda self: source if self == fake else open(self).read())
     assert any("pipeline.run" in v for v in violations(fake))
+
+
+def test_compat_sits_below_the_layers_that_read_through_it(tmp_path, monkeypatch):
+    # compat may not import upward (integrations proper, batches, core), and core may not import compat.
+    fake = ROOT / "integrations" / "compat" / "__init__.py"
+    source = fake.read_text() + "\nfrom ..transformers import guard_model\nfrom ...core.plan import plan\n"
+    monkeypatch.setattr(pathlib.Path, "read_text", lambda self: source if self == fake else open(self).read())
+    found = violations(fake)
+    assert any("integrations.transformers" in v for v in found) and any("core.plan" in v for v in found)
+    core = ROOT / "core" / "arrow.py"
+    source2 = core.read_text() + "\nfrom ..integrations.compat.datasets import dataset_table\n"
+    monkeypatch.setattr(
+        pathlib.Path, "read_text", lambda self: source2 if self == core else open(self).read()
+    )
+    assert any("compat" in v for v in violations(core))
