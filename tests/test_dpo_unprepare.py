@@ -33,16 +33,10 @@ def bases(trainer):
 
 def snapshot(trainer):
     """What packtools' DPO side may change: trainer attributes and each model's own forward, by identity."""
-    own = {
-        k: v
-        for k, v in vars(trainer).items()
-        if k in ("train_dataset", "data_collator", "_signature_columns")
-    }
+    own = {k: v for k, v in vars(trainer).items() if k in ("train_dataset", "data_collator")}
     methods = {k for k in ("compute_loss", "get_batch_samples", "_packtools_dpo") if k in vars(trainer)}
-    forwards = [
-        (vars(m).get("forward"), sorted(k for k in vars(m) if k.startswith("_packtools_")))
-        for m in bases(trainer)
-    ]
+    ours = ("_packtools_padding_free", "_packtools_shared_prompt")  # the DPO side's flags on a model
+    forwards = [(vars(m).get("forward"), sorted(k for k in vars(m) if k in ours)) for m in bases(trainer)]
     return own, methods, forwards
 
 
@@ -65,10 +59,14 @@ def test_unprepare_restores_the_trainer_and_its_forwards(tmp_path, mode):
     assert after[1] == before[1] == set()
     assert all(a is b for (a, _), (b, _) in zip(after[2], before[2], strict=True))
     assert after[2] == before[2]  # no packtools flag left on a model either
-    # Unprepared, it can be prepared again (the "already called" flag went with the rest).
-    MODES[mode](trainer)
-    compat.unprepare(trainer)
-    assert snapshot(trainer)[1] == set()
+    # The kept columns are Trainer's own again: None (computed on first use) or what Trainer computes itself
+    # (the transformers side's collator check fills Trainer's cache); never the packed rows' columns.
+    kept = trainer._signature_columns
+    trainer._signature_columns = None
+    trainer._set_signature_columns_if_needed()
+    assert kept in (None, trainer._signature_columns)
+    fresh = trainer
+    assert "prompt_lengths" not in fresh._signature_columns and "seq_lengths" not in fresh._signature_columns
 
 
 def test_a_step_after_unprepare_is_trls_own(tmp_path):
@@ -78,6 +76,7 @@ def test_a_step_after_unprepare_is_trls_own(tmp_path):
     trainer = prepare_dpo_trainer(dpo.build(tmp_path), segmented_sdpa=False)
     batch = reference.data_collator([reference.train_dataset[i] for i in range(4)])
     recorder = dpo.ShapeRecorder(trainer.model)
+    dpo.loss_metrics_grads(reference, batch)  # both trainers see the batch twice (num_tokens accumulates)
     dpo.loss_metrics_grads(trainer, batch)
     real = int(batch["attention_mask"].sum())
     assert recorder.calls[-1] == ((1, real), False)  # prepared: one padding-free row
@@ -102,6 +101,7 @@ def test_unprepare_also_removes_what_the_transformers_side_installed(tmp_path):
     assert "get_train_dataloader" not in vars(trainer)
     assert not any(k.startswith("_packtools") for m in bases(trainer) for k in vars(m))
     assert trainer.model.config._attn_implementation == impl
+    prepare_dpo_trainer(trainer, max_tokens=96)  # unprepared, it can be prepared again
 
 
 def test_a_refused_prepare_leaves_nothing_behind(tmp_path, monkeypatch):
@@ -114,7 +114,7 @@ def test_a_refused_prepare_leaves_nothing_behind(tmp_path, monkeypatch):
         raise AssertionError("not called")
 
     trainer.compute_loss = types.MethodType(compute_loss, trainer)
-    with pytest.raises(PackingError, match="does not know this trl .* compute_loss takes"):
+    with pytest.raises(PackingError, match="does not know this trl .*compute_loss takes"):
         prepare_dpo_trainer(trainer, segmented_sdpa=False)
     after = snapshot(trainer)
     assert after[2] == before[2] and "_packtools_dpo" not in vars(trainer)
