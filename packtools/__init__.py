@@ -12,7 +12,8 @@ from .constants import __version__ as __version__
 from .core.pack import pack_table
 from .core.plan import PackPlan, plan
 from .errors import PackingError
-from .integrations.datasets import pack_dataset, packed_view
+from .integrations.dataset_views import packed_view
+from .integrations.datasets import pack_dataset
 from .profiling.profile import profile_lengths
 
 # Imported on first use: they need torch or transformers, or the pipeline (kept out of `import packtools`,

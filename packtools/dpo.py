@@ -16,11 +16,11 @@ from ._lazy import lazy_exports
 
 # public name -> the module that defines it (imported on first use)
 _EXPORTS = {
-    "pack_preference": "packtools.integrations.datasets",
+    "pack_preference": "packtools.integrations.preference_data",
     "PreferenceCollator": "packtools.batches.preference",
     "sequence_logps": "packtools.batches.logps",
     "prepare_dpo_trainer": "packtools.integrations.trl",
-    "pack_groups": "packtools.integrations.datasets",
+    "pack_groups": "packtools.integrations.preference_data",
     "TreeCollator": "packtools.batches.tree",
     "use_tree_attention": "packtools.integrations.tree_attention",
 }

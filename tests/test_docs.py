@@ -9,7 +9,13 @@ import pytest
 import packtools
 
 # Modules whose examples need optional extras are still collected; they skip if the extra is missing.
-NEEDS = {"packtools.integrations.datasets": "datasets", "packtools.integrations.isolation": "transformers"}
+NEEDS = {
+    "packtools.integrations.datasets": "datasets",
+    "packtools.integrations.dataset_views": "datasets",
+    "packtools.integrations.preference_data": "datasets",
+    "packtools.integrations.compat.datasets": "datasets",
+    "packtools.integrations.isolation": "transformers",
+}
 # Command-line front ends and plumbing: exercised by their own tests rather than by docstring examples.
 WITHOUT_EXAMPLES = {
     "packtools.core.kernels",  # plumbing under plan/pack; tests/test_kernels.py and test_nojit.py run it

@@ -8,7 +8,6 @@ NumPy view of the child array), so kernels never see an Arrow object and no toke
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -172,15 +171,3 @@ def column_lengths(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
         raise PackingError(f"expected a list column, got type {column.type}.")
     parts = [np.diff(np.asarray(c.offsets).astype(np.int64, copy=False)) for c in column.chunks]
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
-
-
-def dataset_table(dataset: Any) -> tuple[pa.Table, np.ndarray | None]:
-    """The Arrow table behind a ``datasets.Dataset`` and its row indices mapping (after select/shuffle).
-
-    Duck-typed on the dataset's ``data`` and ``_indices`` attributes: ``datasets`` is not imported.
-    """
-    table = dataset.data.table
-    indices = None
-    if getattr(dataset, "_indices", None) is not None:
-        indices = dataset._indices.column(0).to_numpy().astype(np.int64)
-    return table, indices

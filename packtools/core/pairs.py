@@ -195,6 +195,37 @@ def _read_pair_columns(table: pa.Table, names: Sequence[str]) -> list[tuple[str,
     return out
 
 
+def check_unit_args(
+    table: pa.Table, max_length: int, strategy: str, overlong: str, unit: str = "pair"
+) -> tuple[int, str]:
+    """The checks every packer of whole units (pairs, prompt-shared pairs and groups) makes on its arguments;
+    returns ``(max_length, overlong)`` normalized."""
+    if not isinstance(table, pa.Table):
+        raise PackingError(f"table must be a pyarrow.Table, got {type(table).__name__}.", param="dataset")
+    max_length = check_max_length(max_length)
+    if strategy != "bfd":
+        raise PackingError(
+            f"strategy={strategy!r}: a {unit} is packed whole, so only 'bfd' applies ('bfd_split' and 'wrapped' "
+            f"cut sequences, which would split a {unit} or a sequence's log-probability).",
+            param="strategy",
+        )
+    if max_length < 4:
+        raise PackingError(
+            f"max_length={max_length} cannot hold a {unit} (at least 4 tokens).", param="max_length"
+        )
+    return max_length, check_overlong(overlong)
+
+
+def plan_units(lengths: np.ndarray, max_length: int, shuffle: bool, seed: int) -> PackPlan:
+    """The best-fit-decreasing plan of whole units (each fits: the fitting step made sure), shuffled on request."""
+    p = make_plan(lengths, max_length, "bfd")
+    if shuffle:
+        p = p.shuffled(seed)
+    if p.tokens_dropped:  # cannot happen: every unit fits; a guard against a planning bug
+        raise PackingError("internal error: the plan of whole units cut a unit.")
+    return p
+
+
 def _copy_into(
     col: ListColumn,
     source: np.ndarray,
@@ -246,20 +277,7 @@ def pack_pairs(
     >>> rows.to_pydict()["completion_mask"]
     [[0, 0, 1, 0, 0, 1, 1, 0, 1, 1, 0, 1]]
     """
-    if not isinstance(table, pa.Table):
-        raise PackingError(f"table must be a pyarrow.Table, got {type(table).__name__}.", param="dataset")
-    max_length = check_max_length(max_length)
-    if strategy != "bfd":
-        raise PackingError(
-            f"strategy={strategy!r}: preference pairs are packed whole, so only 'bfd' applies ('bfd_split' and "
-            f"'wrapped' cut sequences, which would split a pair or a sequence's log-probability).",
-            param="strategy",
-        )
-    if max_length < 4:
-        raise PackingError(
-            f"max_length={max_length} cannot hold a pair (at least 4 tokens).", param="max_length"
-        )
-    overlong = check_overlong(overlong)
+    max_length, overlong = check_unit_args(table, max_length, strategy, overlong)
     _check_prompt_budget(max_prompt_length, max_length)
     cols = _read_pairs(table)
     extra = _read_pair_columns(table, columns)
@@ -281,11 +299,7 @@ def pack_pairs(
         )
     kept = np.flatnonzero(fitted.keep)
     units = fitted.pair_lengths[kept]
-    p = make_plan(units, max_length, "bfd")
-    if shuffle:
-        p = p.shuffled(seed)
-    if p.tokens_dropped:  # cannot happen: every unit fits; a guard against a planning bug
-        raise PackingError("internal error: the pair plan cut a pair.")
+    p = plan_units(units, max_length, shuffle, seed)
     out = _materialize(cols, extra, p, kept, fitted, row_indices)
     report = _report(max_length, lp, lc, lr, fitted, p)
     return out, report

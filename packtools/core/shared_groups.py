@@ -14,13 +14,11 @@ import pyarrow as pa
 
 from ..errors import PackingError
 from .arrow import ListColumn, read_list_column
-from .pairs import _read_pair_columns, check_overlong, default_prompt_budget
+from .pairs import _read_pair_columns, check_overlong, check_unit_args, default_prompt_budget, plan_units
 from .shared_pairs import (
     SharedReport,
-    _check_args,
     _check_nonempty,
     _materialize,
-    _plan,
     _Units,
     unit_lengths,
 )
@@ -161,7 +159,7 @@ def pack_groups(
     >>> d["input_ids"], d["seq_lengths"], d["group_sizes"], d["adv"]
     ([[1, 2, 3, 2, 4, 5, 2, 6]], [[3, 4, 3]], [[3]], [[0.5, -1.0, 0.5]])
     """
-    max_length = _check_args(table, max_length, "bfd", overlong)
+    max_length, overlong = check_unit_args(table, max_length, "bfd", overlong, "prompt-shared unit")
     if max_prompt_length is not None and (
         isinstance(max_prompt_length, bool)
         or not isinstance(max_prompt_length, (int, np.integer))
@@ -189,7 +187,7 @@ def pack_groups(
     _check_nonempty(keep, kc_flat, branch_unit, rows)
     kept = np.flatnonzero(keep)
     sums = np.array([int(kc[i].sum()) for i in kept], np.int64)
-    p = _plan(unit_lengths(kp[kept], sums, g[kept]), max_length, shuffle, seed)
+    p = plan_units(unit_lengths(kp[kept], sums, g[kept]), max_length, shuffle, seed)
     order = kept[p.seg_source]
     source = rows[order]
     units = _Units(

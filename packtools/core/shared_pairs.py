@@ -39,11 +39,11 @@ from .pairs import (
     _copy_into,
     _read_pair_columns,
     _read_pairs,
-    check_overlong,
+    check_unit_args,
     default_prompt_budget,
+    plan_units,
 )
-from .plan import PackPlan, check_max_length
-from .plan import plan as make_plan
+from .plan import PackPlan
 
 PROMPT_LENGTHS = "prompt_lengths"
 GROUP_SIZES = "group_sizes"
@@ -202,32 +202,6 @@ def _materialize(
     return out
 
 
-def _plan(units_len: np.ndarray, max_length: int, shuffle: bool, seed: int) -> PackPlan:
-    p = make_plan(units_len, max_length, "bfd")
-    if shuffle:
-        p = p.shuffled(seed)
-    if p.tokens_dropped:  # cannot happen: every unit fits; a guard against a planning bug
-        raise PackingError("internal error: the shared-prompt plan cut a unit.")
-    return p
-
-
-def _check_args(table: pa.Table, max_length: int, strategy: str, overlong: str) -> int:
-    if not isinstance(table, pa.Table):
-        raise PackingError(f"table must be a pyarrow.Table, got {type(table).__name__}.", param="dataset")
-    max_length = check_max_length(max_length)
-    if strategy != "bfd":
-        raise PackingError(
-            f"strategy={strategy!r}: prompt-shared units are packed whole, so only 'bfd' applies.",
-            param="strategy",
-        )
-    if max_length < 4:
-        raise PackingError(
-            f"max_length={max_length} cannot hold a unit (at least 4 tokens).", param="max_length"
-        )
-    check_overlong(overlong)
-    return max_length
-
-
 def _check_nonempty(
     keep: np.ndarray, comp_keep: np.ndarray, branch_unit: np.ndarray, rows: np.ndarray
 ) -> None:
@@ -264,7 +238,7 @@ def pack_shared_pairs(
     >>> d["input_ids"], d["completion_mask"], d["seq_lengths"], d["prompt_lengths"]
     ([[1, 2, 3, 4, 3, 5, 6]], [[0, 0, 0, 1, 0, 1, 1]], [[4, 5]], [[3]])
     """
-    max_length = _check_args(table, max_length, strategy, overlong)
+    max_length, overlong = check_unit_args(table, max_length, strategy, overlong, "prompt-shared unit")
     _check_prompt_budget(max_prompt_length, max_length)
     cols = _read_pairs(table)
     extra = _read_pair_columns(table, columns)
@@ -276,7 +250,7 @@ def pack_shared_pairs(
     _check_nonempty(keep, np.stack([kc, kr], 1).reshape(-1), np.repeat(np.arange(n), 2), rows)
     kept = np.flatnonzero(keep)
     lengths = unit_lengths(kp[kept], kc[kept] + kr[kept], np.full(kept.shape[0], 2))
-    p = _plan(lengths, max_length, shuffle, seed)
+    p = plan_units(lengths, max_length, shuffle, seed)
     order = kept[p.seg_source]
     source = rows[order]
     two = np.full(order.shape[0], 2, np.int64)

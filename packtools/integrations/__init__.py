@@ -14,9 +14,9 @@ from .._lazy import lazy_exports
 # public name -> the module that defines it (imported on first use)
 _EXPORTS = {
     "pack_dataset": "packtools.integrations.datasets",
-    "packed_view": "packtools.integrations.datasets",
+    "packed_view": "packtools.integrations.dataset_views",
     "truncate_dataset": "packtools.integrations.datasets",
-    "pack_preference": "packtools.integrations.datasets",
+    "pack_preference": "packtools.integrations.preference_data",
     "pack_ray_dataset": "packtools.integrations.ray",
     "prepare_trainer": "packtools.integrations.transformers",
     "packed_sft_config": "packtools.integrations.transformers",

@@ -58,7 +58,8 @@ class RankBatches:
 
 
 def _list_lengths(dataset: Any, column: str) -> np.ndarray:
-    from ..core.arrow import column_lengths, dataset_table
+    from ..core.arrow import column_lengths
+    from .compat.datasets import dataset_table
 
     table, indices = dataset_table(dataset)
     lengths = column_lengths(table.column(column))
@@ -66,7 +67,7 @@ def _list_lengths(dataset: Any, column: str) -> np.ndarray:
 
 
 def _seq_lengths_column(dataset: Any) -> Any:
-    from ..core.arrow import dataset_table
+    from .compat.datasets import dataset_table
 
     table, indices = dataset_table(dataset)
     column = table.column(SEQ_LENGTHS)

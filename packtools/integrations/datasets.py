@@ -1,4 +1,11 @@
-"""Packing for Hugging Face ``datasets`` (extra ``packtools[datasets]``), imported only when used."""
+"""Packing and truncating Hugging Face ``datasets`` (extra ``packtools[datasets]``), imported only when used.
+
+:func:`pack_dataset` packs a ``Dataset`` / ``DatasetDict`` with one global plan (in memory, or block by block into
+an Arrow cache file) and an ``IterableDataset`` window by window; :func:`truncate_dataset` cuts list columns.
+Views without copies are in :mod:`packtools.integrations.dataset_views`, preference pairs and groups in
+:mod:`packtools.integrations.preference_data`; what they read of ``datasets``' internals is in
+:mod:`packtools.integrations.compat.datasets`.
+"""
 
 from __future__ import annotations
 
@@ -11,26 +18,26 @@ import numpy as np
 import pyarrow as pa
 
 from .._optional import require
-from ..batches.view import PackedView
 from ..constants import SEQ_LENGTHS
-from ..core.arrow import dataset_table
 from ..core.pack import pack_columns, read_columns, truncate_table
 from ..core.plan import PackPlan, Strategy, check_max_length, check_strategy
 from ..core.plan import plan as make_plan
 from ..errors import PackingError
+from .compat.datasets import dataset_table, format_type
+from .compat.datasets import fingerprint as datasets_fingerprint
 from .drops import DropReport, TokensDroppedWarning, warn_dropped
 
 DEFAULT_WINDOW = 100_000
 
 
-def _datasets():
+def datasets_module() -> Any:
     return require("datasets", "packing a datasets.Dataset")
 
 
-def _derived_fingerprint(dataset: Any, operation: str, **params: Any) -> str:
+def derived_fingerprint(dataset: Any, operation: str, **params: Any) -> str:
     """A fingerprint for a dataset made from ``dataset`` (else ``datasets`` pickles every token to hash it).
 
-    Besides ``datasets``' own ``_fingerprint`` it takes the size and mtime of the Arrow files behind the dataset:
+    Besides ``datasets``' own fingerprint it takes the size and mtime of the Arrow files behind the dataset:
     files replaced under an unchanged ``state.json`` (same fingerprint, other rows) must not reuse the packing
     of the old rows."""
     from ..io.fingerprint import cache_key
@@ -42,11 +49,10 @@ def _derived_fingerprint(dataset: Any, operation: str, **params: Any) -> str:
             files.append([f["filename"], st.st_size, st.st_mtime_ns])
         except (OSError, KeyError, TypeError):
             files.append([str(f), None, None])
-    fp = getattr(dataset, "_fingerprint", None)
-    return cache_key(operation, 1, dataset=fp, files=files, params=params)[:16]
+    return cache_key(operation, 1, dataset=datasets_fingerprint(dataset), files=files, params=params)[:16]
 
 
-def _restore_format(ds: Any, fmt: dict[str, Any], added: list[str]) -> Any:
+def restore_format(ds: Any, fmt: dict[str, Any], added: list[str]) -> Any:
     columns = fmt.get("columns")
     if columns is not None:
         columns = [c for c in columns if c in ds.column_names] + [c for c in added if c not in columns]
@@ -67,7 +73,7 @@ def _cache_file(dataset: Any, fingerprint: str) -> tuple[str, bool]:
     Like ``datasets.map``: next to the dataset's own cache files when it has some (and caching is on),
     else in ``datasets``' temporary folder, which is deleted when the Python session ends.
     """
-    ds_mod = _datasets()
+    ds_mod = datasets_module()
     caching = ds_mod.is_caching_enabled()
     if caching and dataset.cache_files:
         directory = os.path.dirname(dataset.cache_files[0]["filename"])
@@ -96,18 +102,20 @@ def _write_packed(path: str, cols: list, p: PackPlan, indices: np.ndarray | None
         writer.close()
 
 
-def _pack_split(
+def pack_split(
     dataset: Any,
     max_length: int,
     strategy: str,
     columns: Sequence[str] | None,
+    *,
     shuffle: bool,
     seed: int,
     keep_in_memory: bool | None,
     plan: PackPlan | None = None,
-) -> Any:
-    """Pack one ``Dataset``; with ``plan`` (made for these arguments, e.g. by :func:`packed_view`) reuse it."""
-    ds_mod = _datasets()
+) -> tuple[Any, DropReport]:
+    """Pack one ``Dataset`` and report its drops; with ``plan`` (made for these arguments, e.g. by
+    :func:`~packtools.integrations.dataset_views.packed_view`) reuse it."""
+    ds_mod = datasets_module()
     table, indices = dataset_table(dataset)
     cols, lengths = read_columns(table, columns)
     if plan is not None:
@@ -118,7 +126,7 @@ def _pack_split(
         p = make_plan(lengths, max_length, strategy)
         if shuffle:
             p = p.shuffled(seed)
-    fingerprint = _derived_fingerprint(
+    fingerprint = derived_fingerprint(
         dataset, "pack", max_length=max_length, strategy=strategy, columns=columns, shuffle=shuffle, seed=seed
     )
     if keep_in_memory is None:
@@ -132,7 +140,7 @@ def _pack_split(
         mapped = ds_mod.table.MemoryMappedTable.from_file(path)
         out = ds_mod.Dataset(mapped, split=dataset.split, fingerprint=fingerprint)
     added = [SEQ_LENGTHS] if SEQ_LENGTHS in out.column_names else []
-    return _restore_format(out, dict(dataset.format), added), DropReport.from_plan(p)
+    return restore_format(out, dict(dataset.format), added), DropReport.from_plan(p)
 
 
 def pack_dataset(
@@ -187,20 +195,20 @@ def pack_dataset(
     >>> pack_dataset(ds, 4)[:]
     {'input_ids': [[1, 2, 3, 4], [8, 9, 10, 11], [6, 7]], 'seq_lengths': [[4], [3, 1], [2]]}
     """
-    ds_mod = _datasets()
+    ds_mod = datasets_module()
     strategy = check_strategy(strategy)
     max_length = check_max_length(max_length)
+    how = {"shuffle": shuffle, "seed": seed, "keep_in_memory": keep_in_memory}
     if isinstance(dataset, ds_mod.DatasetDict):
         results = {
-            name: _pack_split(split, max_length, strategy, columns, shuffle, seed, keep_in_memory)
-            for name, split in dataset.items()
+            name: pack_split(split, max_length, strategy, columns, **how) for name, split in dataset.items()
         }
         for name, (_, report) in results.items():
             warn_dropped(report, "pack_dataset", name)
         out = ds_mod.DatasetDict({name: r[0] for name, r in results.items()})
         return (out, {name: r[1] for name, r in results.items()}) if return_report else out
     if isinstance(dataset, ds_mod.Dataset):
-        out, report = _pack_split(dataset, max_length, strategy, columns, shuffle, seed, keep_in_memory)
+        out, report = pack_split(dataset, max_length, strategy, columns, **how)
         warn_dropped(report, "pack_dataset")
         return (out, report) if return_report else out
     if isinstance(dataset, ds_mod.IterableDataset):
@@ -209,7 +217,9 @@ def pack_dataset(
                 "return_report=True needs a Dataset: an IterableDataset is packed lazily, window by window.",
                 param="return_report",
             )
-        return _pack_iterable(dataset, max_length, strategy, columns, shuffle, seed, window)
+        return _pack_iterable(
+            dataset, max_length, strategy, columns, shuffle=shuffle, seed=seed, window=window
+        )
     raise PackingError(
         f"dataset must be a datasets.Dataset, DatasetDict or IterableDataset, got {type(dataset).__name__}; "
         f"for a pyarrow.Table use packtools.pack_table."
@@ -221,6 +231,7 @@ def _pack_iterable(
     max_length: int,
     strategy: str,
     columns: Sequence[str] | None,
+    *,
     shuffle: bool,
     seed: int,
     window: int,
@@ -236,8 +247,7 @@ def _pack_iterable(
             p = p.shuffled(seed)
         return pack_columns(cols, p)
 
-    fmt = getattr(dataset, "_formatting", None)
-    fmt_type = getattr(fmt, "format_type", None)
+    fmt_type = format_type(dataset)
     packed = dataset.with_format("arrow").map(pack_window, batched=True, batch_size=window)
     return packed.with_format(fmt_type)
 
@@ -261,7 +271,7 @@ def truncate_dataset(
         report = _truncate_report(dataset, max_length, columns)
         warn_dropped(report, "truncate_dataset")
         return (out, report) if return_report else out
-    ds_mod = _datasets()
+    ds_mod = datasets_module()
     max_length = check_max_length(max_length)
     if isinstance(dataset, ds_mod.DatasetDict):
         results = {}
@@ -279,13 +289,13 @@ def truncate_dataset(
     table, indices = dataset_table(dataset)
     if indices is not None:
         table = table.take(pa.array(indices))
-    fingerprint = _derived_fingerprint(dataset, "truncate", max_length=max_length, columns=columns)
+    fingerprint = derived_fingerprint(dataset, "truncate", max_length=max_length, columns=columns)
     out = ds_mod.Dataset(
         truncate_table(table, max_length, columns), split=dataset.split, fingerprint=fingerprint
     )
     report = _truncate_report(table, max_length, columns)
     warn_dropped(report, "truncate_dataset")
-    out = _restore_format(out, dict(dataset.format), [])
+    out = restore_format(out, dict(dataset.format), [])
     return (out, report) if return_report else out
 
 
@@ -296,253 +306,3 @@ def _truncate_report(table: pa.Table, max_length: int, columns: Sequence[str] | 
     name = "input_ids" if "input_ids" in names else (names[0] if names else None)
     lengths = column_lengths(table.column(name)) if name else np.zeros(0, np.int64)
     return DropReport.from_lengths(lengths, max_length, "truncate")
-
-
-def pack_preference(
-    dataset: Any,
-    max_length: int,
-    strategy: str = "bfd",
-    columns: Sequence[str] = (),
-    *,
-    overlong: str = "truncate",
-    max_prompt_length: int | None = None,
-    shuffle: bool = False,
-    seed: int = 0,
-    return_report: bool = False,
-    share_prompt: bool = False,
-) -> Any:
-    """Pack preference pairs whole: each pair's ``[prompt + chosen][prompt + rejected]`` side by side in a row.
-
-    ``dataset``: a ``datasets.Dataset`` (select/shuffle mappings honoured), ``DatasetDict`` or
-    ``pyarrow.Table`` with ``prompt_ids``, ``chosen_ids`` and ``rejected_ids`` (TRL's tokenized format).
-    Output (same type): ``input_ids``, ``completion_mask``, ``seq_lengths`` (sequence ``2k`` of a row is pair
-    ``k``'s chosen, ``2k + 1`` its rejected) and each per-pair column named in ``columns`` (e.g.
-    ``ref_chosen_logps``) as a list aligned with the row's pairs.  One global best-fit-decreasing plan over
-    the pair lengths; a pair is never split.  Pairs longer than ``max_length`` are truncated (``overlong=
-    "truncate"``: the prompt keeps its end, the completions their start, see
-    :func:`packtools.core.pairs.fit_pairs`) or dropped (``"drop"``); a warning says how many, and
-    ``return_report=True`` also returns the :class:`~packtools.core.pairs.PairReport` (a dict of them for a
-    ``DatasetDict``).
-
-    ``share_prompt=True`` writes each pair as ``[prompt][chosen][rejected]``, the prompt once, with
-    ``prompt_lengths`` beside the columns above (layout: :mod:`packtools.core.shared_pairs`; the report is a
-    :class:`~packtools.core.shared_pairs.SharedReport`); train on it with the tree attention
-    (:func:`packtools.prepare_dpo_trainer` selects it, or :class:`~packtools.batches.tree.TreeCollator`).
-
-    >>> from datasets import Dataset
-    >>> ds = Dataset.from_dict({"prompt_ids": [[1, 2], [3]], "chosen_ids": [[4], [5]], "rejected_ids": [[6], [7, 8]]})
-    >>> pack_preference(ds, 8)[:]["seq_lengths"]
-    [[3, 3], [2, 3]]
-    """
-    from ..core.pairs import pack_pairs
-    from ..core.shared_pairs import pack_shared_pairs
-
-    def one(split: Any) -> tuple[Any, Any]:
-        table, indices = (split, None) if isinstance(split, pa.Table) else dataset_table(split)
-        packed, report = (pack_shared_pairs if share_prompt else pack_pairs)(
-            table,
-            max_length,
-            strategy,
-            columns,
-            overlong=overlong,
-            max_prompt_length=max_prompt_length,
-            shuffle=shuffle,
-            seed=seed,
-            row_indices=indices,
-        )
-        if isinstance(split, pa.Table):
-            return packed, report
-        fingerprint = _derived_fingerprint(
-            split,
-            "pack_preference",
-            share_prompt=bool(share_prompt),
-            max_length=max_length,
-            columns=list(columns),
-            overlong=overlong,
-            max_prompt_length=max_prompt_length,
-            shuffle=shuffle,
-            seed=seed,
-        )
-        return ds_mod.Dataset(packed, split=split.split, fingerprint=fingerprint), report
-
-    def warn(report: Any, name: str = "") -> None:
-        if report.pairs_truncated or report.pairs_dropped:
-            where = f" in split {name!r}" if name else ""
-            warnings.warn(
-                f"pack_preference{where}: {report.pairs_truncated} of {report.pairs_in} pairs truncated and "
-                f"{report.pairs_dropped} dropped to fit max_length={max_length} ({report.tokens_dropped} tokens "
-                f"left out); pass return_report=True for the details.",
-                stacklevel=3,
-            )
-
-    if isinstance(dataset, pa.Table):
-        out, report = one(dataset)
-        warn(report)
-        return (out, report) if return_report else out
-    ds_mod = _datasets()
-    if isinstance(dataset, ds_mod.DatasetDict):
-        results = {name: one(split) for name, split in dataset.items()}
-        for name, (_, report) in results.items():
-            warn(report, name)
-        out = ds_mod.DatasetDict({name: r[0] for name, r in results.items()})
-        return (out, {name: r[1] for name, r in results.items()}) if return_report else out
-    if not isinstance(dataset, ds_mod.Dataset):
-        raise PackingError(
-            f"dataset must be a datasets.Dataset, DatasetDict or pyarrow.Table, got {type(dataset).__name__}.",
-            param="dataset",
-        )
-    out, report = one(dataset)
-    warn(report)
-    return (out, report) if return_report else out
-
-
-class DatasetView(PackedView):
-    """A :class:`~packtools.batches.view.PackedView` over a ``datasets.Dataset`` (made by :func:`packed_view`).
-
-    It keeps the dataset, so :meth:`materialize` returns what :func:`pack_dataset` returns for the same
-    arguments, and pickling sends the dataset (for a memory-mapped one: its file paths and row mapping).
-    """
-
-    dataset: Any
-    _args: dict[str, Any]
-
-    def materialize(self, keep_in_memory: bool | None = None) -> Any:  # type: ignore[override]
-        """Every packed row, as :func:`pack_dataset` with the same arguments returns them (same plan, same
-        format, same cache file for a memory-mapped dataset; ``keep_in_memory`` as there)."""
-        a = self._args
-        packed, _ = _pack_split(
-            self.dataset,
-            self.plan.max_length,
-            self.plan.strategy,
-            a["columns"],
-            a["shuffle"],
-            a["seed"],
-            keep_in_memory,
-            plan=self.plan,
-        )
-        return packed
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"dataset": self.dataset, "plan": self.plan, "args": self._args, "columns": self._names}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.dataset, self._args = state["dataset"], state["args"]
-        table, indices = dataset_table(self.dataset)
-        self._bind(table, *read_columns(table, state["columns"]), state["plan"], indices)
-
-
-def pack_groups(
-    dataset: Any,
-    max_length: int,
-    columns: Sequence[str] = (),
-    completion_columns: Sequence[str] = (),
-    *,
-    overlong: str = "truncate",
-    shuffle: bool = False,
-    seed: int = 0,
-    return_report: bool = False,
-) -> Any:
-    """Pack groups of one prompt and ``G`` completions as ``[P][C_1]...[C_G]``, the prompt once.
-
-    ``dataset``: a ``datasets.Dataset`` or ``pyarrow.Table`` with ``prompt_ids`` and ``completion_ids`` (a
-    list of token lists per row); per-group ``columns`` and per-completion ``completion_columns`` (e.g.
-    ``rewards``, ``advantages``) are kept aligned (see :func:`packtools.core.shared_pairs.pack_groups`).
-    """
-    from ..core.shared_groups import pack_groups as pack_table_groups
-
-    table, indices = (dataset, None) if isinstance(dataset, pa.Table) else dataset_table(dataset)
-    packed, report = pack_table_groups(
-        table,
-        max_length,
-        columns,
-        completion_columns,
-        overlong=overlong,
-        shuffle=shuffle,
-        seed=seed,
-        row_indices=indices,
-    )
-    if not isinstance(dataset, pa.Table):
-        fingerprint = _derived_fingerprint(
-            dataset,
-            "pack_groups",
-            max_length=max_length,
-            columns=list(columns),
-            completion_columns=list(completion_columns),
-            overlong=overlong,
-            shuffle=shuffle,
-            seed=seed,
-        )
-        packed = _datasets().Dataset(packed, split=dataset.split, fingerprint=fingerprint)
-    return (packed, report) if return_report else packed
-
-
-def packed_view(
-    dataset: Any,
-    max_length: int,
-    strategy: Strategy | str = "bfd",
-    *,
-    shuffle: bool = False,
-    seed: int = 0,
-    columns: Sequence[str] | None = None,
-    return_report: bool = False,
-) -> Any:
-    """Packed rows of ``dataset`` gathered on demand from its Arrow buffers: a :class:`PackedView`.
-
-    Takes what :func:`pack_dataset` takes -- a ``datasets.Dataset`` (in memory or memory-mapped, with
-    select/shuffle mappings; a ``DatasetDict`` gives a dict of views) or a ``pyarrow.Table`` -- and plans the
-    same rows, but copies no token: ``view[i]`` gathers row ``i`` (a dict of NumPy arrays with
-    ``seq_lengths``), :class:`~packtools.batches.ArrowCollator` gathers a whole batch, and ``view.materialize()``
-    returns exactly what ``pack_dataset`` (``pack_table`` for a table) returns for the same arguments.
-
-    >>> from datasets import Dataset
-    >>> ds = Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]]})
-    >>> view = packed_view(ds, 4)
-    >>> len(view), view[1]["input_ids"].tolist(), view[1]["seq_lengths"].tolist()
-    (3, [8, 9, 10, 11], [3, 1])
-    >>> view.materialize()[:] == pack_dataset(ds, 4)[:]
-    True
-
-    Tokens the plan drops raise a :class:`~packtools.integrations.drops.TokensDroppedWarning`, as in
-    :func:`pack_dataset`; ``return_report=True`` returns ``(view, report)``.
-    """
-    strategy = check_strategy(strategy)
-    max_length = check_max_length(max_length)
-    if isinstance(dataset, pa.Table):
-        tview = PackedView.from_table(
-            dataset, max_length, strategy, shuffle=shuffle, seed=seed, columns=columns
-        )
-        return _reported(tview, "packed_view", return_report)
-    ds_mod = _datasets()
-    if isinstance(dataset, ds_mod.DatasetDict):
-        views = {}
-        for name, split in dataset.items():
-            views[name] = packed_view(
-                split, max_length, strategy, shuffle=shuffle, seed=seed, columns=columns
-            )
-        if not return_report:
-            return views
-        return views, {name: DropReport.from_plan(v.plan) for name, v in views.items()}
-    if isinstance(dataset, ds_mod.IterableDataset):
-        raise PackingError(
-            "an IterableDataset has no random access, so it cannot be viewed by row; pack it as a stream with "
-            "packtools.pack_dataset(dataset, max_length) (windows of rows), or load it as a Dataset.",
-            param="dataset",
-        )
-    if not isinstance(dataset, ds_mod.Dataset):
-        raise PackingError(
-            f"dataset must be a datasets.Dataset, DatasetDict or pyarrow.Table, got {type(dataset).__name__}.",
-            param="dataset",
-        )
-    table, indices = dataset_table(dataset)
-    view = DatasetView.from_table(
-        table, max_length, strategy, shuffle=shuffle, seed=seed, columns=columns, indices=indices
-    )
-    view.dataset = dataset
-    view._args = {"columns": None if columns is None else list(columns), "shuffle": shuffle, "seed": seed}
-    return _reported(view, "packed_view", return_report)
-
-
-def _reported(view: Any, what: str, return_report: bool) -> Any:
-    report = DropReport.from_plan(view.plan)
-    warn_dropped(report, what, stacklevel=3)
-    return (view, report) if return_report else view

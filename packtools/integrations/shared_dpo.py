@@ -7,12 +7,12 @@ label) is checked equal in its chosen and rejected sequences and laid out once, 
 completion (:mod:`packtools.core.shared_pairs`).  The backbone runs on that row with the tree attention
 (:mod:`packtools.integrations.tree_attention`), and the per-token outputs are gathered back into the padded
 layout, each sequence's prompt positions read from the one shared copy.  Everything else (micro-batching,
-the mean over the pairs of a step, the guards) is :mod:`packtools.integrations.trl` unchanged.
+the mean over the pairs of a step, the guards) is :mod:`packtools.integrations.trl` unchanged, which imports
+this module (never the other way round).
 """
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import numpy as np
@@ -21,11 +21,12 @@ from .._optional import require
 from ..batches.tree import TREE_KEY, TreeLayout, tree_segments, unshared_index
 from ..core.shared_pairs import PROMPT_LENGTHS
 from ..errors import PackingError
-from .dpo_calls import padded_preference_call
+from .compat import set_attr
+from .compat.trl import wrap_fused_forward
+from .dpo_calls import PER_TOKEN, padded_preference_call, padding_free_layout
 from .segmented import SEGMENTED_SDPA
 from .transformers import _base_model, attention_implementation
 from .tree_attention import check_tree_model, use_tree_attention
-from .trl import PER_TOKEN, _check_fused_head, padding_free_layout
 
 _WRAPPED = "_packtools_shared_prompt"
 
@@ -140,14 +141,16 @@ def _shared_forward(inner: Any) -> Any:
     return forward
 
 
-def install_shared_prompt_forward(model: Any) -> None:
-    """Wrap the fused-LM-head forward TRL put on ``model`` (once) so each pair's prompt runs once."""
+def install_shared_prompt_forward(model: Any, *, owner: Any = None) -> None:
+    """Wrap the fused-LM-head forward TRL put on ``model`` (once) so each pair's prompt runs once.
+
+    Recorded on ``owner`` (the trainer under ``prepare_dpo_trainer``; by default the base model)."""
     base = _base_model(model)
     if vars(base).get(_WRAPPED):
         return
-    _check_fused_head(model)
-    base.forward = types.MethodType(_shared_forward(base.forward), base)
-    object.__setattr__(base, _WRAPPED, True)
+    owner = base if owner is None else owner
+    wrap_fused_forward(base, _shared_forward, owner=owner)
+    set_attr(base, _WRAPPED, True, owner=owner)
 
 
 def check_tree_models(models: list[Any]) -> None:
@@ -174,11 +177,14 @@ def prepare_shared_prompt(trainer: Any, models: list[Any], check_isolation: bool
             _base_model(model).set_attn_implementation("sdpa" if before == SEGMENTED_SDPA else before)
         raise
     for model in models:
-        install_shared_prompt_forward(model)
+        install_shared_prompt_forward(model, owner=trainer)
 
 
-def keep_tree_columns(trainer: Any) -> None:
-    """Keep ``prompt_lengths`` through ``remove_unused_columns`` (the collator needs it)."""
-    kept = getattr(trainer, "_signature_columns", None)
-    if kept is not None and PROMPT_LENGTHS not in kept:
-        trainer._signature_columns = [*kept, PROMPT_LENGTHS]
+def tree_columns(shared: bool) -> list[str]:
+    """The columns of prompt-shared rows the collator needs besides a pair row's (kept through
+    ``remove_unused_columns``).
+
+    >>> tree_columns(True), tree_columns(False)
+    (['prompt_lengths'], [])
+    """
+    return [PROMPT_LENGTHS] if shared else []

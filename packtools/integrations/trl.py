@@ -39,7 +39,7 @@ to compare against the padded trainer bit for bit.
 from __future__ import annotations
 
 import inspect
-import types
+from dataclasses import dataclass
 from typing import Any
 
 from .._optional import require
@@ -47,9 +47,20 @@ from ..constants import SEQ_LENGTHS
 from ..errors import PackingError
 from .budget_loader import install_train_loader
 from .collator_check import check_preference_collator
+from .compat import set_attr, undo
+from .compat.trl import (
+    fused_forward,
+    is_vision,
+    keep_signature_columns,
+    set_training_data,
+    tokenizer_of,
+    wrap_fused_forward,
+    wrap_method,
+)
 from .distributed import check_loss_path, trainer_divides_by_accumulation, uneven_gather
-from .dpo_calls import padded_preference_call
+from .dpo_calls import PER_TOKEN, padded_preference_call, padding_free_layout
 from .dpo_probe import check_padding_free_forward
+from .shared_dpo import check_tree_models, prepare_shared_prompt, shares_prompt, tree_columns
 from .transformers import (
     _base_model,
     attention_implementation,
@@ -64,32 +75,7 @@ from .transformers import (
 
 _WRAPPED = "_packtools_padding_free"
 _PATCHED = "_packtools_dpo"
-#: Per-token fields of TRL's fused LM head output, scattered back to the padded layout.
-PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
 PAIR_ROW_COLUMNS = ("input_ids", "completion_mask", SEQ_LENGTHS)
-
-
-def padding_free_layout(attention_mask: Any) -> tuple[Any, Any, Any]:
-    """``(lengths, valid, cu_seq_lens)`` of a right-padded ``[B, T]`` mask; raises if it is not right-padded.
-
-    >>> import torch
-    >>> lengths, valid, cu = padding_free_layout(torch.tensor([[1, 1, 1], [1, 1, 0]]))
-    >>> lengths.tolist(), cu.tolist()
-    ([3, 2], [0, 3, 5])
-    """
-    torch = require("torch", "packtools.prepare_dpo_trainer")
-    lengths = attention_mask.sum(1)
-    valid = torch.arange(attention_mask.shape[1], device=attention_mask.device)[None, :] < lengths[:, None]
-    if not torch.equal(valid, attention_mask.bool()):
-        raise PackingError(
-            "the preference batch is not right-padded (its attention_mask has holes or left padding); packtools "
-            "flattens TRL's DataCollatorForPreference layout. Use TRL's collator or packtools.dpo.PreferenceCollator."
-        )
-    if bool((lengths == 0).any()):
-        raise PackingError("the preference batch has an empty sequence; every sequence needs a token.")
-    cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=attention_mask.device)
-    torch.cumsum(lengths, 0, out=cu[1:])
-    return lengths, valid, cu
 
 
 def _padding_free_forward(model: Any, inner: Any) -> Any:
@@ -152,33 +138,36 @@ def _padding_free_forward(model: Any, inner: Any) -> Any:
 
 
 def _check_fused_head(model: Any) -> None:
-    base = _base_model(model)
-    if "forward" not in vars(base):
-        raise PackingError(
-            f"{type(base).__name__} has no fused LM head: build the DPOTrainer first (it adds one), then call "
-            f"packtools.prepare_dpo_trainer(trainer)."
-        )
+    fused_forward(_base_model(model))
 
 
-def install_padding_free_forward(model: Any) -> None:
-    """Wrap the fused-LM-head forward that TRL put on ``model`` (once) so it runs one padding-free row."""
+def install_padding_free_forward(model: Any, *, owner: Any = None) -> None:
+    """Wrap the fused-LM-head forward that TRL put on ``model`` (once) so it runs one padding-free row.
+
+    The change is recorded on ``owner`` (the trainer, under :func:`prepare_dpo_trainer`; by default the base
+    model itself, undone by :func:`uninstall_padding_free_forward`)."""
     base = _base_model(model)
     if vars(base).get(_WRAPPED):
         return
-    _check_fused_head(model)
-    inner = base.forward
-    base.forward = types.MethodType(_padding_free_forward(base, inner), base)
-    base.forward.__func__._packtools_inner = inner
-    object.__setattr__(base, _WRAPPED, True)
+    owner = base if owner is None else owner
+    wrap_fused_forward(base, lambda inner: _padding_free_forward(base, inner), owner=owner)
+    set_attr(base, _WRAPPED, True, owner=owner)
 
 
 def uninstall_padding_free_forward(model: Any) -> None:
-    """Undo :func:`install_padding_free_forward` (TRL's fused-head forward comes back)."""
-    base = _base_model(model)
-    if vars(base).get(_WRAPPED):
-        forward = vars(base)["forward"]
-        base.forward = forward._packtools_inner
-        object.__delattr__(base, _WRAPPED)
+    """Undo :func:`install_padding_free_forward` made without an owner (TRL's fused-head forward comes back).
+
+    >>> from trl.trainer.utils import add_fused_lm_head
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    >>> add_fused_lm_head(model); trl_forward = vars(model)["forward"]
+    >>> install_padding_free_forward(model); vars(model)["forward"] is trl_forward
+    False
+    >>> uninstall_padding_free_forward(model); vars(model)["forward"] is trl_forward
+    True
+    """
+    undo(_base_model(model))
 
 
 def _check_trainer(trainer: Any) -> None:
@@ -187,7 +176,7 @@ def _check_trainer(trainer: Any) -> None:
             f"prepare_dpo_trainer expects a trl.DPOTrainer, got {type(trainer).__name__}; for Trainer or "
             f"SFTTrainer use packtools.prepare_trainer."
         )
-    if getattr(trainer, "_is_vision_dataset", False):
+    if is_vision(trainer):
         raise PackingError("vision preference data is not supported padding-free; keep TRL's padded batches.")
     peft_config = getattr(trainer.model, "peft_config", None) or {}
     if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
@@ -197,49 +186,60 @@ def _check_trainer(trainer: Any) -> None:
         )
 
 
-def _count_step_pairs(trainer: Any) -> None:
+@dataclass
+class _StepPairs:
+    """The pairs of the optimizer step being run (all processes), counted when its micro-batches are fetched."""
+
+    pairs: int | None = None
+
+
+def _count_step_pairs(trainer: Any, step: _StepPairs) -> None:
     """Count the pairs of each optimizer step when ``Trainer`` prefetches its micro-batches."""
     torch = require("torch", "packtools.prepare_dpo_trainer")
-    original = trainer.get_batch_samples
 
-    def get_batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
-        samples, num_items = original(epoch_iterator, num_batches, device)
-        pairs = torch.tensor(sum(int(b["completion_mask"].shape[0]) // 2 for b in samples), device=device)
-        if trainer.args.world_size > 1:
-            pairs = trainer.accelerator.gather(pairs).sum()
-        trainer._packtools_step_pairs = int(pairs)
-        return samples, num_items
+    def make(original: Any) -> Any:
+        def get_batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+            samples, num_items = original(epoch_iterator, num_batches, device)
+            pairs = torch.tensor(sum(int(b["completion_mask"].shape[0]) // 2 for b in samples), device=device)
+            if trainer.args.world_size > 1:
+                pairs = trainer.accelerator.gather(pairs).sum()
+            step.pairs = int(pairs)
+            return samples, num_items
 
-    trainer.get_batch_samples = get_batch_samples
+        return get_batch_samples
+
+    wrap_method(trainer, "get_batch_samples", make)
 
 
-def _mean_over_step(trainer: Any) -> None:
+def _mean_over_step(trainer: Any, step: _StepPairs) -> None:
     """Rescale each training micro-batch's loss (a mean over its pairs) to its share of the step's mean."""
-    original = trainer.compute_loss
 
-    def compute_loss(
-        model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
-    ) -> Any:
-        with uneven_gather(trainer.accelerator):  # per-pair metrics: ranks hold different numbers of pairs
-            result = original(
-                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-            )
-        step_pairs = getattr(trainer, "_packtools_step_pairs", None)
-        if not trainer.model.training or not step_pairs:
-            return result
-        loss = result[0] if return_outputs else result
-        pairs = int(inputs["completion_mask"].shape[0]) // 2
-        # Undo what training_step divides by (read from Trainer's own predicate) and DDP's mean over processes.
-        divided = trainer_divides_by_accumulation(trainer, num_items_in_batch)
-        steps = trainer.current_gradient_accumulation_steps if divided else 1
-        scale = pairs * steps * max(trainer.args.world_size, 1) / step_pairs
-        loss = loss * scale
-        return (loss, result[1]) if return_outputs else loss
+    def make(original: Any) -> Any:
+        def compute_loss(
+            model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+        ) -> Any:
+            with uneven_gather(
+                trainer.accelerator
+            ):  # per-pair metrics: ranks hold different numbers of pairs
+                result = original(
+                    model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+                )
+            if not trainer.model.training or not step.pairs:
+                return result
+            loss = result[0] if return_outputs else result
+            pairs = int(inputs["completion_mask"].shape[0]) // 2
+            # Undo what training_step divides by (read from Trainer's own predicate) and DDP's mean over processes.
+            divided = trainer_divides_by_accumulation(trainer, num_items_in_batch)
+            steps = trainer.current_gradient_accumulation_steps if divided else 1
+            loss = loss * (pairs * steps * max(trainer.args.world_size, 1) / step.pairs)
+            return (loss, result[1]) if return_outputs else loss
 
-    trainer.compute_loss = compute_loss
+        return compute_loss
+
+    wrap_method(trainer, "compute_loss", make)
 
 
-def _use_packed_dataset(trainer: Any, dataset: Any) -> None:
+def _use_packed_dataset(trainer: Any, dataset: Any, shared: bool) -> None:
     from ..batches.preference import REF_COLUMNS, PreferenceCollator
 
     names = list(getattr(dataset, "column_names", None) or [])
@@ -260,18 +260,15 @@ def _use_packed_dataset(trainer: Any, dataset: Any) -> None:
                 param="train_dataset",
             )
         pair_columns = list(REF_COLUMNS)
-    collator = PreferenceCollator(trainer._tokenizer.pad_token_id, pair_columns, padding_free=False)
+    collator = PreferenceCollator(tokenizer_of(trainer).pad_token_id, pair_columns, padding_free=False)
     unpacked = trainer.data_collator
 
     def collate(features: Any) -> Any:  # packed rows ours, TRL's one-pair rows (eval sets) TRL's
         return collator(features) if SEQ_LENGTHS in features[0] else unpacked(features)
 
-    trainer.train_dataset = dataset
-    trainer.data_collator = collate
-    if trainer.args.remove_unused_columns:
-        trainer._set_signature_columns_if_needed()
-        kept = list(trainer._signature_columns or [])
-        trainer._signature_columns = kept + [c for c in (*PAIR_ROW_COLUMNS, *pair_columns) if c not in kept]
+    set_training_data(trainer, dataset, collate)
+    if trainer.args.remove_unused_columns:  # the columns the collator needs survive Trainer's column removal
+        keep_signature_columns(trainer, [*PAIR_ROW_COLUMNS, *pair_columns, *tree_columns(shared)])
 
 
 def prepare_dpo_trainer(
@@ -319,10 +316,19 @@ def prepare_dpo_trainer(
     check_loss_path(trainer)
     if vars(trainer).get(_PATCHED):
         raise PackingError("prepare_dpo_trainer was already called on this trainer.")
-    models = [m for m in (trainer.model, trainer.ref_model) if m is not None]
-    from .shared_dpo import check_tree_models, keep_tree_columns, prepare_shared_prompt, shares_prompt
+    try:
+        _prepare(trainer, train_dataset, max_tokens, check_isolation, segmented_sdpa, share_prompt)
+    except BaseException:
+        undo(trainer)  # all or nothing: a refused trainer is left as TRL built it
+        raise
+    return trainer
 
-    shared = shares_prompt(train_dataset) if share_prompt is None else share_prompt
+
+def _prepare(
+    trainer: Any, train_dataset: Any, max_tokens: Any, check_isolation: bool, segmented_sdpa: bool, share: Any
+) -> None:
+    models = [m for m in (trainer.model, trainer.ref_model) if m is not None]
+    shared = shares_prompt(train_dataset) if share is None else share
     if shared:  # the tree's own refusal, by name, before any generic probe runs
         check_tree_models(models)
     for model in models:
@@ -336,27 +342,21 @@ def prepare_dpo_trainer(
             _check_fused_head(model)
         if not shared:
             for model in models:
-                install_padding_free_forward(model)
+                install_padding_free_forward(model, owner=trainer)
         if (
             check_isolation and not shared
         ):  # the same probe through the forward training calls (seq_idx and all)
-            try:
-                for model in models:
-                    check_padding_free_forward(model)
-            except PackingError:
-                for model in models:
-                    uninstall_padding_free_forward(model)
-                raise
+            for model in models:
+                check_padding_free_forward(model)
     if shared:
         prepare_shared_prompt(trainer, models, check_isolation)
-    guard_model(trainer.model)
+    guard_model(trainer.model)  # packtools.integrations.transformers (records its own changes)
     if trainer.ref_model is not None:
         guard_model(trainer.ref_model)
     if train_dataset is not None:
-        _use_packed_dataset(trainer, train_dataset)
-        keep_tree_columns(trainer)
-    install_train_loader(trainer, max_tokens)
-    _count_step_pairs(trainer)
-    _mean_over_step(trainer)
-    object.__setattr__(trainer, _PATCHED, True)
-    return trainer
+        _use_packed_dataset(trainer, train_dataset, shared)
+    install_train_loader(trainer, max_tokens)  # packtools.integrations.budget_loader
+    step = _StepPairs()
+    _count_step_pairs(trainer, step)
+    _mean_over_step(trainer, step)
+    set_attr(trainer, _PATCHED, True, owner=trainer)

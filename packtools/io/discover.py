@@ -12,12 +12,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import PackingError
+from ..integrations.compat.datasets import saved_data_files
 
 SUFFIX_KINDS = {
     ".jsonl": "json",
@@ -56,9 +56,7 @@ def _input_file(path: str) -> InputFile:
 
 
 def _saved_dataset_files(folder: str) -> list[str]:
-    with open(os.path.join(folder, "state.json")) as fh:
-        state = json.load(fh)
-    return [os.path.join(folder, f["filename"]) for f in state.get("_data_files", [])]
+    return [os.path.join(folder, name) for name in saved_data_files(folder)]
 
 
 #: Compression suffixes: a data file compressed with one is refused (packtools reads files uncompressed), never

@@ -29,6 +29,7 @@ import pyarrow as pa
 from ..core.arrow import ListColumn
 from ..core.pack import pack_columns, read_columns
 from ..core.plan import PackPlan
+from ..integrations.compat.datasets import STATE_FILE, saved_state
 from ..io.files import IpcReader, reading
 from ..io.pages import PageReleaser
 
@@ -89,16 +90,7 @@ def write_dataset_files(folder: str, names: Sequence[str], fingerprint: str) -> 
     ``fingerprint`` (the run's, from its inputs and options) becomes the dataset's ``_fingerprint``: the files
     are the same bytes for the same run wherever and however it ran."""
     digest = hashlib.sha256((fingerprint + "".join(names)).encode()).hexdigest()[:16]
-    state = {
-        "_data_files": [{"filename": name} for name in names],
-        "_fingerprint": digest,
-        "_format_columns": None,
-        "_format_kwargs": {},
-        "_format_type": None,
-        "_output_all_columns": False,
-        "_split": None,
-    }
-    write_json(os.path.join(folder, "state.json"), state)
+    write_json(os.path.join(folder, STATE_FILE), saved_state(list(names), digest))
     write_json(os.path.join(folder, "dataset_info.json"), {"description": "packed by packtools"})
 
 

@@ -18,12 +18,12 @@ packtools.errors.PackingError: out=... has a manifest.json that packtools did no
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 
 from ..constants import MANIFEST
 from ..errors import PackingError
+from ..integrations.compat.datasets import saved_data_files
 from ..io.files import InputFile
 from ..io.manifest import has_manifest_file, read_manifest
 
@@ -39,10 +39,8 @@ def foreign_entries(out: str) -> list[str]:
     """Entries of the packtools output ``out`` that packtools did not write (sorted names)."""
     ours = set(OUTPUT_FILES)
     try:
-        with open(os.path.join(out, "state.json")) as fh:
-            state = json.load(fh)
-        ours.update(f["filename"] for f in state.get("_data_files", []) if isinstance(f, dict))
-    except (OSError, ValueError, TypeError, AttributeError, KeyError):
+        ours.update(saved_data_files(out))
+    except (OSError, ValueError):  # no readable state.json (PackingError is a ValueError): nothing listed
         pass
     return sorted(name for name in os.listdir(out) if name not in ours)
 

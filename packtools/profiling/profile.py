@@ -24,8 +24,9 @@ import pyarrow as pa
 
 from .._optional import is_instance
 from ..constants import SEQ_LENGTHS
-from ..core.arrow import column_lengths, dataset_table, is_list_type
+from ..core.arrow import column_lengths, is_list_type
 from ..errors import PackingError
+from ..integrations.compat.datasets import dataset_table
 from ..io.files import IpcReader
 from .distribution import LengthDistribution
 from .packed import file_schema, packed_info, packed_rows, profile_packed

@@ -1,0 +1,131 @@
+"""Every change packtools makes to a TRL ``DPOTrainer`` and its models, checked, recorded, undoable.
+
+:func:`packtools.prepare_dpo_trainer` changes a live trainer in four ways, each only through this module and
+each recorded on the trainer (:func:`~packtools.integrations.compat.set_attr` with ``owner=trainer``), so
+:func:`packtools.integrations.compat.unprepare` puts the trainer back as TRL built it:
+
+* **The fused-LM-head forward.**  TRL's ``add_fused_lm_head`` sets an instance ``forward`` on the (base) model;
+  :func:`wrap_fused_forward` replaces that instance attribute with packtools' padding-free or prompt-shared
+  forward around it.  Module hooks cannot do this job on every checked version: PEFT 0.18's ``LoraModel.forward``
+  calls ``model.forward(...)`` directly, which runs no hook of the base model.
+* **``compute_loss`` and ``get_batch_samples``** (:func:`wrap_method`): ``DPOTrainer.compute_loss`` overrides
+  ``Trainer.compute_loss`` and never reads ``compute_loss_func``, and no callback sees a step's micro-batches,
+  so the loss rescaling and the pair count wrap the trainer's bound methods (as instance attributes).
+* **The kept columns** (:func:`keep_signature_columns`): ``Trainer`` drops dataset columns its model's
+  ``forward`` does not name, from ``Trainer._signature_columns`` (set by
+  ``Trainer._set_signature_columns_if_needed``, both private); packed pair rows add their columns to it.
+* **The dataset and collator** (``train_dataset``, ``data_collator``: public attributes, recorded all the same).
+
+Each function checks the shape it relies on and raises :func:`~packtools.integrations.compat.unknown_shape`
+otherwise.  The tokenizer is read from the public ``processing_class`` (not ``DPOTrainer._tokenizer``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import set_attr, unknown_shape
+
+#: The TRL versions whose ``DPOTrainer`` shapes this module was checked against (lowest and newest CI runs).
+CHECKED = "1.16.0 - 1.16.0"
+#: The transformers versions whose ``Trainer`` internals (``_signature_columns``, ``get_batch_samples``) were checked.
+TRANSFORMERS_CHECKED = "5.15.0 - 5.24.0"
+
+_FIX = "Install a trl version packtools was checked against (see CHECKED), or report the new shape."
+#: Parameters of the trainer methods packtools wraps, as the checked versions define them.
+_METHOD_PARAMS = {
+    "compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch"),
+    "get_batch_samples": ("epoch_iterator", "num_batches", "device"),
+}
+
+
+def _unknown(what: str, library: str = "trl") -> Exception:
+    checked = CHECKED if library == "trl" else TRANSFORMERS_CHECKED
+    return unknown_shape(library, checked, what, _FIX.replace("trl", library))
+
+
+def fused_forward(base: Any) -> Callable[..., Any]:
+    """The fused-LM-head forward TRL set on ``base`` (an instance attribute); raises if there is none."""
+    found = vars(base).get("forward")
+    params = inspect.signature(found, follow_wrapped=False).parameters.values() if callable(found) else ()
+    takes = any(p.name == "fused_lm_head" or p.kind is p.VAR_KEYWORD for p in params)
+    if not takes:
+        raise unknown_shape(
+            "trl",
+            CHECKED,
+            f"{type(base).__name__} has no fused LM head (an instance forward taking fused_lm_head, as TRL's "
+            f"add_fused_lm_head sets)",
+            "Build the DPOTrainer first (it adds the head to its models), then call "
+            "packtools.prepare_dpo_trainer(trainer).",
+        )
+    return found
+
+
+def wrap_fused_forward(
+    base: Any, make: Callable[[Callable[..., Any]], Callable[..., Any]], *, owner: Any
+) -> None:
+    """Replace TRL's fused forward on ``base`` with ``make(inner)`` bound to ``base``; recorded on ``owner``."""
+    inner = fused_forward(base)
+    set_attr(base, "forward", types.MethodType(make(inner), base), owner=owner)
+
+
+def wrap_method(trainer: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """``trainer.<name> = make(trainer.<name>)`` for ``compute_loss`` / ``get_batch_samples``, recorded on it."""
+    method = getattr(trainer, name, None)
+    params = tuple(inspect.signature(method).parameters) if callable(method) else ()
+    if params != _METHOD_PARAMS[name]:
+        library = "trl" if name == "compute_loss" else "transformers"
+        raise _unknown(f"{type(trainer).__name__}.{name} takes {params}, not {_METHOD_PARAMS[name]}", library)
+    set_attr(trainer, name, make(method), owner=trainer)
+
+
+def keep_signature_columns(trainer: Any, columns: Sequence[str]) -> None:
+    """Add ``columns`` to the dataset columns ``Trainer`` keeps under ``remove_unused_columns``; recorded."""
+    setter = getattr(trainer, "_set_signature_columns_if_needed", None)
+    if not callable(setter) or not hasattr(trainer, "_signature_columns"):
+        raise _unknown(
+            f"{type(trainer).__name__} has no _signature_columns / _set_signature_columns_if_needed",
+            "transformers",
+        )
+    before = trainer._signature_columns
+    setter()
+    kept = trainer._signature_columns
+    if not isinstance(kept, (list, tuple)):
+        raise _unknown(
+            f"Trainer._signature_columns is {type(kept).__name__}, not a list of names", "transformers"
+        )
+    trainer._signature_columns = before  # the old value is what unprepare restores
+    set_attr(trainer, "_signature_columns", [*kept, *(c for c in columns if c not in kept)], owner=trainer)
+
+
+def set_training_data(trainer: Any, dataset: Any, collator: Callable[..., Any]) -> None:
+    """Point ``trainer`` at ``dataset`` and ``collator`` (public attributes), recorded for unprepare."""
+    set_attr(trainer, "train_dataset", dataset, owner=trainer)
+    set_attr(trainer, "data_collator", collator, owner=trainer)
+
+
+def tokenizer_of(trainer: Any) -> Any:
+    """The tokenizer of a ``DPOTrainer``, from its public ``processing_class`` (a processor's ``.tokenizer``).
+
+    >>> from types import SimpleNamespace as NS
+    >>> tokenizer_of(NS(processing_class=NS(tokenizer=NS(pad_token_id=0)))).pad_token_id
+    0
+    """
+    found = getattr(trainer, "processing_class", None)
+    found = getattr(found, "tokenizer", found)
+    if getattr(found, "pad_token_id", None) is None:
+        raise _unknown(f"{type(trainer).__name__}.processing_class has no tokenizer with a pad_token_id")
+    return found
+
+
+def is_vision(trainer: Any) -> bool:
+    """Whether a ``DPOTrainer`` was built on image data (``DPOTrainer._is_vision_dataset``, set in its constructor)."""
+    found = vars(trainer).get("_is_vision_dataset")
+    if not isinstance(found, bool):
+        raise _unknown(
+            f"{type(trainer).__name__} has no _is_vision_dataset flag (got {type(found).__name__})"
+        )
+    return found
