@@ -31,6 +31,12 @@ def causal_lm_loss(outputs: Any, labels: Any, num_items_in_batch: Any = None) ->
 
     Without ``num_items_in_batch`` it divides by the predicted tokens of this batch.  Labels are shifted
     here (position ``i`` predicts ``labels[i + 1]``), like transformers' ``ForCausalLMLoss``.
+
+    >>> import torch
+    >>> uniform = {"logits": torch.zeros(1, 3, 4)}  # every token has probability 1/4
+    >>> labels = torch.tensor([[-100, 1, 2]])  # two predicted tokens
+    >>> round(float(causal_lm_loss(uniform, labels)), 4), round(float(causal_lm_loss(uniform, labels, 4)), 4)
+    (1.3863, 0.6931)
     """
     torch = require("torch", "packtools.integrations.sft.causal_lm_loss")
     logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]

@@ -37,6 +37,20 @@ Everything :func:`prepare_trainer` changes on the trainer, its model, its collat
 transformers' attention registry goes through :mod:`packtools.integrations.compat` and is recorded on the
 trainer: :func:`packtools.integrations.unprepare` puts it all back, :func:`prepared` prepares for a block, and
 a trainer that ``prepare_trainer`` refuses is left as it came.
+
+>>> import tempfile, datasets, transformers
+>>> from packtools import PaddingFreeCollator, pack_dataset
+>>> config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+...                                   num_attention_heads=2, attn_implementation="sdpa")
+>>> rows = pack_dataset(datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9]]}), 8)
+>>> args = transformers.TrainingArguments(tempfile.mkdtemp(), report_to=[], use_cpu=True)
+>>> trainer = transformers.Trainer(transformers.LlamaForCausalLM(config), args, train_dataset=rows,
+...                                data_collator=PaddingFreeCollator(0))
+>>> with prepared(trainer):
+...     trainer.model.config._attn_implementation
+'packtools_sdpa'
+>>> trainer.model.config._attn_implementation, trainer._signature_columns
+('sdpa', None)
 """
 
 from __future__ import annotations

@@ -9,6 +9,16 @@
   a block, deleted again afterwards.
 
 An object without the shape checked here raises :func:`~packtools.integrations.compat.unknown_shape`.
+
+>>> from accelerate.data_loader import BatchSamplerShard
+>>> from torch.utils.data import BatchSampler
+>>> shard = BatchSamplerShard(BatchSampler(range(4), 1, False), num_processes=2, process_index=1)
+>>> list(shard)
+[[1], [3]]
+>>> stop_sharding(shard, print)
+>>> list(shard), shard.set_epoch(7)
+7
+([[0], [1], [2], [3]], None)
 """
 
 from __future__ import annotations

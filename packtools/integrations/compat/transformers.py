@@ -23,6 +23,15 @@ undoes them:
 
 An object without the shape checked here raises :func:`~packtools.integrations.compat.unknown_shape` instead
 of being patched blindly.  This module imports no packtools layer above ``errors`` (it sits below them).
+
+>>> import transformers, types
+>>> attn_implementation(transformers.LlamaConfig(attn_implementation="eager"))
+'eager'
+>>> owner, registry = types.SimpleNamespace(), transformers.AttentionInterface()
+>>> register_attention("packtools_doc", lambda *args, **kwargs: None, owner=owner)
+'packtools_doc'
+>>> "packtools_doc" in registry, undo(owner), "packtools_doc" in registry
+(True, ["AttentionInterface['packtools_doc']"], False)
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..._optional import is_instance, require
-from . import record, set_attr, unknown_shape
+from . import record, set_attr, undo, unknown_shape
 
 #: The ``transformers`` versions whose shapes this module was checked against (lowest and newest CI runs).
 CHECKED = "5.15.0 - 5.24.0"
