@@ -25,6 +25,7 @@ An object without the shape checked here raises :func:`~packtools.integrations.c
 of being patched blindly.  This module imports no packtools layer above ``errors`` (it sits below them).
 
 >>> import transformers, types
+>>> from packtools.integrations.compat import undo
 >>> attn_implementation(transformers.LlamaConfig(attn_implementation="eager"))
 'eager'
 >>> owner, registry = types.SimpleNamespace(), transformers.AttentionInterface()
@@ -42,7 +43,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..._optional import is_instance, require
-from . import record, set_attr, undo, unknown_shape
+from . import record, set_attr, unknown_shape
 
 #: The ``transformers`` versions whose shapes this module was checked against (lowest and newest CI runs).
 CHECKED = "5.15.0 - 5.24.0"
