@@ -33,16 +33,13 @@ class NamedInputsLlama(transformers.LlamaForCausalLM):
 
 
 @pytest.fixture(autouse=True)
-def no_packtools_sdpa_registered():
-    """Each test starts without packtools_sdpa in the registries (other tests register it for good)."""
-    saved = {
-        registry: registry._global_mapping.pop(SEGMENTED_SDPA)
-        for registry in (AttentionInterface, type(ALL_MASK_ATTENTION_FUNCTIONS))
-        if SEGMENTED_SDPA in registry._global_mapping
-    }
-    yield
-    for registry, value in saved.items():
-        registry._global_mapping[SEGMENTED_SDPA] = value
+def no_packtools_sdpa_registered(monkeypatch):
+    """Each test starts without packtools_sdpa in the registries and with no owner holding it (other tests in
+    the session register it for good, or prepare trainers they never unprepare); all put back afterwards."""
+    for registry in (AttentionInterface, type(ALL_MASK_ATTENTION_FUNCTIONS)):
+        if SEGMENTED_SDPA in registry._global_mapping:
+            monkeypatch.delitem(registry._global_mapping, SEGMENTED_SDPA)
+    monkeypatch.setattr(compat_transformers, "_HELD", {})
 
 
 def _args(tmp_path, **overrides):
