@@ -41,7 +41,7 @@ TOLERANCE = {"float64": 1e-9, "float32": 1e-5, "bfloat16": 5e-2, "float16": 2e-2
 PERTURB_TOLERANCE = 1e-6
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class IsolationReport:
     """What :func:`check_isolation` ran and measured.
 
@@ -331,7 +331,18 @@ def check_isolation(
         for module, training in modes:
             module.training = training
     report = IsolationReport(
-        name, impl, dtype, str(device), lengths, keys, diffs, perturb, tol, loss_diff, grad_diff, perturb_tol
+        model=name,
+        backend=impl,
+        dtype=dtype,
+        device=str(device),
+        lengths=lengths,
+        keys=keys,
+        alone_diff=diffs,
+        perturb_diff=perturb,
+        tolerance=tol,
+        loss_diff=loss_diff,
+        grad_diff=grad_diff,
+        perturb_tolerance=perturb_tol,
     )
     if report.leaks and raise_on_leak:
         mixers = token_mixing_layers(model)
