@@ -202,7 +202,7 @@ def _refusal(arch: Arch, backend: str, err: Exception) -> str:
     """Why a cell is refused; for layers that mix tokens outside attention, also what they leak unguarded."""
     from packtools import PaddingFreeCollator
     from packtools.integrations import check_isolation
-    from packtools.integrations.transformers import token_mixing_layers
+    from packtools.integrations.backends import token_mixing_layers
 
     model = build(arch, backend)
     mixers = token_mixing_layers(model)
@@ -220,7 +220,8 @@ def _refusal(arch: Arch, backend: str, err: Exception) -> str:
 def run_cell(arch: Arch, backend: str) -> Cell:
     from packtools import PackingError, PaddingFreeCollator
     from packtools.integrations import check_isolation
-    from packtools.integrations.transformers import check_attention_implementation, guard_model
+    from packtools.integrations.backends import check_attention_implementation
+    from packtools.integrations.guard import guard_model
 
     try:
         model = build(arch, backend)

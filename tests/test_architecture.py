@@ -115,21 +115,9 @@ def test_the_check_catches_an_upward_import(tmp_path, monkeypatch):
 
 # -- no import circle ------------------------------------------------------------------------------------
 # Every import counts: module level, inside functions (lazy) and under `if TYPE_CHECKING:` (the modules still
-# depend on each other), as imports_of reads them.  Temporary: import edges of circles that other helpers are
-# taking apart this round (issue 20); the lead removes each entry at merge.  An entry whose edge is no longer
-# on a circle fails test_the_cycle_allow_list_is_current, so the list cannot outlive the circles.
-CYCLE_EDGES_ALLOWED = {
-    # isolation imports transformers at module level; transformers calls check_isolation lazily
-    (
-        "integrations.transformers",
-        "integrations.isolation",
-    ): "isolation <-> transformers (integrations split)",
-    # collator_check imports transformers._probe_collator; transformers calls check_trainer_collator lazily
-    (
-        "integrations.transformers",
-        "integrations.collator_check",
-    ): "collator_check <-> transformers (same split)",
-}
+# depend on each other), as imports_of reads them.  An allowed edge needs a reason; one no longer on a circle fails
+# test_the_cycle_allow_list_is_current, so the list cannot outlive the circles.  None is allowed now.
+CYCLE_EDGES_ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -233,13 +221,9 @@ def test_the_check_catches_an_import_cycle(monkeypatch):
 
 # -- small modules -------------------------------------------------------------------------------------
 MAX_LINES = 400
-# Temporary: modules other helpers are splitting this round (issue 20); the lead removes each entry at merge
-# (an entry at or under the limit fails test_the_long_module_allow_list_is_current).
-LONG_MODULES_ALLOWED = {
-    "integrations/transformers.py",
-    "integrations/isolation.py",
-    "integrations/collator_check.py",
-}
+# Modules allowed over the limit (none now); an entry at or under the limit fails
+# test_the_long_module_allow_list_is_current.
+LONG_MODULES_ALLOWED: set[str] = set()
 
 
 def module_lines() -> dict[str, int]:
@@ -282,8 +266,6 @@ POSITIONAL_ALLOWED = {
         "varlen_attention",
     ): "mirrors flash_attn_varlen_func (q, k, v, cu_seqlens_*, max_seqlen_*)",
     ("batches/attention.py", "_reference"): "the exact reference of varlen_attention, called as it",
-    # Temporary: functions other helpers own this round (issue 20); the lead removes each entry at merge (an
-    # entry within the limit fails test_the_positional_allow_list_is_current).
 }
 
 

@@ -26,14 +26,10 @@ from _hf_models import (
 from packtools import pack_dataset
 from packtools.batches.collate import PaddingFreeCollator
 from packtools.errors import PackingError
-from packtools.integrations.transformers import (
-    causal_lm_loss,
-    check_attention_implementation,
-    check_forward_inputs,
-    guard_model,
-    packed_sft_config,
-    prepare_trainer,
-)
+from packtools.integrations import packed_sft_config, prepare_trainer
+from packtools.integrations.backends import check_attention_implementation
+from packtools.integrations.guard import check_forward_inputs, guard_model
+from packtools.integrations.sft import causal_lm_loss
 
 datasets = pytest.importorskip("datasets")
 
@@ -361,9 +357,9 @@ def test_guard_goes_on_the_peft_wrapper_too():
 
 
 def test_old_transformers_without_position_masks_needs_flash(monkeypatch):
-    import packtools.integrations.transformers
+    import packtools.integrations.backends
 
-    monkeypatch.setattr(packtools.integrations.transformers, "_masks_from_positions", lambda: False)
+    monkeypatch.setattr(packtools.integrations.backends, "builds_packed_masks", lambda: False)
     with pytest.raises(PackingError, match="Upgrade transformers"):
         check_attention_implementation(_Model("sdpa"))
     assert check_attention_implementation(_Model("flash_attention_2")) == "flash_attention_2"

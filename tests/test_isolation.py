@@ -12,8 +12,9 @@ from _hf_models import tiny_arch, tiny_llama, torch
 from packtools import PaddingFreeCollator
 from packtools.errors import PackingError
 from packtools.integrations import check_isolation
+from packtools.integrations.backends import token_mixing_layers
+from packtools.integrations.guard import guard_model
 from packtools.integrations.isolation import IsolationReport
-from packtools.integrations.transformers import guard_model, token_mixing_layers
 
 
 class Rows:

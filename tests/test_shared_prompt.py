@@ -341,7 +341,7 @@ def test_gradient_checkpointing_recompute_is_not_a_forward():
 
 
 def test_tree_batch_on_packtools_sdpa_is_refused_at_the_forward():
-    from packtools.integrations.transformers import use_segmented_sdpa
+    from packtools.integrations import use_segmented_sdpa
 
     model = tiny_llama()
     use_segmented_sdpa(model)

@@ -2,6 +2,8 @@
 
 Each name is imported on first use (``datasets``, ``transformers``, ``trl`` or ``ray`` only then).
 ``pack_dataset``, ``packed_view``, ``prepare_trainer`` and ``prepare_dpo_trainer`` are also at the front door.
+``unprepare(trainer)`` undoes everything a ``prepare_*`` call changed; ``prepared(trainer, **kwargs)`` is
+``prepare_trainer`` for the span of a ``with`` block.
 
 >>> import datasets
 >>> from packtools.integrations import truncate_dataset
@@ -19,8 +21,10 @@ _EXPORTS = {
     "pack_preference": "packtools.integrations.preference_data",
     "pack_ray_dataset": "packtools.integrations.ray",
     "prepare_trainer": "packtools.integrations.transformers",
-    "packed_sft_config": "packtools.integrations.transformers",
-    "use_segmented_sdpa": "packtools.integrations.transformers",
+    "prepared": "packtools.integrations.transformers",
+    "unprepare": "packtools.integrations.compat",
+    "packed_sft_config": "packtools.integrations.sft",
+    "use_segmented_sdpa": "packtools.integrations.backends",
     "check_isolation": "packtools.integrations.isolation",
     "prepare_dpo_trainer": "packtools.integrations.trl",
 }
@@ -37,6 +41,8 @@ __all__ = [
     "packed_view",
     "prepare_dpo_trainer",
     "prepare_trainer",
+    "prepared",
     "truncate_dataset",
+    "unprepare",
     "use_segmented_sdpa",
 ]

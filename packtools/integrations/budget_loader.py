@@ -21,7 +21,6 @@ sharding (each rank would keep ``1/W`` of its own batches and skip ``(W-1)/W`` o
 
 from __future__ import annotations
 
-import types
 import warnings
 from typing import Any
 
@@ -30,6 +29,9 @@ import numpy as np
 from .._optional import require
 from ..constants import SEQ_LENGTHS
 from ..errors import PackingError
+from .compat import set_attr
+from .compat.accelerate import stop_sharding
+from .compat.transformers import replace_train_dataloader, training_collator, training_rows
 
 _INSTALLED = "_packtools_train_loader"
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -154,9 +156,9 @@ def _passthrough(prepared: Any, ours: RankBatches) -> Any:
             "packed rows and pairs across processes; packtools shards whole batches. Set split_batches=False.",
             param="split_batches",
         )
-    shard.num_processes = 1
-    shard.process_index = 0
-    shard.set_epoch = ours.set_epoch  # reached by Trainer through skip_first_batches' SkipBatchSampler too
+    stop_sharding(
+        shard, ours.set_epoch
+    )  # reached by Trainer through skip_first_batches' SkipBatchSampler too
     return prepared
 
 
@@ -181,11 +183,13 @@ def check_sharding(loader: Any) -> None:
         )
 
 
-def install_train_loader(trainer: Any, max_tokens: int | None = None) -> None:
+def install_train_loader(trainer: Any, max_tokens: int | None = None, *, owner: Any = None) -> None:
     """Give ``trainer`` packtools' per-rank training loader (see the module docstring).
 
-    Without ``max_tokens`` and with one process, ``Trainer``'s own loader is kept (it repeats nothing).
+    Without ``max_tokens`` and with one process, ``Trainer``'s own loader is kept (it repeats nothing) and
+    only checked.  Recorded on ``owner`` (default: the trainer), so unpreparing it gives the method back.
     """
+    owner = trainer if owner is None else owner
     if max_tokens is not None:
         from ..batches.sampler import _positive_int
 
@@ -200,7 +204,7 @@ def install_train_loader(trainer: Any, max_tokens: int | None = None) -> None:
             check_sharding(loader)
             return loader
 
-        trainer.get_train_dataloader = types.MethodType(checked, trainer)
+        replace_train_dataloader(trainer, checked, owner=owner)
         return
     torch = require("torch", "packtools.prepare_trainer(max_tokens=...)")
 
@@ -209,9 +213,9 @@ def install_train_loader(trainer: Any, max_tokens: int | None = None) -> None:
             raise ValueError("Trainer: training requires a train_dataset.")
         dataset, collator = self.train_dataset, self.data_collator
         if hasattr(dataset, "column_names") and hasattr(dataset, "remove_columns"):
-            dataset = self._remove_unused_columns(dataset, description="Training")
+            dataset = training_rows(self, dataset)
         else:
-            collator = self._get_collator_with_removed_columns(collator, description="Training")
+            collator = training_collator(self, collator)
         streaming = isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__")
         if streaming and max_tokens is None:  # a stream has no length to plan from: Trainer shards it
             return original()
@@ -235,5 +239,5 @@ def install_train_loader(trainer: Any, max_tokens: int | None = None) -> None:
         loader = torch.utils.data.DataLoader(dataset, **params)
         return _passthrough(self.accelerator.prepare(loader), ours)
 
-    trainer.get_train_dataloader = types.MethodType(get_train_dataloader, trainer)
-    object.__setattr__(trainer, _INSTALLED, True)
+    replace_train_dataloader(trainer, get_train_dataloader, owner=owner)
+    set_attr(trainer, _INSTALLED, True, owner=owner)

@@ -15,17 +15,16 @@ rows' own ``seq_lengths``:
   longest, ``seq_idx`` changes exactly at the boundaries;
 * ``labels`` are -100 at every sequence start inside a row and on padding.
 
-It then returns a collator for :func:`packtools.integrations.check_isolation` that feeds the probe's rows, shaped like the
-real ones, through the trainer's collator, so the probe measures the batches training will see.  Any collator
-that passes is accepted as it is (a correct one is judged by its batch, never by its class name); one that fails
-is refused with the fix, ``data_collator=packtools.PaddingFreeCollator(pad_token_id)``.
+It then returns a collator for :func:`packtools.integrations.check_isolation` that feeds the probe's rows,
+shaped like the real ones, through the trainer's collator, so the probe measures the batches training will see.
+A collator that passes is accepted as it is (judged by its batch, never by its class name); one that fails is
+refused with the fix.
 
 :func:`check_preference_collator` does the same for ``DPOTrainer``: each pair's chosen and rejected sequences
 must come out as their own right-padded rows, chosen rows first, as TRL's ``DataCollatorForPreference`` lays
 them out (the layout :func:`packtools.prepare_dpo_trainer` flattens), never merged into one row.
 
-A collator with side effects (counting or recording batches) can tell these calls from training's with
-:func:`in_check`.
+A collator with side effects (counting batches) can tell these calls from training's with :func:`in_check`.
 """
 
 from __future__ import annotations
@@ -37,10 +36,12 @@ from typing import Any
 
 import numpy as np
 
+from .._optional import is_instance
 from ..constants import IGNORE_INDEX, MASK_COLUMNS, SEQ_LENGTHS
 from ..errors import PackingError
-from .isolation import locate_rows
-from .transformers import _probe_collator
+from .compat.transformers import training_collator, training_rows
+from .rows import locate_rows, sequence_spans
+from .sft import is_sft_trainer
 
 #: Rows scanned from the start of the dataset for packed ones; rows collated for the check.
 SCAN_ROWS = 64
@@ -89,8 +90,7 @@ def sample_batch(
     trainer: Any, dataset: Any
 ) -> tuple[list[Any], list[Any], Callable[[list[Any]], Any]] | None:
     """``(raw_rows, fed_rows, collate)``: a few rows of ``dataset`` (packed ones first), as stored and as the
-    trainer hands them to its collator, and that collator (wrapped in the trainer's column removal for datasets
-    it does not trim itself).  ``None`` when the dataset has no rows with ``input_ids``."""
+    trainer feeds them to ``collate`` (:func:`_as_trained`).  ``None`` when no row has ``input_ids``."""
     head = _head_rows(dataset, SCAN_ROWS)
     head = [(i, r) for i, r in enumerate(head) if isinstance(r, Mapping) and "input_ids" in r]
     if not head:
@@ -99,25 +99,20 @@ def sample_batch(
     packed = [i for i, r in head if len(_seq_lengths(r)) > 1]
     others = [i for i, r in head if len(_seq_lengths(r)) <= 1]
     picked = sorted((packed + others)[:size])
-    by_index = dict(head)
-    raw = [by_index[i] for i in picked]
-    collate = trainer.data_collator
-    try:
-        import datasets
+    raw = [dict(head)[i] for i in picked]
+    return raw, *_as_trained(trainer, dataset, raw, picked)
 
-        is_table = isinstance(dataset, datasets.Dataset)
-    except ImportError:
-        is_table = False
-    if is_table and hasattr(trainer, "_remove_unused_columns"):
-        small = trainer._remove_unused_columns(dataset.select(picked), description="training")
-        fed = [small[i] for i in range(len(small))]
-    else:
-        fed = raw
-        if hasattr(trainer, "_get_collator_with_removed_columns"):
-            collate = trainer._get_collator_with_removed_columns(
-                trainer.data_collator, description="training"
-            )
-    return raw, fed, collate
+
+def _as_trained(
+    trainer: Any, dataset: Any, raw: list[Any], picked: Sequence[int]
+) -> tuple[list[Any], Callable]:
+    """``(fed_rows, collate)``: ``raw`` (rows ``picked`` of ``dataset``) as the trainer's training loader hands
+    them to its collator, and that collator: a ``datasets.Dataset`` loses its unused columns first, any other
+    dataset's rows go through the trainer's column-removing collator wrapper."""
+    if is_instance(dataset, "datasets", "Dataset"):
+        small = training_rows(trainer, dataset.select(picked))
+        return [small[i] for i in range(len(small))], trainer.data_collator
+    return raw, training_collator(trainer, trainer.data_collator)
 
 
 def batch_problems(
@@ -146,12 +141,7 @@ def batch_problems(
             f"its input_ids (shape {tuple(ids.shape)}) do not hold the {len(rows)} rows it was given in order, "
             f"flat or one per row: it merges, cuts or reorders them"
         ]
-    spans: list[tuple[int, int, int]] = []
-    for (b, offset), lengths in zip(where, seq_lengths):
-        start = offset
-        for n in lengths:
-            spans.append((b, start, start + n))
-            start += n
+    spans = sequence_spans(where, seq_lengths)
     per_row = np.bincount([b for b, _, _ in spans], minlength=ids.shape[0])
     problems: list[str] = []
     mask = batch.get("attention_mask")
@@ -260,7 +250,7 @@ def _pad_token(trainer: Any) -> int | str:
 
 
 def _refuse(trainer: Any, collator: Any, problems: Sequence[str]) -> PackingError:
-    sft = hasattr(trainer, "_skip_prepare_dataset")
+    sft = is_sft_trainer(trainer)
     trl_own = sft and type(collator).__module__.startswith("trl.")
     own = " (TRL's own, which SFTTrainer builds when no data_collator is passed)" if trl_own else ""
     where = "SFTTrainer(..., args=packed_sft_config(...), " if sft else "Trainer(..., "
@@ -336,7 +326,17 @@ def check_trainer_collator(trainer: Any) -> tuple[ProbeRows | None, bool]:
     if problems:
         raise _refuse(trainer, trainer.data_collator, problems)
     keys = list(fed[0].keys()) if isinstance(fed[0], Mapping) else ["input_ids"]
-    return ProbeRows(_probe_collator(trainer.data_collator) or trainer.data_collator, keys), packed
+    return ProbeRows(probe_collator(trainer.data_collator) or trainer.data_collator, keys), packed
+
+
+def probe_collator(collator: Any) -> Any:
+    """The trainer's PaddingFreeCollator (returning tensors), or None for the probe's default."""
+    from ..batches.collate import PaddingFreeCollator
+
+    inner = getattr(collator, "collator", collator)
+    if not isinstance(inner, PaddingFreeCollator):
+        return None
+    return inner if inner.return_tensors == "pt" else inner.replace(return_tensors="pt")
 
 
 def check_preference_collator(trainer: Any) -> None:
@@ -376,19 +376,7 @@ def _preference_sample(trainer: Any, dataset: Any) -> tuple[list[Any], list[Any]
     ):
         return None
     head = head[: min(max(2, int(getattr(trainer.args, "per_device_train_batch_size", 2) or 2)), len(head))]
-    collate = trainer.data_collator
-    try:
-        import datasets
-
-        is_table = isinstance(dataset, datasets.Dataset)
-    except ImportError:
-        is_table = False
-    if is_table and hasattr(trainer, "_remove_unused_columns"):
-        small = trainer._remove_unused_columns(dataset.select(range(len(head))), description="training")
-        return head, [small[i] for i in range(len(small))], collate
-    if hasattr(trainer, "_get_collator_with_removed_columns"):
-        collate = trainer._get_collator_with_removed_columns(collate, description="training")
-    return head, head, collate
+    return head, *_as_trained(trainer, dataset, head, range(len(head)))
 
 
 def _preference_problem(batch: Any, expected: list[np.ndarray]) -> str | None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from .._optional import require
 from ..errors import PackingError
+from .compat.accelerate import replaced_gather
 
 
 def check_loss_path(trainer: Any) -> None:
@@ -98,8 +99,5 @@ def uneven_gather(accelerator: Any) -> Iterator[None]:
     def gather(tensor: Any) -> Any:
         return _gather_uneven(original, tensor, accelerator.device)
 
-    accelerator.gather = gather
-    try:
+    with replaced_gather(accelerator, gather):
         yield
-    finally:
-        del accelerator.gather

@@ -11,7 +11,6 @@ without gradients unless ``backward=True``, and its train/eval flags are restore
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +20,14 @@ import numpy as np
 from .._optional import require
 from ..constants import IGNORE_INDEX
 from ..errors import PackingError
-from .transformers import _base_model, adapt_collator, attention_implementation, token_mixing_layers
+from .backends import (
+    adapt_collator,
+    attention_implementation,
+    base_model,
+    forward_accepts,
+    token_mixing_layers,
+)
+from .rows import locate_rows, sequence_spans
 
 #: Sequence lengths of the probe batch (two packed rows of two sequences each).
 DEFAULT_LENGTHS = (5, 9, 3, 7)
@@ -35,7 +41,7 @@ TOLERANCE = {"float64": 1e-9, "float32": 1e-5, "bfloat16": 5e-2, "float16": 2e-2
 PERTURB_TOLERANCE = 1e-6
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class IsolationReport:
     """What :func:`check_isolation` ran and measured.
 
@@ -135,45 +141,6 @@ def _rows(seqs: list[np.ndarray], packed: bool = True) -> list[dict[str, Any]]:
     return rows
 
 
-def locate_rows(input_ids: Any, rows: Sequence[np.ndarray]) -> list[tuple[int, int]] | None:
-    """Where each of ``rows`` (token arrays, in order) sits in a collated ``[B, T]`` ``input_ids``.
-
-    Returns ``(batch_row, offset)`` per row: laid end to end in one flat row (``B == 1``), or one row each,
-    right- or left-padded (``B == len(rows)``); ``None`` when the batch holds the rows neither way (merged,
-    reordered, truncated or changed tokens).
-
-    >>> locate_rows(np.array([[5, 6, 7, 8, 0]]), [np.array([5, 6]), np.array([7, 8])])
-    [(0, 0), (0, 2)]
-    >>> locate_rows(np.array([[5, 6, 0], [0, 7, 8]]), [np.array([5, 6]), np.array([7, 8])])
-    [(0, 0), (1, 1)]
-    >>> locate_rows(np.array([[5, 6, 7, 9]]), [np.array([5, 6]), np.array([7, 8])]) is None
-    True
-    """
-    ids = np.asarray(input_ids.detach().cpu() if hasattr(input_ids, "detach") else input_ids)
-    if ids.ndim == 1:
-        ids = ids[None]
-    if ids.ndim != 2:
-        return None
-    width = ids.shape[1]
-    lengths = [len(r) for r in rows]
-    if ids.shape[0] == 1 and sum(lengths) <= width:
-        flat = np.concatenate([np.asarray(r, np.int64) for r in rows]) if rows else np.zeros(0, np.int64)
-        if np.array_equal(ids[0, : flat.shape[0]], flat):
-            return [(0, int(o)) for o in np.cumsum([0, *lengths[:-1]])]
-    if ids.shape[0] != len(rows) or max(lengths, default=0) > width:
-        return None
-    out = []
-    for b, (row, n) in enumerate(zip(rows, lengths)):
-        row = np.asarray(row, np.int64)
-        if np.array_equal(ids[b, :n], row):
-            out.append((b, 0))
-        elif np.array_equal(ids[b, width - n :], row):
-            out.append((b, width - n))
-        else:
-            return None
-    return out
-
-
 def _spans(rows: list[dict[str, Any]], input_ids: Any, name: str) -> list[tuple[int, int, int]]:
     """``(batch_row, start, stop)`` of each probe sequence in the collated batch."""
     where = locate_rows(input_ids, [np.asarray(r["input_ids"]) for r in rows])
@@ -184,18 +151,7 @@ def _spans(rows: list[dict[str, Any]], input_ids: Any, name: str) -> list[tuple[
             f"reorders or cuts rows, so the isolation probe cannot check {name}. Use "
             f"packtools.PaddingFreeCollator."
         )
-    spans = []
-    for (b, offset), row in zip(where, rows):
-        start = offset
-        for n in row.get("seq_lengths") or [len(row["input_ids"])]:
-            spans.append((b, start, start + n))
-            start += n
-    return spans
-
-
-def _accepts(forward: Callable[..., Any], name: str) -> bool:
-    params = inspect.signature(forward).parameters
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return sequence_spans(where, [row.get("seq_lengths") or [len(row["input_ids"])] for row in rows])
 
 
 def _sum_loss(torch: Any, logits: Any, labels: Any) -> Any:
@@ -277,7 +233,7 @@ def check_isolation(
 
     A few sequences of ``lengths`` tokens (random ids from the model's vocabulary, special tokens left
     out) are packed into two rows, collated by ``collator`` (default: ``PaddingFreeCollator`` with the
-    model's pad token), filtered to the keys the model's ``forward`` accepts (as :func:`prepare_trainer`
+    model's pad token), filtered to the keys the model's ``forward`` accepts (as :func:`~packtools.integrations.prepare_trainer`
     does), and run with ``use_cache=False`` and no ``attention_mask``; each sequence is also run alone.
     ``backward=True`` also compares the summed token loss and the parameter gradients (without touching
     ``.grad``).  A custom ``collator`` must keep the rows and their sequences in order (flat, or one batch row
@@ -310,7 +266,7 @@ def check_isolation(
     """
     torch = require("torch", "packtools.integrations.check_isolation")
     lengths = _check_lengths(lengths)
-    base = _base_model(model)
+    base = base_model(model)
     impl = attention_implementation(model)
     name = type(base).__name__
     config = getattr(base, "config", None)
@@ -326,8 +282,7 @@ def check_isolation(
     tokens = _probe_tokens(base, sum(lengths), rng)
     seqs = np.split(tokens, np.cumsum(lengths)[:-1])
     other = _probe_tokens(base, lengths[0], rng)
-    forward = base.forward
-    cache = {"use_cache": False} if _accepts(forward, "use_cache") else {}
+    cache = {"use_cache": False} if forward_accepts(base, "use_cache") else {}
 
     def run_packed(parts: list[np.ndarray]) -> tuple[Any, Any, tuple[str, ...], list[tuple[int, int, int]]]:
         rows = _rows(parts, packed)
@@ -376,7 +331,18 @@ def check_isolation(
         for module, training in modes:
             module.training = training
     report = IsolationReport(
-        name, impl, dtype, str(device), lengths, keys, diffs, perturb, tol, loss_diff, grad_diff, perturb_tol
+        model=name,
+        backend=impl,
+        dtype=dtype,
+        device=str(device),
+        lengths=lengths,
+        keys=keys,
+        alone_diff=diffs,
+        perturb_diff=perturb,
+        tolerance=tol,
+        loss_diff=loss_diff,
+        grad_diff=grad_diff,
+        perturb_tolerance=perturb_tol,
     )
     if report.leaks and raise_on_leak:
         mixers = token_mixing_layers(model)

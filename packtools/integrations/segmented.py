@@ -34,6 +34,8 @@ from typing import Any
 
 from .._optional import require
 from ..errors import PackingError
+from .compat.torch import tensor_version as _version
+from .compat.transformers import register_attention, sdpa_functions
 
 #: The attention implementation name registered with transformers.
 SEGMENTED_SDPA = "packtools_sdpa"
@@ -55,10 +57,7 @@ def _functions() -> tuple[Any, ...]:
     global _FUNCTIONS
     if not _FUNCTIONS:
         torch = require("torch", "packtools segmented sdpa")
-        require("transformers", "packtools segmented sdpa")
-        from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-
-        _FUNCTIONS = (torch, sdpa_attention_forward, repeat_kv)
+        _FUNCTIONS = (torch, *sdpa_functions())
     return _FUNCTIONS
 
 
@@ -66,14 +65,6 @@ def _compiling(torch: Any) -> bool:
     """Whether Dynamo is tracing this call (``torch.compile``): then the host-side boundaries are not read."""
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
-
-
-def _version(tensor: Any) -> int | None:
-    """The tensor's in-place version counter; ``None`` for inference-mode tensors (which have none: no cache)."""
-    try:
-        return int(tensor._version)
-    except RuntimeError:
-        return None
 
 
 def _boundaries(cu_q: Any, cu_k: Any) -> list[int] | None:
@@ -195,19 +186,13 @@ def segmented_sdpa_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def register() -> str:
+def register(*, owner: Any = None) -> str:
     """Register :data:`SEGMENTED_SDPA` with transformers (attention and mask functions); returns the name.
+
+    With an ``owner``, undoing it (``unprepare``) takes the entries out again once no owner needs them.
 
     >>> register()
     'packtools_sdpa'
     """
-    require("transformers", "packtools segmented sdpa")
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
     _functions()
-    if SEGMENTED_SDPA not in AttentionInterface._global_mapping:
-        AttentionInterface.register(SEGMENTED_SDPA, segmented_sdpa_forward)
-    if SEGMENTED_SDPA not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-        ALL_MASK_ATTENTION_FUNCTIONS.register(SEGMENTED_SDPA, sdpa_mask)
-    return SEGMENTED_SDPA
+    return register_attention(SEGMENTED_SDPA, segmented_sdpa_forward, owner=owner)

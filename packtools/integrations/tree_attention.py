@@ -25,7 +25,6 @@ each prompt + completion run alone, and perturbing a sibling or another unit mus
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import numpy as np
@@ -33,8 +32,10 @@ import numpy as np
 from .._optional import require
 from ..batches.tree import TREE_KEY, TreeLayout, tree_segments, unshared_index
 from ..errors import PackingError
+from .backends import attention_implementation, base_model, forward_accepts, token_mixing_layers
+from .compat import set_attr
+from .compat.transformers import register_attention, set_attention
 from .segmented import segmented_sdpa_forward
-from .transformers import _base_model, attention_implementation, token_mixing_layers
 
 TREE_ATTENTION = "packtools_tree"
 _ORIGINAL = "_packtools_tree_original_attn"
@@ -152,26 +153,18 @@ def tree_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def register() -> str:
+def register(*, owner: Any = None) -> str:
     """Register :data:`TREE_ATTENTION` with transformers (attention and mask functions); returns the name.
 
     >>> register()
     'packtools_tree'
     """
-    require("transformers", "packtools tree attention")
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    if TREE_ATTENTION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
-    if TREE_ATTENTION not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-        ALL_MASK_ATTENTION_FUNCTIONS.register(TREE_ATTENTION, sdpa_mask)
-    return TREE_ATTENTION
+    return register_attention(TREE_ATTENTION, tree_attention_forward, owner=owner)
 
 
 def check_tree_model(model: Any) -> None:
     """Raise :class:`PackingError` naming why the tree attention cannot serve ``model`` (see module docstring)."""
-    base = _base_model(model)
+    base = base_model(model)
     name = type(base).__name__
     config = getattr(base, "config", None)
     if config is None or not hasattr(base, "set_attn_implementation"):
@@ -205,7 +198,7 @@ def check_tree_model(model: Any) -> None:
         )
     if getattr(text, "attn_logit_softcapping", None) is not None:
         raise PackingError(f"{name} caps attention logits (softcapping); the tree attention does not.")
-    if "position_ids" not in inspect.signature(base.forward).parameters:
+    if not forward_accepts(base, "position_ids", named=True):
         raise PackingError(
             f"{name}.forward takes no position_ids, so its completions cannot continue at the prompt's length "
             f"(absolute positions from the token order would be wrong); use share_prompt=False."
@@ -225,7 +218,7 @@ def check_tree_isolation(model: Any, seed: int = 0) -> float:
     Returns the largest difference seen.  No gradients; the model's train/eval mode is restored.
     """
     torch = require("torch", "packtools.integrations.tree_attention.check_tree_isolation")
-    base = _base_model(model)
+    base = base_model(model)
     rng = np.random.default_rng(seed)
     vocab = int(getattr(base.config.get_text_config(), "vocab_size", 64))
     prompts, groups = np.array([5, 4]), np.array([2, 3])
@@ -276,17 +269,22 @@ def check_tree_isolation(model: Any, seed: int = 0) -> float:
     return worst
 
 
-def use_tree_attention(model: Any, check_isolation: bool = True) -> str:
+def use_tree_attention(model: Any, check_isolation: bool = True, *, owner: Any = None) -> str:
     """Switch ``model`` to :data:`TREE_ATTENTION` after :func:`check_tree_model`; probe it unless told not to.
 
-    The model's earlier implementation is switched back if the probe fails.  Returns the new name.
+    The model's earlier implementation is switched back if the probe fails.  With an ``owner`` (a trainer) the
+    switch and the registration are recorded, so ``packtools.integrations.unprepare(owner)`` undoes them.
+    Returns the new name.
     """
     check_tree_model(model)
-    base = _base_model(model)
+    base = base_model(model)
     before = attention_implementation(model)
     if before != TREE_ATTENTION:
-        object.__setattr__(base, _ORIGINAL, before)
-        base.set_attn_implementation(register())
+        if owner is None:
+            object.__setattr__(base, _ORIGINAL, before)
+        else:
+            set_attr(base, _ORIGINAL, before, owner=owner)
+        set_attention(base, register(owner=owner), owner=owner)
     if attention_implementation(model) != TREE_ATTENTION:
         raise PackingError(
             f"{type(base).__name__} keeps its own attention; it cannot run the tree attention."
@@ -295,6 +293,6 @@ def use_tree_attention(model: Any, check_isolation: bool = True) -> str:
         try:
             check_tree_isolation(model)
         except PackingError:
-            base.set_attn_implementation(vars(base).get(_ORIGINAL, before))
+            set_attention(base, vars(base).get(_ORIGINAL, before))
             raise
     return TREE_ATTENTION

@@ -19,8 +19,9 @@ recorded value back, newest first (``packtools.integrations.unprepare``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +86,21 @@ def undo(owner: Any) -> list[str]:
     names = found.names()
     found.undo()
     return names
+
+
+@contextlib.contextmanager
+def all_or_nothing(owner: Any) -> Iterator[None]:
+    """Within the block, the changes recorded on ``owner`` are undone again (newest first) if the block raises,
+    so a refused trainer is left as it came; changes recorded before the block stay."""
+    patches = patches_of(owner)
+    mark = len(patches.undos)
+    try:
+        yield
+    except BaseException:
+        while len(patches.undos) > mark:
+            _, fn = patches.undos.pop()
+            fn()
+        raise
 
 
 def version(distribution: str) -> str | None:

@@ -1,0 +1,203 @@
+"""What a model is, for padding-free batches: its attention backend, its token mixers, the inputs it takes.
+
+* :func:`attention_implementation`, :func:`check_attention_implementation`, :func:`is_flash`: the backend
+  (``config._attn_implementation``, read through :mod:`packtools.integrations.compat.transformers`) and whether
+  it keeps packed sequences apart.
+* :func:`use_segmented_sdpa` / :func:`switch_back`: the switch to packtools' per-sequence ``sdpa``
+  (:mod:`packtools.integrations.segmented`) and back, recorded on an ``owner`` so ``unprepare`` undoes it.
+* :func:`token_mixing_layers`: layers that mix tokens outside attention (found by module type).
+* :func:`forward_accepts` (the one "does forward take this key" helper) and :func:`adapt_collator`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ..errors import PackingError
+from .compat.transformers import attn_implementation, builds_packed_masks, set_attention
+from .segmented import SEGMENTED_SDPA, register
+
+#: Backends that build a block-diagonal mask from ``position_ids`` (with no ``attention_mask``, no cache).
+MASK_BACKENDS = ("sdpa", "eager", "flex_attention", SEGMENTED_SDPA)
+
+
+def base_model(model: Any) -> Any:
+    """The transformers model under PEFT / DDP wrappers."""
+    for _ in range(4):
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif hasattr(model, "module") and not hasattr(model, "config"):
+            model = model.module
+        else:
+            break
+    return model
+
+
+def attention_implementation(model: Any) -> str | None:
+    """``config._attn_implementation`` of a model (of its text model for composite configs)."""
+    return attn_implementation(getattr(base_model(model), "config", None))
+
+
+def forward_accepts(model: Any, key: str, *, named: bool = False) -> bool:
+    """Whether the ``forward`` of the (unwrapped) model takes ``key``: by name, or (unless ``named``) through
+    ``**kwargs``.
+
+    >>> class M:
+    ...     def forward(self, input_ids, **kwargs): ...
+    >>> forward_accepts(M(), "seq_idx"), forward_accepts(M(), "seq_idx", named=True)
+    (True, False)
+    """
+    params = inspect.signature(base_model(model).forward).parameters
+    if key in params:
+        return True
+    return not named and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def is_flash(implementation: str | None) -> bool:
+    """FlashAttention-family backends (``flash_attention_2/3/4``, ``kernels-community/*flash*``), as transformers tells them."""
+    return (
+        implementation is not None and "flash" in implementation and not implementation.startswith("paged|")
+    )
+
+
+def check_attention_implementation(model: Any) -> str:
+    """Return the model's attention backend, or raise :class:`PackingError` if it cannot isolate packed sequences.
+
+    >>> class Cfg:
+    ...     _attn_implementation = "sdpa"
+    >>> class M:
+    ...     config = Cfg()
+    ...     def forward(self, input_ids=None, position_ids=None, **kwargs): ...
+    >>> check_attention_implementation(M())
+    'sdpa'
+    >>> Cfg._attn_implementation = "paged|eager"
+    >>> check_attention_implementation(M())  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: attention implementation 'paged|eager' cannot keep packed sequences apart...
+    """
+    impl = attention_implementation(model)
+    if impl is None:
+        raise PackingError(
+            f"{type(model).__name__} has no config._attn_implementation, so packtools cannot tell whether its "
+            f"attention keeps packed sequences apart. Use a transformers model loaded with "
+            f"attn_implementation='flash_attention_2', 'sdpa', 'eager' or 'flex_attention'."
+        )
+    if not is_flash(impl) and impl not in MASK_BACKENDS:
+        raise PackingError(
+            f"attention implementation {impl!r} cannot keep packed sequences apart: only FlashAttention-family "
+            f"kernels (which read cu_seq_lens) and {', '.join(MASK_BACKENDS)} (which build a block-diagonal mask "
+            f"from position_ids) do. Load the model with attn_implementation='flash_attention_2' (GPU) or 'sdpa', "
+            f"or call model.set_attn_implementation('sdpa')."
+        )
+    if not is_flash(impl) and not builds_packed_masks():
+        raise PackingError(
+            f"this transformers version does not build a block-diagonal mask from position_ids, so {impl!r} "
+            f"attention would let packed sequences see each other. Upgrade transformers (>= 4.54), or use "
+            f"attn_implementation='flash_attention_2'."
+        )
+    if not is_flash(impl):
+        if not forward_accepts(model, "position_ids", named=True):
+            raise PackingError(
+                f"{type(base_model(model)).__name__}.forward takes no position_ids, so with {impl!r} attention it "
+                f"cannot separate packed sequences. Use attn_implementation='flash_attention_2', or do not pack."
+            )
+    return impl
+
+
+def use_segmented_sdpa(model: Any, *, owner: Any = None) -> bool:
+    """Switch a text model from ``sdpa`` to packtools' per-sequence ``sdpa``; returns whether it switched.
+
+    Padding-free rows then cost ``sum(L_i²)`` per attention layer instead of ``(sum L_i)²``, with the same
+    result (see :mod:`packtools.integrations.segmented`).  Other backends, composite (multimodal) configs and
+    models without ``set_attn_implementation`` are left as they are.  With an ``owner`` (``prepare_trainer``
+    passes the trainer) the switch and the registration are recorded, so
+    :func:`packtools.integrations.unprepare` switches back; otherwise ``model.set_attn_implementation("sdpa")``
+    does.  The name is not saved with the config.
+    """
+    base = base_model(model)
+    config = getattr(base, "config", None)
+    if attention_implementation(model) != "sdpa" or not hasattr(base, "set_attn_implementation"):
+        return False
+    if getattr(config, "sub_configs", None):
+        return False
+    set_attention(base, register(owner=owner), owner=owner)
+    return attention_implementation(model) == SEGMENTED_SDPA  # some models keep their own (e.g. Falcon)
+
+
+def switch_back(models: Sequence[Any]) -> None:
+    """Undo :func:`use_segmented_sdpa` on ``models``."""
+    for model in models:
+        set_attention(base_model(model), "sdpa")
+
+
+@contextlib.contextmanager
+def segmented_sdpa_until_checked(
+    models: Sequence[Any], enabled: bool = True, *, owner: Any = None
+) -> Iterator[list[Any]]:
+    """Switch the ``sdpa`` models among ``models`` (:func:`use_segmented_sdpa`) and yield those switched; if
+    the block raises (a refused trainer), switch them back, so the caller's models are left as they came."""
+    switched = [m for m in models if m is not None and enabled and use_segmented_sdpa(m, owner=owner)]
+    try:
+        yield switched
+    except BaseException:
+        switch_back(switched)
+        raise
+
+
+_MIXER_NAMES = ("Mamba", "DeltaNet", "LinearAttention", "ShortConv", "SSM", "RWKV", "Recurrent")
+
+
+def token_mixing_layers(model: Any) -> list[str]:
+    """Names of the layers that mix tokens outside attention (convolutions, state-space or linear-attention scans).
+
+    Such layers ignore ``position_ids``: they keep packed sequences apart only when given ``seq_idx`` or
+    ``cu_seq_lens`` *and* a kernel that reads them (mamba-ssm, causal-conv1d, flash-linear-attention).
+    Found by module type: a ``torch.nn.Conv1d`` with a kernel wider than 1 (reported as its parent
+    layer) or a class named like a Mamba / DeltaNet / linear-attention / RWKV block.
+    """
+    found: list[str] = []
+    for name, module in base_model(model).named_modules():
+        cls = type(module).__name__
+        parent = name.rsplit(".", 1)[0] if "." in name else name
+        if any(name == f or name.startswith(f + ".") or parent == f for f in found):
+            continue
+        kernel = getattr(module, "kernel_size", None)
+        if cls == "Conv1d" and isinstance(kernel, tuple) and kernel[0] > 1:
+            found.append(parent)
+        elif any(part in cls for part in _MIXER_NAMES) and not cls.endswith(("Model", "ForCausalLM")):
+            found.append(name)
+    return found
+
+
+def adapt_collator(collator: Any, model: Any) -> Any:
+    """``collator`` with the keys the model's ``forward`` does not take switched off.
+
+    Applies to a :class:`~packtools.PaddingFreeCollator` (or the one inside an ``ArrowCollator``);
+    any other collator is returned as is.  ``position_ids`` is never switched off here: without it
+    non-flash backends cannot separate sequences, which :func:`check_attention_implementation` refuses.
+    """
+    from ..batches.collate import SWITCHED_KEYS, PaddingFreeCollator
+
+    inner = getattr(collator, "collator", collator)
+    if not isinstance(inner, PaddingFreeCollator):
+        return collator
+    changes = {
+        switch: False
+        for switch, keys in SWITCHED_KEYS.items()
+        if switch != "return_position_ids"
+        and getattr(inner, switch)
+        and not all(forward_accepts(model, key) for key in keys)
+    }
+    if not changes:
+        return collator
+    adapted = inner.replace(**changes)
+    if inner is collator:
+        return adapted
+    wrapper = copy.copy(collator)
+    wrapper.collator = adapted
+    return wrapper

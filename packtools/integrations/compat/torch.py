@@ -1,0 +1,56 @@
+"""Every touch of ``torch`` internals by packtools, checked against :data:`CHECKED`.
+
+* ``Tensor._version`` (:func:`tensor_version`): the in-place version counter the segmented attention keys its
+  cached boundaries on (no public getter; inference-mode tensors have none).
+* ``Module.register_forward_pre_hook(hook, with_kwargs=True)`` (:func:`forward_pre_hook`, public): the guard's
+  hook, recorded on its owner so that :func:`~packtools.integrations.compat.unprepare` removes it again
+  (packtools never rebinds a model's ``forward``).
+
+An object without the shape checked here raises :func:`~packtools.integrations.compat.unknown_shape`.
+
+>>> import torch
+>>> t = torch.zeros(2)
+>>> before = tensor_version(t)
+>>> _ = t.add_(1)
+>>> tensor_version(t) == before + 1
+True
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from . import record, unknown_shape
+
+#: The ``torch`` versions whose shapes this module was checked against (lowest and newest CI runs).
+CHECKED = "2.13.0"
+_FIX = "Install a torch version packtools was checked against (see CHECKED), or report the new shape."
+
+
+def tensor_version(tensor: Any) -> int | None:
+    """The tensor's in-place version counter; ``None`` for an inference-mode tensor (it has none)."""
+    try:
+        return int(tensor._version)
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return None
+    except AttributeError:
+        raise unknown_shape(
+            "torch", CHECKED, f"{type(tensor).__name__} has no _version counter", _FIX
+        ) from None
+
+
+def forward_pre_hook(module: Any, hook: Callable[..., Any], *, owner: Any) -> Any:
+    """Register ``hook(module, args, kwargs) -> (args, kwargs)`` before ``module``'s forward; returns the handle.
+
+    Recorded on ``owner``: undoing it removes the hook.
+    """
+    register = getattr(module, "register_forward_pre_hook", None)
+    if not callable(register) or "with_kwargs" not in inspect.signature(register).parameters:
+        raise unknown_shape(
+            "torch", CHECKED, f"{type(module).__name__}.register_forward_pre_hook takes no with_kwargs", _FIX
+        )
+    handle = register(hook, with_kwargs=True)
+    record(owner, f"{type(module).__name__} forward pre-hook", handle.remove)
+    return handle

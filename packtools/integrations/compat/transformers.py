@@ -1,0 +1,208 @@
+"""Every touch of ``transformers`` internals on ``prepare_trainer``'s path, checked against :data:`CHECKED`.
+
+Reads:
+
+* ``config._attn_implementation`` (:func:`attn_implementation`): where a model keeps its attention backend;
+  ``PretrainedConfig`` has no public getter for it.
+* ``transformers.masking_utils.find_packed_sequence_indices`` (:func:`builds_packed_masks`): whether the
+  ``sdpa``/``eager``/``flex`` masks separate packed sequences found in ``position_ids``.
+* ``transformers.integrations.sdpa_attention`` (:func:`sdpa_functions`): the ``sdpa`` forward and ``repeat_kv``.
+* ``Trainer._remove_unused_columns`` / ``Trainer._get_collator_with_removed_columns`` (:func:`training_rows`,
+  :func:`training_collator`): the trainer's own column removal, called as training calls it.
+
+Changes, each recorded on its ``owner`` (a trainer) so that :func:`~packtools.integrations.compat.unprepare`
+undoes them:
+
+* ``Trainer._signature_columns`` (:func:`keep_signature_columns`): packtools' columns added to those
+  ``remove_unused_columns`` keeps (filled first by ``Trainer._set_signature_columns_if_needed``).
+* the attention registries (:func:`register_attention`): ``AttentionInterface.register`` and
+  ``ALL_MASK_ATTENTION_FUNCTIONS.register`` (public); taking an entry out again needs their class-wide
+  ``_global_mapping`` (no public ``unregister``), done only when the last owner that needed it is undone.
+* a model's backend (:func:`set_attention`, through the public ``set_attn_implementation``).
+* ``Trainer.get_train_dataloader`` (:func:`replace_train_dataloader`): an instance attribute over the method.
+
+An object without the shape checked here raises :func:`~packtools.integrations.compat.unknown_shape` instead
+of being patched blindly.  This module imports no packtools layer above ``errors`` (it sits below them).
+
+>>> import transformers, types
+>>> from packtools.integrations.compat import undo
+>>> attn_implementation(transformers.LlamaConfig(attn_implementation="eager"))
+'eager'
+>>> owner, registry = types.SimpleNamespace(), transformers.AttentionInterface()
+>>> register_attention("packtools_doc", lambda *args, **kwargs: None, owner=owner)
+'packtools_doc'
+>>> "packtools_doc" in registry, undo(owner), "packtools_doc" in registry
+(True, ["AttentionInterface['packtools_doc']"], False)
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..._optional import is_instance, require
+from . import record, set_attr, unknown_shape
+
+#: The ``transformers`` versions whose shapes this module was checked against (lowest and newest CI runs).
+CHECKED = "5.15.0 - 5.24.0"
+_FIX = "Install a transformers version packtools was checked against (see CHECKED), or report the new shape."
+#: Registry entries packtools added, with how many owners still need them.
+_HELD: dict[str, int] = {}
+
+
+def attn_implementation(config: Any) -> str | None:
+    """``config._attn_implementation`` (of the text config for composite configs); ``None`` without a config."""
+    if config is None:
+        return None
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    if is_instance(config, "transformers", "PretrainedConfig") and not hasattr(
+        type(config), "_attn_implementation"
+    ):
+        raise unknown_shape(
+            "transformers", CHECKED, f"{type(config).__name__} has no _attn_implementation", _FIX
+        )
+    return getattr(config, "_attn_implementation", None)
+
+
+def builds_packed_masks() -> bool:
+    """Whether transformers' ``sdpa``/``eager``/``flex`` masks separate packed sequences in ``position_ids``."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return False
+    return hasattr(masking_utils, "find_packed_sequence_indices")
+
+
+def sdpa_functions() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``(sdpa_attention_forward, repeat_kv)`` of ``transformers.integrations.sdpa_attention``."""
+    require("transformers", "packtools segmented sdpa")
+    try:
+        from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    except ImportError as err:
+        raise unknown_shape(
+            "transformers",
+            CHECKED,
+            f"transformers.integrations.sdpa_attention lacks a function ({err})",
+            _FIX,
+        ) from err
+    return sdpa_attention_forward, repeat_kv
+
+
+def _registries() -> tuple[Any, Any, Any]:
+    require("transformers", "packtools attention registration")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    for registry in (AttentionInterface, type(ALL_MASK_ATTENTION_FUNCTIONS)):
+        if not isinstance(getattr(registry, "_global_mapping", None), dict) or not hasattr(
+            registry, "register"
+        ):
+            raise unknown_shape(
+                "transformers",
+                CHECKED,
+                f"{registry.__name__} has no register / class-wide _global_mapping",
+                _FIX,
+            )
+    return AttentionInterface, ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+
+def register_attention(name: str, forward: Callable[..., Any], *, owner: Any = None) -> str:
+    """Register ``forward`` as attention ``name`` with ``sdpa``'s mask function; returns ``name``.
+
+    With an ``owner``, the entries packtools added are taken out again when the last owner needing them is
+    undone; an entry registered without one (or by someone else) stays.
+    """
+    interface, masks, sdpa_mask = _registries()
+    added = name not in interface()
+    if added:
+        interface.register(name, forward)
+    if name not in masks:
+        type(masks).register(name, sdpa_mask)
+    if owner is not None and (added or name in _HELD):
+        _HELD[name] = _HELD.get(name, 0) + 1
+        record(owner, f"AttentionInterface[{name!r}]", lambda: _release(name))
+    return name
+
+
+def _release(name: str) -> None:
+    _HELD[name] -= 1
+    if _HELD[name] > 0:
+        return
+    del _HELD[name]
+    interface, masks, _ = _registries()
+    interface._global_mapping.pop(name, None)
+    type(masks)._global_mapping.pop(name, None)
+
+
+def set_attention(model: Any, name: str, *, owner: Any = None) -> None:
+    """``model.set_attn_implementation(name)``; with an ``owner``, undone by switching back to the old backend."""
+    switch = getattr(model, "set_attn_implementation", None)
+    if not callable(switch):
+        raise unknown_shape(
+            "transformers", CHECKED, f"{type(model).__name__} has no set_attn_implementation", _FIX
+        )
+    before = attn_implementation(getattr(model, "config", None))
+    switch(name)
+    if owner is not None and before is not None and before != name:
+        record(owner, f"{type(model).__name__}.attn_implementation", lambda: switch(before))
+
+
+def _trainer_method(trainer: Any, name: str, params: Sequence[str]) -> Callable[..., Any]:
+    method = getattr(trainer, name, None)
+    found = list(inspect.signature(method).parameters) if callable(method) else None
+    if found is None or any(p not in found for p in params):
+        raise unknown_shape(
+            "transformers",
+            CHECKED,
+            f"{type(trainer).__name__} has no {name}({', '.join(params)}) (found {found})",
+            "Build it on transformers.Trainer of a version packtools was checked against (see CHECKED), or pass "
+            "check_isolation=False (the collator check needs the trainer's column removal).",
+        )
+    return method
+
+
+def keep_signature_columns(trainer: Any, columns: Sequence[str], *, owner: Any) -> None:
+    """Add ``columns`` to the columns ``remove_unused_columns`` keeps (``Trainer._signature_columns``)."""
+    fill = _trainer_method(trainer, "_set_signature_columns_if_needed", ())
+    if "_signature_columns" not in vars(trainer):
+        raise unknown_shape(
+            "transformers",
+            CHECKED,
+            f"{type(trainer).__name__} has no _signature_columns (the columns remove_unused_columns keeps)",
+            "Pass TrainingArguments(remove_unused_columns=False), or install a transformers version packtools "
+            "was checked against (see CHECKED).",
+        )
+    before = trainer._signature_columns
+    fill()
+    kept = trainer._signature_columns
+    if not isinstance(kept, list):
+        raise unknown_shape(
+            "transformers", CHECKED, f"_signature_columns is {type(kept).__name__}, not a list", _FIX
+        )
+    trainer._signature_columns = kept + [c for c in columns if c not in kept]
+    record(
+        owner,
+        f"{type(trainer).__name__}._signature_columns",
+        lambda: setattr(trainer, "_signature_columns", before),
+    )
+
+
+def training_rows(trainer: Any, dataset: Any) -> Any:
+    """``dataset`` with the columns the trainer's training loader removes removed (a ``datasets.Dataset``)."""
+    method = _trainer_method(trainer, "_remove_unused_columns", ("dataset", "description"))
+    return method(dataset, description="training")
+
+
+def training_collator(trainer: Any, collator: Any) -> Any:
+    """``collator`` wrapped in the trainer's column removal, as its training loader wraps it (other datasets)."""
+    method = _trainer_method(trainer, "_get_collator_with_removed_columns", ("data_collator", "description"))
+    return method(collator, description="training")
+
+
+def replace_train_dataloader(trainer: Any, make: Callable[[Any], Any], *, owner: Any) -> None:
+    """Make ``trainer.get_train_dataloader()`` call ``make(trainer)`` (recorded; undone by deleting it again)."""
+    _trainer_method(trainer, "get_train_dataloader", ())
+    set_attr(trainer, "get_train_dataloader", types.MethodType(make, trainer), owner=owner)
