@@ -88,11 +88,6 @@ def test_a_step_after_unprepare_is_trls_own(tmp_path):
     assert all(bool((ours[2][k] == theirs[2][k]).all()) for k in theirs[2])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the guard hook, the training loader and the attention switch belong to the transformers side "
-    "(branch h20-trainer), which records them on the trainer; this passes once both sides are merged",
-)
 def test_unprepare_also_removes_what_the_transformers_side_installed(tmp_path):
     trainer = dpo.build(tmp_path)
     impl = trainer.model.config._attn_implementation

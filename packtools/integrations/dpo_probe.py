@@ -16,8 +16,9 @@ from typing import Any
 
 from .._optional import require
 from ..errors import PackingError
+from .backends import attention_implementation
+from .backends import base_model as _base_model
 from .isolation import TOLERANCE
-from .transformers import _base_model, attention_implementation
 
 DEFAULT_LENGTHS = (5, 9, 3, 7)
 

@@ -21,11 +21,12 @@ from .._optional import require
 from ..batches.tree import TREE_KEY, TreeLayout, tree_segments, unshared_index
 from ..core.shared_pairs import PROMPT_LENGTHS
 from ..errors import PackingError
+from .backends import attention_implementation
+from .backends import base_model as _base_model
 from .compat import set_attr
 from .compat.trl import wrap_fused_forward
 from .dpo_calls import PER_TOKEN, padded_preference_call, padding_free_layout
 from .segmented import SEGMENTED_SDPA
-from .transformers import _base_model, attention_implementation
 from .tree_attention import check_tree_model, use_tree_attention
 
 _WRAPPED = "_packtools_shared_prompt"
@@ -171,7 +172,7 @@ def prepare_shared_prompt(trainer: Any, models: list[Any], check_isolation: bool
     try:
         for model in models:
             switched.append((model, attention_implementation(model)))
-            use_tree_attention(model, check_isolation=check_isolation)
+            use_tree_attention(model, check_isolation=check_isolation, owner=trainer)
     except BaseException:
         for model, before in switched:
             _base_model(model).set_attn_implementation("sdpa" if before == SEGMENTED_SDPA else before)

@@ -65,26 +65,18 @@ from .._optional import require
 from ..errors import PackingError
 from .backends import (
     adapt_collator,
-    attention_implementation,
     base_model,
     check_attention_implementation,
-    forward_accepts,
     segmented_sdpa_until_checked,
     switch_back,
-    token_mixing_layers,
 )
 from .budget_loader import install_train_loader
 from .collator_check import check_trainer_collator, probe_collator
 from .compat import all_or_nothing, set_attr, unprepare
-from .guard import check_forward_inputs, guard_model
+from .guard import guard_model
 from .isolation import check_isolation as _check_isolation
 from .segmented import SEGMENTED_SDPA
 from .sft import causal_lm_loss, check_sft, is_sft_trainer, keep_packed_columns
-
-# prepare_dpo_trainer's modules (trl.py, shared_dpo.py, dpo_probe.py) still import these from here; their homes
-# are .backends and .guard, and this tuple goes once those imports point there.
-_base_model = base_model
-_FOR_DPO = (attention_implementation, forward_accepts, token_mixing_layers, check_forward_inputs, _base_model)
 
 
 def run_probe(

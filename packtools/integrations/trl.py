@@ -45,6 +45,14 @@ from typing import Any
 from .._optional import require
 from ..constants import SEQ_LENGTHS
 from ..errors import PackingError
+from .backends import (
+    attention_implementation,
+    check_attention_implementation,
+    forward_accepts,
+    segmented_sdpa_until_checked,
+    token_mixing_layers,
+)
+from .backends import base_model as _base_model
 from .budget_loader import install_train_loader
 from .collator_check import check_preference_collator
 from .compat import set_attr, undo
@@ -60,18 +68,9 @@ from .compat.trl import (
 from .distributed import check_loss_path, trainer_divides_by_accumulation, uneven_gather
 from .dpo_calls import PER_TOKEN, padded_preference_call, padding_free_layout
 from .dpo_probe import check_padding_free_forward
+from .guard import check_forward_inputs, guard_model
 from .shared_dpo import check_tree_models, prepare_shared_prompt, shares_prompt, tree_columns
-from .transformers import (
-    _base_model,
-    attention_implementation,
-    check_attention_implementation,
-    check_forward_inputs,
-    forward_accepts,
-    guard_model,
-    run_probe,
-    segmented_sdpa_until_checked,
-    token_mixing_layers,
-)
+from .transformers import run_probe
 
 _WRAPPED = "_packtools_padding_free"
 _PATCHED = "_packtools_dpo"
@@ -335,7 +334,7 @@ def _prepare(
         check_attention_implementation(model)
     if check_isolation:  # the user's collator must keep every sequence in its own row (collator_check)
         check_preference_collator(trainer)
-    with segmented_sdpa_until_checked(models, segmented_sdpa) as switched:
+    with segmented_sdpa_until_checked(models, segmented_sdpa, owner=trainer) as switched:
         if check_isolation:
             run_probe(trainer, trainer.ref_model, switched=switched)
         for model in models:
@@ -350,12 +349,12 @@ def _prepare(
                 check_padding_free_forward(model)
     if shared:
         prepare_shared_prompt(trainer, models, check_isolation)
-    guard_model(trainer.model)  # packtools.integrations.transformers (records its own changes)
+    guard_model(trainer.model, owner=trainer)  # recorded on the trainer (unprepare removes the hook)
     if trainer.ref_model is not None:
-        guard_model(trainer.ref_model)
+        guard_model(trainer.ref_model, owner=trainer)
     if train_dataset is not None:
         _use_packed_dataset(trainer, train_dataset, shared)
-    install_train_loader(trainer, max_tokens)  # packtools.integrations.budget_loader
+    install_train_loader(trainer, max_tokens, owner=trainer)  # packtools.integrations.budget_loader
     step = _StepPairs()
     _count_step_pairs(trainer, step)
     _mean_over_step(trainer, step)
