@@ -108,3 +108,25 @@ def test_chat_labels_equal_generation_masks_of_a_tagged_copy(vocab, tmp_path, te
             assert tok.fast is not None and on_transformers == 0  # NFC text: the fast path all the way
     if engine and name == "qwen3":
         assert on_transformers == 1  # the text NFC changes went to transformers (offsets would not follow it)
+
+
+@needs_engine
+def test_a_warm_cli_run_exits_cleanly_while_the_engine_still_loads(vocab, tmp_path):
+    """A warm run of a large vocabulary tokenizes its one document on the reference while the fast engine is still
+    loading in its thread, and finishes first.  The process must still exit 0: with the load in a daemon thread,
+    the interpreter's exit killed it inside the native load and the process aborted ("FATAL: exception not
+    rethrown", status 134) after writing its output, on every warm run (negative control: daemon=True)."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "one.jsonl"
+    src.write_text('{"text": "one short document"}\n')
+    env = {**os.environ, "PACKTOOLS_CACHE_DIR": str(tmp_path / "cache")}
+    for run in ["cold", "second"] + [f"warm-{i}" for i in range(6)]:  # the abort hit 3 of 5 warm runs
+        out = tmp_path / f"out-{run}"
+        cmd = [sys.executable, "-m", "packtools.cli", "pack", str(src), "--tokenizer", vocab("llama3")]
+        proc = subprocess.run(
+            [*cmd, "--out", str(out), "--max-length", "64"], env=env, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, (run, proc.returncode, proc.stderr[-500:])
+        assert (out / "manifest.json").is_file() or any(out.iterdir())

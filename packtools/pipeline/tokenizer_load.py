@@ -201,7 +201,9 @@ class FastLoad:
         self._native: Any = None
         self._error: BaseException | None = None
         fast_engine.set_engine_threads(threads)  # before the load: the engine reads it when it starts
-        self._thread = threading.Thread(target=self._load, name="packtools-fast-engine-load", daemon=True)
+        # not a daemon: the interpreter joins it before finalizing (a daemon thread still inside the native load
+        # when the process exits aborts it: "FATAL: exception not rethrown", exit status 134)
+        self._thread = threading.Thread(target=self._load, name="packtools-fast-engine-load", daemon=False)
         self._thread.start()
 
     def _load(self) -> None:
