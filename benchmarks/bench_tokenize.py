@@ -406,11 +406,9 @@ def main() -> int:
                 ("packtools pack, tokenizer_engine=transformers", "packtools", ["transformers", "1"]),
                 ("packtools pack, tokenizer_engine=auto", "packtools", ["auto", "1"]),
             ]
-            if (
-                kind == "chat"
-            ):  # the first run with this tokenizer records its proofs (transformers is loaded)
-                cases.insert(2, ("packtools pack, tokenizer_engine=auto, first run (proofs recorded)", "packtools",
-                                 ["auto", "1"]))  # fmt: skip
+            # the first run with this tokenizer records its proofs (transformers is loaded); then a run as every later one
+            cases.insert(2, ("packtools pack, tokenizer_engine=auto, first run (proofs recorded)", "packtools",
+                             ["auto", "1"]))  # fmt: skip
             if args.no_transformers:
                 del cases[1]
             if not args.no_pool:

@@ -162,3 +162,16 @@ def test_unknown_trainer_shapes_are_refused(tmp_path):
     trainer = dpo.build(tmp_path)
     assert ctrl.is_vision(trainer) is False
     assert ctrl.tokenizer_of(trainer).pad_token_id == dpo.PAD
+
+
+def test_prepared_takes_the_dpo_path_and_prepare_trainer_refuses_a_dpo_trainer(tmp_path):
+    from packtools import prepare_trainer
+    from packtools.integrations import prepared
+
+    trainer = dpo.build(tmp_path)
+    with pytest.raises(PackingError, match="prepare_dpo_trainer"):
+        prepare_trainer(trainer)  # the SFT path would not batch pairs whole nor scale DPO's loss
+    assert "_packtools_dpo" not in vars(trainer)
+    with prepared(trainer):
+        assert vars(trainer).get("_packtools_dpo") is True  # prepare_dpo_trainer ran, not prepare_trainer
+    assert "_packtools_dpo" not in vars(trainer) and "get_train_dataloader" not in vars(trainer)

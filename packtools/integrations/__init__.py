@@ -3,7 +3,7 @@
 Each name is imported on first use (``datasets``, ``transformers``, ``trl`` or ``ray`` only then).
 ``pack_dataset``, ``packed_view``, ``prepare_trainer`` and ``prepare_dpo_trainer`` are also at the front door.
 ``unprepare(trainer)`` undoes everything a ``prepare_*`` call changed; ``prepared(trainer, **kwargs)`` is
-``prepare_trainer`` for the span of a ``with`` block.
+``prepare_trainer`` (``prepare_dpo_trainer`` for a ``DPOTrainer``) for the span of a ``with`` block.
 
 >>> import datasets
 >>> from packtools.integrations import truncate_dataset
@@ -21,7 +21,7 @@ _EXPORTS = {
     "pack_preference": "packtools.integrations.preference_data",
     "pack_ray_dataset": "packtools.integrations.ray",
     "prepare_trainer": "packtools.integrations.transformers",
-    "prepared": "packtools.integrations.transformers",
+    "prepared": "packtools.integrations.prepared",
     "unprepare": "packtools.integrations.compat",
     "packed_sft_config": "packtools.integrations.sft",
     "use_segmented_sdpa": "packtools.integrations.backends",

@@ -35,33 +35,34 @@ TRL's ``SFTTrainer`` needs three settings for an already-packed dataset;
 
 Everything :func:`prepare_trainer` changes on the trainer, its model, its collator, its loader method and
 transformers' attention registry goes through :mod:`packtools.integrations.compat` and is recorded on the
-trainer: :func:`packtools.integrations.unprepare` puts it all back, :func:`prepared` prepares for a block, and
+trainer: :func:`packtools.integrations.unprepare` puts it all back, :func:`packtools.integrations.prepared` prepares for
+a block, and
 a trainer that ``prepare_trainer`` refuses is left as it came.
 
 >>> import tempfile, datasets, transformers
 >>> from packtools import PaddingFreeCollator, pack_dataset
+>>> from packtools.integrations import unprepare
 >>> config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
 ...                                   num_attention_heads=2, attn_implementation="sdpa")
 >>> rows = pack_dataset(datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9]]}), 8)
 >>> args = transformers.TrainingArguments(tempfile.mkdtemp(), report_to=[], use_cpu=True)
 >>> trainer = transformers.Trainer(transformers.LlamaForCausalLM(config), args, train_dataset=rows,
 ...                                data_collator=PaddingFreeCollator(0))
->>> with prepared(trainer):
-...     trainer.model.config._attn_implementation
-'packtools_sdpa'
->>> trainer.model.config._attn_implementation, trainer._signature_columns
-('sdpa', None)
+>>> prepare_trainer(trainer) is trainer, trainer.model.config._attn_implementation
+(True, 'packtools_sdpa')
+>>> unprepare(trainer).model.config._attn_implementation
+'sdpa'
+
 """
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from .._lazy import lazy_exports
-from .._optional import require
+from .._optional import is_instance, require
 from ..errors import PackingError
 from .backends import (
     adapt_collator,
@@ -72,7 +73,7 @@ from .backends import (
 )
 from .budget_loader import install_train_loader
 from .collator_check import check_trainer_collator, probe_collator
-from .compat import all_or_nothing, set_attr, unprepare
+from .compat import all_or_nothing, set_attr
 from .guard import guard_model
 from .isolation import check_isolation as _check_isolation
 from .segmented import SEGMENTED_SDPA
@@ -153,6 +154,12 @@ def prepare_trainer(
     (:mod:`packtools.integrations.budget_loader`).  Returns the trainer.
     """
     require("transformers", "packtools.integrations.prepare_trainer")
+    if is_instance(trainer, "trl", "DPOTrainer"):
+        raise PackingError(
+            f"prepare_trainer got a {type(trainer).__name__}: preference pairs need their own batches, loss scaling "
+            "and forward. Use packtools.prepare_dpo_trainer(trainer, ...) instead.",
+            param="trainer",
+        )
     check_attention_implementation(trainer.model)
     with all_or_nothing(trainer):
         keep_packed_columns(trainer)
@@ -183,21 +190,6 @@ def prepare_trainer(
             if check_isolation:
                 run_probe(trainer, switched=switched, collator=probe_rows, packed=packed)
     return trainer
-
-
-@contextlib.contextmanager
-def prepared(trainer: Any, **kwargs: Any) -> Iterator[Any]:
-    """:func:`prepare_trainer` for the block, :func:`packtools.integrations.unprepare` after it (also on error)::
-
-    with prepared(trainer, max_tokens=4096):
-        trainer.train()
-    # trainer, model, collator, loader and attention registry as they were built
-    """
-    prepare_trainer(trainer, **kwargs)
-    try:
-        yield trainer
-    finally:
-        unprepare(trainer)
 
 
 # Names documented here before they moved to their own modules: they still resolve, with a DeprecationWarning.
