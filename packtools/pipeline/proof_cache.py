@@ -23,6 +23,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -63,7 +64,7 @@ def verdict_path(
         source=source,
         engine=fast_engine.engine_key("auto"),
         versions=_versions(),
-        code=_code_hash(),
+        code=code_hash(),
     )[:32]
     return os.path.join(root, "engine-proof", key + ".json")
 
@@ -80,12 +81,14 @@ _PROOF_MODULES = (
 )
 
 
-def _code_hash() -> str:
-    """A hash of the modules the proof's answer depends on (a development checkout changes them without a new
-    version number)."""
+@functools.cache
+def code_hash(modules: tuple[str, ...] = _PROOF_MODULES) -> str:
+    """A hash of the sources of ``modules`` (files of this package) that a recorded answer depends on: a
+    development checkout changes them without a new version number.  Read once per process (the code that runs
+    is the code loaded)."""
     h = hashlib.sha256()
     here = os.path.dirname(os.path.abspath(__file__))
-    for name in _PROOF_MODULES:
+    for name in modules:
         with open(os.path.join(here, name), "rb") as fh:
             h.update(hashlib.sha256(fh.read()).digest())
     return h.hexdigest()

@@ -25,7 +25,6 @@ Two fixed costs of a run come from the size of a real vocabulary (128k-250k toke
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -40,6 +39,7 @@ from ..constants import __version__
 from ..io.fingerprint import cache_key
 from . import fast_tokenize as fast_engine
 from .char_drops import missing_bytes
+from .proof_cache import code_hash
 from .reference import cache_dir
 
 FACTS_FORMAT = 1
@@ -87,22 +87,13 @@ class TokenizerFacts:
         return {k: getattr(self, k) for k in ("refusal", "chat_refusal", "nfc", "missing", "specials")}
 
 
-def _code_hash() -> str:
-    h = hashlib.sha256()
-    here = os.path.dirname(os.path.abspath(__file__))
-    for name in _FACT_MODULES:
-        with open(os.path.join(here, name), "rb") as fh:
-            h.update(hashlib.sha256(fh.read()).digest())
-    return h.hexdigest()
-
-
 def facts_path(tokenizer_fp: str) -> str | None:
     """Where the facts of the tokenizer with fingerprint ``tokenizer_fp`` are recorded (None: the cache is off)."""
     root = cache_dir()
     if root is None:
         return None
     key = cache_key("tokenizer-facts", FACTS_FORMAT, tokenizer=tokenizer_fp, packtools=__version__,
-                    code=_code_hash())[:32]  # fmt: skip
+                    code=code_hash(_FACT_MODULES))[:32]  # fmt: skip
     return os.path.join(root, "tokenizer-facts", key + ".npz")
 
 
@@ -154,7 +145,7 @@ def compact_path(tokenizer_fp: str) -> str | None:
     if root is None:
         return None
     key = cache_key("fast-engine-json", FACTS_FORMAT, tokenizer=tokenizer_fp, engine=fast_engine.engine_key("auto"),
-                    code=_code_hash())[:32]  # fmt: skip
+                    code=code_hash(_FACT_MODULES))[:32]  # fmt: skip
     return os.path.join(root, "fast-engine", key + ".json")
 
 
