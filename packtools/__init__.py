@@ -9,16 +9,18 @@ Everything else lives in a namespace named for what it is: ``packtools.core``, `
 
 from ._lazy import lazy_exports, moved_to
 from .constants import __version__ as __version__
-from .core.pack import pack_table
-from .core.plan import PackPlan, plan
 from .errors import PackingError
-from .integrations.dataset_views import packed_view
-from .integrations.datasets import pack_dataset
-from .profiling.profile import profile_lengths
 
-# Imported on first use: they need torch or transformers, or the pipeline (kept out of `import packtools`,
-# which every worker process pays).
+# Every name but the error is imported on first use: `import packtools` (which every worker process and every
+# `packtools` command pays) imports neither Numba, the kernels, pyarrow's compute functions, torch nor the
+# pipeline until a name that needs them is read.
 _LAZY = {
+    "pack_table": "packtools.core.pack",
+    "plan": "packtools.core.plan",
+    "PackPlan": "packtools.core.plan",
+    "packed_view": "packtools.integrations.dataset_views",
+    "pack_dataset": "packtools.integrations.datasets",
+    "profile_lengths": "packtools.profiling.profile",
     "pack_files": "packtools.pipeline.run",
     "profile_files": "packtools.pipeline.profile",
     "PaddingFreeCollator": "packtools.batches.collate",

@@ -15,8 +15,11 @@ listed in ``dir()`` or ``__all__``.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 import warnings
 from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import Any
 
 
@@ -58,3 +61,22 @@ def moved_to(home: str, name: str) -> tuple[str, str]:
         f"packtools.{name} moved to {home}: use `from {home} import {name}` "
         f"(packtools.{name} will be removed in a later release)"
     )
+
+
+def lazy_module(name: str) -> ModuleType:
+    """Module ``name``, imported when one of its attributes is first read (``importlib.util.LazyLoader``).
+
+    The kernels module imports Numba (a quarter to half a second); modules that only call kernels in some of
+    their functions hold it this way, so that ``packtools pack`` reads and tokenizes its first part before
+    paying for Numba.  Already imported: the module itself.
+    """
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"no module named {name!r}")
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

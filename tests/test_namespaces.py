@@ -128,3 +128,15 @@ def test_namespaces_import_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_import_and_the_cli_parser_do_not_import_numba_or_pandas():
+    """`import packtools` and building the CLI's parser import neither Numba (kernels load on first use) nor
+    pandas; a kernel call does import Numba (the control)."""
+    code = (
+        "import sys, packtools, packtools.core, packtools.cli.main as m; m.build_parser(); "
+        "print(sorted(x for x in ('numba', 'pandas') if x in sys.modules)); "
+        "packtools.plan([3, 2], max_length=4); print('numba' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["[]", "True"]

@@ -29,12 +29,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from .._lazy import lazy_module
 from ..constants import MASK_COLUMNS
-from ..core import kernels
 from ..core.arrow import ListColumn
 from ..errors import PackingError
 from .flatten import FlatRows
 from .labels import labels_of
+
+if TYPE_CHECKING:
+    from ..core import kernels
+else:  # Numba is imported when a kernel first runs
+    kernels = lazy_module("packtools.core.kernels")
 
 if TYPE_CHECKING:
     from .collate import PaddingFreeCollator

@@ -24,16 +24,21 @@ How an epoch is built, deterministically from ``(seed, epoch)``:
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 
-from ..core import kernels
+from .._lazy import lazy_module
 from ..core.arrow import read_list_column
 from ..core.plan import as_lengths
 from ..errors import PackingError
 from .buckets import bucket_padding, check_buckets, choose_buckets
+
+if TYPE_CHECKING:
+    from ..core import kernels
+else:  # Numba is imported when a kernel first runs
+    kernels = lazy_module("packtools.core.kernels")
 
 
 def _positive_int(value: object, name: str, minimum: int = 1) -> int:

@@ -10,9 +10,8 @@ import pyarrow.compute as pc
 
 from ..constants import SEQ_LENGTHS
 from ..errors import PackingError
-from . import kernels
 from .arrow import ListColumn, check_aligned, is_list_type, list_array, read_list_column
-from .plan import STRATEGIES, PackPlan, Strategy, check_max_length
+from .plan import STRATEGIES, PackPlan, Strategy, check_max_length, kernels  # kernels: imported on first use
 from .plan import plan as make_plan
 
 #: Columns that only packed (or already collated) data carries: their presence means the rows are packed.

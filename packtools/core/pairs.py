@@ -14,16 +14,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
+from .._lazy import lazy_module
 from ..constants import SEQ_LENGTHS
 from ..errors import PackingError
-from . import kernels
 from .arrow import ListColumn, list_array, read_list_column
 from .plan import PackPlan, check_max_length
 from .plan import plan as make_plan
+
+if TYPE_CHECKING:
+    from . import kernels
+else:  # Numba is imported when a kernel first runs
+    kernels = lazy_module("packtools.core.kernels")
 
 #: Input columns of a tokenized preference table (TRL's names).
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")

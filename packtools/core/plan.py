@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import pyarrow as pa
 
+from .._lazy import lazy_module
 from ..errors import PackingError
-from . import kernels
+from .arrow import numeric_array
 from .plan_file import PLAN_ARRAYS, read_plan, write_plan
+
+if TYPE_CHECKING:
+    from . import kernels
+else:  # Numba is imported when a kernel first runs
+    kernels = lazy_module("packtools.core.kernels")
 
 Strategy = Literal["bfd", "bfd_split", "wrapped"]
 STRATEGIES: tuple[str, ...] = ("bfd", "bfd_split", "wrapped")
@@ -247,8 +253,9 @@ class PackPlan:
     @property
     def seq_lengths(self) -> pa.ListArray:
         """Per-row segment lengths as an Arrow ``list<int32>`` array (the ``seq_lengths`` column)."""
-        return pa.ListArray.from_arrays(
-            pa.array(self.row_offsets.astype(np.int32)), pa.array(self.seg_length.astype(np.int32))
+        return pa.ListArray.from_arrays(  # from buffers: pa.array(ndarray) imports pandas
+            numeric_array(self.row_offsets.astype(np.int32), pa.int32()),
+            numeric_array(self.seg_length.astype(np.int32), pa.int32()),
         )
 
     # -- transforms ------------------------------------------------------------------------------

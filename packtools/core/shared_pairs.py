@@ -25,13 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
+from .._lazy import lazy_module
 from ..constants import SEQ_LENGTHS
 from ..errors import PackingError
-from . import kernels
 from .arrow import ListColumn, list_array
 from .pairs import (
     COMPLETION_MASK,
@@ -44,6 +45,11 @@ from .pairs import (
     plan_units,
 )
 from .plan import PackPlan
+
+if TYPE_CHECKING:
+    from . import kernels
+else:  # Numba is imported when a kernel first runs
+    kernels = lazy_module("packtools.core.kernels")
 
 PROMPT_LENGTHS = "prompt_lengths"
 GROUP_SIZES = "group_sizes"
