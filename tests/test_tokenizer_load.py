@@ -178,3 +178,101 @@ def test_token_columns_are_built_without_importing_pandas():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.split()
     assert out == ["False", "True"]
+
+
+@pytest.mark.parametrize("extra", [0, 1], ids=["small", "one-byte-more-control"])
+def test_a_small_input_of_a_large_vocabulary_is_tokenized_by_the_reference_alone(tok, monkeypatch, extra):
+    """Up to SMALL_INPUT_BYTES of input, the pipeline's tokenizer starts no fast-engine load (it would only compete
+    with the reference for the cores and hold the exit) and says why; every id is the reference's."""
+    BatchTokenizer(tok, "text")  # records the verdicts
+    monkeypatch.setattr(tokenizer_load, "OVERLAP_MIN_BYTES", 0)  # the test tokenizer is small
+    started = []
+    real = tokenizer_load.FastLoad.__init__
+
+    def counting(self, *args, **kwargs):
+        started.append(args)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer_load.FastLoad, "__init__", counting)
+    size = tokenizer_load.SMALL_INPUT_BYTES + extra
+    bt = BatchTokenizer(tok, "text", wait_for_engine=False, input_bytes=size)
+    texts = CORPUS[:40]
+    bt.start_part("p")
+    got = bt.encode(texts, True)
+    assert ragged_lists(got) == bt.reference_ids(texts, True)
+    if extra:  # over the limit: the fast engine loads and tokenizes, as before
+        assert len(started) == 1 and bt.report.engine.startswith("fastokens")
+        bt.encode(texts, True)
+        assert bt.fast is not None
+    else:
+        assert started == [] and bt.fast is None and bt.pending is None
+        assert bt.report.engine == "transformers" and bt.report.requested == "auto"
+        assert "smaller than 4 MiB" in bt.report.reason and "not loaded" in bt.report.reason
+    # a workers' copy adopts the choice: no load either
+    again = BatchTokenizer(tok, "text", proven=bt.report.to_dict())
+    assert (again.fast is None) is (not extra) and len(started) == 2 * extra
+
+
+def test_the_pipeline_tokenizer_follows_the_input_size_class(tok, monkeypatch):
+    """One process, a small run then a large one: the large run gets a tokenizer with the fast engine, not the
+    small run's reference-only one (and a stage job, which passes no size, takes the driver's)."""
+    from packtools.pipeline import stage
+
+    monkeypatch.setattr(stage, "_TOKENIZERS", {})
+    BatchTokenizer(tok, "text")  # records the verdicts
+    monkeypatch.setattr(tokenizer_load, "OVERLAP_MIN_BYTES", 0)
+    small = stage.preload_tokenizer(tok, "text", True, input_bytes=10)
+    assert small.small_input == 10 and stage.preload_tokenizer(tok, "text", True) is small
+    large = stage.preload_tokenizer(tok, "text", True, input_bytes=tokenizer_load.SMALL_INPUT_BYTES + 1)
+    assert large is not small and large.small_input is None
+    assert large.report.engine.startswith("fastokens")
+    assert stage.preload_tokenizer(tok, "text", True) is large
+
+
+def test_the_fingerprint_is_taken_once_per_process_and_follows_every_write(tok):
+    import hashlib
+
+    first = tokenizer_fingerprint(tok)
+    calls = []
+    real = hashlib.sha256
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    try:
+        hashlib.sha256 = counting
+        assert tokenizer_fingerprint(tok) == first and calls == []  # memo: no file read again
+        path = os.path.join(tok, "tokenizer_config.json")
+        with open(path, encoding="utf-8") as fh:
+            config = json.load(fh)
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump({**config, "model_max_length": 7}, fh)
+        changed = tokenizer_fingerprint(tok)
+        assert changed != first and calls  # the write changed the stat: hashed again, a new fingerprint
+    finally:
+        hashlib.sha256 = real
+
+
+def test_list_columns_are_read_without_importing_pandas():
+    """The stage reads its token columns back (core.arrow.read_list_column) and the writer builds seq_lengths
+    without pyarrow's NumPy conversion, which imports pandas (0.3 s of a short run)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np, pyarrow as pa\n"
+        "from packtools.core.arrow import list_array, read_list_column\n"
+        "from packtools.core.plan import plan\n"
+        "a = list_array(np.array([0, 2, 5, 6]), np.arange(6, dtype=np.int32), False, pa.int32()).slice(1)\n"
+        "c = read_list_column(a, 'x').chunks[0]\n"
+        "assert c.offsets.tolist() == [0, 3, 4] and c.values.tolist() == [2, 3, 4, 5], (c.offsets, c.values)\n"
+        "assert plan([3, 2, 2], max_length=4).seq_lengths.to_pylist() == [[3], [2, 2]]\n"
+        "print('pandas' in sys.modules)\n"
+        "a.values.to_numpy()\n"  # the control: pyarrow's own conversion does import it
+        "print('pandas' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["False", "True"]

@@ -73,6 +73,19 @@ class ListColumn:
         return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
+def numpy_values(arr: pa.Array) -> np.ndarray:
+    """A null-free integer or float array's values: a read-only NumPy view of its data buffer, no copy.
+
+    What ``arr.to_numpy(zero_copy_only=True)`` gives, without pyarrow's NumPy conversion, which imports pandas
+    on first use (0.3 s of a short run).
+    """
+    dtype = np.dtype(arr.type.to_pandas_dtype())
+    data = arr.buffers()[1]
+    if data is None or len(arr) == 0:
+        return np.zeros(0, dtype)
+    return np.frombuffer(data, dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
+
+
 def _first_null_row(arr: pa.Array) -> int:
     return int(np.flatnonzero(np.asarray(arr.is_null()))[0])
 
@@ -108,7 +121,7 @@ def read_list_column(column: pa.ChunkedArray | pa.Array, name: str) -> ListColum
                 f"column {name!r} row {bad} is null; packing needs a list in every row. "
                 f"Fill it (e.g. with an empty list) or filter the row out."
             )
-        offsets = np.asarray(chunk.offsets).astype(np.int64, copy=False)
+        offsets = numpy_values(chunk.offsets).astype(np.int64, copy=False)
         child = chunk.values
         lo, hi = (int(offsets[0]), int(offsets[-1])) if n else (0, 0)
         window = child.slice(lo, hi - lo)
@@ -119,7 +132,7 @@ def read_list_column(column: pa.ChunkedArray | pa.Array, name: str) -> ListColum
                 f"column {name!r} row {bad} contains a null value; packed token columns cannot hold nulls. "
                 f"Replace the nulls (e.g. with the pad id) or drop the row."
             )
-        values = window.to_numpy(zero_copy_only=True) if len(window) else np.zeros(0, vt.to_pandas_dtype())
+        values = numpy_values(window)
         chunks.append(ListChunk(row, offsets - lo, values))
         row += n
     return ListColumn(name, t, tuple(chunks), row)
@@ -169,5 +182,5 @@ def column_lengths(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
         column = pa.chunked_array([column], type=column.type)
     if not is_list_type(column.type):
         raise PackingError(f"expected a list column, got type {column.type}.")
-    parts = [np.diff(np.asarray(c.offsets).astype(np.int64, copy=False)) for c in column.chunks]
+    parts = [np.diff(numpy_values(c.offsets).astype(np.int64, copy=False)) for c in column.chunks]
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
