@@ -4,6 +4,7 @@ the ``{% generation %}`` masks of tagged copies of five template families."""
 
 from __future__ import annotations
 
+import json
 import os
 from importlib.metadata import version
 
@@ -112,21 +113,33 @@ def test_chat_labels_equal_generation_masks_of_a_tagged_copy(vocab, tmp_path, te
 
 @needs_engine
 def test_a_warm_cli_run_exits_cleanly_while_the_engine_still_loads(vocab, tmp_path):
-    """A warm run of a large vocabulary tokenizes its one document on the reference while the fast engine is still
-    loading in its thread, and finishes first.  The process must still exit 0: with the load in a daemon thread,
-    the interpreter's exit killed it inside the native load and the process aborted ("FATAL: exception not
-    rethrown", status 134) after writing its output, on every warm run (negative control: daemon=True)."""
+    """A warm run of a large vocabulary on an input just over SMALL_INPUT_BYTES in one batch tokenizes it on the
+    reference while the fast engine is still loading in its thread, and finishes first.  The process must still
+    exit 0: with the load in a daemon thread, the interpreter's exit killed it inside the native load and the
+    process aborted ("FATAL: exception not rethrown", status 134) after writing its output, on every warm run
+    (negative control: daemon=True).  A one-document input starts no load at all (the reference alone), says so,
+    and the summary says when the first part was ready."""
     import subprocess
     import sys
 
-    src = tmp_path / "one.jsonl"
-    src.write_text('{"text": "one short document"}\n')
+    from packtools.pipeline.tokenizer_load import SMALL_INPUT_BYTES
+
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"text": "one short document"}\n')
+    big = tmp_path / "big.jsonl"
+    doc = json.dumps({"text": "word " * 3000}) + "\n"
+    big.write_text(doc * (SMALL_INPUT_BYTES // len(doc) + 2))  # one JSON block, one batch
     env = {**os.environ, "PACKTOOLS_CACHE_DIR": str(tmp_path / "cache")}
-    for run in ["cold", "second"] + [f"warm-{i}" for i in range(6)]:  # the abort hit 3 of 5 warm runs
-        out = tmp_path / f"out-{run}"
-        cmd = [sys.executable, "-m", "packtools.cli", "pack", str(src), "--tokenizer", vocab("llama3")]
-        proc = subprocess.run(
-            [*cmd, "--out", str(out), "--max-length", "64"], env=env, capture_output=True, text=True
-        )
-        assert proc.returncode == 0, (run, proc.returncode, proc.stderr[-500:])
-        assert (out / "manifest.json").is_file() or any(out.iterdir())
+    for run in ["cold", "second"] + [f"warm-{i}" for i in range(4)]:  # the abort hit 3 of 5 warm runs
+        for src in (one, big):
+            out = tmp_path / f"out-{run}-{src.stem}"
+            cmd = [sys.executable, "-m", "packtools.cli", "pack", str(src), "--tokenizer", vocab("llama3")]
+            proc = subprocess.run(
+                [*cmd, "--out", str(out), "--max-length", "64"], env=env, capture_output=True, text=True
+            )
+            assert proc.returncode == 0, (run, proc.returncode, proc.stderr[-500:])
+            assert (out / "manifest.json").is_file()
+            summary = " ".join(proc.stdout.split())
+            assert "first part staged" in summary and "s after the process started" in summary
+            small = "smaller than 4 MiB" in summary and "the fast engine is not loaded" in summary
+            assert small is (src is one), summary

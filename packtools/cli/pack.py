@@ -23,7 +23,7 @@ from ..core.plan import STRATEGIES, plan
 from ..errors import PackingError
 from ..io.files import read_table, write_table
 from ..pipeline.executors import EXECUTORS
-from ..pipeline.summary import format_pipeline_summary, format_summary
+from ..pipeline.summary import format_pipeline_summary, format_summary, seconds_since_process_start
 
 #: Schema metadata key marking a file written by ``packtools pack --out FILE`` (so a rerun may replace it).
 FILE_MARK = b"packtools"
@@ -297,7 +297,13 @@ def run(args: argparse.Namespace) -> int:
         quiet=args.quiet,
     )
     if not args.quiet:
-        print(format_pipeline_summary(result.stats, result.out, result.cached, result.timings))
+        timings = dict(result.timings)
+        since = seconds_since_process_start(timings["first_part_at"]) if "first_part_at" in timings else None
+        if (
+            since is not None
+        ):  # this process is the run: say how long after its start the first part was ready
+            timings["first_part_s"] = round(since, 3)
+        print(format_pipeline_summary(result.stats, result.out, result.cached, timings))
         reused = result.timings.get("parts_from_stage_cache", 0)
         if reused:
             print(

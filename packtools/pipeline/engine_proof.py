@@ -31,7 +31,7 @@ import numpy as np
 
 from ..errors import PackingError
 from . import fast_tokenize as fast_engine
-from . import proof_cache
+from . import proof_cache, tokenizer_load
 from .char_drops import describe_bytes
 from .formats import at
 
@@ -125,6 +125,15 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> fast_engine.EngineRepo
             f"its byte-level vocabulary ({bt.tokenizer_dir}/tokenizer.json) has no token for "
             f"{describe_bytes(missing)}: transformers leaves those bytes out of the ids (packtools counts them), "
             f"the fast engine cannot encode them"
+        )
+    small = getattr(bt, "small_input", None)
+    if small is not None:  # no load was started: transformers' ids from the reference, every batch
+        return fast_engine.EngineReport(
+            "transformers",
+            f"the input ({small / 1e6:.2f} MB) is smaller than {tokenizer_load.SMALL_INPUT_BYTES >> 20} MiB: "
+            f"the reference ({bt.reference_engine}) tokenizes it sooner than the fast engine loads this "
+            f"vocabulary, so the fast engine is not loaded",
+            requested,
         )
     load = getattr(bt, "_fast_load", None)
     texts = fast_engine.adversarial_texts(facts.specials)

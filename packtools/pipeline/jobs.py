@@ -9,6 +9,7 @@ a job whose worker was lost tried again, progress shown, and a checkpoint after 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,10 +19,18 @@ from .workspace import checkpoint
 
 
 def run_jobs(
-    ex: Executor, fn: Callable[[Any], Any], jobs: Sequence[Any], desc: str, quiet: bool, retries: int
+    ex: Executor,
+    fn: Callable[[Any], Any],
+    jobs: Sequence[Any],
+    desc: str,
+    quiet: bool,
+    retries: int,
+    *,
+    finished: list[float] | None = None,
 ) -> list[Any]:
     """Run ``fn`` over ``jobs`` on ``ex``; results in job order.  A job whose worker was lost is tried again
-    (up to ``retries`` times); any other exception is raised at once (it would fail again)."""
+    (up to ``retries`` times); any other exception is raised at once (it would fail again).  ``finished``
+    gets the wall-clock time (``time.time()``) each job's result reached the driver, in that order."""
     results: list[Any] = [None] * len(jobs)
     todo = list(range(len(jobs)))
     bar = progress(len(jobs), desc, unit="parts" if desc == "stage" else "shards", quiet=quiet)
@@ -36,6 +45,8 @@ def run_jobs(
                         continue
                     raise outcome
                 results[i] = outcome
+                if finished is not None:
+                    finished.append(time.time())
                 bar.update(1)
                 checkpoint(f"{desc}:{sum(r is not None for r in results)}")
             todo = sorted(lost)

@@ -233,6 +233,7 @@ def _inputs(
         config.tokenizer_engine,
         audit_rate=config.tokenizer_audit,
         on_unencodable=config.on_unencodable,
+        input_bytes=sum(f.size for f in files),
     )
     proven = freeze_report(tok.report.to_dict())
     early.update(tokenizer_timings(tok, time.perf_counter() - t_tok))
@@ -270,8 +271,13 @@ def _run(
     timings["executor"] = ex.name
     try:
         t0 = time.perf_counter()
-        staged = run_jobs(ex, stage_part, jobs, "stage", how.quiet, how.retries)
+        done: list[float] = []
+        staged = run_jobs(ex, stage_part, jobs, "stage", how.quiet, how.retries, finished=done)
         timings["stage_s"] = round(time.perf_counter() - t0, 3)
+        if (
+            done
+        ):  # when the first part was read and tokenized (the CLI says how long after the process started)
+            timings["first_part_at"] = done[0]
         timings["parts_reused"] = sum(bool(s["reused"]) for s in staged)
         timings["parts_mapped"] = sum(s["data"] == j.part.file.path for s, j in zip(staged, jobs))
         os.makedirs(ws.build)

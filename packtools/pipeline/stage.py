@@ -123,13 +123,22 @@ def preload_tokenizer(
     audit_rate: float = 0.001,
     on_unencodable: str = "report",
     proven: tuple[tuple[str, Any], ...] | None = None,
+    input_bytes: int | None = None,
 ) -> Any:
     """The :class:`BatchTokenizer` for these arguments, loaded once per process (loading is the slow part).
-    ``proven``: the driver's engine choice, taken as it is (workers do not choose again)."""
+    ``proven``: the driver's engine choice, taken as it is (workers do not choose again).  ``input_bytes``: the
+    driver's whole raw input (a small one is tokenized by the reference alone); a driver whose input is of the
+    other size class than the cached tokenizer's gets a new one, a stage job (None) takes the cached one."""
     from .tokenize import BatchTokenizer
     from .tokenizer_dir import tokenizer_fingerprint
+    from .tokenizer_load import reference_suffices
 
     key = (tokenizer, tokenizer_fingerprint(tokenizer), fmt, add_eos, engine, audit_rate, on_unencodable)
+    cached = _TOKENIZERS.get(key)
+    if cached is not None and input_bytes is not None:
+        small = reference_suffices(tokenizer, engine, fmt, input_bytes)
+        if (cached.small_input is not None) != small:
+            del _TOKENIZERS[key]
     if key not in _TOKENIZERS:
         _TOKENIZERS[key] = BatchTokenizer(
             tokenizer,
@@ -140,6 +149,7 @@ def preload_tokenizer(
             on_unencodable=on_unencodable,
             proven=_thaw(proven) if proven is not None else None,
             wait_for_engine=False,  # a large vocabulary's first batches may go to the reference meanwhile
+            input_bytes=input_bytes,
         )
     return _TOKENIZERS[key]
 

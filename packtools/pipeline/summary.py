@@ -7,6 +7,8 @@ rows out               3
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 from .._format import text_table
@@ -87,6 +89,18 @@ def _engine_rows(engine: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def seconds_since_process_start(at: float) -> float | None:
+    """Seconds from the start of this process (interpreter start and imports included) to the wall-clock time
+    ``at`` (``time.time()``); None where the start is unknown (it is read from ``/proc``, on Linux)."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as fh:
+            start_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, after boot
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return at - (time.time() - age)
+
+
 def _time_rows(timings: dict[str, Any]) -> list[tuple[str, str]]:
     """Every second of the run: setup, tokenizer load and engine proof, stage, plan, write, and the rest."""
     parts = f"{timings.get('parts', 0):,} parts"
@@ -108,7 +122,10 @@ def _time_rows(timings: dict[str, Any]) -> list[tuple[str, str]]:
     line = f"{total:.2f} s on {timings.get('executor')} = " + " + ".join(f"{k} {v:.2f} s" for k, v in known)
     if timings.get("tokenizer_preloaded"):
         line += " (tokenizer loaded earlier in this process)"
-    return [("time", line)]
+    rows = [("time", line)]
+    if timings.get("first_part_s") is not None:
+        rows.append(("first part", f"staged {timings['first_part_s']:.2f} s after the process started"))
+    return rows
 
 
 def tokenizer_timings(tok: Any, seconds: float) -> dict[str, Any]:

@@ -49,7 +49,9 @@ class BatchTokenizer:
     ``proven`` the driver's engine choice (:meth:`EngineReport.to_dict`), which they take without choosing again.
     ``on_unencodable``: ``report`` counts characters the tokenizer cannot encode (transformers leaves them out of
     the ids; see :mod:`packtools.pipeline.char_drops`), ``error`` stops at the first one.  ``wait_for_engine``:
-    see :func:`packtools.pipeline.engine_proof.take_pending` (the pipeline passes False).
+    see :func:`packtools.pipeline.engine_proof.take_pending` (the pipeline passes False).  ``input_bytes``: the
+    run's raw input size when known; with ``wait_for_engine=False`` a small input of a large vocabulary is
+    tokenized by the reference alone (:func:`packtools.pipeline.tokenizer_load.reference_suffices`).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class BatchTokenizer:
         on_unencodable: str = "report",
         proven: dict[str, Any] | None = None,
         wait_for_engine: bool = True,
+        input_bytes: int | None = None,
     ) -> None:
         if fmt not in FORMATS or fmt == "tokenized":
             raise PackingError(
@@ -79,8 +82,17 @@ class BatchTokenizer:
         # tokenizer.json's facts, recorded by an earlier run; the fast engine loads in a background thread
         self._facts = facts = tokenizer_load.load_facts(tokenizer_dir, fp)
         adopted = proven.get("engine") if proven is not None else None
+        #: a small input the reference tokenizes alone (engine_proof.choose_engine); no fast engine is loaded
+        self.small_input = (
+            input_bytes
+            if proven is None
+            and not wait_for_engine
+            and tokenizer_load.reference_suffices(tokenizer_dir, requested, fmt, input_bytes)
+            else None
+        )
+        skip = adopted == "transformers" or self.small_input is not None
         self._fast_load = tokenizer_load.start_fast_load(
-            tokenizer_dir, fp, facts, fmt, "transformers" if adopted == "transformers" else requested
+            tokenizer_dir, fp, facts, fmt, "transformers" if skip else requested
         )
         # transformers' ids from the tokenizers library alone where a recorded check says they are the same
         # (packtools.pipeline.reference): importing transformers costs seconds a run

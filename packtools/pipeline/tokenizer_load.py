@@ -46,6 +46,11 @@ FACTS_FORMAT = 1
 _FACT_MODULES = ("fast_tokenize.py", "char_drops.py", "tokenizer_load.py")
 #: tokenizer.json sizes from which the first batches may go to the reference while the fast engine loads
 OVERLAP_MIN_BYTES = 4 << 20
+#: Raw input up to this size (file bytes) is tokenized by the reference alone under ``auto`` when the vocabulary
+#: is one of :data:`OVERLAP_MIN_BYTES` or more: the reference is done with it before the fast engine would have
+#: loaded (1.5-4 s for a 128k-250k vocabulary), and a run that starts no load neither competes with it for the
+#: cores nor waits for it at exit.
+SMALL_INPUT_BYTES = 4 << 20
 
 
 @dataclass
@@ -225,6 +230,18 @@ class FastLoad:
         if self._error is not None:
             raise self._error
         return self._native
+
+
+def reference_suffices(tokenizer_dir: str, requested: str, fmt: str, input_bytes: int | None) -> bool:
+    """Whether a run of ``input_bytes`` (None: unknown) is tokenized by the reference alone: ``auto``, not chat
+    (chat waits for the engine), at most :data:`SMALL_INPUT_BYTES` of input, a vocabulary of
+    :data:`OVERLAP_MIN_BYTES` or more."""
+    if requested != "auto" or fmt == "messages" or input_bytes is None or input_bytes > SMALL_INPUT_BYTES:
+        return False
+    try:
+        return os.path.getsize(os.path.join(tokenizer_dir, "tokenizer.json")) >= OVERLAP_MIN_BYTES
+    except OSError:
+        return False
 
 
 def start_fast_load(
