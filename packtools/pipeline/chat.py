@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -65,6 +65,9 @@ class TransformersRenderer:
 
     def render(self, conv: list[dict[str, Any]], generation_prompt: bool) -> str:
         return self.tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def render_prefixes(self, conv: list[dict[str, Any]], cuts: list[tuple[int, bool]]) -> Iterator[str]:
+        return (self.render(conv[:k], prompt) for k, prompt in cuts)
 
     def render_spans(self, conv: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
         from transformers.utils.chat_template_utils import render_jinja_template

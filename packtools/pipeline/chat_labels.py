@@ -35,23 +35,39 @@ GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 Conversations = list[list[dict[str, Any]]]
 
 
+def incremental_cuts(conv: list[dict[str, Any]]) -> list[tuple[int, bool]]:
+    """The renders the incremental rule needs, as ``(k, generation_prompt)`` of ``conv[:k]``: the whole
+    conversation first, then per assistant turn the prefix before it (with the prompt) and, but for the last
+    message, the prefix through it (the whole conversation's rendering serves the last)."""
+    last = len(conv) - 1
+    cuts = [(len(conv), False)]
+    for turn, message in enumerate(conv):
+        if message.get("role") == "assistant":
+            cuts.append((turn, True))
+            if turn != last:
+                cuts.append((turn + 1, False))
+    return cuts
+
+
 def incremental_spans(
     renderer: Any, convs: Conversations, where: Any
 ) -> tuple[list[str], list[list[tuple[int, int]]]]:
     """Rendered conversations and the character span of every assistant turn (incremental rendering) by
-    ``renderer`` (``render(conv, generation_prompt)``); ``where(i)`` names conversation ``i`` in errors.  The
-    rendering of the whole conversation is reused for its last turn (no render of the same text twice)."""
+    ``renderer`` (``render_prefixes(conv, cuts)``: ``render(conv[:k], prompt)`` per cut, lazily); ``where(i)`` names
+    conversation ``i`` in errors.  The rendering of the whole conversation is reused for its last turn (no
+    render of the same text twice)."""
     texts, spans = [], []
-    render = renderer.render
+    render_prefixes = renderer.render_prefixes
     for i, conv in enumerate(convs):
-        full = render(conv, False)
+        cuts = incremental_cuts(conv)
+        rendered = render_prefixes(conv, cuts)  # lazily, in the order of cuts: errors come in that order
+        full = next(rendered)
         row_spans = []
-        last = len(conv) - 1
         for turn, message in enumerate(conv):
             if message.get("role") != "assistant":
                 continue
-            start = render(conv[:turn], True)
-            end = full if turn == last else render(conv[: turn + 1], False)
+            start = next(rendered)
+            end = full if turn == len(conv) - 1 else next(rendered)
             if not (end.startswith(start) and full.startswith(end)):
                 raise PackingError(
                     f"{where(i)}: column 'messages' turn {turn}: the chat template does not render "
