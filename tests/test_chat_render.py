@@ -193,6 +193,11 @@ def test_messages_are_shared_unless_reasoning_is_aliased():
     aliased = {"role": "assistant", "content": "a", "reasoning": "r", "thinking": None}
     out = template_messages([plain, aliased])
     assert out[0] is plain
-    assert out[1] == {"thinking": None, "role": "assistant", "content": "a", "reasoning": "r",
-                      "reasoning_content": "r"}  # fmt: skip (the message's own keys win but reasoning_content)
+    assert out[1] == {
+        "thinking": None,
+        "role": "assistant",
+        "content": "a",
+        "reasoning": "r",
+        "reasoning_content": "r",
+    }  # the message's own keys win, but for reasoning_content
     assert template_messages([{"role": "user", "thinking": None}])[0] == {"role": "user", "thinking": None}

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import datetime
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any
 
 #: The special-token names transformers passes to a chat template (its named special tokens).
