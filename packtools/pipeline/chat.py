@@ -46,7 +46,8 @@ def clean_messages(conv: Any, name: str, row: Row) -> list[dict[str, Any]]:
             f"{_at(row)}: column {name!r} is not a list of messages ({{'role': ..., 'content': ...}}, every "
             f"message with a role); fix that row."
         )
-    return [{k: v for k, v in m.items() if v is not None} for m in conv]
+    # a message with no None value is kept as it is (Arrow's rows are fresh dicts): a third of the time
+    return [m if None not in m.values() else {k: v for k, v in m.items() if v is not None} for m in conv]
 
 
 def _version(name: str) -> str:
