@@ -145,3 +145,59 @@ def test_rows_not_nfc_take_the_reference_and_the_rest_stay_fast(tmp_path, monkey
     assert got.equals(want)
     checked = bt.part_report()["checked"]
     assert checked["batches_on_transformers"] == 1 and checked["rows_checked"] == 3  # the 3 NFC rows, fast
+
+
+# templates that touch what a render's context holds: top-level sets (context.vars), namespaces, loops over the
+# messages and their prefixes, globals (range, dict, namespace, lipsum's absence of use), errors, and undefined
+STATEFUL_TEMPLATES = [
+    TEMPLATE,
+    "{% set top = messages | length %}{{ top }}{% for m in messages %}{{ loop.index }}{{ m.content }}"
+    "{% if loop.last %}|{{ top }}{% endif %}{% endfor %}{% if add_generation_prompt %}>{% endif %}",
+    "{% for i in range(messages | length) %}{{ dict(a=i) | tojson }}{{ messages[i].role }}{% endfor %}"
+    "{{ tools }}{{ documents }}{{ unknown }}{{ bos_token }}",
+    "{% if messages[-1].role == 'user' %}{{ raise_exception('last is ' ~ messages[-1].content) }}{% endif %}"
+    "{{ messages | map(attribute='content') | join(',') }}",
+    "{{ messages[0].nope.deeper }}",
+]
+
+
+@pytest.mark.parametrize("template", STATEFUL_TEMPLATES)
+def test_render_equals_jinja_template_render(template):
+    """ChatRenderer's render (its own context, the globals flattened once) gives what jinja2's own
+    ``Template.render`` gives on the same variables, every prefix with and without the generation prompt, and
+    raises the same; ``render_prefixes`` gives the prefixes' renders lazily, in order."""
+    from packtools.pipeline.chat_render import template_messages
+
+    mine = ChatRenderer(template, {"bos_token": "<s>", "eos_token": "</s>"})
+
+    def jinja(conv, prompt):
+        return mine._compiled.render(
+            messages=template_messages(conv), add_generation_prompt=prompt, **mine._variables
+        )
+
+    for conv in conversations()[:-1]:
+        cuts = [(k, prompt) for k in range(1, len(conv) + 1) for prompt in (False, True)]
+        prefixes = mine.render_prefixes(conv, cuts)
+        for k, prompt in cuts:
+            want = chat._outcome(jinja, conv[:k], prompt)
+            assert chat._outcome(mine.render, conv[:k], prompt) == want
+            assert chat._outcome(next, prefixes) == want
+            if isinstance(want, tuple):  # raised: a generator that raised is finished
+                prefixes = mine.render_prefixes(conv, cuts[cuts.index((k, prompt)) + 1 :])
+
+
+def test_messages_are_shared_unless_reasoning_is_aliased():
+    from packtools.pipeline.chat_render import template_messages
+
+    plain = {"role": "user", "content": "q"}
+    aliased = {"role": "assistant", "content": "a", "reasoning": "r", "thinking": None}
+    out = template_messages([plain, aliased])
+    assert out[0] is plain
+    assert out[1] == {
+        "thinking": None,
+        "role": "assistant",
+        "content": "a",
+        "reasoning": "r",
+        "reasoning_content": "r",
+    }  # the message's own keys win, but for reasoning_content
+    assert template_messages([{"role": "user", "thinking": None}])[0] == {"role": "user", "thinking": None}

@@ -35,23 +35,39 @@ GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 Conversations = list[list[dict[str, Any]]]
 
 
+def incremental_cuts(conv: list[dict[str, Any]]) -> list[tuple[int, bool]]:
+    """The renders the incremental rule needs, as ``(k, generation_prompt)`` of ``conv[:k]``: the whole
+    conversation first, then per assistant turn the prefix before it (with the prompt) and, but for the last
+    message, the prefix through it (the whole conversation's rendering serves the last)."""
+    last = len(conv) - 1
+    cuts = [(len(conv), False)]
+    for turn, message in enumerate(conv):
+        if message.get("role") == "assistant":
+            cuts.append((turn, True))
+            if turn != last:
+                cuts.append((turn + 1, False))
+    return cuts
+
+
 def incremental_spans(
     renderer: Any, convs: Conversations, where: Any
 ) -> tuple[list[str], list[list[tuple[int, int]]]]:
     """Rendered conversations and the character span of every assistant turn (incremental rendering) by
-    ``renderer`` (``render(conv, generation_prompt)``); ``where(i)`` names conversation ``i`` in errors.  The
-    rendering of the whole conversation is reused for its last turn (no render of the same text twice)."""
+    ``renderer`` (``render_prefixes(conv, cuts)``: ``render(conv[:k], prompt)`` per cut, lazily); ``where(i)`` names
+    conversation ``i`` in errors.  The rendering of the whole conversation is reused for its last turn (no
+    render of the same text twice)."""
     texts, spans = [], []
-    render = renderer.render
+    render_prefixes = renderer.render_prefixes
     for i, conv in enumerate(convs):
-        full = render(conv, False)
+        cuts = incremental_cuts(conv)
+        rendered = render_prefixes(conv, cuts)  # lazily, in the order of cuts: errors come in that order
+        full = next(rendered)
         row_spans = []
-        last = len(conv) - 1
         for turn, message in enumerate(conv):
             if message.get("role") != "assistant":
                 continue
-            start = render(conv[:turn], True)
-            end = full if turn == last else render(conv[: turn + 1], False)
+            start = next(rendered)
+            end = full if turn == len(conv) - 1 else next(rendered)
             if not (end.startswith(start) and full.startswith(end)):
                 raise PackingError(
                     f"{where(i)}: column 'messages' turn {turn}: the chat template does not render "
@@ -71,9 +87,16 @@ def overlap_mask(starts: np.ndarray, ends: np.ndarray, lo: np.ndarray, hi: np.nd
     >>> overlap_mask(np.array([0, 2, 4]), np.array([2, 4, 6]), np.array([3]), np.array([4])).tolist()
     [False, True, False]
     """
+    n = starts.shape[0]
     if not lo.size:
-        return np.zeros(starts.shape[0], bool)
-    j = np.searchsorted(hi, starts, side="right")  # the first span that ends after the token starts
+        return np.zeros(n, bool)
+    if n > 1 and bool((starts[1:] >= starts[:-1]).all()):
+        # tokens in order (as the ids give them): the same j, counted from the first token at or after each
+        # span's end (a search per span instead of one per token: ~6x faster on a batch)
+        first = np.searchsorted(starts, hi, side="left")
+        j = np.cumsum(np.bincount(first, minlength=n + 1)[:n])
+    else:
+        j = np.searchsorted(hi, starts, side="right")  # the first span that ends after the token starts
     inside = j < lo.size
     inside &= ends > lo[np.minimum(j, lo.size - 1)]
     return inside
