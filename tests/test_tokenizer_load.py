@@ -146,13 +146,19 @@ def test_batches_before_the_fast_engine_has_loaded_go_to_the_reference(tok, monk
     bt.start_part("p")
     first = bt.encode(texts, True)  # overlapped: the reference's ids, counted as such
     assert ragged_lists(first) == ref
+    only_reference = bt.part_report()  # a part that ended here had no batch on the fast engine: it says so
+    assert (only_reference["engine"] == "transformers") is (not wait)
+    assert not wait or only_reference["engine"].startswith("fastokens")
     if not wait:
+        assert only_reference["reason"].startswith("every batch of this part: the fast engine was still loading")
         threading.Timer(0.2, release.set).start()
     second = bt.encode(
         texts, True, column="text"
     )  # still loading: waits for it (one batch on the reference only)
     assert ragged_lists(second) == ref and bt.fast is not None
-    checked = bt.part_report()["checked"]
+    report = bt.part_report()
+    checked = report["checked"]
+    assert report["engine"].startswith("fastokens")  # the second batch was the fast engine's
     assert checked.get("batches_on_transformers", 0) == (0 if wait else 1)
     assert checked["proof_rows"] == (60 if wait else 30)
 

@@ -50,6 +50,7 @@ class Proof:
         self.rows_checked = 0
         self.proof_rows = 0
         self.batches_on_transformers = 0
+        self.batches_fast = 0  # batches of text the fast engine tokenized (chat: not counted)
         self.why_transformers: str | None = None  # why the first such batch went to transformers
 
     def sample(self, column: str, n: int) -> tuple[np.ndarray, int]:

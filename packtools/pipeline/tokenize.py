@@ -160,8 +160,12 @@ class BatchTokenizer:
         """The engine report of the part since :meth:`start_part`: engine, reason, rows compared, characters left out."""
         out = self.report.to_dict()
         out["checked"] = {**out["checked"], **self.proof.checked()}
-        if self.proof.why_transformers is not None:
-            out["batches_on_transformers_why"] = self.proof.why_transformers
+        why = self.proof.why_transformers
+        if why is not None:
+            out["batches_on_transformers_why"] = why
+            if self.fmt != "messages" and not self.proof.batches_fast and out["engine"] != "transformers":
+                # not a batch of this part reached the fast engine: the part is transformers' (its ids were)
+                out.update(engine="transformers", reason=f"every batch of this part: {why}")
         dropped = self.drops.take() if self.drops is not None else None
         if dropped is not None:
             out["unencodable"] = dropped
@@ -211,6 +215,7 @@ class BatchTokenizer:
             bad = fast_engine.first_difference(ragged.select(got, rows), ref)
             if bad is None:
                 self.proof.count(column, len(rows), proof)
+                self.proof.batches_fast += 1
                 return got
             i = int(rows[bad])
             self._disagree(
