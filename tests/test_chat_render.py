@@ -83,10 +83,11 @@ def test_a_renderer_that_differs_is_caught(tokdir, monkeypatch):
     tok = BatchTokenizer(tokdir, "messages", engine="transformers").tok
     real = jinja2.sandbox.ImmutableSandboxedEnvironment
 
-    def without_lstrip(*args, **kwargs):
-        return real(*args, **{**kwargs, "lstrip_blocks": False})
+    class WithoutLstrip(real):  # packtools subclasses the sandbox
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "lstrip_blocks": False})
 
-    monkeypatch.setattr(jinja2.sandbox, "ImmutableSandboxedEnvironment", without_lstrip)
+    monkeypatch.setattr(jinja2.sandbox, "ImmutableSandboxedEnvironment", WithoutLstrip)
     mine = ChatRenderer(*read_settings(tokdir))
     assert (
         chat.render_difference(mine, chat.TransformersRenderer(tok), conversations(), tags=True) is not None
@@ -201,3 +202,30 @@ def test_messages_are_shared_unless_reasoning_is_aliased():
         "reasoning_content": "r",
     }  # the message's own keys win, but for reasoning_content
     assert template_messages([{"role": "user", "thinking": None}])[0] == {"role": "user", "thinking": None}
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{% for m in messages %}{{ m.get('content') }}{{ m.update({'content': 'x'}) }}{% endfor %}",
+        "{% for m in messages %}{{ m['content'].__class__.__mro__ }}{% endfor %}",
+        "{{ messages.append(messages[0]) }}",
+        "{% for m in messages %}{{ m.items().__class__ }}{{ m.pop('role') }}{% endfor %}",
+    ],
+    ids=["dict-update", "str-dunder", "list-append", "dict-pop"],
+)
+def test_the_remembered_sandbox_verdicts_still_refuse(template):
+    """The sandbox remembers its verdict per (built-in type, attribute): a refused attribute stays refused on
+    every render, after allowed ones of the same type, as jinja2's own sandbox refuses it."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    mine = ChatRenderer(template, {})
+    plain = ImmutableSandboxedEnvironment().from_string(template)
+    for _ in range(3):  # the first render decides, the next ones read the remembered verdicts
+        with pytest.raises(jinja2.exceptions.SecurityError):
+            mine.render(conv, False)
+        with pytest.raises(jinja2.exceptions.SecurityError):
+            plain.render(messages=conv)
+    assert conv == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]

@@ -110,6 +110,11 @@ class _Spans:
         self.spans: list[tuple[int, int]] | None = None
 
 
+#: Exact built-in types whose attributes' sandbox verdicts are remembered per (type, name) (see ``_environment``).
+PLAIN_TYPES = frozenset({dict, list, tuple, str, int, float, bool, type(None)})
+BUILTIN_METHOD = type("".strip)  # builtin_function_or_method: no attributes, so never marked unsafe
+
+
 def _environment(state: _Spans) -> Any:
     import jinja2
     import jinja2.ext
@@ -172,9 +177,31 @@ def _environment(state: _Spans) -> Any:
             x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
         )
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
-    )
+    class Sandbox(ImmutableSandboxedEnvironment):
+        """jinja2's immutable sandbox with its two checks remembered where they cannot change: for an attribute
+        of an object of a plain built-in type (a message's ``dict``, a ``str``, a ``list``) the verdict depends on
+        the type and the attribute's name alone (a leading underscore, jinja2's internal attributes, the
+        mutating methods of known mutable types), and a built-in function or method has no attribute that could
+        mark it unsafe to call.  Anything else is checked by jinja2 every time."""
+
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self._attribute_verdicts: dict[tuple[type, str], bool] = {}
+
+        def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+            kind = type(obj)
+            if kind not in PLAIN_TYPES:
+                return super().is_safe_attribute(obj, attr, value)
+            verdict = self._attribute_verdicts.get((kind, attr))
+            if verdict is None:
+                verdict = super().is_safe_attribute(obj, attr, value)
+                self._attribute_verdicts[kind, attr] = verdict
+            return verdict
+
+        def is_safe_callable(self, obj: Any) -> bool:
+            return type(obj) is BUILTIN_METHOD or super().is_safe_callable(obj)
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals.update(
         raise_exception=raise_exception,
