@@ -229,3 +229,39 @@ def test_the_remembered_sandbox_verdicts_still_refuse(template):
         with pytest.raises(jinja2.exceptions.SecurityError):
             plain.render(messages=conv)
     assert conv == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+
+
+def test_chat_batches_before_the_fast_engine_has_loaded_go_to_the_reference(tokdir, tmp_path, monkeypatch):
+    """Chat data overlaps the fast engine's load as text does: with both verdicts recorded, the first batch is
+    labelled by the reference (the same ids and labels), counted and reported, the next waits for the engine."""
+    import threading
+
+    from packtools.pipeline import tokenizer_load
+
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    convs = [c for c in conversations() if c[0]["role"] != "bad"][:20]
+    table = pa.table({"messages": convs})
+    want = BatchTokenizer(tokdir, "messages", engine="transformers")(table)
+    BatchTokenizer(tokdir, "messages")  # records the verdicts
+    BatchTokenizer(tokdir, "messages")
+    release = threading.Event()
+    real = tokenizer_load.FastLoad._load
+
+    def slow(self):
+        release.wait(30)
+        real(self)
+
+    monkeypatch.setattr(tokenizer_load.FastLoad, "_load", slow)
+    monkeypatch.setattr(tokenizer_load, "OVERLAP_MIN_BYTES", 0)  # the test tokenizer is small
+    bt = BatchTokenizer(tokdir, "messages", wait_for_engine=False)
+    assert bt.pending is not None and bt.fast is None
+    bt.start_part("p")
+    first = bt(table)
+    assert first.equals(want) and bt.fast is None
+    report = bt.part_report()
+    assert report["engine"] == "transformers" and "still loading" in report["reason"]
+    threading.Timer(0.2, release.set).start()
+    second = bt(table)  # waits for the load, then the fast path with its proof
+    assert second.equals(want) and bt.fast is not None
+    report = bt.part_report()
+    assert report["engine"].startswith("fastokens") and report["checked"]["batches_on_transformers"] == 1

@@ -31,7 +31,7 @@ import pyarrow as pa
 from ..core import ragged
 from ..core.ragged import Ragged
 from ..errors import PackingError
-from . import chat_labels, proof_cache
+from . import chat_labels, engine_proof, proof_cache
 from . import fast_tokenize as fast_engine
 from .chat_render import ChatRenderer, read_settings
 from .formats import Row
@@ -246,6 +246,8 @@ class ChatTokens:
             contents = [m.get("content") for c in convs for m in c]
             rows = [i for i, c in enumerate(convs) for _ in c]
             bt.drops.scan([c if isinstance(c, str) else "" for c in contents], lambda k: where(rows[k]))
+        if bt.pending is not None:
+            engine_proof.take_pending(bt)  # the reference labels the first batch while the engine loads
         if bt.fast is None:
             return self.reference(convs, where)
         rendered = self.rendered(convs, where)
@@ -304,6 +306,7 @@ class ChatTokens:
         mismatch = self.compare_labels(convs, rows_, first_row, got, rendered)
         if mismatch is None:
             bt.proof.count("messages", len(rows_), proof)
+            bt.proof.batches_fast += 1
             return got
         bt._disagree(mismatch[1], mismatch[0] < proof, first_row)
         return self.reference(convs, where, rendered)

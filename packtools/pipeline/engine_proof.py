@@ -50,7 +50,7 @@ class Proof:
         self.rows_checked = 0
         self.proof_rows = 0
         self.batches_on_transformers = 0
-        self.batches_fast = 0  # batches of text the fast engine tokenized (chat: not counted)
+        self.batches_fast = 0  # batches the fast engine tokenized (chat: labelled) and the proof passed
         self.why_transformers: str | None = None  # why the first such batch went to transformers
 
     def sample(self, column: str, n: int) -> tuple[np.ndarray, int]:
@@ -149,7 +149,7 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> fast_engine.EngineRepo
     report = fast_engine.EngineReport(
         f"{fast_engine.ENGINE_MODULE} {version}", proof_reason(bt.proof.audit_rate), requested, recorded or {}
     )
-    overlap = not bt.wait_for_engine and requested == "auto" and bt.fmt != "messages"
+    overlap = not bt.wait_for_engine and requested == "auto"
     if recorded is not None and load is not None and overlap and load.overlaps():
         # still loading: the reference tokenizes the first batches meanwhile (BatchTokenizer.encode takes the
         # engine at the first batch after the load finished)

@@ -163,7 +163,7 @@ class BatchTokenizer:
         why = self.proof.why_transformers
         if why is not None:
             out["batches_on_transformers_why"] = why
-            if self.fmt != "messages" and not self.proof.batches_fast and out["engine"] != "transformers":
+            if not self.proof.batches_fast and out["engine"] != "transformers":
                 # not a batch of this part reached the fast engine: the part is transformers' (its ids were)
                 out.update(engine="transformers", reason=f"every batch of this part: {why}")
         dropped = self.drops.take() if self.drops is not None else None

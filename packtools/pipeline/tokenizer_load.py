@@ -233,10 +233,9 @@ class FastLoad:
 
 
 def reference_suffices(tokenizer_dir: str, requested: str, fmt: str, input_bytes: int | None) -> bool:
-    """Whether a run of ``input_bytes`` (None: unknown) is tokenized by the reference alone: ``auto``, not chat
-    (chat waits for the engine), at most :data:`SMALL_INPUT_BYTES` of input, a vocabulary of
-    :data:`OVERLAP_MIN_BYTES` or more."""
-    if requested != "auto" or fmt == "messages" or input_bytes is None or input_bytes > SMALL_INPUT_BYTES:
+    """Whether a run of ``input_bytes`` (None: unknown) is tokenized by the reference alone: ``auto``, at most
+    :data:`SMALL_INPUT_BYTES` of input, a vocabulary of :data:`OVERLAP_MIN_BYTES` or more."""
+    if requested != "auto" or input_bytes is None or input_bytes > SMALL_INPUT_BYTES:
         return False
     try:
         return os.path.getsize(os.path.join(tokenizer_dir, "tokenizer.json")) >= OVERLAP_MIN_BYTES
