@@ -240,3 +240,26 @@ def test_tokenized_json_lines_are_staged_and_reused(tmp_path, cache):
     assert res.stage["parts"] == 1 and res.stage["reused"] == 0
     packed = pack_files(data, tmp_path / "p", 16, "bfd_split")
     assert packed.timings["parts_from_stage_cache"] == 1 and packed.stats["tokens_in"] == 53
+
+
+def test_first_label_is_the_first_labelled_position_of_every_row():
+    """stage.first_label (the position of each row's first label token, the row's length if none) against a
+    plain loop, on random ragged rows with empty rows, unlabelled rows and several chunks."""
+    import numpy as np
+    import pyarrow as pa
+
+    from packtools.core.arrow import list_array
+    from packtools.pipeline.stage import first_label
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        chunks, want = [], []
+        for _ in range(rng.integers(1, 3)):
+            lens = rng.integers(0, 6, rng.integers(0, 30))
+            off = np.concatenate([[0], np.cumsum(lens)])
+            vals = np.where(rng.random(off[-1]) < 0.3, rng.integers(0, 9, off[-1]), -100).astype(np.int32)
+            chunks.append(list_array(off, vals, False, pa.int32()))
+            for i, n in enumerate(lens):
+                row = vals[off[i] : off[i + 1]].tolist()
+                want.append(next((j for j, v in enumerate(row) if v != -100), int(n)))
+        assert first_label(pa.chunked_array(chunks, pa.list_(pa.int32()))).tolist() == want

@@ -214,11 +214,12 @@ def first_label(labels: pa.ChunkedArray) -> np.ndarray:
     """Per row, the position of the first token with a label (not -100); the row length if there is none."""
     parts = []
     for chunk in read_list_column(labels, "labels").chunks:
-        first = np.diff(chunk.offsets)
-        idx = np.flatnonzero(chunk.values[: chunk.offsets[-1]] != IGNORE_INDEX)
-        rows = np.searchsorted(chunk.offsets, idx, side="right") - 1
-        uniq, at = np.unique(rows, return_index=True)
-        first[uniq] = idx[at] - chunk.offsets[uniq]
+        starts, ends = chunk.offsets[:-1], chunk.offsets[1:]
+        first = ends - starts
+        idx = np.flatnonzero(chunk.values[: chunk.offsets[-1]] != IGNORE_INDEX)  # sorted
+        lo = np.searchsorted(idx, starts)  # the row's first labelled token, if it has one, is idx[lo]
+        has = lo < np.searchsorted(idx, ends)
+        first[has] = idx[lo[has]] - starts[has]
         parts.append(first)
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
