@@ -150,7 +150,9 @@ def test_batches_before_the_fast_engine_has_loaded_go_to_the_reference(tok, monk
     assert (only_reference["engine"] == "transformers") is (not wait)
     assert not wait or only_reference["engine"].startswith("fastokens")
     if not wait:
-        assert only_reference["reason"].startswith("every batch of this part: the fast engine was still loading")
+        assert only_reference["reason"].startswith(
+            "every batch of this part: the fast engine was still loading"
+        )
         threading.Timer(0.2, release.set).start()
     second = bt.encode(
         texts, True, column="text"
