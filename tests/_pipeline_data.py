@@ -65,3 +65,22 @@ def build_tokenizer(path: str, chat_template: str | None = CHATML_GENERATION) ->
 
 def load(path: str):
     return transformers.AutoTokenizer.from_pretrained(path)
+
+
+def hold_fast_engine_load(monkeypatch):
+    """Make the fast engine's background load wait until the returned ``threading.Event`` is set, and count the
+    test tokenizer as a large vocabulary (one whose load the pipeline overlaps with its first batches)."""
+    import threading
+
+    from packtools.pipeline import tokenizer_load
+
+    release = threading.Event()
+    real = tokenizer_load.FastLoad._load
+
+    def slow(self):
+        release.wait(30)
+        real(self)
+
+    monkeypatch.setattr(tokenizer_load.FastLoad, "_load", slow)
+    monkeypatch.setattr(tokenizer_load, "OVERLAP_MIN_BYTES", 0)  # the test tokenizer is small
+    return release

@@ -236,7 +236,7 @@ def test_chat_batches_before_the_fast_engine_has_loaded_go_to_the_reference(tokd
     labelled by the reference (the same ids and labels), counted and reported, the next waits for the engine."""
     import threading
 
-    from packtools.pipeline import tokenizer_load
+    from _pipeline_data import hold_fast_engine_load
 
     monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
     convs = [c for c in conversations() if c[0]["role"] != "bad"][:20]
@@ -244,15 +244,7 @@ def test_chat_batches_before_the_fast_engine_has_loaded_go_to_the_reference(tokd
     want = BatchTokenizer(tokdir, "messages", engine="transformers")(table)
     BatchTokenizer(tokdir, "messages")  # records the verdicts
     BatchTokenizer(tokdir, "messages")
-    release = threading.Event()
-    real = tokenizer_load.FastLoad._load
-
-    def slow(self):
-        release.wait(30)
-        real(self)
-
-    monkeypatch.setattr(tokenizer_load.FastLoad, "_load", slow)
-    monkeypatch.setattr(tokenizer_load, "OVERLAP_MIN_BYTES", 0)  # the test tokenizer is small
+    release = hold_fast_engine_load(monkeypatch)
     bt = BatchTokenizer(tokdir, "messages", wait_for_engine=False)
     assert bt.pending is not None and bt.fast is None
     bt.start_part("p")

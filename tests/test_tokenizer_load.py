@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 import pytest
-from _pipeline_data import CORPUS, build_tokenizer
+from _pipeline_data import CORPUS, build_tokenizer, hold_fast_engine_load
 
 from packtools.pipeline import fast_tokenize, proof_cache, tokenizer_load
 from packtools.pipeline.tokenize import BatchTokenizer
@@ -127,15 +127,7 @@ def test_batches_before_the_fast_engine_has_loaded_go_to_the_reference(tok, monk
 
     BatchTokenizer(tok, "text")  # records the verdicts
     BatchTokenizer(tok, "text")
-    release = threading.Event()
-    real = tokenizer_load.FastLoad._load
-
-    def slow(self):
-        release.wait(30)
-        real(self)
-
-    monkeypatch.setattr(tokenizer_load.FastLoad, "_load", slow)
-    monkeypatch.setattr(tokenizer_load, "OVERLAP_MIN_BYTES", 0)  # the test tokenizer is small
+    release = hold_fast_engine_load(monkeypatch)
     if wait:
         threading.Timer(0.2, release.set).start()
     bt = BatchTokenizer(tok, "text", wait_for_engine=wait)

@@ -299,9 +299,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         timings = dict(result.timings)
         since = seconds_since_process_start(timings["first_part_at"]) if "first_part_at" in timings else None
-        if (
-            since is not None
-        ):  # this process is the run: say how long after its start the first part was ready
+        # this process is the run: say how long after its start the first part was ready
+        if since is not None:
             timings["first_part_s"] = round(since, 3)
         print(format_pipeline_summary(result.stats, result.out, result.cached, timings))
         reused = result.timings.get("parts_from_stage_cache", 0)

@@ -274,9 +274,8 @@ def _run(
         done: list[float] = []
         staged = run_jobs(ex, stage_part, jobs, "stage", how.quiet, how.retries, finished=done)
         timings["stage_s"] = round(time.perf_counter() - t0, 3)
-        if (
-            done
-        ):  # when the first part was read and tokenized (the CLI says how long after the process started)
+        # when the first part was read and tokenized (the CLI says how long after the process started)
+        if done:
             timings["first_part_at"] = done[0]
         timings["parts_reused"] = sum(bool(s["reused"]) for s in staged)
         timings["parts_mapped"] = sum(s["data"] == j.part.file.path for s, j in zip(staged, jobs))
