@@ -136,7 +136,7 @@ def preload_tokenizer(
     key = (tokenizer, tokenizer_fingerprint(tokenizer), fmt, add_eos, engine, audit_rate, on_unencodable)
     cached = _TOKENIZERS.get(key)
     if cached is not None and input_bytes is not None:
-        small = reference_suffices(tokenizer, engine, fmt, input_bytes)
+        small = reference_suffices(tokenizer, engine, input_bytes)
         if (cached.small_input is not None) != small:
             del _TOKENIZERS[key]
     if key not in _TOKENIZERS:

@@ -87,7 +87,7 @@ class BatchTokenizer:
             input_bytes
             if proven is None
             and not wait_for_engine
-            and tokenizer_load.reference_suffices(tokenizer_dir, requested, fmt, input_bytes)
+            and tokenizer_load.reference_suffices(tokenizer_dir, requested, input_bytes)
             else None
         )
         skip = adopted == "transformers" or self.small_input is not None

@@ -232,7 +232,7 @@ class FastLoad:
         return self._native
 
 
-def reference_suffices(tokenizer_dir: str, requested: str, fmt: str, input_bytes: int | None) -> bool:
+def reference_suffices(tokenizer_dir: str, requested: str, input_bytes: int | None) -> bool:
     """Whether a run of ``input_bytes`` (None: unknown) is tokenized by the reference alone: ``auto``, at most
     :data:`SMALL_INPUT_BYTES` of input, a vocabulary of :data:`OVERLAP_MIN_BYTES` or more."""
     if requested != "auto" or input_bytes is None or input_bytes > SMALL_INPUT_BYTES:
