@@ -102,3 +102,25 @@ def test_json_that_python_reads_but_arrow_refuses_names_the_line_and_the_fix(tmp
         pack_files(str(src), str(tmp_path / "out"), max_length=8)
     src.write_text('{"input_ids": [1], "meta": [1]}\n{"input_ids": [2], "meta": [2]}\n')  # control
     assert pack_files(str(src), str(tmp_path / "out"), max_length=8).stats["rows_in"] == 2
+
+
+@pytest.mark.parametrize(
+    "data, line, column",
+    [
+        (b'{"te\xffxt": "ab"}\n', 1, 5),  # in a field name
+        (b'{"messages": [{"role": "u", "content": "a\xffb"}]}\n', 1, 42),  # in a nested string
+        (b'{"messages": [{"ro\xffle": "u"}]}\n', 1, 19),  # in a nested field name (not in Arrow's check)
+        (b'{"text": "ok \xc3\xa9"}\n{"text": "bad \xc3"}\n', 2, 15),  # a cut sequence after valid non-ASCII
+    ],
+)
+def test_bytes_that_are_not_utf8_are_found_wherever_they_are(tmp_path, data, line, column):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(data)
+    with pytest.raises(PackingError, match=rf"line {line}: bytes .* at column {column} are not UTF-8"):
+        list(iter_json_lines(str(path)))
+
+
+def test_a_real_replacement_character_is_text_not_an_error(tmp_path):
+    path = tmp_path / "ok.jsonl"
+    path.write_text('{"te\ufffdxt": "gr\u00fc\ufffd"}\n', encoding="utf-8")
+    assert [r for _, t in iter_json_lines(str(path)) for r in t.to_pylist()] == [{"te\ufffdxt": "gr\u00fc\ufffd"}]

@@ -5,7 +5,7 @@ This module also runs under NUMBA_DISABLE_JIT=1 (see test_nojit.py), which check
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import packtools
@@ -187,3 +187,23 @@ def test_view_segments_finds_every_segment_in_its_source():
         for b, m, d in zip(*(x[bounds[j] : bounds[j + 1]] for x in (begin, size, dest)))
     ]
     assert got == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 2**31 - 1), max_size=6), max_size=12),
+    st.data(),
+)
+def test_append_to_rows_equals_joining_a_one_value_part(rows, data):
+    """``ragged.append_to_rows`` (how EOS is appended) against the general row join it replaces, on every mask."""
+    from packtools.core import ragged
+
+    r = ragged.from_lists(rows)
+    where = np.array(data.draw(st.lists(st.booleans(), min_size=len(rows), max_size=len(rows))), bool)
+    extra = ragged.from_lengths(where.astype(np.int64), np.full(int(where.sum()), 7, np.int32))
+    got = ragged.append_to_rows(r, 7, where)
+    want = ragged.join_rows([r, extra])
+    assert got.values.dtype == want.values.dtype
+    assert ragged.to_lists(got) == ragged.to_lists(want)
+    every = ragged.append_to_rows(r, 7)
+    assert ragged.to_lists(every) == [row + [7] for row in rows]

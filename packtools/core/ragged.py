@@ -80,6 +80,21 @@ def join_rows(parts: Sequence[Ragged]) -> Ragged:
     return out
 
 
+def append_to_rows(r: Ragged, value: int, where: np.ndarray | None = None) -> Ragged:
+    """``value`` appended to every row (``where``: only to the rows where this boolean mask is true); the same
+    as :func:`join_rows` with a one-value part, in one insertion instead of two scatters.
+
+    >>> to_lists(append_to_rows(from_lists([[1, 2], [], [3]]), 9, np.array([True, True, False])))
+    [[1, 2, 9], [9], [3]]
+    """
+    if where is None:
+        ends, lengths = r.offsets[1:], r.lengths + 1
+    else:
+        ends, lengths = r.offsets[1:][where], r.lengths + where.astype(np.int64)
+    values = r.values[r.offsets[0] : r.offsets[-1]]
+    return from_lengths(lengths, np.insert(values, ends - r.offsets[0], np.asarray(value, values.dtype)))
+
+
 def window(r: Ragged, starts: object, lengths: object) -> Ragged:
     """Row ``i`` becomes ``row[starts[i] : starts[i] + lengths[i]]`` (the window must lie inside the row)."""
     starts = np.asarray(starts, np.int64)

@@ -227,25 +227,22 @@ class BatchTokenizer:
             )
         return ragged.from_lists(self.reference_ids(texts, special))
 
-    def _eos_rows(self, n: int) -> Ragged:
+    def _eos_id(self) -> int:
         if self.eos_id is None:
             raise PackingError(
                 f"the tokenizer in {self.tokenizer_dir!r} has no eos_token, so none can end each sequence; "
                 f"set eos_token in its tokenizer_config.json or pass add_eos=False.",
                 param="tokenizer",
             )
-        return ragged.constant_rows(n, self.eos_id)
+        return int(self.eos_id)
 
     def _with_eos(self, r: Ragged) -> Ragged:
         """Append EOS to every row that does not already end with it."""
         if not self.add_eos:
             return r
-        eos = self._eos_rows(r.num_rows)
-        lengths = r.lengths
+        eos = self._eos_id()
         ends = r.values[np.maximum(r.offsets[1:] - 1, 0)] if r.values.size else np.zeros(r.num_rows, np.int64)
-        needs = (lengths == 0) | (ends != self.eos_id)
-        eos = ragged.from_lengths(needs.astype(np.int64), eos.values[needs])
-        return ragged.join_rows([r, eos])
+        return ragged.append_to_rows(r, eos, (r.lengths == 0) | (ends != eos))
 
     def _prompt_and_completions(self, table: pa.Table, names: Sequence[str], first_row: Row) -> list[Ragged]:
         """Tokenized prompt (first) and completions (the others) of prompt-completion or preference rows."""
@@ -255,7 +252,7 @@ class BatchTokenizer:
         parts = [self.encode(_strings(table, "prompt", first_row, prompts), True, first_row, "prompt")]
         for name in names:
             done = self.encode(_strings(table, name, first_row), False, first_row, name)
-            parts.append(ragged.join_rows([done, self._eos_rows(done.num_rows)]) if self.add_eos else done)
+            parts.append(ragged.append_to_rows(done, self._eos_id()) if self.add_eos else done)
         return parts
 
     def compare_labels(self, convs: list, rows: Sequence[int], first_row: Row) -> tuple[int, str] | None:
