@@ -123,4 +123,6 @@ def test_bytes_that_are_not_utf8_are_found_wherever_they_are(tmp_path, data, lin
 def test_a_real_replacement_character_is_text_not_an_error(tmp_path):
     path = tmp_path / "ok.jsonl"
     path.write_text('{"te\ufffdxt": "gr\u00fc\ufffd"}\n', encoding="utf-8")
-    assert [r for _, t in iter_json_lines(str(path)) for r in t.to_pylist()] == [{"te\ufffdxt": "gr\u00fc\ufffd"}]
+    assert [r for _, t in iter_json_lines(str(path)) for r in t.to_pylist()] == [
+        {"te\ufffdxt": "gr\u00fc\ufffd"}
+    ]

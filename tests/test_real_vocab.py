@@ -104,6 +104,7 @@ def test_chat_labels_equal_generation_masks_of_a_tagged_copy(vocab, tmp_path, te
         ]
         assert out.column("labels").to_pylist() == want
         assert all(any(x != -100 for x in row) for row in want)  # every conversation has assistant tokens
+        assert "one render per conversation" in tok.chat.render_engine  # (packtools.pipeline.chat_local)
         on_transformers = tok.part_report()["checked"].get("batches_on_transformers", 0)
         if engine and convs is nfc:
             assert tok.fast is not None and on_transformers == 0  # NFC text: the fast path all the way

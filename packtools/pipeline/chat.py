@@ -82,6 +82,11 @@ class TransformersRenderer:
         return texts[0], [tuple(s) for s in spans[0]]
 
 
+def _first(rendered: tuple[list[str], list[list[tuple[int, int]]]]) -> tuple[str, list[tuple[int, int]]]:
+    """The one conversation's ``(text, spans)`` of :func:`chat_labels.incremental_spans` over a list of one."""
+    return rendered[0][0], rendered[1][0]
+
+
 def _outcome(fn: Any, *args: Any) -> Any:
     try:
         return fn(*args)
@@ -166,6 +171,16 @@ class ChatTokens:
             f"jinja2 {_version('jinja2')} (the same renderings as transformers' apply_chat_template on "
             f"{checked.get('adversarial_conversations', 0)} adversarial conversations, every prefix)"
         )
+        if not self.generation_tags(mine):  # one render per conversation where the template allows it
+            why_not = mine.enable_local(
+                convs, lambda conv: _first(chat_labels.incremental_spans(mine, [conv], str))
+            )
+            self.render_engine += (
+                "; one render per conversation (its loop body reads its message alone; the same spans as "
+                "prefix renders on the adversarial conversations)"
+                if why_not is None
+                else f"; prefixes rendered ({why_not})"
+            )
         return mine
 
     @staticmethod

@@ -55,10 +55,18 @@ def incremental_spans(
     """Rendered conversations and the character span of every assistant turn (incremental rendering) by
     ``renderer`` (``render_prefixes(conv, cuts)``: ``render(conv[:k], prompt)`` per cut, lazily); ``where(i)`` names
     conversation ``i`` in errors.  The rendering of the whole conversation is reused for its last turn (no
-    render of the same text twice)."""
+    render of the same text twice); a renderer with ``local`` set renders each conversation once
+    (``local_spans``, :mod:`packtools.pipeline.chat_local`) and prefixes only where that returns None."""
     texts, spans = [], []
     render_prefixes = renderer.render_prefixes
+    local = renderer.local_spans if getattr(renderer, "local", None) is not None else None
     for i, conv in enumerate(convs):
+        if local is not None:  # one render gives every prefix (packtools.pipeline.chat_local)
+            got = local(conv)
+            if got is not None:
+                texts.append(got[0])
+                spans.append(got[1])
+                continue
         cuts = incremental_cuts(conv)
         rendered = render_prefixes(conv, cuts)  # lazily, in the order of cuts: errors come in that order
         full = next(rendered)

@@ -23,6 +23,7 @@ spans) before using it, and falls back to transformers with the reason otherwise
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -108,6 +109,23 @@ class _Spans:
     def __init__(self) -> None:
         self.length = 0
         self.spans: list[tuple[int, int]] | None = None
+
+
+class _Marker:
+    """What the instrumented template of :mod:`.chat_local` writes where an iteration starts and where the loop
+    ends: nothing, noting how many blocks the render had put out by then (jinja2 yields each output expression
+    as it comes, so the blocks before the marker have all been taken)."""
+
+    __slots__ = ("parts", "at")
+
+    def __init__(self) -> None:
+        self.parts: list[str] | None = None
+        self.at: list[int] = []
+
+    def __str__(self) -> str:
+        if self.parts is not None:
+            self.at.append(len(self.parts))
+        return ""
 
 
 #: Exact built-in types whose attributes' sandbox verdicts are remembered per (type, name) (see ``_environment``).
@@ -229,16 +247,23 @@ class ChatRenderer:
         self._env = compiled.environment
         self._globals = dict(compiled.globals)  # what jinja2's new_context flattens from a ChainMap per call
         self._variables = {**specials, "tools": None, "documents": None}
+        #: one render per conversation for the incremental rule (:mod:`.chat_local`), once :meth:`enable_local`
+        #: has found the shape and checked it: (instrumented template, its globals, its marker, the tail without
+        #: and with the generation prompt)
+        self.local: tuple[Any, dict[str, Any], _Marker, tuple[str, str]] | None = None
 
-    def _context(self, messages: list[dict[str, Any]], generation_prompt: bool) -> Any:
+    def _context(
+        self,
+        messages: list[dict[str, Any]],
+        generation_prompt: bool,
+        compiled: Any = None,
+        globals_: Any = None,
+    ) -> Any:
         """The context ``Template.new_context`` makes for these variables (same keys, values and order)."""
-        compiled = self._compiled
-        parent = dict(
-            self._globals, messages=messages, add_generation_prompt=generation_prompt, **self._variables
-        )
-        return self._env.context_class(
-            self._env, parent, compiled.name, compiled.blocks, globals=self._globals
-        )
+        compiled = self._compiled if compiled is None else compiled
+        globals_ = self._globals if globals_ is None else globals_
+        parent = dict(globals_, messages=messages, add_generation_prompt=generation_prompt, **self._variables)
+        return self._env.context_class(self._env, parent, compiled.name, compiled.blocks, globals=globals_)
 
     def render(self, conv: list[dict[str, Any]], generation_prompt: bool) -> str:
         """The conversation rendered (``generation_prompt``: with the assistant header that opens a reply);
@@ -283,3 +308,84 @@ class ChatRenderer:
             raise  # not reached
         finally:
             state.spans = None
+
+    # -- one render for the incremental rule (packtools.pipeline.chat_local) ---------------------------------
+    def enable_local(self, convs: list[list[dict[str, Any]]], prefix_spans: Any) -> str | None:
+        """Render conversations once each for the incremental rule when the template has the local shape and
+        :meth:`local_spans` equals ``prefix_spans(conv)`` (the rule by prefix renders: ``(text, spans)``, or an
+        exception) on every conversation of ``convs``; returns why not (None: enabled)."""
+        from . import chat_local
+
+        tree = chat_local.local_shape(self.template, self._env)
+        if tree is None:
+            return "the template's loop body reads more than its message"
+        self.local = None
+        wants = []
+        for conv in convs:  # the rule by prefix renders, before the one-render path is on
+            try:
+                wants.append((conv, prefix_spans(conv)))
+            except Exception:  # noqa: BLE001 - a conversation the rule refuses: the fallback raises it
+                continue
+        marker = _Marker()
+        try:
+            compiled = self._env.from_string(tree, globals={chat_local.MARK: marker})
+            globals_ = dict(compiled.globals)
+            self.local = (compiled, globals_, marker, ("", ""))
+            tails = []
+            for prompt in (False, True):
+                text, marks = self._render_marked([{"role": "user", "content": ""}], prompt)
+                tails.append(text[marks[-1] :])
+        except Exception as exc:  # noqa: BLE001 - then prefixes are rendered, as before
+            self.local = None
+            return f"the instrumented template failed: {type(exc).__name__}: {exc}"
+        self.local = (compiled, globals_, marker, (tails[0], tails[1]))
+        for conv, want in wants:
+            if self.local_spans(conv) != want:
+                self.local = None
+                return f"one render gave other spans than prefix renders for {conv!r:.120}"
+        return None
+
+    def _render_marked(
+        self, messages: list[dict[str, Any]], generation_prompt: bool
+    ) -> tuple[str, list[int]]:
+        """The instrumented template's rendering and the output length at each marker."""
+        assert self.local is not None
+        compiled, globals_, marker, _ = self.local
+        parts: list[str] = []
+        marker.parts, marker.at = parts, []
+        ctx = self._context(messages, generation_prompt, compiled, globals_)
+        append = parts.append
+        try:
+            for block in compiled.root_render_func(ctx):
+                append(block)
+        except Exception:
+            self._env.handle_exception()  # re-raises, as Template.generate does
+            raise  # not reached
+        finally:
+            at, marker.parts, marker.at = marker.at, None, []
+        ends = list(itertools.accumulate(map(len, parts), initial=0))  # where each block starts, then the end
+        return "".join(parts), [ends[k] for k in at]
+
+    def local_spans(self, conv: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]] | None:
+        """The incremental rule's ``(rendering, assistant spans)`` of ``conv`` from one render (see
+        :mod:`.chat_local`); None when a prefix would not be the start of the next one (the caller renders the
+        prefixes, which raises the rule's error) or the template did not run its loop once per message."""
+        if not conv:
+            raise ValueError("an empty conversation has no chat rendering")
+        assert self.local is not None
+        tail, prompt_tail = self.local[3]
+        text, marks = self._render_marked(template_messages(conv), False)
+        if len(marks) != len(conv) + 1 or text[marks[-1] :] != tail:
+            return None
+        spans = []
+        for turn, message in enumerate(conv):
+            if message.get("role") != "assistant":
+                continue
+            if turn == 0:
+                raise ValueError("an empty conversation has no chat rendering")
+            a, b = marks[turn], marks[turn + 1]
+            # messages[:turn] + prompt is text[:a] + prompt_tail; messages[:turn + 1] is text[:b] + tail
+            if not ((text[a:b] + tail).startswith(prompt_tail) and text.startswith(tail, b)):
+                return None
+            spans.append((a + len(prompt_tail), b + len(tail)))
+        return text, spans

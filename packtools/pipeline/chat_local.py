@@ -1,0 +1,155 @@
+"""One render instead of one per prefix, for chat templates whose loop body depends on its message alone.
+
+Without ``{% generation %}`` markers, an assistant turn ``i`` spans the characters between the rendering of
+``messages[:i]`` with the generation prompt and that of ``messages[:i + 1]`` (:mod:`.chat_labels`): four renders
+of a user/assistant/user/assistant row.  Many templates have a shape that makes those renders predictable:
+
+    HEAD  {% for m in messages %} BODY {% endfor %}  TAIL
+
+where HEAD reads neither ``messages`` nor ``add_generation_prompt``, BODY reads its message ``m`` and constants
+only (no ``loop``, no ``messages``, no ``{% set %}``, no ``break``), and TAIL reads ``add_generation_prompt`` and
+constants only.  :func:`local_shape` checks that on the template's syntax tree, conservatively: a node, filter,
+test, method or name outside the lists below makes it answer None, and the caller keeps rendering prefixes.
+For such a template the rendering of ``messages[:k]`` is ``HEAD + BODY(m_0) + ... + BODY(m_{k-1}) + TAIL(prompt)``,
+so one render of the whole conversation, with the output length noted where each iteration starts and where the
+loop ends, gives every prefix's text: :class:`LocalSpans` adds a marker that writes nothing at those two places and
+renders ``TAIL`` for both prompt values once.  The checks of the incremental rule (each prefix is the start of the
+next) are made on those texts, with the same errors.
+
+Whether a template has the shape is decided by its syntax; :mod:`.chat` also compares the spans with the
+prefix renders on the built-in adversarial conversations before using them (``tests/test_chat_local.py``
+compares them on generated ones, and checks templates that must be refused).
+
+>>> t = "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}{% endfor %}"
+>>> local_shape(t + "{% if add_generation_prompt %}<assistant>{% endif %}") is not None
+True
+>>> local_shape(t.replace("m['role']", "loop.index")) is None
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Filters that are functions of their arguments alone (no state, no clock, no randomness).
+PURE_FILTERS = frozenset(
+    {"trim", "lower", "upper", "capitalize", "title", "string", "length", "count", "first", "last", "join",
+     "replace", "default", "d", "tojson", "list", "int", "float", "abs", "round", "indent", "safe", "e",
+     "escape", "items", "reverse", "wordcount", "center", "truncate", "striptags"}
+)  # fmt: skip
+#: Tests, likewise.
+PURE_TESTS = frozenset(
+    {"defined", "undefined", "none", "string", "mapping", "sequence", "iterable", "number", "integer", "float",
+     "boolean", "true", "false", "in", "eq", "equalto", "==", "ne", "!=", "lower", "upper", "odd", "even",
+     "divisibleby", "sameas", "lt", "le", "gt", "ge", "<", "<=", ">", ">=", "greaterthan", "lessthan"}
+)  # fmt: skip
+#: Methods a template may call on a message, its values or constants (none mutates or reads outside state).
+PURE_METHODS = frozenset(
+    {"get", "strip", "lstrip", "rstrip", "split", "rsplit", "startswith", "endswith", "lower", "upper",
+     "replace", "items", "keys", "values", "splitlines", "find", "rfind", "count", "title", "capitalize"}
+)  # fmt: skip
+#: Names no part may read: the conversation as a whole, loop state, and globals with state or a clock.
+NEVER = frozenset(
+    {"messages", "loop", "self", "caller", "varargs", "kwargs", "namespace", "joiner", "cycler", "lipsum",
+     "range", "dict", "strftime_now"}
+)  # fmt: skip
+MARK = "packtools_iteration_mark"  # the marker's global (only in the instrumented copy)
+
+
+class _Refused(Exception):
+    """The template is outside the shape (the message says where)."""
+
+
+def _check(node: Any, names_ok: frozenset[str], names_no: frozenset[str]) -> None:
+    """Raise :class:`_Refused` unless ``node`` and everything under it is on the lists."""
+    from jinja2 import nodes
+
+    kind = type(node)
+    if kind is nodes.Name:
+        if node.ctx != "load" or node.name in names_no:
+            raise _Refused(f"name {node.name!r}")
+        return
+    if kind is nodes.Filter and node.name not in PURE_FILTERS:
+        raise _Refused(f"filter {node.name!r}")
+    if kind is nodes.Test and node.name not in PURE_TESTS:
+        raise _Refused(f"test {node.name!r}")
+    if kind is nodes.Call:
+        callee = node.node
+        if not (
+            (type(callee) is nodes.Getattr and callee.attr in PURE_METHODS)
+            or (type(callee) is nodes.Name and callee.name == "raise_exception")
+        ):
+            raise _Refused("a call")
+        if node.dyn_args is not None or node.dyn_kwargs is not None:
+            raise _Refused("a call with *args or **kwargs")
+    if kind is nodes.For:
+        if node.recursive or type(node.target) is not nodes.Name:
+            raise _Refused("an inner loop")
+        _check(node.iter, names_ok, names_no)
+        if node.test is not None:
+            _check(node.test, names_ok, names_no)
+        for child in [*node.body, *node.else_]:
+            _check(child, names_ok | {node.target.name}, names_no - {node.target.name})
+        return
+    if kind not in _ALLOWED:
+        raise _Refused(f"{kind.__name__} node")
+    for child in node.iter_child_nodes():
+        _check(child, names_ok, names_no)
+
+
+def _allowed() -> frozenset[type]:
+    from jinja2 import nodes
+
+    return frozenset(
+        {nodes.Output, nodes.If, nodes.TemplateData, nodes.Const, nodes.Name, nodes.Getitem, nodes.Getattr,
+         nodes.Slice, nodes.Compare, nodes.Operand, nodes.Test, nodes.Filter, nodes.CondExpr, nodes.And,
+         nodes.Or, nodes.Not, nodes.Neg, nodes.Pos, nodes.Concat, nodes.Add, nodes.Sub, nodes.Mul, nodes.Div,
+         nodes.FloorDiv, nodes.Mod, nodes.List, nodes.Tuple, nodes.Dict, nodes.Pair, nodes.Keyword,
+         nodes.Call, nodes.For}
+    )  # fmt: skip
+
+
+_ALLOWED: frozenset[type] = frozenset()
+
+
+def local_shape(template: str, env: Any = None) -> Any:
+    """The parsed template with iteration markers added when it has the local shape (module docstring), else
+    None.  ``env``: the jinja2 environment to parse with (default: a plain one with transformers' lexer
+    settings, ``trim_blocks`` and ``lstrip_blocks``)."""
+    from jinja2 import Environment, nodes
+
+    global _ALLOWED
+    if not _ALLOWED:
+        _ALLOWED = _allowed()
+    if env is None:
+        env = Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    try:
+        tree = env.parse(template)
+    except Exception:  # noqa: BLE001 - a template this environment cannot parse is not ours to judge
+        return None
+    loops = [
+        i
+        for i, n in enumerate(tree.body)
+        if type(n) is nodes.For and type(n.iter) is nodes.Name and n.iter.name == "messages"
+    ]
+    if len(loops) != 1:
+        return None
+    at = loops[0]
+    loop = tree.body[at]
+    if loop.recursive or loop.test is not None or loop.else_ or type(loop.target) is not nodes.Name:
+        return None
+    target = loop.target.name
+    prompt = "add_generation_prompt"
+    try:
+        for node in tree.body[:at]:
+            _check(node, frozenset(), NEVER | {prompt, target})
+        for node in loop.body:
+            _check(node, frozenset({target}), (NEVER | {prompt}) - {target})
+        for node in tree.body[at + 1 :]:
+            _check(node, frozenset({prompt}), NEVER | {target})
+    except _Refused:
+        return None
+    mark = nodes.Output([nodes.Name(MARK, "load")])
+    instrumented = nodes.For(loop.target, loop.iter, [mark, *loop.body], [], None, False)
+    body = [*tree.body[:at], instrumented, mark, *tree.body[at + 1 :]]
+    return nodes.Template(body).set_environment(env).set_lineno(1)

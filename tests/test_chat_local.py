@@ -1,0 +1,132 @@
+"""One render per conversation (packtools.pipeline.chat_local) against the incremental rule by prefix renders."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from _real_vocab import TEMPLATES
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from packtools.errors import PackingError
+from packtools.pipeline import chat_labels
+from packtools.pipeline import fast_tokenize as fast_engine
+from packtools.pipeline.chat_local import local_shape
+from packtools.pipeline.chat_render import ChatRenderer
+
+SPECIALS = {"bos_token": "<s>", "eos_token": "</s>"}
+ROLES = ["system", "user", "assistant", "tool"]
+pieces = st.sampled_from(
+    ["", " ", "\n", "  x  ", "<s>", "</s>", "<|eot_id|>", "ab\n\n", "\u00e9\u0301", "\t"]
+)
+contents = st.lists(st.one_of(pieces, st.text(max_size=8)), max_size=4).map("".join)
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(ROLES), "content": contents},
+    optional={"reasoning_content": contents},
+)
+conversations = st.lists(message, min_size=1, max_size=6)
+
+# an instance of the shape whose generation prompt does not start the assistant turn: not incremental
+NOT_INCREMENTAL = (
+    "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<gen>{% endif %}"
+)
+
+
+@functools.cache
+def _prefix_rendered(plain: str) -> ChatRenderer:
+    return ChatRenderer(plain, SPECIALS)
+
+
+@functools.cache
+def _one_render(plain: str) -> ChatRenderer:
+    r = ChatRenderer(plain, SPECIALS)
+    convs = fast_engine.adversarial_conversations(fast_engine.adversarial_texts(list(SPECIALS.values())))
+    why = r.enable_local(
+        convs,
+        lambda c: (lambda t, s: (t[0], s[0]))(
+            *chat_labels.incremental_spans(_prefix_rendered(plain), [c], str)
+        ),
+    )
+    assert why is None, why
+    return r
+
+
+def _outcome(renderer: ChatRenderer, conv: list) -> object:
+    try:
+        return chat_labels.incremental_spans(renderer, [conv], lambda i: f"row {i}")
+    except (PackingError, ValueError) as exc:
+        return type(exc).__name__, str(exc)
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+@settings(max_examples=80, deadline=None)
+@given(convs=st.lists(conversations, min_size=1, max_size=4))
+def test_one_render_gives_the_prefix_renders_spans_and_errors(name, convs):
+    plain = TEMPLATES[name][0]
+    fast, slow = _one_render(plain), _prefix_rendered(plain)
+    assert fast.local is not None and slow.local is None
+    for conv in convs:
+        assert _outcome(fast, conv) == _outcome(slow, conv)
+
+
+@settings(max_examples=100, deadline=None)
+@given(conv=conversations)
+def test_a_template_that_is_not_incremental_still_gets_the_rules_error(conv):
+    assert local_shape(NOT_INCREMENTAL) is not None  # the shape holds; the incremental rule does not
+    fast = _one_render(NOT_INCREMENTAL)  # (the adversarial conversations all fail the rule: none to compare)
+    got, want = _outcome(fast, conv), _outcome(_prefix_rendered(NOT_INCREMENTAL), conv)
+    assert got == want
+    if conv[0]["role"] != "assistant" and any(m["role"] == "assistant" for m in conv[1:]):
+        assert "does not render conversations incrementally" in str(got)
+
+
+def test_the_marker_changes_no_rendering():
+    plain = TEMPLATES["qwen3-think"][0]
+    fast, slow = _one_render(plain), _prefix_rendered(plain)
+    conv = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": " hi "},
+        {"role": "assistant", "content": "yo", "reasoning_content": " think "},
+    ]
+    text, spans = fast.local_spans(conv)
+    assert text == slow.render(conv, False)
+    assert [text[a:b] for a, b in spans] == ["<think>\nthink\n</think>\n\nyo<|im_end|>\n"]
+
+
+LOOP = "{% for m in messages %}X{% endfor %}"
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        LOOP.replace("X", "{{ loop.index }}{{ m['content'] }}"),  # loop state
+        LOOP.replace("X", "{% if loop.last %}{{ m['content'] }}{% endif %}"),
+        LOOP.replace("X", "{{ messages[0]['content'] }}{{ m['content'] }}"),  # the whole conversation
+        LOOP.replace("X", "{{ messages | length }}"),
+        "{% if messages[0]['role'] == 'system' %}S{% endif %}" + LOOP.replace("X", "{{ m['content'] }}"),
+        "{% set ns = namespace(n=0) %}" + LOOP.replace("X", "{% set ns.n = ns.n + 1 %}{{ ns.n }}"),  # state
+        LOOP.replace("X", "{% set c = m['content'] %}{{ c }}"),
+        LOOP.replace("X", "{% if m['role'] == 'x' %}{% break %}{% endif %}{{ m['content'] }}"),
+        LOOP.replace(
+            "X", "{% if add_generation_prompt %}G{% endif %}{{ m['content'] }}"
+        ),  # prompt in the body
+        "{% if add_generation_prompt %}G{% endif %}" + LOOP.replace("X", "{{ m['content'] }}"),  # in the head
+        LOOP.replace("X", "{{ strftime_now('%d') }}"),  # a clock
+        LOOP.replace("X", "{{ m['content'] | random }}"),  # a filter with randomness
+        LOOP.replace("X", "{{ m.update({'a': 1}) }}"),  # a method not on the list
+        LOOP.replace("X", "{{ range(3) | list }}"),
+        LOOP.replace("X", "{% for c in m['content'] %}{{ loop.index }}{% endfor %}"),  # an inner loop's state
+        LOOP + LOOP,  # two loops over the messages
+        LOOP.replace("X", "{{ m['content'] }}") + "{{ m }}",  # the loop variable after the loop
+        "{% for m in messages if m['role'] != 'x' %}{{ m['content'] }}{% endfor %}",  # a filtered loop
+        "{% macro f(x) %}{{ x }}{% endmacro %}" + LOOP.replace("X", "{{ f(m['content']) }}"),
+        "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}",
+    ],
+)
+def test_templates_outside_the_shape_are_refused(template):
+    assert local_shape(template) is None
+    r = ChatRenderer(template, SPECIALS) if "generation" not in template else None
+    if r is not None:
+        assert r.enable_local([], lambda c: None) is not None and r.local is None
