@@ -19,7 +19,8 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 from typing import Any
 
 from .._optional import require
@@ -46,17 +47,69 @@ class Executor:
         self.close()
 
 
+@dataclass(frozen=True)
+class TwoSteps:
+    """A job function made of two steps, ``second(job, first(job))`` (picklable when both steps are).
+
+    The local executor runs the first step of the next job in a thread while the second step of this one runs
+    (see :func:`run_overlapped`); the other executors call it as one function.  Worth it when one step
+    releases the GIL (file writes, ``nogil`` kernels), as gathering and writing a shard do.
+    """
+
+    first: Callable[[Any], Any]
+    second: Callable[[Any, Any], Any]
+
+    def __call__(self, job: Any) -> Any:
+        return self.second(job, self.first(job))
+
+
 class LocalExecutor(Executor):
-    """In this process, one job after another (the default; no extra dependency)."""
+    """In this process, one job after another (the default; no extra dependency).  A :class:`TwoSteps`
+    function overlaps its two steps of consecutive jobs (:func:`run_overlapped`)."""
 
     name = "local"
 
     def run(self, fn: Callable[[Any], Any], jobs: Sequence[Any]) -> Iterator[tuple[int, Any]]:
+        if isinstance(fn, TwoSteps):
+            yield from run_overlapped(fn, jobs)
+            return
         for i, job in enumerate(jobs):
             try:
                 yield i, fn(job)
             except Exception as exc:  # noqa: BLE001 - reported to the caller as the job's outcome
                 yield i, exc
+
+
+def run_overlapped(fn: TwoSteps, jobs: Sequence[Any]) -> Iterator[tuple[int, Any]]:
+    """``(index, outcome)`` of every job in job order, as :class:`LocalExecutor` yields them; ``fn.first`` of
+    job ``i + 1`` runs in a thread while ``fn.second`` of job ``i`` runs here.
+
+    At most one first step runs ahead, so at most two jobs' intermediate results are alive at once.  A job
+    whose first step failed yields that exception (its second step does not run).  When the caller stops
+    early (an error, Ctrl-C), the step running ahead is waited for and its result dropped.
+    """
+    if not jobs:
+        return
+    pool = ThreadPoolExecutor(1, thread_name_prefix="packtools-ahead")
+    try:
+        ahead: Future[Any] = pool.submit(fn.first, jobs[0])
+        for i, job in enumerate(jobs):
+            done = ahead
+            if i + 1 < len(jobs):
+                ahead = pool.submit(fn.first, jobs[i + 1])
+            outcome = _second_step(fn, job, done)
+            del done  # its result: not kept while the caller handles the outcome
+            yield i, outcome
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _second_step(fn: TwoSteps, job: Any, first: Future[Any]) -> Any:
+    """``fn.second(job, result of first)``, or the exception either step raised."""
+    try:
+        return fn.second(job, first.result())
+    except Exception as exc:  # noqa: BLE001 - reported to the caller as the job's outcome
+        return exc
 
 
 class PoolExecutor(Executor):

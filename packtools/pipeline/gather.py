@@ -4,7 +4,8 @@ shards of a ``datasets.save_to_disk`` folder.
 :func:`write_block` runs one :class:`WriteJob` (one block of rows of the global plan) on any executor: it maps
 only the files the block reads, copies the block's segments chunk by chunk, drops each chunk's mapped pages
 once copied (so memory holds one block, whatever the token count), and writes one Arrow stream shard under a
-temporary name renamed into place.  The bytes depend on the plan and the data only.
+temporary name renamed into place.  The bytes depend on the plan and the data only.  The local executor
+gathers the next block in a thread while one is written (memory then holds two blocks).
 
 >>> import os, tempfile, pyarrow as pa
 >>> folder = ShardFolder(tempfile.mkdtemp())
@@ -32,6 +33,7 @@ from ..core.plan import PackPlan
 from ..integrations.compat.datasets import STATE_FILE, saved_state
 from ..io.files import IpcReader, reading
 from ..io.pages import PageReleaser
+from .executors import TwoSteps
 
 
 def write_json(path: str, obj: Any) -> None:
@@ -164,9 +166,8 @@ class WriteJob:
     row_offsets: np.ndarray
 
 
-def write_block(job: WriteJob) -> dict[str, Any]:
-    """Gather one block of packed rows from the (memory-mapped) data files and write it to ``job.path``, via a
-    temporary name in the same folder.  Returns ``{"rows", "bytes"}``."""
+def gather_block(job: WriteJob) -> pa.Table:
+    """The packed rows of one block, gathered from the (memory-mapped) data files it reads."""
     mapped = MappedArrow([p for p, _, _ in job.sources], job.columns)
     try:
         cols, lengths = read_columns(mapped.table, list(job.columns))
@@ -177,9 +178,14 @@ def write_block(job: WriteJob) -> dict[str, Any]:
         p = PackPlan(
             job.max_length, job.strategy, local, job.seg_start, job.seg_length, job.row_offsets, lengths
         )
-        table = pack_columns(cols, p, release=mapped.release)
+        return pack_columns(cols, p, release=mapped.release)
     finally:
         mapped.close()
+
+
+def save_block(job: WriteJob, table: pa.Table) -> dict[str, Any]:
+    """Write the gathered ``table`` of one block to ``job.path``, via a temporary name in the same folder.
+    Returns ``{"rows", "bytes"}``."""
     tmp = f"{job.path}.tmp-{os.getpid()}"
     try:
         write_shard(tmp, table)
@@ -189,3 +195,8 @@ def write_block(job: WriteJob) -> dict[str, Any]:
             os.unlink(tmp)
         raise
     return {"rows": table.num_rows, "bytes": os.path.getsize(job.path)}
+
+
+#: Gather one block of packed rows and write it to ``job.path`` (:func:`gather_block`, then
+#: :func:`save_block`); the local executor gathers the next block while this one is written.
+write_block = TwoSteps(gather_block, save_block)

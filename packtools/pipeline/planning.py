@@ -15,12 +15,15 @@ cut into write jobs of at most ``shard_tokens`` tokens, and the statistics of th
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
 
+from ..core.pack import pack_columns, read_columns
 from ..core.plan import PackPlan
 from ..core.plan import plan as make_plan
 from .gather import WriteJob, shard_name
@@ -79,6 +82,45 @@ def plan_parts(eff: np.ndarray, bounds: Sequence[int], config: PipelineConfig) -
             eff,
         )
     return p.shuffled(config.seed) if config.shuffle else p
+
+
+def load_kernels_ahead(strategy: str, value_types: Sequence[str]) -> threading.Thread:
+    """Start loading Numba and the kernels that planning and writing columns of ``value_types`` call
+    (:func:`packtools.core.pack.warmup_packing`) in a daemon thread, so that the run stages meanwhile
+    instead of paying it before its plan.  Join the thread before planning: Python 3.11's lazy import of the
+    kernels module is not safe for two threads at once.  A failure is ignored: the plan then loads or
+    compiles the kernels itself, as without it."""
+    thread = threading.Thread(
+        target=_load_kernels, args=(strategy, tuple(value_types)), name="packtools-kernels", daemon=True
+    )
+    thread.start()
+    return thread
+
+
+def _load_kernels(strategy: str, value_types: tuple[str, ...]) -> None:
+    try:
+        import numba  # noqa: F401 - first, so that a missing Numba leaves the lazy kernels module untouched
+
+        warmup_packing(strategy, value_types)
+    except Exception:  # noqa: BLE001, S110 - the plan loads the kernels itself
+        pass
+
+
+def warmup_packing(strategy: str, value_types: Sequence[str]) -> None:
+    """Load (or compile) the kernels that planning with ``strategy`` and gathering list columns of
+    ``value_types`` (``"int32"``, ...) from staged Arrow files call, with their argument types, on a tiny
+    input; :func:`packtools.core.warmup` loads every kernel."""
+    p = make_plan(np.array([3, 0, 1], np.int64), 2, strategy)
+    PackPlan(p.max_length, strategy, p.seg_source, p.seg_start, p.seg_length, p.row_offsets, p.source_lengths)
+    if not value_types:
+        return
+    lists = [pa.array([[1, 2, 3], [], [4]], pa.list_(pa.type_for_alias(t))) for t in value_types]
+    table = pa.table({f"c{i}": a for i, a in enumerate(lists)})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    stored = pa.ipc.open_stream(pa.py_buffer(sink.getvalue().to_pybytes())).read_all()  # read-only, as mapped
+    pack_columns(read_columns(stored)[0], p)
 
 
 def write_jobs(

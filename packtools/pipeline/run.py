@@ -47,7 +47,7 @@ from .formats import input_columns, output_columns
 from .gather import run_token, write_block, write_dataset_files
 from .jobs import run_jobs
 from .outcheck import check_out, check_replaceable
-from .planning import plan_parts, row_plan, write_jobs
+from .planning import load_kernels_ahead, plan_parts, row_plan, write_jobs
 from .schema import data_format, known_columns, token_schema
 from .stage import load_sidecar, stage_part
 from .stage_cache import adopt_cached, stage_jobs
@@ -269,6 +269,11 @@ def _run(
     timings: dict[str, Any] = {"parts": len(parts), "parts_from_stage_cache": from_cache}
     ex = get_executor(how.executor, how.workers, how.address)
     timings["executor"] = ex.name
+    warming = (
+        load_kernels_ahead(config.strategy, found.types)
+        if ex.name == "local" and fmt != "preference"
+        else None
+    )
     try:
         t0 = time.perf_counter()
         done: list[float] = []
@@ -296,6 +301,8 @@ def _run(
             stats.update(strategy="bfd (pairs)", overlong=config.overlong or "truncate", plan="global")
         else:
             t1 = time.perf_counter()
+            if warming is not None:
+                warming.join()  # the kernels module is not for two threads to load at once
             rows = row_plan([load_sidecar(j.sidecar) for j in jobs], columns, config)
             checkpoint("plan")
             p = plan_parts(rows.eff, rows.bounds, config)
