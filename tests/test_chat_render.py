@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("transformers")
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
+from packtools.errors import PackingError
 from packtools.pipeline import chat, fast_tokenize  # noqa: E402
 from packtools.pipeline.chat_render import ChatRenderer, read_settings  # noqa: E402
 from packtools.pipeline.tokenize import BatchTokenizer  # noqa: E402
@@ -257,3 +258,69 @@ def test_chat_batches_before_the_fast_engine_has_loaded_go_to_the_reference(tokd
     assert second.equals(want) and bt.fast is not None
     report = bt.part_report()
     assert report["engine"].startswith("fastokens") and report["checked"]["batches_on_transformers"] == 1
+
+
+def test_chat_batches_are_rendered_while_the_fast_engine_loads_then_finished_by_it(
+    tokdir, tmp_path, monkeypatch
+):
+    """The pipeline's chat stage renders batches while the engine loads (stage.render_while_loading) and the
+    engine finishes them: the same tables, in order, as calls, and no batch on the reference; past the cap of
+    batches held, the first one goes to the reference and the next wait (take_pending's rule)."""
+    import threading
+
+    from _pipeline_data import hold_fast_engine_load
+
+    from packtools.pipeline import stage
+
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    convs = [c for c in conversations() if c[0]["role"] != "bad"][:24]
+    batches = [pa.table({"messages": convs[i : i + 3]}) for i in range(0, len(convs), 3)]
+    want = [BatchTokenizer(tokdir, "messages", engine="transformers")(b) for b in batches]
+    BatchTokenizer(tokdir, "messages")  # records the verdicts
+    for cap in (100, 2):
+        release = hold_fast_engine_load(monkeypatch)
+        monkeypatch.setattr(stage, "AHEAD_BATCHES", cap)
+        bt = BatchTokenizer(tokdir, "messages", wait_for_engine=False)
+        bt.start_part("p")
+        prepared = []
+        real_prepare = bt.prepare
+
+        def prepare(table, where, bt=bt, real_prepare=real_prepare, prepared=prepared, release=release):
+            prepared.append(where)
+            if len(prepared) == 3:  # the engine has loaded once three batches were rendered
+                release.set()
+                bt.pending.result()
+            return real_prepare(table, where)
+
+        bt.prepare = prepare
+        if cap == 2:
+            threading.Timer(0.3, release.set).start()
+        got = list(stage.render_while_loading(bt, iter(enumerate(batches))))
+        assert [w for w, _ in got] == list(range(len(batches)))
+        assert all(t.equals(w) for (_, t), w in zip(got, want))
+        assert prepared == list(range(min(cap, 3)))
+        report = bt.part_report()
+        assert report["engine"].startswith("fastokens")
+        assert report["checked"].get("batches_on_transformers", 0) == (0 if cap > 3 else 1)
+
+
+def test_a_batch_that_fails_while_rendered_ahead_names_its_row(tokdir, tmp_path, monkeypatch):
+    from _pipeline_data import hold_fast_engine_load
+
+    from packtools.pipeline import stage
+
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    BatchTokenizer(tokdir, "messages")  # records the verdicts
+    BatchTokenizer(tokdir, "messages")
+    release = hold_fast_engine_load(monkeypatch)
+    bt = BatchTokenizer(tokdir, "messages", wait_for_engine=False)
+    assert bt.engine_loading()
+    bt.start_part("p")
+    good = [c for c in conversations() if c[0]["role"] != "bad"][:2]
+    bad = pa.table({"messages": [good[0], [{"role": "bad", "content": "x"}]]})  # the template raises on it
+    try:
+        with pytest.raises(PackingError, match=r"row 11\b.*bad role"):
+            list(stage.render_while_loading(bt, iter([(0, pa.table({"messages": good})), (10, bad)])))
+        assert bt.engine_loading()  # the error came from rendering ahead, before the engine was there
+    finally:
+        release.set()

@@ -253,8 +253,24 @@ class ChatTokens:
         texts, spans = rendered if rendered is not None else self.rendered(convs, where)
         return chat_labels.labels_from_offsets(self.bt.backend, texts, spans)
 
-    def assistant_labels(self, convs: list[list[dict[str, Any]]], first_row: Row) -> tuple[Ragged, Ragged]:
-        """Token ids and labels (assistant tokens only) of conversations, from the fast engine when it is in use."""
+    def render_ahead(
+        self, convs: list[list[dict[str, Any]]], first_row: Row
+    ) -> tuple[list[str], list] | None:
+        """The renderings :meth:`assistant_labels` will take for ``convs`` (rendering is most of chat's Python
+        work and needs no tokenizer, so it can run while the fast engine loads); None where that renderer is
+        transformers' (it renders in :func:`chat_labels.labels_transformers`)."""
+        if isinstance(self.renderer, TransformersRenderer):
+            return None
+        return self.rendered(convs, lambda i: _at(first_row, i))
+
+    def assistant_labels(
+        self,
+        convs: list[list[dict[str, Any]]],
+        first_row: Row,
+        rendered: tuple[list[str], list] | None = None,
+    ) -> tuple[Ragged, Ragged]:
+        """Token ids and labels (assistant tokens only) of conversations, from the fast engine when it is in use;
+        ``rendered``: their :meth:`render_ahead`, when it was taken before."""
         bt = self.bt
         where = lambda i: _at(first_row, i)  # noqa: E731
         if bt.drops is not None:
@@ -264,8 +280,9 @@ class ChatTokens:
         if bt.pending is not None:
             engine_proof.take_pending(bt)  # the reference labels the first batch while the engine loads
         if bt.fast is None:
-            return self.reference(convs, where)
-        rendered = self.rendered(convs, where)
+            return self.reference(convs, where, rendered)
+        if rendered is None:
+            rendered = self.rendered(convs, where)
         if bt.fast.nfc:  # NFC would move characters of a text that is not NFC: those rows take the reference
             nfc = np.fromiter((unicodedata.is_normalized("NFC", t) for t in rendered[0]), bool, len(convs))
             if not nfc.all():

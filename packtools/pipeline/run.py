@@ -319,6 +319,8 @@ def _run(
     finally:
         if ex is not how.executor:
             ex.close()
+        if warming is not None:  # a failed stage too: nothing of the run loads kernels after it returns
+            warming.join()
     cols = stats.pop("columns", columns)  # preference rows have their own columns
     stats.update(
         {"format": fmt, "max_length": config.max_length, "columns": cols, "columns_left_out": found.left_out}

@@ -269,13 +269,58 @@ class BatchTokenizer:
         except PackingError:
             raise
         except Exception as exc:  # noqa: BLE001 - a template or tokenizer error: find the row that raises it
-            if table.num_rows > 1:
-                for i in range(table.num_rows):
-                    self(table.slice(i, 1), shift(first_row, i))
-            raise PackingError(
-                f"{at(first_row)}: tokenizing failed in the tokenizer or its chat template "
-                f"({type(exc).__name__}: {exc}); fix that row or the template."
-            ) from exc
+            raise self._row_error(self, table, first_row, exc) from exc
+
+    @staticmethod
+    def _row_error(fn: Any, table: pa.Table, first_row: Row, exc: Exception) -> PackingError:
+        """The error of the first row of ``table`` on which ``fn(row, first_row)`` raises (raised from that
+        call), else the batch's own: ``exc``, said to come from the tokenizer or its chat template."""
+        if table.num_rows > 1:
+            for i in range(table.num_rows):
+                fn(table.slice(i, 1), shift(first_row, i))
+        return PackingError(
+            f"{at(first_row)}: tokenizing failed in the tokenizer or its chat template "
+            f"({type(exc).__name__}: {exc}); fix that row or the template."
+        )
+
+    # -- rendering ahead (chat) ---------------------------------------------------------------------
+    def engine_loading(self) -> bool:
+        """Whether the fast engine is still loading in the background (the pipeline's first batches)."""
+        return self.pending is not None and not self.pending.done()
+
+    def prepare(self, table: pa.Table, first_row: Row = 0) -> tuple[Any, ...]:
+        """The Python half of a ``messages`` batch (conversations read, checked and rendered), done now so
+        that :meth:`finish` needs only the tokenizer: the pipeline renders batches while the fast engine
+        loads.  Other formats are left whole to :meth:`finish`; a template error is raised here, naming the
+        row, as a call raises it."""
+        if self.fmt != "messages" or "messages" not in table.column_names:
+            return table, first_row, None
+        try:
+            convs = self._conversations(table, first_row)
+            return table, first_row, (convs, self.chat.render_ahead(convs, first_row))
+        except PackingError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a template error: find the row that raises it
+            raise self._row_error(self.prepare, table, first_row, exc) from exc
+
+    def finish(self, prepared: tuple[Any, ...]) -> pa.Table:
+        """The token table of a :meth:`prepare`-d batch: the same as calling this tokenizer on it."""
+        table, first_row, ready = prepared
+        if ready is None:
+            return self(table, first_row)
+        try:
+            ids, labels = self.chat.assistant_labels(ready[0], first_row, ready[1])
+        except PackingError:
+            raise
+        except Exception:  # noqa: BLE001 - the call finds the row that raises
+            return self(table, first_row)
+        return pa.table({"input_ids": ragged.to_arrow(ids), "labels": ragged.to_arrow(labels)})
+
+    def _conversations(self, table: pa.Table, first_row: Row) -> list[list[dict[str, Any]]]:
+        return [
+            chat.clean_messages(c, "messages", shift(first_row, i))
+            for i, c in enumerate(table.column("messages").to_pylist())
+        ]
 
     def _tokenize(self, table: pa.Table, first_row: Row) -> pa.Table:
         missing = [c for c in input_columns(self.fmt) if c not in table.column_names]
@@ -291,11 +336,7 @@ class BatchTokenizer:
             )
             return pa.table({"input_ids": ragged.to_arrow(ids)})
         if self.fmt == "messages":
-            convs = [
-                chat.clean_messages(c, "messages", shift(first_row, i))
-                for i, c in enumerate(table.column("messages").to_pylist())
-            ]
-            ids, labels = self.chat.assistant_labels(convs, first_row)
+            ids, labels = self.chat.assistant_labels(self._conversations(table, first_row), first_row)
             return pa.table({"input_ids": ragged.to_arrow(ids), "labels": ragged.to_arrow(labels)})
         if self.fmt == "prompt_completion":
             prompt, completion = self._prompt_and_completions(table, ["completion"], first_row)
