@@ -6,7 +6,9 @@ the same libraries give the same answer.  So a *passing* verdict is written to
 ``$PACKTOOLS_CACHE_DIR/engine-proof/`` (atomically), keyed by everything the answer depends on: the tokenizer's
 fingerprint (its files: vocabulary, merges, added tokens, chat template), the data kind (chat or not), the
 form the fast engine was loaded from (tokenizer.json or its copy with ``"a b"`` merges), which reference gave the ids (transformers or the ``tokenizers`` library checked equal to it), a hash of the adversarial
-texts themselves, and the versions of packtools, the fast engine, tokenizers and transformers.  Anything else
+texts themselves, and the versions of packtools, the fast engine, tokenizers and transformers (a run on the
+``tokenizers`` reference also takes a verdict against transformers itself: the first run gives that one, and
+checks the ``tokenizers`` library equal to transformers too).  Anything else
 (another tokenizer or version, a failed proof, no cache) runs the proof.  A failing verdict is not recorded:
 it is computed again, and says why each time.
 
