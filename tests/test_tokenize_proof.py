@@ -202,7 +202,7 @@ def test_completions_get_their_own_proof(tok_bl, monkeypatch):
 
 
 @needs_engine
-def test_rows_checked_counts_each_part_once_and_a_second_run_is_proven(tok_bl, tmp_path):
+def test_rows_checked_counts_the_runs_proof_once_and_a_second_run_is_proven(tok_bl, tmp_path):
     src = tmp_path / "pc.parquet"
     rows = [{"prompt": f"q {i} " + CORPUS[i % 5], "completion": CORPUS[(i + 1) % 5]} for i in range(900)]
     pq.write_table(pa.Table.from_pylist(rows), src, row_group_size=300)
@@ -210,7 +210,9 @@ def test_rows_checked_counts_each_part_once_and_a_second_run_is_proven(tok_bl, t
         res = pack_files(str(src), tmp_path / run, 128, tokenizer=tok_bl, part_rows=300, tokenizer_audit=0.0)
         checked = res.stats["tokenizer"]["checked"]
         assert res.stats["tokenizer"]["parts_by_engine"] == {res.stats["tokenizer"]["engine"]: 3}
-        assert checked["proof_rows"] == checked["rows_checked"] == 3 * 2 * 256, run  # 3 parts x 2 columns
+        assert checked["proof_rows"] == checked["rows_checked"] == 2 * 256, (
+            run
+        )  # the run's first part x 2 columns
 
 
 def test_the_audit_is_a_seeded_random_sample():
@@ -320,18 +322,45 @@ def test_record_says_different_when_the_ids_differ(tok_bl, tmp_path, monkeypatch
 
 
 @needs_engine
-def test_a_fallback_is_the_parts_and_the_next_part_is_proven_again(tok_bl, tmp_path, monkeypatch):
+def test_a_fallback_on_the_proof_holds_for_the_rest_of_the_run(tok_bl, tmp_path, monkeypatch):
+    """The run's later part has no proof rows of its own: after the first part's proof failed it stays on
+    transformers (the fast engine proved wrong on this data), and the output is transformers'."""
     _corrupt(monkeypatch, lambda t: "zebra" in t)
     src = tmp_path / "two.parquet"
     texts = ["a zebra crossing"] + CORPUS[:99] + CORPUS[:100]
     pq.write_table(pa.table({"text": texts}), src, row_group_size=100)
     res = pack_files(str(src), tmp_path / "out", 64, tokenizer=tok_bl, part_rows=100)
     engines = res.stats["tokenizer"]["parts_by_engine"]
-    assert engines["transformers"] == 1 and sum(engines.values()) == 2, (
-        engines
-    )  # only the zebra part fell back
+    assert engines == {"transformers": 2}, engines
     assert "zebra" in res.stats["tokenizer"]["reason"]
     ref = pack_files(
         str(src), tmp_path / "ref", 64, tokenizer=tok_bl, part_rows=100, tokenizer_engine="transformers"
     )
     assert sorted(_docs(res.out)) == sorted(_docs(ref.out))
+
+
+@needs_engine
+def test_a_fallback_on_the_runs_proof_holds_for_its_later_parts_and_a_new_run_proves_again(
+    tok_bl, monkeypatch
+):
+    """The proof is per run: a difference on the proof rows of the run's first part sends the run's later parts
+    (which have no proof rows) to transformers too; a new run starts from the loaded engine and proves again."""
+    monkeypatch.setattr(fast_tokenize, "PROOF_ROWS", 5)  # a run's proof: the first 5 rows of the column
+    _corrupt(monkeypatch, lambda t: "zebra" in t)
+    tok = BatchTokenizer(tok_bl, "text", audit_rate=0.0)
+    ref = BatchTokenizer(tok_bl, "text", engine="transformers")
+    with_zebra = pa.table({"text": ["a zebra"] + CORPUS[:4]})
+    clean = pa.table({"text": CORPUS[:5]})
+    tok.start_part("p1", run="r1")
+    assert tok(with_zebra).equals(ref(with_zebra)) and tok.fast is None and "zebra" in tok.report.reason
+    tok.start_part("p2", run="r1")
+    assert tok.fast is None and tok(clean).equals(ref(clean))  # no fast ids without a proof
+    assert tok.part_report()["engine"] == "transformers"
+    tok.start_part("p1", run="r2")  # a new run: the engine chosen at load, proven again on its first rows
+    assert tok.fast is not None
+    assert tok(clean).equals(ref(clean)) and tok.fast is not None
+    assert tok.part_report()["checked"]["proof_rows"] == 5
+    tok.start_part("p2", run="r2")  # the same run's next part: no proof rows left, audited only (rate 0 here)
+    assert tok(clean).equals(ref(clean)) and tok.part_report()["checked"]["proof_rows"] == 0
+    tok.start_part("p1", run=None)  # no run (BatchTokenizer used directly): every part proves
+    assert tok(with_zebra).equals(ref(with_zebra)) and tok.fast is None

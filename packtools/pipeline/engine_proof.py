@@ -5,10 +5,11 @@ reproduces once it gave transformers' ids (and assistant masks) on the built-in 
 transformers (``auto``) or a clear error (``fast``).  A worker process is handed the driver's choice
 (``proven``) and does not choose again.
 
-:class:`Proof` then decides which rows of the data are compared with transformers: in every part, the first
-:data:`~packtools.pipeline.fast_tokenize.PROOF_ROWS` rows of *each* column (prompt and completion alike), then a
-random sample of the rest at the audit rate, seeded by the part (so a rerun compares the same rows).  It counts
-what it compared per part, for the manifest.
+:class:`Proof` then decides which rows of the data are compared with transformers: in every run, the first
+:data:`~packtools.pipeline.fast_tokenize.PROOF_ROWS` rows of *each* column (prompt and completion alike) of the
+first part each process stages for it (every part, for a :class:`~packtools.pipeline.tokenize.BatchTokenizer`
+used without runs), then a random sample of every part's rows at the audit rate, seeded by the part (so a rerun
+compares the same rows).  It counts what it compared per part, for the manifest.
 
 >>> p = Proof(audit_rate=0.5)
 >>> p.start_part("part-0")
@@ -37,15 +38,17 @@ from .formats import at
 
 
 class Proof:
-    """Per part: the proof budget per column, the seeded audit sample, and the counts of compared rows."""
+    """Per run: the proof budget per column; per part: the seeded audit sample and the counts of compared rows."""
 
     def __init__(self, audit_rate: float = fast_engine.AUDIT_RATE) -> None:
         self.audit_rate = fast_engine.check_audit_rate(audit_rate)
         self.start_part("")
 
-    def start_part(self, seed: str) -> None:
-        """A new part: every column gets its proof again; the audit sample is seeded by ``seed``."""
-        self._budget: dict[str, int] = {}
+    def start_part(self, seed: str, new_run: bool = True) -> None:
+        """A new part, its audit sample seeded by ``seed``; the first of a run (``new_run``) gives every column
+        its proof again."""
+        if new_run or not hasattr(self, "_budget"):
+            self._budget: dict[str, int] = {}
         self._rng = np.random.default_rng(random.Random(seed).getrandbits(64))
         self.rows_checked = 0
         self.proof_rows = 0
@@ -85,7 +88,7 @@ class Proof:
 
 def proof_reason(audit_rate: float) -> str:
     return (
-        f"byte-level BPE; identical ids to transformers on the built-in adversarial set; in every part the first "
+        f"byte-level BPE; identical ids to transformers on the built-in adversarial set; in every run the first "
         f"{fast_engine.PROOF_ROWS} rows of each column and a random {audit_rate:.4g} of the rows after them are "
         f"compared as they are tokenized"
     )
@@ -237,10 +240,10 @@ def take_pending(bt: Any) -> None:
         bt.report = fast_engine.EngineReport(
             "transformers", f"fallback: the fast engine cannot load its tokenizer.json ({exc})", "auto"
         )
-        bt._chosen = (bt.report, None)
+        bt._chosen = bt._loaded = (bt.report, None)
         return
     bt.fast = fast
-    bt._chosen = (bt.report, fast)
+    bt._chosen = bt._loaded = (bt.report, fast)
 
 
 def _fast_encoder(bt: Any, facts: Any) -> fast_engine.FastEncoder:

@@ -12,8 +12,8 @@ checks the ``tokenizers`` library equal to transformers too).  Anything else
 (another tokenizer or version, a failed proof, no cache) runs the proof.  A failing verdict is not recorded:
 it is computed again, and says why each time.
 
-What a recorded verdict does *not* skip: in every part of every run, the first rows of each column are still
-compared with the reference, and a random share after them (:class:`~packtools.pipeline.engine_proof.Proof`).
+What a recorded verdict does *not* skip: in every run, the first rows of each column are still compared with
+the reference, and a random share of every part's rows after them (:class:`~packtools.pipeline.engine_proof.Proof`).
 
 >>> import os
 >>> saved = os.environ.get("PACKTOOLS_CACHE_DIR")

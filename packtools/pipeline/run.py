@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -264,6 +265,7 @@ def _run(
         engine_proven=found.proven,
         audit_rate=config.tokenizer_audit,
         on_unencodable=config.on_unencodable,
+        run=uuid.uuid4().hex,
     )
     from_cache = adopt_cached(jobs)  # parts `packtools profile --tokenizer` staged: not tokenized again
     timings: dict[str, Any] = {"parts": len(parts), "parts_from_stage_cache": from_cache}

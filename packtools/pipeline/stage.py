@@ -77,6 +77,7 @@ class StageJob:
     )
     audit_rate: float = 0.001  # packtools.pipeline.fast_tokenize.AUDIT_RATE
     on_unencodable: str = "report"  # packtools.pipeline.char_drops.ON_UNENCODABLE
+    run: str | None = None  # the run staging it: the engine's proof is per run (None: per part)
 
     @property
     def has_labels(self) -> bool:
@@ -237,12 +238,27 @@ def _token_tables(job: StageJob):
     from .formats import input_columns
 
     tok = _tokenizer(job)
-    tok.start_part(
-        os.path.basename(job.sidecar)
-    )  # each part proves the engine on its own rows (seeded audit)
+    # the first part of a run in this process proves the engine on its first rows; every part is audited (seeded)
+    tok.start_part(os.path.basename(job.sidecar), run=job.run)
     # Reading runs ahead in a thread (Arrow's readers release the GIL), as does tokenizing (stage_part).
-    batches = prefetch(iter_part(job.part, TOKENIZE_ROWS, input_columns(job.fmt)))
+    read = iter_part(job.part, TOKENIZE_ROWS, input_columns(job.fmt))
+    if (
+        job.fmt == "text"
+    ):  # the rows become Python strings in the reading thread, beside the engine's encoding
+        for where, prepared in prefetch(_prepared(tok, read)):
+            yield where, tok.finish(prepared)
+        return
+    batches = prefetch(read)
     yield from render_while_loading(tok, batches) if job.fmt == "messages" else _called(tok, batches)
+
+
+def _prepared(tok: Any, read: Any) -> Iterator[tuple[Any, tuple[Any, ...]]]:
+    """``(where, tok.prepare(table, where))`` of every batch ``read`` gives (closing it when closed early)."""
+    try:
+        for where, table in read:
+            yield where, tok.prepare(table, where)
+    finally:
+        read.close()
 
 
 def _called(tok: Any, batches: Iterator[tuple[Any, pa.Table]]) -> Iterator[tuple[Any, pa.Table]]:

@@ -124,9 +124,11 @@ def stage_jobs(
     engine_proven: tuple[tuple[str, Any], ...] | None = None,
     audit_rate: float = 0.001,
     on_unencodable: str = "report",
+    run: str | None = None,
 ) -> list[StageJob]:
     """One :class:`StageJob` per part, its files named by their cache key in ``folder`` (as ``pack`` names them:
-    the key holds the requested tokenizer engine and its version, and ``on_unencodable``)."""
+    the key holds the requested tokenizer engine and its version, and ``on_unencodable``); ``run``: the run's
+    own token (:attr:`StageJob.run`: the fast engine's proof is per run)."""
     from .fast_tokenize import engine_key
 
     jobs = []
@@ -157,6 +159,7 @@ def stage_jobs(
                 engine_proven=engine_proven,
                 audit_rate=audit_rate,
                 on_unencodable=on_unencodable,
+                run=run,
             )
         )
     return jobs

@@ -128,6 +128,7 @@ class BatchTokenizer:
         else:
             self.report = engine_proof.choose_engine(self, requested, facts)
         self._fast_load, self._chosen = None, (self.report, self.fast)  # each part starts from this engine
+        self._loaded, self._run = self._chosen, None  # each run, from the engine chosen at load
         #: seconds spent loading the reference (or transformers) and tokenizer facts; choosing/proving the engine
         self.seconds = {"load_s": loaded - started, "proof_s": time.perf_counter() - loaded}
 
@@ -148,11 +149,17 @@ class BatchTokenizer:
         return self.chat.has_generation_tags
 
     # -- per part ----------------------------------------------------------------------------------
-    def start_part(self, seed: str) -> None:
-        """A new part (a unit of work with its own report): the engine chosen at load (a fallback on an earlier
-        part's data is that part's), and the proof starts again for every column."""
+    def start_part(self, seed: str, run: str | None = None) -> None:
+        """A new part (a unit of work with its own report, its audit seeded by ``seed``).  The first part of a
+        run (``run`` changed, or None: every part is one) starts from the engine chosen at load, and its first
+        rows of each column prove the engine again; later parts of the same run keep the engine the run has (a
+        fallback on the proof's rows holds for the run) and are audited."""
+        new_run = run is None or run != self._run
+        self._run = run
+        if new_run:
+            self._chosen = self._loaded
         self.report, self.fast = self._chosen
-        self.proof.start_part(seed)
+        self.proof.start_part(seed, new_run)
         if self.drops is not None:
             self.drops.take()
 
@@ -187,6 +194,7 @@ class BatchTokenizer:
                 "auto",
                 dict(self.report.checked),
             )
+            self._chosen = (self.report, None)  # for the rest of the run: its later parts have no proof rows
             return
         raise PackingError(
             f"{at(first_row)}: the fast tokenizer engine gave other tokens than transformers ({what}); "
@@ -289,15 +297,18 @@ class BatchTokenizer:
         return self.pending is not None and not self.pending.done()
 
     def prepare(self, table: pa.Table, first_row: Row = 0) -> tuple[Any, ...]:
-        """The Python half of a ``messages`` batch (conversations read, checked and rendered), done now so
-        that :meth:`finish` needs only the tokenizer: the pipeline renders batches while the fast engine
-        loads.  Other formats are left whole to :meth:`finish`; a template error is raised here, naming the
-        row, as a call raises it."""
+        """The Python half of a batch, done now so that :meth:`finish` needs only the tokenizer: ``text`` rows
+        as Python strings (the pipeline's reader thread does this while the engine encodes the batch before),
+        ``messages`` conversations read, checked and rendered (the pipeline renders batches while the fast
+        engine loads).  Other formats are left whole to :meth:`finish`; a bad row or a template error is
+        raised here, naming the row, as a call raises it."""
+        if self.fmt == "text" and "text" in table.column_names:
+            return table, first_row, ("text", _strings(table, "text", first_row))
         if self.fmt != "messages" or "messages" not in table.column_names:
             return table, first_row, None
         try:
             convs = self._conversations(table, first_row)
-            return table, first_row, (convs, self.chat.render_ahead(convs, first_row))
+            return table, first_row, ("messages", convs, self.chat.render_ahead(convs, first_row))
         except PackingError:
             raise
         except Exception as exc:  # noqa: BLE001 - a template error: find the row that raises it
@@ -309,7 +320,10 @@ class BatchTokenizer:
         if ready is None:
             return self(table, first_row)
         try:
-            ids, labels = self.chat.assistant_labels(ready[0], first_row, ready[1])
+            if ready[0] == "text":
+                ids = self._with_eos(self.encode(ready[1], special=True, first_row=first_row))
+                return pa.table({"input_ids": ragged.to_arrow(ids)})
+            ids, labels = self.chat.assistant_labels(ready[1], first_row, ready[2])
         except PackingError:
             raise
         except Exception:  # noqa: BLE001 - the call finds the row that raises
