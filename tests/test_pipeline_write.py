@@ -175,3 +175,14 @@ print("ok")
 def test_loading_kernels_ahead_ignores_its_failures(capsys):
     load_kernels_ahead("no such strategy", ["int32"]).join()
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("threshold", [0, 1 << 40])
+def test_kernels_load_ahead_only_for_an_input_large_enough_to_hide_it(
+    source, tmp_path, monkeypatch, threshold
+):
+    started = []
+    monkeypatch.setattr(run, "KERNELS_AHEAD_MIN_BYTES", threshold)
+    monkeypatch.setattr(run, "load_kernels_ahead", lambda *a: started.append(a) or load_kernels_ahead(*a))
+    pack(source, str(tmp_path / "out"))
+    assert len(started) == (1 if threshold == 0 else 0)
