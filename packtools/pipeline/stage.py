@@ -242,9 +242,8 @@ def _token_tables(job: StageJob):
     tok.start_part(os.path.basename(job.sidecar), run=job.run)
     # Reading runs ahead in a thread (Arrow's readers release the GIL), as does tokenizing (stage_part).
     read = iter_part(job.part, TOKENIZE_ROWS, input_columns(job.fmt))
-    if (
-        job.fmt == "text"
-    ):  # the rows become Python strings in the reading thread, beside the engine's encoding
+    if job.fmt == "text":
+        # the rows become Python strings in the reading thread, beside the engine's encoding of the batch before
         for where, prepared in prefetch(_prepared(tok, read)):
             yield where, tok.finish(prepared)
         return
