@@ -24,7 +24,6 @@ records the input itself as the data to gather from (``data``).
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import time
@@ -40,6 +39,7 @@ from ..core.arrow import check_aligned, is_list_type, read_list_column
 from ..errors import PackingError
 from ..io.files import Part, Where, iter_part
 from ..io.fingerprint import cache_key
+from . import feed
 from .prefetch import prefetch
 
 #: Version of the staged-file layout; part of every cache key.
@@ -47,7 +47,6 @@ STAGE_FORMAT = 2  # 2: the sidecar keeps the tokenizer engine report
 #: Rows per block handed to the tokenizer, read from tokenized files, and most rows / bytes per record batch of
 #: a staged file.
 TOKENIZE_ROWS = 1000
-AHEAD_BATCHES = 32  # chat batches rendered while the fast engine loads (render_while_loading), at most
 READ_ROWS = 8192
 STAGE_BATCH_ROWS = 1 << 16
 STAGE_BATCH_BYTES = 1 << 24  # 64 MiB buffers (and their concatenated copy) raised the job's peak RSS
@@ -244,43 +243,11 @@ def _token_tables(job: StageJob):
     read = iter_part(job.part, TOKENIZE_ROWS, input_columns(job.fmt))
     if job.fmt == "text":
         # the rows become Python strings in the reading thread, beside the engine's encoding of the batch before
-        for where, prepared in prefetch(_prepared(tok, read)):
+        for where, prepared in prefetch(feed.prepared_batches(tok, read)):
             yield where, tok.finish(prepared)
         return
     batches = prefetch(read)
-    yield from render_while_loading(tok, batches) if job.fmt == "messages" else _called(tok, batches)
-
-
-def _prepared(tok: Any, read: Any) -> Iterator[tuple[Any, tuple[Any, ...]]]:
-    """``(where, tok.prepare(table, where))`` of every batch ``read`` gives (closing it when closed early)."""
-    try:
-        for where, table in read:
-            yield where, tok.prepare(table, where)
-    finally:
-        read.close()
-
-
-def _called(tok: Any, batches: Iterator[tuple[Any, pa.Table]]) -> Iterator[tuple[Any, pa.Table]]:
-    for where, table in batches:
-        yield where, tok(table, where)
-
-
-def render_while_loading(tok: Any, batches: Iterator[tuple[Any, pa.Table]]) -> Iterator[tuple[Any, pa.Table]]:
-    """``(where, tok(table, where))`` for every batch, in order; while the fast engine still loads, up to
-    :data:`AHEAD_BATCHES` batches are rendered (:meth:`BatchTokenizer.prepare`, most of chat's Python work)
-    and held, then finished by the engine once it has loaded, instead of the thread waiting for it."""
-    held: collections.deque = collections.deque()
-    for where, table in batches:
-        if tok.engine_loading() and len(held) < AHEAD_BATCHES:
-            held.append((where, tok.prepare(table, where)))
-            continue
-        while held:
-            w, prepared = held.popleft()
-            yield w, tok.finish(prepared)
-        yield where, tok(table, where)
-    while held:
-        w, prepared = held.popleft()
-        yield w, tok.finish(prepared)
+    yield from feed.render_while_loading(tok, batches) if job.fmt == "messages" else feed.called(tok, batches)
 
 
 def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray] | None:
