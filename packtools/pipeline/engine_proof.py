@@ -7,9 +7,9 @@ transformers (``auto``) or a clear error (``fast``).  A worker process is handed
 
 :class:`Proof` then decides which rows of the data are compared with transformers: in every run, the first
 :data:`~packtools.pipeline.fast_tokenize.PROOF_ROWS` rows of *each* column (prompt and completion alike) of the
-first part each process stages for it (every part, for a :class:`~packtools.pipeline.tokenize.BatchTokenizer`
-used without runs), then a random sample of every part's rows at the audit rate, seeded by the part (so a rerun
-compares the same rows).  It counts what it compared per part, for the manifest.
+run's first part (every part, for a :class:`~packtools.pipeline.tokenize.BatchTokenizer` used without runs),
+then a random sample of every part's rows at the audit rate, seeded by the part (so a rerun compares the same
+rows, and the same parts prove whichever process stages them).  It counts what it compared per part, for the manifest.
 
 >>> p = Proof(audit_rate=0.5)
 >>> p.start_part("part-0")
@@ -44,11 +44,11 @@ class Proof:
         self.audit_rate = fast_engine.check_audit_rate(audit_rate)
         self.start_part("")
 
-    def start_part(self, seed: str, new_run: bool = True) -> None:
-        """A new part, its audit sample seeded by ``seed``; the first of a run (``new_run``) gives every column
-        its proof again."""
-        if new_run or not hasattr(self, "_budget"):
-            self._budget: dict[str, int] = {}
+    def start_part(self, seed: str, proves: bool = True) -> None:
+        """A new part, its audit sample seeded by ``seed``; ``proves``: its first rows of every column are the
+        proof (the first part of a run), else it has none."""
+        self._budget: dict[str, int] = {}
+        self._proves = proves
         self._rng = np.random.default_rng(random.Random(seed).getrandbits(64))
         self.rows_checked = 0
         self.proof_rows = 0
@@ -59,7 +59,8 @@ class Proof:
     def sample(self, column: str, n: int) -> tuple[np.ndarray, int]:
         """Rows of a batch of ``n`` rows of ``column`` to compare, and how many of them (the first ones) are
         the column's proof; the rest of the batch is sampled at the audit rate."""
-        proof = min(n, max(self._budget.setdefault(column, fast_engine.PROOF_ROWS), 0))
+        budget = self._budget.setdefault(column, fast_engine.PROOF_ROWS) if self._proves else 0
+        proof = min(n, max(budget, 0))
         rest = n - proof
         if rest and self.audit_rate > 0.0:
             audit = proof + np.flatnonzero(self._rng.random(rest) < self.audit_rate).astype(np.int64)

@@ -76,7 +76,8 @@ class StageJob:
     )
     audit_rate: float = 0.001  # packtools.pipeline.fast_tokenize.AUDIT_RATE
     on_unencodable: str = "report"  # packtools.pipeline.char_drops.ON_UNENCODABLE
-    run: str | None = None  # the run staging it: the engine's proof is per run (None: per part)
+    run: str | None = None  # the run staging it (None: each part is a run of its own)
+    proves: bool = True  # it carries its run's proof of the fast engine (the run's first part)
 
     @property
     def has_labels(self) -> bool:
@@ -237,8 +238,8 @@ def _token_tables(job: StageJob):
     from .formats import input_columns
 
     tok = _tokenizer(job)
-    # the first part of a run in this process proves the engine on its first rows; every part is audited (seeded)
-    tok.start_part(os.path.basename(job.sidecar), run=job.run)
+    # the run's first part proves the engine on its first rows; every part is audited (seeded by the part)
+    tok.start_part(os.path.basename(job.sidecar), run=job.run, proves=job.proves)
     # Reading runs ahead in a thread (Arrow's readers release the GIL), as does tokenizing (stage_part).
     read = iter_part(job.part, TOKENIZE_ROWS, input_columns(job.fmt))
     if job.fmt == "text":

@@ -128,11 +128,12 @@ def stage_jobs(
 ) -> list[StageJob]:
     """One :class:`StageJob` per part, its files named by their cache key in ``folder`` (as ``pack`` names them:
     the key holds the requested tokenizer engine and its version, and ``on_unencodable``); ``run``: the run's
-    own token (:attr:`StageJob.run`: the fast engine's proof is per run)."""
+    own token (:attr:`StageJob.run`): the fast engine's proof is then its first part's, whichever process stages
+    it, so a rerun that reuses the parts of a killed run writes the same manifest."""
     from .fast_tokenize import engine_key
 
     jobs = []
-    for part in parts:
+    for i, part in enumerate(parts):
         key = stage_key(
             part,
             fmt,
@@ -160,6 +161,7 @@ def stage_jobs(
                 audit_rate=audit_rate,
                 on_unencodable=on_unencodable,
                 run=run,
+                proves=run is None or i == 0,
             )
         )
     return jobs

@@ -149,17 +149,16 @@ class BatchTokenizer:
         return self.chat.has_generation_tags
 
     # -- per part ----------------------------------------------------------------------------------
-    def start_part(self, seed: str, run: str | None = None) -> None:
-        """A new part (a unit of work with its own report, its audit seeded by ``seed``).  The first part of a
-        run (``run`` changed, or None: every part is one) starts from the engine chosen at load, and its first
-        rows of each column prove the engine again; later parts of the same run keep the engine the run has (a
-        fallback on the proof's rows holds for the run) and are audited."""
-        new_run = run is None or run != self._run
-        self._run = run
-        if new_run:
+    def start_part(self, seed: str, run: str | None = None, proves: bool = True) -> None:
+        """A new part (a unit of work with its own report, its audit seeded by ``seed``).  A new ``run`` (or
+        None: every part is one) starts from the engine chosen at load; later parts of the same run keep the
+        engine the run has (a fallback on the proof's rows holds for the run).  ``proves``: the part's first
+        rows of each column prove the engine (the run's first part); every part is audited."""
+        if run is None or run != self._run:
             self._chosen = self._loaded
+        self._run = run
         self.report, self.fast = self._chosen
-        self.proof.start_part(seed, new_run)
+        self.proof.start_part(seed, proves)
         if self.drops is not None:
             self.drops.take()
 
