@@ -83,7 +83,7 @@ def _check(node: Any, names_ok: frozenset[str], names_no: frozenset[str]) -> Non
         if node.dyn_args is not None or node.dyn_kwargs is not None:
             raise _Refused("a call with *args or **kwargs")
     if kind is nodes.For:
-        if node.recursive or type(node.target) is not nodes.Name:
+        if node.recursive or type(node.target) is not nodes.Name or node.target.name in NEVER:
             raise _Refused("an inner loop")
         _check(node.iter, names_ok, names_no)
         if node.test is not None:
