@@ -118,9 +118,6 @@ LOOP = "{% for m in messages %}X{% endfor %}"
         LOOP.replace("X", "{{ m.update({'a': 1}) }}"),  # a method not on the list
         LOOP.replace("X", "{{ range(3) | list }}"),
         LOOP.replace("X", "{% for c in m['content'] %}{{ loop.index }}{% endfor %}"),  # an inner loop's state
-        LOOP.replace(
-            "X", "{% for loop in m['content'] %}{{ loop }}{% endfor %}"
-        ),  # an inner target named loop
         LOOP + LOOP,  # two loops over the messages
         LOOP.replace("X", "{{ m['content'] }}") + "{{ m }}",  # the loop variable after the loop
         "{% for m in messages if m['role'] != 'x' %}{{ m['content'] }}{% endfor %}",  # a filtered loop
