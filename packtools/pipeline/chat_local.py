@@ -12,8 +12,8 @@ constants only.  :func:`local_shape` checks that on the template's syntax tree, 
 test, method or name outside the lists below makes it answer None, and the caller keeps rendering prefixes.
 For such a template the rendering of ``messages[:k]`` is ``HEAD + BODY(m_0) + ... + BODY(m_{k-1}) + TAIL(prompt)``,
 so one render of the whole conversation, with the output length noted where each iteration starts and where the
-loop ends, gives every prefix's text: :class:`LocalSpans` adds a marker that writes nothing at those two places and
-renders ``TAIL`` for both prompt values once.  The checks of the incremental rule (each prefix is the start of the
+loop ends, gives every prefix's text: :func:`local_shape` adds a marker that writes nothing at those two places, and
+:meth:`~packtools.pipeline.chat_render.ChatRenderer.enable_local` renders ``TAIL`` for both prompt values once.  The checks of the incremental rule (each prefix is the start of the
 next) are made on those texts, with the same errors.
 
 Whether a template has the shape is decided by its syntax; :mod:`.chat` also compares the spans with the
@@ -29,6 +29,7 @@ True
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 #: Filters that are functions of their arguments alone (no state, no clock, no randomness).
@@ -60,8 +61,9 @@ class _Refused(Exception):
     """The template is outside the shape (the message says where)."""
 
 
-def _check(node: Any, names_ok: frozenset[str], names_no: frozenset[str]) -> None:
-    """Raise :class:`_Refused` unless ``node`` and everything under it is on the lists."""
+def _check(node: Any, names_no: frozenset[str]) -> None:
+    """Raise :class:`_Refused` unless ``node`` and everything under it is on the lists (``names_no``: the names it
+    may not read)."""
     from jinja2 import nodes
 
     kind = type(node)
@@ -85,19 +87,22 @@ def _check(node: Any, names_ok: frozenset[str], names_no: frozenset[str]) -> Non
     if kind is nodes.For:
         if node.recursive or type(node.target) is not nodes.Name or node.target.name in NEVER:
             raise _Refused("an inner loop")
-        _check(node.iter, names_ok, names_no)
+        _check(node.iter, names_no)
         if node.test is not None:
-            _check(node.test, names_ok, names_no)
+            _check(node.test, names_no)
         for child in [*node.body, *node.else_]:
-            _check(child, names_ok | {node.target.name}, names_no - {node.target.name})
+            _check(child, names_no - {node.target.name})
         return
-    if kind not in _ALLOWED:
+    if kind not in _allowed():
         raise _Refused(f"{kind.__name__} node")
     for child in node.iter_child_nodes():
-        _check(child, names_ok, names_no)
+        _check(child, names_no)
 
 
+@functools.cache
 def _allowed() -> frozenset[type]:
+    """The syntax-tree node types a template of the shape may hold (filters, tests, calls and loops are then
+    checked one by one)."""
     from jinja2 import nodes
 
     return frozenset(
@@ -109,18 +114,12 @@ def _allowed() -> frozenset[type]:
     )  # fmt: skip
 
 
-_ALLOWED: frozenset[type] = frozenset()
-
-
 def local_shape(template: str, env: Any = None) -> Any:
     """The parsed template with iteration markers added when it has the local shape (module docstring), else
     None.  ``env``: the jinja2 environment to parse with (default: a plain one with transformers' lexer
     settings, ``trim_blocks`` and ``lstrip_blocks``)."""
     from jinja2 import Environment, nodes
 
-    global _ALLOWED
-    if not _ALLOWED:
-        _ALLOWED = _allowed()
     if env is None:
         env = Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     try:
@@ -142,11 +141,11 @@ def local_shape(template: str, env: Any = None) -> Any:
     prompt = "add_generation_prompt"
     try:
         for node in tree.body[:at]:
-            _check(node, frozenset(), NEVER | {prompt, target})
+            _check(node, NEVER | {prompt, target})
         for node in loop.body:
-            _check(node, frozenset({target}), (NEVER | {prompt}) - {target})
+            _check(node, (NEVER | {prompt}) - {target})
         for node in tree.body[at + 1 :]:
-            _check(node, frozenset({prompt}), NEVER | {target})
+            _check(node, NEVER | {target})
     except _Refused:
         return None
     mark = nodes.Output([nodes.Name(MARK, "load")])

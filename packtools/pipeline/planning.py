@@ -86,7 +86,7 @@ def plan_parts(eff: np.ndarray, bounds: Sequence[int], config: PipelineConfig) -
 
 def load_kernels_ahead(strategy: str, value_types: Sequence[str]) -> threading.Thread:
     """Start loading Numba and the kernels that planning and writing columns of ``value_types`` call
-    (:func:`packtools.core.pack.warmup_packing`) in a daemon thread, so that the run stages meanwhile
+    (:func:`warmup_packing`) in a daemon thread, so that the run stages meanwhile
     instead of paying it before its plan.  Join the thread before planning: Python 3.11's lazy import of the
     kernels module is not safe for two threads at once.  A failure is ignored: the plan then loads or
     compiles the kernels itself, as without it."""
