@@ -248,9 +248,9 @@ class ChatRenderer:
         self._globals = dict(compiled.globals)  # what jinja2's new_context flattens from a ChainMap per call
         self._variables = {**specials, "tools": None, "documents": None}
         #: one render per conversation for the incremental rule (:mod:`.chat_local`), once :meth:`enable_local`
-        #: has found the shape and checked it: (instrumented template, its globals, its marker, the tail without
-        #: and with the generation prompt)
-        self.local: tuple[Any, dict[str, Any], _Marker, tuple[str, str]] | None = None
+        #: has found the shape and checked it: ((instrumented template, its globals, its marker), (the tail without
+        #: and with the generation prompt))
+        self.local: tuple[tuple[Any, dict[str, Any], _Marker], tuple[str, str]] | None = None
 
     def _context(
         self,
@@ -329,16 +329,14 @@ class ChatRenderer:
         marker = _Marker()
         try:
             compiled = self._env.from_string(tree, globals={chat_local.MARK: marker})
-            globals_ = dict(compiled.globals)
-            self.local = (compiled, globals_, marker, ("", ""))
+            instrumented = (compiled, dict(compiled.globals), marker)
             tails = []
             for prompt in (False, True):
-                text, marks = self._render_marked([{"role": "user", "content": ""}], prompt)
+                text, marks = self._render_marked(instrumented, [{"role": "user", "content": ""}], prompt)
                 tails.append(text[marks[-1] :])
         except Exception as exc:  # noqa: BLE001 - then prefixes are rendered, as before
-            self.local = None
             return f"the instrumented template failed: {type(exc).__name__}: {exc}"
-        self.local = (compiled, globals_, marker, (tails[0], tails[1]))
+        self.local = (instrumented, (tails[0], tails[1]))
         for conv, want in wants:
             if self.local_spans(conv) != want:
                 self.local = None
@@ -346,14 +344,14 @@ class ChatRenderer:
         return None
 
     def _render_marked(
-        self, messages: list[dict[str, Any]], generation_prompt: bool
+        self, instrumented: tuple[Any, dict[str, Any], _Marker], messages: list[dict[str, Any]], prompt: bool
     ) -> tuple[str, list[int]]:
-        """The instrumented template's rendering and the output length at each marker."""
-        assert self.local is not None
-        compiled, globals_, marker, _ = self.local
+        """The rendering by ``instrumented`` (template, its globals, its marker) and the output length at each
+        marker."""
+        compiled, globals_, marker = instrumented
         parts: list[str] = []
         marker.parts, marker.at = parts, []
-        ctx = self._context(messages, generation_prompt, compiled, globals_)
+        ctx = self._context(messages, prompt, compiled, globals_)
         append = parts.append
         try:
             for block in compiled.root_render_func(ctx):
@@ -373,8 +371,8 @@ class ChatRenderer:
         if not conv:
             raise ValueError("an empty conversation has no chat rendering")
         assert self.local is not None
-        tail, prompt_tail = self.local[3]
-        text, marks = self._render_marked(template_messages(conv), False)
+        instrumented, (tail, prompt_tail) = self.local
+        text, marks = self._render_marked(instrumented, template_messages(conv), False)
         if len(marks) != len(conv) + 1 or text[marks[-1] :] != tail:
             return None
         spans = []
