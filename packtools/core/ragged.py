@@ -55,11 +55,6 @@ def full_like(r: Ragged, fill: int) -> Ragged:
     return Ragged(r.offsets, np.full(r.values.shape[0], fill, r.values.dtype))
 
 
-def constant_rows(num_rows: int, value: int, dtype: type = np.int32) -> Ragged:
-    """``num_rows`` rows of one value each (e.g. the EOS id to append)."""
-    return from_lengths(np.ones(num_rows, np.int64), np.full(num_rows, value, dtype))
-
-
 def _positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """``np.concatenate(arange(s, s + l) for s, l in zip(starts, lengths))`` without a Python loop."""
     total = int(lengths.sum())

@@ -320,13 +320,26 @@ class BatchTokenizer:
             return self(table, first_row)
         try:
             if ready[0] == "text":
-                ids = self._with_eos(self.encode(ready[1], special=True, first_row=first_row))
-                return pa.table({"input_ids": ragged.to_arrow(ids)})
-            ids, labels = self.chat.assistant_labels(ready[1], first_row, ready[2])
+                return self._text_table(ready[1], first_row)
+            return self._messages_table(ready[1], first_row, ready[2])
         except PackingError:
             raise
         except Exception:  # noqa: BLE001 - the call finds the row that raises
             return self(table, first_row)
+
+    def _text_table(self, texts: list[str], first_row: Row) -> pa.Table:
+        """The ``input_ids`` of ``text`` rows: the tokenizer's special tokens, then EOS unless already there."""
+        ids = self._with_eos(self.encode(texts, special=True, first_row=first_row))
+        return pa.table({"input_ids": ragged.to_arrow(ids)})
+
+    def _messages_table(
+        self,
+        convs: list[list[dict[str, Any]]],
+        first_row: Row,
+        rendered: tuple[list[str], list] | None = None,
+    ) -> pa.Table:
+        """The ``input_ids`` and assistant-only ``labels`` of conversations (``rendered``: taken ahead)."""
+        ids, labels = self.chat.assistant_labels(convs, first_row, rendered)
         return pa.table({"input_ids": ragged.to_arrow(ids), "labels": ragged.to_arrow(labels)})
 
     def _conversations(self, table: pa.Table, first_row: Row) -> list[list[dict[str, Any]]]:
@@ -344,13 +357,9 @@ class BatchTokenizer:
                 param="format",
             )
         if self.fmt == "text":
-            ids = self._with_eos(
-                self.encode(_strings(table, "text", first_row), special=True, first_row=first_row)
-            )
-            return pa.table({"input_ids": ragged.to_arrow(ids)})
+            return self._text_table(_strings(table, "text", first_row), first_row)
         if self.fmt == "messages":
-            ids, labels = self.chat.assistant_labels(self._conversations(table, first_row), first_row)
-            return pa.table({"input_ids": ragged.to_arrow(ids), "labels": ragged.to_arrow(labels)})
+            return self._messages_table(self._conversations(table, first_row), first_row)
         if self.fmt == "prompt_completion":
             prompt, completion = self._prompt_and_completions(table, ["completion"], first_row)
             ids = ragged.join_rows([prompt, completion])
