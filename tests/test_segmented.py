@@ -148,17 +148,24 @@ def test_use_segmented_sdpa_switches_only_sdpa_and_is_not_saved(tmp_path):
     model = tiny_arch("Llama")
     assert use_segmented_sdpa(model) and model.config._attn_implementation == "packtools_sdpa"
     assert not use_segmented_sdpa(model)  # already switched
-    falcon = transformers.FalconForCausalLM(
-        transformers.FalconConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            attn_implementation="sdpa",
-        )
+    # Falcon routes attention through transformers' interface from 5.25 on; before, it kept its own sdpa.
+    # Either way use_segmented_sdpa's answer must match what the model runs, and a switched model must be exact.
+    config = transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, attn_implementation="sdpa"
     )
-    assert not use_segmented_sdpa(falcon)  # its attention ignores transformers' interface: it stays on sdpa
-    assert falcon.config._attn_implementation == "sdpa"
+    torch.manual_seed(0)
+    falcon, reference = transformers.FalconForCausalLM(config).eval(), transformers.FalconForCausalLM(config).eval()
+    reference.load_state_dict(falcon.state_dict())
+    switched = use_segmented_sdpa(falcon)
+    assert falcon.config._attn_implementation == ("packtools_sdpa" if switched else "sdpa")
+    if switched:
+        with torch.no_grad():
+            assert torch.allclose(falcon(**flat_batch()).logits, reference(**flat_batch()).logits, atol=1e-6)
+        assert not check_isolation(falcon).leaks
+    # A model whose switch does not take keeps its backend, and use_segmented_sdpa says it did not switch.
+    stubborn = tiny_arch("Llama")
+    stubborn.set_attn_implementation = lambda name: None
+    assert not use_segmented_sdpa(stubborn) and stubborn.config._attn_implementation == "sdpa"
     model.config.save_pretrained(tmp_path)
     assert "packtools_sdpa" not in json.dumps(json.loads((tmp_path / "config.json").read_text()))
 
