@@ -7,6 +7,7 @@ Usage::
     python benchmarks/bench_tokenize.py --skip-chat --markdown out.md
     python benchmarks/bench_tokenize.py --vocab llama3      # the Llama 3 vocabulary (128k; Llama 3 chat template)
     python benchmarks/bench_tokenize.py --vocab qwen3 --skip-text   # Qwen 3 (151k, NFC; ChatML + think)
+    python benchmarks/bench_tokenize.py --vocab llama3-official --skip-text  # Meta-Llama-3-8B-Instruct's template
     python benchmarks/bench_tokenize.py --fixed-cost --vocabs llama3,o200k,qwen3.6 --qwen-wheel-dir D
                                             # the fixed cost per vocabulary, broken down (benchmarks/_fixed_cost.py)
     python benchmarks/bench_tokenize.py --fixed-cost --baseline-tree B   # ... beside a packtools checkout in B
@@ -76,9 +77,12 @@ def real_vocab(workdir: str, name: str) -> tuple[str, str]:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     import _real_vocab
 
-    plain, tagged = _real_vocab.TEMPLATES["llama3" if name == "llama3" else "qwen3-think"]
+    if name == "llama3-official":  # the Llama 3 vocabulary with Meta-Llama-3-8B-Instruct's own template
+        plain, tagged = _real_vocab.OFFICIAL[name]
+    else:
+        plain, tagged = _real_vocab.TEMPLATES["llama3" if name == "llama3" else "qwen3-think"]
     plain_dir, tagged_dir = (os.path.join(workdir, f"tok-{name}-{label}") for label in ("plain", "tagged"))
-    _real_vocab.build(name, plain_dir, chat_template=plain)
+    _real_vocab.build(name.removesuffix("-official"), plain_dir, chat_template=plain)
     shutil.copytree(plain_dir, tagged_dir)  # the same vocabulary, the tagged copy of the template
     with open(os.path.join(tagged_dir, "chat_template.jinja"), "w") as fh:
         fh.write(tagged)
@@ -325,7 +329,12 @@ def main() -> int:
     ap.add_argument("--skip-chat", action="store_true")
     ap.add_argument("--skip-text", action="store_true", help="chat only (tokenization alone still uses text)")
     ap.add_argument("--markdown", help="also write the tables to this file")
-    ap.add_argument("--vocab", choices=("bpe32k", "llama3", "qwen3"), default="bpe32k")
+    ap.add_argument(
+        "--vocab",
+        choices=("bpe32k", "llama3", "qwen3", "llama3-official"),
+        default="bpe32k",
+        help="llama3-official: the Llama 3 vocabulary with Meta-Llama-3-8B-Instruct's chat template",
+    )
     ap.add_argument("--skip-alone", action="store_true", help="skip the tokenization-alone timings")
     ap.add_argument("--no-pool", action="store_true", help="skip the num_proc=2 case")
     ap.add_argument(

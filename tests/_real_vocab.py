@@ -147,6 +147,43 @@ def _templates() -> dict[str, tuple[str, str]]:
 
 TEMPLATES = _templates()
 
+# The official Meta-Llama-3-8B-Instruct and Gemma templates as their tokenizer configs ship them (plain), and
+# tagged copies that render the same text with {% generation %} around what incremental rendering gives the turn.
+_L3_HEADER = "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+_L3_PROMPT = (
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+_GEMMA_HEAD = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+)
+_GEMMA_PROMPT = "{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
+OFFICIAL = {
+    "llama3-official": (
+        "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+        + _L3_HEADER
+        + "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + "
+        "content %}{% endif %}{{ content }}{% endfor %}" + _L3_PROMPT,
+        "{% set loop_messages = messages %}{% for message in loop_messages %}{% if loop.index0 == 0 %}"
+        "{{ bos_token }}{% endif %}{{ "
+        + _L3_HEADER
+        + " }}{% if message['role'] == 'assistant' %}{% generation %}"
+        "{{ message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}{% else %}"
+        "{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}" + _L3_PROMPT,
+    ),
+    "gemma-official": (
+        _GEMMA_HEAD + "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}"
+        "{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim "
+        "+ '<end_of_turn>\\n' }}{% endfor %}" + _GEMMA_PROMPT,
+        _GEMMA_HEAD
+        + "{% if (message['role'] == 'assistant') %}{{ '<start_of_turn>model\\n' }}{% generation %}"
+        "{{ message['content'] | trim + '<end_of_turn>\\n' }}{% endgeneration %}{% else %}{{ '<start_of_turn>' + "
+        "message['role'] + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endif %}{% endfor %}"
+        + _GEMMA_PROMPT,
+    ),
+}
+
 
 # -- the corpus ------------------------------------------------------------------------------------------------
 _SCRIPTS = [

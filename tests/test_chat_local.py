@@ -5,9 +5,10 @@ from __future__ import annotations
 import functools
 
 import pytest
-from _real_vocab import TEMPLATES
+from _real_vocab import OFFICIAL, TEMPLATES
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jinja2 import TemplateError
 
 from packtools.errors import PackingError
 from packtools.pipeline import chat_labels
@@ -56,7 +57,7 @@ def _one_render(plain: str) -> ChatRenderer:
 def _outcome(renderer: ChatRenderer, conv: list) -> object:
     try:
         return chat_labels.incremental_spans(renderer, [conv], lambda i: f"row {i}")
-    except (PackingError, ValueError) as exc:
+    except (PackingError, ValueError, TemplateError) as exc:  # TemplateError: the template's raise_exception
         return type(exc).__name__, str(exc)
 
 
@@ -96,28 +97,77 @@ def test_the_marker_changes_no_rendering():
 
 
 LOOP = "{% for m in messages %}X{% endfor %}"
+GEN = "{% if add_generation_prompt %}<a>{% endif %}"
+# Templates of the wider shape: loop position, the first message, sets in the head and the body.
+WIDER = {
+    **{name: plain for name, (plain, _) in OFFICIAL.items()},
+    "loop-index": LOOP.replace(
+        "X", "{{ loop.index }}{% if loop.first %}F{% endif %}<{{ m['role'] }}>{{ m['content'] }}"
+    )
+    + GEN,
+    "first-message": "{% if messages[0]['role'] == 'system' %}S{% endif %}"
+    + LOOP.replace("X", "{{ messages[0]['content'] }}<{{ m['role'] }}>{{ m['content'] }}")
+    + GEN,
+    "set-before-read": "{% set x = 'h' %}"  # the body reads the head's x before its own set: it lasts one iteration
+    + LOOP.replace(
+        "X", "[{{ x }}]{% if m['role'] == 'user' %}{% set x = m['content'] %}{% endif %}<{{ m['role'] }}>"
+    )
+    + GEN,
+    "inner-loop-index": LOOP.replace(
+        "X", "<{{ m['role'] }}>{% for c in m['content'] %}{{ loop.index }}{{ c }}{% endfor %}"
+    )
+    + GEN,
+}
+
+
+@pytest.mark.parametrize("name", sorted(WIDER))
+@settings(max_examples=80, deadline=None)
+@given(convs=st.lists(conversations, min_size=1, max_size=4))
+def test_the_wider_shape_gives_the_prefix_renders_spans_and_errors(name, convs):
+    plain = WIDER[name]
+    assert local_shape(plain) is not None
+    fast, slow = _one_render(plain), _prefix_rendered(plain)
+    for conv in convs:
+        assert _outcome(fast, conv) == _outcome(slow, conv)
 
 
 @pytest.mark.parametrize(
     "template",
     [
-        LOOP.replace("X", "{{ loop.index }}{{ m['content'] }}"),  # loop state
-        LOOP.replace("X", "{% if loop.last %}{{ m['content'] }}{% endif %}"),
-        LOOP.replace("X", "{{ messages[0]['content'] }}{{ m['content'] }}"),  # the whole conversation
+        LOOP.replace("X", "{% if loop.last %}{{ m['content'] }}{% endif %}"),  # depends on later messages
+        LOOP.replace("X", "{{ loop.length }}{{ m['content'] }}"),
+        LOOP.replace("X", "{{ loop.revindex0 }}"),
+        LOOP.replace("X", "{{ loop }}"),
+        LOOP.replace("X", "{{ messages[1]['content'] }}{{ m['content'] }}"),  # another message than the first
+        LOOP.replace("X", "{{ messages[-1]['content'] }}"),
+        LOOP.replace("X", "{{ messages[loop.index0 + 1]['role'] }}"),
         LOOP.replace("X", "{{ messages | length }}"),
-        "{% if messages[0]['role'] == 'system' %}S{% endif %}" + LOOP.replace("X", "{{ m['content'] }}"),
+        "{% if messages | length > 2 %}S{% endif %}" + LOOP.replace("X", "{{ m['content'] }}"),
+        "{% set messages = messages[1:] %}"
+        + LOOP.replace("X", "{{ m['content'] }}"),  # Llama 3.1's system split
+        "{% set ms = messages %}{% set ms = messages %}"
+        + LOOP.replace("messages", "ms").replace("X", "{{ m }}"),
+        "{% set ms = messages %}" + LOOP.replace("messages", "ms").replace("X", "{{ ms | length }}"),
+        "{% set ms = messages %}" + LOOP.replace("X", "{% set ms = 1 %}{{ m }}"),  # the alias set again
+        "{% set h = messages[0]['role'] %}"
+        + LOOP.replace("X", "{{ m['content'] }}")
+        + "{{ h }}",  # tail reads h
+        LOOP.replace("X", "{% set c = m['content'] %}{{ c }}")
+        + "{% if add_generation_prompt %}{{ c }}{% endif %}",
         "{% set ns = namespace(n=0) %}" + LOOP.replace("X", "{% set ns.n = ns.n + 1 %}{{ ns.n }}"),  # state
-        LOOP.replace("X", "{% set c = m['content'] %}{{ c }}"),
+        LOOP.replace("X", "{% set add_generation_prompt = true %}{{ m['content'] }}"),
+        LOOP.replace("X", "{% set m = 1 %}{{ m }}"),
         LOOP.replace("X", "{% if m['role'] == 'x' %}{% break %}{% endif %}{{ m['content'] }}"),
         LOOP.replace(
             "X", "{% if add_generation_prompt %}G{% endif %}{{ m['content'] }}"
         ),  # prompt in the body
         "{% if add_generation_prompt %}G{% endif %}" + LOOP.replace("X", "{{ m['content'] }}"),  # in the head
+        "{% set c %}x{% endset %}" + LOOP.replace("X", "{{ c }}{{ m['content'] }}"),  # a block set
         LOOP.replace("X", "{{ strftime_now('%d') }}"),  # a clock
         LOOP.replace("X", "{{ m['content'] | random }}"),  # a filter with randomness
         LOOP.replace("X", "{{ m.update({'a': 1}) }}"),  # a method not on the list
         LOOP.replace("X", "{{ range(3) | list }}"),
-        LOOP.replace("X", "{% for c in m['content'] %}{{ loop.index }}{% endfor %}"),  # an inner loop's state
+        LOOP.replace("X", "{% for c in m['content'] %}{{ loop.last }}{% endfor %}"),  # an inner loop's state
         LOOP + LOOP,  # two loops over the messages
         LOOP.replace("X", "{{ m['content'] }}") + "{{ m }}",  # the loop variable after the loop
         "{% for m in messages if m['role'] != 'x' %}{{ m['content'] }}{% endfor %}",  # a filtered loop

@@ -151,10 +151,17 @@ def test_use_segmented_sdpa_switches_only_sdpa_and_is_not_saved(tmp_path):
     # Falcon routes attention through transformers' interface from 5.25 on; before, it kept its own sdpa.
     # Either way use_segmented_sdpa's answer must match what the model runs, and a switched model must be exact.
     config = transformers.FalconConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, attn_implementation="sdpa"
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    falcon, reference = transformers.FalconForCausalLM(config).eval(), transformers.FalconForCausalLM(config).eval()
+    falcon, reference = (
+        transformers.FalconForCausalLM(config).eval(),
+        transformers.FalconForCausalLM(config).eval(),
+    )
     reference.load_state_dict(falcon.state_dict())
     switched = use_segmented_sdpa(falcon)
     assert falcon.config._attn_implementation == ("packtools_sdpa" if switched else "sdpa")

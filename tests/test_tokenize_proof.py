@@ -170,6 +170,38 @@ def test_an_engine_error_in_the_proof_falls_back_under_auto(tok_bl, monkeypatch)
         BatchTokenizer(tok_bl, "text", engine="fast")
 
 
+NO_SYSTEM = (  # refuses a system turn as Gemma's official template does
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@needs_engine
+def test_a_template_that_refuses_some_adversarial_conversations_keeps_the_fast_path(tmp_path):
+    """The proof compares the conversations the template renders; one the template refuses fails on either path
+    (a data row with a system turn: the same error).  A template that refuses them all leaves nothing to prove:
+    transformers tokenizes, saying why."""
+    tok = BatchTokenizer(build_tokenizer(str(tmp_path / "nosys"), chat_template=NO_SYSTEM), "messages")
+    assert tok.fast is not None, tok.report.reason
+    assert (
+        0
+        < tok.report.checked["adversarial_conversations"]
+        < len(fast_tokenize.adversarial_conversations(fast_tokenize.adversarial_texts([EOS])))
+    )
+    ok = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    out = tok(pa.table({"messages": [ok]}))
+    ref = load(str(tmp_path / "nosys"))
+    assert out.column("input_ids").to_pylist() == [
+        ref.apply_chat_template(ok, tokenize=True, return_dict=True)["input_ids"]
+    ]
+    with pytest.raises(PackingError, match="row 1.*System role not supported"):
+        tok(pa.table({"messages": [ok, [{"role": "system", "content": "s"}, *ok]]}))
+    refuse_all = "{{ raise_exception('never') }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok = BatchTokenizer(build_tokenizer(str(tmp_path / "none"), chat_template=refuse_all), "messages")
+    assert tok.fast is None and "refuses every one" in tok.report.reason
+
+
 # -- proof per column, per part, per run; counted right (U11, U12) -----------------------------------------
 def _corrupt(monkeypatch, when) -> None:
     real = fast_tokenize.FastEncoder.encode

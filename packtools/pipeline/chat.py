@@ -176,8 +176,8 @@ class ChatTokens:
                 convs, lambda conv: _first(chat_labels.incremental_spans(mine, [conv], str))
             )
             self.render_engine += (
-                "; one render per conversation (its loop body reads its message alone; the same spans as "
-                "prefix renders on the adversarial conversations)"
+                "; one render per conversation (its loop body reads its message, its position and the first "
+                "message only; the same spans as prefix renders on the adversarial conversations)"
                 if why_not is None
                 else f"; prefixes rendered ({why_not})"
             )
@@ -242,6 +242,20 @@ class ChatTokens:
             out = chat_labels.incremental_spans(renderer, convs, where)
         self.bt.chat_seconds["render"] += time.perf_counter() - t0
         return out
+
+    def renderable(self, convs: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+        """The conversations of ``convs`` the chat template renders: a template may refuse some with its own
+        ``raise_exception`` (Gemma's refuses a system turn), and a data row it refuses fails on either path."""
+        from jinja2 import TemplateError
+
+        kept = []
+        for conv in convs:
+            try:
+                self.rendered([conv], str)
+            except TemplateError:
+                continue
+            kept.append(conv)
+        return kept
 
     def reference(
         self, convs: list[list[dict[str, Any]]], where: Any, rendered: tuple[list[str], list] | None = None

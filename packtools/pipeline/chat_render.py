@@ -318,7 +318,7 @@ class ChatRenderer:
 
         tree = chat_local.local_shape(self.template, self._env)
         if tree is None:
-            return "the template's loop body reads more than its message"
+            return "the template's loop body reads more than its message, its position and the first message"
         self.local = None
         wants = []
         for conv in convs:  # the rule by prefix renders, before the one-render path is on

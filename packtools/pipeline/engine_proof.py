@@ -197,6 +197,9 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> fast_engine.EngineRepo
         convs = fast_engine.adversarial_conversations(texts)
         bt.fast = fast
         try:
+            convs = bt.chat.renderable(convs)  # those the template refuses fail on either path
+            if not convs:
+                raise PackingError("the chat template refuses every one (its raise_exception)")
             found = bt.compare_labels(convs, range(len(convs)), 0)
             mismatch = found[1] if found is not None else None
         except PackingError as exc:  # e.g. a template that is not incremental: data rows will say so
