@@ -13,8 +13,9 @@ position-only loop state ``loop.index0`` / ``loop.index`` / ``loop.first``, name
 ``add_generation_prompt`` and constants only (no name HEAD or BODY sets).  Every prefix ``messages[:k]`` (``k >= 1``)
 has the same first message and gives message ``i`` the same index, and a ``{% set %}`` in the loop body lasts one
 iteration (jinja2's scoping rule; ``tests/test_chat_local.py`` holds the renders to it), so BODY's output for
-message ``i`` is the same in every render that contains it.  :func:`local_shape` checks that on the template's syntax tree, conservatively: a node, filter,
-test, method or name outside the lists below makes it answer None, and the caller keeps rendering prefixes.
+message ``i`` is the same in every render that contains it.  :func:`local_shape` checks that on the template's
+syntax tree, conservatively: a node, filter, test, method or name outside the lists below makes it answer None,
+and the caller keeps rendering prefixes.
 For such a template the rendering of ``messages[:k]`` is ``HEAD + BODY(m_0) + ... + BODY(m_{k-1}) + TAIL(prompt)``,
 so one render of the whole conversation, with the output length noted where each iteration starts and where the
 loop ends, gives every prefix's text: :func:`local_shape` adds a marker that writes nothing at those two places, and
