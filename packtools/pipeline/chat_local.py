@@ -19,8 +19,9 @@ and the caller keeps rendering prefixes.
 For such a template the rendering of ``messages[:k]`` is ``HEAD + BODY(m_0) + ... + BODY(m_{k-1}) + TAIL(prompt)``,
 so one render of the whole conversation, with the output length noted where each iteration starts and where the
 loop ends, gives every prefix's text: :func:`local_shape` adds a marker that writes nothing at those two places, and
-:meth:`~packtools.pipeline.chat_render.ChatRenderer.enable_local` renders ``TAIL`` for both prompt values once.  The checks of the incremental rule (each prefix is the start of the
-next) are made on those texts, with the same errors.
+:meth:`~packtools.pipeline.chat_render.ChatRenderer.enable_local` renders ``TAIL`` for both prompt values once.
+The checks of the incremental rule (each prefix is the start of the next) are made on those texts, with the same
+errors.
 
 Whether a template has the shape is decided by its syntax; :mod:`.chat` also compares the spans with the
 prefix renders on the built-in adversarial conversations before using them (``tests/test_chat_local.py``
