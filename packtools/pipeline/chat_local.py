@@ -196,19 +196,19 @@ def local_shape(template: str, env: Any = None) -> Any:
     never = NEVER | seqs
     fixed = never | {target, prompt}  # names no part may set
     head, tail = tree.body[:at], tree.body[at + 1 :]
+    head_rules = _Rules(never | {prompt, target}, fixed, seqs, False)
+    body_rules = _Rules(never | {prompt}, fixed, seqs, True)
+    tail_rules = _Rules(never | {target} | _assigned(head) | _assigned(loop.body), fixed, frozenset(), False)
     try:
         if len(aliases) != sum(map(is_alias, head)):
             raise _Refused("an alias set twice")
         for node in head:
             if not is_alias(node):
-                _check(node, _Rules(never | {prompt, target}, fixed, seqs, False))
+                _check(node, head_rules)
         for node in loop.body:
-            _check(node, _Rules(never | {prompt}, fixed, seqs, True))
+            _check(node, body_rules)
         for node in tail:
-            _check(
-                node,
-                _Rules(never | {target} | _assigned(head) | _assigned(loop.body), fixed, frozenset(), False),
-            )
+            _check(node, tail_rules)
     except _Refused:
         return None
     mark = nodes.Output([nodes.Name(MARK, "load")])
