@@ -1,4 +1,5 @@
-"""Atomic writes: write aside, then rename into place."""
+"""Atomic writes: write aside, flush to disk, then rename into place (and flush the folder), so that a file a later
+run trusts is whole after a machine crash too, not only after a killed process."""
 
 from __future__ import annotations
 
@@ -24,8 +25,42 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[str]:
     os.chmod(tmp, 0o666 & ~umask)
     try:
         yield tmp
+        fsync_file(tmp)
         os.replace(tmp, path)
+        fsync_dir(directory)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """Flush a written file's data to disk (before the rename that makes it trusted)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Flush a folder's entries (a rename in it) to disk; a file system that cannot is left as it is."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # e.g. some network file systems refuse fsync on a folder
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: str | os.PathLike[str]) -> None:
+    """:func:`fsync_file` every file of ``folder`` (not recursing), then the folder itself."""
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            fsync_file(path)
+    fsync_dir(folder)

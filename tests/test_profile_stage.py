@@ -62,7 +62,9 @@ def test_profile_then_pack_reuses_the_stage(tmp_path, tok, cache, capsys):
     assert profile_files(data, tok).stage["reused"] == 1
 
     res = pack_files(data, tmp_path / "packed", 256, "bfd_split", tokenizer=tok)
-    assert res.timings["parts_from_stage_cache"] == 1 == res.timings["parts_reused"]
+    assert (
+        res.timings["parts_from_stage_cache"] == 1 and res.timings["parts_reused"] == 0
+    )  # no run was killed
     # the profile measured what pack packs
     assert prof.total_tokens == res.stats["tokens_in"] and prof.count == res.stats["rows_in"]
     assert res.stats["columns_left_out"] == ["id"]
@@ -71,6 +73,8 @@ def test_profile_then_pack_reuses_the_stage(tmp_path, tok, cache, capsys):
     fresh = pack_files(data, tmp_path / "fresh", 256, "bfd_split", tokenizer=tok)
     assert fresh.timings["parts_from_stage_cache"] == 0 == fresh.timings["parts_reused"]
     assert _same_folder(res.out, fresh.out)
+    # S1/U1: the adopted part keeps its engine report, so the manifest says what a run without the cache says
+    assert res.stats["tokenizer"] == fresh.stats["tokenizer"] and "engine" in res.stats["tokenizer"]
     # the cache entry outlives the pack (its hard link in the work folder is gone with the work folder)
     assert any(n.endswith(".arrow") for n in os.listdir(cache))
 
@@ -79,7 +83,9 @@ def test_pack_cli_says_it_reused_the_stage(tmp_path, tok, cache, capsys):
     data = _write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in _texts(50)])
     profile_files(data, tok)
     assert main(["pack", data, "--tokenizer", tok, "--out", str(tmp_path / "o"), "--max-length", "128"]) == 0
-    assert "reused, not tokenized again" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # the summary wraps its lines
+    assert "reused, not tokenized again" in out
+    assert "1 from the stage cache" in out and "interrupted" not in out  # where the part came from
 
 
 def test_another_tokenizer_or_option_does_not_reuse(tmp_path, tok, cache):

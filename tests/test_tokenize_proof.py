@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 
 import numpy as np
 import pyarrow as pa
@@ -372,29 +373,31 @@ def test_a_fallback_on_the_proof_holds_for_the_rest_of_the_run(tok_bl, tmp_path,
 
 
 @needs_engine
-def test_a_fallback_on_the_runs_proof_holds_for_its_later_parts_and_a_new_run_proves_again(
-    tok_bl, monkeypatch
-):
-    """The proof is per run: a difference on the proof rows of the run's first part sends the run's later parts
-    (which have no proof rows) to transformers too; a new run starts from the loaded engine and proves again."""
+def test_a_part_takes_the_drivers_verdict_and_an_audited_difference_is_raised_not_kept(tok_bl, monkeypatch):
+    """With a verdict (packtools.pipeline.verdict) a part is tokenized by exactly its engine, whatever the
+    process tokenized before, and has no proof rows of its own; a difference the audit finds raises
+    EngineDivergence (the driver restages the run), never a part-local fallback.  Without a verdict the part
+    proves the engine on its own first rows."""
+    from packtools.pipeline.engine_proof import EngineDivergence
+
     monkeypatch.setattr(fast_tokenize, "PROOF_ROWS", 5)  # a part's proof: the first 5 rows of the column
     _corrupt(monkeypatch, lambda t: "zebra" in t)
-    tok = BatchTokenizer(tok_bl, "text", audit_rate=0.0)
+    tok = BatchTokenizer(tok_bl, "text", audit_rate=1.0)
     ref = BatchTokenizer(tok_bl, "text", engine="transformers")
     with_zebra = pa.table({"text": ["a zebra"] + CORPUS[:4]})
     clean = pa.table({"text": CORPUS[:5]})
-    tok.start_part("p1", run="r1")
-    assert tok(with_zebra).equals(ref(with_zebra)) and tok.fast is None and "zebra" in tok.report.reason
-    tok.start_part("p2", run="r1", proves=False)
-    assert tok.fast is None and tok(clean).equals(ref(clean))  # no fast ids without a proof
+    fast_verdict = tok.report.to_dict()
+    assert fast_verdict["engine"].startswith("fastokens")
+    fell_back = {**fast_verdict, "engine": "transformers", "reason": "fallback: the driver's proof"}
+    tok.start_part("p1", verdict=fell_back)
+    assert tok.fast is None and tok(with_zebra).equals(ref(with_zebra))
     assert tok.part_report()["engine"] == "transformers"
-    tok.start_part("p1", run="r2")  # a new run: the engine chosen at load, proven again on its first rows
-    assert tok.fast is not None
-    assert tok(clean).equals(ref(clean)) and tok.fast is not None
-    assert tok.part_report()["checked"]["proof_rows"] == 5
-    tok.start_part(
-        "p2", run="r2", proves=False
-    )  # the same run's next part: no proof rows, audited (rate 0 here)
-    assert tok(clean).equals(ref(clean)) and tok.part_report()["checked"]["proof_rows"] == 0
-    tok.start_part("p1", run=None)  # no run (BatchTokenizer used directly): every part proves
+    tok.start_part("p2", verdict=fast_verdict)  # the same process, a part under the fast verdict
+    assert tok.fast is not None and tok(clean).equals(ref(clean))
+    assert tok.part_report()["checked"]["proof_rows"] == 0  # the driver proved; the part is audited
+    assert tok.part_report()["checked"]["rows_checked"] == 5
+    with pytest.raises(EngineDivergence, match="zebra") as err:
+        tok(with_zebra)
+    assert "zebra" in pickle.loads(pickle.dumps(err.value)).what  # it reaches the driver from a pool worker
+    tok.start_part("p3")  # no verdict (a BatchTokenizer used directly): the part proves on its first rows
     assert tok(with_zebra).equals(ref(with_zebra)) and tok.fast is None

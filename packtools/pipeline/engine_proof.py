@@ -37,6 +37,19 @@ from .char_drops import describe_bytes
 from .formats import at
 
 
+class EngineDivergence(PackingError):
+    """The fast engine gave other ids than transformers on a row the audit compared, in a part staged under the
+    driver's verdict (:mod:`packtools.pipeline.verdict`): the driver restages every fast-engine part of the run
+    with transformers (``auto``) or stops with this error (``fast``).  ``what`` describes the difference."""
+
+    def __init__(self, message: str, what: str = "") -> None:
+        super().__init__(message, param="tokenizer_engine")
+        self.what = what
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses process boundaries (pool, Ray) with its ``what``
+        return (EngineDivergence, (str(self), self.what))
+
+
 class Proof:
     """Per run: the proof budget per column; per part: the seeded audit sample and the counts of compared rows."""
 
@@ -244,10 +257,10 @@ def take_pending(bt: Any) -> None:
         bt.report = fast_engine.EngineReport(
             "transformers", f"fallback: the fast engine cannot load its tokenizer.json ({exc})", "auto"
         )
-        bt._chosen = bt._loaded = (bt.report, None)
+        bt._loaded = (bt.report, None)
         return
     bt.fast = fast
-    bt._chosen = bt._loaded = (bt.report, fast)
+    bt._loaded = (bt.report, fast)
 
 
 def _fast_encoder(bt: Any, facts: Any) -> fast_engine.FastEncoder:
@@ -256,6 +269,11 @@ def _fast_encoder(bt: Any, facts: Any) -> fast_engine.FastEncoder:
     native = load.result() if load is not None else None
     bt.fast_source = load.source if load is not None else "tokenizer.json"
     return fast_engine.FastEncoder(bt.tokenizer_dir, facts=facts, native=native)
+
+
+def load_fast(bt: Any) -> fast_engine.FastEncoder:
+    """The fast engine of ``bt``'s tokenizer, loaded now (a verdict names it; ``bt`` chose another at load)."""
+    return _fast_encoder(bt, bt._facts)
 
 
 def adopt(bt: Any, proven: dict[str, Any], facts: Any) -> fast_engine.EngineReport:

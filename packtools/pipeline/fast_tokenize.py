@@ -259,7 +259,7 @@ class EngineReport:
 def engine_summary(reports: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
     """One report for a run from its parts' (None for tokenized parts): the engine and reason of the first part
     (of the first that fell back, if any did), the parts per engine, the rows compared in all parts (each part's
-    report counts its own rows), and the characters left out (:func:`packtools.pipeline.char_drops.merge_reports`).
+    report counts its own rows; the driver's proof rows, ``data_proof_rows``, once), and the characters left out (:func:`packtools.pipeline.char_drops.merge_reports`).
 
     >>> r = {"engine": "x 1", "requested": "auto", "reason": "ok", "checked": {"rows_checked": 2}}
     >>> engine_summary([r, None, r])["checked"], engine_summary([r])["parts_by_engine"]
@@ -276,6 +276,11 @@ def engine_summary(reports: Sequence[dict[str, Any] | None]) -> dict[str, Any] |
         by_engine[r["engine"]] = by_engine.get(r["engine"], 0) + 1
         for k, v in r.get("checked", {}).items():
             checked[k] = checked.get(k, 0) + v if k in _PER_PART else max(checked.get(k, 0), v)
+    # the driver's proof (packtools.pipeline.verdict) compared the run's first rows once, for every part
+    driver = checked.pop("data_proof_rows", 0)
+    if driver:
+        checked["proof_rows"] = checked.get("proof_rows", 0) + driver
+        checked["rows_checked"] = checked.get("rows_checked", 0) + driver
     fallback = next((r for r in done if r["engine"] == "transformers"), None)
     first = fallback if fallback is not None and len(by_engine) > 1 else done[0]
     out = {k: v for k, v in first.items() if k not in ("unencodable", "batches_on_transformers_why")}

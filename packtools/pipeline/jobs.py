@@ -37,18 +37,24 @@ def run_jobs(
     try:
         for attempt in range(retries + 1):
             lost = []
-            for k, outcome in ex.run(fn, [jobs[i] for i in todo]):
-                i = todo[k]
-                if isinstance(outcome, BaseException):
-                    if is_transient(outcome) and attempt < retries:
-                        lost.append(i)
-                        continue
-                    raise outcome
-                results[i] = outcome
-                if finished is not None:
-                    finished.append(time.time())
-                bar.update(1)
-                checkpoint(f"{desc}:{sum(r is not None for r in results)}")
+            outcomes = ex.run(fn, [jobs[i] for i in todo])
+            try:
+                for k, outcome in outcomes:
+                    i = todo[k]
+                    if isinstance(outcome, BaseException):
+                        if is_transient(outcome) and attempt < retries:
+                            lost.append(i)
+                            continue
+                        raise outcome
+                    results[i] = outcome
+                    if finished is not None:
+                        finished.append(time.time())
+                    bar.update(1)
+                    checkpoint(f"{desc}:{sum(r is not None for r in results)}")
+            finally:  # on an error: the executor stops the jobs still running before the caller goes on
+                close = getattr(outcomes, "close", None)
+                if close is not None:
+                    close()
             todo = sorted(lost)
             if not todo:
                 break

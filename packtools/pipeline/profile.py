@@ -85,6 +85,31 @@ def _pair_lengths(paths: Sequence[str]) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
+def _stage(ex: Any, jobs: list, verdict: dict[str, Any] | None, quiet: bool) -> list[dict[str, Any]]:
+    """Stage ``jobs`` under the driver's ``verdict``: entries another engine tokenized are staged again, and
+    an audit difference restages the fast engine's entries with transformers (``auto``; ``fast`` stops)."""
+    from dataclasses import replace
+
+    from .engine_proof import EngineDivergence
+    from .jobs import run_jobs
+    from .stage import freeze_report
+    from .verdict import drop_disagreeing, fall_back
+
+    while True:
+        if verdict is not None:
+            drop_disagreeing(jobs, verdict)
+        try:
+            staged = run_jobs(ex, stage_part, jobs, "stage", quiet, 2)
+        except EngineDivergence as exc:
+            if verdict is None or verdict["requested"] != "auto" or verdict["engine"] == "transformers":
+                raise
+            verdict = fall_back(verdict, exc.what)
+            jobs = [replace(j, engine_proven=freeze_report(verdict)) for j in jobs]
+            continue
+        if verdict is None or not drop_disagreeing(jobs, verdict):
+            return staged
+
+
 def profile_files(
     inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     tokenizer: str | os.PathLike[str] | None = None,
@@ -109,7 +134,6 @@ def profile_files(
     """
     from .config import PipelineConfig
     from .executors import get_executor
-    from .jobs import run_jobs
     from .schema import data_format, token_schema
     from .stage_cache import CacheLock, cache_dir, evict, max_bytes, stage_jobs
 
@@ -152,7 +176,6 @@ def profile_files(
         tok = preload_tokenizer(
             tok_dir, fmt, add_eos, tokenizer_engine
         )  # fails here, once, if it cannot load
-        proven = freeze_report(tok.report.to_dict())  # workers take the engine the driver proved, as in pack
         columns, tok_fp = output_columns(fmt), tokenizer_fingerprint(tok_dir)
         types = ["int32"] * len(columns)
     keep = stage_cache is not False
@@ -170,6 +193,12 @@ def profile_files(
             param="stage_cache",
         ) from None
     parts = [p for f in files for p in split_file(f, part_rows, part_bytes)]
+    verdict = None
+    if fmt != "tokenized":  # the driver decides the engine once, as pack does (packtools.pipeline.verdict)
+        from .verdict import decide
+
+        verdict = decide(tok, parts, fmt)
+        proven = freeze_report(verdict)
     jobs = stage_jobs(
         parts,
         fmt,
@@ -187,7 +216,7 @@ def profile_files(
     t0 = time.perf_counter()
     try:
         with CacheLock(folder):  # no eviction under a running stage
-            staged = run_jobs(ex, stage_part, jobs, "stage", quiet, 2)
+            staged = _stage(ex, jobs, verdict, quiet)
         stage_s = time.perf_counter() - t0
         if fmt == "preference":
             lengths = _pair_lengths([s["data"] for s in staged])

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -41,6 +40,7 @@ from ..errors import PackingError
 from ..io.files import InputFile, Part, find_inputs, read_schema, skipped_notes, split_file
 from ..io.manifest import read_manifest, write_manifest
 from .config import PipelineConfig, PipelineResult, fingerprint
+from .engine_proof import EngineDivergence
 from .executors import EXECUTORS, Executor, get_executor
 from .failures import explain_os_error, note_interrupted, signals_deferred
 from .fast_tokenize import engine_summary
@@ -50,9 +50,10 @@ from .jobs import run_jobs
 from .outcheck import check_out, check_replaceable
 from .planning import load_kernels_ahead, plan_parts, row_plan, write_jobs
 from .schema import data_format, known_columns, token_schema
-from .stage import load_sidecar, stage_part
+from .stage import StageJob, freeze_report, load_sidecar, stage_part
 from .stage_cache import adopt_cached, stage_jobs
 from .summary import tokenizer_timings
+from .verdict import basis, decide, drop_disagreeing, fall_back, record, recorded
 from .workspace import Workspace, checkpoint, left_behind_notes, tidy_after_dead_run
 
 
@@ -66,7 +67,7 @@ class RunInputs:
     columns: list[str]
     types: list[str]
     left_out: list[str]
-    proven: Any = None  # stage.freeze_report of the engine report; None for tokenized input
+    proven: Any = None  # stage.freeze_report of the engine chosen at load; None for tokenized input
 
 
 @dataclass(frozen=True)
@@ -244,6 +245,32 @@ def _inputs(
     return RunInputs(files, fmt, columns, types, left_out, proven), early
 
 
+def _verdict(
+    found: RunInputs, config: PipelineConfig, parts: Sequence[Part], ws: Workspace
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The run's tokenizer engine (:mod:`packtools.pipeline.verdict`): the one a killed run recorded in this
+    work folder, else proven now on the first rows across ``parts``; recorded before any part is staged.
+    ``(None, None)`` for tokenized input."""
+    if found.fmt == "tokenized":
+        return None, None
+    from .stage import preload_tokenizer
+
+    rests_on = basis(config.tokenizer, found.fmt, config.tokenizer_engine)
+    verdict = recorded(ws.stage, rests_on)
+    if verdict is None:
+        tok = preload_tokenizer(  # the driver's tokenizer (_inputs loaded it)
+            config.tokenizer,
+            found.fmt,
+            config.add_eos,
+            config.tokenizer_engine,
+            audit_rate=config.tokenizer_audit,
+            on_unencodable=config.on_unencodable,
+        )
+        verdict = decide(tok, parts, found.fmt)
+        record(ws.stage, verdict, rests_on)
+    return verdict, rests_on
+
+
 #: inputs at least this large load Numba and the run's kernels in a thread while they stage
 KERNELS_AHEAD_MIN_BYTES = 32 << 20
 
@@ -254,25 +281,32 @@ def _run(
     """Stage, plan, write and install, holding the lock of ``ws``."""
     fmt, columns = found.fmt, found.columns
     parts: list[Part] = [p for f in found.files for p in split_file(f, config.part_rows, config.part_bytes)]
-    jobs = stage_jobs(
-        parts,
-        fmt,
-        columns,
-        found.types,
-        ws.stage,
-        tokenizer=config.tokenizer,
-        tokenizer_fp=fp["tokenizer_sha256"],
-        add_eos=config.add_eos,
-        single_threaded=getattr(how.executor, "name", how.executor) != "local",
-        tokenizer_engine=config.tokenizer_engine,
-        known_columns=known_columns(columns, found.left_out) if fmt == "tokenized" else None,
-        engine_proven=found.proven,
-        audit_rate=config.tokenizer_audit,
-        on_unencodable=config.on_unencodable,
-        run=uuid.uuid4().hex,
-    )
-    from_cache = adopt_cached(jobs)  # parts `packtools profile --tokenizer` staged: not tokenized again
-    timings: dict[str, Any] = {"parts": len(parts), "parts_from_stage_cache": from_cache}
+    verdict, rests_on = _verdict(found, config, parts, ws)
+
+    def jobs_for(verdict: dict[str, Any] | None) -> list[StageJob]:
+        return stage_jobs(
+            parts,
+            fmt,
+            columns,
+            found.types,
+            ws.stage,
+            tokenizer=config.tokenizer,
+            tokenizer_fp=fp["tokenizer_sha256"],
+            add_eos=config.add_eos,
+            single_threaded=getattr(how.executor, "name", how.executor) != "local",
+            tokenizer_engine=config.tokenizer_engine,
+            known_columns=known_columns(columns, found.left_out) if fmt == "tokenized" else None,
+            engine_proven=freeze_report(verdict) if verdict is not None else None,
+            audit_rate=config.tokenizer_audit,
+            on_unencodable=config.on_unencodable,
+        )
+
+    jobs = jobs_for(verdict)
+    from_killed_run = {j.sidecar for j in jobs if os.path.exists(j.sidecar)}
+    from_cache, cache_notes = adopt_cached(jobs)  # parts `packtools profile` staged: not tokenized again
+    timings: dict[str, Any] = {"parts": len(parts), "parts_from_stage_cache": len(from_cache)}
+    if verdict is not None:
+        timings["parts_restaged"] = drop_disagreeing(jobs, verdict)
     ex = get_executor(how.executor, how.workers, how.address)
     timings["executor"] = ex.name
     # loading the kernels beside the stage pays where the stage is long enough to hide it; beside a short one
@@ -286,12 +320,30 @@ def _run(
     try:
         t0 = time.perf_counter()
         done: list[float] = []
-        staged = run_jobs(ex, stage_part, jobs, "stage", how.quiet, how.retries, finished=done)
+        while True:
+            try:
+                staged = run_jobs(ex, stage_part, jobs, "stage", how.quiet, how.retries, finished=done)
+                if verdict is None or not drop_disagreeing(jobs, verdict):
+                    break  # (a part of a stopped worker that landed after the fallback is staged again)
+            except EngineDivergence as exc:
+                if verdict is None or verdict["requested"] != "auto" or verdict["engine"] == "transformers":
+                    raise
+                # the audit of a part found the fast engine wrong on this data: the whole run goes to
+                # transformers, recorded first (a kill from here on reruns under it), then every part the fast
+                # engine tokenized is staged again
+                verdict = fall_back(verdict, exc.what)
+                record(ws.stage, verdict, rests_on)
+                jobs = jobs_for(verdict)
+                timings["parts_restaged"] = timings.get("parts_restaged", 0) + drop_disagreeing(jobs, verdict)
+                done.clear()
         timings["stage_s"] = round(time.perf_counter() - t0, 3)
         # when the first part was read and tokenized (the CLI says how long after the process started)
         if done:
             timings["first_part_at"] = done[0]
-        timings["parts_reused"] = sum(bool(s["reused"]) for s in staged)
+        # where each part came from: this run, a killed run's work folder, the stage cache
+        reused = [bool(s["reused"]) for s in staged]
+        timings["parts_reused"] = sum(r and j.sidecar in from_killed_run for r, j in zip(reused, jobs))
+        timings["parts_from_stage_cache"] = sum(r and j.sidecar in from_cache for r, j in zip(reused, jobs))
         timings["parts_mapped"] = sum(s["data"] == j.part.file.path for s, j in zip(staged, jobs))
         os.makedirs(ws.build)
         if fmt == "preference":
@@ -340,4 +392,6 @@ def _run(
     manifest = {**fp, "format": fmt, "stats": stats}
     write_manifest(ws.build, manifest)
     ws.install()
-    return PipelineResult(ws.out, stats, cached=False, manifest=manifest, timings=timings)
+    return PipelineResult(
+        ws.out, stats, cached=False, manifest=manifest, timings=timings, notes=list(cache_notes)
+    )

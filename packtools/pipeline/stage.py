@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from .._atomic import fsync_dir, fsync_file
 from ..constants import IGNORE_INDEX
 from ..core.arrow import check_aligned, is_list_type, read_list_column
 from ..errors import PackingError
@@ -43,7 +44,7 @@ from . import feed
 from .prefetch import prefetch
 
 #: Version of the staged-file layout; part of every cache key.
-STAGE_FORMAT = 2  # 2: the sidecar keeps the tokenizer engine report
+STAGE_FORMAT = 3  # 2: the sidecar keeps the tokenizer engine report; 3: and the data's SHA-256
 #: Rows per block handed to the tokenizer, read from tokenized files, and most rows / bytes per record batch of
 #: a staged file.
 TOKENIZE_ROWS = 1000
@@ -72,12 +73,10 @@ class StageJob:
     )
     known_columns: tuple[str, ...] | None = None  # tokenized JSON: a block with other columns is refused
     engine_proven: tuple[tuple[str, Any], ...] | None = (
-        None  # the driver's engine choice (EngineReport items)
+        None  # the run's verdict (packtools.pipeline.verdict; EngineReport items): the engine every part uses
     )
     audit_rate: float = 0.001  # packtools.pipeline.fast_tokenize.AUDIT_RATE
     on_unencodable: str = "report"  # packtools.pipeline.char_drops.ON_UNENCODABLE
-    run: str | None = None  # the run staging it (None: each part is a run of its own)
-    proves: bool = True  # it carries its run's proof of the fast engine (the run's first part)
 
     @property
     def has_labels(self) -> bool:
@@ -238,8 +237,10 @@ def _token_tables(job: StageJob):
     from .formats import input_columns
 
     tok = _tokenizer(job)
-    # the run's first part proves the engine on its first rows; every part is audited (seeded by the part)
-    tok.start_part(os.path.basename(job.sidecar), run=job.run, proves=job.proves)
+    # the driver's verdict decides the engine (it proved it on the run's first rows); every part is audited
+    # (seeded by the part); without a verdict the part proves the engine on its own first rows
+    verdict = _thaw(job.engine_proven) if job.engine_proven is not None else None
+    tok.start_part(os.path.basename(job.sidecar), verdict=verdict)
     # Reading runs ahead in a thread (Arrow's readers release the GIL), as does tokenizing (stage_part).
     read = iter_part(job.part, TOKENIZE_ROWS, input_columns(job.fmt))
     if job.fmt == "text":
@@ -282,7 +283,12 @@ def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 def _save_sidecar(
-    path: str, lengths: np.ndarray, first: np.ndarray, data: str, report: dict[str, Any] | None = None
+    path: str,
+    lengths: np.ndarray,
+    first: np.ndarray,
+    data: str,
+    report: dict[str, Any] | None = None,
+    data_sha256: str = "",
 ) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as fh:
@@ -292,8 +298,12 @@ def _save_sidecar(
             first_label=first,
             data=np.array(data),
             tokenizer=np.array(json.dumps(report, sort_keys=True) if report else ""),
+            data_sha256=np.array(data_sha256),
         )
+        fh.flush()
+        os.fsync(fh.fileno())  # whole on disk before the rename that marks the part done
     os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def load_sidecar(path: str) -> tuple[np.ndarray, np.ndarray, str]:
@@ -309,9 +319,39 @@ def sidecar_report(path: str) -> dict[str, Any] | None:
     return json.loads(text) if text else None
 
 
+def sidecar_checksum(path: str) -> str:
+    """The SHA-256 of the staged Arrow file the sidecar was written with ("" for an input gathered as is)."""
+    with np.load(path, allow_pickle=False) as z:
+        return str(z["data_sha256"]) if "data_sha256" in z.files else ""
+
+
+def damage(sidecar: str) -> str | None:
+    """Why the staged part of ``sidecar`` cannot be used (cut, emptied, changed since it was written: its
+    sidecar unreadable, its data missing, or not the bytes whose SHA-256 the sidecar holds), else None.  A zip
+    member's CRC guards the sidecar itself."""
+    from .tokenizer_dir import file_sha256
+
+    try:
+        lengths, _, data = load_sidecar(sidecar)
+        checksum = sidecar_checksum(sidecar)
+        sidecar_report(sidecar)
+    except Exception as exc:  # noqa: BLE001 - a cut or damaged .npz raises many kinds (BadZipFile, EOFError, ...)
+        return f"its sidecar cannot be read ({type(exc).__name__})"
+    if not os.path.exists(data):
+        return "its data file is missing"
+    if checksum and file_sha256(data) != checksum:
+        return "its data file is not the one it was written with (checksum differs)"
+    if not checksum and data.endswith(".arrow") and os.path.getsize(data) == 0 and lengths.size:
+        return "its data file is empty"
+    return None
+
+
 def stage_part(job: StageJob) -> dict[str, Any]:
     """Stage one part (see the module docstring); returns ``{"rows", "reused", "seconds", "data"}``."""
     start = time.perf_counter()
+    if os.path.exists(job.sidecar):
+        if damage(job.sidecar) is not None:  # e.g. cut by a machine crash: staged again
+            drop_staged(job)
     if os.path.exists(job.sidecar):
         lengths, _, data = load_sidecar(job.sidecar)
         if os.path.exists(data):
@@ -353,6 +393,7 @@ def stage_part(job: StageJob) -> dict[str, Any]:
                     pending, pending_rows, pending_bytes = [], 0, 0
             if pending:
                 writer.write_table(pa.concat_tables(pending).combine_chunks())
+        fsync_file(tmp)
         os.replace(tmp, job.staged)
     except BaseException:
         if os.path.exists(tmp):
@@ -362,7 +403,9 @@ def stage_part(job: StageJob) -> dict[str, Any]:
     all_first = np.concatenate(firsts) if firsts else np.zeros(0, np.int64)
     # which tokenizer engine ran, and why; rows compared; characters left out (kept with the part for reruns)
     report = _tokenizer(job).part_report() if job.fmt != "tokenized" else None
-    _save_sidecar(job.sidecar, all_lengths, all_first, job.staged, report)
+    from .tokenizer_dir import file_sha256
+
+    _save_sidecar(job.sidecar, all_lengths, all_first, job.staged, report, file_sha256(job.staged))
     result = {
         "rows": int(all_lengths.shape[0]),
         "reused": False,
@@ -372,6 +415,15 @@ def stage_part(job: StageJob) -> dict[str, Any]:
     if report is not None:
         result["tokenizer"] = report
     return result
+
+
+def drop_staged(job: StageJob) -> None:
+    """Remove a staged part (the sidecar first: without it the part is not done), so that it is staged again."""
+    for path in (job.sidecar, job.staged):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def iter_staged(paths: list[str]) -> Iterator[pa.Table]:

@@ -41,7 +41,7 @@ from typing import Any
 
 from ..errors import PackingError
 from ..io.files import Part
-from .stage import StageJob, _save_sidecar, load_sidecar, stage_key
+from .stage import StageJob, _save_sidecar, damage, load_sidecar, sidecar_checksum, sidecar_report, stage_key
 
 CACHE_ENV, MAX_GB_ENV = "PACKTOOLS_STAGE_CACHE", "PACKTOOLS_STAGE_CACHE_MAX_GB"
 DEFAULT_MAX_GB = 20.0
@@ -124,16 +124,14 @@ def stage_jobs(
     engine_proven: tuple[tuple[str, Any], ...] | None = None,
     audit_rate: float = 0.001,
     on_unencodable: str = "report",
-    run: str | None = None,
 ) -> list[StageJob]:
     """One :class:`StageJob` per part, its files named by their cache key in ``folder`` (as ``pack`` names them:
-    the key holds the requested tokenizer engine and its version, and ``on_unencodable``); ``run``: the run's
-    own token (:attr:`StageJob.run`): the fast engine's proof is then its first part's, whichever process stages
-    it, so a rerun that reuses the parts of a killed run writes the same manifest."""
+    the key holds the requested tokenizer engine and its version, and ``on_unencodable``); ``engine_proven``:
+    the run's verdict (:mod:`packtools.pipeline.verdict`), the engine of every part, whichever process stages it."""
     from .fast_tokenize import engine_key
 
     jobs = []
-    for i, part in enumerate(parts):
+    for part in parts:
         key = stage_key(
             part,
             fmt,
@@ -160,8 +158,6 @@ def stage_jobs(
                 engine_proven=engine_proven,
                 audit_rate=audit_rate,
                 on_unencodable=on_unencodable,
-                run=run,
-                proves=run is None or i == 0,
             )
         )
     return jobs
@@ -172,17 +168,24 @@ def _entry(folder: str, job: StageJob) -> tuple[str, str]:
     return os.path.join(folder, name + ".arrow"), os.path.join(folder, name + ".npz")
 
 
-def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> int:
-    """For each job not yet staged, take a finished entry of the stage cache (hard link, or in place); returns
-    how many parts came from the cache.  A missing or unreadable cache is no error: the parts are staged."""
-    folder = cache_dir(folder)
+def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> tuple[set[str], list[str]]:
+    """For each job not yet staged, take a finished entry of the stage cache (hard link, or in place), with its
+    tokenizer engine report; returns the sidecars of the parts that came from the cache, and notes.  An entry
+    whose content is not what it was written with (:func:`packtools.pipeline.stage.damage`: a cut or empty
+    file, a flipped bit) is removed from the cache and the part staged again, with a note.  A missing or
+    unreadable cache is no error: the parts are staged."""
+    adopted: set[str] = set()
+    notes: list[str] = []
+    try:
+        folder = cache_dir(folder)
+    except PackingError:
+        return adopted, notes
     if not os.path.isdir(folder):
-        return 0
-    adopted = 0
+        return adopted, notes
     try:
         lock = CacheLock(folder).shared()
     except OSError:
-        return 0
+        return adopted, notes
     try:
         for job in jobs:
             if os.path.exists(job.sidecar):
@@ -190,12 +193,21 @@ def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> int:
             arrow, sidecar = _entry(folder, job)
             if not (os.path.exists(sidecar) and os.path.exists(arrow)):
                 continue
-            try:
+            why = damage(sidecar)
+            if why is None:
                 lengths, first, data = load_sidecar(sidecar)
-            except (OSError, ValueError, KeyError):
+                if os.path.abspath(data) != arrow:
+                    continue  # an entry that points elsewhere (an as-is input): stage it normally
+            else:
+                notes.append(
+                    f"stage cache entry {sidecar!r} was damaged ({why}): removed, and the part staged again"
+                )
+                for path in (sidecar, arrow):
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
                 continue
-            if os.path.abspath(data) != arrow:
-                continue  # an entry that points elsewhere (an as-is input): stage it normally
             target = arrow
             try:
                 os.makedirs(os.path.dirname(job.staged), exist_ok=True)
@@ -206,17 +218,20 @@ def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> int:
             except OSError as exc:
                 if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
                     raise
-            _save_sidecar(job.sidecar, lengths, first, target)
+            # the entry's engine report comes with it (the characters it left out, the rows it compared)
+            _save_sidecar(
+                job.sidecar, lengths, first, target, sidecar_report(sidecar), sidecar_checksum(sidecar)
+            )
             now = time.time()
             for path in (arrow, sidecar):
                 try:
                     os.utime(path, (now, now))  # used: the last to be evicted
                 except OSError:
                     pass
-            adopted += 1
+            adopted.add(job.sidecar)
     finally:
         lock.release()
-    return adopted
+    return adopted, notes
 
 
 @dataclass

@@ -104,8 +104,13 @@ def seconds_since_process_start(at: float) -> float | None:
 def _time_rows(timings: dict[str, Any]) -> list[tuple[str, str]]:
     """Every second of the run: setup, tokenizer load and engine proof, stage, plan, write, and the rest."""
     parts = f"{timings.get('parts', 0):,} parts"
+    # where each part came from: this run, a killed run's work folder, the stage cache (`packtools profile`)
     if timings.get("parts_reused"):
         parts += f", {timings['parts_reused']:,} reused from an interrupted run"
+    if timings.get("parts_from_stage_cache"):
+        parts += f", {timings['parts_from_stage_cache']:,} from the stage cache"
+    if timings.get("parts_restaged"):
+        parts += f", {timings['parts_restaged']:,} staged again under the run's engine verdict"
     items = [
         ("setup", timings.get("setup_s")),
         ("tokenizer load", timings.get("tokenizer_load_s")),

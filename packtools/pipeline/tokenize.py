@@ -127,8 +127,8 @@ class BatchTokenizer:
             self.report = engine_proof.adopt(self, proven, facts)
         else:
             self.report = engine_proof.choose_engine(self, requested, facts)
-        self._fast_load, self._chosen = None, (self.report, self.fast)  # each part starts from this engine
-        self._loaded, self._run = self._chosen, None  # each run, from the engine chosen at load
+        self._fast_load = None
+        self._loaded = (self.report, self.fast)  # each part without a verdict starts from this engine
         #: seconds spent loading the reference (or transformers) and tokenizer facts; choosing/proving the engine
         self.seconds = {"load_s": loaded - started, "proof_s": time.perf_counter() - loaded}
 
@@ -149,18 +149,41 @@ class BatchTokenizer:
         return self.chat.has_generation_tags
 
     # -- per part ----------------------------------------------------------------------------------
-    def start_part(self, seed: str, run: str | None = None, proves: bool = True) -> None:
-        """A new part (a unit of work with its own report, its audit seeded by ``seed``).  A new ``run`` (or
-        None: every part is one) starts from the engine chosen at load; later parts of the same run keep the
-        engine the run has (a fallback on the proof's rows holds for the run).  ``proves``: the part's first
-        rows of each column prove the engine (the run's first part); every part is audited."""
-        if run is None or run != self._run:
-            self._chosen = self._loaded
-        self._run = run
-        self.report, self.fast = self._chosen
+    def start_part(self, seed: str, verdict: dict[str, Any] | None = None, proves: bool = True) -> None:
+        """A new part (a unit of work with its own report, its audit seeded by ``seed``).  ``verdict``: the
+        run's engine, decided once by the driver (:mod:`packtools.pipeline.verdict`, an
+        :meth:`EngineReport.to_dict`): the part is tokenized with exactly that engine, audited, and has no proof
+        rows of its own.  None (a :class:`BatchTokenizer` used directly): the part starts from the engine chosen
+        at load and ``proves`` it on its first rows of each column (a difference there falls back, ``auto``)."""
+        if verdict is not None:
+            self._take_verdict(verdict)
+            proves = False
+        else:
+            self.report, self.fast = self._loaded
         self.proof.start_part(seed, proves)
         if self.drops is not None:
             self.drops.take()
+
+    def _take_verdict(self, verdict: dict[str, Any]) -> None:
+        report = fast_engine.EngineReport(
+            verdict["engine"],
+            verdict["reason"],
+            verdict.get("requested", "auto"),
+            dict(verdict.get("checked", {})),
+        )
+        if report.engine == "transformers":
+            self.pending, self.fast = None, None  # a load still running is never taken
+        elif self.pending is None:
+            fast = self._loaded[1] or self.fast
+            self.fast = fast if fast is not None else engine_proof.load_fast(self)
+        self.report = report
+
+    def wait_for_fast(self) -> None:
+        """Take the fast engine now if it is still loading (the driver's proof compares its ids, not the
+        reference's)."""
+        if self.pending is not None:
+            self._reference_batch_done = True  # engine_proof.take_pending then waits for the load
+            engine_proof.take_pending(self)
 
     def part_report(self) -> dict[str, Any]:
         """The engine report of the part since :meth:`start_part`: engine, reason, rows compared, characters left out."""
@@ -184,7 +207,9 @@ class BatchTokenizer:
         return [e.ids for e in self._encode_batch(texts, add_special_tokens=special)]
 
     def _disagree(self, what: str, initial: bool, first_row: Row) -> None:
-        """The fast engine gave other tokens than transformers: fall back (initial proof, auto) or stop."""
+        """The fast engine gave other tokens than transformers: fall back (a proof row, auto) or stop; an
+        audited row raises :class:`~packtools.pipeline.engine_proof.EngineDivergence`, on which the pipeline's
+        driver restages the run's fast-engine parts (auto)."""
         if initial and self.report.requested == "auto":
             self.fast = None
             self.report = fast_engine.EngineReport(
@@ -193,13 +218,14 @@ class BatchTokenizer:
                 "auto",
                 dict(self.report.checked),
             )
-            self._chosen = (self.report, None)  # for the rest of the run: its later parts have no proof rows
             return
-        raise PackingError(
+        message = (
             f"{at(first_row)}: the fast tokenizer engine gave other tokens than transformers ({what}); "
-            f"no output was written from it. Rerun with tokenizer_engine='transformers'.",
-            param="tokenizer_engine",
+            f"no output was written from it. Rerun with tokenizer_engine='transformers'."
         )
+        if initial:
+            raise PackingError(message, param="tokenizer_engine")
+        raise engine_proof.EngineDivergence(message, f"{at(first_row)}: {what}")
 
     def _engine_error(self, exc: Exception, texts: list[str], special: bool, first_row: Row) -> None:
         """The fast engine raised on a batch: transformers tokenizes it (auto), or stop naming the row (fast)."""

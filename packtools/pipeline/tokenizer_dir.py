@@ -28,8 +28,6 @@ TOKENIZER_FILES = (
     "spiece.model",
     "sentencepiece.bpe.model",
 )
-#: Tokenizer files larger than this are fingerprinted by size and mtime instead of content.
-HASH_LIMIT = 1 << 26
 
 
 def tokenizer_files(path: str) -> list[str]:
@@ -84,29 +82,45 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     return tok
 
 
-#: fingerprints taken in this process, keyed by the files' stat (a run asks for it several times; hashing a
+#: per-file hashes taken in this process, keyed by the files' stat (a run asks for them several times; hashing a
 #: 250k vocabulary's 33 MB takes 50-200 ms each time)
-_FINGERPRINTS: dict[tuple[Any, ...], str] = {}
+_HASHES: dict[tuple[Any, ...], dict[str, str]] = {}
 
 
-def tokenizer_fingerprint(path: str | os.PathLike[str]) -> str:
-    """SHA-256 over the tokenizer's own files (:func:`tokenizer_files`): names and contents, or for a file over
-    :data:`HASH_LIMIT` bytes its size and mtime.  Model weights and other files in the folder are not read.
-    Taken once per process while no file's size, mtime, ctime or inode changes (any write changes ctime)."""
+def tokenizer_file_hashes(path: str | os.PathLike[str]) -> dict[str, str]:
+    """SHA-256 of the content of each of the tokenizer's own files (:func:`tokenizer_files`), whatever its size.
+    Model weights and other files in the folder are not read.  Taken once per process while no file's size,
+    mtime, ctime or inode changes (any write changes ctime)."""
     path = os.fspath(path)
     stats = []
     for name in tokenizer_files(path):
         st = os.stat(os.path.join(path, name))
         stats.append((name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
     key = (os.path.abspath(path), *stats)
-    if key not in _FINGERPRINTS:
+    if key not in _HASHES:
+        _HASHES[key] = {name: file_sha256(os.path.join(path, name)) for name, *_ in stats}
+    return dict(_HASHES[key])
+
+
+def file_sha256(path: str) -> str:
+    """SHA-256 of a file's content, read in 16 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(path: str | os.PathLike[str]) -> str:
+    """SHA-256 over the tokenizer's own files (:func:`tokenizer_files`): their names and the SHA-256 of their
+    contents (:func:`tokenizer_file_hashes`), whatever their size."""
+    files = tuple(sorted(tokenizer_file_hashes(path).items()))
+    if files not in _FINGERPRINTS:
         h = hashlib.sha256()
-        for name, size, mtime_ns, _, _ in stats:
-            h.update(name.encode() + b"\0")
-            if size > HASH_LIMIT:
-                h.update(f"size={size} mtime_ns={mtime_ns}".encode())
-                continue
-            with open(os.path.join(path, name), "rb") as fh:
-                h.update(hashlib.sha256(fh.read()).digest())
-        _FINGERPRINTS[key] = h.hexdigest()
-    return _FINGERPRINTS[key]
+        for name, digest in files:
+            h.update(name.encode() + b"\0" + bytes.fromhex(digest))
+        _FINGERPRINTS[files] = h.hexdigest()
+    return _FINGERPRINTS[files]
+
+
+_FINGERPRINTS: dict[tuple[tuple[str, str], ...], str] = {}

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .._atomic import fsync_dir, fsync_tree
 from ..errors import PackingError
 from ..io.lock import LockHeld, OutputLock
 
@@ -198,7 +199,9 @@ class Workspace:
         if os.path.exists(self.out):
             os.replace(self.out, self.old)
             checkpoint("rename")
+        fsync_tree(self.build)
         os.replace(self.build, self.out)
+        fsync_dir(os.path.dirname(self.out))
         checkpoint("installed")
         if os.path.exists(self.old):
             self._remove(self.old)

@@ -1,0 +1,177 @@
+"""The run's tokenizer engine is decided once, by the driver (packtools.pipeline.verdict), and every part of the
+run, on every executor and after a kill, is tokenized under that one verdict (issue 29: F1, F2, F5, S7).
+
+Divergences are injected at the fast engine's own boundary (tests/_diverge.py wraps ``fastokens.Tokenizer``;
+packtools is not touched), in the test process and, through a ``sitecustomize`` on ``PYTHONPATH``, in the pool's
+spawned workers and in subprocess runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from _diverge import install, site_folder
+from _pipeline_data import CORPUS, build_tokenizer
+
+from packtools import PackingError, pack_files
+from packtools.pipeline import fast_tokenize, verdict
+from packtools.pipeline.verdict import VERDICT_FILE
+
+needs_engine = pytest.mark.skipif(fast_tokenize.engine_version() is None, reason="fastokens not installed")
+pytestmark = needs_engine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return build_tokenizer(str(tmp_path_factory.mktemp("tok") / "tok"))
+
+
+@pytest.fixture
+def diverging(tmp_path, monkeypatch):
+    """fastokens gives another first id for every row with 'zebra', here and in every process started now."""
+    folder = site_folder(str(tmp_path / "site"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([folder, ROOT, os.environ.get("PYTHONPATH", "")]))
+    import fastokens
+
+    monkeypatch.setattr(fastokens, "Tokenizer", fastokens.Tokenizer)  # undone after the test
+    install()
+
+
+def _write(path, texts):
+    with open(path, "w") as fh:
+        fh.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    return str(path)
+
+
+def _docs(out) -> list[list[int]]:
+    from datasets import load_from_disk
+
+    from packtools.core import unpack
+
+    return [list(map(int, s)) for s in unpack(load_from_disk(str(out)).data.table)["input_ids"]]
+
+
+def _zebra_after_first_file(tmp_path):
+    """A small first file (10 clean rows) and a second whose 21st row (the run's 31st) and every 25th after it
+    mention a zebra: the run's first 256 rows see one; a proof of the first part alone would not."""
+    a = _write(tmp_path / "a.jsonl", [CORPUS[i % len(CORPUS)] for i in range(10)])
+    b = _write(
+        tmp_path / "b.jsonl",
+        [("a zebra " if i % 25 == 20 else "") + CORPUS[i % len(CORPUS)] for i in range(500)],
+    )
+    return [a, b]
+
+
+@pytest.mark.parametrize("executor", ["local", pytest.param("pool", marks=pytest.mark.slow)])
+def test_a_divergence_in_the_runs_first_rows_sends_every_part_to_transformers(
+    tok, tmp_path, diverging, executor
+):
+    inputs = _zebra_after_first_file(tmp_path)
+    opts = dict(tokenizer=tok, tokenizer_audit=0.0, executor=executor, workers=2)
+    ref = pack_files(inputs, tmp_path / "ref", 256, tokenizer_engine="transformers", **opts)
+    res = pack_files(inputs, tmp_path / "auto", 256, **opts)
+    report = res.stats["tokenizer"]
+    assert report["parts_by_engine"] == {"transformers": 2}, report
+    assert "zebra" in report["reason"]
+    assert _docs(res.out) == _docs(ref.out)
+    with pytest.raises(PackingError, match="zebra"):
+        pack_files(inputs, tmp_path / "fast", 256, tokenizer_engine="fast", **opts)
+
+
+@pytest.mark.slow
+def test_negative_control_without_the_drivers_verdict_the_pool_keeps_diverging_ids(
+    tok, tmp_path, diverging, monkeypatch
+):
+    """The driver's proof switched off (its verdict is the engine chosen on the adversarial set alone): the
+    pool's parts keep the fast engine's ids, which differ from transformers'."""
+    inputs = _zebra_after_first_file(tmp_path)
+    opts = dict(tokenizer=tok, tokenizer_audit=0.0, executor="pool", workers=2)
+    ref = pack_files(inputs, tmp_path / "ref", 256, tokenizer_engine="transformers", **opts)
+    chosen = fast_tokenize.EngineReport(
+        f"{fast_tokenize.ENGINE_MODULE} {fast_tokenize.engine_version()}", "the adversarial set only", "auto"
+    )
+    monkeypatch.setattr("packtools.pipeline.run.decide", lambda tok, parts, fmt: chosen.to_dict())
+    res = pack_files(inputs, tmp_path / "auto", 256, **opts)
+    assert "transformers" not in res.stats["tokenizer"]["parts_by_engine"]
+    assert _docs(res.out) != _docs(ref.out)
+
+
+@pytest.mark.parametrize("executor", ["local", pytest.param("pool", marks=pytest.mark.slow)])
+def test_an_audited_divergence_restages_every_fast_part_or_stops(tok, tmp_path, diverging, executor):
+    """Past the driver's proof rows only the audit can see a difference; it sends the whole run to
+    transformers (auto: parts the fast engine already staged are staged again, never kept) or stops (fast)."""
+    texts = [CORPUS[i % len(CORPUS)] for i in range(300)]
+    a = _write(tmp_path / "a.jsonl", texts)
+    b = _write(tmp_path / "b.jsonl", [("a zebra " if i == 150 else "") + t for i, t in enumerate(texts)])
+    opts = dict(tokenizer=tok, tokenizer_audit=1.0, executor=executor, workers=2)
+    ref = pack_files([a, b], tmp_path / "ref", 256, tokenizer_engine="transformers", **opts)
+    res = pack_files([a, b], tmp_path / "auto", 256, **opts)
+    report = res.stats["tokenizer"]
+    assert report["parts_by_engine"] == {"transformers": 2}, report
+    assert "zebra" in report["reason"] and "line 151" in report["reason"]
+    assert _docs(res.out) == _docs(ref.out)
+    with pytest.raises(PackingError, match="line 151.*zebra"):
+        pack_files([a, b], tmp_path / "fast", 256, tokenizer_engine="fast", **opts)
+
+
+def test_the_verdict_file_is_checked_by_content_and_basis(tok, tmp_path):
+    rests_on = verdict.basis(tok, "text", "auto")
+    v = {"engine": "transformers", "requested": "auto", "reason": "fallback: x", "checked": {}}
+    verdict.record(str(tmp_path), v, rests_on)
+    assert verdict.recorded(str(tmp_path), rests_on) == v
+    assert verdict.recorded(str(tmp_path), {**rests_on, "format": "messages"}) is None  # another basis
+    path = tmp_path / VERDICT_FILE
+    body = json.loads(path.read_text())
+    body["verdict"]["engine"] = "fastokens 0.3.5"  # edited: its checksum no longer matches
+    path.write_text(json.dumps(body))
+    assert verdict.recorded(str(tmp_path), rests_on) is None
+    path.write_text("")  # cut
+    assert verdict.recorded(str(tmp_path), rests_on) is None
+
+
+@pytest.mark.slow
+def test_a_rerun_after_sigkill_keeps_the_killed_runs_verdict(tok, tmp_path):
+    """F2: the killed run fell back (its proof rows had a diverging row); the rerun reuses its staged part and
+    stages the others under the same recorded verdict, even though, run without the divergence, its own proof
+    would have chosen the fast engine."""
+    import time
+
+    texts = [("a zebra " if i == 3 else "") + CORPUS[i % len(CORPUS)] for i in range(800)]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = str(tmp_path / "in.parquet")
+    pq.write_table(pa.table({"text": texts}), src, row_group_size=200)  # 4 parts
+    out, log = str(tmp_path / "out"), str(tmp_path / "log")
+    args = ["pack", src, "--tokenizer", tok, "--max-length", "256", "--part-rows", "200", "--out", out]
+    paused = os.path.join(ROOT, "tests", "_paused_run.py")
+    site = site_folder(str(tmp_path / "site"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, ROOT])}
+    proc = subprocess.Popen([sys.executable, paused, log, "stage:1", *args, "--quiet"], env=env)
+    deadline = time.monotonic() + 120
+    while not (os.path.exists(log) and "stage:1" in open(log).read().split()):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    work = tmp_path / ".out.packtools" / "stage"
+    assert json.loads((work / VERDICT_FILE).read_text())["verdict"]["engine"] == "transformers"
+    clean = {**os.environ, "PYTHONPATH": ROOT}  # the rerun's fastokens does not diverge
+    cmd = [sys.executable, "-m", "packtools.cli", *args]
+    done = subprocess.run(cmd, env=clean, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "reused from an interrupted run" in " ".join(done.stdout.split())
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    report = manifest["stats"]["tokenizer"]
+    assert report["parts_by_engine"] == {"transformers": 4} and "zebra" in report["reason"]
+    # negative control: the same rerun into a fresh folder decides anew and, without the divergence, goes fast
+    done = subprocess.run([*cmd[:-1], str(tmp_path / "fresh")], env=clean, capture_output=True, text=True)
+    fresh = json.loads((tmp_path / "fresh" / "manifest.json").read_text())["stats"]["tokenizer"]
+    assert "transformers" not in fresh["parts_by_engine"]
