@@ -314,21 +314,24 @@ def test_the_lite_reference_is_used_only_after_a_recorded_check(tok_bl, tmp_path
 
     monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
     table = pa.table({"text": fast_tokenize.adversarial_texts([EOS]) + CORPUS[:5]})
-    first = BatchTokenizer(tok_bl, "text", engine="transformers")
+    first = BatchTokenizer(tok_bl, "text")
     assert first._tok is not None and first.reference_engine == "transformers"  # no verdict yet: transformers
-    second = BatchTokenizer(tok_bl, "text", engine="transformers")
+    second = BatchTokenizer(tok_bl, "text")
     assert second._tok is None and second.reference_engine.startswith("tokenizers")  # the recorded verdict
     assert second(table).to_pydict() == first(table).to_pydict()
     assert second.eos_id == load(tok_bl).eos_token_id
+    # S5/S6: tokenizer_engine='transformers' is transformers, whatever was recorded
+    asked = BatchTokenizer(tok_bl, "text", engine="transformers")
+    assert asked._tok is not None and asked.reference_engine == "transformers"
     # a verdict that says "different" (or none, or another tokenizer) means transformers again
     fp = tokenizer_fingerprint(tok_bl)
-    path = reference._verdict_path(fp, tokenizer_load.compact_file(fp))  # keyed by the file it loads too
+    path = reference._verdict_path(fp)  # the reference loads the folder's own tokenizer.json, never a copy
     with open(path) as fh:
         verdict = json.load(fh)
     assert verdict["same"] is True
     with open(path, "w") as fh:
         json.dump({**verdict, "same": False}, fh)
-    assert BatchTokenizer(tok_bl, "text", engine="transformers")._tok is not None
+    assert BatchTokenizer(tok_bl, "text")._tok is not None
     monkeypatch.setenv("PACKTOOLS_CACHE_DIR", "")
     assert reference.load_verified(tok_bl, tokenizer_fingerprint(tok_bl)) is None
 

@@ -137,6 +137,15 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> fast_engine.EngineRepo
         why = facts.chat_refusal
     if why is not None:
         return refuse(f"the tokenizer is not one the fast engine reproduces here: {why}")
+    outside = getattr(bt, "added_outside", [])
+    if outside:
+        shown = ", ".join(repr(t) for t in outside[:3]) + (
+            f" and {len(outside) - 3} more" if len(outside) > 3 else ""
+        )
+        return refuse(
+            f"transformers adds tokens its tokenizer.json lacks ({shown}, from added_tokens.json, "
+            f"tokenizer_config.json or special_tokens_map.json), which the fast engine does not know"
+        )
     missing = facts.missing
     if missing:
         return refuse(

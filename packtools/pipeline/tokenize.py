@@ -29,7 +29,7 @@ from . import fast_tokenize as fast_engine
 from .char_drops import DropCounter, check_on_unencodable
 from .engine_proof import Proof
 from .formats import FORMATS, Row, at, input_columns, shift
-from .tokenizer_dir import load_tokenizer, tokenizer_fingerprint
+from .tokenizer_dir import added_tokens_outside, load_tokenizer, tokenizer_fingerprint
 
 
 def _strings(table: pa.Table, name: str, first_row: Row, values: list | None = None) -> list[str]:
@@ -81,6 +81,10 @@ class BatchTokenizer:
         self.fingerprint = fp = tokenizer_fingerprint(tokenizer_dir)
         # tokenizer.json's facts, recorded by an earlier run; the fast engine loads in a background thread
         self._facts = facts = tokenizer_load.load_facts(tokenizer_dir, fp)
+        #: tokens transformers adds from the folder's other files (added_tokens.json, tokenizer_config.json,
+        #: special_tokens_map.json) that tokenizer.json lacks: neither the tokenizers library nor the fast
+        #: engine knows them, so transformers itself tokenizes (engine_proof.choose_engine says why)
+        self.added_outside = added_tokens_outside(tokenizer_dir, facts.specials) if facts is not None else []
         adopted = proven.get("engine") if proven is not None else None
         #: a small input the reference tokenizes alone (engine_proof.choose_engine); no fast engine is loaded
         self.small_input = (
@@ -90,14 +94,18 @@ class BatchTokenizer:
             and tokenizer_load.reference_suffices(tokenizer_dir, requested, input_bytes)
             else None
         )
-        skip = adopted == "transformers" or self.small_input is not None
+        skip = adopted == "transformers" or self.small_input is not None or bool(self.added_outside)
         self._fast_load = tokenizer_load.start_fast_load(
             tokenizer_dir, fp, facts, fmt, "transformers" if skip else requested
         )
         # transformers' ids from the tokenizers library alone where a recorded check says they are the same
-        # (packtools.pipeline.reference): importing transformers costs seconds a run
-        copy = tokenizer_load.compact_file(fp)  # tokenizer.json with "a b" merges: loads faster, same merges
-        lite = reference.load_verified(tokenizer_dir, fp, copy)
+        # (packtools.pipeline.reference): importing transformers costs seconds a run.  Never when transformers
+        # is asked for, never where transformers adds tokens tokenizer.json lacks, never from a derived copy
+        lite = (
+            reference.load_verified(tokenizer_dir, fp)
+            if requested != "transformers" and not self.added_outside
+            else None
+        )
         if lite is not None:
             backend, self.eos_id = lite.backend, lite.eos_id
             self.reference_engine = "tokenizers (checked equal to transformers)"
@@ -115,8 +123,8 @@ class BatchTokenizer:
             if facts is not None and facts.missing
             else None
         )
-        if lite is None and facts is not None:
-            reference.record(tokenizer_dir, fp, self.tok, fast_engine.adversarial_texts(facts.specials), copy)
+        if lite is None and facts is not None and not self.added_outside:
+            reference.record(tokenizer_dir, fp, self.tok, fast_engine.adversarial_texts(facts.specials))
         self.chat = chat.ChatTokens(self, requested)  # the chat formats (renderer chosen on first use)
         loaded = time.perf_counter()
         self.pending, self.wait_for_engine = (

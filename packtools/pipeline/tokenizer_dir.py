@@ -7,6 +7,7 @@ folder with its ``tokenizer.json``).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from typing import Any
 
@@ -124,3 +125,56 @@ def tokenizer_fingerprint(path: str | os.PathLike[str]) -> str:
 
 
 _FINGERPRINTS: dict[tuple[tuple[str, str], ...], str] = {}
+
+
+#: the special-token fields of tokenizer_config.json / special_tokens_map.json that transformers adds as tokens
+SPECIAL_FIELDS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+    "additional_special_tokens",
+    "extra_special_tokens",
+)
+
+
+def _contents(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        content = value.get("content")
+        return [content] if isinstance(content, str) else [c for v in value.values() for c in _contents(v)]
+    if isinstance(value, list):
+        return [c for v in value for c in _contents(v)]
+    return []
+
+
+def added_tokens_outside(tokenizer_dir: str, known: list[str]) -> list[str]:
+    """Tokens transformers adds when it loads the folder that are not among ``known`` (tokenizer.json's
+    ``added_tokens``): from ``added_tokens.json``, ``tokenizer_config.json`` (``added_tokens_decoder`` and the
+    special-token fields) and ``special_tokens_map.json``.  The ``tokenizers`` library and the fast engine read
+    tokenizer.json alone, so neither reproduces transformers' ids where this is not empty.
+
+    >>> added_tokens_outside("/no/such/folder", [])
+    []
+    """
+    found: list[str] = []
+    for name in ("added_tokens.json", "tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            with open(os.path.join(tokenizer_dir, name), encoding="utf-8") as fh:
+                data = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict):
+            continue
+        if name == "added_tokens.json":
+            found += [k for k in data if isinstance(k, str)]
+            continue
+        if name == "tokenizer_config.json":
+            found += _contents(list((data.get("added_tokens_decoder") or {}).values()))
+        found += [c for f in SPECIAL_FIELDS for c in _contents(data.get(f))]
+    have = set(known)
+    return sorted({t for t in found if t and t not in have})

@@ -41,6 +41,7 @@ from . import fast_tokenize as fast_engine
 from .char_drops import missing_bytes
 from .proof_cache import code_hash
 from .reference import cache_dir
+from .tokenizer_dir import file_sha256
 
 FACTS_FORMAT = 1
 _FACT_MODULES = ("fast_tokenize.py", "char_drops.py", "tokenizer_load.py")
@@ -173,9 +174,28 @@ def write_compact(path: str | None, spec: dict[str, Any]) -> bool:
     try:
         with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
             json.dump(dict(spec, model=model), fh, ensure_ascii=False)
+        with atomic_path(path + ".sha256") as tmp, open(tmp, "w", encoding="ascii") as fh:
+            fh.write(file_sha256(path))  # checked before every load (compact_intact)
     except OSError:
         return False
     return True
+
+
+def compact_intact(path: str) -> bool:
+    """Whether the copy at ``path`` is the file :func:`write_compact` wrote (its recorded SHA-256); a damaged
+    or unrecorded copy is removed (the engine then loads tokenizer.json, and the next run writes it again)."""
+    try:
+        with open(path + ".sha256", encoding="ascii") as fh:
+            if fh.read().strip() == file_sha256(path):
+                return True
+    except OSError:
+        pass
+    for name in (path, path + ".sha256"):
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+    return False
 
 
 class FastLoad:
@@ -206,6 +226,8 @@ class FastLoad:
         try:
             import fastokens
 
+            if self._compact is not None and not compact_intact(self._compact):
+                self._compact, self.source = None, "tokenizer.json"
             if self._compact is not None:
                 try:
                     self._native = fastokens.Tokenizer.from_file(self._compact)

@@ -1,0 +1,141 @@
+"""Transformers' ids come from transformers' own reading of the folder (issue 29: S5, S6).
+
+- Tokens transformers adds from ``added_tokens.json`` or ``tokenizer_config.json``'s ``added_tokens_decoder``
+  but tokenizer.json lacks: every engine choice gives ``AutoTokenizer``'s ids, on the first run and the second.
+- The fast engine's derived copy of tokenizer.json (``"a b"`` merges) is checked by content before it is
+  loaded; a damaged copy is removed, never trusted, and the reference never loads it.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+from _pipeline_data import CORPUS, EOS, build_tokenizer, load
+
+from packtools import pack_files
+from packtools.pipeline import fast_tokenize
+
+needs_engine = pytest.mark.skipif(fast_tokenize.engine_version() is None, reason="fastokens not installed")
+
+
+def _docs(out) -> list[list[int]]:
+    from datasets import load_from_disk
+
+    from packtools.core import unpack
+
+    return [list(map(int, s)) for s in unpack(load_from_disk(str(out)).data.table)["input_ids"]]
+
+
+def _expected(tok_dir, texts) -> list[list[int]]:
+    tok = load(tok_dir)
+    eos = tok.convert_tokens_to_ids(EOS)
+    return [ids + [eos] for ids in tok(texts)["input_ids"]]
+
+
+def _write(path, texts):
+    with open(path, "w") as fh:
+        fh.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    return str(path)
+
+
+@pytest.fixture
+def tok_extra(tmp_path):
+    """A tokenizer whose ``<extra_tok>`` is only in added_tokens.json (transformers adds it; tokenizer.json and
+    so the tokenizers library and the fast engine know nothing of it)."""
+    path = build_tokenizer(str(tmp_path / "tok"))
+    size = len(json.load(open(os.path.join(path, "tokenizer.json")))["model"]["vocab"])
+    with open(os.path.join(path, "added_tokens.json"), "w") as fh:
+        json.dump({"<extra_tok>": size + 3}, fh)
+    assert "<extra_tok>" in load(path).get_added_vocab()  # transformers reads it
+    return path
+
+
+@pytest.fixture
+def tok_decoder(tmp_path):
+    """The same through tokenizer_config.json's ``added_tokens_decoder``."""
+    path = build_tokenizer(str(tmp_path / "tok"))
+    size = len(json.load(open(os.path.join(path, "tokenizer.json")))["model"]["vocab"])
+    cfg_path = os.path.join(path, "tokenizer_config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["added_tokens_decoder"] = {
+        str(size + 5): {"content": "<extra_tok>", "lstrip": False, "rstrip": False, "normalized": False,
+                        "single_word": False, "special": True}
+    }  # fmt: skip
+    json.dump(cfg, open(cfg_path, "w"))
+    assert "<extra_tok>" in load(path).get_added_vocab()
+    return path
+
+
+@pytest.mark.parametrize("which", ["added_tokens.json", "added_tokens_decoder"])
+@pytest.mark.parametrize("engine", ["auto", "transformers"])
+def test_tokens_transformers_adds_from_other_files_are_in_the_ids(which, engine, request, tmp_path):
+    tok = request.getfixturevalue("tok_extra" if which == "added_tokens.json" else "tok_decoder")
+    # past the run's first rows (the driver's proof), where only the audit (0.001) could see a difference
+    texts = [CORPUS[i % 5] + (" <extra_tok> end" if i >= 1000 and i % 50 == 10 else "") for i in range(3000)]
+    src = _write(tmp_path / "data.jsonl", texts)
+    want = _expected(tok, texts)
+    # the second run finds what the first (auto, as S6's) recorded
+    for run, eng in (("first", "auto"), ("second", engine)):
+        res = pack_files(src, tmp_path / run, 4096, tokenizer=tok, tokenizer_engine=eng)
+        assert sorted(_docs(res.out)) == sorted(want), run
+        assert res.stats["tokenizer"]["engine"] == "transformers"
+        if eng == "auto":
+            assert "<extra_tok>" in res.stats["tokenizer"]["reason"]
+
+
+def test_chat_markers_only_in_added_tokens_json_are_transformers_tokens(tmp_path):
+    """ChatML markers that only added_tokens.json declares: every conversation keeps them as single tokens."""
+    path = build_tokenizer(str(tmp_path / "tok"))
+    spec = json.load(open(os.path.join(path, "tokenizer.json")))
+    moved = {a["content"]: a["id"] for a in spec["added_tokens"] if a["content"] != EOS}
+    spec["added_tokens"] = [a for a in spec["added_tokens"] if a["content"] == EOS]
+    json.dump(spec, open(os.path.join(path, "tokenizer.json"), "w"))
+    json.dump(moved, open(os.path.join(path, "added_tokens.json"), "w"))
+    tok = load(path)
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": CORPUS[i % 5]},
+                {"role": "assistant", "content": CORPUS[i % 3]},
+            ]
+        }
+        for i in range(40)
+    ]
+    with open(tmp_path / "chat.jsonl", "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in rows)
+    want = sorted(
+        tok.apply_chat_template(r["messages"], tokenize=True, return_dict=True)["input_ids"] for r in rows
+    )
+    for run in ("first", "second"):
+        res = pack_files(str(tmp_path / "chat.jsonl"), tmp_path / run, 4096, tokenizer=path)
+        got = sorted(
+            d[:-1] if d[-1] == tok.convert_tokens_to_ids(EOS) and d[:-1] in want else d
+            for d in _docs(res.out)
+        )
+        assert got == want, run
+        assert moved["<|im_start|>"] in {i for d in got for i in d}
+
+
+@needs_engine
+def test_a_damaged_fast_engine_copy_is_not_loaded(tmp_path):
+    tok = build_tokenizer(str(tmp_path / "tok"))
+    texts = [CORPUS[i % 5] for i in range(400)]
+    src = _write(tmp_path / "data.jsonl", texts)
+    pack_files(src, tmp_path / "o0", 4096, tokenizer=tok)  # records the copy with "a b" merges
+    copies = glob.glob(os.path.join(os.environ["PACKTOOLS_CACHE_DIR"], "fast-engine", "*.json"))
+    assert len(copies) == 1
+    spec = json.load(open(copies[0]))
+    spec["model"]["merges"] = spec["model"]["merges"][1:]  # its most frequent merge gone
+    json.dump(spec, open(copies[0], "w"), ensure_ascii=False)
+    for engine in ("auto", "transformers"):
+        res = pack_files(
+            src, tmp_path / engine, 4096, tokenizer=tok, tokenizer_engine=engine, tokenizer_audit=1.0
+        )
+        assert sorted(_docs(res.out)) == sorted(_expected(tok, texts)), engine
+    assert (
+        not os.path.exists(copies[0])
+        or json.load(open(copies[0]))["model"]["merges"][0] != spec["model"]["merges"][0]
+    )
