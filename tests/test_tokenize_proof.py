@@ -309,7 +309,7 @@ def test_a_worker_takes_the_drivers_engine(tok_bl):
 
 # -- the lite reference: transformers' ids without importing transformers, once checked -----------------------
 def test_the_lite_reference_is_used_only_after_a_recorded_check(tok_bl, tmp_path, monkeypatch):
-    from packtools.pipeline import reference, tokenizer_load
+    from packtools.pipeline import reference
     from packtools.pipeline.tokenizer_dir import tokenizer_fingerprint
 
     monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))

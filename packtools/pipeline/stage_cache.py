@@ -265,7 +265,23 @@ def _entries(folder: str) -> list[tuple[float, int, str]]:
             size += st.st_size
             used = max(used, st.st_mtime)
         out.append((used, size, key))
+    for key in _orphans(folder):  # not evictable as entries, but they take room
+        try:
+            st = os.stat(os.path.join(folder, key + ".arrow"))
+        except FileNotFoundError:
+            continue
+        out.append((float("inf"), st.st_size, key))
     return out
+
+
+def _orphans(folder: str) -> list[str]:
+    """Keys of ``.arrow`` files without a sidecar (counted in the cache's size, evicted once old)."""
+    names = set(os.listdir(folder))
+    return [
+        n[: -len(".arrow")]
+        for n in names
+        if n.endswith(".arrow") and ".tmp-" not in n and n[: -len(".arrow")] + ".npz" not in names
+    ]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -296,9 +312,19 @@ def evict(folder: str, keep: Sequence[str] = (), budget: int | None = None) -> t
                         os.unlink(os.path.join(folder, name))
                     except FileNotFoundError:
                         pass
+        keep_set, now, evicted = set(keep), time.time(), 0
+        for key in _orphans(
+            folder
+        ):  # a data file whose sidecar never came (a kill while staging or evicting)
+            path = os.path.join(folder, key + ".arrow")
+            try:
+                if key not in keep_set and now - os.stat(path).st_mtime >= MIN_AGE_S:
+                    os.unlink(path)
+                    evicted += 1
+            except FileNotFoundError:
+                pass
         entries = sorted(_entries(folder))
         total = sum(e[1] for e in entries)
-        keep_set, now, evicted = set(keep), time.time(), 0
         for used, size, key in entries:
             if total <= budget:
                 break
