@@ -175,3 +175,26 @@ def test_a_rerun_after_sigkill_keeps_the_killed_runs_verdict(tok, tmp_path):
     done = subprocess.run([*cmd[:-1], str(tmp_path / "fresh")], env=clean, capture_output=True, text=True)
     fresh = json.loads((tmp_path / "fresh" / "manifest.json").read_text())["stats"]["tokenizer"]
     assert "transformers" not in fresh["parts_by_engine"]
+
+
+def test_a_code_or_library_change_invalidates_staged_parts_and_outputs(tok, tmp_path, monkeypatch):
+    """S9: the same command after a code change (same version number) or a tokenizers upgrade neither says
+    "cached" nor adopts parts `profile` staged with the old code."""
+    from packtools.io import fingerprint
+    from packtools.pipeline import spec
+    from packtools.pipeline.profile import profile_files
+
+    monkeypatch.setenv("PACKTOOLS_STAGE_CACHE", str(tmp_path / "stage-cache"))
+    src = _write(tmp_path / "d.jsonl", [CORPUS[i % len(CORPUS)] for i in range(50)])
+    profile_files(src, tok)
+    first = pack_files(src, tmp_path / "out", 128, tokenizer=tok)
+    assert first.timings["parts_from_stage_cache"] == 1
+    assert pack_files(src, tmp_path / "out", 128, tokenizer=tok).cached  # nothing changed
+    monkeypatch.setattr(fingerprint, "source_hash", lambda: "edited-checkout")
+    monkeypatch.setattr(spec, "source_hash", fingerprint.source_hash)
+    edited = pack_files(src, tmp_path / "out", 128, tokenizer=tok)
+    assert not edited.cached and edited.timings["parts_from_stage_cache"] == 0
+    real = spec.library_versions()
+    monkeypatch.setattr(spec, "library_versions", lambda: (*real[:1], ("tokenizers", "99.0"), *real[2:]))
+    upgraded = pack_files(src, tmp_path / "out", 128, tokenizer=tok)
+    assert not upgraded.cached and upgraded.manifest["fingerprint"] != edited.manifest["fingerprint"]

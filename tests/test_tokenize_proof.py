@@ -23,6 +23,7 @@ from packtools.io.files import Part, discover
 from packtools.pipeline import fast_tokenize
 from packtools.pipeline.char_drops import DropCounter, missing_bytes
 from packtools.pipeline.engine_proof import Proof
+from packtools.pipeline.spec import IdsSpec
 from packtools.pipeline.stage import StageJob, stage_key, stage_part
 from packtools.pipeline.tokenize import BatchTokenizer
 
@@ -275,11 +276,16 @@ def test_engine_and_version_are_in_the_fingerprint_and_stage_keys(tok_bl, tmp_pa
     assert pack_files(src, out, 64, tokenizer=tok_bl, tokenizer_engine="transformers").cached
     assert first.manifest["fingerprint"] != again.manifest["fingerprint"]
     part = Part(discover([src])[0])
-    args = (part, "text", ("input_ids",), ("int32",), "fp", True)
-    keys = {stage_key(*args, engine=fast_tokenize.engine_key(e)) for e in ("auto", "fast", "transformers")}
+
+    def key(engine, audit=0.001):
+        spec = IdsSpec.of("fp", "text", True, engine, "report", audit)
+        return stage_key(part, ("input_ids",), ("int32",), spec)
+
+    keys = {key(e) for e in ("auto", "fast", "transformers")}
     assert len(keys) == 3
+    assert key("auto", audit=1.0) not in keys  # U6: the audit rate decides which runs stop
     monkeypatch.setattr(fast_tokenize, "engine_version", lambda: "9.9.9")
-    assert stage_key(*args, engine=fast_tokenize.engine_key("auto")) not in keys  # another engine version
+    assert key("auto") not in keys  # another engine version
 
 
 def test_a_reused_part_keeps_its_tokenizer_report(tok_bl, tmp_path):

@@ -25,6 +25,7 @@ from ..io.manifest import MANIFEST_FORMAT
 from .char_drops import check_on_unencodable
 from .fast_tokenize import check_audit_rate, check_engine, engine_key
 from .formats import FORMATS
+from .spec import IdsSpec
 from .tokenizer_dir import tokenizer_fingerprint
 
 OVERLONG = ("truncate", "drop", "split")
@@ -117,6 +118,15 @@ def fingerprint(files: Sequence[InputFile], config: PipelineConfig) -> dict[str,
     cfg["overlong"] = config.overlong_policy
     cfg["tokenizer_engine"] = engine_key(config.tokenizer_engine)  # S15: another engine is another output
     tok = tokenizer_fingerprint(config.tokenizer) if config.tokenizer else None
+    # what decides the ids (tokenizer content, engine, library versions, code: packtools.pipeline.spec)
+    cfg["ids"] = IdsSpec.of(
+        tok,
+        config.format or "auto",
+        config.add_eos,
+        config.tokenizer_engine,
+        config.on_unencodable,
+        config.tokenizer_audit,
+    ).key()
     body = {
         "manifest_format": MANIFEST_FORMAT,
         "packtools_version": __version__,

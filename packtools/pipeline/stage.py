@@ -42,6 +42,7 @@ from ..io.files import Part, Where, iter_part
 from ..io.fingerprint import cache_key
 from . import feed
 from .prefetch import prefetch
+from .spec import IdsSpec
 
 #: Version of the staged-file layout; part of every cache key.
 STAGE_FORMAT = 3  # 2: the sidecar keeps the tokenizer engine report; 3: and the data's SHA-256
@@ -83,32 +84,17 @@ class StageJob:
         return "labels" in self.columns
 
 
-def stage_key(
-    part: Part,
-    fmt: str,
-    columns: tuple[str, ...],
-    value_types: tuple[str, ...],
-    tokenizer_fp: str | None,
-    add_eos: bool,
-    *,
-    engine: str | None = None,
-    on_unencodable: str = "report",
-) -> str:
-    """The cache key of a staged part (32 hex digits): everything that decides its bytes or its report, with the
-    versions.  ``engine`` is :func:`packtools.pipeline.fast_tokenize.engine_key` of the requested engine (the
-    engine and its version); it and ``on_unencodable`` count only for raw formats."""
-    raw = fmt != "tokenized"
+def stage_key(part: Part, columns: tuple[str, ...], value_types: tuple[str, ...], spec: IdsSpec) -> str:
+    """The cache key of a staged part (32 hex digits): the part (path, size, mtime, range), its columns and
+    types, and everything that decides its ids (:class:`~packtools.pipeline.spec.IdsSpec`: tokenizer content,
+    engine and versions, code, format, add-EOS, on-unencodable, audit rate)."""
     return cache_key(
         "stage",
         STAGE_FORMAT,
         part=part.fingerprint(),
-        format=fmt,
         columns=list(columns),
         types=list(value_types),
-        tokenizer=tokenizer_fp,
-        add_eos=add_eos if raw else None,
-        engine=engine if raw else None,
-        on_unencodable=on_unencodable if raw else None,
+        ids=spec.key(),
     )[:32]
 
 

@@ -128,20 +128,12 @@ def stage_jobs(
     """One :class:`StageJob` per part, its files named by their cache key in ``folder`` (as ``pack`` names them:
     the key holds the requested tokenizer engine and its version, and ``on_unencodable``); ``engine_proven``:
     the run's verdict (:mod:`packtools.pipeline.verdict`), the engine of every part, whichever process stages it."""
-    from .fast_tokenize import engine_key
+    from .spec import IdsSpec
 
+    spec = IdsSpec.of(tokenizer_fp, fmt, add_eos, tokenizer_engine, on_unencodable, audit_rate)
     jobs = []
     for part in parts:
-        key = stage_key(
-            part,
-            fmt,
-            tuple(columns),
-            tuple(types),
-            tokenizer_fp,
-            add_eos,
-            engine=engine_key(tokenizer_engine),
-            on_unencodable=on_unencodable,
-        )
+        key = stage_key(part, tuple(columns), tuple(types), spec)
         jobs.append(
             StageJob(
                 part,
