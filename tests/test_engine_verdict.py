@@ -198,3 +198,20 @@ def test_a_code_or_library_change_invalidates_staged_parts_and_outputs(tok, tmp_
     monkeypatch.setattr(spec, "library_versions", lambda: (*real[:1], ("tokenizers", "99.0"), *real[2:]))
     upgraded = pack_files(src, tmp_path / "out", 128, tokenizer=tok)
     assert not upgraded.cached and upgraded.manifest["fingerprint"] != edited.manifest["fingerprint"]
+
+
+def test_a_regex_class_difference_is_caught_by_the_adversarial_set(tmp_path):
+    """S4: fastokens' \\s includes U+180E, Oniguruma's does not; with a custom Split regex the built-in
+    adversarial set (which now holds such characters next to words) sends the run to transformers."""
+    from _regex_tokenizer import build
+
+    from packtools.pipeline.tokenize import BatchTokenizer
+
+    path = build(str(tmp_path / "tok"))
+    tok = BatchTokenizer(path, "text")
+    assert tok.report.engine == "transformers" and "adversarial set" in tok.report.reason
+    texts = [("X\u180e the " if i >= 3000 and i % 100 == 0 else "") + CORPUS[i % 5] for i in range(4000)]
+    src = _write(tmp_path / "d.jsonl", texts)
+    res = pack_files(src, tmp_path / "o", 4096, tokenizer=path)
+    ref = pack_files(src, tmp_path / "r", 4096, tokenizer=path, tokenizer_engine="transformers")
+    assert _docs(res.out) == _docs(ref.out)

@@ -116,6 +116,36 @@ def refusal(spec: dict[str, Any]) -> str | None:
     return None
 
 
+#: characters where regex engines' classes disagree (\s, \w, \b, POSIX and script classes): fastokens counts
+#: U+180E as whitespace and Oniguruma does not; spacing and enclosing combining marks (Indic vowel signs) are
+#: word characters for one and not the other; U+00B4 is punctuation in one POSIX class and not in the other
+REGEX_CLASS_CHARS = (
+    "\u180e", "\u200b", "\ufeff", "\u00b4", "\u0085", "\u1680", "\u2007", "\u202f", "\u205f",
+    "\u00ad", "\u061c", "\u093e", "\u0947", "\u0903", "\u09be", "\u09cd", "\u0bbe", "\u0bcd",
+    "\u0e31", "\u20dd", "\u0488", "\u0301", "\uff11", "\u2160",
+)  # fmt: skip
+
+
+def regex_class_texts() -> list[str]:
+    """Each of :data:`REGEX_CLASS_CHARS` next to spaces, letters, digits and a common word (a piece that crosses
+    it merges differently), and ordinary sentences in scripts with combining vowel signs.
+
+    >>> any("X\u180e the" in t for t in regex_class_texts())
+    True
+    """
+    out = []
+    for c in REGEX_CLASS_CHARS:
+        out.append(f"X{c} the a{c}b {c} the quick the{c} quick 1{c} the 2{c}3 {c}{c} x word{c}")
+    out += [
+        "Монгол бичиг ᠮᠣᠩᠭᠣᠯ\u180e ᠪᠢᠴᠢᠭ",
+        "हिन्दी में लिखा गया एक सामान्य वाक्य है।",
+        "বাংলা ভাষায় লেখা একটি সাধারণ বাক্য।",
+        "தமிழில் எழுதப்பட்ட ஒரு சாதாரண வாக்கியம்.",
+        "ภาษาไทยเขียนโดยไม่มีช่องว่าง",
+    ]
+    return out
+
+
 def adversarial_texts(specials: Sequence[str] = (), seed: int = 0) -> list[str]:
     """Texts that break inexact tokenizers: unicode, whitespace runs, digits, special-token strings, empty ones.
 
@@ -161,7 +191,7 @@ def adversarial_texts(specials: Sequence[str] = (), seed: int = 0) -> list[str]:
         "a\u200bb\u200cc\u200dd\u2060e",
         "\U0001d54f\U0001d550 \U00020000\U0002a6d6 \U0010fffd",
     ]
-    out = list(fixed)
+    out = list(fixed) + regex_class_texts()
     # One text longer than any usual configured truncation (a tokenizer.json ``truncation`` block must not apply).
     words = ["alpha", "beta", "gamma", "x7", "déjà", "日本", "🙂", "q", "zz", "\n"]
     long_rng = random.Random(seed + 1)
