@@ -114,3 +114,59 @@ def test_an_orphan_data_file_is_counted_and_evicted(tok, cache, data):
     os.utime(arrow, (old, old))
     assert stage_cache.evict(cache, budget=10**12) == (1, 0)
     assert not os.path.exists(arrow)
+
+
+# -- where the caches live (L1, S3, T3, U5) ----------------------------------------------------------------
+def test_no_home_folder_is_a_clear_error_never_a_folder_named_tilde(tok, data, tmp_path, monkeypatch):
+    from packtools.errors import PackingError
+
+    monkeypatch.delenv(stage_cache.CACHE_ENV, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("PACKTOOLS_CACHE_DIR", raising=False)
+    monkeypatch.setattr(os.path, "expanduser", lambda p: p)  # HOME unset, no passwd entry
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PackingError, match=r"\$PACKTOOLS_STAGE_CACHE.*\$PACKTOOLS_CACHE_DIR"):
+        profile_files(data, tok)
+    res = pack_files(data, tmp_path / "packed", 128, tokenizer=tok)  # pack needs no cache
+    assert res.stats["rows_in"] == 300
+    assert not os.path.exists(tmp_path / "~")
+
+
+def test_an_unwritable_cache_is_left_out_saying_so(tok, data, cache, monkeypatch):
+    """T3/U5: a read-only or full cache folder: the profile goes on in a temporary folder, with a note."""
+    import errno
+
+    def refuse(folder):
+        raise OSError(errno.EROFS, "Read-only file system", folder)
+
+    monkeypatch.setattr(stage_cache, "prepare", refuse)
+    res = profile_files(data, tok)
+    assert res.profile.count == 300 and not res.stage["kept"]
+    assert any("cannot be written" in n and "PACKTOOLS_STAGE_CACHE" in n for n in res.notes)
+    assert "cannot be written" in res.to_text()
+
+
+def test_a_stage_cache_inside_the_input_folder_is_not_read_as_input(tok, tmp_path, monkeypatch):
+    """S3: the cache's staged files are tokenized Arrow files; its CACHEDIR.TAG keeps them out of the input."""
+    folder = tmp_path / "tdata"
+    folder.mkdir()
+    with open(folder / "a.jsonl", "w") as fh:
+        fh.writelines(json.dumps({"input_ids": [i, i + 1, i + 2]}) + "\n" for i in range(100))
+    monkeypatch.setenv(stage_cache.CACHE_ENV, str(folder / "cache"))
+    profile_files(str(folder), tok)
+    assert os.path.exists(folder / "cache" / "CACHEDIR.TAG")
+    res = pack_files(str(folder), tmp_path / "out", 64)
+    assert res.stats["rows_in"] == 100
+    assert any("cache folder" in n for n in res.notes)
+
+
+def test_a_sidecar_is_flushed_to_disk_before_the_rename_that_trusts_it(tmp_path, monkeypatch):
+    """F7: a machine crash must not leave a renamed sidecar whose data never reached the disk."""
+    from packtools.pipeline import stage
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append("replace"), real_replace(a, b))[1])
+    stage._save_sidecar(str(tmp_path / "s.npz"), np.zeros(1, np.int64), np.zeros(0, np.int64), "x")
+    assert events[:2] == ["fsync", "replace"] and events[-1] == "fsync"  # the file, the rename, the folder

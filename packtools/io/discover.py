@@ -109,7 +109,8 @@ def find_inputs(inputs: Sequence[str | os.PathLike[str]]) -> tuple[list[InputFil
     the run; symlinked sub-folders are followed (a folder reached twice, e.g. through a loop, is read once and
     the repeat listed); a file reached twice (named twice, a file and its folder, or through a symlink: the
     same real path) is read once and the repeat listed; a ``save_to_disk`` folder inside an input folder stops
-    the run (pass one split).
+    the run (pass one split); a cache folder (one holding ``CACHEDIR.TAG``, as packtools' stage cache does) is
+    skipped and listed, or refused when named as the input.
     """
     files: list[InputFile] = []
     skipped: list[Skipped] = []
@@ -127,6 +128,11 @@ def find_inputs(inputs: Sequence[str | os.PathLike[str]]) -> tuple[list[InputFil
             raise PackingError(
                 f"input {path!r} is a saved DatasetDict with splits {splits}; pass one split folder, "
                 f"e.g. {os.path.join(path, splits[0] if splits else 'train')!r}."
+            )
+        elif os.path.exists(os.path.join(path, CACHEDIR_TAG)):
+            raise PackingError(
+                f"input {path!r} is a cache folder ({CACHEDIR_TAG}, e.g. packtools' stage cache), not data; "
+                f"pass the data files or their folder."
             )
         else:
             found = _walk(path, skipped)
@@ -175,6 +181,11 @@ def _refuse_compressed(path: str) -> None:
         )
 
 
+#: the Cache Directory Tagging Specification's file: a folder holding it (the stage cache writes one) is a cache,
+#: never read as input
+CACHEDIR_TAG = "CACHEDIR.TAG"
+
+
 def _walk(top: str, skipped: list[Skipped]) -> list[InputFile]:
     found: list[InputFile] = []
     visited = {os.path.realpath(top)}
@@ -187,6 +198,8 @@ def _walk(top: str, skipped: list[Skipped]) -> list[InputFile]:
                 skipped.append(Skipped(full, "hidden folder"))
             elif real in visited:
                 skipped.append(Skipped(full, f"a symlink to a folder already read ({real!r})"))
+            elif os.path.exists(os.path.join(full, CACHEDIR_TAG)):
+                skipped.append(Skipped(full, f"a cache folder ({CACHEDIR_TAG}), e.g. packtools' stage cache"))
             elif os.path.exists(os.path.join(full, "state.json")) or os.path.exists(
                 os.path.join(full, "dataset_dict.json")
             ):

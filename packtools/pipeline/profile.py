@@ -22,12 +22,13 @@ Tokenized input (``input_ids`` ...) needs no stage: its lengths are read from th
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -66,6 +67,8 @@ class ProfiledInput:
                 f"(cache: {s['cache_bytes'] / 1e9:.2f} GB of {s['budget_bytes'] / 1e9:g} GB, "
                 f"${'PACKTOOLS_STAGE_CACHE_MAX_GB'}; {s['evicted']} old entr(ies) evicted)"
             )
+        elif self.notes:
+            lines += [f"  {n}" for n in self.notes]
         else:
             lines.append("  (--no-stage-cache: the staged parts were removed; a pack tokenizes again)")
         return "\n".join(lines)
@@ -85,11 +88,16 @@ def _pair_lengths(paths: Sequence[str]) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
+def _no_cache_note(folder: str, exc: OSError) -> str:
+    return (
+        f"stage cache {folder!r} cannot be written ({exc.strerror or exc}): staged into a temporary folder "
+        f"instead, not kept for `packtools pack` (set $PACKTOOLS_STAGE_CACHE to a folder you can write)"
+    )
+
+
 def _stage(ex: Any, jobs: list, verdict: dict[str, Any] | None, quiet: bool) -> list[dict[str, Any]]:
     """Stage ``jobs`` under the driver's ``verdict``: entries another engine tokenized are staged again, and
     an audit difference restages the fast engine's entries with transformers (``auto``; ``fast`` stops)."""
-    from dataclasses import replace
-
     from .engine_proof import EngineDivergence
     from .jobs import run_jobs
     from .stage import freeze_report
@@ -135,7 +143,7 @@ def profile_files(
     from .config import PipelineConfig
     from .executors import get_executor
     from .schema import data_format, token_schema
-    from .stage_cache import CacheLock, cache_dir, evict, max_bytes, stage_jobs
+    from .stage_cache import CacheLock, cache_dir, evict, max_bytes, prepare, stage_jobs
 
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
@@ -184,14 +192,14 @@ def profile_files(
         if keep
         else tempfile.mkdtemp(prefix="packtools-stage-")
     )
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as exc:
-        raise PackingError(
-            f"stage cache {folder!r}: cannot create it ({exc.strerror}); set $PACKTOOLS_STAGE_CACHE to a folder "
-            f"you can write, or pass --no-stage-cache.",
-            param="stage_cache",
-        ) from None
+    notes: list[str] = []
+    if keep:
+        try:
+            prepare(folder)
+            CacheLock(folder).shared().release()
+        except OSError as exc:  # read-only, full, not ours: the run goes on without the cache, saying so
+            notes.append(_no_cache_note(folder, exc))
+            keep, folder = False, tempfile.mkdtemp(prefix="packtools-stage-")
     parts = [p for f in files for p in split_file(f, part_rows, part_bytes)]
     verdict = None
     if fmt != "tokenized":  # the driver decides the engine once, as pack does (packtools.pipeline.verdict)
@@ -215,7 +223,19 @@ def profile_files(
     ex = get_executor(executor, workers, None)
     t0 = time.perf_counter()
     try:
-        with CacheLock(folder):  # no eviction under a running stage
+        try:
+            with CacheLock(folder):  # no eviction under a running stage
+                staged = _stage(ex, jobs, verdict, quiet)
+        except OSError as exc:
+            if not keep or exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+                raise
+            notes.append(_no_cache_note(folder, exc))  # the cache filled up: stage aside, not kept
+            keep, folder = False, tempfile.mkdtemp(prefix="packtools-stage-")
+            jobs = [
+                replace(j, staged=os.path.join(folder, os.path.basename(j.staged)),
+                        sidecar=os.path.join(folder, os.path.basename(j.sidecar)))
+                for j in jobs
+            ]  # fmt: skip
             staged = _stage(ex, jobs, verdict, quiet)
         stage_s = time.perf_counter() - t0
         if fmt == "preference":
@@ -242,4 +262,4 @@ def profile_files(
         base = os.path.basename(files[0].path) if len(files) == 1 else f"{len(files)} files"
         what = "pairs as packed: 2 x prompt + chosen + rejected" if fmt == "preference" else "tokenized"
         name = f"{base} ({fmt}, {what})"
-    return ProfiledInput(LengthProfile(lengths, name), fmt, info)
+    return ProfiledInput(LengthProfile(lengths, name), fmt, info, notes)

@@ -37,11 +37,16 @@ VERDICT_FORMAT = 1
 
 
 def cache_dir() -> str | None:
-    """Where verdicts are kept (None: the shortcut is off)."""
+    """Where verdicts are kept (None: the shortcut is off: ``$PACKTOOLS_CACHE_DIR=''``, or no home folder)."""
     env = os.environ.get("PACKTOOLS_CACHE_DIR")
     if env is not None:
         return env or None
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        home = os.path.expanduser("~")
+        if home == "~" or not os.path.isabs(home):  # no home folder: no cache (never a folder named "~")
+            return None
+        base = os.path.join(home, ".cache")
     return os.path.join(base, "packtools")
 
 

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._atomic import atomic_path
 from ..errors import PackingError
 from ..io.files import Part
 from .stage import StageJob, _save_sidecar, damage, load_sidecar, sidecar_checksum, sidecar_report, stage_key
@@ -56,8 +57,37 @@ def cache_dir(explicit: str | os.PathLike[str] | None = None) -> str:
     env = os.environ.get(CACHE_ENV)
     if env:
         return os.path.abspath(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(home_folder(), ".cache")
     return os.path.join(base, "packtools", "stage")
+
+
+def home_folder() -> str:
+    """The user's home folder, or a clear error where it cannot be found (``HOME`` unset and no passwd entry,
+    as in containers run under an arbitrary uid): ``os.path.expanduser`` would return ``~`` itself, a folder
+    named ``~`` in the current folder."""
+    home = os.path.expanduser("~")
+    if home == "~" or not os.path.isabs(home):
+        raise PackingError(
+            f"cannot find the home folder for packtools' caches (HOME is unset and this user has no passwd "
+            f"entry): set ${CACHE_ENV} (the stage cache) and $PACKTOOLS_CACHE_DIR (tokenizer verdicts) to "
+            f"folders you can write, or HOME.",
+            param="stage_cache",
+        )
+    return home
+
+
+#: written into the cache folder: tools that honour the Cache Directory Tagging Specification (backups, and
+#: packtools' own input discovery) leave it out
+TAG = "Signature: 8a477f597d28d172789f06886806bc55\n# packtools stage cache: staged parts; safe to delete\n"
+
+
+def prepare(folder: str) -> None:
+    """Create the cache folder with its ``CACHEDIR.TAG`` (raises OSError where it cannot be written)."""
+    os.makedirs(folder, exist_ok=True)
+    tag = os.path.join(folder, "CACHEDIR.TAG")
+    if not os.path.exists(tag):
+        with atomic_path(tag) as tmp, open(tmp, "w", encoding="ascii") as fh:
+            fh.write(TAG)
 
 
 def max_bytes() -> int:
