@@ -410,3 +410,17 @@ def test_a_part_takes_the_drivers_verdict_and_an_audited_difference_is_raised_no
     assert "zebra" in pickle.loads(pickle.dumps(err.value)).what  # it reaches the driver from a pool worker
     tok.start_part("p3")  # no verdict (a BatchTokenizer used directly): the part proves on its first rows
     assert tok(with_zebra).equals(ref(with_zebra)) and tok.fast is None
+
+
+def test_profile_then_pack_keeps_the_characters_left_out(tok_noalpha, tmp_path, monkeypatch):
+    """S1: a part adopted from the stage cache keeps its engine report, the characters left out included."""
+    from packtools.pipeline.profile import profile_files
+
+    monkeypatch.setenv("PACKTOOLS_STAGE_CACHE", str(tmp_path / "cache"))
+    src = _jsonl(tmp_path / "tabs.jsonl", [{"text": f"hello\tworld {i}"} for i in range(50)])
+    alone = pack_files(src, tmp_path / "alone", 64, tokenizer=tok_noalpha)
+    assert alone.stats["tokenizer"]["unencodable"]["count"] >= 50  # a tab a row, at least
+    profile_files(src, tok_noalpha)
+    after = pack_files(src, tmp_path / "after", 64, tokenizer=tok_noalpha)
+    assert after.timings["parts_from_stage_cache"] == 1
+    assert after.stats["tokenizer"] == alone.stats["tokenizer"]
