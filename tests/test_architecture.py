@@ -221,9 +221,13 @@ def test_the_check_catches_an_import_cycle(monkeypatch):
 
 # -- small modules -------------------------------------------------------------------------------------
 MAX_LINES = 400
-# Modules allowed over the limit (none now); an entry at or under the limit fails
+# Modules allowed over the limit; an entry at or under the limit fails
 # test_the_long_module_allow_list_is_current.
-LONG_MODULES_ALLOWED: set[str] = set()
+LONG_MODULES_ALLOWED: set[str] = {
+    # BatchTokenizer is one object that owns its engine state (issue 29: the engine state had been spread over
+    # free functions in other modules); splitting it again would split that concept
+    "pipeline/tokenize.py",
+}
 
 
 def module_lines() -> dict[str, int]:

@@ -11,8 +11,7 @@ from hypothesis import strategies as st
 from jinja2 import TemplateError
 
 from packtools.errors import PackingError
-from packtools.pipeline import chat_labels
-from packtools.pipeline import fast_tokenize as fast_engine
+from packtools.pipeline import adversarial, chat_labels
 from packtools.pipeline.chat_local import local_shape
 from packtools.pipeline.chat_render import ChatRenderer
 
@@ -43,7 +42,7 @@ def _prefix_rendered(plain: str) -> ChatRenderer:
 @functools.cache
 def _one_render(plain: str) -> ChatRenderer:
     r = ChatRenderer(plain, SPECIALS)
-    convs = fast_engine.adversarial_conversations(fast_engine.adversarial_texts(list(SPECIALS.values())))
+    convs = adversarial.adversarial_conversations(adversarial.adversarial_texts(list(SPECIALS.values())))
     why = r.enable_local(
         convs,
         lambda c: (lambda t, s: (t[0], s[0]))(

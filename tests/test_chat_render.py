@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from packtools.errors import PackingError
-from packtools.pipeline import chat, fast_tokenize  # noqa: E402
+from packtools.pipeline import adversarial, chat, fast_tokenize  # noqa: E402
 from packtools.pipeline.chat_render import ChatRenderer, read_settings  # noqa: E402
 from packtools.pipeline.tokenize import BatchTokenizer  # noqa: E402
 
@@ -56,8 +56,8 @@ def tokdir(tmp_path_factory):
 
 
 def conversations():
-    texts = fast_tokenize.adversarial_texts(["<s>", "</s>", "<|im_start|>"])
-    convs = fast_tokenize.adversarial_conversations(texts)
+    texts = adversarial.adversarial_texts(["<s>", "</s>", "<|im_start|>"])
+    convs = adversarial.adversarial_conversations(texts)
     convs.append(
         [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": " r "}]
     )

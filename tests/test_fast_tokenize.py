@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from packtools.errors import PackingError
 from packtools.pipeline import fast_tokenize
-from packtools.pipeline.fast_tokenize import adversarial_conversations, adversarial_texts
+from packtools.pipeline.adversarial import adversarial_conversations, adversarial_texts
 from packtools.pipeline.prefetch import prefetch
 from packtools.pipeline.tokenize import BatchTokenizer
 

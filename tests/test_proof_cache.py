@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 from _pipeline_data import CORPUS, build_tokenizer, load
 
-from packtools.pipeline import fast_tokenize, proof_cache
+from packtools.pipeline import adversarial, fast_tokenize, proof_cache
 from packtools.pipeline.tokenize import BatchTokenizer
 
 pytestmark = pytest.mark.skipif(fast_tokenize.engine_version() is None, reason="needs packtools[fast]")
@@ -84,7 +84,7 @@ def test_a_recorded_verdict_skips_the_fixed_set_only_for_the_same_tokenizer(
 
 
 def test_chat_and_text_verdicts_are_apart_and_the_cache_can_be_off(tmp_path, monkeypatch):
-    texts = fast_tokenize.adversarial_texts(["<|x|>"])
+    texts = adversarial.adversarial_texts(["<|x|>"])
     monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
     text = proof_cache.verdict_path("0" * 64, "text", "transformers", texts)
     assert text != proof_cache.verdict_path("0" * 64, "messages", "transformers", texts)

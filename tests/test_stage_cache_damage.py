@@ -162,11 +162,11 @@ def test_a_stage_cache_inside_the_input_folder_is_not_read_as_input(tok, tmp_pat
 
 def test_a_sidecar_is_flushed_to_disk_before_the_rename_that_trusts_it(tmp_path, monkeypatch):
     """F7: a machine crash must not leave a renamed sidecar whose data never reached the disk."""
-    from packtools.pipeline import stage
+    from packtools.pipeline import staged
 
     events = []
     real_fsync, real_replace = os.fsync, os.replace
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync"), real_fsync(fd))[1])
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append("replace"), real_replace(a, b))[1])
-    stage._save_sidecar(str(tmp_path / "s.npz"), np.zeros(1, np.int64), np.zeros(0, np.int64), "x")
+    staged.save_sidecar(str(tmp_path / "s.npz"), np.zeros(1, np.int64), np.zeros(0, np.int64), "x")
     assert events[:2] == ["fsync", "replace"] and events[-1] == "fsync"  # the file, the rename, the folder

@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerFast
 from packtools import PackingError, pack_files, unpack
 from packtools.constants import MANIFEST
 from packtools.io.files import Part, discover
-from packtools.pipeline import fast_tokenize
+from packtools.pipeline import adversarial, fast_tokenize
 from packtools.pipeline.char_drops import DropCounter, missing_bytes
 from packtools.pipeline.engine_proof import Proof
 from packtools.pipeline.spec import IdsSpec
@@ -102,7 +102,7 @@ def test_a_truncation_block_does_not_truncate(tok_trunc, tmp_path):
 
 
 def test_the_adversarial_set_has_a_text_longer_than_8k_tokens(tok_bl):
-    texts = fast_tokenize.adversarial_texts([EOS])
+    texts = adversarial.adversarial_texts([EOS])
     lengths = [
         len(ids) for ids in BatchTokenizer(tok_bl, "text", engine="transformers").reference_ids(texts, False)
     ]
@@ -189,7 +189,7 @@ def test_a_template_that_refuses_some_adversarial_conversations_keeps_the_fast_p
     assert (
         0
         < tok.report.checked["adversarial_conversations"]
-        < len(fast_tokenize.adversarial_conversations(fast_tokenize.adversarial_texts([EOS])))
+        < len(adversarial.adversarial_conversations(adversarial.adversarial_texts([EOS])))
     )
     ok = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     out = tok(pa.table({"messages": [ok]}))
@@ -319,7 +319,7 @@ def test_the_lite_reference_is_used_only_after_a_recorded_check(tok_bl, tmp_path
     from packtools.pipeline.tokenizer_dir import tokenizer_fingerprint
 
     monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
-    table = pa.table({"text": fast_tokenize.adversarial_texts([EOS]) + CORPUS[:5]})
+    table = pa.table({"text": adversarial.adversarial_texts([EOS]) + CORPUS[:5]})
     first = BatchTokenizer(tok_bl, "text")
     assert first._tok is not None and first.reference_engine == "transformers"  # no verdict yet: transformers
     second = BatchTokenizer(tok_bl, "text")

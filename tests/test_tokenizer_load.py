@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from _pipeline_data import CORPUS, build_tokenizer, hold_fast_engine_load
 
-from packtools.pipeline import fast_tokenize, proof_cache, tokenizer_load
+from packtools.pipeline import adversarial, fast_tokenize, proof_cache, tokenizer_load
 from packtools.pipeline.tokenize import BatchTokenizer
 from packtools.pipeline.tokenizer_dir import tokenizer_fingerprint
 
@@ -77,7 +77,7 @@ def test_the_compact_copy_gives_the_same_ids_and_is_keyed_by_its_source(tok, tmp
     with open(compact, encoding="utf-8") as fh:
         merges = json.load(fh)["model"]["merges"]
     assert merges and all(isinstance(m, str) and m.count(" ") == 1 for m in merges)
-    texts = fast_tokenize.adversarial_texts(["<|endoftext|>"]) + CORPUS
+    texts = adversarial.adversarial_texts(["<|endoftext|>"]) + CORPUS
     original = fastokens.Tokenizer.from_file(os.path.join(tok, "tokenizer.json"))
     copy = fastokens.Tokenizer.from_file(compact)
     for special in (True, False):

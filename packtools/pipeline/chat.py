@@ -31,7 +31,7 @@ import pyarrow as pa
 from ..core import ragged
 from ..core.ragged import Ragged
 from ..errors import PackingError
-from . import chat_labels, engine_proof, proof_cache
+from . import adversarial, chat_labels, engine_proof, proof_cache
 from . import fast_tokenize as fast_engine
 from .chat_render import ChatRenderer, read_settings
 from .formats import Row
@@ -149,8 +149,8 @@ class ChatTokens:
             mine = ChatRenderer(template, specials)
         except Exception as exc:  # noqa: BLE001 - jinja2 missing or a template it does not compile
             return self._transformers(f"jinja2 cannot compile it here: {type(exc).__name__}: {exc}")
-        texts = fast_engine.adversarial_texts(list(specials.values()))
-        convs = fast_engine.adversarial_conversations(texts)
+        texts = adversarial.adversarial_texts(list(specials.values()))
+        convs = adversarial.adversarial_conversations(texts)
         reference = f"transformers {_version('transformers')}; jinja2 {_version('jinja2')}"
         path = proof_cache.verdict_path(bt.fingerprint, "chat-render", reference, [template, *texts])
         checked = proof_cache.load(path)

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import PackingError
+from . import adversarial, proof_cache, tokenizer_load
 from . import fast_tokenize as fast_engine
-from . import proof_cache, tokenizer_load
 from .char_drops import describe_bytes
 from .formats import at
 
@@ -163,7 +163,7 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> fast_engine.EngineRepo
             requested,
         )
     load = getattr(bt, "_fast_load", None)
-    texts = fast_engine.adversarial_texts(facts.specials)
+    texts = adversarial.adversarial_texts(facts.specials)
     # a passing verdict on this fixed set, recorded by an earlier run for the same tokenizer, kind, reference,
     # form of the engine's file and versions, is taken as it is (packtools.pipeline.proof_cache); the per-part
     # proof of the data still runs
@@ -216,7 +216,7 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> fast_engine.EngineRepo
             fast.nfc
         ):  # the fast chat path runs on NFC text only (other batches: transformers), so prove it there
             texts = [unicodedata.normalize("NFC", t) for t in texts]
-        convs = fast_engine.adversarial_conversations(texts)
+        convs = adversarial.adversarial_conversations(texts)
         bt.fast = fast
         try:
             convs = bt.chat.renderable(convs)  # those the template refuses fail on either path

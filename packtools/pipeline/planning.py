@@ -196,7 +196,7 @@ def row_plan(
     sidecars: Sequence[tuple[np.ndarray, np.ndarray]], columns: Sequence[str], config: PipelineConfig
 ) -> RowPlan:
     """The :class:`RowPlan` of the parts whose sidecars (row lengths, first label position;
-    :func:`packtools.pipeline.stage.load_sidecar`) are ``sidecars``."""
+    :func:`packtools.pipeline.staged.load_sidecar`) are ``sidecars``."""
     bounds = np.cumsum([0] + [s[0].shape[0] for s in sidecars]).tolist()
     lengths = np.concatenate([s[0] for s in sidecars]).astype(np.int64)
     eff, counts = apply_overlong(lengths, config.max_length, config.overlong_policy)

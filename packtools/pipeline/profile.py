@@ -38,7 +38,8 @@ from ..errors import PackingError
 from ..io.discover import discover
 from ..io.files import split_file
 from ..profiling.profile import LengthProfile, profile_lengths
-from .stage import load_sidecar, stage_part
+from .stage import stage_part
+from .staged import load_sidecar
 
 
 @dataclass

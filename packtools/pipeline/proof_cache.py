@@ -71,7 +71,12 @@ def verdict_path(
     return os.path.join(root, "engine-proof", key + ".json")
 
 
-_PROOF_MODULES = (
+_PROOF_MODULES = (  # every module that decides ids, labels or a verdict (F6)
+    "adversarial.py",
+    "char_drops.py",
+    "chat_local.py",
+    "feed.py",
+    "reference.py",
     "engine_proof.py",
     "fast_tokenize.py",
     "chat_labels.py",

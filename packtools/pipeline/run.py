@@ -50,8 +50,9 @@ from .jobs import run_jobs
 from .outcheck import check_out, check_replaceable
 from .planning import load_kernels_ahead, plan_parts, row_plan, write_jobs
 from .schema import data_format, known_columns, token_schema
-from .stage import StageJob, freeze_report, load_sidecar, stage_part
+from .stage import StageJob, freeze_report, stage_part
 from .stage_cache import adopt_cached, stage_jobs
+from .staged import load_sidecar
 from .summary import tokenizer_timings
 from .verdict import basis, decide, drop_disagreeing, fall_back, record, recorded
 from .workspace import Workspace, checkpoint, left_behind_notes, tidy_after_dead_run

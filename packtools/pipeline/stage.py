@@ -24,7 +24,6 @@ records the input itself as the data to gather from (``data``).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -34,7 +33,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .._atomic import fsync_dir, fsync_file
+from .._atomic import fsync_file
 from ..constants import IGNORE_INDEX
 from ..core.arrow import check_aligned, is_list_type, read_list_column
 from ..errors import PackingError
@@ -43,6 +42,7 @@ from ..io.fingerprint import cache_key
 from . import feed
 from .prefetch import prefetch
 from .spec import IdsSpec
+from .staged import damage, drop_staged, load_sidecar, save_sidecar, sidecar_report
 
 #: Version of the staged-file layout; part of every cache key.
 STAGE_FORMAT = 3  # 2: the sidecar keeps the tokenizer engine report; 3: and the data's SHA-256
@@ -268,70 +268,6 @@ def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray] | None:
         mapped.close()
 
 
-def _save_sidecar(
-    path: str,
-    lengths: np.ndarray,
-    first: np.ndarray,
-    data: str,
-    report: dict[str, Any] | None = None,
-    data_sha256: str = "",
-) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        np.savez(
-            fh,
-            lengths=lengths,
-            first_label=first,
-            data=np.array(data),
-            tokenizer=np.array(json.dumps(report, sort_keys=True) if report else ""),
-            data_sha256=np.array(data_sha256),
-        )
-        fh.flush()
-        os.fsync(fh.fileno())  # whole on disk before the rename that marks the part done
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def load_sidecar(path: str) -> tuple[np.ndarray, np.ndarray, str]:
-    """``(lengths, first_label, data path)`` of a staged part."""
-    with np.load(path, allow_pickle=False) as z:
-        return z["lengths"], z["first_label"], str(z["data"])
-
-
-def sidecar_report(path: str) -> dict[str, Any] | None:
-    """The tokenizer engine report a staged part was written with (None for tokenized input)."""
-    with np.load(path, allow_pickle=False) as z:
-        text = str(z["tokenizer"]) if "tokenizer" in z.files else ""
-    return json.loads(text) if text else None
-
-
-def sidecar_checksum(path: str) -> str:
-    """The SHA-256 of the staged Arrow file the sidecar was written with ("" for an input gathered as is)."""
-    with np.load(path, allow_pickle=False) as z:
-        return str(z["data_sha256"]) if "data_sha256" in z.files else ""
-
-
-def damage(sidecar: str) -> str | None:
-    """Why the staged part of ``sidecar`` cannot be used (cut, emptied, changed since it was written: its
-    sidecar unreadable, its data missing, or not the bytes whose SHA-256 the sidecar holds), else None.  A zip
-    member's CRC guards the sidecar itself."""
-    from .tokenizer_dir import file_sha256
-
-    try:
-        lengths, _, data = load_sidecar(sidecar)
-        checksum = sidecar_checksum(sidecar)
-        sidecar_report(sidecar)
-    except Exception as exc:  # noqa: BLE001 - a cut or damaged .npz raises many kinds (BadZipFile, EOFError, ...)
-        return f"its sidecar cannot be read ({type(exc).__name__})"
-    if not os.path.exists(data):
-        return "its data file is missing"
-    if checksum and file_sha256(data) != checksum:
-        return "its data file is not the one it was written with (checksum differs)"
-    if not checksum and data.endswith(".arrow") and os.path.getsize(data) == 0 and lengths.size:
-        return "its data file is empty"
-    return None
-
-
 def stage_part(job: StageJob) -> dict[str, Any]:
     """Stage one part (see the module docstring); returns ``{"rows", "reused", "seconds", "data"}``."""
     start = time.perf_counter()
@@ -348,7 +284,7 @@ def stage_part(job: StageJob) -> dict[str, Any]:
             return reused
     mapped = _map_as_is(job)
     if mapped is not None:
-        _save_sidecar(job.sidecar, *mapped, job.part.file.path)
+        save_sidecar(job.sidecar, *mapped, job.part.file.path)
         return {
             "rows": int(mapped[0].shape[0]),
             "reused": False,
@@ -391,7 +327,7 @@ def stage_part(job: StageJob) -> dict[str, Any]:
     report = _tokenizer(job).part_report() if job.fmt != "tokenized" else None
     from .tokenizer_dir import file_sha256
 
-    _save_sidecar(job.sidecar, all_lengths, all_first, job.staged, report, file_sha256(job.staged))
+    save_sidecar(job.sidecar, all_lengths, all_first, job.staged, report, file_sha256(job.staged))
     result = {
         "rows": int(all_lengths.shape[0]),
         "reused": False,
@@ -401,15 +337,6 @@ def stage_part(job: StageJob) -> dict[str, Any]:
     if report is not None:
         result["tokenizer"] = report
     return result
-
-
-def drop_staged(job: StageJob) -> None:
-    """Remove a staged part (the sidecar first: without it the part is not done), so that it is staged again."""
-    for path in (job.sidecar, job.staged):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 def iter_staged(paths: list[str]) -> Iterator[pa.Table]:

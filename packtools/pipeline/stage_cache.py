@@ -42,7 +42,8 @@ from typing import Any
 from .._atomic import atomic_path
 from ..errors import PackingError
 from ..io.files import Part
-from .stage import StageJob, _save_sidecar, damage, load_sidecar, sidecar_checksum, sidecar_report, stage_key
+from .stage import StageJob, stage_key
+from .staged import damage, load_sidecar, save_sidecar, sidecar_checksum, sidecar_report
 
 CACHE_ENV, MAX_GB_ENV = "PACKTOOLS_STAGE_CACHE", "PACKTOOLS_STAGE_CACHE_MAX_GB"
 DEFAULT_MAX_GB = 20.0
@@ -193,7 +194,7 @@ def _entry(folder: str, job: StageJob) -> tuple[str, str]:
 def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> tuple[set[str], list[str]]:
     """For each job not yet staged, take a finished entry of the stage cache (hard link, or in place), with its
     tokenizer engine report; returns the sidecars of the parts that came from the cache, and notes.  An entry
-    whose content is not what it was written with (:func:`packtools.pipeline.stage.damage`: a cut or empty
+    whose content is not what it was written with (:func:`packtools.pipeline.staged.damage`: a cut or empty
     file, a flipped bit) is removed from the cache and the part staged again, with a note.  A missing or
     unreadable cache is no error: the parts are staged."""
     adopted: set[str] = set()
@@ -241,7 +242,7 @@ def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> tuple[s
                 if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
                     raise
             # the entry's engine report comes with it (the characters it left out, the rows it compared)
-            _save_sidecar(
+            save_sidecar(
                 job.sidecar, lengths, first, target, sidecar_report(sidecar), sidecar_checksum(sidecar)
             )
             now = time.time()

@@ -24,7 +24,7 @@ from ..constants import IGNORE_INDEX
 from ..core import ragged
 from ..core.ragged import Ragged
 from ..errors import PackingError
-from . import chat, engine_proof, reference, tokenizer_load
+from . import adversarial, chat, engine_proof, reference, tokenizer_load
 from . import fast_tokenize as fast_engine
 from .char_drops import DropCounter, check_on_unencodable
 from .engine_proof import Proof
@@ -124,7 +124,7 @@ class BatchTokenizer:
             else None
         )
         if lite is None and facts is not None and not self.added_outside:
-            reference.record(tokenizer_dir, fp, self.tok, fast_engine.adversarial_texts(facts.specials))
+            reference.record(tokenizer_dir, fp, self.tok, adversarial.adversarial_texts(facts.specials))
         self.chat = chat.ChatTokens(self, requested)  # the chat formats (renderer chosen on first use)
         loaded = time.perf_counter()
         self.pending, self.wait_for_engine = (

@@ -121,7 +121,7 @@ def recorded(folder: str, rests_on: dict[str, Any]) -> dict[str, Any] | None:
 def drop_disagreeing(jobs: Sequence[Any], verdict: dict[str, Any]) -> int:
     """Remove the staged parts of ``jobs`` that a transformers ``verdict`` cannot keep (tokenized by another
     engine, or with no readable report), so they are staged again; returns how many."""
-    from .stage import drop_staged, sidecar_report
+    from .staged import drop_staged, sidecar_report
 
     if verdict["engine"] != "transformers":
         return 0

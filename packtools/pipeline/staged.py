@@ -1,0 +1,93 @@
+"""A staged part on disk: its sidecar and the checks that make it trusted.
+
+A part staged by :mod:`packtools.pipeline.stage` is an Arrow file plus a sidecar ``.npz`` with each row's length,
+the position of its first label token, the path of the data to gather from, the tokenizer engine report it was
+tokenized with, and the SHA-256 of that data file.  The sidecar is written last and flushed to disk before its
+rename, so its presence means the part is done; :func:`damage` checks a part's content against it before a
+rerun or the stage cache trusts it, and :func:`drop_staged` removes a part so it is staged again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from .._atomic import fsync_dir
+
+
+def save_sidecar(
+    path: str,
+    lengths: np.ndarray,
+    first: np.ndarray,
+    data: str,
+    report: dict[str, Any] | None = None,
+    data_sha256: str = "",
+) -> None:
+    """Write a part's sidecar (written last: its presence means the part is done), flushed to disk before the
+    rename and the folder after it, so that a machine crash leaves no sidecar whose data never landed."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        np.savez(
+            fh,
+            lengths=lengths,
+            first_label=first,
+            data=np.array(data),
+            tokenizer=np.array(json.dumps(report, sort_keys=True) if report else ""),
+            data_sha256=np.array(data_sha256),
+        )
+        fh.flush()
+        os.fsync(fh.fileno())  # whole on disk before the rename that marks the part done
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def load_sidecar(path: str) -> tuple[np.ndarray, np.ndarray, str]:
+    """``(lengths, first_label, data path)`` of a staged part."""
+    with np.load(path, allow_pickle=False) as z:
+        return z["lengths"], z["first_label"], str(z["data"])
+
+
+def sidecar_report(path: str) -> dict[str, Any] | None:
+    """The tokenizer engine report a staged part was written with (None for tokenized input)."""
+    with np.load(path, allow_pickle=False) as z:
+        text = str(z["tokenizer"]) if "tokenizer" in z.files else ""
+    return json.loads(text) if text else None
+
+
+def sidecar_checksum(path: str) -> str:
+    """The SHA-256 of the staged Arrow file the sidecar was written with ("" for an input gathered as is)."""
+    with np.load(path, allow_pickle=False) as z:
+        return str(z["data_sha256"]) if "data_sha256" in z.files else ""
+
+
+def damage(sidecar: str) -> str | None:
+    """Why the staged part of ``sidecar`` cannot be used (cut, emptied, changed since it was written: its
+    sidecar unreadable, its data missing, or not the bytes whose SHA-256 the sidecar holds), else None.  A zip
+    member's CRC guards the sidecar itself."""
+    from .tokenizer_dir import file_sha256
+
+    try:
+        lengths, _, data = load_sidecar(sidecar)
+        checksum = sidecar_checksum(sidecar)
+        sidecar_report(sidecar)
+    except Exception as exc:  # noqa: BLE001 - a cut or damaged .npz raises many kinds (BadZipFile, EOFError, ...)
+        return f"its sidecar cannot be read ({type(exc).__name__})"
+    if not os.path.exists(data):
+        return "its data file is missing"
+    if checksum and file_sha256(data) != checksum:
+        return "its data file is not the one it was written with (checksum differs)"
+    if not checksum and data.endswith(".arrow") and os.path.getsize(data) == 0 and lengths.size:
+        return "its data file is empty"
+    return None
+
+
+def drop_staged(job: Any) -> None:
+    """Remove a staged part (the sidecar first: without it the part is not done), so that it is staged again."""
+    for path in (job.sidecar, job.staged):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
