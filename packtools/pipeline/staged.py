@@ -5,6 +5,16 @@ the position of its first label token, the path of the data to gather from, the 
 tokenized with, and the SHA-256 of that data file.  The sidecar is written last and flushed to disk before its
 rename, so its presence means the part is done; :func:`damage` checks a part's content against it before a
 rerun or the stage cache trusts it, and :func:`drop_staged` removes a part so it is staged again.
+
+>>> import hashlib, os, tempfile, numpy as np
+>>> d = tempfile.mkdtemp(); data = os.path.join(d, "p.arrow"); side = os.path.join(d, "p.npz")
+>>> _ = open(data, "wb").write(b"tokens")
+>>> save_sidecar(side, np.array([3, 2]), np.zeros(0, np.int64), data, None, hashlib.sha256(b"tokens").hexdigest())
+>>> load_sidecar(side)[0].tolist(), damage(side)
+([3, 2], None)
+>>> _ = open(data, "wb").write(b"tokenz")
+>>> damage(side)
+'its data file is not the one it was written with (checksum differs)'
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@
    never reused (:func:`drop_disagreeing`).
 
 >>> v = {"engine": "fastokens 0.3.5", "requested": "auto", "reason": "ok", "checked": {}}
->>> fall_back(v, "line 9: ...")["engine"], fall_back(v, "line 9: ...")["reason"][:50]
+>>> fall_back(v, "line 9: ...")["engine"], fall_back(v, "line 9: ...")["reason"][:52]
 ('transformers', 'fallback: the fast engine differed from transformers')
 """
 
