@@ -256,7 +256,7 @@ def _verdict(
         return None, None
     from .stage import preload_tokenizer
 
-    rests_on = basis(config.tokenizer, found.fmt, config.tokenizer_engine)
+    rests_on = basis(config.tokenizer, found.fmt, config.tokenizer_engine, parts)
     verdict = recorded(ws.stage, rests_on)
     if verdict is None:
         tok = preload_tokenizer(  # the driver's tokenizer (_inputs loaded it)

@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .._atomic import fsync_file
 from ..constants import IGNORE_INDEX
 from ..core.arrow import check_aligned, is_list_type, read_list_column
 from ..errors import PackingError
@@ -315,7 +314,8 @@ def stage_part(job: StageJob) -> dict[str, Any]:
                     pending, pending_rows, pending_bytes = [], 0, 0
             if pending:
                 writer.write_table(pa.concat_tables(pending).combine_chunks())
-        fsync_file(tmp)
+        # not flushed here: its SHA-256 goes into the sidecar (which is flushed), and a rerun or the stage cache
+        # checks it before trusting the file (packtools.pipeline.staged.damage), so a crash's cut file is staged again
         os.replace(tmp, job.staged)
     except BaseException:
         if os.path.exists(tmp):

@@ -39,9 +39,12 @@ from ..io.files import Part, iter_part
 VERDICT_FILE = "engine-verdict.json"
 
 
-def basis(tokenizer_dir: str, fmt: str, requested: str) -> dict[str, Any]:
-    """What a verdict rests on: the content of every tokenizer file, the format and the requested engine with
-    the installed engine's version (:func:`packtools.pipeline.fast_tokenize.engine_key`)."""
+def basis(
+    tokenizer_dir: str, fmt: str, requested: str, parts: Sequence[Part] = ()
+) -> dict[str, Any]:
+    """What a verdict rests on: the content of every tokenizer file, the format, the requested engine with
+    the installed engine's version (:func:`packtools.pipeline.fast_tokenize.engine_key`) and the ``parts`` whose
+    first rows it was proven on (path, size, mtime, range)."""
     from .fast_tokenize import engine_key
     from .tokenizer_dir import tokenizer_file_hashes
 
@@ -49,6 +52,7 @@ def basis(tokenizer_dir: str, fmt: str, requested: str) -> dict[str, Any]:
         "tokenizer_files": tokenizer_file_hashes(tokenizer_dir),
         "format": fmt,
         "engine": engine_key(requested),
+        "parts": [p.fingerprint() for p in parts],
     }
 
 
