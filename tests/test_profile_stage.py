@@ -14,11 +14,12 @@ import pyarrow.parquet as pq
 import pytest
 from _pipeline_data import CORPUS, build_tokenizer  # noqa: E402
 
-from packtools import LengthProfile, pack_files, profile_lengths
+from packtools import pack_files, profile_lengths
 from packtools.cli.main import main
 from packtools.errors import PackingError
 from packtools.pipeline import stage_cache
 from packtools.pipeline.profile import profile_files
+from packtools.profiling import LengthProfile
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +199,8 @@ def test_default_rule_holds_on_a_long_tail():
 
 def test_python_api_warns_when_tokens_are_dropped():
     datasets = pytest.importorskip("datasets")
-    from packtools import pack_dataset, packed_view, truncate_dataset
+    from packtools import pack_dataset, packed_view
+    from packtools.integrations import truncate_dataset
     from packtools.integrations.drops import TokensDroppedWarning
 
     ds = datasets.Dataset.from_dict({"input_ids": [[1] * 50, [2] * 5, [3] * 3000]})

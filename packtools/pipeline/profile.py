@@ -220,6 +220,7 @@ def profile_files(
         single_threaded=executor != "local",
         tokenizer_engine=tokenizer_engine,
         engine_proven=proven,
+        checksum=keep,  # entries of the stage cache, checked by their SHA-256 when pack adopts them
     )
     ex = get_executor(executor, workers, None)
     t0 = time.perf_counter()

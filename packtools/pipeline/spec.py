@@ -19,6 +19,7 @@ can change the ids has one place to be named, and changes all three:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -29,6 +30,7 @@ from ..io.fingerprint import source_hash
 ID_LIBRARIES = ("transformers", "tokenizers", "jinja2")
 
 
+@functools.cache
 def library_versions() -> tuple[tuple[str, str], ...]:
     out = []
     for name in ID_LIBRARIES:

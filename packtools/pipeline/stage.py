@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from .._atomic import fsync_file
 from ..constants import IGNORE_INDEX
 from ..core.arrow import check_aligned, is_list_type, read_list_column
 from ..errors import PackingError
@@ -77,6 +78,9 @@ class StageJob:
     )
     audit_rate: float = 0.001  # packtools.pipeline.fast_tokenize.AUDIT_RATE
     on_unencodable: str = "report"  # packtools.pipeline.char_drops.ON_UNENCODABLE
+    # the data's SHA-256 in the sidecar (stage-cache entries: checked on adoption); else the data is flushed to
+    # disk before the sidecar is written (a run's own parts: cheaper than hashing them)
+    checksum: bool = False
 
     @property
     def has_labels(self) -> bool:
@@ -314,8 +318,15 @@ def stage_part(job: StageJob) -> dict[str, Any]:
                     pending, pending_rows, pending_bytes = [], 0, 0
             if pending:
                 writer.write_table(pa.concat_tables(pending).combine_chunks())
-        # not flushed here: its SHA-256 goes into the sidecar (which is flushed), and a rerun or the stage cache
-        # checks it before trusting the file (packtools.pipeline.staged.damage), so a crash's cut file is staged again
+        # before the rename a rerun trusts: flushed to disk, or hashed (its SHA-256 goes into the flushed sidecar and
+        # is checked before the part is trusted: packtools.pipeline.staged.damage)
+        if job.checksum:
+            from .tokenizer_dir import file_sha256
+
+            digest = file_sha256(tmp)
+        else:
+            digest = ""
+            fsync_file(tmp)
         os.replace(tmp, job.staged)
     except BaseException:
         if os.path.exists(tmp):
@@ -325,9 +336,8 @@ def stage_part(job: StageJob) -> dict[str, Any]:
     all_first = np.concatenate(firsts) if firsts else np.zeros(0, np.int64)
     # which tokenizer engine ran, and why; rows compared; characters left out (kept with the part for reruns)
     report = _tokenizer(job).part_report() if job.fmt != "tokenized" else None
-    from .tokenizer_dir import file_sha256
-
-    save_sidecar(job.sidecar, all_lengths, all_first, job.staged, report, file_sha256(job.staged))
+    size = os.path.getsize(job.staged)
+    save_sidecar(job.sidecar, all_lengths, all_first, job.staged, report, digest, size)
     result = {
         "rows": int(all_lengths.shape[0]),
         "reused": False,

@@ -155,10 +155,12 @@ def stage_jobs(
     engine_proven: tuple[tuple[str, Any], ...] | None = None,
     audit_rate: float = 0.001,
     on_unencodable: str = "report",
+    checksum: bool = False,
 ) -> list[StageJob]:
     """One :class:`StageJob` per part, its files named by their cache key in ``folder`` (as ``pack`` names them:
     the key holds the requested tokenizer engine and its version, and ``on_unencodable``); ``engine_proven``:
-    the run's verdict (:mod:`packtools.pipeline.verdict`), the engine of every part, whichever process stages it."""
+    the run's verdict (:mod:`packtools.pipeline.verdict`), the engine of every part, whichever process stages it;
+    ``checksum``: each part's sidecar holds its data's SHA-256 (the stage cache's entries, checked on adoption)."""
     from .spec import IdsSpec
 
     spec = IdsSpec.of(tokenizer_fp, fmt, add_eos, tokenizer_engine, on_unencodable, audit_rate)
@@ -181,6 +183,7 @@ def stage_jobs(
                 engine_proven=engine_proven,
                 audit_rate=audit_rate,
                 on_unencodable=on_unencodable,
+                checksum=checksum,
             )
         )
     return jobs
@@ -243,7 +246,7 @@ def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> tuple[s
                     raise
             # the entry's engine report comes with it (the characters it left out, the rows it compared)
             save_sidecar(
-                job.sidecar, lengths, first, target, sidecar_report(sidecar), sidecar_checksum(sidecar)
+                job.sidecar, lengths, first, target, sidecar_report(sidecar), *sidecar_checksum(sidecar)
             )
             now = time.time()
             for path in (arrow, sidecar):

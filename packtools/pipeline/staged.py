@@ -2,14 +2,15 @@
 
 A part staged by :mod:`packtools.pipeline.stage` is an Arrow file plus a sidecar ``.npz`` with each row's length,
 the position of its first label token, the path of the data to gather from, the tokenizer engine report it was
-tokenized with, and the SHA-256 of that data file.  The sidecar is written last and flushed to disk before its
-rename, so its presence means the part is done; :func:`damage` checks a part's content against it before a
+tokenized with, and the size of that data file and, for the stage cache's long-lived entries, its SHA-256 (a
+run's own parts are flushed to disk instead, which costs less than hashing them).  The sidecar is written last
+and flushed to disk before its rename, so its presence means the part is done; :func:`damage` checks a part's content against it before a
 rerun or the stage cache trusts it, and :func:`drop_staged` removes a part so it is staged again.
 
 >>> import hashlib, os, tempfile, numpy as np
 >>> d = tempfile.mkdtemp(); data = os.path.join(d, "p.arrow"); side = os.path.join(d, "p.npz")
 >>> _ = open(data, "wb").write(b"tokens")
->>> save_sidecar(side, np.array([3, 2]), np.zeros(0, np.int64), data, None, hashlib.sha256(b"tokens").hexdigest())
+>>> save_sidecar(side, np.array([3, 2]), np.zeros(0, np.int64), data, None, hashlib.sha256(b"tokens").hexdigest(), 6)
 >>> load_sidecar(side)[0].tolist(), damage(side)
 ([3, 2], None)
 >>> _ = open(data, "wb").write(b"tokenz")
@@ -35,6 +36,7 @@ def save_sidecar(
     data: str,
     report: dict[str, Any] | None = None,
     data_sha256: str = "",
+    data_size: int = -1,
 ) -> None:
     """Write a part's sidecar (written last: its presence means the part is done), flushed to disk before the
     rename and the folder after it, so that a machine crash leaves no sidecar whose data never landed."""
@@ -47,6 +49,7 @@ def save_sidecar(
             data=np.array(data),
             tokenizer=np.array(json.dumps(report, sort_keys=True) if report else ""),
             data_sha256=np.array(data_sha256),
+            data_size=np.array(data_size, np.int64),
         )
         fh.flush()
         os.fsync(fh.fileno())  # whole on disk before the rename that marks the part done
@@ -67,10 +70,13 @@ def sidecar_report(path: str) -> dict[str, Any] | None:
     return json.loads(text) if text else None
 
 
-def sidecar_checksum(path: str) -> str:
-    """The SHA-256 of the staged Arrow file the sidecar was written with ("" for an input gathered as is)."""
+def sidecar_checksum(path: str) -> tuple[str, int]:
+    """The SHA-256 ("" if none was taken) and the size (-1: unknown) of the data file the sidecar was written
+    with."""
     with np.load(path, allow_pickle=False) as z:
-        return str(z["data_sha256"]) if "data_sha256" in z.files else ""
+        digest = str(z["data_sha256"]) if "data_sha256" in z.files else ""
+        size = int(z["data_size"]) if "data_size" in z.files else -1
+    return digest, size
 
 
 def damage(sidecar: str) -> str | None:
@@ -81,16 +87,16 @@ def damage(sidecar: str) -> str | None:
 
     try:
         lengths, _, data = load_sidecar(sidecar)
-        checksum = sidecar_checksum(sidecar)
+        checksum, size = sidecar_checksum(sidecar)
         sidecar_report(sidecar)
     except Exception as exc:  # noqa: BLE001 - a cut or damaged .npz raises many kinds (BadZipFile, EOFError, ...)
         return f"its sidecar cannot be read ({type(exc).__name__})"
     if not os.path.exists(data):
         return "its data file is missing"
+    if size >= 0 and os.path.getsize(data) != size:
+        return "its data file is cut or not the one it was written with (size differs)"
     if checksum and file_sha256(data) != checksum:
         return "its data file is not the one it was written with (checksum differs)"
-    if not checksum and data.endswith(".arrow") and os.path.getsize(data) == 0 and lengths.size:
-        return "its data file is empty"
     return None
 
 

@@ -39,9 +39,7 @@ from ..io.files import Part, iter_part
 VERDICT_FILE = "engine-verdict.json"
 
 
-def basis(
-    tokenizer_dir: str, fmt: str, requested: str, parts: Sequence[Part] = ()
-) -> dict[str, Any]:
+def basis(tokenizer_dir: str, fmt: str, requested: str, parts: Sequence[Part] = ()) -> dict[str, Any]:
     """What a verdict rests on: the content of every tokenizer file, the format, the requested engine with
     the installed engine's version (:func:`packtools.pipeline.fast_tokenize.engine_key`) and the ``parts`` whose
     first rows it was proven on (path, size, mtime, range)."""
