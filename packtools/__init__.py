@@ -7,7 +7,7 @@ Everything else lives in a namespace named for what it is: ``packtools.core``, `
 ``packtools.integrations``, ``packtools.pipeline``, ``packtools.profiling`` and ``packtools.dpo``.
 """
 
-from ._lazy import lazy_exports, moved_to
+from ._lazy import lazy_exports
 from .constants import __version__ as __version__
 from .errors import PackingError
 
@@ -28,37 +28,8 @@ _LAZY = {
     "prepare_dpo_trainer": "packtools.integrations.trl",
 }
 
-# Names that left the front door: they still resolve here, with a DeprecationWarning naming the new home.
-_MOVED = {
-    **{n: moved_to("packtools.core", n) for n in ("STRATEGIES", "truncate_table", "unpack", "warmup")},
-    **{
-        n: moved_to("packtools.batches", n)
-        for n in (
-            "ArrowCollator",
-            "PackedRows",
-            "PackedView",
-            "TokenBudgetBatchSampler",
-            "choose_buckets",
-            "varlen_attention",
-        )
-    },
-    **{
-        n: moved_to("packtools.integrations", n)
-        for n in (
-            "truncate_dataset",
-            "pack_ray_dataset",
-            "packed_sft_config",
-            "use_segmented_sdpa",
-            "check_isolation",
-        )
-    },
-    **{n: moved_to("packtools.dpo", n) for n in ("pack_preference", "PreferenceCollator", "sequence_logps")},
-    "LengthProfile": moved_to("packtools.profiling", "LengthProfile"),
-    "pack_shards": ("packtools.pipeline.shards", None),  # deprecated as a whole: calling it warns
-}
-
-__getattr__, __dir__ = lazy_exports(globals(), _LAZY, _MOVED)
-del lazy_exports, moved_to
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)
+del lazy_exports
 
 __all__ = [
     "PackPlan",

@@ -2,9 +2,7 @@
 
 The front door (``packtools``) and the namespace packages (``packtools.batches``, ``packtools.pipeline``, ...)
 keep ``import packtools`` light: a name that needs torch, transformers or the pipeline is imported only when it
-is first read.  ``dir()`` lists every public name, imported yet or not.  A name that moved to another namespace
-still resolves from its old one for a while, with a ``DeprecationWarning`` naming its new home; it is not
-listed in ``dir()`` or ``__all__``.
+is first read.  ``dir()`` lists every public name, imported yet or not.
 
 >>> ns = {"__name__": "demo"}
 >>> getattr_, dir_ = lazy_exports(ns, {"PackingError": "packtools.errors"})
@@ -17,24 +15,16 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-import warnings
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
 
 def lazy_exports(
-    namespace: dict[str, Any],
-    exports: Mapping[str, str],
-    moved: Mapping[str, tuple[str, str | None]] | None = None,
+    namespace: dict[str, Any], exports: Mapping[str, str]
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """``(__getattr__, __dir__)`` for the module whose globals are ``namespace``.
-
-    ``exports`` maps a public name to the module that defines it.  ``moved`` maps an old name to ``(module it
-    is read from, message)``: reading it warns with the message (which names the new home); ``None`` for an
-    object that warns when it is used.
-    """
-    moved = dict(moved or {})
+    """``(__getattr__, __dir__)`` for the module whose globals are ``namespace``; ``exports`` maps a public name
+    to the module that defines it."""
     name_of = namespace["__name__"]
 
     def __getattr__(name: str) -> Any:
@@ -42,25 +32,12 @@ def lazy_exports(
             value = getattr(importlib.import_module(exports[name]), name)
             namespace[name] = value  # read once; later reads are plain attribute reads
             return value
-        if name in moved:
-            source, message = moved[name]
-            if message is not None:
-                warnings.warn(message, DeprecationWarning, stacklevel=2)
-            return getattr(importlib.import_module(source), name)
         raise AttributeError(f"module {name_of!r} has no attribute {name!r}")
 
     def __dir__() -> list[str]:
         return sorted(set(namespace) | set(exports))
 
     return __getattr__, __dir__
-
-
-def moved_to(home: str, name: str) -> tuple[str, str]:
-    """The ``moved`` entry of a name that now lives in ``home`` (read from there, the message names it)."""
-    return home, (
-        f"packtools.{name} moved to {home}: use `from {home} import {name}` "
-        f"(packtools.{name} will be removed in a later release)"
-    )
 
 
 def lazy_module(name: str) -> ModuleType:

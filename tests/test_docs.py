@@ -24,7 +24,6 @@ WITHOUT_EXAMPLES = {
     "packtools.cli.demo",
     "packtools.cli.pack",
     "packtools.cli.profile",
-    "packtools.cli.shards",
     "packtools.constants",
     "packtools.errors",
     "packtools.pipeline.preference",  # a pipeline step; tests/test_pipeline_tokenize.py runs it end to end

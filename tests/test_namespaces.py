@@ -1,5 +1,5 @@
 """The front door is small, every namespace lists and resolves its names, and the names that left the front
-door still resolve there with a DeprecationWarning naming their new home."""
+door (the never-released 0.1 API) are read from their namespaces only."""
 
 import doctest
 import importlib
@@ -35,7 +35,7 @@ FRONT_DOOR = {
     "profile_files",
     "profile_lengths",
 }
-# name that left the front door -> its new home
+# name that left the front door -> its home
 MOVED = {
     "STRATEGIES": "packtools.core",
     "truncate_table": "packtools.core",
@@ -89,26 +89,17 @@ def test_unknown_name_is_an_attribute_error():
 
 
 @pytest.mark.parametrize("name", sorted(MOVED))
-def test_moved_name_warns_and_is_the_same_object(name):
+def test_names_of_the_unreleased_0_1_api_are_gone_from_the_front_door(name):
+    """The never-released 0.1 API's names at the top level, and pack_shards, were removed (issue 29): each is
+    read from its namespace."""
     home = MOVED[name]
     if home in NEEDS:
         pytest.importorskip(NEEDS[home])
-    with pytest.warns(
-        DeprecationWarning, match=rf"moved to {home}: use `from {home} import {name}`"
-    ) as caught:
-        old = getattr(packtools, name)
-    assert caught[0].filename == __file__  # the warning points at the caller, not at packtools
-    assert old is getattr(importlib.import_module(home), name)
+    with pytest.raises(AttributeError, match=f"no attribute {name!r}"):
+        getattr(packtools, name)
     assert name in importlib.import_module(home).__all__
-
-
-def test_pack_shards_warns_once_when_called_not_when_read():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        func = packtools.pack_shards  # reading it is silent: the call says what to use instead
-    from packtools.pipeline.shards import SHARDS_DEPRECATED, pack_shards
-
-    assert func is pack_shards and "plan='shards'" in SHARDS_DEPRECATED
+    with pytest.raises(AttributeError):
+        packtools.pack_shards  # noqa: B018
 
 
 @pytest.mark.parametrize("name", [*(n for n in NAMESPACES if n != "packtools"), "packtools._lazy"])

@@ -17,7 +17,6 @@ from packtools.core import unpack
 from packtools.errors import PackingError
 from packtools.pipeline.executors import PoolExecutor, get_executor
 from packtools.pipeline.jobs import run_jobs
-from packtools.pipeline.shards import pack_shards
 
 datasets = pytest.importorskip("datasets")
 
@@ -117,11 +116,7 @@ def test_drop_unlabeled_and_plan_shards(mixed, tmp_path):
     assert all(any(v != -100 for v in labels) for labels in seqs.column("labels").to_pylist())
 
     glob = pack_files(paths, tmp_path / "g", MAX_LENGTH, "bfd", part_rows=100)
-    with pytest.warns(DeprecationWarning, match=r"pack_files\(.*plan='shards', part_rows=N\)"):
-        shards = pack_shards(paths, tmp_path / "s", MAX_LENGTH, "bfd", shard_rows=100)
-    # pack_shards is deprecated and is exactly pack_files(plan="shards"): the same folder, byte for byte
-    pack_files(paths, tmp_path / "s2", MAX_LENGTH, "bfd", plan="shards", part_rows=100)
-    assert folder_digest(str(tmp_path / "s")) == folder_digest(str(tmp_path / "s2"))
+    shards = pack_files(paths, tmp_path / "s", MAX_LENGTH, "bfd", plan="shards", part_rows=100)
     assert shards.stats["plan"] == "shards" and shards.stats["tokens_kept"] == glob.stats["tokens_kept"]
     assert shards.stats["rows_out"] >= glob.stats["rows_out"]
     # each part is planned alone: the output is the parts packed one by one, one after the other
@@ -134,16 +129,15 @@ def test_drop_unlabeled_and_plan_shards(mixed, tmp_path):
     assert got.equals(want.cast(got.schema))
 
 
-def test_shard_pack_command_is_the_same_engine(mixed, tmp_path, capsys):
+def test_the_pack_command_with_plan_shards_is_the_same_engine(mixed, tmp_path):
     paths, _ = mixed
     common = ["--max-length", str(MAX_LENGTH), "--quiet"]
-    assert main(["shard-pack", *paths, "--out", str(tmp_path / "a"), "--shard-rows", "100", *common]) == 0
-    err = capsys.readouterr().err
-    assert "deprecated" in err and "packtools pack --plan shards" in err
     argv = ["pack", *paths, "--out", str(tmp_path / "b"), "--plan", "shards", "--part-rows", "100", *common]
     assert main(argv) == 0
+    pack_files(paths, tmp_path / "a", MAX_LENGTH, "bfd", plan="shards", part_rows=100)
     assert folder_digest(str(tmp_path / "a")) == folder_digest(str(tmp_path / "b"))
-    assert datasets.load_from_disk(str(tmp_path / "a")).num_rows > 0
+    with pytest.raises(SystemExit):  # the deprecated shard-pack command of the unreleased 0.1 API is gone
+        main(["shard-pack", *paths, "--out", str(tmp_path / "c"), *common])
 
 
 def test_token_column_types(tmp_path, capsys):

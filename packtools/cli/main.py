@@ -21,7 +21,6 @@ SUBCOMMANDS: dict[str, str] = {
     "pack": "packtools.cli.pack",
     "demo": "packtools.cli.demo",
     "profile": "packtools.cli.profile",
-    "shard-pack": "packtools.cli.shards",
 }
 
 

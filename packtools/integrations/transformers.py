@@ -61,7 +61,6 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from .._lazy import lazy_exports
 from .._optional import is_instance, require
 from ..errors import PackingError
 from .backends import (
@@ -190,22 +189,3 @@ def prepare_trainer(
             if check_isolation:
                 run_probe(trainer, switched=switched, collator=probe_rows, packed=packed)
     return trainer
-
-
-# Names documented here before they moved to their own modules: they still resolve, with a DeprecationWarning.
-_MOVED = {
-    name: (
-        f"packtools.integrations.{home}",
-        f"packtools.integrations.transformers.{name} moved to "
-        f"packtools.integrations.{home}: use `from packtools.integrations.{home} import {name}`",
-    )
-    for name, home in {
-        "packed_sft_config": "sft",
-        "use_segmented_sdpa": "backends",
-        "is_flash": "backends",
-        "adapt_collator": "backends",
-        "has_restarts": "guard",
-    }.items()
-}
-__getattr__, __dir__ = lazy_exports(globals(), {}, _MOVED)
-del lazy_exports

@@ -302,7 +302,7 @@ def prepare_dpo_trainer(
     refused before training; ``check_isolation=False`` skips it.
 
     With ``segmented_sdpa=True`` (the default) ``sdpa`` models are switched to packtools' per-sequence
-    ``sdpa`` (:func:`~packtools.integrations.transformers.use_segmented_sdpa`): the flat row's attention then
+    ``sdpa`` (:func:`~packtools.integrations.backends.use_segmented_sdpa`): the flat row's attention then
     costs ``sum(L_i²)`` like FlashAttention varlen, not ``(sum L_i)²`` under a block-diagonal mask, with the
     same result.  FlashAttention and ``eager`` models are left as they are.
 

@@ -337,7 +337,7 @@ def stage_part(job: StageJob) -> dict[str, Any]:
     # which tokenizer engine ran, and why; rows compared; characters left out (kept with the part for reruns)
     report = _tokenizer(job).part_report() if job.fmt != "tokenized" else None
     size = os.path.getsize(job.staged)
-    save_sidecar(job.sidecar, all_lengths, all_first, job.staged, report, digest, size)
+    save_sidecar(job.sidecar, all_lengths, all_first, job.staged, report, data_sha256=digest, data_size=size)
     result = {
         "rows": int(all_lengths.shape[0]),
         "reused": False,

@@ -245,8 +245,15 @@ def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> tuple[s
                 if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
                     raise
             # the entry's engine report comes with it (the characters it left out, the rows it compared)
+            digest, size = sidecar_checksum(sidecar)
             save_sidecar(
-                job.sidecar, lengths, first, target, sidecar_report(sidecar), *sidecar_checksum(sidecar)
+                job.sidecar,
+                lengths,
+                first,
+                target,
+                sidecar_report(sidecar),
+                data_sha256=digest,
+                data_size=size,
             )
             now = time.time()
             for path in (arrow, sidecar):

@@ -10,7 +10,8 @@ rerun or the stage cache trusts it, and :func:`drop_staged` removes a part so it
 >>> import hashlib, os, tempfile, numpy as np
 >>> d = tempfile.mkdtemp(); data = os.path.join(d, "p.arrow"); side = os.path.join(d, "p.npz")
 >>> _ = open(data, "wb").write(b"tokens")
->>> save_sidecar(side, np.array([3, 2]), np.zeros(0, np.int64), data, None, hashlib.sha256(b"tokens").hexdigest(), 6)
+>>> digest = hashlib.sha256(b"tokens").hexdigest()
+>>> save_sidecar(side, np.array([3, 2]), np.zeros(0, np.int64), data, None, data_sha256=digest, data_size=6)
 >>> load_sidecar(side)[0].tolist(), damage(side)
 ([3, 2], None)
 >>> _ = open(data, "wb").write(b"tokenz")
@@ -35,6 +36,7 @@ def save_sidecar(
     first: np.ndarray,
     data: str,
     report: dict[str, Any] | None = None,
+    *,
     data_sha256: str = "",
     data_size: int = -1,
 ) -> None:
