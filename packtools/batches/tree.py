@@ -99,7 +99,7 @@ class TreeReads:
 
     Shared by a layout and its ``.to(device)`` copies.  The tree attention calls :meth:`consumed` once per
     layer; a forward is counted at its first attention layer (the lowest ``layer_idx`` seen, or every call
-    of a layer without one).  A reader (:func:`packtools.sequence_logps`) calls :meth:`take`: each read of a
+    of a layer without one).  A reader (:func:`packtools.dpo.sequence_logps`) calls :meth:`take`: each read of a
     new output needs a forward not yet read, so a model that ignored the tree (any other attention backend)
     cannot hand over its output unnoticed, while one model used twice (reference and policy) reads twice.
     Recomputation in the backward pass (gradient checkpointing) is not a forward.

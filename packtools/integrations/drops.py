@@ -1,6 +1,6 @@
 """What packing or truncating left out, as a report and a warning (the Python API never drops tokens silently).
 
-:func:`packtools.pack_dataset`, :func:`packtools.packed_view` and :func:`packtools.truncate_dataset` call
+:func:`packtools.pack_dataset`, :func:`packtools.packed_view` and :func:`packtools.integrations.truncate_dataset` call
 :func:`warn_dropped` with a :class:`DropReport` (and return it with ``return_report=True``): when any token is
 dropped, a :class:`TokensDroppedWarning` says how many, their share, how many sequences were cut, and that
 ``strategy='bfd_split'`` keeps every token.

@@ -168,7 +168,7 @@ def recommend(
     keep_sequences: float | None = None,
     max_context: int = COMMON_CONTEXT,
 ) -> Recommendation:
-    """See the module docstring and :meth:`packtools.LengthProfile.recommend`."""
+    """See the module docstring and :meth:`packtools.profiling.LengthProfile.recommend`."""
     if keep_tokens is not None and keep_sequences is not None:
         raise PackingError(
             "give keep_tokens or keep_sequences, not both: they are two rules (see LengthProfile.recommend).",
