@@ -6,6 +6,7 @@ Usage::
     git archive e50e36b | tar -x -C /tmp/base          # the tree to compare with
     python benchmarks/bench_verdict.py --baseline-tree /tmp/base --docs 20000 --repeat 3
     python benchmarks/bench_verdict.py --baseline-tree /tmp/base --profile-then-pack   # adoption from the cache
+    python benchmarks/bench_verdict.py --baseline-tree /tmp/base --chat --docs 50000  # chat conversations
 
 Each case is a fresh ``python -m packtools.cli pack`` process (``PYTHONPATH`` = the tree), with its own empty
 ``$PACKTOOLS_STAGE_CACHE`` and a ``$PACKTOOLS_CACHE_DIR`` warmed by one run first (recorded verdicts, as in a
@@ -28,13 +29,13 @@ import time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _data(folder: str, docs: int) -> tuple[str, str]:
+def _data(folder: str, docs: int, kind: str = "text") -> tuple[str, str]:
     sys.path.insert(0, os.path.join(HERE, "benchmarks"))
     sys.path.insert(0, HERE)
     import bench_tokenize as bt  # the same corpus and tokenizer as the tokenize benchmark
 
     made = bt.make_data(folder, docs)
-    return made["text"], made["tokenizer"]
+    return made[kind], made["tokenizer"]
 
 
 def _pack(tree: str, src: str, tok: str, out: str, env: dict[str, str], profile: bool) -> float:
@@ -57,10 +58,11 @@ def main() -> int:
     ap.add_argument("--docs", type=int, default=20_000)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--profile-then-pack", action="store_true", help="time pack after a profile (adoption)")
+    ap.add_argument("--chat", action="store_true", help="chat rows (messages) instead of raw text")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="bench-verdict-")
     try:
-        src, tok = _data(work, args.docs)
+        src, tok = _data(work, args.docs, "chat" if args.chat else "text")
         size = os.path.getsize(src) / 1e6
         trees = {"this": HERE, "baseline": os.path.abspath(args.baseline_tree)}
         best = {name: float("inf") for name in trees}
@@ -75,7 +77,8 @@ def main() -> int:
                 out = os.path.join(work, f"out-{name}-{i}")
                 best[name] = min(best[name], _pack(tree, src, tok, out, env, args.profile_then_pack))
         case = "profile, then pack (timed)" if args.profile_then_pack else "pack"
-        print(f"{case}: {args.docs:,} documents, {size:.1f} MB of JSONL, best of {args.repeat}")
+        case += " (chat)" if args.chat else " (raw text)"
+        print(f"{case}: {args.docs:,} rows, {size:.1f} MB of JSONL, best of {args.repeat}")
         print(json.dumps({k: round(v, 3) for k, v in best.items()}))
         print(f"this / baseline: {best['this'] / best['baseline']:.3f}")
     finally:
