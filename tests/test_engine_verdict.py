@@ -69,10 +69,15 @@ def _zebra_after_first_file(tmp_path):
     return [a, b]
 
 
-@pytest.mark.parametrize("executor", ["local", pytest.param("pool", marks=pytest.mark.slow)])
+EXECUTORS = ["local", pytest.param("pool", marks=pytest.mark.slow), pytest.param("ray", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
 def test_a_divergence_in_the_runs_first_rows_sends_every_part_to_transformers(
     tok, tmp_path, diverging, executor
 ):
+    if executor == "ray":
+        pytest.importorskip("ray")
     inputs = _zebra_after_first_file(tmp_path)
     opts = dict(tokenizer=tok, tokenizer_audit=0.0, executor=executor, workers=2)
     ref = pack_files(inputs, tmp_path / "ref", 256, tokenizer_engine="transformers", **opts)
@@ -103,10 +108,12 @@ def test_negative_control_without_the_drivers_verdict_the_pool_keeps_diverging_i
     assert _docs(res.out) != _docs(ref.out)
 
 
-@pytest.mark.parametrize("executor", ["local", pytest.param("pool", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("executor", EXECUTORS)
 def test_an_audited_divergence_restages_every_fast_part_or_stops(tok, tmp_path, diverging, executor):
     """Past the driver's proof rows only the audit can see a difference; it sends the whole run to
     transformers (auto: parts the fast engine already staged are staged again, never kept) or stops (fast)."""
+    if executor == "ray":
+        pytest.importorskip("ray")
     texts = [CORPUS[i % len(CORPUS)] for i in range(300)]
     a = _write(tmp_path / "a.jsonl", texts)
     b = _write(tmp_path / "b.jsonl", [("a zebra " if i == 150 else "") + t for i, t in enumerate(texts)])
