@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO
 
 import pyarrow as pa
@@ -28,6 +28,13 @@ import pyarrow as pa
 from ..errors import PackingError
 
 BLOCK_BYTES = 1 << 24
+#: Columns that hold chat data (the formats' conversational columns and TRL's ``tools``).  Arrow's JSON reader
+#: unifies nested objects across rows (keys of other rows added as null, ``10`` read as ``10.0``, a 20-digit
+#: integer as a float, date-like strings as timestamps): a template would render what no row says.  Their
+#: nested cells are kept as each row's own JSON text instead (see :func:`own_json_cells`, :func:`cells`).
+CHAT_COLUMNS = ("messages", "prompt", "completion", "chosen", "rejected", "tools")
+#: Field metadata key marking a string column whose cells are JSON texts of the input's own values.
+JSON_CELLS = b"packtools.json_cells"
 #: An object longer than this (in characters) is reported as malformed rather than read on to the end.
 MAX_OBJECT_CHARS = 1 << 27
 
@@ -200,10 +207,18 @@ def iter_json_lines(
                     table = pj.read_json(pa.BufferReader(data), read_options=options)
                 except pa.ArrowInvalid as exc:
                     err = _find_bad_line(path, data, base.value + rel)
+                    if err is None and "changed from" in str(exc) and _in_chat_column(str(exc)):
+                        # valid JSON whose chat cells differ in type (a content string here, parts there):
+                        # Python's reading of the block, chat cells as their own JSON (see _table)
+                        objs = _objects(path, data, None)
+                        yield rel + data.count(b"\n", 0, len(data) - len(body)), _table(path, objs, base.value + rel)
+                        rel += data.count(b"\n")
+                        continue
                     raise (err or _arrow_json_error(path, data, base.value + rel, exc)) from None
                 if not data.isascii() and not _valid_utf8(table, data):
                     err = _find_bad_line(path, data, base.value + rel)
                     raise (err or PackingError(f"input {path!r}: not UTF-8.")) from None
+                table = own_json_cells(table, lambda: _objects(path, data, table.num_rows))
                 yield rel + data.count(b"\n", 0, len(data) - len(body)), table
             rel += data.count(b"\n")
 
@@ -333,12 +348,73 @@ def iter_json_array(
             yield first, _table(path, rows, first)
 
 
+def _in_chat_column(message: str) -> bool:
+    """Whether Arrow's "Column(/name/...) changed from" refusal is about one of :data:`CHAT_COLUMNS`."""
+    found = re.search(r"Column\(/([^/)]*)", message)
+    return found is not None and found.group(1) in CHAT_COLUMNS
+
+
+def _objects(path: str, data: bytes, rows: int | None) -> list[dict]:
+    """The JSON objects of the lines of ``data`` (a block Arrow has read as ``rows`` rows), parsed by Python."""
+    objs = [json.loads(raw) for raw in data.split(b"\n") if raw.strip()]
+    if rows is not None and len(objs) != rows:  # Arrow and Python disagree on what the block holds
+        raise PackingError(
+            f"input {path!r}: a block read as {rows} rows by Arrow holds {len(objs)} JSON objects; is the file "
+            f"being written while it is read?"
+        )
+    return objs
+
+
+def _json_text(value: object) -> str | None:
+    return None if value is None else json.dumps(value, ensure_ascii=False)
+
+
+def own_json_cells(table: pa.Table, objects: Callable[[], list[dict]]) -> pa.Table:
+    """``table`` with each :data:`CHAT_COLUMNS` column that Arrow did not read as plain strings replaced by the
+    JSON text of each row's own value (``objects()``: the rows as Python parsed them), marked with
+    :data:`JSON_CELLS` so :func:`cells` gives the values back as the file wrote them."""
+    names = [
+        n
+        for n in CHAT_COLUMNS
+        if n in table.column_names and not pa.types.is_string(t := table.schema.field(n).type)
+        and not pa.types.is_large_string(t)
+    ]
+    if not names:
+        return table
+    rows = objects()
+    for name in names:
+        field = pa.field(name, pa.large_string(), metadata={JSON_CELLS: b"1"})
+        column = pa.array([_json_text(row.get(name)) for row in rows], pa.large_string())
+        table = table.set_column(table.schema.get_field_index(name), field, column)
+    return table
+
+
+def cells(table: pa.Table, name: str) -> list:
+    """Column ``name`` of ``table`` as Python values: a :data:`JSON_CELLS` column's JSON texts parsed (the input's
+    own keys and types), any other column as Arrow gives it."""
+    field = table.schema.field(name)
+    values = table.column(name).to_pylist()
+    if field.metadata and field.metadata.get(JSON_CELLS):
+        return [None if v is None else json.loads(v) for v in values]
+    return values
+
+
 def _table(path: str, rows: list[dict], line: int) -> pa.Table:
     keys = list(
         dict.fromkeys(k for row in rows for k in row)
     )  # every object's keys (from_pylist takes the first's)
+    chat = {k: [_json_text(row.get(k)) for row in rows] for k in keys if k in CHAT_COLUMNS}
+    chat = {k: v for k, v in chat.items() if any(x is not None and not x.startswith('"') for x in v)}
     try:
-        return pa.Table.from_pydict({k: [row.get(k) for row in rows] for k in keys})
+        fields, arrays = [], []
+        for k in keys:
+            if k in chat:  # nested chat cells: each row's own JSON (see own_json_cells)
+                fields.append(pa.field(k, pa.large_string(), metadata={JSON_CELLS: b"1"}))
+                arrays.append(pa.array(chat[k], pa.large_string()))
+            else:
+                arrays.append(pa.array([row.get(k) for row in rows]))
+                fields.append(pa.field(k, arrays[-1].type))
+        return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         raise PackingError(
             f"input {path!r} objects from line {line}: values of one key disagree in type ({exc}); fix the data."

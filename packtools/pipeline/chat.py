@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 import unicodedata
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -31,6 +31,7 @@ import pyarrow as pa
 from ..core import ragged
 from ..core.ragged import Ragged
 from ..errors import PackingError
+from ..io.json import cells
 from . import chat_labels, engine_proof, proof_cache
 from . import fast_tokenize as fast_engine
 from .chat_render import ChatRenderer, read_settings
@@ -39,15 +40,80 @@ from .formats import at as _at
 from .formats import shift as _shift
 
 
+def plain_value(value: Any) -> Any:
+    """``value`` as the plain JSON types a chat template sees through transformers (its
+    ``_plain_template_data``): subclasses of str/int/float (enums, numpy floats) as the base type, numpy scalars
+    as Python ones, mappings, lists and tuples rebuilt, anything else (a ``datetime``, a ``Decimal``, bytes) as
+    the placeholder ``<TypeName>``."""
+    kind = type(value)
+    if value is None or kind in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {plain_value(k): plain_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain_value(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(plain_value(v) for v in value)
+    if isinstance(value, np.generic):
+        return plain_value(value.item())
+    return f"<{kind.__name__}>"
+
+
 def clean_messages(conv: Any, name: str, row: Row) -> list[dict[str, Any]]:
-    """A conversation cell as a list of message dicts without None values, or an error naming the row."""
+    """A conversation cell as a list of message dicts without None values, its values made plain as
+    transformers makes them (:func:`plain_value`), or an error naming the row."""
     if not isinstance(conv, list) or not all(isinstance(m, dict) and m.get("role") is not None for m in conv):
         raise PackingError(  # Arrow gives a message's missing "role" as None: that is a missing role too
             f"{_at(row)}: column {name!r} is not a list of messages ({{'role': ..., 'content': ...}}, every "
             f"message with a role); fix that row."
         )
-    # a message with no None value is kept as it is (Arrow's rows are fresh dicts): a third of the time
-    return [m if None not in m.values() else {k: v for k, v in m.items() if v is not None} for m in conv]
+    # a message of string values only is kept as it is (the cell's rows are fresh dicts): the common case
+    return [
+        m
+        if all(type(v) is str for v in m.values())
+        else {k: plain_value(v) for k, v in m.items() if v is not None}
+        for m in conv
+    ]
+
+
+#: Conversations with typed values, tool calls and content lists, proven with the adversarial ones: the template
+#: must render them as transformers does (raise or not, and what) before jinja2 alone renders the data.
+TYPED_CONVERSATIONS: list[list[dict[str, Any]]] = [
+    [
+        {"role": "system", "content": "tools ready"},
+        {"role": "user", "content": "weather in Paris, two guests?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": {"city": "Paris", "guests": 2, "price": 12.5, "id": 12345678901234567890,
+                                      "flags": [True, False], "when": "2024-01-02 10:00:00", "nested": {"a": [1]}},
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "name": "get_weather", "content": '{"temperature": 21.5}'},
+        {"role": "assistant", "content": "21.5 degrees"},
+    ],
+    [
+        {"role": "user", "content": [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "what is it?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "a cat"}]},
+    ],
+    [
+        {"role": "user", "content": "count", "name": "x", "score": 10, "weight": 0.25, "ok": True},
+        {"role": "assistant", "content": "1 2 3", "reasoning_content": "count up"},
+    ],
+]
 
 
 def _version(name: str) -> str:
@@ -150,9 +216,10 @@ class ChatTokens:
         except Exception as exc:  # noqa: BLE001 - jinja2 missing or a template it does not compile
             return self._transformers(f"jinja2 cannot compile it here: {type(exc).__name__}: {exc}")
         texts = fast_engine.adversarial_texts(list(specials.values()))
-        convs = fast_engine.adversarial_conversations(texts)
+        convs = fast_engine.adversarial_conversations(texts) + TYPED_CONVERSATIONS
         reference = f"transformers {_version('transformers')}; jinja2 {_version('jinja2')}"
-        path = proof_cache.verdict_path(bt.fingerprint, "chat-render", reference, [template, *texts])
+        typed = repr(TYPED_CONVERSATIONS)
+        path = proof_cache.verdict_path(bt.fingerprint, "chat-render", reference, [template, *texts, typed])
         checked = proof_cache.load(path)
         if checked is None:
             tok = bt.tok
@@ -208,7 +275,7 @@ class ChatTokens:
     ) -> list[Ragged]:
         """Tokenized prompt (first) and completions (the others) of conversational rows (``prompts``: the
         table's ``prompt`` column as Python lists of messages)."""
-        columns = {n: table.column(n).to_pylist() for n in names}
+        columns = {n: cells(table, n) for n in names}
         heads: list[str] = []
         tails: dict[str, list[str]] = {n: [] for n in names}
         for i, prompt in enumerate(prompts):

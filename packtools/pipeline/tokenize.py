@@ -24,6 +24,7 @@ from ..constants import IGNORE_INDEX
 from ..core import ragged
 from ..core.ragged import Ragged
 from ..errors import PackingError
+from ..io.json import cells
 from . import chat, engine_proof, reference, tokenizer_load
 from . import fast_tokenize as fast_engine
 from .char_drops import DropCounter, check_on_unencodable
@@ -33,7 +34,7 @@ from .tokenizer_dir import load_tokenizer, tokenizer_fingerprint
 
 
 def _strings(table: pa.Table, name: str, first_row: Row, values: list | None = None) -> list[str]:
-    values = table.column(name).to_pylist() if values is None else values
+    values = cells(table, name) if values is None else values
     for i, v in enumerate(values):
         if not isinstance(v, str):
             raise PackingError(
@@ -253,7 +254,7 @@ class BatchTokenizer:
 
     def _prompt_and_completions(self, table: pa.Table, names: Sequence[str], first_row: Row) -> list[Ragged]:
         """Tokenized prompt (first) and completions (the others) of prompt-completion or preference rows."""
-        prompts = table.column("prompt").to_pylist()
+        prompts = cells(table, "prompt")
         if prompts and isinstance(prompts[0], list):  # conversational rows (packtools.pipeline.chat)
             return self.chat.prompt_and_completions(table, prompts, names, first_row)
         parts = [self.encode(_strings(table, "prompt", first_row, prompts), True, first_row, "prompt")]
@@ -345,7 +346,7 @@ class BatchTokenizer:
     def _conversations(self, table: pa.Table, first_row: Row) -> list[list[dict[str, Any]]]:
         return [
             chat.clean_messages(c, "messages", shift(first_row, i))
-            for i, c in enumerate(table.column("messages").to_pylist())
+            for i, c in enumerate(cells(table, "messages"))
         ]
 
     def _tokenize(self, table: pa.Table, first_row: Row) -> pa.Table:
