@@ -116,6 +116,33 @@ TYPED_CONVERSATIONS: list[list[dict[str, Any]]] = [
 ]
 
 
+#: Tool schemas (TRL's ``tools`` column) the proof renders conversations with, as transformers passes them.
+TYPED_TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "guests": {"type": "integer", "minimum": 1}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+def tools_difference(mine: Any, theirs: Any, convs: Sequence[list[dict[str, Any]]], tags: bool) -> str | None:
+    """:func:`render_difference` with :data:`TYPED_TOOLS` given to both renderers as ``tools``."""
+    mine.tools = theirs.tools = TYPED_TOOLS
+    try:
+        why = render_difference(mine, theirs, convs[:3] + TYPED_CONVERSATIONS, tags)
+    finally:
+        mine.tools = theirs.tools = None
+    return None if why is None else f"with tools: {why}"
+
+
 def _version(name: str) -> str:
     try:
         return version(name)
@@ -129,9 +156,12 @@ class TransformersRenderer:
     def __init__(self, tok: Any) -> None:
         self.tok = tok
         self.template = tok.get_chat_template()
+        self.tools: Any = None  # the tool schemas passed as ``tools=`` (set per group of rows)
 
     def render(self, conv: list[dict[str, Any]], generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=generation_prompt)
+        return self.tok.apply_chat_template(
+            conv, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
     def render_prefixes(self, conv: list[dict[str, Any]], cuts: list[tuple[int, bool]]) -> Iterator[str]:
         return (self.render(conv[:k], prompt) for k, prompt in cuts)
@@ -141,6 +171,7 @@ class TransformersRenderer:
 
         texts, spans = render_jinja_template(
             conversations=[conv],
+            tools=self.tools,
             chat_template=self.template,
             return_assistant_tokens_mask=True,
             **self.tok.special_tokens_map,
@@ -218,7 +249,7 @@ class ChatTokens:
         texts = fast_engine.adversarial_texts(list(specials.values()))
         convs = fast_engine.adversarial_conversations(texts) + TYPED_CONVERSATIONS
         reference = f"transformers {_version('transformers')}; jinja2 {_version('jinja2')}"
-        typed = repr(TYPED_CONVERSATIONS)
+        typed = repr((TYPED_CONVERSATIONS, TYPED_TOOLS))
         path = proof_cache.verdict_path(bt.fingerprint, "chat-render", reference, [template, *texts, typed])
         checked = proof_cache.load(path)
         if checked is None:
@@ -230,6 +261,7 @@ class ChatTokens:
                 why = f"transformers passes other special tokens ({tok.special_tokens_map})"
             else:
                 why = render_difference(mine, TransformersRenderer(tok), convs, self.generation_tags(mine))
+                why = why or tools_difference(mine, TransformersRenderer(tok), convs, self.generation_tags(mine))
             if why is not None:
                 return self._transformers(f"jinja2 alone rendered differently: {why}")
             checked = {"adversarial_conversations": len(convs)}
@@ -249,6 +281,12 @@ class ChatTokens:
                 else f"; prefixes rendered ({why_not})"
             )
         return mine
+
+    def set_tools(self, tools: Any) -> None:
+        """The tool schemas the renderings that follow pass to the template (None: none)."""
+        if tools is None and self._renderer is None:
+            return
+        self.renderer.tools = None if tools is None else plain_value(tools)
 
     @staticmethod
     def generation_tags(renderer: Any) -> bool:
