@@ -106,6 +106,13 @@ def read_list_column(column: pa.ChunkedArray | pa.Array, name: str) -> ListColum
             f"column {name!r} holds lists of float16, which the packing kernels do not handle; cast it to "
             f"float32 (or leave it out with columns=[...])."
         )
+    if is_list_type(vt) or pa.types.is_struct(vt):
+        raise PackingError(
+            f"column {name!r} holds lists of {vt}, not one value per token, so it cannot be packed with the tokens "
+            f"(image or audio features such as pixel_values / image_grid_thw do not split per token). Packing "
+            f"without it means the model never sees it: remove it, or leave it out knowingly with columns=[...] "
+            f"naming the token columns."
+        )
     if not (pa.types.is_integer(vt) or pa.types.is_floating(vt)):
         raise PackingError(
             f"column {name!r} holds lists of {vt}; packtools packs lists of integers or floats. "

@@ -212,6 +212,13 @@ def _fix_hint(keys: Sequence[str], mixers: Sequence[str], impl: str | None) -> s
             f"their CUDA kernels (mamba-ssm, causal-conv1d, flash-linear-attention); pass them "
             f"(PaddingFreeCollator(return_seq_idx=True, return_flash_attn_kwargs=True)) or do not pack."
         )
+    if impl in ("sdpa", "eager", "flex_attention", "packtools_sdpa") or (impl is not None and "flash" in impl):
+        return (  # the backend already separates packed sequences: something else in the model does not
+            f"{impl!r} attention keeps packed sequences apart, so something else in the model lets them meet: "
+            f"positions it builds itself instead of reading position_ids (e.g. multimodal 3-D rotary "
+            f"positions), or a custom layer mixing tokens. Do not pack for this model "
+            f"(PaddingFreeCollator(padding_free=False, unpacked=True) on unpacked rows)."
+        )
     return (
         f"Use attn_implementation='sdpa' (or 'flash_attention_2' on GPU) instead of {impl!r}, or do not pack "
         f"(PaddingFreeCollator(padding_free=False, unpacked=True) on unpacked rows)."
