@@ -32,7 +32,12 @@ def _tool(name, **props):
 WEATHER = [_tool("get_weather", city={"type": "string"})]
 BOOK = [_tool("book", guests={"type": "integer"}), _tool("cancel")]
 CONV = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "the quick brown fox"}]
-ROWS = [(CONV, WEATHER), (CONV, BOOK), (CONV, None), (CONV[:1] + [{"role": "assistant", "content": "four"}], WEATHER)]
+ROWS = [
+    (CONV, WEATHER),
+    (CONV, BOOK),
+    (CONV, None),
+    (CONV[:1] + [{"role": "assistant", "content": "four"}], WEATHER),
+]
 
 
 @pytest.fixture(scope="module")

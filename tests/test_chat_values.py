@@ -14,7 +14,8 @@ import pytest
 from _pipeline_data import build_tokenizer, load
 
 from packtools.core import unpack
-from packtools.io.json import cells, iter_json_array, iter_json_lines
+from packtools.io.json import iter_json_array, iter_json_lines
+from packtools.io.json_cells import cells
 from packtools.pipeline.chat import clean_messages, plain_value
 from packtools.pipeline.config import PipelineConfig
 from packtools.pipeline.run import run_pipeline
@@ -36,7 +37,10 @@ TYPED_TEMPLATE = (
 
 
 def _call(name, arguments):
-    return {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}
+    return {
+        "role": "assistant",
+        "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}],
+    }
 
 
 # Rows whose nested values differ in keys and types from row to row (S8's reproduction, and more).
@@ -50,22 +54,37 @@ ROWS = [
         {"role": "assistant", "content": [{"type": "text", "text": "red, green, blue"}]},
     ],
     [
-        {"role": "user", "content": [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "what is it?"}]},
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "what is it?"}],
+        },
         {"role": "assistant", "content": "a cat"},
     ],
-    [{"role": "user", "content": "when?", "when": "2024-01-02 10:00:00"}, {"role": "assistant", "content": "then"}],
+    [
+        {"role": "user", "content": "when?", "when": "2024-01-02 10:00:00"},
+        {"role": "assistant", "content": "then"},
+    ],
 ]
 TOOL_CALLS = ROWS[:4]
 PARTS = [  # content as parts in every row, so Arrow reads the file (and unifies the parts)
     ROWS[4],
     [
-        {"role": "user", "content": [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "what is it?"}]},
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "what is it?"}],
+        },
         {"role": "assistant", "content": [{"type": "text", "text": "a cat"}]},
     ],
 ]
 DATES = [  # date-like strings in every row: Arrow would read them as timestamps
-    [{"role": "user", "content": "when?", "when": "2024-01-02 10:00:00"}, {"role": "assistant", "content": "then"}],
-    [{"role": "user", "content": "and?", "when": "2025-03-04 05:06:07"}, {"role": "assistant", "content": "now"}],
+    [
+        {"role": "user", "content": "when?", "when": "2024-01-02 10:00:00"},
+        {"role": "assistant", "content": "then"},
+    ],
+    [
+        {"role": "user", "content": "and?", "when": "2025-03-04 05:06:07"},
+        {"role": "assistant", "content": "now"},
+    ],
 ]
 GROUPS = {"mixed": ROWS, "tool_calls": TOOL_CALLS, "parts": PARTS, "dates": DATES}
 
@@ -103,7 +122,7 @@ def test_typed_chat_rows_render_as_apply_chat_template(tmp_path, tok_dir, layout
     pieces = {
         "tool_calls": ['{"city": "Paris"}', '"price": 10}', "12345678901234567890"],
         "parts": ["what is it?", "Name three colours.", "red, green, blue"],
-        "dates": ["\"2024-01-02 10:00:00\""],
+        "dates": ['"2024-01-02 10:00:00"'],
     }
     for piece in pieces.get(group, []):
         assert piece in text
@@ -157,7 +176,9 @@ def test_message_values_are_made_plain_as_transformers_does():
     for v in values:
         assert plain_value(v) == _plain_template_data(v)
     conv = [{"role": "user", "content": "hi", "when": datetime.date(2024, 1, 2), "n": np.int64(3), "x": None}]
-    assert clean_messages(conv, "messages", 0) == [{"role": "user", "content": "hi", "when": "<date>", "n": 3}]
+    assert clean_messages(conv, "messages", 0) == [
+        {"role": "user", "content": "hi", "when": "<date>", "n": 3}
+    ]
 
 
 def test_timestamp_cells_render_as_transformers_renders_them(tok_dir):

@@ -171,7 +171,9 @@ def test_batch_problems_names_each_way_a_batch_can_merge_sequences():
     tokens, lengths = [r["input_ids"] for r in rows], [r["seq_lengths"] for r in rows]
     good = batch_of(rows)
     assert batch_problems(good, tokens, lengths) == []  # negative control: the intact batch passes
-    assert batch_problems(batch_of(rows, padding_free=False, attn_implementation="sdpa"), tokens, lengths) == []
+    assert (
+        batch_problems(batch_of(rows, padding_free=False, attn_implementation="sdpa"), tokens, lengths) == []
+    )
     assert batch_problems(batch_of(rows, pad_to_multiple_of=4), tokens, lengths) == []
     assert batch_problems(batch_of(rows, pad_to_buckets=(16,), pad_cu_seq_lens_to=9), tokens, lengths) == []
 

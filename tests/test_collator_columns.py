@@ -13,7 +13,12 @@ from packtools import PackingError, PaddingFreeCollator
 from packtools.core import pack_table
 
 ROWS = [
-    {"input_ids": [1, 2, 3, 4, 5], "seq_lengths": [2, 3], "pixel_values": [[0.5, 0.25]], "image_grid_thw": [[1, 2, 2]]},
+    {
+        "input_ids": [1, 2, 3, 4, 5],
+        "seq_lengths": [2, 3],
+        "pixel_values": [[0.5, 0.25]],
+        "image_grid_thw": [[1, 2, 2]],
+    },
     {"input_ids": [6, 7], "seq_lengths": [2], "pixel_values": [[0.0, 1.0]], "image_grid_thw": [[1, 2, 2]]},
 ]
 
@@ -41,7 +46,9 @@ def test_leave_out_survives_replace_and_options():
 PACKED = [{"input_ids": [1, 2, 3, 4, 5], "seq_lengths": [2, 3]}, {"input_ids": [6, 7], "seq_lengths": [2]}]
 
 
-@pytest.mark.parametrize("backend", [None, "flash_attention_2", "flash_attention_3", "kernels-community/flash-attn"])
+@pytest.mark.parametrize(
+    "backend", [None, "flash_attention_2", "flash_attention_3", "kernels-community/flash-attn"]
+)
 def test_padded_packed_rows_need_a_backend_that_masks_from_positions(backend):
     collator = PaddingFreeCollator(0, padding_free=False, attn_implementation=backend, return_tensors="np")
     with pytest.raises(PackingError, match=r"padding_free=True.*attn_implementation='sdpa'") as err:
@@ -59,7 +66,9 @@ def test_padded_batches_that_cannot_leak_need_no_backend():
     collator = PaddingFreeCollator(0, padding_free=False, return_tensors="np")
     one_row = collator(PACKED[:1])  # one row: FlashAttention infers the sequences from position_ids too
     assert one_row["position_ids"].tolist() == [[0, 1, 0, 1, 2]]
-    unpacked = collator([{"input_ids": [1, 2, 3], "seq_lengths": [3]}, {"input_ids": [4], "seq_lengths": [1]}])
+    unpacked = collator(
+        [{"input_ids": [1, 2, 3], "seq_lengths": [3]}, {"input_ids": [4], "seq_lengths": [1]}]
+    )
     assert unpacked["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
 
 
@@ -89,7 +98,9 @@ def tiny_qwen2_vl():
             num_key_value_heads=1,
             rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
         ),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, patch_size=14, spatial_merge_size=2),
+        vision_config=dict(
+            depth=1, embed_dim=32, hidden_size=32, num_heads=2, patch_size=14, spatial_merge_size=2
+        ),
         attn_implementation="sdpa",
     )
     return transformers.Qwen2VLForConditionalGeneration(config)
@@ -98,7 +109,9 @@ def tiny_qwen2_vl():
 def test_multimodal_models_are_refused_by_name(tiny_qwen2_vl, monkeypatch):
     from packtools.integrations import backends
 
-    with pytest.raises(PackingError, match=r"Qwen2VLForConditionalGeneration \(model_type 'qwen2_vl'\) is a multimodal") as err:
+    with pytest.raises(
+        PackingError, match=r"Qwen2VLForConditionalGeneration \(model_type 'qwen2_vl'\) is a multimodal"
+    ) as err:
         backends.check_attention_implementation(tiny_qwen2_vl)
     assert "instead of 'sdpa'" not in str(err.value) and "vision_config" in str(err.value)
     # the one place the vision-language path lifts it: a verified type passes this check
@@ -107,7 +120,7 @@ def test_multimodal_models_are_refused_by_name(tiny_qwen2_vl, monkeypatch):
 
 
 def test_the_isolation_hint_never_names_the_backend_in_use():
-    from packtools.integrations.isolation import _fix_hint
+    from packtools.integrations.probe_refusals import fix_hint as _fix_hint
 
     for impl in ("sdpa", "eager", "flash_attention_2"):
         hint = _fix_hint(["input_ids", "position_ids", "cu_seq_lens_q"], (), impl)

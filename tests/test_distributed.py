@@ -63,7 +63,9 @@ def test_a_stream_and_a_single_row_under_two_processes_are_refused_with_the_fix(
     for res in _launch(tmp_path, "stream"):
         got = res["stream"]
         assert "error" not in got, got.get("error")
-        assert got["stream"].startswith("the training dataset is a stream (IterableDataset) under 2 processes")
+        assert got["stream"].startswith(
+            "the training dataset is a stream (IterableDataset) under 2 processes"
+        )
         assert "datasets.Dataset.from_generator" in got["stream"]
         assert got["one_row"].startswith("1 training row(s) cannot give each of 2 processes a batch")
 

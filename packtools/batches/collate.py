@@ -22,7 +22,7 @@ from .._optional import require
 from ..constants import IGNORE_INDEX
 from ..errors import PackingError
 from .buckets import bucket_for, check_buckets, pad_cu_seq_lens
-from .flatten import FlatRows, flatten_rows
+from .flatten import FlatRows, check_carried, check_leave_out, flatten_rows
 from .labels import ignore_starts, mask_keys
 
 
@@ -193,40 +193,10 @@ def to_tensors(batch: dict[str, Any], return_tensors: str) -> dict[str, Any]:
     return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
 
 
-#: The row keys :class:`PaddingFreeCollator` reads (``position_ids`` is rebuilt from ``seq_lengths``); any other
-#: key is refused by name unless ``leave_out`` lists it: a column that does not reach the model must not vanish
-#: without a word (a vision-language row's ``pixel_values`` dropped leaves image tokens without an image).
-CARRIED_KEYS = frozenset(
-    {"input_ids", "labels", "seq_lengths", "attention_mask", "position_ids", "completion_mask", "assistant_masks"}
-)
 #: Attention backends of transformers that build a block-diagonal mask from ``position_ids`` when no
 #: ``attention_mask`` is given (and no cache is used), whatever the batch size: packed ``[B, T]`` rows are exact
 #: there.  FlashAttention infers sequences from ``position_ids`` only for a single row.
 MASK_FROM_POSITIONS = ("sdpa", "eager", "flex_attention", "packtools_sdpa")
-
-
-def check_leave_out(leave_out: object) -> frozenset[str]:
-    if isinstance(leave_out, str) or not all(isinstance(k, str) for k in leave_out):  # type: ignore[union-attr]
-        raise PackingError(
-            f"leave_out must be a list of column names, got {leave_out!r}.", param="leave_out"
-        )
-    return frozenset(leave_out)  # type: ignore[arg-type]
-
-
-def check_carried(features: Sequence[Mapping[str, Any]], leave_out: frozenset[str]) -> None:
-    """Refuse, by name, a column of the rows that the batch would not carry and ``leave_out`` does not list."""
-    known = CARRIED_KEYS | leave_out
-    for i, row in enumerate(features):
-        if isinstance(row, Mapping) and not known.issuperset(row.keys()):
-            extra = sorted(k for k in row.keys() if k not in known)
-            raise PackingError(
-                f"row {i} has the column(s) {extra}, which PaddingFreeCollator does not put in the batch, so the "
-                f"model would never see them (a vision-language model given image tokens without its "
-                f"pixel_values / image_grid_thw trains on placeholders). Remove them from the dataset "
-                f"(ds.remove_columns({extra!r})), or say they may be left out: "
-                f"PaddingFreeCollator(..., leave_out={extra!r}).",
-                param="leave_out",
-            )
 
 
 def check_padded_attention(flat: FlatRows, attn_implementation: str | None) -> None:

@@ -8,6 +8,7 @@ NumPy view of the child array), so kernels never see an Arrow object and no toke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -88,6 +89,21 @@ def numpy_values(arr: pa.Array) -> np.ndarray:
 
 def _first_null_row(arr: pa.Array) -> int:
     return int(np.flatnonzero(np.asarray(arr.is_null()))[0])
+
+
+def as_table(table: Any) -> pa.Table:
+    """A ``pyarrow.Table``; a ``datasets.Dataset`` as its rows' Arrow table (selection and order kept, through
+    its public ``with_format('arrow')``); anything else refused with what to pass."""
+    if isinstance(table, pa.Table):
+        return table
+    if hasattr(table, "with_format") and hasattr(table, "column_names"):
+        got = table.with_format("arrow")[:]
+        if isinstance(got, pa.Table):
+            return got
+    raise PackingError(
+        f"unpack takes a pyarrow.Table or a datasets.Dataset of packed rows, got {type(table).__name__}.",
+        param="table",
+    )
 
 
 def read_list_column(column: pa.ChunkedArray | pa.Array, name: str) -> ListColumn:

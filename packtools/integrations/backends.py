@@ -92,6 +92,19 @@ def check_multimodal(model: Any) -> None:
     )
 
 
+def check_not_compiled(model: Any) -> None:
+    """Refuse a model already wrapped by ``torch.compile``: packtools must hook and check the module itself."""
+    if not hasattr(model, "_orig_mod") or not hasattr(model, "_torchdynamo_orig_callable"):
+        return
+    raise PackingError(
+        f"the model was compiled (torch.compile gave a {type(model).__name__}) before packtools saw it, so its "
+        f"forward and inputs cannot be checked or adapted for packed batches. Give the Trainer the uncompiled "
+        f"model and let it be compiled afterwards: TrainingArguments(torch_compile=True), or torch.compile "
+        f"after prepare_trainer; both train exactly.",
+        param="model",
+    )
+
+
 def check_attention_implementation(model: Any) -> str:
     """Return the model's attention backend, or raise :class:`PackingError` if it cannot isolate packed sequences.
 
@@ -108,6 +121,7 @@ def check_attention_implementation(model: Any) -> str:
     ...
     packtools.errors.PackingError: attention implementation 'paged|eager' cannot keep packed sequences apart...
     """
+    check_not_compiled(model)
     check_multimodal(model)
     impl = attention_implementation(model)
     if impl is None:

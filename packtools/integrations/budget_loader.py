@@ -208,7 +208,9 @@ def check_stream(dataset: Any, world: int, max_tokens: int | None) -> None:
     if dataset is None or not is_stream(dataset) or (max(world, 1) == 1 and max_tokens is None):
         return
     why = (
-        f"under {world} processes" if max_tokens is None else f"with max_tokens={max_tokens} (token-budget batches)"
+        f"under {world} processes"
+        if max_tokens is None
+        else f"with max_tokens={max_tokens} (token-budget batches)"
     )
     raise PackingError(
         f"the training dataset is a stream ({type(dataset).__name__}) {why}: a stream has no length, so "

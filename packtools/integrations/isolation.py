@@ -27,6 +27,7 @@ from .backends import (
     forward_accepts,
     token_mixing_layers,
 )
+from .probe_refusals import collator_failed, fix_hint, mixer_refusal, translate
 from .rows import locate_rows, sequence_spans
 
 #: Sequence lengths of the probe batch (two packed rows of two sequences each).
@@ -176,55 +177,6 @@ def _logits(out: Any, name: str) -> Any:
     return logits
 
 
-def _translate(err: Exception, model_name: str, impl: str | None) -> PackingError | None:
-    """transformers' own refusal (a mixer without the kernel that reads seq_idx) as a PackingError."""
-    text = str(err)
-    if "packed sequences apart" not in text:
-        return None
-    return PackingError(_mixer_refusal(model_name, impl, (), text))
-
-
-def _mixer_refusal(model_name: str, impl: str | None, mixers: Sequence[str], detail: str) -> str:
-    layers = f" {list(mixers)[:3]}" if mixers else ""
-    return (
-        f"{model_name} with attn_implementation={impl!r} cannot keep packed sequences apart on this machine: "
-        f"its convolution / state-space / linear-attention layers{layers} separate sequences only with "
-        f"seq_idx or cu_seq_lens, which the PyTorch fallback ignores. Fix: train on CUDA with those kernels "
-        f"installed, or do not pack (PaddingFreeCollator(padding_free=False, unpacked=True) on unpacked rows). "
-        f"{detail}"
-    )
-
-
-def _fix_hint(keys: Sequence[str], mixers: Sequence[str], impl: str | None) -> str:
-    if "attention_mask" in keys:
-        return (
-            "The batch carries an attention_mask, which makes transformers ignore the packed position_ids; "
-            "drop it (PaddingFreeCollator never emits one with packed rows)."
-        )
-    if "position_ids" not in keys and not any(k.startswith("cu_seq_lens") for k in keys):
-        return (
-            "The batch has no position_ids and no cu_seq_lens, so the model sees one long sequence; keep "
-            "them (PaddingFreeCollator(return_position_ids=True, return_flash_attn_kwargs=True))."
-        )
-    if mixers and "seq_idx" not in keys:
-        return (
-            f"Its layers {list(mixers)[:3]} mix tokens outside attention and need seq_idx/cu_seq_lens with "
-            f"their CUDA kernels (mamba-ssm, causal-conv1d, flash-linear-attention); pass them "
-            f"(PaddingFreeCollator(return_seq_idx=True, return_flash_attn_kwargs=True)) or do not pack."
-        )
-    if impl in ("sdpa", "eager", "flex_attention", "packtools_sdpa") or (impl is not None and "flash" in impl):
-        return (  # the backend already separates packed sequences: something else in the model does not
-            f"{impl!r} attention keeps packed sequences apart, so something else in the model lets them meet: "
-            f"positions it builds itself instead of reading position_ids (e.g. multimodal 3-D rotary "
-            f"positions), or a custom layer mixing tokens. Do not pack for this model "
-            f"(PaddingFreeCollator(padding_free=False, unpacked=True) on unpacked rows)."
-        )
-    return (
-        f"Use attn_implementation='sdpa' (or 'flash_attention_2' on GPU) instead of {impl!r}, or do not pack "
-        f"(PaddingFreeCollator(padding_free=False, unpacked=True) on unpacked rows)."
-    )
-
-
 def check_isolation(
     model: Any,
     collator: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
@@ -293,7 +245,12 @@ def check_isolation(
 
     def run_packed(parts: list[np.ndarray]) -> tuple[Any, Any, tuple[str, ...], list[tuple[int, int, int]]]:
         rows = _rows(parts, packed)
-        batch = dict(collator(rows))
+        try:
+            batch = dict(collator(rows))
+        except PackingError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - another library's collator: named, with the fix
+            raise collator_failed(collator, packed, exc) from exc
         if "input_ids" not in batch:
             raise PackingError(f"the collator returned no 'input_ids' (keys {sorted(batch)}).")
         spans = _spans(rows, batch["input_ids"], name)
@@ -302,7 +259,7 @@ def check_isolation(
         try:
             out = model(**batch, **cache)
         except (ValueError, NotImplementedError) as err:
-            translated = _translate(err, name, impl)
+            translated = translate(err, name, impl)
             if translated is not None:
                 raise translated from err
             raise
@@ -355,15 +312,15 @@ def check_isolation(
         mixers = token_mixing_layers(model)
         if mixers and "seq_idx" in keys:
             # transformers before 5.20 runs these layers' PyTorch fallback on seq_idx without refusing (later ones
-            # raise, see _translate): the same refusal, from the measured leak.
+            # raise, see probe_refusals.translate): the same refusal, from the measured leak.
             raise PackingError(
-                _mixer_refusal(name, impl, mixers, f"packed logits move by {perturb:.1e}.\n{report}")
+                mixer_refusal(name, impl, mixers, f"packed logits move by {perturb:.1e}.\n{report}")
             )
         raise PackingError(
             f"{name} with attn_implementation={impl!r} lets packed sequences see each other: the logits of a "
             f"sequence in a packed batch differ by up to {max(diffs):.1e} from the sequence run alone and move "
             f"by {perturb:.1e} when another sequence of the batch changes (tolerances {tol:.1e} and "
-            f"{perturb_tol:.1e}; batch keys {list(keys)}). {_fix_hint(keys, mixers, impl)} (prepare_trainer(..., check_isolation=False) "
+            f"{perturb_tol:.1e}; batch keys {list(keys)}). {fix_hint(keys, mixers, impl)} (prepare_trainer(..., check_isolation=False) "
             f"skips this check; training would then be silently wrong.)\n{report}"
         )
     return report

@@ -20,25 +20,17 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import IO
 
 import pyarrow as pa
 
 from ..errors import PackingError
+from .json_cells import CHAT_COLUMNS, JSON_CELLS, json_text, own_json_cells
 
 BLOCK_BYTES = 1 << 24
-#: Columns that hold chat data (the formats' conversational columns and TRL's ``tools``).  Arrow's JSON reader
-#: unifies nested objects across rows (keys of other rows added as null, ``10`` read as ``10.0``, a 20-digit
-#: integer as a float, date-like strings as timestamps): a template would render what no row says.  Their
-#: nested cells are kept as each row's own JSON text instead (see :func:`own_json_cells`, :func:`cells`).
-CHAT_COLUMNS = ("messages", "prompt", "completion", "chosen", "rejected", "tools")
-#: Field metadata key marking a string column whose cells are JSON texts of the input's own values.
-JSON_CELLS = b"packtools.json_cells"
 #: An object longer than this (in characters) is reported as malformed rather than read on to the end.
 MAX_OBJECT_CHARS = 1 << 27
-
-
 _WRAPPED = re.compile(rb'^\s*\{\s*"(?:[^"\\]|\\.)*"\s*:\s*\[')
 
 
@@ -211,14 +203,18 @@ def iter_json_lines(
                         # valid JSON whose chat cells differ in type (a content string here, parts there):
                         # Python's reading of the block, chat cells as their own JSON (see _table)
                         objs = _objects(path, data, None)
-                        yield rel + data.count(b"\n", 0, len(data) - len(body)), _table(path, objs, base.value + rel)
+                        yield (
+                            rel + data.count(b"\n", 0, len(data) - len(body)),
+                            _table(path, objs, base.value + rel),
+                        )
                         rel += data.count(b"\n")
                         continue
                     raise (err or _arrow_json_error(path, data, base.value + rel, exc)) from None
                 if not data.isascii() and not _valid_utf8(table, data):
                     err = _find_bad_line(path, data, base.value + rel)
                     raise (err or PackingError(f"input {path!r}: not UTF-8.")) from None
-                table = own_json_cells(table, lambda: _objects(path, data, table.num_rows))
+                rows = table.num_rows
+                table = own_json_cells(table, lambda d=data, n=rows: _objects(path, d, n))
                 yield rel + data.count(b"\n", 0, len(data) - len(body)), table
             rel += data.count(b"\n")
 
@@ -365,45 +361,11 @@ def _objects(path: str, data: bytes, rows: int | None) -> list[dict]:
     return objs
 
 
-def _json_text(value: object) -> str | None:
-    return None if value is None else json.dumps(value, ensure_ascii=False)
-
-
-def own_json_cells(table: pa.Table, objects: Callable[[], list[dict]]) -> pa.Table:
-    """``table`` with each :data:`CHAT_COLUMNS` column that Arrow did not read as plain strings replaced by the
-    JSON text of each row's own value (``objects()``: the rows as Python parsed them), marked with
-    :data:`JSON_CELLS` so :func:`cells` gives the values back as the file wrote them."""
-    names = [
-        n
-        for n in CHAT_COLUMNS
-        if n in table.column_names and not pa.types.is_string(t := table.schema.field(n).type)
-        and not pa.types.is_large_string(t)
-    ]
-    if not names:
-        return table
-    rows = objects()
-    for name in names:
-        field = pa.field(name, pa.large_string(), metadata={JSON_CELLS: b"1"})
-        column = pa.array([_json_text(row.get(name)) for row in rows], pa.large_string())
-        table = table.set_column(table.schema.get_field_index(name), field, column)
-    return table
-
-
-def cells(table: pa.Table, name: str) -> list:
-    """Column ``name`` of ``table`` as Python values: a :data:`JSON_CELLS` column's JSON texts parsed (the input's
-    own keys and types), any other column as Arrow gives it."""
-    field = table.schema.field(name)
-    values = table.column(name).to_pylist()
-    if field.metadata and field.metadata.get(JSON_CELLS):
-        return [None if v is None else json.loads(v) for v in values]
-    return values
-
-
 def _table(path: str, rows: list[dict], line: int) -> pa.Table:
     keys = list(
         dict.fromkeys(k for row in rows for k in row)
     )  # every object's keys (from_pylist takes the first's)
-    chat = {k: [_json_text(row.get(k)) for row in rows] for k in keys if k in CHAT_COLUMNS}
+    chat = {k: [json_text(row.get(k)) for row in rows] for k in keys if k in CHAT_COLUMNS}
     chat = {k: v for k, v in chat.items() if any(x is not None and not x.startswith('"') for x in v)}
     try:
         fields, arrays = [], []

@@ -13,15 +13,18 @@ rendering (one render per conversation with ``{% generation %}`` markers; withou
 and one per prefix before it, the incremental rule of :mod:`packtools.pipeline.chat_labels`), the fast engine's
 encoding, and the masks (numpy on byte offsets computed from the ids).
 
->>> clean_messages([{"role": "user", "content": "hi", "tool_calls": None}], "messages", 0)
-[{'role': 'user', 'content': 'hi'}]
+What a conversation cell becomes before the template sees it is :mod:`packtools.pipeline.chat_values`.
+
+>>> r = ChatRenderer("{{ messages[0]['content'] }}", {})
+>>> render_difference(r, ChatRenderer("{{ messages[0]['content'] | upper }}", {}), [[{"role": "user", "content": "hi"}]], False)
+"messages[:1] of [{'role': 'user', 'content': 'hi'}] with add_generation_prompt=False, tools=None: 'hi' != 'HI'"
 """
 
 from __future__ import annotations
 
 import time
 import unicodedata
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -31,116 +34,14 @@ import pyarrow as pa
 from ..core import ragged
 from ..core.ragged import Ragged
 from ..errors import PackingError
-from ..io.json import cells
+from ..io.json_cells import cells
 from . import chat_labels, engine_proof, proof_cache
 from . import fast_tokenize as fast_engine
 from .chat_render import ChatRenderer, read_settings
+from .chat_values import TYPED_CONVERSATIONS, TYPED_TOOLS, clean_messages, plain_value, render_difference
 from .formats import Row
 from .formats import at as _at
 from .formats import shift as _shift
-
-
-def plain_value(value: Any) -> Any:
-    """``value`` as the plain JSON types a chat template sees through transformers (its
-    ``_plain_template_data``): subclasses of str/int/float (enums, numpy floats) as the base type, numpy scalars
-    as Python ones, mappings, lists and tuples rebuilt, anything else (a ``datetime``, a ``Decimal``, bytes) as
-    the placeholder ``<TypeName>``."""
-    kind = type(value)
-    if value is None or kind in (str, int, float, bool):
-        return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {plain_value(k): plain_value(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [plain_value(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(plain_value(v) for v in value)
-    if isinstance(value, np.generic):
-        return plain_value(value.item())
-    return f"<{kind.__name__}>"
-
-
-def clean_messages(conv: Any, name: str, row: Row) -> list[dict[str, Any]]:
-    """A conversation cell as a list of message dicts without None values, its values made plain as
-    transformers makes them (:func:`plain_value`), or an error naming the row."""
-    if not isinstance(conv, list) or not all(isinstance(m, dict) and m.get("role") is not None for m in conv):
-        raise PackingError(  # Arrow gives a message's missing "role" as None: that is a missing role too
-            f"{_at(row)}: column {name!r} is not a list of messages ({{'role': ..., 'content': ...}}, every "
-            f"message with a role); fix that row."
-        )
-    # a message of string values only is kept as it is (the cell's rows are fresh dicts): the common case
-    return [
-        m
-        if all(type(v) is str for v in m.values())
-        else {k: plain_value(v) for k, v in m.items() if v is not None}
-        for m in conv
-    ]
-
-
-#: Conversations with typed values, tool calls and content lists, proven with the adversarial ones: the template
-#: must render them as transformers does (raise or not, and what) before jinja2 alone renders the data.
-TYPED_CONVERSATIONS: list[list[dict[str, Any]]] = [
-    [
-        {"role": "system", "content": "tools ready"},
-        {"role": "user", "content": "weather in Paris, two guests?"},
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [
-                {
-                    "type": "function",
-                    "function": {
-                        "name": "get_weather",
-                        "arguments": {"city": "Paris", "guests": 2, "price": 12.5, "id": 12345678901234567890,
-                                      "flags": [True, False], "when": "2024-01-02 10:00:00", "nested": {"a": [1]}},
-                    },
-                }
-            ],
-        },
-        {"role": "tool", "name": "get_weather", "content": '{"temperature": 21.5}'},
-        {"role": "assistant", "content": "21.5 degrees"},
-    ],
-    [
-        {"role": "user", "content": [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "what is it?"}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "a cat"}]},
-    ],
-    [
-        {"role": "user", "content": "count", "name": "x", "score": 10, "weight": 0.25, "ok": True},
-        {"role": "assistant", "content": "1 2 3", "reasoning_content": "count up"},
-    ],
-]
-
-
-#: Tool schemas (TRL's ``tools`` column) the proof renders conversations with, as transformers passes them.
-TYPED_TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "guests": {"type": "integer", "minimum": 1}},
-                "required": ["city"],
-            },
-        },
-    }
-]
-
-
-def tools_difference(mine: Any, theirs: Any, convs: Sequence[list[dict[str, Any]]], tags: bool) -> str | None:
-    """:func:`render_difference` with :data:`TYPED_TOOLS` given to both renderers as ``tools``."""
-    mine.tools = theirs.tools = TYPED_TOOLS
-    try:
-        why = render_difference(mine, theirs, convs[:3] + TYPED_CONVERSATIONS, tags)
-    finally:
-        mine.tools = theirs.tools = None
-    return None if why is None else f"with tools: {why}"
 
 
 def _version(name: str) -> str:
@@ -182,28 +83,6 @@ class TransformersRenderer:
 def _first(rendered: tuple[list[str], list[list[tuple[int, int]]]]) -> tuple[str, list[tuple[int, int]]]:
     """The one conversation's ``(text, spans)`` of :func:`chat_labels.incremental_spans` over a list of one."""
     return rendered[0][0], rendered[1][0]
-
-
-def _outcome(fn: Any, *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except Exception as exc:  # noqa: BLE001 - a template that raises must raise the same on both sides
-        return ("raised", type(exc).__name__, str(exc))
-
-
-def render_difference(
-    mine: Any, theirs: Any, convs: Sequence[list[dict[str, Any]]], tags: bool
-) -> str | None:
-    """Where renderer ``mine`` first renders ``convs`` differently from ``theirs`` (None: nowhere)."""
-    for conv in convs:
-        for k in range(1, len(conv) + 1):  # both refuse an empty conversation
-            for prompt in (False, True):
-                a, b = _outcome(mine.render, conv[:k], prompt), _outcome(theirs.render, conv[:k], prompt)
-                if a != b:
-                    return f"messages[:{k}] of {conv!r:.120} with add_generation_prompt={prompt}: {a!r:.80} != {b!r:.80}"
-        if tags and _outcome(mine.render_spans, conv) != _outcome(theirs.render_spans, conv):
-            return f"the {{% generation %}} spans of {conv!r:.120}"
-    return None
 
 
 class ChatTokens:
@@ -260,8 +139,10 @@ class ChatTokens:
             elif specials != tok.special_tokens_map:
                 why = f"transformers passes other special tokens ({tok.special_tokens_map})"
             else:
-                why = render_difference(mine, TransformersRenderer(tok), convs, self.generation_tags(mine))
-                why = why or tools_difference(mine, TransformersRenderer(tok), convs, self.generation_tags(mine))
+                theirs, tags = TransformersRenderer(tok), self.generation_tags(mine)
+                why = render_difference(mine, theirs, convs, tags) or render_difference(
+                    mine, theirs, convs[:3] + TYPED_CONVERSATIONS, tags, TYPED_TOOLS
+                )
             if why is not None:
                 return self._transformers(f"jinja2 alone rendered differently: {why}")
             checked = {"adversarial_conversations": len(convs)}
@@ -284,9 +165,8 @@ class ChatTokens:
 
     def set_tools(self, tools: Any) -> None:
         """The tool schemas the renderings that follow pass to the template (None: none)."""
-        if tools is None and self._renderer is None:
-            return
-        self.renderer.tools = None if tools is None else plain_value(tools)
+        if tools is not None or self._renderer is not None:  # None needs no renderer built for it
+            self.renderer.tools = plain_value(tools)
 
     @staticmethod
     def generation_tags(renderer: Any) -> bool:

@@ -13,7 +13,6 @@ packtools.errors.PackingError: format='tokenized' cannot be tokenized; use one o
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -25,8 +24,8 @@ from ..constants import IGNORE_INDEX
 from ..core import ragged
 from ..core.ragged import Ragged
 from ..errors import PackingError
-from ..io.json import cells
-from . import chat, engine_proof, reference, tokenizer_load
+from ..io.json_cells import cells
+from . import chat, chat_values, engine_proof, reference, tokenizer_load
 from . import fast_tokenize as fast_engine
 from .char_drops import DropCounter, check_on_unencodable
 from .engine_proof import Proof
@@ -352,46 +351,11 @@ class BatchTokenizer:
 
     def _tokenize(self, table: pa.Table, first_row: Row) -> pa.Table:
         if "tools" in table.column_names:
-            return self._with_tools(table, first_row)
-        return self._tokenize_rows(table, first_row)
+            return chat_values.by_tools(self, table, first_row)
+        return self.tokenize_rows(table, first_row)
 
-    def _with_tools(self, table: pa.Table, first_row: Row) -> pa.Table:
-        """Rows with a ``tools`` column, tokenized in groups of equal tools with the template seeing that group's
-        ``tools`` (as TRL passes each row's to ``apply_chat_template``), then put back in their order."""
-        tools = cells(table, "tools")
-        table = table.drop_columns(["tools"])
-        groups: dict[str, list[int]] = {}
-        for i, t in enumerate(tools):
-            if t is not None and not (isinstance(t, list) and all(isinstance(x, dict) for x in t)):
-                raise PackingError(
-                    f"{at(first_row, i)}: column 'tools' is {type(t).__name__}, not a list of tool schemas "
-                    f"({{'type': 'function', 'function': {{...}}}}) or null; fix that row."
-                )
-            groups.setdefault(json.dumps(t, sort_keys=True), []).append(i)
-        if self.fmt != "messages":
-            prompts = cells(table, "prompt")
-            plain = next((i for i, t in enumerate(tools) if t is not None and isinstance(prompts[i], str)), None)
-            if plain is not None:
-                raise PackingError(
-                    f"{at(first_row, plain)}: the row has 'tools' but a plain-text prompt, and only a chat template "
-                    f"can show tools to the model; give the prompt as messages, or drop the 'tools' column."
-                )
-        parts, order = [], []
-        try:
-            for rows in groups.values():
-                self.chat.set_tools(tools[rows[0]])
-                if len(groups) == 1:
-                    return self._tokenize_rows(table, first_row)
-                named = lambda j=0, rows=rows: at(first_row, rows[j])  # noqa: E731 - the group's row j
-                parts.append(self._tokenize_rows(table.take(rows), named))
-                order += rows
-        finally:
-            self.chat.set_tools(None)
-        back = np.empty(len(order), np.int64)
-        back[np.asarray(order, np.int64)] = np.arange(len(order))
-        return pa.concat_tables(parts).take(back).combine_chunks()
-
-    def _tokenize_rows(self, table: pa.Table, first_row: Row) -> pa.Table:
+    def tokenize_rows(self, table: pa.Table, first_row: Row) -> pa.Table:
+        """The token table of a batch without a ``tools`` column (:func:`chat_values.by_tools` splits by it)."""
         missing = [c for c in input_columns(self.fmt) if c not in table.column_names]
         if missing:
             raise PackingError(
