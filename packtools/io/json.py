@@ -26,7 +26,7 @@ from typing import IO
 import pyarrow as pa
 
 from ..errors import PackingError
-from .json_cells import CHAT_COLUMNS, JSON_CELLS, json_text, own_json_cells
+from .json_cells import CHAT_COLUMNS, line_array, own_json_cells, value_column
 
 BLOCK_BYTES = 1 << 24
 #: An object longer than this (in characters) is reported as malformed rather than read on to the end.
@@ -202,7 +202,7 @@ def iter_json_lines(
                     if err is None and "changed from" in str(exc) and _in_chat_column(str(exc)):
                         # valid JSON whose chat cells differ in type (a content string here, parts there):
                         # Python's reading of the block, chat cells as their own JSON (see _table)
-                        objs = _objects(path, data, None)
+                        objs = [json.loads(raw) for raw in _lines(path, data, None)]
                         yield (
                             rel + data.count(b"\n", 0, len(data) - len(body)),
                             _table(path, objs, base.value + rel),
@@ -214,7 +214,7 @@ def iter_json_lines(
                     err = _find_bad_line(path, data, base.value + rel)
                     raise (err or PackingError(f"input {path!r}: not UTF-8.")) from None
                 rows = table.num_rows
-                table = own_json_cells(table, lambda d=data, n=rows: _objects(path, d, n))
+                table = own_json_cells(table, lambda d=data, n=rows: line_array(_lines(path, d, n)))
                 yield rel + data.count(b"\n", 0, len(data) - len(body)), table
             rel += data.count(b"\n")
 
@@ -350,34 +350,40 @@ def _in_chat_column(message: str) -> bool:
     return found is not None and found.group(1) in CHAT_COLUMNS
 
 
-def _objects(path: str, data: bytes, rows: int | None) -> list[dict]:
-    """The JSON objects of the lines of ``data`` (a block Arrow has read as ``rows`` rows), parsed by Python."""
-    objs = [json.loads(raw) for raw in data.split(b"\n") if raw.strip()]
-    if rows is not None and len(objs) != rows:  # Arrow and Python disagree on what the block holds
+def _lines(path: str, data: bytes, rows: int | None) -> list[bytes]:
+    """The non-blank lines of ``data`` (a block Arrow has read as ``rows`` rows)."""
+    lines = [raw for raw in data.split(b"\n") if raw.strip()]
+    if rows is not None and len(lines) != rows:  # Arrow and Python disagree on what the block holds
         raise PackingError(
-            f"input {path!r}: a block read as {rows} rows by Arrow holds {len(objs)} JSON objects; is the file "
+            f"input {path!r}: a block read as {rows} rows by Arrow holds {len(lines)} JSON lines; is the file "
             f"being written while it is read?"
         )
-    return objs
+    return lines
 
 
 def _table(path: str, rows: list[dict], line: int) -> pa.Table:
     keys = list(
         dict.fromkeys(k for row in rows for k in row)
     )  # every object's keys (from_pylist takes the first's)
-    chat = {k: [json_text(row.get(k)) for row in rows] for k in keys if k in CHAT_COLUMNS}
-    chat = {k: v for k, v in chat.items() if any(x is not None and not x.startswith('"') for x in v)}
+    # nested chat cells: each row's own value, as JSON (see json_cells); plain strings stay strings
+    chat = [
+        k
+        for k in keys
+        if k in CHAT_COLUMNS
+        and any(row.get(k) is not None and not isinstance(row.get(k), str) for row in rows)
+    ]
+    fields, arrays = [], []
     try:
-        fields, arrays = [], []
         for k in keys:
-            if k in chat:  # nested chat cells: each row's own JSON (see own_json_cells)
-                fields.append(pa.field(k, pa.large_string(), metadata={JSON_CELLS: b"1"}))
-                arrays.append(pa.array(chat[k], pa.large_string()))
-            else:
-                arrays.append(pa.array([row.get(k) for row in rows]))
-                fields.append(pa.field(k, arrays[-1].type))
-        return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+            field, array = (
+                value_column(k, [row.get(k) for row in rows])
+                if k in chat
+                else (None, pa.array([row.get(k) for row in rows]))
+            )
+            fields.append(field or pa.field(k, array.type))
+            arrays.append(array)
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         raise PackingError(
             f"input {path!r} objects from line {line}: values of one key disagree in type ({exc}); fix the data."
         ) from None
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
