@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -45,7 +44,9 @@ def test_a_file_cut_while_packing_says_so_not_malformed_json(tmp_path, monkeypat
     (found,) = files.discover([str(src)])
     with open(src, "r+b") as fh:  # a writer cuts the file mid-line after the run found it
         fh.truncate(os.path.getsize(src) - 7)
-    with pytest.raises(PackingError, match=r"changed while packing \(\d+ bytes when the run started, \d+ now\)"):
+    with pytest.raises(
+        PackingError, match=r"changed while packing \(\d+ bytes when the run started, \d+ now\)"
+    ):
         list(files.iter_part(files.Part(found)))
 
 
@@ -91,7 +92,9 @@ def test_unpack_takes_a_datasets_dataset():
     packed = pack_dataset(datasets.Dataset.from_list(rows), 8, "bfd_split")
     got = unpack(packed)
     assert isinstance(got, pa.Table)
-    assert sorted(map(tuple, got.column("input_ids").to_pylist())) == sorted(tuple(r["input_ids"]) for r in rows)
+    assert sorted(map(tuple, got.column("input_ids").to_pylist())) == sorted(
+        tuple(r["input_ids"]) for r in rows
+    )
     # a selection of the dataset is unpacked as selected (not the table under it)
     first = unpack(packed.select([0]))
     assert first.num_rows == len(packed[0]["seq_lengths"])
@@ -138,6 +141,26 @@ def test_a_collator_failing_in_the_probe_is_named():
 
     from packtools.integrations import check_isolation
 
-    with pytest.raises(PackingError, match=r"data collator \(PadsNested\) failed on the isolation probe") as err:
+    with pytest.raises(
+        PackingError, match=r"data collator \(PadsNested\) failed on the isolation probe"
+    ) as err:
         check_isolation(tiny_llama("sdpa"), PadsNested())
     assert "excessive nesting" in str(err.value) and "PaddingFreeCollator" in str(err.value)
+
+
+def test_fewer_rows_than_processes_is_refused_naming_the_fix():
+    """U10 in one process: the per-rank sampler of 2 processes over 1 packed row (was: 0 batches on a rank and
+    Trainer's "args.max_steps must be set"); the 2-process run is in test_distributed.py."""
+    from types import SimpleNamespace
+
+    from packtools.integrations.budget_loader import make_sampler
+
+    def trainer(rank):
+        args = SimpleNamespace(
+            world_size=2, process_index=rank, per_device_train_batch_size=2, seed=0, data_seed=None
+        )
+        return SimpleNamespace(args=args)
+
+    with pytest.raises(PackingError, match=r"1 training row\(s\) cannot give each of 2 processes a batch"):
+        make_sampler(trainer(0), [0], None)
+    assert [len(make_sampler(trainer(r), [0, 1], None)) for r in (0, 1)] == [1, 1]
