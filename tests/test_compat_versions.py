@@ -29,7 +29,9 @@ def test_the_installed_versions_are_inside_the_checked_ranges(library):
     pytest.importorskip(library)
     module = importlib.import_module(COMPAT[library])
     installed = compat.version(library)
-    assert compat.within(installed, module.CHECKED), f"{library} {installed} is outside CHECKED {module.CHECKED}"
+    assert compat.within(installed, module.CHECKED), (
+        f"{library} {installed} is outside CHECKED {module.CHECKED}"
+    )
 
 
 def test_ranges_and_releases():
@@ -41,7 +43,9 @@ def test_ranges_and_releases():
 def test_a_version_outside_the_range_is_said_once(monkeypatch):
     monkeypatch.setattr(compat, "version", lambda name: {"fakelib": "9.1.0"}.get(name))
     monkeypatch.setattr(compat, "_WARNED", set())
-    with pytest.warns(compat.UncheckedVersionWarning, match=r"fakelib 9\.1\.0 .* checked against fakelib 1\.0 - 2\.0"):
+    with pytest.warns(
+        compat.UncheckedVersionWarning, match=r"fakelib 9\.1\.0 .* checked against fakelib 1\.0 - 2\.0"
+    ):
         compat.warn_unchecked("fakelib", "1.0 - 2.0")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -55,7 +59,9 @@ def test_importing_a_compat_module_warns_on_an_unchecked_version(monkeypatch):
 
     monkeypatch.setattr(compat, "version", lambda name: "99.0.0")
     monkeypatch.setattr(compat, "_WARNED", set())
-    with pytest.warns(compat.UncheckedVersionWarning, match=r"accelerate 99\.0\.0.*accelerate 1\.10\.1 - 1\.16\.0"):
+    with pytest.warns(
+        compat.UncheckedVersionWarning, match=r"accelerate 99\.0\.0.*accelerate 1\.10\.1 - 1\.16\.0"
+    ):
         importlib.reload(acc)
 
 
