@@ -164,3 +164,28 @@ def test_fewer_rows_than_processes_is_refused_naming_the_fix():
     with pytest.raises(PackingError, match=r"1 training row\(s\) cannot give each of 2 processes a batch"):
         make_sampler(trainer(0), [0], None)
     assert [len(make_sampler(trainer(r), [0, 1], None)) for r in (0, 1)] == [1, 1]
+
+
+class AddsMask:
+    """A collator that adds an all-ones attention_mask to padding-free batches (what SFTTrainer's default does)."""
+
+    def __init__(self):
+        from packtools import PaddingFreeCollator
+
+        self.inner = PaddingFreeCollator(0, return_flash_attn_kwargs=False, return_seq_idx=False)
+
+    def __call__(self, rows):
+        batch = self.inner(rows)
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+        return batch
+
+
+def test_the_leak_refusal_names_the_collator_and_the_argument_to_change():
+    """newcomer 5: the refusal of a collator that adds an attention_mask names it and `data_collator=`."""
+    from _hf_models import tiny_llama
+
+    from packtools.integrations import check_isolation
+
+    with pytest.raises(PackingError, match=r"from AddsMask\)") as err:
+        check_isolation(tiny_llama("sdpa"), AddsMask())
+    assert "data_collator=packtools.PaddingFreeCollator(tokenizer.pad_token_id)" in str(err.value)

@@ -27,7 +27,7 @@ from .backends import (
     forward_accepts,
     token_mixing_layers,
 )
-from .probe_refusals import collator_failed, fix_hint, mixer_refusal, translate
+from .probe_refusals import collator_failed, collator_name, fix_hint, mixer_refusal, translate
 from .rows import locate_rows, sequence_spans
 
 #: Sequence lengths of the probe batch (two packed rows of two sequences each).
@@ -351,7 +351,8 @@ def check_isolation(
             f"{name} with attn_implementation={impl!r} lets packed sequences see each other: the logits of a "
             f"sequence in a packed batch differ by up to {max(diffs):.1e} from the sequence run alone and move "
             f"by {perturb:.1e} when another sequence of the batch changes (tolerances {tol:.1e} and "
-            f"{perturb_tol:.1e}; batch keys {list(keys)}). {fix_hint(keys, mixers, impl)} (prepare_trainer(..., check_isolation=False) "
+            f"{perturb_tol:.1e}; batch keys {list(keys)} from {collator_name(collator)}). "
+            f"{fix_hint(keys, mixers, impl)} (prepare_trainer(..., check_isolation=False) "
             f"skips this check; training would then be silently wrong.)\n{report}"
         )
     return report

@@ -38,10 +38,15 @@ def mixer_refusal(model_name: str, impl: str | None, mixers: Sequence[str], deta
     )
 
 
+def collator_name(collator: Any) -> str:
+    """The class name of the collator the probe ran (the trainer's, inside collator_check.ProbeRows)."""
+    inner = getattr(collator, "collate", collator)
+    return type(getattr(inner, "__self__", inner)).__name__
+
+
 def collator_failed(collator: Any, packed: bool, exc: Exception) -> PackingError:
     """A collator's own exception on the probe's rows, as the refusal naming the collator."""
-    inner = getattr(collator, "collate", collator)  # collator_check.ProbeRows holds the trainer's
-    name = type(getattr(inner, "__self__", inner)).__name__
+    name = collator_name(collator)
     what = (
         "packed rows (several sequences a row, with seq_lengths)" if packed else "rows of one sequence each"
     )
@@ -56,8 +61,10 @@ def collator_failed(collator: Any, packed: bool, exc: Exception) -> PackingError
 def fix_hint(keys: Sequence[str], mixers: Sequence[str], impl: str | None) -> str:
     if "attention_mask" in keys:
         return (
-            "The batch carries an attention_mask, which makes transformers ignore the packed position_ids; "
-            "drop it (PaddingFreeCollator never emits one with packed rows)."
+            "The batch carries an attention_mask, which makes transformers ignore the packed position_ids: the "
+            "collator named above adds it (SFTTrainer builds one that does when no data_collator is given). Pass "
+            "data_collator=packtools.PaddingFreeCollator(tokenizer.pad_token_id), which never emits one with "
+            "packed rows."
         )
     if "position_ids" not in keys and not any(k.startswith("cu_seq_lens") for k in keys):
         return (
