@@ -231,3 +231,23 @@ def test_render_proof_covers_typed_values_tool_calls_and_parts(tok_dir):
     wrong = _IntsAsFloats(mine)
     assert render_difference(wrong, theirs, plain, False) is None  # the old proof set cannot see it
     assert render_difference(wrong, theirs, TYPED_CONVERSATIONS, False).startswith("messages[:3] of ")
+
+
+def test_conversational_preference_rows_keep_their_own_values(tmp_path, tok_dir):
+    """prompt / chosen / rejected cells of one JSON line each keep their own keys and types (three columns read
+    from the same row's line)."""
+    from packtools.pipeline.tokenize import BatchTokenizer
+
+    rows = [
+        {"prompt": c[:1], "chosen": c[1:], "rejected": [{"role": "assistant", "content": "no idea"}]}
+        for c in TOOL_CALLS
+    ]
+    src = tmp_path / "pref.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ((_, table),) = list(iter_json_lines(str(src)))
+    out = BatchTokenizer(tok_dir, "preference")(table).to_pydict()
+    tok = load(tok_dir)
+    for i, r in enumerate(rows):
+        for side in ("chosen", "rejected"):
+            want = tok.apply_chat_template(r["prompt"] + r[side], tokenize=True, return_dict=False)
+            assert out["prompt_input_ids"][i] + out[f"{side}_input_ids"][i] == want
