@@ -127,7 +127,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     cases = [
         ("padded", dataset, args.batch_size, PaddingFreeCollator(0, padding_free=False, unpacked=True)),
         ("packed", packed, args.rows_per_batch, PaddingFreeCollator(0)),
-        ("packed-2d", packed, args.rows_per_batch, PaddingFreeCollator(0, padding_free=False)),
+        (
+            "packed-2d",
+            packed,
+            args.rows_per_batch,
+            PaddingFreeCollator(0, padding_free=False, attn_implementation="sdpa"),
+        ),
         ("packed-seq", packed, args.rows_per_batch, PaddingFreeCollator(0)),
     ]
     for name, data, batch_size, collator in cases:

@@ -263,6 +263,40 @@ def check_refusal(out):
     return None
 
 
+def _outcome(dataset, out, **overrides):
+    """What prepare_trainer + train() say on ``dataset`` under this launch: "trained", a PackingError's message,
+    or another exception (the crash the refusal replaces) as "Type: message"."""
+    trainer = transformers.Trainer(
+        model=tiny_llama("sdpa"),
+        args=args(out, **overrides),
+        train_dataset=dataset,
+        data_collator=PaddingFreeCollator(PAD),
+    )
+    try:
+        prepare_trainer(trainer)
+        trainer.train()
+    except PackingError as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - recorded for the test to show
+        return f"{type(e).__name__}: {e}"
+    return "trained"
+
+
+def check_stream(out):
+    """A packed IterableDataset, and a dataset of one packed row, under 2 processes (U10, newcomer 2)."""
+    rows = datasets.Dataset.from_list(sequences(40, seed=5, masks=False))
+    stream = pack_dataset(rows.to_iterable_dataset(), 32)
+    one_row = pack_dataset(datasets.Dataset.from_list(sequences(3, seed=1, masks=False)), 512)
+    assert one_row.num_rows == 1
+    return {
+        "stream": _outcome(stream, out, max_steps=2),
+        "one_row": _outcome(one_row, out),
+    }
+
+
+ON_REQUEST = ("stream",)  # refusals, run only when named (tests/test_distributed.py launches them apart)
+
+
 def main(out: str) -> None:
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
@@ -276,10 +310,11 @@ def main(out: str) -> None:
         ("resume", check_resume),
         ("refusal", check_refusal),
         ("loops", check_loops),
+        ("stream", check_stream),
     )
     only = sys.argv[2].split(",") if len(sys.argv) > 2 else None  # e.g. "loops": run some checks only
     for name, check in checks:
-        if only and name not in only:
+        if (only and name not in only) or (not only and name in ON_REQUEST):
             continue
         start = time.time()
         try:

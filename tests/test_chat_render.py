@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from packtools.errors import PackingError
-from packtools.pipeline import adversarial, chat, fast_tokenize  # noqa: E402
+from packtools.pipeline import adversarial, chat, chat_values, fast_tokenize  # noqa: E402
 from packtools.pipeline.chat_render import ChatRenderer, read_settings  # noqa: E402
 from packtools.pipeline.tokenize import BatchTokenizer  # noqa: E402
 
@@ -181,9 +181,9 @@ def test_render_equals_jinja_template_render(template):
         cuts = [(k, prompt) for k in range(1, len(conv) + 1) for prompt in (False, True)]
         prefixes = mine.render_prefixes(conv, cuts)
         for k, prompt in cuts:
-            want = chat._outcome(jinja, conv[:k], prompt)
-            assert chat._outcome(mine.render, conv[:k], prompt) == want
-            assert chat._outcome(next, prefixes) == want
+            want = chat_values._outcome(jinja, conv[:k], prompt)
+            assert chat_values._outcome(mine.render, conv[:k], prompt) == want
+            assert chat_values._outcome(next, prefixes) == want
             if isinstance(want, tuple):  # raised: a generator that raised is finished
                 prefixes = mine.render_prefixes(conv, cuts[cuts.index((k, prompt)) + 1 :])
 

@@ -210,7 +210,9 @@ def test_rows_without_seq_lengths_are_one_sequence_when_unpacked_and_empty_rows_
 
 def test_padded_mode_packed_rows_have_no_attention_mask():
     rows = [{"input_ids": [1, 2, 3, 4, 5], "seq_lengths": [2, 3]}, {"input_ids": [6, 7], "seq_lengths": [2]}]
-    b = PaddingFreeCollator(pad_token_id=0, padding_free=False, pad_to_multiple_of=4)(rows)
+    b = PaddingFreeCollator(
+        pad_token_id=0, padding_free=False, pad_to_multiple_of=4, attn_implementation="sdpa"
+    )(rows)
     assert set(b) == {"input_ids", "labels", "position_ids"}
     assert b["input_ids"].tolist() == [[1, 2, 3, 4, 5, 0, 0, 0], [6, 7, 0, 0, 0, 0, 0, 0]]
     assert b["position_ids"].tolist() == [[0, 1, 0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3, 4, 5]]
@@ -220,7 +222,9 @@ def test_padded_mode_packed_rows_have_no_attention_mask():
 @settings(max_examples=40, deadline=None)
 @given(rows=packed_rows(), multiple=st.sampled_from([None, 4]))
 def test_padded_mode_agrees_with_padding_free_row_by_row(rows, multiple):
-    padded = PaddingFreeCollator(pad_token_id=0, padding_free=False, pad_to_multiple_of=multiple)(rows)
+    padded = PaddingFreeCollator(
+        0, padding_free=False, pad_to_multiple_of=multiple, attn_implementation="sdpa"
+    )(rows)
     flat = PaddingFreeCollator(pad_token_id=0)(rows)
     B, T = padded["input_ids"].shape
     assert B == len(rows) and T % (multiple or 1) == 0 and T >= max(len(r["input_ids"]) for r in rows)
@@ -243,7 +247,7 @@ def test_padded_mode_packed_rows_give_block_diagonal_attention_in_transformers()
     from transformers.masking_utils import find_packed_sequence_indices
 
     rows = [{"input_ids": [1, 2, 3, 4, 5], "seq_lengths": [1, 4]}, {"input_ids": [6, 7], "seq_lengths": [2]}]
-    b = PaddingFreeCollator(pad_token_id=0, padding_free=False)(rows)
+    b = PaddingFreeCollator(pad_token_id=0, padding_free=False, attn_implementation="sdpa")(rows)
     found = find_packed_sequence_indices(b["position_ids"])
     assert found.tolist() == [[0, 1, 1, 1, 1], [0, 0, 1, 1, 1]]
 

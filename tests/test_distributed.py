@@ -38,18 +38,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
+def _launch(out, *only):
+    """Run tests/_ddp_worker.py on 2 processes (only the named checks, when given); the per-rank results."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-        str(ROOT / "tests" / "_ddp_worker.py"), str(out),
+        str(ROOT / "tests" / "_ddp_worker.py"), str(out), *([",".join(only)] if only else []),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("ddp"))
+
+
+@pytest.mark.slow
+def test_a_stream_and_a_single_row_under_two_processes_are_refused_with_the_fix(tmp_path):
+    """A packed IterableDataset under 2 processes (was: TypeError inside packtools), and one packed row on 2
+    processes (was: Trainer's "args.max_steps must be set"): each refused by prepare_trainer naming the fix."""
+    for res in _launch(tmp_path, "stream"):
+        got = res["stream"]
+        assert "error" not in got, got.get("error")
+        assert got["stream"].startswith(
+            "the training dataset is a stream (IterableDataset) under 2 processes"
+        )
+        assert "datasets.Dataset.from_generator" in got["stream"]
+        assert got["one_row"].startswith("1 training row(s) cannot give each of 2 processes a batch")
 
 
 def ok(ranks, *names):

@@ -69,7 +69,11 @@ def _zebra_after_first_file(tmp_path):
     return [a, b]
 
 
-EXECUTORS = ["local", pytest.param("pool", marks=pytest.mark.slow), pytest.param("ray", marks=pytest.mark.slow)]
+EXECUTORS = [
+    "local",
+    pytest.param("pool", marks=pytest.mark.slow),
+    pytest.param("ray", marks=pytest.mark.slow),
+]
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)

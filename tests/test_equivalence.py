@@ -64,7 +64,7 @@ def test_padded_mode_rows_equal_one_by_one(impl):
     seqs = sequences(10, seed=2)
     rows = packed_rows(seqs, max_length=24)
     model = tiny_llama(impl)
-    batch = PaddingFreeCollator(0, padding_free=False)(rows)
+    batch = PaddingFreeCollator(0, padding_free=False, attn_implementation=impl)(rows)
     assert batch["input_ids"].shape[0] == len(rows) and "attention_mask" not in batch
     out = model(**batch, use_cache=False)
     out.loss.backward()

@@ -255,3 +255,35 @@ def test_mixers_that_take_seq_idx_but_leak_are_refused_with_the_mixer_fix():
     assert "instead of 'sdpa'" not in str(err.value)
     report = check_isolation(model, raise_on_leak=False)
     assert "seq_idx" in report.keys and report.leaks
+
+
+def _jitter(model, size, seed=0):
+    """Make the model's forward not bitwise reproducible, as CUDA's unordered atomic sums make a MoE block:
+    every call adds fresh noise of ``size`` (relative to the logits) to its logits."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def hook(module, args, kwargs, out):
+        scale = out.logits.abs().max()
+        out.logits = out.logits + size * scale * (torch.rand(out.logits.shape, generator=gen) - 0.5)
+        return out
+
+    model.register_forward_hook(hook, with_kwargs=True)
+    return model
+
+
+def test_a_model_with_run_to_run_noise_is_judged_by_its_own_noise():
+    """Off the CPU the probe runs the same inputs twice and takes the model's own noise into its tolerances
+    (stated in the report); an isolated but noisy model is not refused, a leak is still caught, and on the CPU
+    nothing changes (exact)."""
+    noisy = _jitter(tiny_llama("sdpa"), 1e-4)
+    # negative control: judged as if the forward were reproducible (the CPU rule), its noise reads as a leak
+    assert check_isolation(noisy, raise_on_leak=False).leaks
+    report = check_isolation(noisy, measure_noise=True)  # raises if judged leaking
+    assert report.noise is not None and 0 < report.noise < 1e-3
+    assert report.perturb_tolerance >= 10 * report.noise and "run-to-run noise" in str(report)
+    leaky = _jitter(tiny_llama("sdpa"), 1e-4)
+    leaky.set_attn_implementation(register_leaky_sdpa(eps=0.02))
+    with pytest.raises(PackingError, match="lets packed sequences see each other"):
+        check_isolation(leaky, measure_noise=True)
+    exact = check_isolation(tiny_llama("sdpa"))
+    assert exact.noise is None and exact.perturb_tolerance < 1e-4 and "not measured" in str(exact)

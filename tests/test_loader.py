@@ -64,7 +64,11 @@ def test_arrow_path_equals_list_collator(packed_views, view, picks, multiple, pa
     ds = packed_views[view]
     indices = [p % len(ds) for p in picks]
     collator = PaddingFreeCollator(
-        pad_token_id=0, pad_to_multiple_of=multiple, padding_free=padding_free, unpacked=view == "unpacked"
+        pad_token_id=0,
+        pad_to_multiple_of=multiple,
+        padding_free=padding_free,
+        unpacked=view == "unpacked",
+        attn_implementation="sdpa",
     )
     rows = PackedRows(ds)
     _assert_same(ArrowCollator(rows, collator)(indices), collator([ds[i] for i in indices]))

@@ -284,7 +284,7 @@ def test_an_empty_preference_pair_names_the_file_not_a_flag(tmp_path, tok_dir, c
         == 1
     )
     err = capsys.readouterr().err
-    assert "(--dataset)" not in err and "pref.jsonl' pair 1: a sequence of this pair would be empty" in err
+    assert "(--dataset)" not in err and "pref.jsonl' pair 1: the chosen completion would be empty" in err
 
 
 def test_out_file_with_a_jsonl_input_says_give_a_folder(tmp_path, capsys):

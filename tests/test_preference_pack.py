@@ -175,7 +175,7 @@ def test_bad_data_is_refused():
     with pytest.raises(PackingError, match="missing"):
         pack_pairs(pa.table({"prompt_ids": [[1]], "chosen_ids": [[2]]}), 32)
     empty = to_table([{"prompt_ids": [], "chosen_ids": [], "rejected_ids": [3], "idx": 0}])
-    with pytest.raises(PackingError, match="row 0: a sequence of this pair would be empty"):
+    with pytest.raises(PackingError, match="row 0: the chosen completion would be empty"):
         pack_pairs(empty, 32)
 
 

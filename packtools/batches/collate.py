@@ -22,7 +22,7 @@ from .._optional import require
 from ..constants import IGNORE_INDEX
 from ..errors import PackingError
 from .buckets import bucket_for, check_buckets, pad_cu_seq_lens
-from .flatten import FlatRows, flatten_rows
+from .flatten import FlatRows, check_carried, check_leave_out, flatten_rows
 from .labels import ignore_starts, mask_keys
 
 
@@ -81,7 +81,8 @@ def assemble_padded(
     """Rows right-padded to ``[B, T]``; positions restart per packed sequence (padding is one more segment).
 
     ``attention_mask`` is returned only when no row holds more than one sequence: with packed rows, leaving
-    it out is what makes transformers build a block-diagonal mask from ``position_ids``.
+    it out is what makes transformers' sdpa / eager / flex attention build a block-diagonal mask from
+    ``position_ids`` (FlashAttention does so only for one row: :func:`check_padded_attention`).
 
     >>> f = flatten_rows([{"input_ids": [5, 6, 7], "seq_lengths": [2, 1]}, {"input_ids": [8]}])
     >>> b = assemble_padded(f, pad_token_id=0)
@@ -192,6 +193,31 @@ def to_tensors(batch: dict[str, Any], return_tensors: str) -> dict[str, Any]:
     return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
 
 
+#: Attention backends of transformers that build a block-diagonal mask from ``position_ids`` when no
+#: ``attention_mask`` is given (and no cache is used), whatever the batch size: packed ``[B, T]`` rows are exact
+#: there.  FlashAttention infers sequences from ``position_ids`` only for a single row.
+MASK_FROM_POSITIONS = ("sdpa", "eager", "flex_attention", "packtools_sdpa")
+
+
+def check_padded_attention(flat: FlatRows, attn_implementation: str | None) -> None:
+    """Packed rows in a padded ``[B, T]`` batch (B > 1) are separated only by the backends of
+    :data:`MASK_FROM_POSITIONS`; refuse unless one is named."""
+    if flat.row_lengths.shape[0] < 2 or int(flat.segs_per_row.max()) <= 1:
+        return
+    if attn_implementation in MASK_FROM_POSITIONS:
+        return
+    named = "no attention backend was named" if attn_implementation is None else f"{attn_implementation!r}"
+    raise PackingError(
+        f"the batch holds {flat.row_lengths.shape[0]} rows of which some are packed, padded to [B, T] without an "
+        f"attention_mask; only {list(MASK_FROM_POSITIONS)} build the block-diagonal mask from position_ids for "
+        f"several rows (FlashAttention infers sequences from them for a single row only, so packed sequences "
+        f"would attend to each other), and {named}. Use PaddingFreeCollator(padding_free=True) (one flat row "
+        f"with cu_seq_lens, exact on every backend), or name the model's backend: "
+        f"PaddingFreeCollator(padding_free=False, attn_implementation='sdpa').",
+        param="attn_implementation",
+    )
+
+
 #: The keys each ``return_*`` switch of :class:`PaddingFreeCollator` controls (padding-free output).
 SWITCHED_KEYS = {
     "return_position_ids": ("position_ids",),
@@ -225,7 +251,13 @@ class PaddingFreeCollator:
     the ones the model's ``forward`` does not take).
 
     Padded output (``padding_free=False``): ``[B, T]`` right-padded ``input_ids``, ``labels``,
-    ``position_ids`` (restarting per packed sequence), and ``attention_mask`` only if no row is packed.
+    ``position_ids`` (restarting per packed sequence), and ``attention_mask`` only if no row is packed.  Several
+    rows with packed ones among them are exact only on backends that build the block mask from ``position_ids``
+    (sdpa, eager, flex_attention): such a batch is refused unless ``attn_implementation`` names one of them.
+
+    Every column of a row reaches the batch or stops it: a key other than the token, label, mask and
+    ``seq_lengths`` columns (``pixel_values``, ``image_grid_thw``, an ``id``...) is refused by name unless
+    ``leave_out`` lists it.
 
     Static shapes, for ``torch.compile(dynamic=False)`` and CUDA graphs (padding-free only): with
     ``pad_to_buckets`` (sizes, e.g. ``TokenBudgetBatchSampler(..., buckets=K).buckets``) ``T`` is rounded up to
@@ -254,6 +286,8 @@ class PaddingFreeCollator:
         assistant_only_loss: bool = True,
         pad_to_buckets: Sequence[int] | None = None,
         pad_cu_seq_lens_to: int | None = None,
+        leave_out: Sequence[str] = (),
+        attn_implementation: str | None = None,
     ) -> None:
         self.pad_token_id, self.pad_to_multiple_of = check_pad_args(pad_token_id, pad_to_multiple_of)
         if return_tensors not in ("pt", "np"):
@@ -273,6 +307,8 @@ class PaddingFreeCollator:
         self.pad_to_buckets, self.pad_cu_seq_lens_to = check_static_args(
             pad_to_buckets, pad_cu_seq_lens_to, self.pad_to_multiple_of, self.padding_free
         )
+        self.leave_out = check_leave_out(leave_out)
+        self.attn_implementation = attn_implementation
 
     def options(self) -> dict[str, Any]:
         """The constructor arguments of this collator (``PaddingFreeCollator(**c.options())`` copies it)."""
@@ -287,6 +323,8 @@ class PaddingFreeCollator:
             "assistant_only_loss",
             "pad_to_buckets",
             "pad_cu_seq_lens_to",
+            "leave_out",
+            "attn_implementation",
         )
         return {name: getattr(self, name) for name in names}
 
@@ -317,6 +355,8 @@ class PaddingFreeCollator:
             if self.dropped_keys:
                 batch = {k: v for k, v in batch.items() if k not in self.dropped_keys}
             return to_tensors(batch, self.return_tensors)
+        if not self.padding_free:
+            check_padded_attention(flat, self.attn_implementation)
         build = assemble_padding_free if self.padding_free else assemble_padded
         batch = build(flat, self.pad_token_id, self.pad_to_multiple_of)
         if self.dropped_keys:
@@ -324,4 +364,6 @@ class PaddingFreeCollator:
         return to_tensors(batch, self.return_tensors)
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        return self.collate_flat(flatten_rows(features, self.mask_keys))
+        flat = flatten_rows(features, self.mask_keys)
+        check_carried(features, self.leave_out)
+        return self.collate_flat(flat)

@@ -158,3 +158,41 @@ def flatten_rows(features: Sequence[Mapping[str, Any]], mask_keys: Sequence[str]
         np.asarray([s.shape[0] for s in seg_parts], np.int64),
         unmarked,
     )
+
+
+#: The row keys :class:`PaddingFreeCollator` reads (``position_ids`` is rebuilt from ``seq_lengths``); any other
+#: key is refused by name unless ``leave_out`` lists it: a column that does not reach the model must not vanish
+#: without a word (a vision-language row's ``pixel_values`` dropped leaves image tokens without an image).
+CARRIED_KEYS = frozenset(
+    {
+        "input_ids",
+        "labels",
+        "seq_lengths",
+        "attention_mask",
+        "position_ids",
+        "completion_mask",
+        "assistant_masks",
+    }
+)
+
+
+def check_leave_out(leave_out: object) -> frozenset[str]:
+    if isinstance(leave_out, str) or not all(isinstance(k, str) for k in leave_out):  # type: ignore[union-attr]
+        raise PackingError(f"leave_out must be a list of column names, got {leave_out!r}.", param="leave_out")
+    return frozenset(leave_out)  # type: ignore[arg-type]
+
+
+def check_carried(features: Sequence[Mapping[str, Any]], leave_out: frozenset[str]) -> None:
+    """Refuse, by name, a column of the rows that the batch would not carry and ``leave_out`` does not list."""
+    known = CARRIED_KEYS | leave_out
+    for i, row in enumerate(features):
+        if isinstance(row, Mapping) and not known.issuperset(row.keys()):
+            extra = sorted(k for k in row.keys() if k not in known)
+            raise PackingError(
+                f"row {i} has the column(s) {extra}, which PaddingFreeCollator does not put in the batch, so the "
+                f"model would never see them (a vision-language model given image tokens without its "
+                f"pixel_values / image_grid_thw trains on placeholders). Remove them from the dataset "
+                f"(ds.remove_columns({extra!r})), or say they may be left out: "
+                f"PaddingFreeCollator(..., leave_out={extra!r}).",
+                param="leave_out",
+            )

@@ -24,6 +24,7 @@ import numpy as np
 
 from .._optional import require
 from ..errors import PackingError
+from ..integrations.compat.torch import in_backward
 from .labels import ignore_starts, labels_of
 
 #: The keyword the model's forward passes down to the attention function.
@@ -115,8 +116,7 @@ class TreeReads:
 
     def consumed(self, module: Any) -> None:
         torch = require("torch", "packtools tree attention")
-        task = getattr(torch._C, "_current_graph_task_id", None)
-        if task is not None and task() != -1:  # recomputed inside backward (checkpointing)
+        if in_backward(torch):  # recomputed inside backward (checkpointing)
             return
         self.layers += 1
         idx = getattr(module, "layer_idx", None)

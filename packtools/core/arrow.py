@@ -8,6 +8,7 @@ NumPy view of the child array), so kernels never see an Arrow object and no toke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -90,6 +91,21 @@ def _first_null_row(arr: pa.Array) -> int:
     return int(np.flatnonzero(np.asarray(arr.is_null()))[0])
 
 
+def as_table(table: Any) -> pa.Table:
+    """A ``pyarrow.Table``; a ``datasets.Dataset`` as its rows' Arrow table (selection and order kept, through
+    its public ``with_format('arrow')``); anything else refused with what to pass."""
+    if isinstance(table, pa.Table):
+        return table
+    if hasattr(table, "with_format") and hasattr(table, "column_names"):
+        got = table.with_format("arrow")[:]
+        if isinstance(got, pa.Table):
+            return got
+    raise PackingError(
+        f"unpack takes a pyarrow.Table or a datasets.Dataset of packed rows, got {type(table).__name__}.",
+        param="table",
+    )
+
+
 def read_list_column(column: pa.ChunkedArray | pa.Array, name: str) -> ListColumn:
     """Split a list column into chunks of ``(offsets, values)``, checking nulls and value types."""
     if isinstance(column, pa.Array):
@@ -105,6 +121,13 @@ def read_list_column(column: pa.ChunkedArray | pa.Array, name: str) -> ListColum
         raise PackingError(
             f"column {name!r} holds lists of float16, which the packing kernels do not handle; cast it to "
             f"float32 (or leave it out with columns=[...])."
+        )
+    if is_list_type(vt) or pa.types.is_struct(vt):
+        raise PackingError(
+            f"column {name!r} holds lists of {vt}, not one value per token, so it cannot be packed with the tokens "
+            f"(image or audio features such as pixel_values / image_grid_thw do not split per token). Packing "
+            f"without it means the model never sees it: remove it, or leave it out knowingly with columns=[...] "
+            f"naming the token columns."
         )
     if not (pa.types.is_integer(vt) or pa.types.is_floating(vt)):
         raise PackingError(

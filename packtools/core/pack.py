@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 
 from ..constants import SEQ_LENGTHS
 from ..errors import PackingError
-from .arrow import ListColumn, check_aligned, is_list_type, list_array, read_list_column
+from .arrow import ListColumn, as_table, check_aligned, is_list_type, list_array, read_list_column
 from .plan import STRATEGIES, PackPlan, Strategy, check_max_length, kernels  # kernels: imported on first use
 from .plan import plan as make_plan
 
@@ -278,7 +278,7 @@ def unpack(
     columns: Sequence[str] | None = None,
     plan: PackPlan | None = None,
 ) -> pa.Table:
-    """Recover the sequences from packed rows.
+    """Recover the sequences from packed rows (a ``pyarrow.Table``, or a ``datasets.Dataset``: a table comes back).
 
     Without a plan, every entry of ``seq_lengths`` becomes one row, in packed order.  With the plan that
     packed the table, rows come back in the original order, one per input sequence (the kept part; chunks
@@ -292,6 +292,7 @@ def unpack(
     >>> unpack(pack_table(t, 4, "bfd_split", plan=p), plan=p).to_pydict()
     {'input_ids': [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]]}
     """
+    table = as_table(table)
     if columns is None:
         names = [n for n in table.column_names if n != SEQ_LENGTHS]
     else:

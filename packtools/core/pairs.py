@@ -293,14 +293,17 @@ def pack_pairs(
         lp, lc, lr = lp[row_indices], lc[row_indices], lr[row_indices]
     fitted = fit_pairs(lp, lc, lr, max_length, overlong, max_prompt_length)
     kp, kc, kr = fitted.prompt_keep, fitted.chosen_keep, fitted.rejected_keep
-    empty = np.flatnonzero(fitted.keep & ((kp + kc == 0) | (kp + kr == 0)))
-    if empty.size:
+    empty = np.flatnonzero(fitted.keep & ((kc == 0) | (kr == 0)))
+    if empty.size:  # the same rule as share_prompt=True (core.shared_pairs): a completion needs a token
         i = int(empty[0])
         row = i if row_indices is None else int(row_indices[i])
+        which = "chosen" if kc[i] == 0 else "rejected"
         raise PackingError(
-            f"row {row}: a sequence of this pair would be empty (prompt {lp[i]}, chosen {lc[i]}, rejected "
-            f"{lr[i]} tokens; kept {kp[i]}, {kc[i]}, {kr[i]}); every packed sequence needs a token. Filter "
-            f"pairs with an empty completion out, or give the prompt a budget (max_prompt_length >= 1).",
+            f"row {row}: the {which} completion would be empty (prompt {lp[i]}, chosen {lc[i]}, rejected "
+            f"{lr[i]} tokens; kept {kp[i]}, {kc[i]}, {kr[i]}); every completion needs a token to have a "
+            f"log-probability (an empty one would enter the loss as log-probability 0, with nothing learned "
+            f"from it). Filter pairs with an empty completion out, or use overlong='drop' when the prompt "
+            f"leaves it no room.",
             param="dataset",
         )
     kept = np.flatnonzero(fitted.keep)

@@ -216,7 +216,9 @@ def _check_nonempty(
         row = int(rows[branch_unit[empty[0]]])
         raise PackingError(
             f"row {row}: a completion would be empty (kept 0 tokens); every completion needs a token to have a "
-            f"log-probability. Filter units with an empty completion out, or use overlong='drop'.",
+            f"log-probability (an empty one would enter the loss as log-probability 0, with nothing learned "
+            f"from it). Filter pairs with an empty completion out, or use overlong='drop' when the prompt "
+            f"leaves it no room.",
             param="dataset",
         )
 

@@ -64,6 +64,47 @@ def is_flash(implementation: str | None) -> bool:
     )
 
 
+#: Multimodal model types (``config.model_type``) whose packed batches are verified exact: the only ones
+#: :func:`check_multimodal` lets through.  The vision-language path adds the types it verifies here.
+VERIFIED_MULTIMODAL: tuple[str, ...] = ()
+#: Config attributes that make a model multimodal.
+_MEDIA_CONFIGS = ("vision_config", "audio_config", "speech_config", "vision_tower_config")
+
+
+def check_multimodal(model: Any) -> None:
+    """Refuse a multimodal model (an image / audio encoder in its config, or ``pixel_values`` in its ``forward``)
+    whose type is not in :data:`VERIFIED_MULTIMODAL`, naming it and why."""
+    base = base_model(model)
+    config = getattr(base, "config", None)
+    parts = [name for name in _MEDIA_CONFIGS if getattr(config, name, None) is not None]
+    if forward_accepts(model, "pixel_values", named=True):
+        parts.append("pixel_values in its forward")
+    model_type = getattr(config, "model_type", None)
+    if not parts or model_type in VERIFIED_MULTIMODAL:
+        return
+    raise PackingError(
+        f"{type(base).__name__} (model_type {model_type!r}) is a multimodal model ({', '.join(parts)}), and "
+        f"packtools has not verified packed batches for it: such models build their rotary positions from the "
+        f"image grid and the tokens (e.g. Qwen2-VL's 3-D mRoPE), not from position_ids that restart per "
+        f"sequence, and PaddingFreeCollator does not carry pixel_values / image_grid_thw. Train it unpacked with "
+        f"its processor's collator. Verified multimodal model types: {list(VERIFIED_MULTIMODAL) or 'none yet'}.",
+        param="model",
+    )
+
+
+def check_not_compiled(model: Any) -> None:
+    """Refuse a model already wrapped by ``torch.compile``: packtools must hook and check the module itself."""
+    if not hasattr(model, "_orig_mod") or not hasattr(model, "_torchdynamo_orig_callable"):
+        return
+    raise PackingError(
+        f"the model was compiled (torch.compile gave a {type(model).__name__}) before packtools saw it, so its "
+        f"forward and inputs cannot be checked or adapted for packed batches. Give the Trainer the uncompiled "
+        f"model and let it be compiled afterwards: TrainingArguments(torch_compile=True), or torch.compile "
+        f"after prepare_trainer; both train exactly.",
+        param="model",
+    )
+
+
 def check_attention_implementation(model: Any) -> str:
     """Return the model's attention backend, or raise :class:`PackingError` if it cannot isolate packed sequences.
 
@@ -80,6 +121,8 @@ def check_attention_implementation(model: Any) -> str:
     ...
     packtools.errors.PackingError: attention implementation 'paged|eager' cannot keep packed sequences apart...
     """
+    check_not_compiled(model)
+    check_multimodal(model)
     impl = attention_implementation(model)
     if impl is None:
         raise PackingError(
@@ -175,7 +218,8 @@ def token_mixing_layers(model: Any) -> list[str]:
 
 
 def adapt_collator(collator: Any, model: Any) -> Any:
-    """``collator`` with the keys the model's ``forward`` does not take switched off.
+    """``collator`` with the keys the model's ``forward`` does not take switched off (and, for padded
+    batches, the model's attention backend named, so packed rows are checked against it).
 
     Applies to a :class:`~packtools.PaddingFreeCollator` (or the one inside an ``ArrowCollator``);
     any other collator is returned as is.  ``position_ids`` is never switched off here: without it
@@ -186,13 +230,15 @@ def adapt_collator(collator: Any, model: Any) -> Any:
     inner = getattr(collator, "collator", collator)
     if not isinstance(inner, PaddingFreeCollator):
         return collator
-    changes = {
+    changes: dict[str, Any] = {
         switch: False
         for switch, keys in SWITCHED_KEYS.items()
         if switch != "return_position_ids"
         and getattr(inner, switch)
         and not all(forward_accepts(model, key) for key in keys)
     }
+    if not inner.padding_free and inner.attn_implementation is None:  # the model's backend, for its check
+        changes["attn_implementation"] = attention_implementation(model)
     if not changes:
         return collator
     adapted = inner.replace(**changes)

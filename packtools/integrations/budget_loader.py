@@ -116,6 +116,13 @@ def make_sampler(trainer: Any, dataset: Any, max_tokens: int | None) -> Any:
     seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed
     world, rank = max(int(args.world_size), 1), int(args.process_index)
     if max_tokens is None:
+        if len(dataset) < world:  # some rank would have no batch, and Trainer no length to train on
+            raise PackingError(
+                f"{len(dataset)} training row(s) cannot give each of {world} processes a batch without repeating "
+                f"rows (a packed dataset holds few rows: each is up to max_length tokens); use more data, fewer "
+                f"processes, or pack with a smaller max_length.",
+                param="train_dataset",
+            )
         sampler = RowBatchSampler(
             len(dataset), args.per_device_train_batch_size, seed=seed, num_replicas=world, rank=rank
         )
@@ -183,6 +190,38 @@ def check_sharding(loader: Any) -> None:
         )
 
 
+def is_stream(dataset: Any) -> bool:
+    """Whether ``dataset`` is a stream (an ``IterableDataset``, or anything without a length)."""
+    from .._optional import is_instance
+
+    return (
+        is_instance(dataset, "torch", "IterableDataset")
+        or is_instance(dataset, "datasets", "IterableDataset")
+        or not hasattr(dataset, "__len__")
+    )
+
+
+def check_stream(dataset: Any, world: int, max_tokens: int | None) -> None:
+    """Refuse a streaming training dataset where packtools' per-rank loader is needed (several processes, or
+    ``max_tokens``): a stream has no length, so no rank can be given the same number of batches with every row
+    once; say what to do instead."""
+    if dataset is None or not is_stream(dataset) or (max(world, 1) == 1 and max_tokens is None):
+        return
+    why = (
+        f"under {world} processes"
+        if max_tokens is None
+        else f"with max_tokens={max_tokens} (token-budget batches)"
+    )
+    raise PackingError(
+        f"the training dataset is a stream ({type(dataset).__name__}) {why}: a stream has no length, so "
+        f"packtools cannot give every process the same number of batches with every row trained once (and "
+        f"Trainer's own stream sharding repeats or drops rows to even them out). Pack it to a map-style dataset "
+        f"first: datasets.Dataset.from_generator(lambda: iter(packed_stream)) (or packtools pack ... --out DIR "
+        f"and datasets.load_from_disk(DIR)), then prepare_trainer; or train the stream in one process.",
+        param="train_dataset",
+    )
+
+
 def install_train_loader(trainer: Any, max_tokens: int | None = None, *, owner: Any = None) -> None:
     """Give ``trainer`` packtools' per-rank training loader (see the module docstring).
 
@@ -194,6 +233,7 @@ def install_train_loader(trainer: Any, max_tokens: int | None = None, *, owner: 
         from ..batches.sampler import _positive_int
 
         _positive_int(max_tokens, "max_tokens")
+    check_stream(trainer.train_dataset, int(trainer.args.world_size), max_tokens)
     original = trainer.get_train_dataloader
     if vars(trainer).get(_INSTALLED):
         raise PackingError("the training loader was already installed on this trainer.")
@@ -212,19 +252,11 @@ def install_train_loader(trainer: Any, max_tokens: int | None = None, *, owner: 
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         dataset, collator = self.train_dataset, self.data_collator
+        check_stream(dataset, int(self.args.world_size), max_tokens)
         if hasattr(dataset, "column_names") and hasattr(dataset, "remove_columns"):
             dataset = training_rows(self, dataset)
         else:
             collator = training_collator(self, collator)
-        streaming = isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__")
-        if streaming and max_tokens is None:  # a stream has no length to plan from: Trainer shards it
-            return original()
-        if streaming:
-            raise PackingError(
-                "token-budget / per-rank batches need a map-style training dataset (with a length); "
-                "got an IterableDataset.",
-                param="train_dataset",
-            )
         ours = RankBatches(make_sampler(self, dataset, max_tokens))
         args = self.args
         params: dict[str, Any] = {

@@ -23,7 +23,7 @@ from ..core.pack import pack_columns, read_columns, truncate_table
 from ..core.plan import PackPlan, Strategy, check_max_length, check_strategy
 from ..core.plan import plan as make_plan
 from ..errors import PackingError
-from .compat.datasets import dataset_table, format_type
+from .compat.datasets import dataset_table, format_type, memory_mapped_table, temporary_cache_directory
 from .compat.datasets import fingerprint as datasets_fingerprint
 from .drops import DropReport, TokensDroppedWarning, warn_dropped
 
@@ -79,7 +79,7 @@ def _cache_file(dataset: Any, fingerprint: str) -> tuple[str, bool]:
         directory = os.path.dirname(dataset.cache_files[0]["filename"])
         if os.access(directory, os.W_OK):
             return os.path.join(directory, f"packtools-{fingerprint}.arrow"), True
-    directory = ds_mod.fingerprint.get_temporary_cache_files_directory()
+    directory = temporary_cache_directory(ds_mod)
     return os.path.join(directory, f"packtools-{fingerprint}.arrow"), False
 
 
@@ -137,7 +137,7 @@ def pack_split(
         path, reuse = _cache_file(dataset, fingerprint)
         if not (reuse and os.path.exists(path)):
             _write_packed(path, cols, p, indices)
-        mapped = ds_mod.table.MemoryMappedTable.from_file(path)
+        mapped = memory_mapped_table(ds_mod, path)
         out = ds_mod.Dataset(mapped, split=dataset.split, fingerprint=fingerprint)
     added = [SEQ_LENGTHS] if SEQ_LENGTHS in out.column_names else []
     return restore_format(out, dict(dataset.format), added), DropReport.from_plan(p)

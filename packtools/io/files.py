@@ -190,7 +190,47 @@ class Where:
         return f"input {self.path!r} {self.unit} {first + i}"
 
 
+def changed_since_found(file: InputFile) -> str | None:
+    """How ``file`` differs on disk from when it was found (None: same size and mtime)."""
+    try:
+        st = os.stat(file.path)
+    except OSError:
+        return "it is gone"
+    if st.st_size != file.size:
+        return f"{file.size} bytes when the run started, {st.st_size} now"
+    if st.st_mtime_ns != file.mtime_ns:
+        return "rewritten: same size, new modification time"
+    return None
+
+
 def iter_part(
+    part: Part,
+    batch_rows: int = 1000,
+    columns: Sequence[str] | None = None,
+    known_columns: Sequence[str] | None = None,
+) -> Iterator[tuple[Where, pa.Table]]:
+    """:func:`read_part`; an error reading a file that changed since the run found it is said to be that (a
+    line cut by a writer is no malformed JSON to fix)."""
+    try:
+        yield from read_part(part, batch_rows, columns, known_columns)
+    except (PackingError, OSError) as exc:
+        changed = changed_since_found(part.file)
+        if changed is None:
+            raise
+        raise _changed_error(part.file, changed, f"; reading it failed with: {exc}") from exc
+    changed = changed_since_found(part.file)
+    if changed is not None:  # cut at a line end, or rewritten: rows lost or mixed without a read error
+        raise _changed_error(part.file, changed, "")
+
+
+def _changed_error(file: InputFile, changed: str, failure: str) -> PackingError:
+    return PackingError(
+        f"input {file.path!r} changed while packing ({changed}), so what was read may miss rows or mix its old "
+        f"and new contents{failure}. Run again once nothing writes to it (or pack a copy)."
+    )
+
+
+def read_part(
     part: Part,
     batch_rows: int = 1000,
     columns: Sequence[str] | None = None,

@@ -26,12 +26,11 @@ from typing import IO
 import pyarrow as pa
 
 from ..errors import PackingError
+from .json_cells import CHAT_COLUMNS, line_array, own_json_cells, value_column
 
 BLOCK_BYTES = 1 << 24
 #: An object longer than this (in characters) is reported as malformed rather than read on to the end.
 MAX_OBJECT_CHARS = 1 << 27
-
-
 _WRAPPED = re.compile(rb'^\s*\{\s*"(?:[^"\\]|\\.)*"\s*:\s*\[')
 
 
@@ -200,10 +199,22 @@ def iter_json_lines(
                     table = pj.read_json(pa.BufferReader(data), read_options=options)
                 except pa.ArrowInvalid as exc:
                     err = _find_bad_line(path, data, base.value + rel)
+                    if err is None and "changed from" in str(exc) and _in_chat_column(str(exc)):
+                        # valid JSON whose chat cells differ in type (a content string here, parts there):
+                        # Python's reading of the block, chat cells as their own JSON (see _table)
+                        objs = [json.loads(raw) for raw in _lines(path, data, None)]
+                        yield (
+                            rel + data.count(b"\n", 0, len(data) - len(body)),
+                            _table(path, objs, base.value + rel),
+                        )
+                        rel += data.count(b"\n")
+                        continue
                     raise (err or _arrow_json_error(path, data, base.value + rel, exc)) from None
                 if not data.isascii() and not _valid_utf8(table, data):
                     err = _find_bad_line(path, data, base.value + rel)
                     raise (err or PackingError(f"input {path!r}: not UTF-8.")) from None
+                rows = table.num_rows
+                table = own_json_cells(table, lambda d=data, n=rows: line_array(_lines(path, d, n)))
                 yield rel + data.count(b"\n", 0, len(data) - len(body)), table
             rel += data.count(b"\n")
 
@@ -333,13 +344,46 @@ def iter_json_array(
             yield first, _table(path, rows, first)
 
 
+def _in_chat_column(message: str) -> bool:
+    """Whether Arrow's "Column(/name/...) changed from" refusal is about one of :data:`CHAT_COLUMNS`."""
+    found = re.search(r"Column\(/([^/)]*)", message)
+    return found is not None and found.group(1) in CHAT_COLUMNS
+
+
+def _lines(path: str, data: bytes, rows: int | None) -> list[bytes]:
+    """The non-blank lines of ``data`` (a block Arrow has read as ``rows`` rows)."""
+    lines = [raw for raw in data.split(b"\n") if raw.strip()]
+    if rows is not None and len(lines) != rows:  # Arrow and Python disagree on what the block holds
+        raise PackingError(
+            f"input {path!r}: a block read as {rows} rows by Arrow holds {len(lines)} JSON lines; is the file "
+            f"being written while it is read?"
+        )
+    return lines
+
+
 def _table(path: str, rows: list[dict], line: int) -> pa.Table:
     keys = list(
         dict.fromkeys(k for row in rows for k in row)
     )  # every object's keys (from_pylist takes the first's)
+    # nested chat cells: each row's own value, as JSON (see json_cells); plain strings stay strings
+    chat = [
+        k
+        for k in keys
+        if k in CHAT_COLUMNS
+        and any(row.get(k) is not None and not isinstance(row.get(k), str) for row in rows)
+    ]
+    fields, arrays = [], []
     try:
-        return pa.Table.from_pydict({k: [row.get(k) for row in rows] for k in keys})
+        for k in keys:
+            field, array = (
+                value_column(k, [row.get(k) for row in rows])
+                if k in chat
+                else (None, pa.array([row.get(k) for row in rows]))
+            )
+            fields.append(field or pa.field(k, array.type))
+            arrays.append(array)
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         raise PackingError(
             f"input {path!r} objects from line {line}: values of one key disagree in type ({exc}); fix the data."
         ) from None
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))

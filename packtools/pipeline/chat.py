@@ -13,8 +13,11 @@ rendering (one render per conversation with ``{% generation %}`` markers; withou
 and one per prefix before it, the incremental rule of :mod:`packtools.pipeline.chat_labels`), the fast engine's
 encoding, and the masks (numpy on byte offsets computed from the ids).
 
->>> clean_messages([{"role": "user", "content": "hi", "tool_calls": None}], "messages", 0)
-[{'role': 'user', 'content': 'hi'}]
+What a conversation cell becomes before the template sees it is :mod:`packtools.pipeline.chat_values`.
+
+>>> r = ChatRenderer("{{ messages[0]['content'] }}", {})
+>>> render_difference(r, ChatRenderer("{{ messages[0]['content'] | upper }}", {}), [[{"role": "user", "content": "hi"}]], False)
+"messages[:1] of [{'role': 'user', 'content': 'hi'}] with add_generation_prompt=False, tools=None: 'hi' != 'HI'"
 """
 
 from __future__ import annotations
@@ -31,23 +34,14 @@ import pyarrow as pa
 from ..core import ragged
 from ..core.ragged import Ragged
 from ..errors import PackingError
+from ..io.json_cells import cells
 from . import adversarial, chat_labels, engine_proof, proof_cache
 from . import fast_tokenize as fast_engine
 from .chat_render import ChatRenderer, read_settings
+from .chat_values import TYPED_CONVERSATIONS, TYPED_TOOLS, clean_messages, plain_value, render_difference
 from .formats import Row
 from .formats import at as _at
 from .formats import shift as _shift
-
-
-def clean_messages(conv: Any, name: str, row: Row) -> list[dict[str, Any]]:
-    """A conversation cell as a list of message dicts without None values, or an error naming the row."""
-    if not isinstance(conv, list) or not all(isinstance(m, dict) and m.get("role") is not None for m in conv):
-        raise PackingError(  # Arrow gives a message's missing "role" as None: that is a missing role too
-            f"{_at(row)}: column {name!r} is not a list of messages ({{'role': ..., 'content': ...}}, every "
-            f"message with a role); fix that row."
-        )
-    # a message with no None value is kept as it is (Arrow's rows are fresh dicts): a third of the time
-    return [m if None not in m.values() else {k: v for k, v in m.items() if v is not None} for m in conv]
 
 
 def _version(name: str) -> str:
@@ -63,9 +57,12 @@ class TransformersRenderer:
     def __init__(self, tok: Any) -> None:
         self.tok = tok
         self.template = tok.get_chat_template()
+        self.tools: Any = None  # the tool schemas passed as ``tools=`` (set per group of rows)
 
     def render(self, conv: list[dict[str, Any]], generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=generation_prompt)
+        return self.tok.apply_chat_template(
+            conv, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
     def render_prefixes(self, conv: list[dict[str, Any]], cuts: list[tuple[int, bool]]) -> Iterator[str]:
         return (self.render(conv[:k], prompt) for k, prompt in cuts)
@@ -75,6 +72,7 @@ class TransformersRenderer:
 
         texts, spans = render_jinja_template(
             conversations=[conv],
+            tools=self.tools,
             chat_template=self.template,
             return_assistant_tokens_mask=True,
             **self.tok.special_tokens_map,
@@ -85,28 +83,6 @@ class TransformersRenderer:
 def _first(rendered: tuple[list[str], list[list[tuple[int, int]]]]) -> tuple[str, list[tuple[int, int]]]:
     """The one conversation's ``(text, spans)`` of :func:`chat_labels.incremental_spans` over a list of one."""
     return rendered[0][0], rendered[1][0]
-
-
-def _outcome(fn: Any, *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except Exception as exc:  # noqa: BLE001 - a template that raises must raise the same on both sides
-        return ("raised", type(exc).__name__, str(exc))
-
-
-def render_difference(
-    mine: Any, theirs: Any, convs: Sequence[list[dict[str, Any]]], tags: bool
-) -> str | None:
-    """Where renderer ``mine`` first renders ``convs`` differently from ``theirs`` (None: nowhere)."""
-    for conv in convs:
-        for k in range(1, len(conv) + 1):  # both refuse an empty conversation
-            for prompt in (False, True):
-                a, b = _outcome(mine.render, conv[:k], prompt), _outcome(theirs.render, conv[:k], prompt)
-                if a != b:
-                    return f"messages[:{k}] of {conv!r:.120} with add_generation_prompt={prompt}: {a!r:.80} != {b!r:.80}"
-        if tags and _outcome(mine.render_spans, conv) != _outcome(theirs.render_spans, conv):
-            return f"the {{% generation %}} spans of {conv!r:.120}"
-    return None
 
 
 class ChatTokens:
@@ -150,9 +126,10 @@ class ChatTokens:
         except Exception as exc:  # noqa: BLE001 - jinja2 missing or a template it does not compile
             return self._transformers(f"jinja2 cannot compile it here: {type(exc).__name__}: {exc}")
         texts = adversarial.adversarial_texts(list(specials.values()))
-        convs = adversarial.adversarial_conversations(texts)
+        convs = adversarial.adversarial_conversations(texts) + TYPED_CONVERSATIONS
         reference = f"transformers {_version('transformers')}; jinja2 {_version('jinja2')}"
-        path = proof_cache.verdict_path(bt.fingerprint, "chat-render", reference, [template, *texts])
+        typed = repr((TYPED_CONVERSATIONS, TYPED_TOOLS))
+        path = proof_cache.verdict_path(bt.fingerprint, "chat-render", reference, [template, *texts, typed])
         checked = proof_cache.load(path)
         if checked is None:
             tok = bt.tok
@@ -162,7 +139,10 @@ class ChatTokens:
             elif specials != tok.special_tokens_map:
                 why = f"transformers passes other special tokens ({tok.special_tokens_map})"
             else:
-                why = render_difference(mine, TransformersRenderer(tok), convs, self.generation_tags(mine))
+                theirs, tags = TransformersRenderer(tok), self.generation_tags(mine)
+                why = render_difference(mine, theirs, convs, tags) or render_difference(
+                    mine, theirs, convs[:3] + TYPED_CONVERSATIONS, tags, TYPED_TOOLS
+                )
             if why is not None:
                 return self._transformers(f"jinja2 alone rendered differently: {why}")
             checked = {"adversarial_conversations": len(convs)}
@@ -182,6 +162,11 @@ class ChatTokens:
                 else f"; prefixes rendered ({why_not})"
             )
         return mine
+
+    def set_tools(self, tools: Any) -> None:
+        """The tool schemas the renderings that follow pass to the template (None: none)."""
+        if tools is not None or self._renderer is not None:  # None needs no renderer built for it
+            self.renderer.tools = plain_value(tools)
 
     @staticmethod
     def generation_tags(renderer: Any) -> bool:
@@ -208,7 +193,7 @@ class ChatTokens:
     ) -> list[Ragged]:
         """Tokenized prompt (first) and completions (the others) of conversational rows (``prompts``: the
         table's ``prompt`` column as Python lists of messages)."""
-        columns = {n: table.column(n).to_pylist() for n in names}
+        columns = {n: cells(table, n) for n in names}
         heads: list[str] = []
         tails: dict[str, list[str]] = {n: [] for n in names}
         for i, prompt in enumerate(prompts):

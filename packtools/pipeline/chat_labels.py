@@ -134,7 +134,11 @@ def labels_transformers(bt: Any, convs: Conversations, where: Any) -> tuple[Ragg
     """Ids and labels as transformers gives them."""
     if bt.has_generation_tags:
         out = bt.tok.apply_chat_template(
-            convs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            convs,
+            tools=bt.chat.renderer.tools,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
         )
         ids = ragged.from_lists(out["input_ids"])
         mask = ragged.from_lists(out["assistant_masks"], np.int8)

@@ -8,7 +8,7 @@ from the tokenizer folder; :class:`ChatRenderer` compiles the template once in j
 the environment transformers documents for chat templates: ``trim_blocks`` and ``lstrip_blocks``, loop controls
 (``break``/``continue``), a ``{% generation %}`` block whose character span is recorded, ``raise_exception``,
 ``strftime_now``, a ``tojson`` filter that does not escape HTML, ``dict`` and ``namespace``; the template sees
-``messages``, ``tools`` (None), ``documents`` (None), ``add_generation_prompt`` and the special-token strings,
+``messages``, ``tools`` (the row's ``tools``, else None), ``documents`` (None), ``add_generation_prompt`` and the special-token strings,
 and a message's ``reasoning_content`` under its older names as transformers aliases them.
 
 Equal rendering is not assumed: :mod:`packtools.pipeline.chat` compares it with transformers' on the built-in
@@ -251,6 +251,15 @@ class ChatRenderer:
         #: has found the shape and checked it: ((instrumented template, its globals, its marker), (the tail without
         #: and with the generation prompt))
         self.local: tuple[tuple[Any, dict[str, Any], _Marker], tuple[str, str]] | None = None
+
+    @property
+    def tools(self) -> Any:
+        """The tool schemas the template sees as ``tools`` (None: none), set per group of rows."""
+        return self._variables["tools"]
+
+    @tools.setter
+    def tools(self, value: Any) -> None:
+        self._variables["tools"] = value
 
     def _context(
         self,

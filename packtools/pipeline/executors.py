@@ -25,6 +25,7 @@ from typing import Any
 
 from .._optional import require
 from ..errors import PackingError
+from ..integrations.compat.futures import pool_broken, pool_processes
 
 EXECUTORS: tuple[str, ...] = ("local", "pool", "ray")
 
@@ -130,7 +131,7 @@ class PoolExecutor(Executor):
         self._pool: ProcessPoolExecutor | None = None
 
     def _get_pool(self) -> ProcessPoolExecutor:
-        if self._pool is not None and getattr(self._pool, "_broken", False):
+        if self._pool is not None and pool_broken(self._pool):
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         if self._pool is None:
@@ -161,7 +162,7 @@ class PoolExecutor(Executor):
         pool, self._pool = self._pool, None
         if pool is None:
             return
-        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        for proc in pool_processes(pool):
             proc.terminate()
         pool.shutdown(wait=True, cancel_futures=True)
 

@@ -20,6 +20,8 @@ Formats, and what each row becomes:
   ``[:i]`` with the generation prompt and the rendering of messages ``[:i + 1]``; a token is an assistant token
   when it overlaps such a span (as with markers).  A template that does not render prefixes as prefixes of the whole (e.g. one
   that rewrites earlier turns) is refused with an error naming the row.
+- A ``tools`` column (chat formats): each row's tool schemas (a list of JSON schemas, or null), passed to the chat
+  template as ``tools`` when that row is rendered, as TRL passes it to ``apply_chat_template``.
 - ``preference`` (``prompt``, ``chosen``, ``rejected``): ``prompt_input_ids``, ``chosen_input_ids``,
   ``rejected_input_ids``, tokenized like prompt-completion (EOS after string completions); not packed.
 """
@@ -81,6 +83,16 @@ def output_columns(fmt: str) -> list[str]:
     if fmt == "preference":
         return ["prompt_input_ids", "chosen_input_ids", "rejected_input_ids"]
     return ["input_ids", "labels"]
+
+
+#: Columns a chat format reads when the input has them: ``tools`` (TRL's conversational format, passed to the chat
+#: template as ``tools=``, as TRL passes it to ``apply_chat_template``).
+CHAT_OPTIONAL = ("tools",)
+
+
+def optional_columns(fmt: str) -> list[str]:
+    """The columns ``fmt`` reads when they are there (the template's ``tools``); never left out silently."""
+    return list(CHAT_OPTIONAL) if fmt in ("messages", "prompt_completion", "preference") else []
 
 
 def input_columns(fmt: str) -> list[str]:

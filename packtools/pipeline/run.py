@@ -44,7 +44,7 @@ from .engine_proof import EngineDivergence
 from .executors import EXECUTORS, Executor, get_executor
 from .failures import explain_os_error, note_interrupted, signals_deferred
 from .fast_tokenize import engine_summary
-from .formats import input_columns, output_columns
+from .formats import input_columns, optional_columns, output_columns
 from .gather import run_token, write_block, write_dataset_files
 from .jobs import run_jobs
 from .outcheck import check_out, check_replaceable
@@ -241,7 +241,9 @@ def _inputs(
     proven = freeze_report(tok.report.to_dict())
     early.update(tokenizer_timings(tok, time.perf_counter() - t_tok))
     columns, types = output_columns(fmt), ["int32"] * len(output_columns(fmt))
-    read = set(input_columns(fmt))  # every file's other columns are listed as left out
+    read = set(
+        input_columns(fmt) + optional_columns(fmt)
+    )  # every file's other columns are listed as left out
     left_out = list(dict.fromkeys(n for f in files for n in read_schema(f).names if n not in read))
     return RunInputs(files, fmt, columns, types, left_out, proven), early
 

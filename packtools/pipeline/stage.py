@@ -223,7 +223,7 @@ def _token_tables(job: StageJob):
             cols = [check_token_column(table, n, t, where) for n, t in zip(job.columns, types)]
             yield where, pa.Table.from_arrays(cols, names=list(job.columns))
         return
-    from .formats import input_columns
+    from .formats import input_columns, optional_columns
 
     tok = _tokenizer(job)
     # the driver's verdict decides the engine (it proved it on the run's first rows); every part is audited
@@ -231,7 +231,7 @@ def _token_tables(job: StageJob):
     verdict = _thaw(job.engine_proven) if job.engine_proven is not None else None
     tok.start_part(os.path.basename(job.sidecar), verdict=verdict)
     # Reading runs ahead in a thread (Arrow's readers release the GIL), as does tokenizing (stage_part).
-    read = iter_part(job.part, TOKENIZE_ROWS, input_columns(job.fmt))
+    read = iter_part(job.part, TOKENIZE_ROWS, input_columns(job.fmt) + optional_columns(job.fmt))
     if job.fmt == "text":
         # the rows become Python strings in the reading thread, beside the engine's encoding of the batch before
         for where, prepared in prefetch(feed.prepared_batches(tok, read)):

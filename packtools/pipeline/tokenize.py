@@ -24,7 +24,8 @@ from ..constants import IGNORE_INDEX
 from ..core import ragged
 from ..core.ragged import Ragged
 from ..errors import PackingError
-from . import adversarial, chat, engine_proof, reference, tokenizer_load
+from ..io.json_cells import cells
+from . import adversarial, chat, chat_values, engine_proof, reference, tokenizer_load
 from . import fast_tokenize as fast_engine
 from .char_drops import DropCounter, check_on_unencodable
 from .engine_proof import Proof
@@ -33,7 +34,7 @@ from .tokenizer_dir import added_tokens_outside, load_tokenizer, tokenizer_finge
 
 
 def _strings(table: pa.Table, name: str, first_row: Row, values: list | None = None) -> list[str]:
-    values = table.column(name).to_pylist() if values is None else values
+    values = cells(table, name) if values is None else values
     for i, v in enumerate(values):
         if not isinstance(v, str):
             raise PackingError(
@@ -287,7 +288,7 @@ class BatchTokenizer:
 
     def _prompt_and_completions(self, table: pa.Table, names: Sequence[str], first_row: Row) -> list[Ragged]:
         """Tokenized prompt (first) and completions (the others) of prompt-completion or preference rows."""
-        prompts = table.column("prompt").to_pylist()
+        prompts = cells(table, "prompt")
         if prompts and isinstance(prompts[0], list):  # conversational rows (packtools.pipeline.chat)
             return self.chat.prompt_and_completions(table, prompts, names, first_row)
         parts = [self.encode(_strings(table, "prompt", first_row, prompts), True, first_row, "prompt")]
@@ -337,7 +338,7 @@ class BatchTokenizer:
         raised here, naming the row, as a call raises it."""
         if self.fmt == "text" and "text" in table.column_names:
             return table, first_row, ("text", _strings(table, "text", first_row))
-        if self.fmt != "messages" or "messages" not in table.column_names:
+        if self.fmt != "messages" or "messages" not in table.column_names or "tools" in table.column_names:
             return table, first_row, None
         try:
             convs = self._conversations(table, first_row)
@@ -379,10 +380,16 @@ class BatchTokenizer:
     def _conversations(self, table: pa.Table, first_row: Row) -> list[list[dict[str, Any]]]:
         return [
             chat.clean_messages(c, "messages", shift(first_row, i))
-            for i, c in enumerate(table.column("messages").to_pylist())
+            for i, c in enumerate(cells(table, "messages"))
         ]
 
     def _tokenize(self, table: pa.Table, first_row: Row) -> pa.Table:
+        if "tools" in table.column_names:
+            return chat_values.by_tools(self, table, first_row)
+        return self.tokenize_rows(table, first_row)
+
+    def tokenize_rows(self, table: pa.Table, first_row: Row) -> pa.Table:
+        """The token table of a batch without a ``tools`` column (:func:`chat_values.by_tools` splits by it)."""
         missing = [c for c in input_columns(self.fmt) if c not in table.column_names]
         if missing:
             raise PackingError(

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import re
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,6 +111,43 @@ def version(distribution: str) -> str | None:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+class UncheckedVersionWarning(UserWarning):
+    """A library whose internals packtools touches is installed in a version outside its ``CHECKED`` range."""
+
+
+_WARNED: set[str] = set()
+
+
+def release(text: str) -> tuple[int, ...]:
+    """The numeric release of a version string (``"5.25.0.dev0"`` -> ``(5, 25, 0)``), padded to three parts."""
+    found = re.match(r"\d+(?:\.\d+)*", text.strip())
+    parts = tuple(int(x) for x in found.group(0).split(".")) if found else ()
+    return parts + (0,) * (3 - len(parts))
+
+
+def within(installed: str, checked: str) -> bool:
+    """Whether ``installed`` falls in ``checked`` (``"A - B"``, both ends included, or one version ``"A"``)."""
+    low, _, high = checked.partition(" - ")
+    return release(low) <= release(installed) <= release(high or low)
+
+
+def warn_unchecked(library: str, checked: str) -> None:
+    """Warn once per process when the installed ``library`` is outside ``checked`` (nothing when it is absent):
+    packtools still refuses shapes it does not know (:func:`unknown_shape`), but its exactness was measured on
+    the checked versions only."""
+    installed = version(library)
+    if installed is None or library in _WARNED or within(installed, checked):
+        return
+    _WARNED.add(library)
+    warnings.warn(
+        f"{library} {installed} is installed; packtools touches {library} internals and was checked against "
+        f"{library} {checked}. It refuses shapes it does not know, but results on this version are unmeasured: "
+        f"install a version in that range, or run the test suite against this one.",
+        UncheckedVersionWarning,
+        stacklevel=3,
+    )
 
 
 def unknown_shape(library: str, checked: str, what: str, fix: str) -> PackingError:

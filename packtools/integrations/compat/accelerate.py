@@ -27,10 +27,11 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import unknown_shape
+from . import unknown_shape, warn_unchecked
 
 #: The ``accelerate`` versions whose shapes this module was checked against (lowest and newest CI runs).
-CHECKED = "1.10.1 - 1.15.0"
+CHECKED = "1.10.1 - 1.16.0"
+warn_unchecked("accelerate", CHECKED)  # once per process, when the installed accelerate is outside it
 _FIX = "Install an accelerate version packtools was checked against (see CHECKED), or report the new shape."
 _SHARD = ("batch_sampler", "num_processes", "process_index", "split_batches")
 

@@ -4,7 +4,10 @@ packtools reads a ``Dataset`` without copying it: the Arrow table behind it (``d
 and its row mapping after ``select`` / ``shuffle`` / ``train_test_split`` (``Dataset._indices``, private: a
 one-column table of row numbers, or None).  It keys its caches on ``Dataset._fingerprint`` (private) and keeps
 an ``IterableDataset``'s output format (``IterableDataset._formatting``, private: there is no public getter).
-The pipeline writes ``save_to_disk`` folders itself, so it writes and reads ``datasets``' private
+``pack_dataset`` writes its packed rows where ``datasets.map`` would (``datasets.fingerprint.
+get_temporary_cache_files_directory``, :func:`temporary_cache_directory`) and maps them back as ``datasets``
+maps its own cache files (``datasets.table.MemoryMappedTable.from_file``, :func:`memory_mapped_table`); the
+module is passed in, never imported here.  The pipeline writes ``save_to_disk`` folders itself, so it writes and reads ``datasets``' private
 ``state.json`` (:func:`saved_state`, :func:`saved_data_files`).
 
 Nothing here patches ``datasets``; everything reads.  An object that lacks the shape checked here raises
@@ -27,10 +30,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from . import unknown_shape
+from . import unknown_shape, warn_unchecked
 
 #: The ``datasets`` versions whose shapes this module was checked against (lowest and newest CI runs).
 CHECKED = "4.7.0 - 5.2.0"
+warn_unchecked("datasets", CHECKED)  # once per process, when the installed datasets is outside it
 #: The file of a ``save_to_disk`` folder that lists its data files (a ``datasets`` internal format).
 STATE_FILE = "state.json"
 
@@ -113,3 +117,19 @@ def saved_data_files(folder: str) -> list[str]:
     if not isinstance(files, list) or not all(isinstance(f, dict) and "filename" in f for f in files):
         raise _unknown(f"{os.path.join(folder, STATE_FILE)} has no _data_files list of {{'filename': ...}}")
     return [str(f["filename"]) for f in files]
+
+
+def temporary_cache_directory(ds_mod: Any) -> str:
+    """``datasets``' temporary cache folder (deleted when the Python session ends), as ``datasets.map`` uses it."""
+    get = getattr(getattr(ds_mod, "fingerprint", None), "get_temporary_cache_files_directory", None)
+    if not callable(get):
+        raise _unknown("datasets.fingerprint has no get_temporary_cache_files_directory()")
+    return str(get())
+
+
+def memory_mapped_table(ds_mod: Any, path: str) -> Any:
+    """The Arrow file at ``path`` as the memory-mapped table a ``datasets.Dataset`` holds its cache files in."""
+    cls = getattr(getattr(ds_mod, "table", None), "MemoryMappedTable", None)
+    if cls is None or not callable(getattr(cls, "from_file", None)):
+        raise _unknown("datasets.table has no MemoryMappedTable.from_file()")
+    return cls.from_file(path)

@@ -2,6 +2,9 @@
 
 * ``Tensor._version`` (:func:`tensor_version`): the in-place version counter the segmented attention keys its
   cached boundaries on (no public getter; inference-mode tensors have none).
+* ``torch._C._current_graph_task_id`` (:func:`in_backward`): whether autograd is running a backward pass (a
+  checkpointed forward recomputed there), the guard of prompt-shared DPO's tree attention against counting a
+  recomputation as a forward (no public API says so).
 * ``Module.register_forward_pre_hook(hook, with_kwargs=True)`` (:func:`forward_pre_hook`, public): the guard's
   hook, recorded on its owner so that :func:`~packtools.integrations.compat.unprepare` removes it again
   (packtools never rebinds a model's ``forward``).
@@ -22,10 +25,11 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from . import record, unknown_shape
+from . import record, unknown_shape, warn_unchecked
 
 #: The ``torch`` versions whose shapes this module was checked against (lowest and newest CI runs).
 CHECKED = "2.13.0"
+warn_unchecked("torch", CHECKED)  # once per process, when the installed torch is outside it
 _FIX = "Install a torch version packtools was checked against (see CHECKED), or report the new shape."
 
 
@@ -54,3 +58,13 @@ def forward_pre_hook(module: Any, hook: Callable[..., Any], *, owner: Any) -> An
     handle = register(hook, with_kwargs=True)
     record(owner, f"{type(module).__name__} forward pre-hook", handle.remove)
     return handle
+
+
+def in_backward(torch: Any) -> bool:
+    """Whether the current thread runs inside autograd's backward (a checkpointed forward being recomputed)."""
+    task = getattr(getattr(torch, "_C", None), "_current_graph_task_id", None)
+    if not callable(task):
+        raise unknown_shape(
+            "torch", CHECKED, "torch._C has no _current_graph_task_id (is a backward pass running?)", _FIX
+        )
+    return task() != -1

@@ -43,10 +43,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..._optional import is_instance, require
-from . import record, set_attr, unknown_shape
+from . import record, set_attr, unknown_shape, warn_unchecked
 
 #: The ``transformers`` versions whose shapes this module was checked against (lowest and newest CI runs).
-CHECKED = "5.15.0 - 5.24.0"
+CHECKED = "5.15.0 - 5.25.0"
+warn_unchecked("transformers", CHECKED)  # once per process, when the installed transformers is outside it
 _FIX = "Install a transformers version packtools was checked against (see CHECKED), or report the new shape."
 #: Registry entries packtools added, with how many owners still need them.
 _HELD: dict[str, int] = {}

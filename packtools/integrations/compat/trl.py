@@ -27,12 +27,13 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import set_attr, unknown_shape
+from . import set_attr, unknown_shape, warn_unchecked
 
 #: The TRL versions whose ``DPOTrainer`` shapes this module was checked against (lowest and newest CI runs).
 CHECKED = "1.16.0 - 1.16.0"
+warn_unchecked("trl", CHECKED)  # once per process, when the installed trl is outside it
 #: The transformers versions whose ``Trainer`` internals (``_signature_columns``, ``get_batch_samples``) were checked.
-TRANSFORMERS_CHECKED = "5.15.0 - 5.24.0"
+TRANSFORMERS_CHECKED = "5.15.0 - 5.25.0"
 
 _FIX = "Install a trl version packtools was checked against (see CHECKED), or report the new shape."
 #: Parameters of the trainer methods packtools wraps, as the checked versions define them.
