@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
+
 from ..errors import PackingError
 from ..io.files import InputFile, Part, find_inputs, read_schema, skipped_notes, split_file
 from ..io.manifest import read_manifest, write_manifest
@@ -50,7 +52,7 @@ from .jobs import run_jobs
 from .outcheck import check_out, check_replaceable
 from .planning import load_kernels_ahead, plan_parts, row_plan, write_jobs
 from .schema import data_format, known_columns, token_schema
-from .stage import load_sidecar, stage_part
+from .stage import load_sidecar, sidecar_turns, stage_part
 from .stage_cache import adopt_cached, stage_jobs
 from .summary import tokenizer_timings
 from .workspace import Workspace, checkpoint, left_behind_notes, tidy_after_dead_run
@@ -312,12 +314,18 @@ def _run(
             t1 = time.perf_counter()
             if warming is not None:
                 warming.join()  # the kernels module is not for two threads to load at once
-            rows = row_plan([load_sidecar(j.sidecar) for j in jobs], columns, config)
+            turns = [sidecar_turns(j.sidecar) for j in jobs]
+            rows = row_plan([load_sidecar(j.sidecar) for j in jobs], columns, config, [t[0] for t in turns])
             checkpoint("plan")
+            heads = np.concatenate(
+                [h if h.shape[0] == n else np.zeros(n, np.int64) for (_, h), n in zip(turns, np.diff(rows.bounds))]
+            )
+            data = rows.split_labelled(
+                [s["data"] for s in staged], columns, config, heads, ws.stage, fp["fingerprint"][:16]
+            )
             p = plan_parts(rows.eff, rows.bounds, config)
             timings["plan_s"] = round(time.perf_counter() - t1, 3)
             t2 = time.perf_counter()
-            data = [s["data"] for s in staged]
             wjobs = write_jobs(
                 p, data, rows.bounds, config, columns, ws.build, run=run_token(fp["fingerprint"])
             )

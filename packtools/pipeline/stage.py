@@ -40,10 +40,11 @@ from ..errors import PackingError
 from ..io.files import Part, Where, iter_part
 from ..io.fingerprint import cache_key
 from . import feed
+from .chat_head import HEAD_COLUMN
 from .prefetch import prefetch
 
 #: Version of the staged-file layout; part of every cache key.
-STAGE_FORMAT = 2  # 2: the sidecar keeps the tokenizer engine report
+STAGE_FORMAT = 3  # 2: the sidecar keeps the tokenizer engine report; 3: each row's trained tokens and head
 #: Rows per block handed to the tokenizer, read from tokenized files, and most rows / bytes per record batch of
 #: a staged file.
 TOKENIZE_ROWS = 1000
@@ -227,6 +228,21 @@ def first_label(labels: pa.ChunkedArray) -> np.ndarray:
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
+def trained_per_row(labels: pa.ChunkedArray) -> np.ndarray:
+    """Per row, its tokens that train: labels other than -100 after the row's first token (a padding-free batch
+    masks every sequence's first label)."""
+    parts = []
+    for chunk in read_list_column(labels, "labels").chunks:
+        values = chunk.values[: chunk.offsets[-1]] != IGNORE_INDEX
+        starts, ends = chunk.offsets[:-1], chunk.offsets[1:]
+        csum = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
+        has = ends > starts
+        first = np.zeros(starts.shape[0], np.int64)
+        first[has] = values[starts[has]]
+        parts.append(csum[ends] - csum[starts] - first)
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
 def _token_tables(job: StageJob):
     """The part's token tables, in order, with their ``where``."""
     types = [pa.type_for_alias(v) for v in job.value_types]
@@ -251,8 +267,8 @@ def _token_tables(job: StageJob):
     yield from feed.render_while_loading(tok, batches) if job.fmt == "messages" else feed.called(tok, batches)
 
 
-def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray] | None:
-    """Lengths and first labels of a tokenized Arrow input that can be gathered from directly, else None."""
+def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Lengths, first labels and trained tokens of a tokenized Arrow input that can be gathered from directly, else None."""
     if job.fmt != "tokenized" or job.part.file.kind != "arrow":
         return None
     from .gather import MappedArrow
@@ -271,18 +287,25 @@ def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray] | None:
             return None
         lengths = check_aligned(cols).astype(np.int64)
         first = first_label(table.column("labels")) if job.has_labels else np.zeros(0, np.int64)
+        trained = trained_per_row(table.column("labels")) if job.has_labels else np.zeros(0, np.int64)
         for col in cols:
             for chunk in col.chunks:
                 mapped.release(chunk.values)
-        return lengths, first
+        return lengths, first, trained
     except PackingError as exc:
         raise PackingError(f"input {job.part.file.path!r}: {exc}", param=exc.param) from None
     finally:
         mapped.close()
 
 
-def _save_sidecar(
-    path: str, lengths: np.ndarray, first: np.ndarray, data: str, report: dict[str, Any] | None = None
+def _save_sidecar(  # noqa: PLR0913
+    path: str,
+    lengths: np.ndarray,
+    first: np.ndarray,
+    trained: np.ndarray,
+    data: str,
+    report: dict[str, Any] | None = None,
+    heads: np.ndarray | None = None,
 ) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as fh:
@@ -290,6 +313,8 @@ def _save_sidecar(
             fh,
             lengths=lengths,
             first_label=first,
+            trained=trained,
+            heads=heads if heads is not None else np.zeros(0, np.int64),
             data=np.array(data),
             tokenizer=np.array(json.dumps(report, sort_keys=True) if report else ""),
         )
@@ -300,6 +325,13 @@ def load_sidecar(path: str) -> tuple[np.ndarray, np.ndarray, str]:
     """``(lengths, first_label, data path)`` of a staged part."""
     with np.load(path, allow_pickle=False) as z:
         return z["lengths"], z["first_label"], str(z["data"])
+
+
+def sidecar_turns(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(trained tokens, head length)`` of each row of a staged part (empty arrays: the part has no labels,
+    resp. no heads: every head is 0)."""
+    with np.load(path, allow_pickle=False) as z:
+        return z["trained"], z["heads"]
 
 
 def sidecar_report(path: str) -> dict[str, Any] | None:
@@ -331,7 +363,7 @@ def stage_part(job: StageJob) -> dict[str, Any]:
         }
     schema = pa.schema([(c, pa.list_(pa.type_for_alias(v))) for c, v in zip(job.columns, job.value_types)])
     tmp = f"{job.staged}.tmp-{os.getpid()}"
-    lengths, firsts, pending, pending_rows, pending_bytes = [], [], [], 0, 0
+    lengths, firsts, trained, heads, pending, pending_rows, pending_bytes = [], [], [], [], [], 0, 0
     try:
         with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             for where, table in prefetch(_token_tables(job)):  # tokenizing runs ahead of writing
@@ -345,6 +377,9 @@ def stage_part(job: StageJob) -> dict[str, Any]:
                     raise PackingError(f"{where()} (block start): {exc}", param=exc.param) from None
                 if job.has_labels:
                     firsts.append(first_label(table.column("labels")))
+                    trained.append(trained_per_row(table.column("labels")))
+                if HEAD_COLUMN in table.column_names:
+                    heads.append(table.column(HEAD_COLUMN).to_numpy().astype(np.int64))
                 pending.append(table.select(list(job.columns)).cast(schema))
                 pending_rows += table.num_rows
                 pending_bytes += table.nbytes
@@ -360,9 +395,11 @@ def stage_part(job: StageJob) -> dict[str, Any]:
         raise
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
     all_first = np.concatenate(firsts) if firsts else np.zeros(0, np.int64)
+    all_trained = np.concatenate(trained) if trained else np.zeros(0, np.int64)
+    all_heads = np.concatenate(heads) if heads else None
     # which tokenizer engine ran, and why; rows compared; characters left out (kept with the part for reruns)
     report = _tokenizer(job).part_report() if job.fmt != "tokenized" else None
-    _save_sidecar(job.sidecar, all_lengths, all_first, job.staged, report)
+    _save_sidecar(job.sidecar, all_lengths, all_first, all_trained, job.staged, report, all_heads)
     result = {
         "rows": int(all_lengths.shape[0]),
         "reused": False,

@@ -338,9 +338,26 @@ class BatchTokenizer:
         first_row: Row,
         rendered: tuple[list[str], list] | None = None,
     ) -> pa.Table:
-        """The ``input_ids`` and assistant-only ``labels`` of conversations (``rendered``: taken ahead)."""
+        """The ``input_ids`` and assistant-only ``labels`` of conversations (``rendered``: taken ahead), and each
+        one's head (:mod:`packtools.pipeline.chat_head`; the stage keeps it in its sidecar)."""
+        from .chat_head import HEAD_COLUMN, head_lengths
+
         ids, labels = self.chat.assistant_labels(convs, first_row, rendered)
-        return pa.table({"input_ids": ragged.to_arrow(ids), "labels": ragged.to_arrow(labels)})
+        heads = head_lengths(self.chat.renderer, self._encode_plain, convs, ids)
+        return pa.table(
+            {"input_ids": ragged.to_arrow(ids), "labels": ragged.to_arrow(labels), HEAD_COLUMN: pa.array(heads)}
+        )
+
+    def _encode_plain(self, texts: list[str]) -> Ragged:
+        """Rendered ``texts`` encoded like a rendered conversation (no special tokens added), without the proof's
+        bookkeeping: :func:`~packtools.pipeline.chat_head.head_lengths` keeps an encoding only where it is the
+        start of the conversation's proven ids."""
+        if self.fast is not None:
+            try:
+                return self.fast.encode(texts, False)
+            except Exception:  # noqa: BLE001, S110 - the reference encodes them
+                pass
+        return ragged.from_lists(self.reference_ids(texts, False))
 
     def _conversations(self, table: pa.Table, first_row: Row) -> list[list[dict[str, Any]]]:
         return [

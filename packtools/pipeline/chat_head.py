@@ -1,0 +1,67 @@
+"""The *head* of each conversation: the tokens of its leading system message(s), as the chat template renders
+them (BOS included), which a turn-aware split (:mod:`packtools.pipeline.turn_split`) carries, unlabeled, before
+every piece but the first.
+
+The head is the rendering of ``messages[:k]`` (``k`` leading ``system`` messages, no generation prompt),
+tokenized like the whole conversation, and kept only where those ids are the first ids of the whole
+conversation's: a template that renders a system turn alone differently (or refuses it), or a tokenization
+that merges across the boundary, gives a head of 0 (the pieces then carry nothing).  A conversation without a
+leading system message has a head of 0.
+
+>>> class R:
+...     def render(self, conv, prompt): return "".join(f"<{m['role']}>{m['content']}" for m in conv)
+>>> from packtools.core.ragged import from_lists
+>>> encode = lambda texts: from_lists([[ord(c) for c in t] for t in texts])
+>>> convs = [[{"role": "system", "content": "S"}, {"role": "user", "content": "u"}], [{"role": "user", "content": "u"}]]
+>>> ids = encode([R().render(c, False) for c in convs])
+>>> head_lengths(R(), encode, convs, ids).tolist()
+[9, 0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..core.ragged import Ragged
+
+#: the token table's column with each row's head; the stage records it in the sidecar and does not stage it
+HEAD_COLUMN = "head_length"
+
+
+def leading_system(conv: list[dict[str, Any]]) -> int:
+    """How many messages at the start of ``conv`` are system messages."""
+    k = 0
+    while k < len(conv) and conv[k].get("role") == "system":
+        k += 1
+    return k
+
+
+def head_lengths(
+    renderer: Any, encode: Callable[[list[str]], Ragged], convs: list[list[dict[str, Any]]], ids: Ragged
+) -> np.ndarray:
+    """Per conversation, the length of its head in ``ids`` (the conversations' token ids), 0 where it has none
+    or where the head's own ids are not the first ids of the conversation."""
+    heads = np.zeros(len(convs), np.int64)
+    rows, texts = [], []
+    for i, conv in enumerate(convs):
+        k = leading_system(conv)
+        if k == 0 or k == len(conv):  # no head, or nothing after it to split
+            continue
+        try:
+            texts.append(renderer.render(conv[:k], False))
+        except Exception:  # noqa: BLE001, S112 - a template that refuses a system turn alone: no head
+            continue
+        rows.append(i)
+    if not rows:
+        return heads
+    got = encode(texts)
+    for j, i in enumerate(rows):
+        head = got.values[got.offsets[j] : got.offsets[j + 1]]
+        lo, hi = int(ids.offsets[i]), int(ids.offsets[i + 1])
+        n = head.shape[0]
+        if 0 < n < hi - lo and np.array_equal(ids.values[lo : lo + n], head):
+            heads[i] = n
+    return heads
