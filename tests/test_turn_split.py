@@ -84,8 +84,18 @@ def conversations(draw):
     for _ in range(draw(st.integers(1, 6))):
         conv = [{"role": "system", "content": "be brief"}] if draw(st.booleans()) else []
         for _ in range(draw(st.integers(1, 4))):
-            conv.append({"role": "user", "content": " ".join(draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=14)))})
-            conv.append({"role": "assistant", "content": " ".join(draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=5)))})
+            conv.append(
+                {
+                    "role": "user",
+                    "content": " ".join(draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=14))),
+                }
+            )
+            conv.append(
+                {
+                    "role": "assistant",
+                    "content": " ".join(draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=5))),
+                }
+            )
         if draw(st.integers(0, 5)) == 0:
             conv.append({"role": "user", "content": "tokens"})  # ends with a question: a piece with no reply
         convs.append(conv)
@@ -121,11 +131,16 @@ def test_pieces_start_at_turns_and_carry_the_system_prompt(tmp_path_factory, tok
     stats, seqs = pack(tmp_path, toks[template], convs, max_length)
     ids_col, labels_col = seqs.column("input_ids").to_pylist(), seqs.column("labels").to_pylist()
 
-    rows = [tok(tok.apply_chat_template(c, tokenize=False), add_special_tokens=False)["input_ids"] for c in convs]
+    rows = [
+        tok(tok.apply_chat_template(c, tokenize=False), add_special_tokens=False)["input_ids"] for c in convs
+    ]
     heads = []
     for c in convs:
-        heads.append(len(tok(tok.apply_chat_template(c[:1], tokenize=False), add_special_tokens=False)["input_ids"])
-                     if c[0]["role"] == "system" else 0)
+        heads.append(
+            len(tok(tok.apply_chat_template(c[:1], tokenize=False), add_special_tokens=False)["input_ids"])
+            if c[0]["role"] == "system"
+            else 0
+        )
     # every output sequence is a whole conversation, or a piece: [head (unlabeled)] + row[a:b] with a at a turn
     found_at_turn = Counter()
     for ids, labels in zip(ids_col, labels_col):
@@ -154,7 +169,9 @@ def test_pieces_start_at_turns_and_carry_the_system_prompt(tmp_path_factory, tok
     assert stats["tokens_in"] == sum(map(len, rows))
     kept = sum(map(len, ids_col))
     assert stats["tokens_kept"] == kept
-    assert stats["tokens_in"] == kept - stats.get("tokens_carried", 0) + stats.get("tokens_dropped_unlabeled", 0)
+    assert stats["tokens_in"] == kept - stats.get("tokens_carried", 0) + stats.get(
+        "tokens_dropped_unlabeled", 0
+    )
     assert stats["tokens_dropped"] == stats.get("tokens_dropped_unlabeled", 0)
     trained = sum(sum(t != IGNORE_INDEX for t in labels[1:]) for labels in labels_col)
     assert stats["tokens_trained_kept"] == trained
@@ -179,10 +196,14 @@ def test_unlabeled_pieces_kept_with_drop_unlabeled_false(tmp_path, toks):
 
 
 def test_split_at_tokens_is_the_fixed_cut(tmp_path, toks):
-    convs = [[{"role": "user", "content": " ".join(WORDS * 3)}, {"role": "assistant", "content": "hello world"}]]
+    convs = [
+        [{"role": "user", "content": " ".join(WORDS * 3)}, {"role": "assistant", "content": "hello world"}]
+    ]
     stats, seqs = pack(tmp_path, toks["plain"], convs, 16, split_at="tokens", drop_unlabeled=False)
     n = stats["tokens_in"]
-    assert [len(s) for s in seqs.column("input_ids").to_pylist()] == [16] * (n // 16) + ([n % 16] if n % 16 else [])
+    assert [len(s) for s in seqs.column("input_ids").to_pylist()] == [16] * (n // 16) + (
+        [n % 16] if n % 16 else []
+    )
     assert stats["tokens_kept"] == n and stats["split_at"] == "tokens"
 
 

@@ -196,8 +196,8 @@ class RowPlan:
         if config.overlong_policy == "truncate" and over.size:
             self.trained_eff[over] = trained_prefix(data, self.bounds, over, columns, config.max_length)
         over = over[self.trained[over] > 0]
-        if config.overlong_policy != "split" or over.size == 0:
-            return list(data)
+        if config.overlong_policy != "split" or config.strategy != "bfd_split" or over.size == 0:
+            return list(data)  # wrapped cuts one stream: it keeps every token, and no piece is a sequence
         path = os.path.join(folder, f"pieces-{key}.arrow")
         drop = config.drop_unlabeled is not False  # None (the default) drops pieces without a trained token
         got = split_rows(
@@ -206,6 +206,11 @@ class RowPlan:
         )  # fmt: skip
         self.counts.update(got.counts)
         self.counts["split_at"] = config.split_at  # type: ignore[assignment]
+        if got.path is None:  # the fixed cut, every piece kept: the plan splits the rows itself
+            per_row = -(-self.lengths[over] // config.max_length)  # pieces of each row, in order
+            first = np.concatenate([[0], np.cumsum(per_row)[:-1]])
+            self.trained_eff[over] = np.add.reduceat(got.trained, first)
+            return list(data)
         self.eff = self.eff.copy()
         self.eff[over] = 0  # planned as their pieces
         self.trained_eff[over] = 0
@@ -277,5 +282,7 @@ def row_plan(
         if config.drop_unlabeled:
             eff = np.where(unlabeled, 0, eff)
         if trained is not None and all(t.shape[0] == s[0].shape[0] for t, s in zip(trained, sidecars)):
-            per_row = np.concatenate(list(trained)).astype(np.int64) if len(trained) else np.zeros(0, np.int64)
+            per_row = (
+                np.concatenate(list(trained)).astype(np.int64) if len(trained) else np.zeros(0, np.int64)
+            )
     return RowPlan(lengths, bounds, eff, counts, rows_unlabeled, per_row)

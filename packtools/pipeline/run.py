@@ -169,6 +169,7 @@ def run_pipeline(
     previous = read_manifest(out)
     if previous is not None and previous.get("fingerprint") == fp["fingerprint"]:
         tidy_after_dead_run(out)  # a run killed after installing this output may have left its work folder
+        warn_pipeline_drops(previous.get("stats", {}))
         return PipelineResult(
             out, previous.get("stats", {}), cached=True, manifest=previous, notes=skipped_notes(skipped)
         )
@@ -203,7 +204,20 @@ def run_pipeline(
     with signals_deferred():
         ws.finish(ok=True, keep_stage=False)
     result.notes.extend(skipped_notes(skipped) + left_behind_notes(ws))
+    warn_pipeline_drops(result.stats)
     return result
+
+
+def warn_pipeline_drops(stats: dict[str, Any]) -> None:
+    """A :class:`~packtools.integrations.drops.TokensDroppedWarning` when the run's overlong policy cut tokens
+    (as :func:`packtools.pack_dataset` warns; ``packtools pack`` prints it)."""
+    import warnings
+
+    from ..integrations.drops import TokensDroppedWarning, pipeline_drop_message
+
+    text = pipeline_drop_message(stats)
+    if text is not None:
+        warnings.warn(text, TokensDroppedWarning, stacklevel=3)
 
 
 def _inputs(
@@ -318,7 +332,10 @@ def _run(
             rows = row_plan([load_sidecar(j.sidecar) for j in jobs], columns, config, [t[0] for t in turns])
             checkpoint("plan")
             heads = np.concatenate(
-                [h if h.shape[0] == n else np.zeros(n, np.int64) for (_, h), n in zip(turns, np.diff(rows.bounds))]
+                [
+                    h if h.shape[0] == n else np.zeros(n, np.int64)
+                    for (_, h), n in zip(turns, np.diff(rows.bounds))
+                ]
             )
             data = rows.split_labelled(
                 [s["data"] for s in staged], columns, config, heads, ws.stage, fp["fingerprint"][:16]

@@ -34,13 +34,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ..constants import IGNORE_INDEX
 from ..core.arrow import check_aligned, is_list_type, read_list_column
 from ..errors import PackingError
 from ..io.files import Part, Where, iter_part
 from ..io.fingerprint import cache_key
 from . import feed
 from .chat_head import HEAD_COLUMN
+from .label_counts import first_label, trained_per_row
 from .prefetch import prefetch
 
 #: Version of the staged-file layout; part of every cache key.
@@ -214,35 +214,6 @@ def check_token_column(table: pa.Table, name: str, value_type: pa.DataType, wher
     return col
 
 
-def first_label(labels: pa.ChunkedArray) -> np.ndarray:
-    """Per row, the position of the first token with a label (not -100); the row length if there is none."""
-    parts = []
-    for chunk in read_list_column(labels, "labels").chunks:
-        starts, ends = chunk.offsets[:-1], chunk.offsets[1:]
-        first = ends - starts
-        idx = np.flatnonzero(chunk.values[: chunk.offsets[-1]] != IGNORE_INDEX)  # sorted
-        lo = np.searchsorted(idx, starts)  # the row's first labelled token, if it has one, is idx[lo]
-        has = lo < np.searchsorted(idx, ends)
-        first[has] = idx[lo[has]] - starts[has]
-        parts.append(first)
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-
-
-def trained_per_row(labels: pa.ChunkedArray) -> np.ndarray:
-    """Per row, its tokens that train: labels other than -100 after the row's first token (a padding-free batch
-    masks every sequence's first label)."""
-    parts = []
-    for chunk in read_list_column(labels, "labels").chunks:
-        values = chunk.values[: chunk.offsets[-1]] != IGNORE_INDEX
-        starts, ends = chunk.offsets[:-1], chunk.offsets[1:]
-        csum = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
-        has = ends > starts
-        first = np.zeros(starts.shape[0], np.int64)
-        first[has] = values[starts[has]]
-        parts.append(csum[ends] - csum[starts] - first)
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-
-
 def _token_tables(job: StageJob):
     """The part's token tables, in order, with their ``where``."""
     types = [pa.type_for_alias(v) for v in job.value_types]
@@ -298,12 +269,13 @@ def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray, np.ndarray] | Non
         mapped.close()
 
 
-def _save_sidecar(  # noqa: PLR0913
+def _save_sidecar(
     path: str,
     lengths: np.ndarray,
     first: np.ndarray,
     trained: np.ndarray,
     data: str,
+    *,
     report: dict[str, Any] | None = None,
     heads: np.ndarray | None = None,
 ) -> None:
@@ -399,7 +371,9 @@ def stage_part(job: StageJob) -> dict[str, Any]:
     all_heads = np.concatenate(heads) if heads else None
     # which tokenizer engine ran, and why; rows compared; characters left out (kept with the part for reruns)
     report = _tokenizer(job).part_report() if job.fmt != "tokenized" else None
-    _save_sidecar(job.sidecar, all_lengths, all_first, all_trained, job.staged, report, all_heads)
+    _save_sidecar(
+        job.sidecar, all_lengths, all_first, all_trained, job.staged, report=report, heads=all_heads
+    )
     result = {
         "rows": int(all_lengths.shape[0]),
         "reused": False,

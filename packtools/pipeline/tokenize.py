@@ -345,7 +345,11 @@ class BatchTokenizer:
         ids, labels = self.chat.assistant_labels(convs, first_row, rendered)
         heads = head_lengths(self.chat.renderer, self._encode_plain, convs, ids)
         return pa.table(
-            {"input_ids": ragged.to_arrow(ids), "labels": ragged.to_arrow(labels), HEAD_COLUMN: pa.array(heads)}
+            {
+                "input_ids": ragged.to_arrow(ids),
+                "labels": ragged.to_arrow(labels),
+                HEAD_COLUMN: pa.array(heads),
+            }
         )
 
     def _encode_plain(self, texts: list[str]) -> Ragged:

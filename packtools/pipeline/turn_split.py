@@ -52,7 +52,9 @@ Piece = tuple[int, int, int]  # (tokens of the head carried before it, start, en
 
 def check_split_at(split_at: str) -> None:
     if split_at not in SPLIT_AT:
-        raise PackingError(f"split_at={split_at!r} is unknown; use one of {', '.join(SPLIT_AT)}.", param="split_at")
+        raise PackingError(
+            f"split_at={split_at!r} is unknown; use one of {', '.join(SPLIT_AT)}.", param="split_at"
+        )
 
 
 def carried_head(head: int, max_length: int) -> int:
@@ -151,9 +153,7 @@ def piece_columns(
     return out
 
 
-def staged_rows(
-    data: Sequence[str], bounds: Sequence[int], rows: np.ndarray, columns: Sequence[str]
-):
+def staged_rows(data: Sequence[str], bounds: Sequence[int], rows: np.ndarray, columns: Sequence[str]):
     """``(row, {column: values})`` of the rows ``rows`` (global row numbers, sorted) of the staged files ``data``
     (part ``k`` holds rows ``bounds[k]:bounds[k + 1]``), one part mapped at a time."""
     from .gather import MappedArrow
@@ -220,7 +220,9 @@ def split_rows(  # noqa: PLR0913 - the staged parts and the options that decide 
 ) -> SplitResult:
     """Cut the rows ``rows`` (global row numbers, sorted) of the staged files ``data`` (part ``k`` holds rows
     ``bounds[k]:bounds[k + 1]``) into pieces (:func:`cut_row`) and write them, in order, to the Arrow file
-    ``path`` (written aside and renamed).  ``heads``: every row's head length."""
+    ``path`` (written aside and renamed).  ``heads``: every row's head length.  Under ``split_at="tokens"``
+    with no piece dropped the file is removed (``path`` None): the plan's own split of the rows is the same
+    cut, and the rows are planned as they are."""
     counts = {
         "pieces": 0,
         "turns_cut": 0,
@@ -269,4 +271,7 @@ def split_rows(  # noqa: PLR0913 - the staged parts and the options that decide 
     counts["tokens_carried"] = int(carries_a[kept].sum())  # copies of the head in the output
     own = lengths_a - carries_a  # a piece's tokens that came from the input (not the head copy)
     counts["tokens_dropped_unlabeled"] = int(own[~kept].sum())
+    if split_at == "tokens" and kept.all():
+        os.unlink(path)  # the plan's own split makes the same pieces: nothing to gather from here
+        return SplitResult(None, lengths_a, trained_a, kept, counts)
     return SplitResult(path, lengths_a, trained_a, kept, counts)
