@@ -132,7 +132,8 @@ def profile_files(
         raise PackingError(f"no input files in {[os.fspath(i) for i in inputs]}.", param="paths")
     fmt = data_format(files, config)
     if fmt == "tokenized" and all(f.kind != "json" for f in files):  # offsets only: nothing to stage
-        prof = profile_lengths([f.path for f in files], column=column, name=name)
+        # the inputs as given: a packed folder's manifest (its max_length) and name come with it
+        prof = profile_lengths([os.fspath(i) for i in inputs], column=column, name=name)
         return ProfiledInput(prof, fmt)
     if fmt == "tokenized":  # token ids in JSON: parsed and checked by the stage, as pack does
         columns, types, _ = token_schema(files, config)
