@@ -11,6 +11,17 @@ batches instead (one line after or instead of ``evaluate()``)::
 
     metrics = trainer.evaluate()
     metrics["eval_loss"] = token_mean_loss(trainer)
+
+>>> import tempfile, datasets, transformers
+>>> from packtools import PaddingFreeCollator, pack_dataset, prepare_trainer
+>>> config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+...                                   num_attention_heads=2, attn_implementation="sdpa")
+>>> rows = pack_dataset(datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9]]}), 8)
+>>> args = transformers.TrainingArguments(tempfile.mkdtemp(), report_to=[], use_cpu=True)
+>>> trainer = prepare_trainer(transformers.Trainer(transformers.LlamaForCausalLM(config), args, train_dataset=rows,
+...                                                eval_dataset=rows, data_collator=PaddingFreeCollator(0)))
+>>> 3.0 < token_mean_loss(trainer) < 5.0  # about ln(64) for a random model
+True
 """
 
 from __future__ import annotations
