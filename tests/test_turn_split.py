@@ -205,6 +205,9 @@ def test_split_at_tokens_is_the_fixed_cut(tmp_path, toks):
         [n % 16] if n % 16 else []
     )
     assert stats["tokens_kept"] == n and stats["split_at"] == "tokens"
+    idle = [lab for lab in seqs.column("labels").to_pylist() if all(t == IGNORE_INDEX for t in lab[1:])]
+    assert stats["sequences_untrained"] == len(idle) > 0  # counted by piece, not by row
+    assert stats["tokens_untrained"] == sum(map(len, idle))
 
 
 def test_bad_split_at_is_refused(tmp_path, toks):

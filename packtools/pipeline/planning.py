@@ -170,6 +170,8 @@ class RowPlan:
     rows_unlabeled: int  # rows kept whose labels are all -100
     trained: np.ndarray | None = None  # per input row, its tokens that train (None: the rows have no labels)
     trained_eff: np.ndarray | None = None  # per planned row, its trained tokens in what is packed (eff)
+    whole_split: np.ndarray | None = None  # rows the plan itself splits (split_at="tokens", every piece kept)
+    idle_pieces: tuple[int, int] = (0, 0)  # their pieces without a trained token, and the tokens in those
 
     def split_labelled(  # noqa: PLR0913
         self,
@@ -210,6 +212,9 @@ class RowPlan:
             per_row = -(-self.lengths[over] // config.max_length)  # pieces of each row, in order
             first = np.concatenate([[0], np.cumsum(per_row)[:-1]])
             self.trained_eff[over] = np.add.reduceat(got.trained, first)
+            self.whole_split = over  # planned whole (the plan cuts them): their pieces counted here
+            idle = got.trained == 0
+            self.idle_pieces = (int(idle.sum()), int(got.lengths[idle].sum()))
             return list(data)
         self.eff = self.eff.copy()
         self.eff[over] = 0  # planned as their pieces
@@ -243,14 +248,15 @@ class RowPlan:
             "plan": config.plan,
         }
         if self.trained is not None and self.trained_eff is not None:
-            packed = self.eff > 0
-            idle = packed & (self.trained_eff == 0)
+            idle = (self.eff > 0) & (self.trained_eff == 0)
+            if self.whole_split is not None:
+                idle[self.whole_split] = False  # counted by piece
             out.update(
                 {
                     "tokens_trained_in": int(self.trained.sum()),
                     "tokens_trained_kept": int(self.trained_eff.sum()),
-                    "sequences_untrained": int(idle.sum()),
-                    "tokens_untrained": int(self.eff[idle].sum()),
+                    "sequences_untrained": int(idle.sum()) + self.idle_pieces[0],
+                    "tokens_untrained": int(self.eff[idle].sum()) + self.idle_pieces[1],
                 }
             )
         return out
