@@ -121,7 +121,7 @@ def check_resume(out):
     """Token-budget batches, two epochs; a second trainer resumes from the checkpoint in the middle of epoch 1."""
     rows = packed_rows()
     ckpt = os.path.join(out, "resume")
-    from packtools import TokenBudgetBatchSampler
+    from packtools.batches import TokenBudgetBatchSampler
 
     lengths = [len(r) for r in rows["input_ids"]]
     world = int(os.environ["WORLD_SIZE"])
@@ -155,7 +155,8 @@ def run_dpo(out, packed, share_prompt=False, **prepare):
     import test_dpo
     from trl import DPOTrainer  # noqa: F401  (imported by test_dpo too)
 
-    from packtools import pack_preference, prepare_dpo_trainer
+    from packtools import prepare_dpo_trainer
+    from packtools.dpo import pack_preference
 
     trainer = test_dpo.build(
         Path(out), n=24, per_device_train_batch_size=1, gradient_accumulation_steps=2, num_train_epochs=1
@@ -193,7 +194,7 @@ def loop_data():
     """Packed rows and packed pairs for the README loops (the test rebuilds the same)."""
     import dpo_loop
 
-    from packtools import pack_preference
+    from packtools.dpo import pack_preference
 
     pairs = pack_preference(dpo_loop.synthetic_pairs(40, 64, vocab_size=97), max_length=64)
     return packed_rows(), pairs
@@ -207,7 +208,7 @@ def check_loops(out):
     import train_loop
     from torch.nn.parallel import DistributedDataParallel
 
-    from packtools import PreferenceCollator, TokenBudgetBatchSampler
+    from packtools.batches import PreferenceCollator, TokenBudgetBatchSampler
 
     if not torch.distributed.is_initialized():  # the Trainer checks before have set it up already
         torch.distributed.init_process_group("gloo")
@@ -249,7 +250,7 @@ def check_refusal(out):
     """A TokenBudgetBatchSampler(num_replicas=2) handed to accelerate's sharding is refused."""
     import accelerate
 
-    from packtools import TokenBudgetBatchSampler
+    from packtools.batches import TokenBudgetBatchSampler
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     sampler = TokenBudgetBatchSampler([5, 7, 3, 9, 4, 6], 12, num_replicas=world, rank=rank)

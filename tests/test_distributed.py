@@ -232,7 +232,7 @@ def test_readme_loops_under_ddp_equal_one_process(ranks):
     ok(ranks, "loop_sft", "loop_dpo")
     import _ddp_worker
 
-    from packtools import PreferenceCollator
+    from packtools.dpo import PreferenceCollator
 
     rows, pairs = _ddp_worker.loop_data()
     import dpo_loop

@@ -198,7 +198,8 @@ def test_default_rule_holds_on_a_long_tail():
 
 def test_python_api_warns_when_tokens_are_dropped():
     datasets = pytest.importorskip("datasets")
-    from packtools import pack_dataset, packed_view, truncate_dataset
+    from packtools import pack_dataset, packed_view
+    from packtools.integrations import truncate_dataset
     from packtools.integrations.drops import TokensDroppedWarning
 
     ds = datasets.Dataset.from_dict({"input_ids": [[1] * 50, [2] * 5, [3] * 3000]})

@@ -6,7 +6,7 @@ import types
 import numpy as np
 import pytest
 
-from packtools import TokenBudgetBatchSampler
+from packtools.batches import TokenBudgetBatchSampler
 from packtools.batches.row_sampler import RowBatchSampler
 from packtools.errors import PackingError
 from packtools.integrations.budget_loader import check_sharding

@@ -176,7 +176,7 @@ def test_bad_arguments(kwargs, match):
 
 def test_sampler_does_not_import_torch():
     code = (
-        "import sys; from packtools import TokenBudgetBatchSampler as S; list(S([1, 2, 3], 3)); "
+        "import sys; from packtools.batches import TokenBudgetBatchSampler as S; list(S([1, 2, 3], 3)); "
         "assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -16,8 +16,9 @@ from _pipeline_data import CORPUS, EOS, build_tokenizer, load
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from packtools import PackingError, pack_files, unpack
+from packtools import PackingError, pack_files
 from packtools.constants import MANIFEST
+from packtools.core import unpack
 from packtools.io.files import Part, discover
 from packtools.pipeline import fast_tokenize
 from packtools.pipeline.char_drops import DropCounter, missing_bytes
