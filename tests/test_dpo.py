@@ -361,6 +361,7 @@ def test_guards(tmp_path):
         trainer.model(**left, fused_lm_head=True)
 
 
+@pytest.mark.slow
 def test_bench_dpo_runs_the_same_pairs_and_packtools_sees_only_real_tokens(capsys):
     import importlib.util
     from pathlib import Path

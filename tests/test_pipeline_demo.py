@@ -24,6 +24,7 @@ def test_definitions_cut_sources_before_each_def():
     assert bytes(table.column("input_ids")[0].values.to_numpy().astype("uint8")) == pieces[0]
 
 
+@pytest.mark.slow
 def test_demo_small_corpus(tmp_path):
     pytest.importorskip("datasets")
     lines: list[str] = []
