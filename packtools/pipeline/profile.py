@@ -185,6 +185,7 @@ def profile_files(
         engine_proven=proven,
     )
     ex = get_executor(executor, workers, None)
+    trained = None
     t0 = time.perf_counter()
     try:
         with CacheLock(folder):  # no eviction under a running stage
@@ -195,6 +196,8 @@ def profile_files(
         else:
             sidecars = [load_sidecar(j.sidecar)[0] for j in jobs]
             lengths = np.concatenate(sidecars) if sidecars else np.zeros(0, np.int64)
+            if "labels" in columns:  # chat, prompt/completion: where the trained tokens are
+                trained = _trained_tokens([s["data"] for s in staged])
     finally:
         ex.close()
         if not keep:
@@ -214,4 +217,15 @@ def profile_files(
         base = os.path.basename(files[0].path) if len(files) == 1 else f"{len(files)} files"
         what = "pairs as packed: 2 x prompt + chosen + rejected" if fmt == "preference" else "tokenized"
         name = f"{base} ({fmt}, {what})"
-    return ProfiledInput(LengthProfile(lengths, name), fmt, info)
+    return ProfiledInput(LengthProfile(lengths, name, trained=trained), fmt, info)
+
+
+def _trained_tokens(paths: list[str]) -> Any:
+    """:class:`~packtools.profiling.trained.TrainedTokens` of the ``labels`` of staged files, in order."""
+    from ..profiling.trained import TrainedTokens
+
+    parts = []
+    for path in paths:
+        with pa.memory_map(path, "r") as source:
+            parts.append(TrainedTokens.from_labels(pa.ipc.open_file(source).read_all().column("labels")))
+    return TrainedTokens.combine(parts)
