@@ -215,3 +215,28 @@ def test_bad_split_at_is_refused(tmp_path, toks):
 
     with pytest.raises(PackingError, match="split_at='middle'"):
         pack(tmp_path, toks["plain"], [[{"role": "user", "content": "x"}]], 16, split_at="middle")
+
+
+def test_prompt_completion_keeps_the_completion_with_the_end_of_its_prompt(tmp_path, toks):
+    src = tmp_path / "pc.jsonl"
+    src.write_text(json.dumps({"prompt": " ".join(WORDS * 4), "completion": "hello world"}) + "\n")
+    res = pack_files(str(src), str(tmp_path / "out"), 16, "bfd_split", tokenizer=toks["plain"])
+    seqs = unpack(datasets.load_from_disk(str(tmp_path / "out")).data.table)
+    labels = seqs.column("labels").to_pylist()
+    assert (
+        len(labels) == 1 and labels[0][-1] != IGNORE_INDEX
+    )  # one piece: the completion and its prompt's end
+    assert res.stats["pieces_dropped_unlabeled"] == res.stats["pieces"] - 1 > 0  # the rest of the prompt
+    assert res.stats["tokens_in"] == 16 + res.stats["tokens_dropped_unlabeled"]
+
+
+def test_preference_data_is_not_split(tmp_path, toks):
+    from packtools import PackingError
+
+    src = tmp_path / "prefs.jsonl"
+    src.write_text(
+        json.dumps({"prompt": "the quick brown fox", "chosen": "hello", "rejected": "world"}) + "\n"
+    )
+    for strategy in ("bfd_split", "wrapped"):
+        with pytest.raises(PackingError, match="each pair is packed whole"):
+            pack_files(str(src), str(tmp_path / strategy), 16, strategy, tokenizer=toks["plain"])

@@ -231,6 +231,13 @@ def _inputs(
         raise PackingError(
             "overlong='split' does not apply to preference data; use truncate or drop.", param="overlong"
         )
+    if fmt == "preference" and config.strategy != "bfd":
+        raise PackingError(  # a pair is the packing unit: it is never split, nor wrapped into a stream
+            f"strategy={config.strategy!r} does not apply to preference data: each pair is packed whole "
+            f"(bfd by pairs), over-long pairs truncated or dropped (overlong='truncate' or 'drop'); use "
+            f"strategy='bfd'.",
+            param="strategy",
+        )
     if fmt == "tokenized":
         columns, types, left_out = token_schema(files, config)
         return RunInputs(files, fmt, columns, types, left_out), early
