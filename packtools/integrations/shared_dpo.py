@@ -36,7 +36,7 @@ def shares_prompt(dataset: Any) -> bool:
     """Whether ``dataset`` holds prompt-shared rows (a ``prompt_lengths`` column).
 
     >>> import pyarrow as pa
-    >>> from packtools import pack_preference
+    >>> from packtools.dpo import pack_preference
     >>> t = pa.table({"prompt_ids": [[1, 2]], "chosen_ids": [[3]], "rejected_ids": [[4]]})
     >>> shares_prompt(pack_preference(t, 8, share_prompt=True)), shares_prompt(pack_preference(t, 8))
     (True, False)
