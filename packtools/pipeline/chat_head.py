@@ -45,18 +45,33 @@ def head_lengths(
     """Per conversation, the length of its head in ``ids`` (the conversations' token ids), 0 where it has none
     or where the head's own ids are not the first ids of the conversation."""
     heads = np.zeros(len(convs), np.int64)
-    rows, texts = [], []
+    rows: dict[str, list[int]] = {}  # conversations sharing a system prompt share its rendering
+    firsts: dict[str, list[dict[str, Any]]] = {}
     for i, conv in enumerate(convs):
         k = leading_system(conv)
         if k == 0 or k == len(conv):  # no head, or nothing after it to split
             continue
+        key = repr(conv[:k])
+        rows.setdefault(key, []).append(i)
+        firsts.setdefault(key, conv[:k])
+    keys, texts = [], []
+    for key, first in firsts.items():
         try:
-            texts.append(renderer.render(conv[:k], False))
+            texts.append(renderer.render(first, False))
         except Exception:  # noqa: BLE001, S112 - a template that refuses a system turn alone: no head
             continue
-        rows.append(i)
-    if not rows:
+        keys.append(key)
+    if not keys:
         return heads
+    got = encode(texts)
+    for j, key in enumerate(keys):
+        head = got.values[got.offsets[j] : got.offsets[j + 1]]
+        n = head.shape[0]
+        for i in rows[key]:
+            lo, hi = int(ids.offsets[i]), int(ids.offsets[i + 1])
+            if 0 < n < hi - lo and np.array_equal(ids.values[lo : lo + n], head):
+                heads[i] = n
+    return heads
     got = encode(texts)
     for j, i in enumerate(rows):
         head = got.values[got.offsets[j] : got.offsets[j + 1]]
