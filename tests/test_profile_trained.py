@@ -64,3 +64,18 @@ def test_token_rule_counts_trained_tokens(chat):
     m, t = rec.max_length, profile.trained
     assert t.kept_by_bfd(m) >= 0.95 * t.total > t.kept_by_bfd(m - 16)
     assert "trained (label) tokens" in rec.reason and rec.options[1].label.startswith("trained tokens kept")
+
+
+def test_the_tradeoff_plot_draws_trained_tokens_kept(chat):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from packtools.profiling.plot import plot_tradeoffs
+
+    path, tok = chat
+    profile = profile_files(path, tok, stage_cache=False).profile
+    ax = plot_tradeoffs(profile, [64, 128, 256])
+    line = next(ln for ln in ax.lines if ln.get_label() == "trained (label) tokens kept, bfd")
+    want = [100 * r.trained_kept for r in profile.tradeoffs([64, 128, 256])]
+    assert list(line.get_ydata()) == pytest.approx(want)

@@ -217,6 +217,15 @@ def plot_tradeoffs(
             dict(color="C3", linestyle=":", marker="d"),
         ),
     ]
+    if table.rows and table.rows[0].trained_kept is not None:  # data with labels: what training learns from
+        series.insert(
+            1,
+            (
+                "trained (label) tokens kept, bfd",
+                [r.trained_kept for r in table],
+                dict(color="C4", linestyle="-", marker="*", markersize=9, linewidth=1.8),
+            ),
+        )
     ax.axhline(
         100,
         color="0.5",
