@@ -21,7 +21,9 @@ def test_quickstart_runs_and_prints_its_comment():
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.warns(TokensDroppedWarning, match="dropped 1 of 11 tokens"):
-        exec(compile(block, "README quickstart", "exec"), {})  # bfd drops token 5, and says so (as the README)
+        exec(
+            compile(block, "README quickstart", "exec"), {}
+        )  # bfd drops token 5, and says so (as the README)
     expected = re.search(r"# (\{.*\})", block).group(1)
     assert out.getvalue().strip() == expected
 
@@ -35,4 +37,6 @@ def test_ci_runs_the_readme_test_command():
     assert test_cmd.endswith('python -m pytest -q -m "not slow"')
     lines = [ln.strip() for ln in ci.splitlines()]
     assert "python -m pytest -q -m slow" in lines
-    assert lines.index("python -m pytest -q -m slow") > next(i for i, ln in enumerate(lines) if test_cmd in ln)
+    assert lines.index("python -m pytest -q -m slow") > next(
+        i for i, ln in enumerate(lines) if test_cmd in ln
+    )
