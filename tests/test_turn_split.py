@@ -56,6 +56,16 @@ def test_cut_covers_the_row_at_turn_ends(case):
     assert all(b - a <= max_length for _, a, b in fixed) and fixed[-1][2] == n
 
 
+def test_a_turn_end_moves_past_the_templates_closing_tokens():
+    labels = np.array([IGNORE_INDEX] * 3 + [7, 7] + [IGNORE_INDEX] * 4 + [8], np.int64)
+    ids = np.array([1, 2, 3, 7, 7, 99, 4, 5, 6, 8], np.int64)  # 99: the closing text after the span
+    assert cut_turns(labels, 0, 6)[0] == [(0, 0, 5), (0, 5, 10)]
+    assert cut_turns(labels, 0, 6, ids=ids, closing=np.array([99]))[0] == [(0, 0, 6), (0, 6, 10)]
+    other = ids.copy()
+    other[5] = 42  # not the closing text: the end stays where the span ends
+    assert cut_turns(labels, 0, 6, ids=other, closing=np.array([99]))[0] == [(0, 0, 5), (0, 5, 10)]
+
+
 def test_cut_example_keeps_the_reply_with_the_end_of_its_question():
     # head 2, then an exchange of 12 tokens (10 prompt, 2 reply), then one of 3
     labels = np.array([IGNORE_INDEX] * 12 + [7, 7] + [IGNORE_INDEX, IGNORE_INDEX, 8], np.int64)
@@ -122,10 +132,16 @@ def pack(tmp_path, tok_dir, convs, max_length, **options):
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
-@given(convs=conversations(), max_length=st.sampled_from([24, 40, 64]))
-def test_pieces_start_at_turns_and_carry_the_system_prompt(tmp_path_factory, toks, convs, max_length):
-    # the plain template's labels come from the incremental rule: a reply's span ends where the next message starts
-    template = "plain"
+@given(
+    convs=conversations(),
+    max_length=st.sampled_from([24, 40, 64]),
+    template=st.sampled_from(["plain", "generation"]),
+)
+def test_pieces_start_at_turns_and_carry_the_system_prompt(
+    tmp_path_factory, toks, convs, max_length, template
+):
+    # plain: the incremental rule's spans end where the next message starts; generation: the {% generation %}
+    # span ends before ChatML's closing "\n", which the split steps over (chat_head.closing_ids)
     tmp_path = tmp_path_factory.mktemp("run")
     tok = load(toks[template])
     stats, seqs = pack(tmp_path, toks[template], convs, max_length)
@@ -240,3 +256,26 @@ def test_preference_data_is_not_split(tmp_path, toks):
     for strategy in ("bfd_split", "wrapped"):
         with pytest.raises(PackingError, match="each pair is packed whole"):
             pack_files(str(src), str(tmp_path / strategy), 16, strategy, tokenizer=toks["plain"])
+
+
+@pytest.mark.parametrize("template", ["plain", "generation"])
+def test_short_turns_split_exactly_at_message_starts(tmp_path, toks, template):
+    conv = [{"role": "system", "content": "be brief"}]
+    for i in range(6):
+        conv += [
+            {"role": "user", "content": WORDS[i % 5]},
+            {"role": "assistant", "content": WORDS[(i + 2) % 5]},
+        ]
+    tok = load(toks[template])
+    row = tok(tok.apply_chat_template(conv, tokenize=False), add_special_tokens=False)["input_ids"]
+    head = len(tok(tok.apply_chat_template(conv[:1], tokenize=False), add_special_tokens=False)["input_ids"])
+    starts = boundaries(tok, conv)
+    stats, seqs = pack(tmp_path, toks[template], [conv], len(row) // 3)
+    assert stats["rows_split"] == 1 and stats["turns_cut"] == 0 and stats["pieces"] >= 3
+    for ids in seqs.column("input_ids").to_pylist():
+        if ids == row[: len(ids)]:
+            continue  # the first piece
+        assert ids[:head] == row[:head]  # the system prompt, carried
+        body = ids[head:]
+        a = next(a for a in range(head, len(row)) if row[a : a + len(body)] == body)
+        assert a in starts, f"a piece starts at token {a}, not at a message start {sorted(starts)}"

@@ -29,6 +29,14 @@ from ..core.ragged import Ragged
 
 #: the token table's column with each row's head; the stage records it in the sidecar and does not stage it
 HEAD_COLUMN = "head_length"
+#: the token table's schema metadata key holding :func:`closing_ids` (comma-separated ids), for the sidecar
+CLOSING_KEY = b"packtools.turn_closing"
+
+_PROBE = [
+    {"role": "user", "content": "a"},
+    {"role": "assistant", "content": "b"},
+    {"role": "user", "content": "c"},
+]
 
 
 def leading_system(conv: list[dict[str, Any]]) -> int:
@@ -80,3 +88,23 @@ def head_lengths(
         if 0 < n < hi - lo and np.array_equal(ids.values[lo : lo + n], head):
             heads[i] = n
     return heads
+
+
+def closing_ids(renderer: Any, encode: Callable[[list[str]], Ragged]) -> np.ndarray:
+    """The ids of what a template with ``{% generation %}`` markers writes after an assistant turn's marked span
+    and before the next message (ChatML's ``\\n`` after ``<|im_end|>``): an assistant span then ends before the
+    next message starts, and a split must start its piece after these tokens.  Empty for templates without
+    markers (the incremental rule's spans end where the next message starts) or when the probe conversation
+    does not show it plainly."""
+    try:
+        text, spans = renderer.render_spans(_PROBE)
+        upto = renderer.render(_PROBE[:2], False)
+    except Exception:  # noqa: BLE001 - a template that refuses the probe: no closing text known
+        return np.zeros(0, np.int64)
+    if len(spans) != 1 or not text.startswith(upto) or not spans[0][1] <= len(upto):
+        return np.zeros(0, np.int64)
+    closing = upto[spans[0][1] :]
+    if not closing:
+        return np.zeros(0, np.int64)
+    got = encode([closing])
+    return np.asarray(got.values[got.offsets[0] : got.offsets[1]], np.int64)

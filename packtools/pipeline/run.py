@@ -52,7 +52,8 @@ from .jobs import run_jobs
 from .outcheck import check_out, check_replaceable
 from .planning import load_kernels_ahead, plan_parts, row_plan, write_jobs
 from .schema import data_format, known_columns, token_schema
-from .stage import load_sidecar, sidecar_turns, stage_part
+from .sidecar import load_sidecar, sidecar_turns
+from .stage import stage_part
 from .stage_cache import adopt_cached, stage_jobs
 from .summary import tokenizer_timings
 from .workspace import Workspace, checkpoint, left_behind_notes, tidy_after_dead_run
@@ -341,11 +342,18 @@ def _run(
             heads = np.concatenate(
                 [
                     h if h.shape[0] == n else np.zeros(n, np.int64)
-                    for (_, h), n in zip(turns, np.diff(rows.bounds))
+                    for (_, h, _), n in zip(turns, np.diff(rows.bounds))
                 ]
             )
+            closing = next((c for _, _, c in turns if c.size), np.zeros(0, np.int64))
             data = rows.split_labelled(
-                [s["data"] for s in staged], columns, config, heads, ws.stage, fp["fingerprint"][:16]
+                [s["data"] for s in staged],
+                columns,
+                config,
+                heads,
+                ws.stage,
+                fp["fingerprint"][:16],
+                closing=closing,
             )
             p = plan_parts(rows.eff, rows.bounds, config)
             timings["plan_s"] = round(time.perf_counter() - t1, 3)

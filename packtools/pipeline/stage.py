@@ -24,7 +24,6 @@ records the input itself as the data to gather from (``data``).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -39,9 +38,10 @@ from ..errors import PackingError
 from ..io.files import Part, Where, iter_part
 from ..io.fingerprint import cache_key
 from . import feed
-from .chat_head import HEAD_COLUMN
+from .chat_head import CLOSING_KEY, HEAD_COLUMN
 from .label_counts import first_label, trained_per_row
 from .prefetch import prefetch
+from .sidecar import _save_sidecar, load_sidecar, sidecar_report
 
 #: Version of the staged-file layout; part of every cache key.
 STAGE_FORMAT = 3  # 2: the sidecar keeps the tokenizer engine report; 3: each row's trained tokens and head
@@ -269,50 +269,6 @@ def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray, np.ndarray] | Non
         mapped.close()
 
 
-def _save_sidecar(
-    path: str,
-    lengths: np.ndarray,
-    first: np.ndarray,
-    trained: np.ndarray,
-    data: str,
-    *,
-    report: dict[str, Any] | None = None,
-    heads: np.ndarray | None = None,
-) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        np.savez(
-            fh,
-            lengths=lengths,
-            first_label=first,
-            trained=trained,
-            heads=heads if heads is not None else np.zeros(0, np.int64),
-            data=np.array(data),
-            tokenizer=np.array(json.dumps(report, sort_keys=True) if report else ""),
-        )
-    os.replace(tmp, path)
-
-
-def load_sidecar(path: str) -> tuple[np.ndarray, np.ndarray, str]:
-    """``(lengths, first_label, data path)`` of a staged part."""
-    with np.load(path, allow_pickle=False) as z:
-        return z["lengths"], z["first_label"], str(z["data"])
-
-
-def sidecar_turns(path: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(trained tokens, head length)`` of each row of a staged part (empty arrays: the part has no labels,
-    resp. no heads: every head is 0)."""
-    with np.load(path, allow_pickle=False) as z:
-        return z["trained"], z["heads"]
-
-
-def sidecar_report(path: str) -> dict[str, Any] | None:
-    """The tokenizer engine report a staged part was written with (None for tokenized input)."""
-    with np.load(path, allow_pickle=False) as z:
-        text = str(z["tokenizer"]) if "tokenizer" in z.files else ""
-    return json.loads(text) if text else None
-
-
 def stage_part(job: StageJob) -> dict[str, Any]:
     """Stage one part (see the module docstring); returns ``{"rows", "reused", "seconds", "data"}``."""
     start = time.perf_counter()
@@ -336,6 +292,7 @@ def stage_part(job: StageJob) -> dict[str, Any]:
     schema = pa.schema([(c, pa.list_(pa.type_for_alias(v))) for c, v in zip(job.columns, job.value_types)])
     tmp = f"{job.staged}.tmp-{os.getpid()}"
     lengths, firsts, trained, heads, pending, pending_rows, pending_bytes = [], [], [], [], [], 0, 0
+    closing = np.zeros(0, np.int64)  # chat_head.closing_ids of a template with generation markers
     try:
         with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             for where, table in prefetch(_token_tables(job)):  # tokenizing runs ahead of writing
@@ -352,7 +309,10 @@ def stage_part(job: StageJob) -> dict[str, Any]:
                     trained.append(trained_per_row(table.column("labels")))
                 if HEAD_COLUMN in table.column_names:
                     heads.append(table.column(HEAD_COLUMN).to_numpy().astype(np.int64))
-                pending.append(table.select(list(job.columns)).cast(schema))
+                meta = table.schema.metadata or {}
+                if CLOSING_KEY in meta and meta[CLOSING_KEY]:
+                    closing = np.array([int(x) for x in meta[CLOSING_KEY].split(b",")], np.int64)
+                pending.append(table.select(list(job.columns)).cast(schema).replace_schema_metadata(None))
                 pending_rows += table.num_rows
                 pending_bytes += table.nbytes
                 if pending_rows >= STAGE_BATCH_ROWS or pending_bytes >= STAGE_BATCH_BYTES:
@@ -372,7 +332,14 @@ def stage_part(job: StageJob) -> dict[str, Any]:
     # which tokenizer engine ran, and why; rows compared; characters left out (kept with the part for reruns)
     report = _tokenizer(job).part_report() if job.fmt != "tokenized" else None
     _save_sidecar(
-        job.sidecar, all_lengths, all_first, all_trained, job.staged, report=report, heads=all_heads
+        job.sidecar,
+        all_lengths,
+        all_first,
+        all_trained,
+        job.staged,
+        report=report,
+        heads=all_heads,
+        closing=closing,
     )
     result = {
         "rows": int(all_lengths.shape[0]),

@@ -41,7 +41,8 @@ from typing import Any
 
 from ..errors import PackingError
 from ..io.files import Part
-from .stage import StageJob, _save_sidecar, load_sidecar, sidecar_turns, stage_key
+from .sidecar import _save_sidecar, load_sidecar, sidecar_turns
+from .stage import StageJob, stage_key
 
 CACHE_ENV, MAX_GB_ENV = "PACKTOOLS_STAGE_CACHE", "PACKTOOLS_STAGE_CACHE_MAX_GB"
 DEFAULT_MAX_GB = 20.0
@@ -192,7 +193,7 @@ def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> int:
                 continue
             try:
                 lengths, first, data = load_sidecar(sidecar)
-                trained, heads = sidecar_turns(sidecar)
+                trained, heads, closing = sidecar_turns(sidecar)
             except (OSError, ValueError, KeyError):
                 continue
             if os.path.abspath(data) != arrow:
@@ -207,7 +208,7 @@ def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> int:
             except OSError as exc:
                 if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
                     raise
-            _save_sidecar(job.sidecar, lengths, first, trained, target, heads=heads)
+            _save_sidecar(job.sidecar, lengths, first, trained, target, heads=heads, closing=closing)
             now = time.time()
             for path in (arrow, sidecar):
                 try:

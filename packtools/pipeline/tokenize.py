@@ -340,22 +340,26 @@ class BatchTokenizer:
     ) -> pa.Table:
         """The ``input_ids`` and assistant-only ``labels`` of conversations (``rendered``: taken ahead), and each
         one's head (:mod:`packtools.pipeline.chat_head`; the stage keeps it in its sidecar)."""
-        from .chat_head import HEAD_COLUMN, head_lengths
+        from .chat_head import CLOSING_KEY, HEAD_COLUMN, closing_ids, head_lengths
 
         ids, labels = self.chat.assistant_labels(convs, first_row, rendered)
         heads = head_lengths(self.chat.renderer, self._encode_plain, convs, ids)
-        return pa.table(
+        table = pa.table(
             {
                 "input_ids": ragged.to_arrow(ids),
                 "labels": ragged.to_arrow(labels),
                 HEAD_COLUMN: pa.array(heads),
             }
         )
+        if self.chat.has_generation_tags:  # spans end before the closing text: the stage records it
+            if getattr(self, "_closing", None) is None:
+                self._closing = closing_ids(self.chat.renderer, self._encode_plain)
+            table = table.replace_schema_metadata({CLOSING_KEY: ",".join(map(str, self._closing)).encode()})
+        return table
 
     def _encode_plain(self, texts: list[str]) -> Ragged:
-        """Rendered ``texts`` encoded like a rendered conversation (no special tokens added), without the proof's
-        bookkeeping: :func:`~packtools.pipeline.chat_head.head_lengths` keeps an encoding only where it is the
-        start of the conversation's proven ids."""
+        """``texts`` encoded as a rendered conversation is, without the proof's bookkeeping (chat_head keeps an
+        encoding only where it starts the conversation's proven ids)."""
         if self.fast is not None:
             try:
                 return self.fast.encode(texts, False)

@@ -76,15 +76,28 @@ def cut_row(labels: np.ndarray, head: int, max_length: int, split_at: str = "tur
 
 
 def cut_turns(
-    labels: np.ndarray, head: int, max_length: int, split_at: str = "turns"
+    labels: np.ndarray,
+    head: int,
+    max_length: int,
+    split_at: str = "turns",
+    *,
+    ids: np.ndarray | None = None,
+    closing: np.ndarray | None = None,
 ) -> tuple[list[Piece], int]:
-    """:func:`cut_row`'s pieces and how many exchanges were longer than a piece (cut inside a turn)."""
+    """:func:`cut_row`'s pieces and how many exchanges were longer than a piece (cut inside a turn).
+    ``closing`` (with the row's ``ids``): the tokens a template writes after an assistant's labelled span and
+    before the next message; a turn end followed by them moves past them, so the next piece starts at the next
+    message."""
     n = int(labels.shape[0])
     if split_at == "tokens":
         return [(0, s, min(s + max_length, n)) for s in range(0, n, max_length)], 0
     carry = carried_head(head, max_length)
     room = max_length - carry  # what a later piece holds besides the head
-    bounds = [0, *(int(e) for e in turn_ends(labels) if head < e < n), n]
+    ends = [int(e) for e in turn_ends(labels)]
+    if closing is not None and closing.size and ids is not None:
+        c = int(closing.size)
+        ends = [e + c if e + c <= n and np.array_equal(ids[e : e + c], closing) else e for e in ends]
+    bounds = [0, *sorted({e for e in ends if head < e < n}), n]
     pieces: list[Piece] = []
     cut = 0
     start = end = 0  # the piece being filled: row[start:end], carrying the head unless start == 0
@@ -217,6 +230,7 @@ def split_rows(  # noqa: PLR0913 - the staged parts and the options that decide 
     split_at: str,
     drop_unlabeled: bool,
     path: str,
+    closing: np.ndarray | None = None,
 ) -> SplitResult:
     """Cut the rows ``rows`` (global row numbers, sorted) of the staged files ``data`` (part ``k`` holds rows
     ``bounds[k]:bounds[k + 1]``) into pieces (:func:`cut_row`) and write them, in order, to the Arrow file
@@ -245,7 +259,14 @@ def split_rows(  # noqa: PLR0913 - the staged parts and the options that decide 
             for row, cols in staged_rows(data, bounds, rows, columns):
                 if types is None:
                     types = {c: v.dtype for c, v in cols.items()}
-                pieces, cut = cut_turns(cols["labels"], int(heads[row]), max_length, split_at)
+                pieces, cut = cut_turns(
+                    cols["labels"],
+                    int(heads[row]),
+                    max_length,
+                    split_at,
+                    ids=cols["input_ids"],
+                    closing=closing,
+                )
                 counts["turns_cut"] += cut
                 counts["pieces"] += len(pieces)
                 carries.extend(p[0] for p in pieces)
