@@ -124,6 +124,7 @@ def view_of(n=800, seed=0, max_length=128):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_sampler_buckets_hold_every_epoch_with_at_most_k_shapes(k):
     view = view_of()

@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 from _hf_models import PAD, sequences, tiny_llama, torch
 
+pytestmark = pytest.mark.slow  # several processes (torchrun); in .ci/run, not in the README's quick command
+
 datasets = pytest.importorskip("datasets")
 pytest.importorskip("trl")
 

@@ -15,6 +15,7 @@ NEEDS = {
     "packtools.integrations.preference_data": "datasets",
     "packtools.integrations.compat.datasets": "datasets",
     "packtools.integrations.isolation": "transformers",
+    "packtools.integrations.evaluation": "transformers",
 }
 # Command-line front ends and plumbing: exercised by their own tests rather than by docstring examples.
 WITHOUT_EXAMPLES = {

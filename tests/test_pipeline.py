@@ -108,7 +108,12 @@ def test_out_of_core_slices_equal_the_in_memory_packing(tmp_path):
     pq.write_table(table, src)
     for strategy in ("bfd", "bfd_split", "wrapped"):
         out = str(tmp_path / f"out-{strategy}")
-        cfg = PipelineConfig(max_length=256, strategy=strategy, shard_tokens=5000)
+        # split_at="tokens", drop_unlabeled=False: the in-memory packers' fixed cut, every piece kept (the
+        # pipeline's default cuts rows with labels at turns and drops pieces that train nothing, such as a
+        # 1-token tail; tests/test_turn_split.py)
+        cfg = PipelineConfig(
+            max_length=256, strategy=strategy, shard_tokens=5000, split_at="tokens", drop_unlabeled=False
+        )
         res = run_pipeline([src], out, cfg)
         assert res.stats["shards"] > 5
         got = datasets.load_from_disk(out).data.table

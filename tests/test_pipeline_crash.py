@@ -23,6 +23,8 @@ import pytest
 
 from packtools.pipeline.workspace import MARKER
 
+pytestmark = pytest.mark.slow  # kills and restarts processes; in .ci/run, not in the README's quick command
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAUSED = os.path.join(ROOT, "tests", "_paused_run.py")
 

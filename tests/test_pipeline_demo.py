@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,7 @@ def test_definitions_cut_sources_before_each_def():
     assert bytes(table.column("input_ids")[0].values.to_numpy().astype("uint8")) == pieces[0]
 
 
+@pytest.mark.slow
 def test_demo_small_corpus(tmp_path):
     pytest.importorskip("datasets")
     lines: list[str] = []
@@ -62,3 +64,17 @@ def test_demo_command_full_corpus(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "recommended: max_length=" in out and "packed dataset" in out
     assert os.path.isfile(tmp_path / "d" / "packed" / "manifest.json")
+
+
+def test_demo_writes_to_a_temporary_folder_by_default(monkeypatch, tmp_path):
+    import tempfile
+
+    import packtools.pipeline.demo as demo
+
+    seen = {}
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(demo, "run_demo", lambda out, **kw: seen.setdefault("out", out))
+    assert main(["demo", "--quiet"]) == 0
+    assert seen["out"] == str(tmp_path / "packtools-demo")  # not the working directory (a clone)
+    ignored = (Path(__file__).parents[1] / ".gitignore").read_text().split()
+    assert "packtools-demo/" in ignored  # and a named ./packtools-demo stays out of git

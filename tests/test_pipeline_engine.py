@@ -73,7 +73,12 @@ def mixed(tmp_path_factory):
 def test_global_plan_equals_packing_all_rows_at_once(mixed, tmp_path):
     paths, table = mixed
     out = str(tmp_path / "out")
-    res = pack_files(paths, out, MAX_LENGTH, "bfd_split", shard_tokens=2000, part_rows=100, part_bytes=20_000)
+    # split_at="tokens", drop_unlabeled=False: pack_table's fixed cut, every piece kept (rows with labels are
+    # otherwise cut at turns, tests/test_turn_split.py)
+    res = pack_files(
+        paths, out, MAX_LENGTH, "bfd_split", shard_tokens=2000, part_rows=100, part_bytes=20_000,
+        split_at="tokens", drop_unlabeled=False,
+    )  # fmt: skip
     assert res.timings["parts"] > 5 and res.stats["shards"] > 5
     want = pack_table(table, MAX_LENGTH, "bfd_split", columns=["input_ids", "labels"])
     got = datasets.load_from_disk(out).data.table
@@ -87,6 +92,7 @@ def test_global_plan_equals_packing_all_rows_at_once(mixed, tmp_path):
     assert res.stats["sequences_packed"] == int((lengths > 0).sum())
 
 
+@pytest.mark.slow
 def test_executors_write_the_same_bytes(mixed, tmp_path):
     paths, _ = mixed
     args = [
@@ -183,6 +189,7 @@ def _fail(x: int) -> int:
     raise PackingError(f"bad row {x}")
 
 
+@pytest.mark.slow
 def test_lost_workers_are_retried_and_errors_are_not(tmp_path):
     ex = PoolExecutor(1)
     try:

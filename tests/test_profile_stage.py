@@ -18,6 +18,7 @@ from packtools import pack_files, profile_lengths
 from packtools.cli.main import main
 from packtools.errors import PackingError
 from packtools.pipeline import stage_cache
+from packtools.pipeline.chat_head import HEAD_COLUMN
 from packtools.pipeline.profile import profile_files
 from packtools.profiling import LengthProfile
 
@@ -124,7 +125,11 @@ def test_chat_prompt_completion_and_preference_lengths(tmp_path, tok, cache):
         res = profile_files(path, tok)
         assert res.format == fmt
         table = BatchTokenizer(tok, fmt)(pa.Table.from_pylist(rows), 0)
-        lens = {c: np.array([len(x) for x in table.column(c).to_pylist()]) for c in table.column_names}
+        lens = {
+            c: np.array([len(x) for x in table.column(c).to_pylist()])
+            for c in table.column_names
+            if c != HEAD_COLUMN
+        }
         if fmt == "preference":  # a pair as pack lays it out: [prompt + chosen][prompt + rejected]
             want = 2 * lens["prompt_input_ids"] + lens["chosen_input_ids"] + lens["rejected_input_ids"]
         else:

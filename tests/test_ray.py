@@ -13,6 +13,8 @@ import pytest
 
 from packtools.integrations import pack_ray_dataset
 
+pytestmark = pytest.mark.slow  # Ray starts worker processes; in .ci/run, not in the README's quick command
+
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 

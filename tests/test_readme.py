@@ -17,9 +17,13 @@ def code_blocks(lang):
 def test_quickstart_runs_and_prints_its_comment():
     pytest.importorskip("datasets")
     block = next(b for b in code_blocks("python") if "Dataset.from_dict" in b)
+    from packtools.integrations.drops import TokensDroppedWarning
+
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(block, "README quickstart", "exec"), {})
+    with contextlib.redirect_stdout(out), pytest.warns(TokensDroppedWarning, match="dropped 1 of 11 tokens"):
+        exec(
+            compile(block, "README quickstart", "exec"), {}
+        )  # bfd drops token 5, and says so (as the README)
     expected = re.search(r"# (\{.*\})", block).group(1)
     assert out.getvalue().strip() == expected
 
@@ -29,3 +33,10 @@ def test_ci_runs_the_readme_test_command():
     test_cmd = [ln for ln in setup.splitlines() if "pytest" in ln][0].strip()
     ci = (Path(__file__).parents[1] / ".ci" / "run").read_text()
     assert test_cmd in ci
+    # the README's command is the quick set; CI runs the slow set after it, so every test runs in CI
+    assert test_cmd.endswith('python -m pytest -q -m "not slow"')
+    lines = [ln.strip() for ln in ci.splitlines()]
+    assert "python -m pytest -q -m slow" in lines
+    assert lines.index("python -m pytest -q -m slow") > next(
+        i for i, ln in enumerate(lines) if test_cmd in ln
+    )

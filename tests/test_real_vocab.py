@@ -12,6 +12,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+pytestmark = pytest.mark.slow  # real vocabularies (128k-151k tokens): slow to build and tokenize; in .ci/run, not in the README's quick command
+
 pytest.importorskip("quicktok")
 pytest.importorskip("transformers")
 import _real_vocab  # noqa: E402

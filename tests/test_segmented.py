@@ -242,6 +242,7 @@ def sgd_step(model, batch, lr=0.5):
     return {k: p.detach().clone() for k, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 def test_compiled_training_step_equals_the_eager_step(monkeypatch):
     """torch.compile of a packtools_sdpa model: while Dynamo traces, every call goes to transformers' sdpa with the
     block-diagonal mask (the per-sequence loop would read the boundaries to the host: a graph break per layer and a

@@ -256,6 +256,7 @@ def test_the_fingerprint_is_taken_once_per_process_and_follows_every_write(tok):
         hashlib.sha256 = real
 
 
+@pytest.mark.slow
 def test_list_columns_are_read_without_importing_pandas():
     """The stage reads its token columns back (core.arrow.read_list_column) and the writer builds seq_lengths
     without pyarrow's NumPy conversion, which imports pandas (0.3 s of a short run)."""

@@ -225,6 +225,7 @@ def test_dataloader_over_view_equals_materialized_rows(workers, tmp_path):
         assert_batches_equal(a, b)
 
 
+@pytest.mark.slow
 def test_dataloader_spawned_worker_reopens_the_files(tmp_path):
     ds = on_disk(token_table(300, masks=False), tmp_path)
     view = packed_view(ds, 64)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..core.plan import STRATEGIES
 
@@ -16,7 +17,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "three strategies side by side, write the length plot, and pack the corpus into OUT/packed (a "
         "datasets.load_from_disk folder with a manifest; a second run finds it and does nothing).",
     )
-    p.add_argument("--out", default="packtools-demo", help="working folder (default ./packtools-demo)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="working folder (default: packtools-demo in the system's temporary folder, e.g. /tmp/packtools-demo; "
+        "a folder in a clone of this repository named packtools-demo is ignored by git)",
+    )
     p.add_argument("--max-length", type=int, help="max_length to pack with (default: the recommended one)")
     p.add_argument(
         "--strategy",
@@ -38,10 +44,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    import tempfile
+
     from ..pipeline.demo import run_demo
 
     run_demo(
-        args.out,
+        args.out if args.out is not None else os.path.join(tempfile.gettempdir(), "packtools-demo"),
         max_length=args.max_length,
         strategy=args.strategy,
         keep=args.keep,

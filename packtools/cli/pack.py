@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from typing import Any
 
 from ..constants import INPUT_FORMATS, __version__
@@ -82,11 +83,28 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
         help="comma-separated token columns to pack (tokenized input; default: every list column, the others "
         "are left out and listed in the summary)",
     )
-    p.add_argument(
+    unlabeled = p.add_mutually_exclusive_group()
+    unlabeled.add_argument(
         "--drop-unlabeled",
-        action="store_true",
-        help="drop rows with no label token (labels all -100 after truncation); by default they are kept and "
-        "counted",
+        action="store_const",
+        const=True,
+        dest="drop_unlabeled",
+        help="drop rows with no label token (labels all -100 after truncation) too; by default they are kept and "
+        "counted, while the pieces of split rows that hold none are dropped and counted",
+    )
+    unlabeled.add_argument(
+        "--keep-unlabeled",
+        action="store_const",
+        const=False,
+        dest="drop_unlabeled",
+        help="keep every row and every piece without a label token (every token kept; they train nothing)",
+    )
+    p.add_argument(
+        "--split-at",
+        choices=("turns", "tokens"),
+        default="turns",
+        help="bfd_split on rows with labels (chat, prompt/completion): cut over-long rows where an assistant turn "
+        "ends, each piece carrying the system prompt unlabeled (turns, default), or every max_length tokens",
     )
     p.add_argument("--shuffle", action="store_true", help="shuffle packed rows")
     p.add_argument("--seed", type=int, default=0)
@@ -168,6 +186,7 @@ def pipeline_config(args: argparse.Namespace, max_length: int) -> Any:
         shard_tokens=args.shard_tokens,
         plan=args.plan,
         drop_unlabeled=args.drop_unlabeled,
+        split_at=args.split_at,
         part_rows=args.part_rows,
         tokenizer_engine=args.tokenizer_engine,
         tokenizer_audit=args.tokenizer_audit,
@@ -283,19 +302,27 @@ def run(args: argparse.Namespace) -> int:
     if not args.input or args.out is None or args.out.endswith((".parquet", ".arrow")):
         _check_in_memory_inputs(args)
         return _in_memory(args, max_length)
+    from ..integrations.drops import TokensDroppedWarning
     from ..pipeline.run import run_pipeline
 
-    result = run_pipeline(
-        args.input,
-        args.out,
-        pipeline_config(args, max_length),
-        executor=args.executor,
-        workers=args.workers,
-        address=args.address,
-        retries=args.retries,
-        num_proc=args.num_proc,
-        quiet=args.quiet,
-    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TokensDroppedWarning)
+        result = run_pipeline(
+            args.input,
+            args.out,
+            pipeline_config(args, max_length),
+            executor=args.executor,
+            workers=args.workers,
+            address=args.address,
+            retries=args.retries,
+            num_proc=args.num_proc,
+            quiet=args.quiet,
+        )
+    for w in caught:  # the API's warnings, said by the command (the others as Python would show them)
+        if issubclass(w.category, TokensDroppedWarning):
+            print(f"packtools pack: warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if not args.quiet:
         timings = dict(result.timings)
         since = seconds_since_process_start(timings["first_part_at"]) if "first_part_at" in timings else None

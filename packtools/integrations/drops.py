@@ -62,16 +62,48 @@ class DropReport:
             plan.tokens_kept,  # type: ignore[attr-defined]
         )
 
-    def message(self, what: str, split: str = "") -> str:
+    def message(
+        self,
+        what: str,
+        split: str = "",
+        *,
+        counts: str = "Pass return_report=True for the counts.",
+        cut: str = "the ends of",
+    ) -> str:
         where = f" (split {split!r})" if split else ""
         how = "truncated" if self.strategy == "truncate" else f"strategy={self.strategy!r}"
         return (
             f"{what}{where}: {how} at max_length={self.max_length:,} dropped {self.tokens_dropped:,} of "
-            f"{self.tokens_in:,} tokens ({self.dropped_share:.2%}; the ends of {self.sequences_truncated:,} of "
+            f"{self.tokens_in:,} tokens ({self.dropped_share:.2%}; {cut} {self.sequences_truncated:,} of "
             f"{self.sequences:,} sequences longer than max_length). strategy='bfd_split' keeps every token "
             f"(it splits long sequences); or choose max_length with packtools.profile_lengths(...).recommend(). "
-            f"Pass return_report=True for the counts."
+            f"{counts}"
         )
+
+
+def pipeline_drop_message(stats: dict) -> str | None:
+    """What the overlong policy of a :func:`packtools.pack_files` run cut (its manifest ``stats``), said as
+    :func:`warn_dropped` says it for the in-memory API, with the trained tokens it cost; None if it cut nothing."""
+    lost = int(stats.get("tokens_truncated", 0)) + int(stats.get("tokens_dropped_overlong", 0))
+    if not lost or not stats.get("packed"):
+        return None
+    dropping = bool(stats.get("rows_dropped_overlong"))
+    report = DropReport(
+        int(stats["max_length"]),
+        str(stats["strategy"]),
+        int(stats["rows_in"]),
+        int(stats.get("rows_truncated", 0)) + int(stats.get("rows_dropped_overlong", 0)),
+        int(stats["tokens_in"]),
+        int(stats["tokens_in"]) - lost,
+    )
+    text = report.message(
+        "pack_files",
+        counts="The manifest's stats hold the counts.",
+        cut="all of" if dropping else "the ends of",
+    )
+    if "tokens_trained_in" in stats:
+        text += f" Trained (label) tokens kept: {stats['tokens_trained_kept']:,} of {stats['tokens_trained_in']:,}."
+    return text
 
 
 def warn_dropped(report: DropReport, what: str, split: str = "", stacklevel: int = 2) -> None:

@@ -27,6 +27,7 @@ from .fast_tokenize import check_audit_rate, check_engine, engine_key
 from .formats import FORMATS
 from .spec import IdsSpec
 from .tokenizer_dir import tokenizer_fingerprint
+from .turn_split import check_split_at
 
 OVERLONG = ("truncate", "drop", "split")
 #: ``global``: one plan over every row (the default; fewest rows).  ``shards``: each part planned on its own
@@ -51,7 +52,10 @@ class PipelineConfig:
     seed: int = 0
     shard_tokens: int = 1 << 24
     plan: str = "global"
-    drop_unlabeled: bool = False
+    # rows without a trained token: True drops them; None (default) keeps them but drops the pieces of split rows
+    # that hold none (pieces exist only because of the cut); False keeps both (every token)
+    drop_unlabeled: bool | None = None
+    split_at: str = "turns"  # bfd_split on rows with labels: turns | tokens (packtools.pipeline.turn_split)
     part_rows: int = 1 << 17
     part_bytes: int = 1 << 26
     # auto | fast | transformers: the same ids either way (proven); fingerprinted with the engine's version
@@ -65,6 +69,11 @@ class PipelineConfig:
         check_audit_rate(self.tokenizer_audit)
         check_on_unencodable(self.on_unencodable)
         check_strategy(self.strategy)
+        check_split_at(self.split_at)
+        if self.drop_unlabeled not in (None, True, False):
+            raise PackingError(
+                f"drop_unlabeled={self.drop_unlabeled!r} must be None, True or False.", param="drop_unlabeled"
+            )
         if self.format is not None and self.format not in FORMATS:
             raise PackingError(
                 f"format={self.format!r} is unknown; use one of {', '.join(FORMATS)}.", param="format"

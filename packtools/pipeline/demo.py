@@ -128,12 +128,18 @@ def run_demo(
     except ImportError as exc:
         plot_path = None
         echo(f"\nno plot: {exc}")
-    res = run_pipeline(
-        [corpus],
-        os.path.join(out, "packed"),
-        PipelineConfig(max_length=chosen, strategy=strategy),
-        quiet=quiet,
-    )
+    import warnings
+
+    from ..integrations.drops import TokensDroppedWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TokensDroppedWarning)  # the note below says it, in the demo's words
+        res = run_pipeline(
+            [corpus],
+            os.path.join(out, "packed"),
+            PipelineConfig(max_length=chosen, strategy=strategy),
+            quiet=quiet,
+        )
     echo("\n" + format_pipeline_summary(res.stats, res.out, res.cached, res.timings))
     if res.stats.get("tokens_dropped"):
         share = res.stats["tokens_dropped"] / max(1, res.stats["tokens_in"])

@@ -160,18 +160,78 @@ def write_jobs(
 
 @dataclass
 class RowPlan:
-    """The row lengths of every staged part, in input order, and what the driver plans with."""
+    """The row lengths of every staged part, in input order, and what the driver plans with.  After
+    :meth:`split_labelled`, the pieces of the split rows follow as one more part (their own rows)."""
 
     lengths: np.ndarray  # tokens per input row
-    bounds: list[int]  # first row of each part, then the row count
+    bounds: list[int]  # first row of each part, then the row count (the pieces' part last, once split)
     eff: np.ndarray  # lengths to plan with: after the overlong policy and drop_unlabeled (0: not packed)
-    counts: dict[str, int]  # what the overlong policy cut (apply_overlong)
+    counts: dict[str, int]  # what the overlong policy cut (apply_overlong), then what the split made
     rows_unlabeled: int  # rows kept whose labels are all -100
+    trained: np.ndarray | None = None  # per input row, its tokens that train (None: the rows have no labels)
+    trained_eff: np.ndarray | None = None  # per planned row, its trained tokens in what is packed (eff)
+    whole_split: np.ndarray | None = None  # rows the plan itself splits (split_at="tokens", every piece kept)
+    idle_pieces: tuple[int, int] = (0, 0)  # their pieces without a trained token, and the tokens in those
+
+    def split_labelled(  # noqa: PLR0913
+        self,
+        data: Sequence[str],
+        columns: Sequence[str],
+        config: PipelineConfig,
+        heads: np.ndarray,
+        folder: str,
+        key: str,
+        *,
+        closing: np.ndarray | None = None,
+    ) -> list[str]:
+        """Under ``overlong="split"``, cut the over-long rows with labels into pieces
+        (:func:`packtools.pipeline.turn_split.split_rows`, at turns or every ``max_length`` tokens), write them
+        to a file in ``folder`` and plan the pieces instead of the rows (pieces without a trained token dropped
+        unless ``drop_unlabeled=False``); under ``truncate``, count the trained tokens the cut keeps.  ``closing``:
+        the ids a turn's closing text has after its labelled span (:func:`packtools.pipeline.chat_head.closing_ids`).  Returns
+        the data files to gather from (``data``, then the pieces' file when there is one)."""
+        from .turn_split import split_rows, trained_prefix
+
+        if self.trained is None:
+            return list(data)
+        # over-long rows still planned; a row without any trained token is a row of the input (kept or dropped
+        # whole by drop_unlabeled, split by the plan like text), not a source of pieces
+        over = np.flatnonzero((self.lengths > config.max_length) & (self.eff > 0))
+        self.trained_eff = np.where(self.eff > 0, self.trained, 0)
+        if config.overlong_policy == "truncate" and over.size:
+            self.trained_eff[over] = trained_prefix(data, self.bounds, over, columns, config.max_length)
+        over = over[self.trained[over] > 0]
+        if config.overlong_policy != "split" or config.strategy != "bfd_split" or over.size == 0:
+            return list(data)  # wrapped cuts one stream: it keeps every token, and no piece is a sequence
+        path = os.path.join(folder, f"pieces-{key}.arrow")
+        drop = config.drop_unlabeled is not False  # None (the default) drops pieces without a trained token
+        got = split_rows(
+            data, self.bounds, over, heads, columns, config.max_length,
+            split_at=config.split_at, drop_unlabeled=drop, path=path, closing=closing,
+        )  # fmt: skip
+        self.counts.update(got.counts)
+        self.counts["split_at"] = config.split_at  # type: ignore[assignment]
+        if got.path is None:  # the fixed cut, every piece kept: the plan splits the rows itself
+            per_row = -(-self.lengths[over] // config.max_length)  # pieces of each row, in order
+            first = np.concatenate([[0], np.cumsum(per_row)[:-1]])
+            self.trained_eff[over] = np.add.reduceat(got.trained, first)
+            self.whole_split = over  # planned whole (the plan cuts them): their pieces counted here
+            idle = got.trained == 0
+            self.idle_pieces = (int(idle.sum()), int(got.lengths[idle].sum()))
+            return list(data)
+        self.eff = self.eff.copy()
+        self.eff[over] = 0  # planned as their pieces
+        self.trained_eff[over] = 0
+        self.eff = np.concatenate([self.eff, np.where(got.kept, got.lengths, 0)])
+        self.trained_eff = np.concatenate([self.trained_eff, np.where(got.kept, got.trained, 0)])
+        self.bounds = [*self.bounds, self.bounds[-1] + int(got.lengths.shape[0])]
+        return [*data, path]
 
     def stats(self, p: PackPlan, shards: int, config: PipelineConfig) -> dict[str, Any]:
         """The statistics of the output packed by ``p`` in ``shards`` shards (the manifest's ``stats``)."""
         lengths, tokens_in = self.lengths, int(self.lengths.sum())
-        return {
+        carried = int(self.counts.get("tokens_carried", 0))
+        out = {
             "rows_in": int(lengths.shape[0]),
             "rows_empty": int(np.count_nonzero(lengths == 0)),
             "rows_unlabeled": self.rows_unlabeled,
@@ -182,7 +242,7 @@ class RowPlan:
             "lower_bound": p.lower_bound,
             "tokens_in": tokens_in,
             "tokens_kept": p.tokens_kept,
-            "tokens_dropped": tokens_in - p.tokens_kept,
+            "tokens_dropped": tokens_in - (p.tokens_kept - carried),
             "fill": p.fill,
             "shards": shards,
             "packed": True,
@@ -190,17 +250,39 @@ class RowPlan:
             "overlong": config.overlong_policy,
             "plan": config.plan,
         }
+        if self.trained is not None and self.trained_eff is not None:
+            idle = (self.eff > 0) & (self.trained_eff == 0)
+            if self.whole_split is not None:
+                idle[self.whole_split] = False  # counted by piece
+            out.update(
+                {
+                    "tokens_trained_in": int(self.trained.sum()),
+                    "tokens_trained_kept": int(self.trained_eff.sum()),
+                    "sequences_untrained": int(idle.sum()) + self.idle_pieces[0],
+                    "tokens_untrained": int(self.eff[idle].sum()) + self.idle_pieces[1],
+                }
+            )
+        return out
 
 
 def row_plan(
-    sidecars: Sequence[tuple[np.ndarray, np.ndarray]], columns: Sequence[str], config: PipelineConfig
+    sidecars: Sequence[tuple[np.ndarray, np.ndarray]],
+    columns: Sequence[str],
+    config: PipelineConfig,
+    trained: Sequence[np.ndarray] | None = None,
 ) -> RowPlan:
     """The :class:`RowPlan` of the parts whose sidecars (row lengths, first label position;
-    :func:`packtools.pipeline.staged.load_sidecar`) are ``sidecars``."""
+    :func:`packtools.pipeline.staged.load_sidecar`) are ``sidecars``; ``trained``: each part's trained tokens per
+    row (:func:`packtools.pipeline.staged.sidecar_turns`).
+
+    Rows without a trained token are dropped with ``drop_unlabeled=True`` and kept otherwise (``None``, the
+    default, and ``False``): they are the input's own rows, counted (``rows_unlabeled``).  Pieces of a split
+    row without one are another matter (:meth:`RowPlan.split_labelled`)."""
     bounds = np.cumsum([0] + [s[0].shape[0] for s in sidecars]).tolist()
     lengths = np.concatenate([s[0] for s in sidecars]).astype(np.int64)
     eff, counts = apply_overlong(lengths, config.max_length, config.overlong_policy)
     rows_unlabeled = 0
+    per_row = None
     if "labels" in columns:
         first = np.concatenate([s[1] for s in sidecars])
         kept_len = lengths if config.overlong_policy == "split" else eff
@@ -208,4 +290,8 @@ def row_plan(
         rows_unlabeled = int(unlabeled.sum())
         if config.drop_unlabeled:
             eff = np.where(unlabeled, 0, eff)
-    return RowPlan(lengths, bounds, eff, counts, rows_unlabeled)
+        if trained is not None and all(t.shape[0] == s[0].shape[0] for t, s in zip(trained, sidecars)):
+            per_row = (
+                np.concatenate(list(trained)).astype(np.int64) if len(trained) else np.zeros(0, np.int64)
+            )
+    return RowPlan(lengths, bounds, eff, counts, rows_unlabeled, per_row)

@@ -165,7 +165,8 @@ def profile_files(
         raise PackingError(f"no input files in {[os.fspath(i) for i in inputs]}.", param="paths")
     fmt = data_format(files, config)
     if fmt == "tokenized" and all(f.kind != "json" for f in files):  # offsets only: nothing to stage
-        prof = profile_lengths([f.path for f in files], column=column, name=name)
+        # the inputs as given: a packed folder's manifest (its max_length) and name come with it
+        prof = profile_lengths([os.fspath(i) for i in inputs], column=column, name=name)
         return ProfiledInput(prof, fmt)
     if fmt == "tokenized":  # token ids in JSON: parsed and checked by the stage, as pack does
         columns, types, _ = token_schema(files, config)
@@ -223,6 +224,7 @@ def profile_files(
         checksum=keep,  # entries of the stage cache, checked by their SHA-256 when pack adopts them
     )
     ex = get_executor(executor, workers, None)
+    trained = None
     t0 = time.perf_counter()
     try:
         try:
@@ -245,6 +247,8 @@ def profile_files(
         else:
             sidecars = [load_sidecar(j.sidecar)[0] for j in jobs]
             lengths = np.concatenate(sidecars) if sidecars else np.zeros(0, np.int64)
+            if "labels" in columns:  # chat, prompt/completion: where the trained tokens are
+                trained = _trained_tokens([s["data"] for s in staged])
     finally:
         ex.close()
         if not keep:
@@ -264,4 +268,15 @@ def profile_files(
         base = os.path.basename(files[0].path) if len(files) == 1 else f"{len(files)} files"
         what = "pairs as packed: 2 x prompt + chosen + rejected" if fmt == "preference" else "tokenized"
         name = f"{base} ({fmt}, {what})"
-    return ProfiledInput(LengthProfile(lengths, name), fmt, info, notes)
+    return ProfiledInput(LengthProfile(lengths, name, trained=trained), fmt, info, notes)
+
+
+def _trained_tokens(paths: list[str]) -> Any:
+    """:class:`~packtools.profiling.trained.TrainedTokens` of the ``labels`` of staged files, in order."""
+    from ..profiling.trained import TrainedTokens
+
+    parts = []
+    for path in paths:
+        with pa.memory_map(path, "r") as source:
+            parts.append(TrainedTokens.from_labels(pa.ipc.open_file(source).read_all().column("labels")))
+    return TrainedTokens.combine(parts)

@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
+
 from ..errors import PackingError
 from ..io.files import InputFile, Part, find_inputs, read_schema, skipped_notes, split_file
 from ..io.manifest import read_manifest, write_manifest
@@ -52,7 +54,7 @@ from .planning import load_kernels_ahead, plan_parts, row_plan, write_jobs
 from .schema import data_format, known_columns, token_schema
 from .stage import StageJob, freeze_report, stage_part
 from .stage_cache import adopt_cached, stage_jobs
-from .staged import load_sidecar
+from .staged import load_sidecar, sidecar_turns
 from .summary import tokenizer_timings
 from .verdict import basis, decide, drop_disagreeing, fall_back, record, recorded
 from .workspace import Workspace, checkpoint, left_behind_notes, tidy_after_dead_run
@@ -169,6 +171,7 @@ def run_pipeline(
     previous = read_manifest(out)
     if previous is not None and previous.get("fingerprint") == fp["fingerprint"]:
         tidy_after_dead_run(out)  # a run killed after installing this output may have left its work folder
+        warn_pipeline_drops(previous.get("stats", {}))
         return PipelineResult(
             out, previous.get("stats", {}), cached=True, manifest=previous, notes=skipped_notes(skipped)
         )
@@ -203,7 +206,20 @@ def run_pipeline(
     with signals_deferred():
         ws.finish(ok=True, keep_stage=False)
     result.notes.extend(skipped_notes(skipped) + left_behind_notes(ws))
+    warn_pipeline_drops(result.stats)
     return result
+
+
+def warn_pipeline_drops(stats: dict[str, Any]) -> None:
+    """A :class:`~packtools.integrations.drops.TokensDroppedWarning` when the run's overlong policy cut tokens
+    (as :func:`packtools.pack_dataset` warns; ``packtools pack`` prints it)."""
+    import warnings
+
+    from ..integrations.drops import TokensDroppedWarning, pipeline_drop_message
+
+    text = pipeline_drop_message(stats)
+    if text is not None:
+        warnings.warn(text, TokensDroppedWarning, stacklevel=3)
 
 
 def _inputs(
@@ -216,6 +232,13 @@ def _inputs(
     if fmt == "preference" and config.overlong == "split":
         raise PackingError(
             "overlong='split' does not apply to preference data; use truncate or drop.", param="overlong"
+        )
+    if fmt == "preference" and config.strategy != "bfd":
+        raise PackingError(  # a pair is the packing unit: it is never split, nor wrapped into a stream
+            f"strategy={config.strategy!r} does not apply to preference data: each pair is packed whole "
+            f"(bfd by pairs), over-long pairs truncated or dropped (overlong='truncate' or 'drop'); use "
+            f"strategy='bfd'.",
+            param="strategy",
         )
     if fmt == "tokenized":
         columns, types, left_out = token_schema(files, config)
@@ -367,12 +390,28 @@ def _run(
             t1 = time.perf_counter()
             if warming is not None:
                 warming.join()  # the kernels module is not for two threads to load at once
-            rows = row_plan([load_sidecar(j.sidecar) for j in jobs], columns, config)
+            turns = [sidecar_turns(j.sidecar) for j in jobs]
+            rows = row_plan([load_sidecar(j.sidecar) for j in jobs], columns, config, [t[0] for t in turns])
             checkpoint("plan")
+            heads = np.concatenate(
+                [
+                    h if h.shape[0] == n else np.zeros(n, np.int64)
+                    for (_, h, _), n in zip(turns, np.diff(rows.bounds))
+                ]
+            )
+            closing = next((c for _, _, c in turns if c.size), np.zeros(0, np.int64))
+            data = rows.split_labelled(
+                [s["data"] for s in staged],
+                columns,
+                config,
+                heads,
+                ws.stage,
+                fp["fingerprint"][:16],
+                closing=closing,
+            )
             p = plan_parts(rows.eff, rows.bounds, config)
             timings["plan_s"] = round(time.perf_counter() - t1, 3)
             t2 = time.perf_counter()
-            data = [s["data"] for s in staged]
             wjobs = write_jobs(
                 p, data, rows.bounds, config, columns, ws.build, run=run_token(fp["fingerprint"])
             )

@@ -34,18 +34,21 @@ import numpy as np
 import pyarrow as pa
 
 from .._atomic import fsync_file
-from ..constants import IGNORE_INDEX
 from ..core.arrow import check_aligned, is_list_type, read_list_column
 from ..errors import PackingError
 from ..io.files import Part, Where, iter_part
 from ..io.fingerprint import cache_key
 from . import feed
+from .chat_head import CLOSING_KEY, HEAD_COLUMN
+from .label_counts import first_label, trained_per_row
 from .prefetch import prefetch
 from .spec import IdsSpec
 from .staged import damage, drop_staged, load_sidecar, save_sidecar, sidecar_report
 
 #: Version of the staged-file layout; part of every cache key.
-STAGE_FORMAT = 3  # 2: the sidecar keeps the tokenizer engine report; 3: and the data's SHA-256
+STAGE_FORMAT = (
+    4  # 2: the sidecar keeps the engine report; 3: and the data's SHA-256; 4: trained tokens and heads
+)
 #: Rows per block handed to the tokenizer, read from tokenized files, and most rows / bytes per record batch of
 #: a staged file.
 TOKENIZE_ROWS = 1000
@@ -201,20 +204,6 @@ def check_token_column(table: pa.Table, name: str, value_type: pa.DataType, wher
     return col
 
 
-def first_label(labels: pa.ChunkedArray) -> np.ndarray:
-    """Per row, the position of the first token with a label (not -100); the row length if there is none."""
-    parts = []
-    for chunk in read_list_column(labels, "labels").chunks:
-        starts, ends = chunk.offsets[:-1], chunk.offsets[1:]
-        first = ends - starts
-        idx = np.flatnonzero(chunk.values[: chunk.offsets[-1]] != IGNORE_INDEX)  # sorted
-        lo = np.searchsorted(idx, starts)  # the row's first labelled token, if it has one, is idx[lo]
-        has = lo < np.searchsorted(idx, ends)
-        first[has] = idx[lo[has]] - starts[has]
-        parts.append(first)
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-
-
 def _token_tables(job: StageJob):
     """The part's token tables, in order, with their ``where``."""
     types = [pa.type_for_alias(v) for v in job.value_types]
@@ -241,8 +230,8 @@ def _token_tables(job: StageJob):
     yield from feed.render_while_loading(tok, batches) if job.fmt == "messages" else feed.called(tok, batches)
 
 
-def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray] | None:
-    """Lengths and first labels of a tokenized Arrow input that can be gathered from directly, else None."""
+def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Lengths, first labels and trained tokens of a tokenized Arrow input that can be gathered from directly, else None."""
     if job.fmt != "tokenized" or job.part.file.kind != "arrow":
         return None
     from .gather import MappedArrow
@@ -261,10 +250,11 @@ def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray] | None:
             return None
         lengths = check_aligned(cols).astype(np.int64)
         first = first_label(table.column("labels")) if job.has_labels else np.zeros(0, np.int64)
+        trained = trained_per_row(table.column("labels")) if job.has_labels else np.zeros(0, np.int64)
         for col in cols:
             for chunk in col.chunks:
                 mapped.release(chunk.values)
-        return lengths, first
+        return lengths, first, trained
     except PackingError as exc:
         raise PackingError(f"input {job.part.file.path!r}: {exc}", param=exc.param) from None
     finally:
@@ -296,7 +286,8 @@ def stage_part(job: StageJob) -> dict[str, Any]:
         }
     schema = pa.schema([(c, pa.list_(pa.type_for_alias(v))) for c, v in zip(job.columns, job.value_types)])
     tmp = f"{job.staged}.tmp-{os.getpid()}"
-    lengths, firsts, pending, pending_rows, pending_bytes = [], [], [], 0, 0
+    lengths, firsts, trained, heads, pending, pending_rows, pending_bytes = [], [], [], [], [], 0, 0
+    closing = np.zeros(0, np.int64)  # chat_head.closing_ids of a template with generation markers
     try:
         with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             for where, table in prefetch(_token_tables(job)):  # tokenizing runs ahead of writing
@@ -310,7 +301,13 @@ def stage_part(job: StageJob) -> dict[str, Any]:
                     raise PackingError(f"{where()} (block start): {exc}", param=exc.param) from None
                 if job.has_labels:
                     firsts.append(first_label(table.column("labels")))
-                pending.append(table.select(list(job.columns)).cast(schema))
+                    trained.append(trained_per_row(table.column("labels")))
+                if HEAD_COLUMN in table.column_names:
+                    heads.append(table.column(HEAD_COLUMN).to_numpy().astype(np.int64))
+                meta = table.schema.metadata or {}
+                if CLOSING_KEY in meta and meta[CLOSING_KEY]:
+                    closing = np.array([int(x) for x in meta[CLOSING_KEY].split(b",")], np.int64)
+                pending.append(table.select(list(job.columns)).cast(schema).replace_schema_metadata(None))
                 pending_rows += table.num_rows
                 pending_bytes += table.nbytes
                 if pending_rows >= STAGE_BATCH_ROWS or pending_bytes >= STAGE_BATCH_BYTES:
@@ -334,10 +331,23 @@ def stage_part(job: StageJob) -> dict[str, Any]:
         raise
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
     all_first = np.concatenate(firsts) if firsts else np.zeros(0, np.int64)
+    all_trained = np.concatenate(trained) if trained else np.zeros(0, np.int64)
+    all_heads = np.concatenate(heads) if heads else None
     # which tokenizer engine ran, and why; rows compared; characters left out (kept with the part for reruns)
     report = _tokenizer(job).part_report() if job.fmt != "tokenized" else None
     size = os.path.getsize(job.staged)
-    save_sidecar(job.sidecar, all_lengths, all_first, job.staged, report, data_sha256=digest, data_size=size)
+    save_sidecar(
+        job.sidecar,
+        all_lengths,
+        all_first,
+        job.staged,
+        report,
+        data_sha256=digest,
+        data_size=size,
+        trained=all_trained,
+        heads=all_heads,
+        closing=closing,
+    )
     result = {
         "rows": int(all_lengths.shape[0]),
         "reused": False,

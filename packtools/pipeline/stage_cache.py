@@ -43,7 +43,7 @@ from .._atomic import atomic_path
 from ..errors import PackingError
 from ..io.files import Part
 from .stage import StageJob, stage_key
-from .staged import damage, load_sidecar, save_sidecar, sidecar_checksum, sidecar_report
+from .staged import damage, load_sidecar, save_sidecar, sidecar_checksum, sidecar_report, sidecar_turns
 
 CACHE_ENV, MAX_GB_ENV = "PACKTOOLS_STAGE_CACHE", "PACKTOOLS_STAGE_CACHE_MAX_GB"
 DEFAULT_MAX_GB = 20.0
@@ -222,6 +222,7 @@ def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> tuple[s
             why = damage(sidecar)
             if why is None:
                 lengths, first, data = load_sidecar(sidecar)
+                trained, heads, closing = sidecar_turns(sidecar)
                 if os.path.abspath(data) != arrow:
                     continue  # an entry that points elsewhere (an as-is input): stage it normally
             else:
@@ -254,6 +255,9 @@ def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> tuple[s
                 sidecar_report(sidecar),
                 data_sha256=digest,
                 data_size=size,
+                trained=trained,
+                heads=heads,
+                closing=closing,
             )
             now = time.time()
             for path in (arrow, sidecar):

@@ -1,7 +1,8 @@
 """A staged part on disk: its sidecar and the checks that make it trusted.
 
 A part staged by :mod:`packtools.pipeline.stage` is an Arrow file plus a sidecar ``.npz`` with each row's length,
-the position of its first label token, the path of the data to gather from, the tokenizer engine report it was
+the position of its first label token and its trained tokens, each conversation's head, the closing ids of a
+template with ``{% generation %}`` markers, the path of the data to gather from, the tokenizer engine report it was
 tokenized with, and the size of that data file and, for the stage cache's long-lived entries, its SHA-256 (a
 run's own parts are flushed to disk instead, which costs less than hashing them).  The sidecar is written last
 and flushed to disk before its rename, so its presence means the part is done; :func:`damage` checks a part's content against it before a
@@ -39,6 +40,9 @@ def save_sidecar(
     *,
     data_sha256: str = "",
     data_size: int = -1,
+    trained: np.ndarray | None = None,
+    heads: np.ndarray | None = None,
+    closing: np.ndarray | None = None,
 ) -> None:
     """Write a part's sidecar (written last: its presence means the part is done), flushed to disk before the
     rename and the folder after it, so that a machine crash leaves no sidecar whose data never landed."""
@@ -48,6 +52,9 @@ def save_sidecar(
             fh,
             lengths=lengths,
             first_label=first,
+            trained=trained if trained is not None else np.zeros(0, np.int64),
+            heads=heads if heads is not None else np.zeros(0, np.int64),
+            closing=closing if closing is not None else np.zeros(0, np.int64),
             data=np.array(data),
             tokenizer=np.array(json.dumps(report, sort_keys=True) if report else ""),
             data_sha256=np.array(data_sha256),
@@ -63,6 +70,14 @@ def load_sidecar(path: str) -> tuple[np.ndarray, np.ndarray, str]:
     """``(lengths, first_label, data path)`` of a staged part."""
     with np.load(path, allow_pickle=False) as z:
         return z["lengths"], z["first_label"], str(z["data"])
+
+
+def sidecar_turns(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(trained tokens, head length)`` of each row of a staged part (empty arrays: the part has no labels,
+    resp. no heads: every head is 0), and the ids a turn's closing text has after its labelled span
+    (:func:`packtools.pipeline.chat_head.closing_ids`; empty for most templates)."""
+    with np.load(path, allow_pickle=False) as z:
+        return z["trained"], z["heads"], z["closing"]
 
 
 def sidecar_report(path: str) -> dict[str, Any] | None:
@@ -91,6 +106,7 @@ def damage(sidecar: str) -> str | None:
         lengths, _, data = load_sidecar(sidecar)
         checksum, size = sidecar_checksum(sidecar)
         sidecar_report(sidecar)
+        sidecar_turns(sidecar)
     except Exception as exc:  # noqa: BLE001 - a cut or damaged .npz raises many kinds (BadZipFile, EOFError, ...)
         return f"its sidecar cannot be read ({type(exc).__name__})"
     if not os.path.exists(data):

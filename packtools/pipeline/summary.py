@@ -191,6 +191,15 @@ def format_pipeline_summary(
         cells.append(("empty rows", f"{stats['rows_empty']:,} (no tokens, nothing to pack)"))
         cells.append(("rows truncated", n("rows_truncated")))
         cells.append(("rows split", n("rows_split")))
+        if stats.get("pieces"):
+            cells.append(
+                (
+                    f"pieces (at {stats.get('split_at', 'turns')})",
+                    f"{stats['pieces']:,}: {stats.get('turns_cut', 0):,} cut inside a turn longer than a piece, "
+                    f"{stats.get('pieces_dropped_unlabeled', 0):,} without a trained token dropped "
+                    f"({stats.get('tokens_dropped_unlabeled', 0):,} tokens; --keep-unlabeled keeps them)",
+                )
+            )
         cells.append(("rows out (packed)", f"{stats['rows_out']:,} (lower bound {stats['lower_bound']:,})"))
     else:
         cells.append(("pairs dropped", n("pairs_dropped")))
@@ -209,8 +218,25 @@ def format_pipeline_summary(
         else:
             cells.append(("rows out", n("rows_out")))
     cells.append(("tokens in", n("tokens_in")))
-    cells.append(("tokens kept", n("tokens_kept")))
+    carried = stats.get("tokens_carried", 0)
+    cells.append(
+        (
+            "tokens kept",
+            n("tokens_kept") + (f" (with {carried:,} copies of system prompts)" if carried else ""),
+        )
+    )
     cells.append(("tokens dropped", n("tokens_dropped")))
+    if "tokens_trained_in" in stats:
+        cells.append(
+            ("trained tokens", f"{stats['tokens_trained_kept']:,} kept of {stats['tokens_trained_in']:,}")
+        )
+        cells.append(
+            (
+                "training nothing",
+                f"{stats['tokens_untrained']:,} tokens in {stats['sequences_untrained']:,} sequences without a "
+                f"trained token",
+            )
+        )
     if stats.get("packed"):
         cells.append(("fill", f"{100 * stats['fill']:.2f}%"))
     if timings:

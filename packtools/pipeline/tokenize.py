@@ -373,9 +373,34 @@ class BatchTokenizer:
         first_row: Row,
         rendered: tuple[list[str], list] | None = None,
     ) -> pa.Table:
-        """The ``input_ids`` and assistant-only ``labels`` of conversations (``rendered``: taken ahead)."""
+        """The ``input_ids`` and assistant-only ``labels`` of conversations (``rendered``: taken ahead), and each
+        one's head (:mod:`packtools.pipeline.chat_head`; the stage keeps it in its sidecar)."""
+        from .chat_head import CLOSING_KEY, HEAD_COLUMN, closing_ids, head_lengths
+
         ids, labels = self.chat.assistant_labels(convs, first_row, rendered)
-        return pa.table({"input_ids": ragged.to_arrow(ids), "labels": ragged.to_arrow(labels)})
+        heads = head_lengths(self.chat.renderer, self._encode_plain, convs, ids)
+        table = pa.table(
+            {
+                "input_ids": ragged.to_arrow(ids),
+                "labels": ragged.to_arrow(labels),
+                HEAD_COLUMN: pa.array(heads),
+            }
+        )
+        if self.chat.has_generation_tags:  # spans end before the closing text: the stage records it
+            if getattr(self, "_closing", None) is None:
+                self._closing = closing_ids(self.chat.renderer, self._encode_plain)
+            table = table.replace_schema_metadata({CLOSING_KEY: ",".join(map(str, self._closing)).encode()})
+        return table
+
+    def _encode_plain(self, texts: list[str]) -> Ragged:
+        """``texts`` encoded as a rendered conversation is, without the proof's bookkeeping (chat_head keeps an
+        encoding only where it starts the conversation's proven ids)."""
+        if self.fast is not None:
+            try:
+                return self.fast.encode(texts, False)
+            except Exception:  # noqa: BLE001, S110 - the reference encodes them
+                pass
+        return ragged.from_lists(self.reference_ids(texts, False))
 
     def _conversations(self, table: pa.Table, first_row: Row) -> list[list[dict[str, Any]]]:
         return [

@@ -18,6 +18,8 @@ import textwrap
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .._optional import require
 from .profile import LengthProfile
 from .tradeoffs import TradeoffTable
@@ -53,23 +55,29 @@ def _tokens(x: float, _pos: object = None) -> str:
     return f"{x:g}"
 
 
-def _stagger(xs: list[float], decades: float, width: float = 0.14) -> list[int]:
+def _stagger(xs: list[float], decades: float, width: float | list[float] = 0.14) -> list[int]:
     """A text row for each label at ``xs`` (log axis spanning ``decades``) so that no two in a row overlap:
-    labels whose centres are closer than ``width`` of the axis go to the next row up."""
+    ``width`` is each label's width as a share of the axis (one for all, or one per label); labels whose
+    centres are closer than half their widths added go to the next row up."""
+    widths = width if isinstance(width, list) else [width] * len(xs)
     order = sorted(range(len(xs)), key=lambda i: xs[i])
-    rows: list[list[float]] = []
+    rows: list[list[tuple[float, float]]] = []
     levels = [0] * len(xs)
     for i in order:
         pos = math.log10(max(xs[i], 1)) / max(decades, 1e-9)
         for r, taken in enumerate(rows):
-            if all(abs(pos - q) >= width for q in taken):
-                taken.append(pos)
+            if all(abs(pos - q) >= (widths[i] + w) / 2 for q, w in taken):
+                taken.append((pos, widths[i]))
                 levels[i] = r
                 break
         else:
-            rows.append([pos])
+            rows.append([(pos, widths[i])])
             levels[i] = len(rows) - 1
     return levels
+
+
+#: a marker label's width per character, as a share of the histogram's axis (7.5 pt text on a 9-inch figure)
+LABEL_CHAR_WIDTH = 0.0105
 
 
 def plot_lengths(profile: LengthProfile, max_length: int | None = None, ax: Axes | None = None) -> Axes:
@@ -125,11 +133,18 @@ def plot_lengths(profile: LengthProfile, max_length: int | None = None, ax: Axes
         )
         marks.append((profile.max, f"max {profile.max:,}", "black"))
     right = max(edges[-1], profile.max, max_length or 0) * 1.6
-    ax.set_xlim(edges[0], right)
+    nonempty = np.flatnonzero(counts > 0)
+    # from the shortest length (a little room to its left), not from 1
+    left = max(1.0, float(edges[nonempty[0]]) / 1.3) if nonempty.size else float(edges[0])
+    ax.set_xlim(left, right)
     if max_length is not None and right > max_length:
         ax.axvspan(max_length, right, color=MAX_LENGTH_COLOR, alpha=0.07, linewidth=0)
     top = float(counts.max()) if counts.size and counts.max() > 0 else 1.0
-    levels = _stagger([x for x, _, _ in marks], math.log10(right / edges[0]))
+    levels = _stagger(
+        [x for x, _, _ in marks],
+        math.log10(right / left),
+        [LABEL_CHAR_WIDTH * (len(t) + 2) for _, t, _ in marks],
+    )
     ax.set_ylim(0, top * (1.12 + 0.09 * (max(levels, default=0) + 1)))
     for (x, text, color), level in zip(marks, levels):
         ax.text(
@@ -178,19 +193,39 @@ def plot_tradeoffs(
             [r.kept for r in table],
             dict(color="C0", linestyle="-", marker="o", linewidth=2.2),
         ),
-        ("row fill, bfd", [r.bfd_fill for r in table], dict(color="C0", linestyle="--", marker="s")),
+        # the three fills often sit together near 100%: widest and hollow first, so that each stays visible
+        (
+            "row fill, bfd",
+            [r.bfd_fill for r in table],
+            dict(
+                color="C0", linestyle="--", linewidth=3.2, marker="s", markersize=11, markerfacecolor="none"
+            ),
+        ),
         (
             "row fill, bfd_split",
             [r.bfd_split_fill for r in table],
-            dict(color="C1", linestyle="--", marker="^"),
+            dict(color="C1", linestyle="-.", linewidth=1.8, marker="^", markersize=8, markerfacecolor="none"),
         ),
-        ("row fill, wrapped", [r.wrapped_fill for r in table], dict(color="C2", linestyle="--", marker="v")),
+        (
+            "row fill, wrapped",
+            [r.wrapped_fill for r in table],
+            dict(color="C2", linestyle=":", linewidth=1.2, marker="v", markersize=4),
+        ),
         (
             f"batch fill, padded batches of {table.batch_size} (no packing)",
             [1.0 - r.padding for r in table],
             dict(color="C3", linestyle=":", marker="d"),
         ),
     ]
+    if table.rows and table.rows[0].trained_kept is not None:  # data with labels: what training learns from
+        series.insert(
+            1,
+            (
+                "trained (label) tokens kept, bfd",
+                [r.trained_kept for r in table],
+                dict(color="C4", linestyle="-", marker="*", markersize=9, linewidth=1.8),
+            ),
+        )
     ax.axhline(
         100,
         color="0.5",
@@ -200,6 +235,16 @@ def plot_tradeoffs(
     )
     for label, ys, style in series:
         ax.plot(xs, [100 * y for y in ys], label=label, **style)
+    fills = np.array([ys for label, ys, _ in series if label.startswith("row fill")])
+    if fills.size and float((fills.max(axis=0) - fills.min(axis=0)).max()) < 0.01:
+        ax.text(
+            0.01,
+            0.02,
+            "the row fills of bfd, bfd_split and wrapped are within 1 point of each other",
+            transform=ax.transAxes,
+            fontsize=7.5,
+            color="0.3",
+        )
     if max_length is not None:
         ax.axvline(
             max_length,

@@ -72,6 +72,12 @@ _DEFINITIONS = (
         "bfd dropped",
         "share of tokens bfd drops (everything past max_length); bfd_split and wrapped drop none",
     ),
+    (
+        "bfd trained kept / training nothing",
+        "data with labels (chat, prompt/completion): share of the trained (label) tokens bfd keeps, and share "
+        "of its kept tokens in sequences whose kept part trains nothing; bfd_split (packtools pack) keeps every "
+        "trained token and drops pieces that train nothing",
+    ),
     ("rows / fill", "packed rows from the real planner; fill = tokens kept / (rows × max_length)"),
     (
         "padded, batch B",

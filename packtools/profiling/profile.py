@@ -32,6 +32,7 @@ from .distribution import LengthDistribution
 from .packed import file_schema, packed_info, packed_rows, profile_packed
 from .recommend import Recommendation, recommend
 from .tradeoffs import BucketTable, TradeoffTable, bucket_table, tradeoff_table
+from .trained import TrainedTokens
 
 FILE_SUFFIXES = (".parquet", ".arrow", ".feather", ".ipc")
 BATCH_TOKENS = 1 << 20  # about this many values decoded per parquet batch
@@ -45,7 +46,17 @@ class LengthProfile(LengthDistribution):
     >>> p = LengthProfile([3, 0, 10, 5, 5])
     >>> p.count, p.percentiles["p90"], p.tokens_kept(4)
     (5, 10, 15)
+
+    ``trained``: where the sequences' trained (label) tokens are, for data with labels (chat,
+    prompt/completion; :func:`packtools.profile_files` fills it): the text, the tradeoff table and the token
+    rule then count trained tokens (:mod:`packtools.profiling.trained`).
     """
+
+    trained: TrainedTokens | None = None
+
+    def to_text(self) -> str:
+        text = super().to_text()
+        return text + ("\n" + self.trained.to_text() if self.trained is not None else "")
 
     def tradeoffs(self, candidates: Iterable[int] | None = None, batch_size: int = 8) -> TradeoffTable:
         """What each strategy does at each candidate ``max_length`` (see :mod:`packtools.profiling.tradeoffs`).

@@ -58,13 +58,14 @@ class RuleOption:
     bfd_split_rows: int
     attention: float  # attention cost of `strategy`, relative to every sequence whole (see tradeoffs)
     above_context: bool
+    trained: bool = False  # the token rule counted trained (label) tokens
 
     @property
     def label(self) -> str:
         return (
             f"sequences whole >= {self.share:.1%} (bfd_split)"
             if self.rule == "sequences"
-            else f"tokens kept by bfd >= {self.share:.1%}"
+            else f"{'trained ' if self.trained else ''}tokens kept by bfd >= {self.share:.1%}"
         )
 
 
@@ -123,13 +124,24 @@ def _check_share(value: object, name: str, what: str) -> float:
     return float(value)
 
 
+def _counted(profile: LengthDistribution) -> tuple[int, object]:
+    """What the token rule counts: the trained (label) tokens of data with labels (a profile with
+    ``trained``), every token otherwise; ``(total, kept_by_bfd)``."""
+    trained = getattr(profile, "trained", None)
+    if trained is not None and trained.total:
+        return trained.total, trained.kept_by_bfd
+    return profile.total_tokens, profile.tokens_kept
+
+
 def token_rule(profile: LengthDistribution, keep_tokens: float, multiple_of: int) -> int:
-    """The smallest multiple of ``multiple_of`` at which ``bfd`` keeps at least ``keep_tokens`` of the tokens."""
-    need = math.ceil(Fraction(str(keep_tokens)) * profile.total_tokens)
+    """The smallest multiple of ``multiple_of`` at which ``bfd`` keeps at least ``keep_tokens`` of the tokens
+    (of the trained tokens, for data with labels: what training learns from)."""
+    total, kept_at = _counted(profile)
+    need = math.ceil(Fraction(str(keep_tokens)) * total)
     lo, hi = 1, max(1, -(-profile.max // multiple_of))
     while lo < hi:
         mid = (lo + hi) // 2
-        if profile.tokens_kept(mid * multiple_of) >= need:
+        if kept_at(mid * multiple_of) >= need:  # type: ignore[operator]
             hi = mid
         else:
             lo = mid + 1
@@ -157,6 +169,7 @@ def _option(profile: LengthDistribution, rule: str, share: float, m: int, max_co
         row.bfd_split_rows,
         row.attn_bfd_split if rule == "sequences" else row.attn_bfd,
         m > max_context,
+        getattr(profile, "trained", None) is not None,
     )
 
 
@@ -220,6 +233,23 @@ def recommend(
             )
         else:
             reason += " Every sequence fits, so bfd and bfd_split are identical."
+        trained = getattr(profile, "trained", None)
+        if trained is not None and trained.total and cut:
+            _, idle = trained.idle_under_bfd(m)
+            reason += (
+                f" Of the trained (label) tokens, bfd would keep {trained.kept_by_bfd(m) / trained.total:.2%} and "
+                f"spend {idle / max(kept, 1):.2%} of its tokens on sequences that train nothing; bfd_split (packtools "
+                f"pack) cuts at turn ends and keeps every trained token."
+            )
+    elif getattr(profile, "trained", None) is not None and profile.trained.total:  # type: ignore[attr-defined]
+        trained = profile.trained  # type: ignore[attr-defined]
+        t_kept = trained.kept_by_bfd(m)
+        reason = (
+            f"max_length={m} is the smallest multiple of {multiple_of} at which bfd keeps at least {kt:.1%} of "
+            f"the trained (label) tokens: it keeps {t_kept / trained.total:.2%} of them ({t_kept:,} of "
+            f"{trained.total:,}), {kept / total:.2%} of all tokens, and truncates {cut:,} of {n:,} sequences "
+            f"({cut / n:.2%})."
+        )
     else:
         reason = (
             f"max_length={m} is the smallest multiple of {multiple_of} at which bfd keeps at least {kt:.1%} of "

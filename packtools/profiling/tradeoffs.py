@@ -10,6 +10,8 @@ For a candidate ``max_length`` ``m`` and lengths ``l_i`` (``n`` sequences, ``T``
 - ``padding``: with no packing, batches of ``batch_size`` consecutive sequences in dataset order (the last
   may be shorter), each sequence cut to ``m`` and each batch padded to its longest cut sequence: pad tokens /
   all tokens of the padded batches.  ``padded_batches`` is the number of such batches.
+- ``trained_kept``, ``untrained`` (data with labels only): the share of the trained (label) tokens ``bfd``
+  keeps, and the share of its kept tokens in sequences whose kept part trains nothing.
 - ``attn_*``: attention cost, the sum over attention blocks of their squared length (causal attention work
   grows with it), relative to training every sequence whole, one per block: ``sum(l_i ** 2)``.  Blocks are
   the planner's segments for ``bfd`` / ``bfd_split`` (padding-free varlen attention over ``seq_lengths``),
@@ -51,6 +53,10 @@ class Tradeoff:
     attn_bfd_split: float
     attn_wrapped: float
     attn_padded: float
+    #: data with labels (a profile with ``trained``): the share of the trained tokens ``bfd`` keeps, and of its
+    #: kept tokens in sequences that train nothing (None otherwise)
+    trained_kept: float | None = None
+    untrained: float | None = None
 
     @property
     def kept(self) -> float:
@@ -75,6 +81,8 @@ COLUMNS: tuple[tuple[str, str, str, Callable[[Any], str]], ...] = (
     ("", "max_length", "max_length", _int),
     ("", "truncated", "truncated", _pct),
     ("bfd", "dropped", "dropped", _pct),
+    ("bfd", "trained kept", "trained_kept", _pct),
+    ("bfd", "training nothing", "untrained", _pct),
     ("bfd", "rows", "bfd_rows", _int),
     ("bfd", "fill", "bfd_fill", _pct),
     ("bfd_split", "rows", "bfd_split_rows", _int),
@@ -111,21 +119,28 @@ class TradeoffTable:
         """One plain dict per row (e.g. for ``pandas.DataFrame`` or JSON)."""
         return [asdict(r) for r in self.rows]
 
+    @property
+    def columns(self) -> tuple[tuple[str, str, str, Callable[[Any], str]], ...]:
+        """:data:`COLUMNS`, without the trained-token ones for data without labels."""
+        trained = bool(self.rows) and self.rows[0].trained_kept is not None
+        return tuple(c for c in COLUMNS if trained or c[2] not in ("trained_kept", "untrained"))
+
     def _cells(self) -> list[list[str]]:
-        return [[fmt(getattr(r, key)) for _, _, key, fmt in COLUMNS] for r in self.rows]
+        return [[fmt(getattr(r, key)) for _, _, key, fmt in self.columns] for r in self.rows]
 
     def _groups(self) -> list[str]:
-        return [g.replace("padded", f"padded, batch {self.batch_size}") for g, _, _, _ in COLUMNS]
+        return [g.replace("padded", f"padded, batch {self.batch_size}") for g, _, _, _ in self.columns]
 
     def to_text(self) -> str:
         """A fixed-width table with a group header line (what the CLI prints)."""
-        heads = [h for _, h, _, _ in COLUMNS]
+        heads = [h for _, h, _, _ in self.columns]
         return text_table([heads, *self._cells()], groups=self._groups(), first_left=False)
 
     def to_markdown(self) -> str:
         """A GitHub-flavoured Markdown table."""
         heads = [
-            f"{g} {h}".strip() if g and g != h else h for g, h in zip(self._groups(), (c[1] for c in COLUMNS))
+            f"{g} {h}".strip() if g and g != h else h
+            for g, h in zip(self._groups(), (c[1] for c in self.columns))
         ]
         lines = ["| " + " | ".join(heads) + " |", "|" + "|".join("---:" for _ in heads) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in self._cells()]
@@ -141,7 +156,7 @@ class TradeoffTable:
                 j += 1
             top.append(f'<th colspan="{j - i + 1}">{html.escape(groups[i])}</th>')
             i = j + 1
-        head2 = "".join(f"<th>{html.escape(h)}</th>" for _, h, _, _ in COLUMNS)
+        head2 = "".join(f"<th>{html.escape(h)}</th>" for _, h, _, _ in self.columns)
         body = "".join(
             ('<tr class="chosen">' if r.max_length == highlight else "<tr>")
             + "".join(f"<td>{html.escape(c)}</td>" for c in row)
@@ -213,7 +228,20 @@ def tradeoff_row(profile: LengthDistribution, max_length: int, batch_size: int) 
         attn_bfd_split=_squares(plans["bfd_split"].seg_length) / base,
         attn_wrapped=_squares(plans["wrapped"].row_lengths) / base,
         attn_padded=padded_sq / base,
+        **_trained(profile, max_length, kept),
     )
+
+
+def _trained(profile: LengthDistribution, max_length: int, kept: int) -> dict[str, float]:
+    """The trained-token columns of a profile with ``trained`` (:mod:`packtools.profiling.trained`)."""
+    trained = getattr(profile, "trained", None)
+    if trained is None:
+        return {}
+    _, idle = trained.idle_under_bfd(max_length)
+    return {
+        "trained_kept": trained.kept_by_bfd(max_length) / trained.total if trained.total else 1.0,
+        "untrained": idle / kept if kept else 0.0,
+    }
 
 
 def tradeoff_table(

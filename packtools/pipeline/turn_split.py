@@ -1,0 +1,298 @@
+"""Splitting rows with labels (chat, prompt/completion, tokenized rows with ``labels``) longer than
+``max_length`` under ``bfd_split``, at turn boundaries (``split_at="turns"``, the default) or every
+``max_length`` tokens (``split_at="tokens"``).
+
+**Turn boundaries.**  A row is cut only where a trained span ends (a label that is not -100 followed by one that
+is): the end of an assistant reply, where the chat template starts the next message (the incremental rule of
+:mod:`packtools.pipeline.formats` makes an assistant span end exactly at the next message's first token; a
+prompt/completion row has one such point, its end).  The row is thereby made of *exchanges* (the question and
+everything before the reply, then the reply), and a piece is one or more whole exchanges, greedily, in order.
+
+**What a piece carries before its first turn.**  The row's *head* (for ``messages`` rows: the leading system
+message(s) as the template renders them, BOS included; 0 for other formats) is copied, unlabeled (-100), before
+every piece but the first (which starts with it), so that a piece reads as a conversation with its system
+prompt.  A head longer than half of ``max_length`` is not carried (it would crowd out the turns).  Carried
+tokens are counted (``tokens_carried``): they are copies, not input tokens.
+
+**A turn longer than a piece** (an exchange that does not fit ``max_length`` minus the head) is cut from its
+end: the last piece holds the reply and as much of the question before it as fits, the pieces before it the
+rest of the exchange, earlier first.  Each such exchange is counted (``turns_cut``): those pieces start inside
+a turn.
+
+**Pieces without a trained token** (a label other than -100 after the piece's first token: the first token's
+label is masked in every padding-free batch, contract 3) train nothing; they are dropped unless
+``drop_unlabeled=False`` and counted (``pieces_dropped_unlabeled``, ``tokens_dropped_unlabeled``).
+
+>>> import numpy as np
+>>> lab = np.array([-100, -100, -100, 7, 7, -100, -100, -100, 8, 8, -100, -100, 9], np.int64)
+>>> cut_row(lab, head=2, max_length=7)
+[(0, 0, 5), (2, 5, 10), (2, 10, 13)]
+>>> cut_row(lab, head=0, max_length=4, split_at="tokens")
+[(0, 0, 4), (0, 4, 8), (0, 8, 12), (0, 12, 13)]
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from ..constants import IGNORE_INDEX, MASK_COLUMNS
+from ..core.arrow import read_list_column
+from ..errors import PackingError
+
+#: ``turns``: cut at the ends of trained spans, carrying the head; ``tokens``: every ``max_length`` tokens.
+SPLIT_AT = ("turns", "tokens")
+
+Piece = tuple[int, int, int]  # (tokens of the head carried before it, start, end) in the row
+
+
+def check_split_at(split_at: str) -> None:
+    if split_at not in SPLIT_AT:
+        raise PackingError(
+            f"split_at={split_at!r} is unknown; use one of {', '.join(SPLIT_AT)}.", param="split_at"
+        )
+
+
+def carried_head(head: int, max_length: int) -> int:
+    """The head tokens each later piece carries: the head, or 0 when it is longer than half of ``max_length``."""
+    return head if 0 < head and 2 * head <= max_length else 0
+
+
+def turn_ends(labels: np.ndarray) -> np.ndarray:
+    """Positions (0 < p < len) where a trained span ends: ``labels[p - 1]`` trained, ``labels[p]`` not."""
+    trained = labels != IGNORE_INDEX
+    return np.flatnonzero(trained[:-1] & ~trained[1:]) + 1
+
+
+def cut_row(labels: np.ndarray, head: int, max_length: int, split_at: str = "turns") -> list[Piece]:
+    """The pieces of one row (its ``labels``; the row is ``len(labels)`` tokens) as ``(carry, start, end)``:
+    the piece is the row's first ``carry`` tokens (the head, unlabeled) followed by ``row[start:end]``;
+    ``carry + end - start <= max_length``, and the ``[start, end)`` cover the row once, in order."""
+    return cut_turns(labels, head, max_length, split_at)[0]
+
+
+def cut_turns(
+    labels: np.ndarray,
+    head: int,
+    max_length: int,
+    split_at: str = "turns",
+    *,
+    ids: np.ndarray | None = None,
+    closing: np.ndarray | None = None,
+) -> tuple[list[Piece], int]:
+    """:func:`cut_row`'s pieces and how many exchanges were longer than a piece (cut inside a turn).
+    ``closing`` (with the row's ``ids``): the tokens a template writes after an assistant's labelled span and
+    before the next message; a turn end followed by them moves past them, so the next piece starts at the next
+    message."""
+    n = int(labels.shape[0])
+    if split_at == "tokens":
+        return [(0, s, min(s + max_length, n)) for s in range(0, n, max_length)], 0
+    carry = carried_head(head, max_length)
+    room = max_length - carry  # what a later piece holds besides the head
+    ends = [int(e) for e in turn_ends(labels)]
+    if closing is not None and closing.size and ids is not None:
+        c = int(closing.size)
+        ends = [e + c if e + c <= n and np.array_equal(ids[e : e + c], closing) else e for e in ends]
+    bounds = [0, *sorted({e for e in ends if head < e < n}), n]
+    pieces: list[Piece] = []
+    cut = 0
+    start = end = 0  # the piece being filled: row[start:end], carrying the head unless start == 0
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b - start <= (max_length if start == 0 else room):  # the exchange fits the open piece
+            end = b
+            continue
+        if end > start:
+            pieces.append((carry if start else 0, start, end))
+        start = end = a
+        if b - a <= (max_length if a == 0 else room):
+            end = b
+            continue
+        # one exchange longer than a piece: cut from its end, the reply and the end of the question together
+        cut += 1
+        chunks = []
+        hi = b
+        while hi > a:
+            lo = 0 if a == 0 and hi <= max_length else max(a, hi - room)  # the row's start holds its own head
+            chunks.append((carry if lo else 0, lo, hi))
+            hi = lo
+        pieces.extend(reversed(chunks))
+        start = end = b
+    if end > start:
+        pieces.append((carry if start else 0, start, end))
+    return pieces, cut
+
+
+def trained_tokens(labels: np.ndarray) -> int:
+    """Tokens of a sequence that train: labels other than -100 after its first token (the first is masked in
+    every padding-free batch)."""
+    return int(np.count_nonzero(labels[1:] != IGNORE_INDEX))
+
+
+@dataclass
+class SplitResult:
+    """What splitting the over-long rows made: the pieces file (rows in order), each piece's length and trained
+    tokens, whether it is kept, and the counts for the manifest."""
+
+    path: str | None
+    lengths: np.ndarray
+    trained: np.ndarray
+    kept: np.ndarray
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def piece_columns(
+    cols: dict[str, np.ndarray], pieces: Sequence[Piece], lengths: list[int]
+) -> dict[str, list[np.ndarray]]:
+    """Per column, the values of each piece of a row whose columns are ``cols`` (the carried head: -100 in
+    ``labels``, 0 in a mask column, the row's own values elsewhere)."""
+    out: dict[str, list[np.ndarray]] = {name: [] for name in cols}
+    for carry, a, b in pieces:
+        for name, values in cols.items():
+            if carry:
+                if name == "labels":
+                    pre = np.full(carry, IGNORE_INDEX, values.dtype)
+                elif name in MASK_COLUMNS:
+                    pre = np.zeros(carry, values.dtype)
+                else:
+                    pre = values[:carry]
+                out[name].append(np.concatenate([pre, values[a:b]]))
+            else:
+                out[name].append(values[a:b])
+        lengths.append(carry + b - a)
+    return out
+
+
+def staged_rows(data: Sequence[str], bounds: Sequence[int], rows: np.ndarray, columns: Sequence[str]):
+    """``(row, {column: values})`` of the rows ``rows`` (global row numbers, sorted) of the staged files ``data``
+    (part ``k`` holds rows ``bounds[k]:bounds[k + 1]``), one part mapped at a time."""
+    from .gather import MappedArrow
+
+    part_of = np.searchsorted(np.asarray(bounds[1:], np.int64), rows, side="right")
+    for k in np.unique(part_of):
+        mine = rows[part_of == k]
+        mapped = MappedArrow([data[k]], list(columns))
+        try:
+            table = mapped.table.take(pa.array(mine - int(bounds[k])))
+        finally:
+            mapped.close()
+        flat = {}
+        for c in columns:
+            col = read_list_column(table.column(c), c)
+            flat[c] = (col.flat_values(), np.concatenate([[0], np.cumsum(col.lengths())]))
+        for i, row in enumerate(mine):
+            yield int(row), {c: v[o[i] : o[i + 1]] for c, (v, o) in flat.items()}
+
+
+def trained_prefix(
+    data: Sequence[str], bounds: Sequence[int], rows: np.ndarray, columns: Sequence[str], max_length: int
+) -> np.ndarray:
+    """The trained tokens of the first ``max_length`` tokens of each row of ``rows`` (what truncation keeps)."""
+    del columns
+    return np.array(
+        [trained_tokens(c["labels"][:max_length]) for _, c in staged_rows(data, bounds, rows, ["labels"])],
+        np.int64,
+    )
+
+
+#: pieces' tokens held before they are written as one record batch
+WRITE_TOKENS = 1 << 22
+
+
+def _write(sink: pa.OSFile, writer: pa.ipc.RecordBatchFileWriter | None, out: dict, columns, types):
+    """Write the pieces held in ``out`` as one record batch (opening the file's writer on the first)."""
+    batch = pa.table(
+        {
+            c: pa.ListArray.from_arrays(
+                pa.array(np.concatenate([[0], np.cumsum([len(v) for v in out[c]])]).astype(np.int32)),
+                pa.array(np.concatenate(out[c]) if out[c] else np.zeros(0, types[c])),
+            )
+            for c in columns
+        }
+    )
+    if writer is None:
+        writer = pa.ipc.new_file(sink, batch.schema)
+    writer.write_table(batch)
+    return writer
+
+
+def split_rows(  # noqa: PLR0913 - the staged parts and the options that decide the cut
+    data: Sequence[str],
+    bounds: Sequence[int],
+    rows: np.ndarray,
+    heads: np.ndarray,
+    columns: Sequence[str],
+    max_length: int,
+    *,
+    split_at: str,
+    drop_unlabeled: bool,
+    path: str,
+    closing: np.ndarray | None = None,
+) -> SplitResult:
+    """Cut the rows ``rows`` (global row numbers, sorted) of the staged files ``data`` (part ``k`` holds rows
+    ``bounds[k]:bounds[k + 1]``) into pieces (:func:`cut_row`) and write them, in order, to the Arrow file
+    ``path`` (written aside and renamed).  ``heads``: every row's head length.  Under ``split_at="tokens"``
+    with no piece dropped the file is removed (``path`` None): the plan's own split of the rows is the same
+    cut, and the rows are planned as they are."""
+    counts = {
+        "pieces": 0,
+        "turns_cut": 0,
+        "tokens_carried": 0,
+        "pieces_dropped_unlabeled": 0,
+        "tokens_dropped_unlabeled": 0,
+    }
+    lengths: list[int] = []
+    trained: list[int] = []
+    carries: list[int] = []
+    if rows.size == 0:
+        return SplitResult(None, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool), counts)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    types = None
+    out: dict[str, list[np.ndarray]] = {c: [] for c in columns}
+    held = 0
+    try:
+        with pa.OSFile(tmp, "wb") as sink:
+            writer = None
+            for row, cols in staged_rows(data, bounds, rows, columns):
+                if types is None:
+                    types = {c: v.dtype for c, v in cols.items()}
+                pieces, cut = cut_turns(
+                    cols["labels"],
+                    int(heads[row]),
+                    max_length,
+                    split_at,
+                    ids=cols["input_ids"],
+                    closing=closing,
+                )
+                counts["turns_cut"] += cut
+                counts["pieces"] += len(pieces)
+                carries.extend(p[0] for p in pieces)
+                for name, values in piece_columns(cols, pieces, lengths).items():
+                    out[name].extend(values)
+                trained.extend(trained_tokens(v) for v in out["labels"][-len(pieces) :])
+                held += sum(p[2] - p[1] + p[0] for p in pieces)
+                if held >= WRITE_TOKENS:
+                    writer = _write(sink, writer, out, columns, types)
+                    out, held = {c: [] for c in columns}, 0
+            writer = _write(sink, writer, out, columns, types)
+            writer.close()
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    lengths_a = np.asarray(lengths, np.int64)
+    trained_a = np.asarray(trained, np.int64)
+    kept = trained_a > 0 if drop_unlabeled else np.ones(lengths_a.shape[0], bool)
+    counts["pieces_dropped_unlabeled"] = int((~kept).sum())
+    carries_a = np.asarray(carries, np.int64)
+    counts["tokens_carried"] = int(carries_a[kept].sum())  # copies of the head in the output
+    own = lengths_a - carries_a  # a piece's tokens that came from the input (not the head copy)
+    counts["tokens_dropped_unlabeled"] = int(own[~kept].sum())
+    if split_at == "tokens" and kept.all():
+        os.unlink(path)  # the plan's own split makes the same pieces: nothing to gather from here
+        return SplitResult(None, lengths_a, trained_a, kept, counts)
+    return SplitResult(path, lengths_a, trained_a, kept, counts)

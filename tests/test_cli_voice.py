@@ -1,0 +1,49 @@
+"""One voice for the CLI and the API: ``packtools pack`` prints the warning ``pack_files`` raises when tokens
+are dropped, and ``packtools profile`` of a packed folder reads its manifest."""
+
+from __future__ import annotations
+
+import warnings
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from packtools.cli.main import main
+from packtools.integrations.drops import TokensDroppedWarning
+from packtools.pipeline import pack_files
+
+
+@pytest.fixture
+def tokenized(tmp_path):
+    path = tmp_path / "tok.parquet"
+    pq.write_table(pa.table({"input_ids": [list(range(n)) for n in (3, 12, 5, 20)]}), path)
+    return str(path)
+
+
+def test_pack_files_warns_and_the_cli_prints_it(tmp_path, tokenized, capsys):
+    with pytest.warns(
+        TokensDroppedWarning, match=r"dropped 16 of 40 tokens .*strategy='bfd_split' keeps every"
+    ):
+        pack_files(tokenized, str(tmp_path / "api"), 8)
+    assert main(["pack", tokenized, "--out", str(tmp_path / "cli"), "--max-length", "8", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "packtools pack: warning:" in err and "dropped 16 of 40 tokens" in err and "bfd_split" in err
+    # a cached rerun says it again: the output still lacks those tokens
+    assert main(["pack", tokenized, "--out", str(tmp_path / "cli"), "--max-length", "8", "--quiet"]) == 0
+    assert "dropped 16 of 40 tokens" in capsys.readouterr().err
+    # nothing dropped: nothing said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TokensDroppedWarning)
+        pack_files(tokenized, str(tmp_path / "split"), 8, "bfd_split")
+
+
+def test_profile_of_a_packed_folder_reads_its_manifest(tmp_path, tokenized, capsys):
+    out = str(tmp_path / "packed")
+    pack_files(tokenized, out, 32, "bfd_split")
+    capsys.readouterr()
+    assert main(["profile", out]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("packed: 4 sequences")
+    assert "of max_length 32 (from manifest.json)" in text
+    assert "no manifest" not in text
