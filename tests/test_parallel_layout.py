@@ -46,9 +46,7 @@ def test_plain_processes_are_the_data_parallel_group():
 
 def test_tensor_parallel_peers_share_a_data_parallel_rank():
     config = ParallelismConfig(dp_shard_size=2, tp_size=2)
-    layouts = [
-        rank_layout(trainer(i, 4, config, Mesh(("dp_shard", "tp"), (2, 2), i))) for i in range(4)
-    ]
+    layouts = [rank_layout(trainer(i, 4, config, Mesh(("dp_shard", "tp"), (2, 2), i))) for i in range(4)]
     assert [(lay.dp_rank, lay.dp_size, lay.tp_size) for lay in layouts] == [
         (0, 2, 2),
         (0, 2, 2),
@@ -89,9 +87,9 @@ def test_unhandled_layouts_are_refused_by_name():
     mesh = Mesh(("dp_shard", "cp"), (2, 2), 0)
     with pytest.raises(PackingError, match=r"cp_size=2.*accelerate's context parallelism"):
         rank_layout(trainer(0, 4, cp, mesh))
-    assert rank_layout(trainer(3, 4, cp, Mesh(("dp_shard", "cp"), (2, 2), 3)), context_parallel=2) == RankLayout(
-        1, 2, cp_rank=1, cp_size=2, source="ParallelismConfig device mesh"
-    )
+    assert rank_layout(
+        trainer(3, 4, cp, Mesh(("dp_shard", "cp"), (2, 2), 3)), context_parallel=2
+    ) == RankLayout(1, 2, cp_rank=1, cp_size=2, source="ParallelismConfig device mesh")
     with pytest.raises(PackingError, match="give one CP size"):
         rank_layout(trainer(0, 4, cp, mesh), context_parallel=4)
     with pytest.raises(PackingError, match=r"sp_size=2.*Ulysses"):

@@ -54,7 +54,6 @@ from .backends import (
 )
 from .backends import base_model as _base_model
 from .budget_loader import install_train_loader
-from .parallel_layout import rank_layout
 from .collator_check import check_preference_collator
 from .compat import set_attr, undo
 from .compat.trl import (
@@ -70,6 +69,7 @@ from .distributed import check_loss_path, trainer_divides_by_accumulation, uneve
 from .dpo_calls import PER_TOKEN, padded_preference_call, padding_free_layout
 from .dpo_probe import check_padding_free_forward
 from .guard import check_forward_inputs, guard_model
+from .parallel_layout import rank_layout
 from .shared_dpo import check_tree_models, prepare_shared_prompt, shares_prompt, tree_columns
 from .transformers import run_probe
 
