@@ -21,7 +21,7 @@ THD format:
 * labels are **shifted before the split**: ``shift_labels[t]`` is the label of token ``t + 1`` of the same
   document (-100 at a document's last token and on padding), so the target of the last token of a chunk,
   which lives on another rank, is not lost.  The loss is then computed on ``shift_labels`` **without**
-  shifting again (:func:`packtools.integrations.cp_loss.shifted_token_loss`); no ``labels`` key is emitted,
+  shifting again (:func:`packtools.integrations.cp_training.shifted_token_loss`); no ``labels`` key is emitted,
   so a loss that shifts ``labels`` cannot be run on these rows by mistake.
 
 Both boundary arrays Megatron-style THD consumers take are emitted, int32, over the whole (unsplit) row:
@@ -128,6 +128,69 @@ class CPLayout:
         return np.where(real[idx], self.cu_seqlens[:-1].astype(np.int64)[doc[idx]] + pos[idx], -1)
 
 
+@dataclass(frozen=True)
+class CPShard:
+    """One rank's share of a row, as the CP attention needs it: which local queries attend which keys.
+
+    The keys of the whole row are all-gathered rank after rank (rank ``j``'s token ``t`` at ``j * T + t``,
+    ``T`` = :attr:`CPLayout.local_tokens`).  Each attention segment is the real tokens of one chunk of one
+    document (``q_index``: their places in this rank's row) against that document's real keys from its first
+    token up to the chunk's last real token (``k_index``: places in the gathered keys), causal aligned to
+    the bottom-right corner (the last query sees every key) -- the contract of FlashAttention varlen with
+    ``seqlen_q <= seqlen_k``.  Padding tokens are in no segment: their output is 0.
+
+    >>> sh = CPShard.build(CPLayout.build([5], 2), 1)  # rank 1: positions 2, 3 (chunk 1) and 4 (chunk 2)
+    >>> sh.q_index.tolist(), sh.cu_q.tolist(), sh.k_index.tolist(), sh.cu_k.tolist()
+    ([0, 1, 2], [0, 2, 3], [0, 1, 4, 5, 0, 1, 4, 5, 6], [0, 4, 9])
+    """
+
+    layout: CPLayout
+    rank: int
+    q_index: np.ndarray = field(repr=False)
+    cu_q: np.ndarray = field(repr=False)
+    k_index: np.ndarray = field(repr=False)
+    cu_k: np.ndarray = field(repr=False)
+
+    @classmethod
+    def build(cls, layout: CPLayout, rank: int) -> CPShard:
+        _, rank = _check_cp(layout.cp_size, rank)
+        local = layout.local_tokens
+        gathered = np.empty(int(layout.cu_seqlens_padded[-1]), np.int64)
+        for j, idx in enumerate(layout.index):
+            gathered[idx] = j * local + np.arange(local)
+        doc, pos, real = layout.padded_doc()
+        mine = layout.index[rank]
+        chunk = pos[mine] // (layout.padded[doc[mine]] // (2 * layout.cp_size))
+        q_parts, k_parts, q_lens, k_lens = [], [], [], []
+        offsets = np.flatnonzero(real[mine])
+        keys = (doc[mine] * (2 * layout.cp_size) + chunk)[offsets]
+        cuts = np.flatnonzero(np.diff(keys)) + 1
+        for group in np.split(offsets, cuts) if offsets.size else []:
+            d = int(doc[mine[group[0]]])
+            last = int(pos[mine[group[-1]]])
+            start = int(layout.cu_seqlens_padded[d])
+            q_parts.append(group)
+            k_parts.append(gathered[start : start + last + 1])
+            q_lens.append(group.size)
+            k_lens.append(last + 1)
+        cu_q = np.zeros(len(q_lens) + 1, np.int32)
+        cu_k = np.zeros(len(k_lens) + 1, np.int32)
+        np.cumsum(q_lens, out=cu_q[1:])
+        np.cumsum(k_lens, out=cu_k[1:])
+        empty = np.zeros(0, np.int64)
+        q_index = np.concatenate(q_parts).astype(np.int64) if q_parts else empty
+        k_index = np.concatenate(k_parts).astype(np.int64) if k_parts else empty
+        return cls(layout, rank, q_index, cu_q, k_index, cu_k)
+
+    @property
+    def max_q(self) -> int:
+        return int(np.diff(self.cu_q).max()) if self.cu_q.size > 1 else 0
+
+    @property
+    def max_k(self) -> int:
+        return int(np.diff(self.cu_k).max()) if self.cu_k.size > 1 else 0
+
+
 def shift_within_documents(labels: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """``out[t] = labels[t + 1]`` inside each document, ``-100`` at every document's last token.
 
@@ -181,7 +244,7 @@ def shard_row(
         "cu_seqlens_padded": lay.cu_seqlens_padded,
         "cp_size": cp_size,
         "cp_rank": cp_rank,
-        CP_KEY: lay,
+        CP_KEY: CPShard.build(lay, cp_rank),
     }
 
 
@@ -209,7 +272,7 @@ class ContextParallelCollator:
     :class:`~packtools.batches.PaddingFreeCollator`); every rank of the CP group must call it on the same
     features (the same batch), and keeps its share.  Keys: ``input_ids``, ``position_ids``, ``shift_labels``
     (already shifted: no ``labels``), ``cu_seqlens``, ``cu_seqlens_padded`` (int32), ``cp_size``, ``cp_rank``,
-    and :data:`CP_KEY` (the :class:`CPLayout`, which the CP attention reads).
+    and :data:`CP_KEY` (the :class:`CPShard`, which the CP attention reads).
 
     >>> from packtools import PaddingFreeCollator
     >>> c = ContextParallelCollator(PaddingFreeCollator(0), cp_size=2, cp_rank=0, return_tensors="np")
