@@ -36,7 +36,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(tmp_path, nproc: int, cp: int) -> list[dict]:
+def launch(tmp_path, nproc: int, cp: int, worker: str = "_cp_worker.py", *extra: str) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
     cmd = [
         sys.executable,
@@ -44,13 +44,15 @@ def launch(tmp_path, nproc: int, cp: int) -> list[dict]:
         "torch.distributed.run",
         f"--nproc_per_node={nproc}",
         f"--master_port={_free_port()}",
-        str(ROOT / "tests" / "_cp_worker.py"),
+        str(ROOT / "tests" / worker),
         str(cp),
+        *extra,
         str(tmp_path),
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return torch.load(tmp_path / "result.pt", weights_only=False)
+    name = "result.pt" if worker == "_cp_worker.py" else "trainer.pt"
+    return torch.load(tmp_path / name, weights_only=False)
 
 
 def reference_step(lr: float = 1.0):
@@ -109,3 +111,14 @@ def test_cp4_step_equals_one_process(tmp_path):
 @pytest.mark.slow
 def test_cp2_dp2_step_equals_one_process(tmp_path):
     check(launch(tmp_path, 4, 2), 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("nproc", "cp", "ga"), [(2, 2, 1), (2, 2, 2), (4, 2, 1)])
+def test_trainer_cp_step_equals_one_process(tmp_path, nproc, cp, ga):
+    """prepare_trainer(trainer, context_parallel=CP) under torchrun: CP=2 (with and without gradient
+    accumulation) and CP=2 x DP=2, one Trainer step equal to one process on the same global batch."""
+    want, _ = reference_step()
+    results = launch(tmp_path, nproc, cp, "_cp_trainer_worker.py", str(ga))
+    assert all(r["impl"] == "packtools_cp" for r in results)
+    assert all(rel(r["delta"], want) < 1e-5 for r in results)

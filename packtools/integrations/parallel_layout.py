@@ -76,8 +76,7 @@ def _from_parallelism_config(accelerator: Any, config: Any, context_parallel: in
         raise PackingError(
             f"ParallelismConfig(cp_size={cp}): accelerate's context parallelism (torch's context_parallel) shards a "
             f"packed row as one causal sequence, so its documents attend to each other. Let packtools shard the "
-            f"rows per document: prepare_trainer(trainer, context_parallel={cp}) (which reads cp_size), or set "
-            f"cp_size=1.",
+            f"rows per document: set cp_size=1 and pass prepare_trainer(trainer, context_parallel={cp}).",
             param="parallelism_config",
         )
     if context_parallel is not None and cp > 1 and context_parallel != cp:
