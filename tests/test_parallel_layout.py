@@ -98,3 +98,20 @@ def test_unhandled_layouts_are_refused_by_name():
         rank_layout(trainer(0, 2, ParallelismConfig(tp_size=2), None))
     with pytest.raises(PackingError, match="does not cover the 4 processes"):
         rank_layout(trainer(0, 4, ParallelismConfig(tp_size=2), Mesh(("tp",), (2,), 0)))
+
+
+def test_prepare_dpo_trainer_refuses_context_parallelism_by_name(tmp_path):
+    pytest.importorskip("trl")
+    from test_dpo import build
+
+    from packtools import prepare_dpo_trainer
+
+    trainer = build(tmp_path)
+    config = ParallelismConfig(dp_shard_size=1, cp_size=2)
+    trainer.accelerator.state.parallelism_config = config  # what accelerate holds under a CP launch
+    try:
+        with pytest.raises(PackingError, match=r"cp_size=2.*prepare_dpo_trainer does not run context"):
+            prepare_dpo_trainer(trainer)
+    finally:
+        trainer.accelerator.state.parallelism_config = None
+    assert trainer.model.config._attn_implementation == "sdpa"  # left as TRL built it

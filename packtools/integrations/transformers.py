@@ -75,8 +75,8 @@ from .budget_loader import install_train_loader
 from .collator_check import check_trainer_collator, probe_collator
 from .compat import all_or_nothing, set_attr
 from .guard import guard_model
-from .parallel_layout import rank_layout
 from .isolation import check_isolation as _check_isolation
+from .parallel_layout import rank_layout
 from .segmented import SEGMENTED_SDPA
 from .sft import causal_lm_loss, check_sft, is_sft_trainer, keep_packed_columns
 

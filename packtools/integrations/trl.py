@@ -357,7 +357,16 @@ def _prepare(
         guard_model(trainer.ref_model, owner=trainer)
     if train_dataset is not None:
         _use_packed_dataset(trainer, train_dataset, shared)
-    layout = rank_layout(trainer)  # refuses accelerate's CP, DeepSpeed SP and meshes it cannot account for
+    config = getattr(trainer.accelerator, "parallelism_config", None)
+    if config is not None and (getattr(config, "cp_size", 1) or 1) > 1:
+        raise PackingError(
+            f"ParallelismConfig(cp_size={config.cp_size}): prepare_dpo_trainer does not run context parallelism "
+            f"(packed pairs would need each pair kept on one CP group and the pair-mean loss over DP x CP ranks, "
+            f"which packtools has not built); accelerate's own CP would cut pairs as one causal sequence. Set "
+            f"cp_size=1.",
+            param="parallelism_config",
+        )
+    layout = rank_layout(trainer)  # refuses DeepSpeed SP and meshes it cannot account for
     install_train_loader(trainer, max_tokens, owner=trainer, layout=layout)  # integrations.budget_loader
     step = _StepPairs(layout)
     _count_step_pairs(trainer, step)
