@@ -169,3 +169,32 @@ def test_collator_shards_the_padding_free_row_and_refuses_what_it_cannot():
         ContextParallelCollator(PaddingFreeCollator(0, padding_free=False), 2, 0)
     with pytest.raises(PackingError, match="must both hold"):
         shard_row(np.arange(5), np.arange(5), [3, 3], 2, 0, 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(1, 60), min_size=1, max_size=5), min_size=1, max_size=4), st.integers(1, 4)
+)
+def test_audit_closed_form_equals_the_layout(rows, cp):
+    from packtools.batches.context_parallel import document_rank_work
+    from packtools.profiling.cp_audit import audit_rows
+
+    lengths = [n for row in rows for n in row]
+    offsets = np.cumsum([0] + [len(r) for r in rows])[:-1]
+    audit = audit_rows(lengths, offsets, cp)
+    per_row = [rank_work(CPLayout.build(row, cp)) for row in rows]
+    assert audit.work == [sum(w[r] for w in per_row) for r in range(cp)]
+    assert audit.fill_lost == sum(CPLayout.build(row, cp).fill_lost for row in rows)
+    assert abs(audit.worst_row - max(work_imbalance(w) for w in per_row)) < 1e-9
+    assert document_rank_work(lengths, cp).sum() == sum(n * (n + 1) // 2 for n in lengths)
+
+
+def test_profile_cli_prints_the_cp_audit(capsys):
+    from packtools.cli.main import main
+
+    assert main(["profile", "--context-parallel", "2", "--max-length", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "context parallelism, 2 ranks" in out and "CP rank" in out and "fill lost" in out
+    assert main(["profile", "--context-parallel", "0"]) != 0
+    captured = capsys.readouterr()
+    assert "--context-parallel must be >= 1" in captured.err + captured.out

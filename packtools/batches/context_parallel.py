@@ -259,6 +259,29 @@ def rank_work(layout: CPLayout) -> list[int]:
     return [int(work[idx].sum()) for idx in layout.index]
 
 
+def document_rank_work(lengths: Sequence[int] | np.ndarray, cp_size: int) -> np.ndarray:
+    """``[documents, cp_size]``: the causal work of each document on each rank, in closed form (no layout).
+
+    Rank ``r`` holds positions ``[r c, (r+1) c)`` and ``[(2N-1-r) c, (2N-r) c)`` of a document (``c = P / 2N``),
+    the real ones below ``L``; the work of positions ``[a, b)`` is ``S(b) - S(a)`` with ``S(x) = x (x+1) / 2``.
+
+    >>> document_rank_work([8, 5], 2).tolist()
+    [[18, 18], [3, 12]]
+    """
+    cp_size, _ = _check_cp(cp_size)
+    n = np.asarray(lengths, np.int64).reshape(-1, 1)
+    c = -(-n // (2 * cp_size))
+    r = np.arange(cp_size, dtype=np.int64).reshape(1, -1)
+
+    def upto(x: np.ndarray) -> np.ndarray:
+        x = np.minimum(x, n)
+        return x * (x + 1) // 2
+
+    head = upto((r + 1) * c) - upto(r * c)
+    tail = upto((2 * cp_size - r) * c) - upto((2 * cp_size - 1 - r) * c)
+    return head + tail
+
+
 def work_imbalance(work: Sequence[int]) -> float:
     """The largest relative distance of a rank's work from the mean (0.0 = perfectly balanced)."""
     mean = float(np.mean(work)) if len(work) else 0.0
