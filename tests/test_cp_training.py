@@ -122,3 +122,23 @@ def test_trainer_cp_step_equals_one_process(tmp_path, nproc, cp, ga):
     results = launch(tmp_path, nproc, cp, "_cp_trainer_worker.py", str(ga))
     assert all(r["impl"] == "packtools_cp" for r in results)
     assert all(rel(r["delta"], want) < 1e-5 for r in results)
+
+
+def test_shard_attention_of_every_rank_equals_the_unsplit_row():
+    """One process: each rank's shard attention over the keys of all ranks (what the all-gather hands it)
+    equals the unsplit row's per-document causal attention, forward and backward (gpu_check's part 3 on the
+    CPU reference); negative control: the same tokens laid out as one document (a whole-row split) differ."""
+    from gpu_check import check_cp, cp_shard_outputs
+
+    from packtools.batches import varlen_attention
+
+    rows, ok = check_cp(torch, "cpu", torch.float32, [], seed=0)
+    assert ok and len(rows) == 2
+    lengths = [3, 20, 1, 9]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lengths), h, 8, generator=g) for h in (4, 2, 2))
+    grad = torch.randn(sum(lengths), 4, 8, generator=g)
+    cu = torch.tensor([0, 3, 23, 24, 33], dtype=torch.int32)
+    ref = varlen_attention(q, k, v, cu, cu, 20, 20, causal=True)
+    whole, _ = cp_shard_outputs(torch, q, k, v, [sum(lengths)], 2, "reference", grad)
+    assert float((whole - ref).abs().max()) > 1e-2

@@ -125,9 +125,6 @@ def cp_attention_forward(
         return segmented.segmented_sdpa_forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
-    from ..batches.attention import varlen_attention
-
-    torch = require("torch", "packtools context parallelism")
     if query.shape[0] != 1 or query.shape[2] != shard.layout.local_tokens:
         raise PackingError(
             f"a CP shard of {shard.layout.local_tokens} tokens reached attention with queries of shape "
@@ -138,13 +135,28 @@ def cp_attention_forward(
     check_group(shard, group)
     if shard.layout.cp_size > 1:
         key, value = gather_tokens(key, group), gather_tokens(value, group)
-    q_index, k_index, cu_q, cu_k = _indices(shard, query.device)
-    q = query[0].transpose(0, 1).index_select(0, q_index)  # (real queries, heads, dim)
-    k = key[0].transpose(0, 1).index_select(0, k_index)
-    v = value[0].transpose(0, 1).index_select(0, k_index)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else float(scaling)
+    return shard_attention(query, key, value, shard, scale, float(dropout)), None
+
+
+def shard_attention(
+    query: Any, keys: Any, values: Any, shard: Any, scale: float, dropout: float = 0.0, backend: str = "auto"
+) -> Any:
+    """One rank's attention output ``[1, local_tokens, heads, dim]`` from its queries and the **gathered**
+    keys/values of the whole CP group (``[1, kv_heads, cp_size * local_tokens, dim]``, rank after rank).
+
+    Separate from the gather so that one process can check it against the unsplit row (``backend`` as in
+    :func:`packtools.batches.varlen_attention`; ``benchmarks/gpu_check.py`` runs it with ``"flash"``).
+    """
+    from ..batches.attention import varlen_attention
+
+    torch = require("torch", "packtools context parallelism")
+    q_index, k_index, cu_q, cu_k = _indices(shard, query.device)
     out = torch.zeros(query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device)
     if q_index.numel():
+        q = query[0].transpose(0, 1).index_select(0, q_index)  # (real queries, heads, dim)
+        k = keys[0].transpose(0, 1).index_select(0, k_index)
+        v = values[0].transpose(0, 1).index_select(0, k_index)
         real = varlen_attention(
             q,
             k,
@@ -155,11 +167,12 @@ def cp_attention_forward(
             shard.max_k,
             causal=True,
             softmax_scale=scale,
-            dropout_p=float(dropout) if module is None or module.training else 0.0,
+            dropout_p=dropout,
+            backend=backend,
             check=False,
         )
         out = out.index_copy(0, q_index, real.to(out.dtype))
-    return out[None], None  # [1, tokens, heads, dim], as transformers' attention functions return
+    return out[None]  # [1, tokens, heads, dim], as transformers' attention functions return
 
 
 def register(*, owner: Any = None) -> str:
