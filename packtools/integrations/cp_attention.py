@@ -140,13 +140,21 @@ def cp_attention_forward(
 
 
 def shard_attention(
-    query: Any, keys: Any, values: Any, shard: Any, scale: float, dropout: float = 0.0, backend: str = "auto"
+    query: Any, keys: Any, values: Any, shard: Any, scale: float, dropout: float = 0.0, *, backend: str = "auto"
 ) -> Any:
     """One rank's attention output ``[1, local_tokens, heads, dim]`` from its queries and the **gathered**
     keys/values of the whole CP group (``[1, kv_heads, cp_size * local_tokens, dim]``, rank after rank).
 
     Separate from the gather so that one process can check it against the unsplit row (``backend`` as in
     :func:`packtools.batches.varlen_attention`; ``benchmarks/gpu_check.py`` runs it with ``"flash"``).
+
+    >>> import torch
+    >>> from packtools.batches.context_parallel import CPLayout, CPShard
+    >>> q, k, v = torch.randn(3, 1, 2, 4, 8)  # one document of 4 tokens, CP size 1 (no padding)
+    >>> out = shard_attention(q, k, v, CPShard.build(CPLayout.build([4], 1), 0), scale=8**-0.5)
+    >>> want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    >>> torch.allclose(out, want, atol=1e-6)
+    True
     """
     from ..batches.attention import varlen_attention
 
