@@ -13,6 +13,9 @@ and ``2N - 1 - r``).  In every attention layer:
    varlen (or ``torch.nn.attention.varlen.varlen_attn``) on CUDA fp16/bf16, the per-sequence PyTorch
    reference elsewhere; padding tokens attend nothing and are attended by nothing (output 0).
 
+Layers asking for what it does not apply (a sliding window, softcapping, attention sinks, a position bias,
+non-causal attention) and models with token-mixing layers outside attention are refused by name.
+
 A call without a CP shard (evaluation, generation) goes to :mod:`packtools.integrations.segmented` (one
 padding-free row per document, or transformers' ``sdpa``).  The mask function is the segmented one: it builds
 nothing for a padding-free row.
@@ -131,6 +134,16 @@ def cp_attention_forward(
             f"{tuple(query.shape)}; CP batches are one row of the shard's tokens.",
             param=CP_KEY,
         )
+    unsupported = [
+        k for k in ("sliding_window", "softcap", "s_aux", "position_bias") if kwargs.get(k) is not None
+    ]
+    if unsupported or is_causal is False or not getattr(module, "is_causal", True):
+        raise PackingError(
+            f"packtools_cp attends each document causally and in full; this layer asks for "
+            f"{unsupported or ['non-causal attention']}, which the CP attention does not apply. Train this model "
+            f"without context_parallel.",
+            param="context_parallel",
+        )
     group = _GROUP[0]
     check_group(shard, group)
     if shard.layout.cp_size > 1:
@@ -140,7 +153,14 @@ def cp_attention_forward(
 
 
 def shard_attention(
-    query: Any, keys: Any, values: Any, shard: Any, scale: float, dropout: float = 0.0, *, backend: str = "auto"
+    query: Any,
+    keys: Any,
+    values: Any,
+    shard: Any,
+    scale: float,
+    dropout: float = 0.0,
+    *,
+    backend: str = "auto",
 ) -> Any:
     """One rank's attention output ``[1, local_tokens, heads, dim]`` from its queries and the **gathered**
     keys/values of the whole CP group (``[1, kv_heads, cp_size * local_tokens, dim]``, rank after rank).
@@ -190,6 +210,19 @@ def register(*, owner: Any = None) -> str:
 
 
 def use_cp_attention(model: Any, group: Any = None, *, owner: Any = None) -> None:
-    """Switch ``model`` to :data:`CP_ATTENTION` with ``group`` as this process's CP group (``None``: default)."""
+    """Switch ``model`` to :data:`CP_ATTENTION` with ``group`` as this process's CP group (``None``: default).
+
+    Refuses a model with layers that mix tokens outside attention (convolutions, state-space or linear
+    attention scans): on a CP shard they would run over chunks of different documents as one sequence.
+    """
+    from .backends import token_mixing_layers
+
+    mixers = token_mixing_layers(model)
+    if mixers:
+        raise PackingError(
+            f"{type(model).__name__} mixes tokens outside attention ({mixers[:3]}); under context parallelism those "
+            f"layers would see each rank's chunks as one sequence. Train it without context_parallel.",
+            param="context_parallel",
+        )
     _GROUP[0] = group
     set_attention(model, register(owner=owner), owner=owner)

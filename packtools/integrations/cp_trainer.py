@@ -15,6 +15,10 @@ The pieces, each from its own module:
   steps when ``Trainer`` divides, read from its own predicate; the process count, DDP's gradient mean over
   every process: CP peers' gradients are parts of one sum).
 
+Evaluation through the same ``compute_loss``: each rank returns its token-loss sum times the process count
+over the batch's targets on every rank, so ``Trainer``'s mean over processes is the batch's token mean (the
+mean over evaluation batches is ``Trainer``'s own).  Not tested with an evaluation set here.
+
 accelerate's own context parallelism (``ParallelismConfig(cp_size>1)``) is refused by name: its
 ``maybe_context_parallel`` would cut packtools' shards again as one causal sequence.
 """
@@ -30,7 +34,7 @@ from ..errors import PackingError
 from .compat import set_attr
 from .compat.trl import wrap_method
 from .cp_attention import use_cp_attention
-from .cp_training import model_inputs, shifted_token_loss
+from .cp_training import global_count, model_inputs, shifted_token_loss
 from .distributed import trainer_divides_by_accumulation
 from .parallel_layout import RankLayout
 
@@ -68,7 +72,11 @@ def check_cp_trainer(trainer: Any, layout: RankLayout) -> None:
     config = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
     if config is not None and (getattr(config, "cp_size", 1) or 1) > 1:
         raise PackingError(
-            f"ParallelismConfig(cp_size={config.cp_size}) turns on accelerate's own context parallelism, which "
+            f"ParallelismConfig(cp_size={config.cp_size}) turns on Evaluation through the same ``compute_loss``: each rank returns its token-loss sum times the process count
+over the batch's targets on every rank, so ``Trainer``'s mean over processes is the batch's token mean (the
+mean over evaluation batches is ``Trainer``'s own).  Not tested with an evaluation set here.
+
+accelerate's own context parallelism, which "
             f"would cut packtools' per-document shards again as one causal sequence. Set cp_size=1 and pass "
             f"prepare_trainer(trainer, context_parallel={config.cp_size}).",
             param="parallelism_config",
@@ -126,8 +134,8 @@ def prepare_context_parallel(trainer: Any, layout: RankLayout) -> None:
                 divided = trainer_divides_by_accumulation(trainer, num_items_in_batch)
                 steps = trainer.current_gradient_accumulation_steps if divided else 1
                 loss = loss * (steps * layout.world) / max(window.targets, 1)
-            else:  # evaluation: this shard's token mean
-                loss = loss / max(count, 1)
+            else:  # evaluation: the batch's token mean over the CP group and DP ranks, once Trainer averages
+                loss = loss * layout.world / max(global_count(count), 1)
             return (loss, outputs) if return_outputs else loss
 
         return compute_loss
