@@ -72,11 +72,7 @@ def check_cp_trainer(trainer: Any, layout: RankLayout) -> None:
     config = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
     if config is not None and (getattr(config, "cp_size", 1) or 1) > 1:
         raise PackingError(
-            f"ParallelismConfig(cp_size={config.cp_size}) turns on Evaluation through the same ``compute_loss``: each rank returns its token-loss sum times the process count
-over the batch's targets on every rank, so ``Trainer``'s mean over processes is the batch's token mean (the
-mean over evaluation batches is ``Trainer``'s own).  Not tested with an evaluation set here.
-
-accelerate's own context parallelism, which "
+            f"ParallelismConfig(cp_size={config.cp_size}) turns on accelerate's own context parallelism, which "
             f"would cut packtools' per-document shards again as one causal sequence. Set cp_size=1 and pass "
             f"prepare_trainer(trainer, context_parallel={config.cp_size}).",
             param="parallelism_config",
