@@ -17,6 +17,12 @@ the packed run must match the one-by-one runs about as well as the one-by-one ru
 reference.  A control run adds an all-ones ``attention_mask`` (the silent-contamination mistake) and must be
 detected as wrong, which shows the check can fail.
 
+Part 3 checks context parallelism's per-rank attention (``packtools.integrations.cp_attention.shard_attention``):
+a row of documents (shorter than 2·CP, one long) is laid out for CP = 2 and 4, each rank's queries attend the
+keys/values of every rank concatenated rank after rank (what the all-gather hands it), through ``backend``
+``flash`` / ``torch`` in low precision, and each real token's output and the gradients of the unsplit q/k/v
+are compared with the float32 reference over the unsplit row, by the same rule as part 1.
+
 Prints a table per part; exits 0 when every check passes (or when there is no CUDA device: skipped), 1 otherwise.
 """
 
@@ -101,6 +107,86 @@ def check_attention(
                     fl[1],
                     f"{g_lo:.2e}",
                     verdict,
+                ]
+            )
+    return rows, ok
+
+
+# -- part 3: context-parallel shards against the unsplit row ------------------------------------------
+def cp_shard_outputs(torch, q, k, v, lengths, cp, backend, grad):
+    """Per-rank shard attention on ``q``/``k``/``v`` of the unsplit row (``(total, heads, dim)``), put back in
+    row order; returns ``(output of every real token, grads of q/k/v)``.  Padding gets random inputs."""
+    import math
+
+    import numpy as np
+
+    from packtools.batches.context_parallel import CPLayout, CPShard
+    from packtools.integrations.cp_attention import shard_attention
+
+    layout = CPLayout.build(lengths, cp)
+    q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    g = torch.Generator(device="cpu").manual_seed(1)
+    local = []
+    for r in range(cp):
+        src = torch.from_numpy(layout.source(r)).to(q.device)
+        real = src >= 0
+
+        def take(x, src=src, real=real):
+            noise = torch.randn(src.shape[0], *x.shape[1:], generator=g).to(x.device, x.dtype)
+            return torch.where(real[:, None, None], x[src.clamp(min=0)], noise)
+
+        local.append((take(q), take(k), take(v), src, real))
+    keys = torch.cat([lk for _, lk, _, _, _ in local]).transpose(0, 1)[None]
+    values = torch.cat([lv for _, _, lv, _, _ in local]).transpose(0, 1)[None]
+    out = torch.zeros_like(q)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    for r, (lq, _, _, src, real) in enumerate(local):
+        shard = CPShard.build(layout, r)
+        o = shard_attention(lq.transpose(0, 1)[None], keys, values, shard, scale, backend=backend)[0]
+        if bool((~real).any()) and float(o[~real].abs().max()) != 0.0:
+            raise AssertionError(f"rank {r}: padding tokens got a non-zero attention output")
+        out = out.index_put((src[real],), o[real], accumulate=True)
+    placed = np.concatenate([layout.source(r) for r in range(cp)])
+    if not np.array_equal(np.sort(placed[placed >= 0]), np.arange(sum(lengths))):
+        raise AssertionError("the ranks' real tokens are not every token of the row once")
+    grads = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
+    return out, grads
+
+
+def check_cp(torch, device: str, dtype, backends: list[str], seed: int) -> tuple[list[list[str]], bool]:
+    """Shard attention (CP = 2, 4) in ``dtype`` on each fast backend against the float32 unsplit reference."""
+    from packtools.batches import varlen_attention
+
+    rows, ok = [], True
+    for lengths, cp in (([3, 200, 1, 57, 700], 2), ([3, 200, 1, 57, 700, 5], 4)):
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        total, hq, hk, d = sum(lengths), 8, 2, 64
+        q32, k32, v32 = (torch.randn(total, h, d, generator=g).to(device) for h in (hq, hk, hk))
+        grad = torch.randn(total, hq, d, generator=g).to(device)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        q, k, v = (x.detach().clone().requires_grad_(True) for x in (q32, k32, v32))
+        ref = varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), causal=True, backend="reference")
+        ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+        low = [x.to(dtype) for x in (q32, k32, v32)]
+        lo_out, lo_grads = cp_shard_outputs(torch, *low, lengths, cp, "reference", grad)
+        e_lo = max_err(lo_out, ref)
+        g_lo = max(max_err(a, b) for a, b in zip(lo_grads, ref_grads))
+        for backend in backends or ["reference"]:
+            out, grads = cp_shard_outputs(torch, *low, lengths, cp, backend, grad)
+            e, ge = max_err(out, ref), max(max_err(a, b) for a, b in zip(grads, ref_grads))
+            floor = FLOOR[str(dtype).split(".")[-1]]
+            passed = e <= 2 * e_lo + floor and ge <= 2 * g_lo + floor
+            ok &= passed
+            rows.append(
+                [
+                    f"CP={cp}, {len(lengths)} docs",
+                    str(dtype).split(".")[-1],
+                    backend,
+                    f"{e:.2e}",
+                    f"{e_lo:.2e}",
+                    f"{ge:.2e}",
+                    f"{g_lo:.2e}",
+                    "PASS" if passed else "FAIL",
                 ]
             )
     return rows, ok
@@ -280,6 +366,27 @@ def main(argv: list[str] | None = None) -> int:
         ok &= passed
     print("\nPart 2: tiny LlamaForCausalLM, error against float32 sdpa one-by-one runs")
     print(table(llama_rows, ["run", "attention", "dtype", "max logit err", "max rel grad err", "verdict"]))
+    cp_rows = []
+    for dtype in dtypes:
+        rows, passed = check_cp(torch, args.device, dtype, backends, args.seed)
+        cp_rows += rows
+        ok &= passed
+    print("\nPart 3: context-parallel shard attention vs the unsplit row (float32 reference)")
+    print(
+        table(
+            cp_rows,
+            [
+                "row",
+                "dtype",
+                "backend",
+                "out err",
+                "out err ref lowp",
+                "grad err",
+                "grad err ref lowp",
+                "verdict",
+            ],
+        )
+    )
     print("\nALL CHECKS PASSED" if ok else "\nSOME CHECKS FAILED")
     return 0 if ok else 1
 

@@ -265,6 +265,7 @@ POSITIONAL_ALLOWED = {
         "a transformers attention function: AttentionInterface fixes its signature (sdpa_attention_forward's)"
     ),
     ("integrations/tree_attention.py", "tree_attention_forward"): "the same AttentionInterface signature",
+    ("integrations/cp_attention.py", "cp_attention_forward"): "the same AttentionInterface signature",
     (
         "batches/attention.py",
         "varlen_attention",

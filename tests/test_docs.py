@@ -30,6 +30,7 @@ WITHOUT_EXAMPLES = {
     "packtools.pipeline.preference",  # a pipeline step; tests/test_pipeline_tokenize.py runs it end to end
     "packtools._atomic",
     "packtools.integrations.ray",  # its example needs a Ray runtime (skipped); tests/test_ray.py runs it
+    "packtools.integrations.cp_trainer",  # needs a multi-process Trainer; tests/test_cp_training.py runs it
     "packtools.profiling.tradeoffs",
 }
 

@@ -215,19 +215,71 @@ def test_boundaries_changed_in_place_are_followed():
     assert torch.equal(again, fresh) and float((again - first).abs().max()) > 1e-3
 
 
-def test_inference_mode_and_masks_not_kept_alive():
+def test_inference_mode_and_masks_not_kept_alive(monkeypatch):
     import gc
+    import weakref
 
-    model = tiny_arch("Mistral")  # sliding window: the masks' blocks are checked and their kinds cached
+    made = []
+    real_init = segmented.DocumentMask.__init__
+
+    def spy(self, arguments):
+        real_init(self, arguments)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(segmented.DocumentMask, "__init__", spy)
+    model = tiny_arch("Mistral")  # sliding window: the documents' blocks are checked and their kinds cached
     model.set_attn_implementation(segmented.register())
     batch = flat_batch()
-    with torch.inference_mode():  # inference tensors have no version counter: nothing cached, still exact
+    with torch.inference_mode():  # inference tensors have no version counter: still exact
         inferred = model(**batch).logits
     with torch.no_grad():
         plain = model(**batch).logits
     assert torch.equal(inferred, plain)
     gc.collect()
+    assert made and all(ref() is None for ref in made)  # one lazy mask per forward, gone with it
+    # A 4-D mask tensor passed by the caller: its blocks' kinds are cached weakly too.
+    mask = torch.block_diag(*[torch.ones(n, n, dtype=torch.bool).tril() for n in LENGTHS])[None, None]
+    with torch.no_grad():
+        given = model(**batch, attention_mask=mask).logits
+    del mask
+    gc.collect()
     assert segmented._BLOCK_KINDS and all(entry[0]() is None for entry in segmented._BLOCK_KINDS.values())
+    assert given.shape == plain.shape
+
+
+def test_padding_free_forward_builds_no_row_by_row_mask(monkeypatch):
+    """The mask function of packtools_sdpa builds nothing for a padding-free row (F9): sdpa_mask is never called
+    over the whole row, only over each document's block when it is not plain causal (Mistral's window); the
+    result equals transformers' sdpa with its block-diagonal mask (tested above)."""
+    from transformers import masking_utils
+
+    calls = []
+    real = masking_utils.sdpa_mask
+
+    def spy(**arguments):
+        calls.append((arguments["q_length"], arguments["kv_length"]))
+        return real(**arguments)
+
+    monkeypatch.setattr(segmented, "_FUNCTIONS", (*segmented._functions()[:3], spy))
+    total = sum(LENGTHS)
+    for kind in ("Llama", "Mistral"):
+        calls.clear()
+        model = tiny_arch(kind)
+        model.set_attn_implementation(segmented.register())
+        with torch.no_grad():
+            model(**flat_batch())
+        assert calls and all(q == k and q in LENGTHS for q, k in calls)
+        if kind == "Llama":  # every block plain causal: each built once, to check it, then plain is_causal
+            assert calls == [(n, n) for n in LENGTHS]
+    # Without cu_seq_lens the call goes to transformers' sdpa, which needs the whole mask: built once.
+    calls.clear()
+    batch = flat_batch()
+    del batch["cu_seq_lens_q"], batch["cu_seq_lens_k"], batch["max_length_q"], batch["max_length_k"]
+    with torch.no_grad():
+        model = tiny_arch("Llama")
+        model.set_attn_implementation(segmented.register())
+        model(**batch)
+    assert calls == [(total, total)]
 
 
 def sgd_step(model, batch, lr=0.5):

@@ -13,6 +13,7 @@ from .._lazy import lazy_exports
 # public name -> the module that defines it (imported on first use)
 _EXPORTS = {
     "PaddingFreeCollator": "packtools.batches.collate",
+    "ContextParallelCollator": "packtools.batches.context_parallel",
     "ArrowCollator": "packtools.batches.loader",
     "PackedRows": "packtools.batches.loader",
     "PackedView": "packtools.batches.view",
@@ -28,6 +29,7 @@ del lazy_exports
 
 __all__ = [
     "ArrowCollator",
+    "ContextParallelCollator",
     "PackedRows",
     "PackedView",
     "PaddingFreeCollator",

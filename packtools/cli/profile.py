@@ -109,6 +109,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help=f"a recommended max_length above this is flagged (default {COMMON_CONTEXT}: the largest context "
         "most fine-tuning runs train with)",
     )
+    p.add_argument(
+        "--context-parallel",
+        type=int,
+        metavar="N",
+        help="audit context parallelism over N ranks: the causal attention work each rank gets when the rows "
+        "packed at the chosen max_length (recommended strategy) are cut per document into 2N chunks",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar while tokenizing")
     p.add_argument("--plot", help="write both plots to this .png / .svg / .pdf file")
     p.add_argument("--html", help="write a self-contained HTML report to this file")
@@ -168,6 +175,16 @@ def run(args: argparse.Namespace) -> int:
     print(rec.to_text())
     if args.max_length is not None:
         print(f"chosen: --max-length {chosen:,} (its row is in the table; plots mark it)")
+    if args.context_parallel is not None:
+        from ..core.plan import plan
+        from ..profiling.cp_audit import audit_plan
+
+        if args.context_parallel < 1:
+            raise PackingError(f"--context-parallel must be >= 1, got {args.context_parallel}.")
+        lengths = profile.lengths[profile.lengths > 0]
+        audit = audit_plan(plan(lengths, chosen, rec.strategy), args.context_parallel)
+        print()
+        print(f"rows packed with {rec.strategy} at max_length {chosen:,}; " + audit.to_text())
     if args.plot:
         from ..profiling.plot import profile_figure, save_figure
 

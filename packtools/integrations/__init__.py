@@ -27,6 +27,7 @@ _EXPORTS = {
     "use_segmented_sdpa": "packtools.integrations.backends",
     "check_isolation": "packtools.integrations.isolation",
     "prepare_dpo_trainer": "packtools.integrations.trl",
+    "use_cp_attention": "packtools.integrations.cp_attention",
 }
 
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
@@ -34,6 +35,7 @@ del lazy_exports
 
 __all__ = [
     "check_isolation",
+    "use_cp_attention",
     "pack_dataset",
     "pack_preference",
     "pack_ray_dataset",

@@ -9,6 +9,10 @@ rank-aware batch sampler of packtools:
   (``per_device_train_batch_size`` rows, the same number of batches on every rank, no row repeated; the
   rows accelerate's ``even_batches`` would have repeated are spread by splitting batches instead).
 
+The sampler shards over the **data-parallel** group only (:func:`~packtools.integrations.parallel_layout.rank_layout`:
+rank and size read from accelerate's device mesh, DeepSpeed AutoTP, or the processes), so tensor- and
+context-parallel peers draw the same batches; a layout packtools does not handle is refused there by name.
+
 The loader still goes through ``accelerator.prepare`` (device placement, the data-loader state ``Trainer``
 reads), but accelerate's ``BatchSamplerShard`` is made a pass-through (the sampler already shards), and it
 forwards ``set_epoch`` to the sampler, also after ``skip_first_batches`` wraps it when resuming from a
@@ -107,14 +111,21 @@ def row_lengths_and_segments(dataset: Any) -> tuple[np.ndarray, Any]:
     return lengths, _seq_lengths_column(dataset) if SEQ_LENGTHS in names else None
 
 
-def make_sampler(trainer: Any, dataset: Any, max_tokens: int | None) -> Any:
-    """The rank's batch sampler for ``dataset`` (see the module docstring)."""
+def make_sampler(trainer: Any, dataset: Any, max_tokens: int | None, layout: Any = None) -> Any:
+    """The rank's batch sampler for ``dataset`` (see the module docstring).
+
+    ``layout`` (a :class:`~packtools.integrations.parallel_layout.RankLayout`, read from the trainer when not
+    given) says which data-parallel shard this process reads: ``world`` and ``rank`` below are the
+    data-parallel size and rank, not the process count and index.
+    """
     from ..batches.row_sampler import RowBatchSampler
     from ..batches.sampler import TokenBudgetBatchSampler
+    from .parallel_layout import rank_layout
 
     args = trainer.args
     seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed
-    world, rank = max(int(args.world_size), 1), int(args.process_index)
+    layout = rank_layout(trainer) if layout is None else layout
+    world, rank = layout.dp_size, layout.dp_rank
     if max_tokens is None:
         if len(dataset) < world:  # some rank would have no batch, and Trainer no length to train on
             raise PackingError(
@@ -222,13 +233,20 @@ def check_stream(dataset: Any, world: int, max_tokens: int | None) -> None:
     )
 
 
-def install_train_loader(trainer: Any, max_tokens: int | None = None, *, owner: Any = None) -> None:
+def install_train_loader(
+    trainer: Any, max_tokens: int | None = None, *, owner: Any = None, layout: Any = None
+) -> None:
     """Give ``trainer`` packtools' per-rank training loader (see the module docstring).
 
     Without ``max_tokens`` and with one process, ``Trainer``'s own loader is kept (it repeats nothing) and
     only checked.  Recorded on ``owner`` (default: the trainer), so unpreparing it gives the method back.
+    ``layout``: the run's :class:`~packtools.integrations.parallel_layout.RankLayout` (read from the trainer
+    when not given, and refused there if packtools does not handle it).
     """
+    from .parallel_layout import rank_layout
+
     owner = trainer if owner is None else owner
+    layout = rank_layout(trainer) if layout is None else layout
     if max_tokens is not None:
         from ..batches.sampler import _positive_int
 
@@ -257,7 +275,7 @@ def install_train_loader(trainer: Any, max_tokens: int | None = None, *, owner: 
             dataset = training_rows(self, dataset)
         else:
             collator = training_collator(self, collator)
-        ours = RankBatches(make_sampler(self, dataset, max_tokens))
+        ours = RankBatches(make_sampler(self, dataset, max_tokens, layout))
         args = self.args
         params: dict[str, Any] = {
             "batch_sampler": ours,

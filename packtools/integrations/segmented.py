@@ -5,8 +5,12 @@ a row of ``N`` tokens costs ``N²`` in every attention layer however short its s
 kernel is slower than the causal one).  FlashAttention's varlen kernels cost ``sum(L_i²)``; on the CPU, or
 on a GPU without flash-attn, this backend gets the same order:
 
-* it is registered with transformers as :data:`SEGMENTED_SDPA` (``"packtools_sdpa"``), with ``sdpa``'s mask
-  function, so a model switched to it (:func:`use_segmented_sdpa`) builds exactly the masks it built before;
+* it is registered with transformers as :data:`SEGMENTED_SDPA` (``"packtools_sdpa"``) with its own mask
+  function, :func:`document_mask`: for one row without padding or cache (a padding-free batch) it builds
+  nothing and returns a :class:`DocumentMask`, which holds ``sdpa``'s mask arguments and materializes only what
+  a call needs -- each document's diagonal block (``L_i²``, one at a time, freed after use), or the whole
+  ``[1, 1, T, T]`` mask for a call that goes to transformers' ``sdpa`` (a row without ``cu_seq_lens``); every
+  other call (several rows, padding, a cache, tracing) gets ``sdpa``'s own mask, exactly as before;
 * when a call carries ``cu_seq_lens_q``/``cu_seq_lens_k`` (a padding-free batch of one row), each sequence's
   queries attend to its own keys with the **diagonal block of that mask** (plain ``is_causal=True`` when the
   block is the causal triangle, which is what a model without sliding windows or bidirectional spans gets),
@@ -20,8 +24,14 @@ on a GPU without flash-attn, this backend gets the same order:
   ``(sum L_i)²`` cost (bucketed static shapes, :class:`~packtools.PaddingFreeCollator` ``pad_to_buckets``,
   keep the compile count down).
 * the boundaries are read back to the host once per forward and which blocks are plain causal once per
-  mask (both cached on the tensors' identity and in-place version counter, so a tensor changed in place is
-  read again; masks are held weakly).
+  mask (cached on the :class:`DocumentMask`, which lives for one forward; for a 4-D mask tensor the caller
+  passed, on the tensors' identity and in-place version counter, so a tensor changed in place is read again;
+  masks are held weakly).
+
+Memory: a forward over one padding-free row of ``T`` tokens in documents of ``L_i`` tokens holds no ``T × T``
+tensor; its attention peak follows ``max L_i²`` for the mask blocks that are not plain causal (sliding windows)
+and the kernel's own per-document work (``benchmarks/bench_segmented_memory.py`` measures it against the
+documents run one by one).
 
 The result equals ``sdpa`` with the block-diagonal mask up to float rounding (tested against it, and against
 each sequence run alone, forward and backward).
@@ -35,7 +45,7 @@ from typing import Any
 from .._optional import require
 from ..errors import PackingError
 from .compat.torch import tensor_version as _version
-from .compat.transformers import register_attention, sdpa_functions
+from .compat.transformers import register_attention, sdpa_functions, sdpa_mask_function
 
 #: The attention implementation name registered with transformers.
 SEGMENTED_SDPA = "packtools_sdpa"
@@ -48,7 +58,7 @@ _LAST_BOUNDS: tuple[Any, ...] = ()
 _BLOCK_KINDS: dict[int, tuple[Any, ...]] = {}
 
 
-#: ``(torch, transformers' sdpa_attention_forward, repeat_kv)``, imported once: an import inside the attention
+#: ``(torch, transformers' sdpa_attention_forward, repeat_kv, sdpa_mask)``, imported once: an import inside the attention
 #: function would be a graph break in every layer under ``torch.compile``.
 _FUNCTIONS: tuple[Any, ...] = ()
 
@@ -57,7 +67,7 @@ def _functions() -> tuple[Any, ...]:
     global _FUNCTIONS
     if not _FUNCTIONS:
         torch = require("torch", "packtools segmented sdpa")
-        _FUNCTIONS = (torch, *sdpa_functions())
+        _FUNCTIONS = (torch, *sdpa_functions(), sdpa_mask_function())
     return _FUNCTIONS
 
 
@@ -106,6 +116,88 @@ def _causal_blocks(mask: Any, bounds: list[int]) -> list[bool]:
     return kinds
 
 
+#: How many mask entries :meth:`DocumentMask.plain_causal` builds at once (a band of query rows).
+_CHECK_ELEMENTS = 1 << 20
+
+
+class DocumentMask:
+    """The mask of one padding-free row, not built: ``sdpa``'s mask arguments, materialized per document block.
+
+    transformers hands the object that the mask function returned to every attention call of the layers of
+    one type; :func:`segmented_sdpa_forward` asks it for the documents' diagonal blocks (:meth:`block`, or
+    whether they are plain causal, :meth:`plain_causal`), and for the whole mask (:meth:`full`, built once,
+    ``sdpa_mask``'s own result) only when a call goes to transformers' ``sdpa``.
+    """
+
+    def __init__(self, arguments: dict[str, Any]) -> None:
+        self.arguments = arguments
+        self.shape = (1, 1, arguments["q_length"], arguments["kv_length"])
+        self._full: tuple[Any, ...] = ()
+        self._kinds: dict[tuple[int, ...], list[bool]] = {}
+
+    def full(self) -> Any:
+        """``sdpa_mask``'s mask for the whole row (``None`` where it is the plain causal triangle)."""
+        if not self._full:
+            self._full = (_functions()[3](**self.arguments),)
+        return self._full[0]
+
+    def block(self, start: int, end: int) -> Any:
+        """The ``[1, 1, L, L]`` diagonal block of tokens ``start:end`` (the full mask's block, built alone)."""
+        arguments = dict(self.arguments, q_length=end - start, kv_length=end - start, q_offset=start)
+        arguments.update(kv_offset=start, allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+        return _functions()[3](**arguments)
+
+    def plain_causal(self, bounds: list[int]) -> list[bool]:
+        """For each document, whether its block is exactly the causal triangle (cached per boundaries).
+
+        Checked a band of query rows at a time (at most :data:`_CHECK_ELEMENTS` mask entries), so the check
+        never holds a whole ``L × L`` block.
+        """
+        key = tuple(bounds)
+        if key not in self._kinds:
+            torch, sdpa_mask = _functions()[0], _functions()[3]
+            kinds = []
+            for start, end in zip(bounds[:-1], bounds[1:]):
+                length, plain = end - start, True
+                band = max(1, _CHECK_ELEMENTS // max(length, 1))
+                for first in range(start, end, band):
+                    rows = min(band, end - first)
+                    arguments = dict(self.arguments, q_length=rows, kv_length=length, q_offset=first)
+                    arguments.update(
+                        kv_offset=start, allow_is_causal_skip=False, allow_is_bidirectional_skip=False
+                    )
+                    got = sdpa_mask(**arguments)[0, 0]
+                    query = torch.arange(first, first + rows, device=got.device)[:, None]
+                    keys = torch.arange(start, end, device=got.device)[None, :]
+                    if not torch.equal(got, keys <= query):
+                        plain = False
+                        break
+                kinds.append(plain)
+            self._kinds = {key: kinds}
+        return self._kinds[key]
+
+
+def document_mask(**arguments: Any) -> Any:
+    """:data:`SEGMENTED_SDPA`'s mask function: a :class:`DocumentMask` for one row without padding or cache.
+
+    Every other call (several rows, a 2-D padding mask, a cache's offsets, tracing under ``torch.compile``)
+    returns ``sdpa_mask(**arguments)``, the mask ``sdpa`` builds.
+    """
+    torch, sdpa_mask = _functions()[0], _functions()[3]
+    one_row = (
+        arguments.get("batch_size") == 1
+        and arguments.get("attention_mask") is None
+        and type(arguments.get("q_offset", 0)) is int
+        and type(arguments.get("kv_offset", 0)) is int
+        and arguments.get("q_offset", 0) == 0
+        and arguments.get("kv_offset", 0) == 0
+        and arguments.get("q_length") == arguments.get("kv_length")
+    )
+    if not one_row or _compiling(torch):
+        return sdpa_mask(**arguments)
+    return DocumentMask(arguments)
+
+
 def _segments_apply(kwargs: dict[str, Any], query: Any, key: Any) -> list[int] | None:
     """The sequence boundaries when a call can run per segment, else ``None``."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
@@ -149,9 +241,11 @@ def segmented_sdpa_forward(
             "a prompt-shared batch (packtools_tree) reached the packtools_sdpa attention, which would ignore the "
             "tree; switch the model with packtools.integrations.tree_attention.use_tree_attention(model)."
         )
-    torch, sdpa_attention_forward, repeat_kv = _functions()
+    torch, sdpa_attention_forward, repeat_kv, _ = _functions()
     bounds = None if _compiling(torch) else _segments_apply(kwargs, query, key)
     if bounds is None:
+        if isinstance(attention_mask, DocumentMask):
+            attention_mask = attention_mask.full()
         return sdpa_attention_forward(
             module,
             query,
@@ -168,7 +262,13 @@ def segmented_sdpa_forward(
         key = repeat_kv(key, groups)
         value = repeat_kv(value, groups)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    plain = None if attention_mask is None else _causal_blocks(attention_mask, bounds)
+    lazy = isinstance(attention_mask, DocumentMask)
+    if attention_mask is None:
+        plain = None
+    elif lazy:
+        plain = attention_mask.plain_causal(bounds)
+    else:
+        plain = _causal_blocks(attention_mask, bounds)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     outs = []
     for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -179,6 +279,8 @@ def segmented_sdpa_forward(
             block, use_causal = None, causal
         elif plain[i]:
             block, use_causal = None, True
+        elif lazy:
+            block, use_causal = attention_mask.block(start, end), False
         else:
             block, use_causal = attention_mask[:, :, start:end, start:end], False
         outs.append(sdpa(q, k, v, attn_mask=block, dropout_p=dropout, scale=scaling, is_causal=use_causal))
@@ -187,7 +289,7 @@ def segmented_sdpa_forward(
 
 
 def register(*, owner: Any = None) -> str:
-    """Register :data:`SEGMENTED_SDPA` with transformers (attention and mask functions); returns the name.
+    """Register :data:`SEGMENTED_SDPA` with transformers (:func:`segmented_sdpa_forward`, :func:`document_mask`).
 
     With an ``owner``, undoing it (``unprepare``) takes the entries out again once no owner needs them.
 
@@ -195,4 +297,4 @@ def register(*, owner: Any = None) -> str:
     'packtools_sdpa'
     """
     _functions()
-    return register_attention(SEGMENTED_SDPA, segmented_sdpa_forward, owner=owner)
+    return register_attention(SEGMENTED_SDPA, segmented_sdpa_forward, owner=owner, mask=document_mask)

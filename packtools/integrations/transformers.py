@@ -75,6 +75,7 @@ from .collator_check import check_trainer_collator, probe_collator
 from .compat import all_or_nothing, set_attr
 from .guard import guard_model
 from .isolation import check_isolation as _check_isolation
+from .parallel_layout import rank_layout
 from .segmented import SEGMENTED_SDPA
 from .sft import causal_lm_loss, check_sft, is_sft_trainer, keep_packed_columns
 
@@ -118,7 +119,12 @@ def run_probe(
 
 
 def prepare_trainer(
-    trainer: Any, *, max_tokens: int | None = None, check_isolation: bool = True, segmented_sdpa: bool = True
+    trainer: Any,
+    *,
+    max_tokens: int | None = None,
+    check_isolation: bool = True,
+    segmented_sdpa: bool = True,
+    context_parallel: int | None = None,
 ) -> Any:
     """Make a ``transformers.Trainer`` (or TRL ``SFTTrainer``) train correctly on packed padding-free batches.
 
@@ -150,7 +156,13 @@ def prepare_trainer(
     FlashAttention varlen instead of ``(sum L_i)²`` under the block-diagonal mask, with the same result
     (the probe runs on it).  ``max_tokens=N`` batches by a token budget per process; with several processes
     every process runs the same number of micro-batches and no row is repeated
-    (:mod:`packtools.integrations.budget_loader`).  Returns the trainer.
+    (:mod:`packtools.integrations.budget_loader`).  The loaders shard over the data-parallel group read from
+    accelerate's device mesh (:mod:`packtools.integrations.parallel_layout`): tensor- and context-parallel
+    peers read the same batches; layouts packtools does not handle are refused by name.
+
+    ``context_parallel=N`` splits every padding-free row across ``N`` consecutive processes per document
+    (:mod:`packtools.integrations.cp_trainer`: CP collator, ``packtools_cp`` attention, the loss as the token
+    mean over every rank and the accumulation window).  Returns the trainer.
     """
     require("transformers", "packtools.integrations.prepare_trainer")
     if is_instance(trainer, "trl", "DPOTrainer"):
@@ -160,6 +172,7 @@ def prepare_trainer(
             param="trainer",
         )
     check_attention_implementation(trainer.model)
+    layout = rank_layout(trainer, context_parallel)
     with all_or_nothing(trainer):
         keep_packed_columns(trainer)
         sft = is_sft_trainer(trainer)
@@ -183,9 +196,13 @@ def prepare_trainer(
             set_attr(trainer, "data_collator", collator, owner=trainer)
         if check_isolation:  # the trainer's own collator on a real batch, then the probe through it
             probe_rows, packed = check_trainer_collator(trainer)
-        install_train_loader(trainer, max_tokens, owner=trainer)
+        install_train_loader(trainer, max_tokens, owner=trainer, layout=layout)
         guard_model(trainer.model, owner=trainer)
         with segmented_sdpa_until_checked([trainer.model], segmented_sdpa, owner=trainer) as switched:
             if check_isolation:
                 run_probe(trainer, switched=switched, collator=probe_rows, packed=packed)
+        if layout.cp_size > 1:
+            from .cp_trainer import prepare_context_parallel
+
+            prepare_context_parallel(trainer, layout)
     return trainer

@@ -69,6 +69,7 @@ from .distributed import check_loss_path, trainer_divides_by_accumulation, uneve
 from .dpo_calls import PER_TOKEN, padded_preference_call, padding_free_layout
 from .dpo_probe import check_padding_free_forward
 from .guard import check_forward_inputs, guard_model
+from .parallel_layout import rank_layout
 from .shared_dpo import check_tree_models, prepare_shared_prompt, shares_prompt, tree_columns
 from .transformers import run_probe
 
@@ -189,6 +190,7 @@ def _check_trainer(trainer: Any) -> None:
 class _StepPairs:
     """The pairs of the optimizer step being run (all processes), counted when its micro-batches are fetched."""
 
+    layout: Any
     pairs: int | None = None
 
 
@@ -200,8 +202,8 @@ def _count_step_pairs(trainer: Any, step: _StepPairs) -> None:
         def get_batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
             samples, num_items = original(epoch_iterator, num_batches, device)
             pairs = torch.tensor(sum(int(b["completion_mask"].shape[0]) // 2 for b in samples), device=device)
-            if trainer.args.world_size > 1:
-                pairs = trainer.accelerator.gather(pairs).sum()
+            if trainer.args.world_size > 1:  # tensor/context-parallel peers hold the same pairs: counted once
+                pairs = trainer.accelerator.gather(pairs).sum() // step.layout.peers
             step.pairs = int(pairs)
             return samples, num_items
 
@@ -227,10 +229,11 @@ def _mean_over_step(trainer: Any, step: _StepPairs) -> None:
                 return result
             loss = result[0] if return_outputs else result
             pairs = int(inputs["completion_mask"].shape[0]) // 2
-            # Undo what training_step divides by (read from Trainer's own predicate) and DDP's mean over processes.
+            # Undo what training_step divides by (read from Trainer's own predicate) and DDP's mean over the
+            # data-parallel group (not the world: tensor/context-parallel peers are not averaged over).
             divided = trainer_divides_by_accumulation(trainer, num_items_in_batch)
             steps = trainer.current_gradient_accumulation_steps if divided else 1
-            loss = loss * (pairs * steps * max(trainer.args.world_size, 1) / step.pairs)
+            loss = loss * (pairs * steps * step.layout.dp_size / step.pairs)
             return (loss, result[1]) if return_outputs else loss
 
         return compute_loss
@@ -354,8 +357,18 @@ def _prepare(
         guard_model(trainer.ref_model, owner=trainer)
     if train_dataset is not None:
         _use_packed_dataset(trainer, train_dataset, shared)
-    install_train_loader(trainer, max_tokens, owner=trainer)  # packtools.integrations.budget_loader
-    step = _StepPairs()
+    config = getattr(trainer.accelerator, "parallelism_config", None)
+    if config is not None and (getattr(config, "cp_size", 1) or 1) > 1:
+        raise PackingError(
+            f"ParallelismConfig(cp_size={config.cp_size}): prepare_dpo_trainer does not run context parallelism "
+            f"(packed pairs would need each pair kept on one CP group and the pair-mean loss over DP x CP ranks, "
+            f"which packtools has not built); accelerate's own CP would cut pairs as one causal sequence. Set "
+            f"cp_size=1.",
+            param="parallelism_config",
+        )
+    layout = rank_layout(trainer)  # refuses DeepSpeed SP and meshes it cannot account for
+    install_train_loader(trainer, max_tokens, owner=trainer, layout=layout)  # integrations.budget_loader
+    step = _StepPairs(layout)
     _count_step_pairs(trainer, step)
     _mean_over_step(trainer, step)
     set_attr(trainer, _PATCHED, True, owner=trainer)

@@ -110,8 +110,19 @@ def _registries() -> tuple[Any, Any, Any]:
     return AttentionInterface, ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 
-def register_attention(name: str, forward: Callable[..., Any], *, owner: Any = None) -> str:
-    """Register ``forward`` as attention ``name`` with ``sdpa``'s mask function; returns ``name``.
+def sdpa_mask_function() -> Callable[..., Any]:
+    """transformers' ``masking_utils.sdpa_mask`` (the 4-D boolean mask builder of the ``sdpa`` backend)."""
+    return _registries()[2]
+
+
+def register_attention(
+    name: str,
+    forward: Callable[..., Any],
+    *,
+    owner: Any = None,
+    mask: Callable[..., Any] | None = None,
+) -> str:
+    """Register ``forward`` as attention ``name`` with ``mask`` (default ``sdpa``'s mask function); returns ``name``.
 
     With an ``owner``, the entries packtools added are taken out again when the last owner needing them is
     undone; an entry registered without one (or by someone else) stays.
@@ -120,8 +131,9 @@ def register_attention(name: str, forward: Callable[..., Any], *, owner: Any = N
     added = name not in interface()
     if added:
         interface.register(name, forward)
-    if name not in masks:
-        type(masks).register(name, sdpa_mask)
+    wanted = sdpa_mask if mask is None else mask
+    if masks.get(name) is not wanted:  # packtools' own name: its mask function is packtools' choice
+        type(masks).register(name, wanted)
     if owner is not None and (added or name in _HELD):
         _HELD[name] = _HELD.get(name, 0) + 1
         record(owner, f"AttentionInterface[{name!r}]", lambda: _release(name))

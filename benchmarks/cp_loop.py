@@ -1,0 +1,180 @@
+"""A plain PyTorch loop with context parallelism (CP) over packed rows: the recipe of docs/training.md.
+
+Usage:
+    torchrun --nproc_per_node 4 benchmarks/cp_loop.py --cp 2 [--steps 3] [--accumulation 2]
+
+``W`` processes form ``W / CP`` data-parallel (DP) groups of ``CP`` consecutive ranks.  Every rank of a CP
+group reads the **same** batch (the sampler shards over the DP rank only) and keeps its share of it
+(``ContextParallelCollator``: per document, chunks ``r`` and ``2·CP - 1 - r``); the model runs on
+``packtools_cp`` attention (keys and values all-gathered in the CP group).  The loss of a step is the token
+mean over all DP × CP ranks and accumulation steps: each micro-batch's summed token loss is divided by the
+targets of the whole window on every rank, and gradients are summed over all ranks.  ``tests/_cp_worker.py``
+runs ``plain_cp_step`` against one process on the same global batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+#: Rows of the CP tests (token ids from a fixed generator): documents shorter than 2·CP, one long document,
+#: a row of a single document; two batches (one per DP group with DP = 2).
+_SHAPES = [[[3, 40, 1, 9], [23]], [[2, 17, 5, 6], [30]]]
+
+
+def _rows() -> list[list[dict[str, Any]]]:
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    out = []
+    for batch in _SHAPES:
+        rows = []
+        for lengths in batch:
+            ids = rng.integers(2, 97, sum(lengths)).tolist()
+            rows.append({"input_ids": ids, "seq_lengths": lengths})
+        out.append(rows)
+    return out
+
+
+BATCHES = _rows()
+
+
+def tiny_llama_fp32(seed: int = 0) -> Any:
+    """A 2-layer Llama with grouped-query attention (hidden 64, 4 heads, 2 key/value heads), fp32."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+    )
+    return transformers.LlamaForCausalLM(config).float()
+
+
+def cp_groups(cp: int) -> tuple[Any, int, int]:
+    """``(this process's CP group, DP rank, CP rank)``: CP groups of ``cp`` consecutive ranks."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = None
+    for first in range(0, world, cp):
+        group = dist.new_group(list(range(first, first + cp)))  # every rank creates every group, in order
+        if first <= rank < first + cp:
+            mine = group
+    return mine, rank // cp, rank % cp
+
+
+def _to_torch(batch: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
+
+
+def plain_cp_step(model: Any, batch: dict[str, Any], lr: float = 1.0, rank_mean: bool = False) -> Any:
+    """One SGD step on a CP shard; returns ``({name: parameter change}, targets on this rank)``.
+
+    ``rank_mean=True`` is the wrong loss (each rank's own token mean, averaged over ranks), kept as the
+    negative control of the tests.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from packtools.integrations.cp_training import global_count, model_inputs, shifted_token_loss
+
+    batch = _to_torch(batch)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    logits = model(**model_inputs(batch)).logits
+    loss, count = shifted_token_loss(logits, batch["shift_labels"])
+    if rank_mean:
+        loss = loss / max(count, 1) / world
+    else:
+        loss = loss / global_count(count)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if world > 1:
+                dist.all_reduce(p.grad)
+            p -= lr * p.grad
+    return {k: before[k] - p.detach() for k, p in model.named_parameters()}, count
+
+
+def train(model: Any, loader: Any, optimizer: Any, accumulation_steps: int = 1, max_steps: int | None = None):
+    """Train on CP shards from ``loader`` (a ``ContextParallelCollator``); returns each step's global loss."""
+    import torch
+    import torch.distributed as dist
+
+    from packtools.integrations.cp_training import global_count, model_inputs, shifted_token_loss
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    losses, batches = [], iter(loader)
+    model.train()
+    while max_steps is None or len(losses) < max_steps:
+        window = [b for _, b in zip(range(accumulation_steps), batches)]
+        if not window:
+            break
+        targets = global_count(sum(int((b["shift_labels"] != -100).sum()) for b in window))
+        total = torch.zeros(())
+        for batch in window:
+            loss, _ = shifted_token_loss(model(**model_inputs(batch)).logits, batch["shift_labels"])
+            (loss / targets).backward()
+            total += loss.detach()
+        for p in model.parameters():
+            if p.grad is not None and world > 1:
+                dist.all_reduce(p.grad)
+        optimizer.step()
+        optimizer.zero_grad()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(float(total) / targets)
+    return losses
+
+
+def main(argv: list[str] | None = None) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    from packtools import PaddingFreeCollator
+    from packtools.batches.context_parallel import ContextParallelCollator
+    from packtools.integrations.cp_attention import use_cp_attention
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--cp", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--accumulation", type=int, default=1)
+    args = parser.parse_args(argv)
+    dist.init_process_group("gloo")
+    group, dp_rank, cp_rank = cp_groups(args.cp)
+    dp = dist.get_world_size() // args.cp
+    model = tiny_llama_fp32()
+    use_cp_attention(model, group)
+    collator = ContextParallelCollator(PaddingFreeCollator(0), args.cp, cp_rank)
+    rows = [row for batch in BATCHES for row in batch]
+    mine = rows[dp_rank::dp]  # the DP shard: every CP peer reads the same rows
+    loader = torch.utils.data.DataLoader(mine, batch_size=1, collate_fn=collator)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(args.steps):
+        losses += train(model, loader, optimizer, args.accumulation)
+    if dist.get_rank() == 0:
+        print("global token-mean loss per step:", [round(x, 4) for x in losses])
+    dist.destroy_process_group()
+    return losses
+
+
+if __name__ == "__main__":
+    main()

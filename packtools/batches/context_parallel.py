@@ -1,0 +1,331 @@
+"""Context parallelism (CP) for padding-free rows: each document cut into ``2N`` chunks, two per rank.
+
+With ``N`` ranks in a CP group, a row is not split as one sequence (which would let documents attend to each
+other and give the ranks unequal causal work) but **per document**, the head-tail layout of Megatron-Core's
+THD format:
+
+* document ``i`` of ``L_i`` tokens is padded to ``P_i``, the next multiple of ``2N`` (``P_i - L_i < 2N``
+  padding tokens), and cut into ``2N`` chunks of ``c_i = P_i / 2N`` tokens; rank ``r`` holds chunks ``r``
+  and ``2N - 1 - r`` (an early, cheap chunk and a late, expensive one: the causal work of the two sums to
+  about the same on every rank);
+* a rank's row is, document after document, its two chunks of that document: ``sum(P_i) / N`` tokens, the
+  same on every rank (an all-gather of keys and values needs equal sizes);
+* **padding** (the ``P_i - L_i`` tokens after each document) has ``pad_token_id``, no label, position ids
+  restarting at 0, is attended by nothing and attends nothing (its attention output is 0: see
+  :mod:`packtools.integrations.cp_attention`); :attr:`CPLayout.fill_lost` reports it;
+* **documents shorter than 2N** are padded to ``2N`` like any other (one token per chunk): some ranks then
+  hold only padding of that document.  Exact, at the cost of up to ``2N - 1`` padding tokens per document,
+  reported as fill lost; pack with longer documents (``bfd_split``) or a smaller ``N`` to keep it low;
+* every real token keeps its **true position** in its document (``position_ids``), so RoPE and the causal
+  rule see the positions the unsplit row would;
+* labels are **shifted before the split**: ``shift_labels[t]`` is the label of token ``t + 1`` of the same
+  document (-100 at a document's last token and on padding), so the target of the last token of a chunk,
+  which lives on another rank, is not lost.  The loss is then computed on ``shift_labels`` **without**
+  shifting again (:func:`packtools.integrations.cp_training.shifted_token_loss`); no ``labels`` key is emitted,
+  so a loss that shifts ``labels`` cannot be run on these rows by mistake.
+
+Both boundary arrays Megatron-style THD consumers take are emitted, int32, over the whole (unsplit) row:
+``cu_seqlens`` (``[0, L_0, L_0 + L_1, ...]``) and ``cu_seqlens_padded`` (``[0, P_0, P_0 + P_1, ...]``); rank
+``r``'s tokens of document ``i`` start at ``cu_seqlens_padded[i] / N`` in its row.
+
+:func:`rank_work` is the cost audit: the causal attention work ``sum(t - doc_start + 1)`` over the real
+query tokens each rank holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..constants import IGNORE_INDEX
+from ..errors import PackingError
+
+#: The key under which a CP shard carries its :class:`CPLayout` to the attention function.
+CP_KEY = "packtools_cp"
+
+
+def _check_cp(cp_size: object, cp_rank: object = 0) -> tuple[int, int]:
+    if isinstance(cp_size, bool) or not isinstance(cp_size, (int, np.integer)) or cp_size < 1:
+        raise PackingError(
+            f"context_parallel must be a positive int, got {cp_size!r}.", param="context_parallel"
+        )
+    if isinstance(cp_rank, bool) or not isinstance(cp_rank, (int, np.integer)) or not 0 <= cp_rank < cp_size:
+        raise PackingError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}.", param="cp_rank")
+    return int(cp_size), int(cp_rank)
+
+
+@dataclass(frozen=True)
+class CPLayout:
+    """Where every token of one row goes under CP size ``cp_size`` (host-side NumPy, built once per batch).
+
+    ``lengths``/``padded``: per document ``L_i`` and ``P_i``.  ``index[r]``: for each token of rank ``r``'s
+    row, its place in the padded row (``cu_seqlens_padded`` coordinates).
+
+    >>> lay = CPLayout.build([5, 2], 2)
+    >>> lay.padded.tolist(), lay.cu_seqlens.tolist(), lay.cu_seqlens_padded.tolist(), lay.fill_lost
+    ([8, 4], [0, 5, 7], [0, 8, 12], 5)
+    >>> lay.index[0].tolist(), lay.index[1].tolist()  # chunks 0 and 3, then 1 and 2, of each document
+    ([0, 1, 6, 7, 8, 11], [2, 3, 4, 5, 9, 10])
+    """
+
+    cp_size: int
+    lengths: np.ndarray
+    padded: np.ndarray
+    cu_seqlens: np.ndarray
+    cu_seqlens_padded: np.ndarray
+    index: tuple[np.ndarray, ...] = field(repr=False)
+
+    @classmethod
+    def build(cls, lengths: Sequence[int] | np.ndarray, cp_size: int) -> CPLayout:
+        cp_size, _ = _check_cp(cp_size)
+        lengths = np.asarray(lengths, np.int64)
+        if lengths.ndim != 1 or lengths.size == 0 or (lengths < 1).any():
+            raise PackingError(
+                f"CP layout needs one or more documents of at least one token, got lengths {lengths.tolist()}.",
+                param="seq_lengths",
+            )
+        chunks = 2 * cp_size
+        padded = -(-lengths // chunks) * chunks
+        cu = np.zeros(lengths.size + 1, np.int32)
+        np.cumsum(lengths, out=cu[1:])
+        cu_padded = np.zeros(lengths.size + 1, np.int32)
+        np.cumsum(padded, out=cu_padded[1:])
+        if int(cu_padded[-1]) != int(np.sum(padded)):
+            raise PackingError("a CP row of more than 2**31 - 1 tokens does not fit int32 boundaries.")
+        size = padded // chunks
+        index = []
+        for r in range(cp_size):
+            parts = []
+            for start, c in zip(cu_padded[:-1].tolist(), size.tolist()):
+                parts.append(np.arange(start + r * c, start + (r + 1) * c))
+                parts.append(np.arange(start + (chunks - 1 - r) * c, start + (chunks - r) * c))
+            index.append(np.concatenate(parts).astype(np.int64))
+        return cls(cp_size, lengths, padded, cu, cu_padded, tuple(index))
+
+    @property
+    def fill_lost(self) -> int:
+        """Padding tokens the layout adds to the row (``sum(P_i - L_i)``)."""
+        return int((self.padded - self.lengths).sum())
+
+    @property
+    def local_tokens(self) -> int:
+        """Tokens in every rank's row (``sum(P_i) / N``)."""
+        return int(self.cu_seqlens_padded[-1]) // self.cp_size
+
+    def padded_doc(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For every place of the padded row: its document, its position in it, and whether it is real."""
+        doc = np.repeat(np.arange(self.lengths.size), self.padded)
+        pos = np.arange(int(self.cu_seqlens_padded[-1])) - self.cu_seqlens_padded[:-1].astype(np.int64)[doc]
+        return doc, pos, pos < self.lengths[doc]
+
+    def source(self, rank: int) -> np.ndarray:
+        """For each token of ``rank``'s row, its index in the unpadded row, or -1 for padding."""
+        doc, pos, real = self.padded_doc()
+        idx = self.index[rank]
+        return np.where(real[idx], self.cu_seqlens[:-1].astype(np.int64)[doc[idx]] + pos[idx], -1)
+
+
+@dataclass(frozen=True)
+class CPShard:
+    """One rank's share of a row, as the CP attention needs it: which local queries attend which keys.
+
+    The keys of the whole row are all-gathered rank after rank (rank ``j``'s token ``t`` at ``j * T + t``,
+    ``T`` = :attr:`CPLayout.local_tokens`).  Each attention segment is the real tokens of one chunk of one
+    document (``q_index``: their places in this rank's row) against that document's real keys from its first
+    token up to the chunk's last real token (``k_index``: places in the gathered keys), causal aligned to
+    the bottom-right corner (the last query sees every key) -- the contract of FlashAttention varlen with
+    ``seqlen_q <= seqlen_k``.  Padding tokens are in no segment: their output is 0.
+
+    >>> sh = CPShard.build(CPLayout.build([5], 2), 1)  # rank 1: positions 2, 3 (chunk 1) and 4 (chunk 2)
+    >>> sh.q_index.tolist(), sh.cu_q.tolist(), sh.k_index.tolist(), sh.cu_k.tolist()
+    ([0, 1, 2], [0, 2, 3], [0, 1, 4, 5, 0, 1, 4, 5, 6], [0, 4, 9])
+    """
+
+    layout: CPLayout
+    rank: int
+    q_index: np.ndarray = field(repr=False)
+    cu_q: np.ndarray = field(repr=False)
+    k_index: np.ndarray = field(repr=False)
+    cu_k: np.ndarray = field(repr=False)
+
+    @classmethod
+    def build(cls, layout: CPLayout, rank: int) -> CPShard:
+        _, rank = _check_cp(layout.cp_size, rank)
+        local = layout.local_tokens
+        gathered = np.empty(int(layout.cu_seqlens_padded[-1]), np.int64)
+        for j, idx in enumerate(layout.index):
+            gathered[idx] = j * local + np.arange(local)
+        doc, pos, real = layout.padded_doc()
+        mine = layout.index[rank]
+        chunk = pos[mine] // (layout.padded[doc[mine]] // (2 * layout.cp_size))
+        q_parts, k_parts, q_lens, k_lens = [], [], [], []
+        offsets = np.flatnonzero(real[mine])
+        keys = (doc[mine] * (2 * layout.cp_size) + chunk)[offsets]
+        cuts = np.flatnonzero(np.diff(keys)) + 1
+        for group in np.split(offsets, cuts) if offsets.size else []:
+            d = int(doc[mine[group[0]]])
+            last = int(pos[mine[group[-1]]])
+            start = int(layout.cu_seqlens_padded[d])
+            q_parts.append(group)
+            k_parts.append(gathered[start : start + last + 1])
+            q_lens.append(group.size)
+            k_lens.append(last + 1)
+        cu_q = np.zeros(len(q_lens) + 1, np.int32)
+        cu_k = np.zeros(len(k_lens) + 1, np.int32)
+        np.cumsum(q_lens, out=cu_q[1:])
+        np.cumsum(k_lens, out=cu_k[1:])
+        empty = np.zeros(0, np.int64)
+        q_index = np.concatenate(q_parts).astype(np.int64) if q_parts else empty
+        k_index = np.concatenate(k_parts).astype(np.int64) if k_parts else empty
+        return cls(layout, rank, q_index, cu_q, k_index, cu_k)
+
+    @property
+    def max_q(self) -> int:
+        return int(np.diff(self.cu_q).max()) if self.cu_q.size > 1 else 0
+
+    @property
+    def max_k(self) -> int:
+        return int(np.diff(self.cu_k).max()) if self.cu_k.size > 1 else 0
+
+
+def shift_within_documents(labels: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``out[t] = labels[t + 1]`` inside each document, ``-100`` at every document's last token.
+
+    >>> shift_within_documents(np.array([-100, 6, 7, -100, 9]), np.array([3, 2])).tolist()
+    [6, 7, -100, 9, -100]
+    """
+    out = np.full_like(labels, IGNORE_INDEX)
+    out[:-1] = labels[1:]
+    ends = np.cumsum(lengths) - 1
+    out[ends] = IGNORE_INDEX
+    return out
+
+
+def shard_row(
+    input_ids: np.ndarray,
+    labels: np.ndarray,
+    lengths: Sequence[int] | np.ndarray,
+    cp_size: int,
+    cp_rank: int,
+    pad_token_id: int,
+    *,
+    layout: CPLayout | None = None,
+) -> dict[str, Any]:
+    """Rank ``cp_rank``'s share of one padding-free row (1-D ``input_ids``/``labels``, unshifted labels).
+
+    >>> b = shard_row(np.arange(10, 17), np.arange(10, 17), [5, 2], 2, 1, pad_token_id=0)
+    >>> b["input_ids"].tolist(), b["position_ids"].tolist(), b["shift_labels"].tolist()
+    ([[12, 13, 14, 0, 16, 0]], [[2, 3, 4, 0, 1, 0]], [[13, 14, -100, -100, -100, -100]])
+    """
+    cp_size, cp_rank = _check_cp(cp_size, cp_rank)
+    lay = CPLayout.build(lengths, cp_size) if layout is None else layout
+    input_ids, labels = np.asarray(input_ids).reshape(-1), np.asarray(labels).reshape(-1)
+    if input_ids.shape != labels.shape or input_ids.shape[0] != int(lay.cu_seqlens[-1]):
+        raise PackingError(
+            f"input_ids ({input_ids.shape[0]} tokens) and labels ({labels.shape[0]}) must both hold the "
+            f"{int(lay.cu_seqlens[-1])} tokens of seq_lengths.",
+            param="seq_lengths",
+        )
+    shifted = shift_within_documents(labels.astype(np.int64), lay.lengths)
+    src = lay.source(cp_rank)
+    real = src >= 0
+    take = np.where(real, src, 0)
+    doc, pos, padded_real = lay.padded_doc()
+    idx = lay.index[cp_rank]
+    positions = np.where(real, pos[idx], pos[idx] - lay.lengths[doc[idx]])
+    return {
+        "input_ids": np.where(real, input_ids[take], pad_token_id).astype(np.int64)[None],
+        "position_ids": positions.astype(np.int64)[None],
+        "shift_labels": np.where(real, shifted[take], IGNORE_INDEX).astype(np.int64)[None],
+        "cu_seqlens": lay.cu_seqlens,
+        "cu_seqlens_padded": lay.cu_seqlens_padded,
+        "cp_size": cp_size,
+        "cp_rank": cp_rank,
+        CP_KEY: CPShard.build(lay, cp_rank),
+    }
+
+
+def rank_work(layout: CPLayout) -> list[int]:
+    """Causal attention work per rank: ``sum(t - doc_start + 1)`` over the real query tokens it holds.
+
+    >>> rank_work(CPLayout.build([8], 2))  # positions {0,1,6,7} and {2,3,4,5}: 1+2+7+8 and 3+4+5+6
+    [18, 18]
+    """
+    _, pos, real = layout.padded_doc()
+    work = np.where(real, pos + 1, 0)
+    return [int(work[idx].sum()) for idx in layout.index]
+
+
+def document_rank_work(lengths: Sequence[int] | np.ndarray, cp_size: int) -> np.ndarray:
+    """``[documents, cp_size]``: the causal work of each document on each rank, in closed form (no layout).
+
+    Rank ``r`` holds positions ``[r c, (r+1) c)`` and ``[(2N-1-r) c, (2N-r) c)`` of a document (``c = P / 2N``),
+    the real ones below ``L``; the work of positions ``[a, b)`` is ``S(b) - S(a)`` with ``S(x) = x (x+1) / 2``.
+
+    >>> document_rank_work([8, 5], 2).tolist()
+    [[18, 18], [3, 12]]
+    """
+    cp_size, _ = _check_cp(cp_size)
+    n = np.asarray(lengths, np.int64).reshape(-1, 1)
+    c = -(-n // (2 * cp_size))
+    r = np.arange(cp_size, dtype=np.int64).reshape(1, -1)
+
+    def upto(x: np.ndarray) -> np.ndarray:
+        x = np.minimum(x, n)
+        return x * (x + 1) // 2
+
+    head = upto((r + 1) * c) - upto(r * c)
+    tail = upto((2 * cp_size - r) * c) - upto((2 * cp_size - 1 - r) * c)
+    return head + tail
+
+
+def work_imbalance(work: Sequence[int]) -> float:
+    """The largest relative distance of a rank's work from the mean (0.0 = perfectly balanced)."""
+    mean = float(np.mean(work)) if len(work) else 0.0
+    return 0.0 if mean == 0 else float(max(abs(w - mean) for w in work) / mean)
+
+
+class ContextParallelCollator:
+    """A padding-free collator whose batch is cut for one rank of a CP group (see the module docstring).
+
+    ``inner`` builds the padding-free row of the whole batch (a
+    :class:`~packtools.batches.PaddingFreeCollator`); every rank of the CP group must call it on the same
+    features (the same batch), and keeps its share.  Keys: ``input_ids``, ``position_ids``, ``shift_labels``
+    (already shifted: no ``labels``), ``cu_seqlens``, ``cu_seqlens_padded`` (int32), ``cp_size``, ``cp_rank``,
+    and :data:`CP_KEY` (the :class:`CPShard`, which the CP attention reads).
+
+    >>> from packtools import PaddingFreeCollator
+    >>> c = ContextParallelCollator(PaddingFreeCollator(0), cp_size=2, cp_rank=0, return_tensors="np")
+    >>> c([{"input_ids": [5, 6, 7, 8], "seq_lengths": [4]}])["shift_labels"].tolist()
+    [[6, -100]]
+    """
+
+    def __init__(self, inner: Any, cp_size: int, cp_rank: int, *, return_tensors: str = "pt") -> None:
+        self.cp_size, self.cp_rank = _check_cp(cp_size, cp_rank)
+        if return_tensors not in ("pt", "np"):
+            raise PackingError(f"return_tensors must be 'pt' or 'np', got {return_tensors!r}.")
+        replace = getattr(inner, "replace", None)
+        if not callable(replace) or not getattr(inner, "padding_free", True):
+            raise PackingError(
+                "ContextParallelCollator needs a padding-free PaddingFreeCollator as inner collator "
+                f"(got {type(inner).__name__}); CP shards one flat row per batch.",
+                param="inner",
+            )
+        self.inner = replace(return_tensors="np", return_flash_attn_kwargs=True)
+        self.pad_token_id = int(self.inner.pad_token_id)
+        self.return_tensors = return_tensors
+
+    def __call__(self, features: Sequence[Any]) -> dict[str, Any]:
+        batch = self.inner(features)
+        cu = np.asarray(batch["cu_seq_lens_q"], np.int64)
+        out = shard_row(
+            batch["input_ids"], batch["labels"], np.diff(cu), self.cp_size, self.cp_rank, self.pad_token_id
+        )
+        if self.return_tensors == "np":
+            return out
+        from .collate import to_tensors
+
+        return to_tensors(out, "pt")

@@ -1,0 +1,140 @@
+"""``prepare_trainer(trainer, context_parallel=N)``: a ``transformers.Trainer`` on context-parallel shards.
+
+The pieces, each from its own module:
+
+* the run's layout (:func:`~packtools.integrations.parallel_layout.rank_layout`): CP groups of ``N``
+  consecutive processes, the data-parallel rank and size over the groups; the training loader shards over
+  the DP group only, so the ``N`` ranks of a CP group read the same batch;
+* the collator: the trainer's :class:`~packtools.PaddingFreeCollator` wrapped in
+  :class:`~packtools.batches.context_parallel.ContextParallelCollator` (this rank's share of every batch);
+* the model: ``packtools_cp`` attention (:mod:`packtools.integrations.cp_attention`) over this process's CP
+  group (created here with ``torch.distributed.new_group``, every rank creating every group in order);
+* the loss: ``compute_loss`` is the summed next-token loss of the shard on its ``shift_labels`` (no second
+  shift) divided by the targets of the whole accumulation window over every rank (counted when ``Trainer``
+  fetches the window's micro-batches), times what ``Trainer`` and DDP divide by again (the accumulation
+  steps when ``Trainer`` divides, read from its own predicate; the process count, DDP's gradient mean over
+  every process: CP peers' gradients are parts of one sum).
+
+Evaluation through the same ``compute_loss``: each rank returns its token-loss sum times the process count
+over the batch's targets on every rank, so ``Trainer``'s mean over processes is the batch's token mean (the
+mean over evaluation batches is ``Trainer``'s own).  Not tested with an evaluation set here.
+
+accelerate's own context parallelism (``ParallelismConfig(cp_size>1)``) is refused by name: its
+``maybe_context_parallel`` would cut packtools' shards again as one causal sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .._optional import require
+from ..batches.context_parallel import ContextParallelCollator
+from ..errors import PackingError
+from .compat import set_attr
+from .compat.trl import wrap_method
+from .cp_attention import use_cp_attention
+from .cp_training import global_count, model_inputs, shifted_token_loss
+from .distributed import trainer_divides_by_accumulation
+from .parallel_layout import RankLayout
+
+
+@dataclass
+class _WindowTargets:
+    """The targets of the accumulation window being run, over every process."""
+
+    targets: int | None = None
+
+
+def cp_group(layout: RankLayout) -> Any:
+    """This process's CP group: ranks ``[dp_rank * N, (dp_rank + 1) * N)`` (``None`` with one process)."""
+    torch = require("torch", "packtools context parallelism")
+    dist = torch.distributed
+    if layout.world == 1:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        raise PackingError(
+            f"context_parallel={layout.cp_size} over {layout.world} processes needs torch.distributed "
+            f"initialized (launch with torchrun / accelerate launch).",
+            param="context_parallel",
+        )
+    mine = None
+    for dp in range(layout.dp_size):
+        ranks = list(range(dp * layout.cp_size, (dp + 1) * layout.cp_size))
+        group = dist.new_group(ranks)
+        if dp == layout.dp_rank:
+            mine = group
+    return mine
+
+
+def check_cp_trainer(trainer: Any, layout: RankLayout) -> None:
+    """Refuse what packtools' CP under ``Trainer`` does not handle, by name."""
+    config = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
+    if config is not None and (getattr(config, "cp_size", 1) or 1) > 1:
+        raise PackingError(
+            f"ParallelismConfig(cp_size={config.cp_size}) turns on accelerate's own context parallelism, which "
+            f"would cut packtools' per-document shards again as one causal sequence. Set cp_size=1 and pass "
+            f"prepare_trainer(trainer, context_parallel={config.cp_size}).",
+            param="parallelism_config",
+        )
+    if layout.tp_size > 1:
+        raise PackingError(
+            "context_parallel with tensor parallelism is not handled by packtools (CP groups are consecutive "
+            "processes, TP groups would overlap them); use one of the two.",
+            param="context_parallel",
+        )
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+        raise PackingError(
+            "context_parallel with DeepSpeed or FSDP has not been run with packtools; use DDP (torchrun) with "
+            "context_parallel, or context_parallel=None.",
+            param="context_parallel",
+        )
+    collator = trainer.data_collator
+    if not callable(getattr(collator, "replace", None)) or not getattr(collator, "padding_free", False):
+        raise PackingError(
+            f"context_parallel needs data_collator=packtools.PaddingFreeCollator(pad_token_id) (padding-free), "
+            f"got {type(collator).__name__}: CP shards one padding-free row per batch.",
+            param="data_collator",
+        )
+
+
+def prepare_context_parallel(trainer: Any, layout: RankLayout) -> None:
+    """Install the CP collator, attention and loss on ``trainer`` (recorded on it; see the module docstring)."""
+    torch = require("torch", "packtools context parallelism")
+    check_cp_trainer(trainer, layout)
+    group = cp_group(layout)
+    collator = ContextParallelCollator(trainer.data_collator, layout.cp_size, layout.cp_rank)
+    set_attr(trainer, "data_collator", collator, owner=trainer)
+    use_cp_attention(trainer.model, group, owner=trainer)
+    window = _WindowTargets()
+
+    def make_batches(original: Any) -> Any:
+        def get_batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+            samples, num_items = original(epoch_iterator, num_batches, device)
+            count = sum(int((b["shift_labels"] != -100).sum()) for b in samples)
+            total = torch.tensor([count], device=device)
+            if layout.world > 1:
+                total = trainer.accelerator.gather(total).sum()
+            window.targets = int(total)
+            return samples, num_items
+
+        return get_batch_samples
+
+    def make_loss(original: Any) -> Any:
+        def compute_loss(
+            model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+        ) -> Any:
+            outputs = model(**model_inputs(inputs))
+            loss, count = shifted_token_loss(outputs.logits, inputs["shift_labels"])
+            if model.training and window.targets is not None:
+                divided = trainer_divides_by_accumulation(trainer, num_items_in_batch)
+                steps = trainer.current_gradient_accumulation_steps if divided else 1
+                loss = loss * (steps * layout.world) / max(window.targets, 1)
+            else:  # evaluation: the batch's token mean over the CP group and DP ranks, once Trainer averages
+                loss = loss * layout.world / max(global_count(count), 1)
+            return (loss, outputs) if return_outputs else loss
+
+        return compute_loss
+
+    wrap_method(trainer, "get_batch_samples", make_batches)
+    wrap_method(trainer, "compute_loss", make_loss)

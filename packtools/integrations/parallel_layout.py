@@ -1,0 +1,141 @@
+"""Which processes of a run read the same batch: the data-parallel and context-parallel ranks, from the mesh.
+
+Under accelerate's ``ParallelismConfig`` (tensor parallelism ``tp``, context parallelism ``cp``, sharded or
+replicated data parallelism ``dp_shard`` / ``dp_replicate``) or DeepSpeed AutoTP, only the data-parallel
+group reads different rows: tensor- and context-parallel peers must receive the *same* batch (they all-reduce
+partial results of it, or hold pieces of it).  :func:`rank_layout` reads that layout once, from the public
+state accelerate keeps (``Accelerator.parallelism_config``, ``Accelerator.torch_device_mesh`` and its
+``get_local_rank``, DeepSpeed's ``tensor_parallel.autotp_size``), and hands it on as a :class:`RankLayout`
+value: the per-rank loaders shard over ``dp_size`` at ``dp_rank``, and losses that DDP averages are scaled by
+``dp_size``, never by the world size.
+
+A layout packtools does not handle is refused by name, never sharded silently:
+
+* accelerate's own context parallelism (``cp_size > 1`` with ``cp_backend="torch"``), unless packtools' context
+  parallelism takes it over (``context_parallel=...``): torch's ``context_parallel`` shards a packed row as one
+  causal sequence, so its documents attend to each other;
+* DeepSpeed sequence parallelism (``sp_size > 1``, Ulysses): its all-to-all layout is not one packtools checks;
+* a mesh whose sizes do not multiply to the world size, or a ``ParallelismConfig`` without a mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import PackingError
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """This process's place in the run: which data-parallel shard it reads and which context-parallel piece.
+
+    ``world = dp_size * cp_size * tp_size``; processes with the same ``dp_rank`` read the same batch.
+
+    >>> RankLayout(dp_rank=1, dp_size=2, tp_size=2).peers
+    2
+    """
+
+    dp_rank: int
+    dp_size: int
+    cp_rank: int = 0
+    cp_size: int = 1
+    tp_size: int = 1
+    source: str = "processes"
+
+    @property
+    def peers(self) -> int:
+        """How many processes read each batch (tensor- and context-parallel peers)."""
+        return self.cp_size * self.tp_size
+
+    @property
+    def world(self) -> int:
+        return self.dp_size * self.peers
+
+
+def _size(config: Any, name: str) -> int:
+    value = getattr(config, name, 1)
+    return 1 if value is None else int(value)
+
+
+def _mesh_rank(mesh: Any, names: tuple[str, ...], dim: str) -> int:
+    return int(mesh.get_local_rank(dim)) if dim in names else 0
+
+
+def _from_parallelism_config(accelerator: Any, config: Any, context_parallel: int | None) -> RankLayout:
+    tp, cp, sp = _size(config, "tp_size"), _size(config, "cp_size"), _size(config, "sp_size")
+    replicate, shard = _size(config, "dp_replicate_size"), _size(config, "dp_shard_size")
+    if sp > 1:
+        raise PackingError(
+            f"ParallelismConfig(sp_size={sp}): DeepSpeed sequence parallelism (Ulysses) splits rows with its own "
+            f"all-to-all, a layout packtools does not check for packed rows. Use packtools' context parallelism "
+            f"(prepare_trainer(..., context_parallel=N)) with sp_size=1.",
+            param="parallelism_config",
+        )
+    if cp > 1 and context_parallel is None:
+        raise PackingError(
+            f"ParallelismConfig(cp_size={cp}): accelerate's context parallelism (torch's context_parallel) shards a "
+            f"packed row as one causal sequence, so its documents attend to each other. Let packtools shard the "
+            f"rows per document: set cp_size=1 and pass prepare_trainer(trainer, context_parallel={cp}).",
+            param="parallelism_config",
+        )
+    if context_parallel is not None and cp > 1 and context_parallel != cp:
+        raise PackingError(
+            f"context_parallel={context_parallel} but ParallelismConfig(cp_size={cp}); give one CP size.",
+            param="context_parallel",
+        )
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if mesh is None or not hasattr(mesh, "get_local_rank"):
+        raise PackingError(
+            f"the accelerator has a ParallelismConfig (tp={tp}, cp={cp}) but no device mesh to read the "
+            f"data-parallel rank from; packtools will not guess which processes share a batch.",
+            param="parallelism_config",
+        )
+    dp_rank = _mesh_rank(mesh, names, "dp_replicate") * shard + _mesh_rank(mesh, names, "dp_shard")
+    layout = RankLayout(
+        dp_rank=dp_rank,
+        dp_size=replicate * shard,
+        cp_rank=_mesh_rank(mesh, names, "cp"),
+        cp_size=cp,
+        tp_size=tp,
+        source="ParallelismConfig device mesh",
+    )
+    return layout
+
+
+def rank_layout(trainer: Any, context_parallel: int | None = None) -> RankLayout:
+    """The :class:`RankLayout` of ``trainer``'s process (see the module docstring).
+
+    ``context_parallel`` is packtools' CP size when the caller asked for it (``prepare_trainer``); without a
+    ``ParallelismConfig`` the CP groups are consecutive processes (``cp_rank = process_index % N``).
+    """
+    args = trainer.args
+    world, index = max(int(args.world_size), 1), int(args.process_index)
+    accelerator = getattr(trainer, "accelerator", None)
+    config = getattr(accelerator, "parallelism_config", None)
+    layout = None
+    if config is not None:
+        layout = _from_parallelism_config(accelerator, config, context_parallel)
+    elif getattr(trainer, "is_deepspeed_enabled", False):
+        plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+        ds_config = getattr(plugin, "deepspeed_config", None) or {}
+        tp = int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 0) or 0)
+        if tp > 1:
+            layout = RankLayout(index // tp, world // tp, tp_size=tp, source="DeepSpeed AutoTP")
+    if layout is None:
+        cp = 1 if context_parallel is None else int(context_parallel)
+        if world % cp:
+            raise PackingError(
+                f"context_parallel={cp} does not divide the {world} processes of the run.",
+                param="context_parallel",
+            )
+        layout = RankLayout(index // cp, world // cp, cp_rank=index % cp, cp_size=cp)
+    if layout.world != world or not 0 <= layout.dp_rank < layout.dp_size:
+        raise PackingError(
+            f"the parallel layout read from the {layout.source} (dp={layout.dp_size}, cp={layout.cp_size}, "
+            f"tp={layout.tp_size}) does not cover the {world} processes of the run (rank {index} has data-parallel "
+            f"rank {layout.dp_rank}); packtools will not shard rows over a layout it cannot account for.",
+            param="parallelism_config",
+        )
+    return layout

@@ -1,0 +1,91 @@
+"""One process of the context-parallel harness of ``tests/test_cp_training.py`` (torchrun, gloo, CPU).
+
+Usage: ``torchrun --nproc_per_node W tests/_cp_worker.py CP OUT_DIR``.  ``W / CP`` data-parallel groups of
+``CP`` consecutive ranks; DP group ``d`` reads ``BATCHES[d :: W / CP]`` (all of them with one DP group).
+Each variant runs one SGD step (lr 1) of a tiny Llama (fp32) from the same weights on its CP shard, the loss
+being each rank's summed next-token loss divided by the step's target count over all ranks, the gradients
+summed over all ranks (``plain_cp_step`` in ``benchmarks/cp_loop.py``), and records the parameter change.
+Variants: ``cp`` (packtools' layout), ``whole_row`` (the row split as one sequence), ``shift_after``
+(labels shifted after the split), ``rank_mean`` (each rank's own token mean, averaged over ranks).
+Rank 0 writes ``OUT_DIR/result.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from cp_loop import BATCHES, cp_groups, plain_cp_step, tiny_llama_fp32  # noqa: E402
+
+from packtools import PaddingFreeCollator  # noqa: E402
+from packtools.batches.context_parallel import CP_KEY, CPLayout, CPShard, shard_row  # noqa: E402
+from packtools.integrations.cp_attention import use_cp_attention  # noqa: E402
+
+
+def variant_batches(name, rows, cp, rank, collator):
+    full = collator(rows)
+    lengths = np.diff(full["cu_seq_lens_q"])
+    ids, labels = full["input_ids"][0], full["labels"][0]
+    if name == "whole_row":
+        return shard_row(ids, labels, [int(lengths.sum())], cp, rank, 0)
+    batch = shard_row(ids, labels, lengths, cp, rank, 0)
+    if name == "shift_after":
+        layout = batch[CP_KEY].layout
+        src = layout.source(rank)
+        local = np.where(src >= 0, labels[np.maximum(src, 0)], -100)
+        batch["shift_labels"] = np.append(local[1:], -100)[None]
+    return batch
+
+
+def main() -> None:
+    cp, out = int(sys.argv[1]), Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group, dp_rank, cp_rank = cp_groups(cp)
+    dp = world // cp
+    collator = PaddingFreeCollator(0, return_tensors="np")
+    rows = [row for b in BATCHES[dp_rank::dp] for row in b]
+    result = {}
+    for name in ("cp", "whole_row", "shift_after", "rank_mean"):
+        model = tiny_llama_fp32()
+        use_cp_attention(model, group)
+        batch = variant_batches(name, rows, cp, cp_rank, collator)
+        delta, count = plain_cp_step(model, batch, rank_mean=name == "rank_mean")
+        result[name] = delta
+        result[name + "_count"] = count
+    # The shard a process cut for another CP rank is refused by name (a real gather would mix tokens).
+    model = tiny_llama_fp32()
+    use_cp_attention(model, group)
+    wrong = variant_batches("cp", rows, cp, (cp_rank + 1) % cp, collator)
+    try:
+        plain_cp_step(model, wrong)
+        result["refused"] = ""
+    except Exception as err:  # noqa: BLE001 - recorded for the test to assert on
+        result["refused"] = str(err)
+    layout = CPLayout.build(np.diff(collator(rows)["cu_seq_lens_q"]), cp)
+    result["targets_local"] = int(
+        (variant_batches("cp", rows, cp, cp_rank, collator)["shift_labels"] != -100).sum()
+    )
+    assert CPShard.build(layout, cp_rank).layout.cp_size == cp
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {k: v for k, v in result.items()})
+    if rank == 0:
+        torch.save(gathered, out / "result.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)

@@ -1,0 +1,183 @@
+"""Context parallelism for real: torchrun + gloo, tiny Llama fp32, one SGD step against one process.
+
+CP = 2 (2 processes, in the default run), CP = 4 and CP = 2 × DP = 2 (4 processes, slow): the parameter
+update of one optimizer step equals one process on the same global batch within 1e-5 relative, on rows with
+documents shorter than 2·CP, one long document and a single-document row; every target token is counted once.
+Negative controls, each visibly another step: the whole row split as one sequence (documents see each
+other), labels shifted after the split, the loss averaged per rank.  A shard cut for another CP rank is
+refused by name.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from cp_loop import BATCHES, tiny_llama_fp32  # noqa: E402
+
+from packtools import PaddingFreeCollator  # noqa: E402
+from packtools.integrations import segmented  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp_path, nproc: int, cp: int, worker: str = "_cp_worker.py", *extra: str) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={_free_port()}",
+        str(ROOT / "tests" / worker),
+        str(cp),
+        *extra,
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    name = "result.pt" if worker == "_cp_worker.py" else "trainer.pt"
+    return torch.load(tmp_path / name, weights_only=False)
+
+
+def reference_step(lr: float = 1.0):
+    """One process, all rows of every batch in one padding-free batch, global token mean, one SGD step."""
+    model = tiny_llama_fp32()
+    model.set_attn_implementation(segmented.register())
+    rows = [row for batch in BATCHES for row in batch]
+    batch = PaddingFreeCollator(0)(rows)
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    logits = model(
+        input_ids=batch["input_ids"],
+        position_ids=batch["position_ids"],
+        cu_seq_lens_q=batch["cu_seq_lens_q"],
+        cu_seq_lens_k=batch["cu_seq_lens_k"],
+        max_length_q=batch["max_length_q"],
+        max_length_k=batch["max_length_k"],
+        use_cache=False,
+    ).logits
+    labels = batch["labels"][0, 1:]
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1], labels, ignore_index=-100, reduction="sum")
+    count = int((labels != -100).sum())
+    (loss / count).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+    return {k: before[k] - p.detach() for k, p in model.named_parameters()}, count
+
+
+def rel(a: dict, b: dict) -> float:
+    num = sum(float((a[k] - b[k]).pow(2).sum()) for k in a)
+    den = sum(float(b[k].pow(2).sum()) for k in b)
+    return (num / den) ** 0.5
+
+
+def check(results: list[dict], cp: int) -> None:
+    want, count = reference_step()
+    # Every target counted once: the ranks' targets sum to the one process's.
+    assert sum(r["targets_local"] for r in results) == count
+    assert all(r["cp_count"] == r["targets_local"] for r in results)
+    for r in results:  # every rank ends the step with the same parameters, equal to one process's step
+        assert rel(r["cp"], want) < 1e-5
+    for control in ("whole_row", "shift_after", "rank_mean"):
+        assert rel(results[0][control], want) > 1e-3, control
+    assert all("was cut for CP rank" in r["refused"] for r in results)
+
+
+def test_cp2_step_equals_one_process(tmp_path):
+    check(launch(tmp_path, 2, 2), 2)
+
+
+@pytest.mark.slow
+def test_cp4_step_equals_one_process(tmp_path):
+    check(launch(tmp_path, 4, 4), 4)
+
+
+@pytest.mark.slow
+def test_cp2_dp2_step_equals_one_process(tmp_path):
+    check(launch(tmp_path, 4, 2), 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("nproc", "cp", "ga"), [(2, 2, 1), (2, 2, 2), (4, 2, 1)])
+def test_trainer_cp_step_equals_one_process(tmp_path, nproc, cp, ga):
+    """prepare_trainer(trainer, context_parallel=CP) under torchrun: CP=2 (with and without gradient
+    accumulation) and CP=2 x DP=2, one Trainer step equal to one process on the same global batch."""
+    want, _ = reference_step()
+    results = launch(tmp_path, nproc, cp, "_cp_trainer_worker.py", str(ga))
+    assert all(r["impl"] == "packtools_cp" for r in results)
+    assert all(rel(r["delta"], want) < 1e-5 for r in results)
+
+
+def test_shard_attention_of_every_rank_equals_the_unsplit_row():
+    """One process: each rank's shard attention over the keys of all ranks (what the all-gather hands it)
+    equals the unsplit row's per-document causal attention, forward and backward (gpu_check's part 3 on the
+    CPU reference); negative control: the same tokens laid out as one document (a whole-row split) differ."""
+    from gpu_check import check_cp, cp_shard_outputs
+
+    from packtools.batches import varlen_attention
+
+    rows, ok = check_cp(torch, "cpu", torch.float32, [], seed=0)
+    assert ok and len(rows) == 2
+    lengths = [3, 20, 1, 9]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lengths), h, 8, generator=g) for h in (4, 2, 2))
+    grad = torch.randn(sum(lengths), 4, 8, generator=g)
+    cu = torch.tensor([0, 3, 23, 24, 33], dtype=torch.int32)
+    ref = varlen_attention(q, k, v, cu, cu, 20, 20, causal=True)
+    whole, _ = cp_shard_outputs(torch, q, k, v, [sum(lengths)], 2, "reference", grad)
+    assert float((whole - ref).abs().max()) > 1e-2
+
+
+def test_cp_attention_refuses_what_it_does_not_apply():
+    """A sliding window (Mistral) and token-mixing layers would be silently ignored on a CP shard: refused."""
+    from _hf_models import tiny_arch
+
+    from packtools.batches.context_parallel import shard_row
+    from packtools.errors import PackingError
+    from packtools.integrations.cp_attention import use_cp_attention
+    from packtools.integrations.cp_training import model_inputs
+
+    batch = shard_row(list(range(2, 14)), list(range(2, 14)), [5, 7], 1, 0, 0)
+    batch = {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in batch.items()}
+    mistral = tiny_arch("Mistral")
+    use_cp_attention(mistral)
+    with pytest.raises(PackingError, match="sliding_window"):
+        mistral(**model_inputs(batch))
+    llama = tiny_arch("Llama")
+    use_cp_attention(llama)
+    reference = tiny_arch("Llama")
+    reference.set_attn_implementation(segmented.register())
+    full = PaddingFreeCollator(0)([{"input_ids": list(range(2, 14)), "seq_lengths": [5, 7]}])
+    with torch.no_grad():  # CP size 1: the shard is the row; equal to the segmented backend on the same row
+        got = llama(**model_inputs(batch)).logits
+        want = reference(
+            input_ids=full["input_ids"],
+            position_ids=full["position_ids"],
+            cu_seq_lens_q=full["cu_seq_lens_q"],
+            cu_seq_lens_k=full["cu_seq_lens_k"],
+            max_length_q=7,
+            max_length_k=7,
+            use_cache=False,
+        ).logits
+    src = torch.from_numpy(batch["packtools_cp"].layout.source(0))
+    assert torch.allclose(got[0, src >= 0], want[0, src[src >= 0]], atol=1e-5)
+    conv = tiny_arch("Llama")
+    conv.model.layers[0].mixer = torch.nn.Conv1d(4, 4, 3)  # a layer mixing tokens outside attention
+    with pytest.raises(PackingError, match="mixes tokens outside attention"):
+        use_cp_attention(conv)

@@ -1,0 +1,117 @@
+"""The data-parallel rank and size of a run, read from accelerate's mesh (F3): TP/CP peers share batches.
+
+In-process: the arithmetic over a real ``ParallelismConfig`` with a stand-in mesh (``get_local_rank`` of
+each named dimension, what torch's ``DeviceMesh`` answers), DeepSpeed AutoTP, and the refusals by name.
+The 2-process run over a real torch ``DeviceMesh`` (gloo, CPU) is in ``tests/test_context_parallel_ranks.py``
+(accelerate itself refuses ``ParallelismConfig`` on CPU: "only compatible with FSDP2, Multi{Device} or
+DeepSpeed, got MULTI_CPU", so no real ``Accelerator`` with a TP mesh runs here).
+"""
+
+from types import SimpleNamespace as NS
+
+import pytest
+
+from packtools.errors import PackingError
+from packtools.integrations.budget_loader import make_sampler
+from packtools.integrations.parallel_layout import RankLayout, rank_layout
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate.parallelism_config import ParallelismConfig  # noqa: E402
+
+
+class Mesh:
+    """Stand-in for torch's DeviceMesh over processes laid out as accelerate builds it (row-major)."""
+
+    def __init__(self, names, shape, index):
+        self.mesh_dim_names, self.shape, self.index = names, shape, index
+
+    def get_local_rank(self, dim):
+        coords, rest = {}, self.index
+        for name, size in reversed(list(zip(self.mesh_dim_names, self.shape))):
+            coords[name], rest = rest % size, rest // size
+        return coords[dim]
+
+
+def trainer(index, world, config=None, mesh=None, deepspeed=None):
+    accelerator = NS(parallelism_config=config, torch_device_mesh=mesh)
+    if deepspeed is not None:
+        accelerator.state = NS(deepspeed_plugin=NS(deepspeed_config=deepspeed))
+    args = NS(world_size=world, process_index=index, seed=0, data_seed=None, per_device_train_batch_size=2)
+    return NS(args=args, accelerator=accelerator, is_deepspeed_enabled=deepspeed is not None)
+
+
+def test_plain_processes_are_the_data_parallel_group():
+    assert rank_layout(trainer(3, 4)) == RankLayout(3, 4)
+
+
+def test_tensor_parallel_peers_share_a_data_parallel_rank():
+    config = ParallelismConfig(dp_shard_size=2, tp_size=2)
+    layouts = [rank_layout(trainer(i, 4, config, Mesh(("dp_shard", "tp"), (2, 2), i))) for i in range(4)]
+    assert [(lay.dp_rank, lay.dp_size, lay.tp_size) for lay in layouts] == [
+        (0, 2, 2),
+        (0, 2, 2),
+        (1, 2, 2),
+        (1, 2, 2),
+    ]
+    # The per-rank loaders: TP peers draw the same batches, the two DP ranks disjoint ones.
+    batches = [list(make_sampler(trainer(i, 4, config), range(10), None, layouts[i])) for i in range(4)]
+    assert batches[0] == batches[1] and batches[2] == batches[3]
+    assert not {i for b in batches[0] for i in b} & {i for b in batches[2] for i in b}
+    # Negative control: the process count as the DP group gives TP peers different rows.
+    wrong = [list(make_sampler(trainer(i, 4), range(10), None, RankLayout(i, 4))) for i in range(2)]
+    assert wrong[0] != wrong[1]
+
+
+def test_hybrid_replicate_and_shard_ranks():
+    config = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2)
+    names, shape = ("dp_replicate", "dp_shard", "tp"), (2, 2, 2)
+    ranks = [rank_layout(trainer(i, 8, config, Mesh(names, shape, i))).dp_rank for i in range(8)]
+    assert ranks == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_deepspeed_autotp():
+    ds = {"tensor_parallel": {"autotp_size": 2}}
+    assert [rank_layout(trainer(i, 4, deepspeed=ds)).dp_rank for i in range(4)] == [0, 0, 1, 1]
+    assert rank_layout(trainer(1, 4, deepspeed={})).dp_rank == 1
+
+
+def test_packtools_context_parallel_groups_consecutive_processes():
+    layouts = [rank_layout(trainer(i, 4), context_parallel=2) for i in range(4)]
+    assert [(lay.dp_rank, lay.cp_rank) for lay in layouts] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    with pytest.raises(PackingError, match="context_parallel=3 does not divide the 4 processes"):
+        rank_layout(trainer(0, 4), context_parallel=3)
+
+
+def test_unhandled_layouts_are_refused_by_name():
+    cp = ParallelismConfig(dp_shard_size=2, cp_size=2)
+    mesh = Mesh(("dp_shard", "cp"), (2, 2), 0)
+    with pytest.raises(PackingError, match=r"cp_size=2.*accelerate's context parallelism"):
+        rank_layout(trainer(0, 4, cp, mesh))
+    assert rank_layout(
+        trainer(3, 4, cp, Mesh(("dp_shard", "cp"), (2, 2), 3)), context_parallel=2
+    ) == RankLayout(1, 2, cp_rank=1, cp_size=2, source="ParallelismConfig device mesh")
+    with pytest.raises(PackingError, match="give one CP size"):
+        rank_layout(trainer(0, 4, cp, mesh), context_parallel=4)
+    with pytest.raises(PackingError, match=r"sp_size=2.*Ulysses"):
+        rank_layout(trainer(0, 2, ParallelismConfig(sp_size=2), mesh))
+    with pytest.raises(PackingError, match="no device mesh"):
+        rank_layout(trainer(0, 2, ParallelismConfig(tp_size=2), None))
+    with pytest.raises(PackingError, match="does not cover the 4 processes"):
+        rank_layout(trainer(0, 4, ParallelismConfig(tp_size=2), Mesh(("tp",), (2,), 0)))
+
+
+def test_prepare_dpo_trainer_refuses_context_parallelism_by_name(tmp_path):
+    pytest.importorskip("trl")
+    from test_dpo import build
+
+    from packtools import prepare_dpo_trainer
+
+    trainer = build(tmp_path)
+    config = ParallelismConfig(dp_shard_size=1, cp_size=2)
+    trainer.accelerator.state.parallelism_config = config  # what accelerate holds under a CP launch
+    try:
+        with pytest.raises(PackingError, match=r"cp_size=2.*prepare_dpo_trainer does not run context"):
+            prepare_dpo_trainer(trainer)
+    finally:
+        trainer.accelerator.state.parallelism_config = None
+    assert trainer.model.config._attn_implementation == "sdpa"  # left as TRL built it
