@@ -13,9 +13,11 @@ whole row), and 2-D per-document ids give image tokens text positions.  :func:`r
 Layout.  In transformers 5.25 the text model of all three families reads ``position_ids`` of shape
 ``(4, B, T)`` as *text positions first, then t/h/w*: the text row (``0, 1, 2, ...`` restarting per document)
 is what its ``sdpa``/``eager``/``flex`` masks and FlashAttention's position-id path detect packed documents
-from.  Given ``(3, B, T)``, Qwen2-VL and Qwen2.5-VL drop that detection and attend across documents (the
-negative control in ``tests/test_vision_train.py``), so :func:`row_positions` returns ``(4, T)`` for every
-family (``text_row=False`` gives the model's own 3 rows, for inspection).
+from.  Given ``(3, B, T)`` (or 2-D ids, or no ids) the models build no per-document mask and attend across
+documents (the negative controls in ``tests/test_vision_train.py``), so :func:`row_positions` returns
+``(4, T)`` for every family (``text_row=False`` gives the model's own 3 rows, for inspection).  The t/h/w rows
+must restart per document too, but a whole-row computation beside a per-document text row only shifts each
+document's three rows by one constant, which rotary embeddings cancel (the same loss, also tested).
 
 Videos are refused by name (their temporal spacing differs per family: seconds per grid in Qwen2.5-VL, one
 grid per frame with timestamps in Qwen3-VL); two images with no text token between them are refused too

@@ -78,23 +78,38 @@ from .guard import guard_model
 from .isolation import check_isolation as _check_isolation
 from .segmented import SEGMENTED_SDPA
 from .sft import causal_lm_loss, check_sft, is_sft_trainer, keep_packed_columns
+from .vision import check_multimodal_model, check_vision_isolation
+
+
+def _sharded(trainer: Any) -> bool:
+    return bool(getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False))
 
 
 def run_probe(
-    trainer: Any, *extra_models: Any, switched: Sequence[Any] = (), collator: Any = None, packed: bool = True
+    trainer: Any,
+    *extra_models: Any,
+    switched: Sequence[Any] = (),
+    collator: Any = None,
+    packed: bool = True,
+    vision: bool = False,
 ) -> None:
     """Run :func:`packtools.integrations.check_isolation` on the trainer's model (and ``extra_models``) unless sharded.
 
     ``switched`` are the models :func:`use_segmented_sdpa` switched: if the probe fails, they go back to
     ``sdpa`` and are probed again, so the error names either the model's own leak or packtools' backend.
+    ``vision=True`` runs the multimodal probe (:func:`~packtools.integrations.vision.check_vision_isolation`,
+    through the vision tower) instead.
     """
-    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+    if _sharded(trainer):
         warnings.warn(
             "prepare_trainer: the isolation probe was skipped because the model is sharded (DeepSpeed/FSDP) "
             "and cannot be run before train(); run packtools.integrations.check_isolation on an unsharded copy of the "
             "model (same class, config and attn_implementation) to check it.",
             stacklevel=3,
         )
+        return
+    if vision:
+        check_vision_isolation(trainer.model, trainer.data_collator)
         return
     if collator is None:
         collator = probe_collator(trainer.data_collator)
@@ -161,6 +176,7 @@ def prepare_trainer(
             param="trainer",
         )
     check_attention_implementation(trainer.model)
+    vision = check_multimodal_model(trainer.model, trainer.data_collator) is not None
     with all_or_nothing(trainer):
         keep_packed_columns(trainer)
         sft = is_sft_trainer(trainer)
@@ -182,13 +198,14 @@ def prepare_trainer(
         collator = adapt_collator(trainer.data_collator, trainer.model)
         if collator is not trainer.data_collator:
             set_attr(trainer, "data_collator", collator, owner=trainer)
-        if check_isolation:  # the trainer's own collator on a real batch, then the probe through it
+        probe_rows, packed = None, True
+        if check_isolation and not vision:  # the trainer's own collator on a real batch, then the probe through it
             probe_rows, packed = check_trainer_collator(trainer)
         install_train_loader(trainer, max_tokens, owner=trainer)
         guard_model(trainer.model, owner=trainer)
         with segmented_sdpa_until_checked([trainer.model], segmented_sdpa, owner=trainer) as switched:
             if check_isolation:
-                run_probe(trainer, switched=switched, collator=probe_rows, packed=packed)
+                run_probe(trainer, switched=switched, collator=probe_rows, packed=packed, vision=vision)
     return trainer
 
 
