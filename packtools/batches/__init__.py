@@ -21,6 +21,8 @@ _EXPORTS = {
     "varlen_attention": "packtools.batches.attention",
     "PreferenceCollator": "packtools.batches.preference",
     "sequence_logps": "packtools.batches.logps",
+    "MultimodalCollator": "packtools.batches.vision",
+    "MropeSpec": "packtools.batches.mrope",
 }
 
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
@@ -28,6 +30,8 @@ del lazy_exports
 
 __all__ = [
     "ArrowCollator",
+    "MropeSpec",
+    "MultimodalCollator",
     "PackedRows",
     "PackedView",
     "PaddingFreeCollator",

@@ -26,6 +26,7 @@ _EXPORTS = {
     "packed_sft_config": "packtools.integrations.sft",
     "use_segmented_sdpa": "packtools.integrations.backends",
     "check_isolation": "packtools.integrations.isolation",
+    "check_vision_isolation": "packtools.integrations.vision",
     "prepare_dpo_trainer": "packtools.integrations.trl",
 }
 
@@ -34,6 +35,7 @@ del lazy_exports
 
 __all__ = [
     "check_isolation",
+    "check_vision_isolation",
     "pack_dataset",
     "pack_preference",
     "pack_ray_dataset",

@@ -166,7 +166,14 @@ def prepare_trainer(
     FlashAttention varlen instead of ``(sum L_i)²`` under the block-diagonal mask, with the same result
     (the probe runs on it).  ``max_tokens=N`` batches by a token budget per process; with several processes
     every process runs the same number of micro-batches and no row is repeated
-    (:mod:`packtools.integrations.budget_loader`).  Returns the trainer.
+    (:mod:`packtools.integrations.budget_loader`).
+
+    Vision-language models (:mod:`packtools.integrations.vision`): Qwen2-VL, Qwen2.5-VL and Qwen3-VL (the list
+    is :data:`packtools.batches.mrope.VERIFIED_MODEL_TYPES`) train packed with
+    ``data_collator=packtools.batches.MultimodalCollator(model, pad_token_id)`` (per-document 3-D positions,
+    images in row order); any other multimodal model, or one of these with another collator, is refused by
+    name.  Their isolation probe runs samples with images through the vision tower
+    (:func:`~packtools.integrations.vision.check_vision_isolation`).  Returns the trainer.
     """
     require("transformers", "packtools.integrations.prepare_trainer")
     if is_instance(trainer, "trl", "DPOTrainer"):
