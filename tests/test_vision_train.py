@@ -155,3 +155,53 @@ def test_refusals_by_name(tmp_path):
     rows = [{"input_ids": [1, 2, 3], "seq_lengths": [3]}]
     with pytest.raises(PackingError, match="'llava'.*not verified"):
         prepare_trainer(trainer_for(llava, rows, tmp_path, collator=PaddingFreeCollator(0)))
+
+
+def _dataset(samples: list[dict]):
+    return datasets.Dataset.from_list(
+        [{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in s.items()} for s in samples]
+    )
+
+
+def test_pack_dataset_places_samples_whole_with_their_images_in_row_order():
+    from packtools import pack_dataset
+
+    samples = mixed_samples(4) + mixed_samples(5)
+    samples = [{**s, "pixel_values": s.get("pixel_values", np.zeros((0, 24), np.float32)),
+                "image_grid_thw": s.get("image_grid_thw", np.zeros((0, 3), np.int64))} for s in samples]
+    ds = _dataset(samples).shuffle(seed=3)  # a row mapping (indices) in front of the table
+    order = [int(i) for i in ds._indices.column(0).to_pylist()]
+    packed = pack_dataset(ds, 64)
+    seen = []
+    for row in packed:
+        start, patch, image = 0, 0, 0
+        for n in row["seq_lengths"]:
+            ids = row["input_ids"][start : start + n]
+            src = next(i for i in order if samples[i]["input_ids"] == ids and i not in seen)
+            seen.append(src)
+            grid = samples[src]["image_grid_thw"]
+            patches = samples[src]["pixel_values"]
+            assert np.array_equal(np.asarray(row["image_grid_thw"][image : image + len(grid)]).reshape(-1, 3), grid)
+            assert np.allclose(np.asarray(row["pixel_values"][patch : patch + len(patches)]).reshape(-1, 24), patches)
+            start, patch, image = start + n, patch + len(patches), image + len(grid)
+        assert patch == len(row["pixel_values"]) and image == len(row["image_grid_thw"])
+    assert sorted(seen) == list(range(len(samples)))
+    model = tiny_vl("qwen2_vl")
+    batch = MultimodalCollator(model, 0)(list(packed))  # the packed rows collate (images checked per row)
+    assert batch["image_grid_thw"].shape[0] == sum(len(s["image_grid_thw"]) for s in samples)
+    assert max(len(r["seq_lengths"]) for r in packed) > 1
+    ref, _ = one_by_one(copy.deepcopy(model), [{k: v for k, v in s.items() if len(s["image_grid_thw"]) or k == "input_ids"}
+                                               for s in samples])
+    assert abs(_loss(model, batch) - ref) < 1e-5
+    for strategy in ("bfd_split", "wrapped"):
+        with pytest.raises(PackingError, match="bfd"):
+            pack_dataset(ds, 64, strategy)
+    with pytest.raises(PackingError, match="never truncated"):
+        pack_dataset(ds, 20)
+    with pytest.raises(PackingError, match="lose their images"):
+        pack_dataset(ds, 64, columns=["input_ids"])
+    broken = _dataset([{**samples[0], "image_grid_thw": [[1, 2, 2]]}])
+    with pytest.raises(PackingError, match="patches"):
+        pack_dataset(broken, 64)
+    with pytest.raises(PackingError, match="IterableDataset"):
+        pack_dataset(_dataset(samples).to_iterable_dataset(), 64)

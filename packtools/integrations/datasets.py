@@ -26,6 +26,7 @@ from ..errors import PackingError
 from .compat.datasets import dataset_table, format_type
 from .compat.datasets import fingerprint as datasets_fingerprint
 from .drops import DropReport, TokensDroppedWarning, warn_dropped
+from .vision_data import has_images, pack_vision_table
 
 DEFAULT_WINDOW = 100_000
 
@@ -117,6 +118,13 @@ def pack_split(
     :func:`~packtools.integrations.dataset_views.packed_view`) reuse it."""
     ds_mod = datasets_module()
     table, indices = dataset_table(dataset)
+    if plan is None and has_images(table):  # processed vision-language samples: whole, images in row order
+        packed, p = pack_vision_table(table, indices, max_length, strategy, columns, shuffle=shuffle, seed=seed)
+        fingerprint = derived_fingerprint(
+            dataset, "pack", max_length=max_length, strategy=strategy, columns=columns, shuffle=shuffle, seed=seed
+        )
+        out = ds_mod.Dataset(packed, split=dataset.split, fingerprint=fingerprint)
+        return restore_format(out, dict(dataset.format), [SEQ_LENGTHS]), DropReport.from_plan(p)
     cols, lengths = read_columns(table, columns)
     if plan is not None:
         p = plan
@@ -186,6 +194,11 @@ def pack_dataset(
     ``return_report=True`` returns ``(packed, report)`` (a :class:`~packtools.integrations.drops.DropReport`, a
     dict of them for a ``DatasetDict``; not for an ``IterableDataset``, packed lazily).
 
+    Processed vision-language samples (``pixel_values`` and ``image_grid_thw`` columns beside ``input_ids``)
+    are packed by :mod:`packtools.integrations.vision_data`: ``bfd`` only, every sample whole (one longer than
+    ``max_length`` is refused, never truncated), its patches and grids concatenated in row order, in memory;
+    ``bfd_split`` / ``wrapped`` and ``IterableDataset`` inputs are refused.
+
     ``shuffle=True`` reorders the packed rows with ``seed`` (BFD emits the fullest rows first); for an
     ``IterableDataset`` each window is shuffled on its own, with the same seed (shuffle the stream's
     shards too, e.g. ``IterableDataset.shuffle``, for order across windows).
@@ -212,6 +225,12 @@ def pack_dataset(
         warn_dropped(report, "pack_dataset")
         return (out, report) if return_report else out
     if isinstance(dataset, ds_mod.IterableDataset):
+        if has_images(dataset):
+            raise PackingError(
+                "an IterableDataset with image columns (pixel_values / image_grid_thw) cannot be packed yet; "
+                "load it as a Dataset (its samples are packed whole, images in row order).",
+                param="dataset",
+            )
         if return_report:
             raise PackingError(
                 "return_report=True needs a Dataset: an IterableDataset is packed lazily, window by window.",
