@@ -23,6 +23,7 @@ from .._optional import require
 from ..batches.mrope import VERIFIED_MODEL_TYPES, MropeSpec
 from ..errors import PackingError
 from .backends import attention_implementation, base_model
+from .collator_check import _checking
 from .isolation import PERTURB_TOLERANCE, TOLERANCE, IsolationReport, _logits
 
 #: Config attributes that mark a model with a non-text tower.
@@ -145,7 +146,8 @@ def check_vision_isolation(model: Any, collator: Any, *, seed: int = 0, raise_on
         return {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
 
     def run_packed(parts: list[dict[str, Any]]) -> tuple[Any, tuple[str, ...]]:
-        batch = dict(collator(_packed_rows(parts)))
+        with _checking():  # not a training batch (collator wrappers read packtools.integrations.collator_check.in_check)
+            batch = dict(collator(_packed_rows(parts)))
         batch.pop("labels", None)
         batch = to_device(batch)
         return _logits(model(**batch, use_cache=False), name)[0], tuple(batch)
