@@ -162,6 +162,7 @@ def pack_dataset(
     window: int = DEFAULT_WINDOW,
     keep_in_memory: bool | None = None,
     return_report: bool = False,
+    processor: Any = None,
 ) -> Any:
     """Pack a ``datasets.Dataset``, ``DatasetDict`` or ``IterableDataset`` into rows of ``max_length`` tokens.
 
@@ -197,7 +198,10 @@ def pack_dataset(
     Processed vision-language samples (``pixel_values`` and ``image_grid_thw`` columns beside ``input_ids``)
     are packed by :mod:`packtools.integrations.vision_data`: ``bfd`` only, every sample whole (one longer than
     ``max_length`` is refused, never truncated), its patches and grids concatenated in row order, in memory;
-    ``bfd_split`` / ``wrapped`` and ``IterableDataset`` inputs are refused.
+    ``bfd_split`` / ``wrapped`` and ``IterableDataset`` inputs are refused.  ``processor=DIR`` (a local
+    folder of the model's processor) first processes rows in TRL's vision format (``messages`` with image
+    parts, ``images``: paths, bytes or PIL images) into those columns
+    (:func:`~packtools.integrations.vision_processor.process_vision_dataset`).
 
     ``shuffle=True`` reorders the packed rows with ``seed`` (BFD emits the fullest rows first); for an
     ``IterableDataset`` each window is shuffled on its own, with the same seed (shuffle the stream's
@@ -212,6 +216,16 @@ def pack_dataset(
     strategy = check_strategy(strategy)
     max_length = check_max_length(max_length)
     how = {"shuffle": shuffle, "seed": seed, "keep_in_memory": keep_in_memory}
+    if processor is not None:
+        from .vision_processor import load_vision_processor, process_vision_dataset
+
+        if not isinstance(dataset, (ds_mod.Dataset, ds_mod.DatasetDict)):
+            raise PackingError("processor= needs a Dataset or DatasetDict.", param="processor")
+        vp = load_vision_processor(processor) if isinstance(processor, (str, os.PathLike)) else processor
+        if isinstance(dataset, ds_mod.DatasetDict):
+            dataset = ds_mod.DatasetDict({k: process_vision_dataset(v, vp) for k, v in dataset.items()})
+        else:
+            dataset = process_vision_dataset(dataset, vp)
     if isinstance(dataset, ds_mod.DatasetDict):
         results = {
             name: pack_split(split, max_length, strategy, columns, **how) for name, split in dataset.items()
