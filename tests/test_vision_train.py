@@ -205,3 +205,25 @@ def test_pack_dataset_places_samples_whole_with_their_images_in_row_order():
         pack_dataset(broken, 64)
     with pytest.raises(PackingError, match="IterableDataset"):
         pack_dataset(_dataset(samples).to_iterable_dataset(), 64)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_padding_and_token_budget_batches_stay_exact(family, tmp_path):
+    samples = mixed_samples(6)
+    model = tiny_vl(family, "sdpa")
+    rows = packed_rows(samples)
+    batch = MultimodalCollator(model, 0, pad_to_multiple_of=16)(rows)
+    width = batch["input_ids"].shape[1]
+    assert width % 16 == 0 and batch["position_ids"].shape == (4, 1, width)
+    pad = int(batch["cu_seq_lens_q"][-1] - batch["cu_seq_lens_q"][-2])
+    assert torch.equal(batch["position_ids"][:, 0, width - pad :], torch.arange(pad).expand(4, pad))
+    ref, _ = one_by_one(copy.deepcopy(model), samples)
+    assert abs(_loss(model.eval(), batch) - ref) < 1e-5
+    # prepare_trainer(max_tokens=...): token-budget batches of packed multimodal rows, one step, exact
+    model.train()
+    reference = copy.deepcopy(model)
+    trainer = prepare_trainer(trainer_for(model, rows, tmp_path), max_tokens=200)
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    trainer.train()
+    _, grads = one_by_one(reference, samples)
+    assert max(float((before[k] - p.detach() - grads[k]).abs().max()) for k, p in model.named_parameters()) < 1e-5
