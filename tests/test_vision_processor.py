@@ -120,3 +120,16 @@ def test_refusals(tmp_path):
         load_vision_processor("Qwen/Qwen2-VL-2B-Instruct")  # a hub id: never downloaded
     with pytest.raises(PackingError, match="cannot open image"):
         process_vision_dataset(datasets.Dataset.from_list([{**rows[0], "images": [str(tmp_path / "none.png")]}]), folder)
+
+
+def test_profile_lengths_count_image_tokens_without_processing_pixels(tmp_path):
+    from packtools import profile_lengths
+    from packtools.integrations.vision_processor import vision_lengths
+
+    folder = processor_folder(tmp_path / "proc")
+    ds = _dataset(_rows(tmp_path))
+    lengths = vision_lengths(ds, folder)
+    done = process_vision_dataset(ds, folder)
+    assert lengths.tolist() == [len(r) for r in done["input_ids"]]
+    assert (lengths > [len(r) - int(np.sum(np.asarray(r) == IMAGE)) for r in done["input_ids"]]).sum() == 2
+    assert profile_lengths(lengths).lengths.tolist() == lengths.tolist()

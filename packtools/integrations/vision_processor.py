@@ -126,12 +126,7 @@ def open_image(value: Any, row: int) -> Any:
 def process_vision_sample(vp: VisionProcessor, messages: Any, images: Any, row: int = 0) -> dict[str, np.ndarray]:
     """One sample of TRL's vision format processed as the model's processor does it."""
     images = [open_image(v, row) for v in (images or [])]
-    if vp.processor is not None:
-        text = vp.processor.apply_chat_template(messages, tokenize=False)
-    else:
-        if vp.chat_template is None:
-            raise PackingError(f"processor={vp.path!r} has no chat template to render messages.", param="processor")
-        text = vp.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=vp.chat_template)
+    text = _render(vp, messages)
     parts = text.split(vp.image_token)
     if len(parts) - 1 != len(images):
         raise PackingError(
@@ -175,3 +170,41 @@ def process_vision_dataset(
         return process_vision_sample(vp, example[messages], example.get(images), idx)
 
     return dataset.map(one, with_indices=True, remove_columns=names)
+
+
+def _render(vp: VisionProcessor, messages: Any) -> str:
+    if vp.processor is not None:
+        return vp.processor.apply_chat_template(messages, tokenize=False)
+    if vp.chat_template is None:
+        raise PackingError(f"processor={vp.path!r} has no chat template to render messages.", param="processor")
+    return vp.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=vp.chat_template)
+
+
+def vision_lengths(
+    dataset: Any, processor: str | os.PathLike[str] | VisionProcessor, *, messages: str = "messages", images: str = "images"
+) -> np.ndarray:
+    """Token counts of rows in TRL's vision format as the model sees them (image tokens counted), without
+    processing a pixel: each image's tokens come from its size (read from the file header) through the image
+    processor's resize rule (``get_number_of_image_patches / merge²``).  Feed them to
+    :func:`packtools.profile_lengths` to choose ``max_length``.
+    """
+    vp = processor if isinstance(processor, VisionProcessor) else load_vision_processor(processor)
+    count = getattr(vp.image_processor, "get_number_of_image_patches", None)
+    if count is None:
+        raise PackingError(
+            f"processor={vp.path!r}: its image processor cannot count patches from sizes.", param="processor"
+        )
+    out = np.zeros(len(dataset), np.int64)
+    for i, example in enumerate(dataset):
+        text = _render(vp, example[messages])
+        pictures = [open_image(v, i) for v in (example.get(images) or [])]
+        if text.count(vp.image_token) != len(pictures):
+            raise PackingError(
+                f"row {i}: its messages hold {text.count(vp.image_token)} image part(s) but its images column has "
+                f"{len(pictures)} image(s).",
+                param="images",
+            )
+        placeholders = len(pictures)
+        tokens = len(vp.tokenizer(text)["input_ids"]) - placeholders
+        out[i] = tokens + sum(count(p.height, p.width) // vp.merge_size**2 for p in pictures)
+    return out
