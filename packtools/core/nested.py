@@ -17,8 +17,9 @@ from .arrow import is_list_type
 from .plan import PackPlan
 
 
-def check_whole_samples(p: PackPlan, what: str) -> None:
-    """Refuse a plan that cuts a sample (``bfd`` truncation, ``bfd_split`` chunks, ``wrapped`` cuts)."""
+def check_whole_samples(p: PackPlan, what: str, *, complete: bool = True) -> None:
+    """Refuse a plan that cuts a sample (``bfd`` truncation, ``bfd_split`` chunks, ``wrapped`` cuts) or, with
+    ``complete`` (a whole plan, not a slice of its rows), leaves one out."""
     cut = (p.seg_start != 0) | (p.seg_length != p.source_lengths[p.seg_source])
     if cut.any():
         s = int(np.flatnonzero(cut)[0])
@@ -27,6 +28,8 @@ def check_whole_samples(p: PackPlan, what: str) -> None:
             f"{p.max_length}): {what} must be placed whole. Raise max_length above the longest sample or drop the "
             f"samples that are longer."
         )
+    if not complete:
+        return
     kept = np.zeros(p.source_lengths.shape[0], bool)
     kept[p.seg_source] = True
     lost = np.flatnonzero(~kept & (p.source_lengths > 0))
@@ -49,7 +52,7 @@ def gather_whole_samples(
     """
     if not is_list_type(column.type):
         raise PackingError(f"a per-sample column must be a list column, got {column.type}.")
-    check_whole_samples(p, "samples with images")
+    check_whole_samples(p, "samples with images", complete=False)
     source = p.seg_source if row_indices is None else np.asarray(row_indices, np.int64)[p.seg_source]
     taken = column.take(pa.array(source, pa.int64()))
     if isinstance(taken, pa.ChunkedArray):

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..core.arrow import is_list_type
-from ..core.nested import gather_whole_samples
+from ..core.nested import check_whole_samples, gather_whole_samples
 from ..core.pack import pack_columns, read_columns
 from ..core.plan import PackPlan
 from ..core.plan import plan as make_plan
@@ -117,6 +117,7 @@ def pack_vision_table(
     p = make_plan(lengths, max_length, "bfd")
     if shuffle:
         p = p.shuffled(seed)
+    check_whole_samples(p, "samples with images")
     packed = pack_columns(cols, p, indices)
     for name in IMAGE_COLUMNS:
         packed = packed.append_column(name, gather_whole_samples(table.column(name), p, indices))
