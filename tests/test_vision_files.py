@@ -114,3 +114,15 @@ def test_rerun_after_sigkill_is_identical(tmp_path, at):
     if at != "installed":
         assert again.reused_blocks >= 3  # finished blocks staged before the kill were kept
     assert not (tmp_path / ".out.packtools").exists()
+
+
+def test_cli_pack_processor(tmp_path, capsys):
+    from packtools.cli.main import main
+
+    proc = processor_folder(tmp_path / "proc")
+    data = write_samples(tmp_path / "in", 12)
+    assert main(["pack", str(data), "--out", str(tmp_path / "out"), "--processor", proc, "--max-length", "96"]) == 0
+    assert "packed 12 samples" in capsys.readouterr().out
+    direct = pack_vision_files(data, tmp_path / "direct", processor=proc, max_length=96)
+    assert _bytes(tmp_path / "out") == _bytes(tmp_path / "direct")
+    assert main(["pack", str(data), "--out", str(tmp_path / "x"), "--processor", proc, "--strategy", "wrapped"]) != 0
