@@ -24,11 +24,13 @@ def samples():
     out = []
     for seed in (11, 12, 13):
         for s in mixed_samples(seed):
-            out.append({
-                "input_ids": s["input_ids"],
-                "pixel_values": s.get("pixel_values", np.zeros((0, 24), np.float32)).tolist(),
-                "image_grid_thw": s.get("image_grid_thw", np.zeros((0, 3), np.int64)).tolist(),
-            })
+            out.append(
+                {
+                    "input_ids": s["input_ids"],
+                    "pixel_values": s.get("pixel_values", np.zeros((0, 24), np.float32)).tolist(),
+                    "image_grid_thw": s.get("image_grid_thw", np.zeros((0, 3), np.int64)).tolist(),
+                }
+            )
     return out
 
 

@@ -28,10 +28,19 @@ def _text(family: str) -> dict:
         eos_token_id=2,
     )
     if family == "qwen3_vl":
-        text.update(head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+        text.update(
+            head_dim=8,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+        )
     else:
-        text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+        text.update(
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+        )
     return text
 
 
@@ -40,17 +49,42 @@ def _vision(family: str, patch: int = PATCH) -> dict:
     if family == "qwen2_vl":
         return dict(common, depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2)
     if family == "qwen2_5_vl":
-        return dict(common, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32,
-                    window_size=8, fullatt_block_indexes=[1])
-    return dict(common, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32,
-                num_position_embeddings=64, deepstack_visual_indexes=[0])
+        return dict(
+            common,
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=32,
+            window_size=8,
+            fullatt_block_indexes=[1],
+        )
+    return dict(
+        common,
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=32,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[0],
+    )
 
 
 def config(family: str, impl: str = "sdpa", patch: int = PATCH):
-    cls = {"qwen2_vl": transformers.Qwen2VLConfig, "qwen2_5_vl": transformers.Qwen2_5_VLConfig,
-           "qwen3_vl": transformers.Qwen3VLConfig}[family]
-    cfg = cls(text_config=_text(family), vision_config=_vision(family, patch), image_token_id=IMAGE,
-              video_token_id=VIDEO, vision_start_token_id=VSTART, vision_end_token_id=VEND)
+    cls = {
+        "qwen2_vl": transformers.Qwen2VLConfig,
+        "qwen2_5_vl": transformers.Qwen2_5_VLConfig,
+        "qwen3_vl": transformers.Qwen3VLConfig,
+    }[family]
+    cfg = cls(
+        text_config=_text(family),
+        vision_config=_vision(family, patch),
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=VSTART,
+        vision_end_token_id=VEND,
+    )
     cfg._attn_implementation = impl
     for sub in ("text_config", "vision_config"):
         getattr(cfg, sub)._attn_implementation = impl
@@ -60,9 +94,11 @@ def config(family: str, impl: str = "sdpa", patch: int = PATCH):
 def tiny_vl(family: str, impl: str = "sdpa", seed: int = 0, patch: int = PATCH):
     """A 2-layer model of ``family`` with random fp32 weights (text and vision towers)."""
     torch.manual_seed(seed)
-    cls = {"qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
-           "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
-           "qwen3_vl": transformers.Qwen3VLForConditionalGeneration}[family]
+    cls = {
+        "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
+        "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+        "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+    }[family]
     return cls(config(family, impl, patch)).float()
 
 
@@ -93,8 +129,29 @@ def mixed_samples(seed: int = 0) -> list[dict]:
     ]
 
 
-SPECIALS = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>", "<|im_end|>"]
-WORDS = ["<unk>", "<pad>", "</s>", "user", "assistant", "what", "is", "this", "a", "cat", "dog", "and", "here"]
+SPECIALS = [
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|im_start|>",
+    "<|im_end|>",
+]
+WORDS = [
+    "<unk>",
+    "<pad>",
+    "</s>",
+    "user",
+    "assistant",
+    "what",
+    "is",
+    "this",
+    "a",
+    "cat",
+    "dog",
+    "and",
+    "here",
+]
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }} {% if m['content'] is string %}{{ m['content'] }}"
     "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %} <|vision_start|><|image_pad|><|vision_end|> "
@@ -127,7 +184,9 @@ def processor_folder(path) -> str:
     cfg_path = os.path.join(path, "preprocessor_config.json")
     with open(cfg_path) as f:
         cfg = json.load(f)
-    cfg.update(image_processor_type="Qwen2VLImageProcessor", processor_class="Qwen2VLProcessor")  # as saved by the hub's
+    cfg.update(
+        image_processor_type="Qwen2VLImageProcessor", processor_class="Qwen2VLProcessor"
+    )  # as saved by the hub's
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
     return str(path)

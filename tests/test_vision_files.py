@@ -12,13 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _vl_models import IMAGE, processor_folder, tiny_vl
 
 from packtools.batches.vision import MultimodalCollator
 from packtools.errors import PackingError
 from packtools.integrations.vision_processor import load_vision_processor, process_vision_sample
 from packtools.pipeline.vision import pack_vision_files
-
-from _vl_models import IMAGE, processor_folder, tiny_vl
 
 datasets = pytest.importorskip("datasets")
 Image = pytest.importorskip("PIL.Image")
@@ -39,7 +38,10 @@ def write_samples(folder: Path, n: int, seed: int = 0) -> Path:
             Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(folder / name)
             images.append(name)
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": "what is this"}]
-        messages = [{"role": "user", "content": content}, {"role": "assistant", "content": "a " + "cat " * (i % 7)}]
+        messages = [
+            {"role": "user", "content": content},
+            {"role": "assistant", "content": "a " + "cat " * (i % 7)},
+        ]
         lines.append(json.dumps({"messages": messages, "images": images}))
     path = folder / "data.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -53,8 +55,15 @@ def unpack(row: dict) -> list[dict]:
         k = int(np.sum((ids == IMAGE) & ~np.concatenate([[False], ids[:-1] == IMAGE])))
         grid = np.asarray(row["image_grid_thw"][image : image + k], np.int64).reshape(-1, 3)
         p = int(grid.prod(axis=1).sum())
-        out.append({"input_ids": ids, "image_grid_thw": grid,
-                    "pixel_values": np.asarray(row["pixel_values"][patch : patch + p], np.float32).reshape(p, 1176)})
+        out.append(
+            {
+                "input_ids": ids,
+                "image_grid_thw": grid,
+                "pixel_values": np.asarray(row["pixel_values"][patch : patch + p], np.float32).reshape(
+                    p, 1176
+                ),
+            }
+        )
         start, patch, image = start + n, patch + p, image + k
     return out
 
@@ -66,7 +75,9 @@ def _bytes(folder: Path) -> dict:
 def test_packed_ids_and_pixels_equal_the_processor_per_sample(tmp_path):
     proc = processor_folder(tmp_path / "proc")
     data = write_samples(tmp_path / "in", 40)
-    result = pack_vision_files(data, tmp_path / "out", processor=proc, max_length=96, block_rows=8, shard_rows=4)
+    result = pack_vision_files(
+        data, tmp_path / "out", processor=proc, max_length=96, block_rows=8, shard_rows=4
+    )
     assert result.rows_in == 40 and result.rows_out < 40 and result.images > 0
     packed = datasets.load_from_disk(str(tmp_path / "out"))
     got = [s for row in packed for s in unpack(row)]
@@ -74,7 +85,9 @@ def test_packed_ids_and_pixels_equal_the_processor_per_sample(tmp_path):
     expected = []
     for line in data.read_text().splitlines():
         row = json.loads(line)
-        expected.append(process_vision_sample(vp, row["messages"], [str(data.parent / p) for p in row["images"]]))
+        expected.append(
+            process_vision_sample(vp, row["messages"], [str(data.parent / p) for p in row["images"]])
+        )
     assert len(got) == len(expected)
     key = lambda s: s["input_ids"].tobytes() + s["pixel_values"].tobytes()  # noqa: E731
     for g, e in zip(sorted(got, key=key), sorted(expected, key=key)):
@@ -103,12 +116,21 @@ pack_vision_files(sys.argv[1], sys.argv[2], processor=sys.argv[3], max_length=96
 def test_rerun_after_sigkill_is_identical(tmp_path, at):
     proc = processor_folder(tmp_path / "proc")
     data = write_samples(tmp_path / "in", 40)
-    clean = pack_vision_files(data, tmp_path / "clean", processor=proc, max_length=96, block_rows=8, shard_rows=4)
+    clean = pack_vision_files(
+        data, tmp_path / "clean", processor=proc, max_length=96, block_rows=8, shard_rows=4
+    )
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-c", KILLER, str(data), str(tmp_path / "out"), proc, at], env=env,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", KILLER, str(data), str(tmp_path / "out"), proc, at],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
-    again = pack_vision_files(data, tmp_path / "out", processor=proc, max_length=96, block_rows=8, shard_rows=4)
+    again = pack_vision_files(
+        data, tmp_path / "out", processor=proc, max_length=96, block_rows=8, shard_rows=4
+    )
     assert _bytes(tmp_path / "out") == _bytes(tmp_path / "clean")
     assert again.rows_out == clean.rows_out
     if at != "installed":
@@ -121,8 +143,14 @@ def test_cli_pack_processor(tmp_path, capsys):
 
     proc = processor_folder(tmp_path / "proc")
     data = write_samples(tmp_path / "in", 12)
-    assert main(["pack", str(data), "--out", str(tmp_path / "out"), "--processor", proc, "--max-length", "96"]) == 0
+    assert (
+        main(["pack", str(data), "--out", str(tmp_path / "out"), "--processor", proc, "--max-length", "96"])
+        == 0
+    )
     assert "packed 12 samples" in capsys.readouterr().out
-    direct = pack_vision_files(data, tmp_path / "direct", processor=proc, max_length=96)
+    pack_vision_files(data, tmp_path / "direct", processor=proc, max_length=96)
     assert _bytes(tmp_path / "out") == _bytes(tmp_path / "direct")
-    assert main(["pack", str(data), "--out", str(tmp_path / "x"), "--processor", proc, "--strategy", "wrapped"]) != 0
+    assert (
+        main(["pack", str(data), "--out", str(tmp_path / "x"), "--processor", proc, "--strategy", "wrapped"])
+        != 0
+    )

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _vl_models import FAMILIES, IMAGE, MERGE, VIDEO, image_sample, mixed_samples, tiny_vl, torch
 
 from packtools.batches.mrope import MropeSpec, document_positions, row_positions
 from packtools.errors import PackingError
-
-from _vl_models import FAMILIES, IMAGE, MERGE, VIDEO, image_sample, mixed_samples, tiny_vl, torch
 
 
 def _model_positions(model, sample: dict) -> np.ndarray:

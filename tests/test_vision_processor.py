@@ -9,13 +9,12 @@ import os
 
 import numpy as np
 import pytest
+from _vl_models import IMAGE, processor_folder, tiny_vl, torch, transformers
 
 from packtools import pack_dataset
 from packtools.batches.vision import MultimodalCollator
 from packtools.errors import PackingError
 from packtools.integrations.vision_processor import load_vision_processor, process_vision_dataset
-
-from _vl_models import IMAGE, processor_folder, tiny_vl, torch, transformers
 
 datasets = pytest.importorskip("datasets")
 Image = pytest.importorskip("PIL.Image")
@@ -57,19 +56,27 @@ def test_processor_folder_rows_equal_the_image_processor_and_the_placeholder_rul
     folder = processor_folder(tmp_path / "proc")
     vp = load_vision_processor(folder)
     assert vp.image_token_id == IMAGE and vp.merge_size == 2
-    if importlib.util.find_spec("torchvision") is None:  # transformers 5.25 builds no Qwen-VL processor without it
+    if (
+        importlib.util.find_spec("torchvision") is None
+    ):  # transformers 5.25 builds no Qwen-VL processor without it
         assert vp.processor is None and type(vp.image_processor).__name__ == "Qwen2VLImageProcessorPil"
     rows = _rows(tmp_path)
     done = process_vision_dataset(_dataset(rows), folder)
-    paths_only = process_vision_dataset(datasets.Dataset.from_list(rows[:2]), folder)  # a column of path strings
+    paths_only = process_vision_dataset(
+        datasets.Dataset.from_list(rows[:2]), folder
+    )  # a column of path strings
     assert paths_only[:] == done.select([0, 1])[:]
     assert set(done.column_names) == {"input_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids"}
     own = transformers.AutoImageProcessor.from_pretrained(folder)
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     for raw, got in zip(rows, done):
         ids = np.asarray(got["input_ids"])
-        images = [Image.open(io.BytesIO(v)) if isinstance(v, bytes) else (Image.open(v) if isinstance(v, str) else v)
-                  for v in raw["images"]]
+        images = [
+            Image.open(io.BytesIO(v))
+            if isinstance(v, bytes)
+            else (Image.open(v) if isinstance(v, str) else v)
+            for v in raw["images"]
+        ]
         text = tok.apply_chat_template(raw["messages"], tokenize=False)
         single = np.asarray(tok(text)["input_ids"])  # one placeholder per image
         is_img = ids == IMAGE
@@ -106,8 +113,12 @@ def test_pack_dataset_with_processor_trains_like_one_by_one(tmp_path):
         samples.append(s)
     ref, _ = one_by_one(copy.deepcopy(model), samples)
     assert abs(_loss(model.eval(), batch) - ref) < 1e-5
-    assert torch.equal(batch["image_grid_thw"].sum(0), torch.as_tensor(np.concatenate(
-        [s["image_grid_thw"] for s in samples if "image_grid_thw" in s])).sum(0))
+    assert torch.equal(
+        batch["image_grid_thw"].sum(0),
+        torch.as_tensor(np.concatenate([s["image_grid_thw"] for s in samples if "image_grid_thw" in s])).sum(
+            0
+        ),
+    )
 
 
 def test_refusals(tmp_path):
@@ -119,7 +130,9 @@ def test_refusals(tmp_path):
     with pytest.raises(PackingError, match="not a folder"):
         load_vision_processor("Qwen/Qwen2-VL-2B-Instruct")  # a hub id: never downloaded
     with pytest.raises(PackingError, match="cannot open image"):
-        process_vision_dataset(datasets.Dataset.from_list([{**rows[0], "images": [str(tmp_path / "none.png")]}]), folder)
+        process_vision_dataset(
+            datasets.Dataset.from_list([{**rows[0], "images": [str(tmp_path / "none.png")]}]), folder
+        )
 
 
 def test_profile_lengths_count_image_tokens_without_processing_pixels(tmp_path):

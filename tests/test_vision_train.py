@@ -11,14 +11,13 @@ import copy
 
 import numpy as np
 import pytest
+from _vl_models import FAMILIES, IMAGE, mixed_samples, tiny_vl, torch, transformers
 
 from packtools import PaddingFreeCollator, prepare_trainer
 from packtools.batches.mrope import MropeSpec
 from packtools.batches.vision import MultimodalCollator
 from packtools.errors import PackingError
 from packtools.integrations.vision import check_vision_isolation
-
-from _vl_models import FAMILIES, IMAGE, mixed_samples, tiny_vl, torch, transformers
 
 datasets = pytest.importorskip("datasets")
 
@@ -54,8 +53,11 @@ def one_by_one(model, samples: list[dict]) -> tuple[float, dict]:
         labels = ids.masked_fill(ids == IMAGE, -100)
         extra = {}
         if "pixel_values" in s:
-            extra = dict(pixel_values=torch.tensor(s["pixel_values"]), image_grid_thw=torch.tensor(s["image_grid_thw"]),
-                         mm_token_type_ids=(ids == IMAGE).int())
+            extra = dict(
+                pixel_values=torch.tensor(s["pixel_values"]),
+                image_grid_thw=torch.tensor(s["image_grid_thw"]),
+                mm_token_type_ids=(ids == IMAGE).int(),
+            )
         out = model(input_ids=ids, labels=labels, use_cache=False, num_items_in_batch=total, **extra)
         out.loss.backward()
         loss_sum += float(out.loss.detach())
@@ -63,13 +65,28 @@ def one_by_one(model, samples: list[dict]) -> tuple[float, dict]:
 
 
 def trainer_for(model, rows, tmp_path, collator=None, **overrides):
-    args = dict(output_dir=str(tmp_path), per_device_train_batch_size=len(rows), max_steps=1, optim="sgd",
-                learning_rate=1.0, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
-                report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True)
+    args = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=len(rows),
+        max_steps=1,
+        optim="sgd",
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
     args.update(overrides)
-    return transformers.Trainer(model, transformers.TrainingArguments(**args),
-                                train_dataset=datasets.Dataset.from_list(rows),
-                                data_collator=collator if collator is not None else MultimodalCollator(model, 0))
+    return transformers.Trainer(
+        model,
+        transformers.TrainingArguments(**args),
+        train_dataset=datasets.Dataset.from_list(rows),
+        data_collator=collator if collator is not None else MultimodalCollator(model, 0),
+    )
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
@@ -84,8 +101,11 @@ def test_packed_training_step_equals_one_by_one(family, impl, tmp_path):
     ref_loss, ref_grads = one_by_one(reference, samples)
     assert abs(result.training_loss - ref_loss) < 1e-5
     # SGD with lr 1, no clipping, no decay: the step is minus the gradient.
-    diffs = [float((before[k] - p.detach() - ref_grads[k]).abs().max()) for k, p in model.named_parameters()
-             if k in ref_grads]
+    diffs = [
+        float((before[k] - p.detach() - ref_grads[k]).abs().max())
+        for k, p in model.named_parameters()
+        if k in ref_grads
+    ]
     assert len(diffs) == len(ref_grads) and max(diffs) < 1e-5
     visual = [k for k in ref_grads if ".visual." in k]
     assert visual and all(float(ref_grads[k].abs().max()) > 0 for k in visual[:3])  # the vision tower learns
@@ -105,12 +125,15 @@ def test_negative_controls_2d_or_whole_row_positions_change_the_loss(family):
     ref, _ = one_by_one(copy.deepcopy(model), samples)
     assert abs(right - ref) < 1e-5
     ids = batch["input_ids"]
-    whole, _ = model.model.get_rope_index(ids, mm_token_type_ids=(ids == IMAGE).int(),
-                                          image_grid_thw=batch["image_grid_thw"])
+    whole, _ = model.model.get_rope_index(
+        ids, mm_token_type_ids=(ids == IMAGE).int(), image_grid_thw=batch["image_grid_thw"]
+    )
     wrong = {
         "2-D per-document positions": {**batch, "position_ids": batch["position_ids"][0]},
         "3-D positions over the whole row": {**batch, "position_ids": whole},
-        "the model's own positions (over the whole row)": {k: v for k, v in batch.items() if k != "position_ids"},
+        "the model's own positions (over the whole row)": {
+            k: v for k, v in batch.items() if k != "position_ids"
+        },
         "per-document t/h/w without the text row": {**batch, "position_ids": batch["position_ids"][1:]},
     }
     for name, bad in wrong.items():
@@ -146,12 +169,20 @@ def test_refusals_by_name(tmp_path):
     other = MultimodalCollator(MropeSpec("qwen2_5_vl", IMAGE, None, 4), 0)
     with pytest.raises(PackingError, match="built for"):
         prepare_trainer(trainer_for(model, rows, tmp_path, collator=other))
-    text = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                    num_attention_heads=2)
-    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                           num_attention_heads=2, image_size=8, patch_size=4)
+    text = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=8,
+        patch_size=4,
+    )
     llava = transformers.LlavaForConditionalGeneration(
-        transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_id=60))
+        transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_id=60)
+    )
     rows = [{"input_ids": [1, 2, 3], "seq_lengths": [3]}]
     with pytest.raises(PackingError, match="'llava'.*not verified"):
         prepare_trainer(trainer_for(llava, rows, tmp_path, collator=PaddingFreeCollator(0)))
@@ -167,8 +198,14 @@ def test_pack_dataset_places_samples_whole_with_their_images_in_row_order():
     from packtools import pack_dataset
 
     samples = mixed_samples(4) + mixed_samples(5)
-    samples = [{**s, "pixel_values": s.get("pixel_values", np.zeros((0, 24), np.float32)),
-                "image_grid_thw": s.get("image_grid_thw", np.zeros((0, 3), np.int64))} for s in samples]
+    samples = [
+        {
+            **s,
+            "pixel_values": s.get("pixel_values", np.zeros((0, 24), np.float32)),
+            "image_grid_thw": s.get("image_grid_thw", np.zeros((0, 3), np.int64)),
+        }
+        for s in samples
+    ]
     ds = _dataset(samples).shuffle(seed=3)  # a row mapping (indices) in front of the table
     order = [int(i) for i in ds._indices.column(0).to_pylist()]
     packed = pack_dataset(ds, 64)
@@ -181,8 +218,12 @@ def test_pack_dataset_places_samples_whole_with_their_images_in_row_order():
             seen.append(src)
             grid = samples[src]["image_grid_thw"]
             patches = samples[src]["pixel_values"]
-            assert np.array_equal(np.asarray(row["image_grid_thw"][image : image + len(grid)]).reshape(-1, 3), grid)
-            assert np.allclose(np.asarray(row["pixel_values"][patch : patch + len(patches)]).reshape(-1, 24), patches)
+            assert np.array_equal(
+                np.asarray(row["image_grid_thw"][image : image + len(grid)]).reshape(-1, 3), grid
+            )
+            assert np.allclose(
+                np.asarray(row["pixel_values"][patch : patch + len(patches)]).reshape(-1, 24), patches
+            )
             start, patch, image = start + n, patch + len(patches), image + len(grid)
         assert patch == len(row["pixel_values"]) and image == len(row["image_grid_thw"])
     assert sorted(seen) == list(range(len(samples)))
@@ -190,8 +231,10 @@ def test_pack_dataset_places_samples_whole_with_their_images_in_row_order():
     batch = MultimodalCollator(model, 0)(list(packed))  # the packed rows collate (images checked per row)
     assert batch["image_grid_thw"].shape[0] == sum(len(s["image_grid_thw"]) for s in samples)
     assert max(len(r["seq_lengths"]) for r in packed) > 1
-    ref, _ = one_by_one(copy.deepcopy(model), [{k: v for k, v in s.items() if len(s["image_grid_thw"]) or k == "input_ids"}
-                                               for s in samples])
+    ref, _ = one_by_one(
+        copy.deepcopy(model),
+        [{k: v for k, v in s.items() if len(s["image_grid_thw"]) or k == "input_ids"} for s in samples],
+    )
     assert abs(_loss(model, batch) - ref) < 1e-5
     for strategy in ("bfd_split", "wrapped"):
         with pytest.raises(PackingError, match="bfd"):
@@ -226,4 +269,7 @@ def test_padding_and_token_budget_batches_stay_exact(family, tmp_path):
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
     trainer.train()
     _, grads = one_by_one(reference, samples)
-    assert max(float((before[k] - p.detach() - grads[k]).abs().max()) for k, p in model.named_parameters()) < 1e-5
+    assert (
+        max(float((before[k] - p.detach() - grads[k]).abs().max()) for k, p in model.named_parameters())
+        < 1e-5
+    )

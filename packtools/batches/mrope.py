@@ -57,7 +57,8 @@ class MropeSpec:
             )
         if int(self.spatial_merge_size) < 1:
             raise PackingError(
-                f"spatial_merge_size must be >= 1, got {self.spatial_merge_size!r}.", param="spatial_merge_size"
+                f"spatial_merge_size must be >= 1, got {self.spatial_merge_size!r}.",
+                param="spatial_merge_size",
             )
 
     @classmethod
@@ -73,7 +74,9 @@ class MropeSpec:
                 param="model",
             )
         video = getattr(config, "video_token_id", None)
-        return cls(model_type, image, video if isinstance(video, int) else None, int(vision.spatial_merge_size))
+        return cls(
+            model_type, image, video if isinstance(video, int) else None, int(vision.spatial_merge_size)
+        )
 
 
 def image_token_counts(image_grid_thw: Any, merge_size: int) -> np.ndarray:
@@ -100,9 +103,7 @@ def check_grid(image_grid_thw: Any, name: str, row: int | None = None) -> np.nda
     return grid.astype(np.int64, copy=False)
 
 
-def document_positions(
-    input_ids: Any, image_grid_thw: Any, spec: MropeSpec, *, doc: int = 0
-) -> np.ndarray:
+def document_positions(input_ids: Any, image_grid_thw: Any, spec: MropeSpec, *, doc: int = 0) -> np.ndarray:
     """The ``(3, n)`` t/h/w positions of one document, as the model's ``get_rope_index`` computes them.
 
     >>> spec = MropeSpec("qwen2_vl", image_token_id=9, video_token_id=8, spatial_merge_size=2)

@@ -80,7 +80,9 @@ class MultimodalCollator:
         return_seq_idx: bool = False,
         return_mm_token_type_ids: bool = True,
     ) -> None:
-        self.spec = model if isinstance(model, MropeSpec) else MropeSpec.from_config(getattr(model, "config", model))
+        self.spec = (
+            model if isinstance(model, MropeSpec) else MropeSpec.from_config(getattr(model, "config", model))
+        )
         self.text = PaddingFreeCollator(
             pad_token_id,
             pad_to_multiple_of,
@@ -100,7 +102,13 @@ class MultimodalCollator:
     def options(self) -> dict[str, Any]:
         """The constructor arguments (``MultimodalCollator(**c.options())`` copies it)."""
         text = self.text.options()
-        keep = ("pad_token_id", "pad_to_multiple_of", "unpacked", "completion_only_loss", "assistant_only_loss")
+        keep = (
+            "pad_token_id",
+            "pad_to_multiple_of",
+            "unpacked",
+            "completion_only_loss",
+            "assistant_only_loss",
+        )
         return {
             "model": self.spec,
             **{k: text[k] for k in keep},
@@ -158,7 +166,9 @@ class MultimodalCollator:
             pix = _pixels(row.get("pixel_values"), i, int(grid.prod(axis=1).sum()))
             if n == 0:
                 if grid.shape[0]:
-                    raise PackingError(f"row {i} is empty but has {grid.shape[0]} image(s) in image_grid_thw.")
+                    raise PackingError(
+                        f"row {i} is empty but has {grid.shape[0]} image(s) in image_grid_thw."
+                    )
                 continue
             segs = flat.seg_lengths[seg_at : seg_at + int(flat.segs_per_row[kept])]
             seg_at += segs.shape[0]

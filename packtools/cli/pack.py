@@ -165,10 +165,16 @@ def _run_vision(args: argparse.Namespace, max_length: int) -> int:
         raise PackingError("--processor needs INPUT files (.jsonl) and --out DIR.", param="processor")
     if args.strategy != "bfd":
         raise PackingError(
-            f"--strategy {args.strategy}: vision-language samples are packed whole (--strategy bfd).", param="strategy"
+            f"--strategy {args.strategy}: vision-language samples are packed whole (--strategy bfd).",
+            param="strategy",
         )
     r = pack_vision_files(
-        args.input, args.out, processor=args.processor, max_length=max_length, shuffle=args.shuffle, seed=args.seed
+        args.input,
+        args.out,
+        processor=args.processor,
+        max_length=max_length,
+        shuffle=args.shuffle,
+        seed=args.seed,
     )
     if not args.quiet:
         print(

@@ -119,9 +119,17 @@ def pack_split(
     ds_mod = datasets_module()
     table, indices = dataset_table(dataset)
     if plan is None and has_images(table):  # processed vision-language samples: whole, images in row order
-        packed, p = pack_vision_table(table, indices, max_length, strategy, columns, shuffle=shuffle, seed=seed)
+        packed, p = pack_vision_table(
+            table, indices, max_length, strategy, columns, shuffle=shuffle, seed=seed
+        )
         fingerprint = derived_fingerprint(
-            dataset, "pack", max_length=max_length, strategy=strategy, columns=columns, shuffle=shuffle, seed=seed
+            dataset,
+            "pack",
+            max_length=max_length,
+            strategy=strategy,
+            columns=columns,
+            shuffle=shuffle,
+            seed=seed,
         )
         out = ds_mod.Dataset(packed, split=dataset.split, fingerprint=fingerprint)
         return restore_format(out, dict(dataset.format), [SEQ_LENGTHS]), DropReport.from_plan(p)

@@ -206,7 +206,8 @@ def prepare_trainer(
         if collator is not trainer.data_collator:
             set_attr(trainer, "data_collator", collator, owner=trainer)
         probe_rows, packed = None, True
-        if check_isolation and not vision:  # the trainer's own collator on a real batch, then the probe through it
+        # the trainer's own collator on a real batch, then the probe through it (vision: its own probe)
+        if check_isolation and not vision:
             probe_rows, packed = check_trainer_collator(trainer)
         install_train_loader(trainer, max_tokens, owner=trainer)
         guard_model(trainer.model, owner=trainer)

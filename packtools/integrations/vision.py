@@ -76,7 +76,9 @@ def probe_samples(model: Any, rng: np.random.Generator) -> list[dict[str, Any]]:
     config = base.config
     vision = config.vision_config
     merge = int(vision.spatial_merge_size)
-    dim = int(getattr(vision, "in_channels", 3)) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+    dim = (
+        int(getattr(vision, "in_channels", 3)) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+    )
     vocab = int(config.get_text_config().vocab_size)
     special = {
         getattr(config, name, None)
@@ -118,7 +120,9 @@ def _packed_rows(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [row, {**samples[2], "seq_lengths": [len(samples[2]["input_ids"])]}]
 
 
-def check_vision_isolation(model: Any, collator: Any, *, seed: int = 0, raise_on_leak: bool = True) -> IsolationReport:
+def check_vision_isolation(
+    model: Any, collator: Any, *, seed: int = 0, raise_on_leak: bool = True
+) -> IsolationReport:
     """Check that ``model`` keeps packed multimodal samples apart, vision tower included.
 
     Runs in eval mode without gradients; the train/eval flags are restored.  Raises :class:`PackingError`
@@ -146,7 +150,9 @@ def check_vision_isolation(model: Any, collator: Any, *, seed: int = 0, raise_on
         return {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
 
     def run_packed(parts: list[dict[str, Any]]) -> tuple[Any, tuple[str, ...]]:
-        with _checking():  # not a training batch (collator wrappers read packtools.integrations.collator_check.in_check)
+        with (
+            _checking()
+        ):  # not a training batch (collator wrappers read packtools.integrations.collator_check.in_check)
             batch = dict(collator(_packed_rows(parts)))
         batch.pop("labels", None)
         batch = to_device(batch)

@@ -95,7 +95,9 @@ def pack_vision_table(
         )
     _check_patches(table)
     token_names = [n for n in names if n not in IMAGE_COLUMNS]
-    non_list = [n for n in token_names if n in table.column_names and not is_list_type(table.schema.field(n).type)]
+    non_list = [
+        n for n in token_names if n in table.column_names and not is_list_type(table.schema.field(n).type)
+    ]
     if non_list:
         raise PackingError(
             f"columns {non_list} are not list columns, so they cannot be packed; pass columns=[...] with the "

@@ -100,7 +100,14 @@ def load_vision_processor(path: str | os.PathLike[str]) -> VisionProcessor:
             param="processor",
         )
     return VisionProcessor(
-        path, tokenizer, image_processor, image_token, token_id, merge, _chat_template(path, tokenizer), processor
+        path,
+        tokenizer,
+        image_processor,
+        image_token,
+        token_id,
+        merge,
+        _chat_template(path, tokenizer),
+        processor,
     )
 
 
@@ -119,11 +126,14 @@ def open_image(value: Any, row: int) -> Any:
     except OSError as err:
         raise PackingError(f"row {row}: cannot open image {str(value)[:80]!r}: {err}") from err
     raise PackingError(
-        f"row {row}: an image must be a path, bytes or a PIL image, got {type(value).__name__}.", param="images"
+        f"row {row}: an image must be a path, bytes or a PIL image, got {type(value).__name__}.",
+        param="images",
     )
 
 
-def process_vision_sample(vp: VisionProcessor, messages: Any, images: Any, row: int = 0) -> dict[str, np.ndarray]:
+def process_vision_sample(
+    vp: VisionProcessor, messages: Any, images: Any, row: int = 0
+) -> dict[str, np.ndarray]:
     """One sample of TRL's vision format processed as the model's processor does it."""
     images = [open_image(v, row) for v in (images or [])]
     text = _render(vp, messages)
@@ -150,14 +160,24 @@ def process_vision_sample(vp: VisionProcessor, messages: Any, images: Any, row: 
         expanded = parts[0] + "".join(vp.image_token * int(n) + p for n, p in zip(counts, parts[1:]))
         ids = np.asarray(vp.tokenizer(expanded)["input_ids"], np.int64)
     row_out = {"input_ids": ids, "mm_token_type_ids": (ids == vp.image_token_id).astype(np.int64)}
-    dim = 3 * int(getattr(vp.image_processor, "temporal_patch_size", 2)) * int(vp.image_processor.patch_size) ** 2
-    row_out["pixel_values"] = np.zeros((0, dim), np.float32) if pixels is None else np.asarray(pixels, np.float32)
+    dim = (
+        3
+        * int(getattr(vp.image_processor, "temporal_patch_size", 2))
+        * int(vp.image_processor.patch_size) ** 2
+    )
+    row_out["pixel_values"] = (
+        np.zeros((0, dim), np.float32) if pixels is None else np.asarray(pixels, np.float32)
+    )
     row_out["image_grid_thw"] = grid
     return row_out
 
 
 def process_vision_dataset(
-    dataset: Any, processor: str | os.PathLike[str] | VisionProcessor, *, messages: str = "messages", images: str = "images"
+    dataset: Any,
+    processor: str | os.PathLike[str] | VisionProcessor,
+    *,
+    messages: str = "messages",
+    images: str = "images",
 ) -> Any:
     """A ``datasets.Dataset`` in TRL's vision format, processed row by row (``input_ids``, ``pixel_values``,
     ``image_grid_thw``, ``mm_token_type_ids``); the other columns are left out."""
@@ -176,12 +196,18 @@ def _render(vp: VisionProcessor, messages: Any) -> str:
     if vp.processor is not None:
         return vp.processor.apply_chat_template(messages, tokenize=False)
     if vp.chat_template is None:
-        raise PackingError(f"processor={vp.path!r} has no chat template to render messages.", param="processor")
+        raise PackingError(
+            f"processor={vp.path!r} has no chat template to render messages.", param="processor"
+        )
     return vp.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=vp.chat_template)
 
 
 def vision_lengths(
-    dataset: Any, processor: str | os.PathLike[str] | VisionProcessor, *, messages: str = "messages", images: str = "images"
+    dataset: Any,
+    processor: str | os.PathLike[str] | VisionProcessor,
+    *,
+    messages: str = "messages",
+    images: str = "images",
 ) -> np.ndarray:
     """Token counts of rows in TRL's vision format as the model sees them (image tokens counted), without
     processing a pixel: each image's tokens come from its size (read from the file header) through the image

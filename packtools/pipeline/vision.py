@@ -120,7 +120,9 @@ def _stage_block(vp: Any, path: str, rows: list[tuple[int, dict[str, Any]]], sch
         if "messages" not in row:
             raise PackingError(f"{path}:{line_no}: the row has no 'messages' (it has {sorted(row)}).")
         try:
-            done.append(process_vision_sample(vp, row["messages"], _resolve(row.get("images"), base), line_no))
+            done.append(
+                process_vision_sample(vp, row["messages"], _resolve(row.get("images"), base), line_no)
+            )
         except PackingError as err:
             raise PackingError(f"{path}:{line_no}: {err}") from None
     dim = schema.field("pixel_values").type.value_type.list_size
@@ -130,7 +132,9 @@ def _stage_block(vp: Any, path: str, rows: list[tuple[int, dict[str, Any]]], sch
         "pixel_values": [d["pixel_values"].reshape(-1, dim) for d in done],
         "image_grid_thw": [d["image_grid_thw"].reshape(-1, 3) for d in done],
     }
-    return pa.table({k: pa.array([list(v) for v in vals], schema.field(k).type) for k, vals in columns.items()})
+    return pa.table(
+        {k: pa.array([list(v) for v in vals], schema.field(k).type) for k, vals in columns.items()}
+    )
 
 
 def _mapped(paths: Sequence[str]) -> pa.Table:
@@ -156,12 +160,20 @@ def pack_vision_files(
     paths = [os.fspath(inputs)] if isinstance(inputs, (str, os.PathLike)) else [os.fspath(p) for p in inputs]
     for p in paths:
         if not os.path.isfile(p) or not p.endswith((".jsonl", ".json")):
-            raise PackingError(f"input {p!r}: pass JSON-lines files (.jsonl) of TRL vision rows.", param="inputs")
+            raise PackingError(
+                f"input {p!r}: pass JSON-lines files (.jsonl) of TRL vision rows.", param="inputs"
+            )
     vp = load_vision_processor(processor)
-    dim = 3 * int(getattr(vp.image_processor, "temporal_patch_size", 2)) * int(vp.image_processor.patch_size) ** 2
+    dim = (
+        3
+        * int(getattr(vp.image_processor, "temporal_patch_size", 2))
+        * int(vp.image_processor.patch_size) ** 2
+    )
     schema = _schema(dim)
     key = hashlib.sha256(
-        json.dumps([__version__, _folder_key(vp.path), [_input_key(p) for p in paths], block_rows, dim]).encode()
+        json.dumps(
+            [__version__, _folder_key(vp.path), [_input_key(p) for p in paths], block_rows, dim]
+        ).encode()
     ).hexdigest()[:16]
     ws = Workspace(os.fspath(out))
     ws.acquire()
@@ -207,7 +219,12 @@ def pack_vision_files(
             checkpoint(f"write:{i + 1}")
         images = int(np.asarray(table.column("image_grid_thw").combine_chunks().value_lengths()).sum())
         names = shards.finish(schema.append(pa.field("seq_lengths", pa.list_(pa.int32()))).empty_table(), key)
-        stats = {"rows_in": len(lengths), "rows_out": p.num_rows, "images": images, "tokens": int(lengths.sum())}
+        stats = {
+            "rows_in": len(lengths),
+            "rows_out": p.num_rows,
+            "images": images,
+            "tokens": int(lengths.sum()),
+        }
         write_manifest(
             ws.build,
             {
@@ -222,6 +239,8 @@ def pack_vision_files(
         )  # fmt: skip
         ws.install()
         ok = True
-        return VisionPackResult(ws.out, stats["rows_in"], p.num_rows, images, stats["tokens"], len(staged), reused)
+        return VisionPackResult(
+            ws.out, stats["rows_in"], p.num_rows, images, stats["tokens"], len(staged), reused
+        )
     finally:
         ws.finish(ok=ok, keep_stage=not ok)
