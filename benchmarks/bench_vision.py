@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -47,15 +46,19 @@ def generate(folder: Path, n: int, seed: int = 0) -> Path:
     return folder / "data.jsonl"
 
 
+PEAK = "import atexit, resource; atexit.register(lambda: print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))\n"
+
+
 def child(code: str, *argv: str) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MiB) of ``python -c code argv...`` in a fresh process."""
+    """Wall seconds and peak RSS (MiB, the child's own ``ru_maxrss``) of ``python -c code argv...``."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1")
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code, *argv], env=env, check=True)
+    run = subprocess.run(
+        [sys.executable, "-c", PEAK + code, *argv], env=env, check=True, capture_output=True, text=True
+    )
     wall = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return wall, max(peak, before) / 1024
+    peak = next(int(line.split()[1]) for line in run.stdout.splitlines() if line.startswith("PEAK_KB"))
+    return wall, peak / 1024
 
 
 OFFLINE = """

@@ -76,7 +76,7 @@ def test_packed_ids_and_pixels_equal_the_processor_per_sample(tmp_path):
     proc = processor_folder(tmp_path / "proc")
     data = write_samples(tmp_path / "in", 40)
     result = pack_vision_files(
-        data, tmp_path / "out", processor=proc, max_length=96, block_rows=8, shard_rows=4
+        data, tmp_path / "out", processor=proc, max_length=96, block_rows=8, shard_bytes=200_000
     )
     assert result.rows_in == 40 and result.rows_out < 40 and result.images > 0
     packed = datasets.load_from_disk(str(tmp_path / "out"))
@@ -107,7 +107,7 @@ from packtools.pipeline import workspace
 from packtools.pipeline.vision import pack_vision_files
 at = sys.argv[4]
 workspace.CHECKPOINT_OBSERVERS.append(lambda name: os.kill(os.getpid(), signal.SIGKILL) if name == at else None)
-pack_vision_files(sys.argv[1], sys.argv[2], processor=sys.argv[3], max_length=96, block_rows=8, shard_rows=4)
+pack_vision_files(sys.argv[1], sys.argv[2], processor=sys.argv[3], max_length=96, block_rows=8, shard_bytes=200_000)
 """
 
 
@@ -117,7 +117,7 @@ def test_rerun_after_sigkill_is_identical(tmp_path, at):
     proc = processor_folder(tmp_path / "proc")
     data = write_samples(tmp_path / "in", 40)
     clean = pack_vision_files(
-        data, tmp_path / "clean", processor=proc, max_length=96, block_rows=8, shard_rows=4
+        data, tmp_path / "clean", processor=proc, max_length=96, block_rows=8, shard_bytes=200_000
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     run = subprocess.run(
@@ -129,7 +129,7 @@ def test_rerun_after_sigkill_is_identical(tmp_path, at):
     )
     assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
     again = pack_vision_files(
-        data, tmp_path / "out", processor=proc, max_length=96, block_rows=8, shard_rows=4
+        data, tmp_path / "out", processor=proc, max_length=96, block_rows=8, shard_bytes=200_000
     )
     assert _bytes(tmp_path / "out") == _bytes(tmp_path / "clean")
     assert again.rows_out == clean.rows_out

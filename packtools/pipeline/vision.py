@@ -11,13 +11,15 @@ folder renamed into place, so ``out`` is absent, the old or the new output whate
    a kill reuses the blocks that were finished and never a block made from other inputs).
 2. **Plan**: one global ``bfd`` plan from the staged lengths alone (image tokens included); a sample longer
    than ``max_length`` is refused by its file and line, never truncated.
-3. **Write**: the plan cut into shards of ``shard_rows`` packed rows, each gathered from the memory-mapped
-   staged files (token columns per token, image columns whole per sample, in row order) and written.
+3. **Write**: the plan cut into shards of at most ``shard_bytes`` of pixel values (at least one row each), each
+   gathered from the staged files mapped anew (token columns per token, image columns whole per sample, in
+   row order) and written; the mapped pages a shard read are given back with its maps.
 4. **Install**: ``manifest.json`` and the ``datasets`` files, then the rename.  ``datasets.load_from_disk(out)``
    opens the result; :class:`~packtools.batches.vision.MultimodalCollator` collates its rows.
 
-Memory: one block of processed samples while staging, one shard of packed rows while writing (plus the mapped
-pages of the staged files that the shard reads); the whole dataset is never in memory.
+Memory: one block of ``block_rows`` processed samples while staging (built from NumPy buffers), one shard of
+packed rows while writing (``shard_bytes`` of pixels, plus the mapped pages of the staged files it reads);
+the whole dataset is never in memory (measured by ``benchmarks/bench_vision.py``).
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ import numpy as np
 import pyarrow as pa
 
 from ..constants import __version__
-from ..core.arrow import read_list_column
+from ..core.arrow import numeric_array, read_list_column
 from ..core.nested import check_whole_samples, gather_whole_samples
 from ..core.pack import pack_columns
-from ..core.plan import check_max_length
+from ..core.plan import PackPlan, check_max_length
 from ..core.plan import plan as make_plan
 from ..errors import PackingError
 from ..io.manifest import MANIFEST_FORMAT, write_manifest
@@ -126,15 +128,47 @@ def _stage_block(vp: Any, path: str, rows: list[tuple[int, dict[str, Any]]], sch
         except PackingError as err:
             raise PackingError(f"{path}:{line_no}: {err}") from None
     dim = schema.field("pixel_values").type.value_type.list_size
-    columns = {
-        "input_ids": [d["input_ids"].astype(np.int32) for d in done],
-        "mm_token_type_ids": [d["mm_token_type_ids"].astype(np.int8) for d in done],
-        "pixel_values": [d["pixel_values"].reshape(-1, dim) for d in done],
-        "image_grid_thw": [d["image_grid_thw"].reshape(-1, 3) for d in done],
-    }
-    return pa.table(
-        {k: pa.array([list(v) for v in vals], schema.field(k).type) for k, vals in columns.items()}
-    )
+    arrays = [
+        _ragged([d["input_ids"].astype(np.int32) for d in done], pa.int32()),
+        _ragged([d["mm_token_type_ids"].astype(np.int8) for d in done], pa.int8()),
+        _ragged([d["pixel_values"].reshape(-1, dim).astype(np.float32) for d in done], pa.float32(), dim),
+        _ragged([d["image_grid_thw"].reshape(-1, 3).astype(np.int64) for d in done], pa.int64(), 3),
+    ]
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _ragged(parts: list[np.ndarray], value_type: pa.DataType, width: int | None = None) -> pa.Array:
+    """One list per sample from NumPy arrays, built from their buffers (never Python objects per value);
+    ``width``: each item is a fixed-size list of that many values (a patch, a grid row)."""
+    offsets = np.zeros(len(parts) + 1, np.int64)
+    np.cumsum([len(x) for x in parts], out=offsets[1:])
+    flat = np.ascontiguousarray(np.concatenate([x.reshape(-1) for x in parts]) if parts else np.zeros(0))
+    values = numeric_array(flat.astype(value_type.to_pandas_dtype(), copy=False), value_type)
+    if width is not None:
+        values = pa.FixedSizeListArray.from_arrays(values, width)
+    return pa.ListArray.from_arrays(numeric_array(offsets.astype(np.int32), pa.int32()), values)
+
+
+def shard_bounds(p: PackPlan, patches: np.ndarray, dim: int, shard_bytes: int) -> list[tuple[int, int]]:
+    """Packed rows cut into shards whose pixel values take at most ``shard_bytes`` (at least one row each)."""
+    per_seg = patches[p.seg_source] * (4 * dim)
+    csum = np.concatenate([[0], np.cumsum(per_seg)])
+    row_bytes = csum[p.row_offsets[1:]] - csum[p.row_offsets[:-1]]
+    bounds, start, used = [], 0, 0
+    for r, b in enumerate(row_bytes.tolist()):
+        if r > start and used + b > shard_bytes:
+            bounds.append((start, r))
+            start, used = r, 0
+        used += b
+    if p.num_rows:
+        bounds.append((start, p.num_rows))
+    return bounds
+
+
+def _value_lengths(column: pa.ChunkedArray) -> np.ndarray:
+    """Items per row of a list column, chunk by chunk (``combine_chunks`` would copy every value)."""
+    parts = [np.asarray(c.value_lengths().fill_null(0), np.int64) for c in column.chunks]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
 def _mapped(paths: Sequence[str]) -> pa.Table:
@@ -148,8 +182,8 @@ def pack_vision_files(
     *,
     processor: str | os.PathLike[str],
     max_length: int,
-    block_rows: int = 256,
-    shard_rows: int = 512,
+    block_rows: int = 64,
+    shard_bytes: int = 64 << 20,
     shuffle: bool = False,
     seed: int = 0,
 ) -> VisionPackResult:
@@ -209,15 +243,18 @@ def pack_vision_files(
         checkpoint("plan")
         os.makedirs(ws.build, exist_ok=True)
         shards = ShardFolder(ws.build)
-        for i, start in enumerate(range(0, p.num_rows, shard_rows)):
-            part = p.slice_rows(start, min(start + shard_rows, p.num_rows))
-            block = pack_columns(cols, part)
+        patches = _value_lengths(table.column("pixel_values"))
+        del table, cols  # each shard maps the staged files anew: the pages it read are given back after it
+        for i, (start, stop) in enumerate(shard_bounds(p, patches, dim, shard_bytes)):
+            mapped = _mapped(staged)
+            part = p.slice_rows(start, stop)
+            block = pack_columns([read_list_column(mapped.column(n), n) for n in TOKEN_COLUMNS], part)
             for name in IMAGE_COLUMNS:
-                block = block.append_column(name, gather_whole_samples(table.column(name), part))
+                block = block.append_column(name, gather_whole_samples(mapped.column(name), part))
             shards.write(block)
-            del block
+            del block, mapped
             checkpoint(f"write:{i + 1}")
-        images = int(np.asarray(table.column("image_grid_thw").combine_chunks().value_lengths()).sum())
+        images = int(_value_lengths(_mapped(staged).column("image_grid_thw")).sum()) if staged else 0
         names = shards.finish(schema.append(pa.field("seq_lengths", pa.list_(pa.int32()))).empty_table(), key)
         stats = {
             "rows_in": len(lengths),
@@ -232,7 +269,7 @@ def pack_vision_files(
                 "packtools_version": __version__,
                 "fingerprint": key,
                 "config": {"max_length": max_length, "strategy": "bfd", "shuffle": shuffle, "seed": seed,
-                           "block_rows": block_rows, "shard_rows": shard_rows, "kind": "vision"},
+                           "block_rows": block_rows, "shard_bytes": shard_bytes, "kind": "vision"},
                 "inputs": [os.path.basename(p) for p in paths],
                 "stats": {**stats, "shards": len(names)},
             },
