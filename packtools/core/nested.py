@@ -37,6 +37,28 @@ def check_whole_samples(p: PackPlan, what: str, *, complete: bool = True) -> Non
         raise PackingError(f"the plan leaves out sample {int(lost[0])}; {what} must all be placed.")
 
 
+def _take(column: pa.ChunkedArray | pa.Array, rows: np.ndarray) -> pa.Array:
+    """``column.take(rows)`` chunk by chunk: pyarrow's take on a chunked nested column first concatenates every
+    chunk (a copy of the whole column, e.g. all pixels of a dataset); this copies only the rows taken."""
+    if isinstance(column, pa.Array):
+        return column.take(pa.array(rows, pa.int64()))
+    if column.num_chunks == 0:
+        return pa.array([], column.type)
+    starts = np.concatenate([[0], np.cumsum([len(c) for c in column.chunks])])
+    chunk_of = np.searchsorted(starts[1:], rows, side="right")
+    order = np.argsort(chunk_of, kind="stable")
+    pieces = []
+    for c in np.unique(chunk_of).tolist():
+        local = rows[chunk_of == c] - starts[c]
+        pieces.append(column.chunk(c).take(pa.array(local, pa.int64())))
+    grouped = pa.concat_arrays(pieces) if pieces else pa.array([], column.type)
+    if np.array_equal(order, np.arange(order.shape[0])):
+        return grouped
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(order.shape[0])
+    return grouped.take(pa.array(inverse, pa.int64()))
+
+
 def gather_whole_samples(
     column: pa.ChunkedArray | pa.Array, p: PackPlan, row_indices: np.ndarray | None = None
 ) -> pa.Array:
@@ -54,9 +76,7 @@ def gather_whole_samples(
         raise PackingError(f"a per-sample column must be a list column, got {column.type}.")
     check_whole_samples(p, "samples with images", complete=False)
     source = p.seg_source if row_indices is None else np.asarray(row_indices, np.int64)[p.seg_source]
-    taken = column.take(pa.array(source, pa.int64()))
-    if isinstance(taken, pa.ChunkedArray):
-        taken = taken.combine_chunks() if taken.num_chunks else pa.array([], column.type)
+    taken = _take(column, source)
     counts = np.asarray(taken.value_lengths().fill_null(0), np.int64)
     values = taken.flatten()
     per_seg = np.concatenate([[0], np.cumsum(counts)])
