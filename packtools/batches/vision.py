@@ -64,6 +64,14 @@ class MultimodalCollator:
     no token-mixing layers that read it).  Output keys: ``input_ids``, ``labels`` ``[1, T]``,
     ``position_ids`` ``(4, 1, T)``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``mm_token_type_ids`` ``[1, T]``,
     and, when the batch holds images, ``pixel_values`` and ``image_grid_thw``.
+
+    >>> import numpy as np
+    >>> spec = MropeSpec("qwen2_vl", image_token_id=9, video_token_id=8, spatial_merge_size=2)
+    >>> rows = [{"input_ids": [1, 9, 2, 3, 4], "seq_lengths": [3, 2], "image_grid_thw": [[1, 2, 2]],
+    ...          "pixel_values": np.zeros((4, 6), np.float32)}]
+    >>> b = MultimodalCollator(spec, 0, return_tensors="np")(rows)
+    >>> b["position_ids"][:, 0].tolist(), b["labels"].tolist(), b["image_grid_thw"].tolist()
+    ([[0, 1, 2, 0, 1], [0, 1, 2, 0, 1], [0, 1, 2, 0, 1], [0, 1, 2, 0, 1]], [[-100, -100, 2, -100, 4]], [[1, 2, 2]])
     """
 
     def __init__(

@@ -31,7 +31,15 @@ _TOWERS = ("vision_config", "audio_config", "video_config", "vision_tower_config
 
 
 def is_multimodal(model: Any) -> bool:
-    """Whether the (unwrapped) model's config has a vision or audio tower."""
+    """Whether the (unwrapped) model's config has a vision or audio tower.
+
+    >>> class Config:
+    ...     vision_config = {"depth": 2}
+    >>> class Model:
+    ...     config = Config()
+    >>> is_multimodal(Model()), check_multimodal_model(object(), None) is None
+    (True, True)
+    """
     config = getattr(base_model(model), "config", None)
     return any(getattr(config, name, None) is not None for name in _TOWERS)
 

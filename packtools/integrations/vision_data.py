@@ -34,7 +34,11 @@ IMAGE_COLUMNS = ("pixel_values", "image_grid_thw")
 
 
 def has_images(dataset_or_table: Any) -> bool:
-    """Whether a ``Dataset`` or table carries per-sample image columns."""
+    """Whether a ``Dataset`` or table carries per-sample image columns.
+
+    >>> has_images(pa.table({"input_ids": [[1]], "image_grid_thw": [[[1, 2, 2]]]})), has_images(pa.table({"a": [1]}))
+    (True, False)
+    """
     names = getattr(dataset_or_table, "column_names", None) or []
     return any(c in names for c in IMAGE_COLUMNS)
 

@@ -112,7 +112,13 @@ def load_vision_processor(path: str | os.PathLike[str]) -> VisionProcessor:
 
 
 def open_image(value: Any, row: int) -> Any:
-    """A PIL image from a PIL image, a path, bytes, or ``datasets``' ``{"bytes": ..., "path": ...}``."""
+    """A PIL image from a PIL image, a path, bytes, or ``datasets``' ``{"bytes": ..., "path": ...}``.
+
+    >>> open_image(b"not an image", 3)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: row 3: cannot open image ...
+    """
     Image = require("PIL.Image", "opening images (the images column)")
     if isinstance(value, Image.Image):
         return value

@@ -150,7 +150,12 @@ def _ragged(parts: list[np.ndarray], value_type: pa.DataType, width: int | None 
 
 
 def shard_bounds(p: PackPlan, patches: np.ndarray, dim: int, shard_bytes: int) -> list[tuple[int, int]]:
-    """Packed rows cut into shards whose pixel values take at most ``shard_bytes`` (at least one row each)."""
+    """Packed rows cut into shards whose pixel values take at most ``shard_bytes`` (at least one row each).
+
+    >>> p = make_plan([4, 4, 4, 4], max_length=4)  # one sample per row
+    >>> shard_bounds(p, np.array([10, 0, 30, 5]), dim=1, shard_bytes=100)  # 4 bytes per value
+    [(0, 2), (2, 3), (3, 4)]
+    """
     per_seg = patches[p.seg_source] * (4 * dim)
     csum = np.concatenate([[0], np.cumsum(per_seg)])
     row_bytes = csum[p.row_offsets[1:]] - csum[p.row_offsets[:-1]]
