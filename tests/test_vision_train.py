@@ -145,6 +145,28 @@ def test_negative_controls_2d_or_whole_row_positions_change_the_loss(family):
     assert abs(_loss(model, shifted) - right) < 1e-5
 
 
+def test_text_only_rows_of_qwen2_vl_need_the_text_row():
+    """Why prepare_trainer wants MultimodalCollator even for text-only rows: Qwen2-VL expands 2-D position_ids to
+    3 rows with no text row, so transformers builds no per-document mask and packed documents see each other."""
+    model = tiny_vl("qwen2_vl", "sdpa").eval()
+    samples = [s for s in mixed_samples(8) if "pixel_values" not in s] + [
+        {"input_ids": list(range(3, 20))},
+        {"input_ids": list(range(30, 41))},
+    ]
+    rows = [
+        {
+            "input_ids": [t for s in samples for t in s["input_ids"]],
+            "seq_lengths": [len(s["input_ids"]) for s in samples],
+        }
+    ]
+    ref, _ = one_by_one(copy.deepcopy(model), samples)
+    right = MultimodalCollator(model, 0)(rows)
+    assert abs(_loss(model, right) - ref) < 1e-5
+    text = PaddingFreeCollator(0)(rows)
+    assert text["position_ids"].shape == (1, right["input_ids"].shape[1])
+    assert abs(_loss(model, text) - ref) > 1e-4
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_probe_runs_through_the_vision_tower_and_catches_a_leak(family):
     model = tiny_vl(family, "eager")
