@@ -13,6 +13,7 @@ _EXTRA_OF = {
     "trl": "trl",
     "flash_attn": "flash",
     "ray": "ray",
+    "PIL": "vision",
 }
 
 

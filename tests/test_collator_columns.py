@@ -107,16 +107,19 @@ def tiny_qwen2_vl():
 
 
 def test_multimodal_models_are_refused_by_name(tiny_qwen2_vl, monkeypatch):
+    from packtools.batches import mrope
     from packtools.integrations import backends
 
+    # a verified type passes this check (prepare_trainer then requires its MultimodalCollator) ...
+    backends.check_attention_implementation(tiny_qwen2_vl)
+    # ... an unverified one is refused by name: the one list is packtools.batches.mrope.VERIFIED_MODEL_TYPES
+    monkeypatch.setattr(mrope, "VERIFIED_MODEL_TYPES", ("qwen3_vl",))
     with pytest.raises(
         PackingError, match=r"Qwen2VLForConditionalGeneration \(model_type 'qwen2_vl'\) is a multimodal"
     ) as err:
         backends.check_attention_implementation(tiny_qwen2_vl)
     assert "instead of 'sdpa'" not in str(err.value) and "vision_config" in str(err.value)
-    # the one place the vision-language path lifts it: a verified type passes this check
-    monkeypatch.setattr(backends, "VERIFIED_MULTIMODAL", ("qwen2_vl",))
-    backends.check_multimodal(tiny_qwen2_vl)
+    assert "['qwen3_vl']" in str(err.value)
 
 
 def test_the_isolation_hint_never_names_the_backend_in_use():

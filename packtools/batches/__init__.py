@@ -22,6 +22,8 @@ _EXPORTS = {
     "varlen_attention": "packtools.batches.attention",
     "PreferenceCollator": "packtools.batches.preference",
     "sequence_logps": "packtools.batches.logps",
+    "MultimodalCollator": "packtools.batches.vision",
+    "MropeSpec": "packtools.batches.mrope",
 }
 
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
@@ -30,6 +32,8 @@ del lazy_exports
 __all__ = [
     "ArrowCollator",
     "ContextParallelCollator",
+    "MropeSpec",
+    "MultimodalCollator",
     "PackedRows",
     "PackedView",
     "PaddingFreeCollator",

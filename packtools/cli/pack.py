@@ -164,9 +164,42 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument("input", nargs="*", help="input files, directories or save_to_disk folders")
     p.add_argument("--out", help="output folder (or a .parquet/.arrow file for tokenized input, in memory)")
+    p.add_argument(
+        "--processor",
+        metavar="DIR",
+        help="local processor folder of a Qwen2-VL/2.5-VL/3-VL model: INPUT is JSON lines in TRL's vision format "
+        "(messages with image parts + images), packed whole with their images (bfd, out of core)",
+    )
     add_pipeline_arguments(p)
     add_executor_arguments(p)
     return p
+
+
+def _run_vision(args: argparse.Namespace, max_length: int) -> int:
+    from ..errors import PackingError
+    from ..pipeline.vision import pack_vision_files
+
+    if not args.input or args.out is None:
+        raise PackingError("--processor needs INPUT files (.jsonl) and --out DIR.", param="processor")
+    if args.strategy != "bfd":
+        raise PackingError(
+            f"--strategy {args.strategy}: vision-language samples are packed whole (--strategy bfd).",
+            param="strategy",
+        )
+    r = pack_vision_files(
+        args.input,
+        args.out,
+        processor=args.processor,
+        max_length=max_length,
+        shuffle=args.shuffle,
+        seed=args.seed,
+    )
+    if not args.quiet:
+        print(
+            f"packed {r.rows_in} samples ({r.images} images, {r.tokens} tokens) into {r.rows_out} rows in {r.out} "
+            f"({r.reused_blocks} of {r.staged_blocks} staged blocks reused)"
+        )
+    return 0
 
 
 def pipeline_config(args: argparse.Namespace, max_length: int) -> Any:
@@ -299,6 +332,8 @@ def _check_in_memory_inputs(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     max_length = args.max_length if args.max_length is not None else 4096
+    if args.processor is not None:
+        return _run_vision(args, max_length)
     if not args.input or args.out is None or args.out.endswith((".parquet", ".arrow")):
         _check_in_memory_inputs(args)
         return _in_memory(args, max_length)

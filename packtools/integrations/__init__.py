@@ -26,6 +26,7 @@ _EXPORTS = {
     "packed_sft_config": "packtools.integrations.sft",
     "use_segmented_sdpa": "packtools.integrations.backends",
     "check_isolation": "packtools.integrations.isolation",
+    "check_vision_isolation": "packtools.integrations.vision",
     "prepare_dpo_trainer": "packtools.integrations.trl",
     "use_cp_attention": "packtools.integrations.cp_attention",
 }
@@ -35,6 +36,7 @@ del lazy_exports
 
 __all__ = [
     "check_isolation",
+    "check_vision_isolation",
     "use_cp_attention",
     "pack_dataset",
     "pack_preference",

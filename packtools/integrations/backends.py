@@ -64,30 +64,39 @@ def is_flash(implementation: str | None) -> bool:
     )
 
 
-#: Multimodal model types (``config.model_type``) whose packed batches are verified exact: the only ones
-#: :func:`check_multimodal` lets through.  The vision-language path adds the types it verifies here.
-VERIFIED_MULTIMODAL: tuple[str, ...] = ()
 #: Config attributes that make a model multimodal.
-_MEDIA_CONFIGS = ("vision_config", "audio_config", "speech_config", "vision_tower_config")
+_MEDIA_CONFIGS = ("vision_config", "audio_config", "speech_config", "video_config", "vision_tower_config")
 
 
-def check_multimodal(model: Any) -> None:
-    """Refuse a multimodal model (an image / audio encoder in its config, or ``pixel_values`` in its ``forward``)
-    whose type is not in :data:`VERIFIED_MULTIMODAL`, naming it and why."""
-    base = base_model(model)
-    config = getattr(base, "config", None)
+def multimodal_parts(model: Any) -> list[str]:
+    """What makes ``model`` multimodal (an image / audio tower in its config, ``pixel_values`` in its
+    ``forward``); empty for a text model."""
+    config = getattr(base_model(model), "config", None)
     parts = [name for name in _MEDIA_CONFIGS if getattr(config, name, None) is not None]
     if forward_accepts(model, "pixel_values", named=True):
         parts.append("pixel_values in its forward")
-    model_type = getattr(config, "model_type", None)
-    if not parts or model_type in VERIFIED_MULTIMODAL:
+    return parts
+
+
+def check_multimodal(model: Any) -> None:
+    """Refuse a multimodal model whose type is not in :data:`packtools.batches.mrope.VERIFIED_MODEL_TYPES` (the
+    one list of vision-language models whose packed batches are verified exact), naming it and why.  A verified
+    one passes here; ``prepare_trainer`` then requires its ``MultimodalCollator``
+    (:func:`packtools.integrations.vision.check_multimodal_model`)."""
+    from ..batches import mrope
+
+    parts = multimodal_parts(model)
+    base = base_model(model)
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    if not parts or model_type in mrope.VERIFIED_MODEL_TYPES:
         return
     raise PackingError(
         f"{type(base).__name__} (model_type {model_type!r}) is a multimodal model ({', '.join(parts)}), and "
         f"packtools has not verified packed batches for it: such models build their rotary positions from the "
         f"image grid and the tokens (e.g. Qwen2-VL's 3-D mRoPE), not from position_ids that restart per "
         f"sequence, and PaddingFreeCollator does not carry pixel_values / image_grid_thw. Train it unpacked with "
-        f"its processor's collator. Verified multimodal model types: {list(VERIFIED_MULTIMODAL) or 'none yet'}.",
+        f"its processor's collator. Verified multimodal model types (packed with "
+        f"packtools.batches.MultimodalCollator): {list(mrope.VERIFIED_MODEL_TYPES)}.",
         param="model",
     )
 

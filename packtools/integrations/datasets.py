@@ -26,6 +26,7 @@ from ..errors import PackingError
 from .compat.datasets import dataset_table, format_type, memory_mapped_table, temporary_cache_directory
 from .compat.datasets import fingerprint as datasets_fingerprint
 from .drops import DropReport, TokensDroppedWarning, warn_dropped
+from .vision_data import has_images, pack_vision_table
 
 DEFAULT_WINDOW = 100_000
 
@@ -117,6 +118,21 @@ def pack_split(
     :func:`~packtools.integrations.dataset_views.packed_view`) reuse it."""
     ds_mod = datasets_module()
     table, indices = dataset_table(dataset)
+    if plan is None and has_images(table):  # processed vision-language samples: whole, images in row order
+        packed, p = pack_vision_table(
+            table, indices, max_length, strategy, columns, shuffle=shuffle, seed=seed
+        )
+        fingerprint = derived_fingerprint(
+            dataset,
+            "pack",
+            max_length=max_length,
+            strategy=strategy,
+            columns=columns,
+            shuffle=shuffle,
+            seed=seed,
+        )
+        out = ds_mod.Dataset(packed, split=dataset.split, fingerprint=fingerprint)
+        return restore_format(out, dict(dataset.format), [SEQ_LENGTHS]), DropReport.from_plan(p)
     cols, lengths = read_columns(table, columns)
     if plan is not None:
         p = plan
@@ -154,6 +170,7 @@ def pack_dataset(
     window: int = DEFAULT_WINDOW,
     keep_in_memory: bool | None = None,
     return_report: bool = False,
+    processor: Any = None,
 ) -> Any:
     """Pack a ``datasets.Dataset``, ``DatasetDict`` or ``IterableDataset`` into rows of ``max_length`` tokens.
 
@@ -186,6 +203,14 @@ def pack_dataset(
     ``return_report=True`` returns ``(packed, report)`` (a :class:`~packtools.integrations.drops.DropReport`, a
     dict of them for a ``DatasetDict``; not for an ``IterableDataset``, packed lazily).
 
+    Processed vision-language samples (``pixel_values`` and ``image_grid_thw`` columns beside ``input_ids``)
+    are packed by :mod:`packtools.integrations.vision_data`: ``bfd`` only, every sample whole (one longer than
+    ``max_length`` is refused, never truncated), its patches and grids concatenated in row order, in memory;
+    ``bfd_split`` / ``wrapped`` and ``IterableDataset`` inputs are refused.  ``processor=DIR`` (a local
+    folder of the model's processor) first processes rows in TRL's vision format (``messages`` with image
+    parts, ``images``: paths, bytes or PIL images) into those columns
+    (:func:`~packtools.integrations.vision_processor.process_vision_dataset`).
+
     ``shuffle=True`` reorders the packed rows with ``seed`` (BFD emits the fullest rows first); for an
     ``IterableDataset`` each window is shuffled on its own, with the same seed (shuffle the stream's
     shards too, e.g. ``IterableDataset.shuffle``, for order across windows).
@@ -199,6 +224,16 @@ def pack_dataset(
     strategy = check_strategy(strategy)
     max_length = check_max_length(max_length)
     how = {"shuffle": shuffle, "seed": seed, "keep_in_memory": keep_in_memory}
+    if processor is not None:
+        from .vision_processor import load_vision_processor, process_vision_dataset
+
+        if not isinstance(dataset, (ds_mod.Dataset, ds_mod.DatasetDict)):
+            raise PackingError("processor= needs a Dataset or DatasetDict.", param="processor")
+        vp = load_vision_processor(processor) if isinstance(processor, (str, os.PathLike)) else processor
+        if isinstance(dataset, ds_mod.DatasetDict):
+            dataset = ds_mod.DatasetDict({k: process_vision_dataset(v, vp) for k, v in dataset.items()})
+        else:
+            dataset = process_vision_dataset(dataset, vp)
     if isinstance(dataset, ds_mod.DatasetDict):
         results = {
             name: pack_split(split, max_length, strategy, columns, **how) for name, split in dataset.items()
@@ -212,6 +247,12 @@ def pack_dataset(
         warn_dropped(report, "pack_dataset")
         return (out, report) if return_report else out
     if isinstance(dataset, ds_mod.IterableDataset):
+        if has_images(dataset):
+            raise PackingError(
+                "an IterableDataset with image columns (pixel_values / image_grid_thw) cannot be packed yet; "
+                "load it as a Dataset (its samples are packed whole, images in row order).",
+                param="dataset",
+            )
         if return_report:
             raise PackingError(
                 "return_report=True needs a Dataset: an IterableDataset is packed lazily, window by window.",

@@ -78,23 +78,38 @@ from .isolation import check_isolation as _check_isolation
 from .parallel_layout import rank_layout
 from .segmented import SEGMENTED_SDPA
 from .sft import causal_lm_loss, check_sft, is_sft_trainer, keep_packed_columns
+from .vision import check_multimodal_model, check_vision_isolation
+
+
+def _sharded(trainer: Any) -> bool:
+    return bool(getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False))
 
 
 def run_probe(
-    trainer: Any, *extra_models: Any, switched: Sequence[Any] = (), collator: Any = None, packed: bool = True
+    trainer: Any,
+    *extra_models: Any,
+    switched: Sequence[Any] = (),
+    collator: Any = None,
+    packed: bool = True,
+    vision: bool = False,
 ) -> None:
     """Run :func:`packtools.integrations.check_isolation` on the trainer's model (and ``extra_models``) unless sharded.
 
     ``switched`` are the models :func:`use_segmented_sdpa` switched: if the probe fails, they go back to
     ``sdpa`` and are probed again, so the error names either the model's own leak or packtools' backend.
+    ``vision=True`` runs the multimodal probe (:func:`~packtools.integrations.vision.check_vision_isolation`,
+    through the vision tower) instead.
     """
-    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+    if _sharded(trainer):
         warnings.warn(
             "prepare_trainer: the isolation probe was skipped because the model is sharded (DeepSpeed/FSDP) "
             "and cannot be run before train(); run packtools.integrations.check_isolation on an unsharded copy of the "
             "model (same class, config and attn_implementation) to check it.",
             stacklevel=3,
         )
+        return
+    if vision:
+        check_vision_isolation(trainer.model, trainer.data_collator)
         return
     if collator is None:
         collator = probe_collator(trainer.data_collator)
@@ -162,7 +177,14 @@ def prepare_trainer(
 
     ``context_parallel=N`` splits every padding-free row across ``N`` consecutive processes per document
     (:mod:`packtools.integrations.cp_trainer`: CP collator, ``packtools_cp`` attention, the loss as the token
-    mean over every rank and the accumulation window).  Returns the trainer.
+    mean over every rank and the accumulation window).
+
+    Vision-language models (:mod:`packtools.integrations.vision`): Qwen2-VL, Qwen2.5-VL and Qwen3-VL (the list
+    is :data:`packtools.batches.mrope.VERIFIED_MODEL_TYPES`) train packed with
+    ``data_collator=packtools.batches.MultimodalCollator(model, pad_token_id)`` (per-document 3-D positions,
+    images in row order); any other multimodal model, or one of these with another collator, is refused by
+    name.  Their isolation probe runs samples with images through the vision tower
+    (:func:`~packtools.integrations.vision.check_vision_isolation`).  Returns the trainer.
     """
     require("transformers", "packtools.integrations.prepare_trainer")
     if is_instance(trainer, "trl", "DPOTrainer"):
@@ -172,6 +194,14 @@ def prepare_trainer(
             param="trainer",
         )
     check_attention_implementation(trainer.model)
+    vision = check_multimodal_model(trainer.model, trainer.data_collator) is not None
+    if vision and context_parallel not in (None, 1):
+        raise PackingError(
+            f"context_parallel={context_parallel} with a vision-language model ({type(trainer.model).__name__}): "
+            "packtools splits text rows across context-parallel ranks, not the images and 3-D positions a "
+            "MultimodalCollator batch carries. Train it with context_parallel=1 (data parallelism only).",
+            param="context_parallel",
+        )
     layout = rank_layout(trainer, context_parallel)
     with all_or_nothing(trainer):
         keep_packed_columns(trainer)
@@ -194,13 +224,15 @@ def prepare_trainer(
         collator = adapt_collator(trainer.data_collator, trainer.model)
         if collator is not trainer.data_collator:
             set_attr(trainer, "data_collator", collator, owner=trainer)
-        if check_isolation:  # the trainer's own collator on a real batch, then the probe through it
+        probe_rows, packed = None, True
+        # the trainer's own collator on a real batch, then the probe through it (vision: its own probe)
+        if check_isolation and not vision:
             probe_rows, packed = check_trainer_collator(trainer)
         install_train_loader(trainer, max_tokens, owner=trainer, layout=layout)
         guard_model(trainer.model, owner=trainer)
         with segmented_sdpa_until_checked([trainer.model], segmented_sdpa, owner=trainer) as switched:
             if check_isolation:
-                run_probe(trainer, switched=switched, collator=probe_rows, packed=packed)
+                run_probe(trainer, switched=switched, collator=probe_rows, packed=packed, vision=vision)
         if layout.cp_size > 1:
             from .cp_trainer import prepare_context_parallel
 

@@ -49,6 +49,7 @@ from .backends import (
     attention_implementation,
     check_attention_implementation,
     forward_accepts,
+    multimodal_parts,
     segmented_sdpa_until_checked,
     token_mixing_layers,
 )
@@ -335,6 +336,13 @@ def _prepare(
         check_tree_models(models)
     for model in models:
         check_attention_implementation(model)
+        if multimodal_parts(model):  # verified vision-language models train packed in SFT only
+            raise PackingError(
+                f"{type(_base_model(model)).__name__} is a multimodal model: packtools' padding-free DPO forwards "
+                f"carry text rows only (no pixel_values, no 3-D positions). Train preference pairs of a "
+                f"vision-language model unpacked with TRL's own collator.",
+                param="model",
+            )
     if check_isolation:  # the user's collator must keep every sequence in its own row (collator_check)
         check_preference_collator(trainer)
     with segmented_sdpa_until_checked(models, segmented_sdpa, owner=trainer) as switched:

@@ -1,0 +1,187 @@
+"""Multimodal rotary positions (mRoPE) of packed vision-language rows, computed per document with NumPy.
+
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL rotate each token by three positions (temporal, height, width).  Text tokens
+get the same value in all three rows, counting on from the previous token; the ``t*h*w / merge²`` tokens of an
+image get ``start + (t, h, w)`` over its merged grid, and the text after it continues at ``start + max(h, w)``
+(grid sides divided by the merge size).  These positions are a pure function of a document's ``input_ids``,
+its ``image_grid_thw`` rows and the vision config's ``spatial_merge_size``: no weights are needed.
+
+A packed row must get each document's own positions, restarting at 0 for every document.  The models do not
+do that themselves (transformers 5.25 computes them only when ``position_ids`` is None, and then over the
+whole row), and 2-D per-document ids give image tokens text positions.  :func:`row_positions` gives them.
+
+Layout.  In transformers 5.25 the text model of all three families reads ``position_ids`` of shape
+``(4, B, T)`` as *text positions first, then t/h/w*: the text row (``0, 1, 2, ...`` restarting per document)
+is what its ``sdpa``/``eager``/``flex`` masks and FlashAttention's position-id path detect packed documents
+from.  Given ``(3, B, T)`` (or 2-D ids, or no ids) the models build no per-document mask and attend across
+documents (the negative controls in ``tests/test_vision_train.py``), so :func:`row_positions` returns
+``(4, T)`` for every family (``text_row=False`` gives the model's own 3 rows, for inspection).  The t/h/w rows
+must restart per document too, but a whole-row computation beside a per-document text row only shifts each
+document's three rows by one constant, which rotary embeddings cancel (the same loss, also tested).
+
+Videos are refused by name (their temporal spacing differs per family: seconds per grid in Qwen2.5-VL, one
+grid per frame with timestamps in Qwen3-VL); two images with no text token between them are refused too
+(the models group consecutive image tokens as one image and fail on them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import PackingError
+
+#: The multimodal model types (``config.model_type``) whose packed path packtools computes and has verified
+#: against the model's own ``get_rope_index`` and one-by-one training (``tests/test_vision_*.py``).  Every other
+#: multimodal model is refused by name (:func:`packtools.integrations.vision.check_multimodal_model`).
+VERIFIED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+@dataclass(frozen=True)
+class MropeSpec:
+    """What the positions of one model family depend on: the vision token ids and the spatial merge size."""
+
+    model_type: str
+    image_token_id: int
+    video_token_id: int | None
+    spatial_merge_size: int
+
+    def __post_init__(self) -> None:
+        if self.model_type not in VERIFIED_MODEL_TYPES:
+            raise PackingError(
+                f"model_type {self.model_type!r}: packtools computes packed multimodal positions only for "
+                f"{list(VERIFIED_MODEL_TYPES)}; other multimodal models are not verified.",
+                param="model_type",
+            )
+        if int(self.spatial_merge_size) < 1:
+            raise PackingError(
+                f"spatial_merge_size must be >= 1, got {self.spatial_merge_size!r}.",
+                param="spatial_merge_size",
+            )
+
+    @classmethod
+    def from_config(cls, config: Any) -> MropeSpec:
+        """The spec of a transformers config (``Qwen2VLConfig``, ``Qwen2_5_VLConfig``, ``Qwen3VLConfig``)."""
+        model_type = getattr(config, "model_type", None)
+        vision = getattr(config, "vision_config", None)
+        image = getattr(config, "image_token_id", None)
+        if model_type not in VERIFIED_MODEL_TYPES or vision is None or not isinstance(image, int):
+            raise PackingError(
+                f"{type(config).__name__} (model_type {model_type!r}) is not a multimodal model packtools has "
+                f"verified; packed multimodal rows are supported for {list(VERIFIED_MODEL_TYPES)}.",
+                param="model",
+            )
+        video = getattr(config, "video_token_id", None)
+        return cls(
+            model_type, image, video if isinstance(video, int) else None, int(vision.spatial_merge_size)
+        )
+
+
+def image_token_counts(image_grid_thw: Any, merge_size: int) -> np.ndarray:
+    """Tokens each image takes in the text: ``t * h * w / merge²`` per ``image_grid_thw`` row."""
+    grid = check_grid(image_grid_thw, "image_grid_thw")
+    return grid.prod(axis=1) // (merge_size * merge_size)
+
+
+def check_grid(image_grid_thw: Any, name: str, row: int | None = None) -> np.ndarray:
+    """``image_grid_thw`` as an int64 ``(n, 3)`` array of positive sides (``None`` or empty: no image)."""
+    where = "" if row is None else f"row {row}: "
+    if image_grid_thw is None:
+        return np.zeros((0, 3), np.int64)
+    grid = np.asarray(image_grid_thw)
+    if grid.size == 0:
+        return np.zeros((0, 3), np.int64)
+    if grid.ndim != 2 or grid.shape[1] != 3 or grid.dtype.kind not in "iu":
+        raise PackingError(
+            f"{where}{name!r} must be integer rows (t, h, w), one per image, got shape {grid.shape} "
+            f"({grid.dtype}); pass the processor's image_grid_thw for this sample."
+        )
+    if grid.min() < 1:
+        raise PackingError(f"{where}{name!r} has a side < 1: {grid.tolist()}.")
+    return grid.astype(np.int64, copy=False)
+
+
+def document_positions(input_ids: Any, image_grid_thw: Any, spec: MropeSpec, *, doc: int = 0) -> np.ndarray:
+    """The ``(3, n)`` t/h/w positions of one document, as the model's ``get_rope_index`` computes them.
+
+    >>> spec = MropeSpec("qwen2_vl", image_token_id=9, video_token_id=8, spatial_merge_size=2)
+    >>> document_positions([1, 9, 9, 9, 9, 9, 9, 2], [[1, 4, 6]], spec).tolist()
+    [[0, 1, 1, 1, 1, 1, 1, 4], [0, 1, 1, 1, 2, 2, 2, 4], [0, 1, 2, 3, 1, 2, 3, 4]]
+    """
+    ids = np.asarray(input_ids)
+    merge = int(spec.spatial_merge_size)
+    grid = check_grid(image_grid_thw, "image_grid_thw", doc)
+    if spec.video_token_id is not None and np.any(ids == spec.video_token_id):
+        raise PackingError(
+            f"document {doc} holds video tokens (id {spec.video_token_id}): packtools packs images only; "
+            f"videos are not supported yet. Drop video samples or train them unpacked."
+        )
+    is_img = ids == spec.image_token_id
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], is_img.astype(np.int8), [0]])))
+    run_starts, run_stops = edges[0::2], edges[1::2]
+    counts = grid.prod(axis=1) // (merge * merge) if grid.size else np.zeros(0, np.int64)
+    if run_starts.shape[0] != grid.shape[0] or np.any(run_stops - run_starts != counts):
+        raise PackingError(
+            f"document {doc}: its image tokens (id {spec.image_token_id}) form runs of "
+            f"{(run_stops - run_starts).tolist()} tokens but its image_grid_thw {grid.tolist()} gives "
+            f"{counts.tolist()} (t*h*w / {merge}²): each image needs exactly its own run, with text between two "
+            f"images. Process the sample with the model's own processor."
+        )
+    out = np.empty((3, ids.shape[0]), np.int64)
+    pos = 0
+    cursor = 0
+    for (t, h, w), start, stop in zip(grid.tolist(), run_starts.tolist(), run_stops.tolist()):
+        out[:, cursor:start] = np.arange(start - cursor) + pos
+        pos += start - cursor
+        gh, gw = h // merge, w // merge
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
+        out[0, start:stop] = tt.ravel() + pos
+        out[1, start:stop] = hh.ravel() + pos
+        out[2, start:stop] = ww.ravel() + pos
+        pos += max(gh, gw)
+        cursor = stop
+    out[:, cursor:] = np.arange(ids.shape[0] - cursor) + pos
+    return out
+
+
+def row_positions(
+    input_ids: Any,
+    seq_lengths: Any,
+    images_per_doc: Any,
+    image_grid_thw: Any,
+    spec: MropeSpec,
+    *,
+    text_row: bool = True,
+) -> np.ndarray:
+    """Per-document positions of a packed row: ``(4, T)`` (text row, then t/h/w) or ``(3, T)``.
+
+    ``seq_lengths[i]`` tokens of document ``i`` use the next ``images_per_doc[i]`` rows of ``image_grid_thw``
+    (images in row order).  Every document restarts at 0 in every row.
+
+    >>> spec = MropeSpec("qwen3_vl", image_token_id=9, video_token_id=8, spatial_merge_size=2)
+    >>> row_positions([1, 9, 2, 3, 4], [3, 2], [1, 0], [[1, 2, 2]], spec).tolist()
+    [[0, 1, 2, 0, 1], [0, 1, 2, 0, 1], [0, 1, 2, 0, 1], [0, 1, 2, 0, 1]]
+    """
+    ids = np.asarray(input_ids)
+    seg = np.asarray(seq_lengths, np.int64)
+    per_doc = np.asarray(images_per_doc, np.int64)
+    grid = check_grid(image_grid_thw, "image_grid_thw")
+    if per_doc.shape != seg.shape or int(per_doc.sum()) != grid.shape[0]:
+        raise PackingError(
+            f"images_per_doc {per_doc.tolist()} must give one count per document ({seg.shape[0]}) summing to "
+            f"the {grid.shape[0]} rows of image_grid_thw."
+        )
+    if int(seg.sum()) != ids.shape[0]:
+        raise PackingError(f"seq_lengths sum to {int(seg.sum())} but the row has {ids.shape[0]} tokens.")
+    rows = 4 if text_row else 3
+    out = np.empty((rows, ids.shape[0]), np.int64)
+    starts = np.concatenate([[0], np.cumsum(seg)])
+    first = np.concatenate([[0], np.cumsum(per_doc)])
+    for d in range(seg.shape[0]):
+        a, b = int(starts[d]), int(starts[d + 1])
+        out[rows - 3 :, a:b] = document_positions(ids[a:b], grid[first[d] : first[d + 1]], spec, doc=d)
+        if text_row:
+            out[0, a:b] = np.arange(b - a)
+    return out

@@ -1,0 +1,218 @@
+"""Padding-free batches of vision-language rows: the text batch of ``PaddingFreeCollator`` plus the images.
+
+A row is a processed sample (or a packed row of several, with ``seq_lengths``): ``input_ids`` with the
+processor's image tokens, ``pixel_values`` (the row's image patches, ``(patches, C*tp*p*p)``, images in row
+order) and ``image_grid_thw`` (one ``(t, h, w)`` row per image, in row order).  :class:`MultimodalCollator`
+lays the rows end to end like :class:`~packtools.batches.collate.PaddingFreeCollator` (``cu_seq_lens``, labels
+-100 at every document start) and adds:
+
+* ``position_ids`` of shape ``(4, 1, T)``: the text row, then each document's own t/h/w positions
+  (:mod:`packtools.batches.mrope`), restarting at every document;
+* ``pixel_values`` and ``image_grid_thw`` concatenated in row order (the vision tower attends within each
+  image, by ``image_grid_thw``, so images of different documents never mix);
+* ``mm_token_type_ids`` (1 on image tokens), which the models read when they compute positions themselves;
+* labels -100 on every image token (an image placeholder is never learned).
+
+A row whose image tokens do not match its ``image_grid_thw`` or ``pixel_values`` is refused with its index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..constants import IGNORE_INDEX
+from ..errors import PackingError
+from .collate import PaddingFreeCollator, to_tensors
+from .flatten import flatten_rows
+from .mrope import MropeSpec, check_grid, document_positions
+
+#: The per-row image columns this collator consumes (everything else goes to the text collator).
+VISION_COLUMNS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
+
+
+def _pixels(value: Any, row: int, patches: int) -> np.ndarray | None:
+    if value is None or (patches == 0 and np.asarray(value).size == 0):
+        if patches:
+            raise PackingError(
+                f"row {row} has image tokens and image_grid_thw ({patches} patches) but no 'pixel_values'; "
+                f"keep the processor's pixel_values column with the row."
+            )
+        return None
+    arr = np.asarray(value)
+    if arr.ndim != 2 or arr.shape[0] != patches or arr.dtype.kind != "f":
+        raise PackingError(
+            f"row {row}: 'pixel_values' has shape {arr.shape} ({arr.dtype}) but its image_grid_thw gives "
+            f"{patches} patches; pass the processor's float pixel_values, one patch per line, images in row order."
+        )
+    return arr
+
+
+def _image_runs(ids: np.ndarray, image_token_id: int) -> int:
+    is_img = (ids == image_token_id).astype(np.int8)
+    return int(np.count_nonzero(np.diff(np.concatenate([[0], is_img])) == 1))
+
+
+class MultimodalCollator:
+    """Collate processed vision-language rows (packed or one sample each) into one padding-free batch.
+
+    ``model`` is the model, its config or an :class:`~packtools.batches.mrope.MropeSpec` (Qwen2-VL,
+    Qwen2.5-VL, Qwen3-VL; others are refused by name).  The text options are those of
+    :class:`~packtools.batches.collate.PaddingFreeCollator` (``seq_idx`` is off by default: these models have
+    no token-mixing layers that read it).  Output keys: ``input_ids``, ``labels`` ``[1, T]``,
+    ``position_ids`` ``(4, 1, T)``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``mm_token_type_ids`` ``[1, T]``,
+    and, when the batch holds images, ``pixel_values`` and ``image_grid_thw``.
+
+    >>> import numpy as np
+    >>> spec = MropeSpec("qwen2_vl", image_token_id=9, video_token_id=8, spatial_merge_size=2)
+    >>> rows = [{"input_ids": [1, 9, 2, 3, 4], "seq_lengths": [3, 2], "image_grid_thw": [[1, 2, 2]],
+    ...          "pixel_values": np.zeros((4, 6), np.float32)}]
+    >>> b = MultimodalCollator(spec, 0, return_tensors="np")(rows)
+    >>> b["position_ids"][:, 0].tolist(), b["labels"].tolist(), b["image_grid_thw"].tolist()
+    ([[0, 1, 2, 0, 1], [0, 1, 2, 0, 1], [0, 1, 2, 0, 1], [0, 1, 2, 0, 1]], [[-100, -100, 2, -100, 4]], [[1, 2, 2]])
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        pad_token_id: int,
+        pad_to_multiple_of: int | None = None,
+        return_tensors: str = "pt",
+        *,
+        unpacked: bool = False,
+        completion_only_loss: bool = True,
+        assistant_only_loss: bool = True,
+        return_flash_attn_kwargs: bool = True,
+        return_seq_idx: bool = False,
+        return_mm_token_type_ids: bool = True,
+    ) -> None:
+        self.spec = (
+            model if isinstance(model, MropeSpec) else MropeSpec.from_config(getattr(model, "config", model))
+        )
+        self.text = PaddingFreeCollator(
+            pad_token_id,
+            pad_to_multiple_of,
+            True,
+            "np",
+            unpacked=unpacked,
+            return_flash_attn_kwargs=return_flash_attn_kwargs,
+            return_seq_idx=return_seq_idx,
+            completion_only_loss=completion_only_loss,
+            assistant_only_loss=assistant_only_loss,
+        )
+        if return_tensors not in ("pt", "np"):
+            raise PackingError(f"return_tensors must be 'pt' or 'np', got {return_tensors!r}.")
+        self.return_tensors = return_tensors
+        self.return_mm_token_type_ids = bool(return_mm_token_type_ids)
+
+    def options(self) -> dict[str, Any]:
+        """The constructor arguments (``MultimodalCollator(**c.options())`` copies it)."""
+        text = self.text.options()
+        keep = (
+            "pad_token_id",
+            "pad_to_multiple_of",
+            "unpacked",
+            "completion_only_loss",
+            "assistant_only_loss",
+        )
+        return {
+            "model": self.spec,
+            **{k: text[k] for k in keep},
+            "return_tensors": self.return_tensors,
+            "return_flash_attn_kwargs": text["return_flash_attn_kwargs"],
+            "return_seq_idx": text["return_seq_idx"],
+            "return_mm_token_type_ids": self.return_mm_token_type_ids,
+        }
+
+    def replace(self, **changes: Any) -> MultimodalCollator:
+        return type(self)(**{**self.options(), **changes})
+
+    def __repr__(self) -> str:
+        return f"MultimodalCollator({', '.join(f'{k}={v!r}' for k, v in self.options().items())})"
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        if isinstance(features, Mapping) or not isinstance(features, Sequence) or not features:
+            raise PackingError(f"features must be a non-empty list of rows, got {type(features).__name__}.")
+        text_rows = [
+            {k: v for k, v in row.items() if k not in VISION_COLUMNS} if isinstance(row, Mapping) else row
+            for row in features
+        ]
+        flat = flatten_rows(text_rows, self.text.mask_keys)
+        batch = self.text.collate_flat(flat)
+        total = int(flat.input_ids.shape[0])
+        width = int(batch["input_ids"].shape[1])
+        positions = np.empty((4, width), np.int64)
+        positions[0] = batch["position_ids"][0]
+        positions[1:, total:] = positions[0, total:]  # the padding segment: plain text positions
+        grids, pixels = self._place_images(features, flat, positions)
+        ids = batch["input_ids"][0]
+        is_image = ids == self.spec.image_token_id
+        labels = batch["labels"]
+        labels[0, is_image] = IGNORE_INDEX
+        batch["position_ids"] = positions[:, None, :]
+        if self.return_mm_token_type_ids:
+            batch["mm_token_type_ids"] = is_image.astype(np.int64)[None]
+        if grids:
+            batch["pixel_values"] = np.concatenate(pixels) if len(pixels) > 1 else pixels[0]
+            batch["image_grid_thw"] = np.concatenate(grids)
+        return to_tensors(batch, self.return_tensors)
+
+    def _place_images(
+        self, features: Sequence[Mapping[str, Any]], flat: Any, positions: np.ndarray
+    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Fill ``positions[1:]`` document by document; the rows' grids and pixels, in row order."""
+        grids: list[np.ndarray] = []
+        pixels: list[np.ndarray] = []
+        seg_at = 0
+        tok_at = 0
+        kept = 0
+        for i, row in enumerate(features):
+            n = len(np.asarray(row["input_ids"]))
+            grid = check_grid(row.get("image_grid_thw"), "image_grid_thw", i)
+            pix = _pixels(row.get("pixel_values"), i, int(grid.prod(axis=1).sum()))
+            if n == 0:
+                if grid.shape[0]:
+                    raise PackingError(
+                        f"row {i} is empty but has {grid.shape[0]} image(s) in image_grid_thw."
+                    )
+                continue
+            segs = flat.seg_lengths[seg_at : seg_at + int(flat.segs_per_row[kept])]
+            seg_at += segs.shape[0]
+            kept += 1
+            ids = flat.input_ids[tok_at : tok_at + n]
+            self._check_types(row, i, ids)
+            used = 0
+            start = 0
+            for d, length in enumerate(segs.tolist()):
+                doc = ids[start : start + length]
+                k = _image_runs(doc, self.spec.image_token_id)
+                try:
+                    pos = document_positions(doc, grid[used : used + k], self.spec, doc=d)
+                except PackingError as err:
+                    raise PackingError(f"row {i}: {err}") from None
+                positions[1:, tok_at + start : tok_at + start + length] = pos
+                used += k
+                start += length
+            if used != grid.shape[0]:
+                raise PackingError(
+                    f"row {i}: image_grid_thw has {grid.shape[0]} images but the row's input_ids hold {used} "
+                    f"runs of image tokens; every image must travel with its sample (re-process the row)."
+                )
+            tok_at += n
+            if grid.shape[0]:
+                grids.append(grid)
+                pixels.append(pix)
+        return grids, pixels
+
+    def _check_types(self, row: Mapping[str, Any], i: int, ids: np.ndarray) -> None:
+        given = row.get("mm_token_type_ids")
+        if given is None:
+            return
+        arr = np.asarray(given)
+        if arr.shape != ids.shape or not np.array_equal(arr != 0, ids == self.spec.image_token_id):
+            raise PackingError(
+                f"row {i}: 'mm_token_type_ids' does not mark exactly the image tokens (id "
+                f"{self.spec.image_token_id}) of its input_ids; re-process the row."
+            )

@@ -1,0 +1,62 @@
+"""Packed vision-language training under 2 processes (torchrun, gloo, CPU) equals the samples run one by one."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _vl_models import IMAGE, tiny_vl, torch
+
+pytest.importorskip("datasets")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _split(row: dict) -> list[dict]:
+    """A packed row back into its samples (images in row order), with plain Python."""
+    out, start, patch, image = [], 0, 0, 0
+    for n in row["seq_lengths"]:
+        ids = row["input_ids"][start : start + n]
+        k = sum(1 for i in range(n) if ids[i] == IMAGE and (i == 0 or ids[i - 1] != IMAGE))
+        grid = np.asarray(row["image_grid_thw"][image : image + k], np.int64).reshape(-1, 3)
+        p = int(grid.prod(axis=1).sum())
+        sample = {"input_ids": ids}
+        if k:
+            sample["pixel_values"] = np.asarray(row["pixel_values"][patch : patch + p], np.float32)
+            sample["image_grid_thw"] = grid
+        out.append(sample)
+        start, patch, image = start + n, patch + p, image + k
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_two_processes_equal_one_by_one(family, tmp_path):
+    from test_vision_train import one_by_one
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(_free_port()), str(ROOT / "tests" / "_vision_ddp_worker.py"), str(tmp_path), family,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    rows = [row for res in ranks for row in res["batches"][0]]  # the first step's micro-batch of each rank
+    assert len(rows) >= 2 and len({str(r["input_ids"]) for r in rows}) == len(rows)  # no row repeated
+    samples = [s for row in rows for s in _split(row)]
+    assert sum("pixel_values" in s for s in samples) >= 2 and any("pixel_values" not in s for s in samples)
+    _, grads = one_by_one(tiny_vl(family, "sdpa"), samples)
+    for res in ranks:
+        diff = max(float((res["delta"][k] - g).abs().max()) for k, g in grads.items())
+        assert diff < 1e-5

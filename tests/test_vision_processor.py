@@ -1,0 +1,148 @@
+"""TRL's vision format (messages with image parts + images) through a local processor folder, then packed."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import io
+import os
+
+import numpy as np
+import pytest
+from _vl_models import IMAGE, processor_folder, tiny_vl, torch, transformers
+
+from packtools import pack_dataset
+from packtools.batches.vision import MultimodalCollator
+from packtools.errors import PackingError
+from packtools.integrations.vision_processor import load_vision_processor, process_vision_dataset
+
+datasets = pytest.importorskip("datasets")
+Image = pytest.importorskip("PIL.Image")
+
+
+def _image(rng, h, w):
+    return Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+
+
+def _rows(tmp_path):
+    """Samples with 0, 1 and 3 images given as a path, PNG bytes and a PIL image."""
+    rng = np.random.default_rng(0)
+    path = os.path.join(tmp_path, "a.png")
+    _image(rng, 60, 90).save(path)
+    buf = io.BytesIO()
+    _image(rng, 56, 56).save(buf, format="PNG")
+    user = lambda *parts: {"role": "user", "content": list(parts)}  # noqa: E731
+    text = lambda t: {"type": "text", "text": t}  # noqa: E731
+    img = {"type": "image"}
+    answer = {"role": "assistant", "content": [text("a cat")]}
+    return [
+        {"messages": [user(img, text("what is this")), answer], "images": [path]},
+        {"messages": [user(text("here is a dog")), answer], "images": []},
+        {"messages": [user(img, text("and"), img, text("and"), img), answer],
+         "images": [buf.getvalue(), path, _image(rng, 112, 56)]},
+    ]  # fmt: skip
+
+
+def _dataset(rows):
+    """Rows as a Dataset whose images column is datasets' Image type (paths, bytes and PIL images mixed)."""
+    messages = datasets.Dataset.from_list([{"messages": r["messages"]} for r in rows]).features["messages"]
+    features = datasets.Features({"messages": messages, "images": datasets.List(datasets.Image())})
+    return datasets.Dataset.from_dict(
+        {"messages": [r["messages"] for r in rows], "images": [r["images"] for r in rows]}, features=features
+    )
+
+
+def test_processor_folder_rows_equal_the_image_processor_and_the_placeholder_rule(tmp_path):
+    folder = processor_folder(tmp_path / "proc")
+    vp = load_vision_processor(folder)
+    assert vp.image_token_id == IMAGE and vp.merge_size == 2
+    if (
+        importlib.util.find_spec("torchvision") is None
+    ):  # transformers 5.25 builds no Qwen-VL processor without it
+        assert vp.processor is None and type(vp.image_processor).__name__ == "Qwen2VLImageProcessorPil"
+    rows = _rows(tmp_path)
+    done = process_vision_dataset(_dataset(rows), folder)
+    paths_only = process_vision_dataset(
+        datasets.Dataset.from_list(rows[:2]), folder
+    )  # a column of path strings
+    assert paths_only[:] == done.select([0, 1])[:]
+    assert set(done.column_names) == {"input_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids"}
+    own = transformers.AutoImageProcessor.from_pretrained(folder)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    for raw, got in zip(rows, done):
+        ids = np.asarray(got["input_ids"])
+        images = [
+            Image.open(io.BytesIO(v))
+            if isinstance(v, bytes)
+            else (Image.open(v) if isinstance(v, str) else v)
+            for v in raw["images"]
+        ]
+        text = tok.apply_chat_template(raw["messages"], tokenize=False)
+        single = np.asarray(tok(text)["input_ids"])  # one placeholder per image
+        is_img = ids == IMAGE
+        starts = np.flatnonzero(is_img & ~np.concatenate([[False], is_img[:-1]]))
+        kept = ids[~is_img | np.isin(np.arange(len(ids)), starts)]
+        assert np.array_equal(kept, single)  # the text is the template's, each placeholder expanded in place
+        if images:
+            feats = own(images=images, return_tensors="np")
+            assert np.array_equal(np.asarray(got["image_grid_thw"]), feats["image_grid_thw"])
+            assert np.array_equal(np.asarray(got["pixel_values"], np.float32), feats["pixel_values"])
+            counts = feats["image_grid_thw"].prod(axis=1) // 4
+            assert int(is_img.sum()) == int(counts.sum()) and len(starts) == len(images)
+        else:
+            assert not is_img.any() and len(got["pixel_values"]) == 0
+        assert np.array_equal(np.asarray(got["mm_token_type_ids"]), is_img.astype(int))
+
+
+def test_pack_dataset_with_processor_trains_like_one_by_one(tmp_path):
+    from test_vision_train import _loss, one_by_one
+
+    folder = processor_folder(tmp_path / "proc")
+    rows = _rows(tmp_path) * 2
+    packed = pack_dataset(_dataset(rows), 128, processor=folder)
+    assert len(packed) < len(rows) and max(len(r) for r in packed["seq_lengths"]) > 1
+    model = tiny_vl("qwen2_vl", "sdpa", patch=14)
+    batch = MultimodalCollator(model, 0)(list(packed))
+    done = process_vision_dataset(_dataset(rows), folder)
+    samples = []
+    for r in done:
+        s = {"input_ids": r["input_ids"]}
+        if len(r["image_grid_thw"]):
+            s["pixel_values"] = np.asarray(r["pixel_values"], np.float32)
+            s["image_grid_thw"] = np.asarray(r["image_grid_thw"])
+        samples.append(s)
+    ref, _ = one_by_one(copy.deepcopy(model), samples)
+    assert abs(_loss(model.eval(), batch) - ref) < 1e-5
+    assert torch.equal(
+        batch["image_grid_thw"].sum(0),
+        torch.as_tensor(np.concatenate([s["image_grid_thw"] for s in samples if "image_grid_thw" in s])).sum(
+            0
+        ),
+    )
+
+
+def test_refusals(tmp_path):
+    folder = processor_folder(tmp_path / "proc")
+    rows = _rows(tmp_path)
+    bad = [{**rows[0], "images": rows[0]["images"] * 2}]
+    with pytest.raises(PackingError, match="row 0: its messages hold 1 image part"):
+        process_vision_dataset(_dataset(bad), folder)
+    with pytest.raises(PackingError, match="not a folder"):
+        load_vision_processor("Qwen/Qwen2-VL-2B-Instruct")  # a hub id: never downloaded
+    with pytest.raises(PackingError, match="cannot open image"):
+        process_vision_dataset(
+            datasets.Dataset.from_list([{**rows[0], "images": [str(tmp_path / "none.png")]}]), folder
+        )
+
+
+def test_profile_lengths_count_image_tokens_without_processing_pixels(tmp_path):
+    from packtools import profile_lengths
+    from packtools.integrations.vision_processor import vision_lengths
+
+    folder = processor_folder(tmp_path / "proc")
+    ds = _dataset(_rows(tmp_path))
+    lengths = vision_lengths(ds, folder)
+    done = process_vision_dataset(ds, folder)
+    assert lengths.tolist() == [len(r) for r in done["input_ids"]]
+    assert (lengths > [len(r) - int(np.sum(np.asarray(r) == IMAGE)) for r in done["input_ids"]]).sum() == 2
+    assert profile_lengths(lengths).lengths.tolist() == lengths.tolist()
