@@ -227,6 +227,9 @@ LONG_MODULES_ALLOWED: set[str] = {
     # BatchTokenizer is one object that owns its engine state (issue 29: the engine state had been spread over
     # free functions in other modules); splitting it again would split that concept
     "pipeline/tokenize.py",
+    # the one run, in order: inputs checked, the driver's engine verdict (issue 29), stage, the turn-aware plan
+    # (issue 31), write, install; each step already lives in its own module and run.py only sequences them
+    "pipeline/run.py",
 }
 
 
@@ -250,10 +253,10 @@ def test_the_long_module_allow_list_is_current():
 
 def test_the_check_catches_a_long_module(monkeypatch):
     before = long_modules()
-    fake = ROOT / "pipeline" / "run.py"
+    fake = ROOT / "pipeline" / "config.py"
     source = fake.read_text() + "\n" * MAX_LINES
     monkeypatch.setattr(pathlib.Path, "read_text", lambda self: source if self == fake else open(self).read())
-    assert set(long_modules()) - set(before) == {"pipeline/run.py"}
+    assert set(long_modules()) - set(before) == {"pipeline/config.py"}
 
 
 # -- few positional parameters ---------------------------------------------------------------------------

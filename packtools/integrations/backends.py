@@ -73,7 +73,9 @@ def multimodal_parts(model: Any) -> list[str]:
     ``forward``); empty for a text model."""
     config = getattr(base_model(model), "config", None)
     parts = [name for name in _MEDIA_CONFIGS if getattr(config, name, None) is not None]
-    if forward_accepts(model, "pixel_values", named=True):
+    if callable(getattr(base_model(model), "forward", None)) and forward_accepts(
+        model, "pixel_values", named=True
+    ):
         parts.append("pixel_values in its forward")
     return parts
 
