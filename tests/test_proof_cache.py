@@ -93,6 +93,15 @@ def test_chat_and_text_verdicts_are_apart_and_the_cache_can_be_off(tmp_path, mon
     assert proof_cache.load(text) is None
     proof_cache.record(text, {"adversarial_texts": 2})
     assert proof_cache.load(text) == {"adversarial_texts": 2}
+    whole = open(text).read()
+    for damaged in (
+        whole.replace('"adversarial_texts": 2', '"adversarial_texts": 3'),  # content changed, checksum kept
+        whole[: len(whole) // 2],  # cut
+        whole.replace(', "sha256"', ', "x"'),  # no checksum (as written before there was one)
+    ):
+        with open(text, "w") as fh:
+            fh.write(damaged)
+        assert proof_cache.load(text) is None  # no verdict: the proof runs again
     with open(text, "w") as fh:
         fh.write('{"same": false, "checked": {"adversarial_texts": 2}}')
     assert proof_cache.load(text) is None

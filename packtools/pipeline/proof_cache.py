@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
 from collections.abc import Sequence
 from typing import Any
 
-from .._atomic import atomic_path
 from ..io.fingerprint import cache_key
 from . import fast_tokenize as fast_engine
-from .reference import _versions, cache_dir, read_verdict
+from .reference import _versions, cache_dir, read_verdict, write_verdict
 
 PROOF_CACHE_FORMAT = 1
 
@@ -117,7 +115,6 @@ def record(path: str | None, checked: dict[str, Any]) -> None:
     if path is None:
         return
     try:
-        with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
-            json.dump({"same": True, "checked": checked, **_versions()}, fh)
+        write_verdict(path, {"same": True, "checked": checked, **_versions()})
     except OSError:
         return

