@@ -108,7 +108,7 @@ def build(tmp_path, impl="sdpa", ref=True, lora=False, n=12, **config):
         seed=0,
     )
     kwargs.update(config)
-    return trl.DPOTrainer(
+    trainer = trl.DPOTrainer(
         tiny_llama(impl),
         ref_model=tiny_llama(impl, seed=1) if ref else None,
         args=trl.DPOConfig(**kwargs),
@@ -116,6 +116,42 @@ def build(tmp_path, impl="sdpa", ref=True, lora=False, n=12, **config):
         processing_class=word_tokenizer(),
         peft_config=peft_config,
     )
+    if trainer.precompute_ref_logps:
+        untie_reference(trainer)
+    return trainer
+
+
+UNTIE = 1.0  # log-prob units; times beta (0.1) a reward margin of 0.1, far above float rounding (~1e-6)
+
+
+def untie_reference(trainer):
+    """Move the precomputed reference log-probs off the policy's, pair by pair.
+
+    Without a reference model TRL precomputes the reference log-probs with the policy itself (LoRA starts as
+    the identity), so before any step every reward is 0 up to float rounding and ``rewards/accuracies``
+    (``chosen > rejected``, a step function) compares rounding noise: one ulp of a log-prob flips a pair.
+    Lowering ``ref_chosen_logps`` of even pairs and ``ref_rejected_logps`` of odd ones by ``UNTIE`` gives even
+    pairs the margin ``+beta * UNTIE`` and odd pairs ``-beta * UNTIE``, so the metric is decided, and it says
+    whether the columns reached the right pairs: it must be the share of even pairs (``assert_untied``).
+    Both trainers of a comparison are built here, so both get the same columns.
+    """
+
+    def shift(row, i):
+        even = i % 2 == 0
+        return {
+            "ref_chosen_logps": row["ref_chosen_logps"] - (UNTIE if even else 0.0),
+            "ref_rejected_logps": row["ref_rejected_logps"] - (0.0 if even else UNTIE),
+        }
+
+    trainer.train_dataset = trainer.train_dataset.map(shift, with_indices=True)
+
+
+def assert_untied(trainer, result, pairs):
+    """With precomputed reference log-probs, ``rewards/accuracies`` before any step is the share of even pairs
+    among ``pairs`` (see ``untie_reference``): the columns reached their pairs, and the metric is no tie."""
+    if trainer.precompute_ref_logps:
+        want = sum(int(i) % 2 == 0 for i in pairs) / len(pairs)
+        assert result[1]["rewards/accuracies"] == want, (result[1]["rewards/accuracies"], want, pairs)
 
 
 def loss_metrics_grads(trainer, batch):
@@ -196,7 +232,9 @@ def test_unpacked_micro_batch_equals_trl_padded(tmp_path, case):
     )
     recorder = ShapeRecorder(prepared.model)
     batch = padded.data_collator([padded.train_dataset[i] for i in range(4)])
-    assert_same(loss_metrics_grads(padded, batch), loss_metrics_grads(prepared, batch))
+    want = loss_metrics_grads(padded, batch)
+    assert_same(want, loss_metrics_grads(prepared, batch))
+    assert_untied(padded, want, range(4))
     real = int(batch["attention_mask"].sum())
     assert real < batch["attention_mask"].numel()  # TRL padded this batch
     assert recorder.calls and all(call == ((1, real), False) for call in recorder.calls)
@@ -237,9 +275,9 @@ def test_packed_micro_batch_equals_trl_padded_on_its_pairs(tmp_path, case):
     assert len(pairs) > 2
     batch = prepared.data_collator(rows)
     assert batch["input_ids"].shape[0] == 2 * len(pairs)
-    assert_same(
-        loss_metrics_grads(reference, trl_batch(reference, pairs)), loss_metrics_grads(prepared, batch)
-    )
+    want = loss_metrics_grads(reference, trl_batch(reference, pairs))
+    assert_same(want, loss_metrics_grads(prepared, batch))
+    assert_untied(reference, want, pairs)
 
 
 def step_gradients(trainer):

@@ -4,6 +4,7 @@ door (the never-released 0.1 API) are read from their namespaces only."""
 import doctest
 import importlib
 import importlib.util
+import pkgutil
 import subprocess
 import sys
 import warnings
@@ -80,6 +81,17 @@ def test_namespace_lists_and_resolves_its_names(name):
             obj = getattr(module, attr)
         if attr in lazy:  # the very object its defining module holds
             assert obj is getattr(importlib.import_module(lazy[attr]), attr)
+
+
+@pytest.mark.parametrize("name", NAMESPACES)
+def test_no_exported_name_is_also_a_submodule(name):
+    """Importing a submodule sets it as an attribute of its package, so an exported name that is also a
+    submodule's name turns into that module once anything imports the submodule (a doctest run, a user's
+    ``import``), and the lazy ``__getattr__`` is never asked again."""
+    module = importlib.import_module(name)
+    lazy = getattr(module, "_EXPORTS", getattr(module, "_LAZY", {}))
+    submodules = {info.name for info in pkgutil.iter_modules(getattr(module, "__path__", []))}
+    assert not submodules & set(lazy), sorted(submodules & set(lazy))
 
 
 def test_unknown_name_is_an_attribute_error():

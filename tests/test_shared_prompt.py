@@ -477,7 +477,9 @@ def test_trl_on_shared_rows_equals_trl_padded(tmp_path, case):
     recorder = BackboneTokens(prepared.model)
     batch = prepared.data_collator(rows)
     got = dpo.loss_metrics_grads(prepared, batch)
-    dpo.assert_same(dpo.loss_metrics_grads(reference, dpo.trl_batch(reference, pairs)), got)
+    want = dpo.loss_metrics_grads(reference, dpo.trl_batch(reference, pairs))
+    dpo.assert_same(want, got)
+    dpo.assert_untied(reference, want, pairs)
     if recomputed is not None:  # the policy's layers really ran again in the backward pass
         assert len(recomputed) > len(recorder.calls), (len(recomputed), len(recorder.calls))
     # The backbone ran P + C + R + 1 tokens per pair (the prompt once), not 2P + C + R.
@@ -514,6 +516,23 @@ def test_trl_shared_lora_checkpointing_negative_control_recompute_off_by_one(tmp
     assert abs(got[0] - want[0]) < TOL  # the forward is exact...
     assert want[2].keys() == got[2].keys()
     assert max(float((got[2][k] - want[2][k]).abs().max()) for k in want[2]) > 1e-4  # ...the gradients not
+
+
+def test_trl_shared_precompute_negative_control_reference_columns_on_the_wrong_pairs(tmp_path):
+    """The precompute comparison above can fail: a shared row whose reference log-probs go to its pairs in the
+    wrong order moves the loss and the gradients (the mean rewards stay: the same columns, other pairs)."""
+    prepared, packed = shared_trainer(tmp_path, **dpo.CASES["precompute_ref_log_probs"])
+    reference = dpo.build(tmp_path, n=16, **dpo.CASES["precompute_ref_log_probs"])
+    rows = [packed[0], packed[1]]
+    assert len(rows[0]["pair"]) > 1
+    pairs = [i for r in rows for i in r["pair"]]
+    batch = prepared.data_collator(rows)
+    for key in ("ref_chosen_logps", "ref_rejected_logps"):
+        batch[key][[0, 1]] = batch[key][[1, 0]]  # the first row's first two pairs swapped
+    want = dpo.loss_metrics_grads(reference, dpo.trl_batch(reference, pairs))
+    got = dpo.loss_metrics_grads(prepared, batch)
+    assert abs(got[0] - want[0]) > 1e-3, (got[0], want[0])
+    assert max(float((got[2][k] - want[2][k]).abs().max()) for k in want[2]) > 1e-3
 
 
 def test_trl_fold_refuses_a_model_switched_off_the_tree_after_prepare(tmp_path):

@@ -21,7 +21,7 @@ _EXPORTS = {
     "pack_preference": "packtools.integrations.preference_data",
     "pack_ray_dataset": "packtools.integrations.ray",
     "prepare_trainer": "packtools.integrations.transformers",
-    "prepared": "packtools.integrations.prepared",
+    "prepared": "packtools.integrations.prepared_block",
     "unprepare": "packtools.integrations.compat",
     "packed_sft_config": "packtools.integrations.sft",
     "use_segmented_sdpa": "packtools.integrations.backends",
