@@ -30,8 +30,11 @@ on a GPU without flash-attn, this backend gets the same order:
 
 Memory: a forward over one padding-free row of ``T`` tokens in documents of ``L_i`` tokens holds no ``T × T``
 tensor; its attention peak follows ``max L_i²`` for the mask blocks that are not plain causal (sliding windows)
-and the kernel's own per-document work (``benchmarks/bench_segmented_memory.py`` measures it against the
-documents run one by one).
+and the kernel's own per-document work.  Nothing of the row's size is copied: grouped keys/values go to sdpa's
+own GQA (``enable_gqa``, where transformers' sdpa uses it: no mask) or are repeated one document at a time, and
+without autograd each document's output is written into one ``[batch, tokens, heads, dim]`` buffer (with it, one
+``cat`` in that layout, whose backward only slices).  ``benchmarks/bench_segmented_memory.py`` measures it
+against the documents run one by one, with the tensors live at the peak.
 
 The result equals ``sdpa`` with the block-diagonal mask up to float rounding (tested against it, and against
 each sequence run alone, forward and backward).
