@@ -11,9 +11,9 @@ value: the per-rank loaders shard over ``dp_size`` at ``dp_rank``, and losses th
 
 A layout packtools does not handle is refused by name, never sharded silently:
 
-* accelerate's own context parallelism (``cp_size > 1`` with ``cp_backend="torch"``), unless packtools' context
-  parallelism takes it over (``context_parallel=...``): torch's ``context_parallel`` shards a packed row as one
-  causal sequence, so its documents attend to each other;
+* accelerate's own context parallelism (``cp_size > 1``), also next to packtools' ``context_parallel=N`` (the
+  fix it names: ``cp_size=1`` and ``context_parallel=N``): torch's ``context_parallel`` shards a packed row as
+  one causal sequence, so its documents attend to each other;
 * DeepSpeed sequence parallelism (``sp_size > 1``, Ulysses): its all-to-all layout is not one packtools checks;
 * a mesh whose sizes do not multiply to the world size, or a ``ParallelismConfig`` without a mesh.
 """
@@ -72,16 +72,19 @@ def _from_parallelism_config(accelerator: Any, config: Any, context_parallel: in
             f"(prepare_trainer(..., context_parallel=N)) with sp_size=1.",
             param="parallelism_config",
         )
-    if cp > 1 and context_parallel is None:
+    if cp > 1:  # with or without context_parallel: Trainer would run accelerate's CP on top of packtools'
         raise PackingError(
             f"ParallelismConfig(cp_size={cp}): accelerate's context parallelism (torch's context_parallel) shards a "
             f"packed row as one causal sequence, so its documents attend to each other. Let packtools shard the "
             f"rows per document: set cp_size=1 and pass prepare_trainer(trainer, context_parallel={cp}).",
             param="parallelism_config",
         )
-    if context_parallel is not None and cp > 1 and context_parallel != cp:
+    if context_parallel not in (None, 1):  # never dropped: packtools' CP groups are not on accelerate's mesh
         raise PackingError(
-            f"context_parallel={context_parallel} but ParallelismConfig(cp_size={cp}); give one CP size.",
+            f"context_parallel={context_parallel} with an accelerate ParallelismConfig (tp={tp}, "
+            f"dp_shard={shard}, dp_replicate={replicate}): packtools' CP groups are consecutive processes, which "
+            f"that device mesh does not know. Use context_parallel with plain DDP processes (no "
+            f"ParallelismConfig), or the mesh without context_parallel.",
             param="context_parallel",
         )
     mesh = getattr(accelerator, "torch_device_mesh", None)
