@@ -143,7 +143,7 @@ def profile_files(
     """
     from .config import PipelineConfig
     from .executors import get_executor
-    from .schema import data_format, token_schema
+    from .schema import data_format, known_columns, token_schema
     from .stage_cache import CacheLock, cache_dir, evict, max_bytes, prepare, stage_jobs
 
     if isinstance(inputs, (str, os.PathLike)):
@@ -168,8 +168,9 @@ def profile_files(
         # the inputs as given: a packed folder's manifest (its max_length) and name come with it
         prof = profile_lengths([os.fspath(i) for i in inputs], column=column, name=name)
         return ProfiledInput(prof, fmt)
+    left_out: list[str] = []
     if fmt == "tokenized":  # token ids in JSON: parsed and checked by the stage, as pack does
-        columns, types, _ = token_schema(files, config)
+        columns, types, left_out = token_schema(files, config)
         tok_dir = tok_fp = proven = None
     elif tokenizer is None:
         raise PackingError(
@@ -222,6 +223,7 @@ def profile_files(
         tokenizer_engine=tokenizer_engine,
         engine_proven=proven,
         checksum=keep,  # entries of the stage cache, checked by their SHA-256 when pack adopts them
+        known_columns=known_columns(columns, left_out) if fmt == "tokenized" else None,  # as pack stages them
     )
     ex = get_executor(executor, workers, None)
     trained = None

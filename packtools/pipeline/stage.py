@@ -90,10 +90,18 @@ class StageJob:
         return "labels" in self.columns
 
 
-def stage_key(part: Part, columns: tuple[str, ...], value_types: tuple[str, ...], spec: IdsSpec) -> str:
+def stage_key(
+    part: Part,
+    columns: tuple[str, ...],
+    value_types: tuple[str, ...],
+    spec: IdsSpec,
+    known_columns: tuple[str, ...] | None = None,
+) -> str:
     """The cache key of a staged part (32 hex digits): the part (path, size, mtime, range), its columns and
-    types, and everything that decides its ids (:class:`~packtools.pipeline.spec.IdsSpec`: tokenizer content,
-    engine and versions, code, format, add-EOS, on-unencodable, audit rate)."""
+    types, the columns a tokenized JSON block may have (``known_columns``: one staged without that check is
+    never adopted by a run that needs it), and everything that decides its ids
+    (:class:`~packtools.pipeline.spec.IdsSpec`: tokenizer content, engine and versions, code, format, add-EOS,
+    on-unencodable, audit rate)."""
     return cache_key(
         "stage",
         STAGE_FORMAT,
@@ -101,6 +109,7 @@ def stage_key(part: Part, columns: tuple[str, ...], value_types: tuple[str, ...]
         columns=list(columns),
         types=list(value_types),
         ids=spec.key(),
+        known=list(known_columns) if known_columns is not None else None,
     )[:32]
 
 

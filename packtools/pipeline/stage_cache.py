@@ -166,7 +166,7 @@ def stage_jobs(
     spec = IdsSpec.of(tokenizer_fp, fmt, add_eos, tokenizer_engine, on_unencodable, audit_rate)
     jobs = []
     for part in parts:
-        key = stage_key(part, tuple(columns), tuple(types), spec)
+        key = stage_key(part, tuple(columns), tuple(types), spec, known_columns)
         jobs.append(
             StageJob(
                 part,
