@@ -240,6 +240,13 @@ def _inputs(
             f"strategy='bfd'.",
             param="strategy",
         )
+    if fmt == "preference" and config.context_parallel > 1:
+        raise PackingError(  # prepare_dpo_trainer refuses context parallelism: a CP pair layout has no trainer
+            f"context_parallel={config.context_parallel} does not apply to preference data: packtools trains "
+            f"preference pairs without context parallelism (prepare_dpo_trainer refuses it). Pack with "
+            f"context_parallel=1.",
+            param="context_parallel",
+        )
     if fmt == "tokenized":
         columns, types, left_out = token_schema(files, config)
         return RunInputs(files, fmt, columns, types, left_out), early
