@@ -263,3 +263,28 @@ def test_cli_flag(corpus, tmp_path, capsys):
         == 1
     )
     assert "--max-length" in capsys.readouterr().err
+
+
+def test_prepare_trainer_holds_a_packed_folder_to_its_max_length(corpus):
+    """prepare_trainer(context_parallel=N)'s collator reads the folder's max_length from its manifest: rows
+    packed at 2 train at 2 and are refused by row at 4; a dataset without a manifest is not held to one."""
+    from types import SimpleNamespace
+
+    from packtools.integrations.cp_trainer import cp_collator, packed_max_length
+    from packtools.integrations.parallel_layout import RankLayout
+
+    d, path, _, _ = corpus
+    out = pack_files(path, str(d / "trainer2"), MAX, "bfd_split", context_parallel=2).out
+    ds = datasets.load_from_disk(out)
+    assert packed_max_length(ds) == MAX
+    assert packed_max_length(datasets.Dataset.from_dict({"input_ids": [[1, 2]]})) is None
+    trainer = SimpleNamespace(train_dataset=ds, data_collator=PaddingFreeCollator(0))
+    rows = [ds[i] for i in range(len(ds))]
+    at2 = cp_collator(trainer, RankLayout(0, 1, cp_rank=1, cp_size=2))
+    assert at2.max_length == MAX
+    for i in range(0, len(rows), 8):
+        at2(rows[i : i + 8])  # every batch of rows packed for 2 is cut at 2
+    at4 = cp_collator(trainer, RankLayout(0, 1, cp_rank=0, cp_size=4))
+    with pytest.raises(PackingError, match="once padded for context_parallel=4"):
+        for i in range(0, len(rows), 8):
+            at4(rows[i : i + 8])
