@@ -41,7 +41,9 @@ def main() -> None:
     plain_cfg = PipelineConfig(max_length=m, strategy=args.strategy)
     eff, _ = apply_overlong(lengths, m, plain_cfg.overlong_policy)
     plain = plan_parts(eff, [0, eff.size], plain_cfg)
-    table = [("N", "rows", "fill", "CP padding", "fill lost", "rows over (CP plan)", "rows over (plain plan)")]
+    table = [
+        ("N", "rows", "fill", "CP padding", "fill lost", "rows over (CP plan)", "rows over (plain plan)")
+    ]
     for n in (1, 2, 4, 8):
         cfg = PipelineConfig(max_length=m, strategy=args.strategy, context_parallel=n)
         p = plan_parts(eff, [0, eff.size], cfg)
