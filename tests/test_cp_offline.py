@@ -85,6 +85,27 @@ def test_rows_fit_max_length_after_cp_padding(corpus, strategy, n):
         assert "cp_padding_tokens" not in res.stats
 
 
+def test_part_plans_and_shuffled_rows_fit_too(corpus):
+    """plan="shards" (one plan per part, put together) and shuffle keep the CP budget."""
+    d, _, lengths, rows = corpus
+    path = str(d / "groups.parquet")
+    pq.write_table(pa.table({"input_ids": rows}), path, row_group_size=64)  # parts of 64 rows
+    res = pack_files(
+        path,
+        str(d / "parts"),
+        MAX,
+        "bfd_split",
+        context_parallel=4,
+        plan="shards",
+        part_rows=64,
+        shuffle=True,
+    )
+    assert res.timings["parts"] > 1
+    _, seqs = packed_rows(res.out)
+    assert max(int(cp_padded_lengths(s, 4).sum()) for s in seqs) <= MAX
+    assert sum(map(sum, seqs)) == int(lengths.sum())
+
+
 def test_negative_control_planning_unpadded_lengths_overflows(corpus):
     """The same corpus planned on its real lengths (no CP budget) has rows over max_length once padded."""
     d, path, _, _ = corpus

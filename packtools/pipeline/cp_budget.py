@@ -21,7 +21,7 @@ What it asks of the options (refused by name otherwise):
   keeps every token too);
 * not preference data (:mod:`packtools.pipeline.run` refuses it: ``prepare_dpo_trainer`` has no CP).
 
-Rows packed for ``K`` fit every ``N`` dividing ``K`` (a multiple of ``2K`` is one of ``2N``); for another ``N`` the
+Rows packed for ``K > 1`` fit every ``N`` dividing ``K`` (a multiple of ``2K`` is one of ``2N``); for another ``N`` the
 collator given ``max_length`` refuses a row that does not fit, by row
 (:func:`packtools.batches.context_parallel.check_rows_fit`).  ``context_parallel=1`` (the default) is no CP: the
 plan and the output are those of a run without it.
