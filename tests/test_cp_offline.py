@@ -273,7 +273,7 @@ def test_cli_flag(corpus, tmp_path, capsys):
     out = str(tmp_path / "out")
     assert main(["pack", path, "--out", out, "--max-length", str(MAX), "--context-parallel", "2"]) == 0
     printed = capsys.readouterr().out
-    assert "CP padding (N=2)" in printed and "% of the rows lost" in printed
+    assert "CP padding (N=2)" in printed and "% of the rows' capacity lost" in printed
     assert manifest(out)["config"]["context_parallel"] == 2
     _, seqs = packed_rows(out)
     check_rows_fit(seqs, 2, MAX)

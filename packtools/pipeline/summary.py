@@ -244,7 +244,7 @@ def format_pipeline_summary(
                 (
                     f"CP padding (N={stats['context_parallel']})",
                     f"{stats['cp_padding_tokens']:,} tokens added at batch time: {100 * stats['cp_fill_lost']:.2f}% "
-                    f"of the rows lost, fill {100 * stats['fill_after_cp_padding']:.2f}% once padded",
+                    f"of the rows' capacity lost, fill {100 * stats['fill_after_cp_padding']:.2f}% once padded",
                 )
             )
     if timings:
