@@ -181,3 +181,33 @@ def test_cp_attention_refuses_what_it_does_not_apply():
     conv.model.layers[0].mixer = torch.nn.Conv1d(4, 4, 3)  # a layer mixing tokens outside attention
     with pytest.raises(PackingError, match="mixes tokens outside attention"):
         use_cp_attention(conv)
+
+
+def test_evaluation_under_cp_is_refused_by_name(tmp_path):
+    """Trainer's evaluation loader shards rows over every process, so CP peers would hold different rows while
+    packtools_cp gathers them as one: refused when scheduled and when called, never run silently."""
+    import datasets
+    import transformers
+
+    from packtools.errors import PackingError
+    from packtools.integrations.cp_trainer import prepare_context_parallel
+    from packtools.integrations.parallel_layout import RankLayout
+
+    rows = datasets.Dataset.from_list([{"input_ids": list(range(2, 14)), "seq_lengths": [5, 7]}])
+
+    def trainer(**args):
+        return transformers.Trainer(
+            tiny_llama_fp32(),
+            transformers.TrainingArguments(str(tmp_path), report_to=[], use_cpu=True, **args),
+            train_dataset=rows,
+            eval_dataset=rows,
+            data_collator=PaddingFreeCollator(0),
+        )
+
+    layout = RankLayout(dp_rank=0, dp_size=1)
+    with pytest.raises(PackingError, match=r"evaluation under context_parallel.*eval_strategy='steps'"):
+        prepare_context_parallel(trainer(eval_strategy="steps", eval_steps=1), layout)
+    scheduled_none = trainer()
+    prepare_context_parallel(scheduled_none, layout)
+    with pytest.raises(PackingError, match="evaluation under context_parallel"):
+        scheduled_none.evaluate()

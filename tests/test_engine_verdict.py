@@ -226,3 +226,27 @@ def test_a_regex_class_difference_is_caught_by_the_adversarial_set(tmp_path):
     res = pack_files(src, tmp_path / "o", 4096, tokenizer=path)
     ref = pack_files(src, tmp_path / "r", 4096, tokenizer=path, tokenizer_engine="transformers")
     assert _docs(res.out) == _docs(ref.out)
+
+
+def test_the_verdict_rests_on_the_runs_ids_spec(tok, tmp_path, monkeypatch):
+    """A killed run's verdict is reused only under the same IdsSpec: after a library upgrade or a code change the
+    rerun (whose staged parts all change key) proves the engine again instead of taking the old verdict."""
+    from packtools.pipeline import run, spec
+
+    seen = []
+    real_recorded = run.recorded
+    monkeypatch.setattr(
+        run, "recorded", lambda folder, rests_on: seen.append(rests_on) or real_recorded(folder, rests_on)
+    )
+    src = _write(tmp_path / "d.jsonl", [CORPUS[i % len(CORPUS)] for i in range(20)])
+    pack_files(src, tmp_path / "a", 128, tokenizer=tok)
+    real = spec.library_versions()
+    monkeypatch.setattr(spec, "library_versions", lambda: (*real[:1], ("tokenizers", "99.0"), *real[2:]))
+    pack_files(src, tmp_path / "b", 128, tokenizer=tok)
+    assert (
+        seen[0]["ids"]["libraries"]["tokenizers"] != "99.0"
+        and seen[1]["ids"]["libraries"]["tokenizers"] == "99.0"
+    )
+    assert {k: v for k, v in seen[0].items() if k != "ids"} == {
+        k: v for k, v in seen[1].items() if k != "ids"
+    }

@@ -282,6 +282,39 @@ def test_padding_free_forward_builds_no_row_by_row_mask(monkeypatch):
     assert calls == [(total, total)]
 
 
+def test_no_grad_output_equals_the_autograd_one_and_keys_are_never_repeated_over_the_row(monkeypatch):
+    """Grouped keys/values go to sdpa as they are (its own GQA) where the block is plain causal, and are repeated
+    per document, never over the whole row, where it is not (Mistral's window).  Without autograd each document's
+    output is written into one buffer (no concatenation, no transposed copy): the same numbers, bit for bit, as
+    the autograd path, and within float rounding of transformers' sdpa with the block-diagonal mask."""
+    repeated = []
+    torch_, forward, repeat_kv, mask = segmented._functions()
+
+    def spy(hidden, groups):
+        repeated.append(hidden.shape[2])
+        return repeat_kv(hidden, groups)
+
+    monkeypatch.setattr(segmented, "_FUNCTIONS", (torch_, forward, spy, mask))
+    batch = flat_batch()
+    for kind in ("Llama", "Mistral"):
+        repeated.clear()
+        reference = tiny_arch(kind)
+        assert reference.config.num_key_value_heads < reference.config.num_attention_heads
+        with torch.no_grad():
+            expected = reference(**batch).logits
+        model = tiny_arch(kind)
+        model.set_attn_implementation(segmented.register())
+        with torch.no_grad():
+            buffered = model(**batch).logits
+        tracked = model(**batch).logits
+        assert tracked.requires_grad and torch.equal(buffered, tracked.detach())
+        assert float((buffered - expected).abs().max()) < 1e-5
+        if kind == "Llama":
+            assert repeated == []
+        else:
+            assert repeated and all(n in LENGTHS for n in repeated)
+
+
 def sgd_step(model, batch, lr=0.5):
     """One SGD step on the summed next-token loss of ``batch``; returns the new parameters."""
     model.zero_grad()

@@ -8,6 +8,7 @@ import json
 from collections import Counter
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from _pipeline_data import CHATML_GENERATION, CHATML_PLAIN, build_tokenizer, load
 from hypothesis import HealthCheck, example, given, settings
@@ -280,3 +281,36 @@ def test_short_turns_split_exactly_at_message_starts(tmp_path, toks, template):
         body = ids[head:]
         a = next(a for a in range(head, len(row)) if row[a : a + len(body)] == body)
         assert a in starts, f"a piece starts at token {a}, not at a message start {sorted(starts)}"
+
+
+def test_tokenized_arrow_read_in_place_splits_like_parquet(tmp_path):
+    """A tokenized .arrow input is read in place (its own sidecar, no copy): it must carry its trained tokens
+    like a staged .parquet part, so bfd_split cuts at turns and drops untrained pieces the same way, and a
+    rerun reuses the part instead of finding it damaged."""
+    import pyarrow.feather as feather
+    import pyarrow.parquet as pq
+
+    from packtools.pipeline import staged
+
+    ids = [list(range(1, 11)), list(range(11, 15)), list(range(15, 27))]
+    labels = [[IGNORE_INDEX] * 6 + ids[0][6:], [IGNORE_INDEX] + ids[1][1:], [IGNORE_INDEX] * 9 + ids[2][9:]]
+    table = pa.table({"input_ids": ids, "labels": labels})
+    outs = {}
+    for ext in ("arrow", "parquet"):
+        folder = tmp_path / ext
+        folder.mkdir()
+        path = str(folder / f"in.{ext}")
+        if ext == "arrow":
+            feather.write_feather(table, path, compression="uncompressed")
+        else:
+            pq.write_table(table, path)
+        res = pack_files(path, str(tmp_path / f"out-{ext}"), 8, "bfd_split", format="tokenized")
+        outs[ext] = (res.stats, unpack(datasets.load_from_disk(res.out).data.table).to_pydict())
+    (arrow_stats, arrow_rows), (parquet_stats, parquet_rows) = outs["arrow"], outs["parquet"]
+    assert arrow_rows == parquet_rows
+    for key in ("rows_out", "pieces_dropped_unlabeled", "tokens_trained_kept", "split_at"):
+        assert arrow_stats.get(key) == parquet_stats.get(key), key
+    assert "tokens_trained_kept" in arrow_stats
+    sidecars = [p for p in (tmp_path / "out-arrow").rglob("*.npz")]
+    for sidecar in sidecars:
+        assert staged.damage(str(sidecar)) is None

@@ -366,8 +366,10 @@ class ContextParallelCollator:
         self.max_length = max_length
         if return_tensors not in ("pt", "np"):
             raise PackingError(f"return_tensors must be 'pt' or 'np', got {return_tensors!r}.")
+        from .collate import PaddingFreeCollator
+
         replace = getattr(inner, "replace", None)
-        if not callable(replace) or not getattr(inner, "padding_free", True):
+        if not isinstance(inner, PaddingFreeCollator) or not callable(replace) or not inner.padding_free:
             raise PackingError(
                 "ContextParallelCollator needs a padding-free PaddingFreeCollator as inner collator "
                 f"(got {type(inner).__name__}); CP shards one flat row per batch.",

@@ -16,9 +16,11 @@ The pieces, each from its own module:
   steps when ``Trainer`` divides, read from its own predicate; the process count, DDP's gradient mean over
   every process: CP peers' gradients are parts of one sum).
 
-Evaluation through the same ``compute_loss``: each rank returns its token-loss sum times the process count
-over the batch's targets on every rank, so ``Trainer``'s mean over processes is the batch's token mean (the
-mean over evaluation batches is ``Trainer``'s own).  Not tested with an evaluation set here.
+Evaluation is refused by name (when scheduled, at ``prepare_trainer``; when called, in
+``get_eval_dataloader``): ``Trainer``'s evaluation loader shards rows over every process, so the ranks of a CP
+group would hold different rows while ``packtools_cp`` gathers their keys as one row's, and its metric gather
+drops "duplicates" by position.  Evaluate in a run without ``context_parallel`` (the same weights, exact:
+:func:`packtools.integrations.evaluation.token_mean_loss`).
 
 accelerate's own context parallelism (``ParallelismConfig(cp_size>1)``) is refused by name: its
 ``maybe_context_parallel`` would cut packtools' shards again as one causal sequence.
@@ -70,6 +72,14 @@ def cp_group(layout: RankLayout) -> Any:
     return mine
 
 
+_NO_EVAL = (
+    "evaluation under context_parallel is not handled by packtools: Trainer's evaluation loader gives the ranks "
+    "of a CP group different rows, which packtools_cp would attend across as one row. Evaluate without "
+    "context_parallel (eval_strategy='no' here; the saved model in a one-process or data-parallel run, e.g. "
+    "packtools.integrations.evaluation.token_mean_loss)"
+)
+
+
 def check_cp_trainer(trainer: Any, layout: RankLayout) -> None:
     """Refuse what packtools' CP under ``Trainer`` does not handle, by name."""
     config = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
@@ -92,6 +102,11 @@ def check_cp_trainer(trainer: Any, layout: RankLayout) -> None:
             "context_parallel, or context_parallel=None.",
             param="context_parallel",
         )
+    strategy = getattr(trainer.args, "eval_strategy", "no")
+    strategy = str(getattr(strategy, "value", strategy))
+    if strategy != "no":
+        why = f" (TrainingArguments(eval_strategy={strategy!r}) schedules it)"
+        raise PackingError(_NO_EVAL + why, param="eval_strategy")
     collator = trainer.data_collator
     if not callable(getattr(collator, "replace", None)) or not getattr(collator, "padding_free", False):
         raise PackingError(
@@ -154,11 +169,15 @@ def prepare_context_parallel(trainer: Any, layout: RankLayout) -> None:
                 divided = trainer_divides_by_accumulation(trainer, num_items_in_batch)
                 steps = trainer.current_gradient_accumulation_steps if divided else 1
                 loss = loss * (steps * layout.world) / max(window.targets, 1)
-            else:  # evaluation: the batch's token mean over the CP group and DP ranks, once Trainer averages
+            else:  # not reached through Trainer (evaluation is refused): the batch's token mean over every rank
                 loss = loss * layout.world / max(global_count(count), 1)
             return (loss, outputs) if return_outputs else loss
 
         return compute_loss
 
+    def refuse_eval(*args: Any, **kwargs: Any) -> Any:
+        raise PackingError(_NO_EVAL + ".", param="eval_dataset")
+
     wrap_method(trainer, "get_batch_samples", make_batches)
     wrap_method(trainer, "compute_loss", make_loss)
+    set_attr(trainer, "get_eval_dataloader", refuse_eval, owner=trainer)

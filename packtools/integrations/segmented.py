@@ -30,8 +30,11 @@ on a GPU without flash-attn, this backend gets the same order:
 
 Memory: a forward over one padding-free row of ``T`` tokens in documents of ``L_i`` tokens holds no ``T × T``
 tensor; its attention peak follows ``max L_i²`` for the mask blocks that are not plain causal (sliding windows)
-and the kernel's own per-document work (``benchmarks/bench_segmented_memory.py`` measures it against the
-documents run one by one).
+and the kernel's own per-document work.  Nothing of the row's size is copied: grouped keys/values go to sdpa's
+own GQA (``enable_gqa``, where transformers' sdpa uses it: no mask) or are repeated one document at a time, and
+without autograd each document's output is written into one ``[batch, tokens, heads, dim]`` buffer (with it, one
+``cat`` in that layout, whose backward only slices).  ``benchmarks/bench_segmented_memory.py`` measures it
+against the documents run one by one, with the tensors live at the peak.
 
 The result equals ``sdpa`` with the block-diagonal mask up to float rounding (tested against it, and against
 each sequence run alone, forward and backward).
@@ -258,9 +261,6 @@ def segmented_sdpa_forward(
             **kwargs,
         )
     groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:
-        key = repeat_kv(key, groups)
-        value = repeat_kv(value, groups)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     lazy = isinstance(attention_mask, DocumentMask)
     if attention_mask is None:
@@ -270,7 +270,10 @@ def segmented_sdpa_forward(
     else:
         plain = _causal_blocks(attention_mask, bounds)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    outs = []
+    # Autograd on: the documents' outputs are concatenated (its backward splits the gradient into views); off:
+    # each is written into one output buffer as it comes, so no second copy of the row's output exists.
+    tracked = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    outs, out = [], None
     for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         if end == start:
             continue
@@ -283,9 +286,25 @@ def segmented_sdpa_forward(
             block, use_causal = attention_mask.block(start, end), False
         else:
             block, use_causal = attention_mask[:, :, start:end, start:end], False
-        outs.append(sdpa(q, k, v, attn_mask=block, dropout_p=dropout, scale=scaling, is_causal=use_causal))
-    out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
-    return out.transpose(1, 2).contiguous(), None
+        # Grouped keys/values: sdpa's own GQA where transformers' sdpa uses it (no mask, equal head dims up to
+        # 256: the kernels that take it), else this document's keys/values repeated -- never the whole row's.
+        gqa = groups > 1 and block is None and k.shape[-1] == v.shape[-1] <= 256
+        if groups > 1 and not gqa:
+            k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+        got = sdpa(
+            q, k, v, attn_mask=block, dropout_p=dropout, scale=scaling, is_causal=use_causal, enable_gqa=gqa
+        ).transpose(1, 2)
+        if tracked:
+            outs.append(got)
+            continue
+        if out is None:
+            out = got.new_empty((got.shape[0], query.shape[2], *got.shape[2:]))
+        out[:, start:end] = got
+    if tracked and outs:  # one copy, straight into ``[batch, tokens, heads, dim]``
+        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].contiguous()
+    if out is None:  # a row of no tokens
+        out = query.new_empty((query.shape[0], 0, query.shape[1], value.shape[-1]))
+    return out, None
 
 
 def register(*, owner: Any = None) -> str:

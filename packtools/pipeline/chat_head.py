@@ -80,14 +80,6 @@ def head_lengths(
             if 0 < n < hi - lo and np.array_equal(ids.values[lo : lo + n], head):
                 heads[i] = n
     return heads
-    got = encode(texts)
-    for j, i in enumerate(rows):
-        head = got.values[got.offsets[j] : got.offsets[j + 1]]
-        lo, hi = int(ids.offsets[i]), int(ids.offsets[i + 1])
-        n = head.shape[0]
-        if 0 < n < hi - lo and np.array_equal(ids.values[lo : lo + n], head):
-            heads[i] = n
-    return heads
 
 
 def closing_ids(renderer: Any, encode: Callable[[list[str]], Ragged]) -> np.ndarray:

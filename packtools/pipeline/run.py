@@ -280,7 +280,7 @@ def _inputs(
 
 
 def _verdict(
-    found: RunInputs, config: PipelineConfig, parts: Sequence[Part], ws: Workspace
+    found: RunInputs, config: PipelineConfig, parts: Sequence[Part], ws: Workspace, ids: dict[str, Any]
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """The run's tokenizer engine (:mod:`packtools.pipeline.verdict`): the one a killed run recorded in this
     work folder, else proven now on the first rows across ``parts``; recorded before any part is staged.
@@ -289,7 +289,7 @@ def _verdict(
         return None, None
     from .stage import preload_tokenizer
 
-    rests_on = basis(config.tokenizer, found.fmt, config.tokenizer_engine, parts)
+    rests_on = basis(config.tokenizer, found.fmt, config.tokenizer_engine, parts, ids=ids)
     verdict = recorded(ws.stage, rests_on)
     if verdict is None:
         tok = preload_tokenizer(  # the driver's tokenizer (_inputs loaded it)
@@ -315,7 +315,7 @@ def _run(
     """Stage, plan, write and install, holding the lock of ``ws``."""
     fmt, columns = found.fmt, found.columns
     parts: list[Part] = [p for f in found.files for p in split_file(f, config.part_rows, config.part_bytes)]
-    verdict, rests_on = _verdict(found, config, parts, ws)
+    verdict, rests_on = _verdict(found, config, parts, ws, fp["config"]["ids"])
 
     def jobs_for(verdict: dict[str, Any] | None) -> list[StageJob]:
         return stage_jobs(

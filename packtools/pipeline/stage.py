@@ -277,7 +277,8 @@ def stage_part(job: StageJob) -> dict[str, Any]:
             return reused
     mapped = _map_as_is(job)
     if mapped is not None:
-        save_sidecar(job.sidecar, *mapped, job.part.file.path)
+        lengths, first, trained = mapped
+        save_sidecar(job.sidecar, lengths, first, job.part.file.path, trained=trained)
         return {
             "rows": int(mapped[0].shape[0]),
             "reused": False,
@@ -341,7 +342,7 @@ def stage_part(job: StageJob) -> dict[str, Any]:
         all_lengths,
         all_first,
         job.staged,
-        report,
+        report=report,
         data_sha256=digest,
         data_size=size,
         trained=all_trained,

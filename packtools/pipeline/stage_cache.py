@@ -252,7 +252,7 @@ def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> tuple[s
                 lengths,
                 first,
                 target,
-                sidecar_report(sidecar),
+                report=sidecar_report(sidecar),
                 data_sha256=digest,
                 data_size=size,
                 trained=trained,

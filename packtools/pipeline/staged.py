@@ -12,7 +12,7 @@ rerun or the stage cache trusts it, and :func:`drop_staged` removes a part so it
 >>> d = tempfile.mkdtemp(); data = os.path.join(d, "p.arrow"); side = os.path.join(d, "p.npz")
 >>> _ = open(data, "wb").write(b"tokens")
 >>> digest = hashlib.sha256(b"tokens").hexdigest()
->>> save_sidecar(side, np.array([3, 2]), np.zeros(0, np.int64), data, None, data_sha256=digest, data_size=6)
+>>> save_sidecar(side, np.array([3, 2]), np.zeros(0, np.int64), data, data_sha256=digest, data_size=6)
 >>> load_sidecar(side)[0].tolist(), damage(side)
 ([3, 2], None)
 >>> _ = open(data, "wb").write(b"tokenz")
@@ -36,8 +36,8 @@ def save_sidecar(
     lengths: np.ndarray,
     first: np.ndarray,
     data: str,
-    report: dict[str, Any] | None = None,
     *,
+    report: dict[str, Any] | None = None,
     data_sha256: str = "",
     data_size: int = -1,
     trained: np.ndarray | None = None,
@@ -106,9 +106,12 @@ def damage(sidecar: str) -> str | None:
         lengths, _, data = load_sidecar(sidecar)
         checksum, size = sidecar_checksum(sidecar)
         sidecar_report(sidecar)
-        sidecar_turns(sidecar)
+        trained, heads, _ = sidecar_turns(sidecar)
     except Exception as exc:  # noqa: BLE001 - a cut or damaged .npz raises many kinds (BadZipFile, EOFError, ...)
         return f"its sidecar cannot be read ({type(exc).__name__})"
+    for name, per_row in (("trained tokens", trained), ("heads", heads)):
+        if per_row.shape[0] not in (0, lengths.shape[0]):
+            return f"its {name} do not match its rows ({per_row.shape[0]} for {lengths.shape[0]} rows)"
     if not os.path.exists(data):
         return "its data file is missing"
     if size >= 0 and os.path.getsize(data) != size:

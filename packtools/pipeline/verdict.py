@@ -39,10 +39,18 @@ from ..io.files import Part, iter_part
 VERDICT_FILE = "engine-verdict.json"
 
 
-def basis(tokenizer_dir: str, fmt: str, requested: str, parts: Sequence[Part] = ()) -> dict[str, Any]:
+def basis(
+    tokenizer_dir: str,
+    fmt: str,
+    requested: str,
+    parts: Sequence[Part] = (),
+    ids: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """What a verdict rests on: the content of every tokenizer file, the format, the requested engine with
-    the installed engine's version (:func:`packtools.pipeline.fast_tokenize.engine_key`) and the ``parts`` whose
-    first rows it was proven on (path, size, mtime, range)."""
+    the installed engine's version (:func:`packtools.pipeline.fast_tokenize.engine_key`), the ``parts`` whose
+    first rows it was proven on (path, size, mtime, range) and ``ids``, the run's
+    :meth:`packtools.pipeline.spec.IdsSpec.key` (library versions, packtools' sources, add-EOS, on-unencodable,
+    audit rate): a rerun after an upgrade proves the engine again instead of reusing the old verdict."""
     from .fast_tokenize import engine_key
     from .tokenizer_dir import tokenizer_file_hashes
 
@@ -51,6 +59,7 @@ def basis(tokenizer_dir: str, fmt: str, requested: str, parts: Sequence[Part] = 
         "format": fmt,
         "engine": engine_key(requested),
         "parts": [p.fingerprint() for p in parts],
+        "ids": ids,
     }
 
 
@@ -58,7 +67,7 @@ def decide(tok: Any, parts: Sequence[Part], fmt: str) -> dict[str, Any]:
     """The run's verdict: ``tok``'s engine (a :class:`~packtools.pipeline.tokenize.BatchTokenizer` made in the
     driver) proven on the first rows of each column across ``parts``; raises (``fast``) on a difference."""
     from .fast_tokenize import PROOF_ROWS
-    from .formats import input_columns
+    from .formats import input_columns, optional_columns
 
     tok.wait_for_fast()
     tok.start_part("driver-proof")
@@ -66,7 +75,7 @@ def decide(tok: Any, parts: Sequence[Part], fmt: str) -> dict[str, Any]:
     for part in parts:
         if need <= 0 or tok.fast is None:
             break
-        read = iter_part(part, 1000, input_columns(fmt))
+        read = iter_part(part, 1000, input_columns(fmt) + optional_columns(fmt))  # tools too, as staged
         try:
             for where, table in read:
                 table = table.slice(0, need)
