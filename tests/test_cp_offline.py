@@ -261,6 +261,9 @@ def test_options_cp_cannot_keep_are_refused_by_name(tmp_path):
         with pytest.raises(PackingError, match="context_parallel must be a positive int"):
             PipelineConfig(max_length=64, context_parallel=bad)
     PipelineConfig(max_length=64, strategy="wrapped", context_parallel=1)  # control
+    for bad in (0, True, 1.5):
+        with pytest.raises(PackingError, match="max_length must be"):
+            ContextParallelCollator(PaddingFreeCollator(0), 2, 0, max_length=bad)
     src = tmp_path / "pref.jsonl"
     src.write_text(json.dumps({"prompt": "hi", "chosen": "yes", "rejected": "no"}) + "\n")
     with pytest.raises(PackingError, match="does not apply to preference data") as info:

@@ -357,12 +357,10 @@ class ContextParallelCollator:
         max_length: int | None = None,
     ) -> None:
         self.cp_size, self.cp_rank = _check_cp(cp_size, cp_rank)
-        if max_length is not None and (
-            isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1
-        ):
-            raise PackingError(
-                f"max_length must be a positive int or None, got {max_length!r}.", param="max_length"
-            )
+        if max_length is not None:
+            from ..core.plan import check_max_length
+
+            max_length = check_max_length(max_length)
         self.max_length = max_length
         if return_tensors not in ("pt", "np"):
             raise PackingError(f"return_tensors must be 'pt' or 'np', got {return_tensors!r}.")
