@@ -57,6 +57,45 @@ def _check_cp(cp_size: object, cp_rank: object = 0) -> tuple[int, int]:
     return int(cp_size), int(cp_rank)
 
 
+def cp_padded_lengths(lengths: Sequence[int] | np.ndarray, cp_size: int) -> np.ndarray:
+    """The padding policy, in one place: each length rounded up to the next multiple of ``2 * cp_size``
+    (int64; 0 stays 0, a document shorter than ``2N`` becomes ``2N``).  The CP layout pads to it at batch time
+    and the offline planner (``pack_files(..., context_parallel=N)``) budgets rows with it.
+
+    >>> cp_padded_lengths([5, 2, 8, 0], 2).tolist()
+    [8, 4, 8, 0]
+    """
+    cp_size, _ = _check_cp(cp_size)
+    chunks = 2 * cp_size
+    return -(-np.asarray(lengths, np.int64) // chunks) * chunks
+
+
+def check_rows_fit(
+    seq_lengths: Sequence[Sequence[int]], cp_size: int, max_length: int, *, first_row: int = 0
+) -> None:
+    """Refuse, by row, packed rows whose documents padded for CP size ``cp_size`` exceed ``max_length``.
+
+    ``seq_lengths``: each row's document lengths (its ``seq_lengths`` column).  Rows packed offline for CP
+    size ``K`` (``pack_files(..., context_parallel=K)``) fit any ``N`` dividing ``K``; others may not.
+
+    >>> check_rows_fit([[3, 3]], 2, 8)
+    >>> check_rows_fit([[5, 3]], 2, 8)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    packtools.errors.PackingError: row 0 (documents [5, 3], 8 tokens) is 12 tokens once padded ...
+    """
+    for i, row in enumerate(seq_lengths):
+        lengths = np.asarray(row, np.int64)
+        padded = int(cp_padded_lengths(lengths, cp_size).sum())
+        if padded > max_length:
+            raise PackingError(
+                f"row {first_row + i} (documents {lengths.tolist()}, {int(lengths.sum())} tokens) is {padded} "
+                f"tokens once padded for context_parallel={cp_size}, over max_length={max_length}: it was "
+                f"packed for another CP size (or without one). Pack it again with pack_files(..., "
+                f"context_parallel={cp_size}) / packtools pack --context-parallel {cp_size}.",
+                param="context_parallel",
+            )
+
+
 @dataclass(frozen=True)
 class CPLayout:
     """Where every token of one row goes under CP size ``cp_size`` (host-side NumPy, built once per batch).
@@ -88,7 +127,7 @@ class CPLayout:
                 param="seq_lengths",
             )
         chunks = 2 * cp_size
-        padded = -(-lengths // chunks) * chunks
+        padded = cp_padded_lengths(lengths, cp_size)
         cu = np.zeros(lengths.size + 1, np.int32)
         np.cumsum(lengths, out=cu[1:])
         cu_padded = np.zeros(lengths.size + 1, np.int32)
@@ -270,7 +309,7 @@ def document_rank_work(lengths: Sequence[int] | np.ndarray, cp_size: int) -> np.
     """
     cp_size, _ = _check_cp(cp_size)
     n = np.asarray(lengths, np.int64).reshape(-1, 1)
-    c = -(-n // (2 * cp_size))
+    c = cp_padded_lengths(n, cp_size) // (2 * cp_size)
     r = np.arange(cp_size, dtype=np.int64).reshape(1, -1)
 
     def upto(x: np.ndarray) -> np.ndarray:
@@ -297,14 +336,32 @@ class ContextParallelCollator:
     (already shifted: no ``labels``), ``cu_seqlens``, ``cu_seqlens_padded`` (int32), ``cp_size``, ``cp_rank``,
     and :data:`CP_KEY` (the :class:`CPShard`, which the CP attention reads).
 
+    ``max_length``: the packed rows' length (the ``max_length`` they were packed with).  Given, every feature's
+    documents padded for ``cp_size`` must fit it, or the batch is refused by row (:func:`check_rows_fit`): rows
+    packed offline for this CP size (or a multiple of it) always fit; rows packed for another (or none) fit or
+    are refused, never trained over ``max_length`` silently.
+
     >>> from packtools import PaddingFreeCollator
     >>> c = ContextParallelCollator(PaddingFreeCollator(0), cp_size=2, cp_rank=0, return_tensors="np")
     >>> c([{"input_ids": [5, 6, 7, 8], "seq_lengths": [4]}])["shift_labels"].tolist()
     [[6, -100]]
     """
 
-    def __init__(self, inner: Any, cp_size: int, cp_rank: int, *, return_tensors: str = "pt") -> None:
+    def __init__(
+        self,
+        inner: Any,
+        cp_size: int,
+        cp_rank: int,
+        *,
+        return_tensors: str = "pt",
+        max_length: int | None = None,
+    ) -> None:
         self.cp_size, self.cp_rank = _check_cp(cp_size, cp_rank)
+        if max_length is not None:
+            from ..core.plan import check_max_length
+
+            max_length = check_max_length(max_length)
+        self.max_length = max_length
         if return_tensors not in ("pt", "np"):
             raise PackingError(f"return_tensors must be 'pt' or 'np', got {return_tensors!r}.")
         from .collate import PaddingFreeCollator
@@ -321,6 +378,8 @@ class ContextParallelCollator:
         self.return_tensors = return_tensors
 
     def __call__(self, features: Sequence[Any]) -> dict[str, Any]:
+        if self.max_length is not None:
+            check_rows_fit([_documents(f) for f in features], self.cp_size, self.max_length)
         batch = self.inner(features)
         cu = np.asarray(batch["cu_seq_lens_q"], np.int64)
         out = shard_row(
@@ -331,3 +390,11 @@ class ContextParallelCollator:
         from .collate import to_tensors
 
         return to_tensors(out, "pt")
+
+
+def _documents(feature: Any) -> list[int]:
+    """A feature's document lengths: its ``seq_lengths``, else one document of all its ``input_ids``."""
+    lengths = feature.get("seq_lengths") if hasattr(feature, "get") else None
+    if lengths is None:
+        return [len(feature["input_ids"])]
+    return np.asarray(lengths, np.int64).reshape(-1).tolist()

@@ -106,6 +106,15 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
         help="bfd_split on rows with labels (chat, prompt/completion): cut over-long rows where an assistant turn "
         "ends, each piece carrying the system prompt unlabeled (turns, default), or every max_length tokens",
     )
+    p.add_argument(
+        "--context-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="CP size the rows are for: every document planned at its length padded to a multiple of 2N (the "
+        "padding ContextParallelCollator adds at batch time), so a row still fits --max-length once padded; the "
+        "padding is reported as fill lost (default 1: no context parallelism)",
+    )
     p.add_argument("--shuffle", action="store_true", help="shuffle packed rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -224,6 +233,7 @@ def pipeline_config(args: argparse.Namespace, max_length: int) -> Any:
         tokenizer_engine=args.tokenizer_engine,
         tokenizer_audit=args.tokenizer_audit,
         on_unencodable=args.on_unencodable,
+        context_parallel=args.context_parallel,
     )
 
 
@@ -332,9 +342,16 @@ def _check_in_memory_inputs(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     max_length = args.max_length if args.max_length is not None else 4096
+    in_memory = not args.input or args.out is None or args.out.endswith((".parquet", ".arrow"))
+    if args.context_parallel != 1 and (args.processor is not None or in_memory):
+        raise PackingError(
+            f"--context-parallel {args.context_parallel} packs text through the pipeline only (INPUT... --out DIR, "
+            f"no --processor): vision-language samples and the in-memory forms are packed without it.",
+            param="context_parallel",
+        )
     if args.processor is not None:
         return _run_vision(args, max_length)
-    if not args.input or args.out is None or args.out.endswith((".parquet", ".arrow")):
+    if in_memory:
         _check_in_memory_inputs(args)
         return _in_memory(args, max_length)
     from ..integrations.drops import TokensDroppedWarning

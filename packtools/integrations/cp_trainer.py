@@ -6,7 +6,8 @@ The pieces, each from its own module:
   consecutive processes, the data-parallel rank and size over the groups; the training loader shards over
   the DP group only, so the ``N`` ranks of a CP group read the same batch;
 * the collator: the trainer's :class:`~packtools.PaddingFreeCollator` wrapped in
-  :class:`~packtools.batches.context_parallel.ContextParallelCollator` (this rank's share of every batch);
+  :class:`~packtools.batches.context_parallel.ContextParallelCollator` (this rank's share of every batch),
+  holding the rows of a ``pack_files`` folder to its ``max_length`` once padded (:func:`cp_collator`);
 * the model: ``packtools_cp`` attention (:mod:`packtools.integrations.cp_attention`) over this process's CP
   group (created here with ``torch.distributed.new_group``, every rank creating every group in order);
 * the loss: ``compute_loss`` is the summed next-token loss of the shard on its ``shift_labels`` (no second
@@ -27,12 +28,14 @@ accelerate's own context parallelism (``ParallelismConfig(cp_size>1)``) is refus
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from .._optional import require
 from ..batches.context_parallel import ContextParallelCollator
 from ..errors import PackingError
+from ..io.manifest import read_manifest
 from .compat import set_attr
 from .compat.trl import wrap_method
 from .cp_attention import use_cp_attention
@@ -113,12 +116,33 @@ def check_cp_trainer(trainer: Any, layout: RankLayout) -> None:
         )
 
 
+def packed_max_length(dataset: Any) -> int | None:
+    """The ``max_length`` a ``datasets.Dataset`` loaded from a ``pack_files`` folder was packed with (its
+    manifest, next to its Arrow files), or ``None`` when it has none."""
+    files = getattr(dataset, "cache_files", None) or []
+    folders = {os.path.dirname(f["filename"]) for f in files if isinstance(f, dict) and "filename" in f}
+    for folder in sorted(folders):
+        config = (read_manifest(folder) or {}).get("config") or {}
+        if isinstance(config.get("max_length"), int):
+            return int(config["max_length"])
+    return None
+
+
+def cp_collator(trainer: Any, layout: RankLayout) -> ContextParallelCollator:
+    """This rank's CP collator over the trainer's own.  When the train dataset is a ``pack_files`` folder, its
+    rows are held to the folder's ``max_length`` once padded for ``layout.cp_size``: rows packed for this CP size
+    (or a multiple of it) fit, others fit or are refused by row, never trained over ``max_length`` silently
+    (:func:`~packtools.batches.context_parallel.check_rows_fit`)."""
+    limit = packed_max_length(getattr(trainer, "train_dataset", None))
+    return ContextParallelCollator(trainer.data_collator, layout.cp_size, layout.cp_rank, max_length=limit)
+
+
 def prepare_context_parallel(trainer: Any, layout: RankLayout) -> None:
     """Install the CP collator, attention and loss on ``trainer`` (recorded on it; see the module docstring)."""
     torch = require("torch", "packtools context parallelism")
     check_cp_trainer(trainer, layout)
     group = cp_group(layout)
-    collator = ContextParallelCollator(trainer.data_collator, layout.cp_size, layout.cp_rank)
+    collator = cp_collator(trainer, layout)
     set_attr(trainer, "data_collator", collator, owner=trainer)
     use_cp_attention(trainer.model, group, owner=trainer)
     window = _WindowTargets()

@@ -23,6 +23,7 @@ from ..io.files import InputFile
 from ..io.fingerprint import cache_key
 from ..io.manifest import MANIFEST_FORMAT
 from .char_drops import check_on_unencodable
+from .cp_budget import check_context_parallel
 from .fast_tokenize import check_audit_rate, check_engine, engine_key
 from .formats import FORMATS
 from .spec import IdsSpec
@@ -62,6 +63,9 @@ class PipelineConfig:
     tokenizer_engine: str = "auto"
     tokenizer_audit: float = 0.001  # share of rows compared with transformers after the proof
     on_unencodable: str = "report"  # characters the tokenizer cannot encode: report | error
+    # CP size the rows are budgeted for (documents planned at their CP-padded length; packtools.pipeline.cp_budget);
+    # 1: no context parallelism
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
         check_max_length(self.max_length)
@@ -70,6 +74,11 @@ class PipelineConfig:
         check_on_unencodable(self.on_unencodable)
         check_strategy(self.strategy)
         check_split_at(self.split_at)
+        object.__setattr__(
+            self,
+            "context_parallel",
+            check_context_parallel(self.context_parallel, self.max_length, self.strategy),
+        )
         if self.drop_unlabeled not in (None, True, False):
             raise PackingError(
                 f"drop_unlabeled={self.drop_unlabeled!r} must be None, True or False.", param="drop_unlabeled"

@@ -26,6 +26,7 @@ import pyarrow as pa
 from ..core.pack import pack_columns, read_columns
 from ..core.plan import PackPlan
 from ..core.plan import plan as make_plan
+from .cp_budget import budget_lengths, cp_stats, to_real_plan
 from .gather import WriteJob, shard_name
 
 if TYPE_CHECKING:
@@ -62,7 +63,12 @@ def apply_overlong(lengths: np.ndarray, max_length: int, policy: str) -> tuple[n
 
 def plan_parts(eff: np.ndarray, bounds: Sequence[int], config: PipelineConfig) -> PackPlan:
     """One global plan of ``eff`` or, with ``config.plan == "shards"``, one plan per part
-    (rows ``bounds[i]:bounds[i + 1]``) put one after the other."""
+    (rows ``bounds[i]:bounds[i + 1]``) put one after the other.  With ``config.context_parallel > 1`` the rows
+    are planned at their CP-padded lengths and the plan then holds their real tokens
+    (:mod:`packtools.pipeline.cp_budget`)."""
+    real = eff
+    if config.context_parallel > 1:  # every row planned at its CP-padded length, cut back below
+        eff = budget_lengths(real, config.context_parallel)
     if config.plan == "global" or len(bounds) <= 2:
         p = make_plan(eff, config.max_length, config.strategy)
     else:
@@ -81,6 +87,8 @@ def plan_parts(eff: np.ndarray, bounds: Sequence[int], config: PipelineConfig) -
             ),
             eff,
         )
+    if config.context_parallel > 1:
+        p = to_real_plan(p, real)
     return p.shuffled(config.seed) if config.shuffle else p
 
 
@@ -250,6 +258,8 @@ class RowPlan:
             "overlong": config.overlong_policy,
             "plan": config.plan,
         }
+        if config.context_parallel > 1:  # the padding the CP collator adds to these rows: fill lost
+            out.update(cp_stats(p, config.context_parallel))
         if self.trained is not None and self.trained_eff is not None:
             idle = (self.eff > 0) & (self.trained_eff == 0)
             if self.whole_split is not None:

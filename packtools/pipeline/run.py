@@ -103,7 +103,8 @@ def pack_files(
 
     ``options`` are the other fields of :class:`PipelineConfig` (``tokenizer``, ``format``, ``overlong``,
     ``columns``, ``add_eos``, ``max_prompt_length``, ``shuffle``, ``seed``, ``shard_tokens``, ``plan``,
-    ``drop_unlabeled``, ...); see the module docstring for the stages and the output.  ``executor``
+    ``drop_unlabeled``, ``context_parallel`` (rows budgeted for context parallelism:
+    :mod:`packtools.pipeline.cp_budget`), ...); see the module docstring for the stages and the output.  ``executor``
     (``"local"``, ``"pool"`` with ``workers`` processes, ``"ray"`` at ``address`` or a local Ray with
     ``workers`` CPUs, or an :class:`~packtools.pipeline.executors.Executor`) runs the read/tokenize and
     gather/write stages and changes nothing in the output.  ``num_proc=N`` is ``executor="pool",
@@ -239,6 +240,13 @@ def _inputs(
             f"(bfd by pairs), over-long pairs truncated or dropped (overlong='truncate' or 'drop'); use "
             f"strategy='bfd'.",
             param="strategy",
+        )
+    if fmt == "preference" and config.context_parallel > 1:
+        raise PackingError(  # prepare_dpo_trainer refuses context parallelism: a CP pair layout has no trainer
+            f"context_parallel={config.context_parallel} does not apply to preference data: packtools trains "
+            f"preference pairs without context parallelism (prepare_dpo_trainer refuses it). Pack with "
+            f"context_parallel=1.",
+            param="context_parallel",
         )
     if fmt == "tokenized":
         columns, types, left_out = token_schema(files, config)

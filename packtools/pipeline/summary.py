@@ -239,6 +239,14 @@ def format_pipeline_summary(
         )
     if stats.get("packed"):
         cells.append(("fill", f"{100 * stats['fill']:.2f}%"))
+        if stats.get("context_parallel", 1) > 1:
+            cells.append(
+                (
+                    f"CP padding (N={stats['context_parallel']})",
+                    f"{stats['cp_padding_tokens']:,} tokens added at batch time: {100 * stats['cp_fill_lost']:.2f}% "
+                    f"of the rows' capacity lost, fill {100 * stats['fill_after_cp_padding']:.2f}% once padded",
+                )
+            )
     if timings:
         cells += _time_rows(timings)
     cells.append(("output", f"{out} ({stats['shards']} shard{'s' if stats['shards'] != 1 else ''})"))
