@@ -170,7 +170,7 @@ def train_dpo_cp(model, reference, batches, optimizer, group, cp, beta=0.1):
                 dist.all_reduce(p.grad)
         optimizer.step()
         optimizer.zero_grad()
-        shared = torch.tensor([float(loss)])
+        shared = torch.tensor([float(loss.detach())])
         if world > 1:  # every CP peer holds its DP group's loss: add the DP groups' once
             dist.all_reduce(shared)
             shared /= cp
