@@ -4,7 +4,7 @@ Usage: ``torchrun --nproc_per_node W tests/_cp_dpo_trainer_worker.py CP GA OUT_D
 of ``benchmarks/cp_dpo_loop.PAIR_BATCHES`` are the global batch of one optimizer step (``W / CP`` DP ranks,
 ``GA`` micro-batches of ``4 / DP / GA`` rows each) of TRL's ``DPOTrainer`` (sigmoid loss, beta 0.5, a reference
 model of other weights, fp32, SGD lr 1, no clipping); rank 0 writes every rank's parameter change to
-``OUT_DIR/trainer.pt``, with the step's logged loss.
+``OUT_DIR/trainer.pt``, with the step's logged loss and the refusal of a call on different rows per rank.
 """
 
 from __future__ import annotations
@@ -66,10 +66,17 @@ def main() -> None:
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
     loss = trainer.train().training_loss
     delta = {k: before[k] - p.detach() for k, p in model.named_parameters()}
+    # A call whose row differs between the CP peers (what an evaluation loader sharding over every process
+    # hands them) is refused by name on every rank, never attended across as one row.
+    ids = torch.arange(2, 8 + rank).repeat(2, 1)
+    try:
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, fused_lm_head=True)
+        refused = ""
+    except Exception as err:  # noqa: BLE001 - recorded for the test to assert on
+        refused = str(err)
+    result = {"delta": delta, "impl": model.config._attn_implementation, "loss": loss, "refused": refused}
     gathered = [None] * world
-    dist.all_gather_object(
-        gathered, {"delta": delta, "impl": model.config._attn_implementation, "loss": loss}
-    )
+    dist.all_gather_object(gathered, result)
     if rank == 0:
         torch.save(gathered, out / "trainer.pt")
     dist.barrier()

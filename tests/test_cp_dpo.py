@@ -112,6 +112,7 @@ def test_dpo_trainer_cp2_step_equals_one_process(tmp_path, nproc, ga):
     # the CP peers of a DP group, and its mean the one process's loss (not CP times it).
     assert all(abs(r["loss"] - results[i - i % 2]["loss"]) < 1e-6 for i, r in enumerate(results))
     assert abs(sum(r["loss"] for r in results) / len(results) - loss) < 1e-5 * loss
+    assert all("called the model on different rows" in r["refused"] for r in results)
 
 
 def test_dpo_context_parallel_refuses_what_it_does_not_run_by_name(tmp_path):

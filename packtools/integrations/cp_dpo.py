@@ -21,7 +21,9 @@ runs only this rank's share of that row through the model:
 Refused by name under CP: accelerate's own CP (``ParallelismConfig(cp_size>1)``), tensor parallelism,
 DeepSpeed/FSDP, prompt-shared rows, precomputed reference log-probabilities, evaluation during training
 (its loader does not keep CP peers on one batch), MoE router losses (summed per shard, not per row), and
-models with token-mixing layers (:func:`~packtools.integrations.cp_attention.use_cp_attention`).
+models with token-mixing layers (:func:`~packtools.integrations.cp_attention.use_cp_attention`); and every
+call whose row differs between the ranks of a CP group (checked per call: a fingerprint of the row,
+all-gathered), so a direct ``evaluate()`` is refused rather than attended across as one row.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class CPForward:
         torch = require("torch", "packtools context parallelism")
         ids, labels = flat["input_ids"][0], flat["labels"][0]
         device, tokens = ids.device, int(ids.shape[0])
+        self._check_same_row(ids)
         batch = shard_row(
             ids.cpu().numpy(),
             labels.cpu().numpy(),
@@ -102,6 +105,26 @@ class CPForward:
             whole[0, source[real]] = value[0, real]
             out[name] = self._sum(whole)[:, :-1]
         return out
+
+    def _check_same_row(self, ids: Any) -> None:
+        """Refuse, on every rank of the CP group at once, a call whose row differs between the ranks (an
+        evaluation or precompute loader sharding over every process, a user's own loop): ``packtools_cp``
+        would attend across their shards as if they were one row's."""
+        torch = require("torch", "packtools context parallelism")
+        if self.cp_size == 1:
+            return
+        weights = torch.arange(1, ids.shape[0] + 1, device=ids.device, dtype=torch.int64)
+        mine = torch.stack([torch.tensor(ids.shape[0], device=ids.device), (ids.long() * weights).sum()])
+        every = [torch.empty_like(mine) for _ in range(self.cp_size)]
+        torch.distributed.all_gather(every, mine, group=self.group)
+        if any(not torch.equal(other, mine) for other in every):
+            raise PackingError(
+                f"the {self.cp_size} ranks of a CP group called the model on different rows (token counts "
+                f"{[int(e[0]) for e in every]}); under context_parallel every rank of the group must run the same "
+                f"batch, its share of it. Evaluation and precomputed reference log-probs are not run under "
+                f"context_parallel: run them without it.",
+                param="context_parallel",
+            )
 
     def _sum(self, whole: Any) -> Any:
         torch = require("torch", "packtools context parallelism")
