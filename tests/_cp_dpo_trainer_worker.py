@@ -1,10 +1,12 @@
 """One process of the Trainer half of ``tests/test_cp_dpo.py``: ``prepare_dpo_trainer(context_parallel=CP)``.
 
-Usage: ``torchrun --nproc_per_node W tests/_cp_dpo_trainer_worker.py CP GA OUT_DIR``.  The 4 packed pair rows
-of ``benchmarks/cp_dpo_loop.PAIR_BATCHES`` are the global batch of one optimizer step (``W / CP`` DP ranks,
-``GA`` micro-batches of ``4 / DP / GA`` rows each) of TRL's ``DPOTrainer`` (sigmoid loss, beta 0.5, a reference
-model of other weights, fp32, SGD lr 1, no clipping); rank 0 writes every rank's parameter change to
+Usage: ``torchrun --nproc_per_node W tests/_cp_dpo_trainer_worker.py CP GA [local] OUT_DIR``.  The 4 packed
+pair rows of ``benchmarks/cp_dpo_loop.PAIR_BATCHES`` are the global batch of one optimizer step (``W / CP`` DP
+ranks, ``GA`` micro-batches of ``4 / DP / GA`` rows each) of TRL's ``DPOTrainer`` (sigmoid loss, beta 0.5, a
+reference model of other weights, fp32, SGD lr 1, no clipping); rank 0 writes every rank's parameter change to
 ``OUT_DIR/trainer.pt``, with the step's logged loss and the refusal of a call on different rows per rank.
+``local``: the negative control, each rank's per-token outputs never summed over the CP group (TRL's loss on
+partial sums).
 """
 
 from __future__ import annotations
@@ -30,7 +32,11 @@ def main() -> None:
 
     from packtools import prepare_dpo_trainer
 
-    cp, ga, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    cp, ga, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[-1])
+    if len(sys.argv) == 5 and sys.argv[3] == "local":  # the negative control: no sum over the CP group
+        import packtools.integrations.cp_dpo as cp_dpo
+
+        cp_dpo.sum_over_group = lambda x, group=None: x
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     dp = world // cp
     rows = [row for batch in PAIR_BATCHES for row in batch]

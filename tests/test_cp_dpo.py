@@ -115,6 +115,15 @@ def test_dpo_trainer_cp2_step_equals_one_process(tmp_path, nproc, ga):
     assert all("called the model on different rows" in r["refused"] for r in results)
 
 
+@pytest.mark.slow
+def test_dpo_trainer_cp2_without_the_sum_over_the_group_is_another_step(tmp_path):
+    """Negative control of the Trainer path: TRL's loss on each rank's partial per-sequence sums moves the step."""
+    pytest.importorskip("trl")
+    want, _, _ = one_process([row for b in PAIR_BATCHES for row in b])
+    results = launch(tmp_path, 2, 2, "_cp_dpo_trainer_worker.py", "1", "local")
+    assert all(rel(r["delta"], want) > 1e-2 for r in results)
+
+
 def test_dpo_context_parallel_refuses_what_it_does_not_run_by_name(tmp_path):
     """One process: what packtools' DPO under CP does not run is refused by name, and a refused trainer is left
     as TRL built it."""
