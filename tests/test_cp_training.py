@@ -51,7 +51,7 @@ def launch(tmp_path, nproc: int, cp: int, worker: str = "_cp_worker.py", *extra:
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    name = "result.pt" if worker == "_cp_worker.py" else "trainer.pt"
+    name = "trainer.pt" if "trainer" in worker else "result.pt"
     return torch.load(tmp_path / name, weights_only=False)
 
 

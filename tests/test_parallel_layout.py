@@ -102,7 +102,7 @@ def test_unhandled_layouts_are_refused_by_name():
         rank_layout(trainer(0, 4, ParallelismConfig(tp_size=2), Mesh(("tp",), (2,), 0)))
 
 
-def test_prepare_dpo_trainer_refuses_context_parallelism_by_name(tmp_path):
+def test_prepare_dpo_trainer_refuses_accelerates_context_parallelism_by_name(tmp_path):
     pytest.importorskip("trl")
     from test_dpo import build
 
@@ -112,7 +112,7 @@ def test_prepare_dpo_trainer_refuses_context_parallelism_by_name(tmp_path):
     config = ParallelismConfig(dp_shard_size=1, cp_size=2)
     trainer.accelerator.state.parallelism_config = config  # what accelerate holds under a CP launch
     try:
-        with pytest.raises(PackingError, match=r"cp_size=2.*prepare_dpo_trainer does not run context"):
+        with pytest.raises(PackingError, match=r"cp_size=2.*accelerate's own.*context_parallel=2\)"):
             prepare_dpo_trainer(trainer)
     finally:
         trainer.accelerator.state.parallelism_config = None

@@ -66,11 +66,11 @@ from .compat.trl import (
     wrap_fused_forward,
     wrap_method,
 )
+from .cp_dpo import CP_FORWARD, dpo_layout, prepare_dpo_context_parallel
 from .distributed import check_loss_path, trainer_divides_by_accumulation, uneven_gather
 from .dpo_calls import PER_TOKEN, padded_preference_call, padding_free_layout
 from .dpo_probe import check_padding_free_forward
 from .guard import check_forward_inputs, guard_model
-from .parallel_layout import rank_layout
 from .shared_dpo import check_tree_models, prepare_shared_prompt, shares_prompt, tree_columns
 from .transformers import run_probe
 
@@ -117,7 +117,8 @@ def _padding_free_forward(model: Any, inner: Any) -> Any:
         }
         flat["use_cache"] = False
         check_forward_inputs(flat, attention_implementation(self), mixers)
-        out = inner(fused_lm_head=True, **flat)
+        cp = vars(model).get(CP_FORWARD)  # context parallelism: this rank's shard, the row's outputs back
+        out = inner(fused_lm_head=True, **flat) if cp is None else cp(inner, flat, lengths)
         # Flat output i scores token i + 1; padded (b, j) scores token j + 1 of sequence b.
         target = valid[:, 1:]
         index = (starts[:, None] + torch.arange(width - 1, device=ids.device)[None, :])[target]
@@ -231,10 +232,14 @@ def _mean_over_step(trainer: Any, step: _StepPairs) -> None:
             loss = result[0] if return_outputs else result
             pairs = int(inputs["completion_mask"].shape[0]) // 2
             # Undo what training_step divides by (read from Trainer's own predicate) and DDP's mean over the
-            # data-parallel group (not the world: tensor/context-parallel peers are not averaged over).
+            # data-parallel group (not over tensor-parallel peers); context-parallel peers' gradients are parts
+            # of one gradient (cp_dpo: identity-backward sums), so DDP's mean over them is undone too.
             divided = trainer_divides_by_accumulation(trainer, num_items_in_batch)
             steps = trainer.current_gradient_accumulation_steps if divided else 1
             loss = loss * (pairs * steps * step.layout.dp_size / step.pairs)
+            if step.layout.cp_size > 1:  # the gradient times cp_size, the value (logged) kept the step mean
+                extra = loss * (step.layout.cp_size - 1)
+                loss = loss + (extra - extra.detach())
             return (loss, result[1]) if return_outputs else loss
 
         return compute_loss
@@ -282,6 +287,7 @@ def prepare_dpo_trainer(
     check_isolation: bool = True,
     segmented_sdpa: bool = True,
     share_prompt: bool | None = None,
+    context_parallel: int | None = None,
 ) -> Any:
     """Make a TRL ``DPOTrainer`` run without padding, with TRL's own loss code; returns the trainer.
 
@@ -313,6 +319,10 @@ def prepare_dpo_trainer(
     With ``share_prompt=True`` (the default when ``train_dataset`` comes from ``pack_preference(...,
     share_prompt=True)``) each pair's prompt runs through the model once, on packtools' tree attention
     (:mod:`packtools.integrations.shared_dpo`); models it cannot serve are refused by name.
+
+    ``context_parallel=N`` (under ``torchrun``, ``N`` dividing the processes) splits every padding-free row
+    across ``N`` consecutive processes, per sequence, on ``packtools_cp`` attention; each pair stays on one
+    CP group and the loss is the pair mean over the data-parallel groups (:mod:`packtools.integrations.cp_dpo`).
     """
     require("trl", "packtools.prepare_dpo_trainer")
     _check_trainer(trainer)
@@ -320,7 +330,15 @@ def prepare_dpo_trainer(
     if vars(trainer).get(_PATCHED):
         raise PackingError("prepare_dpo_trainer was already called on this trainer.")
     try:
-        _prepare(trainer, train_dataset, max_tokens, check_isolation, segmented_sdpa, share_prompt)
+        _prepare(
+            trainer,
+            train_dataset,
+            max_tokens,
+            check_isolation,
+            segmented_sdpa,
+            share_prompt,
+            context_parallel=context_parallel,
+        )
     except BaseException:
         undo(trainer)  # all or nothing: a refused trainer is left as TRL built it
         raise
@@ -328,10 +346,18 @@ def prepare_dpo_trainer(
 
 
 def _prepare(
-    trainer: Any, train_dataset: Any, max_tokens: Any, check_isolation: bool, segmented_sdpa: bool, share: Any
+    trainer: Any,
+    train_dataset: Any,
+    max_tokens: Any,
+    check_isolation: bool,
+    segmented_sdpa: bool,
+    share: Any,
+    *,
+    context_parallel: int | None,
 ) -> None:
     models = [m for m in (trainer.model, trainer.ref_model) if m is not None]
     shared = shares_prompt(train_dataset) if share is None else share
+    layout = dpo_layout(trainer, context_parallel, shared)  # refuses what it cannot account for, by name
     if shared:  # the tree's own refusal, by name, before any generic probe runs
         check_tree_models(models)
     for model in models:
@@ -365,16 +391,8 @@ def _prepare(
         guard_model(trainer.ref_model, owner=trainer)
     if train_dataset is not None:
         _use_packed_dataset(trainer, train_dataset, shared)
-    config = getattr(trainer.accelerator, "parallelism_config", None)
-    if config is not None and (getattr(config, "cp_size", 1) or 1) > 1:
-        raise PackingError(
-            f"ParallelismConfig(cp_size={config.cp_size}): prepare_dpo_trainer does not run context parallelism "
-            f"(packed pairs would need each pair kept on one CP group and the pair-mean loss over DP x CP ranks, "
-            f"which packtools has not built); accelerate's own CP would cut pairs as one causal sequence. Set "
-            f"cp_size=1.",
-            param="parallelism_config",
-        )
-    layout = rank_layout(trainer)  # refuses DeepSpeed SP and meshes it cannot account for
+    if layout.cp_size > 1:
+        prepare_dpo_context_parallel(trainer, layout, models, _base_model)
     install_train_loader(trainer, max_tokens, owner=trainer, layout=layout)  # integrations.budget_loader
     step = _StepPairs(layout)
     _count_step_pairs(trainer, step)

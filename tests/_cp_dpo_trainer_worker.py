@@ -1,0 +1,96 @@
+"""One process of the Trainer half of ``tests/test_cp_dpo.py``: ``prepare_dpo_trainer(context_parallel=CP)``.
+
+Usage: ``torchrun --nproc_per_node W tests/_cp_dpo_trainer_worker.py CP GA [local] OUT_DIR``.  The 4 packed
+pair rows of ``benchmarks/cp_dpo_loop.PAIR_BATCHES`` are the global batch of one optimizer step (``W / CP`` DP
+ranks, ``GA`` micro-batches of ``4 / DP / GA`` rows each) of TRL's ``DPOTrainer`` (sigmoid loss, beta 0.5, a
+reference model of other weights, fp32, SGD lr 1, no clipping); rank 0 writes every rank's parameter change to
+``OUT_DIR/trainer.pt``, with the step's logged loss and the refusal of a call on different rows per rank.
+``local``: the negative control, each rank's per-token outputs never summed over the CP group (TRL's loss on
+partial sums).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from cp_dpo_loop import PAIR_BATCHES  # noqa: E402
+from cp_loop import tiny_llama_fp32  # noqa: E402
+
+
+def main() -> None:
+    import datasets
+    import trl
+    from test_dpo import text_pairs, word_tokenizer
+
+    from packtools import prepare_dpo_trainer
+
+    cp, ga, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[-1])
+    if len(sys.argv) == 5 and sys.argv[3] == "local":  # the negative control: no sum over the CP group
+        import packtools.integrations.cp_dpo as cp_dpo
+
+        cp_dpo.sum_over_group = lambda x, group=None: x
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    dp = world // cp
+    rows = [row for batch in PAIR_BATCHES for row in batch]
+    model, reference = tiny_llama_fp32(0), tiny_llama_fp32(1)
+    args = trl.DPOConfig(
+        output_dir=str(out / "run"),
+        per_device_train_batch_size=len(rows) // dp // ga,
+        gradient_accumulation_steps=ga,
+        max_steps=1,
+        beta=0.5,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        bf16=False,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        ddp_backend="gloo",
+        seed=0,
+    )
+    trainer = trl.DPOTrainer(
+        model,
+        ref_model=reference,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(text_pairs(8)),
+        processing_class=word_tokenizer(),
+    )
+    prepare_dpo_trainer(trainer, train_dataset=datasets.Dataset.from_list(rows), context_parallel=cp)
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    loss = trainer.train().training_loss
+    delta = {k: before[k] - p.detach() for k, p in model.named_parameters()}
+    # A call whose row differs between the CP peers (what an evaluation loader sharding over every process
+    # hands them) is refused by name on every rank, never attended across as one row.
+    ids = torch.arange(2, 8 + rank).repeat(2, 1)
+    try:
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, fused_lm_head=True)
+        refused = ""
+    except Exception as err:  # noqa: BLE001 - recorded for the test to assert on
+        refused = str(err)
+    result = {"delta": delta, "impl": model.config._attn_implementation, "loss": loss, "refused": refused}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        torch.save(gathered, out / "trainer.pt")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
