@@ -296,7 +296,8 @@ def markdown(cells: list[Cell], archs: list[Arch]) -> str:
         "- **n/a**: transformers itself does not offer this backend for this architecture.",
         "- `packtools_sdpa` is packtools' per-sequence sdpa, which `prepare_trainer` and `prepare_dpo_trainer` "
         "switch `sdpa` models to: on a padding-free row with `cu_seq_lens` each sequence runs on its own "
-        "(attention cost sum(L_i^2) instead of (sum L_i)^2) with the diagonal blocks of sdpa's mask; on a batch "
+        "(attention cost sum(L_i^2) instead of (sum L_i)^2), each with its own block of sdpa's mask built alone "
+        "(`document_mask`: no T x T mask); on a batch "
         "with `position_ids` only it is transformers' sdpa, hence *needs* `position_ids`.",
         "",
         "| architecture | what it tests | backend | result | needs | max diff | detail |",
