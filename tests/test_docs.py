@@ -31,6 +31,7 @@ WITHOUT_EXAMPLES = {
     "packtools._atomic",
     "packtools.integrations.ray",  # its example needs a Ray runtime (skipped); tests/test_ray.py runs it
     "packtools.integrations.cp_trainer",  # needs a multi-process Trainer; tests/test_cp_training.py runs it
+    "packtools.integrations.cp_dpo",  # needs a multi-process DPOTrainer; tests/test_cp_dpo.py runs it
     "packtools.profiling.tradeoffs",
 }
 

@@ -5,6 +5,7 @@ pieces without a trained token are dropped and counted, and every input token is
 from __future__ import annotations
 
 import json
+import warnings
 from collections import Counter
 
 import numpy as np
@@ -314,3 +315,26 @@ def test_tokenized_arrow_read_in_place_splits_like_parquet(tmp_path):
     sidecars = [p for p in (tmp_path / "out-arrow").rglob("*.npz")]
     for sidecar in sidecars:
         assert staged.damage(str(sidecar)) is None
+
+
+def test_pack_dataset_says_when_a_split_leaves_pieces_that_train_nothing():
+    """In memory, pack_dataset's bfd_split is TRL's fixed cut (its output equals trl.pack_dataset): pieces
+    without a trained token are kept, and said (UntrainedPiecesWarning naming the turn-aware file pipeline)."""
+    from packtools import pack_dataset
+    from packtools.integrations.drops import UntrainedPiecesWarning
+
+    long = {"input_ids": list(range(1, 13)), "labels": [IGNORE_INDEX] * 9 + [10, 11, 12]}
+    short = {"input_ids": [1, 2, 3], "labels": [IGNORE_INDEX, 2, 3]}
+    ds = datasets.Dataset.from_list([long, short])
+    with pytest.warns(UntrainedPiecesWarning, match=r"2 of the 3 pieces .*'labels'.*pack_files"):
+        pack_dataset(ds, 4, "bfd_split")
+    masked = datasets.Dataset.from_dict(
+        {"input_ids": [long["input_ids"]], "completion_mask": [[0] * 9 + [1] * 3]}
+    )
+    with pytest.warns(UntrainedPiecesWarning, match="'completion_mask'"):
+        pack_dataset(masked, 4, "wrapped")
+    with warnings.catch_warnings():  # every piece trains, or nothing was cut: no warning
+        warnings.simplefilter("error", UntrainedPiecesWarning)
+        pack_dataset(datasets.Dataset.from_list([short, short]), 4, "bfd_split")
+        trained = {"input_ids": list(range(1, 9)), "labels": list(range(1, 9))}
+        pack_dataset(datasets.Dataset.from_list([trained]), 4, "bfd_split")

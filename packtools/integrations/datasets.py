@@ -25,7 +25,7 @@ from ..core.plan import plan as make_plan
 from ..errors import PackingError
 from .compat.datasets import dataset_table, format_type, memory_mapped_table, temporary_cache_directory
 from .compat.datasets import fingerprint as datasets_fingerprint
-from .drops import DropReport, TokensDroppedWarning, warn_dropped
+from .drops import DropReport, TokensDroppedWarning, untrained_pieces, warn_dropped, warn_untrained
 from .vision_data import has_images, pack_vision_table
 
 DEFAULT_WINDOW = 100_000
@@ -156,6 +156,8 @@ def pack_split(
         mapped = memory_mapped_table(ds_mod, path)
         out = ds_mod.Dataset(mapped, split=dataset.split, fingerprint=fingerprint)
     added = [SEQ_LENGTHS] if SEQ_LENGTHS in out.column_names else []
+    if p.strategy in ("bfd_split", "wrapped"):  # pieces of a cut that train nothing are said, never silent
+        warn_untrained(untrained_pieces(table, indices, p), f"pack_dataset(strategy={p.strategy!r})", 3)
     return restore_format(out, dict(dataset.format), added), DropReport.from_plan(p)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -110,3 +111,65 @@ def warn_dropped(report: DropReport, what: str, split: str = "", stacklevel: int
     """A :class:`TokensDroppedWarning` if ``report`` dropped any token."""
     if report.tokens_dropped:
         warnings.warn(report.message(what, split), TokensDroppedWarning, stacklevel=stacklevel + 1)
+
+
+class UntrainedPiecesWarning(UserWarning):
+    """``bfd_split`` / ``wrapped`` cut sequences into pieces that hold no trained token (filter with
+    ``warnings.filterwarnings``)."""
+
+
+#: label-like columns: the column and the value that marks a token *not* trained (``labels``) or trained
+_TRAINED_BY = {"labels": ("ignore", -100), "completion_mask": ("keep", 1), "assistant_masks": ("keep", 1)}
+
+
+def untrained_pieces(table: Any, indices: Any, plan: Any) -> tuple[int, int, str] | None:
+    """``(pieces cut from sequences that train, of them holding no trained token, the column read)`` for a
+    ``bfd_split`` / ``wrapped`` plan over ``table`` (``indices``: the dataset's row order, or None); None when
+    the table has no label-like column.  A piece's first token never trains (each sequence's first label is
+    masked in a padding-free batch).
+
+    >>> import pyarrow as pa
+    >>> from packtools.core.plan import plan
+    >>> t = pa.table({"input_ids": [[1] * 6], "labels": [[-100, -100, -100, -100, 5, 6]]})
+    >>> untrained_pieces(t, None, plan([6], 3, "bfd_split"))  # [-100 x 3] trains nothing, [-100, 5, 6] does
+    (2, 1, 'labels')
+    """
+    import pyarrow.compute as pc
+
+    name = next((n for n in _TRAINED_BY if n in table.column_names), None)
+    if name is None:
+        return None
+    col = table.column(name)
+    values = np.asarray(pc.list_flatten(col).to_numpy(zero_copy_only=False))
+    row_len = np.asarray(pc.list_value_length(col).to_numpy(zero_copy_only=False), np.int64)
+    how, mark = _TRAINED_BY[name]
+    trained = values != mark if how == "ignore" else values == mark
+    csum = np.concatenate([[0], np.cumsum(trained, dtype=np.int64)])
+    row_start = np.concatenate([[0], np.cumsum(row_len)])
+    src = np.asarray(plan.seg_source, np.int64)
+    rows = np.asarray(indices, np.int64)[src] if indices is not None else src
+    start = row_start[rows] + np.asarray(plan.seg_start, np.int64)
+    length = np.asarray(plan.seg_length, np.int64)
+    first = np.minimum(start + 1, start + length)
+    piece = csum[start + length] - csum[first]
+    whole = (
+        csum[row_start[rows] + row_len[rows]]
+        - csum[np.minimum(row_start[rows] + 1, row_start[rows] + row_len[rows])]
+    )
+    cut = (length < row_len[rows]) & (whole > 0)
+    return int(cut.sum()), int((cut & (piece == 0)).sum()), name
+
+
+def warn_untrained(counts: tuple[int, int, str] | None, what: str, stacklevel: int = 2) -> None:
+    """An :class:`UntrainedPiecesWarning` if a split left pieces that train nothing (never silent)."""
+    if counts is None or counts[1] == 0:
+        return
+    pieces, empty, name = counts
+    warnings.warn(
+        f"{what}: {empty} of the {pieces} pieces cut from sequences that train hold no trained token ({name!r}); "
+        f"they cost compute and train nothing. packtools.pack_files(..., strategy='bfd_split') (packtools pack "
+        f"--strategy bfd_split) cuts chat rows at turn boundaries and drops such pieces, counting them; or "
+        f"filter them from the packed rows.",
+        UntrainedPiecesWarning,
+        stacklevel=stacklevel + 1,
+    )
