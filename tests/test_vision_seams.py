@@ -290,3 +290,50 @@ def test_process_vision_dataset_refuses_other_columns_by_name(tmp_path):
         process_vision_dataset(ds, proc)
     done = process_vision_dataset(ds, proc, leave_out=["id"])
     assert "id" not in done.column_names and len(done) == 3
+
+
+# -- the CLI: pack --processor -----------------------------------------------------------------------------------
+
+TEXT_ONLY = [
+    (["--tokenizer", "tok"], "--tokenizer"),
+    (["--format", "messages"], "--format"),
+    (["--no-eos"], "--no-eos"),
+    (["--columns", "input_ids"], "--columns"),
+    (["--overlong", "drop"], "--overlong"),
+    (["--drop-unlabeled"], "--drop-unlabeled"),
+    (["--keep-unlabeled"], "--keep-unlabeled"),
+    (["--split-at", "tokens"], "--split-at"),
+    (["--plan", "shards"], "--plan"),
+    (["--part-rows", "10"], "--part-rows"),
+    (["--shard-tokens", "10"], "--shard-tokens"),
+    (["--max-prompt-length", "10"], "--max-prompt-length"),
+    (["--tokenizer-engine", "fast"], "--tokenizer-engine"),
+    (["--tokenizer-audit", "1"], "--tokenizer-audit"),
+    (["--on-unencodable", "error"], "--on-unencodable"),
+    (["--executor", "pool"], "--executor"),
+    (["--workers", "2"], "--workers"),
+    (["--num-proc", "2"], "--num-proc"),
+    (["--address", "ray://x"], "--address"),
+    (["--retries", "0"], "--retries"),
+]
+
+
+@pytest.mark.parametrize("flags, name", TEXT_ONLY, ids=[n for _, n in TEXT_ONLY])
+def test_pack_processor_refuses_text_only_options_by_name(tmp_path, capsys, monkeypatch, flags, name):
+    from packtools.cli.main import main
+    from packtools.pipeline import vision
+
+    called = []
+    monkeypatch.setattr(vision, "pack_vision_files", lambda *a, **k: called.append(1))
+    data = tmp_path / "data.jsonl"
+    data.write_text("{}\n")
+    argv = ["pack", str(data), "--out", str(tmp_path / "out"), "--processor", str(tmp_path)]
+    assert main([*argv, *flags]) != 0
+    err = capsys.readouterr().err
+    assert f"{name}: not used with --processor" in err, err
+    assert not called
+    # the options --processor reads pass the check (and reach pack_vision_files)
+    done = vision.VisionPackResult(str(tmp_path / "out"), 1, 1, 0, 5, 1, 0)
+    monkeypatch.setattr(vision, "pack_vision_files", lambda *a, **k: called.append(k) or done)
+    assert main([*argv, "--max-length", "64", "--shuffle", "--seed", "3", "--executor", "local"]) == 0
+    assert called == [{"processor": str(tmp_path), "max_length": 64, "shuffle": True, "seed": 3}]
