@@ -24,6 +24,7 @@ WITHOUT_EXAMPLES = {
     "packtools.io.pages",
     "packtools.cli.demo",
     "packtools.cli.pack",
+    "packtools.cli.pack_vision",  # the --processor branch of pack; tests/test_vision_seams.py runs it
     "packtools.cli.profile",
     "packtools.constants",
     "packtools.errors",

@@ -182,17 +182,25 @@ def check_leave_out(leave_out: object) -> frozenset[str]:
     return frozenset(leave_out)  # type: ignore[arg-type]
 
 
-def check_carried(features: Sequence[Mapping[str, Any]], leave_out: frozenset[str]) -> None:
-    """Refuse, by name, a column of the rows that the batch would not carry and ``leave_out`` does not list."""
-    known = CARRIED_KEYS | leave_out
+def check_carried(
+    features: Sequence[Mapping[str, Any]],
+    leave_out: frozenset[str],
+    carried: frozenset[str] = CARRIED_KEYS,
+    who: str = "PaddingFreeCollator",
+) -> None:
+    """Refuse, by name, a column of the rows that the batch would not carry and ``leave_out`` does not list.
+
+    ``carried`` is the set of keys the collator ``who`` reads (``CARRIED_KEYS`` for the text collator).
+    """
+    known = carried | leave_out
     for i, row in enumerate(features):
         if isinstance(row, Mapping) and not known.issuperset(row.keys()):
             extra = sorted(k for k in row.keys() if k not in known)
             raise PackingError(
-                f"row {i} has the column(s) {extra}, which PaddingFreeCollator does not put in the batch, so the "
+                f"row {i} has the column(s) {extra}, which {who} does not put in the batch, so the "
                 f"model would never see them (a vision-language model given image tokens without its "
                 f"pixel_values / image_grid_thw trains on placeholders). Remove them from the dataset "
                 f"(ds.remove_columns({extra!r})), or say they may be left out: "
-                f"PaddingFreeCollator(..., leave_out={extra!r}).",
+                f"{who}(..., leave_out={extra!r}).",
                 param="leave_out",
             )

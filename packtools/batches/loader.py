@@ -33,15 +33,45 @@ from ..errors import PackingError
 from ..integrations.compat.datasets import dataset_table
 from .arrow_rows import ArrowBatches, ArrowSource, check_integer
 from .collate import PaddingFreeCollator
-from .flatten import FlatRows
+from .flatten import CARRIED_KEYS, FlatRows, check_leave_out
 from .view import PackedRow, PackedView
+
+#: Image columns of a processed vision-language table: they need :class:`~packtools.batches.MultimodalCollator`.
+_IMAGE_COLUMNS = frozenset(
+    {"pixel_values", "image_grid_thw", "mm_token_type_ids", "pixel_values_videos", "video_grid_thw"}
+)
+
+
+def check_table_columns(names: Sequence[str], leave_out: frozenset[str], who: str) -> None:
+    """Refuse, by name, a column of the data that the batch would not carry and ``leave_out`` does not list."""
+    extra = sorted(c for c in names if c not in CARRIED_KEYS and c not in leave_out)
+    if not extra:
+        return
+    images = [c for c in extra if c in _IMAGE_COLUMNS]
+    why = (
+        f"the image column(s) {images} would be dropped and the model would train on image placeholders "
+        f"without their images; batch a vision-language table with packtools.batches.MultimodalCollator "
+        f"(rows as dicts), not {who}"
+        if images
+        else f"{who} does not put them in the batch, so the model would never see them"
+    )
+    raise PackingError(
+        f"the data has the column(s) {extra}: {why}. Remove them (ds.remove_columns({extra!r})), or say they "
+        f"may be left out: {who}(..., leave_out={extra!r}).",
+        param="leave_out",
+    )
 
 
 class PackedRows(ArrowBatches):
     """Rows of a ``datasets.Dataset`` or ``pyarrow.Table`` served from their Arrow buffers, as they are.
 
     Reads ``input_ids`` and, when present, ``labels``, ``completion_mask``, ``assistant_masks`` and
-    ``seq_lengths`` (a row without ``seq_lengths`` is one sequence).  Columns are validated once here
+    ``seq_lengths`` (a row without ``seq_lengths`` is one sequence; ``columns`` narrows these).  Every other
+    column reaches the batch or stops it, as with :class:`~packtools.PaddingFreeCollator`: a column outside
+    the collator's (``position_ids`` is rebuilt; an ``attention_mask`` is accepted only all ones, without
+    ``seq_lengths``) is refused by name unless ``leave_out`` lists it; image columns (``pixel_values``,
+    ``image_grid_thw``: a ``pack --processor`` output) are refused with a pointer to
+    :class:`~packtools.batches.MultimodalCollator`.  Columns are validated once here
     (aligned lengths, ``seq_lengths`` summing to the row length, no empty segment), so batches are only copies.
     Row ``i`` is row ``i`` of the data (empty rows included; a batch skips them); for rows packed on the fly
     from a plan, see :class:`~packtools.batches.PackedView`, which shares this class's gather.
@@ -49,7 +79,9 @@ class PackedRows(ArrowBatches):
     As a map-style dataset, ``rows[i]`` is just ``i``: pair it with :class:`ArrowCollator` as ``collate_fn``.
     """
 
-    def __init__(self, data: Any, columns: Sequence[str] | None = None) -> None:
+    def __init__(
+        self, data: Any, columns: Sequence[str] | None = None, *, leave_out: Sequence[str] = ()
+    ) -> None:
         if is_instance(data, "datasets", "Dataset"):
             table, indices = dataset_table(data)
         elif isinstance(data, pa.Table):
@@ -64,6 +96,13 @@ class PackedRows(ArrowBatches):
                 "where its sequences end. Drop it (ds.remove_columns('attention_mask')); the collator separates "
                 "sequences by itself."
             )
+        if "attention_mask" in table.column_names:
+            mask = read_list_column(table.column("attention_mask"), "attention_mask").flat_values()
+            if mask.size and (mask.min() != 1 or mask.max() != 1):
+                raise PackingError(
+                    "column 'attention_mask' has values other than 1, so rows hold padding; padding-free "
+                    "batches cannot drop it. Remove the padding (tokenize without padding=True)."
+                )
         names = [c for c in (columns or (*TOKEN_COLUMNS, SEQ_LENGTHS)) if c in table.column_names]
         if "input_ids" not in names:
             raise PackingError(
@@ -74,6 +113,8 @@ class PackedRows(ArrowBatches):
             raise PackingError(
                 f"columns {unknown} are not used by PackedRows; it reads {TOKEN_COLUMNS + (SEQ_LENGTHS,)}."
             )
+        self.leave_out = check_leave_out(leave_out)
+        check_table_columns(table.column_names, self.leave_out, "PackedRows")
         cols = [read_list_column(table.column(name), name) for name in names]
         for col in cols:
             check_integer(col)
@@ -162,6 +203,8 @@ class ArrowCollator:
             raise PackingError(f"rows must be a PackedRows or a PackedView, got {type(rows).__name__}.")
         if not isinstance(collator, PaddingFreeCollator):
             raise PackingError(f"collator must be a PaddingFreeCollator, got {type(collator).__name__}.")
+        if isinstance(rows, PackedView):  # PackedRows checked its table's columns itself
+            check_table_columns(rows.column_names, collator.leave_out, "PaddingFreeCollator")
         self.rows = rows
         self.collator = collator
 

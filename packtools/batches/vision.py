@@ -14,6 +14,9 @@ lays the rows end to end like :class:`~packtools.batches.collate.PaddingFreeColl
 * labels -100 on every image token (an image placeholder is never learned).
 
 A row whose image tokens do not match its ``image_grid_thw`` or ``pixel_values`` is refused with its index.
+Every other column reaches the batch or stops it, as with ``PaddingFreeCollator``: a key outside the text
+collator's columns and the image columns (an ``id``...) is refused by name unless ``leave_out`` lists it, and
+video inputs (a video column, or the model's video token in ``input_ids``) are refused by name.
 """
 
 from __future__ import annotations
@@ -26,11 +29,28 @@ import numpy as np
 from ..constants import IGNORE_INDEX
 from ..errors import PackingError
 from .collate import PaddingFreeCollator, to_tensors
-from .flatten import flatten_rows
+from .flatten import CARRIED_KEYS, check_carried, check_leave_out, flatten_rows
 from .mrope import MropeSpec, check_grid, document_positions
 
 #: The per-row image columns this collator consumes (everything else goes to the text collator).
 VISION_COLUMNS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
+
+#: The processors' video columns: refused by name (videos are not verified; see :mod:`.mrope`), even when
+#: ``leave_out`` lists them, since a video's tokens without its pixels would train on placeholders.
+VIDEO_COLUMNS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "video_metadata")
+
+
+def check_no_video(features: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse, by name, a row with a video column."""
+    for i, row in enumerate(features):
+        if isinstance(row, Mapping):
+            video = [k for k in VIDEO_COLUMNS if k in row]
+            if video:
+                raise PackingError(
+                    f"row {i} has the video column(s) {video}: packtools packs images only (video positions "
+                    f"are not verified). Drop the video samples and columns, or train them unpacked.",
+                    param="features",
+                )
 
 
 def _pixels(value: Any, row: int, patches: int) -> np.ndarray | None:
@@ -87,6 +107,7 @@ class MultimodalCollator:
         return_flash_attn_kwargs: bool = True,
         return_seq_idx: bool = False,
         return_mm_token_type_ids: bool = True,
+        leave_out: Sequence[str] = (),
     ) -> None:
         self.spec = (
             model if isinstance(model, MropeSpec) else MropeSpec.from_config(getattr(model, "config", model))
@@ -106,6 +127,7 @@ class MultimodalCollator:
             raise PackingError(f"return_tensors must be 'pt' or 'np', got {return_tensors!r}.")
         self.return_tensors = return_tensors
         self.return_mm_token_type_ids = bool(return_mm_token_type_ids)
+        self.leave_out = check_leave_out(leave_out)
 
     def options(self) -> dict[str, Any]:
         """The constructor arguments (``MultimodalCollator(**c.options())`` copies it)."""
@@ -124,6 +146,7 @@ class MultimodalCollator:
             "return_flash_attn_kwargs": text["return_flash_attn_kwargs"],
             "return_seq_idx": text["return_seq_idx"],
             "return_mm_token_type_ids": self.return_mm_token_type_ids,
+            "leave_out": self.leave_out,
         }
 
     def replace(self, **changes: Any) -> MultimodalCollator:
@@ -135,6 +158,10 @@ class MultimodalCollator:
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if isinstance(features, Mapping) or not isinstance(features, Sequence) or not features:
             raise PackingError(f"features must be a non-empty list of rows, got {type(features).__name__}.")
+        check_no_video(features)
+        check_carried(
+            features, self.leave_out, CARRIED_KEYS | frozenset(VISION_COLUMNS), "MultimodalCollator"
+        )
         text_rows = [
             {k: v for k, v in row.items() if k not in VISION_COLUMNS} if isinstance(row, Mapping) else row
             for row in features

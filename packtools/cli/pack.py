@@ -184,33 +184,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-def _run_vision(args: argparse.Namespace, max_length: int) -> int:
-    from ..errors import PackingError
-    from ..pipeline.vision import pack_vision_files
-
-    if not args.input or args.out is None:
-        raise PackingError("--processor needs INPUT files (.jsonl) and --out DIR.", param="processor")
-    if args.strategy != "bfd":
-        raise PackingError(
-            f"--strategy {args.strategy}: vision-language samples are packed whole (--strategy bfd).",
-            param="strategy",
-        )
-    r = pack_vision_files(
-        args.input,
-        args.out,
-        processor=args.processor,
-        max_length=max_length,
-        shuffle=args.shuffle,
-        seed=args.seed,
-    )
-    if not args.quiet:
-        print(
-            f"packed {r.rows_in} samples ({r.images} images, {r.tokens} tokens) into {r.rows_out} rows in {r.out} "
-            f"({r.reused_blocks} of {r.staged_blocks} staged blocks reused)"
-        )
-    return 0
-
-
 def pipeline_config(args: argparse.Namespace, max_length: int) -> Any:
     from ..pipeline.config import PipelineConfig
 
@@ -350,7 +323,9 @@ def run(args: argparse.Namespace) -> int:
             param="context_parallel",
         )
     if args.processor is not None:
-        return _run_vision(args, max_length)
+        from .pack_vision import run_vision
+
+        return run_vision(args, max_length, add_parser(argparse.ArgumentParser().add_subparsers()))
     if in_memory:
         _check_in_memory_inputs(args)
         return _in_memory(args, max_length)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,13 +185,26 @@ def process_vision_dataset(
     *,
     messages: str = "messages",
     images: str = "images",
+    leave_out: Sequence[str] = (),
 ) -> Any:
     """A ``datasets.Dataset`` in TRL's vision format, processed row by row (``input_ids``, ``pixel_values``,
-    ``image_grid_thw``, ``mm_token_type_ids``); the other columns are left out."""
+    ``image_grid_thw``, ``mm_token_type_ids``).  The result holds only these columns: any other column of the
+    dataset (``tools``, an ``id``...) is refused by name unless ``leave_out`` lists it, so none is dropped
+    without a word (``tools`` is not passed to the processor's chat template)."""
+    if isinstance(leave_out, str) or not all(isinstance(k, str) for k in leave_out):
+        raise PackingError(f"leave_out must be a list of column names, got {leave_out!r}.", param="leave_out")
     vp = processor if isinstance(processor, VisionProcessor) else load_vision_processor(processor)
     names = dataset.column_names
     if messages not in names:
         raise PackingError(f"the dataset has no {messages!r} column (it has {names}).", param="messages")
+    extra = sorted(n for n in names if n not in (messages, images) and n not in leave_out)
+    if extra:
+        raise PackingError(
+            f"the dataset has the column(s) {extra}, which the processed rows do not carry (only {messages!r} and "
+            f"{images!r} reach the model). Remove them (ds.remove_columns({extra!r})), or say they may be left "
+            f"out: process_vision_dataset(..., leave_out={extra!r}).",
+            param="leave_out",
+        )
 
     def one(example: dict[str, Any], idx: int) -> dict[str, Any]:
         return process_vision_sample(vp, example[messages], example.get(images), idx)

@@ -4,11 +4,17 @@
 (:class:`~packtools.pipeline.workspace.Workspace`: a lock next to ``out``, a hidden work folder, the finished
 folder renamed into place, so ``out`` is absent, the old or the new output whatever kills the run):
 
+0. **Check** ``out`` as the text pipeline does (:mod:`packtools.pipeline.outcheck`: never holding an input,
+   never a folder with files packtools did not write); an output whose manifest has this run's fingerprint (the
+   stage key and the whole configuration: ``max_length``, ``shuffle``, ``seed``, ``block_rows``,
+   ``shard_bytes``, ``leave_out``) is kept as it is (``cached=True``).
 1. **Stage**: the rows are read ``block_rows`` at a time, each sample processed by the local processor folder
    (:func:`~packtools.integrations.vision_processor.process_vision_sample`: ``input_ids``, ``pixel_values``,
    ``image_grid_thw``, ``mm_token_type_ids``) and the block written as one Arrow file under ``stage/``
-   (atomically; its name carries a key of the processor folder, the input file and the block, so a rerun after
-   a kill reuses the blocks that were finished and never a block made from other inputs).
+   (:mod:`packtools.pipeline.vision_stage`: written atomically with a size/SHA-256 sidecar, named by a key of
+   the processor folder's content, packtools' sources, the library versions and the inputs, so a rerun after a
+   kill reuses the blocks that were finished and undamaged, never a block made from other inputs or code).
+   A row key other than ``messages``/``images`` is refused by name unless ``leave_out`` lists it.
 2. **Plan**: one global ``bfd`` plan from the staged lengths alone (image tokens included); a sample longer
    than ``max_length`` is refused by its file and line, never truncated.
 3. **Write**: the plan cut into shards of at most ``shard_bytes`` of pixel values (at least one row each), each
@@ -27,23 +33,34 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from ..constants import __version__
-from ..core.arrow import numeric_array, read_list_column
+from ..core.arrow import read_list_column
 from ..core.nested import check_whole_samples, gather_whole_samples
 from ..core.pack import pack_columns
 from ..core.plan import PackPlan, check_max_length
 from ..core.plan import plan as make_plan
 from ..errors import PackingError
-from ..io.manifest import MANIFEST_FORMAT, write_manifest
-from .gather import ShardFolder, write_shard
-from .workspace import Workspace, checkpoint
+from ..io.discover import InputFile
+from ..io.manifest import MANIFEST_FORMAT, read_manifest, write_manifest
+from .gather import ShardFolder
+from .outcheck import check_out, check_replaceable
+from .vision_stage import (
+    block_damage,
+    blocks,
+    check_names,
+    schema_of,
+    sidecar,
+    stage_block,
+    stage_key,
+    write_block,
+)
+from .workspace import Workspace, checkpoint, tidy_after_dead_run
 
 TOKEN_COLUMNS = ("input_ids", "mm_token_type_ids")
 IMAGE_COLUMNS = ("pixel_values", "image_grid_thw")
@@ -58,95 +75,12 @@ class VisionPackResult:
     tokens: int
     staged_blocks: int
     reused_blocks: int
+    cached: bool = False  # the output was already there (same fingerprint): nothing was done
 
 
-def _schema(dim: int) -> pa.Schema:
-    return pa.schema(
-        [
-            ("input_ids", pa.list_(pa.int32())),
-            ("mm_token_type_ids", pa.list_(pa.int8())),
-            ("pixel_values", pa.list_(pa.list_(pa.float32(), dim))),
-            ("image_grid_thw", pa.list_(pa.list_(pa.int64(), 3))),
-        ]
-    )
-
-
-def _folder_key(path: str) -> str:
-    digest = hashlib.sha256()
-    for name in sorted(os.listdir(path)):
-        full = os.path.join(path, name)
-        if os.path.isfile(full):
-            digest.update(name.encode())
-            with open(full, "rb") as fh:
-                digest.update(fh.read())
-    return digest.hexdigest()
-
-
-def _input_key(path: str) -> str:
+def _input_file(path: str) -> InputFile:
     st = os.stat(path)
-    return f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}"
-
-
-def _blocks(path: str, block_rows: int) -> Iterator[tuple[int, list[tuple[int, dict[str, Any]]]]]:
-    """``(block index, [(line number, row), ...])`` of a JSON-lines file, ``block_rows`` rows at a time."""
-    block: list[tuple[int, dict[str, Any]]] = []
-    index = 0
-    with open(path, encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as err:
-                raise PackingError(f"{path}:{line_no}: not a JSON object ({err}).") from err
-            if not isinstance(row, dict):
-                raise PackingError(f"{path}:{line_no}: each line must be a JSON object with 'messages'.")
-            block.append((line_no, row))
-            if len(block) == block_rows:
-                yield index, block
-                index, block = index + 1, []
-    if block:
-        yield index, block
-
-
-def _resolve(images: Any, base: str) -> list[Any]:
-    return [os.path.join(base, v) if isinstance(v, str) and not os.path.isabs(v) else v for v in images or []]
-
-
-def _stage_block(vp: Any, path: str, rows: list[tuple[int, dict[str, Any]]], schema: pa.Schema) -> pa.Table:
-    from ..integrations.vision_processor import process_vision_sample
-
-    base = os.path.dirname(os.path.abspath(path))
-    done = []
-    for line_no, row in rows:
-        if "messages" not in row:
-            raise PackingError(f"{path}:{line_no}: the row has no 'messages' (it has {sorted(row)}).")
-        try:
-            done.append(
-                process_vision_sample(vp, row["messages"], _resolve(row.get("images"), base), line_no)
-            )
-        except PackingError as err:
-            raise PackingError(f"{path}:{line_no}: {err}") from None
-    dim = schema.field("pixel_values").type.value_type.list_size
-    arrays = [
-        _ragged([d["input_ids"].astype(np.int32) for d in done], pa.int32()),
-        _ragged([d["mm_token_type_ids"].astype(np.int8) for d in done], pa.int8()),
-        _ragged([d["pixel_values"].reshape(-1, dim).astype(np.float32) for d in done], pa.float32(), dim),
-        _ragged([d["image_grid_thw"].reshape(-1, 3).astype(np.int64) for d in done], pa.int64(), 3),
-    ]
-    return pa.Table.from_arrays(arrays, schema=schema)
-
-
-def _ragged(parts: list[np.ndarray], value_type: pa.DataType, width: int | None = None) -> pa.Array:
-    """One list per sample from NumPy arrays, built from their buffers (never Python objects per value);
-    ``width``: each item is a fixed-size list of that many values (a patch, a grid row)."""
-    offsets = np.zeros(len(parts) + 1, np.int64)
-    np.cumsum([len(x) for x in parts], out=offsets[1:])
-    flat = np.ascontiguousarray(np.concatenate([x.reshape(-1) for x in parts]) if parts else np.zeros(0))
-    values = numeric_array(flat.astype(value_type.to_pandas_dtype(), copy=False), value_type)
-    if width is not None:
-        values = pa.FixedSizeListArray.from_arrays(values, width)
-    return pa.ListArray.from_arrays(numeric_array(offsets.astype(np.int32), pa.int32()), values)
+    return InputFile(os.path.abspath(path), "json", st.st_size, st.st_mtime_ns)
 
 
 def shard_bounds(p: PackPlan, patches: np.ndarray, dim: int, shard_bytes: int) -> list[tuple[int, int]]:
@@ -191,44 +125,75 @@ def pack_vision_files(
     shard_bytes: int = 64 << 20,
     shuffle: bool = False,
     seed: int = 0,
+    leave_out: Sequence[str] = (),
 ) -> VisionPackResult:
-    """Pack JSON-lines files of TRL-format vision samples into ``out`` (see the module docstring)."""
+    """Pack JSON-lines files of TRL-format vision samples into ``out`` (see the module docstring).
+
+    ``out`` is checked as the text pipeline checks it (:mod:`packtools.pipeline.outcheck`): never inside an
+    input folder, never a folder holding files packtools did not write.  A rerun whose fingerprint (the stage
+    key and the whole configuration) matches the output's manifest does nothing (``cached=True``).  A row key
+    other than ``messages`` and ``images`` is refused by name unless ``leave_out`` lists it.
+    """
     from ..integrations.vision_processor import load_vision_processor
 
     max_length = check_max_length(max_length)
+    leave = check_names(leave_out)
+    for name, value in (("block_rows", block_rows), ("shard_bytes", shard_bytes), ("seed", seed)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "seed" else 1):
+            raise PackingError(
+                f"{name}={value!r} must be an int >= {0 if name == 'seed' else 1}.", param=name
+            )
     paths = [os.fspath(inputs)] if isinstance(inputs, (str, os.PathLike)) else [os.fspath(p) for p in inputs]
     for p in paths:
         if not os.path.isfile(p) or not p.endswith((".jsonl", ".json")):
             raise PackingError(
                 f"input {p!r}: pass JSON-lines files (.jsonl) of TRL vision rows.", param="inputs"
             )
+    out = os.path.abspath(os.fspath(out))
+    check_out(out, paths, [_input_file(p) for p in paths])
     vp = load_vision_processor(processor)
     dim = (
         3
         * int(getattr(vp.image_processor, "temporal_patch_size", 2))
         * int(vp.image_processor.patch_size) ** 2
     )
-    schema = _schema(dim)
-    key = hashlib.sha256(
-        json.dumps(
-            [__version__, _folder_key(vp.path), [_input_key(p) for p in paths], block_rows, dim]
-        ).encode()
-    ).hexdigest()[:16]
-    ws = Workspace(os.fspath(out))
+    schema = schema_of(dim)
+    key = stage_key(vp.path, paths, block_rows, dim)
+    config = {
+        "kind": "vision",
+        "max_length": max_length,
+        "strategy": "bfd",
+        "shuffle": bool(shuffle),
+        "seed": seed,
+        "block_rows": block_rows,
+        "shard_bytes": shard_bytes,
+        "leave_out": sorted(leave),
+    }
+    fingerprint = hashlib.sha256(json.dumps([key, config], sort_keys=True).encode()).hexdigest()
+    previous = read_manifest(out)
+    if previous is not None and previous.get("fingerprint") == fingerprint:
+        tidy_after_dead_run(out)  # a run killed after installing this output may have left its work folder
+        st = previous.get("stats", {})
+        return VisionPackResult(
+            out, st["rows_in"], st["rows_out"], st["images"], st["tokens"], 0, 0, cached=True
+        )
+    check_replaceable(out)
+    ws = Workspace(out)
     ws.acquire()
     ok = False
     try:
         os.makedirs(ws.stage, exist_ok=True)
         staged, reused = [], 0
         for f, path in enumerate(paths):
-            for b, rows in _blocks(path, block_rows):
+            for b, rows in blocks(path, block_rows):
                 target = os.path.join(ws.stage, f"vision-{key}-{f:05d}-{b:06d}.arrow")
-                if os.path.exists(target):
+                if os.path.exists(sidecar(target)) and block_damage(target) is None:
                     reused += 1
-                else:  # written aside, then renamed: a kill leaves a ".tmp-" file, which the next run removes
-                    tmp = f"{target}.tmp-{os.getpid()}"
-                    write_shard(tmp, _stage_block(vp, path, rows, schema))
-                    os.replace(tmp, target)
+                else:
+                    for stale in (sidecar(target), target):  # damaged or unfinished: staged again
+                        if os.path.exists(stale):
+                            os.unlink(stale)
+                    write_block(target, stage_block(vp, path, rows, schema, leave))
                 staged.append(target)
                 checkpoint(f"stage:{len(staged)}")
         table = _mapped(staged) if staged else schema.empty_table()
@@ -260,7 +225,9 @@ def pack_vision_files(
             del block, mapped
             checkpoint(f"write:{i + 1}")
         images = int(_value_lengths(_mapped(staged).column("image_grid_thw")).sum()) if staged else 0
-        names = shards.finish(schema.append(pa.field("seq_lengths", pa.list_(pa.int32()))).empty_table(), key)
+        names = shards.finish(
+            schema.append(pa.field("seq_lengths", pa.list_(pa.int32()))).empty_table(), fingerprint
+        )
         stats = {
             "rows_in": len(lengths),
             "rows_out": p.num_rows,
@@ -272,13 +239,13 @@ def pack_vision_files(
             {
                 "manifest_format": MANIFEST_FORMAT,
                 "packtools_version": __version__,
-                "fingerprint": key,
-                "config": {"max_length": max_length, "strategy": "bfd", "shuffle": shuffle, "seed": seed,
-                           "block_rows": block_rows, "shard_bytes": shard_bytes, "kind": "vision"},
+                "fingerprint": fingerprint,
+                "stage_key": key,
+                "config": config,
                 "inputs": [os.path.basename(p) for p in paths],
                 "stats": {**stats, "shards": len(names)},
             },
-        )  # fmt: skip
+        )
         ws.install()
         ok = True
         return VisionPackResult(

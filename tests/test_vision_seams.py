@@ -1,0 +1,339 @@
+"""Vision-language seams that dropped data silently (review of issues 30 and 33): every column reaches the
+model or stops the run, on the multimodal collator, the Arrow loader, ``pack --processor`` and the offline
+vision pipeline."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from packtools.batches.mrope import MropeSpec
+from packtools.batches.vision import MultimodalCollator
+from packtools.errors import PackingError
+
+SPEC = MropeSpec("qwen2_vl", image_token_id=9, video_token_id=8, spatial_merge_size=2)
+
+
+def _row(**extra):
+    row = {
+        "input_ids": [1, 9, 2, 3, 4],
+        "seq_lengths": [3, 2],
+        "image_grid_thw": [[1, 2, 2]],
+        "pixel_values": np.zeros((4, 6), np.float32),
+    }
+    return {**row, **extra}
+
+
+@pytest.mark.parametrize("column", ["pixel_values_videos", "video_grid_thw", "second_per_grid_ts"])
+def test_multimodal_collator_refuses_video_columns_by_name(column):
+    collator = MultimodalCollator(SPEC, 0, return_tensors="np")
+    with pytest.raises(PackingError, match=rf"video column\(s\) \['{column}'\]"):
+        collator([_row(**{column: [[1.0]]})])
+    # listed in leave_out, a video is still refused: its tokens would train without its frames
+    with pytest.raises(PackingError, match="video column"):
+        collator.replace(leave_out=[column])([_row(**{column: [[1.0]]})])
+
+
+def test_multimodal_collator_refuses_video_tokens_by_name():
+    with pytest.raises(PackingError, match=r"row 0: document 0 holds video tokens \(id 8\)"):
+        MultimodalCollator(SPEC, 0, return_tensors="np")([_row(input_ids=[1, 8, 2, 3, 9], seq_lengths=[5])])
+
+
+def test_multimodal_collator_refuses_a_column_it_does_not_carry():
+    collator = MultimodalCollator(SPEC, 0, return_tensors="np")
+    with pytest.raises(PackingError, match=r"\['id'\], which MultimodalCollator.*leave_out=\['id'\]") as err:
+        collator([_row(id=7)])
+    assert err.value.param == "leave_out"
+    told = collator.replace(leave_out=["id"])
+    assert told.options()["leave_out"] == frozenset({"id"})
+    got, plain = told([_row(id=7)]), collator([_row()])
+    assert set(got) == set(plain) and all(np.array_equal(got[k], plain[k]) for k in got)
+
+
+# -- the Arrow loader: PackedRows / ArrowCollator ------------------------------------------------------------
+
+
+def test_packed_rows_refuses_image_columns_and_names_the_multimodal_collator():
+    import pyarrow as pa
+
+    from packtools import PaddingFreeCollator
+    from packtools.batches.loader import ArrowCollator, PackedRows
+
+    table = pa.table(
+        {
+            "input_ids": [[1, 9, 2, 3, 4]],
+            "seq_lengths": [[3, 2]],
+            "pixel_values": [[[0.0] * 6] * 4],
+            "image_grid_thw": [[[1, 2, 2]]],
+        }
+    )
+    with pytest.raises(
+        PackingError, match=r"image column\(s\) \['image_grid_thw', 'pixel_values'\].*Multimodal"
+    ):
+        PackedRows(table)
+    # an ordinary extra column: refused by name unless left out, then the batch is that of the token columns
+    ids = table.select(["input_ids", "seq_lengths"]).append_column("id", pa.array([7]))
+    with pytest.raises(PackingError, match=r"\['id'\].*PackedRows\(\.\.\., leave_out=\['id'\]\)") as err:
+        PackedRows(ids)
+    assert err.value.param == "leave_out"
+    collator = PaddingFreeCollator(0, return_tensors="np")
+    got = ArrowCollator(PackedRows(ids, leave_out=["id"]), collator)([0])
+    want = collator([{"input_ids": [1, 9, 2, 3, 4], "seq_lengths": [3, 2]}])
+    assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in got)
+
+
+def test_packed_rows_refuses_a_padding_attention_mask():
+    import pyarrow as pa
+
+    from packtools.batches.loader import PackedRows
+
+    PackedRows(pa.table({"input_ids": [[1, 2], [3]], "attention_mask": [[1, 1], [1]]}))
+    with pytest.raises(PackingError, match="'attention_mask' has values other than 1"):
+        PackedRows(pa.table({"input_ids": [[1, 2], [3, 0]], "attention_mask": [[1, 1], [1, 0]]}))
+
+
+def test_arrow_collator_refuses_a_view_column_the_batch_does_not_carry():
+    import pyarrow as pa
+
+    from packtools import PaddingFreeCollator
+    from packtools.batches.loader import ArrowCollator
+    from packtools.batches.view import PackedView
+
+    table = pa.table({"input_ids": [[1, 2], [3, 4, 5]], "token_type_ids": [[0, 0], [1, 1, 1]]})
+    view = PackedView.from_table(table, 8)
+    with pytest.raises(PackingError, match=r"\['token_type_ids'\].*leave_out=\['token_type_ids'\]"):
+        ArrowCollator(view, PaddingFreeCollator(0, return_tensors="np"))
+    told = ArrowCollator(view, PaddingFreeCollator(0, return_tensors="np", leave_out=["token_type_ids"]))
+    plain = PackedView.from_table(table.select(["input_ids"]), 8)
+    got, want = told(view.__getitems__([0])), ArrowCollator(plain, told.collator)(plain.__getitems__([0]))
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
+# -- the offline vision pipeline: pack_vision_files ------------------------------------------------------------
+
+
+def _files(tmp_path, n=12):
+    pytest.importorskip("PIL.Image")
+    from _vl_models import processor_folder
+    from test_vision_files import write_samples
+
+    return processor_folder(tmp_path / "proc"), write_samples(tmp_path / "in", n)
+
+
+def test_pack_vision_files_never_deletes_a_folder_it_did_not_write(tmp_path):
+    from packtools.pipeline.vision import pack_vision_files
+
+    proc, data = _files(tmp_path)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    with pytest.raises(PackingError, match="is not a packtools output"):
+        pack_vision_files(data, theirs, processor=proc, max_length=96)
+    assert (theirs / "notes.txt").read_text() == "mine"
+    # an output folder that holds its input: refused, the input untouched
+    with pytest.raises(PackingError, match="contains the input"):
+        pack_vision_files(data, data.parent, processor=proc, max_length=96)
+    assert data.exists() and (data.parent / "img").is_dir()
+    # a packtools output with a file added to it: not replaced by a run with another configuration
+    out = tmp_path / "out"
+    pack_vision_files(data, out, processor=proc, max_length=96)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(PackingError, match="'notes.txt', which packtools did not write"):
+        pack_vision_files(data, out, processor=proc, max_length=64)
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_pack_vision_files_fingerprints_the_whole_configuration(tmp_path):
+    import json
+
+    from packtools.pipeline.vision import pack_vision_files
+
+    proc, data = _files(tmp_path, 24)
+    out = tmp_path / "out"
+    first = pack_vision_files(data, out, processor=proc, max_length=96, block_rows=8)
+    seen = {json.loads((out / "manifest.json").read_text())["fingerprint"]}
+    for change in (
+        {"max_length": 128},
+        {"shuffle": True},
+        {"shuffle": True, "seed": 1},
+        {"shard_bytes": 1000},
+    ):
+        args = {"max_length": 96, "block_rows": 8, **change}
+        result = pack_vision_files(data, out, processor=proc, **args)
+        m = json.loads((out / "manifest.json").read_text())
+        assert m["fingerprint"] not in seen, change
+        assert all(m["config"][k] == v for k, v in change.items())
+        assert not result.cached, change
+        seen.add(m["fingerprint"])
+    assert (
+        pack_vision_files(data, out, processor=proc, max_length=128, block_rows=8).rows_out < first.rows_out
+    )
+    # the same configuration again: the output is kept as it is
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    again = pack_vision_files(data, out, processor=proc, max_length=128, block_rows=8)
+    assert again.cached and not first.cached and again.staged_blocks == 0
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+
+
+def test_stage_key_follows_the_processor_content_and_the_code(tmp_path, monkeypatch):
+    from packtools.pipeline import vision_stage
+
+    proc, data = _files(tmp_path, 2)
+    key = vision_stage.stage_key(proc, [str(data)], 8, 1176)
+    assert vision_stage.stage_key(proc, [str(data)], 8, 1176) == key
+    config = tmp_path / "proc" / "preprocessor_config.json"
+    stat = config.stat()
+    body = json.loads(config.read_text())
+    config.write_text(json.dumps({**body, "max_pixels": int(body.get("max_pixels", 1 << 20)) + 1}))
+    os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same mtime: the content decides
+    changed = vision_stage.stage_key(proc, [str(data)], 8, 1176)
+    assert changed != key
+    (tmp_path / "proc" / "model.safetensors").write_bytes(b"weights do not decide the pixels")
+    assert vision_stage.stage_key(proc, [str(data)], 8, 1176) == changed
+    monkeypatch.setattr(vision_stage, "source_hash", lambda: "other code")
+    assert vision_stage.stage_key(proc, [str(data)], 8, 1176) != changed
+    monkeypatch.undo()
+    monkeypatch.setattr(vision_stage, "_pixel_versions", lambda: {"transformers": "0"})
+    assert vision_stage.stage_key(proc, [str(data)], 8, 1176) != changed
+
+
+def test_a_damaged_staged_block_is_staged_again(tmp_path):
+    import pyarrow as pa
+
+    from packtools.pipeline import vision_stage
+
+    target = str(tmp_path / "vision-x-00000-000000.arrow")
+    table = pa.table({"input_ids": pa.array([[1, 2, 3]], pa.list_(pa.int32()))})
+    vision_stage.write_block(target, table)
+    assert vision_stage.block_damage(target) is None
+    raw = bytearray(open(target, "rb").read())
+    raw[-12] ^= 0xFF  # same size, other bytes
+    open(target, "wb").write(bytes(raw))
+    assert "checksum differs" in vision_stage.block_damage(target)
+    open(target, "wb").write(bytes(raw[:-8]))
+    assert "cut" in vision_stage.block_damage(target)
+    os.unlink(vision_stage.sidecar(target))
+    assert "no readable sidecar" in vision_stage.block_damage(target)
+
+
+KILL_AT_STAGE = """
+import os, signal, sys
+from packtools.pipeline import workspace
+from packtools.pipeline.vision import pack_vision_files
+workspace.CHECKPOINT_OBSERVERS.append(lambda name: os.kill(os.getpid(), signal.SIGKILL) if name == "stage:3" else None)
+pack_vision_files(sys.argv[1], sys.argv[2], processor=sys.argv[3], max_length=96, block_rows=8)
+"""
+
+
+@pytest.mark.slow
+def test_rerun_after_a_kill_restages_a_damaged_block(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from packtools.pipeline.vision import pack_vision_files
+
+    proc, data = _files(tmp_path, 40)
+    clean = pack_vision_files(data, tmp_path / "clean", processor=proc, max_length=96, block_rows=8)
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    args = [sys.executable, "-c", KILL_AT_STAGE, str(data), str(tmp_path / "out"), proc]
+    run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+    stage = tmp_path / ".out.packtools" / "stage"
+    blocks = sorted(stage.glob("vision-*.arrow"))
+    assert len(blocks) == 3
+    raw = bytearray(blocks[1].read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # a bit flipped inside the second block's data
+    blocks[1].write_bytes(bytes(raw))
+    again = pack_vision_files(data, tmp_path / "out", processor=proc, max_length=96, block_rows=8)
+    assert again.reused_blocks == 2 and again.staged_blocks == clean.staged_blocks
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == {
+        p.name: p.read_bytes() for p in (tmp_path / "clean").iterdir()
+    }
+
+
+def test_unknown_row_keys_are_refused_by_name(tmp_path):
+    from packtools.pipeline.vision import pack_vision_files
+
+    proc, data = _files(tmp_path, 4)
+    lines = data.read_text().splitlines()
+    row = json.loads(lines[2])
+    lines[2] = json.dumps({**row, "tools": [{"type": "function", "function": {"name": "f"}}]})
+    data.write_text("\n".join(lines) + "\n")
+    with pytest.raises(PackingError, match=r"data.jsonl:3: the row has the key\(s\) \['tools'\]") as err:
+        pack_vision_files(data, tmp_path / "out", processor=proc, max_length=96)
+    assert err.value.param == "leave_out"
+    assert not (tmp_path / "out").exists()
+    told = pack_vision_files(data, tmp_path / "out", processor=proc, max_length=96, leave_out=["tools"])
+    assert told.rows_in == 4
+
+
+def test_process_vision_dataset_refuses_other_columns_by_name(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from packtools.integrations.vision_processor import process_vision_dataset
+
+    proc, data = _files(tmp_path, 3)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    for r in rows:
+        r["images"] = [str(data.parent / p) for p in r["images"]]
+        r["id"] = "x"
+        for m in r["messages"]:  # one content type per column (Arrow)
+            if isinstance(m["content"], str):
+                m["content"] = [{"type": "text", "text": m["content"]}]
+    ds = datasets.Dataset.from_list(rows)
+    with pytest.raises(PackingError, match=r"column\(s\) \['id'\].*leave_out=\['id'\]"):
+        process_vision_dataset(ds, proc)
+    done = process_vision_dataset(ds, proc, leave_out=["id"])
+    assert "id" not in done.column_names and len(done) == 3
+
+
+# -- the CLI: pack --processor -----------------------------------------------------------------------------------
+
+TEXT_ONLY = [
+    (["--tokenizer", "tok"], "--tokenizer"),
+    (["--format", "messages"], "--format"),
+    (["--no-eos"], "--no-eos"),
+    (["--columns", "input_ids"], "--columns"),
+    (["--overlong", "drop"], "--overlong"),
+    (["--drop-unlabeled"], "--drop-unlabeled"),
+    (["--keep-unlabeled"], "--keep-unlabeled"),
+    (["--split-at", "tokens"], "--split-at"),
+    (["--plan", "shards"], "--plan"),
+    (["--part-rows", "10"], "--part-rows"),
+    (["--shard-tokens", "10"], "--shard-tokens"),
+    (["--max-prompt-length", "10"], "--max-prompt-length"),
+    (["--tokenizer-engine", "fast"], "--tokenizer-engine"),
+    (["--tokenizer-audit", "1"], "--tokenizer-audit"),
+    (["--on-unencodable", "error"], "--on-unencodable"),
+    (["--executor", "pool"], "--executor"),
+    (["--workers", "2"], "--workers"),
+    (["--num-proc", "2"], "--num-proc"),
+    (["--address", "ray://x"], "--address"),
+    (["--retries", "0"], "--retries"),
+]
+
+
+@pytest.mark.parametrize("flags, name", TEXT_ONLY, ids=[n for _, n in TEXT_ONLY])
+def test_pack_processor_refuses_text_only_options_by_name(tmp_path, capsys, monkeypatch, flags, name):
+    from packtools.cli.main import main
+    from packtools.pipeline import vision
+
+    called = []
+    monkeypatch.setattr(vision, "pack_vision_files", lambda *a, **k: called.append(1))
+    data = tmp_path / "data.jsonl"
+    data.write_text("{}\n")
+    argv = ["pack", str(data), "--out", str(tmp_path / "out"), "--processor", str(tmp_path)]
+    assert main([*argv, *flags]) != 0
+    err = capsys.readouterr().err
+    assert f"{name}: not used with --processor" in err, err
+    assert not called
+    # the options --processor reads pass the check (and reach pack_vision_files)
+    done = vision.VisionPackResult(str(tmp_path / "out"), 1, 1, 0, 5, 1, 0)
+    monkeypatch.setattr(vision, "pack_vision_files", lambda *a, **k: called.append(k) or done)
+    assert main([*argv, "--max-length", "64", "--shuffle", "--seed", "3", "--executor", "local"]) == 0
+    assert called == [{"processor": str(tmp_path), "max_length": 64, "shuffle": True, "seed": 3}]
