@@ -307,4 +307,4 @@ def test_dpo_refuses_a_vision_language_model():
 
     trainer = SimpleNamespace(model=tiny_vl("qwen2_vl"), ref_model=None)
     with pytest.raises(PackingError, match="multimodal model: packtools' padding-free DPO"):
-        trl._prepare(trainer, None, None, False, False, False)
+        trl._prepare(trainer, None, None, False, False, False, context_parallel=None)

@@ -356,19 +356,19 @@ def _prepare(
     context_parallel: int | None,
 ) -> None:
     models = [m for m in (trainer.model, trainer.ref_model) if m is not None]
+    for model in models:
+        if multimodal_parts(model):  # verified vision-language models train packed in SFT only
+            raise PackingError(
+                f"{type(_base_model(model)).__name__} is a multimodal model: packtools' padding-free DPO forwards "
+                f"carry text rows only (no pixel_values, no 3-D positions); train it unpacked with TRL's collator.",
+                param="model",
+            )
     shared = shares_prompt(train_dataset) if share is None else share
     layout = dpo_layout(trainer, context_parallel, shared)  # refuses what it cannot account for, by name
     if shared:  # the tree's own refusal, by name, before any generic probe runs
         check_tree_models(models)
     for model in models:
         check_attention_implementation(model)
-        if multimodal_parts(model):  # verified vision-language models train packed in SFT only
-            raise PackingError(
-                f"{type(_base_model(model)).__name__} is a multimodal model: packtools' padding-free DPO forwards "
-                f"carry text rows only (no pixel_values, no 3-D positions). Train preference pairs of a "
-                f"vision-language model unpacked with TRL's own collator.",
-                param="model",
-            )
     if check_isolation:  # the user's collator must keep every sequence in its own row (collator_check)
         check_preference_collator(trainer)
     with segmented_sdpa_until_checked(models, segmented_sdpa, owner=trainer) as switched:
