@@ -338,3 +338,28 @@ def test_pack_dataset_says_when_a_split_leaves_pieces_that_train_nothing():
         pack_dataset(datasets.Dataset.from_list([short, short]), 4, "bfd_split")
         trained = {"input_ids": list(range(1, 9)), "labels": list(range(1, 9))}
         pack_dataset(datasets.Dataset.from_list([trained]), 4, "bfd_split")
+
+
+@pytest.mark.parametrize("strategy", ["bfd_split", "wrapped"])
+def test_untrained_piece_count_equals_a_direct_count_in_blocks(strategy):
+    """The count reads only the rows the plan cuts, a block at a time; it equals a count piece by piece (a
+    wrapped piece's first label trains unless it starts a packed row)."""
+    from packtools.core.plan import plan
+    from packtools.integrations.drops import untrained_pieces
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 40, 500)
+    labels = [[int(x) if rng.random() < 0.2 else IGNORE_INDEX for x in range(n)] for n in lengths]
+    table = pa.table({"input_ids": [list(range(n)) for n in lengths], "labels": labels})
+    p = plan(lengths, 16, strategy)
+    firsts = set(np.asarray(p.row_offsets[:-1]).tolist())
+    pieces = empty = 0
+    for s, (src, start, n) in enumerate(zip(p.seg_source, p.seg_start, p.seg_length)):
+        lab = labels[src]
+        if n >= lengths[src] or all(x == IGNORE_INDEX for x in lab[1:]):
+            continue
+        pieces += 1
+        skip = 1 if strategy == "bfd_split" or s in firsts else 0
+        empty += all(x == IGNORE_INDEX for x in lab[start + skip : start + n])
+    assert untrained_pieces(table, None, p) == untrained_pieces(table, None, p, block_rows=7)
+    assert untrained_pieces(table, None, p) == (pieces, empty, "labels") and empty > 0

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 
 class TokensDroppedWarning(UserWarning):
@@ -122,11 +123,14 @@ class UntrainedPiecesWarning(UserWarning):
 _TRAINED_BY = {"labels": ("ignore", -100), "completion_mask": ("keep", 1), "assistant_masks": ("keep", 1)}
 
 
-def untrained_pieces(table: Any, indices: Any, plan: Any) -> tuple[int, int, str] | None:
+def untrained_pieces(
+    table: Any, indices: Any, plan: Any, block_rows: int = 1 << 14
+) -> tuple[int, int, str] | None:
     """``(pieces cut from sequences that train, of them holding no trained token, the column read)`` for a
     ``bfd_split`` / ``wrapped`` plan over ``table`` (``indices``: the dataset's row order, or None); None when
-    the table has no label-like column.  A piece's first token never trains (each sequence's first label is
-    masked in a padding-free batch).
+    the table has no label-like column.  Only the rows the plan cuts are read, ``block_rows`` at a time (memory
+    follows one block, not the table).  A piece's first label does not train where it starts a sequence of the
+    padding-free batch (``bfd_split``: every piece; ``wrapped``: a piece that starts a packed row).
 
     >>> import pyarrow as pa
     >>> from packtools.core.plan import plan
@@ -140,24 +144,36 @@ def untrained_pieces(table: Any, indices: Any, plan: Any) -> tuple[int, int, str
     if name is None:
         return None
     col = table.column(name)
-    values = np.asarray(pc.list_flatten(col).to_numpy(zero_copy_only=False))
     row_len = np.asarray(pc.list_value_length(col).to_numpy(zero_copy_only=False), np.int64)
-    how, mark = _TRAINED_BY[name]
-    trained = values != mark if how == "ignore" else values == mark
-    csum = np.concatenate([[0], np.cumsum(trained, dtype=np.int64)])
-    row_start = np.concatenate([[0], np.cumsum(row_len)])
     src = np.asarray(plan.seg_source, np.int64)
     rows = np.asarray(indices, np.int64)[src] if indices is not None else src
-    start = row_start[rows] + np.asarray(plan.seg_start, np.int64)
     length = np.asarray(plan.seg_length, np.int64)
-    first = np.minimum(start + 1, start + length)
-    piece = csum[start + length] - csum[first]
-    whole = (
-        csum[row_start[rows] + row_len[rows]]
-        - csum[np.minimum(row_start[rows] + 1, row_start[rows] + row_len[rows])]
-    )
-    cut = (length < row_len[rows]) & (whole > 0)
-    return int(cut.sum()), int((cut & (piece == 0)).sum()), name
+    cut = np.flatnonzero(length < row_len[rows])  # the segments that are pieces of a longer sequence
+    if cut.size == 0:
+        return 0, 0, name
+    masked_first = np.ones(src.shape[0], bool)
+    if plan.strategy == "wrapped":  # only a packed row's first token starts a sequence
+        masked_first[:] = False
+        masked_first[np.asarray(plan.row_offsets[:-1], np.int64)] = True
+    how, mark = _TRAINED_BY[name]
+    cut_rows = np.unique(rows[cut])
+    pieces = empty = 0
+    for lo in range(0, cut_rows.size, block_rows):
+        block = cut_rows[lo : lo + block_rows]
+        values = np.asarray(pc.list_flatten(col.take(pa.array(block))).to_numpy(zero_copy_only=False))
+        trained = values != mark if how == "ignore" else values == mark
+        csum = np.concatenate([[0], np.cumsum(trained, dtype=np.int64)])
+        starts = np.concatenate([[0], np.cumsum(row_len[block])])
+        segs = cut[np.isin(rows[cut], block)]
+        where = np.searchsorted(block, rows[segs])
+        begin = starts[where] + np.asarray(plan.seg_start, np.int64)[segs]
+        end = begin + length[segs]
+        piece = csum[end] - csum[np.minimum(begin + masked_first[segs], end)]
+        whole = csum[starts[where + 1]] - csum[np.minimum(starts[where] + 1, starts[where + 1])]
+        trains = whole > 0
+        pieces += int(trains.sum())
+        empty += int((trains & (piece == 0)).sum())
+    return pieces, empty, name
 
 
 def warn_untrained(counts: tuple[int, int, str] | None, what: str, stacklevel: int = 2) -> None:
