@@ -211,3 +211,39 @@ def test_evaluation_under_cp_is_refused_by_name(tmp_path):
     prepare_context_parallel(scheduled_none, layout)
     with pytest.raises(PackingError, match="evaluation under context_parallel"):
         scheduled_none.evaluate()
+
+
+def test_losses_the_cp_loss_would_leave_out_are_refused_by_name(tmp_path):
+    """The CP loss is the shards' token loss: label smoothing, a loss function of the user's own and a MoE router
+    loss would be dropped from it silently; each is refused by name."""
+    import datasets
+    import transformers
+
+    from packtools.errors import PackingError
+    from packtools.integrations.cp_trainer import check_cp_trainer
+    from packtools.integrations.parallel_layout import RankLayout
+
+    rows = datasets.Dataset.from_list([{"input_ids": list(range(2, 14)), "seq_lengths": [5, 7]}])
+    layout = RankLayout(dp_rank=0, dp_size=1, cp_size=2)
+
+    def trainer(model=None, **args):
+        return transformers.Trainer(
+            model or tiny_llama_fp32(),
+            transformers.TrainingArguments(str(tmp_path), report_to=[], use_cpu=True, **args),
+            train_dataset=rows,
+            data_collator=PaddingFreeCollator(0),
+        )
+
+    check_cp_trainer(trainer(), layout)  # the plain case passes
+    with pytest.raises(PackingError, match="label_smoothing_factor"):
+        check_cp_trainer(trainer(label_smoothing_factor=0.1), layout)
+    own = trainer()
+    own.compute_loss_func = lambda outputs, labels, num_items_in_batch=None: outputs.logits.sum()
+    with pytest.raises(PackingError, match="compute_loss_func of your own"):
+        check_cp_trainer(own, layout)
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=2, output_router_logits=True,
+    )  # fmt: skip
+    with pytest.raises(PackingError, match="MoE router loss"):
+        check_cp_trainer(trainer(transformers.MixtralForCausalLM(config)), layout)

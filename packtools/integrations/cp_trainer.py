@@ -72,7 +72,7 @@ def cp_group(layout: RankLayout) -> Any:
     return mine
 
 
-_NO_EVAL = (
+NO_EVAL = (
     "evaluation under context_parallel is not handled by packtools: Trainer's evaluation loader gives the ranks "
     "of a CP group different rows, which packtools_cp would attend across as one row. Evaluate without "
     "context_parallel (eval_strategy='no' here; the saved model in a one-process or data-parallel run, e.g. "
@@ -106,7 +106,24 @@ def check_cp_trainer(trainer: Any, layout: RankLayout) -> None:
     strategy = str(getattr(strategy, "value", strategy))
     if strategy != "no":
         why = f" (TrainingArguments(eval_strategy={strategy!r}) schedules it)"
-        raise PackingError(_NO_EVAL + why, param="eval_strategy")
+        raise PackingError(NO_EVAL + why, param="eval_strategy")
+    from .sft import causal_lm_loss
+
+    config = getattr(getattr(trainer.model, "config", None), "get_text_config", lambda: None)()
+    other_loss = [  # the CP loss is the shards' token loss: anything else in the loss would be dropped
+        "label_smoothing_factor > 0 (Trainer's label smoother)" if trainer.label_smoother is not None else "",
+        "a compute_loss_func of your own" if trainer.compute_loss_func not in (None, causal_lm_loss) else "",
+        "a MoE router loss (output_router_logits with router_aux_loss_coef)"
+        if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0)
+        else "",
+    ]
+    if any(other_loss):
+        raise PackingError(
+            f"context_parallel computes the loss as the token loss of the shards, so "
+            f"{'; '.join(w for w in other_loss if w)} would be left out of it. Drop it, or train without "
+            f"context_parallel.",
+            param="context_parallel",
+        )
     collator = trainer.data_collator
     if not callable(getattr(collator, "replace", None)) or not getattr(collator, "padding_free", False):
         raise PackingError(
@@ -176,7 +193,7 @@ def prepare_context_parallel(trainer: Any, layout: RankLayout) -> None:
         return compute_loss
 
     def refuse_eval(*args: Any, **kwargs: Any) -> Any:
-        raise PackingError(_NO_EVAL + ".", param="eval_dataset")
+        raise PackingError(NO_EVAL + ".", param="eval_dataset")
 
     wrap_method(trainer, "get_batch_samples", make_batches)
     wrap_method(trainer, "compute_loss", make_loss)

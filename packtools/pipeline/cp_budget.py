@@ -19,7 +19,8 @@ What it asks of the options (refused by name otherwise):
 * ``strategy`` ``bfd`` or ``bfd_split``: ``wrapped`` cuts one stream into full rows; under CP every piece it
   cuts becomes a document padded on its own, so its rows would no longer be full (use ``bfd_split``, which
   keeps every token too);
-* not preference data (:mod:`packtools.pipeline.run` refuses it: ``prepare_dpo_trainer`` has no CP).
+* not preference data (:mod:`packtools.pipeline.run` refuses it: pair rows are not budgeted offline;
+  ``prepare_dpo_trainer(..., context_parallel=N)`` pads them at batch time).
 
 Rows packed for ``K > 1`` fit every ``N`` dividing ``K`` (a multiple of ``2K`` is one of ``2N``); for another ``N`` the
 collator given ``max_length`` refuses a row that does not fit, by row

@@ -242,10 +242,11 @@ def _inputs(
             param="strategy",
         )
     if fmt == "preference" and config.context_parallel > 1:
-        raise PackingError(  # prepare_dpo_trainer refuses context parallelism: a CP pair layout has no trainer
-            f"context_parallel={config.context_parallel} does not apply to preference data: packtools trains "
-            f"preference pairs without context parallelism (prepare_dpo_trainer refuses it). Pack with "
-            f"context_parallel=1.",
+        raise PackingError(  # pair rows are not CP-budgeted offline; prepare_dpo_trainer pads them at batch time
+            f"context_parallel={config.context_parallel} does not apply to preference data when packing: pair rows "
+            f"are not budgeted for CP padding offline. Pack with context_parallel=1 and train with "
+            f"prepare_dpo_trainer(trainer, train_dataset=packed, context_parallel={config.context_parallel}), "
+            f"which pads each sequence at batch time.",
             param="context_parallel",
         )
     if fmt == "tokenized":
