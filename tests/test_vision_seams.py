@@ -193,6 +193,8 @@ def test_stage_key_follows_the_processor_content_and_the_code(tmp_path, monkeypa
     assert changed != key
     (tmp_path / "proc" / "model.safetensors").write_bytes(b"weights do not decide the pixels")
     assert vision_stage.stage_key(proc, [str(data)], 8, 1176) == changed
+    # a block staged with a row key left out is never reused by a run that would refuse that key
+    assert vision_stage.stage_key(proc, [str(data)], 8, 1176, ["tools"]) != changed
     monkeypatch.setattr(vision_stage, "source_hash", lambda: "other code")
     assert vision_stage.stage_key(proc, [str(data)], 8, 1176) != changed
     monkeypatch.undo()

@@ -158,7 +158,7 @@ def pack_vision_files(
         * int(vp.image_processor.patch_size) ** 2
     )
     schema = schema_of(dim)
-    key = stage_key(vp.path, paths, block_rows, dim)
+    key = stage_key(vp.path, paths, block_rows, dim, sorted(leave))
     config = {
         "kind": "vision",
         "max_length": max_length,

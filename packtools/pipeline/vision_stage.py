@@ -87,10 +87,14 @@ def _pixel_versions() -> dict[str, str]:
     return out
 
 
-def stage_key(processor_dir: str, paths: Sequence[str], block_rows: int, dim: int) -> str:
+def stage_key(
+    processor_dir: str, paths: Sequence[str], block_rows: int, dim: int, leave_out: Sequence[str] = ()
+) -> str:
     """The key of staged blocks (16 hex digits): what decides a block's bytes, namely the processor folder's
     content, packtools' sources, the versions of the libraries that build ids and pixels, the inputs (path,
-    size, mtime), ``block_rows`` and the patch width.  A block staged under another key is never reused."""
+    size, mtime), ``block_rows`` and the patch width, and the row keys it was allowed to leave out (a block
+    staged past a refusal is never reused by a run that would refuse).  A block staged under another key is
+    never reused."""
     body = {
         "kind": "vision-stage",
         "format": STAGE_FORMAT,
@@ -101,6 +105,7 @@ def stage_key(processor_dir: str, paths: Sequence[str], block_rows: int, dim: in
         "inputs": [_input_key(p) for p in paths],
         "block_rows": block_rows,
         "dim": dim,
+        "leave_out": sorted(leave_out),
     }
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
