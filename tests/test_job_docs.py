@@ -52,19 +52,25 @@ def test_multi_gpu_page_runs_under_accelerate_launch_on_two_cpu_processes(tmp_pa
     script.write_text(blocks("multi-gpu.md")[0])
     import socket
 
-    with socket.socket() as sock:  # a free port: another launch (a parallel test run) may hold the default
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    config = blocks("multi-gpu.md", "yaml")[0].replace("num_processes: 8", "num_processes: 2")
-    config += f"use_cpu: true\nmain_process_port: {port}\n"
-    assert "distributed_type: MULTI_GPU" in config
-    (tmp_path / "accelerate.yaml").write_text(config)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    run = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "accelerate.yaml"),
-         str(script), str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
-    )  # fmt: skip
+    # Known flake, not packtools': on the 2-core CI machine a gloo worker sometimes dies with SIGABRT
+    # ("terminate called without an active exception", torch's C++ side) in this launch; seen in 3 of ~10 runs
+    # of the whole slow set, never alone. One more launch then; a second failure fails the test.
+    for _attempt in range(2):
+        with socket.socket() as sock:  # a free port: another launch (a parallel test run) may hold the default
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        config = blocks("multi-gpu.md", "yaml")[0].replace("num_processes: 8", "num_processes: 2")
+        config += f"use_cpu: true\nmain_process_port: {port}\n"
+        assert "distributed_type: MULTI_GPU" in config
+        (tmp_path / "accelerate.yaml").write_text(config)
+        run = subprocess.run(
+            [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "accelerate.yaml"),
+             str(script), str(tmp_path / "out")],
+            capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
+        )  # fmt: skip
+        if run.returncode == 0 or "terminate called without an active exception" not in run.stderr:
+            break
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = sorted(line for line in run.stdout.splitlines() if line.startswith("rank "))
     assert [r.split()[1] for r in ranks] == ["0", "1"], run.stdout
