@@ -57,7 +57,9 @@ def test_multi_gpu_page_runs_under_accelerate_launch_on_two_cpu_processes(tmp_pa
     # ("terminate called without an active exception", torch's C++ side) in this launch; seen in 3 of ~10 runs
     # of the whole slow set, never alone. One more launch then; a second failure fails the test.
     for _attempt in range(2):
-        with socket.socket() as sock:  # a free port: another launch (a parallel test run) may hold the default
+        with (
+            socket.socket() as sock
+        ):  # a free port: another launch (a parallel test run) may hold the default
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         config = blocks("multi-gpu.md", "yaml")[0].replace("num_processes: 8", "num_processes: 2")
