@@ -308,7 +308,13 @@ def test_prepare_trainer_holds_a_packed_folder_to_its_max_length(corpus):
     assert at2.max_length == MAX
     for i in range(0, len(rows), 8):
         at2(rows[i : i + 8])  # every batch of rows packed for 2 is cut at 2
-    at4 = cp_collator(trainer, RankLayout(0, 1, cp_rank=0, cp_size=4))
+    # at 4: refused when the trainer is prepared (every row checked once, from seq_lengths), not mid-run ...
+    with pytest.raises(PackingError, match=r"row \d+ .*once padded for context_parallel=4"):
+        cp_collator(trainer, RankLayout(0, 1, cp_rank=0, cp_size=4))
+    # ... and a collator given the max_length refuses such a batch too
+    from packtools.batches.context_parallel import ContextParallelCollator
+
+    at4 = ContextParallelCollator(PaddingFreeCollator(0), 4, 0, max_length=MAX)
     with pytest.raises(PackingError, match="once padded for context_parallel=4"):
         for i in range(0, len(rows), 8):
             at4(rows[i : i + 8])

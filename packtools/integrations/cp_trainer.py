@@ -34,6 +34,7 @@ from typing import Any
 
 from .._optional import require
 from ..batches.context_parallel import ContextParallelCollator
+from ..constants import SEQ_LENGTHS
 from ..errors import PackingError
 from ..io.manifest import read_manifest
 from .compat import set_attr
@@ -150,8 +151,33 @@ def cp_collator(trainer: Any, layout: RankLayout) -> ContextParallelCollator:
     rows are held to the folder's ``max_length`` once padded for ``layout.cp_size``: rows packed for this CP size
     (or a multiple of it) fit, others fit or are refused by row, never trained over ``max_length`` silently
     (:func:`~packtools.batches.context_parallel.check_rows_fit`)."""
-    limit = packed_max_length(getattr(trainer, "train_dataset", None))
+    dataset = getattr(trainer, "train_dataset", None)
+    limit = packed_max_length(dataset)
+    if limit is not None:  # every row checked now, before training, not when a batch first reaches it
+        _check_all_rows_fit(dataset, layout.cp_size, limit)
     return ContextParallelCollator(trainer.data_collator, layout.cp_size, layout.cp_rank, max_length=limit)
+
+
+def _check_all_rows_fit(dataset: Any, cp_size: int, limit: int) -> None:
+    """:func:`~packtools.batches.context_parallel.check_rows_fit` on every row of a packed ``datasets.Dataset``
+    at once (its ``seq_lengths`` offsets and values only), naming the first row that does not fit."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    from ..batches.context_parallel import check_rows_fit, cp_padded_lengths
+
+    table = getattr(getattr(dataset, "data", None), "table", None)
+    if table is None or SEQ_LENGTHS not in table.column_names:
+        return
+    column = table.column(SEQ_LENGTHS)
+    docs = np.asarray(pc.list_flatten(column).to_numpy(zero_copy_only=False), np.int64)
+    counts = np.asarray(pc.list_value_length(column).to_numpy(zero_copy_only=False), np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    padded = np.add.reduceat(np.append(cp_padded_lengths(docs, cp_size), 0), starts[:-1]) * (counts > 0)
+    over = np.flatnonzero(padded > limit)
+    if over.size:
+        row = int(over[0])
+        check_rows_fit([docs[starts[row] : starts[row + 1]]], cp_size, limit, first_row=row)
 
 
 def prepare_context_parallel(trainer: Any, layout: RankLayout) -> None:
