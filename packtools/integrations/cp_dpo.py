@@ -36,7 +36,7 @@ from ..batches.context_parallel import CP_KEY, shard_row
 from ..errors import PackingError
 from .compat import set_attr
 from .cp_attention import use_cp_attention
-from .cp_trainer import NO_EVAL, cp_group
+from .cp_trainer import cp_group, refuse_evaluation
 from .cp_training import sum_over_group
 from .dpo_calls import PER_TOKEN
 from .parallel_layout import RankLayout, rank_layout
@@ -187,8 +187,4 @@ def prepare_dpo_context_parallel(trainer: Any, layout: RankLayout, models: list[
     for model in models:
         use_cp_attention(model, group, owner=trainer)
         set_attr(base_of(model), CP_FORWARD, forward, owner=trainer)
-
-    def refuse_eval(*args: Any, **kwargs: Any) -> Any:  # refused before any rank waits on a peer's batch
-        raise PackingError(NO_EVAL + ".", param="eval_dataset")
-
-    set_attr(trainer, "get_eval_dataloader", refuse_eval, owner=trainer)
+    refuse_evaluation(trainer)

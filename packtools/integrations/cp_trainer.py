@@ -218,9 +218,16 @@ def prepare_context_parallel(trainer: Any, layout: RankLayout) -> None:
 
         return compute_loss
 
+    wrap_method(trainer, "get_batch_samples", make_batches)
+    wrap_method(trainer, "compute_loss", make_loss)
+    refuse_evaluation(trainer)
+
+
+def refuse_evaluation(trainer: Any) -> None:
+    """Make ``trainer.get_eval_dataloader`` refuse by name (recorded on the trainer): under CP its loader would
+    give the ranks of a group different rows, and a rank would wait on a peer's batch."""
+
     def refuse_eval(*args: Any, **kwargs: Any) -> Any:
         raise PackingError(NO_EVAL + ".", param="eval_dataset")
 
-    wrap_method(trainer, "get_batch_samples", make_batches)
-    wrap_method(trainer, "compute_loss", make_loss)
     set_attr(trainer, "get_eval_dataloader", refuse_eval, owner=trainer)
