@@ -3,7 +3,10 @@
 - Tokens transformers adds from ``added_tokens.json`` or ``tokenizer_config.json``'s ``added_tokens_decoder``
   but tokenizer.json lacks: every engine choice gives ``AutoTokenizer``'s ids, on the first run and the second.
 - The fast engine's derived copy of tokenizer.json (``"a b"`` merges) is checked by content before it is
-  loaded; a damaged copy is removed, never trusted, and the reference never loads it.
+  loaded; a damaged copy is removed, never trusted.  The reference loads it only where the run that checked
+  tokenizer.json against transformers found the copy identical to it (their serialized states equal), with the
+  SHA-256 it was found with: a copy rewritten since (its own ``.sha256`` rewritten too) or one that was not
+  identical is never the reference.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import pytest
 from _pipeline_data import CORPUS, EOS, build_tokenizer, load
 
 from packtools import pack_files
-from packtools.pipeline import fast_tokenize
+from packtools.pipeline import fast_tokenize, reference, tokenizer_load
+from packtools.pipeline.tokenize import BatchTokenizer
+from packtools.pipeline.tokenizer_dir import file_sha256
 
 needs_engine = pytest.mark.skipif(fast_tokenize.engine_version() is None, reason="fastokens not installed")
 
@@ -139,3 +144,71 @@ def test_a_damaged_fast_engine_copy_is_not_loaded(tmp_path):
         not os.path.exists(copies[0])
         or json.load(open(copies[0]))["model"]["merges"][0] != spec["model"]["merges"][0]
     )
+
+
+def _copy(cache) -> str:
+    copies = glob.glob(os.path.join(str(cache), "fast-engine", "*.json"))
+    assert len(copies) == 1
+    return copies[0]
+
+
+@needs_engine
+def test_the_reference_loads_the_copy_only_as_recorded_identical(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(cache))
+    tok = build_tokenizer(str(tmp_path / "tok"))
+    texts = [CORPUS[i % 5] + f" {i}" for i in range(40)]
+    first = BatchTokenizer(tok, "text")  # transformers, records both verdicts
+    assert first.reference_source == "transformers"
+    second = BatchTokenizer(tok, "text")
+    assert second.reference_source == "copy"  # the recorded identical copy, checked by SHA-256
+    want = load(tok)(texts)["input_ids"]
+    assert [e.ids for e in second.backend.encode_batch(texts)] == want
+    # rewritten since it was found identical, with a matching .sha256 of its own: tokenizer.json is loaded
+    copy = _copy(cache)
+    spec = json.load(open(copy))
+    spec["model"]["merges"] = spec["model"]["merges"][1:]
+    json.dump(spec, open(copy, "w"), ensure_ascii=False)
+    open(copy + ".sha256", "w").write(file_sha256(copy))
+    third = BatchTokenizer(tok, "text", engine="auto")
+    assert third.reference_source == "tokenizer.json"
+    assert [e.ids for e in third.backend.encode_batch(texts)] == want
+
+
+@needs_engine
+def test_a_copy_that_is_not_identical_is_recorded_so_and_removed(tmp_path, monkeypatch):
+    """A fault in the writing of the copy (one merge dropped) is found by the whole-state comparison."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(cache))
+    real = tokenizer_load.write_compact
+
+    def faulty(path, spec):
+        model = dict(spec["model"], merges=spec["model"]["merges"][1:])
+        return real(path, dict(spec, model=model))
+
+    monkeypatch.setattr(tokenizer_load, "write_compact", faulty)
+    tok = build_tokenizer(str(tmp_path / "tok"))
+    BatchTokenizer(tok, "text")
+    assert glob.glob(os.path.join(str(cache), "fast-engine", "*.json")) == []  # removed
+    verdicts = [json.load(open(p)) for p in glob.glob(os.path.join(str(cache), "reference", "*.json"))]
+    assert sorted(str(v.get("identical")) for v in verdicts) == [
+        "False",
+        "None",
+    ]  # the copy's, tokenizer.json's
+    assert BatchTokenizer(tok, "text").reference_source == "tokenizer.json"
+
+
+def test_record_copy_compares_whole_states(tmp_path, monkeypatch):
+    """Negative control of the comparison itself: a copy with one added token more is not identical."""
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    tok = build_tokenizer(str(tmp_path / "tok"))
+    lite = reference.LiteReference(tok)
+    spec = json.load(open(os.path.join(tok, "tokenizer.json")))
+    same = tmp_path / "same.json"
+    json.dump(spec, open(same, "w"))
+    assert reference.record_copy("f" * 64, lite, str(same)) is True
+    spec["added_tokens"].append(dict(spec["added_tokens"][0], id=len(spec["model"]["vocab"]) + 50,
+                                     content="<new>"))  # fmt: skip
+    other = tmp_path / "other.json"
+    json.dump(spec, open(other, "w"))
+    assert reference.record_copy("e" * 64, lite, str(other)) is False and not other.exists()
