@@ -7,12 +7,13 @@ Usage::
     python benchmarks/bench_verdict.py --baseline-tree /tmp/base --docs 20000 --repeat 3
     python benchmarks/bench_verdict.py --baseline-tree /tmp/base --profile-then-pack   # adoption from the cache
     python benchmarks/bench_verdict.py --baseline-tree /tmp/base --chat --docs 50000  # chat conversations
+    python benchmarks/bench_verdict.py --baseline-tree /tmp/base --vocab llama3 --docs 650000   # 1 GB, Llama 3
 
 Each case is a fresh ``python -m packtools.cli pack`` process (``PYTHONPATH`` = the tree), with its own empty
 ``$PACKTOOLS_STAGE_CACHE`` and a ``$PACKTOOLS_CACHE_DIR`` warmed by one run first (recorded verdicts, as in a
 user's second run); the wall time of the whole process is taken, best of ``--repeat``, and the ratio
 this/baseline printed.  Data: the demo's standard-library pieces as JSONL ``{"text": ...}``; the tokenizer a
-byte-level BPE trained locally (``benchmarks/bench_tokenize.py``'s).
+byte-level BPE trained locally, or a real vocabulary with ``--vocab`` (``benchmarks/bench_tokenize.py``'s).
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ import time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _data(folder: str, docs: int, kind: str = "text") -> tuple[str, str]:
+def _data(folder: str, docs: int, kind: str = "text", vocab: str = "bpe32k") -> tuple[str, str]:
     sys.path.insert(0, os.path.join(HERE, "benchmarks"))
     sys.path.insert(0, HERE)
-    import bench_tokenize as bt  # the same corpus and tokenizer as the tokenize benchmark
+    import bench_tokenize as bt  # the same corpus and tokenizers as the tokenize benchmark
 
-    made = bt.make_data(folder, docs)
+    made = bt.make_data(folder, docs, vocab)
     return made[kind], made["tokenizer"]
 
 
@@ -59,10 +60,11 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--profile-then-pack", action="store_true", help="time pack after a profile (adoption)")
     ap.add_argument("--chat", action="store_true", help="chat rows (messages) instead of raw text")
+    ap.add_argument("--vocab", default="bpe32k", help="bench_tokenize.py's vocabularies: bpe32k, llama3, qwen3, ...")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="bench-verdict-")
     try:
-        src, tok = _data(work, args.docs, "chat" if args.chat else "text")
+        src, tok = _data(work, args.docs, "chat" if args.chat else "text", args.vocab)
         size = os.path.getsize(src) / 1e6
         trees = {"this": HERE, "baseline": os.path.abspath(args.baseline_tree)}
         best = {name: float("inf") for name in trees}
