@@ -141,7 +141,9 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> Choice:
                 param="tokenizer_engine",
             )
         return Choice(
-            fast_engine.EngineReport("transformers", why, requested), recorded=recorded is not None, source=source
+            fast_engine.EngineReport("transformers", why, requested),
+            recorded=recorded is not None,
+            source=source,
         )
 
     if requested == "transformers":

@@ -131,7 +131,7 @@ class BatchTokenizer:
         self._pending: tokenizer_load.FastLoad | None = None  # the fast engine still loading (take_pending)
         self._reference_batch_done = False  # the one batch the reference tokenizes while the engine loads
         self.proof_recorded = False  # the adversarial set's verdict was a recorded one (proof_cache)
-        self.fast_source: str | None = None  # the file the fast engine loads: "compact" copy or tokenizer.json
+        self.fast_source: str | None = None  # what the fast engine loads: "compact" copy or "tokenizer.json"
         self.proof = Proof(audit_rate)
         self.chat_seconds = {"render": 0.0, "encode": 0.0, "masks": 0.0}  # the fast chat path's time, by step
         self.drops = (
