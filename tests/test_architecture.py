@@ -339,3 +339,63 @@ def test_compat_sits_below_the_layers_that_read_through_it(tmp_path, monkeypatch
         pathlib.Path, "read_text", lambda self: source2 if self == core else open(self).read()
     )
     assert any("compat" in v for v in violations(core))
+
+
+# -- one owner per decision ------------------------------------------------------------------------------
+#: the tokenizer engine's state (issue 29): only BatchTokenizer's own methods assign it; other modules call its
+#: transitions (choose/adopt at load, take_pending, a part's verdict, the fallback) and read fast/report/pending
+ENGINE_STATE = {
+    "fast",
+    "report",
+    "pending",
+    "_fast",
+    "_report",
+    "_pending",
+    "_loaded",
+    "_fast_load",
+    "fast_source",
+    "proof_recorded",
+    "_reference_batch_done",
+}
+ENGINE_OWNER = ("pipeline/tokenize.py", "BatchTokenizer")
+
+
+def engine_state_assignments() -> list[str]:
+    """``module:line attr`` of every assignment to the engine's state outside its owner's own methods."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        todo: list[tuple[ast.AST, str | None]] = [(parse(path.read_text()), None)]
+        while todo:
+            node, cls = todo.pop()
+            for child in ast.iter_child_nodes(node):
+                todo.append((child, child.name if isinstance(child, ast.ClassDef) else cls))
+                if isinstance(child, ast.Assign):
+                    targets = child.targets
+                elif isinstance(child, (ast.AnnAssign, ast.AugAssign)):
+                    targets = [child.target]
+                else:
+                    continue
+                flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+                for t in flat:
+                    if not isinstance(t, ast.Attribute) or t.attr not in ENGINE_STATE:
+                        continue
+                    own = (
+                        isinstance(t.value, ast.Name) and t.value.id == "self" and (rel, cls) == ENGINE_OWNER
+                    )
+                    if not own:
+                        found.append(f"{rel}:{t.lineno} {ast.unparse(t)}")
+    return sorted(found)
+
+
+def test_the_engine_state_is_assigned_by_its_owner_only():
+    assert engine_state_assignments() == [], (
+        "call BatchTokenizer's transitions instead of assigning its state"
+    )
+
+
+def test_the_check_catches_an_engine_state_assignment(monkeypatch):
+    fake = ROOT / "pipeline" / "engine_proof.py"
+    source = fake.read_text() + "\n\ndef _bad(bt):\n    bt.fast = None\n    bt._loaded, x = (None, None), 1\n"
+    monkeypatch.setattr(pathlib.Path, "read_text", lambda self: source if self == fake else open(self).read())
+    assert [f.split(" ", 1)[1] for f in engine_state_assignments()] == ["bt.fast", "bt._loaded"]

@@ -27,6 +27,7 @@ from packtools.pipeline.engine_proof import Proof
 from packtools.pipeline.spec import IdsSpec
 from packtools.pipeline.stage import StageJob, stage_key, stage_part
 from packtools.pipeline.tokenize import BatchTokenizer
+from packtools.pipeline.tokenizer_dir import tokenizer_fingerprint
 
 needs_engine = pytest.mark.skipif(fast_tokenize.engine_version() is None, reason="needs packtools[fast]")
 
@@ -291,7 +292,8 @@ def test_engine_and_version_are_in_the_fingerprint_and_stage_keys(tok_bl, tmp_pa
 
 def test_a_reused_part_keeps_its_tokenizer_report(tok_bl, tmp_path):
     src = _jsonl(tmp_path / "d.jsonl", [{"text": t} for t in CORPUS[:10]])
-    job = StageJob(Part(discover([src])[0]), "text", ("input_ids",), ("int32",), tok_bl, True,
+    ids = IdsSpec.of(tokenizer_fingerprint(tok_bl), "text", True, "auto", "report", 0.001)
+    job = StageJob(Part(discover([src])[0]), ids, ("input_ids",), ("int32",), tok_bl,
                    str(tmp_path / "s.arrow"), str(tmp_path / "s.npz"))  # fmt: skip
     done = stage_part(job)
     reused = stage_part(job)

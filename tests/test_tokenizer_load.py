@@ -13,6 +13,7 @@ import pytest
 from _pipeline_data import CORPUS, build_tokenizer, hold_fast_engine_load
 
 from packtools.pipeline import adversarial, fast_tokenize, proof_cache, tokenizer_load
+from packtools.pipeline.spec import IdsSpec
 from packtools.pipeline.tokenize import BatchTokenizer
 from packtools.pipeline.tokenizer_dir import tokenizer_fingerprint
 
@@ -223,12 +224,13 @@ def test_the_pipeline_tokenizer_follows_the_input_size_class(tok, monkeypatch):
     monkeypatch.setattr(stage, "_TOKENIZERS", {})
     BatchTokenizer(tok, "text")  # records the verdicts
     monkeypatch.setattr(tokenizer_load, "OVERLAP_MIN_BYTES", 0)
-    small = stage.preload_tokenizer(tok, "text", True, input_bytes=10)
-    assert small.small_input == 10 and stage.preload_tokenizer(tok, "text", True) is small
-    large = stage.preload_tokenizer(tok, "text", True, input_bytes=tokenizer_load.SMALL_INPUT_BYTES + 1)
+    ids = IdsSpec.of(tokenizer_fingerprint(tok), "text", True, "auto", "report", 0.001)
+    small = stage.preload_tokenizer(tok, ids, input_bytes=10)
+    assert small.small_input == 10 and stage.preload_tokenizer(tok, ids) is small
+    large = stage.preload_tokenizer(tok, ids, input_bytes=tokenizer_load.SMALL_INPUT_BYTES + 1)
     assert large is not small and large.small_input is None
     assert large.report.engine.startswith("fastokens")
-    assert stage.preload_tokenizer(tok, "text", True) is large
+    assert stage.preload_tokenizer(tok, ids) is large
 
 
 def test_the_fingerprint_is_taken_once_per_process_and_follows_every_write(tok):

@@ -35,7 +35,7 @@ from ..core import ragged
 from ..core.ragged import Ragged
 from ..errors import PackingError
 from ..io.json_cells import cells
-from . import adversarial, chat_labels, engine_proof, proof_cache
+from . import adversarial, chat_labels, proof_cache
 from . import fast_tokenize as fast_engine
 from .chat_render import ChatRenderer, read_settings
 from .chat_values import TYPED_CONVERSATIONS, TYPED_TOOLS, clean_messages, plain_value, render_difference
@@ -277,7 +277,7 @@ class ChatTokens:
             rows = [i for i, c in enumerate(convs) for _ in c]
             bt.drops.scan([c if isinstance(c, str) else "" for c in contents], lambda k: where(rows[k]))
         if bt.pending is not None:
-            engine_proof.take_pending(bt)  # the reference labels the first batch while the engine loads
+            bt.take_pending()  # the reference labels the first batch while the engine loads
         if bt.fast is None:
             return self.reference(convs, where, rendered)
         if rendered is None:

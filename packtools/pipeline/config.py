@@ -107,6 +107,14 @@ class PipelineConfig:
             if getattr(self, name) < 1:
                 raise PackingError(f"{name} must be >= 1, got {getattr(self, name)}.", param=name)
 
+    def ids(self, fmt: str, tokenizer_fp: str | None) -> IdsSpec:
+        """What decides the ids of this run on ``fmt`` data with the tokenizer whose files hash to
+        ``tokenizer_fp`` (:class:`~packtools.pipeline.spec.IdsSpec`): built once by the driver, handed to
+        every stage job."""
+        return IdsSpec.of(
+            tokenizer_fp, fmt, self.add_eos, self.tokenizer_engine, self.on_unencodable, self.tokenizer_audit
+        )
+
     @property
     def overlong_policy(self) -> str:
         """``overlong`` or its default: ``truncate`` for bfd, ``split`` for bfd_split and wrapped."""
@@ -137,14 +145,7 @@ def fingerprint(files: Sequence[InputFile], config: PipelineConfig) -> dict[str,
     cfg["tokenizer_engine"] = engine_key(config.tokenizer_engine)  # S15: another engine is another output
     tok = tokenizer_fingerprint(config.tokenizer) if config.tokenizer else None
     # what decides the ids (tokenizer content, engine, library versions, code: packtools.pipeline.spec)
-    cfg["ids"] = IdsSpec.of(
-        tok,
-        config.format or "auto",
-        config.add_eos,
-        config.tokenizer_engine,
-        config.on_unencodable,
-        config.tokenizer_audit,
-    ).key()
+    cfg["ids"] = config.ids(config.format or "auto", tok).key()
     body = {
         "manifest_format": MANIFEST_FORMAT,
         "packtools_version": __version__,

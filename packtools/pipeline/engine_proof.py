@@ -2,8 +2,9 @@
 
 :func:`choose_engine` picks the fast engine of :mod:`packtools.pipeline.fast_tokenize` for a tokenizer it
 reproduces once it gave transformers' ids (and assistant masks) on the built-in adversarial set; otherwise
-transformers (``auto``) or a clear error (``fast``).  A worker process is handed the driver's choice
-(``proven``) and does not choose again.
+transformers (``auto``) or a clear error (``fast``); :func:`adopt` takes the driver's choice (``proven``) in a
+worker process, which does not choose again.  Both return a :class:`Choice`, which the tokenizer takes: it alone
+changes its engine's state.
 
 :class:`Proof` then decides which rows of the data are compared with transformers: in every run, the first
 :data:`~packtools.pipeline.fast_tokenize.PROOF_ROWS` rows of *each* column (prompt and completion alike) of the
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import random
 import unicodedata
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -108,24 +110,45 @@ def proof_reason(audit_rate: float) -> str:
     )
 
 
-def choose_engine(bt: Any, requested: str, facts: Any) -> fast_engine.EngineReport:
-    """The engine for :class:`~packtools.pipeline.tokenize.BatchTokenizer` ``bt`` (sets ``bt.fast`` when it is
-    the fast one); ``facts``: the :class:`~packtools.pipeline.tokenizer_load.TokenizerFacts` of its
-    tokenizer.json (None when it could not be read).  The fast engine comes from ``bt``'s background load
-    (:class:`~packtools.pipeline.tokenizer_load.FastLoad`) when one was started."""
+@dataclass(frozen=True)
+class Choice:
+    """What :func:`choose_engine` or :func:`adopt` decided, for the tokenizer to take
+    (:meth:`~packtools.pipeline.tokenize.BatchTokenizer._choose`): the engine's report, the fast engine when it
+    tokenizes (``fast``), or its background load still running to be taken at a later batch (``pending``);
+    ``recorded``: the adversarial verdict was a recorded one; ``source``: the file the fast engine loads."""
 
-    def refuse(why: str) -> fast_engine.EngineReport:
+    report: fast_engine.EngineReport
+    fast: fast_engine.FastEncoder | None = None
+    pending: Any = None  # a tokenizer_load.FastLoad
+    recorded: bool = False
+    source: str | None = None
+
+
+def choose_engine(bt: Any, requested: str, facts: Any) -> Choice:
+    """The engine for :class:`~packtools.pipeline.tokenize.BatchTokenizer` ``bt`` (the fast one in
+    :attr:`Choice.fast` when it is chosen); ``facts``: the
+    :class:`~packtools.pipeline.tokenizer_load.TokenizerFacts` of its tokenizer.json (None when it could not be
+    read).  The fast engine comes from ``bt``'s background load
+    (:class:`~packtools.pipeline.tokenizer_load.FastLoad`) when one was started."""
+    source: str | None = None
+    recorded: dict[str, int] | None = None
+
+    def refuse(why: str) -> Choice:
         if requested == "fast":
             raise PackingError(
                 f"tokenizer_engine='fast' cannot tokenize with {bt.tokenizer_dir!r}: {why}; use "
                 f"tokenizer_engine='auto' (falls back to transformers) or 'transformers'.",
                 param="tokenizer_engine",
             )
-        return fast_engine.EngineReport("transformers", why, requested)
+        return Choice(
+            fast_engine.EngineReport("transformers", why, requested),
+            recorded=recorded is not None,
+            source=source,
+        )
 
     if requested == "transformers":
-        return fast_engine.EngineReport(
-            "transformers", "requested (tokenizer_engine='transformers')", requested
+        return Choice(
+            fast_engine.EngineReport("transformers", "requested (tokenizer_engine='transformers')", requested)
         )
     version = fast_engine.engine_version()
     if version is None:
@@ -155,20 +178,22 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> fast_engine.EngineRepo
         )
     small = getattr(bt, "small_input", None)
     if small is not None:  # no load was started: transformers' ids from the reference, every batch
-        return fast_engine.EngineReport(
-            "transformers",
-            f"the input ({small / 1e6:.2f} MB) is smaller than {tokenizer_load.SMALL_INPUT_BYTES >> 20} MiB: "
-            f"the reference ({bt.reference_engine}) tokenizes it sooner than the fast engine loads this "
-            f"vocabulary, so the fast engine is not loaded",
-            requested,
+        return Choice(
+            fast_engine.EngineReport(
+                "transformers",
+                f"the input ({small / 1e6:.2f} MB) is smaller than {tokenizer_load.SMALL_INPUT_BYTES >> 20} MiB: "
+                f"the reference ({bt.reference_engine}) tokenizes it sooner than the fast engine loads this "
+                f"vocabulary, so the fast engine is not loaded",
+                requested,
+            )
         )
-    load = getattr(bt, "_fast_load", None)
+    load = bt.background_load
     texts = adversarial.adversarial_texts(facts.specials)
     # a passing verdict on this fixed set, recorded by an earlier run for the same tokenizer, kind, reference,
     # form of the engine's file and versions, is taken as it is (packtools.pipeline.proof_cache); the per-part
     # proof of the data still runs
     kind = "messages" if bt.fmt == "messages" else "text"
-    bt.fast_source = source = load.source if load is not None else "tokenizer.json"
+    source = load.source if load is not None else "tokenizer.json"
     verdict = proof_cache.verdict_path(bt.fingerprint, kind, bt.reference_engine, texts, source=source)
     recorded = proof_cache.load(verdict)
     if recorded is None and bt.reference_engine != "transformers":
@@ -177,7 +202,6 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> fast_engine.EngineRepo
         recorded = proof_cache.load(
             proof_cache.verdict_path(bt.fingerprint, kind, "transformers", texts, source=source)
         )
-    bt.proof_recorded = recorded is not None
     report = fast_engine.EngineReport(
         f"{fast_engine.ENGINE_MODULE} {version}", proof_reason(bt.proof.audit_rate), requested, recorded or {}
     )
@@ -185,16 +209,14 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> fast_engine.EngineRepo
     if recorded is not None and load is not None and overlap and load.overlaps():
         # still loading: the reference tokenizes the first batches meanwhile (BatchTokenizer.encode takes the
         # engine at the first batch after the load finished)
-        bt.pending = load
-        bt._fast_load = None
-        return report
+        return Choice(report, pending=load, recorded=True, source=source)
     try:
-        fast = _fast_encoder(bt, facts)
+        fast = bt.load_fast()
     except (OSError, ValueError, RuntimeError) as exc:
         return refuse(f"the fast engine cannot load its tokenizer.json ({exc})")
+    source = bt.fast_source
     if recorded is not None:
-        bt.fast = fast
-        return report
+        return Choice(report, fast=fast, recorded=True, source=source)
     for special in (True, False):
         try:
             got = fast.encode(texts, special)
@@ -217,82 +239,38 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> fast_engine.EngineRepo
         ):  # the fast chat path runs on NFC text only (other batches: transformers), so prove it there
             texts = [unicodedata.normalize("NFC", t) for t in texts]
         convs = adversarial.adversarial_conversations(texts)
-        bt.fast = fast
-        try:
-            convs = bt.chat.renderable(convs)  # those the template refuses fail on either path
-            if not convs:
-                raise PackingError("the chat template refuses every one (its raise_exception)")
-            found = bt.compare_labels(convs, range(len(convs)), 0)
-            mismatch = found[1] if found is not None else None
-        except PackingError as exc:  # e.g. a template that is not incremental: data rows will say so
-            mismatch = f"the adversarial conversations cannot be tokenized: {exc}"
-        except Exception as exc:  # noqa: BLE001 - an engine error on a rendered conversation
-            mismatch = f"the fast engine fails on them ({type(exc).__name__}: {exc})"
-        bt.fast = None
+        with bt.trying(fast):  # the conversations are compared on the fast engine
+            try:
+                convs = bt.chat.renderable(convs)  # those the template refuses fail on either path
+                if not convs:
+                    raise PackingError("the chat template refuses every one (its raise_exception)")
+                found = bt.compare_labels(convs, range(len(convs)), 0)
+                mismatch = found[1] if found is not None else None
+            except PackingError as exc:  # e.g. a template that is not incremental: data rows will say so
+                mismatch = f"the adversarial conversations cannot be tokenized: {exc}"
+            except Exception as exc:  # noqa: BLE001 - an engine error on a rendered conversation
+                mismatch = f"the fast engine fails on them ({type(exc).__name__}: {exc})"
         if mismatch is not None:
             return refuse(
                 f"the fast path's chat tokens or assistant masks differ from transformers' ({mismatch})"
             )
         checked["adversarial_conversations"] = len(convs)
     proof_cache.record(verdict, checked)
-    bt.fast = fast
-    return fast_engine.EngineReport(
+    report = fast_engine.EngineReport(
         f"{fast_engine.ENGINE_MODULE} {version}", proof_reason(bt.proof.audit_rate), requested, checked
     )
+    return Choice(report, fast=fast, source=source)
 
 
-def take_pending(bt: Any) -> None:
-    """At a batch of :class:`~packtools.pipeline.tokenize.BatchTokenizer` ``bt``, made with
-    ``wait_for_engine=False``, whose adversarial verdict was a recorded one taken while the fast engine (of a
-    large vocabulary: :meth:`~packtools.pipeline.tokenizer_load.FastLoad.overlaps`) was still loading: the
-    engine becomes the fast one once its load has finished, and the per-part proof then compares the first rows
-    *it* tokenizes of each column.  The first batch, if the load is still running, goes to the reference (exact
-    by definition: its ids are the ones compared against), counted in the part's ``batches_on_transformers``
-    with the reason; a later batch waits for the load.  A failed load
-    falls back to transformers for the run, saying why."""
-    load = bt.pending
-    if not load.done() and not getattr(bt, "_reference_batch_done", False):
-        # the first batch only: the reference is several times slower than the engine and, on a busy machine,
-        # slows the load it waits for; later batches wait for the load (a one-batch run never does)
-        bt._reference_batch_done = True
-        bt.proof.to_transformers(
-            "the fast engine was still loading its vocabulary (the reference tokenized it)"
-        )
-        return
-    bt.pending = None
-    try:
-        fast = fast_engine.FastEncoder(bt.tokenizer_dir, facts=bt._facts, native=load.result())
-    except (OSError, ValueError, RuntimeError) as exc:
-        bt.report = fast_engine.EngineReport(
-            "transformers", f"fallback: the fast engine cannot load its tokenizer.json ({exc})", "auto"
-        )
-        bt._loaded = (bt.report, None)
-        return
-    bt.fast = fast
-    bt._loaded = (bt.report, fast)
-
-
-def _fast_encoder(bt: Any, facts: Any) -> fast_engine.FastEncoder:
-    load = getattr(bt, "_fast_load", None)
-    bt._fast_load = None  # loaded once: the encoder holds it from here on
-    native = load.result() if load is not None else None
-    bt.fast_source = load.source if load is not None else "tokenizer.json"
-    return fast_engine.FastEncoder(bt.tokenizer_dir, facts=facts, native=native)
-
-
-def load_fast(bt: Any) -> fast_engine.FastEncoder:
-    """The fast engine of ``bt``'s tokenizer, loaded now (a verdict names it; ``bt`` chose another at load)."""
-    return _fast_encoder(bt, bt._facts)
-
-
-def adopt(bt: Any, proven: dict[str, Any], facts: Any) -> fast_engine.EngineReport:
-    """In a worker: take the driver's engine choice ``proven`` (an :meth:`EngineReport.to_dict`) as it is."""
+def adopt(bt: Any, proven: dict[str, Any]) -> Choice:
+    """In a worker: the driver's engine choice ``proven`` (an :meth:`EngineReport.to_dict`) taken as it is."""
     report = fast_engine.EngineReport(
         proven["engine"], proven["reason"], proven.get("requested", "auto"), dict(proven.get("checked", {}))
     )
-    if report.engine != "transformers":
-        bt.fast = _fast_encoder(bt, facts)
-    return report
+    if report.engine == "transformers":
+        return Choice(report)
+    fast = bt.load_fast()
+    return Choice(report, fast=fast, source=bt.fast_source)
 
 
 def engine_error(bt: Any, exc: Exception, texts: list[str], special: bool, first_row: Any) -> None:

@@ -171,7 +171,8 @@ def profile_files(
     left_out: list[str] = []
     if fmt == "tokenized":  # token ids in JSON: parsed and checked by the stage, as pack does
         columns, types, left_out = token_schema(files, config)
-        tok_dir = tok_fp = proven = None
+        tok_dir = proven = None
+        ids = config.ids(fmt, None)
     elif tokenizer is None:
         raise PackingError(
             f"the input is {fmt} data (columns of {files[0].path!r}); tokenize it to profile it: pass "
@@ -184,10 +185,9 @@ def profile_files(
         from .tokenizer_dir import check_tokenizer_dir, tokenizer_fingerprint
 
         tok_dir = check_tokenizer_dir(tokenizer)
-        tok = preload_tokenizer(
-            tok_dir, fmt, add_eos, tokenizer_engine
-        )  # fails here, once, if it cannot load
-        columns, tok_fp = output_columns(fmt), tokenizer_fingerprint(tok_dir)
+        ids = config.ids(fmt, tokenizer_fingerprint(tok_dir))  # what decides the ids, for every stage job
+        tok = preload_tokenizer(tok_dir, ids)  # fails here, once, if it cannot load
+        columns = output_columns(fmt)
         types = ["int32"] * len(columns)
     keep = stage_cache is not False
     folder = (
@@ -212,15 +212,12 @@ def profile_files(
         proven = freeze_report(verdict)
     jobs = stage_jobs(
         parts,
-        fmt,
+        ids,
         columns,
         types,
         folder,
         tokenizer=tok_dir,
-        tokenizer_fp=tok_fp,
-        add_eos=add_eos,
         single_threaded=executor != "local",
-        tokenizer_engine=tokenizer_engine,
         engine_proven=proven,
         checksum=keep,  # entries of the stage cache, checked by their SHA-256 when pack adopts them
         known_columns=known_columns(columns, left_out) if fmt == "tokenized" else None,  # as pack stages them

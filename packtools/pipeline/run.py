@@ -52,6 +52,7 @@ from .jobs import run_jobs
 from .outcheck import check_out, check_replaceable
 from .planning import load_kernels_ahead, plan_parts, row_plan, write_jobs
 from .schema import data_format, known_columns, token_schema
+from .spec import IdsSpec
 from .stage import StageJob, freeze_report, stage_part
 from .stage_cache import adopt_cached, stage_jobs
 from .staged import load_sidecar, sidecar_turns
@@ -63,14 +64,19 @@ from .workspace import Workspace, checkpoint, left_behind_notes, tidy_after_dead
 @dataclass(frozen=True)
 class RunInputs:
     """What the driver decided about the inputs before taking the lock: their format, the token columns to
-    write (with their value types) and the columns left out, and the tokenizer engine it proved (raw input)."""
+    write (with their value types) and the columns left out, what decides the ids (``ids``: built once here,
+    handed to every stage job), and the tokenizer engine it proved (raw input)."""
 
     files: Sequence[InputFile]
-    fmt: str
     columns: list[str]
     types: list[str]
     left_out: list[str]
+    ids: IdsSpec
     proven: Any = None  # stage.freeze_report of the engine chosen at load; None for tokenized input
+
+    @property
+    def fmt(self) -> str:
+        return self.ids.format
 
 
 @dataclass(frozen=True)
@@ -178,7 +184,8 @@ def run_pipeline(
         )
     check_replaceable(out)
     Workspace(out).refuse_if_held()  # before loading the tokenizer: a busy out fails at once
-    found, early = _inputs(files, config, started)  # early: seconds before staging, itemized in the summary
+    # early: seconds before staging, itemized in the summary
+    found, early = _inputs(files, config, fp["tokenizer_sha256"], started)
 
     ws = Workspace(out)
     ws.acquire()
@@ -224,10 +231,10 @@ def warn_pipeline_drops(stats: dict[str, Any]) -> None:
 
 
 def _inputs(
-    files: Sequence[InputFile], config: PipelineConfig, started: float
+    files: Sequence[InputFile], config: PipelineConfig, tokenizer_fp: str | None, started: float
 ) -> tuple[RunInputs, dict[str, Any]]:
-    """The format and columns of ``files``, the tokenizer loaded and its engine proved once (raw input), and
-    the seconds that took."""
+    """The format and columns of ``files``, what decides their ids (``tokenizer_fp``: the hash of the
+    tokenizer's files), the tokenizer loaded and its engine proved once (raw input), and the seconds that took."""
     early: dict[str, Any] = {}
     fmt = data_format(files, config)
     if fmt == "preference" and config.overlong == "split":
@@ -249,9 +256,10 @@ def _inputs(
             f"which pads each sequence at batch time.",
             param="context_parallel",
         )
+    ids = config.ids(fmt, tokenizer_fp)  # what decides the ids: this one value, down to every stage job
     if fmt == "tokenized":
         columns, types, left_out = token_schema(files, config)
-        return RunInputs(files, fmt, columns, types, left_out), early
+        return RunInputs(files, columns, types, left_out, ids), early
     if config.tokenizer is None:
         raise PackingError(
             f"format={fmt!r} needs a tokenizer: pass tokenizer=DIR (a local tokenizer folder).",
@@ -262,13 +270,7 @@ def _inputs(
     t_tok = time.perf_counter()
     early["setup_s"] = round(t_tok - started, 3)
     tok = preload_tokenizer(  # fails here, once, if it cannot load; workers take the engine it chose
-        config.tokenizer,
-        fmt,
-        config.add_eos,
-        config.tokenizer_engine,
-        audit_rate=config.tokenizer_audit,
-        on_unencodable=config.on_unencodable,
-        input_bytes=sum(f.size for f in files),
+        config.tokenizer, ids, input_bytes=sum(f.size for f in files)
     )
     proven = freeze_report(tok.report.to_dict())
     early.update(tokenizer_timings(tok, time.perf_counter() - t_tok))
@@ -277,11 +279,11 @@ def _inputs(
         input_columns(fmt) + optional_columns(fmt)
     )  # every file's other columns are listed as left out
     left_out = list(dict.fromkeys(n for f in files for n in read_schema(f).names if n not in read))
-    return RunInputs(files, fmt, columns, types, left_out, proven), early
+    return RunInputs(files, columns, types, left_out, ids, proven), early
 
 
 def _verdict(
-    found: RunInputs, config: PipelineConfig, parts: Sequence[Part], ws: Workspace, ids: dict[str, Any]
+    found: RunInputs, config: PipelineConfig, parts: Sequence[Part], ws: Workspace, ids_key: dict[str, Any]
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """The run's tokenizer engine (:mod:`packtools.pipeline.verdict`): the one a killed run recorded in this
     work folder, else proven now on the first rows across ``parts``; recorded before any part is staged.
@@ -290,17 +292,10 @@ def _verdict(
         return None, None
     from .stage import preload_tokenizer
 
-    rests_on = basis(config.tokenizer, found.fmt, config.tokenizer_engine, parts, ids=ids)
+    rests_on = basis(config.tokenizer, found.fmt, config.tokenizer_engine, parts, ids=ids_key)
     verdict = recorded(ws.stage, rests_on)
     if verdict is None:
-        tok = preload_tokenizer(  # the driver's tokenizer (_inputs loaded it)
-            config.tokenizer,
-            found.fmt,
-            config.add_eos,
-            config.tokenizer_engine,
-            audit_rate=config.tokenizer_audit,
-            on_unencodable=config.on_unencodable,
-        )
+        tok = preload_tokenizer(config.tokenizer, found.ids)  # the driver's tokenizer (_inputs loaded it)
         verdict = decide(tok, parts, found.fmt)
         record(ws.stage, verdict, rests_on)
     return verdict, rests_on
@@ -321,19 +316,14 @@ def _run(
     def jobs_for(verdict: dict[str, Any] | None) -> list[StageJob]:
         return stage_jobs(
             parts,
-            fmt,
+            found.ids,
             columns,
             found.types,
             ws.stage,
             tokenizer=config.tokenizer,
-            tokenizer_fp=fp["tokenizer_sha256"],
-            add_eos=config.add_eos,
             single_threaded=getattr(how.executor, "name", how.executor) != "local",
-            tokenizer_engine=config.tokenizer_engine,
             known_columns=known_columns(columns, found.left_out) if fmt == "tokenized" else None,
             engine_proven=freeze_report(verdict) if verdict is not None else None,
-            audit_rate=config.tokenizer_audit,
-            on_unencodable=config.on_unencodable,
         )
 
     jobs = jobs_for(verdict)

@@ -12,9 +12,14 @@ can change the ids has one place to be named, and changes all three:
   a development checkout changes the code that builds ids and masks without a new version number;
 - the format, add-EOS, on-unencodable and the audit rate (which rows are compared decides which runs stop).
 
+It travels as that one value from the driver to every stage job, on every executor
+(:class:`packtools.pipeline.stage.StageJob`), whose process builds its tokenizer from it.
+
 >>> spec = IdsSpec.of(None, "tokenized", True, "auto", "report", 0.001)
 >>> spec.key()["format"], spec.key()["tokenizer"]
 ('tokenized', None)
+>>> IdsSpec.of("0" * 64, "text", True, "fast", "report", 0.001).requested_engine
+'fast'
 """
 
 from __future__ import annotations
@@ -79,6 +84,12 @@ class IdsSpec:
             library_versions(),
             source_hash(),
         )
+
+    @property
+    def requested_engine(self) -> str | None:
+        """The engine asked for (``auto``, ``fast``, ``transformers``): :attr:`engine` is it, followed by the
+        installed fast engine's version unless it is ``transformers``; None for tokenized input."""
+        return None if self.engine is None else self.engine.split(" ", 1)[0]
 
     def key(self) -> dict[str, Any]:
         """The spec as plain JSON values (a part of cache keys and of the manifest's fingerprint)."""

@@ -16,7 +16,8 @@ records the input itself as the data to gather from (``data``).
 >>> from packtools.io.files import Part, discover
 >>> d = tempfile.mkdtemp()
 >>> pq.write_table(pa.table({"input_ids": [[1, 2, 3], [4]]}), os.path.join(d, "t.parquet"))
->>> job = StageJob(Part(discover([d])[0]), "tokenized", ("input_ids",), ("int64",), None, True,
+>>> ids = IdsSpec.of(None, "tokenized", True, "auto", "report", 0.001)
+>>> job = StageJob(Part(discover([d])[0]), ids, ("input_ids",), ("int64",), None,
 ...                os.path.join(d, "s.arrow"), os.path.join(d, "s.npz"))
 >>> stage_part(job)["rows"], load_sidecar(job.sidecar)[0].tolist(), stage_part(job)["reused"]
 (2, [3, 1], True)
@@ -59,31 +60,30 @@ STAGE_BATCH_BYTES = 1 << 24  # 64 MiB buffers (and their concatenated copy) rais
 
 @dataclass(frozen=True)
 class StageJob:
-    """Everything a worker needs to stage one part (picklable, small)."""
+    """Everything a worker needs to stage one part (picklable, small): what decides its ids as the run's one
+    frozen value (``ids``), and what is this part's own."""
 
     part: Part
-    fmt: str
+    ids: IdsSpec  # what decides the ids (format, tokenizer content, engine, add-EOS, ...): the run's
     columns: tuple[str, ...]  # token columns of the staged file, in order
     value_types: tuple[str, ...]  # their value types ("int32", ...)
-    tokenizer: str | None
-    add_eos: bool
+    tokenizer: str | None  # the tokenizer folder (``ids.tokenizer``: the hash of its files)
     staged: str  # path of the staged Arrow file
     sidecar: str  # path of the sidecar .npz (written last)
     single_threaded: bool = (
         False  # tokenize on one thread (a worker of a pool or of Ray: they are the parallelism)
     )
-    tokenizer_engine: str = (
-        "auto"  # packtools.pipeline.fast_tokenize.ENGINES; the ids are the same either way
-    )
     known_columns: tuple[str, ...] | None = None  # tokenized JSON: a block with other columns is refused
     engine_proven: tuple[tuple[str, Any], ...] | None = (
         None  # the run's verdict (packtools.pipeline.verdict; EngineReport items): the engine every part uses
     )
-    audit_rate: float = 0.001  # packtools.pipeline.fast_tokenize.AUDIT_RATE
-    on_unencodable: str = "report"  # packtools.pipeline.char_drops.ON_UNENCODABLE
     # the data's SHA-256 in the sidecar (stage-cache entries: checked on adoption); else the data is flushed to
     # disk before the sidecar is written (a run's own parts: cheaper than hashing them)
     checksum: bool = False
+
+    @property
+    def fmt(self) -> str:
+        return self.ids.format
 
     @property
     def has_labels(self) -> bool:
@@ -119,24 +119,22 @@ _TOKENIZERS: dict[tuple[Any, ...], Any] = {}
 
 def preload_tokenizer(
     tokenizer: str,
-    fmt: str,
-    add_eos: bool,
-    engine: str = "auto",
+    ids: IdsSpec,
     *,
-    audit_rate: float = 0.001,
-    on_unencodable: str = "report",
     proven: tuple[tuple[str, Any], ...] | None = None,
     input_bytes: int | None = None,
 ) -> Any:
-    """The :class:`BatchTokenizer` for these arguments, loaded once per process (loading is the slow part).
-    ``proven``: the driver's engine choice, taken as it is (workers do not choose again).  ``input_bytes``: the
-    driver's whole raw input (a small one is tokenized by the reference alone); a driver whose input is of the
-    other size class than the cached tokenizer's gets a new one, a stage job (None) takes the cached one."""
+    """The :class:`BatchTokenizer` of the folder ``tokenizer`` under the run's ``ids`` (format, add-EOS, engine,
+    audit rate, on-unencodable), loaded once per process (loading is the slow part).  ``proven``: the driver's
+    engine choice, taken as it is (workers do not choose again).  ``input_bytes``: the driver's whole raw input
+    (a small one is tokenized by the reference alone); a driver whose input is of the other size class than the
+    cached tokenizer's gets a new one, a stage job (None) takes the cached one."""
     from .tokenize import BatchTokenizer
     from .tokenizer_dir import tokenizer_fingerprint
     from .tokenizer_load import reference_suffices
 
-    key = (tokenizer, tokenizer_fingerprint(tokenizer), fmt, add_eos, engine, audit_rate, on_unencodable)
+    engine = ids.requested_engine
+    key = (tokenizer, tokenizer_fingerprint(tokenizer), ids)
     cached = _TOKENIZERS.get(key)
     if cached is not None and input_bytes is not None:
         small = reference_suffices(tokenizer, engine, input_bytes)
@@ -145,11 +143,11 @@ def preload_tokenizer(
     if key not in _TOKENIZERS:
         _TOKENIZERS[key] = BatchTokenizer(
             tokenizer,
-            fmt,
-            add_eos,
+            ids.format,
+            ids.add_eos,
             engine,
-            audit_rate=audit_rate,
-            on_unencodable=on_unencodable,
+            audit_rate=ids.audit_rate,
+            on_unencodable=ids.on_unencodable,
             proven=_thaw(proven) if proven is not None else None,
             wait_for_engine=False,  # a large vocabulary's first batches may go to the reference meanwhile
             input_bytes=input_bytes,
@@ -171,15 +169,7 @@ def _thaw(frozen: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
 def _tokenizer(job: StageJob) -> Any:
     if job.single_threaded:  # before the tokenizers library starts its thread pool in this process
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    return preload_tokenizer(
-        job.tokenizer,
-        job.fmt,
-        job.add_eos,
-        job.tokenizer_engine,
-        audit_rate=job.audit_rate,
-        on_unencodable=job.on_unencodable,
-        proven=job.engine_proven,
-    )
+    return preload_tokenizer(job.tokenizer, job.ids, proven=job.engine_proven)
 
 
 def check_token_column(table: pa.Table, name: str, value_type: pa.DataType, where: Where) -> pa.ChunkedArray:

@@ -8,8 +8,9 @@ stages into one folder per user, :func:`cache_dir`:
   ``~/.cache/packtools/stage``.
 
 A staged part's file names are its cache key (:func:`packtools.pipeline.stage.stage_key`: the part's path,
-size, mtime and byte range, the format, the columns and types, the tokenizer files' hash, ``add_eos``, the
-packtools version and the stage format), so an entry can never be stale: a changed input or tokenizer has
+size, mtime and byte range, the columns and types, the stage format and the run's
+:class:`~packtools.pipeline.spec.IdsSpec`: the format, the tokenizer files' hash, ``add_eos``, the engine and
+library versions, packtools' sources, ...), so an entry can never be stale: a changed input or tokenizer has
 another key.  Before staging, ``pack`` looks each of its parts up here (:func:`adopt_cached`): a hit is
 **hard-linked** into the run's own ``stage/`` folder with a sidecar that points at the link, so the run
 tokenizes nothing for it and an eviction here cannot pull the file from under a running pack.  (When the
@@ -42,6 +43,7 @@ from typing import Any
 from .._atomic import atomic_path
 from ..errors import PackingError
 from ..io.files import Part
+from .spec import IdsSpec
 from .stage import StageJob, stage_key
 from .staged import damage, load_sidecar, save_sidecar, sidecar_checksum, sidecar_report, sidecar_turns
 
@@ -141,48 +143,38 @@ class CacheLock:
 
 def stage_jobs(
     parts: Sequence[Part],
-    fmt: str,
+    ids: IdsSpec,
     columns: Sequence[str],
     types: Sequence[str],
     folder: str,
     *,
     tokenizer: str | None,
-    tokenizer_fp: str | None,
-    add_eos: bool,
     single_threaded: bool = False,
-    tokenizer_engine: str = "auto",
     known_columns: tuple[str, ...] | None = None,
     engine_proven: tuple[tuple[str, Any], ...] | None = None,
-    audit_rate: float = 0.001,
-    on_unencodable: str = "report",
     checksum: bool = False,
 ) -> list[StageJob]:
-    """One :class:`StageJob` per part, its files named by their cache key in ``folder`` (as ``pack`` names them:
-    the key holds the requested tokenizer engine and its version, and ``on_unencodable``); ``engine_proven``:
-    the run's verdict (:mod:`packtools.pipeline.verdict`), the engine of every part, whichever process stages it;
+    """One :class:`StageJob` per part, its files named by their cache key in ``folder`` (as ``pack`` names them):
+    ``ids`` is the run's :class:`~packtools.pipeline.spec.IdsSpec`, the one value that decides the ids (format,
+    tokenizer content, the requested engine and its version, add-EOS, on-unencodable, audit rate, ...), handed
+    to every job as it is; ``tokenizer``: the tokenizer folder it was taken from.  ``engine_proven``: the run's
+    verdict (:mod:`packtools.pipeline.verdict`), the engine of every part, whichever process stages it;
     ``checksum``: each part's sidecar holds its data's SHA-256 (the stage cache's entries, checked on adoption)."""
-    from .spec import IdsSpec
-
-    spec = IdsSpec.of(tokenizer_fp, fmt, add_eos, tokenizer_engine, on_unencodable, audit_rate)
     jobs = []
     for part in parts:
-        key = stage_key(part, tuple(columns), tuple(types), spec, known_columns)
+        key = stage_key(part, tuple(columns), tuple(types), ids, known_columns)
         jobs.append(
             StageJob(
                 part,
-                fmt,
+                ids,
                 tuple(columns),
                 tuple(types),
                 tokenizer,
-                add_eos,
                 os.path.join(folder, key + ".arrow"),
                 os.path.join(folder, key + ".npz"),
                 single_threaded=single_threaded,
-                tokenizer_engine=tokenizer_engine,
                 known_columns=known_columns,
                 engine_proven=engine_proven,
-                audit_rate=audit_rate,
-                on_unencodable=on_unencodable,
                 checksum=checksum,
             )
         )

@@ -13,8 +13,9 @@ packtools.errors.PackingError: format='tokenized' cannot be tokenized; use one o
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,9 +51,13 @@ class BatchTokenizer:
     ``proven`` the driver's engine choice (:meth:`EngineReport.to_dict`), which they take without choosing again.
     ``on_unencodable``: ``report`` counts characters the tokenizer cannot encode (transformers leaves them out of
     the ids; see :mod:`packtools.pipeline.char_drops`), ``error`` stops at the first one.  ``wait_for_engine``:
-    see :func:`packtools.pipeline.engine_proof.take_pending` (the pipeline passes False).  ``input_bytes``: the
-    run's raw input size when known; with ``wait_for_engine=False`` a small input of a large vocabulary is
-    tokenized by the reference alone (:func:`packtools.pipeline.tokenizer_load.reference_suffices`).
+    see :meth:`take_pending` (the pipeline passes False).  ``input_bytes``: the run's raw input size when
+    known; with ``wait_for_engine=False`` a small input of a large vocabulary is tokenized by the reference
+    alone (:func:`packtools.pipeline.tokenizer_load.reference_suffices`).
+
+    The tokenizer owns its engine's state (``fast``, ``report``, ``pending``: read-only); only its transitions
+    change it: chosen or adopted at load, a part's verdict taken (:meth:`start_part`), the pending load taken
+    (:meth:`take_pending`), a fallback after a proof row differed.
     """
 
     def __init__(
@@ -119,8 +124,14 @@ class BatchTokenizer:
             self.reference_engine = "transformers"
         self.backend = backend  # the reference tokenizer (offsets of chat tokens: packtools.pipeline.chat)
         self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
-        self.fast: fast_engine.FastEncoder | None = None
+        self.wait_for_engine = wait_for_engine
+        # the engine's state: assigned only by the transitions below (choose, adopt a verdict, take the
+        # pending load, fall back, start a part), read through the properties fast, report and pending
+        self._fast: fast_engine.FastEncoder | None = None
+        self._pending: tokenizer_load.FastLoad | None = None  # the fast engine still loading (take_pending)
+        self._reference_batch_done = False  # the one batch the reference tokenizes while the engine loads
         self.proof_recorded = False  # the adversarial set's verdict was a recorded one (proof_cache)
+        self.fast_source: str | None = None  # what the fast engine loads: "compact" copy or "tokenizer.json"
         self.proof = Proof(audit_rate)
         self.chat_seconds = {"render": 0.0, "encode": 0.0, "masks": 0.0}  # the fast chat path's time, by step
         self.drops = (
@@ -132,16 +143,7 @@ class BatchTokenizer:
             reference.record(tokenizer_dir, fp, self.tok, adversarial.adversarial_texts(facts.specials), copy)
         self.chat = chat.ChatTokens(self, requested)  # the chat formats (renderer chosen on first use)
         loaded = time.perf_counter()
-        self.pending, self.wait_for_engine = (
-            None,
-            wait_for_engine,
-        )  # pending: a FastLoad (engine_proof.take_pending)
-        if proven is not None:
-            self.report = engine_proof.adopt(self, proven, facts)
-        else:
-            self.report = engine_proof.choose_engine(self, requested, facts)
-        self._fast_load = None
-        self._loaded = (self.report, self.fast)  # each part without a verdict starts from this engine
+        self._choose(requested, facts, proven)
         #: seconds spent loading the reference (or transformers) and tokenizer facts; choosing/proving the engine
         self.seconds = {"load_s": loaded - started, "proof_s": time.perf_counter() - loaded}
 
@@ -161,6 +163,124 @@ class BatchTokenizer:
         """Whether the chat template marks assistant text with ``{% generation %}`` (:mod:`.chat`)."""
         return self.chat.has_generation_tags
 
+    # -- the engine: its state and every change of it ------------------------------------------------
+    @property
+    def fast(self) -> fast_engine.FastEncoder | None:
+        """The fast engine tokenizing this part's batches, or None (transformers' ids: the reference)."""
+        return self._fast
+
+    @property
+    def report(self) -> fast_engine.EngineReport:
+        """Which engine tokenizes, and why (:meth:`part_report` adds what this part compared)."""
+        return self._report
+
+    @property
+    def pending(self) -> tokenizer_load.FastLoad | None:
+        """The fast engine's background load, to be taken at a batch once it has finished (:meth:`take_pending`)."""
+        return self._pending
+
+    @property
+    def background_load(self) -> tokenizer_load.FastLoad | None:
+        """The fast engine's load started with this tokenizer and not taken yet (:meth:`load_fast` takes it)."""
+        return self._fast_load
+
+    def _choose(self, requested: str, facts: Any, proven: dict[str, Any] | None) -> None:
+        """At load: the driver's choice ``proven`` taken as it is (a worker), else the engine chosen on the
+        adversarial set (:func:`~packtools.pipeline.engine_proof.choose_engine`); each part without a verdict
+        starts from it."""
+        if proven is not None:
+            choice = engine_proof.adopt(self, proven)
+        else:
+            choice = engine_proof.choose_engine(self, requested, facts)
+        self._report, self._fast, self._pending = choice.report, choice.fast, choice.pending
+        self.proof_recorded = choice.recorded
+        if choice.source is not None:
+            self.fast_source = choice.source
+        self._fast_load = None
+        self._loaded = (self._report, self._fast)  # each part without a verdict starts from this engine
+
+    def load_fast(self) -> fast_engine.FastEncoder:
+        """The fast engine, loaded now: from the background load started with this tokenizer (taken once: the
+        encoder holds it from here on), else from its tokenizer.json.  It does not tokenize until a transition
+        makes it the engine."""
+        load, self._fast_load = self._fast_load, None
+        native = load.result() if load is not None else None
+        self.fast_source = load.source if load is not None else "tokenizer.json"
+        return fast_engine.FastEncoder(self.tokenizer_dir, facts=self._facts, native=native)
+
+    @contextlib.contextmanager
+    def trying(self, fast: fast_engine.FastEncoder) -> Iterator[None]:
+        """The engine is ``fast`` inside the block only (the adversarial conversations are compared on it)."""
+        before, self._fast = self._fast, fast
+        try:
+            yield
+        finally:
+            self._fast = before
+
+    def take_pending(self) -> None:
+        """At a batch of a tokenizer made with ``wait_for_engine=False`` whose adversarial verdict was a recorded
+        one taken while the fast engine (of a large vocabulary:
+        :meth:`~packtools.pipeline.tokenizer_load.FastLoad.overlaps`) was still loading: the engine becomes the
+        fast one once its load has finished, and the per-part proof then compares the first rows *it* tokenizes
+        of each column.  The first batch, if the load is still running, goes to the reference (exact by
+        definition: its ids are the ones compared against), counted in the part's ``batches_on_transformers``
+        with the reason; a later batch waits for the load.  A failed load falls back to transformers for the
+        run, saying why."""
+        load = self._pending
+        if load is None:
+            return
+        if not load.done() and not self._reference_batch_done:
+            # the first batch only: the reference is several times slower than the engine and, on a busy
+            # machine, slows the load it waits for; later batches wait for the load (a one-batch run never does)
+            self._reference_batch_done = True
+            self.proof.to_transformers(
+                "the fast engine was still loading its vocabulary (the reference tokenized it)"
+            )
+            return
+        self._pending = None
+        try:
+            fast = fast_engine.FastEncoder(self.tokenizer_dir, facts=self._facts, native=load.result())
+        except (OSError, ValueError, RuntimeError) as exc:
+            self._report = fast_engine.EngineReport(
+                "transformers", f"fallback: the fast engine cannot load its tokenizer.json ({exc})", "auto"
+            )
+            self._loaded = (self._report, None)
+            return
+        self._fast = fast
+        self._loaded = (self._report, fast)
+
+    def wait_for_fast(self) -> None:
+        """Take the fast engine now if it is still loading (the driver's proof compares its ids, not the
+        reference's)."""
+        if self._pending is not None:
+            self._reference_batch_done = True  # take_pending then waits for the load
+            self.take_pending()
+
+    def _take_verdict(self, verdict: dict[str, Any]) -> None:
+        """The driver's engine for this part (:meth:`start_part`)."""
+        report = fast_engine.EngineReport(
+            verdict["engine"],
+            verdict["reason"],
+            verdict.get("requested", "auto"),
+            dict(verdict.get("checked", {})),
+        )
+        if report.engine == "transformers":
+            self._pending, self._fast = None, None  # a load still running is never taken
+        elif self._pending is None:
+            fast = self._loaded[1] or self._fast
+            self._fast = fast if fast is not None else self.load_fast()
+        self._report = report
+
+    def _fall_back(self, what: str) -> None:
+        """A proof row of an ``auto`` run differed: transformers tokenizes the rest of the part."""
+        self._fast = None
+        self._report = fast_engine.EngineReport(
+            "transformers",
+            f"fallback: the fast engine differed from transformers on the data ({what})",
+            "auto",
+            dict(self._report.checked),
+        )
+
     # -- per part ----------------------------------------------------------------------------------
     def start_part(self, seed: str, verdict: dict[str, Any] | None = None, proves: bool = True) -> None:
         """A new part (a unit of work with its own report, its audit seeded by ``seed``).  ``verdict``: the
@@ -172,31 +292,10 @@ class BatchTokenizer:
             self._take_verdict(verdict)
             proves = False
         else:
-            self.report, self.fast = self._loaded
+            self._report, self._fast = self._loaded
         self.proof.start_part(seed, proves)
         if self.drops is not None:
             self.drops.take()
-
-    def _take_verdict(self, verdict: dict[str, Any]) -> None:
-        report = fast_engine.EngineReport(
-            verdict["engine"],
-            verdict["reason"],
-            verdict.get("requested", "auto"),
-            dict(verdict.get("checked", {})),
-        )
-        if report.engine == "transformers":
-            self.pending, self.fast = None, None  # a load still running is never taken
-        elif self.pending is None:
-            fast = self._loaded[1] or self.fast
-            self.fast = fast if fast is not None else engine_proof.load_fast(self)
-        self.report = report
-
-    def wait_for_fast(self) -> None:
-        """Take the fast engine now if it is still loading (the driver's proof compares its ids, not the
-        reference's)."""
-        if self.pending is not None:
-            self._reference_batch_done = True  # engine_proof.take_pending then waits for the load
-            engine_proof.take_pending(self)
 
     def part_report(self) -> dict[str, Any]:
         """The engine report of the part since :meth:`start_part`: engine, reason, rows compared, characters left out."""
@@ -224,13 +323,7 @@ class BatchTokenizer:
         audited row raises :class:`~packtools.pipeline.engine_proof.EngineDivergence`, on which the pipeline's
         driver restages the run's fast-engine parts (auto)."""
         if initial and self.report.requested == "auto":
-            self.fast = None
-            self.report = fast_engine.EngineReport(
-                "transformers",
-                f"fallback: the fast engine differed from transformers on the data ({what})",
-                "auto",
-                dict(self.report.checked),
-            )
+            self._fall_back(what)
             return
         message = (
             f"{at(first_row)}: the fast tokenizer engine gave other tokens than transformers ({what}); "
@@ -246,8 +339,8 @@ class BatchTokenizer:
 
     # -- building blocks -------------------------------------------------------------------------
     def encode(self, texts: list[str], special: bool, first_row: Row = 0, column: str = "text") -> Ragged:
-        if self.pending is not None:
-            engine_proof.take_pending(self)  # the reference tokenizes until the fast engine has loaded
+        if self._pending is not None:
+            self.take_pending()  # the reference tokenizes until the fast engine has loaded
         if self.drops is not None:
             self.drops.scan(texts, lambda i: at(first_row, i) + f" (column {column!r})")
         if self.fast is not None:
@@ -332,7 +425,7 @@ class BatchTokenizer:
     # -- rendering ahead (chat) ---------------------------------------------------------------------
     def engine_loading(self) -> bool:
         """Whether the fast engine is still loading in the background (the pipeline's first batches)."""
-        return self.pending is not None and not self.pending.done()
+        return self._pending is not None and not self._pending.done()
 
     def prepare(self, table: pa.Table, first_row: Row = 0) -> tuple[Any, ...]:
         """The Python half of a batch, done now so that :meth:`finish` needs only the tokenizer: ``text`` rows
