@@ -7,7 +7,10 @@ partial results of it, or hold pieces of it).  :func:`rank_layout` reads that la
 state accelerate keeps (``Accelerator.parallelism_config``, ``Accelerator.torch_device_mesh`` and its
 ``get_local_rank``, DeepSpeed's ``tensor_parallel.autotp_size``), and hands it on as a :class:`RankLayout`
 value: the per-rank loaders shard over ``dp_size`` at ``dp_rank``, and losses that DDP averages are scaled by
-``dp_size``, never by the world size.
+``dp_size``, never by the world size.  Without accelerate (a plain loop over torch's own tensor parallelism,
+``parallelize_module`` on a ``DeviceMesh``), :meth:`RankLayout.from_mesh` reads the same from the mesh's named
+dimensions; hand ``layout.dp_size`` / ``layout.dp_rank`` to the sampler as ``num_replicas`` / ``rank``
+(``tests/test_tp_training.py`` runs it: 2 and 4 processes, gloo, CPU).
 
 A layout packtools does not handle is refused by name, never sharded silently:
 
@@ -51,6 +54,45 @@ class RankLayout:
     @property
     def world(self) -> int:
         return self.dp_size * self.peers
+
+    @classmethod
+    def from_mesh(cls, mesh: Any) -> RankLayout:
+        """This process's layout on a torch ``DeviceMesh`` (a plain loop or torch's TP without accelerate).
+
+        The mesh's named dimensions decide: ``dp`` / ``dp_replicate`` / ``dp_shard`` are data-parallel (the
+        rank over them row-major, as the mesh lays them out), ``tp`` and ``cp`` are peers that read the same
+        batch.  Any other dimension (``pp``, ``ep``, an unnamed mesh) is refused by name: packtools will not
+        guess whether its processes share a batch.  Give the sampler ``num_replicas=layout.dp_size,
+        rank=layout.dp_rank``.
+        """
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        shape = tuple(int(s) for s in getattr(mesh, "shape", ()))
+        unknown = [n for n in names if n not in _DP_DIMS + ("tp", "cp")]
+        if not names or len(names) != len(shape) or unknown or len(set(names)) != len(names):
+            raise PackingError(
+                f"a DeviceMesh with dimensions {names or 'unnamed'} (shape {shape}): packtools reads the "
+                f"data-parallel rank from dimensions named {', '.join(_DP_DIMS)} and the batch-sharing peers from "
+                f"'tp' and 'cp'; {unknown or 'unnamed or repeated dimensions'} it does not know. Name the mesh's "
+                f"dimensions (init_device_mesh(..., mesh_dim_names=...)) with these names only.",
+                param="mesh",
+            )
+        size = dict(zip(names, shape))
+        dp_rank, dp_size = 0, 1
+        for name in names:
+            if name in _DP_DIMS:
+                dp_rank, dp_size = dp_rank * size[name] + _mesh_rank(mesh, names, name), dp_size * size[name]
+        return cls(
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            cp_rank=_mesh_rank(mesh, names, "cp"),
+            cp_size=size.get("cp", 1),
+            tp_size=size.get("tp", 1),
+            source="torch DeviceMesh",
+        )
+
+
+#: Mesh dimensions that are data-parallel (accelerate's names and torch's usual ``dp``).
+_DP_DIMS = ("dp", "dp_replicate", "dp_shard")
 
 
 def _size(config: Any, name: str) -> int:
