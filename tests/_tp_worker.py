@@ -4,7 +4,9 @@ Usage: ``torchrun --nproc_per_node W tests/_tp_worker.py TP OUT_DIR``.  A torch 
 ``(W / TP, TP)`` named ``("dp", "tp")`` (``("tp",)`` alone when ``W == TP``), built with
 ``init_device_mesh("cpu", ...)``; the tiny Llama's attention projections (q/k/v column-wise, o row-wise) and MLP
 (gate/up column-wise, down row-wise) split over ``tp`` by torch's ``parallelize_module`` (``ColwiseParallel`` /
-``RowwiseParallel``: DTensor weights, the row-wise outputs all-reduced over gloo).  The data side is packtools':
+``RowwiseParallel``: DTensor weights, the row-wise outputs all-reduced over gloo); a second variant also splits
+the embedding (row-wise) and the LM head (column-wise, logits sharded over the vocabulary, the loss under
+``loss_parallel()``).  The data side is packtools':
 ``RankLayout.from_mesh(mesh)`` gives the data-parallel rank and size, and a ``TokenBudgetBatchSampler`` sharded
 over them picks each rank's rows.
 
@@ -12,11 +14,12 @@ Recorded per rank: the row indices of every batch of the epoch (packtools' sampl
 same sampler sharded over all processes, the old behaviour), the input ids of every collated batch, and the
 parameter change of one SGD step (lr 1, fp32) on the first batch of every DP group -- loss the summed next-token
 loss over the step's targets on every DP group, gradients summed over the DP group -- with DTensor parameters
-gathered whole (``full_tensor``).  Rank 0 writes ``OUT_DIR/result.pt``.
+gathered whole (``full_tensor``), for both variants.  Rank 0 writes ``OUT_DIR/result.pt``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -24,8 +27,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -89,6 +97,34 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def tp_step(tp_mesh, dp_group, batch, vocab: bool) -> tuple[dict, list[str]]:
+    """One SGD step (lr 1) of the tiny Llama split over ``tp_mesh``; returns the whole parameter changes and the
+    names of the DTensor parameters.  ``vocab``: also the embedding (row-wise, vocabulary split) and the LM head
+    (column-wise, logits left sharded over the vocabulary) with the loss under ``loss_parallel()``."""
+    model = tiny_llama_fp32()
+    model.set_attn_implementation(segmented.register())
+    plan = tp_plan(model.config.num_hidden_layers)
+    if vocab:
+        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
+        plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, tp_mesh, plan)
+    before = {k: whole(p.detach()).clone() for k, p in model.named_parameters()}
+    with loss_parallel() if vocab else contextlib.nullcontext():
+        loss, count = step_loss(model, batch)
+        targets = torch.tensor([count])
+        if dp_group is not None:  # the step's targets over the DP groups (TP peers hold the same rows: once)
+            dist.all_reduce(targets, group=dp_group)
+        (loss / int(targets)).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if dp_group is not None:
+                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                dist.all_reduce(grad, group=dp_group)  # DTensor's local shard: summed over the DP group
+            p -= p.grad
+    delta = {k: before[k] - whole(p.detach()) for k, p in model.named_parameters()}
+    return delta, sorted(k for k, p in model.named_parameters() if isinstance(p, DTensor))
+
+
 def main() -> None:
     tp, out = int(sys.argv[1]), Path(sys.argv[2])
     dist.init_process_group("gloo")
@@ -105,26 +141,11 @@ def main() -> None:
     old = [list(b) for b in sampler(rows, world, rank)]  # negative control: sharded over every process
     ids = [collator([rows[i] for i in b])["input_ids"][0].tolist() for b in ours]
 
-    model = tiny_llama_fp32()
-    model.set_attn_implementation(segmented.register())
-    tp_mesh = mesh["tp"] if dp > 1 else mesh
-    parallelize_module(model, tp_mesh, tp_plan(model.config.num_hidden_layers))
-    before = {k: whole(p.detach()).clone() for k, p in model.named_parameters()}
-    batch = collator([rows[i] for i in ours[0]])
-    loss, count = step_loss(model, batch)
     dp_group = mesh["dp"].get_group() if dp > 1 else None
-    targets = torch.tensor([count])
-    if dp > 1:  # the step's targets over the DP groups (TP peers hold the same rows: counted once)
-        dist.all_reduce(targets, group=dp_group)
-    (loss / int(targets)).backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            if dp > 1:
-                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                dist.all_reduce(grad, group=dp_group)  # DTensor's local shard: summed over the DP group
-            p -= p.grad
-    delta = {k: before[k] - whole(p.detach()) for k, p in model.named_parameters()}
-    sharded = sorted(k for k, p in model.named_parameters() if isinstance(p, DTensor))
+    tp_mesh = mesh["tp"] if dp > 1 else mesh
+    batch = collator([rows[i] for i in ours[0]])
+    delta, sharded = tp_step(tp_mesh, dp_group, batch, vocab=False)
+    vocab_delta, vocab_sharded = tp_step(tp_mesh, dp_group, batch, vocab=True)
     record = {
         "rank": rank,
         "layout": (layout.dp_rank, layout.dp_size, layout.tp_size),
@@ -133,6 +154,8 @@ def main() -> None:
         "ids": ids,
         "delta": delta,
         "sharded": sharded,
+        "vocab_delta": vocab_delta,
+        "vocab_sharded": vocab_sharded,
     }
     gathered = [None] * world
     dist.all_gather_object(gathered, record)

@@ -1,7 +1,8 @@
 """Tensor parallelism for real on CPU: torch's TP over a ``DeviceMesh`` (gloo), fed by packtools' per-rank data.
 
 ``torchrun`` + gloo, tiny Llama fp32, ``init_device_mesh("cpu", ...)`` and ``parallelize_module`` with
-``ColwiseParallel`` / ``RowwiseParallel`` on every attention and MLP projection (``tests/_tp_worker.py``); the
+``ColwiseParallel`` / ``RowwiseParallel`` on every attention and MLP projection, and in a second variant on the
+embedding and the LM head too with the loss under ``loss_parallel()`` (``tests/_tp_worker.py``); the
 data-parallel rank and size come from ``RankLayout.from_mesh(mesh)`` and shard a ``TokenBudgetBatchSampler``.
 
 TP = 2 (2 processes) and DP = 2 x TP = 2 (4 processes): TP peers get exactly the same rows at every step, the DP
@@ -62,11 +63,14 @@ def check(result: dict, tp: int) -> float:
     assert len({len(group[0]["ours"]) for group in tp_groups(ranks, tp)}) == 1
     # Negative control: sharded over every process, TP peers draw different rows, and the check sees it.
     assert not peers_share_rows(ranks, tp, "old")
-    # Torch really split the model: the projections are DTensors on every rank.
+    # Torch really split the model: the projections (and, in the second variant, the embedding and the LM
+    # head) are DTensors on every rank.
     assert len(ranks[0]["sharded"]) == 7 * 2 and all("proj" in k for k in ranks[0]["sharded"])
+    vocab = set(ranks[0]["vocab_sharded"]) - set(ranks[0]["sharded"])
+    assert vocab == {"model.embed_tokens.weight", "lm_head.weight"}
     step = [rows[i] for group in tp_groups(ranks, tp) for i in group[0]["ours"][0]]
     want = reference_step(step)
-    worst = max(rel(r["delta"], want) for r in ranks)
+    worst = max(rel(r[key], want) for r in ranks for key in ("delta", "vocab_delta"))
     assert worst < 1e-5, worst
     # Control of the comparison: the same step with one row left out is visibly another step.
     assert rel(reference_step(step[:-1]), want) > 1e-3
