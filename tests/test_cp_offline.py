@@ -1,5 +1,5 @@
 """Offline packing for context parallelism (``pack_files(..., context_parallel=N)``, ``packtools pack
---context-parallel N``; :mod:`packtools.pipeline.cp_budget`): rows planned at their documents' CP-padded length
+--context-parallel N``; :mod:`packtools.core.cp_budget`): rows planned at their documents' CP-padded length
 still fit ``max_length`` once the collator pads them, the padding is reported, the CP size is in the manifest
 and its key, the collator cuts offline-packed rows as it cuts the same documents packed at batch time, and rows
 packed for another CP size fit exactly or are refused by row."""

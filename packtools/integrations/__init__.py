@@ -17,7 +17,7 @@ from .._lazy import lazy_exports
 _EXPORTS = {
     "pack_dataset": "packtools.integrations.datasets",
     "packed_view": "packtools.integrations.dataset_views",
-    "truncate_dataset": "packtools.integrations.datasets",
+    "truncate_dataset": "packtools.integrations.truncation",
     "pack_preference": "packtools.integrations.preference_data",
     "pack_ray_dataset": "packtools.integrations.ray",
     "prepare_trainer": "packtools.integrations.transformers",
