@@ -42,11 +42,18 @@ def corpus():
 
 
 def packed(ds):
+    """Rows and their documents as the CP collator sees them (``wrapped`` rows: one sequence each)."""
     table = ds.data.table
-    return table.column("input_ids").to_pylist(), table.column("seq_lengths").to_pylist()
+    ids = table.column("input_ids").to_pylist()
+    if "seq_lengths" not in table.column_names:
+        return ids, [[len(r)] for r in ids]
+    return ids, table.column("seq_lengths").to_pylist()
 
 
-@pytest.mark.parametrize("strategy", ["bfd", "bfd_split"])
+STRATEGIES = ["bfd", "bfd_split", "wrapped"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("n", [2, 4])
 def test_rows_fit_max_length_after_cp_padding_and_the_padding_is_reported(corpus, strategy, n):
     ds, rows = corpus
@@ -54,18 +61,22 @@ def test_rows_fit_max_length_after_cp_padding_and_the_padding_is_reported(corpus
     ids, seqs = packed(out)
     padded = [int(cp_padded_lengths(s, n).sum()) for s in seqs]
     assert max(padded) <= MAX
-    check_rows_fit(out.data.table.column("seq_lengths"), n, MAX)  # the same, read from the Arrow column
+    if strategy != "wrapped":  # the same, read from the Arrow column
+        check_rows_fit(out.data.table.column("seq_lengths"), n, MAX)
     assert all(sum(s) == len(r) for s, r in zip(seqs, ids))  # real tokens only: the collator pads
-    kept = sorted(t for r in ids for t in r)
-    want = [t for r in rows for t in (r if strategy == "bfd_split" else r[:MAX])]
-    assert kept == sorted(want)
+    kept = [t for r in ids for t in r]
+    want = [t for r in rows for t in (r[:MAX] if strategy == "bfd" else r)]
+    assert sorted(kept) == sorted(want)
+    if strategy == "wrapped":  # the stream in order, every row full but the last: padding only there
+        assert kept == want and all(len(r) == MAX for r in ids[:-1])
     lost = sum(CPLayout.build(s, n).fill_lost for s in seqs)
-    assert report.context_parallel == n and report.cp_padding_tokens == lost > 0
+    assert report.context_parallel == n and report.cp_padding_tokens == lost
+    assert lost > 0 or strategy == "wrapped"
     assert report.cp_fill_lost == pytest.approx(lost / (len(seqs) * MAX))
     assert report.tokens_kept == len(kept)
 
 
-@pytest.mark.parametrize("strategy", ["bfd", "bfd_split"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_the_rows_are_those_pack_files_writes_offline(corpus, tmp_path, strategy):
     """One rule, two front doors: the in-memory rows equal the offline rows, row for row."""
     ds, rows = corpus
@@ -74,7 +85,8 @@ def test_the_rows_are_those_pack_files_writes_offline(corpus, tmp_path, strategy
     res = pack_files(path, str(tmp_path / "out"), MAX, strategy, context_parallel=4)
     offline = datasets.load_from_disk(res.out).data.table
     memory = pack_dataset(ds, MAX, strategy, context_parallel=4).data.table
-    for name in ("input_ids", "seq_lengths"):
+    assert memory.column_names == offline.column_names
+    for name in memory.column_names:
         assert memory.column(name).to_pylist() == offline.column(name).to_pylist()
     report = pack_dataset(ds, MAX, strategy, context_parallel=4, return_report=True)[1]
     assert report.cp_padding_tokens == res.stats["cp_padding_tokens"]
@@ -118,8 +130,8 @@ def test_options_cp_cannot_keep_are_refused_by_name(corpus):
     ds, _ = corpus
     with pytest.raises(PackingError, match=r"max_length=100 is not one.*e\.g\. 96"):
         pack_dataset(ds, 100, "bfd", context_parallel=4)
-    with pytest.raises(PackingError, match="strategy='wrapped' with context_parallel=2"):
-        pack_dataset(ds, MAX, "wrapped", context_parallel=2)
+    with pytest.raises(PackingError, match=r"max_length=250 is not one.*e\.g\. 248"):
+        pack_dataset(ds, 250, "wrapped", context_parallel=2)
     with pytest.raises(PackingError, match="context_parallel must be a positive int"):
         pack_dataset(ds, MAX, "bfd", context_parallel=0)
     vision = datasets.Dataset.from_dict(
@@ -129,12 +141,12 @@ def test_options_cp_cannot_keep_are_refused_by_name(corpus):
         pack_dataset(vision, MAX, "bfd", context_parallel=2)
 
 
-def collator_of(dataset, cp_size: int, cp_rank: int = 0):
+def collator_of(dataset, cp_size: int, cp_rank: int = 0, **inner):
     """What ``prepare_trainer(trainer, context_parallel=cp_size)`` installs as the collator (one process of it)."""
     from packtools.integrations.cp_trainer import cp_collator
     from packtools.integrations.parallel_layout import RankLayout
 
-    trainer = SimpleNamespace(train_dataset=dataset, data_collator=PaddingFreeCollator(0))
+    trainer = SimpleNamespace(train_dataset=dataset, data_collator=PaddingFreeCollator(0, **inner))
     return cp_collator(trainer, RankLayout(0, 1, cp_rank=cp_rank, cp_size=cp_size))
 
 
@@ -169,6 +181,24 @@ def test_prepare_trainer_holds_pack_dataset_output_to_its_max_length(corpus, tmp
         collator_of(plain.select(order), 2)
     # Without that row the same rows are accepted: the refusal is that row's.
     assert collator_of(plain.select(order[:3] + order[4:]), 2).max_length == MAX
+
+
+def test_prepare_trainer_holds_wrapped_rows_as_one_sequence_each(corpus):
+    """``wrapped`` rows carry no ``seq_lengths``: each is one sequence, held to max_length as a whole.  Packed
+    for CP (a max_length that is a multiple of 2N) they fit; packed at 250 without CP, a full row of 250 tokens
+    is 252 once padded for CP=2 and refused by its row index."""
+    ds, _ = corpus
+    fits = pack_dataset(ds, MAX, "wrapped", context_parallel=2)
+    collator = collator_of(fits, 2, 1, unpacked=True)  # rows without seq_lengths: one sequence each
+    assert collator.max_length == MAX
+    shard = collator([fits[i] for i in range(4)])
+    assert shard["cu_seqlens"].tolist() == [0, MAX, 2 * MAX, 3 * MAX, 4 * MAX]
+    plain = pack_dataset(ds, 250, "wrapped")
+    with pytest.raises(PackingError, match=r"^row 0 \(documents \[250\], 250 tokens\) is 252 tokens"):
+        collator_of(plain, 2)
+    last = len(plain) - 1  # the last, shorter row alone may fit: then only it is accepted
+    if int(cp_padded_lengths([len(plain[last]["input_ids"])], 2)[0]) <= 250:
+        assert collator_of(plain.select([last]), 2).max_length == 250
 
 
 def test_packed_rows_of_unknown_max_length_are_said_not_checked():

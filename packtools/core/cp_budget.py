@@ -19,9 +19,10 @@ What it asks of the options (refused by name otherwise):
 * ``max_length`` a multiple of ``2N``: then any document of at most ``max_length`` tokens still fits after
   padding, so ``overlong`` (truncate, drop, split) and the turn-aware split (``split_at``) keep their meaning
   unchanged, and the pieces of ``bfd_split`` (``max_length`` tokens, a multiple of ``2N``) carry no padding;
-* ``strategy`` ``bfd`` or ``bfd_split``: ``wrapped`` cuts one stream into full rows; under CP every piece it
-  cuts becomes a document padded on its own, so its rows would no longer be full (use ``bfd_split``, which
-  keeps every token too);
+* ``strategy``: ``bfd`` and ``bfd_split`` are planned at the padded lengths; ``wrapped`` rows carry no
+  ``seq_lengths`` (each row is one sequence of the cut stream, as the model sees it without CP too), so its plan
+  is the plain one: with ``max_length`` a multiple of ``2N`` a full row needs no padding, and only rows shorter
+  than ``max_length`` (the last of a plan) are padded -- counted per row (:func:`cp_stats`);
 * not preference data (:mod:`packtools.pipeline.run` refuses it: pair rows are not budgeted offline;
   ``prepare_dpo_trainer(..., context_parallel=N)`` pads them at batch time), nor vision-language samples
   (``pack_dataset`` refuses them).
@@ -36,6 +37,8 @@ plan and the output are those of a run without it.
 >>> p = to_real_plan(plan(budget_lengths(eff, 2), 8), eff)
 >>> [p.seq_lengths_of(r).tolist() for r in range(p.num_rows)], cp_stats(p, 2)["cp_padding_tokens"]
 ([[5], [3, 2]], 6)
+>>> cp_stats(plan_for_cp(eff, 8, "wrapped", 2), 2)["cp_padding_tokens"]  # rows of 8 and 2 tokens: 2 pad
+2
 """
 
 from __future__ import annotations
@@ -85,14 +88,14 @@ def check_context_parallel(cp_size: object, max_length: int, strategy: str) -> i
             f"max_length that is a multiple of {2 * n} (e.g. {fit}).",
             param="max_length",
         )
-    if strategy == "wrapped":
-        raise PackingError(
-            f"strategy='wrapped' with context_parallel={n}: wrapped cuts one stream into full rows, and under CP "
-            f"every piece it cuts is padded to a multiple of {2 * n} on its own, so its rows are no longer full. "
-            f"Use strategy='bfd_split' (it keeps every token too).",
-            param="strategy",
-        )
     return n
+
+
+def budgets(strategy: str, cp_size: int) -> bool:
+    """Whether a plan of ``strategy`` is made at CP-padded lengths: its documents (``bfd`` / ``bfd_split``) are
+    padded one by one under CP; a ``wrapped`` row is one sequence, padded as a whole (never over a ``max_length``
+    that is a multiple of ``2N``)."""
+    return cp_size > 1 and strategy != "wrapped"
 
 
 def plan_for_cp(lengths: np.ndarray, max_length: int, strategy: str, cp_size: int) -> PackPlan:
@@ -106,7 +109,7 @@ def plan_for_cp(lengths: np.ndarray, max_length: int, strategy: str, cp_size: in
     """
     n = check_context_parallel(cp_size, max_length, strategy)
     lengths = np.asarray(lengths, np.int64)
-    if n == 1:
+    if not budgets(strategy, n):
         return make_plan(lengths, max_length, strategy)
     return to_real_plan(make_plan(budget_lengths(lengths, n), max_length, strategy), lengths)
 
@@ -139,15 +142,17 @@ def to_real_plan(budgeted: PackPlan, eff: np.ndarray) -> PackPlan:
 
 
 def cp_stats(p: PackPlan, cp_size: int) -> dict[str, Any]:
-    """The padding the collator will add to the rows of ``p`` for ``cp_size``: the manifest's CP statistics."""
-    padded = cp_padded_lengths(p.seg_length, cp_size)
+    """The padding the collator will add to the rows of ``p`` for ``cp_size``: the manifest's CP statistics (per
+    document, or per row for ``wrapped``, whose rows are one sequence each: :func:`budgets`)."""
     capacity = p.num_rows * p.max_length
-    pad = int(padded.sum()) - p.tokens_kept
-    if p.num_segments:
-        per_row = np.add.reduceat(padded, p.row_offsets[:-1]) if p.num_rows else np.zeros(0, np.int64)
-        longest = int(per_row.max()) if per_row.size else 0
+    if p.strategy == "wrapped":
+        per_row = cp_padded_lengths(p.row_lengths, cp_size)
+    elif p.num_segments and p.num_rows:
+        per_row = np.add.reduceat(cp_padded_lengths(p.seg_length, cp_size), p.row_offsets[:-1])
     else:
-        longest = 0
+        per_row = np.zeros(0, np.int64)
+    pad = int(per_row.sum()) - p.tokens_kept
+    longest = int(per_row.max()) if per_row.size else 0
     return {
         "context_parallel": cp_size,
         "cp_padding_tokens": pad,

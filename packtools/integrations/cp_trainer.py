@@ -165,8 +165,10 @@ def cp_collator(trainer: Any, layout: RankLayout) -> ContextParallelCollator:
     dataset = getattr(trainer, "train_dataset", None)
     limit = packed_max_length(dataset)
     column = _seq_lengths(dataset)
-    if limit is not None and column is not None:
-        check_rows_fit(column, layout.cp_size, limit)
+    if limit is not None:
+        rows = column if column is not None else _one_sequence_rows(dataset)
+        if rows is not None:
+            check_rows_fit(rows, layout.cp_size, limit)
     elif column is not None:
         warnings.warn(
             f"context_parallel={layout.cp_size}: the train dataset holds packed rows (seq_lengths) whose packing "
@@ -189,6 +191,19 @@ def _seq_lengths(dataset: Any) -> Any:
     table, indices = dataset_table(dataset)
     column = table.column(SEQ_LENGTHS)
     return column if indices is None else column.take(indices)
+
+
+def _one_sequence_rows(dataset: Any) -> Any:
+    """Rows without ``seq_lengths`` (``wrapped`` output) as the collator sees them: one sequence each
+    (``[[len(input_ids)], ...]``), or ``None`` without an ``input_ids`` column."""
+    if "input_ids" not in (getattr(dataset, "column_names", None) or []):
+        return None
+    from ..core.arrow import column_lengths
+    from .compat.datasets import dataset_table
+
+    table, indices = dataset_table(dataset)
+    lengths = column_lengths(table.column("input_ids"))
+    return (lengths if indices is None else lengths[indices]).reshape(-1, 1)
 
 
 def prepare_context_parallel(trainer: Any, layout: RankLayout) -> None:
