@@ -14,7 +14,8 @@ Recorded per rank: the row indices of every batch of the epoch (packtools' sampl
 same sampler sharded over all processes, the old behaviour), the input ids of every collated batch, and the
 parameter change of one SGD step (lr 1, fp32) on the first batch of every DP group -- loss the summed next-token
 loss over the step's targets on every DP group, gradients summed over the DP group -- with DTensor parameters
-gathered whole (``full_tensor``), for both variants.  Rank 0 writes ``OUT_DIR/result.pt``.
+gathered whole (``full_tensor``), for both variants; and what ``rank_layout`` says of a trainer holding the
+split model while its accelerator knows no parallelism (refused by name).  Rank 0 writes ``OUT_DIR/result.pt``.
 """
 
 from __future__ import annotations
@@ -125,6 +126,25 @@ def tp_step(tp_mesh, dp_group, batch, vocab: bool) -> tuple[dict, list[str]]:
     return delta, sorted(k for k, p in model.named_parameters() if isinstance(p, DTensor))
 
 
+def refusal(tp_mesh, world: int, rank: int) -> str:
+    """What ``rank_layout`` (the layout ``prepare_trainer`` reads) says of a trainer whose model torch split over
+    ``tp_mesh`` but whose accelerator knows no parallelism: the refusal's text ('' if it took the processes for
+    data-parallel replicas, the silent old behaviour)."""
+    from types import SimpleNamespace as NS
+
+    from packtools.integrations.parallel_layout import rank_layout
+
+    model = tiny_llama_fp32()
+    parallelize_module(model, tp_mesh, tp_plan(model.config.num_hidden_layers))
+    args = NS(world_size=world, process_index=rank)
+    trainer = NS(args=args, model=model, accelerator=NS(parallelism_config=None), is_deepspeed_enabled=False)
+    try:
+        rank_layout(trainer)
+    except Exception as err:  # noqa: BLE001 - recorded for the test to assert on
+        return str(err)
+    return ""
+
+
 def main() -> None:
     tp, out = int(sys.argv[1]), Path(sys.argv[2])
     dist.init_process_group("gloo")
@@ -146,8 +166,10 @@ def main() -> None:
     batch = collator([rows[i] for i in ours[0]])
     delta, sharded = tp_step(tp_mesh, dp_group, batch, vocab=False)
     vocab_delta, vocab_sharded = tp_step(tp_mesh, dp_group, batch, vocab=True)
+    refused = refusal(tp_mesh, world, rank)
     record = {
         "rank": rank,
+        "refused": refused,
         "layout": (layout.dp_rank, layout.dp_size, layout.tp_size),
         "ours": ours,
         "old": old,

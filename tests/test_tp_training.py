@@ -8,7 +8,9 @@ data-parallel rank and size come from ``RankLayout.from_mesh(mesh)`` and shard a
 TP = 2 (2 processes) and DP = 2 x TP = 2 (4 processes): TP peers get exactly the same rows at every step, the DP
 groups disjoint rows covering the epoch once, and the parameter update of one SGD step equals one process on the
 same global batch within 1e-5 relative.  Negative control: the sampler sharded over all processes (what the
-loaders did before the layout was read from the mesh) gives TP peers different rows, and the same check says so.
+loaders did before the layout was read from the mesh) gives TP peers different rows, and the same check says so;
+``rank_layout`` (what ``prepare_trainer`` reads) refuses by name a trainer holding the split model whose accelerator
+knows no parallelism, the case that would shard that way.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ def check(result: dict, tp: int) -> float:
     assert len({len(group[0]["ours"]) for group in tp_groups(ranks, tp)}) == 1
     # Negative control: sharded over every process, TP peers draw different rows, and the check sees it.
     assert not peers_share_rows(ranks, tp, "old")
+    # A Trainer holding the split model with no ParallelismConfig would shard that way: refused by name.
+    for r in ranks:
+        assert "DTensors over a device mesh of" in r["refused"] and "RankLayout.from_mesh" in r["refused"]
     # Torch really split the model: the projections (and, in the second variant, the embedding and the LM
     # head) are DTensors on every rank.
     assert len(ranks[0]["sharded"]) == 7 * 2 and all("proj" in k for k in ranks[0]["sharded"])

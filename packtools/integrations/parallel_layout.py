@@ -18,7 +18,9 @@ A layout packtools does not handle is refused by name, never sharded silently:
   fix it names: ``cp_size=1`` and ``context_parallel=N``): torch's ``context_parallel`` shards a packed row as
   one causal sequence, so its documents attend to each other;
 * DeepSpeed sequence parallelism (``sp_size > 1``, Ulysses): its all-to-all layout is not one packtools checks;
-* a mesh whose sizes do not multiply to the world size, or a ``ParallelismConfig`` without a mesh.
+* a mesh whose sizes do not multiply to the world size, or a ``ParallelismConfig`` without a mesh;
+* a model split by torch's own tensor parallelism (DTensor parameters over a mesh of several processes) that
+  neither accelerate nor DeepSpeed describes: plain processes would be taken for data-parallel replicas.
 """
 
 from __future__ import annotations
@@ -149,6 +151,31 @@ def _from_parallelism_config(accelerator: Any, config: Any, context_parallel: in
     return layout
 
 
+def _refuse_unknown_mesh(model: Any) -> None:
+    """Refuse a model split by torch's own tensor parallelism (DTensor parameters over a mesh of several
+    processes, not only data-parallel dimensions) that neither accelerate's ``ParallelismConfig`` nor DeepSpeed
+    describes: the processes would be taken for data-parallel replicas, and TP peers would read different rows.
+    (Not called under FSDP, whose DTensors are sharded over the data-parallel processes.)"""
+    import sys
+
+    tensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor can exist
+    if tensor is None or model is None or not hasattr(model, "parameters"):
+        return
+    for param in model.parameters():
+        mesh = getattr(param, "device_mesh", None) if isinstance(param, tensor.DTensor) else None
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        if mesh is not None and mesh.size() > 1 and not (names and set(names) <= set(_DP_DIMS)):
+            raise PackingError(
+                f"the model's parameters are DTensors over a device mesh of {mesh.size()} processes (dimensions "
+                f"{names or 'unnamed'}, shape {tuple(mesh.shape)}: torch's tensor parallelism, parallelize_module) "
+                f"that the trainer's accelerator does not know, so every process would be taken for a "
+                f"data-parallel replica and tensor-parallel peers would read different rows. Describe the layout "
+                f"to accelerate (TrainingArguments(parallelism_config=ParallelismConfig(tp_size=...))), or train "
+                f"in a plain loop with the sampler sharded by packtools.integrations.RankLayout.from_mesh(mesh).",
+                param="model",
+            )
+
+
 def rank_layout(trainer: Any, context_parallel: int | None = None) -> RankLayout:
     """The :class:`RankLayout` of ``trainer``'s process (see the module docstring).
 
@@ -169,6 +196,10 @@ def rank_layout(trainer: Any, context_parallel: int | None = None) -> RankLayout
         if tp > 1:
             layout = RankLayout(index // tp, world // tp, tp_size=tp, source="DeepSpeed AutoTP")
     if layout is None:
+        if not getattr(
+            trainer, "is_fsdp_enabled", False
+        ):  # FSDP's DTensors are sharded over data parallelism
+            _refuse_unknown_mesh(getattr(trainer, "model", None))
         cp = 1 if context_parallel is None else int(context_parallel)
         if world % cp:
             raise PackingError(
