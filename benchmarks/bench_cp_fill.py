@@ -16,9 +16,8 @@ import argparse
 import numpy as np
 
 from packtools._format import text_table
-from packtools.batches.context_parallel import cp_padded_lengths
+from packtools.core.cp_budget import cp_padded_lengths, cp_stats
 from packtools.pipeline.config import PipelineConfig
-from packtools.pipeline.cp_budget import cp_stats
 from packtools.pipeline.planning import apply_overlong, plan_parts
 
 

@@ -1,5 +1,5 @@
 """Offline packing for context parallelism (``pack_files(..., context_parallel=N)``, ``packtools pack
---context-parallel N``; :mod:`packtools.pipeline.cp_budget`): rows planned at their documents' CP-padded length
+--context-parallel N``; :mod:`packtools.core.cp_budget`): rows planned at their documents' CP-padded length
 still fit ``max_length`` once the collator pads them, the padding is reported, the CP size is in the manifest
 and its key, the collator cuts offline-packed rows as it cuts the same documents packed at batch time, and rows
 packed for another CP size fit exactly or are refused by row."""
@@ -254,9 +254,9 @@ def test_options_cp_cannot_keep_are_refused_by_name(tmp_path):
     with pytest.raises(PackingError, match="not one: a document of max_length tokens") as info:
         PipelineConfig(max_length=100, context_parallel=8)
     assert info.value.param == "max_length" and "e.g. 96" in str(info.value)
-    with pytest.raises(PackingError, match="strategy='wrapped' with context_parallel=2") as info:
-        PipelineConfig(max_length=64, strategy="wrapped", context_parallel=2)
-    assert info.value.param == "strategy"
+    with pytest.raises(PackingError, match="max_length=100 is not one") as info:
+        PipelineConfig(max_length=100, strategy="wrapped", context_parallel=4)  # wrapped: the same rule
+    assert PipelineConfig(max_length=64, strategy="wrapped", context_parallel=2).context_parallel == 2
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(PackingError, match="context_parallel must be a positive int"):
             PipelineConfig(max_length=64, context_parallel=bad)

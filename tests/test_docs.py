@@ -11,6 +11,7 @@ import packtools
 # Modules whose examples need optional extras are still collected; they skip if the extra is missing.
 NEEDS = {
     "packtools.integrations.datasets": "datasets",
+    "packtools.integrations.truncation": "datasets",
     "packtools.integrations.dataset_views": "datasets",
     "packtools.integrations.preference_data": "datasets",
     "packtools.integrations.compat.datasets": "datasets",

@@ -1,10 +1,11 @@
 """The data-parallel rank and size of a run, read from accelerate's mesh (F3): TP/CP peers share batches.
 
 In-process: the arithmetic over a real ``ParallelismConfig`` with a stand-in mesh (``get_local_rank`` of
-each named dimension, what torch's ``DeviceMesh`` answers), DeepSpeed AutoTP, and the refusals by name.
-The 2-process run over a real torch ``DeviceMesh`` (gloo, CPU) is in ``tests/test_context_parallel_ranks.py``
-(accelerate itself refuses ``ParallelismConfig`` on CPU: "only compatible with FSDP2, Multi{Device} or
-DeepSpeed, got MULTI_CPU", so no real ``Accelerator`` with a TP mesh runs here).
+each named dimension, what torch's ``DeviceMesh`` answers), DeepSpeed AutoTP, ``RankLayout.from_mesh`` and
+the refusals by name.  accelerate itself refuses ``ParallelismConfig`` on CPU ("only compatible with FSDP2,
+Multi{Device} or DeepSpeed, got MULTI_CPU"), so no real ``Accelerator`` with a TP mesh runs here; torch's own
+TP over a real ``DeviceMesh`` (gloo, 2 and 4 processes) fed through ``RankLayout.from_mesh`` is
+``tests/test_tp_training.py``.
 """
 
 from types import SimpleNamespace as NS
@@ -100,6 +101,37 @@ def test_unhandled_layouts_are_refused_by_name():
         rank_layout(trainer(0, 2, ParallelismConfig(tp_size=2), None))
     with pytest.raises(PackingError, match="does not cover the 4 processes"):
         rank_layout(trainer(0, 4, ParallelismConfig(tp_size=2), Mesh(("tp",), (2,), 0)))
+
+
+def test_layout_from_a_torch_device_mesh():
+    """A plain loop's layout from the mesh itself: data-parallel dimensions row-major, TP/CP peers share."""
+    layouts = [RankLayout.from_mesh(Mesh(("dp", "tp"), (2, 2), i)) for i in range(4)]
+    assert [(lay.dp_rank, lay.dp_size, lay.tp_size) for lay in layouts] == [
+        (0, 2, 2),
+        (0, 2, 2),
+        (1, 2, 2),
+        (1, 2, 2),
+    ]
+    names, shape = ("dp_replicate", "dp_shard", "cp", "tp"), (2, 2, 2, 2)
+    layouts = [RankLayout.from_mesh(Mesh(names, shape, i)) for i in range(16)]
+    assert [lay.dp_rank for lay in layouts] == [i // 4 for i in range(16)]
+    assert [lay.cp_rank for lay in layouts] == [(i // 2) % 2 for i in range(16)]
+    assert {(lay.dp_size, lay.cp_size, lay.tp_size, lay.world) for lay in layouts} == {(4, 2, 2, 16)}
+    assert RankLayout.from_mesh(Mesh(("tp",), (2,), 1)) == RankLayout(
+        0, 1, tp_size=2, source="torch DeviceMesh"
+    )
+    # The same answer as accelerate's mesh read through its ParallelismConfig.
+    config = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2)
+    mesh_names, mesh_shape = ("dp_replicate", "dp_shard", "tp"), (2, 2, 2)
+    for i in range(8):
+        via_accelerate = rank_layout(trainer(i, 8, config, Mesh(mesh_names, mesh_shape, i)))
+        via_torch = RankLayout.from_mesh(Mesh(mesh_names, mesh_shape, i))
+        assert (via_torch.dp_rank, via_torch.dp_size) == (via_accelerate.dp_rank, via_accelerate.dp_size)
+    # A dimension packtools cannot place (pipeline stages, experts, unnamed) is refused by name.
+    with pytest.raises(PackingError, match=r"\('dp', 'pp'\).*\['pp'\] it does not know"):
+        RankLayout.from_mesh(Mesh(("dp", "pp"), (2, 2), 0))
+    with pytest.raises(PackingError, match="unnamed"):
+        RankLayout.from_mesh(Mesh(None, (2,), 0))
 
 
 def test_prepare_dpo_trainer_refuses_accelerates_context_parallelism_by_name(tmp_path):

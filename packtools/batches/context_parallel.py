@@ -5,7 +5,8 @@ other and give the ranks unequal causal work) but **per document**, the head-tai
 THD format:
 
 * document ``i`` of ``L_i`` tokens is padded to ``P_i``, the next multiple of ``2N`` (``P_i - L_i < 2N``
-  padding tokens), and cut into ``2N`` chunks of ``c_i = P_i / 2N`` tokens; rank ``r`` holds chunks ``r``
+  padding tokens; the rule :func:`~packtools.core.cp_budget.cp_padded_lengths`, shared with the planners that
+  pack rows for CP), and cut into ``2N`` chunks of ``c_i = P_i / 2N`` tokens; rank ``r`` holds chunks ``r``
   and ``2N - 1 - r`` (an early, cheap chunk and a late, expensive one: the causal work of the two sums to
   about the same on every rank);
 * a rank's row is, document after document, its two chunks of that document: ``sum(P_i) / N`` tokens, the
@@ -41,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from ..constants import IGNORE_INDEX
+from ..core.cp_budget import check_cp_size, check_rows_fit, cp_padded_lengths
 from ..errors import PackingError
 
 #: The key under which a CP shard carries its :class:`CPLayout` to the attention function.
@@ -48,52 +50,10 @@ CP_KEY = "packtools_cp"
 
 
 def _check_cp(cp_size: object, cp_rank: object = 0) -> tuple[int, int]:
-    if isinstance(cp_size, bool) or not isinstance(cp_size, (int, np.integer)) or cp_size < 1:
-        raise PackingError(
-            f"context_parallel must be a positive int, got {cp_size!r}.", param="context_parallel"
-        )
+    cp_size = check_cp_size(cp_size)
     if isinstance(cp_rank, bool) or not isinstance(cp_rank, (int, np.integer)) or not 0 <= cp_rank < cp_size:
         raise PackingError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}.", param="cp_rank")
     return int(cp_size), int(cp_rank)
-
-
-def cp_padded_lengths(lengths: Sequence[int] | np.ndarray, cp_size: int) -> np.ndarray:
-    """The padding policy, in one place: each length rounded up to the next multiple of ``2 * cp_size``
-    (int64; 0 stays 0, a document shorter than ``2N`` becomes ``2N``).  The CP layout pads to it at batch time
-    and the offline planner (``pack_files(..., context_parallel=N)``) budgets rows with it.
-
-    >>> cp_padded_lengths([5, 2, 8, 0], 2).tolist()
-    [8, 4, 8, 0]
-    """
-    cp_size, _ = _check_cp(cp_size)
-    chunks = 2 * cp_size
-    return -(-np.asarray(lengths, np.int64) // chunks) * chunks
-
-
-def check_rows_fit(
-    seq_lengths: Sequence[Sequence[int]], cp_size: int, max_length: int, *, first_row: int = 0
-) -> None:
-    """Refuse, by row, packed rows whose documents padded for CP size ``cp_size`` exceed ``max_length``.
-
-    ``seq_lengths``: each row's document lengths (its ``seq_lengths`` column).  Rows packed offline for CP
-    size ``K`` (``pack_files(..., context_parallel=K)``) fit any ``N`` dividing ``K``; others may not.
-
-    >>> check_rows_fit([[3, 3]], 2, 8)
-    >>> check_rows_fit([[5, 3]], 2, 8)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    packtools.errors.PackingError: row 0 (documents [5, 3], 8 tokens) is 12 tokens once padded ...
-    """
-    for i, row in enumerate(seq_lengths):
-        lengths = np.asarray(row, np.int64)
-        padded = int(cp_padded_lengths(lengths, cp_size).sum())
-        if padded > max_length:
-            raise PackingError(
-                f"row {first_row + i} (documents {lengths.tolist()}, {int(lengths.sum())} tokens) is {padded} "
-                f"tokens once padded for context_parallel={cp_size}, over max_length={max_length}: it was "
-                f"packed for another CP size (or without one). Pack it again with pack_files(..., "
-                f"context_parallel={cp_size}) / packtools pack --context-parallel {cp_size}.",
-                param="context_parallel",
-            )
 
 
 @dataclass(frozen=True)
@@ -337,8 +297,9 @@ class ContextParallelCollator:
     and :data:`CP_KEY` (the :class:`CPShard`, which the CP attention reads).
 
     ``max_length``: the packed rows' length (the ``max_length`` they were packed with).  Given, every feature's
-    documents padded for ``cp_size`` must fit it, or the batch is refused by row (:func:`check_rows_fit`): rows
-    packed offline for this CP size (or a multiple of it) always fit; rows packed for another (or none) fit or
+    documents padded for ``cp_size`` must fit it, or the batch is refused by row
+    (:func:`~packtools.core.cp_budget.check_rows_fit`): rows packed for this CP size (or a multiple of it:
+    ``pack_dataset`` / ``pack_files`` with ``context_parallel``) always fit; rows packed for another (or none) fit or
     are refused, never trained over ``max_length`` silently.
 
     >>> from packtools import PaddingFreeCollator

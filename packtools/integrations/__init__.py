@@ -17,7 +17,7 @@ from .._lazy import lazy_exports
 _EXPORTS = {
     "pack_dataset": "packtools.integrations.datasets",
     "packed_view": "packtools.integrations.dataset_views",
-    "truncate_dataset": "packtools.integrations.datasets",
+    "truncate_dataset": "packtools.integrations.truncation",
     "pack_preference": "packtools.integrations.preference_data",
     "pack_ray_dataset": "packtools.integrations.ray",
     "prepare_trainer": "packtools.integrations.transformers",
@@ -29,12 +29,14 @@ _EXPORTS = {
     "check_vision_isolation": "packtools.integrations.vision",
     "prepare_dpo_trainer": "packtools.integrations.trl",
     "use_cp_attention": "packtools.integrations.cp_attention",
+    "RankLayout": "packtools.integrations.parallel_layout",
 }
 
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 del lazy_exports
 
 __all__ = [
+    "RankLayout",
     "check_isolation",
     "check_vision_isolation",
     "use_cp_attention",

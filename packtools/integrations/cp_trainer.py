@@ -7,7 +7,8 @@ The pieces, each from its own module:
   the DP group only, so the ``N`` ranks of a CP group read the same batch;
 * the collator: the trainer's :class:`~packtools.PaddingFreeCollator` wrapped in
   :class:`~packtools.batches.context_parallel.ContextParallelCollator` (this rank's share of every batch),
-  holding the rows of a ``pack_files`` folder to its ``max_length`` once padded (:func:`cp_collator`);
+  holding the rows of a ``pack_files`` folder or of ``pack_dataset`` output to their ``max_length`` once padded,
+  every row checked before training (:func:`cp_collator`);
 * the model: ``packtools_cp`` attention (:mod:`packtools.integrations.cp_attention`) over this process's CP
   group (created here with ``torch.distributed.new_group``, every rank creating every group in order);
 * the loss: ``compute_loss`` is the summed next-token loss of the shard on its ``shift_labels`` (no second
@@ -29,12 +30,14 @@ accelerate's own context parallelism (``ParallelismConfig(cp_size>1)``) is refus
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from .._optional import require
 from ..batches.context_parallel import ContextParallelCollator
 from ..constants import SEQ_LENGTHS
+from ..core.cp_budget import check_rows_fit
 from ..errors import PackingError
 from ..io.manifest import read_manifest
 from .compat import set_attr
@@ -135,8 +138,14 @@ def check_cp_trainer(trainer: Any, layout: RankLayout) -> None:
 
 
 def packed_max_length(dataset: Any) -> int | None:
-    """The ``max_length`` a ``datasets.Dataset`` loaded from a ``pack_files`` folder was packed with (its
-    manifest, next to its Arrow files), or ``None`` when it has none."""
+    """The ``max_length`` a ``datasets.Dataset`` was packed with: ``pack_dataset``'s
+    (:func:`~packtools.integrations.datasets.packing_record`), else a ``pack_files`` folder's (its manifest, next
+    to its Arrow files), else ``None``."""
+    from .datasets import packing_record
+
+    record = packing_record(dataset)
+    if record is not None:
+        return record["max_length"]
     files = getattr(dataset, "cache_files", None) or []
     folders = {os.path.dirname(f["filename"]) for f in files if isinstance(f, dict) and "filename" in f}
     for folder in sorted(folders):
@@ -147,37 +156,54 @@ def packed_max_length(dataset: Any) -> int | None:
 
 
 def cp_collator(trainer: Any, layout: RankLayout) -> ContextParallelCollator:
-    """This rank's CP collator over the trainer's own.  When the train dataset is a ``pack_files`` folder, its
-    rows are held to the folder's ``max_length`` once padded for ``layout.cp_size``: rows packed for this CP size
-    (or a multiple of it) fit, others fit or are refused by row, never trained over ``max_length`` silently
-    (:func:`~packtools.batches.context_parallel.check_rows_fit`)."""
+    """This rank's CP collator over the trainer's own.  When the train dataset's packing ``max_length`` is known
+    (:func:`packed_max_length`: a ``pack_files`` folder's manifest, or ``pack_dataset``'s record), every row is
+    held to it once padded for ``layout.cp_size`` -- checked now, all rows at once, before training: rows packed
+    for this CP size (or a multiple of it) fit, others fit or are refused by row
+    (:func:`~packtools.core.cp_budget.check_rows_fit`), never trained over ``max_length`` silently.  Packed rows
+    whose ``max_length`` packtools cannot know are cut as they are, with a warning saying so."""
     dataset = getattr(trainer, "train_dataset", None)
     limit = packed_max_length(dataset)
-    if limit is not None:  # every row checked now, before training, not when a batch first reaches it
-        _check_all_rows_fit(dataset, layout.cp_size, limit)
+    column = _seq_lengths(dataset)
+    if limit is not None:
+        rows = column if column is not None else _one_sequence_rows(dataset)
+        if rows is not None:
+            check_rows_fit(rows, layout.cp_size, limit)
+    elif column is not None:
+        warnings.warn(
+            f"context_parallel={layout.cp_size}: the train dataset holds packed rows (seq_lengths) whose packing "
+            f"max_length packtools cannot read (neither a pack_files folder nor pack_dataset output), so rows are "
+            f"not checked against it once padded for CP: a row can grow by up to {2 * layout.cp_size - 1} tokens "
+            f"per document. Pack with pack_dataset(..., context_parallel={layout.cp_size}).",
+            stacklevel=4,
+        )
     return ContextParallelCollator(trainer.data_collator, layout.cp_size, layout.cp_rank, max_length=limit)
 
 
-def _check_all_rows_fit(dataset: Any, cp_size: int, limit: int) -> None:
-    """:func:`~packtools.batches.context_parallel.check_rows_fit` on every row of a packed ``datasets.Dataset``
-    at once (its ``seq_lengths`` offsets and values only), naming the first row that does not fit."""
-    import numpy as np
-    import pyarrow.compute as pc
+def _seq_lengths(dataset: Any) -> Any:
+    """The ``seq_lengths`` column of a ``datasets.Dataset`` in its row order (``None`` when it has none)."""
+    if not (hasattr(dataset, "column_names") and hasattr(dataset, "data")):
+        return None
+    if SEQ_LENGTHS not in (dataset.column_names or []):
+        return None
+    from .compat.datasets import dataset_table
 
-    from ..batches.context_parallel import check_rows_fit, cp_padded_lengths
-
-    table = getattr(getattr(dataset, "data", None), "table", None)
-    if table is None or SEQ_LENGTHS not in table.column_names:
-        return
+    table, indices = dataset_table(dataset)
     column = table.column(SEQ_LENGTHS)
-    docs = np.asarray(pc.list_flatten(column).to_numpy(zero_copy_only=False), np.int64)
-    counts = np.asarray(pc.list_value_length(column).to_numpy(zero_copy_only=False), np.int64)
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    padded = np.add.reduceat(np.append(cp_padded_lengths(docs, cp_size), 0), starts[:-1]) * (counts > 0)
-    over = np.flatnonzero(padded > limit)
-    if over.size:
-        row = int(over[0])
-        check_rows_fit([docs[starts[row] : starts[row + 1]]], cp_size, limit, first_row=row)
+    return column if indices is None else column.take(indices)
+
+
+def _one_sequence_rows(dataset: Any) -> Any:
+    """Rows without ``seq_lengths`` (``wrapped`` output) as the collator sees them: one sequence each
+    (``[[len(input_ids)], ...]``), or ``None`` without an ``input_ids`` column."""
+    if "input_ids" not in (getattr(dataset, "column_names", None) or []):
+        return None
+    from ..core.arrow import column_lengths
+    from .compat.datasets import dataset_table
+
+    table, indices = dataset_table(dataset)
+    lengths = column_lengths(table.column("input_ids"))
+    return (lengths if indices is None else lengths[indices]).reshape(-1, 1)
 
 
 def prepare_context_parallel(trainer: Any, layout: RankLayout) -> None:

@@ -1,7 +1,8 @@
 """Packing and truncating Hugging Face ``datasets`` (extra ``packtools[datasets]``), imported only when used.
 
 :func:`pack_dataset` packs a ``Dataset`` / ``DatasetDict`` with one global plan (in memory, or block by block into
-an Arrow cache file) and an ``IterableDataset`` window by window; :func:`truncate_dataset` cuts list columns.
+an Arrow cache file) and an ``IterableDataset`` window by window (:func:`~packtools.integrations.truncation.truncate_dataset`
+cuts list columns).
 Views without copies are in :mod:`packtools.integrations.dataset_views`, preference pairs and groups in
 :mod:`packtools.integrations.preference_data`; what they read of ``datasets``' internals is in
 :mod:`packtools.integrations.compat.datasets`.
@@ -9,8 +10,8 @@ Views without copies are in :mod:`packtools.integrations.dataset_views`, prefere
 
 from __future__ import annotations
 
+import json
 import os
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,13 +20,13 @@ import pyarrow as pa
 
 from .._optional import require
 from ..constants import SEQ_LENGTHS
-from ..core.pack import pack_columns, read_columns, truncate_table
+from ..core.cp_budget import check_context_parallel, plan_for_cp
+from ..core.pack import pack_columns, read_columns
 from ..core.plan import PackPlan, Strategy, check_max_length, check_strategy
-from ..core.plan import plan as make_plan
 from ..errors import PackingError
 from .compat.datasets import dataset_table, format_type, memory_mapped_table, temporary_cache_directory
 from .compat.datasets import fingerprint as datasets_fingerprint
-from .drops import DropReport, TokensDroppedWarning, untrained_pieces, warn_dropped, warn_untrained
+from .drops import DropReport, untrained_pieces, warn_dropped, warn_untrained
 from .vision_data import has_images, pack_vision_table
 
 DEFAULT_WINDOW = 100_000
@@ -103,6 +104,36 @@ def _write_packed(path: str, cols: list, p: PackPlan, indices: np.ndarray | None
         writer.close()
 
 
+#: How ``pack_dataset`` output records what it was packed with (``DatasetInfo.description``, which ``datasets``
+#: carries through ``shuffle``, ``select``, ``map``, ``remove_columns`` and ``save_to_disk``).
+RECORD_PREFIX = "packtools.pack_dataset: "
+
+
+def packing_record(dataset: Any) -> dict[str, Any] | None:
+    """What ``pack_dataset`` packed ``dataset`` with (``max_length``, ``strategy``, ``context_parallel``), read
+    from its ``DatasetInfo.description``; ``None`` for any other dataset.
+
+    >>> from datasets import Dataset
+    >>> packing_record(pack_dataset(Dataset.from_dict({"input_ids": [[1, 2, 3], [4]]}), 4))
+    {'max_length': 4, 'strategy': 'bfd', 'context_parallel': 1}
+    """
+    description = getattr(getattr(dataset, "info", None), "description", None)
+    if not isinstance(description, str) or not description.startswith(RECORD_PREFIX):
+        return None
+    try:
+        record = json.loads(description[len(RECORD_PREFIX) :])
+    except ValueError:
+        return None
+    ok = isinstance(record, dict) and isinstance(record.get("max_length"), int)
+    return record if ok else None
+
+
+def _packed(dataset: Any, table: Any, fingerprint: str, record: dict[str, Any]) -> Any:
+    ds_mod = datasets_module()
+    info = ds_mod.DatasetInfo(description=RECORD_PREFIX + json.dumps(record))
+    return ds_mod.Dataset(table, info=info, split=dataset.split, fingerprint=fingerprint)
+
+
 def pack_split(
     dataset: Any,
     max_length: int,
@@ -113,25 +144,36 @@ def pack_split(
     seed: int,
     keep_in_memory: bool | None,
     plan: PackPlan | None = None,
+    context_parallel: int = 1,
 ) -> tuple[Any, DropReport]:
     """Pack one ``Dataset`` and report its drops; with ``plan`` (made for these arguments, e.g. by
-    :func:`~packtools.integrations.dataset_views.packed_view`) reuse it."""
+    :func:`~packtools.integrations.dataset_views.packed_view`) reuse it.  ``context_parallel``: already checked
+    (:func:`~packtools.core.cp_budget.check_context_parallel`)."""
     ds_mod = datasets_module()
     table, indices = dataset_table(dataset)
+    how = {
+        "max_length": max_length,
+        "strategy": strategy,
+        "columns": columns,
+        "shuffle": shuffle,
+        "seed": seed,
+    }
+    if context_parallel > 1:  # in the key only when used: keys of runs without CP stay as they were
+        how["context_parallel"] = context_parallel
+    fingerprint = derived_fingerprint(dataset, "pack", **how)
+    record = {"max_length": max_length, "strategy": strategy, "context_parallel": context_parallel}
     if plan is None and has_images(table):  # processed vision-language samples: whole, images in row order
+        if context_parallel > 1:
+            raise PackingError(
+                f"context_parallel={context_parallel} with vision-language samples (pixel_values / "
+                f"image_grid_thw): packtools does not train them under context parallelism. Pack them without "
+                f"context_parallel.",
+                param="context_parallel",
+            )
         packed, p = pack_vision_table(
             table, indices, max_length, strategy, columns, shuffle=shuffle, seed=seed
         )
-        fingerprint = derived_fingerprint(
-            dataset,
-            "pack",
-            max_length=max_length,
-            strategy=strategy,
-            columns=columns,
-            shuffle=shuffle,
-            seed=seed,
-        )
-        out = ds_mod.Dataset(packed, split=dataset.split, fingerprint=fingerprint)
+        out = _packed(dataset, packed, fingerprint, record)
         return restore_format(out, dict(dataset.format), [SEQ_LENGTHS]), DropReport.from_plan(p)
     cols, lengths = read_columns(table, columns)
     if plan is not None:
@@ -139,26 +181,22 @@ def pack_split(
     else:
         if indices is not None:
             lengths = lengths[indices]
-        p = make_plan(lengths, max_length, strategy)
+        p = plan_for_cp(lengths, max_length, strategy, context_parallel)
         if shuffle:
             p = p.shuffled(seed)
-    fingerprint = derived_fingerprint(
-        dataset, "pack", max_length=max_length, strategy=strategy, columns=columns, shuffle=shuffle, seed=seed
-    )
     if keep_in_memory is None:
         keep_in_memory = not dataset.cache_files
     if keep_in_memory:
-        out = ds_mod.Dataset(pack_columns(cols, p, indices), split=dataset.split, fingerprint=fingerprint)
+        out = _packed(dataset, pack_columns(cols, p, indices), fingerprint, record)
     else:
         path, reuse = _cache_file(dataset, fingerprint)
         if not (reuse and os.path.exists(path)):
             _write_packed(path, cols, p, indices)
-        mapped = memory_mapped_table(ds_mod, path)
-        out = ds_mod.Dataset(mapped, split=dataset.split, fingerprint=fingerprint)
+        out = _packed(dataset, memory_mapped_table(ds_mod, path), fingerprint, record)
     added = [SEQ_LENGTHS] if SEQ_LENGTHS in out.column_names else []
     if p.strategy in ("bfd_split", "wrapped"):  # pieces of a cut that train nothing are said, never silent
         warn_untrained(untrained_pieces(table, indices, p), f"pack_dataset(strategy={p.strategy!r})", 3)
-    return restore_format(out, dict(dataset.format), added), DropReport.from_plan(p)
+    return restore_format(out, dict(dataset.format), added), DropReport.from_plan(p, context_parallel)
 
 
 def pack_dataset(
@@ -173,6 +211,7 @@ def pack_dataset(
     keep_in_memory: bool | None = None,
     return_report: bool = False,
     processor: Any = None,
+    context_parallel: int = 1,
 ) -> Any:
     """Pack a ``datasets.Dataset``, ``DatasetDict`` or ``IterableDataset`` into rows of ``max_length`` tokens.
 
@@ -213,6 +252,15 @@ def pack_dataset(
     parts, ``images``: paths, bytes or PIL images) into those columns
     (:func:`~packtools.integrations.vision_processor.process_vision_dataset`).
 
+    ``context_parallel=N`` packs the rows for context parallelism over ``N`` processes
+    (:mod:`packtools.core.cp_budget`, the rule ``pack_files(..., context_parallel=N)`` plans with offline): every
+    document is planned at its length padded to a multiple of ``2N``, so each row still fits ``max_length`` once
+    :class:`~packtools.batches.ContextParallelCollator` pads it; the rows hold real tokens only (``seq_lengths``
+    the real lengths), and the padding is reported as fill lost (the report's ``cp_padding_tokens`` and
+    ``cp_fill_lost``).  ``max_length`` must be a multiple of ``2N``; ``bfd`` and ``bfd_split`` only.  The output
+    records what it was packed with (:func:`packing_record`), so ``prepare_trainer(trainer,
+    context_parallel=N)`` holds every row to that ``max_length`` once padded before training.
+
     ``shuffle=True`` reorders the packed rows with ``seed`` (BFD emits the fullest rows first); for an
     ``IterableDataset`` each window is shuffled on its own, with the same seed (shuffle the stream's
     shards too, e.g. ``IterableDataset.shuffle``, for order across windows).
@@ -225,7 +273,13 @@ def pack_dataset(
     ds_mod = datasets_module()
     strategy = check_strategy(strategy)
     max_length = check_max_length(max_length)
-    how = {"shuffle": shuffle, "seed": seed, "keep_in_memory": keep_in_memory}
+    context_parallel = check_context_parallel(context_parallel, max_length, strategy)
+    how = {
+        "shuffle": shuffle,
+        "seed": seed,
+        "keep_in_memory": keep_in_memory,
+        "context_parallel": context_parallel,
+    }
     if processor is not None:
         from .vision_processor import load_vision_processor, process_vision_dataset
 
@@ -261,7 +315,14 @@ def pack_dataset(
                 param="return_report",
             )
         return _pack_iterable(
-            dataset, max_length, strategy, columns, shuffle=shuffle, seed=seed, window=window
+            dataset,
+            max_length,
+            strategy,
+            columns,
+            shuffle=shuffle,
+            seed=seed,
+            window=window,
+            cp=context_parallel,
         )
     raise PackingError(
         f"dataset must be a datasets.Dataset, DatasetDict or IterableDataset, got {type(dataset).__name__}; "
@@ -278,6 +339,7 @@ def _pack_iterable(
     shuffle: bool,
     seed: int,
     window: int,
+    cp: int = 1,
 ) -> Any:
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise PackingError(f"window must be a positive number of rows, got {window!r}.")
@@ -285,7 +347,7 @@ def _pack_iterable(
 
     def pack_window(batch: pa.Table) -> pa.Table:
         cols, lengths = read_columns(batch, names)
-        p = make_plan(lengths, max_length, strategy)
+        p = plan_for_cp(lengths, max_length, strategy, cp)
         if shuffle:
             p = p.shuffled(seed)
         return pack_columns(cols, p)
@@ -293,59 +355,3 @@ def _pack_iterable(
     fmt_type = format_type(dataset)
     packed = dataset.with_format("arrow").map(pack_window, batched=True, batch_size=window)
     return packed.with_format(fmt_type)
-
-
-def truncate_dataset(
-    dataset: Any, max_length: int, columns: Sequence[str] | None = None, *, return_report: bool = False
-) -> Any:
-    """Keep the first ``max_length`` values of each list column (all, or those named) of a dataset.
-
-    Works on ``Dataset`` and ``DatasetDict`` (and on a ``pyarrow.Table``); the format is kept.  Tokens cut
-    (counted on ``input_ids``, else the first truncated column) raise a
-    :class:`~packtools.integrations.drops.TokensDroppedWarning`; ``return_report=True`` returns
-    ``(truncated, report)``.
-
-    >>> from datasets import Dataset
-    >>> truncate_dataset(Dataset.from_dict({"input_ids": [[1, 2, 3], [4]]}), 2)[:]
-    {'input_ids': [[1, 2], [4]]}
-    """
-    if isinstance(dataset, pa.Table):
-        out = truncate_table(dataset, max_length, columns)
-        report = _truncate_report(dataset, max_length, columns)
-        warn_dropped(report, "truncate_dataset")
-        return (out, report) if return_report else out
-    ds_mod = datasets_module()
-    max_length = check_max_length(max_length)
-    if isinstance(dataset, ds_mod.DatasetDict):
-        results = {}
-        for k, v in dataset.items():
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", TokensDroppedWarning)
-                results[k] = truncate_dataset(v, max_length, columns, return_report=True)
-            warn_dropped(results[k][1], "truncate_dataset", k)
-        out = ds_mod.DatasetDict({k: r[0] for k, r in results.items()})
-        return (out, {k: r[1] for k, r in results.items()}) if return_report else out
-    if not isinstance(dataset, ds_mod.Dataset):
-        raise PackingError(
-            f"dataset must be a datasets.Dataset or DatasetDict, got {type(dataset).__name__}."
-        )
-    table, indices = dataset_table(dataset)
-    if indices is not None:
-        table = table.take(pa.array(indices))
-    fingerprint = derived_fingerprint(dataset, "truncate", max_length=max_length, columns=columns)
-    out = ds_mod.Dataset(
-        truncate_table(table, max_length, columns), split=dataset.split, fingerprint=fingerprint
-    )
-    report = _truncate_report(table, max_length, columns)
-    warn_dropped(report, "truncate_dataset")
-    out = restore_format(out, dict(dataset.format), [])
-    return (out, report) if return_report else out
-
-
-def _truncate_report(table: pa.Table, max_length: int, columns: Sequence[str] | None) -> DropReport:
-    from ..core.arrow import column_lengths, is_list_type
-
-    names = [f.name for f in table.schema if is_list_type(f.type)] if columns is None else list(columns)
-    name = "input_ids" if "input_ids" in names else (names[0] if names else None)
-    lengths = column_lengths(table.column(name)) if name else np.zeros(0, np.int64)
-    return DropReport.from_lengths(lengths, max_length, "truncate")

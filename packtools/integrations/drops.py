@@ -26,7 +26,12 @@ class TokensDroppedWarning(UserWarning):
 
 @dataclass(frozen=True)
 class DropReport:
-    """Tokens and sequences in and what ``max_length`` cut (``strategy``: the one used, or ``"truncate"``)."""
+    """Tokens and sequences in and what ``max_length`` cut (``strategy``: the one used, or ``"truncate"``).
+
+    Packed for context parallelism (``pack_dataset(..., context_parallel=N)``, ``N > 1``): the padding the CP
+    collator will add to the rows (``cp_padding_tokens``; ``cp_fill_lost``, its share of the rows' capacity
+    ``rows * max_length``), the fill the rows lose to it -- the same figures as ``pack_files``' manifest.
+    """
 
     max_length: int
     strategy: str
@@ -34,6 +39,9 @@ class DropReport:
     sequences_truncated: int
     tokens_in: int
     tokens_kept: int
+    context_parallel: int = 1
+    cp_padding_tokens: int = 0
+    cp_fill_lost: float = 0.0
 
     @property
     def tokens_dropped(self) -> int:
@@ -53,15 +61,28 @@ class DropReport:
         return cls(max_length, strategy, int(lens.shape[0]), over, total, kept)
 
     @classmethod
-    def from_plan(cls, plan: object) -> DropReport:
-        lens = plan.source_lengths  # type: ignore[attr-defined]
+    def from_plan(cls, plan: Any, context_parallel: int = 1) -> DropReport:
+        """The report of ``plan``; with ``context_parallel > 1``, its CP padding too
+        (:func:`~packtools.core.cp_budget.cp_stats`)."""
+        lens = plan.source_lengths
+        cp: dict[str, Any] = {}
+        if context_parallel > 1:
+            from ..core.cp_budget import cp_stats
+
+            stats = cp_stats(plan, context_parallel)
+            cp = {
+                "context_parallel": context_parallel,
+                "cp_padding_tokens": stats["cp_padding_tokens"],
+                "cp_fill_lost": stats["cp_fill_lost"],
+            }
         return cls(
-            plan.max_length,  # type: ignore[attr-defined]
-            plan.strategy,  # type: ignore[attr-defined]
+            plan.max_length,
+            plan.strategy,
             int(lens.shape[0]),
-            int(np.count_nonzero(lens > plan.max_length)),  # type: ignore[attr-defined]
-            plan.tokens_in,  # type: ignore[attr-defined]
-            plan.tokens_kept,  # type: ignore[attr-defined]
+            int(np.count_nonzero(lens > plan.max_length)),
+            plan.tokens_in,
+            plan.tokens_kept,
+            **cp,
         )
 
     def message(

@@ -7,7 +7,10 @@ partial results of it, or hold pieces of it).  :func:`rank_layout` reads that la
 state accelerate keeps (``Accelerator.parallelism_config``, ``Accelerator.torch_device_mesh`` and its
 ``get_local_rank``, DeepSpeed's ``tensor_parallel.autotp_size``), and hands it on as a :class:`RankLayout`
 value: the per-rank loaders shard over ``dp_size`` at ``dp_rank``, and losses that DDP averages are scaled by
-``dp_size``, never by the world size.
+``dp_size``, never by the world size.  Without accelerate (a plain loop over torch's own tensor parallelism,
+``parallelize_module`` on a ``DeviceMesh``), :meth:`RankLayout.from_mesh` reads the same from the mesh's named
+dimensions; hand ``layout.dp_size`` / ``layout.dp_rank`` to the sampler as ``num_replicas`` / ``rank``
+(``tests/test_tp_training.py`` runs it: 2 and 4 processes, gloo, CPU).
 
 A layout packtools does not handle is refused by name, never sharded silently:
 
@@ -15,7 +18,9 @@ A layout packtools does not handle is refused by name, never sharded silently:
   fix it names: ``cp_size=1`` and ``context_parallel=N``): torch's ``context_parallel`` shards a packed row as
   one causal sequence, so its documents attend to each other;
 * DeepSpeed sequence parallelism (``sp_size > 1``, Ulysses): its all-to-all layout is not one packtools checks;
-* a mesh whose sizes do not multiply to the world size, or a ``ParallelismConfig`` without a mesh.
+* a mesh whose sizes do not multiply to the world size, or a ``ParallelismConfig`` without a mesh;
+* a model split by torch's own tensor parallelism (DTensor parameters over a mesh of several processes) that
+  neither accelerate nor DeepSpeed describes: plain processes would be taken for data-parallel replicas.
 """
 
 from __future__ import annotations
@@ -51,6 +56,45 @@ class RankLayout:
     @property
     def world(self) -> int:
         return self.dp_size * self.peers
+
+    @classmethod
+    def from_mesh(cls, mesh: Any) -> RankLayout:
+        """This process's layout on a torch ``DeviceMesh`` (a plain loop or torch's TP without accelerate).
+
+        The mesh's named dimensions decide: ``dp`` / ``dp_replicate`` / ``dp_shard`` are data-parallel (the
+        rank over them row-major, as the mesh lays them out), ``tp`` and ``cp`` are peers that read the same
+        batch.  Any other dimension (``pp``, ``ep``, an unnamed mesh) is refused by name: packtools will not
+        guess whether its processes share a batch.  Give the sampler ``num_replicas=layout.dp_size,
+        rank=layout.dp_rank``.
+        """
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        shape = tuple(int(s) for s in getattr(mesh, "shape", ()))
+        unknown = [n for n in names if n not in _DP_DIMS + ("tp", "cp")]
+        if not names or len(names) != len(shape) or unknown or len(set(names)) != len(names):
+            raise PackingError(
+                f"a DeviceMesh with dimensions {names or 'unnamed'} (shape {shape}): packtools reads the "
+                f"data-parallel rank from dimensions named {', '.join(_DP_DIMS)} and the batch-sharing peers from "
+                f"'tp' and 'cp'; {unknown or 'unnamed or repeated dimensions'} it does not know. Name the mesh's "
+                f"dimensions (init_device_mesh(..., mesh_dim_names=...)) with these names only.",
+                param="mesh",
+            )
+        size = dict(zip(names, shape))
+        dp_rank, dp_size = 0, 1
+        for name in names:
+            if name in _DP_DIMS:
+                dp_rank, dp_size = dp_rank * size[name] + _mesh_rank(mesh, names, name), dp_size * size[name]
+        return cls(
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            cp_rank=_mesh_rank(mesh, names, "cp"),
+            cp_size=size.get("cp", 1),
+            tp_size=size.get("tp", 1),
+            source="torch DeviceMesh",
+        )
+
+
+#: Mesh dimensions that are data-parallel (accelerate's names and torch's usual ``dp``).
+_DP_DIMS = ("dp", "dp_replicate", "dp_shard")
 
 
 def _size(config: Any, name: str) -> int:
@@ -107,6 +151,31 @@ def _from_parallelism_config(accelerator: Any, config: Any, context_parallel: in
     return layout
 
 
+def _refuse_unknown_mesh(model: Any) -> None:
+    """Refuse a model split by torch's own tensor parallelism (DTensor parameters over a mesh of several
+    processes, not only data-parallel dimensions) that neither accelerate's ``ParallelismConfig`` nor DeepSpeed
+    describes: the processes would be taken for data-parallel replicas, and TP peers would read different rows.
+    (Not called under FSDP, whose DTensors are sharded over the data-parallel processes.)"""
+    import sys
+
+    tensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor can exist
+    if tensor is None or model is None or not hasattr(model, "parameters"):
+        return
+    for param in model.parameters():
+        mesh = getattr(param, "device_mesh", None) if isinstance(param, tensor.DTensor) else None
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        if mesh is not None and mesh.size() > 1 and not (names and set(names) <= set(_DP_DIMS)):
+            raise PackingError(
+                f"the model's parameters are DTensors over a device mesh of {mesh.size()} processes (dimensions "
+                f"{names or 'unnamed'}, shape {tuple(mesh.shape)}: torch's tensor parallelism, parallelize_module) "
+                f"that the trainer's accelerator does not know, so every process would be taken for a "
+                f"data-parallel replica and tensor-parallel peers would read different rows. Describe the layout "
+                f"to accelerate (TrainingArguments(parallelism_config=ParallelismConfig(tp_size=...))), or train "
+                f"in a plain loop with the sampler sharded by packtools.integrations.RankLayout.from_mesh(mesh).",
+                param="model",
+            )
+
+
 def rank_layout(trainer: Any, context_parallel: int | None = None) -> RankLayout:
     """The :class:`RankLayout` of ``trainer``'s process (see the module docstring).
 
@@ -127,6 +196,10 @@ def rank_layout(trainer: Any, context_parallel: int | None = None) -> RankLayout
         if tp > 1:
             layout = RankLayout(index // tp, world // tp, tp_size=tp, source="DeepSpeed AutoTP")
     if layout is None:
+        if not getattr(
+            trainer, "is_fsdp_enabled", False
+        ):  # FSDP's DTensors are sharded over data parallelism
+            _refuse_unknown_mesh(getattr(trainer, "model", None))
         cp = 1 if context_parallel is None else int(context_parallel)
         if world % cp:
             raise PackingError(

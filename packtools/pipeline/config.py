@@ -17,13 +17,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..constants import __version__
+from ..core.cp_budget import check_context_parallel
 from ..core.plan import check_max_length, check_strategy
 from ..errors import PackingError
 from ..io.files import InputFile
 from ..io.fingerprint import cache_key
 from ..io.manifest import MANIFEST_FORMAT
 from .char_drops import check_on_unencodable
-from .cp_budget import check_context_parallel
 from .fast_tokenize import check_audit_rate, check_engine, engine_key
 from .formats import FORMATS
 from .spec import IdsSpec
@@ -63,7 +63,7 @@ class PipelineConfig:
     tokenizer_engine: str = "auto"
     tokenizer_audit: float = 0.001  # share of rows compared with transformers after the proof
     on_unencodable: str = "report"  # characters the tokenizer cannot encode: report | error
-    # CP size the rows are budgeted for (documents planned at their CP-padded length; packtools.pipeline.cp_budget);
+    # CP size the rows are budgeted for (documents planned at their CP-padded length; packtools.core.cp_budget);
     # 1: no context parallelism
     context_parallel: int = 1
 

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from ..core.cp_budget import budget_lengths, budgets, cp_stats, to_real_plan
 from ..core.pack import pack_columns, read_columns
 from ..core.plan import PackPlan
 from ..core.plan import plan as make_plan
-from .cp_budget import budget_lengths, cp_stats, to_real_plan
 from .gather import WriteJob, shard_name
 
 if TYPE_CHECKING:
@@ -65,9 +65,10 @@ def plan_parts(eff: np.ndarray, bounds: Sequence[int], config: PipelineConfig) -
     """One global plan of ``eff`` or, with ``config.plan == "shards"``, one plan per part
     (rows ``bounds[i]:bounds[i + 1]``) put one after the other.  With ``config.context_parallel > 1`` the rows
     are planned at their CP-padded lengths and the plan then holds their real tokens
-    (:mod:`packtools.pipeline.cp_budget`)."""
+    (:mod:`packtools.core.cp_budget`)."""
     real = eff
-    if config.context_parallel > 1:  # every row planned at its CP-padded length, cut back below
+    budgeted = budgets(config.strategy, config.context_parallel)
+    if budgeted:  # every row planned at its CP-padded length, cut back below
         eff = budget_lengths(real, config.context_parallel)
     if config.plan == "global" or len(bounds) <= 2:
         p = make_plan(eff, config.max_length, config.strategy)
@@ -87,7 +88,7 @@ def plan_parts(eff: np.ndarray, bounds: Sequence[int], config: PipelineConfig) -
             ),
             eff,
         )
-    if config.context_parallel > 1:
+    if budgeted:
         p = to_real_plan(p, real)
     return p.shuffled(config.seed) if config.shuffle else p
 

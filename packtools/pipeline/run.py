@@ -110,7 +110,7 @@ def pack_files(
     ``options`` are the other fields of :class:`PipelineConfig` (``tokenizer``, ``format``, ``overlong``,
     ``columns``, ``add_eos``, ``max_prompt_length``, ``shuffle``, ``seed``, ``shard_tokens``, ``plan``,
     ``drop_unlabeled``, ``context_parallel`` (rows budgeted for context parallelism:
-    :mod:`packtools.pipeline.cp_budget`), ...); see the module docstring for the stages and the output.  ``executor``
+    :mod:`packtools.core.cp_budget`), ...); see the module docstring for the stages and the output.  ``executor``
     (``"local"``, ``"pool"`` with ``workers`` processes, ``"ray"`` at ``address`` or a local Ray with
     ``workers`` CPUs, or an :class:`~packtools.pipeline.executors.Executor`) runs the read/tokenize and
     gather/write stages and changes nothing in the output.  ``num_proc=N`` is ``executor="pool",
