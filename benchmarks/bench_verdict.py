@@ -60,7 +60,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--profile-then-pack", action="store_true", help="time pack after a profile (adoption)")
     ap.add_argument("--chat", action="store_true", help="chat rows (messages) instead of raw text")
-    ap.add_argument("--vocab", default="bpe32k", help="bench_tokenize.py's vocabularies: bpe32k, llama3, qwen3, ...")
+    ap.add_argument(
+        "--vocab", default="bpe32k", help="bench_tokenize.py's vocabularies: bpe32k, llama3, qwen3, ..."
+    )
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="bench-verdict-")
     try:
