@@ -182,9 +182,15 @@ def run(args: argparse.Namespace) -> int:
         if args.context_parallel < 1:
             raise PackingError(f"--context-parallel must be >= 1, got {args.context_parallel}.")
         lengths = profile.lengths[profile.lengths > 0]
-        audit = audit_plan(plan(lengths, chosen, rec.strategy), args.context_parallel)
+        packed = plan(lengths, chosen, rec.strategy)
+        audit = audit_plan(packed, args.context_parallel)
+        thd = audit_plan(packed, args.context_parallel, rotate=False)
         print()
         print(f"rows packed with {rec.strategy} at max_length {chosen:,}; " + audit.to_text())
+        print(
+            f"the head-tail layout without rotation (Megatron THD kernels, ContextParallelCollator(rotate=False)): "
+            f"worst row {thd.worst_row * 100:.2f}% off its mean, {thd.lost_to_imbalance * 100:.2f}% lost"
+        )
     if args.plot:
         from ..profiling.plot import profile_figure, save_figure
 

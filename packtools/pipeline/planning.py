@@ -260,7 +260,10 @@ class RowPlan:
             "plan": config.plan,
         }
         if config.context_parallel > 1:  # the padding the CP collator adds to these rows: fill lost
+            from ..profiling.cp_audit import work_stats
+
             out.update(cp_stats(p, config.context_parallel))
+            out.update(work_stats(p, config.context_parallel))  # the ranks' attention work, row by row
         if self.trained is not None and self.trained_eff is not None:
             idle = (self.eff > 0) & (self.trained_eff == 0)
             if self.whole_split is not None:

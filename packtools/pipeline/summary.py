@@ -247,6 +247,16 @@ def format_pipeline_summary(
                     f"of the rows' capacity lost, fill {100 * stats['fill_after_cp_padding']:.2f}% once padded",
                 )
             )
+            if "cp_worst_row_imbalance" in stats:
+                cells.append(
+                    (
+                        "CP work per rank",
+                        f"worst row {100 * stats['cp_worst_row_imbalance']:.2f}% off its mean (chunk pairs rotated "
+                        f"per document, as prepare_trainer trains; {100 * stats['cp_worst_row_imbalance_head_tail']:.2f}% "
+                        f"head-tail), {100 * stats['cp_time_lost_to_imbalance']:.2f}% of attention time lost to "
+                        f"the busiest rank, one row per batch",
+                    )
+                )
     if timings:
         cells += _time_rows(timings)
     cells.append(("output", f"{out} ({stats['shards']} shard{'s' if stats['shards'] != 1 else ''})"))
