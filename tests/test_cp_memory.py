@@ -22,15 +22,7 @@ from packtools.pipeline import pack_files
 
 datasets = pytest.importorskip("datasets")
 
-MAX = 256
-
-
-def long_tailed(seed: int = 0, n: int = 400) -> np.ndarray:
-    """Many documents shorter than 2N (1..7 tokens), a lognormal body and a few over MAX."""
-    rng = np.random.default_rng(seed)
-    short = rng.integers(1, 8, n // 4)
-    body = np.minimum(rng.lognormal(3.5, 1.0, n - n // 4 - 6).astype(np.int64) + 1, MAX)
-    return rng.permutation(np.concatenate([short, body, [MAX, MAX - 1, MAX + 1, 3 * MAX + 5, 1, 2]]))
+from test_cp_offline import MAX, long_tailed  # noqa: E402  (the same long-tailed lengths as offline)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _tp_worker import step_loss  # noqa: E402
 from cp_loop import BATCHES, tiny_llama_fp32  # noqa: E402
 
 from packtools import PaddingFreeCollator  # noqa: E402
@@ -62,18 +63,7 @@ def reference_step(lr: float = 1.0):
     rows = [row for batch in BATCHES for row in batch]
     batch = PaddingFreeCollator(0)(rows)
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
-    logits = model(
-        input_ids=batch["input_ids"],
-        position_ids=batch["position_ids"],
-        cu_seq_lens_q=batch["cu_seq_lens_q"],
-        cu_seq_lens_k=batch["cu_seq_lens_k"],
-        max_length_q=batch["max_length_q"],
-        max_length_k=batch["max_length_k"],
-        use_cache=False,
-    ).logits
-    labels = batch["labels"][0, 1:]
-    loss = torch.nn.functional.cross_entropy(logits[0, :-1], labels, ignore_index=-100, reduction="sum")
-    count = int((labels != -100).sum())
+    loss, count = step_loss(model, batch)  # the padding-free row's summed next-token loss, its targets
     (loss / count).backward()
     with torch.no_grad():
         for p in model.parameters():
