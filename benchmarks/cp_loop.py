@@ -5,8 +5,8 @@ Usage:
 
 ``W`` processes form ``W / CP`` data-parallel (DP) groups of ``CP`` consecutive ranks.  Every rank of a CP
 group reads the **same** batch (the sampler shards over the DP rank only) and keeps its share of it
-(``ContextParallelCollator(..., rotate=True)``: per document, a pair of chunks ``k`` and ``2·CP - 1 - k``,
-rotated over the ranks document after document so the documents' padding is spread); the model runs on
+(``ContextParallelCollator(..., balance=True)``: per document, a pair of chunks ``k`` and ``2·CP - 1 - k``,
+the busiest rank so far taking the lightest pair, so the documents' padding is spread); the model runs on
 ``packtools_cp`` attention (keys and values all-gathered in the CP group).  The loss of a step is the token
 mean over all DP × CP ranks and accumulation steps: each micro-batch's summed token loss is divided by the
 targets of the whole window on every rank, and gradients are summed over all ranks.  ``tests/_cp_worker.py``
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     dp = dist.get_world_size() // args.cp
     model = tiny_llama_fp32()
     use_cp_attention(model, group)
-    collator = ContextParallelCollator(PaddingFreeCollator(0), args.cp, cp_rank, rotate=True)  # packtools_cp
+    collator = ContextParallelCollator(PaddingFreeCollator(0), args.cp, cp_rank, balance=True)  # packtools_cp
     rows = [row for batch in BATCHES for row in batch]
     mine = rows[dp_rank::dp]  # the DP shard: every CP peer reads the same rows
     loader = torch.utils.data.DataLoader(mine, batch_size=1, collate_fn=collator)

@@ -5,7 +5,7 @@ Usage: ``torchrun --nproc_per_node W tests/_cp_worker.py CP OUT_DIR``.  ``W / CP
 Each variant runs one SGD step (lr 1) of a tiny Llama (fp32) from the same weights on its CP shard, the loss
 being each rank's summed next-token loss divided by the step's target count over all ranks, the gradients
 summed over all ranks (``plain_cp_step`` in ``benchmarks/cp_loop.py``), and records the parameter change.
-Variants: ``cp`` (packtools' layout), ``cp_rotated`` (its chunk pairs rotated per document), ``whole_row`` (the row split as one sequence), ``shift_after``
+Variants: ``cp`` (packtools' layout), ``cp_balanced`` (its chunk pairs balanced per document), ``whole_row`` (the row split as one sequence), ``shift_after``
 (labels shifted after the split), ``rank_mean`` (each rank's own token mean, averaged over ranks).
 Rank 0 writes ``OUT_DIR/result.pt``.
 """
@@ -36,7 +36,7 @@ def variant_batches(name, rows, cp, rank, collator):
     ids, labels = full["input_ids"][0], full["labels"][0]
     if name == "whole_row":
         return shard_row(ids, labels, [int(lengths.sum())], cp, rank, 0)
-    batch = shard_row(ids, labels, lengths, cp, rank, 0, rotate=name == "cp_rotated")
+    batch = shard_row(ids, labels, lengths, cp, rank, 0, balance=name == "cp_balanced")
     if name == "shift_after":
         layout = batch[CP_KEY].layout
         src = layout.source(rank)
@@ -54,7 +54,7 @@ def main() -> None:
     collator = PaddingFreeCollator(0, return_tensors="np")
     rows = [row for b in BATCHES[dp_rank::dp] for row in b]
     result = {}
-    for name in ("cp", "cp_rotated", "whole_row", "shift_after", "rank_mean"):
+    for name in ("cp", "cp_balanced", "whole_row", "shift_after", "rank_mean"):
         model = tiny_llama_fp32()
         use_cp_attention(model, group)
         batch = variant_batches(name, rows, cp, cp_rank, collator)

@@ -14,11 +14,10 @@ from packtools import PaddingFreeCollator
 from packtools.batches.context_parallel import (
     ContextParallelCollator,
     CPLayout,
-    rank_work,
     shard_row,
     shift_within_documents,
-    work_imbalance,
 )
+from packtools.batches.cp_work import rank_work, work_imbalance
 from packtools.errors import PackingError
 
 IGNORE = -100
@@ -35,9 +34,9 @@ def unsplit(lengths, seed=0):
     return ids, labels
 
 
-def shards(lengths, cp, seed=0, rotate=False):
+def shards(lengths, cp, seed=0, balance=False):
     ids, labels = unsplit(lengths, seed)
-    return ids, labels, [shard_row(ids, labels, lengths, cp, r, 0, rotate=rotate) for r in range(cp)]
+    return ids, labels, [shard_row(ids, labels, lengths, cp, r, 0, balance=balance) for r in range(cp)]
 
 
 @settings(max_examples=60, deadline=None)
@@ -47,9 +46,9 @@ def shards(lengths, cp, seed=0, rotate=False):
     st.integers(0, 10**6),
     st.booleans(),
 )
-def test_every_token_once_true_positions_and_every_target_once(lengths, cp, seed, rotate):
-    ids, labels, parts = shards(lengths, cp, seed, rotate)
-    layout = CPLayout.build(lengths, cp, rotate=rotate)
+def test_every_token_once_true_positions_and_every_target_once(lengths, cp, seed, balance):
+    ids, labels, parts = shards(lengths, cp, seed, balance)
+    layout = CPLayout.build(lengths, cp, balance=balance)
     assert {p["input_ids"].shape[1] for p in parts} == {layout.local_tokens}
     assert layout.cu_seqlens.dtype == layout.cu_seqlens_padded.dtype == np.int32
     assert layout.cu_seqlens.tolist() == [0, *np.cumsum(lengths).tolist()]
@@ -112,11 +111,11 @@ def long_tailed_rows(mu, rows=20, tokens=32768, seed=1):
         yield [n for n in lengths if n > 0]
 
 
-def worst_imbalance(mu, rotate=False):
+def worst_imbalance(mu, balance=False):
     worst, whole_worst = 0.0, 0.0
     for lengths in long_tailed_rows(mu):
         for cp in (2, 4, 8):
-            layout = CPLayout.build(lengths, cp, rotate=rotate)
+            layout = CPLayout.build(lengths, cp, balance=balance)
             worst = max(worst, work_imbalance(rank_work(layout)))
             # Negative control: the (padded) row cut as one sequence into 2N chunks, head-tail over the row.
             whole = CPLayout.build([int(layout.cu_seqlens_padded[-1])], cp)
@@ -126,21 +125,32 @@ def worst_imbalance(mu, rotate=False):
     return worst, whole_worst
 
 
-def test_rotated_pairs_are_head_tail_pairs_on_other_ranks():
-    """Rotation moves whole chunk pairs (k, 2N - 1 - k) between ranks, document by document; the first document
-    of a row keeps the head-tail assignment, and every rank still holds two chunks of every document."""
-    lengths, cp = [13, 5, 30, 2], 4
-    plain, rot = CPLayout.build(lengths, cp), CPLayout.build(lengths, cp, rotate=True)
-    assert rot.rotate and not plain.rotate
-    assert [i.size for i in rot.index] == [i.size for i in plain.index]
+def test_balanced_pairs_are_head_tail_pairs_the_busiest_rank_taking_the_lightest():
+    """Balancing moves whole chunk pairs (k, 2N - 1 - k) between ranks, document by document: every rank still
+    holds two chunks of every document; the busiest rank so far takes the lightest pair; a row whose documents
+    need no padding keeps the head-tail assignment (pair r on rank r) throughout."""
+    from packtools.batches.cp_work import document_rank_work, pair_holders
 
-    def mine(lay, r, start, end):
-        return sorted(int(x) for x in lay.index[r] if start <= x < end)
-
-    for d, (start, end) in enumerate(zip(rot.cu_seqlens_padded[:-1], rot.cu_seqlens_padded[1:])):
-        for r in range(cp):
-            assert mine(rot, r, start, end) == mine(plain, (r + d) % cp, start, end)
-    assert any(not np.array_equal(a, b) for a, b in zip(rot.index, plain.index))
+    lengths, cp = [13, 5, 30, 2, 7], 4
+    plain, bal = CPLayout.build(lengths, cp), CPLayout.build(lengths, cp, balance=True)
+    assert bal.balance and not plain.balance
+    assert [i.size for i in bal.index] == [i.size for i in plain.index]
+    holders = pair_holders(lengths, cp)
+    pair_work = document_rank_work(lengths, cp)  # pair k on rank k
+    load = np.zeros(cp, np.int64)
+    for d, (start, end) in enumerate(zip(bal.cu_seqlens_padded[:-1], bal.cu_seqlens_padded[1:])):
+        assert sorted(holders[d]) == list(range(cp))
+        for k in range(cp):  # rank holders[d, k] holds exactly pair k's chunks of document d
+            got = sorted(int(x) for x in bal.index[holders[d, k]] if start <= x < end)
+            assert got == sorted(int(x) for x in plain.index[k] if start <= x < end)
+        busiest, lightest = int(np.argmax(load)), int(np.argmin(pair_work[d]))
+        if load.max() > load.min() and pair_work[d].max() > pair_work[d].min():
+            assert holders[d, lightest] == busiest
+        load[holders[d]] += pair_work[d]
+    assert any(not np.array_equal(a, b) for a, b in zip(bal.index, plain.index))
+    even = [16, 32, 8, 24]  # multiples of 2N = 8: no padding, equal pairs
+    assert all(np.array_equal(a, b) for a, b in zip(CPLayout.build(even, cp, balance=True).index,
+                                                    CPLayout.build(even, cp).index))  # fmt: skip
 
 
 def test_head_tail_balances_causal_work_and_a_whole_row_split_does_not():
@@ -149,11 +159,11 @@ def test_head_tail_balances_causal_work_and_a_whole_row_split_does_not():
     leave more padding in rank 0's tail chunk (measured 10.5%): the audit shows it."""
     long_docs, long_whole = worst_imbalance(8.0)
     short_docs, short_whole = worst_imbalance(6.0)
-    rotated = {mu: worst_imbalance(mu, rotate=True)[0] for mu in (8.0, 6.0, 5.0)}
-    print(f"\nrotated: worst per-rank work off the mean {rotated}")
-    # Rotated (what prepare_trainer trains on): within 5% of the mean on long-tailed rows of long and short
-    # documents alike (measured 0.8%, 1.8%, 2.5% at mu = 8, 6, 5); head-tail is not with short documents.
-    assert max(rotated.values()) <= 0.05 < short_docs
+    balanced = {mu: worst_imbalance(mu, balance=True)[0] for mu in (8.0, 6.0, 5.0)}
+    print(f"\nbalanced: worst per-rank work off the mean {balanced}")
+    # Balanced (what prepare_trainer trains on): within 5% of the mean on long-tailed rows of long and short
+    # documents alike; the fixed head-tail assignment is not with short documents.
+    assert max(balanced.values()) <= 0.05 < short_docs
     print(
         f"\nworst per-rank work off the mean: mu=8 {long_docs:.4f} (whole-row split {long_whole:.4f}); "
         f"mu=6 {short_docs:.4f} (whole-row split {short_whole:.4f})"
@@ -200,14 +210,14 @@ def test_collator_shards_the_padding_free_row_and_refuses_what_it_cannot():
     st.integers(1, 4),
     st.booleans(),
 )
-def test_audit_closed_form_equals_the_layout(rows, cp, rotate):
-    from packtools.batches.context_parallel import document_rank_work
+def test_audit_closed_form_equals_the_layout(rows, cp, balance):
+    from packtools.batches.cp_work import document_rank_work
     from packtools.profiling.cp_audit import audit_rows
 
     lengths = [n for row in rows for n in row]
     offsets = np.cumsum([0] + [len(r) for r in rows])[:-1]
-    audit = audit_rows(lengths, offsets, cp, rotate=rotate)
-    per_row = [rank_work(CPLayout.build(row, cp, rotate=rotate)) for row in rows]
+    audit = audit_rows(lengths, offsets, cp, balance=balance)
+    per_row = [rank_work(CPLayout.build(row, cp, balance=balance)) for row in rows]
     assert audit.work == [sum(w[r] for w in per_row) for r in range(cp)]
     assert audit.fill_lost == sum(CPLayout.build(row, cp).fill_lost for row in rows)
     assert abs(audit.worst_row - max(work_imbalance(w) for w in per_row)) < 1e-9
@@ -219,8 +229,8 @@ def test_profile_cli_prints_the_cp_audit(capsys):
 
     assert main(["profile", "--context-parallel", "2", "--max-length", "4096"]) == 0
     out = capsys.readouterr().out
-    assert "context parallelism, 2 ranks (chunk pairs rotated per document)" in out and "CP rank" in out
-    assert "fill lost" in out and "the head-tail layout without rotation" in out
+    assert "context parallelism, 2 ranks (chunk pairs balanced per document)" in out and "CP rank" in out
+    assert "fill lost" in out and "the fixed head-tail layout" in out
     assert main(["profile", "--context-parallel", "0"]) != 0
     captured = capsys.readouterr()
     assert "--context-parallel must be >= 1" in captured.err + captured.out

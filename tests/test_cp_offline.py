@@ -20,9 +20,8 @@ from packtools.batches.context_parallel import (
     CPLayout,
     check_rows_fit,
     cp_padded_lengths,
-    rank_work,
-    work_imbalance,
 )
+from packtools.batches.cp_work import rank_work, work_imbalance
 from packtools.cli.main import main
 from packtools.errors import PackingError
 from packtools.pipeline import pack_files
@@ -83,8 +82,8 @@ def test_rows_fit_max_length_after_cp_padding(corpus, strategy, n):
         assert res.stats["cp_longest_padded_row"] == max(padded)
         assert res.stats["fill_after_cp_padding"] == pytest.approx(sum(padded) / (len(seqs) * MAX))
         assert res.manifest["config"]["context_parallel"] == n
-        # the ranks' attention work, row by row, on the layout prepare_trainer trains on (rotated)
-        per_row = [rank_work(CPLayout.build(s, n, rotate=True)) for s in seqs]
+        # the ranks' attention work, row by row, on the layout prepare_trainer trains on (balanced)
+        per_row = [rank_work(CPLayout.build(s, n, balance=True)) for s in seqs]
         assert res.stats["cp_worst_row_imbalance"] == pytest.approx(max(work_imbalance(w) for w in per_row))
         thd = max(work_imbalance(rank_work(CPLayout.build(s, n))) for s in seqs)
         assert res.stats["cp_worst_row_imbalance_head_tail"] == pytest.approx(thd)
@@ -284,7 +283,7 @@ def test_cli_flag(corpus, tmp_path, capsys):
     assert main(["pack", path, "--out", out, "--max-length", str(MAX), "--context-parallel", "2"]) == 0
     printed = capsys.readouterr().out
     assert "CP padding (N=2)" in printed and "% of the rows' capacity lost" in printed
-    assert "CP work per rank" in printed and "off its mean (chunk pairs rotated per document" in printed
+    assert "CP work per rank" in printed and "off its mean (chunk pairs balanced per document" in printed
     assert manifest(out)["config"]["context_parallel"] == 2
     _, seqs = packed_rows(out)
     check_rows_fit(seqs, 2, MAX)

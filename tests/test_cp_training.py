@@ -84,7 +84,7 @@ def check(results: list[dict], cp: int) -> None:
     assert all(r["cp_count"] == r["targets_local"] for r in results)
     for r in results:  # every rank ends the step with the same parameters, equal to one process's step
         assert rel(r["cp"], want) < 1e-5
-        assert rel(r["cp_rotated"], want) < 1e-5  # the chunk pairs rotated per document: the same step
+        assert rel(r["cp_balanced"], want) < 1e-5  # the chunk pairs balanced per document: the same step
     for control in ("whole_row", "shift_after", "rank_mean"):
         assert rel(results[0][control], want) > 1e-3, control
     assert all("was cut for CP rank" in r["refused"] for r in results)

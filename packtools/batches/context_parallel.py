@@ -11,13 +11,15 @@ THD format:
   about the same on every rank);
 * a rank's row is, document after document, its two chunks of that document: ``sum(P_i) / N`` tokens, the
   same on every rank (an all-gather of keys and values needs equal sizes);
-* ``rotate=True`` (what ``prepare_trainer(..., context_parallel=N)`` uses): document ``i`` of the row rotates
-  its chunk pairs over the ranks, rank ``r`` holding chunks ``k`` and ``2N - 1 - k`` with ``k = (r + i) mod N``.
-  A document's padding sits at its end, in chunk ``2N - 1``, so without rotation every document's lost work falls
-  on rank 0 (10.5% off the mean on rows of 32k tokens of ~800-token documents at N = 8); rotated, it is spread
-  over the ranks (1.8%).  Exact for :mod:`packtools.integrations.cp_attention`, which reads the layout; *not*
-  the layout Megatron-Core / Transformer Engine THD kernels assume (chunks ``r`` and ``2N - 1 - r`` of every
-  document): keep the default ``rotate=False`` when such a kernel consumes the shards;
+* ``balance=True`` (what ``prepare_trainer(..., context_parallel=N)`` uses): the ranks still hold head-tail
+  pairs (chunks ``k`` and ``2N - 1 - k``), but which rank holds which pair is chosen document after document:
+  the rank with the most work so far in the row takes the pair with the least
+  (:func:`packtools.core.kernels.balance_pairs`; a row without padding keeps pair ``r`` on rank ``r``).  A
+  document's padding sits at its end, in chunk ``2N - 1``, so with the fixed assignment every document's lost
+  work falls on rank 0 (10.5% off the mean on rows of 32k tokens of ~800-token documents at N = 8); balanced,
+  1.1%.  Exact for :mod:`packtools.integrations.cp_attention`, which reads the layout; *not* the layout
+  Megatron-Core / Transformer Engine THD kernels assume (chunks ``r`` and ``2N - 1 - r`` of every document):
+  keep the default ``balance=False`` when such a kernel consumes the shards;
 * **padding** (the ``P_i - L_i`` tokens after each document) has ``pad_token_id``, no label, position ids
   restarting at 0, is attended by nothing and attends nothing (its attention output is 0: see
   :mod:`packtools.integrations.cp_attention`); :attr:`CPLayout.fill_lost` reports it;
@@ -34,10 +36,10 @@ THD format:
 
 Both boundary arrays Megatron-style THD consumers take are emitted, int32, over the whole (unsplit) row:
 ``cu_seqlens`` (``[0, L_0, L_0 + L_1, ...]``) and ``cu_seqlens_padded`` (``[0, P_0, P_0 + P_1, ...]``); rank
-``r``'s tokens of document ``i`` start at ``cu_seqlens_padded[i] / N`` in its row (with or without rotation).
+``r``'s tokens of document ``i`` start at ``cu_seqlens_padded[i] / N`` in its row (balanced or not).
 
-:func:`rank_work` is the cost audit: the causal attention work ``sum(t - doc_start + 1)`` over the real
-query tokens each rank holds.
+:func:`~packtools.batches.cp_work.rank_work` is the cost audit: the causal attention work
+``sum(t - doc_start + 1)`` over the real query tokens each rank holds.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import numpy as np
 from ..constants import IGNORE_INDEX
 from ..core.cp_budget import check_cp_size, check_rows_fit, cp_padded_lengths
 from ..errors import PackingError
+from .cp_work import pair_holders
 
 #: The key under which a CP shard carries its :class:`CPLayout` to the attention function.
 CP_KEY = "packtools_cp"
@@ -75,8 +78,8 @@ class CPLayout:
     ([8, 4], [0, 5, 7], [0, 8, 12], 5)
     >>> lay.index[0].tolist(), lay.index[1].tolist()  # chunks 0 and 3, then 1 and 2, of each document
     ([0, 1, 6, 7, 8, 11], [2, 3, 4, 5, 9, 10])
-    >>> rot = CPLayout.build([5, 2], 2, rotate=True)  # the second document's pairs swap ranks
-    >>> rot.index[0].tolist(), rot.index[1].tolist()
+    >>> bal = CPLayout.build([5, 2], 2, balance=True)  # rank 1 did more of the first: it takes the lighter pair
+    >>> bal.index[0].tolist(), bal.index[1].tolist()
     ([0, 1, 6, 7, 9, 10], [2, 3, 4, 5, 8, 11])
     """
 
@@ -86,10 +89,10 @@ class CPLayout:
     cu_seqlens: np.ndarray
     cu_seqlens_padded: np.ndarray
     index: tuple[np.ndarray, ...] = field(repr=False)
-    rotate: bool = False
+    balance: bool = False
 
     @classmethod
-    def build(cls, lengths: Sequence[int] | np.ndarray, cp_size: int, *, rotate: bool = False) -> CPLayout:
+    def build(cls, lengths: Sequence[int] | np.ndarray, cp_size: int, *, balance: bool = False) -> CPLayout:
         cp_size, _ = _check_cp(cp_size)
         lengths = np.asarray(lengths, np.int64)
         if lengths.ndim != 1 or lengths.size == 0 or (lengths < 1).any():
@@ -106,15 +109,19 @@ class CPLayout:
         if int(cu_padded[-1]) != int(np.sum(padded)):
             raise PackingError("a CP row of more than 2**31 - 1 tokens does not fit int32 boundaries.")
         size = padded // chunks
+        pair = np.tile(np.arange(cp_size), (lengths.size, 1))  # pair[i, r]: the chunk pair rank r holds
+        if balance:
+            holder = pair_holders(lengths, cp_size)
+            np.put_along_axis(pair, holder, np.arange(cp_size)[None, :].repeat(lengths.size, 0), axis=1)
         index = []
         for r in range(cp_size):
             parts = []
             for i, (start, c) in enumerate(zip(cu_padded[:-1].tolist(), size.tolist())):
-                k = (r + i) % cp_size if rotate else r  # the chunk pair (k, 2N - 1 - k) of rank r
+                k = int(pair[i, r])  # the chunk pair (k, 2N - 1 - k) of rank r
                 parts.append(np.arange(start + k * c, start + (k + 1) * c))
                 parts.append(np.arange(start + (chunks - 1 - k) * c, start + (chunks - k) * c))
             index.append(np.concatenate(parts).astype(np.int64))
-        return cls(cp_size, lengths, padded, cu, cu_padded, tuple(index), bool(rotate))
+        return cls(cp_size, lengths, padded, cu, cu_padded, tuple(index), bool(balance))
 
     @property
     def fill_lost(self) -> int:
@@ -224,17 +231,17 @@ def shard_row(
     pad_token_id: int,
     *,
     layout: CPLayout | None = None,
-    rotate: bool = False,
+    balance: bool = False,
 ) -> dict[str, Any]:
     """Rank ``cp_rank``'s share of one padding-free row (1-D ``input_ids``/``labels``, unshifted labels);
-    ``rotate``: the documents' chunk pairs rotated over the ranks (see the module docstring).
+    ``balance``: the documents' chunk pairs given to the ranks by their work (see the module docstring).
 
     >>> b = shard_row(np.arange(10, 17), np.arange(10, 17), [5, 2], 2, 1, pad_token_id=0)
     >>> b["input_ids"].tolist(), b["position_ids"].tolist(), b["shift_labels"].tolist()
     ([[12, 13, 14, 0, 16, 0]], [[2, 3, 4, 0, 1, 0]], [[13, 14, -100, -100, -100, -100]])
     """
     cp_size, cp_rank = _check_cp(cp_size, cp_rank)
-    lay = CPLayout.build(lengths, cp_size, rotate=rotate) if layout is None else layout
+    lay = CPLayout.build(lengths, cp_size, balance=balance) if layout is None else layout
     input_ids, labels = np.asarray(input_ids).reshape(-1), np.asarray(labels).reshape(-1)
     if input_ids.shape != labels.shape or input_ids.shape[0] != int(lay.cu_seqlens[-1]):
         raise PackingError(
@@ -261,53 +268,6 @@ def shard_row(
     }
 
 
-def rank_work(layout: CPLayout) -> list[int]:
-    """Causal attention work per rank: ``sum(t - doc_start + 1)`` over the real query tokens it holds.
-
-    >>> rank_work(CPLayout.build([8], 2))  # positions {0,1,6,7} and {2,3,4,5}: 1+2+7+8 and 3+4+5+6
-    [18, 18]
-    """
-    _, pos, real = layout.padded_doc()
-    work = np.where(real, pos + 1, 0)
-    return [int(work[idx].sum()) for idx in layout.index]
-
-
-def document_rank_work(
-    lengths: Sequence[int] | np.ndarray, cp_size: int, rotation: Sequence[int] | np.ndarray | None = None
-) -> np.ndarray:
-    """``[documents, cp_size]``: the causal work of each document on each rank, in closed form (no layout).
-
-    Rank ``r`` holds positions ``[k c, (k+1) c)`` and ``[(2N-1-k) c, (2N-k) c)`` of a document (``c = P / 2N``),
-    the real ones below ``L``, with ``k = r`` or, rotated, ``k = (r + rotation) mod N`` (``rotation``: each
-    document's index in its row); the work of positions ``[a, b)`` is ``S(b) - S(a)`` with ``S(x) = x (x+1) / 2``.
-
-    >>> document_rank_work([8, 5], 2).tolist()
-    [[18, 18], [3, 12]]
-    >>> document_rank_work([8, 5], 2, rotation=[0, 1]).tolist()  # the second document's pairs swap ranks
-    [[18, 18], [12, 3]]
-    """
-    cp_size, _ = _check_cp(cp_size)
-    n = np.asarray(lengths, np.int64).reshape(-1, 1)
-    c = cp_padded_lengths(n, cp_size) // (2 * cp_size)
-    r = np.arange(cp_size, dtype=np.int64).reshape(1, -1)
-    if rotation is not None:
-        r = (r + np.asarray(rotation, np.int64).reshape(-1, 1)) % cp_size
-
-    def upto(x: np.ndarray) -> np.ndarray:
-        x = np.minimum(x, n)
-        return x * (x + 1) // 2
-
-    head = upto((r + 1) * c) - upto(r * c)
-    tail = upto((2 * cp_size - r) * c) - upto((2 * cp_size - 1 - r) * c)
-    return head + tail
-
-
-def work_imbalance(work: Sequence[int]) -> float:
-    """The largest relative distance of a rank's work from the mean (0.0 = perfectly balanced)."""
-    mean = float(np.mean(work)) if len(work) else 0.0
-    return 0.0 if mean == 0 else float(max(abs(w - mean) for w in work) / mean)
-
-
 class ContextParallelCollator:
     """A padding-free collator whose batch is cut for one rank of a CP group (see the module docstring).
 
@@ -317,8 +277,9 @@ class ContextParallelCollator:
     (already shifted: no ``labels``), ``cu_seqlens``, ``cu_seqlens_padded`` (int32), ``cp_size``, ``cp_rank``,
     and :data:`CP_KEY` (the :class:`CPShard`, which the CP attention reads).
 
-    ``rotate``: each document's chunk pairs rotated over the ranks (see the module docstring): balanced work
-    when documents carry padding, exact on ``packtools_cp``, not the THD layout external kernels assume.
+    ``balance``: each document's chunk pairs given to the ranks by their work (see the module docstring):
+    balanced work when documents carry padding, exact on ``packtools_cp``, not the THD layout external kernels
+    assume.
 
     ``max_length``: the packed rows' length (the ``max_length`` they were packed with).  Given, every feature's
     documents padded for ``cp_size`` must fit it, or the batch is refused by row
@@ -340,10 +301,10 @@ class ContextParallelCollator:
         *,
         return_tensors: str = "pt",
         max_length: int | None = None,
-        rotate: bool = False,
+        balance: bool = False,
     ) -> None:
         self.cp_size, self.cp_rank = _check_cp(cp_size, cp_rank)
-        self.rotate = bool(rotate)
+        self.balance = bool(balance)
         if max_length is not None:
             from ..core.plan import check_max_length
 
@@ -376,7 +337,7 @@ class ContextParallelCollator:
             self.cp_size,
             self.cp_rank,
             self.pad_token_id,
-            rotate=self.rotate,
+            balance=self.balance,
         )
         if self.return_tensors == "np":
             return out

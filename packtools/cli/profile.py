@@ -184,11 +184,11 @@ def run(args: argparse.Namespace) -> int:
         lengths = profile.lengths[profile.lengths > 0]
         packed = plan(lengths, chosen, rec.strategy)
         audit = audit_plan(packed, args.context_parallel)
-        thd = audit_plan(packed, args.context_parallel, rotate=False)
+        thd = audit_plan(packed, args.context_parallel, balance=False)
         print()
         print(f"rows packed with {rec.strategy} at max_length {chosen:,}; " + audit.to_text())
         print(
-            f"the head-tail layout without rotation (Megatron THD kernels, ContextParallelCollator(rotate=False)): "
+            f"the fixed head-tail layout (Megatron THD kernels, ContextParallelCollator(balance=False)): "
             f"worst row {thd.worst_row * 100:.2f}% off its mean, {thd.lost_to_imbalance * 100:.2f}% lost"
         )
     if args.plot:

@@ -338,3 +338,23 @@ def plan_violation(seg_source, seg_start, seg_length, row_offsets, source_length
             if seg_start[prev] + seg_length[prev] > seg_start[order[a]]:
                 return 6, order[a]
     return 0, -1
+
+
+@njit(cache=True)
+def balance_pairs(pair_work, row_starts):
+    """The CP rank holding each head-tail chunk pair of each document (``out[d, k]``), for a ``[documents, N]``
+    array of the pairs' causal work: row by row (documents ``row_starts[i]:row_starts[i + 1]``), document after
+    document, the busiest rank so far takes the lightest pair, the next busiest the next lightest (ties: the lower
+    rank, the lower pair), so a row of documents without padding keeps pair ``k`` on rank ``k`` throughout."""
+    docs, n = pair_work.shape
+    out = np.empty((docs, n), np.int64)
+    load = np.zeros(n, np.int64)
+    for r in range(row_starts.size - 1):
+        load[:] = 0
+        for d in range(row_starts[r], row_starts[r + 1]):
+            ranks = np.argsort(-load, kind="mergesort")
+            pairs = np.argsort(pair_work[d], kind="mergesort")
+            for j in range(n):
+                out[d, pairs[j]] = ranks[j]
+                load[ranks[j]] += pair_work[d, pairs[j]]
+    return out

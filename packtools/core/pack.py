@@ -395,3 +395,4 @@ def warmup() -> None:
     )
     for source, out in ((np.int32, np.int32), (np.int32, np.int64), (np.int64, np.int64)):
         kernels.gather_scattered(np.ones(4, source), one, one + 1, one, np.empty(1, out))
+    kernels.balance_pairs(np.ones((1, 2), np.int64), np.array([0, 1], np.int64))  # the CP layout's

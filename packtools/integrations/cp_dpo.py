@@ -5,8 +5,8 @@ as one padding-free row; under CP every rank of a CP group gets the **same** mic
 loader shards over the data-parallel group only, so a pair stays on one CP group) and :class:`CPForward`
 runs only this rank's share of that row through the model:
 
-* the row is cut per sequence (:func:`~packtools.batches.context_parallel.shard_row`, rotated: chunks ``k`` and
-  ``2N - 1 - k``, ``k = (r + i) mod N`` for sequence ``i``, true positions, labels shifted before the split) and
+* the row is cut per sequence (:func:`~packtools.batches.context_parallel.shard_row`, balanced: chunks ``k`` and
+  ``2N - 1 - k``, the pair chosen per sequence by the ranks' work so far, true positions, labels shifted before the split) and
   goes through TRL's fused LM head with ``shift_labels`` (scored without a second shift) on ``packtools_cp``
   attention;
 * the shard's per-token outputs (log-probabilities, and the metrics' entropy, mean logits, ...) are put back
@@ -79,7 +79,7 @@ class CPForward:
             self.cp_size,
             self.cp_rank,
             self.pad_token_id,
-            rotate=True,  # the sequences' padding spread over the ranks (packtools_cp reads the layout)
+            balance=True,  # the sequences' padding spread over the ranks (packtools_cp reads the layout)
         )
         shard = batch[CP_KEY]
         rest = {k: v for k, v in flat.items() if k not in _ROW_KEYS}

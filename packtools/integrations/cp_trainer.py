@@ -177,8 +177,8 @@ def cp_collator(trainer: Any, layout: RankLayout) -> ContextParallelCollator:
             f"per document. Pack with pack_dataset(..., context_parallel={layout.cp_size}).",
             stacklevel=4,
         )
-    return ContextParallelCollator(  # rotated: the documents' padding spread over the ranks (packtools_cp reads it)
-        trainer.data_collator, layout.cp_size, layout.cp_rank, max_length=limit, rotate=True
+    return ContextParallelCollator(  # balanced: the documents' padding spread over the ranks (packtools_cp reads it)
+        trainer.data_collator, layout.cp_size, layout.cp_rank, max_length=limit, balance=True
     )
 
 

@@ -251,7 +251,7 @@ def format_pipeline_summary(
                 cells.append(
                     (
                         "CP work per rank",
-                        f"worst row {100 * stats['cp_worst_row_imbalance']:.2f}% off its mean (chunk pairs rotated "
+                        f"worst row {100 * stats['cp_worst_row_imbalance']:.2f}% off its mean (chunk pairs balanced "
                         f"per document, as prepare_trainer trains; {100 * stats['cp_worst_row_imbalance_head_tail']:.2f}% "
                         f"head-tail), {100 * stats['cp_time_lost_to_imbalance']:.2f}% of attention time lost to "
                         f"the busiest rank, one row per batch",
