@@ -34,6 +34,16 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[str]:
         raise
 
 
+def discard(*paths: str | os.PathLike[str]) -> None:
+    """Remove each of ``paths``, in order, as far as it can be: one already gone or that cannot be removed is
+    left as it is (for files that are checked by content before they are trusted, so a leftover is rejected)."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 def fsync_file(path: str | os.PathLike[str]) -> None:
     """Flush a written file's data to disk (before the rename that makes it trusted)."""
     fd = os.open(path, os.O_RDONLY)

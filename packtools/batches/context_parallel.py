@@ -109,10 +109,12 @@ class CPLayout:
         if int(cu_padded[-1]) != int(np.sum(padded)):
             raise PackingError("a CP row of more than 2**31 - 1 tokens does not fit int32 boundaries.")
         size = padded // chunks
-        pair = np.tile(np.arange(cp_size), (lengths.size, 1))  # pair[i, r]: the chunk pair rank r holds
-        if balance:
-            holder = pair_holders(lengths, cp_size)
-            np.put_along_axis(pair, holder, np.arange(cp_size)[None, :].repeat(lengths.size, 0), axis=1)
+        # pair[i, r]: the chunk pair rank r holds of document i (the inverse of pair_holders' rank of each pair)
+        pair = (
+            np.argsort(pair_holders(lengths, cp_size), axis=1)
+            if balance
+            else np.tile(np.arange(cp_size), (lengths.size, 1))
+        )
         index = []
         for r in range(cp_size):
             parts = []

@@ -46,13 +46,16 @@ def pair_holders(
     >>> pair_holders([8, 5, 5], 2).tolist()  # the second document's light pair 0 to rank 0, the third's to rank 1
     [[0, 1], [0, 1], [1, 0]]
     """
+    return _holders(document_rank_work(lengths, cp_size), row_starts)
+
+
+def _holders(pair_work: np.ndarray, row_starts: Sequence[int] | np.ndarray | None) -> np.ndarray:
+    """:func:`pair_holders` of the pairs' work ``pair_work`` (``[documents, cp_size]``, pair ``k`` in column ``k``)."""
     from ..core import kernels
 
-    work = document_rank_work(lengths, cp_size)  # pair k on rank k
-    docs = work.shape[0]
     starts = np.asarray([0] if row_starts is None else row_starts, np.int64)
-    bounds = np.ascontiguousarray(np.append(starts, docs), np.int64)
-    return kernels.balance_pairs(np.ascontiguousarray(work), bounds)
+    bounds = np.ascontiguousarray(np.append(starts, pair_work.shape[0]), np.int64)
+    return kernels.balance_pairs(np.ascontiguousarray(pair_work), bounds)
 
 
 def document_rank_work(
@@ -71,10 +74,10 @@ def document_rank_work(
     [[18, 18], [3, 12], [12, 3]]
     """
     cp_size = check_cp_size(cp_size)
-    if row_starts is not None:
+    if row_starts is not None:  # the pairs' work, each moved to the rank that holds it
         work = document_rank_work(lengths, cp_size)
         out = np.empty_like(work)
-        np.put_along_axis(out, pair_holders(lengths, cp_size, row_starts), work, axis=1)
+        np.put_along_axis(out, _holders(work, row_starts), work, axis=1)
         return out
     n = np.asarray(lengths, np.int64).reshape(-1, 1)
     c = cp_padded_lengths(n, cp_size) // (2 * cp_size)

@@ -75,8 +75,9 @@ def cp_padded_lengths(lengths: Sequence[int] | np.ndarray, cp_size: int) -> np.n
     return -(-np.asarray(lengths, np.int64) // chunks) * chunks
 
 
-def check_context_parallel(cp_size: object, max_length: int, strategy: str) -> int:
-    """``cp_size`` as an int, checked against ``max_length`` and ``strategy`` (see the module docstring)."""
+def check_context_parallel(cp_size: object, max_length: int) -> int:
+    """``cp_size`` as an int, checked against ``max_length`` (see the module docstring; every strategy
+    applies)."""
     n = check_cp_size(cp_size)
     if n == 1:
         return n
@@ -107,7 +108,7 @@ def plan_for_cp(lengths: np.ndarray, max_length: int, strategy: str, cp_size: in
     >>> [p.seq_lengths_of(r).tolist() for r in range(p.num_rows)]
     [[5], [3, 2]]
     """
-    n = check_context_parallel(cp_size, max_length, strategy)
+    n = check_context_parallel(cp_size, max_length)
     lengths = np.asarray(lengths, np.int64)
     if not budgets(strategy, n):
         return make_plan(lengths, max_length, strategy)

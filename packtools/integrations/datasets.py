@@ -257,9 +257,10 @@ def pack_dataset(
     document is planned at its length padded to a multiple of ``2N``, so each row still fits ``max_length`` once
     :class:`~packtools.batches.ContextParallelCollator` pads it; the rows hold real tokens only (``seq_lengths``
     the real lengths), and the padding is reported as fill lost (the report's ``cp_padding_tokens`` and
-    ``cp_fill_lost``).  ``max_length`` must be a multiple of ``2N``; ``bfd`` and ``bfd_split`` only.  The output
-    records what it was packed with (:func:`packing_record`), so ``prepare_trainer(trainer,
-    context_parallel=N)`` holds every row to that ``max_length`` once padded before training.
+    ``cp_fill_lost``).  ``max_length`` must be a multiple of ``2N``; ``wrapped`` rows are one sequence each,
+    planned as without CP (only a row shorter than ``max_length`` is padded).  The output records what it was
+    packed with (:func:`packing_record`), so ``prepare_trainer(trainer, context_parallel=N)`` holds every row to
+    that ``max_length`` once padded before training.
 
     ``shuffle=True`` reorders the packed rows with ``seed`` (BFD emits the fullest rows first); for an
     ``IterableDataset`` each window is shuffled on its own, with the same seed (shuffle the stream's
@@ -273,7 +274,7 @@ def pack_dataset(
     ds_mod = datasets_module()
     strategy = check_strategy(strategy)
     max_length = check_max_length(max_length)
-    context_parallel = check_context_parallel(context_parallel, max_length, strategy)
+    context_parallel = check_context_parallel(context_parallel, max_length)
     how = {
         "shuffle": shuffle,
         "seed": seed,

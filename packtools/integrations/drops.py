@@ -177,7 +177,10 @@ def untrained_pieces(
         masked_first[:] = False
         masked_first[np.asarray(plan.row_offsets[:-1], np.int64)] = True
     how, mark = _TRAINED_BY[name]
-    cut_rows = np.unique(rows[cut])
+    cut = cut[np.argsort(rows[cut], kind="stable")]  # by row: each block's pieces are one slice of it
+    cut_of = rows[cut]
+    cut_rows = np.unique(cut_of)
+    seg_start = np.asarray(plan.seg_start, np.int64)
     pieces = empty = 0
     for lo in range(0, cut_rows.size, block_rows):
         block = cut_rows[lo : lo + block_rows]
@@ -185,9 +188,9 @@ def untrained_pieces(
         trained = values != mark if how == "ignore" else values == mark
         csum = np.concatenate([[0], np.cumsum(trained, dtype=np.int64)])
         starts = np.concatenate([[0], np.cumsum(row_len[block])])
-        segs = cut[np.isin(rows[cut], block)]
+        segs = cut[np.searchsorted(cut_of, block[0]) : np.searchsorted(cut_of, block[-1], "right")]
         where = np.searchsorted(block, rows[segs])
-        begin = starts[where] + np.asarray(plan.seg_start, np.int64)[segs]
+        begin = starts[where] + seg_start[segs]
         end = begin + length[segs]
         piece = csum[end] - csum[np.minimum(begin + masked_first[segs], end)]
         whole = csum[starts[where + 1]] - csum[np.minimum(starts[where] + 1, starts[where + 1])]

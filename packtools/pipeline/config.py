@@ -77,7 +77,7 @@ class PipelineConfig:
         object.__setattr__(
             self,
             "context_parallel",
-            check_context_parallel(self.context_parallel, self.max_length, self.strategy),
+            check_context_parallel(self.context_parallel, self.max_length),
         )
         if self.drop_unlabeled not in (None, True, False):
             raise PackingError(

@@ -39,7 +39,7 @@ import os
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from .._atomic import atomic_path
+from .._atomic import atomic_path, discard
 from ..constants import __version__
 from ..io.fingerprint import cache_key
 from .tokenizer_dir import file_sha256
@@ -221,11 +221,7 @@ def record_copy(tokenizer_fp: str, lite: LiteReference, copy: str) -> bool | Non
     except Exception:  # noqa: BLE001 - unreadable or removed: not identical
         sha, identical = None, False
     if not identical:
-        for name in (copy, copy + ".sha256"):  # the fast engine must not load it either
-            try:
-                os.unlink(name)
-            except OSError:
-                pass
+        discard(copy, copy + ".sha256")  # the fast engine must not load it either
     try:
         write_verdict(path, {"same": identical, "identical": identical, "copy_sha256": sha, **_versions()})
     except OSError:

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._atomic import atomic_path
+from .._atomic import atomic_path, discard
 from ..errors import PackingError
 from ..io.files import Part
 from .spec import IdsSpec
@@ -221,11 +221,7 @@ def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> tuple[s
                 notes.append(
                     f"stage cache entry {sidecar!r} was damaged ({why}): removed, and the part staged again"
                 )
-                for path in (sidecar, arrow):
-                    try:
-                        os.unlink(path)
-                    except OSError:
-                        pass
+                discard(sidecar, arrow)
                 continue
             target = arrow
             try:

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from .._atomic import atomic_path
+from .._atomic import atomic_path, discard
 from ..constants import __version__
 from ..io.fingerprint import cache_key
 from . import fast_tokenize as fast_engine
@@ -190,11 +190,7 @@ def compact_intact(path: str) -> bool:
                 return True
     except OSError:
         pass
-    for name in (path, path + ".sha256"):
-        try:
-            os.unlink(name)
-        except OSError:
-            pass
+    discard(path, path + ".sha256")
     return False
 
 

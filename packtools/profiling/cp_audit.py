@@ -30,6 +30,7 @@ import numpy as np
 
 from .._format import text_table
 from ..batches.cp_work import document_rank_work
+from ..core.cp_budget import cp_padded_lengths
 from ..errors import PackingError
 
 #: Documents audited at once (a ``[documents, cp_size]`` int64 block each).
@@ -117,7 +118,7 @@ def audit_rows(
     with np.errstate(invalid="ignore", divide="ignore"):
         off = np.where(means > 0, np.abs(per_row - means[:, None]).max(axis=1) / means, 0.0)
     busiest, total_mean = float(per_row.max(axis=1).sum()), float(means.sum())
-    padded = -(-lengths // (2 * cp_size)) * (2 * cp_size)
+    padded = cp_padded_lengths(lengths, cp_size)
     return CPWorkAudit(
         cp_size=int(cp_size),
         balance=bool(balance),
