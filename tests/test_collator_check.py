@@ -60,8 +60,8 @@ def build(case, model, tmp_path, dataset):
         return transformers.Trainer(
             model=model, args=step_args(tmp_path), train_dataset=dataset, data_collator=collator
         )
-    if case == "SFTTrainer default collator":
-        args = step_args(tmp_path, cls=packed_sft_config, bf16=False)
+    if case == "SFTTrainer default collator":  # padding_free=False is the opt-out for passing our collator
+        args = step_args(tmp_path, cls=packed_sft_config, bf16=False, padding_free=False)
         return trl.SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok)
     if case == "PaddingFreeCollator":
         collator = PaddingFreeCollator(PAD)

@@ -172,7 +172,7 @@ def test_sft_trainer_matches_one_by_one(tmp_path):
     model = tiny_llama("sdpa")
     reference = copy.deepcopy(model)
     recorder = Recorder(PaddingFreeCollator(PAD))
-    args = train_args(tmp_path, cls=packed_sft_config, bf16=False)
+    args = train_args(tmp_path, cls=packed_sft_config, bf16=False, padding_free=False)
     trainer = trl.SFTTrainer(
         model=model,
         args=args,
@@ -207,7 +207,7 @@ def test_packed_sft_config_settings_and_refusals(tmp_path):
     args = packed_sft_config(
         output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, dataset_kwargs={"x": 1}
     )
-    assert (args.packing, args.padding_free) == (False, False)
+    assert (args.packing, args.padding_free) == (False, True)
     assert args.dataset_kwargs == {"x": 1, "skip_prepare_dataset": True}
     with pytest.raises(PackingError, match="packing=True"):
         packed_sft_config(output_dir=str(tmp_path), packing=True)

@@ -170,7 +170,9 @@ def test_sft_trainer_unprepared(tmp_path):
         tokenizer_object=_word_tokenizer(), pad_token="<pad>", eos_token="<eos>"
     )
     data = pack_dataset(datasets.Dataset.from_list(sequences(12, seed=3)), 32)
-    args = packed_sft_config(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no")
+    args = packed_sft_config(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no", padding_free=False
+    )
     trainer = trl.SFTTrainer(
         model=tiny_llama("sdpa"),
         args=args,

@@ -253,15 +253,21 @@ def _refuse(trainer: Any, collator: Any, problems: Sequence[str]) -> PackingErro
     sft = is_sft_trainer(trainer)
     trl_own = sft and type(collator).__module__.startswith("trl.")
     own = " (TRL's own, which SFTTrainer builds when no data_collator is passed)" if trl_own else ""
-    where = "SFTTrainer(..., args=packed_sft_config(...), " if sft else "Trainer(..., "
+    where = "SFTTrainer(..., args=packed_sft_config(..., padding_free=False), " if sft else "Trainer(..., "
     return PackingError(
         f"the trainer's data_collator {_name(collator)}{own} cannot keep packed sequences apart: on a batch of "
         f"the trainer's own packed rows, {problems[0]}"
         + (f" (also: {'; '.join(problems[1:3])})" if len(problems) > 1 else "")
         + f". Training would run on the wrong context with no error. Fix: build the trainer with "
         f"{where}data_collator=packtools.PaddingFreeCollator({_pad_token(trainer)})), which reads seq_lengths "
-        f"and emits position_ids, cu_seq_lens and labels per packed sequence. "
-        f"(prepare_trainer(..., check_isolation=False) skips this check; training would then be silently wrong.)"
+        f"and emits position_ids, cu_seq_lens and labels per packed sequence."
+        + (
+            " Or build it with args=packed_sft_config(...) (its default padding_free=True) and no "
+            "data_collator: TRL's own padding-free collator reads seq_lengths."
+            if sft
+            else ""
+        )
+        + " (prepare_trainer(..., check_isolation=False) skips this check; training would then be silently wrong.)"
     )
 
 

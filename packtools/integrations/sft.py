@@ -69,29 +69,54 @@ def check_sft(trainer: Any) -> None:
 
 
 def packed_sft_config(**kwargs: Any) -> Any:
-    """A TRL ``SFTConfig`` for a dataset that is already packed and a ``PaddingFreeCollator``.
+    """A TRL ``SFTConfig`` for a dataset that is already packed: no packing or preparation again, and a
+    collator that keeps the packed sequences apart whichever collator the trainer ends up with.
 
-    TRL rejects a custom collator when ``padding_free`` is on (and ``packing=True`` turns it on), and with
-    preparation on it rebuilds labels and truncates rows, so this sets ``packing=False``,
-    ``padding_free=False`` (the collator does the padding-free batching) and
-    ``dataset_kwargs={"skip_prepare_dataset": True}``; other arguments pass through.  Then::
+    It sets ``packing=False`` and ``dataset_kwargs={"skip_prepare_dataset": True}`` (preparation would
+    rebuild labels and truncate rows without updating ``seq_lengths``), and by default
+    ``padding_free=True`` with ``max_length=None``: an ``SFTTrainer`` built without a ``data_collator``
+    then uses TRL's own padding-free collator, which reads ``seq_lengths`` (positions restarting at every
+    packed sequence, ``cu_seq_lens``, the first label of each sequence masked) and trains exactly, with or
+    without :func:`~packtools.prepare_trainer`::
 
         trainer = prepare_trainer(SFTTrainer(model, args=packed_sft_config(output_dir="out"),
-                                             train_dataset=packed, processing_class=tokenizer,
-                                             data_collator=PaddingFreeCollator(tokenizer.pad_token_id)))
+                                             train_dataset=packed, processing_class=tokenizer))
+
+    TRL refuses a custom ``data_collator`` under ``padding_free=True``.  To pass
+    ``PaddingFreeCollator`` (its options, ``context_parallel``, ``max_tokens``), say
+    ``packed_sft_config(..., padding_free=False)`` and pass ``data_collator=PaddingFreeCollator(pad)``:
+    with ``padding_free=False`` and no ``data_collator``, TRL's collator would give every packed row an
+    all-ones ``attention_mask`` (sequences attending to each other), which only
+    :func:`~packtools.prepare_trainer` then refuses.  Other arguments pass through.
     """
     trl = require("trl", "packtools.integrations.packed_sft_config")
-    for key in ("packing", "padding_free"):
-        if kwargs.get(key):
-            raise PackingError(
-                f"{key}=True makes SFTTrainer pack or collate again (and reject a custom data_collator); the "
-                f"dataset is already packed and PaddingFreeCollator batches it. Leave {key} out."
-            )
+    if kwargs.get("packing"):
+        raise PackingError(
+            "packing=True makes SFTTrainer pack the already packed rows again. Leave packing out.",
+            param="packing",
+        )
+    padding_free = kwargs.pop("padding_free", True)
+    if padding_free not in (True, False):
+        raise PackingError(
+            f"padding_free={padding_free!r}: say True (TRL's own padding-free collator, reading seq_lengths; "
+            "the default) or False (you pass data_collator=packtools.PaddingFreeCollator(pad_token_id)).",
+            param="padding_free",
+        )
+    if padding_free and kwargs.get("max_length") is not None:
+        raise PackingError(
+            f"max_length={kwargs['max_length']}: the rows are already packed to their length and TRL refuses "
+            "max_length under padding_free=True without packing. Leave max_length out (rows are never "
+            "truncated again).",
+            param="max_length",
+        )
     dataset_kwargs = dict(kwargs.pop("dataset_kwargs", None) or {})
     if dataset_kwargs.get("skip_prepare_dataset") is False:
         raise PackingError(
-            "dataset_kwargs['skip_prepare_dataset']=False would re-tokenize and truncate packed rows."
+            "dataset_kwargs['skip_prepare_dataset']=False would re-tokenize and truncate packed rows.",
+            param="dataset_kwargs",
         )
     dataset_kwargs["skip_prepare_dataset"] = True
-    kwargs.update(packing=False, padding_free=False, dataset_kwargs=dataset_kwargs)
+    if padding_free:
+        kwargs["max_length"] = None
+    kwargs.update(packing=False, padding_free=padding_free, dataset_kwargs=dataset_kwargs)
     return trl.SFTConfig(**kwargs)
