@@ -38,11 +38,35 @@ def test_first_block_runs(page, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("page", ["train-sft.md", "train-dpo.md"])
 def test_training_pages_run(page, tmp_path, monkeypatch, capsys):
+    """Every Python block of the page, in order, in one namespace, as written (a CPU machine: TRL's bf16
+    default must not stop them). The DPO page's last block trains on a real ``packtools pack`` output."""
     pytest.importorskip("transformers")
+    pytest.importorskip("trl")
     monkeypatch.chdir(tmp_path)
-    exec(compile(blocks(page)[0], page, "exec"), {"__name__": "__main__"})
-    out = capsys.readouterr().out.strip().splitlines()[-1]
-    assert out == "torch.Size([2, 2])" if page == "train-dpo.md" else 3.0 < float(out) < 5.0
+    namespace = {"__name__": "__main__"}
+    for i, block in enumerate(blocks(page)):
+        if 'load_from_disk("packed")' in block:
+            pack_preference_file(namespace["tok"], tmp_path)
+        exec(compile(block, f"{page} block {i}", "exec"), namespace)
+        if i == 0:
+            out = capsys.readouterr().out.strip().splitlines()[-1]
+            assert out == "torch.Size([2, 2])" if page == "train-dpo.md" else 3.0 < float(out) < 5.0
+    trainer = namespace["trainer"]
+    assert trainer.state.global_step == 2  # the last block trained
+    assert len(blocks(page)) == (2 if page == "train-sft.md" else 3)
+
+
+def pack_preference_file(tok, folder: Path) -> None:
+    """``packtools pack prefs.jsonl --tokenizer DIR --out packed`` as the DPO page's "Prepare the data" says."""
+    import json
+
+    from packtools.cli.main import main
+
+    tok.save_pretrained(folder / "tok")
+    rows = [{"prompt": "w2 w3 w4", "chosen": " w7 w8", "rejected": " w12"}] * 4
+    (folder / "prefs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["pack", "prefs.jsonl", "--tokenizer", "tok", "--out", "packed", "--max-length", "64"]
+    assert main(argv) == 0
 
 
 @pytest.mark.slow

@@ -60,3 +60,16 @@ def test_the_check_catches_a_stale_bound():
 def test_the_libraries_an_integration_touches_are_pinned():
     assert {"transformers", "trl", "datasets", "accelerate", "peft", "tokenizers", "torch"} <= set(pins())
     assert {"numpy", "pyarrow", "numba", "fastokens"} <= set(pins())
+
+
+@pytest.mark.parametrize("extra", ["hf", "trl", "vision", "all"])
+def test_trainer_extras_bring_what_the_trainer_needs(extra):
+    # `pip install 'packtools[hf]'` (the hint packtools' own errors give) then the training pages: transformers'
+    # Trainer refuses to start without accelerate >= its ACCELERATE_MIN_VERSION
+    transformers_utils = pytest.importorskip("transformers.utils")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    specs = dict(s.split(">=") for s in project["optional-dependencies"][extra])
+    assert "accelerate" in specs, f"the {extra!r} extra lacks accelerate"
+    have = [int(x) for x in specs["accelerate"].split(".")]
+    need = [int(x) for x in transformers_utils.ACCELERATE_MIN_VERSION.split(".")]
+    assert have >= need
