@@ -233,6 +233,30 @@ def check_stream(dataset: Any, world: int, max_tokens: int | None) -> None:
     )
 
 
+def check_sampling_strategy(args: Any, max_tokens: int | None) -> None:
+    """Refuse a ``train_sampling_strategy`` other than ``"random"`` where packtools' loader replaces
+    ``Trainer``'s sampler (several processes, or ``max_tokens``): its batches come from its own shuffle of
+    ``(seed, epoch)``, so ``"sequential"``, ``"group_by_length"`` or ``"batch_rebalance"`` would be ignored."""
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if getattr(args, "group_by_length", False) is True:  # transformers before train_sampling_strategy
+        strategy = "group_by_length"
+    if strategy in (None, "random"):
+        return
+    where = (
+        f"max_tokens={max_tokens} (token-budget batches)"
+        if max_tokens is not None
+        else f"{args.world_size} processes"
+    )
+    raise PackingError(
+        f"train_sampling_strategy={strategy!r} with {where}: packtools' loader replaces Trainer's sampler here "
+        f"(every process the same number of batches, each row once), and it draws its batches from its own "
+        f"shuffle of (seed, epoch), so {strategy!r} would be ignored. Leave train_sampling_strategy at 'random' "
+        f"(packed rows are already near one length; max_tokens batches rows by their token counts), or train "
+        f"in one process without max_tokens, where Trainer's own sampler is kept.",
+        param="train_sampling_strategy",
+    )
+
+
 def install_train_loader(
     trainer: Any, max_tokens: int | None = None, *, owner: Any = None, layout: Any = None
 ) -> None:
@@ -264,6 +288,7 @@ def install_train_loader(
 
         replace_train_dataloader(trainer, checked, owner=owner)
         return
+    check_sampling_strategy(trainer.args, max_tokens)
     torch = require("torch", "packtools.prepare_trainer(max_tokens=...)")
 
     def get_train_dataloader(self: Any) -> Any:
