@@ -32,7 +32,14 @@ class FlatRows:
 
 
 def _int_array(value: Any, row: int, key: str) -> np.ndarray:
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError) as exc:  # ragged nested lists: numpy cannot make one array of them
+        raise PackingError(
+            f"row {row}: {key!r} is not a flat list of integers (nested lists of different lengths, such as "
+            f"[[1, 2], [3]]: {exc}). Pass one flat list per row: concatenate the pieces and give their lengths "
+            f"as 'seq_lengths' (e.g. input_ids [1, 2, 3], seq_lengths [2, 1])."
+        ) from None
     if arr.ndim != 1:
         raise PackingError(
             f"row {row}: {key!r} must be a flat list of integers, got shape {arr.shape}; "
@@ -95,6 +102,37 @@ def _row_segments(row: Mapping[str, Any], i: int, n: int) -> np.ndarray:
     return seg
 
 
+def _check_position_ids(row: Mapping[str, Any], i: int, seg: np.ndarray, n: int) -> None:
+    """A row's own ``position_ids`` must say what ``seq_lengths`` say: the collator rebuilds them from
+    ``seq_lengths`` (a row without them is one sequence), so any other value would be replaced unseen."""
+    if row.get("position_ids") is None:
+        return
+    own = _int_array(row["position_ids"], i, "position_ids")
+    starts = np.cumsum(seg) - seg
+    rebuilt = np.arange(n, dtype=np.int64) - np.repeat(starts, seg)
+    if own.shape[0] == n and np.array_equal(own, rebuilt):
+        return
+    said = (
+        f"its 'seq_lengths' {seg.tolist()[:8]}"
+        if row.get("seq_lengths") is not None
+        else "one sequence (the row has no 'seq_lengths')"
+    )
+    if own.shape[0] != n:
+        got = f"has {own.shape[0]} values for {n} tokens"
+    else:
+        bad = int(np.flatnonzero(own != rebuilt)[0])
+        got = (
+            f"restart at token(s) {np.flatnonzero(own == 0).tolist()[:8]} and read {int(own[bad])} at token "
+            f"{bad} where {said} give(s) {int(rebuilt[bad])}"
+        )
+    raise PackingError(
+        f"row {i}: its own 'position_ids' {got}; PaddingFreeCollator rebuilds position_ids from "
+        f"'seq_lengths', so the row's would be replaced and its sequences merged or split without a word. Give "
+        f"the row 'seq_lengths' that match its position_ids (the lengths between the 0s), or drop the "
+        f"'position_ids' column (ds.remove_columns('position_ids'))."
+    )
+
+
 def flatten_rows(features: Sequence[Mapping[str, Any]], mask_keys: Sequence[str] = MASK_COLUMNS) -> FlatRows:
     """Validate rows and lay them end to end (empty rows are skipped).
 
@@ -126,6 +164,7 @@ def flatten_rows(features: Sequence[Mapping[str, Any]], mask_keys: Sequence[str]
         if not marked and unmarked is None and n:
             unmarked = i
         seg = _row_segments(row, i, n)
+        _check_position_ids(row, i, seg, n)
         labels = None
         if row.get("labels") is not None:
             labels = _int_array(row["labels"], i, "labels")
@@ -160,7 +199,8 @@ def flatten_rows(features: Sequence[Mapping[str, Any]], mask_keys: Sequence[str]
     )
 
 
-#: The row keys :class:`PaddingFreeCollator` reads (``position_ids`` is rebuilt from ``seq_lengths``); any other
+#: The row keys :class:`PaddingFreeCollator` reads (``position_ids`` is rebuilt from ``seq_lengths``, and a row's
+#: own must agree with them); any other
 #: key is refused by name unless ``leave_out`` lists it: a column that does not reach the model must not vanish
 #: without a word (a vision-language row's ``pixel_values`` dropped leaves image tokens without an image).
 CARRIED_KEYS = frozenset(

@@ -129,6 +129,36 @@ class PackedRows(ArrowBatches):
             self._check_seq_lengths(seq[0])
             self._seq_counts = seq[0].lengths().astype(np.int64)
             self._seq_column = table.column(SEQ_LENGTHS)
+        if "position_ids" in table.column_names:
+            self._check_position_ids(read_list_column(table.column("position_ids"), "position_ids"), seq)
+
+    def _check_position_ids(self, col: ListColumn, seq: list[ListColumn]) -> None:
+        """The rows' own ``position_ids`` must say what ``seq_lengths`` say (the batch rebuilds them)."""
+        check_integer(col)
+        fix = (
+            "the batch rebuilds position_ids from 'seq_lengths' (a row without them is one sequence), so the "
+            "rows' own would be replaced without a word. Give the rows 'seq_lengths' that match their "
+            "position_ids (the lengths between the 0s), or drop the column (ds.remove_columns('position_ids'))."
+        )
+        count = col.lengths().astype(np.int64)
+        bad = np.flatnonzero(count != self._table_lengths)
+        if bad.size:
+            r = int(bad[0])
+            raise PackingError(
+                f"row {r}: 'position_ids' has {int(count[r])} values but 'input_ids' has "
+                f"{int(self._table_lengths[r])} tokens; {fix}"
+            )
+        seg = seq[0].flat_values().astype(np.int64) if seq else self._table_lengths[self._table_lengths > 0]
+        rebuilt = np.arange(int(seg.sum()), dtype=np.int64) - np.repeat(np.cumsum(seg) - seg, seg)
+        wrong = np.flatnonzero(col.flat_values().astype(np.int64) != rebuilt)
+        if wrong.size:
+            token = int(wrong[0])
+            r = int(np.searchsorted(np.cumsum(self._table_lengths), token, side="right"))
+            said = "its 'seq_lengths'" if seq else "one sequence per row (no 'seq_lengths' column)"
+            raise PackingError(
+                f"row {r}: its own 'position_ids' disagree with {said} at token "
+                f"{token - int(self._table_lengths[:r].sum())}; {fix}"
+            )
 
     def _check_seq_lengths(self, col: ListColumn) -> None:
         if col.flat_values().min(initial=1) <= 0:
