@@ -4,7 +4,7 @@ The collator rebuilds ``position_ids`` from ``seq_lengths`` (a row without them 
 own positions say something else (two sequences in an unpacked row, positions contradicting ``seq_lengths``)
 used to be merged or re-split without a word (review 2026-12c C5, adversarial notes); it is refused by name.
 Positions that agree pass.  Ragged nested ``input_ids`` gave numpy's traceback; the error names the row and
-column.
+column.  ``ContextParallelCollator`` refuses the inner collator's static-shape options it cannot keep (C6).
 """
 
 import numpy as np
@@ -69,3 +69,18 @@ def test_ragged_nested_input_ids_name_the_row_and_column():
     with pytest.raises(PackingError, match=r"row 0: 'labels' is not a flat list"):
         collate({"input_ids": [1, 2, 3], "labels": [[1, 2], [3]]}, unpacked=True)
     assert np.asarray(collate({"input_ids": [1, 2, 3]}, unpacked=True)["input_ids"]).shape == (1, 3)
+
+
+@pytest.mark.parametrize(("option", "value"), [("pad_to_buckets", [32]), ("pad_cu_seq_lens_to", 8)])
+def test_cp_collator_refuses_static_shape_options_it_cannot_keep(option, value):
+    # review C6: the shard was (1, 18) under pad_to_buckets=[32] (not static), and pad_cu_seq_lens_to failed
+    # with a CP layout error that did not name the option
+    from packtools.batches import ContextParallelCollator
+
+    with pytest.raises(PackingError, match=rf"inner PaddingFreeCollator has \{{'{option}'") as err:
+        ContextParallelCollator(PaddingFreeCollator(0, **{option: value}), 2, 0, return_tensors="np")
+    assert err.value.param == "inner"
+    shard = ContextParallelCollator(PaddingFreeCollator(0), 2, 0, return_tensors="np")(
+        [{"input_ids": list(range(1, 12)), "seq_lengths": [4, 7]}]
+    )
+    assert shard["input_ids"].shape == (1, 6)

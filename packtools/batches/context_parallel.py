@@ -323,6 +323,21 @@ class ContextParallelCollator:
                 f"(got {type(inner).__name__}); CP shards one flat row per batch.",
                 param="inner",
             )
+        shaped = {
+            k: getattr(inner, k)
+            for k in ("pad_to_buckets", "pad_cu_seq_lens_to")
+            if getattr(inner, k, None) is not None
+        }
+        if shaped:
+            raise PackingError(
+                f"ContextParallelCollator's inner PaddingFreeCollator has {shaped}: static-shape padding that CP cannot keep: it would become one "
+                f"more document (or empty ones), padded again for CP and split across the ranks, so the shards' shapes would "
+                f"still follow the documents (the static shapes these options exist for are lost). CP pads each "
+                f"document to a multiple of 2 x cp_size itself (pad_to_multiple_of is kept: its padding is "
+                f"one more document); build the inner collator without "
+                f"{sorted(shaped)}.",
+                param="inner",
+            )
         self.inner = replace(return_tensors="np", return_flash_attn_kwargs=True)
         self.pad_token_id = int(self.inner.pad_token_id)
         self.return_tensors = return_tensors
