@@ -83,7 +83,9 @@ def test_a_divergence_in_the_runs_first_rows_sends_every_part_to_transformers(
     if executor == "ray":
         pytest.importorskip("ray")
     inputs = _zebra_after_first_file(tmp_path)
-    opts = dict(tokenizer=tok, tokenizer_audit=0.0, executor=executor, workers=2)
+    opts = dict(
+        tokenizer=tok, tokenizer_audit=0.0, executor=executor, workers=None if executor == "local" else 2
+    )
     ref = pack_files(inputs, tmp_path / "ref", 256, tokenizer_engine="transformers", **opts)
     res = pack_files(inputs, tmp_path / "auto", 256, **opts)
     report = res.stats["tokenizer"]
@@ -121,7 +123,9 @@ def test_an_audited_divergence_restages_every_fast_part_or_stops(tok, tmp_path, 
     texts = [CORPUS[i % len(CORPUS)] for i in range(300)]
     a = _write(tmp_path / "a.jsonl", texts)
     b = _write(tmp_path / "b.jsonl", [("a zebra " if i == 150 else "") + t for i, t in enumerate(texts)])
-    opts = dict(tokenizer=tok, tokenizer_audit=1.0, executor=executor, workers=2)
+    opts = dict(
+        tokenizer=tok, tokenizer_audit=1.0, executor=executor, workers=None if executor == "local" else 2
+    )
     ref = pack_files([a, b], tmp_path / "ref", 256, tokenizer_engine="transformers", **opts)
     res = pack_files([a, b], tmp_path / "auto", 256, **opts)
     report = res.stats["tokenizer"]

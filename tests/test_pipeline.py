@@ -111,8 +111,9 @@ def test_out_of_core_slices_equal_the_in_memory_packing(tmp_path):
         # split_at="tokens", drop_unlabeled=False: the in-memory packers' fixed cut, every piece kept (the
         # pipeline's default cuts rows with labels at turns and drops pieces that train nothing, such as a
         # 1-token tail; tests/test_turn_split.py)
+        split_at = "tokens" if strategy == "bfd_split" else "turns"  # only bfd_split cuts pieces
         cfg = PipelineConfig(
-            max_length=256, strategy=strategy, shard_tokens=5000, split_at="tokens", drop_unlabeled=False
+            max_length=256, strategy=strategy, shard_tokens=5000, split_at=split_at, drop_unlabeled=False
         )
         res = run_pipeline([src], out, cfg)
         assert res.stats["shards"] > 5

@@ -63,6 +63,10 @@ _PYTHON_WORDS = (
     ("keep_tokens=", "--keep-tokens "),
     ("multiple_of=", "--multiple-of "),
     ("max_context=", "--max-context "),
+    ("drop_unlabeled=False (keep unlabeled)", "--keep-unlabeled"),
+    ("drop_unlabeled=True", "--drop-unlabeled"),
+    ("shuffle=True", "--shuffle"),
+    ("executor=", "--executor "),
 )
 
 

@@ -101,6 +101,18 @@ class PipelineConfig:
                 f"max_prompt_length={self.max_prompt_length} must be in [1, max_length={self.max_length}).",
                 param="max_prompt_length",
             )
+        if self.split_at != "turns" and self.strategy != "bfd_split":
+            raise PackingError(
+                f"split_at={self.split_at!r} with strategy={self.strategy!r}: only bfd_split cuts rows into pieces "
+                f"at turns or tokens, so it would change nothing. Use strategy='bfd_split', or leave split_at out.",
+                param="split_at",
+            )
+        if self.seed != 0 and not self.shuffle:
+            raise PackingError(
+                f"seed={self.seed} without shuffle=True: the seed only orders the shuffled rows, so it would "
+                f"change nothing. Add shuffle=True, or leave seed out.",
+                param="seed",
+            )
         if self.plan not in PLANS:
             raise PackingError(f"plan={self.plan!r} is unknown; use one of {', '.join(PLANS)}.", param="plan")
         for name in ("shard_tokens", "part_rows", "part_bytes"):
@@ -155,3 +167,27 @@ def fingerprint(files: Sequence[InputFile], config: PipelineConfig) -> dict[str,
     }
     digest = cache_key("pack_files", MANIFEST_FORMAT, config=cfg, inputs=body["inputs"], tokenizer=tok)
     return {"fingerprint": digest, **body}
+
+
+def check_options_used(config: PipelineConfig, fmt: str) -> None:
+    """Refuse, by name, an option that cannot change anything for data of format ``fmt`` (a user who gave it
+    expected an effect; the vision path refuses its unused options the same way)."""
+    if fmt == "text" and config.drop_unlabeled is not None:
+        flag = "drop_unlabeled=True" if config.drop_unlabeled else "drop_unlabeled=False (keep unlabeled)"
+        raise PackingError(
+            f"{flag} on text data: text rows have no labels (every token trains), so no row or piece is "
+            f"without a trained token and it would change nothing. Leave it out.",
+            param="drop_unlabeled",
+        )
+    if fmt != "preference" and config.max_prompt_length is not None:
+        raise PackingError(
+            f"max_prompt_length={config.max_prompt_length} on {fmt} data: it applies to preference pairs "
+            f"(prompt + chosen + rejected) only, so it would change nothing. Leave it out.",
+            param="max_prompt_length",
+        )
+    if fmt == "tokenized" and config.tokenizer is not None:
+        raise PackingError(
+            f"tokenizer={config.tokenizer!r} with tokenized data: token ids are packed as they are and the "
+            f"tokenizer is never used. Leave it out (or give text, chat or preference data to tokenize).",
+            param="tokenizer",
+        )

@@ -275,6 +275,20 @@ def get_executor(
     """The executor called ``name`` (``local``, ``pool`` or ``ray``); an :class:`Executor` is returned as is."""
     if isinstance(name, Executor):
         return name
+    if name == "local" and workers is not None:
+        raise PackingError(
+            f"workers={workers} with executor='local': the local executor runs every stage in this process, so "
+            f"it would change nothing. Use executor='pool' (a process pool of that many workers) or 'ray', or "
+            f"leave workers out.",
+            param="workers",
+        )
+    if address is not None and name != "ray":
+        raise PackingError(
+            f"address={address!r} with executor={name!r}: only the Ray executor connects to a cluster, so it "
+            f"would change nothing. Use "
+            f"executor='ray', or leave address out.",
+            param="address",
+        )
     if name == "local":
         return LocalExecutor()
     if name == "pool":

@@ -41,7 +41,7 @@ import numpy as np
 from ..errors import PackingError
 from ..io.files import InputFile, Part, find_inputs, read_schema, skipped_notes, split_file
 from ..io.manifest import read_manifest, write_manifest
-from .config import PipelineConfig, PipelineResult, fingerprint
+from .config import PipelineConfig, PipelineResult, check_options_used, fingerprint
 from .engine_proof import EngineDivergence
 from .executors import EXECUTORS, Executor, get_executor
 from .failures import explain_os_error, note_interrupted, signals_deferred
@@ -237,6 +237,7 @@ def _inputs(
     tokenizer's files), the tokenizer loaded and its engine proved once (raw input), and the seconds that took."""
     early: dict[str, Any] = {}
     fmt = data_format(files, config)
+    check_options_used(config, fmt)
     if fmt == "preference" and config.overlong == "split":
         raise PackingError(
             "overlong='split' does not apply to preference data; use truncate or drop.", param="overlong"
