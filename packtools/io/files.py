@@ -217,7 +217,7 @@ def iter_part(
         changed = changed_since_found(part.file)
         if changed is None:
             raise
-        raise _changed_error(part.file, changed, f"; reading it failed with: {exc}") from exc
+        raise _changed_error(part.file, changed, f"; reading it failed with: {str(exc).rstrip('.')}") from exc
     changed = changed_since_found(part.file)
     if changed is not None:  # cut at a line end, or rewritten: rows lost or mixed without a read error
         raise _changed_error(part.file, changed, "")
