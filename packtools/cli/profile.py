@@ -176,17 +176,31 @@ def run(args: argparse.Namespace) -> int:
     if args.max_length is not None:
         print(f"chosen: --max-length {chosen:,} (its row is in the table; plots mark it)")
     if args.context_parallel is not None:
-        from ..core.plan import plan
+        from ..core.cp_budget import check_context_parallel, plan_for_cp
         from ..profiling.cp_audit import audit_plan
 
         if args.context_parallel < 1:
             raise PackingError(f"--context-parallel must be >= 1, got {args.context_parallel}.")
+        n = args.context_parallel
+        at = chosen
+        if args.max_length is not None:  # the check pack makes: a document of max_length must fit once padded
+            check_context_parallel(n, chosen)
+        elif n > 1 and chosen % (2 * n):  # the recommendation is not a length pack takes for this CP size
+            at = max(chosen // (2 * n), 1) * 2 * n
+            print()
+            print(
+                f"note: the recommended max_length {chosen:,} is not a multiple of {2 * n} (pack "
+                f"--context-parallel {n} needs one); the CP audit below is at --max-length {at:,}"
+            )
         lengths = profile.lengths[profile.lengths > 0]
-        packed = plan(lengths, chosen, rec.strategy)
-        audit = audit_plan(packed, args.context_parallel)
-        thd = audit_plan(packed, args.context_parallel, balance=False)
+        packed = plan_for_cp(lengths, at, rec.strategy, n)  # the rows pack --context-parallel N writes
+        audit = audit_plan(packed, n)
+        thd = audit_plan(packed, n, balance=False)
         print()
-        print(f"rows packed with {rec.strategy} at max_length {chosen:,}; " + audit.to_text())
+        print(
+            f"rows packed with {rec.strategy} at max_length {at:,} for --context-parallel {n}; "
+            + audit.to_text()
+        )
         print(
             f"the fixed head-tail layout (Megatron THD kernels, ContextParallelCollator(balance=False)): "
             f"worst row {thd.worst_row * 100:.2f}% off its mean, {thd.lost_to_imbalance * 100:.2f}% lost"

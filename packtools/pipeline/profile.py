@@ -61,6 +61,15 @@ class ProfiledInput:
             f"stage: {s['parts']} part(s), {done} tokenized in {s['stage_s']:.2f} s, {s['reused']} already "
             f"in the stage cache {s['folder']}"
         ]
+        if s.get("unencodable"):
+            from .summary import unencodable_text
+
+            lines.append(
+                "unencodable chars: "
+                + unencodable_text(
+                    s["unencodable"], "`packtools pack --on-unencodable error` stops on them instead."
+                )
+            )
         if s.get("kept", True):
             lines.append(
                 f"  a following `packtools pack` of the same inputs with the same --tokenizer (and --format, "
@@ -259,6 +268,11 @@ def profile_files(
         "stage_s": round(stage_s, 3),
         "kept": keep,
     }
+    from .fast_tokenize import engine_summary
+
+    engines = engine_summary([s.get("tokenizer") for s in staged])
+    if engines and engines.get("unencodable"):  # said as pack says it (the lengths are without them)
+        info["unencodable"] = engines["unencodable"]
     if keep:
         keys = [os.path.basename(j.sidecar)[: -len(".npz")] for j in jobs]
         evicted, total = evict(folder, keys)

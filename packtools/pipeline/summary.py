@@ -76,17 +76,19 @@ def _engine_rows(engine: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("engine checks", line + (f"; parts by engine: {by}" if by else "")))
     dropped = engine.get("unencodable")
     if dropped:
-        chars = ", ".join(f"'{c}' x{n:,}" for c, n in list(dropped["chars"].items())[:8])
-        rows.append(
-            (
-                "unencodable chars",
-                f"{dropped['count']:,} characters in {dropped['rows']:,} rows left out of the ids, as transformers "
-                f"does (the vocabulary has no token for bytes {', '.join(dropped['missing_bytes'][:6])}"
-                f"{', ...' if len(dropped['missing_bytes']) > 6 else ''}): {chars}; first rows: "
-                f"{'; '.join(dropped['first_rows'])}. --on-unencodable error stops instead.",
-            )
-        )
+        rows.append(("unencodable chars", unencodable_text(dropped)))
     return rows
+
+
+def unencodable_text(dropped: dict[str, Any], stop: str = "--on-unencodable error stops instead.") -> str:
+    """The characters the tokenizer could not encode (``char_drops`` report), as ``pack`` and ``profile`` say it."""
+    chars = ", ".join(f"'{c}' x{n:,}" for c, n in list(dropped["chars"].items())[:8])
+    return (
+        f"{dropped['count']:,} characters in {dropped['rows']:,} rows left out of the ids, as transformers "
+        f"does (the vocabulary has no token for bytes {', '.join(dropped['missing_bytes'][:6])}"
+        f"{', ...' if len(dropped['missing_bytes']) > 6 else ''}): {chars}; first rows: "
+        f"{'; '.join(dropped['first_rows'])}. {stop}"
+    )
 
 
 def seconds_since_process_start(at: float) -> float | None:
