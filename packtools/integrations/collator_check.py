@@ -17,8 +17,7 @@ rows' own ``seq_lengths``:
 
 It then returns a collator for :func:`packtools.integrations.check_isolation` that feeds the probe's rows,
 shaped like the real ones, through the trainer's collator, so the probe measures the batches training will see.
-A collator that passes is accepted as it is (judged by its batch, never by its class name); one that fails is
-refused with the fix.
+A collator that passes is accepted as it is (judged by its batch, never by its class name); one that fails: refused.
 
 :func:`check_preference_collator` does the same for ``DPOTrainer``: each pair's chosen and rejected sequences
 must come out as their own right-padded rows, chosen rows first, as TRL's ``DataCollatorForPreference`` lays
@@ -253,6 +252,7 @@ def _refuse(trainer: Any, collator: Any, problems: Sequence[str]) -> PackingErro
     sft = is_sft_trainer(trainer)
     trl_own = sft and type(collator).__module__.startswith("trl.")
     own = " (TRL's own, which SFTTrainer builds when no data_collator is passed)" if trl_own else ""
+    alt = " Or give SFTTrainer args=packed_sft_config(...) (padding_free=True) and no data_collator." * sft
     where = "SFTTrainer(..., args=packed_sft_config(..., padding_free=False), " if sft else "Trainer(..., "
     return PackingError(
         f"the trainer's data_collator {_name(collator)}{own} cannot keep packed sequences apart: on a batch of "
@@ -260,14 +260,8 @@ def _refuse(trainer: Any, collator: Any, problems: Sequence[str]) -> PackingErro
         + (f" (also: {'; '.join(problems[1:3])})" if len(problems) > 1 else "")
         + f". Training would run on the wrong context with no error. Fix: build the trainer with "
         f"{where}data_collator=packtools.PaddingFreeCollator({_pad_token(trainer)})), which reads seq_lengths "
-        f"and emits position_ids, cu_seq_lens and labels per packed sequence."
-        + (
-            " Or build it with args=packed_sft_config(...) (its default padding_free=True) and no "
-            "data_collator: TRL's own padding-free collator reads seq_lengths."
-            if sft
-            else ""
-        )
-        + " (prepare_trainer(..., check_isolation=False) skips this check; training would then be silently wrong.)"
+        f"and emits position_ids, cu_seq_lens and labels per packed sequence.{alt}"
+        " (prepare_trainer(..., check_isolation=False) skips this check; training would then be silently wrong.)"
     )
 
 

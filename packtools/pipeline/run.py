@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from .._atomic import discard
 from ..errors import PackingError
 from ..io.files import InputFile, Part, find_inputs, read_schema, skipped_notes, split_file
 from ..io.manifest import read_manifest, write_manifest
@@ -54,7 +55,7 @@ from .planning import load_kernels_ahead, plan_parts, row_plan, write_jobs
 from .schema import data_format, known_columns, token_schema
 from .spec import IdsSpec
 from .stage import StageJob, freeze_report, stage_part
-from .stage_cache import adopt_cached, stage_jobs
+from .stage_cache import adopt_cached, evicted_error, keep_in_place, stage_jobs
 from .staged import load_sidecar, sidecar_turns
 from .summary import tokenizer_timings
 from .verdict import basis, decide, drop_disagreeing, fall_back, record, recorded
@@ -362,6 +363,17 @@ def _run(
                 jobs = jobs_for(verdict)
                 timings["parts_restaged"] = timings.get("parts_restaged", 0) + drop_disagreeing(jobs, verdict)
                 done.clear()
+        gone = keep_in_place([s["data"] for s in staged])  # cache entries read in place, evicted meanwhile
+        if gone:
+            again = [jobs[i] for i in gone]
+            discard(*(j.sidecar for j in again))
+            restaged = run_jobs(ex, stage_part, again, "stage", how.quiet, how.retries)
+            for i, s in zip(gone, restaged):
+                staged[i] = s
+            cache_notes.append(
+                f"{len(gone)} stage cache entr(ies) this run had adopted from `packtools profile` were removed "
+                f"from the cache meanwhile (another run trimmed it): their part(s) were tokenized again"
+            )
         timings["stage_s"] = round(time.perf_counter() - t0, 3)
         # when the first part was read and tokenized (the CLI says how long after the process started)
         if done:
@@ -419,6 +431,11 @@ def _run(
             timings["write_s"] = round(time.perf_counter() - t2, 3)
             write_dataset_files(ws.build, [os.path.basename(j.path) for j in wjobs], fp["fingerprint"])
             stats = rows.stats(p, len(wjobs), config)
+    except FileNotFoundError as exc:
+        said = evicted_error(exc)
+        if said is None:
+            raise
+        raise said from exc
     finally:
         if ex is not how.executor:
             ex.close()

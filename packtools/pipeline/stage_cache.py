@@ -259,6 +259,45 @@ def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> tuple[s
     return adopted, notes
 
 
+def _cache_or_none(folder: str | None) -> str | None:
+    try:
+        return cache_dir(folder)
+    except PackingError:
+        return None
+
+
+def keep_in_place(data: Sequence[str], folder: str | None = None) -> list[int]:
+    """The indices of ``data`` (the staged files a run is about to read) that are cache entries read in place
+    (a cache on another file system) and are gone: evicted since the run adopted them (an entry is safe for
+    :data:`MIN_AGE_S` after its last use; a run can be longer).  Those still there are marked used now."""
+    folder, gone, now = _cache_or_none(folder), [], time.time()
+    for i, path in enumerate(data):
+        if folder is None or os.path.dirname(os.path.abspath(path)) != folder:
+            continue
+        try:
+            os.utime(path, (now, now))
+            os.utime(path[: -len(".arrow")] + ".npz", (now, now))
+        except FileNotFoundError:
+            if not os.path.exists(path):
+                gone.append(i)
+        except OSError:
+            pass
+    return gone
+
+
+def evicted_error(exc: OSError, folder: str | None = None) -> PackingError | None:
+    """A run's ``FileNotFoundError`` on a stage-cache entry it read in place, said as what it is (else None)."""
+    folder, path = _cache_or_none(folder), getattr(exc, "filename", None)
+    if folder is None or not path or os.path.dirname(os.path.abspath(os.fspath(path))) != folder:
+        return None
+    return PackingError(
+        f"the stage cache entry {os.fspath(path)!r} (a part `packtools profile` tokenized, read in place: the "
+        f"cache is on another file system) was removed while this run read it: another run trimmed the cache "
+        f"({MAX_GB_ENV}), or it was deleted. Run the same command again: the part is tokenized again. To keep "
+        f"long runs off the cache, put ${CACHE_ENV} on the file system of --out."
+    )
+
+
 @dataclass
 class CacheUse:
     """What a profile did in the stage cache."""
