@@ -301,6 +301,15 @@ def _verdict(
     return verdict, rests_on
 
 
+def busy_seconds(outcomes: Sequence[Any]) -> dict[str, float]:
+    """The busy seconds per phase of a stage's jobs (their ``phases``, summed; they overlap in threads)."""
+    total: dict[str, float] = {}
+    for out in outcomes:
+        for k, v in (out.get("phases") or {}).items() if isinstance(out, dict) else ():
+            total[k] = round(total.get(k, 0.0) + v, 4)
+    return total
+
+
 #: inputs at least this large load Numba and the run's kernels in a thread while they stage
 KERNELS_AHEAD_MIN_BYTES = 32 << 20
 
@@ -311,7 +320,9 @@ def _run(
     """Stage, plan, write and install, holding the lock of ``ws``."""
     fmt, columns = found.fmt, found.columns
     parts: list[Part] = [p for f in found.files for p in split_file(f, config.part_rows, config.part_bytes)]
+    t_verdict = time.perf_counter()
     verdict, rests_on = _verdict(found, config, parts, ws, fp["config"]["ids"])
+    verdict_s = round(time.perf_counter() - t_verdict, 3)
 
     def jobs_for(verdict: dict[str, Any] | None) -> list[StageJob]:
         return stage_jobs(
@@ -329,7 +340,11 @@ def _run(
     jobs = jobs_for(verdict)
     from_killed_run = {j.sidecar for j in jobs if os.path.exists(j.sidecar)}
     from_cache, cache_notes = adopt_cached(jobs)  # parts `packtools profile` staged: not tokenized again
-    timings: dict[str, Any] = {"parts": len(parts), "parts_from_stage_cache": len(from_cache)}
+    timings: dict[str, Any] = {
+        "parts": len(parts),
+        "parts_from_stage_cache": len(from_cache),
+        "verdict_s": verdict_s,  # the driver's proof on the data's first rows (it waits for the engine's load)
+    }
     if verdict is not None:
         timings["parts_restaged"] = drop_disagreeing(jobs, verdict)
     ex = get_executor(how.executor, how.workers, how.address)
@@ -362,6 +377,7 @@ def _run(
                 timings["parts_restaged"] = timings.get("parts_restaged", 0) + drop_disagreeing(jobs, verdict)
                 done.clear()
         timings["stage_s"] = round(time.perf_counter() - t0, 3)
+        timings["stage_phases_s"] = busy_seconds(staged)
         # when the first part was read and tokenized (the CLI says how long after the process started)
         if done:
             timings["first_part_at"] = done[0]
@@ -414,8 +430,9 @@ def _run(
             wjobs = write_jobs(
                 p, data, rows.bounds, config, columns, ws.build, run=run_token(fp["fingerprint"])
             )
-            run_jobs(ex, write_block, wjobs, "write", how.quiet, how.retries)
+            written = run_jobs(ex, write_block, wjobs, "write", how.quiet, how.retries)
             timings["write_s"] = round(time.perf_counter() - t2, 3)
+            timings["write_phases_s"] = busy_seconds(written)
             write_dataset_files(ws.build, [os.path.basename(j.path) for j in wjobs], fp["fingerprint"])
             stats = rows.stats(p, len(wjobs), config)
     finally:
