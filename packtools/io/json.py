@@ -1,5 +1,6 @@
 """JSON input read in blocks: JSON lines (parsed by Arrow, block by block) and files holding one JSON array
-(parsed object by object).  Memory is bounded by the block size and the longest line or object, never by the
+(parsed object by object).  Blocks of already tokenized lines (lists of integers) are read by a Numba scan
+(:mod:`packtools.io.json_ints`), other blocks by Arrow.  Memory is bounded by the block size and the longest line or object, never by the
 file size, and every byte is parsed once.  Errors name the file and its real line number: the slow Python
 parse that finds the culprit runs only when Arrow has already refused a block.
 
@@ -27,6 +28,7 @@ import pyarrow as pa
 
 from ..errors import PackingError
 from .json_cells import CHAT_COLUMNS, line_array, own_json_cells, value_column
+from .json_ints import int_list_keys, read_int_lists
 
 BLOCK_BYTES = 1 << 24
 #: An object longer than this (in characters) is reported as malformed rather than read on to the end.
@@ -177,6 +179,9 @@ def iter_json_lines(
     stop = os.path.getsize(path) if stop is None else stop
     base = LineBase(path, start)
     rel = 0  # newlines between `start` and the current block
+    int_keys: list[str] | None | bool = (
+        False  # token-id lines (json_ints): their keys, once the first block is seen
+    )
     with open(path, "rb") as fh:
         fh.seek(start)
         left, tail = stop - start, b""
@@ -193,6 +198,13 @@ def iter_json_lines(
             else:
                 tail = b""
             body = data.lstrip()
+            if body and int_keys is False:
+                int_keys = int_list_keys(body)
+            fast = read_int_lists(data, int_keys) if body and int_keys else None
+            if fast is not None:  # every line of the block an object of token-id lists (read by Numba)
+                yield rel, fast
+                rel += data.count(b"\n")
+                continue
             if body:
                 try:
                     options = pj.ReadOptions(block_size=max(len(data) + 1, 1 << 20), use_threads=False)
