@@ -5,6 +5,7 @@ Usage::
     python benchmarks/bench_phases.py --docs 65000 --vocab llama3 --repeat 3     # ~100 MB of text
     python benchmarks/bench_phases.py --docs 650000 --vocab llama3 --repeat 1    # ~1 GB
     python benchmarks/bench_phases.py --workdir W ...      # keep (and reuse) the data and tokenizer in W
+    python benchmarks/bench_phases.py --tokenized-mb 200 --baseline-tree B --repeat 3   # tokenized JSON lines
 
 The data and tokenizers are ``bench_tokenize.py``'s (``--case data``: stdlib pieces as JSONL ``{"text": ...}``,
 the real vocabulary built from ``quicktok-v1``'s rank files).  Every case runs in a fresh process, and the cases
@@ -17,6 +18,11 @@ hits all of them; each column is the repeat with the best wall time.
 - ``first run``: ``run_pipeline`` with an empty ``PACKTOOLS_CACHE_DIR`` (every recorded proof and fact is
   made again; transformers is imported), timed from the process start.
 - ``warm``: the same command again with that cache folder.
+
+``--tokenized-mb N``: instead, N MB of already tokenized JSON lines (``{"input_ids": [...]}``, lognormal lengths,
+ids below 128,256, seed 0) staged and packed (``max_length`` 2048) by this tree and by the packtools checkout
+``--baseline-tree`` (``PYTHONPATH``), beside Arrow's reader alone (``pyarrow.json.read_json``, its threads)
+on the same file, each in a fresh process reporting its peak RSS, interleaved; best of ``--repeat``.
 
 Phases (seconds): ``process start + imports`` (the interpreter and ``packtools.pipeline.run``; the parent's
 wall less the child's own clock, plus the child's import time), ``setup`` (inputs found, fingerprints),
@@ -77,6 +83,74 @@ def case_pack(src: str, out: str, tok_dir: str) -> dict:
             "engine": res.stats["tokenizer"]["engine"], "rows_out": res.stats["rows_out"]}  # fmt: skip
 
 
+def make_tokenized(path: str, mb: int) -> None:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    n = 0
+    with open(path, "w") as fh:
+        while n < mb * 1_000_000:
+            ids = rng.integers(0, 128256, int(rng.lognormal(5.5, 0.8)) + 1)
+            line = '{"input_ids": [' + ", ".join(map(str, ids.tolist())) + "]}\n"
+            fh.write(line)
+            n += len(line)
+
+
+def case_tokenized(src: str, out: str, way: str) -> dict:
+    import resource
+
+    t0 = time.perf_counter()
+    if way == "arrow":
+        import pyarrow.json as pj
+
+        rows = pj.read_json(src).num_rows
+        res_t: dict = {}
+    else:
+        from packtools.pipeline.run import pack_files
+
+        shutil.rmtree(out, ignore_errors=True)
+        res = pack_files(src, out, max_length=MAX_LENGTH)
+        rows, res_t = res.stats["rows_in"], res.timings
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+    return {"s": time.perf_counter() - t0, "rows": rows, "stage_s": res_t.get("stage_s"), "rss_gb": rss}
+
+
+def tokenized(args: argparse.Namespace, workdir: str) -> list[str]:
+    src = os.path.join(workdir, f"tokenized-{args.tokenized_mb}.jsonl")
+    if not os.path.exists(src):
+        make_tokenized(src, args.tokenized_mb)
+    mb = os.path.getsize(src) / 1e6
+    here = os.path.dirname(HERE)
+    ways = {
+        "Arrow's reader (pyarrow.json.read_json)": ("arrow", here),
+        "packtools (this tree)": ("pack", here),
+    }
+    if args.baseline_tree:
+        ways[f"packtools ({args.baseline_tree})"] = ("pack", os.path.abspath(args.baseline_tree))
+    best: dict[str, dict] = {}
+    for rep in range(args.repeat):
+        for label, (way, tree) in ways.items():
+            env = {**os.environ, "PYTHONPATH": tree}
+            r = run_case(env, "tokenized", src, os.path.join(workdir, "out-tok"), way)
+            key = "s" if way == "arrow" else "stage_s"
+            if label not in best or r[key] < best[label][key]:
+                best[label] = r
+        print(f"repeat {rep} done", flush=True)
+    shutil.rmtree(os.path.join(workdir, "out-tok"), ignore_errors=True)
+    with open("/proc/loadavg") as fh:
+        load = " ".join(fh.read().split()[:3])
+    lines = [
+        f"### Tokenized JSON lines: {mb:.0f} MB, best of {args.repeat} interleaved; load average after: {load}",
+        "",
+        "| way | read / stage (s) | MB/s | end to end (s) | peak RSS (GiB) |",
+        "|---|---|---|---|---|",
+    ]
+    for label, r in best.items():
+        t = r["s"] if r["stage_s"] is None else r["stage_s"]
+        lines.append(f"| {label} | {t:.2f} | {mb / t:.0f} | {r['wall_s']:.2f} | {r['rss_gb']:.2f} |")
+    return lines
+
+
 def run_case(env: dict, *args: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--case", *args]
     t = time.perf_counter()
@@ -123,17 +197,26 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workdir", help="keep the data here (reused when it is already there)")
     ap.add_argument("--markdown", help="also write the table to this file")
+    ap.add_argument("--tokenized-mb", type=int, help="tokenized JSON lines of this size instead (see above)")
+    ap.add_argument("--baseline-tree", help="--tokenized-mb: also a packtools checkout in this folder")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
-        result = {"alone": case_alone, "pack": case_pack}[args.case](*args.args)
+        result = {"alone": case_alone, "pack": case_pack, "tokenized": case_tokenized}[args.case](*args.args)
         print(json.dumps(result))
         return 0
     workdir = args.workdir or tempfile.mkdtemp(prefix="packtools-bench-phases-")
     os.makedirs(workdir, exist_ok=True)
     meta = os.path.join(workdir, f"data-{args.docs}-{args.vocab}.json")
     try:
+        if args.tokenized_mb:
+            text = "\n".join(tokenized(args, workdir))
+            print("\n" + text)
+            if args.markdown:
+                with open(args.markdown, "w") as fh:
+                    fh.write(text + "\n")
+            return 0
         if not os.path.exists(meta):
             cmd = [sys.executable, os.path.join(HERE, "bench_tokenize.py"), "--case", "data", workdir,
                    str(args.docs), args.vocab]  # fmt: skip

@@ -59,21 +59,25 @@ def read_int_lists(data: bytes, keys: list[str]) -> pa.Table | None:
     names = [k.encode() for k in keys]
     key_bytes = np.frombuffer(b"".join(names), np.uint8) if any(names) else np.zeros(0, np.uint8)
     key_starts = np.cumsum([0] + [len(k) for k in names]).astype(np.int64)
-    counts = np.zeros((len(keys), 1), np.int64)
-    rows = int_list_lines(raw, key_bytes, key_starts, counts, np.zeros(0, np.int64), False)
-    if rows <= 0 or not counts.all():
+    # one scan: each key's values into its own region of room enough for any block (a value takes at least two
+    # bytes: a digit and a separator), copied out at their real size after
+    room = (raw.size + 1) // 2
+    lines = data.count(b"\n") + 1
+    offsets = np.empty((len(keys), lines + 1), np.int64)
+    offsets[:, 0] = np.arange(len(keys), dtype=np.int64) * room
+    values = np.empty(room * len(keys), np.int64)
+    rows = int_list_lines(raw, key_bytes, key_starts, offsets, values, True)
+    if rows <= 0:
         return None
-    bases = np.concatenate([[0], np.cumsum(counts[:, 0])]).astype(np.int64)
-    offsets = np.empty((len(keys), rows + 1), np.int64)
-    offsets[:, 0] = bases[:-1]
-    values = np.empty(int(bases[-1]), np.int64)
-    if int_list_lines(raw, key_bytes, key_starts, offsets, values, True) != rows:
-        return None  # (the same bytes scanned twice: never, unless the buffer changed under us)
+    offsets = offsets[:, : rows + 1]
+    counts = offsets[:, -1] - offsets[:, 0]
+    if not counts.all():
+        return None
     arrays = []
     for c in range(len(keys)):
         local = offsets[c] - offsets[c, 0]
         offs = pa.array(local.astype(np.int32) if local[-1] < 2**31 else local)
-        vals = pa.array(values[bases[c] : bases[c + 1]])
+        vals = pa.array(values[offsets[c, 0] : offsets[c, -1]].copy())
         cls = pa.ListArray if offs.type == pa.int32() else pa.LargeListArray
         arrays.append(cls.from_arrays(offs, vals))
     return pa.Table.from_arrays(arrays, names=keys)
