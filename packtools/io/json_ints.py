@@ -53,7 +53,11 @@ def read_int_lists(data: bytes, keys: list[str]) -> pa.Table | None:
     """The table of the JSON lines ``data`` if every line is an object of exactly ``keys``, in that order, with
     lists of integers as values (see the module docstring); else None.  A block in which a key holds no value
     at all is also left to Arrow (which types such a column ``list<null>``)."""
-    from ..core.kernels import int_list_lines
+    from .._lazy import load_now
+
+    int_list_lines = load_now(
+        "packtools.core.kernels"
+    ).int_list_lines  # this thread may not be the first to load it
 
     raw = np.frombuffer(data, np.uint8)
     names = [k.encode() for k in keys]
