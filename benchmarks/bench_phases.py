@@ -142,24 +142,31 @@ def tokenized(args: argparse.Namespace, workdir: str) -> list[str]:
     lines = [
         f"### Tokenized JSON lines: {mb:.0f} MB, best of {args.repeat} interleaved; load average after: {load}",
         "",
-        "| way | read / stage (s) | MB/s | end to end (s) | peak RSS (GiB) |",
-        "|---|---|---|---|---|",
+        "| way | read / stage (s) | MB/s | end to end (s) | CPU s (process) | peak RSS (GiB) |",
+        "|---|---|---|---|---|---|",
     ]
     for label, r in best.items():
         t = r["s"] if r["stage_s"] is None else r["stage_s"]
-        lines.append(f"| {label} | {t:.2f} | {mb / t:.0f} | {r['wall_s']:.2f} | {r['rss_gb']:.2f} |")
+        lines.append(
+            f"| {label} | {t:.2f} | {mb / t:.0f} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {r['rss_gb']:.2f} |"
+        )
     return lines
 
 
 def run_case(env: dict, *args: str) -> dict:
+    import resource
+
     cmd = [sys.executable, os.path.abspath(__file__), "--case", *args]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if proc.returncode != 0:
         raise RuntimeError(f"case {args} failed:\n{proc.stderr[-4000:]}")
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    res["wall_s"] = wall
+    res["wall_s"], res["cpu_s"] = wall, cpu  # CPU seconds (user + system): less hostage to the machine's load
     return res
 
 
@@ -187,6 +194,7 @@ def phases(r: dict) -> list[tuple[str, float]]:
         ("  flush shards (busy)", write.get("flush", 0.0)),
         ("install, exit, other", rest),
         ("**end to end (wall)**", r["wall_s"]),
+        ("CPU seconds, user + system (whole process)", r["cpu_s"]),
     ]
 
 
@@ -284,6 +292,11 @@ def main() -> int:
             if "warm" + suffix not in best:
                 continue
             w, f = best["warm" + suffix], best["first" + suffix]
+            lines.append(
+                f"- CPU seconds{suffix}: warm {w['cpu_s']:.2f}, first run {f['cpu_s']:.2f} "
+                f"(**{f['cpu_s'] / w['cpu_s']:.2f}x**); the engine alone's encode + load + read: "
+                f"{alone['cpu_s']:.2f} (whole process)."
+            )
             lines.append(
                 f"- warm{suffix}: {mb / w['wall_s']:.1f} MB/s = **{mb / w['wall_s'] / engine_mbs:.3f}** of the "
                 f"engine alone's MB/s (target >= 0.3 at 100 MB); first run / warm = "
