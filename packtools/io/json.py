@@ -1,8 +1,8 @@
-"""JSON input read in blocks: JSON lines (parsed by Arrow, block by block) and files holding one JSON array
-(parsed object by object).  Blocks of already tokenized lines (lists of integers) are read by a Numba scan
-(:mod:`packtools.io.json_ints`), other blocks by Arrow.  Memory is bounded by the block size and the longest line or object, never by the
-file size, and every byte is parsed once.  Errors name the file and its real line number: the slow Python
-parse that finds the culprit runs only when Arrow has already refused a block.
+"""JSON input read in blocks: JSON lines (parsed by Arrow, block by block; blocks of token-id lists by a Numba
+scan, :mod:`packtools.io.json_ints`) and files holding one JSON array (parsed object by object).  Memory is
+bounded by the block size and the longest line or object, never by the file size; every byte is parsed once.
+Errors name the file and its real line number: the slow Python parse that finds the culprit runs only when
+Arrow has already refused a block.
 
 >>> import os, tempfile
 >>> path = os.path.join(tempfile.mkdtemp(), "rows.jsonl")
@@ -179,9 +179,7 @@ def iter_json_lines(
     stop = os.path.getsize(path) if stop is None else stop
     base = LineBase(path, start)
     rel = 0  # newlines between `start` and the current block
-    int_keys: list[str] | None | bool = (
-        False  # token-id lines (json_ints): their keys, once the first block is seen
-    )
+    int_keys: list[str] | None | bool = False  # token-id lines' keys (json_ints), from the first block
     with open(path, "rb") as fh:
         fh.seek(start)
         left, tail = stop - start, b""
