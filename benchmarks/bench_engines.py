@@ -91,7 +91,9 @@ def main() -> int:
             i
             for i in range(len(fl))
             if fl[i] != gl[i]
-            or not np.array_equal(fv[starts_f[i] : starts_f[i] + fl[i]], gv[starts_g[i] : starts_g[i] + gl[i]])
+            or not np.array_equal(
+                fv[starts_f[i] : starts_f[i] + fl[i]], gv[starts_g[i] : starts_g[i] + gl[i]]
+            )
         ]
         print(f"documents whose ids differ (fastokens vs gigatoken, no special tokens): {len(differ):,}"
               + (f"; first: {differ[:5]}" if differ else ""))  # fmt: skip
