@@ -114,3 +114,33 @@ def test_a_malformed_line_after_scanned_blocks_is_still_named(tmp_path):
         fh.write('{"input_ids": [1, 2,]}\n')
     with pytest.raises(PackingError, match="line 201"):
         list(iter_json_lines(path, block_bytes=1000))
+
+
+def test_packing_scanned_json_lines_equals_packing_the_same_rows_from_parquet(tmp_path):
+    import pyarrow.parquet as pq
+
+    from packtools.pipeline.run import pack_files
+
+    rng = np.random.default_rng(1)
+    rows = [rng.integers(-100, 50_000, rng.integers(1, 40)).tolist() for _ in range(500)]
+    src = os.path.join(tmp_path, "t.jsonl")
+    with open(src, "w") as fh:
+        fh.write("".join(json.dumps({"input_ids": r, "labels": r}) + "\n" for r in rows))
+    pq.write_table(pa.table({"input_ids": rows, "labels": rows}).cast(
+        pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))])
+    ), os.path.join(tmp_path, "t.parquet"))  # fmt: skip
+    got = pack_files(src, os.path.join(tmp_path, "a"), max_length=64)
+    want = pack_files(os.path.join(tmp_path, "t.parquet"), os.path.join(tmp_path, "b"), max_length=64)
+    assert got.stats["rows_out"] == want.stats["rows_out"]
+    assert got.stats["tokens_in"] == want.stats["tokens_in"] == sum(map(len, rows))
+
+    def shards(folder):
+        names = sorted(f for f in os.listdir(folder) if f.endswith(".arrow"))
+        tables = [pa.ipc.open_stream(os.path.join(folder, n)).read_all() for n in names]
+        return pa.concat_tables(tables).to_pydict()
+
+    assert shards(got.out) == shards(want.out)
+    # the run reports where its time went, phase by phase (busy seconds, never negative)
+    assert set(got.timings["stage_phases_s"]) == {"read", "encode", "write", "flush"}
+    assert set(got.timings["write_phases_s"]) == {"gather", "write", "flush"}
+    assert min(got.timings["stage_phases_s"].values()) >= 0.0
