@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
@@ -57,3 +58,16 @@ def lazy_module(name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+#: held by a thread while it loads a lazy module (Python 3.11's ``LazyLoader`` is not safe for two threads at once)
+_LOADING = threading.Lock()
+
+
+def load_now(name: str) -> ModuleType:
+    """Module ``name`` fully loaded, safely from any thread: one thread at a time completes a :func:`lazy_module`
+    (the pipeline loads the kernels in one thread while another reads tokenized JSON with one of them)."""
+    with _LOADING:
+        module = importlib.import_module(name)
+        module.__dict__  # noqa: B018 - reading an attribute of a lazy module loads it
+        return sys.modules[name]

@@ -358,3 +358,115 @@ def balance_pairs(pair_work, row_starts):
                 out[d, pairs[j]] = ranks[j]
                 load[ranks[j]] += pair_work[d, pairs[j]]
     return out
+
+
+@njit(cache=True, nogil=True)
+def _skip_blanks(data, pos):
+    """The first position at or after ``pos`` that is not a space, tab or carriage return."""
+    n = data.size
+    while pos < n and (data[pos] == 32 or data[pos] == 9 or data[pos] == 13):
+        pos += 1
+    return pos
+
+
+@njit(cache=True, nogil=True)
+def int_list_lines(data, key_bytes, key_starts, offsets, values, fill):
+    """Read JSON lines that are each one object of the same keys, in the same order, every value a list of
+    integers (``{"input_ids": [1, 2], "labels": [-100, 2]}``), from the bytes ``data``; the number of lines,
+    or -1 at the first byte that does not fit that shape exactly (a blank line, other keys or key order, a
+    float, a number of more than 18 digits, a leading zero, ``null``, a non-ASCII byte, ...; the caller then
+    reads the block with a full JSON reader, which also names any error).
+
+    ``key_bytes[key_starts[c]:key_starts[c + 1]]`` is key ``c`` (ASCII, no quote or backslash).  First pass
+    (``fill`` False): ``offsets`` is ``[keys, 1]`` of zeros and gets each key's count of values.  Second pass
+    (``fill`` True): ``offsets`` is ``[keys, lines + 1]`` with ``offsets[c, 0]`` the key's first position in
+    ``values``, and gets every line's end; ``values`` (int64) gets the numbers."""
+    n = data.size
+    keys = key_starts.size - 1
+    pos = 0
+    row = 0
+    while True:
+        pos = _skip_blanks(data, pos)
+        if pos >= n:
+            return row
+        if data[pos] != 123:  # '{' (a blank line, or anything else, is left to the full reader)
+            return -1
+        pos += 1
+        for c in range(keys):
+            pos = _skip_blanks(data, pos)
+            if c > 0:
+                if pos >= n or data[pos] != 44:  # ','
+                    return -1
+                pos = _skip_blanks(data, pos + 1)
+            if pos >= n or data[pos] != 34:  # '"'
+                return -1
+            pos += 1
+            k0 = key_starts[c]
+            klen = key_starts[c + 1] - k0
+            if pos + klen >= n:
+                return -1
+            for j in range(klen):
+                if data[pos + j] != key_bytes[k0 + j]:
+                    return -1
+            pos += klen
+            if data[pos] != 34:
+                return -1
+            pos = _skip_blanks(data, pos + 1)
+            if pos >= n or data[pos] != 58:  # ':'
+                return -1
+            pos = _skip_blanks(data, pos + 1)
+            if pos >= n or data[pos] != 91:  # '['
+                return -1
+            pos = _skip_blanks(data, pos + 1)
+            count = 0
+            if pos < n and data[pos] == 93:  # ']': an empty list
+                pos += 1
+            else:
+                while True:
+                    negative = False
+                    if pos < n and data[pos] == 45:  # '-'
+                        negative = True
+                        pos += 1
+                    if pos >= n or data[pos] < 48 or data[pos] > 57:
+                        return -1
+                    value = 0
+                    if data[pos] == 48:  # '0' is a whole number: JSON has no leading zeros
+                        pos += 1
+                        if pos < n and 48 <= data[pos] <= 57:
+                            return -1
+                    else:
+                        digits = 0
+                        while pos < n and 48 <= data[pos] <= 57:
+                            value = value * 10 + (data[pos] - 48)
+                            pos += 1
+                            digits += 1
+                        if digits > 18:
+                            return -1
+                    if pos < n and (data[pos] == 46 or data[pos] == 101 or data[pos] == 69):  # . e E
+                        return -1
+                    if fill:
+                        values[offsets[c, row] + count] = -value if negative else value
+                    count += 1
+                    pos = _skip_blanks(data, pos)
+                    if pos >= n:
+                        return -1
+                    if data[pos] == 44:
+                        pos = _skip_blanks(data, pos + 1)
+                        continue
+                    if data[pos] == 93:
+                        pos += 1
+                        break
+                    return -1
+            if fill:
+                offsets[c, row + 1] = offsets[c, row] + count
+            else:
+                offsets[c, 0] += count
+        pos = _skip_blanks(data, pos)
+        if pos >= n or data[pos] != 125:  # '}'
+            return -1
+        pos = _skip_blanks(data, pos + 1)
+        row += 1
+        if pos < n:
+            if data[pos] != 10:
+                return -1
+            pos += 1

@@ -1,7 +1,8 @@
-"""JSON input read in blocks: JSON lines (parsed by Arrow, block by block) and files holding one JSON array
-(parsed object by object).  Memory is bounded by the block size and the longest line or object, never by the
-file size, and every byte is parsed once.  Errors name the file and its real line number: the slow Python
-parse that finds the culprit runs only when Arrow has already refused a block.
+"""JSON input read in blocks: JSON lines (parsed by Arrow, block by block; blocks of token-id lists by a Numba
+scan, :mod:`packtools.io.json_ints`) and files holding one JSON array (parsed object by object).  Memory is
+bounded by the block size and the longest line or object, never by the file size; every byte is parsed once.
+Errors name the file and its real line number: the slow Python parse that finds the culprit runs only when
+Arrow has already refused a block.
 
 >>> import os, tempfile
 >>> path = os.path.join(tempfile.mkdtemp(), "rows.jsonl")
@@ -28,6 +29,7 @@ import pyarrow as pa
 from ..errors import PackingError
 from .encoding import not_utf8, utf16_name
 from .json_cells import CHAT_COLUMNS, line_array, own_json_cells, value_column
+from .json_ints import int_list_keys, read_int_lists
 
 BLOCK_BYTES = 1 << 24
 #: An object longer than this (in characters) is reported as malformed rather than read on to the end.
@@ -174,6 +176,7 @@ def iter_json_lines(
     stop = os.path.getsize(path) if stop is None else stop
     base = LineBase(path, start)
     rel = 0  # newlines between `start` and the current block
+    int_keys: list[str] | None | bool = False  # token-id lines' keys (json_ints), from the first block
     with open(path, "rb") as fh:
         fh.seek(start)
         left, tail = stop - start, b""
@@ -190,6 +193,13 @@ def iter_json_lines(
             else:
                 tail = b""
             body = data.lstrip()
+            if body and int_keys is False:
+                int_keys = int_list_keys(body)
+            fast = read_int_lists(data, int_keys) if body and int_keys else None
+            if fast is not None:  # every line of the block an object of token-id lists (read by Numba)
+                yield rel, fast
+                rel += data.count(b"\n")
+                continue
             if body:
                 try:
                     options = pj.ReadOptions(block_size=max(len(data) + 1, 1 << 20), use_threads=False)

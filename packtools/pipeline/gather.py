@@ -20,6 +20,7 @@ import hashlib
 import json
 import mmap
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -189,7 +190,9 @@ def save_block(job: WriteJob, table: pa.Table) -> dict[str, Any]:
     Returns ``{"rows", "bytes"}``."""
     tmp = f"{job.path}.tmp-{os.getpid()}"
     try:
+        t = time.perf_counter()
         write_shard(tmp, table)
+        t_flush = time.perf_counter()
         # flushed here, while the next block is gathered (the install's flush of the whole output before the
         # rename a later run trusts then finds it on disk: 1 GB of shards flushed at the end cost ~1 s)
         fsync_file(tmp)
@@ -198,9 +201,29 @@ def save_block(job: WriteJob, table: pa.Table) -> dict[str, Any]:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return {"rows": table.num_rows, "bytes": os.path.getsize(job.path)}
+    done = time.perf_counter()
+    return {
+        "rows": table.num_rows,
+        "bytes": os.path.getsize(job.path),
+        "phases": {"write": round(t_flush - t, 4), "flush": round(done - t_flush, 4)},
+    }
+
+
+def gather_timed(job: WriteJob) -> tuple[pa.Table, float]:
+    """:func:`gather_block` and the seconds it took (the run's timings report them)."""
+    t = time.perf_counter()
+    table = gather_block(job)
+    return table, time.perf_counter() - t
+
+
+def save_gathered(job: WriteJob, gathered: tuple[pa.Table, float]) -> dict[str, Any]:
+    """:func:`save_block` of a :func:`gather_timed` block, its gather seconds added to its ``phases``."""
+    table, seconds = gathered
+    out = save_block(job, table)
+    out["phases"]["gather"] = round(seconds, 4)
+    return out
 
 
 #: Gather one block of packed rows and write it to ``job.path`` (:func:`gather_block`, then
 #: :func:`save_block`); the local executor gathers the next block while this one is written.
-write_block = TwoSteps(gather_block, save_block)
+write_block = TwoSteps(gather_timed, save_gathered)

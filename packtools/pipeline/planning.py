@@ -110,6 +110,9 @@ def _load_kernels(strategy: str, value_types: tuple[str, ...]) -> None:
     try:
         import numba  # noqa: F401 - first, so that a missing Numba leaves the lazy kernels module untouched
 
+        from .._lazy import load_now
+
+        load_now("packtools.core.kernels")  # beside a thread reading tokenized JSON (packtools.io.json_ints)
         warmup_packing(strategy, value_types)
     except Exception:  # noqa: BLE001, S110 - the plan loads the kernels itself
         pass

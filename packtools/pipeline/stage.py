@@ -42,7 +42,7 @@ from ..io.fingerprint import cache_key
 from . import feed
 from .chat_head import CLOSING_KEY, HEAD_COLUMN
 from .label_counts import first_label, trained_per_row
-from .prefetch import prefetch
+from .prefetch import prefetch, timed
 from .spec import IdsSpec
 from .staged import damage, drop_staged, load_sidecar, save_sidecar, sidecar_report
 
@@ -203,11 +203,15 @@ def check_token_column(table: pa.Table, name: str, value_type: pa.DataType, wher
     return col
 
 
-def _token_tables(job: StageJob):
-    """The part's token tables, in order, with their ``where``."""
+def _token_tables(job: StageJob, clock: dict[str, float]):
+    """The part's token tables, in order, with their ``where``; ``clock`` gets the busy seconds of reading
+    (``read``: the reading thread, Python strings included for text) and of tokenizing (``encode``: the
+    tokenizing thread, less its waits for the reader)."""
     types = [pa.type_for_alias(v) for v in job.value_types]
     if job.fmt == "tokenized":
-        for where, table in iter_part(job.part, READ_ROWS, job.columns, job.known_columns):
+        for where, table in timed(
+            iter_part(job.part, READ_ROWS, job.columns, job.known_columns), clock, "read"
+        ):
             cols = [check_token_column(table, n, t, where) for n, t in zip(job.columns, types)]
             yield where, pa.Table.from_arrays(cols, names=list(job.columns))
         return
@@ -222,11 +226,16 @@ def _token_tables(job: StageJob):
     read = iter_part(job.part, TOKENIZE_ROWS, input_columns(job.fmt) + optional_columns(job.fmt))
     if job.fmt == "text":
         # the rows become Python strings in the reading thread, beside the engine's encoding of the batch before
-        for where, prepared in prefetch(feed.prepared_batches(tok, read)):
-            yield where, tok.finish(prepared)
+        ready = prefetch(timed(feed.prepared_batches(tok, read), clock, "read"))
+        for where, prepared in timed(ready, clock, "read_wait"):
+            t = time.perf_counter()
+            table = tok.finish(prepared)
+            clock["encode"] = clock.get("encode", 0.0) + time.perf_counter() - t
+            yield where, table
         return
-    batches = prefetch(read)
-    yield from feed.render_while_loading(tok, batches) if job.fmt == "messages" else feed.called(tok, batches)
+    batches = timed(prefetch(timed(read, clock, "read")), clock, "read_wait")
+    tables = feed.render_while_loading(tok, batches) if job.fmt == "messages" else feed.called(tok, batches)
+    yield from timed(tables, clock, "encode_and_wait")
 
 
 def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -288,9 +297,11 @@ def stage_part(job: StageJob) -> dict[str, Any]:
     tmp = f"{job.staged}.tmp-{os.getpid()}"
     lengths, firsts, trained, heads, pending, pending_rows, pending_bytes = [], [], [], [], [], 0, 0
     closing = np.zeros(0, np.int64)  # chat_head.closing_ids of a template with generation markers
+    clock: dict[str, float] = {}  # busy seconds per phase (read, encode, write, flush), for the run's timings
     try:
         with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-            for where, table in prefetch(_token_tables(job)):  # tokenizing runs ahead of writing
+            tables = timed(prefetch(_token_tables(job, clock)), clock, "stage_wait")
+            for where, table in tables:  # tokenizing runs ahead of writing
                 try:
                     cols = [read_list_column(table.column(c), c) for c in job.columns]
                     if job.fmt == "preference":  # a pair's columns differ in length: count all its tokens
@@ -317,6 +328,7 @@ def stage_part(job: StageJob) -> dict[str, Any]:
                 writer.write_table(pa.concat_tables(pending).combine_chunks())
         # before the rename a rerun trusts: flushed to disk, or hashed (its SHA-256 goes into the flushed sidecar and
         # is checked before the part is trusted: packtools.pipeline.staged.damage)
+        t_flush = time.perf_counter()
         if job.checksum:
             from .tokenizer_dir import file_sha256
 
@@ -325,6 +337,7 @@ def stage_part(job: StageJob) -> dict[str, Any]:
             digest = ""
             fsync_file(tmp)
         os.replace(tmp, job.staged)
+        clock["flush"] = time.perf_counter() - t_flush
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -353,10 +366,25 @@ def stage_part(job: StageJob) -> dict[str, Any]:
         "reused": False,
         "seconds": time.perf_counter() - start,
         "data": job.staged,
+        "phases": _phases(clock, time.perf_counter() - start),
     }
     if report is not None:
         result["tokenizer"] = report
     return result
+
+
+def _phases(clock: dict[str, float], total: float) -> dict[str, float]:
+    """A part's busy seconds by phase from its ``clock``: ``read`` (reading thread), ``encode`` (tokenizing
+    thread, less its waits for the reader), ``write`` (this thread, less its waits for the tokenizer) and
+    ``flush``; they overlap, so they add up to more than the part's wall time."""
+    encode = clock.get("encode", clock.get("encode_and_wait", 0.0) - clock.get("read_wait", 0.0))
+    flush = clock.get("flush", 0.0)
+    return {
+        "read": round(clock.get("read", 0.0), 4),
+        "encode": round(max(encode, 0.0), 4),
+        "write": round(max(total - clock.get("stage_wait", 0.0) - flush, 0.0), 4),
+        "flush": round(flush, 4),
+    }
 
 
 def iter_staged(paths: list[str]) -> Iterator[pa.Table]:
