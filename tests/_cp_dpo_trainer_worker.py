@@ -18,11 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from cp_dpo_loop import PAIR_BATCHES  # noqa: E402
-from cp_loop import tiny_llama_fp32  # noqa: E402
+from _cp_fixtures import PAIR_BATCHES, tiny_llama_fp32
 
 
 def main() -> None:

@@ -19,11 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from cp_dpo_loop import PAIR_BATCHES, cp_pair_logps, plain_cp_dpo_step, shard_pairs  # noqa: E402
-from cp_loop import cp_groups, tiny_llama_fp32  # noqa: E402
+from _cp_fixtures import PAIR_BATCHES, tiny_llama_fp32
+from _scripts import script
 
 from packtools.integrations.cp_attention import use_cp_attention  # noqa: E402
 
@@ -39,11 +36,12 @@ def main() -> None:
     cp, out = int(sys.argv[1]), Path(sys.argv[2])
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    group, dp_rank, cp_rank = cp_groups(cp)
+    recipe = script("cp_dpo_loop")  # the documented loop under test
+    group, dp_rank, cp_rank = script("cp_loop").cp_groups(cp)
     solos = [dist.new_group([r]) for r in range(world)]  # every rank creates every group, in order
     dp = world // cp
     rows = [row for b in PAIR_BATCHES for row in b][dp_rank::dp]
-    batch = shard_pairs(rows, cp, cp_rank)
+    batch = recipe.shard_pairs(rows, cp, cp_rank)
     result = {"dp_rank": dp_rank, "cp_rank": cp_rank}
     variants = {
         "cp": {},
@@ -53,13 +51,15 @@ def main() -> None:
     }
     for name, options in variants.items():
         policy, reference = models(group)
-        delta, pairs = plain_cp_dpo_step(policy, reference, batch, group, cp, solo=solos[rank], **options)
+        delta, pairs = recipe.plain_cp_dpo_step(
+            policy, reference, batch, group, cp, solo=solos[rank], **options
+        )
         result[name] = delta
         result["pairs"] = pairs
     policy, _ = models(group)
     with torch.no_grad():
-        result["logps"] = cp_pair_logps(policy, batch, group)
-        result["local_logps"] = cp_pair_logps(policy, batch, group, "local", solos[rank])
+        result["logps"] = recipe.cp_pair_logps(policy, batch, group)
+        result["local_logps"] = recipe.cp_pair_logps(policy, batch, group, "local", solos[rank])
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
     if rank == 0:

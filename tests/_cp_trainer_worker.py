@@ -15,10 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from cp_loop import BATCHES, tiny_llama_fp32  # noqa: E402
+from _cp_fixtures import BATCHES, tiny_llama_fp32
 
 
 def main() -> None:

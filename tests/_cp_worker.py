@@ -20,10 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from cp_loop import BATCHES, cp_groups, plain_cp_step, tiny_llama_fp32  # noqa: E402
+from _cp_fixtures import BATCHES, tiny_llama_fp32
+from _scripts import script
 
 from packtools import PaddingFreeCollator  # noqa: E402
 from packtools.batches.context_parallel import CP_KEY, CPLayout, CPShard, shard_row  # noqa: E402
@@ -49,7 +47,8 @@ def main() -> None:
     cp, out = int(sys.argv[1]), Path(sys.argv[2])
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    group, dp_rank, cp_rank = cp_groups(cp)
+    recipe = script("cp_loop")  # the documented loop under test
+    group, dp_rank, cp_rank = recipe.cp_groups(cp)
     dp = world // cp
     collator = PaddingFreeCollator(0, return_tensors="np")
     rows = [row for b in BATCHES[dp_rank::dp] for row in b]
@@ -58,7 +57,7 @@ def main() -> None:
         model = tiny_llama_fp32()
         use_cp_attention(model, group)
         batch = variant_batches(name, rows, cp, cp_rank, collator)
-        delta, count = plain_cp_step(model, batch, rank_mean=name == "rank_mean")
+        delta, count = recipe.plain_cp_step(model, batch, rank_mean=name == "rank_mean")
         result[name] = delta
         result[name + "_count"] = count
     # The shard a process cut for another CP rank is refused by name (a real gather would mix tokens).
@@ -66,7 +65,7 @@ def main() -> None:
     use_cp_attention(model, group)
     wrong = variant_batches("cp", rows, cp, (cp_rank + 1) % cp, collator)
     try:
-        plain_cp_step(model, wrong)
+        recipe.plain_cp_step(model, wrong)
         result["refused"] = ""
     except Exception as err:  # noqa: BLE001 - recorded for the test to assert on
         result["refused"] = str(err)

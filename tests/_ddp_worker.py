@@ -25,7 +25,6 @@ from packtools import PaddingFreeCollator, pack_dataset, packed_view, prepare_tr
 from packtools.errors import PackingError
 
 LR = 1.0
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the README loops
 
 
 class Recorder:
@@ -192,7 +191,9 @@ def check_dpo(out):
 
 def loop_data():
     """Packed rows and packed pairs for the README loops (the test rebuilds the same)."""
-    import dpo_loop
+    from _scripts import script
+
+    dpo_loop = script("dpo_loop")  # the documented loop under test
 
     from packtools.dpo import pack_preference
 
@@ -204,12 +205,13 @@ def check_loops(out):
     """benchmarks/train_loop.py and dpo_loop.py under DDP, TokenBudgetBatchSampler(num_replicas=2) per rank."""
     import copy
 
-    import dpo_loop
-    import train_loop
+    from _scripts import script
     from torch.nn.parallel import DistributedDataParallel
 
     from packtools.batches import TokenBudgetBatchSampler
     from packtools.dpo import PreferenceCollator
+
+    dpo_loop, train_loop = script("dpo_loop"), script("train_loop")  # the documented loops under test
 
     if not torch.distributed.is_initialized():  # the Trainer checks before have set it up already
         torch.distributed.init_process_group("gloo")

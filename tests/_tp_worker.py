@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from _cp_fixtures import tiny_llama_fp32
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -35,10 +36,6 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from cp_loop import tiny_llama_fp32  # noqa: E402
 
 from packtools import PaddingFreeCollator  # noqa: E402
 from packtools.batches import TokenBudgetBatchSampler  # noqa: E402

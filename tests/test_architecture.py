@@ -1,17 +1,24 @@
-"""The package's shape: layers import downward only (cli -> pipeline -> integrations/profiling ->
-batches/io -> core), no import circle between modules, modules of at most 400 lines, functions of at most 6
-positional parameters."""
+"""The package's shape, read from the tree: layers import downward only (cli -> pipeline -> integrations/profiling
+-> batches/io -> core/compat), no import circle between modules, functions of at most 6 positional parameters,
+Arrow IPC files opened through one door, and docs/architecture.md naming every layer and every module.
+
+Modules are named by their dotted names (``packtools.core.plan``), never by paths, so the checks hold wherever a
+module lives; each check has a negative control that injects a violation.  Module size has no cap: a module ends
+where its concept ends (STYLE.md)."""
 
 import ast
 import functools
 import pathlib
+import re
 
 import pytest
 
 import packtools
 
 ROOT = pathlib.Path(packtools.__file__).parent
-# Layer of each top-level part; a module may import its own subpackage and any lower layer, nothing above.
+DOC = ROOT.parent / "docs" / "architecture.md"
+# Layer of each part (a top-level module or subpackage of packtools); a module may import its own part and any
+# lower layer, nothing above.
 LAYERS = {
     "errors": 0,
     "constants": 0,
@@ -21,8 +28,8 @@ LAYERS = {
     "_atomic": 0,
     "_lazy": 0,
     "core": 1,
-    # integrations/compat: the reads and patches of other libraries' internals, below every layer that meets
-    # those libraries' objects (it imports only layer 0 and itself)
+    # compat: the reads and patches of other libraries' internals, below every layer that meets those libraries'
+    # objects (it imports only layer 0 and itself)
     "compat": 1,
     "io": 2,
     "batches": 2,
@@ -42,9 +49,26 @@ def parse(source: str) -> ast.Module:
 
 
 def part_of(module: str) -> str:
-    """``packtools.core.plan`` -> ``core``; ``packtools.integrations.compat.trl`` -> ``compat``."""
+    """``packtools.core.plan`` -> ``core``; ``packtools.compat.trl`` (or, where it lived before,
+    ``packtools.integrations.compat.trl``) -> ``compat``."""
     parts = module.split(".")
     return "compat" if parts[1:3] == ["integrations", "compat"] else parts[1]
+
+
+def path_of(module: str) -> pathlib.Path:
+    """The file of ``packtools.x.y`` (a package: its ``__init__.py``)."""
+    base = ROOT.parent.joinpath(*module.split("."))
+    return base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+
+
+def read_as(monkeypatch, module: str, source: str) -> pathlib.Path:
+    """Make every check read ``source`` as the text of ``module`` (a negative control); its path."""
+    fake = path_of(module)
+    real = pathlib.Path.read_text
+    monkeypatch.setattr(
+        pathlib.Path, "read_text", lambda self, *a, **k: source if self == fake else real(self)
+    )
+    return fake
 
 
 def imports_of(path: pathlib.Path) -> list[tuple[int, str]]:
@@ -95,9 +119,14 @@ def violations(path: pathlib.Path) -> list[str]:
     return bad
 
 
-def test_every_part_has_a_layer():
-    parts = {part_of("packtools." + ".".join(p.relative_to(ROOT).with_suffix("").parts)) for p in modules()}
-    assert parts <= set(LAYERS), parts - set(LAYERS)
+def tree_parts() -> set[str]:
+    return {part_of("packtools." + ".".join(p.relative_to(ROOT).with_suffix("").parts)) for p in modules()}
+
+
+def test_every_part_has_a_layer_and_every_layer_a_part():
+    parts = tree_parts()
+    assert parts - set(LAYERS) == set(), "give the new part a layer in LAYERS (and in docs/architecture.md)"
+    assert set(LAYERS) - parts == set(), "gone from the tree: remove from LAYERS"
 
 
 @pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(ROOT)))
@@ -105,11 +134,10 @@ def test_imports_run_downward(path):
     assert violations(path) == []
 
 
-def test_the_check_catches_an_upward_import(tmp_path, monkeypatch):
+def test_the_check_catches_an_upward_import(monkeypatch):
     # A core module importing the pipeline must be reported (the check can fail).
-    fake = ROOT / "core" / "plan.py"
-    source = fake.read_text() + "\nfrom ..pipeline.run import pack_files\n"
-    monkeypatch.setattr(pathlib.Path, "read_text", lambda self: source if self == fake else open(self).read())
+    source = path_of("packtools.core.plan").read_text() + "\nfrom ..pipeline.run import pack_files\n"
+    fake = read_as(monkeypatch, "packtools.core.plan", source)
     assert any("pipeline.run" in v for v in violations(fake))
 
 
@@ -210,76 +238,33 @@ def test_the_check_catches_an_import_cycle(monkeypatch):
     # A circle inside one layer (the layer check cannot see it): core.plan, which core.pack imports, importing
     # core.pack back, lazily inside a function.
     before = import_cycles()
-    fake = ROOT / "core" / "plan.py"
-    source = fake.read_text() + "\n\ndef _back():\n    from .pack import pack_table\n"
-    monkeypatch.setattr(pathlib.Path, "read_text", lambda self: source if self == fake else open(self).read())
+    source = (
+        path_of("packtools.core.plan").read_text() + "\n\ndef _back():\n    from .pack import pack_table\n"
+    )
+    read_as(monkeypatch, "packtools.core.plan", source)
     new = [c for c in import_cycles() if c not in before]
     assert len(new) == 1 and "packtools.core.plan:" in new[0] and "-> packtools.core.pack" in new[0], new
     # and an allowed edge is really left out: allowing the new edge takes the circle away again
     assert import_cycles({**CYCLE_EDGES_ALLOWED, ("core.plan", "core.pack"): "test"}) == before
 
 
-# -- small modules -------------------------------------------------------------------------------------
-MAX_LINES = 400
-# Modules allowed over the limit; an entry at or under the limit fails
-# test_the_long_module_allow_list_is_current.
-LONG_MODULES_ALLOWED: set[str] = {
-    # BatchTokenizer is one object that owns its engine state (issue 29: the engine state had been spread over
-    # free functions in other modules); splitting it again would split that concept
-    "pipeline/tokenize.py",
-    # the one run, in order: inputs checked, the driver's engine verdict (issue 29), stage, the turn-aware plan
-    # (issue 31), write, install; each step already lives in its own module and run.py only sequences them
-    "pipeline/run.py",
-    # the stage cache's whole life in one place: key, adopt (hard link or in place), keep an in-place entry
-    # alive for a long run and say when one was evicted anyway (issue 40), evict under the lock
-    "pipeline/stage_cache.py",
-    # every @njit function lives here (the style guide's one kernels module); the JSON token-list scan joined
-    # the packing kernels (issue 42)
-    "core/kernels.py",
-}
-
-
-def module_lines() -> dict[str, int]:
-    return {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in sorted(ROOT.rglob("*.py"))}
-
-
-def long_modules(allowed=LONG_MODULES_ALLOWED) -> dict[str, int]:
-    return {m: n for m, n in module_lines().items() if n > MAX_LINES and m not in allowed}
-
-
-def test_modules_are_small():
-    assert long_modules() == {}, f"split these modules along their seams (at most {MAX_LINES} lines)"
-
-
-def test_the_long_module_allow_list_is_current():
-    lines = module_lines()
-    stale = sorted(m for m in LONG_MODULES_ALLOWED if lines.get(m, 0) <= MAX_LINES)
-    assert stale == [], "split (or gone): remove from LONG_MODULES_ALLOWED"
-
-
-def test_the_check_catches_a_long_module(monkeypatch):
-    before = long_modules()
-    fake = ROOT / "pipeline" / "config.py"
-    source = fake.read_text() + "\n" * MAX_LINES
-    monkeypatch.setattr(pathlib.Path, "read_text", lambda self: source if self == fake else open(self).read())
-    assert set(long_modules()) - set(before) == {"pipeline/config.py"}
-
-
 # -- few positional parameters ---------------------------------------------------------------------------
 MAX_POSITIONAL = 6
 # (module, qualified name): why it takes more positional parameters (self and cls are not counted).
 POSITIONAL_ALLOWED = {
-    ("core/kernels.py", "view_segments"): "an @njit kernel: numba compiles no keyword-only parameters",
-    ("integrations/segmented.py", "segmented_sdpa_forward"): (
+    ("packtools.core.kernels", "view_segments"): "an @njit kernel: numba compiles no keyword-only parameters",
+    ("packtools.integrations.segmented", "segmented_sdpa_forward"): (
         "a transformers attention function: AttentionInterface fixes its signature (sdpa_attention_forward's)"
     ),
-    ("integrations/tree_attention.py", "tree_attention_forward"): "the same AttentionInterface signature",
-    ("integrations/cp_attention.py", "cp_attention_forward"): "the same AttentionInterface signature",
     (
-        "batches/attention.py",
-        "varlen_attention",
-    ): "mirrors flash_attn_varlen_func (q, k, v, cu_seqlens_*, max_seqlen_*)",
-    ("batches/attention.py", "_reference"): "the exact reference of varlen_attention, called as it",
+        "packtools.integrations.tree_attention",
+        "tree_attention_forward",
+    ): "the same AttentionInterface signature",
+    ("packtools.integrations.cp_attention", "cp_attention_forward"): "the same AttentionInterface signature",
+    ("packtools.batches.attention", "varlen_attention"): (
+        "mirrors flash_attn_varlen_func (q, k, v, cu_seqlens_*, max_seqlen_*)"
+    ),
+    ("packtools.batches.attention", "_reference"): "the exact reference of varlen_attention, called as it",
 }
 
 
@@ -287,7 +272,7 @@ def positional_counts() -> dict[tuple[str, str], int]:
     """``{(module, qualified name): positional parameters}`` of every function and method of packtools."""
     counts = {}
     for path in sorted(ROOT.rglob("*.py")):
-        rel = str(path.relative_to(ROOT))
+        name = module_name(path)
         todo: list[tuple[ast.AST, str]] = [(parse(path.read_text()), "")]
         while todo:
             node, prefix = todo.pop()
@@ -296,7 +281,7 @@ def positional_counts() -> dict[tuple[str, str], int]:
                     names = [a.arg for a in child.args.posonlyargs + child.args.args]
                     if names[:1] in (["self"], ["cls"]):
                         names = names[1:]
-                    counts[(rel, prefix + child.name)] = len(names)
+                    counts[(name, prefix + child.name)] = len(names)
                 scope = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
                 todo.append((child, f"{prefix}{child.name}." if scope else prefix))
     return counts
@@ -319,32 +304,153 @@ def test_the_positional_allow_list_is_current():
 
 
 def test_the_check_catches_many_positional_parameters(monkeypatch):
-    fake = ROOT / "pipeline" / "run.py"
-    source = fake.read_text() + (
+    source = path_of("packtools.pipeline.run").read_text() + (
         "\n\ndef _seven(a, b, c, d, e, f, g):\n    pass\n"
         "\n\ndef _six_then_keywords(a, b, c, d, e, f, *, g):\n    pass\n"
         "\n\nclass _C:\n    def method(self, a, b, c, d, e, f):\n        pass\n\n"
         "    def wide(self, a, b, c, d, e, f, /, g):\n        pass\n"
     )
     before = too_many_positional()
-    monkeypatch.setattr(pathlib.Path, "read_text", lambda self: source if self == fake else open(self).read())
+    read_as(monkeypatch, "packtools.pipeline.run", source)
     new = {k: n for k, n in too_many_positional().items() if k not in before}
-    assert new == {("pipeline/run.py", "_seven"): 7, ("pipeline/run.py", "_C.wide"): 7}
+    assert new == {("packtools.pipeline.run", "_seven"): 7, ("packtools.pipeline.run", "_C.wide"): 7}
 
 
-def test_compat_sits_below_the_layers_that_read_through_it(tmp_path, monkeypatch):
+def test_compat_sits_below_the_layers_that_read_through_it(monkeypatch):
     # compat may not import upward (integrations proper, batches, core), and core may not import compat.
-    fake = ROOT / "integrations" / "compat" / "__init__.py"
-    source = fake.read_text() + "\nfrom ..transformers import guard_model\nfrom ...core.plan import plan\n"
-    monkeypatch.setattr(pathlib.Path, "read_text", lambda self: source if self == fake else open(self).read())
+    source = path_of("packtools.integrations.compat").read_text() + (
+        "\nfrom packtools.integrations.transformers import prepare_trainer\nfrom packtools.core.plan import plan\n"
+    )
+    fake = read_as(monkeypatch, "packtools.integrations.compat", source)
     found = violations(fake)
     assert any("integrations.transformers" in v for v in found) and any("core.plan" in v for v in found)
-    core = ROOT / "core" / "arrow.py"
-    source2 = core.read_text() + "\nfrom ..integrations.compat.datasets import dataset_table\n"
-    monkeypatch.setattr(
-        pathlib.Path, "read_text", lambda self: source2 if self == core else open(self).read()
+    source2 = path_of("packtools.core.arrow").read_text() + (
+        "\nfrom packtools.integrations.compat.datasets import dataset_table\n"
     )
+    core = read_as(monkeypatch, "packtools.core.arrow", source2)
     assert any("compat" in v for v in violations(core))
+
+
+# -- one Arrow door --------------------------------------------------------------------------------------------
+#: the module that opens Arrow IPC files (IpcReader, open_ipc, mapped_table); every other module goes through it
+ARROW_DOOR = "packtools.io.files"
+#: pyarrow calls that open or map an Arrow IPC file or stream for reading
+IPC_OPENERS = {
+    "open_file",
+    "open_stream",
+    "memory_map",
+    "RecordBatchFileReader",
+    "RecordBatchStreamReader",
+    "read_feather",
+}
+
+
+def ipc_openers() -> list[str]:
+    """``module:line call`` of every pyarrow IPC opener called outside the door."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        name = module_name(path)
+        if name == ARROW_DOOR:
+            continue
+        for node in ast.walk(parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                func = node.func
+                called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+                if called in IPC_OPENERS:
+                    found.append(f"{name}:{node.lineno} {ast.unparse(func)}")
+    return found
+
+
+def test_arrow_ipc_files_are_opened_through_one_door():
+    assert ipc_openers() == [], f"open Arrow IPC files with {ARROW_DOOR}.open_ipc / mapped_table / IpcReader"
+
+
+def test_the_check_catches_an_arrow_file_opened_elsewhere(monkeypatch):
+    source = path_of("packtools.profiling.packed").read_text() + (
+        "\n\ndef _own(path):\n    return pa.ipc.open_file(pa.memory_map(path)).read_all()\n"
+    )
+    read_as(monkeypatch, "packtools.profiling.packed", source)
+    assert [f.split(" ", 1)[1] for f in ipc_openers()] == ["pa.ipc.open_file", "pa.memory_map"]
+
+
+# -- the map in docs/architecture.md -------------------------------------------------------------------------
+def doc_layers(text: str) -> dict[str, int]:
+    """``{part: layer}`` of the layer diagram (``layer N  core/ ...``, continuation lines indented; layer 0
+    lists its modules by name)."""
+    found, layer = {}, None
+    for line in text.split("```")[1].splitlines():
+        head = re.match(r"^layer (\d+)\s+(.*)$", line)
+        if head:
+            layer, rest = int(head.group(1)), head.group(2)
+        elif line.startswith(" ") and layer is not None:
+            rest = line.strip()
+        else:
+            continue
+        first = rest.split("  ")[0].strip()
+        if first.endswith("/"):
+            found[part_of("packtools." + first.rstrip("/").replace("/", "."))] = layer
+        elif first.endswith(".py"):
+            found[first.removesuffix(".py")] = layer
+        else:  # layer 0: names, comma separated
+            for name in first.split(","):
+                found[name.strip()] = layer
+    return found
+
+
+def test_the_layer_diagram_is_the_tree():
+    assert doc_layers(DOC.read_text()) == LAYERS, "docs/architecture.md's diagram and LAYERS disagree"
+
+
+def test_the_check_catches_a_wrong_layer_in_the_diagram():
+    text = DOC.read_text().replace("layer 4  pipeline/", "layer 2  pipeline/")
+    assert doc_layers(text) != LAYERS and doc_layers(text)["pipeline"] == 2
+
+
+def doc_modules(text: str) -> set[str]:
+    """Modules named in the first cell of the module table's rows (``| `core/plan.py` | ...``)."""
+    found = set()
+    for line in text.splitlines():
+        if line.startswith("| `"):
+            cell = line.split(" | ")[0]
+            found |= {
+                "packtools." + m.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+                for m in re.findall(r"`([\w/]+\.py)`", cell)
+            }
+    return found
+
+
+def tree_modules() -> set[str]:
+    """Every module of packtools; a package's ``__init__.py`` only when it holds more than its docstring and
+    lazy re-exports (namespaces are described in their own table)."""
+    found = set()
+    for path in ROOT.rglob("*.py"):
+        if path.name == "__init__.py":
+            body = [n for n in parse(path.read_text()).body if not isinstance(n, ast.Expr)]
+            if all(isinstance(n, (ast.ImportFrom, ast.Import, ast.Assign, ast.Delete)) for n in body):
+                continue
+        if path.name == "__main__.py":
+            continue
+        found.add(module_name(path))
+    return found
+
+
+def undocumented(text: str) -> tuple[list[str], list[str]]:
+    """(modules the table lacks, rows naming no module of the tree)."""
+    doc, tree = doc_modules(text), tree_modules()
+    return sorted(tree - doc), sorted(doc - tree - {"packtools"})
+
+
+def test_docs_architecture_lists_every_module():
+    missing, stale = undocumented(DOC.read_text())
+    assert missing == [], "add a row for each module to docs/architecture.md's module table"
+    assert stale == [], "no such module: remove its row from docs/architecture.md"
+
+
+def test_the_check_catches_a_missing_and_a_stale_row():
+    text = DOC.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `core/ragged.py`"))
+    text = text.replace(row + "\n", "") + "\n| `core/gone.py` | a module that is not there. |\n"
+    assert undocumented(text) == (["packtools.core.ragged"], ["packtools.core.gone"])
 
 
 # -- one owner per decision ------------------------------------------------------------------------------
@@ -363,14 +469,14 @@ ENGINE_STATE = {
     "proof_recorded",
     "_reference_batch_done",
 }
-ENGINE_OWNER = ("pipeline/tokenize.py", "BatchTokenizer")
+ENGINE_OWNER = ("packtools.pipeline.tokenize", "BatchTokenizer")
 
 
 def engine_state_assignments() -> list[str]:
     """``module:line attr`` of every assignment to the engine's state outside its owner's own methods."""
     found = []
     for path in sorted(ROOT.rglob("*.py")):
-        rel = str(path.relative_to(ROOT))
+        name = module_name(path)
         todo: list[tuple[ast.AST, str | None]] = [(parse(path.read_text()), None)]
         while todo:
             node, cls = todo.pop()
@@ -387,10 +493,10 @@ def engine_state_assignments() -> list[str]:
                     if not isinstance(t, ast.Attribute) or t.attr not in ENGINE_STATE:
                         continue
                     own = (
-                        isinstance(t.value, ast.Name) and t.value.id == "self" and (rel, cls) == ENGINE_OWNER
+                        isinstance(t.value, ast.Name) and t.value.id == "self" and (name, cls) == ENGINE_OWNER
                     )
                     if not own:
-                        found.append(f"{rel}:{t.lineno} {ast.unparse(t)}")
+                        found.append(f"{name}:{t.lineno} {ast.unparse(t)}")
     return sorted(found)
 
 
@@ -401,7 +507,8 @@ def test_the_engine_state_is_assigned_by_its_owner_only():
 
 
 def test_the_check_catches_an_engine_state_assignment(monkeypatch):
-    fake = ROOT / "pipeline" / "engine_proof.py"
-    source = fake.read_text() + "\n\ndef _bad(bt):\n    bt.fast = None\n    bt._loaded, x = (None, None), 1\n"
-    monkeypatch.setattr(pathlib.Path, "read_text", lambda self: source if self == fake else open(self).read())
+    source = path_of("packtools.pipeline.engine_proof").read_text() + (
+        "\n\ndef _bad(bt):\n    bt.fast = None\n    bt._loaded, x = (None, None), 1\n"
+    )
+    read_as(monkeypatch, "packtools.pipeline.engine_proof", source)
     assert [f.split(" ", 1)[1] for f in engine_state_assignments()] == ["bt.fast", "bt._loaded"]

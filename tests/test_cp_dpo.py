@@ -13,7 +13,6 @@ accumulation, CP=2 × DP=2; and what it does not run is refused by name.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,10 +21,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from cp_dpo_loop import PAIR_BATCHES, dpo_losses  # noqa: E402
-from cp_loop import tiny_llama_fp32  # noqa: E402
+from _cp_fixtures import PAIR_BATCHES, tiny_llama_fp32  # noqa: E402
+from _scripts import script  # noqa: E402
 from test_cp_training import launch, rel  # noqa: E402
 
 from packtools.dpo import PreferenceCollator, sequence_logps  # noqa: E402
@@ -60,7 +57,7 @@ def one_process(rows, lr: float = 1.0):
         ref, _ = sequence_logps(
             reference(**inputs, use_cache=False).logits, batch["labels"], batch["cu_seq_lens_q"]
         ).pairs()
-    loss = dpo_losses(logps, ref, BETA).mean()
+    loss = script("cp_dpo_loop").dpo_losses(logps, ref, BETA).mean()
     loss.backward()
     with torch.no_grad():
         for p in policy.parameters():

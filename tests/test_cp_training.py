@@ -22,10 +22,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
+from _cp_fixtures import BATCHES, tiny_llama_fp32  # noqa: E402
 from _tp_worker import step_loss  # noqa: E402
-from cp_loop import BATCHES, tiny_llama_fp32  # noqa: E402
 
 from packtools import PaddingFreeCollator  # noqa: E402
 from packtools.integrations import segmented  # noqa: E402
@@ -119,7 +117,9 @@ def test_shard_attention_of_every_rank_equals_the_unsplit_row():
     """One process: each rank's shard attention over the keys of all ranks (what the all-gather hands it)
     equals the unsplit row's per-document causal attention, forward and backward (gpu_check's part 3 on the
     CPU reference); negative control: the same tokens laid out as one document (a whole-row split) differ."""
-    from gpu_check import check_cp, cp_shard_outputs
+    from _scripts import script
+
+    check_cp, cp_shard_outputs = script("gpu_check").check_cp, script("gpu_check").cp_shard_outputs
 
     from packtools.batches import varlen_attention
 

@@ -251,12 +251,12 @@ def test_readme_loops_under_ddp_equal_one_process(ranks):
 
     ok(ranks, "loop_sft", "loop_dpo")
     import _ddp_worker
+    from _scripts import script
 
     from packtools.dpo import PreferenceCollator
 
     rows, pairs = _ddp_worker.loop_data()
-    import dpo_loop
-    import train_loop
+    dpo_loop, train_loop = script("dpo_loop"), script("train_loop")  # the documented loops under test
 
     for name, data, collator in (
         ("loop_sft", rows, PaddingFreeCollator(PAD)),

@@ -28,8 +28,8 @@ from packtools.integrations import segmented  # noqa: E402
 
 def reference_step(rows: list[dict]) -> dict:
     """One process, every row of the step in one padding-free batch, the token mean, one SGD step (lr 1)."""
+    from _cp_fixtures import tiny_llama_fp32
     from _tp_worker import step_loss
-    from cp_loop import tiny_llama_fp32
 
     model = tiny_llama_fp32()
     model.set_attn_implementation(segmented.register())

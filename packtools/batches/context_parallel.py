@@ -16,8 +16,8 @@ THD format:
   the rank with the most work so far in the row takes the pair with the least
   (:func:`packtools.core.kernels.balance_pairs`; a row without padding keeps pair ``r`` on rank ``r``).  A
   document's padding sits at its end, in chunk ``2N - 1``, so with the fixed assignment every document's lost
-  work falls on rank 0 (10.5% off the mean on rows of 32k tokens of ~800-token documents at N = 8); balanced,
-  1.1%.  Exact for :mod:`packtools.integrations.cp_attention`, which reads the layout; *not* the layout
+  work falls on rank 0; balancing spreads it (the figures: docs/training.md).
+  Exact for :mod:`packtools.integrations.cp_attention`, which reads the layout; *not* the layout
   Megatron-Core / Transformer Engine THD kernels assume (chunks ``r`` and ``2N - 1 - r`` of every document):
   keep the default ``balance=False`` when such a kernel consumes the shards;
 * **padding** (the ``P_i - L_i`` tokens after each document) has ``pad_token_id``, no label, position ids

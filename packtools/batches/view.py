@@ -3,8 +3,8 @@
 A :class:`PackedView` is what :func:`packtools.pack_table` / :func:`packtools.pack_dataset` would return, without
 writing a token: it keeps the source table (memory-mapped or in memory) and the plan, and copies the planned
 segments of a row, or of a whole batch, only when they are asked for.  Building one costs reading the row
-lengths from the Arrow offsets and planning (~0.1 s per million sequences); its own memory is the plan and the
-columns' offsets, a few dozen bytes per sequence.
+lengths from the Arrow offsets and planning; its own memory is the plan and the columns' offsets, a few dozen
+bytes per sequence.
 
 >>> import pyarrow as pa
 >>> from packtools import pack_table, plan

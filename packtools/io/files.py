@@ -120,6 +120,23 @@ class IpcReader:
         return self._file.read_all()
 
 
+@contextlib.contextmanager
+def open_ipc(path: str, *, mapped: bool = True) -> Iterator[IpcReader]:
+    """The one opener of Arrow IPC files (file or stream, see :class:`IpcReader`) outside this module's readers.
+
+    ``mapped``: memory-mapped, so only the buffers read are touched (offsets without values, a few columns);
+    otherwise plain reads, whose pages do not stay in the process's RSS (a whole staged file read in order).
+    """
+    with pa.memory_map(path, "r") if mapped else pa.OSFile(path, "rb") as source:
+        yield IpcReader(source, path)
+
+
+def mapped_table(path: str) -> pa.Table:
+    """The whole Arrow IPC file or stream at ``path`` as a table over a memory map that stays open as long as the
+    table lives (the gather reads the rows it needs from the mapped pages)."""
+    return IpcReader(pa.memory_map(path, "r"), path).read_all()
+
+
 def _ipc_batches(path: str) -> Iterator[pa.RecordBatch]:
     # Plain reads, not a memory map: mapped pages that were read stay in the process's RSS, which would
     # then grow with the input size.
@@ -340,7 +357,7 @@ def read_table(path: str | os.PathLike[str]) -> pa.Table:
             return pq.read_table(path, memory_map=True)
     if path.endswith((".arrow", ".feather", ".ipc")):
         with reading(path, "arrow"):
-            return IpcReader(pa.memory_map(path, "r"), path).read_all()
+            return mapped_table(path)
     raise PackingError(f"input {path!r}: unknown format; give a .parquet or .arrow file.")
 
 

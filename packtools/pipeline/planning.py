@@ -131,7 +131,10 @@ def warmup_packing(strategy: str, value_types: Sequence[str]) -> None:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
-    stored = pa.ipc.open_stream(pa.py_buffer(sink.getvalue().to_pybytes())).read_all()  # read-only, as mapped
+    from ..io.files import IpcReader
+
+    stored_bytes = pa.BufferReader(pa.py_buffer(sink.getvalue().to_pybytes()))
+    stored = IpcReader(stored_bytes).read_all()  # read-only, as mapped
     pack_columns(read_columns(stored)[0], p)
 
 

@@ -32,11 +32,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from ..errors import PackingError
 from ..io.discover import discover
-from ..io.files import split_file
+from ..io.files import open_ipc, split_file
 from ..profiling.profile import LengthProfile, profile_lengths
 from .stage import stage_part
 from .staged import load_sidecar
@@ -91,8 +90,8 @@ def _pair_lengths(paths: Sequence[str]) -> np.ndarray:
     prompt, chosen, rejected = output_columns("preference")
     out = []
     for path in paths:
-        with pa.memory_map(path, "r") as source:
-            table = pa.ipc.open_file(source).read_all()
+        with open_ipc(path) as reader:
+            table = reader.read_all()
             lens = [profile_lengths(table, column=c).lengths for c in (prompt, chosen, rejected)]
             out.append(2 * lens[0] + lens[1] + lens[2])
     return np.concatenate(out) if out else np.zeros(0, np.int64)
@@ -290,6 +289,6 @@ def _trained_tokens(paths: list[str]) -> Any:
 
     parts = []
     for path in paths:
-        with pa.memory_map(path, "r") as source:
-            parts.append(TrainedTokens.from_labels(pa.ipc.open_file(source).read_all().column("labels")))
+        with open_ipc(path) as reader:
+            parts.append(TrainedTokens.from_labels(reader.read_all().column("labels")))
     return TrainedTokens.combine(parts)

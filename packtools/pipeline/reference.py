@@ -1,7 +1,7 @@
 """transformers' ids without importing transformers, where that is proven to give the same ids.
 
-Loading a tokenizer through transformers imports transformers (and with it torch): seconds of fixed cost per run,
-more than tokenizing 100 MB of text with the fast engine takes.  For plain-text formats the reference ids (what
+Loading a tokenizer through transformers imports transformers (and with it torch): a fixed cost per run larger
+than tokenizing a large corpus with the fast engine (docs/tokenize.md).  For plain-text formats the reference ids (what
 the fast engine is compared with, and what runs when it does not apply) need only the Rust ``tokenizers``
 library that transformers itself calls, loaded from the same ``tokenizer.json`` with truncation and padding
 off, and the EOS id from the tokenizer's config.
@@ -13,8 +13,8 @@ tokenizers and packtools (under ``$PACKTOOLS_CACHE_DIR``, default ``~/.cache/pac
 "same" verdict skip transformers; anything else (a differing id, a new version, no verdict) loads transformers.
 ``PACKTOOLS_CACHE_DIR=''`` turns the shortcut off.
 
-The library parses ``tokenizer.json``'s merges faster when they are spelled ``"a b"`` than as ``["a", "b"]`` pairs
-(0.6 against 0.9 s for a 248k vocabulary), and the fast engine keeps such a copy
+The library parses ``tokenizer.json``'s merges faster when they are spelled ``"a b"`` than as ``["a", "b"]`` pairs,
+and the fast engine keeps such a copy
 (:mod:`packtools.pipeline.tokenizer_load`).  The reference loads that copy only where the same run that checked
 ``tokenizer.json`` against transformers also found the copy *identical* to it: both loaded by the library and
 serialized back (its whole state: vocabulary, every merge in order, normalizer, pre-tokenizer, added tokens,

@@ -37,7 +37,7 @@ import pyarrow as pa
 from .._atomic import fsync_file
 from ..core.arrow import check_aligned, is_list_type, read_list_column
 from ..errors import PackingError
-from ..io.files import Part, Where, iter_part
+from ..io.files import Part, Where, iter_part, open_ipc
 from ..io.fingerprint import cache_key
 from . import feed
 from .chat_head import CLOSING_KEY, HEAD_COLUMN
@@ -390,7 +390,6 @@ def _phases(clock: dict[str, float], total: float) -> dict[str, float]:
 def iter_staged(paths: list[str]) -> Iterator[pa.Table]:
     """The record batches of staged files, in order, as tables (plain reads, bounded memory)."""
     for path in paths:
-        with pa.OSFile(path, "rb") as source:
-            reader = pa.ipc.open_file(source)
-            for i in range(reader.num_record_batches):
-                yield pa.Table.from_batches([reader.get_batch(i)])
+        with open_ipc(path, mapped=False) as reader:
+            for batch in reader.batches():
+                yield pa.Table.from_batches([batch])

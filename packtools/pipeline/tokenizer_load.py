@@ -1,9 +1,9 @@
 """What a run needs from ``tokenizer.json`` before its data, loaded as cheaply as it can be.
 
-Two fixed costs of a run come from the size of a real vocabulary (128k-250k tokens, a 17-33 MB
-``tokenizer.json``):
+Two fixed costs of a run come from the size of a real vocabulary (its ``tokenizer.json`` runs to tens of MB; the
+figures: benchmarks/HISTORY-tokenize.md):
 
-- **Python's parse of tokenizer.json** (0.5-1 s), only to learn a few facts: whether the fast engine reproduces
+- **Python's parse of tokenizer.json**, only to learn a few facts: whether the fast engine reproduces
   the tokenizer (:func:`~packtools.pipeline.fast_tokenize.refusal`, and for chat
   :func:`~packtools.pipeline.fast_tokenize.offsets_refusal`), whether it normalizes to NFC, which bytes its
   vocabulary lacks (:mod:`packtools.pipeline.char_drops`), its added-token strings (for the adversarial set) and
@@ -13,7 +13,7 @@ Two fixed costs of a run come from the size of a real vocabulary (128k-250k toke
   them; later runs read the small record instead of parsing the file.  No cache (``PACKTOOLS_CACHE_DIR=''``) or
   an unreadable record means the file is parsed again.  The facts decide nothing about ids: every id still comes
   from the engines, and the proofs (:mod:`packtools.pipeline.engine_proof`) are unchanged.
-- **The fast engine's load** (2-5 s: its Rust side builds the merge table), which releases the GIL:
+- **The fast engine's load** (its Rust side builds the merge table), which releases the GIL:
   :class:`FastLoad` runs it in a background thread while the main thread loads the reference tokenizer (the
   ``tokenizers`` library, which holds the GIL) or transformers, so the two loads overlap where a core is free.
   It also loads faster from a copy of tokenizer.json whose merges are written as ``"a b"`` strings (the older

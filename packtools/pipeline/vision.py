@@ -47,6 +47,7 @@ from ..core.plan import PackPlan, check_max_length
 from ..core.plan import plan as make_plan
 from ..errors import PackingError
 from ..io.discover import InputFile
+from ..io.files import mapped_table
 from ..io.manifest import MANIFEST_FORMAT, read_manifest, write_manifest
 from .gather import ShardFolder
 from .outcheck import check_out, check_replaceable
@@ -111,7 +112,7 @@ def _value_lengths(column: pa.ChunkedArray) -> np.ndarray:
 
 
 def _mapped(paths: Sequence[str]) -> pa.Table:
-    tables = [pa.ipc.open_stream(pa.memory_map(p)).read_all() for p in paths]
+    tables = [mapped_table(p) for p in paths]
     return pa.concat_tables(tables)
 
 

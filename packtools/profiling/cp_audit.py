@@ -10,8 +10,7 @@ group wait for each other in every layer, so a row costs its busiest rank: :clas
 work of each rank summed over the rows, the worst row's distance from its mean, the step time lost to
 imbalance (``sum over rows of max rank work`` against ``sum of mean``) and the padding the layout adds.
 A document's padding sits in its last chunk: with the fixed assignment every document's lost work is rank 0's,
-which unbalances rows of many short documents (10.5% off the mean on the worst row of 32k tokens of ~800-token
-documents at N = 8); balanced, 1.1%.
+which unbalances rows of many short documents; the balanced choice spreads it (the figures: docs/training.md).
 
 >>> audit = audit_rows([8, 5, 16], [0, 2, 3], cp_size=2, balance=False)  # row 0: documents 8, 5; row 1: 16
 >>> audit.work, audit.fill_lost, round(audit.worst_row, 3)

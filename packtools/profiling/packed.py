@@ -23,7 +23,7 @@ import pyarrow as pa
 from ..constants import SEQ_LENGTHS
 from ..core.arrow import is_list_type
 from ..errors import PackingError
-from ..io.files import IpcReader
+from ..io.files import open_ipc
 
 
 def packed_rows(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -71,8 +71,8 @@ def file_schema(path: str) -> pa.Schema:
         import pyarrow.parquet as pq
 
         return pq.read_schema(path)
-    with pa.memory_map(path, "r") as source:
-        return IpcReader(source).schema
+    with open_ipc(path) as reader:
+        return reader.schema
 
 
 def _file_column(path: str, column: str) -> pa.ChunkedArray:
@@ -81,8 +81,7 @@ def _file_column(path: str, column: str) -> pa.ChunkedArray:
         import pyarrow.parquet as pq
 
         return pq.read_table(path, columns=[column]).column(column)
-    with pa.memory_map(path, "r") as source:
-        reader = IpcReader(source)
+    with open_ipc(path) as reader:
         return pa.chunked_array(
             [b.column(column) for b in reader.batches()], reader.schema.field(column).type
         ).combine_chunks()

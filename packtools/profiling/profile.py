@@ -27,7 +27,7 @@ from ..constants import SEQ_LENGTHS
 from ..core.arrow import column_lengths, is_list_type
 from ..errors import PackingError
 from ..integrations.compat.datasets import dataset_table
-from ..io.files import IpcReader
+from ..io.files import open_ipc
 from .distribution import LengthDistribution
 from .packed import file_schema, packed_info, packed_rows, profile_packed
 from .recommend import Recommendation, recommend
@@ -214,8 +214,7 @@ def _parquet_lengths(path: str, column: str) -> np.ndarray:
 
 def _ipc_lengths(path: str, column: str) -> np.ndarray:
     """Memory-mapped: only the offsets buffers of the column are touched."""
-    with pa.memory_map(path, "r") as source:
-        reader = IpcReader(source, path)
+    with open_ipc(path) as reader:
         _table_column(reader.schema, column, f"file {path!r}")
         return _lengths_of_list(
             pa.chunked_array([b.column(column) for b in reader.batches()], reader.schema.field(column).type)
