@@ -68,7 +68,7 @@ def text_pairs(n, seed=0, margin=False):
         return " ".join(f"w{t}" for t in rng.integers(2, VOCAB, k))
 
     rows = []
-    for i in range(n):
+    for _ in range(n):
         row = {
             "prompt": words(int(rng.integers(1, 9))),
             "chosen": " " + words(int(rng.integers(1, 15))),
@@ -80,7 +80,17 @@ def text_pairs(n, seed=0, margin=False):
     return rows
 
 
-def build(tmp_path, family="llama", impl="sdpa", n=12, margin=False, **config):
+def build(tmp_path, family="llama", impl="sdpa", n=12, margin=False, lora=False, **config):
+    peft_config = None
+    if lora:
+        peft = pytest.importorskip("peft")
+        peft_config = peft.LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj"],
+            modules_to_save=["score"],
+            task_type="SEQ_CLS",
+        )
     kwargs = dict(
         output_dir=str(tmp_path),
         per_device_train_batch_size=4,
@@ -103,6 +113,7 @@ def build(tmp_path, family="llama", impl="sdpa", n=12, margin=False, **config):
         args=trl.RewardConfig(**kwargs),
         train_dataset=datasets.Dataset.from_list(text_pairs(n, margin=margin)),
         processing_class=word_tokenizer(),
+        peft_config=peft_config,
     )
 
 
@@ -128,7 +139,8 @@ def assert_same(a, b, tol=TOL):
     assert ga.keys() == gb.keys() and len(ga) > 0
     worst = max(float((ga[k] - gb[k]).abs().max()) / max(1.0, float(ga[k].abs().max())) for k in ga)
     assert worst < tol, worst
-    assert ga["score.weight"].abs().max() > 1e-3  # gradients that could differ
+    head = [k for k in ga if "score" in k and k.endswith("weight")]
+    assert head and max(float(ga[k].abs().max()) for k in head) > 1e-3  # gradients that could differ
 
 
 def rel(a, b):
@@ -142,6 +154,7 @@ class ShapeRecorder:
 
     def __init__(self, model):
         self.calls = []
+        model = model.get_base_model() if hasattr(model, "get_base_model") else model
         model.model.register_forward_pre_hook(self.hook, with_kwargs=True)
 
     def hook(self, module, args, kwargs):
@@ -157,6 +170,7 @@ CASES = {
     "llama-center-eager": dict(impl="eager", center_rewards_coefficient=0.5),
     "llama-block-mask": dict(segmented_sdpa=False),
     "qwen3-checkpointing": dict(family="qwen3", gradient_checkpointing=True),
+    "llama-lora-margin": dict(lora=True, margin=True),
 }
 
 
@@ -198,7 +212,9 @@ def test_packed_rows_equal_trl_padded_on_their_pairs(tmp_path, case):
     batch = trainer.data_collator(rows)
     assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch
     # the pairs of these rows, found by their tokens in TRL's dataset
-    index = {(tuple(r["chosen_ids"]), tuple(r["rejected_ids"])): i for i, r in enumerate(reference.train_dataset)}
+    index = {
+        (tuple(r["chosen_ids"]), tuple(r["rejected_ids"])): i for i, r in enumerate(reference.train_dataset)
+    }
     pairs = []
     for row in rows:
         ids, cut = row["input_ids"], np.cumsum([0, *row["seq_lengths"]])
@@ -244,7 +260,9 @@ def test_packed_accumulation_is_the_mean_over_all_pairs_of_the_step(tmp_path):
     before = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
     trainer.train()
     step = {k: before[k] - p.detach() for k, p in trainer.model.named_parameters()}
-    index = {(tuple(r["chosen_ids"]), tuple(r["rejected_ids"])): i for i, r in enumerate(reference.train_dataset)}
+    index = {
+        (tuple(r["chosen_ids"]), tuple(r["rejected_ids"])): i for i, r in enumerate(reference.train_dataset)
+    }
     micro = []
     for batch in seen[:3]:
         pairs = []
@@ -256,9 +274,13 @@ def test_packed_accumulation_is_the_mean_over_all_pairs_of_the_step(tmp_path):
     assert len({len(m) for m in micro}) > 1, micro  # unequal micro-batches
     collate = reference.data_collator
     whole = loss_metrics_grads(reference, collate([reference.train_dataset[i] for m in micro for i in m]))
-    worst = max(float((step[k] - whole[2][k]).abs().max()) / max(1.0, float(whole[2][k].abs().max())) for k in step)
+    worst = max(
+        float((step[k] - whole[2][k]).abs().max()) / max(1.0, float(whole[2][k].abs().max())) for k in step
+    )
     assert worst < TOL, worst
-    per_micro = [loss_metrics_grads(reference, collate([reference.train_dataset[i] for i in m]))[2] for m in micro]
+    per_micro = [
+        loss_metrics_grads(reference, collate([reference.train_dataset[i] for i in m]))[2] for m in micro
+    ]
     mean_of_means = {k: sum(g[k] for g in per_micro) / 3 for k in step}
     assert max(float((mean_of_means[k] - whole[2][k]).abs().max()) for k in step) > 1e-4  # what TRL would do
 
@@ -350,3 +372,20 @@ def test_pack_reward_pairs_drops_overlong_pairs_with_a_warning():
     assert rows.to_pydict()["input_ids"] == [[1, 2, 3, 5]] and report.pairs_dropped == 1
     with pytest.raises(PackingError, match="prompt_ids"):
         pack_reward_pairs(t.append_column("prompt_ids", t.column("rejected_ids")), 8)
+
+
+def test_evaluate_equals_trl(tmp_path):
+    """Evaluation (Trainer.prediction_step -> compute_loss with return_outputs) on TRL's padded eval batches."""
+    held_out = datasets.Dataset.from_list(text_pairs(10, seed=5, margin=True))
+    results = []
+    for trainer in (build(tmp_path, margin=True), prepare_reward_trainer(build(tmp_path, margin=True))):
+        results.append(trainer.evaluate(held_out))
+    want, got = results
+    timing = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
+    assert want.keys() == got.keys() and "eval_accuracy" in want
+    bad = {
+        k: (want[k], got[k])
+        for k in want
+        if k not in timing and abs(want[k] - got[k]) > TOL * max(1, abs(want[k]))
+    }
+    assert not bad, bad

@@ -129,7 +129,12 @@ def reward_batch(inputs: dict[str, Any], send_seq_idx: bool = False) -> RewardBa
         ends = cu[1:].long() - 1
         ends = torch.cat([ends[0::2], ends[1::2]])  # pair order -> TRL's: every chosen, then every rejected
         lengths = (cu[1:] - cu[:-1]).long()
-        flat = {"input_ids": ids, "position_ids": inputs["position_ids"], "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+        flat = {
+            "input_ids": ids,
+            "position_ids": inputs["position_ids"],
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu,
+        }
     else:
         _unexpected(inputs, _PADDED_KEYS, "padded")
         if inputs.get("attention_mask") is None or ids.dim() != 2 or ids.shape[0] % 2:
@@ -267,7 +272,9 @@ def check_reward_isolation(
     try:
         with torch.no_grad():
             together = packed(tokens)
-            alone = torch.stack([model(input_ids=t[None], use_cache=False).logits.reshape(-1)[0] for t in tokens])
+            alone = torch.stack(
+                [model(input_ids=t[None], use_cache=False).logits.reshape(-1)[0] for t in tokens]
+            )
             changed = [tokens[0].flip(0) % (vocab - 1) + 1, *tokens[1:]]
             moved = packed(changed)
     finally:
@@ -297,7 +304,9 @@ def _check_trainer(trainer: Any) -> None:
     from trl import RewardTrainer
 
     if isinstance(trainer, PackedRewardStep):
-        raise PackingError("prepare_reward_trainer was already called on this trainer (it was prepared twice).")
+        raise PackingError(
+            "prepare_reward_trainer was already called on this trainer (it was prepared twice)."
+        )
     if type(trainer).compute_loss is not RewardTrainer.compute_loss:
         raise PackingError(
             f"{type(trainer).__name__} overrides compute_loss; packtools runs RewardTrainer's own compute_loss on "
