@@ -4,7 +4,7 @@ Usage: ``torchrun --nproc_per_node 2 tests/_reward_worker.py OUT_DIR``.  Trains 
 ``prepare_reward_trainer`` (tiny Llama, fp32, SGD lr 1, no clipping, margins) on TRL's own batches, on packed
 pair rows, and on packed rows by token budget, and records per rank: the pairs of every micro-batch in the
 order drawn (as ``(chosen_ids, rejected_ids)``), the parameter change of the first optimizer step and the
-number of steps.  Results of rank ``r`` go to ``OUT_DIR/rank{r}.pt``.
+number of steps; and one KTO optimizer step, TRL's padded and ``prepare_kto_trainer``'s.  Results of rank ``r`` go to ``OUT_DIR/rank{r}.pt``.
 """
 
 from __future__ import annotations
@@ -76,6 +76,22 @@ def run(out, packed, **prepare):
     return {"batches": recorder.batches, "delta": first.delta, "steps": trainer.state.global_step}
 
 
+def run_kto(out, prepared):
+    import test_kto
+
+    from packtools.integrations.kto import prepare_kto_trainer
+
+    trainer = test_kto.build(
+        Path(out), n=16, per_device_train_batch_size=2, gradient_accumulation_steps=GA, max_steps=1
+    )
+    if prepared:
+        prepare_kto_trainer(trainer)
+    first = FirstStep(trainer.model)
+    trainer.add_callback(first)
+    trainer.train()
+    return {"delta": first.delta, "steps": trainer.state.global_step}
+
+
 def main(out: str) -> None:
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
@@ -90,6 +106,11 @@ def main(out: str) -> None:
     ):
         try:
             results[name] = run(work, packed, **prepare)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+    for name, prepared in (("kto_padded", False), ("kto", True)):  # TRL's padded KTO step and packtools'
+        try:
+            results[name] = run_kto(work, prepared)
         except Exception:
             results[name] = {"error": traceback.format_exc()}
     torch.save(results, Path(out) / f"rank{rank}.pt")

@@ -21,7 +21,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from packtools import prepare_trainer  # noqa: E402
 from packtools.errors import PackingError  # noqa: E402
-from packtools.integrations import reward, unprepare  # noqa: E402
+from packtools.integrations import reward, reward_scores, unprepare  # noqa: E402
 from packtools.integrations.preference_data import pack_reward_pairs  # noqa: E402
 from packtools.integrations.reward import prepare_reward_trainer  # noqa: E402
 
@@ -289,7 +289,7 @@ def test_packed_accumulation_is_the_mean_over_all_pairs_of_the_step(tmp_path):
 def row_last_token(batch):
     """The wrong rule: every score read at the row's last token (transformers' pooling on a packed row)."""
     n = batch.flat["input_ids"].shape[1]
-    return reward.RewardBatch(batch.flat, torch.full_like(batch.ends, n - 1), batch.view)
+    return reward_scores.RewardBatch(batch.flat, torch.full_like(batch.ends, n - 1), batch.view)
 
 
 def chosen_sees_rejected(batch):
@@ -304,7 +304,7 @@ def chosen_sees_rejected(batch):
     n = int(merged[-1])
     flat["position_ids"] = (torch.arange(n) - torch.repeat_interleave(starts, lengths))[None]
     flat["cu_seq_lens_q"] = flat["cu_seq_lens_k"] = merged
-    return reward.RewardBatch(flat, batch.ends, batch.view)
+    return reward_scores.RewardBatch(flat, batch.ends, batch.view)
 
 
 @pytest.mark.parametrize("wrong", [row_last_token, chosen_sees_rejected])
@@ -314,13 +314,14 @@ def test_negative_controls_differ_from_trl(tmp_path, monkeypatch, wrong):
     batch = padded.data_collator([padded.train_dataset[i] for i in range(4)])
     want = loss_metrics_grads(padded, batch)
     assert_same(want, loss_metrics_grads(prepared, batch))  # the right rule first
-    real = reward.reward_batch
-    monkeypatch.setattr(reward, "reward_batch", lambda inputs, send=False: wrong(real(inputs, send)))
+    real = reward_scores.reward_batch
+    for module in (reward, reward_scores):  # the step and the probe
+        monkeypatch.setattr(module, "reward_batch", lambda inputs, send=False: wrong(real(inputs, send)))
     with pytest.raises(AssertionError):
         assert_same(want, loss_metrics_grads(prepared, batch))
     if wrong is chosen_sees_rejected:  # the probe catches the leak before training
         with pytest.raises(PackingError, match="scores packed sequences differently"):
-            reward.check_reward_isolation(prepared.model)
+            reward_scores.check_reward_isolation(prepared.model)
 
 
 # -- the step owner, refusals, undo ----------------------------------------------------------------------

@@ -4,7 +4,8 @@
 on packed rows by token budget.  Here, in one process: the first optimizer step's parameter change on each
 rank (SGD, lr 1: minus the gradient) must equal the gradient of TRL's padded loss on all the step's pairs at
 once (the pair mean over both ranks and the accumulation window), within 1e-5 relative; every pair is trained
-exactly once per epoch; both ranks run the same number of steps.  Negative control: where the ranks held
+exactly once per epoch; both ranks run the same number of steps.  KTO: one step of ``prepare_kto_trainer``
+under 2 processes equals TRL's padded step under 2 processes.  Negative control: where the ranks held
 different numbers of pairs, the mean of per-rank means (DDP over TRL's loss alone) is another step.
 """
 
@@ -49,7 +50,7 @@ def ranks(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     for r, res in enumerate(results):
-        for name in NAMES:
+        for name in (*NAMES, "kto", "kto_padded"):
             assert "error" not in res[name], f"rank {r} {name}: {res[name]['error']}"
     return results
 
@@ -103,3 +104,13 @@ def test_negative_control_the_mean_of_per_rank_means_is_another_step(ranks, refe
         mean_of_means = {k: (means[0][k] + means[1][k]) / 2 for k in means[0]}
         assert test_reward.rel(mean_of_means, ranks[0][name]["delta"]) > 1e-3, name
     assert uneven  # the harness does hold uneven ranks
+
+
+def test_kto_step_under_two_processes_equals_trl_padded(ranks):
+    """KTO keeps TRL's micro-batches: under DDP its padding-free step is TRL's padded step, on every rank."""
+    import test_reward
+
+    for res in ranks:
+        assert test_reward.rel(res["kto"]["delta"], res["kto_padded"]["delta"]) < TOL
+    assert test_reward.rel(ranks[0]["kto"]["delta"], ranks[1]["kto"]["delta"]) < 1e-7  # DDP synced
+    assert max(float(d.abs().max()) for d in ranks[0]["kto"]["delta"].values()) > 1e-4

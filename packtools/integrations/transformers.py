@@ -200,6 +200,12 @@ def prepare_trainer(
             "packtools.integrations.reward.prepare_reward_trainer(trainer, ...) instead.",
             param="trainer",
         )
+    if is_instance(trainer, "trl", "KTOTrainer"):
+        raise PackingError(
+            f"prepare_trainer got a {type(trainer).__name__}: KTO's completions and KL sequences need their own "
+            "padding-free forward. Use packtools.integrations.kto.prepare_kto_trainer(trainer) instead.",
+            param="trainer",
+        )
     check_attention_implementation(trainer.model)
     vision = check_multimodal_model(trainer.model, trainer.data_collator) is not None
     if vision and context_parallel not in (None, 1):
