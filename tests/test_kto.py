@@ -158,6 +158,7 @@ CASES = {
     "precompute_ref_log_probs": dict(ref=False, precompute_ref_log_probs=True),
     "lora": dict(ref=False, lora=True),
     "qwen3-checkpointing": dict(family="qwen3", gradient_checkpointing=True),
+    "llama-no-checkpointing": dict(gradient_checkpointing=False),  # KTOConfig's default is True
 }
 
 

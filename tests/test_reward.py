@@ -171,6 +171,8 @@ CASES = {
     "llama-block-mask": dict(segmented_sdpa=False),
     "qwen3-checkpointing": dict(family="qwen3", gradient_checkpointing=True),
     "llama-lora-margin": dict(lora=True, margin=True),
+    "llama-no-checkpointing": dict(margin=True, gradient_checkpointing=False),  # RewardConfig's default is True
+    "qwen3-no-checkpointing": dict(family="qwen3", gradient_checkpointing=False),
 }
 
 

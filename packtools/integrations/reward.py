@@ -53,7 +53,7 @@ from .backends import (
 from .budget_loader import install_train_loader
 from .compat import all_or_nothing, set_attr
 from .compat.classes import swap_class
-from .compat.trl import keep_signature_columns, set_training_data, tokenizer_of
+from .compat.trl import check_step_methods, keep_signature_columns, set_training_data, tokenizer_of
 from .distributed import check_loss_path, trainer_divides_by_accumulation, uneven_gather
 from .guard import guard_model
 from .parallel_layout import rank_layout
@@ -214,6 +214,7 @@ def prepare_reward_trainer(
     require("trl", "packtools.prepare_reward_trainer")
     _check_trainer(trainer)
     check_loss_path(trainer)
+    check_step_methods(trainer, ("compute_loss", "get_batch_samples"))
     layout = rank_layout(trainer)
     if layout.cp_size > 1:
         raise PackingError(
