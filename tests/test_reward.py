@@ -171,7 +171,9 @@ CASES = {
     "llama-block-mask": dict(segmented_sdpa=False),
     "qwen3-checkpointing": dict(family="qwen3", gradient_checkpointing=True),
     "llama-lora-margin": dict(lora=True, margin=True),
-    "llama-no-checkpointing": dict(margin=True, gradient_checkpointing=False),  # RewardConfig's default is True
+    "llama-no-checkpointing": dict(
+        margin=True, gradient_checkpointing=False
+    ),  # RewardConfig's default is True
     "qwen3-no-checkpointing": dict(family="qwen3", gradient_checkpointing=False),
 }
 
@@ -392,3 +394,56 @@ def test_evaluate_equals_trl(tmp_path):
         if k not in timing and abs(want[k] - got[k]) > TOL * max(1, abs(want[k]))
     }
     assert not bad, bad
+
+
+# -- families: the score read through each model's own forward and head -----------------------------------
+def family_model(name):
+    """A tiny reward model of a family whose sequence-classification class is not TRL's test pair."""
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, num_labels=1,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    if name == "gpt2":  # its own ForSequenceClassification class; the backbone is `transformer`
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, pad_token_id=PAD, num_labels=1,
+            attn_implementation="sdpa", bos_token_id=EOS, eos_token_id=EOS,
+        )  # fmt: skip
+        return transformers.GPT2ForSequenceClassification(config)
+    classes = {
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForSequenceClassification),
+        "mistral": (transformers.MistralConfig, transformers.MistralForSequenceClassification),
+        "gemma": (transformers.GemmaConfig, transformers.GemmaForSequenceClassification),
+    }
+    config_cls, model_cls = classes[name]
+    extra = {"head_dim": 16} if name == "gemma" else {}
+    return model_cls(config_cls(**common, **extra))
+
+
+@pytest.mark.parametrize("name", ["qwen2", "mistral", "gemma", "gpt2"])
+def test_other_families_score_each_document_as_alone(name):
+    """Packed and alone (the model's own pooling on one unpadded sequence) within 1e-5, through the path
+    training takes; the probe also changes one sequence and checks that the others' scores do not move."""
+    model = family_model(name)
+    assert reward_scores.check_reward_isolation(model, lengths=(6, 11, 2, 9, 4, 7)) < TOL
+
+
+def test_a_model_that_pools_before_its_head_is_refused_by_name():
+    class PooledFirst(transformers.LlamaForSequenceClassification):
+        def forward(self, input_ids=None, **kwargs):
+            hidden = self.model(input_ids, **{k: v for k, v in kwargs.items() if k != "use_cache"})
+            return transformers.modeling_outputs.SequenceClassifierOutput(
+                logits=self.score(hidden.last_hidden_state[:, -1])
+            )
+
+    torch.manual_seed(0)
+    model = PooledFirst(tiny_model().config)
+    with pytest.raises(PackingError, match="pools before its head"):
+        reward_scores.check_reward_isolation(model)
+    bert = transformers.BertForSequenceClassification(
+        transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=64, num_labels=1)
+    )  # fmt: skip
+    with pytest.raises(PackingError, match="has no 'score' head"):
+        reward_scores.score_head(bert)
