@@ -344,6 +344,15 @@ def test_unprepare_gives_the_trainer_back(tmp_path):
     assert "_packtools_reward" not in vars(trainer)
 
 
+def test_prepared_block_dispatches_reward_trainers(tmp_path):
+    from packtools.integrations import prepared
+
+    trainer = build(tmp_path)
+    with prepared(trainer):
+        assert type(trainer).__name__ == "PackedRewardTrainer"
+    assert type(trainer) is trl.RewardTrainer
+
+
 def test_refusals_name_the_reason(tmp_path):
     trainer = build(tmp_path)
     with pytest.raises(PackingError, match="prepare_reward_trainer"):

@@ -77,6 +77,12 @@ def prepare_kto_trainer(trainer: Any, *, check_isolation: bool = True, segmented
     the module docstring).  ``check_isolation=True`` first runs a few sequences through the installed forward
     together and alone (:func:`~packtools.integrations.dpo_probe.check_padding_free_forward`) and refuses a
     model whose packed sequences leak.  ``segmented_sdpa``: as in :func:`packtools.prepare_trainer`.
+    Anything else is refused by name:
+
+    >>> prepare_kto_trainer(object())
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: prepare_kto_trainer expects a trl.KTOTrainer, got object.
     """
     require("trl", "packtools.prepare_kto_trainer")
     _check_trainer(trainer)

@@ -66,7 +66,15 @@ REWARD_ROW_COLUMNS = ("input_ids", "completion_mask", SEQ_LENGTHS)
 
 @dataclass
 class StepPairs:
-    """The pairs of the optimizer step being run (all processes), counted when its micro-batches are fetched."""
+    """The pairs of the optimizer step being run (all processes), counted when its micro-batches are fetched.
+
+    Each micro-batch's loss (TRL's mean over its pairs) is weighed by ``its pairs * accumulation steps *
+    data-parallel size / step pairs``: micro-batches of 3 and 1 pairs, 2 accumulation steps, one process
+
+    >>> step = StepPairs(pairs=4)
+    >>> [pairs * 2 * 1 / step.pairs for pairs in (3, 1)]  # the step's loss: the mean over its 4 pairs
+    [1.5, 0.5]
+    """
 
     pairs: int | None = None
 
