@@ -297,35 +297,43 @@ def row_last_token(batch):
 
 
 def chosen_sees_rejected(batch):
-    """The wrong layout: each pair's chosen and rejected as one sequence (the rejected attends the chosen)."""
+    """The wrong layout: sequences 2k and 2k + 1 of the row as one sequence.  On packed pair rows (chosen,
+    rejected, chosen, ...) that is each pair's chosen and rejected together: the rejected attends its chosen."""
     flat = dict(batch.flat)
-    cu = flat["cu_seq_lens_q"]
-    half = (cu.numel() - 1) // 2
-    # TRL's padded layout puts every chosen first: merge chosen i with chosen i + 1 instead (any merge leaks)
-    merged = torch.cat([cu[:1], cu[2::2]]) if half > 0 else cu
+    merged = torch.cat([flat["cu_seq_lens_q"][:1], flat["cu_seq_lens_q"][2::2]])
     starts = merged[:-1].long()
     lengths = (merged[1:] - merged[:-1]).long()
-    n = int(merged[-1])
-    flat["position_ids"] = (torch.arange(n) - torch.repeat_interleave(starts, lengths))[None]
+    flat["position_ids"] = (torch.arange(int(merged[-1])) - torch.repeat_interleave(starts, lengths))[None]
     flat["cu_seq_lens_q"] = flat["cu_seq_lens_k"] = merged
+    flat["max_length_q"] = flat["max_length_k"] = int(lengths.max())
     return reward_scores.RewardBatch(flat, batch.ends, batch.view)
 
 
 @pytest.mark.parametrize("wrong", [row_last_token, chosen_sees_rejected])
 def test_negative_controls_differ_from_trl(tmp_path, monkeypatch, wrong):
-    padded = build(tmp_path, margin=True)
-    prepared = prepare_reward_trainer(build(tmp_path, margin=True))
-    batch = padded.data_collator([padded.train_dataset[i] for i in range(4)])
-    want = loss_metrics_grads(padded, batch)
-    assert_same(want, loss_metrics_grads(prepared, batch))  # the right rule first
+    """On packed pair rows: the right rule equals TRL on the rows' pairs, each wrong one does not."""
+    trainer = build(tmp_path, n=16, margin=True)
+    reference = build(tmp_path, n=16, margin=True)
+    packed = pack_reward_pairs(trainer.train_dataset, 96)
+    prepare_reward_trainer(trainer, packed)
+    index = {
+        (tuple(r["chosen_ids"]), tuple(r["rejected_ids"])): i for i, r in enumerate(reference.train_dataset)
+    }
+    ids, cut = packed[0]["input_ids"], np.cumsum([0, *packed[0]["seq_lengths"]])
+    seqs = [tuple(ids[a:b]) for a, b in zip(cut[:-1], cut[1:])]
+    pairs = [index[(seqs[k], seqs[k + 1])] for k in range(0, len(seqs), 2)]
+    assert len(pairs) >= 2
+    want = loss_metrics_grads(reference, reference.data_collator([reference.train_dataset[i] for i in pairs]))
+    batch = trainer.data_collator([packed[0]])
+    assert_same(want, loss_metrics_grads(trainer, batch))  # the right rule first
     real = reward_scores.reward_batch
     for module in (reward, reward_scores):  # the step and the probe
         monkeypatch.setattr(module, "reward_batch", lambda inputs, send=False: wrong(real(inputs, send)))
     with pytest.raises(AssertionError):
-        assert_same(want, loss_metrics_grads(prepared, batch))
+        assert_same(want, loss_metrics_grads(trainer, batch))
     if wrong is chosen_sees_rejected:  # the probe catches the leak before training
         with pytest.raises(PackingError, match="scores packed sequences differently"):
-            reward_scores.check_reward_isolation(prepared.model)
+            reward_scores.check_reward_isolation(trainer.model)
 
 
 # -- the step owner, refusals, undo ----------------------------------------------------------------------
