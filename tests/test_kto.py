@@ -185,6 +185,7 @@ def test_micro_batch_equals_trl_padded(tmp_path, case):
         assert ((1, int(batch["KL_attention_mask"].sum())), False) in recorder.calls
 
 
+@pytest.mark.slow
 def test_training_with_accumulation_equals_trl(tmp_path):
     config = dict(gradient_accumulation_steps=2, per_device_train_batch_size=2, max_steps=2)
     padded = build(tmp_path, **config)
