@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 JOBS = Path(__file__).parents[1] / "docs" / "jobs"
-PAGES = ["pack.md", "max-length.md", "train-sft.md", "train-dpo.md", "multi-gpu.md"]
+PAGES = ["pack.md", "max-length.md", "train-sft.md", "train-dpo.md", "train-reward.md", "multi-gpu.md"]
 
 
 def blocks(page: str, lang: str = "python") -> list[str]:
@@ -36,7 +36,7 @@ def test_first_block_runs(page, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page", ["train-sft.md", "train-dpo.md"])
+@pytest.mark.parametrize("page", ["train-sft.md", "train-dpo.md", "train-reward.md"])
 def test_training_pages_run(page, tmp_path, monkeypatch, capsys):
     """Every Python block of the page, in order, in one namespace, as written (a CPU machine: TRL's bf16
     default must not stop them). The DPO page's last block trains on a real ``packtools pack`` output."""
@@ -50,10 +50,16 @@ def test_training_pages_run(page, tmp_path, monkeypatch, capsys):
         exec(compile(block, f"{page} block {i}", "exec"), namespace)
         if i == 0:
             out = capsys.readouterr().out.strip().splitlines()[-1]
-            assert out == "torch.Size([2, 2])" if page == "train-dpo.md" else 3.0 < float(out) < 5.0
+            if page == "train-reward.md":
+                assert out == "[[7, 5, 5, 4], [3, 5, 4, 4]]"  # four pairs packed whole into two rows
+                assert namespace["trainer"].state.global_step == 2  # and trained on, prepared
+            else:
+                assert out == "torch.Size([2, 2])" if page == "train-dpo.md" else 3.0 < float(out) < 5.0
     trainer = namespace["trainer"]
     assert trainer.state.global_step == 2  # the last block trained
-    assert len(blocks(page)) == (2 if page == "train-sft.md" else 3)
+    if page == "train-reward.md":
+        assert type(trainer).__name__ == "PackedRewardTrainer"
+    assert len(blocks(page)) == {"train-sft.md": 2, "train-dpo.md": 3, "train-reward.md": 2}[page]
 
 
 def pack_preference_file(tok, folder: Path) -> None:

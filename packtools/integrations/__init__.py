@@ -1,7 +1,9 @@
 """Adapters to other libraries: Hugging Face ``datasets``, ``transformers``/TRL trainers, Ray Data.
 
 Each name is imported on first use (``datasets``, ``transformers``, ``trl`` or ``ray`` only then).
-``pack_dataset``, ``packed_view``, ``prepare_trainer`` and ``prepare_dpo_trainer`` are also at the front door.
+``pack_dataset``, ``packed_view``, ``prepare_trainer`` and ``prepare_dpo_trainer`` are also at the front door;
+``prepare_reward_trainer`` (with ``pack_reward_pairs``) and ``prepare_kto_trainer`` run TRL's ``RewardTrainer``
+and ``KTOTrainer`` padding-free.
 ``unprepare(trainer)`` undoes everything a ``prepare_*`` call changed; ``prepared(trainer, **kwargs)`` is
 ``prepare_trainer`` (``prepare_dpo_trainer`` for a ``DPOTrainer``) for the span of a ``with`` block.
 
@@ -28,6 +30,9 @@ _EXPORTS = {
     "check_isolation": "packtools.integrations.isolation",
     "check_vision_isolation": "packtools.integrations.vision",
     "prepare_dpo_trainer": "packtools.integrations.trl",
+    "prepare_reward_trainer": "packtools.integrations.reward",
+    "pack_reward_pairs": "packtools.integrations.preference_data",
+    "prepare_kto_trainer": "packtools.integrations.kto",
     "use_cp_attention": "packtools.integrations.cp_attention",
     "RankLayout": "packtools.integrations.parallel_layout",
 }
@@ -43,9 +48,12 @@ __all__ = [
     "pack_dataset",
     "pack_preference",
     "pack_ray_dataset",
+    "pack_reward_pairs",
     "packed_sft_config",
     "packed_view",
     "prepare_dpo_trainer",
+    "prepare_kto_trainer",
+    "prepare_reward_trainer",
     "prepare_trainer",
     "prepared",
     "truncate_dataset",

@@ -1,5 +1,6 @@
-"""Preference data for Hugging Face ``datasets``: pairs packed whole (:func:`pack_preference`) and groups of
-one prompt with several completions (:func:`pack_groups`), the prompt written once.
+"""Preference data for Hugging Face ``datasets``: pairs packed whole (:func:`pack_preference`; reward-model
+pairs, :func:`pack_reward_pairs`) and groups of one prompt with several completions (:func:`pack_groups`), the
+prompt written once.
 
 Both take a ``datasets.Dataset`` (its select/shuffle mapping honoured, read through
 :mod:`packtools.integrations.compat.datasets`) or a ``pyarrow.Table``; the layouts are
@@ -12,6 +13,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from ..errors import PackingError
@@ -115,6 +117,70 @@ def pack_preference(
     out, report = one(dataset)
     warn(report)
     return (out, report) if return_report else out
+
+
+def pack_reward_pairs(
+    dataset: Any,
+    max_length: int,
+    *,
+    shuffle: bool = False,
+    seed: int = 0,
+    return_report: bool = False,
+) -> Any:
+    """Pack reward-model pairs whole: each pair's ``[chosen][rejected]`` side by side in a row.
+
+    ``dataset``: a ``datasets.Dataset`` or ``pyarrow.Table`` with ``chosen_ids`` and ``rejected_ids`` (TRL's
+    ``RewardTrainer`` tokenized format: the prompt is already part of both), and optionally ``margin``, which
+    is kept as a per-pair list.  Output columns as :func:`pack_preference` (``input_ids``,
+    ``completion_mask``, ``seq_lengths`` with sequence ``2k`` pair ``k``'s chosen, ``2k + 1`` its rejected).
+    A reward model scores a sequence at its last token, so a pair longer than ``max_length`` is never
+    truncated: it is dropped, with a warning that counts it (``return_report=True`` also returns the
+    :class:`~packtools.core.pairs.PairReport`).  Train on the rows with
+    :func:`packtools.integrations.reward.prepare_reward_trainer`.
+
+    >>> import pyarrow as pa
+    >>> t = pa.table({"chosen_ids": [[1, 2, 3], [4]], "rejected_ids": [[5], [6, 7]], "margin": [0.5, 1.0]})
+    >>> rows = pack_reward_pairs(t, 8).to_pydict()
+    >>> rows["input_ids"], rows["seq_lengths"], rows["margin"]
+    ([[1, 2, 3, 5, 4, 6, 7]], [[3, 1, 1, 2]], [[0.5, 1.0]])
+    """
+    from ..core.pairs import pack_pairs
+
+    table, indices = (dataset, None) if isinstance(dataset, pa.Table) else dataset_table(dataset)
+    missing = [c for c in ("chosen_ids", "rejected_ids") if c not in table.column_names]
+    if missing:
+        raise PackingError(
+            f"reward pairs need the columns chosen_ids and rejected_ids (TRL's RewardTrainer format); {missing} "
+            f"missing (the dataset has {table.column_names}). Pack trainer.train_dataset, which TRL tokenized.",
+            param="dataset",
+        )
+    if "prompt_ids" in table.column_names:
+        raise PackingError(
+            "the dataset has prompt_ids: RewardTrainer's tokenized pairs hold the prompt inside chosen_ids and "
+            "rejected_ids. Pack trainer.train_dataset, or use pack_preference for DPO pairs.",
+            param="dataset",
+        )
+    chosen = table.column("chosen_ids").type
+    empty = pa.array(np.zeros(table.num_rows + 1, np.int32))
+    prompts = pa.ListArray.from_arrays(empty, pa.array([], chosen.value_type)).cast(chosen)
+    table = table.append_column("prompt_ids", prompts)
+    columns = ["margin"] if "margin" in table.column_names else []
+    packed, report = pack_pairs(
+        table, max_length, "bfd", columns, overlong="drop", shuffle=shuffle, seed=seed, row_indices=indices
+    )
+    if report.pairs_dropped:
+        warnings.warn(
+            f"pack_reward_pairs: {report.pairs_dropped} of {report.pairs_in} pairs are longer than "
+            f"max_length={max_length} (chosen + rejected) and were dropped ({report.tokens_dropped} tokens); a "
+            f"reward model scores the last token, so packtools does not truncate them. Raise max_length to keep them.",
+            stacklevel=2,
+        )
+    if not isinstance(dataset, pa.Table):
+        fingerprint = derived_fingerprint(
+            dataset, "pack_reward_pairs", max_length=max_length, shuffle=shuffle, seed=seed
+        )
+        packed = datasets_module().Dataset(packed, split=dataset.split, fingerprint=fingerprint)
+    return (packed, report) if return_report else packed
 
 
 def pack_groups(

@@ -1,7 +1,9 @@
 """``prepared(trainer, **kwargs)``: a trainer prepared for the span of a ``with`` block, then unprepared.
 
-A ``DPOTrainer`` gets :func:`~packtools.integrations.trl.prepare_dpo_trainer`, any other trainer
-:func:`~packtools.integrations.transformers.prepare_trainer`; both record what they change on the trainer, and
+A ``DPOTrainer`` gets :func:`~packtools.integrations.trl.prepare_dpo_trainer`, a ``RewardTrainer``
+:func:`~packtools.integrations.reward.prepare_reward_trainer`, a ``KTOTrainer``
+:func:`~packtools.integrations.kto.prepare_kto_trainer`, any other trainer
+:func:`~packtools.integrations.transformers.prepare_trainer`; each records what they change on the trainer, and
 :func:`~packtools.integrations.compat.unprepare` puts it back when the block ends (also on an error).
 
 >>> import tempfile, datasets, transformers
@@ -31,8 +33,9 @@ from .compat import unprepare
 
 @contextlib.contextmanager
 def prepared(trainer: Any, **kwargs: Any) -> Iterator[Any]:
-    """Prepare ``trainer`` for the block (``prepare_dpo_trainer`` for a TRL ``DPOTrainer``, ``prepare_trainer``
-    otherwise, with ``kwargs``), and :func:`~packtools.integrations.compat.unprepare` it after (also on error)::
+    """Prepare ``trainer`` for the block (``prepare_dpo_trainer`` for a TRL ``DPOTrainer``,
+    ``prepare_reward_trainer`` for a ``RewardTrainer``, ``prepare_kto_trainer`` for a ``KTOTrainer``,
+    ``prepare_trainer`` otherwise, with ``kwargs``), and :func:`~packtools.integrations.compat.unprepare` it after (also on error)::
 
         with prepared(trainer, max_tokens=4096):
             trainer.train()
@@ -40,6 +43,10 @@ def prepared(trainer: Any, **kwargs: Any) -> Iterator[Any]:
     """
     if is_instance(trainer, "trl", "DPOTrainer"):
         from .trl import prepare_dpo_trainer as prepare
+    elif is_instance(trainer, "trl", "RewardTrainer"):
+        from .reward import prepare_reward_trainer as prepare
+    elif is_instance(trainer, "trl", "KTOTrainer"):
+        from .kto import prepare_kto_trainer as prepare
     else:
         from .transformers import prepare_trainer as prepare
     prepare(trainer, **kwargs)

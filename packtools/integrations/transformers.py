@@ -193,6 +193,19 @@ def prepare_trainer(
             "and forward. Use packtools.prepare_dpo_trainer(trainer, ...) instead.",
             param="trainer",
         )
+    if is_instance(trainer, "trl", "RewardTrainer"):
+        raise PackingError(
+            f"prepare_trainer got a {type(trainer).__name__}: a reward model's scores are read at each packed "
+            "document's own last token, not by the model's pooling. Use "
+            "packtools.integrations.reward.prepare_reward_trainer(trainer, ...) instead.",
+            param="trainer",
+        )
+    if is_instance(trainer, "trl", "KTOTrainer"):
+        raise PackingError(
+            f"prepare_trainer got a {type(trainer).__name__}: KTO's completions and KL sequences need their own "
+            "padding-free forward. Use packtools.integrations.kto.prepare_kto_trainer(trainer) instead.",
+            param="trainer",
+        )
     check_attention_implementation(trainer.model)
     vision = check_multimodal_model(trainer.model, trainer.data_collator) is not None
     if vision and context_parallel not in (None, 1):

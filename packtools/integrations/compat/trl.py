@@ -16,6 +16,14 @@ each recorded on the trainer (:func:`~packtools.integrations.compat.set_attr` wi
   ``Trainer._set_signature_columns_if_needed``, both private); packed pair rows add their columns to it.
 * **The dataset and collator** (``train_dataset``, ``data_collator``: public attributes, recorded all the same).
 
+:func:`packtools.integrations.reward.prepare_reward_trainer` swaps a subclass onto a ``RewardTrainer``
+(:mod:`~packtools.integrations.compat.classes`) whose ``compute_loss`` calls ``RewardTrainer.compute_loss`` with
+a stand-in for the model; it relies on TRL 1.16's ``compute_loss`` calling ``model(**inputs)`` once and reading
+only ``outputs.logits`` (``[2 * pairs, 1]``, chosen then rejected), ``inputs["margin"]`` and
+``inputs["attention_mask"]`` (its token count), which :func:`check_step_methods` cannot see: the CHECKED range
+and the side-by-side tests hold it.  :func:`check_step_methods` checks the parameters of the methods the
+subclass overrides.
+
 Each function checks the shape it relies on and raises :func:`~packtools.integrations.compat.unknown_shape`
 otherwise.  The tokenizer is read from the public ``processing_class`` (not ``DPOTrainer._tokenizer``).
 """
@@ -81,6 +89,19 @@ def wrap_method(trainer: Any, name: str, make: Callable[[Callable[..., Any]], Ca
         library = "trl" if name == "compute_loss" else "transformers"
         raise _unknown(f"{type(trainer).__name__}.{name} takes {params}, not {_METHOD_PARAMS[name]}", library)
     set_attr(trainer, name, make(method), owner=trainer)
+
+
+def check_step_methods(trainer: Any, names: Sequence[str]) -> None:
+    """Refuse a trainer whose ``names`` methods (``compute_loss``, ``get_batch_samples``) do not take the
+    parameters of the checked versions: a packtools step class overriding them would call them wrongly."""
+    for name in names:
+        method = getattr(trainer, name, None)
+        params = tuple(inspect.signature(method).parameters) if callable(method) else ()
+        if params != _METHOD_PARAMS[name]:
+            library = "trl" if name == "compute_loss" else "transformers"
+            raise _unknown(
+                f"{type(trainer).__name__}.{name} takes {params}, not {_METHOD_PARAMS[name]}", library
+            )
 
 
 def keep_signature_columns(trainer: Any, columns: Sequence[str]) -> None:

@@ -1,0 +1,241 @@
+"""TRL's KTOTrainer without padding equals TRL's padded step: loss, logged metrics and every gradient.
+
+Two trainers from the same seeds, TRL's as it is and one prepared by ``prepare_kto_trainer`` (every forward of
+a micro-batch -- completions, the KL term's mismatched sequences, the reference -- one padding-free row), on
+tiny Llama and Qwen3 causal LMs in fp32 on CPU; loss, metrics and gradients must agree within 1e-5.  Negative
+control: sequences of a row attending each other (one merged sequence per two) must differ from TRL.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+tokenizers = pytest.importorskip("tokenizers")
+
+from packtools import prepare_trainer  # noqa: E402
+from packtools.errors import PackingError  # noqa: E402
+from packtools.integrations import unprepare  # noqa: E402
+from packtools.integrations.kto import prepare_kto_trainer  # noqa: E402
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+TOL = 1e-5
+VOCAB = 97
+PAD, EOS = 0, 1
+METRICS = (
+    "kl",
+    "entropy",
+    "logits/chosen",
+    "logits/rejected",
+    "rewards/chosen",
+    "logps/chosen",
+    "num_tokens",
+)
+
+
+def tiny_lm(family="llama", impl="sdpa", seed=0):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        attn_implementation=impl,
+    )
+    if family == "qwen3":
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **common)).float()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).float()
+
+
+def word_tokenizer():
+    vocab = {"<pad>": PAD, "<eos>": EOS, **{f"w{i}": i for i in range(2, VOCAB)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def examples(n, seed=0):
+    rng = np.random.default_rng(seed)
+
+    def words(k):
+        return " ".join(f"w{t}" for t in rng.integers(2, VOCAB, k))
+
+    return [
+        {
+            "prompt": words(int(rng.integers(1, 9))),
+            "completion": " " + words(int(rng.integers(1, 15))),
+            "label": bool(i % 3 != 1),
+        }
+        for i in range(n)
+    ]
+
+
+def build(tmp_path, family="llama", impl="sdpa", ref=True, lora=False, n=12, **config):
+    peft_config = None
+    if lora:
+        peft = pytest.importorskip("peft")
+        peft_config = peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
+        )
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        bf16=False,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        seed=0,
+    )
+    kwargs.update(config)
+    return trl.KTOTrainer(
+        tiny_lm(family, impl),
+        ref_model=tiny_lm(family, impl, seed=1) if ref else None,
+        args=trl.KTOConfig(**kwargs),
+        train_dataset=datasets.Dataset.from_list(examples(n)),
+        processing_class=word_tokenizer(),
+        peft_config=peft_config,
+    )
+
+
+def loss_metrics_grads(trainer, batch):
+    trainer.model.train()
+    trainer.model.zero_grad()
+    for values in trainer._metrics["train"].values():
+        values.clear()
+    loss = trainer.compute_loss(trainer.model, dict(batch))
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.item(), {k: v[-1] for k, v in trainer._metrics["train"].items()}, grads
+
+
+def assert_same(a, b, tol=TOL):
+    (la, ma, ga), (lb, mb, gb) = a, b
+    assert abs(la - lb) <= tol * max(1.0, abs(la)), (la, lb)
+    assert ma.keys() == mb.keys()
+    bad = {k: (ma[k], mb[k]) for k in ma if abs(ma[k] - mb[k]) > tol * max(1.0, abs(ma[k]))}
+    assert not bad, bad
+    assert ga.keys() == gb.keys() and len(ga) > 0
+    worst = max(float((ga[k] - gb[k]).abs().max()) / max(1.0, float(ga[k].abs().max())) for k in ga)
+    assert worst < tol, worst
+    assert max(float(g.abs().max()) for g in ga.values()) > 1e-4  # gradients that could differ
+
+
+class ShapeRecorder:
+    """The input_ids shape and attention_mask presence of every backbone call of a model."""
+
+    def __init__(self, *models):
+        self.calls = []
+        for model in models:
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            base.model.register_forward_pre_hook(self.hook, with_kwargs=True)
+
+    def hook(self, module, args, kwargs):
+        ids = args[0] if args else kwargs["input_ids"]
+        self.calls.append((tuple(ids.shape), kwargs.get("attention_mask") is not None))
+
+
+CASES = {
+    "kto-llama": dict(),
+    "kto-qwen3": dict(family="qwen3"),
+    "kto-eager-weights": dict(impl="eager", desirable_weight=1.3, undesirable_weight=0.7),
+    "apo_zero_unpaired": dict(loss_type="apo_zero_unpaired"),
+    "precompute_ref_log_probs": dict(ref=False, precompute_ref_log_probs=True),
+    "lora": dict(ref=False, lora=True),
+    "qwen3-checkpointing": dict(family="qwen3", gradient_checkpointing=True),
+    "llama-no-checkpointing": dict(gradient_checkpointing=False),  # KTOConfig's default is True
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_micro_batch_equals_trl_padded(tmp_path, case):
+    config = CASES[case]
+    padded = build(tmp_path, **config)
+    prepared = prepare_kto_trainer(build(tmp_path, **config))
+    for trainer in (padded, prepared):
+        if trainer.args.gradient_checkpointing:
+            trainer.model.gradient_checkpointing_enable(trainer.args.gradient_checkpointing_kwargs)
+    models = [m for m in (prepared.model, prepared.ref_model) if m is not None]
+    recorder = ShapeRecorder(*models)
+    batch = padded.data_collator([padded.train_dataset[i] for i in range(4)])
+    want = loss_metrics_grads(padded, batch)
+    assert set(METRICS[1:]) <= want[1].keys()
+    assert ("KL_input_ids" in batch) == (config.get("loss_type", "kto") == "kto")  # the KL term is estimated
+    assert_same(want, loss_metrics_grads(prepared, batch))
+    real = int(batch["attention_mask"].sum())
+    assert real < batch["attention_mask"].numel()  # TRL padded this batch
+    assert recorder.calls and all(shape[0] == 1 and not mask for shape, mask in recorder.calls)
+    assert ((1, real), False) in recorder.calls  # the completions
+    if "KL_attention_mask" in batch:  # the KL term's mismatched sequences, one row too
+        assert ((1, int(batch["KL_attention_mask"].sum())), False) in recorder.calls
+
+
+@pytest.mark.slow
+def test_training_with_accumulation_equals_trl(tmp_path):
+    config = dict(gradient_accumulation_steps=2, per_device_train_batch_size=2, max_steps=2)
+    padded = build(tmp_path, **config)
+    prepared = prepare_kto_trainer(build(tmp_path, **config))
+    start = {k: p.detach().clone() for k, p in padded.model.named_parameters()}
+    padded.train()
+    prepared.train()
+    pa_, pb = dict(padded.model.named_parameters()), dict(prepared.model.named_parameters())
+    moved = {k: (pa_[k] - start[k]).detach() for k in pa_}
+    num = sum(float((pb[k].detach() - start[k] - moved[k]).pow(2).sum()) for k in pa_)
+    assert (num / sum(float(m.pow(2).sum()) for m in moved.values())) ** 0.5 < TOL
+    assert max(float(m.abs().max()) for m in moved.values()) > 1e-3
+
+
+def test_negative_control_sequences_attending_each_other_differ(tmp_path):
+    """The same padding-free rows with their sequence boundaries erased (one causal sequence per row): every
+    completion and KL sequence sees the ones before it, and the step is no longer TRL's."""
+    padded = build(tmp_path)
+    prepared = prepare_kto_trainer(build(tmp_path))
+    batch = padded.data_collator([padded.train_dataset[i] for i in range(4)])
+    want = loss_metrics_grads(padded, batch)
+
+    def one_sequence(module, args, kwargs):
+        n = kwargs["position_ids"].shape[1]
+        kwargs["position_ids"] = torch.arange(n)[None]
+        kwargs["cu_seq_lens_q"] = kwargs["cu_seq_lens_k"] = torch.tensor([0, n], dtype=torch.int32)
+        kwargs["max_length_q"] = kwargs["max_length_k"] = n
+        return args, kwargs
+
+    for model in (prepared.model, prepared.ref_model):
+        model.model.register_forward_pre_hook(one_sequence, with_kwargs=True)
+    with pytest.raises(AssertionError):
+        assert_same(want, loss_metrics_grads(prepared, batch))
+
+
+def test_unprepare_and_refusals(tmp_path):
+    trainer = build(tmp_path)
+    forward = vars(trainer.model)["forward"]
+    with pytest.raises(PackingError, match="prepare_kto_trainer"):
+        prepare_trainer(trainer)
+    prepare_kto_trainer(trainer)
+    assert vars(trainer.model)["forward"] is not forward
+    assert trainer.model.config._attn_implementation == "packtools_sdpa"
+    with pytest.raises(PackingError, match="already called"):
+        prepare_kto_trainer(trainer)
+    unprepare(trainer)
+    assert vars(trainer.model)["forward"] is forward
+    assert trainer.model.config._attn_implementation == "sdpa"
+    trainer.aux_loss_enabled = True
+    with pytest.raises(PackingError, match="router auxiliary loss"):
+        prepare_kto_trainer(trainer)
+    with pytest.raises(PackingError, match="expects a trl.KTOTrainer"):
+        prepare_kto_trainer(object())

@@ -1,0 +1,466 @@
+"""TRL's RewardTrainer without padding equals TRL's padded step: loss, logged metrics and every gradient.
+
+Each case builds two trainers from the same seeds, TRL's as it is (padded batches, the score read at each
+sequence's last non-pad token) and one prepared by ``prepare_reward_trainer`` (one padding-free row, the score
+read at each document's own last token), on tiny Llama and Qwen3 sequence-classification models in fp32 on
+CPU.  Both compute the loss of the same pairs; loss, metrics and gradients must agree within 1e-5.  Negative
+controls: reading the score at the row's last token, and a chosen sequence attending its rejected one, must
+differ from TRL (and the second is what the isolation probe refuses).
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+tokenizers = pytest.importorskip("tokenizers")
+
+from packtools import prepare_trainer  # noqa: E402
+from packtools.errors import PackingError  # noqa: E402
+from packtools.integrations import reward, reward_scores, unprepare  # noqa: E402
+from packtools.integrations.preference_data import pack_reward_pairs  # noqa: E402
+from packtools.integrations.reward import prepare_reward_trainer  # noqa: E402
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+TOL = 1e-5
+VOCAB = 97
+PAD, EOS = 0, 1
+METRICS = ("accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens")
+
+
+def tiny_model(family="llama", impl="sdpa", seed=0):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        num_labels=1,
+        attn_implementation=impl,
+    )
+    if family == "qwen3":
+        config = transformers.Qwen3Config(head_dim=16, **common)
+        return transformers.Qwen3ForSequenceClassification(config).float()
+    return transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**common)).float()
+
+
+def word_tokenizer():
+    vocab = {"<pad>": PAD, "<eos>": EOS, **{f"w{i}": i for i in range(2, VOCAB)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def text_pairs(n, seed=0, margin=False):
+    """Pairs with a shared prompt and skewed completion lengths, as text of word tokens."""
+    rng = np.random.default_rng(seed)
+
+    def words(k):
+        return " ".join(f"w{t}" for t in rng.integers(2, VOCAB, k))
+
+    rows = []
+    for _ in range(n):
+        row = {
+            "prompt": words(int(rng.integers(1, 9))),
+            "chosen": " " + words(int(rng.integers(1, 15))),
+            "rejected": " " + words(int(rng.integers(1, 15))),
+        }
+        if margin:
+            row["margin"] = float(rng.uniform(-1.0, 2.0))
+        rows.append(row)
+    return rows
+
+
+def build(tmp_path, family="llama", impl="sdpa", n=12, margin=False, lora=False, **config):
+    peft_config = None
+    if lora:
+        peft = pytest.importorskip("peft")
+        peft_config = peft.LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj"],
+            modules_to_save=["score"],
+            task_type="SEQ_CLS",
+        )
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        bf16=False,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        seed=0,
+    )
+    kwargs.update(config)
+    return trl.RewardTrainer(
+        tiny_model(family, impl),
+        args=trl.RewardConfig(**kwargs),
+        train_dataset=datasets.Dataset.from_list(text_pairs(n, margin=margin)),
+        processing_class=word_tokenizer(),
+        peft_config=peft_config,
+    )
+
+
+def loss_metrics_grads(trainer, batch):
+    """One micro-batch through the trainer's own compute_loss: loss, the metrics it logged, gradients."""
+    trainer.model.train()
+    trainer.model.zero_grad()
+    for values in trainer._metrics["train"].values():
+        values.clear()
+    loss = trainer.compute_loss(trainer.model, dict(batch))
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None}
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return loss.item(), metrics, grads
+
+
+def assert_same(a, b, tol=TOL):
+    (la, ma, ga), (lb, mb, gb) = a, b
+    assert abs(la - lb) <= tol * max(1.0, abs(la)), (la, lb)
+    assert set(METRICS) <= ma.keys() == mb.keys()
+    bad = {k: (ma[k], mb[k]) for k in ma if abs(ma[k] - mb[k]) > tol * max(1.0, abs(ma[k]))}
+    assert not bad, bad
+    assert ga.keys() == gb.keys() and len(ga) > 0
+    worst = max(float((ga[k] - gb[k]).abs().max()) / max(1.0, float(ga[k].abs().max())) for k in ga)
+    assert worst < tol, worst
+    head = [k for k in ga if "score" in k and k.endswith("weight")]
+    assert head and max(float(ga[k].abs().max()) for k in head) > 1e-3  # gradients that could differ
+
+
+def rel(a, b):
+    """Relative difference of two sets of tensors: ||a - b|| / ||b|| over all of them."""
+    num = sum(float((a[k] - b[k]).pow(2).sum()) for k in b)
+    return (num / sum(float(b[k].pow(2).sum()) for k in b)) ** 0.5
+
+
+class ShapeRecorder:
+    """The input_ids shape and attention_mask presence of every backbone call."""
+
+    def __init__(self, model):
+        self.calls = []
+        model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        model.model.register_forward_pre_hook(self.hook, with_kwargs=True)
+
+    def hook(self, module, args, kwargs):
+        ids = args[0] if args else kwargs["input_ids"]
+        self.calls.append((tuple(ids.shape), kwargs.get("attention_mask") is not None))
+
+
+CASES = {
+    "llama": dict(),
+    "qwen3": dict(family="qwen3"),
+    "llama-margin": dict(margin=True),
+    "qwen3-margin-center": dict(family="qwen3", margin=True, center_rewards_coefficient=0.1),
+    "llama-center-eager": dict(impl="eager", center_rewards_coefficient=0.5),
+    "llama-block-mask": dict(segmented_sdpa=False),
+    "qwen3-checkpointing": dict(family="qwen3", gradient_checkpointing=True),
+    "llama-lora-margin": dict(lora=True, margin=True),
+    "llama-no-checkpointing": dict(
+        margin=True, gradient_checkpointing=False
+    ),  # RewardConfig's default is True
+    "qwen3-no-checkpointing": dict(family="qwen3", gradient_checkpointing=False),
+}
+
+
+def engage_checkpointing(trainer):
+    if trainer.args.gradient_checkpointing:  # Trainer does it in train(); these tests call compute_loss
+        trainer.model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs
+        )
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_micro_batch_equals_trl_padded(tmp_path, case):
+    config = dict(CASES[case])
+    segmented = config.pop("segmented_sdpa", True)
+    padded = build(tmp_path, **config)
+    prepared = prepare_reward_trainer(build(tmp_path, **config), segmented_sdpa=segmented)
+    for trainer in (padded, prepared):
+        engage_checkpointing(trainer)
+    assert type(prepared).__name__ == "PackedRewardTrainer"
+    recorder = ShapeRecorder(prepared.model)
+    batch = padded.data_collator([padded.train_dataset[i] for i in range(4)])
+    assert ("margin" in batch) == bool(config.get("margin"))
+    want = loss_metrics_grads(padded, batch)
+    assert_same(want, loss_metrics_grads(prepared, batch))
+    real = int(batch["attention_mask"].sum())
+    assert real < batch["attention_mask"].numel()  # TRL padded this batch
+    assert recorder.calls == [((1, real), False)]  # one padding-free row, real tokens only
+    assert 0.0 < want[1]["accuracy"] < 1.0 or want[1]["accuracy"] in (0.0, 1.0)
+
+
+@pytest.mark.parametrize("case", ["llama-margin", "qwen3-margin-center"])
+def test_packed_rows_equal_trl_padded_on_their_pairs(tmp_path, case):
+    trainer = build(tmp_path, n=16, **CASES[case])
+    reference = build(tmp_path, n=16, **CASES[case])
+    packed = pack_reward_pairs(trainer.train_dataset, 80)
+    assert max(sum(r) for r in packed["seq_lengths"]) <= 96 and len(packed) < len(trainer.train_dataset)
+    prepare_reward_trainer(trainer, packed)
+    rows = [packed[0], packed[1]]
+    batch = trainer.data_collator(rows)
+    assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch
+    # the pairs of these rows, found by their tokens in TRL's dataset
+    index = {
+        (tuple(r["chosen_ids"]), tuple(r["rejected_ids"])): i for i, r in enumerate(reference.train_dataset)
+    }
+    pairs = []
+    for row in rows:
+        ids, cut = row["input_ids"], np.cumsum([0, *row["seq_lengths"]])
+        seqs = [tuple(ids[a:b]) for a, b in zip(cut[:-1], cut[1:])]
+        pairs += [index[(seqs[k], seqs[k + 1])] for k in range(0, len(seqs), 2)]
+    assert len(pairs) >= 4
+    margins = [reference.train_dataset[i]["margin"] for i in pairs]
+    assert np.allclose(batch["margin"].numpy(), margins)
+    want = loss_metrics_grads(reference, reference.data_collator([reference.train_dataset[i] for i in pairs]))
+    assert_same(want, loss_metrics_grads(trainer, batch))
+
+
+def test_training_with_accumulation_equals_trl(tmp_path):
+    """trainer.train(), two optimizer steps of two micro-batches: the parameters TRL's padded run reaches."""
+    config = dict(gradient_accumulation_steps=2, per_device_train_batch_size=2, max_steps=2, margin=True)
+    padded = build(tmp_path, **config)
+    prepared = prepare_reward_trainer(build(tmp_path, **config))
+    start = {k: p.detach().clone() for k, p in padded.model.named_parameters()}
+    padded.train()
+    prepared.train()
+    pa_, pb = dict(padded.model.named_parameters()), dict(prepared.model.named_parameters())
+    moved = {k: (pa_[k] - start[k]).detach() for k in pa_}
+    assert rel({k: pb[k].detach() - start[k] for k in pa_}, moved) < TOL  # two SGD steps of lr 1
+    assert max(float(m.abs().max()) for m in moved.values()) > 1e-3
+
+
+def test_packed_accumulation_is_the_mean_over_all_pairs_of_the_step(tmp_path):
+    """Packed micro-batches of unequal pair counts: the step's gradient is that of all its pairs at once."""
+    trainer = build(
+        tmp_path, n=16, margin=True, gradient_accumulation_steps=3, per_device_train_batch_size=1, max_steps=1
+    )
+    reference = build(tmp_path, n=16, margin=True)
+    packed = pack_reward_pairs(trainer.train_dataset, 80)
+    prepare_reward_trainer(trainer, packed)
+    seen = []
+    inner = trainer.data_collator
+
+    def record(features):
+        seen.append([(tuple(f["input_ids"]), tuple(f["seq_lengths"])) for f in features])
+        return inner(features)
+
+    trainer.data_collator = record
+    before = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
+    trainer.train()
+    step = {k: before[k] - p.detach() for k, p in trainer.model.named_parameters()}
+    index = {
+        (tuple(r["chosen_ids"]), tuple(r["rejected_ids"])): i for i, r in enumerate(reference.train_dataset)
+    }
+    micro = []
+    for batch in seen[:3]:
+        pairs = []
+        for ids, lengths in batch:
+            cut = np.cumsum([0, *lengths])
+            seqs = [ids[a:b] for a, b in zip(cut[:-1], cut[1:])]
+            pairs += [index[(seqs[k], seqs[k + 1])] for k in range(0, len(seqs), 2)]
+        micro.append(pairs)
+    assert len({len(m) for m in micro}) > 1, micro  # unequal micro-batches
+    collate = reference.data_collator
+    whole = loss_metrics_grads(reference, collate([reference.train_dataset[i] for m in micro for i in m]))
+    worst = max(
+        float((step[k] - whole[2][k]).abs().max()) / max(1.0, float(whole[2][k].abs().max())) for k in step
+    )
+    assert worst < TOL, worst
+    per_micro = [
+        loss_metrics_grads(reference, collate([reference.train_dataset[i] for i in m]))[2] for m in micro
+    ]
+    mean_of_means = {k: sum(g[k] for g in per_micro) / 3 for k in step}
+    assert max(float((mean_of_means[k] - whole[2][k]).abs().max()) for k in step) > 1e-4  # what TRL would do
+
+
+# -- negative controls -----------------------------------------------------------------------------------
+def row_last_token(batch):
+    """The wrong rule: every score read at the row's last token (transformers' pooling on a packed row)."""
+    n = batch.flat["input_ids"].shape[1]
+    return reward_scores.RewardBatch(batch.flat, torch.full_like(batch.ends, n - 1), batch.view)
+
+
+def chosen_sees_rejected(batch):
+    """The wrong layout: sequences 2k and 2k + 1 of the row as one sequence.  On packed pair rows (chosen,
+    rejected, chosen, ...) that is each pair's chosen and rejected together: the rejected attends its chosen."""
+    flat = dict(batch.flat)
+    merged = torch.cat([flat["cu_seq_lens_q"][:1], flat["cu_seq_lens_q"][2::2]])
+    starts = merged[:-1].long()
+    lengths = (merged[1:] - merged[:-1]).long()
+    flat["position_ids"] = (torch.arange(int(merged[-1])) - torch.repeat_interleave(starts, lengths))[None]
+    flat["cu_seq_lens_q"] = flat["cu_seq_lens_k"] = merged
+    flat["max_length_q"] = flat["max_length_k"] = int(lengths.max())
+    return reward_scores.RewardBatch(flat, batch.ends, batch.view)
+
+
+@pytest.mark.parametrize("wrong", [row_last_token, chosen_sees_rejected])
+def test_negative_controls_differ_from_trl(tmp_path, monkeypatch, wrong):
+    """On packed pair rows: the right rule equals TRL on the rows' pairs, each wrong one does not."""
+    trainer = build(tmp_path, n=16, margin=True)
+    reference = build(tmp_path, n=16, margin=True)
+    packed = pack_reward_pairs(trainer.train_dataset, 96)
+    prepare_reward_trainer(trainer, packed)
+    index = {
+        (tuple(r["chosen_ids"]), tuple(r["rejected_ids"])): i for i, r in enumerate(reference.train_dataset)
+    }
+    ids, cut = packed[0]["input_ids"], np.cumsum([0, *packed[0]["seq_lengths"]])
+    seqs = [tuple(ids[a:b]) for a, b in zip(cut[:-1], cut[1:])]
+    pairs = [index[(seqs[k], seqs[k + 1])] for k in range(0, len(seqs), 2)]
+    assert len(pairs) >= 2
+    want = loss_metrics_grads(reference, reference.data_collator([reference.train_dataset[i] for i in pairs]))
+    batch = trainer.data_collator([packed[0]])
+    assert_same(want, loss_metrics_grads(trainer, batch))  # the right rule first
+    real = reward_scores.reward_batch
+    for module in (reward, reward_scores):  # the step and the probe
+        monkeypatch.setattr(module, "reward_batch", lambda inputs, send=False: wrong(real(inputs, send)))
+    with pytest.raises(AssertionError):
+        assert_same(want, loss_metrics_grads(trainer, batch))
+    if wrong is chosen_sees_rejected:  # the probe catches the leak before training
+        with pytest.raises(PackingError, match="scores packed sequences differently"):
+            reward_scores.check_reward_isolation(trainer.model)
+
+
+# -- the step owner, refusals, undo ----------------------------------------------------------------------
+def test_unprepare_gives_the_trainer_back(tmp_path):
+    trainer = build(tmp_path)
+    cls, collator = type(trainer), trainer.data_collator
+    prepare_reward_trainer(trainer, pack_reward_pairs(trainer.train_dataset, 64))
+    assert type(trainer).__name__ == "PackedRewardTrainer" and isinstance(trainer, cls)
+    assert trainer.model.config._attn_implementation == "packtools_sdpa"
+    assert isinstance(trainer._packtools_reward, reward.RewardRun)
+    with pytest.raises(PackingError, match="prepared twice"):
+        prepare_reward_trainer(trainer)
+    unprepare(trainer)
+    assert type(trainer) is cls and trainer.data_collator is collator
+    assert trainer.model.config._attn_implementation == "sdpa"
+    assert "_packtools_reward" not in vars(trainer)
+
+
+def test_prepared_block_dispatches_reward_trainers(tmp_path):
+    from packtools.integrations import prepared
+
+    trainer = build(tmp_path)
+    with prepared(trainer):
+        assert type(trainer).__name__ == "PackedRewardTrainer"
+    assert type(trainer) is trl.RewardTrainer
+
+
+def test_refusals_name_the_reason(tmp_path):
+    trainer = build(tmp_path)
+    with pytest.raises(PackingError, match="prepare_reward_trainer"):
+        prepare_trainer(trainer)
+
+    class Mine(trl.RewardTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    trainer.__class__ = Mine
+    with pytest.raises(PackingError, match="overrides compute_loss"):
+        prepare_reward_trainer(trainer)
+    assert type(trainer) is Mine
+    trainer.__class__ = trl.RewardTrainer
+    with pytest.raises(PackingError, match="max_tokens batches packed rows"):
+        prepare_reward_trainer(trainer, max_tokens=64)
+    with pytest.raises(PackingError, match="margin"):  # margins would be dropped from the loss
+        marg = build(tmp_path, margin=True)
+        prepare_reward_trainer(marg, pack_reward_pairs(marg.train_dataset.remove_columns("margin"), 64))
+    assert type(marg) is trl.RewardTrainer  # a refused trainer is left as it came
+    with pytest.raises(PackingError, match="expects a trl.RewardTrainer"):
+        prepare_reward_trainer(object())
+
+
+def test_pack_reward_pairs_drops_overlong_pairs_with_a_warning():
+    import pyarrow as pa
+
+    t = pa.table({"chosen_ids": [[1, 2, 3], [4] * 9], "rejected_ids": [[5], [6]]})
+    with pytest.warns(UserWarning, match="1 of 2 pairs are longer than max_length=8"):
+        rows, report = pack_reward_pairs(t, 8, return_report=True)
+    assert rows.to_pydict()["input_ids"] == [[1, 2, 3, 5]] and report.pairs_dropped == 1
+    with pytest.raises(PackingError, match="prompt_ids"):
+        pack_reward_pairs(t.append_column("prompt_ids", t.column("rejected_ids")), 8)
+
+
+def test_evaluate_equals_trl(tmp_path):
+    """Evaluation (Trainer.prediction_step -> compute_loss with return_outputs) on TRL's padded eval batches."""
+    held_out = datasets.Dataset.from_list(text_pairs(10, seed=5, margin=True))
+    results = []
+    for trainer in (build(tmp_path, margin=True), prepare_reward_trainer(build(tmp_path, margin=True))):
+        results.append(trainer.evaluate(held_out))
+    want, got = results
+    timing = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
+    assert want.keys() == got.keys() and "eval_accuracy" in want
+    bad = {
+        k: (want[k], got[k])
+        for k in want
+        if k not in timing and abs(want[k] - got[k]) > TOL * max(1, abs(want[k]))
+    }
+    assert not bad, bad
+
+
+# -- families: the score read through each model's own forward and head -----------------------------------
+def family_model(name):
+    """A tiny reward model of a family whose sequence-classification class is not TRL's test pair."""
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, num_labels=1,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    if name == "gpt2":  # its own ForSequenceClassification class; the backbone is `transformer`
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, pad_token_id=PAD, num_labels=1,
+            attn_implementation="sdpa", bos_token_id=EOS, eos_token_id=EOS,
+        )  # fmt: skip
+        return transformers.GPT2ForSequenceClassification(config)
+    classes = {
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForSequenceClassification),
+        "mistral": (transformers.MistralConfig, transformers.MistralForSequenceClassification),
+        "gemma": (transformers.GemmaConfig, transformers.GemmaForSequenceClassification),
+    }
+    config_cls, model_cls = classes[name]
+    extra = {"head_dim": 16} if name == "gemma" else {}
+    return model_cls(config_cls(**common, **extra))
+
+
+@pytest.mark.parametrize("name", ["qwen2", "mistral", "gemma", "gpt2"])
+def test_other_families_score_each_document_as_alone(name):
+    """Packed and alone (the model's own pooling on one unpadded sequence) within 1e-5, through the path
+    training takes; the probe also changes one sequence and checks that the others' scores do not move."""
+    model = family_model(name)
+    assert reward_scores.check_reward_isolation(model, lengths=(6, 11, 2, 9, 4, 7)) < TOL
+
+
+def test_a_model_that_pools_before_its_head_is_refused_by_name():
+    class PooledFirst(transformers.LlamaForSequenceClassification):
+        def forward(self, input_ids=None, **kwargs):
+            hidden = self.model(input_ids, **{k: v for k, v in kwargs.items() if k != "use_cache"})
+            return transformers.modeling_outputs.SequenceClassifierOutput(
+                logits=self.score(hidden.last_hidden_state[:, -1])
+            )
+
+    torch.manual_seed(0)
+    model = PooledFirst(tiny_model().config)
+    with pytest.raises(PackingError, match="pools before its head"):
+        reward_scores.check_reward_isolation(model)
+    bert = transformers.BertForSequenceClassification(
+        transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=64, num_labels=1)
+    )  # fmt: skip
+    with pytest.raises(PackingError, match="has no 'score' head"):
+        reward_scores.score_head(bert)
