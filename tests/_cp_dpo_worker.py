@@ -23,15 +23,15 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from cp_dpo_loop import PAIR_BATCHES, cp_pair_logps, plain_cp_dpo_step, shard_pairs  # noqa: E402
-from cp_loop import cp_groups, tiny_llama_fp32  # noqa: E402
+from cp_loop import cp_layout, tiny_llama_fp32  # noqa: E402
 
 from packtools.integrations.cp_attention import use_cp_attention  # noqa: E402
 
 
 def models(group):
     policy, reference = tiny_llama_fp32(0), tiny_llama_fp32(1).eval().requires_grad_(False)
-    use_cp_attention(policy, group)
-    use_cp_attention(reference, group)
+    use_cp_attention(policy)
+    use_cp_attention(reference)
     return policy, reference
 
 
@@ -39,11 +39,12 @@ def main() -> None:
     cp, out = int(sys.argv[1]), Path(sys.argv[2])
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    group, dp_rank, cp_rank = cp_groups(cp)
+    layout = cp_layout(cp)
+    group, dp_rank, cp_rank = layout.cp_group, layout.dp_rank, layout.cp_rank
     solos = [dist.new_group([r]) for r in range(world)]  # every rank creates every group, in order
     dp = world // cp
     rows = [row for b in PAIR_BATCHES for row in b][dp_rank::dp]
-    batch = shard_pairs(rows, cp, cp_rank)
+    batch = shard_pairs(rows, cp, cp_rank, layout)
     result = {"dp_rank": dp_rank, "cp_rank": cp_rank}
     variants = {
         "cp": {},

@@ -175,8 +175,9 @@ def test_cp_attention_refuses_what_it_does_not_apply():
 
 
 def test_evaluation_under_cp_is_refused_by_name(tmp_path):
-    """Trainer's evaluation loader shards rows over every process, so CP peers would hold different rows while
-    packtools_cp gathers them as one: refused when scheduled and when called, never run silently."""
+    """Trainer's evaluation and test loaders shard rows over every process, so CP peers would hold different rows
+    while packtools_cp gathers them as one (finding 2: predict leaked across ranks): refused when scheduled and
+    when called (evaluate, predict and both loaders), never run silently; without CP the same calls run."""
     import datasets
     import transformers
 
@@ -198,10 +199,21 @@ def test_evaluation_under_cp_is_refused_by_name(tmp_path):
     layout = RankLayout(dp_rank=0, dp_size=1)
     with pytest.raises(PackingError, match=r"evaluation under context_parallel.*eval_strategy='steps'"):
         prepare_context_parallel(trainer(eval_strategy="steps", eval_steps=1), layout)
+    from packtools.integrations.step import SFTStep, StepPlan, install_step
+
     scheduled_none = trainer()
-    prepare_context_parallel(scheduled_none, layout)
-    with pytest.raises(PackingError, match="evaluation under context_parallel"):
-        scheduled_none.evaluate()
+    install_step(scheduled_none, SFTStep, StepPlan(RankLayout(dp_rank=0, dp_size=1, cp_size=2)))
+    for call, what in [
+        (scheduled_none.evaluate, "evaluate"),
+        (lambda: scheduled_none.predict(rows), "predict"),
+        (scheduled_none.get_eval_dataloader, "evaluation"),
+        (lambda: scheduled_none.get_test_dataloader(rows), "prediction"),
+    ]:
+        with pytest.raises(PackingError, match=rf"{what}.* under context_parallel"):
+            call()
+    plain = trainer(remove_unused_columns=False)  # negative control: the step owner without CP evaluates
+    install_step(plain, SFTStep, StepPlan(layout))
+    assert "eval_loss" in plain.evaluate()
 
 
 def test_losses_the_cp_loss_would_leave_out_are_refused_by_name(tmp_path):
