@@ -142,7 +142,9 @@ def shard_pairs(rows: list[dict[str, Any]], cp: int, cp_rank: int, bound: Any = 
 
     full = PreferenceCollator(0, return_tensors="np")(rows)
     lengths = np.diff(full["cu_seq_lens_q"])
-    batch = shard_row(full["input_ids"][0], full["labels"][0], lengths, cp, cp_rank, pad_token_id=0, bound=bound)
+    batch = shard_row(
+        full["input_ids"][0], full["labels"][0], lengths, cp, cp_rank, pad_token_id=0, bound=bound
+    )
     return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
 
 

@@ -108,7 +108,9 @@ def test_unprepare_restores_a_trainer(tmp_path):
     assert changed[0]["data_collator"] is not before[0]["data_collator"]  # seq_idx switched off for Llama
     assert changed[0]["compute_loss_func"] is not None
     assert changed[0]["packtools_step"] != "<class>"  # the run's plan
-    assert changed[0]["__class__"].__name__ == "PackedTrainer" and before[0]["__class__"] is transformers.Trainer
+    assert (
+        changed[0]["__class__"].__name__ == "PackedTrainer" and before[0]["__class__"] is transformers.Trainer
+    )
     assert len(changed[1]) == len(before[1]) + 1 and changed[2] == SEGMENTED_SDPA
     assert _registered() == (True, True)
 
