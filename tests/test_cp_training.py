@@ -250,3 +250,38 @@ def test_losses_the_cp_loss_would_leave_out_are_refused_by_name(tmp_path):
     )  # fmt: skip
     with pytest.raises(PackingError, match="MoE router loss"):
         check_cp_trainer(trainer(transformers.MixtralForCausalLM(config)), layout)
+
+
+def test_a_cp_shard_is_refused_by_any_attention_but_packtools_cp():
+    """Review C2: a shard given to sdpa / packtools_sdpa (or through packtools' guard) would attend only within
+    this rank's chunks, silently; each path refuses it by name.  A shard whose layout disagrees with the rank it
+    was cut for is refused too; negative control: the same shard on packtools_cp runs."""
+    from packtools.batches.context_parallel import shard_row
+    from packtools.errors import PackingError
+    from packtools.integrations.cp_attention import use_cp_attention
+    from packtools.integrations.cp_training import model_inputs
+    from packtools.integrations.guard import guard_model
+    from packtools.integrations.parallel_layout import RankLayout
+
+    layout = RankLayout(dp_rank=0, dp_size=1)  # CP size 1: one process can run the shard for real
+    batch = shard_row(list(range(2, 14)), list(range(2, 14)), [5, 7], 1, 0, 0, bound=layout)
+    batch = {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in batch.items()}
+    sdpa = tiny_llama_fp32()
+    with pytest.raises(PackingError, match="reached a model on 'sdpa' attention"):
+        model_inputs(batch, sdpa)
+    guard_model(sdpa)
+    with pytest.raises(PackingError, match="reached a model on 'sdpa' attention"), torch.no_grad():
+        sdpa(**model_inputs(batch))
+    ours = tiny_llama_fp32()
+    ours.set_attn_implementation(segmented.register())
+    with pytest.raises(PackingError, match="reached the packtools_sdpa attention"), torch.no_grad():
+        ours(**model_inputs(batch))
+    cp = tiny_llama_fp32()
+    use_cp_attention(cp)
+    with torch.no_grad():
+        assert cp(**model_inputs(batch, cp)).logits.shape[1] == batch["input_ids"].shape[1]
+    other = RankLayout(dp_rank=0, dp_size=1, cp_rank=1, cp_size=2)
+    wrong = shard_row(list(range(2, 14)), list(range(2, 14)), [5, 7], 1, 0, 0, bound=other)
+    wrong = {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in wrong.items()}
+    with pytest.raises(PackingError, match="carries a layout of rank 1 of 2"), torch.no_grad():
+        cp(**model_inputs(wrong, cp))
