@@ -158,3 +158,11 @@ def test_modes_under_two_processes_equal_the_unpacked_computation(tmp_path, refe
             quarter = {k: v * 0.25 for k, v in r["token"]["delta"].items()}
             assert rel(r["quarter"]["delta"], quarter) < 1e-5
             assert r["predict"].startswith("PackingError: predict() under context_parallel")
+        # TRL's SFTTrainer(loss_type="dft") under CP=2 trains DFT (it trained plain NLL: finding 1), equal to
+        # the same trainer in one process without CP; negative control: DFT is not the NLL step.
+        from _loss_modes_trainer_worker import run_step
+
+        want_dft = run_step(tmp_path, None, ga, 1, dft=True)[0]["delta"]
+        for r in results:
+            assert rel(r["dft"]["delta"], want_dft) < 1e-5
+        assert rel(want_dft, reference["token"][1]) > 1e-2

@@ -219,6 +219,12 @@ def prepare_trainer(
             "MultimodalCollator batch carries. Train it with context_parallel=1 (data parallelism only).",
             param="context_parallel",
         )
+    if vision and loss != "token":
+        raise PackingError(
+            f"loss={loss!r} with a vision-language model ({type(trainer.model).__name__}): the per-sequence "
+            f"weights are not checked against MultimodalCollator batches (3-D positions); use loss='token'.",
+            param="loss",
+        )
     layout = rank_layout(trainer, context_parallel)  # refuses a context_parallel that is no positive int
     check_loss_owner(trainer, loss)
     check_train_loader(trainer, max_tokens)
