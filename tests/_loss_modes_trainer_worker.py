@@ -49,7 +49,7 @@ def run_step(
         save_strategy="no",
         logging_strategy="no",
         disable_tqdm=True,
-        ddp_backend="gloo",
+        ddp_backend="gloo" if dist.is_initialized() or "WORLD_SIZE" in os.environ else None,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     common = dict(
@@ -62,7 +62,7 @@ def run_step(
         import trl
         from test_dpo import word_tokenizer
 
-        from packtools import packed_sft_config
+        from packtools.integrations import packed_sft_config
 
         args = packed_sft_config(**options, loss_type="dft", bf16=False)
         trainer = trl.SFTTrainer(args=args, processing_class=word_tokenizer(), **common)
