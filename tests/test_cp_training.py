@@ -250,6 +250,15 @@ def test_losses_the_cp_loss_would_leave_out_are_refused_by_name(tmp_path):
     )  # fmt: skip
     with pytest.raises(PackingError, match="MoE router loss"):
         check_cp_trainer(trainer(transformers.MixtralForCausalLM(config)), layout)
+    # The CP padding would be counted as input tokens (64 for 55, adversarial round): refused by name.
+    with pytest.raises(PackingError, match="include_num_input_tokens_seen='all'"):
+        check_cp_trainer(trainer(include_num_input_tokens_seen="all"), layout)
+    with pytest.raises(PackingError, match="average_tokens_across_devices=False"):
+        check_cp_trainer(trainer(average_tokens_across_devices=False), layout)
+    no_kwargs = trainer()
+    no_kwargs.model_accepts_loss_kwargs = False
+    with pytest.raises(PackingError, match="takes no loss kwargs"):
+        check_cp_trainer(no_kwargs, layout)
 
 
 def test_a_cp_shard_is_refused_by_any_attention_but_packtools_cp():
