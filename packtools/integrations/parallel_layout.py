@@ -120,7 +120,7 @@ class RankLayout:
             cp_size=size.get("cp", 1),
             tp_size=size.get("tp", 1),
             source="torch DeviceMesh",
-            cp_group=mesh.get_group("cp") if size.get("cp", 1) > 1 else None,
+            cp_group=_mesh_group(mesh, "cp") if size.get("cp", 1) > 1 else None,
         )
 
 
@@ -131,6 +131,12 @@ _DP_DIMS = ("dp", "dp_replicate", "dp_shard")
 def _size(config: Any, name: str) -> int:
     value = getattr(config, name, 1)
     return 1 if value is None else int(value)
+
+
+def _mesh_group(mesh: Any, dim: str) -> Any:
+    """The process group of ``mesh``'s dimension ``dim`` (``DeviceMesh.get_group``; ``None`` without one)."""
+    get = getattr(mesh, "get_group", None)
+    return get(dim) if callable(get) else None
 
 
 def _mesh_rank(mesh: Any, names: tuple[str, ...], dim: str) -> int:

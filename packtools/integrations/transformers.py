@@ -78,7 +78,7 @@ from .isolation import check_isolation as _check_isolation
 from .parallel_layout import check_context_parallel_size, rank_layout
 from .segmented import SEGMENTED_SDPA
 from .sft import check_sft, is_sft_trainer, keep_packed_columns
-from .step import SFTStep, StepPlan, check_loss_owner, install_step, use_causal_lm_loss
+from .step import SFTStep, StepPlan, check_loss_owner, install_step, plan_of, use_causal_lm_loss
 from .step_loss import check_loss_mode
 from .vision import check_multimodal_model, check_vision_isolation
 
@@ -204,6 +204,12 @@ def prepare_trainer(
     require("transformers", "packtools.integrations.prepare_trainer")
     loss = check_loss_mode(loss)
     check_context_parallel_size(context_parallel)
+    if plan_of(trainer) is not None:
+        raise PackingError(
+            f"prepare_trainer was already called on this {type(trainer).__name__}; call "
+            f"packtools.integrations.unprepare(trainer) before preparing it again.",
+            param="trainer",
+        )
     if is_instance(trainer, "trl", "DPOTrainer"):
         raise PackingError(
             f"prepare_trainer got a {type(trainer).__name__}: preference pairs need their own batches, loss scaling "
