@@ -294,3 +294,27 @@ def test_a_cp_shard_is_refused_by_any_attention_but_packtools_cp():
     wrong = {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in wrong.items()}
     with pytest.raises(PackingError, match="carries a layout of rank 1 of 2"), torch.no_grad():
         cp(**model_inputs(wrong, cp))
+
+
+def test_the_step_owner_binds_a_workers_shard_to_its_layout_and_refuses_another():
+    """A shard cut in a data-loader worker comes back with a copy of the layout (pickled without its process
+    group): the step owner binds it to its own layout again; a shard of another layout is refused by name."""
+    import pickle
+
+    from packtools.batches.context_parallel import shard_row
+    from packtools.errors import PackingError
+    from packtools.integrations.parallel_layout import RankLayout
+    from packtools.integrations.step import StepPlan, cp_loss_inputs
+
+    layout = RankLayout(dp_rank=0, dp_size=1, cp_rank=1, cp_size=2)
+    plan = StepPlan(layout)
+    copied = pickle.loads(
+        pickle.dumps(shard_row(list(range(2, 14)), list(range(2, 14)), [5, 7], 2, 1, 0, bound=layout))
+    )
+    assert copied["packtools_cp"].bound is not layout
+    assert cp_loss_inputs(copied, plan)["packtools_cp"].bound is layout
+    other = RankLayout(dp_rank=1, dp_size=2, cp_rank=1, cp_size=2)
+    for bound in (other, None):
+        batch = shard_row(list(range(2, 14)), list(range(2, 14)), [5, 7], 2, 1, 0, bound=bound)
+        with pytest.raises(PackingError, match="cut for another parallel layout"):
+            cp_loss_inputs(batch, plan)

@@ -66,6 +66,20 @@ class RankLayout:
     def world(self) -> int:
         return self.dp_size * self.peers
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled without its process group (a group does not cross processes: a data-loader worker's shards
+        come back carrying the layout's ranks, and the step owner binds them to its own layout again)."""
+        fields = (
+            self.dp_rank,
+            self.dp_size,
+            self.cp_rank,
+            self.cp_size,
+            self.tp_size,
+            self.source,
+            self.balance,
+        )
+        return (type(self), fields)
+
     def with_cp_group(self) -> RankLayout:
         """This layout with its CP process group created (consecutive processes ``[dp_rank * N, (dp_rank + 1) *
         N)``; every rank creates every group, in order, as ``torch.distributed.new_group`` requires).  One

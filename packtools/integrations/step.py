@@ -29,7 +29,7 @@ methods it changes, each calling ``super()``) and ``install_step(trainer, TheMix
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .._optional import require
@@ -185,16 +185,24 @@ def cp_loss_inputs(inputs: dict[str, Any], plan: StepPlan) -> dict[str, Any]:
     """A CP shard as the trainer's own ``compute_loss`` takes it: ``labels`` and ``shift_labels`` both the
     already-shifted targets (no second shift), the shard checked to be cut for this run's layout."""
     shard = inputs[CP_KEY]
-    if getattr(shard, "bound", None) is not plan.layout:
+    bound = getattr(shard, "bound", None)
+    if (
+        bound is not plan.layout and bound == plan.layout
+    ):  # cut in a data-loader worker: the same layout, copied
+        shard = replace(
+            shard, bound=plan.layout
+        )  # ... without its process group, which stays in this process
+    elif bound is not plan.layout:
         raise PackingError(
             "a context-parallel shard cut for another parallel layout (or for none) reached a trainer prepared "
             "with context_parallel: cut batches with the trainer's own collator (prepare_trainer sets it: "
             "ContextParallelCollator(inner, layout=<the trainer's layout>)).",
             param="data_collator",
         )
-    keep = ("input_ids", "position_ids", CP_KEY)
     return {
-        **{k: inputs[k] for k in keep},
+        "input_ids": inputs["input_ids"],
+        "position_ids": inputs["position_ids"],
+        CP_KEY: shard,
         "labels": inputs["shift_labels"],
         "shift_labels": inputs["shift_labels"],
         "use_cache": False,
