@@ -113,8 +113,9 @@ def test_unprepare_restores_a_trainer(tmp_path):
     )
     assert len(changed[1]) == len(before[1]) + 1 and changed[2] == SEGMENTED_SDPA
     assert _registered() == (True, True)
-    with pytest.raises(PackingError, match="already called on this PackedTrainer"):
-        prepare_trainer(trainer)  # a second preparation would stack on the first: refused, nothing changed
+    assert prepare_trainer(trainer) is trainer  # idempotent: the same options change nothing
+    with pytest.raises(PackingError, match="already called on this PackedTrainer with max_tokens=None"):
+        prepare_trainer(trainer, max_tokens=64)  # other options would stack on the first: refused
     assert _state(trainer)[0] == changed[0]
 
     names = compat.patches_of(trainer).names()

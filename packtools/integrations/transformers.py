@@ -204,10 +204,14 @@ def prepare_trainer(
     require("transformers", "packtools.integrations.prepare_trainer")
     loss = check_loss_mode(loss)
     check_context_parallel_size(context_parallel)
-    if plan_of(trainer) is not None:
+    plan = plan_of(trainer)
+    if plan is not None:  # idempotent with the same options; other options would stack on the first
+        if (plan.max_tokens, plan.loss, plan.layout.cp_size) == (max_tokens, loss, context_parallel or 1):
+            return trainer
         raise PackingError(
-            f"prepare_trainer was already called on this {type(trainer).__name__}; call "
-            f"packtools.integrations.unprepare(trainer) before preparing it again.",
+            f"prepare_trainer was already called on this {type(trainer).__name__} with max_tokens="
+            f"{plan.max_tokens}, loss={plan.loss!r}, context_parallel={plan.layout.cp_size}; call "
+            f"packtools.integrations.unprepare(trainer) before preparing it with other options.",
             param="trainer",
         )
     if is_instance(trainer, "trl", "DPOTrainer"):
