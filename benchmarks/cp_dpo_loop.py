@@ -132,7 +132,7 @@ def plain_cp_dpo_step(
     return {k: before[k] - p.detach() for k, p in model.named_parameters()}, pairs
 
 
-def shard_pairs(rows: list[dict[str, Any]], cp: int, cp_rank: int) -> dict[str, Any]:
+def shard_pairs(rows: list[dict[str, Any]], cp: int, cp_rank: int, bound: Any = None) -> dict[str, Any]:
     """This rank's CP shard of the padding-free row of ``rows`` (packed pairs), as torch tensors."""
     import numpy as np
     import torch
@@ -142,7 +142,9 @@ def shard_pairs(rows: list[dict[str, Any]], cp: int, cp_rank: int) -> dict[str, 
 
     full = PreferenceCollator(0, return_tensors="np")(rows)
     lengths = np.diff(full["cu_seq_lens_q"])
-    batch = shard_row(full["input_ids"][0], full["labels"][0], lengths, cp, cp_rank, pad_token_id=0)
+    batch = shard_row(
+        full["input_ids"][0], full["labels"][0], lengths, cp, cp_rank, pad_token_id=0, bound=bound
+    )
     return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
 
 
@@ -181,7 +183,7 @@ def train_dpo_cp(model, reference, batches, optimizer, group, cp, beta=0.1):
 def main(argv: list[str] | None = None) -> list[float]:
     import torch
     import torch.distributed as dist
-    from cp_loop import cp_groups, tiny_llama_fp32
+    from cp_loop import cp_layout, tiny_llama_fp32
 
     from packtools.integrations.cp_attention import use_cp_attention
 
@@ -192,14 +194,14 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
     dist.init_process_group("gloo")
-    group, dp_rank, cp_rank = cp_groups(args.cp)
-    dp = dist.get_world_size() // args.cp
+    layout = cp_layout(args.cp)
+    group, dp_rank, cp_rank, dp = layout.cp_group, layout.dp_rank, layout.cp_rank, layout.dp_size
     model = tiny_llama_fp32()
     reference = copy.deepcopy(model).eval().requires_grad_(False)
-    use_cp_attention(model, group)
-    use_cp_attention(reference, group)
+    use_cp_attention(model)
+    use_cp_attention(reference)
     rows = [row for batch in PAIR_BATCHES for row in batch][dp_rank::dp]  # every CP peer: the same rows
-    batches = [shard_pairs([row], args.cp, cp_rank) for row in rows]
+    batches = [shard_pairs([row], args.cp, cp_rank, layout) for row in rows]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for _ in range(args.steps):

@@ -60,17 +60,16 @@ def tiny_llama_fp32(seed: int = 0) -> Any:
     return transformers.LlamaForCausalLM(config).float()
 
 
-def cp_groups(cp: int) -> tuple[Any, int, int]:
-    """``(this process's CP group, DP rank, CP rank)``: CP groups of ``cp`` consecutive ranks."""
+def cp_layout(cp: int) -> Any:
+    """This process's :class:`~packtools.integrations.RankLayout` with CP groups of ``cp`` consecutive ranks, its
+    CP group created (the layout owns it; hand it to the collator, ``layout=``)."""
     import torch.distributed as dist
 
+    from packtools.integrations.parallel_layout import RankLayout
+
     world, rank = dist.get_world_size(), dist.get_rank()
-    mine = None
-    for first in range(0, world, cp):
-        group = dist.new_group(list(range(first, first + cp)))  # every rank creates every group, in order
-        if first <= rank < first + cp:
-            mine = group
-    return mine, rank // cp, rank % cp
+    layout = RankLayout(dp_rank=rank // cp, dp_size=world // cp, cp_rank=rank % cp, cp_size=cp)
+    return layout.with_cp_group()
 
 
 def _to_torch(batch: dict[str, Any]) -> dict[str, Any]:
@@ -159,11 +158,11 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--accumulation", type=int, default=1)
     args = parser.parse_args(argv)
     dist.init_process_group("gloo")
-    group, dp_rank, cp_rank = cp_groups(args.cp)
-    dp = dist.get_world_size() // args.cp
+    layout = cp_layout(args.cp)
+    dp, dp_rank = layout.dp_size, layout.dp_rank
     model = tiny_llama_fp32()
-    use_cp_attention(model, group)
-    collator = ContextParallelCollator(PaddingFreeCollator(0), args.cp, cp_rank, balance=True)  # packtools_cp
+    use_cp_attention(model)
+    collator = ContextParallelCollator(PaddingFreeCollator(0), layout=layout)  # balanced, the layout's group
     rows = [row for batch in BATCHES for row in batch]
     mine = rows[dp_rank::dp]  # the DP shard: every CP peer reads the same rows
     loader = torch.utils.data.DataLoader(mine, batch_size=1, collate_fn=collator)

@@ -76,7 +76,19 @@ def main() -> None:
         refused = ""
     except Exception as err:  # noqa: BLE001 - recorded for the test to assert on
         refused = str(err)
-    result = {"delta": delta, "impl": model.config._attn_implementation, "loss": loss, "refused": refused}
+    # evaluate() on packed pair rows: refused by name before TRL prepares the set (it raised KeyError 'chosen').
+    try:
+        trainer.evaluate(eval_dataset=datasets.Dataset.from_list(rows))
+        eval_refused = ""
+    except Exception as err:  # noqa: BLE001 - recorded for the test to assert on
+        eval_refused = f"{type(err).__name__}: {err}"
+    result = {
+        "delta": delta,
+        "impl": model.config._attn_implementation,
+        "loss": loss,
+        "refused": refused,
+        "eval_refused": eval_refused,
+    }
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
     if rank == 0:

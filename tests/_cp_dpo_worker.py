@@ -27,8 +27,8 @@ from packtools.integrations.cp_attention import use_cp_attention  # noqa: E402
 
 def models(group):
     policy, reference = tiny_llama_fp32(0), tiny_llama_fp32(1).eval().requires_grad_(False)
-    use_cp_attention(policy, group)
-    use_cp_attention(reference, group)
+    use_cp_attention(policy)
+    use_cp_attention(reference)
     return policy, reference
 
 
@@ -37,11 +37,12 @@ def main() -> None:
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     recipe = script("cp_dpo_loop")  # the documented loop under test
-    group, dp_rank, cp_rank = script("cp_loop").cp_groups(cp)
+    layout = script("cp_loop").cp_layout(cp)
+    group, dp_rank, cp_rank = layout.cp_group, layout.dp_rank, layout.cp_rank
     solos = [dist.new_group([r]) for r in range(world)]  # every rank creates every group, in order
     dp = world // cp
     rows = [row for b in PAIR_BATCHES for row in b][dp_rank::dp]
-    batch = recipe.shard_pairs(rows, cp, cp_rank)
+    batch = recipe.shard_pairs(rows, cp, cp_rank, layout)
     result = {"dp_rank": dp_rank, "cp_rank": cp_rank}
     variants = {
         "cp": {},

@@ -28,13 +28,13 @@ from packtools.batches.context_parallel import CP_KEY, CPLayout, CPShard, shard_
 from packtools.integrations.cp_attention import use_cp_attention  # noqa: E402
 
 
-def variant_batches(name, rows, cp, rank, collator):
+def variant_batches(name, rows, cp, rank, collator, bound=None):
     full = collator(rows)
     lengths = np.diff(full["cu_seq_lens_q"])
     ids, labels = full["input_ids"][0], full["labels"][0]
     if name == "whole_row":
-        return shard_row(ids, labels, [int(lengths.sum())], cp, rank, 0)
-    batch = shard_row(ids, labels, lengths, cp, rank, 0, balance=name == "cp_balanced")
+        return shard_row(ids, labels, [int(lengths.sum())], cp, rank, 0, bound=bound)
+    batch = shard_row(ids, labels, lengths, cp, rank, 0, balance=name == "cp_balanced", bound=bound)
     if name == "shift_after":
         layout = batch[CP_KEY].layout
         src = layout.source(rank)
@@ -48,22 +48,23 @@ def main() -> None:
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     recipe = script("cp_loop")  # the documented loop under test
-    group, dp_rank, cp_rank = recipe.cp_groups(cp)
+    layout = recipe.cp_layout(cp)  # the layout owns the CP group; every shard below carries it
+    dp_rank, cp_rank = layout.dp_rank, layout.cp_rank
     dp = world // cp
     collator = PaddingFreeCollator(0, return_tensors="np")
     rows = [row for b in BATCHES[dp_rank::dp] for row in b]
     result = {}
     for name in ("cp", "cp_balanced", "whole_row", "shift_after", "rank_mean"):
         model = tiny_llama_fp32()
-        use_cp_attention(model, group)
-        batch = variant_batches(name, rows, cp, cp_rank, collator)
+        use_cp_attention(model)
+        batch = variant_batches(name, rows, cp, cp_rank, collator, layout)
         delta, count = recipe.plain_cp_step(model, batch, rank_mean=name == "rank_mean")
         result[name] = delta
         result[name + "_count"] = count
     # The shard a process cut for another CP rank is refused by name (a real gather would mix tokens).
     model = tiny_llama_fp32()
-    use_cp_attention(model, group)
-    wrong = variant_batches("cp", rows, cp, (cp_rank + 1) % cp, collator)
+    use_cp_attention(model)
+    wrong = variant_batches("cp", rows, cp, (cp_rank + 1) % cp, collator)  # no layout: the default group
     try:
         recipe.plain_cp_step(model, wrong)
         result["refused"] = ""

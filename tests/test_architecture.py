@@ -512,3 +512,71 @@ def test_the_check_catches_an_engine_state_assignment(monkeypatch):
     )
     read_as(monkeypatch, "packtools.pipeline.engine_proof", source)
     assert [f.split(" ", 1)[1] for f in engine_state_assignments()] == ["bt.fast", "bt._loaded"]
+
+
+# What a prepared trainer's step is made of: changed only by the step owner (one class per trainer kind, swapped
+# onto the trainer) and by compat/ (other libraries' internals, version-checked).
+STEP_OWNERS = ("integrations/step.py",)
+TRAINER_STEP_NAMES = {
+    "compute_loss",
+    "compute_loss_func",
+    "get_batch_samples",
+    "get_train_dataloader",
+    "get_eval_dataloader",
+    "get_test_dataloader",
+    "evaluate",
+    "predict",
+    "prediction_step",
+    "training_step",
+    "__class__",
+}
+
+
+def trainer_patches() -> list[str]:
+    """``module:line what`` of every place outside compat/ and the step owner that assigns a step method (or the
+    class) on a live object: ``x.compute_loss = ...``, ``set_attr(x, "get_batch_samples", ...)``,
+    ``setattr(x, "__class__", ...)``, a bound method made with ``types.MethodType`` and set, or ``wrap_method``."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if rel.startswith("integrations/compat/") or rel in STEP_OWNERS:
+            continue
+        for node in ast.walk(parse(path.read_text())):
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    if isinstance(t, ast.Attribute) and t.attr in TRAINER_STEP_NAMES:
+                        found.append(f"{rel}:{node.lineno} {ast.unparse(t)} =")
+            elif isinstance(node, ast.Call):
+                name = ast.unparse(node.func).rsplit(".", 1)[-1]
+                if name == "wrap_method":
+                    found.append(f"{rel}:{node.lineno} wrap_method")
+                if name not in ("set_attr", "setattr") or len(node.args) < 3:
+                    continue
+                attr, value = node.args[1], node.args[2]
+                named = isinstance(attr, ast.Constant) and attr.value in TRAINER_STEP_NAMES
+                bound = isinstance(value, ast.Call) and ast.unparse(value.func).endswith("MethodType")
+                if named or bound:
+                    found.append(f"{rel}:{node.lineno} {name}({ast.unparse(attr)})")
+    return sorted(found)
+
+
+def test_no_module_but_the_step_owner_patches_a_trainers_step():
+    assert trainer_patches() == [], (
+        "change a trainer's step in its step owner (packtools/integrations/step.py: a mixin method calling "
+        "super()), or a library internal in integrations/compat/"
+    )
+
+
+def test_the_check_catches_a_trainer_patch(monkeypatch):
+    fake = ROOT / "integrations" / "cp_trainer.py"
+    source = fake.read_text() + (
+        "\n\ndef _bad(trainer, types, f):\n    trainer.compute_loss = f\n"
+        "    set_attr(trainer, 'get_batch_samples', f, owner=trainer)\n"
+        "    setattr(trainer, 'x', types.MethodType(f, trainer))\n    wrap_method(trainer, 'evaluate', f)\n"
+    )
+    parse.cache_clear()
+    monkeypatch.setattr(pathlib.Path, "read_text", lambda self: source if self == fake else open(self).read())
+    found = [f.split(" ", 1)[1] for f in trainer_patches()]
+    parse.cache_clear()
+    assert found == ["trainer.compute_loss =", "set_attr('get_batch_samples')", "setattr('x')", "wrap_method"]

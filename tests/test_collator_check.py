@@ -28,7 +28,7 @@ from test_hf import LR, tiny_tokenizer, train_args
 
 from packtools import PaddingFreeCollator, pack_dataset, prepare_trainer
 from packtools.errors import PackingError
-from packtools.integrations import packed_sft_config
+from packtools.integrations import packed_sft_config, unprepare
 from packtools.integrations.collator_check import batch_problems, in_check
 
 datasets = pytest.importorskip("datasets")
@@ -155,6 +155,7 @@ def test_the_probe_runs_through_the_trainers_collator(tmp_path):
     assert [c[0] for c in calls] == [True, True, True]
     assert all(keys == ["input_ids", "seq_lengths"] for _, keys in calls)
     calls.clear()
+    unprepare(trainer)  # a prepared trainer is refused a second preparation by name
     prepare_trainer(trainer, check_isolation=False)
     assert calls == []
 

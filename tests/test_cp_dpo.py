@@ -110,6 +110,10 @@ def test_dpo_trainer_cp2_step_equals_one_process(tmp_path, nproc, ga):
     assert all(abs(r["loss"] - results[i - i % 2]["loss"]) < 1e-6 for i, r in enumerate(results))
     assert abs(sum(r["loss"] for r in results) / len(results) - loss) < 1e-5 * loss
     assert all("called the model on different rows" in r["refused"] for r in results)
+    # DPO evaluation under CP: refused by name before TRL's eval-set preparation (a KeyError 'chosen' before).
+    assert all(
+        r["eval_refused"].startswith("PackingError: evaluate() under context_parallel") for r in results
+    )
 
 
 @pytest.mark.slow

@@ -175,8 +175,9 @@ def test_cp_attention_refuses_what_it_does_not_apply():
 
 
 def test_evaluation_under_cp_is_refused_by_name(tmp_path):
-    """Trainer's evaluation loader shards rows over every process, so CP peers would hold different rows while
-    packtools_cp gathers them as one: refused when scheduled and when called, never run silently."""
+    """Trainer's evaluation and test loaders shard rows over every process, so CP peers would hold different rows
+    while packtools_cp gathers them as one (finding 2: predict leaked across ranks): refused when scheduled and
+    when called (evaluate, predict and both loaders), never run silently; without CP the same calls run."""
     import datasets
     import transformers
 
@@ -198,10 +199,21 @@ def test_evaluation_under_cp_is_refused_by_name(tmp_path):
     layout = RankLayout(dp_rank=0, dp_size=1)
     with pytest.raises(PackingError, match=r"evaluation under context_parallel.*eval_strategy='steps'"):
         prepare_context_parallel(trainer(eval_strategy="steps", eval_steps=1), layout)
+    from packtools.integrations.step import SFTStep, StepPlan, install_step
+
     scheduled_none = trainer()
-    prepare_context_parallel(scheduled_none, layout)
-    with pytest.raises(PackingError, match="evaluation under context_parallel"):
-        scheduled_none.evaluate()
+    install_step(scheduled_none, SFTStep, StepPlan(RankLayout(dp_rank=0, dp_size=1, cp_size=2)))
+    for call, what in [
+        (scheduled_none.evaluate, "evaluate"),
+        (lambda: scheduled_none.predict(rows), "predict"),
+        (scheduled_none.get_eval_dataloader, "evaluation"),
+        (lambda: scheduled_none.get_test_dataloader(rows), "prediction"),
+    ]:
+        with pytest.raises(PackingError, match=rf"{what}.* under context_parallel"):
+            call()
+    plain = trainer(remove_unused_columns=False)  # negative control: the step owner without CP evaluates
+    install_step(plain, SFTStep, StepPlan(layout))
+    assert "eval_loss" in plain.evaluate()
 
 
 def test_losses_the_cp_loss_would_leave_out_are_refused_by_name(tmp_path):
@@ -238,3 +250,71 @@ def test_losses_the_cp_loss_would_leave_out_are_refused_by_name(tmp_path):
     )  # fmt: skip
     with pytest.raises(PackingError, match="MoE router loss"):
         check_cp_trainer(trainer(transformers.MixtralForCausalLM(config)), layout)
+    # The CP padding would be counted as input tokens (64 for 55, adversarial round): refused by name.
+    with pytest.raises(PackingError, match="include_num_input_tokens_seen='all'"):
+        check_cp_trainer(trainer(include_num_input_tokens_seen="all"), layout)
+    with pytest.raises(PackingError, match="average_tokens_across_devices=False"):
+        check_cp_trainer(trainer(average_tokens_across_devices=False), layout)
+    no_kwargs = trainer()
+    no_kwargs.model_accepts_loss_kwargs = False
+    with pytest.raises(PackingError, match="takes no loss kwargs"):
+        check_cp_trainer(no_kwargs, layout)
+
+
+def test_a_cp_shard_is_refused_by_any_attention_but_packtools_cp():
+    """Review C2: a shard given to sdpa / packtools_sdpa (or through packtools' guard) would attend only within
+    this rank's chunks, silently; each path refuses it by name.  A shard whose layout disagrees with the rank it
+    was cut for is refused too; negative control: the same shard on packtools_cp runs."""
+    from packtools.batches.context_parallel import shard_row
+    from packtools.errors import PackingError
+    from packtools.integrations.cp_attention import use_cp_attention
+    from packtools.integrations.cp_training import model_inputs
+    from packtools.integrations.guard import guard_model
+    from packtools.integrations.parallel_layout import RankLayout
+
+    layout = RankLayout(dp_rank=0, dp_size=1)  # CP size 1: one process can run the shard for real
+    batch = shard_row(list(range(2, 14)), list(range(2, 14)), [5, 7], 1, 0, 0, bound=layout)
+    batch = {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in batch.items()}
+    sdpa = tiny_llama_fp32()
+    with pytest.raises(PackingError, match="reached a model on 'sdpa' attention"):
+        model_inputs(batch, sdpa)
+    guard_model(sdpa)
+    with pytest.raises(PackingError, match="reached a model on 'sdpa' attention"), torch.no_grad():
+        sdpa(**model_inputs(batch))
+    ours = tiny_llama_fp32()
+    ours.set_attn_implementation(segmented.register())
+    with pytest.raises(PackingError, match="reached the packtools_sdpa attention"), torch.no_grad():
+        ours(**model_inputs(batch))
+    cp = tiny_llama_fp32()
+    use_cp_attention(cp)
+    with torch.no_grad():
+        assert cp(**model_inputs(batch, cp)).logits.shape[1] == batch["input_ids"].shape[1]
+    other = RankLayout(dp_rank=0, dp_size=1, cp_rank=1, cp_size=2)
+    wrong = shard_row(list(range(2, 14)), list(range(2, 14)), [5, 7], 1, 0, 0, bound=other)
+    wrong = {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in wrong.items()}
+    with pytest.raises(PackingError, match="carries a layout of rank 1 of 2"), torch.no_grad():
+        cp(**model_inputs(wrong, cp))
+
+
+def test_the_step_owner_binds_a_workers_shard_to_its_layout_and_refuses_another():
+    """A shard cut in a data-loader worker comes back with a copy of the layout (pickled without its process
+    group): the step owner binds it to its own layout again; a shard of another layout is refused by name."""
+    import pickle
+
+    from packtools.batches.context_parallel import shard_row
+    from packtools.errors import PackingError
+    from packtools.integrations.parallel_layout import RankLayout
+    from packtools.integrations.step import StepPlan, cp_loss_inputs
+
+    layout = RankLayout(dp_rank=0, dp_size=1, cp_rank=1, cp_size=2)
+    plan = StepPlan(layout)
+    copied = pickle.loads(
+        pickle.dumps(shard_row(list(range(2, 14)), list(range(2, 14)), [5, 7], 2, 1, 0, bound=layout))
+    )
+    assert copied["packtools_cp"].bound is not layout
+    assert cp_loss_inputs(copied, plan)["packtools_cp"].bound is layout
+    other = RankLayout(dp_rank=1, dp_size=2, cp_rank=1, cp_size=2)
+    for bound in (other, None):
+        batch = shard_row(list(range(2, 14)), list(range(2, 14)), [5, 7], 2, 1, 0, bound=bound)
+        with pytest.raises(PackingError, match="cut for another parallel layout"):
+            cp_loss_inputs(batch, plan)

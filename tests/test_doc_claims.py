@@ -18,8 +18,7 @@ def test_multi_gpu_page_states_the_stream_refusal_not_a_workaround():
     # C3: the page gave remove_unused_columns=False + dispatch_batches=False as a workaround; the code refuses
     # a stream under several processes whatever the arguments
     datasets = pytest.importorskip("datasets")
-    from packtools.integrations.budget_loader import install_train_loader
-    from packtools.integrations.parallel_layout import RankLayout
+    from packtools.integrations.budget_loader import check_train_loader
 
     stream = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]] * 8}).to_iterable_dataset()
     args = types.SimpleNamespace(
@@ -30,7 +29,7 @@ def test_multi_gpu_page_states_the_stream_refusal_not_a_workaround():
     )
     trainer = types.SimpleNamespace(args=args, train_dataset=stream, get_train_dataloader=None)
     with pytest.raises(PackingError, match="is a stream") as err:
-        install_train_loader(trainer, None, layout=RankLayout(0, 2))
+        check_train_loader(trainer, None)
     page = (DOCS / "jobs" / "multi-gpu.md").read_text()
     assert "dispatch_batches" not in page
     streaming = page[page.index("**Streaming") :].split("\n\n")[0]

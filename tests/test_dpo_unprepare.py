@@ -34,7 +34,8 @@ def bases(trainer):
 def snapshot(trainer):
     """What packtools' DPO side may change: trainer attributes and each model's own forward, by identity."""
     own = {k: v for k, v in vars(trainer).items() if k in ("train_dataset", "data_collator")}
-    methods = {k for k in ("compute_loss", "get_batch_samples", "_packtools_dpo") if k in vars(trainer)}
+    methods = {k for k in ("compute_loss", "get_batch_samples", "packtools_step") if k in vars(trainer)}
+    methods |= {type(trainer).__name__}  # the step owner swaps the class
     ours = ("_packtools_padding_free", "_packtools_shared_prompt")  # the DPO side's flags on a model
     forwards = [(vars(m).get("forward"), sorted(k for k in vars(m) if k in ours)) for m in bases(trainer)]
     return own, methods, forwards
@@ -47,7 +48,7 @@ def test_unprepare_restores_the_trainer_and_its_forwards(tmp_path, mode):
     assert before[2][0][0] is not None  # TRL's fused forward, an instance attribute
     MODES[mode](trainer)
     during = snapshot(trainer)
-    assert during[1] == {"compute_loss", "get_batch_samples", "_packtools_dpo"}
+    assert during[1] == {"packtools_step", "PackedDPOTrainer"}  # the plan and the class, no method patched
     assert all(f is not b for (f, _), (b, _) in zip(during[2], before[2], strict=True))  # forwards wrapped
     if mode == "share_prompt":
         assert "prompt_lengths" in trainer._signature_columns
@@ -56,7 +57,7 @@ def test_unprepare_restores_the_trainer_and_its_forwards(tmp_path, mode):
     after = snapshot(trainer)
     assert after[0].keys() == before[0].keys()
     assert all(after[0][k] is before[0][k] for k in before[0])  # same dataset, collator, columns objects
-    assert after[1] == before[1] == set()
+    assert after[1] == before[1] == {"DPOTrainer"}
     assert all(a is b for (a, _), (b, _) in zip(after[2], before[2], strict=True))
     assert after[2] == before[2]  # no packtools flag left on a model either
     # The kept columns are Trainer's own again: None (computed on first use) or what Trainer computes itself
@@ -112,7 +113,8 @@ def test_a_refused_prepare_leaves_nothing_behind(tmp_path, monkeypatch):
     with pytest.raises(PackingError, match="does not know this trl .*compute_loss takes"):
         prepare_dpo_trainer(trainer, segmented_sdpa=False)
     after = snapshot(trainer)
-    assert after[2] == before[2] and "_packtools_dpo" not in vars(trainer)
+    assert after[2] == before[2] and "packtools_step" not in vars(trainer)
+    assert type(trainer).__name__ == "DPOTrainer"
 
 
 class _FakeDataset:
@@ -171,7 +173,7 @@ def test_prepared_takes_the_dpo_path_and_prepare_trainer_refuses_a_dpo_trainer(t
     trainer = dpo.build(tmp_path)
     with pytest.raises(PackingError, match="prepare_dpo_trainer"):
         prepare_trainer(trainer)  # the SFT path would not batch pairs whole nor scale DPO's loss
-    assert "_packtools_dpo" not in vars(trainer)
+    assert "packtools_step" not in vars(trainer)
     with prepared(trainer):
-        assert vars(trainer).get("_packtools_dpo") is True  # prepare_dpo_trainer ran, not prepare_trainer
-    assert "_packtools_dpo" not in vars(trainer) and "get_train_dataloader" not in vars(trainer)
+        assert type(trainer).__name__ == "PackedDPOTrainer"  # prepare_dpo_trainer ran, not prepare_trainer
+    assert "packtools_step" not in vars(trainer) and type(trainer).__name__ == "DPOTrainer"

@@ -338,18 +338,20 @@ def test_negative_controls_differ_from_trl(tmp_path, monkeypatch, wrong):
 
 # -- the step owner, refusals, undo ----------------------------------------------------------------------
 def test_unprepare_gives_the_trainer_back(tmp_path):
+    from packtools.integrations.step import plan_of
+
     trainer = build(tmp_path)
     cls, collator = type(trainer), trainer.data_collator
     prepare_reward_trainer(trainer, pack_reward_pairs(trainer.train_dataset, 64))
     assert type(trainer).__name__ == "PackedRewardTrainer" and isinstance(trainer, cls)
     assert trainer.model.config._attn_implementation == "packtools_sdpa"
-    assert isinstance(trainer._packtools_reward, reward.RewardRun)
+    assert isinstance(plan_of(trainer), reward.RewardPlan)
     with pytest.raises(PackingError, match="prepared twice"):
         prepare_reward_trainer(trainer)
     unprepare(trainer)
     assert type(trainer) is cls and trainer.data_collator is collator
     assert trainer.model.config._attn_implementation == "sdpa"
-    assert "_packtools_reward" not in vars(trainer)
+    assert plan_of(trainer) is None
 
 
 def test_prepared_block_dispatches_reward_trainers(tmp_path):

@@ -20,7 +20,7 @@ datasets = pytest.importorskip("datasets")
 from transformers import AttentionInterface  # noqa: E402
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS  # noqa: E402
 
-WATCHED = ("_signature_columns", "data_collator", "compute_loss_func", "get_train_dataloader")
+WATCHED = ("_signature_columns", "data_collator", "compute_loss_func", "packtools_step", "__class__")
 
 
 class NamedInputsLlama(transformers.LlamaForCausalLM):
@@ -67,6 +67,7 @@ def _trainer(tmp_path, model=None, collator=None):
 def _state(trainer):
     """What prepare_trainer may change, as values (the instance's own attributes, not the class's)."""
     own = {name: vars(trainer).get(name, "<class>") for name in WATCHED}
+    own["__class__"] = type(trainer)  # the step owner swaps the class
     model = trainer.model
     hooks = dict(model._forward_pre_hooks)
     ids = torch.arange(1, 11)[None]
@@ -106,9 +107,16 @@ def test_unprepare_restores_a_trainer(tmp_path):
     assert "seq_lengths" in changed[0]["_signature_columns"]
     assert changed[0]["data_collator"] is not before[0]["data_collator"]  # seq_idx switched off for Llama
     assert changed[0]["compute_loss_func"] is not None
-    assert changed[0]["get_train_dataloader"] != "<class>"
+    assert changed[0]["packtools_step"] != "<class>"  # the run's plan
+    assert (
+        changed[0]["__class__"].__name__ == "PackedTrainer" and before[0]["__class__"] is transformers.Trainer
+    )
     assert len(changed[1]) == len(before[1]) + 1 and changed[2] == SEGMENTED_SDPA
     assert _registered() == (True, True)
+    assert prepare_trainer(trainer) is trainer  # idempotent: the same options change nothing
+    with pytest.raises(PackingError, match="already called on this PackedTrainer with max_tokens=None"):
+        prepare_trainer(trainer, max_tokens=64)  # other options would stack on the first: refused
+    assert _state(trainer)[0] == changed[0]
 
     names = compat.patches_of(trainer).names()
     assert unprepare(trainer) is trainer
@@ -143,7 +151,7 @@ def test_prepared_context_manager_trains_and_restores(tmp_path):
     before = _state(trainer)
     with prepared(trainer, max_tokens=64) as same:
         assert same is trainer
-        assert "get_train_dataloader" in vars(trainer)
+        assert type(trainer).__name__ == "PackedTrainer" and "get_train_dataloader" not in vars(trainer)
         loader = trainer.get_train_dataloader()
         assert type(loader.batch_sampler).__name__ == "RankBatches"  # packtools' token-budget batches
         trainer.train()
@@ -212,7 +220,7 @@ def test_unknown_trainer_column_removal_is_refused(tmp_path, monkeypatch):
     )  # a shape without description=
     with pytest.raises(PackingError, match=r"_remove_unused_columns\(dataset, description\)"):
         prepare_trainer(trainer)
-    assert "get_train_dataloader" not in vars(trainer)
+    assert "packtools_step" not in vars(trainer) and type(trainer) is transformers.Trainer
 
 
 def test_unknown_registry_shape_names_the_version(monkeypatch):

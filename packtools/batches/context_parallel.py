@@ -170,9 +170,12 @@ class CPShard:
     cu_q: np.ndarray = field(repr=False)
     k_index: np.ndarray = field(repr=False)
     cu_k: np.ndarray = field(repr=False)
+    #: The parallel layout the shard was cut for (``packtools.integrations.RankLayout``: its CP group, size and
+    #: rank), or ``None`` for a shard cut without one (the CP attention then uses the default process group).
+    bound: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def build(cls, layout: CPLayout, rank: int) -> CPShard:
+    def build(cls, layout: CPLayout, rank: int, bound: Any = None) -> CPShard:
         _, rank = _check_cp(layout.cp_size, rank)
         local = layout.local_tokens
         gathered = np.empty(int(layout.cu_seqlens_padded[-1]), np.int64)
@@ -200,7 +203,7 @@ class CPShard:
         empty = np.zeros(0, np.int64)
         q_index = np.concatenate(q_parts).astype(np.int64) if q_parts else empty
         k_index = np.concatenate(k_parts).astype(np.int64) if k_parts else empty
-        return cls(layout, rank, q_index, cu_q, k_index, cu_k)
+        return cls(layout, rank, q_index, cu_q, k_index, cu_k, bound)
 
     @property
     def max_q(self) -> int:
@@ -234,9 +237,11 @@ def shard_row(
     *,
     layout: CPLayout | None = None,
     balance: bool = False,
+    bound: Any = None,
 ) -> dict[str, Any]:
     """Rank ``cp_rank``'s share of one padding-free row (1-D ``input_ids``/``labels``, unshifted labels);
-    ``balance``: the documents' chunk pairs given to the ranks by their work (see the module docstring).
+    ``balance``: the documents' chunk pairs given to the ranks by their work (see the module docstring);
+    ``bound``: the parallel layout the shard is cut for (carried by the shard, read by the CP attention).
 
     >>> b = shard_row(np.arange(10, 17), np.arange(10, 17), [5, 2], 2, 1, pad_token_id=0)
     >>> b["input_ids"].tolist(), b["position_ids"].tolist(), b["shift_labels"].tolist()
@@ -266,7 +271,7 @@ def shard_row(
         "cu_seqlens_padded": lay.cu_seqlens_padded,
         "cp_size": cp_size,
         "cp_rank": cp_rank,
-        CP_KEY: CPShard.build(lay, cp_rank),
+        CP_KEY: CPShard.build(lay, cp_rank, bound),
     }
 
 
@@ -283,6 +288,10 @@ class ContextParallelCollator:
     balanced work when documents carry padding, exact on ``packtools_cp``, not the THD layout external kernels
     assume.
 
+    ``layout``: the run's ``packtools.integrations.RankLayout``; given, the CP size, rank and balance choice are
+    its own (``cp_size``/``cp_rank``/``balance`` are then left out) and every shard carries it, so the CP
+    attention gathers over its group and refuses a shard cut for another layout.
+
     ``max_length``: the packed rows' length (the ``max_length`` they were packed with).  Given, every feature's
     documents padded for ``cp_size`` must fit it, or the batch is refused by row
     (:func:`~packtools.core.cp_budget.check_rows_fit`): rows packed for this CP size (or a multiple of it:
@@ -298,15 +307,25 @@ class ContextParallelCollator:
     def __init__(
         self,
         inner: Any,
-        cp_size: int,
-        cp_rank: int,
+        cp_size: int | None = None,
+        cp_rank: int | None = None,
         *,
         return_tensors: str = "pt",
         max_length: int | None = None,
         balance: bool = False,
+        layout: Any = None,
     ) -> None:
-        self.cp_size, self.cp_rank = _check_cp(cp_size, cp_rank)
+        if layout is not None:
+            if cp_size is not None or cp_rank is not None:
+                raise PackingError(
+                    "ContextParallelCollator takes either layout= (the run's RankLayout) or cp_size and cp_rank, "
+                    "not both: the layout owns the CP size, rank and balance choice.",
+                    param="layout",
+                )
+            cp_size, cp_rank, balance = layout.cp_size, layout.cp_rank, layout.balance
+        self.cp_size, self.cp_rank = _check_cp(cp_size, 0 if cp_rank is None else cp_rank)
         self.balance = bool(balance)
+        self.layout = layout
         if max_length is not None:
             from ..core.plan import check_max_length
 
@@ -355,6 +374,7 @@ class ContextParallelCollator:
             self.cp_rank,
             self.pad_token_id,
             balance=self.balance,
+            bound=self.layout,
         )
         if self.return_tensors == "np":
             return out

@@ -1,7 +1,7 @@
 """The training dataloader of a ``Trainer`` under data parallelism: per-rank batches, each row once per epoch.
 
-:func:`install_train_loader` replaces ``trainer.get_train_dataloader`` by one whose batches come from a
-rank-aware batch sampler of packtools:
+:func:`train_loader` is the training loader the step owner's ``get_train_dataloader`` returns
+(:mod:`packtools.integrations.step`); its batches come from a rank-aware batch sampler of packtools:
 
 * ``max_tokens=N``: a :class:`~packtools.batches.TokenBudgetBatchSampler` per rank (batches of at most ``N`` tokens,
   balanced across ranks by attention cost, ``sum(L_i²)`` per packed segment or per sequence of a pair);
@@ -33,11 +33,9 @@ import numpy as np
 from .._optional import require
 from ..constants import SEQ_LENGTHS
 from ..errors import PackingError
-from .compat import set_attr
 from .compat.accelerate import stop_sharding
-from .compat.transformers import replace_train_dataloader, training_collator, training_rows
+from .compat.transformers import training_collator, training_rows
 
-_INSTALLED = "_packtools_train_loader"
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
 
@@ -257,62 +255,49 @@ def check_sampling_strategy(args: Any, max_tokens: int | None) -> None:
     )
 
 
-def install_train_loader(
-    trainer: Any, max_tokens: int | None = None, *, owner: Any = None, layout: Any = None
-) -> None:
-    """Give ``trainer`` packtools' per-rank training loader (see the module docstring).
-
-    Without ``max_tokens`` and with one process, ``Trainer``'s own loader is kept (it repeats nothing) and
-    only checked.  Recorded on ``owner`` (default: the trainer), so unpreparing it gives the method back.
-    ``layout``: the run's :class:`~packtools.integrations.parallel_layout.RankLayout` (read from the trainer
-    when not given, and refused there if packtools does not handle it).
-    """
-    from .parallel_layout import rank_layout
-
-    owner = trainer if owner is None else owner
-    layout = rank_layout(trainer) if layout is None else layout
+def check_train_loader(trainer: Any, max_tokens: int | None) -> None:
+    """Refuse, before training, what :func:`train_loader` cannot serve: a ``max_tokens`` that is not a positive
+    int, a streaming dataset under several processes or a token budget."""
     if max_tokens is not None:
         from ..batches.sampler import _positive_int
 
         _positive_int(max_tokens, "max_tokens")
     check_stream(trainer.train_dataset, int(trainer.args.world_size), max_tokens)
-    original = trainer.get_train_dataloader
-    if vars(trainer).get(_INSTALLED):
-        raise PackingError("the training loader was already installed on this trainer.")
+    if max_tokens is not None or max(int(trainer.args.world_size), 1) > 1:
+        check_sampling_strategy(trainer.args, max_tokens)
+
+
+def train_loader(trainer: Any, max_tokens: int | None, layout: Any, default: Any) -> Any:
+    """The training loader of ``trainer`` (see the module docstring); called by the step owner's
+    ``get_train_dataloader`` (:mod:`packtools.integrations.step`).
+
+    Without ``max_tokens`` and with one process, ``Trainer``'s own loader (``default()``) is kept (it repeats
+    nothing) and only checked.  ``layout``: the run's
+    :class:`~packtools.integrations.parallel_layout.RankLayout` (the sampler shards over its DP group).
+    """
     if max_tokens is None and max(int(trainer.args.world_size), 1) == 1:
-
-        def checked(self: Any) -> Any:
-            loader = original()
-            check_sharding(loader)
-            return loader
-
-        replace_train_dataloader(trainer, checked, owner=owner)
-        return
-    check_sampling_strategy(trainer.args, max_tokens)
+        loader = default()
+        check_sharding(loader)
+        return loader
     torch = require("torch", "packtools.prepare_trainer(max_tokens=...)")
-
-    def get_train_dataloader(self: Any) -> Any:
-        if self.train_dataset is None:
-            raise ValueError("Trainer: training requires a train_dataset.")
-        dataset, collator = self.train_dataset, self.data_collator
-        check_stream(dataset, int(self.args.world_size), max_tokens)
-        if hasattr(dataset, "column_names") and hasattr(dataset, "remove_columns"):
-            dataset = training_rows(self, dataset)
-        else:
-            collator = training_collator(self, collator)
-        ours = RankBatches(make_sampler(self, dataset, max_tokens, layout))
-        args = self.args
-        params: dict[str, Any] = {
-            "batch_sampler": ours,
-            "collate_fn": collator,
-            "num_workers": args.dataloader_num_workers,
-            "pin_memory": args.dataloader_pin_memory,
-        }
-        if args.dataloader_num_workers > 0:
-            params["persistent_workers"] = args.dataloader_persistent_workers
-            params["prefetch_factor"] = args.dataloader_prefetch_factor
-        loader = torch.utils.data.DataLoader(dataset, **params)
-        return _passthrough(self.accelerator.prepare(loader), ours)
-
-    replace_train_dataloader(trainer, get_train_dataloader, owner=owner)
-    set_attr(trainer, _INSTALLED, True, owner=owner)
+    if trainer.train_dataset is None:
+        raise ValueError("Trainer: training requires a train_dataset.")
+    dataset, collator = trainer.train_dataset, trainer.data_collator
+    check_stream(dataset, int(trainer.args.world_size), max_tokens)
+    if hasattr(dataset, "column_names") and hasattr(dataset, "remove_columns"):
+        dataset = training_rows(trainer, dataset)
+    else:
+        collator = training_collator(trainer, collator)
+    ours = RankBatches(make_sampler(trainer, dataset, max_tokens, layout))
+    args = trainer.args
+    params: dict[str, Any] = {
+        "batch_sampler": ours,
+        "collate_fn": collator,
+        "num_workers": args.dataloader_num_workers,
+        "pin_memory": args.dataloader_pin_memory,
+    }
+    if args.dataloader_num_workers > 0:
+        params["persistent_workers"] = args.dataloader_persistent_workers
+        params["prefetch_factor"] = args.dataloader_prefetch_factor
+    loader = torch.utils.data.DataLoader(dataset, **params)
+    return _passthrough(trainer.accelerator.prepare(loader), ours)

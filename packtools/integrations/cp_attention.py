@@ -20,8 +20,12 @@ A call without a CP shard (evaluation, generation) goes to :mod:`packtools.integ
 padding-free row per document, or transformers' ``sdpa``).  The mask function is the segmented one: it builds
 nothing for a padding-free row.
 
-The process group is one per process (a process is in exactly one CP group): :func:`use_cp_attention` sets
-it with the model's backend.  A shard whose CP size or rank disagrees with the group is refused by name.
+The process group comes with the shard: a shard cut by a collator given the run's
+:class:`~packtools.integrations.parallel_layout.RankLayout` carries that layout, whose ``cp_group`` the keys
+are gathered over (no module global: two layouts in one process each gather over their own group); a shard cut
+without one gathers over the default group.  A shard whose CP size or rank disagrees with that group is refused
+by name, and so is a CP shard given to any other attention (``packtools_sdpa``, and transformers' own through
+:func:`~packtools.integrations.cp_training.model_inputs` and the model guard).
 """
 
 from __future__ import annotations
@@ -37,8 +41,6 @@ from .compat.transformers import register_attention, set_attention
 
 #: The attention implementation name registered with transformers.
 CP_ATTENTION = "packtools_cp"
-#: The CP process group of this process (``None``: the default group), set by :func:`use_cp_attention`.
-_GROUP: list[Any] = [None]
 
 
 def _gather_function() -> Any:
@@ -96,6 +98,21 @@ def _indices(shard: Any, device: Any) -> tuple[Any, ...]:
     return tensors
 
 
+def shard_group(shard: Any) -> Any:
+    """The CP process group a shard is gathered over: its layout's (``shard.bound.cp_group``), else the default
+    group (``None``).  A shard whose layout disagrees with the CP size or rank it was cut for is refused."""
+    bound = getattr(shard, "bound", None)
+    if bound is None:
+        return None
+    if (bound.cp_size, bound.cp_rank) != (shard.layout.cp_size, shard.rank):
+        raise PackingError(
+            f"a CP shard cut for rank {shard.rank} of {shard.layout.cp_size} carries a layout of rank "
+            f"{bound.cp_rank} of {bound.cp_size}; cut shards with ContextParallelCollator(inner, layout=layout).",
+            param="layout",
+        )
+    return bound.cp_group
+
+
 def check_group(shard: Any, group: Any) -> None:
     """Refuse a shard cut for another CP size or rank than this process has in ``group``."""
     torch = require("torch", "packtools context parallelism")
@@ -106,7 +123,8 @@ def check_group(shard: Any, group: Any) -> None:
         raise PackingError(
             f"the batch was cut for CP rank {shard.rank} of {shard.layout.cp_size}, but this process is rank "
             f"{rank} of a CP group of {size}: its keys would be gathered from the wrong tokens. Build the "
-            f"ContextParallelCollator with this process's CP rank and size (use_cp_attention sets the group).",
+            f"ContextParallelCollator with this process's layout (ContextParallelCollator(inner, "
+            f"layout=RankLayout...)), whose CP group the keys are gathered over.",
             param="cp_rank",
         )
 
@@ -144,7 +162,7 @@ def cp_attention_forward(
             f"without context_parallel.",
             param="context_parallel",
         )
-    group = _GROUP[0]
+    group = shard_group(shard)
     check_group(shard, group)
     if shard.layout.cp_size > 1:
         key, value = gather_tokens(key, group), gather_tokens(value, group)
@@ -209,8 +227,8 @@ def register(*, owner: Any = None) -> str:
     return register_attention(CP_ATTENTION, cp_attention_forward, owner=owner, mask=segmented.document_mask)
 
 
-def use_cp_attention(model: Any, group: Any = None, *, owner: Any = None) -> None:
-    """Switch ``model`` to :data:`CP_ATTENTION` with ``group`` as this process's CP group (``None``: default).
+def use_cp_attention(model: Any, *, owner: Any = None) -> None:
+    """Switch ``model`` to :data:`CP_ATTENTION` (the CP group comes with each shard, from its layout).
 
     Refuses a model with layers that mix tokens outside attention (convolutions, state-space or linear
     attention scans): on a CP shard they would run over chunks of different documents as one sequence.
@@ -224,5 +242,4 @@ def use_cp_attention(model: Any, group: Any = None, *, owner: Any = None) -> Non
             f"layers would see each rank's chunks as one sequence. Train it without context_parallel.",
             param="context_parallel",
         )
-    _GROUP[0] = group
     set_attention(model, register(owner=owner), owner=owner)

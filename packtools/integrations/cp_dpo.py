@@ -22,9 +22,9 @@ runs only this rank's share of that row through the model:
 Refused by name under CP: accelerate's own CP (``ParallelismConfig(cp_size>1)``), tensor parallelism,
 DeepSpeed/FSDP, prompt-shared rows, precomputed reference log-probabilities, evaluation during training
 (its loader does not keep CP peers on one batch), MoE router losses (summed per shard, not per row), and
-models with token-mixing layers (:func:`~packtools.integrations.cp_attention.use_cp_attention`); and every
-call whose row differs between the ranks of a CP group (checked per call: a fingerprint of the row,
-all-gathered), so a direct ``evaluate()`` is refused rather than attended across as one row.
+models with token-mixing layers (:func:`~packtools.integrations.cp_attention.use_cp_attention`); a direct
+``evaluate()`` or ``predict()`` (the step owner refuses it before TRL prepares the dataset); and every call
+whose row differs between the ranks of a CP group (checked per call: a fingerprint of the row, all-gathered).
 """
 
 from __future__ import annotations
@@ -35,15 +35,11 @@ from typing import Any
 from .._optional import require
 from ..batches.context_parallel import CP_KEY, shard_row
 from ..errors import PackingError
-from .compat import set_attr
 from .cp_attention import use_cp_attention
-from .cp_trainer import cp_group, refuse_evaluation
 from .cp_training import sum_over_group
 from .dpo_calls import PER_TOKEN
 from .parallel_layout import RankLayout, rank_layout
 
-#: The attribute of a base model that holds its :class:`CPForward` (read by the padding-free forward).
-CP_FORWARD = "_packtools_cp_dpo"
 _ROW_KEYS = (
     "input_ids",
     "labels",
@@ -59,10 +55,16 @@ _ROW_KEYS = (
 class CPForward:
     """Runs this rank's CP shard of a padding-free row through TRL's fused LM head (module docstring)."""
 
-    cp_size: int
-    cp_rank: int
-    group: Any
+    layout: RankLayout
     pad_token_id: int
+
+    @property
+    def cp_size(self) -> int:
+        return self.layout.cp_size
+
+    @property
+    def group(self) -> Any:
+        return self.layout.cp_group
 
     def __call__(self, inner: Any, flat: dict[str, Any], lengths: Any) -> Any:
         """``inner`` (TRL's fused-head forward) on the shard of ``flat`` (the one-row call of the padding-free
@@ -77,9 +79,10 @@ class CPForward:
             labels.cpu().numpy(),
             lengths.cpu().numpy(),
             self.cp_size,
-            self.cp_rank,
+            self.layout.cp_rank,
             self.pad_token_id,
-            balance=True,  # the sequences' padding spread over the ranks (packtools_cp reads the layout)
+            balance=self.layout.balance,  # the layout's choice (packtools_cp reads it from the shard)
+            bound=self.layout,
         )
         shard = batch[CP_KEY]
         rest = {k: v for k, v in flat.items() if k not in _ROW_KEYS}
@@ -91,7 +94,7 @@ class CPForward:
             **{CP_KEY: shard},
             **rest,
         )
-        source = torch.from_numpy(shard.layout.source(self.cp_rank)).to(device)
+        source = torch.from_numpy(shard.layout.source(self.layout.cp_rank)).to(device)
         real = source >= 0
         for name in PER_TOKEN:
             value = getattr(out, name, None)
@@ -179,14 +182,15 @@ def dpo_layout(trainer: Any, context_parallel: int | None, shared: bool) -> Rank
     return layout
 
 
-def prepare_dpo_context_parallel(trainer: Any, layout: RankLayout, models: list[Any], base_of: Any) -> None:
-    """Switch ``models`` (the policy, and the reference model if any) to CP shards on this process's CP group:
-    ``packtools_cp`` attention and a :class:`CPForward` on each base model, recorded on ``trainer``."""
+def prepare_dpo_context_parallel(
+    trainer: Any, layout: RankLayout, models: list[Any]
+) -> tuple[RankLayout, CPForward]:
+    """Create the layout's CP group and switch ``models`` (the policy, and the reference model if any) to
+    ``packtools_cp`` attention, recorded on ``trainer``; returns the layout holding its group and the
+    :class:`CPForward` the step plan hands to the padding-free forward."""
     from .compat.trl import tokenizer_of
 
-    group = cp_group(layout)
-    forward = CPForward(layout.cp_size, layout.cp_rank, group, int(tokenizer_of(trainer).pad_token_id))
+    layout = layout.with_cp_group()
     for model in models:
-        use_cp_attention(model, group, owner=trainer)
-        set_attr(base_of(model), CP_FORWARD, forward, owner=trainer)
-    refuse_evaluation(trainer)
+        use_cp_attention(model, owner=trainer)
+    return layout, CPForward(layout, int(tokenizer_of(trainer).pad_token_id))

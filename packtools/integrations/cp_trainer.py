@@ -3,25 +3,27 @@
 The pieces, each from its own module:
 
 * the run's layout (:func:`~packtools.integrations.parallel_layout.rank_layout`): CP groups of ``N``
-  consecutive processes, the data-parallel rank and size over the groups; the training loader shards over
+  consecutive processes, the data-parallel rank and size over the groups, this process's CP group created once
+  (:meth:`~packtools.integrations.parallel_layout.RankLayout.with_cp_group`); the training loader shards over
   the DP group only, so the ``N`` ranks of a CP group read the same batch;
 * the collator: the trainer's :class:`~packtools.PaddingFreeCollator` wrapped in
-  :class:`~packtools.batches.context_parallel.ContextParallelCollator` (this rank's share of every batch),
-  holding the rows of a ``pack_files`` folder or of ``pack_dataset`` output to their ``max_length`` once padded,
-  every row checked before training (:func:`cp_collator`);
-* the model: ``packtools_cp`` attention (:mod:`packtools.integrations.cp_attention`) over this process's CP
-  group (created here with ``torch.distributed.new_group``, every rank creating every group in order);
-* the loss: ``compute_loss`` is the summed next-token loss of the shard on its ``shift_labels`` (no second
-  shift) divided by the targets of the whole accumulation window over every rank (counted when ``Trainer``
-  fetches the window's micro-batches), times what ``Trainer`` and DDP divide by again (the accumulation
-  steps when ``Trainer`` divides, read from its own predicate; the process count, DDP's gradient mean over
-  every process: CP peers' gradients are parts of one sum).
+  :class:`~packtools.batches.context_parallel.ContextParallelCollator` given the layout (this rank's share of
+  every batch, each shard carrying the layout), holding the rows of a ``pack_files`` folder or of
+  ``pack_dataset`` output to their ``max_length`` once padded, every row checked before training
+  (:func:`cp_collator`);
+* the model: ``packtools_cp`` attention (:mod:`packtools.integrations.cp_attention`), gathering over the group
+  of the layout each shard carries;
+* the step (:class:`~packtools.integrations.step.SFTStep`): the trainer's own ``compute_loss`` gets the shard
+  with ``labels`` = ``shift_labels`` (scored without a second shift) and, as ``num_items_in_batch``, the
+  targets of the whole accumulation window over every rank; ``Trainer`` then multiplies by the process count
+  as it does for any token-count loss, and DDP's gradient mean over every process divides it again: CP peers'
+  gradients are parts of one sum.  A subclass's ``compute_loss`` and ``SFTTrainer``'s ``loss_type`` are
+  honoured.
 
-Evaluation is refused by name (when scheduled, at ``prepare_trainer``; when called, in
-``get_eval_dataloader``): ``Trainer``'s evaluation loader shards rows over every process, so the ranks of a CP
-group would hold different rows while ``packtools_cp`` gathers their keys as one row's, and its metric gather
-drops "duplicates" by position.  Evaluate in a run without ``context_parallel`` (the same weights, exact:
-:func:`packtools.integrations.evaluation.token_mean_loss`).
+Evaluation and prediction are refused by name (when scheduled, at ``prepare_trainer``; when called, by the step
+owner): ``Trainer``'s evaluation and test loaders shard rows over every process, so the ranks of a CP group
+would hold different rows while ``packtools_cp`` gathers their keys as one row's.  Evaluate in a run without
+``context_parallel`` (the same weights, exact: :func:`packtools.integrations.evaluation.token_mean_loss`).
 
 accelerate's own context parallelism (``ParallelismConfig(cp_size>1)``) is refused by name: its
 ``maybe_context_parallel`` would cut packtools' shards again as one causal sequence.
@@ -31,57 +33,17 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
-from .._optional import require
 from ..batches.context_parallel import ContextParallelCollator
 from ..constants import SEQ_LENGTHS
 from ..core.cp_budget import check_rows_fit
 from ..errors import PackingError
 from ..io.manifest import read_manifest
 from .compat import set_attr
-from .compat.trl import wrap_method
 from .cp_attention import use_cp_attention
-from .cp_training import global_count, model_inputs, shifted_token_loss
-from .distributed import trainer_divides_by_accumulation
 from .parallel_layout import RankLayout
-
-
-@dataclass
-class _WindowTargets:
-    """The targets of the accumulation window being run, over every process."""
-
-    targets: int | None = None
-
-
-def cp_group(layout: RankLayout) -> Any:
-    """This process's CP group: ranks ``[dp_rank * N, (dp_rank + 1) * N)`` (``None`` with one process)."""
-    torch = require("torch", "packtools context parallelism")
-    dist = torch.distributed
-    if layout.world == 1:
-        return None
-    if not (dist.is_available() and dist.is_initialized()):
-        raise PackingError(
-            f"context_parallel={layout.cp_size} over {layout.world} processes needs torch.distributed "
-            f"initialized (launch with torchrun / accelerate launch).",
-            param="context_parallel",
-        )
-    mine = None
-    for dp in range(layout.dp_size):
-        ranks = list(range(dp * layout.cp_size, (dp + 1) * layout.cp_size))
-        group = dist.new_group(ranks)
-        if dp == layout.dp_rank:
-            mine = group
-    return mine
-
-
-NO_EVAL = (
-    "evaluation under context_parallel is not handled by packtools: Trainer's evaluation loader gives the ranks "
-    "of a CP group different rows, which packtools_cp would attend across as one row. Evaluate without "
-    "context_parallel (eval_strategy='no' here; the saved model in a one-process or data-parallel run, e.g. "
-    "packtools.integrations.evaluation.token_mean_loss)"
-)
+from .step import NO_EVAL
 
 
 def check_cp_trainer(trainer: Any, layout: RankLayout) -> None:
@@ -110,11 +72,31 @@ def check_cp_trainer(trainer: Any, layout: RankLayout) -> None:
     strategy = str(getattr(strategy, "value", strategy))
     if strategy != "no":
         why = f" (TrainingArguments(eval_strategy={strategy!r}) schedules it)"
-        raise PackingError(NO_EVAL + why, param="eval_strategy")
+        raise PackingError(NO_EVAL.format(what="evaluation") + why, param="eval_strategy")
+    seen = getattr(trainer.args, "include_num_input_tokens_seen", "no")
+    if seen not in ("no", False, None):
+        raise PackingError(
+            f"include_num_input_tokens_seen={seen!r} under context_parallel would count each rank's shard with its "
+            f"CP padding as input tokens; set it to 'no' (the packed rows' token counts are in pack's summary).",
+            param="include_num_input_tokens_seen",
+        )
+    if not getattr(trainer, "model_accepts_loss_kwargs", True):
+        raise PackingError(
+            f"context_parallel passes the CP shard's targets and the window's target count to the model's own "
+            f"loss, but {type(trainer.model).__name__}'s forward takes no loss kwargs (num_items_in_batch); use "
+            f"a *ForCausalLM model, or train without context_parallel.",
+            param="context_parallel",
+        )
+    if not getattr(trainer.args, "average_tokens_across_devices", True):
+        raise PackingError(
+            "context_parallel with average_tokens_across_devices=False: each rank would divide by its own share "
+            "of the row's targets; set it to True (the default).",
+            param="average_tokens_across_devices",
+        )
     from .sft import causal_lm_loss
 
     config = getattr(getattr(trainer.model, "config", None), "get_text_config", lambda: None)()
-    other_loss = [  # the CP loss is the shards' token loss: anything else in the loss would be dropped
+    other_loss = [  # these see the shard's targets as unshifted labels, or sum per shard, not per row
         "label_smoothing_factor > 0 (Trainer's label smoother)" if trainer.label_smoother is not None else "",
         "a compute_loss_func of your own" if trainer.compute_loss_func not in (None, causal_lm_loss) else "",
         "a MoE router loss (output_router_logits with router_aux_loss_coef)"
@@ -123,9 +105,9 @@ def check_cp_trainer(trainer: Any, layout: RankLayout) -> None:
     ]
     if any(other_loss):
         raise PackingError(
-            f"context_parallel computes the loss as the token loss of the shards, so "
-            f"{'; '.join(w for w in other_loss if w)} would be left out of it. Drop it, or train without "
-            f"context_parallel.",
+            f"context_parallel hands each rank a shard with already-shifted targets, so "
+            f"{'; '.join(w for w in other_loss if w)} would shift them again or sum per shard instead of per "
+            f"row. Drop it (a compute_loss of your own is honoured), or train without context_parallel.",
             param="context_parallel",
         )
     collator = trainer.data_collator
@@ -177,9 +159,7 @@ def cp_collator(trainer: Any, layout: RankLayout) -> ContextParallelCollator:
             f"per document. Pack with pack_dataset(..., context_parallel={layout.cp_size}).",
             stacklevel=4,
         )
-    return ContextParallelCollator(  # balanced: the documents' padding spread over the ranks (packtools_cp reads it)
-        trainer.data_collator, layout.cp_size, layout.cp_rank, max_length=limit, balance=True
-    )
+    return ContextParallelCollator(trainer.data_collator, max_length=limit, layout=layout)
 
 
 def _seq_lengths(dataset: Any) -> Any:
@@ -208,54 +188,11 @@ def _one_sequence_rows(dataset: Any) -> Any:
     return (lengths if indices is None else lengths[indices]).reshape(-1, 1)
 
 
-def prepare_context_parallel(trainer: Any, layout: RankLayout) -> None:
-    """Install the CP collator, attention and loss on ``trainer`` (recorded on it; see the module docstring)."""
-    torch = require("torch", "packtools context parallelism")
+def prepare_context_parallel(trainer: Any, layout: RankLayout) -> RankLayout:
+    """Check the trainer, create the layout's CP group, and install the CP collator and attention (recorded on the
+    trainer); returns the layout holding its group (the step plan's)."""
     check_cp_trainer(trainer, layout)
-    group = cp_group(layout)
-    collator = cp_collator(trainer, layout)
-    set_attr(trainer, "data_collator", collator, owner=trainer)
-    use_cp_attention(trainer.model, group, owner=trainer)
-    window = _WindowTargets()
-
-    def make_batches(original: Any) -> Any:
-        def get_batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
-            samples, num_items = original(epoch_iterator, num_batches, device)
-            count = sum(int((b["shift_labels"] != -100).sum()) for b in samples)
-            total = torch.tensor([count], device=device)
-            if layout.world > 1:
-                total = trainer.accelerator.gather(total).sum()
-            window.targets = int(total)
-            return samples, num_items
-
-        return get_batch_samples
-
-    def make_loss(original: Any) -> Any:
-        def compute_loss(
-            model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
-        ) -> Any:
-            outputs = model(**model_inputs(inputs))
-            loss, count = shifted_token_loss(outputs.logits, inputs["shift_labels"])
-            if model.training and window.targets is not None:
-                divided = trainer_divides_by_accumulation(trainer, num_items_in_batch)
-                steps = trainer.current_gradient_accumulation_steps if divided else 1
-                loss = loss * (steps * layout.world) / max(window.targets, 1)
-            else:  # not reached through Trainer (evaluation is refused): the batch's token mean over every rank
-                loss = loss * layout.world / max(global_count(count), 1)
-            return (loss, outputs) if return_outputs else loss
-
-        return compute_loss
-
-    wrap_method(trainer, "get_batch_samples", make_batches)
-    wrap_method(trainer, "compute_loss", make_loss)
-    refuse_evaluation(trainer)
-
-
-def refuse_evaluation(trainer: Any) -> None:
-    """Make ``trainer.get_eval_dataloader`` refuse by name (recorded on the trainer): under CP its loader would
-    give the ranks of a group different rows, and a rank would wait on a peer's batch."""
-
-    def refuse_eval(*args: Any, **kwargs: Any) -> Any:
-        raise PackingError(NO_EVAL + ".", param="eval_dataset")
-
-    set_attr(trainer, "get_eval_dataloader", refuse_eval, owner=trainer)
+    layout = layout.with_cp_group()
+    set_attr(trainer, "data_collator", cp_collator(trainer, layout), owner=trainer)
+    use_cp_attention(trainer.model, owner=trainer)
+    return layout

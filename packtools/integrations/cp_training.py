@@ -35,8 +35,16 @@ from ..constants import IGNORE_INDEX
 from ..errors import PackingError
 
 
-def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
-    """The keys of a CP shard the model's forward takes (no labels: the loss is :func:`shifted_token_loss`)."""
+def model_inputs(batch: dict[str, Any], model: Any = None) -> dict[str, Any]:
+    """The keys of a CP shard the model's forward takes (no labels: the loss is :func:`shifted_token_loss`).
+
+    Given the ``model``, refuses one whose attention is not ``packtools_cp`` (any other would attend only
+    within this rank's chunks, :func:`~packtools.integrations.guard.check_cp_attention`)."""
+    if model is not None:
+        from .backends import attention_implementation
+        from .guard import check_cp_attention
+
+        check_cp_attention(batch, attention_implementation(model))
     return {
         "input_ids": batch["input_ids"],
         "position_ids": batch["position_ids"],

@@ -60,6 +60,7 @@ def check_forward_inputs(
     """
     if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
         return
+    check_cp_attention(kwargs, implementation)
     pos = kwargs.get("position_ids")
     mask = kwargs.get("attention_mask")
     if pos is not None and getattr(pos, "ndim", 0) != 2:
@@ -101,6 +102,24 @@ def check_forward_inputs(
             f"the batch holds {pos.shape[0]} packed rows without cu_seq_lens: with {implementation!r} transformers "
             f"infers sequences from position_ids only for a single row, so these rows would attend across "
             f"sequences. Use PaddingFreeCollator(padding_free=True) (one flat row with cu_seq_lens)."
+        )
+
+
+def check_cp_attention(kwargs: Mapping[str, Any], implementation: str | None) -> None:
+    """Refuse a context-parallel shard (``packtools_cp``) given to any attention but ``packtools_cp``: ``sdpa``,
+    flash or ``packtools_sdpa`` would take the kwarg into ``**kwargs`` and attend only within this rank's chunks.
+
+    >>> check_cp_attention({"packtools_cp": object()}, "sdpa")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: a context-parallel shard (packtools_cp) reached a model on 'sdpa' attention...
+    """
+    if kwargs.get("packtools_cp") is not None and implementation != "packtools_cp":
+        raise PackingError(
+            f"a context-parallel shard (packtools_cp) reached a model on {implementation!r} attention, which would "
+            f"attend only within this rank's chunks of the row; switch the model with "
+            f"packtools.integrations.use_cp_attention(model) (prepare_trainer(..., context_parallel=N) does).",
+            param="packtools_cp",
         )
 
 

@@ -25,7 +25,7 @@ A layout packtools does not handle is refused by name, never sharded silently:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import PackingError
@@ -37,6 +37,13 @@ class RankLayout:
 
     ``world = dp_size * cp_size * tp_size``; processes with the same ``dp_rank`` read the same batch.
 
+    It is the one owner of the run's parallel layout: besides the ranks it holds this process's
+    context-parallel process group (``cp_group``, created once by :meth:`with_cp_group`, or the mesh's ``cp``
+    group) and the balance choice (``balance``: each document's chunk pairs given to the ranks by their work,
+    which ``packtools_cp`` reads from the shard).  The sampler, the CP collator (``ContextParallelCollator(...,
+    layout=layout)``), the attention (through the shards the collator cuts, which carry the layout) and the
+    loss all take it from here.
+
     >>> RankLayout(dp_rank=1, dp_size=2, tp_size=2).peers
     2
     """
@@ -47,6 +54,8 @@ class RankLayout:
     cp_size: int = 1
     tp_size: int = 1
     source: str = "processes"
+    balance: bool = True
+    cp_group: Any = field(default=None, compare=False, repr=False)
 
     @property
     def peers(self) -> int:
@@ -56,6 +65,41 @@ class RankLayout:
     @property
     def world(self) -> int:
         return self.dp_size * self.peers
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled without its process group (a group does not cross processes: a data-loader worker's shards
+        come back carrying the layout's ranks, and the step owner binds them to its own layout again)."""
+        fields = (
+            self.dp_rank,
+            self.dp_size,
+            self.cp_rank,
+            self.cp_size,
+            self.tp_size,
+            self.source,
+            self.balance,
+        )
+        return (type(self), fields)
+
+    def with_cp_group(self) -> RankLayout:
+        """This layout with its CP process group created (consecutive processes ``[dp_rank * N, (dp_rank + 1) *
+        N)``; every rank creates every group, in order, as ``torch.distributed.new_group`` requires).  One
+        process, or ``cp_size == 1``: the layout itself (no group is needed)."""
+        if self.cp_size == 1 or self.world == 1 or self.cp_group is not None:
+            return self
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise PackingError(
+                f"context_parallel={self.cp_size} over {self.world} processes needs torch.distributed initialized "
+                f"(launch with torchrun / accelerate launch).",
+                param="context_parallel",
+            )
+        mine = None
+        for dp in range(self.dp_size):
+            group = dist.new_group(list(range(dp * self.cp_size, (dp + 1) * self.cp_size)))
+            if dp == self.dp_rank:
+                mine = group
+        return replace(self, cp_group=mine)
 
     @classmethod
     def from_mesh(cls, mesh: Any) -> RankLayout:
@@ -90,6 +134,7 @@ class RankLayout:
             cp_size=size.get("cp", 1),
             tp_size=size.get("tp", 1),
             source="torch DeviceMesh",
+            cp_group=_mesh_group(mesh, "cp") if size.get("cp", 1) > 1 else None,
         )
 
 
@@ -100,6 +145,12 @@ _DP_DIMS = ("dp", "dp_replicate", "dp_shard")
 def _size(config: Any, name: str) -> int:
     value = getattr(config, name, 1)
     return 1 if value is None else int(value)
+
+
+def _mesh_group(mesh: Any, dim: str) -> Any:
+    """The process group of ``mesh``'s dimension ``dim`` (``DeviceMesh.get_group``; ``None`` without one)."""
+    get = getattr(mesh, "get_group", None)
+    return get(dim) if callable(get) else None
 
 
 def _mesh_rank(mesh: Any, names: tuple[str, ...], dim: str) -> int:
@@ -176,12 +227,31 @@ def _refuse_unknown_mesh(model: Any) -> None:
             )
 
 
+def check_context_parallel_size(context_parallel: Any) -> None:
+    """Refuse a ``context_parallel`` that is not ``None`` or a positive int (``0``, ``-1``, ``True``, ``2.0``).
+
+    >>> check_context_parallel_size(True)
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: context_parallel must be a positive int (the number of processes that split each row), got True.
+    """
+    if context_parallel is None:
+        return
+    if isinstance(context_parallel, bool) or not isinstance(context_parallel, int) or context_parallel < 1:
+        raise PackingError(
+            f"context_parallel must be a positive int (the number of processes that split each row), got "
+            f"{context_parallel!r}.",
+            param="context_parallel",
+        )
+
+
 def rank_layout(trainer: Any, context_parallel: int | None = None) -> RankLayout:
     """The :class:`RankLayout` of ``trainer``'s process (see the module docstring).
 
     ``context_parallel`` is packtools' CP size when the caller asked for it (``prepare_trainer``); without a
     ``ParallelismConfig`` the CP groups are consecutive processes (``cp_rank = process_index % N``).
     """
+    check_context_parallel_size(context_parallel)
     args = trainer.args
     world, index = max(int(args.world_size), 1), int(args.process_index)
     accelerator = getattr(trainer, "accelerator", None)
@@ -200,7 +270,7 @@ def rank_layout(trainer: Any, context_parallel: int | None = None) -> RankLayout
             trainer, "is_fsdp_enabled", False
         ):  # FSDP's DTensors are sharded over data parallelism
             _refuse_unknown_mesh(getattr(trainer, "model", None))
-        cp = 1 if context_parallel is None else int(context_parallel)
+        cp = 1 if context_parallel is None else context_parallel
         if world % cp:
             raise PackingError(
                 f"context_parallel={cp} does not divide the {world} processes of the run.",

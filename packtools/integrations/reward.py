@@ -28,8 +28,8 @@ itself and hands TRL's loss code the ``[2 * pairs, 1]`` scores it expects:
   sequences packed and alone through this very path before training.
 
 Everything packtools changes about a step is the one class :class:`PackedRewardStep`, swapped onto the
-trainer (:func:`~packtools.integrations.compat.classes.swap_class`); the run's decisions are one frozen
-:class:`RewardRun` under ``trainer._packtools_reward``; :func:`packtools.integrations.unprepare` undoes all.
+trainer by :func:`packtools.integrations.step.install_step` (the same step owner as SFT and DPO); the run's
+decisions are one frozen :class:`RewardPlan`; :func:`packtools.integrations.unprepare` undoes all.
 """
 
 from __future__ import annotations
@@ -50,16 +50,15 @@ from .backends import (
     segmented_sdpa_until_checked,
     token_mixing_layers,
 )
-from .budget_loader import install_train_loader
-from .compat import all_or_nothing, set_attr
-from .compat.classes import swap_class
+from .budget_loader import check_train_loader
+from .compat import all_or_nothing
 from .compat.trl import check_step_methods, keep_signature_columns, set_training_data, tokenizer_of
 from .distributed import check_loss_path, trainer_divides_by_accumulation, uneven_gather
 from .guard import guard_model
 from .parallel_layout import rank_layout
 from .reward_scores import ScoredRow, check_reward_isolation, reward_batch, score_head
+from .step import StepOwner, StepPlan, install_step, plan_of
 
-RUN = "_packtools_reward"
 #: Columns of packed reward pair rows (``pack_reward_pairs``); ``margin`` rides along when the data has it.
 REWARD_ROW_COLUMNS = ("input_ids", "completion_mask", SEQ_LENGTHS)
 
@@ -80,11 +79,11 @@ class StepPairs:
 
 
 @dataclass(frozen=True)
-class RewardRun:
-    """What ``prepare_reward_trainer`` decided for the run, held on the trainer as one value."""
+class RewardPlan(StepPlan):
+    """What ``prepare_reward_trainer`` decided for the run: the step owner's plan (layout, token budget) plus
+    whether the model reads ``seq_idx``; held on the trainer as one value (``step.plan_of``)."""
 
-    layout: Any  # RankLayout: the data-parallel size the loss is averaged over
-    send_seq_idx: bool  # hybrids read sequence boundaries from seq_idx
+    send_seq_idx: bool = False  # hybrids read sequence boundaries from seq_idx
     step: StepPairs = field(default_factory=StepPairs)  # the one mutable part: this step's pair count
 
 
@@ -94,14 +93,15 @@ def _pairs_in(batch: dict[str, Any]) -> int:
     return int(batch["input_ids"].shape[0]) // 2
 
 
-class PackedRewardStep:
+class PackedRewardStep(StepOwner):
     """packtools' part of a ``RewardTrainer`` step (see the module docstring); swapped in by
-    :func:`prepare_reward_trainer` in front of the trainer's own class."""
+    :func:`prepare_reward_trainer` in front of the trainer's own class (``step.install_step``); the training
+    loader is :class:`~packtools.integrations.step.StepOwner`'s."""
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
         torch = require("torch", "packtools.prepare_reward_trainer")
         samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
-        run: RewardRun = vars(self)[RUN]
+        run: RewardPlan = plan_of(self)  # type: ignore[assignment]
         pairs = torch.tensor(sum(_pairs_in(b) for b in samples), device=device)
         if self.args.world_size > 1:  # type: ignore[attr-defined]
             pairs = self.accelerator.gather(pairs).sum() // run.layout.peers  # type: ignore[attr-defined]
@@ -111,7 +111,7 @@ class PackedRewardStep:
     def compute_loss(
         self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
-        run: RewardRun = vars(self)[RUN]
+        run: RewardPlan = plan_of(self)  # type: ignore[assignment]
         batch = reward_batch(inputs, run.send_seq_idx)
         with uneven_gather(self.accelerator):  # type: ignore[attr-defined]  # ranks hold different pair counts
             result = super().compute_loss(  # type: ignore[misc]
@@ -135,7 +135,7 @@ def _check_trainer(trainer: Any) -> None:
         )
     from trl import RewardTrainer
 
-    if isinstance(trainer, PackedRewardStep):
+    if isinstance(trainer, StepOwner):
         raise PackingError(
             "prepare_reward_trainer was already called on this trainer (it was prepared twice)."
         )
@@ -236,8 +236,9 @@ def prepare_reward_trainer(
             param="max_tokens",
         )
     with all_or_nothing(trainer):
-        swap_class(trainer, PackedRewardStep, owner=trainer)  # refuses a trainer prepared twice
-        run = RewardRun(layout, _sends_seq_idx(trainer.model))
+        check_train_loader(trainer, max_tokens)
+        run = RewardPlan(layout, max_tokens, send_seq_idx=_sends_seq_idx(trainer.model))
+        install_step(trainer, PackedRewardStep, run)  # refuses a trainer prepared twice
         check_attention_implementation(trainer.model)
         with segmented_sdpa_until_checked([trainer.model], segmented_sdpa, owner=trainer):
             if check_isolation and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
@@ -251,6 +252,4 @@ def prepare_reward_trainer(
         guard_model(trainer.model, owner=trainer)
         if train_dataset is not None:
             _use_packed_dataset(trainer, train_dataset)
-        install_train_loader(trainer, max_tokens, owner=trainer, layout=layout)
-        set_attr(trainer, RUN, run, owner=trainer)
     return trainer

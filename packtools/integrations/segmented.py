@@ -244,6 +244,12 @@ def segmented_sdpa_forward(
             "a prompt-shared batch (packtools_tree) reached the packtools_sdpa attention, which would ignore the "
             "tree; switch the model with packtools.integrations.tree_attention.use_tree_attention(model)."
         )
+    if kwargs.get("packtools_cp") is not None:  # a context-parallel shard: this rank's chunks are not a row
+        raise PackingError(
+            "a context-parallel shard (packtools_cp) reached the packtools_sdpa attention, which would attend only "
+            "within this rank's chunks; switch the model with packtools.integrations.use_cp_attention(model).",
+            param="packtools_cp",
+        )
     torch, sdpa_attention_forward, repeat_kv, _ = _functions()
     bounds = None if _compiling(torch) else _segments_apply(kwargs, query, key)
     if bounds is None:

@@ -70,14 +70,16 @@ from .backends import (
     segmented_sdpa_until_checked,
     switch_back,
 )
-from .budget_loader import install_train_loader
+from .budget_loader import check_train_loader
 from .collator_check import check_trainer_collator, probe_collator
 from .compat import all_or_nothing, set_attr
 from .guard import guard_model
 from .isolation import check_isolation as _check_isolation
-from .parallel_layout import rank_layout
+from .parallel_layout import check_context_parallel_size, rank_layout
 from .segmented import SEGMENTED_SDPA
-from .sft import causal_lm_loss, check_sft, is_sft_trainer, keep_packed_columns
+from .sft import check_sft, is_sft_trainer, keep_packed_columns
+from .step import SFTStep, StepPlan, check_loss_owner, install_step, plan_of, use_causal_lm_loss
+from .step_loss import check_loss_mode
 from .vision import check_multimodal_model, check_vision_isolation
 
 
@@ -140,6 +142,7 @@ def prepare_trainer(
     check_isolation: bool = True,
     segmented_sdpa: bool = True,
     context_parallel: int | None = None,
+    loss: str = "token",
 ) -> Any:
     """Make a ``transformers.Trainer`` (or TRL ``SFTTrainer``) train correctly on packed padding-free batches.
 
@@ -175,9 +178,21 @@ def prepare_trainer(
     accelerate's device mesh (:mod:`packtools.integrations.parallel_layout`): tensor- and context-parallel
     peers read the same batches; layouts packtools does not handle are refused by name.
 
-    ``context_parallel=N`` splits every padding-free row across ``N`` consecutive processes per document
-    (:mod:`packtools.integrations.cp_trainer`: CP collator, ``packtools_cp`` attention, the loss as the token
-    mean over every rank and the accumulation window).
+    ``context_parallel=N`` (a positive int) splits every padding-free row across ``N`` consecutive processes per
+    document (:mod:`packtools.integrations.cp_trainer`: CP collator, ``packtools_cp`` attention, the trainer's
+    own loss on the shards' targets, the token mean over every rank and the accumulation window).
+
+    ``loss`` is how the token losses of an optimizer step are averaged (:mod:`packtools.integrations.step_loss`),
+    each equal to the unpacked computation over the global batch (accumulation window x processes x CP group):
+    ``"token"`` (the default: the mean over every trained token, the trainer's own loss), ``"sample"`` (each
+    sequence's token mean, averaged over the sequences) or ``"sqrt"`` (sequences weighted by the square root of
+    their trained tokens).  ``"sample"`` and ``"sqrt"`` are computed by packtools, so a loss of the trainer's own
+    (a ``compute_loss`` override, ``compute_loss_func``, ``SFTConfig(loss_type=...)``, label smoothing) is
+    refused by name with them.
+
+    The trainer's class becomes a packtools subclass of it (``PackedTrainer``, ``PackedSFTTrainer``,
+    ``Packed<YourTrainer>``: :mod:`packtools.integrations.step`), the one owner of what packtools changes in
+    its step; ``unprepare`` gives the class back.
 
     Vision-language models (:mod:`packtools.integrations.vision`): Qwen2-VL, Qwen2.5-VL and Qwen3-VL (the list
     is :data:`packtools.batches.mrope.VERIFIED_MODEL_TYPES`) train packed with
@@ -187,6 +202,18 @@ def prepare_trainer(
     (:func:`~packtools.integrations.vision.check_vision_isolation`).  Returns the trainer.
     """
     require("transformers", "packtools.integrations.prepare_trainer")
+    loss = check_loss_mode(loss)
+    check_context_parallel_size(context_parallel)
+    plan = plan_of(trainer)
+    if plan is not None:  # idempotent with the same options; other options would stack on the first
+        if (plan.max_tokens, plan.loss, plan.layout.cp_size) == (max_tokens, loss, context_parallel or 1):
+            return trainer
+        raise PackingError(
+            f"prepare_trainer was already called on this {type(trainer).__name__} with max_tokens="
+            f"{plan.max_tokens}, loss={plan.loss!r}, context_parallel={plan.layout.cp_size}; call "
+            f"packtools.integrations.unprepare(trainer) before preparing it with other options.",
+            param="trainer",
+        )
     if is_instance(trainer, "trl", "DPOTrainer"):
         raise PackingError(
             f"prepare_trainer got a {type(trainer).__name__}: preference pairs need their own batches, loss scaling "
@@ -215,19 +242,22 @@ def prepare_trainer(
             "MultimodalCollator batch carries. Train it with context_parallel=1 (data parallelism only).",
             param="context_parallel",
         )
-    layout = rank_layout(trainer, context_parallel)
+    if vision and loss != "token":
+        raise PackingError(
+            f"loss={loss!r} with a vision-language model ({type(trainer.model).__name__}): the per-sequence "
+            f"weights are not checked against MultimodalCollator batches (3-D positions); use loss='token'.",
+            param="loss",
+        )
+    layout = rank_layout(trainer, context_parallel)  # refuses a context_parallel that is no positive int
+    check_loss_owner(trainer, loss)
+    check_train_loader(trainer, max_tokens)
     with all_or_nothing(trainer):
         keep_packed_columns(trainer)
         sft = is_sft_trainer(trainer)
         if sft:
             check_sft(trainer)
-        if (
-            not getattr(trainer, "model_accepts_loss_kwargs", True)
-            and trainer.compute_loss_func is None
-            and trainer.label_smoother is None
-            and not sft
-        ):
-            set_attr(trainer, "compute_loss_func", causal_lm_loss, owner=trainer)
+        if not sft:
+            use_causal_lm_loss(trainer)
         if trainer.args.world_size > 1 and not getattr(trainer.args, "average_tokens_across_devices", True):
             warnings.warn(
                 "average_tokens_across_devices=False: each process divides its loss by its own token count, so "
@@ -241,7 +271,6 @@ def prepare_trainer(
         # the trainer's own collator on a real batch, then the probe through it (vision: its own probe)
         if check_isolation and not vision:
             probe_rows, packed = check_trainer_collator(trainer)
-        install_train_loader(trainer, max_tokens, owner=trainer, layout=layout)
         guard_model(trainer.model, owner=trainer)
         with segmented_sdpa_until_checked([trainer.model], segmented_sdpa, owner=trainer) as switched:
             if check_isolation:
@@ -249,5 +278,6 @@ def prepare_trainer(
         if layout.cp_size > 1:
             from .cp_trainer import prepare_context_parallel
 
-            prepare_context_parallel(trainer, layout)
+            layout = prepare_context_parallel(trainer, layout)
+        install_step(trainer, SFTStep, StepPlan(layout, max_tokens=max_tokens, loss=loss))
     return trainer

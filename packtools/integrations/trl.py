@@ -39,7 +39,6 @@ to compare against the padded trainer bit for bit.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 from typing import Any
 
 from .._optional import require
@@ -54,32 +53,32 @@ from .backends import (
     token_mixing_layers,
 )
 from .backends import base_model as _base_model
-from .budget_loader import install_train_loader
+from .budget_loader import check_train_loader
 from .collator_check import check_preference_collator
 from .compat import set_attr, undo
 from .compat.trl import (
+    check_method,
     fused_forward,
     is_vision,
     keep_signature_columns,
     set_training_data,
     tokenizer_of,
     wrap_fused_forward,
-    wrap_method,
 )
-from .cp_dpo import CP_FORWARD, dpo_layout, prepare_dpo_context_parallel
-from .distributed import check_loss_path, trainer_divides_by_accumulation, uneven_gather
+from .cp_dpo import dpo_layout, prepare_dpo_context_parallel
+from .distributed import check_loss_path
 from .dpo_calls import PER_TOKEN, padded_preference_call, padding_free_layout
 from .dpo_probe import check_padding_free_forward
 from .guard import check_forward_inputs, guard_model
 from .shared_dpo import check_tree_models, prepare_shared_prompt, shares_prompt, tree_columns
+from .step import DPOStep, StepPlan, install_step, plan_of
 from .transformers import run_probe
 
 _WRAPPED = "_packtools_padding_free"
-_PATCHED = "_packtools_dpo"
 PAIR_ROW_COLUMNS = ("input_ids", "completion_mask", SEQ_LENGTHS)
 
 
-def _padding_free_forward(model: Any, inner: Any) -> Any:
+def _padding_free_forward(model: Any, inner: Any, trainer: Any = None) -> Any:
     torch = require("torch", "packtools.prepare_dpo_trainer")
     mixers = tuple(token_mixing_layers(model))
     # seq_idx goes to models that name it, or that take **kwargs and have token-mixing layers (hybrids).
@@ -117,7 +116,8 @@ def _padding_free_forward(model: Any, inner: Any) -> Any:
         }
         flat["use_cache"] = False
         check_forward_inputs(flat, attention_implementation(self), mixers)
-        cp = vars(model).get(CP_FORWARD)  # context parallelism: this rank's shard, the row's outputs back
+        plan = None if trainer is None else plan_of(trainer)
+        cp = None if plan is None else plan.cp_forward  # context parallelism: this rank's shard, the row back
         out = inner(fused_lm_head=True, **flat) if cp is None else cp(inner, flat, lengths)
         # Flat output i scores token i + 1; padded (b, j) scores token j + 1 of sequence b.
         target = valid[:, 1:]
@@ -151,8 +151,9 @@ def install_padding_free_forward(model: Any, *, owner: Any = None) -> None:
     base = _base_model(model)
     if vars(base).get(_WRAPPED):
         return
+    trainer = owner  # the forward reads the trainer's step plan (context parallelism) once it is prepared
     owner = base if owner is None else owner
-    wrap_fused_forward(base, lambda inner: _padding_free_forward(base, inner), owner=owner)
+    wrap_fused_forward(base, lambda inner: _padding_free_forward(base, inner, trainer), owner=owner)
     set_attr(base, _WRAPPED, True, owner=owner)
 
 
@@ -186,65 +187,6 @@ def _check_trainer(trainer: Any) -> None:
             "prompt-learning PEFT adapters add virtual tokens in front of every sequence, which a padding-free "
             "row cannot hold; use LoRA-style adapters."
         )
-
-
-@dataclass
-class _StepPairs:
-    """The pairs of the optimizer step being run (all processes), counted when its micro-batches are fetched."""
-
-    layout: Any
-    pairs: int | None = None
-
-
-def _count_step_pairs(trainer: Any, step: _StepPairs) -> None:
-    """Count the pairs of each optimizer step when ``Trainer`` prefetches its micro-batches."""
-    torch = require("torch", "packtools.prepare_dpo_trainer")
-
-    def make(original: Any) -> Any:
-        def get_batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
-            samples, num_items = original(epoch_iterator, num_batches, device)
-            pairs = torch.tensor(sum(int(b["completion_mask"].shape[0]) // 2 for b in samples), device=device)
-            if trainer.args.world_size > 1:  # tensor/context-parallel peers hold the same pairs: counted once
-                pairs = trainer.accelerator.gather(pairs).sum() // step.layout.peers
-            step.pairs = int(pairs)
-            return samples, num_items
-
-        return get_batch_samples
-
-    wrap_method(trainer, "get_batch_samples", make)
-
-
-def _mean_over_step(trainer: Any, step: _StepPairs) -> None:
-    """Rescale each training micro-batch's loss (a mean over its pairs) to its share of the step's mean."""
-
-    def make(original: Any) -> Any:
-        def compute_loss(
-            model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
-        ) -> Any:
-            with uneven_gather(
-                trainer.accelerator
-            ):  # per-pair metrics: ranks hold different numbers of pairs
-                result = original(
-                    model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-                )
-            if not trainer.model.training or not step.pairs:
-                return result
-            loss = result[0] if return_outputs else result
-            pairs = int(inputs["completion_mask"].shape[0]) // 2
-            # Undo what training_step divides by (read from Trainer's own predicate) and DDP's mean over the
-            # data-parallel group (not over tensor-parallel peers); context-parallel peers' gradients are parts
-            # of one gradient (cp_dpo: identity-backward sums), so DDP's mean over them is undone too.
-            divided = trainer_divides_by_accumulation(trainer, num_items_in_batch)
-            steps = trainer.current_gradient_accumulation_steps if divided else 1
-            loss = loss * (pairs * steps * step.layout.dp_size / step.pairs)
-            if step.layout.cp_size > 1:  # the gradient times cp_size, the value (logged) kept the step mean
-                extra = loss * (step.layout.cp_size - 1)
-                loss = loss + (extra - extra.detach())
-            return (loss, result[1]) if return_outputs else loss
-
-        return compute_loss
-
-    wrap_method(trainer, "compute_loss", make)
 
 
 def _use_packed_dataset(trainer: Any, dataset: Any, shared: bool) -> None:
@@ -327,8 +269,10 @@ def prepare_dpo_trainer(
     require("trl", "packtools.prepare_dpo_trainer")
     _check_trainer(trainer)
     check_loss_path(trainer)
-    if vars(trainer).get(_PATCHED):
+    if plan_of(trainer) is not None:
         raise PackingError("prepare_dpo_trainer was already called on this trainer.")
+    for name in ("compute_loss", "get_batch_samples"):
+        check_method(trainer, name)
     try:
         _prepare(
             trainer,
@@ -391,10 +335,8 @@ def _prepare(
         guard_model(trainer.ref_model, owner=trainer)
     if train_dataset is not None:
         _use_packed_dataset(trainer, train_dataset, shared)
+    cp_forward = None
     if layout.cp_size > 1:
-        prepare_dpo_context_parallel(trainer, layout, models, _base_model)
-    install_train_loader(trainer, max_tokens, owner=trainer, layout=layout)  # integrations.budget_loader
-    step = _StepPairs(layout)
-    _count_step_pairs(trainer, step)
-    _mean_over_step(trainer, step)
-    set_attr(trainer, _PATCHED, True, owner=trainer)
+        layout, cp_forward = prepare_dpo_context_parallel(trainer, layout, models)
+    check_train_loader(trainer, max_tokens)
+    install_step(trainer, DPOStep, StepPlan(layout, max_tokens=max_tokens, cp_forward=cp_forward))

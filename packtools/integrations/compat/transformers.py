@@ -19,7 +19,8 @@ undoes them:
   ``ALL_MASK_ATTENTION_FUNCTIONS.register`` (public); taking an entry out again needs their class-wide
   ``_global_mapping`` (no public ``unregister``), done only when the last owner that needed it is undone.
 * a model's backend (:func:`set_attention`, through the public ``set_attn_implementation``).
-* ``Trainer.get_train_dataloader`` (:func:`replace_train_dataloader`): an instance attribute over the method.
+* ``Trainer._remove_unused_columns`` / ``_get_collator_with_removed_columns`` (:func:`training_rows`,
+  :func:`training_collator`): the column removal packtools' own training loader applies as ``Trainer``'s does.
 
 An object without the shape checked here raises :func:`~packtools.integrations.compat.unknown_shape` instead
 of being patched blindly.  This module imports no packtools layer above ``errors`` (it sits below them).
@@ -38,12 +39,11 @@ of being patched blindly.  This module imports no packtools layer above ``errors
 from __future__ import annotations
 
 import inspect
-import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..._optional import is_instance, require
-from . import record, set_attr, unknown_shape, warn_unchecked
+from . import record, unknown_shape, warn_unchecked
 
 #: The ``transformers`` versions whose shapes this module was checked against (lowest and newest CI runs).
 CHECKED = "5.15.0 - 5.25.0"
@@ -213,9 +213,3 @@ def training_collator(trainer: Any, collator: Any) -> Any:
     """``collator`` wrapped in the trainer's column removal, as its training loader wraps it (other datasets)."""
     method = _trainer_method(trainer, "_get_collator_with_removed_columns", ("data_collator", "description"))
     return method(collator, description="training")
-
-
-def replace_train_dataloader(trainer: Any, make: Callable[[Any], Any], *, owner: Any) -> None:
-    """Make ``trainer.get_train_dataloader()`` call ``make(trainer)`` (recorded; undone by deleting it again)."""
-    _trainer_method(trainer, "get_train_dataloader", ())
-    set_attr(trainer, "get_train_dataloader", types.MethodType(make, trainer), owner=owner)

@@ -8,16 +8,16 @@ each recorded on the trainer (:func:`~packtools.integrations.compat.set_attr` wi
   :func:`wrap_fused_forward` replaces that instance attribute with packtools' padding-free or prompt-shared
   forward around it.  Module hooks cannot do this job on every checked version: PEFT 0.18's ``LoraModel.forward``
   calls ``model.forward(...)`` directly, which runs no hook of the base model.
-* **``compute_loss`` and ``get_batch_samples``** (:func:`wrap_method`): ``DPOTrainer.compute_loss`` overrides
-  ``Trainer.compute_loss`` and never reads ``compute_loss_func``, and no callback sees a step's micro-batches,
-  so the loss rescaling and the pair count wrap the trainer's bound methods (as instance attributes).
+* **``compute_loss`` and ``get_batch_samples``** (:func:`check_method`): their signatures are checked; the step
+  owner (:class:`packtools.integrations.step.DPOStep`, the trainer's class swapped to a subclass of its own)
+  overrides them and calls ``super()``.
 * **The kept columns** (:func:`keep_signature_columns`): ``Trainer`` drops dataset columns its model's
   ``forward`` does not name, from ``Trainer._signature_columns`` (set by
   ``Trainer._set_signature_columns_if_needed``, both private); packed pair rows add their columns to it.
 * **The dataset and collator** (``train_dataset``, ``data_collator``: public attributes, recorded all the same).
 
 :func:`packtools.integrations.reward.prepare_reward_trainer` swaps a subclass onto a ``RewardTrainer``
-(:mod:`~packtools.integrations.compat.classes`) whose ``compute_loss`` calls ``RewardTrainer.compute_loss`` with
+(:func:`packtools.integrations.step.install_step`) whose ``compute_loss`` calls ``RewardTrainer.compute_loss`` with
 a stand-in for the model; it relies on TRL 1.16's ``compute_loss`` calling ``model(**inputs)`` once and reading
 only ``outputs.logits`` (``[2 * pairs, 1]``, chosen then rejected), ``inputs["margin"]`` and
 ``inputs["attention_mask"]`` (its token count), which :func:`check_step_methods` cannot see: the CHECKED range
@@ -81,14 +81,14 @@ def wrap_fused_forward(
     set_attr(base, "forward", types.MethodType(make(inner), base), owner=owner)
 
 
-def wrap_method(trainer: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """``trainer.<name> = make(trainer.<name>)`` for ``compute_loss`` / ``get_batch_samples``, recorded on it."""
+def check_method(trainer: Any, name: str) -> None:
+    """Refuse a trainer whose ``compute_loss`` / ``get_batch_samples`` is not the shape the step owner
+    (:mod:`packtools.integrations.step`) overrides and calls through ``super()``."""
     method = getattr(trainer, name, None)
     params = tuple(inspect.signature(method).parameters) if callable(method) else ()
     if params != _METHOD_PARAMS[name]:
         library = "trl" if name == "compute_loss" else "transformers"
         raise _unknown(f"{type(trainer).__name__}.{name} takes {params}, not {_METHOD_PARAMS[name]}", library)
-    set_attr(trainer, name, make(method), owner=trainer)
 
 
 def check_step_methods(trainer: Any, names: Sequence[str]) -> None:

@@ -1,0 +1,124 @@
+"""One process of ``tests/test_loss_modes.py``: ``prepare_trainer(..., loss=MODE)`` under torchrun.
+
+Usage: ``torchrun --nproc_per_node 2 tests/_loss_modes_trainer_worker.py CP GA OUT_DIR``.  The rows of
+``benchmarks/cp_loop.BATCHES`` are the global batch of one optimizer step (``2 / CP`` DP ranks, ``GA``
+micro-batches), SGD lr 1, no clipping: the parameter change is the gradient.  For each loss mode rank 0 writes
+every rank's parameter change and the step's loss to ``OUT_DIR/trainer.pt``.  With ``CP > 1`` it also runs
+the regressions of the adversarial round: a ``Trainer`` subclass whose ``compute_loss`` returns ``loss * 0.0``
+(and ``* 0.25``) under CP, and ``predict`` under CP.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from cp_loop import BATCHES, tiny_llama_fp32  # noqa: E402
+
+
+def run_step(
+    out: Path, cp: int | None, ga: int, dp: int, mode: str = "token", cls: type = None, dft: bool = False
+):
+    """One optimizer step on ``BATCHES`` (``dp`` data-parallel ranks, ``ga`` micro-batches); returns
+    ``({"delta", "loss"}, trainer)``.  ``dft``: TRL's ``SFTTrainer`` with ``loss_type="dft"``."""
+    import datasets
+    import transformers
+
+    from packtools import PaddingFreeCollator, prepare_trainer
+
+    rows = [row for batch in BATCHES for row in batch]
+    model = tiny_llama_fp32()
+    options = dict(
+        output_dir=str(out / "run"),
+        per_device_train_batch_size=len(rows) // dp // ga,
+        gradient_accumulation_steps=ga,
+        max_steps=1,
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        ddp_backend="gloo" if dist.is_initialized() or "WORLD_SIZE" in os.environ else None,
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    common = dict(
+        model=model,
+        train_dataset=datasets.Dataset.from_list(rows),
+        data_collator=PaddingFreeCollator(0),
+        optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)),
+    )
+    if dft:
+        import trl
+        from test_dpo import word_tokenizer
+
+        from packtools.integrations import packed_sft_config
+
+        args = packed_sft_config(**options, loss_type="dft", bf16=False)
+        trainer = trl.SFTTrainer(args=args, processing_class=word_tokenizer(), **common)
+    else:
+        trainer = (cls or transformers.Trainer)(args=transformers.TrainingArguments(**options), **common)
+    prepare_trainer(trainer, context_parallel=cp, loss=mode)
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    loss = trainer.train().training_loss
+    return {"delta": {k: before[k] - p.detach() for k, p in model.named_parameters()}, "loss": loss}, trainer
+
+
+def main() -> None:
+    import datasets
+    import transformers
+
+    cp, ga, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    dp = world // cp
+
+    def step(mode: str, cls: type = None, dft: bool = False):
+        return run_step(out, cp, ga, dp, mode, cls, dft)
+
+    result = {}
+    for mode in ("token", "sample", "sqrt"):
+        result[mode], trainer = step(mode)
+    if cp > 1:
+
+        class Frozen(transformers.Trainer):  # the user's loss is zero: no parameter may move
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch) * 0.0
+
+        class Quarter(transformers.Trainer):
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch) * 0.25
+
+        result["frozen"], _ = step("token", Frozen)
+        result["quarter"], _ = step("token", Quarter)
+        result["dft"], _ = step("token", dft=True)  # SFTTrainer(loss_type="dft"): TRL's loss, honoured
+        test = datasets.Dataset.from_dict(
+            {"input_ids": [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25]], "seq_lengths": [[5], [5]]}
+        )
+        try:
+            trainer.predict(test)
+            result["predict"] = ""
+        except Exception as err:  # noqa: BLE001 - recorded for the test to assert on
+            result["predict"] = f"{type(err).__name__}: {err}"
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        torch.save(gathered, out / "trainer.pt")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
