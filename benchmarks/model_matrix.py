@@ -49,6 +49,9 @@ SMALL = dict(
     tie_word_embeddings=False,
 )
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+LINEAR = dict(
+    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8
+)
 MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8)
 
 
@@ -137,6 +140,152 @@ ARCHS = [
         "FalconH1Config",
         {"head_dim": 8, "mamba_d_ssm": 64, **MAMBA},
         "hybrid: parallel Mamba-2 + attention",
+    ),
+    Arch(
+        "Qwen3.5",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5TextConfig",
+        {"head_dim": 8, **LINEAR, "layer_types": ["linear_attention", "full_attention"]},
+        "hybrid: gated DeltaNet (conv + linear attention) + gated attention",
+    ),
+    Arch(
+        "Qwen3.5-MoE",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeTextConfig",
+        {
+            "head_dim": 8,
+            **LINEAR,
+            **MOE,
+            "shared_expert_intermediate_size": 16,
+            "layer_types": ["linear_attention", "full_attention"],
+        },
+        "hybrid gated DeltaNet + attention, mixture of experts",
+    ),
+    Arch(
+        "LFM2",
+        "Lfm2ForCausalLM",
+        "Lfm2Config",
+        {"layer_types": ["conv", "full_attention"], "block_auto_adjust_ff_dim": False},
+        "hybrid: gated short convolutions + attention",
+    ),
+    Arch(
+        "Nemotron-H",
+        "NemotronHForCausalLM",
+        "NemotronHConfig",
+        {
+            "layers_block_type": ["mamba", "attention", "mlp"],
+            "head_dim": 8,
+            "ssm_state_size": 8,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "n_groups": 1,
+            "chunk_size": 8,
+        },
+        "hybrid: Mamba-2 + attention + MLP blocks",
+    ),
+    Arch(
+        "Kimi Linear",
+        "KimiLinearForCausalLM",
+        "KimiLinearConfig",
+        {
+            "num_key_value_heads": 4,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 8,
+            "linear_head_dim": 8,
+            "linear_num_heads": 4,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "layer_types": ["linear_attention", "full_attention"],
+        },
+        "hybrid: Kimi delta attention + MLA",
+    ),
+    Arch(
+        "GPT-OSS",
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        {
+            "head_dim": 8,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+        "attention sinks, sliding + full layers, MoE",
+    ),
+    Arch(
+        "Gemma 4",
+        "Gemma4ForCausalLM",
+        "Gemma4TextConfig",
+        {
+            "head_dim": 8,
+            "global_head_dim": 8,
+            "sliding_window": 4,
+            "hidden_size_per_layer_input": 8,
+            "vocab_size_per_layer_input": VOCAB,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+        "sliding + global layers, per-layer inputs",
+    ),
+    Arch(
+        "Llama 4",
+        "Llama4ForCausalLM",
+        "Llama4TextConfig",
+        {
+            "head_dim": 8,
+            "intermediate_size_mlp": 64,
+            "num_local_experts": 4,
+            "attention_chunk_size": 4,
+            "no_rope_layers": [1, 0],
+        },
+        "chunked attention (4), layers without rotary, MoE",
+    ),
+    Arch(
+        "DeepSeek V3",
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        {
+            "num_key_value_heads": 4,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 8,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "moe_intermediate_size": 16,
+            "first_k_dense_replace": 1,
+        },
+        "multi-head latent attention (MLA), MoE",
+    ),
+    Arch(
+        "OLMo 3", "Olmo3ForCausalLM", "Olmo3Config", {"sliding_window": 4}, "sliding + full layers, q/k norm"
+    ),
+    Arch(
+        "SmolLM3",
+        "SmolLM3ForCausalLM",
+        "SmolLM3Config",
+        {"no_rope_layers": [1, 0]},
+        "layers without rotary (NoPE)",
+    ),
+    Arch("Seed-OSS", "SeedOssForCausalLM", "SeedOssConfig", {"head_dim": 8}, "q/k/v bias, RoPE"),
+    Arch(
+        "GLM-4.5 MoE",
+        "Glm4MoeForCausalLM",
+        "Glm4MoeConfig",
+        {
+            **MOE,
+            "n_routed_experts": 4,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "head_dim": 8,
+        },
+        "partial rotary, MoE with shared expert",
     ),
 ]
 FAST = ("Llama", "GPT-2", "Falcon-H1")  # the subset the default test run covers

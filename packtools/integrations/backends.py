@@ -206,16 +206,21 @@ def segmented_sdpa_until_checked(
 _MIXER_NAMES = ("Mamba", "DeltaNet", "LinearAttention", "ShortConv", "SSM", "RWKV", "Recurrent")
 
 
-def token_mixing_layers(model: Any) -> list[str]:
+def token_mixing_layers(model: Any, *, include_handled: bool = False) -> list[str]:
     """Names of the layers that mix tokens outside attention (convolutions, state-space or linear-attention scans).
 
     Such layers ignore ``position_ids``: they keep packed sequences apart only when given ``seq_idx`` or
     ``cu_seq_lens`` *and* a kernel that reads them (mamba-ssm, causal-conv1d, flash-linear-attention).
     Found by module type: a ``torch.nn.Conv1d`` with a kernel wider than 1 (reported as its parent
-    layer) or a class named like a Mamba / DeltaNet / linear-attention / RWKV block.
+    layer) or a class named like a Mamba / DeltaNet / linear-attention / RWKV block that is not an attention
+    module (transformers' attention classes set ``is_causal``: Kimi Linear's MLA is ``KimiLinearAttention``).
+    Layers that :func:`packtools.integrations.mixers.run_mixers_per_document` runs per document (or with their
+    varlen kernels) keep documents apart and are not listed (``include_handled=True`` lists them too).
     """
     found: list[str] = []
-    for name, module in base_model(model).named_modules():
+    handled: list[str] = []
+    modules = dict(base_model(model).named_modules())
+    for name, module in modules.items():
         cls = type(module).__name__
         parent = name.rsplit(".", 1)[0] if "." in name else name
         if any(name == f or name.startswith(f + ".") or parent == f for f in found):
@@ -223,9 +228,17 @@ def token_mixing_layers(model: Any) -> list[str]:
         kernel = getattr(module, "kernel_size", None)
         if cls == "Conv1d" and isinstance(kernel, tuple) and kernel[0] > 1:
             found.append(parent)
-        elif any(part in cls for part in _MIXER_NAMES) and not cls.endswith(("Model", "ForCausalLM")):
+        elif (
+            any(part in cls for part in _MIXER_NAMES)
+            and not cls.endswith(("Model", "ForCausalLM"))
+            and not hasattr(module, "is_causal")
+        ):
             found.append(name)
-    return found
+    for name in found:
+        forward = vars(modules[name]).get("forward") if name in modules else None
+        if getattr(forward, "keeps_documents_apart", False):
+            handled.append(name)
+    return found if include_handled else [n for n in found if n not in handled]
 
 
 def adapt_collator(collator: Any, model: Any) -> Any:

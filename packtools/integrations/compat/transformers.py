@@ -219,3 +219,40 @@ def replace_train_dataloader(trainer: Any, make: Callable[[Any], Any], *, owner:
     """Make ``trainer.get_train_dataloader()`` call ``make(trainer)`` (recorded; undone by deleting it again)."""
     _trainer_method(trainer, "get_train_dataloader", ())
     set_attr(trainer, "get_train_dataloader", types.MethodType(make, trainer), owner=owner)
+
+
+def replace_mixer_forward(module: Any, forward: Callable[..., Any], *, owner: Any) -> Callable[..., Any]:
+    """Give a transformers token-mixing layer (a Mamba / DeltaNet / short-convolution module) ``forward`` as an
+    instance attribute over its method, recorded on ``owner``; returns the forward it had.
+
+    torch has no public way to run a module's computation differently (a hook sees the inputs and the output, it
+    cannot skip the call), and these layers' classes are built for it: transformers decorates their ``forward``
+    with ``force_accelerate_hooks``, because accelerate's device hooks replace ``forward`` the same way.  Whatever
+    ``forward`` the module has when prepared (accelerate's included) is kept and called.
+    """
+    if not callable(getattr(module, "forward", None)) or not hasattr(module, "__dict__"):
+        raise unknown_shape("transformers", CHECKED, f"{type(module).__name__} has no forward", _FIX)
+    original = module.forward
+    set_attr(module, "forward", forward, owner=owner)
+    return original
+
+
+def packed_position_masks(model: Any, inputs_embeds: Any, position_ids: Any) -> dict[str, Any]:
+    """The per-layer-type masks of one forward, built from ``position_ids`` by transformers' public mask
+    functions (``masking_utils.create_causal_mask`` / ``create_sliding_window_causal_mask``): for models whose
+    own forward builds them without ``position_ids`` (GPT-OSS), so packed sequences would see each other."""
+    masking = require("transformers", "packtools packed masks").masking_utils
+    config = model.config
+    arguments = dict(
+        config=config, inputs_embeds=inputs_embeds, attention_mask=None, cache=None, position_ids=position_ids
+    )
+    names = set(getattr(config, "layer_types", None) or ["full_attention"])
+    unknown = names - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise unknown_shape(
+            "transformers", CHECKED, f"{type(model).__name__} has layer types {sorted(unknown)}", _FIX
+        )
+    masks = {"full_attention": masking.create_causal_mask(**arguments)}
+    if "sliding_attention" in names:
+        masks["sliding_attention"] = masking.create_sliding_window_causal_mask(**arguments)
+    return masks
