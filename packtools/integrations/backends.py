@@ -148,6 +148,15 @@ def check_attention_implementation(model: Any) -> str:
             f"from position_ids) do. Load the model with attn_implementation='flash_attention_2' (GPU) or 'sdpa', "
             f"or call model.set_attn_implementation('sdpa')."
         )
+    if impl == SEGMENTED_SDPA and uses_alibi(model):
+        raise PackingError(
+            f"{type(base_model(model)).__name__} adds ALiBi position biases to the attention mask tensor itself, "
+            f"and {SEGMENTED_SDPA!r} hands attention no whole-row mask tensor (a DocumentMask, built per "
+            f"document): packtools does not run ALiBi models on {SEGMENTED_SDPA!r}. Load it with "
+            f"attn_implementation='sdpa' (prepare_trainer keeps ALiBi models on 'sdpa', which separates packed "
+            f"sequences by their position_ids) or 'eager'.",
+            param="model",
+        )
     if not is_flash(impl) and not builds_packed_masks():
         raise PackingError(
             f"this transformers version does not build a block-diagonal mask from position_ids, so {impl!r} "
@@ -163,13 +172,23 @@ def check_attention_implementation(model: Any) -> str:
     return impl
 
 
+#: Model types whose attention always adds ALiBi biases (others say so in ``config.alibi``, e.g. Falcon).
+ALIBI_MODEL_TYPES = ("bloom", "mpt")
+
+
+def uses_alibi(model: Any) -> bool:
+    """Whether the model adds ALiBi position biases to its attention (``config.alibi``, or Bloom / MPT)."""
+    config = getattr(base_model(model), "config", None)
+    return bool(getattr(config, "alibi", False)) or getattr(config, "model_type", None) in ALIBI_MODEL_TYPES
+
+
 def use_segmented_sdpa(model: Any, *, owner: Any = None) -> bool:
     """Switch a text model from ``sdpa`` to packtools' per-sequence ``sdpa``; returns whether it switched.
 
     Padding-free rows then cost ``sum(L_i²)`` per attention layer instead of ``(sum L_i)²``, with the same
-    result (see :mod:`packtools.integrations.segmented`).  Other backends, composite (multimodal) configs and
-    models without ``set_attn_implementation`` are left as they are.  With an ``owner`` (``prepare_trainer``
-    passes the trainer) the switch and the registration are recorded, so
+    result (see :mod:`packtools.integrations.segmented`).  Other backends, composite (multimodal) configs, ALiBi
+    models (:func:`uses_alibi`) and models without ``set_attn_implementation`` are left as they are.  With an
+    ``owner`` (``prepare_trainer`` passes the trainer) the switch and the registration are recorded, so
     :func:`packtools.integrations.unprepare` switches back; otherwise ``model.set_attn_implementation("sdpa")``
     does.  The name is not saved with the config.
     """
@@ -177,7 +196,7 @@ def use_segmented_sdpa(model: Any, *, owner: Any = None) -> bool:
     config = getattr(base, "config", None)
     if attention_implementation(model) != "sdpa" or not hasattr(base, "set_attn_implementation"):
         return False
-    if getattr(config, "sub_configs", None):
+    if getattr(config, "sub_configs", None) or uses_alibi(model):  # ALiBi: check_attention_implementation
         return False
     set_attention(base, register(owner=owner), owner=owner)
     return attention_implementation(model) == SEGMENTED_SDPA  # some models keep their own (e.g. Falcon)

@@ -86,6 +86,20 @@ class IsolationReport:
         alone = max([*self.alone_diff, *extra])
         return alone > self.tolerance or self.perturb_diff > self.perturb_tolerance
 
+    def exceeded(self) -> list[str]:
+        """Each measured figure outside its tolerance, with both (what a refusal states: nothing inside)."""
+        figures = [
+            ("logits of a packed sequence against it alone", max(self.alone_diff), self.tolerance),
+            ("relative loss, packed against one by one", self.loss_diff, self.tolerance),
+            ("relative gradient, packed against one by one", self.grad_diff, self.tolerance),
+            ("change of the other sequences when sequence 0 changes", self.perturb_diff, self.perturb_tolerance),
+        ]
+        return [
+            f"{what} {value:.2e} > tolerance {tol:.2e}"
+            for what, value, tol in figures
+            if value is not None and value > tol
+        ]
+
     def __str__(self) -> str:
         lines = [
             f"{self.model} attn_implementation={self.backend!r} {self.dtype} on {self.device}",
@@ -348,10 +362,8 @@ def check_isolation(
                 mixer_refusal(name, impl, mixers, f"packed logits move by {perturb:.1e}.\n{report}")
             )
         raise PackingError(
-            f"{name} with attn_implementation={impl!r} lets packed sequences see each other: the logits of a "
-            f"sequence in a packed batch differ by up to {max(diffs):.1e} from the sequence run alone and move "
-            f"by {perturb:.1e} when another sequence of the batch changes (tolerances {tol:.1e} and "
-            f"{perturb_tol:.1e}; batch keys {list(keys)} from {collator_name(collator)}). "
+            f"{name} with attn_implementation={impl!r} lets packed sequences see each other: "
+            f"{'; '.join(report.exceeded())} (batch keys {list(keys)} from {collator_name(collator)}). "
             f"{fix_hint(keys, mixers, impl)} (prepare_trainer(..., check_isolation=False) "
             f"skips this check; training would then be silently wrong.)\n{report}"
         )

@@ -76,7 +76,9 @@ class Segments:
 
 
 def segments_of(kwargs: dict[str, Any]) -> Segments | None:
-    """The documents of a forward's inputs, or ``None`` when no row holds more than one (one host sync).
+    """The documents of a forward's inputs, or ``None`` when no row holds more than one (one host sync): from
+    ``position_ids`` (a document starts where a position does not follow the previous one by 1), else
+    ``seq_idx`` (where it changes), else ``cu_seq_lens_q`` (one row).
 
     >>> import torch
     >>> segments_of({"position_ids": torch.tensor([[0, 1, 2, 0, 1]])})
@@ -89,17 +91,16 @@ def segments_of(kwargs: dict[str, Any]) -> Segments | None:
     pos, cu = kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q")
     if pos is not None and getattr(pos, "ndim", 0) == 3:
         pos = pos[0]  # multi-axis rotary positions: the first axis is the token's position
-    if pos is not None and getattr(pos, "ndim", 0) == 2:
-        rows, length = int(pos.shape[0]), int(pos.shape[1])
-        if length < 2:
-            return None
-        starts = ((pos[:, 1:] - pos[:, :-1]) != 1).nonzero().tolist()
-        if not starts:
-            return None
-        per_row: list[list[int]] = [[0] for _ in range(rows)]
-        for row, index in starts:
-            per_row[row].append(index + 1)
-        return Segments(tuple((*b, length) for b in per_row), length)
+    seq_idx = kwargs.get("seq_idx")
+    for ids, step in ((pos, 1), (seq_idx, 0)):  # a document starts where positions jump / seq_idx changes
+        if ids is not None and getattr(ids, "ndim", 0) == 2 and ids.shape[1] > 1:
+            rows, length = int(ids.shape[0]), int(ids.shape[1])
+            starts = ((ids[:, 1:] - ids[:, :-1]) != step).nonzero().tolist()
+            if starts:
+                per_row: list[list[int]] = [[0] for _ in range(rows)]
+                for row, index in starts:
+                    per_row[row].append(index + 1)
+                return Segments(tuple((*b, length) for b in per_row), length)
     if cu is not None and getattr(cu, "ndim", 0) == 1 and len(cu) > 2:
         bounds = tuple(int(b) for b in cu.tolist())
         return Segments((bounds,), bounds[-1])
@@ -128,7 +129,9 @@ class _PerDocument:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         segments = kwargs.pop(SEGMENTS_KEY, None)
-        if segments is None:
+        if segments is None:  # every row is one document (segments_of): the row's boundaries say nothing more
+            if not self.kernel:
+                kwargs = {k: v for k, v in kwargs.items() if k not in _ROW_KEYS}
             return self.original(*args, **kwargs)
         hidden = args[0] if args else kwargs.pop("hidden_states")
         rest = args[1:]

@@ -75,6 +75,7 @@ from .collator_check import check_trainer_collator, probe_collator
 from .compat import all_or_nothing, set_attr
 from .guard import guard_model
 from .isolation import check_isolation as _check_isolation
+from .mixers import run_mixers_per_document
 from .parallel_layout import rank_layout
 from .segmented import SEGMENTED_SDPA
 from .sft import causal_lm_loss, check_sft, is_sft_trainer, keep_packed_columns
@@ -229,6 +230,7 @@ def prepare_trainer(
         if check_isolation and not vision:
             probe_rows, packed = check_trainer_collator(trainer)
         install_train_loader(trainer, max_tokens, owner=trainer, layout=layout)
+        run_mixers_per_document(trainer.model, owner=trainer)  # before the guard: its mixers are then handled
         guard_model(trainer.model, owner=trainer)
         with segmented_sdpa_until_checked([trainer.model], segmented_sdpa, owner=trainer) as switched:
             if check_isolation:

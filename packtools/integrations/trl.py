@@ -71,6 +71,7 @@ from .distributed import check_loss_path, trainer_divides_by_accumulation, uneve
 from .dpo_calls import PER_TOKEN, padded_preference_call, padding_free_layout
 from .dpo_probe import check_padding_free_forward
 from .guard import check_forward_inputs, guard_model
+from .mixers import run_mixers_per_document
 from .shared_dpo import check_tree_models, prepare_shared_prompt, shares_prompt, tree_columns
 from .transformers import run_probe
 
@@ -371,6 +372,8 @@ def _prepare(
         check_attention_implementation(model)
     if check_isolation:  # the user's collator must keep every sequence in its own row (collator_check)
         check_preference_collator(trainer)
+    for model in models if not shared else ():  # token-mixing layers per document (integrations.mixers)
+        run_mixers_per_document(model, owner=trainer)
     with segmented_sdpa_until_checked(models, segmented_sdpa, owner=trainer) as switched:
         if check_isolation:
             run_probe(trainer, trainer.ref_model, switched=switched)
