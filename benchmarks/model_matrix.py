@@ -407,11 +407,16 @@ def dpo_check(arch: Arch, backend: str, lengths: tuple[int, ...] = (5, 9, 3, 7))
 
     from packtools import PackingError
     from packtools.integrations.dpo_probe import check_padding_free_forward
+    from packtools.integrations.probe_refusals import translate
 
     try:
         model = prepared_model(arch, backend, dpo=True)
         check_padding_free_forward(model)
     except PackingError:
+        return "refused", None
+    except ValueError as err:  # transformers' own refusal of seq_idx / cu_seq_lens without the kernels
+        if translate(err, arch.model, backend) is None:
+            raise
         return "refused", None
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.get_text_config().vocab_size

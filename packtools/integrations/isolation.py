@@ -92,7 +92,11 @@ class IsolationReport:
             ("logits of a packed sequence against it alone", max(self.alone_diff), self.tolerance),
             ("relative loss, packed against one by one", self.loss_diff, self.tolerance),
             ("relative gradient, packed against one by one", self.grad_diff, self.tolerance),
-            ("change of the other sequences when sequence 0 changes", self.perturb_diff, self.perturb_tolerance),
+            (
+                "change of the other sequences when sequence 0 changes",
+                self.perturb_diff,
+                self.perturb_tolerance,
+            ),
         ]
         return [
             f"{what} {value:.2e} > tolerance {tol:.2e}"

@@ -32,8 +32,10 @@ def mixer_refusal(model_name: str, impl: str | None, mixers: Sequence[str], deta
     return (
         f"{model_name} with attn_implementation={impl!r} cannot keep packed sequences apart on this machine: "
         f"its convolution / state-space / linear-attention layers{layers} separate sequences only with "
-        f"seq_idx or cu_seq_lens, which the PyTorch fallback ignores. Fix: train on CUDA with those kernels "
-        f"installed, or do not pack (PaddingFreeCollator(padding_free=False, unpacked=True) on unpacked rows). "
+        f"seq_idx or cu_seq_lens, which the PyTorch fallback ignores. Fix: prepare the trainer with "
+        f"packtools.prepare_trainer / prepare_dpo_trainer, which run those layers one document at a time "
+        f"(packtools.integrations.mixers.run_mixers_per_document(model) does it alone), or train on CUDA with "
+        f"those kernels installed, or do not pack. "
         f"{detail}"
     )
 
