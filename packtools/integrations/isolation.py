@@ -27,7 +27,7 @@ from .backends import (
     forward_accepts,
     token_mixing_layers,
 )
-from .probe_refusals import collator_failed, collator_name, fix_hint, mixer_refusal, translate
+from .probe_refusals import collator_failed, collator_name, exceeded, fix_hint, mixer_refusal, translate
 from .rows import locate_rows, sequence_spans
 
 #: Sequence lengths of the probe batch (two packed rows of two sequences each).
@@ -85,24 +85,6 @@ class IsolationReport:
         extra = [d for d in (self.loss_diff, self.grad_diff) if d is not None]
         alone = max([*self.alone_diff, *extra])
         return alone > self.tolerance or self.perturb_diff > self.perturb_tolerance
-
-    def exceeded(self) -> list[str]:
-        """Each measured figure outside its tolerance, with both (what a refusal states: nothing inside)."""
-        figures = [
-            ("logits of a packed sequence against it alone", max(self.alone_diff), self.tolerance),
-            ("relative loss, packed against one by one", self.loss_diff, self.tolerance),
-            ("relative gradient, packed against one by one", self.grad_diff, self.tolerance),
-            (
-                "change of the other sequences when sequence 0 changes",
-                self.perturb_diff,
-                self.perturb_tolerance,
-            ),
-        ]
-        return [
-            f"{what} {value:.2e} > tolerance {tol:.2e}"
-            for what, value, tol in figures
-            if value is not None and value > tol
-        ]
 
     def __str__(self) -> str:
         lines = [
@@ -367,7 +349,7 @@ def check_isolation(
             )
         raise PackingError(
             f"{name} with attn_implementation={impl!r} lets packed sequences see each other: "
-            f"{'; '.join(report.exceeded())} (batch keys {list(keys)} from {collator_name(collator)}). "
+            f"{'; '.join(exceeded(report))} (batch keys {list(keys)} from {collator_name(collator)}). "
             f"{fix_hint(keys, mixers, impl)} (prepare_trainer(..., check_isolation=False) "
             f"skips this check; training would then be silently wrong.)\n{report}"
         )

@@ -40,6 +40,26 @@ def mixer_refusal(model_name: str, impl: str | None, mixers: Sequence[str], deta
     )
 
 
+def exceeded(report: Any) -> list[str]:
+    """Each figure of an :class:`~packtools.integrations.isolation.IsolationReport` outside its tolerance, with
+    both: what a refusal states (a figure inside its tolerance is never given as the reason)."""
+    figures = [
+        ("logits of a packed sequence against it alone", max(report.alone_diff), report.tolerance),
+        ("relative loss, packed against one by one", report.loss_diff, report.tolerance),
+        ("relative gradient, packed against one by one", report.grad_diff, report.tolerance),
+        (
+            "change of the other sequences when sequence 0 changes",
+            report.perturb_diff,
+            report.perturb_tolerance,
+        ),
+    ]
+    return [
+        f"{what} {value:.2e} > tolerance {tol:.2e}"
+        for what, value, tol in figures
+        if value is not None and value > tol
+    ]
+
+
 def collator_name(collator: Any) -> str:
     """The class name of the collator the probe ran (the trainer's, inside collator_check.ProbeRows)."""
     inner = getattr(collator, "collate", collator)
