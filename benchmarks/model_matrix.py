@@ -418,6 +418,8 @@ def dpo_check(arch: Arch, backend: str, lengths: tuple[int, ...] = (5, 9, 3, 7))
         if translate(err, arch.model, backend) is None:
             raise
         return "refused", None
+    except AttributeError as err:  # TRL's fused LM head does not know the model's outputs (e.g. Llama 4)
+        return f"n/a (TRL: {_short(err)})", None
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.get_text_config().vocab_size
     ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
@@ -470,6 +472,12 @@ def run_cell(arch: Arch, backend: str) -> Cell:
             detail = ""
     except PackingError as err:
         return Cell(arch.name, backend, "refused", "", None, _refusal(arch, backend, err))
+    except (
+        ValueError
+    ) as err:  # transformers refuses the backend on this device (e.g. GPT-OSS's sinks in flex)
+        if "CPU" not in str(err):
+            raise
+        return Cell(arch.name, backend, "n/a", "", None, f"transformers: {_short(err)}")
     # Not refused: it must really be exact, else it would be a silent leak.
     if report.leaks:
         return Cell(arch.name, backend, "SILENT LEAK", "", report.max_diff, str(report))
@@ -483,6 +491,8 @@ def run_cell(arch: Arch, backend: str) -> Cell:
             needs = label
             break
     dpo = dpo_check(arch, backend) if status == "exact" else ("", None)
+    if dpo[0].startswith("n/a"):
+        detail, dpo = f"DPO {dpo[0]}", ("n/a", None)
     if dpo[0] == "LEAKS":
         return Cell(arch.name, backend, "SILENT LEAK", needs, dpo[1], f"DPO log-probs differ by {dpo[1]:.1e}")
     return Cell(arch.name, backend, status, needs, report.max_diff, detail, *dpo)
@@ -526,7 +536,7 @@ def markdown(cells: list[Cell], archs: list[Arch]) -> str:
         "training needs a GPU.",
         "- **refused**: packtools raises `PackingError` before training (in `prepare_trainer` or "
         "`check_isolation`), naming the fix.",
-        "- **n/a**: transformers itself does not offer this backend for this architecture.",
+        "- **n/a**: transformers itself does not offer this backend for this architecture (on the CPU).",
         "- `packtools_sdpa` is packtools' per-sequence sdpa, which `prepare_trainer` and `prepare_dpo_trainer` "
         "switch `sdpa` models to: on a padding-free row with `cu_seq_lens` each sequence runs on its own "
         "(attention cost sum(L_i^2) instead of (sum L_i)^2), each with its own block of sdpa's mask built alone "

@@ -71,7 +71,7 @@ def test_layer_per_document_equals_layer_alone_and_differs_from_whole_row(arch):
     with torch.no_grad():
         per_doc = layer(hidden, **{SEGMENTS_KEY: Segments((bounds,), 12)})
         alone = torch.cat([layer(hidden[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])], dim=1)
-    assert torch.equal(per_doc, alone)
+    assert torch.allclose(per_doc, alone, rtol=0, atol=1e-7)  # each document's scan at its own chunk size
     rounding = float((per_doc[:, :5] - whole[:, :5]).abs().max())  # the first document has nothing before it
     control = float(
         (per_doc[:, 5:] - whole[:, 5:]).abs().max()

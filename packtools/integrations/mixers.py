@@ -47,7 +47,7 @@ from .._optional import require
 from ..errors import PackingError
 from .backends import base_model, token_mixing_layers
 from .compat.torch import forward_pre_hook
-from .compat.transformers import packed_position_masks, replace_mixer_forward
+from .compat.transformers import document_scan, packed_position_masks, replace_mixer_forward
 
 #: The keyword argument that carries a forward's :class:`Segments` from the decoder down to the mixers.
 SEGMENTS_KEY = "packtools_segments"
@@ -124,8 +124,8 @@ class _PerDocument:
     #: What :func:`packtools.integrations.backends.token_mixing_layers` reads: this layer is handled.
     keeps_documents_apart = True
 
-    def __init__(self, name: str, original: Any, kernel: bool) -> None:
-        self.name, self.original, self.kernel = name, original, kernel
+    def __init__(self, name: str, original: Any, kernel: bool, module: Any = None) -> None:
+        self.name, self.original, self.kernel, self.module = name, original, kernel, module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         segments = kwargs.pop(SEGMENTS_KEY, None)
@@ -153,7 +153,10 @@ class _PerDocument:
                 if end == start:
                     continue
                 local = {k: _slice(v, rows, length, row, start, end) for k, v in kwargs.items()}
-                got = self.original(hidden[row : row + 1, start:end], *rest, **local)
+                with document_scan(
+                    self.module, end - start
+                ) as chunk:  # its chunked scan at the document's size
+                    got = self.original(hidden[row : row + 1, start:end], *rest, **local, **chunk)
                 if not hasattr(got, "shape") or tuple(got.shape[:2]) != (1, end - start):
                     raise PackingError(
                         f"the token-mixing layer {self.name} returned {type(got).__name__} for a document of "
@@ -240,7 +243,7 @@ def run_mixers_per_document(model: Any, *, owner: Any = None) -> DocumentMixers 
         module = modules[name]
         param = next(iter(module.parameters()), None)
         kernel = _kernel_ready(module, getattr(param, "device", None))
-        wrapper = _PerDocument(name, module.forward, kernel)
+        wrapper = _PerDocument(name, module.forward, kernel, module)
         replace_mixer_forward(module, wrapper, owner=owner)
         modes[name] = "varlen kernel" if kernel else "per-document"
 

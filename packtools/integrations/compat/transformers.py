@@ -37,9 +37,10 @@ of being patched blindly.  This module imports no packtools layer above ``errors
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..._optional import is_instance, require
@@ -256,3 +257,44 @@ def packed_position_masks(model: Any, inputs_embeds: Any, position_ids: Any) -> 
     if "sliding_attention" in names:
         masks["sliding_attention"] = masking.create_sliding_window_causal_mask(**arguments)
     return masks
+
+
+#: Token-mixing layer classes (by a part of the name) whose ``forward`` hands its keyword arguments to the chunked
+#: PyTorch scan (``torch_chunk_gated_delta_rule(chunk_size=64, **kwargs)``: Qwen3-Next, Qwen3.5, Qwen3.5-MoE;
+#: ``chunk_kimi_delta_attention(chunk_size=64, **kwargs)``: Kimi Linear).  Mamba-2 layers (Nemotron-H, Bamba,
+#: Falcon-H1) read theirs from the layer's ``chunk_size`` attribute instead.
+CHUNKED_SCANS = ("GatedDeltaNet", "DeltaAttention")
+
+
+def document_chunk(length: int, chunk: int = 64) -> int:
+    """The fewest chunks of at most ``chunk`` tokens that cover a document, of equal size: the chunk size.
+
+    The chunked scans pad every call to a multiple of their chunk, so a document of a few tokens run alone would
+    hold a whole chunk (64, or Nemotron-H's 128); the chunked form is exact for any chunk size, so this one gives the
+    same result with padding below one token per chunk.
+
+    >>> document_chunk(27), document_chunk(100), document_chunk(300, 128)
+    (27, 50, 100)
+    """
+    chunks = -(-length // chunk)
+    return max(1, -(-length // max(chunks, 1)))
+
+
+@contextlib.contextmanager
+def document_scan(module: Any, length: int) -> Iterator[dict[str, int]]:
+    """Run one document of ``length`` tokens through a token-mixing layer's chunked PyTorch scan at its own size
+    (:func:`document_chunk`): yields the keyword arguments to add to the call (``chunk_size`` for a
+    :data:`CHUNKED_SCANS` layer), or sets a Mamba-2 layer's ``chunk_size`` attribute for the call and puts it back.
+    Other layers: nothing."""
+    if any(part in type(module).__name__ for part in CHUNKED_SCANS):
+        yield {"chunk_size": document_chunk(length)}
+        return
+    old = vars(module).get("chunk_size") if hasattr(module, "__dict__") else None
+    if type(old) is not int or old < 1:
+        yield {}
+        return
+    module.chunk_size = document_chunk(length, old)
+    try:
+        yield {}
+    finally:
+        module.chunk_size = old
