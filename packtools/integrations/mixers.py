@@ -213,11 +213,13 @@ def _installed(model: Any) -> DocumentMixers | None:
     return found if isinstance(found, DocumentMixers) else None
 
 
-def run_mixers_per_document(model: Any, *, owner: Any = None) -> DocumentMixers | None:
+def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = True) -> DocumentMixers | None:
     """Make the token-mixing layers of ``model`` keep packed documents apart (and, for
     :data:`POSITIONLESS_MASKS` models, its attention masks); returns what was done, or ``None`` when the model
     has nothing to change.  Recorded on ``owner`` (default: the model): ``packtools.integrations.unprepare``
-    undoes it.  Calling it again on a prepared model returns the first result.
+    undoes it.  Calling it again on a prepared model returns the first result.  ``kernels=False`` keeps every
+    layer on the per-document path even where the varlen kernels are installed (``benchmarks/gpu_check.py``
+    compares the two).
     """
     from .compat import set_attr
 
@@ -242,7 +244,7 @@ def run_mixers_per_document(model: Any, *, owner: Any = None) -> DocumentMixers 
     for name in mixers:
         module = modules[name]
         param = next(iter(module.parameters()), None)
-        kernel = _kernel_ready(module, getattr(param, "device", None))
+        kernel = kernels and _kernel_ready(module, getattr(param, "device", None))
         wrapper = _PerDocument(name, module.forward, kernel, module)
         replace_mixer_forward(module, wrapper, owner=owner)
         modes[name] = "varlen kernel" if kernel else "per-document"
