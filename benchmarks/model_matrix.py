@@ -293,7 +293,7 @@ ARCHS = [
         "partial rotary, MoE with shared expert",
     ),
 ]
-FAST = ("Llama", "GPT-2", "Falcon-H1")  # the subset the default test run covers
+FAST = ("Llama", "GPT-2", "Falcon-H1", "Qwen3.5", "GPT-OSS")  # the subset the default test run covers
 #: Collator switches tried, fewest keys first, to find what an exact cell needs.
 NEEDS = (
     ("position_ids", {"return_flash_attn_kwargs": False, "return_seq_idx": False}),

@@ -238,3 +238,29 @@ def test_matrix_dpo_check_exact_for_a_hybrid_and_refused_without_per_document_la
         "refused",
         None,
     )  # control: the whole row leaks, DPO's probe refuses
+
+
+def test_gemma4_eager_backward_not_refused_for_gradient_rounding():
+    """A 6-layer Gemma 4 (eager, logit soft-capping): logits exact to ~1e-6, perturbation exactly 0, gradients
+    1.02e-5 relative from float32 rounding over the layers -- isolated, within the backward tolerance."""
+    from packtools.integrations.isolation import BACKWARD_FACTOR, TOLERANCE
+
+    config = transformers.Gemma4TextConfig(
+        vocab_size=128,
+        pad_token_id=0,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        global_head_dim=32,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=128,
+        final_logit_softcapping=30.0,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    report = check_isolation(transformers.Gemma4ForCausalLM(config).float(), backward=True)
+    assert report.perturb_diff == 0.0 and not report.leaks
+    assert report.grad_diff < TOLERANCE["float32"] * BACKWARD_FACTOR == report.backward_tolerance
