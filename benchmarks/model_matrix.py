@@ -401,8 +401,8 @@ def dpo_check(arch: Arch, backend: str, lengths: tuple[int, ...] = (5, 9, 3, 7))
     """DPO's sequence log-probabilities through the padding-free forward ``prepare_dpo_trainer`` installs: the
     sequences as TRL's padded batch (flattened to one row by packtools) against each alone, the summed
     log-probabilities and their gradients (relative to ``max(1, largest |gradient|)``); ``("exact", diff)``
-    when both are within :data:`TOLERANCE`, ``("refused", None)`` when packtools refuses (its DPO probe, as
-    ``prepare_dpo_trainer`` runs it), else ``("LEAKS", diff)``."""
+    when both are within :data:`TOLERANCE`, ``("refused: <why>", None)`` when packtools refuses (its DPO probe, as
+    ``prepare_dpo_trainer`` runs it, or the fused head TRL cannot run), else ``("LEAKS", diff)``."""
     import torch
 
     from packtools import PackingError
@@ -412,8 +412,8 @@ def dpo_check(arch: Arch, backend: str, lengths: tuple[int, ...] = (5, 9, 3, 7))
     try:
         model = prepared_model(arch, backend, dpo=True)
         check_padding_free_forward(model)
-    except PackingError:
-        return "refused", None
+    except PackingError as err:
+        return f"refused: {_short(err)}", None
     except ValueError as err:  # transformers' own refusal of seq_idx / cu_seq_lens without the kernels
         if translate(err, arch.model, backend) is None:
             raise
@@ -491,8 +491,8 @@ def run_cell(arch: Arch, backend: str) -> Cell:
             needs = label
             break
     dpo = dpo_check(arch, backend) if status == "exact" else ("", None)
-    if dpo[0].startswith("n/a"):
-        detail, dpo = f"DPO {dpo[0]}", ("n/a", None)
+    if dpo[0].startswith(("n/a", "refused")):  # the reason in the detail column
+        detail, dpo = f"DPO {dpo[0]}", (dpo[0].split(" ")[0].rstrip(":"), None)
     if dpo[0] == "LEAKS":
         return Cell(arch.name, backend, "SILENT LEAK", needs, dpo[1], f"DPO log-probs differ by {dpo[1]:.1e}")
     return Cell(arch.name, backend, status, needs, report.max_diff, detail, *dpo)

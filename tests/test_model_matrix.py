@@ -84,9 +84,13 @@ def test_no_family_is_refused_for_a_leak():
         for backend in ("sdpa", "eager", "packtools_sdpa"):
             result, needs, dpo = documented[(family, backend)]
             assert result in ("exact", "n/a"), (family, backend, result)
-            assert result == "n/a" or (needs == "position_ids" and dpo in ("exact", "n/a")), (family, backend)
+            assert result == "n/a" or needs == "position_ids", (family, backend)
+            assert dpo in ("exact", "") or (family, dpo) == ("Llama 4", "refused"), (family, backend, dpo)
         assert any(documented[(family, b)][0] == "exact" for b in ("sdpa", "eager")), family
     assert not [k for k, v in documented.items() if v[0] == "refused"]
+    # Llama 4's DPO is refused by name, not for a leak: TRL's fused head finds no backbone in it.
+    llama4 = [line for line in DOC.read_text().splitlines() if line.startswith("| Llama 4 |")]
+    assert llama4 and all("TRL's fused LM head cannot run Llama4ForCausalLM" in line for line in llama4)
 
 
 def test_markdown_round_trips_through_parse_table():
