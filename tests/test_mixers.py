@@ -264,3 +264,41 @@ def test_gemma4_eager_backward_not_refused_for_gradient_rounding():
     report = check_isolation(transformers.Gemma4ForCausalLM(config).float(), backward=True)
     assert report.perturb_diff == 0.0 and not report.leaks
     assert report.grad_diff < TOLERANCE["float32"] * BACKWARD_FACTOR == report.backward_tolerance
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_packtools_sdpa_attention_sinks_per_document_equal_gpt_oss_eager_alone(grouped):
+    """packtools_sdpa with s_aux (GPT-OSS's sinks): each document of a padding-free row equals GPT-OSS's own eager
+    attention run on it alone, forward and backward; the row without the boundaries (the control) differs."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from packtools.integrations.segmented import segmented_sdpa_forward
+
+    torch.manual_seed(0)
+    heads, kv, dim, bounds = 4, 2 if grouped else 4, 8, [0, 5, 12, 15]
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = heads // kv, False
+    sinks = torch.randn(heads, requires_grad=True)
+    module.sinks = sinks  # what GPT-OSS's eager attention reads
+    q = torch.randn(1, heads, 15, dim, requires_grad=True)
+    k, v = (torch.randn(1, kv, 15, dim, requires_grad=True) for _ in range(2))
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    out, _ = segmented_sdpa_forward(
+        module, q, k, v, None, scaling=0.3, s_aux=sinks, cu_seq_lens_q=cu, cu_seq_lens_k=cu
+    )
+    alone = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        causal = torch.zeros(b - a, b - a).masked_fill(torch.ones(b - a, b - a).triu(1).bool(), float("-inf"))
+        got, _ = eager_attention_forward(
+            module, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal[None, None], 0.3
+        )
+        alone.append(got)
+    alone = torch.cat(alone, dim=1)
+    assert (out - alone).abs().max() < 1e-6
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v, sinks))
+    want = torch.autograd.grad(alone.square().sum(), (q, k, v, sinks))
+    assert max(float((g - w).abs().max()) for g, w in zip(grads, want)) < 1e-5
+    whole, _ = segmented_sdpa_forward(
+        module, q, k, v, None, scaling=0.3, s_aux=sinks
+    )  # no boundaries: one row
+    assert (whole[:, 5:] - alone[:, 5:]).abs().max() > 1e-3
