@@ -146,16 +146,13 @@ class _PerDocument:
             return self.original(hidden, *rest, **self._varlen(kwargs, segments.bounds[0], hidden.device))
         kwargs = {k: v for k, v in kwargs.items() if k not in _ROW_KEYS}
         torch = require("torch", "packtools per-document mixers")
-        outs = []
+        out = None  # the row's output, each document written into it as it comes (_write_into)
         for row, bounds in enumerate(segments.bounds):
-            pieces = []
             for start, end in zip(bounds[:-1], bounds[1:]):
                 if end == start:
                     continue
                 local = {k: _slice(v, rows, length, row, start, end) for k, v in kwargs.items()}
-                with document_scan(
-                    self.module, end - start
-                ) as chunk:  # its chunked scan at the document's size
+                with document_scan(self.module, end - start) as chunk:  # its chunked scan at its own size
                     got = self.original(hidden[row : row + 1, start:end], *rest, **local, **chunk)
                 if not hasattr(got, "shape") or tuple(got.shape[:2]) != (1, end - start):
                     raise PackingError(
@@ -163,9 +160,10 @@ class _PerDocument:
                         f"{end - start} tokens, not a [1, {end - start}, hidden] tensor: packtools cannot run it "
                         f"per document. Do not pack for this model, or report it."
                     )
-                pieces.append(got)
-            outs.append(torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0])
-        return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+                if out is None:
+                    out = got.new_empty((rows, length, *got.shape[2:]))
+                out = _write_into(torch).apply(out, got, row, start)
+        return out
 
     @staticmethod
     def _varlen(kwargs: dict[str, Any], bounds: tuple[int, ...], device: Any) -> dict[str, Any]:
@@ -178,6 +176,35 @@ class _PerDocument:
         out = {k: v for k, v in kwargs.items() if k not in _ROW_KEYS}
         out.update(seq_idx=seq_idx[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu)
         return out
+
+
+_WRITE: list[Any] = []
+
+
+def _write_into(torch: Any) -> Any:
+    """An autograd function writing one document's output into the row's buffer, in place (``mark_dirty``).
+
+    Its backward hands the document its slice of the gradient (a view) and passes the rest on unchanged: the
+    documents' slices are disjoint, so no slice needs zeroing and nothing is copied.  Each document's output is
+    freed once written, so the row's output is never held twice (a ``cat`` would hold it with its pieces).
+    """
+    if not _WRITE:
+
+        class WriteInto(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, out: Any, piece: Any, row: int, start: int) -> Any:
+                ctx.where = (row, start, start + piece.shape[1])
+                ctx.mark_dirty(out)
+                out[row : row + 1, start : start + piece.shape[1]] = piece
+                return out
+
+            @staticmethod
+            def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:
+                row, start, end = ctx.where
+                return grad, grad[row : row + 1, start:end], None, None
+
+        _WRITE.append(WriteInto)
+    return _WRITE[0]
 
 
 def _slice(value: Any, rows: int, length: int, row: int, start: int, end: int) -> Any:
