@@ -32,7 +32,8 @@ machine's load, the ratios less)::
     | Nemotron-H | 16        | 481    | 0.1909         | 0.2472       | 0.77x | 5.37                  | 5.33 (1.01x) |
     | Nemotron-H | 64        | 1742   | 0.9610         | 1.1351       | 0.85x | 27.85                 | 28.23 (0.99x)|
 
-Over five runs the time ratio stayed between 0.44x and 0.85x.  Memory: each document's chunked scan runs at its
+Over the five runs made while building it (the first two on earlier code) the time ratio stayed between 0.44x and
+0.87x.  Memory: each document's chunked scan runs at its
 own chunk size (``compat.transformers.document_scan``: the PyTorch scans pad every call to a multiple of their
 chunk, 64 for gated DeltaNet), and each document's output is written into the row's buffer as it comes
 (``mixers._write_into``, no ``cat``), so Qwen3.5 holds less than the whole row; Nemotron-H's Mamba-2 layer keeps

@@ -20,6 +20,12 @@ undoes them:
   ``_global_mapping`` (no public ``unregister``), done only when the last owner that needed it is undone.
 * a model's backend (:func:`set_attention`, through the public ``set_attn_implementation``).
 * ``Trainer.get_train_dataloader`` (:func:`replace_train_dataloader`): an instance attribute over the method.
+* a token-mixing layer's ``forward`` (:func:`replace_mixer_forward`): an instance attribute over the method, as
+  accelerate's hooks do (``packtools.integrations.mixers`` runs the layer per document).
+
+Also relied on, on ``packtools.integrations.mixers``' path: that a decoder hands its keyword arguments to its
+layers and their token-mixing layers (and these to their chunked PyTorch scans: :func:`document_scan`), and
+``masking_utils.create_causal_mask`` / ``create_sliding_window_causal_mask`` (:func:`packed_position_masks`).
 
 An object without the shape checked here raises :func:`~packtools.integrations.compat.unknown_shape` instead
 of being patched blindly.  This module imports no packtools layer above ``errors`` (it sits below them).
