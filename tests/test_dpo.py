@@ -250,10 +250,12 @@ def test_unpacked_micro_batch_equals_trl_padded(tmp_path, case):
 def test_hybrid_micro_batch_equals_trl_padded(tmp_path, arch):
     """Hybrid models (gated DeltaNet, Mamba-2): their token-mixing layers run per document on the padding-free
     row (packtools.integrations.mixers), so loss, metrics and gradients equal TRL's padded batch."""
+    from packtools.integrations.mixers import document_mixers
+
     padded = build(tmp_path, arch=arch)
     prepared = prepare_dpo_trainer(build(tmp_path, arch=arch))
-    summary = prepared.model._packtools_document_mixers.summary()
-    assert "per-document" in summary and prepared.ref_model._packtools_document_mixers.modes
+    summary = document_mixers(prepared.model).summary()
+    assert "per-document" in summary and document_mixers(prepared.ref_model).modes
     batch = padded.data_collator([padded.train_dataset[i] for i in range(4)])
     want = loss_metrics_grads(padded, batch)
     assert_same(want, loss_metrics_grads(prepared, batch))

@@ -22,6 +22,7 @@ from packtools.integrations.mixers import (  # noqa: E402
     SEGMENTS_KEY,
     Segments,
     _PerDocument,
+    document_mixers,
     run_mixers_per_document,
     segments_of,
 )
@@ -136,10 +137,7 @@ def test_prepare_trainer_runs_mixers_per_document_and_unprepare_restores(tmp_pat
     trainer = transformers.Trainer(model, args, train_dataset=rows, data_collator=PaddingFreeCollator(0))
     prepare_trainer(trainer)  # the probe runs on the prepared model: it would refuse a leak
     assert "forward" in vars(layer)
-    assert (
-        name in model._packtools_document_mixers.summary()
-        and "per-document" in model._packtools_document_mixers.summary()
-    )
+    assert name in document_mixers(model).summary() and "per-document" in document_mixers(model).summary()
     trainer.train()
     unprepare(trainer)
     assert "forward" not in vars(layer) and token_mixing_layers(model) == [name]

@@ -8,7 +8,8 @@ flash-linear-attention).  Without one, transformers' PyTorch fallback either ref
 ``position_ids``, runs the row as one sequence: each document's state starts where the previous one ended.
 
 :func:`run_mixers_per_document` decides once per model, when it is prepared, how each such layer keeps
-documents apart, and reports it (:class:`DocumentMixers`, its ``summary()``):
+documents apart, and reports it (:func:`document_mixers` gives the :class:`DocumentMixers`, whose ``summary()``
+names the layers; it is also logged at INFO on the ``packtools`` logger):
 
 * ``per-document``: the layer runs on each document's tokens alone, state and convolution window from zero, as
   the model runs a document alone; the outputs are concatenated (one ``cat``, whose backward only slices).  Exact
@@ -40,6 +41,7 @@ accepts in place of ``attention_mask``.
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +55,8 @@ from .compat.transformers import document_scan, packed_position_masks, replace_m
 SEGMENTS_KEY = "packtools_segments"
 #: Keys a per-document call does not pass on (the row's boundaries, which a single document does not have).
 _ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", SEGMENTS_KEY)
+#: Where the model keeps its :class:`DocumentMixers` (read with :func:`document_mixers`).
+_ATTR = "_packtools_document_mixers"
 #: Model types whose forward builds attention masks without ``position_ids`` (checked in transformers 5.25).
 POSITIONLESS_MASKS = ("gpt_oss",)
 #: The kernel packages a layer family needs for its varlen path (by a part of the layer's class name).
@@ -70,9 +74,6 @@ class Segments:
 
     bounds: tuple[tuple[int, ...], ...]
     length: int
-
-    def documents(self) -> int:
-        return sum(len(b) - 1 for b in self.bounds)
 
 
 def segments_of(kwargs: dict[str, Any]) -> Segments | None:
@@ -235,8 +236,9 @@ class DocumentMixers:
         return f"{self.model}: " + ("; ".join(parts) if parts else "nothing to change")
 
 
-def _installed(model: Any) -> DocumentMixers | None:
-    found = vars(model).get("_packtools_document_mixers")
+def document_mixers(model: Any) -> DocumentMixers | None:
+    """What :func:`run_mixers_per_document` did to ``model`` (its ``summary()`` names the layers), or ``None``."""
+    found = vars(base_model(model)).get(_ATTR)
     return found if isinstance(found, DocumentMixers) else None
 
 
@@ -251,7 +253,7 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
     from .compat import set_attr
 
     base = base_model(model)
-    done = _installed(base)
+    done = document_mixers(base)
     if done is not None:
         return done
     mixers = token_mixing_layers(base, include_handled=True)
@@ -292,7 +294,8 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
 
     forward_pre_hook(decoder, hook, owner=owner)
     result = DocumentMixers(type(base).__name__, modes, masks)
-    set_attr(base, "_packtools_document_mixers", result, owner=owner)
+    set_attr(base, _ATTR, result, owner=owner)
+    logging.getLogger("packtools").info("packtools: %s", result.summary())
     return result
 
 
