@@ -300,3 +300,15 @@ def test_packtools_sdpa_attention_sinks_per_document_equal_gpt_oss_eager_alone(g
         module, q, k, v, None, scaling=0.3, s_aux=sinks
     )  # no boundaries: one row
     assert (whole[:, 5:] - alone[:, 5:]).abs().max() > 1e-3
+
+
+def test_lora_wrapped_hybrid_per_document():
+    """A PEFT LoRA model (adapters inside the gated DeltaNet's projections): the layers under the wrapper run per
+    document, packed equals alone, gradients of the adapters included."""
+    peft = pytest.importorskip("peft")
+    model = tiny_arch("Qwen3.5", "sdpa")
+    lora = peft.LoraConfig(r=4, target_modules=["in_proj_qkv", "q_proj", "out_proj"], lora_dropout=0.0)
+    wrapped = peft.get_peft_model(model, lora)
+    assert "model.layers.0.linear_attn" in run_mixers_per_document(wrapped).modes
+    report = check_isolation(wrapped, backward=True)
+    assert not report.leaks and report.grad_diff < 1e-5
