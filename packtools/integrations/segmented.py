@@ -259,7 +259,14 @@ def segmented_sdpa_forward(
             plain = attention_mask is None and query.shape[2] == key.shape[2] and is_causal is not False
             qkv = (query, k, v)
             out = _sink_attention(
-                torch, qkv, attention_mask, plain, scaling, kwargs["s_aux"], dropout, module
+                torch,
+                qkv,
+                attention_mask,
+                plain,
+                scaling=scaling,
+                sinks=kwargs["s_aux"],
+                dropout=dropout,
+                module=module,
             )
             return out.transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(
@@ -306,7 +313,16 @@ def segmented_sdpa_forward(
         if groups > 1 and not gqa:
             k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         if sinks is not None:
-            got = _sink_attention(torch, (q, k, v), block, use_causal, scaling, sinks, dropout, module)
+            got = _sink_attention(
+                torch,
+                (q, k, v),
+                block,
+                use_causal,
+                scaling=scaling,
+                sinks=sinks,
+                dropout=dropout,
+                module=module,
+            )
         else:
             got = sdpa(
                 q,
@@ -337,6 +353,7 @@ def _sink_attention(
     qkv: tuple[Any, Any, Any],
     block: Any,
     causal: bool,
+    *,
     scaling: Any,
     sinks: Any,
     dropout: float,

@@ -63,7 +63,7 @@ def fused_forward(base: Any) -> Callable[..., Any]:
             "Build the DPOTrainer first (it adds the head to its models), then call "
             "packtools.prepare_dpo_trainer(trainer).",
         )
-    if getattr(base, "base_model", None) is base:  # TRL's head calls base.base_model for the backbone's states
+    if getattr(base, "base_model", None) is base:  # TRL's head calls base.base_model for the backbone
         raise PackingError(
             f"TRL's fused LM head cannot run {type(base).__name__}: it calls model.base_model for the backbone's "
             f"hidden states, and this model's base_model is the model itself (its base_model_prefix "
