@@ -23,6 +23,14 @@ keys/values of every rank concatenated rank after rank (what the all-gather hand
 ``flash`` / ``torch`` in low precision, and each real token's output and the gradients of the unsplit q/k/v
 are compared with the float32 reference over the unsplit row, by the same rule as part 1.
 
+Part 4 checks the token-mixing layers of hybrid models (``packtools.integrations.mixers``) on CUDA: tiny Qwen3.5,
+Kimi Linear, LFM2 and Nemotron-H from the model matrix, one packed row of documents, forward and backward, with
+the layers on their varlen kernels (``seq_idx`` / ``cu_seq_lens`` into causal-conv1d, flash-linear-attention,
+mamba-ssm; where those are installed) against the same model on packtools' per-document path, and both against
+the float32 per-document run.  A kernel row passes when its error is at most twice the per-document path's in the
+same precision plus the floor; a family whose kernels are not installed is reported as skipped.  A control runs
+the layers over the whole row without ``seq_idx`` (the leak the varlen path prevents) and must fail the rule.
+
 Prints a table per part; exits 0 when every check passes (or when there is no CUDA device: skipped), 1 otherwise.
 """
 
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import sys
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -291,6 +300,87 @@ def check_llama(torch, device: str, dtype, impl: str, seed: int) -> tuple[list[l
     return rows, ok
 
 
+# -- part 4: token-mixing layers, varlen kernels vs per document ------------------------------------------
+def _mixer_run(torch, arch, device, seed, lengths, kernels, dt, whole_row=False):
+    """One packed row through a tiny hybrid (its mixers per document, on kernels, or over the whole row)."""
+    from model_matrix import build
+
+    from packtools.integrations.mixers import run_mixers_per_document
+
+    model = build(arch, "sdpa", seed).to(device, dt)
+    done = None if whole_row else run_mixers_per_document(model, kernels=kernels)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.cat([torch.randint(3, 100, (n,), generator=gen) for n in lengths])
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    out = model(input_ids=ids[None].to(device), position_ids=pos[None].to(device), use_cache=False)
+    logits = out.logits.float()
+    logits.logsumexp(-1).sum().backward()
+    grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+    return logits.detach(), grads, done
+
+
+def _within(reference, floor, errors) -> bool:
+    return all(a <= 2 * b + floor for a, b in zip(errors, reference))
+
+
+def check_mixers(torch, device: str, dtype, seed: int) -> tuple[list[list[str]], bool]:
+    """Each hybrid family's packed row: varlen kernels vs the per-document path vs the float32 reference."""
+    import importlib.util
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from model_matrix import ARCHS
+
+    rows, ok = [], True
+    lengths = [37, 5, 128, 64, 1, 200]
+    for name in ("Qwen3.5", "Kimi Linear", "LFM2", "Nemotron-H"):
+        arch = next(a for a in ARCHS if a.name == name)
+
+        run = functools.partial(_mixer_run, torch, arch, device, seed, lengths)
+        try:
+            ref_logits, ref_grads, _ = run(False, torch.float32)
+            per_logits, per_grads, _ = run(False, dtype)
+            fast_logits, fast_grads, done = run(True, dtype)
+            leak_logits, leak_grads, _ = run(False, dtype, whole_row=True)
+        except Exception as err:  # noqa: BLE001 - a kernel that rejects these shapes: reported, the check fails
+            rows.append(
+                [
+                    name,
+                    str(dtype).replace("torch.", ""),
+                    "-",
+                    "-",
+                    "-",
+                    f"ERROR {type(err).__name__}: {str(err)[:80]}",
+                ]
+            )
+            ok = False
+            continue
+        kernel = done is not None and "varlen kernel" in done.modes.values()
+        packages = [p for p in ("causal_conv1d", "fla", "mamba_ssm") if importlib.util.find_spec(p)]
+        floor = FLOOR[str(dtype).replace("torch.", "")]
+        scale = max(1.0, float(ref_grads.abs().max()))
+        per_err = (max_err(per_logits, ref_logits), max_err(per_grads, ref_grads) / scale)
+        fast_err = (max_err(fast_logits, ref_logits), max_err(fast_grads, ref_grads) / scale)
+        leak_err = (max_err(leak_logits, ref_logits), max_err(leak_grads, ref_grads) / scale)
+        passes = functools.partial(_within, per_err, floor)
+        verdict = (
+            ("ok" if passes(fast_err) else "FAIL") if kernel else f"skipped (kernels: {packages or 'none'})"
+        )
+        control = "caught" if not passes(leak_err) else "NOT CAUGHT"
+        ok &= (not kernel or passes(fast_err)) and control == "caught"
+        rows.append(
+            [
+                name,
+                str(dtype).replace("torch.", ""),
+                f"{per_err[0]:.1e} / {per_err[1]:.1e}",
+                f"{fast_err[0]:.1e} / {fast_err[1]:.1e}",
+                f"{leak_err[0]:.1e} ({control})",
+                verdict,
+            ]
+        )
+    return rows, ok
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -387,6 +477,21 @@ def main(argv: list[str] | None = None) -> int:
             ],
         )
     )
+    mixer_rows = []
+    if args.device.startswith("cuda"):
+        for dtype in dtypes:
+            rows, passed = check_mixers(torch, args.device, dtype, args.seed)
+            mixer_rows += rows
+            ok &= passed
+        print(
+            "\nPart 4: token-mixing layers, varlen kernels vs per document (logit err / rel grad err vs fp32)"
+        )
+        print(
+            table(
+                mixer_rows,
+                ["model", "dtype", "per-document", "varlen kernels", "whole row (control)", "verdict"],
+            )
+        )
     print("\nALL CHECKS PASSED" if ok else "\nSOME CHECKS FAILED")
     return 0 if ok else 1
 

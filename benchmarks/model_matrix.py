@@ -6,13 +6,16 @@ Usage::
     python benchmarks/model_matrix.py --write docs/models.md
     python benchmarks/model_matrix.py --archs llama gpt2 --backends sdpa
 
-Each architecture is built tiny from its transformers config (2 layers, hidden size 32, random float32
-weights; sliding windows of 4 tokens so they matter on short sequences).  Each cell runs
+Each architecture is built tiny from its transformers config (2 or 3 layers, hidden size 32, random float32
+weights; sliding windows and attention chunks of 4 tokens so they matter on short sequences), changed as
+``prepare_trainer`` changes it (token-mixing layers per document, :mod:`packtools.integrations.mixers`; the
+guard).  Each cell runs
 :func:`packtools.integrations.check_isolation` with ``backward=True``: four sequences (5, 9, 3 and 7 tokens) packed into
 two rows by ``PaddingFreeCollator`` and passed as :func:`packtools.prepare_trainer` would (keys filtered to
 the model's ``forward``, ``use_cache=False``, no ``attention_mask``), against each sequence run alone --
 logits, summed loss and parameter gradients, tolerance 1e-5 -- plus a check that changing one sequence does
-not move the others.  For the exact cells it then finds the fewest keys that keep them exact (``position_ids``
+not move the others; then DPO's sequence log-probabilities and their gradients through the padding-free
+forward of ``prepare_dpo_trainer`` (:func:`dpo_check`).  For the exact cells it then finds the fewest keys that keep them exact (``position_ids``
 alone, then with ``cu_seq_lens``/``max_length``, then with ``seq_idx``).
 
 A cell is one of: ``exact`` (logits, loss and gradients), ``exact (forward)`` (torch has no backward for
@@ -34,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 BACKENDS = ("sdpa", "eager", "flex_attention", "packtools_sdpa")
+#: Relative tolerance of every comparison (logits, loss, gradients, DPO log-probabilities), float32.
+TOLERANCE = 1e-5
 VOCAB = 101
 SMALL = dict(
     vocab_size=VOCAB,
@@ -49,6 +54,9 @@ SMALL = dict(
     tie_word_embeddings=False,
 )
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+LINEAR = dict(
+    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8
+)
 MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8)
 
 
@@ -138,8 +146,154 @@ ARCHS = [
         {"head_dim": 8, "mamba_d_ssm": 64, **MAMBA},
         "hybrid: parallel Mamba-2 + attention",
     ),
+    Arch(
+        "Qwen3.5",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5TextConfig",
+        {"head_dim": 8, **LINEAR, "layer_types": ["linear_attention", "full_attention"]},
+        "hybrid: gated DeltaNet (conv + linear attention) + gated attention",
+    ),
+    Arch(
+        "Qwen3.5-MoE",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeTextConfig",
+        {
+            "head_dim": 8,
+            **LINEAR,
+            **MOE,
+            "shared_expert_intermediate_size": 16,
+            "layer_types": ["linear_attention", "full_attention"],
+        },
+        "hybrid gated DeltaNet + attention, mixture of experts",
+    ),
+    Arch(
+        "LFM2",
+        "Lfm2ForCausalLM",
+        "Lfm2Config",
+        {"layer_types": ["conv", "full_attention"], "block_auto_adjust_ff_dim": False},
+        "hybrid: gated short convolutions + attention",
+    ),
+    Arch(
+        "Nemotron-H",
+        "NemotronHForCausalLM",
+        "NemotronHConfig",
+        {
+            "layers_block_type": ["mamba", "attention", "mlp"],
+            "head_dim": 8,
+            "ssm_state_size": 8,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "n_groups": 1,
+            "chunk_size": 8,
+        },
+        "hybrid: Mamba-2 + attention + MLP blocks",
+    ),
+    Arch(
+        "Kimi Linear",
+        "KimiLinearForCausalLM",
+        "KimiLinearConfig",
+        {
+            "num_key_value_heads": 4,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 8,
+            "linear_head_dim": 8,
+            "linear_num_heads": 4,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "layer_types": ["linear_attention", "full_attention"],
+        },
+        "hybrid: Kimi delta attention + MLA",
+    ),
+    Arch(
+        "GPT-OSS",
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        {
+            "head_dim": 8,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+        "attention sinks, sliding + full layers, MoE",
+    ),
+    Arch(
+        "Gemma 4",
+        "Gemma4ForCausalLM",
+        "Gemma4TextConfig",
+        {
+            "head_dim": 8,
+            "global_head_dim": 8,
+            "sliding_window": 4,
+            "hidden_size_per_layer_input": 8,
+            "vocab_size_per_layer_input": VOCAB,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+        "sliding + global layers, per-layer inputs",
+    ),
+    Arch(
+        "Llama 4",
+        "Llama4ForCausalLM",
+        "Llama4TextConfig",
+        {
+            "head_dim": 8,
+            "intermediate_size_mlp": 64,
+            "num_local_experts": 4,
+            "attention_chunk_size": 4,
+            "no_rope_layers": [1, 0],
+        },
+        "chunked attention (4), layers without rotary, MoE",
+    ),
+    Arch(
+        "DeepSeek V3",
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        {
+            "num_key_value_heads": 4,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 8,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "moe_intermediate_size": 16,
+            "first_k_dense_replace": 1,
+        },
+        "multi-head latent attention (MLA), MoE",
+    ),
+    Arch(
+        "OLMo 3", "Olmo3ForCausalLM", "Olmo3Config", {"sliding_window": 4}, "sliding + full layers, q/k norm"
+    ),
+    Arch(
+        "SmolLM3",
+        "SmolLM3ForCausalLM",
+        "SmolLM3Config",
+        {"no_rope_layers": [1, 0]},
+        "layers without rotary (NoPE)",
+    ),
+    Arch("Seed-OSS", "SeedOssForCausalLM", "SeedOssConfig", {"head_dim": 8}, "q/k/v bias, RoPE"),
+    Arch(
+        "GLM-4.5 MoE",
+        "Glm4MoeForCausalLM",
+        "Glm4MoeConfig",
+        {
+            **MOE,
+            "n_routed_experts": 4,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "head_dim": 8,
+        },
+        "partial rotary, MoE with shared expert",
+    ),
 ]
-FAST = ("Llama", "GPT-2", "Falcon-H1")  # the subset the default test run covers
+FAST = ("Llama", "GPT-2", "Falcon-H1", "Qwen3.5", "GPT-OSS")  # the subset the default test run covers
 #: Collator switches tried, fewest keys first, to find what an exact cell needs.
 NEEDS = (
     ("position_ids", {"return_flash_attn_kwargs": False, "return_seq_idx": False}),
@@ -156,6 +310,8 @@ class Cell:
     needs: str
     max_diff: float | None
     detail: str
+    dpo: str = ""
+    dpo_diff: float | None = None
 
     @property
     def silent(self) -> bool:
@@ -217,19 +373,95 @@ def _refusal(arch: Arch, backend: str, err: Exception) -> str:
     )
 
 
+def prepared_model(arch: Arch, backend: str, *, dpo: bool = False) -> Any:
+    """A tiny model changed as ``prepare_trainer`` (``dpo=True``: ``prepare_dpo_trainer``) changes it: token-mixing
+    layers per document (:mod:`packtools.integrations.mixers`), the guard; for DPO, TRL's fused head and
+    packtools' padding-free forward."""
+    from packtools.integrations.backends import check_attention_implementation
+    from packtools.integrations.guard import guard_model
+    from packtools.integrations.mixers import run_mixers_per_document
+
+    model = build(arch, backend)
+    check_attention_implementation(model)
+    if dpo:
+        from trl.trainer.utils import add_fused_lm_head
+
+        from packtools.integrations.trl import install_padding_free_forward
+
+        add_fused_lm_head(model)
+        run_mixers_per_document(model)
+        install_padding_free_forward(model)
+    else:
+        run_mixers_per_document(model)
+    guard_model(model)
+    return model
+
+
+def dpo_check(arch: Arch, backend: str, lengths: tuple[int, ...] = (5, 9, 3, 7)) -> tuple[str, float | None]:
+    """DPO's sequence log-probabilities through the padding-free forward ``prepare_dpo_trainer`` installs: the
+    sequences as TRL's padded batch (flattened to one row by packtools) against each alone, the summed
+    log-probabilities and their gradients (relative to ``max(1, largest |gradient|)``); ``("exact", diff)``
+    when both are within :data:`TOLERANCE`, ``("refused: <why>", None)`` when packtools refuses (its DPO probe, as
+    ``prepare_dpo_trainer`` runs it, or the fused head TRL cannot run), else ``("LEAKS", diff)``."""
+    import torch
+
+    from packtools import PackingError
+    from packtools.integrations.dpo_probe import check_padding_free_forward
+    from packtools.integrations.probe_refusals import translate
+
+    try:
+        model = prepared_model(arch, backend, dpo=True)
+        check_padding_free_forward(model)
+    except PackingError as err:
+        return f"refused: {_short(err)}", None
+    except ValueError as err:  # transformers' own refusal of seq_idx / cu_seq_lens without the kernels
+        if translate(err, arch.model, backend) is None:
+            raise
+        return "refused", None
+    except AttributeError as err:  # TRL's fused LM head does not know the model's outputs (e.g. Llama 4)
+        return f"n/a (TRL: {_short(err)})", None
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(3, vocab, (n,), generator=gen)
+        mask[i, :n] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.eval()
+
+    def run(i: Any, m: Any, lab: Any) -> tuple[Any, tuple[Any, ...]]:
+        out = model(input_ids=i, attention_mask=m, labels=lab, fused_lm_head=True, use_cache=False)
+        logps = (out.log_probs * m[:, 1:]).sum(-1)
+        return logps.detach(), torch.autograd.grad(logps.sum(), params, allow_unused=True)
+
+    packed, packed_grads = run(ids, mask, labels)
+    alone_grads: list[Any] = [None] * len(params)
+    worst = 0.0
+    for i, n in enumerate(lengths):
+        logps, grads = run(ids[i : i + 1, :n], mask[i : i + 1, :n], labels[i : i + 1, :n])
+        worst = max(worst, abs(float(packed[i] - logps[0])) / max(1.0, abs(float(logps[0]))))
+        alone_grads = [g if a is None else (a if g is None else a + g) for a, g in zip(alone_grads, grads)]
+    diff, scale = 0.0, 1.0
+    for a, b in zip(packed_grads, alone_grads):
+        if a is None or b is None:
+            continue
+        diff, scale = max(diff, float((a - b).abs().max())), max(scale, float(b.abs().max()))
+    worst = max(worst, diff / scale)
+    return ("exact" if worst <= TOLERANCE else "LEAKS"), worst
+
+
 def run_cell(arch: Arch, backend: str) -> Cell:
     from packtools import PackingError, PaddingFreeCollator
     from packtools.integrations import check_isolation
-    from packtools.integrations.backends import check_attention_implementation
-    from packtools.integrations.guard import guard_model
 
     try:
-        model = build(arch, backend)
+        build(arch, backend)
     except (ValueError, ImportError, RuntimeError, AssertionError) as err:
         return Cell(arch.name, backend, "n/a", "", None, f"transformers: {_short(err)}")
     try:
-        check_attention_implementation(model)
-        guard_model(model)
+        model = prepared_model(arch, backend)
         try:
             report = check_isolation(model, backward=True)
             status = "exact"
@@ -240,6 +472,12 @@ def run_cell(arch: Arch, backend: str) -> Cell:
             detail = ""
     except PackingError as err:
         return Cell(arch.name, backend, "refused", "", None, _refusal(arch, backend, err))
+    except (
+        ValueError
+    ) as err:  # transformers refuses the backend on this device (e.g. GPT-OSS's sinks in flex)
+        if "CPU" not in str(err):
+            raise
+        return Cell(arch.name, backend, "n/a", "", None, f"transformers: {_short(err)}")
     # Not refused: it must really be exact, else it would be a silent leak.
     if report.leaks:
         return Cell(arch.name, backend, "SILENT LEAK", "", report.max_diff, str(report))
@@ -252,7 +490,12 @@ def run_cell(arch: Arch, backend: str) -> Cell:
         if not fewer.leaks:
             needs = label
             break
-    return Cell(arch.name, backend, status, needs, report.max_diff, detail)
+    dpo = dpo_check(arch, backend) if status == "exact" else ("", None)
+    if dpo[0].startswith(("n/a", "refused")):  # the reason in the detail column
+        detail, dpo = f"DPO {dpo[0]}", (dpo[0].split(" ")[0].rstrip(":"), None)
+    if dpo[0] == "LEAKS":
+        return Cell(arch.name, backend, "SILENT LEAK", needs, dpo[1], f"DPO log-probs differ by {dpo[1]:.1e}")
+    return Cell(arch.name, backend, status, needs, report.max_diff, detail, *dpo)
 
 
 def run_matrix(
@@ -293,43 +536,47 @@ def markdown(cells: list[Cell], archs: list[Arch]) -> str:
         "training needs a GPU.",
         "- **refused**: packtools raises `PackingError` before training (in `prepare_trainer` or "
         "`check_isolation`), naming the fix.",
-        "- **n/a**: transformers itself does not offer this backend for this architecture.",
+        "- **n/a**: transformers itself does not offer this backend for this architecture (on the CPU).",
         "- `packtools_sdpa` is packtools' per-sequence sdpa, which `prepare_trainer` and `prepare_dpo_trainer` "
         "switch `sdpa` models to: on a padding-free row with `cu_seq_lens` each sequence runs on its own "
         "(attention cost sum(L_i^2) instead of (sum L_i)^2), each with its own block of sdpa's mask built alone "
         "(`document_mask`: no T x T mask); on a batch "
         "with `position_ids` only it is transformers' sdpa, hence *needs* `position_ids`.",
         "",
-        "| architecture | what it tests | backend | result | needs | max diff | detail |",
-        "|---|---|---|---|---|---|---|",
+        "| architecture | what it tests | backend | result | needs | max diff | DPO log-probs | detail |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         diff = "" if c.max_diff is None else f"{c.max_diff:.0e}"
         detail = c.detail.replace("|", "\\|")
+        dpo = c.dpo + ("" if c.dpo_diff is None else f" ({c.dpo_diff:.0e})")
         lines.append(
-            f"| {c.arch} | {notes[c.arch]} | `{c.backend}` | {c.status} | {c.needs} | {diff} | {detail} |"
+            f"| {c.arch} | {notes[c.arch]} | `{c.backend}` | {c.status} | {c.needs} | {diff} | {dpo} | {detail} |"
         )
     lines += [
         "",
-        "Hybrid models (Qwen3-Next, Bamba, Falcon-H1) run their convolution and state-space / linear-attention "
-        "layers over the whole packed row unless those layers get `seq_idx` / `cu_seq_lens` *and* a kernel that "
-        "reads them (causal-conv1d, mamba-ssm, flash-linear-attention, CUDA only). On CPU transformers falls "
-        "back to PyTorch code that cannot separate sequences: it refuses a batch carrying `seq_idx` or "
-        "`cu_seq_lens`, and without them the layers leak silently (`check_isolation` measures it, see "
-        "`tests/test_isolation.py`). packtools therefore refuses them on CPU. With the CUDA kernels installed "
-        "the probe decides at `prepare_trainer` time; this matrix has not been run on a GPU.",
+        "Hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, Kimi Linear, LFM2, Nemotron-H, Bamba, Falcon-H1) have layers "
+        "that mix tokens outside attention (gated DeltaNet / delta attention, short convolutions, Mamba-2). They "
+        "ignore `position_ids`, and transformers' CPU fallback cannot separate packed documents. "
+        "`prepare_trainer` and `prepare_dpo_trainer` run those layers document by document, each from a zero state "
+        "as the model runs a document alone (`packtools.integrations.mixers`; on CUDA with causal-conv1d, "
+        "mamba-ssm or flash-linear-attention installed, their varlen kernels instead), and each cell here is "
+        "checked with that in place. GPT-OSS builds its attention masks without `position_ids`; packtools hands "
+        "it the masks built from them. The *DPO log-probs* column runs the same tiny model through the padding-free "
+        "forward `prepare_dpo_trainer` installs: four sequences as TRL's padded batch, their summed log-probs and the "
+        "gradients of those against each sequence alone (largest relative difference; tolerance 1e-5).",
         "",
     ]
     return "\n".join(lines)
 
 
-def parse_table(text: str) -> dict[tuple[str, str], tuple[str, str]]:
-    """``(architecture, backend) -> (result, needs)`` from a generated document (for tests)."""
+def parse_table(text: str) -> dict[tuple[str, str], tuple[str, str, str]]:
+    """``(architecture, backend) -> (result, needs, DPO result)`` from a generated document (for tests)."""
     out = {}
     for line in text.splitlines():
         cols = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cols) >= 5 and cols[2].startswith("`"):
-            out[(cols[0], cols[2].strip("`"))] = (cols[3], cols[4])
+        if len(cols) >= 7 and cols[2].startswith("`"):
+            out[(cols[0], cols[2].strip("`"))] = (cols[3], cols[4], cols[6].split(" ")[0])
     return out
 
 
@@ -354,8 +601,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def progress(cell: Cell, seconds: float) -> None:
         diff = "" if cell.max_diff is None else f"{cell.max_diff:.1e}"
+        dpo = "" if cell.dpo_diff is None else f"{cell.dpo} {cell.dpo_diff:.1e}"
         print(
-            f"{cell.arch:11s} {cell.backend:15s} {cell.status:16s} {cell.needs:34s} {diff:8s} {seconds:5.1f}s"
+            f"{cell.arch:11s} {cell.backend:15s} {cell.status:16s} {cell.needs:34s} {diff:8s} {dpo:16s} "
+            f"{seconds:5.1f}s"
         )
 
     cells = run_matrix(archs, tuple(args.backends or default_backends()), progress)

@@ -84,7 +84,7 @@ def text_pairs(n, seed=0, max_prompt=8, max_completion=14):
     ]
 
 
-def build(tmp_path, impl="sdpa", ref=True, lora=False, n=12, **config):
+def build(tmp_path, impl="sdpa", ref=True, lora=False, n=12, arch=None, **config):
     peft_config = None
     if lora:
         peft = pytest.importorskip("peft")
@@ -108,9 +108,15 @@ def build(tmp_path, impl="sdpa", ref=True, lora=False, n=12, **config):
         seed=0,
     )
     kwargs.update(config)
+    if arch is not None:  # a model of the compatibility matrix (tests/_hf_models.tiny_arch)
+        from _hf_models import tiny_arch
+
+        policy, reference = tiny_arch(arch, impl), tiny_arch(arch, impl) if ref else None
+    else:
+        policy, reference = tiny_llama(impl), tiny_llama(impl, seed=1) if ref else None
     trainer = trl.DPOTrainer(
-        tiny_llama(impl),
-        ref_model=tiny_llama(impl, seed=1) if ref else None,
+        policy,
+        ref_model=reference,
         args=trl.DPOConfig(**kwargs),
         train_dataset=datasets.Dataset.from_list(text_pairs(n)),
         processing_class=word_tokenizer(),
@@ -238,6 +244,21 @@ def test_unpacked_micro_batch_equals_trl_padded(tmp_path, case):
     real = int(batch["attention_mask"].sum())
     assert real < batch["attention_mask"].numel()  # TRL padded this batch
     assert recorder.calls and all(call == ((1, real), False) for call in recorder.calls)
+
+
+@pytest.mark.parametrize("arch", ["Qwen3.5", "Nemotron-H"])
+def test_hybrid_micro_batch_equals_trl_padded(tmp_path, arch):
+    """Hybrid models (gated DeltaNet, Mamba-2): their token-mixing layers run per document on the padding-free
+    row (packtools.integrations.mixers), so loss, metrics and gradients equal TRL's padded batch."""
+    from packtools.integrations.mixers import document_mixers
+
+    padded = build(tmp_path, arch=arch)
+    prepared = prepare_dpo_trainer(build(tmp_path, arch=arch))
+    summary = document_mixers(prepared.model).summary()
+    assert "per-document" in summary and document_mixers(prepared.ref_model).modes
+    batch = padded.data_collator([padded.train_dataset[i] for i in range(4)])
+    want = loss_metrics_grads(padded, batch)
+    assert_same(want, loss_metrics_grads(prepared, batch))
 
 
 def test_full_training_run_equals_trl(tmp_path):
@@ -435,10 +456,14 @@ def test_evaluate_equals_trl(tmp_path, packed):
     assert all(abs(reference[k] - got[k]) < TOL for k in keys), {k: (reference[k], got[k]) for k in keys}
 
 
-def test_prepare_dpo_trainer_runs_the_isolation_probe(tmp_path):
-    """A reference model whose packed sequences leak (a hybrid on CPU) is refused before training."""
+def test_prepare_dpo_trainer_runs_the_isolation_probe(tmp_path, monkeypatch):
+    """A reference model whose packed sequences leak (a hybrid on CPU with its token-mixing layers left over the
+    whole row: packtools' per-document layers switched off here) is refused before training."""
     from _hf_models import tiny_arch
 
+    import packtools.integrations.trl as trl_module
+
+    monkeypatch.setattr(trl_module, "run_mixers_per_document", lambda model, owner=None: None)
     trainer = build(tmp_path)
     trainer.ref_model = tiny_arch("Falcon-H1", "sdpa")
     with pytest.raises(PackingError, match="FalconH1ForCausalLM with attn_implementation='sdpa' cannot keep"):

@@ -365,9 +365,12 @@ def test_old_transformers_without_position_masks_needs_flash(monkeypatch):
     assert check_attention_implementation(_Model("flash_attention_2")) == "flash_attention_2"
 
 
-def test_prepare_trainer_runs_the_isolation_probe(tmp_path):
-    """A hybrid model whose mixers cannot separate sequences here is refused before training starts."""
+def test_prepare_trainer_runs_the_isolation_probe(tmp_path, monkeypatch):
+    """A model whose packed sequences leak is refused before training starts: a hybrid with its token-mixing
+    layers left over the whole row (packtools' per-document layers switched off here); with them it is exact."""
     from _hf_models import tiny_arch
+
+    import packtools.integrations.transformers as prepare_module
 
     def trainer_for(model):
         return transformers.Trainer(
@@ -377,6 +380,8 @@ def test_prepare_trainer_runs_the_isolation_probe(tmp_path):
             data_collator=PaddingFreeCollator(0),
         )
 
+    assert prepare_trainer(trainer_for(tiny_arch("Falcon-H1", "sdpa")))  # per-document layers: exact, probed
+    monkeypatch.setattr(prepare_module, "run_mixers_per_document", lambda model, owner=None: None)
     model = tiny_arch("Falcon-H1", "sdpa")
     with pytest.raises(PackingError, match="FalconH1ForCausalLM with attn_implementation='sdpa' cannot keep"):
         prepare_trainer(trainer_for(model))

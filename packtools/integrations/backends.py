@@ -148,6 +148,15 @@ def check_attention_implementation(model: Any) -> str:
             f"from position_ids) do. Load the model with attn_implementation='flash_attention_2' (GPU) or 'sdpa', "
             f"or call model.set_attn_implementation('sdpa')."
         )
+    if impl == SEGMENTED_SDPA and uses_alibi(model):
+        raise PackingError(
+            f"{type(base_model(model)).__name__} adds ALiBi position biases to the attention mask tensor itself, "
+            f"and {SEGMENTED_SDPA!r} hands attention no whole-row mask tensor (a DocumentMask, built per "
+            f"document): packtools does not run ALiBi models on {SEGMENTED_SDPA!r}. Load it with "
+            f"attn_implementation='sdpa' (prepare_trainer keeps ALiBi models on 'sdpa', which separates packed "
+            f"sequences by their position_ids) or 'eager'.",
+            param="model",
+        )
     if not is_flash(impl) and not builds_packed_masks():
         raise PackingError(
             f"this transformers version does not build a block-diagonal mask from position_ids, so {impl!r} "
@@ -163,13 +172,23 @@ def check_attention_implementation(model: Any) -> str:
     return impl
 
 
+#: Model types whose attention always adds ALiBi biases (others say so in ``config.alibi``, e.g. Falcon).
+ALIBI_MODEL_TYPES = ("bloom", "mpt")
+
+
+def uses_alibi(model: Any) -> bool:
+    """Whether the model adds ALiBi position biases to its attention (``config.alibi``, or Bloom / MPT)."""
+    config = getattr(base_model(model), "config", None)
+    return bool(getattr(config, "alibi", False)) or getattr(config, "model_type", None) in ALIBI_MODEL_TYPES
+
+
 def use_segmented_sdpa(model: Any, *, owner: Any = None) -> bool:
     """Switch a text model from ``sdpa`` to packtools' per-sequence ``sdpa``; returns whether it switched.
 
     Padding-free rows then cost ``sum(L_i²)`` per attention layer instead of ``(sum L_i)²``, with the same
-    result (see :mod:`packtools.integrations.segmented`).  Other backends, composite (multimodal) configs and
-    models without ``set_attn_implementation`` are left as they are.  With an ``owner`` (``prepare_trainer``
-    passes the trainer) the switch and the registration are recorded, so
+    result (see :mod:`packtools.integrations.segmented`).  Other backends, composite (multimodal) configs, ALiBi
+    models (:func:`uses_alibi`) and models without ``set_attn_implementation`` are left as they are.  With an
+    ``owner`` (``prepare_trainer`` passes the trainer) the switch and the registration are recorded, so
     :func:`packtools.integrations.unprepare` switches back; otherwise ``model.set_attn_implementation("sdpa")``
     does.  The name is not saved with the config.
     """
@@ -177,7 +196,7 @@ def use_segmented_sdpa(model: Any, *, owner: Any = None) -> bool:
     config = getattr(base, "config", None)
     if attention_implementation(model) != "sdpa" or not hasattr(base, "set_attn_implementation"):
         return False
-    if getattr(config, "sub_configs", None):
+    if getattr(config, "sub_configs", None) or uses_alibi(model):  # ALiBi: check_attention_implementation
         return False
     set_attention(base, register(owner=owner), owner=owner)
     return attention_implementation(model) == SEGMENTED_SDPA  # some models keep their own (e.g. Falcon)
@@ -206,16 +225,21 @@ def segmented_sdpa_until_checked(
 _MIXER_NAMES = ("Mamba", "DeltaNet", "LinearAttention", "ShortConv", "SSM", "RWKV", "Recurrent")
 
 
-def token_mixing_layers(model: Any) -> list[str]:
+def token_mixing_layers(model: Any, *, include_handled: bool = False) -> list[str]:
     """Names of the layers that mix tokens outside attention (convolutions, state-space or linear-attention scans).
 
     Such layers ignore ``position_ids``: they keep packed sequences apart only when given ``seq_idx`` or
     ``cu_seq_lens`` *and* a kernel that reads them (mamba-ssm, causal-conv1d, flash-linear-attention).
     Found by module type: a ``torch.nn.Conv1d`` with a kernel wider than 1 (reported as its parent
-    layer) or a class named like a Mamba / DeltaNet / linear-attention / RWKV block.
+    layer) or a class named like a Mamba / DeltaNet / linear-attention / RWKV block that is not an attention
+    module (transformers' attention classes set ``is_causal``: Kimi Linear's MLA is ``KimiLinearAttention``).
+    Layers that :func:`packtools.integrations.mixers.run_mixers_per_document` runs per document (or with their
+    varlen kernels) keep documents apart and are not listed (``include_handled=True`` lists them too).
     """
     found: list[str] = []
-    for name, module in base_model(model).named_modules():
+    handled: list[str] = []
+    modules = dict(base_model(model).named_modules())
+    for name, module in modules.items():
         cls = type(module).__name__
         parent = name.rsplit(".", 1)[0] if "." in name else name
         if any(name == f or name.startswith(f + ".") or parent == f for f in found):
@@ -223,9 +247,17 @@ def token_mixing_layers(model: Any) -> list[str]:
         kernel = getattr(module, "kernel_size", None)
         if cls == "Conv1d" and isinstance(kernel, tuple) and kernel[0] > 1:
             found.append(parent)
-        elif any(part in cls for part in _MIXER_NAMES) and not cls.endswith(("Model", "ForCausalLM")):
+        elif (
+            any(part in cls for part in _MIXER_NAMES)
+            and not cls.endswith(("Model", "ForCausalLM"))
+            and not hasattr(module, "is_causal")
+        ):
             found.append(name)
-    return found
+    for name in found:
+        forward = vars(modules[name]).get("forward") if name in modules else None
+        if getattr(forward, "keeps_documents_apart", False):
+            handled.append(name)
+    return found if include_handled else [n for n in found if n not in handled]
 
 
 def adapt_collator(collator: Any, model: Any) -> Any:

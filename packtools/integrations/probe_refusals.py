@@ -32,10 +32,33 @@ def mixer_refusal(model_name: str, impl: str | None, mixers: Sequence[str], deta
     return (
         f"{model_name} with attn_implementation={impl!r} cannot keep packed sequences apart on this machine: "
         f"its convolution / state-space / linear-attention layers{layers} separate sequences only with "
-        f"seq_idx or cu_seq_lens, which the PyTorch fallback ignores. Fix: train on CUDA with those kernels "
-        f"installed, or do not pack (PaddingFreeCollator(padding_free=False, unpacked=True) on unpacked rows). "
+        f"seq_idx or cu_seq_lens, which the PyTorch fallback ignores. Fix: prepare the trainer with "
+        f"packtools.prepare_trainer / prepare_dpo_trainer, which run those layers one document at a time "
+        f"(packtools.integrations.mixers.run_mixers_per_document(model) does it alone), or train on CUDA with "
+        f"those kernels installed, or do not pack. "
         f"{detail}"
     )
+
+
+def exceeded(report: Any) -> list[str]:
+    """Each figure of an :class:`~packtools.integrations.isolation.IsolationReport` outside its tolerance, with
+    both: what a refusal states (a figure inside its tolerance is never given as the reason)."""
+    backward = max(report.backward_tolerance, report.tolerance)
+    figures = [
+        ("logits of a packed sequence against it alone", max(report.alone_diff), report.tolerance),
+        ("relative loss, packed against one by one", report.loss_diff, backward),
+        ("relative gradient, packed against one by one", report.grad_diff, backward),
+        (
+            "change of the other sequences when sequence 0 changes",
+            report.perturb_diff,
+            report.perturb_tolerance,
+        ),
+    ]
+    return [
+        f"{what} {value:.2e} > tolerance {tol:.2e}"
+        for what, value, tol in figures
+        if value is not None and value > tol
+    ]
 
 
 def collator_name(collator: Any) -> str:

@@ -15,6 +15,8 @@ on a GPU without flash-attn, this backend gets the same order:
   queries attend to its own keys with the **diagonal block of that mask** (plain ``is_causal=True`` when the
   block is the causal triangle, which is what a model without sliding windows or bidirectional spans gets),
   so sliding windows and any other rule of the model's mask are kept, and nothing crosses a boundary;
+* attention sinks (``s_aux``, one extra logit per head in the softmax, GPT-OSS's eager form) run per document
+  in plain matrix products (:func:`_sink_attention`: one document's ``L_i²`` scores at a time);
 * every other call (padded batches, generation with a cache, ``position_bias``, ``softcap``) goes to
   transformers' ``sdpa`` unchanged;
 * under ``torch.compile`` (while Dynamo traces) every call goes to transformers' ``sdpa`` with the mask too: the
@@ -210,7 +212,7 @@ def _segments_apply(kwargs: dict[str, Any], query: Any, key: Any) -> list[int] |
         return None
     if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
         return None
-    if kwargs.get("output_attentions", False) or kwargs.get("s_aux") is not None:
+    if kwargs.get("output_attentions", False):
         return None
     bounds = _boundaries(cu_q, cu_k)
     if bounds is None or bounds[-1] != query.shape[2] or key.shape[2] != query.shape[2]:
@@ -255,6 +257,24 @@ def segmented_sdpa_forward(
     if bounds is None:
         if isinstance(attention_mask, DocumentMask):
             attention_mask = attention_mask.full()
+        if (
+            kwargs.get("s_aux") is not None
+        ):  # transformers' sdpa has no sinks: the same softmax, over the call
+            groups = getattr(module, "num_key_value_groups", 1)
+            k, v = (repeat_kv(key, groups), repeat_kv(value, groups)) if groups > 1 else (key, value)
+            plain = attention_mask is None and query.shape[2] == key.shape[2] and is_causal is not False
+            qkv = (query, k, v)
+            out = _sink_attention(
+                torch,
+                qkv,
+                attention_mask,
+                plain,
+                scaling=scaling,
+                sinks=kwargs["s_aux"],
+                dropout=dropout,
+                module=module,
+            )
+            return out.transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(
             module,
             query,
@@ -276,6 +296,7 @@ def segmented_sdpa_forward(
     else:
         plain = _causal_blocks(attention_mask, bounds)
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    sinks = kwargs.get("s_aux")  # attention sinks (GPT-OSS): one extra logit per head in every softmax
     # Autograd on: the documents' outputs are concatenated (its backward splits the gradient into views); off:
     # each is written into one output buffer as it comes, so no second copy of the row's output exists.
     tracked = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
@@ -294,12 +315,32 @@ def segmented_sdpa_forward(
             block, use_causal = attention_mask[:, :, start:end, start:end], False
         # Grouped keys/values: sdpa's own GQA where transformers' sdpa uses it (no mask, equal head dims up to
         # 256: the kernels that take it), else this document's keys/values repeated -- never the whole row's.
-        gqa = groups > 1 and block is None and k.shape[-1] == v.shape[-1] <= 256
+        gqa = groups > 1 and block is None and k.shape[-1] == v.shape[-1] <= 256 and sinks is None
         if groups > 1 and not gqa:
             k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-        got = sdpa(
-            q, k, v, attn_mask=block, dropout_p=dropout, scale=scaling, is_causal=use_causal, enable_gqa=gqa
-        ).transpose(1, 2)
+        if sinks is not None:
+            got = _sink_attention(
+                torch,
+                (q, k, v),
+                block,
+                use_causal,
+                scaling=scaling,
+                sinks=sinks,
+                dropout=dropout,
+                module=module,
+            )
+        else:
+            got = sdpa(
+                q,
+                k,
+                v,
+                attn_mask=block,
+                dropout_p=dropout,
+                scale=scaling,
+                is_causal=use_causal,
+                enable_gqa=gqa,
+            )
+        got = got.transpose(1, 2)
         if tracked:
             outs.append(got)
             continue
@@ -311,6 +352,38 @@ def segmented_sdpa_forward(
     if out is None:  # a row of no tokens
         out = query.new_empty((query.shape[0], 0, query.shape[1], value.shape[-1]))
     return out, None
+
+
+def _sink_attention(
+    torch: Any,
+    qkv: tuple[Any, Any, Any],
+    block: Any,
+    causal: bool,
+    *,
+    scaling: Any,
+    sinks: Any,
+    dropout: float,
+    module: Any,
+) -> Any:
+    """One document's attention with sinks: the softmax over its keys and one extra logit per head (``sinks``,
+    dropped after the softmax), as GPT-OSS's eager attention computes it; ``[1, heads, L, L]`` scores, one
+    document at a time (never the row's)."""
+    q, k, v = qkv
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    length = q.shape[2]
+    if block is not None:
+        scores = scores.masked_fill(~block, float("-inf")) if block.dtype == torch.bool else scores + block
+    elif causal:
+        keep = torch.ones(length, length, dtype=torch.bool, device=q.device).tril_()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    sink = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, length, 1).to(scores.dtype)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    training = bool(getattr(module, "training", False))
+    probs = torch.nn.functional.dropout(probs, p=dropout, training=training).to(v.dtype)
+    return torch.matmul(probs, v)
 
 
 def register(*, owner: Any = None) -> str:

@@ -75,6 +75,7 @@ from .collator_check import check_trainer_collator, probe_collator
 from .compat import all_or_nothing, set_attr
 from .guard import guard_model
 from .isolation import check_isolation as _check_isolation
+from .mixers import run_mixers_per_document
 from .parallel_layout import check_context_parallel_size, rank_layout
 from .segmented import SEGMENTED_SDPA
 from .sft import check_sft, is_sft_trainer, keep_packed_columns
@@ -271,6 +272,7 @@ def prepare_trainer(
         # the trainer's own collator on a real batch, then the probe through it (vision: its own probe)
         if check_isolation and not vision:
             probe_rows, packed = check_trainer_collator(trainer)
+        run_mixers_per_document(trainer.model, owner=trainer)  # before the guard: its mixers are then handled
         guard_model(trainer.model, owner=trainer)
         with segmented_sdpa_until_checked([trainer.model], segmented_sdpa, owner=trainer) as switched:
             if check_isolation:

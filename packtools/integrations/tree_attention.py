@@ -175,7 +175,9 @@ def check_tree_model(model: Any) -> None:
         raise PackingError(
             f"{name} has a composite (multimodal) config; prompt sharing supports text models only."
         )
-    mixers = token_mixing_layers(model)
+    mixers = token_mixing_layers(
+        model, include_handled=True
+    )  # per document would cut a prompt off its completions
     if mixers:
         raise PackingError(
             f"{name} has layers that mix tokens outside attention ({mixers[:3]}: linear attention, state-space "

@@ -72,7 +72,7 @@ from .dpo_probe import check_padding_free_forward
 from .guard import check_forward_inputs, guard_model
 from .shared_dpo import check_tree_models, prepare_shared_prompt, shares_prompt, tree_columns
 from .step import DPOStep, StepPlan, install_step, plan_of
-from .transformers import run_probe
+from .transformers import run_mixers_per_document, run_probe
 
 _WRAPPED = "_packtools_padding_free"
 PAIR_ROW_COLUMNS = ("input_ids", "completion_mask", SEQ_LENGTHS)
@@ -313,6 +313,8 @@ def _prepare(
         check_tree_models(models)
     for model in models:
         check_attention_implementation(model)
+        if not shared:  # token-mixing layers per document (integrations.mixers)
+            run_mixers_per_document(model, owner=trainer)
     if check_isolation:  # the user's collator must keep every sequence in its own row (collator_check)
         check_preference_collator(trainer)
     with segmented_sdpa_until_checked(models, segmented_sdpa, owner=trainer) as switched:
@@ -323,9 +325,7 @@ def _prepare(
         if not shared:
             for model in models:
                 install_padding_free_forward(model, owner=trainer)
-        if (
-            check_isolation and not shared
-        ):  # the same probe through the forward training calls (seq_idx and all)
+        if check_isolation and not shared:  # the probe again, through the forward training calls
             for model in models:
                 check_padding_free_forward(model)
     if shared:

@@ -7,7 +7,8 @@
   recomputation as a forward (no public API says so).
 * ``Module.register_forward_pre_hook(hook, with_kwargs=True)`` (:func:`forward_pre_hook`, public): the guard's
   hook, recorded on its owner so that :func:`~packtools.integrations.compat.unprepare` removes it again
-  (packtools never rebinds a model's ``forward``).
+  (a model's own ``forward`` is never rebound here; token-mixing layers' are, in
+  :func:`~packtools.integrations.compat.transformers.replace_mixer_forward`).
 
 An object without the shape checked here raises :func:`~packtools.integrations.compat.unknown_shape`.
 

@@ -21,6 +21,12 @@ undoes them:
 * a model's backend (:func:`set_attention`, through the public ``set_attn_implementation``).
 * ``Trainer._remove_unused_columns`` / ``_get_collator_with_removed_columns`` (:func:`training_rows`,
   :func:`training_collator`): the column removal packtools' own training loader applies as ``Trainer``'s does.
+* a token-mixing layer's ``forward`` (:func:`replace_mixer_forward`): an instance attribute over the method, as
+  accelerate's hooks do (``packtools.integrations.mixers`` runs the layer per document).
+
+Also relied on, on ``packtools.integrations.mixers``' path: that a decoder hands its keyword arguments to its
+layers and their token-mixing layers (and these to their chunked PyTorch scans: :func:`document_scan`), and
+``masking_utils.create_causal_mask`` / ``create_sliding_window_causal_mask`` (:func:`packed_position_masks`).
 
 An object without the shape checked here raises :func:`~packtools.integrations.compat.unknown_shape` instead
 of being patched blindly.  This module imports no packtools layer above ``errors`` (it sits below them).
@@ -38,8 +44,9 @@ of being patched blindly.  This module imports no packtools layer above ``errors
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..._optional import is_instance, require
@@ -213,3 +220,81 @@ def training_collator(trainer: Any, collator: Any) -> Any:
     """``collator`` wrapped in the trainer's column removal, as its training loader wraps it (other datasets)."""
     method = _trainer_method(trainer, "_get_collator_with_removed_columns", ("data_collator", "description"))
     return method(collator, description="training")
+
+
+def replace_mixer_forward(module: Any, forward: Callable[..., Any], *, owner: Any) -> Callable[..., Any]:
+    """Give a transformers token-mixing layer (a Mamba / DeltaNet / short-convolution module) ``forward`` as an
+    instance attribute over its method, recorded on ``owner``; returns the forward it had.
+
+    torch has no public way to run a module's computation differently (a hook sees the inputs and the output, it
+    cannot skip the call), and these layers' classes are built for it: transformers decorates their ``forward``
+    with ``force_accelerate_hooks``, because accelerate's device hooks replace ``forward`` the same way.  Whatever
+    ``forward`` the module has when prepared (accelerate's included) is kept and called.
+    """
+    if not callable(getattr(module, "forward", None)) or not hasattr(module, "__dict__"):
+        raise unknown_shape("transformers", CHECKED, f"{type(module).__name__} has no forward", _FIX)
+    original = module.forward
+    set_attr(module, "forward", forward, owner=owner)
+    return original
+
+
+def packed_position_masks(model: Any, inputs_embeds: Any, position_ids: Any) -> dict[str, Any]:
+    """The per-layer-type masks of one forward, built from ``position_ids`` by transformers' public mask
+    functions (``masking_utils.create_causal_mask`` / ``create_sliding_window_causal_mask``): for models whose
+    own forward builds them without ``position_ids`` (GPT-OSS), so packed sequences would see each other."""
+    masking = require("transformers", "packtools packed masks").masking_utils
+    config = model.config
+    arguments = dict(
+        config=config, inputs_embeds=inputs_embeds, attention_mask=None, cache=None, position_ids=position_ids
+    )
+    names = set(getattr(config, "layer_types", None) or ["full_attention"])
+    unknown = names - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise unknown_shape(
+            "transformers", CHECKED, f"{type(model).__name__} has layer types {sorted(unknown)}", _FIX
+        )
+    masks = {"full_attention": masking.create_causal_mask(**arguments)}
+    if "sliding_attention" in names:
+        masks["sliding_attention"] = masking.create_sliding_window_causal_mask(**arguments)
+    return masks
+
+
+#: Token-mixing layer classes (by a part of the name) whose ``forward`` hands its keyword arguments to the chunked
+#: PyTorch scan (``torch_chunk_gated_delta_rule(chunk_size=64, **kwargs)``: Qwen3-Next, Qwen3.5, Qwen3.5-MoE;
+#: ``chunk_kimi_delta_attention(chunk_size=64, **kwargs)``: Kimi Linear).  Mamba-2 layers (Nemotron-H, Bamba,
+#: Falcon-H1) read theirs from the layer's ``chunk_size`` attribute instead.
+CHUNKED_SCANS = ("GatedDeltaNet", "DeltaAttention")
+
+
+def document_chunk(length: int, chunk: int = 64) -> int:
+    """The fewest chunks of at most ``chunk`` tokens that cover a document, of equal size: the chunk size.
+
+    The chunked scans pad every call to a multiple of their chunk, so a document of a few tokens run alone would
+    hold a whole chunk (64, or Nemotron-H's 128); the chunked form is exact for any chunk size, so this one gives the
+    same result with padding below one token per chunk.
+
+    >>> document_chunk(27), document_chunk(100), document_chunk(300, 128)
+    (27, 50, 100)
+    """
+    chunks = -(-length // chunk)
+    return max(1, -(-length // max(chunks, 1)))
+
+
+@contextlib.contextmanager
+def document_scan(module: Any, length: int) -> Iterator[dict[str, int]]:
+    """Run one document of ``length`` tokens through a token-mixing layer's chunked PyTorch scan at its own size
+    (:func:`document_chunk`): yields the keyword arguments to add to the call (``chunk_size`` for a
+    :data:`CHUNKED_SCANS` layer), or sets a Mamba-2 layer's ``chunk_size`` attribute for the call and puts it back.
+    Other layers: nothing."""
+    if any(part in type(module).__name__ for part in CHUNKED_SCANS):
+        yield {"chunk_size": document_chunk(length)}
+        return
+    old = vars(module).get("chunk_size") if hasattr(module, "__dict__") else None
+    if type(old) is not int or old < 1:
+        yield {}
+        return
+    module.chunk_size = document_chunk(length, old)
+    try:
+        yield {}
+    finally:
+        module.chunk_size = old

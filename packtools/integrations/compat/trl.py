@@ -35,6 +35,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ...errors import PackingError
 from . import set_attr, unknown_shape, warn_unchecked
 
 #: The TRL versions whose ``DPOTrainer`` shapes this module was checked against (lowest and newest CI runs).
@@ -69,6 +70,14 @@ def fused_forward(base: Any) -> Callable[..., Any]:
             f"add_fused_lm_head sets)",
             "Build the DPOTrainer first (it adds the head to its models), then call "
             "packtools.prepare_dpo_trainer(trainer).",
+        )
+    if getattr(base, "base_model", None) is base:  # TRL's head calls base.base_model for the backbone
+        raise PackingError(
+            f"TRL's fused LM head cannot run {type(base).__name__}: it calls model.base_model for the backbone's "
+            f"hidden states, and this model's base_model is the model itself (its base_model_prefix "
+            f"{getattr(base, 'base_model_prefix', None)!r} names no submodule), so DPOTrainer's forward fails on "
+            f"it. packtools cannot pack DPO for it; train it with TRL's own batches once TRL supports it.",
+            param="model",
         )
     return found
 

@@ -1,0 +1,314 @@
+"""Token-mixing layers run per document (packtools.integrations.mixers): hybrid models packed exactly on CPU.
+
+Every hybrid family of the matrix, built tiny from its config: the packed batch against each document alone
+(logits, loss, every gradient), with negative controls (the same layer over the whole row differs); the layer
+itself per document against the layer run alone; gradient checkpointing; prepare_trainer and unprepare; the
+varlen-kernel path's inputs; GPT-OSS's masks from position_ids; ALiBi under packtools_sdpa; probe messages.
+"""
+
+import re
+
+import numpy as np
+import pytest
+from _hf_models import model_matrix, tiny_arch, tiny_llama
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from packtools import PackingError, PaddingFreeCollator  # noqa: E402
+from packtools.integrations import check_isolation  # noqa: E402
+from packtools.integrations.backends import check_attention_implementation, token_mixing_layers  # noqa: E402
+from packtools.integrations.mixers import (  # noqa: E402
+    SEGMENTS_KEY,
+    Segments,
+    _PerDocument,
+    document_mixers,
+    run_mixers_per_document,
+    segments_of,
+)
+
+HYBRIDS = ["Qwen3.5", "Qwen3.5-MoE", "Qwen3-Next", "Kimi Linear", "LFM2", "Nemotron-H", "Bamba", "Falcon-H1"]
+POSITIONS_ONLY = dict(return_seq_idx=False, return_flash_attn_kwargs=False)
+
+
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_hybrid_packed_equals_documents_alone(arch):
+    model = tiny_arch(arch, "sdpa")
+    done = run_mixers_per_document(model)
+    assert done is not None and set(done.modes.values()) == {"per-document"}
+    assert token_mixing_layers(model) == [] and token_mixing_layers(model, include_handled=True) == list(
+        done.modes
+    )
+    for collator in (
+        None,
+        PaddingFreeCollator(0, **POSITIONS_ONLY),
+    ):  # cu_seq_lens + seq_idx, or positions only
+        report = check_isolation(model, collator, backward=True)
+        assert not report.leaks and report.perturb_diff == 0.0
+        assert max(report.alone_diff) < 1e-5 and report.grad_diff < 1e-5 and report.loss_diff < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["Qwen3.5", "Nemotron-H", "LFM2", "Kimi Linear"])
+def test_negative_control_mixers_over_the_whole_row_leak(arch):
+    """The same model without the per-document layers: the row runs as one sequence and the probe sees it."""
+    model = tiny_arch(arch, "sdpa")
+    report = check_isolation(model, PaddingFreeCollator(0, **POSITIONS_ONLY), raise_on_leak=False)
+    assert report.leaks and report.perturb_diff > 1e-6
+    with pytest.raises(PackingError, match="cannot keep packed sequences apart.*run_mixers_per_document"):
+        check_isolation(model)  # seq_idx / cu_seq_lens reach the fallback: refused, by name
+
+
+@pytest.mark.parametrize("arch", ["Qwen3.5", "Nemotron-H", "LFM2"])
+def test_layer_per_document_equals_layer_alone_and_differs_from_whole_row(arch):
+    model = tiny_arch(arch, "sdpa").eval()
+    name = token_mixing_layers(model)[0]
+    layer = dict(model.named_modules())[name]
+    torch.manual_seed(1)
+    hidden = torch.randn(1, 12, model.config.hidden_size)
+    with torch.no_grad():
+        whole = layer(hidden)
+    run_mixers_per_document(model)
+    bounds = (0, 5, 12)
+    with torch.no_grad():
+        per_doc = layer(hidden, **{SEGMENTS_KEY: Segments((bounds,), 12)})
+        alone = torch.cat([layer(hidden[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])], dim=1)
+    assert torch.allclose(per_doc, alone, rtol=0, atol=1e-7)  # each document's scan at its own chunk size
+    rounding = float((per_doc[:, :5] - whole[:, :5]).abs().max())  # the first document has nothing before it
+    control = float(
+        (per_doc[:, 5:] - whole[:, 5:]).abs().max()
+    )  # the row as one sequence: the second differs
+    assert rounding < 1e-7 and control > 100 * max(rounding, 1e-9)
+
+
+def test_segments_from_positions_seq_idx_and_cu_seq_lens():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
+    assert segments_of({"position_ids": pos}) == Segments(((0, 3, 5, 6), (0, 4, 6)), 6)
+    assert segments_of({"position_ids": pos[None].expand(3, -1, -1)}).bounds[0] == (0, 3, 5, 6)  # 3-D rotary
+    assert segments_of({"seq_idx": torch.tensor([[0, 0, 1, 1, 1]])}) == Segments(((0, 2, 5),), 5)
+    assert segments_of({"cu_seq_lens_q": torch.tensor([0, 2, 7])}) == Segments(((0, 2, 7),), 7)
+    assert (
+        segments_of({"position_ids": torch.arange(6)[None]}) is None
+    )  # one document a row: nothing to split
+    assert segments_of({"position_ids": pos, "cache": object()}) is None  # generation: never split
+
+
+def test_rows_of_several_documents_each():
+    """Two packed rows ([2, T], padding_free=False): each row split on its own restarts."""
+    model = tiny_arch("Qwen3.5", "sdpa")
+    run_mixers_per_document(model)
+    report = check_isolation(model, PaddingFreeCollator(0, padding_free=False), backward=True)
+    assert not report.leaks and report.grad_diff < 1e-5
+
+
+def test_gradient_checkpointing_recomputes_with_the_forwards_own_documents():
+    """A checkpointed layer re-runs in backward after another forward (other documents) ran: the segments
+    travel with each forward's kwargs, so the gradients are those of the documents alone."""
+    model = tiny_arch("Qwen3.5", "sdpa")
+    run_mixers_per_document(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    rng = np.random.default_rng(0)
+    docs = [torch.as_tensor(rng.integers(3, 100, n)) for n in (6, 4, 7)]
+    ids = torch.cat(docs)[None]
+    pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    loss = model(input_ids=ids, position_ids=pos, use_cache=False).logits.float().square().mean()
+    model(
+        input_ids=ids[:, :9], position_ids=torch.arange(9)[None], use_cache=False
+    )  # another forward between
+    params = [p for p in model.parameters() if p.requires_grad]
+    packed = torch.autograd.grad(loss, params, allow_unused=True)
+    model.gradient_checkpointing_disable()
+    alone_logits = [model(input_ids=d[None], use_cache=False).logits.float() for d in docs]
+    alone = torch.autograd.grad(torch.cat(alone_logits, 1).square().mean(), params, allow_unused=True)
+    worst = max(float((a - b).abs().max()) for a, b in zip(packed, alone) if a is not None and b is not None)
+    assert worst < 1e-6
+
+
+def test_prepare_trainer_runs_mixers_per_document_and_unprepare_restores(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from packtools import pack_dataset
+    from packtools.integrations import prepare_trainer, unprepare
+
+    model = tiny_arch("Nemotron-H", "sdpa")
+    name = token_mixing_layers(model)[0]
+    layer = dict(model.named_modules())[name]
+    rows = pack_dataset(datasets.Dataset.from_dict({"input_ids": [[5, 6, 7, 8], [9, 10, 11], [12, 13]]}), 16)
+    args = transformers.TrainingArguments(str(tmp_path), report_to=[], use_cpu=True, max_steps=1)
+    trainer = transformers.Trainer(model, args, train_dataset=rows, data_collator=PaddingFreeCollator(0))
+    prepare_trainer(trainer)  # the probe runs on the prepared model: it would refuse a leak
+    assert "forward" in vars(layer)
+    assert name in document_mixers(model).summary() and "per-document" in document_mixers(model).summary()
+    trainer.train()
+    unprepare(trainer)
+    assert "forward" not in vars(layer) and token_mixing_layers(model) == [name]
+    assert not model.model._forward_pre_hooks  # the decoder's hook is gone too
+
+
+def test_tree_and_context_parallel_still_refuse_handled_mixers():
+    from packtools.integrations.cp_attention import use_cp_attention
+
+    model = tiny_arch("Qwen3.5", "sdpa")
+    run_mixers_per_document(model)
+    with pytest.raises(PackingError, match="mixes tokens outside attention"):
+        use_cp_attention(model)
+
+
+def test_varlen_kernel_inputs_and_cpu_fallback():
+    """The kernel path's inputs (seq_idx, int32 cu_seq_lens) and, off CUDA, the per-document path instead."""
+    got = _PerDocument._varlen({"seq_idx": "old", "other": 1}, (0, 2, 5), torch.device("cpu"))
+    assert got["seq_idx"].tolist() == [[0, 0, 1, 1, 1]] and got["seq_idx"].dtype == torch.int32
+    assert got["cu_seq_lens_q"].tolist() == [0, 2, 5] and got["cu_seq_lens_q"].dtype == torch.int32
+    assert got["other"] == 1
+    calls = []
+
+    def original(hidden, **kwargs):
+        calls.append((hidden.shape[1], sorted(kwargs)))
+        return hidden * 2
+
+    wrapper = _PerDocument("layer", original, kernel=True)  # decided for CUDA; these inputs are on the CPU
+    out = wrapper(
+        torch.ones(1, 5, 3),
+        cu_seq_lens_q=torch.tensor([0, 2, 5]),
+        **{SEGMENTS_KEY: Segments(((0, 2, 5),), 5)},
+    )
+    assert out.shape == (1, 5, 3) and calls == [(2, []), (3, [])]
+
+
+def test_a_layer_that_does_not_return_the_documents_tokens_is_refused():
+    wrapper = _PerDocument("layer", lambda hidden, **kw: (hidden, None), kernel=False)
+    with pytest.raises(PackingError, match="cannot run it per document"):
+        wrapper(torch.ones(1, 5, 3), **{SEGMENTS_KEY: Segments(((0, 2, 5),), 5)})
+    with pytest.raises(PackingError, match="cannot tell which tokens"):
+        wrapper(torch.ones(1, 4, 3), **{SEGMENTS_KEY: Segments(((0, 2, 5),), 5)})
+
+
+def test_gpt_oss_eager_exact_with_masks_from_positions():
+    model = tiny_arch("GPT-OSS", "eager")
+    control = check_isolation(model, raise_on_leak=False)
+    assert control.leaks and control.perturb_diff > 1e-3  # its forward builds masks without position_ids
+    done = run_mixers_per_document(model)
+    assert done.masks_from_positions and done.modes == {}
+    report = check_isolation(model, backward=True)
+    assert not report.leaks and report.grad_diff < 1e-5
+
+
+def test_alibi_refused_under_packtools_sdpa_and_kept_on_sdpa():
+    from packtools.integrations.backends import use_segmented_sdpa
+    from packtools.integrations.segmented import register
+
+    register()
+    config = transformers.FalconConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, alibi=True
+    )
+    config._attn_implementation = "packtools_sdpa"
+    model = transformers.FalconForCausalLM(config)
+    with pytest.raises(PackingError, match="ALiBi.*attn_implementation='sdpa'"):
+        check_attention_implementation(model)
+    model.config._attn_implementation = "sdpa"
+    assert not use_segmented_sdpa(model) and model.config._attn_implementation == "sdpa"
+    assert not check_isolation(model, backward=True).leaks  # sdpa separates them by position_ids
+
+
+def test_every_figure_a_refusal_states_is_outside_its_tolerance():
+    """A refusal for the gradient alone (logits inside the tolerance) names the gradient, not the logits."""
+    model = tiny_llama("eager")
+    report = check_isolation(model, backward=True, raise_on_leak=False)
+    assert max(report.alone_diff) < report.grad_diff  # float32 rounding: gradients sum more terms
+    tol = (max(report.alone_diff) + report.grad_diff) / 2  # the logits inside, the gradient outside
+    with pytest.raises(PackingError) as err:
+        check_isolation(model, backward=True, atol=tol)
+    first = str(err.value).split("\n")[0]
+    stated = re.findall(r"(\d\.\d\de[-+]\d\d) > tolerance (\d\.\d\de[-+]\d\d)", first)
+    assert stated and all(float(value) > float(limit) for value, limit in stated)
+    assert "relative gradient" in first and "logits of a packed sequence" not in first
+
+
+def test_matrix_dpo_check_exact_for_a_hybrid_and_refused_without_per_document_layers(monkeypatch):
+    pytest.importorskip("trl")
+    matrix = model_matrix()
+    arch = next(a for a in matrix.ARCHS if a.name == "Qwen3.5")
+    status, diff = matrix.dpo_check(arch, "sdpa")
+    assert status == "exact" and diff < 1e-5
+    import packtools.integrations.mixers as mixers
+
+    monkeypatch.setattr(mixers, "token_mixing_layers", lambda model, include_handled=False: [])
+    assert matrix.dpo_check(arch, "sdpa") == (
+        "refused",
+        None,
+    )  # control: the whole row leaks, DPO's probe refuses
+
+
+def test_gemma4_eager_backward_not_refused_for_gradient_rounding():
+    """A 6-layer Gemma 4 (eager, logit soft-capping): logits exact to ~1e-6, perturbation exactly 0, gradients
+    1.02e-5 relative from float32 rounding over the layers -- isolated, within the backward tolerance."""
+    from packtools.integrations.isolation import BACKWARD_FACTOR, TOLERANCE
+
+    config = transformers.Gemma4TextConfig(
+        vocab_size=128,
+        pad_token_id=0,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        global_head_dim=32,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=128,
+        final_logit_softcapping=30.0,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    report = check_isolation(transformers.Gemma4ForCausalLM(config).float(), backward=True)
+    assert report.perturb_diff == 0.0 and not report.leaks
+    assert report.grad_diff < TOLERANCE["float32"] * BACKWARD_FACTOR == report.backward_tolerance
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_packtools_sdpa_attention_sinks_per_document_equal_gpt_oss_eager_alone(grouped):
+    """packtools_sdpa with s_aux (GPT-OSS's sinks): each document of a padding-free row equals GPT-OSS's own eager
+    attention run on it alone, forward and backward; the row without the boundaries (the control) differs."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from packtools.integrations.segmented import segmented_sdpa_forward
+
+    torch.manual_seed(0)
+    heads, kv, dim, bounds = 4, 2 if grouped else 4, 8, [0, 5, 12, 15]
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = heads // kv, False
+    sinks = torch.randn(heads, requires_grad=True)
+    module.sinks = sinks  # what GPT-OSS's eager attention reads
+    q = torch.randn(1, heads, 15, dim, requires_grad=True)
+    k, v = (torch.randn(1, kv, 15, dim, requires_grad=True) for _ in range(2))
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    out, _ = segmented_sdpa_forward(
+        module, q, k, v, None, scaling=0.3, s_aux=sinks, cu_seq_lens_q=cu, cu_seq_lens_k=cu
+    )
+    alone = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        causal = torch.zeros(b - a, b - a).masked_fill(torch.ones(b - a, b - a).triu(1).bool(), float("-inf"))
+        got, _ = eager_attention_forward(
+            module, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal[None, None], 0.3
+        )
+        alone.append(got)
+    alone = torch.cat(alone, dim=1)
+    assert (out - alone).abs().max() < 1e-6
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v, sinks))
+    want = torch.autograd.grad(alone.square().sum(), (q, k, v, sinks))
+    assert max(float((g - w).abs().max()) for g, w in zip(grads, want)) < 1e-5
+    whole, _ = segmented_sdpa_forward(
+        module, q, k, v, None, scaling=0.3, s_aux=sinks
+    )  # no boundaries: one row
+    assert (whole[:, 5:] - alone[:, 5:]).abs().max() > 1e-3
+
+
+def test_lora_wrapped_hybrid_per_document():
+    """A PEFT LoRA model (adapters inside the gated DeltaNet's projections): the layers under the wrapper run per
+    document, packed equals alone, gradients of the adapters included."""
+    peft = pytest.importorskip("peft")
+    model = tiny_arch("Qwen3.5", "sdpa")
+    lora = peft.LoraConfig(r=4, target_modules=["in_proj_qkv", "q_proj", "out_proj"], lora_dropout=0.0)
+    wrapped = peft.get_peft_model(model, lora)
+    assert "model.layers.0.linear_attn" in run_mixers_per_document(wrapped).modes
+    report = check_isolation(wrapped, backward=True)
+    assert not report.leaks and report.grad_diff < 1e-5
