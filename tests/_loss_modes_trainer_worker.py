@@ -64,7 +64,7 @@ def run_step(
 
         from packtools.integrations import packed_sft_config
 
-        args = packed_sft_config(**options, loss_type="dft", bf16=False)
+        args = packed_sft_config(**options, loss_type="dft", bf16=False, padding_free=False)
         trainer = trl.SFTTrainer(args=args, processing_class=word_tokenizer(), **common)
     else:
         trainer = (cls or transformers.Trainer)(args=transformers.TrainingArguments(**options), **common)

@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..._optional import is_instance, require
-from . import record, unknown_shape, warn_unchecked
+from . import record, set_attr, unknown_shape, warn_unchecked
 
 #: The ``transformers`` versions whose shapes this module was checked against (lowest and newest CI runs).
 CHECKED = "5.15.0 - 5.25.0"
