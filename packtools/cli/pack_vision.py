@@ -47,14 +47,19 @@ def run_vision(args: argparse.Namespace, max_length: int, parser: argparse.Argum
             f"whole with bfd in this process; only --max-length, --shuffle, --seed and --quiet apply). Drop them.",
             param="processor",
         )
-    r = pack_vision_files(
-        args.input,
-        args.out,
-        processor=args.processor,
-        max_length=max_length,
-        shuffle=args.shuffle,
-        seed=args.seed,
-    )
+    from ..pipeline.vision_stage import RowKeysError, row_keys_message
+
+    try:
+        r = pack_vision_files(
+            args.input,
+            args.out,
+            processor=args.processor,
+            max_length=max_length,
+            shuffle=args.shuffle,
+            seed=args.seed,
+        )
+    except RowKeysError as err:  # the fix the command line offers: there is no --leave-out
+        raise PackingError(row_keys_message(err.where, err.keys, cli=True)) from None
     if not args.quiet:
         print(
             f"packed {r.rows_in} samples ({r.images} images, {r.tokens} tokens) into {r.rows_out} rows in {r.out}"

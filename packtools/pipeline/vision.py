@@ -12,7 +12,8 @@ folder renamed into place, so ``out`` is absent, the old or the new output whate
    (:func:`~packtools.integrations.vision_processor.process_vision_sample`: ``input_ids``, ``pixel_values``,
    ``image_grid_thw``, ``mm_token_type_ids``) and the block written as one Arrow file under ``stage/``
    (:mod:`packtools.pipeline.vision_stage`: written atomically with a size/SHA-256 sidecar, named by a key of
-   the processor folder's content, packtools' sources, the library versions and the inputs, so a rerun after a
+   the processor folder's content, packtools' sources, the library versions, the inputs and the content of every
+   image file the rows name, so a rerun after a
    kill reuses the blocks that were finished and undamaged, never a block made from other inputs or code).
    A row key other than ``messages``/``images`` is refused by name unless ``leave_out`` lists it.
 2. **Plan**: one global ``bfd`` plan from the staged lengths alone (image tokens included); a sample longer
@@ -55,6 +56,7 @@ from .vision_stage import (
     blocks,
     check_names,
     schema_of,
+    images_key,
     sidecar,
     stage_block,
     stage_key,
@@ -62,7 +64,7 @@ from .vision_stage import (
 )
 from .workspace import Workspace, checkpoint, tidy_after_dead_run
 
-TOKEN_COLUMNS = ("input_ids", "mm_token_type_ids")
+TOKEN_COLUMNS = ("input_ids", "mm_token_type_ids", "assistant_masks")
 IMAGE_COLUMNS = ("pixel_values", "image_grid_thw")
 
 
@@ -158,7 +160,7 @@ def pack_vision_files(
         * int(vp.image_processor.patch_size) ** 2
     )
     schema = schema_of(dim)
-    key = stage_key(vp.path, paths, block_rows, dim, sorted(leave))
+    key = stage_key(vp.path, paths, block_rows, dim, sorted(leave), images_key(paths))
     config = {
         "kind": "vision",
         "max_length": max_length,
@@ -184,8 +186,10 @@ def pack_vision_files(
     try:
         os.makedirs(ws.stage, exist_ok=True)
         staged, reused = [], 0
+        origin: list[tuple[str, int]] = []  # each sample's file and line, for the errors
         for f, path in enumerate(paths):
             for b, rows in blocks(path, block_rows):
+                origin.extend((path, line_no) for line_no, _ in rows)
                 target = os.path.join(ws.stage, f"vision-{key}-{f:05d}-{b:06d}.arrow")
                 if os.path.exists(sidecar(target)) and block_damage(target) is None:
                     reused += 1
@@ -201,9 +205,11 @@ def pack_vision_files(
         lengths = cols[0].lengths()
         over = np.flatnonzero(lengths > max_length)
         if over.size:
+            where, line = origin[int(over[0])]
             raise PackingError(
-                f"sample {int(over[0])} has {int(lengths[over[0]])} tokens (image tokens included) > max_length="
-                f"{max_length} ({over.size} in all): multimodal samples are never truncated. Raise max_length.",
+                f"{where}:{line}: the sample has {int(lengths[over[0]])} tokens (image tokens included) > "
+                f"max_length={max_length} ({over.size} sample(s) in all, longest {int(lengths.max())}): multimodal "
+                f"samples are never truncated (an image would be cut). Raise max_length, or remove those samples.",
                 param="max_length",
             )
         p = make_plan(lengths, max_length, "bfd")
