@@ -15,7 +15,6 @@ template, and does the processor's one remaining step itself -- each image place
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import numpy as np
 
 from .._optional import require
 from ..errors import PackingError
+from .vision_images import check_messages, image_list, image_size, open_image, where_of
 
 #: The image placeholder of the Qwen-VL processors when the tokenizer names none.
 DEFAULT_IMAGE_TOKEN = "<|image_pad|>"
@@ -112,92 +112,6 @@ def load_vision_processor(path: str | os.PathLike[str]) -> VisionProcessor:
     )
 
 
-#: What a URL starts with: packtools opens local files only (it never fetches).
-URL_SCHEMES = ("http://", "https://", "ftp://", "s3://", "gs://", "hf://")
-
-
-def open_image(value: Any, row: int | str) -> Any:
-    """A PIL image from a PIL image, a path, bytes, or ``datasets``' ``{"bytes": ..., "path": ...}``, opened as
-    the model's processor opens it.
-
-    A path or bytes is opened as ``transformers.image_utils.load_image`` opens a path (and ``datasets``' ``Image``
-    feature a file): decoded at once (``load()``, so a truncated file fails here, naming it), turned by its EXIF
-    orientation (``PIL.ImageOps.exif_transpose``: a phone photo stored sideways is seen upright) and converted
-    to RGB (palettes and alpha as ``Image.convert("RGB")`` does).  A PIL image given as it is (a ``datasets``
-    ``Image`` column, already decoded) is turned by its EXIF orientation only; the image processor converts
-    its mode as it does for any PIL image.  ``row``: the row number, or ``"FILE:LINE"``, for the errors.
-
-    >>> open_image(b"not an image", 3)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    packtools.errors.PackingError: row 3: cannot open image ...
-    """
-    Image = require("PIL.Image", "opening images (the images column)")
-    ImageOps = require("PIL.ImageOps", "opening images (the images column)")
-    where = f"row {row}" if isinstance(row, int) else str(row)
-    if isinstance(value, Image.Image):
-        return ImageOps.exif_transpose(value)
-    if isinstance(value, dict):
-        value = value.get("bytes") or value.get("path")
-    if isinstance(value, str) and value.lower().startswith(URL_SCHEMES):
-        raise PackingError(
-            f"{where}: image {value[:80]!r} is a URL; packtools does not fetch images. Download it and name the "
-            f"local file (a path relative to the JSON-lines file's folder, or absolute).",
-            param="images",
-        )
-    if not isinstance(value, (bytes, bytearray, str, os.PathLike)):
-        raise PackingError(
-            f"{where}: an image must be a path, bytes or a PIL image, got {type(value).__name__}.",
-            param="images",
-        )
-    name = "<bytes>" if isinstance(value, (bytes, bytearray)) else str(value)[:120]
-    try:
-        img = Image.open(io.BytesIO(value) if isinstance(value, (bytes, bytearray)) else value)
-        img.load()  # decode now: a truncated or damaged file fails here, with its name
-        return ImageOps.exif_transpose(img).convert("RGB")
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
-        raise PackingError(f"{where}: cannot open image {name!r}: {err}", param="images") from err
-
-
-def image_list(images: Any, row: int | str) -> list[Any]:
-    """A row's ``images`` as a list (None: no image); a single string or other non-list is refused by name."""
-    if images is None:
-        return []
-    if isinstance(images, (str, bytes, bytearray, dict)) or not isinstance(images, (list, tuple)):
-        where = f"row {row}" if isinstance(row, int) else str(row)
-        raise PackingError(
-            f"{where}: 'images' must be a list (one entry per image part, in order), got "
-            f"{type(images).__name__} {str(images)[:60]!r}; write [{str(images)[:40]!r}].",
-            param="images",
-        )
-    return list(images)
-
-
-def check_messages(messages: Any, row: int | str) -> None:
-    """Refuse, by name, ``messages`` that are not a non-empty list of messages, and video content parts
-    (packtools packs images only: a video part would be written as its placeholder with no video)."""
-    where = f"row {row}" if isinstance(row, int) else str(row)
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise PackingError(
-            f"{where}: 'messages' must be a non-empty list of messages, got {str(messages)[:60]!r}; remove the "
-            f"row or give it its conversation.",
-            param="messages",
-        )
-    for i, m in enumerate(messages):
-        content = m.get("content") if isinstance(m, dict) else None
-        for part in content if isinstance(content, list) else []:
-            if isinstance(part, dict) and (part.get("type") == "video" or "video" in part):
-                raise PackingError(
-                    f"{where}: message {i} has a video part ({str(part)[:60]}); packtools packs images only "
-                    f"(video positions are not verified). Remove the video samples, or train them unpacked.",
-                    param="messages",
-                )
-
-
-def _where(row: int | str) -> str:
-    return f"row {row}" if isinstance(row, int) else str(row)
-
-
 def _image_features(vp: VisionProcessor, images: list[Any], names: Sequence[Any], row: int | str) -> Any:
     """The image processor's output for ``images``; an image it refuses is named (its entry in the row, its
     size) with the processor's reason."""
@@ -209,11 +123,13 @@ def _image_features(vp: VisionProcessor, images: list[Any], names: Sequence[Any]
                 vp.image_processor(images=[img], return_tensors="np")
             except (ValueError, OSError, TypeError) as one:
                 raise PackingError(
-                    f"{_where(row)}: image {k} ({str(name)[:80]!r}, {img.width}x{img.height} pixels): the image "
+                    f"{where_of(row)}: image {k} ({str(name)[:80]!r}, {img.width}x{img.height} pixels): the image "
                     f"processor refuses it: {one}. Fix or remove that image (and its image part).",
                     param="images",
                 ) from one
-        raise PackingError(f"{_where(row)}: the image processor refuses the images: {err}", param="images") from err
+        raise PackingError(
+            f"{where_of(row)}: the image processor refuses the images: {err}", param="images"
+        ) from err
 
 
 def process_vision_sample(
@@ -229,7 +145,7 @@ def process_vision_sample(
     parts = text.split(vp.image_token)
     if len(parts) - 1 != len(images):
         raise PackingError(
-            f"{_where(row)}: its messages hold {len(parts) - 1} image part(s) but its images column has "
+            f"{where_of(row)}: its messages hold {len(parts) - 1} image part(s) but its images column has "
             f"{len(images)} image(s); every image part needs exactly one image, in order.",
             param="images",
         )
@@ -239,7 +155,7 @@ def process_vision_sample(
         except (ValueError, OSError, TypeError) as err:
             if images:
                 _image_features(vp, images, names, row)  # names the image the processor refuses
-            raise PackingError(f"{_where(row)}: the processor refuses the sample: {err}") from err
+            raise PackingError(f"{where_of(row)}: the processor refuses the sample: {err}") from err
         ids = np.asarray(out["input_ids"][0], np.int64)
         grid = np.asarray(out.get("image_grid_thw", np.zeros((0, 3))), np.int64).reshape(-1, 3)
         pixels = out.get("pixel_values")
@@ -289,11 +205,15 @@ def assistant_mask(
         for upto, prompt in ((i, True), (i + 1, False)):
             text = _render(vp, messages[:upto], prompt, row=row) if upto else ""
             n_img = text.count(vp.image_token)
-            got = np.asarray(vp.tokenizer(_expand(vp, text, grid[:n_img]))["input_ids"], np.int64) if text else []
+            got = (
+                np.asarray(vp.tokenizer(_expand(vp, text, grid[:n_img]))["input_ids"], np.int64)
+                if text
+                else []
+            )
             got = np.asarray(got, np.int64)
             if got.shape[0] > ids.shape[0] or not np.array_equal(ids[: got.shape[0]], got):
                 raise PackingError(
-                    f"{_where(row)}: the chat template's rendering of the first {upto} message(s) is not the start "
+                    f"{where_of(row)}: the chat template's rendering of the first {upto} message(s) is not the start "
                     f"of the whole conversation's, so assistant message {i}'s tokens cannot be found (the "
                     f"assistant-only mask text chat uses). Use a template whose turns render incrementally.",
                     param="processor",
@@ -351,7 +271,8 @@ def _render(vp: VisionProcessor, messages: Any, prompt: bool = False, *, row: in
         raise
     except Exception as err:  # noqa: BLE001 - jinja's TemplateError, transformers' ValueError...: named here
         raise PackingError(
-            f"{_where(row)}: the processor's chat template cannot render its messages: {err}", param="messages"
+            f"{where_of(row)}: the processor's chat template cannot render its messages: {err}",
+            param="messages",
         ) from err
 
 
@@ -375,29 +296,6 @@ def vision_lengths(
     return out
 
 
-def image_size(value: Any, row: int | str) -> tuple[int, int]:
-    """``(height, width)`` of an image as :func:`open_image` gives it (EXIF orientation applied), read from the
-    file's header without decoding its pixels."""
-    Image = require("PIL.Image", "opening images (the images column)")
-    if isinstance(value, Image.Image):
-        img = value
-    else:
-        if isinstance(value, dict):
-            value = value.get("bytes") or value.get("path")
-        if isinstance(value, str) and value.lower().startswith(URL_SCHEMES) or not isinstance(
-            value, (bytes, bytearray, str, os.PathLike)
-        ):
-            return open_image(value, row).size[::-1]  # refused there, by name
-        try:
-            img = Image.open(io.BytesIO(value) if isinstance(value, (bytes, bytearray)) else value)
-        except (OSError, ValueError, SyntaxError) as err:
-            name = "<bytes>" if isinstance(value, (bytes, bytearray)) else str(value)[:120]
-            raise PackingError(f"{_where(row)}: cannot open image {name!r}: {err}", param="images") from err
-    orientation = img.getexif().get(0x0112, 1)
-    w, h = img.size
-    return (w, h) if orientation in (5, 6, 7, 8) else (h, w)  # 5-8: turned by a quarter
-
-
 def sample_length(vp: VisionProcessor, messages: Any, images: Any, row: int | str, count: Any = None) -> int:
     """The tokens of one TRL vision sample as the model sees them (image tokens counted from the images' sizes
     through the image processor's resize rule, ``get_number_of_image_patches / merge²``), no pixel processed."""
@@ -411,7 +309,7 @@ def sample_length(vp: VisionProcessor, messages: Any, images: Any, row: int | st
     text = _render(vp, messages, row=row)
     if text.count(vp.image_token) != len(sizes):
         raise PackingError(
-            f"{_where(row)}: its messages hold {text.count(vp.image_token)} image part(s) but its images column "
+            f"{where_of(row)}: its messages hold {text.count(vp.image_token)} image part(s) but its images column "
             f"has {len(sizes)} image(s).",
             param="images",
         )

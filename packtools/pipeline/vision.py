@@ -55,8 +55,8 @@ from .vision_stage import (
     block_damage,
     blocks,
     check_names,
-    schema_of,
     images_key,
+    schema_of,
     sidecar,
     stage_block,
     stage_key,
@@ -259,3 +259,41 @@ def pack_vision_files(
         )
     finally:
         ws.finish(ok=ok, keep_stage=not ok)
+
+
+def is_vision_file(path: str, rows: int = 64) -> bool:
+    """Whether a JSON-lines file holds TRL vision rows: one of its first ``rows`` objects has an ``images``
+    key, or a message content part of type ``image``."""
+    for _, block in blocks(path, rows, strict=False):
+        for _, row in block:
+            if "images" in row:
+                return True
+            for m in row.get("messages") or []:
+                content = m.get("content") if isinstance(m, dict) else None
+                if isinstance(content, list) and any(
+                    isinstance(c, dict) and c.get("type") in ("image", "video") for c in content
+                ):
+                    return True
+        return False
+    return False
+
+
+def vision_file_lengths(paths: Sequence[str], processor: str | os.PathLike[str]) -> tuple[np.ndarray, int]:
+    """Token counts of the samples of JSON-lines files in TRL's vision format as the model sees them (image
+    tokens counted from each image's size through the image processor's resize rule, no pixel processed:
+    :func:`~packtools.integrations.vision_processor.sample_length`), and the number of images.  Image paths
+    resolve against each file's folder, as :func:`pack_vision_files` resolves them; errors name file and line."""
+    from ..integrations.vision_processor import load_vision_processor, sample_length
+    from .vision_stage import _resolve
+
+    vp = load_vision_processor(processor)
+    out, images = [], 0
+    for path in paths:
+        base = os.path.dirname(os.path.abspath(path))
+        for _, rows in blocks(path, 256):
+            for line_no, row in rows:
+                where = f"{path}:{line_no}"
+                found = _resolve(row.get("images"), base, where)
+                images += len(found)
+                out.append(sample_length(vp, row.get("messages"), found, where))
+    return np.asarray(out, np.int64), images

@@ -195,8 +195,8 @@ def blocks(
 
 def _resolve(images: Any, base: str, where: str) -> list[Any]:
     """A row's images with paths relative to its file's folder made absolute (URLs and non-lists are refused
-    by :func:`~packtools.integrations.vision_processor.image_list` / ``open_image``, by name)."""
-    from ..integrations.vision_processor import URL_SCHEMES, image_list
+    by :func:`~packtools.integrations.vision_images.image_list` / ``open_image``, by name)."""
+    from ..integrations.vision_images import URL_SCHEMES, image_list
 
     def one(v: Any) -> Any:
         if isinstance(v, dict) and isinstance(v.get("path"), str) and not v.get("bytes"):
@@ -277,7 +277,9 @@ def stage_block(
     for line_no, row in rows:
         where = f"{path}:{line_no}"
         check_row_keys(row, where, leave_out)
-        done.append(process_vision_sample(vp, row["messages"], _resolve(row.get("images"), base, where), where))
+        done.append(
+            process_vision_sample(vp, row["messages"], _resolve(row.get("images"), base, where), where)
+        )
     dim = schema.field("pixel_values").type.value_type.list_size
     arrays = [
         _ragged([d["input_ids"].astype(np.int32) for d in done], pa.int32()),
