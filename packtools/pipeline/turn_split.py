@@ -8,16 +8,29 @@ is): the end of an assistant reply, where the chat template starts the next mess
 prompt/completion row has one such point, its end).  The row is thereby made of *exchanges* (the question and
 everything before the reply, then the reply), and a piece is one or more whole exchanges, greedily, in order.
 
+**Tool calls stay with their question.**  An exchange that starts with a tool message (the template's tool
+opener, :func:`packtools.pipeline.chat_head.tool_opener_ids`: ``<|im_start|>tool`` in ChatML) is glued to the
+exchange before it, so the user's question, the assistant's call, the tool result and the answer go into one
+piece whenever they fit one; only a chain longer than a piece is cut at a tool result, and each such piece,
+whose answer trains without the question, is counted (``questions_dropped``).  A template that renders a
+tool message as it renders a user message gives no opener: its tool exchanges are cut as any other.
+
 **What a piece carries before its first turn.**  The row's *head* (for ``messages`` rows: the leading system
 message(s) as the template renders them, BOS included; 0 for other formats) is copied, unlabeled (-100), before
-every piece but the first (which starts with it), so that a piece reads as a conversation with its system
-prompt.  A head longer than half of ``max_length`` is not carried (it would crowd out the turns).  Carried
-tokens are counted (``tokens_carried``): they are copies, not input tokens.
+every piece that starts at an exchange but the first (which starts with it), so that a piece reads as a
+conversation with its system prompt.  A head longer than half of ``max_length`` is not carried (it would crowd
+out the turns).  Carried tokens are counted (``tokens_carried``): they are copies, not input tokens.
 
-**A turn longer than a piece** (an exchange that does not fit ``max_length`` minus the head) is cut from its
-end: the last piece holds the reply and as much of the question before it as fits, the pieces before it the
-rest of the exchange, earlier first.  Each such exchange is counted (``turns_cut``): those pieces start inside
-a turn.
+**An exchange longer than a piece** (it does not fit ``max_length`` minus the head) is counted (``turns_cut``)
+and cut so that the reply keeps its question:
+
+* a reply that fits a piece is cut from its end: the last piece holds the reply and as much of the question
+  before it as fits (the question's start, in the pieces before, trains nothing);
+* a longer reply: its first piece holds the head (where carried), the question (its last ``(max_length -
+  head) // 2`` tokens when longer) and the reply's start; the later pieces continue the reply *without the
+  head*: each is a plain window of the conversation, and its first token is not trained (the first token of
+  every sequence is masked in a padding-free batch, contract 3), so no trained token follows a head or a
+  context it was not answering.
 
 **Pieces without a trained token** (a label other than -100 after the piece's first token: the first token's
 label is masked in every padding-free batch, contract 3) train nothing; they are dropped unless
@@ -36,6 +49,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -83,47 +97,138 @@ def cut_turns(
     *,
     ids: np.ndarray | None = None,
     closing: np.ndarray | None = None,
+    tool_opener: np.ndarray | None = None,
 ) -> tuple[list[Piece], int]:
-    """:func:`cut_row`'s pieces and how many exchanges were longer than a piece (cut inside a turn).
-    ``closing`` (with the row's ``ids``): the tokens a template writes after an assistant's labelled span and
-    before the next message; a turn end followed by them moves past them, so the next piece starts at the next
-    message."""
+    """:func:`cut_row`'s pieces and how many exchanges were longer than a piece (cut inside a turn)."""
+    got = plan_pieces(labels, head, max_length, split_at, ids=ids, closing=closing, tool_opener=tool_opener)
+    return got.pieces, got.turns_cut
+
+
+class TurnCut(NamedTuple):
+    """The pieces of one row, the exchanges cut inside a turn, and the pieces whose first reply trains without
+    the question it answers (a piece that starts at a tool result: the exchange did not fit one piece)."""
+
+    pieces: list[Piece]
+    turns_cut: int
+    questions_dropped: int
+
+
+def _matches(ids: np.ndarray | None, at: int, marker: np.ndarray | None) -> bool:
+    if ids is None or marker is None or not marker.size:
+        return False
+    return at + marker.size <= ids.shape[0] and np.array_equal(ids[at : at + marker.size], marker)
+
+
+def _from_end(a: int, b: int, carry: int, max_length: int) -> list[Piece]:
+    """``row[a:b]`` as pieces cut from its end (each later piece carries the head; the row's start its own)."""
+    room, chunks, hi = max_length - carry, [], b
+    while hi > a:
+        lo = 0 if a == 0 and hi <= max_length else max(a, hi - room)
+        chunks.append((carry if lo else 0, lo, hi))
+        hi = lo
+    return chunks[::-1]
+
+
+def long_exchange(labels: np.ndarray, a: int, b: int, head: int, max_length: int) -> list[Piece]:
+    """The pieces of one exchange ``row[a:b]`` longer than a piece (the question, then the reply from its first
+    trained token ``r``).
+
+    * A reply that fits a piece (with the head it carries): cut from the end, the last piece holding the reply
+      and as much of the question as fits.
+    * A longer reply: its first piece holds the head (where it is carried), the question (its last half-piece
+      when longer) and the reply's start; the later pieces continue the reply **without a head**, each a plain
+      window of the conversation whose first token is not trained (as every sequence's first token), so no
+      trained token follows a context that never existed.  A question's start that does not fit goes into
+      pieces before, which train nothing.
+    """
+    carry = carried_head(head, max_length)
+    lo = max(a, head)  # a span inside the head (no boundary there) is not this exchange's reply
+    trained = np.flatnonzero(labels[lo:b] != IGNORE_INDEX)
+    r = lo + int(trained[0]) if trained.size else b
+    if r >= b or b - r <= max_length - carry - 1 or (a == 0 and b <= max_length):
+        return _from_end(a, b, carry, max_length)  # the last piece: the whole reply after some question
+    if a == 0 and r <= max_length // 2:
+        s, c = 0, 0  # the row's start: its own head and its whole question
+    else:
+        c = carry if (max_length - carry) // 2 else 0  # the head where it fits beside question and reply
+        s = r - min(r - a, (max_length - c) // 2)
+        if c and s < head:
+            s = head  # never the head twice
+    pieces = _from_end(a, s, carry, max_length) if s > a else []
+    e = min(s + max_length - c, b)
+    pieces.append((c, s, e))
+    while e < b:
+        pieces.append((0, e, min(e + max_length, b)))
+        e += max_length
+    return pieces
+
+
+def plan_pieces(  # noqa: PLR0913 - the row and the markers of its turns
+    labels: np.ndarray,
+    head: int,
+    max_length: int,
+    split_at: str = "turns",
+    *,
+    ids: np.ndarray | None = None,
+    closing: np.ndarray | None = None,
+    tool_opener: np.ndarray | None = None,
+) -> TurnCut:
+    """The pieces of one row (see the module docstring).  ``closing`` (with the row's ``ids``): the tokens a
+    template writes after an assistant's labelled span and before the next message; a turn end followed by
+    them moves past them, so the next piece starts at the next message.  ``tool_opener``: the tokens that
+    start a tool message (:func:`packtools.pipeline.chat_head.tool_opener_ids`); an exchange that starts with
+    them (a tool result and the answer after it) stays with the exchange before it (the question and the
+    call) where the whole fits a piece."""
     n = int(labels.shape[0])
     if split_at == "tokens":
-        return [(0, s, min(s + max_length, n)) for s in range(0, n, max_length)], 0
+        return TurnCut([(0, s, min(s + max_length, n)) for s in range(0, n, max_length)], 0, 0)
     carry = carried_head(head, max_length)
     room = max_length - carry  # what a later piece holds besides the head
     ends = [int(e) for e in turn_ends(labels)]
     if closing is not None and closing.size and ids is not None:
-        c = int(closing.size)
-        ends = [e + c if e + c <= n and np.array_equal(ids[e : e + c], closing) else e for e in ends]
+        ends = [e + int(closing.size) if _matches(ids, e, closing) else e for e in ends]
     bounds = [0, *sorted({e for e in ends if head < e < n}), n]
-    pieces: list[Piece] = []
-    cut = 0
-    start = end = 0  # the piece being filled: row[start:end], carrying the head unless start == 0
+    units: list[list[tuple[int, int]]] = []  # exchanges glued by tool results
     for a, b in zip(bounds[:-1], bounds[1:]):
-        if b - start <= (max_length if start == 0 else room):  # the exchange fits the open piece
-            end = b
+        if units and _matches(ids, a, tool_opener):
+            units[-1].append((a, b))
+        else:
+            units.append([(a, b)])
+
+    def cap(at: int) -> int:
+        return max_length if at == 0 else room
+
+    pieces: list[Piece] = []
+    cut = dropped = 0
+    start = end = 0  # the piece being filled: row[start:end], carrying the head unless start == 0
+    for unit in units:
+        ua, ub = unit[0][0], unit[-1][1]
+        if ub - start <= cap(start):  # the whole unit fits the open piece
+            end = ub
             continue
         if end > start:
             pieces.append((carry if start else 0, start, end))
-        start = end = a
-        if b - a <= (max_length if a == 0 else room):
-            end = b
+        start = end = ua
+        if ub - ua <= cap(ua):
+            end = ub
             continue
-        # one exchange longer than a piece: cut from its end, the reply and the end of the question together
-        cut += 1
-        chunks = []
-        hi = b
-        while hi > a:
-            lo = 0 if a == 0 and hi <= max_length else max(a, hi - room)  # the row's start holds its own head
-            chunks.append((carry if lo else 0, lo, hi))
-            hi = lo
-        pieces.extend(reversed(chunks))
-        start = end = b
+        for a, b in unit:  # longer than a piece: exchange by exchange
+            if b - start <= cap(start):
+                end = b
+                continue
+            if end > start:
+                pieces.append((carry if start else 0, start, end))
+            start = end = a
+            dropped += int(a != ua)  # a piece starting at a tool result: the answer without its question
+            if b - a <= cap(a):
+                end = b
+                continue
+            cut += 1
+            pieces.extend(long_exchange(labels, a, b, head, max_length))
+            start = end = b
     if end > start:
         pieces.append((carry if start else 0, start, end))
-    return pieces, cut
+    return TurnCut(pieces, cut, dropped)
 
 
 def trained_tokens(labels: np.ndarray) -> int:
@@ -231,6 +336,7 @@ def split_rows(  # noqa: PLR0913 - the staged parts and the options that decide 
     drop_unlabeled: bool,
     path: str,
     closing: np.ndarray | None = None,
+    tool_opener: np.ndarray | None = None,
 ) -> SplitResult:
     """Cut the rows ``rows`` (global row numbers, sorted) of the staged files ``data`` (part ``k`` holds rows
     ``bounds[k]:bounds[k + 1]``) into pieces (:func:`cut_row`) and write them, in order, to the Arrow file
@@ -240,6 +346,7 @@ def split_rows(  # noqa: PLR0913 - the staged parts and the options that decide 
     counts = {
         "pieces": 0,
         "turns_cut": 0,
+        "questions_dropped": 0,
         "tokens_carried": 0,
         "pieces_dropped_unlabeled": 0,
         "tokens_dropped_unlabeled": 0,
@@ -259,15 +366,17 @@ def split_rows(  # noqa: PLR0913 - the staged parts and the options that decide 
             for row, cols in staged_rows(data, bounds, rows, columns):
                 if types is None:
                     types = {c: v.dtype for c, v in cols.items()}
-                pieces, cut = cut_turns(
+                pieces, cut, dropped = plan_pieces(
                     cols["labels"],
                     int(heads[row]),
                     max_length,
                     split_at,
                     ids=cols["input_ids"],
                     closing=closing,
+                    tool_opener=tool_opener,
                 )
                 counts["turns_cut"] += cut
+                counts["questions_dropped"] += dropped
                 counts["pieces"] += len(pieces)
                 carries.extend(p[0] for p in pieces)
                 for name, values in piece_columns(cols, pieces, lengths).items():
