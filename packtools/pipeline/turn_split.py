@@ -26,8 +26,9 @@ and cut so that the reply keeps its question:
 
 * a reply that fits a piece is cut from its end: the last piece holds the reply and as much of the question
   before it as fits (the question's start, in the pieces before, trains nothing);
-* a longer reply: its first piece holds the head (where carried), the question (its last ``(max_length -
-  head) // 2`` tokens when longer) and the reply's start; the later pieces continue the reply *without the
+* a longer reply: its first piece holds the head (where carried), the question (its end when longer than
+  three quarters of what the piece holds besides the head: a quarter is left to the reply) and the reply's
+  start; the later pieces continue the reply *without the
   head*: each is a plain window of the conversation, and its first token is not trained (the first token of
   every sequence is masked in a padding-free batch, contract 3), so no trained token follows a head or a
   context it was not answering.
@@ -129,31 +130,43 @@ def _from_end(a: int, b: int, carry: int, max_length: int) -> list[Piece]:
     return chunks[::-1]
 
 
+def _reply_start(labels: np.ndarray, a: int, b: int, head: int) -> int:
+    """The first trained token of ``row[a:b]`` (a span inside the head, where no boundary is, left out), or
+    ``b``."""
+    lo = max(a, head)
+    trained = np.flatnonzero(labels[lo:b] != IGNORE_INDEX)
+    return lo + int(trained[0]) if trained.size else b
+
+
+def _tail_fits(labels: np.ndarray, a: int, b: int, head: int, max_length: int) -> bool:
+    """Whether ``row[a:b]`` from its first reply on fits one piece after at least one token of its question."""
+    r = _reply_start(labels, a, b, head)
+    return r >= b or b - r <= max_length - carried_head(head, max_length) - 1 or (a == 0 and b <= max_length)
+
+
 def long_exchange(labels: np.ndarray, a: int, b: int, head: int, max_length: int) -> list[Piece]:
     """The pieces of one exchange ``row[a:b]`` longer than a piece (the question, then the reply from its first
     trained token ``r``).
 
     * A reply that fits a piece (with the head it carries): cut from the end, the last piece holding the reply
       and as much of the question as fits.
-    * A longer reply: its first piece holds the head (where it is carried), the question (its last half-piece
-      when longer) and the reply's start; the later pieces continue the reply **without a head**, each a plain
-      window of the conversation whose first token is not trained (as every sequence's first token), so no
-      trained token follows a context that never existed.  A question's start that does not fit goes into
+    * A longer reply: its first piece holds the head (where it is carried), the question (its end when it is
+      longer than three quarters of the piece, so that a quarter is left to the reply) and the reply's start;
+      the later pieces continue the reply **without a head**, each a plain window of the conversation whose
+      first token is not trained (as every sequence's first token), so no trained token follows a context that
+      never existed.  A question's start that does not fit goes into
       pieces before, which train nothing.
     """
     carry = carried_head(head, max_length)
-    lo = max(a, head)  # a span inside the head (no boundary there) is not this exchange's reply
-    trained = np.flatnonzero(labels[lo:b] != IGNORE_INDEX)
-    r = lo + int(trained[0]) if trained.size else b
-    if r >= b or b - r <= max_length - carry - 1 or (a == 0 and b <= max_length):
+    r = _reply_start(labels, a, b, head)
+    if _tail_fits(labels, a, b, head, max_length):
         return _from_end(a, b, carry, max_length)  # the last piece: the whole reply after some question
-    if a == 0 and r <= max_length // 2:
-        s, c = 0, 0  # the row's start: its own head and its whole question
-    else:
-        c = carry if (max_length - carry) // 2 else 0  # the head where it fits beside question and reply
-        s = r - min(r - a, (max_length - c) // 2)
-        if c and s < head:
-            s = head  # never the head twice
+    c = carry if (max_length - carry) // 4 else 0  # the head where it fits beside question and reply
+    room = max_length - c
+    q0 = max(a, head)  # where the question starts (after the row's own head)
+    s = r - min(r - q0, room - max(1, room // 4))  # the question, up to three quarters of the piece
+    if a == 0 and s == q0:
+        s, c = 0, 0  # the whole question fits: the row's start, with its own head
     pieces = _from_end(a, s, carry, max_length) if s > a else []
     e = min(s + max_length - c, b)
     pieces.append((c, s, e))
@@ -199,7 +212,7 @@ def plan_pieces(  # noqa: PLR0913 - the row and the markers of its turns
         return max_length if at == 0 else room
 
     pieces: list[Piece] = []
-    cut = dropped = 0
+    cut = 0
     start = end = 0  # the piece being filled: row[start:end], carrying the head unless start == 0
     for unit in units:
         ua, ub = unit[0][0], unit[-1][1]
@@ -212,6 +225,12 @@ def plan_pieces(  # noqa: PLR0913 - the row and the markers of its turns
         if ub - ua <= cap(ua):
             end = ub
             continue
+        if len(unit) > 1 and _tail_fits(labels, ua, ub, head, max_length):
+            # a long question before a tool chain that fits a piece: the chain with the question's end
+            cut += 1
+            pieces.extend(_from_end(ua, ub, carry, max_length))
+            start = end = ub
+            continue
         for a, b in unit:  # longer than a piece: exchange by exchange
             if b - start <= cap(start):
                 end = b
@@ -219,7 +238,6 @@ def plan_pieces(  # noqa: PLR0913 - the row and the markers of its turns
             if end > start:
                 pieces.append((carry if start else 0, start, end))
             start = end = a
-            dropped += int(a != ua)  # a piece starting at a tool result: the answer without its question
             if b - a <= cap(a):
                 end = b
                 continue
@@ -228,6 +246,9 @@ def plan_pieces(  # noqa: PLR0913 - the row and the markers of its turns
             start = end = b
     if end > start:
         pieces.append((carry if start else 0, start, end))
+    glued = {a for unit in units for a, _ in unit[1:]}
+    # a piece that starts at a tool result and trains (after its first token): an answer without its question
+    dropped = sum(1 for c, a, b in pieces if a in glued and (labels[a + (not c) : b] != IGNORE_INDEX).any())
     return TurnCut(pieces, cut, dropped)
 
 
