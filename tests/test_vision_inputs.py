@@ -212,3 +212,18 @@ def test_profile_counts_image_tokens_with_the_processor(tmp_path, proc, capsys):
     transformers.AutoTokenizer.from_pretrained(proc).save_pretrained(tok)  # a tokenizer alone: cannot count
     assert main(["profile", str(data), "--tokenizer", str(tok)]) == 1
     assert "their image tokens are counted only with the model's processor folder" in capsys.readouterr().err
+
+
+def test_a_replaced_image_changes_the_in_memory_processing_of_a_dataset_on_disk(tmp_path, proc):
+    from packtools.integrations.vision_processor import process_vision_dataset
+
+    Image.fromarray(np.full((56, 84, 3), 200, np.uint8)).save(tmp_path / "a.png")
+    datasets.Dataset.from_list([_row([str(tmp_path / "a.png")])]).save_to_disk(str(tmp_path / "ds"))
+    ds = datasets.load_from_disk(str(tmp_path / "ds"))  # memory-mapped: datasets would cache map results
+    before = np.asarray(process_vision_dataset(ds, proc)[0]["pixel_values"], np.float32)
+    Image.fromarray(np.zeros((56, 84, 3), np.uint8)).save(tmp_path / "a.png")
+    after = np.asarray(process_vision_dataset(ds, proc)[0]["pixel_values"], np.float32)
+    want = transformers.AutoImageProcessor.from_pretrained(proc)(
+        images=[str(tmp_path / "a.png")], return_tensors="np"
+    )["pixel_values"]
+    assert np.array_equal(after, want) and not np.array_equal(after, before)

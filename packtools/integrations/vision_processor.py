@@ -56,7 +56,13 @@ def _chat_template(path: str, tokenizer: Any) -> str | None:
 
 
 def load_vision_processor(path: str | os.PathLike[str]) -> VisionProcessor:
-    """Open a local processor folder (``AutoProcessor.save_pretrained`` output); never a hub download."""
+    """Open a local processor folder (``AutoProcessor.save_pretrained`` output); never a hub download.
+
+    >>> load_vision_processor("Qwen/Qwen2-VL-2B-Instruct")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: processor='Qwen/Qwen2-VL-2B-Instruct' is not a folder: ...
+    """
     transformers = require("transformers", "packtools processor=DIR")
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -253,7 +259,8 @@ def process_vision_dataset(
     def one(example: dict[str, Any], idx: int) -> dict[str, Any]:
         return process_vision_sample(vp, example[messages], example.get(images), idx)
 
-    return dataset.map(one, with_indices=True, remove_columns=names)
+    # never from datasets' cache: its fingerprint covers the rows (image paths), not the image files' content
+    return dataset.map(one, with_indices=True, remove_columns=names, load_from_cache_file=False)
 
 
 def _render(vp: VisionProcessor, messages: Any, prompt: bool = False, *, row: int | str = 0) -> str:
