@@ -9,8 +9,10 @@ template, and does the processor's one remaining step itself -- each image place
 ``t*h*w / merge²`` image tokens (the rule of ``Qwen2VLProcessor.replace_image_token``).
 
 :func:`process_vision_sample` gives what the processor gives for one sample: ``input_ids``, ``pixel_values``,
-``image_grid_thw``, ``mm_token_type_ids`` (NumPy).  Every text token is learned except the image tokens
-(the collator sets -100 there); an assistant-only mask is not produced yet.
+``image_grid_thw``, ``mm_token_type_ids`` (NumPy), and ``assistant_masks``: 1 on the assistant turns, found as
+text chat's labels are (:func:`assistant_mask`), so :class:`~packtools.batches.vision.MultimodalCollator` learns
+the assistant turns only by default (``assistant_only_loss=False``: every text token); image tokens are never
+learned.  Images are opened by :mod:`packtools.integrations.vision_images` (as ``load_image`` opens a path).
 """
 
 from __future__ import annotations
