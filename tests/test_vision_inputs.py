@@ -227,3 +227,15 @@ def test_a_replaced_image_changes_the_in_memory_processing_of_a_dataset_on_disk(
         images=[str(tmp_path / "a.png")], return_tensors="np"
     )["pixel_values"]
     assert np.array_equal(after, want) and not np.array_equal(after, before)
+
+
+def test_samples_without_an_assistant_turn_are_counted(tmp_path, proc, capsys):
+    ask = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    data = _write(
+        tmp_path, [_row([], content=[{"type": "text", "text": "hi"}]), {"messages": ask, "images": []}]
+    )
+    r = pack_vision_files(data, tmp_path / "out", processor=proc, max_length=64)
+    assert r.samples_untrained == 1
+    assert pack_vision_files(data, tmp_path / "out", processor=proc, max_length=64).samples_untrained == 1
+    assert _pack(data, tmp_path / "cli", proc, "--quiet") == 0
+    assert "note: 1 sample(s) have no assistant turn" in capsys.readouterr().out

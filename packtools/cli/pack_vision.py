@@ -69,4 +69,10 @@ def run_vision(args: argparse.Namespace, max_length: int, parser: argparse.Argum
                 else f" ({r.reused_blocks} of {r.staged_blocks} staged blocks reused)"
             )
         )
+    if r.samples_untrained:  # said even with --quiet: these samples cost compute and train nothing
+        print(
+            f"note: {r.samples_untrained} sample(s) have no assistant turn: MultimodalCollator trains the assistant "
+            f"turns only (assistant_only_loss=True, the default), so they train nothing; remove them, or pass "
+            f"MultimodalCollator(..., assistant_only_loss=False) to train every text token."
+        )
     return 0

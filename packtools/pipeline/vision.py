@@ -78,6 +78,8 @@ class VisionPackResult:
     staged_blocks: int
     reused_blocks: int
     cached: bool = False  # the output was already there (same fingerprint): nothing was done
+    #: samples without an assistant turn: they train nothing under the default assistant-only loss
+    samples_untrained: int = 0
 
 
 def _input_file(path: str) -> InputFile:
@@ -177,8 +179,9 @@ def pack_vision_files(
         tidy_after_dead_run(out)  # a run killed after installing this output may have left its work folder
         st = previous.get("stats", {})
         return VisionPackResult(
-            out, st["rows_in"], st["rows_out"], st["images"], st["tokens"], 0, 0, cached=True
-        )
+            out, st["rows_in"], st["rows_out"], st["images"], st["tokens"], 0, 0, cached=True,
+            samples_untrained=st.get("samples_untrained", 0),
+        )  # fmt: skip
     check_replaceable(out)
     ws = Workspace(out)
     ws.acquire()
@@ -203,6 +206,10 @@ def pack_vision_files(
         table = _mapped(staged) if staged else schema.empty_table()
         cols = [read_list_column(table.column(n), n) for n in TOKEN_COLUMNS]
         lengths = cols[0].lengths()
+        masks = cols[2]  # assistant_masks: a sample with no assistant token trains nothing by default
+        csum = np.concatenate([[0], np.cumsum(masks.flat_values(), dtype=np.int64)])
+        bounds = np.concatenate([[0], np.cumsum(masks.lengths())])
+        untrained = int(np.count_nonzero(csum[bounds[1:]] == csum[bounds[:-1]]))
         over = np.flatnonzero(lengths > max_length)
         if over.size:
             where, line = origin[int(over[0])]
@@ -239,6 +246,7 @@ def pack_vision_files(
             "rows_out": p.num_rows,
             "images": images,
             "tokens": int(lengths.sum()),
+            "samples_untrained": untrained,
         }
         write_manifest(
             ws.build,
@@ -255,8 +263,9 @@ def pack_vision_files(
         ws.install()
         ok = True
         return VisionPackResult(
-            ws.out, stats["rows_in"], p.num_rows, images, stats["tokens"], len(staged), reused
-        )
+            ws.out, stats["rows_in"], p.num_rows, images, stats["tokens"], len(staged), reused,
+            samples_untrained=untrained,
+        )  # fmt: skip
     finally:
         ws.finish(ok=ok, keep_stage=not ok)
 
