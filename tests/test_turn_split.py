@@ -48,11 +48,22 @@ def test_cut_covers_the_row_at_turn_ends(case):
     assert pieces[0][1] == 0 and pieces[-1][2] == n
     assert all(a[2] == b[1] for a, b in zip(pieces, pieces[1:]))  # in order, each token once
     inside = 0
+    trained = labels != IGNORE_INDEX
     for c, a, b in pieces:
         assert a < b and c + b - a <= max_length
-        assert c == (carry if a else 0)  # every piece but the row's start carries the head
+        assert c in (0, carry)
+        if c:
+            assert not trained[a]  # after a carried head comes a question, never a trained token
+        elif a and carry:
+            # a piece of a cut exchange without the head: a reply's continuation (its first token, like every
+            # sequence's, is not trained), or a first reply piece too short for the head (it starts in the
+            # question); no trained token follows a head or a context it was not answering
+            assert cut and (trained[a - 1] or not trained[a])
         if a and a not in ends:
             inside += 1  # a piece starting inside a turn: only inside an exchange longer than a piece
+        # a reply's first trained token is never a piece's first own token: its question (some) comes first
+        # (a turn end inside the head is no boundary: there a continuation may start at a span's start)
+        assert a <= head or not (trained[a] and not trained[a - 1])
     assert (inside == 0) == (cut == 0)
     # negative control: the fixed cut starts pieces inside turns where the turn cut does not
     fixed, _ = cut_turns(labels, head, max_length, "tokens")
@@ -173,7 +184,9 @@ def test_pieces_start_at_turns_and_carry_the_system_prompt(
                 if c and (ids[:c] != row[:c] or any(t != IGNORE_INDEX for t in labels[:c])):
                     continue
                 for a in range(len(row) - len(body) + 1):
-                    if row[a : a + len(body)] == body and (c == (carry if a else 0)):
+                    # a piece carries the head, but a long reply's continuation (no head: a plain window)
+                    headed = c == (carry if a else 0) or (c == 0 and stats.get("turns_cut", 0) > 0)
+                    if row[a : a + len(body)] == body and headed:
                         matched = True
                         found_at_turn[a in boundaries(tok, convs[r]) or a == 0] += 1
                         break

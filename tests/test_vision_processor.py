@@ -66,7 +66,13 @@ def test_processor_folder_rows_equal_the_image_processor_and_the_placeholder_rul
         datasets.Dataset.from_list(rows[:2]), folder
     )  # a column of path strings
     assert paths_only[:] == done.select([0, 1])[:]
-    assert set(done.column_names) == {"input_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids"}
+    assert set(done.column_names) == {
+        "input_ids",
+        "pixel_values",
+        "image_grid_thw",
+        "mm_token_type_ids",
+        "assistant_masks",
+    }
     own = transformers.AutoImageProcessor.from_pretrained(folder)
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     for raw, got in zip(rows, done):
@@ -106,13 +112,19 @@ def test_pack_dataset_with_processor_trains_like_one_by_one(tmp_path):
     done = process_vision_dataset(_dataset(rows), folder)
     samples = []
     for r in done:
-        s = {"input_ids": r["input_ids"]}
+        s = {"input_ids": r["input_ids"], "assistant_masks": r["assistant_masks"]}
         if len(r["image_grid_thw"]):
             s["pixel_values"] = np.asarray(r["pixel_values"], np.float32)
             s["image_grid_thw"] = np.asarray(r["image_grid_thw"])
         samples.append(s)
-    ref, _ = one_by_one(copy.deepcopy(model), samples)
+    ref, _ = one_by_one(copy.deepcopy(model), samples)  # assistant turns only: text chat's default
     assert abs(_loss(model.eval(), batch) - ref) < 1e-5
+    every = MultimodalCollator(model, 0, assistant_only_loss=False)(list(packed))  # the switch: all text
+    ref_all, _ = one_by_one(
+        copy.deepcopy(model), [{k: v for k, v in s.items() if k != "assistant_masks"} for s in samples]
+    )
+    assert abs(_loss(model.eval(), every) - ref_all) < 1e-5
+    assert abs(ref_all - ref) > 1e-3  # negative control: the two rules train different tokens
     assert torch.equal(
         batch["image_grid_thw"].sum(0),
         torch.as_tensor(np.concatenate([s["image_grid_thw"] for s in samples if "image_grid_thw" in s])).sum(

@@ -39,18 +39,25 @@ def packed_rows(samples: list[dict]) -> list[dict]:
 
 
 def one_by_one(model, samples: list[dict]) -> tuple[float, dict]:
-    """Token-weighted loss and gradients of the samples run alone (image tokens never learned)."""
+    """Token-weighted loss and gradients of the samples run alone (image tokens never learned; a sample with
+    ``assistant_masks`` learns only where it is 1)."""
+
+    def labels_of(s):
+        ids = torch.tensor([s["input_ids"]])
+        labels = ids.masked_fill(ids == IMAGE, -100)
+        if "assistant_masks" in s:
+            labels = labels.masked_fill(torch.tensor([s["assistant_masks"]]) == 0, -100)
+        return ids, labels
+
     model.zero_grad()
     counts = []
     for s in samples:
-        ids = torch.tensor([s["input_ids"]])
-        labels = ids.masked_fill(ids == IMAGE, -100)
+        _, labels = labels_of(s)
         counts.append(int((labels[0, 1:] != -100).sum()))
     total = sum(counts)
     loss_sum = 0.0
     for s in samples:
-        ids = torch.tensor([s["input_ids"]])
-        labels = ids.masked_fill(ids == IMAGE, -100)
+        ids, labels = labels_of(s)
         extra = {}
         if "pixel_values" in s:
             extra = dict(

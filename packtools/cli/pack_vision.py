@@ -47,14 +47,19 @@ def run_vision(args: argparse.Namespace, max_length: int, parser: argparse.Argum
             f"whole with bfd in this process; only --max-length, --shuffle, --seed and --quiet apply). Drop them.",
             param="processor",
         )
-    r = pack_vision_files(
-        args.input,
-        args.out,
-        processor=args.processor,
-        max_length=max_length,
-        shuffle=args.shuffle,
-        seed=args.seed,
-    )
+    from ..pipeline.vision_stage import RowKeysError, row_keys_message
+
+    try:
+        r = pack_vision_files(
+            args.input,
+            args.out,
+            processor=args.processor,
+            max_length=max_length,
+            shuffle=args.shuffle,
+            seed=args.seed,
+        )
+    except RowKeysError as err:  # the fix the command line offers: there is no --leave-out
+        raise PackingError(row_keys_message(err.where, err.keys, cli=True)) from None
     if not args.quiet:
         print(
             f"packed {r.rows_in} samples ({r.images} images, {r.tokens} tokens) into {r.rows_out} rows in {r.out}"
@@ -63,5 +68,11 @@ def run_vision(args: argparse.Namespace, max_length: int, parser: argparse.Argum
                 if r.cached
                 else f" ({r.reused_blocks} of {r.staged_blocks} staged blocks reused)"
             )
+        )
+    if r.samples_untrained:  # said even with --quiet: these samples cost compute and train nothing
+        print(
+            f"note: {r.samples_untrained} sample(s) have no assistant turn: MultimodalCollator trains the assistant "
+            f"turns only (assistant_only_loss=True, the default), so they train nothing; remove them, or pass "
+            f"MultimodalCollator(..., assistant_only_loss=False) to train every text token."
         )
     return 0

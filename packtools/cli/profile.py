@@ -122,9 +122,49 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
+def _vision_profile(args: argparse.Namespace) -> LengthProfile | None:
+    """The profile of JSON-lines files in TRL's vision format: with a processor folder as ``--tokenizer``
+    (it has ``preprocessor_config.json``), every sample's length counts its image tokens
+    (:func:`packtools.pipeline.vision.vision_file_lengths`); with anything else the image tokens cannot be
+    counted, and the run stops saying so rather than recommend a ``max_length`` too short for the images."""
+    import os
+
+    from ..pipeline.vision import is_vision_file, vision_file_lengths
+
+    paths = [p for p in args.paths if os.path.isfile(p) and p.endswith((".jsonl", ".json"))]
+    vision = [p for p in paths if is_vision_file(p)]
+    if not vision:
+        return None
+    proc = args.tokenizer
+    if not proc or not os.path.isfile(os.path.join(proc, "preprocessor_config.json")):
+        raise PackingError(
+            f"{vision[0]} holds vision rows (an 'images' key or image parts): their image tokens are counted only "
+            f"with the model's processor folder (--tokenizer PROC, a folder with preprocessor_config.json, as "
+            f"`packtools pack --processor PROC` takes); "
+            + (f"{proc!r} has no image processor." if proc else "no --tokenizer was given."),
+            param="tokenizer",
+        )
+    if len(vision) != len(args.paths):
+        other = [p for p in args.paths if p not in vision]
+        raise PackingError(
+            f"{vision[0]} holds vision rows but {other[0]} does not: profile vision files on their own.",
+            param="paths",
+        )
+    lengths, images = vision_file_lengths(vision, proc)
+    args._stage_text = (
+        f"vision samples: {len(lengths):,} ({images:,} images); each length counts its image tokens "
+        f"(t*h*w / merge\u00b2 from the image's size, as processor {proc} resizes it) besides its text tokens"
+    )
+    return profile_lengths(lengths, name=args.name or os.path.basename(vision[0]))
+
+
 def load_profile(args: argparse.Namespace) -> LengthProfile:
     if args.paths:
         from ..pipeline.profile import profile_files
+
+        found = _vision_profile(args)
+        if found is not None:
+            return found
 
         res = profile_files(
             args.paths,

@@ -31,6 +31,8 @@ from ..core.ragged import Ragged
 HEAD_COLUMN = "head_length"
 #: the token table's schema metadata key holding :func:`closing_ids` (comma-separated ids), for the sidecar
 CLOSING_KEY = b"packtools.turn_closing"
+#: the token table's schema metadata key holding :func:`tool_opener_ids` (comma-separated ids)
+TOOL_OPENER_KEY = b"packtools.tool_opener"
 
 _PROBE = [
     {"role": "user", "content": "a"},
@@ -99,4 +101,47 @@ def closing_ids(renderer: Any, encode: Callable[[list[str]], Ragged]) -> np.ndar
     if not closing:
         return np.zeros(0, np.int64)
     got = encode([closing])
+    return np.asarray(got.values[got.offsets[0] : got.offsets[1]], np.int64)
+
+
+#: a tool result after a call; its content is a marker found in the rendering
+_TOOL_MARK = "zqxj"
+_TOOL_PROBE = [
+    {"role": "user", "content": "a"},
+    {"role": "assistant", "content": "b"},
+    {"role": "tool", "content": _TOOL_MARK},
+]
+
+
+def _opener(renderer: Any, role: str) -> str | None:
+    """What the template writes before a ``role`` message's content that follows an assistant message."""
+    conv = [*_TOOL_PROBE[:2], {"role": role, "content": _TOOL_MARK}]
+    upto = renderer.render(conv[:2], False)
+    text = renderer.render(conv, False)
+    if not text.startswith(upto) or text.count(_TOOL_MARK) != 1:
+        return None
+    return text[len(upto) : text.index(_TOOL_MARK)]
+
+
+def tool_opener_ids(renderer: Any, encode: Callable[[list[str]], Ragged]) -> np.ndarray:
+    """The ids a template writes at the start of a tool message after an assistant message (ChatML's
+    ``<|im_start|>tool\\n``; Qwen 3's ``<|im_start|>user\\n<tool_response>\\n``), by which a turn-aware split
+    keeps a tool result with the call before it (:mod:`packtools.pipeline.turn_split`).  Empty when the
+    template refuses the probe, writes nothing before the content, or writes a tool message's start exactly as
+    a user message's (then a tool result cannot be told from a question).
+
+    >>> class R:
+    ...     def render(self, conv, prompt): return "".join(f"<{m['role']}>{m['content']}" for m in conv)
+    >>> from packtools.core.ragged import from_lists
+    >>> encode = lambda texts: from_lists([[ord(c) for c in t] for t in texts])
+    >>> "".join(map(chr, tool_opener_ids(R(), encode)))
+    '<tool>'
+    """
+    try:
+        tool, user = _opener(renderer, "tool"), _opener(renderer, "user")
+    except Exception:  # noqa: BLE001 - a template that refuses the probe (no tool role): no opener known
+        return np.zeros(0, np.int64)
+    if not tool or tool == user:
+        return np.zeros(0, np.int64)
+    got = encode([tool])
     return np.asarray(got.values[got.offsets[0] : got.offsets[1]], np.int64)

@@ -198,12 +198,14 @@ class RowPlan:
         key: str,
         *,
         closing: np.ndarray | None = None,
+        tool_opener: np.ndarray | None = None,
     ) -> list[str]:
         """Under ``overlong="split"``, cut the over-long rows with labels into pieces
         (:func:`packtools.pipeline.turn_split.split_rows`, at turns or every ``max_length`` tokens), write them
         to a file in ``folder`` and plan the pieces instead of the rows (pieces without a trained token dropped
         unless ``drop_unlabeled=False``); under ``truncate``, count the trained tokens the cut keeps.  ``closing``:
-        the ids a turn's closing text has after its labelled span (:func:`packtools.pipeline.chat_head.closing_ids`).  Returns
+        the ids a turn's closing text has after its labelled span (:func:`packtools.pipeline.chat_head.closing_ids`);
+        ``tool_opener``: the ids that start a tool message (:func:`packtools.pipeline.chat_head.tool_opener_ids`).  Returns
         the data files to gather from (``data``, then the pieces' file when there is one)."""
         from .turn_split import split_rows, trained_prefix
 
@@ -222,7 +224,7 @@ class RowPlan:
         drop = config.drop_unlabeled is not False  # None (the default) drops pieces without a trained token
         got = split_rows(
             data, self.bounds, over, heads, columns, config.max_length,
-            split_at=config.split_at, drop_unlabeled=drop, path=path, closing=closing,
+            split_at=config.split_at, drop_unlabeled=drop, path=path, closing=closing, tool_opener=tool_opener,
         )  # fmt: skip
         self.counts.update(got.counts)
         self.counts["split_at"] = config.split_at  # type: ignore[assignment]

@@ -56,7 +56,7 @@ from .schema import data_format, known_columns, token_schema
 from .spec import IdsSpec
 from .stage import StageJob, freeze_report, stage_part
 from .stage_cache import adopt_cached, evicted_error, keep_in_place, stage_jobs
-from .staged import load_sidecar, sidecar_turns
+from .staged import load_sidecar, sidecar_tool_opener, sidecar_turns
 from .summary import tokenizer_timings
 from .verdict import basis, decide, drop_disagreeing, fall_back, record, recorded
 from .workspace import Workspace, checkpoint, left_behind_notes, tidy_after_dead_run
@@ -437,6 +437,9 @@ def _run(
                 ]
             )
             closing = next((c for _, _, c in turns if c.size), np.zeros(0, np.int64))
+            opener = next(
+                (o for o in (sidecar_tool_opener(j.sidecar) for j in jobs) if o.size), np.zeros(0, np.int64)
+            )
             data = rows.split_labelled(
                 [s["data"] for s in staged],
                 columns,
@@ -445,6 +448,7 @@ def _run(
                 ws.stage,
                 fp["fingerprint"][:16],
                 closing=closing,
+                tool_opener=opener,
             )
             p = plan_parts(rows.eff, rows.bounds, config)
             timings["plan_s"] = round(time.perf_counter() - t1, 3)

@@ -40,7 +40,7 @@ from ..errors import PackingError
 from ..io.files import Part, Where, iter_part, open_ipc
 from ..io.fingerprint import cache_key
 from . import feed
-from .chat_head import CLOSING_KEY, HEAD_COLUMN
+from .chat_head import CLOSING_KEY, HEAD_COLUMN, TOOL_OPENER_KEY
 from .label_counts import first_label, trained_per_row
 from .prefetch import prefetch, timed
 from .spec import IdsSpec
@@ -298,6 +298,7 @@ def stage_part(job: StageJob) -> dict[str, Any]:
     lengths, firsts, trained, heads, pending, pending_rows, pending_bytes = [], [], [], [], [], 0, 0
     closing = np.zeros(0, np.int64)  # chat_head.closing_ids of a template with generation markers
     clock: dict[str, float] = {}  # busy seconds per phase (read, encode, write, flush), for the run's timings
+    opener = np.zeros(0, np.int64)  # chat_head.tool_opener_ids
     try:
         with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             tables = timed(prefetch(_token_tables(job, clock)), clock, "stage_wait")
@@ -318,6 +319,8 @@ def stage_part(job: StageJob) -> dict[str, Any]:
                 meta = table.schema.metadata or {}
                 if CLOSING_KEY in meta and meta[CLOSING_KEY]:
                     closing = np.array([int(x) for x in meta[CLOSING_KEY].split(b",")], np.int64)
+                if meta.get(TOOL_OPENER_KEY):
+                    opener = np.array([int(x) for x in meta[TOOL_OPENER_KEY].split(b",")], np.int64)
                 pending.append(table.select(list(job.columns)).cast(schema).replace_schema_metadata(None))
                 pending_rows += table.num_rows
                 pending_bytes += table.nbytes
@@ -360,6 +363,7 @@ def stage_part(job: StageJob) -> dict[str, Any]:
         trained=all_trained,
         heads=all_heads,
         closing=closing,
+        tool_opener=opener,
     )
     result = {
         "rows": int(all_lengths.shape[0]),

@@ -45,7 +45,15 @@ from ..errors import PackingError
 from ..io.files import Part
 from .spec import IdsSpec
 from .stage import StageJob, stage_key
-from .staged import damage, load_sidecar, save_sidecar, sidecar_checksum, sidecar_report, sidecar_turns
+from .staged import (
+    damage,
+    load_sidecar,
+    save_sidecar,
+    sidecar_checksum,
+    sidecar_report,
+    sidecar_tool_opener,
+    sidecar_turns,
+)
 
 CACHE_ENV, MAX_GB_ENV = "PACKTOOLS_STAGE_CACHE", "PACKTOOLS_STAGE_CACHE_MAX_GB"
 DEFAULT_MAX_GB = 20.0
@@ -215,6 +223,7 @@ def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> tuple[s
             if why is None:
                 lengths, first, data = load_sidecar(sidecar)
                 trained, heads, closing = sidecar_turns(sidecar)
+                opener = sidecar_tool_opener(sidecar)
                 if os.path.abspath(data) != arrow:
                     continue  # an entry that points elsewhere (an as-is input): stage it normally
             else:
@@ -246,6 +255,7 @@ def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> tuple[s
                 trained=trained,
                 heads=heads,
                 closing=closing,
+                tool_opener=opener,
             )
             now = time.time()
             for path in (arrow, sidecar):

@@ -43,6 +43,7 @@ def save_sidecar(
     trained: np.ndarray | None = None,
     heads: np.ndarray | None = None,
     closing: np.ndarray | None = None,
+    tool_opener: np.ndarray | None = None,
 ) -> None:
     """Write a part's sidecar (written last: its presence means the part is done), flushed to disk before the
     rename and the folder after it, so that a machine crash leaves no sidecar whose data never landed."""
@@ -55,6 +56,7 @@ def save_sidecar(
             trained=trained if trained is not None else np.zeros(0, np.int64),
             heads=heads if heads is not None else np.zeros(0, np.int64),
             closing=closing if closing is not None else np.zeros(0, np.int64),
+            tool_opener=tool_opener if tool_opener is not None else np.zeros(0, np.int64),
             data=np.array(data),
             tokenizer=np.array(json.dumps(report, sort_keys=True) if report else ""),
             data_sha256=np.array(data_sha256),
@@ -78,6 +80,13 @@ def sidecar_turns(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     (:func:`packtools.pipeline.chat_head.closing_ids`; empty for most templates)."""
     with np.load(path, allow_pickle=False) as z:
         return z["trained"], z["heads"], z["closing"]
+
+
+def sidecar_tool_opener(path: str) -> np.ndarray:
+    """The ids that start a tool message in a staged part's chat template
+    (:func:`packtools.pipeline.chat_head.tool_opener_ids`; empty: none known)."""
+    with np.load(path, allow_pickle=False) as z:
+        return z["tool_opener"] if "tool_opener" in z.files else np.zeros(0, np.int64)
 
 
 def sidecar_report(path: str) -> dict[str, Any] | None:

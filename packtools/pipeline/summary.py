@@ -198,7 +198,8 @@ def format_pipeline_summary(
                 (
                     f"pieces (at {stats.get('split_at', 'turns')})",
                     f"{stats['pieces']:,}: {stats.get('turns_cut', 0):,} cut inside a turn longer than a piece, "
-                    f"{stats.get('pieces_dropped_unlabeled', 0):,} without a trained token dropped "
+                    f"{stats.get('questions_dropped', 0):,} answers without their question (a tool chain longer "
+                    f"than a piece), {stats.get('pieces_dropped_unlabeled', 0):,} without a trained token dropped "
                     f"({stats.get('tokens_dropped_unlabeled', 0):,} tokens; --keep-unlabeled keeps them)",
                 )
             )

@@ -472,7 +472,14 @@ class BatchTokenizer:
     ) -> pa.Table:
         """The ``input_ids`` and assistant-only ``labels`` of conversations (``rendered``: taken ahead), and each
         one's head (:mod:`packtools.pipeline.chat_head`; the stage keeps it in its sidecar)."""
-        from .chat_head import CLOSING_KEY, HEAD_COLUMN, closing_ids, head_lengths
+        from .chat_head import (
+            CLOSING_KEY,
+            HEAD_COLUMN,
+            TOOL_OPENER_KEY,
+            closing_ids,
+            head_lengths,
+            tool_opener_ids,
+        )
 
         ids, labels = self.chat.assistant_labels(convs, first_row, rendered)
         heads = head_lengths(self.chat.renderer, self._encode_plain, convs, ids)
@@ -483,11 +490,17 @@ class BatchTokenizer:
                 HEAD_COLUMN: pa.array(heads),
             }
         )
+        meta = {}
         if self.chat.has_generation_tags:  # spans end before the closing text: the stage records it
             if getattr(self, "_closing", None) is None:
                 self._closing = closing_ids(self.chat.renderer, self._encode_plain)
-            table = table.replace_schema_metadata({CLOSING_KEY: ",".join(map(str, self._closing)).encode()})
-        return table
+            meta[CLOSING_KEY] = ",".join(map(str, self._closing)).encode()
+        if (
+            getattr(self, "_tool_opener", None) is None
+        ):  # a tool result stays with its call: the stage records it
+            self._tool_opener = tool_opener_ids(self.chat.renderer, self._encode_plain)
+        meta[TOOL_OPENER_KEY] = ",".join(map(str, self._tool_opener)).encode()
+        return table.replace_schema_metadata(meta)
 
     def _encode_plain(self, texts: list[str]) -> Ragged:
         """``texts`` encoded as a rendered conversation is, without the proof's bookkeeping (chat_head keeps an

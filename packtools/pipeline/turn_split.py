@@ -8,16 +8,30 @@ is): the end of an assistant reply, where the chat template starts the next mess
 prompt/completion row has one such point, its end).  The row is thereby made of *exchanges* (the question and
 everything before the reply, then the reply), and a piece is one or more whole exchanges, greedily, in order.
 
+**Tool calls stay with their question.**  An exchange that starts with a tool message (the template's tool
+opener, :func:`packtools.pipeline.chat_head.tool_opener_ids`: ``<|im_start|>tool`` in ChatML) is glued to the
+exchange before it, so the user's question, the assistant's call, the tool result and the answer go into one
+piece whenever they fit one; only a chain longer than a piece is cut at a tool result, and each such piece,
+whose answer trains without the question, is counted (``questions_dropped``).  A template that renders a
+tool message as it renders a user message gives no opener: its tool exchanges are cut as any other.
+
 **What a piece carries before its first turn.**  The row's *head* (for ``messages`` rows: the leading system
 message(s) as the template renders them, BOS included; 0 for other formats) is copied, unlabeled (-100), before
-every piece but the first (which starts with it), so that a piece reads as a conversation with its system
-prompt.  A head longer than half of ``max_length`` is not carried (it would crowd out the turns).  Carried
-tokens are counted (``tokens_carried``): they are copies, not input tokens.
+every piece that starts at an exchange but the first (which starts with it), so that a piece reads as a
+conversation with its system prompt.  A head longer than half of ``max_length`` is not carried (it would crowd
+out the turns).  Carried tokens are counted (``tokens_carried``): they are copies, not input tokens.
 
-**A turn longer than a piece** (an exchange that does not fit ``max_length`` minus the head) is cut from its
-end: the last piece holds the reply and as much of the question before it as fits, the pieces before it the
-rest of the exchange, earlier first.  Each such exchange is counted (``turns_cut``): those pieces start inside
-a turn.
+**An exchange longer than a piece** (it does not fit ``max_length`` minus the head) is counted (``turns_cut``)
+and cut so that the reply keeps its question:
+
+* a reply that fits a piece is cut from its end: the last piece holds the reply and as much of the question
+  before it as fits (the question's start, in the pieces before, trains nothing);
+* a longer reply: its first piece holds the head (where carried), the question (its end when longer than
+  three quarters of what the piece holds besides the head: a quarter is left to the reply) and the reply's
+  start; the later pieces continue the reply *without the
+  head*: each is a plain window of the conversation, and its first token is not trained (the first token of
+  every sequence is masked in a padding-free batch, contract 3), so no trained token follows a head or a
+  context it was not answering.
 
 **Pieces without a trained token** (a label other than -100 after the piece's first token: the first token's
 label is masked in every padding-free batch, contract 3) train nothing; they are dropped unless
@@ -42,88 +56,17 @@ import pyarrow as pa
 
 from ..constants import IGNORE_INDEX, MASK_COLUMNS
 from ..core.arrow import read_list_column
-from ..errors import PackingError
-
-#: ``turns``: cut at the ends of trained spans, carrying the head; ``tokens``: every ``max_length`` tokens.
-SPLIT_AT = ("turns", "tokens")
-
-Piece = tuple[int, int, int]  # (tokens of the head carried before it, start, end) in the row
-
-
-def check_split_at(split_at: str) -> None:
-    if split_at not in SPLIT_AT:
-        raise PackingError(
-            f"split_at={split_at!r} is unknown; use one of {', '.join(SPLIT_AT)}.", param="split_at"
-        )
-
-
-def carried_head(head: int, max_length: int) -> int:
-    """The head tokens each later piece carries: the head, or 0 when it is longer than half of ``max_length``."""
-    return head if 0 < head and 2 * head <= max_length else 0
-
-
-def turn_ends(labels: np.ndarray) -> np.ndarray:
-    """Positions (0 < p < len) where a trained span ends: ``labels[p - 1]`` trained, ``labels[p]`` not."""
-    trained = labels != IGNORE_INDEX
-    return np.flatnonzero(trained[:-1] & ~trained[1:]) + 1
-
-
-def cut_row(labels: np.ndarray, head: int, max_length: int, split_at: str = "turns") -> list[Piece]:
-    """The pieces of one row (its ``labels``; the row is ``len(labels)`` tokens) as ``(carry, start, end)``:
-    the piece is the row's first ``carry`` tokens (the head, unlabeled) followed by ``row[start:end]``;
-    ``carry + end - start <= max_length``, and the ``[start, end)`` cover the row once, in order."""
-    return cut_turns(labels, head, max_length, split_at)[0]
-
-
-def cut_turns(
-    labels: np.ndarray,
-    head: int,
-    max_length: int,
-    split_at: str = "turns",
-    *,
-    ids: np.ndarray | None = None,
-    closing: np.ndarray | None = None,
-) -> tuple[list[Piece], int]:
-    """:func:`cut_row`'s pieces and how many exchanges were longer than a piece (cut inside a turn).
-    ``closing`` (with the row's ``ids``): the tokens a template writes after an assistant's labelled span and
-    before the next message; a turn end followed by them moves past them, so the next piece starts at the next
-    message."""
-    n = int(labels.shape[0])
-    if split_at == "tokens":
-        return [(0, s, min(s + max_length, n)) for s in range(0, n, max_length)], 0
-    carry = carried_head(head, max_length)
-    room = max_length - carry  # what a later piece holds besides the head
-    ends = [int(e) for e in turn_ends(labels)]
-    if closing is not None and closing.size and ids is not None:
-        c = int(closing.size)
-        ends = [e + c if e + c <= n and np.array_equal(ids[e : e + c], closing) else e for e in ends]
-    bounds = [0, *sorted({e for e in ends if head < e < n}), n]
-    pieces: list[Piece] = []
-    cut = 0
-    start = end = 0  # the piece being filled: row[start:end], carrying the head unless start == 0
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        if b - start <= (max_length if start == 0 else room):  # the exchange fits the open piece
-            end = b
-            continue
-        if end > start:
-            pieces.append((carry if start else 0, start, end))
-        start = end = a
-        if b - a <= (max_length if a == 0 else room):
-            end = b
-            continue
-        # one exchange longer than a piece: cut from its end, the reply and the end of the question together
-        cut += 1
-        chunks = []
-        hi = b
-        while hi > a:
-            lo = 0 if a == 0 and hi <= max_length else max(a, hi - room)  # the row's start holds its own head
-            chunks.append((carry if lo else 0, lo, hi))
-            hi = lo
-        pieces.extend(reversed(chunks))
-        start = end = b
-    if end > start:
-        pieces.append((carry if start else 0, start, end))
-    return pieces, cut
+from .turn_pieces import (  # noqa: F401 - the cutting rules, re-exported where the pipeline has used them
+    SPLIT_AT,
+    Piece,
+    TurnCut,
+    carried_head,
+    check_split_at,
+    cut_row,
+    cut_turns,
+    plan_pieces,
+    turn_ends,
+)
 
 
 def trained_tokens(labels: np.ndarray) -> int:
@@ -231,6 +174,7 @@ def split_rows(  # noqa: PLR0913 - the staged parts and the options that decide 
     drop_unlabeled: bool,
     path: str,
     closing: np.ndarray | None = None,
+    tool_opener: np.ndarray | None = None,
 ) -> SplitResult:
     """Cut the rows ``rows`` (global row numbers, sorted) of the staged files ``data`` (part ``k`` holds rows
     ``bounds[k]:bounds[k + 1]``) into pieces (:func:`cut_row`) and write them, in order, to the Arrow file
@@ -240,6 +184,7 @@ def split_rows(  # noqa: PLR0913 - the staged parts and the options that decide 
     counts = {
         "pieces": 0,
         "turns_cut": 0,
+        "questions_dropped": 0,
         "tokens_carried": 0,
         "pieces_dropped_unlabeled": 0,
         "tokens_dropped_unlabeled": 0,
@@ -259,15 +204,17 @@ def split_rows(  # noqa: PLR0913 - the staged parts and the options that decide 
             for row, cols in staged_rows(data, bounds, rows, columns):
                 if types is None:
                     types = {c: v.dtype for c, v in cols.items()}
-                pieces, cut = cut_turns(
+                pieces, cut, dropped = plan_pieces(
                     cols["labels"],
                     int(heads[row]),
                     max_length,
                     split_at,
                     ids=cols["input_ids"],
                     closing=closing,
+                    tool_opener=tool_opener,
                 )
                 counts["turns_cut"] += cut
+                counts["questions_dropped"] += dropped
                 counts["pieces"] += len(pieces)
                 carries.extend(p[0] for p in pieces)
                 for name, values in piece_columns(cols, pieces, lengths).items():

@@ -12,7 +12,8 @@ folder renamed into place, so ``out`` is absent, the old or the new output whate
    (:func:`~packtools.integrations.vision_processor.process_vision_sample`: ``input_ids``, ``pixel_values``,
    ``image_grid_thw``, ``mm_token_type_ids``) and the block written as one Arrow file under ``stage/``
    (:mod:`packtools.pipeline.vision_stage`: written atomically with a size/SHA-256 sidecar, named by a key of
-   the processor folder's content, packtools' sources, the library versions and the inputs, so a rerun after a
+   the processor folder's content, packtools' sources, the library versions, the inputs and the content of every
+   image file the rows name, so a rerun after a
    kill reuses the blocks that were finished and undamaged, never a block made from other inputs or code).
    A row key other than ``messages``/``images`` is refused by name unless ``leave_out`` lists it.
 2. **Plan**: one global ``bfd`` plan from the staged lengths alone (image tokens included); a sample longer
@@ -55,6 +56,7 @@ from .vision_stage import (
     block_damage,
     blocks,
     check_names,
+    images_key,
     schema_of,
     sidecar,
     stage_block,
@@ -63,7 +65,7 @@ from .vision_stage import (
 )
 from .workspace import Workspace, checkpoint, tidy_after_dead_run
 
-TOKEN_COLUMNS = ("input_ids", "mm_token_type_ids")
+TOKEN_COLUMNS = ("input_ids", "mm_token_type_ids", "assistant_masks")
 IMAGE_COLUMNS = ("pixel_values", "image_grid_thw")
 
 
@@ -77,6 +79,8 @@ class VisionPackResult:
     staged_blocks: int
     reused_blocks: int
     cached: bool = False  # the output was already there (same fingerprint): nothing was done
+    #: samples without an assistant turn: they train nothing under the default assistant-only loss
+    samples_untrained: int = 0
 
 
 def _input_file(path: str) -> InputFile:
@@ -159,7 +163,7 @@ def pack_vision_files(
         * int(vp.image_processor.patch_size) ** 2
     )
     schema = schema_of(dim)
-    key = stage_key(vp.path, paths, block_rows, dim, sorted(leave))
+    key = stage_key(vp.path, paths, block_rows, dim, sorted(leave), images_key(paths))
     config = {
         "kind": "vision",
         "max_length": max_length,
@@ -176,8 +180,9 @@ def pack_vision_files(
         tidy_after_dead_run(out)  # a run killed after installing this output may have left its work folder
         st = previous.get("stats", {})
         return VisionPackResult(
-            out, st["rows_in"], st["rows_out"], st["images"], st["tokens"], 0, 0, cached=True
-        )
+            out, st["rows_in"], st["rows_out"], st["images"], st["tokens"], 0, 0, cached=True,
+            samples_untrained=st.get("samples_untrained", 0),
+        )  # fmt: skip
     check_replaceable(out)
     ws = Workspace(out)
     ws.acquire()
@@ -185,8 +190,10 @@ def pack_vision_files(
     try:
         os.makedirs(ws.stage, exist_ok=True)
         staged, reused = [], 0
+        origin: list[tuple[str, int]] = []  # each sample's file and line, for the errors
         for f, path in enumerate(paths):
             for b, rows in blocks(path, block_rows):
+                origin.extend((path, line_no) for line_no, _ in rows)
                 target = os.path.join(ws.stage, f"vision-{key}-{f:05d}-{b:06d}.arrow")
                 if os.path.exists(sidecar(target)) and block_damage(target) is None:
                     reused += 1
@@ -200,11 +207,17 @@ def pack_vision_files(
         table = _mapped(staged) if staged else schema.empty_table()
         cols = [read_list_column(table.column(n), n) for n in TOKEN_COLUMNS]
         lengths = cols[0].lengths()
+        masks = cols[2]  # assistant_masks: a sample with no assistant token trains nothing by default
+        csum = np.concatenate([[0], np.cumsum(masks.flat_values(), dtype=np.int64)])
+        bounds = np.concatenate([[0], np.cumsum(masks.lengths())])
+        untrained = int(np.count_nonzero(csum[bounds[1:]] == csum[bounds[:-1]]))
         over = np.flatnonzero(lengths > max_length)
         if over.size:
+            where, line = origin[int(over[0])]
             raise PackingError(
-                f"sample {int(over[0])} has {int(lengths[over[0]])} tokens (image tokens included) > max_length="
-                f"{max_length} ({over.size} in all): multimodal samples are never truncated. Raise max_length.",
+                f"{where}:{line}: the sample has {int(lengths[over[0]])} tokens (image tokens included) > "
+                f"max_length={max_length} ({over.size} sample(s) in all, longest {int(lengths.max())}): multimodal "
+                f"samples are never truncated (an image would be cut). Raise max_length, or remove those samples.",
                 param="max_length",
             )
         p = make_plan(lengths, max_length, "bfd")
@@ -234,6 +247,7 @@ def pack_vision_files(
             "rows_out": p.num_rows,
             "images": images,
             "tokens": int(lengths.sum()),
+            "samples_untrained": untrained,
         }
         write_manifest(
             ws.build,
@@ -250,7 +264,46 @@ def pack_vision_files(
         ws.install()
         ok = True
         return VisionPackResult(
-            ws.out, stats["rows_in"], p.num_rows, images, stats["tokens"], len(staged), reused
-        )
+            ws.out, stats["rows_in"], p.num_rows, images, stats["tokens"], len(staged), reused,
+            samples_untrained=untrained,
+        )  # fmt: skip
     finally:
         ws.finish(ok=ok, keep_stage=not ok)
+
+
+def is_vision_file(path: str, rows: int = 64) -> bool:
+    """Whether a JSON-lines file holds TRL vision rows: one of its first ``rows`` objects has an ``images``
+    key, or a message content part of type ``image``."""
+    for _, block in blocks(path, rows, strict=False):
+        for _, row in block:
+            if "images" in row:
+                return True
+            for m in row.get("messages") or []:
+                content = m.get("content") if isinstance(m, dict) else None
+                if isinstance(content, list) and any(
+                    isinstance(c, dict) and c.get("type") in ("image", "video") for c in content
+                ):
+                    return True
+        return False
+    return False
+
+
+def vision_file_lengths(paths: Sequence[str], processor: str | os.PathLike[str]) -> tuple[np.ndarray, int]:
+    """Token counts of the samples of JSON-lines files in TRL's vision format as the model sees them (image
+    tokens counted from each image's size through the image processor's resize rule, no pixel processed:
+    :func:`~packtools.integrations.vision_processor.sample_length`), and the number of images.  Image paths
+    resolve against each file's folder, as :func:`pack_vision_files` resolves them; errors name file and line."""
+    from ..integrations.vision_processor import load_vision_processor, sample_length
+    from .vision_stage import _resolve
+
+    vp = load_vision_processor(processor)
+    out, images = [], 0
+    for path in paths:
+        base = os.path.dirname(os.path.abspath(path))
+        for _, rows in blocks(path, 256):
+            for line_no, row in rows:
+                where = f"{path}:{line_no}"
+                found = _resolve(row.get("images"), base, where)
+                images += len(found)
+                out.append(sample_length(vp, row.get("messages"), found, where))
+    return np.asarray(out, np.int64), images

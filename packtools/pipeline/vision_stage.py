@@ -4,7 +4,9 @@ processed block by block into Arrow files, and the rule for reusing them.
 A staged block is named by :func:`stage_key`: the processor folder's content (SHA-256 of its files, weights left
 out), packtools' sources (:func:`packtools.io.fingerprint.source_hash`), the versions of the libraries that make
 ids (transformers, tokenizers, jinja2, as for text: :func:`packtools.pipeline.spec.library_versions`) and pixels
-(Pillow, numpy, torch, torchvision), the inputs (path, size, mtime), ``block_rows`` and the patch width.  It is
+(Pillow, numpy, torch, torchvision), the inputs (path, size, mtime), the content of every image file the rows
+name (:func:`images_key`: SHA-256 of each file, hashed once per run, so a replaced image restages its blocks
+and changes the output's fingerprint), ``block_rows`` and the patch width.  It is
 written aside, flushed and renamed, then its sidecar (size and SHA-256) the same way; a later run reuses it only
 when the sidecar is there and the bytes match it (:func:`block_damage`), else stages it again.
 
@@ -51,7 +53,7 @@ PIXEL_LIBRARIES = ("Pillow", "numpy", "torch", "torchvision")
 #: Files of a processor folder that do not decide what it produces (model weights): not hashed.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
 #: Version of the staged block layout (its schema and sidecar): part of the stage key.
-STAGE_FORMAT = 1
+STAGE_FORMAT = 2  # 2: assistant_masks staged
 
 
 def schema_of(dim: int) -> pa.Schema:
@@ -59,6 +61,7 @@ def schema_of(dim: int) -> pa.Schema:
         [
             ("input_ids", pa.list_(pa.int32())),
             ("mm_token_type_ids", pa.list_(pa.int8())),
+            ("assistant_masks", pa.list_(pa.int8())),
             ("pixel_values", pa.list_(pa.list_(pa.float32(), dim))),
             ("image_grid_thw", pa.list_(pa.list_(pa.int64(), 3))),
         ]
@@ -87,12 +90,18 @@ def _pixel_versions() -> dict[str, str]:
     return out
 
 
-def stage_key(
-    processor_dir: str, paths: Sequence[str], block_rows: int, dim: int, leave_out: Sequence[str] = ()
+def stage_key(  # noqa: PLR0913 - every input that decides a staged block's bytes
+    processor_dir: str,
+    paths: Sequence[str],
+    block_rows: int,
+    dim: int,
+    leave_out: Sequence[str] = (),
+    images: str = "",
 ) -> str:
     """The key of staged blocks (16 hex digits): what decides a block's bytes, namely the processor folder's
     content, packtools' sources, the versions of the libraries that build ids and pixels, the inputs (path,
-    size, mtime), ``block_rows`` and the patch width, and the row keys it was allowed to leave out (a block
+    size, mtime), the content of the image files the rows name (``images``: :func:`images_key`), ``block_rows``
+    and the patch width, and the row keys it was allowed to leave out (a block
     staged past a refusal is never reused by a run that would refuse).  A block staged under another key is
     never reused."""
     body = {
@@ -103,6 +112,7 @@ def stage_key(
         "processor": _folder_key(processor_dir),
         "libraries": _pixel_versions(),
         "inputs": [_input_key(p) for p in paths],
+        "images": images,
         "block_rows": block_rows,
         "dim": dim,
         "leave_out": sorted(leave_out),
@@ -154,8 +164,11 @@ def _input_key(path: str) -> str:
     return f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}"
 
 
-def blocks(path: str, block_rows: int) -> Iterator[tuple[int, list[tuple[int, dict[str, Any]]]]]:
-    """``(block index, [(line number, row), ...])`` of a JSON-lines file, ``block_rows`` rows at a time."""
+def blocks(
+    path: str, block_rows: int, *, strict: bool = True
+) -> Iterator[tuple[int, list[tuple[int, dict[str, Any]]]]]:
+    """``(block index, [(line number, row), ...])`` of a JSON-lines file, ``block_rows`` rows at a time; a line
+    that is not a JSON object is refused by file and line (skipped when not ``strict``)."""
     block: list[tuple[int, dict[str, Any]]] = []
     index = 0
     with open(path, encoding="utf-8") as fh:
@@ -165,8 +178,12 @@ def blocks(path: str, block_rows: int) -> Iterator[tuple[int, list[tuple[int, di
             try:
                 row = json.loads(line)
             except ValueError as err:
+                if not strict:
+                    continue
                 raise PackingError(f"{path}:{line_no}: not a JSON object ({err}).") from err
             if not isinstance(row, dict):
+                if not strict:
+                    continue
                 raise PackingError(f"{path}:{line_no}: each line must be a JSON object with 'messages'.")
             block.append((line_no, row))
             if len(block) == block_rows:
@@ -176,8 +193,69 @@ def blocks(path: str, block_rows: int) -> Iterator[tuple[int, list[tuple[int, di
         yield index, block
 
 
-def _resolve(images: Any, base: str) -> list[Any]:
-    return [os.path.join(base, v) if isinstance(v, str) and not os.path.isabs(v) else v for v in images or []]
+def _resolve(images: Any, base: str, where: str) -> list[Any]:
+    """A row's images with paths relative to its file's folder made absolute (URLs and non-lists are refused
+    by :func:`~packtools.integrations.vision_images.image_list` / ``open_image``, by name)."""
+    from ..integrations.vision_images import URL_SCHEMES, image_list
+
+    def one(v: Any) -> Any:
+        if isinstance(v, dict) and isinstance(v.get("path"), str) and not v.get("bytes"):
+            v = v["path"]
+        if isinstance(v, str) and not os.path.isabs(v) and not v.lower().startswith(URL_SCHEMES):
+            return os.path.join(base, v)
+        return v
+
+    return [one(v) for v in image_list(images, where)]
+
+
+def images_key(paths: Sequence[str]) -> str:
+    """SHA-256 over the content of every image file the rows of ``paths`` name (each file hashed once, in
+    sorted order of its absolute path; a file that cannot be read counts as missing, and staging refuses its
+    row by name).  Part of :func:`stage_key`: a replaced image changes the key, so its blocks are staged again
+    and the output's fingerprint changes.  Lines that are not JSON objects, and rows whose ``images`` are not
+    a list, are left to staging, which refuses them by file and line."""
+    files: set[str] = set()
+    for path in paths:
+        base = os.path.dirname(os.path.abspath(path))
+        for _, row in blocks(path, 1 << 12, strict=False):
+            for _, r in row:
+                try:
+                    found = _resolve(r.get("images"), base, path)
+                except PackingError:
+                    continue
+                files.update(os.path.abspath(v) for v in found if isinstance(v, str))
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        try:
+            h = file_sha256(name) if os.path.isfile(name) else "missing"
+        except OSError:
+            h = "unreadable"
+        digest.update(name.encode() + b"\0" + h.encode() + b"\n")
+    return digest.hexdigest()
+
+
+def row_keys_message(where: str, extra: Sequence[str], cli: bool = False) -> str:
+    """The refusal of row keys that would not reach the model, with the fix the caller can apply: from Python,
+    ``leave_out``; from ``packtools pack`` (which has no such option), removing the keys from the rows."""
+    fix = (
+        f"Remove them from the rows (packtools pack has no option to leave row keys out; from Python, "
+        f"pack_vision_files(..., leave_out={list(extra)!r}) does)."
+        if cli
+        else f"Remove them from the rows, or say they may be left out: pack_vision_files(..., "
+        f"leave_out={list(extra)!r})."
+    )
+    return (
+        f"{where}: the row has the key(s) {list(extra)}, which the packed output does not carry (only "
+        f"{list(ROW_KEYS)} reach the model; 'tools' is not passed to the processor's chat template). {fix}"
+    )
+
+
+class RowKeysError(PackingError):
+    """A row key refused by :func:`check_row_keys`; ``where`` and ``keys`` let a front end word the fix."""
+
+    def __init__(self, where: str, keys: Sequence[str]) -> None:
+        super().__init__(row_keys_message(where, keys), param="leave_out")
+        self.where, self.keys = where, list(keys)
 
 
 def check_row_keys(row: dict[str, Any], where: str, leave_out: frozenset[str]) -> None:
@@ -186,12 +264,7 @@ def check_row_keys(row: dict[str, Any], where: str, leave_out: frozenset[str]) -
         raise PackingError(f"{where}: the row has no 'messages' (it has {sorted(row)}).")
     extra = sorted(k for k in row if k not in ROW_KEYS and k not in leave_out)
     if extra:
-        raise PackingError(
-            f"{where}: the row has the key(s) {extra}, which the packed output does not carry (only "
-            f"{list(ROW_KEYS)} reach the model; 'tools' is not passed to the processor's chat template). Remove "
-            f"them from the rows, or say they may be left out: pack_vision_files(..., leave_out={extra!r}).",
-            param="leave_out",
-        )
+        raise RowKeysError(where, extra)
 
 
 def stage_block(
@@ -202,17 +275,16 @@ def stage_block(
     base = os.path.dirname(os.path.abspath(path))
     done = []
     for line_no, row in rows:
-        check_row_keys(row, f"{path}:{line_no}", leave_out)
-        try:
-            done.append(
-                process_vision_sample(vp, row["messages"], _resolve(row.get("images"), base), line_no)
-            )
-        except PackingError as err:
-            raise PackingError(f"{path}:{line_no}: {err}") from None
+        where = f"{path}:{line_no}"
+        check_row_keys(row, where, leave_out)
+        done.append(
+            process_vision_sample(vp, row["messages"], _resolve(row.get("images"), base, where), where)
+        )
     dim = schema.field("pixel_values").type.value_type.list_size
     arrays = [
         _ragged([d["input_ids"].astype(np.int32) for d in done], pa.int32()),
         _ragged([d["mm_token_type_ids"].astype(np.int8) for d in done], pa.int8()),
+        _ragged([d["assistant_masks"].astype(np.int8) for d in done], pa.int8()),
         _ragged([d["pixel_values"].reshape(-1, dim).astype(np.float32) for d in done], pa.float32(), dim),
         _ragged([d["image_grid_thw"].reshape(-1, 3).astype(np.int64) for d in done], pa.int64(), 3),
     ]

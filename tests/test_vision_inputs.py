@@ -1,0 +1,241 @@
+"""Vision inputs as the model's processor sees them, and every bad input named by file and line (issue 40).
+
+Regressions of the 2026-12c adversarial round: EXIF orientation (finding 3), a replaced image file keeping the
+old pixels (finding 4), the raw tracebacks and unclear messages of ``pack --processor`` / ``profile``, and the
+assistant-only mask of vision samples (newcomer §5)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _vl_models import IMAGE, processor_folder
+
+from packtools.cli.main import main
+from packtools.errors import PackingError
+from packtools.integrations.vision_processor import load_vision_processor, process_vision_sample
+from packtools.pipeline.vision import pack_vision_files
+
+datasets = pytest.importorskip("datasets")
+transformers = pytest.importorskip("transformers")
+Image = pytest.importorskip("PIL.Image")
+
+ASK = [{"type": "image"}, {"type": "text", "text": "what is this"}]
+
+
+def _row(images, content=None, answer="a cat"):
+    answer = [{"type": "text", "text": answer}]
+    msgs = [{"role": "user", "content": content or ASK}, {"role": "assistant", "content": answer}]
+    return {"messages": msgs, "images": images}
+
+
+def _write(folder: Path, rows: list[dict]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _exif_photo(path: Path) -> None:
+    """A JPEG stored 112 wide x 56 high whose EXIF orientation (6: turn 90°) shows it 56 wide x 112 high."""
+    im = Image.fromarray(np.random.default_rng(0).integers(0, 255, (56, 112, 3), dtype=np.uint8))
+    exif = im.getexif()
+    exif[0x0112] = 6
+    im.save(path, exif=exif.tobytes())
+
+
+@pytest.fixture(scope="module")
+def proc(tmp_path_factory):
+    return processor_folder(tmp_path_factory.mktemp("proc"))
+
+
+def _pack(data: Path, out: Path, proc: str, *extra: str) -> int:
+    return main(["pack", str(data), "--out", str(out), "--processor", proc, "--max-length", "4096", *extra])
+
+
+def test_exif_orientation_is_applied_as_the_processor_applies_it(tmp_path, proc):
+    _exif_photo(tmp_path / "photo.jpg")
+    data = _write(tmp_path, [_row(["photo.jpg"])])
+    assert _pack(data, tmp_path / "out", proc) == 0
+    got = datasets.load_from_disk(str(tmp_path / "out"))[0]
+    ip = transformers.AutoImageProcessor.from_pretrained(proc)
+    want = ip(images=[str(tmp_path / "photo.jpg")], return_tensors="np")  # load_image: exif_transpose
+    assert want["image_grid_thw"].tolist() == [[1, 8, 4]]
+    assert got["image_grid_thw"] == [[1, 8, 4]]
+    assert np.array_equal(np.asarray(got["pixel_values"], np.float32), want["pixel_values"])
+    # datasets' Image feature (which also turns the photo) and the path give the same sample in memory
+    vp = load_vision_processor(proc)
+    feature = datasets.Dataset.from_dict(
+        {"images": [[str(tmp_path / "photo.jpg")]]},
+        features=datasets.Features({"images": datasets.List(datasets.Image())}),
+    )[0]["images"]
+    by_feature = process_vision_sample(vp, _row(None)["messages"], feature)
+    by_path = process_vision_sample(vp, _row(None)["messages"], [str(tmp_path / "photo.jpg")])
+    assert by_feature["image_grid_thw"].tolist() == by_path["image_grid_thw"].tolist() == [[1, 8, 4]]
+    assert np.array_equal(by_feature["pixel_values"], by_path["pixel_values"])
+    # vision_lengths reads the turned size from the header
+    from packtools.integrations.vision_processor import vision_lengths
+
+    ds = datasets.Dataset.from_list([_row([str(tmp_path / "photo.jpg")])])
+    assert vision_lengths(ds, proc).tolist() == [len(by_path["input_ids"])]
+
+
+def test_palette_with_transparency_and_grey_open_as_the_processor_opens_a_path(tmp_path, proc):
+    rng = np.random.default_rng(1)
+    pal = Image.fromarray(rng.integers(0, 8, (56, 84), dtype=np.uint8), mode="L").convert("P")
+    pal.info["transparency"] = 3
+    pal.save(tmp_path / "pal.png", transparency=3)
+    Image.fromarray(rng.integers(0, 255, (56, 56), dtype=np.uint8), mode="L").save(tmp_path / "grey.png")
+    vp = load_vision_processor(proc)
+    ip = transformers.AutoImageProcessor.from_pretrained(proc)
+    for name in ("pal.png", "grey.png"):
+        got = process_vision_sample(vp, _row(None)["messages"], [str(tmp_path / name)])
+        want = ip(images=[str(tmp_path / name)], return_tensors="np")["pixel_values"]
+        assert np.array_equal(got["pixel_values"], want), name
+
+
+def test_a_replaced_image_changes_the_output(tmp_path, proc):
+    Image.fromarray(np.full((56, 84, 3), 200, np.uint8)).save(tmp_path / "a.png")
+    data = _write(tmp_path, [_row(["a.png"])])
+    out = tmp_path / "out"
+    assert _pack(data, out, proc) == 0
+    before = np.asarray(datasets.load_from_disk(str(out))[0]["pixel_values"], np.float32)
+    Image.fromarray(np.zeros((56, 84, 3), np.uint8)).save(tmp_path / "a.png")  # same size, other pixels
+    r = pack_vision_files(data, out, processor=proc, max_length=4096)
+    assert not r.cached and r.reused_blocks == 0
+    got = np.asarray(datasets.load_from_disk(str(out))[0]["pixel_values"], np.float32)
+    want = transformers.AutoImageProcessor.from_pretrained(proc)(
+        images=[str(tmp_path / "a.png")], return_tensors="np"
+    )["pixel_values"]
+    assert np.array_equal(got, want) and not np.array_equal(got, before)
+    assert pack_vision_files(data, out, processor=proc, max_length=4096).cached  # unchanged: kept
+
+
+def _error(tmp_path, proc, capsys, rows, *extra) -> str:
+    data = _write(tmp_path / "bad", rows)
+    assert _pack(data, tmp_path / "out", proc, *extra) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def test_bad_inputs_are_named_by_file_line_and_image(tmp_path, proc, capsys):
+    Image.fromarray(np.zeros((1, 300, 3), np.uint8)).save(tmp_path / "thin.png")
+    Image.fromarray(np.zeros((56, 56, 3), np.uint8)).save(tmp_path / "ok.png")
+    noise = np.random.default_rng(3).integers(0, 255, (56, 56, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(tmp_path / "noise.png")
+    full = (tmp_path / "noise.png").read_bytes()
+    (tmp_path / "cut.png").write_bytes(full[:200])
+    ok = _row([str(tmp_path / "ok.png")])
+    where = str(tmp_path / "bad" / "data.jsonl")
+
+    err = _error(tmp_path, proc, capsys, [ok, _row([str(tmp_path / "thin.png")])])
+    assert f"{where}:2: image 0" in err and "thin.png" in err and "300x1" in err and "aspect ratio" in err
+    err = _error(tmp_path, proc, capsys, [_row([str(tmp_path / "cut.png")])])
+    assert f"{where}:1: cannot open image" in err and "cut.png" in err and "truncated" in err
+    err = _error(tmp_path, proc, capsys, [ok, {"messages": [], "images": []}])
+    assert f"{where}:2: 'messages' must be a non-empty list" in err
+    err = _error(tmp_path, proc, capsys, [{**ok, "images": str(tmp_path / "ok.png")}])
+    assert f"{where}:1: 'images' must be a list" in err
+    err = _error(tmp_path, proc, capsys, [_row(["http://example.com/cat.png"])])
+    assert f"{where}:1: image 'http://example.com/cat.png' is a URL; packtools does not fetch images" in err
+    video = [{"type": "video"}, {"type": "text", "text": "what happens"}]
+    err = _error(tmp_path, proc, capsys, [ok, _row([], content=video)])
+    assert f"{where}:2: message 0 has a video part" in err
+    err = _error(tmp_path, proc, capsys, [ok, {**ok, "id": 7}])
+    assert f"{where}:2: the row has the key(s) ['id']" in err
+    assert "--leave-out" not in err and "packtools pack has no option to leave row keys out" in err
+    plain = _row([], content=[{"type": "text", "text": "hi"}])
+    data = _write(tmp_path / "bad", [plain, plain, _row([str(tmp_path / "ok.png")])])
+    assert (
+        main(["pack", str(data), "--out", str(tmp_path / "o"), "--processor", proc, "--max-length", "12"])
+        == 1
+    )
+    err = capsys.readouterr().err
+    assert f"{where}:3: the sample has" in err and "> --max-length 12" in err
+
+
+def test_python_api_names_leave_out_for_row_keys(tmp_path, proc):
+    data = _write(tmp_path, [{**_row([], content=[{"type": "text", "text": "hi"}]), "id": 1}])
+    with pytest.raises(PackingError, match=r"pack_vision_files\(\.\.\., leave_out=\['id'\]\)"):
+        pack_vision_files(data, tmp_path / "out", processor=proc, max_length=64)
+
+
+def test_vision_samples_train_the_assistant_turns_only(tmp_path, proc):
+    Image.fromarray(np.zeros((56, 56, 3), np.uint8)).save(tmp_path / "ok.png")
+    vp = load_vision_processor(proc)
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": "a cat"},
+        {"role": "user", "content": "and now"},
+        {"role": "assistant", "content": "a dog"},
+    ]
+    got = process_vision_sample(vp, msgs, [str(tmp_path / "ok.png")])
+    ids, mask = got["input_ids"], got["assistant_masks"]
+    tokens = vp.tokenizer.convert_ids_to_tokens(ids.tolist())
+    trained = [t for t, m in zip(tokens, mask) if m]
+    # the assistant turns as this template renders them (no generation prompt: the incremental rule's spans
+    # start at the turn's header), nothing of the system prompt, the questions or the image
+    assert trained == ["<|im_start|>", "assistant", "a", "cat", "<|im_end|>"] + [
+        "<|im_start|>",
+        "assistant",
+        "a",
+        "dog",
+        "<|im_end|>",
+    ]
+    assert not mask[ids == IMAGE].any() and tokens.count("<|image_pad|>") == 4
+
+
+def test_profile_counts_image_tokens_with_the_processor(tmp_path, proc, capsys):
+    from packtools.integrations.vision_processor import sample_length
+
+    rng = np.random.default_rng(2)
+    rows = []
+    for i in range(6):
+        Image.fromarray(rng.integers(0, 255, (224, 224, 3), dtype=np.uint8)).save(tmp_path / f"{i}.png")
+        rows.append(_row([f"{i}.png"]))
+    data = _write(tmp_path, rows)
+    assert main(["profile", str(data), "--tokenizer", proc]) == 0
+    out = capsys.readouterr().out
+    assert "vision samples: 6 (6 images); each length counts its image tokens" in out
+    vp = load_vision_processor(proc)
+    n = sample_length(vp, rows[0]["messages"], [str(tmp_path / "0.png")], 0)
+    assert n > 64 and f"max={n}" in out.replace(",", "")
+    assert (
+        main(["pack", str(data), "--out", str(tmp_path / "o"), "--processor", proc, "--max-length", str(n)])
+        == 0
+    )
+    tok = tmp_path / "tok"
+    transformers.AutoTokenizer.from_pretrained(proc).save_pretrained(tok)  # a tokenizer alone: cannot count
+    assert main(["profile", str(data), "--tokenizer", str(tok)]) == 1
+    assert "their image tokens are counted only with the model's processor folder" in capsys.readouterr().err
+
+
+def test_a_replaced_image_changes_the_in_memory_processing_of_a_dataset_on_disk(tmp_path, proc):
+    from packtools.integrations.vision_processor import process_vision_dataset
+
+    Image.fromarray(np.full((56, 84, 3), 200, np.uint8)).save(tmp_path / "a.png")
+    datasets.Dataset.from_list([_row([str(tmp_path / "a.png")])]).save_to_disk(str(tmp_path / "ds"))
+    ds = datasets.load_from_disk(str(tmp_path / "ds"))  # memory-mapped: datasets would cache map results
+    before = np.asarray(process_vision_dataset(ds, proc)[0]["pixel_values"], np.float32)
+    Image.fromarray(np.zeros((56, 84, 3), np.uint8)).save(tmp_path / "a.png")
+    after = np.asarray(process_vision_dataset(ds, proc)[0]["pixel_values"], np.float32)
+    want = transformers.AutoImageProcessor.from_pretrained(proc)(
+        images=[str(tmp_path / "a.png")], return_tensors="np"
+    )["pixel_values"]
+    assert np.array_equal(after, want) and not np.array_equal(after, before)
+
+
+def test_samples_without_an_assistant_turn_are_counted(tmp_path, proc, capsys):
+    ask = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    data = _write(
+        tmp_path, [_row([], content=[{"type": "text", "text": "hi"}]), {"messages": ask, "images": []}]
+    )
+    r = pack_vision_files(data, tmp_path / "out", processor=proc, max_length=64)
+    assert r.samples_untrained == 1
+    assert pack_vision_files(data, tmp_path / "out", processor=proc, max_length=64).samples_untrained == 1
+    assert _pack(data, tmp_path / "cli", proc, "--quiet") == 0
+    assert "note: 1 sample(s) have no assistant turn" in capsys.readouterr().out
