@@ -274,6 +274,9 @@ POSITIONAL_ALLOWED = {
         "varlen_attention",
     ): "mirrors flash_attn_varlen_func (q, k, v, cu_seqlens_*, max_seqlen_*)",
     ("batches/attention.py", "_reference"): "the exact reference of varlen_attention, called as it",
+    ("integrations/rl/grpo.py", "PackedRLStep._get_per_token_logps_and_entropies"): (
+        "overrides TRL's GRPOTrainer/RLOOTrainer method, which TRL calls positionally"
+    ),
 }
 
 

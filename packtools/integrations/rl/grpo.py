@@ -311,9 +311,9 @@ def prepare_grpo_trainer(
     packed sequences.  ``packtools.integrations.unprepare(trainer)`` restores the trainer as TRL built it.
     """
     require("trl", "packtools.prepare_grpo_trainer")
-    trl_class, _ = rl_trainer_kind(trainer)
-    if PLAN_ATTR in vars(trainer):
+    if PLAN_ATTR in getattr(trainer, "__dict__", {}):
         raise PackingError("prepare_grpo_trainer was already called on this trainer.")
+    trl_class, _ = rl_trainer_kind(trainer)
     models = [m for m in (trainer.model, getattr(trainer, "ref_model", None)) if m is not None]
     try:
         seq_idx = _check_models(trainer, models)
