@@ -28,6 +28,7 @@ _EXPORTS = {
     "check_isolation": "packtools.integrations.isolation",
     "check_vision_isolation": "packtools.integrations.vision",
     "prepare_dpo_trainer": "packtools.integrations.trl",
+    "prepare_grpo_trainer": "packtools.integrations.rl.grpo",
     "use_cp_attention": "packtools.integrations.cp_attention",
     "RankLayout": "packtools.integrations.parallel_layout",
 }
@@ -46,6 +47,7 @@ __all__ = [
     "packed_sft_config",
     "packed_view",
     "prepare_dpo_trainer",
+    "prepare_grpo_trainer",
     "prepare_trainer",
     "prepared",
     "truncate_dataset",
