@@ -225,10 +225,12 @@ def main(argv=None):
     per_token = {name: results[name][0] / tokens for name, tokens in zip(results, counts)}
     projections = {}
     for group in (args.group_size, 16, 64):
-        more = [
-            (p, draw(np.random.default_rng(args.seed + i), args.groups, group, args)[1])
-            for i, (p, _) in enumerate(draws)
-        ]
+        more = draws  # the measured micro-batches; larger groups draw more completions for the same prompts
+        if group != args.group_size:
+            more = [
+                (p, draw(np.random.default_rng(args.seed + i), args.groups, group, args)[1])
+                for i, (p, _) in enumerate(draws)
+            ]
         tokens = np.array([token_counts(p, c, group) for p, c in more]).sum(0)
         time_ratio = [
             per_token[name] * t / (per_token["TRL padded"] * tokens[0]) for name, t in zip(results, tokens)

@@ -284,3 +284,35 @@ def test_refusals_by_name_and_unprepare(tmp_path, monkeypatch):
         prepare_grpo_trainer(trainer)
     with pytest.raises(PackingError, match="expects a trl.GRPOTrainer"):
         prepare_grpo_trainer(object())
+
+
+@pytest.mark.slow
+def test_two_processes_equal_trl_on_two_processes(tmp_path):
+    """torchrun, 2 CPU processes (gloo): the prepared trainers (plain rows and prompt-shared) end each rank with
+    TRL's weights and logs (TRL's gathers, its group advantages across ranks and its loss normalizations as they are)."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]), OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(port), str(root / "tests" / "_grpo_ddp_worker.py"), str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert got["trl"]["world"] == 2
+        for name in ("packtools", "shared"):
+            for key, p in got["trl"]["params"].items():
+                assert_close(p.numpy(), got[name]["params"][key].numpy(), f"rank {rank} {name} {key}")
+            for la, lb in zip(got["trl"]["logs"], got[name]["logs"], strict=True):
+                for key, value in la.items():
+                    if key not in TIMING:
+                        assert_close(value, lb[key], f"rank {rank} {name} {key}")
