@@ -23,7 +23,7 @@ from packtools.errors import PackingError  # noqa: E402
 from packtools.integrations import unprepare  # noqa: E402
 from packtools.integrations.rl import grpo as rl_grpo  # noqa: E402
 from packtools.integrations.rl import prepare_grpo_trainer  # noqa: E402
-from packtools.integrations.rl.rows import Row, unpad_completions  # noqa: E402
+from packtools.integrations.rl.rows import Row, share_prompts, unpad_completions  # noqa: E402
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 TOL = 1e-5
@@ -245,6 +245,50 @@ def test_negative_controls_fail(tmp_path, monkeypatch, broken):
     ours = build(tmp_path, **config)
     prepare_grpo_trainer(ours, check_isolation=False)
     assert differs(reference, loss_metrics_grads(ours, batch)) > 1e-3  # and the comparison above would
+
+
+def _siblings_see_each_other(input_ids, attention_mask, keep):
+    """The negative control of prompt sharing: the shared row run as one plain document (no tree)."""
+    row = share_prompts(input_ids, attention_mask, keep)
+    n = row.ids.shape[0]
+    whole = torch.tensor([0, n], dtype=torch.int32)
+    return Row(row.ids, row.labels, torch.arange(n), row.dest, row.source, cu=whole, longest=n)
+
+
+def test_prompt_sharing_negative_control_fails(tmp_path, monkeypatch):
+    config = dict(beta=0.1, loss_type="grpo")
+    theirs = build(tmp_path, **config)
+    batch = scored_batch(theirs)
+    reference = loss_metrics_grads(theirs, batch)
+    monkeypatch.setattr(rl_grpo, "share_prompts", _siblings_see_each_other)
+    with pytest.raises(PackingError, match="isolation probe|leak"):
+        build(tmp_path, True, share=True, **config)
+    ours = build(tmp_path, **config)
+    prepare_grpo_trainer(ours, check_isolation=False, share_prompt=True)
+    assert differs(reference, loss_metrics_grads(ours, batch)) > 1e-3
+
+
+def test_rows_forward_only_real_tokens_and_each_prompt_once():
+    """The bench's token arithmetic is the rows' width: padding-free sum(p + c); shared sum(p) + (G - 1) + sum(c)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_grpo.py"
+    spec = importlib.util.spec_from_file_location("bench_grpo", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.argparse.Namespace(prompt_min=3, prompt_max=9, completion_max=16)
+    rng = np.random.default_rng(3)
+    prompts_, completions = bench.draw(rng, 3, 4, args)
+    ids, mask, keep = bench.trl_batch(rng, prompts_, completions, 4)
+    padded, free, shared = bench.token_counts(prompts_, completions, 4)
+    assert padded == ids.numel()
+    assert unpad_completions(ids, mask, keep).ids.shape[0] == free == int(mask.sum())
+    row = share_prompts(ids, mask, keep)
+    assert row.ids.shape[0] == shared == int(prompts_.sum()) + 3 * 3 + int(completions.sum())
+    assert int(row.dest.sum()) == int(completions.sum()) and (row.labels != -100).sum() == int(
+        completions.sum()
+    )
 
 
 def test_refusals_by_name_and_unprepare(tmp_path, monkeypatch):
