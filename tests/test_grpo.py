@@ -72,7 +72,7 @@ def reward_len(completions, **kwargs):
     return [len(c) / 10 + len(set(c.split())) for c in completions]
 
 
-def build(tmp_path, prepared=False, kind="llama", trainer="grpo", share=False, **config):
+def build(tmp_path, prepared=False, kind="llama", trainer="grpo", share=False, lora=False, **config):
     """A GRPO/RLOO trainer on a tiny model; with beta > 0 the reference is another tiny model (seed 1)."""
     ref_dir = tmp_path / f"ref-{kind}"
     if not ref_dir.exists():
@@ -102,12 +102,19 @@ def build(tmp_path, prepared=False, kind="llama", trainer="grpo", share=False, *
     cls, config_cls = (
         (trl.GRPOTrainer, trl.GRPOConfig) if trainer == "grpo" else (trl.RLOOTrainer, trl.RLOOConfig)
     )
+    extra = {}
+    if lora:  # no reference model: TRL disables the adapter for the reference log-probabilities
+        peft = pytest.importorskip("peft")
+        extra["peft_config"] = peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
+        )
     built = cls(
         model,
         reward_funcs=reward_len,
         args=config_cls(**kwargs),
         train_dataset=datasets.Dataset.from_list(prompts()),
         processing_class=word_tokenizer(),
+        **extra,
     )
     return prepare_grpo_trainer(built, share_prompt=share) if prepared else built
 
@@ -166,6 +173,13 @@ def test_grpo_prompt_shared_training_equals_trl(tmp_path, kind):
     shared = build(tmp_path, True, kind=kind, share=True, **case)
     assert type(shared).__name__ == "PackedGRPOTrainer" and vars(shared)["_packtools_rl"].share_prompt
     assert_same_run(train(build(tmp_path, kind=kind, **case)), train(shared))
+
+
+def test_lora_reference_through_the_disabled_adapter_equals_trl(tmp_path):
+    case = dict(loss_type="grpo", beta=0.1, num_iterations=2, lora=True, learning_rate=1.0)
+    theirs, ours = train(build(tmp_path, **case)), train(build(tmp_path, True, **case))
+    assert theirs.ref_model is None and any(log.get("kl", 0) > 0 for log in theirs.state.log_history)
+    assert_same_run(theirs, ours)
 
 
 @pytest.mark.parametrize(
