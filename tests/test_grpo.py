@@ -49,6 +49,17 @@ def tiny(kind="llama", seed=0):
         # top_entropy_quantile mask, a step function, is not decided by float rounding between near-equal values.
         initializer_range=0.3,
     )
+    if (
+        kind == "mixtral"
+    ):  # MoE: TRL asks for the router logits and adds the load-balancing loss (not in generate)
+        config = transformers.MixtralConfig(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            output_router_logits=True,
+            router_aux_loss_coef=0.5,
+            **common,
+        )
+        return transformers.MixtralForCausalLM(config).float()
     if kind == "qwen3":
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **common)).float()
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).float()
@@ -173,6 +184,42 @@ def test_grpo_prompt_shared_training_equals_trl(tmp_path, kind):
     shared = build(tmp_path, True, kind=kind, share=True, **case)
     assert type(shared).__name__ == "PackedGRPOTrainer" and vars(shared)["_packtools_rl"].share_prompt
     assert_same_run(train(build(tmp_path, kind=kind, **case)), train(shared))
+
+
+def test_moe_aux_loss_equals_trl(tmp_path):
+    """The load-balancing loss over a padding-free row (every token real) equals TRL's over its padded batch (its
+    attention mask): value and gradients.  On one TRL-shaped batch (TRL 1.16's generate fails on this MoE on CPU,
+    with or without packtools, so no training run)."""
+    trainer = build(tmp_path, kind="mixtral", beta=0.0)
+    assert trainer.aux_loss_enabled
+    rng = np.random.default_rng(0)
+    ids = torch.from_numpy(rng.integers(2, VOCAB, (6, 13)))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = mask[1, :1] = 0  # prompts: 8 columns, left-padded
+    mask[2, 9:] = mask[3, 8:] = mask[4, 11:] = 0  # completions: 5 columns, right-padded (sequence 3: empty)
+    results = []
+    for prepared in (False, True):
+        if prepared:
+            prepare_grpo_trainer(trainer)
+        trainer.model.zero_grad()
+        logps, entropies, aux = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, mask, 5, compute_entropy=True, compute_aux_loss=True
+        )
+        (logps.sum() + entropies.sum() + aux).backward()
+        grads = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+        results.append((logps.detach(), entropies.detach(), aux.detach(), grads))
+    (la, ea, aa, ga), (lb, eb, ab, gb) = results
+    assert float(aa) > 0 and len(ga) == len(gb)
+    for what, a, b in [
+        ("logps", la, lb),
+        ("entropies", ea, eb),
+        ("aux", aa, ab),
+        *zip(["grad"] * len(ga), ga, gb),
+    ]:
+        assert_close(a.numpy(), b.numpy(), what)
+    unprepare(trainer)
+    with pytest.raises(PackingError, match="aux loss"):
+        prepare_grpo_trainer(trainer, share_prompt=True)
 
 
 def test_lora_reference_through_the_disabled_adapter_equals_trl(tmp_path):
