@@ -230,7 +230,15 @@ def test_lora_reference_through_the_disabled_adapter_equals_trl(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case", [dict(beta=0.1, num_iterations=2, gradient_accumulation_steps=2), dict(beta=0.0)]
+    "case",
+    [
+        dict(beta=0.1, num_iterations=2, gradient_accumulation_steps=2),
+        dict(beta=0.0),
+        # One step: RLOO puts the KL into the reward; its normalized advantages carry rounding (~3e-6 relative on
+        # one micro-batch, plain rows alike) into the next step, and prompt-shared weights end 1.2e-5 relative apart
+        # (one q_proj entry) after two steps at lr 0.1.
+        dict(beta=0.1, share=True, max_steps=1),
+    ],
 )
 def test_rloo_training_equals_trl(tmp_path, case):
     assert_same_run(
@@ -421,3 +429,21 @@ def test_two_processes_equal_trl_on_two_processes(tmp_path):
                 for key, value in la.items():
                     if key not in TIMING:
                         assert_close(value, lb[key], f"rank {rank} {name} {key}")
+
+
+def test_bench_grpo_runs_and_packtools_forwards_fewer_tokens_and_keeps_less(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_grpo.py"
+    spec = importlib.util.spec_from_file_location("bench_grpo", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    small = ["--groups", "2", "--group-size", "4", "--steps", "1", "--hidden", "32"]
+    rows, projections = bench.main(
+        [*small, "--prompt-min", "8", "--prompt-max", "32", "--completion-max", "32"]
+    )
+    assert [r[0] for r in rows] == ["TRL padded", "packtools", "shared prompt"]
+    tokens, memory = [r[2] for r in rows], [r[5] for r in rows]  # ratios to TRL padded (exact, deterministic)
+    assert tokens[0] == memory[0] == 1.0 and tokens[2] < tokens[1] < 1.0 and memory[2] < memory[1] < 1.0
+    assert sorted(projections) == [4, 16, 64] and projections[64][0][2] < projections[4][0][2]
