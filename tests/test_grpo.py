@@ -60,6 +60,12 @@ def tiny(kind="llama", seed=0):
             **common,
         )
         return transformers.MixtralForCausalLM(config).float()
+    if kind == "gpt2":  # absolute (learned) positions
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128, pad_token_id=PAD,
+            eos_token_id=EOS, bos_token_id=EOS, attn_implementation="sdpa", initializer_range=0.3,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config).float()
     if kind == "qwen3":
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **common)).float()
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).float()
@@ -358,6 +364,17 @@ def test_rows_forward_only_real_tokens_and_each_prompt_once():
     assert int(row.dest.sum()) == int(completions.sum()) and (row.labels != -100).sum() == int(
         completions.sum()
     )
+
+
+def test_absolute_positions_are_refused_by_the_probe(tmp_path):
+    """TRL's padded forward numbers a left-padded prompt from the row's start; with learned absolute positions
+    (GPT-2) that is not what a padding-free row (or generate) computes, so the probe refuses the model."""
+    trainer = build(tmp_path, kind="gpt2", beta=0.0)
+    with pytest.raises(
+        PackingError, match="GPT2LMHeadModel: packtools' padding-free log-probabilities differ"
+    ):
+        prepare_grpo_trainer(trainer)
+    assert type(trainer) is trl.GRPOTrainer
 
 
 def test_refusals_by_name_and_unprepare(tmp_path, monkeypatch):

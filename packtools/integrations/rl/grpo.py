@@ -176,7 +176,7 @@ class PackedRLStep:
         )
 
 
-def _probe_batch(model: Any, shared: bool) -> tuple[Any, Any, int]:
+def _probe_batch(model: Any) -> tuple[Any, Any, int]:
     """A small TRL-shaped batch: left-padded prompts (two equal), right-padded completions, one 1-token prompt."""
     torch = require("torch", "packtools.prepare_grpo_trainer")
     base = base_model(model)
@@ -203,7 +203,7 @@ def check_rl_forward(trainer: Any, model: Any, entropy: bool) -> float:
     mode is restored."""
     torch = require("torch", "packtools.prepare_grpo_trainer")
     plan: RLPlan = vars(trainer)[PLAN_ATTR]
-    ids, mask, keep = _probe_batch(model, plan.share_prompt)
+    ids, mask, keep = _probe_batch(model)
     base = base_model(model)
     training = base.training
     base.eval()
