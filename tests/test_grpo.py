@@ -414,6 +414,10 @@ def test_refusals_by_name_and_unprepare(tmp_path, monkeypatch):
         prepare_grpo_trainer(trainer)
     with pytest.raises(PackingError, match="expects a trl.GRPOTrainer"):
         prepare_grpo_trainer(object())
+    from packtools import prepare_trainer
+
+    with pytest.raises(PackingError, match="Use packtools.prepare_grpo_trainer"):
+        prepare_trainer(build(tmp_path, trainer="rloo"))
 
 
 @pytest.mark.slow
