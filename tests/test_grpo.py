@@ -294,6 +294,27 @@ def test_micro_batch_loss_metrics_gradients_and_scored_logps_equal_trl(tmp_path,
     assert differs(loss_metrics_grads(theirs, batch_a), loss_metrics_grads(ours, batch_a)) <= TOL
 
 
+def test_tool_masks_and_evaluate_equal_trl(tmp_path):
+    """Multi-turn tool results (``tool_mask`` 0 inside a completion: attended, not trained) and ``evaluate()``."""
+    config = dict(beta=0.1, loss_type="dapo", per_device_eval_batch_size=4)
+    ours, theirs = build(tmp_path, True, **config), build(tmp_path, **config)
+    batch = scored_batch(theirs)
+    tool = torch.ones_like(batch["completion_mask"])
+    tool[:, 1:3] = 0  # tokens 1-2 of every completion came from a tool
+    batch["tool_mask"] = tool
+    assert differs(loss_metrics_grads(theirs, batch), loss_metrics_grads(ours, batch)) <= TOL
+    eval_set = datasets.Dataset.from_list(prompts(4, seed=5))
+    ours, theirs = build(tmp_path, True, **config), build(tmp_path, **config)
+    transformers.set_seed(0)
+    want = theirs.evaluate(eval_set)
+    transformers.set_seed(0)
+    got = ours.evaluate(eval_set)
+    assert sorted(want) == sorted(got) and "eval_loss" in want
+    for key, value in want.items():
+        if "runtime" not in key and "per_second" not in key:
+            assert_close(value, got[key], key)
+
+
 def _leaky(input_ids, attention_mask, keep):
     """The negative control: every sequence of the row in one document (completions see the others)."""
     row = unpad_completions(input_ids, attention_mask, keep)
