@@ -2,7 +2,7 @@
 
 The front door holds what most runs call: pack (``pack_dataset``, ``pack_table``, ``pack_files``), view
 (``packed_view``), plan (``plan``, ``PackPlan``), collate (``PaddingFreeCollator``), prepare a trainer
-(``prepare_trainer``, ``prepare_dpo_trainer``), profile (``profile_lengths``) and the error (``PackingError``).
+(``prepare_trainer``, ``prepare_dpo_trainer``, ``prepare_grpo_trainer``), profile (``profile_lengths``) and the error (``PackingError``).
 Everything else lives in a namespace named for what it is: ``packtools.core``, ``packtools.batches``,
 ``packtools.integrations``, ``packtools.pipeline``, ``packtools.profiling`` and ``packtools.dpo``.
 """
@@ -26,6 +26,7 @@ _LAZY = {
     "PaddingFreeCollator": "packtools.batches.collate",
     "prepare_trainer": "packtools.integrations.transformers",
     "prepare_dpo_trainer": "packtools.integrations.trl",
+    "prepare_grpo_trainer": "packtools.integrations.rl.grpo",
 }
 
 __getattr__, __dir__ = lazy_exports(globals(), _LAZY)
@@ -41,6 +42,7 @@ __all__ = [
     "packed_view",
     "plan",
     "prepare_dpo_trainer",
+    "prepare_grpo_trainer",
     "prepare_trainer",
     "profile_files",
     "profile_lengths",

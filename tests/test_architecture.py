@@ -265,6 +265,9 @@ POSITIONAL_ALLOWED = {
         "mirrors flash_attn_varlen_func (q, k, v, cu_seqlens_*, max_seqlen_*)"
     ),
     ("packtools.batches.attention", "_reference"): "the exact reference of varlen_attention, called as it",
+    ("packtools.integrations.rl.grpo", "PackedRLStep._get_per_token_logps_and_entropies"): (
+        "overrides TRL's GRPOTrainer/RLOOTrainer method, which TRL calls positionally"
+    ),
 }
 
 

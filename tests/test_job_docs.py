@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 JOBS = Path(__file__).parents[1] / "docs" / "jobs"
-PAGES = ["pack.md", "max-length.md", "train-sft.md", "train-dpo.md", "train-reward.md", "multi-gpu.md"]
+PAGES = ["pack.md", "max-length.md", "train-sft.md", "train-dpo.md", "train-reward.md", "train-grpo.md", "multi-gpu.md"]
 
 
 def blocks(page: str, lang: str = "python") -> list[str]:
@@ -73,6 +73,16 @@ def pack_preference_file(tok, folder: Path) -> None:
     (folder / "prefs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     argv = ["pack", "prefs.jsonl", "--tokenizer", "tok", "--out", "packed", "--max-length", "64"]
     assert main(argv) == 0
+
+
+@pytest.mark.slow
+def test_grpo_page_runs_and_trains_through_packtools(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("trl")
+    monkeypatch.chdir(tmp_path)
+    scope = {"__name__": "__main__"}
+    exec(compile(blocks("train-grpo.md")[0], "train-grpo.md", "exec"), scope)
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "PackedGRPOTrainer 3"
+    assert all("loss" in log for log in scope["trainer"].state.log_history[:2])
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ FRONT_DOOR = {
     "packed_view",
     "plan",
     "prepare_dpo_trainer",
+    "prepare_grpo_trainer",
     "prepare_trainer",
     "profile_files",
     "profile_lengths",

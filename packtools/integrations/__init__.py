@@ -33,6 +33,7 @@ _EXPORTS = {
     "prepare_reward_trainer": "packtools.integrations.reward",
     "pack_reward_pairs": "packtools.integrations.preference_data",
     "prepare_kto_trainer": "packtools.integrations.kto",
+    "prepare_grpo_trainer": "packtools.integrations.rl.grpo",
     "use_cp_attention": "packtools.integrations.cp_attention",
     "RankLayout": "packtools.integrations.parallel_layout",
 }
@@ -54,6 +55,7 @@ __all__ = [
     "prepare_dpo_trainer",
     "prepare_kto_trainer",
     "prepare_reward_trainer",
+    "prepare_grpo_trainer",
     "prepare_trainer",
     "prepared",
     "truncate_dataset",

@@ -301,10 +301,13 @@ def segmented_sdpa_forward(
     # each is written into one output buffer as it comes, so no second copy of the row's output exists.
     tracked = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     outs, out = [], None
-    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+    # One split per tensor (its backward is one concatenation), not a slice per document (each slice's backward
+    # writes a zero tensor the size of the whole row: documents x row work).
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    parts = zip(*(t.split(lengths, dim=2) for t in (query, key, value)))
+    for i, ((start, end), (q, k, v)) in enumerate(zip(zip(bounds[:-1], bounds[1:]), parts)):
         if end == start:
             continue
-        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
         if plain is None:
             block, use_causal = None, causal
         elif plain[i]:

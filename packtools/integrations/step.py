@@ -24,7 +24,11 @@ user's ``compute_loss``, TRL's ``SFTTrainer.compute_loss`` (its ``loss_type``, i
   per-micro-batch pair mean to its share of the step's pair mean.
 
 Another trainer kind plugs in with a mixin of its own (a subclass of :class:`StepOwner` overriding the
-methods it changes, each calling ``super()``) and ``install_step(trainer, TheMixin, StepPlan(...))``.
+methods it changes, each calling ``super()``) and ``install_step(trainer, TheMixin, StepPlan(...))``: TRL's
+``RewardTrainer`` (:class:`~packtools.integrations.reward.PackedRewardStep` with a ``RewardPlan``); TRL's
+``GRPOTrainer`` / ``RLOOTrainer`` (:class:`~packtools.integrations.rl.grpo.PackedRLStep` with an ``RLPlan``: it
+changes only the log-probability forwards and keeps TRL's own loader, whose sampler repeats each prompt for its
+group, so it does not derive from :class:`StepOwner`).
 """
 
 from __future__ import annotations
@@ -89,12 +93,13 @@ def packed_class(base: type, mixin: type) -> type:
     return found
 
 
-def plan_of(trainer: Any) -> StepPlan | None:
-    """The :class:`StepPlan` of a prepared trainer (``None`` when packtools did not prepare it)."""
+def plan_of(trainer: Any) -> Any:
+    """The plan of a prepared trainer (a :class:`StepPlan` or a trainer kind's own frozen plan; ``None`` when
+    packtools did not prepare it)."""
     return vars(trainer).get(PLAN_ATTR)
 
 
-def install_step(trainer: Any, mixin: type, plan: StepPlan) -> None:
+def install_step(trainer: Any, mixin: type, plan: Any) -> None:
     """Swap ``trainer``'s class to ``packed_class(type(trainer), mixin)`` and store ``plan``; recorded on the
     trainer, so ``unprepare`` restores the class and removes the plan."""
     if plan_of(trainer) is not None or isinstance(trainer, StepOwner):

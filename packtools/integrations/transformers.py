@@ -234,6 +234,12 @@ def prepare_trainer(
             "padding-free forward. Use packtools.integrations.kto.prepare_kto_trainer(trainer) instead.",
             param="trainer",
         )
+    if is_instance(trainer, "trl", "GRPOTrainer") or is_instance(trainer, "trl", "RLOOTrainer"):
+        raise PackingError(
+            f"prepare_trainer got a {type(trainer).__name__}: online RL generates its batches and computes its "
+            "log-probabilities in its own method. Use packtools.prepare_grpo_trainer(trainer) instead.",
+            param="trainer",
+        )
     check_attention_implementation(trainer.model)
     vision = check_multimodal_model(trainer.model, trainer.data_collator) is not None
     if vision and context_parallel not in (None, 1):

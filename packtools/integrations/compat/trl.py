@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...errors import PackingError
-from . import set_attr, unknown_shape, warn_unchecked
+from . import set_attr, unknown_shape, version, warn_unchecked, within
 
 #: The TRL versions whose ``DPOTrainer`` shapes this module was checked against (lowest and newest CI runs).
 CHECKED = "1.16.0 - 1.16.0"
@@ -160,3 +160,75 @@ def is_vision(trainer: Any) -> bool:
             f"{type(trainer).__name__} has no _is_vision_dataset flag (got {type(found).__name__})"
         )
     return found
+
+
+#: The TRL versions whose ``GRPOTrainer`` / ``RLOOTrainer`` shapes :mod:`packtools.integrations.rl` was checked
+#: against: outside it ``prepare_grpo_trainer`` refuses (it replaces a private method of theirs).
+RL_CHECKED = "1.16.0 - 1.16.0"
+#: ``GRPOConfig.loss_type`` values of the checked versions (TRL's ``_compute_loss`` runs them unchanged).
+GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+#: ``_get_per_token_logps_and_entropies`` as the checked GRPOTrainer and RLOOTrainer define it.
+RL_LOGPS_PARAMS = (
+    "self",
+    "model",
+    "input_ids",
+    "attention_mask",
+    "logits_to_keep",
+    "batch_size",
+    "compute_entropy",
+    "compute_aux_loss",
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+#: The media arguments of that method: packtools' rows carry text only, so a call with any of them is refused.
+RL_MEDIA_PARAMS = RL_LOGPS_PARAMS[8:]
+_RL_LOGPS = "_get_per_token_logps_and_entropies"
+
+
+def rl_trainer_kind(trainer: Any) -> tuple[type, str]:
+    """``(TRL's class, its name)`` for a ``GRPOTrainer`` / ``RLOOTrainer`` (or a subclass) of a checked TRL version.
+
+    Refuses another trainer, a TRL version outside :data:`RL_CHECKED`, a log-probability method of another
+    shape, and a user subclass that overrides that method (packtools would replace it)."""
+    import trl
+
+    found = next((c for c in (trl.GRPOTrainer, trl.RLOOTrainer) if isinstance(trainer, c)), None)
+    if found is None:
+        raise PackingError(
+            f"prepare_grpo_trainer expects a trl.GRPOTrainer or trl.RLOOTrainer, got {type(trainer).__name__}; "
+            f"for DPOTrainer use packtools.prepare_dpo_trainer, for Trainer/SFTTrainer packtools.prepare_trainer."
+        )
+    installed = version("trl") or "?"
+    if not within(installed, RL_CHECKED):
+        raise unknown_shape(
+            "trl",
+            RL_CHECKED,
+            f"{found.__name__}'s log-probability forward (_get_per_token_logps_and_entropies) is replaced by "
+            f"packtools and was only checked on these versions",
+            "Install a trl version in that range, or train padded (do not call prepare_grpo_trainer).",
+        )
+    method = getattr(found, _RL_LOGPS, None)
+    params = tuple(inspect.signature(method).parameters) if callable(method) else ()
+    if params != RL_LOGPS_PARAMS:
+        raise _unknown(f"{found.__name__}.{_RL_LOGPS} takes {params}, not {RL_LOGPS_PARAMS}")
+    mine = getattr(type(trainer), _RL_LOGPS)
+    if mine is not method:
+        raise PackingError(
+            f"{type(trainer).__name__} overrides {_RL_LOGPS}; packtools computes those log-probabilities itself and "
+            f"would replace yours. Move the change elsewhere (e.g. _compute_loss), or do not call "
+            f"prepare_grpo_trainer."
+        )
+    return found, found.__name__
+
+
+def trl_logps(base: type, trainer: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+    """TRL's own padded ``_get_per_token_logps_and_entropies`` of class ``base`` (the isolation probe's reference)."""
+    return getattr(base, _RL_LOGPS)(trainer, model, *args, **kwargs)

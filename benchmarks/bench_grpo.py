@@ -1,0 +1,247 @@
+"""GRPO log-probability forwards without padding: TRL's padded GRPOTrainer and packtools side by side, in one run.
+
+Usage:
+    python benchmarks/bench_grpo.py [--groups 2] [--group-size 8] [--steps 3] [--hidden 64]
+                                    [--prompt-min 256] [--prompt-max 2048] [--completion-max 1024]
+
+Generation is not timed: each micro-batch is built synthetically in the layout TRL's
+``_generate_and_score_completions`` hands to ``_compute_loss`` (prompts left-padded, completions right-padded,
+``--groups`` prompts of ``--group-size`` completions each).  Prompt lengths are uniform in
+``[--prompt-min, --prompt-max]``; completion lengths long-tailed (lognormal, median ``--completion-max / 8``,
+capped at ``--completion-max``).  A tiny random Llama (fp32, CPU) runs the policy's forward and backward (what
+``_compute_loss`` asks for: log-probabilities and entropies) and a no-grad forward (the old policy's or the
+reference's log-probabilities), through the same ``GRPOTrainer``'s method:
+
+* ``TRL padded``: TRL's own ``_get_per_token_logps_and_entropies`` (the trainer as TRL builds it);
+* ``packtools``: after ``prepare_grpo_trainer(trainer)`` (one padding-free row, per-sequence ``sdpa``);
+* ``shared prompt``: after ``prepare_grpo_trainer(trainer, share_prompt=True)`` (each prompt once, tree attention).
+
+Reported per micro-batch: tokens forwarded (exact: the rows' widths), the median time of the forward+backward
+and of the no-grad forward, and the activation memory autograd keeps for the backward (sum of the saved tensors'
+sizes: a deterministic stand-in for the step's peak memory).  Ratios are variant / TRL padded.  The token counts
+for ``G = 16`` and ``64`` are exact arithmetic on the same prompts with more completions drawn from the same
+distribution; their time ratios are projected from this run's measured seconds per forwarded token of each
+variant (an estimate: attention's quadratic part grows faster than the token count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import warnings
+
+import numpy as np
+
+VOCAB = 1024
+VARIANTS = {"TRL padded": None, "packtools": False, "shared prompt": True}
+
+
+def draw(rng, groups, group_size, args):
+    prompts = rng.integers(args.prompt_min, args.prompt_max + 1, groups)
+    median = max(1, args.completion_max // 8)
+    completions = np.clip(rng.lognormal(np.log(median), 1.0, groups * group_size), 1, args.completion_max)
+    return prompts, completions.astype(np.int64)
+
+
+def trl_batch(rng, prompts, completions, group_size):
+    """``(input_ids, attention_mask, logits_to_keep)`` as TRL concatenates them in ``_compute_loss``."""
+    import torch
+
+    n = completions.shape[0]
+    width_p, width_c = int(prompts.max()), int(completions.max())
+    ids = torch.zeros(n, width_p + width_c, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for g, p in enumerate(prompts):
+        prompt = torch.from_numpy(rng.integers(2, VOCAB, int(p)))
+        for k in range(group_size):
+            b, c = g * group_size + k, int(completions[g * group_size + k])
+            ids[b, width_p - p : width_p] = prompt
+            ids[b, width_p : width_p + c] = torch.from_numpy(rng.integers(2, VOCAB, c))
+            mask[b, width_p - p : width_p + c] = 1
+    order = torch.from_numpy(rng.permutation(n))  # TRL shuffles the generation batch before splitting it
+    return ids[order], mask[order], width_c
+
+
+def token_counts(prompts, completions, group_size):
+    """Tokens each layout forwards for one micro-batch: padded, padding-free, prompt-shared (exact)."""
+    n = completions.shape[0]
+    padded = n * (int(prompts.max()) + int(completions.max()))
+    free = int(np.repeat(prompts, group_size).sum() + completions.sum())
+    shared = int(
+        prompts.sum() + (group_size - 1) * prompts.shape[0] + completions.sum()
+    )  # heads repeat once each
+    return padded, free, shared
+
+
+def build_trainer(args, tmp):
+    import datasets
+    import tokenizers
+    import torch
+    import transformers
+    import trl
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=args.prompt_max + args.completion_max + 8,
+        pad_token_id=0,
+        eos_token_id=1,
+        attn_implementation="sdpa",
+    )
+    model = transformers.LlamaForCausalLM(config).float()
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>"
+    )
+    cfg = trl.GRPOConfig(
+        output_dir=tmp,
+        per_device_train_batch_size=args.group_size,
+        num_generations=args.group_size,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        disable_tqdm=True,
+        beta=0.0,
+    )
+    return trl.GRPOTrainer(
+        model,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=cfg,
+        train_dataset=datasets.Dataset.from_list([{"prompt": "w2 w3"}] * 4),
+        processing_class=tokenizer,
+    )
+
+
+def saved_bytes(step):
+    import torch
+
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return total[0]
+
+
+def measure(trainer, batches, steps):
+    import torch
+
+    ids, mask, keep = batches[0]
+
+    def train_step(batch=batches[0]):
+        logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, *batch, compute_entropy=True
+        )
+        (logps.sum() + entropies.sum()).backward()
+
+    def scoring(batch=batches[0]):
+        with torch.no_grad():
+            trainer._get_per_token_logps_and_entropies(trainer.model, *batch)
+
+    memory = saved_bytes(
+        lambda: trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, mask, keep, compute_entropy=True
+        )
+    )
+    train_step()  # warm-up
+    scoring()
+    step_times, score_times = [], []
+    for i in range(steps):
+        batch = batches[i % len(batches)]
+        start = time.perf_counter()
+        train_step(batch)
+        step_times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        scoring(batch)
+        score_times.append(time.perf_counter() - start)
+    trainer.model.zero_grad()
+    return statistics.median(step_times), statistics.median(score_times), memory
+
+
+def main(argv=None):
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--groups", type=int, default=2, help="prompts per micro-batch")
+    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--prompt-min", type=int, default=256)
+    parser.add_argument("--prompt-max", type=int, default=2048)
+    parser.add_argument("--completion-max", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    warnings.filterwarnings("ignore")
+    import torch
+
+    from packtools.integrations import unprepare
+    from packtools.integrations.rl import prepare_grpo_trainer
+
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    draws = [draw(rng, args.groups, args.group_size, args) for _ in range(max(1, args.steps))]
+    batches = [trl_batch(rng, p, c, args.group_size) for p, c in draws]
+    counts = np.array([token_counts(p, c, args.group_size) for p, c in draws]).sum(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = build_trainer(args, tmp)
+        trainer.model.train()
+        results = {}
+        for name, share in VARIANTS.items():
+            if share is not None:
+                prepare_grpo_trainer(trainer, share_prompt=share)
+            results[name] = measure(trainer, batches, args.steps)
+            if share is not None:
+                unprepare(trainer)
+    rows = []
+    base_step, base_score, base_mem = results["TRL padded"]
+    print(
+        f"G={args.group_size}, {args.groups} prompts per micro-batch, {args.steps} micro-batches, hidden {args.hidden}"
+    )
+    print(
+        f"{'variant':<14} {'tokens':>9} {'ratio':>6} {'fwd+bwd s':>10} {'ratio':>6} {'no-grad s':>10} {'ratio':>6} {'saved MiB':>10} {'ratio':>6}"
+    )
+    for (name, (step, score, mem)), tokens in zip(results.items(), counts):
+        rows.append(
+            (name, int(tokens), tokens / counts[0], step / base_step, score / base_score, mem / base_mem)
+        )
+        print(
+            f"{name:<14} {int(tokens):>9} {tokens / counts[0]:>6.2f} {step:>10.3f} {step / base_step:>6.2f} "
+            f"{score:>10.3f} {score / base_score:>6.2f} {mem / 2**20:>10.1f} {mem / base_mem:>6.2f}"
+        )
+    # Larger groups: the same prompts, more completions from the same distribution; tokens exact, time projected.
+    per_token = {name: results[name][0] / tokens for name, tokens in zip(results, counts)}
+    projections = {}
+    for group in (args.group_size, 16, 64):
+        more = draws  # the measured micro-batches; larger groups draw more completions for the same prompts
+        if group != args.group_size:
+            more = [
+                (p, draw(np.random.default_rng(args.seed + i), args.groups, group, args)[1])
+                for i, (p, _) in enumerate(draws)
+            ]
+        tokens = np.array([token_counts(p, c, group) for p, c in more]).sum(0)
+        time_ratio = [
+            per_token[name] * t / (per_token["TRL padded"] * tokens[0]) for name, t in zip(results, tokens)
+        ]
+        projections[group] = (tokens / tokens[0], time_ratio)
+        print(
+            f"G={group:<3} tokens vs padded: packtools {tokens[1] / tokens[0]:.2f}, shared {tokens[2] / tokens[0]:.2f}; "
+            f"projected fwd+bwd time: packtools {time_ratio[1]:.2f}, shared {time_ratio[2]:.2f}"
+        )
+    return rows, projections
+
+
+if __name__ == "__main__":
+    main()

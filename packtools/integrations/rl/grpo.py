@@ -1,0 +1,312 @@
+"""TRL's ``GRPOTrainer`` and ``RLOOTrainer`` with every log-probability forward padding-free.
+
+TRL 1.16 computes the policy's, the old policy's (``num_iterations > 1``, or generation and optimization out of
+step) and the reference model's (``beta > 0``) per-token log-probabilities in one method,
+``_get_per_token_logps_and_entropies``, on a padded ``[B, P + C]`` batch (prompts left-padded, completions
+right-padded, the prompt repeated for every completion).  :func:`prepare_grpo_trainer` swaps the trainer's class
+for a packtools subclass of it (:class:`PackedRLStep` first in its MRO) whose version of that method runs each
+forward chunk TRL asks for (``batch_size`` sequences, as TRL chunks) as one padding-free row
+(:func:`~packtools.integrations.rl.rows.unpad_completions`) — or, with ``share_prompt=True``, one prompt-shared row
+on the tree attention (:func:`~packtools.integrations.rl.rows.share_prompts`) — and scatters the log-probabilities
+and entropies back into TRL's ``[B, C]`` layout, zero where TRL's are zero.  TRL's ``_compute_loss`` (every
+``loss_type``, ``importance_sampling_level``, ``top_entropy_quantile``, the KL term, the MoE aux loss),
+``_generate_and_score_completions`` and ``Trainer``'s accumulation run unchanged.
+
+Positions restart at 0 for every sequence (what ``generate`` gives a left-padded prompt).  TRL's padded forward
+numbers a left-padded prompt's tokens from the row's start instead; rotary positions only see differences, so
+the two agree to float rounding, and the isolation probe (run by ``prepare_grpo_trainer``) compares TRL's padded
+method and packtools' on a small batch with left padding, so a model with absolute positions is refused there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..._optional import require
+from ...batches.tree import TREE_KEY
+from ...errors import PackingError
+from ..backends import (
+    attention_implementation,
+    base_model,
+    check_attention_implementation,
+    forward_accepts,
+    multimodal_parts,
+    segmented_sdpa_until_checked,
+    token_mixing_layers,
+)
+from ..compat import undo
+from ..compat.trl import GRPO_LOSS_TYPES, RL_MEDIA_PARAMS, rl_trainer_kind, trl_logps
+from ..guard import check_forward_inputs
+from ..tree_attention import check_tree_model, use_tree_attention
+from ..step import install_step, plan_of
+from .rows import Row, share_prompts, unpad_completions
+
+
+@dataclass(frozen=True)
+class RLPlan:
+    """The per-run decisions of ``prepare_grpo_trainer``, one frozen value on the trainer, stored with the class
+    swap by the one step owner (:func:`packtools.integrations.step.install_step`, read by ``step.plan_of``)."""
+
+    trl_class: type  # GRPOTrainer or RLOOTrainer: whose padded method the probe compares against
+    share_prompt: bool  # equal prompts of a forward run once, on the tree attention
+    seq_idx: bool  # the model's token-mixing layers read seq_idx
+
+
+def _back(value: Any, row: Row, name: str) -> Any:
+    """``[1, N - 1]`` per-token outputs of the flat row -> TRL's ``[B, C]`` (zeros where no completion token)."""
+    if value.shape[-1] != row.ids.shape[0] - 1:
+        raise PackingError(
+            f"the model's {name} has {value.shape[-1]} positions for {row.ids.shape[0]} tokens; models that add "
+            f"virtual tokens (prompt-learning PEFT) cannot run padding-free."
+        )
+    # masked_scatter keeps the result connected to the model even when no completion token is real (TRL's way).
+    return value.new_zeros(row.dest.shape).masked_scatter(row.dest, value[0, row.source])
+
+
+def _row_inputs(row: Row, plan: RLPlan, model: Any) -> dict[str, Any]:
+    torch = require("torch", "packtools.prepare_grpo_trainer")
+    inputs = {"input_ids": row.ids[None], "labels": row.labels[None], "position_ids": row.positions[None]}
+    if row.tree is not None:
+        inputs[TREE_KEY] = row.tree
+        return inputs
+    inputs.update(
+        cu_seq_lens_q=row.cu, cu_seq_lens_k=row.cu, max_length_q=row.longest, max_length_k=row.longest
+    )
+    if plan.seq_idx:  # Mamba-2 style layers read only seq_idx in their kernels
+        lengths = (row.cu[1:] - row.cu[:-1]).long()
+        n = lengths.shape[0]
+        inputs["seq_idx"] = torch.repeat_interleave(
+            torch.arange(n, dtype=torch.int32, device=row.ids.device), lengths
+        )[None]
+    check_forward_inputs(inputs, attention_implementation(model), tuple(token_mixing_layers(model)))
+    return inputs
+
+
+def padding_free_logps(
+    trainer: Any, model: Any, batch: tuple[Any, Any, int], *, batch_size: Any, entropy: bool, aux: bool
+) -> tuple[Any, Any, Any]:
+    """What TRL's ``_get_per_token_logps_and_entropies`` returns, each chunk of ``batch_size`` sequences of
+    ``batch = (input_ids, attention_mask, logits_to_keep)`` run as one padding-free (or prompt-shared) row."""
+    torch = require("torch", "packtools.prepare_grpo_trainer")
+    plan: RLPlan = plan_of(trainer)  # type: ignore[assignment]
+    input_ids, attention_mask, keep = batch
+    size = batch_size or input_ids.size(0)
+    logps, entropies, aux_losses = [], [], []
+    for start in range(0, input_ids.size(0), size):
+        ids, mask = input_ids[start : start + size], attention_mask[start : start + size]
+        row = (share_prompts if plan.share_prompt else unpad_completions)(ids, mask, keep)
+        inputs = _row_inputs(row, plan, model)
+        if aux:
+            inputs["output_router_logits"] = True
+        with trainer.accelerator.autocast():
+            out = model(**inputs, fused_lm_head=True)
+        if row.tree is not None:  # the forward went through the tree attention, or this raises
+            row.tree.reads.take(None, "prepare_grpo_trainer(share_prompt=True)")
+        logps.append(_back(out.log_probs, row, "log_probs"))
+        if entropy:
+            entropies.append(_back(out.entropy, row, "entropy"))
+        if aux:
+            aux_losses.append(out.aux_loss)
+    return (
+        torch.cat(logps, dim=0),
+        torch.cat(entropies, dim=0) if entropy else None,
+        torch.stack(aux_losses).mean() if aux else None,
+    )
+
+
+class PackedRLStep:
+    """The step owner of a prepared ``GRPOTrainer`` / ``RLOOTrainer``: its log-probability forwards, padding-free."""
+
+    def _get_per_token_logps_and_entropies(  # noqa: PLR0913 - TRL's signature, media arguments refused by name
+        self,
+        model: Any,
+        input_ids: Any,
+        attention_mask: Any,
+        logits_to_keep: int,
+        batch_size: Any = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **media: Any,
+    ) -> tuple[Any, Any, Any]:
+        unknown = sorted(set(media) - set(RL_MEDIA_PARAMS))
+        if unknown:
+            raise TypeError(f"_get_per_token_logps_and_entropies got unexpected arguments {unknown}")
+        given = sorted(k for k, v in media.items() if v is not None)
+        if given:
+            raise PackingError(
+                f"the GRPO/RLOO batch carries {given}: packtools' padding-free rows carry text only (images are not "
+                f"supported). Train this model padded: packtools.integrations.unprepare(trainer)."
+            )
+        return padding_free_logps(
+            self,
+            model,
+            (input_ids, attention_mask, logits_to_keep),
+            batch_size=batch_size,
+            entropy=compute_entropy,
+            aux=compute_aux_loss,
+        )
+
+
+def _probe_batch(model: Any) -> tuple[Any, Any, int]:
+    """A small TRL-shaped batch: left-padded prompts (two equal), right-padded completions, one 1-token prompt."""
+    torch = require("torch", "packtools.prepare_grpo_trainer")
+    base = base_model(model)
+    vocab = int(base.config.get_text_config().vocab_size)
+    param = next(base.parameters())
+    gen = torch.Generator().manual_seed(0)
+    prompts, completions = [4, 4, 2, 1], [4, 1, 6, 3]
+    width_p, width_c = max(prompts), max(completions)
+    ids = torch.zeros(len(prompts), width_p + width_c, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    shared_prompt = torch.randint(1, vocab, (prompts[0],), generator=gen)
+    for b, (p, c) in enumerate(zip(prompts, completions)):
+        prompt = shared_prompt if b < 2 else torch.randint(1, vocab, (p,), generator=gen)
+        ids[b, width_p - p : width_p] = prompt[:p]
+        ids[b, width_p : width_p + c] = torch.randint(1, vocab, (c,), generator=gen)
+        mask[b, width_p - p : width_p + c] = 1
+    return ids.to(param.device), mask.to(param.device), width_c
+
+
+def check_rl_forward(trainer: Any, model: Any, entropy: bool) -> float:
+    """Compare packtools' log-probabilities (and entropies) with TRL's padded method on a small batch; raise
+    unless they agree, and unless changing every other sequence (a sibling sharing the prompt included) leaves
+    the first sequence's values where they were.  Returns the largest difference.  No gradients; the model's
+    mode is restored."""
+    torch = require("torch", "packtools.prepare_grpo_trainer")
+    plan: RLPlan = plan_of(trainer)  # type: ignore[assignment]
+    ids, mask, keep = _probe_batch(model)
+    base = base_model(model)
+    training = base.training
+    base.eval()
+    name = type(base).__name__
+    tol = 1e-4 if next(base.parameters()).dtype == torch.float32 else 3e-2
+    try:
+        with torch.no_grad():
+            theirs = trl_logps(plan.trl_class, trainer, model, ids, mask, keep, compute_entropy=entropy)
+            ours = padding_free_logps(
+                trainer, model, (ids, mask, keep), batch_size=None, entropy=entropy, aux=False
+            )
+            worst = 0.0
+            for what, a, b in (("log-probabilities", ours[0], theirs[0]), ("entropies", ours[1], theirs[1])):
+                if a is None:
+                    continue
+                diff = float((a.float() - b.float()).abs().max())
+                worst = max(worst, diff)
+                if diff > tol * max(1.0, float(b.abs().max())):
+                    raise PackingError(
+                        f"{name}: packtools' padding-free {what} differ from TRL's padded ones by {diff:.3g} on the "
+                        f"isolation probe (left-padded prompts); this model cannot run GRPO/RLOO padding-free "
+                        f"exactly (absolute position embeddings, or a leak). Train it padded, and please report it."
+                    )
+            moved = ids.clone()
+            moved[1:, -keep:] = (moved[1:, -keep:] + 1) % int(base.config.get_text_config().vocab_size)
+            moved[2:] = (moved[2:] + 1) % int(base.config.get_text_config().vocab_size)
+            again = padding_free_logps(
+                trainer, model, (moved, mask, keep), batch_size=None, entropy=False, aux=False
+            )
+            diff = float((again[0][0] - ours[0][0]).abs().max())
+            if diff > tol:
+                raise PackingError(
+                    f"{name}: changing the other sequences of a padding-free GRPO row moved the first sequence's "
+                    f"log-probabilities by {diff:.3g}; tokens leak across sequences. Train it padded."
+                )
+    finally:
+        base.train(training)
+    return worst
+
+
+def _check_models(trainer: Any, models: list[Any]) -> bool:
+    """Refusals by name; returns whether the models' token-mixing layers need ``seq_idx``."""
+    if getattr(trainer.args, "use_liger_kernel", False):
+        raise PackingError(
+            "use_liger_kernel=True: Liger's kernels were not checked on padding-free GRPO/RLOO rows; set "
+            "use_liger_kernel=False, or train padded.",
+            param="use_liger_kernel",
+        )
+    loss_type = getattr(trainer, "loss_type", None)
+    if hasattr(trainer, "loss_type") and loss_type not in GRPO_LOSS_TYPES:
+        raise PackingError(
+            f"loss_type={loss_type!r} is not one packtools checked ({', '.join(GRPO_LOSS_TYPES)}); train padded.",
+            param="loss_type",
+        )
+    seq_idx = False
+    for model in models:
+        if multimodal_parts(model):
+            raise PackingError(
+                f"{type(base_model(model)).__name__} is a multimodal model: packtools' padding-free GRPO/RLOO rows "
+                f"carry text only; train it padded.",
+                param="model",
+            )
+        peft_config = getattr(model, "peft_config", None) or {}
+        if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
+            raise PackingError(
+                "prompt-learning PEFT adapters add virtual tokens in front of every sequence, which a padding-free "
+                "row cannot hold; use LoRA-style adapters.",
+                param="model",
+            )
+        check_attention_implementation(model)
+        mixers = bool(token_mixing_layers(model))
+        seq_idx = (
+            seq_idx
+            or forward_accepts(model, "seq_idx", named=True)
+            or (mixers and forward_accepts(model, "seq_idx"))
+        )
+    return seq_idx
+
+
+def prepare_grpo_trainer(
+    trainer: Any,
+    *,
+    check_isolation: bool = True,
+    segmented_sdpa: bool = True,
+    share_prompt: bool = False,
+) -> Any:
+    """Make a TRL ``GRPOTrainer`` or ``RLOOTrainer`` compute every log-probability forward padding-free; returns it.
+
+    Build the trainer as usual, then call this before ``train()``::
+
+        trainer = prepare_grpo_trainer(GRPOTrainer(model, reward_funcs=reward, args=GRPOConfig(...),
+                                                   train_dataset=prompts))
+        trainer.train()
+
+    The policy, the old policy and the reference model (a separate model or the policy under a disabled PEFT
+    adapter) forward only real tokens, one padding-free row per forward chunk TRL asks for; TRL's loss code, its
+    generation and its metrics are unchanged (see the module docstring).  ``share_prompt=True`` also runs each
+    distinct prompt of a forward once, its completions after it on packtools' tree attention (models the tree
+    cannot serve, and MoE models with an aux loss, are refused by name).  ``segmented_sdpa`` switches ``sdpa``
+    models to packtools' per-sequence ``sdpa`` (cost ``sum L_i^2``).  With ``check_isolation=True`` (the default)
+    each model first runs :func:`check_rl_forward`: packtools' values must equal TRL's padded ones on a small
+    batch, and no sequence may see another.  Refused by name: another trainer, a TRL version outside
+    :data:`~packtools.integrations.compat.trl.RL_CHECKED`, an unknown ``loss_type``, ``use_liger_kernel``,
+    multimodal models or image batches, prompt-learning adapters, attention backends that cannot isolate
+    packed sequences.  ``packtools.integrations.unprepare(trainer)`` restores the trainer as TRL built it.
+    """
+    require("trl", "packtools.prepare_grpo_trainer")
+    if plan_of(trainer) is not None:
+        raise PackingError("prepare_grpo_trainer was already called on this trainer.")
+    trl_class, _ = rl_trainer_kind(trainer)
+    models = [m for m in (trainer.model, getattr(trainer, "ref_model", None)) if m is not None]
+    try:
+        seq_idx = _check_models(trainer, models)
+        if share_prompt:
+            if getattr(trainer, "aux_loss_enabled", False):
+                raise PackingError(
+                    "share_prompt=True with an MoE aux loss: TRL's load-balancing loss counts every prompt token of "
+                    "every completion, a shared prompt counts once; use share_prompt=False.",
+                    param="share_prompt",
+                )
+            for model in models:
+                check_tree_model(model)
+        plan = RLPlan(trl_class=trl_class, share_prompt=share_prompt, seq_idx=seq_idx)
+        install_step(trainer, PackedRLStep, plan)  # the class swap and the plan, undone by unprepare
+        with segmented_sdpa_until_checked(models, segmented_sdpa and not share_prompt, owner=trainer):
+            for model in models:
+                if share_prompt:
+                    use_tree_attention(model, check_isolation=check_isolation, owner=trainer)
+                if check_isolation:
+                    check_rl_forward(trainer, model, entropy=model is trainer.model)
+    except BaseException:
+        undo(trainer)  # all or nothing: a refused trainer is left as TRL built it
+        raise
+    return trainer

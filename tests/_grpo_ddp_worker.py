@@ -1,0 +1,30 @@
+"""One rank of test_grpo.py's 2-process check: TRL's GRPOTrainer as it is, then prepared (plain and prompt-shared),
+each trained 2 steps from the same seeds on 2 processes (gloo); the rank's final weights and logs saved."""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+import test_grpo as T  # noqa: E402
+
+
+def main(out):
+    out = Path(out)
+    case = dict(loss_type="dapo", beta=0.1, num_iterations=2, gradient_accumulation_steps=2)
+    results = {}
+    for name, prepared, share in (("trl", False, False), ("packtools", True, False), ("shared", True, True)):
+        trainer = T.train(T.build(out / name, prepared, share=share, **case))
+        results[name] = {
+            "params": {k: p.detach().clone() for k, p in trainer.model.named_parameters()},
+            "logs": trainer.state.log_history,
+            "world": trainer.accelerator.num_processes,
+        }
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.save(results, out / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,491 @@
+"""TRL's GRPOTrainer and RLOOTrainer with padding-free log-probability forwards equal TRL's padded ones.
+
+Each case builds two trainers from the same seeds and weights: TRL as it is, and one prepared by
+``prepare_grpo_trainer``.  Generation is TRL's (transformers' ``generate``, sampling from the global RNG seeded
+right before each run), so both trainers see the same completions as long as their models agree.  Whole training
+runs (2 optimizer steps, generation included) must end with the same weights and log the same metrics; one
+micro-batch through ``compute_loss`` must give the same loss, metrics and gradients (1e-5 relative, fp32 CPU).
+Negative controls (completions seeing each other, a completion offset by one) must fail the same comparison.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+tokenizers = pytest.importorskip("tokenizers")
+
+from packtools.errors import PackingError  # noqa: E402
+from packtools.integrations import unprepare  # noqa: E402
+from packtools.integrations.rl import grpo as rl_grpo  # noqa: E402
+from packtools.integrations.rl import prepare_grpo_trainer  # noqa: E402
+from packtools.integrations.rl.rows import Row, share_prompts, unpad_completions  # noqa: E402
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+TOL = 1e-5
+VOCAB = 12  # small, so a random model ends completions (EOS) at varied lengths
+PAD, EOS = 0, 1
+TIMING = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
+def tiny(kind="llama", seed=0):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        attn_implementation="sdpa",
+        # Wide initial weights spread the per-token entropies (0.02 leaves them all near log(VOCAB)), so the
+        # top_entropy_quantile mask, a step function, is not decided by float rounding between near-equal values.
+        initializer_range=0.3,
+    )
+    if (
+        kind == "mixtral"
+    ):  # MoE: TRL asks for the router logits and adds the load-balancing loss (not in generate)
+        config = transformers.MixtralConfig(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            output_router_logits=True,
+            router_aux_loss_coef=0.5,
+            **common,
+        )
+        return transformers.MixtralForCausalLM(config).float()
+    if kind == "gpt2":  # absolute (learned) positions
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128, pad_token_id=PAD,
+            eos_token_id=EOS, bos_token_id=EOS, attn_implementation="sdpa", initializer_range=0.3,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config).float()
+    if kind == "qwen3":
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **common)).float()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).float()
+
+
+def word_tokenizer():
+    vocab = {"<pad>": PAD, "<eos>": EOS, **{f"w{i}": i for i in range(2, VOCAB)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def prompts(n=8, seed=0):
+    rng = np.random.default_rng(seed)
+    words = [" ".join(f"w{t}" for t in rng.integers(2, VOCAB, int(rng.integers(1, 8)))) for _ in range(n)]
+    return [{"prompt": w} for w in words]
+
+
+def reward_len(completions, **kwargs):
+    """A reward in Python: longer completions with more distinct words score higher."""
+    return [len(c) / 10 + len(set(c.split())) for c in completions]
+
+
+def build(tmp_path, prepared=False, kind="llama", trainer="grpo", share=False, lora=False, **config):
+    """A GRPO/RLOO trainer on a tiny model; with beta > 0 the reference is another tiny model (seed 1)."""
+    ref_dir = tmp_path / f"ref-{kind}"
+    if not ref_dir.exists():
+        tiny(kind, seed=1).save_pretrained(ref_dir)
+    model = tiny(kind)
+    model.config._name_or_path = str(ref_dir)  # TRL builds the reference from the policy's name
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=10,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        bf16=False,
+        learning_rate=0.1,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        seed=0,
+        max_steps=2,
+    )
+    kwargs.update(config)
+    cls, config_cls = (
+        (trl.GRPOTrainer, trl.GRPOConfig) if trainer == "grpo" else (trl.RLOOTrainer, trl.RLOOConfig)
+    )
+    extra = {}
+    if lora:  # no reference model: TRL disables the adapter for the reference log-probabilities
+        peft = pytest.importorskip("peft")
+        extra["peft_config"] = peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
+        )
+    built = cls(
+        model,
+        reward_funcs=reward_len,
+        args=config_cls(**kwargs),
+        train_dataset=datasets.Dataset.from_list(prompts()),
+        processing_class=word_tokenizer(),
+        **extra,
+    )
+    return prepare_grpo_trainer(built, share_prompt=share) if prepared else built
+
+
+def train(trainer):
+    transformers.set_seed(0)  # generation samples from the global RNG: the same draws for both trainers
+    trainer.train()
+    return trainer
+
+
+def assert_close(a, b, what, tol=TOL):
+    scale = max(1.0, float(np.max(np.abs(a))))
+    diff = float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+    assert diff <= tol * scale, f"{what}: {diff:.3g} apart (scale {scale:.3g})"
+
+
+def assert_same_run(a, b):
+    for (name, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert_close(p.detach().numpy(), q.detach().numpy(), name)
+    assert len(a.state.log_history) == len(b.state.log_history)
+    for la, lb in zip(a.state.log_history, b.state.log_history):
+        assert sorted(la) == sorted(lb)
+        for key, value in la.items():
+            if key not in TIMING:
+                assert_close(value, lb[key], key)
+
+
+CASES = [
+    dict(loss_type="grpo", beta=0.1, num_iterations=2, gradient_accumulation_steps=2),
+    dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.1, num_iterations=2),
+    dict(loss_type="dr_grpo", beta=0.0, num_iterations=2, gradient_accumulation_steps=2),
+    dict(loss_type="dapo", beta=0.1, top_entropy_quantile=0.5, gradient_accumulation_steps=2),
+    dict(loss_type="bnpo", beta=0.0, num_iterations=2),
+    dict(loss_type="cispo", beta=0.1, num_iterations=2, gradient_accumulation_steps=2),
+    dict(loss_type="sapo", beta=0.0, num_iterations=2),
+    dict(loss_type="luspo", importance_sampling_level="sequence", beta=0.1, num_iterations=2),
+    dict(loss_type="vespo", beta=0.0, num_iterations=2, gradient_accumulation_steps=2),
+]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_grpo_training_equals_trl(tmp_path, case, kind):
+    theirs = train(build(tmp_path, kind=kind, **case))
+    assert_same_run(theirs, train(build(tmp_path, True, kind=kind, **case)))
+    logs = theirs.state.log_history
+    if case.get("num_iterations") == 2 and case["loss_type"] in ("grpo", "dr_grpo", "bnpo"):
+        assert any(log.get("clip_ratio/region_mean", 0) > 0 for log in logs)  # the clip metrics are exercised
+    if case.get("beta"):
+        assert all(log["kl"] > 0 for log in logs if "kl" in log)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_grpo_prompt_shared_training_equals_trl(tmp_path, kind):
+    case = dict(loss_type="grpo", beta=0.1, num_iterations=2, gradient_accumulation_steps=2)
+    shared = build(tmp_path, True, kind=kind, share=True, **case)
+    assert type(shared).__name__ == "PackedGRPOTrainer" and vars(shared)["packtools_step"].share_prompt
+    assert_same_run(train(build(tmp_path, kind=kind, **case)), train(shared))
+
+
+def test_moe_aux_loss_equals_trl(tmp_path):
+    """The load-balancing loss over a padding-free row (every token real) equals TRL's over its padded batch (its
+    attention mask): value and gradients.  On one TRL-shaped batch (TRL 1.16's generate fails on this MoE on CPU,
+    with or without packtools, so no training run)."""
+    trainer = build(tmp_path, kind="mixtral", beta=0.0)
+    assert trainer.aux_loss_enabled
+    rng = np.random.default_rng(0)
+    ids = torch.from_numpy(rng.integers(2, VOCAB, (6, 13)))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = mask[1, :1] = 0  # prompts: 8 columns, left-padded
+    mask[2, 9:] = mask[3, 8:] = mask[4, 11:] = 0  # completions: 5 columns, right-padded (sequence 3: empty)
+    results = []
+    for prepared in (False, True):
+        if prepared:
+            prepare_grpo_trainer(trainer)
+        trainer.model.zero_grad()
+        logps, entropies, aux = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, mask, 5, compute_entropy=True, compute_aux_loss=True
+        )
+        (logps.sum() + entropies.sum() + aux).backward()
+        grads = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+        results.append((logps.detach(), entropies.detach(), aux.detach(), grads))
+    (la, ea, aa, ga), (lb, eb, ab, gb) = results
+    assert float(aa) > 0 and len(ga) == len(gb)
+    for what, a, b in [
+        ("logps", la, lb),
+        ("entropies", ea, eb),
+        ("aux", aa, ab),
+        *zip(["grad"] * len(ga), ga, gb),
+    ]:
+        assert_close(a.numpy(), b.numpy(), what)
+    unprepare(trainer)
+    with pytest.raises(PackingError, match="aux loss"):
+        prepare_grpo_trainer(trainer, share_prompt=True)
+
+
+def test_lora_reference_through_the_disabled_adapter_equals_trl(tmp_path):
+    case = dict(loss_type="grpo", beta=0.1, num_iterations=2, lora=True, learning_rate=1.0)
+    theirs, ours = train(build(tmp_path, **case)), train(build(tmp_path, True, **case))
+    assert theirs.ref_model is None and any(log.get("kl", 0) > 0 for log in theirs.state.log_history)
+    assert_same_run(theirs, ours)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(beta=0.1, num_iterations=2, gradient_accumulation_steps=2),
+        dict(beta=0.0),
+        # One step: RLOO puts the KL into the reward; its normalized advantages carry rounding (~3e-6 relative on
+        # one micro-batch, plain rows alike) into the next step, and prompt-shared weights end 1.2e-5 relative apart
+        # (one q_proj entry) after two steps at lr 0.1.
+        dict(beta=0.1, share=True, max_steps=1),
+    ],
+)
+def test_rloo_training_equals_trl(tmp_path, case):
+    assert_same_run(
+        train(build(tmp_path, trainer="rloo", **case)), train(build(tmp_path, True, trainer="rloo", **case))
+    )
+
+
+def scored_batch(trainer):
+    """One generation batch of 2 prompts x 4 completions, scored by the trainer (old/ref log-probs its own)."""
+    trainer.model.train()
+    transformers.set_seed(0)
+    inputs = [row for row in prompts()[:2] for _ in range(trainer.num_generations)]
+    return trainer._generate_and_score_completions(inputs)
+
+
+def loss_metrics_grads(trainer, batch):
+    trainer.model.zero_grad()
+    trainer.current_gradient_accumulation_steps = 1  # what Trainer's loop sets before a step
+    for values in trainer._metrics["train"].values():
+        values.clear()
+    loss = trainer.compute_loss(trainer.model, dict(batch))
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.item(), {k: v[-1] for k, v in trainer._metrics["train"].items() if v}, grads
+
+
+def differs(a, b):
+    """The largest relative difference between two (loss, metrics, grads) results."""
+    (la, ma, ga), (lb, mb, gb) = a, b
+    worst = abs(la - lb) / max(1.0, abs(la))
+    for k in ma:
+        worst = max(worst, abs(ma[k] - mb[k]) / max(1.0, abs(ma[k])))
+    for k in ga:
+        worst = max(worst, float((ga[k] - gb[k]).abs().max()) / max(1e-3, float(ga[k].abs().max())))
+    return worst
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_micro_batch_loss_metrics_gradients_and_scored_logps_equal_trl(tmp_path, kind):
+    config = dict(beta=0.1, num_iterations=2, loss_type="grpo")
+    ours, theirs = build(tmp_path, True, kind=kind, **config), build(tmp_path, kind=kind, **config)
+    batch_a, batch_b = scored_batch(theirs), scored_batch(ours)
+    assert torch.equal(batch_a["completion_ids"], batch_b["completion_ids"])
+    assert int(batch_a["completion_mask"].sum(1).min()) < batch_a["completion_ids"].shape[1]  # really padded
+    for key in ("old_per_token_logps", "ref_per_token_logps", "advantages"):
+        assert_close(batch_a[key].numpy(), batch_b[key].numpy(), key)
+    assert differs(loss_metrics_grads(theirs, batch_a), loss_metrics_grads(ours, batch_a)) <= TOL
+
+
+def test_tool_masks_and_evaluate_equal_trl(tmp_path):
+    """Multi-turn tool results (``tool_mask`` 0 inside a completion: attended, not trained) and ``evaluate()``."""
+    config = dict(beta=0.1, loss_type="dapo", per_device_eval_batch_size=4)
+    ours, theirs = build(tmp_path, True, **config), build(tmp_path, **config)
+    batch = scored_batch(theirs)
+    tool = torch.ones_like(batch["completion_mask"])
+    tool[:, 1:3] = 0  # tokens 1-2 of every completion came from a tool
+    batch["tool_mask"] = tool
+    assert differs(loss_metrics_grads(theirs, batch), loss_metrics_grads(ours, batch)) <= TOL
+    eval_set = datasets.Dataset.from_list(prompts(4, seed=5))
+    ours, theirs = build(tmp_path, True, **config), build(tmp_path, **config)
+    transformers.set_seed(0)
+    want = theirs.evaluate(eval_set)
+    transformers.set_seed(0)
+    got = ours.evaluate(eval_set)
+    assert sorted(want) == sorted(got) and "eval_loss" in want
+    for key, value in want.items():
+        if "runtime" not in key and "per_second" not in key:
+            assert_close(value, got[key], key)
+
+
+def _leaky(input_ids, attention_mask, keep):
+    """The negative control: every sequence of the row in one document (completions see the others)."""
+    row = unpad_completions(input_ids, attention_mask, keep)
+    n = row.ids.shape[0]
+    whole = torch.tensor([0, n], dtype=torch.int32)
+    return Row(row.ids, row.labels, torch.arange(n), row.dest, row.source, cu=whole, longest=n)
+
+
+def _offset(input_ids, attention_mask, keep):
+    """The negative control: every completion read one position early."""
+    row = unpad_completions(input_ids, attention_mask, keep)
+    return Row(row.ids, row.labels, row.positions, row.dest, row.source - 1, cu=row.cu, longest=row.longest)
+
+
+@pytest.mark.parametrize("broken", [_leaky, _offset], ids=["attends-across", "offset-by-one"])
+def test_negative_controls_fail(tmp_path, monkeypatch, broken):
+    config = dict(beta=0.1, loss_type="grpo")
+    theirs = build(tmp_path, **config)
+    batch = scored_batch(theirs)
+    reference = loss_metrics_grads(theirs, batch)
+    monkeypatch.setattr(rl_grpo, "unpad_completions", broken)
+    with pytest.raises(PackingError, match="isolation probe|leak"):
+        build(tmp_path, True, **config)  # the probe sees it
+    ours = build(tmp_path, **config)
+    prepare_grpo_trainer(ours, check_isolation=False)
+    assert differs(reference, loss_metrics_grads(ours, batch)) > 1e-3  # and the comparison above would
+
+
+def _siblings_see_each_other(input_ids, attention_mask, keep):
+    """The negative control of prompt sharing: the shared row run as one plain document (no tree)."""
+    row = share_prompts(input_ids, attention_mask, keep)
+    n = row.ids.shape[0]
+    whole = torch.tensor([0, n], dtype=torch.int32)
+    return Row(row.ids, row.labels, torch.arange(n), row.dest, row.source, cu=whole, longest=n)
+
+
+def test_prompt_sharing_negative_control_fails(tmp_path, monkeypatch):
+    config = dict(beta=0.1, loss_type="grpo")
+    theirs = build(tmp_path, **config)
+    batch = scored_batch(theirs)
+    reference = loss_metrics_grads(theirs, batch)
+    monkeypatch.setattr(rl_grpo, "share_prompts", _siblings_see_each_other)
+    with pytest.raises(PackingError, match="isolation probe|leak"):
+        build(tmp_path, True, share=True, **config)
+    ours = build(tmp_path, **config)
+    prepare_grpo_trainer(ours, check_isolation=False, share_prompt=True)
+    assert differs(reference, loss_metrics_grads(ours, batch)) > 1e-3
+
+
+def test_rows_forward_only_real_tokens_and_each_prompt_once():
+    """The bench's token arithmetic is the rows' width: padding-free sum(p + c); shared sum(p) + (G - 1) + sum(c)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_grpo.py"
+    spec = importlib.util.spec_from_file_location("bench_grpo", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.argparse.Namespace(prompt_min=3, prompt_max=9, completion_max=16)
+    rng = np.random.default_rng(3)
+    prompts_, completions = bench.draw(rng, 3, 4, args)
+    ids, mask, keep = bench.trl_batch(rng, prompts_, completions, 4)
+    padded, free, shared = bench.token_counts(prompts_, completions, 4)
+    assert padded == ids.numel()
+    assert unpad_completions(ids, mask, keep).ids.shape[0] == free == int(mask.sum())
+    row = share_prompts(ids, mask, keep)
+    assert row.ids.shape[0] == shared == int(prompts_.sum()) + 3 * 3 + int(completions.sum())
+    assert int(row.dest.sum()) == int(completions.sum()) and (row.labels != -100).sum() == int(
+        completions.sum()
+    )
+
+
+def test_absolute_positions_are_refused_by_the_probe(tmp_path):
+    """TRL's padded forward numbers a left-padded prompt from the row's start; with learned absolute positions
+    (GPT-2) that is not what a padding-free row (or generate) computes, so the probe refuses the model."""
+    trainer = build(tmp_path, kind="gpt2", beta=0.0)
+    with pytest.raises(
+        PackingError, match="GPT2LMHeadModel: packtools' padding-free log-probabilities differ"
+    ):
+        prepare_grpo_trainer(trainer)
+    assert type(trainer) is trl.GRPOTrainer
+
+
+def test_refusals_by_name_and_unprepare(tmp_path, monkeypatch):
+    trainer = build(tmp_path)
+    trainer.loss_type = "mystery"
+    with pytest.raises(PackingError, match="loss_type='mystery'"):
+        prepare_grpo_trainer(trainer)
+    assert type(trainer) is trl.GRPOTrainer and "packtools_step" not in vars(trainer)  # left as TRL built it
+    trainer.loss_type = "grpo"
+    trainer.args.use_liger_kernel = True
+    with pytest.raises(PackingError, match="use_liger_kernel"):
+        prepare_grpo_trainer(trainer)
+    trainer.args.use_liger_kernel = False
+    monkeypatch.setattr("packtools.integrations.compat.trl.RL_CHECKED", "1.17.0 - 1.18.0")
+    with pytest.raises(PackingError, match="1.17.0 - 1.18.0"):
+        prepare_grpo_trainer(trainer)
+    monkeypatch.undo()
+    prepare_grpo_trainer(trainer)
+    with pytest.raises(PackingError, match="already called"):
+        prepare_grpo_trainer(trainer)
+    ids = torch.tensor([[2, 3, 4]])
+    with pytest.raises(PackingError, match="pixel_values"):
+        trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, torch.ones_like(ids), 1, pixel_values=ids
+        )
+    with pytest.raises(PackingError, match="not left-padded"):
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, torch.tensor([[1, 0, 1]]), 1)
+    unprepare(trainer)
+    assert type(trainer) is trl.GRPOTrainer and "packtools_step" not in vars(trainer)
+
+    class Mine(trl.GRPOTrainer):
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+    trainer.__class__ = Mine
+    with pytest.raises(PackingError, match="Mine overrides _get_per_token_logps_and_entropies"):
+        prepare_grpo_trainer(trainer)
+    with pytest.raises(PackingError, match="expects a trl.GRPOTrainer"):
+        prepare_grpo_trainer(object())
+    from packtools import prepare_trainer
+
+    with pytest.raises(PackingError, match="Use packtools.prepare_grpo_trainer"):
+        prepare_trainer(build(tmp_path, trainer="rloo"))
+
+
+@pytest.mark.slow
+def test_two_processes_equal_trl_on_two_processes(tmp_path):
+    """torchrun, 2 CPU processes (gloo): the prepared trainers (plain rows and prompt-shared) end each rank with
+    TRL's weights and logs (TRL's gathers, its group advantages across ranks and its loss normalizations as they are)."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]), OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(port), str(root / "tests" / "_grpo_ddp_worker.py"), str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert got["trl"]["world"] == 2
+        for name in ("packtools", "shared"):
+            for key, p in got["trl"]["params"].items():
+                assert_close(p.numpy(), got[name]["params"][key].numpy(), f"rank {rank} {name} {key}")
+            for la, lb in zip(got["trl"]["logs"], got[name]["logs"], strict=True):
+                for key, value in la.items():
+                    if key not in TIMING:
+                        assert_close(value, lb[key], f"rank {rank} {name} {key}")
+
+
+def test_bench_grpo_runs_and_packtools_forwards_fewer_tokens_and_keeps_less(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_grpo.py"
+    spec = importlib.util.spec_from_file_location("bench_grpo", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    small = ["--groups", "2", "--group-size", "4", "--steps", "1", "--hidden", "32"]
+    rows, projections = bench.main(
+        [*small, "--prompt-min", "8", "--prompt-max", "32", "--completion-max", "32"]
+    )
+    assert [r[0] for r in rows] == ["TRL padded", "packtools", "shared prompt"]
+    tokens, memory = [r[2] for r in rows], [r[5] for r in rows]  # ratios to TRL padded (exact, deterministic)
+    assert tokens[0] == memory[0] == 1.0 and tokens[2] < tokens[1] < 1.0 and memory[2] < memory[1] < 1.0
+    assert sorted(projections) == [4, 16, 64] and projections[64][0][2] < projections[4][0][2]
