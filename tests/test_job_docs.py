@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 JOBS = Path(__file__).parents[1] / "docs" / "jobs"
-PAGES = ["pack.md", "max-length.md", "train-sft.md", "train-dpo.md", "train-reward.md", "train-grpo.md", "multi-gpu.md"]
+PAGES = [
+    "pack.md",
+    "max-length.md",
+    "train-sft.md",
+    "train-dpo.md",
+    "train-reward.md",
+    "train-grpo.md",
+    "multi-gpu.md",
+]
 
 
 def blocks(page: str, lang: str = "python") -> list[str]:

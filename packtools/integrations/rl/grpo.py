@@ -38,8 +38,8 @@ from ..backends import (
 from ..compat import undo
 from ..compat.trl import GRPO_LOSS_TYPES, RL_MEDIA_PARAMS, rl_trainer_kind, trl_logps
 from ..guard import check_forward_inputs
-from ..tree_attention import check_tree_model, use_tree_attention
 from ..step import install_step, plan_of
+from ..tree_attention import check_tree_model, use_tree_attention
 from .rows import Row, share_prompts, unpad_completions
 
 
