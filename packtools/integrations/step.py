@@ -96,7 +96,7 @@ def packed_class(base: type, mixin: type) -> type:
 def plan_of(trainer: Any) -> Any:
     """The plan of a prepared trainer (a :class:`StepPlan` or a trainer kind's own frozen plan; ``None`` when
     packtools did not prepare it)."""
-    return vars(trainer).get(PLAN_ATTR)
+    return getattr(trainer, "__dict__", {}).get(PLAN_ATTR)
 
 
 def install_step(trainer: Any, mixin: type, plan: Any) -> None:
