@@ -76,6 +76,33 @@ def test_2026_12_U15_the_summary_fits_its_width_with_values_left_aligned(tmp_pat
     assert all(line[col] != " " and line[col - 2 : col] == "  " for line in lines if line.strip()), text
 
 
+def test_2026_12_U2_cut_files_name_the_file_in_profile_too(tmp_path, capsys):
+    """U2: ``ArrowInvalid: Parquet magic bytes not found``, ``Expected to read ... metadata bytes`` and the like
+    named no file, in ``pack`` and in ``profile`` alike.  (tests/test_pipeline_inputs.py covers pack on a cut
+    stream and parquet; here the Arrow IPC *file* cut at 2/3, a parquet less its last 10 bytes, and profile.)"""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from packtools.cli.main import main
+
+    table = pa.table({"input_ids": pa.array([[i, i + 1] for i in range(300)], pa.list_(pa.int32()))})
+    with pa.OSFile(str(tmp_path / "f.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+        for batch in table.to_batches(max_chunksize=100):
+            w.write_batch(batch)
+    pq.write_table(table, str(tmp_path / "ok.parquet"))
+    arrow, parquet = (tmp_path / "f.arrow").read_bytes(), (tmp_path / "ok.parquet").read_bytes()
+    (tmp_path / "cut.arrow").write_bytes(arrow[: 2 * len(arrow) // 3])
+    (tmp_path / "tail.parquet").write_bytes(parquet[:-10])
+    for name in ("cut.arrow", "tail.parquet"):
+        path = str(tmp_path / name)
+        for argv in (["pack", path, "--out", str(tmp_path / "out"), "--max-length", "8"], ["profile", path]):
+            assert main(argv) == 1
+            err = capsys.readouterr().err
+            assert f"{name}' cannot be read as" in err and "copy it again" in err, err
+            assert "ArrowInvalid" not in err and "OSError" not in err
+    assert main(["profile", str(tmp_path / "f.arrow")]) == 0  # control: the whole file reads
+
+
 def test_2026_12_U12_a_length_only_difference_says_where_the_ids_part():
     """U12: the fast/transformers difference showed two identical prefixes (only the lengths differed)."""
     from packtools.pipeline.fast_tokenize import describe_difference
@@ -133,3 +160,41 @@ def test_2026_12b_U6_a_higher_audit_rate_after_profile_stages_again(tok, data, c
     plain = pack_files(data, str(tmp_path / "plain"), 64, tokenizer=tok)
     assert plain.timings["parts_from_stage_cache"] == 1
     assert audited.stats["tokens_in"] == plain.stats["tokens_in"]
+
+
+# -- adversarial-2026-12c ---------------------------------------------------------------------------------------
+
+
+def test_2026_12c_falcon_alibi_on_sdpa_is_prepared_not_a_traceback(tmp_path):
+    """Traceback case: ``FalconForCausalLM(alibi=True)`` on ``sdpa`` through ``prepare_trainer`` raised
+    ``AttributeError: 'DocumentMask' object has no attribute 'dtype'`` (the segmented mask reached Falcon's
+    ALiBi path).  Now the model keeps ``sdpa``, which separates packed documents by ``position_ids``, passes
+    the isolation probe and trains."""
+    datasets = pytest.importorskip("datasets")
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import packtools
+    from packtools.integrations import check_isolation
+
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, alibi=True,
+        new_decoder_architecture=False, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = transformers.FalconForCausalLM(config)
+    rows = packtools.pack_dataset(
+        datasets.Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]]}),
+        max_length=16,
+    )
+    args = transformers.TrainingArguments(
+        str(tmp_path), max_steps=1, per_device_train_batch_size=1, use_cpu=True, report_to=[],
+        save_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    trainer = transformers.Trainer(
+        model, args, train_dataset=rows, data_collator=packtools.PaddingFreeCollator(pad_token_id=0)
+    )
+    packtools.prepare_trainer(trainer)
+    assert trainer.model.config._attn_implementation == "sdpa"
+    assert not check_isolation(trainer.model, backward=True).leaks
+    loss = trainer.train().training_loss
+    assert loss == loss and 0.0 < loss < 10.0  # finite: a real step ran
