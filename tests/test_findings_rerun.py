@@ -76,6 +76,21 @@ def test_2026_12_U15_the_summary_fits_its_width_with_values_left_aligned(tmp_pat
     assert all(line[col] != " " and line[col - 2 : col] == "  " for line in lines if line.strip()), text
 
 
+def test_2026_12_S16_parts_another_engine_staged_are_not_reused(tok, data, cache, tmp_path):
+    """S16: parts staged under the fast engine (a killed auto run's, or here ``profile``'s in the stage cache)
+    were reused by a rerun with ``--tokenizer-engine transformers``, whose output then kept no trace of the fast
+    engine.  The engine is in the stage key: the rerun tokenizes with transformers and says so.  Control: an
+    auto pack after the same profile takes the cached part."""
+    profile_files(data, tok)
+    asked = pack_files(data, str(tmp_path / "asked"), 64, tokenizer=tok, tokenizer_engine="transformers")
+    assert asked.timings["parts_from_stage_cache"] == 0
+    assert asked.stats["tokenizer"]["engine"] == "transformers"
+    assert asked.stats["tokenizer"]["parts_by_engine"] == {"transformers": 1}
+    auto = pack_files(data, str(tmp_path / "auto"), 64, tokenizer=tok)
+    assert auto.timings["parts_from_stage_cache"] == 1
+    assert auto.stats["tokens_in"] == asked.stats["tokens_in"]
+
+
 def test_2026_12_U2_cut_files_name_the_file_in_profile_too(tmp_path, capsys):
     """U2: ``ArrowInvalid: Parquet magic bytes not found``, ``Expected to read ... metadata bytes`` and the like
     named no file, in ``pack`` and in ``profile`` alike.  (tests/test_pipeline_inputs.py covers pack on a cut
