@@ -9,6 +9,7 @@ Negative controls (completions seeing each other, a completion offset by one) mu
 """
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -92,8 +93,13 @@ def reward_len(completions, **kwargs):
 def build(tmp_path, prepared=False, kind="llama", trainer="grpo", share=False, lora=False, **config):
     """A GRPO/RLOO trainer on a tiny model; with beta > 0 the reference is another tiny model (seed 1)."""
     ref_dir = tmp_path / f"ref-{kind}"
-    if not ref_dir.exists():
-        tiny(kind, seed=1).save_pretrained(ref_dir)
+    if not ref_dir.exists():  # written aside and renamed: two processes of a DDP test may both get here
+        aside = ref_dir.with_name(f"{ref_dir.name}.{os.getpid()}")
+        tiny(kind, seed=1).save_pretrained(aside)
+        try:
+            os.rename(aside, ref_dir)
+        except OSError:  # the other process renamed its copy first: the same weights (seed 1)
+            shutil.rmtree(aside)
     model = tiny(kind)
     model.config._name_or_path = str(ref_dir)  # TRL builds the reference from the policy's name
     kwargs = dict(
