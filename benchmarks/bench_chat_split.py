@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     import warnings
 
     from packtools._format import text_table
-    from packtools.integrations.drops import TokensDroppedWarning
+    from packtools.integrations.data.drops import TokensDroppedWarning
     from packtools.pipeline import pack_files
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

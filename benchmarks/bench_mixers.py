@@ -1,4 +1,4 @@
-"""Cost of running token-mixing layers per document (``packtools.integrations.mixers``) on a packed row.
+"""Cost of running token-mixing layers per document (``packtools.integrations.attention.mixers``) on a packed row.
 
 Usage::
 
@@ -121,7 +121,7 @@ def measure(arch_name: str, count: int, repeat: int, memory: bool) -> dict[str, 
     import torch
     from model_matrix import ARCHS, build
 
-    from packtools.integrations.mixers import run_mixers_per_document
+    from packtools.integrations.attention.mixers import run_mixers_per_document
 
     arch = next(a for a in ARCHS if a.name == arch_name)
     plain = build(arch, "sdpa")

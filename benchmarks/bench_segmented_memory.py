@@ -138,7 +138,7 @@ def run_case(
     import transformers
 
     from packtools import PaddingFreeCollator
-    from packtools.integrations import segmented
+    from packtools.integrations.attention import segmented
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

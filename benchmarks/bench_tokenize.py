@@ -232,7 +232,7 @@ def case_tokenize_alone(src: str, tok_dir: str, repeat: str, engine: str) -> dic
     import pyarrow.json as pj
     from transformers import AutoTokenizer
 
-    from packtools.pipeline.fast_tokenize import FastEncoder
+    from packtools.pipeline.tokenizer.fast import FastEncoder
 
     texts = pj.read_json(src).column("text").to_pylist()
     mb = sum(len(t.encode()) for t in texts) / 1e6
@@ -259,7 +259,7 @@ def case_chat_split(src: str, tok_dir: str) -> dict:
     """Where the fast chat path's time goes: template rendering, encoding, masks; and the transformers check."""
     import pyarrow.json as pj
 
-    from packtools.pipeline.tokenize import BatchTokenizer
+    from packtools.pipeline.tokenizer.batch import BatchTokenizer
 
     table = pj.read_json(src)
     tok = BatchTokenizer(tok_dir, "messages")

@@ -71,7 +71,7 @@ def cp_pair_logps(
     import torch
 
     from packtools.batches.context_parallel import CP_KEY
-    from packtools.integrations.cp_training import cp_sequence_logps, model_inputs
+    from packtools.integrations.parallel.shard_loss import cp_sequence_logps, model_inputs
 
     logits = model(**model_inputs(batch)).logits
     shard = batch[CP_KEY]
@@ -109,7 +109,7 @@ def plain_cp_dpo_step(
     import torch
     import torch.distributed as dist
 
-    from packtools.integrations.cp_training import global_pairs
+    from packtools.integrations.parallel.shard_loss import global_pairs
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
@@ -155,7 +155,7 @@ def train_dpo_cp(model, reference, batches, optimizer, group, cp, beta=0.1):
     import torch
     import torch.distributed as dist
 
-    from packtools.integrations.cp_training import global_pairs
+    from packtools.integrations.parallel.shard_loss import global_pairs
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     losses = []
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     import torch.distributed as dist
     from cp_loop import cp_layout, tiny_llama_fp32
 
-    from packtools.integrations.cp_attention import use_cp_attention
+    from packtools.integrations.attention.context_parallel import use_cp_attention
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -65,7 +65,7 @@ def cp_layout(cp: int) -> Any:
     CP group created (the layout owns it; hand it to the collator, ``layout=``)."""
     import torch.distributed as dist
 
-    from packtools.integrations.parallel_layout import RankLayout
+    from packtools.integrations.parallel.layout import RankLayout
 
     world, rank = dist.get_world_size(), dist.get_rank()
     layout = RankLayout(dp_rank=rank // cp, dp_size=world // cp, cp_rank=rank % cp, cp_size=cp)
@@ -88,7 +88,7 @@ def plain_cp_step(model: Any, batch: dict[str, Any], lr: float = 1.0, rank_mean:
     import torch
     import torch.distributed as dist
 
-    from packtools.integrations.cp_training import global_count, model_inputs, shifted_token_loss
+    from packtools.integrations.parallel.shard_loss import global_count, model_inputs, shifted_token_loss
 
     batch = _to_torch(batch)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -116,7 +116,7 @@ def train(model: Any, loader: Any, optimizer: Any, accumulation_steps: int = 1, 
     import torch
     import torch.distributed as dist
 
-    from packtools.integrations.cp_training import global_count, model_inputs, shifted_token_loss
+    from packtools.integrations.parallel.shard_loss import global_count, model_inputs, shifted_token_loss
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     losses, batches = [], iter(loader)
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> list[float]:
 
     from packtools import PaddingFreeCollator
     from packtools.batches.context_parallel import ContextParallelCollator
-    from packtools.integrations.cp_attention import use_cp_attention
+    from packtools.integrations.attention.context_parallel import use_cp_attention
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

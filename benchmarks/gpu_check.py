@@ -17,13 +17,13 @@ the packed run must match the one-by-one runs about as well as the one-by-one ru
 reference.  A control run adds an all-ones ``attention_mask`` (the silent-contamination mistake) and must be
 detected as wrong, which shows the check can fail.
 
-Part 3 checks context parallelism's per-rank attention (``packtools.integrations.cp_attention.shard_attention``):
+Part 3 checks context parallelism's per-rank attention (``packtools.integrations.attention.context_parallel.shard_attention``):
 a row of documents (shorter than 2·CP, one long) is laid out for CP = 2 and 4, each rank's queries attend the
 keys/values of every rank concatenated rank after rank (what the all-gather hands it), through ``backend``
 ``flash`` / ``torch`` in low precision, and each real token's output and the gradients of the unsplit q/k/v
 are compared with the float32 reference over the unsplit row, by the same rule as part 1.
 
-Part 4 checks the token-mixing layers of hybrid models (``packtools.integrations.mixers``) on CUDA: tiny Qwen3.5,
+Part 4 checks the token-mixing layers of hybrid models (``packtools.integrations.attention.mixers``) on CUDA: tiny Qwen3.5,
 Kimi Linear, LFM2 and Nemotron-H from the model matrix, one packed row of documents, forward and backward, with
 the layers on their varlen kernels (``seq_idx`` / ``cu_seq_lens`` into causal-conv1d, flash-linear-attention,
 mamba-ssm; where those are installed) against the same model on packtools' per-document path, and both against
@@ -130,7 +130,7 @@ def cp_shard_outputs(torch, q, k, v, lengths, cp, backend, grad):
     import numpy as np
 
     from packtools.batches.context_parallel import CPLayout, CPShard
-    from packtools.integrations.cp_attention import shard_attention
+    from packtools.integrations.attention.context_parallel import shard_attention
 
     layout = CPLayout.build(lengths, cp)
     q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
@@ -305,7 +305,7 @@ def _mixer_run(torch, arch, device, seed, lengths, kernels, dt, whole_row=False)
     """One packed row through a tiny hybrid (its mixers per document, on kernels, or over the whole row)."""
     from model_matrix import build
 
-    from packtools.integrations.mixers import run_mixers_per_document
+    from packtools.integrations.attention.mixers import run_mixers_per_document
 
     model = build(arch, "sdpa", seed).to(device, dt)
     done = None if whole_row else run_mixers_per_document(model, kernels=kernels)

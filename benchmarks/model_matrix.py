@@ -8,7 +8,7 @@ Usage::
 
 Each architecture is built tiny from its transformers config (2 or 3 layers, hidden size 32, random float32
 weights; sliding windows and attention chunks of 4 tokens so they matter on short sequences), changed as
-``prepare_trainer`` changes it (token-mixing layers per document, :mod:`packtools.integrations.mixers`; the
+``prepare_trainer`` changes it (token-mixing layers per document, :mod:`packtools.integrations.attention.mixers`; the
 guard).  Each cell runs
 :func:`packtools.integrations.check_isolation` with ``backward=True``: four sequences (5, 9, 3 and 7 tokens) packed into
 two rows by ``PaddingFreeCollator`` and passed as :func:`packtools.prepare_trainer` would (keys filtered to
@@ -328,7 +328,7 @@ def build(arch: Arch, backend: str, seed: int = 0) -> Any:
         base = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2}
     config = config_cls(**{**base, **arch.kwargs})
     if backend == "packtools_sdpa":
-        from packtools.integrations.segmented import register
+        from packtools.integrations.attention.segmented import register
 
         register()
     config._attn_implementation = backend
@@ -358,7 +358,7 @@ def _refusal(arch: Arch, backend: str, err: Exception) -> str:
     """Why a cell is refused; for layers that mix tokens outside attention, also what they leak unguarded."""
     from packtools import PaddingFreeCollator
     from packtools.integrations import check_isolation
-    from packtools.integrations.backends import token_mixing_layers
+    from packtools.integrations.attention.backends import token_mixing_layers
 
     model = build(arch, backend)
     mixers = token_mixing_layers(model)
@@ -375,18 +375,18 @@ def _refusal(arch: Arch, backend: str, err: Exception) -> str:
 
 def prepared_model(arch: Arch, backend: str, *, dpo: bool = False) -> Any:
     """A tiny model changed as ``prepare_trainer`` (``dpo=True``: ``prepare_dpo_trainer``) changes it: token-mixing
-    layers per document (:mod:`packtools.integrations.mixers`), the guard; for DPO, TRL's fused head and
+    layers per document (:mod:`packtools.integrations.attention.mixers`), the guard; for DPO, TRL's fused head and
     packtools' padding-free forward."""
-    from packtools.integrations.backends import check_attention_implementation
-    from packtools.integrations.guard import guard_model
-    from packtools.integrations.mixers import run_mixers_per_document
+    from packtools.integrations.attention.backends import check_attention_implementation
+    from packtools.integrations.attention.mixers import run_mixers_per_document
+    from packtools.integrations.trainers.guard import guard_model
 
     model = build(arch, backend)
     check_attention_implementation(model)
     if dpo:
         from trl.trainer.utils import add_fused_lm_head
 
-        from packtools.integrations.trl import install_padding_free_forward
+        from packtools.integrations.preference.dpo import install_padding_free_forward
 
         add_fused_lm_head(model)
         run_mixers_per_document(model)
@@ -406,8 +406,8 @@ def dpo_check(arch: Arch, backend: str, lengths: tuple[int, ...] = (5, 9, 3, 7))
     import torch
 
     from packtools import PackingError
-    from packtools.integrations.dpo_probe import check_padding_free_forward
-    from packtools.integrations.probe_refusals import translate
+    from packtools.integrations.attention.isolation import translate
+    from packtools.integrations.preference.probe import check_padding_free_forward
 
     try:
         model = prepared_model(arch, backend, dpo=True)
@@ -559,7 +559,7 @@ def markdown(cells: list[Cell], archs: list[Arch]) -> str:
         "that mix tokens outside attention (gated DeltaNet / delta attention, short convolutions, Mamba-2). They "
         "ignore `position_ids`, and transformers' CPU fallback cannot separate packed documents. "
         "`prepare_trainer` and `prepare_dpo_trainer` run those layers document by document, each from a zero state "
-        "as the model runs a document alone (`packtools.integrations.mixers`; on CUDA with causal-conv1d, "
+        "as the model runs a document alone (`packtools.integrations.attention.mixers`; on CUDA with causal-conv1d, "
         "mamba-ssm or flash-linear-attention installed, their varlen kernels instead), and each cell here is "
         "checked with that in place. GPT-OSS builds its attention masks without `position_ids`; packtools hands "
         "it the masks built from them. The *DPO log-probs* column runs the same tiny model through the padding-free "

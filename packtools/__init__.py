@@ -18,14 +18,14 @@ _LAZY = {
     "pack_table": "packtools.core.pack",
     "plan": "packtools.core.plan",
     "PackPlan": "packtools.core.plan",
-    "packed_view": "packtools.integrations.dataset_views",
-    "pack_dataset": "packtools.integrations.datasets",
+    "packed_view": "packtools.integrations.data.views",
+    "pack_dataset": "packtools.integrations.data.datasets",
     "profile_lengths": "packtools.profiling.profile",
     "pack_files": "packtools.pipeline.run",
     "profile_files": "packtools.pipeline.profile",
     "PaddingFreeCollator": "packtools.batches.collate",
-    "prepare_trainer": "packtools.integrations.transformers",
-    "prepare_dpo_trainer": "packtools.integrations.trl",
+    "prepare_trainer": "packtools.integrations.trainers.transformers",
+    "prepare_dpo_trainer": "packtools.integrations.preference.dpo",
     "prepare_grpo_trainer": "packtools.integrations.rl.grpo",
 }
 

@@ -16,13 +16,13 @@ from ._lazy import lazy_exports
 
 # public name -> the module that defines it (imported on first use)
 _EXPORTS = {
-    "pack_preference": "packtools.integrations.preference_data",
+    "pack_preference": "packtools.integrations.preference.data",
     "PreferenceCollator": "packtools.batches.preference",
     "sequence_logps": "packtools.batches.logps",
-    "prepare_dpo_trainer": "packtools.integrations.trl",
-    "pack_groups": "packtools.integrations.preference_data",
+    "prepare_dpo_trainer": "packtools.integrations.preference.dpo",
+    "pack_groups": "packtools.integrations.preference.data",
     "TreeCollator": "packtools.batches.tree",
-    "use_tree_attention": "packtools.integrations.tree_attention",
+    "use_tree_attention": "packtools.integrations.attention.tree",
 }
 
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

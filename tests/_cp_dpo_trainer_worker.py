@@ -30,7 +30,7 @@ def main() -> None:
 
     cp, ga, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[-1])
     if len(sys.argv) == 5 and sys.argv[3] == "local":  # the negative control: no sum over the CP group
-        import packtools.integrations.cp_dpo as cp_dpo
+        import packtools.integrations.preference.context_parallel as cp_dpo
 
         cp_dpo.sum_over_group = lambda x, group=None: x
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])

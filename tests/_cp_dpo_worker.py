@@ -22,7 +22,7 @@ import torch.distributed as dist
 from _cp_fixtures import PAIR_BATCHES, tiny_llama_fp32
 from _scripts import script
 
-from packtools.integrations.cp_attention import use_cp_attention  # noqa: E402
+from packtools.integrations.attention.context_parallel import use_cp_attention  # noqa: E402
 
 
 def models(group):

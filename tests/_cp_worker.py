@@ -25,7 +25,7 @@ from _scripts import script
 
 from packtools import PaddingFreeCollator  # noqa: E402
 from packtools.batches.context_parallel import CP_KEY, CPLayout, CPShard, shard_row  # noqa: E402
-from packtools.integrations.cp_attention import use_cp_attention  # noqa: E402
+from packtools.integrations.attention.context_parallel import use_cp_attention  # noqa: E402
 
 
 def variant_batches(name, rows, cp, rank, collator, bound=None):

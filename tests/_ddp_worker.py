@@ -32,7 +32,7 @@ class Recorder:
         self.inner, self.key, self.batches = inner, key, []
 
     def __call__(self, features):
-        from packtools.integrations.collator_check import in_check
+        from packtools.integrations.trainers.collator_check import in_check
 
         if not in_check():  # prepare_trainer's collator check and probe are not training batches
             self.batches.append([self.key(f) for f in features])

@@ -102,7 +102,7 @@ class Recorder:
         self.batches: list[list[dict]] = []
 
     def __call__(self, features):
-        from packtools.integrations.collator_check import in_check
+        from packtools.integrations.trainers.collator_check import in_check
 
         if not in_check():  # prepare_trainer's collator check and probe are not training batches
             self.batches.append([{k: list(v) for k, v in f.items()} for f in features])

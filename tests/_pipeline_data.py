@@ -72,7 +72,7 @@ def hold_fast_engine_load(monkeypatch):
     test tokenizer as a large vocabulary (one whose load the pipeline overlaps with its first batches)."""
     import threading
 
-    from packtools.pipeline import tokenizer_load
+    from packtools.pipeline.tokenizer import load as tokenizer_load
 
     release = threading.Event()
     real = tokenizer_load.FastLoad._load

@@ -57,8 +57,8 @@ class FirstStep(transformers.TrainerCallback):
 def run(out, packed, **prepare):
     import test_reward
 
-    from packtools.integrations.preference_data import pack_reward_pairs
-    from packtools.integrations.reward import prepare_reward_trainer
+    from packtools.integrations.preference.data import pack_reward_pairs
+    from packtools.integrations.preference.reward import prepare_reward_trainer
 
     trainer = test_reward.build(
         Path(out), n=24, margin=True, per_device_train_batch_size=2, gradient_accumulation_steps=GA,
@@ -79,7 +79,7 @@ def run(out, packed, **prepare):
 def run_kto(out, prepared):
     import test_kto
 
-    from packtools.integrations.kto import prepare_kto_trainer
+    from packtools.integrations.preference.kto import prepare_kto_trainer
 
     trainer = test_kto.build(
         Path(out), n=16, per_device_train_batch_size=2, gradient_accumulation_steps=GA, max_steps=1

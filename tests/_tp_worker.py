@@ -39,7 +39,8 @@ from torch.distributed.tensor.parallel import (
 
 from packtools import PaddingFreeCollator  # noqa: E402
 from packtools.batches import TokenBudgetBatchSampler  # noqa: E402
-from packtools.integrations import RankLayout, segmented  # noqa: E402
+from packtools.integrations import RankLayout
+from packtools.integrations.attention import segmented  # noqa: E402
 
 MAX_TOKENS = 200
 
@@ -129,7 +130,7 @@ def refusal(tp_mesh, world: int, rank: int) -> str:
     data-parallel replicas, the silent old behaviour)."""
     from types import SimpleNamespace as NS
 
-    from packtools.integrations.parallel_layout import rank_layout
+    from packtools.integrations.parallel.layout import rank_layout
 
     model = tiny_llama_fp32()
     parallelize_module(model, tp_mesh, tp_plan(model.config.num_hidden_layers))

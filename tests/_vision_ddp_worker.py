@@ -40,7 +40,7 @@ class Recorder:
         self.batches = []
 
     def __call__(self, features):
-        from packtools.integrations.collator_check import in_check
+        from packtools.integrations.trainers.collator_check import in_check
 
         if not in_check():
             self.batches.append([{k: list(v) for k, v in f.items()} for f in features])

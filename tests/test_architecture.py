@@ -50,7 +50,7 @@ def parse(source: str) -> ast.Module:
 
 def part_of(module: str) -> str:
     """``packtools.core.plan`` -> ``core``; ``packtools.compat.trl`` (or, where it lived before,
-    ``packtools.integrations.compat.trl``) -> ``compat``."""
+    ``packtools.compat.trl``) -> ``compat``."""
     parts = module.split(".")
     return "compat" if parts[1:3] == ["integrations", "compat"] else parts[1]
 
@@ -253,14 +253,17 @@ MAX_POSITIONAL = 6
 # (module, qualified name): why it takes more positional parameters (self and cls are not counted).
 POSITIONAL_ALLOWED = {
     ("packtools.core.kernels", "view_segments"): "an @njit kernel: numba compiles no keyword-only parameters",
-    ("packtools.integrations.segmented", "segmented_sdpa_forward"): (
+    ("packtools.integrations.attention.segmented", "segmented_sdpa_forward"): (
         "a transformers attention function: AttentionInterface fixes its signature (sdpa_attention_forward's)"
     ),
     (
-        "packtools.integrations.tree_attention",
+        "packtools.integrations.attention.tree",
         "tree_attention_forward",
     ): "the same AttentionInterface signature",
-    ("packtools.integrations.cp_attention", "cp_attention_forward"): "the same AttentionInterface signature",
+    (
+        "packtools.integrations.attention.context_parallel",
+        "cp_attention_forward",
+    ): "the same AttentionInterface signature",
     ("packtools.batches.attention", "varlen_attention"): (
         "mirrors flash_attn_varlen_func (q, k, v, cu_seqlens_*, max_seqlen_*)"
     ),
@@ -321,14 +324,16 @@ def test_the_check_catches_many_positional_parameters(monkeypatch):
 
 def test_compat_sits_below_the_layers_that_read_through_it(monkeypatch):
     # compat may not import upward (integrations proper, batches, core), and core may not import compat.
-    source = path_of("packtools.integrations.compat").read_text() + (
-        "\nfrom packtools.integrations.transformers import prepare_trainer\nfrom packtools.core.plan import plan\n"
+    source = path_of("packtools.compat").read_text() + (
+        "\nfrom packtools.integrations.trainers.transformers import prepare_trainer\nfrom packtools.core.plan import plan\n"
     )
-    fake = read_as(monkeypatch, "packtools.integrations.compat", source)
+    fake = read_as(monkeypatch, "packtools.compat", source)
     found = violations(fake)
-    assert any("integrations.transformers" in v for v in found) and any("core.plan" in v for v in found)
+    assert any("integrations.trainers.transformers" in v for v in found) and any(
+        "core.plan" in v for v in found
+    )
     source2 = path_of("packtools.core.arrow").read_text() + (
-        "\nfrom packtools.integrations.compat.datasets import dataset_table\n"
+        "\nfrom packtools.compat.datasets import dataset_table\n"
     )
     core = read_as(monkeypatch, "packtools.core.arrow", source2)
     assert any("compat" in v for v in violations(core))
@@ -472,7 +477,7 @@ ENGINE_STATE = {
     "proof_recorded",
     "_reference_batch_done",
 }
-ENGINE_OWNER = ("packtools.pipeline.tokenize", "BatchTokenizer")
+ENGINE_OWNER = ("packtools.pipeline.tokenizer.batch", "BatchTokenizer")
 
 
 def engine_state_assignments() -> list[str]:
@@ -510,16 +515,16 @@ def test_the_engine_state_is_assigned_by_its_owner_only():
 
 
 def test_the_check_catches_an_engine_state_assignment(monkeypatch):
-    source = path_of("packtools.pipeline.engine_proof").read_text() + (
+    source = path_of("packtools.pipeline.tokenizer.proof").read_text() + (
         "\n\ndef _bad(bt):\n    bt.fast = None\n    bt._loaded, x = (None, None), 1\n"
     )
-    read_as(monkeypatch, "packtools.pipeline.engine_proof", source)
+    read_as(monkeypatch, "packtools.pipeline.tokenizer.proof", source)
     assert [f.split(" ", 1)[1] for f in engine_state_assignments()] == ["bt.fast", "bt._loaded"]
 
 
 # What a prepared trainer's step is made of: changed only by the step owner (one class per trainer kind, swapped
 # onto the trainer) and by compat/ (other libraries' internals, version-checked).
-STEP_OWNERS = ("integrations/step.py",)
+STEP_OWNERS = ("integrations/trainers/step.py",)
 TRAINER_STEP_NAMES = {
     "compute_loss",
     "compute_loss_func",
@@ -542,7 +547,7 @@ def trainer_patches() -> list[str]:
     found = []
     for path in sorted(ROOT.rglob("*.py")):
         rel = str(path.relative_to(ROOT))
-        if rel.startswith("integrations/compat/") or rel in STEP_OWNERS:
+        if rel.startswith("compat/") or rel in STEP_OWNERS:
             continue
         for node in ast.walk(parse(path.read_text())):
             if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
@@ -566,8 +571,8 @@ def trainer_patches() -> list[str]:
 
 def test_no_module_but_the_step_owner_patches_a_trainers_step():
     assert trainer_patches() == [], (
-        "change a trainer's step in its step owner (packtools/integrations/step.py: a mixin method calling "
-        "super()), or a library internal in integrations/compat/"
+        "change a trainer's step in its step owner (packtools/integrations/trainers/step.py: a mixin method calling "
+        "super()), or a library internal in compat/"
     )
 
 

@@ -1,11 +1,11 @@
-"""The assistant-token mask (packtools.pipeline.chat_labels.overlap_mask) equals transformers' rule written out
+"""The assistant-token mask (packtools.pipeline.tokenizer.chat.labels.overlap_mask) equals transformers' rule written out
 plainly: a token is marked when it overlaps one of the sorted, disjoint spans."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from packtools.pipeline.chat_labels import overlap_mask
+from packtools.pipeline.tokenizer.chat.labels import overlap_mask
 
 
 def plain_mask(starts, ends, lo, hi):

@@ -1,4 +1,4 @@
-"""One render per conversation (packtools.pipeline.chat_local) against the incremental rule by prefix renders."""
+"""One render per conversation (packtools.pipeline.tokenizer.chat.local) against the incremental rule by prefix renders."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 from jinja2 import TemplateError
 
 from packtools.errors import PackingError
-from packtools.pipeline import adversarial, chat_labels
-from packtools.pipeline.chat_local import local_shape
-from packtools.pipeline.chat_render import ChatRenderer
+from packtools.pipeline.tokenizer import adversarial
+from packtools.pipeline.tokenizer.chat import labels as chat_labels
+from packtools.pipeline.tokenizer.chat.local import local_shape
+from packtools.pipeline.tokenizer.chat.render import ChatRenderer
 
 SPECIALS = {"bos_token": "<s>", "eos_token": "</s>"}
 ROLES = ["system", "user", "assistant", "tool"]

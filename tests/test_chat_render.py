@@ -1,5 +1,5 @@
-"""The chat template rendered by jinja2 alone (packtools.pipeline.chat_render) equals transformers' rendering,
-and a renderer that differs is caught and replaced by transformers with the reason (packtools.pipeline.chat)."""
+"""The chat template rendered by jinja2 alone (packtools.pipeline.tokenizer.chat.render) equals transformers' rendering,
+and a renderer that differs is caught and replaced by transformers with the reason (packtools.pipeline.tokenizer.chat.tokens)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,12 @@ pytest.importorskip("transformers")
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from packtools.errors import PackingError
-from packtools.pipeline import adversarial, chat, chat_values, fast_tokenize  # noqa: E402
-from packtools.pipeline.chat_render import ChatRenderer, read_settings  # noqa: E402
-from packtools.pipeline.tokenize import BatchTokenizer  # noqa: E402
+from packtools.pipeline.tokenizer import adversarial
+from packtools.pipeline.tokenizer import fast as fast_tokenize
+from packtools.pipeline.tokenizer.batch import BatchTokenizer  # noqa: E402
+from packtools.pipeline.tokenizer.chat import tokens as chat  # noqa: E402
+from packtools.pipeline.tokenizer.chat import values as chat_values
+from packtools.pipeline.tokenizer.chat.render import ChatRenderer, read_settings  # noqa: E402
 
 # a template that uses what transformers' environment gives: loop controls, namespace, tojson, raise_exception,
 # trim/lstrip blocks, reasoning aliases, bos/eos variables, and {% generation %} spans
@@ -168,7 +171,7 @@ def test_render_equals_jinja_template_render(template):
     """ChatRenderer's render (its own context, the globals flattened once) gives what jinja2's own
     ``Template.render`` gives on the same variables, every prefix with and without the generation prompt, and
     raises the same; ``render_prefixes`` gives the prefixes' renders lazily, in order."""
-    from packtools.pipeline.chat_render import template_messages
+    from packtools.pipeline.tokenizer.chat.render import template_messages
 
     mine = ChatRenderer(template, {"bos_token": "<s>", "eos_token": "</s>"})
 
@@ -189,7 +192,7 @@ def test_render_equals_jinja_template_render(template):
 
 
 def test_messages_are_shared_unless_reasoning_is_aliased():
-    from packtools.pipeline.chat_render import template_messages
+    from packtools.pipeline.tokenizer.chat.render import template_messages
 
     plain = {"role": "user", "content": "q"}
     aliased = {"role": "assistant", "content": "a", "reasoning": "r", "thinking": None}
@@ -270,7 +273,7 @@ def test_chat_batches_are_rendered_while_the_fast_engine_loads_then_finished_by_
 
     from _pipeline_data import hold_fast_engine_load
 
-    from packtools.pipeline import feed
+    from packtools.pipeline.tokenizer import feed
 
     monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
     convs = [c for c in conversations() if c[0]["role"] != "bad"][:24]
@@ -307,7 +310,7 @@ def test_chat_batches_are_rendered_while_the_fast_engine_loads_then_finished_by_
 def test_a_batch_that_fails_while_rendered_ahead_names_its_row(tokdir, tmp_path, monkeypatch):
     from _pipeline_data import hold_fast_engine_load
 
-    from packtools.pipeline import feed
+    from packtools.pipeline.tokenizer import feed
 
     monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
     BatchTokenizer(tokdir, "messages")  # records the verdicts

@@ -16,9 +16,9 @@ from _pipeline_data import build_tokenizer, load
 from packtools.core import unpack
 from packtools.io.json import iter_json_array, iter_json_lines
 from packtools.io.json_cells import cells
-from packtools.pipeline.chat import clean_messages, plain_value
 from packtools.pipeline.config import PipelineConfig
 from packtools.pipeline.run import run_pipeline
+from packtools.pipeline.tokenizer.chat.tokens import clean_messages, plain_value
 
 datasets = pytest.importorskip("datasets")
 
@@ -184,7 +184,7 @@ def test_message_values_are_made_plain_as_transformers_does():
 def test_timestamp_cells_render_as_transformers_renders_them(tok_dir):
     """A message value Arrow holds as a timestamp (parquet input) renders as transformers renders it (its
     placeholder), not as Python's str of a datetime."""
-    from packtools.pipeline.tokenize import BatchTokenizer
+    from packtools.pipeline.tokenizer.batch import BatchTokenizer
 
     conv = [
         {"role": "user", "content": "when?", "when": datetime.datetime(2024, 1, 2, 10)},
@@ -220,9 +220,13 @@ class _IntsAsFloats:
 def test_render_proof_covers_typed_values_tool_calls_and_parts(tok_dir):
     """The renderer's proof includes typed values, tool calls and content lists: a renderer that changes them is
     told apart from transformers' there, not on the plain adversarial conversations alone."""
-    from packtools.pipeline import adversarial
-    from packtools.pipeline.chat import TYPED_CONVERSATIONS, TransformersRenderer, render_difference
-    from packtools.pipeline.chat_render import ChatRenderer, read_settings
+    from packtools.pipeline.tokenizer import adversarial
+    from packtools.pipeline.tokenizer.chat.render import ChatRenderer, read_settings
+    from packtools.pipeline.tokenizer.chat.tokens import (
+        TYPED_CONVERSATIONS,
+        TransformersRenderer,
+        render_difference,
+    )
 
     template, specials = read_settings(tok_dir)
     mine, theirs = ChatRenderer(template, specials), TransformersRenderer(load(tok_dir))
@@ -236,7 +240,7 @@ def test_render_proof_covers_typed_values_tool_calls_and_parts(tok_dir):
 def test_conversational_preference_rows_keep_their_own_values(tmp_path, tok_dir):
     """prompt / chosen / rejected cells of one JSON line each keep their own keys and types (three columns read
     from the same row's line)."""
-    from packtools.pipeline.tokenize import BatchTokenizer
+    from packtools.pipeline.tokenizer.batch import BatchTokenizer
 
     rows = [
         {"prompt": c[:1], "chosen": c[1:], "rejected": [{"role": "assistant", "content": "no idea"}]}

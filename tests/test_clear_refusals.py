@@ -115,7 +115,7 @@ transformers = pytest.importorskip("transformers")
 def test_a_compiled_model_is_refused_with_the_fix_that_works():
     from _hf_models import tiny_llama
 
-    from packtools.integrations.backends import check_attention_implementation
+    from packtools.integrations.attention.backends import check_attention_implementation
 
     compiled = torch.compile(tiny_llama("sdpa"))
     with pytest.raises(PackingError, match=r"compiled.*TrainingArguments\(torch_compile=True\)") as err:
@@ -153,7 +153,7 @@ def test_fewer_rows_than_processes_is_refused_naming_the_fix():
     Trainer's "args.max_steps must be set"); the 2-process run is in test_distributed.py."""
     from types import SimpleNamespace
 
-    from packtools.integrations.budget_loader import make_sampler
+    from packtools.integrations.trainers.loader import make_sampler
 
     def trainer(rank):
         args = SimpleNamespace(

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from packtools.cli.main import main
-from packtools.integrations.drops import TokensDroppedWarning
+from packtools.integrations.data.drops import TokensDroppedWarning
 from packtools.pipeline import pack_files
 
 

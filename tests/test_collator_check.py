@@ -29,7 +29,7 @@ from test_hf import LR, tiny_tokenizer, train_args
 from packtools import PaddingFreeCollator, pack_dataset, prepare_trainer
 from packtools.errors import PackingError
 from packtools.integrations import packed_sft_config, unprepare
-from packtools.integrations.collator_check import batch_problems, in_check
+from packtools.integrations.trainers.collator_check import batch_problems, in_check
 
 datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")

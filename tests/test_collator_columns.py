@@ -108,7 +108,7 @@ def tiny_qwen2_vl():
 
 def test_multimodal_models_are_refused_by_name(tiny_qwen2_vl, monkeypatch):
     from packtools.batches import mrope
-    from packtools.integrations import backends
+    from packtools.integrations.attention import backends
 
     # a verified type passes this check (prepare_trainer then requires its MultimodalCollator) ...
     backends.check_attention_implementation(tiny_qwen2_vl)
@@ -123,7 +123,7 @@ def test_multimodal_models_are_refused_by_name(tiny_qwen2_vl, monkeypatch):
 
 
 def test_the_isolation_hint_never_names_the_backend_in_use():
-    from packtools.integrations.probe_refusals import fix_hint as _fix_hint
+    from packtools.integrations.attention.isolation import fix_hint as _fix_hint
 
     for impl in ("sdpa", "eager", "flash_attention_2"):
         hint = _fix_hint(["input_ids", "position_ids", "cu_seq_lens_q"], (), impl)
@@ -134,7 +134,7 @@ def test_the_isolation_hint_never_names_the_backend_in_use():
 def test_prepare_trainer_names_the_models_backend_to_a_padded_collator():
     from _hf_models import tiny_llama
 
-    from packtools.integrations.backends import adapt_collator
+    from packtools.integrations.attention.backends import adapt_collator
 
     adapted = adapt_collator(PaddingFreeCollator(0, padding_free=False), tiny_llama("eager"))
     assert adapted.attn_implementation == "eager"

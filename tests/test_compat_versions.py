@@ -1,4 +1,4 @@
-"""Other libraries' internals are touched only in packtools/integrations/compat/, each module with a current
+"""Other libraries' internals are touched only in packtools/compat/, each module with a current
 CHECKED range; a version outside it is said once, as a warning naming the range (review-2026-12b F8,
 newcomer-2026-12b 13)."""
 
@@ -11,15 +11,15 @@ import warnings
 
 import pytest
 
-from packtools.integrations import compat
+from packtools import compat
 
 ROOT = pathlib.Path(__file__).parents[1] / "packtools"
 COMPAT = {
-    "transformers": "packtools.integrations.compat.transformers",
-    "accelerate": "packtools.integrations.compat.accelerate",
-    "datasets": "packtools.integrations.compat.datasets",
-    "trl": "packtools.integrations.compat.trl",
-    "torch": "packtools.integrations.compat.torch",
+    "transformers": "packtools.compat.transformers",
+    "accelerate": "packtools.compat.accelerate",
+    "datasets": "packtools.compat.datasets",
+    "trl": "packtools.compat.trl",
+    "torch": "packtools.compat.torch",
 }
 
 
@@ -55,7 +55,7 @@ def test_a_version_outside_the_range_is_said_once(monkeypatch):
 
 
 def test_importing_a_compat_module_warns_on_an_unchecked_version(monkeypatch):
-    import packtools.integrations.compat.accelerate as acc
+    import packtools.compat.accelerate as acc
 
     monkeypatch.setattr(compat, "version", lambda name: "99.0.0")
     monkeypatch.setattr(compat, "_WARNED", set())
@@ -94,7 +94,7 @@ def test_private_internals_are_touched_in_compat_only(tmp_path):
 
 def test_in_backward_tells_a_recomputation_from_a_forward():
     torch = pytest.importorskip("torch")
-    from packtools.integrations.compat.torch import in_backward
+    from packtools.compat.torch import in_backward
 
     seen = []
 

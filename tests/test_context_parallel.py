@@ -14,10 +14,11 @@ from packtools import PaddingFreeCollator
 from packtools.batches.context_parallel import (
     ContextParallelCollator,
     CPLayout,
+    rank_work,
     shard_row,
     shift_within_documents,
+    work_imbalance,
 )
-from packtools.batches.cp_work import rank_work, work_imbalance
 from packtools.errors import PackingError
 
 IGNORE = -100
@@ -129,7 +130,7 @@ def test_balanced_pairs_are_head_tail_pairs_the_busiest_rank_taking_the_lightest
     """Balancing moves whole chunk pairs (k, 2N - 1 - k) between ranks, document by document: every rank still
     holds two chunks of every document; the busiest rank so far takes the lightest pair; a row whose documents
     need no padding keeps the head-tail assignment (pair r on rank r) throughout."""
-    from packtools.batches.cp_work import document_rank_work, pair_holders
+    from packtools.batches.context_parallel import document_rank_work, pair_holders
 
     lengths, cp = [13, 5, 30, 2, 7], 4
     plain, bal = CPLayout.build(lengths, cp), CPLayout.build(lengths, cp, balance=True)
@@ -211,7 +212,7 @@ def test_collator_shards_the_padding_free_row_and_refuses_what_it_cannot():
     st.booleans(),
 )
 def test_audit_closed_form_equals_the_layout(rows, cp, balance):
-    from packtools.batches.cp_work import document_rank_work
+    from packtools.batches.context_parallel import document_rank_work
     from packtools.profiling.cp_audit import audit_rows
 
     lengths = [n for row in rows for n in row]

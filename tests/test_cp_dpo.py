@@ -26,7 +26,7 @@ from _scripts import script  # noqa: E402
 from test_cp_training import launch, rel  # noqa: E402
 
 from packtools.dpo import PreferenceCollator, sequence_logps  # noqa: E402
-from packtools.integrations import segmented  # noqa: E402
+from packtools.integrations.attention import segmented  # noqa: E402
 
 BETA = 0.5  # plain_cp_dpo_step's default
 
@@ -133,8 +133,8 @@ def test_dpo_context_parallel_refuses_what_it_does_not_run_by_name(tmp_path):
 
     from packtools import prepare_dpo_trainer
     from packtools.errors import PackingError
-    from packtools.integrations.cp_dpo import check_cp_dpo
-    from packtools.integrations.parallel_layout import RankLayout
+    from packtools.integrations.parallel.layout import RankLayout
+    from packtools.integrations.preference.context_parallel import check_cp_dpo
 
     cp2 = RankLayout(0, 1, cp_rank=0, cp_size=2)
     trainer = build(tmp_path)

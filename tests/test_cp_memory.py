@@ -135,8 +135,8 @@ def test_options_cp_cannot_keep_are_refused_by_name(corpus):
 
 def collator_of(dataset, cp_size: int, cp_rank: int = 0, **inner):
     """What ``prepare_trainer(trainer, context_parallel=cp_size)`` installs as the collator (one process of it)."""
-    from packtools.integrations.cp_trainer import cp_collator
-    from packtools.integrations.parallel_layout import RankLayout
+    from packtools.integrations.parallel.layout import RankLayout
+    from packtools.integrations.trainers.context_parallel import cp_collator
 
     trainer = SimpleNamespace(train_dataset=dataset, data_collator=PaddingFreeCollator(0, **inner))
     return cp_collator(trainer, RankLayout(0, 1, cp_rank=cp_rank, cp_size=cp_size))
@@ -147,8 +147,8 @@ def test_prepare_trainer_holds_pack_dataset_output_to_its_max_length(corpus, tmp
     dataset's record (also after shuffle / select / save_to_disk), every row checked before training; packed at
     4, rows train at 2 and 4; packed without CP, the first row that overflows once padded is refused by its
     index in the dataset as the trainer reads it."""
-    from packtools.integrations.cp_trainer import packed_max_length
-    from packtools.integrations.datasets import packing_record
+    from packtools.integrations.data.datasets import packing_record
+    from packtools.integrations.trainers.context_parallel import packed_max_length
 
     ds, _ = corpus
     at4 = pack_dataset(ds, MAX, "bfd_split", context_parallel=4, shuffle=True, seed=3)

@@ -20,8 +20,9 @@ from packtools.batches.context_parallel import (
     CPLayout,
     check_rows_fit,
     cp_padded_lengths,
+    rank_work,
+    work_imbalance,
 )
-from packtools.batches.cp_work import rank_work, work_imbalance
 from packtools.cli.main import main
 from packtools.errors import PackingError
 from packtools.pipeline import pack_files
@@ -301,8 +302,8 @@ def test_prepare_trainer_holds_a_packed_folder_to_its_max_length(corpus):
     packed at 2 train at 2 and are refused by row at 4; a dataset without a manifest is not held to one."""
     from types import SimpleNamespace
 
-    from packtools.integrations.cp_trainer import cp_collator, packed_max_length
-    from packtools.integrations.parallel_layout import RankLayout
+    from packtools.integrations.parallel.layout import RankLayout
+    from packtools.integrations.trainers.context_parallel import cp_collator, packed_max_length
 
     d, path, _, _ = corpus
     out = pack_files(path, str(d / "trainer2"), MAX, "bfd_split", context_parallel=2).out

@@ -26,7 +26,7 @@ from _cp_fixtures import BATCHES, tiny_llama_fp32  # noqa: E402
 from _tp_worker import step_loss  # noqa: E402
 
 from packtools import PaddingFreeCollator  # noqa: E402
-from packtools.integrations import segmented  # noqa: E402
+from packtools.integrations.attention import segmented  # noqa: E402
 
 
 def _free_port() -> int:
@@ -141,8 +141,8 @@ def test_cp_attention_refuses_what_it_does_not_apply():
 
     from packtools.batches.context_parallel import shard_row
     from packtools.errors import PackingError
-    from packtools.integrations.cp_attention import use_cp_attention
-    from packtools.integrations.cp_training import model_inputs
+    from packtools.integrations.attention.context_parallel import use_cp_attention
+    from packtools.integrations.parallel.shard_loss import model_inputs
 
     batch = shard_row(list(range(2, 14)), list(range(2, 14)), [5, 7], 1, 0, 0)
     batch = {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in batch.items()}
@@ -182,8 +182,8 @@ def test_evaluation_under_cp_is_refused_by_name(tmp_path):
     import transformers
 
     from packtools.errors import PackingError
-    from packtools.integrations.cp_trainer import prepare_context_parallel
-    from packtools.integrations.parallel_layout import RankLayout
+    from packtools.integrations.parallel.layout import RankLayout
+    from packtools.integrations.trainers.context_parallel import prepare_context_parallel
 
     rows = datasets.Dataset.from_list([{"input_ids": list(range(2, 14)), "seq_lengths": [5, 7]}])
 
@@ -199,7 +199,7 @@ def test_evaluation_under_cp_is_refused_by_name(tmp_path):
     layout = RankLayout(dp_rank=0, dp_size=1)
     with pytest.raises(PackingError, match=r"evaluation under context_parallel.*eval_strategy='steps'"):
         prepare_context_parallel(trainer(eval_strategy="steps", eval_steps=1), layout)
-    from packtools.integrations.step import SFTStep, StepPlan, install_step
+    from packtools.integrations.trainers.step import SFTStep, StepPlan, install_step
 
     scheduled_none = trainer()
     install_step(scheduled_none, SFTStep, StepPlan(RankLayout(dp_rank=0, dp_size=1, cp_size=2)))
@@ -223,8 +223,8 @@ def test_losses_the_cp_loss_would_leave_out_are_refused_by_name(tmp_path):
     import transformers
 
     from packtools.errors import PackingError
-    from packtools.integrations.cp_trainer import check_cp_trainer
-    from packtools.integrations.parallel_layout import RankLayout
+    from packtools.integrations.parallel.layout import RankLayout
+    from packtools.integrations.trainers.context_parallel import check_cp_trainer
 
     rows = datasets.Dataset.from_list([{"input_ids": list(range(2, 14)), "seq_lengths": [5, 7]}])
     layout = RankLayout(dp_rank=0, dp_size=1, cp_size=2)
@@ -267,10 +267,10 @@ def test_a_cp_shard_is_refused_by_any_attention_but_packtools_cp():
     was cut for is refused too; negative control: the same shard on packtools_cp runs."""
     from packtools.batches.context_parallel import shard_row
     from packtools.errors import PackingError
-    from packtools.integrations.cp_attention import use_cp_attention
-    from packtools.integrations.cp_training import model_inputs
-    from packtools.integrations.guard import guard_model
-    from packtools.integrations.parallel_layout import RankLayout
+    from packtools.integrations.attention.context_parallel import use_cp_attention
+    from packtools.integrations.parallel.layout import RankLayout
+    from packtools.integrations.parallel.shard_loss import model_inputs
+    from packtools.integrations.trainers.guard import guard_model
 
     layout = RankLayout(dp_rank=0, dp_size=1)  # CP size 1: one process can run the shard for real
     batch = shard_row(list(range(2, 14)), list(range(2, 14)), [5, 7], 1, 0, 0, bound=layout)
@@ -303,8 +303,8 @@ def test_the_step_owner_binds_a_workers_shard_to_its_layout_and_refuses_another(
 
     from packtools.batches.context_parallel import shard_row
     from packtools.errors import PackingError
-    from packtools.integrations.parallel_layout import RankLayout
-    from packtools.integrations.step import StepPlan, cp_loss_inputs
+    from packtools.integrations.parallel.layout import RankLayout
+    from packtools.integrations.trainers.step import StepPlan, cp_loss_inputs
 
     layout = RankLayout(dp_rank=0, dp_size=1, cp_rank=1, cp_size=2)
     plan = StepPlan(layout)

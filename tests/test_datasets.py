@@ -140,7 +140,7 @@ def test_result_is_a_memory_mapped_cache_file_reused_on_rerun(tmp_path):
     other = packtools.pack_dataset(loaded, 32, "bfd_split")
     assert other.cache_files[0]["filename"] != cache["filename"]
     # Blocks smaller than the data: several record batches, same rows.
-    import packtools.integrations.datasets as hfd
+    import packtools.integrations.data.datasets as hfd
 
     old = hfd.BLOCK_TOKENS
     hfd.BLOCK_TOKENS = 100

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from packtools.batches.cp_work import pair_holders
+from packtools.batches.context_parallel import pair_holders
 from packtools.errors import PackingError
 
 DOCS = Path(__file__).parents[1] / "docs"
@@ -18,7 +18,7 @@ def test_multi_gpu_page_states_the_stream_refusal_not_a_workaround():
     # C3: the page gave remove_unused_columns=False + dispatch_batches=False as a workaround; the code refuses
     # a stream under several processes whatever the arguments
     datasets = pytest.importorskip("datasets")
-    from packtools.integrations.budget_loader import check_train_loader
+    from packtools.integrations.trainers.loader import check_train_loader
 
     stream = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]] * 8}).to_iterable_dataset()
     args = types.SimpleNamespace(

@@ -10,13 +10,12 @@ import packtools
 
 # Modules whose examples need optional extras are still collected; they skip if the extra is missing.
 NEEDS = {
-    "packtools.integrations.datasets": "datasets",
-    "packtools.integrations.truncation": "datasets",
-    "packtools.integrations.dataset_views": "datasets",
-    "packtools.integrations.preference_data": "datasets",
-    "packtools.integrations.compat.datasets": "datasets",
-    "packtools.integrations.isolation": "transformers",
-    "packtools.integrations.evaluation": "transformers",
+    "packtools.integrations.data.datasets": "datasets",
+    "packtools.integrations.data.views": "datasets",
+    "packtools.integrations.preference.data": "datasets",
+    "packtools.compat.datasets": "datasets",
+    "packtools.integrations.attention.isolation": "transformers",
+    "packtools.integrations.trainers.evaluation": "transformers",
 }
 # Command-line front ends and plumbing: exercised by their own tests rather than by docstring examples.
 WITHOUT_EXAMPLES = {
@@ -25,15 +24,14 @@ WITHOUT_EXAMPLES = {
     "packtools.io.pages",
     "packtools.cli.demo",
     "packtools.cli.pack",
-    "packtools.cli.pack_vision",  # the --processor branch of pack; tests/test_vision_seams.py runs it
     "packtools.cli.profile",
     "packtools.constants",
     "packtools.errors",
     "packtools.pipeline.preference",  # a pipeline step; tests/test_pipeline_tokenize.py runs it end to end
     "packtools._atomic",
-    "packtools.integrations.ray",  # its example needs a Ray runtime (skipped); tests/test_ray.py runs it
-    "packtools.integrations.cp_trainer",  # needs a multi-process Trainer; tests/test_cp_training.py runs it
-    "packtools.integrations.cp_dpo",  # needs a multi-process DPOTrainer; tests/test_cp_dpo.py runs it
+    "packtools.integrations.data.ray",  # its example needs a Ray runtime (skipped); tests/test_ray.py runs it
+    "packtools.integrations.trainers.context_parallel",  # needs a multi-process Trainer; tests/test_cp_training.py runs it
+    "packtools.integrations.preference.context_parallel",  # needs a multi-process DPOTrainer; tests/test_cp_dpo.py runs it
     "packtools.profiling.tradeoffs",
 }
 

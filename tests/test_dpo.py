@@ -249,8 +249,8 @@ def test_unpacked_micro_batch_equals_trl_padded(tmp_path, case):
 @pytest.mark.parametrize("arch", ["Qwen3.5", "Nemotron-H"])
 def test_hybrid_micro_batch_equals_trl_padded(tmp_path, arch):
     """Hybrid models (gated DeltaNet, Mamba-2): their token-mixing layers run per document on the padding-free
-    row (packtools.integrations.mixers), so loss, metrics and gradients equal TRL's padded batch."""
-    from packtools.integrations.mixers import document_mixers
+    row (packtools.integrations.attention.mixers), so loss, metrics and gradients equal TRL's padded batch."""
+    from packtools.integrations.attention.mixers import document_mixers
 
     padded = build(tmp_path, arch=arch)
     prepared = prepare_dpo_trainer(build(tmp_path, arch=arch))
@@ -461,7 +461,7 @@ def test_prepare_dpo_trainer_runs_the_isolation_probe(tmp_path, monkeypatch):
     whole row: packtools' per-document layers switched off here) is refused before training."""
     from _hf_models import tiny_arch
 
-    import packtools.integrations.trl as trl_module
+    import packtools.integrations.preference.dpo as trl_module
 
     monkeypatch.setattr(trl_module, "run_mixers_per_document", lambda model, owner=None: None)
     trainer = build(tmp_path)

@@ -6,8 +6,8 @@ from _hf_models import tiny_llama, torch
 trl_utils = pytest.importorskip("trl.trainer.utils")
 
 from packtools.errors import PackingError  # noqa: E402
-from packtools.integrations import trl as pt_trl  # noqa: E402
-from packtools.integrations.dpo_probe import check_padding_free_forward  # noqa: E402
+from packtools.integrations.preference import dpo as pt_trl  # noqa: E402
+from packtools.integrations.preference.probe import check_padding_free_forward  # noqa: E402
 
 
 def fused(model):

@@ -1,4 +1,4 @@
-"""``packtools.integrations.compat.unprepare`` puts a DPOTrainer back as TRL built it, and the compat modules
+"""``packtools.compat.unprepare`` puts a DPOTrainer back as TRL built it, and the compat modules
 refuse a library object whose internals are not the shape they were checked against (never patch blindly)."""
 
 import types
@@ -11,12 +11,14 @@ pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 import test_dpo as dpo  # noqa: E402
 
-from packtools import prepare_dpo_trainer  # noqa: E402
+from packtools import (  # noqa: E402
+    compat,  # noqa: E402
+    prepare_dpo_trainer,  # noqa: E402
+)
+from packtools.compat import datasets as cds  # noqa: E402
+from packtools.compat import trl as ctrl  # noqa: E402
 from packtools.dpo import pack_preference  # noqa: E402
 from packtools.errors import PackingError  # noqa: E402
-from packtools.integrations import compat  # noqa: E402
-from packtools.integrations.compat import datasets as cds  # noqa: E402
-from packtools.integrations.compat import trl as ctrl  # noqa: E402
 
 MODES = {
     "plain": lambda trainer: prepare_dpo_trainer(trainer, segmented_sdpa=False),

@@ -1,4 +1,4 @@
-"""The run's tokenizer engine is decided once, by the driver (packtools.pipeline.verdict), and every part of the
+"""The run's tokenizer engine is decided once, by the driver (packtools.pipeline.tokenizer.verdict), and every part of the
 run, on every executor and after a kill, is tokenized under that one verdict (issue 29: F1, F2, F5, S7).
 
 Divergences are injected at the fast engine's own boundary (tests/_diverge.py wraps ``fastokens.Tokenizer``;
@@ -19,8 +19,9 @@ from _diverge import install, site_folder
 from _pipeline_data import CORPUS, build_tokenizer
 
 from packtools import PackingError, pack_files
-from packtools.pipeline import fast_tokenize, verdict
-from packtools.pipeline.verdict import VERDICT_FILE
+from packtools.pipeline.tokenizer import fast as fast_tokenize
+from packtools.pipeline.tokenizer import verdict
+from packtools.pipeline.tokenizer.verdict import VERDICT_FILE
 
 needs_engine = pytest.mark.skipif(fast_tokenize.engine_version() is None, reason="fastokens not installed")
 pytestmark = needs_engine
@@ -196,8 +197,8 @@ def test_a_code_or_library_change_invalidates_staged_parts_and_outputs(tok, tmp_
     """S9: the same command after a code change (same version number) or a tokenizers upgrade neither says
     "cached" nor adopts parts `profile` staged with the old code."""
     from packtools.io import fingerprint
-    from packtools.pipeline import spec
     from packtools.pipeline.profile import profile_files
+    from packtools.pipeline.tokenizer import spec
 
     monkeypatch.setenv("PACKTOOLS_STAGE_CACHE", str(tmp_path / "stage-cache"))
     src = _write(tmp_path / "d.jsonl", [CORPUS[i % len(CORPUS)] for i in range(50)])
@@ -220,7 +221,7 @@ def test_a_regex_class_difference_is_caught_by_the_adversarial_set(tmp_path):
     adversarial set (which now holds such characters next to words) sends the run to transformers."""
     from _regex_tokenizer import build
 
-    from packtools.pipeline.tokenize import BatchTokenizer
+    from packtools.pipeline.tokenizer.batch import BatchTokenizer
 
     path = build(str(tmp_path / "tok"))
     tok = BatchTokenizer(path, "text")
@@ -235,7 +236,8 @@ def test_a_regex_class_difference_is_caught_by_the_adversarial_set(tmp_path):
 def test_the_verdict_rests_on_the_runs_ids_spec(tok, tmp_path, monkeypatch):
     """A killed run's verdict is reused only under the same IdsSpec: after a library upgrade or a code change the
     rerun (whose staged parts all change key) proves the engine again instead of taking the old verdict."""
-    from packtools.pipeline import run, spec
+    from packtools.pipeline import run
+    from packtools.pipeline.tokenizer import spec
 
     seen = []
     real_recorded = run.recorded

@@ -21,7 +21,7 @@ from _hf_models import (
 
 from packtools import pack_table
 from packtools.batches.collate import PaddingFreeCollator
-from packtools.integrations.guard import guard_model
+from packtools.integrations.trainers.guard import guard_model
 
 TOL = 1e-5
 IMPLS = ["sdpa", "eager"]

@@ -9,7 +9,7 @@ from _hf_models import PAD, predicted, seq_labels, sequences, split_rows, tiny_l
 from packtools import pack_dataset
 from packtools.batches.collate import PaddingFreeCollator
 from packtools.integrations import prepare_trainer
-from packtools.integrations.evaluation import token_mean_loss
+from packtools.integrations.trainers.evaluation import token_mean_loss
 
 datasets = pytest.importorskip("datasets")
 

@@ -15,10 +15,10 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from packtools.errors import PackingError
-from packtools.pipeline import fast_tokenize
-from packtools.pipeline.adversarial import adversarial_conversations, adversarial_texts
 from packtools.pipeline.prefetch import prefetch
-from packtools.pipeline.tokenize import BatchTokenizer
+from packtools.pipeline.tokenizer import fast as fast_tokenize
+from packtools.pipeline.tokenizer.adversarial import adversarial_conversations, adversarial_texts
+from packtools.pipeline.tokenizer.batch import BatchTokenizer
 
 # Tests marked with this need the engine; the others (refusals, fallbacks, plumbing) run without it too.
 needs_engine = pytest.mark.skipif(fast_tokenize.engine_version() is None, reason="needs packtools[fast]")

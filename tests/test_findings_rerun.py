@@ -120,7 +120,7 @@ def test_2026_12_U2_cut_files_name_the_file_in_profile_too(tmp_path, capsys):
 
 def test_2026_12_U12_a_length_only_difference_says_where_the_ids_part():
     """U12: the fast/transformers difference showed two identical prefixes (only the lengths differed)."""
-    from packtools.pipeline.fast_tokenize import describe_difference
+    from packtools.pipeline.tokenizer.fast import describe_difference
 
     same = list(range(100, 140))
     msg = describe_difference(["hello world " * 30], 0, same + [7, 8], same)
@@ -163,7 +163,7 @@ def test_2026_12b_U6_a_higher_audit_rate_after_profile_stages_again(tok, data, c
     """U6: ``pack --tokenizer-audit 1`` after a ``profile`` took the part the profile staged (audited at 0.001)
     and had no engine-checks line: the audit rate was not in the stage key.  Now it is: the part is tokenized
     again and every row compared.  Control: the same pack at the default rate takes the cached part."""
-    from packtools.pipeline.fast_tokenize import engine_version
+    from packtools.pipeline.tokenizer.fast import engine_version
 
     profile_files(data, tok)
     audited = pack_files(data, str(tmp_path / "audited"), 64, tokenizer=tok, tokenizer_audit=1.0)

@@ -415,7 +415,7 @@ def test_refusals_by_name_and_unprepare(tmp_path, monkeypatch):
     with pytest.raises(PackingError, match="use_liger_kernel"):
         prepare_grpo_trainer(trainer)
     trainer.args.use_liger_kernel = False
-    monkeypatch.setattr("packtools.integrations.compat.trl.RL_CHECKED", "1.17.0 - 1.18.0")
+    monkeypatch.setattr("packtools.compat.trl.RL_CHECKED", "1.17.0 - 1.18.0")
     with pytest.raises(PackingError, match="1.17.0 - 1.18.0"):
         prepare_grpo_trainer(trainer)
     monkeypatch.undo()

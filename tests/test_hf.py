@@ -27,9 +27,9 @@ from packtools import pack_dataset
 from packtools.batches.collate import PaddingFreeCollator
 from packtools.errors import PackingError
 from packtools.integrations import packed_sft_config, prepare_trainer
-from packtools.integrations.backends import check_attention_implementation
-from packtools.integrations.guard import check_forward_inputs, guard_model
-from packtools.integrations.sft import causal_lm_loss
+from packtools.integrations.attention.backends import check_attention_implementation
+from packtools.integrations.trainers.guard import check_forward_inputs, guard_model
+from packtools.integrations.trainers.sft import causal_lm_loss
 
 datasets = pytest.importorskip("datasets")
 
@@ -357,9 +357,9 @@ def test_guard_goes_on_the_peft_wrapper_too():
 
 
 def test_old_transformers_without_position_masks_needs_flash(monkeypatch):
-    import packtools.integrations.backends
+    import packtools.integrations.attention.backends
 
-    monkeypatch.setattr(packtools.integrations.backends, "builds_packed_masks", lambda: False)
+    monkeypatch.setattr(packtools.integrations.attention.backends, "builds_packed_masks", lambda: False)
     with pytest.raises(PackingError, match="Upgrade transformers"):
         check_attention_implementation(_Model("sdpa"))
     assert check_attention_implementation(_Model("flash_attention_2")) == "flash_attention_2"
@@ -370,7 +370,7 @@ def test_prepare_trainer_runs_the_isolation_probe(tmp_path, monkeypatch):
     layers left over the whole row (packtools' per-document layers switched off here); with them it is exact."""
     from _hf_models import tiny_arch
 
-    import packtools.integrations.transformers as prepare_module
+    import packtools.integrations.trainers.transformers as prepare_module
 
     def trainer_for(model):
         return transformers.Trainer(

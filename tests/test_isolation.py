@@ -12,9 +12,9 @@ from _hf_models import tiny_arch, tiny_llama, torch
 from packtools import PaddingFreeCollator
 from packtools.errors import PackingError
 from packtools.integrations import check_isolation
-from packtools.integrations.backends import token_mixing_layers
-from packtools.integrations.guard import guard_model
-from packtools.integrations.isolation import IsolationReport
+from packtools.integrations.attention.backends import token_mixing_layers
+from packtools.integrations.attention.isolation import IsolationReport
+from packtools.integrations.trainers.guard import guard_model
 
 
 class Rows:

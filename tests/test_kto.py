@@ -20,7 +20,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from packtools import prepare_trainer  # noqa: E402
 from packtools.errors import PackingError  # noqa: E402
 from packtools.integrations import unprepare  # noqa: E402
-from packtools.integrations.kto import prepare_kto_trainer  # noqa: E402
+from packtools.integrations.preference.kto import prepare_kto_trainer  # noqa: E402
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 TOL = 1e-5

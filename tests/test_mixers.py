@@ -1,4 +1,4 @@
-"""Token-mixing layers run per document (packtools.integrations.mixers): hybrid models packed exactly on CPU.
+"""Token-mixing layers run per document (packtools.integrations.attention.mixers): hybrid models packed exactly on CPU.
 
 Every hybrid family of the matrix, built tiny from its config: the packed batch against each document alone
 (logits, loss, every gradient), with negative controls (the same layer over the whole row differs); the layer
@@ -17,8 +17,8 @@ transformers = pytest.importorskip("transformers")
 
 from packtools import PackingError, PaddingFreeCollator  # noqa: E402
 from packtools.integrations import check_isolation  # noqa: E402
-from packtools.integrations.backends import check_attention_implementation, token_mixing_layers  # noqa: E402
-from packtools.integrations.mixers import (  # noqa: E402
+from packtools.integrations.attention.backends import check_attention_implementation, token_mixing_layers  # noqa: E402
+from packtools.integrations.attention.mixers import (  # noqa: E402
     SEGMENTS_KEY,
     Segments,
     _PerDocument,
@@ -145,7 +145,7 @@ def test_prepare_trainer_runs_mixers_per_document_and_unprepare_restores(tmp_pat
 
 
 def test_tree_and_context_parallel_still_refuse_handled_mixers():
-    from packtools.integrations.cp_attention import use_cp_attention
+    from packtools.integrations.attention.context_parallel import use_cp_attention
 
     model = tiny_arch("Qwen3.5", "sdpa")
     run_mixers_per_document(model)
@@ -193,8 +193,8 @@ def test_gpt_oss_eager_exact_with_masks_from_positions():
 
 
 def test_alibi_refused_under_packtools_sdpa_and_kept_on_sdpa():
-    from packtools.integrations.backends import use_segmented_sdpa
-    from packtools.integrations.segmented import register
+    from packtools.integrations.attention.backends import use_segmented_sdpa
+    from packtools.integrations.attention.segmented import register
 
     register()
     config = transformers.FalconConfig(
@@ -229,7 +229,7 @@ def test_matrix_dpo_check_exact_for_a_hybrid_and_refused_without_per_document_la
     arch = next(a for a in matrix.ARCHS if a.name == "Qwen3.5")
     status, diff = matrix.dpo_check(arch, "sdpa")
     assert status == "exact" and diff < 1e-5
-    import packtools.integrations.mixers as mixers
+    import packtools.integrations.attention.mixers as mixers
 
     monkeypatch.setattr(mixers, "token_mixing_layers", lambda model, include_handled=False: [])
     assert matrix.dpo_check(arch, "sdpa") == (
@@ -241,7 +241,7 @@ def test_matrix_dpo_check_exact_for_a_hybrid_and_refused_without_per_document_la
 def test_gemma4_eager_backward_not_refused_for_gradient_rounding():
     """A 6-layer Gemma 4 (eager, logit soft-capping): logits exact to ~1e-6, perturbation exactly 0, gradients
     1.02e-5 relative from float32 rounding over the layers -- isolated, within the backward tolerance."""
-    from packtools.integrations.isolation import BACKWARD_FACTOR, TOLERANCE
+    from packtools.integrations.attention.isolation import BACKWARD_FACTOR, TOLERANCE
 
     config = transformers.Gemma4TextConfig(
         vocab_size=128,
@@ -270,7 +270,7 @@ def test_packtools_sdpa_attention_sinks_per_document_equal_gpt_oss_eager_alone(g
     attention run on it alone, forward and backward; the row without the boundaries (the control) differs."""
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-    from packtools.integrations.segmented import segmented_sdpa_forward
+    from packtools.integrations.attention.segmented import segmented_sdpa_forward
 
     torch.manual_seed(0)
     heads, kv, dim, bounds = 4, 2 if grouped else 4, 8, [0, 5, 12, 15]

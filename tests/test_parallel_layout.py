@@ -13,8 +13,8 @@ from types import SimpleNamespace as NS
 import pytest
 
 from packtools.errors import PackingError
-from packtools.integrations.budget_loader import make_sampler
-from packtools.integrations.parallel_layout import RankLayout, rank_layout
+from packtools.integrations.parallel.layout import RankLayout, rank_layout
+from packtools.integrations.trainers.loader import make_sampler
 
 accelerate = pytest.importorskip("accelerate")
 from accelerate.parallelism_config import ParallelismConfig  # noqa: E402

@@ -212,7 +212,7 @@ def test_executors_report_exceptions_and_dead_workers_as_outcomes():
 
 def test_caches_cannot_go_stale(tmp_path, monkeypatch):
     from packtools.io import fingerprint as fp_mod
-    from packtools.pipeline.tokenizer_dir import tokenizer_fingerprint
+    from packtools.pipeline.tokenizer.folder import tokenizer_fingerprint
 
     tok = tmp_path / "tok"
     tok.mkdir()

@@ -24,7 +24,7 @@ from packtools.core import unpack
 from packtools.pipeline.config import PipelineConfig
 from packtools.pipeline.formats import detect_format
 from packtools.pipeline.run import run_pipeline
-from packtools.pipeline.tokenize import BatchTokenizer
+from packtools.pipeline.tokenizer.batch import BatchTokenizer
 
 datasets = pytest.importorskip("datasets")
 

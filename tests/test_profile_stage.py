@@ -18,8 +18,8 @@ from packtools import pack_files, profile_lengths
 from packtools.cli.main import main
 from packtools.errors import PackingError
 from packtools.pipeline import stage_cache
-from packtools.pipeline.chat_head import HEAD_COLUMN
 from packtools.pipeline.profile import profile_files
+from packtools.pipeline.tokenizer.chat.head import HEAD_COLUMN
 from packtools.profiling import LengthProfile
 
 
@@ -107,7 +107,7 @@ def test_no_stage_cache_leaves_nothing(tmp_path, tok, cache):
 
 
 def test_chat_prompt_completion_and_preference_lengths(tmp_path, tok, cache):
-    from packtools.pipeline.tokenize import BatchTokenizer
+    from packtools.pipeline.tokenizer.batch import BatchTokenizer
 
     texts = _texts(40)
     sets = {
@@ -206,7 +206,7 @@ def test_python_api_warns_when_tokens_are_dropped():
     datasets = pytest.importorskip("datasets")
     from packtools import pack_dataset, packed_view
     from packtools.integrations import truncate_dataset
-    from packtools.integrations.drops import TokensDroppedWarning
+    from packtools.integrations.data.drops import TokensDroppedWarning
 
     ds = datasets.Dataset.from_dict({"input_ids": [[1] * 50, [2] * 5, [3] * 3000]})
     for call in (

@@ -9,7 +9,7 @@ import warnings
 import pytest
 from _pipeline_data import CHATML_PLAIN, build_tokenizer
 
-from packtools.integrations.drops import TokensDroppedWarning
+from packtools.integrations.data.drops import TokensDroppedWarning
 from packtools.pipeline import pack_files
 from packtools.pipeline.profile import profile_files
 

@@ -1,4 +1,4 @@
-"""The recorded verdict of the fast engine's adversarial proof (packtools.pipeline.proof_cache): taken only for the
+"""The recorded verdict of the fast engine's adversarial proof (packtools.pipeline.tokenizer.proof_cache): taken only for the
 same tokenizer, data kind, reference (or one against transformers itself) and versions; a changed tokenizer runs the proof again (negative control:
 a key that ignored the tokenizer would take the stale verdict); failures are not recorded; the per-part proof of
 the data still runs."""
@@ -11,8 +11,9 @@ import pyarrow as pa
 import pytest
 from _pipeline_data import CORPUS, build_tokenizer, load
 
-from packtools.pipeline import adversarial, fast_tokenize, proof_cache
-from packtools.pipeline.tokenize import BatchTokenizer
+from packtools.pipeline.tokenizer import adversarial, proof_cache
+from packtools.pipeline.tokenizer import fast as fast_tokenize
+from packtools.pipeline.tokenizer.batch import BatchTokenizer
 
 pytestmark = pytest.mark.skipif(fast_tokenize.engine_version() is None, reason="needs packtools[fast]")
 ADVERSARIAL_ONLY = "x" * 2000  # in the adversarial set, never in CORPUS

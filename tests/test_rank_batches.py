@@ -9,8 +9,8 @@ import pytest
 from packtools.batches import TokenBudgetBatchSampler
 from packtools.batches.row_sampler import RowBatchSampler
 from packtools.errors import PackingError
-from packtools.integrations.budget_loader import check_sharding
-from packtools.integrations.distributed import check_loss_path, trainer_divides_by_accumulation
+from packtools.integrations.parallel.distributed import check_loss_path, trainer_divides_by_accumulation
+from packtools.integrations.trainers.loader import check_sharding
 
 
 def epoch(samplers):

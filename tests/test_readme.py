@@ -17,7 +17,7 @@ def code_blocks(lang):
 def test_quickstart_runs_and_prints_its_comment():
     pytest.importorskip("datasets")
     block = next(b for b in code_blocks("python") if "Dataset.from_dict" in b)
-    from packtools.integrations.drops import TokensDroppedWarning
+    from packtools.integrations.data.drops import TokensDroppedWarning
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.warns(TokensDroppedWarning, match="dropped 1 of 11 tokens"):

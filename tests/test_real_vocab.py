@@ -19,8 +19,8 @@ pytest.importorskip("transformers")
 import _real_vocab  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from packtools.pipeline import fast_tokenize  # noqa: E402
-from packtools.pipeline.tokenize import BatchTokenizer  # noqa: E402
+from packtools.pipeline.tokenizer import fast as fast_tokenize  # noqa: E402
+from packtools.pipeline.tokenizer.batch import BatchTokenizer  # noqa: E402
 
 needs_engine = pytest.mark.skipif(fast_tokenize.engine_version() is None, reason="needs packtools[fast]")
 
@@ -108,7 +108,9 @@ def test_chat_labels_equal_generation_masks_of_a_tagged_copy(vocab, tmp_path, te
         ]
         assert out.column("labels").to_pylist() == want
         assert all(any(x != -100 for x in row) for row in want)  # every conversation has assistant tokens
-        assert "one render per conversation" in tok.chat.render_engine  # (packtools.pipeline.chat_local)
+        assert (
+            "one render per conversation" in tok.chat.render_engine
+        )  # (packtools.pipeline.tokenizer.chat.local)
         on_transformers = tok.part_report()["checked"].get("batches_on_transformers", 0)
         if engine and convs is nfc:
             assert tok.fast is not None and on_transformers == 0  # NFC text: the fast path all the way
@@ -127,7 +129,7 @@ def test_a_warm_cli_run_exits_cleanly_while_the_engine_still_loads(vocab, tmp_pa
     import subprocess
     import sys
 
-    from packtools.pipeline.tokenizer_load import SMALL_INPUT_BYTES
+    from packtools.pipeline.tokenizer.load import SMALL_INPUT_BYTES
 
     one = tmp_path / "one.jsonl"
     one.write_text('{"text": "one short document"}\n')

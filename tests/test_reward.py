@@ -21,9 +21,10 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from packtools import prepare_trainer  # noqa: E402
 from packtools.errors import PackingError  # noqa: E402
-from packtools.integrations import reward, reward_scores, unprepare  # noqa: E402
-from packtools.integrations.preference_data import pack_reward_pairs  # noqa: E402
-from packtools.integrations.reward import prepare_reward_trainer  # noqa: E402
+from packtools.integrations import unprepare  # noqa: E402
+from packtools.integrations.preference import reward, reward_scores  # noqa: E402
+from packtools.integrations.preference.data import pack_reward_pairs  # noqa: E402
+from packtools.integrations.preference.reward import prepare_reward_trainer  # noqa: E402
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 TOL = 1e-5
@@ -338,7 +339,7 @@ def test_negative_controls_differ_from_trl(tmp_path, monkeypatch, wrong):
 
 # -- the step owner, refusals, undo ----------------------------------------------------------------------
 def test_unprepare_gives_the_trainer_back(tmp_path):
-    from packtools.integrations.step import plan_of
+    from packtools.integrations.trainers.step import plan_of
 
     trainer = build(tmp_path)
     cls, collator = type(trainer), trainer.data_collator

@@ -17,11 +17,8 @@ transformers = pytest.importorskip("transformers")
 
 from packtools import PaddingFreeCollator  # noqa: E402
 from packtools.errors import PackingError  # noqa: E402
-from packtools.integrations import (  # noqa: E402
-    check_isolation,
-    segmented,
-    use_segmented_sdpa,  # noqa: E402
-)
+from packtools.integrations import check_isolation, use_segmented_sdpa  # noqa: E402
+from packtools.integrations.attention import segmented  # noqa: E402
 
 LENGTHS = [5, 1, 9, 3, 12]
 VOCAB = 61

@@ -28,7 +28,7 @@ from packtools import PackingError  # noqa: E402
 from packtools.batches.tree import TREE_KEY, TreeLayout, tree_row, unshared_index  # noqa: E402
 from packtools.core.shared_pairs import pack_shared_pairs  # noqa: E402
 from packtools.dpo import TreeCollator, pack_groups, pack_preference, sequence_logps  # noqa: E402
-from packtools.integrations.tree_attention import (  # noqa: E402
+from packtools.integrations.attention.tree import (  # noqa: E402
     check_tree_model,
     tree_attention_forward,
     use_tree_attention,
@@ -396,7 +396,7 @@ def test_refuses_alibi_and_models_without_position_ids():
 
 def test_probe_refuses_a_model_whose_attention_ignores_the_tree(monkeypatch):
     """A model that skips the attention interface (here: the tree keyword dropped) leaks; the probe says so."""
-    from packtools.integrations import tree_attention
+    from packtools.integrations.attention import tree as tree_attention
 
     real = tree_attention.tree_attention_forward
 
@@ -577,7 +577,7 @@ def test_trl_share_prompt_on_trl_batches_and_refusal(tmp_path):
         prepare_dpo_trainer(trainer, share_prompt=True)
     assert trainer.model.config._attn_implementation == "sdpa"
     # The tree's own check runs on every model before any is switched: the policy stays as it was, unwrapped.
-    from packtools.integrations.shared_dpo import prepare_shared_prompt
+    from packtools.integrations.preference.shared_prompt import prepare_shared_prompt
 
     trainer = dpo.build(tmp_path)
     with pytest.raises(PackingError, match="sliding-window"):
@@ -620,11 +620,11 @@ def test_prepare_dpo_trainer_refuses_what_the_tree_cannot_serve_by_its_own_check
     # Negative control: with the tree's check disabled, the same call no longer refuses the model by name
     # (Mistral then gets through the generic checks and is stopped only by the tree's isolation probe, by
     # value; Falcon-H1 by the generic probe's message).
-    from packtools.integrations import shared_dpo
+    from packtools.integrations.preference import shared_prompt as shared_dpo
 
     trainer = mistral_policy_trainer(tmp_path, monkeypatch, arch, role)
     monkeypatch.setattr(shared_dpo, "check_tree_model", lambda model: None)
-    monkeypatch.setattr("packtools.integrations.tree_attention.check_tree_model", lambda model: None)
+    monkeypatch.setattr("packtools.integrations.attention.tree.check_tree_model", lambda model: None)
     with pytest.raises(PackingError) as caught:
         prepare_dpo_trainer(trainer, train_dataset=packed)
     assert not re.search(match, str(caught.value)), caught.value

@@ -21,13 +21,14 @@ from packtools import PackingError, pack_files
 from packtools.constants import MANIFEST
 from packtools.core import unpack
 from packtools.io.files import Part, discover
-from packtools.pipeline import adversarial, fast_tokenize
-from packtools.pipeline.char_drops import DropCounter, missing_bytes
-from packtools.pipeline.engine_proof import Proof
-from packtools.pipeline.spec import IdsSpec
 from packtools.pipeline.stage import StageJob, stage_key, stage_part
-from packtools.pipeline.tokenize import BatchTokenizer
-from packtools.pipeline.tokenizer_dir import tokenizer_fingerprint
+from packtools.pipeline.tokenizer import adversarial
+from packtools.pipeline.tokenizer import fast as fast_tokenize
+from packtools.pipeline.tokenizer.batch import BatchTokenizer
+from packtools.pipeline.tokenizer.char_drops import DropCounter, missing_bytes
+from packtools.pipeline.tokenizer.folder import tokenizer_fingerprint
+from packtools.pipeline.tokenizer.proof import Proof
+from packtools.pipeline.tokenizer.spec import IdsSpec
 
 needs_engine = pytest.mark.skipif(fast_tokenize.engine_version() is None, reason="needs packtools[fast]")
 
@@ -318,8 +319,8 @@ def test_a_worker_takes_the_drivers_engine(tok_bl):
 
 # -- the lite reference: transformers' ids without importing transformers, once checked -----------------------
 def test_the_lite_reference_is_used_only_after_a_recorded_check(tok_bl, tmp_path, monkeypatch):
-    from packtools.pipeline import reference
-    from packtools.pipeline.tokenizer_dir import tokenizer_fingerprint
+    from packtools.pipeline.tokenizer import reference
+    from packtools.pipeline.tokenizer.folder import tokenizer_fingerprint
 
     monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
     table = pa.table({"text": adversarial.adversarial_texts([EOS]) + CORPUS[:5]})
@@ -346,7 +347,7 @@ def test_the_lite_reference_is_used_only_after_a_recorded_check(tok_bl, tmp_path
 
 
 def test_record_says_different_when_the_ids_differ(tok_bl, tmp_path, monkeypatch):
-    from packtools.pipeline import reference
+    from packtools.pipeline.tokenizer import reference
 
     monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
     tok = load(tok_bl)
@@ -386,11 +387,11 @@ def test_a_fallback_on_the_proof_holds_for_the_rest_of_the_run(tok_bl, tmp_path,
 
 @needs_engine
 def test_a_part_takes_the_drivers_verdict_and_an_audited_difference_is_raised_not_kept(tok_bl, monkeypatch):
-    """With a verdict (packtools.pipeline.verdict) a part is tokenized by exactly its engine, whatever the
+    """With a verdict (packtools.pipeline.tokenizer.verdict) a part is tokenized by exactly its engine, whatever the
     process tokenized before, and has no proof rows of its own; a difference the audit finds raises
     EngineDivergence (the driver restages the run), never a part-local fallback.  Without a verdict the part
     proves the engine on its own first rows."""
-    from packtools.pipeline.engine_proof import EngineDivergence
+    from packtools.pipeline.tokenizer.proof import EngineDivergence
 
     monkeypatch.setattr(fast_tokenize, "PROOF_ROWS", 5)  # a part's proof: the first 5 rows of the column
     _corrupt(monkeypatch, lambda t: "zebra" in t)

@@ -1,4 +1,4 @@
-"""What a run loads before its data (packtools.pipeline.tokenizer_load): the recorded facts of tokenizer.json are
+"""What a run loads before its data (packtools.pipeline.tokenizer.load): the recorded facts of tokenizer.json are
 the parsed file's facts and spare later runs the parse (negative control: with the cache off the file is parsed
 every time); a damaged record is parsed again; the fast engine's copy with "a b" merges gives the same ids as
 tokenizer.json, is written only when that spelling means the same, and is named in the proof's verdict key."""
@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 from _pipeline_data import CORPUS, build_tokenizer, hold_fast_engine_load
 
-from packtools.pipeline import adversarial, fast_tokenize, proof_cache, tokenizer_load
-from packtools.pipeline.spec import IdsSpec
-from packtools.pipeline.tokenize import BatchTokenizer
-from packtools.pipeline.tokenizer_dir import tokenizer_fingerprint
+from packtools.pipeline.tokenizer import adversarial, proof_cache
+from packtools.pipeline.tokenizer import fast as fast_tokenize
+from packtools.pipeline.tokenizer import load as tokenizer_load
+from packtools.pipeline.tokenizer.batch import BatchTokenizer
+from packtools.pipeline.tokenizer.folder import tokenizer_fingerprint
+from packtools.pipeline.tokenizer.spec import IdsSpec
 
 pytestmark = pytest.mark.skipif(fast_tokenize.engine_version() is None, reason="needs packtools[fast]")
 

@@ -19,9 +19,11 @@ import pytest
 from _pipeline_data import CORPUS, EOS, build_tokenizer, load
 
 from packtools import pack_files
-from packtools.pipeline import fast_tokenize, reference, tokenizer_load
-from packtools.pipeline.tokenize import BatchTokenizer
-from packtools.pipeline.tokenizer_dir import file_sha256
+from packtools.pipeline.tokenizer import fast as fast_tokenize
+from packtools.pipeline.tokenizer import load as tokenizer_load
+from packtools.pipeline.tokenizer import reference
+from packtools.pipeline.tokenizer.batch import BatchTokenizer
+from packtools.pipeline.tokenizer.folder import file_sha256
 
 needs_engine = pytest.mark.skipif(fast_tokenize.engine_version() is None, reason="fastokens not installed")
 

@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 from test_cp_training import launch, rel  # noqa: E402
 
 from packtools import PaddingFreeCollator  # noqa: E402
-from packtools.integrations import segmented  # noqa: E402
+from packtools.integrations.attention import segmented  # noqa: E402
 
 
 def reference_step(rows: list[dict]) -> dict:

@@ -334,7 +334,7 @@ def test_pack_dataset_says_when_a_split_leaves_pieces_that_train_nothing():
     """In memory, pack_dataset's bfd_split is TRL's fixed cut (its output equals trl.pack_dataset): pieces
     without a trained token are kept, and said (UntrainedPiecesWarning naming the turn-aware file pipeline)."""
     from packtools import pack_dataset
-    from packtools.integrations.drops import UntrainedPiecesWarning
+    from packtools.integrations.data.drops import UntrainedPiecesWarning
 
     long = {"input_ids": list(range(1, 13)), "labels": [IGNORE_INDEX] * 9 + [10, 11, 12]}
     short = {"input_ids": [1, 2, 3], "labels": [IGNORE_INDEX, 2, 3]}
@@ -358,7 +358,7 @@ def test_untrained_piece_count_equals_a_direct_count_in_blocks(strategy):
     """The count reads only the rows the plan cuts, a block at a time; it equals a count piece by piece (a
     wrapped piece's first label trains unless it starts a packed row)."""
     from packtools.core.plan import plan
-    from packtools.integrations.drops import untrained_pieces
+    from packtools.integrations.data.drops import untrained_pieces
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 40, 500)

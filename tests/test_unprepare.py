@@ -9,12 +9,12 @@ internals packtools checked raises a PackingError naming the library and its ver
 import pytest
 from _hf_models import PAD, VOCAB, sequences, tiny_llama, torch, transformers
 
-from packtools import pack_dataset
+from packtools import compat, pack_dataset
 from packtools.batches.collate import PaddingFreeCollator
+from packtools.compat import transformers as compat_transformers
 from packtools.errors import PackingError
-from packtools.integrations import compat, prepare_trainer, prepared, unprepare
-from packtools.integrations.compat import transformers as compat_transformers
-from packtools.integrations.segmented import SEGMENTED_SDPA
+from packtools.integrations import prepare_trainer, prepared, unprepare
+from packtools.integrations.attention.segmented import SEGMENTED_SDPA
 
 datasets = pytest.importorskip("datasets")
 from transformers import AttentionInterface  # noqa: E402
@@ -233,7 +233,7 @@ def test_unknown_registry_shape_names_the_version(monkeypatch):
 
 
 def test_tensor_without_version_counter_is_refused():
-    from packtools.integrations.compat.torch import tensor_version
+    from packtools.compat.torch import tensor_version
 
     class NotATensor:
         pass
@@ -246,7 +246,7 @@ def test_tensor_without_version_counter_is_refused():
 
 
 def test_unknown_batch_sampler_shard_is_refused():
-    from packtools.integrations.compat.accelerate import stop_sharding
+    from packtools.compat.accelerate import stop_sharding
 
     class BatchSamplerShard:  # accelerate's name, a shape without process_index
         def __init__(self):

@@ -271,7 +271,7 @@ def test_trainer_with_prepare_trainer_trains_the_same_on_a_view(tmp_path):
     from _hf_models import max_diff, params, sequences, tiny_llama
     from test_hf import train_args
 
-    from packtools.integrations.transformers import prepare_trainer
+    from packtools.integrations.trainers.transformers import prepare_trainer
 
     transformers = pytest.importorskip("transformers")
     ds = datasets.Dataset.from_list(sequences(40, seed=5))

@@ -16,7 +16,7 @@ from _vl_models import IMAGE, processor_folder, tiny_vl
 
 from packtools.batches.vision import MultimodalCollator
 from packtools.errors import PackingError
-from packtools.integrations.vision_processor import load_vision_processor, process_vision_sample
+from packtools.integrations.multimodal.processor import load_vision_processor, process_vision_sample
 from packtools.pipeline.vision import pack_vision_files
 
 datasets = pytest.importorskip("datasets")

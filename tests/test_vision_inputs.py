@@ -15,7 +15,7 @@ from _vl_models import IMAGE, processor_folder
 
 from packtools.cli.main import main
 from packtools.errors import PackingError
-from packtools.integrations.vision_processor import load_vision_processor, process_vision_sample
+from packtools.integrations.multimodal.processor import load_vision_processor, process_vision_sample
 from packtools.pipeline.vision import pack_vision_files
 
 datasets = pytest.importorskip("datasets")
@@ -76,7 +76,7 @@ def test_exif_orientation_is_applied_as_the_processor_applies_it(tmp_path, proc)
     assert by_feature["image_grid_thw"].tolist() == by_path["image_grid_thw"].tolist() == [[1, 8, 4]]
     assert np.array_equal(by_feature["pixel_values"], by_path["pixel_values"])
     # vision_lengths reads the turned size from the header
-    from packtools.integrations.vision_processor import vision_lengths
+    from packtools.integrations.multimodal.processor import vision_lengths
 
     ds = datasets.Dataset.from_list([_row([str(tmp_path / "photo.jpg")])])
     assert vision_lengths(ds, proc).tolist() == [len(by_path["input_ids"])]
@@ -190,7 +190,7 @@ def test_vision_samples_train_the_assistant_turns_only(tmp_path, proc):
 
 
 def test_profile_counts_image_tokens_with_the_processor(tmp_path, proc, capsys):
-    from packtools.integrations.vision_processor import sample_length
+    from packtools.integrations.multimodal.processor import sample_length
 
     rng = np.random.default_rng(2)
     rows = []
@@ -215,7 +215,7 @@ def test_profile_counts_image_tokens_with_the_processor(tmp_path, proc, capsys):
 
 
 def test_a_replaced_image_changes_the_in_memory_processing_of_a_dataset_on_disk(tmp_path, proc):
-    from packtools.integrations.vision_processor import process_vision_dataset
+    from packtools.integrations.multimodal.processor import process_vision_dataset
 
     Image.fromarray(np.full((56, 84, 3), 200, np.uint8)).save(tmp_path / "a.png")
     datasets.Dataset.from_list([_row([str(tmp_path / "a.png")])]).save_to_disk(str(tmp_path / "ds"))

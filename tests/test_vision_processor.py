@@ -14,7 +14,7 @@ from _vl_models import IMAGE, processor_folder, tiny_vl, torch, transformers
 from packtools import pack_dataset
 from packtools.batches.vision import MultimodalCollator
 from packtools.errors import PackingError
-from packtools.integrations.vision_processor import load_vision_processor, process_vision_dataset
+from packtools.integrations.multimodal.processor import load_vision_processor, process_vision_dataset
 
 datasets = pytest.importorskip("datasets")
 Image = pytest.importorskip("PIL.Image")
@@ -149,7 +149,7 @@ def test_refusals(tmp_path):
 
 def test_profile_lengths_count_image_tokens_without_processing_pixels(tmp_path):
     from packtools import profile_lengths
-    from packtools.integrations.vision_processor import vision_lengths
+    from packtools.integrations.multimodal.processor import vision_lengths
 
     folder = processor_folder(tmp_path / "proc")
     ds = _dataset(_rows(tmp_path))

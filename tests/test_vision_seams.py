@@ -277,7 +277,7 @@ def test_unknown_row_keys_are_refused_by_name(tmp_path):
 
 def test_process_vision_dataset_refuses_other_columns_by_name(tmp_path):
     datasets = pytest.importorskip("datasets")
-    from packtools.integrations.vision_processor import process_vision_dataset
+    from packtools.integrations.multimodal.processor import process_vision_dataset
 
     proc, data = _files(tmp_path, 3)
     rows = [json.loads(line) for line in data.read_text().splitlines()]

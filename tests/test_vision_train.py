@@ -17,7 +17,7 @@ from packtools import PaddingFreeCollator, prepare_trainer
 from packtools.batches.mrope import MropeSpec
 from packtools.batches.vision import MultimodalCollator
 from packtools.errors import PackingError
-from packtools.integrations.vision import check_vision_isolation
+from packtools.integrations.multimodal.models import check_vision_isolation
 
 datasets = pytest.importorskip("datasets")
 
@@ -310,7 +310,7 @@ def test_dpo_refuses_a_vision_language_model():
     """Verified for SFT packing only: the padding-free DPO forwards carry no pixels and no 3-D positions."""
     from types import SimpleNamespace
 
-    from packtools.integrations import trl
+    from packtools.integrations.preference import dpo as trl
 
     trainer = SimpleNamespace(model=tiny_vl("qwen2_vl"), ref_model=None)
     with pytest.raises(PackingError, match="multimodal model: packtools' padding-free DPO"):

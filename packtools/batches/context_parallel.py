@@ -17,12 +17,12 @@ THD format:
   (:func:`packtools.core.kernels.balance_pairs`; a row without padding keeps pair ``r`` on rank ``r``).  A
   document's padding sits at its end, in chunk ``2N - 1``, so with the fixed assignment every document's lost
   work falls on rank 0; balancing spreads it (the figures: docs/training.md).
-  Exact for :mod:`packtools.integrations.cp_attention`, which reads the layout; *not* the layout
+  Exact for :mod:`packtools.integrations.attention.context_parallel`, which reads the layout; *not* the layout
   Megatron-Core / Transformer Engine THD kernels assume (chunks ``r`` and ``2N - 1 - r`` of every document):
   keep the default ``balance=False`` when such a kernel consumes the shards;
 * **padding** (the ``P_i - L_i`` tokens after each document) has ``pad_token_id``, no label, position ids
   restarting at 0, is attended by nothing and attends nothing (its attention output is 0: see
-  :mod:`packtools.integrations.cp_attention`); :attr:`CPLayout.fill_lost` reports it;
+  :mod:`packtools.integrations.attention.context_parallel`); :attr:`CPLayout.fill_lost` reports it;
 * **documents shorter than 2N** are padded to ``2N`` like any other (one token per chunk): some ranks then
   hold only padding of that document.  Exact, at the cost of up to ``2N - 1`` padding tokens per document,
   reported as fill lost; pack with longer documents (``bfd_split``) or a smaller ``N`` to keep it low;
@@ -31,15 +31,30 @@ THD format:
 * labels are **shifted before the split**: ``shift_labels[t]`` is the label of token ``t + 1`` of the same
   document (-100 at a document's last token and on padding), so the target of the last token of a chunk,
   which lives on another rank, is not lost.  The loss is then computed on ``shift_labels`` **without**
-  shifting again (:func:`packtools.integrations.cp_training.shifted_token_loss`); no ``labels`` key is emitted,
+  shifting again (:func:`packtools.integrations.parallel.shard_loss.shifted_token_loss`); no ``labels`` key is emitted,
   so a loss that shifts ``labels`` cannot be run on these rows by mistake.
 
 Both boundary arrays Megatron-style THD consumers take are emitted, int32, over the whole (unsplit) row:
 ``cu_seqlens`` (``[0, L_0, L_0 + L_1, ...]``) and ``cu_seqlens_padded`` (``[0, P_0, P_0 + P_1, ...]``); rank
 ``r``'s tokens of document ``i`` start at ``cu_seqlens_padded[i] / N`` in its row (balanced or not).
 
-:func:`~packtools.batches.cp_work.rank_work` is the cost audit: the causal attention work
+:func:`~packtools.batches.context_parallel.rank_work` is the cost audit: the causal attention work
 ``sum(t - doc_start + 1)`` over the real query tokens each rank holds.
+
+The per-rank attention work of the context-parallel (CP) layout, and the balanced choice of chunk pairs.
+
+Under CP size ``N`` each document of a row is padded to ``P``, a multiple of ``2N``, and cut into ``2N`` chunks of
+``c = P / 2N`` tokens; a rank holds a head-tail pair, chunks ``k`` and ``2N - 1 - k``
+(:mod:`packtools.batches.context_parallel`).  A rank's causal attention work is ``sum(t - doc_start + 1)`` over
+the real query tokens it holds: :func:`rank_work` reads it from a layout, :func:`document_rank_work` computes it
+in closed form per document, and :func:`pair_holders` chooses which rank holds which pair (``balance=True``): row
+by row, document after document, the rank with the most work so far takes the lightest pair
+(:func:`packtools.core.kernels.balance_pairs`).
+
+>>> document_rank_work([8, 5, 5], 2).sum(axis=0).tolist(), work_imbalance([24, 42])  # pair k on rank k
+([24, 42], 0.2727272727272727)
+>>> document_rank_work([8, 5, 5], 2, row_starts=[0]).sum(axis=0).tolist()  # balanced
+[33, 33]
 """
 
 from __future__ import annotations
@@ -53,7 +68,6 @@ import numpy as np
 from ..constants import IGNORE_INDEX
 from ..core.cp_budget import check_cp_size, check_rows_fit, cp_padded_lengths
 from ..errors import PackingError
-from .cp_work import pair_holders
 
 #: The key under which a CP shard carries its :class:`CPLayout` to the attention function.
 CP_KEY = "packtools_cp"
@@ -389,3 +403,78 @@ def _documents(feature: Any) -> list[int]:
     if lengths is None:
         return [len(feature["input_ids"])]
     return np.asarray(lengths, np.int64).reshape(-1).tolist()
+
+
+# -- cp work -------------------------------------------------------------------------------------------------
+def rank_work(layout: Any) -> list[int]:
+    """Causal attention work per rank of a :class:`~packtools.batches.context_parallel.CPLayout`:
+    ``sum(t - doc_start + 1)`` over the real query tokens it holds.
+
+    >>> from packtools.batches.context_parallel import CPLayout
+    >>> rank_work(CPLayout.build([8], 2))  # positions {0,1,6,7} and {2,3,4,5}: 1+2+7+8 and 3+4+5+6
+    [18, 18]
+    """
+    _, pos, real = layout.padded_doc()
+    work = np.where(real, pos + 1, 0)
+    return [int(work[idx].sum()) for idx in layout.index]
+
+
+def pair_holders(
+    lengths: Sequence[int] | np.ndarray, cp_size: int, row_starts: Sequence[int] | np.ndarray | None = None
+) -> np.ndarray:
+    """``[documents, cp_size]``: the rank holding each document's chunk pair ``k`` under ``balance=True``,
+    the documents of each row (``row_starts``, default one row) taken in order (see the module docstring).
+
+    >>> pair_holders([8, 5, 5], 2).tolist()  # the second document's light pair 0 to rank 0, the third's to rank 1
+    [[0, 1], [0, 1], [1, 0]]
+    """
+    return _holders(document_rank_work(lengths, cp_size), row_starts)
+
+
+def _holders(pair_work: np.ndarray, row_starts: Sequence[int] | np.ndarray | None) -> np.ndarray:
+    """:func:`pair_holders` of the pairs' work ``pair_work`` (``[documents, cp_size]``, pair ``k`` in column ``k``)."""
+    from ..core import kernels
+
+    starts = np.asarray([0] if row_starts is None else row_starts, np.int64)
+    bounds = np.ascontiguousarray(np.append(starts, pair_work.shape[0]), np.int64)
+    return kernels.balance_pairs(np.ascontiguousarray(pair_work), bounds)
+
+
+def document_rank_work(
+    lengths: Sequence[int] | np.ndarray, cp_size: int, row_starts: Sequence[int] | np.ndarray | None = None
+) -> np.ndarray:
+    """``[documents, cp_size]``: the causal work of each document on each rank, in closed form (no layout).
+
+    Rank ``r`` holds positions ``[k c, (k+1) c)`` and ``[(2N-1-k) c, (2N-k) c)`` of a document (``c = P / 2N``),
+    the real ones below ``L``, with ``k = r``, or balanced (``row_starts`` given: each row's first document)
+    the pair :func:`pair_holders` gives it; the work of positions ``[a, b)`` is ``S(b) - S(a)`` with
+    ``S(x) = x (x+1) / 2``.
+
+    >>> document_rank_work([8, 5], 2).tolist()
+    [[18, 18], [3, 12]]
+    >>> document_rank_work([8, 5, 5], 2, row_starts=[0]).tolist()  # balanced: rank 1 did more, takes less
+    [[18, 18], [3, 12], [12, 3]]
+    """
+    cp_size = check_cp_size(cp_size)
+    if row_starts is not None:  # the pairs' work, each moved to the rank that holds it
+        work = document_rank_work(lengths, cp_size)
+        out = np.empty_like(work)
+        np.put_along_axis(out, _holders(work, row_starts), work, axis=1)
+        return out
+    n = np.asarray(lengths, np.int64).reshape(-1, 1)
+    c = cp_padded_lengths(n, cp_size) // (2 * cp_size)
+    r = np.arange(cp_size, dtype=np.int64).reshape(1, -1)
+
+    def upto(x: np.ndarray) -> np.ndarray:
+        x = np.minimum(x, n)
+        return x * (x + 1) // 2
+
+    head = upto((r + 1) * c) - upto(r * c)
+    tail = upto((2 * cp_size - r) * c) - upto((2 * cp_size - 1 - r) * c)
+    return head + tail
+
+
+def work_imbalance(work: Sequence[int]) -> float:
+    """The largest relative distance of a rank's work from the mean (0.0 = perfectly balanced)."""
+    mean = float(np.mean(work)) if len(work) else 0.0
+    return 0.0 if mean == 0 else float(max(abs(w - mean) for w in work) / mean)

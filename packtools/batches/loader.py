@@ -27,10 +27,10 @@ import numpy as np
 import pyarrow as pa
 
 from .._optional import is_instance
+from ..compat.datasets import dataset_table
 from ..constants import SEQ_LENGTHS, TOKEN_COLUMNS
 from ..core.arrow import ListColumn, check_aligned, read_list_column
 from ..errors import PackingError
-from ..integrations.compat.datasets import dataset_table
 from .arrow_rows import ArrowBatches, ArrowSource, check_integer
 from .collate import PaddingFreeCollator
 from .flatten import CARRIED_KEYS, FlatRows, check_leave_out

@@ -35,7 +35,7 @@ from ..errors import PackingError
 
 #: The multimodal model types (``config.model_type``) whose packed path packtools computes and has verified
 #: against the model's own ``get_rope_index`` and one-by-one training (``tests/test_vision_*.py``).  Every other
-#: multimodal model is refused by name (:func:`packtools.integrations.vision.check_multimodal_model`).
+#: multimodal model is refused by name (:func:`packtools.integrations.multimodal.models.check_multimodal_model`).
 VERIFIED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 

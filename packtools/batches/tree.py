@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from .._optional import require
+from ..compat.torch import in_backward
 from ..errors import PackingError
-from ..integrations.compat.torch import in_backward
 from .labels import ignore_starts, labels_of
 
 #: The keyword the model's forward passes down to the attention function.
@@ -90,7 +90,7 @@ def unshared_index(segments: np.ndarray, is_branch: np.ndarray) -> tuple[np.ndar
 
 
 FIX_HINT = (
-    "switch every model that runs this batch with packtools.integrations.tree_attention.use_tree_attention(model) "
+    "switch every model that runs this batch with packtools.integrations.attention.tree.use_tree_attention(model) "
     "(prepare_dpo_trainer does it for TRL)"
 )
 

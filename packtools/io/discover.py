@@ -16,8 +16,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..compat.datasets import saved_data_files
 from ..errors import PackingError
-from ..integrations.compat.datasets import saved_data_files
 
 SUFFIX_KINDS = {
     ".jsonl": "json",

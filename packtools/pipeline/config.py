@@ -23,11 +23,11 @@ from ..errors import PackingError
 from ..io.files import InputFile
 from ..io.fingerprint import cache_key
 from ..io.manifest import MANIFEST_FORMAT
-from .char_drops import check_on_unencodable
-from .fast_tokenize import check_audit_rate, check_engine, engine_key
 from .formats import FORMATS
-from .spec import IdsSpec
-from .tokenizer_dir import tokenizer_fingerprint
+from .tokenizer.char_drops import check_on_unencodable
+from .tokenizer.fast import check_audit_rate, check_engine, engine_key
+from .tokenizer.folder import tokenizer_fingerprint
+from .tokenizer.spec import IdsSpec
 from .turn_split import check_split_at
 
 OVERLONG = ("truncate", "drop", "split")
@@ -121,7 +121,7 @@ class PipelineConfig:
 
     def ids(self, fmt: str, tokenizer_fp: str | None) -> IdsSpec:
         """What decides the ids of this run on ``fmt`` data with the tokenizer whose files hash to
-        ``tokenizer_fp`` (:class:`~packtools.pipeline.spec.IdsSpec`): built once by the driver, handed to
+        ``tokenizer_fp`` (:class:`~packtools.pipeline.tokenizer.spec.IdsSpec`): built once by the driver, handed to
         every stage job."""
         return IdsSpec.of(
             tokenizer_fp, fmt, self.add_eos, self.tokenizer_engine, self.on_unencodable, self.tokenizer_audit
@@ -156,7 +156,7 @@ def fingerprint(files: Sequence[InputFile], config: PipelineConfig) -> dict[str,
     cfg["overlong"] = config.overlong_policy
     cfg["tokenizer_engine"] = engine_key(config.tokenizer_engine)  # S15: another engine is another output
     tok = tokenizer_fingerprint(config.tokenizer) if config.tokenizer else None
-    # what decides the ids (tokenizer content, engine, library versions, code: packtools.pipeline.spec)
+    # what decides the ids (tokenizer content, engine, library versions, code: packtools.pipeline.tokenizer.spec)
     cfg["ids"] = config.ids(config.format or "auto", tok).key()
     body = {
         "manifest_format": MANIFEST_FORMAT,

@@ -40,7 +40,7 @@ def stdlib_definitions(limit: int | None = None) -> list[bytes]:
 
 def tokenized_table(texts: list[bytes], tokenizer_dir: str, batch_rows: int = 1000) -> pa.Table:
     """Tokenize ``texts`` (decoded as UTF-8) with the pipeline's batch tokenizer, EOS appended."""
-    from .tokenize import BatchTokenizer
+    from .tokenizer.batch import BatchTokenizer
 
     bt = BatchTokenizer(tokenizer_dir, "text")
     parts = []
@@ -130,7 +130,7 @@ def run_demo(
         echo(f"\nno plot: {exc}")
     import warnings
 
-    from ..integrations.drops import TokensDroppedWarning
+    from ..integrations.data.drops import TokensDroppedWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TokensDroppedWarning)  # the note below says it, in the demo's words

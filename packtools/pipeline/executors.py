@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._optional import require
+from ..compat.futures import pool_broken, pool_processes
 from ..errors import PackingError
-from ..integrations.compat.futures import pool_broken, pool_processes
 
 EXECUTORS: tuple[str, ...] = ("local", "pool", "ray")
 

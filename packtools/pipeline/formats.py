@@ -1,7 +1,7 @@
 """The raw input formats: which one a table is, the columns each reads and writes, and where a row is.
 
 ``text``, ``prompt_completion``, ``messages`` and ``preference`` are tokenized
-(:class:`packtools.pipeline.tokenize.BatchTokenizer`); ``tokenized`` is taken as it is.  A *row* in an error
+(:class:`packtools.pipeline.tokenizer.batch.BatchTokenizer`); ``tokenized`` is taken as it is.  A *row* in an error
 message is a row number, or a callable naming row ``i`` of a block (:class:`packtools.io.files.Where`).
 
 Formats, and what each row becomes:

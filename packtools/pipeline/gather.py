@@ -29,10 +29,10 @@ import numpy as np
 import pyarrow as pa
 
 from .._atomic import fsync_file
+from ..compat.datasets import STATE_FILE, saved_state
 from ..core.arrow import ListColumn
 from ..core.pack import pack_columns, read_columns
 from ..core.plan import PackPlan
-from ..integrations.compat.datasets import STATE_FILE, saved_state
 from ..io.files import IpcReader, reading
 from ..io.pages import PageReleaser
 from .executors import TwoSteps

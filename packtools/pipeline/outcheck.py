@@ -21,9 +21,9 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from ..compat.datasets import saved_data_files
 from ..constants import MANIFEST
 from ..errors import PackingError
-from ..integrations.compat.datasets import saved_data_files
 from ..io.files import InputFile
 from ..io.manifest import has_manifest_file, read_manifest
 

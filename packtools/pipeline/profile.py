@@ -107,10 +107,10 @@ def _no_cache_note(folder: str, exc: OSError) -> str:
 def _stage(ex: Any, jobs: list, verdict: dict[str, Any] | None, quiet: bool) -> list[dict[str, Any]]:
     """Stage ``jobs`` under the driver's ``verdict``: entries another engine tokenized are staged again, and
     an audit difference restages the fast engine's entries with transformers (``auto``; ``fast`` stops)."""
-    from .engine_proof import EngineDivergence
     from .jobs import run_jobs
     from .stage import freeze_report
-    from .verdict import drop_disagreeing, fall_back
+    from .tokenizer.proof import EngineDivergence
+    from .tokenizer.verdict import drop_disagreeing, fall_back
 
     while True:
         if verdict is not None:
@@ -190,7 +190,7 @@ def profile_files(
     else:
         from .formats import output_columns
         from .stage import freeze_report, preload_tokenizer
-        from .tokenizer_dir import check_tokenizer_dir, tokenizer_fingerprint
+        from .tokenizer.folder import check_tokenizer_dir, tokenizer_fingerprint
 
         tok_dir = check_tokenizer_dir(tokenizer)
         ids = config.ids(fmt, tokenizer_fingerprint(tok_dir))  # what decides the ids, for every stage job
@@ -213,8 +213,10 @@ def profile_files(
             keep, folder = False, tempfile.mkdtemp(prefix="packtools-stage-")
     parts = [p for f in files for p in split_file(f, part_rows, part_bytes)]
     verdict = None
-    if fmt != "tokenized":  # the driver decides the engine once, as pack does (packtools.pipeline.verdict)
-        from .verdict import decide
+    if (
+        fmt != "tokenized"
+    ):  # the driver decides the engine once, as pack does (packtools.pipeline.tokenizer.verdict)
+        from .tokenizer.verdict import decide
 
         verdict = decide(tok, parts, fmt)
         proven = freeze_report(verdict)
@@ -267,7 +269,7 @@ def profile_files(
         "stage_s": round(stage_s, 3),
         "kept": keep,
     }
-    from .fast_tokenize import engine_summary
+    from .tokenizer.fast import engine_summary
 
     engines = engine_summary([s.get("tokenizer") for s in staged])
     if engines and engines.get("unencodable"):  # said as pack says it (the lengths are without them)

@@ -43,22 +43,22 @@ from ..errors import PackingError
 from ..io.files import InputFile, Part, find_inputs, read_schema, skipped_notes, split_file
 from ..io.manifest import read_manifest, write_manifest
 from .config import PipelineConfig, PipelineResult, check_options_used, fingerprint
-from .engine_proof import EngineDivergence
 from .executors import EXECUTORS, Executor, get_executor
 from .failures import explain_os_error, note_interrupted, signals_deferred
-from .fast_tokenize import engine_summary
 from .formats import input_columns, optional_columns, output_columns
 from .gather import run_token, write_block, write_dataset_files
 from .jobs import run_jobs
 from .outcheck import check_out, check_replaceable
 from .planning import load_kernels_ahead, plan_parts, row_plan, write_jobs
 from .schema import data_format, known_columns, token_schema
-from .spec import IdsSpec
 from .stage import StageJob, freeze_report, stage_part
 from .stage_cache import adopt_cached, evicted_error, keep_in_place, stage_jobs
 from .staged import load_sidecar, sidecar_tool_opener, sidecar_turns
 from .summary import tokenizer_timings
-from .verdict import basis, decide, drop_disagreeing, fall_back, record, recorded
+from .tokenizer.fast import engine_summary
+from .tokenizer.proof import EngineDivergence
+from .tokenizer.spec import IdsSpec
+from .tokenizer.verdict import basis, decide, drop_disagreeing, fall_back, record, recorded
 from .workspace import Workspace, checkpoint, left_behind_notes, tidy_after_dead_run
 
 
@@ -166,7 +166,7 @@ def run_pipeline(
         raise PackingError(f"retries={retries!r} must be an int >= 0.", param="retries")
     out = os.path.abspath(os.fspath(out))
     if config.tokenizer is not None:
-        from .tokenizer_dir import check_tokenizer_dir
+        from .tokenizer.folder import check_tokenizer_dir
 
         tok_dir = check_tokenizer_dir(config.tokenizer)
         if tok_dir != config.tokenizer:
@@ -220,11 +220,11 @@ def run_pipeline(
 
 
 def warn_pipeline_drops(stats: dict[str, Any]) -> None:
-    """A :class:`~packtools.integrations.drops.TokensDroppedWarning` when the run's overlong policy cut tokens
+    """A :class:`~packtools.integrations.data.drops.TokensDroppedWarning` when the run's overlong policy cut tokens
     (as :func:`packtools.pack_dataset` warns; ``packtools pack`` prints it)."""
     import warnings
 
-    from ..integrations.drops import TokensDroppedWarning, pipeline_drop_message
+    from ..integrations.data.drops import TokensDroppedWarning, pipeline_drop_message
 
     text = pipeline_drop_message(stats)
     if text is not None:
@@ -287,7 +287,7 @@ def _inputs(
 def _verdict(
     found: RunInputs, config: PipelineConfig, parts: Sequence[Part], ws: Workspace, ids_key: dict[str, Any]
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """The run's tokenizer engine (:mod:`packtools.pipeline.verdict`): the one a killed run recorded in this
+    """The run's tokenizer engine (:mod:`packtools.pipeline.tokenizer.verdict`): the one a killed run recorded in this
     work folder, else proven now on the first rows across ``parts``; recorded before any part is staged.
     ``(None, None)`` for tokenized input."""
     if found.fmt == "tokenized":

@@ -39,12 +39,19 @@ from ..core.arrow import check_aligned, is_list_type, read_list_column
 from ..errors import PackingError
 from ..io.files import Part, Where, iter_part, open_ipc
 from ..io.fingerprint import cache_key
-from . import feed
-from .chat_head import CLOSING_KEY, HEAD_COLUMN, TOOL_OPENER_KEY
-from .label_counts import first_label, trained_per_row
 from .prefetch import prefetch, timed
-from .spec import IdsSpec
-from .staged import damage, drop_staged, load_sidecar, save_sidecar, sidecar_report
+from .staged import (
+    damage,
+    drop_staged,
+    first_label,
+    load_sidecar,
+    save_sidecar,
+    sidecar_report,
+    trained_per_row,
+)
+from .tokenizer import feed
+from .tokenizer.chat.head import CLOSING_KEY, HEAD_COLUMN, TOOL_OPENER_KEY
+from .tokenizer.spec import IdsSpec
 
 #: Version of the staged-file layout; part of every cache key.
 STAGE_FORMAT = (
@@ -75,7 +82,7 @@ class StageJob:
     )
     known_columns: tuple[str, ...] | None = None  # tokenized JSON: a block with other columns is refused
     engine_proven: tuple[tuple[str, Any], ...] | None = (
-        None  # the run's verdict (packtools.pipeline.verdict; EngineReport items): the engine every part uses
+        None  # the run's verdict (packtools.pipeline.tokenizer.verdict; EngineReport items): the engine every part uses
     )
     # the data's SHA-256 in the sidecar (stage-cache entries: checked on adoption); else the data is flushed to
     # disk before the sidecar is written (a run's own parts: cheaper than hashing them)
@@ -100,7 +107,7 @@ def stage_key(
     """The cache key of a staged part (32 hex digits): the part (path, size, mtime, range), its columns and
     types, the columns a tokenized JSON block may have (``known_columns``: one staged without that check is
     never adopted by a run that needs it), and everything that decides its ids
-    (:class:`~packtools.pipeline.spec.IdsSpec`: tokenizer content, engine and versions, code, format, add-EOS,
+    (:class:`~packtools.pipeline.tokenizer.spec.IdsSpec`: tokenizer content, engine and versions, code, format, add-EOS,
     on-unencodable, audit rate)."""
     return cache_key(
         "stage",
@@ -129,9 +136,9 @@ def preload_tokenizer(
     engine choice, taken as it is (workers do not choose again).  ``input_bytes``: the driver's whole raw input
     (a small one is tokenized by the reference alone); a driver whose input is of the other size class than the
     cached tokenizer's gets a new one, a stage job (None) takes the cached one."""
-    from .tokenize import BatchTokenizer
-    from .tokenizer_dir import tokenizer_fingerprint
-    from .tokenizer_load import reference_suffices
+    from .tokenizer.batch import BatchTokenizer
+    from .tokenizer.folder import tokenizer_fingerprint
+    from .tokenizer.load import reference_suffices
 
     engine = ids.requested_engine
     key = (tokenizer, tokenizer_fingerprint(tokenizer), ids)
@@ -333,7 +340,7 @@ def stage_part(job: StageJob) -> dict[str, Any]:
         # is checked before the part is trusted: packtools.pipeline.staged.damage)
         t_flush = time.perf_counter()
         if job.checksum:
-            from .tokenizer_dir import file_sha256
+            from .tokenizer.folder import file_sha256
 
             digest = file_sha256(tmp)
         else:

@@ -9,7 +9,7 @@ stages into one folder per user, :func:`cache_dir`:
 
 A staged part's file names are its cache key (:func:`packtools.pipeline.stage.stage_key`: the part's path,
 size, mtime and byte range, the columns and types, the stage format and the run's
-:class:`~packtools.pipeline.spec.IdsSpec`: the format, the tokenizer files' hash, ``add_eos``, the engine and
+:class:`~packtools.pipeline.tokenizer.spec.IdsSpec`: the format, the tokenizer files' hash, ``add_eos``, the engine and
 library versions, packtools' sources, ...), so an entry can never be stale: a changed input or tokenizer has
 another key.  Before staging, ``pack`` looks each of its parts up here (:func:`adopt_cached`): a hit is
 **hard-linked** into the run's own ``stage/`` folder with a sidecar that points at the link, so the run
@@ -43,7 +43,6 @@ from typing import Any
 from .._atomic import atomic_path, discard
 from ..errors import PackingError
 from ..io.files import Part
-from .spec import IdsSpec
 from .stage import StageJob, stage_key
 from .staged import (
     damage,
@@ -54,6 +53,7 @@ from .staged import (
     sidecar_tool_opener,
     sidecar_turns,
 )
+from .tokenizer.spec import IdsSpec
 
 CACHE_ENV, MAX_GB_ENV = "PACKTOOLS_STAGE_CACHE", "PACKTOOLS_STAGE_CACHE_MAX_GB"
 DEFAULT_MAX_GB = 20.0
@@ -163,10 +163,10 @@ def stage_jobs(
     checksum: bool = False,
 ) -> list[StageJob]:
     """One :class:`StageJob` per part, its files named by their cache key in ``folder`` (as ``pack`` names them):
-    ``ids`` is the run's :class:`~packtools.pipeline.spec.IdsSpec`, the one value that decides the ids (format,
+    ``ids`` is the run's :class:`~packtools.pipeline.tokenizer.spec.IdsSpec`, the one value that decides the ids (format,
     tokenizer content, the requested engine and its version, add-EOS, on-unencodable, audit rate, ...), handed
     to every job as it is; ``tokenizer``: the tokenizer folder it was taken from.  ``engine_proven``: the run's
-    verdict (:mod:`packtools.pipeline.verdict`), the engine of every part, whichever process stages it;
+    verdict (:mod:`packtools.pipeline.tokenizer.verdict`), the engine of every part, whichever process stages it;
     ``checksum``: each part's sidecar holds its data's SHA-256 (the stage cache's entries, checked on adoption)."""
     jobs = []
     for part in parts:

@@ -18,6 +18,13 @@ rerun or the stage cache trusts it, and :func:`drop_staged` removes a part so it
 >>> _ = open(data, "wb").write(b"tokenz")
 >>> damage(side)
 'its data file is not the one it was written with (checksum differs)'
+
+What the labels of staged rows say, per row: where the first label token is, and how many tokens train.
+
+>>> import pyarrow as pa
+>>> labels = pa.chunked_array([pa.array([[-100, 5, 6], [-100, -100], [7, -100, 8]])])
+>>> first_label(labels).tolist(), trained_per_row(labels).tolist()
+([1, 2, 0], [2, 0, 1])
 """
 
 from __future__ import annotations
@@ -27,8 +34,11 @@ import os
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from .._atomic import fsync_dir
+from ..constants import IGNORE_INDEX
+from ..core.arrow import read_list_column
 
 
 def save_sidecar(
@@ -77,14 +87,14 @@ def load_sidecar(path: str) -> tuple[np.ndarray, np.ndarray, str]:
 def sidecar_turns(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(trained tokens, head length)`` of each row of a staged part (empty arrays: the part has no labels,
     resp. no heads: every head is 0), and the ids a turn's closing text has after its labelled span
-    (:func:`packtools.pipeline.chat_head.closing_ids`; empty for most templates)."""
+    (:func:`packtools.pipeline.tokenizer.chat.head.closing_ids`; empty for most templates)."""
     with np.load(path, allow_pickle=False) as z:
         return z["trained"], z["heads"], z["closing"]
 
 
 def sidecar_tool_opener(path: str) -> np.ndarray:
     """The ids that start a tool message in a staged part's chat template
-    (:func:`packtools.pipeline.chat_head.tool_opener_ids`; empty: none known)."""
+    (:func:`packtools.pipeline.tokenizer.chat.head.tool_opener_ids`; empty: none known)."""
     with np.load(path, allow_pickle=False) as z:
         return z["tool_opener"] if "tool_opener" in z.files else np.zeros(0, np.int64)
 
@@ -109,7 +119,7 @@ def damage(sidecar: str) -> str | None:
     """Why the staged part of ``sidecar`` cannot be used (cut, emptied, changed since it was written: its
     sidecar unreadable, its data missing, or not the bytes whose SHA-256 the sidecar holds), else None.  A zip
     member's CRC guards the sidecar itself."""
-    from .tokenizer_dir import file_sha256
+    from .tokenizer.folder import file_sha256
 
     try:
         lengths, _, data = load_sidecar(sidecar)
@@ -137,3 +147,33 @@ def drop_staged(job: Any) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+# -- label counts --------------------------------------------------------------------------------------------
+def first_label(labels: pa.ChunkedArray) -> np.ndarray:
+    """Per row, the position of the first token with a label (not -100); the row length if there is none."""
+    parts = []
+    for chunk in read_list_column(labels, "labels").chunks:
+        starts, ends = chunk.offsets[:-1], chunk.offsets[1:]
+        first = ends - starts
+        idx = np.flatnonzero(chunk.values[: chunk.offsets[-1]] != IGNORE_INDEX)  # sorted
+        lo = np.searchsorted(idx, starts)  # the row's first labelled token, if it has one, is idx[lo]
+        has = lo < np.searchsorted(idx, ends)
+        first[has] = idx[lo[has]] - starts[has]
+        parts.append(first)
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+def trained_per_row(labels: pa.ChunkedArray) -> np.ndarray:
+    """Per row, its tokens that train: labels other than -100 after the row's first token (a padding-free batch
+    masks every sequence's first label)."""
+    parts = []
+    for chunk in read_list_column(labels, "labels").chunks:
+        values = chunk.values[: chunk.offsets[-1]] != IGNORE_INDEX
+        starts, ends = chunk.offsets[:-1], chunk.offsets[1:]
+        csum = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
+        has = ends > starts
+        first = np.zeros(starts.shape[0], np.int64)
+        first[has] = values[starts[has]]
+        parts.append(csum[ends] - csum[starts] - first)
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)

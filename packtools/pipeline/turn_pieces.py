@@ -147,7 +147,7 @@ def plan_pieces(  # noqa: PLR0913 - the row and the markers of its turns
     """The pieces of one row (see the module docstring).  ``closing`` (with the row's ``ids``): the tokens a
     template writes after an assistant's labelled span and before the next message; a turn end followed by
     them moves past them, so the next piece starts at the next message.  ``tool_opener``: the tokens that
-    start a tool message (:func:`packtools.pipeline.chat_head.tool_opener_ids`); an exchange that starts with
+    start a tool message (:func:`packtools.pipeline.tokenizer.chat.head.tool_opener_ids`); an exchange that starts with
     them (a tool result and the answer after it) stays with the exchange before it (the question and the
     call) where the whole fits a piece."""
     n = int(labels.shape[0])

@@ -9,7 +9,7 @@ prompt/completion row has one such point, its end).  The row is thereby made of 
 everything before the reply, then the reply), and a piece is one or more whole exchanges, greedily, in order.
 
 **Tool calls stay with their question.**  An exchange that starts with a tool message (the template's tool
-opener, :func:`packtools.pipeline.chat_head.tool_opener_ids`: ``<|im_start|>tool`` in ChatML) is glued to the
+opener, :func:`packtools.pipeline.tokenizer.chat.head.tool_opener_ids`: ``<|im_start|>tool`` in ChatML) is glued to the
 exchange before it, so the user's question, the assistant's call, the tool result and the answer go into one
 piece whenever they fit one; only a chain longer than a piece is cut at a tool result, and each such piece,
 whose answer trains without the question, is counted (``questions_dropped``).  A template that renders a

@@ -9,7 +9,7 @@ folder renamed into place, so ``out`` is absent, the old or the new output whate
    stage key and the whole configuration: ``max_length``, ``shuffle``, ``seed``, ``block_rows``,
    ``shard_bytes``, ``leave_out``) is kept as it is (``cached=True``).
 1. **Stage**: the rows are read ``block_rows`` at a time, each sample processed by the local processor folder
-   (:func:`~packtools.integrations.vision_processor.process_vision_sample`: ``input_ids``, ``pixel_values``,
+   (:func:`~packtools.integrations.multimodal.processor.process_vision_sample`: ``input_ids``, ``pixel_values``,
    ``image_grid_thw``, ``mm_token_type_ids``) and the block written as one Arrow file under ``stage/``
    (:mod:`packtools.pipeline.vision_stage`: written atomically with a size/SHA-256 sidecar, named by a key of
    the processor folder's content, packtools' sources, the library versions, the inputs and the content of every
@@ -139,7 +139,7 @@ def pack_vision_files(
     key and the whole configuration) matches the output's manifest does nothing (``cached=True``).  A row key
     other than ``messages`` and ``images`` is refused by name unless ``leave_out`` lists it.
     """
-    from ..integrations.vision_processor import load_vision_processor
+    from ..integrations.multimodal.processor import load_vision_processor
 
     max_length = check_max_length(max_length)
     leave = check_names(leave_out)
@@ -291,9 +291,9 @@ def is_vision_file(path: str, rows: int = 64) -> bool:
 def vision_file_lengths(paths: Sequence[str], processor: str | os.PathLike[str]) -> tuple[np.ndarray, int]:
     """Token counts of the samples of JSON-lines files in TRL's vision format as the model sees them (image
     tokens counted from each image's size through the image processor's resize rule, no pixel processed:
-    :func:`~packtools.integrations.vision_processor.sample_length`), and the number of images.  Image paths
+    :func:`~packtools.integrations.multimodal.processor.sample_length`), and the number of images.  Image paths
     resolve against each file's folder, as :func:`pack_vision_files` resolves them; errors name file and line."""
-    from ..integrations.vision_processor import load_vision_processor, sample_length
+    from ..integrations.multimodal.processor import load_vision_processor, sample_length
     from .vision_stage import _resolve
 
     vp = load_vision_processor(processor)

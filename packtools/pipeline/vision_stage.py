@@ -3,7 +3,7 @@ processed block by block into Arrow files, and the rule for reusing them.
 
 A staged block is named by :func:`stage_key`: the processor folder's content (SHA-256 of its files, weights left
 out), packtools' sources (:func:`packtools.io.fingerprint.source_hash`), the versions of the libraries that make
-ids (transformers, tokenizers, jinja2, as for text: :func:`packtools.pipeline.spec.library_versions`) and pixels
+ids (transformers, tokenizers, jinja2, as for text: :func:`packtools.pipeline.tokenizer.spec.library_versions`) and pixels
 (Pillow, numpy, torch, torchvision), the inputs (path, size, mtime), the content of every image file the rows
 name (:func:`images_key`: SHA-256 of each file, hashed once per run, so a replaced image restages its blocks
 and changes the output's fingerprint), ``block_rows`` and the patch width.  It is
@@ -41,13 +41,13 @@ from ..core.arrow import numeric_array
 from ..errors import PackingError
 from ..io.fingerprint import source_hash
 from .gather import write_shard
-from .spec import library_versions
-from .tokenizer_dir import file_sha256
+from .tokenizer.folder import file_sha256
+from .tokenizer.spec import library_versions
 
 #: The keys of a TRL vision row that reach the model; any other key is refused by name (file and line)
 #: unless ``leave_out`` lists it (``tools``, for one, is not passed to the processor's chat template).
 ROW_KEYS = ("messages", "images")
-#: Libraries besides :func:`~packtools.pipeline.spec.library_versions` whose versions can change the pixels
+#: Libraries besides :func:`~packtools.pipeline.tokenizer.spec.library_versions` whose versions can change the pixels
 #: (image decoding and resizing) of a processor folder.
 PIXEL_LIBRARIES = ("Pillow", "numpy", "torch", "torchvision")
 #: Files of a processor folder that do not decide what it produces (model weights): not hashed.
@@ -195,8 +195,8 @@ def blocks(
 
 def _resolve(images: Any, base: str, where: str) -> list[Any]:
     """A row's images with paths relative to its file's folder made absolute (URLs and non-lists are refused
-    by :func:`~packtools.integrations.vision_images.image_list` / ``open_image``, by name)."""
-    from ..integrations.vision_images import URL_SCHEMES, image_list
+    by :func:`~packtools.integrations.multimodal.images.image_list` / ``open_image``, by name)."""
+    from ..integrations.multimodal.images import URL_SCHEMES, image_list
 
     def one(v: Any) -> Any:
         if isinstance(v, dict) and isinstance(v.get("path"), str) and not v.get("bytes"):
@@ -270,7 +270,7 @@ def check_row_keys(row: dict[str, Any], where: str, leave_out: frozenset[str]) -
 def stage_block(
     vp: Any, path: str, rows: list[tuple[int, dict[str, Any]]], schema: pa.Schema, leave_out: frozenset[str]
 ) -> pa.Table:
-    from ..integrations.vision_processor import process_vision_sample
+    from ..integrations.multimodal.processor import process_vision_sample
 
     base = os.path.dirname(os.path.abspath(path))
     done = []

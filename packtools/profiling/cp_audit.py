@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from .._format import text_table
-from ..batches.cp_work import document_rank_work
+from ..batches.context_parallel import document_rank_work
 from ..core.cp_budget import cp_padded_lengths
 from ..errors import PackingError
 

@@ -23,10 +23,10 @@ import numpy as np
 import pyarrow as pa
 
 from .._optional import is_instance
+from ..compat.datasets import dataset_table
 from ..constants import SEQ_LENGTHS
 from ..core.arrow import column_lengths, is_list_type
 from ..errors import PackingError
-from ..integrations.compat.datasets import dataset_table
 from ..io.files import open_ipc
 from .distribution import LengthDistribution
 from .packed import file_schema, packed_info, packed_rows, profile_packed

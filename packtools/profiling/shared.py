@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ..compat.datasets import dataset_table
 from ..core.arrow import column_lengths
 from ..core.shared_pairs import unit_lengths
 from ..errors import PackingError
-from ..integrations.compat.datasets import dataset_table
 
 
 @dataclass(frozen=True)

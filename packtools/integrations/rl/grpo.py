@@ -25,8 +25,10 @@ from typing import Any
 
 from ..._optional import require
 from ...batches.tree import TREE_KEY
+from ...compat import undo
+from ...compat.trl import GRPO_LOSS_TYPES, RL_MEDIA_PARAMS, rl_trainer_kind, trl_logps
 from ...errors import PackingError
-from ..backends import (
+from ..attention.backends import (
     attention_implementation,
     base_model,
     check_attention_implementation,
@@ -35,18 +37,16 @@ from ..backends import (
     segmented_sdpa_until_checked,
     token_mixing_layers,
 )
-from ..compat import undo
-from ..compat.trl import GRPO_LOSS_TYPES, RL_MEDIA_PARAMS, rl_trainer_kind, trl_logps
-from ..guard import check_forward_inputs
-from ..step import install_step, plan_of
-from ..tree_attention import check_tree_model, use_tree_attention
+from ..attention.tree import check_tree_model, use_tree_attention
+from ..trainers.guard import check_forward_inputs
+from ..trainers.step import install_step, plan_of
 from .rows import Row, share_prompts, unpad_completions
 
 
 @dataclass(frozen=True)
 class RLPlan:
     """The per-run decisions of ``prepare_grpo_trainer``, one frozen value on the trainer, stored with the class
-    swap by the one step owner (:func:`packtools.integrations.step.install_step`, read by ``step.plan_of``)."""
+    swap by the one step owner (:func:`packtools.integrations.trainers.step.install_step`, read by ``step.plan_of``)."""
 
     trl_class: type  # GRPOTrainer or RLOOTrainer: whose padded method the probe compares against
     share_prompt: bool  # equal prompts of a forward run once, on the tree attention
@@ -278,7 +278,7 @@ def prepare_grpo_trainer(
     models to packtools' per-sequence ``sdpa`` (cost ``sum L_i^2``).  With ``check_isolation=True`` (the default)
     each model first runs :func:`check_rl_forward`: packtools' values must equal TRL's padded ones on a small
     batch, and no sequence may see another.  Refused by name: another trainer, a TRL version outside
-    :data:`~packtools.integrations.compat.trl.RL_CHECKED`, an unknown ``loss_type``, ``use_liger_kernel``,
+    :data:`~packtools.compat.trl.RL_CHECKED`, an unknown ``loss_type``, ``use_liger_kernel``,
     multimodal models or image batches, prompt-learning adapters, attention backends that cannot isolate
     packed sequences.  ``packtools.integrations.unprepare(trainer)`` restores the trainer as TRL built it.
     """

@@ -1,0 +1,234 @@
+"""Every change packtools makes to a TRL ``DPOTrainer`` and its models, checked, recorded, undoable.
+
+:func:`packtools.prepare_dpo_trainer` changes a live trainer in four ways, each only through this module and
+each recorded on the trainer (:func:`~packtools.compat.set_attr` with ``owner=trainer``), so
+:func:`packtools.compat.unprepare` puts the trainer back as TRL built it:
+
+* **The fused-LM-head forward.**  TRL's ``add_fused_lm_head`` sets an instance ``forward`` on the (base) model;
+  :func:`wrap_fused_forward` replaces that instance attribute with packtools' padding-free or prompt-shared
+  forward around it.  Module hooks cannot do this job on every checked version: PEFT 0.18's ``LoraModel.forward``
+  calls ``model.forward(...)`` directly, which runs no hook of the base model.
+* **``compute_loss`` and ``get_batch_samples``** (:func:`check_method`): their signatures are checked; the step
+  owner (:class:`packtools.integrations.trainers.step.DPOStep`, the trainer's class swapped to a subclass of its own)
+  overrides them and calls ``super()``.
+* **The kept columns** (:func:`keep_signature_columns`): ``Trainer`` drops dataset columns its model's
+  ``forward`` does not name, from ``Trainer._signature_columns`` (set by
+  ``Trainer._set_signature_columns_if_needed``, both private); packed pair rows add their columns to it.
+* **The dataset and collator** (``train_dataset``, ``data_collator``: public attributes, recorded all the same).
+
+:func:`packtools.integrations.preference.reward.prepare_reward_trainer` swaps a subclass onto a ``RewardTrainer``
+(:func:`packtools.integrations.trainers.step.install_step`) whose ``compute_loss`` calls ``RewardTrainer.compute_loss`` with
+a stand-in for the model; it relies on TRL 1.16's ``compute_loss`` calling ``model(**inputs)`` once and reading
+only ``outputs.logits`` (``[2 * pairs, 1]``, chosen then rejected), ``inputs["margin"]`` and
+``inputs["attention_mask"]`` (its token count), which :func:`check_step_methods` cannot see: the CHECKED range
+and the side-by-side tests hold it.  :func:`check_step_methods` checks the parameters of the methods the
+subclass overrides.
+
+Each function checks the shape it relies on and raises :func:`~packtools.compat.unknown_shape`
+otherwise.  The tokenizer is read from the public ``processing_class`` (not ``DPOTrainer._tokenizer``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..errors import PackingError
+from . import set_attr, unknown_shape, version, warn_unchecked, within
+
+#: The TRL versions whose ``DPOTrainer`` shapes this module was checked against (lowest and newest CI runs).
+CHECKED = "1.16.0 - 1.16.0"
+warn_unchecked("trl", CHECKED)  # once per process, when the installed trl is outside it
+#: The transformers versions whose ``Trainer`` internals (``_signature_columns``, ``get_batch_samples``) were checked.
+TRANSFORMERS_CHECKED = "5.15.0 - 5.25.0"
+
+_FIX = "Install a trl version packtools was checked against (see CHECKED), or report the new shape."
+#: Parameters of the trainer methods packtools wraps, as the checked versions define them.
+_METHOD_PARAMS = {
+    "compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch"),
+    "get_batch_samples": ("epoch_iterator", "num_batches", "device"),
+}
+
+
+def _unknown(what: str, library: str = "trl") -> Exception:
+    checked = CHECKED if library == "trl" else TRANSFORMERS_CHECKED
+    return unknown_shape(library, checked, what, _FIX.replace("trl", library))
+
+
+def fused_forward(base: Any) -> Callable[..., Any]:
+    """The fused-LM-head forward TRL set on ``base`` (an instance attribute); raises if there is none."""
+    found = vars(base).get("forward")
+    params = inspect.signature(found, follow_wrapped=False).parameters.values() if callable(found) else ()
+    takes = any(p.name == "fused_lm_head" or p.kind is p.VAR_KEYWORD for p in params)
+    if not takes:
+        raise unknown_shape(
+            "trl",
+            CHECKED,
+            f"{type(base).__name__} has no fused LM head (an instance forward taking fused_lm_head, as TRL's "
+            f"add_fused_lm_head sets)",
+            "Build the DPOTrainer first (it adds the head to its models), then call "
+            "packtools.prepare_dpo_trainer(trainer).",
+        )
+    if getattr(base, "base_model", None) is base:  # TRL's head calls base.base_model for the backbone
+        raise PackingError(
+            f"TRL's fused LM head cannot run {type(base).__name__}: it calls model.base_model for the backbone's "
+            f"hidden states, and this model's base_model is the model itself (its base_model_prefix "
+            f"{getattr(base, 'base_model_prefix', None)!r} names no submodule), so DPOTrainer's forward fails on "
+            f"it. packtools cannot pack DPO for it; train it with TRL's own batches once TRL supports it.",
+            param="model",
+        )
+    return found
+
+
+def wrap_fused_forward(
+    base: Any, make: Callable[[Callable[..., Any]], Callable[..., Any]], *, owner: Any
+) -> None:
+    """Replace TRL's fused forward on ``base`` with ``make(inner)`` bound to ``base``; recorded on ``owner``."""
+    inner = fused_forward(base)
+    set_attr(base, "forward", types.MethodType(make(inner), base), owner=owner)
+
+
+def check_method(trainer: Any, name: str) -> None:
+    """Refuse a trainer whose ``compute_loss`` / ``get_batch_samples`` is not the shape the step owner
+    (:mod:`packtools.integrations.trainers.step`) overrides and calls through ``super()``."""
+    method = getattr(trainer, name, None)
+    params = tuple(inspect.signature(method).parameters) if callable(method) else ()
+    if params != _METHOD_PARAMS[name]:
+        library = "trl" if name == "compute_loss" else "transformers"
+        raise _unknown(f"{type(trainer).__name__}.{name} takes {params}, not {_METHOD_PARAMS[name]}", library)
+
+
+def check_step_methods(trainer: Any, names: Sequence[str]) -> None:
+    """Refuse a trainer whose ``names`` methods (``compute_loss``, ``get_batch_samples``) do not take the
+    parameters of the checked versions: a packtools step class overriding them would call them wrongly."""
+    for name in names:
+        method = getattr(trainer, name, None)
+        params = tuple(inspect.signature(method).parameters) if callable(method) else ()
+        if params != _METHOD_PARAMS[name]:
+            library = "trl" if name == "compute_loss" else "transformers"
+            raise _unknown(
+                f"{type(trainer).__name__}.{name} takes {params}, not {_METHOD_PARAMS[name]}", library
+            )
+
+
+def keep_signature_columns(trainer: Any, columns: Sequence[str]) -> None:
+    """Add ``columns`` to the dataset columns ``Trainer`` keeps under ``remove_unused_columns``; recorded."""
+    setter = getattr(trainer, "_set_signature_columns_if_needed", None)
+    if not callable(setter) or not hasattr(trainer, "_signature_columns"):
+        raise _unknown(
+            f"{type(trainer).__name__} has no _signature_columns / _set_signature_columns_if_needed",
+            "transformers",
+        )
+    before = trainer._signature_columns
+    setter()
+    kept = trainer._signature_columns
+    if not isinstance(kept, (list, tuple)):
+        raise _unknown(
+            f"Trainer._signature_columns is {type(kept).__name__}, not a list of names", "transformers"
+        )
+    trainer._signature_columns = before  # the old value is what unprepare restores
+    set_attr(trainer, "_signature_columns", [*kept, *(c for c in columns if c not in kept)], owner=trainer)
+
+
+def set_training_data(trainer: Any, dataset: Any, collator: Callable[..., Any]) -> None:
+    """Point ``trainer`` at ``dataset`` and ``collator`` (public attributes), recorded for unprepare."""
+    set_attr(trainer, "train_dataset", dataset, owner=trainer)
+    set_attr(trainer, "data_collator", collator, owner=trainer)
+
+
+def tokenizer_of(trainer: Any) -> Any:
+    """The tokenizer of a ``DPOTrainer``, from its public ``processing_class`` (a processor's ``.tokenizer``).
+
+    >>> from types import SimpleNamespace as NS
+    >>> tokenizer_of(NS(processing_class=NS(tokenizer=NS(pad_token_id=0)))).pad_token_id
+    0
+    """
+    found = getattr(trainer, "processing_class", None)
+    found = getattr(found, "tokenizer", found)
+    if getattr(found, "pad_token_id", None) is None:
+        raise _unknown(f"{type(trainer).__name__}.processing_class has no tokenizer with a pad_token_id")
+    return found
+
+
+def is_vision(trainer: Any) -> bool:
+    """Whether a ``DPOTrainer`` was built on image data (``DPOTrainer._is_vision_dataset``, set in its constructor)."""
+    found = vars(trainer).get("_is_vision_dataset")
+    if not isinstance(found, bool):
+        raise _unknown(
+            f"{type(trainer).__name__} has no _is_vision_dataset flag (got {type(found).__name__})"
+        )
+    return found
+
+
+#: The TRL versions whose ``GRPOTrainer`` / ``RLOOTrainer`` shapes :mod:`packtools.integrations.rl` was checked
+#: against: outside it ``prepare_grpo_trainer`` refuses (it replaces a private method of theirs).
+RL_CHECKED = "1.16.0 - 1.16.0"
+#: ``GRPOConfig.loss_type`` values of the checked versions (TRL's ``_compute_loss`` runs them unchanged).
+GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+#: ``_get_per_token_logps_and_entropies`` as the checked GRPOTrainer and RLOOTrainer define it.
+RL_LOGPS_PARAMS = (
+    "self",
+    "model",
+    "input_ids",
+    "attention_mask",
+    "logits_to_keep",
+    "batch_size",
+    "compute_entropy",
+    "compute_aux_loss",
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+#: The media arguments of that method: packtools' rows carry text only, so a call with any of them is refused.
+RL_MEDIA_PARAMS = RL_LOGPS_PARAMS[8:]
+_RL_LOGPS = "_get_per_token_logps_and_entropies"
+
+
+def rl_trainer_kind(trainer: Any) -> tuple[type, str]:
+    """``(TRL's class, its name)`` for a ``GRPOTrainer`` / ``RLOOTrainer`` (or a subclass) of a checked TRL version.
+
+    Refuses another trainer, a TRL version outside :data:`RL_CHECKED`, a log-probability method of another
+    shape, and a user subclass that overrides that method (packtools would replace it)."""
+    import trl
+
+    found = next((c for c in (trl.GRPOTrainer, trl.RLOOTrainer) if isinstance(trainer, c)), None)
+    if found is None:
+        raise PackingError(
+            f"prepare_grpo_trainer expects a trl.GRPOTrainer or trl.RLOOTrainer, got {type(trainer).__name__}; "
+            f"for DPOTrainer use packtools.prepare_dpo_trainer, for Trainer/SFTTrainer packtools.prepare_trainer."
+        )
+    installed = version("trl") or "?"
+    if not within(installed, RL_CHECKED):
+        raise unknown_shape(
+            "trl",
+            RL_CHECKED,
+            f"{found.__name__}'s log-probability forward (_get_per_token_logps_and_entropies) is replaced by "
+            f"packtools and was only checked on these versions",
+            "Install a trl version in that range, or train padded (do not call prepare_grpo_trainer).",
+        )
+    method = getattr(found, _RL_LOGPS, None)
+    params = tuple(inspect.signature(method).parameters) if callable(method) else ()
+    if params != RL_LOGPS_PARAMS:
+        raise _unknown(f"{found.__name__}.{_RL_LOGPS} takes {params}, not {RL_LOGPS_PARAMS}")
+    mine = getattr(type(trainer), _RL_LOGPS)
+    if mine is not method:
+        raise PackingError(
+            f"{type(trainer).__name__} overrides {_RL_LOGPS}; packtools computes those log-probabilities itself and "
+            f"would replace yours. Move the change elsewhere (e.g. _compute_loss), or do not call "
+            f"prepare_grpo_trainer."
+        )
+    return found, found.__name__
+
+
+def trl_logps(base: type, trainer: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+    """TRL's own padded ``_get_per_token_logps_and_entropies`` of class ``base`` (the isolation probe's reference)."""
+    return getattr(base, _RL_LOGPS)(trainer, model, *args, **kwargs)

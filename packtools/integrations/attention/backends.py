@@ -1,0 +1,292 @@
+"""What a model is, for padding-free batches: its attention backend, its token mixers, the inputs it takes.
+
+* :func:`attention_implementation`, :func:`check_attention_implementation`, :func:`is_flash`: the backend
+  (``config._attn_implementation``, read through :mod:`packtools.compat.transformers`) and whether
+  it keeps packed sequences apart.
+* :func:`use_segmented_sdpa` / :func:`switch_back`: the switch to packtools' per-sequence ``sdpa``
+  (:mod:`packtools.integrations.attention.segmented`) and back, recorded on an ``owner`` so ``unprepare`` undoes it.
+* :func:`token_mixing_layers`: layers that mix tokens outside attention (found by module type).
+* :func:`forward_accepts` (the one "does forward take this key" helper) and :func:`adapt_collator`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ...compat.transformers import attn_implementation, builds_packed_masks, set_attention
+from ...errors import PackingError
+from .segmented import SEGMENTED_SDPA, register
+
+#: Backends that build a block-diagonal mask from ``position_ids`` (with no ``attention_mask``, no cache).
+MASK_BACKENDS = ("sdpa", "eager", "flex_attention", SEGMENTED_SDPA)
+
+
+def base_model(model: Any) -> Any:
+    """The transformers model under PEFT / DDP wrappers."""
+    for _ in range(4):
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif hasattr(model, "module") and not hasattr(model, "config"):
+            model = model.module
+        else:
+            break
+    return model
+
+
+def attention_implementation(model: Any) -> str | None:
+    """``config._attn_implementation`` of a model (of its text model for composite configs)."""
+    return attn_implementation(getattr(base_model(model), "config", None))
+
+
+def forward_accepts(model: Any, key: str, *, named: bool = False) -> bool:
+    """Whether the ``forward`` of the (unwrapped) model takes ``key``: by name, or (unless ``named``) through
+    ``**kwargs``.
+
+    >>> class M:
+    ...     def forward(self, input_ids, **kwargs): ...
+    >>> forward_accepts(M(), "seq_idx"), forward_accepts(M(), "seq_idx", named=True)
+    (True, False)
+    """
+    params = inspect.signature(base_model(model).forward).parameters
+    if key in params:
+        return True
+    return not named and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def is_flash(implementation: str | None) -> bool:
+    """FlashAttention-family backends (``flash_attention_2/3/4``, ``kernels-community/*flash*``), as transformers tells them."""
+    return (
+        implementation is not None and "flash" in implementation and not implementation.startswith("paged|")
+    )
+
+
+#: Config attributes that make a model multimodal.
+_MEDIA_CONFIGS = ("vision_config", "audio_config", "speech_config", "video_config", "vision_tower_config")
+
+
+def multimodal_parts(model: Any) -> list[str]:
+    """What makes ``model`` multimodal (an image / audio tower in its config, ``pixel_values`` in its
+    ``forward``); empty for a text model."""
+    config = getattr(base_model(model), "config", None)
+    parts = [name for name in _MEDIA_CONFIGS if getattr(config, name, None) is not None]
+    if callable(getattr(base_model(model), "forward", None)) and forward_accepts(
+        model, "pixel_values", named=True
+    ):
+        parts.append("pixel_values in its forward")
+    return parts
+
+
+def check_multimodal(model: Any) -> None:
+    """Refuse a multimodal model whose type is not in :data:`packtools.batches.mrope.VERIFIED_MODEL_TYPES` (the
+    one list of vision-language models whose packed batches are verified exact), naming it and why.  A verified
+    one passes here; ``prepare_trainer`` then requires its ``MultimodalCollator``
+    (:func:`packtools.integrations.multimodal.models.check_multimodal_model`)."""
+    from ...batches import mrope
+
+    parts = multimodal_parts(model)
+    base = base_model(model)
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    if not parts or model_type in mrope.VERIFIED_MODEL_TYPES:
+        return
+    raise PackingError(
+        f"{type(base).__name__} (model_type {model_type!r}) is a multimodal model ({', '.join(parts)}), and "
+        f"packtools has not verified packed batches for it: such models build their rotary positions from the "
+        f"image grid and the tokens (e.g. Qwen2-VL's 3-D mRoPE), not from position_ids that restart per "
+        f"sequence, and PaddingFreeCollator does not carry pixel_values / image_grid_thw. Train it unpacked with "
+        f"its processor's collator. Verified multimodal model types (packed with "
+        f"packtools.batches.MultimodalCollator): {list(mrope.VERIFIED_MODEL_TYPES)}.",
+        param="model",
+    )
+
+
+def check_not_compiled(model: Any) -> None:
+    """Refuse a model already wrapped by ``torch.compile``: packtools must hook and check the module itself."""
+    if not hasattr(model, "_orig_mod") or not hasattr(model, "_torchdynamo_orig_callable"):
+        return
+    raise PackingError(
+        f"the model was compiled (torch.compile gave a {type(model).__name__}) before packtools saw it, so its "
+        f"forward and inputs cannot be checked or adapted for packed batches. Give the Trainer the uncompiled "
+        f"model and let it be compiled afterwards: TrainingArguments(torch_compile=True), or torch.compile "
+        f"after prepare_trainer; both train exactly.",
+        param="model",
+    )
+
+
+def check_attention_implementation(model: Any) -> str:
+    """Return the model's attention backend, or raise :class:`PackingError` if it cannot isolate packed sequences.
+
+    >>> class Cfg:
+    ...     _attn_implementation = "sdpa"
+    >>> class M:
+    ...     config = Cfg()
+    ...     def forward(self, input_ids=None, position_ids=None, **kwargs): ...
+    >>> check_attention_implementation(M())
+    'sdpa'
+    >>> Cfg._attn_implementation = "paged|eager"
+    >>> check_attention_implementation(M())  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: attention implementation 'paged|eager' cannot keep packed sequences apart...
+    """
+    check_not_compiled(model)
+    check_multimodal(model)
+    impl = attention_implementation(model)
+    if impl is None:
+        raise PackingError(
+            f"{type(model).__name__} has no config._attn_implementation, so packtools cannot tell whether its "
+            f"attention keeps packed sequences apart. Use a transformers model loaded with "
+            f"attn_implementation='flash_attention_2', 'sdpa', 'eager' or 'flex_attention'."
+        )
+    if not is_flash(impl) and impl not in MASK_BACKENDS:
+        raise PackingError(
+            f"attention implementation {impl!r} cannot keep packed sequences apart: only FlashAttention-family "
+            f"kernels (which read cu_seq_lens) and {', '.join(MASK_BACKENDS)} (which build a block-diagonal mask "
+            f"from position_ids) do. Load the model with attn_implementation='flash_attention_2' (GPU) or 'sdpa', "
+            f"or call model.set_attn_implementation('sdpa')."
+        )
+    if impl == SEGMENTED_SDPA and uses_alibi(model):
+        raise PackingError(
+            f"{type(base_model(model)).__name__} adds ALiBi position biases to the attention mask tensor itself, "
+            f"and {SEGMENTED_SDPA!r} hands attention no whole-row mask tensor (a DocumentMask, built per "
+            f"document): packtools does not run ALiBi models on {SEGMENTED_SDPA!r}. Load it with "
+            f"attn_implementation='sdpa' (prepare_trainer keeps ALiBi models on 'sdpa', which separates packed "
+            f"sequences by their position_ids) or 'eager'.",
+            param="model",
+        )
+    if not is_flash(impl) and not builds_packed_masks():
+        raise PackingError(
+            f"this transformers version does not build a block-diagonal mask from position_ids, so {impl!r} "
+            f"attention would let packed sequences see each other. Upgrade transformers (>= 4.54), or use "
+            f"attn_implementation='flash_attention_2'."
+        )
+    if not is_flash(impl):
+        if not forward_accepts(model, "position_ids", named=True):
+            raise PackingError(
+                f"{type(base_model(model)).__name__}.forward takes no position_ids, so with {impl!r} attention it "
+                f"cannot separate packed sequences. Use attn_implementation='flash_attention_2', or do not pack."
+            )
+    return impl
+
+
+#: Model types whose attention always adds ALiBi biases (others say so in ``config.alibi``, e.g. Falcon).
+ALIBI_MODEL_TYPES = ("bloom", "mpt")
+
+
+def uses_alibi(model: Any) -> bool:
+    """Whether the model adds ALiBi position biases to its attention (``config.alibi``, or Bloom / MPT)."""
+    config = getattr(base_model(model), "config", None)
+    return bool(getattr(config, "alibi", False)) or getattr(config, "model_type", None) in ALIBI_MODEL_TYPES
+
+
+def use_segmented_sdpa(model: Any, *, owner: Any = None) -> bool:
+    """Switch a text model from ``sdpa`` to packtools' per-sequence ``sdpa``; returns whether it switched.
+
+    Padding-free rows then cost ``sum(L_i²)`` per attention layer instead of ``(sum L_i)²``, with the same
+    result (see :mod:`packtools.integrations.attention.segmented`).  Other backends, composite (multimodal) configs, ALiBi
+    models (:func:`uses_alibi`) and models without ``set_attn_implementation`` are left as they are.  With an
+    ``owner`` (``prepare_trainer`` passes the trainer) the switch and the registration are recorded, so
+    :func:`packtools.integrations.unprepare` switches back; otherwise ``model.set_attn_implementation("sdpa")``
+    does.  The name is not saved with the config.
+    """
+    base = base_model(model)
+    config = getattr(base, "config", None)
+    if attention_implementation(model) != "sdpa" or not hasattr(base, "set_attn_implementation"):
+        return False
+    if getattr(config, "sub_configs", None) or uses_alibi(model):  # ALiBi: check_attention_implementation
+        return False
+    set_attention(base, register(owner=owner), owner=owner)
+    return attention_implementation(model) == SEGMENTED_SDPA  # some models keep their own (e.g. Falcon)
+
+
+def switch_back(models: Sequence[Any]) -> None:
+    """Undo :func:`use_segmented_sdpa` on ``models``."""
+    for model in models:
+        set_attention(base_model(model), "sdpa")
+
+
+@contextlib.contextmanager
+def segmented_sdpa_until_checked(
+    models: Sequence[Any], enabled: bool = True, *, owner: Any = None
+) -> Iterator[list[Any]]:
+    """Switch the ``sdpa`` models among ``models`` (:func:`use_segmented_sdpa`) and yield those switched; if
+    the block raises (a refused trainer), switch them back, so the caller's models are left as they came."""
+    switched = [m for m in models if m is not None and enabled and use_segmented_sdpa(m, owner=owner)]
+    try:
+        yield switched
+    except BaseException:
+        switch_back(switched)
+        raise
+
+
+_MIXER_NAMES = ("Mamba", "DeltaNet", "LinearAttention", "ShortConv", "SSM", "RWKV", "Recurrent")
+
+
+def token_mixing_layers(model: Any, *, include_handled: bool = False) -> list[str]:
+    """Names of the layers that mix tokens outside attention (convolutions, state-space or linear-attention scans).
+
+    Such layers ignore ``position_ids``: they keep packed sequences apart only when given ``seq_idx`` or
+    ``cu_seq_lens`` *and* a kernel that reads them (mamba-ssm, causal-conv1d, flash-linear-attention).
+    Found by module type: a ``torch.nn.Conv1d`` with a kernel wider than 1 (reported as its parent
+    layer) or a class named like a Mamba / DeltaNet / linear-attention / RWKV block that is not an attention
+    module (transformers' attention classes set ``is_causal``: Kimi Linear's MLA is ``KimiLinearAttention``).
+    Layers that :func:`packtools.integrations.attention.mixers.run_mixers_per_document` runs per document (or with their
+    varlen kernels) keep documents apart and are not listed (``include_handled=True`` lists them too).
+    """
+    found: list[str] = []
+    handled: list[str] = []
+    modules = dict(base_model(model).named_modules())
+    for name, module in modules.items():
+        cls = type(module).__name__
+        parent = name.rsplit(".", 1)[0] if "." in name else name
+        if any(name == f or name.startswith(f + ".") or parent == f for f in found):
+            continue
+        kernel = getattr(module, "kernel_size", None)
+        if cls == "Conv1d" and isinstance(kernel, tuple) and kernel[0] > 1:
+            found.append(parent)
+        elif (
+            any(part in cls for part in _MIXER_NAMES)
+            and not cls.endswith(("Model", "ForCausalLM"))
+            and not hasattr(module, "is_causal")
+        ):
+            found.append(name)
+    for name in found:
+        forward = vars(modules[name]).get("forward") if name in modules else None
+        if getattr(forward, "keeps_documents_apart", False):
+            handled.append(name)
+    return found if include_handled else [n for n in found if n not in handled]
+
+
+def adapt_collator(collator: Any, model: Any) -> Any:
+    """``collator`` with the keys the model's ``forward`` does not take switched off (and, for padded
+    batches, the model's attention backend named, so packed rows are checked against it).
+
+    Applies to a :class:`~packtools.PaddingFreeCollator` (or the one inside an ``ArrowCollator``);
+    any other collator is returned as is.  ``position_ids`` is never switched off here: without it
+    non-flash backends cannot separate sequences, which :func:`check_attention_implementation` refuses.
+    """
+    from ...batches.collate import SWITCHED_KEYS, PaddingFreeCollator
+
+    inner = getattr(collator, "collator", collator)
+    if not isinstance(inner, PaddingFreeCollator):
+        return collator
+    changes: dict[str, Any] = {
+        switch: False
+        for switch, keys in SWITCHED_KEYS.items()
+        if switch != "return_position_ids"
+        and getattr(inner, switch)
+        and not all(forward_accepts(model, key) for key in keys)
+    }
+    if not inner.padding_free and inner.attn_implementation is None:  # the model's backend, for its check
+        changes["attn_implementation"] = attention_implementation(model)
+    if not changes:
+        return collator
+    adapted = inner.replace(**changes)
+    if inner is collator:
+        return adapted
+    wrapper = copy.copy(collator)
+    wrapper.collator = adapted
+    return wrapper

@@ -1,0 +1,538 @@
+"""Packing and truncating Hugging Face ``datasets`` (extra ``packtools[datasets]``), imported only when used.
+
+:func:`pack_dataset` packs a ``Dataset`` / ``DatasetDict`` with one global plan (in memory, or block by block into
+an Arrow cache file) and an ``IterableDataset`` window by window (:func:`~packtools.integrations.data.datasets.truncate_dataset`
+cuts list columns).
+Views without copies are in :mod:`packtools.integrations.data.views`, preference pairs and groups in
+:mod:`packtools.integrations.preference.data`; what they read of ``datasets``' internals is in
+:mod:`packtools.compat.datasets`.
+
+Truncating Hugging Face ``datasets`` (extra ``packtools[datasets]``): :func:`truncate_dataset` cuts list columns
+to ``max_length`` values, with the drops reported (never silent).
+
+``pack_dataset`` for processed vision-language rows: samples placed whole, their images with them.
+
+A processed sample has its token columns (``input_ids``, ``labels``, ``mm_token_type_ids``, masks), whose
+length already counts the image tokens the processor expanded, and per-sample image columns
+(``pixel_values``: one list of patches; ``image_grid_thw``: one ``(t, h, w)`` per image).  Only ``bfd``
+packs them: every sample goes whole into one row (a sample longer than ``max_length`` is refused, never
+truncated, since cutting it would cut an image or its placeholder tokens), and each packed row gets its
+samples' patches and grids concatenated in row order (:func:`~packtools.core.nested.gather_whole_samples`).
+``bfd_split`` and ``wrapped`` are refused by name: they cut samples.
+
+Memory: the packed rows are built in memory -- the token columns plus one copy of every pixel value
+(``pixel_values`` of ``n`` patches of ``C*tp*p*p`` values per image; e.g. 1,176 float32 values = 4.6 kB per
+patch for Qwen2-VL's 14-pixel patches), whatever ``keep_in_memory`` says.  Offline, out of core packing of
+images is not available yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ..._optional import require
+from ...compat.datasets import dataset_table, format_type, memory_mapped_table, temporary_cache_directory
+from ...compat.datasets import fingerprint as datasets_fingerprint
+from ...constants import SEQ_LENGTHS
+from ...core.arrow import is_list_type
+from ...core.cp_budget import check_context_parallel, plan_for_cp
+from ...core.nested import check_whole_samples, gather_whole_samples
+from ...core.pack import pack_columns, read_columns, truncate_table
+from ...core.plan import PackPlan, Strategy, check_max_length, check_strategy
+from ...core.plan import plan as make_plan
+from ...errors import PackingError
+from .drops import DropReport, TokensDroppedWarning, untrained_pieces, warn_dropped, warn_untrained
+
+DEFAULT_WINDOW = 100_000
+
+
+def datasets_module() -> Any:
+    return require("datasets", "packing a datasets.Dataset")
+
+
+def derived_fingerprint(dataset: Any, operation: str, **params: Any) -> str:
+    """A fingerprint for a dataset made from ``dataset`` (else ``datasets`` pickles every token to hash it).
+
+    Besides ``datasets``' own fingerprint it takes the size and mtime of the Arrow files behind the dataset:
+    files replaced under an unchanged ``state.json`` (same fingerprint, other rows) must not reuse the packing
+    of the old rows."""
+    from ...io.fingerprint import cache_key
+
+    files = []
+    for f in getattr(dataset, "cache_files", None) or []:
+        try:
+            st = os.stat(f["filename"])
+            files.append([f["filename"], st.st_size, st.st_mtime_ns])
+        except (OSError, KeyError, TypeError):
+            files.append([str(f), None, None])
+    return cache_key(operation, 1, dataset=datasets_fingerprint(dataset), files=files, params=params)[:16]
+
+
+def restore_format(ds: Any, fmt: dict[str, Any], added: list[str]) -> Any:
+    columns = fmt.get("columns")
+    if columns is not None:
+        columns = [c for c in columns if c in ds.column_names] + [c for c in added if c not in columns]
+    return ds.with_format(
+        fmt.get("type"),
+        columns=columns,
+        output_all_columns=fmt.get("output_all_columns", False),
+        **(fmt.get("format_kwargs") or {}),
+    )
+
+
+BLOCK_TOKENS = 1 << 26  # tokens gathered and written at a time when packing to a cache file
+
+
+def _cache_file(dataset: Any, fingerprint: str) -> tuple[str, bool]:
+    """Where the packed rows of ``dataset`` go, and whether an existing file there may be reused.
+
+    Like ``datasets.map``: next to the dataset's own cache files when it has some (and caching is on),
+    else in ``datasets``' temporary folder, which is deleted when the Python session ends.
+    """
+    ds_mod = datasets_module()
+    caching = ds_mod.is_caching_enabled()
+    if caching and dataset.cache_files:
+        directory = os.path.dirname(dataset.cache_files[0]["filename"])
+        if os.access(directory, os.W_OK):
+            return os.path.join(directory, f"packtools-{fingerprint}.arrow"), True
+    directory = temporary_cache_directory(ds_mod)
+    return os.path.join(directory, f"packtools-{fingerprint}.arrow"), False
+
+
+def _write_packed(path: str, cols: list, p: PackPlan, indices: np.ndarray | None) -> None:
+    """Gather and write the packed rows block by block, giving back mapped input pages as it goes."""
+    from ..._atomic import atomic_path
+    from ...io.pages import PageReleaser
+
+    release = PageReleaser().release
+    blocks = p.row_blocks(BLOCK_TOKENS) or [(0, 0)]
+    scratch: dict[str, np.ndarray] = {}  # one buffer per column, reused: the writer copies each block out
+    with atomic_path(path) as tmp, pa.OSFile(tmp, "wb") as sink:
+        writer = None
+        for start, stop in blocks:
+            table = pack_columns(cols, p.slice_rows(start, stop), indices, release, scratch)
+            if writer is None:
+                writer = pa.ipc.new_stream(sink, table.schema)
+            writer.write_table(table)
+            del table
+        writer.close()
+
+
+#: How ``pack_dataset`` output records what it was packed with (``DatasetInfo.description``, which ``datasets``
+#: carries through ``shuffle``, ``select``, ``map``, ``remove_columns`` and ``save_to_disk``).
+RECORD_PREFIX = "packtools.pack_dataset: "
+
+
+def packing_record(dataset: Any) -> dict[str, Any] | None:
+    """What ``pack_dataset`` packed ``dataset`` with (``max_length``, ``strategy``, ``context_parallel``), read
+    from its ``DatasetInfo.description``; ``None`` for any other dataset.
+
+    >>> from datasets import Dataset
+    >>> packing_record(pack_dataset(Dataset.from_dict({"input_ids": [[1, 2, 3], [4]]}), 4))
+    {'max_length': 4, 'strategy': 'bfd', 'context_parallel': 1}
+    """
+    description = getattr(getattr(dataset, "info", None), "description", None)
+    if not isinstance(description, str) or not description.startswith(RECORD_PREFIX):
+        return None
+    try:
+        record = json.loads(description[len(RECORD_PREFIX) :])
+    except ValueError:
+        return None
+    ok = isinstance(record, dict) and isinstance(record.get("max_length"), int)
+    return record if ok else None
+
+
+def _packed(dataset: Any, table: Any, fingerprint: str, record: dict[str, Any]) -> Any:
+    ds_mod = datasets_module()
+    info = ds_mod.DatasetInfo(description=RECORD_PREFIX + json.dumps(record))
+    return ds_mod.Dataset(table, info=info, split=dataset.split, fingerprint=fingerprint)
+
+
+def pack_split(
+    dataset: Any,
+    max_length: int,
+    strategy: str,
+    columns: Sequence[str] | None,
+    *,
+    shuffle: bool,
+    seed: int,
+    keep_in_memory: bool | None,
+    plan: PackPlan | None = None,
+    context_parallel: int = 1,
+) -> tuple[Any, DropReport]:
+    """Pack one ``Dataset`` and report its drops; with ``plan`` (made for these arguments, e.g. by
+    :func:`~packtools.integrations.data.views.packed_view`) reuse it.  ``context_parallel``: already checked
+    (:func:`~packtools.core.cp_budget.check_context_parallel`)."""
+    ds_mod = datasets_module()
+    table, indices = dataset_table(dataset)
+    how = {
+        "max_length": max_length,
+        "strategy": strategy,
+        "columns": columns,
+        "shuffle": shuffle,
+        "seed": seed,
+    }
+    if context_parallel > 1:  # in the key only when used: keys of runs without CP stay as they were
+        how["context_parallel"] = context_parallel
+    fingerprint = derived_fingerprint(dataset, "pack", **how)
+    record = {"max_length": max_length, "strategy": strategy, "context_parallel": context_parallel}
+    if plan is None and has_images(table):  # processed vision-language samples: whole, images in row order
+        if context_parallel > 1:
+            raise PackingError(
+                f"context_parallel={context_parallel} with vision-language samples (pixel_values / "
+                f"image_grid_thw): packtools does not train them under context parallelism. Pack them without "
+                f"context_parallel.",
+                param="context_parallel",
+            )
+        packed, p = pack_vision_table(
+            table, indices, max_length, strategy, columns, shuffle=shuffle, seed=seed
+        )
+        out = _packed(dataset, packed, fingerprint, record)
+        return restore_format(out, dict(dataset.format), [SEQ_LENGTHS]), DropReport.from_plan(p)
+    cols, lengths = read_columns(table, columns)
+    if plan is not None:
+        p = plan
+    else:
+        if indices is not None:
+            lengths = lengths[indices]
+        p = plan_for_cp(lengths, max_length, strategy, context_parallel)
+        if shuffle:
+            p = p.shuffled(seed)
+    if keep_in_memory is None:
+        keep_in_memory = not dataset.cache_files
+    if keep_in_memory:
+        out = _packed(dataset, pack_columns(cols, p, indices), fingerprint, record)
+    else:
+        path, reuse = _cache_file(dataset, fingerprint)
+        if not (reuse and os.path.exists(path)):
+            _write_packed(path, cols, p, indices)
+        out = _packed(dataset, memory_mapped_table(ds_mod, path), fingerprint, record)
+    added = [SEQ_LENGTHS] if SEQ_LENGTHS in out.column_names else []
+    if p.strategy in ("bfd_split", "wrapped"):  # pieces of a cut that train nothing are said, never silent
+        warn_untrained(untrained_pieces(table, indices, p), f"pack_dataset(strategy={p.strategy!r})", 3)
+    return restore_format(out, dict(dataset.format), added), DropReport.from_plan(p, context_parallel)
+
+
+def pack_dataset(
+    dataset: Any,
+    max_length: int,
+    strategy: Strategy | str = "bfd",
+    columns: Sequence[str] | None = None,
+    *,
+    shuffle: bool = False,
+    seed: int = 0,
+    window: int = DEFAULT_WINDOW,
+    keep_in_memory: bool | None = None,
+    return_report: bool = False,
+    processor: Any = None,
+    context_parallel: int = 1,
+) -> Any:
+    """Pack a ``datasets.Dataset``, ``DatasetDict`` or ``IterableDataset`` into rows of ``max_length`` tokens.
+
+    A ``Dataset`` (each split of a ``DatasetDict``) is packed with one global plan, so rows are as full as
+    best-fit decreasing can make them; the result has the same format, with ``seq_lengths`` added for
+    ``bfd``/``bfd_split``.  For a dataset of at most 1000 rows the output equals
+    ``trl.pack_dataset(dataset, max_length, strategy)`` row for row.
+
+    Where the packed rows go (``keep_in_memory``): by default, a dataset that lives in memory is packed in
+    memory (fastest), and a memory-mapped one (``load_from_disk``, ``load_dataset``, ``map`` results) is
+    packed, as ``datasets.map`` would, block by block into an Arrow cache file next to its own cache files,
+    then memory-mapped: peak memory stays at about one block of 2**26 tokens, the input's pages are given
+    back as they are read, and a later call with the same dataset and arguments reuses the file (with
+    ``datasets`` caching on).  ``True`` / ``False`` force one way (``False`` on an in-memory dataset writes to
+    ``datasets``' temporary folder, deleted when Python exits).
+
+    An ``IterableDataset`` is packed lazily in windows of ``window`` rows, each with its own plan.  A window
+    ends with one partly filled row, so a window of ``w`` rows of mean length ``m`` adds about
+    ``max_length / (2 * w * m)`` relative rows over a global plan: ~0.5% for TRL's 1000-row windows at
+    ``m / max_length = 0.1``, under 0.01% from 100k rows on.
+
+    A dataset that is already packed is refused, since packing it again would merge the sequences of its
+    rows: packtools tells from a ``seq_lengths`` column, a ``cu_seq_lens*`` / ``cu_seqlens`` / ``seq_idx``
+    column, or ``position_ids`` that restart inside a row (:func:`packtools.core.pack.check_not_packed`).  It
+    cannot tell rows that were concatenated with none of these left (e.g. ``seq_lengths`` removed from
+    packtools output that had no ``position_ids``): keep ``seq_lengths`` with packed data.
+
+    Tokens dropped (``bfd`` cuts sequences longer than ``max_length``) raise a
+    :class:`~packtools.integrations.data.drops.TokensDroppedWarning` with their share and the ``bfd_split`` hint;
+    ``return_report=True`` returns ``(packed, report)`` (a :class:`~packtools.integrations.data.drops.DropReport`, a
+    dict of them for a ``DatasetDict``; not for an ``IterableDataset``, packed lazily).
+
+    Processed vision-language samples (``pixel_values`` and ``image_grid_thw`` columns beside ``input_ids``)
+    are packed by :mod:`packtools.integrations.data.datasets`: ``bfd`` only, every sample whole (one longer than
+    ``max_length`` is refused, never truncated), its patches and grids concatenated in row order, in memory;
+    ``bfd_split`` / ``wrapped`` and ``IterableDataset`` inputs are refused.  ``processor=DIR`` (a local
+    folder of the model's processor) first processes rows in TRL's vision format (``messages`` with image
+    parts, ``images``: paths, bytes or PIL images) into those columns
+    (:func:`~packtools.integrations.multimodal.processor.process_vision_dataset`).
+
+    ``context_parallel=N`` packs the rows for context parallelism over ``N`` processes
+    (:mod:`packtools.core.cp_budget`, the rule ``pack_files(..., context_parallel=N)`` plans with offline): every
+    document is planned at its length padded to a multiple of ``2N``, so each row still fits ``max_length`` once
+    :class:`~packtools.batches.ContextParallelCollator` pads it; the rows hold real tokens only (``seq_lengths``
+    the real lengths), and the padding is reported as fill lost (the report's ``cp_padding_tokens`` and
+    ``cp_fill_lost``).  ``max_length`` must be a multiple of ``2N``; ``wrapped`` rows are one sequence each,
+    planned as without CP (only a row shorter than ``max_length`` is padded).  The output records what it was
+    packed with (:func:`packing_record`), so ``prepare_trainer(trainer, context_parallel=N)`` holds every row to
+    that ``max_length`` once padded before training.
+
+    ``shuffle=True`` reorders the packed rows with ``seed`` (BFD emits the fullest rows first); for an
+    ``IterableDataset`` each window is shuffled on its own, with the same seed (shuffle the stream's
+    shards too, e.g. ``IterableDataset.shuffle``, for order across windows).
+
+    >>> from datasets import Dataset
+    >>> ds = Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]]})
+    >>> pack_dataset(ds, 4)[:]
+    {'input_ids': [[1, 2, 3, 4], [8, 9, 10, 11], [6, 7]], 'seq_lengths': [[4], [3, 1], [2]]}
+    """
+    ds_mod = datasets_module()
+    strategy = check_strategy(strategy)
+    max_length = check_max_length(max_length)
+    context_parallel = check_context_parallel(context_parallel, max_length)
+    how = {
+        "shuffle": shuffle,
+        "seed": seed,
+        "keep_in_memory": keep_in_memory,
+        "context_parallel": context_parallel,
+    }
+    if processor is not None:
+        from ..multimodal.processor import load_vision_processor, process_vision_dataset
+
+        if not isinstance(dataset, (ds_mod.Dataset, ds_mod.DatasetDict)):
+            raise PackingError("processor= needs a Dataset or DatasetDict.", param="processor")
+        vp = load_vision_processor(processor) if isinstance(processor, (str, os.PathLike)) else processor
+        if isinstance(dataset, ds_mod.DatasetDict):
+            dataset = ds_mod.DatasetDict({k: process_vision_dataset(v, vp) for k, v in dataset.items()})
+        else:
+            dataset = process_vision_dataset(dataset, vp)
+    if isinstance(dataset, ds_mod.DatasetDict):
+        results = {
+            name: pack_split(split, max_length, strategy, columns, **how) for name, split in dataset.items()
+        }
+        for name, (_, report) in results.items():
+            warn_dropped(report, "pack_dataset", name)
+        out = ds_mod.DatasetDict({name: r[0] for name, r in results.items()})
+        return (out, {name: r[1] for name, r in results.items()}) if return_report else out
+    if isinstance(dataset, ds_mod.Dataset):
+        out, report = pack_split(dataset, max_length, strategy, columns, **how)
+        warn_dropped(report, "pack_dataset")
+        return (out, report) if return_report else out
+    if isinstance(dataset, ds_mod.IterableDataset):
+        if has_images(dataset):
+            raise PackingError(
+                "an IterableDataset with image columns (pixel_values / image_grid_thw) cannot be packed yet; "
+                "load it as a Dataset (its samples are packed whole, images in row order).",
+                param="dataset",
+            )
+        if return_report:
+            raise PackingError(
+                "return_report=True needs a Dataset: an IterableDataset is packed lazily, window by window.",
+                param="return_report",
+            )
+        return _pack_iterable(
+            dataset,
+            max_length,
+            strategy,
+            columns,
+            shuffle=shuffle,
+            seed=seed,
+            window=window,
+            cp=context_parallel,
+        )
+    raise PackingError(
+        f"dataset must be a datasets.Dataset, DatasetDict or IterableDataset, got {type(dataset).__name__}; "
+        f"for a pyarrow.Table use packtools.pack_table."
+    )
+
+
+def _pack_iterable(
+    dataset: Any,
+    max_length: int,
+    strategy: str,
+    columns: Sequence[str] | None,
+    *,
+    shuffle: bool,
+    seed: int,
+    window: int,
+    cp: int = 1,
+) -> Any:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise PackingError(f"window must be a positive number of rows, got {window!r}.")
+    names = list(columns) if columns is not None else None
+
+    def pack_window(batch: pa.Table) -> pa.Table:
+        cols, lengths = read_columns(batch, names)
+        p = plan_for_cp(lengths, max_length, strategy, cp)
+        if shuffle:
+            p = p.shuffled(seed)
+        return pack_columns(cols, p)
+
+    fmt_type = format_type(dataset)
+    packed = dataset.with_format("arrow").map(pack_window, batched=True, batch_size=window)
+    return packed.with_format(fmt_type)
+
+
+# -- truncation ----------------------------------------------------------------------------------------------
+def truncate_dataset(
+    dataset: Any, max_length: int, columns: Sequence[str] | None = None, *, return_report: bool = False
+) -> Any:
+    """Keep the first ``max_length`` values of each list column (all, or those named) of a dataset.
+
+    Works on ``Dataset`` and ``DatasetDict`` (and on a ``pyarrow.Table``); the format is kept.  Tokens cut
+    (counted on ``input_ids``, else the first truncated column) raise a
+    :class:`~packtools.integrations.data.drops.TokensDroppedWarning`; ``return_report=True`` returns
+    ``(truncated, report)``.
+
+    >>> from datasets import Dataset
+    >>> truncate_dataset(Dataset.from_dict({"input_ids": [[1, 2, 3], [4]]}), 2)[:]
+    {'input_ids': [[1, 2], [4]]}
+    """
+    if isinstance(dataset, pa.Table):
+        out = truncate_table(dataset, max_length, columns)
+        report = _truncate_report(dataset, max_length, columns)
+        warn_dropped(report, "truncate_dataset")
+        return (out, report) if return_report else out
+    ds_mod = datasets_module()
+    max_length = check_max_length(max_length)
+    if isinstance(dataset, ds_mod.DatasetDict):
+        results = {}
+        for k, v in dataset.items():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", TokensDroppedWarning)
+                results[k] = truncate_dataset(v, max_length, columns, return_report=True)
+            warn_dropped(results[k][1], "truncate_dataset", k)
+        out = ds_mod.DatasetDict({k: r[0] for k, r in results.items()})
+        return (out, {k: r[1] for k, r in results.items()}) if return_report else out
+    if not isinstance(dataset, ds_mod.Dataset):
+        raise PackingError(
+            f"dataset must be a datasets.Dataset or DatasetDict, got {type(dataset).__name__}."
+        )
+    table, indices = dataset_table(dataset)
+    if indices is not None:
+        table = table.take(pa.array(indices))
+    fingerprint = derived_fingerprint(dataset, "truncate", max_length=max_length, columns=columns)
+    out = ds_mod.Dataset(
+        truncate_table(table, max_length, columns), split=dataset.split, fingerprint=fingerprint
+    )
+    report = _truncate_report(table, max_length, columns)
+    warn_dropped(report, "truncate_dataset")
+    out = restore_format(out, dict(dataset.format), [])
+    return (out, report) if return_report else out
+
+
+def _truncate_report(table: pa.Table, max_length: int, columns: Sequence[str] | None) -> DropReport:
+    from ...core.arrow import column_lengths, is_list_type
+
+    names = [f.name for f in table.schema if is_list_type(f.type)] if columns is None else list(columns)
+    name = "input_ids" if "input_ids" in names else (names[0] if names else None)
+    lengths = column_lengths(table.column(name)) if name else np.zeros(0, np.int64)
+    return DropReport.from_lengths(lengths, max_length, "truncate")
+
+
+# -- vision data ---------------------------------------------------------------------------------------------
+#: Per-sample image columns: they travel whole with their sample (never cut per token).
+IMAGE_COLUMNS = ("pixel_values", "image_grid_thw")
+
+
+def has_images(dataset_or_table: Any) -> bool:
+    """Whether a ``Dataset`` or table carries per-sample image columns.
+
+    >>> has_images(pa.table({"input_ids": [[1]], "image_grid_thw": [[[1, 2, 2]]]})), has_images(pa.table({"a": [1]}))
+    (True, False)
+    """
+    names = getattr(dataset_or_table, "column_names", None) or []
+    return any(c in names for c in IMAGE_COLUMNS)
+
+
+def _check_patches(table: pa.Table) -> None:
+    """Every sample's ``pixel_values`` hold exactly the patches its ``image_grid_thw`` announces."""
+    if not all(c in table.column_names for c in IMAGE_COLUMNS):
+        missing = [c for c in IMAGE_COLUMNS if c not in table.column_names]
+        raise PackingError(
+            f"the rows have image columns but not {missing}: keep both 'pixel_values' and 'image_grid_thw' "
+            f"(the processor's output) so every image travels with its sample.",
+            param="columns",
+        )
+    grid = table.column("image_grid_thw").combine_chunks()
+    images = np.asarray(grid.value_lengths().fill_null(0), np.int64)
+    sides = np.asarray(grid.flatten().flatten(), np.int64) if len(grid) else np.zeros(0, np.int64)
+    if sides.shape[0] != 3 * int(images.sum()):
+        raise PackingError("'image_grid_thw' must hold three sides (t, h, w) per image.", param="columns")
+    prods = sides.reshape(-1, 3).prod(axis=1)
+    expected = np.zeros(images.shape[0], np.int64)
+    np.add.at(expected, np.repeat(np.arange(images.shape[0]), images), prods)
+    patches = np.asarray(table.column("pixel_values").combine_chunks().value_lengths().fill_null(0), np.int64)
+    bad = np.flatnonzero(patches != expected)
+    if bad.size:
+        r = int(bad[0])
+        raise PackingError(
+            f"row {r}: 'pixel_values' holds {patches[r]} patches but its image_grid_thw gives {expected[r]}; "
+            f"pass the processor's output for every sample unchanged."
+        )
+
+
+def pack_vision_table(
+    table: pa.Table,
+    indices: np.ndarray | None,
+    max_length: int,
+    strategy: str,
+    columns: Sequence[str] | None,
+    *,
+    shuffle: bool,
+    seed: int,
+) -> tuple[pa.Table, PackPlan]:
+    """Pack processed vision-language samples whole (``bfd`` only), images in row order; the plan too.
+
+    ``indices`` maps the dataset's rows to rows of ``table`` (a ``select``/``shuffle`` mapping), or None.
+    """
+    if strategy != "bfd":
+        raise PackingError(
+            f"strategy={strategy!r} cuts samples, and a vision-language sample cut in two splits an image from "
+            f"its placeholder tokens; multimodal rows are packed with strategy='bfd' (every sample whole).",
+            param="strategy",
+        )
+    names = list(table.column_names) if columns is None else list(columns)
+    left_out = [c for c in IMAGE_COLUMNS if c in table.column_names and c not in names]
+    if left_out:
+        raise PackingError(
+            f"columns={names} leaves out {left_out}: the packed rows would lose their images. Include them.",
+            param="columns",
+        )
+    _check_patches(table)
+    token_names = [n for n in names if n not in IMAGE_COLUMNS]
+    non_list = [
+        n for n in token_names if n in table.column_names and not is_list_type(table.schema.field(n).type)
+    ]
+    if non_list:
+        raise PackingError(
+            f"columns {non_list} are not list columns, so they cannot be packed; pass columns=[...] with the "
+            f"token and image columns (the others are left out), or remove {non_list} first.",
+            param="columns",
+        )
+    cols, lengths = read_columns(table, token_names)
+    if indices is not None:
+        lengths = lengths[indices]
+    over = np.flatnonzero(lengths > max_length)
+    if over.size:
+        r = int(over[0])
+        raise PackingError(
+            f"sample {r} has {int(lengths[r])} tokens (image tokens included) > max_length={max_length}, and "
+            f"{over.size} sample(s) in all: multimodal samples are never truncated (an image would be cut). Raise "
+            f"max_length (packtools.profile_lengths shows the lengths) or drop those samples.",
+            param="max_length",
+        )
+    p = make_plan(lengths, max_length, "bfd")
+    if shuffle:
+        p = p.shuffled(seed)
+    check_whole_samples(p, "samples with images")
+    packed = pack_columns(cols, p, indices)
+    for name in IMAGE_COLUMNS:
+        packed = packed.append_column(name, gather_whole_samples(table.column(name), p, indices))
+    return packed, p

@@ -1,0 +1,206 @@
+"""Vision-language models in ``prepare_trainer``: which ones packtools trains packed, and the probe through
+the vision tower.
+
+* :func:`check_multimodal_model`: a model with a vision (or audio) tower is refused by name unless its
+  ``model_type`` is in :data:`~packtools.batches.mrope.VERIFIED_MODEL_TYPES` (the one list), and a verified
+  one must be fed by :class:`~packtools.batches.vision.MultimodalCollator`: a text collator gives 2-D
+  positions, which turn image tokens into text positions (and, in Qwen2-VL / Qwen2.5-VL, let documents
+  attend to each other).
+* :func:`check_vision_isolation`: a few samples with images of different sizes and text-only ones, packed by
+  the trainer's collator, run through the whole model (vision tower included) and compared with each
+  sample run alone through the model's own path (``input_ids``, ``pixel_values``, ``image_grid_thw``,
+  ``mm_token_type_ids``; the model computes its positions itself); then the first sample's pixels and
+  tokens change and the others' logits must not move.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..._optional import require
+from ...batches.mrope import MropeSpec
+from ...errors import PackingError
+from ..attention.backends import attention_implementation, base_model, check_multimodal, multimodal_parts
+from ..attention.isolation import PERTURB_TOLERANCE, TOLERANCE, IsolationReport, _logits
+from ..trainers.collator_check import _checking
+
+
+def is_multimodal(model: Any) -> bool:
+    """Whether the (unwrapped) model is multimodal: a vision or audio tower in its config, or ``pixel_values``
+    in its ``forward`` (:func:`packtools.integrations.attention.backends.multimodal_parts`).
+
+    >>> class Config:
+    ...     vision_config = {"depth": 2}
+    >>> class Model:
+    ...     config = Config()
+    >>> is_multimodal(Model()), check_multimodal_model(object(), None) is None
+    (True, True)
+    """
+    return bool(multimodal_parts(model))
+
+
+def check_multimodal_model(model: Any, collator: Any) -> MropeSpec | None:
+    """``None`` for a text model; the positions spec of a verified multimodal model fed by a
+    ``MultimodalCollator``; :class:`PackingError` otherwise (naming the model type and the fix)."""
+    if not is_multimodal(model):
+        return None
+    from ...batches.vision import MultimodalCollator
+
+    check_multimodal(model)  # an unverified type: refused by name there (the one list)
+    base = base_model(model)
+    inner = getattr(collator, "collator", collator)
+    if not isinstance(inner, MultimodalCollator):
+        raise PackingError(
+            f"{type(base).__name__} is a vision-language model but the trainer's data_collator is "
+            f"{type(inner).__name__}: packed rows then get 2-D positions, which give image tokens text positions "
+            f"and (Qwen2-VL, Qwen2.5-VL) let documents attend to each other. Use "
+            f"data_collator=packtools.batches.MultimodalCollator(model, pad_token_id).",
+            param="data_collator",
+        )
+    spec = MropeSpec.from_config(base.config)
+    if inner.spec != spec:
+        raise PackingError(
+            f"the MultimodalCollator was built for {inner.spec} but the model is {spec}; build it from this model.",
+            param="data_collator",
+        )
+    return spec
+
+
+def probe_samples(model: Any, rng: np.random.Generator) -> list[dict[str, Any]]:
+    """Processed samples for the probe: images of different sizes (one, none, two) around random text."""
+    base = base_model(model)
+    config = base.config
+    vision = config.vision_config
+    merge = int(vision.spatial_merge_size)
+    dim = (
+        int(getattr(vision, "in_channels", 3)) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+    )
+    vocab = int(config.get_text_config().vocab_size)
+    special = {
+        getattr(config, name, None)
+        for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    }
+    text = config.get_text_config()
+    special |= {getattr(text, n, None) for n in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    allowed = np.setdiff1d(np.arange(vocab), [s for s in special if isinstance(s, int)])
+    start, end = config.vision_start_token_id, config.vision_end_token_id
+
+    def sample(grids: list[tuple[int, int, int]], words: int) -> dict[str, Any]:
+        ids = list(rng.choice(allowed, words))
+        patches = []
+        for t, h, w in grids:
+            ids += [start] + [config.image_token_id] * (t * h * w // merge**2) + [end]
+            ids += list(rng.choice(allowed, 3))
+            patches.append(rng.standard_normal((t * h * w, dim)).astype(np.float32))
+        row: dict[str, Any] = {"input_ids": np.asarray(ids, np.int64)}
+        if grids:
+            row["pixel_values"] = np.concatenate(patches)
+            row["image_grid_thw"] = np.asarray(grids, np.int64)
+        return row
+
+    m = merge
+    return [sample([(1, 2 * m, 2 * m)], 4), sample([], 6), sample([(1, 2 * m, m), (1, m, 3 * m)], 3)]
+
+
+def _packed_rows(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first two samples packed in one row, the third alone (with its seq_lengths)."""
+    first, second = samples[0], samples[1]
+    row = {
+        "input_ids": np.concatenate([first["input_ids"], second["input_ids"]]),
+        "seq_lengths": [len(first["input_ids"]), len(second["input_ids"])],
+    }
+    images = [s for s in (first, second) if "pixel_values" in s]
+    if images:
+        row["pixel_values"] = np.concatenate([s["pixel_values"] for s in images])
+        row["image_grid_thw"] = np.concatenate([s["image_grid_thw"] for s in images])
+    return [row, {**samples[2], "seq_lengths": [len(samples[2]["input_ids"])]}]
+
+
+def check_vision_isolation(
+    model: Any, collator: Any, *, seed: int = 0, raise_on_leak: bool = True
+) -> IsolationReport:
+    """Check that ``model`` keeps packed multimodal samples apart, vision tower included.
+
+    Runs in eval mode without gradients; the train/eval flags are restored.  Raises :class:`PackingError`
+    (or returns the report with ``raise_on_leak=False``) when a packed sample's logits differ from the
+    sample run alone through the model's own path, or move when another sample's pixels change.
+    """
+    torch = require("torch", "packtools.integrations.multimodal.models.check_vision_isolation")
+    base = base_model(model)
+    name = type(base).__name__
+    impl = attention_implementation(model)
+    param = next(iter(base.parameters()))
+    device, dtype = param.device, param.dtype
+    inner = getattr(collator, "collator", collator)
+    if getattr(inner, "return_tensors", "pt") != "pt" and hasattr(inner, "replace"):
+        collator = inner.replace(return_tensors="pt")
+    rng = np.random.default_rng(seed)
+    samples = probe_samples(model, rng)
+    moved = [{**samples[0], "input_ids": samples[0]["input_ids"].copy()}, *samples[1:]]
+    moved[0]["pixel_values"] = rng.standard_normal(samples[0]["pixel_values"].shape).astype(np.float32)
+    text_at = np.flatnonzero(moved[0]["input_ids"] != base.config.image_token_id)[1]
+    moved[0]["input_ids"][text_at] = samples[1]["input_ids"][0]
+    image_id = base.config.image_token_id
+
+    def to_device(batch: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
+
+    def run_packed(parts: list[dict[str, Any]]) -> tuple[Any, tuple[str, ...]]:
+        with _checking():  # not a training batch (collator wrappers read packtools.integrations.trainers.collator_check.in_check)
+            batch = dict(collator(_packed_rows(parts)))
+        batch.pop("labels", None)
+        batch = to_device(batch)
+        return _logits(model(**batch, use_cache=False), name)[0], tuple(batch)
+
+    def run_alone(sample: dict[str, Any]) -> Any:
+        ids = torch.as_tensor(sample["input_ids"][None])
+        extra = {}
+        if "pixel_values" in sample:
+            extra = {
+                "pixel_values": torch.as_tensor(sample["pixel_values"]),
+                "image_grid_thw": torch.as_tensor(sample["image_grid_thw"]),
+                "mm_token_type_ids": (ids == image_id).to(torch.int64),
+            }
+        return _logits(model(**to_device({"input_ids": ids, **extra}), use_cache=False), name)[0]
+
+    lengths = [len(s["input_ids"]) for s in samples]
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            packed, keys = run_packed(samples)
+            other, _ = run_packed(moved)
+            alone = [run_alone(s) for s in samples]
+    finally:
+        for module, training in modes:
+            module.training = training
+    spans = list(zip(offsets[:-1].tolist(), offsets[1:].tolist()))
+    diffs = tuple(float((packed[a:b].float() - al.float()).abs().max()) for (a, b), al in zip(spans, alone))
+    perturb = max(float((packed[a:b].float() - other[a:b].float()).abs().max()) for a, b in spans[1:])
+    scale = max(1.0, max(float(al.float().abs().max()) for al in alone))
+    dtype_name = str(dtype).replace("torch.", "")
+    tol = TOLERANCE.get(dtype_name, 1e-5) * scale
+    report = IsolationReport(
+        model=name,
+        backend=impl,
+        dtype=dtype_name,
+        device=str(device),
+        lengths=tuple(lengths),
+        keys=keys,
+        alone_diff=diffs,
+        perturb_diff=perturb,
+        tolerance=tol,
+        perturb_tolerance=min(tol, PERTURB_TOLERANCE * scale),
+    )
+    if report.leaks and raise_on_leak:
+        raise PackingError(
+            f"{name} with attn_implementation={impl!r} does not keep packed multimodal samples apart: a packed "
+            f"sample's logits differ by up to {max(diffs):.1e} from the sample run alone and move by "
+            f"{perturb:.1e} when another sample's image changes (batch keys {list(keys)}). Check that the "
+            f"collator is packtools' MultimodalCollator and its position_ids reach the model unchanged; "
+            f"otherwise train this model unpacked.\n{report}"
+        )
+    return report

@@ -1,0 +1,2 @@
+"""Which processes read which batch (``RankLayout``), data-parallel gathers, the loss over context-parallel
+shards."""

@@ -1,0 +1,103 @@
+"""Data parallelism for the trainer adapters: the loss scaling ``Trainer`` really applies, and gathers that
+accept a different number of items on every process.
+
+* :func:`trainer_divides_by_accumulation` reads the predicate the installed ``transformers.Trainer`` uses in
+  ``training_step`` to decide whether it divides a micro-batch's loss by the number of micro-batches of the
+  step (``loss_is_scaled_for_ga`` when the trainer sets it, else ``model_accepts_loss_kwargs`` with a token
+  count, or a ``compute_loss_func``).  :func:`check_loss_path` refuses the configurations whose scaling
+  packtools does not know (a ``Trainer`` without that predicate, ``torch.nn.DataParallel`` over several GPUs).
+* :func:`uneven_gather` makes ``accelerator.gather`` work when the ranks hold different numbers of items (a
+  micro-batch of packed pairs holds as many pairs as fit): the sizes are gathered first, every rank pads to
+  the largest, and the padding is cut off again, so the result is the concatenation of every rank's real
+  items.  Without it the collective fails ("size mismatch" on gloo, a hang or a crash on NCCL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from ..._optional import require
+from ...compat.accelerate import replaced_gather
+from ...errors import PackingError
+
+
+def check_loss_path(trainer: Any) -> None:
+    """Refuse trainers whose loss scaling packtools cannot read from the installed ``Trainer``."""
+    if "loss_is_scaled_for_ga" not in dir(type(trainer)):
+        raise PackingError(
+            f"this transformers version's Trainer has no loss_is_scaled_for_ga, the predicate packtools reads to "
+            f"know whether {type(trainer).__name__} divides each micro-batch's loss by the accumulation steps; "
+            f"packtools handles transformers >= 5.x with that attribute. Upgrade transformers."
+        )
+    if getattr(trainer.args, "n_gpu", 1) > 1:
+        raise PackingError(
+            f"n_gpu={trainer.args.n_gpu}: torch.nn.DataParallel splits every batch along dim 0, which cuts a "
+            f"padding-free row's pairs apart. Launch one process per GPU (torchrun / accelerate launch) instead.",
+            param="n_gpu",
+        )
+
+
+def trainer_divides_by_accumulation(trainer: Any, num_items_in_batch: Any = None) -> bool:
+    """Whether ``Trainer.training_step`` divides the loss of ``compute_loss`` by the step's micro-batches.
+
+    The same predicate the installed ``transformers.Trainer`` evaluates (see :func:`check_loss_path`).
+
+    >>> from types import SimpleNamespace as T
+    >>> trainer_divides_by_accumulation(T(loss_is_scaled_for_ga=False))  # TRL's DPOTrainer
+    True
+    >>> trainer_divides_by_accumulation(T(loss_is_scaled_for_ga=None, model_accepts_loss_kwargs=True,
+    ...                                   compute_loss_func=None), num_items_in_batch=40)
+    False
+    """
+    flag = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if flag is not None:
+        return not bool(flag)
+    scaled = (
+        bool(getattr(trainer, "model_accepts_loss_kwargs", False)) and num_items_in_batch is not None
+    ) or getattr(trainer, "compute_loss_func", None) is not None
+    return not scaled
+
+
+def global_sum(value: int, accelerator: Any = None) -> int:
+    """``value`` summed over all processes (``torch.distributed`` when initialized, else itself)."""
+    torch = require("torch", "packtools.integrations.parallel.distributed")
+    if accelerator is not None and accelerator.num_processes > 1:
+        return int(accelerator.gather(torch.tensor([int(value)], device=accelerator.device)).sum())
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([int(value)], dtype=torch.int64)
+        dist.all_reduce(t)
+        return int(t)
+    return int(value)
+
+
+def _gather_uneven(gather: Any, tensor: Any, device: Any) -> Any:
+    torch = require("torch", "packtools.integrations.parallel.distributed")
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+        return gather(tensor)
+    sizes = gather(torch.tensor([tensor.shape[0]], device=device)).tolist()
+    longest = max(sizes)
+    padded = tensor
+    if tensor.shape[0] < longest:
+        pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
+        padded = torch.cat([tensor, pad])
+    everything = gather(padded.contiguous())
+    return torch.cat([everything[r * longest : r * longest + n] for r, n in enumerate(sizes)])
+
+
+@contextlib.contextmanager
+def uneven_gather(accelerator: Any) -> Iterator[None]:
+    """Within the block, ``accelerator.gather`` of a tensor whose first dimension differs across processes
+    returns every process's items, concatenated in rank order (scalars and other inputs as before)."""
+    if accelerator is None or accelerator.num_processes <= 1 or "gather" in vars(accelerator):
+        yield
+        return
+    original = accelerator.gather
+
+    def gather(tensor: Any) -> Any:
+        return _gather_uneven(original, tensor, accelerator.device)
+
+    with replaced_gather(accelerator, gather):
+        yield

@@ -1,0 +1,228 @@
+"""Preference data for Hugging Face ``datasets``: pairs packed whole (:func:`pack_preference`; reward-model
+pairs, :func:`pack_reward_pairs`) and groups of one prompt with several completions (:func:`pack_groups`), the
+prompt written once.
+
+Both take a ``datasets.Dataset`` (its select/shuffle mapping honoured, read through
+:mod:`packtools.compat.datasets`) or a ``pyarrow.Table``; the layouts are
+:mod:`packtools.core.pairs`, :mod:`packtools.core.shared_pairs` and :mod:`packtools.core.shared_groups`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ...compat.datasets import dataset_table
+from ...errors import PackingError
+from ..data.datasets import datasets_module, derived_fingerprint
+
+
+def pack_preference(
+    dataset: Any,
+    max_length: int,
+    strategy: str = "bfd",
+    columns: Sequence[str] = (),
+    *,
+    overlong: str = "truncate",
+    max_prompt_length: int | None = None,
+    shuffle: bool = False,
+    seed: int = 0,
+    return_report: bool = False,
+    share_prompt: bool = False,
+) -> Any:
+    """Pack preference pairs whole: each pair's ``[prompt + chosen][prompt + rejected]`` side by side in a row.
+
+    ``dataset``: a ``datasets.Dataset`` (select/shuffle mappings honoured), ``DatasetDict`` or
+    ``pyarrow.Table`` with ``prompt_ids``, ``chosen_ids`` and ``rejected_ids`` (TRL's tokenized format).
+    Output (same type): ``input_ids``, ``completion_mask``, ``seq_lengths`` (sequence ``2k`` of a row is pair
+    ``k``'s chosen, ``2k + 1`` its rejected) and each per-pair column named in ``columns`` (e.g.
+    ``ref_chosen_logps``) as a list aligned with the row's pairs.  One global best-fit-decreasing plan over
+    the pair lengths; a pair is never split.  Pairs longer than ``max_length`` are truncated (``overlong=
+    "truncate"``: the prompt keeps its end, the completions their start, see
+    :func:`packtools.core.pairs.fit_pairs`) or dropped (``"drop"``); a warning says how many, and
+    ``return_report=True`` also returns the :class:`~packtools.core.pairs.PairReport` (a dict of them for a
+    ``DatasetDict``).
+
+    ``share_prompt=True`` writes each pair as ``[prompt][chosen][rejected]``, the prompt once, with
+    ``prompt_lengths`` beside the columns above (layout: :mod:`packtools.core.shared_pairs`; the report is a
+    :class:`~packtools.core.shared_pairs.SharedReport`); train on it with the tree attention
+    (:func:`packtools.prepare_dpo_trainer` selects it, or :class:`~packtools.batches.tree.TreeCollator`).
+
+    >>> from datasets import Dataset
+    >>> ds = Dataset.from_dict({"prompt_ids": [[1, 2], [3]], "chosen_ids": [[4], [5]], "rejected_ids": [[6], [7, 8]]})
+    >>> pack_preference(ds, 8)[:]["seq_lengths"]
+    [[3, 3], [2, 3]]
+    """
+    from ...core.pairs import pack_pairs
+    from ...core.shared_pairs import pack_shared_pairs
+
+    def one(split: Any) -> tuple[Any, Any]:
+        table, indices = (split, None) if isinstance(split, pa.Table) else dataset_table(split)
+        packed, report = (pack_shared_pairs if share_prompt else pack_pairs)(
+            table,
+            max_length,
+            strategy,
+            columns,
+            overlong=overlong,
+            max_prompt_length=max_prompt_length,
+            shuffle=shuffle,
+            seed=seed,
+            row_indices=indices,
+        )
+        if isinstance(split, pa.Table):
+            return packed, report
+        fingerprint = derived_fingerprint(
+            split,
+            "pack_preference",
+            share_prompt=bool(share_prompt),
+            max_length=max_length,
+            columns=list(columns),
+            overlong=overlong,
+            max_prompt_length=max_prompt_length,
+            shuffle=shuffle,
+            seed=seed,
+        )
+        return ds_mod.Dataset(packed, split=split.split, fingerprint=fingerprint), report
+
+    def warn(report: Any, name: str = "") -> None:
+        if report.pairs_truncated or report.pairs_dropped:
+            where = f" in split {name!r}" if name else ""
+            warnings.warn(
+                f"pack_preference{where}: {report.pairs_truncated} of {report.pairs_in} pairs truncated and "
+                f"{report.pairs_dropped} dropped to fit max_length={max_length} ({report.tokens_dropped} tokens "
+                f"left out); pass return_report=True for the details.",
+                stacklevel=3,
+            )
+
+    if isinstance(dataset, pa.Table):
+        out, report = one(dataset)
+        warn(report)
+        return (out, report) if return_report else out
+    ds_mod = datasets_module()
+    if isinstance(dataset, ds_mod.DatasetDict):
+        results = {name: one(split) for name, split in dataset.items()}
+        for name, (_, report) in results.items():
+            warn(report, name)
+        out = ds_mod.DatasetDict({name: r[0] for name, r in results.items()})
+        return (out, {name: r[1] for name, r in results.items()}) if return_report else out
+    if not isinstance(dataset, ds_mod.Dataset):
+        raise PackingError(
+            f"dataset must be a datasets.Dataset, DatasetDict or pyarrow.Table, got {type(dataset).__name__}.",
+            param="dataset",
+        )
+    out, report = one(dataset)
+    warn(report)
+    return (out, report) if return_report else out
+
+
+def pack_reward_pairs(
+    dataset: Any,
+    max_length: int,
+    *,
+    shuffle: bool = False,
+    seed: int = 0,
+    return_report: bool = False,
+) -> Any:
+    """Pack reward-model pairs whole: each pair's ``[chosen][rejected]`` side by side in a row.
+
+    ``dataset``: a ``datasets.Dataset`` or ``pyarrow.Table`` with ``chosen_ids`` and ``rejected_ids`` (TRL's
+    ``RewardTrainer`` tokenized format: the prompt is already part of both), and optionally ``margin``, which
+    is kept as a per-pair list.  Output columns as :func:`pack_preference` (``input_ids``,
+    ``completion_mask``, ``seq_lengths`` with sequence ``2k`` pair ``k``'s chosen, ``2k + 1`` its rejected).
+    A reward model scores a sequence at its last token, so a pair longer than ``max_length`` is never
+    truncated: it is dropped, with a warning that counts it (``return_report=True`` also returns the
+    :class:`~packtools.core.pairs.PairReport`).  Train on the rows with
+    :func:`packtools.integrations.preference.reward.prepare_reward_trainer`.
+
+    >>> import pyarrow as pa
+    >>> t = pa.table({"chosen_ids": [[1, 2, 3], [4]], "rejected_ids": [[5], [6, 7]], "margin": [0.5, 1.0]})
+    >>> rows = pack_reward_pairs(t, 8).to_pydict()
+    >>> rows["input_ids"], rows["seq_lengths"], rows["margin"]
+    ([[1, 2, 3, 5, 4, 6, 7]], [[3, 1, 1, 2]], [[0.5, 1.0]])
+    """
+    from ...core.pairs import pack_pairs
+
+    table, indices = (dataset, None) if isinstance(dataset, pa.Table) else dataset_table(dataset)
+    missing = [c for c in ("chosen_ids", "rejected_ids") if c not in table.column_names]
+    if missing:
+        raise PackingError(
+            f"reward pairs need the columns chosen_ids and rejected_ids (TRL's RewardTrainer format); {missing} "
+            f"missing (the dataset has {table.column_names}). Pack trainer.train_dataset, which TRL tokenized.",
+            param="dataset",
+        )
+    if "prompt_ids" in table.column_names:
+        raise PackingError(
+            "the dataset has prompt_ids: RewardTrainer's tokenized pairs hold the prompt inside chosen_ids and "
+            "rejected_ids. Pack trainer.train_dataset, or use pack_preference for DPO pairs.",
+            param="dataset",
+        )
+    chosen = table.column("chosen_ids").type
+    empty = pa.array(np.zeros(table.num_rows + 1, np.int32))
+    prompts = pa.ListArray.from_arrays(empty, pa.array([], chosen.value_type)).cast(chosen)
+    table = table.append_column("prompt_ids", prompts)
+    columns = ["margin"] if "margin" in table.column_names else []
+    packed, report = pack_pairs(
+        table, max_length, "bfd", columns, overlong="drop", shuffle=shuffle, seed=seed, row_indices=indices
+    )
+    if report.pairs_dropped:
+        warnings.warn(
+            f"pack_reward_pairs: {report.pairs_dropped} of {report.pairs_in} pairs are longer than "
+            f"max_length={max_length} (chosen + rejected) and were dropped ({report.tokens_dropped} tokens); a "
+            f"reward model scores the last token, so packtools does not truncate them. Raise max_length to keep them.",
+            stacklevel=2,
+        )
+    if not isinstance(dataset, pa.Table):
+        fingerprint = derived_fingerprint(
+            dataset, "pack_reward_pairs", max_length=max_length, shuffle=shuffle, seed=seed
+        )
+        packed = datasets_module().Dataset(packed, split=dataset.split, fingerprint=fingerprint)
+    return (packed, report) if return_report else packed
+
+
+def pack_groups(
+    dataset: Any,
+    max_length: int,
+    columns: Sequence[str] = (),
+    completion_columns: Sequence[str] = (),
+    *,
+    overlong: str = "truncate",
+    shuffle: bool = False,
+    seed: int = 0,
+    return_report: bool = False,
+) -> Any:
+    """Pack groups of one prompt and ``G`` completions as ``[P][C_1]...[C_G]``, the prompt once.
+
+    ``dataset``: a ``datasets.Dataset`` or ``pyarrow.Table`` with ``prompt_ids`` and ``completion_ids`` (a
+    list of token lists per row); per-group ``columns`` and per-completion ``completion_columns`` (e.g.
+    ``rewards``, ``advantages``) are kept aligned (see :func:`packtools.core.shared_groups.pack_groups`).
+    """
+    from ...core.shared_groups import pack_groups as pack_table_groups
+
+    table, indices = (dataset, None) if isinstance(dataset, pa.Table) else dataset_table(dataset)
+    packed, report = pack_table_groups(
+        table,
+        max_length,
+        columns,
+        completion_columns,
+        overlong=overlong,
+        shuffle=shuffle,
+        seed=seed,
+        row_indices=indices,
+    )
+    if not isinstance(dataset, pa.Table):
+        fingerprint = derived_fingerprint(
+            dataset,
+            "pack_groups",
+            max_length=max_length,
+            columns=list(columns),
+            completion_columns=list(completion_columns),
+            overlong=overlong,
+            shuffle=shuffle,
+            seed=seed,
+        )
+        packed = datasets_module().Dataset(packed, split=dataset.split, fingerprint=fingerprint)
+    return (packed, report) if return_report else packed

@@ -1,0 +1,342 @@
+"""TRL's ``DPOTrainer`` without padding: the same loss, metrics and gradients, on real tokens only.
+
+TRL 1.16 turns ``padding_free=True`` off for DPO and pads every chosen and rejected sequence of a batch to the
+longest.  :func:`prepare_dpo_trainer` keeps TRL's loss code as it is and changes only what runs through the
+model:
+
+* **One padding-free row.**  TRL calls the model with its padded ``[2 * pairs, T]`` layout and reads per-token
+  log-probabilities back in that layout.  The model's forward is wrapped so that the backbone and LM head run
+  on the real tokens only, as one row with ``position_ids`` restarting per sequence and ``cu_seq_lens``
+  (FlashAttention varlen, or the block-diagonal mask of ``sdpa``/``eager``), and the per-token outputs are
+  scattered back into the padded layout (they are zero on padding, as TRL's are).  Padding costs a few
+  integer tensors, never a forward.  The policy, a separate reference model, the reference under a disabled
+  PEFT adapter and the reference log-probabilities precomputed later (``evaluate``) all go through it.
+* **Packed pairs.**  With ``train_dataset=`` the output of :func:`packtools.dpo.pack_preference`, micro-batches are
+  whole packed rows (``per_device_train_batch_size`` rows, so a steady token count); a
+  :class:`~packtools.batches.preference.PreferenceCollator` lays their pairs out the way TRL's loss expects.
+* **Gradient accumulation.**  TRL averages its loss over the pairs of each micro-batch and ``Trainer`` divides
+  by the number of micro-batches, which weighs pairs unevenly when micro-batches hold different numbers of
+  pairs.  Here the loss of an optimizer step is **the mean over all pairs of the step** (over all processes):
+  ``Trainer`` prefetches the micro-batches of a step, their pairs are counted (summed across processes), and
+  each micro-batch's loss is rescaled by ``its pairs / step pairs`` (times the factors ``Trainer`` and DDP
+  divide by: the number of processes, and the accumulation steps only when the installed ``Trainer``'s own
+  predicate says ``training_step`` divides, :func:`~packtools.integrations.parallel.distributed.trainer_divides_by_accumulation`).
+  With equal micro-batches this is TRL's loss exactly; the logged ``loss`` is the step mean.
+* **Several processes.**  Ranks hold different numbers of pairs; TRL's gathers of per-pair metrics are made
+  size-safe (:func:`~packtools.integrations.parallel.distributed.uneven_gather`), and the training loader gives every
+  process the same number of micro-batches without repeating a pair (``max_tokens=N`` for token-budget
+  batches of whole pairs; :mod:`packtools.integrations.trainers.loader`).
+* **Guards.**  Those of :func:`packtools.prepare_trainer`: the attention backend must isolate packed sequences
+  (:func:`~packtools.integrations.trainers.transformers.check_attention_implementation`), the forward runs with
+  ``use_cache=False`` (:func:`~packtools.integrations.trainers.transformers.guard_model`) and the flat call is checked
+  for an ``attention_mask`` next to packed positions
+  (:func:`~packtools.integrations.trainers.transformers.check_forward_inputs`).
+
+Use fp32 (``bf16=False``: TRL's configs default to ``bf16=True``, which on CPU autocasts the reference model)
+to compare against the padded trainer bit for bit.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from ..._optional import require
+from ...compat import set_attr, undo
+from ...compat.trl import (
+    check_method,
+    fused_forward,
+    is_vision,
+    keep_signature_columns,
+    set_training_data,
+    tokenizer_of,
+    wrap_fused_forward,
+)
+from ...constants import SEQ_LENGTHS
+from ...errors import PackingError
+from ..attention.backends import (
+    attention_implementation,
+    check_attention_implementation,
+    forward_accepts,
+    multimodal_parts,
+    segmented_sdpa_until_checked,
+    token_mixing_layers,
+)
+from ..attention.backends import base_model as _base_model
+from ..parallel.distributed import check_loss_path
+from ..trainers.collator_check import check_preference_collator
+from ..trainers.guard import check_forward_inputs, guard_model
+from ..trainers.loader import check_train_loader
+from ..trainers.step import DPOStep, StepPlan, install_step, plan_of
+from ..trainers.transformers import run_mixers_per_document, run_probe
+from .calls import PER_TOKEN, padded_preference_call, padding_free_layout
+from .context_parallel import dpo_layout, prepare_dpo_context_parallel
+from .probe import check_padding_free_forward
+from .shared_prompt import check_tree_models, prepare_shared_prompt, shares_prompt, tree_columns
+
+_WRAPPED = "_packtools_padding_free"
+PAIR_ROW_COLUMNS = ("input_ids", "completion_mask", SEQ_LENGTHS)
+
+
+def _padding_free_forward(model: Any, inner: Any, trainer: Any = None) -> Any:
+    torch = require("torch", "packtools.prepare_dpo_trainer")
+    mixers = tuple(token_mixing_layers(model))
+    # seq_idx goes to models that name it, or that take **kwargs and have token-mixing layers (hybrids).
+    names = inspect.signature(_base_model(model).forward).parameters
+    send_seq_idx = "seq_idx" in names or (bool(mixers) and forward_accepts(model, "seq_idx"))
+
+    def forward(self: Any, *args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
+        call = padded_preference_call(args, kwargs, fused_lm_head)
+        if call is None:
+            return inner(*args, fused_lm_head=fused_lm_head, **kwargs)
+        ids, mask, labels, kwargs = call
+        lengths, valid, cu = padding_free_layout(mask)
+        n_seq, width = ids.shape
+        flat_ids = ids[valid]
+        flat_labels = labels[valid].clone()
+        starts = cu[:-1].long()
+        flat_labels[starts] = -100  # the previous sequence's last position must not predict this token
+        positions = torch.arange(flat_ids.shape[0], device=ids.device) - torch.repeat_interleave(
+            starts, lengths
+        )
+        longest = int(lengths.max())
+        if send_seq_idx:  # Mamba-2 style layers read only seq_idx in their kernels
+            kwargs["seq_idx"] = torch.repeat_interleave(
+                torch.arange(n_seq, dtype=torch.int32, device=ids.device), lengths
+            )[None]
+        flat = {
+            "input_ids": flat_ids[None],
+            "labels": flat_labels[None],
+            "position_ids": positions[None],
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu,
+            "max_length_q": longest,
+            "max_length_k": longest,
+            **kwargs,
+        }
+        flat["use_cache"] = False
+        check_forward_inputs(flat, attention_implementation(self), mixers)
+        plan = None if trainer is None else plan_of(trainer)
+        cp = None if plan is None else plan.cp_forward  # context parallelism: this rank's shard, the row back
+        out = inner(fused_lm_head=True, **flat) if cp is None else cp(inner, flat, lengths)
+        # Flat output i scores token i + 1; padded (b, j) scores token j + 1 of sequence b.
+        target = valid[:, 1:]
+        index = (starts[:, None] + torch.arange(width - 1, device=ids.device)[None, :])[target]
+        for name in PER_TOKEN:
+            value = getattr(out, name, None)
+            if value is None:
+                continue
+            if value.shape[-1] != flat_ids.shape[0] - 1:
+                raise PackingError(
+                    f"the model's {name} has {value.shape[-1]} positions for {flat_ids.shape[0]} tokens; models "
+                    f"that add virtual tokens (prompt-learning PEFT) cannot run padding-free."
+                )
+            full = value.new_zeros((n_seq, width - 1))
+            full[target] = value[0, index]
+            out[name] = full
+        return out
+
+    return forward
+
+
+def _check_fused_head(model: Any) -> None:
+    fused_forward(_base_model(model))
+
+
+def install_padding_free_forward(model: Any, *, owner: Any = None) -> None:
+    """Wrap the fused-LM-head forward that TRL put on ``model`` (once) so it runs one padding-free row.
+
+    The change is recorded on ``owner`` (the trainer, under :func:`prepare_dpo_trainer`; by default the base
+    model itself, undone by :func:`uninstall_padding_free_forward`)."""
+    base = _base_model(model)
+    if vars(base).get(_WRAPPED):
+        return
+    trainer = owner  # the forward reads the trainer's step plan (context parallelism) once it is prepared
+    owner = base if owner is None else owner
+    wrap_fused_forward(base, lambda inner: _padding_free_forward(base, inner, trainer), owner=owner)
+    set_attr(base, _WRAPPED, True, owner=owner)
+
+
+def uninstall_padding_free_forward(model: Any) -> None:
+    """Undo :func:`install_padding_free_forward` made without an owner (TRL's fused-head forward comes back).
+
+    >>> from trl.trainer.utils import add_fused_lm_head
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    >>> add_fused_lm_head(model); trl_forward = vars(model)["forward"]
+    >>> install_padding_free_forward(model); vars(model)["forward"] is trl_forward
+    False
+    >>> uninstall_padding_free_forward(model); vars(model)["forward"] is trl_forward
+    True
+    """
+    undo(_base_model(model))
+
+
+def _check_trainer(trainer: Any) -> None:
+    if not hasattr(trainer, "precompute_ref_logps") or not hasattr(trainer, "loss_types"):
+        raise PackingError(
+            f"prepare_dpo_trainer expects a trl.DPOTrainer, got {type(trainer).__name__}; for Trainer or "
+            f"SFTTrainer use packtools.prepare_trainer."
+        )
+    if is_vision(trainer):
+        raise PackingError("vision preference data is not supported padding-free; keep TRL's padded batches.")
+    peft_config = getattr(trainer.model, "peft_config", None) or {}
+    if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
+        raise PackingError(
+            "prompt-learning PEFT adapters add virtual tokens in front of every sequence, which a padding-free "
+            "row cannot hold; use LoRA-style adapters."
+        )
+
+
+def _use_packed_dataset(trainer: Any, dataset: Any, shared: bool) -> None:
+    from ...batches.preference import REF_COLUMNS, PreferenceCollator
+
+    names = list(getattr(dataset, "column_names", None) or [])
+    missing = [c for c in PAIR_ROW_COLUMNS if c not in names]
+    if missing:
+        raise PackingError(
+            f"train_dataset must be packtools.dpo.pack_preference output; it lacks {missing} (has {names}).",
+            param="train_dataset",
+        )
+    pair_columns = []
+    if trainer.precompute_ref_logps:
+        absent = [c for c in REF_COLUMNS if c not in names]
+        if absent:
+            raise PackingError(
+                f"precompute_ref_log_probs=True but the packed rows lack {absent}: pack the trainer's own "
+                f"dataset, which TRL gave the reference log-probs, with pack_preference(trainer.train_dataset, "
+                f"max_length, columns={list(REF_COLUMNS)}).",
+                param="train_dataset",
+            )
+        pair_columns = list(REF_COLUMNS)
+    collator = PreferenceCollator(tokenizer_of(trainer).pad_token_id, pair_columns, padding_free=False)
+    unpacked = trainer.data_collator
+
+    def collate(features: Any) -> Any:  # packed rows ours, TRL's one-pair rows (eval sets) TRL's
+        return collator(features) if SEQ_LENGTHS in features[0] else unpacked(features)
+
+    set_training_data(trainer, dataset, collate)
+    if trainer.args.remove_unused_columns:  # the columns the collator needs survive Trainer's column removal
+        keep_signature_columns(trainer, [*PAIR_ROW_COLUMNS, *pair_columns, *tree_columns(shared)])
+
+
+def prepare_dpo_trainer(
+    trainer: Any,
+    train_dataset: Any = None,
+    *,
+    max_tokens: int | None = None,
+    check_isolation: bool = True,
+    segmented_sdpa: bool = True,
+    share_prompt: bool | None = None,
+    context_parallel: int | None = None,
+) -> Any:
+    """Make a TRL ``DPOTrainer`` run without padding, with TRL's own loss code; returns the trainer.
+
+    Build the trainer as usual (any dataset TRL takes), then call this before ``train()``.  Without
+    ``train_dataset`` each micro-batch of TRL's pairs runs through the model as one padding-free row.  With
+    ``train_dataset=packtools.dpo.pack_preference(trainer.train_dataset, max_length, ...)`` the trainer trains on
+    packed pair rows instead (TRL 1.16 cannot take a tokenized or packed dataset in its constructor, so the
+    packed rows come in here; pack ``trainer.train_dataset`` with ``columns=["ref_chosen_logps",
+    "ref_rejected_logps"]`` when ``precompute_ref_log_probs=True``)::
+
+        trainer = DPOTrainer(model, args=DPOConfig(...), train_dataset=pairs, processing_class=tokenizer)
+        packed = pack_preference(trainer.train_dataset, max_length=4096)
+        prepare_dpo_trainer(trainer, train_dataset=packed).train()
+
+    The loss of an optimizer step is the mean over all pairs of the step, over all processes (see the module
+    docstring).  ``max_tokens=N`` batches whole pairs (or whole packed pair rows) by a token budget per process,
+    balanced across processes by attention cost; with several processes and no ``max_tokens`` each process
+    gets ``per_device_train_batch_size`` rows per micro-batch, the same number of micro-batches everywhere, and
+    no row is repeated (:mod:`packtools.integrations.trainers.loader`).
+    With ``check_isolation=True`` (the default) the policy and the reference model first go through
+    :func:`packtools.integrations.check_isolation` (tiny inputs, no gradients): a model whose packed sequences leak is
+    refused before training; ``check_isolation=False`` skips it.
+
+    With ``segmented_sdpa=True`` (the default) ``sdpa`` models are switched to packtools' per-sequence
+    ``sdpa`` (:func:`~packtools.integrations.attention.backends.use_segmented_sdpa`): the flat row's attention then
+    costs ``sum(L_i²)`` like FlashAttention varlen, not ``(sum L_i)²`` under a block-diagonal mask, with the
+    same result.  FlashAttention and ``eager`` models are left as they are.
+
+    With ``share_prompt=True`` (the default when ``train_dataset`` comes from ``pack_preference(...,
+    share_prompt=True)``) each pair's prompt runs through the model once, on packtools' tree attention
+    (:mod:`packtools.integrations.preference.shared_prompt`); models it cannot serve are refused by name.
+
+    ``context_parallel=N`` (under ``torchrun``, ``N`` dividing the processes) splits every padding-free row
+    across ``N`` consecutive processes, per sequence, on ``packtools_cp`` attention; each pair stays on one
+    CP group and the loss is the pair mean over the data-parallel groups (:mod:`packtools.integrations.preference.context_parallel`).
+    """
+    require("trl", "packtools.prepare_dpo_trainer")
+    _check_trainer(trainer)
+    check_loss_path(trainer)
+    if plan_of(trainer) is not None:
+        raise PackingError("prepare_dpo_trainer was already called on this trainer.")
+    for name in ("compute_loss", "get_batch_samples"):
+        check_method(trainer, name)
+    try:
+        _prepare(
+            trainer,
+            train_dataset,
+            max_tokens,
+            check_isolation,
+            segmented_sdpa,
+            share_prompt,
+            context_parallel=context_parallel,
+        )
+    except BaseException:
+        undo(trainer)  # all or nothing: a refused trainer is left as TRL built it
+        raise
+    return trainer
+
+
+def _prepare(
+    trainer: Any,
+    train_dataset: Any,
+    max_tokens: Any,
+    check_isolation: bool,
+    segmented_sdpa: bool,
+    share: Any,
+    *,
+    context_parallel: int | None,
+) -> None:
+    models = [m for m in (trainer.model, trainer.ref_model) if m is not None]
+    for model in models:
+        if multimodal_parts(model):  # verified vision-language models train packed in SFT only
+            raise PackingError(
+                f"{type(_base_model(model)).__name__} is a multimodal model: packtools' padding-free DPO forwards "
+                f"carry text rows only (no pixel_values, no 3-D positions); train it unpacked with TRL's collator.",
+                param="model",
+            )
+    shared = shares_prompt(train_dataset) if share is None else share
+    layout = dpo_layout(trainer, context_parallel, shared)  # refuses what it cannot account for, by name
+    if shared:  # the tree's own refusal, by name, before any generic probe runs
+        check_tree_models(models)
+    for model in models:
+        check_attention_implementation(model)
+        if not shared:  # token-mixing layers per document (integrations.attention.mixers)
+            run_mixers_per_document(model, owner=trainer)
+    if check_isolation:  # the user's collator must keep every sequence in its own row (collator_check)
+        check_preference_collator(trainer)
+    with segmented_sdpa_until_checked(models, segmented_sdpa, owner=trainer) as switched:
+        if check_isolation:
+            run_probe(trainer, trainer.ref_model, switched=switched)
+        for model in models:
+            _check_fused_head(model)
+        if not shared:
+            for model in models:
+                install_padding_free_forward(model, owner=trainer)
+        if check_isolation and not shared:  # the probe again, through the forward training calls
+            for model in models:
+                check_padding_free_forward(model)
+    if shared:
+        prepare_shared_prompt(trainer, models, check_isolation)
+    guard_model(trainer.model, owner=trainer)  # recorded on the trainer (unprepare removes the hook)
+    if trainer.ref_model is not None:
+        guard_model(trainer.ref_model, owner=trainer)
+    if train_dataset is not None:
+        _use_packed_dataset(trainer, train_dataset, shared)
+    cp_forward = None
+    if layout.cp_size > 1:
+        layout, cp_forward = prepare_dpo_context_parallel(trainer, layout, models)
+    check_train_loader(trainer, max_tokens)
+    install_step(trainer, DPOStep, StepPlan(layout, max_tokens=max_tokens, cp_forward=cp_forward))

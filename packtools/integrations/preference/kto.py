@@ -1,0 +1,112 @@
+"""TRL's ``KTOTrainer`` without padding: the same loss, metrics and gradients, on real tokens only.
+
+TRL 1.16's ``KTOTrainer`` runs every forward -- the policy on the batch's completions, the policy and the
+reference on the KL term's mismatched ``(prompt, other completion)`` sequences, the reference on the
+completions -- as a padded ``[B, T]`` batch through the fused LM head TRL puts on its models, and reads the
+per-token ``log_probs``, ``entropy`` and ``mean_logits`` back in that layout.  These are exactly the calls
+packtools' padding-free DPO forward takes (:func:`~packtools.integrations.preference.dpo.install_padding_free_forward`):
+each call's sequences run as one padding-free row (``position_ids`` restarting per sequence, ``cu_seq_lens``;
+no sequence sees another, so a KL sequence never sees the completion it was mismatched from) and the
+per-token outputs are scattered back into TRL's padded layout (zero on padding, as TRL's are).  KTO's loss,
+the KL estimate, the desirable/undesirable weights and every metric are TRL's code on those outputs.
+
+The micro-batches stay TRL's: KTO builds the KL term's mismatched pairs by rotating the completions inside
+each ``per_device_train_batch_size`` batch of its sequential sampler, so packtools does not repack or reorder
+them (no packed dataset, no token budget).  The step itself is unchanged, so there is no step class to swap:
+what :func:`prepare_kto_trainer` changes is the models' fused-head forward, the forward guard and the
+``sdpa`` switch, each recorded on the trainer (:func:`packtools.integrations.unprepare` undoes them).
+
+Refused by name: vision datasets, prompt-learning PEFT, multimodal models, and the MoE router auxiliary loss
+(``aux_loss_enabled``: its router statistics over a padded batch were not checked against a padding-free row).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..._optional import is_instance, require
+from ...compat import all_or_nothing
+from ...compat.trl import fused_forward, is_vision
+from ...errors import PackingError
+from ..attention.backends import (
+    base_model,
+    check_attention_implementation,
+    multimodal_parts,
+    segmented_sdpa_until_checked,
+)
+from ..parallel.distributed import check_loss_path
+from ..trainers.guard import guard_model
+from .dpo import _WRAPPED, install_padding_free_forward
+from .probe import check_padding_free_forward
+
+
+def _check_trainer(trainer: Any) -> None:
+    if not is_instance(trainer, "trl", "KTOTrainer"):
+        raise PackingError(
+            f"prepare_kto_trainer expects a trl.KTOTrainer, got {type(trainer).__name__}.", param="trainer"
+        )
+    if is_vision(trainer):
+        raise PackingError(
+            "vision KTO data is not supported padding-free; keep TRL's padded batches.", param="train_dataset"
+        )
+    if getattr(trainer, "aux_loss_enabled", False):
+        raise PackingError(
+            "the MoE router auxiliary loss is on (aux_loss_enabled: router_aux_loss_coef != 0): packtools has not "
+            "checked its router statistics on a padding-free row against TRL's padded batch. Set "
+            "router_aux_loss_coef=0.0 in KTOConfig, or train padded.",
+            param="router_aux_loss_coef",
+        )
+    peft_config = getattr(trainer.model, "peft_config", None) or {}
+    if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
+        raise PackingError(
+            "prompt-learning PEFT adapters add virtual tokens in front of every sequence, which a padding-free "
+            "row cannot hold; use LoRA-style adapters.",
+            param="model",
+        )
+
+
+def prepare_kto_trainer(trainer: Any, *, check_isolation: bool = True, segmented_sdpa: bool = True) -> Any:
+    """Make a TRL ``KTOTrainer`` run its forwards without padding, with TRL's own loss code; returns it.
+
+    Build the trainer as usual, then call this before ``train()``::
+
+        trainer = KTOTrainer(model, ref_model, args=KTOConfig(...), train_dataset=data, processing_class=tok)
+        prepare_kto_trainer(trainer).train()
+
+    Every forward of a micro-batch (completions, KL sequences, reference) runs as one padding-free row (see
+    the module docstring).  ``check_isolation=True`` first runs a few sequences through the installed forward
+    together and alone (:func:`~packtools.integrations.preference.probe.check_padding_free_forward`) and refuses a
+    model whose packed sequences leak.  ``segmented_sdpa``: as in :func:`packtools.prepare_trainer`.
+    Anything else is refused by name:
+
+    >>> prepare_kto_trainer(object())
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: prepare_kto_trainer expects a trl.KTOTrainer, got object.
+    """
+    require("trl", "packtools.prepare_kto_trainer")
+    _check_trainer(trainer)
+    check_loss_path(trainer)
+    models = [m for m in (trainer.model, trainer.ref_model) if m is not None]
+    if any(vars(base_model(m)).get(_WRAPPED) for m in models):
+        raise PackingError(
+            "prepare_kto_trainer was already called on this trainer (its models run padding-free)."
+        )
+    for model in models:
+        if multimodal_parts(model):
+            raise PackingError(
+                f"{type(base_model(model)).__name__} is a multimodal model: packtools' padding-free KTO forwards "
+                f"carry text rows only; train it padded.",
+                param="model",
+            )
+        check_attention_implementation(model)
+        fused_forward(base_model(model))  # TRL's fused LM head must be there to be wrapped
+    with all_or_nothing(trainer):
+        with segmented_sdpa_until_checked(models, segmented_sdpa, owner=trainer):
+            for model in models:
+                install_padding_free_forward(model, owner=trainer)
+                if check_isolation:
+                    check_padding_free_forward(model)
+        for model in models:
+            guard_model(model, owner=trainer)
+    return trainer

@@ -1,0 +1,255 @@
+"""TRL's ``RewardTrainer`` without padding: the same loss, metrics and gradients, on real tokens only.
+
+TRL 1.16 pads every chosen and rejected sequence of a batch to the longest and reads each sequence's score at
+its last non-pad token (``input_ids != pad_token_id`` in transformers' sequence-classification heads).  On a
+padding-free row that rule finds the row's last token, not each document's, so packtools reads the scores
+itself and hands TRL's loss code the ``[2 * pairs, 1]`` scores it expects:
+
+* **One padding-free row.**  Each micro-batch -- TRL's padded ``[2B, T]`` batch, or packed pair rows from
+  :func:`packtools.integrations.preference.data.pack_reward_pairs` -- runs through the model as one row
+  (``position_ids`` restarting per sequence and ``cu_seq_lens``: FlashAttention varlen, or the block-diagonal
+  mask of ``sdpa`` / ``eager``).  The model's own forward runs (through DDP's, so gradients are reduced), and
+  its classification head (``score``) scores every position of the row; a forward hook on the head, held for
+  that one call, keeps those per-position scores, and the score of each document is read at its own last
+  token (:mod:`packtools.integrations.preference.reward_scores`).  The model's pooled output (the row's last token) is
+  ignored.
+* **TRL's loss and metrics unchanged.**  :class:`PackedRewardStep.compute_loss` calls ``RewardTrainer``'s own
+  ``compute_loss`` with a stand-in for the model whose call returns the model's output with ``logits`` =
+  those scores, chosen of every pair first, then rejected (TRL's ``torch.chunk`` order), and with the
+  batch's ``margin`` and an ``attention_mask`` of the row's real tokens (TRL counts ``num_tokens`` from it):
+  the margin, ``center_rewards_coefficient``, accuracy, margins and rewards are TRL's code.
+* **The step's pair mean.**  As for DPO (:mod:`packtools.integrations.preference.dpo`): ``get_batch_samples`` counts the
+  pairs of an optimizer step over all processes, and each micro-batch's loss (TRL's mean over its pairs) is
+  weighed by ``its pairs / step pairs`` times what ``Trainer`` and DDP divide by, so the step's loss is the
+  mean over all its pairs.  With equal micro-batches (TRL's own) the factor is exactly 1.
+* **Guards.**  The attention backend must isolate packed sequences, the forward runs with
+  ``use_cache=False`` and is checked for an ``attention_mask`` next to packed positions
+  (:func:`~packtools.integrations.trainers.guard.guard_model`), and :func:`check_reward_isolation` scores a few
+  sequences packed and alone through this very path before training.
+
+Everything packtools changes about a step is the one class :class:`PackedRewardStep`, swapped onto the
+trainer by :func:`packtools.integrations.trainers.step.install_step` (the same step owner as SFT and DPO); the run's
+decisions are one frozen :class:`RewardPlan`; :func:`packtools.integrations.unprepare` undoes all.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..._optional import is_instance, require
+from ...compat import all_or_nothing
+from ...compat.trl import check_step_methods, keep_signature_columns, set_training_data, tokenizer_of
+from ...constants import SEQ_LENGTHS
+from ...errors import PackingError
+from ..attention.backends import (
+    base_model,
+    check_attention_implementation,
+    forward_accepts,
+    multimodal_parts,
+    segmented_sdpa_until_checked,
+    token_mixing_layers,
+)
+from ..parallel.distributed import check_loss_path, trainer_divides_by_accumulation, uneven_gather
+from ..parallel.layout import rank_layout
+from ..trainers.guard import guard_model
+from ..trainers.loader import check_train_loader
+from ..trainers.step import StepOwner, StepPlan, install_step, plan_of
+from .reward_scores import ScoredRow, check_reward_isolation, reward_batch, score_head
+
+#: Columns of packed reward pair rows (``pack_reward_pairs``); ``margin`` rides along when the data has it.
+REWARD_ROW_COLUMNS = ("input_ids", "completion_mask", SEQ_LENGTHS)
+
+
+@dataclass
+class StepPairs:
+    """The pairs of the optimizer step being run (all processes), counted when its micro-batches are fetched.
+
+    Each micro-batch's loss (TRL's mean over its pairs) is weighed by ``its pairs * accumulation steps *
+    data-parallel size / step pairs``: micro-batches of 3 and 1 pairs, 2 accumulation steps, one process
+
+    >>> step = StepPairs(pairs=4)
+    >>> [pairs * 2 * 1 / step.pairs for pairs in (3, 1)]  # the step's loss: the mean over its 4 pairs
+    [1.5, 0.5]
+    """
+
+    pairs: int | None = None
+
+
+@dataclass(frozen=True)
+class RewardPlan(StepPlan):
+    """What ``prepare_reward_trainer`` decided for the run: the step owner's plan (layout, token budget) plus
+    whether the model reads ``seq_idx``; held on the trainer as one value (``step.plan_of``)."""
+
+    send_seq_idx: bool = False  # hybrids read sequence boundaries from seq_idx
+    step: StepPairs = field(default_factory=StepPairs)  # the one mutable part: this step's pair count
+
+
+def _pairs_in(batch: dict[str, Any]) -> int:
+    if batch.get("cu_seq_lens_q") is not None:
+        return (int(batch["cu_seq_lens_q"].numel()) - 1) // 2
+    return int(batch["input_ids"].shape[0]) // 2
+
+
+class PackedRewardStep(StepOwner):
+    """packtools' part of a ``RewardTrainer`` step (see the module docstring); swapped in by
+    :func:`prepare_reward_trainer` in front of the trainer's own class (``step.install_step``); the training
+    loader is :class:`~packtools.integrations.trainers.step.StepOwner`'s."""
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+        torch = require("torch", "packtools.prepare_reward_trainer")
+        samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
+        run: RewardPlan = plan_of(self)  # type: ignore[assignment]
+        pairs = torch.tensor(sum(_pairs_in(b) for b in samples), device=device)
+        if self.args.world_size > 1:  # type: ignore[attr-defined]
+            pairs = self.accelerator.gather(pairs).sum() // run.layout.peers  # type: ignore[attr-defined]
+        run.step.pairs = int(pairs)
+        return samples, num_items
+
+    def compute_loss(
+        self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        run: RewardPlan = plan_of(self)  # type: ignore[assignment]
+        batch = reward_batch(inputs, run.send_seq_idx)
+        with uneven_gather(self.accelerator):  # type: ignore[attr-defined]  # ranks hold different pair counts
+            result = super().compute_loss(  # type: ignore[misc]
+                ScoredRow(model, batch), dict(batch.view), return_outputs, num_items_in_batch
+            )
+        if not self.model.training or not run.step.pairs:  # type: ignore[attr-defined]
+            return result
+        loss = result[0] if return_outputs else result
+        divided = trainer_divides_by_accumulation(self, num_items_in_batch)
+        steps = self.current_gradient_accumulation_steps if divided else 1  # type: ignore[attr-defined]
+        loss = loss * (batch.pairs * steps * run.layout.dp_size / run.step.pairs)
+        return (loss, result[1]) if return_outputs else loss
+
+
+def _check_trainer(trainer: Any) -> None:
+    if not is_instance(trainer, "trl", "RewardTrainer"):
+        raise PackingError(
+            f"prepare_reward_trainer expects a trl.RewardTrainer, got {type(trainer).__name__}; for DPOTrainer use "
+            f"packtools.prepare_dpo_trainer, for Trainer or SFTTrainer packtools.prepare_trainer.",
+            param="trainer",
+        )
+    from trl import RewardTrainer
+
+    if isinstance(trainer, StepOwner):
+        raise PackingError(
+            "prepare_reward_trainer was already called on this trainer (it was prepared twice)."
+        )
+    if type(trainer).compute_loss is not RewardTrainer.compute_loss:
+        raise PackingError(
+            f"{type(trainer).__name__} overrides compute_loss; packtools runs RewardTrainer's own compute_loss on "
+            f"its padding-free scores and cannot know what another compute_loss reads from the model's output "
+            f"(its pooled logits would be the row's last token). Move the change into a callback, or train padded.",
+            param="trainer",
+        )
+    inner = base_model(trainer.model)
+    if multimodal_parts(trainer.model):
+        raise PackingError(
+            f"{type(inner).__name__} is a multimodal model: the padding-free reward forward carries text rows only.",
+            param="model",
+        )
+    peft_config = getattr(trainer.model, "peft_config", None) or {}
+    if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
+        raise PackingError(
+            "prompt-learning PEFT adapters add virtual tokens in front of every sequence, which a padding-free "
+            "row cannot hold; use LoRA-style adapters.",
+            param="model",
+        )
+    score_head(trainer.model)
+
+
+def _use_packed_dataset(trainer: Any, dataset: Any) -> None:
+    from ...batches.preference import PreferenceCollator
+
+    names = list(getattr(dataset, "column_names", None) or [])
+    missing = [c for c in REWARD_ROW_COLUMNS if c not in names]
+    if missing:
+        raise PackingError(
+            f"train_dataset must be pack_reward_pairs output; it lacks {missing} (has {names}).",
+            param="train_dataset",
+        )
+    margins = "margin" in (getattr(trainer.train_dataset, "column_names", None) or [])
+    if margins and "margin" not in names:
+        raise PackingError(
+            "the trainer's dataset has a 'margin' column and the packed rows do not: the margins would be "
+            "dropped from the loss. Pack trainer.train_dataset with pack_reward_pairs (it keeps 'margin').",
+            param="train_dataset",
+        )
+    pair_columns = ["margin"] if "margin" in names else []
+    collator = PreferenceCollator(tokenizer_of(trainer).pad_token_id, pair_columns, padding_free=True)
+    unpacked = trainer.data_collator
+
+    def collate(features: Any) -> Any:  # packed rows ours, TRL's one-pair rows (eval sets) TRL's
+        return collator(features) if SEQ_LENGTHS in features[0] else unpacked(features)
+
+    set_training_data(trainer, dataset, collate)
+    if trainer.args.remove_unused_columns:
+        keep_signature_columns(trainer, [*REWARD_ROW_COLUMNS, *pair_columns])
+
+
+def _sends_seq_idx(model: Any) -> bool:
+    names = inspect.signature(base_model(model).forward).parameters
+    return "seq_idx" in names or (bool(token_mixing_layers(model)) and forward_accepts(model, "seq_idx"))
+
+
+def prepare_reward_trainer(
+    trainer: Any,
+    train_dataset: Any = None,
+    *,
+    max_tokens: int | None = None,
+    check_isolation: bool = True,
+    segmented_sdpa: bool = True,
+) -> Any:
+    """Make a TRL ``RewardTrainer`` score its pairs without padding, with TRL's own loss code; returns it.
+
+    Build the trainer as usual, then call this before ``train()``.  Without ``train_dataset`` each of TRL's
+    padded micro-batches runs through the model as one padding-free row.  With ``train_dataset=
+    pack_reward_pairs(trainer.train_dataset, max_length)`` the trainer trains on packed pair rows instead
+    (``per_device_train_batch_size`` rows per micro-batch, or ``max_tokens=N`` tokens per process)::
+
+        trainer = RewardTrainer(model, args=RewardConfig(...), train_dataset=pairs, processing_class=tokenizer)
+        prepare_reward_trainer(trainer, pack_reward_pairs(trainer.train_dataset, 4096)).train()
+
+    The loss of an optimizer step is the mean over all its pairs, over all processes (see the module
+    docstring).  ``check_isolation=True`` first scores a few sequences packed and alone through this path
+    (:func:`check_reward_isolation`) and refuses a model whose packed sequences leak.  ``segmented_sdpa``: as
+    in :func:`packtools.prepare_trainer`.  :func:`packtools.integrations.unprepare` undoes everything.
+    """
+    require("trl", "packtools.prepare_reward_trainer")
+    _check_trainer(trainer)
+    check_loss_path(trainer)
+    check_step_methods(trainer, ("compute_loss", "get_batch_samples"))
+    layout = rank_layout(trainer)
+    if layout.cp_size > 1:
+        raise PackingError(
+            f"context parallelism (cp={layout.cp_size}) is not supported for reward models; packtools shards "
+            f"reward pairs over data parallelism only.",
+            param="parallelism_config",
+        )
+    if max_tokens is not None and train_dataset is None:
+        raise PackingError(
+            "max_tokens batches packed rows: pass train_dataset=pack_reward_pairs(trainer.train_dataset, ...).",
+            param="max_tokens",
+        )
+    with all_or_nothing(trainer):
+        check_train_loader(trainer, max_tokens)
+        run = RewardPlan(layout, max_tokens, send_seq_idx=_sends_seq_idx(trainer.model))
+        install_step(trainer, PackedRewardStep, run)  # refuses a trainer prepared twice
+        check_attention_implementation(trainer.model)
+        with segmented_sdpa_until_checked([trainer.model], segmented_sdpa, owner=trainer):
+            if check_isolation and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
+                warnings.warn(
+                    "prepare_reward_trainer: the isolation probe was skipped because the model is sharded "
+                    "(DeepSpeed/FSDP); run packtools.integrations.preference.reward_scores.check_reward_isolation on an unsharded copy.",
+                    stacklevel=2,
+                )
+            elif check_isolation:
+                check_reward_isolation(trainer.model, send_seq_idx=run.send_seq_idx)
+        guard_model(trainer.model, owner=trainer)
+        if train_dataset is not None:
+            _use_packed_dataset(trainer, train_dataset)
+    return trainer

@@ -1,0 +1,156 @@
+"""The model's guard: a forward pre-hook that refuses the inputs which make transformers attend across packed
+sequences, and turns the KV cache off in training.
+
+FlashAttention-family kernels use ``cu_seq_lens_*`` (or derive segments from ``position_ids``); ``sdpa``,
+``eager`` and ``flex_attention`` build a block-diagonal mask from ``position_ids`` -- but only when no
+``attention_mask`` and no KV cache are passed.  :func:`guard_model` registers the hook (through the public
+``register_forward_pre_hook(with_kwargs=True)``, :mod:`packtools.compat.torch`; the model's
+``forward`` is never rebound) and records it, so ``unprepare`` removes it; :func:`check_forward_inputs` is the
+check it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ...compat import set_attr
+from ...compat.torch import forward_pre_hook
+from ...errors import PackingError
+from ..attention.backends import attention_implementation, is_flash, token_mixing_layers
+
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+_HOOK_ATTR = "_packtools_guard"
+
+
+def has_restarts(position_ids: Any, attention_mask: Any = None) -> bool:
+    """True when some row of ``position_ids`` steps by anything but +1 between two attended tokens.
+
+    That is how transformers recognizes packed sequences; with ``attention_mask`` only steps between two
+    unmasked tokens count, so left or right padding is not mistaken for packing.  Works on NumPy and torch.
+
+    >>> import numpy as np
+    >>> has_restarts(np.array([[0, 1, 2, 0, 1]])), has_restarts(np.array([[0, 1, 2, 3, 4]]))
+    (True, False)
+    >>> has_restarts(np.array([[1, 1, 0, 1, 2]]), attention_mask=np.array([[0, 0, 1, 1, 1]]))
+    False
+    """
+    broken = (position_ids[..., 1:] - position_ids[..., :-1]) != 1
+    if attention_mask is not None:
+        broken = broken & (attention_mask[..., 1:] != 0) & (attention_mask[..., :-1] != 0)
+    return bool(broken.any())
+
+
+def check_forward_inputs(
+    kwargs: Mapping[str, Any], implementation: str | None, mixers: tuple[str, ...] = ()
+) -> None:
+    """Raise :class:`PackingError` on keyword inputs that make transformers attend across packed sequences.
+
+    Inputs of generation (a cache passed in) are not checked.  Only the suspicious combinations read
+    tensor values (one host sync); correct padding-free batches are checked from their keys alone.
+
+    >>> import numpy as np
+    >>> check_forward_inputs({"position_ids": np.array([[0, 1, 0]])}, "sdpa")
+    >>> check_forward_inputs(
+    ...     {"position_ids": np.array([[0, 1, 0]]), "attention_mask": np.array([[1, 1, 1]])}, "sdpa"
+    ... )  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: the batch has packed position_ids (they restart inside a row) and an attention_mask...
+    """
+    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+        return
+    check_cp_attention(kwargs, implementation)
+    pos = kwargs.get("position_ids")
+    mask = kwargs.get("attention_mask")
+    if pos is not None and getattr(pos, "ndim", 0) != 2:
+        return  # multimodal rotary positions (e.g. [3, B, T]): not ours to judge
+    if pos is not None and mask is not None and getattr(mask, "ndim", 0) == 2 and has_restarts(pos, mask):
+        raise PackingError(
+            "the batch has packed position_ids (they restart inside a row) and an attention_mask: transformers "
+            "then ignores position_ids and every token attends across the sequence boundaries of its row. Drop "
+            "'attention_mask' from packed batches (packtools.PaddingFreeCollator never returns it with packed "
+            "rows); check that the collator is not wrapped in one that adds it."
+        )
+    if (
+        mixers
+        and kwargs.get("seq_idx") is None
+        and kwargs.get("cu_seq_lens_q") is None
+        and (any(kwargs.get(k) is not None for k in VARLEN_KEYS) or (pos is not None and has_restarts(pos)))
+    ):
+        raise PackingError(
+            f"the batch is packed but has neither seq_idx nor cu_seq_lens, and the model's layers "
+            f"{list(mixers)[:3]} mix tokens outside attention: they ignore position_ids and would run every "
+            f"packed row as one sequence. Keep seq_idx and cu_seq_lens in the batch "
+            f"(PaddingFreeCollator(return_seq_idx=True, return_flash_attn_kwargs=True)), or do not pack."
+        )
+    flash = is_flash(implementation)
+    if pos is None and not flash and any(kwargs.get(k) is not None for k in VARLEN_KEYS):
+        raise PackingError(
+            f"the batch has cu_seq_lens/max_length but no position_ids: the {implementation!r} attention ignores "
+            f"cu_seq_lens and needs position_ids to separate packed sequences. Keep 'position_ids' in the batch."
+        )
+    if (
+        flash
+        and pos is not None
+        and mask is None
+        and pos.shape[0] > 1
+        and any(kwargs.get(k) is None for k in VARLEN_KEYS)
+        and has_restarts(pos)
+    ):
+        raise PackingError(
+            f"the batch holds {pos.shape[0]} packed rows without cu_seq_lens: with {implementation!r} transformers "
+            f"infers sequences from position_ids only for a single row, so these rows would attend across "
+            f"sequences. Use PaddingFreeCollator(padding_free=True) (one flat row with cu_seq_lens)."
+        )
+
+
+def check_cp_attention(kwargs: Mapping[str, Any], implementation: str | None) -> None:
+    """Refuse a context-parallel shard (``packtools_cp``) given to any attention but ``packtools_cp``: ``sdpa``,
+    flash or ``packtools_sdpa`` would take the kwarg into ``**kwargs`` and attend only within this rank's chunks.
+
+    >>> check_cp_attention({"packtools_cp": object()}, "sdpa")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: a context-parallel shard (packtools_cp) reached a model on 'sdpa' attention...
+    """
+    if kwargs.get("packtools_cp") is not None and implementation != "packtools_cp":
+        raise PackingError(
+            f"a context-parallel shard (packtools_cp) reached a model on {implementation!r} attention, which would "
+            f"attend only within this rank's chunks of the row; switch the model with "
+            f"packtools.integrations.use_cp_attention(model) (prepare_trainer(..., context_parallel=N) does).",
+            param="packtools_cp",
+        )
+
+
+def guard_model(model: Any, *, owner: Any = None) -> Any:
+    """Register (once) a forward pre-hook on ``model`` that checks packed inputs and disables the KV cache.
+
+    The hook raises :class:`PackingError` through :func:`check_forward_inputs`, and passes
+    ``use_cache=False`` when the caller did not choose (or when training): transformers' ``sdpa``/``eager``
+    backends detect packed sequences only without a cache, and ``LlamaConfig`` and friends default to
+    ``use_cache=True``.  Register it on the outermost module that the trainer calls (a PEFT model forwards
+    to its base with ``.forward``, which skips hooks on the base).  The hook is recorded on ``owner`` (default:
+    the model): ``packtools.integrations.unprepare(owner)`` removes it.  Returns the hook handle.
+    """
+    # vars(), not getattr(): PEFT models forward unknown attributes to the base model, whose hook they skip.
+    handle = vars(model).get(_HOOK_ATTR)
+    if handle is not None:
+        return handle
+
+    mixers = tuple(token_mixing_layers(model))
+
+    def hook(
+        module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        impl = attention_implementation(module)
+        check_forward_inputs(kwargs, impl, mixers)
+        generating = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
+        if not generating and (kwargs.get("use_cache") is None or module.training):
+            kwargs["use_cache"] = False
+        return args, kwargs
+
+    owner = model if owner is None else owner
+    handle = forward_pre_hook(model, hook, owner=owner)
+    set_attr(model, _HOOK_ATTR, handle, owner=owner)
+    return handle

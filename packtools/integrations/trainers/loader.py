@@ -1,0 +1,303 @@
+"""The training dataloader of a ``Trainer`` under data parallelism: per-rank batches, each row once per epoch.
+
+:func:`train_loader` is the training loader the step owner's ``get_train_dataloader`` returns
+(:mod:`packtools.integrations.trainers.step`); its batches come from a rank-aware batch sampler of packtools:
+
+* ``max_tokens=N``: a :class:`~packtools.batches.TokenBudgetBatchSampler` per rank (batches of at most ``N`` tokens,
+  balanced across ranks by attention cost, ``sum(L_i²)`` per packed segment or per sequence of a pair);
+* otherwise, with several processes: a :class:`~packtools.batches.row_sampler.RowBatchSampler`
+  (``per_device_train_batch_size`` rows, the same number of batches on every rank, no row repeated; the
+  rows accelerate's ``even_batches`` would have repeated are spread by splitting batches instead).
+
+The sampler shards over the **data-parallel** group only (:func:`~packtools.integrations.parallel.layout.rank_layout`:
+rank and size read from accelerate's device mesh, DeepSpeed AutoTP, or the processes), so tensor- and
+context-parallel peers draw the same batches; a layout packtools does not handle is refused there by name.
+
+The loader still goes through ``accelerator.prepare`` (device placement, the data-loader state ``Trainer``
+reads), but accelerate's ``BatchSamplerShard`` is made a pass-through (the sampler already shards), and it
+forwards ``set_epoch`` to the sampler, also after ``skip_first_batches`` wraps it when resuming from a
+checkpoint.  Every epoch is a deterministic function of ``(seed, epoch)``, so a resumed run sees the batches
+the uninterrupted run would have.
+
+:func:`check_sharding` refuses a ``TokenBudgetBatchSampler(num_replicas > 1)`` under accelerate's own
+sharding (each rank would keep ``1/W`` of its own batches and skip ``(W-1)/W`` of every epoch).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+
+from ..._optional import require
+from ...compat.accelerate import stop_sharding
+from ...compat.transformers import training_collator, training_rows
+from ...constants import SEQ_LENGTHS
+from ...errors import PackingError
+
+PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+
+class RankBatches:
+    """A rank's batch sampler as ``Trainer`` sees it: no ``batch_size``, ``set_epoch`` forwarded.
+
+    >>> from packtools.batches.row_sampler import RowBatchSampler
+    >>> batches = RankBatches(RowBatchSampler(5, 2, shuffle=False, num_replicas=2, rank=1))
+    >>> len(batches), list(batches)
+    (2, [[1], [4]])
+    """
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Any:
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+def _list_lengths(dataset: Any, column: str) -> np.ndarray:
+    from ...compat.datasets import dataset_table
+    from ...core.arrow import column_lengths
+
+    table, indices = dataset_table(dataset)
+    lengths = column_lengths(table.column(column))
+    return lengths if indices is None else lengths[indices]
+
+
+def _seq_lengths_column(dataset: Any) -> Any:
+    from ...compat.datasets import dataset_table
+
+    table, indices = dataset_table(dataset)
+    column = table.column(SEQ_LENGTHS)
+    return column if indices is None else column.take(indices)
+
+
+def row_lengths_and_segments(dataset: Any) -> tuple[np.ndarray, Any]:
+    """Per-row token counts and per-row segment lengths (or None) of a training dataset.
+
+    Packed rows (``seq_lengths`` column), a :class:`~packtools.batches.PackedView`, TRL's tokenized preference pairs
+    (``prompt_ids`` / ``chosen_ids`` / ``rejected_ids``: a pair is ``[prompt + chosen, prompt + rejected]``)
+    or plain rows (``input_ids``).
+    """
+    pa = require("pyarrow", "packtools.integrations.trainers.loader")
+    if hasattr(dataset, "plan") and hasattr(dataset, "seq_lengths"):  # PackedView
+        return np.asarray(dataset.lengths, np.int64), dataset.seq_lengths
+    names = list(getattr(dataset, "column_names", None) or [])
+    if not hasattr(dataset, "data"):
+        raise PackingError(
+            f"token-budget batches need the row lengths of the training dataset; "
+            f"{type(dataset).__name__} is neither a datasets.Dataset nor a packtools.batches.PackedView.",
+            param="train_dataset",
+        )
+    if all(c in names for c in PAIR_COLUMNS) and "input_ids" not in names:
+        p, c, r = (_list_lengths(dataset, n).astype(np.int64) for n in PAIR_COLUMNS)
+        segments = np.stack([p + c, p + r], axis=1).reshape(-1).astype(np.int32)
+        offsets = np.arange(0, segments.shape[0] + 1, 2, dtype=np.int32)
+        return 2 * p + c + r, pa.ListArray.from_arrays(pa.array(offsets), pa.array(segments))
+    if "input_ids" not in names:
+        raise PackingError(
+            f"the training dataset has no input_ids column (has {names}); token-budget batches need row lengths.",
+            param="train_dataset",
+        )
+    lengths = _list_lengths(dataset, "input_ids").astype(np.int64)
+    return lengths, _seq_lengths_column(dataset) if SEQ_LENGTHS in names else None
+
+
+def make_sampler(trainer: Any, dataset: Any, max_tokens: int | None, layout: Any = None) -> Any:
+    """The rank's batch sampler for ``dataset`` (see the module docstring).
+
+    ``layout`` (a :class:`~packtools.integrations.parallel.layout.RankLayout`, read from the trainer when not
+    given) says which data-parallel shard this process reads: ``world`` and ``rank`` below are the
+    data-parallel size and rank, not the process count and index.
+    """
+    from ...batches.row_sampler import RowBatchSampler
+    from ...batches.sampler import TokenBudgetBatchSampler
+    from ..parallel.layout import rank_layout
+
+    args = trainer.args
+    seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed
+    layout = rank_layout(trainer) if layout is None else layout
+    world, rank = layout.dp_size, layout.dp_rank
+    if max_tokens is None:
+        if len(dataset) < world:  # some rank would have no batch, and Trainer no length to train on
+            raise PackingError(
+                f"{len(dataset)} training row(s) cannot give each of {world} processes a batch without repeating "
+                f"rows (a packed dataset holds few rows: each is up to max_length tokens); use more data, fewer "
+                f"processes, or pack with a smaller max_length.",
+                param="train_dataset",
+            )
+        sampler = RowBatchSampler(
+            len(dataset), args.per_device_train_batch_size, seed=seed, num_replicas=world, rank=rank
+        )
+        if sampler.dropped and rank == 0:
+            warnings.warn(
+                f"{len(dataset)} training rows in batches of {sampler.batch_size} cannot give {world} processes "
+                f"the same number of batches without repeating rows: {sampler.dropped} row(s) of each epoch's "
+                f"shuffle (different ones every epoch) sit that epoch out. Use a row count divisible by "
+                f"{world}, or max_tokens=N (token-budget batches split rows evenly).",
+                stacklevel=4,
+            )
+        return sampler
+    lengths, segments = row_lengths_and_segments(dataset)
+    if int((lengths > 0).sum()) < world:
+        raise PackingError(
+            f"{int((lengths > 0).sum())} non-empty rows cannot give each of {world} processes a batch without "
+            f"repeating rows; use more data or fewer processes.",
+            param="train_dataset",
+        )
+    return TokenBudgetBatchSampler(
+        lengths, max_tokens, seed=seed, num_replicas=world, rank=rank, seq_lengths=segments
+    )
+
+
+def _passthrough(prepared: Any, ours: RankBatches) -> Any:
+    """Make accelerate's ``BatchSamplerShard`` around ``ours`` yield every batch and forward ``set_epoch``."""
+    shard = getattr(prepared, "batch_sampler", None)
+    if shard is ours:
+        return prepared
+    if getattr(shard, "batch_sampler", None) is not ours:
+        raise PackingError(
+            f"accelerate wrapped packtools' training batch sampler in {type(shard).__name__}, which packtools "
+            f"does not know how to keep from sharding it again; please report the accelerate version."
+        )
+    if getattr(shard, "split_batches", False):
+        raise PackingError(
+            "accelerator_config.split_batches=True cuts every batch into per-process slices, which would split "
+            "packed rows and pairs across processes; packtools shards whole batches. Set split_batches=False.",
+            param="split_batches",
+        )
+    stop_sharding(
+        shard, ours.set_epoch
+    )  # reached by Trainer through skip_first_batches' SkipBatchSampler too
+    return prepared
+
+
+def check_sharding(loader: Any) -> None:
+    """Raise if a ``TokenBudgetBatchSampler`` with ``num_replicas > 1`` sits under accelerate's sharding."""
+    from ...batches.sampler import TokenBudgetBatchSampler
+
+    shard = getattr(loader, "batch_sampler", None)
+    inner = getattr(shard, "batch_sampler", None)
+    if (
+        isinstance(inner, TokenBudgetBatchSampler)
+        and inner.num_replicas > 1
+        and getattr(shard, "num_processes", 1) > 1
+    ):
+        raise PackingError(
+            f"TokenBudgetBatchSampler(num_replicas={inner.num_replicas}) is sharded again by accelerate's "
+            f"{type(shard).__name__}: each process would keep 1/{shard.num_processes} of its own batches and "
+            f"skip the rest of the epoch. Under Trainer use packtools.prepare_trainer(trainer, max_tokens=N) "
+            f"(or prepare_dpo_trainer(..., max_tokens=N)); in your own accelerate loop, do not pass that "
+            f"DataLoader to accelerator.prepare (move batches to the device yourself).",
+            param="batch_sampler",
+        )
+
+
+def is_stream(dataset: Any) -> bool:
+    """Whether ``dataset`` is a stream (an ``IterableDataset``, or anything without a length)."""
+    from ..._optional import is_instance
+
+    return (
+        is_instance(dataset, "torch", "IterableDataset")
+        or is_instance(dataset, "datasets", "IterableDataset")
+        or not hasattr(dataset, "__len__")
+    )
+
+
+def check_stream(dataset: Any, world: int, max_tokens: int | None) -> None:
+    """Refuse a streaming training dataset where packtools' per-rank loader is needed (several processes, or
+    ``max_tokens``): a stream has no length, so no rank can be given the same number of batches with every row
+    once; say what to do instead."""
+    if dataset is None or not is_stream(dataset) or (max(world, 1) == 1 and max_tokens is None):
+        return
+    why = (
+        f"under {world} processes"
+        if max_tokens is None
+        else f"with max_tokens={max_tokens} (token-budget batches)"
+    )
+    raise PackingError(
+        f"the training dataset is a stream ({type(dataset).__name__}) {why}: a stream has no length, so "
+        f"packtools cannot give every process the same number of batches with every row trained once (and "
+        f"Trainer's own stream sharding repeats or drops rows to even them out). Pack it to a map-style dataset "
+        f"first: datasets.Dataset.from_generator(lambda: iter(packed_stream)) (or packtools pack ... --out DIR "
+        f"and datasets.load_from_disk(DIR)), then prepare_trainer; or train the stream in one process.",
+        param="train_dataset",
+    )
+
+
+def check_sampling_strategy(args: Any, max_tokens: int | None) -> None:
+    """Refuse a ``train_sampling_strategy`` other than ``"random"`` where packtools' loader replaces
+    ``Trainer``'s sampler (several processes, or ``max_tokens``): its batches come from its own shuffle of
+    ``(seed, epoch)``, so ``"sequential"``, ``"group_by_length"`` or ``"batch_rebalance"`` would be ignored."""
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if getattr(args, "group_by_length", False) is True:  # transformers before train_sampling_strategy
+        strategy = "group_by_length"
+    if strategy in (None, "random"):
+        return
+    where = (
+        f"max_tokens={max_tokens} (token-budget batches)"
+        if max_tokens is not None
+        else f"{args.world_size} processes"
+    )
+    raise PackingError(
+        f"train_sampling_strategy={strategy!r} with {where}: packtools' loader replaces Trainer's sampler here "
+        f"(every process the same number of batches, each row once), and it draws its batches from its own "
+        f"shuffle of (seed, epoch), so {strategy!r} would be ignored. Leave train_sampling_strategy at 'random' "
+        f"(packed rows are already near one length; max_tokens batches rows by their token counts), or train "
+        f"in one process without max_tokens, where Trainer's own sampler is kept.",
+        param="train_sampling_strategy",
+    )
+
+
+def check_train_loader(trainer: Any, max_tokens: int | None) -> None:
+    """Refuse, before training, what :func:`train_loader` cannot serve: a ``max_tokens`` that is not a positive
+    int, a streaming dataset under several processes or a token budget."""
+    if max_tokens is not None:
+        from ...batches.sampler import _positive_int
+
+        _positive_int(max_tokens, "max_tokens")
+    check_stream(trainer.train_dataset, int(trainer.args.world_size), max_tokens)
+    if max_tokens is not None or max(int(trainer.args.world_size), 1) > 1:
+        check_sampling_strategy(trainer.args, max_tokens)
+
+
+def train_loader(trainer: Any, max_tokens: int | None, layout: Any, default: Any) -> Any:
+    """The training loader of ``trainer`` (see the module docstring); called by the step owner's
+    ``get_train_dataloader`` (:mod:`packtools.integrations.trainers.step`).
+
+    Without ``max_tokens`` and with one process, ``Trainer``'s own loader (``default()``) is kept (it repeats
+    nothing) and only checked.  ``layout``: the run's
+    :class:`~packtools.integrations.parallel.layout.RankLayout` (the sampler shards over its DP group).
+    """
+    if max_tokens is None and max(int(trainer.args.world_size), 1) == 1:
+        loader = default()
+        check_sharding(loader)
+        return loader
+    torch = require("torch", "packtools.prepare_trainer(max_tokens=...)")
+    if trainer.train_dataset is None:
+        raise ValueError("Trainer: training requires a train_dataset.")
+    dataset, collator = trainer.train_dataset, trainer.data_collator
+    check_stream(dataset, int(trainer.args.world_size), max_tokens)
+    if hasattr(dataset, "column_names") and hasattr(dataset, "remove_columns"):
+        dataset = training_rows(trainer, dataset)
+    else:
+        collator = training_collator(trainer, collator)
+    ours = RankBatches(make_sampler(trainer, dataset, max_tokens, layout))
+    args = trainer.args
+    params: dict[str, Any] = {
+        "batch_sampler": ours,
+        "collate_fn": collator,
+        "num_workers": args.dataloader_num_workers,
+        "pin_memory": args.dataloader_pin_memory,
+    }
+    if args.dataloader_num_workers > 0:
+        params["persistent_workers"] = args.dataloader_persistent_workers
+        params["prefetch_factor"] = args.dataloader_prefetch_factor
+    loader = torch.utils.data.DataLoader(dataset, **params)
+    return _passthrough(trainer.accelerator.prepare(loader), ours)

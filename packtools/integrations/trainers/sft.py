@@ -1,0 +1,122 @@
+"""The loss and column settings of a trainer on packed rows: ``Trainer.compute_loss_func``, the kept columns,
+and TRL's ``SFTConfig`` for an already-packed dataset.
+
+* :func:`causal_lm_loss`: the summed next-token loss over the predicted tokens of the whole accumulation
+  window, installed as the trainer's public ``compute_loss_func`` for a model that takes no loss kwargs.
+* :func:`keep_packed_columns`: ``seq_lengths`` and the loss-mask columns kept through
+  ``remove_unused_columns`` (``Trainer._signature_columns``, through
+  :mod:`packtools.compat.transformers`, recorded so ``unprepare`` undoes it).
+* :func:`packed_sft_config` and :func:`check_sft`: an ``SFTTrainer`` that does not prepare the packed rows
+  again (read from its public ``args.dataset_kwargs``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..._optional import is_instance, require
+from ...compat.transformers import keep_signature_columns
+from ...constants import IGNORE_INDEX, PACKED_COLUMNS
+from ...errors import PackingError
+
+
+def is_sft_trainer(trainer: Any) -> bool:
+    """Whether ``trainer`` is TRL's ``SFTTrainer`` (or a subclass), without importing TRL."""
+    return is_instance(trainer, "trl", "SFTTrainer")
+
+
+def causal_lm_loss(outputs: Any, labels: Any, num_items_in_batch: Any = None) -> Any:
+    """Sum of next-token cross-entropies divided by ``num_items_in_batch`` (a ``Trainer.compute_loss_func``).
+
+    Without ``num_items_in_batch`` it divides by the predicted tokens of this batch.  Labels are shifted
+    here (position ``i`` predicts ``labels[i + 1]``), like transformers' ``ForCausalLMLoss``.
+
+    >>> import torch
+    >>> uniform = {"logits": torch.zeros(1, 3, 4)}  # every token has probability 1/4
+    >>> labels = torch.tensor([[-100, 1, 2]])  # two predicted tokens
+    >>> round(float(causal_lm_loss(uniform, labels)), 4), round(float(causal_lm_loss(uniform, labels, 4)), 4)
+    (1.3863, 0.6931)
+    """
+    torch = require("torch", "packtools.integrations.trainers.sft.causal_lm_loss")
+    logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+    target = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].to(logits.device)
+    total = torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]),
+        target.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    count = (target != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
+    return total / torch.as_tensor(count, device=total.device).clamp(min=1)
+
+
+def keep_packed_columns(trainer: Any, *, owner: Any = None) -> None:
+    """Keep ``seq_lengths`` and the loss-mask columns through the trainer's ``remove_unused_columns``."""
+    if trainer.args.remove_unused_columns:
+        keep_signature_columns(trainer, PACKED_COLUMNS, owner=trainer if owner is None else owner)
+
+
+def check_sft(trainer: Any) -> None:
+    """Refuse an ``SFTTrainer`` that prepares (re-tokenizes, truncates) the packed dataset again."""
+    kwargs = getattr(trainer.args, "dataset_kwargs", None) or {}
+    if not kwargs.get("skip_prepare_dataset", False):
+        raise PackingError(
+            "SFTTrainer prepared the packed dataset again: it rebuilds labels (dropping completion_mask) and "
+            "truncates input_ids to max_length without updating seq_lengths. Build the trainer with "
+            "args=packtools.integrations.packed_sft_config(...), or SFTConfig(dataset_kwargs={'skip_prepare_dataset': True})."
+        )
+
+
+def packed_sft_config(**kwargs: Any) -> Any:
+    """A TRL ``SFTConfig`` for a dataset that is already packed: no packing or preparation again, and a
+    collator that keeps the packed sequences apart whichever collator the trainer ends up with.
+
+    It sets ``packing=False`` and ``dataset_kwargs={"skip_prepare_dataset": True}`` (preparation would
+    rebuild labels and truncate rows without updating ``seq_lengths``), and by default
+    ``padding_free=True`` with ``max_length=None``: an ``SFTTrainer`` built without a ``data_collator``
+    then uses TRL's own padding-free collator, which reads ``seq_lengths`` (positions restarting at every
+    packed sequence, ``cu_seq_lens``, the first label of each sequence masked) and trains exactly, with or
+    without :func:`~packtools.prepare_trainer`::
+
+        trainer = prepare_trainer(SFTTrainer(model, args=packed_sft_config(output_dir="out"),
+                                             train_dataset=packed, processing_class=tokenizer))
+
+    TRL refuses a custom ``data_collator`` under ``padding_free=True``.  To pass
+    ``PaddingFreeCollator`` (its options, ``context_parallel``, ``max_tokens``), say
+    ``packed_sft_config(..., padding_free=False)`` and pass ``data_collator=PaddingFreeCollator(pad)``:
+    with ``padding_free=False`` and no ``data_collator``, TRL's collator would give every packed row an
+    all-ones ``attention_mask`` (sequences attending to each other), which only
+    :func:`~packtools.prepare_trainer` then refuses.  Other arguments pass through.
+    """
+    trl = require("trl", "packtools.integrations.packed_sft_config")
+    if kwargs.get("packing"):
+        raise PackingError(
+            "packing=True makes SFTTrainer pack the already packed rows again. Leave packing out.",
+            param="packing",
+        )
+    padding_free = kwargs.pop("padding_free", True)
+    if padding_free not in (True, False):
+        raise PackingError(
+            f"padding_free={padding_free!r}: say True (TRL's own padding-free collator, reading seq_lengths; "
+            "the default) or False (you pass data_collator=packtools.PaddingFreeCollator(pad_token_id)).",
+            param="padding_free",
+        )
+    if padding_free and kwargs.get("max_length") is not None:
+        raise PackingError(
+            f"max_length={kwargs['max_length']}: the rows are already packed to their length and TRL refuses "
+            "max_length under padding_free=True without packing. Leave max_length out (rows are never "
+            "truncated again).",
+            param="max_length",
+        )
+    dataset_kwargs = dict(kwargs.pop("dataset_kwargs", None) or {})
+    if dataset_kwargs.get("skip_prepare_dataset") is False:
+        raise PackingError(
+            "dataset_kwargs['skip_prepare_dataset']=False would re-tokenize and truncate packed rows.",
+            param="dataset_kwargs",
+        )
+    dataset_kwargs["skip_prepare_dataset"] = True
+    if padding_free:
+        kwargs["max_length"] = None
+    kwargs.update(packing=False, padding_free=padding_free, dataset_kwargs=dataset_kwargs)
+    return trl.SFTConfig(**kwargs)

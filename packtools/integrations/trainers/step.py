@@ -1,0 +1,354 @@
+"""One owner of a training step: what packtools changes about a ``Trainer``'s step, in one class per trainer kind.
+
+``prepare_trainer`` / ``prepare_dpo_trainer`` swap the trainer's class to a packtools subclass of its own class
+(:func:`packed_class`: ``PackedTrainer``, ``PackedSFTTrainer``, ``PackedDPOTrainer``, ``Packed<YourTrainer>``;
+created once per class and mixin) and store the run's decisions in one frozen :class:`StepPlan` on the trainer
+(attribute :data:`PLAN_ATTR`).  Both are recorded (:func:`~packtools.compat.record`), so
+``packtools.integrations.unprepare(trainer)`` gives the trainer its own class back and removes the plan.
+
+The mixins override ``Trainer``'s public step methods and call ``super()``, so the trainer's own class -- a
+user's ``compute_loss``, TRL's ``SFTTrainer.compute_loss`` (its ``loss_type``, its metrics),
+``DPOTrainer.compute_loss`` -- runs inside them, never replaced:
+
+* :class:`StepOwner` (every kind): ``get_train_dataloader`` (packtools' per-rank loader,
+  :func:`~packtools.integrations.trainers.loader.train_loader`); under context parallelism ``evaluate``,
+  ``predict`` and their loaders are refused by name (their loaders give the ranks of a CP group different rows).
+* :class:`SFTStep` (``Trainer``, ``SFTTrainer``): ``get_batch_samples`` returns the step's denominator as
+  ``num_items_in_batch`` (the global sum of token weights, :mod:`packtools.integrations.trainers.step_loss`) under CP or
+  a loss mode other than ``token``; ``compute_loss`` hands a CP shard to the trainer's own ``compute_loss`` as
+  ``labels`` = ``shift_labels`` (already shifted; transformers' causal-LM loss and TRL's fused head score them
+  without a second shift), and computes the ``sample`` / ``sqrt`` modes itself (a trainer loss of its own is
+  refused by name with those, :func:`check_loss_owner`).
+* :class:`DPOStep` (TRL ``DPOTrainer``): ``get_batch_samples`` counts the pairs of the step over every process
+  (CP peers once) and returns them as ``num_items_in_batch``; ``compute_loss`` rescales the trainer's own
+  per-micro-batch pair mean to its share of the step's pair mean.
+
+Another trainer kind plugs in with a mixin of its own (a subclass of :class:`StepOwner` overriding the
+methods it changes, each calling ``super()``) and ``install_step(trainer, TheMixin, StepPlan(...))``: TRL's
+``RewardTrainer`` (:class:`~packtools.integrations.preference.reward.PackedRewardStep` with a ``RewardPlan``); TRL's
+``GRPOTrainer`` / ``RLOOTrainer`` (:class:`~packtools.integrations.rl.grpo.PackedRLStep` with an ``RLPlan``: it
+changes only the log-probability forwards and keeps TRL's own loader, whose sampler repeats each prompt for its
+group, so it does not derive from :class:`StepOwner`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..._optional import require
+from ...batches.context_parallel import CP_KEY
+from ...compat import record
+from ...errors import PackingError
+from ..parallel.distributed import trainer_divides_by_accumulation, uneven_gather
+from ..parallel.layout import RankLayout
+from .loader import train_loader
+from .step_loss import targets_and_documents, token_weights, weighted_token_loss
+
+#: The trainer attribute holding its :class:`StepPlan` (set by ``prepare_*``, removed by ``unprepare``).
+PLAN_ATTR = "packtools_step"
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The decisions of one run, taken once by ``prepare_*`` and read by the step owner.
+
+    ``layout``: the run's :class:`~packtools.integrations.parallel.layout.RankLayout` (DP/CP ranks, the CP group,
+    the balance choice); ``max_tokens``: the token budget per micro-batch (``None``: rows); ``loss``: the loss
+    normalization (:data:`~packtools.integrations.trainers.step_loss.LOSS_MODES`); ``cp_forward``: DPO under CP, what runs
+    this rank's shard of a padding-free row (:class:`~packtools.integrations.preference.context_parallel.CPForward`).
+    """
+
+    layout: RankLayout
+    max_tokens: int | None = None
+    loss: str = "token"
+    cp_forward: Any = None
+
+    @property
+    def cp(self) -> bool:
+        return self.layout.cp_size > 1
+
+
+_CLASSES: dict[
+    tuple[type, type], type
+] = {}  # (trainer class, mixin) -> packed class: built once, never per run
+
+
+def packed_class(base: type, mixin: type) -> type:
+    """The packtools subclass of ``base`` with ``mixin``'s step methods first in its MRO (cached).
+
+    >>> class Base:
+    ...     def step(self): return "base"
+    >>> class Mixin:
+    ...     def step(self): return "packed " + super().step()
+    >>> cls = packed_class(Base, Mixin)
+    >>> cls.__name__, cls().step(), packed_class(Base, Mixin) is cls
+    ('PackedBase', 'packed base', True)
+    """
+    found = _CLASSES.get((base, mixin))
+    if found is None:
+        name = f"Packed{base.__name__}"
+        found = type(name, (mixin, base), {"__module__": __name__, "__qualname__": name})
+        _CLASSES[(base, mixin)] = found
+    return found
+
+
+def plan_of(trainer: Any) -> Any:
+    """The plan of a prepared trainer (a :class:`StepPlan` or a trainer kind's own frozen plan; ``None`` when
+    packtools did not prepare it)."""
+    return getattr(trainer, "__dict__", {}).get(PLAN_ATTR)
+
+
+def install_step(trainer: Any, mixin: type, plan: Any) -> None:
+    """Swap ``trainer``'s class to ``packed_class(type(trainer), mixin)`` and store ``plan``; recorded on the
+    trainer, so ``unprepare`` restores the class and removes the plan."""
+    if plan_of(trainer) is not None or isinstance(trainer, StepOwner):
+        raise PackingError(
+            f"{type(trainer).__name__} was already prepared by packtools; call "
+            f"packtools.integrations.unprepare(trainer) before preparing it again.",
+            param="trainer",
+        )
+    original = type(trainer)
+    trainer.__class__ = packed_class(original, mixin)
+    vars(trainer)[PLAN_ATTR] = plan
+
+    def restore() -> None:
+        trainer.__class__ = original
+        vars(trainer).pop(PLAN_ATTR, None)
+
+    record(trainer, f"{original.__name__} -> {trainer.__class__.__name__}", restore)
+
+
+def _plan(trainer: Any) -> StepPlan:
+    found = plan_of(trainer)
+    if found is None:  # the class was copied onto another instance, or the plan removed by hand
+        raise PackingError(f"{type(trainer).__name__} has no packtools step plan; prepare it with prepare_*.")
+    return found
+
+
+NO_EVAL = (
+    "{what} under context_parallel is not handled by packtools: Trainer's evaluation and prediction loaders give "
+    "the ranks of a CP group different rows, which packtools_cp would attend across as one row. Evaluate or "
+    "predict without context_parallel (the saved model in a one-process or data-parallel run, e.g. "
+    "packtools.integrations.trainers.evaluation.token_mean_loss)"
+)
+
+
+def refuse_under_cp(trainer: Any, what: str) -> None:
+    """Refuse evaluation or prediction by name when ``trainer``'s plan splits rows over a CP group."""
+    if _plan(trainer).cp:
+        raise PackingError(NO_EVAL.format(what=what) + ".", param="eval_dataset")
+
+
+class StepOwner:
+    """What packtools changes in every prepared trainer's step: the training loader and, under context
+    parallelism, the refusal of evaluation and prediction (see the module docstring)."""
+
+    def get_train_dataloader(self) -> Any:
+        plan = _plan(self)
+        return train_loader(self, plan.max_tokens, plan.layout, super().get_train_dataloader)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        refuse_under_cp(self, "evaluate()")
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        refuse_under_cp(self, "predict()")
+        return super().predict(*args, **kwargs)
+
+    def get_eval_dataloader(self, *args: Any, **kwargs: Any) -> Any:
+        refuse_under_cp(self, "evaluation")
+        return super().get_eval_dataloader(*args, **kwargs)
+
+    def get_test_dataloader(self, *args: Any, **kwargs: Any) -> Any:
+        refuse_under_cp(self, "prediction")
+        return super().get_test_dataloader(*args, **kwargs)
+
+
+def _cp_group(plan: StepPlan, batch: dict[str, Any]) -> Any:
+    return plan.layout.cp_group if CP_KEY in batch else None
+
+
+def window_weight(trainer: Any, samples: list[Any], plan: StepPlan, device: Any) -> Any:
+    """The denominator ``D`` of the step (:mod:`~packtools.integrations.trainers.step_loss`): the token weights of every
+    micro-batch of the window summed over every process (tensor-parallel peers, which hold the same batch, once).
+    ``token``: an int64 count, as ``Trainer``'s own ``num_items_in_batch``."""
+    torch = require("torch", "packtools.prepare_trainer")
+    local = 0.0
+    for batch in samples:
+        targets, doc = targets_and_documents(batch)
+        local += float(token_weights(targets, doc, plan.loss, _cp_group(plan, batch)).sum())
+    dtype = torch.int64 if plan.loss == "token" else torch.float64
+    total = torch.tensor(round(local) if plan.loss == "token" else local, dtype=dtype, device=device)
+    if int(trainer.args.world_size) > 1:
+        total = trainer.accelerator.gather(total).sum()
+        total = total // plan.layout.tp_size if plan.loss == "token" else total / plan.layout.tp_size
+    return total
+
+
+def cp_loss_inputs(inputs: dict[str, Any], plan: StepPlan) -> dict[str, Any]:
+    """A CP shard as the trainer's own ``compute_loss`` takes it: ``labels`` and ``shift_labels`` both the
+    already-shifted targets (no second shift), the shard checked to be cut for this run's layout."""
+    shard = inputs[CP_KEY]
+    bound = getattr(shard, "bound", None)
+    if (
+        bound is not plan.layout and bound == plan.layout
+    ):  # cut in a data-loader worker: the same layout, copied
+        shard = replace(
+            shard, bound=plan.layout
+        )  # ... without its process group, which stays in this process
+    elif bound is not plan.layout:
+        raise PackingError(
+            "a context-parallel shard cut for another parallel layout (or for none) reached a trainer prepared "
+            "with context_parallel: cut batches with the trainer's own collator (prepare_trainer sets it: "
+            "ContextParallelCollator(inner, layout=<the trainer's layout>)).",
+            param="data_collator",
+        )
+    return {
+        "input_ids": inputs["input_ids"],
+        "position_ids": inputs["position_ids"],
+        CP_KEY: shard,
+        "labels": inputs["shift_labels"],
+        "shift_labels": inputs["shift_labels"],
+        "use_cache": False,
+    }
+
+
+class SFTStep(StepOwner):
+    """The step of a ``transformers.Trainer`` or TRL ``SFTTrainer`` on packed rows (see the module docstring)."""
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+        samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        plan = _plan(self)
+        if samples and (plan.cp or plan.loss != "token"):
+            num_items = window_weight(self, samples, plan, device)
+        return samples, num_items
+
+    def compute_loss(
+        self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        plan = _plan(self)
+        if plan.loss != "token":
+            return _weighted_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        if CP_KEY in inputs:
+            inputs = cp_loss_inputs(inputs, plan)
+        return super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+
+
+def _weighted_loss(trainer: Any, model: Any, inputs: Any, return_outputs: bool, num_items: Any) -> Any:
+    """The ``sample`` / ``sqrt`` loss of a micro-batch: ``sum_t w_t CE_t / D`` times what ``Trainer`` and DDP
+    divide by again (the processes of the DP x CP world; the accumulation steps when ``Trainer`` divides)."""
+    plan = _plan(trainer)
+    if CP_KEY in inputs:
+        inputs = cp_loss_inputs(inputs, plan)
+    targets, doc = targets_and_documents(inputs)
+    weights = token_weights(targets, doc, plan.loss, _cp_group(plan, inputs))
+    outputs = model(**{k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")})
+    total = weighted_token_loss(outputs.logits, targets, weights)
+    if model.training and num_items is not None:
+        divided = trainer_divides_by_accumulation(trainer, num_items)
+        steps = trainer.current_gradient_accumulation_steps if divided else 1
+        processes = plan.layout.dp_size * plan.layout.cp_size
+        loss = total * (steps * processes / max(float(num_items), 1e-12))
+    else:  # evaluation: this batch's mean in the mode
+        loss = total / weights.sum().clamp(min=1e-12)
+    return (loss, outputs) if return_outputs else loss
+
+
+class DPOStep(StepOwner):
+    """The step of a TRL ``DPOTrainer`` on padding-free or packed pairs: the loss of an optimizer step is the mean
+    over all its pairs, over every process (:mod:`packtools.integrations.preference.dpo`)."""
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+        torch = require("torch", "packtools.prepare_dpo_trainer")
+        samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        pairs = torch.tensor(sum(int(b["completion_mask"].shape[0]) // 2 for b in samples), device=device)
+        if int(self.args.world_size) > 1:  # tensor/context-parallel peers hold the same pairs: counted once
+            pairs = self.accelerator.gather(pairs).sum() // _plan(self).layout.peers
+        return samples, int(pairs)
+
+    def compute_loss(
+        self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        with uneven_gather(self.accelerator):  # per-pair metrics: ranks hold different numbers of pairs
+            result = super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        if not self.model.training or not num_items_in_batch:
+            return result
+        layout = _plan(self).layout
+        loss = result[0] if return_outputs else result
+        pairs = int(inputs["completion_mask"].shape[0]) // 2
+        # Undo what training_step divides by (read from Trainer's own predicate) and DDP's mean over the
+        # data-parallel group (not over tensor-parallel peers); context-parallel peers' gradients are parts of
+        # one gradient (cp_dpo: identity-backward sums), so DDP's mean over them is undone too.
+        divided = trainer_divides_by_accumulation(self, num_items_in_batch)
+        steps = self.current_gradient_accumulation_steps if divided else 1
+        loss = loss * (pairs * steps * layout.dp_size / int(num_items_in_batch))
+        if layout.cp_size > 1:  # the gradient times cp_size, the value (logged) kept the step mean
+            extra = loss * (layout.cp_size - 1)
+            loss = loss + (extra - extra.detach())
+        return (loss, result[1]) if return_outputs else loss
+
+
+def own_compute_loss(trainer: Any) -> str | None:
+    """The name of the class that overrides ``compute_loss`` between the trainer's class and ``Trainer`` /
+    ``SFTTrainer`` / ``DPOTrainer`` (a user's subclass), or ``None``."""
+    known = {
+        "transformers.trainer.Trainer",
+        "trl.trainer.sft_trainer.SFTTrainer",
+        "trl.trainer.dpo_trainer.DPOTrainer",
+    }
+    for cls in type(trainer).__mro__:
+        if issubclass(cls, StepOwner) or "compute_loss" not in vars(cls):
+            continue
+        if f"{cls.__module__}.{cls.__qualname__}" in known:
+            return None
+        return cls.__name__
+    return None
+
+
+def check_loss_owner(trainer: Any, loss: str) -> None:
+    """Refuse, by name, a loss of the trainer's own next to a loss mode packtools computes (``sample`` /
+    ``sqrt``): the two would both own the loss, and packtools will not replace the trainer's silently."""
+    if loss == "token":
+        return
+    from .sft import causal_lm_loss
+
+    config = getattr(getattr(trainer.model, "config", None), "get_text_config", lambda: None)()
+    own = own_compute_loss(trainer)
+    loss_type = getattr(trainer.args, "loss_type", None)
+    found = [
+        f"{own}.compute_loss (a compute_loss of your own)" if own else "",
+        "a compute_loss_func of your own" if trainer.compute_loss_func not in (None, causal_lm_loss) else "",
+        f"loss_type={loss_type!r} (SFTConfig)" if loss_type not in (None, "nll") else "",
+        "label_smoothing_factor > 0 (Trainer's label smoother)" if trainer.label_smoother is not None else "",
+        "a MoE router loss (output_router_logits with router_aux_loss_coef)"
+        if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0)
+        else "",
+    ]
+    if any(found):
+        raise PackingError(
+            f"loss={loss!r} is computed by packtools (each trained token weighted by its document's length), so "
+            f"{'; '.join(f for f in found if f)} would be replaced. Keep it with loss='token' (the trainer's own "
+            f"loss, honoured), or drop it.",
+            param="loss",
+        )
+
+
+def use_causal_lm_loss(trainer: Any) -> None:
+    """Give a trainer whose model takes no loss kwargs (so ``Trainer`` cannot pass it ``num_items_in_batch``)
+    packtools' :func:`~packtools.integrations.trainers.sft.causal_lm_loss` as ``compute_loss_func`` (``Trainer``'s public
+    hook, recorded), unless it has a loss function or label smoother of its own."""
+    if (
+        getattr(trainer, "model_accepts_loss_kwargs", True)
+        or trainer.compute_loss_func is not None
+        or trainer.label_smoother is not None
+    ):
+        return
+    from ...compat import set_attr
+    from .sft import causal_lm_loss
+
+    set_attr(trainer, "compute_loss_func", causal_lm_loss, owner=trainer)

@@ -1,0 +1,291 @@
+"""Thin adapter: packed padding-free batches in ``transformers.Trainer`` and TRL's ``SFTTrainer``.
+
+``PaddingFreeCollator`` builds correct batches; what can still go wrong sits in the trainer and the model,
+and this module closes exactly those gaps, nothing more:
+
+* **Columns.** ``Trainer`` drops dataset columns that the model's ``forward`` does not name
+  (``remove_unused_columns=True``), which silently removes ``seq_lengths`` (every packed row then looks like
+  one long sequence) and ``completion_mask`` / ``assistant_masks``.  :func:`prepare_trainer` adds them to
+  the trainer's kept columns, so ``remove_unused_columns`` can stay on.
+* **Attention isolation.** FlashAttention-family kernels use ``cu_seq_lens_*`` (or derive segments from
+  ``position_ids``); ``sdpa``, ``eager`` and ``flex_attention`` build a block-diagonal mask from
+  ``position_ids`` -- but only when no ``attention_mask`` and no KV cache are passed.  A forward pre-hook
+  (:func:`~packtools.integrations.trainers.guard.guard_model`) passes ``use_cache=False`` in training and whenever the caller did not choose, and raises
+  :class:`~packtools.errors.PackingError` on the inputs that make transformers attend across sequences:
+  a 2-D ``attention_mask`` next to packed ``position_ids``; ``cu_seq_lens_*`` without ``position_ids`` on a
+  non-flash backend (which ignores them); several packed rows without ``cu_seq_lens_*`` on a flash backend
+  (transformers infers segments from ``position_ids`` only for one row).  Backends that cannot isolate
+  packed sequences (paged attention, custom kernels) are refused up front.
+* **Attention cost.** Under a block-diagonal mask a padding-free row of ``N`` tokens costs ``N²`` per
+  attention layer.  :func:`prepare_trainer` switches ``sdpa`` models to packtools' per-sequence ``sdpa``
+  (:mod:`packtools.integrations.attention.segmented`, :func:`~packtools.integrations.attention.backends.use_segmented_sdpa`), which costs ``sum(L_i²)`` like
+  FlashAttention varlen and gives the same result; ``segmented_sdpa=False`` keeps transformers' ``sdpa``.
+* **Loss denominator.** ``Trainer`` prefetches the ``gradient_accumulation_steps`` batches of an optimizer
+  step, counts ``labels[..., 1:] != -100`` over all of them (``num_items_in_batch``) and passes that count
+  to the model, whose causal-LM loss is then ``sum of token losses / count`` -- the token-weighted mean over
+  the whole accumulation window, with no further division by the number of steps.  Because the collator
+  sets -100 at every sequence start (position 0 included) and on padding, that count is exactly the number
+  of predicted tokens, whether or not the count skips column 0.  This only happens when the model accepts
+  loss kwargs (every ``*ForCausalLM`` does); for a model that does not, :func:`prepare_trainer` installs
+  :func:`~packtools.integrations.trainers.sft.causal_lm_loss` as ``compute_loss_func``, which uses the same count.  With several processes
+  ``average_tokens_across_devices=True`` (the default) makes the count global.
+
+TRL's ``SFTTrainer`` needs three settings for an already-packed dataset;
+:func:`~packtools.integrations.trainers.sft.packed_sft_config` sets them.
+
+Everything :func:`prepare_trainer` changes on the trainer, its model, its collator, its loader method and
+transformers' attention registry goes through :mod:`packtools.compat` and is recorded on the
+trainer: :func:`packtools.integrations.unprepare` puts it all back, :func:`packtools.integrations.prepared` prepares for
+a block, and
+a trainer that ``prepare_trainer`` refuses is left as it came.
+
+>>> import tempfile, datasets, transformers
+>>> from packtools import PaddingFreeCollator, pack_dataset
+>>> from packtools.integrations import unprepare
+>>> config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+...                                   num_attention_heads=2, attn_implementation="sdpa")
+>>> rows = pack_dataset(datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9]]}), 8)
+>>> args = transformers.TrainingArguments(tempfile.mkdtemp(), report_to=[], use_cpu=True)
+>>> trainer = transformers.Trainer(transformers.LlamaForCausalLM(config), args, train_dataset=rows,
+...                                data_collator=PaddingFreeCollator(0))
+>>> prepare_trainer(trainer) is trainer, trainer.model.config._attn_implementation
+(True, 'packtools_sdpa')
+>>> unprepare(trainer).model.config._attn_implementation
+'sdpa'
+
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from ..._optional import is_instance, require
+from ...compat import all_or_nothing, set_attr
+from ...errors import PackingError
+from ..attention.backends import (
+    adapt_collator,
+    base_model,
+    check_attention_implementation,
+    segmented_sdpa_until_checked,
+    switch_back,
+)
+from ..attention.isolation import check_isolation as _check_isolation
+from ..attention.mixers import run_mixers_per_document
+from ..attention.segmented import SEGMENTED_SDPA
+from ..multimodal.models import check_multimodal_model, check_vision_isolation
+from ..parallel.layout import check_context_parallel_size, rank_layout
+from .collator_check import check_trainer_collator, probe_collator
+from .guard import guard_model
+from .loader import check_train_loader
+from .sft import check_sft, is_sft_trainer, keep_packed_columns
+from .step import SFTStep, StepPlan, check_loss_owner, install_step, plan_of, use_causal_lm_loss
+from .step_loss import check_loss_mode
+
+
+def _sharded(trainer: Any) -> bool:
+    return bool(getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False))
+
+
+def run_probe(
+    trainer: Any,
+    *extra_models: Any,
+    switched: Sequence[Any] = (),
+    collator: Any = None,
+    packed: bool = True,
+    vision: bool = False,
+) -> None:
+    """Run :func:`packtools.integrations.check_isolation` on the trainer's model (and ``extra_models``) unless sharded.
+
+    ``switched`` are the models :func:`use_segmented_sdpa` switched: if the probe fails, they go back to
+    ``sdpa`` and are probed again, so the error names either the model's own leak or packtools' backend.
+    ``vision=True`` runs the multimodal probe (:func:`~packtools.integrations.multimodal.models.check_vision_isolation`,
+    through the vision tower) instead.
+    """
+    if _sharded(trainer):
+        warnings.warn(
+            "prepare_trainer: the isolation probe was skipped because the model is sharded (DeepSpeed/FSDP) "
+            "and cannot be run before train(); run packtools.integrations.check_isolation on an unsharded copy of the "
+            "model (same class, config and attn_implementation) to check it.",
+            stacklevel=3,
+        )
+        return
+    if vision:
+        check_vision_isolation(trainer.model, trainer.data_collator)
+        return
+    if collator is None:
+        collator = probe_collator(trainer.data_collator)
+
+    def probe() -> None:
+        for model in (trainer.model, *extra_models):
+            if model is not None:
+                _check_isolation(model, collator, packed=packed)
+
+    try:
+        probe()
+    except PackingError:
+        if not switched:
+            raise
+        switch_back(switched)
+        probe()  # leaks with plain sdpa too: this error names the cause
+        raise PackingError(
+            f"packtools' per-sequence sdpa ({SEGMENTED_SDPA!r}) let packed sequences of "
+            f"{type(base_model(switched[0])).__name__} leak while its own 'sdpa' keeps them apart; the models "
+            f"were switched back to 'sdpa'. Pass segmented_sdpa=False, and please report the model."
+        ) from None
+
+
+def prepare_trainer(
+    trainer: Any,
+    *,
+    max_tokens: int | None = None,
+    check_isolation: bool = True,
+    segmented_sdpa: bool = True,
+    context_parallel: int | None = None,
+    loss: str = "token",
+) -> Any:
+    """Make a ``transformers.Trainer`` (or TRL ``SFTTrainer``) train correctly on packed padding-free batches.
+
+    Call it once, after building the trainer and before ``train()``::
+
+        trainer = prepare_trainer(Trainer(model, args, train_dataset=packed,
+                                          data_collator=PaddingFreeCollator(pad_token_id)))
+        trainer.train()
+
+    It checks the attention backend (:func:`check_attention_implementation`), keeps ``seq_lengths`` and the
+    loss-mask columns through ``remove_unused_columns``, guards the model's forward (:func:`~packtools.integrations.trainers.guard.guard_model`:
+    ``use_cache=False``, contamination errors), makes sure the loss is divided by the predicted tokens of the
+    whole accumulation window (see the module docstring), and for ``SFTTrainer`` that the dataset was not
+    prepared again.  A ``PaddingFreeCollator`` as ``data_collator`` is adapted to the model's ``forward``
+    (keys it does not take are switched off, :func:`~packtools.integrations.attention.backends.adapt_collator`).
+    Everything it changes is recorded on the trainer (:func:`packtools.integrations.unprepare` undoes it; a
+    refused trainer is left as it came).
+
+    With ``check_isolation=True`` (the default) it first checks the trainer's own ``data_collator`` on a real
+    batch of its train dataset and refuses one that merges packed sequences, with the fix
+    (:mod:`packtools.integrations.trainers.collator_check`), then runs :func:`packtools.integrations.check_isolation` once through
+    that collator: a few short sequences through the model, packed as the collator packs them and alone, under
+    ``no_grad`` (well under a second for small models; a few forward passes of ~24 tokens for large ones),
+    and raises :class:`~packtools.errors.PackingError` if packed sequences leak into each other.
+    ``check_isolation=False`` skips both.
+
+    With ``segmented_sdpa=True`` (the default) an ``sdpa`` model is switched to packtools' per-sequence
+    ``sdpa`` (:func:`~packtools.integrations.attention.backends.use_segmented_sdpa`): a padding-free row's attention then costs ``sum(L_i²)`` like
+    FlashAttention varlen instead of ``(sum L_i)²`` under the block-diagonal mask, with the same result
+    (the probe runs on it).  ``max_tokens=N`` batches by a token budget per process; with several processes
+    every process runs the same number of micro-batches and no row is repeated
+    (:mod:`packtools.integrations.trainers.loader`).  The loaders shard over the data-parallel group read from
+    accelerate's device mesh (:mod:`packtools.integrations.parallel.layout`): tensor- and context-parallel
+    peers read the same batches; layouts packtools does not handle are refused by name.
+
+    ``context_parallel=N`` (a positive int) splits every padding-free row across ``N`` consecutive processes per
+    document (:mod:`packtools.integrations.trainers.context_parallel`: CP collator, ``packtools_cp`` attention, the trainer's
+    own loss on the shards' targets, the token mean over every rank and the accumulation window).
+
+    ``loss`` is how the token losses of an optimizer step are averaged (:mod:`packtools.integrations.trainers.step_loss`),
+    each equal to the unpacked computation over the global batch (accumulation window x processes x CP group):
+    ``"token"`` (the default: the mean over every trained token, the trainer's own loss), ``"sample"`` (each
+    sequence's token mean, averaged over the sequences) or ``"sqrt"`` (sequences weighted by the square root of
+    their trained tokens).  ``"sample"`` and ``"sqrt"`` are computed by packtools, so a loss of the trainer's own
+    (a ``compute_loss`` override, ``compute_loss_func``, ``SFTConfig(loss_type=...)``, label smoothing) is
+    refused by name with them.
+
+    The trainer's class becomes a packtools subclass of it (``PackedTrainer``, ``PackedSFTTrainer``,
+    ``Packed<YourTrainer>``: :mod:`packtools.integrations.trainers.step`), the one owner of what packtools changes in
+    its step; ``unprepare`` gives the class back.
+
+    Vision-language models (:mod:`packtools.integrations.multimodal.models`): Qwen2-VL, Qwen2.5-VL and Qwen3-VL (the list
+    is :data:`packtools.batches.mrope.VERIFIED_MODEL_TYPES`) train packed with
+    ``data_collator=packtools.batches.MultimodalCollator(model, pad_token_id)`` (per-document 3-D positions,
+    images in row order); any other multimodal model, or one of these with another collator, is refused by
+    name.  Their isolation probe runs samples with images through the vision tower
+    (:func:`~packtools.integrations.multimodal.models.check_vision_isolation`).  Returns the trainer.
+    """
+    require("transformers", "packtools.integrations.prepare_trainer")
+    loss = check_loss_mode(loss)
+    check_context_parallel_size(context_parallel)
+    plan = plan_of(trainer)
+    if plan is not None:  # idempotent with the same options; other options would stack on the first
+        if (plan.max_tokens, plan.loss, plan.layout.cp_size) == (max_tokens, loss, context_parallel or 1):
+            return trainer
+        raise PackingError(
+            f"prepare_trainer was already called on this {type(trainer).__name__} with max_tokens="
+            f"{plan.max_tokens}, loss={plan.loss!r}, context_parallel={plan.layout.cp_size}; call "
+            f"packtools.integrations.unprepare(trainer) before preparing it with other options.",
+            param="trainer",
+        )
+    if is_instance(trainer, "trl", "DPOTrainer"):
+        raise PackingError(
+            f"prepare_trainer got a {type(trainer).__name__}: preference pairs need their own batches, loss scaling "
+            "and forward. Use packtools.prepare_dpo_trainer(trainer, ...) instead.",
+            param="trainer",
+        )
+    if is_instance(trainer, "trl", "RewardTrainer"):
+        raise PackingError(
+            f"prepare_trainer got a {type(trainer).__name__}: a reward model's scores are read at each packed "
+            "document's own last token, not by the model's pooling. Use "
+            "packtools.integrations.preference.reward.prepare_reward_trainer(trainer, ...) instead.",
+            param="trainer",
+        )
+    if is_instance(trainer, "trl", "KTOTrainer"):
+        raise PackingError(
+            f"prepare_trainer got a {type(trainer).__name__}: KTO's completions and KL sequences need their own "
+            "padding-free forward. Use packtools.integrations.preference.kto.prepare_kto_trainer(trainer) instead.",
+            param="trainer",
+        )
+    if is_instance(trainer, "trl", "GRPOTrainer") or is_instance(trainer, "trl", "RLOOTrainer"):
+        raise PackingError(
+            f"prepare_trainer got a {type(trainer).__name__}: online RL generates its batches and computes its "
+            "log-probabilities in its own method. Use packtools.prepare_grpo_trainer(trainer) instead.",
+            param="trainer",
+        )
+    check_attention_implementation(trainer.model)
+    vision = check_multimodal_model(trainer.model, trainer.data_collator) is not None
+    if vision and context_parallel not in (None, 1):
+        raise PackingError(
+            f"context_parallel={context_parallel} with a vision-language model ({type(trainer.model).__name__}): "
+            "packtools splits text rows across context-parallel ranks, not the images and 3-D positions a "
+            "MultimodalCollator batch carries. Train it with context_parallel=1 (data parallelism only).",
+            param="context_parallel",
+        )
+    if vision and loss != "token":
+        raise PackingError(
+            f"loss={loss!r} with a vision-language model ({type(trainer.model).__name__}): the per-sequence "
+            f"weights are not checked against MultimodalCollator batches (3-D positions); use loss='token'.",
+            param="loss",
+        )
+    layout = rank_layout(trainer, context_parallel)  # refuses a context_parallel that is no positive int
+    check_loss_owner(trainer, loss)
+    check_train_loader(trainer, max_tokens)
+    with all_or_nothing(trainer):
+        keep_packed_columns(trainer)
+        sft = is_sft_trainer(trainer)
+        if sft:
+            check_sft(trainer)
+        if not sft:
+            use_causal_lm_loss(trainer)
+        if trainer.args.world_size > 1 and not getattr(trainer.args, "average_tokens_across_devices", True):
+            warnings.warn(
+                "average_tokens_across_devices=False: each process divides its loss by its own token count, so "
+                "processes with fewer tokens weigh more. Set it to True for a token-weighted loss across processes.",
+                stacklevel=2,
+            )
+        collator = adapt_collator(trainer.data_collator, trainer.model)
+        if collator is not trainer.data_collator:
+            set_attr(trainer, "data_collator", collator, owner=trainer)
+        probe_rows, packed = None, True
+        # the trainer's own collator on a real batch, then the probe through it (vision: its own probe)
+        if check_isolation and not vision:
+            probe_rows, packed = check_trainer_collator(trainer)
+        run_mixers_per_document(trainer.model, owner=trainer)  # before the guard: its mixers are then handled
+        guard_model(trainer.model, owner=trainer)
+        with segmented_sdpa_until_checked([trainer.model], segmented_sdpa, owner=trainer) as switched:
+            if check_isolation:
+                run_probe(trainer, switched=switched, collator=probe_rows, packed=packed, vision=vision)
+        if layout.cp_size > 1:
+            from .context_parallel import prepare_context_parallel
+
+            layout = prepare_context_parallel(trainer, layout)
+        install_step(trainer, SFTStep, StepPlan(layout, max_tokens=max_tokens, loss=loss))
+    return trainer

@@ -1,0 +1,229 @@
+"""transformers' ids without importing transformers, where that is proven to give the same ids.
+
+Loading a tokenizer through transformers imports transformers (and with it torch): a fixed cost per run larger
+than tokenizing a large corpus with the fast engine (docs/tokenize.md).  For plain-text formats the reference ids (what
+the fast engine is compared with, and what runs when it does not apply) need only the Rust ``tokenizers``
+library that transformers itself calls, loaded from the same ``tokenizer.json`` with truncation and padding
+off, and the EOS id from the tokenizer's config.
+
+That this gives transformers' ids is not assumed: the first run with a tokenizer loads it through transformers
+too, compares both on the built-in adversarial set (with and without special tokens) and their EOS ids, and
+records the verdict in a small file keyed by the tokenizer's fingerprint and the versions of transformers,
+tokenizers and packtools (under ``$PACKTOOLS_CACHE_DIR``, default ``~/.cache/packtools``).  Later runs with a
+"same" verdict skip transformers; anything else (a differing id, a new version, no verdict) loads transformers.
+``PACKTOOLS_CACHE_DIR=''`` turns the shortcut off.
+
+The library parses ``tokenizer.json``'s merges faster when they are spelled ``"a b"`` than as ``["a", "b"]`` pairs,
+and the fast engine keeps such a copy
+(:mod:`packtools.pipeline.tokenizer.load`).  The reference loads that copy only where the same run that checked
+``tokenizer.json`` against transformers also found the copy *identical* to it: both loaded by the library and
+serialized back (its whole state: vocabulary, every merge in order, normalizer, pre-tokenizer, added tokens,
+post-processor), the two serializations equal.  That finding is recorded with the copy's SHA-256, which is checked
+before every load: a damaged, cut, rewritten or unrecorded copy is never loaded (``tokenizer.json`` is), and a copy
+that was not identical is removed.  So the copy cannot be "compared with itself": what is loaded is, byte for byte,
+the file that was proven to be ``tokenizer.json``'s tokenizer.
+
+>>> import os
+>>> saved = os.environ.get("PACKTOOLS_CACHE_DIR")
+>>> os.environ["PACKTOOLS_CACHE_DIR"] = ""
+>>> cache_dir() is None, load_verified(".", "0" * 64) is None
+(True, True)
+>>> _ = os.environ.pop("PACKTOOLS_CACHE_DIR") if saved is None else os.environ.update(PACKTOOLS_CACHE_DIR=saved)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from ..._atomic import atomic_path, discard
+from ...constants import __version__
+from ...io.fingerprint import cache_key
+from .folder import file_sha256
+
+VERDICT_FORMAT = 1
+
+
+def cache_dir() -> str | None:
+    """Where verdicts are kept (None: the shortcut is off: ``$PACKTOOLS_CACHE_DIR=''``, or no home folder)."""
+    env = os.environ.get("PACKTOOLS_CACHE_DIR")
+    if env is not None:
+        return env or None
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        home = os.path.expanduser("~")
+        if home == "~" or not os.path.isabs(home):  # no home folder: no cache (never a folder named "~")
+            return None
+        base = os.path.join(home, ".cache")
+    return os.path.join(base, "packtools")
+
+
+def _versions() -> dict[str, str]:
+    out = {"packtools": __version__}
+    for name in ("transformers", "tokenizers"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+def _verdict_path(tokenizer_fp: str, file: str | None = None) -> str | None:
+    root = cache_dir()
+    if root is None:
+        return None
+    source = {} if file is None else {"source": "compact"}  # the copy with "a b" merges (tokenizer_load)
+    key = cache_key("reference", VERDICT_FORMAT, tokenizer=tokenizer_fp, versions=_versions(), **source)[:32]
+    return os.path.join(root, "reference", key + ".json")
+
+
+class LiteReference:
+    """The ``tokenizers`` library's tokenizer of a folder, as transformers' ``__call__`` runs it; ``file``: the
+    copy of its tokenizer.json to load instead (with ``"a b"`` merges; only one recorded identical to it)."""
+
+    def __init__(self, tokenizer_dir: str, file: str | None = None) -> None:
+        from tokenizers import Tokenizer
+
+        #: what was loaded: ``tokenizer.json``, or ``copy`` (its copy checked identical, see the module docstring)
+        self.source = "tokenizer.json" if file is None else "copy"
+        self.backend = Tokenizer.from_file(file or os.path.join(tokenizer_dir, "tokenizer.json"))
+        self.backend.no_truncation()
+        self.backend.no_padding()
+        eos = _config_eos(tokenizer_dir)
+        self.eos_id = self.backend.token_to_id(eos) if eos is not None else None
+
+
+def _config_eos(tokenizer_dir: str) -> str | None:
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            with open(os.path.join(tokenizer_dir, name), encoding="utf-8") as fh:
+                value = json.load(fh).get("eos_token")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def _digest(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def write_verdict(path: str, body: dict[str, Any]) -> None:
+    """Write a recorded verdict with the SHA-256 of its own content (checked by :func:`_whole_verdict`),
+    atomically and flushed to disk; an :class:`OSError` (read-only or full cache) is the caller's to handle."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        json.dump({**body, "sha256": _digest(body)}, fh, sort_keys=True)
+
+
+def _whole_verdict(path: str | None) -> dict[str, Any] | None:
+    """The recorded verdict at ``path`` if it is whole: readable and equal to the SHA-256 it was written with
+    (a damaged, cut or hand-edited file, or one written before the checksum, is no verdict)."""
+    if path is None or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            saved = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict):
+        return None
+    body = {k: v for k, v in saved.items() if k != "sha256"}
+    return body if saved.get("sha256") == _digest(body) else None
+
+
+def read_verdict(path: str | None) -> dict[str, Any] | None:
+    """A recorded passing verdict (a whole JSON object with ``"same": true``) at ``path``, or None: absent,
+    unreadable, damaged or not a pass all mean "check again"."""
+    verdict = _whole_verdict(path)
+    return verdict if verdict is not None and verdict.get("same") is True else None
+
+
+def _copy_verdict(tokenizer_fp: str, copy: str | None) -> dict[str, Any] | None:
+    """The recorded finding that ``copy`` is identical to the folder's tokenizer.json, when it is a pass and the
+    copy's SHA-256 is still the one it was found with; None otherwise."""
+    if copy is None:
+        return None
+    verdict = read_verdict(_verdict_path(tokenizer_fp, copy))
+    if verdict is None or verdict.get("identical") is not True:
+        return None
+    try:
+        return verdict if file_sha256(copy) == verdict.get("copy_sha256") else None
+    except OSError:  # removed meanwhile (the fast engine's own check removes a damaged copy)
+        return None
+
+
+def load_verified(tokenizer_dir: str, tokenizer_fp: str, copy: str | None = None) -> LiteReference | None:
+    """The lite reference when a recorded verdict says it gives transformers' ids for this tokenizer and these
+    versions; None otherwise (then transformers must be loaded).  ``copy``: the fast engine's copy of
+    tokenizer.json, loaded instead only where it was recorded identical to it with this very SHA-256."""
+    verdict = read_verdict(_verdict_path(tokenizer_fp))
+    if verdict is None:
+        return None
+    twin = _copy_verdict(tokenizer_fp, copy)
+    for file in ((copy,) if twin is not None else ()) + (None,):
+        try:
+            lite = LiteReference(tokenizer_dir, file)
+        except Exception:  # noqa: BLE001 - unreadable for the library: the next source, or transformers says why
+            continue
+        return lite if lite.eos_id == verdict.get("eos_id") else None
+    return None
+
+
+def record(
+    tokenizer_dir: str, tokenizer_fp: str, tok: Any, texts: list[str], copy: str | None = None
+) -> bool | None:
+    """Compare the lite reference with transformers' tokenizer ``tok`` on ``texts`` and record the verdict;
+    returns it (None when no verdict could be recorded: the shortcut is off or the cache is not writable).
+    ``copy``: the fast engine's copy of tokenizer.json, then also compared with tokenizer.json's tokenizer as a
+    whole (:func:`record_copy`)."""
+    path = _verdict_path(tokenizer_fp)
+    if path is None or _whole_verdict(path) is not None:  # off, or already decided ("different" is kept too)
+        return None
+    try:
+        lite = LiteReference(tokenizer_dir)
+        same = lite.eos_id == tok.eos_token_id
+        for special in (True, False):
+            if not same:
+                break
+            mine = [e.ids for e in lite.backend.encode_batch(texts, add_special_tokens=special)]
+            same = mine == tok(texts, add_special_tokens=special)["input_ids"]
+    except Exception:  # noqa: BLE001 - the library cannot load or run it: not the same
+        same, lite = False, None
+    try:
+        write_verdict(path, {"same": same, "eos_id": getattr(lite, "eos_id", None), **_versions()})
+    except OSError:
+        return None
+    if same and copy is not None and lite is not None:
+        record_copy(tokenizer_fp, lite, copy)
+    return same
+
+
+def record_copy(tokenizer_fp: str, lite: LiteReference, copy: str) -> bool | None:
+    """Whether ``copy`` loads as the very tokenizer ``lite`` loaded from tokenizer.json (their serialized states
+    equal), recorded with the copy's SHA-256; a copy that is not is removed.  None: nothing could be recorded."""
+    from tokenizers import Tokenizer
+
+    path = _verdict_path(tokenizer_fp, copy)
+    if path is None:
+        return None
+    try:
+        sha = file_sha256(copy)
+        twin = Tokenizer.from_file(copy)
+        twin.no_truncation()
+        twin.no_padding()
+        identical = twin.to_str() == lite.backend.to_str()
+    except Exception:  # noqa: BLE001 - unreadable or removed: not identical
+        sha, identical = None, False
+    if not identical:
+        discard(copy, copy + ".sha256")  # the fast engine must not load it either
+    try:
+        write_verdict(path, {"same": identical, "identical": identical, "copy_sha256": sha, **_versions()})
+    except OSError:
+        return None
+    return identical

@@ -1,0 +1,150 @@
+"""The run's tokenizer engine: decided once by the driver, recorded in the run's work folder, handed to every job.
+
+1. **Decide** (:func:`decide`), before any part is staged: the engine the tokenizer chose at load (the built-in
+   adversarial set, :func:`packtools.pipeline.tokenizer.proof.choose_engine`) is compared with transformers on the
+   run's own data: the first :data:`~packtools.pipeline.tokenizer.fast.PROOF_ROWS` rows of each column, read
+   across the parts in order (a small first file does not make a small proof).  A difference falls back to
+   transformers (``auto``) or stops naming the row (``fast``).
+2. **Record** (:func:`record`): the verdict (an :meth:`EngineReport.to_dict`) goes to
+   ``WORK/stage/engine-verdict.json`` with what it rests on (the SHA-256 of every tokenizer file, the format,
+   the requested engine and its version) and the SHA-256 of its own content; it is flushed to disk before the
+   rename.  A rerun after a kill reads it back (:func:`recorded`) when what it rests on is unchanged, so the
+   parts it reuses and those it stages are tokenized under one verdict, even one an audit reached.
+3. **Hand on**: every :class:`~packtools.pipeline.stage.StageJob` carries the verdict as a value
+   (``engine_proven``) and its process tokenizes with exactly that engine
+   (:meth:`packtools.pipeline.tokenizer.batch.BatchTokenizer.start_part`), on every executor.
+4. **Never a mix**: the audit of a part (a random sample of its rows) raising
+   :class:`~packtools.pipeline.tokenizer.proof.EngineDivergence` makes the driver record a fallback verdict
+   (:func:`fall_back`) and restage every part that the fast engine tokenized (``auto``), or stop (``fast``);
+   a part whose recorded report disagrees with the verdict (a fast-engine part under a transformers verdict) is
+   never reused (:func:`drop_disagreeing`).
+
+>>> v = {"engine": "fastokens 0.3.5", "requested": "auto", "reason": "ok", "checked": {}}
+>>> fall_back(v, "line 9: ...")["engine"], fall_back(v, "line 9: ...")["reason"][:52]
+('transformers', 'fallback: the fast engine differed from transformers')
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from ..._atomic import atomic_path
+from ...io.files import Part, iter_part
+
+#: the verdict's file in the run's ``stage/`` folder
+VERDICT_FILE = "engine-verdict.json"
+
+
+def basis(
+    tokenizer_dir: str,
+    fmt: str,
+    requested: str,
+    parts: Sequence[Part] = (),
+    ids: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What a verdict rests on: the content of every tokenizer file, the format, the requested engine with
+    the installed engine's version (:func:`packtools.pipeline.tokenizer.fast.engine_key`), the ``parts`` whose
+    first rows it was proven on (path, size, mtime, range) and ``ids``, the run's
+    :meth:`packtools.pipeline.tokenizer.spec.IdsSpec.key` (library versions, packtools' sources, add-EOS, on-unencodable,
+    audit rate): a rerun after an upgrade proves the engine again instead of reusing the old verdict."""
+    from .fast import engine_key
+    from .folder import tokenizer_file_hashes
+
+    return {
+        "tokenizer_files": tokenizer_file_hashes(tokenizer_dir),
+        "format": fmt,
+        "engine": engine_key(requested),
+        "parts": [p.fingerprint() for p in parts],
+        "ids": ids,
+    }
+
+
+def decide(tok: Any, parts: Sequence[Part], fmt: str) -> dict[str, Any]:
+    """The run's verdict: ``tok``'s engine (a :class:`~packtools.pipeline.tokenizer.batch.BatchTokenizer` made in the
+    driver) proven on the first rows of each column across ``parts``; raises (``fast``) on a difference."""
+    from ..formats import input_columns, optional_columns
+    from .fast import PROOF_ROWS
+
+    tok.wait_for_fast()
+    tok.start_part("driver-proof")
+    need = PROOF_ROWS
+    for part in parts:
+        if need <= 0 or tok.fast is None:
+            break
+        read = iter_part(part, 1000, input_columns(fmt) + optional_columns(fmt))  # tools too, as staged
+        try:
+            for where, table in read:
+                table = table.slice(0, need)
+                tok(table, where)
+                need -= table.num_rows
+                if need <= 0 or tok.fast is None:
+                    break
+        finally:
+            close = getattr(read, "close", None)
+            if close is not None:
+                close()
+    verdict = tok.report.to_dict()
+    checked = tok.proof.checked()
+    verdict["checked"] = {**verdict["checked"], "data_proof_rows": checked["proof_rows"]}
+    if tok.drops is not None:
+        tok.drops.take()  # the proof's rows are counted again by the part that stages them
+    return verdict
+
+
+def fall_back(verdict: dict[str, Any], what: str) -> dict[str, Any]:
+    """The verdict after the audit of a part found the fast engine differing from transformers (``what``)."""
+    return {
+        **verdict,
+        "engine": "transformers",
+        "reason": f"fallback: the fast engine differed from transformers on the data ({what}); every part is "
+        f"tokenized by transformers",
+    }
+
+
+def _digest(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def record(folder: str, verdict: dict[str, Any], rests_on: dict[str, Any]) -> None:
+    """Write ``verdict`` and what it ``rests_on`` (:func:`basis`) to ``folder``, checksummed, flushed to disk."""
+    body = {"verdict": verdict, "basis": rests_on}
+    with atomic_path(os.path.join(folder, VERDICT_FILE)) as tmp, open(tmp, "w") as fh:
+        json.dump({**body, "sha256": _digest(body)}, fh, sort_keys=True)
+
+
+def recorded(folder: str, rests_on: dict[str, Any]) -> dict[str, Any] | None:
+    """The verdict an earlier (killed) run recorded in ``folder``, if it is whole and rests on ``rests_on``."""
+    try:
+        with open(os.path.join(folder, VERDICT_FILE)) as fh:
+            saved = json.load(fh)
+        body = {"verdict": saved["verdict"], "basis": saved["basis"]}
+        if saved["sha256"] != _digest(body) or saved["basis"] != rests_on:
+            return None
+        return dict(saved["verdict"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def drop_disagreeing(jobs: Sequence[Any], verdict: dict[str, Any]) -> int:
+    """Remove the staged parts of ``jobs`` that a transformers ``verdict`` cannot keep (tokenized by another
+    engine, or with no readable report), so they are staged again; returns how many."""
+    from ..staged import drop_staged, sidecar_report
+
+    if verdict["engine"] != "transformers":
+        return 0
+    dropped = 0
+    for job in jobs:
+        if not os.path.exists(job.sidecar):
+            continue
+        try:
+            report = sidecar_report(job.sidecar)
+        except Exception:  # noqa: BLE001 - a damaged sidecar: staged again
+            report = None
+        if report is None or report.get("engine") != "transformers":
+            drop_staged(job)
+            dropped += 1
+    return dropped
