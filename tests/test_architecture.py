@@ -577,7 +577,7 @@ def test_no_module_but_the_step_owner_patches_a_trainers_step():
 
 
 def test_the_check_catches_a_trainer_patch(monkeypatch):
-    fake = ROOT / "integrations" / "cp_trainer.py"
+    fake = ROOT / "integrations" / "trainers" / "context_parallel.py"
     source = fake.read_text() + (
         "\n\ndef _bad(trainer, types, f):\n    trainer.compute_loss = f\n"
         "    set_attr(trainer, 'get_batch_samples', f, owner=trainer)\n"

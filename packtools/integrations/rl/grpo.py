@@ -116,7 +116,15 @@ def padding_free_logps(
 
 
 class PackedRLStep:
-    """The step owner of a prepared ``GRPOTrainer`` / ``RLOOTrainer``: its log-probability forwards, padding-free."""
+    """The step owner of a prepared ``GRPOTrainer`` / ``RLOOTrainer``: its log-probability forwards, padding-free.
+
+    ``prepare_grpo_trainer`` makes it the first class of the trainer's own (``step.install_step``):
+
+    >>> from packtools.integrations.trainers.step import packed_class
+    >>> GRPOTrainer = type("GRPOTrainer", (), {})
+    >>> [c.__name__ for c in packed_class(GRPOTrainer, PackedRLStep).__mro__[:3]]
+    ['PackedGRPOTrainer', 'PackedRLStep', 'GRPOTrainer']
+    """
 
     def _get_per_token_logps_and_entropies(  # noqa: PLR0913 - TRL's signature, media arguments refused by name
         self,
