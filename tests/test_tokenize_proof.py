@@ -341,9 +341,14 @@ def test_the_lite_reference_is_used_only_after_a_recorded_check(tok_bl, tmp_path
     with open(path) as fh:
         verdict = json.load(fh)
     assert verdict["same"] is True
-    with open(path, "w") as fh:
-        json.dump({**verdict, "same": False}, fh)
+    body = {k: v for k, v in verdict.items() if k != "sha256"}
+    reference.write_verdict(path, {**body, "same": False})  # a whole "different" verdict: kept, no new check
     assert BatchTokenizer(tok_bl, "text")._tok is not None
+    with open(
+        path, "w"
+    ) as fh:  # a damaged one is no verdict: checked again (a child), then the lite reference
+        json.dump({**verdict, "same": False}, fh)
+    assert BatchTokenizer(tok_bl, "text")._tok is None and reference.read_verdict(path)["same"] is True
     monkeypatch.setenv("PACKTOOLS_CACHE_DIR", "")
     assert reference.load_verified(tok_bl, tokenizer_fingerprint(tok_bl)) is None
 
