@@ -139,9 +139,11 @@ def load_facts(tokenizer_dir: str, tokenizer_fp: str) -> TokenizerFacts | None:
         return None
     facts = TokenizerFacts.from_spec(spec)
     if path is not None:
-        _write(path, facts)
+        # the copy before the facts: whoever reads the facts recorded finds the copy written too (the first
+        # run's check in a child process records its verdict on the copy only where it finds it)
         if facts.refusal is None:
             write_compact(compact_path(tokenizer_fp), spec)
+        _write(path, facts)
     return facts  # the parsed file is large; only the facts are kept
 
 
