@@ -16,7 +16,7 @@ import pyarrow as pa
 import pytest
 from _pipeline_data import CORPUS, EOS, build_tokenizer, load
 
-from packtools.pipeline import adversarial, reference
+from packtools.pipeline import adversarial, reference, tokenizer_load
 from packtools.pipeline.tokenize import BatchTokenizer
 from packtools.pipeline.tokenizer_dir import tokenizer_fingerprint
 
@@ -66,7 +66,9 @@ def test_a_check_that_finds_a_difference_means_transformers_in_the_driver(tok_di
     from packtools.pipeline import tokenizer_dir
 
     monkeypatch.setattr(tokenizer_dir, "load_tokenizer", lambda path: Shifted())
-    assert reference._child(tok_dir, tokenizer_fingerprint(tok_dir)) == 0  # the child's own code, in-process
+    assert (
+        tokenizer_load.check_in_child(tok_dir, tokenizer_fingerprint(tok_dir)) == 0
+    )  # the child's own code, in-process
     monkeypatch.undo()
     monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(cache))
     assert _verdict(tok_dir)["same"] is False

@@ -244,7 +244,7 @@ def record_in_child(tokenizer_dir: str, tokenizer_fp: str) -> subprocess.Popen[b
         return None
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    code = "import sys; from packtools.pipeline.reference import _child; sys.exit(_child(sys.argv[1], sys.argv[2]))"
+    code = "import sys; from packtools.pipeline.tokenizer_load import check_in_child as c; sys.exit(c(*sys.argv[1:]))"
     try:
         return subprocess.Popen(
             [sys.executable, "-c", code, tokenizer_dir, tokenizer_fp],
@@ -270,24 +270,3 @@ def wait_child(child: subprocess.Popen[bytes] | None, stop: bool = False) -> Non
         child.kill()
         child.wait()
         raise
-
-
-def _child(tokenizer_dir: str, tokenizer_fp: str) -> int:
-    """:func:`record_in_child`'s process: transformers loads the folder, and the lite reference is compared with
-    it on the built-in adversarial set exactly as :func:`record` does in-process.  Records nothing when the
-    folder's fingerprint is no longer ``tokenizer_fp`` or transformers adds tokens tokenizer.json lacks."""
-    from . import adversarial, tokenizer_load
-    from .tokenizer_dir import added_tokens_outside, load_tokenizer, tokenizer_fingerprint
-
-    tok = load_tokenizer(tokenizer_dir)
-    tok(
-        ["x"], add_special_tokens=True
-    )  # the backend in the state transformers' __call__ uses (BatchTokenizer.tok)
-    facts = tokenizer_load.load_facts(tokenizer_dir, tokenizer_fp)  # recorded by the parent meanwhile, mostly
-    if facts is None or added_tokens_outside(tokenizer_dir, facts.specials):
-        return 0
-    if tokenizer_fingerprint(tokenizer_dir) != tokenizer_fp:
-        return 0
-    copy = tokenizer_load.compact_file(tokenizer_fp)
-    record(tokenizer_dir, tokenizer_fp, tok, adversarial.adversarial_texts(facts.specials), copy)
-    return 0
