@@ -36,8 +36,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -229,44 +227,3 @@ def record_copy(tokenizer_fp: str, lite: LiteReference, copy: str) -> bool | Non
     except OSError:
         return None
     return identical
-
-
-def record_in_child(tokenizer_dir: str, tokenizer_fp: str) -> subprocess.Popen[bytes] | None:
-    """Start the first run's check of the lite reference against transformers (:func:`record`) in a child
-    process, so that importing transformers (and torch with it: seconds) runs on another core while this process
-    reads tokenizer.json's facts and loads the fast engine, and this process never imports them.  None (nothing
-    started) when the shortcut is off or a verdict, passing or not, is already recorded.  The caller waits for
-    it (:func:`wait_child`) before it loads the reference, which is then :func:`load_verified`'s, exactly as in a
-    later run; a child that fails or records nothing leaves the verdict absent, and the caller checks in-process
-    as before (:func:`record`)."""
-    path = _verdict_path(tokenizer_fp)
-    if path is None or _whole_verdict(path) is not None:
-        return None
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    code = "import sys; from packtools.pipeline.tokenizer_load import check_in_child as c; sys.exit(c(*sys.argv[1:]))"
-    try:
-        return subprocess.Popen(
-            [sys.executable, "-c", code, tokenizer_dir, tokenizer_fp],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-    except OSError:  # no process could be started: the check runs in-process
-        return None
-
-
-def wait_child(child: subprocess.Popen[bytes] | None, stop: bool = False) -> None:
-    """Wait for :func:`record_in_child`'s process, or with ``stop`` end it (its check is not needed); an
-    interrupted wait ends it too.  Nothing of it is trusted but a whole recorded verdict (:func:`read_verdict`)."""
-    if child is None:
-        return
-    try:
-        if stop:
-            child.kill()
-        child.wait()
-    except BaseException:
-        child.kill()
-        child.wait()
-        raise

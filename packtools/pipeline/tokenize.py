@@ -85,25 +85,29 @@ class BatchTokenizer:
         requested = fast_engine.check_engine(engine)
         self._tok: Any = None
         self.fingerprint = fp = tokenizer_fingerprint(tokenizer_dir)
-        # a first run of plain text (no recorded check of the lite reference against transformers): transformers
-        # is imported, loaded and compared with it in a child process, on another core, while this one reads the
-        # facts and loads the fast engine; waited for below, before any reference is loaded
-        # (reference.record_in_child).  Not for the formats that may use transformers' chat template here.
-        checking = (
-            reference.record_in_child(tokenizer_dir, fp)
-            if requested != "transformers" and proven is None and fmt == "text"
+        # tokenizer.json's facts, recorded by an earlier run; the fast engine loads in a background thread
+        self._facts = facts = tokenizer_load.load_facts(tokenizer_dir, fp)
+        #: tokens transformers adds from the folder's other files (added_tokens.json, tokenizer_config.json,
+        #: special_tokens_map.json) that tokenizer.json lacks: neither the tokenizers library nor the fast
+        #: engine knows them, so transformers itself tokenizes (engine_proof.choose_engine says why)
+        self.added_outside = added_tokens_outside(tokenizer_dir, facts.specials) if facts is not None else []
+        adopted = proven.get("engine") if proven is not None else None
+        #: a small input the reference tokenizes alone (engine_proof.choose_engine); no fast engine is loaded
+        self.small_input = (
+            input_bytes
+            if proven is None
+            and not wait_for_engine
+            and tokenizer_load.reference_suffices(tokenizer_dir, requested, input_bytes)
             else None
         )
-        try:
-            facts = self._facts_and_fast_load(requested, proven, wait_for_engine, input_bytes)
-        except BaseException:
-            reference.wait_child(checking, stop=True)
-            raise
+        skip = adopted == "transformers" or self.small_input is not None or bool(self.added_outside)
+        self._fast_load = tokenizer_load.start_fast_load(
+            tokenizer_dir, fp, facts, fmt, "transformers" if skip else requested
+        )
         # transformers' ids from the tokenizers library alone where a recorded check says they are the same
         # (packtools.pipeline.reference): importing transformers costs seconds a run.  Never when transformers
         # is asked for, never where transformers adds tokens tokenizer.json lacks; from the fast engine's copy of
         # tokenizer.json only where it was recorded identical to it, with its SHA-256 (it loads 30% faster)
-        reference.wait_child(checking, stop=bool(self.added_outside))
         copy = tokenizer_load.compact_file(fp)
         lite = (
             reference.load_verified(tokenizer_dir, fp, copy)
@@ -142,33 +146,6 @@ class BatchTokenizer:
         self._choose(requested, facts, proven)
         #: seconds spent loading the reference (or transformers) and tokenizer facts; choosing/proving the engine
         self.seconds = {"load_s": loaded - started, "proof_s": time.perf_counter() - loaded}
-
-    def _facts_and_fast_load(
-        self, requested: str, proven: dict[str, Any] | None, wait_for_engine: bool, input_bytes: int | None
-    ) -> Any:
-        """At load: tokenizer.json's facts (recorded by an earlier run), the tokens transformers adds outside it,
-        whether the input is small, and the fast engine's background load started; returns the facts."""
-        tokenizer_dir, fmt, fp = self.tokenizer_dir, self.fmt, self.fingerprint
-        # tokenizer.json's facts, recorded by an earlier run; the fast engine loads in a background thread
-        self._facts = facts = tokenizer_load.load_facts(tokenizer_dir, fp)
-        #: tokens transformers adds from the folder's other files (added_tokens.json, tokenizer_config.json,
-        #: special_tokens_map.json) that tokenizer.json lacks: neither the tokenizers library nor the fast
-        #: engine knows them, so transformers itself tokenizes (engine_proof.choose_engine says why)
-        self.added_outside = added_tokens_outside(tokenizer_dir, facts.specials) if facts is not None else []
-        adopted = proven.get("engine") if proven is not None else None
-        #: a small input the reference tokenizes alone (engine_proof.choose_engine); no fast engine is loaded
-        self.small_input = (
-            input_bytes
-            if proven is None
-            and not wait_for_engine
-            and tokenizer_load.reference_suffices(tokenizer_dir, requested, input_bytes)
-            else None
-        )
-        skip = adopted == "transformers" or self.small_input is not None or bool(self.added_outside)
-        self._fast_load = tokenizer_load.start_fast_load(
-            tokenizer_dir, fp, facts, fmt, "transformers" if skip else requested
-        )
-        return facts
 
     @property
     def tok(self) -> Any:

@@ -38,7 +38,6 @@ from .._atomic import atomic_path, discard
 from ..constants import __version__
 from ..io.fingerprint import cache_key
 from . import fast_tokenize as fast_engine
-from . import reference
 from .char_drops import missing_bytes
 from .proof_cache import code_hash
 from .reference import cache_dir
@@ -140,11 +139,9 @@ def load_facts(tokenizer_dir: str, tokenizer_fp: str) -> TokenizerFacts | None:
         return None
     facts = TokenizerFacts.from_spec(spec)
     if path is not None:
-        # the copy before the facts: whoever reads the facts recorded finds the copy written too (the first
-        # run's check in a child process records its verdict on the copy only where it finds it)
+        _write(path, facts)
         if facts.refusal is None:
             write_compact(compact_path(tokenizer_fp), spec)
-        _write(path, facts)
     return facts  # the parsed file is large; only the facts are kept
 
 
@@ -276,24 +273,3 @@ def start_fast_load(
     if fast_engine.engine_version() is None:
         return None
     return FastLoad(tokenizer_dir, tokenizer_fp)
-
-
-def check_in_child(tokenizer_dir: str, tokenizer_fp: str) -> int:
-    """The process :func:`packtools.pipeline.reference.record_in_child` starts: transformers loads the folder,
-    and the lite reference is compared with it on the built-in adversarial set exactly as
-    :func:`packtools.pipeline.reference.record` does in-process.  Records nothing when the folder's fingerprint
-    is no longer ``tokenizer_fp`` or transformers adds tokens tokenizer.json lacks."""
-    from . import adversarial
-    from .tokenizer_dir import added_tokens_outside, load_tokenizer, tokenizer_fingerprint
-
-    tok = load_tokenizer(tokenizer_dir)
-    # the backend in the state transformers' __call__ uses (BatchTokenizer.tok)
-    tok(["x"], add_special_tokens=True)
-    facts = load_facts(tokenizer_dir, tokenizer_fp)  # recorded by the parent meanwhile, mostly
-    if facts is None or added_tokens_outside(tokenizer_dir, facts.specials):
-        return 0
-    if tokenizer_fingerprint(tokenizer_dir) != tokenizer_fp:
-        return 0
-    copy = compact_file(tokenizer_fp)
-    reference.record(tokenizer_dir, tokenizer_fp, tok, adversarial.adversarial_texts(facts.specials), copy)
-    return 0
