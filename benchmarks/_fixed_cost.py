@@ -148,7 +148,7 @@ def _summary_split(stdout: str) -> dict[str, float]:
 
 
 def _compact(tok_dir: str, workdir: str) -> str:
-    """tokenizer.json with "a b" merges (what packtools caches for the fast engine, tokenizer_load.write_compact)."""
+    """tokenizer.json with "a b" merges (what packtools caches for the fast engine, pipeline.tokenizer.load.write_compact)."""
     from packtools.pipeline.tokenizer.load import write_compact
 
     path = os.path.join(workdir, os.path.basename(tok_dir) + "-compact.json")

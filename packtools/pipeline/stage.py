@@ -303,9 +303,9 @@ def stage_part(job: StageJob) -> dict[str, Any]:
     schema = pa.schema([(c, pa.list_(pa.type_for_alias(v))) for c, v in zip(job.columns, job.value_types)])
     tmp = f"{job.staged}.tmp-{os.getpid()}"
     lengths, firsts, trained, heads, pending, pending_rows, pending_bytes = [], [], [], [], [], 0, 0
-    closing = np.zeros(0, np.int64)  # chat_head.closing_ids of a template with generation markers
+    closing = np.zeros(0, np.int64)  # tokenizer.chat.head.closing_ids of a template with generation markers
     clock: dict[str, float] = {}  # busy seconds per phase (read, encode, write, flush), for the run's timings
-    opener = np.zeros(0, np.int64)  # chat_head.tool_opener_ids
+    opener = np.zeros(0, np.int64)  # tokenizer.chat.head.tool_opener_ids
     try:
         with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             tables = timed(prefetch(_token_tables(job, clock)), clock, "stage_wait")

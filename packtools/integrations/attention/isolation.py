@@ -362,7 +362,7 @@ def check_isolation(
         mixers = token_mixing_layers(model)
         if mixers and "seq_idx" in keys:
             # transformers before 5.20 runs these layers' PyTorch fallback on seq_idx without refusing (later ones
-            # raise, see probe_refusals.translate): the same refusal, from the measured leak.
+            # raise, see translate below): the same refusal, from the measured leak.
             raise PackingError(
                 mixer_refusal(name, impl, mixers, f"packed logits move by {perturb:.1e}.\n{report}")
             )

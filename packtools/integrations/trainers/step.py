@@ -283,7 +283,7 @@ class DPOStep(StepOwner):
         pairs = int(inputs["completion_mask"].shape[0]) // 2
         # Undo what training_step divides by (read from Trainer's own predicate) and DDP's mean over the
         # data-parallel group (not over tensor-parallel peers); context-parallel peers' gradients are parts of
-        # one gradient (cp_dpo: identity-backward sums), so DDP's mean over them is undone too.
+        # one gradient (preference.context_parallel: identity-backward sums), so DDP's mean over them is undone too.
         divided = trainer_divides_by_accumulation(self, num_items_in_batch)
         steps = self.current_gradient_accumulation_steps if divided else 1
         loss = loss * (pairs * steps * layout.dp_size / int(num_items_in_batch))

@@ -2,7 +2,7 @@
 becomes is in :mod:`packtools.pipeline.formats`.  Tokenization uses the fast tokenizer's batch API (Rust); the
 pipeline can also spread batches over processes (``--num-proc``).  With ``engine="auto"`` (the default) a
 byte-level BPE tokenizer is run by the exact engine of :mod:`packtools.pipeline.tokenizer.fast` once it has given
-the same ids (and assistant masks) as transformers on a built-in adversarial set; :mod:`~.engine_proof` compares
+the same ids (and assistant masks) as transformers on a built-in adversarial set; :mod:`~.proof` compares
 it on the first rows of each column of every part and a random sample of the rest.  ``report`` says which engine
 ran and why; characters the tokenizer cannot encode are counted (:mod:`packtools.pipeline.tokenizer.char_drops`).
 
@@ -509,7 +509,7 @@ class BatchTokenizer:
         return table.replace_schema_metadata(meta)
 
     def _encode_plain(self, texts: list[str]) -> Ragged:
-        """``texts`` encoded as a rendered conversation is, without the proof's bookkeeping (chat_head keeps an
+        """``texts`` encoded as a rendered conversation is, without the proof's bookkeeping (chat.head keeps an
         encoding only where it starts the conversation's proven ids)."""
         if self.fast is not None:
             try:

@@ -75,7 +75,7 @@ def _verdict_path(tokenizer_fp: str, file: str | None = None) -> str | None:
     root = cache_dir()
     if root is None:
         return None
-    source = {} if file is None else {"source": "compact"}  # the copy with "a b" merges (tokenizer_load)
+    source = {} if file is None else {"source": "compact"}  # the copy with "a b" merges (tokenizer.load)
     key = cache_key("reference", VERDICT_FORMAT, tokenizer=tokenizer_fp, versions=_versions(), **source)[:32]
     return os.path.join(root, "reference", key + ".json")
 

@@ -6,7 +6,7 @@ The stage key of every part (:func:`packtools.pipeline.stage.stage_key`), the ou
 can change the ids has one place to be named, and changes all three:
 
 - the tokenizer: the SHA-256 of every one of its files, whatever their size;
-- the engine asked for and the installed fast engine's version (:func:`fast_tokenize.engine_key`);
+- the engine asked for and the installed fast engine's version (:func:`.fast.engine_key`);
 - the versions of transformers, tokenizers and jinja2 (which load the tokenizer and render chat templates);
 - a hash of packtools' own sources (:func:`packtools.io.fingerprint.source_hash`, also in every cache key):
   a development checkout changes the code that builds ids and masks without a new version number;
@@ -54,7 +54,7 @@ class IdsSpec:
     tokenizer: str | None  # tokenizer_fingerprint: the SHA-256 of the files' contents
     format: str
     add_eos: bool | None
-    engine: str | None  # fast_tokenize.engine_key of the requested engine
+    engine: str | None  # tokenizer.fast.engine_key of the requested engine
     on_unencodable: str | None
     audit_rate: float | None
     libraries: tuple[tuple[str, str], ...] | None

@@ -1,7 +1,7 @@
 """One render instead of one per prefix, for chat templates whose loop body depends on its message alone.
 
 Without ``{% generation %}`` markers, an assistant turn ``i`` spans the characters between the rendering of
-``messages[:i]`` with the generation prompt and that of ``messages[:i + 1]`` (:mod:`.chat_labels`): four renders
+``messages[:i]`` with the generation prompt and that of ``messages[:i + 1]`` (:mod:`.labels`): four renders
 of a user/assistant/user/assistant row.  Many templates have a shape that makes those renders predictable:
 
     HEAD  {% for m in messages %} BODY {% endfor %}  TAIL

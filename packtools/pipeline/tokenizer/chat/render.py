@@ -112,7 +112,7 @@ class _Spans:
 
 
 class _Marker:
-    """What the instrumented template of :mod:`.chat_local` writes where an iteration starts and where the loop
+    """What the instrumented template of :mod:`.local` writes where an iteration starts and where the loop
     ends: nothing, noting how many blocks the render had put out by then (jinja2 yields each output expression
     as it comes, so the blocks before the marker have all been taken)."""
 
@@ -247,7 +247,7 @@ class ChatRenderer:
         self._env = compiled.environment
         self._globals = dict(compiled.globals)  # what jinja2's new_context flattens from a ChainMap per call
         self._variables = {**specials, "tools": None, "documents": None}
-        #: one render per conversation for the incremental rule (:mod:`.chat_local`), once :meth:`enable_local`
+        #: one render per conversation for the incremental rule (:mod:`.local`), once :meth:`enable_local`
         #: has found the shape and checked it: ((instrumented template, its globals, its marker), (the tail without
         #: and with the generation prompt))
         self.local: tuple[tuple[Any, dict[str, Any], _Marker], tuple[str, str]] | None = None
@@ -375,7 +375,7 @@ class ChatRenderer:
 
     def local_spans(self, conv: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]] | None:
         """The incremental rule's ``(rendering, assistant spans)`` of ``conv`` from one render (see
-        :mod:`.chat_local`); None when a prefix would not be the start of the next one (the caller renders the
+        :mod:`.local`); None when a prefix would not be the start of the next one (the caller renders the
         prefixes, which raises the rule's error) or the template did not run its loop once per message."""
         if not conv:
             raise ValueError("an empty conversation has no chat rendering")
