@@ -495,3 +495,72 @@ def test_bench_grpo_runs_and_packtools_forwards_fewer_tokens_and_keeps_less(caps
     tokens, memory = [r[2] for r in rows], [r[5] for r in rows]  # ratios to TRL padded (exact, deterministic)
     assert tokens[0] == memory[0] == 1.0 and tokens[2] < tokens[1] < 1.0 and memory[2] < memory[1] < 1.0
     assert sorted(projections) == [4, 16, 64] and projections[64][0][2] < projections[4][0][2]
+
+
+def _update_gap(a, b):
+    """The largest difference between two one-step weight updates, relative to the largest update entry."""
+    scale = max(float(u.abs().max()) for u in a.values())
+    return max(float((a[k] - b[k]).abs().max()) for k in a) / scale
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path):
+    """One optimizer step on 2 processes (torchrun, gloo; per-device batch B) against one process (batch 2B) on
+    the same global batch: the generation is replaced by fixed completions per global position (the sampler's
+    prompts, TRL's ``num_items_in_batch`` gather, the reference forward kept).  grpo and dapo: TRL's own
+    2-process step equals its 1-process step, and packtools' (plain and prompt-shared) equals both.  bnpo
+    normalizes by each rank's own token count, so TRL's 2-process step is not its 1-process step; packtools
+    equals TRL's 2-process step there.  With B = G every rank gets whole groups; with B = G / 2 each group is cut
+    across the ranks and prompt sharing (within one forward) is still exact."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import _grpo_ddp_global_worker as W
+
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]), OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(port), str(root / "tests" / "_grpo_ddp_global_worker.py"), str(tmp_path / "two"),
+    ]  # fmt: skip
+    (tmp_path / "two").mkdir()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    two = [torch.load(tmp_path / "two" / f"global-rank{r}.pt", weights_only=False) for r in (0, 1)]
+    one = W.run(tmp_path / "one", 1)
+    gaps = {}
+    for case, _, per_device in W.CASES:
+        single = one[case, "trl"]
+        assert single["world"] == 1 and two[0][case, "trl"]["world"] == 2
+        (whole,) = single["prompts"]
+        ranks = [two[r][case, "trl"]["prompts"][0] for r in (0, 1)]
+        assert ranks[0] + ranks[1] == whole  # the global batch is rank 0's prompts, then rank 1's
+        for got in ranks:  # G = 4 copies of each prompt, consecutive
+            groups = [got[i : i + 4] for i in range(0, len(got), 4)]
+            if per_device == 4:
+                assert all(len(set(g)) == 1 and len(g) == 4 for g in groups)  # whole groups on each rank
+            else:
+                assert len(set(got)) == 1 and len(got) == 2  # half a group on each rank
+        for variant, _, _ in W.VARIANTS:
+            # DDP: both ranks hold the same weights after the step
+            assert _update_gap(two[0][case, variant]["update"], two[1][case, variant]["update"]) == 0.0
+            gaps[case, variant, "2proc vs TRL 2proc"] = _update_gap(
+                two[0][case, "trl"]["update"], two[0][case, variant]["update"]
+            )
+            gaps[case, variant, "2proc vs TRL 1proc"] = _update_gap(
+                single["update"], two[0][case, variant]["update"]
+            )
+            gaps[case, variant, "1proc vs TRL 1proc"] = _update_gap(
+                single["update"], one[case, variant]["update"]
+            )
+    print("\n".join(f"{k}: {v:.3g}" for k, v in gaps.items()))
+    for (case, variant, what), gap in gaps.items():
+        if case == "bnpo" and what == "2proc vs TRL 1proc":
+            assert gap > 1e-2, (case, variant, what, gap)  # TRL's own semantics: per-rank token means
+        else:
+            assert gap <= TOL, (case, variant, what, gap)
