@@ -312,3 +312,49 @@ def test_lora_wrapped_hybrid_per_document():
     assert "model.layers.0.linear_attn" in run_mixers_per_document(wrapped).modes
     report = check_isolation(wrapped, backward=True)
     assert not report.leaks and report.grad_diff < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["Qwen3.5", "Nemotron-H", "LFM2"])
+def test_grpo_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch):
+    """prepare_grpo_trainer runs a hybrid's token-mixing layers per document (as prepare_trainer and
+    prepare_dpo_trainer do): its padding-free log-probabilities equal TRL's padded ones; unprepare restores them.
+    Without it, transformers' CPU fallback refuses the padding-free row ("can't keep packed sequences apart")."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    import tokenizers
+
+    from packtools.compat.trl import trl_logps
+    from packtools.integrations import unprepare
+    from packtools.integrations.rl import prepare_grpo_trainer
+    from packtools.integrations.rl.grpo import _probe_batch
+
+    model = tiny_arch(arch, "sdpa").float()
+    words = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({"<pad>": 0, "w1": 1, "w2": 2}, unk_token="<pad>")
+    )
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="<pad>", eos_token="w1"
+    )
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
+        report_to=[], use_cpu=True, bf16=False, beta=0.0,
+    )  # fmt: skip
+    trainer = trl.GRPOTrainer(
+        model,
+        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        args=args,
+        train_dataset=datasets.Dataset.from_list([{"prompt": "w2 w2"}] * 4),
+        processing_class=tokenizer,
+    )
+    layers = token_mixing_layers(model)
+    assert layers
+    prepare_grpo_trainer(trainer)  # the isolation probe runs, and passes
+    assert document_mixers(model) is not None and token_mixing_layers(model) == []
+    ids, mask, keep = _probe_batch(model)
+    with torch.no_grad():
+        ours = trainer._get_per_token_logps_and_entropies(model, ids, mask, keep)[0]
+        theirs = trl_logps(trl.GRPOTrainer, trainer, model, ids, mask, keep, compute_entropy=False)[0]
+    assert float((ours - theirs).abs().max()) < 1e-5
+    unprepare(trainer)
+    assert type(trainer) is trl.GRPOTrainer and token_mixing_layers(model) == layers
+    assert document_mixers(model) is None

@@ -37,6 +37,7 @@ from ..attention.backends import (
     segmented_sdpa_until_checked,
     token_mixing_layers,
 )
+from ..attention.mixers import run_mixers_per_document
 from ..attention.tree import check_tree_model, use_tree_attention
 from ..trainers.guard import check_forward_inputs
 from ..trainers.step import install_step, plan_of
@@ -308,6 +309,9 @@ def prepare_grpo_trainer(
                 check_tree_model(model)
         plan = RLPlan(trl_class=trl_class, share_prompt=share_prompt, seq_idx=seq_idx)
         install_step(trainer, PackedRLStep, plan)  # the class swap and the plan, undone by unprepare
+        if not share_prompt:  # token-mixing layers per document (attention.mixers), as prepare_trainer does
+            for model in models:
+                run_mixers_per_document(model, owner=trainer)
         with segmented_sdpa_until_checked(models, segmented_sdpa and not share_prompt, owner=trainer):
             for model in models:
                 if share_prompt:
