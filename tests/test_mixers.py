@@ -421,3 +421,63 @@ def test_kto_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch):
     assert max(float((want_grads[k] - got_grads[k]).abs().max()) for k in want_grads) < 1e-5
     unprepare(prepared)
     assert token_mixing_layers(prepared.model) == layers and document_mixers(prepared.model) is None
+
+
+def test_reward_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path):
+    """prepare_reward_trainer runs a hybrid's token-mixing layers per document (as prepare_trainer does): one
+    micro-batch's loss and gradients equal TRL's padded ones; without it the CPU fallback refuses the row."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    import tokenizers
+
+    from packtools.integrations import unprepare
+    from packtools.integrations.preference.reward import prepare_reward_trainer
+
+    config = tiny_arch("Qwen3-Next", "sdpa").config
+    config.num_labels, config.pad_token_id = 1, 0
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, 12)}}
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="<pad>", eos_token="<eos>"
+    )
+    rng = np.random.default_rng(0)
+
+    def text(k):
+        return " ".join(f"w{t}" for t in rng.integers(2, 12, k))
+
+    pairs = [{"chosen": text(2 + i % 5), "rejected": text(3 + 2 * i % 7)} for i in range(8)]
+
+    def build():
+        torch.manual_seed(0)
+        args = trl.RewardConfig(
+            output_dir=str(tmp_path), per_device_train_batch_size=4, report_to=[], use_cpu=True, bf16=False,
+            gradient_checkpointing=False,
+        )  # fmt: skip
+        return trl.RewardTrainer(
+            transformers.Qwen3NextForSequenceClassification(config).float(),
+            args=args,
+            train_dataset=datasets.Dataset.from_list(pairs),
+            processing_class=tokenizer,
+        )
+
+    def loss_and_grads(trainer, batch):
+        trainer.model.train()
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, dict(batch))
+        loss.backward()
+        return loss.item(), {
+            k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None
+        }
+
+    padded, prepared = build(), build()
+    layers = token_mixing_layers(prepared.model)
+    prepare_reward_trainer(prepared)  # the isolation probe runs, and passes
+    assert document_mixers(prepared.model) is not None
+    batch = padded.data_collator([padded.train_dataset[i] for i in range(4)])
+    assert int(batch["attention_mask"].sum()) < batch["attention_mask"].numel()  # TRL padded this batch
+    (want, want_grads), (got, got_grads) = loss_and_grads(padded, batch), loss_and_grads(prepared, batch)
+    assert abs(want - got) < 1e-5 * max(1.0, abs(want)) and want_grads.keys() == got_grads.keys()
+    assert max(float((want_grads[k] - got_grads[k]).abs().max()) for k in want_grads) < 1e-5
+    unprepare(prepared)
+    assert token_mixing_layers(prepared.model) == layers and document_mixers(prepared.model) is None
