@@ -283,7 +283,9 @@ def prepare_grpo_trainer(
     adapter) forward only real tokens, one padding-free row per forward chunk TRL asks for; TRL's loss code, its
     generation and its metrics are unchanged (see the module docstring).  ``share_prompt=True`` also runs each
     distinct prompt of a forward once, its completions after it on packtools' tree attention (models the tree
-    cannot serve, and MoE models with an aux loss, are refused by name).  ``segmented_sdpa`` switches ``sdpa``
+    cannot serve, and MoE models with an aux loss, are refused by name); without it, a hybrid model's
+    token-mixing layers run per document (:func:`~packtools.integrations.attention.mixers.run_mixers_per_document`).
+    ``segmented_sdpa`` switches ``sdpa``
     models to packtools' per-sequence ``sdpa`` (cost ``sum L_i^2``).  With ``check_isolation=True`` (the default)
     each model first runs :func:`check_rl_forward`: packtools' values must equal TRL's padded ones on a small
     batch, and no sequence may see another.  Refused by name: another trainer, a TRL version outside
