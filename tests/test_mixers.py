@@ -427,7 +427,14 @@ def test_kto_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch, im
     assert token_mixing_layers(prepared.model) == layers and document_mixers(prepared.model) is None
 
 
-def test_reward_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path):
+@pytest.mark.parametrize(
+    "arch, impl, head",
+    [
+        ("Qwen3-Next", "sdpa", "Qwen3NextForSequenceClassification"),
+        ("GPT-OSS", "eager", "GptOssForSequenceClassification"),  # masks from position_ids
+    ],
+)
+def test_reward_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch, impl, head):
     """prepare_reward_trainer runs a hybrid's token-mixing layers per document (as prepare_trainer does): one
     micro-batch's loss and gradients equal TRL's padded ones; without it the CPU fallback refuses the row."""
     trl = pytest.importorskip("trl")
@@ -437,7 +444,7 @@ def test_reward_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path):
     from packtools.integrations import unprepare
     from packtools.integrations.preference.reward import prepare_reward_trainer
 
-    config = tiny_arch("Qwen3-Next", "sdpa").config
+    config = tiny_arch(arch, impl).config
     config.num_labels, config.pad_token_id = 1, 0
     vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, 12)}}
     words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
@@ -459,7 +466,7 @@ def test_reward_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path):
             gradient_checkpointing=False,
         )  # fmt: skip
         return trl.RewardTrainer(
-            transformers.Qwen3NextForSequenceClassification(config).float(),
+            getattr(transformers, head)(config).float(),
             args=args,
             train_dataset=datasets.Dataset.from_list(pairs),
             processing_class=tokenizer,
