@@ -422,6 +422,10 @@ def test_refusals_by_name_and_unprepare(tmp_path, monkeypatch):
     prepare_grpo_trainer(trainer)
     with pytest.raises(PackingError, match="already called"):
         prepare_grpo_trainer(trainer)
+    from packtools import prepare_trainer
+
+    with pytest.raises(PackingError, match="Use packtools.prepare_grpo_trainer"):
+        prepare_trainer(trainer)  # a prepared GRPO trainer is refused by name, not read as an SFT plan
     ids = torch.tensor([[2, 3, 4]])
     with pytest.raises(PackingError, match="pixel_values"):
         trainer._get_per_token_logps_and_entropies(
@@ -441,8 +445,6 @@ def test_refusals_by_name_and_unprepare(tmp_path, monkeypatch):
         prepare_grpo_trainer(trainer)
     with pytest.raises(PackingError, match="expects a trl.GRPOTrainer"):
         prepare_grpo_trainer(object())
-    from packtools import prepare_trainer
-
     with pytest.raises(PackingError, match="Use packtools.prepare_grpo_trainer"):
         prepare_trainer(build(tmp_path, trainer="rloo"))
 

@@ -312,3 +312,183 @@ def test_lora_wrapped_hybrid_per_document():
     assert "model.layers.0.linear_attn" in run_mixers_per_document(wrapped).modes
     report = check_isolation(wrapped, backward=True)
     assert not report.leaks and report.grad_diff < 1e-5
+
+
+@pytest.mark.parametrize(
+    "arch, impl", [("Qwen3.5", "sdpa"), ("Nemotron-H", "sdpa"), ("LFM2", "sdpa"), ("GPT-OSS", "eager")]
+)
+def test_grpo_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch, impl):
+    """prepare_grpo_trainer runs a hybrid's token-mixing layers per document (as prepare_trainer and
+    prepare_dpo_trainer do): its padding-free log-probabilities equal TRL's padded ones; unprepare restores them.
+    Without it, transformers' CPU fallback refuses the padding-free row ("can't keep packed sequences apart"),
+    and GPT-OSS, whose forward builds its masks without position_ids, let the sequences of the row see each
+    other (log-probabilities 2.7e-2 off TRL's, with no error under check_isolation=False)."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    import tokenizers
+
+    from packtools.compat.trl import trl_logps
+    from packtools.integrations import unprepare
+    from packtools.integrations.rl import prepare_grpo_trainer
+    from packtools.integrations.rl.grpo import _probe_batch
+
+    model = tiny_arch(arch, impl).float()
+    words = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({"<pad>": 0, "w1": 1, "w2": 2}, unk_token="<pad>")
+    )
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="<pad>", eos_token="w1"
+    )
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
+        report_to=[], use_cpu=True, bf16=False, beta=0.0,
+    )  # fmt: skip
+    trainer = trl.GRPOTrainer(
+        model,
+        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        args=args,
+        train_dataset=datasets.Dataset.from_list([{"prompt": "w2 w2"}] * 4),
+        processing_class=tokenizer,
+    )
+    layers = token_mixing_layers(model)
+    assert layers or arch == "GPT-OSS"
+    prepare_grpo_trainer(trainer)  # the isolation probe runs, and passes
+    assert document_mixers(model) is not None and token_mixing_layers(model) == []
+    ids, mask, keep = _probe_batch(model)
+    with torch.no_grad():
+        ours = trainer._get_per_token_logps_and_entropies(model, ids, mask, keep)[0]
+        theirs = trl_logps(trl.GRPOTrainer, trainer, model, ids, mask, keep, compute_entropy=False)[0]
+    assert float((ours - theirs).abs().max()) < 1e-5
+    unprepare(trainer)
+    assert type(trainer) is trl.GRPOTrainer and token_mixing_layers(model) == layers
+    assert document_mixers(model) is None
+
+
+@pytest.mark.parametrize("arch, impl", [("Qwen3.5", "sdpa"), ("Nemotron-H", "sdpa"), ("GPT-OSS", "eager")])
+def test_kto_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch, impl):
+    """prepare_kto_trainer runs a hybrid's token-mixing layers per document (as DPO does): one micro-batch's
+    loss and gradients equal TRL's padded ones; without it the CPU fallback refuses the padding-free row."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    import tokenizers
+
+    from packtools.integrations import unprepare
+    from packtools.integrations.preference.kto import prepare_kto_trainer
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, 12)}}
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="<pad>", eos_token="<eos>"
+    )
+    rng = np.random.default_rng(0)
+
+    def text(k):
+        return " ".join(f"w{t}" for t in rng.integers(2, 12, k))
+
+    rows = [
+        {"prompt": text(1 + i % 5), "completion": " " + text(2 + 3 * i % 7), "label": i % 3 != 1}
+        for i in range(8)
+    ]
+
+    def build():
+        torch.manual_seed(0)
+        args = trl.KTOConfig(
+            output_dir=str(tmp_path), per_device_train_batch_size=4, report_to=[], use_cpu=True, bf16=False,
+            gradient_checkpointing=False, router_aux_loss_coef=0.0,  # GPT-OSS (MoE): KTO refuses its aux loss
+        )  # fmt: skip
+        return trl.KTOTrainer(
+            tiny_arch(arch, impl).float(),
+            ref_model=tiny_arch(arch, impl).float(),
+            args=args,
+            train_dataset=datasets.Dataset.from_list(rows),
+            processing_class=tokenizer,
+        )
+
+    def loss_and_grads(trainer, batch):
+        trainer.model.train()
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, dict(batch))
+        loss.backward()
+        return loss.item(), {
+            k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None
+        }
+
+    padded, prepared = build(), build()
+    layers = token_mixing_layers(prepared.model)
+    prepare_kto_trainer(prepared)  # the isolation probe runs, and passes
+    assert document_mixers(prepared.model) is not None and document_mixers(prepared.ref_model) is not None
+    batch = padded.data_collator([padded.train_dataset[i] for i in range(4)])
+    assert int(batch["attention_mask"].sum()) < batch["attention_mask"].numel()  # TRL padded this batch
+    (want, want_grads), (got, got_grads) = loss_and_grads(padded, batch), loss_and_grads(prepared, batch)
+    assert abs(want - got) < 1e-5 * max(1.0, abs(want)) and want_grads.keys() == got_grads.keys()
+    assert max(float((want_grads[k] - got_grads[k]).abs().max()) for k in want_grads) < 1e-5
+    unprepare(prepared)
+    assert token_mixing_layers(prepared.model) == layers and document_mixers(prepared.model) is None
+
+
+@pytest.mark.parametrize(
+    "arch, impl, head",
+    [
+        ("Qwen3-Next", "sdpa", "Qwen3NextForSequenceClassification"),
+        ("GPT-OSS", "eager", "GptOssForSequenceClassification"),  # masks from position_ids
+    ],
+)
+def test_reward_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch, impl, head):
+    """prepare_reward_trainer runs a hybrid's token-mixing layers per document (as prepare_trainer does): one
+    micro-batch's loss and gradients equal TRL's padded ones; without it the CPU fallback refuses the row."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    import tokenizers
+
+    from packtools.integrations import unprepare
+    from packtools.integrations.preference.reward import prepare_reward_trainer
+
+    config = tiny_arch(arch, impl).config
+    config.num_labels, config.pad_token_id = 1, 0
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, 12)}}
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="<pad>", eos_token="<eos>"
+    )
+    rng = np.random.default_rng(0)
+
+    def text(k):
+        return " ".join(f"w{t}" for t in rng.integers(2, 12, k))
+
+    pairs = [{"chosen": text(2 + i % 5), "rejected": text(3 + 2 * i % 7)} for i in range(8)]
+
+    def build():
+        torch.manual_seed(0)
+        args = trl.RewardConfig(
+            output_dir=str(tmp_path), per_device_train_batch_size=4, report_to=[], use_cpu=True, bf16=False,
+            gradient_checkpointing=False,
+        )  # fmt: skip
+        return trl.RewardTrainer(
+            getattr(transformers, head)(config).float(),
+            args=args,
+            train_dataset=datasets.Dataset.from_list(pairs),
+            processing_class=tokenizer,
+        )
+
+    def loss_and_grads(trainer, batch):
+        trainer.model.train()
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, dict(batch))
+        loss.backward()
+        return loss.item(), {
+            k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None
+        }
+
+    padded, prepared = build(), build()
+    layers = token_mixing_layers(prepared.model)
+    prepare_reward_trainer(prepared)  # the isolation probe runs, and passes
+    assert document_mixers(prepared.model) is not None
+    batch = padded.data_collator([padded.train_dataset[i] for i in range(4)])
+    assert int(batch["attention_mask"].sum()) < batch["attention_mask"].numel()  # TRL padded this batch
+    (want, want_grads), (got, got_grads) = loss_and_grads(padded, batch), loss_and_grads(prepared, batch)
+    assert abs(want - got) < 1e-5 * max(1.0, abs(want)) and want_grads.keys() == got_grads.keys()
+    assert max(float((want_grads[k] - got_grads[k]).abs().max()) for k in want_grads) < 1e-5
+    unprepare(prepared)
+    assert token_mixing_layers(prepared.model) == layers and document_mixers(prepared.model) is None

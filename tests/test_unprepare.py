@@ -159,6 +159,16 @@ def test_prepared_context_manager_trains_and_restores(tmp_path):
     assert type(trainer.get_train_dataloader().batch_sampler).__name__ != "RankBatches"
 
 
+def test_prepared_refuses_a_trainer_already_prepared(tmp_path):
+    """Leaving the block would unprepare the earlier preparation too (loss mode, loader, attention back to the
+    trainer's own, silently): refused by name, the earlier preparation kept."""
+    trainer = prepare_trainer(_trainer(tmp_path), max_tokens=64)
+    with pytest.raises(PackingError, match="already prepared"):
+        with prepared(trainer, max_tokens=64):
+            pass
+    assert type(trainer).__name__ == "PackedTrainer"
+
+
 def test_a_refused_trainer_is_left_as_it_came(tmp_path):
     from transformers import DataCollatorWithFlattening
 

@@ -34,6 +34,7 @@ from ..attention.backends import (
     multimodal_parts,
     segmented_sdpa_until_checked,
 )
+from ..attention.mixers import run_mixers_per_document
 from ..parallel.distributed import check_loss_path
 from ..trainers.guard import guard_model
 from .dpo import _WRAPPED, install_padding_free_forward
@@ -104,6 +105,7 @@ def prepare_kto_trainer(trainer: Any, *, check_isolation: bool = True, segmented
     with all_or_nothing(trainer):
         with segmented_sdpa_until_checked(models, segmented_sdpa, owner=trainer):
             for model in models:
+                run_mixers_per_document(model, owner=trainer)  # token-mixing layers per document, as DPO
                 install_padding_free_forward(model, owner=trainer)
                 if check_isolation:
                     check_padding_free_forward(model)

@@ -52,6 +52,7 @@ from ..attention.backends import (
     segmented_sdpa_until_checked,
     token_mixing_layers,
 )
+from ..attention.mixers import run_mixers_per_document
 from ..parallel.distributed import check_loss_path, trainer_divides_by_accumulation, uneven_gather
 from ..parallel.layout import rank_layout
 from ..trainers.guard import guard_model
@@ -239,6 +240,7 @@ def prepare_reward_trainer(
         check_train_loader(trainer, max_tokens)
         run = RewardPlan(layout, max_tokens, send_seq_idx=_sends_seq_idx(trainer.model))
         install_step(trainer, PackedRewardStep, run)  # refuses a trainer prepared twice
+        run_mixers_per_document(trainer.model, owner=trainer)  # token-mixing layers per document
         check_attention_implementation(trainer.model)
         with segmented_sdpa_until_checked([trainer.model], segmented_sdpa, owner=trainer):
             if check_isolation and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):

@@ -37,6 +37,7 @@ from ..attention.backends import (
     segmented_sdpa_until_checked,
     token_mixing_layers,
 )
+from ..attention.mixers import run_mixers_per_document
 from ..attention.tree import check_tree_model, use_tree_attention
 from ..trainers.guard import check_forward_inputs
 from ..trainers.step import install_step, plan_of
@@ -282,7 +283,9 @@ def prepare_grpo_trainer(
     adapter) forward only real tokens, one padding-free row per forward chunk TRL asks for; TRL's loss code, its
     generation and its metrics are unchanged (see the module docstring).  ``share_prompt=True`` also runs each
     distinct prompt of a forward once, its completions after it on packtools' tree attention (models the tree
-    cannot serve, and MoE models with an aux loss, are refused by name).  ``segmented_sdpa`` switches ``sdpa``
+    cannot serve, and MoE models with an aux loss, are refused by name); without it, a hybrid model's
+    token-mixing layers run per document (:func:`~packtools.integrations.attention.mixers.run_mixers_per_document`).
+    ``segmented_sdpa`` switches ``sdpa``
     models to packtools' per-sequence ``sdpa`` (cost ``sum L_i^2``).  With ``check_isolation=True`` (the default)
     each model first runs :func:`check_rl_forward`: packtools' values must equal TRL's padded ones on a small
     batch, and no sequence may see another.  Refused by name: another trainer, a TRL version outside
@@ -308,6 +311,9 @@ def prepare_grpo_trainer(
                 check_tree_model(model)
         plan = RLPlan(trl_class=trl_class, share_prompt=share_prompt, seq_idx=seq_idx)
         install_step(trainer, PackedRLStep, plan)  # the class swap and the plan, undone by unprepare
+        if not share_prompt:  # token-mixing layers per document (attention.mixers), as prepare_trainer does
+            for model in models:
+                run_mixers_per_document(model, owner=trainer)
         with segmented_sdpa_until_checked(models, segmented_sdpa and not share_prompt, owner=trainer):
             for model in models:
                 if share_prompt:

@@ -29,6 +29,8 @@ from typing import Any
 
 from ..._optional import is_instance
 from ...compat import unprepare
+from ...errors import PackingError
+from .step import plan_of
 
 
 @contextlib.contextmanager
@@ -41,6 +43,15 @@ def prepared(trainer: Any, **kwargs: Any) -> Iterator[Any]:
             trainer.train()
         # trainer, model, collator, loader and attention registry as they were built
     """
+    if (
+        plan_of(trainer) is not None
+    ):  # its unprepare at the block's end would undo the earlier preparation too
+        raise PackingError(
+            f"prepared() got a {type(trainer).__name__} that prepare_* already prepared: leaving the block would "
+            f"unprepare it (its loss mode, loader and attention back to the trainer's own, with no error). Use "
+            f"the prepared trainer as it is, or call packtools.integrations.unprepare(trainer) before the block.",
+            param="trainer",
+        )
     if is_instance(trainer, "trl", "DPOTrainer"):
         from ..preference.dpo import prepare_dpo_trainer as prepare
     elif is_instance(trainer, "trl", "RewardTrainer"):

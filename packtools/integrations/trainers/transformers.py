@@ -205,16 +205,6 @@ def prepare_trainer(
     require("transformers", "packtools.integrations.prepare_trainer")
     loss = check_loss_mode(loss)
     check_context_parallel_size(context_parallel)
-    plan = plan_of(trainer)
-    if plan is not None:  # idempotent with the same options; other options would stack on the first
-        if (plan.max_tokens, plan.loss, plan.layout.cp_size) == (max_tokens, loss, context_parallel or 1):
-            return trainer
-        raise PackingError(
-            f"prepare_trainer was already called on this {type(trainer).__name__} with max_tokens="
-            f"{plan.max_tokens}, loss={plan.loss!r}, context_parallel={plan.layout.cp_size}; call "
-            f"packtools.integrations.unprepare(trainer) before preparing it with other options.",
-            param="trainer",
-        )
     if is_instance(trainer, "trl", "DPOTrainer"):
         raise PackingError(
             f"prepare_trainer got a {type(trainer).__name__}: preference pairs need their own batches, loss scaling "
@@ -238,6 +228,16 @@ def prepare_trainer(
         raise PackingError(
             f"prepare_trainer got a {type(trainer).__name__}: online RL generates its batches and computes its "
             "log-probabilities in its own method. Use packtools.prepare_grpo_trainer(trainer) instead.",
+            param="trainer",
+        )
+    plan = plan_of(trainer)
+    if plan is not None:  # idempotent with the same options; other options would stack on the first
+        if (plan.max_tokens, plan.loss, plan.layout.cp_size) == (max_tokens, loss, context_parallel or 1):
+            return trainer
+        raise PackingError(
+            f"prepare_trainer was already called on this {type(trainer).__name__} with max_tokens="
+            f"{plan.max_tokens}, loss={plan.loss!r}, context_parallel={plan.layout.cp_size}; call "
+            f"packtools.integrations.unprepare(trainer) before preparing it with other options.",
             param="trainer",
         )
     check_attention_implementation(trainer.model)
