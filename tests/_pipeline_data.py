@@ -101,3 +101,17 @@ def corrupt_fast_engine(monkeypatch, when) -> None:
         return type(got)(got.offsets, values)
 
     monkeypatch.setattr(fast_tokenize.FastEncoder, "encode", encode)
+
+
+def fail_fast_engine(monkeypatch, when, error: type[Exception], message: str) -> None:
+    """Make the fast engine raise ``error(message)`` on every batch with a text for which ``when(text)`` holds."""
+    from packtools.pipeline.tokenizer import fast as fast_tokenize
+
+    real = fast_tokenize.FastEncoder.encode
+
+    def encode(self, texts, special):
+        if any(when(t) for t in texts):
+            raise error(message)
+        return real(self, texts, special)
+
+    monkeypatch.setattr(fast_tokenize.FastEncoder, "encode", encode)

@@ -19,6 +19,7 @@ from _pipeline_data import (
     IM_START,
     build_tokenizer,
     corrupt_fast_engine,
+    fail_fast_engine,
 )
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
@@ -336,14 +337,7 @@ def test_prefetch_keeps_order_and_raises_where_the_source_failed():
 def test_an_engine_error_tokenizes_that_batch_with_transformers(tmp_path, monkeypatch):
     path = build_tokenizer(str(tmp_path))
     tok = BatchTokenizer(path, "text")
-    real = fast_tokenize.FastEncoder.encode
-
-    def encode(self, texts, special):
-        if any("boom" in t for t in texts):
-            raise RuntimeError("match limit exceeded")
-        return real(self, texts, special)
-
-    monkeypatch.setattr(fast_tokenize.FastEncoder, "encode", encode)
+    fail_fast_engine(monkeypatch, lambda t: "boom" in t, RuntimeError, "match limit exceeded")
     table = pa.table({"text": ["boom " + t for t in CORPUS[:20]]})
     _same(tok(table), BatchTokenizer(path, "text", engine="transformers")(table))
     report = tok.part_report()

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from _pipeline_data import CORPUS, EOS, build_tokenizer, corrupt_fast_engine, load
+from _pipeline_data import CORPUS, EOS, build_tokenizer, corrupt_fast_engine, fail_fast_engine, load
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -151,14 +151,9 @@ def test_byte_incomplete_tokenizer_runs_with_transformers_ids_and_reports_drops(
 @needs_engine
 def test_an_engine_error_under_fast_names_the_row(tok_bl, monkeypatch):
     tok = BatchTokenizer(tok_bl, "text", engine="fast")
-    real = fast_tokenize.FastEncoder.encode
-
-    def encode(self, texts, special):
-        if any("boom" in t for t in texts):
-            raise ValueError("model error: byte 0x09 has no token in vocabulary")
-        return real(self, texts, special)
-
-    monkeypatch.setattr(fast_tokenize.FastEncoder, "encode", encode)
+    fail_fast_engine(
+        monkeypatch, lambda t: "boom" in t, ValueError, "model error: byte 0x09 has no token in vocabulary"
+    )
     with pytest.raises(PackingError, match=r"row 12: the fast tokenizer engine cannot encode.*0x09"):
         tok(pa.table({"text": ["fine"] * 2 + ["boom"] + ["fine"]}), first_row=10)
 
