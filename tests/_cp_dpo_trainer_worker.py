@@ -13,18 +13,17 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from _cp_fixtures import PAIR_BATCHES, tiny_llama_fp32
+from _workers import run_worker, save_gathered
 
 
 def main() -> None:
     import datasets
     import trl
-    from test_dpo import text_pairs, word_tokenizer
+    from _hf_models import text_pairs, word_tokenizer
 
     from packtools import prepare_dpo_trainer
 
@@ -89,16 +88,8 @@ def main() -> None:
         "refused": refused,
         "eval_refused": eval_refused,
     }
-    gathered = [None] * world
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        torch.save(gathered, out / "trainer.pt")
-    dist.barrier()
+    save_gathered(result, out / "trainer.pt")
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        traceback.print_exc()
-        os._exit(1)
+    run_worker(main)

@@ -12,15 +12,14 @@ change.  Variants: ``cp`` (packtools), ``local`` (each rank's partial sums, no s
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from _cp_fixtures import PAIR_BATCHES, tiny_llama_fp32
 from _scripts import script
+from _workers import run_worker, save_gathered
 
 from packtools.integrations.attention.context_parallel import use_cp_attention  # noqa: E402
 
@@ -61,17 +60,9 @@ def main() -> None:
     with torch.no_grad():
         result["logps"] = recipe.cp_pair_logps(policy, batch, group)
         result["local_logps"] = recipe.cp_pair_logps(policy, batch, group, "local", solos[rank])
-    gathered = [None] * world
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        torch.save(gathered, out / "result.pt")
-    dist.barrier()
+    save_gathered(result, out / "result.pt")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        traceback.print_exc()
-        os._exit(1)
+    run_worker(main)

@@ -51,20 +51,7 @@ PAIR_BATCHES = _pair_rows()
 
 
 def tiny_llama_fp32(seed: int = 0) -> Any:
-    """A 2-layer Llama with grouped-query attention (hidden 64, 4 heads, 2 key/value heads), fp32."""
-    import torch
-    import transformers
+    """A 2-layer Llama with grouped-query attention (hidden 64, 4 heads, 2 key/value heads), fp32, sdpa."""
+    from _hf_models import tiny_llama
 
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        attn_implementation="sdpa",
-    )
-    return transformers.LlamaForCausalLM(config).float()
+    return tiny_llama("sdpa", seed)

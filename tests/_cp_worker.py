@@ -12,16 +12,14 @@ Rank 0 writes ``OUT_DIR/result.pt``.
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
-import torch
 import torch.distributed as dist
 from _cp_fixtures import BATCHES, tiny_llama_fp32
 from _scripts import script
+from _workers import run_worker, save_gathered
 
 from packtools import PaddingFreeCollator  # noqa: E402
 from packtools.batches.context_parallel import CP_KEY, CPLayout, CPShard, shard_row  # noqa: E402
@@ -46,7 +44,7 @@ def variant_batches(name, rows, cp, rank, collator, bound=None):
 def main() -> None:
     cp, out = int(sys.argv[1]), Path(sys.argv[2])
     dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     recipe = script("cp_loop")  # the documented loop under test
     layout = recipe.cp_layout(cp)  # the layout owns the CP group; every shard below carries it
     dp_rank, cp_rank = layout.dp_rank, layout.cp_rank
@@ -75,17 +73,9 @@ def main() -> None:
         (variant_batches("cp", rows, cp, cp_rank, collator)["shift_labels"] != -100).sum()
     )
     assert CPShard.build(layout, cp_rank).layout.cp_size == cp
-    gathered = [None] * world
-    dist.all_gather_object(gathered, {k: v for k, v in result.items()})
-    if rank == 0:
-        torch.save(gathered, out / "result.pt")
-    dist.barrier()
+    save_gathered({k: v for k, v in result.items()}, out / "result.pt")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        traceback.print_exc()
-        os._exit(1)
+    run_worker(main)

@@ -19,7 +19,7 @@ from pathlib import Path
 import datasets
 import torch
 import transformers
-from _hf_models import PAD, sequences, tiny_llama
+from _hf_models import PAD, FirstStep, sequences, sgd_train_args, tiny_llama
 
 from packtools import PaddingFreeCollator, pack_dataset, packed_view, prepare_trainer
 from packtools.errors import PackingError
@@ -39,19 +39,17 @@ class Recorder:
         return self.inner(features)
 
 
-class FirstStep(transformers.TrainerCallback):
-    """Keeps the parameter change of the first optimizer step."""
-
-    def __init__(self, model):
-        self.model = model
-        self.before = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
-        self.delta = None
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == 1:
-            self.delta = {
-                k: self.before[k] - p.detach() for k, p in self.model.named_parameters() if k in self.before
-            }
+def train_recorded(trainer, recorder, model) -> dict:
+    """Train; the rows ``recorder`` saw, ``model``'s first parameter change, the steps and the attention."""
+    first = FirstStep(model)
+    trainer.add_callback(first)
+    trainer.train()
+    return {
+        "batches": recorder.batches,
+        "delta": first.delta,
+        "steps": trainer.state.global_step,
+        "attention": trainer.model.config._attn_implementation,
+    }
 
 
 def ids_key(f):
@@ -59,25 +57,7 @@ def ids_key(f):
 
 
 def args(out, **overrides):
-    kwargs = dict(
-        output_dir=out,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        num_train_epochs=1,
-        learning_rate=LR,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        weight_decay=0.0,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-    )
-    kwargs.update(overrides)
-    return transformers.TrainingArguments(**kwargs)
+    return sgd_train_args(out, LR, **overrides)
 
 
 def packed_rows():
@@ -92,15 +72,7 @@ def run_sft(out, dataset, prepare=True, unpacked=False, **overrides):
     )
     if prepare is not None:
         prepare_trainer(trainer, **(prepare or {}))
-    first = FirstStep(model)
-    trainer.add_callback(first)
-    trainer.train()
-    return {
-        "batches": recorder.batches,
-        "delta": first.delta,
-        "steps": trainer.state.global_step,
-        "attention": trainer.model.config._attn_implementation,
-    }
+    return train_recorded(trainer, recorder, model)
 
 
 def check_sft(out):
@@ -168,15 +140,7 @@ def run_dpo(out, packed, share_prompt=False, **prepare):
     prepare_dpo_trainer(trainer, train_dataset=dataset, **prepare)
     recorder = Recorder(trainer.data_collator, pair_key)
     trainer.data_collator = recorder
-    first = FirstStep(trainer.model)
-    trainer.add_callback(first)
-    trainer.train()
-    return {
-        "batches": recorder.batches,
-        "delta": first.delta,
-        "steps": trainer.state.global_step,
-        "attention": trainer.model.config._attn_implementation,
-    }
+    return train_recorded(trainer, recorder, trainer.model)
 
 
 def check_dpo(out):

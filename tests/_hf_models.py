@@ -12,10 +12,9 @@ VOCAB = 97
 PAD = 0
 
 
-def tiny_llama(impl: str = "sdpa", seed: int = 0):
-    """A 2-layer Llama (hidden 64, grouped-query attention) with random fp32 weights."""
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
+def _tiny_config(impl: str, **extra) -> dict:
+    """The sizes of every tiny model here: 2 layers, hidden 64, 4 heads over 2 key/value heads."""
+    return dict(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -25,8 +24,14 @@ def tiny_llama(impl: str = "sdpa", seed: int = 0):
         max_position_embeddings=256,
         pad_token_id=PAD,
         attn_implementation=impl,
+        **extra,
     )
-    return transformers.LlamaForCausalLM(config).float()
+
+
+def tiny_llama(impl: str = "sdpa", seed: int = 0):
+    """A 2-layer Llama (hidden 64, grouped-query attention) with random fp32 weights."""
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**_tiny_config(impl))).float()
 
 
 def sequences(n: int = 24, seed: int = 0, max_len: int = 20, masks: bool = True) -> list[dict]:
@@ -94,6 +99,54 @@ def params(model) -> dict:
     return {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
 
 
+def plain_sgd_options(lr: float = 1.0) -> dict:
+    """Trainer options of an exact comparison: lr ``lr`` constant, no clipping or weight decay, on the CPU,
+    nothing saved, logged or shown."""
+    return dict(
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
+
+
+def sgd_train_args(output_dir, lr: float, cls=None, **overrides):
+    """``TrainingArguments`` (or ``cls``) of an exact SGD run: batch 2, accumulation 2, one epoch, lr ``lr``
+    constant, no clipping or decay, no saving or logging, seed 0; ``overrides`` on top."""
+    cls = cls or transformers.TrainingArguments
+    kwargs = dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_train_epochs=1,
+        optim="sgd",
+        seed=0,
+        **plain_sgd_options(lr),
+    )
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+class FirstStep(transformers.TrainerCallback):
+    """Keeps the parameter change of the first optimizer step."""
+
+    def __init__(self, model):
+        self.model = model
+        self.before = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
+        self.delta = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            self.delta = {
+                k: self.before[k] - p.detach() for k, p in self.model.named_parameters() if k in self.before
+            }
+
+
 class Recorder:
     """Wraps a collator and keeps the rows of every batch, in the order the trainer asked for them."""
 
@@ -139,3 +192,88 @@ def tiny_arch(name: str, impl: str = "sdpa"):
     """A tiny random model of one architecture of the compatibility matrix."""
     matrix = model_matrix()
     return matrix.build(next(a for a in matrix.ARCHS if a.name == name), impl)
+
+
+# The preference trainers' tests (test_dpo.py, test_kto.py, test_reward.py): word-level text, a tokenizer of it.
+EOS = 1
+
+
+def tiny_preference_model(family: str = "llama", impl: str = "sdpa", seed: int = 0, num_labels: int = 0):
+    """A 2-layer Llama or Qwen3 (hidden 64, grouped-query attention, eos 1) with random fp32 weights.
+
+    A causal LM, or with ``num_labels`` a sequence classifier with that many labels.
+    """
+    torch.manual_seed(seed)
+    common = _tiny_config(impl, eos_token_id=EOS, **({"num_labels": num_labels} if num_labels else {}))
+    if family == "qwen3":
+        cls = transformers.Qwen3ForSequenceClassification if num_labels else transformers.Qwen3ForCausalLM
+        return cls(transformers.Qwen3Config(head_dim=16, **common)).float()
+    cls = transformers.LlamaForSequenceClassification if num_labels else transformers.LlamaForCausalLM
+    return cls(transformers.LlamaConfig(**common)).float()
+
+
+def word_tokenizer():
+    """A word-level tokenizer: ``w2`` .. ``w96`` are tokens 2..96, ``<pad>`` 0, ``<eos>`` 1."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"<pad>": PAD, "<eos>": EOS, **{f"w{i}": i for i in range(2, VOCAB)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def random_words(rng):
+    """``words(k)``: k random word tokens of ``rng``, as text."""
+
+    def words(k):
+        return " ".join(f"w{t}" for t in rng.integers(2, VOCAB, k))
+
+    return words
+
+
+def text_pairs(n, seed=0, max_prompt=8, max_completion=14, margin=False):
+    """Pairs with a shared prompt and skewed completion lengths, as text of word tokens (``margin``: one each)."""
+    rng = np.random.default_rng(seed)
+    words = random_words(rng)
+    rows = []
+    for _ in range(n):
+        row = {
+            "prompt": words(int(rng.integers(1, max_prompt + 1))),
+            "chosen": " " + words(int(rng.integers(1, max_completion + 1))),
+            "rejected": " " + words(int(rng.integers(1, max_completion + 1))),
+        }
+        if margin:
+            row["margin"] = float(rng.uniform(-1.0, 2.0))
+        rows.append(row)
+    return rows
+
+
+def lora_causal_config():
+    """Rank-4 LoRA on q_proj and v_proj, no dropout."""
+    peft = pytest.importorskip("peft")
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def exact_step_args(tmp_path, **config) -> dict:
+    """Trainer arguments of an exact comparison: fp32 on CPU, plain SGD at lr 1, no clipping, no logging."""
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        bf16=False,
+        optim="sgd",
+        seed=0,
+        **plain_sgd_options(),
+    )
+    kwargs.update(config)
+    return kwargs
+
+
+def loss_metrics_grads(trainer, batch):
+    """One micro-batch through a TRL trainer's own compute_loss: loss, the metrics it logged, gradients."""
+    trainer.model.train()
+    trainer.model.zero_grad()
+    for values in trainer._metrics["train"].values():
+        values.clear()
+    loss = trainer.compute_loss(trainer.model, dict(batch))
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.item(), {k: v[-1] for k, v in trainer._metrics["train"].items()}, grads

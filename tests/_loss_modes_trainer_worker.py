@@ -1,7 +1,7 @@
 """One process of ``tests/test_loss_modes.py``: ``prepare_trainer(..., loss=MODE)`` under torchrun.
 
 Usage: ``torchrun --nproc_per_node 2 tests/_loss_modes_trainer_worker.py CP GA OUT_DIR``.  The rows of
-``benchmarks/cp_loop.BATCHES`` are the global batch of one optimizer step (``2 / CP`` DP ranks, ``GA``
+``tests/_cp_fixtures.BATCHES`` are the global batch of one optimizer step (``2 / CP`` DP ranks, ``GA``
 micro-batches), SGD lr 1, no clipping: the parameter change is the gradient.  For each loss mode rank 0 writes
 every rank's parameter change and the step's loss to ``OUT_DIR/trainer.pt``.  With ``CP > 1`` it also runs
 the regressions of the adversarial round: a ``Trainer`` subclass whose ``compute_loss`` returns ``loss * 0.0``
@@ -12,22 +12,28 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from cp_loop import BATCHES, tiny_llama_fp32  # noqa: E402
+from _cp_fixtures import BATCHES, tiny_llama_fp32
+from _hf_models import plain_sgd_options
+from _workers import run_worker, save_gathered
 
 
 def run_step(
-    out: Path, cp: int | None, ga: int, dp: int, mode: str = "token", cls: type = None, dft: bool = False
+    out: Path,
+    cp: int | None,
+    ga: int,
+    dp: int,
+    mode: str = "token",
+    cls: type = None,
+    dft: bool = False,
+    **prepare,
 ):
     """One optimizer step on ``BATCHES`` (``dp`` data-parallel ranks, ``ga`` micro-batches); returns
-    ``({"delta", "loss"}, trainer)``.  ``dft``: TRL's ``SFTTrainer`` with ``loss_type="dft"``."""
+    ``({"delta", "loss"}, trainer)``.  ``dft``: TRL's ``SFTTrainer`` with ``loss_type="dft"``; ``prepare``: more
+    options of ``prepare_trainer``."""
     import datasets
     import transformers
 
@@ -40,15 +46,7 @@ def run_step(
         per_device_train_batch_size=len(rows) // dp // ga,
         gradient_accumulation_steps=ga,
         max_steps=1,
-        learning_rate=1.0,
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        weight_decay=0.0,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
+        **plain_sgd_options(),
         ddp_backend="gloo" if dist.is_initialized() or "WORLD_SIZE" in os.environ else None,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -60,7 +58,7 @@ def run_step(
     )
     if dft:
         import trl
-        from test_dpo import word_tokenizer
+        from _hf_models import word_tokenizer
 
         from packtools.integrations import packed_sft_config
 
@@ -68,7 +66,7 @@ def run_step(
         trainer = trl.SFTTrainer(args=args, processing_class=word_tokenizer(), **common)
     else:
         trainer = (cls or transformers.Trainer)(args=transformers.TrainingArguments(**options), **common)
-    prepare_trainer(trainer, context_parallel=cp, loss=mode)
+    prepare_trainer(trainer, context_parallel=cp, loss=mode, **prepare)
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
     loss = trainer.train().training_loss
     return {"delta": {k: before[k] - p.detach() for k, p in model.named_parameters()}, "loss": loss}, trainer
@@ -79,7 +77,7 @@ def main() -> None:
     import transformers
 
     cp, ga, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
     dp = world // cp
 
     def step(mode: str, cls: type = None, dft: bool = False):
@@ -109,16 +107,8 @@ def main() -> None:
             result["predict"] = ""
         except Exception as err:  # noqa: BLE001 - recorded for the test to assert on
             result["predict"] = f"{type(err).__name__}: {err}"
-    gathered = [None] * world
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        torch.save(gathered, out / "trainer.pt")
-    dist.barrier()
+    save_gathered(result, out / "trainer.pt")
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        traceback.print_exc()
-        os._exit(1)
+    run_worker(main)

@@ -84,3 +84,34 @@ def hold_fast_engine_load(monkeypatch):
     monkeypatch.setattr(tokenizer_load.FastLoad, "_load", slow)
     monkeypatch.setattr(tokenizer_load, "OVERLAP_MIN_BYTES", 0)  # the test tokenizer is small
     return release
+
+
+def corrupt_fast_engine(monkeypatch, when) -> None:
+    """Make the fast engine change the first id of every text for which ``when(text)`` holds."""
+    from packtools.pipeline.tokenizer import fast as fast_tokenize
+
+    real = fast_tokenize.FastEncoder.encode
+
+    def encode(self, texts, special):
+        got = real(self, texts, special)
+        values = got.values.copy()
+        for i, t in enumerate(texts):
+            if when(t) and got.offsets[i + 1] > got.offsets[i]:
+                values[got.offsets[i]] = (values[got.offsets[i]] + 1) % 300
+        return type(got)(got.offsets, values)
+
+    monkeypatch.setattr(fast_tokenize.FastEncoder, "encode", encode)
+
+
+def fail_fast_engine(monkeypatch, when, error: type[Exception], message: str) -> None:
+    """Make the fast engine raise ``error(message)`` on every batch with a text for which ``when(text)`` holds."""
+    from packtools.pipeline.tokenizer import fast as fast_tokenize
+
+    real = fast_tokenize.FastEncoder.encode
+
+    def encode(self, texts, special):
+        if any(when(t) for t in texts):
+            raise error(message)
+        return real(self, texts, special)
+
+    monkeypatch.setattr(fast_tokenize.FastEncoder, "encode", encode)

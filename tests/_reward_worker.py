@@ -17,6 +17,7 @@ from pathlib import Path
 import datasets
 import torch
 import transformers
+from _hf_models import FirstStep
 
 GA = 2
 
@@ -39,19 +40,6 @@ def pairs_of(feature):
         seqs.append(tuple(ids[start : start + n]))
         start += n
     return [(seqs[k], seqs[k + 1]) for k in range(0, len(seqs), 2)]
-
-
-class FirstStep(transformers.TrainerCallback):
-    def __init__(self, model):
-        self.model = model
-        self.before = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
-        self.delta = None
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == 1:
-            self.delta = {
-                k: self.before[k] - p.detach() for k, p in self.model.named_parameters() if k in self.before
-            }
 
 
 def run(out, packed, **prepare):

@@ -19,6 +19,17 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 tokenizers = pytest.importorskip("tokenizers")
 
+from _hf_models import (  # noqa: E402
+    PAD,
+    VOCAB,
+    exact_step_args,
+    lora_causal_config,
+    loss_metrics_grads,
+    text_pairs,
+    tiny_preference_model,
+    word_tokenizer,
+)
+
 from packtools import prepare_dpo_trainer  # noqa: E402
 from packtools.batches.preference import PreferenceCollator  # noqa: E402
 from packtools.dpo import pack_preference, sequence_logps  # noqa: E402
@@ -26,8 +37,6 @@ from packtools.errors import PackingError  # noqa: E402
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 TOL = 1e-5
-VOCAB = 97
-PAD, EOS = 0, 1
 METRICS = (
     "rewards/chosen",
     "rewards/rejected",
@@ -44,70 +53,14 @@ METRICS = (
 
 
 def tiny_llama(impl="sdpa", seed=0):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        pad_token_id=PAD,
-        eos_token_id=EOS,
-        attn_implementation=impl,
-    )
-    return transformers.LlamaForCausalLM(config).float()
-
-
-def word_tokenizer():
-    vocab = {"<pad>": PAD, "<eos>": EOS, **{f"w{i}": i for i in range(2, VOCAB)}}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
-
-
-def text_pairs(n, seed=0, max_prompt=8, max_completion=14):
-    """Pairs with skewed completion lengths, as text of word tokens."""
-    rng = np.random.default_rng(seed)
-
-    def words(k):
-        return " ".join(f"w{t}" for t in rng.integers(2, VOCAB, k))
-
-    return [
-        {
-            "prompt": words(int(rng.integers(1, max_prompt + 1))),
-            "chosen": " " + words(int(rng.integers(1, max_completion + 1))),
-            "rejected": " " + words(int(rng.integers(1, max_completion + 1))),
-        }
-        for _ in range(n)
-    ]
+    return tiny_preference_model("llama", impl, seed)
 
 
 def build(tmp_path, impl="sdpa", ref=True, lora=False, n=12, arch=None, **config):
     peft_config = None
     if lora:
-        peft = pytest.importorskip("peft")
-        peft_config = peft.LoraConfig(
-            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
-        )
-    kwargs = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        bf16=False,
-        learning_rate=1.0,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        weight_decay=0.0,
-        seed=0,
-    )
-    kwargs.update(config)
+        peft_config = lora_causal_config()
+    kwargs = exact_step_args(tmp_path, **config)
     if arch is not None:  # a model of the compatibility matrix (tests/_hf_models.tiny_arch)
         from _hf_models import tiny_arch
 
@@ -158,18 +111,6 @@ def assert_untied(trainer, result, pairs):
     if trainer.precompute_ref_logps:
         want = sum(int(i) % 2 == 0 for i in pairs) / len(pairs)
         assert result[1]["rewards/accuracies"] == want, (result[1]["rewards/accuracies"], want, pairs)
-
-
-def loss_metrics_grads(trainer, batch):
-    """One micro-batch through the trainer's own compute_loss: loss, the metrics it logged, gradients."""
-    trainer.model.train()
-    trainer.model.zero_grad()
-    for values in trainer._metrics["train"].values():
-        values.clear()
-    loss = trainer.compute_loss(trainer.model, dict(batch))
-    loss.backward()
-    grads = {k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None}
-    return loss.item(), {k: v[-1] for k, v in trainer._metrics["train"].items()}, grads
 
 
 def assert_same(a, b, tol=TOL):

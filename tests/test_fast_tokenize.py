@@ -10,7 +10,17 @@ import os
 import numpy as np
 import pyarrow as pa
 import pytest
-from _pipeline_data import CHATML_GENERATION, CHATML_PLAIN, CORPUS, EOS, IM_END, IM_START, build_tokenizer
+from _pipeline_data import (
+    CHATML_GENERATION,
+    CHATML_PLAIN,
+    CORPUS,
+    EOS,
+    IM_END,
+    IM_START,
+    build_tokenizer,
+    corrupt_fast_engine,
+    fail_fast_engine,
+)
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
@@ -197,25 +207,10 @@ def test_adversarial_set_covers_the_hard_cases():
     assert texts == adversarial_texts([EOS])  # deterministic
 
 
-def _corrupt(monkeypatch, when) -> None:
-    """Make the fast engine change the first id of every text for which ``when(text)`` holds."""
-    real = fast_tokenize.FastEncoder.encode
-
-    def encode(self, texts, special):
-        got = real(self, texts, special)
-        values = got.values.copy()
-        for i, t in enumerate(texts):
-            if when(t) and got.offsets[i + 1] > got.offsets[i]:
-                values[got.offsets[i]] = (values[got.offsets[i]] + 1) % 300
-        return type(got)(got.offsets, values)
-
-    monkeypatch.setattr(fast_tokenize.FastEncoder, "encode", encode)
-
-
 @needs_engine
 def test_fallback_when_the_adversarial_set_differs(tmp_path, monkeypatch):
     path = build_tokenizer(str(tmp_path))
-    _corrupt(monkeypatch, lambda t: EOS in t)
+    corrupt_fast_engine(monkeypatch, lambda t: EOS in t)
     tok = BatchTokenizer(path, "text")
     assert tok.report.engine == "transformers" and tok.fast is None
     assert "adversarial" in tok.report.reason
@@ -226,7 +221,7 @@ def test_fallback_when_the_adversarial_set_differs(tmp_path, monkeypatch):
 @needs_engine
 def test_fallback_when_the_data_differs(tmp_path, monkeypatch):
     path = build_tokenizer(str(tmp_path))
-    _corrupt(monkeypatch, lambda t: "zebra" in t)
+    corrupt_fast_engine(monkeypatch, lambda t: "zebra" in t)
     table = pa.table({"text": ["a zebra crossing", *CORPUS[:10]]})
     tok = BatchTokenizer(path, "text")
     assert tok.fast is not None  # the adversarial set has no zebra
@@ -245,7 +240,7 @@ def test_fallback_when_the_data_differs(tmp_path, monkeypatch):
 @needs_engine
 def test_audit_after_the_proof_stops_on_a_difference(tmp_path, monkeypatch):
     path = build_tokenizer(str(tmp_path))
-    _corrupt(monkeypatch, lambda t: "zebra" in t)
+    corrupt_fast_engine(monkeypatch, lambda t: "zebra" in t)
     tok = BatchTokenizer(path, "text")
     n = fast_tokenize.PROOF_ROWS
     tok(pa.table({"text": CORPUS[:5] * (n // 5 + 1)}))  # the proof passes
@@ -342,14 +337,7 @@ def test_prefetch_keeps_order_and_raises_where_the_source_failed():
 def test_an_engine_error_tokenizes_that_batch_with_transformers(tmp_path, monkeypatch):
     path = build_tokenizer(str(tmp_path))
     tok = BatchTokenizer(path, "text")
-    real = fast_tokenize.FastEncoder.encode
-
-    def encode(self, texts, special):
-        if any("boom" in t for t in texts):
-            raise RuntimeError("match limit exceeded")
-        return real(self, texts, special)
-
-    monkeypatch.setattr(fast_tokenize.FastEncoder, "encode", encode)
+    fail_fast_engine(monkeypatch, lambda t: "boom" in t, RuntimeError, "match limit exceeded")
     table = pa.table({"text": ["boom " + t for t in CORPUS[:20]]})
     _same(tok(table), BatchTokenizer(path, "text", engine="transformers")(table))
     report = tok.part_report()

@@ -18,6 +18,7 @@ from _hf_models import (
     params,
     reference_training,
     sequences,
+    sgd_train_args,
     tiny_llama,
     torch,
     transformers,
@@ -28,7 +29,7 @@ from packtools.batches.collate import PaddingFreeCollator
 from packtools.errors import PackingError
 from packtools.integrations import packed_sft_config, prepare_trainer
 from packtools.integrations.attention.backends import check_attention_implementation
-from packtools.integrations.trainers.guard import check_forward_inputs, guard_model
+from packtools.integrations.trainers.guard import check_forward_inputs, guard_model, refuse_prompt_learning
 from packtools.integrations.trainers.sft import causal_lm_loss
 
 datasets = pytest.importorskip("datasets")
@@ -46,26 +47,7 @@ def packed_dataset(n=40, seed=5, max_length=32):
 
 
 def train_args(tmp_path, cls=None, **overrides):
-    cls = cls or transformers.TrainingArguments
-    kwargs = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        num_train_epochs=1,
-        learning_rate=LR,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        weight_decay=0.0,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-    )
-    kwargs.update(overrides)
-    return cls(**kwargs)
+    return sgd_train_args(str(tmp_path), LR, cls, **overrides)
 
 
 def run_trainer(
@@ -416,3 +398,20 @@ def test_prepare_trainer_fits_the_collator_to_the_forward(tmp_path):
     assert adapted is not collator and not adapted.return_seq_idx and not adapted.return_flash_attn_kwargs
     assert adapted.return_position_ids and collator.return_seq_idx  # the user's object is not changed
     trainer.train()  # no TypeError for seq_idx / cu_seq_lens
+
+
+def test_prompt_learning_adapters_are_refused_by_name():
+    """The one check of prepare_dpo/kto/reward/grpo_trainer: virtual tokens cannot go into a padding-free row."""
+    from types import SimpleNamespace
+
+    def model(prompt_learning):
+        return SimpleNamespace(peft_config={"default": SimpleNamespace(is_prompt_learning=prompt_learning)})
+
+    with pytest.raises(PackingError, match="prompt-learning PEFT adapters") as err:
+        refuse_prompt_learning(model(True))
+    assert err.value.param == "model"
+    with pytest.raises(PackingError) as err:
+        refuse_prompt_learning(model(True), param=None)
+    assert err.value.param is None
+    refuse_prompt_learning(model(False))  # LoRA-style: accepted
+    refuse_prompt_learning(SimpleNamespace())  # no PEFT at all

@@ -17,6 +17,15 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 tokenizers = pytest.importorskip("tokenizers")
 
+from _hf_models import (  # noqa: E402
+    exact_step_args,
+    lora_causal_config,
+    loss_metrics_grads,
+    random_words,
+    tiny_preference_model,
+    word_tokenizer,
+)
+
 from packtools import prepare_trainer  # noqa: E402
 from packtools.errors import PackingError  # noqa: E402
 from packtools.integrations import unprepare  # noqa: E402
@@ -24,8 +33,6 @@ from packtools.integrations.preference.kto import prepare_kto_trainer  # noqa: E
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 TOL = 1e-5
-VOCAB = 97
-PAD, EOS = 0, 1
 METRICS = (
     "kl",
     "entropy",
@@ -38,37 +45,12 @@ METRICS = (
 
 
 def tiny_lm(family="llama", impl="sdpa", seed=0):
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        pad_token_id=PAD,
-        eos_token_id=EOS,
-        attn_implementation=impl,
-    )
-    if family == "qwen3":
-        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **common)).float()
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).float()
-
-
-def word_tokenizer():
-    vocab = {"<pad>": PAD, "<eos>": EOS, **{f"w{i}": i for i in range(2, VOCAB)}}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    return tiny_preference_model(family, impl, seed)
 
 
 def examples(n, seed=0):
     rng = np.random.default_rng(seed)
-
-    def words(k):
-        return " ".join(f"w{t}" for t in rng.integers(2, VOCAB, k))
-
+    words = random_words(rng)
     return [
         {
             "prompt": words(int(rng.integers(1, 9))),
@@ -82,27 +64,8 @@ def examples(n, seed=0):
 def build(tmp_path, family="llama", impl="sdpa", ref=True, lora=False, n=12, **config):
     peft_config = None
     if lora:
-        peft = pytest.importorskip("peft")
-        peft_config = peft.LoraConfig(
-            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
-        )
-    kwargs = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        bf16=False,
-        learning_rate=1.0,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        weight_decay=0.0,
-        seed=0,
-    )
-    kwargs.update(config)
+        peft_config = lora_causal_config()
+    kwargs = exact_step_args(tmp_path, **config)
     return trl.KTOTrainer(
         tiny_lm(family, impl),
         ref_model=tiny_lm(family, impl, seed=1) if ref else None,
@@ -111,17 +74,6 @@ def build(tmp_path, family="llama", impl="sdpa", ref=True, lora=False, n=12, **c
         processing_class=word_tokenizer(),
         peft_config=peft_config,
     )
-
-
-def loss_metrics_grads(trainer, batch):
-    trainer.model.train()
-    trainer.model.zero_grad()
-    for values in trainer._metrics["train"].values():
-        values.clear()
-    loss = trainer.compute_loss(trainer.model, dict(batch))
-    loss.backward()
-    grads = {k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None}
-    return loss.item(), {k: v[-1] for k, v in trainer._metrics["train"].items()}, grads
 
 
 def assert_same(a, b, tol=TOL):

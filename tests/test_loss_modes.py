@@ -12,22 +12,16 @@ regressions of the CP trainer path: a subclass's ``compute_loss`` honoured (``lo
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from cp_loop import BATCHES, tiny_llama_fp32  # noqa: E402
+from _cp_fixtures import BATCHES, tiny_llama_fp32  # noqa: E402
+from _loss_modes_trainer_worker import run_step  # noqa: E402
 from test_cp_training import launch  # noqa: E402
 
-from packtools import PaddingFreeCollator, prepare_trainer  # noqa: E402
 from packtools.errors import PackingError  # noqa: E402
 
 ROWS = [row for batch in BATCHES for row in batch]
@@ -62,34 +56,10 @@ def rel(a: dict, b: dict) -> float:
 
 
 def trainer_step(tmp_path, mode: str, ga: int = 2, cls=None, **prepare):
-    model = tiny_llama_fp32()
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=len(ROWS) // ga,
-        gradient_accumulation_steps=ga,
-        max_steps=1,
-        learning_rate=1.0,
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        weight_decay=0.0,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-    )
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    trainer = (cls or transformers.Trainer)(
-        model=model,
-        args=args,
-        train_dataset=datasets.Dataset.from_list(ROWS),
-        data_collator=PaddingFreeCollator(0),
-        optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)),
-    )
-    prepare_trainer(trainer, loss=mode, **prepare)
-    before = {k: q.detach().clone() for k, q in model.named_parameters()}
-    loss = trainer.train().training_loss
-    return loss, {k: before[k] - q.detach() for k, q in model.named_parameters()}
+    """One optimizer step in one process: ``(loss, {name: parameter change})``."""
+    cp = prepare.pop("context_parallel", None)
+    result, _ = run_step(tmp_path, cp, ga, 1, mode, cls, **prepare)
+    return result["loss"], result["delta"]
 
 
 @pytest.fixture(scope="module")
@@ -160,8 +130,6 @@ def test_modes_under_two_processes_equal_the_unpacked_computation(tmp_path, refe
             assert r["predict"].startswith("PackingError: predict() under context_parallel")
         # TRL's SFTTrainer(loss_type="dft") under CP=2 trains DFT (it trained plain NLL: finding 1), equal to
         # the same trainer in one process without CP; negative control: DFT is not the NLL step.
-        from _loss_modes_trainer_worker import run_step
-
         want_dft = run_step(tmp_path, None, ga, 1, dft=True)[0]["delta"]
         for r in results:
             assert rel(r["dft"]["delta"], want_dft) < 1e-5

@@ -8,6 +8,7 @@ import json
 import os
 import warnings
 
+import _stage_fixtures
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -22,17 +23,8 @@ from packtools.pipeline.profile import profile_files
 from packtools.pipeline.tokenizer.chat.head import HEAD_COLUMN
 from packtools.profiling import LengthProfile
 
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return build_tokenizer(str(tmp_path_factory.mktemp("tok") / "tok"))
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    folder = str(tmp_path / "stage-cache")
-    monkeypatch.setenv(stage_cache.CACHE_ENV, folder)
-    return folder
+# The shared fixtures (tests/_stage_fixtures.py), named here for pytest to find.
+tok, cache = _stage_fixtures.tok, _stage_fixtures.cache
 
 
 def _texts(n=400, seed=0):

@@ -9,7 +9,7 @@ import os
 
 import pyarrow as pa
 import pytest
-from _pipeline_data import CORPUS, build_tokenizer, load
+from _pipeline_data import CORPUS, build_tokenizer, corrupt_fast_engine, load
 
 from packtools.pipeline.tokenizer import adversarial, proof_cache
 from packtools.pipeline.tokenizer import fast as fast_tokenize
@@ -21,17 +21,7 @@ ADVERSARIAL_ONLY = "x" * 2000  # in the adversarial set, never in CORPUS
 
 def _corrupt_adversarial(monkeypatch) -> None:
     """The fast engine gives a wrong id on one adversarial text only (the data rows stay right)."""
-    real = fast_tokenize.FastEncoder.encode
-
-    def encode(self, texts, special):
-        got = real(self, texts, special)
-        values = got.values.copy()
-        for i, t in enumerate(texts):
-            if t == ADVERSARIAL_ONLY:
-                values[got.offsets[i]] = (values[got.offsets[i]] + 1) % 300
-        return type(got)(got.offsets, values)
-
-    monkeypatch.setattr(fast_tokenize.FastEncoder, "encode", encode)
+    corrupt_fast_engine(monkeypatch, lambda t: t == ADVERSARIAL_ONLY)
 
 
 def _verdicts(cache) -> list[str]:

@@ -19,6 +19,17 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 tokenizers = pytest.importorskip("tokenizers")
 
+from _hf_models import (  # noqa: E402
+    EOS,
+    PAD,
+    VOCAB,
+    exact_step_args,
+    loss_metrics_grads,
+    text_pairs,
+    tiny_preference_model,
+    word_tokenizer,
+)
+
 from packtools import prepare_trainer  # noqa: E402
 from packtools.errors import PackingError  # noqa: E402
 from packtools.integrations import unprepare  # noqa: E402
@@ -28,57 +39,11 @@ from packtools.integrations.preference.reward import prepare_reward_trainer  # n
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 TOL = 1e-5
-VOCAB = 97
-PAD, EOS = 0, 1
 METRICS = ("accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens")
 
 
 def tiny_model(family="llama", impl="sdpa", seed=0):
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        pad_token_id=PAD,
-        eos_token_id=EOS,
-        num_labels=1,
-        attn_implementation=impl,
-    )
-    if family == "qwen3":
-        config = transformers.Qwen3Config(head_dim=16, **common)
-        return transformers.Qwen3ForSequenceClassification(config).float()
-    return transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**common)).float()
-
-
-def word_tokenizer():
-    vocab = {"<pad>": PAD, "<eos>": EOS, **{f"w{i}": i for i in range(2, VOCAB)}}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
-
-
-def text_pairs(n, seed=0, margin=False):
-    """Pairs with a shared prompt and skewed completion lengths, as text of word tokens."""
-    rng = np.random.default_rng(seed)
-
-    def words(k):
-        return " ".join(f"w{t}" for t in rng.integers(2, VOCAB, k))
-
-    rows = []
-    for _ in range(n):
-        row = {
-            "prompt": words(int(rng.integers(1, 9))),
-            "chosen": " " + words(int(rng.integers(1, 15))),
-            "rejected": " " + words(int(rng.integers(1, 15))),
-        }
-        if margin:
-            row["margin"] = float(rng.uniform(-1.0, 2.0))
-        rows.append(row)
-    return rows
+    return tiny_preference_model(family, impl, seed, num_labels=1)
 
 
 def build(tmp_path, family="llama", impl="sdpa", n=12, margin=False, lora=False, **config):
@@ -92,23 +57,7 @@ def build(tmp_path, family="llama", impl="sdpa", n=12, margin=False, lora=False,
             modules_to_save=["score"],
             task_type="SEQ_CLS",
         )
-    kwargs = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        bf16=False,
-        learning_rate=1.0,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        weight_decay=0.0,
-        seed=0,
-    )
-    kwargs.update(config)
+    kwargs = exact_step_args(tmp_path, **config)
     return trl.RewardTrainer(
         tiny_model(family, impl),
         args=trl.RewardConfig(**kwargs),
@@ -116,19 +65,6 @@ def build(tmp_path, family="llama", impl="sdpa", n=12, margin=False, lora=False,
         processing_class=word_tokenizer(),
         peft_config=peft_config,
     )
-
-
-def loss_metrics_grads(trainer, batch):
-    """One micro-batch through the trainer's own compute_loss: loss, the metrics it logged, gradients."""
-    trainer.model.train()
-    trainer.model.zero_grad()
-    for values in trainer._metrics["train"].values():
-        values.clear()
-    loss = trainer.compute_loss(trainer.model, dict(batch))
-    loss.backward()
-    grads = {k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None}
-    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-    return loss.item(), metrics, grads
 
 
 def assert_same(a, b, tol=TOL):
@@ -406,7 +342,12 @@ def test_evaluate_equals_trl(tmp_path):
     for trainer in (build(tmp_path, margin=True), prepare_reward_trainer(build(tmp_path, margin=True))):
         results.append(trainer.evaluate(held_out))
     want, got = results
-    timing = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_model_preparation_time")
+    timing = (
+        "eval_runtime",
+        "eval_samples_per_second",
+        "eval_steps_per_second",
+        "eval_model_preparation_time",
+    )
     assert want.keys() == got.keys() and "eval_accuracy" in want
     bad = {
         k: (want[k], got[k])

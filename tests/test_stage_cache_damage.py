@@ -9,33 +9,17 @@ import json
 import os
 import time
 
+import _stage_fixtures
 import numpy as np
 import pytest
-from _pipeline_data import CORPUS, build_tokenizer
+from _pipeline_data import CORPUS
 
 from packtools import pack_files
 from packtools.pipeline import stage_cache
 from packtools.pipeline.profile import profile_files
 
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return build_tokenizer(str(tmp_path_factory.mktemp("tok") / "tok"))
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    folder = str(tmp_path / "stage-cache")
-    monkeypatch.setenv(stage_cache.CACHE_ENV, folder)
-    return folder
-
-
-@pytest.fixture
-def data(tmp_path):
-    path = tmp_path / "data.jsonl"
-    with open(path, "w") as fh:
-        fh.writelines(json.dumps({"text": f"{CORPUS[i % 5]} {i}"}) + "\n" for i in range(300))
-    return str(path)
+# The shared fixtures (tests/_stage_fixtures.py), named here for pytest to find.
+tok, cache, data = _stage_fixtures.tok, _stage_fixtures.cache, _stage_fixtures.data
 
 
 def _shards(out):

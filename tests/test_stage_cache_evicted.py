@@ -9,9 +9,10 @@ import errno
 import json
 import os
 
+import _stage_fixtures
 import numpy as np
 import pytest
-from _pipeline_data import CORPUS, build_tokenizer
+from _pipeline_data import CORPUS
 
 from packtools import pack_files
 from packtools.errors import PackingError
@@ -19,10 +20,8 @@ from packtools.pipeline import run as run_module
 from packtools.pipeline import stage_cache
 from packtools.pipeline.profile import profile_files
 
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return build_tokenizer(str(tmp_path_factory.mktemp("tok") / "tok"))
+# The shared fixture (tests/_stage_fixtures.py), named here for pytest to find.
+tok = _stage_fixtures.tok
 
 
 @pytest.fixture

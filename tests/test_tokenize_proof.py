@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from _pipeline_data import CORPUS, EOS, build_tokenizer, load
+from _pipeline_data import CORPUS, EOS, build_tokenizer, corrupt_fast_engine, fail_fast_engine, load
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -151,14 +151,9 @@ def test_byte_incomplete_tokenizer_runs_with_transformers_ids_and_reports_drops(
 @needs_engine
 def test_an_engine_error_under_fast_names_the_row(tok_bl, monkeypatch):
     tok = BatchTokenizer(tok_bl, "text", engine="fast")
-    real = fast_tokenize.FastEncoder.encode
-
-    def encode(self, texts, special):
-        if any("boom" in t for t in texts):
-            raise ValueError("model error: byte 0x09 has no token in vocabulary")
-        return real(self, texts, special)
-
-    monkeypatch.setattr(fast_tokenize.FastEncoder, "encode", encode)
+    fail_fast_engine(
+        monkeypatch, lambda t: "boom" in t, ValueError, "model error: byte 0x09 has no token in vocabulary"
+    )
     with pytest.raises(PackingError, match=r"row 12: the fast tokenizer engine cannot encode.*0x09"):
         tok(pa.table({"text": ["fine"] * 2 + ["boom"] + ["fine"]}), first_row=10)
 
@@ -208,23 +203,11 @@ def test_a_template_that_refuses_some_adversarial_conversations_keeps_the_fast_p
 
 
 # -- proof per column, per part, per run; counted right (U11, U12) -----------------------------------------
-def _corrupt(monkeypatch, when) -> None:
-    real = fast_tokenize.FastEncoder.encode
-
-    def encode(self, texts, special):
-        got = real(self, texts, special)
-        values = got.values.copy()
-        for i, t in enumerate(texts):
-            if when(t) and got.offsets[i + 1] > got.offsets[i]:
-                values[got.offsets[i]] = (values[got.offsets[i]] + 1) % 300
-        return type(got)(got.offsets, values)
-
-    monkeypatch.setattr(fast_tokenize.FastEncoder, "encode", encode)
 
 
 @needs_engine
 def test_completions_get_their_own_proof(tok_bl, monkeypatch):
-    _corrupt(monkeypatch, lambda t: "zebra" in t)
+    corrupt_fast_engine(monkeypatch, lambda t: "zebra" in t)
     n = 600
     table = pa.table(
         {"prompt": ["question"] * n, "completion": ["a zebra answer" if i == 10 else "ok" for i in range(n)]}
@@ -371,7 +354,7 @@ def test_record_says_different_when_the_ids_differ(tok_bl, tmp_path, monkeypatch
 def test_a_fallback_on_the_proof_holds_for_the_rest_of_the_run(tok_bl, tmp_path, monkeypatch):
     """The run's later part has no proof rows of its own: after the first part's proof failed it stays on
     transformers (the fast engine proved wrong on this data), and the output is transformers'."""
-    _corrupt(monkeypatch, lambda t: "zebra" in t)
+    corrupt_fast_engine(monkeypatch, lambda t: "zebra" in t)
     src = tmp_path / "two.parquet"
     texts = ["a zebra crossing"] + CORPUS[:99] + CORPUS[:100]
     pq.write_table(pa.table({"text": texts}), src, row_group_size=100)
@@ -394,7 +377,7 @@ def test_a_part_takes_the_drivers_verdict_and_an_audited_difference_is_raised_no
     from packtools.pipeline.tokenizer.proof import EngineDivergence
 
     monkeypatch.setattr(fast_tokenize, "PROOF_ROWS", 5)  # a part's proof: the first 5 rows of the column
-    _corrupt(monkeypatch, lambda t: "zebra" in t)
+    corrupt_fast_engine(monkeypatch, lambda t: "zebra" in t)
     tok = BatchTokenizer(tok_bl, "text", audit_rate=1.0)
     ref = BatchTokenizer(tok_bl, "text", engine="transformers")
     with_zebra = pa.table({"text": ["a zebra"] + CORPUS[:4]})

@@ -11,6 +11,7 @@ import copy
 
 import numpy as np
 import pytest
+from _hf_models import plain_sgd_options
 from _vl_models import FAMILIES, IMAGE, mixed_samples, tiny_vl, torch, transformers
 
 from packtools import PaddingFreeCollator, prepare_trainer
@@ -77,15 +78,7 @@ def trainer_for(model, rows, tmp_path, collator=None, **overrides):
         per_device_train_batch_size=len(rows),
         max_steps=1,
         optim="sgd",
-        learning_rate=1.0,
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        weight_decay=0.0,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
+        **plain_sgd_options(),
     )
     args.update(overrides)
     return transformers.Trainer(

@@ -65,7 +65,7 @@ from ..attention.backends import (
 from ..attention.backends import base_model as _base_model
 from ..parallel.distributed import check_loss_path
 from ..trainers.collator_check import check_preference_collator
-from ..trainers.guard import check_forward_inputs, guard_model
+from ..trainers.guard import check_forward_inputs, guard_model, refuse_prompt_learning
 from ..trainers.loader import check_train_loader
 from ..trainers.step import DPOStep, StepPlan, install_step, plan_of
 from ..trainers.transformers import run_mixers_per_document, run_probe
@@ -181,12 +181,7 @@ def _check_trainer(trainer: Any) -> None:
         )
     if is_vision(trainer):
         raise PackingError("vision preference data is not supported padding-free; keep TRL's padded batches.")
-    peft_config = getattr(trainer.model, "peft_config", None) or {}
-    if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
-        raise PackingError(
-            "prompt-learning PEFT adapters add virtual tokens in front of every sequence, which a padding-free "
-            "row cannot hold; use LoRA-style adapters."
-        )
+    refuse_prompt_learning(trainer.model, param=None)
 
 
 def _use_packed_dataset(trainer: Any, dataset: Any, shared: bool) -> None:

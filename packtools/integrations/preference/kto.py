@@ -36,7 +36,7 @@ from ..attention.backends import (
 )
 from ..attention.mixers import run_mixers_per_document
 from ..parallel.distributed import check_loss_path
-from ..trainers.guard import guard_model
+from ..trainers.guard import guard_model, refuse_prompt_learning
 from .dpo import _WRAPPED, install_padding_free_forward
 from .probe import check_padding_free_forward
 
@@ -57,13 +57,7 @@ def _check_trainer(trainer: Any) -> None:
             "router_aux_loss_coef=0.0 in KTOConfig, or train padded.",
             param="router_aux_loss_coef",
         )
-    peft_config = getattr(trainer.model, "peft_config", None) or {}
-    if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
-        raise PackingError(
-            "prompt-learning PEFT adapters add virtual tokens in front of every sequence, which a padding-free "
-            "row cannot hold; use LoRA-style adapters.",
-            param="model",
-        )
+    refuse_prompt_learning(trainer.model)
 
 
 def prepare_kto_trainer(trainer: Any, *, check_isolation: bool = True, segmented_sdpa: bool = True) -> Any:

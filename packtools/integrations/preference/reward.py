@@ -55,7 +55,7 @@ from ..attention.backends import (
 from ..attention.mixers import run_mixers_per_document
 from ..parallel.distributed import check_loss_path, trainer_divides_by_accumulation, uneven_gather
 from ..parallel.layout import rank_layout
-from ..trainers.guard import guard_model
+from ..trainers.guard import guard_model, refuse_prompt_learning
 from ..trainers.loader import check_train_loader
 from ..trainers.step import StepOwner, StepPlan, install_step, plan_of
 from .reward_scores import ScoredRow, check_reward_isolation, reward_batch, score_head
@@ -153,13 +153,7 @@ def _check_trainer(trainer: Any) -> None:
             f"{type(inner).__name__} is a multimodal model: the padding-free reward forward carries text rows only.",
             param="model",
         )
-    peft_config = getattr(trainer.model, "peft_config", None) or {}
-    if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
-        raise PackingError(
-            "prompt-learning PEFT adapters add virtual tokens in front of every sequence, which a padding-free "
-            "row cannot hold; use LoRA-style adapters.",
-            param="model",
-        )
+    refuse_prompt_learning(trainer.model)
     score_head(trainer.model)
 
 

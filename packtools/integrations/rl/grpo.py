@@ -39,7 +39,7 @@ from ..attention.backends import (
 )
 from ..attention.mixers import run_mixers_per_document
 from ..attention.tree import check_tree_model, use_tree_attention
-from ..trainers.guard import check_forward_inputs
+from ..trainers.guard import check_forward_inputs, refuse_prompt_learning
 from ..trainers.step import install_step, plan_of
 from .rows import Row, share_prompts, unpad_completions
 
@@ -247,13 +247,7 @@ def _check_models(trainer: Any, models: list[Any]) -> bool:
                 f"carry text only; train it padded.",
                 param="model",
             )
-        peft_config = getattr(model, "peft_config", None) or {}
-        if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
-            raise PackingError(
-                "prompt-learning PEFT adapters add virtual tokens in front of every sequence, which a padding-free "
-                "row cannot hold; use LoRA-style adapters.",
-                param="model",
-            )
+        refuse_prompt_learning(model)
         check_attention_implementation(model)
         mixers = bool(token_mixing_layers(model))
         seq_idx = (

@@ -154,3 +154,15 @@ def guard_model(model: Any, *, owner: Any = None) -> Any:
     handle = forward_pre_hook(model, hook, owner=owner)
     set_attr(model, _HOOK_ATTR, handle, owner=owner)
     return handle
+
+
+def refuse_prompt_learning(model: Any, param: str | None = "model") -> None:
+    """Raise when ``model`` carries a prompt-learning PEFT adapter: its virtual tokens go in front of every
+    sequence, which a padding-free row cannot hold."""
+    peft_config = getattr(model, "peft_config", None) or {}
+    if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
+        raise PackingError(
+            "prompt-learning PEFT adapters add virtual tokens in front of every sequence, which a padding-free "
+            "row cannot hold; use LoRA-style adapters.",
+            param=param,
+        )

@@ -1,0 +1,30 @@
+"""The end of every ``torchrun`` worker of the tests: each rank's result gathered to rank 0 and saved, and a
+failure that leaves at once (a rank that raised must not leave the others waiting in a collective)."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def save_gathered(result: Any, path: Any) -> None:
+    """All-gather ``result`` (any picklable object) from every rank; rank 0 saves the list to ``path``; all wait."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if dist.get_rank() == 0:
+        torch.save(gathered, path)
+    dist.barrier()
+
+
+def run_worker(main: Callable[[], None]) -> None:
+    """Run ``main``; on any failure print the traceback and exit with status 1 at once."""
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
