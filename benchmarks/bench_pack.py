@@ -134,7 +134,7 @@ def run_case(case: dict) -> dict:
     result: dict = {"lower_bound": bound, "tokens_expected": kept}
     times = []
     if kind == "plan":
-        import packtools
+        import packtools.core
 
         packtools.core.warmup()
         result["rss_input"] = rss_now()
@@ -170,7 +170,7 @@ def run_case(case: dict) -> dict:
             # No reuse of earlier results on either side: every timed call packs from scratch.
             datasets.disable_caching()
         if kind == "packtools":
-            import packtools
+            import packtools.core
 
             packtools.core.warmup()
             packtools.pack_dataset(tiny, 4, strategy)
@@ -219,7 +219,7 @@ import json, os, sys, time
 t = time.perf_counter()
 import packtools
 dt = time.perf_counter() - t
-from packtools import _kernels
+from packtools.core import kernels as _kernels  # imported after the timing: import packtools stays lazy
 from numba.core.registry import CPUDispatcher
 compiled = [n for n, f in vars(_kernels).items() if isinstance(f, CPUDispatcher) and f.signatures]
 heavy = [m for m in ("torch", "datasets", "transformers", "matplotlib", "ray") if m in sys.modules]
@@ -230,7 +230,7 @@ print("RESULT " + json.dumps({"time": dt, "compiled": compiled, "heavy": heavy, 
 
 WARMUP_PROBE = """
 import json, time
-import packtools
+import packtools.core
 t = time.perf_counter()
 packtools.core.warmup()
 print("RESULT " + json.dumps({"time": time.perf_counter() - t}))
