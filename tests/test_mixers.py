@@ -44,7 +44,7 @@ def test_hybrid_packed_equals_documents_alone(arch):
         PaddingFreeCollator(0, **POSITIONS_ONLY),
     ):  # cu_seq_lens + seq_idx, or positions only
         report = check_isolation(model, collator, backward=True)
-        assert not report.leaks and report.perturb_diff == 0.0
+        assert not report.leaks and report.perturb_diff <= report.perturb_tolerance
         assert max(report.alone_diff) < 1e-5 and report.grad_diff < 1e-5 and report.loss_diff < 1e-5
 
 
