@@ -244,9 +244,14 @@ def packed_position_masks(model: Any, inputs_embeds: Any, position_ids: Any) -> 
     own forward builds them without ``position_ids`` (GPT-OSS), so packed sequences would see each other."""
     masking = require("transformers", "packtools packed masks").masking_utils
     config = model.config
-    arguments = dict(
-        config=config, inputs_embeds=inputs_embeds, attention_mask=None, cache=None, position_ids=position_ids
+    # the cache keyword is ``cache`` in 5.25 and ``past_key_values`` in 5.15 (both within CHECKED)
+    cache = (
+        "cache" if "cache" in inspect.signature(masking.create_causal_mask).parameters else "past_key_values"
     )
+    arguments = dict(
+        config=config, inputs_embeds=inputs_embeds, attention_mask=None, position_ids=position_ids
+    )
+    arguments[cache] = None
     names = set(getattr(config, "layer_types", None) or ["full_attention"])
     unknown = names - {"full_attention", "sliding_attention"}
     if unknown:
