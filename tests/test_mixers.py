@@ -405,15 +405,6 @@ def test_kto_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch, im
             processing_class=tokenizer,
         )
 
-    def loss_and_grads(trainer, batch):
-        trainer.model.train()
-        trainer.model.zero_grad()
-        loss = trainer.compute_loss(trainer.model, dict(batch))
-        loss.backward()
-        return loss.item(), {
-            k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None
-        }
-
     padded, prepared = build(), build()
     layers = token_mixing_layers(prepared.model)
     prepare_kto_trainer(prepared)  # the isolation probe runs, and passes
@@ -472,15 +463,6 @@ def test_reward_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch,
             processing_class=tokenizer,
         )
 
-    def loss_and_grads(trainer, batch):
-        trainer.model.train()
-        trainer.model.zero_grad()
-        loss = trainer.compute_loss(trainer.model, dict(batch))
-        loss.backward()
-        return loss.item(), {
-            k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None
-        }
-
     padded, prepared = build(), build()
     layers = token_mixing_layers(prepared.model)
     prepare_reward_trainer(prepared)  # the isolation probe runs, and passes
@@ -492,3 +474,12 @@ def test_reward_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch,
     assert max(float((want_grads[k] - got_grads[k]).abs().max()) for k in want_grads) < 1e-5
     unprepare(prepared)
     assert token_mixing_layers(prepared.model) == layers and document_mixers(prepared.model) is None
+
+
+def loss_and_grads(trainer, batch):
+    """One micro-batch through the trainer's own compute_loss: the loss and every gradient."""
+    trainer.model.train()
+    trainer.model.zero_grad()
+    loss = trainer.compute_loss(trainer.model, dict(batch))
+    loss.backward()
+    return loss.item(), {k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None}
