@@ -23,6 +23,7 @@ import json
 import numpy as np
 import pyarrow as pa
 
+from ..core.arrow import numeric_array
 from .json_cells import CHAT_COLUMNS
 
 
@@ -81,8 +82,10 @@ def read_int_lists(data: bytes, keys: list[str]) -> pa.Table | None:
     arrays = []
     for c in range(len(keys)):
         local = offsets[c] - offsets[c, 0]
-        offs = pa.array(local.astype(np.int32) if local[-1] < 2**31 else local)
-        vals = pa.array(values[offsets[c, 0] : offsets[c, -1]])  # (no copy: pages past the values untouched)
-        cls = pa.ListArray if offs.type == pa.int32() else pa.LargeListArray
-        arrays.append(cls.from_arrays(offs, vals))
+        # (the values not copied: pages past them are never touched; numeric_array: pa.array imports pandas)
+        vals = numeric_array(values[offsets[c, 0] : offsets[c, -1]], pa.int64())
+        if local[-1] < 2**31:
+            arrays.append(pa.ListArray.from_arrays(numeric_array(local.astype(np.int32), pa.int32()), vals))
+        else:
+            arrays.append(pa.LargeListArray.from_arrays(numeric_array(local, pa.int64()), vals))
     return pa.Table.from_arrays(arrays, names=keys)
