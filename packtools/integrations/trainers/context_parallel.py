@@ -47,15 +47,8 @@ from .step import NO_EVAL
 
 
 def check_cp_trainer(trainer: Any, layout: RankLayout) -> None:
-    """Refuse what packtools' CP under ``Trainer`` does not handle, by name."""
-    config = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
-    if config is not None and (getattr(config, "cp_size", 1) or 1) > 1:
-        raise PackingError(
-            f"ParallelismConfig(cp_size={config.cp_size}) turns on accelerate's own context parallelism, which "
-            f"would cut packtools' per-document shards again as one causal sequence. Set cp_size=1 and pass "
-            f"prepare_trainer(trainer, context_parallel={config.cp_size}).",
-            param="parallelism_config",
-        )
+    """Refuse what packtools' CP under ``Trainer`` does not handle, by name (accelerate's own CP: refused by
+    :func:`~packtools.integrations.parallel.layout.rank_layout`, which made ``layout``)."""
     if layout.tp_size > 1:
         raise PackingError(
             "context_parallel with tensor parallelism is not handled by packtools (CP groups are consecutive "
