@@ -30,12 +30,11 @@ from ..formats import FORMATS, Row, at, input_columns, shift
 from . import adversarial, reference
 from . import fast as fast_engine
 from . import load as tokenizer_load
-from . import proof as engine_proof
 from .char_drops import DropCounter, check_on_unencodable
 from .chat import tokens as chat
 from .chat import values as chat_values
 from .folder import added_tokens_outside, load_tokenizer, tokenizer_fingerprint
-from .proof import Proof
+from .proof import EngineDivergence, Proof, adopt, choose_engine, engine_error
 
 
 def _strings(table: pa.Table, name: str, first_row: Row, values: list | None = None) -> list[str]:
@@ -93,10 +92,10 @@ class BatchTokenizer:
         self._facts = facts = tokenizer_load.load_facts(tokenizer_dir, fp)
         #: tokens transformers adds from the folder's other files (added_tokens.json, tokenizer_config.json,
         #: special_tokens_map.json) that tokenizer.json lacks: neither the tokenizers library nor the fast
-        #: engine knows them, so transformers itself tokenizes (engine_proof.choose_engine says why)
+        #: engine knows them, so transformers itself tokenizes (choose_engine says why)
         self.added_outside = added_tokens_outside(tokenizer_dir, facts.specials) if facts is not None else []
         adopted = proven.get("engine") if proven is not None else None
-        #: a small input the reference tokenizes alone (engine_proof.choose_engine); no fast engine is loaded
+        #: a small input the reference tokenizes alone (choose_engine); no fast engine is loaded
         self.small_input = (
             input_bytes
             if proven is None
@@ -193,9 +192,9 @@ class BatchTokenizer:
         adversarial set (:func:`~packtools.pipeline.tokenizer.proof.choose_engine`); each part without a verdict
         starts from it."""
         if proven is not None:
-            choice = engine_proof.adopt(self, proven)
+            choice = adopt(self, proven)
         else:
-            choice = engine_proof.choose_engine(self, requested, facts)
+            choice = choose_engine(self, requested, facts)
         self._report, self._fast, self._pending = choice.report, choice.fast, choice.pending
         self.proof_recorded = choice.recorded
         if choice.source is not None:
@@ -335,11 +334,11 @@ class BatchTokenizer:
         )
         if initial:
             raise PackingError(message, param="tokenizer_engine")
-        raise engine_proof.EngineDivergence(message, f"{at(first_row)}: {what}")
+        raise EngineDivergence(message, f"{at(first_row)}: {what}")
 
     def _engine_error(self, exc: Exception, texts: list[str], special: bool, first_row: Row) -> None:
         """The fast engine raised on a batch: transformers tokenizes it (auto), or stop naming the row (fast)."""
-        engine_proof.engine_error(self, exc, texts, special, first_row)
+        engine_error(self, exc, texts, special, first_row)
 
     # -- building blocks -------------------------------------------------------------------------
     def encode(self, texts: list[str], special: bool, first_row: Row = 0, column: str = "text") -> Ragged:
