@@ -29,11 +29,11 @@ from ...io.json_cells import cells
 from ..formats import FORMATS, Row, at, input_columns, shift
 from . import adversarial, reference
 from . import fast as fast_engine
-from . import load as tokenizer_load
 from .char_drops import DropCounter, check_on_unencodable
 from .chat import tokens as chat
-from .chat import values as chat_values
+from .chat.values import by_tools
 from .folder import added_tokens_outside, load_tokenizer, tokenizer_fingerprint
+from .load import FastLoad, compact_file, load_facts, reference_suffices, start_fast_load
 from .proof import EngineDivergence, Proof, adopt, choose_engine, engine_error
 
 
@@ -89,7 +89,7 @@ class BatchTokenizer:
         self._tok: Any = None
         self.fingerprint = fp = tokenizer_fingerprint(tokenizer_dir)
         # tokenizer.json's facts, recorded by an earlier run; the fast engine loads in a background thread
-        self._facts = facts = tokenizer_load.load_facts(tokenizer_dir, fp)
+        self._facts = facts = load_facts(tokenizer_dir, fp)
         #: tokens transformers adds from the folder's other files (added_tokens.json, tokenizer_config.json,
         #: special_tokens_map.json) that tokenizer.json lacks: neither the tokenizers library nor the fast
         #: engine knows them, so transformers itself tokenizes (choose_engine says why)
@@ -100,18 +100,18 @@ class BatchTokenizer:
             input_bytes
             if proven is None
             and not wait_for_engine
-            and tokenizer_load.reference_suffices(tokenizer_dir, requested, input_bytes)
+            and reference_suffices(tokenizer_dir, requested, input_bytes)
             else None
         )
         skip = adopted == "transformers" or self.small_input is not None or bool(self.added_outside)
-        self._fast_load = tokenizer_load.start_fast_load(
+        self._fast_load = start_fast_load(
             tokenizer_dir, fp, facts, fmt, "transformers" if skip else requested
         )
         # transformers' ids from the tokenizers library alone where a recorded check says they are the same
         # (packtools.pipeline.tokenizer.reference): importing transformers costs seconds a run.  Never when transformers
         # is asked for, never where transformers adds tokens tokenizer.json lacks; from the fast engine's copy of
         # tokenizer.json only where it was recorded identical to it, with its SHA-256 (it loads 30% faster)
-        copy = tokenizer_load.compact_file(fp)
+        copy = compact_file(fp)
         lite = (
             reference.load_verified(tokenizer_dir, fp, copy)
             if requested != "transformers" and not self.added_outside
@@ -131,7 +131,7 @@ class BatchTokenizer:
         # the engine's state: assigned only by the transitions below (choose, adopt a verdict, take the
         # pending load, fall back, start a part), read through the properties fast, report and pending
         self._fast: fast_engine.FastEncoder | None = None
-        self._pending: tokenizer_load.FastLoad | None = None  # the fast engine still loading (take_pending)
+        self._pending: FastLoad | None = None  # the fast engine still loading (take_pending)
         self._reference_batch_done = False  # the one batch the reference tokenizes while the engine loads
         self.proof_recorded = False  # the adversarial set's verdict was a recorded one (proof_cache)
         self.fast_source: str | None = None  # what the fast engine loads: "compact" copy or "tokenizer.json"
@@ -178,12 +178,12 @@ class BatchTokenizer:
         return self._report
 
     @property
-    def pending(self) -> tokenizer_load.FastLoad | None:
+    def pending(self) -> FastLoad | None:
         """The fast engine's background load, to be taken at a batch once it has finished (:meth:`take_pending`)."""
         return self._pending
 
     @property
-    def background_load(self) -> tokenizer_load.FastLoad | None:
+    def background_load(self) -> FastLoad | None:
         """The fast engine's load started with this tokenizer and not taken yet (:meth:`load_fast` takes it)."""
         return self._fast_load
 
@@ -525,11 +525,11 @@ class BatchTokenizer:
 
     def _tokenize(self, table: pa.Table, first_row: Row) -> pa.Table:
         if "tools" in table.column_names:
-            return chat_values.by_tools(self, table, first_row)
+            return by_tools(self, table, first_row)
         return self.tokenize_rows(table, first_row)
 
     def tokenize_rows(self, table: pa.Table, first_row: Row) -> pa.Table:
-        """The token table of a batch without a ``tools`` column (:func:`chat_values.by_tools` splits by it)."""
+        """The token table of a batch without a ``tools`` column (:func:`by_tools` splits by it)."""
         missing = [c for c in input_columns(self.fmt) if c not in table.column_names]
         if missing:
             raise PackingError(
