@@ -375,13 +375,9 @@ def test_guards(tmp_path):
 
 @pytest.mark.slow
 def test_bench_dpo_runs_the_same_pairs_and_packtools_sees_only_real_tokens(capsys):
-    import importlib.util
-    from pathlib import Path
+    from _scripts import script
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_dpo.py"
-    spec = importlib.util.spec_from_file_location("bench_dpo", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = script("bench_dpo")
     rows, (seconds, report), peaks = bench.main(
         ["--pairs", "16", "--pairs-per-step", "4", "--steps", "2", "--hidden", "64", "--pack-pairs", "3000"]
         + ["--peak-rss"]
