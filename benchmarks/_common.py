@@ -1,5 +1,5 @@
 """Pieces the benchmark programs share: the printed (and optionally saved) report, one case run in a fresh
-process, and the peak of live tensor memory.
+process, the peak of live tensor memory, and the small Llama the model benchmarks run.
 
 Imported by the benchmarks that run as programs (``python benchmarks/bench_pack.py``: this folder is then on
 ``sys.path``).  The documented recipes (``train_loop.py``, ``dpo_loop.py``, ``cp_loop.py``, ``cp_dpo_loop.py``)
@@ -90,3 +90,23 @@ def live_peak(
     with live:
         run()
     return live.peak, live.at_peak
+
+
+def small_llama_config(
+    vocab_size: int, num_hidden_layers: int, max_position_embeddings: int, **extra: Any
+) -> Any:
+    """``transformers.LlamaConfig`` of the benchmarks' small Llama: hidden 64, MLP 128, 4 heads over 2 key/value
+    heads (grouped-query attention), ``sdpa``; ``extra`` on top."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+        attn_implementation="sdpa",
+        **extra,
+    )

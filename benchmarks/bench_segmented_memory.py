@@ -71,7 +71,7 @@ import subprocess
 import sys
 from typing import Any
 
-from _common import live_peak
+from _common import live_peak, small_llama_config
 
 
 def _status(field: str) -> int:
@@ -104,16 +104,7 @@ def run_case(
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=tokens,
-        attn_implementation="sdpa",
-    )
+    config = small_llama_config(97, 1, tokens)
     model = transformers.LlamaForCausalLM(config).float()
     if case == "packed":
         model.set_attn_implementation(segmented.register())

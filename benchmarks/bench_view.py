@@ -50,7 +50,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import print_report, run_case_process  # noqa: E402
+from _common import print_report, run_case_process, small_llama_config  # noqa: E402
 from bench_pack import build_disk, rss_now, rss_peak  # noqa: E402
 
 TARGET_VS_TRL = 50.0
@@ -194,7 +194,7 @@ def run_compile(case: dict) -> dict:
     import pyarrow as pa
     import torch
     import torch._dynamo
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     import packtools
     from packtools import PaddingFreeCollator
@@ -209,17 +209,7 @@ def run_compile(case: dict) -> dict:
     table = pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids))})
     view = packtools.packed_view(table, 512)
     unpacked = [{"input_ids": ids[offsets[i] : offsets[i + 1]]} for i in range(len(lengths))]
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        attn_implementation="sdpa",
-        use_cache=False,
-    )
+    config = small_llama_config(512, 2, 4096, use_cache=False)
 
     def epoch(batches, collator) -> dict:
         torch.manual_seed(0)
@@ -261,9 +251,13 @@ def run_compile(case: dict) -> dict:
     groups = [unpacked[i : i + 8] for i in range(0, len(unpacked), 8)]
     totals = [sum(len(r["input_ids"]) for r in g) for g in groups]
     sizes = choose_buckets(totals, 8)
-    result["unpacked_none"] = {**epoch(groups, PaddingFreeCollator(0)), "padding": 0.0, "buckets": None}
+    result["unpacked_none"] = {  # rows of one sequence each (no seq_lengths): said to the collator
+        **epoch(groups, PaddingFreeCollator(0, unpacked=True)),
+        "padding": 0.0,
+        "buckets": None,
+    }
     result["unpacked_buckets"] = {
-        **epoch(groups, PaddingFreeCollator(0, pad_to_buckets=sizes, pad_cu_seq_lens_to=16)),
+        **epoch(groups, PaddingFreeCollator(0, unpacked=True, pad_to_buckets=sizes, pad_cu_seq_lens_to=16)),
         "padding": bucket_padding(totals, sizes),
         "buckets": sizes,
     }
