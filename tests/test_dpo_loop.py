@@ -2,13 +2,12 @@
 time, with the loss of each optimizer step the mean over all its pairs."""
 
 import copy
-import inspect
 import math
 
 import numpy as np
 import pytest
 from _hf_models import Recorder, max_diff, params, tiny_llama, torch
-from _scripts import BENCHMARKS, script
+from _scripts import script
 
 from packtools.dpo import PreferenceCollator, pack_preference
 
@@ -110,13 +109,3 @@ def test_mean_per_micro_batch_is_caught():
     reference = copy.deepcopy(start)
     reference_training(reference, ref_model, recorder.batches[:3], 3)
     assert max_diff(params(model), params(reference)) > 1e-4
-
-
-def test_readme_example_runs():
-    losses = script("dpo_loop").main(["--pairs", "80", "--max-length", "128", "--max-steps", "2"])
-    assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses)
-
-
-def test_readme_shows_this_loop():
-    readme = BENCHMARKS.parent / "docs" / "preference.md"
-    assert inspect.getsource(script("dpo_loop").train_dpo) in readme.read_text()

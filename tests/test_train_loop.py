@@ -5,7 +5,7 @@ import math
 
 import pytest
 from _hf_models import PAD, Recorder, max_diff, params, reference_training, sequences, tiny_llama, torch
-from _scripts import BENCHMARKS, script
+from _scripts import script
 
 from packtools import pack_dataset
 from packtools.batches.collate import PaddingFreeCollator
@@ -27,19 +27,6 @@ def test_loop_matches_one_by_one(accumulation):
     reference_training(reference, recorder.batches, accumulation, 0.5)
     assert max_diff(params(model), params(reference)) < 1e-5
     assert max_diff(params(model), params(tiny_llama("sdpa"))) > 1e-2
-
-
-def test_readme_example_runs():
-    losses = script("train_loop").main(["--sequences", "100", "--max-length", "64", "--max-steps", "3"])
-    assert len(losses) == 3 and all(math.isfinite(x) and x > 0 for x in losses)
-
-
-def test_readme_shows_this_loop():
-    """docs/training.md's loop is this file's ``train``, verbatim."""
-    import inspect
-
-    readme = BENCHMARKS.parent / "docs" / "training.md"
-    assert inspect.getsource(script("train_loop").train) in readme.read_text()
 
 
 def test_bench_train_cases_see_the_same_tokens_and_packed_layouts_agree(capsys):
