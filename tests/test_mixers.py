@@ -11,6 +11,7 @@ import re
 import numpy as np
 import pytest
 from _hf_models import model_matrix, tiny_arch, tiny_llama
+from _scripts import script
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -80,6 +81,61 @@ def test_layer_per_document_equals_layer_alone_and_differs_from_whole_row(arch):
     assert rounding < 1e-7 and control > 100 * max(rounding, 1e-9)
 
 
+@pytest.mark.parametrize("arch", ["Nemotron-H", "LFM2", "Qwen3.5"])
+def test_per_document_layers_hold_no_more_than_the_packed_row(arch, monkeypatch):
+    """The benchmark's memory figure (benchmarks/bench_mixers.py: peak bytes of live tensors over forward +
+    backward, rows of 4 and 16 documents): the prepared model holds no more than the same row on the model without
+    per-document layers.  Control: Mamba-2 and short-convolution layers not recomputed in backward hold more."""
+    import packtools.integrations.attention.mixers as mixers
+
+    bench = script("bench_mixers")
+    for count in (4, 16):
+        got = bench.measure(arch, count, repeat=1, memory=True)
+        assert got["mem per-document"] <= got["mem whole-row"]
+    if arch != "Qwen3.5":
+        monkeypatch.setattr(mixers, "RECOMPUTED", ())
+        got = bench.measure(arch, 4, repeat=1, memory=True)
+        assert got["mem per-document"] > got["mem whole-row"]
+
+
+class ToyMixer(torch.nn.Module):
+    """A layer the per-document path recomputes (its name holds "Mixer"): dropout (random) and a running sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(3, 3)
+
+    def forward(self, hidden, scale=None):
+        mixed = torch.nn.functional.dropout(self.proj(hidden), 0.5, training=True).cumsum(1)
+        return mixed if scale is None else mixed * scale
+
+
+def test_recomputed_documents_give_the_gradients_of_the_kept_ones():
+    """Recomputed in backward (forward without saving, backward runs the documents again): the same output and
+    gradients, dropout's random mask included, as the documents' calls kept for backward; a keyword tensor that
+    needs a gradient is not recomputed (its gradient would be lost), and gets it."""
+    torch.manual_seed(0)
+    layer = ToyMixer()
+    wrapper = _PerDocument("toy", layer.forward, kernel=False, module=layer)
+    assert wrapper.recompute
+    segments = {SEGMENTS_KEY: Segments(((0, 2, 5),), 5)}
+    hidden = torch.randn(1, 5, 3, requires_grad=True)
+    inputs = [hidden, *layer.parameters()]
+    torch.manual_seed(1)
+    out = wrapper(hidden, **segments)
+    assert type(out.grad_fn).__name__ == "RecomputedBackward"
+    got = torch.autograd.grad(out.square().sum(), inputs)
+    torch.manual_seed(1)
+    kept = wrapper._documents(torch, Segments(((0, 2, 5),), 5), hidden, (), {})
+    assert type(kept.grad_fn).__name__ != "RecomputedBackward" and torch.equal(out, kept)
+    want = torch.autograd.grad(kept.square().sum(), inputs)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    scale = torch.ones(1, 5, 1, requires_grad=True)
+    out = wrapper(hidden, scale=scale, **segments)
+    assert type(out.grad_fn).__name__ != "RecomputedBackward"
+    assert torch.autograd.grad(out.sum(), scale)[0].abs().sum() > 0
+
+
 def test_segments_from_positions_seq_idx_and_cu_seq_lens():
     pos = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
     assert segments_of({"position_ids": pos}) == Segments(((0, 3, 5, 6), (0, 4, 6)), 6)
@@ -100,13 +156,18 @@ def test_rows_of_several_documents_each():
     assert not report.leaks and report.grad_diff < 1e-5
 
 
-def test_gradient_checkpointing_recomputes_with_the_forwards_own_documents():
+@pytest.mark.parametrize("arch", ["Qwen3.5", "Nemotron-H"])
+def test_gradient_checkpointing_recomputes_with_the_forwards_own_documents(arch):
     """A checkpointed layer re-runs in backward after another forward (other documents) ran: the segments
-    travel with each forward's kwargs, so the gradients are those of the documents alone."""
-    model = tiny_arch("Qwen3.5", "sdpa")
+    travel with each forward's kwargs, so the gradients are those of the documents alone.  A layer the per-document
+    path recomputes itself (Mamba-2) leaves it to the checkpointed decoder layer (not run three times)."""
+    model = tiny_arch(arch, "sdpa")
     run_mixers_per_document(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
+    wrappers = [vars(dict(model.named_modules())[name])["forward"] for name in document_mixers(model).modes]
+    assert all(w._layer_recomputes() for w in wrappers)
+    assert [w.recompute for w in wrappers] == [arch == "Nemotron-H"] * len(wrappers)
     rng = np.random.default_rng(0)
     docs = [torch.as_tensor(rng.integers(3, 100, n)) for n in (6, 4, 7)]
     ids = torch.cat(docs)[None]

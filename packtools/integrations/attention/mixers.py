@@ -12,8 +12,11 @@ documents apart, and reports it (:func:`document_mixers` gives the :class:`Docum
 names the layers; it is also logged at INFO on the ``packtools`` logger):
 
 * ``per-document``: the layer runs on each document's tokens alone, state and convolution window from zero, as
-  the model runs a document alone; the outputs are concatenated (one ``cat``, whose backward only slices).  Exact
-  on any device; the cost is one layer call per document instead of one per row.
+  the model runs a document alone; each output is written into the row's (no ``cat``).  Exact on any device; the
+  cost is one layer call per document instead of one per row.  Mamba-2 and short-convolution layers
+  (:data:`RECOMPUTED`) would keep more for backward that way than over the whole row (each document's own zero
+  start state, partial chunk and convolution edge), so their documents run without keeping anything but the
+  layer's input and run again in backward, unless the decoder layer is checkpointed already.
 * ``varlen kernel``: on CUDA with the layer family's kernels installed (``causal_conv1d`` for every family, plus
   ``fla`` for DeltaNet / delta attention, ``mamba_ssm`` for Mamba-2), the layer runs once over the row with
   ``seq_idx`` (``[1, T]`` int32, the document index of each token) and ``cu_seq_lens_q`` (int32 boundaries), the
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +70,14 @@ KERNELS = (
     ("Delta", ("causal_conv1d", "fla")),
     ("ShortConv", ("causal_conv1d",)),
 )
+
+#: Layer families (by a part of the class name) whose per-document calls are recomputed in backward instead of
+#: keeping what they save: Mamba-2 (``Mamba``, ``Mixer``: its PyTorch scan keeps a state per chunk, and each
+#: document adds a zero start state and a partial chunk) and short convolutions (``ShortConv``: each document keeps
+#: its own ``kernel - 1`` edge columns of the padded convolution), which otherwise hold more for backward than the
+#: layer run over the whole row (docs/training.md, ``benchmarks/bench_mixers.py``).  The delta-rule layers hold
+#: less per document than over the row (the row pads to the scan's chunk) and keep theirs.
+RECOMPUTED = ("Mamba", "Mixer", "ShortConv")
 
 
 @dataclass(frozen=True)
@@ -125,8 +137,11 @@ class _PerDocument:
     #: What :func:`packtools.integrations.attention.backends.token_mixing_layers` reads: this layer is handled.
     keeps_documents_apart = True
 
-    def __init__(self, name: str, original: Any, kernel: bool, module: Any = None) -> None:
+    def __init__(self, name: str, original: Any, kernel: bool, module: Any = None, layer: Any = None) -> None:
         self.name, self.original, self.kernel, self.module = name, original, kernel, module
+        #: recomputed in backward (:data:`RECOMPUTED`); ``layer``: the decoder layer holding it (a weak reference)
+        self.recompute = any(part in type(module).__name__ for part in RECOMPUTED)
+        self.layer = weakref.ref(layer) if layer is not None else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         segments = kwargs.pop(SEGMENTS_KEY, None)
@@ -147,6 +162,28 @@ class _PerDocument:
             return self.original(hidden, *rest, **self._varlen(kwargs, segments.bounds[0], hidden.device))
         kwargs = {k: v for k, v in kwargs.items() if k not in _ROW_KEYS}
         torch = require("torch", "packtools per-document mixers")
+        params = [p for p in self.module.parameters() if p.requires_grad] if self.recompute else []
+        others = [v for v in (*rest, *kwargs.values()) if getattr(v, "requires_grad", False)]
+        if (
+            self.recompute
+            and (params or hidden.requires_grad)
+            and not others  # a tensor needing gradients the recomputation would not hand back: kept instead
+            and torch.is_grad_enabled()
+            and not self._layer_recomputes()
+        ):
+            run = lambda h: self._documents(torch, segments, h, rest, kwargs)  # noqa: E731
+            return _recomputed(torch).apply(run, hidden, *params)
+        return self._documents(torch, segments, hidden, rest, kwargs)
+
+    def _layer_recomputes(self) -> bool:
+        """Whether the decoder layer holding this one is checkpointed (transformers' gradient checkpointing,
+        ``GradientCheckpointingLayer``): its backward runs the layer again, so what it saves is held only then."""
+        layer = self.layer() if self.layer is not None else None
+        return bool(getattr(layer, "gradient_checkpointing", False) and getattr(layer, "training", False))
+
+    def _documents(self, torch: Any, segments: Segments, hidden: Any, rest: tuple, kwargs: dict) -> Any:
+        """The layer run on each document of each row, written into one output of the row's shape."""
+        rows, length = int(hidden.shape[0]), int(hidden.shape[1])
         out = None  # the row's output, each document written into it as it comes (_write_into)
         for row, bounds in enumerate(segments.bounds):
             for start, end in zip(bounds[:-1], bounds[1:]):
@@ -180,6 +217,51 @@ class _PerDocument:
 
 
 _WRITE: list[Any] = []
+_RECOMPUTE: list[Any] = []
+
+
+def _recomputed(torch: Any) -> Any:
+    """An autograd function running a layer's documents without keeping what they save for backward: forward
+    under ``no_grad``, holding only the layer's input; backward runs them again with the same random state and
+    autocast, and hands the gradients of the input and of the layer's parameters (its inputs, so gradients reach
+    them under ``backward()`` and ``autograd.grad`` alike) on.  What torch's ``checkpoint`` does, without its
+    bookkeeping of every saved tensor, which cost more than the recomputation itself on the benchmark's tiny models."""
+    if not _RECOMPUTE:
+
+        class Recomputed(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, run: Any, hidden: Any, *params: Any) -> Any:
+                device = hidden.device.type
+                ctx.run, ctx.params, ctx.device = run, params, device
+                ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                ctx.rng = (
+                    torch.get_rng_state(),
+                    (torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None),
+                )
+                ctx.save_for_backward(hidden)
+                with torch.no_grad():
+                    return run(hidden)
+
+            @staticmethod
+            @torch.autograd.function.once_differentiable
+            def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:
+                (hidden,) = ctx.saved_tensors
+                wants_input = ctx.needs_input_grad[1]
+                again = hidden.detach().requires_grad_(wants_input)
+                cuda = [hidden.device] if ctx.rng[1] is not None else []
+                enabled, dtype = ctx.autocast
+                with torch.random.fork_rng(devices=cuda), torch.enable_grad():
+                    torch.set_rng_state(ctx.rng[0])
+                    if cuda:
+                        torch.cuda.set_rng_state(ctx.rng[1], hidden.device)
+                    with torch.autocast(ctx.device, dtype=dtype, enabled=enabled):
+                        out = ctx.run(again)
+                wanted = ([again] if wants_input else []) + list(ctx.params)
+                got = list(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+                return (None, got.pop(0) if wants_input else None, *got)
+
+        _RECOMPUTE.append(Recomputed)
+    return _RECOMPUTE[0]
 
 
 def _write_into(torch: Any) -> Any:
@@ -223,6 +305,8 @@ class DocumentMixers:
     model: str
     modes: dict[str, str]
     masks_from_positions: bool
+    #: the per-document layers recomputed in backward (:data:`RECOMPUTED`)
+    recomputed: tuple[str, ...] = ()
 
     def summary(self) -> str:
         """One line for ``prepare_trainer``'s report: which layers run per document, which with kernels."""
@@ -231,6 +315,11 @@ class DocumentMixers:
             names = [n for n, m in self.modes.items() if m == mode]
             if names:
                 parts.append(f"{len(names)} token-mixing layer(s) {mode}: {', '.join(names)}")
+                again = [n for n in names if n in self.recomputed]
+                if mode == "per-document" and again:
+                    parts[-1] += (
+                        f" ({len(again)} of them recomputed in backward, holding no more than the row)"
+                    )
         if self.masks_from_positions:
             parts.append("attention masks built from position_ids (the model's forward builds them without)")
         return f"{self.model}: " + ("; ".join(parts) if parts else "nothing to change")
@@ -269,14 +358,16 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
         )
     owner = base if owner is None else owner
     modules = dict(base.named_modules())
-    modes = {}
+    modes, recomputed = {}, []
     for name in mixers:
         module = modules[name]
         param = next(iter(module.parameters()), None)
         kernel = kernels and _kernel_ready(module, getattr(param, "device", None))
-        wrapper = _PerDocument(name, module.forward, kernel, module)
+        wrapper = _PerDocument(name, module.forward, kernel, module, _enclosing_layer(modules, name))
         replace_mixer_forward(module, wrapper, owner=owner)
         modes[name] = "varlen kernel" if kernel else "per-document"
+        if wrapper.recompute and not kernel:
+            recomputed.append(name)
 
     def hook(
         module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -293,10 +384,20 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
         return args, kwargs
 
     forward_pre_hook(decoder, hook, owner=owner)
-    result = DocumentMixers(type(base).__name__, modes, masks)
+    result = DocumentMixers(type(base).__name__, modes, masks, tuple(recomputed))
     set_attr(base, _ATTR, result, owner=owner)
     logging.getLogger("packtools").info("packtools: %s", result.summary())
     return result
+
+
+def _enclosing_layer(modules: dict[str, Any], name: str) -> Any:
+    """The innermost module above ``name`` that transformers may checkpoint (has ``gradient_checkpointing``)."""
+    parts = name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        found = modules.get(".".join(parts[:end]))
+        if hasattr(found, "gradient_checkpointing"):
+            return found
+    return None
 
 
 def _stand_in(base: Any, kwargs: dict[str, Any], args: tuple[Any, ...]) -> Any:
