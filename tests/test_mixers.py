@@ -205,6 +205,35 @@ def test_prepare_trainer_runs_mixers_per_document_and_unprepare_restores(tmp_pat
     assert not model.model._forward_pre_hooks  # the decoder's hook is gone too
 
 
+def test_two_trainers_sharing_a_model_each_undo_only_their_own_use(tmp_path):
+    """Two trainers prepared on one model (a shared policy): unpreparing the first leaves the second's model
+    exact (the per-document layers count their users); unpreparing the last puts the layers back, and the row
+    then leaks again (the control)."""
+    datasets = pytest.importorskip("datasets")
+    from packtools import pack_dataset
+    from packtools.integrations import prepare_trainer, unprepare
+
+    model = tiny_arch("LFM2", "sdpa")
+    layers = token_mixing_layers(model)
+    rows = pack_dataset(datasets.Dataset.from_dict({"input_ids": [[5, 6, 7, 8], [9, 10, 11], [12, 13]]}), 16)
+
+    def trainer(name):
+        args = transformers.TrainingArguments(str(tmp_path / name), report_to=[], use_cpu=True, max_steps=1)
+        return transformers.Trainer(model, args, train_dataset=rows, data_collator=PaddingFreeCollator(0))
+
+    first, second = trainer("first"), trainer("second")
+    prepare_trainer(first)
+    prepare_trainer(second)
+    unprepare(first)
+    assert document_mixers(model) is not None and token_mixing_layers(model) == []
+    report = check_isolation(model, PaddingFreeCollator(0, **POSITIONS_ONLY), backward=True)
+    assert not report.leaks and report.grad_diff < 1e-5
+    second.train()
+    unprepare(second)
+    assert document_mixers(model) is None and token_mixing_layers(model) == layers
+    assert check_isolation(model, PaddingFreeCollator(0, **POSITIONS_ONLY), raise_on_leak=False).leaks
+
+
 def test_tree_and_context_parallel_still_refuse_handled_mixers():
     from packtools.integrations.attention.context_parallel import use_cp_attention
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..._optional import require
@@ -307,6 +307,9 @@ class DocumentMixers:
     masks_from_positions: bool
     #: the per-document layers recomputed in backward (:data:`RECOMPUTED`)
     recomputed: tuple[str, ...] = ()
+    #: who uses them (the ``id`` of each owner that asked, :func:`run_mixers_per_document`); the changes that
+    #: install them are recorded on this object and undone when the last user goes
+    users: set[int] = field(default_factory=set, repr=False, compare=False)
 
     def summary(self) -> str:
         """One line for ``prepare_trainer``'s report: which layers run per document, which with kernels."""
@@ -335,15 +338,18 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
     """Make the token-mixing layers of ``model`` keep packed documents apart (and, for
     :data:`POSITIONLESS_MASKS` models, its attention masks); returns what was done, or ``None`` when the model
     has nothing to change.  Recorded on ``owner`` (default: the model): ``packtools.integrations.unprepare``
-    undoes it.  Calling it again on a prepared model returns the first result.  ``kernels=False`` keeps every
-    layer on the per-document path even where the varlen kernels are installed (``benchmarks/gpu_check.py``
-    compares the two).
+    undoes it.  Calling it again on a prepared model returns the first result and counts
+    the new owner as one more user: trainers sharing a model (a policy, a reference model) each undo only their own
+    use, and the layers go back when the last one is unprepared.  ``kernels=False`` keeps every layer on the
+    per-document path even where the varlen kernels are installed (``benchmarks/gpu_check.py`` compares the two).
     """
     from ...compat import set_attr
 
     base = base_model(model)
+    owner = base if owner is None else owner
     done = document_mixers(base)
     if done is not None:
+        _use(done, owner)
         return done
     mixers = token_mixing_layers(base, include_handled=True)
     model_type = getattr(getattr(base, "config", None), "model_type", None)
@@ -356,7 +362,7 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
             f"{type(base).__name__} has token-mixing layers {mixers[:3]} but no decoder module (get_decoder()) "
             f"whose forward packtools can read the documents from. Do not pack for this model."
         )
-    owner = base if owner is None else owner
+    result = DocumentMixers(type(base).__name__, {}, masks)  # what the changes are recorded on (_use)
     modules = dict(base.named_modules())
     modes, recomputed = {}, []
     for name in mixers:
@@ -364,7 +370,7 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
         param = next(iter(module.parameters()), None)
         kernel = kernels and _kernel_ready(module, getattr(param, "device", None))
         wrapper = _PerDocument(name, module.forward, kernel, module, _enclosing_layer(modules, name))
-        replace_mixer_forward(module, wrapper, owner=owner)
+        replace_mixer_forward(module, wrapper, owner=result)
         modes[name] = "varlen kernel" if kernel else "per-document"
         if wrapper.recompute and not kernel:
             recomputed.append(name)
@@ -383,11 +389,29 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
             )
         return args, kwargs
 
-    forward_pre_hook(decoder, hook, owner=owner)
-    result = DocumentMixers(type(base).__name__, modes, masks, tuple(recomputed))
-    set_attr(base, _ATTR, result, owner=owner)
+    forward_pre_hook(decoder, hook, owner=result)
+    result.modes, result.recomputed = modes, tuple(recomputed)
+    set_attr(base, _ATTR, result, owner=result)
+    _use(result, owner)
     logging.getLogger("packtools").info("packtools: %s", result.summary())
     return result
+
+
+def _use(done: DocumentMixers, owner: Any) -> None:
+    """Count ``owner`` as a user of the model's per-document layers (once); undoing its changes
+    (``packtools.integrations.unprepare``) takes it off, and the last user's undo takes the layers off."""
+    from ...compat import record, undo
+
+    if id(owner) in done.users:
+        return
+    done.users.add(id(owner))
+
+    def release() -> None:
+        done.users.discard(id(owner))
+        if not done.users:
+            undo(done)
+
+    record(owner, f"{done.model} per-document token-mixing layers (a user)", release)
 
 
 def _enclosing_layer(modules: dict[str, Any], name: str) -> Any:
