@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 import pytest
-from _hf_models import model_matrix, tiny_arch, tiny_llama
+from _hf_models import model_matrix, tiny_arch, tiny_llama, word_tokenizer
 from _scripts import script
 
 torch = pytest.importorskip("torch")
@@ -460,22 +460,11 @@ def test_kto_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch, im
     loss and gradients equal TRL's padded ones; without it the CPU fallback refuses the padding-free row."""
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
-    import tokenizers
 
     from packtools.integrations import unprepare
     from packtools.integrations.preference.kto import prepare_kto_trainer
 
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, 12)}}
-    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
-    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=words, pad_token="<pad>", eos_token="<eos>"
-    )
-    rng = np.random.default_rng(0)
-
-    def text(k):
-        return " ".join(f"w{t}" for t in rng.integers(2, 12, k))
-
+    tokenizer, text = word_tokenizer(), few_words(0)
     rows = [
         {"prompt": text(1 + i % 5), "completion": " " + text(2 + 3 * i % 7), "label": i % 3 != 1}
         for i in range(8)
@@ -520,24 +509,13 @@ def test_reward_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch,
     micro-batch's loss and gradients equal TRL's padded ones; without it the CPU fallback refuses the row."""
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
-    import tokenizers
 
     from packtools.integrations import unprepare
     from packtools.integrations.preference.reward import prepare_reward_trainer
 
     config = tiny_arch(arch, impl).config
     config.num_labels, config.pad_token_id = 1, 0
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, 12)}}
-    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
-    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=words, pad_token="<pad>", eos_token="<eos>"
-    )
-    rng = np.random.default_rng(0)
-
-    def text(k):
-        return " ".join(f"w{t}" for t in rng.integers(2, 12, k))
-
+    tokenizer, text = word_tokenizer(), few_words(0)
     pairs = [{"chosen": text(2 + i % 5), "rejected": text(3 + 2 * i % 7)} for i in range(8)]
 
     def build():
@@ -564,6 +542,12 @@ def test_reward_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch,
     assert max(float((want_grads[k] - got_grads[k]).abs().max()) for k in want_grads) < 1e-5
     unprepare(prepared)
     assert token_mixing_layers(prepared.model) == layers and document_mixers(prepared.model) is None
+
+
+def few_words(seed):
+    """``text(k)``: k random words of ``w2`` .. ``w11`` (tokens 2..11 of ``word_tokenizer``), as text."""
+    rng = np.random.default_rng(seed)
+    return lambda k: " ".join(f"w{t}" for t in rng.integers(2, 12, k))
 
 
 def loss_and_grads(trainer, batch):
