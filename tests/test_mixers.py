@@ -461,7 +461,6 @@ def test_kto_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch, im
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
 
-    from packtools.integrations import unprepare
     from packtools.integrations.preference.kto import prepare_kto_trainer
 
     tokenizer, text = word_tokenizer(), few_words(0)
@@ -484,17 +483,7 @@ def test_kto_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch, im
             processing_class=tokenizer,
         )
 
-    padded, prepared = build(), build()
-    layers = token_mixing_layers(prepared.model)
-    prepare_kto_trainer(prepared)  # the isolation probe runs, and passes
-    assert document_mixers(prepared.model) is not None and document_mixers(prepared.ref_model) is not None
-    batch = padded.data_collator([padded.train_dataset[i] for i in range(4)])
-    assert int(batch["attention_mask"].sum()) < batch["attention_mask"].numel()  # TRL padded this batch
-    (want, want_grads), (got, got_grads) = loss_and_grads(padded, batch), loss_and_grads(prepared, batch)
-    assert abs(want - got) < 1e-5 * max(1.0, abs(want)) and want_grads.keys() == got_grads.keys()
-    assert max(float((want_grads[k] - got_grads[k]).abs().max()) for k in want_grads) < 1e-5
-    unprepare(prepared)
-    assert token_mixing_layers(prepared.model) == layers and document_mixers(prepared.model) is None
+    prepared_equals_padded(build(), build(), prepare_kto_trainer, models=("model", "ref_model"))
 
 
 @pytest.mark.parametrize(
@@ -510,7 +499,6 @@ def test_reward_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch,
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
 
-    from packtools.integrations import unprepare
     from packtools.integrations.preference.reward import prepare_reward_trainer
 
     config = tiny_arch(arch, impl).config
@@ -531,10 +519,24 @@ def test_reward_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch,
             processing_class=tokenizer,
         )
 
-    padded, prepared = build(), build()
+    prepared_equals_padded(build(), build(), prepare_reward_trainer)
+
+
+def few_words(seed):
+    """``text(k)``: k random words of ``w2`` .. ``w11`` (tokens 2..11 of ``word_tokenizer``), as text."""
+    rng = np.random.default_rng(seed)
+    return lambda k: " ".join(f"w{t}" for t in rng.integers(2, 12, k))
+
+
+def prepared_equals_padded(padded, prepared, prepare, models=("model",)):
+    """``prepare(prepared)`` (its isolation probe runs, and passes) runs the token-mixing layers of the trainer's
+    ``models`` per document; one of TRL's padded micro-batches gives the same loss and gradients through both
+    trainers; ``unprepare`` gives the layers back."""
+    from packtools.integrations import unprepare
+
     layers = token_mixing_layers(prepared.model)
-    prepare_reward_trainer(prepared)  # the isolation probe runs, and passes
-    assert document_mixers(prepared.model) is not None
+    prepare(prepared)
+    assert all(document_mixers(getattr(prepared, name)) is not None for name in models)
     batch = padded.data_collator([padded.train_dataset[i] for i in range(4)])
     assert int(batch["attention_mask"].sum()) < batch["attention_mask"].numel()  # TRL padded this batch
     (want, want_grads), (got, got_grads) = loss_and_grads(padded, batch), loss_and_grads(prepared, batch)
@@ -542,12 +544,6 @@ def test_reward_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch,
     assert max(float((want_grads[k] - got_grads[k]).abs().max()) for k in want_grads) < 1e-5
     unprepare(prepared)
     assert token_mixing_layers(prepared.model) == layers and document_mixers(prepared.model) is None
-
-
-def few_words(seed):
-    """``text(k)``: k random words of ``w2`` .. ``w11`` (tokens 2..11 of ``word_tokenizer``), as text."""
-    rng = np.random.default_rng(seed)
-    return lambda k: " ".join(f"w{t}" for t in rng.integers(2, 12, k))
 
 
 def loss_and_grads(trainer, batch):
