@@ -5,8 +5,9 @@
 * ``torch._C._current_graph_task_id`` (:func:`in_backward`): whether autograd is running a backward pass (a
   checkpointed forward recomputed there), the guard of prompt-shared DPO's tree attention against counting a
   recomputation as a forward (no public API says so).
-* ``Module.register_forward_pre_hook(hook, with_kwargs=True)`` (:func:`forward_pre_hook`, public): the guard's
-  hook, recorded on its owner so that :func:`~packtools.compat.unprepare` removes it again
+* ``Module.register_forward_pre_hook(hook, with_kwargs=True)`` (:func:`forward_pre_hook`, public) and
+  ``register_forward_hook(hook, always_call=True)`` (:func:`forward_hook`, public): the guard's and the
+  per-document mixers' hooks, recorded on their owner so that :func:`~packtools.compat.unprepare` removes it again
   (a model's own ``forward`` is never rebound here; token-mixing layers' are, in
   :func:`~packtools.compat.transformers.replace_mixer_forward`).
 
@@ -58,6 +59,19 @@ def forward_pre_hook(module: Any, hook: Callable[..., Any], *, owner: Any) -> An
         )
     handle = register(hook, with_kwargs=True)
     record(owner, f"{type(module).__name__} forward pre-hook", handle.remove)
+    return handle
+
+
+def forward_hook(module: Any, hook: Callable[..., Any], *, owner: Any) -> Any:
+    """Register ``hook(module, args, output)`` after ``module``'s forward, called even when the forward raises
+    (``always_call=True``); returns the handle.  Recorded on ``owner``: undoing it removes the hook."""
+    register = getattr(module, "register_forward_hook", None)
+    if not callable(register) or "always_call" not in inspect.signature(register).parameters:
+        raise unknown_shape(
+            "torch", CHECKED, f"{type(module).__name__}.register_forward_hook takes no always_call", _FIX
+        )
+    handle = register(hook, always_call=True)
+    record(owner, f"{type(module).__name__} forward hook", handle.remove)
     return handle
 
 

@@ -142,9 +142,13 @@ class _PerDocument:
         #: recomputed in backward (:data:`RECOMPUTED`); ``layer``: the decoder layer holding it (a weak reference)
         self.recompute = any(part in type(module).__name__ for part in RECOMPUTED)
         self.layer = weakref.ref(layer) if layer is not None else None
+        #: the documents of the call of ``layer`` running now, set around it by :func:`_layer_hooks`
+        self.from_layer: Segments | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         segments = kwargs.pop(SEGMENTS_KEY, None)
+        if segments is None:  # a decoder layer that does not hand its keyword arguments on (_layer_hooks)
+            segments = self.from_layer
         if segments is None:  # every row is one document (segments_of): the row's boundaries say nothing more
             if not self.kernel:
                 kwargs = {k: v for k, v in kwargs.items() if k not in _ROW_KEYS}
@@ -343,7 +347,7 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
     use, and the layers go back when the last one is unprepared.  ``kernels=False`` keeps every layer on the
     per-document path even where the varlen kernels are installed (``benchmarks/gpu_check.py`` compares the two).
     """
-    from ...compat import set_attr
+    from ...compat import set_attr, undo
 
     base = base_model(model)
     owner = base if owner is None else owner
@@ -362,36 +366,43 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
             f"{type(base).__name__} has token-mixing layers {mixers[:3]} but no decoder module (get_decoder()) "
             f"whose forward packtools can read the documents from. Do not pack for this model."
         )
-    result = DocumentMixers(type(base).__name__, {}, masks)  # what the changes are recorded on (_use)
-    modules = dict(base.named_modules())
-    modes, recomputed = {}, []
-    for name in mixers:
-        module = modules[name]
-        param = next(iter(module.parameters()), None)
-        kernel = kernels and _kernel_ready(module, getattr(param, "device", None))
-        wrapper = _PerDocument(name, module.forward, kernel, module, _enclosing_layer(modules, name))
-        replace_mixer_forward(module, wrapper, owner=result)
-        modes[name] = "varlen kernel" if kernel else "per-document"
-        if wrapper.recompute and not kernel:
-            recomputed.append(name)
 
     def hook(
         module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         segments = segments_of(kwargs)
+        if mixers:  # None too: the layers then know the row has no documents to split (_layer_hooks)
+            kwargs[SEGMENTS_KEY] = segments
         if segments is None:
             return args, kwargs
-        if mixers:
-            kwargs[SEGMENTS_KEY] = segments
         if masks and kwargs.get("attention_mask") is None and kwargs.get("position_ids") is not None:
             kwargs["attention_mask"] = packed_position_masks(
                 base, _stand_in(base, kwargs, args), kwargs["position_ids"]
             )
         return args, kwargs
 
-    forward_pre_hook(decoder, hook, owner=result)
-    result.modes, result.recomputed = modes, tuple(recomputed)
-    set_attr(base, _ATTR, result, owner=result)
+    result = DocumentMixers(type(base).__name__, {}, masks)  # what the changes are recorded on (_use)
+    try:
+        modules = dict(base.named_modules())
+        modes, recomputed = {}, []
+        for name in mixers:
+            module = modules[name]
+            param = next(iter(module.parameters()), None)
+            kernel = kernels and _kernel_ready(module, getattr(param, "device", None))
+            wrapper = _PerDocument(name, module.forward, kernel, module, _enclosing_layer(modules, name))
+            replace_mixer_forward(module, wrapper, owner=result)
+            if wrapper.layer is not None:
+                _layer_hooks(wrapper, owner=result)
+            modes[name] = "varlen kernel" if kernel else "per-document"
+            if wrapper.recompute and not kernel:
+                recomputed.append(name)
+
+        forward_pre_hook(decoder, hook, owner=result)
+        result.modes, result.recomputed = modes, tuple(recomputed)
+        set_attr(base, _ATTR, result, owner=result)
+    except BaseException:
+        undo(result)  # a layer refused midway: the ones changed before it go back
+        raise
     _use(result, owner)
     logging.getLogger("packtools").info("packtools: %s", result.summary())
     return result
@@ -412,6 +423,24 @@ def _use(done: DocumentMixers, owner: Any) -> None:
             undo(done)
 
     record(owner, f"{done.model} per-document token-mixing layers (a user)", release)
+
+
+def _layer_hooks(wrapper: _PerDocument, *, owner: Any) -> None:
+    """Hand the documents to ``wrapper`` from its decoder layer's call, for layers that call their token-mixing
+    layer with fixed arguments instead of handing their keyword arguments on (transformers 5.15's Nemotron-H,
+    Falcon-H1 and LFM2 blocks): the layer's :data:`SEGMENTS_KEY`, or, where its decoder does not hand that on
+    either (5.15's Falcon-H1), the documents of its own ``position_ids``.  Set before each call of the layer
+    (a checkpointed layer's recomputation included, with the arguments it saved) and cleared after it."""
+    from ...compat.torch import forward_hook
+
+    def take(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        wrapper.from_layer = kwargs[SEGMENTS_KEY] if SEGMENTS_KEY in kwargs else segments_of(kwargs)
+
+    def drop(module: Any, args: tuple[Any, ...], output: Any) -> None:
+        wrapper.from_layer = None
+
+    forward_pre_hook(wrapper.layer(), take, owner=owner)
+    forward_hook(wrapper.layer(), drop, owner=owner)
 
 
 def _enclosing_layer(modules: dict[str, Any], name: str) -> Any:
