@@ -52,26 +52,26 @@ def forward_pre_hook(module: Any, hook: Callable[..., Any], *, owner: Any) -> An
 
     Recorded on ``owner``: undoing it removes the hook.
     """
-    register = getattr(module, "register_forward_pre_hook", None)
-    if not callable(register) or "with_kwargs" not in inspect.signature(register).parameters:
-        raise unknown_shape(
-            "torch", CHECKED, f"{type(module).__name__}.register_forward_pre_hook takes no with_kwargs", _FIX
-        )
-    handle = register(hook, with_kwargs=True)
-    record(owner, f"{type(module).__name__} forward pre-hook", handle.remove)
-    return handle
+    return _register(
+        module, "register_forward_pre_hook", "with_kwargs", hook, "forward pre-hook", owner=owner
+    )
 
 
 def forward_hook(module: Any, hook: Callable[..., Any], *, owner: Any) -> Any:
     """Register ``hook(module, args, output)`` after ``module``'s forward, called even when the forward raises
     (``always_call=True``); returns the handle.  Recorded on ``owner``: undoing it removes the hook."""
-    register = getattr(module, "register_forward_hook", None)
-    if not callable(register) or "always_call" not in inspect.signature(register).parameters:
-        raise unknown_shape(
-            "torch", CHECKED, f"{type(module).__name__}.register_forward_hook takes no always_call", _FIX
-        )
-    handle = register(hook, always_call=True)
-    record(owner, f"{type(module).__name__} forward hook", handle.remove)
+    return _register(module, "register_forward_hook", "always_call", hook, "forward hook", owner=owner)
+
+
+def _register(
+    module: Any, method: str, option: str, hook: Callable[..., Any], what: str, *, owner: Any
+) -> Any:
+    """``module.<method>(hook, <option>=True)``, refused where that method takes no such option."""
+    register = getattr(module, method, None)
+    if not callable(register) or option not in inspect.signature(register).parameters:
+        raise unknown_shape("torch", CHECKED, f"{type(module).__name__}.{method} takes no {option}", _FIX)
+    handle = register(hook, **{option: True})
+    record(owner, f"{type(module).__name__} {what}", handle.remove)
     return handle
 
 
