@@ -25,23 +25,25 @@ row's size that the row does not).
 Measured (2 shared cores, torch 2.13, transformers 5.25; ``python benchmarks/bench_mixers.py``)::
 
     | model      | documents | tokens | per-document s | one-by-one s | ratio | peak MiB per-document | whole-row    |
-    | Qwen3.5    | 4         | 128    | 0.0171         | 0.0282       | 0.61x | 1.70                  | 2.06 (0.82x) |
-    | Qwen3.5    | 16        | 481    | 0.0662         | 0.1215       | 0.54x | 6.74                  | 8.07 (0.83x) |
-    | Qwen3.5    | 64        | 1742   | 0.3244         | 0.5378       | 0.60x | 32.45                 | 37.19 (0.87x)|
-    | Nemotron-H | 4         | 128    | 0.0226         | 0.0248       | 0.91x | 0.90                  | 1.28 (0.70x) |
-    | Nemotron-H | 16        | 481    | 0.1070         | 0.1093       | 0.98x | 3.06                  | 5.33 (0.57x) |
-    | Nemotron-H | 64        | 1742   | 0.4337         | 0.3758       | 1.15x | 18.81                 | 28.23 (0.67x)|
-    | LFM2       | 4         | 128    | 0.0167         | 0.0194       | 0.86x | 0.94                  | 1.05 (0.90x) |
-    | LFM2       | 16        | 481    | 0.0356         | 0.0559       | 0.64x | 3.98                  | 4.35 (0.92x) |
-    | LFM2       | 64        | 1742   | 0.1895         | 0.2773       | 0.68x | 22.82                 | 24.11 (0.95x)|
+    | Qwen3.5    | 4         | 128    | 0.0149         | 0.0257       | 0.58x | 1.70                  | 2.06 (0.82x) |
+    | Qwen3.5    | 16        | 481    | 0.0476         | 0.0844       | 0.56x | 6.74                  | 8.07 (0.83x) |
+    | Qwen3.5    | 64        | 1742   | 0.2784         | 0.4162       | 0.67x | 32.45                 | 37.19 (0.87x)|
+    | Nemotron-H | 4         | 128    | 0.0213         | 0.0227       | 0.94x | 0.90                  | 1.28 (0.70x) |
+    | Nemotron-H | 16        | 481    | 0.0824         | 0.0862       | 0.96x | 3.06                  | 5.33 (0.57x) |
+    | Nemotron-H | 64        | 1742   | 0.3541         | 0.2919       | 1.21x | 18.81                 | 28.23 (0.67x)|
+    | LFM2       | 4         | 128    | 0.0083         | 0.0136       | 0.61x | 0.94                  | 1.05 (0.90x) |
+    | LFM2       | 16        | 481    | 0.0272         | 0.0519       | 0.52x | 3.98                  | 4.35 (0.92x) |
+    | LFM2       | 64        | 1742   | 0.1863         | 0.2027       | 0.92x | 22.82                 | 24.11 (0.95x)|
 
+Two runs of this code (load 6 on the 2 cores) gave time ratios 0.54-0.67x (Qwen3.5), 0.91-1.21x (Nemotron-H) and
+0.52-0.92x (LFM2); the memory figures are the same in every run.
 Memory: each document's chunked scan runs at its own chunk size (``compat.transformers.document_scan``: the
 PyTorch scans pad every call to a multiple of their chunk, 64 for gated DeltaNet), and each document's output is
 written into the row's buffer as it comes (``mixers._write_into``, no ``cat``), so Qwen3.5 holds less than the
 whole row.  Mamba-2 and short convolutions kept, per document, a zero start state, a partial chunk and the
 convolution's edge for backward: 0.99-1.02x (Nemotron-H) and 1.00x (LFM2) the whole row before their documents
 were recomputed in backward (``mixers.RECOMPUTED``), which costs one more forward of those layers (Nemotron-H
-0.71-0.95x the one-by-one time before, 0.91-1.15x after, in the same session).
+0.71-0.95x the one-by-one time before, 0.91-1.21x after, in the same session).
 """
 
 from __future__ import annotations
