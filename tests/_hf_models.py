@@ -279,15 +279,3 @@ def loss_metrics_grads(trainer, batch):
     loss.backward()
     grads = {k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None}
     return loss.item(), {k: v[-1] for k, v in trainer._metrics["train"].items()}, grads
-
-
-def needs_mixer_transformers() -> None:
-    """Skip where transformers is older than the version the per-document token-mixing layers were checked on
-    (5.25, docs/models.md): on 5.15 (the lowest-versions job) Falcon-H1's and Nemotron-H's layers take other
-    arguments, the per-document path does not engage, and the isolation probe refuses those models by name."""
-    import transformers
-
-    from packtools.compat import release
-
-    if release(transformers.__version__) < (5, 25, 0):
-        pytest.skip(f"per-document mixers checked on transformers 5.25, not {transformers.__version__}")

@@ -350,9 +350,6 @@ def test_old_transformers_without_position_masks_needs_flash(monkeypatch):
 def test_prepare_trainer_runs_the_isolation_probe(tmp_path, monkeypatch):
     """A model whose packed sequences leak is refused before training starts: a hybrid with its token-mixing
     layers left over the whole row (packtools' per-document layers switched off here); with them it is exact."""
-    from _hf_models import needs_mixer_transformers
-
-    needs_mixer_transformers()
     from _hf_models import tiny_arch
 
     import packtools.integrations.trainers.transformers as prepare_module

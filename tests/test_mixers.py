@@ -10,7 +10,8 @@ import re
 
 import numpy as np
 import pytest
-from _hf_models import model_matrix, tiny_arch, tiny_llama
+from _hf_models import model_matrix, tiny_arch, tiny_llama, word_tokenizer
+from _scripts import script
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -80,6 +81,65 @@ def test_layer_per_document_equals_layer_alone_and_differs_from_whole_row(arch):
     assert rounding < 1e-7 and control > 100 * max(rounding, 1e-9)
 
 
+@pytest.mark.parametrize("arch", ["Nemotron-H", "LFM2", "Qwen3.5"])
+def test_per_document_layers_hold_no_more_than_the_packed_row(arch, monkeypatch):
+    """The benchmark's memory figure (benchmarks/bench_mixers.py: peak bytes of live tensors over forward +
+    backward, rows of 4 and 16 documents): the prepared model holds no more than the same row on the model without
+    per-document layers; the control (below) keeps what the recomputed layers save instead."""
+    import packtools.integrations.attention.mixers as mixers
+
+    bench = script("bench_mixers")
+    for count in (4, 16):
+        got = bench.measure(arch, count, repeat=1, memory=True)
+        assert got["mem per-document"] <= got["mem whole-row"]
+    from packtools.compat import release
+
+    # the control: the per-document calls kept for backward hold more than the row, for short convolutions, and
+    # for Mamba-2 with transformers 5.25's scan (5.15's holds more over the whole row than per document)
+    if arch == "LFM2" or (arch == "Nemotron-H" and release(transformers.__version__) >= (5, 25, 0)):
+        monkeypatch.setattr(mixers, "RECOMPUTED", ())
+        got = bench.measure(arch, 4, repeat=1, memory=True)
+        assert got["mem per-document"] > got["mem whole-row"]
+
+
+class ToyMixer(torch.nn.Module):
+    """A layer the per-document path recomputes (its name holds "Mixer"): dropout (random) and a running sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(3, 3)
+
+    def forward(self, hidden, scale=None):
+        mixed = torch.nn.functional.dropout(self.proj(hidden), 0.5, training=True).cumsum(1)
+        return mixed if scale is None else mixed * scale
+
+
+def test_recomputed_documents_give_the_gradients_of_the_kept_ones():
+    """Recomputed in backward (forward without saving, backward runs the documents again): the same output and
+    gradients, dropout's random mask included, as the documents' calls kept for backward; a keyword tensor that
+    needs a gradient is not recomputed (its gradient would be lost), and gets it."""
+    torch.manual_seed(0)
+    layer = ToyMixer()
+    wrapper = _PerDocument("toy", layer.forward, kernel=False, module=layer)
+    assert wrapper.recompute
+    segments = {SEGMENTS_KEY: Segments(((0, 2, 5),), 5)}
+    hidden = torch.randn(1, 5, 3, requires_grad=True)
+    inputs = [hidden, *layer.parameters()]
+    torch.manual_seed(1)
+    out = wrapper(hidden, **segments)
+    assert type(out.grad_fn).__name__ == "RecomputedBackward"
+    got = torch.autograd.grad(out.square().sum(), inputs)
+    torch.manual_seed(1)
+    kept = wrapper._documents(torch, Segments(((0, 2, 5),), 5), hidden, (), {})
+    assert type(kept.grad_fn).__name__ != "RecomputedBackward" and torch.equal(out, kept)
+    want = torch.autograd.grad(kept.square().sum(), inputs)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    scale = torch.ones(1, 5, 1, requires_grad=True)
+    out = wrapper(hidden, scale=scale, **segments)
+    assert type(out.grad_fn).__name__ != "RecomputedBackward"
+    assert torch.autograd.grad(out.sum(), scale)[0].abs().sum() > 0
+
+
 def test_segments_from_positions_seq_idx_and_cu_seq_lens():
     pos = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
     assert segments_of({"position_ids": pos}) == Segments(((0, 3, 5, 6), (0, 4, 6)), 6)
@@ -100,13 +160,18 @@ def test_rows_of_several_documents_each():
     assert not report.leaks and report.grad_diff < 1e-5
 
 
-def test_gradient_checkpointing_recomputes_with_the_forwards_own_documents():
+@pytest.mark.parametrize("arch", ["Qwen3.5", "Nemotron-H"])
+def test_gradient_checkpointing_recomputes_with_the_forwards_own_documents(arch):
     """A checkpointed layer re-runs in backward after another forward (other documents) ran: the segments
-    travel with each forward's kwargs, so the gradients are those of the documents alone."""
-    model = tiny_arch("Qwen3.5", "sdpa")
+    travel with each forward's kwargs, so the gradients are those of the documents alone.  A layer the per-document
+    path recomputes itself (Mamba-2) leaves it to the checkpointed decoder layer (not run three times)."""
+    model = tiny_arch(arch, "sdpa")
     run_mixers_per_document(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
+    wrappers = [vars(dict(model.named_modules())[name])["forward"] for name in document_mixers(model).modes]
+    assert all(w._layer_recomputes() for w in wrappers)
+    assert [w.recompute for w in wrappers] == [arch == "Nemotron-H"] * len(wrappers)
     rng = np.random.default_rng(0)
     docs = [torch.as_tensor(rng.integers(3, 100, n)) for n in (6, 4, 7)]
     ids = torch.cat(docs)[None]
@@ -142,6 +207,63 @@ def test_prepare_trainer_runs_mixers_per_document_and_unprepare_restores(tmp_pat
     unprepare(trainer)
     assert "forward" not in vars(layer) and token_mixing_layers(model) == [name]
     assert not model.model._forward_pre_hooks  # the decoder's hook is gone too
+
+
+@pytest.mark.parametrize("arch", ["Nemotron-H", "Falcon-H1"])
+def test_documents_reach_a_mixer_its_layer_calls_with_fixed_arguments(arch, monkeypatch):
+    """transformers 5.15's Nemotron-H and Falcon-H1 layers call their Mamba-2 layer without handing their keyword
+    arguments on (Falcon-H1's decoder does not hand them to its layers either): the documents reach it from its
+    decoder layer's call (its keyword arguments, or its position_ids).  Simulated here by a mixer that drops the
+    keyword; the control drops what its layer handed over too, and leaks."""
+    model = tiny_arch(arch, "sdpa")
+    run_mixers_per_document(model)
+    name = token_mixing_layers(model, include_handled=True)[0]
+    mixer = dict(model.named_modules())[name]
+    wrapper = vars(mixer)["forward"]
+
+    def fixed_arguments(hidden_states, **kwargs):
+        kwargs.pop(SEGMENTS_KEY, None)
+        return wrapper(hidden_states, **kwargs)
+
+    monkeypatch.setattr(mixer, "forward", fixed_arguments)
+    report = check_isolation(model, PaddingFreeCollator(0, **POSITIONS_ONLY), backward=True)
+    assert not report.leaks and report.grad_diff < 1e-5
+
+    def nothing_handed_over(hidden_states, **kwargs):
+        wrapper.from_layer = None
+        return fixed_arguments(hidden_states, **kwargs)
+
+    monkeypatch.setattr(mixer, "forward", nothing_handed_over)
+    assert check_isolation(model, PaddingFreeCollator(0, **POSITIONS_ONLY), raise_on_leak=False).leaks
+
+
+def test_two_trainers_sharing_a_model_each_undo_only_their_own_use(tmp_path):
+    """Two trainers prepared on one model (a shared policy): unpreparing the first leaves the second's model
+    exact (the per-document layers count their users); unpreparing the last puts the layers back, and the row
+    then leaks again (the control)."""
+    datasets = pytest.importorskip("datasets")
+    from packtools import pack_dataset
+    from packtools.integrations import prepare_trainer, unprepare
+
+    model = tiny_arch("LFM2", "sdpa")
+    layers = token_mixing_layers(model)
+    rows = pack_dataset(datasets.Dataset.from_dict({"input_ids": [[5, 6, 7, 8], [9, 10, 11], [12, 13]]}), 16)
+
+    def trainer(name):
+        args = transformers.TrainingArguments(str(tmp_path / name), report_to=[], use_cpu=True, max_steps=1)
+        return transformers.Trainer(model, args, train_dataset=rows, data_collator=PaddingFreeCollator(0))
+
+    first, second = trainer("first"), trainer("second")
+    prepare_trainer(first)
+    prepare_trainer(second)
+    unprepare(first)
+    assert document_mixers(model) is not None and token_mixing_layers(model) == []
+    report = check_isolation(model, PaddingFreeCollator(0, **POSITIONS_ONLY), backward=True)
+    assert not report.leaks and report.grad_diff < 1e-5
+    second.train()
+    unprepare(second)
+    assert document_mixers(model) is None and token_mixing_layers(model) == layers
+    assert check_isolation(model, PaddingFreeCollator(0, **POSITIONS_ONLY), raise_on_leak=False).leaks
 
 
 def test_tree_and_context_parallel_still_refuse_handled_mixers():
@@ -370,22 +492,10 @@ def test_kto_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch, im
     loss and gradients equal TRL's padded ones; without it the CPU fallback refuses the padding-free row."""
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
-    import tokenizers
 
-    from packtools.integrations import unprepare
     from packtools.integrations.preference.kto import prepare_kto_trainer
 
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, 12)}}
-    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
-    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=words, pad_token="<pad>", eos_token="<eos>"
-    )
-    rng = np.random.default_rng(0)
-
-    def text(k):
-        return " ".join(f"w{t}" for t in rng.integers(2, 12, k))
-
+    tokenizer, text = word_tokenizer(), few_words(0)
     rows = [
         {"prompt": text(1 + i % 5), "completion": " " + text(2 + 3 * i % 7), "label": i % 3 != 1}
         for i in range(8)
@@ -405,17 +515,7 @@ def test_kto_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch, im
             processing_class=tokenizer,
         )
 
-    padded, prepared = build(), build()
-    layers = token_mixing_layers(prepared.model)
-    prepare_kto_trainer(prepared)  # the isolation probe runs, and passes
-    assert document_mixers(prepared.model) is not None and document_mixers(prepared.ref_model) is not None
-    batch = padded.data_collator([padded.train_dataset[i] for i in range(4)])
-    assert int(batch["attention_mask"].sum()) < batch["attention_mask"].numel()  # TRL padded this batch
-    (want, want_grads), (got, got_grads) = loss_and_grads(padded, batch), loss_and_grads(prepared, batch)
-    assert abs(want - got) < 1e-5 * max(1.0, abs(want)) and want_grads.keys() == got_grads.keys()
-    assert max(float((want_grads[k] - got_grads[k]).abs().max()) for k in want_grads) < 1e-5
-    unprepare(prepared)
-    assert token_mixing_layers(prepared.model) == layers and document_mixers(prepared.model) is None
+    prepared_equals_padded(build(), build(), prepare_kto_trainer, models=("model", "ref_model"))
 
 
 @pytest.mark.parametrize(
@@ -430,24 +530,12 @@ def test_reward_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch,
     micro-batch's loss and gradients equal TRL's padded ones; without it the CPU fallback refuses the row."""
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
-    import tokenizers
 
-    from packtools.integrations import unprepare
     from packtools.integrations.preference.reward import prepare_reward_trainer
 
     config = tiny_arch(arch, impl).config
     config.num_labels, config.pad_token_id = 1, 0
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, 12)}}
-    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
-    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=words, pad_token="<pad>", eos_token="<eos>"
-    )
-    rng = np.random.default_rng(0)
-
-    def text(k):
-        return " ".join(f"w{t}" for t in rng.integers(2, 12, k))
-
+    tokenizer, text = word_tokenizer(), few_words(0)
     pairs = [{"chosen": text(2 + i % 5), "rejected": text(3 + 2 * i % 7)} for i in range(8)]
 
     def build():
@@ -463,10 +551,24 @@ def test_reward_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch,
             processing_class=tokenizer,
         )
 
-    padded, prepared = build(), build()
+    prepared_equals_padded(build(), build(), prepare_reward_trainer)
+
+
+def few_words(seed):
+    """``text(k)``: k random words of ``w2`` .. ``w11`` (tokens 2..11 of ``word_tokenizer``), as text."""
+    rng = np.random.default_rng(seed)
+    return lambda k: " ".join(f"w{t}" for t in rng.integers(2, 12, k))
+
+
+def prepared_equals_padded(padded, prepared, prepare, models=("model",)):
+    """``prepare(prepared)`` (its isolation probe runs, and passes) runs the token-mixing layers of the trainer's
+    ``models`` per document; one of TRL's padded micro-batches gives the same loss and gradients through both
+    trainers; ``unprepare`` gives the layers back."""
+    from packtools.integrations import unprepare
+
     layers = token_mixing_layers(prepared.model)
-    prepare_reward_trainer(prepared)  # the isolation probe runs, and passes
-    assert document_mixers(prepared.model) is not None
+    prepare(prepared)
+    assert all(document_mixers(getattr(prepared, name)) is not None for name in models)
     batch = padded.data_collator([padded.train_dataset[i] for i in range(4)])
     assert int(batch["attention_mask"].sum()) < batch["attention_mask"].numel()  # TRL padded this batch
     (want, want_grads), (got, got_grads) = loss_and_grads(padded, batch), loss_and_grads(prepared, batch)

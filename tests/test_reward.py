@@ -9,6 +9,7 @@ differ from TRL (and the second is what the isolation probe refuses).
 """
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -355,6 +356,52 @@ def test_evaluate_equals_trl(tmp_path):
         if k not in timing and abs(want[k] - got[k]) > TOL * max(1, abs(want[k]))
     }
     assert not bad, bad
+
+
+def stated_figures_exceed(message):
+    stated = re.findall(r"(\d\.\d\de[-+]\d\d) > tolerance (\d\.\d\de[-+]\d\d)", message)
+    return bool(stated) and all(float(value) > float(limit) for value, limit in stated)
+
+
+def test_probe_refusal_suggests_a_fix_that_works_for_its_cause(monkeypatch):
+    """The reward probe's refusal names a fix for what leaks: a model on 'eager' (which keeps packed sequences
+    apart) is not told to use 'eager' or another backend; a hybrid probed before its token-mixing layers run per
+    document is told to prepare them, and doing so makes the probe pass.  Every figure stated is outside its
+    tolerance."""
+    real = reward_scores.reward_batch
+    with monkeypatch.context() as patch:  # the wrong layout: each chosen and rejected as one sequence
+        patch.setattr(
+            reward_scores, "reward_batch", lambda inputs, send=False: chosen_sees_rejected(real(inputs, send))
+        )
+        with pytest.raises(PackingError) as err:
+            reward_scores.check_reward_isolation(tiny_model(impl="eager"))
+    message = str(err.value)
+    assert "'eager' attention keeps packed sequences apart" in message and "train it padded" in message
+    assert "attn_implementation='eager'" not in message and "instead of 'eager'" not in message
+    assert stated_figures_exceed(message)
+
+    from _hf_models import tiny_arch
+
+    from packtools.integrations.attention.mixers import run_mixers_per_document
+
+    for arch, impl, head in (
+        ("Qwen3-Next", "sdpa", "Qwen3NextForSequenceClassification"),  # transformers refuses the row
+        ("GPT-OSS", "eager", "GptOssForSequenceClassification"),  # masks without position_ids: measured
+    ):
+        config = tiny_arch(arch, impl).config
+        config.num_labels, config.pad_token_id = 1, PAD
+        torch.manual_seed(0)
+        model = getattr(transformers, head)(config).float()
+        with pytest.raises(PackingError) as err:
+            reward_scores.check_reward_isolation(model)
+        message = str(err.value)
+        assert "run_mixers_per_document" in message and "attn_implementation=" not in message
+        if arch == "GPT-OSS":
+            assert "attention masks" in message and stated_figures_exceed(message)
+        else:
+            assert "can't keep packed sequences apart" in message and "model.layers.0.linear_attn" in message
+        run_mixers_per_document(model)  # the fix it names
+        assert reward_scores.check_reward_isolation(model) < TOL
 
 
 # -- families: the score read through each model's own forward and head -----------------------------------

@@ -5,8 +5,9 @@
 * ``torch._C._current_graph_task_id`` (:func:`in_backward`): whether autograd is running a backward pass (a
   checkpointed forward recomputed there), the guard of prompt-shared DPO's tree attention against counting a
   recomputation as a forward (no public API says so).
-* ``Module.register_forward_pre_hook(hook, with_kwargs=True)`` (:func:`forward_pre_hook`, public): the guard's
-  hook, recorded on its owner so that :func:`~packtools.compat.unprepare` removes it again
+* ``Module.register_forward_pre_hook(hook, with_kwargs=True)`` (:func:`forward_pre_hook`, public) and
+  ``register_forward_hook(hook, always_call=True)`` (:func:`forward_hook`, public): the guard's and the
+  per-document mixers' hooks, recorded on their owner so that :func:`~packtools.compat.unprepare` removes it again
   (a model's own ``forward`` is never rebound here; token-mixing layers' are, in
   :func:`~packtools.compat.transformers.replace_mixer_forward`).
 
@@ -51,13 +52,26 @@ def forward_pre_hook(module: Any, hook: Callable[..., Any], *, owner: Any) -> An
 
     Recorded on ``owner``: undoing it removes the hook.
     """
-    register = getattr(module, "register_forward_pre_hook", None)
-    if not callable(register) or "with_kwargs" not in inspect.signature(register).parameters:
-        raise unknown_shape(
-            "torch", CHECKED, f"{type(module).__name__}.register_forward_pre_hook takes no with_kwargs", _FIX
-        )
-    handle = register(hook, with_kwargs=True)
-    record(owner, f"{type(module).__name__} forward pre-hook", handle.remove)
+    return _register(
+        module, "register_forward_pre_hook", "with_kwargs", hook, "forward pre-hook", owner=owner
+    )
+
+
+def forward_hook(module: Any, hook: Callable[..., Any], *, owner: Any) -> Any:
+    """Register ``hook(module, args, output)`` after ``module``'s forward, called even when the forward raises
+    (``always_call=True``); returns the handle.  Recorded on ``owner``: undoing it removes the hook."""
+    return _register(module, "register_forward_hook", "always_call", hook, "forward hook", owner=owner)
+
+
+def _register(
+    module: Any, method: str, option: str, hook: Callable[..., Any], what: str, *, owner: Any
+) -> Any:
+    """``module.<method>(hook, <option>=True)``, refused where that method takes no such option."""
+    register = getattr(module, method, None)
+    if not callable(register) or option not in inspect.signature(register).parameters:
+        raise unknown_shape("torch", CHECKED, f"{type(module).__name__}.{method} takes no {option}", _FIX)
+    handle = register(hook, **{option: True})
+    record(owner, f"{type(module).__name__} {what}", handle.remove)
     return handle
 
 

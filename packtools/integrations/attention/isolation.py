@@ -493,14 +493,22 @@ def fix_hint(keys: Sequence[str], mixers: Sequence[str], impl: str | None) -> st
             f"their CUDA kernels (mamba-ssm, causal-conv1d, flash-linear-attention); pass them "
             f"(PaddingFreeCollator(return_seq_idx=True, return_flash_attn_kwargs=True)) or do not pack."
         )
+    return backend_hint(
+        impl, "do not pack (PaddingFreeCollator(padding_free=False, unpacked=True) on unpacked rows)"
+    )
+
+
+def backend_hint(impl: str | None, unpacked: str) -> str:
+    """The fix for a leak that is not the batch's: another backend where ``impl`` does not separate packed
+    sequences itself, else (it does: suggesting another would not help) what else in the model lets them meet.
+    ``unpacked``: how to train this trainer without packing."""
     if impl in ISOLATING or (impl is not None and "flash" in impl):
         return (  # the backend already separates packed sequences: something else in the model does not
             f"{impl!r} attention keeps packed sequences apart, so something else in the model lets them meet: "
             f"positions it builds itself instead of reading position_ids (e.g. multimodal 3-D rotary "
-            f"positions), or a custom layer mixing tokens. Do not pack for this model "
-            f"(PaddingFreeCollator(padding_free=False, unpacked=True) on unpacked rows)."
+            f"positions), or a custom layer mixing tokens. Another attention backend would not help: "
+            f"{unpacked}."
         )
     return (
-        f"Use attn_implementation='sdpa' (or 'flash_attention_2' on GPU) instead of {impl!r}, or do not pack "
-        f"(PaddingFreeCollator(padding_free=False, unpacked=True) on unpacked rows)."
+        f"Use attn_implementation='sdpa' (or 'flash_attention_2' on GPU) instead of {impl!r}, or {unpacked}."
     )

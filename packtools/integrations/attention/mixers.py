@@ -12,8 +12,11 @@ documents apart, and reports it (:func:`document_mixers` gives the :class:`Docum
 names the layers; it is also logged at INFO on the ``packtools`` logger):
 
 * ``per-document``: the layer runs on each document's tokens alone, state and convolution window from zero, as
-  the model runs a document alone; the outputs are concatenated (one ``cat``, whose backward only slices).  Exact
-  on any device; the cost is one layer call per document instead of one per row.
+  the model runs a document alone; each output is written into the row's (no ``cat``).  Exact on any device; the
+  cost is one layer call per document instead of one per row.  Mamba-2 and short-convolution layers
+  (:data:`RECOMPUTED`) would keep more for backward that way than over the whole row (each document's own zero
+  start state, partial chunk and convolution edge), so their documents run without keeping anything but the
+  layer's input and run again in backward, unless the decoder layer is checkpointed already.
 * ``varlen kernel``: on CUDA with the layer family's kernels installed (``causal_conv1d`` for every family, plus
   ``fla`` for DeltaNet / delta attention, ``mamba_ssm`` for Mamba-2), the layer runs once over the row with
   ``seq_idx`` (``[1, T]`` int32, the document index of each token) and ``cu_seq_lens_q`` (int32 boundaries), the
@@ -42,7 +45,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..._optional import require
@@ -66,6 +70,14 @@ KERNELS = (
     ("Delta", ("causal_conv1d", "fla")),
     ("ShortConv", ("causal_conv1d",)),
 )
+
+#: Layer families (by a part of the class name) whose per-document calls are recomputed in backward instead of
+#: keeping what they save: Mamba-2 (``Mamba``, ``Mixer``: its PyTorch scan keeps a state per chunk, and each
+#: document adds a zero start state and a partial chunk) and short convolutions (``ShortConv``: each document keeps
+#: its own ``kernel - 1`` edge columns of the padded convolution), which otherwise hold more for backward than the
+#: layer run over the whole row (docs/training.md, ``benchmarks/bench_mixers.py``).  The delta-rule layers hold
+#: less per document than over the row (the row pads to the scan's chunk) and keep theirs.
+RECOMPUTED = ("Mamba", "Mixer", "ShortConv")
 
 
 @dataclass(frozen=True)
@@ -125,11 +137,18 @@ class _PerDocument:
     #: What :func:`packtools.integrations.attention.backends.token_mixing_layers` reads: this layer is handled.
     keeps_documents_apart = True
 
-    def __init__(self, name: str, original: Any, kernel: bool, module: Any = None) -> None:
+    def __init__(self, name: str, original: Any, kernel: bool, module: Any = None, layer: Any = None) -> None:
         self.name, self.original, self.kernel, self.module = name, original, kernel, module
+        #: recomputed in backward (:data:`RECOMPUTED`); ``layer``: the decoder layer holding it (a weak reference)
+        self.recompute = any(part in type(module).__name__ for part in RECOMPUTED)
+        self.layer = weakref.ref(layer) if layer is not None else None
+        #: the documents of the call of ``layer`` running now, set around it by :func:`_layer_hooks`
+        self.from_layer: Segments | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         segments = kwargs.pop(SEGMENTS_KEY, None)
+        if segments is None:  # a decoder layer that does not hand its keyword arguments on (_layer_hooks)
+            segments = self.from_layer
         if segments is None:  # every row is one document (segments_of): the row's boundaries say nothing more
             if not self.kernel:
                 kwargs = {k: v for k, v in kwargs.items() if k not in _ROW_KEYS}
@@ -147,6 +166,28 @@ class _PerDocument:
             return self.original(hidden, *rest, **self._varlen(kwargs, segments.bounds[0], hidden.device))
         kwargs = {k: v for k, v in kwargs.items() if k not in _ROW_KEYS}
         torch = require("torch", "packtools per-document mixers")
+        params = [p for p in self.module.parameters() if p.requires_grad] if self.recompute else []
+        others = [v for v in (*rest, *kwargs.values()) if getattr(v, "requires_grad", False)]
+        if (
+            self.recompute
+            and (params or hidden.requires_grad)
+            and not others  # a tensor needing gradients the recomputation would not hand back: kept instead
+            and torch.is_grad_enabled()
+            and not self._layer_recomputes()
+        ):
+            run = lambda h: self._documents(torch, segments, h, rest, kwargs)  # noqa: E731
+            return _recomputed(torch).apply(run, hidden, *params)
+        return self._documents(torch, segments, hidden, rest, kwargs)
+
+    def _layer_recomputes(self) -> bool:
+        """Whether the decoder layer holding this one is checkpointed (transformers' gradient checkpointing,
+        ``GradientCheckpointingLayer``): its backward runs the layer again, so what it saves is held only then."""
+        layer = self.layer() if self.layer is not None else None
+        return bool(getattr(layer, "gradient_checkpointing", False) and getattr(layer, "training", False))
+
+    def _documents(self, torch: Any, segments: Segments, hidden: Any, rest: tuple, kwargs: dict) -> Any:
+        """The layer run on each document of each row, written into one output of the row's shape."""
+        rows, length = int(hidden.shape[0]), int(hidden.shape[1])
         out = None  # the row's output, each document written into it as it comes (_write_into)
         for row, bounds in enumerate(segments.bounds):
             for start, end in zip(bounds[:-1], bounds[1:]):
@@ -180,6 +221,51 @@ class _PerDocument:
 
 
 _WRITE: list[Any] = []
+_RECOMPUTE: list[Any] = []
+
+
+def _recomputed(torch: Any) -> Any:
+    """An autograd function running a layer's documents without keeping what they save for backward: forward
+    under ``no_grad``, holding only the layer's input; backward runs them again with the same random state and
+    autocast, and hands the gradients of the input and of the layer's parameters (its inputs, so gradients reach
+    them under ``backward()`` and ``autograd.grad`` alike) on.  What torch's ``checkpoint`` does, without its
+    bookkeeping of every saved tensor, which cost more than the recomputation itself on the benchmark's tiny models."""
+    if not _RECOMPUTE:
+
+        class Recomputed(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, run: Any, hidden: Any, *params: Any) -> Any:
+                device = hidden.device.type
+                ctx.run, ctx.params, ctx.device = run, params, device
+                ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                ctx.rng = (
+                    torch.get_rng_state(),
+                    (torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None),
+                )
+                ctx.save_for_backward(hidden)
+                with torch.no_grad():
+                    return run(hidden)
+
+            @staticmethod
+            @torch.autograd.function.once_differentiable
+            def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:
+                (hidden,) = ctx.saved_tensors
+                wants_input = ctx.needs_input_grad[1]
+                again = hidden.detach().requires_grad_(wants_input)
+                cuda = [hidden.device] if ctx.rng[1] is not None else []
+                enabled, dtype = ctx.autocast
+                with torch.random.fork_rng(devices=cuda), torch.enable_grad():
+                    torch.set_rng_state(ctx.rng[0])
+                    if cuda:
+                        torch.cuda.set_rng_state(ctx.rng[1], hidden.device)
+                    with torch.autocast(ctx.device, dtype=dtype, enabled=enabled):
+                        out = ctx.run(again)
+                wanted = ([again] if wants_input else []) + list(ctx.params)
+                got = list(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+                return (None, got.pop(0) if wants_input else None, *got)
+
+        _RECOMPUTE.append(Recomputed)
+    return _RECOMPUTE[0]
 
 
 def _write_into(torch: Any) -> Any:
@@ -223,6 +309,11 @@ class DocumentMixers:
     model: str
     modes: dict[str, str]
     masks_from_positions: bool
+    #: the per-document layers recomputed in backward (:data:`RECOMPUTED`)
+    recomputed: tuple[str, ...] = ()
+    #: who uses them (the ``id`` of each owner that asked, :func:`run_mixers_per_document`); the changes that
+    #: install them are recorded on this object and undone when the last user goes
+    users: set[int] = field(default_factory=set, repr=False, compare=False)
 
     def summary(self) -> str:
         """One line for ``prepare_trainer``'s report: which layers run per document, which with kernels."""
@@ -231,6 +322,11 @@ class DocumentMixers:
             names = [n for n, m in self.modes.items() if m == mode]
             if names:
                 parts.append(f"{len(names)} token-mixing layer(s) {mode}: {', '.join(names)}")
+                again = [n for n in names if n in self.recomputed]
+                if mode == "per-document" and again:
+                    parts[-1] += (
+                        f" ({len(again)} of them recomputed in backward, holding no more than the row)"
+                    )
         if self.masks_from_positions:
             parts.append("attention masks built from position_ids (the model's forward builds them without)")
         return f"{self.model}: " + ("; ".join(parts) if parts else "nothing to change")
@@ -246,15 +342,18 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
     """Make the token-mixing layers of ``model`` keep packed documents apart (and, for
     :data:`POSITIONLESS_MASKS` models, its attention masks); returns what was done, or ``None`` when the model
     has nothing to change.  Recorded on ``owner`` (default: the model): ``packtools.integrations.unprepare``
-    undoes it.  Calling it again on a prepared model returns the first result.  ``kernels=False`` keeps every
-    layer on the per-document path even where the varlen kernels are installed (``benchmarks/gpu_check.py``
-    compares the two).
+    undoes it.  Calling it again on a prepared model returns the first result and counts
+    the new owner as one more user: trainers sharing a model (a policy, a reference model) each undo only their own
+    use, and the layers go back when the last one is unprepared.  ``kernels=False`` keeps every layer on the
+    per-document path even where the varlen kernels are installed (``benchmarks/gpu_check.py`` compares the two).
     """
-    from ...compat import set_attr
+    from ...compat import set_attr, undo
 
     base = base_model(model)
+    owner = base if owner is None else owner
     done = document_mixers(base)
     if done is not None:
+        _use(done, owner)
         return done
     mixers = token_mixing_layers(base, include_handled=True)
     model_type = getattr(getattr(base, "config", None), "model_type", None)
@@ -267,36 +366,91 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
             f"{type(base).__name__} has token-mixing layers {mixers[:3]} but no decoder module (get_decoder()) "
             f"whose forward packtools can read the documents from. Do not pack for this model."
         )
-    owner = base if owner is None else owner
-    modules = dict(base.named_modules())
-    modes = {}
-    for name in mixers:
-        module = modules[name]
-        param = next(iter(module.parameters()), None)
-        kernel = kernels and _kernel_ready(module, getattr(param, "device", None))
-        wrapper = _PerDocument(name, module.forward, kernel, module)
-        replace_mixer_forward(module, wrapper, owner=owner)
-        modes[name] = "varlen kernel" if kernel else "per-document"
 
     def hook(
         module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         segments = segments_of(kwargs)
+        if mixers:  # None too: the layers then know the row has no documents to split (_layer_hooks)
+            kwargs[SEGMENTS_KEY] = segments
         if segments is None:
             return args, kwargs
-        if mixers:
-            kwargs[SEGMENTS_KEY] = segments
         if masks and kwargs.get("attention_mask") is None and kwargs.get("position_ids") is not None:
             kwargs["attention_mask"] = packed_position_masks(
                 base, _stand_in(base, kwargs, args), kwargs["position_ids"]
             )
         return args, kwargs
 
-    forward_pre_hook(decoder, hook, owner=owner)
-    result = DocumentMixers(type(base).__name__, modes, masks)
-    set_attr(base, _ATTR, result, owner=owner)
+    result = DocumentMixers(type(base).__name__, {}, masks)  # what the changes are recorded on (_use)
+    try:
+        modules = dict(base.named_modules())
+        modes, recomputed = {}, []
+        for name in mixers:
+            module = modules[name]
+            param = next(iter(module.parameters()), None)
+            kernel = kernels and _kernel_ready(module, getattr(param, "device", None))
+            wrapper = _PerDocument(name, module.forward, kernel, module, _enclosing_layer(modules, name))
+            replace_mixer_forward(module, wrapper, owner=result)
+            if wrapper.layer is not None:
+                _layer_hooks(wrapper, owner=result)
+            modes[name] = "varlen kernel" if kernel else "per-document"
+            if wrapper.recompute and not kernel:
+                recomputed.append(name)
+
+        forward_pre_hook(decoder, hook, owner=result)
+        result.modes, result.recomputed = modes, tuple(recomputed)
+        set_attr(base, _ATTR, result, owner=result)
+    except BaseException:
+        undo(result)  # a layer refused midway: the ones changed before it go back
+        raise
+    _use(result, owner)
     logging.getLogger("packtools").info("packtools: %s", result.summary())
     return result
+
+
+def _use(done: DocumentMixers, owner: Any) -> None:
+    """Count ``owner`` as a user of the model's per-document layers (once); undoing its changes
+    (``packtools.integrations.unprepare``) takes it off, and the last user's undo takes the layers off."""
+    from ...compat import record, undo
+
+    if id(owner) in done.users:
+        return
+    done.users.add(id(owner))
+
+    def release() -> None:
+        done.users.discard(id(owner))
+        if not done.users:
+            undo(done)
+
+    record(owner, f"{done.model} per-document token-mixing layers (a user)", release)
+
+
+def _layer_hooks(wrapper: _PerDocument, *, owner: Any) -> None:
+    """Hand the documents to ``wrapper`` from its decoder layer's call, for layers that call their token-mixing
+    layer with fixed arguments instead of handing their keyword arguments on (transformers 5.15's Nemotron-H,
+    Falcon-H1 and LFM2 blocks): the layer's :data:`SEGMENTS_KEY`, or, where its decoder does not hand that on
+    either (5.15's Falcon-H1), the documents of its own ``position_ids``.  Set before each call of the layer
+    (a checkpointed layer's recomputation included, with the arguments it saved) and cleared after it."""
+    from ...compat.torch import forward_hook
+
+    def take(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        wrapper.from_layer = kwargs[SEGMENTS_KEY] if SEGMENTS_KEY in kwargs else segments_of(kwargs)
+
+    def drop(module: Any, args: tuple[Any, ...], output: Any) -> None:
+        wrapper.from_layer = None
+
+    forward_pre_hook(wrapper.layer(), take, owner=owner)
+    forward_hook(wrapper.layer(), drop, owner=owner)
+
+
+def _enclosing_layer(modules: dict[str, Any], name: str) -> Any:
+    """The innermost module above ``name`` that transformers may checkpoint (has ``gradient_checkpointing``)."""
+    parts = name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        found = modules.get(".".join(parts[:end]))
+        if hasattr(found, "gradient_checkpointing"):
+            return found
+    return None
 
 
 def _stand_in(base: Any, kwargs: dict[str, Any], args: tuple[Any, ...]) -> Any:

@@ -19,8 +19,9 @@ from typing import Any
 
 from ..._optional import require
 from ...errors import PackingError
-from ..attention.backends import base_model
-from ..attention.isolation import PERTURB_TOLERANCE, TOLERANCE
+from ..attention.backends import base_model, token_mixing_layers
+from ..attention.isolation import PERTURB_TOLERANCE, TOLERANCE, backend_hint, translate
+from ..attention.mixers import POSITIONLESS_MASKS, document_mixers
 from .calls import padding_free_layout
 
 _PADDED_KEYS = {"input_ids", "attention_mask", "margin"}
@@ -183,18 +184,47 @@ def check_reward_isolation(
             )
             changed = [tokens[0].flip(0) % (vocab - 1) + 1, *tokens[1:]]
             moved = packed(changed)
+    except Exception as err:
+        if translate(err, type(inner).__name__, inner.config._attn_implementation) is None:
+            raise
+        raise PackingError(  # transformers' own refusal of the packed row (a token-mixing layer's fallback)
+            f"{type(inner).__name__} cannot keep packed sequences apart on this machine: {err} {_fix(inner)}",
+            param="model",
+        ) from err
     finally:
         model.train(was_training)
     dtype = str(together.dtype).replace("torch.", "")
     scale = max(1.0, float(alone.abs().max()))
     diff = float((together - alone).abs().max()) / scale
     perturb = float((moved[1:] - together[1:]).abs().max()) / scale
-    if diff > TOLERANCE.get(dtype, 1e-2) or perturb > PERTURB_TOLERANCE:
+    tolerance = TOLERANCE.get(dtype, 1e-2)
+    if diff > tolerance or perturb > PERTURB_TOLERANCE:
+        figures = [f"relative difference {diff:.2e} > tolerance {tolerance:.2e}"] if diff > tolerance else []
+        if perturb > PERTURB_TOLERANCE:
+            figures.append(
+                f"changing one sequence moved the others by {perturb:.2e} > tolerance {PERTURB_TOLERANCE:.2e}"
+            )
         raise PackingError(
-            f"{type(inner).__name__} scores packed sequences differently from the same sequences alone (largest "
-            f"relative difference {diff:.2e}; changing one sequence moved the others by {perturb:.2e}): its "
-            f"attention ({inner.config._attn_implementation!r}) or a token-mixing layer lets packed sequences see "
-            f"each other. Use attn_implementation='sdpa', 'eager' or 'flash_attention_2', or train padded.",
+            f"{type(inner).__name__} scores packed sequences differently from the same sequences alone "
+            f"({'; '.join(figures)}): something in it lets packed sequences see each other. "
+            f"{_fix(inner)}",
             param="model",
         )
     return max(diff, perturb)
+
+
+def _fix(model: Any) -> str:
+    """What would make ``model`` score packed sequences apart: packtools' per-document layers where it has
+    token-mixing layers or builds its masks without ``position_ids`` and they are not in place (a probe called
+    before :func:`~packtools.integrations.preference.reward.prepare_reward_trainer`), else the backend's hint."""
+    unpacked = "train it padded (without prepare_reward_trainer)"
+    mixers = token_mixing_layers(model)
+    model_type = getattr(model.config, "model_type", None)
+    if mixers or (model_type in POSITIONLESS_MASKS and document_mixers(model) is None):
+        what = f"its token-mixing layers {mixers[:3]}" if mixers else "its forward's attention masks"
+        return (
+            f"packtools keeps {what} per document once prepared: call prepare_reward_trainer(trainer) (or "
+            f"packtools.integrations.attention.mixers.run_mixers_per_document(model)) before this probe, or "
+            f"{unpacked}."
+        )
+    return backend_hint(model.config._attn_implementation, unpacked)
