@@ -90,8 +90,9 @@ def reward_len(completions, **kwargs):
     return [len(c) / 10 + len(set(c.split())) for c in completions]
 
 
-def build(tmp_path, prepared=False, kind="llama", trainer="grpo", share=False, lora=False, **config):
-    """A GRPO/RLOO trainer on a tiny model; with beta > 0 the reference is another tiny model (seed 1)."""
+def build(tmp_path, prepared=False, kind="llama", trainer="grpo", share="auto", lora=False, **config):
+    """A GRPO/RLOO trainer on a tiny model; with beta > 0 the reference is another tiny model (seed 1).
+    ``share`` is ``prepare_grpo_trainer``'s ``share_prompt`` (the default ``"auto"``: prompt-shared rows here)."""
     ref_dir = tmp_path / f"ref-{kind}"
     if not ref_dir.exists():  # written aside and renamed: two processes of a DDP test may both get here
         aside = ref_dir.with_name(f"{ref_dir.name}.{os.getpid()}")
@@ -181,8 +182,11 @@ CASES = [
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_grpo_training_equals_trl(tmp_path, case, kind):
+    """The default layout (share_prompt="auto": these models take the tree attention, so prompt-shared rows)."""
     theirs = train(build(tmp_path, kind=kind, **case))
-    assert_same_run(theirs, train(build(tmp_path, True, kind=kind, **case)))
+    ours = build(tmp_path, True, kind=kind, **case)
+    assert vars(ours)["packtools_step"].share_prompt  # the default shares wherever the models can serve it
+    assert_same_run(theirs, train(ours))
     logs = theirs.state.log_history
     if case.get("num_iterations") == 2 and case["loss_type"] in ("grpo", "dr_grpo", "bnpo"):
         assert any(log.get("clip_ratio/region_mean", 0) > 0 for log in logs)  # the clip metrics are exercised
@@ -190,12 +194,32 @@ def test_grpo_training_equals_trl(tmp_path, case, kind):
         assert all(log["kl"] > 0 for log in logs if "kl" in log)
 
 
+PLAIN_CASES = [CASES[0], CASES[3], CASES[7]]  # grpo with accumulation; dapo with the entropy mask; luspo, sequence
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_grpo_prompt_shared_training_equals_trl(tmp_path, kind):
-    case = dict(loss_type="grpo", beta=0.1, num_iterations=2, gradient_accumulation_steps=2)
-    shared = build(tmp_path, True, kind=kind, share=True, **case)
-    assert type(shared).__name__ == "PackedGRPOTrainer" and vars(shared)["packtools_step"].share_prompt
-    assert_same_run(train(build(tmp_path, kind=kind, **case)), train(shared))
+@pytest.mark.parametrize("case", PLAIN_CASES, ids=lambda c: c["loss_type"])
+def test_grpo_plain_rows_training_equals_trl(tmp_path, kind, case):
+    """share_prompt=False: every forward one plain padding-free row (each prompt once per completion)."""
+    plain = build(tmp_path, True, kind=kind, share=False, **case)
+    plan = vars(plain)["packtools_step"]
+    assert type(plain).__name__ == "PackedGRPOTrainer" and not plan.share_prompt
+    assert plan.summary() == "plain padding-free rows (each prompt once per completion): share_prompt=False (asked)"
+    assert_same_run(train(build(tmp_path, kind=kind, **case)), train(plain))
+
+
+def test_layout_is_decided_once_with_its_reason(tmp_path, caplog):
+    """share_prompt: "auto" shares where the models can serve it and says so; True shares; a bad value is refused."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="packtools"):
+        trainer = build(tmp_path, True)
+    plan = vars(trainer)["packtools_step"]
+    assert plan.share_prompt and "share_prompt='auto' and the models can serve" in plan.summary()
+    assert f"prepare_grpo_trainer: {plan.summary()}" in caplog.text
+    assert vars(build(tmp_path, True, share=True))["packtools_step"].summary().endswith("share_prompt=True (asked)")
+    with pytest.raises(PackingError, match="share_prompt='yes': expected True, False or 'auto'"):
+        build(tmp_path, True, share="yes")
 
 
 def test_moe_aux_loss_equals_trl(tmp_path):
@@ -220,6 +244,9 @@ def test_moe_aux_loss_equals_trl(tmp_path):
         (logps.sum() + entropies.sum() + aux).backward()
         grads = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
         results.append((logps.detach(), entropies.detach(), aux.detach(), grads))
+        if prepared:  # the default falls back to plain rows, and says why
+            plan = vars(trainer)["packtools_step"]
+            assert not plan.share_prompt and "cannot be shared: an MoE aux loss" in plan.summary()
     (la, ea, aa, ga), (lb, eb, ab, gb) = results
     assert float(aa) > 0 and len(ga) == len(gb)
     for what, a, b in [
@@ -230,7 +257,7 @@ def test_moe_aux_loss_equals_trl(tmp_path):
     ]:
         assert_close(a.numpy(), b.numpy(), what)
     unprepare(trainer)
-    with pytest.raises(PackingError, match="aux loss"):
+    with pytest.raises(PackingError, match="share_prompt=True: an MoE aux loss"):
         prepare_grpo_trainer(trainer, share_prompt=True)
 
 
@@ -244,12 +271,13 @@ def test_lora_reference_through_the_disabled_adapter_equals_trl(tmp_path):
 @pytest.mark.parametrize(
     "case",
     [
-        dict(beta=0.1, num_iterations=2, gradient_accumulation_steps=2),
-        dict(beta=0.0),
-        # One step: RLOO puts the KL into the reward; its normalized advantages carry rounding (~3e-6 relative on
-        # one micro-batch, plain rows alike) into the next step, and prompt-shared weights end 1.2e-5 relative apart
-        # (one q_proj entry) after two steps at lr 0.1.
-        dict(beta=0.1, share=True, max_steps=1),
+        dict(beta=0.1, num_iterations=2, gradient_accumulation_steps=2, share=False),
+        dict(beta=0.0, share=False),
+        # The default (prompt-shared rows), one step: RLOO puts the KL into the reward; its normalized advantages
+        # carry rounding (~3e-6 relative on one micro-batch, plain rows alike) into the next step, and
+        # prompt-shared weights end 1.2e-5 relative apart (one q_proj entry) after two steps at lr 0.1.
+        dict(beta=0.1, max_steps=1),
+        dict(beta=0.0, share=True, max_steps=1),
     ],
 )
 def test_rloo_training_equals_trl(tmp_path, case):
@@ -288,10 +316,12 @@ def differs(a, b):
     return worst
 
 
+@pytest.mark.parametrize("share", ["auto", False], ids=["default-shared", "plain"])
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_micro_batch_loss_metrics_gradients_and_scored_logps_equal_trl(tmp_path, kind):
+def test_micro_batch_loss_metrics_gradients_and_scored_logps_equal_trl(tmp_path, kind, share):
     config = dict(beta=0.1, num_iterations=2, loss_type="grpo")
-    ours, theirs = build(tmp_path, True, kind=kind, **config), build(tmp_path, kind=kind, **config)
+    ours, theirs = build(tmp_path, True, kind=kind, share=share, **config), build(tmp_path, kind=kind, **config)
+    assert vars(ours)["packtools_step"].share_prompt == (share == "auto")
     batch_a, batch_b = scored_batch(theirs), scored_batch(ours)
     assert torch.equal(batch_a["completion_ids"], batch_b["completion_ids"])
     assert int(batch_a["completion_mask"].sum(1).min()) < batch_a["completion_ids"].shape[1]  # really padded
@@ -343,9 +373,9 @@ def test_negative_controls_fail(tmp_path, monkeypatch, broken):
     reference = loss_metrics_grads(theirs, batch)
     monkeypatch.setattr(rl_grpo, "unpad_completions", broken)
     with pytest.raises(PackingError, match="isolation probe|leak"):
-        build(tmp_path, True, **config)  # the probe sees it
+        build(tmp_path, True, share=False, **config)  # the probe sees it
     ours = build(tmp_path, **config)
-    prepare_grpo_trainer(ours, check_isolation=False)
+    prepare_grpo_trainer(ours, check_isolation=False, share_prompt=False)
     assert differs(reference, loss_metrics_grads(ours, batch)) > 1e-3  # and the comparison above would
 
 
@@ -489,7 +519,7 @@ def test_bench_grpo_runs_and_packtools_forwards_fewer_tokens_and_keeps_less(caps
     spec = importlib.util.spec_from_file_location("bench_grpo", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    small = ["--groups", "2", "--group-size", "4", "--steps", "1", "--hidden", "32"]
+    small = ["--groups", "2", "--group-size", "4", "--steps", "1", "--hidden", "32", "--in-process"]
     rows, projections = bench.main(
         [*small, "--prompt-min", "8", "--prompt-max", "32", "--completion-max", "32"]
     )
