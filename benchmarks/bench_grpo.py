@@ -274,7 +274,11 @@ def main(argv=None):
                 rss_ratio,
             )
         )
-        rss = "-" if args.in_process else f"{r['rss_peak'] / 2**20:>8.0f} {grown / 2**20:>9.0f} {rss_ratio:>6.2f}"
+        rss = (
+            "-"
+            if args.in_process
+            else f"{r['rss_peak'] / 2**20:>8.0f} {grown / 2**20:>9.0f} {rss_ratio:>6.2f}"
+        )
         print(
             f"{name:<14} {int(tokens):>9} {tokens / counts[0]:>6.2f} {r['step']:>10.3f} {r['step'] / base['step']:>6.2f} "
             f"{r['score']:>10.3f} {r['score'] / base['score']:>6.2f} {r['saved'] / 2**20:>10.1f} "

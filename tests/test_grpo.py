@@ -90,9 +90,12 @@ def reward_len(completions, **kwargs):
     return [len(c) / 10 + len(set(c.split())) for c in completions]
 
 
-def build(tmp_path, prepared=False, kind="llama", trainer="grpo", share="auto", lora=False, **config):
+def build(  # noqa: PLR0913 - the test's knobs
+    tmp_path, prepared=False, kind="llama", trainer="grpo", share="auto", lora=False, balance="auto", **config
+):
     """A GRPO/RLOO trainer on a tiny model; with beta > 0 the reference is another tiny model (seed 1).
-    ``share`` is ``prepare_grpo_trainer``'s ``share_prompt`` (the default ``"auto"``: prompt-shared rows here)."""
+    ``share`` / ``balance`` are ``prepare_grpo_trainer``'s ``share_prompt`` / ``balance_groups`` (the defaults,
+    ``"auto"``: prompt-shared rows here; groups balanced across ranks under data parallelism)."""
     ref_dir = tmp_path / f"ref-{kind}"
     if not ref_dir.exists():  # written aside and renamed: two processes of a DDP test may both get here
         aside = ref_dir.with_name(f"{ref_dir.name}.{os.getpid()}")
@@ -140,7 +143,14 @@ def build(tmp_path, prepared=False, kind="llama", trainer="grpo", share="auto", 
         processing_class=word_tokenizer(),
         **extra,
     )
-    return prepare_grpo_trainer(built, share_prompt=share) if prepared else built
+    if not prepared:
+        return built
+    return prepare_grpo_trainer(built, share_prompt=share, balance_groups=balance)
+
+
+def plan_summary(trainer):
+    plan = vars(trainer).get("packtools_step")
+    return None if plan is None else plan.summary()
 
 
 def train(trainer):
@@ -194,7 +204,11 @@ def test_grpo_training_equals_trl(tmp_path, case, kind):
         assert all(log["kl"] > 0 for log in logs if "kl" in log)
 
 
-PLAIN_CASES = [CASES[0], CASES[3], CASES[7]]  # grpo with accumulation; dapo with the entropy mask; luspo, sequence
+PLAIN_CASES = [
+    CASES[0],
+    CASES[3],
+    CASES[7],
+]  # grpo with accumulation; dapo with the entropy mask; luspo, sequence
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -204,7 +218,10 @@ def test_grpo_plain_rows_training_equals_trl(tmp_path, kind, case):
     plain = build(tmp_path, True, kind=kind, share=False, **case)
     plan = vars(plain)["packtools_step"]
     assert type(plain).__name__ == "PackedGRPOTrainer" and not plan.share_prompt
-    assert plan.summary() == "plain padding-free rows (each prompt once per completion): share_prompt=False (asked)"
+    assert plan.summary() == (
+        "plain padding-free rows (each prompt once per completion): share_prompt=False (asked); "
+        "groups: one process: nothing to balance"
+    )
     assert_same_run(train(build(tmp_path, kind=kind, **case)), train(plain))
 
 
@@ -217,7 +234,8 @@ def test_layout_is_decided_once_with_its_reason(tmp_path, caplog):
     plan = vars(trainer)["packtools_step"]
     assert plan.share_prompt and "share_prompt='auto' and the models can serve" in plan.summary()
     assert f"prepare_grpo_trainer: {plan.summary()}" in caplog.text
-    assert vars(build(tmp_path, True, share=True))["packtools_step"].summary().endswith("share_prompt=True (asked)")
+    asked = vars(build(tmp_path, True, share=True))["packtools_step"]
+    assert asked.share_prompt and asked.layout_reason == "share_prompt=True (asked)"
     with pytest.raises(PackingError, match="share_prompt='yes': expected True, False or 'auto'"):
         build(tmp_path, True, share="yes")
 
@@ -320,7 +338,10 @@ def differs(a, b):
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_micro_batch_loss_metrics_gradients_and_scored_logps_equal_trl(tmp_path, kind, share):
     config = dict(beta=0.1, num_iterations=2, loss_type="grpo")
-    ours, theirs = build(tmp_path, True, kind=kind, share=share, **config), build(tmp_path, kind=kind, **config)
+    ours, theirs = (
+        build(tmp_path, True, kind=kind, share=share, **config),
+        build(tmp_path, kind=kind, **config),
+    )
     assert vars(ours)["packtools_step"].share_prompt == (share == "auto")
     batch_a, batch_b = scored_batch(theirs), scored_batch(ours)
     assert torch.equal(batch_a["completion_ids"], batch_b["completion_ids"])
@@ -479,10 +500,74 @@ def test_refusals_by_name_and_unprepare(tmp_path, monkeypatch):
         prepare_trainer(build(tmp_path, trainer="rloo"))
 
 
-@pytest.mark.slow
-def test_two_processes_equal_trl_on_two_processes(tmp_path):
-    """torchrun, 2 CPU processes (gloo): the prepared trainers (plain rows and prompt-shared) end each rank with
-    TRL's weights and logs (TRL's gathers, its group advantages across ranks and its loss normalizations as they are)."""
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_prepared_block_dispatches_grpo_and_rloo_trainers(tmp_path, kind):
+    """``with prepared(trainer, **kwargs)``: prepare_grpo_trainer (its keywords passed on), unprepared after."""
+    from packtools.integrations import prepared
+
+    trainer = build(tmp_path, trainer=kind)
+    cls = type(trainer)
+    with prepared(trainer, share_prompt=False):
+        assert type(trainer).__name__ == f"Packed{cls.__name__}"
+        assert not vars(trainer)["packtools_step"].share_prompt
+    assert type(trainer) is cls and "packtools_step" not in vars(trainer)
+
+
+def test_group_balanced_sampler_keeps_groups_whole_and_balances_prompt_tokens():
+    """TRL's RepeatSampler through packtools' balancing (2 ranks, G = 8, 4 groups per rank per generation batch):
+    every block holds the same indices, every rank's slice is whole groups, and the busiest rank's prompt tokens
+    drop; the negative control: TRL's own order puts more on the busiest rank."""
+    from trl.trainer.utils import RepeatSampler
+
+    from packtools.integrations.rl.groups import GroupBalancedSampler
+
+    lengths = np.random.default_rng(0).integers(256, 2049, 64)
+    inner = RepeatSampler(range(64), mini_repeat_count=8, batch_size=8, repeat_count=2, seed=0)
+    sampler = GroupBalancedSampler(inner, group=8, block=64, ranks=2, prompt_tokens=lambda i: int(lengths[i]))
+    got, want = list(sampler), list(inner)
+    assert len(got) == len(want) == len(sampler) == 128
+    for start in range(0, 128, 64):
+        block, theirs = got[start : start + 64], want[start : start + 64]
+        assert sorted(block) == sorted(theirs)
+        for rank in (block[:32], block[32:]):  # no group split across ranks
+            assert all(len(set(rank[i : i + 8])) == 1 for i in range(0, 32, 8))
+    assert got[:64] == got[64:] and want[:64] == want[64:]  # TRL repeats the block; so does the balance
+    before, after = map(np.array, zip(*sampler.loads))
+    assert (after.max(1) <= before.max(1)).all() and (after.max(1) < before.max(1)).any()
+    assert (after.sum(1) == before.sum(1)).all()
+    with pytest.raises(PackingError, match="groups of num_generations=4 equal indices"):
+        list(GroupBalancedSampler(inner, group=4, block=64, ranks=2, prompt_tokens=lambda i: 1))
+
+
+def test_balance_is_decided_once_with_its_reason():
+    from types import SimpleNamespace
+
+    from packtools.integrations.rl.groups import choose_balance
+
+    def fake(ranks, batch, data=(1, 2, 3)):
+        return SimpleNamespace(
+            accelerator=SimpleNamespace(num_processes=ranks),
+            args=SimpleNamespace(generation_batch_size=batch),
+            num_generations=4,
+            train_dataset=list(data) if data is not None else iter(()),
+        )
+
+    assert choose_balance(fake(1, 8), "auto") == (False, "one process: nothing to balance")
+    balance, reason = choose_balance(fake(2, 16), "auto")
+    assert balance and reason.startswith("whole groups per rank")
+    assert choose_balance(fake(2, 16), False)[0] is False
+    balance, reason = choose_balance(fake(2, 4), "auto")  # 2 sequences per rank: a group spans the ranks
+    assert not balance and "not a multiple of num_generations=4" in reason
+    with pytest.raises(PackingError, match="balance_groups=True: a rank's share"):
+        choose_balance(fake(2, 4), True)
+    with pytest.raises(PackingError, match="balance_groups=True: the train dataset is iterable"):
+        choose_balance(fake(2, 16, None), True)
+    with pytest.raises(PackingError, match="balance_groups='on': expected"):
+        choose_balance(fake(2, 16), "on")
+
+
+def torchrun(worker, out):
+    """Run ``tests/<worker> <out>`` on 2 CPU processes (torchrun, gloo); raise with its stderr unless it succeeds."""
     import socket
     import subprocess
     import sys
@@ -495,10 +580,17 @@ def test_two_processes_equal_trl_on_two_processes(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]), OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(port), str(root / "tests" / "_grpo_ddp_worker.py"), str(tmp_path),
+        "--master_port", str(port), str(root / "tests" / worker), str(out),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_two_processes_equal_trl_on_two_processes(tmp_path):
+    """torchrun, 2 CPU processes (gloo): the prepared trainers (plain rows and prompt-shared) end each rank with
+    TRL's weights and logs (TRL's gathers, its group advantages across ranks and its loss normalizations as they are)."""
+    torchrun("_grpo_ddp_worker.py", tmp_path)
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert got["trl"]["world"] == 2
@@ -538,46 +630,46 @@ def _update_gap(a, b):
 @pytest.mark.slow
 def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path):
     """One optimizer step on 2 processes (torchrun, gloo; per-device batch B) against one process (batch 2B) on
-    the same global batch: the generation is replaced by fixed completions per global position (the sampler's
-    prompts, TRL's ``num_items_in_batch`` gather, the reference forward kept).  grpo and dapo: TRL's own
-    2-process step equals its 1-process step, and packtools' (plain and prompt-shared) equals both.  bnpo
+    the same global batch: the generation is replaced by fixed completions per (prompt, copy) (the sampler's
+    prompts, TRL's ``num_items_in_batch`` gather, the reference forward kept).  grpo and dapo (B = 2G): TRL's own
+    2-process step equals its 1-process step, and packtools' (plain and prompt-shared, its sampler moving whole
+    groups between the ranks to balance their prompt tokens) equals both; no group is split across ranks.  bnpo
     normalizes by each rank's own token count, so TRL's 2-process step is not its 1-process step; packtools
-    equals TRL's 2-process step there.  With B = G every rank gets whole groups; with B = G / 2 each group is cut
-    across the ranks and prompt sharing (within one forward) is still exact."""
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
-
+    (TRL's order, balance_groups=False) equals TRL's 2-process step there.  With B = G / 2 each group is cut
+    across the ranks (TRL's order: "auto" says why) and prompt sharing (within one forward) is still exact."""
     import _grpo_ddp_global_worker as W
 
-    root = Path(__file__).resolve().parents[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]), OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(port), str(root / "tests" / "_grpo_ddp_global_worker.py"), str(tmp_path / "two"),
-    ]  # fmt: skip
     (tmp_path / "two").mkdir()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun("_grpo_ddp_global_worker.py", tmp_path / "two")
     two = [torch.load(tmp_path / "two" / f"global-rank{r}.pt", weights_only=False) for r in (0, 1)]
     one = W.run(tmp_path / "one", 1)
-    gaps = {}
+    gaps, balance = {}, {}
     for case, _, per_device in W.CASES:
         single = one[case, "trl"]
         assert single["world"] == 1 and two[0][case, "trl"]["world"] == 2
         (whole,) = single["prompts"]
         ranks = [two[r][case, "trl"]["prompts"][0] for r in (0, 1)]
         assert ranks[0] + ranks[1] == whole  # the global batch is rank 0's prompts, then rank 1's
-        for got in ranks:  # G = 4 copies of each prompt, consecutive
-            groups = [got[i : i + 4] for i in range(0, len(got), 4)]
-            if per_device == 4:
-                assert all(len(set(g)) == 1 and len(g) == 4 for g in groups)  # whole groups on each rank
+        for variant, prepared, _ in W.VARIANTS:  # where each variant's sampler put the groups
+            got = [two[r][case, variant]["prompts"][0] for r in (0, 1)]
+            plan = two[0][case, variant]["plan"]
+            assert sorted(got[0] + got[1]) == sorted(whole)  # the same global batch
+            if per_device == 2:  # half a group on each rank: TRL's order, and the plan says why
+                assert got == ranks and all(len(set(g)) == 1 and len(g) == 2 for g in got)
+                assert not prepared or "TRL's sampler order: a rank's share" in plan
+                continue
+            for g in got:  # G = 4 copies of each prompt, consecutive: whole groups on each rank
+                assert all(len(set(g[i : i + 4])) == 1 for i in range(0, len(g), 4)) and len(g) == per_device
+            if (
+                prepared and case != "bnpo"
+            ):  # balanced: prompt tokens (words) per rank no worse than TRL's order
+                assert "whole groups per rank" in plan
+                load = [sum(len(p.split()) for p in g) for g in got]
+                trl_load = [sum(len(p.split()) for p in g) for g in ranks]
+                balance[case, variant] = (trl_load, load)
+                assert max(load) <= max(trl_load)
             else:
-                assert len(set(got)) == 1 and len(got) == 2  # half a group on each rank
+                assert got == ranks
         for variant, _, _ in W.VARIANTS:
             # DDP: both ranks hold the same weights after the step
             assert _update_gap(two[0][case, variant]["update"], two[1][case, variant]["update"]) == 0.0
@@ -591,6 +683,8 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path):
                 single["update"], one[case, variant]["update"]
             )
     print("\n".join(f"{k}: {v:.3g}" for k, v in gaps.items()))
+    print("prompt words per rank, TRL's order -> balanced:", balance)
+    assert any(max(b) < max(a) for a, b in balance.values())  # the balancing moved something here
     for (case, variant, what), gap in gaps.items():
         if case == "bnpo" and what == "2proc vs TRL 1proc":
             assert gap > 1e-2, (case, variant, what, gap)  # TRL's own semantics: per-rank token means

@@ -50,6 +50,7 @@ from ..attention.mixers import POSITIONLESS_MASKS, run_mixers_per_document
 from ..attention.tree import check_tree_model, use_tree_attention
 from ..trainers.guard import check_forward_inputs, refuse_prompt_learning
 from ..trainers.step import install_step, plan_of
+from .groups import GroupBalancedSampler, choose_balance, prompt_token_counter
 from .rows import Row, share_prompts, unpad_completions
 
 
@@ -62,19 +63,24 @@ class RLPlan:
     share_prompt: bool  # equal prompts of a forward run once, on the tree attention
     seq_idx: bool  # the model's token-mixing layers read seq_idx
     layout_reason: str = ""  # why this layout (the share_prompt argument and what the models allow)
+    balance_groups: bool = (
+        False  # the train sampler reorders whole groups to balance the ranks' prompt tokens
+    )
+    balance_reason: str = ""  # why (or why not)
 
     def summary(self) -> str:
-        """One line for the log and the user: the layout of every log-probability forward, and why.
+        """One line for the log and the user: the layout of every log-probability forward, the ranks' groups,
+        and why.
 
-        >>> RLPlan(object, True, False, "the models can serve it").summary()
-        'prompt-shared rows (each forward's equal prompts once, tree attention): the models can serve it'
+        >>> RLPlan(object, True, False, "the models can serve it", False, "one process").summary()
+        "prompt-shared rows (each forward's equal prompts once, tree attention): the models can serve it; groups: one process"
         """
         layout = (
             "prompt-shared rows (each forward's equal prompts once, tree attention)"
             if self.share_prompt
             else "plain padding-free rows (each prompt once per completion)"
         )
-        return f"{layout}: {self.layout_reason}"
+        return f"{layout}: {self.layout_reason}; groups: {self.balance_reason}"
 
 
 def _back(value: Any, row: Row, name: str) -> Any:
@@ -177,6 +183,21 @@ class PackedRLStep:
             batch_size=batch_size,
             entropy=compute_entropy,
             aux=compute_aux_loss,
+        )
+
+    def _get_train_sampler(self, dataset: Any = None) -> Any:
+        """TRL's sampler; under data parallelism (``RLPlan.balance_groups``) its generation batches' whole groups
+        reordered to balance the ranks' prompt tokens (:class:`~packtools.integrations.rl.groups.GroupBalancedSampler`)."""
+        sampler = super()._get_train_sampler(dataset)  # type: ignore[misc]
+        plan: RLPlan = plan_of(self)  # type: ignore[assignment]
+        if not plan.balance_groups:
+            return sampler
+        return GroupBalancedSampler(
+            sampler,
+            group=int(self.num_generations),  # type: ignore[attr-defined]
+            block=int(self.args.generation_batch_size),  # type: ignore[attr-defined]
+            ranks=int(self.accelerator.num_processes),  # type: ignore[attr-defined]
+            prompt_tokens=prompt_token_counter(self, self.train_dataset if dataset is None else dataset),  # type: ignore[attr-defined]
         )
 
 
@@ -335,6 +356,7 @@ def prepare_grpo_trainer(
     check_isolation: bool = True,
     segmented_sdpa: bool = True,
     share_prompt: bool | str = "auto",
+    balance_groups: bool | str = "auto",
 ) -> Any:
     """Make a TRL ``GRPOTrainer`` or ``RLOOTrainer`` compute every log-probability forward padding-free; returns it.
 
@@ -353,7 +375,11 @@ def prepare_grpo_trainer(
     models can serve it, and plain padding-free rows otherwise (models the tree cannot serve, MoE models with an
     aux loss: :func:`prompt_sharing_refusal`); ``True`` shares or raises that reason by name; ``False`` forces
     plain rows.  The choice and its reason are in ``RLPlan.summary()`` (``plan_of(trainer)``), logged on the
-    ``packtools`` logger at INFO.  On plain rows a hybrid model's token-mixing layers run per document
+    ``packtools`` logger at INFO.  ``balance_groups`` (data parallelism; decided once,
+    :func:`~packtools.integrations.rl.groups.choose_balance`): ``"auto"`` (the default) keeps each group on one rank
+    and reorders the groups of each generation batch so the ranks carry nearly equal prompt tokens, wherever TRL's
+    sampler gives whole groups per rank (else TRL's order, the reason in the summary); ``True`` balances or raises
+    by name; ``False`` keeps TRL's order.  On plain rows a hybrid model's token-mixing layers run per document
     (:func:`~packtools.integrations.attention.mixers.run_mixers_per_document`).  ``segmented_sdpa`` switches ``sdpa``
     models to packtools' per-sequence ``sdpa`` (cost ``sum L_i^2``).  With ``check_isolation=True`` (the default)
     each model first runs :func:`check_rl_forward`: packtools' values must equal TRL's padded ones on a small
@@ -370,7 +396,8 @@ def prepare_grpo_trainer(
     try:
         seq_idx = _check_models(trainer, models)
         share_prompt, reason = choose_layout(trainer, models, share_prompt)
-        plan = RLPlan(trl_class=trl_class, share_prompt=share_prompt, seq_idx=seq_idx, layout_reason=reason)
+        balance, balance_reason = choose_balance(trainer, balance_groups)
+        plan = RLPlan(trl_class, share_prompt, seq_idx, reason, balance, balance_reason)
         install_step(trainer, PackedRLStep, plan)  # the class swap and the plan, undone by unprepare
         if not share_prompt:  # token-mixing layers per document (attention.mixers), as prepare_trainer does
             for model in models:
