@@ -522,21 +522,26 @@ def test_group_balanced_sampler_keeps_groups_whole_and_balances_prompt_tokens():
     from packtools.integrations.rl.groups import GroupBalancedSampler
 
     lengths = np.random.default_rng(0).integers(256, 2049, 64)
-    inner = RepeatSampler(range(64), mini_repeat_count=8, batch_size=8, repeat_count=2, seed=0)
-    sampler = GroupBalancedSampler(inner, group=8, block=64, ranks=2, prompt_tokens=lambda i: int(lengths[i]))
-    got, want = list(sampler), list(inner)
-    assert len(got) == len(want) == len(sampler) == 128
-    for start in range(0, 128, 64):
-        block, theirs = got[start : start + 64], want[start : start + 64]
-        assert sorted(block) == sorted(theirs)
+
+    def trl_sampler():  # TRL's, seeded: a second one yields the same order
+        return RepeatSampler(range(64), mini_repeat_count=8, batch_size=8, repeat_count=2, seed=0)
+
+    sampler = GroupBalancedSampler(
+        trl_sampler(), group=8, block=64, ranks=2, prompt_tokens=lambda i: int(lengths[i])
+    )
+    got, want = list(sampler), list(trl_sampler())
+    assert len(got) == len(want) == len(sampler) == 8 * 2 * 64  # 8 generation batches, each repeated twice
+    blocks = [got[i : i + 64] for i in range(0, len(got), 64)]
+    for k, block in enumerate(blocks):
+        assert sorted(block) == sorted(want[64 * k : 64 * k + 64])  # the same prompts, G copies each
         for rank in (block[:32], block[32:]):  # no group split across ranks
             assert all(len(set(rank[i : i + 8])) == 1 for i in range(0, 32, 8))
-    assert got[:64] == got[64:] and want[:64] == want[64:]  # TRL repeats the block; so does the balance
+    assert blocks[0::2] == blocks[1::2]  # TRL repeats each generation batch; the balanced order repeats too
     before, after = map(np.array, zip(*sampler.loads))
     assert (after.max(1) <= before.max(1)).all() and (after.max(1) < before.max(1)).any()
     assert (after.sum(1) == before.sum(1)).all()
-    with pytest.raises(PackingError, match="groups of num_generations=4 equal indices"):
-        list(GroupBalancedSampler(inner, group=4, block=64, ranks=2, prompt_tokens=lambda i: 1))
+    with pytest.raises(PackingError, match="groups of num_generations=16 equal indices"):
+        list(GroupBalancedSampler(trl_sampler(), group=16, block=64, ranks=2, prompt_tokens=lambda i: 1))
 
 
 def test_balance_is_decided_once_with_its_reason():
