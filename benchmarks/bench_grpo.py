@@ -27,7 +27,9 @@ minus the RSS measured right before them: the model, the batches and the imports
 Ratios are variant / TRL padded.  The token counts
 for ``G = 16`` and ``64`` are exact arithmetic on the same prompts with more completions drawn from the same
 distribution; their time ratios are projected from this run's measured seconds per forwarded token of each
-variant (an estimate: attention's quadratic part grows faster than the token count).
+variant (an estimate: attention's quadratic part grows faster than the token count).  Last, the data-parallel
+balance (arithmetic, no model): 2 ranks, the busiest rank's prompt tokens over the mean, in TRL's sampler order
+and in packtools' balanced one (``balance_groups``).
 """
 
 from __future__ import annotations
@@ -303,7 +305,44 @@ def main(argv=None):
             f"G={group:<3} tokens vs padded: packtools {tokens[1] / tokens[0]:.2f}, shared {tokens[2] / tokens[0]:.2f}; "
             f"projected fwd+bwd time: packtools {time_ratio[1]:.2f}, shared {time_ratio[2]:.2f}"
         )
-    return rows, projections
+    balance = rank_balance(args)
+    print(
+        f"2 ranks, {BALANCE_GROUPS_PER_RANK} groups of G={args.group_size} per rank per generation batch, prompts "
+        f"{args.prompt_min}-{args.prompt_max} tokens, {BALANCE_BATCHES} generation batches: busiest rank's prompt "
+        f"tokens / mean, TRL's order {balance[0]:.3f} (worst {balance[1]:.3f}), balanced {balance[2]:.3f} "
+        f"(worst {balance[3]:.3f})"
+    )
+    return rows, projections, balance
+
+
+BALANCE_GROUPS_PER_RANK, BALANCE_BATCHES = 4, 200
+
+
+def rank_balance(args, ranks=2):
+    """Prompt tokens per rank under data parallelism, TRL's ``RepeatSampler`` order and packtools' balanced one
+    (:class:`~packtools.integrations.rl.groups.GroupBalancedSampler`): the mean and worst of the busiest rank's
+    prompt tokens over the mean rank's, over ``BALANCE_BATCHES`` generation batches.  Arithmetic on lengths."""
+    from trl.trainer.utils import RepeatSampler
+
+    from packtools.integrations.rl.groups import GroupBalancedSampler
+
+    per_batch = BALANCE_GROUPS_PER_RANK * ranks
+    lengths = np.random.default_rng(args.seed).integers(
+        args.prompt_min, args.prompt_max + 1, per_batch * BALANCE_BATCHES
+    )
+    inner = RepeatSampler(range(lengths.size), args.group_size, batch_size=per_batch, seed=args.seed)
+    sampler = GroupBalancedSampler(
+        inner,
+        group=args.group_size,
+        block=per_batch * args.group_size,
+        ranks=ranks,
+        prompt_tokens=lambda i: int(lengths[i]),
+    )
+    for _ in sampler:
+        pass
+    before, after = (np.array(x, np.float64) for x in zip(*sampler.loads))
+    ratio_before, ratio_after = before.max(1) / before.mean(1), after.max(1) / after.mean(1)
+    return ratio_before.mean(), ratio_before.max(), ratio_after.mean(), ratio_after.max()
 
 
 if __name__ == "__main__":

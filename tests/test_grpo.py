@@ -617,13 +617,15 @@ def test_bench_grpo_runs_and_packtools_forwards_fewer_tokens_and_keeps_less(caps
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     small = ["--groups", "2", "--group-size", "4", "--steps", "1", "--hidden", "32", "--in-process"]
-    rows, projections = bench.main(
+    rows, projections, balance = bench.main(
         [*small, "--prompt-min", "8", "--prompt-max", "32", "--completion-max", "32"]
     )
     assert [r[0] for r in rows] == ["TRL padded", "packtools", "shared prompt"]
     tokens, memory = [r[2] for r in rows], [r[5] for r in rows]  # ratios to TRL padded (exact, deterministic)
     assert tokens[0] == memory[0] == 1.0 and tokens[2] < tokens[1] < 1.0 and memory[2] < memory[1] < 1.0
     assert sorted(projections) == [4, 16, 64] and projections[64][0][2] < projections[4][0][2]
+    mean_before, worst_before, mean_after, worst_after = balance  # busiest rank's prompt tokens / mean
+    assert 1.0 <= mean_after < mean_before and worst_after <= worst_before
 
 
 def _update_gap(a, b):
