@@ -159,7 +159,7 @@ def choose_balance(trainer: Any, balance_groups: bool | str) -> tuple[bool, str]
     ``"auto"`` balances under data parallelism when TRL's sampler can keep whole groups per rank (a map-style
     dataset; a rank's share of the generation batch a multiple of ``num_generations``), else keeps TRL's order
     (the reason says why); ``True`` balances or raises that reason by name; ``False`` keeps TRL's order."""
-    if balance_groups not in (True, False, "auto"):
+    if not (isinstance(balance_groups, bool) or balance_groups == "auto"):
         raise PackingError(
             f"balance_groups={balance_groups!r}: expected True, False or 'auto'.", param="balance_groups"
         )

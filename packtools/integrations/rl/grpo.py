@@ -63,9 +63,7 @@ class RLPlan:
     share_prompt: bool  # equal prompts of a forward run once, on the tree attention
     seq_idx: bool  # the model's token-mixing layers read seq_idx
     layout_reason: str = ""  # why this layout (the share_prompt argument and what the models allow)
-    balance_groups: bool = (
-        False  # the train sampler reorders whole groups to balance the ranks' prompt tokens
-    )
+    balance_groups: bool = False  # the sampler moves whole groups to balance the ranks' prompt tokens
     balance_reason: str = ""  # why (or why not)
 
     def summary(self) -> str:
@@ -334,7 +332,7 @@ def choose_layout(trainer: Any, models: list[Any], share_prompt: bool | str) -> 
 
     ``"auto"`` shares when :func:`prompt_sharing_refusal` finds nothing, else plain padding-free rows (the
     reason says why); ``True`` shares or raises that reason by name; ``False`` forces plain rows."""
-    if share_prompt not in (True, False, "auto"):
+    if not (isinstance(share_prompt, bool) or share_prompt == "auto"):
         raise PackingError(
             f"share_prompt={share_prompt!r}: expected True, False or 'auto'.", param="share_prompt"
         )
@@ -343,7 +341,9 @@ def choose_layout(trainer: Any, models: list[Any], share_prompt: bool | str) -> 
     refusal = prompt_sharing_refusal(trainer, models)
     if share_prompt is True:
         if refusal is not None:
-            raise PackingError(f"share_prompt=True: {refusal}; use share_prompt=False.", param="share_prompt")
+            raise PackingError(
+                f"share_prompt=True: {refusal.rstrip('.')}; use share_prompt=False.", param="share_prompt"
+            )
         return True, "share_prompt=True (asked)"
     if refusal is not None:
         return False, f"share_prompt='auto' and the prompt cannot be shared: {refusal}"
