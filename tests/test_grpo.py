@@ -204,6 +204,27 @@ def test_grpo_training_equals_trl(tmp_path, case, kind):
         assert all(log["kl"] > 0 for log in logs if "kl" in log)
 
 
+def test_auto_falls_back_to_plain_rows_when_the_tree_fails_its_probe(tmp_path, monkeypatch, caplog):
+    """A tree attention that fails its isolation probe (a stand-in for a backend not run here, flash-attn on a
+    GPU): "auto" trains on plain rows, probed on their own, and says why; share_prompt=True raises."""
+    import logging
+
+    from packtools.integrations.attention import tree
+
+    def failing(model, seed=0):
+        raise PackingError("the tree probe failed (stand-in)")
+
+    monkeypatch.setattr(tree, "check_tree_isolation", failing)
+    with caplog.at_level(logging.WARNING, logger="packtools"):
+        trainer = build(tmp_path, True)
+    plan = trainer.packtools_step
+    assert not plan.share_prompt and "failed its probe (the tree probe failed (stand-in))" in plan.summary()
+    assert plan.summary() in caplog.text
+    assert trainer.model.config._attn_implementation != "packtools_tree"
+    with pytest.raises(PackingError, match="stand-in"):
+        build(tmp_path, True, share=True)
+
+
 PLAIN_CASES = [
     CASES[0],
     CASES[3],

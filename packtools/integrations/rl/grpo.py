@@ -29,7 +29,7 @@ method and packtools' on a small batch with left padding, so a model with absolu
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..._optional import require
@@ -350,6 +350,28 @@ def choose_layout(trainer: Any, models: list[Any], share_prompt: bool | str) -> 
     return True, "share_prompt='auto' and the models can serve the tree attention"
 
 
+def _install(
+    trainer: Any, models: list[Any], plan: RLPlan, *, check_isolation: bool, segmented_sdpa: bool
+) -> None:
+    """Install ``plan`` on ``trainer`` and probe its models; all or nothing (undone on any error)."""
+    try:
+        install_step(trainer, PackedRLStep, plan)  # the class swap and the plan, undone by unprepare
+        if (
+            not plan.share_prompt
+        ):  # token-mixing layers per document (attention.mixers), as prepare_trainer does
+            for model in models:
+                run_mixers_per_document(model, owner=trainer)
+        with segmented_sdpa_until_checked(models, segmented_sdpa and not plan.share_prompt, owner=trainer):
+            for model in models:
+                if plan.share_prompt:
+                    use_tree_attention(model, check_isolation=check_isolation, owner=trainer)
+                if check_isolation:
+                    check_rl_forward(trainer, model, entropy=model is trainer.model)
+    except BaseException:
+        undo(trainer)  # all or nothing: a refused trainer is left as TRL built it
+        raise
+
+
 def prepare_grpo_trainer(
     trainer: Any,
     *,
@@ -374,7 +396,10 @@ def prepare_grpo_trainer(
     each distinct prompt of a forward once, its completions after it on packtools' tree attention, wherever the
     models can serve it, and plain padding-free rows otherwise (models the tree cannot serve, MoE models with an
     aux loss: :func:`prompt_sharing_refusal`); ``True`` shares or raises that reason by name; ``False`` forces
-    plain rows.  The choice and its reason are in ``RLPlan.summary()`` (``plan_of(trainer)``), logged on the
+    plain rows; where ``"auto"`` chose shared rows and the tree attention then fails its isolation probe (a
+    backend not run here before, e.g. flash-attn's varlen kernel on a GPU), the run falls back to plain rows,
+    probed on their own, with the probe's message as the reason (logged at WARNING).  The choice and its reason
+    are in ``RLPlan.summary()`` (``plan_of(trainer)``), logged on the
     ``packtools`` logger at INFO.  ``balance_groups`` (data parallelism; decided once,
     :func:`~packtools.integrations.rl.groups.choose_balance`): ``"auto"`` (the default) keeps each group on one rank
     and reorders the groups of each generation batch so the ranks carry nearly equal prompt tokens, wherever TRL's
@@ -395,21 +420,22 @@ def prepare_grpo_trainer(
     models = [m for m in (trainer.model, getattr(trainer, "ref_model", None)) if m is not None]
     try:
         seq_idx = _check_models(trainer, models)
-        share_prompt, reason = choose_layout(trainer, models, share_prompt)
+        share, reason = choose_layout(trainer, models, share_prompt)
         balance, balance_reason = choose_balance(trainer, balance_groups)
-        plan = RLPlan(trl_class, share_prompt, seq_idx, reason, balance, balance_reason)
-        install_step(trainer, PackedRLStep, plan)  # the class swap and the plan, undone by unprepare
-        if not share_prompt:  # token-mixing layers per document (attention.mixers), as prepare_trainer does
-            for model in models:
-                run_mixers_per_document(model, owner=trainer)
-        with segmented_sdpa_until_checked(models, segmented_sdpa and not share_prompt, owner=trainer):
-            for model in models:
-                if share_prompt:
-                    use_tree_attention(model, check_isolation=check_isolation, owner=trainer)
-                if check_isolation:
-                    check_rl_forward(trainer, model, entropy=model is trainer.model)
     except BaseException:
-        undo(trainer)  # all or nothing: a refused trainer is left as TRL built it
+        undo(trainer)
         raise
+    plan = RLPlan(trl_class, share, seq_idx, reason, balance, balance_reason)
+    try:
+        _install(trainer, models, plan, check_isolation=check_isolation, segmented_sdpa=segmented_sdpa)
+    except PackingError as err:
+        if not (share and share_prompt == "auto"):
+            raise
+        # "auto": the tree's probes refused a model the static checks let through (a backend not yet run
+        # here, e.g. flash-attn's varlen kernel on a GPU); plain rows are probed on their own, and the plan says why.
+        why = f"share_prompt='auto' and the tree attention failed its probe ({str(err).rstrip('.')})"
+        plan = replace(plan, share_prompt=False, layout_reason=why)
+        _install(trainer, models, plan, check_isolation=check_isolation, segmented_sdpa=segmented_sdpa)
+        logging.getLogger("packtools").warning("packtools: prepare_grpo_trainer: %s", plan.summary())
     logging.getLogger("packtools").info("packtools: prepare_grpo_trainer: %s", plan.summary())
     return trainer
