@@ -52,6 +52,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import live_peak  # noqa: E402
+
 
 def documents(count: int, seed: int, vocab: int) -> list[Any]:
     import numpy as np
@@ -66,46 +68,6 @@ def step(model: Any, ids: Any, positions: Any | None) -> None:
     logits = model(input_ids=ids, use_cache=False, **kwargs).logits
     loss = logits.float().logsumexp(-1).sum()
     loss.backward()
-
-
-def live_peak(run: Any) -> int:
-    """Peak bytes of live tensors (output storages of every op while a tensor views them) during ``run()``."""
-    import weakref
-
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Live(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.storages: dict[tuple[int, int], list[int]] = {}
-            self.now = self.peak = 0
-
-        def _gone(self, key: tuple[int, int]) -> None:
-            entry = self.storages[key]
-            entry[0] -= 1
-            if not entry[0]:
-                self.now -= entry[1]
-                del self.storages[key]
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor):
-                    storage = t.untyped_storage()
-                    key = (storage.data_ptr(), storage.nbytes())
-                    if key not in self.storages:
-                        self.storages[key] = [0, storage.nbytes()]
-                        self.now += storage.nbytes()
-                    self.storages[key][0] += 1
-                    weakref.finalize(t, self._gone, key)
-            self.peak = max(self.peak, self.now)
-            return out
-
-    live = Live()
-    with live:
-        run()
-    return live.peak
 
 
 def best(run: Any, repeat: int) -> float:
@@ -142,8 +104,8 @@ def measure(arch_name: str, count: int, repeat: int, memory: bool) -> dict[str, 
     for name in ("per-document", "one-by-one"):
         out[name] = best(runs[name], repeat)
     if memory:
-        out["mem per-document"] = live_peak(runs["per-document"])
-        out["mem whole-row"] = live_peak(runs["whole-row"])
+        out["mem per-document"] = live_peak(runs["per-document"])[0]
+        out["mem whole-row"] = live_peak(runs["whole-row"])[0]
     plain.zero_grad(set_to_none=True)
     prepared.zero_grad(set_to_none=True)
     return out

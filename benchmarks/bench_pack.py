@@ -50,6 +50,7 @@ import tempfile
 import time
 
 import numpy as np
+from _common import print_report, run_case_process
 
 STRATEGIES = ("bfd", "bfd_split", "wrapped")
 VOCAB = 32000
@@ -191,16 +192,6 @@ def run_case(case: dict) -> dict:
     result["peak_rss"] = rss_peak()
     result["load"] = os.getloadavg()[0]  # other jobs share the CPUs; 1-minute load average at the end
     return result
-
-
-def spawn_case(case: dict) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--case", json.dumps(case)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stdout + proc.stderr)
-        raise RuntimeError(f"case {case} failed with exit status {proc.returncode}")
-    return {**case, **json.loads(lines[-1][len("RESULT ") :])}
 
 
 def build_disk(case: dict) -> None:
@@ -448,13 +439,13 @@ def main(argv: list[str] | None = None) -> int:
                 if source == "disk":
                     case0["path"] = os.path.join(workdir, f"{order}-{args.rows}")
                     if not os.path.exists(case0["path"]):
-                        spawn_case({**case0, "kind": "build-disk"})
+                        run_case_process(__file__, {**case0, "kind": "build-disk"})
                 kinds = ["memcpy"]
                 for strategy in args.strategies:
                     kinds += [("packtools", strategy)] + ([] if args.skip_trl else [("trl", strategy)])
                 for item in kinds:
                     kind, strategy = (item, None) if isinstance(item, str) else item
-                    r = spawn_case({**case0, "kind": kind, "strategy": strategy})
+                    r = run_case_process(__file__, {**case0, "kind": kind, "strategy": strategy})
                     results.append(r)
                     print(
                         f"  {source:6s} {kind:9s} {strategy or '-':9s} {r['first']:8.3f} / {r['time']:.3f} s  peak {gb(r['peak_rss'])} GiB "
@@ -462,7 +453,9 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
             for strategy in args.strategies:
-                r = spawn_case({**base, "order": order, "source": None, "kind": "plan", "strategy": strategy})
+                r = run_case_process(
+                    __file__, {**base, "order": order, "source": None, "kind": "plan", "strategy": strategy}
+                )
                 results.append(r)
                 print(
                     f"  plan   {strategy:9s} {r['first']:8.3f} / {r['time']:.3f} s  rows {r['rows']:,}",
@@ -487,11 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     if compile_rows:
         text += [markdown_table(["compile / import check", "result"], [list(r) for r in compile_rows]), ""]
     text += [tables, "", "Targets:"] + [f"- {v}" for v in verdicts]
-    text = "\n".join(text)
-    print("\n" + text)
-    if args.markdown:
-        with open(args.markdown, "w") as fh:
-            fh.write(text + "\n")
+    print_report("\n".join(text), args.markdown)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)

@@ -44,6 +44,8 @@ import sys
 import tempfile
 import time
 
+from _common import print_report
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 MAX_LENGTH = 2048
 
@@ -221,11 +223,7 @@ def main() -> int:
     meta = os.path.join(workdir, f"data-{args.docs}-{args.vocab}.json")
     try:
         if args.tokenized_mb:
-            text = "\n".join(tokenized(args, workdir))
-            print("\n" + text)
-            if args.markdown:
-                with open(args.markdown, "w") as fh:
-                    fh.write(text + "\n")
+            print_report("\n".join(tokenized(args, workdir)), args.markdown)
             return 0
         if not os.path.exists(meta):
             cmd = [sys.executable, os.path.join(HERE, "bench_tokenize.py"), "--case", "data", workdir,
@@ -303,11 +301,7 @@ def main() -> int:
                 f"**{f['wall_s'] / w['wall_s']:.2f}x** (target <= 1.5x); engine {w['engine']}, rows out "
                 f"{w['rows_out']:,}."
             )
-        text = "\n".join(lines)
-        print("\n" + text)
-        if args.markdown:
-            with open(args.markdown, "w") as fh:
-                fh.write(text + "\n")
+        print_report("\n".join(lines), args.markdown)
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -37,6 +37,7 @@ import tempfile
 import time
 
 import numpy as np
+from _common import print_report
 
 VOCAB = 32000
 TARGET_JSON_RSS_GIB = 1.0
@@ -242,11 +243,7 @@ def main() -> int:
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-    text = "\n".join(lines)
-    print("\n" + text)
-    if args.markdown:
-        with open(args.markdown, "w") as fh:
-            fh.write(text + "\n")
+    print_report("\n".join(lines), args.markdown)
     return 0
 
 

@@ -36,6 +36,7 @@ import threading
 import time
 
 import numpy as np
+from _common import print_report
 
 VOCAB = 32000
 
@@ -226,11 +227,7 @@ def main() -> None:
                 f"{r['digest'] == rows[first]['digest']} |"
             )
         lines.append("")
-    text = "\n".join(lines)
-    print("\n" + text)
-    if args.markdown:
-        with open(args.markdown, "w") as fh:
-            fh.write(text + "\n")
+    print_report("\n".join(lines), args.markdown)
 
 
 if __name__ == "__main__":

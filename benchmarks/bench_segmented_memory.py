@@ -71,6 +71,8 @@ import subprocess
 import sys
 from typing import Any
 
+from _common import live_peak, small_llama_config
+
 
 def _status(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -82,51 +84,11 @@ def _status(field: str) -> int:
 
 def _live_peak(forward, model) -> tuple[int, list[tuple[int, str]]]:
     """Peak bytes of live tensors during ``forward()`` and the largest ones at the peak (module:op shape)."""
-    import weakref
-
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     where = ["-"]
     for name, module in model.named_modules():
         module.register_forward_pre_hook(lambda m, a, n=name: where.append(n or "model") and None)
         module.register_forward_hook(lambda m, a, o: where.pop() and None)
-
-    class Live(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.storages: dict[tuple[int, int], list] = {}  # storage -> [tensors alive, bytes, label]
-            self.now = self.peak = 0
-            self.at_peak: list[tuple[int, str]] = []
-
-        def _gone(self, key: tuple[int, int]) -> None:
-            entry = self.storages[key]
-            entry[0] -= 1
-            if not entry[0]:
-                self.now -= entry[1]
-                del self.storages[key]
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor):
-                    storage = t.untyped_storage()
-                    key = (storage.data_ptr(), storage.nbytes())
-                    if key not in self.storages:
-                        label = f"{where[-1]}:{func.__name__} {tuple(t.shape)}"
-                        self.storages[key] = [0, storage.nbytes(), label]
-                        self.now += storage.nbytes()
-                    self.storages[key][0] += 1
-                    weakref.finalize(t, self._gone, key)
-            if self.now > self.peak:
-                self.peak = self.now
-                self.at_peak = sorted(((v[1], v[2]) for v in self.storages.values()), reverse=True)[:8]
-            return out
-
-    live = Live()
-    with live:
-        forward()
-    return live.peak, live.at_peak
+    return live_peak(forward, lambda func, t: f"{where[-1]}:{func.__name__} {tuple(t.shape)}")
 
 
 def run_case(
@@ -142,16 +104,7 @@ def run_case(
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=tokens,
-        attn_implementation="sdpa",
-    )
+    config = small_llama_config(97, 1, tokens)
     model = transformers.LlamaForCausalLM(config).float()
     if case == "packed":
         model.set_attn_implementation(segmented.register())

@@ -57,6 +57,7 @@ import tempfile
 import time
 
 import numpy as np
+from _common import print_report
 
 MAX_LENGTH = 2048
 TARGET_SPEEDUP = {"text": 10.0, "chat": 6.0}
@@ -392,10 +393,7 @@ def main() -> int:
         finally:
             if not args.workdir:
                 shutil.rmtree(workdir, ignore_errors=True)
-        print("\n" + "\n".join(lines))
-        if args.markdown:
-            with open(args.markdown, "w") as fh:
-                fh.write("\n".join(lines) + "\n")
+        print_report("\n".join(lines), args.markdown)
         return 0
     lines: list[str] = []
     try:
@@ -518,11 +516,7 @@ def main() -> int:
             ]
         )
         lines += [f"| {name} | {r['mb_per_s']:.1f} |" for name, r in alone.items()]
-        text = "\n".join(lines)
-        print("\n" + text)
-        if args.markdown:
-            with open(args.markdown, "w") as fh:
-                fh.write(text + "\n")
+        print_report("\n".join(lines), args.markdown)
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +49,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import print_report, run_case_process, small_llama_config  # noqa: E402
 from bench_pack import build_disk, rss_now, rss_peak  # noqa: E402
 
 TARGET_VS_TRL = 50.0
@@ -84,6 +85,7 @@ def run_build(case: dict) -> dict:
         fn = lambda: trl.pack_dataset(ds, max_length, "bfd")  # noqa: E731
     else:
         import packtools
+        import packtools.core  # the lazy front door does not import it
 
         packtools.core.warmup()
         if kind == "view":
@@ -118,6 +120,7 @@ def run_loader(case: dict) -> dict:
     import torch
 
     import packtools
+    import packtools.core  # the lazy front door does not import it
     from packtools import PaddingFreeCollator
     from packtools.batches import ArrowCollator, PackedRows, TokenBudgetBatchSampler
 
@@ -191,7 +194,7 @@ def run_compile(case: dict) -> dict:
     import pyarrow as pa
     import torch
     import torch._dynamo
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     import packtools
     from packtools import PaddingFreeCollator
@@ -206,17 +209,7 @@ def run_compile(case: dict) -> dict:
     table = pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids))})
     view = packtools.packed_view(table, 512)
     unpacked = [{"input_ids": ids[offsets[i] : offsets[i + 1]]} for i in range(len(lengths))]
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        attn_implementation="sdpa",
-        use_cache=False,
-    )
+    config = small_llama_config(512, 2, 4096, use_cache=False)
 
     def epoch(batches, collator) -> dict:
         torch.manual_seed(0)
@@ -258,9 +251,13 @@ def run_compile(case: dict) -> dict:
     groups = [unpacked[i : i + 8] for i in range(0, len(unpacked), 8)]
     totals = [sum(len(r["input_ids"]) for r in g) for g in groups]
     sizes = choose_buckets(totals, 8)
-    result["unpacked_none"] = {**epoch(groups, PaddingFreeCollator(0)), "padding": 0.0, "buckets": None}
+    result["unpacked_none"] = {  # rows of one sequence each (no seq_lengths): said to the collator
+        **epoch(groups, PaddingFreeCollator(0, unpacked=True)),
+        "padding": 0.0,
+        "buckets": None,
+    }
     result["unpacked_buckets"] = {
-        **epoch(groups, PaddingFreeCollator(0, pad_to_buckets=sizes, pad_cu_seq_lens_to=16)),
+        **epoch(groups, PaddingFreeCollator(0, unpacked=True, pad_to_buckets=sizes, pad_cu_seq_lens_to=16)),
         "padding": bucket_padding(totals, sizes),
         "buckets": sizes,
     }
@@ -272,16 +269,6 @@ def run_compile(case: dict) -> dict:
 # driver
 # ---------------------------------------------------------------------------------------------------------
 RUNNERS = {"build": run_build, "loader": run_loader, "compile": run_compile}
-
-
-def spawn(case: dict) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--case", json.dumps(case)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stdout + proc.stderr)
-        raise RuntimeError(f"case {case} failed with exit status {proc.returncode}")
-    return {**case, **json.loads(lines[-1][len("RESULT ") :])}
 
 
 def gib(x: float) -> str:
@@ -469,30 +456,30 @@ def main(argv: list[str] | None = None) -> int:
         if "build" in parts:
             kinds = ["view", "pack_dataset"] + ([] if args.skip_trl else ["trl"])
             results["build"] = [
-                spawn({**base, "part": "build", "kind": k, "repeat": 1 if k == "trl" else args.repeat})
+                run_case_process(
+                    __file__, {**base, "part": "build", "kind": k, "repeat": 1 if k == "trl" else args.repeat}
+                )
                 for k in kinds
             ]
         if "loader" in parts:
-            results["loader"] = spawn(
+            results["loader"] = run_case_process(
+                __file__,
                 {
                     **base,
                     "part": "loader",
                     "max_tokens": args.max_tokens,
                     "batches": args.batches,
                     "repeat": args.loader_repeat,
-                }
+                },
             )
         if "compile" in parts:
-            results["compile"] = spawn(
-                {"part": "compile", "seed": args.seed, "sequences": args.compile_sequences}
+            results["compile"] = run_case_process(
+                __file__, {"part": "compile", "seed": args.seed, "sequences": args.compile_sequences}
             )
     text = (
         report(results, args) + f"\n\ntotal wall time {time.perf_counter() - t0:.0f} s, {os.cpu_count()} CPUs"
     )
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as fh:
-            fh.write(text + "\n")
+    print_report(text, args.markdown)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1, default=str)

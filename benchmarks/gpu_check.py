@@ -264,40 +264,30 @@ def check_llama(torch, device: str, dtype, impl: str, seed: int) -> tuple[list[l
         return e_logit, rel
 
     base = errors(alone_logits, alone_grads)
-    floor = FLOOR[str(dtype).split(".")[-1]]
-    rows, ok = [], True
-    rows.append(
-        ["one by one", impl, str(dtype).split(".")[-1], f"{base[0]:.2e}", f"{base[1]:.2e}", "(yardstick)"]
-    )
+    dtype_name = str(dtype).split(".")[-1]
+    floor = FLOOR[dtype_name]
+
+    def row(label, errs, verdict):
+        return [label, impl, dtype_name, f"{errs[0]:.2e}", f"{errs[1]:.2e}", verdict]
+
+    def within(errs):  # as close to the reference as twice the one-by-one run's error, plus the dtype's floor
+        return errs[0] <= 2 * base[0] + floor and errs[1] <= 2 * base[1] + floor
+
     packed = errors(*packed_run(model))
-    passed = packed[0] <= 2 * base[0] + floor and packed[1] <= 2 * base[1] + floor
-    ok &= passed
-    rows.append(
-        [
-            "packed, padding-free",
-            impl,
-            str(dtype).split(".")[-1],
-            f"{packed[0]:.2e}",
-            f"{packed[1]:.2e}",
-            "PASS" if passed else "FAIL",
-        ]
-    )
     # The silent-contamination mistake: an all-ones attention_mask next to the packed batch.  transformers then
     # derives one long sequence from the mask (flash) or skips packed-sequence detection (sdpa).
     control = errors(*packed_run(model, {"attention_mask": torch.ones_like(batch["input_ids"])}))
-    detected = control[0] > 2 * base[0] + floor or control[1] > 2 * base[1] + floor
-    ok &= detected
-    rows.append(
-        [
+    passed, detected = within(packed), not within(control)
+    rows = [
+        row("one by one", base, "(yardstick)"),
+        row("packed, padding-free", packed, "PASS" if passed else "FAIL"),
+        row(
             "control: + all-ones attention_mask",
-            impl,
-            str(dtype).split(".")[-1],
-            f"{control[0]:.2e}",
-            f"{control[1]:.2e}",
+            control,
             "detected (ok)" if detected else "NOT DETECTED (check is blind)",
-        ]
-    )
-    return rows, ok
+        ),
+    ]
+    return rows, passed and detected
 
 
 # -- part 4: token-mixing layers, varlen kernels vs per document ------------------------------------------

@@ -9,41 +9,28 @@ Everything else lives in a namespace named for what it is: ``packtools.core``, `
 
 from ._lazy import lazy_exports
 from .constants import __version__ as __version__
-from .errors import PackingError
+from .errors import PackingError as PackingError
 
 # Every name but the error is imported on first use: `import packtools` (which every worker process and every
 # `packtools` command pays) imports neither Numba, the kernels, pyarrow's compute functions, torch nor the
 # pipeline until a name that needs them is read.
-_LAZY = {
-    "pack_table": "packtools.core.pack",
-    "plan": "packtools.core.plan",
-    "PackPlan": "packtools.core.plan",
-    "packed_view": "packtools.integrations.data.views",
-    "pack_dataset": "packtools.integrations.data.datasets",
-    "profile_lengths": "packtools.profiling.profile",
-    "pack_files": "packtools.pipeline.run",
-    "profile_files": "packtools.pipeline.profile",
-    "PaddingFreeCollator": "packtools.batches.collate",
-    "prepare_trainer": "packtools.integrations.trainers.transformers",
-    "prepare_dpo_trainer": "packtools.integrations.preference.dpo",
-    "prepare_grpo_trainer": "packtools.integrations.rl.grpo",
-}
+_EXPORTS = lazy_exports(
+    globals(),
+    {
+        ".core.pack": ("pack_table",),
+        ".core.plan": ("plan", "PackPlan"),
+        ".integrations.data.views": ("packed_view",),
+        ".integrations.data.datasets": ("pack_dataset",),
+        ".profiling.profile": ("profile_lengths",),
+        ".pipeline.run": ("pack_files",),
+        ".pipeline.profile": ("profile_files",),
+        ".batches.collate": ("PaddingFreeCollator",),
+        ".integrations.trainers.transformers": ("prepare_trainer",),
+        ".integrations.preference.dpo": ("prepare_dpo_trainer",),
+        ".integrations.rl.grpo": ("prepare_grpo_trainer",),
+    },
+)
 
-__getattr__, __dir__ = lazy_exports(globals(), _LAZY)
 del lazy_exports
 
-__all__ = [
-    "PackPlan",
-    "PackingError",
-    "PaddingFreeCollator",
-    "pack_dataset",
-    "pack_files",
-    "pack_table",
-    "packed_view",
-    "plan",
-    "prepare_dpo_trainer",
-    "prepare_grpo_trainer",
-    "prepare_trainer",
-    "profile_files",
-    "profile_lengths",
-]
+__all__ = sorted(["PackingError", *_EXPORTS])

@@ -4,9 +4,10 @@ The front door (``packtools``) and the namespace packages (``packtools.batches``
 keep ``import packtools`` light: a name that needs torch, transformers or the pipeline is imported only when it
 is first read.  ``dir()`` lists every public name, imported yet or not.
 
->>> ns = {"__name__": "demo"}
->>> getattr_, dir_ = lazy_exports(ns, {"PackingError": "packtools.errors"})
->>> getattr_("PackingError").__name__, "PackingError" in dir_()
+>>> ns = {"__name__": "demo", "__package__": "packtools"}
+>>> lazy_exports(ns, {".errors": ("PackingError",)})
+{'PackingError': 'packtools.errors'}
+>>> ns["__getattr__"]("PackingError").__name__, "PackingError" in ns["__dir__"]()
 ('PackingError', True)
 """
 
@@ -16,29 +17,39 @@ import importlib
 import importlib.util
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
 
-def lazy_exports(
-    namespace: dict[str, Any], exports: Mapping[str, str]
-) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """``(__getattr__, __dir__)`` for the module whose globals are ``namespace``; ``exports`` maps a public name
-    to the module that defines it."""
+def lazy_exports(namespace: dict[str, Any], modules: Mapping[str, tuple[str, ...]]) -> dict[str, str]:
+    """Give the module whose globals are ``namespace`` a ``__getattr__`` and a ``__dir__`` that serve the names
+    ``modules`` lists, each imported from its module on first read.
+
+    ``modules`` maps a module, written as in a relative import from the namespace (``".plan"``), to the public
+    names it defines.  Returns every served name -> the absolute name of its module (the namespace's
+    ``__all__`` is built from it; the namespace test checks each name against its module).
+    """
+    package = namespace["__package__"]
+    home = {
+        name: importlib.util.resolve_name(module, package)
+        for module, names in modules.items()
+        for name in names
+    }
     name_of = namespace["__name__"]
 
     def __getattr__(name: str) -> Any:
-        if name in exports:
-            value = getattr(importlib.import_module(exports[name]), name)
+        if name in home:
+            value = getattr(importlib.import_module(home[name]), name)
             namespace[name] = value  # read once; later reads are plain attribute reads
             return value
         raise AttributeError(f"module {name_of!r} has no attribute {name!r}")
 
     def __dir__() -> list[str]:
-        return sorted(set(namespace) | set(exports))
+        return sorted(set(namespace) | set(home))
 
-    return __getattr__, __dir__
+    namespace["__getattr__"], namespace["__dir__"] = __getattr__, __dir__
+    return home
 
 
 def lazy_module(name: str) -> ModuleType:

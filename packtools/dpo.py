@@ -14,27 +14,19 @@ live in ``packtools.integrations`` and ``packtools.batches``; each is imported o
 
 from ._lazy import lazy_exports
 
-# public name -> the module that defines it (imported on first use)
-_EXPORTS = {
-    "pack_preference": "packtools.integrations.preference.data",
-    "PreferenceCollator": "packtools.batches.preference",
-    "sequence_logps": "packtools.batches.logps",
-    "prepare_dpo_trainer": "packtools.integrations.preference.dpo",
-    "pack_groups": "packtools.integrations.preference.data",
-    "TreeCollator": "packtools.batches.tree",
-    "use_tree_attention": "packtools.integrations.attention.tree",
-}
+# the module that defines each public name (imported on first use)
+_EXPORTS = lazy_exports(
+    globals(),
+    {
+        ".integrations.preference.data": ("pack_preference", "pack_groups"),
+        ".batches.preference": ("PreferenceCollator",),
+        ".batches.logps": ("sequence_logps",),
+        ".integrations.preference.dpo": ("prepare_dpo_trainer",),
+        ".batches.tree": ("TreeCollator",),
+        ".integrations.attention.tree": ("use_tree_attention",),
+    },
+)
 
-__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 del lazy_exports
 
-# (ruff cannot see names that __getattr__ provides)
-__all__ = [  # noqa: F822
-    "PreferenceCollator",
-    "TreeCollator",
-    "pack_groups",
-    "pack_preference",
-    "prepare_dpo_trainer",
-    "sequence_logps",
-    "use_tree_attention",
-]
+__all__ = sorted(_EXPORTS)

@@ -20,6 +20,7 @@ import datasets
 import torch
 import transformers
 from _hf_models import PAD, FirstStep, sequences, sgd_train_args, tiny_llama
+from _workers import quiet_hf_rank
 
 from packtools import PaddingFreeCollator, pack_dataset, packed_view, prepare_trainer
 from packtools.errors import PackingError
@@ -264,10 +265,7 @@ ON_REQUEST = ("stream",)  # refusals, run only when named (tests/test_distribute
 
 
 def main(out: str) -> None:
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    datasets.disable_progress_bars()
-    rank = int(os.environ["RANK"])
+    rank = quiet_hf_rank()
     results = {}
     tmp = os.path.join(out, "work")  # shared by the ranks (rank 0 writes the checkpoints)
     checks = (

@@ -12,26 +12,28 @@ VOCAB = 97
 PAD = 0
 
 
-def _tiny_config(impl: str, **extra) -> dict:
-    """The sizes of every tiny model here: 2 layers, hidden 64, 4 heads over 2 key/value heads."""
-    return dict(
+def tiny_config(impl: str | None = "sdpa", *, hidden_size: int = 64, **extra) -> dict:
+    """The sizes of every tiny model of the tests: 2 layers, ``hidden_size`` (64) with an MLP twice as wide, 4
+    heads over 2 key/value heads, vocabulary ``VOCAB`` and 256 positions unless ``extra`` says otherwise."""
+    config = dict(
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
         pad_token_id=PAD,
-        attn_implementation=impl,
-        **extra,
     )
+    if impl is not None:
+        config["attn_implementation"] = impl
+    return {**config, **extra}
 
 
 def tiny_llama(impl: str = "sdpa", seed: int = 0):
     """A 2-layer Llama (hidden 64, grouped-query attention) with random fp32 weights."""
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**_tiny_config(impl))).float()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny_config(impl))).float()
 
 
 def sequences(n: int = 24, seed: int = 0, max_len: int = 20, masks: bool = True) -> list[dict]:
@@ -204,7 +206,7 @@ def tiny_preference_model(family: str = "llama", impl: str = "sdpa", seed: int =
     A causal LM, or with ``num_labels`` a sequence classifier with that many labels.
     """
     torch.manual_seed(seed)
-    common = _tiny_config(impl, eos_token_id=EOS, **({"num_labels": num_labels} if num_labels else {}))
+    common = tiny_config(impl, eos_token_id=EOS, **({"num_labels": num_labels} if num_labels else {}))
     if family == "qwen3":
         cls = transformers.Qwen3ForSequenceClassification if num_labels else transformers.Qwen3ForCausalLM
         return cls(transformers.Qwen3Config(head_dim=16, **common)).float()

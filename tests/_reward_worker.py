@@ -14,10 +14,9 @@ import sys
 import traceback
 from pathlib import Path
 
-import datasets
 import torch
-import transformers
 from _hf_models import FirstStep
+from _workers import quiet_hf_rank
 
 GA = 2
 
@@ -81,10 +80,7 @@ def run_kto(out, prepared):
 
 
 def main(out: str) -> None:
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    datasets.disable_progress_bars()
-    rank = int(os.environ["RANK"])
+    rank = quiet_hf_rank()
     results = {}
     work = os.path.join(out, "work")
     for name, packed, prepare in (

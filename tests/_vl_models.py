@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _hf_models import tiny_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -15,17 +16,8 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def _text(family: str) -> dict:
-    text = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
+    text = tiny_config(
+        None, hidden_size=32, vocab_size=VOCAB, max_position_embeddings=512, bos_token_id=1, eos_token_id=2
     )
     if family == "qwen3_vl":
         text.update(
@@ -48,27 +40,11 @@ def _vision(family: str, patch: int = PATCH) -> dict:
     common = dict(patch_size=patch, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, in_channels=3)
     if family == "qwen2_vl":
         return dict(common, depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2)
+    # Qwen2.5-VL's and Qwen3-VL's vision towers: an MLP and a projection to the text width on top
+    newer = dict(common, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32)
     if family == "qwen2_5_vl":
-        return dict(
-            common,
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=32,
-            window_size=8,
-            fullatt_block_indexes=[1],
-        )
-    return dict(
-        common,
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        out_hidden_size=32,
-        num_position_embeddings=64,
-        deepstack_visual_indexes=[0],
-    )
+        return dict(newer, window_size=8, fullatt_block_indexes=[1])
+    return dict(newer, num_position_embeddings=64, deepstack_visual_indexes=[0])
 
 
 def config(family: str, impl: str = "sdpa", patch: int = PATCH):

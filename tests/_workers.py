@@ -21,6 +21,18 @@ def save_gathered(result: Any, path: Any) -> None:
     dist.barrier()
 
 
+def quiet_hf_rank() -> int:
+    """This ``torchrun`` process's rank, after making it a quiet Hugging Face worker: one intra-op thread (the
+    ranks share the CPU), transformers' warnings and datasets' progress bars off."""
+    import datasets
+    import transformers
+
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    return int(os.environ["RANK"])
+
+
 def run_worker(main: Callable[[], None]) -> None:
     """Run ``main``; on any failure print the traceback and exit with status 1 at once."""
     try:

@@ -235,3 +235,22 @@ def test_dpo_collator_that_merges_pairs_is_refused(tmp_path):
     batch = merge_previous_pair([trainer.train_dataset[i] for i in range(2)])
     assert torch.isfinite(trainer.compute_loss(trainer.model, batch))
     # TRL's own collator passes the same check: every prepare_dpo_trainer in tests/test_dpo.py runs it.
+
+
+def test_in_check_is_the_checking_threads_own_and_restored_after_a_nested_check():
+    """The flag belongs to the thread running a check: a collator another thread calls meanwhile (a training
+    batch) reads False; a nested check leaves the outer one's flag set, and the end of the outer one clears it."""
+    import threading
+
+    from packtools.integrations.trainers.collator_check import _checking
+
+    seen = []
+    with _checking():
+        with _checking():
+            pass
+        seen.append(in_check())
+        other = threading.Thread(target=lambda: seen.append(in_check()))
+        other.start()
+        other.join()
+    seen.append(in_check())
+    assert seen == [True, False, False]

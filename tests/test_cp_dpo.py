@@ -27,6 +27,7 @@ from test_cp_training import launch, rel  # noqa: E402
 
 from packtools.dpo import PreferenceCollator, sequence_logps  # noqa: E402
 from packtools.integrations.attention import segmented  # noqa: E402
+from packtools.integrations.trainers.guard import VARLEN_KEYS  # noqa: E402
 
 BETA = 0.5  # plain_cp_dpo_step's default
 
@@ -38,17 +39,7 @@ def one_process(rows, lr: float = 1.0):
     policy.set_attn_implementation(name)
     reference.set_attn_implementation(name)
     batch = PreferenceCollator(0)(rows)
-    inputs = {
-        k: batch[k]
-        for k in (
-            "input_ids",
-            "position_ids",
-            "cu_seq_lens_q",
-            "cu_seq_lens_k",
-            "max_length_q",
-            "max_length_k",
-        )
-    }
+    inputs = {k: batch[k] for k in ("input_ids", "position_ids", *VARLEN_KEYS)}  # what the model reads
     before = {k: p.detach().clone() for k, p in policy.named_parameters()}
     logps, _ = sequence_logps(
         policy(**inputs, use_cache=False).logits, batch["labels"], batch["cu_seq_lens_q"]

@@ -261,27 +261,36 @@ def step_gradients(trainer):
     return {k: before[k] - after[k].detach() for k in before}, seen
 
 
-def test_accumulation_is_the_mean_over_all_pairs_of_the_step(tmp_path):
-    """Micro-batches of unequal pair counts: the step's gradient is that of all its pairs at once (TRL padded),
-    and the logged loss is their mean.  Negative control: TRL's per-micro-batch mean differs."""
-    prepared, packed = packed_trainer(
-        tmp_path,
-        max_length=64,
-        gradient_accumulation_steps=3,
-        per_device_train_batch_size=1,
-        max_steps=1,
-        logging_strategy="steps",
-        logging_steps=1,
-        remove_unused_columns=False,
-    )
+#: One logged optimizer step over 3 micro-batches of one packed row each (rows of unequal pair counts).
+ONE_LOGGED_STEP = dict(
+    gradient_accumulation_steps=3,
+    per_device_train_batch_size=1,
+    max_steps=1,
+    logging_strategy="steps",
+    logging_steps=1,
+    remove_unused_columns=False,
+)
+
+
+def check_step_is_the_whole_step(tmp_path, prepared):
+    """Train ``prepared`` one :data:`ONE_LOGGED_STEP` step; check that its micro-batches hold unequal pair
+    counts and that its gradient and logged loss are those of all its pairs at once in TRL's padded step.
+    Returns ``(TRL trainer, the pairs of each micro-batch, TRL's (loss, metrics, gradients) of all of them)``."""
     step, seen = step_gradients(prepared)
     micro = [[p for row in batch for p in row] for batch in seen[:3]]  # accelerate fetches one batch ahead
     assert len(seen) >= 3 and len({len(m) for m in micro}) > 1, micro  # unequal micro-batches
     reference = build(tmp_path, n=16)
     whole = loss_metrics_grads(reference, trl_batch(reference, [p for m in micro for p in m]))
     assert max(float((step[k] - whole[2][k]).abs().max()) for k in whole[2]) < TOL
-    logged = prepared.state.log_history[0]["loss"]
-    assert abs(logged - whole[0]) < 1e-4
+    assert abs(prepared.state.log_history[0]["loss"] - whole[0]) < 1e-4
+    return reference, micro, whole
+
+
+def test_accumulation_is_the_mean_over_all_pairs_of_the_step(tmp_path):
+    """Micro-batches of unequal pair counts: the step's gradient is that of all its pairs at once (TRL padded),
+    and the logged loss is their mean.  Negative control: TRL's per-micro-batch mean differs."""
+    prepared, _ = packed_trainer(tmp_path, max_length=64, **ONE_LOGGED_STEP)
+    reference, micro, whole = check_step_is_the_whole_step(tmp_path, prepared)
     per_micro = np.mean([loss_metrics_grads(reference, trl_batch(reference, m))[0] for m in micro])
     assert abs(per_micro - whole[0]) > 1e-3  # what TRL alone would have optimized
 
@@ -366,13 +375,9 @@ def test_guards(tmp_path):
 
 @pytest.mark.slow
 def test_bench_dpo_runs_the_same_pairs_and_packtools_sees_only_real_tokens(capsys):
-    import importlib.util
-    from pathlib import Path
+    from _scripts import script
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_dpo.py"
-    spec = importlib.util.spec_from_file_location("bench_dpo", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = script("bench_dpo")
     rows, (seconds, report), peaks = bench.main(
         ["--pairs", "16", "--pairs-per-step", "4", "--steps", "2", "--hidden", "64", "--pack-pairs", "3000"]
         + ["--peak-rss"]

@@ -2,28 +2,18 @@
 time, with the loss of each optimizer step the mean over all its pairs."""
 
 import copy
-import importlib.util
-import inspect
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 from _hf_models import Recorder, max_diff, params, tiny_llama, torch
+from _scripts import script
 
 from packtools.dpo import PreferenceCollator, pack_preference
 
 datasets = pytest.importorskip("datasets")
 F = torch.nn.functional
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "dpo_loop.py"
 BETA, LR = 0.5, 0.1
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("dpo_loop", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def pairs(n, seed):
@@ -70,7 +60,7 @@ def reference_training(model, ref_model, batches, accumulation):
 
 @pytest.mark.parametrize("accumulation", [1, 3])
 def test_loop_matches_pairs_one_sequence_at_a_time(accumulation):
-    loop = load_script()
+    loop = script("dpo_loop")
     packed = pack_preference(pairs(12, seed=3), 48, shuffle=True, seed=1)
     recorder = Recorder(PreferenceCollator(0))
     loader = torch.utils.data.DataLoader(packed, batch_size=1, shuffle=True, collate_fn=recorder)
@@ -119,13 +109,3 @@ def test_mean_per_micro_batch_is_caught():
     reference = copy.deepcopy(start)
     reference_training(reference, ref_model, recorder.batches[:3], 3)
     assert max_diff(params(model), params(reference)) > 1e-4
-
-
-def test_readme_example_runs():
-    losses = load_script().main(["--pairs", "80", "--max-length", "128", "--max-steps", "2"])
-    assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses)
-
-
-def test_readme_shows_this_loop():
-    readme = SCRIPT.parents[1] / "docs" / "preference.md"
-    assert inspect.getsource(load_script().train_dpo) in readme.read_text()

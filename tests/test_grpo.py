@@ -20,6 +20,8 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 tokenizers = pytest.importorskip("tokenizers")
 
+from _hf_models import tiny_config  # noqa: E402
+
 from packtools.errors import PackingError  # noqa: E402
 from packtools.integrations import unprepare  # noqa: E402
 from packtools.integrations.rl import grpo as rl_grpo  # noqa: E402
@@ -35,17 +37,11 @@ TIMING = ("step_time", "train_runtime", "train_samples_per_second", "train_steps
 
 def tiny(kind="llama", seed=0):
     torch.manual_seed(seed)
-    common = dict(
-        vocab_size=VOCAB,
+    common = tiny_config(
         hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        vocab_size=VOCAB,
         max_position_embeddings=128,
-        pad_token_id=PAD,
         eos_token_id=EOS,
-        attn_implementation="sdpa",
         # Wide initial weights spread the per-token entropies (0.02 leaves them all near log(VOCAB)), so the
         # top_entropy_quantile mask, a step function, is not decided by float rounding between near-equal values.
         initializer_range=0.3,

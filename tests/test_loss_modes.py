@@ -134,3 +134,33 @@ def test_modes_under_two_processes_equal_the_unpacked_computation(tmp_path, refe
         for r in results:
             assert rel(r["dft"]["delta"], want_dft) < 1e-5
         assert rel(want_dft, reference["token"][1]) > 1e-2
+
+
+def test_every_other_loss_is_named_by_the_sample_and_sqrt_refusal():
+    """A compute_loss_func of the user's own, Trainer's label smoother and a MoE router loss: each named in the
+    refusal of loss='sample' (the same list the CP check refuses); a plain trainer passes."""
+    from types import SimpleNamespace
+
+    from packtools.integrations.trainers.step import check_loss_owner, other_losses
+
+    moe = SimpleNamespace(
+        get_text_config=lambda: SimpleNamespace(output_router_logits=True, router_aux_loss_coef=0.1)
+    )
+
+    def trainer(compute_loss_func=None, label_smoother=None, config=None):
+        model = SimpleNamespace(config=config) if config else SimpleNamespace()
+        args = SimpleNamespace(loss_type=None)
+        return SimpleNamespace(
+            compute_loss_func=compute_loss_func, label_smoother=label_smoother, model=model, args=args
+        )
+
+    assert other_losses(trainer()) == []
+    check_loss_owner(trainer(), "sample")
+    everything = trainer(lambda *a, **k: 0.0, object(), moe)
+    assert len(other_losses(everything)) == 3
+    with pytest.raises(
+        PackingError,
+        match=r"loss='sqrt'.*compute_loss_func of your own; label_smoothing_factor > 0 .*; a MoE router loss",
+    ):
+        check_loss_owner(everything, "sqrt")
+    check_loss_owner(everything, "token")  # the trainer's own loss: honoured

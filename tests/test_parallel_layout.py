@@ -144,7 +144,10 @@ def test_prepare_dpo_trainer_refuses_accelerates_context_parallelism_by_name(tmp
     config = ParallelismConfig(dp_shard_size=1, cp_size=2)
     trainer.accelerator.state.parallelism_config = config  # what accelerate holds under a CP launch
     try:
-        with pytest.raises(PackingError, match=r"cp_size=2.*accelerate's own.*context_parallel=2\)"):
+        with pytest.raises(
+            PackingError,
+            match=r"cp_size=2.*accelerate's context parallelism.*pair's sequences.*context_parallel=2 to.*prepare_dpo_trainer",
+        ):
             prepare_dpo_trainer(trainer)
     finally:
         trainer.accelerator.state.parallelism_config = None

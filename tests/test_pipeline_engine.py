@@ -40,6 +40,20 @@ def tokenized_table(n: int, seed: int = 0, first_id: int = 0) -> pa.Table:
     return pa.table({"input_ids": lists(ids), "labels": lists(labels), "id": pa.array(np.arange(n))})
 
 
+def executor_args(paths: list[str]) -> list[str]:
+    """``packtools pack`` arguments of the executor comparisons (several parts and shards), ``--out`` apart."""
+    return [
+        *paths,
+        "--max-length",
+        str(MAX_LENGTH),
+        "--shard-tokens",
+        "3000",
+        "--part-rows",
+        "100",
+        "--quiet",
+    ]
+
+
 def make_inputs(folder, rows=(300, 250, 400)) -> tuple[list[str], pa.Table]:
     """The same kind of rows as parquet (small row groups), JSON lines and a save_to_disk folder; returns the
     input paths and all rows in input order."""
@@ -95,16 +109,7 @@ def test_global_plan_equals_packing_all_rows_at_once(mixed, tmp_path):
 @pytest.mark.slow
 def test_executors_write_the_same_bytes(mixed, tmp_path):
     paths, _ = mixed
-    args = [
-        *paths,
-        "--max-length",
-        str(MAX_LENGTH),
-        "--shard-tokens",
-        "3000",
-        "--part-rows",
-        "100",
-        "--quiet",
-    ]
+    args = executor_args(paths)
     assert main(["pack", *args, "--out", str(tmp_path / "local")]) == 0
     assert main(["pack", *args, "--out", str(tmp_path / "pool"), "--executor", "pool", "--workers", "2"]) == 0
     local = folder_digest(str(tmp_path / "local"))

@@ -18,9 +18,8 @@ pytestmark = pytest.mark.slow  # Ray starts worker processes; in .ci/run, not in
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
-from test_pipeline_engine import folder_digest, make_inputs, tokenized_table  # noqa: E402
+from test_pipeline_engine import MAX_LENGTH, executor_args, folder_digest, make_inputs, tokenized_table  # noqa: E402
 
-MAX_LENGTH = 64
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -29,16 +28,7 @@ def test_ray_executor_writes_the_same_bytes_as_local(tmp_path):
     """``--executor ray`` from a fresh process: packtools starts a local Ray (2 CPUs), runs the read and write
     stages as Ray tasks, shuts Ray down, and the folder is the same bytes as with ``--executor local``."""
     paths, _ = make_inputs(str(tmp_path / "in"))
-    args = [
-        *paths,
-        "--max-length",
-        str(MAX_LENGTH),
-        "--shard-tokens",
-        "3000",
-        "--part-rows",
-        "100",
-        "--quiet",
-    ]
+    args = executor_args(paths)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     for name, extra in (("local", []), ("ray", ["--executor", "ray", "--workers", "2"])):
         cmd = [sys.executable, "-m", "packtools.cli", "pack", *args, "--out", str(tmp_path / name), *extra]

@@ -547,22 +547,8 @@ def test_trl_fold_refuses_a_model_switched_off_the_tree_after_prepare(tmp_path):
 
 
 def test_trl_accumulation_on_shared_rows_is_the_mean_over_the_step(tmp_path):
-    prepared, _ = shared_trainer(
-        tmp_path,
-        gradient_accumulation_steps=3,
-        per_device_train_batch_size=1,
-        max_steps=1,
-        logging_strategy="steps",
-        logging_steps=1,
-        remove_unused_columns=False,
-    )
-    step, seen = dpo.step_gradients(prepared)
-    micro = [[p for row in batch for p in row] for batch in seen[:3]]
-    assert len({len(m) for m in micro}) > 1, micro  # unequal micro-batches
-    reference = dpo.build(tmp_path, n=16)
-    whole = dpo.loss_metrics_grads(reference, dpo.trl_batch(reference, [p for m in micro for p in m]))
-    assert max(float((step[k] - whole[2][k]).abs().max()) for k in whole[2]) < TOL
-    assert abs(prepared.state.log_history[0]["loss"] - whole[0]) < 1e-4
+    prepared, _ = shared_trainer(tmp_path, **dpo.ONE_LOGGED_STEP)
+    dpo.check_step_is_the_whole_step(tmp_path, prepared)
 
 
 def test_trl_share_prompt_on_trl_batches_and_refusal(tmp_path):

@@ -1,31 +1,21 @@
 """The plain PyTorch loop of docs/training.md (benchmarks/train_loop.py) trains like the sequences run one by one."""
 
 import copy
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 from _hf_models import PAD, Recorder, max_diff, params, reference_training, sequences, tiny_llama, torch
+from _scripts import script
 
 from packtools import pack_dataset
 from packtools.batches.collate import PaddingFreeCollator
 
 datasets = pytest.importorskip("datasets")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "train_loop.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("train_loop", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.mark.parametrize("accumulation", [1, 3])
 def test_loop_matches_one_by_one(accumulation):
-    loop = load_script()
+    loop = script("train_loop")
     packed = pack_dataset(datasets.Dataset.from_list(sequences(40, seed=7)), 32, "bfd_split")
     recorder = Recorder(PaddingFreeCollator(PAD))
     loader = torch.utils.data.DataLoader(packed, batch_size=2, shuffle=True, collate_fn=recorder)
@@ -39,23 +29,8 @@ def test_loop_matches_one_by_one(accumulation):
     assert max_diff(params(model), params(tiny_llama("sdpa"))) > 1e-2
 
 
-def test_readme_example_runs():
-    losses = load_script().main(["--sequences", "100", "--max-length", "64", "--max-steps", "3"])
-    assert len(losses) == 3 and all(math.isfinite(x) and x > 0 for x in losses)
-
-
-def test_readme_shows_this_loop():
-    """docs/training.md's loop is this file's ``train``, verbatim."""
-    import inspect
-
-    readme = SCRIPT.parents[1] / "docs" / "training.md"
-    assert inspect.getsource(load_script().train) in readme.read_text()
-
-
 def test_bench_train_cases_see_the_same_tokens_and_packed_layouts_agree(capsys):
-    spec = importlib.util.spec_from_file_location("bench_train", SCRIPT.parent / "bench_train.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = script("bench_train")
     padded, flat, two_d, per_seq = bench.main(["--sequences", "40", "--max-length", "128", "--repeats", "1"])
     assert padded["real"] == flat["real"] == two_d["real"] == per_seq["real"] == flat["processed"]
     assert padded["processed"] > padded["real"]

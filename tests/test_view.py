@@ -248,9 +248,9 @@ def test_dataloader_spawned_worker_reopens_the_files(tmp_path):
 
 def test_readme_loop_trains_the_same_on_a_view():
     from _hf_models import sequences, tiny_llama
-    from test_train_loop import load_script
+    from _scripts import script
 
-    loop = load_script()
+    loop = script("train_loop")
     ds = datasets.Dataset.from_list(sequences(40, seed=7))
     losses = {}
     for name, data in (

@@ -10,36 +10,24 @@ the sampler; each is imported on first use.
 
 from .._lazy import lazy_exports
 
-# public name -> the module that defines it (imported on first use)
-_EXPORTS = {
-    "PaddingFreeCollator": "packtools.batches.collate",
-    "ContextParallelCollator": "packtools.batches.context_parallel",
-    "ArrowCollator": "packtools.batches.loader",
-    "PackedRows": "packtools.batches.loader",
-    "PackedView": "packtools.batches.view",
-    "TokenBudgetBatchSampler": "packtools.batches.sampler",
-    "choose_buckets": "packtools.batches.buckets",
-    "varlen_attention": "packtools.batches.attention",
-    "PreferenceCollator": "packtools.batches.preference",
-    "sequence_logps": "packtools.batches.logps",
-    "MultimodalCollator": "packtools.batches.vision",
-    "MropeSpec": "packtools.batches.mrope",
-}
+# the module that defines each public name (imported on first use)
+_EXPORTS = lazy_exports(
+    globals(),
+    {
+        ".collate": ("PaddingFreeCollator",),
+        ".context_parallel": ("ContextParallelCollator",),
+        ".loader": ("ArrowCollator", "PackedRows"),
+        ".view": ("PackedView",),
+        ".sampler": ("TokenBudgetBatchSampler",),
+        ".buckets": ("choose_buckets",),
+        ".attention": ("varlen_attention",),
+        ".preference": ("PreferenceCollator",),
+        ".logps": ("sequence_logps",),
+        ".vision": ("MultimodalCollator",),
+        ".mrope": ("MropeSpec",),
+    },
+)
 
-__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 del lazy_exports
 
-__all__ = [
-    "ArrowCollator",
-    "ContextParallelCollator",
-    "MropeSpec",
-    "MultimodalCollator",
-    "PackedRows",
-    "PackedView",
-    "PaddingFreeCollator",
-    "PreferenceCollator",
-    "TokenBudgetBatchSampler",
-    "choose_buckets",
-    "sequence_logps",
-    "varlen_attention",
-]
+__all__ = sorted(_EXPORTS)

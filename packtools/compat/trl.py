@@ -8,7 +8,7 @@ each recorded on the trainer (:func:`~packtools.compat.set_attr` with ``owner=tr
   :func:`wrap_fused_forward` replaces that instance attribute with packtools' padding-free or prompt-shared
   forward around it.  Module hooks cannot do this job on every checked version: PEFT 0.18's ``LoraModel.forward``
   calls ``model.forward(...)`` directly, which runs no hook of the base model.
-* **``compute_loss`` and ``get_batch_samples``** (:func:`check_method`): their signatures are checked; the step
+* **``compute_loss`` and ``get_batch_samples``** (:func:`check_step_methods`): their signatures are checked; the step
   owner (:class:`packtools.integrations.trainers.step.DPOStep`, the trainer's class swapped to a subclass of its own)
   overrides them and calls ``super()``.
 * **The kept columns** (:func:`keep_signature_columns`): ``Trainer`` drops dataset columns its model's
@@ -90,27 +90,16 @@ def wrap_fused_forward(
     set_attr(base, "forward", types.MethodType(make(inner), base), owner=owner)
 
 
-def check_method(trainer: Any, name: str) -> None:
-    """Refuse a trainer whose ``compute_loss`` / ``get_batch_samples`` is not the shape the step owner
-    (:mod:`packtools.integrations.trainers.step`) overrides and calls through ``super()``."""
-    method = getattr(trainer, name, None)
-    params = tuple(inspect.signature(method).parameters) if callable(method) else ()
-    if params != _METHOD_PARAMS[name]:
-        library = "trl" if name == "compute_loss" else "transformers"
-        raise _unknown(f"{type(trainer).__name__}.{name} takes {params}, not {_METHOD_PARAMS[name]}", library)
-
-
-def check_step_methods(trainer: Any, names: Sequence[str]) -> None:
-    """Refuse a trainer whose ``names`` methods (``compute_loss``, ``get_batch_samples``) do not take the
-    parameters of the checked versions: a packtools step class overriding them would call them wrongly."""
-    for name in names:
+def check_step_methods(trainer: Any) -> None:
+    """Refuse a trainer whose ``compute_loss`` or ``get_batch_samples`` does not take the parameters of the
+    checked versions: the step owner (:mod:`packtools.integrations.trainers.step`) overrides both and calls
+    them through ``super()``, so it would call them wrongly."""
+    for name, expected in _METHOD_PARAMS.items():
         method = getattr(trainer, name, None)
         params = tuple(inspect.signature(method).parameters) if callable(method) else ()
-        if params != _METHOD_PARAMS[name]:
+        if params != expected:
             library = "trl" if name == "compute_loss" else "transformers"
-            raise _unknown(
-                f"{type(trainer).__name__}.{name} takes {params}, not {_METHOD_PARAMS[name]}", library
-            )
+            raise _unknown(f"{type(trainer).__name__}.{name} takes {params}, not {expected}", library)
 
 
 def keep_signature_columns(trainer: Any, columns: Sequence[str]) -> None:

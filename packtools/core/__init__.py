@@ -16,17 +16,15 @@ front door; ``packtools.core.plan`` is the module of plans):
 
 from .._lazy import lazy_exports
 
-# public name -> the module that defines it (imported on first use)
-_EXPORTS = {
-    "STRATEGIES": "packtools.core.plan",
-    "PackPlan": "packtools.core.plan",
-    "pack_table": "packtools.core.pack",
-    "unpack": "packtools.core.pack",
-    "truncate_table": "packtools.core.pack",
-    "warmup": "packtools.core.pack",
-}
+# the module that defines each public name (imported on first use)
+_EXPORTS = lazy_exports(
+    globals(),
+    {
+        ".plan": ("STRATEGIES", "PackPlan"),
+        ".pack": ("pack_table", "unpack", "truncate_table", "warmup"),
+    },
+)
 
-__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 del lazy_exports
 
-__all__ = ["PackPlan", "STRATEGIES", "pack_table", "truncate_table", "unpack", "warmup"]
+__all__ = sorted(_EXPORTS)

@@ -9,12 +9,15 @@ order the samples sit in the row.  That is only meaningful when every sample is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pyarrow as pa
 
 from ..errors import PackingError
 from .arrow import is_list_type
 from .plan import PackPlan
+from .plan import plan as make_plan
 
 
 def check_whole_samples(p: PackPlan, what: str, *, complete: bool = True) -> None:
@@ -35,6 +38,29 @@ def check_whole_samples(p: PackPlan, what: str, *, complete: bool = True) -> Non
     lost = np.flatnonzero(~kept & (p.source_lengths > 0))
     if lost.size:
         raise PackingError(f"the plan leaves out sample {int(lost[0])}; {what} must all be placed.")
+
+
+def plan_whole_samples(
+    lengths: np.ndarray, max_length: int, *, shuffle: bool, seed: int, where: Callable[[int], str]
+) -> PackPlan:
+    """The ``bfd`` plan of samples with images, every one placed whole (rows shuffled with ``seed`` when
+    ``shuffle``).  A sample over ``max_length`` is refused, never truncated (an image would be cut);
+    ``where(i)`` names sample ``i`` in the message (its index, or its file and line)."""
+    over = np.flatnonzero(lengths > max_length)
+    if over.size:
+        i = int(over[0])
+        raise PackingError(
+            f"{where(i)} has {int(lengths[i])} tokens (image tokens included) > max_length={max_length} "
+            f"({over.size} sample(s) in all, longest {int(lengths.max())}): multimodal samples are never "
+            f"truncated (an image would be cut). Raise max_length (packtools.profile_lengths shows the lengths), "
+            f"or drop those samples.",
+            param="max_length",
+        )
+    p = make_plan(lengths, max_length, "bfd")
+    if shuffle:
+        p = p.shuffled(seed)
+    check_whole_samples(p, "samples with images")
+    return p
 
 
 def _take(column: pa.ChunkedArray | pa.Array, rows: np.ndarray) -> pa.Array:

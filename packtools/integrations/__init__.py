@@ -15,50 +15,30 @@ and ``KTOTrainer`` padding-free.
 
 from .._lazy import lazy_exports
 
-# public name -> the module that defines it (imported on first use)
-_EXPORTS = {
-    "pack_dataset": "packtools.integrations.data.datasets",
-    "packed_view": "packtools.integrations.data.views",
-    "truncate_dataset": "packtools.integrations.data.datasets",
-    "pack_preference": "packtools.integrations.preference.data",
-    "pack_ray_dataset": "packtools.integrations.data.ray",
-    "prepare_trainer": "packtools.integrations.trainers.transformers",
-    "prepared": "packtools.integrations.trainers.prepared_block",
-    "unprepare": "packtools.compat",
-    "packed_sft_config": "packtools.integrations.trainers.sft",
-    "use_segmented_sdpa": "packtools.integrations.attention.backends",
-    "check_isolation": "packtools.integrations.attention.isolation",
-    "check_vision_isolation": "packtools.integrations.multimodal.models",
-    "prepare_dpo_trainer": "packtools.integrations.preference.dpo",
-    "prepare_reward_trainer": "packtools.integrations.preference.reward",
-    "pack_reward_pairs": "packtools.integrations.preference.data",
-    "prepare_kto_trainer": "packtools.integrations.preference.kto",
-    "prepare_grpo_trainer": "packtools.integrations.rl.grpo",
-    "use_cp_attention": "packtools.integrations.attention.context_parallel",
-    "RankLayout": "packtools.integrations.parallel.layout",
-}
+# the module that defines each public name (imported on first use)
+_EXPORTS = lazy_exports(
+    globals(),
+    {
+        ".data.datasets": ("pack_dataset", "truncate_dataset"),
+        ".data.views": ("packed_view",),
+        ".preference.data": ("pack_preference", "pack_reward_pairs"),
+        ".data.ray": ("pack_ray_dataset",),
+        ".trainers.transformers": ("prepare_trainer",),
+        ".trainers.prepared_block": ("prepared",),
+        "..compat": ("unprepare",),
+        ".trainers.sft": ("packed_sft_config",),
+        ".attention.backends": ("use_segmented_sdpa",),
+        ".attention.isolation": ("check_isolation",),
+        ".multimodal.models": ("check_vision_isolation",),
+        ".preference.dpo": ("prepare_dpo_trainer",),
+        ".preference.reward": ("prepare_reward_trainer",),
+        ".preference.kto": ("prepare_kto_trainer",),
+        ".rl.grpo": ("prepare_grpo_trainer",),
+        ".attention.context_parallel": ("use_cp_attention",),
+        ".parallel.layout": ("RankLayout",),
+    },
+)
 
-__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 del lazy_exports
 
-__all__ = [
-    "RankLayout",
-    "check_isolation",
-    "check_vision_isolation",
-    "use_cp_attention",
-    "pack_dataset",
-    "pack_preference",
-    "pack_ray_dataset",
-    "pack_reward_pairs",
-    "packed_sft_config",
-    "packed_view",
-    "prepare_dpo_trainer",
-    "prepare_kto_trainer",
-    "prepare_reward_trainer",
-    "prepare_grpo_trainer",
-    "prepare_trainer",
-    "prepared",
-    "truncate_dataset",
-    "unprepare",
-    "use_segmented_sdpa",
-]
+__all__ = sorted(_EXPORTS)

@@ -182,23 +182,26 @@ def iter_json_lines(
         left, tail = stop - start, b""
         while left > 0 or tail:
             chunk = fh.read(min(block_bytes, left)) if left > 0 else b""
-            left -= len(chunk)
-            data = tail + chunk
+            left = left - len(chunk) if chunk else 0  # (a file cut short meanwhile: iter_part says so)
+            data = tail + chunk  # no copy unless a line is longer than the block (tail is then that line)
+            tail = b""
             if left > 0:
                 cut = data.rfind(b"\n") + 1
                 if cut == 0:  # a line longer than the block: read on
                     tail = data
                     continue
-                data, tail = data[:cut], data[cut:]
-            else:
-                tail = b""
+                if cut < len(data):  # the line cut short is read again at the start of the next block
+                    fh.seek(cut - len(data), os.SEEK_CUR)
+                    left += len(data) - cut
+                    data = data[:cut]
             body = data.lstrip()
             if body and int_keys is False:
                 int_keys = int_list_keys(body)
             fast = read_int_lists(data, int_keys) if body and int_keys else None
             if fast is not None:  # every line of the block an object of token-id lists (read by Numba)
                 yield rel, fast
-                rel += data.count(b"\n")
+                # the scan takes no blank line: a newline ends every row but an unterminated last one
+                rel += fast.num_rows - (0 if data.rstrip(b" \t\r").endswith(b"\n") else 1)
                 continue
             if body:
                 try:

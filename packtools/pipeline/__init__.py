@@ -13,15 +13,15 @@
 
 from .._lazy import lazy_exports
 
-# public name -> the module that defines it (imported on first use)
-_EXPORTS = {
-    "pack_files": "packtools.pipeline.run",
-    "run_pipeline": "packtools.pipeline.run",
-    "PipelineConfig": "packtools.pipeline.config",
-    "PipelineResult": "packtools.pipeline.config",
-}
+# the module that defines each public name (imported on first use)
+_EXPORTS = lazy_exports(
+    globals(),
+    {
+        ".run": ("pack_files", "run_pipeline"),
+        ".config": ("PipelineConfig", "PipelineResult"),
+    },
+)
 
-__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 del lazy_exports
 
-__all__ = ["PipelineConfig", "PipelineResult", "pack_files", "run_pipeline"]
+__all__ = sorted(_EXPORTS)

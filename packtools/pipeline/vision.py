@@ -42,10 +42,9 @@ import pyarrow as pa
 
 from ..constants import __version__
 from ..core.arrow import read_list_column
-from ..core.nested import check_whole_samples, gather_whole_samples
+from ..core.nested import gather_whole_samples, plan_whole_samples
 from ..core.pack import pack_columns
 from ..core.plan import PackPlan, check_max_length
-from ..core.plan import plan as make_plan
 from ..errors import PackingError
 from ..io.discover import InputFile
 from ..io.files import mapped_table
@@ -91,7 +90,8 @@ def _input_file(path: str) -> InputFile:
 def shard_bounds(p: PackPlan, patches: np.ndarray, dim: int, shard_bytes: int) -> list[tuple[int, int]]:
     """Packed rows cut into shards whose pixel values take at most ``shard_bytes`` (at least one row each).
 
-    >>> p = make_plan([4, 4, 4, 4], max_length=4)  # one sample per row
+    >>> from packtools import plan
+    >>> p = plan([4, 4, 4, 4], max_length=4)  # one sample per row
     >>> shard_bounds(p, np.array([10, 0, 30, 5]), dim=1, shard_bytes=100)  # 4 bytes per value
     [(0, 2), (2, 3), (3, 4)]
     """
@@ -211,19 +211,13 @@ def pack_vision_files(
         csum = np.concatenate([[0], np.cumsum(masks.flat_values(), dtype=np.int64)])
         bounds = np.concatenate([[0], np.cumsum(masks.lengths())])
         untrained = int(np.count_nonzero(csum[bounds[1:]] == csum[bounds[:-1]]))
-        over = np.flatnonzero(lengths > max_length)
-        if over.size:
-            where, line = origin[int(over[0])]
-            raise PackingError(
-                f"{where}:{line}: the sample has {int(lengths[over[0]])} tokens (image tokens included) > "
-                f"max_length={max_length} ({over.size} sample(s) in all, longest {int(lengths.max())}): multimodal "
-                f"samples are never truncated (an image would be cut). Raise max_length, or remove those samples.",
-                param="max_length",
-            )
-        p = make_plan(lengths, max_length, "bfd")
-        if shuffle:
-            p = p.shuffled(seed)
-        check_whole_samples(p, "samples with images")
+        p = plan_whole_samples(
+            lengths,
+            max_length,
+            shuffle=shuffle,
+            seed=seed,
+            where=lambda i: f"{origin[i][0]}:{origin[i][1]}: the sample",
+        )
         checkpoint("plan")
         os.makedirs(ws.build, exist_ok=True)
         shards = ShardFolder(ws.build)

@@ -10,16 +10,16 @@ True
 
 from .._lazy import lazy_exports
 
-# public name -> the module that defines it (imported on first use)
-_EXPORTS = {
-    "profile_lengths": "packtools.profiling.profile",
-    "LengthProfile": "packtools.profiling.profile",
-    "plot_lengths": "packtools.profiling.figures",
-    "plot_tradeoffs": "packtools.profiling.figures",
-    "write_report": "packtools.profiling.plot",
-}
+# the module that defines each public name (imported on first use)
+_EXPORTS = lazy_exports(
+    globals(),
+    {
+        ".profile": ("profile_lengths", "LengthProfile"),
+        ".figures": ("plot_lengths", "plot_tradeoffs"),
+        ".plot": ("write_report",),
+    },
+)
 
-__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 del lazy_exports
 
-__all__ = ["LengthProfile", "plot_lengths", "plot_tradeoffs", "profile_lengths", "write_report"]
+__all__ = sorted(_EXPORTS)

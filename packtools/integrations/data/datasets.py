@@ -43,10 +43,9 @@ from ...compat.datasets import fingerprint as datasets_fingerprint
 from ...constants import SEQ_LENGTHS
 from ...core.arrow import is_list_type
 from ...core.cp_budget import check_context_parallel, plan_for_cp
-from ...core.nested import check_whole_samples, gather_whole_samples
+from ...core.nested import gather_whole_samples, plan_whole_samples
 from ...core.pack import pack_columns, read_columns, truncate_table
 from ...core.plan import PackPlan, Strategy, check_max_length, check_strategy
-from ...core.plan import plan as make_plan
 from ...errors import PackingError
 from .drops import DropReport, TokensDroppedWarning, untrained_pieces, warn_dropped, warn_untrained
 
@@ -519,19 +518,7 @@ def pack_vision_table(
     cols, lengths = read_columns(table, token_names)
     if indices is not None:
         lengths = lengths[indices]
-    over = np.flatnonzero(lengths > max_length)
-    if over.size:
-        r = int(over[0])
-        raise PackingError(
-            f"sample {r} has {int(lengths[r])} tokens (image tokens included) > max_length={max_length}, and "
-            f"{over.size} sample(s) in all: multimodal samples are never truncated (an image would be cut). Raise "
-            f"max_length (packtools.profile_lengths shows the lengths) or drop those samples.",
-            param="max_length",
-        )
-    p = make_plan(lengths, max_length, "bfd")
-    if shuffle:
-        p = p.shuffled(seed)
-    check_whole_samples(p, "samples with images")
+    p = plan_whole_samples(lengths, max_length, shuffle=shuffle, seed=seed, where=lambda i: f"sample {i}")
     packed = pack_columns(cols, p, indices)
     for name in IMAGE_COLUMNS:
         packed = packed.append_column(name, gather_whole_samples(table.column(name), p, indices))

@@ -170,8 +170,9 @@ def _from_parallelism_config(accelerator: Any, config: Any, context_parallel: in
     if cp > 1:  # with or without context_parallel: Trainer would run accelerate's CP on top of packtools'
         raise PackingError(
             f"ParallelismConfig(cp_size={cp}): accelerate's context parallelism (torch's context_parallel) shards a "
-            f"packed row as one causal sequence, so its documents attend to each other. Let packtools shard the "
-            f"rows per document: set cp_size=1 and pass prepare_trainer(trainer, context_parallel={cp}).",
+            f"packed row as one causal sequence, so its documents (or a pair's sequences) attend to each other. "
+            f"Let packtools shard the rows per document: set cp_size=1 and pass context_parallel={cp} to "
+            f"prepare_trainer or prepare_dpo_trainer.",
             param="parallelism_config",
         )
     if context_parallel not in (None, 1):  # never dropped: packtools' CP groups are not on accelerate's mesh

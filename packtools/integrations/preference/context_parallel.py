@@ -167,16 +167,10 @@ def check_cp_dpo(trainer: Any, layout: RankLayout, shared: bool) -> None:
 
 def dpo_layout(trainer: Any, context_parallel: int | None, shared: bool) -> RankLayout:
     """The run's :class:`RankLayout` for ``prepare_dpo_trainer`` (``context_parallel``: packtools' CP size, or
-    ``None``), refusing accelerate's own CP and, under packtools' CP, what :func:`check_cp_dpo` refuses."""
-    config = getattr(trainer.accelerator, "parallelism_config", None)
-    if config is not None and (getattr(config, "cp_size", 1) or 1) > 1:
-        raise PackingError(
-            f"ParallelismConfig(cp_size={config.cp_size}): prepare_dpo_trainer does not run accelerate's own "
-            f"context parallelism, which would cut packed pairs as one causal sequence. Set cp_size=1 and pass "
-            f"prepare_dpo_trainer(trainer, context_parallel={config.cp_size}).",
-            param="parallelism_config",
-        )
-    layout = rank_layout(trainer, context_parallel)  # refuses DeepSpeed SP and meshes it cannot account for
+    ``None``), refusing what :func:`~packtools.integrations.parallel.layout.rank_layout` refuses (accelerate's
+    own CP, DeepSpeed SP, meshes it cannot account for) and, under packtools' CP, what :func:`check_cp_dpo`
+    refuses."""
+    layout = rank_layout(trainer, context_parallel)
     if layout.cp_size > 1:
         check_cp_dpo(trainer, layout, shared)
     return layout

@@ -44,7 +44,7 @@ from typing import Any
 from ..._optional import require
 from ...compat import set_attr, undo
 from ...compat.trl import (
-    check_method,
+    check_step_methods,
     fused_forward,
     is_vision,
     keep_signature_columns,
@@ -266,8 +266,7 @@ def prepare_dpo_trainer(
     check_loss_path(trainer)
     if plan_of(trainer) is not None:
         raise PackingError("prepare_dpo_trainer was already called on this trainer.")
-    for name in ("compute_loss", "get_batch_samples"):
-        check_method(trainer, name)
+    check_step_methods(trainer)
     try:
         _prepare(
             trainer,

@@ -217,7 +217,7 @@ def prepare_reward_trainer(
     require("trl", "packtools.prepare_reward_trainer")
     _check_trainer(trainer)
     check_loss_path(trainer)
-    check_step_methods(trainer, ("compute_loss", "get_batch_samples"))
+    check_step_methods(trainer)
     layout = rank_layout(trainer)
     if layout.cp_size > 1:
         raise PackingError(

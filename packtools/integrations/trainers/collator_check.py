@@ -29,6 +29,7 @@ A collator with side effects (counting batches) can tell these calls from traini
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -45,21 +46,25 @@ from .sft import is_sft_trainer
 #: Rows scanned from the start of the dataset for packed ones; rows collated for the check.
 SCAN_ROWS = 64
 MAX_BATCH_ROWS = 4
-_CHECKING = [0]
+#: Whether the code running now is inside one of packtools' checks.  A context variable, not a process-wide
+#: flag: each thread (and asyncio task) sees its own value, so a collator another thread calls for training
+#: while this one checks is never told it is in a check; a check that ends restores the value it found.
+_IN_CHECK: contextvars.ContextVar[bool] = contextvars.ContextVar("packtools_collator_check", default=False)
 
 
 def in_check() -> bool:
-    """True while packtools' trainer checks call the trainer's collator (not a training batch)."""
-    return _CHECKING[0] > 0
+    """True while packtools' trainer checks call the trainer's collator (not a training batch), in the thread
+    running the check."""
+    return _IN_CHECK.get()
 
 
 @contextlib.contextmanager
 def _checking() -> Iterator[None]:
-    _CHECKING[0] += 1
+    token = _IN_CHECK.set(True)
     try:
         yield
     finally:
-        _CHECKING[0] -= 1
+        _IN_CHECK.reset(token)
 
 
 def _array(value: Any) -> np.ndarray:

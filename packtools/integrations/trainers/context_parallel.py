@@ -43,19 +43,12 @@ from ...errors import PackingError
 from ...io.manifest import read_manifest
 from ..attention.context_parallel import use_cp_attention
 from ..parallel.layout import RankLayout
-from .step import NO_EVAL
+from .step import NO_EVAL, other_losses
 
 
 def check_cp_trainer(trainer: Any, layout: RankLayout) -> None:
-    """Refuse what packtools' CP under ``Trainer`` does not handle, by name."""
-    config = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
-    if config is not None and (getattr(config, "cp_size", 1) or 1) > 1:
-        raise PackingError(
-            f"ParallelismConfig(cp_size={config.cp_size}) turns on accelerate's own context parallelism, which "
-            f"would cut packtools' per-document shards again as one causal sequence. Set cp_size=1 and pass "
-            f"prepare_trainer(trainer, context_parallel={config.cp_size}).",
-            param="parallelism_config",
-        )
+    """Refuse what packtools' CP under ``Trainer`` does not handle, by name (accelerate's own CP: refused by
+    :func:`~packtools.integrations.parallel.layout.rank_layout`, which made ``layout``)."""
     if layout.tp_size > 1:
         raise PackingError(
             "context_parallel with tensor parallelism is not handled by packtools (CP groups are consecutive "
@@ -93,20 +86,11 @@ def check_cp_trainer(trainer: Any, layout: RankLayout) -> None:
             "of the row's targets; set it to True (the default).",
             param="average_tokens_across_devices",
         )
-    from .sft import causal_lm_loss
-
-    config = getattr(getattr(trainer.model, "config", None), "get_text_config", lambda: None)()
-    other_loss = [  # these see the shard's targets as unshifted labels, or sum per shard, not per row
-        "label_smoothing_factor > 0 (Trainer's label smoother)" if trainer.label_smoother is not None else "",
-        "a compute_loss_func of your own" if trainer.compute_loss_func not in (None, causal_lm_loss) else "",
-        "a MoE router loss (output_router_logits with router_aux_loss_coef)"
-        if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0)
-        else "",
-    ]
-    if any(other_loss):
+    other_loss = other_losses(trainer)  # these see the shard's targets as unshifted labels, or sum per shard
+    if other_loss:
         raise PackingError(
             f"context_parallel hands each rank a shard with already-shifted targets, so "
-            f"{'; '.join(w for w in other_loss if w)} would shift them again or sum per shard instead of per "
+            f"{'; '.join(other_loss)} would shift them again or sum per shard instead of per "
             f"row. Drop it (a compute_loss of your own is honoured), or train without context_parallel.",
             param="context_parallel",
         )

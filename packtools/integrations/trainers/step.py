@@ -311,29 +311,38 @@ def own_compute_loss(trainer: Any) -> str | None:
     return None
 
 
-def check_loss_owner(trainer: Any, loss: str) -> None:
-    """Refuse, by name, a loss of the trainer's own next to a loss mode packtools computes (``sample`` /
-    ``sqrt``): the two would both own the loss, and packtools will not replace the trainer's silently."""
-    if loss == "token":
-        return
+def other_losses(trainer: Any) -> list[str]:
+    """What shapes ``trainer``'s loss besides its model's causal-LM loss, each named for a refusal: a
+    ``compute_loss_func`` of the user's own, ``Trainer``'s label smoother, a MoE router loss; ``[]`` if none."""
     from .sft import causal_lm_loss
 
     config = getattr(getattr(trainer.model, "config", None), "get_text_config", lambda: None)()
-    own = own_compute_loss(trainer)
-    loss_type = getattr(trainer.args, "loss_type", None)
     found = [
-        f"{own}.compute_loss (a compute_loss of your own)" if own else "",
         "a compute_loss_func of your own" if trainer.compute_loss_func not in (None, causal_lm_loss) else "",
-        f"loss_type={loss_type!r} (SFTConfig)" if loss_type not in (None, "nll") else "",
         "label_smoothing_factor > 0 (Trainer's label smoother)" if trainer.label_smoother is not None else "",
         "a MoE router loss (output_router_logits with router_aux_loss_coef)"
         if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0)
         else "",
     ]
-    if any(found):
+    return [f for f in found if f]
+
+
+def check_loss_owner(trainer: Any, loss: str) -> None:
+    """Refuse, by name, a loss of the trainer's own next to a loss mode packtools computes (``sample`` /
+    ``sqrt``): the two would both own the loss, and packtools will not replace the trainer's silently."""
+    if loss == "token":
+        return
+    own = own_compute_loss(trainer)
+    loss_type = getattr(trainer.args, "loss_type", None)
+    found = [
+        f"{own}.compute_loss (a compute_loss of your own)" if own else "",
+        f"loss_type={loss_type!r} (SFTConfig)" if loss_type not in (None, "nll") else "",
+    ]
+    found = [f for f in found if f] + other_losses(trainer)
+    if found:
         raise PackingError(
             f"loss={loss!r} is computed by packtools (each trained token weighted by its document's length), so "
-            f"{'; '.join(f for f in found if f)} would be replaced. Keep it with loss='token' (the trainer's own "
+            f"{'; '.join(found)} would be replaced. Keep it with loss='token' (the trainer's own "
             f"loss, honoured), or drop it.",
             param="loss",
         )

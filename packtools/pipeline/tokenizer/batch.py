@@ -29,13 +29,12 @@ from ...io.json_cells import cells
 from ..formats import FORMATS, Row, at, input_columns, shift
 from . import adversarial, reference
 from . import fast as fast_engine
-from . import load as tokenizer_load
-from . import proof as engine_proof
 from .char_drops import DropCounter, check_on_unencodable
 from .chat import tokens as chat
-from .chat import values as chat_values
+from .chat.values import by_tools
 from .folder import added_tokens_outside, load_tokenizer, tokenizer_fingerprint
-from .proof import Proof
+from .load import FastLoad, compact_file, load_facts, reference_suffices, start_fast_load
+from .proof import EngineDivergence, Proof, adopt, choose_engine, engine_error
 
 
 def _strings(table: pa.Table, name: str, first_row: Row, values: list | None = None) -> list[str]:
@@ -90,29 +89,29 @@ class BatchTokenizer:
         self._tok: Any = None
         self.fingerprint = fp = tokenizer_fingerprint(tokenizer_dir)
         # tokenizer.json's facts, recorded by an earlier run; the fast engine loads in a background thread
-        self._facts = facts = tokenizer_load.load_facts(tokenizer_dir, fp)
+        self._facts = facts = load_facts(tokenizer_dir, fp)
         #: tokens transformers adds from the folder's other files (added_tokens.json, tokenizer_config.json,
         #: special_tokens_map.json) that tokenizer.json lacks: neither the tokenizers library nor the fast
-        #: engine knows them, so transformers itself tokenizes (engine_proof.choose_engine says why)
+        #: engine knows them, so transformers itself tokenizes (choose_engine says why)
         self.added_outside = added_tokens_outside(tokenizer_dir, facts.specials) if facts is not None else []
         adopted = proven.get("engine") if proven is not None else None
-        #: a small input the reference tokenizes alone (engine_proof.choose_engine); no fast engine is loaded
+        #: a small input the reference tokenizes alone (choose_engine); no fast engine is loaded
         self.small_input = (
             input_bytes
             if proven is None
             and not wait_for_engine
-            and tokenizer_load.reference_suffices(tokenizer_dir, requested, input_bytes)
+            and reference_suffices(tokenizer_dir, requested, input_bytes)
             else None
         )
         skip = adopted == "transformers" or self.small_input is not None or bool(self.added_outside)
-        self._fast_load = tokenizer_load.start_fast_load(
+        self._fast_load = start_fast_load(
             tokenizer_dir, fp, facts, fmt, "transformers" if skip else requested
         )
         # transformers' ids from the tokenizers library alone where a recorded check says they are the same
         # (packtools.pipeline.tokenizer.reference): importing transformers costs seconds a run.  Never when transformers
         # is asked for, never where transformers adds tokens tokenizer.json lacks; from the fast engine's copy of
         # tokenizer.json only where it was recorded identical to it, with its SHA-256 (it loads 30% faster)
-        copy = tokenizer_load.compact_file(fp)
+        copy = compact_file(fp)
         lite = (
             reference.load_verified(tokenizer_dir, fp, copy)
             if requested != "transformers" and not self.added_outside
@@ -132,7 +131,7 @@ class BatchTokenizer:
         # the engine's state: assigned only by the transitions below (choose, adopt a verdict, take the
         # pending load, fall back, start a part), read through the properties fast, report and pending
         self._fast: fast_engine.FastEncoder | None = None
-        self._pending: tokenizer_load.FastLoad | None = None  # the fast engine still loading (take_pending)
+        self._pending: FastLoad | None = None  # the fast engine still loading (take_pending)
         self._reference_batch_done = False  # the one batch the reference tokenizes while the engine loads
         self.proof_recorded = False  # the adversarial set's verdict was a recorded one (proof_cache)
         self.fast_source: str | None = None  # what the fast engine loads: "compact" copy or "tokenizer.json"
@@ -179,12 +178,12 @@ class BatchTokenizer:
         return self._report
 
     @property
-    def pending(self) -> tokenizer_load.FastLoad | None:
+    def pending(self) -> FastLoad | None:
         """The fast engine's background load, to be taken at a batch once it has finished (:meth:`take_pending`)."""
         return self._pending
 
     @property
-    def background_load(self) -> tokenizer_load.FastLoad | None:
+    def background_load(self) -> FastLoad | None:
         """The fast engine's load started with this tokenizer and not taken yet (:meth:`load_fast` takes it)."""
         return self._fast_load
 
@@ -193,9 +192,9 @@ class BatchTokenizer:
         adversarial set (:func:`~packtools.pipeline.tokenizer.proof.choose_engine`); each part without a verdict
         starts from it."""
         if proven is not None:
-            choice = engine_proof.adopt(self, proven)
+            choice = adopt(self, proven)
         else:
-            choice = engine_proof.choose_engine(self, requested, facts)
+            choice = choose_engine(self, requested, facts)
         self._report, self._fast, self._pending = choice.report, choice.fast, choice.pending
         self.proof_recorded = choice.recorded
         if choice.source is not None:
@@ -335,11 +334,11 @@ class BatchTokenizer:
         )
         if initial:
             raise PackingError(message, param="tokenizer_engine")
-        raise engine_proof.EngineDivergence(message, f"{at(first_row)}: {what}")
+        raise EngineDivergence(message, f"{at(first_row)}: {what}")
 
     def _engine_error(self, exc: Exception, texts: list[str], special: bool, first_row: Row) -> None:
         """The fast engine raised on a batch: transformers tokenizes it (auto), or stop naming the row (fast)."""
-        engine_proof.engine_error(self, exc, texts, special, first_row)
+        engine_error(self, exc, texts, special, first_row)
 
     # -- building blocks -------------------------------------------------------------------------
     def encode(self, texts: list[str], special: bool, first_row: Row = 0, column: str = "text") -> Ragged:
@@ -526,11 +525,11 @@ class BatchTokenizer:
 
     def _tokenize(self, table: pa.Table, first_row: Row) -> pa.Table:
         if "tools" in table.column_names:
-            return chat_values.by_tools(self, table, first_row)
+            return by_tools(self, table, first_row)
         return self.tokenize_rows(table, first_row)
 
     def tokenize_rows(self, table: pa.Table, first_row: Row) -> pa.Table:
-        """The token table of a batch without a ``tools`` column (:func:`chat_values.by_tools` splits by it)."""
+        """The token table of a batch without a ``tools`` column (:func:`by_tools` splits by it)."""
         missing = [c for c in input_columns(self.fmt) if c not in table.column_names]
         if missing:
             raise PackingError(

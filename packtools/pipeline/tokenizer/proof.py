@@ -36,8 +36,8 @@ from ...errors import PackingError
 from ..formats import at
 from . import adversarial, proof_cache
 from . import fast as fast_engine
-from . import load as tokenizer_load
 from .char_drops import describe_bytes
+from .load import SMALL_INPUT_BYTES
 
 
 class EngineDivergence(PackingError):
@@ -120,7 +120,7 @@ class Choice:
 
     report: fast_engine.EngineReport
     fast: fast_engine.FastEncoder | None = None
-    pending: Any = None  # a tokenizer_load.FastLoad
+    pending: Any = None  # a packtools.pipeline.tokenizer.load.FastLoad
     recorded: bool = False
     source: str | None = None
 
@@ -182,7 +182,7 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> Choice:
         return Choice(
             fast_engine.EngineReport(
                 "transformers",
-                f"the input ({small / 1e6:.2f} MB) is smaller than {tokenizer_load.SMALL_INPUT_BYTES >> 20} MiB: "
+                f"the input ({small / 1e6:.2f} MB) is smaller than {SMALL_INPUT_BYTES >> 20} MiB: "
                 f"the reference ({bt.reference_engine}) tokenizes it sooner than the fast engine loads this "
                 f"vocabulary, so the fast engine is not loaded",
                 requested,

@@ -1,0 +1,112 @@
+"""Pieces the benchmark programs share: the printed (and optionally saved) report, one case run in a fresh
+process, the peak of live tensor memory, and the small Llama the model benchmarks run.
+
+Imported by the benchmarks that run as programs (``python benchmarks/bench_pack.py``: this folder is then on
+``sys.path``).  The documented recipes (``train_loop.py``, ``dpo_loop.py``, ``cp_loop.py``, ``cp_dpo_loop.py``)
+and the scripts the tests load by path (``bench_dpo.py``, ``bench_grpo.py``, ``gpu_check.py``,
+``model_matrix.py``) do not import it: a recipe is read and copied as one file, and a script loaded by path
+finds no sibling module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+#: The line a case process prints its result on (JSON after it); the last one counts.
+RESULT = "RESULT "
+
+
+def print_report(text: str, markdown: str | None) -> None:
+    """Print ``text`` (a report's tables) after a blank line; also write it to the file ``markdown`` if given."""
+    print("\n" + text)
+    if markdown:
+        with open(markdown, "w") as fh:
+            fh.write(text + "\n")
+
+
+def run_case_process(script: str, case: dict[str, Any]) -> dict[str, Any]:
+    """``case`` with the result of ``python script --case JSON`` merged in: each case runs in a fresh process
+    (its own imports, compilation and peak memory), which prints its result on a :data:`RESULT` line."""
+    cmd = [sys.executable, os.path.abspath(script), "--case", json.dumps(case)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stdout + proc.stderr)
+        raise RuntimeError(f"case {case} failed with exit status {proc.returncode}")
+    return {**case, **json.loads(lines[-1][len(RESULT) :])}
+
+
+def live_peak(
+    run: Callable[[], Any], label: Callable[[Any, Any], str] | None = None, top: int = 8
+) -> tuple[int, list[tuple[int, str]]]:
+    """``(peak bytes, largest storages at the peak)`` of live tensors during ``run()``.
+
+    Counted at the dispatcher, so on any device (the CPU has no allocator statistics): the output storages of
+    every op, each while a tensor views it.  ``label(op, tensor)`` names a storage when it appears; with it, the
+    ``top`` largest storages alive at the peak come back as ``(bytes, label)`` (an empty list without it).
+    """
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Live(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.storages: dict[tuple[int, int], list] = {}  # storage -> [tensors alive, bytes, label]
+            self.now = self.peak = 0
+            self.at_peak: list[tuple[int, str]] = []
+
+        def _gone(self, key: tuple[int, int]) -> None:
+            entry = self.storages[key]
+            entry[0] -= 1
+            if not entry[0]:
+                self.now -= entry[1]
+                del self.storages[key]
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    key = (storage.data_ptr(), storage.nbytes())
+                    if key not in self.storages:
+                        self.storages[key] = [0, storage.nbytes(), label(func, t) if label else ""]
+                        self.now += storage.nbytes()
+                    self.storages[key][0] += 1
+                    weakref.finalize(t, self._gone, key)
+            if self.now > self.peak:
+                self.peak = self.now
+                if label is not None:
+                    self.at_peak = sorted(((v[1], v[2]) for v in self.storages.values()), reverse=True)[:top]
+            return out
+
+    live = Live()
+    with live:
+        run()
+    return live.peak, live.at_peak
+
+
+def small_llama_config(
+    vocab_size: int, num_hidden_layers: int, max_position_embeddings: int, **extra: Any
+) -> Any:
+    """``transformers.LlamaConfig`` of the benchmarks' small Llama: hidden 64, MLP 128, 4 heads over 2 key/value
+    heads (grouped-query attention), ``sdpa``; ``extra`` on top."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+        attn_implementation="sdpa",
+        **extra,
+    )
