@@ -4,6 +4,7 @@ sides step on the same global batch.  Saves the weights after one optimizer step
 
 import os
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -11,25 +12,33 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import test_grpo as T  # noqa: E402
 
-# (name, loss_type, per_device_train_batch_size on 2 processes); num_generations=4: B=4 keeps each group on one
-# rank, B=2 cuts every group across the two ranks.
-CASES = [("grpo", "grpo", 4), ("dapo", "dapo", 4), ("bnpo", "bnpo", 4), ("dapo-split", "dapo", 2)]
+# (name, loss_type, per_device_train_batch_size on 2 processes); num_generations=4: B=8 gives each rank two whole
+# groups, which packtools reorders to balance the ranks' prompt tokens (balance_groups="auto"); bnpo (B=4) keeps
+# TRL's order (balance_groups=False: TRL normalizes it per rank, so its step depends on the placement); B=2 cuts
+# every group across the two ranks (TRL's order: "auto" cannot keep a group on one rank).
+CASES = [("grpo", "grpo", 8), ("dapo", "dapo", 8), ("bnpo", "bnpo", 4), ("dapo-split", "dapo", 2)]
 VARIANTS = [("trl", False, False), ("packtools", True, False), ("shared", True, True)]
 
 
 class FixedCompletions:
     """``_generate_and_score_completions`` returning fixed completions for the prompts the sampler handed this rank:
-    completion ``i`` of the global batch (``i = rank * B + local index``) is drawn from seed ``i`` alone, its
-    advantage too; ``num_items_in_batch`` and the reference log-probabilities are computed as TRL computes them."""
+    the ``k``-th copy of a prompt in the global batch (every rank's prompts, in rank order) gets a completion and
+    an advantage drawn from a seed of the prompt and ``k`` alone, wherever the sampler placed it;
+    ``num_items_in_batch`` and the reference log-probabilities are computed as TRL computes them."""
 
     def _generate_and_score_completions(self, inputs):
+        from accelerate.utils import gather_object
+
         self.seen_prompts.append([x["prompt"] for x in inputs])
         rank, local = self.accelerator.process_index, len(inputs)
+        every = gather_object([x["prompt"] for x in inputs])  # the global batch, rank 0's prompts first
         tok = self.processing_class
         prompts = [tok(x["prompt"], add_special_tokens=False)["input_ids"] for x in inputs]
         completions, advantages = [], []
         for j in range(local):
-            g = torch.Generator().manual_seed(1000 + rank * local + j)
+            here = rank * local + j
+            copy = every[:here].count(every[here])
+            g = torch.Generator().manual_seed(1000 + 97 * zlib.crc32(every[here].encode()) + copy)
             n = int(torch.randint(1, self.max_completion_length, (1,), generator=g))
             body = torch.randint(2, T.VOCAB, (n,), generator=g).tolist()
             completions.append(body + [T.EOS] if n < self.max_completion_length - 1 else body)
@@ -79,13 +88,15 @@ def run(out, world):
             trainer.__class__ = type("FixedGRPOTrainer", (FixedCompletions, trl.GRPOTrainer), {})
             trainer.seen_prompts = []
             if prepared:
-                T.prepare_grpo_trainer(trainer, share_prompt=share)
+                balance = False if loss_type == "bnpo" else "auto"
+                T.prepare_grpo_trainer(trainer, share_prompt=share, balance_groups=balance)
             initial = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
             T.train(trainer)
             results[case, variant] = {
                 "update": {k: p.detach() - initial[k] for k, p in trainer.model.named_parameters()},
                 "prompts": trainer.seen_prompts,
                 "world": trainer.accelerator.num_processes,
+                "plan": T.plan_summary(trainer),
             }
     return results
 

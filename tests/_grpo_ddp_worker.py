@@ -1,5 +1,7 @@
 """One rank of test_grpo.py's 2-process check: TRL's GRPOTrainer as it is, then prepared (plain and prompt-shared),
-each trained 2 steps from the same seeds on 2 processes (gloo); the rank's final weights and logs saved."""
+each trained 2 steps from the same seeds on 2 processes (gloo); the rank's final weights and logs saved.  The
+prepared trainers keep TRL's sampler order (balance_groups=False): generation samples per rank, so a group placed
+on another rank draws other completions, and the runs compare the forwards, not the sampling."""
 
 import sys
 from pathlib import Path
@@ -16,7 +18,7 @@ def main(out):
     case = dict(loss_type="dapo", beta=0.1, num_iterations=2, gradient_accumulation_steps=2)
     results = {}
     for name, prepared, share in (("trl", False, False), ("packtools", True, False), ("shared", True, True)):
-        trainer = T.train(T.build(out / name, prepared, share=share, **case))
+        trainer = T.train(T.build(out / name, prepared, share=share, balance=False, **case))
         results[name] = {
             "params": {k: p.detach().clone() for k, p in trainer.model.named_parameters()},
             "logs": trainer.state.log_history,

@@ -86,8 +86,12 @@ def reward_len(completions, **kwargs):
     return [len(c) / 10 + len(set(c.split())) for c in completions]
 
 
-def build(tmp_path, prepared=False, kind="llama", trainer="grpo", share=False, lora=False, **config):
-    """A GRPO/RLOO trainer on a tiny model; with beta > 0 the reference is another tiny model (seed 1)."""
+def build(  # noqa: PLR0913 - the test's knobs
+    tmp_path, prepared=False, kind="llama", trainer="grpo", share="auto", lora=False, balance="auto", **config
+):
+    """A GRPO/RLOO trainer on a tiny model; with beta > 0 the reference is another tiny model (seed 1).
+    ``share`` / ``balance`` are ``prepare_grpo_trainer``'s ``share_prompt`` / ``balance_groups`` (the defaults,
+    ``"auto"``: prompt-shared rows here; groups balanced across ranks under data parallelism)."""
     ref_dir = tmp_path / f"ref-{kind}"
     if not ref_dir.exists():  # written aside and renamed: two processes of a DDP test may both get here
         aside = ref_dir.with_name(f"{ref_dir.name}.{os.getpid()}")
@@ -135,7 +139,14 @@ def build(tmp_path, prepared=False, kind="llama", trainer="grpo", share=False, l
         processing_class=word_tokenizer(),
         **extra,
     )
-    return prepare_grpo_trainer(built, share_prompt=share) if prepared else built
+    if not prepared:
+        return built
+    return prepare_grpo_trainer(built, share_prompt=share, balance_groups=balance)
+
+
+def plan_summary(trainer):
+    plan = vars(trainer).get("packtools_step")
+    return None if plan is None else plan.summary()
 
 
 def train(trainer):
@@ -177,8 +188,11 @@ CASES = [
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_grpo_training_equals_trl(tmp_path, case, kind):
+    """The default layout (share_prompt="auto": these models take the tree attention, so prompt-shared rows)."""
     theirs = train(build(tmp_path, kind=kind, **case))
-    assert_same_run(theirs, train(build(tmp_path, True, kind=kind, **case)))
+    ours = build(tmp_path, True, kind=kind, **case)
+    assert vars(ours)["packtools_step"].share_prompt  # the default shares wherever the models can serve it
+    assert_same_run(theirs, train(ours))
     logs = theirs.state.log_history
     if case.get("num_iterations") == 2 and case["loss_type"] in ("grpo", "dr_grpo", "bnpo"):
         assert any(log.get("clip_ratio/region_mean", 0) > 0 for log in logs)  # the clip metrics are exercised
@@ -186,12 +200,61 @@ def test_grpo_training_equals_trl(tmp_path, case, kind):
         assert all(log["kl"] > 0 for log in logs if "kl" in log)
 
 
+def test_auto_falls_back_to_plain_rows_when_the_tree_fails_its_probe(tmp_path, monkeypatch, caplog):
+    """A tree attention that fails its isolation probe (a stand-in for a backend not run here, flash-attn on a
+    GPU): "auto" trains on plain rows, probed on their own, and says why; share_prompt=True raises."""
+    import logging
+
+    from packtools.integrations.attention import tree
+
+    def failing(model, seed=0):
+        raise PackingError("the tree probe failed (stand-in)")
+
+    monkeypatch.setattr(tree, "check_tree_isolation", failing)
+    with caplog.at_level(logging.WARNING, logger="packtools"):
+        trainer = build(tmp_path, True)
+    plan = trainer.packtools_step
+    assert not plan.share_prompt and "failed its probe (the tree probe failed (stand-in))" in plan.summary()
+    assert plan.summary() in caplog.text
+    assert trainer.model.config._attn_implementation != "packtools_tree"
+    with pytest.raises(PackingError, match="stand-in"):
+        build(tmp_path, True, share=True)
+
+
+PLAIN_CASES = [
+    CASES[0],
+    CASES[3],
+    CASES[7],
+]  # grpo with accumulation; dapo with the entropy mask; luspo, sequence
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_grpo_prompt_shared_training_equals_trl(tmp_path, kind):
-    case = dict(loss_type="grpo", beta=0.1, num_iterations=2, gradient_accumulation_steps=2)
-    shared = build(tmp_path, True, kind=kind, share=True, **case)
-    assert type(shared).__name__ == "PackedGRPOTrainer" and vars(shared)["packtools_step"].share_prompt
-    assert_same_run(train(build(tmp_path, kind=kind, **case)), train(shared))
+@pytest.mark.parametrize("case", PLAIN_CASES, ids=lambda c: c["loss_type"])
+def test_grpo_plain_rows_training_equals_trl(tmp_path, kind, case):
+    """share_prompt=False: every forward one plain padding-free row (each prompt once per completion)."""
+    plain = build(tmp_path, True, kind=kind, share=False, **case)
+    plan = vars(plain)["packtools_step"]
+    assert type(plain).__name__ == "PackedGRPOTrainer" and not plan.share_prompt
+    assert plan.summary() == (
+        "plain padding-free rows (each prompt once per completion): share_prompt=False (asked); "
+        "groups: one process: nothing to balance"
+    )
+    assert_same_run(train(build(tmp_path, kind=kind, **case)), train(plain))
+
+
+def test_layout_is_decided_once_with_its_reason(tmp_path, caplog):
+    """share_prompt: "auto" shares where the models can serve it and says so; True shares; a bad value is refused."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="packtools"):
+        trainer = build(tmp_path, True)
+    plan = vars(trainer)["packtools_step"]
+    assert plan.share_prompt and "share_prompt='auto' and the models can serve" in plan.summary()
+    assert f"prepare_grpo_trainer: {plan.summary()}" in caplog.text
+    asked = vars(build(tmp_path, True, share=True))["packtools_step"]
+    assert asked.share_prompt and asked.layout_reason == "share_prompt=True (asked)"
+    with pytest.raises(PackingError, match="share_prompt='yes': expected True, False or 'auto'"):
+        build(tmp_path, True, share="yes")
 
 
 def test_moe_aux_loss_equals_trl(tmp_path):
@@ -216,6 +279,9 @@ def test_moe_aux_loss_equals_trl(tmp_path):
         (logps.sum() + entropies.sum() + aux).backward()
         grads = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
         results.append((logps.detach(), entropies.detach(), aux.detach(), grads))
+        if prepared:  # the default falls back to plain rows, and says why
+            plan = vars(trainer)["packtools_step"]
+            assert not plan.share_prompt and "cannot be shared: an MoE aux loss" in plan.summary()
     (la, ea, aa, ga), (lb, eb, ab, gb) = results
     assert float(aa) > 0 and len(ga) == len(gb)
     for what, a, b in [
@@ -226,7 +292,7 @@ def test_moe_aux_loss_equals_trl(tmp_path):
     ]:
         assert_close(a.numpy(), b.numpy(), what)
     unprepare(trainer)
-    with pytest.raises(PackingError, match="aux loss"):
+    with pytest.raises(PackingError, match="share_prompt=True: an MoE aux loss"):
         prepare_grpo_trainer(trainer, share_prompt=True)
 
 
@@ -240,12 +306,13 @@ def test_lora_reference_through_the_disabled_adapter_equals_trl(tmp_path):
 @pytest.mark.parametrize(
     "case",
     [
-        dict(beta=0.1, num_iterations=2, gradient_accumulation_steps=2),
-        dict(beta=0.0),
-        # One step: RLOO puts the KL into the reward; its normalized advantages carry rounding (~3e-6 relative on
-        # one micro-batch, plain rows alike) into the next step, and prompt-shared weights end 1.2e-5 relative apart
-        # (one q_proj entry) after two steps at lr 0.1.
-        dict(beta=0.1, share=True, max_steps=1),
+        dict(beta=0.1, num_iterations=2, gradient_accumulation_steps=2, share=False),
+        dict(beta=0.0, share=False),
+        # The default (prompt-shared rows), one step: RLOO puts the KL into the reward; its normalized advantages
+        # carry rounding (~3e-6 relative on one micro-batch, plain rows alike) into the next step, and
+        # prompt-shared weights end 1.2e-5 relative apart (one q_proj entry) after two steps at lr 0.1.
+        dict(beta=0.1, max_steps=1),
+        dict(beta=0.0, share=True, max_steps=1),
     ],
 )
 def test_rloo_training_equals_trl(tmp_path, case):
@@ -284,10 +351,15 @@ def differs(a, b):
     return worst
 
 
+@pytest.mark.parametrize("share", ["auto", False], ids=["default-shared", "plain"])
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_micro_batch_loss_metrics_gradients_and_scored_logps_equal_trl(tmp_path, kind):
+def test_micro_batch_loss_metrics_gradients_and_scored_logps_equal_trl(tmp_path, kind, share):
     config = dict(beta=0.1, num_iterations=2, loss_type="grpo")
-    ours, theirs = build(tmp_path, True, kind=kind, **config), build(tmp_path, kind=kind, **config)
+    ours, theirs = (
+        build(tmp_path, True, kind=kind, share=share, **config),
+        build(tmp_path, kind=kind, **config),
+    )
+    assert vars(ours)["packtools_step"].share_prompt == (share == "auto")
     batch_a, batch_b = scored_batch(theirs), scored_batch(ours)
     assert torch.equal(batch_a["completion_ids"], batch_b["completion_ids"])
     assert int(batch_a["completion_mask"].sum(1).min()) < batch_a["completion_ids"].shape[1]  # really padded
@@ -339,9 +411,9 @@ def test_negative_controls_fail(tmp_path, monkeypatch, broken):
     reference = loss_metrics_grads(theirs, batch)
     monkeypatch.setattr(rl_grpo, "unpad_completions", broken)
     with pytest.raises(PackingError, match="isolation probe|leak"):
-        build(tmp_path, True, **config)  # the probe sees it
+        build(tmp_path, True, share=False, **config)  # the probe sees it
     ours = build(tmp_path, **config)
-    prepare_grpo_trainer(ours, check_isolation=False)
+    prepare_grpo_trainer(ours, check_isolation=False, share_prompt=False)
     assert differs(reference, loss_metrics_grads(ours, batch)) > 1e-3  # and the comparison above would
 
 
@@ -445,10 +517,79 @@ def test_refusals_by_name_and_unprepare(tmp_path, monkeypatch):
         prepare_trainer(build(tmp_path, trainer="rloo"))
 
 
-@pytest.mark.slow
-def test_two_processes_equal_trl_on_two_processes(tmp_path):
-    """torchrun, 2 CPU processes (gloo): the prepared trainers (plain rows and prompt-shared) end each rank with
-    TRL's weights and logs (TRL's gathers, its group advantages across ranks and its loss normalizations as they are)."""
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_prepared_block_dispatches_grpo_and_rloo_trainers(tmp_path, kind):
+    """``with prepared(trainer, **kwargs)``: prepare_grpo_trainer (its keywords passed on), unprepared after."""
+    from packtools.integrations import prepared
+
+    trainer = build(tmp_path, trainer=kind)
+    cls = type(trainer)
+    with prepared(trainer, share_prompt=False):
+        assert type(trainer).__name__ == f"Packed{cls.__name__}"
+        assert not vars(trainer)["packtools_step"].share_prompt
+    assert type(trainer) is cls and "packtools_step" not in vars(trainer)
+
+
+def test_group_balanced_sampler_keeps_groups_whole_and_balances_prompt_tokens():
+    """TRL's RepeatSampler through packtools' balancing (2 ranks, G = 8, 4 groups per rank per generation batch):
+    every block holds the same indices, every rank's slice is whole groups, and the busiest rank's prompt tokens
+    drop; the negative control: TRL's own order puts more on the busiest rank."""
+    from trl.trainer.utils import RepeatSampler
+
+    from packtools.integrations.rl.groups import GroupBalancedSampler
+
+    lengths = np.random.default_rng(0).integers(256, 2049, 64)
+
+    def trl_sampler():  # TRL's, seeded: a second one yields the same order
+        return RepeatSampler(range(64), mini_repeat_count=8, batch_size=8, repeat_count=2, seed=0)
+
+    sampler = GroupBalancedSampler(
+        trl_sampler(), group=8, block=64, ranks=2, prompt_tokens=lambda i: int(lengths[i])
+    )
+    got, want = list(sampler), list(trl_sampler())
+    assert len(got) == len(want) == len(sampler) == 8 * 2 * 64  # 8 generation batches, each repeated twice
+    blocks = [got[i : i + 64] for i in range(0, len(got), 64)]
+    for k, block in enumerate(blocks):
+        assert sorted(block) == sorted(want[64 * k : 64 * k + 64])  # the same prompts, G copies each
+        for rank in (block[:32], block[32:]):  # no group split across ranks
+            assert all(len(set(rank[i : i + 8])) == 1 for i in range(0, 32, 8))
+    assert blocks[0::2] == blocks[1::2]  # TRL repeats each generation batch; the balanced order repeats too
+    before, after = map(np.array, zip(*sampler.loads))
+    assert (after.max(1) <= before.max(1)).all() and (after.max(1) < before.max(1)).any()
+    assert (after.sum(1) == before.sum(1)).all()
+    with pytest.raises(PackingError, match="groups of num_generations=16 equal indices"):
+        list(GroupBalancedSampler(trl_sampler(), group=16, block=64, ranks=2, prompt_tokens=lambda i: 1))
+
+
+def test_balance_is_decided_once_with_its_reason():
+    from types import SimpleNamespace
+
+    from packtools.integrations.rl.groups import choose_balance
+
+    def fake(ranks, batch, data=(1, 2, 3)):
+        return SimpleNamespace(
+            accelerator=SimpleNamespace(num_processes=ranks),
+            args=SimpleNamespace(generation_batch_size=batch),
+            num_generations=4,
+            train_dataset=list(data) if data is not None else iter(()),
+        )
+
+    assert choose_balance(fake(1, 8), "auto") == (False, "one process: nothing to balance")
+    balance, reason = choose_balance(fake(2, 16), "auto")
+    assert balance and reason.startswith("whole groups per rank")
+    assert choose_balance(fake(2, 16), False)[0] is False
+    balance, reason = choose_balance(fake(2, 4), "auto")  # 2 sequences per rank: a group spans the ranks
+    assert not balance and "not a multiple of num_generations=4" in reason
+    with pytest.raises(PackingError, match="balance_groups=True: a rank's share"):
+        choose_balance(fake(2, 4), True)
+    with pytest.raises(PackingError, match="balance_groups=True: the train dataset is iterable"):
+        choose_balance(fake(2, 16, None), True)
+    with pytest.raises(PackingError, match="balance_groups='on': expected"):
+        choose_balance(fake(2, 16), "on")
+
+
+def torchrun(worker, out):
+    """Run ``tests/<worker> <out>`` on 2 CPU processes (torchrun, gloo); raise with its stderr unless it succeeds."""
     import socket
     import subprocess
     import sys
@@ -461,10 +602,17 @@ def test_two_processes_equal_trl_on_two_processes(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]), OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(port), str(root / "tests" / "_grpo_ddp_worker.py"), str(tmp_path),
+        "--master_port", str(port), str(root / "tests" / worker), str(out),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_two_processes_equal_trl_on_two_processes(tmp_path):
+    """torchrun, 2 CPU processes (gloo): the prepared trainers (plain rows and prompt-shared) end each rank with
+    TRL's weights and logs (TRL's gathers, its group advantages across ranks and its loss normalizations as they are)."""
+    torchrun("_grpo_ddp_worker.py", tmp_path)
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert got["trl"]["world"] == 2
@@ -485,14 +633,16 @@ def test_bench_grpo_runs_and_packtools_forwards_fewer_tokens_and_keeps_less(caps
     spec = importlib.util.spec_from_file_location("bench_grpo", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    small = ["--groups", "2", "--group-size", "4", "--steps", "1", "--hidden", "32"]
-    rows, projections = bench.main(
+    small = ["--groups", "2", "--group-size", "4", "--steps", "1", "--hidden", "32", "--in-process"]
+    rows, projections, balance = bench.main(
         [*small, "--prompt-min", "8", "--prompt-max", "32", "--completion-max", "32"]
     )
     assert [r[0] for r in rows] == ["TRL padded", "packtools", "shared prompt"]
     tokens, memory = [r[2] for r in rows], [r[5] for r in rows]  # ratios to TRL padded (exact, deterministic)
     assert tokens[0] == memory[0] == 1.0 and tokens[2] < tokens[1] < 1.0 and memory[2] < memory[1] < 1.0
     assert sorted(projections) == [4, 16, 64] and projections[64][0][2] < projections[4][0][2]
+    mean_before, worst_before, mean_after, worst_after = balance  # busiest rank's prompt tokens / mean
+    assert 1.0 <= mean_after < mean_before and worst_after <= worst_before
 
 
 def _update_gap(a, b):
@@ -504,46 +654,46 @@ def _update_gap(a, b):
 @pytest.mark.slow
 def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path):
     """One optimizer step on 2 processes (torchrun, gloo; per-device batch B) against one process (batch 2B) on
-    the same global batch: the generation is replaced by fixed completions per global position (the sampler's
-    prompts, TRL's ``num_items_in_batch`` gather, the reference forward kept).  grpo and dapo: TRL's own
-    2-process step equals its 1-process step, and packtools' (plain and prompt-shared) equals both.  bnpo
+    the same global batch: the generation is replaced by fixed completions per (prompt, copy) (the sampler's
+    prompts, TRL's ``num_items_in_batch`` gather, the reference forward kept).  grpo and dapo (B = 2G): TRL's own
+    2-process step equals its 1-process step, and packtools' (plain and prompt-shared, its sampler moving whole
+    groups between the ranks to balance their prompt tokens) equals both; no group is split across ranks.  bnpo
     normalizes by each rank's own token count, so TRL's 2-process step is not its 1-process step; packtools
-    equals TRL's 2-process step there.  With B = G every rank gets whole groups; with B = G / 2 each group is cut
-    across the ranks and prompt sharing (within one forward) is still exact."""
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
-
+    (TRL's order, balance_groups=False) equals TRL's 2-process step there.  With B = G / 2 each group is cut
+    across the ranks (TRL's order: "auto" says why) and prompt sharing (within one forward) is still exact."""
     import _grpo_ddp_global_worker as W
 
-    root = Path(__file__).resolve().parents[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]), OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(port), str(root / "tests" / "_grpo_ddp_global_worker.py"), str(tmp_path / "two"),
-    ]  # fmt: skip
     (tmp_path / "two").mkdir()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun("_grpo_ddp_global_worker.py", tmp_path / "two")
     two = [torch.load(tmp_path / "two" / f"global-rank{r}.pt", weights_only=False) for r in (0, 1)]
     one = W.run(tmp_path / "one", 1)
-    gaps = {}
+    gaps, balance = {}, {}
     for case, _, per_device in W.CASES:
         single = one[case, "trl"]
         assert single["world"] == 1 and two[0][case, "trl"]["world"] == 2
         (whole,) = single["prompts"]
         ranks = [two[r][case, "trl"]["prompts"][0] for r in (0, 1)]
         assert ranks[0] + ranks[1] == whole  # the global batch is rank 0's prompts, then rank 1's
-        for got in ranks:  # G = 4 copies of each prompt, consecutive
-            groups = [got[i : i + 4] for i in range(0, len(got), 4)]
-            if per_device == 4:
-                assert all(len(set(g)) == 1 and len(g) == 4 for g in groups)  # whole groups on each rank
+        for variant, prepared, _ in W.VARIANTS:  # where each variant's sampler put the groups
+            got = [two[r][case, variant]["prompts"][0] for r in (0, 1)]
+            plan = two[0][case, variant]["plan"]
+            assert sorted(got[0] + got[1]) == sorted(whole)  # the same global batch
+            if per_device == 2:  # half a group on each rank: TRL's order, and the plan says why
+                assert got == ranks and all(len(set(g)) == 1 and len(g) == 2 for g in got)
+                assert not prepared or "TRL's sampler order: a rank's share" in plan
+                continue
+            for g in got:  # G = 4 copies of each prompt, consecutive: whole groups on each rank
+                assert all(len(set(g[i : i + 4])) == 1 for i in range(0, len(g), 4)) and len(g) == per_device
+            if (
+                prepared and case != "bnpo"
+            ):  # balanced: prompt tokens (words) per rank no worse than TRL's order
+                assert "whole groups per rank" in plan
+                load = [sum(len(p.split()) for p in g) for g in got]
+                trl_load = [sum(len(p.split()) for p in g) for g in ranks]
+                balance[case, variant] = (trl_load, load)
+                assert max(load) <= max(trl_load)
             else:
-                assert len(set(got)) == 1 and len(got) == 2  # half a group on each rank
+                assert got == ranks
         for variant, _, _ in W.VARIANTS:
             # DDP: both ranks hold the same weights after the step
             assert _update_gap(two[0][case, variant]["update"], two[1][case, variant]["update"]) == 0.0
@@ -557,6 +707,8 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path):
                 single["update"], one[case, variant]["update"]
             )
     print("\n".join(f"{k}: {v:.3g}" for k, v in gaps.items()))
+    print("prompt words per rank, TRL's order -> balanced:", balance)
+    assert any(max(b) < max(a) for a, b in balance.values())  # the balancing moved something here
     for (case, variant, what), gap in gaps.items():
         if case == "bnpo" and what == "2proc vs TRL 1proc":
             assert gap > 1e-2, (case, variant, what, gap)  # TRL's own semantics: per-rank token means

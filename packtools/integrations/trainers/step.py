@@ -27,8 +27,9 @@ Another trainer kind plugs in with a mixin of its own (a subclass of :class:`Ste
 methods it changes, each calling ``super()``) and ``install_step(trainer, TheMixin, StepPlan(...))``: TRL's
 ``RewardTrainer`` (:class:`~packtools.integrations.preference.reward.PackedRewardStep` with a ``RewardPlan``); TRL's
 ``GRPOTrainer`` / ``RLOOTrainer`` (:class:`~packtools.integrations.rl.grpo.PackedRLStep` with an ``RLPlan``: it
-changes only the log-probability forwards and keeps TRL's own loader, whose sampler repeats each prompt for its
-group, so it does not derive from :class:`StepOwner`).
+changes the log-probability forwards and, under data parallelism, wraps TRL's own sampler (which repeats each
+prompt for its group) to balance whole groups across ranks; it keeps TRL's loader, so it does not derive from
+:class:`StepOwner`).
 """
 
 from __future__ import annotations
