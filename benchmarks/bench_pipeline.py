@@ -81,6 +81,7 @@ def make_json_and_parquet(folder: str, gigabytes: float, seed: int = 0) -> tuple
 
 def case_pack(src: str, out: str, executor: str, workers: str, tokenizer: str) -> dict:
     import packtools
+    import packtools.core  # the lazy front door does not import it
 
     packtools.core.warmup()
     kwargs = {"executor": executor, "workers": int(workers) if workers != "-" else None}
