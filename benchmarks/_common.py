@@ -5,8 +5,9 @@ benchmarks run.
 Imported by the benchmarks that run as programs (``python benchmarks/bench_pack.py``: this folder is then on
 ``sys.path``).  The documented recipes (``train_loop.py``, ``dpo_loop.py``, ``cp_loop.py``, ``cp_dpo_loop.py``)
 and the scripts the tests load by path (``bench_dpo.py``, ``bench_grpo.py``, ``gpu_check.py``,
-``model_matrix.py``) do not import it: a recipe is read and copied as one file, and a script loaded by path
-finds no sibling module.
+``model_matrix.py``) do not import it: a recipe is read as the program of its page (the CP recipes take their
+demo data and model from the sibling recipes, in ``main`` only), and a script loaded by path finds no sibling
+module.
 """
 
 from __future__ import annotations
