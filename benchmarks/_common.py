@@ -1,20 +1,25 @@
-"""Pieces the benchmark programs share: the printed (and optionally saved) report, one case run in a fresh
-process, the peak of live tensor memory, and the small Llama the model benchmarks run.
+"""Pieces the benchmark programs share: the printed (and optionally saved) report, the folder a run writes its
+data to, one case run in a fresh process, the peak of live tensor memory, and the small Llama the model
+benchmarks run.
 
 Imported by the benchmarks that run as programs (``python benchmarks/bench_pack.py``: this folder is then on
 ``sys.path``).  The documented recipes (``train_loop.py``, ``dpo_loop.py``, ``cp_loop.py``, ``cp_dpo_loop.py``)
 and the scripts the tests load by path (``bench_dpo.py``, ``bench_grpo.py``, ``gpu_check.py``,
-``model_matrix.py``) do not import it: a recipe is read and copied as one file, and a script loaded by path
-finds no sibling module.
+``model_matrix.py``) do not import it: a recipe is read as the program of its page (the CP recipes take their
+demo data and model from the sibling recipes, in ``main`` only), and a script loaded by path finds no sibling
+module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from typing import Any
 
 #: The line a case process prints its result on (JSON after it); the last one counts.
@@ -27,6 +32,19 @@ def print_report(text: str, markdown: str | None) -> None:
     if markdown:
         with open(markdown, "w") as fh:
             fh.write(text + "\n")
+
+
+@contextlib.contextmanager
+def work_folder(given: str | None, prefix: str) -> Iterator[str]:
+    """The folder a run writes its data to: ``given`` (``--workdir``; made if missing, kept after, so a later run
+    reuses its data), or a new temporary folder named ``prefix...``, removed when the run ends or fails."""
+    path = given or tempfile.mkdtemp(prefix=prefix)
+    os.makedirs(path, exist_ok=True)
+    try:
+        yield path
+    finally:
+        if not given:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def run_case_process(script: str, case: dict[str, Any]) -> dict[str, Any]:

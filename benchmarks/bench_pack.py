@@ -43,14 +43,13 @@ import argparse
 import json
 import os
 import resource
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
-from _common import print_report, run_case_process
+from _common import print_report, run_case_process, work_folder
 
 STRATEGIES = ("bfd", "bfd_split", "wrapped")
 VOCAB = 32000
@@ -423,10 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     for label, value in compile_rows:
         print(f"{label}: {value}", flush=True)
 
-    workdir = args.workdir or tempfile.mkdtemp(prefix="bench-pack-")
     base = {"rows": args.rows, "max_length": args.max_length, "seed": args.seed, "repeat": args.repeat}
     results = []
-    try:
+    with work_folder(args.workdir, "bench-pack-") as workdir:
         for order in args.order:
             lengths = make_lengths(args.rows, args.seed, order)
             print(
@@ -461,9 +459,6 @@ def main(argv: list[str] | None = None) -> int:
                     f"  plan   {strategy:9s} {r['first']:8.3f} / {r['time']:.3f} s  rows {r['rows']:,}",
                     flush=True,
                 )
-    finally:
-        if not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
 
     bad_tokens = [r for r in results if r["kind"] != "memcpy" and r["tokens_out"] != r["tokens_expected"]]
     for r in bad_tokens:

@@ -41,10 +41,9 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
-from _common import print_report
+from _common import print_report, work_folder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MAX_LENGTH = 2048
@@ -218,10 +217,8 @@ def main() -> int:
         result = {"alone": case_alone, "pack": case_pack, "tokenized": case_tokenized}[args.case](*args.args)
         print(json.dumps(result))
         return 0
-    workdir = args.workdir or tempfile.mkdtemp(prefix="packtools-bench-phases-")
-    os.makedirs(workdir, exist_ok=True)
-    meta = os.path.join(workdir, f"data-{args.docs}-{args.vocab}.json")
-    try:
+    with work_folder(args.workdir, "packtools-bench-phases-") as workdir:
+        meta = os.path.join(workdir, f"data-{args.docs}-{args.vocab}.json")
         if args.tokenized_mb:
             print_report("\n".join(tokenized(args, workdir)), args.markdown)
             return 0
@@ -302,9 +299,6 @@ def main() -> int:
                 f"{w['rows_out']:,}."
             )
         print_report("\n".join(lines), args.markdown)
-    finally:
-        if not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 

@@ -33,11 +33,10 @@ import resource
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
-from _common import print_report
+from _common import print_report, work_folder
 
 VOCAB = 32000
 TARGET_JSON_RSS_GIB = 1.0
@@ -82,6 +81,7 @@ def make_json_and_parquet(folder: str, gigabytes: float, seed: int = 0) -> tuple
 
 def case_pack(src: str, out: str, executor: str, workers: str, tokenizer: str) -> dict:
     import packtools
+    import packtools.core  # the lazy front door does not import it
 
     packtools.core.warmup()
     kwargs = {"executor": executor, "workers": int(workers) if workers != "-" else None}
@@ -232,17 +232,12 @@ def main() -> int:
         result["maxrss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
         print(json.dumps(result))
         return 0
-    workdir = args.workdir or tempfile.mkdtemp(prefix="packtools-bench-pipeline-")
-    os.makedirs(workdir, exist_ok=True)
     lines: list[str] = []
-    try:
+    with work_folder(args.workdir, "packtools-bench-pipeline-") as workdir:
         if not args.skip_json:
             lines += bench_json(workdir, args.json_gb) + [""]
         if not args.skip_tokenize:
             lines += bench_tokenize(workdir, args.tok_rows, args.tok_files, args.repeat)
-    finally:
-        if not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
     print_report("\n".join(lines), args.markdown)
     return 0
 

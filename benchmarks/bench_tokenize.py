@@ -53,11 +53,10 @@ import resource
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
-from _common import print_report
+from _common import print_report, work_folder
 
 MAX_LENGTH = 2048
 TARGET_SPEEDUP = {"text": 10.0, "chat": 6.0}
@@ -372,15 +371,13 @@ def main() -> int:
         print(json.dumps(result))
         return 0
 
-    workdir = args.workdir or tempfile.mkdtemp(prefix="packtools-bench-tokenize-")
-    os.makedirs(workdir, exist_ok=True)
-    # proofs recorded by this run only (children inherit it): the first packtools run of a kind pays for them
-    os.environ.setdefault("PACKTOOLS_CACHE_DIR", os.path.join(workdir, "packtools-cache"))
-    if args.fixed_cost:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import _fixed_cost
+    with work_folder(args.workdir, "packtools-bench-tokenize-") as workdir:
+        # proofs recorded by this run only (children inherit it): the first packtools run of a kind pays for them
+        os.environ.setdefault("PACKTOOLS_CACHE_DIR", os.path.join(workdir, "packtools-cache"))
+        if args.fixed_cost:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import _fixed_cost
 
-        try:
             vocabs = args.vocabs.split(",")
             lines = _fixed_cost.run(
                 vocabs,
@@ -390,13 +387,9 @@ def main() -> int:
                 args.overlap_probe,
                 baseline_tree=args.baseline_tree,
             )
-        finally:
-            if not args.workdir:
-                shutil.rmtree(workdir, ignore_errors=True)
-        print_report("\n".join(lines), args.markdown)
-        return 0
-    lines: list[str] = []
-    try:
+            print_report("\n".join(lines), args.markdown)
+            return 0
+        lines: list[str] = []
         t = time.perf_counter()
         # Everything heavy runs in child processes: on Linux a child's peak RSS starts at its parent's RSS at
         # the fork, so the parent stays small.
@@ -517,9 +510,6 @@ def main() -> int:
         )
         lines += [f"| {name} | {r['mb_per_s']:.1f} |" for name, r in alone.items()]
         print_report("\n".join(lines), args.markdown)
-    finally:
-        if not args.workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 

@@ -22,33 +22,6 @@ import argparse
 import copy
 from typing import Any
 
-#: Rows of packed pairs (sequence lengths, chosen and rejected in turn) of the CP DPO tests: sequences shorter
-#: than 2·CP, one long sequence, a row of a single pair; two batches (one per DP group with DP = 2).
-_SHAPES = [[[3, 2, 30, 9], [12, 14]], [[2, 5, 17, 6], [25, 21]]]
-
-
-def _rows() -> list[list[dict[str, Any]]]:
-    import numpy as np
-
-    rng = np.random.default_rng(11)
-    out = []
-    for batch in _SHAPES:
-        rows = []
-        for lengths in batch:
-            ids, mask = [], []
-            for i in range(0, len(lengths), 2):
-                prompt = int(rng.integers(1, min(lengths[i], lengths[i + 1])))  # a shared prompt, >= 1 token
-                prompt_ids = rng.integers(2, 97, prompt).tolist()
-                for n in lengths[i : i + 2]:
-                    ids += prompt_ids + rng.integers(2, 97, n - prompt).tolist()
-                    mask += [0] * prompt + [1] * (n - prompt)
-            rows.append({"input_ids": ids, "completion_mask": mask, "seq_lengths": lengths})
-        out.append(rows)
-    return out
-
-
-PAIR_BATCHES = _rows()
-
 
 def dpo_losses(policy: Any, reference: Any, beta: float) -> Any:
     """Sigmoid DPO loss of each pair from ``[pairs, 2]`` summed log-probabilities (column 0 chosen)."""
@@ -184,7 +157,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     import torch
     import torch.distributed as dist
     from cp_loop import cp_layout, tiny_llama_fp32
+    from dpo_loop import synthetic_pairs
 
+    from packtools.dpo import pack_preference
     from packtools.integrations.attention.context_parallel import use_cp_attention
 
     parser = argparse.ArgumentParser(
@@ -192,6 +167,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     )
     parser.add_argument("--cp", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=32)
+    parser.add_argument("--max-length", type=int, default=128)
     args = parser.parse_args(argv)
     dist.init_process_group("gloo")
     layout = cp_layout(args.cp)
@@ -200,7 +177,11 @@ def main(argv: list[str] | None = None) -> list[float]:
     reference = copy.deepcopy(model).eval().requires_grad_(False)
     use_cp_attention(model)
     use_cp_attention(reference)
-    rows = [row for batch in PAIR_BATCHES for row in batch][dp_rank::dp]  # every CP peer: the same rows
+    # packed pairs (input_ids, completion_mask, seq_lengths): tiny_llama_fp32's 97 token ids, the same on every rank
+    packed = pack_preference(
+        synthetic_pairs(args.pairs, args.max_length, vocab_size=97), max_length=args.max_length
+    )
+    rows = list(packed)[dp_rank::dp]  # the DP shard: every CP peer reads the same rows
     batches = [shard_pairs([row], args.cp, cp_rank, layout) for row in rows]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []

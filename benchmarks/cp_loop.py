@@ -18,27 +18,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-#: Rows of the CP tests (token ids from a fixed generator): documents shorter than 2·CP, one long document,
-#: a row of a single document; two batches (one per DP group with DP = 2).
-_SHAPES = [[[3, 40, 1, 9], [23]], [[2, 17, 5, 6], [30]]]
-
-
-def _rows() -> list[list[dict[str, Any]]]:
-    import numpy as np
-
-    rng = np.random.default_rng(7)
-    out = []
-    for batch in _SHAPES:
-        rows = []
-        for lengths in batch:
-            ids = rng.integers(2, 97, sum(lengths)).tolist()
-            rows.append({"input_ids": ids, "seq_lengths": lengths})
-        out.append(rows)
-    return out
-
-
-BATCHES = _rows()
-
 
 def tiny_llama_fp32(seed: int = 0) -> Any:
     """A 2-layer Llama with grouped-query attention (hidden 64, 4 heads, 2 key/value heads), fp32."""
@@ -145,8 +124,9 @@ def train(model: Any, loader: Any, optimizer: Any, accumulation_steps: int = 1, 
 def main(argv: list[str] | None = None) -> list[float]:
     import torch
     import torch.distributed as dist
+    from train_loop import synthetic_dataset
 
-    from packtools import PaddingFreeCollator
+    from packtools import PaddingFreeCollator, pack_dataset
     from packtools.batches.context_parallel import ContextParallelCollator
     from packtools.integrations.attention.context_parallel import use_cp_attention
 
@@ -156,6 +136,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--cp", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--max-length", type=int, default=128)
     args = parser.parse_args(argv)
     dist.init_process_group("gloo")
     layout = cp_layout(args.cp)
@@ -163,7 +145,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     model = tiny_llama_fp32()
     use_cp_attention(model)
     collator = ContextParallelCollator(PaddingFreeCollator(0), layout=layout)  # balanced, the layout's group
-    rows = [row for batch in BATCHES for row in batch]
+    # packed rows (input_ids, seq_lengths): tiny_llama_fp32's 97 token ids, the same on every rank
+    dataset = synthetic_dataset(args.sequences, args.max_length, vocab_size=97)
+    rows = list(pack_dataset(dataset, max_length=args.max_length, strategy="bfd_split"))
     mine = rows[dp_rank::dp]  # the DP shard: every CP peer reads the same rows
     loader = torch.utils.data.DataLoader(mine, batch_size=1, collate_fn=collator)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -15,6 +15,9 @@ MASK_COLUMNS = ("completion_mask", "assistant_masks")
 TOKEN_COLUMNS = ("input_ids", "labels", *MASK_COLUMNS)
 #: Columns packed rows carry that a model's ``forward`` does not name (kept through ``remove_unused_columns``).
 PACKED_COLUMNS = (SEQ_LENGTHS, *MASK_COLUMNS)
+#: The keyword arguments that carry a padding-free row's document boundaries to a varlen attention call
+#: (transformers' flash-attention kwargs; what ``PaddingFreeCollator(return_flash_attn_kwargs=True)`` adds).
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 #: Input formats of the offline pipeline.
 INPUT_FORMATS: tuple[str, ...] = ("text", "prompt_completion", "messages", "preference", "tokenized")
 #: File name of the pipeline's manifest in an output folder.

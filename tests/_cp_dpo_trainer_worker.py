@@ -1,7 +1,7 @@
 """One process of the Trainer half of ``tests/test_cp_dpo.py``: ``prepare_dpo_trainer(context_parallel=CP)``.
 
 Usage: ``torchrun --nproc_per_node W tests/_cp_dpo_trainer_worker.py CP GA [local] OUT_DIR``.  The 4 packed
-pair rows of ``benchmarks/cp_dpo_loop.PAIR_BATCHES`` are the global batch of one optimizer step (``W / CP`` DP
+pair rows of ``_cp_fixtures.PAIR_BATCHES`` are the global batch of one optimizer step (``W / CP`` DP
 ranks, ``GA`` micro-batches of ``4 / DP / GA`` rows each) of TRL's ``DPOTrainer`` (sigmoid loss, beta 0.5, a
 reference model of other weights, fp32, SGD lr 1, no clipping); rank 0 writes every rank's parameter change to
 ``OUT_DIR/trainer.pt``, with the step's logged loss and the refusal of a call on different rows per rank.

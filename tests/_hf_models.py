@@ -176,18 +176,10 @@ def reference_training(model, batches: list[list[dict]], accumulation: int, lr: 
 
 
 def model_matrix():
-    """The compatibility-matrix script (benchmarks/model_matrix.py), loaded once as a module."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    """The compatibility-matrix program (benchmarks/model_matrix.py), loaded once by :func:`_scripts.script`."""
+    from _scripts import script
 
-    if "model_matrix" not in sys.modules:
-        script = Path(__file__).resolve().parents[1] / "benchmarks" / "model_matrix.py"
-        spec = importlib.util.spec_from_file_location("model_matrix", script)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["model_matrix"] = module  # dataclasses look their module up while it loads
-        spec.loader.exec_module(module)
-    return sys.modules["model_matrix"]
+    return script("model_matrix")
 
 
 def tiny_arch(name: str, impl: str = "sdpa"):

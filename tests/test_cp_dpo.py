@@ -25,9 +25,9 @@ from _cp_fixtures import PAIR_BATCHES, tiny_llama_fp32  # noqa: E402
 from _scripts import script  # noqa: E402
 from test_cp_training import launch, rel  # noqa: E402
 
+from packtools.constants import VARLEN_KEYS  # noqa: E402
 from packtools.dpo import PreferenceCollator, sequence_logps  # noqa: E402
 from packtools.integrations.attention import segmented  # noqa: E402
-from packtools.integrations.trainers.guard import VARLEN_KEYS  # noqa: E402
 
 BETA = 0.5  # plain_cp_dpo_step's default
 

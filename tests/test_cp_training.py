@@ -137,7 +137,8 @@ def test_shard_attention_of_every_rank_equals_the_unsplit_row():
 
 def test_cp_attention_refuses_what_it_does_not_apply():
     """A sliding window (Mistral) and token-mixing layers would be silently ignored on a CP shard: refused."""
-    from _hf_models import tiny_arch
+    import transformers
+    from _hf_models import tiny_config
 
     from packtools.batches.context_parallel import shard_row
     from packtools.errors import PackingError
@@ -146,13 +147,13 @@ def test_cp_attention_refuses_what_it_does_not_apply():
 
     batch = shard_row(list(range(2, 14)), list(range(2, 14)), [5, 7], 1, 0, 0)
     batch = {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in batch.items()}
-    mistral = tiny_arch("Mistral")
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(**tiny_config(sliding_window=4)))
     use_cp_attention(mistral)
     with pytest.raises(PackingError, match="sliding_window"):
         mistral(**model_inputs(batch))
-    llama = tiny_arch("Llama")
+    llama = tiny_llama_fp32()
     use_cp_attention(llama)
-    reference = tiny_arch("Llama")
+    reference = tiny_llama_fp32()
     reference.set_attn_implementation(segmented.register())
     full = PaddingFreeCollator(0)([{"input_ids": list(range(2, 14)), "seq_lengths": [5, 7]}])
     with torch.no_grad():  # CP size 1: the shard is the row; equal to the segmented backend on the same row
@@ -168,7 +169,7 @@ def test_cp_attention_refuses_what_it_does_not_apply():
         ).logits
     src = torch.from_numpy(batch["packtools_cp"].layout.source(0))
     assert torch.allclose(got[0, src >= 0], want[0, src[src >= 0]], atol=1e-5)
-    conv = tiny_arch("Llama")
+    conv = tiny_llama_fp32()
     conv.model.layers[0].mixer = torch.nn.Conv1d(4, 4, 3)  # a layer mixing tokens outside attention
     with pytest.raises(PackingError, match="mixes tokens outside attention"):
         use_cp_attention(conv)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from packtools.constants import IGNORE_INDEX
 from packtools.core import unpack
 from packtools.pipeline import pack_files
-from packtools.pipeline.turn_split import carried_head, cut_turns, turn_ends
+from packtools.pipeline.turn_split import carried_head, plan_pieces, turn_ends
 
 datasets = pytest.importorskip("datasets")
 
@@ -41,7 +41,7 @@ def label_rows(draw):
 @example(case=(np.array([5, IGNORE_INDEX, 5]), 2, 2))  # a turn end inside the head, in a cut exchange
 def test_cut_covers_the_row_at_turn_ends(case):
     labels, head, max_length = case
-    pieces, cut = cut_turns(labels, head, max_length)
+    pieces, cut, _ = plan_pieces(labels, head, max_length)
     n = labels.size
     ends = {e for e in turn_ends(labels).tolist() if e > head}  # a turn end inside the head is no boundary
     carry = carried_head(head, max_length)
@@ -66,24 +66,24 @@ def test_cut_covers_the_row_at_turn_ends(case):
         assert a <= head or not (trained[a] and not trained[a - 1])
     assert (inside == 0) == (cut == 0)
     # negative control: the fixed cut starts pieces inside turns where the turn cut does not
-    fixed, _ = cut_turns(labels, head, max_length, "tokens")
+    fixed = plan_pieces(labels, head, max_length, "tokens").pieces
     assert all(b - a <= max_length for _, a, b in fixed) and fixed[-1][2] == n
 
 
 def test_a_turn_end_moves_past_the_templates_closing_tokens():
     labels = np.array([IGNORE_INDEX] * 3 + [7, 7] + [IGNORE_INDEX] * 4 + [8], np.int64)
     ids = np.array([1, 2, 3, 7, 7, 99, 4, 5, 6, 8], np.int64)  # 99: the closing text after the span
-    assert cut_turns(labels, 0, 6)[0] == [(0, 0, 5), (0, 5, 10)]
-    assert cut_turns(labels, 0, 6, ids=ids, closing=np.array([99]))[0] == [(0, 0, 6), (0, 6, 10)]
+    assert plan_pieces(labels, 0, 6).pieces == [(0, 0, 5), (0, 5, 10)]
+    assert plan_pieces(labels, 0, 6, ids=ids, closing=np.array([99])).pieces == [(0, 0, 6), (0, 6, 10)]
     other = ids.copy()
     other[5] = 42  # not the closing text: the end stays where the span ends
-    assert cut_turns(labels, 0, 6, ids=other, closing=np.array([99]))[0] == [(0, 0, 5), (0, 5, 10)]
+    assert plan_pieces(labels, 0, 6, ids=other, closing=np.array([99])).pieces == [(0, 0, 5), (0, 5, 10)]
 
 
 def test_cut_example_keeps_the_reply_with_the_end_of_its_question():
     # head 2, then an exchange of 12 tokens (10 prompt, 2 reply), then one of 3
     labels = np.array([IGNORE_INDEX] * 12 + [7, 7] + [IGNORE_INDEX, IGNORE_INDEX, 8], np.int64)
-    pieces, cut = cut_turns(labels, 2, 6)
+    pieces, cut, _ = plan_pieces(labels, 2, 6)
     assert cut == 1
     assert pieces == [(0, 0, 6), (2, 6, 10), (2, 10, 14), (2, 14, 17)]
     # the piece holding the reply (10..14) also holds the end of the question before it

@@ -13,7 +13,7 @@ from _pipeline_data import CHATML_GENERATION, CHATML_PLAIN, build_tokenizer, loa
 from packtools.constants import IGNORE_INDEX
 from packtools.core import unpack
 from packtools.pipeline import pack_files, turn_split
-from packtools.pipeline.turn_split import cut_turns, piece_columns, trained_tokens
+from packtools.pipeline.turn_split import piece_columns, plan_pieces, trained_tokens
 
 datasets = pytest.importorskip("datasets")
 IGN = IGNORE_INDEX
@@ -22,7 +22,7 @@ IGN = IGNORE_INDEX
 def test_review_c1_reply_longer_than_a_piece_keeps_its_question():
     ids = np.arange(100, 115)
     labels = np.array([IGN, IGN, IGN] + list(range(103, 115)))  # head 2, user 1, reply 12
-    pieces, cut = cut_turns(labels, head=2, max_length=8)
+    pieces, cut, _ = plan_pieces(labels, head=2, max_length=8)
     assert cut == 1
     # the first piece: head, question and the reply's start; the second continues the reply without the head
     assert pieces == [(0, 0, 8), (0, 8, 15)]
@@ -34,7 +34,7 @@ def test_review_c1_reply_longer_than_a_piece_keeps_its_question():
 
 def test_a_long_question_keeps_its_end_with_the_reply():
     labels = np.array([IGN] * 2 + [IGN] * 10 + [7] * 20, np.int64)  # head 2, question 10, reply 20
-    pieces = cut_turns(labels, head=2, max_length=10)[0]
+    pieces = plan_pieces(labels, head=2, max_length=10).pieces
     # the question's start trains nothing (dropped); the first reply piece: head + the question's last
     # 6 tokens (three quarters of the 8 besides the head) + the reply's start; then the reply without the head
     assert pieces == [(0, 0, 6), (2, 6, 14), (0, 14, 24), (0, 24, 32)]

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .._optional import require
-from ..constants import IGNORE_INDEX
+from ..constants import IGNORE_INDEX, VARLEN_KEYS
 from ..errors import PackingError
 from .buckets import bucket_for, check_buckets, pad_cu_seq_lens
 from .flatten import FlatRows, check_carried, check_leave_out, flatten_rows
@@ -221,7 +221,7 @@ def check_padded_attention(flat: FlatRows, attn_implementation: str | None) -> N
 #: The keys each ``return_*`` switch of :class:`PaddingFreeCollator` controls (padding-free output).
 SWITCHED_KEYS = {
     "return_position_ids": ("position_ids",),
-    "return_flash_attn_kwargs": ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"),
+    "return_flash_attn_kwargs": VARLEN_KEYS,
     "return_seq_idx": ("seq_idx",),
 }
 

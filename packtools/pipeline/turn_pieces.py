@@ -45,22 +45,7 @@ def cut_row(labels: np.ndarray, head: int, max_length: int, split_at: str = "tur
     """The pieces of one row (its ``labels``; the row is ``len(labels)`` tokens) as ``(carry, start, end)``:
     the piece is the row's first ``carry`` tokens (the head, unlabeled) followed by ``row[start:end]``;
     ``carry + end - start <= max_length``, and the ``[start, end)`` cover the row once, in order."""
-    return cut_turns(labels, head, max_length, split_at)[0]
-
-
-def cut_turns(
-    labels: np.ndarray,
-    head: int,
-    max_length: int,
-    split_at: str = "turns",
-    *,
-    ids: np.ndarray | None = None,
-    closing: np.ndarray | None = None,
-    tool_opener: np.ndarray | None = None,
-) -> tuple[list[Piece], int]:
-    """:func:`cut_row`'s pieces and how many exchanges were longer than a piece (cut inside a turn)."""
-    got = plan_pieces(labels, head, max_length, split_at, ids=ids, closing=closing, tool_opener=tool_opener)
-    return got.pieces, got.turns_cut
+    return plan_pieces(labels, head, max_length, split_at).pieces
 
 
 class TurnCut(NamedTuple):

@@ -63,7 +63,6 @@ from .turn_pieces import (  # noqa: F401 - the cutting rules, re-exported where 
     carried_head,
     check_split_at,
     cut_row,
-    cut_turns,
     plan_pieces,
     turn_ends,
 )

@@ -52,13 +52,14 @@ from typing import Any
 from ..._optional import require
 from ...compat.torch import forward_pre_hook
 from ...compat.transformers import document_scan, packed_position_masks, replace_mixer_forward
+from ...constants import VARLEN_KEYS
 from ...errors import PackingError
 from .backends import base_model, token_mixing_layers
 
 #: The keyword argument that carries a forward's :class:`Segments` from the decoder down to the mixers.
 SEGMENTS_KEY = "packtools_segments"
 #: Keys a per-document call does not pass on (the row's boundaries, which a single document does not have).
-_ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", SEGMENTS_KEY)
+_ROW_KEYS = (*VARLEN_KEYS, "seq_idx", SEGMENTS_KEY)
 #: Where the model keeps its :class:`DocumentMixers` (read with :func:`document_mixers`).
 _ATTR = "_packtools_document_mixers"
 #: Model types whose forward builds attention masks without ``position_ids`` (checked in transformers 5.25).

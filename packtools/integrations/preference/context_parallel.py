@@ -34,21 +34,14 @@ from typing import Any
 
 from ..._optional import require
 from ...batches.context_parallel import CP_KEY, shard_row
+from ...constants import VARLEN_KEYS
 from ...errors import PackingError
 from ..attention.context_parallel import use_cp_attention
 from ..parallel.layout import RankLayout, rank_layout
 from ..parallel.shard_loss import sum_over_group
 from .calls import PER_TOKEN
 
-_ROW_KEYS = (
-    "input_ids",
-    "labels",
-    "position_ids",
-    "cu_seq_lens_q",
-    "cu_seq_lens_k",
-    "max_length_q",
-    "max_length_k",
-)
+_ROW_KEYS = ("input_ids", "labels", "position_ids", *VARLEN_KEYS)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._optional import require
+from ...constants import VARLEN_KEYS
 from ...errors import PackingError
 from ..attention.backends import base_model, token_mixing_layers
 from ..attention.isolation import PERTURB_TOLERANCE, TOLERANCE, backend_hint, translate
@@ -25,8 +26,7 @@ from ..attention.mixers import POSITIONLESS_MASKS, document_mixers
 from .calls import padding_free_layout
 
 _PADDED_KEYS = {"input_ids", "attention_mask", "margin"}
-_PACKED_KEYS = {"input_ids", "labels", "position_ids", "margin", "seq_idx"}
-_PACKED_KEYS |= {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+_PACKED_KEYS = {"input_ids", "labels", "position_ids", "margin", "seq_idx", *VARLEN_KEYS}
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ from typing import Any
 
 from ...compat import set_attr
 from ...compat.torch import forward_pre_hook
+from ...constants import VARLEN_KEYS
 from ...errors import PackingError
 from ..attention.backends import attention_implementation, is_flash, token_mixing_layers
 
-VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _HOOK_ATTR = "_packtools_guard"
 
 
