@@ -243,7 +243,7 @@ class ReferenceCheck:
         self._texts = texts
         self._tok: Any = None
         self._error: BaseException | None = None
-        self._loaded = threading.Event()
+        self._ready = threading.Event()
         #: None: the same ids; else where they first differ (set by the thread)
         self.difference: str | None = None
         self._copy_sha: str | None = None
@@ -265,7 +265,7 @@ class ReferenceCheck:
             self._error = exc
             return
         finally:
-            self._loaded.set()
+            self._ready.set()
         try:
             self.difference = compare(self.lite, tok, self._texts)
         except Exception as exc:  # noqa: BLE001 - the library cannot run it: not the same
@@ -275,7 +275,7 @@ class ReferenceCheck:
 
     def transformers(self) -> Any:
         """transformers' tokenizer of the folder, once loaded (raises what loading raised)."""
-        self._loaded.wait()
+        self._ready.wait()
         if self._error is not None:
             raise self._error
         return self._tok
