@@ -214,4 +214,5 @@ def test_a_first_run_records_what_the_check_before_the_stage_recorded(tok, tmp_p
     # a warm run takes them: the lite reference checked, the adversarial verdict recorded, the same counts
     warm = pack_files(src, tmp_path / "out2", max_length=64, tokenizer=tok, quiet=True)
     assert warm.stats["tokenizer"]["checked"] == first.stats["tokenizer"]["checked"]
+    assert "reference_check_s" in first.timings and "reference_check_s" not in warm.timings
     assert _docs(warm.out) == _docs(first.out) == _expected(tok, TEXTS)

@@ -320,6 +320,13 @@ def _verdict(
     return verdict, rests_on, stale
 
 
+def _reference_pending(found: RunInputs, config: PipelineConfig) -> bool:
+    """Whether the driver's tokenizer still has a provisional reference to settle (:func:`_settle_reference`)."""
+    from .stage import preload_tokenizer
+
+    return preload_tokenizer(config.tokenizer, found.ids, check_later=True).reference_check is not None
+
+
 def _settle_reference(
     found: RunInputs,
     config: PipelineConfig,
@@ -419,6 +426,7 @@ def _run(
         timings["parts_restaged"] = dropped + drop_disagreeing(jobs, verdict)
     ex = get_executor(how.executor, how.workers, how.address)
     timings["executor"] = ex.name
+    check_pending = verdict is not None and _reference_pending(found, config)
     if ex.name != "local" and warming is not None:  # (an Executor object that is not local after all)
         warming.join()
     try:
@@ -429,11 +437,15 @@ def _run(
                 staged = run_jobs(ex, stage_part, jobs, "stage", how.quiet, how.retries, finished=done)
                 if verdict is not None and drop_disagreeing(jobs, verdict):
                     continue  # (a part of a stopped worker that landed after the fallback is staged again)
+                t_check = time.perf_counter()
                 late = (
                     _settle_reference(found, config, ws, jobs, verdict, rests_on)
                     if verdict is not None
                     else None
                 )
+                if check_pending:  # a first run's wait for its check against transformers (in stage_s)
+                    timings["reference_check_s"] = round(time.perf_counter() - t_check, 3)
+                    check_pending = False
                 if late is None:
                     break
                 # the first run's provisional reference differed from transformers: every part again, by it
