@@ -11,7 +11,9 @@ too, compares both on the built-in adversarial set (with and without special tok
 records the verdict in a small file keyed by the tokenizer's fingerprint and the versions of transformers,
 tokenizers and packtools (under ``$PACKTOOLS_CACHE_DIR``, default ``~/.cache/packtools``).  Later runs with a
 "same" verdict skip transformers; anything else (a differing id, a new version, no verdict) loads transformers.
-``PACKTOOLS_CACHE_DIR=''`` turns the shortcut off.
+``PACKTOOLS_CACHE_DIR=''`` turns the shortcut off.  A pipeline's first run of plain text does that check in a
+background thread while it stages on the library's tokenizer as a provisional reference
+(:class:`ReferenceCheck`), and waits for it before anything is planned or installed (docs/tokenize.md).
 
 The library parses ``tokenizer.json``'s merges faster when they are spelled ``"a b"`` than as ``["a", "b"]`` pairs,
 and the fast engine keeps such a copy

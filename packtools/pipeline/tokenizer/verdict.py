@@ -18,6 +18,11 @@
    (:func:`fall_back`) and restage every part that the fast engine tokenized (``auto``), or stop (``fast``);
    a part whose recorded report disagrees with the verdict (a fast-engine part under a transformers verdict) is
    never reused (:func:`drop_disagreeing`).
+5. **A provisional reference** (a first run stages on the ``tokenizers`` library's ids while they are checked
+   against transformers: :meth:`~packtools.pipeline.tokenizer.batch.BatchTokenizer.settle_reference`): the basis
+   says so (:func:`provisional`) until the check passes; a difference drops every part (:func:`drop_all`) and
+   records :func:`reference_fallback`; a verdict left on a provisional basis that a later run does not take back
+   reuses no part (:func:`left_provisional`).
 
 >>> v = {"engine": "fastokens 0.3.5", "requested": "auto", "reason": "ok", "checked": {}}
 >>> fall_back(v, "line 9: ...")["engine"], fall_back(v, "line 9: ...")["reason"][:52]
