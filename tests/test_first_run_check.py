@@ -216,3 +216,26 @@ def test_a_first_run_records_what_the_check_before_the_stage_recorded(tok, tmp_p
     assert warm.stats["tokenizer"]["checked"] == first.stats["tokenizer"]["checked"]
     assert "reference_check_s" in first.timings and "reference_check_s" not in warm.timings
     assert _docs(warm.out) == _docs(first.out) == _expected(tok, TEXTS)
+
+
+@pytest.mark.parametrize(("executor", "checks_later"), [("local", True), ("pool", False)])
+def test_only_a_local_run_stages_on_a_provisional_reference(
+    tok, tmp_path, monkeypatch, executor, checks_later
+):
+    """A pool's (or Ray's) workers build their own tokenizers: with no verdict recorded yet each would load
+    transformers, so such a run checks before it stages, as before."""
+    from packtools.pipeline import run
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def inputs(*args, check_later=False):
+        seen.append(check_later)
+        raise Stop
+
+    monkeypatch.setattr(run, "_inputs", inputs)
+    with pytest.raises(Stop):
+        pack_files(_write(tmp_path / "in", TEXTS), tmp_path / "out", 64, tokenizer=tok, executor=executor)
+    assert seen == [checks_later]

@@ -197,7 +197,10 @@ def run_pipeline(
     check_replaceable(out)
     Workspace(out).refuse_if_held()  # before loading the tokenizer: a busy out fails at once
     # early: seconds before staging, itemized in the summary
-    found, early = _inputs(files, config, fp["tokenizer_sha256"], started)
+    # a first run checks the reference while it stages only where its stage jobs share the driver's tokenizer: a
+    # pool's or Ray's workers would each load transformers meanwhile (no verdict recorded yet)
+    local = getattr(executor, "name", executor) == "local"
+    found, early = _inputs(files, config, fp["tokenizer_sha256"], started, check_later=local)
 
     ws = Workspace(out)
     ws.acquire()
@@ -243,10 +246,16 @@ def warn_pipeline_drops(stats: dict[str, Any]) -> None:
 
 
 def _inputs(
-    files: Sequence[InputFile], config: PipelineConfig, tokenizer_fp: str | None, started: float
+    files: Sequence[InputFile],
+    config: PipelineConfig,
+    tokenizer_fp: str | None,
+    started: float,
+    *,
+    check_later: bool = False,
 ) -> tuple[RunInputs, dict[str, Any]]:
     """The format and columns of ``files``, what decides their ids (``tokenizer_fp``: the hash of the
-    tokenizer's files), the tokenizer loaded and its engine proved once (raw input), and the seconds that took."""
+    tokenizer's files), the tokenizer loaded and its engine proved once (raw input), and the seconds that took.
+    ``check_later``: a first run may stage on a provisional reference (:func:`_settle_reference`)."""
     early: dict[str, Any] = {}
     fmt = data_format(files, config)
     check_options_used(config, fmt)
@@ -283,7 +292,7 @@ def _inputs(
     t_tok = time.perf_counter()
     early["setup_s"] = round(t_tok - started, 3)
     tok = preload_tokenizer(  # fails here, once, if it cannot load; workers take the engine it chose
-        config.tokenizer, ids, input_bytes=sum(f.size for f in files), check_later=True
+        config.tokenizer, ids, input_bytes=sum(f.size for f in files), check_later=check_later
     )
     proven = freeze_report(tok.report.to_dict())
     early.update(tokenizer_timings(tok, time.perf_counter() - t_tok))
