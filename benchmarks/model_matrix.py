@@ -254,7 +254,9 @@ def markdown(cells: list[Cell], archs: list[Family]) -> str:
         f"transformers {transformers.__version__}, torch {torch.__version__}, CPU, float32"
         + ("; `flash_attention_2` cells: CUDA, bfloat16" if any("flash" in c.backend for c in cells) else "")
         + ".  Each architecture "
-        "is built tiny from its config with random weights; each cell runs `packtools.integrations.check_isolation(model, "
+        "is built tiny from its config with random weights (`packtools.testing.tiny_model(name, backend)`: "
+        "[build the same model](training.md#your-setup-on-a-tiny-model-of-your-family-first-packtoolstesting) to "
+        "check your own setup); each cell runs `packtools.integrations.check_isolation(model, "
         "backward=True)`: four sequences packed into two rows by `PaddingFreeCollator`, passed as "
         "`prepare_trainer` passes them, against each sequence run alone (logits, summed loss and gradients, "
         "tolerance 1e-5), and a check that changing one sequence does not move the others.",

@@ -14,10 +14,19 @@ torch), imported when a model is built.
 >>> model = tiny_model("Mistral")
 >>> type(model).__name__, model.config.num_hidden_layers, model.config.sliding_window
 ('MistralForCausalLM', 2, 4)
+
+Two more pieces for checks of the offline job (``pack_files``, ``packtools pack``): :func:`tiny_tokenizer`, a
+byte-level BPE tokenizer folder trained in a second on a few sentences (its vocabulary, 378 ids, is not
+:data:`VOCAB`: it is for tokenizing and packing, not for the tiny models), with a ChatML template; and
+:func:`chat_conversations`, seeded synthetic conversations of the shapes real chat data has (system prompts, several
+exchanges, pasted code, tool calls, now and then a very long reply).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -341,3 +350,138 @@ def tiny_model(name: str | Family, attn_implementation: str = "sdpa", seed: int 
     if "flash" in attn_implementation:
         model = model.to("cuda", torch.bfloat16)
     return model
+
+
+# -- a tokenizer folder for the offline job ---------------------------------------------------------------
+#: ChatML with the assistant turns (content and ``<|im_end|>``) inside ``{% generation %}`` markers.
+CHATML_GENERATION = (
+    "{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' }}"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% else %}{{ m['content'] + '<|im_end|>' }}{% endif %}"
+    "{{ '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+#: The same ChatML without the markers (packtools finds the assistant turns by rendering).
+CHATML_PLAIN = CHATML_GENERATION.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+#: The sentences :func:`tiny_tokenizer` is trained on.
+TOKENIZER_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world, this is a tiny corpus for a tiny tokenizer",
+    "what is two plus two? two plus two is four.",
+    "user assistant system question answer tokens",
+    "packing sequences into rows of max length tokens",
+] * 20
+#: The special tokens of :func:`tiny_tokenizer` (ids 0, 1, 2): end of text (also its padding), ChatML's turn marks.
+EOS, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+
+
+def tiny_tokenizer(path: str, chat_template: str | None = CHATML_GENERATION) -> str:
+    """Train a byte-level BPE (at most 400 ids; 378 on this corpus) on :data:`TOKENIZER_CORPUS`, the same ids every
+    time, and save it with ``save_pretrained`` into the folder ``path`` (made if missing), with ``chat_template``;
+    returns ``path``.
+
+    >>> import tempfile
+    >>> from transformers import AutoTokenizer
+    >>> tok = AutoTokenizer.from_pretrained(tiny_tokenizer(tempfile.mkdtemp()))
+    >>> len(tok), tok.eos_token, tok.convert_tokens_to_ids(IM_END)
+    (378, '<|endoftext|>', 2)
+    """
+    tokenizers = require("tokenizers", "packtools.testing.tiny_tokenizer")
+    transformers = require("transformers", "packtools.testing.tiny_tokenizer")
+    pre = tokenizers.pre_tokenizers.ByteLevel
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = pre(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=[EOS, IM_START, IM_END],
+        initial_alphabet=pre.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TOKENIZER_CORPUS, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS, pad_token=EOS, chat_template=chat_template
+    )
+    os.makedirs(path, exist_ok=True)
+    fast.save_pretrained(path)
+    return path
+
+
+# -- synthetic conversations ------------------------------------------------------------------------------
+_SYSTEMS = [
+    "You are a helpful assistant.",
+    "You are a careful senior engineer. "
+    + " ".join(
+        f"Rule {i}: explain each step, cite the file you read, and keep answers short." for i in range(9)
+    ),
+    "Tu es un assistant serviable. Réponds en français, brièvement et précisément.",
+    "You can call tools. read_file(path) returns a file's text; search(query) returns matching lines. "
+    "Call a tool with <tool_call>{json}</tool_call> and wait for its result.",
+    "Answer as a teacher would.",
+]
+_WORDS = (
+    "packing sequences into rows keeps every token the model trains on while the attention mask keeps "
+    "documents apart and the loss counts each label once per step of the optimizer"
+).split()
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+def _code(rng: random.Random, chars: int) -> str:
+    lines, n = [], 0
+    while n < chars:
+        i = rng.randrange(10_000)
+        line = f"def f{i}(x, y={rng.randrange(100)}):\n    return x * {i} + y  # {rng.choice(_WORDS)}\n"
+        lines.append(line)
+        n += len(line)
+    return "".join(lines)
+
+
+def _exchange(rng: random.Random, long_reply: float) -> list[dict[str, str]]:
+    question = _text(rng, rng.randint(5, 25)) + "?"
+    if rng.random() < 0.12:
+        question += "\n```python\n" + _code(rng, rng.randint(4_000, 11_000)) + "```"
+    if rng.random() < 0.3:  # a tool call, its result, the answer
+        call = {
+            "name": rng.choice(["read_file", "search"]),
+            "arguments": {"path": f"src/m{rng.randrange(99)}.py"},
+        }
+        result = {"result": _text(rng, rng.randint(20, 120))}
+        return [
+            {"role": "user", "content": question},
+            {
+                "role": "assistant",
+                "content": f"Let me look that up.\n<tool_call>{json.dumps(call)}</tool_call>",
+            },
+            {"role": "tool", "content": json.dumps(result)},
+            {"role": "assistant", "content": _text(rng, rng.randint(20, 200))},
+        ]
+    words = rng.randint(1_500, 3_000) if rng.random() < long_reply else rng.randint(10, 300)
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": _text(rng, words)}]
+
+
+def chat_conversations(n: int, seed: int = 0, long_reply: float = 0.03) -> list[list[dict[str, str]]]:
+    """``n`` conversations (``messages`` lists), the same for the same ``seed``: a system prompt in 4 of 5 (one
+    short, one long, one French, one describing tools), 1 to 6 exchanges, user turns that paste code now and then
+    (12%), tool calls (30% of exchanges: an assistant message that only calls a tool, the tool's JSON result, then
+    the answer), and a reply of 1,500-3,000 words with probability ``long_reply`` -- the shapes a turn-aware split
+    must keep whole.
+
+    >>> chats = chat_conversations(3, seed=1)
+    >>> [m["role"] for m in chats[0]][:3]
+    ['system', 'user', 'assistant']
+    >>> chats == chat_conversations(3, seed=1)
+    True
+    """
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        conv = [{"role": "system", "content": rng.choice(_SYSTEMS)}] if rng.random() < 0.8 else []
+        for _ in range(rng.randint(1, 6)):
+            conv.extend(_exchange(rng, long_reply))
+        out.append(conv)
+    return out

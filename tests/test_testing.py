@@ -1,6 +1,7 @@
 """packtools.testing: the tiny models of the verified families -- light to import, reproducible by seed, refused by
 name when unknown, the table benchmarks/model_matrix.py reports on, and docs/training.md's example runs as
-written."""
+written.  Its tokenizer and conversations are run by its doctests (tests/test_docs.py) and by the pipeline tests
+(tests/_pipeline_data.py, tests/test_turn_split_questions.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "training.md"
 def test_import_is_light():
     code = (
         "import sys, packtools.testing as t; print(len(t.FAMILIES), "
-        "sorted(m for m in ('torch', 'transformers', 'packtools.integrations') if m in sys.modules))"
+        "sorted(m for m in ('torch', 'transformers', 'tokenizers', 'packtools.integrations') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["28", "[]"]
