@@ -5,11 +5,11 @@ Usage::
     python benchmarks/bench_chat_questions.py                          # 3,000 conversations, Qwen 3 vocabulary
     python benchmarks/bench_chat_questions.py --convs 300 --vocab bpe --lengths 512,2048
 
-Data: ``tests/_chat_shapes.newcomer_chats`` (seed 0), the newcomer's workflow of findings/newcomer-2026-12c.md
+Data: ``packtools.testing.chat_conversations`` (seed 0), the newcomer's workflow of findings/newcomer-2026-12c.md
 §3: system prompts in 4 of 5 conversations, 1 to 6 exchanges, pasted code in 12% of user turns, tool calls
 (call, JSON result, answer) in 30% of exchanges, a reply of 1,500-3,000 words in 3%.  Tokenizer: the Qwen 3
 vocabulary built offline from ``quicktok-v1``'s rank files (``tests/_real_vocab.py``) with a plain ChatML
-template (``--vocab bpe``: the tests' tiny byte-level BPE).  Packed with ``pack_files(..., "bfd_split")``.
+template (``--vocab bpe``: ``packtools.testing.tiny_tokenizer``'s byte-level BPE).  Packed with ``pack_files(..., "bfd_split")``.
 
 Columns, over the packed sequences (each counted independently of packtools' own statistics):
 
@@ -32,7 +32,6 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 
 def _find(row: list[int], part: list[int], start: int = 0) -> int:
@@ -70,27 +69,28 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import datasets
-    from _chat_shapes import newcomer_chats
-    from _pipeline_data import CHATML_PLAIN, build_tokenizer
     from transformers import AutoTokenizer
 
     from packtools.core import unpack
     from packtools.pipeline import pack_files
+    from packtools.testing import CHATML_PLAIN, chat_conversations, tiny_tokenizer
 
     root = tempfile.mkdtemp(prefix="chat-questions-")
     tok_dir = os.path.join(root, "tok")
     if args.vocab == "qwen3":
+        # The real vocabularies are the tests' fixture (quicktok-v1's rank files, from the test extra).
+        sys.path.insert(0, os.path.join(HERE, "..", "tests"))
         from _real_vocab import build
 
         build("qwen3", tok_dir, CHATML_PLAIN)
     else:
-        build_tokenizer(tok_dir, CHATML_PLAIN)
+        tiny_tokenizer(tok_dir, CHATML_PLAIN)
     tok = AutoTokenizer.from_pretrained(tok_dir)
     enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
     marks = {r: enc(f"<|im_start|>{r}\n") for r in ("system", "user", "tool")} | {"end": enc("<|im_end|>\n")}
     src = os.path.join(root, "chat.jsonl")
     with open(src, "w") as fh:
-        fh.writelines(json.dumps({"messages": c}) + "\n" for c in newcomer_chats(args.convs))
+        fh.writelines(json.dumps({"messages": c}) + "\n" for c in chat_conversations(args.convs))
     print(f"{'max_length':>10} {'pieces':>7} {'cut':>6} {'replies':>8} {'at tool':>8} {'after head':>10} "
           f"{'question end':>12} {'q. dropped':>10} {'trained kept':>13} {'s':>6}")  # fmt: skip
     for length in (int(x) for x in args.lengths.split(",")):

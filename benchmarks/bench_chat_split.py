@@ -10,7 +10,7 @@ Data (seed 0): conversations built from the running interpreter's standard libra
 turn is a short question followed by 1 to 4 consecutive source pieces (long code, as in the report that asked
 for this) and whose assistant turn is one short piece.  Tokenizer: the Llama 3 vocabulary built offline from the
 rank files ``quicktok-v1`` ships, with Meta-Llama-3-8B-Instruct's chat template (``tests/_real_vocab.py``);
-``--vocab bpe`` uses the tests' tiny byte-level BPE instead (no quicktok needed).
+``--vocab bpe`` uses ``packtools.testing.tiny_tokenizer``'s byte-level BPE instead (no quicktok needed).
 
 Packed with ``packtools.pack_files`` at each ``max_length``, three ways, from the same staged parts:
 
@@ -38,7 +38,6 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 SYSTEM = "You are a careful Python reviewer. Answer briefly and show code when it helps."
 QUESTIONS = ["What does this code do?", "Can you find the bug here?", "Please review:", "Explain this:"]
@@ -65,9 +64,11 @@ def conversations(n: int, seed: int = 0) -> list[dict]:
 
 def tokenizer(workdir: str, vocab: str) -> str:
     if vocab == "bpe":
-        from _pipeline_data import CHATML_PLAIN, build_tokenizer
+        from packtools.testing import CHATML_PLAIN, tiny_tokenizer
 
-        return build_tokenizer(os.path.join(workdir, "tok"), CHATML_PLAIN)
+        return tiny_tokenizer(os.path.join(workdir, "tok"), CHATML_PLAIN)
+    # The real vocabularies are the tests' fixture (quicktok-v1's rank files, from the test extra).
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
     import _real_vocab
 
     plain, _ = _real_vocab.OFFICIAL["llama3-official"]

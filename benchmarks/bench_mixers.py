@@ -4,7 +4,7 @@ Usage::
 
     python benchmarks/bench_mixers.py [--archs Qwen3.5 Nemotron-H] [--docs 4 16 64] [--repeat 5] [--no-memory]
 
-Each architecture is the matrix's tiny model (``benchmarks/model_matrix.py``: hidden 32, ``sdpa``, float32, CPU,
+Each architecture is the matrix's tiny model (``packtools.testing.tiny_model``: hidden 32, ``sdpa``, float32, CPU,
 one thread).  A row holds ``--docs`` documents of 8-48 tokens (seeded).  Three ways, forward + backward of the
 summed token loss, the best of ``--repeat`` runs each:
 
@@ -87,13 +87,12 @@ def best(run: Any, repeat: int) -> float:
 
 def measure(arch_name: str, count: int, repeat: int, memory: bool) -> dict[str, Any]:
     import torch
-    from model_matrix import ARCHS, build
 
     from packtools.integrations.attention.mixers import run_mixers_per_document
+    from packtools.testing import tiny_model
 
-    arch = next(a for a in ARCHS if a.name == arch_name)
-    plain = build(arch, "sdpa")
-    prepared = build(arch, "sdpa")
+    plain = tiny_model(arch_name, "sdpa")
+    prepared = tiny_model(arch_name, "sdpa")
     done = run_mixers_per_document(prepared)
     docs = documents(count, 0, plain.config.vocab_size)
     ids = torch.cat(docs)[None]

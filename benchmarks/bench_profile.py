@@ -171,15 +171,14 @@ def stage_bench(rows: int, folder: str) -> None:
     import filecmp
     import shutil
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    from _pipeline_data import CORPUS, build_tokenizer
+    from packtools.testing import TOKENIZER_CORPUS, tiny_tokenizer
 
     os.makedirs(folder, exist_ok=True)
-    tok = build_tokenizer(os.path.join(folder, "tok"))
+    tok = tiny_tokenizer(os.path.join(folder, "tok"))
     data = os.path.join(folder, f"text-{rows}.jsonl")
     if not os.path.exists(data):
         rng = np.random.default_rng(0)
-        words = np.array(" ".join(CORPUS).split())
+        words = np.array(" ".join(TOKENIZER_CORPUS).split())
         with open(data, "w") as fh:
             for _ in range(rows):
                 fh.write(

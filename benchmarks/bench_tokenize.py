@@ -58,17 +58,10 @@ import time
 import numpy as np
 from _common import print_report, work_folder
 
+from packtools.testing import CHATML_GENERATION
+
 MAX_LENGTH = 2048
 TARGET_SPEEDUP = {"text": 10.0, "chat": 6.0}
-CHATML = (
-    "{% for m in messages %}"
-    "{{ '<|im_start|>' + m['role'] + '\n' }}"
-    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}"
-    "{% else %}{{ m['content'] + '<|im_end|>' }}{% endif %}"
-    "{{ '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
 
 # -- data -------------------------------------------------------------------------------------------------
@@ -128,7 +121,10 @@ def make_data(workdir: str, docs: int, vocab: str = "bpe32k") -> dict:
     tok_dir = tagged_dir = os.path.join(workdir, "tokenizer")
     if vocab == "bpe32k":
         PreTrainedTokenizerFast(
-            tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHATML
+            tokenizer_object=tok,
+            eos_token="<|endoftext|>",
+            pad_token="<|endoftext|>",
+            chat_template=CHATML_GENERATION,
         ).save_pretrained(tok_dir)
     else:
         tok_dir, tagged_dir = real_vocab(workdir, vocab)

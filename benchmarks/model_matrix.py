@@ -6,8 +6,8 @@ Usage::
     python benchmarks/model_matrix.py --write docs/models.md
     python benchmarks/model_matrix.py --archs llama gpt2 --backends sdpa
 
-Each architecture is built tiny from its transformers config (2 or 3 layers, hidden size 32, random float32
-weights; sliding windows and attention chunks of 4 tokens so they matter on short sequences), changed as
+Each architecture is a tiny model of :mod:`packtools.testing` (:data:`~packtools.testing.FAMILIES`: 2 or 3
+layers, hidden size 32, random float32 weights; sliding windows and attention chunks of 4 tokens so they matter on short sequences), changed as
 ``prepare_trainer`` changes it (token-mixing layers per document, :mod:`packtools.integrations.attention.mixers`; the
 guard).  Each cell runs
 :func:`packtools.integrations.check_isolation` with ``backward=True``: four sequences (5, 9, 3 and 7 tokens) packed into
@@ -36,263 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from packtools.testing import FAMILIES, Family, tiny_model
+
 BACKENDS = ("sdpa", "eager", "flex_attention", "packtools_sdpa")
 #: Relative tolerance of every comparison (logits, loss, gradients, DPO log-probabilities), float32.
 TOLERANCE = 1e-5
-VOCAB = 101
-SMALL = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=False,
-)
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
-LINEAR = dict(
-    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8
-)
-MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8)
-
-
-@dataclass(frozen=True)
-class Arch:
-    """One architecture: how to build it tiny, and what makes it interesting."""
-
-    name: str
-    model: str  # transformers class name
-    config: str  # transformers config class name
-    kwargs: dict[str, Any]
-    note: str
-
-
-ARCHS = [
-    Arch("Llama", "LlamaForCausalLM", "LlamaConfig", {}, "RoPE, grouped-query attention"),
-    Arch("Mistral", "MistralForCausalLM", "MistralConfig", {"sliding_window": 4}, "sliding window (4)"),
-    Arch("Qwen2", "Qwen2ForCausalLM", "Qwen2Config", {}, "RoPE, q/k/v bias"),
-    Arch("Qwen3", "Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 8}, "q/k norm"),
-    Arch("Qwen3-MoE", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", {"head_dim": 8, **MOE}, "mixture of experts"),
-    Arch(
-        "Mixtral",
-        "MixtralForCausalLM",
-        "MixtralConfig",
-        {"num_local_experts": 4, "num_experts_per_tok": 2},
-        "mixture of experts",
-    ),
-    Arch(
-        "Gemma 2",
-        "Gemma2ForCausalLM",
-        "Gemma2Config",
-        {"head_dim": 8, "sliding_window": 4},
-        "sliding + global layers, logit soft-capping",
-    ),
-    Arch(
-        "Gemma 3",
-        "Gemma3ForCausalLM",
-        "Gemma3TextConfig",
-        {"head_dim": 8, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
-        "sliding + global layers",
-    ),
-    Arch("Phi-3", "Phi3ForCausalLM", "Phi3Config", {}, "fused qkv, RoPE"),
-    Arch("GPT-NeoX", "GPTNeoXForCausalLM", "GPTNeoXConfig", {}, "partial rotary, parallel residual"),
-    Arch(
-        "GPT-2",
-        "GPT2LMHeadModel",
-        "GPT2Config",
-        {
-            "n_embd": 32,
-            "n_layer": 2,
-            "n_head": 4,
-            "n_positions": 128,
-            "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0,
-        },
-        "absolute position embeddings",
-    ),
-    Arch("OLMo 2", "Olmo2ForCausalLM", "Olmo2Config", {}, "q/k norm, post-norm"),
-    Arch(
-        "Qwen3-Next",
-        "Qwen3NextForCausalLM",
-        "Qwen3NextConfig",
-        {
-            "head_dim": 8,
-            **MOE,
-            "shared_expert_intermediate_size": 16,
-            "layer_types": ["linear_attention", "full_attention"],
-            "linear_num_value_heads": 4,
-            "linear_num_key_heads": 2,
-            "linear_key_head_dim": 8,
-            "linear_value_head_dim": 8,
-        },
-        "hybrid: gated DeltaNet (conv + linear attention) + attention",
-    ),
-    Arch(
-        "Bamba",
-        "BambaForCausalLM",
-        "BambaConfig",
-        {"attn_layer_indices": [1], **MAMBA},
-        "hybrid: Mamba-2 + attention",
-    ),
-    Arch(
-        "Falcon-H1",
-        "FalconH1ForCausalLM",
-        "FalconH1Config",
-        {"head_dim": 8, "mamba_d_ssm": 64, **MAMBA},
-        "hybrid: parallel Mamba-2 + attention",
-    ),
-    Arch(
-        "Qwen3.5",
-        "Qwen3_5ForCausalLM",
-        "Qwen3_5TextConfig",
-        {"head_dim": 8, **LINEAR, "layer_types": ["linear_attention", "full_attention"]},
-        "hybrid: gated DeltaNet (conv + linear attention) + gated attention",
-    ),
-    Arch(
-        "Qwen3.5-MoE",
-        "Qwen3_5MoeForCausalLM",
-        "Qwen3_5MoeTextConfig",
-        {
-            "head_dim": 8,
-            **LINEAR,
-            **MOE,
-            "shared_expert_intermediate_size": 16,
-            "layer_types": ["linear_attention", "full_attention"],
-        },
-        "hybrid gated DeltaNet + attention, mixture of experts",
-    ),
-    Arch(
-        "LFM2",
-        "Lfm2ForCausalLM",
-        "Lfm2Config",
-        {"layer_types": ["conv", "full_attention"], "block_auto_adjust_ff_dim": False},
-        "hybrid: gated short convolutions + attention",
-    ),
-    Arch(
-        "Nemotron-H",
-        "NemotronHForCausalLM",
-        "NemotronHConfig",
-        {
-            "layers_block_type": ["mamba", "attention", "mlp"],
-            "head_dim": 8,
-            "ssm_state_size": 8,
-            "mamba_num_heads": 4,
-            "mamba_head_dim": 16,
-            "n_groups": 1,
-            "chunk_size": 8,
-        },
-        "hybrid: Mamba-2 + attention + MLP blocks",
-    ),
-    Arch(
-        "Kimi Linear",
-        "KimiLinearForCausalLM",
-        "KimiLinearConfig",
-        {
-            "num_key_value_heads": 4,
-            "kv_lora_rank": 16,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
-            "v_head_dim": 8,
-            "linear_head_dim": 8,
-            "linear_num_heads": 4,
-            "num_local_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 16,
-            "layer_types": ["linear_attention", "full_attention"],
-        },
-        "hybrid: Kimi delta attention + MLA",
-    ),
-    Arch(
-        "GPT-OSS",
-        "GptOssForCausalLM",
-        "GptOssConfig",
-        {
-            "head_dim": 8,
-            "num_local_experts": 4,
-            "num_experts_per_tok": 2,
-            "sliding_window": 4,
-            "layer_types": ["sliding_attention", "full_attention"],
-        },
-        "attention sinks, sliding + full layers, MoE",
-    ),
-    Arch(
-        "Gemma 4",
-        "Gemma4ForCausalLM",
-        "Gemma4TextConfig",
-        {
-            "head_dim": 8,
-            "global_head_dim": 8,
-            "sliding_window": 4,
-            "hidden_size_per_layer_input": 8,
-            "vocab_size_per_layer_input": VOCAB,
-            "layer_types": ["sliding_attention", "full_attention"],
-        },
-        "sliding + global layers, per-layer inputs",
-    ),
-    Arch(
-        "Llama 4",
-        "Llama4ForCausalLM",
-        "Llama4TextConfig",
-        {
-            "head_dim": 8,
-            "intermediate_size_mlp": 64,
-            "num_local_experts": 4,
-            "attention_chunk_size": 4,
-            "no_rope_layers": [1, 0],
-        },
-        "chunked attention (4), layers without rotary, MoE",
-    ),
-    Arch(
-        "DeepSeek V3",
-        "DeepseekV3ForCausalLM",
-        "DeepseekV3Config",
-        {
-            "num_key_value_heads": 4,
-            "kv_lora_rank": 16,
-            "q_lora_rank": 16,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
-            "v_head_dim": 8,
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "n_group": 1,
-            "topk_group": 1,
-            "moe_intermediate_size": 16,
-            "first_k_dense_replace": 1,
-        },
-        "multi-head latent attention (MLA), MoE",
-    ),
-    Arch(
-        "OLMo 3", "Olmo3ForCausalLM", "Olmo3Config", {"sliding_window": 4}, "sliding + full layers, q/k norm"
-    ),
-    Arch(
-        "SmolLM3",
-        "SmolLM3ForCausalLM",
-        "SmolLM3Config",
-        {"no_rope_layers": [1, 0]},
-        "layers without rotary (NoPE)",
-    ),
-    Arch("Seed-OSS", "SeedOssForCausalLM", "SeedOssConfig", {"head_dim": 8}, "q/k/v bias, RoPE"),
-    Arch(
-        "GLM-4.5 MoE",
-        "Glm4MoeForCausalLM",
-        "Glm4MoeConfig",
-        {
-            **MOE,
-            "n_routed_experts": 4,
-            "n_group": 1,
-            "topk_group": 1,
-            "first_k_dense_replace": 1,
-            "head_dim": 8,
-        },
-        "partial rotary, MoE with shared expert",
-    ),
-]
 FAST = ("Llama", "GPT-2", "Falcon-H1", "Qwen3.5", "GPT-OSS")  # the subset the default test run covers
 #: Collator switches tried, fewest keys first, to find what an exact cell needs.
 NEEDS = (
@@ -318,27 +66,6 @@ class Cell:
         return self.status == "SILENT LEAK"
 
 
-def build(arch: Arch, backend: str, seed: int = 0) -> Any:
-    import torch
-    import transformers
-
-    config_cls = getattr(transformers, arch.config)
-    base = {} if arch.config == "GPT2Config" else dict(SMALL)
-    if arch.config == "GPT2Config":
-        base = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2}
-    config = config_cls(**{**base, **arch.kwargs})
-    if backend == "packtools_sdpa":
-        from packtools.integrations.attention.segmented import register
-
-        register()
-    config._attn_implementation = backend
-    torch.manual_seed(seed)
-    model = getattr(transformers, arch.model)(config).float()
-    if "flash" in backend:  # FlashAttention kernels: CUDA, half precision (the probe's tolerance follows)
-        model = model.to("cuda", torch.bfloat16)
-    return model
-
-
 def default_backends() -> tuple[str, ...]:
     """The CPU backends, plus ``flash_attention_2`` when a GPU and flash-attn are there."""
     import importlib.util
@@ -354,13 +81,13 @@ def _short(err: Exception) -> str:
     return text if len(text) < 220 else text[:217] + "..."
 
 
-def _refusal(arch: Arch, backend: str, err: Exception) -> str:
+def _refusal(arch: Family, backend: str, err: Exception) -> str:
     """Why a cell is refused; for layers that mix tokens outside attention, also what they leak unguarded."""
     from packtools import PaddingFreeCollator
     from packtools.integrations import check_isolation
     from packtools.integrations.attention.backends import token_mixing_layers
 
-    model = build(arch, backend)
+    model = tiny_model(arch, backend)
     mixers = token_mixing_layers(model)
     if not mixers:
         return _short(err)
@@ -373,7 +100,7 @@ def _refusal(arch: Arch, backend: str, err: Exception) -> str:
     )
 
 
-def prepared_model(arch: Arch, backend: str, *, dpo: bool = False) -> Any:
+def prepared_model(arch: Family, backend: str, *, dpo: bool = False) -> Any:
     """A tiny model changed as ``prepare_trainer`` (``dpo=True``: ``prepare_dpo_trainer``) changes it: token-mixing
     layers per document (:mod:`packtools.integrations.attention.mixers`), the guard; for DPO, TRL's fused head and
     packtools' padding-free forward."""
@@ -381,7 +108,7 @@ def prepared_model(arch: Arch, backend: str, *, dpo: bool = False) -> Any:
     from packtools.integrations.attention.mixers import run_mixers_per_document
     from packtools.integrations.trainers.guard import guard_model
 
-    model = build(arch, backend)
+    model = tiny_model(arch, backend)
     check_attention_implementation(model)
     if dpo:
         from trl.trainer.utils import add_fused_lm_head
@@ -397,7 +124,9 @@ def prepared_model(arch: Arch, backend: str, *, dpo: bool = False) -> Any:
     return model
 
 
-def dpo_check(arch: Arch, backend: str, lengths: tuple[int, ...] = (5, 9, 3, 7)) -> tuple[str, float | None]:
+def dpo_check(
+    arch: Family, backend: str, lengths: tuple[int, ...] = (5, 9, 3, 7)
+) -> tuple[str, float | None]:
     """DPO's sequence log-probabilities through the padding-free forward ``prepare_dpo_trainer`` installs: the
     sequences as TRL's padded batch (flattened to one row by packtools) against each alone, the summed
     log-probabilities and their gradients (relative to ``max(1, largest |gradient|)``); ``("exact", diff)``
@@ -452,12 +181,12 @@ def dpo_check(arch: Arch, backend: str, lengths: tuple[int, ...] = (5, 9, 3, 7))
     return ("exact" if worst <= TOLERANCE else "LEAKS"), worst
 
 
-def run_cell(arch: Arch, backend: str) -> Cell:
+def run_cell(arch: Family, backend: str) -> Cell:
     from packtools import PackingError, PaddingFreeCollator
     from packtools.integrations import check_isolation
 
     try:
-        build(arch, backend)
+        tiny_model(arch, backend)
     except (ValueError, ImportError, RuntimeError, AssertionError) as err:
         return Cell(arch.name, backend, "n/a", "", None, f"transformers: {_short(err)}")
     try:
@@ -499,7 +228,7 @@ def run_cell(arch: Arch, backend: str) -> Cell:
 
 
 def run_matrix(
-    archs: list[Arch], backends: tuple[str, ...], progress: Callable[[Cell, float], None] | None = None
+    archs: list[Family], backends: tuple[str, ...], progress: Callable[[Cell, float], None] | None = None
 ) -> list[Cell]:
     cells = []
     for arch in archs:
@@ -512,7 +241,7 @@ def run_matrix(
     return cells
 
 
-def markdown(cells: list[Cell], archs: list[Arch]) -> str:
+def markdown(cells: list[Cell], archs: list[Family]) -> str:
     import torch
     import transformers
 
@@ -525,7 +254,9 @@ def markdown(cells: list[Cell], archs: list[Arch]) -> str:
         f"transformers {transformers.__version__}, torch {torch.__version__}, CPU, float32"
         + ("; `flash_attention_2` cells: CUDA, bfloat16" if any("flash" in c.backend for c in cells) else "")
         + ".  Each architecture "
-        "is built tiny from its config with random weights; each cell runs `packtools.integrations.check_isolation(model, "
+        "is built tiny from its config with random weights (`packtools.testing.tiny_model(name, backend)`: "
+        "[build the same model](training.md#your-setup-on-a-tiny-model-of-your-family-first-packtoolstesting) to "
+        "check your own setup); each cell runs `packtools.integrations.check_isolation(model, "
         "backward=True)`: four sequences packed into two rows by `PaddingFreeCollator`, passed as "
         "`prepare_trainer` passes them, against each sequence run alone (logits, summed loss and gradients, "
         "tolerance 1e-5), and a check that changing one sequence does not move the others.",
@@ -590,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--write", type=Path, help="write the markdown table to this file")
     args = parser.parse_args(argv)
-    archs = [a for a in ARCHS if not args.archs or a.name in args.archs]
+    archs = [a for a in FAMILIES if not args.archs or a.name in args.archs]
     warnings.filterwarnings("ignore")
     import logging
 

@@ -10,6 +10,7 @@ _EXTRA_OF = {
     "torch": "torch",
     "matplotlib": "plot",
     "transformers": "hf",
+    "tokenizers": "hf",  # comes with transformers
     "trl": "trl",
     "flash_attn": "flash",
     "ray": "ray",

@@ -8,6 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from packtools.testing import tiny_model as tiny_arch  # noqa: E402, F401  (a family's tiny model, by name)
+
 VOCAB = 97
 PAD = 0
 
@@ -173,19 +175,6 @@ def reference_training(model, batches: list[list[dict]], accumulation: int, lr: 
         one_by_one_backward(model, seqs, predicted(seqs))
         opt.step()
         opt.zero_grad()
-
-
-def model_matrix():
-    """The compatibility-matrix program (benchmarks/model_matrix.py), loaded once by :func:`_scripts.script`."""
-    from _scripts import script
-
-    return script("model_matrix")
-
-
-def tiny_arch(name: str, impl: str = "sdpa"):
-    """A tiny random model of one architecture of the compatibility matrix."""
-    matrix = model_matrix()
-    return matrix.build(next(a for a in matrix.ARCHS if a.name == name), impl)
 
 
 # The preference trainers' tests (test_dpo.py, test_kto.py, test_reward.py): word-level text, a tokenizer of it.

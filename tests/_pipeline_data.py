@@ -1,27 +1,24 @@
-"""Shared helpers for the pipeline tests: a tiny BPE tokenizer trained offline, saved as a transformers folder."""
+"""Shared helpers for the pipeline tests: the tiny BPE tokenizer (``packtools.testing.tiny_tokenizer``, as
+``build_tokenizer``), a template that rewrites earlier turns, and fast-engine faults injected by monkeypatch."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
-EOS, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
-
-# ChatML; assistant turns (content and <|im_end|>) wrapped in generation markers in the first template only.
-CHATML_GENERATION = (
-    "{% for m in messages %}"
-    "{{ '<|im_start|>' + m['role'] + '\n' }}"
-    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}"
-    "{% else %}{{ m['content'] + '<|im_end|>' }}{% endif %}"
-    "{{ '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+# The tiny tokenizer of the pipeline tests is packtools.testing's (one owner; benchmarks read it there too).
+from packtools.testing import (  # noqa: E402, F401
+    CHATML_GENERATION,
+    CHATML_PLAIN,
+    EOS,
+    IM_END,
+    IM_START,
 )
-CHATML_PLAIN = CHATML_GENERATION.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+from packtools.testing import TOKENIZER_CORPUS as CORPUS  # noqa: E402, F401
+from packtools.testing import tiny_tokenizer as build_tokenizer  # noqa: E402, F401
+
 # A template that rewrites earlier assistant turns (drops them): prefixes are not prefixes of the whole.
 CHATML_UNSTABLE = (
     "{% for m in messages %}"
@@ -31,36 +28,6 @@ CHATML_UNSTABLE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-CORPUS = [
-    "the quick brown fox jumps over the lazy dog",
-    "hello world, this is a tiny corpus for a tiny tokenizer",
-    "what is two plus two? two plus two is four.",
-    "user assistant system question answer tokens",
-    "packing sequences into rows of max length tokens",
-] * 20
-
-
-def build_tokenizer(path: str, chat_template: str | None = CHATML_GENERATION) -> str:
-    """Train a byte-level BPE (vocab 400) on CORPUS and save it with ``save_pretrained`` into ``path``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=[EOS, IM_START, IM_END],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS, pad_token=EOS, chat_template=chat_template
-    )
-    os.makedirs(path, exist_ok=True)
-    fast.save_pretrained(path)
-    return path
 
 
 def load(path: str):

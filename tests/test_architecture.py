@@ -36,6 +36,8 @@ LAYERS = {
     "integrations": 3,
     "profiling": 3,
     "pipeline": 4,
+    # packtools.testing: tiny models of the verified families, for users' own checks (builds on integrations)
+    "testing": 4,
     "cli": 5,
     # a namespace of the front door (like packtools/__init__.py): re-exports DPO names of lower layers lazily
     "dpo": 6,

@@ -16,6 +16,7 @@ NEEDS = {
     "packtools.compat.datasets": "datasets",
     "packtools.integrations.attention.isolation": "transformers",
     "packtools.integrations.trainers.evaluation": "transformers",
+    "packtools.testing": "transformers",
 }
 # Command-line front ends and plumbing: exercised by their own tests rather than by docstring examples.
 WITHOUT_EXAMPLES = {

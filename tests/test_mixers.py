@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 import pytest
-from _hf_models import model_matrix, tiny_arch, tiny_llama, word_tokenizer
+from _hf_models import tiny_arch, tiny_llama, word_tokenizer
 from _scripts import script
 
 torch = pytest.importorskip("torch")
@@ -347,8 +347,12 @@ def test_every_figure_a_refusal_states_is_outside_its_tolerance():
 
 def test_matrix_dpo_check_exact_for_a_hybrid_and_refused_without_per_document_layers(monkeypatch):
     pytest.importorskip("trl")
-    matrix = model_matrix()
-    arch = next(a for a in matrix.ARCHS if a.name == "Qwen3.5")
+    from _scripts import script
+
+    from packtools.testing import family
+
+    matrix = script("model_matrix")  # the program's DPO check, under test
+    arch = family("Qwen3.5")
     status, diff = matrix.dpo_check(arch, "sdpa")
     assert status == "exact" and diff < 1e-5
     import packtools.integrations.attention.mixers as mixers

@@ -8,7 +8,9 @@ compilation most of it) is marked slow.
 from pathlib import Path
 
 import pytest
-from _hf_models import model_matrix
+from _scripts import script
+
+from packtools.testing import FAMILIES
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -17,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "models.md"
 
 
-matrix = model_matrix()
+matrix = script("model_matrix")  # the program under test
 
 
 #: The families issue 39 names: each exact on sdpa, eager and packtools_sdpa (where transformers offers them).
@@ -47,7 +49,7 @@ def check_against_doc(cells):
 
 
 def test_fast_subset_matches_the_document():
-    archs = [a for a in matrix.ARCHS if a.name in matrix.FAST]
+    archs = [a for a in FAMILIES if a.name in matrix.FAST]
     cells = matrix.run_matrix(archs, ("sdpa", "eager"))
     by_key = {(c.arch, c.backend): c for c in cells}
     assert by_key[("Llama", "sdpa")].status == "exact" and by_key[("Llama", "sdpa")].max_diff < 1e-5
@@ -96,7 +98,7 @@ def test_no_family_is_refused_for_a_leak():
 
 def test_markdown_round_trips_through_parse_table():
     cells = [matrix.Cell("Llama", "sdpa", "exact", "position_ids", 1e-7, "a | b", "exact", 2e-7)]
-    text = matrix.markdown(cells, matrix.ARCHS)
+    text = matrix.markdown(cells, FAMILIES)
     assert matrix.parse_table(text) == {("Llama", "sdpa"): ("exact", "position_ids", "exact")}
 
 
@@ -109,7 +111,7 @@ def test_main_writes_the_document(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_whole_matrix_matches_the_document():
-    cells = matrix.run_matrix(matrix.ARCHS, matrix.BACKENDS)
-    assert len(cells) == len(matrix.ARCHS) * len(matrix.BACKENDS)
+    cells = matrix.run_matrix(FAMILIES, matrix.BACKENDS)
+    assert len(cells) == len(FAMILIES) * len(matrix.BACKENDS)
     check_against_doc(cells)
     assert len(matrix.parse_table(DOC.read_text())) == len(cells)

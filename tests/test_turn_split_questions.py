@@ -7,13 +7,13 @@ import json
 
 import numpy as np
 import pytest
-from _chat_shapes import answers_without_question, newcomer_chats
 from _pipeline_data import CHATML_GENERATION, CHATML_PLAIN, build_tokenizer, load
 
 from packtools.constants import IGNORE_INDEX
 from packtools.core import unpack
 from packtools.pipeline import pack_files, turn_split
 from packtools.pipeline.turn_split import piece_columns, plan_pieces, trained_tokens
+from packtools.testing import chat_conversations
 
 datasets = pytest.importorskip("datasets")
 IGN = IGNORE_INDEX
@@ -68,6 +68,22 @@ def _pack(tmp_path, tok_dir, convs, max_length):
     res = pack_files(str(src), str(tmp_path / "out"), max_length, "bfd_split", tokenizer=tok_dir, quiet=True)
     seqs = unpack(datasets.load_from_disk(str(tmp_path / "out")).data.table)
     return res.stats, seqs.column("input_ids").to_pylist(), seqs.column("labels").to_pylist()
+
+
+def answers_without_question(ids_rows, labels_rows, user_opener: list[int]) -> tuple[int, int]:
+    """``(replies, replies with no user message before them in their sequence)`` over packed sequences: a
+    reply is where a trained label follows an untrained one (a sequence's first token is never trained)."""
+    k = len(user_opener)
+    replies = orphans = 0
+    for ids, labels in zip(ids_rows, labels_rows):
+        seen_user = False
+        for i in range(1, len(ids)):
+            if ids[i - 1 : i - 1 + k] == user_opener:
+                seen_user = True
+            if labels[i] != -100 and labels[i - 1] == -100:
+                replies += 1
+                orphans += not seen_user
+    return replies, orphans
 
 
 @pytest.fixture(scope="module", params=["plain", "generation"])
@@ -144,7 +160,7 @@ def test_tool_chains_keep_their_question_end_to_end(tmp_path, tok_dir):
 
 
 def test_newcomer_shape_drops_no_question(tmp_path, tok_dir):
-    stats, ids, labels = _pack(tmp_path, tok_dir, newcomer_chats(60, seed=1), 2048)
+    stats, ids, labels = _pack(tmp_path, tok_dir, chat_conversations(60, seed=1), 2048)
     tok = load(tok_dir)
     tool = tok("<|im_start|>tool\n", add_special_tokens=False)["input_ids"]
     sys_end = tok("<|im_end|>\n", add_special_tokens=False)["input_ids"]
