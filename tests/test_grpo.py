@@ -586,6 +586,19 @@ def test_balance_is_decided_once_with_its_reason():
         choose_balance(fake(2, 16, None), True)
     with pytest.raises(PackingError, match="balance_groups='on': expected"):
         choose_balance(fake(2, 16), "on")
+    sized_stream = fake(2, 16)
+    sized_stream.train_dataset = Sized()  # a torch IterableDataset with a length: Trainer gives it no sampler
+    assert not choose_balance(sized_stream, "auto")[0]
+    with pytest.raises(PackingError, match="balance_groups=True: the train dataset is iterable"):
+        choose_balance(sized_stream, True)
+
+
+class Sized(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(3))
+
+    def __len__(self):
+        return 3
 
 
 def torchrun(worker, out):

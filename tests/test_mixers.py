@@ -140,6 +140,24 @@ def test_recomputed_documents_give_the_gradients_of_the_kept_ones():
     assert torch.autograd.grad(out.sum(), scale)[0].abs().sum() > 0
 
 
+def test_weights_held_outside_parameters_are_not_recomputed_away():
+    """A layer whose weight is a plain tensor attribute needing a gradient, not a registered parameter (FSDP1
+    with use_orig_params=False sets such views of its flat parameter on every module for the forward): the
+    recomputation could not hand that weight its gradient, so the documents are kept for backward instead, and
+    the weight gets the gradient it gets without packtools."""
+    torch.manual_seed(0)
+    layer = ToyMixer()
+    flat = layer.proj.weight.detach().reshape(-1).clone().requires_grad_(True)  # the flat parameter
+    del layer.proj.weight  # unregistered, as FSDP1 does for the forward
+    layer.proj.weight = flat.view(3, 3)
+    wrapper = _PerDocument("toy", layer.forward, kernel=False, module=layer)
+    hidden = torch.randn(1, 5, 3, requires_grad=True)
+    out = wrapper(hidden, **{SEGMENTS_KEY: Segments(((0, 2, 5),), 5)})
+    assert type(out.grad_fn).__name__ != "RecomputedBackward"
+    (got,) = torch.autograd.grad(out.square().sum(), flat)
+    assert got.abs().sum() > 0
+
+
 def test_segments_from_positions_seq_idx_and_cu_seq_lens():
     pos = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
     assert segments_of({"position_ids": pos}) == Segments(((0, 3, 5, 6), (0, 4, 6)), 6)

@@ -169,6 +169,14 @@ class _PerDocument:
         torch = require("torch", "packtools per-document mixers")
         params = [p for p in self.module.parameters() if p.requires_grad] if self.recompute else []
         others = [v for v in (*rest, *kwargs.values()) if getattr(v, "requires_grad", False)]
+        if self.recompute and not others:  # weights the layer reads that are no registered parameter (FSDP1's
+            # views of its flat parameter, use_orig_params=False): the recomputation would not hand them theirs
+            others = [
+                v
+                for m in self.module.modules()
+                for v in vars(m).values()
+                if isinstance(v, torch.Tensor) and v.requires_grad
+            ]
         if (
             self.recompute
             and (params or hidden.requires_grad)

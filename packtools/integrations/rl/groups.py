@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._optional import require
 from ...errors import PackingError
 
 
@@ -171,7 +172,14 @@ def choose_balance(trainer: Any, balance_groups: bool | str) -> tuple[bool, str]
     per_rank, group = int(trainer.args.generation_batch_size) // ranks, int(trainer.num_generations)
     refusal = None
     dataset = trainer.train_dataset
-    if dataset is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+    iterable = require("torch", "packtools.prepare_grpo_trainer").utils.data.IterableDataset
+    # Trainer asks no sampler of a torch IterableDataset (one with a length and __getitem__ included)
+    if (
+        dataset is None
+        or isinstance(dataset, iterable)
+        or not hasattr(dataset, "__getitem__")
+        or not hasattr(dataset, "__len__")
+    ):
         refusal = "the train dataset is iterable (TRL orders it without a sampler)"
     elif per_rank % group:
         refusal = (
