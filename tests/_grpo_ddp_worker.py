@@ -1,5 +1,5 @@
-"""One rank of test_grpo.py's 2-process check: TRL's GRPOTrainer as it is, then prepared (plain and prompt-shared),
-each trained 2 steps from the same seeds on 2 processes (gloo); the rank's final weights and logs saved.  The
+"""One rank of test_grpo.py's 2-process check: TRL's GRPOTrainer (dapo) and RLOOTrainer as they are, then prepared
+(plain and prompt-shared), each trained 2 steps from the same seeds on 2 processes (gloo); the rank's final weights and logs saved.  The
 prepared trainers keep TRL's sampler order (balance_groups=False): generation samples per rank, so a group placed
 on another rank draws other completions, and the runs compare the forwards, not the sampling."""
 
@@ -15,11 +15,15 @@ import test_grpo as T  # noqa: E402
 
 def main(out):
     out = Path(out)
-    case = dict(loss_type="dapo", beta=0.1, num_iterations=2, gradient_accumulation_steps=2)
+    cases = {
+        "grpo": dict(loss_type="dapo", beta=0.1, num_iterations=2, gradient_accumulation_steps=2),
+        "rloo": dict(trainer="rloo", beta=0.1, num_iterations=2, gradient_accumulation_steps=2, max_steps=1),
+    }
     results = {}
-    for name, prepared, share in (("trl", False, False), ("packtools", True, False), ("shared", True, True)):
-        trainer = T.train(T.build(out / name, prepared, share=share, balance=False, **case))
-        results[name] = {
+    variants = (("trl", False, False), ("packtools", True, False), ("shared", True, True))
+    for (kind, case), (name, prepared, share) in ((c, v) for c in cases.items() for v in variants):
+        trainer = T.train(T.build(out / kind / name, prepared, share=share, balance=False, **case))
+        results[kind, name] = {
             "params": {k: p.detach().clone() for k, p in trainer.model.named_parameters()},
             "logs": trainer.state.log_history,
             "world": trainer.accelerator.num_processes,

@@ -93,7 +93,14 @@ def build(  # noqa: PLR0913 - the test's knobs
     ``share`` / ``balance`` are ``prepare_grpo_trainer``'s ``share_prompt`` / ``balance_groups`` (the defaults,
     ``"auto"``: prompt-shared rows here; groups balanced across ranks under data parallelism)."""
     ref_dir = tmp_path / f"ref-{kind}"
-    if not ref_dir.exists():  # written aside and renamed: two processes of a DDP test may both get here
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if (
+        distributed
+    ):  # once torch.distributed runs, save_pretrained writes on rank 0 only: the others wait for it
+        if torch.distributed.get_rank() == 0 and not ref_dir.exists():
+            tiny(kind, seed=1).save_pretrained(ref_dir)
+        torch.distributed.barrier()
+    elif not ref_dir.exists():  # written aside and renamed: two processes of a DDP test may both get here
         aside = ref_dir.with_name(f"{ref_dir.name}.{os.getpid()}")
         tiny(kind, seed=1).save_pretrained(aside)
         try:
@@ -623,19 +630,23 @@ def torchrun(worker, out):
 
 @pytest.mark.slow
 def test_two_processes_equal_trl_on_two_processes(tmp_path):
-    """torchrun, 2 CPU processes (gloo): the prepared trainers (plain rows and prompt-shared) end each rank with
-    TRL's weights and logs (TRL's gathers, its group advantages across ranks and its loss normalizations as they are)."""
+    """torchrun, 2 CPU processes (gloo), GRPO (dapo) and RLOO: the prepared trainers (plain rows and prompt-shared)
+    end each rank with TRL's weights and logs (TRL's gathers, its group advantages across ranks and its loss normalizations as they are)."""
     torchrun("_grpo_ddp_worker.py", tmp_path)
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        assert got["trl"]["world"] == 2
-        for name in ("packtools", "shared"):
-            for key, p in got["trl"]["params"].items():
-                assert_close(p.numpy(), got[name]["params"][key].numpy(), f"rank {rank} {name} {key}")
-            for la, lb in zip(got["trl"]["logs"], got[name]["logs"], strict=True):
-                for key, value in la.items():
-                    if key not in TIMING:
-                        assert_close(value, lb[key], f"rank {rank} {name} {key}")
+        for kind in ("grpo", "rloo"):  # GRPOTrainer (dapo) and RLOOTrainer
+            theirs = got[kind, "trl"]
+            assert theirs["world"] == 2
+            for name in ("packtools", "shared"):
+                for key, p in theirs["params"].items():
+                    assert_close(
+                        p.numpy(), got[kind, name]["params"][key].numpy(), f"rank {rank} {kind} {name} {key}"
+                    )
+                for la, lb in zip(theirs["logs"], got[kind, name]["logs"], strict=True):
+                    for key, value in la.items():
+                        if key not in TIMING:
+                            assert_close(value, lb[key], f"rank {rank} {kind} {name} {key}")
 
 
 def test_bench_grpo_runs_and_packtools_forwards_fewer_tokens_and_keeps_less(capsys):
