@@ -388,18 +388,9 @@ def _vl_classes(name: str) -> tuple[Any, Any]:
 
 
 def _vl_text(name: str) -> dict[str, Any]:
-    text: dict[str, Any] = dict(
-        vocab_size=VL_VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    # the sizes of the text-only tiny models (SMALL), over VL_VOCAB and 512 positions; the family's own tying
+    text = {k: v for k, v in SMALL.items() if k != "tie_word_embeddings"}
+    text.update(vocab_size=VL_VOCAB, max_position_embeddings=512)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
     if name == "qwen3_vl":
         text["head_dim"] = 8
