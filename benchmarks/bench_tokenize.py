@@ -13,7 +13,7 @@ Usage::
     python benchmarks/bench_tokenize.py --fixed-cost --baseline-tree B   # ... beside a packtools checkout in B
 
 ``--vocab llama3|qwen3`` builds the real vocabulary from the rank files ``quicktok-v1`` ships (as the tests do,
-``tests/_real_vocab.py``); chat then uses that family's template (a ``{% generation %}``-tagged copy for
+``packtools.testing.real_tokenizer``); chat then uses that family's template (a ``{% generation %}``-tagged copy for
 HF + TRL, whose masks packtools' must equal).  The fixed cost of ``packtools pack --tokenizer DIR`` (process
 start to the end of a one-document run, once the reference check is recorded) is measured per vocabulary.
 
@@ -67,15 +67,14 @@ TARGET_SPEEDUP = {"text": 10.0, "chat": 6.0}
 # -- data -------------------------------------------------------------------------------------------------
 def real_vocab(workdir: str, name: str) -> tuple[str, str]:
     """(plain, tagged) tokenizer folders of a real vocabulary with its family's chat template."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-    import _real_vocab
+    from packtools.testing import FAMILY_TEMPLATES, OFFICIAL_TEMPLATES, real_tokenizer
 
     if name == "llama3-official":  # the Llama 3 vocabulary with Meta-Llama-3-8B-Instruct's own template
-        plain, tagged = _real_vocab.OFFICIAL[name]
+        plain, tagged = OFFICIAL_TEMPLATES[name]
     else:
-        plain, tagged = _real_vocab.TEMPLATES["llama3" if name == "llama3" else "qwen3-think"]
+        plain, tagged = FAMILY_TEMPLATES["llama3" if name == "llama3" else "qwen3-think"]
     plain_dir, tagged_dir = (os.path.join(workdir, f"tok-{name}-{label}") for label in ("plain", "tagged"))
-    _real_vocab.build(name.removesuffix("-official"), plain_dir, chat_template=plain)
+    real_tokenizer(name.removesuffix("-official"), plain_dir, chat_template=plain)
     shutil.copytree(plain_dir, tagged_dir)  # the same vocabulary, the tagged copy of the template
     with open(os.path.join(tagged_dir, "chat_template.jinja"), "w") as fh:
         fh.write(tagged)

@@ -4,7 +4,7 @@ Usage: ``python benchmarks/bench_vision.py [--samples 10000] [--max-length 2048]
 
 Generates ``--samples`` JSON lines in TRL's vision format (0-3 PNG images of 28-224 pixels a side each, random
 text) and a Qwen2-VL processor folder built offline (the PIL image processor from its defaults, a word-level
-tokenizer with the vision tokens; ``tests/_vl_models.py``), then runs ``packtools pack --processor`` on them in
+tokenizer with the vision tokens; ``packtools.testing.tiny_processor``), then runs ``packtools pack --processor`` on them in
 a fresh process and prints its wall time, its peak RSS (``ru_maxrss`` of the child), the staged and packed
 sizes on disk, and the same for an in-memory ``datasets`` pipeline (``process_vision_dataset`` +
 ``pack_dataset``) on the same samples, side by side.
@@ -51,7 +51,7 @@ PEAK = "import atexit, resource; atexit.register(lambda: print('PEAK_KB', resour
 
 def child(code: str, *argv: str) -> tuple[float, float]:
     """Wall seconds and peak RSS (MiB, the child's own ``ru_maxrss``) of ``python -c code argv...``."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     start = time.perf_counter()
     run = subprocess.run(
         [sys.executable, "-c", PEAK + code, *argv], env=env, check=True, capture_output=True, text=True
@@ -90,10 +90,9 @@ def main() -> None:
     ap.add_argument("--skip-in-memory", action="store_true")
     a = ap.parse_args()
     work = Path(a.work or tempfile.mkdtemp(prefix="bench-vision-"))
-    sys.path.insert(0, str(ROOT / "tests"))
-    from _vl_models import processor_folder
+    from packtools.testing import tiny_processor
 
-    proc = processor_folder(work / "proc")
+    proc = tiny_processor(str(work / "proc"))
     data = generate(work / "in", a.samples)
     rows = [("packtools pack --processor (out of core)", OFFLINE, work / "out")]
     if not a.skip_in_memory:

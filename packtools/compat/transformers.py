@@ -24,6 +24,10 @@ undoes them:
 * a token-mixing layer's ``forward`` (:func:`replace_mixer_forward`): an instance attribute over the method, as
   accelerate's hooks do (``packtools.integrations.attention.mixers`` runs the layer per document).
 
+Also read, for :mod:`packtools.testing`'s real vocabularies: ``transformers.convert_slow_tokenizer.TikTokenConverter``
+(:func:`tiktoken_tokenizer`), whose ranks loader is overridden on a subclass so that the ranks come from a local
+file, and whose keyword for the special tokens is ``extra_special_tokens`` in transformers 5.
+
 Also relied on, on ``packtools.integrations.attention.mixers``' path: that a decoder hands its keyword arguments to its
 layers and their token-mixing layers (and these to their chunked PyTorch scans: :func:`document_scan`), and
 ``masking_utils.create_causal_mask`` / ``create_sliding_window_causal_mask`` (:func:`packed_position_masks`).
@@ -303,3 +307,26 @@ def document_scan(module: Any, length: int) -> Iterator[dict[str, int]]:
         yield {}
     finally:
         module.chunk_size = old
+
+
+def tiktoken_tokenizer(ranks: dict[bytes, int], specials: Sequence[str], pattern: str) -> Any:
+    """A ``tokenizers.Tokenizer`` of the tiktoken-style BPE ``ranks`` (token bytes -> rank) with the regex split
+    ``pattern`` and the special tokens ``specials`` (ids after the ranks, in order), byte-level, as transformers'
+    ``TikTokenConverter`` converts them; the ranks are handed over in memory, never downloaded."""
+    convert = require("transformers.convert_slow_tokenizer", "packtools.testing.real_tokenizer")
+    base = getattr(convert, "TikTokenConverter", None)
+    params = inspect.signature(base).parameters if base is not None else {}
+    if "extra_special_tokens" not in params or not hasattr(base, "load_tiktoken_bpe"):
+        raise unknown_shape(
+            "transformers",
+            CHECKED,
+            "convert_slow_tokenizer.TikTokenConverter(extra_special_tokens=...) with load_tiktoken_bpe is missing",
+            _FIX,
+        )
+
+    class LocalRanks(base):  # type: ignore[misc, valid-type]
+        @staticmethod
+        def load_tiktoken_bpe(_url: str) -> dict[bytes, int]:
+            return ranks
+
+    return LocalRanks(vocab_file="local", pattern=pattern, extra_special_tokens=list(specials)).converted()
