@@ -151,42 +151,6 @@ def test_a_failed_gather_is_reported_naming_its_shard(source, tmp_path, monkeypa
     assert sorted(os.listdir(tmp_path)) == []
 
 
-# -- buffers handed from block to block ----------------------------------------------------------------
-def test_written_blocks_hand_their_buffers_to_the_next_while_one_is_in_flight():
-    pool = gather.ScratchPool()
-    a, b = pool.take(), pool.take()
-    a.buffers["input_ids"] = np.arange(4, dtype=np.int32)
-    pool.give(a)  # b is still being gathered or written: a waits for the next block
-    assert pool.held() == 1
-    c = pool.take()
-    assert c is a and c.buffers["input_ids"] is a.buffers["input_ids"]
-    pool.give(b)
-    pool.give(c)  # the last block written, nothing in flight: every buffer goes
-    assert pool.held() == 0 and pool.take() is not a
-
-
-def test_buffers_of_a_failed_or_dropped_block_are_not_reused():
-    pool = gather.ScratchPool()
-    a, b, c = pool.take(), pool.take(), pool.take()
-    pool.give(a, reuse=False)  # its write failed: its table may still be read by whoever handles the error
-    assert pool.held() == 0
-    del b  # gathered, never written (the run stopped): no longer in flight once dropped
-    pool.give(c)
-    assert pool.held() == 0
-
-
-def test_a_run_gathers_every_block_from_the_pool_keeps_none_after_and_writes_the_same_bytes(
-    source, tmp_path, monkeypatch
-):
-    taken: list[gather.Scratch] = []
-    real = gather.SCRATCH.take
-    monkeypatch.setattr(gather.SCRATCH, "take", lambda: taken.append(s := real()) or s)
-    overlapped = pack(source, str(tmp_path / "pooled"))
-    assert len(taken) == BLOCKS and gather.SCRATCH.held() == 0
-    monkeypatch.setattr(run, "write_block", sequential)
-    assert pack(source, str(tmp_path / "fresh")) == overlapped
-
-
 # -- kernels loaded while the run stages ---------------------------------------------------------------
 def test_the_kernels_loaded_ahead_are_all_the_plan_and_write_call(source, tmp_path):
     """In a fresh process: after the thread, a whole run (local executor) compiles or loads nothing new."""

@@ -20,9 +20,7 @@ import hashlib
 import json
 import mmap
 import os
-import threading
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -170,11 +168,8 @@ class WriteJob:
     row_offsets: np.ndarray
 
 
-def gather_block(job: WriteJob, scratch: dict[str, np.ndarray] | None = None) -> pa.Table:
-    """The packed rows of one block, gathered from the (memory-mapped) data files it reads.
-
-    With ``scratch`` (:func:`packtools.core.pack.pack_columns`'s), the values are gathered into those buffers:
-    the table is then a view of them, valid until they are handed to another block."""
+def gather_block(job: WriteJob) -> pa.Table:
+    """The packed rows of one block, gathered from the (memory-mapped) data files it reads."""
     mapped = MappedArrow([p for p, _, _ in job.sources], job.columns)
     try:
         cols, lengths = read_columns(mapped.table, list(job.columns))
@@ -185,7 +180,7 @@ def gather_block(job: WriteJob, scratch: dict[str, np.ndarray] | None = None) ->
         p = PackPlan(
             job.max_length, job.strategy, local, job.seg_start, job.seg_length, job.row_offsets, lengths
         )
-        return pack_columns(cols, p, release=mapped.release, scratch=scratch)
+        return pack_columns(cols, p, release=mapped.release)
     finally:
         mapped.close()
 
@@ -214,84 +209,21 @@ def save_block(job: WriteJob, table: pa.Table) -> dict[str, Any]:
     }
 
 
-class Scratch:
-    """Value buffers of one gathered block: ``buffers``, column name -> array (filled by the first gather)."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[str, np.ndarray] = {}
-
-
-class ScratchPool:
-    """Value buffers of written blocks, handed to the next block gathered in this process (thread-safe).
-
-    A fresh 64 MB buffer per block costs a page fault per page (and on a virtual machine, often the host's
-    too): at 1 GB that was more system time than the copy itself (``docs/tokenize.md``, "gather at 1 GB").
-    A block's buffers come back only once its shard is written, and are kept only while another block is
-    being gathered or written (at most two sets): when the last block of a run is written, nothing is in
-    flight and the pool lets all go, so no memory outlives a run.  It holds no data of a run: every gather
-    overwrites the part of a buffer that its table views.
-    """
-
-    KEEP = 2
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._free: list[Scratch] = []
-        self._out: weakref.WeakSet[Scratch] = weakref.WeakSet()  # a dropped block's set leaves by itself
-
-    def take(self) -> Scratch:
-        with self._lock:
-            scratch = self._free.pop() if self._free else Scratch()
-            self._out.add(scratch)
-            return scratch
-
-    def give(self, scratch: Scratch, reuse: bool = True) -> None:
-        """Hand back a block's buffers once its table is no longer read (``reuse=False``: drop them)."""
-        with self._lock:
-            self._out.discard(scratch)
-            if not self._out:
-                self._free.clear()
-            elif reuse and len(self._free) < self.KEEP:
-                self._free.append(scratch)
-
-    def held(self) -> int:
-        """How many sets of buffers wait for the next block."""
-        with self._lock:
-            return len(self._free)
-
-
-#: The buffers of the blocks this process gathers (:class:`ScratchPool`).
-SCRATCH = ScratchPool()
-
-
-def gather_timed(job: WriteJob) -> tuple[pa.Table, float, Scratch]:
-    """:func:`gather_block` into buffers of :data:`SCRATCH`, the seconds it took (the run's timings report
-    them) and those buffers, to hand back once the table is written (:func:`save_gathered`)."""
+def gather_timed(job: WriteJob) -> tuple[pa.Table, float]:
+    """:func:`gather_block` and the seconds it took (the run's timings report them)."""
     t = time.perf_counter()
-    scratch = SCRATCH.take()
-    try:
-        table = gather_block(job, scratch.buffers)
-    except BaseException:
-        SCRATCH.give(scratch, reuse=False)
-        raise
-    return table, time.perf_counter() - t, scratch
+    table = gather_block(job)
+    return table, time.perf_counter() - t
 
 
-def save_gathered(job: WriteJob, gathered: tuple[pa.Table, float, Scratch]) -> dict[str, Any]:
-    """:func:`save_block` of a :func:`gather_timed` block, its gather seconds added to its ``phases``; its
-    buffers go back to :data:`SCRATCH` once written (the table must not be read after this)."""
-    table, seconds, scratch = gathered
-    try:
-        out = save_block(job, table)
-    except BaseException:
-        SCRATCH.give(scratch, reuse=False)
-        raise
-    SCRATCH.give(scratch)
+def save_gathered(job: WriteJob, gathered: tuple[pa.Table, float]) -> dict[str, Any]:
+    """:func:`save_block` of a :func:`gather_timed` block, its gather seconds added to its ``phases``."""
+    table, seconds = gathered
+    out = save_block(job, table)
     out["phases"]["gather"] = round(seconds, 4)
     return out
 
 
 #: Gather one block of packed rows and write it to ``job.path`` (:func:`gather_block`, then
-#: :func:`save_block`); the local executor gathers the next block while this one is written, and the
-#: blocks reuse each other's buffers (:class:`ScratchPool`).
+#: :func:`save_block`); the local executor gathers the next block while this one is written.
 write_block = TwoSteps(gather_timed, save_gathered)
