@@ -1,13 +1,13 @@
 """Pieces the benchmark programs share: the printed (and optionally saved) report, the folder a run writes its
-data to, one case run in a fresh process, the peak of live tensor memory, and the small Llama the model
-benchmarks run.
+data to, one case run in a fresh process, the peak of live tensor memory, the bytes autograd saves for a step,
+and the small Llama the model benchmarks run.
 
 Imported by the benchmarks that run as programs (``python benchmarks/bench_pack.py``: this folder is then on
-``sys.path``).  The documented recipes (``train_loop.py``, ``dpo_loop.py``, ``cp_loop.py``, ``cp_dpo_loop.py``)
-and the scripts the tests load by path (``bench_dpo.py``, ``bench_grpo.py``, ``gpu_check.py``,
-``model_matrix.py``) do not import it: a recipe is read as the program of its page (the CP recipes take their
-demo data and model from the sibling recipes, in ``main`` only), and a script loaded by path finds no sibling
-module.
+``sys.path``); the ones the tests also load by path (``bench_mixers.py``, ``bench_dpo.py``, ``bench_grpo.py``)
+put this folder on ``sys.path`` themselves.  The documented recipes (``train_loop.py``, ``dpo_loop.py``,
+``cp_loop.py``, ``cp_dpo_loop.py``) and ``gpu_check.py`` / ``model_matrix.py`` do not import it: a recipe is read
+as the program of its page (the CP recipes take their demo data and model from the sibling recipes, in ``main``
+only).
 """
 
 from __future__ import annotations
@@ -128,3 +128,19 @@ def small_llama_config(
         attn_implementation="sdpa",
         **extra,
     )
+
+
+def saved_bytes(step: Callable[[], Any]) -> int:
+    """Bytes of the tensors autograd saves for backward while ``step()`` runs (the activations a training step
+    keeps: bench_dpo, bench_grpo)."""
+    import torch
+
+    total = [0]
+
+    def pack(t: Any) -> Any:
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return total[0]

@@ -33,10 +33,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # loaded by path in the tests too
+
+from _common import saved_bytes  # noqa: E402
 
 VOCAB = 1024
 
@@ -129,20 +135,6 @@ class TokenCounter:
 
     def hook(self, module, args, kwargs):
         self.tokens += int(kwargs["input_ids"].numel())
-
-
-def saved_bytes(step):
-    import torch
-
-    total = [0]
-
-    def pack(t):
-        total[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step()
-    return total[0]
 
 
 #: The trainers compared: TRL as it is, prepared (per-sequence sdpa), prepared with sdpa's block-diagonal mask.

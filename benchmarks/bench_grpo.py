@@ -39,10 +39,16 @@ import argparse
 import os
 import resource
 import statistics
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # loaded by path in the tests too
+
+from _common import saved_bytes  # noqa: E402
 
 VOCAB = 1024
 VARIANTS = {"TRL padded": None, "packtools": False, "shared prompt": True}  # share_prompt per variant
@@ -129,20 +135,6 @@ def build_trainer(args, tmp):
         train_dataset=datasets.Dataset.from_list([{"prompt": "w2 w3"}] * 4),
         processing_class=tokenizer,
     )
-
-
-def saved_bytes(step):
-    import torch
-
-    total = [0]
-
-    def pack(t):
-        total[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step()
-    return total[0]
 
 
 def measure(trainer, batches, steps):

@@ -21,6 +21,7 @@ datasets = pytest.importorskip("datasets")
 tokenizers = pytest.importorskip("tokenizers")
 
 from _hf_models import tiny_config  # noqa: E402
+from _scripts import script  # noqa: E402
 
 from packtools.errors import PackingError  # noqa: E402
 from packtools.integrations import unprepare  # noqa: E402
@@ -447,13 +448,7 @@ def test_prompt_sharing_negative_control_fails(tmp_path, monkeypatch):
 
 def test_rows_forward_only_real_tokens_and_each_prompt_once():
     """The bench's token arithmetic is the rows' width: padding-free sum(p + c); shared sum(p) + (G - 1) + sum(c)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_grpo.py"
-    spec = importlib.util.spec_from_file_location("bench_grpo", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = script("bench_grpo")
     args = bench.argparse.Namespace(prompt_min=3, prompt_max=9, completion_max=16)
     rng = np.random.default_rng(3)
     prompts_, completions = bench.draw(rng, 3, 4, args)
@@ -650,13 +645,7 @@ def test_two_processes_equal_trl_on_two_processes(tmp_path):
 
 
 def test_bench_grpo_runs_and_packtools_forwards_fewer_tokens_and_keeps_less(capsys):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_grpo.py"
-    spec = importlib.util.spec_from_file_location("bench_grpo", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = script("bench_grpo")
     small = ["--groups", "2", "--group-size", "4", "--steps", "1", "--hidden", "32", "--in-process"]
     rows, projections, balance = bench.main(
         [*small, "--prompt-min", "8", "--prompt-max", "32", "--completion-max", "32"]
