@@ -411,20 +411,6 @@ def _offset(input_ids, attention_mask, keep):
     return Row(row.ids, row.labels, row.positions, row.dest, row.source - 1, cu=row.cu, longest=row.longest)
 
 
-@pytest.mark.parametrize("broken", [_leaky, _offset], ids=["attends-across", "offset-by-one"])
-def test_negative_controls_fail(tmp_path, monkeypatch, broken):
-    config = dict(beta=0.1, loss_type="grpo")
-    theirs = build(tmp_path, **config)
-    batch = scored_batch(theirs)
-    reference = loss_metrics_grads(theirs, batch)
-    monkeypatch.setattr(rl_grpo, "unpad_completions", broken)
-    with pytest.raises(PackingError, match="isolation probe|leak"):
-        build(tmp_path, True, share=False, **config)  # the probe sees it
-    ours = build(tmp_path, **config)
-    prepare_grpo_trainer(ours, check_isolation=False, share_prompt=False)
-    assert differs(reference, loss_metrics_grads(ours, batch)) > 1e-3  # and the comparison above would
-
-
 def _siblings_see_each_other(input_ids, attention_mask, keep):
     """The negative control of prompt sharing: the shared row run as one plain document (no tree)."""
     row = share_prompts(input_ids, attention_mask, keep)
@@ -433,17 +419,26 @@ def _siblings_see_each_other(input_ids, attention_mask, keep):
     return Row(row.ids, row.labels, torch.arange(n), row.dest, row.source, cu=whole, longest=n)
 
 
-def test_prompt_sharing_negative_control_fails(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "layout, broken, share",
+    [
+        ("unpad_completions", _leaky, False),
+        ("unpad_completions", _offset, False),
+        ("share_prompts", _siblings_see_each_other, True),
+    ],
+    ids=["attends-across", "offset-by-one", "siblings-see-each-other"],
+)
+def test_negative_controls_fail(tmp_path, monkeypatch, layout, broken, share):
     config = dict(beta=0.1, loss_type="grpo")
     theirs = build(tmp_path, **config)
     batch = scored_batch(theirs)
     reference = loss_metrics_grads(theirs, batch)
-    monkeypatch.setattr(rl_grpo, "share_prompts", _siblings_see_each_other)
+    monkeypatch.setattr(rl_grpo, layout, broken)
     with pytest.raises(PackingError, match="isolation probe|leak"):
-        build(tmp_path, True, share=True, **config)
+        build(tmp_path, True, share=share, **config)  # the probe sees it
     ours = build(tmp_path, **config)
-    prepare_grpo_trainer(ours, check_isolation=False, share_prompt=True)
-    assert differs(reference, loss_metrics_grads(ours, batch)) > 1e-3
+    prepare_grpo_trainer(ours, check_isolation=False, share_prompt=share)
+    assert differs(reference, loss_metrics_grads(ours, batch)) > 1e-3  # and the comparison above would
 
 
 def test_rows_forward_only_real_tokens_and_each_prompt_once():
