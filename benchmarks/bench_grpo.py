@@ -338,17 +338,23 @@ def rank_balance(args, ranks=2):
     lengths = np.random.default_rng(args.seed).integers(
         args.prompt_min, args.prompt_max + 1, per_batch * BALANCE_BATCHES
     )
-    inner = RepeatSampler(range(lengths.size), args.group_size, batch_size=per_batch, seed=args.seed)
+
+    def trl_sampler():  # seeded: two of them yield the same order
+        return RepeatSampler(range(lengths.size), args.group_size, batch_size=per_batch, seed=args.seed)
+
+    block = per_batch * args.group_size
     sampler = GroupBalancedSampler(
-        inner,
+        trl_sampler(),
         group=args.group_size,
-        block=per_batch * args.group_size,
+        block=block,
         ranks=ranks,
         prompt_tokens=lambda i: int(lengths[i]),
     )
-    for _ in sampler:
-        pass
-    before, after = (np.array(x, np.float64) for x in zip(*sampler.loads))
+
+    def loads(stream):  # prompt tokens per rank and generation batch (each group's G copies counted once)
+        return lengths[np.asarray(list(stream))].reshape(-1, ranks, block // ranks).sum(2) / args.group_size
+
+    before, after = loads(trl_sampler()), loads(sampler)
     ratio_before, ratio_after = before.max(1) / before.mean(1), after.max(1) / after.mean(1)
     return ratio_before.mean(), ratio_before.max(), ratio_after.mean(), ratio_after.max()
 

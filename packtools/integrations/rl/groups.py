@@ -92,7 +92,6 @@ class GroupBalancedSampler:
             )
         self.inner, self.group, self.block, self.ranks = inner, group, block, ranks
         self.prompt_tokens = prompt_tokens
-        self.loads: list[tuple[np.ndarray, np.ndarray]] = []  # (TRL's order, balanced) per block, for reports
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -116,14 +115,7 @@ class GroupBalancedSampler:
                 return
             firsts = self._groups(indices)
             lengths = np.array([self.prompt_tokens(int(i)) for i in firsts], np.int64)
-            order = balance_groups(lengths, self.ranks)
-            self.loads.append(
-                (
-                    rank_loads(lengths, np.arange(len(firsts)), self.ranks),
-                    rank_loads(lengths, order, self.ranks),
-                )
-            )
-            for i in firsts[order]:
+            for i in firsts[balance_groups(lengths, self.ranks)]:
                 yield from [int(i)] * self.group
 
 
