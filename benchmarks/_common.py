@@ -6,8 +6,9 @@ Imported by the benchmarks that run as programs (``python benchmarks/bench_pack.
 ``sys.path``); the ones the tests also load by path (``bench_mixers.py``, ``bench_dpo.py``, ``bench_grpo.py``)
 put this folder on ``sys.path`` themselves.  The documented recipes (``train_loop.py``, ``dpo_loop.py``,
 ``cp_loop.py``, ``cp_dpo_loop.py``) and ``gpu_check.py`` / ``model_matrix.py`` do not import it: a recipe is read
-as the program of its page (the CP recipes take their demo data and model from the sibling recipes, in ``main``
-only).
+as the program of its page, and builds only on its sibling recipes (``dpo_loop`` trains with ``train_loop``'s
+loop and model; the CP recipes take their demo data, model and options and the summed SGD step of the plain
+steps from them).
 """
 
 from __future__ import annotations
