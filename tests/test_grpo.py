@@ -13,24 +13,16 @@ import shutil
 
 import numpy as np
 import pytest
+from _hf_models import tiny_config
+from _scripts import script
+from _trl_setup import TOL, datasets, tokenizers, torch, transformers, trl
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-trl = pytest.importorskip("trl")
-datasets = pytest.importorskip("datasets")
-tokenizers = pytest.importorskip("tokenizers")
+from packtools.errors import PackingError
+from packtools.integrations import unprepare
+from packtools.integrations.rl import grpo as rl_grpo
+from packtools.integrations.rl import prepare_grpo_trainer
+from packtools.integrations.rl.rows import Row, share_prompts, unpad_completions
 
-from _hf_models import tiny_config  # noqa: E402
-from _scripts import script  # noqa: E402
-
-from packtools.errors import PackingError  # noqa: E402
-from packtools.integrations import unprepare  # noqa: E402
-from packtools.integrations.rl import grpo as rl_grpo  # noqa: E402
-from packtools.integrations.rl import prepare_grpo_trainer  # noqa: E402
-from packtools.integrations.rl.rows import Row, share_prompts, unpad_completions  # noqa: E402
-
-os.environ.setdefault("TQDM_DISABLE", "1")
-TOL = 1e-5
 VOCAB = 12  # small, so a random model ends completions (EOS) at varied lengths
 PAD, EOS = 0, 1
 TIMING = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
