@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -175,6 +177,16 @@ def reference_training(model, batches: list[list[dict]], accumulation: int, lr: 
         one_by_one_backward(model, seqs, predicted(seqs))
         opt.step()
         opt.zero_grad()
+
+
+def one_by_one_gap(
+    model, start, batches: list[list[dict]], accumulation: int, lr: float
+) -> tuple[float, float]:
+    """How far the trained ``model`` is from ``start`` trained on the sequences of ``batches`` one by one
+    (:func:`reference_training`), and from ``start`` itself (how far training moved it)."""
+    reference = copy.deepcopy(start)
+    reference_training(reference, batches, accumulation, lr)
+    return max_diff(params(model), params(reference)), max_diff(params(model), params(start))
 
 
 # The preference trainers' tests (test_dpo.py, test_kto.py, test_reward.py): word-level text, a tokenizer of it.
