@@ -4,11 +4,13 @@ the small Llama the model benchmarks run and the word-level tokenizer of the tra
 
 Imported by the benchmarks that run as programs (``python benchmarks/bench_pack.py``: this folder is then on
 ``sys.path``); the ones the tests also load by path (``bench_mixers.py``, ``bench_dpo.py``, ``bench_grpo.py``)
-put this folder on ``sys.path`` themselves.  The documented recipes (``train_loop.py``, ``dpo_loop.py``,
-``cp_loop.py``, ``cp_dpo_loop.py``) and ``gpu_check.py`` / ``model_matrix.py`` do not import it: a recipe is read
-as the program of its page, and builds only on its sibling recipes (``dpo_loop`` trains with ``train_loop``'s
-loop and model; the CP recipes take their demo data, model and options and the summed SGD step of the plain
-steps from them).
+put this folder on ``sys.path`` themselves (the tests' loader, ``tests/_scripts.py``, puts it there while a
+script's module runs).  The documented recipes (``train_loop.py``, ``dpo_loop.py``, ``cp_loop.py``,
+``cp_dpo_loop.py``) are read as the programs of their pages: ``train_loop`` takes only the config of its demo
+model from here (no code a page shows imports this module), the others build on their sibling
+recipes (``dpo_loop`` trains with ``train_loop``'s loop and model; the CP recipes take their demo data, model
+and options and the summed SGD step of the plain steps from them).  ``gpu_check.py`` and ``model_matrix.py`` do
+not import it.
 """
 
 from __future__ import annotations

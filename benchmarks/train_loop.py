@@ -22,6 +22,8 @@ import argparse
 import itertools
 from typing import Any
 
+from _common import small_llama_config
+
 
 def predicted_tokens(batch):
     """Tokens a packed causal-LM batch predicts: the collator puts -100 on every sequence start and on padding."""
@@ -90,20 +92,10 @@ def train(
 def tiny_llama(vocab_size: int = 1024, hidden_size: int = 128, seed: int = 0) -> Any:
     """A 2-layer random ``LlamaForCausalLM`` (sdpa attention) small enough to train on a CPU."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(small_llama_config(vocab_size, 2, 4096, hidden_size=hidden_size))
 
 
 def synthetic_dataset(num_sequences: int, max_length: int, vocab_size: int = 1024, seed: int = 0) -> Any:
