@@ -207,10 +207,10 @@ def tiny_preference_model(family: str = "llama", impl: str = "sdpa", seed: int =
     return cls(transformers.LlamaConfig(**common)).float()
 
 
-def word_tokenizer():
-    """A word-level tokenizer: ``w2`` .. ``w96`` are tokens 2..96, ``<pad>`` 0, ``<eos>`` 1."""
+def word_tokenizer(vocab_size: int = VOCAB):
+    """A word-level tokenizer: ``w2`` .. ``w{vocab_size - 1}`` are tokens 2.., ``<pad>`` 0, ``<eos>`` 1."""
     tokenizers = pytest.importorskip("tokenizers")
-    vocab = {"<pad>": PAD, "<eos>": EOS, **{f"w{i}": i for i in range(2, VOCAB)}}
+    vocab = {"<pad>": PAD, "<eos>": EOS, **{f"w{i}": i for i in range(2, vocab_size)}}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")

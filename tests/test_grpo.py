@@ -13,9 +13,9 @@ import shutil
 
 import numpy as np
 import pytest
-from _hf_models import tiny_config
+from _hf_models import tiny_config, word_tokenizer
 from _scripts import script
-from _trl_setup import TOL, datasets, tokenizers, torch, transformers, trl
+from _trl_setup import TOL, datasets, torch, transformers, trl
 
 from packtools.errors import PackingError
 from packtools.integrations import unprepare
@@ -59,13 +59,6 @@ def tiny(kind="llama", seed=0):
     if kind == "qwen3":
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **common)).float()
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).float()
-
-
-def word_tokenizer():
-    vocab = {"<pad>": PAD, "<eos>": EOS, **{f"w{i}": i for i in range(2, VOCAB)}}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
 
 
 def prompts(n=8, seed=0):
@@ -136,7 +129,7 @@ def build(  # noqa: PLR0913 - the test's knobs
         reward_funcs=reward_len,
         args=config_cls(**kwargs),
         train_dataset=datasets.Dataset.from_list(prompts()),
-        processing_class=word_tokenizer(),
+        processing_class=word_tokenizer(VOCAB),
         **extra,
     )
     if not prepared:
