@@ -37,7 +37,6 @@ import fcntl
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from .._atomic import atomic_path, discard
@@ -306,21 +305,6 @@ def evicted_error(exc: OSError, folder: str | None = None) -> PackingError | Non
         f"({MAX_GB_ENV}), or it was deleted. Run the same command again: the part is tokenized again. To keep "
         f"long runs off the cache, put ${CACHE_ENV} on the file system of --out."
     )
-
-
-@dataclass
-class CacheUse:
-    """What a profile did in the stage cache."""
-
-    folder: str
-    parts: int
-    reused: int  # parts already in the cache (from an earlier profile): nothing tokenized
-    staged_bytes: int  # bytes of this run's entries
-    cache_bytes: int  # the whole cache after eviction
-    evicted: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 def _entries(folder: str) -> list[tuple[float, int, str]]:

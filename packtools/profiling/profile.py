@@ -34,7 +34,6 @@ from .recommend import Recommendation, recommend
 from .tradeoffs import BucketTable, TradeoffTable, bucket_table, tradeoff_table
 from .trained import TrainedTokens
 
-FILE_SUFFIXES = (".parquet", ".arrow", ".feather", ".ipc")
 BATCH_TOKENS = 1 << 20  # about this many values decoded per parquet batch
 
 
