@@ -402,9 +402,8 @@ def _lines(path: str, data: bytes, rows: int | None) -> list[bytes]:
 
 
 def _table(path: str, rows: list[dict], line: int) -> pa.Table:
-    keys = list(
-        dict.fromkeys(k for row in rows for k in row)
-    )  # every object's keys (from_pylist takes the first's)
+    # every object's keys (from_pylist takes the first's)
+    keys = list(dict.fromkeys(k for row in rows for k in row))
     # nested chat cells: each row's own value, as JSON (see json_cells); plain strings stay strings
     chat = [
         k

@@ -213,9 +213,8 @@ def profile_files(
             keep, folder = False, tempfile.mkdtemp(prefix="packtools-stage-")
     parts = [p for f in files for p in split_file(f, part_rows, part_bytes)]
     verdict = None
-    if (
-        fmt != "tokenized"
-    ):  # the driver decides the engine once, as pack does (packtools.pipeline.tokenizer.verdict)
+    # the driver decides the engine once, as pack does (packtools.pipeline.tokenizer.verdict)
+    if fmt != "tokenized":
         from .tokenizer.verdict import decide
 
         verdict = decide(tok, parts, fmt)

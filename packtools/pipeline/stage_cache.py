@@ -371,9 +371,8 @@ def evict(folder: str, keep: Sequence[str] = (), budget: int | None = None) -> t
                     except FileNotFoundError:
                         pass
         keep_set, now, evicted = set(keep), time.time(), 0
-        for key in _orphans(
-            folder
-        ):  # a data file whose sidecar never came (a kill while staging or evicting)
+        # a data file whose sidecar never came (a kill while staging or evicting)
+        for key in _orphans(folder):
             path = os.path.join(folder, key + ".arrow")
             try:
                 if key not in keep_set and now - os.stat(path).st_mtime >= MIN_AGE_S:

@@ -267,9 +267,8 @@ def rank_layout(trainer: Any, context_parallel: int | None = None) -> RankLayout
         if tp > 1:
             layout = RankLayout(index // tp, world // tp, tp_size=tp, source="DeepSpeed AutoTP")
     if layout is None:
-        if not getattr(
-            trainer, "is_fsdp_enabled", False
-        ):  # FSDP's DTensors are sharded over data parallelism
+        # FSDP's DTensors are sharded over data parallelism
+        if not getattr(trainer, "is_fsdp_enabled", False):
             _refuse_unknown_mesh(getattr(trainer, "model", None))
         cp = 1 if context_parallel is None else context_parallel
         if world % cp:

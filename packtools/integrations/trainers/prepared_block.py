@@ -45,9 +45,8 @@ def prepared(trainer: Any, **kwargs: Any) -> Iterator[Any]:
             trainer.train()
         # trainer, model, collator, loader and attention registry as they were built
     """
-    if (
-        plan_of(trainer) is not None
-    ):  # its unprepare at the block's end would undo the earlier preparation too
+    # its unprepare at the block's end would undo the earlier preparation too
+    if plan_of(trainer) is not None:
         raise PackingError(
             f"prepared() got a {type(trainer).__name__} that prepare_* already prepared: leaving the block would "
             f"unprepare it (its loss mode, loader and attention back to the trainer's own, with no error). Use "

@@ -70,9 +70,8 @@ class StepPlan:
         return self.layout.cp_size > 1
 
 
-_CLASSES: dict[
-    tuple[type, type], type
-] = {}  # (trainer class, mixin) -> packed class: built once, never per run
+#: (trainer class, mixin) -> packed class: built once, never per run
+_CLASSES: dict[tuple[type, type], type] = {}
 
 
 def packed_class(base: type, mixin: type) -> type:
@@ -192,12 +191,9 @@ def cp_loss_inputs(inputs: dict[str, Any], plan: StepPlan) -> dict[str, Any]:
     already-shifted targets (no second shift), the shard checked to be cut for this run's layout."""
     shard = inputs[CP_KEY]
     bound = getattr(shard, "bound", None)
-    if (
-        bound is not plan.layout and bound == plan.layout
-    ):  # cut in a data-loader worker: the same layout, copied
-        shard = replace(
-            shard, bound=plan.layout
-        )  # ... without its process group, which stays in this process
+    if bound is not plan.layout and bound == plan.layout:
+        # cut in a data-loader worker: the same layout, copied without its process group (which stays here)
+        shard = replace(shard, bound=plan.layout)
     elif bound is not plan.layout:
         raise PackingError(
             "a context-parallel shard cut for another parallel layout (or for none) reached a trainer prepared "

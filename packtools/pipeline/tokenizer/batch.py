@@ -389,9 +389,8 @@ class BatchTokenizer:
     def _prompt_and_completions(self, table: pa.Table, names: Sequence[str], first_row: Row) -> list[Ragged]:
         """Tokenized prompt (first) and completions (the others) of prompt-completion or preference rows."""
         prompts = cells(table, "prompt")
-        if prompts and isinstance(
-            prompts[0], list
-        ):  # conversational rows (packtools.pipeline.tokenizer.chat.tokens)
+        # conversational rows (packtools.pipeline.tokenizer.chat.tokens)
+        if prompts and isinstance(prompts[0], list):
             return self.chat.prompt_and_completions(table, prompts, names, first_row)
         parts = [self.encode(_strings(table, "prompt", first_row, prompts), True, first_row, "prompt")]
         for name in names:
@@ -500,9 +499,8 @@ class BatchTokenizer:
             if getattr(self, "_closing", None) is None:
                 self._closing = closing_ids(self.chat.renderer, self._encode_plain)
             meta[CLOSING_KEY] = ",".join(map(str, self._closing)).encode()
-        if (
-            getattr(self, "_tool_opener", None) is None
-        ):  # a tool result stays with its call: the stage records it
+        # a tool result stays with its call: the stage records it
+        if getattr(self, "_tool_opener", None) is None:
             self._tool_opener = tool_opener_ids(self.chat.renderer, self._encode_plain)
         meta[TOOL_OPENER_KEY] = ",".join(map(str, self._tool_opener)).encode()
         return table.replace_schema_metadata(meta)
