@@ -66,10 +66,6 @@ def _not_a_file(path: str) -> str:
     )
 
 
-def _saved_dataset_files(folder: str) -> list[str]:
-    return [os.path.join(folder, name) for name in saved_data_files(folder)]
-
-
 #: Compression suffixes: a data file compressed with one is refused (packtools reads files uncompressed), never
 #: skipped, since a folder of mixed plain and compressed shards would otherwise lose the compressed ones.
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zstd", ".lz4", ".zip", ".br", ".snappy")
@@ -135,7 +131,7 @@ def find_inputs(inputs: Sequence[str | os.PathLike[str]]) -> tuple[list[InputFil
         elif not os.path.isdir(path):
             raise PackingError(_not_a_file(path))
         elif os.path.exists(os.path.join(path, "state.json")):
-            files.extend(_input_file(p) for p in _saved_dataset_files(path))
+            files.extend(_input_file(os.path.join(path, name)) for name in saved_data_files(path))
         elif os.path.exists(os.path.join(path, "dataset_dict.json")):
             splits = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
             raise PackingError(
