@@ -285,18 +285,17 @@ class BatchTokenizer:
         )
 
     # -- per part ----------------------------------------------------------------------------------
-    def start_part(self, seed: str, verdict: dict[str, Any] | None = None, proves: bool = True) -> None:
+    def start_part(self, seed: str, verdict: dict[str, Any] | None = None) -> None:
         """A new part (a unit of work with its own report, its audit seeded by ``seed``).  ``verdict``: the
         run's engine, decided once by the driver (:mod:`packtools.pipeline.tokenizer.verdict`, an
         :meth:`EngineReport.to_dict`): the part is tokenized with exactly that engine, audited, and has no proof
         rows of its own.  None (a :class:`BatchTokenizer` used directly): the part starts from the engine chosen
-        at load and ``proves`` it on its first rows of each column (a difference there falls back, ``auto``)."""
+        at load and proves it on its first rows of each column (a difference there falls back, ``auto``)."""
         if verdict is not None:
             self._take_verdict(verdict)
-            proves = False
         else:
             self._report, self._fast = self._loaded
-        self.proof.start_part(seed, proves)
+        self.proof.start_part(seed, proves=verdict is None)
         if self.drops is not None:
             self.drops.take()
 
