@@ -49,7 +49,7 @@ from .staged import (
     sidecar_report,
     trained_per_row,
 )
-from .tokenizer import feed
+from .tokenizer.batch import called, prepared_batches, render_while_loading
 from .tokenizer.chat.head import CLOSING_KEY, HEAD_COLUMN, TOOL_OPENER_KEY
 from .tokenizer.spec import IdsSpec
 
@@ -233,7 +233,7 @@ def _token_tables(job: StageJob, clock: dict[str, float]):
     read = iter_part(job.part, TOKENIZE_ROWS, input_columns(job.fmt) + optional_columns(job.fmt))
     if job.fmt == "text":
         # the rows become Python strings in the reading thread, beside the engine's encoding of the batch before
-        ready = prefetch(timed(feed.prepared_batches(tok, read), clock, "read"))
+        ready = prefetch(timed(prepared_batches(tok, read), clock, "read"))
         for where, prepared in timed(ready, clock, "read_wait"):
             t = time.perf_counter()
             table = tok.finish(prepared)
@@ -241,7 +241,7 @@ def _token_tables(job: StageJob, clock: dict[str, float]):
             yield where, table
         return
     batches = timed(prefetch(timed(read, clock, "read")), clock, "read_wait")
-    tables = feed.render_while_loading(tok, batches) if job.fmt == "messages" else feed.called(tok, batches)
+    tables = render_while_loading(tok, batches) if job.fmt == "messages" else called(tok, batches)
     yield from timed(tables, clock, "encode_and_wait")
 
 
