@@ -53,10 +53,9 @@ from .tokenizer.batch import called, prepared_batches, render_while_loading
 from .tokenizer.chat.head import CLOSING_KEY, HEAD_COLUMN, TOOL_OPENER_KEY
 from .tokenizer.spec import IdsSpec
 
-#: Version of the staged-file layout; part of every cache key.
-STAGE_FORMAT = (
-    4  # 2: the sidecar keeps the engine report; 3: and the data's SHA-256; 4: trained tokens and heads
-)
+#: Version of the staged-file layout; part of every cache key (2: the sidecar keeps the engine report; 3: and
+#: the data's SHA-256; 4: trained tokens and heads).
+STAGE_FORMAT = 4
 #: Rows per block handed to the tokenizer, read from tokenized files, and most rows / bytes per record batch of
 #: a staged file.
 TOKENIZE_ROWS = 1000
@@ -77,13 +76,11 @@ class StageJob:
     tokenizer: str | None  # the tokenizer folder (``ids.tokenizer``: the hash of its files)
     staged: str  # path of the staged Arrow file
     sidecar: str  # path of the sidecar .npz (written last)
-    single_threaded: bool = (
-        False  # tokenize on one thread (a worker of a pool or of Ray: they are the parallelism)
-    )
+    # tokenize on one thread (a worker of a pool or of Ray: they are the parallelism)
+    single_threaded: bool = False
     known_columns: tuple[str, ...] | None = None  # tokenized JSON: a block with other columns is refused
-    engine_proven: tuple[tuple[str, Any], ...] | None = (
-        None  # the run's verdict (packtools.pipeline.tokenizer.verdict; EngineReport items): the engine every part uses
-    )
+    # the run's verdict (packtools.pipeline.tokenizer.verdict; EngineReport items): the engine every part uses
+    engine_proven: tuple[tuple[str, Any], ...] | None = None
     # the data's SHA-256 in the sidecar (stage-cache entries: checked on adoption); else the data is flushed to
     # disk before the sidecar is written (a run's own parts: cheaper than hashing them)
     checksum: bool = False
