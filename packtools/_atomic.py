@@ -38,10 +38,8 @@ def discard(*paths: str | os.PathLike[str]) -> None:
     """Remove each of ``paths``, in order, as far as it can be: one already gone or that cannot be removed is
     left as it is (for files that are checked by content before they are trusted, so a leftover is rejected)."""
     for path in paths:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:

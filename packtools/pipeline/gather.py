@@ -16,6 +16,7 @@ gathers the next block in a thread while one is written (memory then holds two b
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
@@ -140,10 +141,9 @@ class MappedArrow:
     def close(self) -> None:
         self.table = None
         for fh, mm, _ in self._maps:
-            try:
+            # a view is still alive somewhere; the mapping goes with it
+            with contextlib.suppress(BufferError):
                 mm.close()
-            except BufferError:  # a view is still alive somewhere; the mapping goes with it
-                pass
             fh.close()
         self._maps = []
 

