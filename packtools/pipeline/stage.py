@@ -276,9 +276,8 @@ def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray, np.ndarray] | Non
 def stage_part(job: StageJob) -> dict[str, Any]:
     """Stage one part (see the module docstring); returns ``{"rows", "reused", "seconds", "data"}``."""
     start = time.perf_counter()
-    if os.path.exists(job.sidecar):
-        if damage(job.sidecar) is not None:  # e.g. cut by a machine crash: staged again
-            drop_staged(job)
+    if os.path.exists(job.sidecar) and damage(job.sidecar) is not None:  # e.g. cut by a machine crash
+        drop_staged(job)  # staged again
     if os.path.exists(job.sidecar):
         lengths, _, data = load_sidecar(job.sidecar)
         if os.path.exists(data):

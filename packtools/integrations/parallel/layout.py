@@ -192,7 +192,7 @@ def _from_parallelism_config(accelerator: Any, config: Any, context_parallel: in
             param="parallelism_config",
         )
     dp_rank = _mesh_rank(mesh, names, "dp_replicate") * shard + _mesh_rank(mesh, names, "dp_shard")
-    layout = RankLayout(
+    return RankLayout(
         dp_rank=dp_rank,
         dp_size=replicate * shard,
         cp_rank=_mesh_rank(mesh, names, "cp"),
@@ -200,7 +200,6 @@ def _from_parallelism_config(accelerator: Any, config: Any, context_parallel: in
         tp_size=tp,
         source="ParallelismConfig device mesh",
     )
-    return layout
 
 
 def _refuse_unknown_mesh(model: Any) -> None:

@@ -192,10 +192,7 @@ class BatchTokenizer:
         """At load: the driver's choice ``proven`` taken as it is (a worker), else the engine chosen on the
         adversarial set (:func:`~packtools.pipeline.tokenizer.proof.choose_engine`); each part without a verdict
         starts from it."""
-        if proven is not None:
-            choice = adopt(self, proven)
-        else:
-            choice = choose_engine(self, requested, facts)
+        choice = adopt(self, proven) if proven is not None else choose_engine(self, requested, facts)
         self._report, self._fast, self._pending = choice.report, choice.fast, choice.pending
         self.proof_recorded = choice.recorded
         if choice.source is not None:
