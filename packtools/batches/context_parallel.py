@@ -267,7 +267,7 @@ def shard_row(
     src = lay.source(cp_rank)
     real = src >= 0
     take = np.where(real, src, 0)
-    doc, pos, padded_real = lay.padded_doc()
+    doc, pos, _ = lay.padded_doc()
     idx = lay.index[cp_rank]
     positions = np.where(real, pos[idx], pos[idx] - lay.lengths[doc[idx]])
     return {

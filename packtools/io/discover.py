@@ -41,7 +41,7 @@ class InputFile:
     mtime_ns: int
 
     def fingerprint(self) -> dict[str, object]:
-        """As :func:`packtools.io.fingerprint.file_fingerprint` (taken when the file was found)."""
+        """``{"path", "size", "mtime_ns"}`` of the file, taken when it was found."""
         return {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns}
 
 
