@@ -49,7 +49,6 @@ from .staged import (
     sidecar_report,
     trained_per_row,
 )
-from .tokenizer.batch import called, prepared_batches, render_while_loading
 from .tokenizer.chat.head import CLOSING_KEY, HEAD_COLUMN, TOOL_OPENER_KEY
 from .tokenizer.spec import IdsSpec
 
@@ -220,6 +219,7 @@ def _token_tables(job: StageJob, clock: dict[str, float]):
             yield where, pa.Table.from_arrays(cols, names=list(job.columns))
         return
     from .formats import input_columns, optional_columns
+    from .tokenizer.batch import called, prepared_batches, render_while_loading
 
     tok = _tokenizer(job)
     # the driver's verdict decides the engine (it proved it on the run's first rows); every part is audited

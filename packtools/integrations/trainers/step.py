@@ -39,7 +39,7 @@ from typing import Any
 
 from ..._optional import require
 from ...batches.context_parallel import CP_KEY
-from ...compat import record
+from ...compat import record, set_attr
 from ...errors import PackingError
 from ..parallel.distributed import trainer_divides_by_accumulation, uneven_gather
 from ..parallel.layout import RankLayout
@@ -354,7 +354,6 @@ def use_causal_lm_loss(trainer: Any) -> None:
         or trainer.label_smoother is not None
     ):
         return
-    from ...compat import set_attr
     from .sft import causal_lm_loss
 
     set_attr(trainer, "compute_loss_func", causal_lm_loss, owner=trainer)
