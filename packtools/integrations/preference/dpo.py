@@ -42,7 +42,7 @@ import inspect
 from typing import Any
 
 from ..._optional import require
-from ...compat import set_attr, undo
+from ...compat import all_or_nothing, set_attr, undo
 from ...compat.trl import (
     check_step_methods,
     fused_forward,
@@ -267,7 +267,7 @@ def prepare_dpo_trainer(
     if plan_of(trainer) is not None:
         raise PackingError("prepare_dpo_trainer was already called on this trainer.")
     check_step_methods(trainer)
-    try:
+    with all_or_nothing(trainer):  # a refused trainer is left as TRL built it
         _prepare(
             trainer,
             train_dataset,
@@ -277,9 +277,6 @@ def prepare_dpo_trainer(
             share_prompt,
             context_parallel=context_parallel,
         )
-    except BaseException:
-        undo(trainer)  # all or nothing: a refused trainer is left as TRL built it
-        raise
     return trainer
 
 
