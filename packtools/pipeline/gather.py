@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .._atomic import fsync_file
+from .._atomic import fsync_file, removed_on_error
 from ..compat.datasets import STATE_FILE, saved_state
 from ..core.arrow import ListColumn
 from ..core.pack import pack_columns, read_columns
@@ -189,7 +189,7 @@ def save_block(job: WriteJob, table: pa.Table) -> dict[str, Any]:
     """Write the gathered ``table`` of one block to ``job.path``, via a temporary name in the same folder.
     Returns ``{"rows", "bytes"}``."""
     tmp = f"{job.path}.tmp-{os.getpid()}"
-    try:
+    with removed_on_error(tmp):
         t = time.perf_counter()
         write_shard(tmp, table)
         t_flush = time.perf_counter()
@@ -197,10 +197,6 @@ def save_block(job: WriteJob, table: pa.Table) -> dict[str, Any]:
         # rename a later run trusts then finds it on disk: 1 GB of shards flushed at the end cost ~1 s)
         fsync_file(tmp)
         os.replace(tmp, job.path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     done = time.perf_counter()
     return {
         "rows": table.num_rows,

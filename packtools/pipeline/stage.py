@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .._atomic import fsync_file
+from .._atomic import fsync_file, removed_on_error
 from ..core.arrow import check_aligned, is_list_type, read_list_column
 from ..errors import PackingError
 from ..io.files import Part, Where, iter_part, open_ipc
@@ -302,7 +302,7 @@ def stage_part(job: StageJob) -> dict[str, Any]:
     closing = np.zeros(0, np.int64)  # tokenizer.chat.head.closing_ids of a template with generation markers
     clock: dict[str, float] = {}  # busy seconds per phase (read, encode, write, flush), for the run's timings
     opener = np.zeros(0, np.int64)  # tokenizer.chat.head.tool_opener_ids
-    try:
+    with removed_on_error(tmp):
         with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             tables = timed(prefetch(_token_tables(job, clock)), clock, "stage_wait")
             for where, table in tables:  # tokenizing runs ahead of writing
@@ -344,10 +344,6 @@ def stage_part(job: StageJob) -> dict[str, Any]:
             fsync_file(tmp)
         os.replace(tmp, job.staged)
         clock["flush"] = time.perf_counter() - t_flush
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
     all_first = np.concatenate(firsts) if firsts else np.zeros(0, np.int64)
     all_trained = np.concatenate(trained) if trained else np.zeros(0, np.int64)

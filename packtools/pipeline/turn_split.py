@@ -55,6 +55,7 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 
+from .._atomic import removed_on_error
 from ..constants import IGNORE_INDEX, MASK_COLUMNS
 from ..core.arrow import read_list_column
 from ..errors import PackingError
@@ -364,7 +365,7 @@ def split_rows(  # noqa: PLR0913 - the staged parts and the options that decide 
     types = None
     out: dict[str, list[np.ndarray]] = {c: [] for c in columns}
     held = 0
-    try:
+    with removed_on_error(tmp):
         with pa.OSFile(tmp, "wb") as sink:
             writer = None
             for row, cols in staged_rows(data, bounds, rows, columns):
@@ -393,10 +394,6 @@ def split_rows(  # noqa: PLR0913 - the staged parts and the options that decide 
             writer = _write(sink, writer, out, columns, types)
             writer.close()
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     lengths_a = np.asarray(lengths, np.int64)
     trained_a = np.asarray(trained, np.int64)
     kept = trained_a > 0 if drop_unlabeled else np.ones(lengths_a.shape[0], bool)
