@@ -35,7 +35,7 @@ from ...compat import set_attr
 from ...compat.transformers import register_attention, set_attention
 from ...errors import PackingError
 from .backends import attention_implementation, base_model, forward_accepts, token_mixing_layers
-from .segmented import segmented_sdpa_forward
+from .segmented import AttentionCall, keyed_attention
 
 TREE_ATTENTION = "packtools_tree"
 _ORIGINAL = "_packtools_tree_original_attn"
@@ -57,17 +57,7 @@ def _refuse_call(module: Any, kwargs: dict[str, Any]) -> None:
         raise PackingError(f"{name} has a sliding window, which the tree attention does not apply.")
 
 
-def tree_attention_forward(
-    module: Any,
-    query: Any,
-    key: Any,
-    value: Any,
-    attention_mask: Any,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[Any, None]:
+def _tree_attention(call: AttentionCall, tree: Any) -> tuple[Any, None]:
     """transformers attention function (``query``/``key``/``value`` are ``[1, heads, tokens, dim]``).
 
     >>> import numpy as np, torch
@@ -81,21 +71,12 @@ def tree_attention_forward(
     >>> out.shape, torch.allclose(out[:, 4:], alone[:, 2:], atol=1e-6)
     (torch.Size([1, 7, 2, 4]), True)
     """
-    tree = kwargs.pop(TREE_KEY, None)
     if not isinstance(tree, TreeLayout):
-        return segmented_sdpa_forward(
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=dropout,
-            scaling=scaling,
-            is_causal=is_causal,
-            **kwargs,
-        )
+        return call.segmented()
+    module, query, key, value = call.module, call.query, call.key, call.value
+    dropout, scaling = call.dropout, call.scaling
     torch = require("torch", "packtools tree attention")
-    _refuse_call(module, kwargs)
+    _refuse_call(module, call.kwargs)
     tree.reads.consumed(module)  # what sequence_logps checks: a tree attention ran this layout
     if query.shape[0] != 1 or query.shape[2] != tree.total or key.shape[2] != tree.total:
         raise PackingError(
@@ -151,6 +132,11 @@ def tree_attention_forward(
         outs.append(sdpa(qs[i], k, v, attn_mask=mask, dropout_p=dropout, scale=scaling))
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return out.transpose(1, 2).contiguous(), None
+
+
+#: The transformers attention function: :func:`_tree_attention` for a call carrying a tree layout, else
+#: packtools' per-sequence ``sdpa``.
+tree_attention_forward = keyed_attention(TREE_KEY, _tree_attention, "tree_attention_forward")
 
 
 def register(*, owner: Any = None) -> str:
