@@ -176,6 +176,25 @@ def check_aligned(columns: list[ListColumn]) -> np.ndarray:
     return lengths
 
 
+def check_row_counts(
+    got: np.ndarray, want: np.ndarray, got_says: str, want_says: str, fix: str, *, param: str | None = None
+) -> None:
+    """Refuse the first row where two per-row counts disagree: ``row r: <got_says> but <want_says>; <fix>``,
+    the ``{}`` of each side filled with its count at that row (``{row}`` with ``r``).
+
+    >>> check_row_counts(np.array([3, 2]), np.array([3, 4]), "'seq_lengths' sum to {}", "'input_ids' has {} "
+    ...                  "tokens", "re-pack the data.")
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: row 1: 'seq_lengths' sum to 2 but 'input_ids' has 4 tokens; re-pack the data.
+    """
+    bad = np.flatnonzero(got != want)
+    if bad.size:
+        r = int(bad[0])
+        said = got_says.format(int(got[r]), row=r), want_says.format(int(want[r]), row=r)
+        raise PackingError(f"row {r}: {said[0]} but {said[1]}; {fix}", param=param)
+
+
 def numeric_array(values: np.ndarray, value_type: pa.DataType) -> pa.Array:
     """A 1-D NumPy array as an Arrow array of ``value_type``: its buffer as it is when the dtypes match (no copy;
     unlike ``pa.array(ndarray)``, this does not import pandas, seconds of a run's fixed cost), else converted."""

@@ -41,7 +41,7 @@ from ..._optional import require
 from ...compat.datasets import dataset_table, format_type, memory_mapped_table, temporary_cache_directory
 from ...compat.datasets import fingerprint as datasets_fingerprint
 from ...constants import SEQ_LENGTHS
-from ...core.arrow import is_list_type
+from ...core.arrow import check_row_counts, is_list_type
 from ...core.cp_budget import check_context_parallel, plan_for_cp
 from ...core.nested import gather_whole_samples, plan_whole_samples
 from ...core.pack import pack_columns, read_columns, truncate_table
@@ -468,13 +468,8 @@ def _check_patches(table: pa.Table) -> None:
     expected = np.zeros(images.shape[0], np.int64)
     np.add.at(expected, np.repeat(np.arange(images.shape[0]), images), prods)
     patches = np.asarray(table.column("pixel_values").combine_chunks().value_lengths().fill_null(0), np.int64)
-    bad = np.flatnonzero(patches != expected)
-    if bad.size:
-        r = int(bad[0])
-        raise PackingError(
-            f"row {r}: 'pixel_values' holds {patches[r]} patches but its image_grid_thw gives {expected[r]}; "
-            f"pass the processor's output for every sample unchanged."
-        )
+    fix = "pass the processor's output for every sample unchanged."
+    check_row_counts(patches, expected, "'pixel_values' holds {} patches", "its image_grid_thw gives {}", fix)
 
 
 def pack_vision_table(
