@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from .._lazy import lazy_module
 from ..constants import SEQ_LENGTHS
-from ..errors import PackingError
+from ..errors import PackingError, check_choice
 from .arrow import ListColumn, list_array, read_list_column
 from .plan import PackPlan, check_max_length
 from .plan import plan as make_plan
@@ -85,13 +85,8 @@ class FittedPairs:
 
 
 def check_overlong(overlong: str) -> str:
-    if overlong not in OVERLONG:
-        raise PackingError(
-            f"overlong={overlong!r} is not a rule for over-long pairs; use 'truncate' (the prompt keeps its end, "
-            f"the completions their start) or 'drop'.",
-            param="overlong",
-        )
-    return overlong
+    use = "'truncate' (the prompt keeps its end, the completions their start) or 'drop'"
+    return check_choice("overlong", overlong, OVERLONG, use)
 
 
 def default_prompt_budget(max_length: int) -> int:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..constants import IGNORE_INDEX
-from ..errors import PackingError
+from ..errors import check_choice
 
 #: ``turns``: cut at the ends of trained spans, carrying the head; ``tokens``: every ``max_length`` tokens.
 SPLIT_AT = ("turns", "tokens")
@@ -24,10 +24,7 @@ Piece = tuple[int, int, int]  # (tokens of the head carried before it, start, en
 
 
 def check_split_at(split_at: str) -> None:
-    if split_at not in SPLIT_AT:
-        raise PackingError(
-            f"split_at={split_at!r} is unknown; use one of {', '.join(SPLIT_AT)}.", param="split_at"
-        )
+    check_choice("split_at", split_at, SPLIT_AT)
 
 
 def carried_head(head: int, max_length: int) -> int:
