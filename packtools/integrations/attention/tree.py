@@ -35,6 +35,7 @@ from ...compat import set_attr
 from ...compat.transformers import register_attention, set_attention
 from ...errors import PackingError
 from .backends import attention_implementation, base_model, forward_accepts, token_mixing_layers
+from .isolation import ProbeDiffs
 from .segmented import AttentionCall, keyed_attention
 
 TREE_ATTENTION = "packtools_tree"
@@ -219,10 +220,9 @@ def check_tree_isolation(model: Any, seed: int = 0) -> float:
     positions = torch.from_numpy(layout.positions()).to(param.device)[None]
     index, lengths = unshared_index(seg, branch)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    tol = 1e-4 if param.dtype == torch.float32 else 3e-2
+    probe = ProbeDiffs(param.dtype == torch.float32)
     was_training = base.training
     base.eval()
-    worst = 0.0
     try:
         with torch.no_grad():
             dev = layout.to(param.device)
@@ -230,9 +230,8 @@ def check_tree_isolation(model: Any, seed: int = 0) -> float:
             for b, (s, n) in enumerate(zip(starts, lengths)):
                 where = torch.from_numpy(index[s : s + n]).to(param.device)
                 alone = _logits(model, input_ids=tokens[where][None])[0]
-                diff = float((tree[where].float() - alone.float()).abs().max())
-                worst = max(worst, diff)
-                if diff > tol * max(1.0, float(alone.abs().max())):
+                diff = probe.exceeds(tree[where], alone)
+                if diff is not None:
                     raise PackingError(
                         f"{type(base).__name__} with the tree attention: completion {b} of the probe differs from "
                         f"the same prompt + completion run alone by {diff:.3g}; it cannot share prompts exactly "
@@ -247,14 +246,14 @@ def check_tree_isolation(model: Any, seed: int = 0) -> float:
             again = _logits(model, input_ids=moved[None], position_ids=positions, **{TREE_KEY: dev})[0]
             mine = torch.from_numpy(own).to(param.device)
             diff = float((again[mine].float() - tree[mine].float()).abs().max())
-            if diff > tol:
+            if diff > probe.tol:
                 raise PackingError(
                     f"{type(base).__name__} with the tree attention: changing a sibling completion or another unit "
                     f"moved a completion's logits by {diff:.3g}; tokens leak across the tree."
                 )
     finally:
         base.train(was_training)
-    return worst
+    return probe.worst
 
 
 def use_tree_attention(model: Any, check_isolation: bool = True, *, owner: Any = None) -> str:
