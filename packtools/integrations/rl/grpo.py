@@ -41,9 +41,9 @@ from ..attention.backends import (
     attention_implementation,
     base_model,
     check_attention_implementation,
-    forward_accepts,
     multimodal_parts,
     segmented_sdpa_until_checked,
+    sends_seq_idx,
     token_mixing_layers,
 )
 from ..attention.isolation import ProbeDiffs
@@ -290,12 +290,7 @@ def _check_models(trainer: Any, models: list[Any]) -> bool:
             )
         refuse_prompt_learning(model)
         check_attention_implementation(model)
-        mixers = bool(token_mixing_layers(model))
-        seq_idx = (
-            seq_idx
-            or forward_accepts(model, "seq_idx", named=True)
-            or (mixers and forward_accepts(model, "seq_idx"))
-        )
+        seq_idx = seq_idx or sends_seq_idx(model)
     return seq_idx
 
 
