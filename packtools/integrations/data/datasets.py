@@ -335,47 +335,23 @@ def pack_dataset(
                 "return_report=True needs a Dataset: an IterableDataset is packed lazily, window by window.",
                 param="return_report",
             )
-        return _pack_iterable(
-            dataset,
-            max_length,
-            strategy,
-            columns,
-            shuffle=shuffle,
-            seed=seed,
-            window=window,
-            cp=context_parallel,
-        )
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise PackingError(f"window must be a positive number of rows, got {window!r}.")
+        names = list(columns) if columns is not None else None
+
+        def pack_window(batch: pa.Table) -> pa.Table:
+            cols, lengths = read_columns(batch, names)
+            p = plan_for_cp(lengths, max_length, strategy, context_parallel)
+            if shuffle:
+                p = p.shuffled(seed)
+            return pack_columns(cols, p)
+
+        packed = dataset.with_format("arrow").map(pack_window, batched=True, batch_size=window)
+        return packed.with_format(format_type(dataset))
     raise PackingError(
         f"dataset must be a datasets.Dataset, DatasetDict or IterableDataset, got {type(dataset).__name__}; "
         f"for a pyarrow.Table use packtools.pack_table."
     )
-
-
-def _pack_iterable(
-    dataset: Any,
-    max_length: int,
-    strategy: str,
-    columns: Sequence[str] | None,
-    *,
-    shuffle: bool,
-    seed: int,
-    window: int,
-    cp: int = 1,
-) -> Any:
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise PackingError(f"window must be a positive number of rows, got {window!r}.")
-    names = list(columns) if columns is not None else None
-
-    def pack_window(batch: pa.Table) -> pa.Table:
-        cols, lengths = read_columns(batch, names)
-        p = plan_for_cp(lengths, max_length, strategy, cp)
-        if shuffle:
-            p = p.shuffled(seed)
-        return pack_columns(cols, p)
-
-    fmt_type = format_type(dataset)
-    packed = dataset.with_format("arrow").map(pack_window, batched=True, batch_size=window)
-    return packed.with_format(fmt_type)
 
 
 # -- truncation ----------------------------------------------------------------------------------------------
