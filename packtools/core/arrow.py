@@ -7,6 +7,7 @@ NumPy view of the child array), so kernels never see an Arrow object and no toke
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,6 +175,18 @@ def check_aligned(columns: list[ListColumn]) -> np.ndarray:
                 f"Fix the data or pack them separately with columns=[...]."
             )
     return lengths
+
+
+def check_columns(table: pa.Table, needed: Sequence[str], what: str, fix: str = "") -> None:
+    """Refuse a table without every column of ``needed``: ``<what> need the columns [...]; [...] missing (the
+    table has [...]).`` and the ``fix``, as an error about the ``dataset`` argument."""
+    missing = [c for c in needed if c not in table.column_names]
+    if missing:
+        raise PackingError(
+            f"{what} need the columns {list(needed)}; {missing} missing (the table has {table.column_names})."
+            + (f" {fix}" if fix else ""),
+            param="dataset",
+        )
 
 
 def check_row_counts(

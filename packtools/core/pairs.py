@@ -22,7 +22,7 @@ import pyarrow as pa
 from .._lazy import lazy_module
 from ..constants import SEQ_LENGTHS
 from ..errors import PackingError, check_choice
-from .arrow import ListColumn, list_array, read_list_column
+from .arrow import ListColumn, check_columns, list_array, read_list_column
 from .plan import PackPlan, check_max_length
 from .plan import plan as make_plan
 
@@ -68,6 +68,20 @@ class PairReport:
 
     def summary(self) -> dict[str, int | float]:
         return {**asdict(self), "tokens_dropped": self.tokens_dropped, "fill": self.fill}
+
+
+@dataclass(frozen=True)
+class UnitOptions:
+    """How a packer of whole units (pairs, prompt-shared pairs, groups) fits and orders them: ``overlong``
+    (``"truncate"`` or ``"drop"`` a unit longer than ``max_length``), ``max_prompt_length`` (the prompt's budget
+    when truncating; ``None``: the packer's default) and ``shuffle`` / ``seed`` (the order of the rows).  One
+    value, from the public packers (:func:`packtools.dpo.pack_preference`, ``pack_groups``, the pipeline) to
+    the core ones."""
+
+    overlong: str = "truncate"
+    max_prompt_length: int | None = None
+    shuffle: bool = False
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,13 +161,8 @@ def _check_prompt_budget(max_prompt_length: int | None, max_length: int) -> None
 
 
 def _read_pairs(table: pa.Table) -> list[ListColumn]:
-    missing = [c for c in PAIR_COLUMNS if c not in table.column_names]
-    if missing:
-        raise PackingError(
-            f"preference tables need the columns {list(PAIR_COLUMNS)}; {missing} missing (the table has "
-            f"{table.column_names}). Tokenize with TRL's DPOTrainer or `packtools pack --format preference`.",
-            param="dataset",
-        )
+    fix = "Tokenize with TRL's DPOTrainer or `packtools pack --format preference`."
+    check_columns(table, PAIR_COLUMNS, "preference tables", fix)
     cols = [read_list_column(table.column(c), c) for c in PAIR_COLUMNS]
     dtypes = {str(c.type.value_type) for c in cols}
     if len(dtypes) > 1 or not pa.types.is_integer(cols[0].type.value_type):
@@ -217,11 +226,11 @@ def check_unit_args(
     return max_length, check_overlong(overlong)
 
 
-def plan_units(lengths: np.ndarray, max_length: int, shuffle: bool, seed: int) -> PackPlan:
+def plan_units(lengths: np.ndarray, max_length: int, options: UnitOptions) -> PackPlan:
     """The best-fit-decreasing plan of whole units (each fits: the fitting step made sure), shuffled on request."""
     p = make_plan(lengths, max_length, "bfd")
-    if shuffle:
-        p = p.shuffled(seed)
+    if options.shuffle:
+        p = p.shuffled(options.seed)
     if p.tokens_dropped:  # cannot happen: every unit fits; a guard against a planning bug
         raise PackingError("internal error: the plan of whole units cut a unit.")
     return p
@@ -255,10 +264,7 @@ def pack_pairs(
     strategy: str = "bfd",
     columns: Sequence[str] = (),
     *,
-    overlong: str = "truncate",
-    max_prompt_length: int | None = None,
-    shuffle: bool = False,
-    seed: int = 0,
+    options: UnitOptions | None = None,
     row_indices: np.ndarray | None = None,
 ) -> tuple[pa.Table, PairReport]:
     """Pack the preference pairs of ``table`` whole into rows of at most ``max_length`` tokens.
@@ -268,7 +274,8 @@ def pack_pairs(
     (``[prompt + chosen][prompt + rejected]`` for each pair of the row, in that order), ``completion_mask``
     (``list<int8>``, 1 on completion tokens), ``seq_lengths`` (``list<int32>``: ``2k`` is pair ``k``'s chosen,
     ``2k + 1`` its rejected) and each named column as a list with one value per pair of the row, in the same
-    order.  ``row_indices`` selects (and orders) the input rows, as a dataset's indices mapping does.
+    order.  ``options``: how over-long pairs are fitted and the rows ordered (:class:`UnitOptions`; its defaults
+    when ``None``).  ``row_indices`` selects (and orders) the input rows, as a dataset's indices mapping does.
 
     >>> t = pa.table({"prompt_ids": [[1, 2], [3]], "chosen_ids": [[4], [5, 6]], "rejected_ids": [[7, 8], [9]],
     ...               "score": [0.5, 1.5]})
@@ -278,7 +285,9 @@ def pack_pairs(
     >>> rows.to_pydict()["completion_mask"]
     [[0, 0, 1, 0, 0, 1, 1, 0, 1, 1, 0, 1]]
     """
-    max_length, overlong = check_unit_args(table, max_length, strategy, overlong)
+    options = options or UnitOptions()
+    max_length, overlong = check_unit_args(table, max_length, strategy, options.overlong)
+    max_prompt_length = options.max_prompt_length
     _check_prompt_budget(max_prompt_length, max_length)
     cols = _read_pairs(table)
     extra = _read_pair_columns(table, columns)
@@ -303,7 +312,7 @@ def pack_pairs(
         )
     kept = np.flatnonzero(fitted.keep)
     units = fitted.pair_lengths[kept]
-    p = plan_units(units, max_length, shuffle, seed)
+    p = plan_units(units, max_length, options)
     out = _materialize(cols, extra, p, kept, fitted, row_indices)
     report = _report(max_length, lp, lc, lr, fitted, p)
     return out, report

@@ -36,6 +36,7 @@ from ..errors import PackingError
 from .arrow import ListColumn, list_array
 from .pairs import (
     COMPLETION_MASK,
+    UnitOptions,
     _check_prompt_budget,
     _copy_into,
     _read_pair_columns,
@@ -229,10 +230,7 @@ def pack_shared_pairs(
     strategy: str = "bfd",
     columns: Sequence[str] = (),
     *,
-    overlong: str = "truncate",
-    max_prompt_length: int | None = None,
-    shuffle: bool = False,
-    seed: int = 0,
+    options: UnitOptions | None = None,
     row_indices: np.ndarray | None = None,
 ) -> tuple[pa.Table, SharedReport]:
     """Pack preference pairs as ``[prompt][chosen][rejected]``, the prompt once (layout: module docstring).
@@ -246,7 +244,11 @@ def pack_shared_pairs(
     >>> d["input_ids"], d["completion_mask"], d["seq_lengths"], d["prompt_lengths"]
     ([[1, 2, 3, 4, 3, 5, 6]], [[0, 0, 0, 1, 0, 1, 1]], [[4, 5]], [[3]])
     """
-    max_length, overlong = check_unit_args(table, max_length, strategy, overlong, "prompt-shared unit")
+    options = options or UnitOptions()
+    max_length, overlong = check_unit_args(
+        table, max_length, strategy, options.overlong, "prompt-shared unit"
+    )
+    max_prompt_length = options.max_prompt_length
     _check_prompt_budget(max_prompt_length, max_length)
     cols = _read_pairs(table)
     extra = _read_pair_columns(table, columns)
@@ -258,7 +260,7 @@ def pack_shared_pairs(
     _check_nonempty(keep, np.stack([kc, kr], 1).reshape(-1), np.repeat(np.arange(n), 2), rows)
     kept = np.flatnonzero(keep)
     lengths = unit_lengths(kp[kept], kc[kept] + kr[kept], np.full(kept.shape[0], 2))
-    p = plan_units(lengths, max_length, shuffle, seed)
+    p = plan_units(lengths, max_length, options)
     order = kept[p.seg_source]
     source = rows[order]
     two = np.full(order.shape[0], 2, np.int64)
