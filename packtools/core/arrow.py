@@ -9,12 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 
+from .._lazy import lazy_module
 from ..errors import PackingError
+
+if TYPE_CHECKING:
+    from . import kernels
+else:  # Numba is imported when a kernel first runs
+    kernels = lazy_module("packtools.core.kernels")
 
 INT32_MAX = 2**31 - 1
 
@@ -206,6 +212,28 @@ def check_row_counts(
         r = int(bad[0])
         said = got_says.format(int(got[r]), row=r), want_says.format(int(want[r]), row=r)
         raise PackingError(f"row {r}: {said[0]} but {said[1]}; {fix}", param=param)
+
+
+def copy_segments(
+    col: ListColumn,
+    source: np.ndarray,
+    start: np.ndarray,
+    length: np.ndarray,
+    dest: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    """Copy segments ``(source row, start, length)`` of ``col`` to ``out[dest:dest + length]``."""
+    order = np.argsort(source, kind="stable")  # read each chunk front to back
+    source, start, length, dest = source[order], start[order], length[order], dest[order]
+    chunk_of = np.searchsorted(col.chunk_row_starts()[1:], source, side="right")
+    bounds = np.searchsorted(chunk_of, np.arange(len(col.chunks) + 1))
+    for chunk, a, b in zip(col.chunks, bounds[:-1], bounds[1:]):
+        if a == b:
+            continue
+        src = np.ascontiguousarray(chunk.offsets[source[a:b] - chunk.row_start] + start[a:b])
+        kernels.copy_all_segments(
+            chunk.values, src, np.ascontiguousarray(length[a:b]), np.ascontiguousarray(dest[a:b]), out
+        )
 
 
 def numeric_array(values: np.ndarray, value_type: pa.DataType) -> pa.Array:

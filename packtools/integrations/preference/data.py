@@ -60,7 +60,6 @@ def pack_preference(
     [[3, 3], [2, 3]]
     """
     from ...core.pairs import UnitOptions, pack_pairs
-    from ...core.shared_pairs import pack_shared_pairs
 
     options = UnitOptions(overlong, max_prompt_length, shuffle, seed)
     how = {
@@ -72,8 +71,15 @@ def pack_preference(
 
     def one(split: Any) -> tuple[Any, Any]:
         table, indices = (split, None) if isinstance(split, pa.Table) else dataset_table(split)
-        pack = pack_shared_pairs if share_prompt else pack_pairs
-        packed, report = pack(table, max_length, strategy, columns, options=options, row_indices=indices)
+        packed, report = pack_pairs(
+            table,
+            max_length,
+            strategy,
+            columns,
+            options=options,
+            row_indices=indices,
+            share_prompt=share_prompt,
+        )
         if isinstance(split, pa.Table):
             return packed, report
         fingerprint = derived_fingerprint(split, "pack_preference", **how)
