@@ -9,8 +9,10 @@ __version__ = "0.1.0"
 IGNORE_INDEX = -100
 #: Column of packed rows holding each row's segment lengths.
 SEQ_LENGTHS = "seq_lengths"
+#: Per-token 0/1 column of completion tokens (TRL's name; packed preference rows carry it).
+COMPLETION_MASK = "completion_mask"
 #: Per-token 0/1 columns that mark the tokens to learn (completion-only / assistant-only loss).
-MASK_COLUMNS = ("completion_mask", "assistant_masks")
+MASK_COLUMNS = (COMPLETION_MASK, "assistant_masks")
 #: Per-token columns a padding-free batch is built from (what the loaders and views read; integers).
 TOKEN_COLUMNS = ("input_ids", "labels", *MASK_COLUMNS)
 #: Columns packed rows carry that a model's ``forward`` does not name (kept through ``remove_unused_columns``).

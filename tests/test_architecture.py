@@ -255,17 +255,9 @@ MAX_POSITIONAL = 6
 # (module, qualified name): why it takes more positional parameters (self and cls are not counted).
 POSITIONAL_ALLOWED = {
     ("packtools.core.kernels", "view_segments"): "an @njit kernel: numba compiles no keyword-only parameters",
-    ("packtools.integrations.attention.segmented", "segmented_sdpa_forward"): (
-        "a transformers attention function: AttentionInterface fixes its signature (sdpa_attention_forward's)"
+    ("packtools.integrations.attention.segmented", "attention_function.forward"): (
+        "transformers' attention functions: AttentionInterface fixes the signature (sdpa_attention_forward's)"
     ),
-    (
-        "packtools.integrations.attention.tree",
-        "tree_attention_forward",
-    ): "the same AttentionInterface signature",
-    (
-        "packtools.integrations.attention.context_parallel",
-        "cp_attention_forward",
-    ): "the same AttentionInterface signature",
     ("packtools.batches.attention", "varlen_attention"): (
         "mirrors flash_attn_varlen_func (q, k, v, cu_seqlens_*, max_seqlen_*)"
     ),

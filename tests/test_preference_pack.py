@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from packtools.batches.preference import PreferenceCollator
 from packtools.batches.sampler import TokenBudgetBatchSampler
-from packtools.core.pairs import fit_pairs, pack_pairs
+from packtools.core.pairs import UnitOptions, fit_pairs, pack_pairs
 from packtools.core.plan import plan
 from packtools.dpo import pack_preference
 from packtools.errors import PackingError
@@ -91,7 +91,7 @@ def expected_pair(row, max_length, overlong="truncate", max_prompt_length=None):
 )
 def test_pairs_whole_in_order_and_exactly_what_the_rules_keep(n, seed, max_length, overlong):
     rows = random_pairs(n, seed)
-    packed, report = pack_pairs(to_table(rows), max_length, columns=["idx"], overlong=overlong)
+    packed, report = pack_pairs(to_table(rows), max_length, columns=["idx"], options=UnitOptions(overlong))
     lengths = [len(x) for x in packed.column("input_ids").to_pylist()]
     assert all(0 < x <= max_length for x in lengths)
     got = {pair: (p, c, r) for pair, p, c, r in read_pairs(packed)}
@@ -160,8 +160,8 @@ def test_per_pair_columns_follow_their_pairs():
     "kwargs, match",
     [
         (dict(strategy="bfd_split"), "only 'bfd'"),
-        (dict(overlong="cut"), "overlong='cut'"),
-        (dict(max_prompt_length=20), "max_prompt_length=20"),
+        (dict(options=UnitOptions(overlong="cut")), "overlong='cut'"),
+        (dict(options=UnitOptions(max_prompt_length=20)), "max_prompt_length=20"),
         (dict(columns=["nope"]), "'nope' is not in the table"),
         (dict(columns=["prompt_ids"]), "cannot be a per-pair column"),
     ],

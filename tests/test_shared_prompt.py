@@ -26,7 +26,7 @@ from _hf_models import tiny_arch, tiny_llama  # noqa: E402
 
 from packtools import PackingError  # noqa: E402
 from packtools.batches.tree import TREE_KEY, TreeLayout, tree_row, unshared_index  # noqa: E402
-from packtools.core.shared_pairs import pack_shared_pairs  # noqa: E402
+from packtools.core.pairs import UnitOptions, pack_pairs  # noqa: E402
 from packtools.dpo import TreeCollator, pack_groups, pack_preference, sequence_logps  # noqa: E402
 from packtools.integrations.attention.tree import (  # noqa: E402
     check_tree_model,
@@ -70,7 +70,9 @@ def sequences_of(rows):
 @given(n=st.integers(1, 30), max_length=st.integers(12, 48), seed=st.integers(0, 10_000))
 def test_packer_every_token_once_prompt_once_rows_fit(n, max_length, seed):
     table = random_pairs(n, seed, max_prompt=10, max_completion=6)
-    rows, report = pack_shared_pairs(table, max_length, columns=["pair"], overlong="drop")
+    rows, report = pack_pairs(
+        table, max_length, columns=["pair"], options=UnitOptions("drop"), share_prompt=True
+    )
     d = rows.to_pylist()
     assert all(len(r["input_ids"]) <= max_length for r in d)
     kept = [p for r in d for p in r["pair"]]
@@ -91,7 +93,9 @@ def test_packer_every_token_once_prompt_once_rows_fit(n, max_length, seed):
     fits = [p for p in range(n) if len(prompts[p]) + len(chosen[p]) + len(rejected[p]) + 1 <= max_length]
     assert sorted(kept) == fits and report.units_dropped == n - len(fits)
     assert report.tokens_unshared - report.tokens_kept == sum(len(prompts[p]) - 1 for p in kept)
-    cut, cut_report = pack_shared_pairs(table, max_length, columns=["pair"])  # overlong="truncate"
+    cut, cut_report = pack_pairs(
+        table, max_length, columns=["pair"], share_prompt=True
+    )  # overlong="truncate"
     assert all(len(r) <= max_length for r in cut.column("input_ids").to_pylist())
     assert cut_report.units_out == n and sorted(p for r in cut.column("pair").to_pylist() for p in r) == list(
         range(n)

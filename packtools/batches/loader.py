@@ -29,7 +29,7 @@ import pyarrow as pa
 from .._optional import is_instance
 from ..compat.datasets import dataset_table
 from ..constants import SEQ_LENGTHS, TOKEN_COLUMNS
-from ..core.arrow import ListColumn, check_aligned, read_list_column
+from ..core.arrow import ListColumn, check_aligned, check_row_counts, read_list_column
 from ..errors import PackingError
 from .arrow_rows import ArrowBatches, ArrowSource, check_integer
 from .collate import PaddingFreeCollator
@@ -141,13 +141,9 @@ class PackedRows(ArrowBatches):
             "position_ids (the lengths between the 0s), or drop the column (ds.remove_columns('position_ids'))."
         )
         count = col.lengths().astype(np.int64)
-        bad = np.flatnonzero(count != self._table_lengths)
-        if bad.size:
-            r = int(bad[0])
-            raise PackingError(
-                f"row {r}: 'position_ids' has {int(count[r])} values but 'input_ids' has "
-                f"{int(self._table_lengths[r])} tokens; {fix}"
-            )
+        check_row_counts(
+            count, self._table_lengths, "'position_ids' has {} values", "'input_ids' has {} tokens", fix
+        )
         seg = seq[0].flat_values().astype(np.int64) if seq else self._table_lengths[self._table_lengths > 0]
         rebuilt = np.arange(int(seg.sum()), dtype=np.int64) - np.repeat(np.cumsum(seg) - seg, seg)
         wrong = np.flatnonzero(col.flat_values().astype(np.int64) != rebuilt)
@@ -165,14 +161,10 @@ class PackedRows(ArrowBatches):
             raise PackingError(
                 "column 'seq_lengths' has an entry <= 0; every packed sequence needs >= 1 token. Re-pack the data."
             )
-        total = col.row_sums()
-        bad = np.flatnonzero(total != self._table_lengths)
-        if bad.size:
-            r = int(bad[0])
-            raise PackingError(
-                f"row {r}: 'seq_lengths' sum to {int(total[r])} but 'input_ids' has {int(self._table_lengths[r])} "
-                f"tokens; re-pack the data or drop the 'seq_lengths' column."
-            )
+        fix = "re-pack the data or drop the 'seq_lengths' column."
+        check_row_counts(
+            col.row_sums(), self._table_lengths, "'seq_lengths' sum to {}", "'input_ids' has {} tokens", fix
+        )
 
     # -- dataset protocol ------------------------------------------------------------------------
     def __len__(self) -> int:

@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from .._lazy import lazy_module
-from ..core.arrow import read_list_column
+from ..core.arrow import check_row_counts, read_list_column
 from ..core.plan import as_lengths
 from ..errors import PackingError
 from .buckets import bucket_padding, check_buckets, choose_buckets
@@ -74,13 +74,8 @@ def attention_costs(lengths: np.ndarray, seq_lengths: Any = None) -> np.ndarray:
         raise PackingError(
             f"seq_lengths has {sums_arr.shape[0]} rows but lengths has {lengths.shape[0]}; give one entry per row."
         )
-    bad = np.flatnonzero(sums_arr != lengths)
-    if bad.size:
-        i = int(bad[0])
-        raise PackingError(
-            f"row {i}: seq_lengths sum to {int(sums_arr[i])} but lengths[{i}] = {int(lengths[i])}; "
-            f"pass the seq_lengths column of the same rows, in the same order."
-        )
+    fix = "pass the seq_lengths column of the same rows, in the same order."
+    check_row_counts(sums_arr, lengths, "seq_lengths sum to {}", "lengths[{row}] = {}", fix)
     return cost
 
 

@@ -191,28 +191,21 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def pipeline_config(args: argparse.Namespace, max_length: int) -> Any:
+    """The :class:`PipelineConfig` of ``args``: a flag named as a config field (``--shard-tokens``,
+    ``shard_tokens``) gives its value as parsed; ``--tokenizer``, ``--columns`` and ``--no-eos`` are converted."""
+    from dataclasses import fields
+
     from ..pipeline.config import PipelineConfig
 
+    given = {f.name: getattr(args, f.name) for f in fields(PipelineConfig) if hasattr(args, f.name)}
     return PipelineConfig(
-        max_length=max_length,
-        strategy=args.strategy,
-        format=args.format,
-        tokenizer=os.path.abspath(args.tokenizer) if args.tokenizer else None,
-        overlong=args.overlong,
-        columns=tuple(args.columns.split(",")) if args.columns else None,
-        add_eos=not args.no_eos,
-        max_prompt_length=args.max_prompt_length,
-        shuffle=args.shuffle,
-        seed=args.seed,
-        shard_tokens=args.shard_tokens,
-        plan=args.plan,
-        drop_unlabeled=args.drop_unlabeled,
-        split_at=args.split_at,
-        part_rows=args.part_rows,
-        tokenizer_engine=args.tokenizer_engine,
-        tokenizer_audit=args.tokenizer_audit,
-        on_unencodable=args.on_unencodable,
-        context_parallel=args.context_parallel,
+        **{
+            **given,
+            "max_length": max_length,
+            "tokenizer": os.path.abspath(args.tokenizer) if args.tokenizer else None,
+            "columns": tuple(args.columns.split(",")) if args.columns else None,
+            "add_eos": not args.no_eos,
+        }
     )
 
 

@@ -7,13 +7,20 @@ NumPy view of the child array), so kernels never see an Arrow object and no toke
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 
+from .._lazy import lazy_module
 from ..errors import PackingError
+
+if TYPE_CHECKING:
+    from . import kernels
+else:  # Numba is imported when a kernel first runs
+    kernels = lazy_module("packtools.core.kernels")
 
 INT32_MAX = 2**31 - 1
 
@@ -174,6 +181,59 @@ def check_aligned(columns: list[ListColumn]) -> np.ndarray:
                 f"Fix the data or pack them separately with columns=[...]."
             )
     return lengths
+
+
+def check_columns(table: pa.Table, needed: Sequence[str], what: str, fix: str = "") -> None:
+    """Refuse a table without every column of ``needed``: ``<what> need the columns [...]; [...] missing (the
+    table has [...]).`` and the ``fix``, as an error about the ``dataset`` argument."""
+    missing = [c for c in needed if c not in table.column_names]
+    if missing:
+        raise PackingError(
+            f"{what} need the columns {list(needed)}; {missing} missing (the table has {table.column_names})."
+            + (f" {fix}" if fix else ""),
+            param="dataset",
+        )
+
+
+def check_row_counts(
+    got: np.ndarray, want: np.ndarray, got_says: str, want_says: str, fix: str, *, param: str | None = None
+) -> None:
+    """Refuse the first row where two per-row counts disagree: ``row r: <got_says> but <want_says>; <fix>``,
+    the ``{}`` of each side filled with its count at that row (``{row}`` with ``r``).
+
+    >>> check_row_counts(np.array([3, 2]), np.array([3, 4]), "'seq_lengths' sum to {}", "'input_ids' has {} "
+    ...                  "tokens", "re-pack the data.")
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: row 1: 'seq_lengths' sum to 2 but 'input_ids' has 4 tokens; re-pack the data.
+    """
+    bad = np.flatnonzero(got != want)
+    if bad.size:
+        r = int(bad[0])
+        said = got_says.format(int(got[r]), row=r), want_says.format(int(want[r]), row=r)
+        raise PackingError(f"row {r}: {said[0]} but {said[1]}; {fix}", param=param)
+
+
+def copy_segments(
+    col: ListColumn,
+    source: np.ndarray,
+    start: np.ndarray,
+    length: np.ndarray,
+    dest: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    """Copy segments ``(source row, start, length)`` of ``col`` to ``out[dest:dest + length]``."""
+    order = np.argsort(source, kind="stable")  # read each chunk front to back
+    source, start, length, dest = source[order], start[order], length[order], dest[order]
+    chunk_of = np.searchsorted(col.chunk_row_starts()[1:], source, side="right")
+    bounds = np.searchsorted(chunk_of, np.arange(len(col.chunks) + 1))
+    for chunk, a, b in zip(col.chunks, bounds[:-1], bounds[1:]):
+        if a == b:
+            continue
+        src = np.ascontiguousarray(chunk.offsets[source[a:b] - chunk.row_start] + start[a:b])
+        kernels.copy_all_segments(
+            chunk.values, src, np.ascontiguousarray(length[a:b]), np.ascontiguousarray(dest[a:b]), out
+        )
 
 
 def numeric_array(values: np.ndarray, value_type: pa.DataType) -> pa.Array:

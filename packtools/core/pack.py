@@ -10,7 +10,15 @@ import pyarrow.compute as pc
 
 from ..constants import SEQ_LENGTHS
 from ..errors import PackingError
-from .arrow import ListColumn, as_table, check_aligned, is_list_type, list_array, read_list_column
+from .arrow import (
+    ListColumn,
+    as_table,
+    check_aligned,
+    check_row_counts,
+    is_list_type,
+    list_array,
+    read_list_column,
+)
 from .plan import STRATEGIES, PackPlan, Strategy, check_max_length, kernels  # kernels: imported on first use
 from .plan import plan as make_plan
 
@@ -306,14 +314,9 @@ def unpack(
         seq = read_list_column(table.column(SEQ_LENGTHS), SEQ_LENGTHS)
         seg_lengths = seq.flat_values().astype(np.int64)
         offsets = np.concatenate(([0], np.cumsum(seg_lengths)))
-        row_sums = seq.row_sums()
-        bad = np.flatnonzero(lengths != row_sums)
-        if bad.size:
-            r = int(bad[0])
-            raise PackingError(
-                f"row {r}: column {names[0]!r} holds {lengths[r]} values but its seq_lengths sum to "
-                f"{row_sums[r]}; seq_lengths must describe each packed row exactly."
-            )
+        holds = f"column {names[0]!r} holds {{}} values"
+        fix = "seq_lengths must describe each packed row exactly."
+        check_row_counts(lengths, seq.row_sums(), holds, "its seq_lengths sum to {}", fix)
         arrays = [
             list_array(offsets, col.flat_values(), pa.types.is_large_list(col.type), col.type.value_type)
             for col in cols

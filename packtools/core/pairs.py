@@ -20,11 +20,13 @@ import numpy as np
 import pyarrow as pa
 
 from .._lazy import lazy_module
-from ..constants import SEQ_LENGTHS
-from ..errors import PackingError
-from .arrow import ListColumn, list_array, read_list_column
+from ..constants import COMPLETION_MASK, SEQ_LENGTHS
+from ..errors import PackingError, check_choice
+from .arrow import ListColumn, check_columns, copy_segments, list_array, read_list_column
 from .plan import PackPlan, check_max_length
 from .plan import plan as make_plan
+from .shared_pairs import SharedReport, _check_nonempty, _Units, unit_lengths
+from .shared_pairs import _materialize as _materialize_shared
 
 if TYPE_CHECKING:
     from . import kernels
@@ -35,7 +37,6 @@ else:  # Numba is imported when a kernel first runs
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 #: What to do with a pair longer than ``max_length``.
 OVERLONG = ("truncate", "drop")
-COMPLETION_MASK = "completion_mask"
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,20 @@ class PairReport:
 
 
 @dataclass(frozen=True)
+class UnitOptions:
+    """How a packer of whole units (pairs, prompt-shared pairs, groups) fits and orders them: ``overlong``
+    (``"truncate"`` or ``"drop"`` a unit longer than ``max_length``), ``max_prompt_length`` (the prompt's budget
+    when truncating; ``None``: the packer's default) and ``shuffle`` / ``seed`` (the order of the rows).  One
+    value, from the public packers (:func:`packtools.dpo.pack_preference`, ``pack_groups``, the pipeline) to
+    the core ones."""
+
+    overlong: str = "truncate"
+    max_prompt_length: int | None = None
+    shuffle: bool = False
+    seed: int = 0
+
+
+@dataclass(frozen=True)
 class FittedPairs:
     """Kept part of every pair: the prompt keeps its last ``prompt_keep`` tokens, the completions their first."""
 
@@ -85,13 +100,8 @@ class FittedPairs:
 
 
 def check_overlong(overlong: str) -> str:
-    if overlong not in OVERLONG:
-        raise PackingError(
-            f"overlong={overlong!r} is not a rule for over-long pairs; use 'truncate' (the prompt keeps its end, "
-            f"the completions their start) or 'drop'.",
-            param="overlong",
-        )
-    return overlong
+    use = "'truncate' (the prompt keeps its end, the completions their start) or 'drop'"
+    return check_choice("overlong", overlong, OVERLONG, use)
 
 
 def default_prompt_budget(max_length: int) -> int:
@@ -152,13 +162,8 @@ def _check_prompt_budget(max_prompt_length: int | None, max_length: int) -> None
 
 
 def _read_pairs(table: pa.Table) -> list[ListColumn]:
-    missing = [c for c in PAIR_COLUMNS if c not in table.column_names]
-    if missing:
-        raise PackingError(
-            f"preference tables need the columns {list(PAIR_COLUMNS)}; {missing} missing (the table has "
-            f"{table.column_names}). Tokenize with TRL's DPOTrainer or `packtools pack --format preference`.",
-            param="dataset",
-        )
+    fix = "Tokenize with TRL's DPOTrainer or `packtools pack --format preference`."
+    check_columns(table, PAIR_COLUMNS, "preference tables", fix)
     cols = [read_list_column(table.column(c), c) for c in PAIR_COLUMNS]
     dtypes = {str(c.type.value_type) for c in cols}
     if len(dtypes) > 1 or not pa.types.is_integer(cols[0].type.value_type):
@@ -222,36 +227,14 @@ def check_unit_args(
     return max_length, check_overlong(overlong)
 
 
-def plan_units(lengths: np.ndarray, max_length: int, shuffle: bool, seed: int) -> PackPlan:
+def plan_units(lengths: np.ndarray, max_length: int, options: UnitOptions) -> PackPlan:
     """The best-fit-decreasing plan of whole units (each fits: the fitting step made sure), shuffled on request."""
     p = make_plan(lengths, max_length, "bfd")
-    if shuffle:
-        p = p.shuffled(seed)
+    if options.shuffle:
+        p = p.shuffled(options.seed)
     if p.tokens_dropped:  # cannot happen: every unit fits; a guard against a planning bug
         raise PackingError("internal error: the plan of whole units cut a unit.")
     return p
-
-
-def _copy_into(
-    col: ListColumn,
-    source: np.ndarray,
-    start: np.ndarray,
-    length: np.ndarray,
-    dest: np.ndarray,
-    out: np.ndarray,
-) -> None:
-    """Copy segments ``(source row, start, length)`` of ``col`` to ``out[dest:dest + length]``."""
-    order = np.argsort(source, kind="stable")  # read each chunk front to back
-    source, start, length, dest = source[order], start[order], length[order], dest[order]
-    chunk_of = np.searchsorted(col.chunk_row_starts()[1:], source, side="right")
-    bounds = np.searchsorted(chunk_of, np.arange(len(col.chunks) + 1))
-    for chunk, a, b in zip(col.chunks, bounds[:-1], bounds[1:]):
-        if a == b:
-            continue
-        src = np.ascontiguousarray(chunk.offsets[source[a:b] - chunk.row_start] + start[a:b])
-        kernels.copy_all_segments(
-            chunk.values, src, np.ascontiguousarray(length[a:b]), np.ascontiguousarray(dest[a:b]), out
-        )
 
 
 def pack_pairs(
@@ -260,12 +243,10 @@ def pack_pairs(
     strategy: str = "bfd",
     columns: Sequence[str] = (),
     *,
-    overlong: str = "truncate",
-    max_prompt_length: int | None = None,
-    shuffle: bool = False,
-    seed: int = 0,
+    options: UnitOptions | None = None,
     row_indices: np.ndarray | None = None,
-) -> tuple[pa.Table, PairReport]:
+    share_prompt: bool = False,
+) -> tuple[pa.Table, PairReport | SharedReport]:
     """Pack the preference pairs of ``table`` whole into rows of at most ``max_length`` tokens.
 
     Input: list columns ``prompt_ids``, ``chosen_ids``, ``rejected_ids``, plus the per-pair columns named in
@@ -273,7 +254,8 @@ def pack_pairs(
     (``[prompt + chosen][prompt + rejected]`` for each pair of the row, in that order), ``completion_mask``
     (``list<int8>``, 1 on completion tokens), ``seq_lengths`` (``list<int32>``: ``2k`` is pair ``k``'s chosen,
     ``2k + 1`` its rejected) and each named column as a list with one value per pair of the row, in the same
-    order.  ``row_indices`` selects (and orders) the input rows, as a dataset's indices mapping does.
+    order.  ``options``: how over-long pairs are fitted and the rows ordered (:class:`UnitOptions`; its defaults
+    when ``None``).  ``row_indices`` selects (and orders) the input rows, as a dataset's indices mapping does.
 
     >>> t = pa.table({"prompt_ids": [[1, 2], [3]], "chosen_ids": [[4], [5, 6]], "rejected_ids": [[7, 8], [9]],
     ...               "score": [0.5, 1.5]})
@@ -282,14 +264,30 @@ def pack_pairs(
     ([[1, 2, 4, 1, 2, 7, 8, 3, 5, 6, 3, 9]], [[3, 4, 3, 2]], [[0.5, 1.5]])
     >>> rows.to_pydict()["completion_mask"]
     [[0, 0, 1, 0, 0, 1, 1, 0, 1, 1, 0, 1]]
+
+    ``share_prompt=True`` writes each pair as ``[prompt][chosen][rejected]``, the prompt once (layout:
+    :mod:`packtools.core.shared_pairs`): a pair takes ``P + C + R + 1`` tokens, ``seq_lengths`` holds ``P + C,
+    P + R`` per pair, ``prompt_lengths`` the kept ``P``, and the report is a
+    :class:`~packtools.core.shared_pairs.SharedReport`.
+
+    >>> t = pa.table({"prompt_ids": [[1, 2, 3]], "chosen_ids": [[4]], "rejected_ids": [[5, 6]]})
+    >>> d = pack_pairs(t, 16, share_prompt=True)[0].to_pydict()
+    >>> d["input_ids"], d["completion_mask"], d["seq_lengths"], d["prompt_lengths"]
+    ([[1, 2, 3, 4, 3, 5, 6]], [[0, 0, 0, 1, 0, 1, 1]], [[4, 5]], [[3]])
     """
-    max_length, overlong = check_unit_args(table, max_length, strategy, overlong)
+    options = options or UnitOptions()
+    unit = "prompt-shared unit" if share_prompt else "pair"
+    max_length, overlong = check_unit_args(table, max_length, strategy, options.overlong, unit)
+    max_prompt_length = options.max_prompt_length
     _check_prompt_budget(max_prompt_length, max_length)
     cols = _read_pairs(table)
     extra = _read_pair_columns(table, columns)
-    lp, lc, lr = (c.lengths() for c in cols)
     if row_indices is not None:
         row_indices = np.ascontiguousarray(row_indices, np.int64)
+    if share_prompt:
+        return _pack_shared(cols, extra, max_length, options, row_indices)
+    lp, lc, lr = (c.lengths() for c in cols)
+    if row_indices is not None:
         lp, lc, lr = lp[row_indices], lc[row_indices], lr[row_indices]
     fitted = fit_pairs(lp, lc, lr, max_length, overlong, max_prompt_length)
     kp, kc, kr = fitted.prompt_keep, fitted.chosen_keep, fitted.rejected_keep
@@ -308,7 +306,7 @@ def pack_pairs(
         )
     kept = np.flatnonzero(fitted.keep)
     units = fitted.pair_lengths[kept]
-    p = plan_units(units, max_length, shuffle, seed)
+    p = plan_units(units, max_length, options)
     out = _materialize(cols, extra, p, kept, fitted, row_indices)
     report = _report(max_length, lp, lc, lr, fitted, p)
     return out, report
@@ -334,7 +332,7 @@ def _materialize(
     tokens = np.empty(total, dtype)
     zero = np.zeros_like(source)
     prompt_from = lp - kp  # the prompt keeps its end
-    _copy_into(
+    copy_segments(
         cols[0],
         np.concatenate([source, source]),
         np.concatenate([prompt_from, prompt_from]),
@@ -342,8 +340,8 @@ def _materialize(
         np.concatenate([pair_start, pair_start + chosen_len]),
         tokens,
     )
-    _copy_into(cols[1], source, zero, kc, pair_start + kp, tokens)
-    _copy_into(cols[2], source, zero, kr, pair_start + chosen_len + kp, tokens)
+    copy_segments(cols[1], source, zero, kc, pair_start + kp, tokens)
+    copy_segments(cols[2], source, zero, kr, pair_start + chosen_len + kp, tokens)
     # completion_mask: ones copied over each completion's span (the same segment-copy kernel).
     mask = np.zeros(total, np.int8)
     if pair.shape[0]:
@@ -392,3 +390,70 @@ def _report(max_length: int, lp, lc, lr, fitted: FittedPairs, p: PackPlan) -> Pa
         rows=p.num_rows,
         lower_bound=p.lower_bound,
     )
+
+
+def _fit_pairs_fast(lp, lc, lr, max_length, overlong, max_prompt_length):
+    """:func:`~packtools.core.shared_groups.fit_units` for units of two, vectorized (the per-unit loop would cost seconds on 1M pairs)."""
+    fits = unit_lengths(lp, lc + lr, np.full(lp.shape[0], 2)) <= max_length
+    if overlong == "drop":
+        return fits, lp.copy(), lc.copy(), lr.copy()
+    budget = default_prompt_budget(max_length) if max_prompt_length is None else max_prompt_length
+    kp = np.where(fits, lp, np.minimum(lp, np.maximum(budget, max_length - lc - lr - 1)))
+    room = max_length - np.where(kp > 0, kp + 1, 0)
+    cap = np.maximum(room // 2, room - np.minimum(lc, lr))
+    kc = np.where(fits, lc, np.minimum(lc, cap))
+    kr = np.where(fits, lr, np.minimum(lr, cap))
+    return np.ones(lp.shape[0], bool), kp, kc, kr
+
+
+def _pack_shared(
+    cols: list[ListColumn],
+    extra: list[tuple[str, pa.ChunkedArray]],
+    max_length: int,
+    options: UnitOptions,
+    row_indices: np.ndarray | None,
+) -> tuple[pa.Table, SharedReport]:
+    """:func:`pack_pairs` with ``share_prompt=True``, its arguments checked and its columns read."""
+    lp, lc, lr = (c.lengths() for c in cols)
+    rows = np.arange(lp.shape[0]) if row_indices is None else row_indices
+    lp, lc, lr = lp[rows], lc[rows], lr[rows]
+    keep, kp, kc, kr = _fit_pairs_fast(lp, lc, lr, max_length, options.overlong, options.max_prompt_length)
+    n = lp.shape[0]
+    _check_nonempty(keep, np.stack([kc, kr], 1).reshape(-1), np.repeat(np.arange(n), 2), rows)
+    kept = np.flatnonzero(keep)
+    lengths = unit_lengths(kp[kept], kc[kept] + kr[kept], np.full(kept.shape[0], 2))
+    p = plan_units(lengths, max_length, options)
+    order = kept[p.seg_source]
+    source = rows[order]
+    two = np.full(order.shape[0], 2, np.int64)
+    units = _Units(
+        source=source,
+        prompt_from=lp[order] - kp[order],
+        prompt_keep=kp[order],
+        group=two,
+        column=np.tile(np.array([0, 1], np.int64), order.shape[0]),
+        row=np.repeat(source, 2),
+        keep=np.stack([kc[order], kr[order]], 1).reshape(-1),
+    )
+    arrays = _materialize_shared(cols[0], cols[1:], units, p, with_groups=False)
+    unit_offsets = pa.array(p.row_offsets.astype(np.int32))
+    for name, column in extra:
+        values = column.take(pa.array(source)).combine_chunks()
+        arrays.append((name, pa.ListArray.from_arrays(unit_offsets, values)))
+    cut_p, cut_c = keep & (kp < lp), keep & ((kc < lc) | (kr < lr))
+    report = SharedReport(
+        max_length=max_length,
+        units_in=n,
+        units_out=int(keep.sum()),
+        units_truncated=int((cut_p | cut_c).sum()),
+        prompts_truncated=int(cut_p.sum()),
+        completions_truncated=int((keep & (kc < lc)).sum() + (keep & (kr < lr)).sum()),
+        units_dropped=int((~keep).sum()),
+        tokens_in=int((lp + lc + lr).sum()),
+        tokens_kept=p.tokens_kept,
+        tokens_unshared=int((2 * kp[kept] + kc[kept] + kr[kept]).sum()),
+        rows=p.num_rows,
+        lower_bound=p.lower_bound,
+        repeated=int((kp[kept] > 0).sum()),
+    )
+    return pa.Table.from_arrays([a for _, a in arrays], names=[n_ for n_, _ in arrays]), report

@@ -13,8 +13,15 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import PackingError
-from .arrow import ListColumn, read_list_column
-from .pairs import _read_pair_columns, check_overlong, check_unit_args, default_prompt_budget, plan_units
+from .arrow import ListColumn, check_columns, read_list_column
+from .pairs import (
+    UnitOptions,
+    _read_pair_columns,
+    check_overlong,
+    check_unit_args,
+    default_prompt_budget,
+    plan_units,
+)
 from .shared_pairs import (
     SharedReport,
     _check_nonempty,
@@ -79,13 +86,7 @@ def fit_units(
 def _read_groups(
     table: pa.Table, completion_columns: Sequence[str]
 ) -> tuple[ListColumn, ListColumn, np.ndarray]:
-    missing = [c for c in GROUP_COLUMNS if c not in table.column_names]
-    if missing:
-        raise PackingError(
-            f"group tables need the columns {list(GROUP_COLUMNS)} (a prompt and a list of completions per row); "
-            f"{missing} missing (the table has {table.column_names}).",
-            param="dataset",
-        )
+    check_columns(table, GROUP_COLUMNS, "group tables (a prompt and a list of completions per row)")
     prompt = read_list_column(table.column("prompt_ids"), "prompt_ids")
     nested = table.column("completion_ids").combine_chunks()
     if not (pa.types.is_list(nested.type) or pa.types.is_large_list(nested.type)) or not (
@@ -139,10 +140,7 @@ def pack_groups(
     columns: Sequence[str] = (),
     completion_columns: Sequence[str] = (),
     *,
-    overlong: str = "truncate",
-    max_prompt_length: int | None = None,
-    shuffle: bool = False,
-    seed: int = 0,
+    options: UnitOptions | None = None,
     row_indices: np.ndarray | None = None,
 ) -> tuple[pa.Table, SharedReport]:
     """Pack groups of one prompt and ``G`` completions as ``[P][C_1]...[C_G]``, the prompt once.
@@ -159,7 +157,9 @@ def pack_groups(
     >>> d["input_ids"], d["seq_lengths"], d["group_sizes"], d["adv"]
     ([[1, 2, 3, 2, 4, 5, 2, 6]], [[3, 4, 3]], [[3]], [[0.5, -1.0, 0.5]])
     """
-    max_length, overlong = check_unit_args(table, max_length, "bfd", overlong, "prompt-shared unit")
+    options = options or UnitOptions()
+    max_length, overlong = check_unit_args(table, max_length, "bfd", options.overlong, "prompt-shared unit")
+    max_prompt_length = options.max_prompt_length
     if max_prompt_length is not None and (
         isinstance(max_prompt_length, bool)
         or not isinstance(max_prompt_length, (int, np.integer))
@@ -187,7 +187,7 @@ def pack_groups(
     _check_nonempty(keep, kc_flat, branch_unit, rows)
     kept = np.flatnonzero(keep)
     sums = np.array([int(kc[i].sum()) for i in kept], np.int64)
-    p = plan_units(unit_lengths(kp[kept], sums, g[kept]), max_length, shuffle, seed)
+    p = plan_units(unit_lengths(kp[kept], sums, g[kept]), max_length, options)
     order = kept[p.seg_source]
     source = rows[order]
     units = _Units(

@@ -23,7 +23,6 @@ copied with the same segment-copy kernel as unshared pairs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -31,19 +30,9 @@ import numpy as np
 import pyarrow as pa
 
 from .._lazy import lazy_module
-from ..constants import SEQ_LENGTHS
+from ..constants import COMPLETION_MASK, SEQ_LENGTHS
 from ..errors import PackingError
-from .arrow import ListColumn, list_array
-from .pairs import (
-    COMPLETION_MASK,
-    _check_prompt_budget,
-    _copy_into,
-    _read_pair_columns,
-    _read_pairs,
-    check_unit_args,
-    default_prompt_budget,
-    plan_units,
-)
+from .arrow import ListColumn, copy_segments, list_array
 from .plan import PackPlan
 
 if TYPE_CHECKING:
@@ -118,20 +107,6 @@ def unit_lengths(prompt: np.ndarray, completion_sums: np.ndarray, group_sizes: n
     return np.where(p > 0, p + completion_sums + group_sizes - 1, completion_sums)
 
 
-def _fit_pairs_fast(lp, lc, lr, max_length, overlong, max_prompt_length):
-    """:func:`fit_units` for units of two, vectorized (the per-unit loop would cost seconds on 1M pairs)."""
-    fits = unit_lengths(lp, lc + lr, np.full(lp.shape[0], 2)) <= max_length
-    if overlong == "drop":
-        return fits, lp.copy(), lc.copy(), lr.copy()
-    budget = default_prompt_budget(max_length) if max_prompt_length is None else max_prompt_length
-    kp = np.where(fits, lp, np.minimum(lp, np.maximum(budget, max_length - lc - lr - 1)))
-    room = max_length - np.where(kp > 0, kp + 1, 0)
-    cap = np.maximum(room // 2, room - np.minimum(lc, lr))
-    kc = np.where(fits, lc, np.minimum(lc, cap))
-    kr = np.where(fits, lr, np.minimum(lr, cap))
-    return np.ones(lp.shape[0], bool), kp, kc, kr
-
-
 @dataclass(frozen=True)
 class _Units:
     """The kept units in packed order, and each branch's completion source."""
@@ -170,7 +145,7 @@ def _materialize(
     # The prompt: the shared prefix once, then its last token at the head of every branch.
     last = units.prompt_from + kp - 1
     bsrc = units.source[branch_unit]
-    _copy_into(
+    copy_segments(
         prompt,
         np.concatenate([units.source, bsrc]),
         np.concatenate([units.prompt_from, last[branch_unit]]),
@@ -181,7 +156,7 @@ def _materialize(
     comp_dest = branch_start + head[branch_unit]
     for c, col in enumerate(completion_cols):
         sel = units.column == c
-        _copy_into(
+        copy_segments(
             col, units.row[sel], np.zeros(int(sel.sum()), np.int64), units.keep[sel], comp_dest[sel], tokens
         )
     mask = np.zeros(total, np.int8)
@@ -221,75 +196,3 @@ def _check_nonempty(
             f"leaves it no room.",
             param="dataset",
         )
-
-
-def pack_shared_pairs(
-    table: pa.Table,
-    max_length: int,
-    strategy: str = "bfd",
-    columns: Sequence[str] = (),
-    *,
-    overlong: str = "truncate",
-    max_prompt_length: int | None = None,
-    shuffle: bool = False,
-    seed: int = 0,
-    row_indices: np.ndarray | None = None,
-) -> tuple[pa.Table, SharedReport]:
-    """Pack preference pairs as ``[prompt][chosen][rejected]``, the prompt once (layout: module docstring).
-
-    The arguments and per-pair ``columns`` are those of :func:`packtools.core.pairs.pack_pairs`; a pair takes
-    ``P + C + R + 1`` tokens.  ``seq_lengths`` holds ``P + C, P + R`` per pair (chosen, rejected).
-
-    >>> t = pa.table({"prompt_ids": [[1, 2, 3]], "chosen_ids": [[4]], "rejected_ids": [[5, 6]]})
-    >>> rows, report = pack_shared_pairs(t, 16)
-    >>> d = rows.to_pydict()
-    >>> d["input_ids"], d["completion_mask"], d["seq_lengths"], d["prompt_lengths"]
-    ([[1, 2, 3, 4, 3, 5, 6]], [[0, 0, 0, 1, 0, 1, 1]], [[4, 5]], [[3]])
-    """
-    max_length, overlong = check_unit_args(table, max_length, strategy, overlong, "prompt-shared unit")
-    _check_prompt_budget(max_prompt_length, max_length)
-    cols = _read_pairs(table)
-    extra = _read_pair_columns(table, columns)
-    lp, lc, lr = (c.lengths() for c in cols)
-    rows = np.arange(lp.shape[0]) if row_indices is None else np.ascontiguousarray(row_indices, np.int64)
-    lp, lc, lr = lp[rows], lc[rows], lr[rows]
-    keep, kp, kc, kr = _fit_pairs_fast(lp, lc, lr, max_length, overlong, max_prompt_length)
-    n = lp.shape[0]
-    _check_nonempty(keep, np.stack([kc, kr], 1).reshape(-1), np.repeat(np.arange(n), 2), rows)
-    kept = np.flatnonzero(keep)
-    lengths = unit_lengths(kp[kept], kc[kept] + kr[kept], np.full(kept.shape[0], 2))
-    p = plan_units(lengths, max_length, shuffle, seed)
-    order = kept[p.seg_source]
-    source = rows[order]
-    two = np.full(order.shape[0], 2, np.int64)
-    units = _Units(
-        source=source,
-        prompt_from=lp[order] - kp[order],
-        prompt_keep=kp[order],
-        group=two,
-        column=np.tile(np.array([0, 1], np.int64), order.shape[0]),
-        row=np.repeat(source, 2),
-        keep=np.stack([kc[order], kr[order]], 1).reshape(-1),
-    )
-    arrays = _materialize(cols[0], cols[1:], units, p, with_groups=False)
-    unit_offsets = pa.array(p.row_offsets.astype(np.int32))
-    for name, column in extra:
-        values = column.take(pa.array(source)).combine_chunks()
-        arrays.append((name, pa.ListArray.from_arrays(unit_offsets, values)))
-    cut_p, cut_c = keep & (kp < lp), keep & ((kc < lc) | (kr < lr))
-    report = SharedReport(
-        max_length=max_length,
-        units_in=n,
-        units_out=int(keep.sum()),
-        units_truncated=int((cut_p | cut_c).sum()),
-        prompts_truncated=int(cut_p.sum()),
-        completions_truncated=int((keep & (kc < lc)).sum() + (keep & (kr < lr)).sum()),
-        units_dropped=int((~keep).sum()),
-        tokens_in=int((lp + lc + lr).sum()),
-        tokens_kept=p.tokens_kept,
-        tokens_unshared=int((2 * kp[kept] + kc[kept] + kr[kept]).sum()),
-        rows=p.num_rows,
-        lower_bound=p.lower_bound,
-        repeated=int((kp[kept] > 0).sum()),
-    )
-    return pa.Table.from_arrays([a for _, a in arrays], names=[n_ for n_, _ in arrays]), report

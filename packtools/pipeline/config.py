@@ -19,7 +19,7 @@ from typing import Any
 from ..constants import __version__
 from ..core.cp_budget import check_context_parallel
 from ..core.plan import check_max_length, check_strategy
-from ..errors import PackingError
+from ..errors import PackingError, check_choice
 from ..io.files import InputFile
 from ..io.fingerprint import cache_key
 from ..io.manifest import MANIFEST_FORMAT
@@ -83,14 +83,10 @@ class PipelineConfig:
             raise PackingError(
                 f"drop_unlabeled={self.drop_unlabeled!r} must be None, True or False.", param="drop_unlabeled"
             )
-        if self.format is not None and self.format not in FORMATS:
-            raise PackingError(
-                f"format={self.format!r} is unknown; use one of {', '.join(FORMATS)}.", param="format"
-            )
-        if self.overlong is not None and self.overlong not in OVERLONG:
-            raise PackingError(
-                f"overlong={self.overlong!r} is unknown; use one of {', '.join(OVERLONG)}.", param="overlong"
-            )
+        if self.format is not None:
+            check_choice("format", self.format, FORMATS)
+        if self.overlong is not None:
+            check_choice("overlong", self.overlong, OVERLONG)
         if self.overlong == "split" and self.strategy == "bfd":
             raise PackingError(
                 "overlong='split' needs strategy='bfd_split' (or 'wrapped'); bfd keeps one piece per sequence.",
@@ -113,8 +109,7 @@ class PipelineConfig:
                 f"change nothing. Add shuffle=True, or leave seed out.",
                 param="seed",
             )
-        if self.plan not in PLANS:
-            raise PackingError(f"plan={self.plan!r} is unknown; use one of {', '.join(PLANS)}.", param="plan")
+        check_choice("plan", self.plan, PLANS)
         for name in ("shard_tokens", "part_rows", "part_bytes"):
             if getattr(self, name) < 1:
                 raise PackingError(f"{name} must be >= 1, got {getattr(self, name)}.", param=name)

@@ -29,21 +29,16 @@ def write_packed_preference(
     start; drop).  Rows are written ``shard_tokens`` at a time; ``fingerprint`` names the dataset in
     ``state.json``.  A separate step of the engine (:func:`packtools.pipeline.run.run_pipeline`).
     """
-    from ..core.pairs import PAIR_COLUMNS, pack_pairs
+    from ..core.pairs import PAIR_COLUMNS, UnitOptions, pack_pairs
 
     names = output_columns("preference")
     tables = [t.select(names).rename_columns(list(PAIR_COLUMNS)) for t in batches]
     schema = pa.schema([(n, pa.list_(pa.int32())) for n in PAIR_COLUMNS])
     table = pa.concat_tables(tables).combine_chunks() if tables else schema.empty_table()
     try:
-        packed, report = pack_pairs(
-            table,
-            config.max_length,
-            overlong=config.overlong or "truncate",
-            max_prompt_length=config.max_prompt_length,
-            shuffle=config.shuffle,
-            seed=config.seed,
-        )
+        overlong = config.overlong or "truncate"
+        options = UnitOptions(overlong, config.max_prompt_length, config.shuffle, config.seed)
+        packed, report = pack_pairs(table, config.max_length, options=options)
     except PackingError as exc:
         raise _in_input(exc, parts) from None
     shards = ShardFolder(folder)

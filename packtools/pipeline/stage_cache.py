@@ -47,11 +47,7 @@ from .stage import StageJob, stage_key
 from .staged import (
     damage,
     load_sidecar,
-    save_sidecar,
-    sidecar_checksum,
-    sidecar_report,
-    sidecar_tool_opener,
-    sidecar_turns,
+    relink_sidecar,
 )
 from .tokenizer.spec import IdsSpec
 
@@ -221,9 +217,7 @@ def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> tuple[s
                 continue
             why = damage(sidecar)
             if why is None:
-                lengths, first, data = load_sidecar(sidecar)
-                trained, heads, closing = sidecar_turns(sidecar)
-                opener = sidecar_tool_opener(sidecar)
+                _, _, data = load_sidecar(sidecar)
                 if os.path.abspath(data) != arrow:
                     continue  # an entry that points elsewhere (an as-is input): stage it normally
             else:
@@ -243,20 +237,7 @@ def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> tuple[s
                 if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
                     raise
             # the entry's engine report comes with it (the characters it left out, the rows it compared)
-            digest, size = sidecar_checksum(sidecar)
-            save_sidecar(
-                job.sidecar,
-                lengths,
-                first,
-                target,
-                report=sidecar_report(sidecar),
-                data_sha256=digest,
-                data_size=size,
-                trained=trained,
-                heads=heads,
-                closing=closing,
-                tool_opener=opener,
-            )
+            relink_sidecar(sidecar, job.sidecar, target)
             now = time.time()
             for path in (arrow, sidecar):
                 with contextlib.suppress(OSError):

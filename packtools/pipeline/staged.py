@@ -56,23 +56,37 @@ def save_sidecar(
     closing: np.ndarray | None = None,
     tool_opener: np.ndarray | None = None,
 ) -> None:
-    """Write a part's sidecar (written last: its presence means the part is done), flushed to disk before the
-    rename and the folder after it, so that a machine crash leaves no sidecar whose data never landed."""
+    """Write a part's sidecar (written last: its presence means the part is done)."""
+    none = np.zeros(0, np.int64)
+    arrays = {
+        "lengths": lengths,
+        "first_label": first,
+        "trained": trained if trained is not None else none,
+        "heads": heads if heads is not None else none,
+        "closing": closing if closing is not None else none,
+        "tool_opener": tool_opener if tool_opener is not None else none,
+        "data": np.array(data),
+        "tokenizer": np.array(json.dumps(report, sort_keys=True) if report else ""),
+        "data_sha256": np.array(data_sha256),
+        "data_size": np.array(data_size, np.int64),
+    }
+    _write_sidecar(path, arrays)
+
+
+def relink_sidecar(source: str, path: str, data: str) -> None:
+    """Write at ``path`` the sidecar ``source`` with its data file at ``data`` (a stage-cache entry a job takes):
+    its rows, engine report and checksum as they are."""
+    with np.load(source, allow_pickle=False) as z:
+        arrays = {name: z[name] for name in z.files}
+    _write_sidecar(path, {**arrays, "data": np.array(data)})
+
+
+def _write_sidecar(path: str, arrays: dict[str, np.ndarray]) -> None:
+    """Flushed to disk before the rename and the folder after it, so that a machine crash leaves no sidecar
+    whose data never landed."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as fh:
-        np.savez(
-            fh,
-            lengths=lengths,
-            first_label=first,
-            trained=trained if trained is not None else np.zeros(0, np.int64),
-            heads=heads if heads is not None else np.zeros(0, np.int64),
-            closing=closing if closing is not None else np.zeros(0, np.int64),
-            tool_opener=tool_opener if tool_opener is not None else np.zeros(0, np.int64),
-            data=np.array(data),
-            tokenizer=np.array(json.dumps(report, sort_keys=True) if report else ""),
-            data_sha256=np.array(data_sha256),
-            data_size=np.array(data_size, np.int64),
-        )
+        np.savez(fh, **arrays)
         fh.flush()
         os.fsync(fh.fileno())  # whole on disk before the rename that marks the part done
     os.replace(tmp, path)

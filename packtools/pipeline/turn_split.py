@@ -58,7 +58,7 @@ import pyarrow as pa
 from .._atomic import removed_on_error
 from ..constants import IGNORE_INDEX, MASK_COLUMNS
 from ..core.arrow import read_list_column
-from ..errors import PackingError
+from ..errors import check_choice
 
 #: ``turns``: cut at the ends of trained spans, carrying the head; ``tokens``: every ``max_length`` tokens.
 SPLIT_AT = ("turns", "tokens")
@@ -67,10 +67,7 @@ Piece = tuple[int, int, int]  # (tokens of the head carried before it, start, en
 
 
 def check_split_at(split_at: str) -> None:
-    if split_at not in SPLIT_AT:
-        raise PackingError(
-            f"split_at={split_at!r} is unknown; use one of {', '.join(SPLIT_AT)}.", param="split_at"
-        )
+    check_choice("split_at", split_at, SPLIT_AT)
 
 
 def carried_head(head: int, max_length: int) -> int:

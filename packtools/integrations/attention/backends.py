@@ -57,6 +57,14 @@ def forward_accepts(model: Any, key: str, *, named: bool = False) -> bool:
     return not named and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+def sends_seq_idx(model: Any) -> bool:
+    """Whether padding-free batches give ``model`` the ``seq_idx`` keyword: its forward names it, or it has
+    token-mixing layers (hybrids, which read it to restart per document) and takes it through ``**kwargs``."""
+    return forward_accepts(model, "seq_idx", named=True) or (
+        bool(token_mixing_layers(model)) and forward_accepts(model, "seq_idx")
+    )
+
+
 def is_flash(implementation: str | None) -> bool:
     """FlashAttention-family backends (``flash_attention_2/3/4``, ``kernels-community/*flash*``), as transformers tells them."""
     return (

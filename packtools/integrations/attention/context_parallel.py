@@ -38,6 +38,7 @@ from ...batches.context_parallel import CP_KEY
 from ...compat.transformers import register_attention, set_attention
 from ...errors import PackingError
 from . import segmented
+from .segmented import AttentionCall
 
 #: The attention implementation name registered with transformers.
 CP_ATTENTION = "packtools_cp"
@@ -129,23 +130,9 @@ def check_group(shard: Any, group: Any) -> None:
         )
 
 
-def cp_attention_forward(
-    module: Any,
-    query: Any,
-    key: Any,
-    value: Any,
-    attention_mask: Any,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[Any, None]:
+def _cp_attention(call: AttentionCall, shard: Any) -> tuple[Any, None]:
     """transformers attention function (``query``/``key``/``value`` are ``[1, heads, local_tokens, dim]``)."""
-    shard = kwargs.pop(CP_KEY, None)
-    if shard is None:
-        return segmented.segmented_sdpa_forward(
-            module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
-        )
+    module, query, key, value = call.module, call.query, call.key, call.value
     if query.shape[0] != 1 or query.shape[2] != shard.layout.local_tokens:
         raise PackingError(
             f"a CP shard of {shard.layout.local_tokens} tokens reached attention with queries of shape "
@@ -153,9 +140,9 @@ def cp_attention_forward(
             param=CP_KEY,
         )
     unsupported = [
-        k for k in ("sliding_window", "softcap", "s_aux", "position_bias") if kwargs.get(k) is not None
+        k for k in ("sliding_window", "softcap", "s_aux", "position_bias") if call.kwargs.get(k) is not None
     ]
-    if unsupported or is_causal is False or not getattr(module, "is_causal", True):
+    if unsupported or call.is_causal is False or not getattr(module, "is_causal", True):
         raise PackingError(
             f"packtools_cp attends each document causally and in full; this layer asks for "
             f"{unsupported or ['non-causal attention']}, which the CP attention does not apply. Train this model "
@@ -166,8 +153,13 @@ def cp_attention_forward(
     check_group(shard, group)
     if shard.layout.cp_size > 1:
         key, value = gather_tokens(key, group), gather_tokens(value, group)
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else float(scaling)
-    return shard_attention(query, key, value, shard, scale, float(dropout)), None
+    scale = 1.0 / math.sqrt(query.shape[-1]) if call.scaling is None else float(call.scaling)
+    return shard_attention(query, key, value, shard, scale, float(call.dropout)), None
+
+
+#: The transformers attention function: :func:`_cp_attention` for a call carrying a CP shard, else packtools'
+#: per-sequence ``sdpa``.
+cp_attention_forward = segmented.keyed_attention(CP_KEY, _cp_attention, "cp_attention_forward")
 
 
 def shard_attention(

@@ -125,6 +125,23 @@ class IsolationReport:
         return "\n".join(lines)
 
 
+class ProbeDiffs:
+    """What the tree and padding-free RL probes compare: each packed output against its reference (the sequence
+    run alone, TRL's padded batch), a difference above ``tol`` times the reference's scale (``max(1, |ref|)``)
+    being a leak; ``worst`` keeps the largest difference seen.  ``tol`` follows the model's dtype: ``1e-4`` in
+    float32, ``3e-2`` in half precision."""
+
+    def __init__(self, float32: bool) -> None:
+        self.tol = 1e-4 if float32 else 3e-2
+        self.worst = 0.0
+
+    def exceeds(self, got: Any, reference: Any) -> float | None:
+        """The largest ``|got - reference|`` where it exceeds the tolerance, else ``None``."""
+        diff = float((got.float() - reference.float()).abs().max())
+        self.worst = max(self.worst, diff)
+        return diff if diff > self.tol * max(1.0, float(reference.abs().max())) else None
+
+
 def _probe_tokens(base: Any, total: int, rng: np.random.Generator) -> np.ndarray:
     emb = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     vocab = getattr(emb, "num_embeddings", None)

@@ -45,6 +45,8 @@ each sequence run alone, forward and backward).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..._optional import require
@@ -220,17 +222,75 @@ def _segments_apply(kwargs: dict[str, Any], query: Any, key: Any) -> list[int] |
     return bounds
 
 
-def segmented_sdpa_forward(
-    module: Any,
-    query: Any,
-    key: Any,
-    value: Any,
-    attention_mask: Any,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[Any, None]:
+@dataclass(frozen=True)
+class AttentionCall:
+    """One call of a transformers attention function, as :func:`attention_function` hands it to a backend."""
+
+    module: Any
+    query: Any
+    key: Any
+    value: Any
+    attention_mask: Any
+    dropout: float = 0.0
+    scaling: float | None = None
+    is_causal: bool | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def segmented(self) -> tuple[Any, None]:
+        """This call run by packtools' per-sequence ``sdpa`` (:data:`SEGMENTED_SDPA`)."""
+        return _segmented_sdpa(self)
+
+
+def attention_function(
+    run: Callable[[AttentionCall], tuple[Any, None]], name: str
+) -> Callable[..., tuple[Any, None]]:
+    """The transformers attention function ``name``: its arguments as one :class:`AttentionCall` to ``run``.
+
+    The signature is transformers' ``sdpa_attention_forward``'s, which ``AttentionInterface`` calls with
+    ``dropout``/``scaling`` (and ``is_causal`` where the model gives it) as keywords; packtools' backends (the
+    per-sequence ``sdpa``, the tree, context parallelism) write it here once.
+    """
+
+    def forward(
+        module: Any,
+        query: Any,
+        key: Any,
+        value: Any,
+        attention_mask: Any,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        is_causal: bool | None = None,
+        **kwargs: Any,
+    ) -> tuple[Any, None]:
+        return run(
+            AttentionCall(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+        )
+
+    forward.__name__ = forward.__qualname__ = name
+    forward.__doc__ = run.__doc__
+    return forward
+
+
+def keyed_attention(
+    payload_key: str, run: Callable[[AttentionCall, Any], tuple[Any, None]], name: str
+) -> Callable[..., tuple[Any, None]]:
+    """The attention function ``name`` of a backend whose batches carry the keyword ``payload_key``.
+
+    A call carrying it (a tree layout, a CP shard) goes to ``run(call, payload)``, the keyword taken out of
+    ``call.kwargs``; every other call (evaluation, generation, a plain batch) to the per-sequence ``sdpa``.
+    """
+
+    def dispatch(call: AttentionCall) -> tuple[Any, None]:
+        kwargs = dict(call.kwargs)
+        payload = kwargs.pop(payload_key, None)
+        call = replace(call, kwargs=kwargs)
+        return call.segmented() if payload is None else run(call, payload)
+
+    dispatch.__doc__ = run.__doc__
+    return attention_function(dispatch, name)
+
+
+def _segmented_sdpa(call: AttentionCall) -> tuple[Any, None]:
     """transformers attention function (``query``/``key``/``value`` are ``[batch, heads, tokens, dim]``).
 
     >>> import torch
@@ -241,6 +301,9 @@ def segmented_sdpa_forward(
     >>> out.shape, torch.allclose(out[:, 3:], second, atol=1e-6)
     (torch.Size([1, 5, 2, 4]), True)
     """
+    module, query, key, value = call.module, call.query, call.key, call.value
+    attention_mask, kwargs = call.attention_mask, call.kwargs
+    dropout, scaling, is_causal = call.dropout, call.scaling, call.is_causal
     if kwargs.get("packtools_tree") is not None:  # a prompt-shared batch on a model not switched to the tree
         raise PackingError(
             "a prompt-shared batch (packtools_tree) reached the packtools_sdpa attention, which would ignore the "
@@ -355,6 +418,10 @@ def segmented_sdpa_forward(
     if out is None:  # a row of no tokens
         out = query.new_empty((query.shape[0], 0, query.shape[1], value.shape[-1]))
     return out, None
+
+
+#: transformers' attention function for :data:`SEGMENTED_SDPA` (:func:`_segmented_sdpa` behind the signature).
+segmented_sdpa_forward = attention_function(_segmented_sdpa, "segmented_sdpa_forward")
 
 
 def _sink_attention(

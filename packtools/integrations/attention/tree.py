@@ -35,7 +35,8 @@ from ...compat import set_attr
 from ...compat.transformers import register_attention, set_attention
 from ...errors import PackingError
 from .backends import attention_implementation, base_model, forward_accepts, token_mixing_layers
-from .segmented import segmented_sdpa_forward
+from .isolation import ProbeDiffs
+from .segmented import AttentionCall, keyed_attention
 
 TREE_ATTENTION = "packtools_tree"
 _ORIGINAL = "_packtools_tree_original_attn"
@@ -57,17 +58,7 @@ def _refuse_call(module: Any, kwargs: dict[str, Any]) -> None:
         raise PackingError(f"{name} has a sliding window, which the tree attention does not apply.")
 
 
-def tree_attention_forward(
-    module: Any,
-    query: Any,
-    key: Any,
-    value: Any,
-    attention_mask: Any,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[Any, None]:
+def _tree_attention(call: AttentionCall, tree: Any) -> tuple[Any, None]:
     """transformers attention function (``query``/``key``/``value`` are ``[1, heads, tokens, dim]``).
 
     >>> import numpy as np, torch
@@ -81,21 +72,12 @@ def tree_attention_forward(
     >>> out.shape, torch.allclose(out[:, 4:], alone[:, 2:], atol=1e-6)
     (torch.Size([1, 7, 2, 4]), True)
     """
-    tree = kwargs.pop(TREE_KEY, None)
     if not isinstance(tree, TreeLayout):
-        return segmented_sdpa_forward(
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=dropout,
-            scaling=scaling,
-            is_causal=is_causal,
-            **kwargs,
-        )
+        return call.segmented()
+    module, query, key, value = call.module, call.query, call.key, call.value
+    dropout, scaling = call.dropout, call.scaling
     torch = require("torch", "packtools tree attention")
-    _refuse_call(module, kwargs)
+    _refuse_call(module, call.kwargs)
     tree.reads.consumed(module)  # what sequence_logps checks: a tree attention ran this layout
     if query.shape[0] != 1 or query.shape[2] != tree.total or key.shape[2] != tree.total:
         raise PackingError(
@@ -151,6 +133,11 @@ def tree_attention_forward(
         outs.append(sdpa(qs[i], k, v, attn_mask=mask, dropout_p=dropout, scale=scaling))
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return out.transpose(1, 2).contiguous(), None
+
+
+#: The transformers attention function: :func:`_tree_attention` for a call carrying a tree layout, else
+#: packtools' per-sequence ``sdpa``.
+tree_attention_forward = keyed_attention(TREE_KEY, _tree_attention, "tree_attention_forward")
 
 
 def register(*, owner: Any = None) -> str:
@@ -233,10 +220,9 @@ def check_tree_isolation(model: Any, seed: int = 0) -> float:
     positions = torch.from_numpy(layout.positions()).to(param.device)[None]
     index, lengths = unshared_index(seg, branch)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    tol = 1e-4 if param.dtype == torch.float32 else 3e-2
+    probe = ProbeDiffs(param.dtype == torch.float32)
     was_training = base.training
     base.eval()
-    worst = 0.0
     try:
         with torch.no_grad():
             dev = layout.to(param.device)
@@ -244,9 +230,8 @@ def check_tree_isolation(model: Any, seed: int = 0) -> float:
             for b, (s, n) in enumerate(zip(starts, lengths)):
                 where = torch.from_numpy(index[s : s + n]).to(param.device)
                 alone = _logits(model, input_ids=tokens[where][None])[0]
-                diff = float((tree[where].float() - alone.float()).abs().max())
-                worst = max(worst, diff)
-                if diff > tol * max(1.0, float(alone.abs().max())):
+                diff = probe.exceeds(tree[where], alone)
+                if diff is not None:
                     raise PackingError(
                         f"{type(base).__name__} with the tree attention: completion {b} of the probe differs from "
                         f"the same prompt + completion run alone by {diff:.3g}; it cannot share prompts exactly "
@@ -261,14 +246,14 @@ def check_tree_isolation(model: Any, seed: int = 0) -> float:
             again = _logits(model, input_ids=moved[None], position_ids=positions, **{TREE_KEY: dev})[0]
             mine = torch.from_numpy(own).to(param.device)
             diff = float((again[mine].float() - tree[mine].float()).abs().max())
-            if diff > tol:
+            if diff > probe.tol:
                 raise PackingError(
                     f"{type(base).__name__} with the tree attention: changing a sibling completion or another unit "
                     f"moved a completion's logits by {diff:.3g}; tokens leak across the tree."
                 )
     finally:
         base.train(was_training)
-    return worst
+    return probe.worst
 
 
 def use_tree_attention(model: Any, check_isolation: bool = True, *, owner: Any = None) -> str:

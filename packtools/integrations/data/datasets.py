@@ -41,7 +41,7 @@ from ..._optional import require
 from ...compat.datasets import dataset_table, format_type, memory_mapped_table, temporary_cache_directory
 from ...compat.datasets import fingerprint as datasets_fingerprint
 from ...constants import SEQ_LENGTHS
-from ...core.arrow import is_list_type
+from ...core.arrow import check_row_counts, is_list_type
 from ...core.cp_budget import check_context_parallel, plan_for_cp
 from ...core.nested import gather_whole_samples, plan_whole_samples
 from ...core.pack import pack_columns, read_columns, truncate_table
@@ -335,47 +335,23 @@ def pack_dataset(
                 "return_report=True needs a Dataset: an IterableDataset is packed lazily, window by window.",
                 param="return_report",
             )
-        return _pack_iterable(
-            dataset,
-            max_length,
-            strategy,
-            columns,
-            shuffle=shuffle,
-            seed=seed,
-            window=window,
-            cp=context_parallel,
-        )
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise PackingError(f"window must be a positive number of rows, got {window!r}.")
+        names = list(columns) if columns is not None else None
+
+        def pack_window(batch: pa.Table) -> pa.Table:
+            cols, lengths = read_columns(batch, names)
+            p = plan_for_cp(lengths, max_length, strategy, context_parallel)
+            if shuffle:
+                p = p.shuffled(seed)
+            return pack_columns(cols, p)
+
+        packed = dataset.with_format("arrow").map(pack_window, batched=True, batch_size=window)
+        return packed.with_format(format_type(dataset))
     raise PackingError(
         f"dataset must be a datasets.Dataset, DatasetDict or IterableDataset, got {type(dataset).__name__}; "
         f"for a pyarrow.Table use packtools.pack_table."
     )
-
-
-def _pack_iterable(
-    dataset: Any,
-    max_length: int,
-    strategy: str,
-    columns: Sequence[str] | None,
-    *,
-    shuffle: bool,
-    seed: int,
-    window: int,
-    cp: int = 1,
-) -> Any:
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise PackingError(f"window must be a positive number of rows, got {window!r}.")
-    names = list(columns) if columns is not None else None
-
-    def pack_window(batch: pa.Table) -> pa.Table:
-        cols, lengths = read_columns(batch, names)
-        p = plan_for_cp(lengths, max_length, strategy, cp)
-        if shuffle:
-            p = p.shuffled(seed)
-        return pack_columns(cols, p)
-
-    fmt_type = format_type(dataset)
-    packed = dataset.with_format("arrow").map(pack_window, batched=True, batch_size=window)
-    return packed.with_format(fmt_type)
 
 
 # -- truncation ----------------------------------------------------------------------------------------------
@@ -468,13 +444,8 @@ def _check_patches(table: pa.Table) -> None:
     expected = np.zeros(images.shape[0], np.int64)
     np.add.at(expected, np.repeat(np.arange(images.shape[0]), images), prods)
     patches = np.asarray(table.column("pixel_values").combine_chunks().value_lengths().fill_null(0), np.int64)
-    bad = np.flatnonzero(patches != expected)
-    if bad.size:
-        r = int(bad[0])
-        raise PackingError(
-            f"row {r}: 'pixel_values' holds {patches[r]} patches but its image_grid_thw gives {expected[r]}; "
-            f"pass the processor's output for every sample unchanged."
-        )
+    fix = "pass the processor's output for every sample unchanged."
+    check_row_counts(patches, expected, "'pixel_values' holds {} patches", "its image_grid_thw gives {}", fix)
 
 
 def pack_vision_table(

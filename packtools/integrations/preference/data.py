@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from ...compat.datasets import dataset_table
+from ...core.arrow import check_columns
 from ...errors import PackingError
 from ..data.datasets import datasets_module, derived_fingerprint
 
@@ -57,35 +59,30 @@ def pack_preference(
     >>> pack_preference(ds, 8)[:]["seq_lengths"]
     [[3, 3], [2, 3]]
     """
-    from ...core.pairs import pack_pairs
-    from ...core.shared_pairs import pack_shared_pairs
+    from ...core.pairs import UnitOptions, pack_pairs
+
+    options = UnitOptions(overlong, max_prompt_length, shuffle, seed)
+    how = {
+        "share_prompt": bool(share_prompt),
+        "max_length": max_length,
+        "columns": list(columns),
+        **asdict(options),
+    }
 
     def one(split: Any) -> tuple[Any, Any]:
         table, indices = (split, None) if isinstance(split, pa.Table) else dataset_table(split)
-        packed, report = (pack_shared_pairs if share_prompt else pack_pairs)(
+        packed, report = pack_pairs(
             table,
             max_length,
             strategy,
             columns,
-            overlong=overlong,
-            max_prompt_length=max_prompt_length,
-            shuffle=shuffle,
-            seed=seed,
+            options=options,
             row_indices=indices,
+            share_prompt=share_prompt,
         )
         if isinstance(split, pa.Table):
             return packed, report
-        fingerprint = derived_fingerprint(
-            split,
-            "pack_preference",
-            share_prompt=bool(share_prompt),
-            max_length=max_length,
-            columns=list(columns),
-            overlong=overlong,
-            max_prompt_length=max_prompt_length,
-            shuffle=shuffle,
-            seed=seed,
-        )
+        fingerprint = derived_fingerprint(split, "pack_preference", **how)
         return ds_mod.Dataset(packed, split=split.split, fingerprint=fingerprint), report
 
     def warn(report: Any, name: str = "") -> None:
@@ -144,16 +141,13 @@ def pack_reward_pairs(
     >>> rows["input_ids"], rows["seq_lengths"], rows["margin"]
     ([[1, 2, 3, 5, 4, 6, 7]], [[3, 1, 1, 2]], [[0.5, 1.0]])
     """
-    from ...core.pairs import pack_pairs
+    from ...core.pairs import UnitOptions, pack_pairs
 
     table, indices = (dataset, None) if isinstance(dataset, pa.Table) else dataset_table(dataset)
-    missing = [c for c in ("chosen_ids", "rejected_ids") if c not in table.column_names]
-    if missing:
-        raise PackingError(
-            f"reward pairs need the columns chosen_ids and rejected_ids (TRL's RewardTrainer format); {missing} "
-            f"missing (the dataset has {table.column_names}). Pack trainer.train_dataset, which TRL tokenized.",
-            param="dataset",
-        )
+    what = "reward pairs (TRL's RewardTrainer format)"
+    check_columns(
+        table, ("chosen_ids", "rejected_ids"), what, "Pack trainer.train_dataset, which TRL tokenized."
+    )
     if "prompt_ids" in table.column_names:
         raise PackingError(
             "the dataset has prompt_ids: RewardTrainer's tokenized pairs hold the prompt inside chosen_ids and "
@@ -165,9 +159,8 @@ def pack_reward_pairs(
     prompts = pa.ListArray.from_arrays(empty, pa.array([], chosen.value_type)).cast(chosen)
     table = table.append_column("prompt_ids", prompts)
     columns = ["margin"] if "margin" in table.column_names else []
-    packed, report = pack_pairs(
-        table, max_length, "bfd", columns, overlong="drop", shuffle=shuffle, seed=seed, row_indices=indices
-    )
+    options = UnitOptions(overlong="drop", shuffle=shuffle, seed=seed)
+    packed, report = pack_pairs(table, max_length, "bfd", columns, options=options, row_indices=indices)
     if report.pairs_dropped:
         warnings.warn(
             f"pack_reward_pairs: {report.pairs_dropped} of {report.pairs_in} pairs are longer than "
@@ -200,29 +193,20 @@ def pack_groups(
     list of token lists per row); per-group ``columns`` and per-completion ``completion_columns`` (e.g.
     ``rewards``, ``advantages``) are kept aligned (see :func:`packtools.core.shared_groups.pack_groups`).
     """
+    from ...core.pairs import UnitOptions
     from ...core.shared_groups import pack_groups as pack_table_groups
 
+    options = UnitOptions(overlong=overlong, shuffle=shuffle, seed=seed)
     table, indices = (dataset, None) if isinstance(dataset, pa.Table) else dataset_table(dataset)
     packed, report = pack_table_groups(
-        table,
-        max_length,
-        columns,
-        completion_columns,
-        overlong=overlong,
-        shuffle=shuffle,
-        seed=seed,
-        row_indices=indices,
+        table, max_length, columns, completion_columns, options=options, row_indices=indices
     )
     if not isinstance(dataset, pa.Table):
-        fingerprint = derived_fingerprint(
-            dataset,
-            "pack_groups",
-            max_length=max_length,
-            columns=list(columns),
-            completion_columns=list(completion_columns),
-            overlong=overlong,
-            shuffle=shuffle,
-            seed=seed,
-        )
+        how = {
+            "max_length": max_length,
+            "columns": list(columns),
+            "completion_columns": list(completion_columns),
+        }
+        fingerprint = derived_fingerprint(dataset, "pack_groups", **how, **asdict(options))
         packed = datasets_module().Dataset(packed, split=dataset.split, fingerprint=fingerprint)
     return (packed, report) if return_report else packed

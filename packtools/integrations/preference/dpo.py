@@ -38,7 +38,6 @@ to compare against the padded trainer bit for bit.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from ..._optional import require
@@ -57,9 +56,9 @@ from ...errors import PackingError
 from ..attention.backends import (
     attention_implementation,
     check_attention_implementation,
-    forward_accepts,
     multimodal_parts,
     segmented_sdpa_until_checked,
+    sends_seq_idx,
     token_mixing_layers,
 )
 from ..attention.backends import base_model as _base_model
@@ -81,9 +80,7 @@ PAIR_ROW_COLUMNS = ("input_ids", "completion_mask", SEQ_LENGTHS)
 def _padding_free_forward(model: Any, inner: Any, trainer: Any = None) -> Any:
     torch = require("torch", "packtools.prepare_dpo_trainer")
     mixers = tuple(token_mixing_layers(model))
-    # seq_idx goes to models that name it, or that take **kwargs and have token-mixing layers (hybrids).
-    names = inspect.signature(_base_model(model).forward).parameters
-    send_seq_idx = "seq_idx" in names or (bool(mixers) and forward_accepts(model, "seq_idx"))
+    send_seq_idx = sends_seq_idx(model)
 
     def forward(self: Any, *args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
         call = padded_preference_call(args, kwargs, fused_lm_head)

@@ -34,7 +34,6 @@ decisions are one frozen :class:`RewardPlan`; :func:`packtools.integrations.unpr
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,10 +46,9 @@ from ...errors import PackingError
 from ..attention.backends import (
     base_model,
     check_attention_implementation,
-    forward_accepts,
     multimodal_parts,
     segmented_sdpa_until_checked,
-    token_mixing_layers,
+    sends_seq_idx,
 )
 from ..attention.mixers import run_mixers_per_document
 from ..parallel.distributed import check_loss_path, trainer_divides_by_accumulation, uneven_gather
@@ -186,11 +184,6 @@ def _use_packed_dataset(trainer: Any, dataset: Any) -> None:
         keep_signature_columns(trainer, [*REWARD_ROW_COLUMNS, *pair_columns])
 
 
-def _sends_seq_idx(model: Any) -> bool:
-    names = inspect.signature(base_model(model).forward).parameters
-    return "seq_idx" in names or (bool(token_mixing_layers(model)) and forward_accepts(model, "seq_idx"))
-
-
 def prepare_reward_trainer(
     trainer: Any,
     train_dataset: Any = None,
@@ -232,7 +225,7 @@ def prepare_reward_trainer(
         )
     with all_or_nothing(trainer):
         check_train_loader(trainer, max_tokens)
-        run = RewardPlan(layout, max_tokens, send_seq_idx=_sends_seq_idx(trainer.model))
+        run = RewardPlan(layout, max_tokens, send_seq_idx=sends_seq_idx(trainer.model))
         install_step(trainer, PackedRewardStep, run)  # refuses a trainer prepared twice
         run_mixers_per_document(trainer.model, owner=trainer)  # token-mixing layers per document
         check_attention_implementation(trainer.model)

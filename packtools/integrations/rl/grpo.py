@@ -41,11 +41,12 @@ from ..attention.backends import (
     attention_implementation,
     base_model,
     check_attention_implementation,
-    forward_accepts,
     multimodal_parts,
     segmented_sdpa_until_checked,
+    sends_seq_idx,
     token_mixing_layers,
 )
+from ..attention.isolation import ProbeDiffs
 from ..attention.mixers import POSITIONLESS_MASKS, run_mixers_per_document
 from ..attention.tree import check_tree_model, use_tree_attention
 from ..trainers.guard import check_forward_inputs, refuse_prompt_learning
@@ -231,20 +232,18 @@ def check_rl_forward(trainer: Any, model: Any, entropy: bool) -> float:
     training = base.training
     base.eval()
     name = type(base).__name__
-    tol = 1e-4 if next(base.parameters()).dtype == torch.float32 else 3e-2
+    probe = ProbeDiffs(next(base.parameters()).dtype == torch.float32)
     try:
         with torch.no_grad():
             theirs = trl_logps(plan.trl_class, trainer, model, ids, mask, keep, compute_entropy=entropy)
             ours = padding_free_logps(
                 trainer, model, (ids, mask, keep), batch_size=None, entropy=entropy, aux=False
             )
-            worst = 0.0
             for what, a, b in (("log-probabilities", ours[0], theirs[0]), ("entropies", ours[1], theirs[1])):
                 if a is None:
                     continue
-                diff = float((a.float() - b.float()).abs().max())
-                worst = max(worst, diff)
-                if diff > tol * max(1.0, float(b.abs().max())):
+                diff = probe.exceeds(a, b)
+                if diff is not None:
                     raise PackingError(
                         f"{name}: packtools' padding-free {what} differ from TRL's padded ones by {diff:.3g} on the "
                         f"isolation probe (left-padded prompts); this model cannot run GRPO/RLOO padding-free "
@@ -257,14 +256,14 @@ def check_rl_forward(trainer: Any, model: Any, entropy: bool) -> float:
                 trainer, model, (moved, mask, keep), batch_size=None, entropy=False, aux=False
             )
             diff = float((again[0][0] - ours[0][0]).abs().max())
-            if diff > tol:
+            if diff > probe.tol:
                 raise PackingError(
                     f"{name}: changing the other sequences of a padding-free GRPO row moved the first sequence's "
                     f"log-probabilities by {diff:.3g}; tokens leak across sequences. Train it padded."
                 )
     finally:
         base.train(training)
-    return worst
+    return probe.worst
 
 
 def _check_models(trainer: Any, models: list[Any]) -> bool:
@@ -291,12 +290,7 @@ def _check_models(trainer: Any, models: list[Any]) -> bool:
             )
         refuse_prompt_learning(model)
         check_attention_implementation(model)
-        mixers = bool(token_mixing_layers(model))
-        seq_idx = (
-            seq_idx
-            or forward_accepts(model, "seq_idx", named=True)
-            or (mixers and forward_accepts(model, "seq_idx"))
-        )
+        seq_idx = seq_idx or sends_seq_idx(model)
     return seq_idx
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ...errors import PackingError
+from ...errors import PackingError, check_choice
 
 ON_UNENCODABLE = ("report", "error")
 FIRST_ROWS = 5  # rows named in the report
@@ -63,13 +63,8 @@ def missing_bytes(spec: dict[str, Any]) -> list[int]:
 
 
 def check_on_unencodable(value: str) -> str:
-    if value not in ON_UNENCODABLE:
-        raise PackingError(
-            f"on_unencodable={value!r} is unknown; use 'report' (count and report characters the tokenizer "
-            f"cannot encode) or 'error' (stop at the first one).",
-            param="on_unencodable",
-        )
-    return value
+    use = "'report' (count and report characters the tokenizer cannot encode) or 'error' (stop at the first one)"
+    return check_choice("on_unencodable", value, ON_UNENCODABLE, use)
 
 
 def describe_bytes(missing: Sequence[int]) -> str:

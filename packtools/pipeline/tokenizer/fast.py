@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ...core.ragged import Ragged
-from ...errors import PackingError
+from ...errors import PackingError, check_choice
 
 ENGINES = ("auto", "fast", "transformers")
 ENGINE_MODULE = "fastokens"
@@ -37,12 +37,7 @@ _NORMALIZERS = (None, "NFC")
 
 
 def check_engine(engine: str) -> str:
-    if engine not in ENGINES:
-        raise PackingError(
-            f"tokenizer_engine={engine!r} is unknown; use one of {', '.join(ENGINES)}.",
-            param="tokenizer_engine",
-        )
-    return engine
+    return check_choice("tokenizer_engine", engine, ENGINES)
 
 
 def engine_version() -> str | None:
