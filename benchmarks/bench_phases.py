@@ -188,6 +188,7 @@ def phases(r: dict) -> list[tuple[str, float]]:
         ("  encode (busy)", stage.get("encode", 0.0)),
         ("  write staged file (busy)", stage.get("write", 0.0)),
         ("  flush staged file (busy)", stage.get("flush", 0.0)),
+        ("  waiting for the check against transformers (first run)", t.get("reference_check_s", 0.0)),
         ("plan", t.get("plan_s", 0.0)),
         ("gather + write (wall)", t.get("write_s", 0.0)),
         ("  gather (busy)", write.get("gather", 0.0)),

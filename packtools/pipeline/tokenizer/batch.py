@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,9 @@ from .chat.values import by_tools
 from .folder import added_tokens_outside, load_tokenizer, tokenizer_fingerprint
 from .load import FastLoad, compact_file, load_facts, reference_suffices, start_fast_load
 from .proof import EngineDivergence, Proof, adopt, choose_engine, engine_error
+
+#: the reference of a first run's driver while its check runs (:meth:`BatchTokenizer.settle_reference`)
+PROVISIONAL_REFERENCE = "tokenizers (provisional: checked against transformers before the install)"
 
 
 def _strings(table: pa.Table, name: str, first_row: Row, values: list | None = None) -> list[str]:
@@ -75,6 +78,7 @@ class BatchTokenizer:
         proven: dict[str, Any] | None = None,
         wait_for_engine: bool = True,
         input_bytes: int | None = None,
+        check_later: bool = False,
     ) -> None:
         if fmt not in FORMATS or fmt == "tokenized":
             raise PackingError(
@@ -117,9 +121,18 @@ class BatchTokenizer:
             if requested != "transformers" and not self.added_outside
             else None
         )
+        #: the first run's check of a provisional lite reference, running while the data is staged (see
+        #: :meth:`settle_reference`); None once settled, and where the reference was not provisional
+        self._check: reference.ReferenceCheck | None = None
+        if lite is None and check_later and self._checks_later(requested, facts):
+            self._check = self._provisional(copy)
+            lite = self._check.lite if self._check is not None else None
         #: what the reference was loaded from: tokenizer.json, its copy recorded identical, or transformers
         self.reference_source = lite.source if lite is not None else "transformers"
-        if lite is not None:
+        if self._check is not None:
+            backend, self.eos_id = lite.backend, lite.eos_id
+            self.reference_engine = PROVISIONAL_REFERENCE
+        elif lite is not None:
             backend, self.eos_id = lite.backend, lite.eos_id
             self.reference_engine = "tokenizers (checked equal to transformers)"
         else:
@@ -150,9 +163,75 @@ class BatchTokenizer:
         #: seconds spent loading the reference (or transformers) and tokenizer facts; choosing/proving the engine
         self.seconds = {"load_s": loaded - started, "proof_s": time.perf_counter() - loaded}
 
+    def _checks_later(self, requested: str, facts: Any) -> bool:
+        """Whether this driver's reference may be a provisional lite one, checked against transformers while the
+        data is staged: plain text (its ids compare as sequences, so the check and the engine's proofs compose),
+        not ``transformers`` asked for, no tokens added outside tokenizer.json, not a small input (the reference
+        alone tokenizes it), and no verdict recorded for this tokenizer and these versions."""
+        return (
+            self.fmt == "text"
+            and requested != "transformers"
+            and facts is not None
+            and not self.added_outside
+            and self.small_input is None
+            and reference.unchecked(self.fingerprint)
+        )
+
+    def _provisional(self, copy: str | None) -> reference.ReferenceCheck | None:
+        """The lite reference of the folder's own tokenizer.json, with its check against transformers started in
+        a background thread (:class:`~packtools.pipeline.tokenizer.reference.ReferenceCheck`); None when the
+        library cannot load it (transformers is then loaded here, as without a check)."""
+        try:
+            lite = reference.LiteReference(self.tokenizer_dir)
+        except Exception:  # noqa: BLE001 - transformers says why, or tokenizes
+            return None
+        texts = adversarial.adversarial_texts(self._facts.specials)
+        return reference.ReferenceCheck(self.tokenizer_dir, self.fingerprint, lite, texts, copy)
+
+    @property
+    def reference_check(self) -> reference.ReferenceCheck | None:
+        """The check of a provisional reference still to be settled (:meth:`settle_reference`), or None."""
+        return self._check
+
+    def settle_reference(self, on_difference: Callable[[str], None]) -> str | None:
+        """Wait for the check of a provisional reference (:meth:`reference_check`; None: nothing to settle).
+        Where the lite reference gave transformers' ids it is recorded so (with the adversarial verdicts that
+        rested on it, :attr:`ReferenceCheck.on_pass`) and stays the reference; returns None.  Where it differs,
+        transformers becomes the reference and no engine other than transformers tokenizes from here on;
+        ``on_difference(why)`` is called (the driver drops what was staged on it) before the difference is
+        recorded; returns ``why``.  A failed load of transformers raises here, and nothing is recorded."""
+        check = self._check
+        if check is None:
+            return None
+        difference = check.result()
+        self._check = None
+        if difference is None:
+            check.record_finding()
+            for write in check.on_pass:
+                write()
+            self.reference_engine = "tokenizers (checked equal to transformers)"
+            return None
+        why = (
+            f"the tokenizers library differed from transformers on the built-in adversarial set ({difference}): "
+            f"transformers is the reference, and tokenizes every part"
+        )
+        self._tok = check.transformers()
+        self.backend = self._tok.backend_tokenizer
+        self._encode_batch = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        self.eos_id = self._tok.eos_token_id
+        self.reference_engine = self.reference_source = "transformers"
+        self._fast = self._pending = self._fast_load = None
+        self._report = fast_engine.EngineReport("transformers", f"fallback: {why}", self._report.requested)
+        self._loaded = (self._report, None)
+        on_difference(why)
+        check.record_finding()
+        return why
+
     @property
     def tok(self) -> Any:
         """The transformers tokenizer, loaded on first use (chat templates need it; plain text may not)."""
+        if self._tok is None and self._check is not None:
+            self._tok = self._check.transformers()  # loaded (and called once) by the check's thread
         if self._tok is None:
             self._tok = load_tokenizer(self.tokenizer_dir)
             # One call through transformers puts the Rust backend in the state its __call__ uses (no truncation,
