@@ -1,16 +1,20 @@
-"""A first run stages on a provisional reference while transformers is checked in the background (issue 42).
+"""A first run stages on a provisional reference while transformers is checked in a child process (issue 42).
 
 The driver of a first run with a tokenizer (no recorded verdict that the ``tokenizers`` library gives
-transformers' ids) stages plain text on that library's tokenizer while a thread imports transformers and
-compares the two (:class:`packtools.pipeline.tokenizer.reference.ReferenceCheck`); it waits for the check before
+transformers' ids) stages plain text on that library's tokenizer while a child process loads the folder through
+transformers (without torch) and hands back transformers' ids, which the driver compares with its own provisional
+reference (:class:`packtools.pipeline.tokenizer.reference_check.ReferenceCheck`); it waits for the check before
 anything is planned or installed (:func:`packtools.pipeline.run._settle_reference`):
 
+- the child's transformers runs without torch and gives the class and ids transformers gives with it;
 - a late difference (a reference that differs from transformers, injected here together with a fast engine that
   agrees with it, so that every proof on the data passes) is never installed: every part is staged again by
   transformers, the difference recorded, no adversarial verdict recorded on it; without the check the wrong
   ids would have been installed (negative control);
 - a run killed between the stage and the check installs nothing and records nothing; the next run checks again
   (and reuses the killed run's parts under the same pending check);
+- a child that crashes or is killed leaves the check to the driver, which says so; the ids and records are the
+  same;
 - the records a first run leaves in the cache folder are the ones the check before the stage left.
 """
 
@@ -29,7 +33,7 @@ from _pipeline_data import CORPUS, EOS, build_tokenizer, corrupt_fast_engine, lo
 
 from packtools import pack_files
 from packtools.pipeline.tokenizer import fast as fast_tokenize
-from packtools.pipeline.tokenizer import reference
+from packtools.pipeline.tokenizer import reference, reference_check
 from packtools.pipeline.tokenizer.batch import BatchTokenizer
 from packtools.pipeline.tokenizer.folder import tokenizer_fingerprint
 from packtools.pipeline.tokenizer.verdict import PROVISIONAL, VERDICT_FILE
@@ -138,6 +142,9 @@ def test_a_late_difference_is_staged_again_by_transformers_never_installed(tok, 
     assert report["engine"] == "transformers" and report["parts_by_engine"] == {"transformers": 3}
     assert "differed from transformers on the built-in adversarial set" in report["reason"]
     assert res.timings["parts_restaged"] == 3
+    assert (
+        res.timings["reference_check_by"] == reference_check.BY_CHILD
+    )  # the child's ids, the driver's verdict
     fp = tokenizer_fingerprint(tok)
     with open(reference._verdict_path(fp)) as fh:
         assert json.load(fh)["same"] is False  # recorded: the next run loads transformers as its reference
@@ -152,7 +159,9 @@ def test_a_late_difference_is_staged_again_by_transformers_never_installed(tok, 
 def test_negative_control_without_the_check_the_differing_ids_would_be_installed(tok, tmp_path, monkeypatch):
     monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
     _differing_reference(monkeypatch)
-    monkeypatch.setattr(reference.ReferenceCheck, "result", lambda self: None)  # a check that never objects
+    monkeypatch.setattr(
+        reference_check.ReferenceCheck, "result", lambda self: None
+    )  # a check that never objects
     src = _write(tmp_path / "in", TEXTS)
     res = pack_files(src, tmp_path / "out", max_length=64, tokenizer=tok, quiet=True)
     assert _docs(res.out) != _expected(tok, TEXTS)
@@ -215,6 +224,7 @@ def test_a_first_run_records_what_the_check_before_the_stage_recorded(tok, tmp_p
     warm = pack_files(src, tmp_path / "out2", max_length=64, tokenizer=tok, quiet=True)
     assert warm.stats["tokenizer"]["checked"] == first.stats["tokenizer"]["checked"]
     assert "reference_check_s" in first.timings and "reference_check_s" not in warm.timings
+    assert first.timings["reference_check_by"] == reference_check.BY_CHILD
     assert _docs(warm.out) == _docs(first.out) == _expected(tok, TEXTS)
 
 
@@ -239,3 +249,79 @@ def test_only_a_local_run_stages_on_a_provisional_reference(
     with pytest.raises(Stop):
         pack_files(_write(tmp_path / "in", TEXTS), tmp_path / "out", 64, tokenizer=tok, executor=executor)
     assert seen == [checks_later]
+
+
+def test_the_child_loads_the_same_tokenizer_without_torch(tok):
+    """transformers in the child runs in its tokenizer-only mode (torch unimportable there) and gives the class,
+    EOS id and ids (with and without special tokens) that transformers gives here, with torch importable."""
+    from packtools.pipeline.tokenizer.adversarial import adversarial_texts
+
+    texts = adversarial_texts([EOS])[:40] + TEXTS[:20]
+    check = reference_check.ReferenceCheck(tok, tokenizer_fingerprint(tok))
+    check.start(reference.LiteReference(tok), texts, None)
+    assert check.result() is None and check.how == reference_check.BY_CHILD
+    here = load(tok)
+    assert check.child_saw == {"torch": False, "class": type(here).__name__}
+    import torch  # noqa: F401 - importable in this process: the child's transformers did not see it
+
+    theirs = reference.transformers_ids(here, texts)
+    child = subprocess.run(
+        [sys.executable, "-m", reference_check.CHILD_MODULE, tok],
+        input=json.dumps({"texts": texts, "copy": None}),
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        check=True,
+    )
+    answer = json.loads(child.stdout)
+    assert answer["torch"] is False
+    assert {"eos_id": answer["eos_id"], "ids": answer["ids"]} == theirs
+
+
+def _crashing_child(monkeypatch):
+    monkeypatch.setattr(reference_check, "CHILD_MODULE", "packtools.no_such_module")  # `python -m` exits 1
+
+
+def _killed_child(monkeypatch):
+    real = reference_check.start_child
+
+    def start_and_kill(tokenizer_dir):
+        child = real(tokenizer_dir)
+        child.send_signal(signal.SIGKILL)
+        return child
+
+    monkeypatch.setattr(reference_check, "start_child", start_and_kill)
+
+
+@pytest.mark.parametrize(
+    ("break_child", "why"),
+    [(_crashing_child, "the child process exited with code 1"), (_killed_child, "exited with code -9")],
+)
+def test_a_child_that_crashes_or_is_killed_leaves_the_check_to_the_driver(
+    tok, tmp_path, monkeypatch, break_child, why
+):
+    src = _write(tmp_path / "in", TEXTS)
+    before = tmp_path / "cache-before"  # the check in the tokenizer's load (main's path)
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(before))
+    BatchTokenizer(tok, "text")
+    now = tmp_path / "cache-now"
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(now))
+    break_child(monkeypatch)
+    res = pack_files(src, tmp_path / "out", max_length=64, tokenizer=tok, quiet=True)
+    by = res.timings["reference_check_by"]
+    assert by.startswith("in the driver: ") and why in by  # never silent
+    assert _records(now) == _records(before)
+    assert _docs(res.out) == _expected(tok, TEXTS)
+
+
+def test_a_late_difference_is_found_when_the_driver_checks_by_itself(tok, tmp_path, monkeypatch):
+    """The driver's own check (a failed child) sees the injected difference as the child's answer does."""
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    _differing_reference(monkeypatch)
+    _crashing_child(monkeypatch)
+    res = pack_files(
+        _write(tmp_path / "in", TEXTS), tmp_path / "out", max_length=64, tokenizer=tok, quiet=True
+    )
+    assert res.timings["reference_check_by"].startswith("in the driver: ")
+    assert res.timings["parts_restaged"] == 3 and res.stats["tokenizer"]["engine"] == "transformers"
+    assert _docs(res.out) == _expected(tok, TEXTS)

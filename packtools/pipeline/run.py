@@ -329,11 +329,12 @@ def _verdict(
     return verdict, rests_on, stale
 
 
-def _reference_pending(found: RunInputs, config: PipelineConfig) -> bool:
-    """Whether the driver's tokenizer still has a provisional reference to settle (:func:`_settle_reference`)."""
+def _reference_pending(found: RunInputs, config: PipelineConfig) -> Any:
+    """The check of the provisional reference the driver's tokenizer still has to settle
+    (:func:`_settle_reference`; :class:`~packtools.pipeline.tokenizer.reference_check.ReferenceCheck`), or None."""
     from .stage import preload_tokenizer
 
-    return preload_tokenizer(config.tokenizer, found.ids, check_later=True).reference_check is not None
+    return preload_tokenizer(config.tokenizer, found.ids, check_later=True).reference_check
 
 
 def _settle_reference(
@@ -435,7 +436,7 @@ def _run(
         timings["parts_restaged"] = dropped + drop_disagreeing(jobs, verdict)
     ex = get_executor(how.executor, how.workers, how.address)
     timings["executor"] = ex.name
-    check_pending = verdict is not None and _reference_pending(found, config)
+    check_pending = _reference_pending(found, config) if verdict is not None else None
     if ex.name != "local" and warming is not None:  # (an Executor object that is not local after all)
         warming.join()
     try:
@@ -452,9 +453,12 @@ def _run(
                     if verdict is not None
                     else None
                 )
-                if check_pending:  # a first run's wait for its check against transformers (in stage_s)
+                if (
+                    check_pending is not None
+                ):  # a first run's wait for its check against transformers (in stage_s)
                     timings["reference_check_s"] = round(time.perf_counter() - t_check, 3)
-                    check_pending = False
+                    timings["reference_check_by"] = check_pending.how  # the child, or the driver and why
+                    check_pending = None
                 if late is None:
                     break
                 # the first run's provisional reference differed from transformers: every part again, by it

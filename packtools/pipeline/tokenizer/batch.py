@@ -35,6 +35,7 @@ from .chat.values import by_tools
 from .folder import added_tokens_outside, load_tokenizer, tokenizer_fingerprint
 from .load import FastLoad, compact_file, load_facts, reference_suffices, start_fast_load
 from .proof import EngineDivergence, Proof, adopt, choose_engine, engine_error
+from .reference_check import ReferenceCheck
 
 #: the reference of a first run's driver while its check runs (:meth:`BatchTokenizer.settle_reference`)
 PROVISIONAL_REFERENCE = "tokenizers (provisional: checked against transformers before the install)"
@@ -92,13 +93,6 @@ class BatchTokenizer:
         requested = fast_engine.check_engine(engine)
         self._tok: Any = None
         self.fingerprint = fp = tokenizer_fingerprint(tokenizer_dir)
-        # tokenizer.json's facts, recorded by an earlier run; the fast engine loads in a background thread
-        self._facts = facts = load_facts(tokenizer_dir, fp)
-        #: tokens transformers adds from the folder's other files (added_tokens.json, tokenizer_config.json,
-        #: special_tokens_map.json) that tokenizer.json lacks: neither the tokenizers library nor the fast
-        #: engine knows them, so transformers itself tokenizes (choose_engine says why)
-        self.added_outside = added_tokens_outside(tokenizer_dir, facts.specials) if facts is not None else []
-        adopted = proven.get("engine") if proven is not None else None
         #: a small input the reference tokenizes alone (choose_engine); no fast engine is loaded
         self.small_input = (
             input_bytes
@@ -107,6 +101,21 @@ class BatchTokenizer:
             and reference_suffices(tokenizer_dir, requested, input_bytes)
             else None
         )
+        #: the first run's check of a provisional lite reference, started now (its child process imports
+        #: transformers while the facts are read) and running while the data is staged (see
+        #: :meth:`settle_reference`); None once settled, and where the reference is not provisional
+        self._check: ReferenceCheck | None = (
+            ReferenceCheck(tokenizer_dir, fp)
+            if check_later and self._checks_later(requested, proven)
+            else None
+        )
+        # tokenizer.json's facts, recorded by an earlier run; the fast engine loads in a background thread
+        self._facts = facts = load_facts(tokenizer_dir, fp)
+        #: tokens transformers adds from the folder's other files (added_tokens.json, tokenizer_config.json,
+        #: special_tokens_map.json) that tokenizer.json lacks: neither the tokenizers library nor the fast
+        #: engine knows them, so transformers itself tokenizes (choose_engine says why)
+        self.added_outside = added_tokens_outside(tokenizer_dir, facts.specials) if facts is not None else []
+        adopted = proven.get("engine") if proven is not None else None
         skip = adopted == "transformers" or self.small_input is not None or bool(self.added_outside)
         self._fast_load = start_fast_load(
             tokenizer_dir, fp, facts, fmt, "transformers" if skip else requested
@@ -121,12 +130,8 @@ class BatchTokenizer:
             if requested != "transformers" and not self.added_outside
             else None
         )
-        #: the first run's check of a provisional lite reference, running while the data is staged (see
-        #: :meth:`settle_reference`); None once settled, and where the reference was not provisional
-        self._check: reference.ReferenceCheck | None = None
-        if lite is None and check_later and self._checks_later(requested, facts):
-            self._check = self._provisional(copy)
-            lite = self._check.lite if self._check is not None else None
+        if self._check is not None:
+            lite = self._provisional(copy)
         #: what the reference was loaded from: tokenizer.json, its copy recorded identical, or transformers
         self.reference_source = lite.source if lite is not None else "transformers"
         if self._check is not None:
@@ -163,33 +168,41 @@ class BatchTokenizer:
         #: seconds spent loading the reference (or transformers) and tokenizer facts; choosing/proving the engine
         self.seconds = {"load_s": loaded - started, "proof_s": time.perf_counter() - loaded}
 
-    def _checks_later(self, requested: str, facts: Any) -> bool:
-        """Whether this driver's reference may be a provisional lite one, checked against transformers while the
-        data is staged: plain text (its ids compare as sequences, so the check and the engine's proofs compose),
-        not ``transformers`` asked for, no tokens added outside tokenizer.json, not a small input (the reference
-        alone tokenizes it), and no verdict recorded for this tokenizer and these versions."""
+    def _checks_later(self, requested: str, proven: dict[str, Any] | None) -> bool:
+        """Whether this (driver's) tokenizer may stage on a provisional reference while it is checked: plain
+        text, an engine other than transformers asked for, no engine handed down, an input large enough for the
+        fast engine (a small one the reference alone tokenizes), and no verdict recorded for this tokenizer and
+        these versions.  (:meth:`_provisional` gives the check up where tokenizer.json's facts rule it out.)"""
         return (
             self.fmt == "text"
             and requested != "transformers"
-            and facts is not None
-            and not self.added_outside
+            and proven is None
             and self.small_input is None
             and reference.unchecked(self.fingerprint)
         )
 
-    def _provisional(self, copy: str | None) -> reference.ReferenceCheck | None:
-        """The lite reference of the folder's own tokenizer.json, with its check against transformers started in
-        a background thread (:class:`~packtools.pipeline.tokenizer.reference.ReferenceCheck`); None when the
-        library cannot load it (transformers is then loaded here, as without a check)."""
-        try:
-            lite = reference.LiteReference(self.tokenizer_dir)
-        except Exception:  # noqa: BLE001 - transformers says why, or tokenizes
+    def _provisional(self, copy: str | None) -> reference.LiteReference | None:
+        """The lite reference of the folder's own tokenizer.json, handed to the started check
+        (:class:`~packtools.pipeline.tokenizer.reference_check.ReferenceCheck`); None, with the check stopped, where
+        the facts rule the fast path out (transformers then loads here, as without a check: no facts, or tokens
+        transformers adds that tokenizer.json lacks) or the library cannot load it."""
+        check = self._check
+        assert check is not None
+        lite = None
+        if self._facts is not None and not self.added_outside:
+            try:
+                lite = reference.LiteReference(self.tokenizer_dir)
+            except Exception:  # noqa: BLE001 - transformers says why, or tokenizes
+                lite = None
+        if lite is None:
+            check.cancel()
+            self._check = None
             return None
-        texts = adversarial.adversarial_texts(self._facts.specials)
-        return reference.ReferenceCheck(self.tokenizer_dir, self.fingerprint, lite, texts, copy)
+        check.start(lite, adversarial.adversarial_texts(self._facts.specials), copy)
+        return lite
 
     @property
-    def reference_check(self) -> reference.ReferenceCheck | None:
+    def reference_check(self) -> ReferenceCheck | None:
         """The check of a provisional reference still to be settled (:meth:`settle_reference`), or None."""
         return self._check
 
@@ -215,10 +228,10 @@ class BatchTokenizer:
             f"the tokenizers library differed from transformers on the built-in adversarial set ({difference}): "
             f"transformers is the reference, and tokenizes every part"
         )
-        self._tok = check.transformers()
-        self.backend = self._tok.backend_tokenizer
+        self._tok = check.transformers()  # where the driver checked by itself; else loaded by self.tok
+        self.backend = self.tok.backend_tokenizer
         self._encode_batch = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
-        self.eos_id = self._tok.eos_token_id
+        self.eos_id = self.tok.eos_token_id
         self.reference_engine = self.reference_source = "transformers"
         self._fast = self._pending = self._fast_load = None
         self._report = fast_engine.EngineReport("transformers", f"fallback: {why}", self._report.requested)
@@ -230,8 +243,6 @@ class BatchTokenizer:
     @property
     def tok(self) -> Any:
         """The transformers tokenizer, loaded on first use (chat templates need it; plain text may not)."""
-        if self._tok is None and self._check is not None:
-            self._tok = self._check.transformers()  # loaded (and called once) by the check's thread
         if self._tok is None:
             self._tok = load_tokenizer(self.tokenizer_dir)
             # One call through transformers puts the Rust backend in the state its __call__ uses (no truncation,

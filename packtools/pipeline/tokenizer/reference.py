@@ -12,8 +12,8 @@ records the verdict in a small file keyed by the tokenizer's fingerprint and the
 tokenizers and packtools (under ``$PACKTOOLS_CACHE_DIR``, default ``~/.cache/packtools``).  Later runs with a
 "same" verdict skip transformers; anything else (a differing id, a new version, no verdict) loads transformers.
 ``PACKTOOLS_CACHE_DIR=''`` turns the shortcut off.  A pipeline's first run of plain text does that check in a
-background thread while it stages on the library's tokenizer as a provisional reference
-(:class:`ReferenceCheck`), and waits for it before anything is planned or installed (docs/tokenize.md).
+child process while it stages on the library's tokenizer as a provisional reference
+(:mod:`packtools.pipeline.tokenizer.reference_check`), and waits for it before anything is planned or installed (docs/tokenize.md).
 
 The library parses ``tokenizer.json``'s merges faster when they are spelled ``"a b"`` than as ``["a", "b"]`` pairs,
 and the fast engine keeps such a copy
@@ -38,8 +38,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
-from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -179,18 +177,26 @@ def load_verified(tokenizer_dir: str, tokenizer_fp: str, copy: str | None = None
     return None
 
 
-def compare(lite: LiteReference, tok: Any, texts: list[str]) -> str | None:
-    """Where the lite reference first differs from transformers' tokenizer ``tok`` (its EOS id, then its ids of
-    ``texts`` with and without special tokens), or None where it gives the same."""
-    if lite.eos_id != tok.eos_token_id:
-        return f"the EOS id differs ({lite.eos_id} against transformers' {tok.eos_token_id})"
-    for special in (True, False):
-        mine = [e.ids for e in lite.backend.encode_batch(texts, add_special_tokens=special)]
-        theirs = tok(texts, add_special_tokens=special)["input_ids"]
-        for i, (a, b) in enumerate(zip(mine, theirs)):
+def transformers_ids(tok: Any, texts: list[str]) -> dict[str, Any]:
+    """What the check compares the lite reference with: transformers' tokenizer ``tok``'s EOS id and its ids of
+    ``texts`` with special tokens (``"special"``) and without (``"plain"``), through its ``__call__``."""
+    ids = {
+        name: tok(texts, add_special_tokens=name == "special")["input_ids"] for name in ("special", "plain")
+    }
+    return {"eos_id": tok.eos_token_id, "ids": ids}
+
+
+def compare(lite: LiteReference, theirs: dict[str, Any], texts: list[str]) -> str | None:
+    """Where the lite reference first differs from transformers' answer ``theirs`` (:func:`transformers_ids`:
+    its EOS id, then its ids of ``texts`` with and without special tokens), or None where it gives the same."""
+    if lite.eos_id != theirs["eos_id"]:
+        return f"the EOS id differs ({lite.eos_id} against transformers' {theirs['eos_id']})"
+    for name in ("special", "plain"):
+        mine = [e.ids for e in lite.backend.encode_batch(texts, add_special_tokens=name == "special")]
+        for i, (a, b) in enumerate(zip(mine, theirs["ids"][name])):
             if a != b:
-                return f"adversarial text {i} (special tokens {'on' if special else 'off'}) gives other ids"
-        if len(mine) != len(theirs):
+                return f"adversarial text {i} (special tokens {'on' if name == 'special' else 'off'}) gives other ids"
+        if len(mine) != len(theirs["ids"][name]):
             return "a different number of encodings"
     return None
 
@@ -207,7 +213,7 @@ def record(
         return None
     try:
         lite = LiteReference(tokenizer_dir)
-        same = compare(lite, tok, texts) is None
+        same = compare(lite, transformers_ids(tok, texts), texts) is None
     except Exception:  # noqa: BLE001 - the library cannot load or run it: not the same
         same, lite = False, None
     try:
@@ -221,92 +227,16 @@ def record(
 
 def unchecked(tokenizer_fp: str) -> bool:
     """Whether no verdict is recorded for this tokenizer and these versions while the cache is on: the run that
-    finds it so checks the lite reference against transformers (now, or :class:`ReferenceCheck`)."""
+    finds it so checks the lite reference against transformers (now, or
+    :class:`~packtools.pipeline.tokenizer.reference_check.ReferenceCheck`)."""
     path = _verdict_path(tokenizer_fp)
     return path is not None and _whole_verdict(path) is None
 
 
-class ReferenceCheck:
-    """The first run's check of a provisional lite reference against transformers, in a background thread.
-
-    A pipeline's driver (:class:`~packtools.pipeline.tokenizer.batch.BatchTokenizer` with ``check_later``) stages
-    its data on ``lite`` (loaded from the folder's own tokenizer.json) while this thread imports transformers
-    (torch with it), loads the folder through it and compares the two on ``texts`` (:func:`compare`), and, where
-    they agree, the fast engine's ``copy`` with tokenizer.json (:func:`copy_identical`).  It writes nothing: the
-    driver waits for :meth:`result` before the output is installed and records the finding
-    (:meth:`record_finding`) only then, after it has dropped every part staged on a lite reference that proved
-    different.  A run killed before that records nothing, and the next run checks again.
-    """
-
-    def __init__(
-        self, tokenizer_dir: str, tokenizer_fp: str, lite: LiteReference, texts: list[str], copy: str | None
-    ) -> None:
-        self.tokenizer_dir, self.tokenizer_fp, self.lite, self.copy = tokenizer_dir, tokenizer_fp, lite, copy
-        self._texts = texts
-        self._tok: Any = None
-        self._error: BaseException | None = None
-        self._ready = threading.Event()
-        #: None: the same ids; else where they first differ (set by the thread)
-        self.difference: str | None = None
-        self._copy_sha: str | None = None
-        self._copy_identical = False
-        #: records that rest on this check (the adversarial verdicts proven against ``lite``), written on a pass
-        self.on_pass: list[Callable[[], None]] = []
-        # not a daemon: its work is finite, and a daemon still importing torch at the interpreter's exit can abort
-        self._thread = threading.Thread(target=self._run, name="packtools-reference-check", daemon=False)
-        self._thread.start()
-
-    def _run(self) -> None:
-        from .folder import load_tokenizer
-
-        try:
-            tok = load_tokenizer(self.tokenizer_dir)
-            tok(["x"], add_special_tokens=True)  # its backend in the state __call__ uses (BatchTokenizer.tok)
-            self._tok = tok
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller of transformers() / result()
-            self._error = exc
-            return
-        finally:
-            self._ready.set()
-        try:
-            self.difference = compare(self.lite, tok, self._texts)
-        except Exception as exc:  # noqa: BLE001 - the library cannot run it: not the same
-            self.difference = f"the tokenizers library cannot run it ({type(exc).__name__}: {exc})"
-        if self.difference is None and self.copy is not None:
-            self._copy_sha, self._copy_identical = copy_identical(self.lite, self.copy)
-
-    def transformers(self) -> Any:
-        """transformers' tokenizer of the folder, once loaded (raises what loading raised)."""
-        self._ready.wait()
-        if self._error is not None:
-            raise self._error
-        return self._tok
-
-    def result(self) -> str | None:
-        """Wait for the check: None where the lite reference gives transformers' ids, else where it differs."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self.difference
-
-    def record_finding(self) -> None:
-        """Record the finding as :func:`record` does (best effort: an unwritable cache means the next run checks
-        again); on a pass, the copy's finding too (a copy that is not identical is removed)."""
-        path = _verdict_path(self.tokenizer_fp)
-        if path is None:
-            return
-        same = self.difference is None
-        try:
-            write_verdict(path, {"same": same, "eos_id": self.lite.eos_id, **_versions()})
-        except OSError:
-            return
-        if same and self.copy is not None:
-            write_copy_finding(self.tokenizer_fp, self.copy, self._copy_sha, self._copy_identical)
-
-
 def copy_identical(lite: LiteReference, copy: str) -> tuple[str | None, bool]:
     """The SHA-256 of ``copy`` and whether it loads as the very tokenizer ``lite`` loaded from tokenizer.json
-    (their serialized states equal)."""
+    (their serialized states equal: vocabulary, every merge in order, normalizer, pre-tokenizer, added tokens,
+    post-processor)."""
     from tokenizers import Tokenizer
 
     try:
