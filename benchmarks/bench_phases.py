@@ -80,8 +80,13 @@ def case_pack(src: str, out: str, tok_dir: str) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     res = run_pipeline([src], out, PipelineConfig(max_length=MAX_LENGTH, tokenizer=tok_dir))
     t2 = time.perf_counter()
+    import resource
+
+    # peak RSS of this process, and of its children (a first run's check against transformers: one process)
+    rss = {who: resource.getrusage(k).ru_maxrss * 1024 / 2**30
+           for who, k in (("rss_gb", resource.RUSAGE_SELF), ("child_rss_gb", resource.RUSAGE_CHILDREN))}  # fmt: skip
     return {"import_s": t1 - t0, "run_s": t2 - t1, "own_s": t2 - t0, "timings": res.timings,
-            "engine": res.stats["tokenizer"]["engine"], "rows_out": res.stats["rows_out"]}  # fmt: skip
+            "engine": res.stats["tokenizer"]["engine"], "rows_out": res.stats["rows_out"], **rss}  # fmt: skip
 
 
 def make_tokenized(path: str, mb: int) -> None:
@@ -197,6 +202,8 @@ def phases(r: dict) -> list[tuple[str, float]]:
         ("install, exit, other", rest),
         ("**end to end (wall)**", r["wall_s"]),
         ("CPU seconds, user + system (whole process)", r["cpu_s"]),
+        ("peak RSS, the run's process (GiB)", r.get("rss_gb", 0.0)),
+        ("peak RSS, its child process (GiB; first run's check)", r.get("child_rss_gb", 0.0)),
     ]
 
 
@@ -257,8 +264,12 @@ def main() -> int:
                 key = "encode_s" if name == "alone" else "wall_s"
                 if name not in best or r[key] < best[name][key]:
                     best[name] = r
+            with open("/proc/loadavg") as fh:
+                now = " ".join(fh.read().split()[:3])
             print(
-                f"repeat {rep}: " + ", ".join(f"{k} {v['wall_s']:.2f} s" for k, v in runs.items()), flush=True
+                f"repeat {rep} (load average after: {now}): "
+                + ", ".join(f"{k} {v['wall_s']:.2f} s / {v['cpu_s']:.2f} CPU s" for k, v in runs.items()),
+                flush=True,
             )
             shutil.rmtree(out, ignore_errors=True)
         with open("/proc/loadavg") as fh:
