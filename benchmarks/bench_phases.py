@@ -41,6 +41,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 from _common import print_report, work_folder
@@ -71,7 +72,33 @@ def case_alone(src: str, tok_dir: str) -> dict:
             "encode_s": t5 - t4}  # fmt: skip
 
 
+def _rss_kib(pid: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            return next((int(line.split()[1]) for line in fh if line.startswith("VmRSS:")), 0)
+    except OSError:
+        return 0
+
+
+def sample_rss(stop: threading.Event, peak: list[int]) -> None:
+    """Every 10 ms until ``stop``: the RSS of this process plus its child processes', its peak in ``peak[0]``
+    (KiB): the memory the machine holds at one time, where the peaks of each process may not coincide."""
+    me = str(os.getpid())
+    while not stop.wait(0.01):
+        kids: list[str] = []
+        for task in os.listdir(f"/proc/{me}/task"):
+            try:
+                with open(f"/proc/{me}/task/{task}/children") as fh:
+                    kids += fh.read().split()
+            except OSError:
+                continue
+        peak[0] = max(peak[0], _rss_kib(me) + sum(_rss_kib(k) for k in kids))
+
+
 def case_pack(src: str, out: str, tok_dir: str) -> dict:
+    stop, peak = threading.Event(), [0]
+    sampler = threading.Thread(target=sample_rss, args=(stop, peak), daemon=True)
+    sampler.start()
     t0 = time.perf_counter()
     from packtools.pipeline.config import PipelineConfig
     from packtools.pipeline.run import run_pipeline
@@ -85,6 +112,9 @@ def case_pack(src: str, out: str, tok_dir: str) -> dict:
     # peak RSS of this process, and of its children (a first run's check against transformers: one process)
     rss = {who: resource.getrusage(k).ru_maxrss * 1024 / 2**30
            for who, k in (("rss_gb", resource.RUSAGE_SELF), ("child_rss_gb", resource.RUSAGE_CHILDREN))}  # fmt: skip
+    stop.set()
+    sampler.join()
+    rss["sum_rss_gb"] = peak[0] / 2**20
     return {"import_s": t1 - t0, "run_s": t2 - t1, "own_s": t2 - t0, "timings": res.timings,
             "engine": res.stats["tokenizer"]["engine"], "rows_out": res.stats["rows_out"], **rss}  # fmt: skip
 
@@ -204,6 +234,7 @@ def phases(r: dict) -> list[tuple[str, float]]:
         ("CPU seconds, user + system (whole process)", r["cpu_s"]),
         ("peak RSS, the run's process (GiB)", r.get("rss_gb", 0.0)),
         ("peak RSS, its child process (GiB; first run's check)", r.get("child_rss_gb", 0.0)),
+        ("peak of the two together, sampled every 10 ms (GiB)", r.get("sum_rss_gb", 0.0)),
     ]
 
 
