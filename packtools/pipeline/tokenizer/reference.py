@@ -233,10 +233,11 @@ def unchecked(tokenizer_fp: str) -> bool:
     return path is not None and _whole_verdict(path) is None
 
 
-def copy_identical(lite: LiteReference, copy: str) -> tuple[str | None, bool]:
+def copy_identical(lite: LiteReference | str, copy: str) -> tuple[str | None, bool]:
     """The SHA-256 of ``copy`` and whether it loads as the very tokenizer ``lite`` loaded from tokenizer.json
     (their serialized states equal: vocabulary, every merge in order, normalizer, pre-tokenizer, added tokens,
-    post-processor)."""
+    post-processor).  ``lite`` may be given as the SHA-256 of its serialized state (the check's child process
+    compares one tokenizer in memory at a time)."""
     from tokenizers import Tokenizer
 
     try:
@@ -244,6 +245,8 @@ def copy_identical(lite: LiteReference, copy: str) -> tuple[str | None, bool]:
         twin = Tokenizer.from_file(copy)
         twin.no_truncation()
         twin.no_padding()
+        if isinstance(lite, str):
+            return sha, hashlib.sha256(twin.to_str().encode("utf-8")).hexdigest() == lite
         return sha, twin.to_str() == lite.backend.to_str()
     except Exception:  # noqa: BLE001 - unreadable or removed: not identical
         return None, False
