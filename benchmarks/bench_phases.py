@@ -16,7 +16,8 @@ hits all of them; each column is the repeat with the best wall time.
   (timed apart: not the engine's), then ``encode_batch_flat`` over batches of 1,000 texts with the engine's
   default threads (timed: the engine's MB/s, the figure the pipeline is measured against).
 - ``first run``: ``run_pipeline`` with an empty ``PACKTOOLS_CACHE_DIR`` (every recorded proof and fact is
-  made again; transformers is imported), timed from the process start.
+  made again; transformers is imported, in the check's child process), timed from the process start; its peak
+  RSS, its child's, and the two together sampled every 10 ms (the machine's memory at one time).
 - ``warm``: the same command again with that cache folder.
 
 ``--tokenized-mb N``: instead, N MB of already tokenized JSON lines (``{"input_ids": [...]}``, lognormal lengths,
