@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,11 +43,19 @@ pytestmark = pytest.mark.skipif(fast_tokenize.engine_version() is None, reason="
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = [f"{CORPUS[i % len(CORPUS)]} number {i}" for i in range(600)]
+CHILD_PAYS = reference_check.child_pays
 
 
 @pytest.fixture
 def tok(tmp_path):
     return build_tokenizer(str(tmp_path / "tok"))
+
+
+@pytest.fixture(autouse=True)
+def _child_pays(monkeypatch):
+    """This test process has imported transformers (the helpers load it), where a run checks before the stage;
+    these tests are about the run that has not (a fresh ``packtools pack``)."""
+    monkeypatch.setattr(reference_check, "child_pays", lambda: True)
 
 
 def _write(folder, texts) -> str:
@@ -325,3 +334,21 @@ def test_a_late_difference_is_found_when_the_driver_checks_by_itself(tok, tmp_pa
     assert res.timings["reference_check_by"].startswith("in the driver: ")
     assert res.timings["parts_restaged"] == 3 and res.stats["tokenizer"]["engine"] == "transformers"
     assert _docs(res.out) == _expected(tok, TEXTS)
+
+
+def test_a_process_that_imported_transformers_checks_before_the_stage(tok, tmp_path, monkeypatch):
+    """No child where transformers is imported already (its import is most of the check's cost): the check
+    before the stage, with the same records and ids."""
+    src = _write(tmp_path / "in", TEXTS)
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache-child"))
+    with_child = pack_files(src, tmp_path / "out", max_length=64, tokenizer=tok, quiet=True)
+    monkeypatch.setattr(reference_check, "child_pays", CHILD_PAYS)  # the real decision
+    assert "transformers" in sys.modules
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache-here"))
+    same = shutil.copytree(
+        tok, tmp_path / "tok-copy"
+    )  # the same files (a tokenizer not loaded in this process yet)
+    here = pack_files(src, tmp_path / "out2", max_length=64, tokenizer=same, quiet=True)
+    assert "reference_check_by" in with_child.timings and "reference_check_by" not in here.timings
+    assert _records(tmp_path / "cache-here") == _records(tmp_path / "cache-child")
+    assert _docs(here.out) == _docs(with_child.out) == _expected(tok, TEXTS)

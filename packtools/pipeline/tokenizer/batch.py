@@ -27,7 +27,7 @@ from ...core.ragged import Ragged
 from ...errors import PackingError
 from ...io.json_cells import cells
 from ..formats import FORMATS, Row, at, input_columns, shift
-from . import adversarial, reference
+from . import adversarial, reference, reference_check
 from . import fast as fast_engine
 from .char_drops import DropCounter, check_on_unencodable
 from .chat import tokens as chat
@@ -171,14 +171,16 @@ class BatchTokenizer:
     def _checks_later(self, requested: str, proven: dict[str, Any] | None) -> bool:
         """Whether this (driver's) tokenizer may stage on a provisional reference while it is checked: plain
         text, an engine other than transformers asked for, no engine handed down, an input large enough for the
-        fast engine (a small one the reference alone tokenizes), and no verdict recorded for this tokenizer and
-        these versions.  (:meth:`_provisional` gives the check up where tokenizer.json's facts rule it out.)"""
+        fast engine (a small one the reference alone tokenizes), no verdict recorded for this tokenizer and these
+        versions, and transformers not imported here yet (:func:`~.reference_check.child_pays`).
+        (:meth:`_provisional` gives the check up where tokenizer.json's facts rule it out.)"""
         return (
             self.fmt == "text"
             and requested != "transformers"
             and proven is None
             and self.small_input is None
             and reference.unchecked(self.fingerprint)
+            and reference_check.child_pays()
         )
 
     def _provisional(self, copy: str | None) -> reference.LiteReference | None:

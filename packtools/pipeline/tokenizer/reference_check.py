@@ -4,7 +4,8 @@ A first run with a tokenizer (no recorded verdict that the ``tokenizers`` librar
 :mod:`packtools.pipeline.tokenizer.reference`) stages plain text on that library's tokenizer as a *provisional*
 reference, and waits for this check only before anything is planned or installed (``run._settle_reference``).
 The check's expensive half, importing transformers and loading the folder through it, runs in a child process
-started as the driver's tokenizer starts loading, so it holds neither the driver's GIL nor its memory:
+started as the driver's tokenizer starts loading, so it holds neither the driver's GIL nor its memory (where
+transformers is not imported in the driver yet, :func:`child_pays`):
 
 - the child (``python -m packtools.pipeline.tokenizer.reference_check DIR``, :func:`main`) loads the folder
   through transformers with ``torch`` made unimportable first (a ``None`` entry in ``sys.modules``: ``import
@@ -52,6 +53,13 @@ CHILD_MODULE = __name__
 CHILD_TIMEOUT_S = 600.0
 #: :attr:`ReferenceCheck.how` when the child answered
 BY_CHILD = "child process (transformers without torch)"
+
+
+def child_pays() -> bool:
+    """Whether the check is worth a child process: transformers is not imported in this process yet.  Its import
+    (torch's with it) is most of the check's cost; a process that has paid it already (a training script, a
+    notebook, a test session) loads only the folder, and checks before the stage as without a child."""
+    return "transformers" not in sys.modules
 
 
 def start_child(tokenizer_dir: str) -> subprocess.Popen[bytes] | None:
