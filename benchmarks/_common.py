@@ -1,13 +1,16 @@
 """Pieces the benchmark programs share: the printed (and optionally saved) report, the folder a run writes its
 data to, one case run in a fresh process, the peak of live tensor memory, the bytes autograd saves for a step,
-and the small Llama the model benchmarks run.
+the small Llama the model benchmarks run and the word-level tokenizer of the trainer benchmarks.
 
 Imported by the benchmarks that run as programs (``python benchmarks/bench_pack.py``: this folder is then on
 ``sys.path``); the ones the tests also load by path (``bench_mixers.py``, ``bench_dpo.py``, ``bench_grpo.py``)
-put this folder on ``sys.path`` themselves.  The documented recipes (``train_loop.py``, ``dpo_loop.py``,
-``cp_loop.py``, ``cp_dpo_loop.py``) and ``gpu_check.py`` / ``model_matrix.py`` do not import it: a recipe is read
-as the program of its page (the CP recipes take their demo data and model from the sibling recipes, in ``main``
-only).
+put this folder on ``sys.path`` themselves (the tests' loader, ``tests/_scripts.py``, puts it there while a
+script's module runs).  The documented recipes (``train_loop.py``, ``dpo_loop.py``, ``cp_loop.py``,
+``cp_dpo_loop.py``) are read as the programs of their pages: ``train_loop`` takes only the config of its demo
+model from here (no code a page shows imports this module), the others build on their sibling
+recipes (``dpo_loop`` trains with ``train_loop``'s loop and model; the CP recipes take their demo data, model
+and options and the summed SGD step of the plain steps from them).  ``gpu_check.py`` and ``model_matrix.py`` do
+not import it.
 """
 
 from __future__ import annotations
@@ -111,16 +114,22 @@ def live_peak(
 
 
 def small_llama_config(
-    vocab_size: int, num_hidden_layers: int, max_position_embeddings: int, **extra: Any
+    vocab_size: int,
+    num_hidden_layers: int,
+    max_position_embeddings: int,
+    hidden_size: int = 64,
+    mlp_factor: int = 2,
+    **extra: Any,
 ) -> Any:
-    """``transformers.LlamaConfig`` of the benchmarks' small Llama: hidden 64, MLP 128, 4 heads over 2 key/value
-    heads (grouped-query attention), ``sdpa``; ``extra`` on top."""
+    """``transformers.LlamaConfig`` of the benchmarks' small Llama: hidden ``hidden_size`` (64), an MLP
+    ``mlp_factor`` (2) times as wide, 4 heads over 2 key/value heads (grouped-query attention), ``sdpa``;
+    ``extra`` on top."""
     import transformers
 
     return transformers.LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=mlp_factor * hidden_size,
         num_hidden_layers=num_hidden_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -144,3 +153,16 @@ def saved_bytes(step: Callable[[], Any]) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step()
     return total[0]
+
+
+def word_tokenizer(vocab_size: int) -> Any:
+    """A word-level ``transformers`` tokenizer of ``vocab_size`` ids: ``<pad>`` 0, ``<eos>`` 1, and the words
+    ``w2`` ... ``w{vocab_size - 1}`` (each its own id), split on white space: the synthetic text of the trainer
+    benchmarks (bench_dpo, bench_grpo) tokenizes to known ids, with no tokenizer to download."""
+    import tokenizers
+    import transformers
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")

@@ -42,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # loaded by path in the tests too
 
-from _common import saved_bytes  # noqa: E402
+from _common import saved_bytes, small_llama_config, word_tokenizer  # noqa: E402
 
 VOCAB = 1024
 
@@ -80,33 +80,17 @@ def text_pairs(n, seed=0, long_prompts=False):
 
 def build_trainer(pairs, batch, out, args_hidden=256):
     import datasets
-    import tokenizers
     import torch
     import transformers
     import trl
 
     def llama(seed):
         torch.manual_seed(seed)
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=args_hidden,
-            intermediate_size=4 * args_hidden,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            pad_token_id=0,
-            eos_token_id=1,
-            attn_implementation="sdpa",
+        config = small_llama_config(
+            VOCAB, 2, 4096, hidden_size=args_hidden, mlp_factor=4, pad_token_id=0, eos_token_id=1
         )
         return transformers.LlamaForCausalLM(config)
 
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>"
-    )
     args = trl.DPOConfig(
         output_dir=out,
         per_device_train_batch_size=batch,
@@ -123,7 +107,7 @@ def build_trainer(pairs, batch, out, args_hidden=256):
         ref_model=llama(1),
         args=args,
         train_dataset=datasets.Dataset.from_list(pairs),
-        processing_class=tokenizer,
+        processing_class=word_tokenizer(VOCAB),
     )
 
 

@@ -48,7 +48,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # loaded by path in the tests too
 
-from _common import saved_bytes  # noqa: E402
+from _common import saved_bytes, small_llama_config, word_tokenizer  # noqa: E402
 
 VOCAB = 1024
 VARIANTS = {"TRL padded": None, "packtools": False, "shared prompt": True}  # share_prompt per variant
@@ -93,31 +93,16 @@ def token_counts(prompts, completions, group_size):
 
 def build_trainer(args, tmp):
     import datasets
-    import tokenizers
     import torch
     import transformers
     import trl
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=args.hidden,
-        intermediate_size=2 * args.hidden,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=args.prompt_max + args.completion_max + 8,
-        pad_token_id=0,
-        eos_token_id=1,
-        attn_implementation="sdpa",
+    max_positions = args.prompt_max + args.completion_max + 8
+    config = small_llama_config(
+        VOCAB, 2, max_positions, hidden_size=args.hidden, pad_token_id=0, eos_token_id=1
     )
     model = transformers.LlamaForCausalLM(config).float()
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>"
-    )
     cfg = trl.GRPOConfig(
         output_dir=tmp,
         per_device_train_batch_size=args.group_size,
@@ -133,7 +118,7 @@ def build_trainer(args, tmp):
         reward_funcs=lambda completions, **kw: [0.0] * len(completions),
         args=cfg,
         train_dataset=datasets.Dataset.from_list([{"prompt": "w2 w3"}] * 4),
-        processing_class=tokenizer,
+        processing_class=word_tokenizer(VOCAB),
     )
 
 

@@ -18,9 +18,12 @@ global batch, with the wrong variants as negative controls.
 
 from __future__ import annotations
 
-import argparse
 import copy
 from typing import Any
+
+from cp_loop import DEMO_MODEL, cp_layout, demo_parser, summed_sgd_step
+from dpo_loop import synthetic_pairs
+from train_loop import tiny_llama
 
 
 def dpo_losses(policy: Any, reference: Any, beta: float) -> Any:
@@ -80,12 +83,9 @@ def plain_cp_dpo_step(
     parameter gradients summed over all ranks.
     """
     import torch
-    import torch.distributed as dist
 
     from packtools.integrations.parallel.shard_loss import global_pairs
 
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    before = {k: p.detach().clone() for k, p in model.named_parameters()}
     model.zero_grad()
     policy = cp_pair_logps(model, batch, group, variant, solo)
     with torch.no_grad():
@@ -94,15 +94,7 @@ def plain_cp_dpo_step(
     loss = dpo_losses(policy, ref, beta).sum() / global_pairs(pairs, cp)
     if divide_by_cp:
         loss = loss / cp
-    loss.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if world > 1:
-                dist.all_reduce(p.grad)
-            p -= lr * p.grad
-    return {k: before[k] - p.detach() for k, p in model.named_parameters()}, pairs
+    return summed_sgd_step(model, loss, lr), pairs
 
 
 def shard_pairs(rows: list[dict[str, Any]], cp: int, cp_rank: int, bound: Any = None) -> dict[str, Any]:
@@ -156,31 +148,23 @@ def train_dpo_cp(model, reference, batches, optimizer, group, cp, beta=0.1):
 def main(argv: list[str] | None = None) -> list[float]:
     import torch
     import torch.distributed as dist
-    from cp_loop import cp_layout, tiny_llama_fp32
-    from dpo_loop import synthetic_pairs
 
     from packtools.dpo import pack_preference
     from packtools.integrations.attention.context_parallel import use_cp_attention
 
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--cp", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3)
+    parser = demo_parser(__doc__)
     parser.add_argument("--pairs", type=int, default=32)
-    parser.add_argument("--max-length", type=int, default=128)
     args = parser.parse_args(argv)
     dist.init_process_group("gloo")
     layout = cp_layout(args.cp)
     group, dp_rank, cp_rank, dp = layout.cp_group, layout.dp_rank, layout.cp_rank, layout.dp_size
-    model = tiny_llama_fp32()
+    model = tiny_llama(**DEMO_MODEL)
     reference = copy.deepcopy(model).eval().requires_grad_(False)
     use_cp_attention(model)
     use_cp_attention(reference)
-    # packed pairs (input_ids, completion_mask, seq_lengths): tiny_llama_fp32's 97 token ids, the same on every rank
-    packed = pack_preference(
-        synthetic_pairs(args.pairs, args.max_length, vocab_size=97), max_length=args.max_length
-    )
+    # packed pairs (input_ids, completion_mask, seq_lengths): the model's 97 token ids, the same on every rank
+    pairs = synthetic_pairs(args.pairs, args.max_length, vocab_size=DEMO_MODEL["vocab_size"])
+    packed = pack_preference(pairs, max_length=args.max_length)
     rows = list(packed)[dp_rank::dp]  # the DP shard: every CP peer reads the same rows
     batches = [shard_pairs([row], args.cp, cp_rank, layout) for row in rows]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

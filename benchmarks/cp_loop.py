@@ -18,25 +18,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-
-def tiny_llama_fp32(seed: int = 0) -> Any:
-    """A 2-layer Llama with grouped-query attention (hidden 64, 4 heads, 2 key/value heads), fp32."""
-    import torch
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        attn_implementation="sdpa",
-    )
-    return transformers.LlamaForCausalLM(config).float()
+from train_loop import synthetic_dataset, tiny_llama
 
 
 def cp_layout(cp: int) -> Any:
@@ -64,14 +46,12 @@ def plain_cp_step(model: Any, batch: dict[str, Any], lr: float = 1.0, rank_mean:
     ``rank_mean=True`` is the wrong loss (each rank's own token mean, averaged over ranks), kept as the
     negative control of the tests.
     """
-    import torch
     import torch.distributed as dist
 
     from packtools.integrations.parallel.shard_loss import global_count, model_inputs, shifted_token_loss
 
     batch = _to_torch(batch)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    before = {k: p.detach().clone() for k, p in model.named_parameters()}
     model.zero_grad()
     logits = model(**model_inputs(batch)).logits
     loss, count = shifted_token_loss(logits, batch["shift_labels"])
@@ -79,6 +59,17 @@ def plain_cp_step(model: Any, batch: dict[str, Any], lr: float = 1.0, rank_mean:
         loss = loss / max(count, 1) / world
     else:
         loss = loss / global_count(count)
+    return summed_sgd_step(model, loss, lr), count
+
+
+def summed_sgd_step(model: Any, loss: Any, lr: float) -> dict[str, Any]:
+    """Backward ``loss``, sum the gradients over all ranks and take one SGD step of ``lr``; returns
+    ``{name: parameter change}`` (the plain steps the tests compare with one process)."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
     loss.backward()
     with torch.no_grad():
         for p in model.parameters():
@@ -87,7 +78,7 @@ def plain_cp_step(model: Any, batch: dict[str, Any], lr: float = 1.0, rank_mean:
             if world > 1:
                 dist.all_reduce(p.grad)
             p -= lr * p.grad
-    return {k: before[k] - p.detach() for k, p in model.named_parameters()}, count
+    return {k: before[k] - p.detach() for k, p in model.named_parameters()}
 
 
 def train(model: Any, loader: Any, optimizer: Any, accumulation_steps: int = 1, max_steps: int | None = None):
@@ -121,32 +112,41 @@ def train(model: Any, loader: Any, optimizer: Any, accumulation_steps: int = 1, 
     return losses
 
 
+def demo_parser(description: str) -> argparse.ArgumentParser:
+    """The options of the CP demos (this one and ``cp_dpo_loop.py``): ``--cp``, ``--steps``, ``--max-length``."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--cp", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--max-length", type=int, default=128)
+    return parser
+
+
+#: The demos' model: ``train_loop``'s tiny Llama, narrower (hidden 64), over 97 token ids.
+DEMO_MODEL = dict(vocab_size=97, hidden_size=64)
+
+
 def main(argv: list[str] | None = None) -> list[float]:
     import torch
     import torch.distributed as dist
-    from train_loop import synthetic_dataset
 
     from packtools import PaddingFreeCollator, pack_dataset
     from packtools.batches.context_parallel import ContextParallelCollator
     from packtools.integrations.attention.context_parallel import use_cp_attention
 
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--cp", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3)
+    parser = demo_parser(__doc__)
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--sequences", type=int, default=64)
-    parser.add_argument("--max-length", type=int, default=128)
     args = parser.parse_args(argv)
     dist.init_process_group("gloo")
     layout = cp_layout(args.cp)
     dp, dp_rank = layout.dp_size, layout.dp_rank
-    model = tiny_llama_fp32()
+    model = tiny_llama(**DEMO_MODEL)
     use_cp_attention(model)
     collator = ContextParallelCollator(PaddingFreeCollator(0), layout=layout)  # balanced, the layout's group
-    # packed rows (input_ids, seq_lengths): tiny_llama_fp32's 97 token ids, the same on every rank
-    dataset = synthetic_dataset(args.sequences, args.max_length, vocab_size=97)
+    # packed rows (input_ids, seq_lengths): the model's 97 token ids, the same on every rank
+    dataset = synthetic_dataset(args.sequences, args.max_length, vocab_size=DEMO_MODEL["vocab_size"])
     rows = list(pack_dataset(dataset, max_length=args.max_length, strategy="bfd_split"))
     mine = rows[dp_rank::dp]  # the DP shard: every CP peer reads the same rows
     loader = torch.utils.data.DataLoader(mine, batch_size=1, collate_fn=collator)

@@ -5,9 +5,10 @@ Usage:
 
 Packs synthetic tokenized pairs with ``packtools.dpo.pack_preference`` (each pair's ``[prompt + chosen][prompt +
 rejected]`` side by side, never split), batches whole rows with ``PreferenceCollator`` in a ``DataLoader``,
-and trains a tiny random Llama with the DPO loss against a frozen copy of itself, printing the loss of each
-optimizer step.  ``train_dpo`` is the loop docs/preference.md shows (verbatim); ``tests/test_dpo_loop.py`` checks that it trains
-exactly like the same pairs computed one sequence at a time.
+and trains a tiny random Llama (``train_loop.tiny_llama``) with the DPO loss against a frozen copy of itself,
+printing the loss of each optimizer step.  ``train_dpo`` is the loop docs/preference.md shows (verbatim): the
+plain loop ``train_loop.train`` with the pairs of the window as the denominator and the DPO loss;
+``tests/test_dpo_loop.py`` checks that it trains exactly like the same pairs computed one sequence at a time.
 
 The subtle line is the mean.  Micro-batches of packed rows hold different numbers of pairs, so each one's
 loss is ``sum of its pair losses / pairs in the whole accumulation window``: the loss of a step is the mean
@@ -18,89 +19,55 @@ from __future__ import annotations
 
 import argparse
 import copy
-import itertools
 from typing import Any
+
+from train_loop import tiny_llama, train
+
+
+def pairs_in(batch):
+    """Pairs in a batch of packed pair rows (two sequences each: chosen, rejected)."""
+    return (len(batch["cu_seq_lens_q"]) - 1) // 2
 
 
 def train_dpo(model, ref_model, loader, optimizer, beta=0.1, accumulation_steps=1, max_steps=None):
-    """DPO on packed pair batches; return the loss of each optimizer step (the mean over its pairs).
+    """DPO on packed pair batches with the plain loop ``train`` of docs/training.md; return the loss of each
+    optimizer step (the mean over its pairs).
 
-    Under DDP (``torch.distributed`` initialized, ``model`` wrapped in ``DistributedDataParallel``, a
-    ``TokenBudgetBatchSampler(num_replicas=world, rank=rank)`` per process) the pairs of the window are counted
-    over all processes and each loss is multiplied by the number of processes (DDP averages gradients).
+    Every micro-batch's summed pair losses are divided by the pairs of the whole window; under DDP
+    (``torch.distributed`` initialized, ``model`` wrapped in ``DistributedDataParallel``, a
+    ``TokenBudgetBatchSampler(num_replicas=world, rank=rank)`` per process) ``train`` counts them over all
+    processes and multiplies each loss by the number of processes (DDP averages gradients).
     """
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
-
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
     from packtools.dpo import sequence_logps
 
-    model.train()
-    batches = iter(loader)
-    losses = []
-    while max_steps is None or len(losses) < max_steps:
-        window = list(itertools.islice(batches, accumulation_steps))
-        if not window:
-            break
-        # Pairs in the whole window: every micro-batch's loss is divided by this count.
-        num_pairs = sum((len(b["cu_seq_lens_q"]) - 1) // 2 for b in window)
-        if world > 1:  # over all processes: the mean over every pair of the step
-            total = torch.tensor([num_pairs])
-            dist.all_reduce(total)
-            num_pairs = int(total)
-        step_loss = 0.0
-        for batch in window:
-            # One padding-free row; use_cache=False so sdpa/eager keep the packed sequences apart.
-            inputs = {
-                k: batch[k]
-                for k in (
-                    "input_ids",
-                    "position_ids",
-                    "cu_seq_lens_q",
-                    "cu_seq_lens_k",
-                    "max_length_q",
-                    "max_length_k",
-                )
-            }
-            logits = model(**inputs, use_cache=False).logits
-            policy, _ = sequence_logps(logits, batch["labels"], batch["cu_seq_lens_q"]).pairs()
-            with torch.no_grad():
-                ref_logits = ref_model(**inputs, use_cache=False).logits
-                ref, _ = sequence_logps(ref_logits, batch["labels"], batch["cu_seq_lens_q"]).pairs()
-            # Columns: 0 chosen, 1 rejected.  -log sigmoid(beta * (policy margin - reference margin)).
-            margins = (policy[:, 0] - ref[:, 0]) - (policy[:, 1] - ref[:, 1])
-            loss = -F.logsigmoid(beta * margins).sum() / num_pairs
-            (loss * world).backward()  # DDP averages gradients over the processes
-            step_loss += loss.item()
-        optimizer.step()
-        optimizer.zero_grad()
-        if world > 1:
-            shared = torch.tensor([step_loss])
-            dist.all_reduce(shared)
-            step_loss = float(shared)
-        losses.append(step_loss)
-    return losses
+    def dpo_loss(model, batch, num_pairs):
+        # One padding-free row; use_cache=False so sdpa/eager keep the packed sequences apart.
+        inputs = {
+            k: batch[k]
+            for k in (
+                "input_ids",
+                "position_ids",
+                "cu_seq_lens_q",
+                "cu_seq_lens_k",
+                "max_length_q",
+                "max_length_k",
+            )
+        }
+        logits = model(**inputs, use_cache=False).logits
+        policy, _ = sequence_logps(logits, batch["labels"], batch["cu_seq_lens_q"]).pairs()
+        with torch.no_grad():
+            ref_logits = ref_model(**inputs, use_cache=False).logits
+            ref, _ = sequence_logps(ref_logits, batch["labels"], batch["cu_seq_lens_q"]).pairs()
+        # Columns: 0 chosen, 1 rejected.  -log sigmoid(beta * (policy margin - reference margin)).
+        margins = (policy[:, 0] - ref[:, 0]) - (policy[:, 1] - ref[:, 1])
+        return -F.logsigmoid(beta * margins).sum() / num_pairs
 
-
-def tiny_llama(vocab_size: int = 1024, hidden_size: int = 128, seed: int = 0) -> Any:
-    """A 2-layer random ``LlamaForCausalLM`` (sdpa attention) small enough to train on a CPU."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        attn_implementation="sdpa",
+    return train(
+        model, loader, optimizer, accumulation_steps, max_steps=max_steps, count=pairs_in, loss_fn=dpo_loss
     )
-    return LlamaForCausalLM(config)
 
 
 def synthetic_pairs(num_pairs: int, max_length: int, vocab_size: int = 1024, seed: int = 0) -> Any:

@@ -5,8 +5,9 @@ Usage:
 
 Packs a synthetic tokenized dataset with ``packtools.pack_dataset``, batches it with ``PaddingFreeCollator``
 in a ``DataLoader`` and trains a tiny random Llama on the CPU, printing the loss of each optimizer step.
-``train`` is the loop docs/training.md shows (verbatim); ``tests/test_train_loop.py`` checks that it trains exactly like the
-same sequences run one by one, and ``bench_train.py`` times it on padded and on packed batches.
+``train`` is the loop docs/training.md shows (verbatim), also the loop of ``dpo_loop.py`` (with its own count and
+loss); ``tests/test_train_loop.py`` checks that it trains exactly like the same sequences run one by one, and
+``bench_train.py`` times it on padded and on packed batches.
 
 The one subtle line is the loss denominator.  With gradient accumulation, each micro-batch's loss must be
 ``sum of its token losses / tokens predicted in the whole window``; dividing each micro-batch by its own
@@ -21,14 +22,39 @@ import argparse
 import itertools
 from typing import Any
 
+from _common import small_llama_config
 
-def train(model, loader, optimizer, accumulation_steps=1, device="cpu", max_steps=None):
+
+def predicted_tokens(batch):
+    """Tokens a packed causal-LM batch predicts: the collator puts -100 on every sequence start and on padding."""
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def causal_lm_loss(model, batch, num_items):
+    """``batch``'s summed token loss over ``num_items`` (transformers' causal-LM loss, ``num_items_in_batch``)."""
+    # use_cache=False: with sdpa/eager, transformers separates packed sequences only without a cache.
+    return model(**batch, use_cache=False, num_items_in_batch=num_items).loss
+
+
+def train(
+    model,
+    loader,
+    optimizer,
+    accumulation_steps=1,
+    device="cpu",
+    max_steps=None,
+    *,
+    count=predicted_tokens,
+    loss_fn=causal_lm_loss,
+):
     """Train ``model`` on the batches of ``loader``; return the loss of each optimizer step.
 
-    Under DDP (``torch.distributed`` initialized, ``model`` wrapped in ``DistributedDataParallel``, one
+    Each micro-batch's loss is ``loss_fn(model, batch, num_items)``: its summed loss over ``num_items``, what
+    ``count`` counts (by default the predicted tokens) in the whole accumulation window.  Under DDP
+    (``torch.distributed`` initialized, ``model`` wrapped in ``DistributedDataParallel``, one
     ``TokenBudgetBatchSampler(num_replicas=world, rank=rank)`` per process, so every process runs the same
-    number of micro-batches), the denominator is the predicted tokens of the window over all processes and
-    each loss is multiplied by the number of processes, which DDP's gradient mean divides by again.
+    number of micro-batches), ``num_items`` counts the window over all processes and each loss is multiplied by
+    the number of processes, which DDP's gradient mean divides by again.
     """
     import torch
     import torch.distributed as dist
@@ -41,17 +67,16 @@ def train(model, loader, optimizer, accumulation_steps=1, device="cpu", max_step
         window = list(itertools.islice(batches, accumulation_steps))
         if not window:
             break
-        # Tokens predicted in the whole accumulation window: the loss denominator of every micro-batch.
-        num_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in window)
-        if world > 1:  # over all processes: the global token mean
+        # Items (tokens predicted) in the whole accumulation window: the loss denominator of every micro-batch.
+        num_items = sum(count(b) for b in window)
+        if world > 1:  # over all processes: the global mean
             total = torch.tensor([num_items])
             dist.all_reduce(total)
             num_items = int(total)
         step_loss = 0.0
         for batch in window:
             batch = {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
-            # use_cache=False: with sdpa/eager, transformers separates packed sequences only without a cache.
-            loss = model(**batch, use_cache=False, num_items_in_batch=num_items).loss
+            loss = loss_fn(model, batch, num_items)
             (loss * world).backward()  # DDP averages gradients over the processes
             step_loss += loss.item()
         optimizer.step()
@@ -67,20 +92,10 @@ def train(model, loader, optimizer, accumulation_steps=1, device="cpu", max_step
 def tiny_llama(vocab_size: int = 1024, hidden_size: int = 128, seed: int = 0) -> Any:
     """A 2-layer random ``LlamaForCausalLM`` (sdpa attention) small enough to train on a CPU."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(small_llama_config(vocab_size, 2, 4096, hidden_size=hidden_size))
 
 
 def synthetic_dataset(num_sequences: int, max_length: int, vocab_size: int = 1024, seed: int = 0) -> Any:

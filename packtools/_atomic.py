@@ -23,11 +23,18 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[str]:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o666 & ~umask)
-    try:
+    with removed_on_error(tmp):
         yield tmp
         fsync_file(tmp)
         os.replace(tmp, path)
         fsync_dir(directory)
+
+
+@contextlib.contextmanager
+def removed_on_error(tmp: str) -> Iterator[None]:
+    """Remove ``tmp`` (a file written aside, not yet renamed into place) if the block raises."""
+    try:
+        yield
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -38,10 +45,8 @@ def discard(*paths: str | os.PathLike[str]) -> None:
     """Remove each of ``paths``, in order, as far as it can be: one already gone or that cannot be removed is
     left as it is (for files that are checked by content before they are trusted, so a leftover is rejected)."""
     for path in paths:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:

@@ -23,7 +23,7 @@ from _workers import run_worker, save_gathered
 def main() -> None:
     import datasets
     import trl
-    from _hf_models import text_pairs, word_tokenizer
+    from _hf_models import exact_step_args, text_pairs, word_tokenizer
 
     from packtools import prepare_dpo_trainer
 
@@ -37,24 +37,14 @@ def main() -> None:
     rows = [row for batch in PAIR_BATCHES for row in batch]
     model, reference = tiny_llama_fp32(0), tiny_llama_fp32(1)
     args = trl.DPOConfig(
-        output_dir=str(out / "run"),
-        per_device_train_batch_size=len(rows) // dp // ga,
-        gradient_accumulation_steps=ga,
-        max_steps=1,
-        beta=0.5,
-        learning_rate=1.0,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        weight_decay=0.0,
-        bf16=False,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        ddp_backend="gloo",
-        seed=0,
+        **exact_step_args(
+            out / "run",
+            per_device_train_batch_size=len(rows) // dp // ga,
+            gradient_accumulation_steps=ga,
+            max_steps=1,
+            beta=0.5,
+            ddp_backend="gloo",
+        )
     )
     trainer = trl.DPOTrainer(
         model,

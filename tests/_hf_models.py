@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -177,6 +179,16 @@ def reference_training(model, batches: list[list[dict]], accumulation: int, lr: 
         opt.zero_grad()
 
 
+def one_by_one_gap(
+    model, start, batches: list[list[dict]], accumulation: int, lr: float
+) -> tuple[float, float]:
+    """How far the trained ``model`` is from ``start`` trained on the sequences of ``batches`` one by one
+    (:func:`reference_training`), and from ``start`` itself (how far training moved it)."""
+    reference = copy.deepcopy(start)
+    reference_training(reference, batches, accumulation, lr)
+    return max_diff(params(model), params(reference)), max_diff(params(model), params(start))
+
+
 # The preference trainers' tests (test_dpo.py, test_kto.py, test_reward.py): word-level text, a tokenizer of it.
 EOS = 1
 
@@ -195,10 +207,10 @@ def tiny_preference_model(family: str = "llama", impl: str = "sdpa", seed: int =
     return cls(transformers.LlamaConfig(**common)).float()
 
 
-def word_tokenizer():
-    """A word-level tokenizer: ``w2`` .. ``w96`` are tokens 2..96, ``<pad>`` 0, ``<eos>`` 1."""
+def word_tokenizer(vocab_size: int = VOCAB):
+    """A word-level tokenizer: ``w2`` .. ``w{vocab_size - 1}`` are tokens 2.., ``<pad>`` 0, ``<eos>`` 1."""
     tokenizers = pytest.importorskip("tokenizers")
-    vocab = {"<pad>": PAD, "<eos>": EOS, **{f"w{i}": i for i in range(2, VOCAB)}}
+    vocab = {"<pad>": PAD, "<eos>": EOS, **{f"w{i}": i for i in range(2, vocab_size)}}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")

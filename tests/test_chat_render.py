@@ -266,14 +266,14 @@ def test_chat_batches_before_the_fast_engine_has_loaded_go_to_the_reference(tokd
 def test_chat_batches_are_rendered_while_the_fast_engine_loads_then_finished_by_it(
     tokdir, tmp_path, monkeypatch
 ):
-    """The pipeline's chat stage renders batches while the engine loads (feed.render_while_loading) and the
+    """The pipeline's chat stage renders batches while the engine loads (batch.render_while_loading) and the
     engine finishes them: the same tables, in order, as calls, and no batch on the reference; past the cap of
     batches held, the first one goes to the reference and the next wait (take_pending's rule)."""
     import threading
 
     from _pipeline_data import hold_fast_engine_load
 
-    from packtools.pipeline.tokenizer import feed
+    from packtools.pipeline.tokenizer import batch
 
     monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
     convs = [c for c in conversations() if c[0]["role"] != "bad"][:24]
@@ -282,7 +282,7 @@ def test_chat_batches_are_rendered_while_the_fast_engine_loads_then_finished_by_
     BatchTokenizer(tokdir, "messages")  # records the verdicts
     for cap in (100, 2):
         release = hold_fast_engine_load(monkeypatch)
-        monkeypatch.setattr(feed, "AHEAD_BATCHES", cap)
+        monkeypatch.setattr(batch, "AHEAD_BATCHES", cap)
         bt = BatchTokenizer(tokdir, "messages", wait_for_engine=False)
         bt.start_part("p")
         prepared = []
@@ -298,7 +298,7 @@ def test_chat_batches_are_rendered_while_the_fast_engine_loads_then_finished_by_
         bt.prepare = prepare
         if cap == 2:
             threading.Timer(0.3, release.set).start()
-        got = list(feed.render_while_loading(bt, iter(enumerate(batches))))
+        got = list(batch.render_while_loading(bt, iter(enumerate(batches))))
         assert [w for w, _ in got] == list(range(len(batches)))
         assert all(t.equals(w) for (_, t), w in zip(got, want))
         assert prepared == list(range(min(cap, 3)))
@@ -310,7 +310,7 @@ def test_chat_batches_are_rendered_while_the_fast_engine_loads_then_finished_by_
 def test_a_batch_that_fails_while_rendered_ahead_names_its_row(tokdir, tmp_path, monkeypatch):
     from _pipeline_data import hold_fast_engine_load
 
-    from packtools.pipeline.tokenizer import feed
+    from packtools.pipeline.tokenizer import batch
 
     monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
     BatchTokenizer(tokdir, "messages")  # records the verdicts
@@ -323,7 +323,7 @@ def test_a_batch_that_fails_while_rendered_ahead_names_its_row(tokdir, tmp_path,
     bad = pa.table({"messages": [good[0], [{"role": "bad", "content": "x"}]]})  # the template raises on it
     try:
         with pytest.raises(PackingError, match=r"row 11\b.*bad role"):
-            list(feed.render_while_loading(bt, iter([(0, pa.table({"messages": good})), (10, bad)])))
+            list(batch.render_while_loading(bt, iter([(0, pa.table({"messages": good})), (10, bad)])))
         assert bt.engine_loading()  # the error came from rendering ahead, before the engine was there
     finally:
         release.set()

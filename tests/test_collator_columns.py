@@ -86,24 +86,11 @@ def test_pack_table_names_an_image_column_it_cannot_pack():
 
 @pytest.fixture(scope="module")
 def tiny_qwen2_vl():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("torch")
-    config = transformers.Qwen2VLConfig(
-        text_config=dict(
-            vocab_size=200,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
-        ),
-        vision_config=dict(
-            depth=1, embed_dim=32, hidden_size=32, num_heads=2, patch_size=14, spatial_merge_size=2
-        ),
-        attn_implementation="sdpa",
-    )
-    return transformers.Qwen2VLForConditionalGeneration(config)
+    from packtools.testing import tiny_vl_model
+
+    return tiny_vl_model("qwen2_vl")
 
 
 def test_multimodal_models_are_refused_by_name(tiny_qwen2_vl, monkeypatch):

@@ -8,18 +8,10 @@ packed micro-batch, and gradient accumulation against the whole optimizer step c
 """
 
 import copy
-import os
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-trl = pytest.importorskip("trl")
-datasets = pytest.importorskip("datasets")
-tokenizers = pytest.importorskip("tokenizers")
-
-from _hf_models import (  # noqa: E402
+from _hf_models import (
     PAD,
     VOCAB,
     exact_step_args,
@@ -29,14 +21,13 @@ from _hf_models import (  # noqa: E402
     tiny_preference_model,
     word_tokenizer,
 )
+from _trl_setup import TOL, datasets, torch, transformers, trl
 
-from packtools import prepare_dpo_trainer  # noqa: E402
-from packtools.batches.preference import PreferenceCollator  # noqa: E402
-from packtools.dpo import pack_preference, sequence_logps  # noqa: E402
-from packtools.errors import PackingError  # noqa: E402
+from packtools import prepare_dpo_trainer
+from packtools.batches.preference import PreferenceCollator
+from packtools.dpo import pack_preference, sequence_logps
+from packtools.errors import PackingError
 
-os.environ.setdefault("TQDM_DISABLE", "1")
-TOL = 1e-5
 METRICS = (
     "rewards/chosen",
     "rewards/rejected",

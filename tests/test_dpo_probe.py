@@ -5,6 +5,7 @@ from _hf_models import tiny_llama, torch
 
 trl_utils = pytest.importorskip("trl.trainer.utils")
 
+from packtools.compat import undo  # noqa: E402
 from packtools.errors import PackingError  # noqa: E402
 from packtools.integrations.preference import dpo as pt_trl  # noqa: E402
 from packtools.integrations.preference.probe import check_padding_free_forward  # noqa: E402
@@ -27,7 +28,7 @@ def test_probe_passes_on_the_real_forward_and_catches_a_broken_one(monkeypatch):
     with pytest.raises(PackingError, match="see each other"):
         check_padding_free_forward(model)
     monkeypatch.undo()
-    pt_trl.uninstall_padding_free_forward(model)
+    undo(model)  # the change install_padding_free_forward recorded on the model
     assert "_packtools_padding_free" not in vars(model)
 
 

@@ -13,24 +13,16 @@ import shutil
 
 import numpy as np
 import pytest
+from _hf_models import tiny_config, word_tokenizer
+from _scripts import script
+from _trl_setup import TOL, datasets, torch, transformers, trl
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-trl = pytest.importorskip("trl")
-datasets = pytest.importorskip("datasets")
-tokenizers = pytest.importorskip("tokenizers")
+from packtools.errors import PackingError
+from packtools.integrations import unprepare
+from packtools.integrations.rl import grpo as rl_grpo
+from packtools.integrations.rl import prepare_grpo_trainer
+from packtools.integrations.rl.rows import Row, share_prompts, unpad_completions
 
-from _hf_models import tiny_config  # noqa: E402
-from _scripts import script  # noqa: E402
-
-from packtools.errors import PackingError  # noqa: E402
-from packtools.integrations import unprepare  # noqa: E402
-from packtools.integrations.rl import grpo as rl_grpo  # noqa: E402
-from packtools.integrations.rl import prepare_grpo_trainer  # noqa: E402
-from packtools.integrations.rl.rows import Row, share_prompts, unpad_completions  # noqa: E402
-
-os.environ.setdefault("TQDM_DISABLE", "1")
-TOL = 1e-5
 VOCAB = 12  # small, so a random model ends completions (EOS) at varied lengths
 PAD, EOS = 0, 1
 TIMING = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
@@ -67,13 +59,6 @@ def tiny(kind="llama", seed=0):
     if kind == "qwen3":
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **common)).float()
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).float()
-
-
-def word_tokenizer():
-    vocab = {"<pad>": PAD, "<eos>": EOS, **{f"w{i}": i for i in range(2, VOCAB)}}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
 
 
 def prompts(n=8, seed=0):
@@ -144,7 +129,7 @@ def build(  # noqa: PLR0913 - the test's knobs
         reward_funcs=reward_len,
         args=config_cls(**kwargs),
         train_dataset=datasets.Dataset.from_list(prompts()),
-        processing_class=word_tokenizer(),
+        processing_class=word_tokenizer(VOCAB),
         **extra,
     )
     if not prepared:

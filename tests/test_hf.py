@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from _hf_models import (
     PAD,
-    VOCAB,
     Recorder,
     max_diff,
+    one_by_one_gap,
     params,
     reference_training,
     sequences,
@@ -22,6 +22,7 @@ from _hf_models import (
     tiny_llama,
     torch,
     transformers,
+    word_tokenizer,
 )
 
 from packtools import pack_dataset
@@ -140,34 +141,25 @@ def checkpointing_on(model):
     return model.is_gradient_checkpointing if on is None else on
 
 
-def tiny_tokenizer():
-    tokenizers = pytest.importorskip("tokenizers")
-    vocab = {"<pad>": PAD, "<eos>": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
-
-
 @pytest.mark.slow
 def test_sft_trainer_matches_one_by_one(tmp_path):
     trl = pytest.importorskip("trl")
     model = tiny_llama("sdpa")
-    reference = copy.deepcopy(model)
+    start = copy.deepcopy(model)
     recorder = Recorder(PaddingFreeCollator(PAD))
     args = train_args(tmp_path, cls=packed_sft_config, bf16=False, padding_free=False)
     trainer = trl.SFTTrainer(
         model=model,
         args=args,
         train_dataset=packed_dataset(),
-        processing_class=tiny_tokenizer(),
+        processing_class=word_tokenizer(),
         data_collator=recorder,
     )
     prepare_trainer(trainer).train()
     assert checkpointing_on(trainer.model)  # TRL's default, so this also covers checkpointing under TRL
     assert all("seq_lengths" in row and "completion_mask" in row for b in recorder.batches for row in b)
-    reference_training(reference, recorder.batches, 2, LR)
-    assert max_diff(params(model), params(reference)) < TOL
-    assert max_diff(params(model), params(tiny_llama("sdpa"))) > 1e-2
+    to_reference, to_start = one_by_one_gap(model, start, recorder.batches, 2, LR)
+    assert to_reference < TOL and to_start > 1e-2
 
 
 def test_sft_trainer_that_prepared_the_dataset_is_refused(tmp_path):
@@ -177,7 +169,7 @@ def test_sft_trainer_that_prepared_the_dataset_is_refused(tmp_path):
         model=tiny_llama("sdpa"),
         args=args,
         train_dataset=packed_dataset(n=6),
-        processing_class=tiny_tokenizer(),
+        processing_class=word_tokenizer(),
         data_collator=PaddingFreeCollator(PAD),
     )
     with pytest.raises(PackingError, match="skip_prepare_dataset"):

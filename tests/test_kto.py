@@ -6,18 +6,9 @@ tiny Llama and Qwen3 causal LMs in fp32 on CPU; loss, metrics and gradients must
 control: sequences of a row attending each other (one merged sequence per two) must differ from TRL.
 """
 
-import os
-
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-trl = pytest.importorskip("trl")
-datasets = pytest.importorskip("datasets")
-tokenizers = pytest.importorskip("tokenizers")
-
-from _hf_models import (  # noqa: E402
+from _hf_models import (
     exact_step_args,
     lora_causal_config,
     loss_metrics_grads,
@@ -25,14 +16,13 @@ from _hf_models import (  # noqa: E402
     tiny_preference_model,
     word_tokenizer,
 )
+from _trl_setup import TOL, datasets, torch, trl
 
-from packtools import prepare_trainer  # noqa: E402
-from packtools.errors import PackingError  # noqa: E402
-from packtools.integrations import unprepare  # noqa: E402
-from packtools.integrations.preference.kto import prepare_kto_trainer  # noqa: E402
+from packtools import prepare_trainer
+from packtools.errors import PackingError
+from packtools.integrations import unprepare
+from packtools.integrations.preference.kto import prepare_kto_trainer
 
-os.environ.setdefault("TQDM_DISABLE", "1")
-TOL = 1e-5
 METRICS = (
     "kl",
     "entropy",

@@ -314,3 +314,21 @@ def test_a_held_out_is_refused_before_the_tokenizer_loads(tmp_path, tok_dir, mon
         lock.release()
     pack_files(src, str(tmp_path / "out"), max_length=16, tokenizer=tok_dir)  # control: free, it runs
     assert loaded
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_named_pipe_is_refused_by_name_not_called_an_empty_folder(tmp_path):
+    """A FIFO named as the input (``<(zcat x.gz)`` or ``mkfifo``) was reported as a folder holding no data file;
+    one inside a data folder would have been opened as a data file. Both are refused naming the pipe and the fix;
+    negative control: a regular file beside it packs."""
+    fifo = str(tmp_path / "stream.jsonl")
+    os.mkfifo(fifo)
+    with pytest.raises(PackingError, match=r"is not a regular file or folder.*write the stream to a file"):
+        pack_files(fifo, str(tmp_path / "out"), max_length=8)
+    d = tmp_path / "in"
+    d.mkdir()
+    jsonl(d / "a.jsonl", [{"input_ids": [1, 2]}])
+    assert pack_files(str(d), str(tmp_path / "out"), max_length=8).stats["rows_in"] == 1
+    os.mkfifo(d / "b.jsonl")
+    with pytest.raises(PackingError, match=r"b\.jsonl' is not a regular file"):
+        pack_files(str(d), str(tmp_path / "out2"), max_length=8)

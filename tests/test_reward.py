@@ -8,19 +8,11 @@ controls: reading the score at the row's last token, and a chosen sequence atten
 differ from TRL (and the second is what the isolation probe refuses).
 """
 
-import os
 import re
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-trl = pytest.importorskip("trl")
-datasets = pytest.importorskip("datasets")
-tokenizers = pytest.importorskip("tokenizers")
-
-from _hf_models import (  # noqa: E402
+from _hf_models import (
     EOS,
     PAD,
     VOCAB,
@@ -30,16 +22,15 @@ from _hf_models import (  # noqa: E402
     tiny_preference_model,
     word_tokenizer,
 )
+from _trl_setup import TOL, datasets, torch, transformers, trl
 
-from packtools import prepare_trainer  # noqa: E402
-from packtools.errors import PackingError  # noqa: E402
-from packtools.integrations import unprepare  # noqa: E402
-from packtools.integrations.preference import reward, reward_scores  # noqa: E402
-from packtools.integrations.preference.data import pack_reward_pairs  # noqa: E402
-from packtools.integrations.preference.reward import prepare_reward_trainer  # noqa: E402
+from packtools import prepare_trainer
+from packtools.errors import PackingError
+from packtools.integrations import unprepare
+from packtools.integrations.preference import reward, reward_scores
+from packtools.integrations.preference.data import pack_reward_pairs
+from packtools.integrations.preference.reward import prepare_reward_trainer
 
-os.environ.setdefault("TQDM_DISABLE", "1")
-TOL = 1e-5
 METRICS = ("accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens")
 
 

@@ -11,8 +11,8 @@ other.
 import copy
 
 import pytest
-from _hf_models import PAD, Recorder, max_diff, params, reference_training, sequences, tiny_llama
-from test_hf import packed_dataset, tiny_tokenizer, train_args
+from _hf_models import PAD, Recorder, one_by_one_gap, sequences, tiny_llama, word_tokenizer
+from test_hf import packed_dataset, train_args
 
 from packtools import PaddingFreeCollator, pack_dataset, prepare_trainer
 from packtools.errors import PackingError
@@ -36,16 +36,15 @@ def labelled_rows():
 
 def train_config_alone(tmp_path, impl, **config):
     model = tiny_llama(impl)
-    reference = copy.deepcopy(model)
+    start = copy.deepcopy(model)
     args = train_args(tmp_path, cls=packed_sft_config, bf16=False, **config)
     trainer = trl.SFTTrainer(
-        model=model, args=args, train_dataset=labelled_rows(), processing_class=tiny_tokenizer()
+        model=model, args=args, train_dataset=labelled_rows(), processing_class=word_tokenizer()
     )
     trainer.data_collator = Recorder(trainer.data_collator)  # TRL's own collator, watched
     trainer.train()
     batches = [[_with_completion_mask(r) for r in batch] for batch in trainer.data_collator.batches]
-    reference_training(reference, batches, 2, args.learning_rate)
-    return max_diff(params(model), params(reference)), max_diff(params(model), params(tiny_llama(impl)))
+    return one_by_one_gap(model, start, batches, 2, args.learning_rate)
 
 
 def _with_completion_mask(row):
@@ -79,7 +78,7 @@ def test_padding_free_false_with_packtools_collator_and_prepare(tmp_path):
         model=tiny_llama(),
         args=args,
         train_dataset=packed_dataset(n=8),
-        processing_class=tiny_tokenizer(),
+        processing_class=word_tokenizer(),
         data_collator=PaddingFreeCollator(PAD),
     )
     assert prepare_trainer(trainer) is trainer

@@ -193,17 +193,10 @@ def test_refusals_by_name(tmp_path):
         prepare_trainer(trainer_for(model, rows, tmp_path, collator=other))
     with pytest.raises(PackingError, match="context_parallel=2 with a vision-language model"):
         prepare_trainer(trainer_for(model, rows, tmp_path), context_parallel=2)
-    text = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
-    )
-    vision = transformers.CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=8,
-        patch_size=4,
-    )
+    # an unverified vision-language model (Llava): its text and vision towers of the same tiny sizes
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    text = transformers.LlamaConfig(vocab_size=64, **sizes)
+    vision = transformers.CLIPVisionConfig(image_size=8, patch_size=4, **sizes)
     llava = transformers.LlavaForConditionalGeneration(
         transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_id=60)
     )

@@ -38,18 +38,11 @@ Both boundary arrays Megatron-style THD consumers take are emitted, int32, over 
 ``cu_seqlens`` (``[0, L_0, L_0 + L_1, ...]``) and ``cu_seqlens_padded`` (``[0, P_0, P_0 + P_1, ...]``); rank
 ``r``'s tokens of document ``i`` start at ``cu_seqlens_padded[i] / N`` in its row (balanced or not).
 
-:func:`~packtools.batches.context_parallel.rank_work` is the cost audit: the causal attention work
-``sum(t - doc_start + 1)`` over the real query tokens each rank holds.
-
-The per-rank attention work of the context-parallel (CP) layout, and the balanced choice of chunk pairs.
-
-Under CP size ``N`` each document of a row is padded to ``P``, a multiple of ``2N``, and cut into ``2N`` chunks of
-``c = P / 2N`` tokens; a rank holds a head-tail pair, chunks ``k`` and ``2N - 1 - k``
-(:mod:`packtools.batches.context_parallel`).  A rank's causal attention work is ``sum(t - doc_start + 1)`` over
-the real query tokens it holds: :func:`rank_work` reads it from a layout, :func:`document_rank_work` computes it
-in closed form per document, and :func:`pair_holders` chooses which rank holds which pair (``balance=True``): row
-by row, document after document, the rank with the most work so far takes the lightest pair
-(:func:`packtools.core.kernels.balance_pairs`).
+**The per-rank work.**  A rank's causal attention work is ``sum(t - doc_start + 1)`` over the real query tokens it
+holds: :func:`rank_work` reads it from a layout (the cost audit), :func:`document_rank_work` computes it in closed
+form per document, and :func:`pair_holders` chooses which rank holds which pair under ``balance=True`` (row by
+row, document after document, the rank with the most work so far takes the lightest pair,
+:func:`packtools.core.kernels.balance_pairs`).
 
 >>> document_rank_work([8, 5, 5], 2).sum(axis=0).tolist(), work_imbalance([24, 42])  # pair k on rank k
 ([24, 42], 0.2727272727272727)
@@ -274,7 +267,7 @@ def shard_row(
     src = lay.source(cp_rank)
     real = src >= 0
     take = np.where(real, src, 0)
-    doc, pos, padded_real = lay.padded_doc()
+    doc, pos, _ = lay.padded_doc()
     idx = lay.index[cp_rank]
     positions = np.where(real, pos[idx], pos[idx] - lay.lengths[doc[idx]])
     return {

@@ -79,12 +79,6 @@ class MropeSpec:
         )
 
 
-def image_token_counts(image_grid_thw: Any, merge_size: int) -> np.ndarray:
-    """Tokens each image takes in the text: ``t * h * w / merge²`` per ``image_grid_thw`` row."""
-    grid = check_grid(image_grid_thw, "image_grid_thw")
-    return grid.prod(axis=1) // (merge_size * merge_size)
-
-
 def check_grid(image_grid_thw: Any, name: str, row: int | None = None) -> np.ndarray:
     """``image_grid_thw`` as an int64 ``(n, 3)`` array of positive sides (``None`` or empty: no image)."""
     where = "" if row is None else f"row {row}: "

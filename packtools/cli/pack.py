@@ -25,10 +25,10 @@ import warnings
 from typing import Any
 
 from ..constants import INPUT_FORMATS, __version__
-from ..core.pack import pack_table, read_columns
+from ..core.pack import pack_table, read_columns, warmup
 from ..core.plan import STRATEGIES, plan
 from ..errors import PackingError
-from ..io.files import read_table, write_table
+from ..io.files import discover, read_schema, read_table, write_table
 from ..pipeline.executors import EXECUTORS
 from ..pipeline.summary import format_pipeline_summary, format_summary, seconds_since_process_start
 
@@ -242,7 +242,6 @@ def _check_file_out(path: str) -> None:
 
 def _check_tokenized(path: str, args: argparse.Namespace) -> None:
     """The in-memory forms take tokenized input only: raw input is told to use ``--out DIR``."""
-    from ..io.files import discover, read_schema
     from ..pipeline.formats import detect_format
 
     try:
@@ -279,8 +278,6 @@ def _in_memory(args: argparse.Namespace, max_length: int) -> int:
         table = read_table(args.input[0])
         strategies = [args.strategy]
     _, lengths = read_columns(table, columns)
-    from ..core.pack import warmup
-
     t0 = time.perf_counter()
     warmup()  # compile (or load) the kernels first: the timings below are the strategies' own
     print(f"kernels compiled or loaded in {time.perf_counter() - t0:.2f} s (not in the timings below)")
@@ -394,7 +391,6 @@ def text_only_options(args: argparse.Namespace, parser: argparse.ArgumentParser)
 
 def run_vision(args: argparse.Namespace, max_length: int, parser: argparse.ArgumentParser) -> int:
     """``packtools pack --processor DIR``: :func:`packtools.pipeline.vision.pack_vision_files`."""
-    from ..errors import PackingError
     from ..pipeline.vision import pack_vision_files
 
     if not args.input or args.out is None:

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from .arrow import list_array, read_list_column
+from .arrow import list_array
 
 
 class Ragged(NamedTuple):
@@ -105,17 +105,6 @@ def select(r: Ragged, keep: np.ndarray) -> Ragged:
 
 def to_arrow(r: Ragged) -> pa.Array:
     return list_array(r.offsets, r.values, False, pa.from_numpy_dtype(r.values.dtype))
-
-
-def from_arrow(column: pa.ChunkedArray | pa.Array, name: str) -> Ragged:
-    """A list column (any chunking or slicing) as one ragged array; copies only when there are several chunks."""
-    col = read_list_column(column, name)
-    if len(col.chunks) == 1:
-        c = col.chunks[0]
-        return Ragged(c.offsets, c.values[: int(c.offsets[-1])])
-    if not col.chunks:
-        return Ragged(np.zeros(1, np.int64), np.zeros(0, col.value_dtype))
-    return stack_rows([Ragged(c.offsets, c.values) for c in col.chunks])
 
 
 def stack_rows(parts: Sequence[Ragged]) -> Ragged:

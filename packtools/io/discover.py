@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,7 +41,7 @@ class InputFile:
     mtime_ns: int
 
     def fingerprint(self) -> dict[str, object]:
-        """As :func:`packtools.io.fingerprint.file_fingerprint` (taken when the file was found)."""
+        """``{"path", "size", "mtime_ns"}`` of the file, taken when it was found."""
         return {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns}
 
 
@@ -52,11 +53,17 @@ def _input_file(path: str) -> InputFile:
             f"directories of them, or a datasets save_to_disk folder."
         )
     st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise PackingError(_not_a_file(path))
     return InputFile(os.path.abspath(path), kind, st.st_size, st.st_mtime_ns)
 
 
-def _saved_dataset_files(folder: str) -> list[str]:
-    return [os.path.join(folder, name) for name in saved_data_files(folder)]
+def _not_a_file(path: str) -> str:
+    return (
+        f"input {path!r} is not a regular file or folder (a pipe, socket or device); packtools needs a file it "
+        f"can size, fingerprint by size and time, and read again (a resumed or restaged part), so write the "
+        f"stream to a file and pass that file."
+    )
 
 
 #: Compression suffixes: a data file compressed with one is refused (packtools reads files uncompressed), never
@@ -121,8 +128,10 @@ def find_inputs(inputs: Sequence[str | os.PathLike[str]]) -> tuple[list[InputFil
         if os.path.isfile(path):
             _refuse_compressed(path)
             files.append(_input_file(path))
+        elif not os.path.isdir(path):
+            raise PackingError(_not_a_file(path))
         elif os.path.exists(os.path.join(path, "state.json")):
-            files.extend(_input_file(p) for p in _saved_dataset_files(path))
+            files.extend(_input_file(os.path.join(path, name)) for name in saved_data_files(path))
         elif os.path.exists(os.path.join(path, "dataset_dict.json")):
             splits = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
             raise PackingError(

@@ -4,7 +4,7 @@ A key is the SHA-256 of canonical JSON (sorted keys) holding what it is for (``k
 a hash of packtools' own sources (:func:`source_hash`), that kind's format version, and the parts that decide
 the cached content.  A new packtools version or format version, or a code change in a development checkout
 under the same version number, therefore never reuses anything cached before it.  Files are fingerprinted by absolute path, size and
-modification time (:func:`file_fingerprint`), never by reading their content.
+modification time (:meth:`packtools.io.discover.InputFile.fingerprint`), never by reading their content.
 
 >>> a = cache_key("example", 1, rows=[1, 2])
 >>> a == cache_key("example", 1, rows=[1, 2]), a == cache_key("example", 2, rows=[1, 2]), len(a)
@@ -20,13 +20,6 @@ import os
 from typing import Any
 
 from ..constants import __version__
-
-
-def file_fingerprint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """``{"path", "size", "mtime_ns"}`` of a file (absolute path)."""
-    path = os.path.abspath(os.fspath(path))
-    st = os.stat(path)
-    return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 @functools.cache

@@ -27,7 +27,6 @@ from typing import IO
 import pyarrow as pa
 
 from ..errors import PackingError
-from .encoding import not_utf8, utf16_name
 from .json_cells import CHAT_COLUMNS, line_array, own_json_cells, value_column
 from .json_ints import int_list_keys, read_int_lists
 
@@ -53,6 +52,37 @@ def is_json_array(path: str) -> bool:
         return False  # the first line is a whole object: JSON lines
     except ValueError:
         return True
+
+
+def utf16_name(raw: bytes) -> str | None:
+    """``"UTF-16"`` / ``"UTF-16LE"`` / ``"UTF-16BE"`` (or ``"UTF-32"``) when ``raw`` (a file's first bytes or
+    one of its lines) looks like that encoding: a byte-order mark, or a NUL beside most ASCII characters.
+
+    >>> utf16_name('{"a": 1}'.encode("utf-16")), utf16_name('{"a": 1}'.encode("utf-16-le")), utf16_name(b'{"a": 1}')
+    ('UTF-16', 'UTF-16LE', None)
+    """
+    if raw.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):
+        return "UTF-32"
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return "UTF-16"
+    body = raw.strip(b"\x00")
+    if len(body) >= 2 and raw.count(b"\x00") * 3 >= len(raw):
+        odd = raw[1::2].count(0) >= raw[0::2].count(0)
+        return "UTF-16LE" if odd else "UTF-16BE"
+    return None
+
+
+def not_utf8(path: str, line: int, raw: bytes, start: int, end: int) -> PackingError:
+    wide = utf16_name(raw)
+    how = (
+        f"the file looks {wide}-encoded; re-encode it as UTF-8 (iconv -f {wide} -t UTF-8 IN > OUT)"
+        if wide
+        else "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 IN > OUT, for a Latin-1 file) or remove "
+        "that line"
+    )
+    return PackingError(
+        f"input {path!r} line {line}: bytes {raw[start:end]!r} at column {start + 1} are not UTF-8; {how}."
+    )
 
 
 def _find_bad_line(path: str, data: bytes, first_line: int) -> PackingError | None:
@@ -372,9 +402,8 @@ def _lines(path: str, data: bytes, rows: int | None) -> list[bytes]:
 
 
 def _table(path: str, rows: list[dict], line: int) -> pa.Table:
-    keys = list(
-        dict.fromkeys(k for row in rows for k in row)
-    )  # every object's keys (from_pylist takes the first's)
+    # every object's keys (from_pylist takes the first's)
+    keys = list(dict.fromkeys(k for row in rows for k in row))
     # nested chat cells: each row's own value, as JSON (see json_cells); plain strings stay strings
     chat = [
         k

@@ -15,6 +15,7 @@ False
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -79,10 +80,8 @@ class OutputLock:
         """Remove the lock file and let go of the lock (a no-op when not held)."""
         if self._fd is None:
             return
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None

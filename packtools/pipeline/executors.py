@@ -12,6 +12,7 @@ so every executor behaves the same way.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -247,10 +248,8 @@ class RayExecutor(Executor):
                         yield i, getattr(exc, "cause", None) or exc
         finally:
             for ref in pending:  # interrupted, or the caller stopped on an error
-                try:
+                with contextlib.suppress(Exception):  # already finished or gone
                     ray.cancel(ref, force=True)
-                except Exception:  # noqa: BLE001, S110 - already finished or gone
-                    pass
 
     def close(self) -> None:
         if self._started and self.ray.is_initialized():

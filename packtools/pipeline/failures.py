@@ -63,7 +63,5 @@ def note_interrupted(exc: BaseException, ws: Workspace) -> None:
     note = "no output was written"
     if kept:
         note += f"; {kept} finished part(s) kept in {ws.root} for the next run (delete it to free the space)"
-    try:
+    with contextlib.suppress(AttributeError):
         exc.packtools_note = note  # type: ignore[attr-defined]
-    except AttributeError:
-        pass

@@ -16,6 +16,7 @@ gathers the next block in a thread while one is written (memory then holds two b
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .._atomic import fsync_file
+from .._atomic import fsync_file, removed_on_error
 from ..compat.datasets import STATE_FILE, saved_state
 from ..core.arrow import ListColumn
 from ..core.pack import pack_columns, read_columns
@@ -140,10 +141,9 @@ class MappedArrow:
     def close(self) -> None:
         self.table = None
         for fh, mm, _ in self._maps:
-            try:
+            # a view is still alive somewhere; the mapping goes with it
+            with contextlib.suppress(BufferError):
                 mm.close()
-            except BufferError:  # a view is still alive somewhere; the mapping goes with it
-                pass
             fh.close()
         self._maps = []
 
@@ -189,7 +189,7 @@ def save_block(job: WriteJob, table: pa.Table) -> dict[str, Any]:
     """Write the gathered ``table`` of one block to ``job.path``, via a temporary name in the same folder.
     Returns ``{"rows", "bytes"}``."""
     tmp = f"{job.path}.tmp-{os.getpid()}"
-    try:
+    with removed_on_error(tmp):
         t = time.perf_counter()
         write_shard(tmp, table)
         t_flush = time.perf_counter()
@@ -197,10 +197,6 @@ def save_block(job: WriteJob, table: pa.Table) -> dict[str, Any]:
         # rename a later run trusts then finds it on disk: 1 GB of shards flushed at the end cost ~1 s)
         fsync_file(tmp)
         os.replace(tmp, job.path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     done = time.perf_counter()
     return {
         "rows": table.num_rows,

@@ -18,6 +18,7 @@ packtools.errors.PackingError: out=... has a manifest.json that packtools did no
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 
@@ -38,10 +39,9 @@ def _inside(path: str, folder: str) -> bool:
 def foreign_entries(out: str) -> list[str]:
     """Entries of the packtools output ``out`` that packtools did not write (sorted names)."""
     ours = set(OUTPUT_FILES)
-    try:
+    # no readable state.json (PackingError is a ValueError): nothing listed
+    with contextlib.suppress(OSError, ValueError):
         ours.update(saved_data_files(out))
-    except (OSError, ValueError):  # no readable state.json (PackingError is a ValueError): nothing listed
-        pass
     return sorted(name for name in os.listdir(out) if name not in ours)
 
 

@@ -9,6 +9,7 @@ fast engine and the Rust tokenizers release it too), which runs ahead of writing
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Iterator
@@ -47,10 +48,8 @@ def prefetch(items: Iterator[T], depth: int = 2) -> Iterator[T]:
         finally:
             close = getattr(items, "close", None)
             if stop.is_set() and close is not None:
-                try:
+                with contextlib.suppress(Exception):  # the consumer is already leaving
                     close()
-                except Exception:  # noqa: BLE001 - the consumer is already leaving
-                    pass
 
     thread = threading.Thread(target=work, name="packtools-prefetch", daemon=True)
     thread.start()

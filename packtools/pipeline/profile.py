@@ -37,7 +37,7 @@ from ..errors import PackingError
 from ..io.discover import discover
 from ..io.files import open_ipc, split_file
 from ..profiling.profile import LengthProfile, profile_lengths
-from .stage import stage_part
+from .stage import freeze_report, preload_tokenizer, stage_part
 from .staged import load_sidecar
 
 
@@ -108,7 +108,6 @@ def _stage(ex: Any, jobs: list, verdict: dict[str, Any] | None, quiet: bool) -> 
     """Stage ``jobs`` under the driver's ``verdict``: entries another engine tokenized are staged again, and
     an audit difference restages the fast engine's entries with transformers (``auto``; ``fast`` stops)."""
     from .jobs import run_jobs
-    from .stage import freeze_report
     from .tokenizer.proof import EngineDivergence
     from .tokenizer.verdict import drop_disagreeing, fall_back
 
@@ -189,7 +188,6 @@ def profile_files(
         )
     else:
         from .formats import output_columns
-        from .stage import freeze_report, preload_tokenizer
         from .tokenizer.folder import check_tokenizer_dir, tokenizer_fingerprint
 
         tok_dir = check_tokenizer_dir(tokenizer)
@@ -213,9 +211,8 @@ def profile_files(
             keep, folder = False, tempfile.mkdtemp(prefix="packtools-stage-")
     parts = [p for f in files for p in split_file(f, part_rows, part_bytes)]
     verdict = None
-    if (
-        fmt != "tokenized"
-    ):  # the driver decides the engine once, as pack does (packtools.pipeline.tokenizer.verdict)
+    # the driver decides the engine once, as pack does (packtools.pipeline.tokenizer.verdict)
+    if fmt != "tokenized":
         from .tokenizer.verdict import decide
 
         verdict = decide(tok, parts, fmt)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .._atomic import fsync_file
+from .._atomic import fsync_file, removed_on_error
 from ..core.arrow import check_aligned, is_list_type, read_list_column
 from ..errors import PackingError
 from ..io.files import Part, Where, iter_part, open_ipc
@@ -49,14 +49,12 @@ from .staged import (
     sidecar_report,
     trained_per_row,
 )
-from .tokenizer import feed
 from .tokenizer.chat.head import CLOSING_KEY, HEAD_COLUMN, TOOL_OPENER_KEY
 from .tokenizer.spec import IdsSpec
 
-#: Version of the staged-file layout; part of every cache key.
-STAGE_FORMAT = (
-    4  # 2: the sidecar keeps the engine report; 3: and the data's SHA-256; 4: trained tokens and heads
-)
+#: Version of the staged-file layout; part of every cache key (2: the sidecar keeps the engine report; 3: and
+#: the data's SHA-256; 4: trained tokens and heads).
+STAGE_FORMAT = 4
 #: Rows per block handed to the tokenizer, read from tokenized files, and most rows / bytes per record batch of
 #: a staged file.
 TOKENIZE_ROWS = 1000
@@ -77,13 +75,11 @@ class StageJob:
     tokenizer: str | None  # the tokenizer folder (``ids.tokenizer``: the hash of its files)
     staged: str  # path of the staged Arrow file
     sidecar: str  # path of the sidecar .npz (written last)
-    single_threaded: bool = (
-        False  # tokenize on one thread (a worker of a pool or of Ray: they are the parallelism)
-    )
+    # tokenize on one thread (a worker of a pool or of Ray: they are the parallelism)
+    single_threaded: bool = False
     known_columns: tuple[str, ...] | None = None  # tokenized JSON: a block with other columns is refused
-    engine_proven: tuple[tuple[str, Any], ...] | None = (
-        None  # the run's verdict (packtools.pipeline.tokenizer.verdict; EngineReport items): the engine every part uses
-    )
+    # the run's verdict (packtools.pipeline.tokenizer.verdict; EngineReport items): the engine every part uses
+    engine_proven: tuple[tuple[str, Any], ...] | None = None
     # the data's SHA-256 in the sidecar (stage-cache entries: checked on adoption); else the data is flushed to
     # disk before the sidecar is written (a run's own parts: cheaper than hashing them)
     checksum: bool = False
@@ -232,6 +228,7 @@ def _token_tables(job: StageJob, clock: dict[str, float]):
             yield where, pa.Table.from_arrays(cols, names=list(job.columns))
         return
     from .formats import input_columns, optional_columns
+    from .tokenizer.batch import called, prepared_batches, render_while_loading
 
     tok = _tokenizer(job)
     # the driver's verdict decides the engine (it proved it on the run's first rows); every part is audited
@@ -242,7 +239,7 @@ def _token_tables(job: StageJob, clock: dict[str, float]):
     read = iter_part(job.part, TOKENIZE_ROWS, input_columns(job.fmt) + optional_columns(job.fmt))
     if job.fmt == "text":
         # the rows become Python strings in the reading thread, beside the engine's encoding of the batch before
-        ready = prefetch(timed(feed.prepared_batches(tok, read), clock, "read"))
+        ready = prefetch(timed(prepared_batches(tok, read), clock, "read"))
         for where, prepared in timed(ready, clock, "read_wait"):
             t = time.perf_counter()
             table = tok.finish(prepared)
@@ -250,7 +247,7 @@ def _token_tables(job: StageJob, clock: dict[str, float]):
             yield where, table
         return
     batches = timed(prefetch(timed(read, clock, "read")), clock, "read_wait")
-    tables = feed.render_while_loading(tok, batches) if job.fmt == "messages" else feed.called(tok, batches)
+    tables = render_while_loading(tok, batches) if job.fmt == "messages" else called(tok, batches)
     yield from timed(tables, clock, "encode_and_wait")
 
 
@@ -288,9 +285,8 @@ def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray, np.ndarray] | Non
 def stage_part(job: StageJob) -> dict[str, Any]:
     """Stage one part (see the module docstring); returns ``{"rows", "reused", "seconds", "data"}``."""
     start = time.perf_counter()
-    if os.path.exists(job.sidecar):
-        if damage(job.sidecar) is not None:  # e.g. cut by a machine crash: staged again
-            drop_staged(job)
+    if os.path.exists(job.sidecar) and damage(job.sidecar) is not None:  # e.g. cut by a machine crash
+        drop_staged(job)  # staged again
     if os.path.exists(job.sidecar):
         lengths, _, data = load_sidecar(job.sidecar)
         if os.path.exists(data):
@@ -315,7 +311,7 @@ def stage_part(job: StageJob) -> dict[str, Any]:
     closing = np.zeros(0, np.int64)  # tokenizer.chat.head.closing_ids of a template with generation markers
     clock: dict[str, float] = {}  # busy seconds per phase (read, encode, write, flush), for the run's timings
     opener = np.zeros(0, np.int64)  # tokenizer.chat.head.tool_opener_ids
-    try:
+    with removed_on_error(tmp):
         with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             tables = timed(prefetch(_token_tables(job, clock)), clock, "stage_wait")
             for where, table in tables:  # tokenizing runs ahead of writing
@@ -357,10 +353,6 @@ def stage_part(job: StageJob) -> dict[str, Any]:
             fsync_file(tmp)
         os.replace(tmp, job.staged)
         clock["flush"] = time.perf_counter() - t_flush
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
     all_first = np.concatenate(firsts) if firsts else np.zeros(0, np.int64)
     all_trained = np.concatenate(trained) if trained else np.zeros(0, np.int64)

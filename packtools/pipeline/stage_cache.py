@@ -32,12 +32,12 @@ finished are kept.  ``rm -rf`` of the folder is always safe when no packtools ru
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from .._atomic import atomic_path, discard
@@ -259,10 +259,8 @@ def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> tuple[s
             )
             now = time.time()
             for path in (arrow, sidecar):
-                try:
+                with contextlib.suppress(OSError):
                     os.utime(path, (now, now))  # used: the last to be evicted
-                except OSError:
-                    pass
             adopted.add(job.sidecar)
     finally:
         lock.release()
@@ -306,21 +304,6 @@ def evicted_error(exc: OSError, folder: str | None = None) -> PackingError | Non
         f"({MAX_GB_ENV}), or it was deleted. Run the same command again: the part is tokenized again. To keep "
         f"long runs off the cache, put ${CACHE_ENV} on the file system of --out."
     )
-
-
-@dataclass
-class CacheUse:
-    """What a profile did in the stage cache."""
-
-    folder: str
-    parts: int
-    reused: int  # parts already in the cache (from an earlier profile): nothing tokenized
-    staged_bytes: int  # bytes of this run's entries
-    cache_bytes: int  # the whole cache after eviction
-    evicted: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 def _entries(folder: str) -> list[tuple[float, int, str]]:
@@ -382,21 +365,16 @@ def evict(folder: str, keep: Sequence[str] = (), budget: int | None = None) -> t
             if ".tmp-" in name:
                 pid = name.rsplit(".tmp-", 1)[1]
                 if pid.isdigit() and not _pid_alive(int(pid)):
-                    try:
+                    with contextlib.suppress(FileNotFoundError):
                         os.unlink(os.path.join(folder, name))
-                    except FileNotFoundError:
-                        pass
         keep_set, now, evicted = set(keep), time.time(), 0
-        for key in _orphans(
-            folder
-        ):  # a data file whose sidecar never came (a kill while staging or evicting)
+        # a data file whose sidecar never came (a kill while staging or evicting)
+        for key in _orphans(folder):
             path = os.path.join(folder, key + ".arrow")
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 if key not in keep_set and now - os.stat(path).st_mtime >= MIN_AGE_S:
                     os.unlink(path)
                     evicted += 1
-            except FileNotFoundError:
-                pass
         entries = sorted(_entries(folder))
         total = sum(e[1] for e in entries)
         for used, size, key in entries:
@@ -405,10 +383,8 @@ def evict(folder: str, keep: Sequence[str] = (), budget: int | None = None) -> t
             if key in keep_set or now - used < MIN_AGE_S:
                 continue
             for suffix in (".npz", ".arrow"):  # the sidecar first: without it the entry is not complete
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(folder, key + suffix))
-                except FileNotFoundError:
-                    pass
             total -= size
             evicted += 1
         return evicted, total

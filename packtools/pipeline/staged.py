@@ -29,6 +29,7 @@ What the labels of staged rows say, per row: where the first label token is, and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any
@@ -143,10 +144,8 @@ def damage(sidecar: str) -> str | None:
 def drop_staged(job: Any) -> None:
     """Remove a staged part (the sidecar first: without it the part is not done), so that it is staged again."""
     for path in (job.sidecar, job.staged):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 # -- label counts --------------------------------------------------------------------------------------------

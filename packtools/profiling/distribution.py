@@ -21,10 +21,6 @@ from ..errors import PackingError
 PERCENTILES: tuple[float, ...] = (50.0, 90.0, 95.0, 99.0, 99.9)
 
 
-def _pct_key(q: float) -> str:
-    return f"p{q:g}"
-
-
 @dataclass(frozen=True, eq=False)
 class LengthDistribution:
     """The length distribution of a dataset's sequences (one length per row, in dataset order).
@@ -84,7 +80,7 @@ class LengthDistribution:
         s(self, "min", int(values[0]) if n else 0)
         s(self, "max", hi)
         s(self, "mean", int(cum_tokens[-1]) / n if n else 0.0)
-        s(self, "percentiles", {_pct_key(q): self.percentile(q) for q in PERCENTILES})
+        s(self, "percentiles", {f"p{q:g}": self.percentile(q) for q in PERCENTILES})
         edges = log_edges(hi)
         s(self, "hist_edges", edges)
         s(self, "hist_counts", np.diff(self._rows_below(edges)))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import textwrap
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,14 +33,10 @@ PERCENTILE_COLORS = ("#4d4d4d", "#1b9e77", "#7570b3", "#e7298a", "#66a61e")
 MAX_LENGTH_COLOR = "#d62728"
 
 
-def _mpl() -> Any:
-    return require("matplotlib", FEATURE)
-
-
 def _new_axes(ax: Axes | None, figsize: tuple[float, float]) -> Axes:
     if ax is not None:
         return ax
-    _mpl()
+    require("matplotlib", FEATURE)
     import matplotlib.pyplot as plt
 
     _, ax = plt.subplots(figsize=figsize, layout="constrained")

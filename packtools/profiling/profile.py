@@ -27,14 +27,13 @@ from ..compat.datasets import dataset_table
 from ..constants import SEQ_LENGTHS
 from ..core.arrow import column_lengths, is_list_type
 from ..errors import PackingError
-from ..io.files import open_ipc
+from ..io.files import discover, open_ipc
 from .distribution import LengthDistribution
 from .packed import file_schema, packed_info, packed_rows, profile_packed
 from .recommend import Recommendation, recommend
 from .tradeoffs import BucketTable, TradeoffTable, bucket_table, tradeoff_table
 from .trained import TrainedTokens
 
-FILE_SUFFIXES = (".parquet", ".arrow", ".feather", ".ipc")
 BATCH_TOKENS = 1 << 20  # about this many values decoded per parquet batch
 
 
@@ -177,8 +176,6 @@ def _table_column(schema: pa.Schema, column: str, where: str) -> pa.Field:
 def _expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
     """The files to profile, found as the pipeline finds its inputs (:func:`packtools.io.files.discover`): a
     ``save_to_disk`` folder stands for the files its ``state.json`` lists (not every ``*.arrow`` in it)."""
-    from ..io.files import discover
-
     files = discover(paths)
     for f in files:
         if f.kind not in ("parquet", "arrow"):

@@ -8,9 +8,8 @@ would feed them, and each sequence alone -- and compares the logits; it also cha
 sequence and checks that the logits of the others do not move.  The model runs in eval mode (no dropout),
 without gradients unless ``backward=True``, and its train/eval flags are restored afterwards.
 
-The isolation probe's refusals (:mod:`packtools.integrations.attention.isolation`): what leaked, why, and the fix.
-
-Each names the model, its attention backend and what to change; a fix never names the setting already in use.
+**Refusals** (:func:`fix_hint`) say what leaked, why, and the fix: each names the model, its attention backend and
+what to change; a fix never names the setting already in use.
 
 >>> fix_hint(["input_ids", "position_ids"], (), "paged|eager")[:44]
 "Use attn_implementation='sdpa' (or 'flash_at"

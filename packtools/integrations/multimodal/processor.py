@@ -298,17 +298,16 @@ def vision_lengths(
     :func:`packtools.profile_lengths` to choose ``max_length``.
     """
     vp = processor if isinstance(processor, VisionProcessor) else load_vision_processor(processor)
-    count = getattr(vp.image_processor, "get_number_of_image_patches", None)
-    out = np.zeros(len(dataset), np.int64)
-    for i, example in enumerate(dataset):
-        out[i] = sample_length(vp, example[messages], example.get(images), i, count)
-    return out
+    lengths = [
+        sample_length(vp, example[messages], example.get(images), i) for i, example in enumerate(dataset)
+    ]
+    return np.asarray(lengths, np.int64)
 
 
-def sample_length(vp: VisionProcessor, messages: Any, images: Any, row: int | str, count: Any = None) -> int:
+def sample_length(vp: VisionProcessor, messages: Any, images: Any, row: int | str) -> int:
     """The tokens of one TRL vision sample as the model sees them (image tokens counted from the images' sizes
     through the image processor's resize rule, ``get_number_of_image_patches / merge²``), no pixel processed."""
-    count = count or getattr(vp.image_processor, "get_number_of_image_patches", None)
+    count = getattr(vp.image_processor, "get_number_of_image_patches", None)
     if count is None:
         raise PackingError(
             f"processor={vp.path!r}: its image processor cannot count patches from sizes.", param="processor"

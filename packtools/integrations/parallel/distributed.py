@@ -60,19 +60,6 @@ def trainer_divides_by_accumulation(trainer: Any, num_items_in_batch: Any = None
     return not scaled
 
 
-def global_sum(value: int, accelerator: Any = None) -> int:
-    """``value`` summed over all processes (``torch.distributed`` when initialized, else itself)."""
-    torch = require("torch", "packtools.integrations.parallel.distributed")
-    if accelerator is not None and accelerator.num_processes > 1:
-        return int(accelerator.gather(torch.tensor([int(value)], device=accelerator.device)).sum())
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor([int(value)], dtype=torch.int64)
-        dist.all_reduce(t)
-        return int(t)
-    return int(value)
-
-
 def _gather_uneven(gather: Any, tensor: Any, device: Any) -> Any:
     torch = require("torch", "packtools.integrations.parallel.distributed")
     if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:

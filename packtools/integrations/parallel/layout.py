@@ -192,7 +192,7 @@ def _from_parallelism_config(accelerator: Any, config: Any, context_parallel: in
             param="parallelism_config",
         )
     dp_rank = _mesh_rank(mesh, names, "dp_replicate") * shard + _mesh_rank(mesh, names, "dp_shard")
-    layout = RankLayout(
+    return RankLayout(
         dp_rank=dp_rank,
         dp_size=replicate * shard,
         cp_rank=_mesh_rank(mesh, names, "cp"),
@@ -200,7 +200,6 @@ def _from_parallelism_config(accelerator: Any, config: Any, context_parallel: in
         tp_size=tp,
         source="ParallelismConfig device mesh",
     )
-    return layout
 
 
 def _refuse_unknown_mesh(model: Any) -> None:
@@ -267,9 +266,8 @@ def rank_layout(trainer: Any, context_parallel: int | None = None) -> RankLayout
         if tp > 1:
             layout = RankLayout(index // tp, world // tp, tp_size=tp, source="DeepSpeed AutoTP")
     if layout is None:
-        if not getattr(
-            trainer, "is_fsdp_enabled", False
-        ):  # FSDP's DTensors are sharded over data parallelism
+        # FSDP's DTensors are sharded over data parallelism
+        if not getattr(trainer, "is_fsdp_enabled", False):
             _refuse_unknown_mesh(getattr(trainer, "model", None))
         cp = 1 if context_parallel is None else context_parallel
         if world % cp:

@@ -42,7 +42,7 @@ import inspect
 from typing import Any
 
 from ..._optional import require
-from ...compat import set_attr, undo
+from ...compat import all_or_nothing, set_attr
 from ...compat.trl import (
     check_step_methods,
     fused_forward,
@@ -147,7 +147,19 @@ def install_padding_free_forward(model: Any, *, owner: Any = None) -> None:
     """Wrap the fused-LM-head forward that TRL put on ``model`` (once) so it runs one padding-free row.
 
     The change is recorded on ``owner`` (the trainer, under :func:`prepare_dpo_trainer`; by default the base
-    model itself, undone by :func:`uninstall_padding_free_forward`)."""
+    model itself, undone by :func:`packtools.compat.undo` on it).
+
+    >>> from trl.trainer.utils import add_fused_lm_head
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from packtools.compat import undo
+    >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    >>> add_fused_lm_head(model); trl_forward = vars(model)["forward"]
+    >>> install_padding_free_forward(model); vars(model)["forward"] is trl_forward
+    False
+    >>> _ = undo(model); vars(model)["forward"] is trl_forward
+    True
+    """
     base = _base_model(model)
     if vars(base).get(_WRAPPED):
         return
@@ -155,22 +167,6 @@ def install_padding_free_forward(model: Any, *, owner: Any = None) -> None:
     owner = base if owner is None else owner
     wrap_fused_forward(base, lambda inner: _padding_free_forward(base, inner, trainer), owner=owner)
     set_attr(base, _WRAPPED, True, owner=owner)
-
-
-def uninstall_padding_free_forward(model: Any) -> None:
-    """Undo :func:`install_padding_free_forward` made without an owner (TRL's fused-head forward comes back).
-
-    >>> from trl.trainer.utils import add_fused_lm_head
-    >>> from transformers import LlamaConfig, LlamaForCausalLM
-    >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
-    >>> add_fused_lm_head(model); trl_forward = vars(model)["forward"]
-    >>> install_padding_free_forward(model); vars(model)["forward"] is trl_forward
-    False
-    >>> uninstall_padding_free_forward(model); vars(model)["forward"] is trl_forward
-    True
-    """
-    undo(_base_model(model))
 
 
 def _check_trainer(trainer: Any) -> None:
@@ -267,7 +263,7 @@ def prepare_dpo_trainer(
     if plan_of(trainer) is not None:
         raise PackingError("prepare_dpo_trainer was already called on this trainer.")
     check_step_methods(trainer)
-    try:
+    with all_or_nothing(trainer):  # a refused trainer is left as TRL built it
         _prepare(
             trainer,
             train_dataset,
@@ -277,9 +273,6 @@ def prepare_dpo_trainer(
             share_prompt,
             context_parallel=context_parallel,
         )
-    except BaseException:
-        undo(trainer)  # all or nothing: a refused trainer is left as TRL built it
-        raise
     return trainer
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from ..._optional import require
 from ...batches.tree import TREE_KEY
-from ...compat import undo
+from ...compat import all_or_nothing
 from ...compat.trl import GRPO_LOSS_TYPES, RL_MEDIA_PARAMS, rl_trainer_kind, trl_logps
 from ...errors import PackingError
 from ..attention.backends import (
@@ -353,12 +353,12 @@ def choose_layout(trainer: Any, models: list[Any], share_prompt: bool | str) -> 
 def _install(
     trainer: Any, models: list[Any], plan: RLPlan, *, check_isolation: bool, segmented_sdpa: bool
 ) -> None:
-    """Install ``plan`` on ``trainer`` and probe its models; all or nothing (undone on any error)."""
-    try:
+    """Install ``plan`` on ``trainer`` and probe its models; all or nothing (a refused trainer is left as TRL
+    built it)."""
+    with all_or_nothing(trainer):
         install_step(trainer, PackedRLStep, plan)  # the class swap and the plan, undone by unprepare
-        if (
-            not plan.share_prompt
-        ):  # token-mixing layers per document (attention.mixers), as prepare_trainer does
+        # token-mixing layers per document (attention.mixers), as prepare_trainer does
+        if not plan.share_prompt:
             for model in models:
                 run_mixers_per_document(model, owner=trainer)
         with segmented_sdpa_until_checked(models, segmented_sdpa and not plan.share_prompt, owner=trainer):
@@ -367,9 +367,6 @@ def _install(
                     use_tree_attention(model, check_isolation=check_isolation, owner=trainer)
                 if check_isolation:
                     check_rl_forward(trainer, model, entropy=model is trainer.model)
-    except BaseException:
-        undo(trainer)  # all or nothing: a refused trainer is left as TRL built it
-        raise
 
 
 def prepare_grpo_trainer(
@@ -418,13 +415,10 @@ def prepare_grpo_trainer(
         raise PackingError("prepare_grpo_trainer was already called on this trainer.")
     trl_class, _ = rl_trainer_kind(trainer)
     models = [m for m in (trainer.model, getattr(trainer, "ref_model", None)) if m is not None]
-    try:
+    with all_or_nothing(trainer):
         seq_idx = _check_models(trainer, models)
         share, reason = choose_layout(trainer, models, share_prompt)
         balance, balance_reason = choose_balance(trainer, balance_groups)
-    except BaseException:
-        undo(trainer)
-        raise
     plan = RLPlan(trl_class, share, seq_idx, reason, balance, balance_reason)
     try:
         _install(trainer, models, plan, check_isolation=check_isolation, segmented_sdpa=segmented_sdpa)

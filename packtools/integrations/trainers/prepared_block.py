@@ -36,18 +36,15 @@ from .step import plan_of
 
 @contextlib.contextmanager
 def prepared(trainer: Any, **kwargs: Any) -> Iterator[Any]:
-    """Prepare ``trainer`` for the block (``prepare_dpo_trainer`` for a TRL ``DPOTrainer``,
-    ``prepare_reward_trainer`` for a ``RewardTrainer``, ``prepare_kto_trainer`` for a ``KTOTrainer``,
-    ``prepare_grpo_trainer`` for a ``GRPOTrainer`` or ``RLOOTrainer``, ``prepare_trainer`` otherwise, with
-    ``kwargs``), and :func:`~packtools.compat.unprepare` it after (also on error)::
+    """Prepare ``trainer`` for the block with the ``prepare_*`` of its kind (see the module docstring) and
+    ``kwargs``, and :func:`~packtools.compat.unprepare` it after (also on error)::
 
         with prepared(trainer, max_tokens=4096):
             trainer.train()
         # trainer, model, collator, loader and attention registry as they were built
     """
-    if (
-        plan_of(trainer) is not None
-    ):  # its unprepare at the block's end would undo the earlier preparation too
+    # its unprepare at the block's end would undo the earlier preparation too
+    if plan_of(trainer) is not None:
         raise PackingError(
             f"prepared() got a {type(trainer).__name__} that prepare_* already prepared: leaving the block would "
             f"unprepare it (its loss mode, loader and attention back to the trainer's own, with no error). Use "

@@ -39,7 +39,7 @@ from typing import Any
 
 from ..._optional import require
 from ...batches.context_parallel import CP_KEY
-from ...compat import record
+from ...compat import record, set_attr
 from ...errors import PackingError
 from ..parallel.distributed import trainer_divides_by_accumulation, uneven_gather
 from ..parallel.layout import RankLayout
@@ -70,9 +70,8 @@ class StepPlan:
         return self.layout.cp_size > 1
 
 
-_CLASSES: dict[
-    tuple[type, type], type
-] = {}  # (trainer class, mixin) -> packed class: built once, never per run
+#: (trainer class, mixin) -> packed class: built once, never per run
+_CLASSES: dict[tuple[type, type], type] = {}
 
 
 def packed_class(base: type, mixin: type) -> type:
@@ -192,12 +191,9 @@ def cp_loss_inputs(inputs: dict[str, Any], plan: StepPlan) -> dict[str, Any]:
     already-shifted targets (no second shift), the shard checked to be cut for this run's layout."""
     shard = inputs[CP_KEY]
     bound = getattr(shard, "bound", None)
-    if (
-        bound is not plan.layout and bound == plan.layout
-    ):  # cut in a data-loader worker: the same layout, copied
-        shard = replace(
-            shard, bound=plan.layout
-        )  # ... without its process group, which stays in this process
+    if bound is not plan.layout and bound == plan.layout:
+        # cut in a data-loader worker: the same layout, copied without its process group (which stays here)
+        shard = replace(shard, bound=plan.layout)
     elif bound is not plan.layout:
         raise PackingError(
             "a context-parallel shard cut for another parallel layout (or for none) reached a trainer prepared "
@@ -358,7 +354,6 @@ def use_causal_lm_loss(trainer: Any) -> None:
         or trainer.label_smoother is not None
     ):
         return
-    from ...compat import set_attr
     from .sft import causal_lm_loss
 
     set_attr(trainer, "compute_loss_func", causal_lm_loss, owner=trainer)

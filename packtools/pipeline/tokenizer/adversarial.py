@@ -12,9 +12,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-LONG_TEXT_WORDS = (
-    12_000  # the adversarial set's longest text: more tokens than any usual configured truncation
-)
+#: the adversarial set's longest text: more tokens than any usual configured truncation
+LONG_TEXT_WORDS = 12_000
 
 
 #: characters where regex engines' classes disagree (\s, \w, \b, POSIX and script classes): fastokens counts

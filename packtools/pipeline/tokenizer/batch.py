@@ -13,6 +13,7 @@ packtools.errors.PackingError: format='tokenized' cannot be tokenized; use one o
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -283,10 +284,7 @@ class BatchTokenizer:
         """At load: the driver's choice ``proven`` taken as it is (a worker), else the engine chosen on the
         adversarial set (:func:`~packtools.pipeline.tokenizer.proof.choose_engine`); each part without a verdict
         starts from it."""
-        if proven is not None:
-            choice = adopt(self, proven)
-        else:
-            choice = choose_engine(self, requested, facts)
+        choice = adopt(self, proven) if proven is not None else choose_engine(self, requested, facts)
         self._report, self._fast, self._pending = choice.report, choice.fast, choice.pending
         self.proof_recorded = choice.recorded
         if choice.source is not None:
@@ -377,18 +375,17 @@ class BatchTokenizer:
         )
 
     # -- per part ----------------------------------------------------------------------------------
-    def start_part(self, seed: str, verdict: dict[str, Any] | None = None, proves: bool = True) -> None:
+    def start_part(self, seed: str, verdict: dict[str, Any] | None = None) -> None:
         """A new part (a unit of work with its own report, its audit seeded by ``seed``).  ``verdict``: the
         run's engine, decided once by the driver (:mod:`packtools.pipeline.tokenizer.verdict`, an
         :meth:`EngineReport.to_dict`): the part is tokenized with exactly that engine, audited, and has no proof
         rows of its own.  None (a :class:`BatchTokenizer` used directly): the part starts from the engine chosen
-        at load and ``proves`` it on its first rows of each column (a difference there falls back, ``auto``)."""
+        at load and proves it on its first rows of each column (a difference there falls back, ``auto``)."""
         if verdict is not None:
             self._take_verdict(verdict)
-            proves = False
         else:
             self._report, self._fast = self._loaded
-        self.proof.start_part(seed, proves)
+        self.proof.start_part(seed, proves=verdict is None)
         if self.drops is not None:
             self.drops.take()
 
@@ -481,9 +478,8 @@ class BatchTokenizer:
     def _prompt_and_completions(self, table: pa.Table, names: Sequence[str], first_row: Row) -> list[Ragged]:
         """Tokenized prompt (first) and completions (the others) of prompt-completion or preference rows."""
         prompts = cells(table, "prompt")
-        if prompts and isinstance(
-            prompts[0], list
-        ):  # conversational rows (packtools.pipeline.tokenizer.chat.tokens)
+        # conversational rows (packtools.pipeline.tokenizer.chat.tokens)
+        if prompts and isinstance(prompts[0], list):
             return self.chat.prompt_and_completions(table, prompts, names, first_row)
         parts = [self.encode(_strings(table, "prompt", first_row, prompts), True, first_row, "prompt")]
         for name in names:
@@ -592,9 +588,8 @@ class BatchTokenizer:
             if getattr(self, "_closing", None) is None:
                 self._closing = closing_ids(self.chat.renderer, self._encode_plain)
             meta[CLOSING_KEY] = ",".join(map(str, self._closing)).encode()
-        if (
-            getattr(self, "_tool_opener", None) is None
-        ):  # a tool result stays with its call: the stage records it
+        # a tool result stays with its call: the stage records it
+        if getattr(self, "_tool_opener", None) is None:
             self._tool_opener = tool_opener_ids(self.chat.renderer, self._encode_plain)
         meta[TOOL_OPENER_KEY] = ",".join(map(str, self._tool_opener)).encode()
         return table.replace_schema_metadata(meta)
@@ -646,3 +641,52 @@ class BatchTokenizer:
                 "rejected_input_ids": ragged.to_arrow(rejected),
             }
         )
+
+
+# -- how a stage's batches reach a BatchTokenizer: raw text's Python half (BatchTokenizer.prepare) done in the reading
+# thread; chat rendered while the fast engine still loads and finished by it once it has loaded --------------------
+#: chat batches rendered while the fast engine loads (:func:`render_while_loading`), at most
+AHEAD_BATCHES = 32
+
+
+def prepared_batches(tok: Any, read: Any) -> Iterator[tuple[Any, tuple[Any, ...]]]:
+    """``(where, tok.prepare(table, where))`` of every batch ``read`` gives (closing it when closed early)."""
+    try:
+        for where, table in read:
+            yield where, tok.prepare(table, where)
+    finally:
+        read.close()
+
+
+def called(tok: Any, batches: Iterator[tuple[Any, pa.Table]]) -> Iterator[tuple[Any, pa.Table]]:
+    """``(where, tok(table, where))`` for every batch, in order."""
+    for where, table in batches:
+        yield where, tok(table, where)
+
+
+def render_while_loading(tok: Any, batches: Iterator[tuple[Any, pa.Table]]) -> Iterator[tuple[Any, pa.Table]]:
+    """``(where, tok(table, where))`` for every batch, in order; while the fast engine still loads, up to
+    :data:`AHEAD_BATCHES` batches are rendered (:meth:`BatchTokenizer.prepare`, most of chat's Python work)
+    and held, then finished by the engine once it has loaded, instead of the thread waiting for it.
+
+    >>> class Tok:
+    ...     loading = [True, True, False]
+    ...     def engine_loading(self): return self.loading.pop(0) if self.loading else False
+    ...     def prepare(self, table, where): return ("held", table)
+    ...     def finish(self, prepared): return prepared[1] * 10
+    ...     def __call__(self, table, where): return table * 10
+    >>> list(render_while_loading(Tok(), iter([(0, 1), (1, 2), (2, 3), (3, 4)])))
+    [(0, 10), (1, 20), (2, 30), (3, 40)]
+    """
+    held: collections.deque = collections.deque()
+    for where, table in batches:
+        if tok.engine_loading() and len(held) < AHEAD_BATCHES:
+            held.append((where, tok.prepare(table, where)))
+            continue
+        while held:
+            w, prepared = held.popleft()
+            yield w, tok.finish(prepared)
+        yield where, tok(table, where)
+    while held:
+        w, prepared = held.popleft()
+        yield w, tok.finish(prepared)

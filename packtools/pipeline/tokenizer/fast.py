@@ -30,9 +30,8 @@ from ...errors import PackingError
 
 ENGINES = ("auto", "fast", "transformers")
 ENGINE_MODULE = "fastokens"
-PROOF_ROWS = (
-    256  # rows at the start of each part, per column, compared with transformers before the engine is trusted
-)
+#: rows at the start of each part, per column, compared with transformers before the engine is trusted
+PROOF_ROWS = 256
 AUDIT_RATE = 0.001  # after that, each row is compared with this probability (seeded random sample)
 _NORMALIZERS = (None, "NFC")
 

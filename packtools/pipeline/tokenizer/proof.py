@@ -236,9 +236,8 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> Choice:
             )
     checked = {"adversarial_texts": 2 * len(texts)}
     if bt.fmt == "messages":
-        if (
-            fast.nfc
-        ):  # the fast chat path runs on NFC text only (other batches: transformers), so prove it there
+        # the fast chat path runs on NFC text only (other batches: transformers), so prove it there
+        if fast.nfc:
             texts = [unicodedata.normalize("NFC", t) for t in texts]
         convs = adversarial.adversarial_conversations(texts)
         with bt.trying(fast):  # the conversations are compared on the fast engine

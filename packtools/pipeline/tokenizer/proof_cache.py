@@ -73,7 +73,6 @@ _PROOF_MODULES = (  # every module that decides ids, labels or a verdict (F6)
     "adversarial.py",
     "char_drops.py",
     "chat/local.py",
-    "feed.py",
     "reference.py",
     "proof.py",
     "fast.py",
