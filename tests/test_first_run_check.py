@@ -352,3 +352,40 @@ def test_a_process_that_imported_transformers_checks_before_the_stage(tok, tmp_p
     assert "reference_check_by" in with_child.timings and "reference_check_by" not in here.timings
     assert _records(tmp_path / "cache-here") == _records(tmp_path / "cache-child")
     assert _docs(here.out) == _docs(with_child.out) == _expected(tok, TEXTS)
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (absent, or a zombie nobody has reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_the_child_ends_when_its_driver_is_killed(tok):
+    """A driver killed while its check's child still loads transformers leaves no process behind: the child
+    reads its request to the end of a pipe nobody writes to any more, and ends."""
+    driver = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys, signal\n"
+            "from packtools.pipeline.tokenizer.reference_check import ReferenceCheck\n"
+            "check = ReferenceCheck(sys.argv[1], 'f' * 64)\n"
+            "print(check.child_pid, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n",
+            tok,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    child = int(driver.stdout.readline())
+    driver.wait()
+    assert driver.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 120
+    while not _gone(child):
+        assert time.monotonic() < deadline, f"the check's child {child} outlived its driver"
+        time.sleep(0.1)

@@ -112,6 +112,11 @@ class ReferenceCheck:
         #: records that rest on this check (the adversarial verdicts proven against ``lite``), written on a pass
         self.on_pass: list[Callable[[], None]] = []
 
+    @property
+    def child_pid(self) -> int | None:
+        """The child process's id (None where none could be started)."""
+        return self._child.pid if self._child is not None else None
+
     def cancel(self) -> None:
         """Stop the child: nothing is staged on a provisional reference after all."""
         if self._child is not None and self._child.poll() is None:
