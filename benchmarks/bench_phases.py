@@ -16,7 +16,8 @@ hits all of them; each column is the repeat with the best wall time.
   (timed apart: not the engine's), then ``encode_batch_flat`` over batches of 1,000 texts with the engine's
   default threads (timed: the engine's MB/s, the figure the pipeline is measured against).
 - ``first run``: ``run_pipeline`` with an empty ``PACKTOOLS_CACHE_DIR`` (every recorded proof and fact is
-  made again; transformers is imported), timed from the process start.
+  made again; transformers is imported, in the check's child process), timed from the process start; its peak
+  RSS, its child's, and the two together sampled every 10 ms (the machine's memory at one time).
 - ``warm``: the same command again with that cache folder.
 
 ``--tokenized-mb N``: instead, N MB of already tokenized JSON lines (``{"input_ids": [...]}``, lognormal lengths,
@@ -41,6 +42,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 from _common import print_report, work_folder
@@ -71,7 +73,33 @@ def case_alone(src: str, tok_dir: str) -> dict:
             "encode_s": t5 - t4}  # fmt: skip
 
 
+def _rss_kib(pid: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            return next((int(line.split()[1]) for line in fh if line.startswith("VmRSS:")), 0)
+    except OSError:
+        return 0
+
+
+def sample_rss(stop: threading.Event, peak: list[int]) -> None:
+    """Every 10 ms until ``stop``: the RSS of this process plus its child processes', its peak in ``peak[0]``
+    (KiB): the memory the machine holds at one time, where the peaks of each process may not coincide."""
+    me = str(os.getpid())
+    while not stop.wait(0.01):
+        kids: list[str] = []
+        for task in os.listdir(f"/proc/{me}/task"):
+            try:
+                with open(f"/proc/{me}/task/{task}/children") as fh:
+                    kids += fh.read().split()
+            except OSError:
+                continue
+        peak[0] = max(peak[0], _rss_kib(me) + sum(_rss_kib(k) for k in kids))
+
+
 def case_pack(src: str, out: str, tok_dir: str) -> dict:
+    stop, peak = threading.Event(), [0]
+    sampler = threading.Thread(target=sample_rss, args=(stop, peak), daemon=True)
+    sampler.start()
     t0 = time.perf_counter()
     from packtools.pipeline.config import PipelineConfig
     from packtools.pipeline.run import run_pipeline
@@ -80,8 +108,16 @@ def case_pack(src: str, out: str, tok_dir: str) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     res = run_pipeline([src], out, PipelineConfig(max_length=MAX_LENGTH, tokenizer=tok_dir))
     t2 = time.perf_counter()
+    import resource
+
+    # peak RSS of this process, and of its children (a first run's check against transformers: one process)
+    rss = {who: resource.getrusage(k).ru_maxrss * 1024 / 2**30
+           for who, k in (("rss_gb", resource.RUSAGE_SELF), ("child_rss_gb", resource.RUSAGE_CHILDREN))}  # fmt: skip
+    stop.set()
+    sampler.join()
+    rss["sum_rss_gb"] = peak[0] / 2**20
     return {"import_s": t1 - t0, "run_s": t2 - t1, "own_s": t2 - t0, "timings": res.timings,
-            "engine": res.stats["tokenizer"]["engine"], "rows_out": res.stats["rows_out"]}  # fmt: skip
+            "engine": res.stats["tokenizer"]["engine"], "rows_out": res.stats["rows_out"], **rss}  # fmt: skip
 
 
 def make_tokenized(path: str, mb: int) -> None:
@@ -188,6 +224,7 @@ def phases(r: dict) -> list[tuple[str, float]]:
         ("  encode (busy)", stage.get("encode", 0.0)),
         ("  write staged file (busy)", stage.get("write", 0.0)),
         ("  flush staged file (busy)", stage.get("flush", 0.0)),
+        ("  waiting for the check against transformers (first run)", t.get("reference_check_s", 0.0)),
         ("plan", t.get("plan_s", 0.0)),
         ("gather + write (wall)", t.get("write_s", 0.0)),
         ("  gather (busy)", write.get("gather", 0.0)),
@@ -196,6 +233,9 @@ def phases(r: dict) -> list[tuple[str, float]]:
         ("install, exit, other", rest),
         ("**end to end (wall)**", r["wall_s"]),
         ("CPU seconds, user + system (whole process)", r["cpu_s"]),
+        ("peak RSS, the run's process (GiB)", r.get("rss_gb", 0.0)),
+        ("peak RSS, its child process (GiB; first run's check)", r.get("child_rss_gb", 0.0)),
+        ("peak of the two together, sampled every 10 ms (GiB)", r.get("sum_rss_gb", 0.0)),
     ]
 
 
@@ -256,8 +296,12 @@ def main() -> int:
                 key = "encode_s" if name == "alone" else "wall_s"
                 if name not in best or r[key] < best[name][key]:
                     best[name] = r
+            with open("/proc/loadavg") as fh:
+                now = " ".join(fh.read().split()[:3])
             print(
-                f"repeat {rep}: " + ", ".join(f"{k} {v['wall_s']:.2f} s" for k, v in runs.items()), flush=True
+                f"repeat {rep} (load average after: {now}): "
+                + ", ".join(f"{k} {v['wall_s']:.2f} s / {v['cpu_s']:.2f} CPU s" for k, v in runs.items()),
+                flush=True,
             )
             shutil.rmtree(out, ignore_errors=True)
         with open("/proc/loadavg") as fh:

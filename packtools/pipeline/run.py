@@ -58,7 +58,18 @@ from .summary import tokenizer_timings
 from .tokenizer.fast import engine_summary
 from .tokenizer.proof import EngineDivergence
 from .tokenizer.spec import IdsSpec
-from .tokenizer.verdict import basis, decide, drop_disagreeing, fall_back, record, recorded
+from .tokenizer.verdict import (
+    basis,
+    decide,
+    drop_all,
+    drop_disagreeing,
+    fall_back,
+    left_provisional,
+    provisional,
+    record,
+    recorded,
+    reference_fallback,
+)
 from .workspace import Workspace, checkpoint, left_behind_notes, tidy_after_dead_run
 
 
@@ -186,7 +197,10 @@ def run_pipeline(
     check_replaceable(out)
     Workspace(out).refuse_if_held()  # before loading the tokenizer: a busy out fails at once
     # early: seconds before staging, itemized in the summary
-    found, early = _inputs(files, config, fp["tokenizer_sha256"], started)
+    # a first run checks the reference while it stages only where its stage jobs share the driver's tokenizer: a
+    # pool's or Ray's workers would each load transformers meanwhile (no verdict recorded yet)
+    local = getattr(executor, "name", executor) == "local"
+    found, early = _inputs(files, config, fp["tokenizer_sha256"], started, check_later=local)
 
     ws = Workspace(out)
     ws.acquire()
@@ -232,10 +246,16 @@ def warn_pipeline_drops(stats: dict[str, Any]) -> None:
 
 
 def _inputs(
-    files: Sequence[InputFile], config: PipelineConfig, tokenizer_fp: str | None, started: float
+    files: Sequence[InputFile],
+    config: PipelineConfig,
+    tokenizer_fp: str | None,
+    started: float,
+    *,
+    check_later: bool = False,
 ) -> tuple[RunInputs, dict[str, Any]]:
     """The format and columns of ``files``, what decides their ids (``tokenizer_fp``: the hash of the
-    tokenizer's files), the tokenizer loaded and its engine proved once (raw input), and the seconds that took."""
+    tokenizer's files), the tokenizer loaded and its engine proved once (raw input), and the seconds that took.
+    ``check_later``: a first run may stage on a provisional reference (:func:`_settle_reference`)."""
     early: dict[str, Any] = {}
     fmt = data_format(files, config)
     check_options_used(config, fmt)
@@ -272,7 +292,7 @@ def _inputs(
     t_tok = time.perf_counter()
     early["setup_s"] = round(t_tok - started, 3)
     tok = preload_tokenizer(  # fails here, once, if it cannot load; workers take the engine it chose
-        config.tokenizer, ids, input_bytes=sum(f.size for f in files)
+        config.tokenizer, ids, input_bytes=sum(f.size for f in files), check_later=check_later
     )
     proven = freeze_report(tok.report.to_dict())
     early.update(tokenizer_timings(tok, time.perf_counter() - t_tok))
@@ -286,21 +306,70 @@ def _inputs(
 
 def _verdict(
     found: RunInputs, config: PipelineConfig, parts: Sequence[Part], ws: Workspace, ids_key: dict[str, Any]
-) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None, bool]:
     """The run's tokenizer engine (:mod:`packtools.pipeline.tokenizer.verdict`): the one a killed run recorded in this
-    work folder, else proven now on the first rows across ``parts``; recorded before any part is staged.
-    ``(None, None)`` for tokenized input."""
+    work folder, else proven now on the first rows across ``parts``; recorded before any part is staged.  On a
+    provisional reference (a first run's, :func:`_settle_reference`) the verdict rests on it.  The third value:
+    the folder's parts were staged on a provisional reference this run does not take back (none is reused).
+    ``(None, None, False)`` for tokenized input."""
     if found.fmt == "tokenized":
-        return None, None
+        return None, None, False
     from .stage import preload_tokenizer
 
+    tok = preload_tokenizer(config.tokenizer, found.ids, check_later=True)  # the driver's (_inputs loaded it)
     rests_on = basis(config.tokenizer, found.fmt, config.tokenizer_engine, parts, ids=ids_key)
+    if tok.reference_check is not None:
+        rests_on = provisional(rests_on)
     verdict = recorded(ws.stage, rests_on)
+    stale = False
     if verdict is None:
-        tok = preload_tokenizer(config.tokenizer, found.ids)  # the driver's tokenizer (_inputs loaded it)
+        stale = left_provisional(ws.stage, rests_on)
         verdict = decide(tok, parts, found.fmt)
         record(ws.stage, verdict, rests_on)
-    return verdict, rests_on
+    return verdict, rests_on, stale
+
+
+def _reference_pending(found: RunInputs, config: PipelineConfig) -> Any:
+    """The check of the provisional reference the driver's tokenizer still has to settle
+    (:func:`_settle_reference`; :class:`~packtools.pipeline.tokenizer.reference_check.ReferenceCheck`), or None."""
+    from .stage import preload_tokenizer
+
+    return preload_tokenizer(config.tokenizer, found.ids, check_later=True).reference_check
+
+
+def _settle_reference(
+    found: RunInputs,
+    config: PipelineConfig,
+    ws: Workspace,
+    jobs: Sequence[StageJob],
+    verdict: dict[str, Any],
+    rests_on: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, Any], int] | None:
+    """Before anything of a first run is planned or installed: wait for the check of the provisional reference
+    its parts were staged on (:meth:`~packtools.pipeline.tokenizer.batch.BatchTokenizer.settle_reference`).  Where
+    it gave transformers' ids, the verdict is recorded again on the settled basis (a kill from here reuses the
+    parts) and None is returned.  Where it differs, every staged part is dropped (their ids came from it) and a
+    fallback verdict recorded, before the difference itself is; returns that verdict, its basis and how many
+    parts were dropped, for every part to be staged again by transformers."""
+    from .stage import preload_tokenizer
+
+    tok = preload_tokenizer(config.tokenizer, found.ids, check_later=True)
+    if tok.reference_check is None:
+        return None
+    checkpoint("reference-check")
+    settled = {k: v for k, v in rests_on.items() if k != "reference"}  # verdict.provisional's label off
+    late: list[tuple[dict[str, Any], dict[str, Any], int]] = []
+
+    def restage(why: str) -> None:
+        dropped = drop_all(jobs)
+        again = reference_fallback(verdict, why)
+        record(ws.stage, again, settled)
+        late.append((again, settled, dropped))
+
+    if tok.settle_reference(restage) is None:
+        record(ws.stage, verdict, settled)
+        return None
+    return late[0]
 
 
 def busy_seconds(outcomes: Sequence[Any]) -> dict[str, float]:
@@ -334,7 +403,7 @@ def _run(
     )
     t_verdict = time.perf_counter()
     try:
-        verdict, rests_on = _verdict(found, config, parts, ws, fp["config"]["ids"])
+        verdict, rests_on, stale = _verdict(found, config, parts, ws, fp["config"]["ids"])
     except BaseException:
         if warming is not None:  # nothing of the run loads kernels after it returns
             warming.join()
@@ -355,6 +424,7 @@ def _run(
         )
 
     jobs = jobs_for(verdict)
+    dropped = drop_all(jobs) if stale else 0  # staged on a reference never checked, or found different
     from_killed_run = {j.sidecar for j in jobs if os.path.exists(j.sidecar)}
     from_cache, cache_notes = adopt_cached(jobs)  # parts `packtools profile` staged: not tokenized again
     timings: dict[str, Any] = {
@@ -363,9 +433,10 @@ def _run(
         "verdict_s": verdict_s,  # the driver's proof on the data's first rows (it waits for the engine's load)
     }
     if verdict is not None:
-        timings["parts_restaged"] = drop_disagreeing(jobs, verdict)
+        timings["parts_restaged"] = dropped + drop_disagreeing(jobs, verdict)
     ex = get_executor(how.executor, how.workers, how.address)
     timings["executor"] = ex.name
+    check_pending = _reference_pending(found, config) if verdict is not None else None
     if ex.name != "local" and warming is not None:  # (an Executor object that is not local after all)
         warming.join()
     try:
@@ -374,8 +445,27 @@ def _run(
         while True:
             try:
                 staged = run_jobs(ex, stage_part, jobs, "stage", how.quiet, how.retries, finished=done)
-                if verdict is None or not drop_disagreeing(jobs, verdict):
-                    break  # (a part of a stopped worker that landed after the fallback is staged again)
+                if verdict is not None and drop_disagreeing(jobs, verdict):
+                    continue  # (a part of a stopped worker that landed after the fallback is staged again)
+                t_check = time.perf_counter()
+                late = (
+                    _settle_reference(found, config, ws, jobs, verdict, rests_on)
+                    if verdict is not None
+                    else None
+                )
+                if (
+                    check_pending is not None
+                ):  # a first run's wait for its check against transformers (in stage_s)
+                    timings["reference_check_s"] = round(time.perf_counter() - t_check, 3)
+                    timings["reference_check_by"] = check_pending.how  # the child, or the driver and why
+                    check_pending = None
+                if late is None:
+                    break
+                # the first run's provisional reference differed from transformers: every part again, by it
+                verdict, rests_on, dropped = late
+                jobs = jobs_for(verdict)
+                timings["parts_restaged"] = timings.get("parts_restaged", 0) + dropped
+                done.clear()
             except EngineDivergence as exc:
                 if verdict is None or verdict["requested"] != "auto" or verdict["engine"] == "transformers":
                     raise

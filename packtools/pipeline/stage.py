@@ -126,12 +126,16 @@ def preload_tokenizer(
     *,
     proven: tuple[tuple[str, Any], ...] | None = None,
     input_bytes: int | None = None,
+    check_later: bool = False,
 ) -> Any:
     """The :class:`BatchTokenizer` of the folder ``tokenizer`` under the run's ``ids`` (format, add-EOS, engine,
     audit rate, on-unencodable), loaded once per process (loading is the slow part).  ``proven``: the driver's
     engine choice, taken as it is (workers do not choose again).  ``input_bytes``: the driver's whole raw input
     (a small one is tokenized by the reference alone); a driver whose input is of the other size class than the
-    cached tokenizer's gets a new one, a stage job (None) takes the cached one."""
+    cached tokenizer's gets a new one, a stage job (None) takes the cached one.  ``check_later``: the pipeline's
+    driver, which may stage on a provisional reference and settles it before its install
+    (:meth:`~packtools.pipeline.tokenizer.batch.BatchTokenizer.settle_reference`); any other caller but a stage
+    job gets a settled tokenizer."""
     from .tokenizer.batch import BatchTokenizer
     from .tokenizer.folder import tokenizer_fingerprint
     from .tokenizer.load import reference_suffices
@@ -154,8 +158,13 @@ def preload_tokenizer(
             proven=_thaw(proven) if proven is not None else None,
             wait_for_engine=False,  # a large vocabulary's first batches may go to the reference meanwhile
             input_bytes=input_bytes,
+            check_later=check_later,
         )
-    return _TOKENIZERS[key]
+    tok = _TOKENIZERS[key]
+    if tok.reference_check is not None and proven is None and not check_later:
+        # (e.g. profile after a failed pack): nothing was staged on it here
+        tok.settle_reference(lambda why: None)
+    return tok
 
 
 def freeze_report(report: dict[str, Any]) -> tuple[tuple[str, Any], ...]:

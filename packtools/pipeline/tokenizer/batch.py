@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from ...core.ragged import Ragged
 from ...errors import PackingError
 from ...io.json_cells import cells
 from ..formats import FORMATS, Row, at, input_columns, shift
-from . import adversarial, reference
+from . import adversarial, reference, reference_check
 from . import fast as fast_engine
 from .char_drops import DropCounter, check_on_unencodable
 from .chat import tokens as chat
@@ -36,6 +36,10 @@ from .chat.values import by_tools
 from .folder import added_tokens_outside, load_tokenizer, tokenizer_fingerprint
 from .load import FastLoad, compact_file, load_facts, reference_suffices, start_fast_load
 from .proof import EngineDivergence, Proof, adopt, choose_engine, engine_error
+from .reference_check import ReferenceCheck
+
+#: the reference of a first run's driver while its check runs (:meth:`BatchTokenizer.settle_reference`)
+PROVISIONAL_REFERENCE = "tokenizers (provisional: checked against transformers before the install)"
 
 
 def _strings(table: pa.Table, name: str, first_row: Row, values: list | None = None) -> list[str]:
@@ -76,6 +80,7 @@ class BatchTokenizer:
         proven: dict[str, Any] | None = None,
         wait_for_engine: bool = True,
         input_bytes: int | None = None,
+        check_later: bool = False,
     ) -> None:
         if fmt not in FORMATS or fmt == "tokenized":
             raise PackingError(
@@ -89,13 +94,6 @@ class BatchTokenizer:
         requested = fast_engine.check_engine(engine)
         self._tok: Any = None
         self.fingerprint = fp = tokenizer_fingerprint(tokenizer_dir)
-        # tokenizer.json's facts, recorded by an earlier run; the fast engine loads in a background thread
-        self._facts = facts = load_facts(tokenizer_dir, fp)
-        #: tokens transformers adds from the folder's other files (added_tokens.json, tokenizer_config.json,
-        #: special_tokens_map.json) that tokenizer.json lacks: neither the tokenizers library nor the fast
-        #: engine knows them, so transformers itself tokenizes (choose_engine says why)
-        self.added_outside = added_tokens_outside(tokenizer_dir, facts.specials) if facts is not None else []
-        adopted = proven.get("engine") if proven is not None else None
         #: a small input the reference tokenizes alone (choose_engine); no fast engine is loaded
         self.small_input = (
             input_bytes
@@ -104,6 +102,21 @@ class BatchTokenizer:
             and reference_suffices(tokenizer_dir, requested, input_bytes)
             else None
         )
+        #: the first run's check of a provisional lite reference, started now (its child process imports
+        #: transformers while the facts are read) and running while the data is staged (see
+        #: :meth:`settle_reference`); None once settled, and where the reference is not provisional
+        self._check: ReferenceCheck | None = (
+            ReferenceCheck(tokenizer_dir, fp)
+            if check_later and self._checks_later(requested, proven)
+            else None
+        )
+        # tokenizer.json's facts, recorded by an earlier run; the fast engine loads in a background thread
+        self._facts = facts = load_facts(tokenizer_dir, fp)
+        #: tokens transformers adds from the folder's other files (added_tokens.json, tokenizer_config.json,
+        #: special_tokens_map.json) that tokenizer.json lacks: neither the tokenizers library nor the fast
+        #: engine knows them, so transformers itself tokenizes (choose_engine says why)
+        self.added_outside = added_tokens_outside(tokenizer_dir, facts.specials) if facts is not None else []
+        adopted = proven.get("engine") if proven is not None else None
         skip = adopted == "transformers" or self.small_input is not None or bool(self.added_outside)
         self._fast_load = start_fast_load(
             tokenizer_dir, fp, facts, fmt, "transformers" if skip else requested
@@ -118,9 +131,14 @@ class BatchTokenizer:
             if requested != "transformers" and not self.added_outside
             else None
         )
+        if self._check is not None:
+            lite = self._provisional(copy)
         #: what the reference was loaded from: tokenizer.json, its copy recorded identical, or transformers
         self.reference_source = lite.source if lite is not None else "transformers"
-        if lite is not None:
+        if self._check is not None:
+            backend, self.eos_id = lite.backend, lite.eos_id
+            self.reference_engine = PROVISIONAL_REFERENCE
+        elif lite is not None:
             backend, self.eos_id = lite.backend, lite.eos_id
             self.reference_engine = "tokenizers (checked equal to transformers)"
         else:
@@ -150,6 +168,80 @@ class BatchTokenizer:
         self._choose(requested, facts, proven)
         #: seconds spent loading the reference (or transformers) and tokenizer facts; choosing/proving the engine
         self.seconds = {"load_s": loaded - started, "proof_s": time.perf_counter() - loaded}
+
+    def _checks_later(self, requested: str, proven: dict[str, Any] | None) -> bool:
+        """Whether this (driver's) tokenizer may stage on a provisional reference while it is checked: plain
+        text, an engine other than transformers asked for, no engine handed down, an input large enough for the
+        fast engine (a small one the reference alone tokenizes), no verdict recorded for this tokenizer and these
+        versions, and transformers not imported here yet (:func:`~.reference_check.child_pays`).
+        (:meth:`_provisional` gives the check up where tokenizer.json's facts rule it out.)"""
+        return (
+            self.fmt == "text"
+            and requested != "transformers"
+            and proven is None
+            and self.small_input is None
+            and reference.unchecked(self.fingerprint)
+            and reference_check.child_pays()
+        )
+
+    def _provisional(self, copy: str | None) -> reference.LiteReference | None:
+        """The lite reference of the folder's own tokenizer.json, handed to the started check
+        (:class:`~packtools.pipeline.tokenizer.reference_check.ReferenceCheck`); None, with the check stopped, where
+        the facts rule the fast path out (transformers then loads here, as without a check: no facts, or tokens
+        transformers adds that tokenizer.json lacks) or the library cannot load it."""
+        check = self._check
+        assert check is not None
+        lite = None
+        if self._facts is not None and not self.added_outside:
+            try:
+                lite = reference.LiteReference(self.tokenizer_dir)
+            except Exception:  # noqa: BLE001 - transformers says why, or tokenizes
+                lite = None
+        if lite is None:
+            check.cancel()
+            self._check = None
+            return None
+        check.start(lite, adversarial.adversarial_texts(self._facts.specials), copy)
+        return lite
+
+    @property
+    def reference_check(self) -> ReferenceCheck | None:
+        """The check of a provisional reference still to be settled (:meth:`settle_reference`), or None."""
+        return self._check
+
+    def settle_reference(self, on_difference: Callable[[str], None]) -> str | None:
+        """Wait for the check of a provisional reference (:meth:`reference_check`; None: nothing to settle).
+        Where the lite reference gave transformers' ids it is recorded so (with the adversarial verdicts that
+        rested on it, :attr:`ReferenceCheck.on_pass`) and stays the reference; returns None.  Where it differs,
+        transformers becomes the reference and no engine other than transformers tokenizes from here on;
+        ``on_difference(why)`` is called (the driver drops what was staged on it) before the difference is
+        recorded; returns ``why``.  A failed load of transformers raises here, and nothing is recorded."""
+        check = self._check
+        if check is None:
+            return None
+        difference = check.result()
+        self._check = None
+        if difference is None:
+            check.record_finding()
+            for write in check.on_pass:
+                write()
+            self.reference_engine = "tokenizers (checked equal to transformers)"
+            return None
+        why = (
+            f"the tokenizers library differed from transformers on the built-in adversarial set ({difference}): "
+            f"transformers is the reference, and tokenizes every part"
+        )
+        self._tok = check.transformers()  # where the driver checked by itself; else loaded by self.tok
+        self.backend = self.tok.backend_tokenizer
+        self._encode_batch = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        self.eos_id = self.tok.eos_token_id
+        self.reference_engine = self.reference_source = "transformers"
+        self._fast = self._pending = self._fast_load = None
+        self._report = fast_engine.EngineReport("transformers", f"fallback: {why}", self._report.requested)
+        self._loaded = (self._report, None)
+        on_difference(why)
+        check.record_finding()
+        return why
 
     @property
     def tok(self) -> Any:

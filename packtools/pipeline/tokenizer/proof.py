@@ -25,6 +25,7 @@ rows, and the same parts prove whichever process stages them).  It counts what i
 
 from __future__ import annotations
 
+import functools
 import random
 import unicodedata
 from dataclasses import dataclass
@@ -255,7 +256,12 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> Choice:
                 f"the fast path's chat tokens or assistant masks differ from transformers' ({mismatch})"
             )
         checked["adversarial_conversations"] = len(convs)
-    proof_cache.record(verdict, checked)
+    check = getattr(bt, "reference_check", None)
+    if check is None:
+        proof_cache.record(verdict, checked)
+    else:  # proven against a provisional reference: recorded, as proven against transformers, once it is checked
+        as_proven = proof_cache.verdict_path(bt.fingerprint, kind, "transformers", texts, source=source)
+        check.on_pass.append(functools.partial(proof_cache.record, as_proven, checked))
     report = fast_engine.EngineReport(
         f"{fast_engine.ENGINE_MODULE} {version}", proof_reason(bt.proof.audit_rate), requested, checked
     )

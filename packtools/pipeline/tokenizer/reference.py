@@ -11,7 +11,9 @@ too, compares both on the built-in adversarial set (with and without special tok
 records the verdict in a small file keyed by the tokenizer's fingerprint and the versions of transformers,
 tokenizers and packtools (under ``$PACKTOOLS_CACHE_DIR``, default ``~/.cache/packtools``).  Later runs with a
 "same" verdict skip transformers; anything else (a differing id, a new version, no verdict) loads transformers.
-``PACKTOOLS_CACHE_DIR=''`` turns the shortcut off.
+``PACKTOOLS_CACHE_DIR=''`` turns the shortcut off.  A pipeline's first run of plain text does that check in a
+child process while it stages on the library's tokenizer as a provisional reference
+(:mod:`packtools.pipeline.tokenizer.reference_check`), and waits for it before anything is planned or installed (docs/tokenize.md).
 
 The library parses ``tokenizer.json``'s merges faster when they are spelled ``"a b"`` than as ``["a", "b"]`` pairs,
 and the fast engine keeps such a copy
@@ -175,6 +177,30 @@ def load_verified(tokenizer_dir: str, tokenizer_fp: str, copy: str | None = None
     return None
 
 
+def transformers_ids(tok: Any, texts: list[str]) -> dict[str, Any]:
+    """What the check compares the lite reference with: transformers' tokenizer ``tok``'s EOS id and its ids of
+    ``texts`` with special tokens (``"special"``) and without (``"plain"``), through its ``__call__``."""
+    ids = {
+        name: tok(texts, add_special_tokens=name == "special")["input_ids"] for name in ("special", "plain")
+    }
+    return {"eos_id": tok.eos_token_id, "ids": ids}
+
+
+def compare(lite: LiteReference, theirs: dict[str, Any], texts: list[str]) -> str | None:
+    """Where the lite reference first differs from transformers' answer ``theirs`` (:func:`transformers_ids`:
+    its EOS id, then its ids of ``texts`` with and without special tokens), or None where it gives the same."""
+    if lite.eos_id != theirs["eos_id"]:
+        return f"the EOS id differs ({lite.eos_id} against transformers' {theirs['eos_id']})"
+    for name in ("special", "plain"):
+        mine = [e.ids for e in lite.backend.encode_batch(texts, add_special_tokens=name == "special")]
+        for i, (a, b) in enumerate(zip(mine, theirs["ids"][name])):
+            if a != b:
+                return f"adversarial text {i} (special tokens {'on' if name == 'special' else 'off'}) gives other ids"
+        if len(mine) != len(theirs["ids"][name]):
+            return "a different number of encodings"
+    return None
+
+
 def record(
     tokenizer_dir: str, tokenizer_fp: str, tok: Any, texts: list[str], copy: str | None = None
 ) -> bool | None:
@@ -187,12 +213,7 @@ def record(
         return None
     try:
         lite = LiteReference(tokenizer_dir)
-        same = lite.eos_id == tok.eos_token_id
-        for special in (True, False):
-            if not same:
-                break
-            mine = [e.ids for e in lite.backend.encode_batch(texts, add_special_tokens=special)]
-            same = mine == tok(texts, add_special_tokens=special)["input_ids"]
+        same = compare(lite, transformers_ids(tok, texts), texts) is None
     except Exception:  # noqa: BLE001 - the library cannot load or run it: not the same
         same, lite = False, None
     try:
@@ -204,22 +225,39 @@ def record(
     return same
 
 
-def record_copy(tokenizer_fp: str, lite: LiteReference, copy: str) -> bool | None:
-    """Whether ``copy`` loads as the very tokenizer ``lite`` loaded from tokenizer.json (their serialized states
-    equal), recorded with the copy's SHA-256; a copy that is not is removed.  None: nothing could be recorded."""
+def unchecked(tokenizer_fp: str) -> bool:
+    """Whether no verdict is recorded for this tokenizer and these versions while the cache is on: the run that
+    finds it so checks the lite reference against transformers (now, or
+    :class:`~packtools.pipeline.tokenizer.reference_check.ReferenceCheck`)."""
+    path = _verdict_path(tokenizer_fp)
+    return path is not None and _whole_verdict(path) is None
+
+
+def copy_identical(lite: LiteReference | str, copy: str) -> tuple[str | None, bool]:
+    """The SHA-256 of ``copy`` and whether it loads as the very tokenizer ``lite`` loaded from tokenizer.json
+    (their serialized states equal: vocabulary, every merge in order, normalizer, pre-tokenizer, added tokens,
+    post-processor).  ``lite`` may be given as the SHA-256 of its serialized state (the check's child process
+    compares one tokenizer in memory at a time)."""
     from tokenizers import Tokenizer
 
-    path = _verdict_path(tokenizer_fp, copy)
-    if path is None:
-        return None
     try:
         sha = file_sha256(copy)
         twin = Tokenizer.from_file(copy)
         twin.no_truncation()
         twin.no_padding()
-        identical = twin.to_str() == lite.backend.to_str()
+        if isinstance(lite, str):
+            return sha, hashlib.sha256(twin.to_str().encode("utf-8")).hexdigest() == lite
+        return sha, twin.to_str() == lite.backend.to_str()
     except Exception:  # noqa: BLE001 - unreadable or removed: not identical
-        sha, identical = None, False
+        return None, False
+
+
+def write_copy_finding(tokenizer_fp: str, copy: str, sha: str | None, identical: bool) -> bool | None:
+    """Record whether ``copy`` (SHA-256 ``sha``) is identical to tokenizer.json's tokenizer; a copy that is not is
+    removed.  None: nothing could be recorded."""
+    path = _verdict_path(tokenizer_fp, copy)
+    if path is None:
+        return None
     if not identical:
         discard(copy, copy + ".sha256")  # the fast engine must not load it either
     try:
@@ -227,3 +265,12 @@ def record_copy(tokenizer_fp: str, lite: LiteReference, copy: str) -> bool | Non
     except OSError:
         return None
     return identical
+
+
+def record_copy(tokenizer_fp: str, lite: LiteReference, copy: str) -> bool | None:
+    """Whether ``copy`` loads as the very tokenizer ``lite`` loaded from tokenizer.json (their serialized states
+    equal), recorded with the copy's SHA-256; a copy that is not is removed.  None: nothing could be recorded."""
+    if _verdict_path(tokenizer_fp, copy) is None:
+        return None
+    sha, identical = copy_identical(lite, copy)
+    return write_copy_finding(tokenizer_fp, copy, sha, identical)

@@ -18,6 +18,11 @@
    (:func:`fall_back`) and restage every part that the fast engine tokenized (``auto``), or stop (``fast``);
    a part whose recorded report disagrees with the verdict (a fast-engine part under a transformers verdict) is
    never reused (:func:`drop_disagreeing`).
+5. **A provisional reference** (a first run stages on the ``tokenizers`` library's ids while they are checked
+   against transformers: :meth:`~packtools.pipeline.tokenizer.batch.BatchTokenizer.settle_reference`): the basis
+   says so (:func:`provisional`) until the check passes; a difference drops every part (:func:`drop_all`) and
+   records :func:`reference_fallback`; a verdict left on a provisional basis that a later run does not take back
+   reuses no part (:func:`left_provisional`).
 
 >>> v = {"engine": "fastokens 0.3.5", "requested": "auto", "reason": "ok", "checked": {}}
 >>> fall_back(v, "line 9: ...")["engine"], fall_back(v, "line 9: ...")["reason"][:52]
@@ -37,6 +42,8 @@ from ...io.files import Part, iter_part
 
 #: the verdict's file in the run's ``stage/`` folder
 VERDICT_FILE = "engine-verdict.json"
+#: the basis's ``reference`` while the driver's reference is provisional (:func:`provisional`)
+PROVISIONAL = "tokenizers, provisional (checked against transformers before the install)"
 
 
 def basis(
@@ -127,6 +134,44 @@ def recorded(folder: str, rests_on: dict[str, Any]) -> dict[str, Any] | None:
         return dict(saved["verdict"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def provisional(rests_on: dict[str, Any]) -> dict[str, Any]:
+    """What a verdict rests on while the driver's reference is a provisional one (the first run's
+    :meth:`~packtools.pipeline.tokenizer.batch.BatchTokenizer.settle_reference` has not settled it yet): the basis
+    says so, so that only a run under the same pending check takes it back; once settled the verdict is recorded
+    again on ``rests_on`` itself."""
+    return {**rests_on, "reference": PROVISIONAL}
+
+
+def left_provisional(folder: str, rests_on: dict[str, Any]) -> bool:
+    """Whether ``folder`` holds a verdict recorded on a provisional reference that this run does not take back
+    (:func:`recorded` gave None for ``rests_on``): its parts were staged on a reference never checked, or found
+    different, so none of them is reused."""
+    try:
+        with open(os.path.join(folder, VERDICT_FILE)) as fh:
+            saved = json.load(fh)
+        return saved["basis"].get("reference") == PROVISIONAL and saved["basis"] != rests_on
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def reference_fallback(verdict: dict[str, Any], why: str) -> dict[str, Any]:
+    """The verdict after the check of a provisional reference found it different from transformers (``why``)."""
+    return {**verdict, "engine": "transformers", "reason": f"fallback: {why}"}
+
+
+def drop_all(jobs: Sequence[Any]) -> int:
+    """Remove every staged part of ``jobs`` (staged on a reference that proved different), so that each is staged
+    again; returns how many there were."""
+    from ..staged import drop_staged
+
+    dropped = 0
+    for job in jobs:
+        if os.path.exists(job.sidecar):
+            drop_staged(job)
+            dropped += 1
+    return dropped
 
 
 def drop_disagreeing(jobs: Sequence[Any], verdict: dict[str, Any]) -> int:

@@ -1,0 +1,272 @@
+"""A first run's check of its provisional reference against transformers, in a child process (issue 42).
+
+A first run with a tokenizer (no recorded verdict that the ``tokenizers`` library gives transformers' ids,
+:mod:`packtools.pipeline.tokenizer.reference`) stages plain text on that library's tokenizer as a *provisional*
+reference, and waits for this check only before anything is planned or installed (``run._settle_reference``).
+The check's expensive half, importing transformers and loading the folder through it, runs in a child process
+started as the driver's tokenizer starts loading, so it holds neither the driver's GIL nor its memory (where
+transformers is not imported in the driver yet, :func:`child_pays`):
+
+- the child (``python -m packtools.pipeline.tokenizer.reference_check DIR``, :func:`main`) loads the folder
+  through transformers with ``torch`` made unimportable first (a ``None`` entry in ``sys.modules``: ``import
+  torch`` raises ``ImportError`` and ``importlib.util.find_spec`` finds nothing, so transformers runs in its
+  tokenizer-only mode, the one it has without torch installed).  torch cannot change a tokenizer's ids, and
+  importing it was most of the check's cost (transformers 5.25 imports it with any tokenizer load and does not
+  honour ``USE_TORCH=0``).  It then reads the adversarial texts and the fast engine's copy of tokenizer.json from
+  its stdin and writes, as JSON to its stdout, transformers' EOS id and ids of the texts with and without special
+  tokens (:func:`~packtools.pipeline.tokenizer.reference.transformers_ids`), and whether the copy loads as
+  tokenizer.json's very tokenizer (:func:`~packtools.pipeline.tokenizer.reference.copy_identical`).  It writes
+  nothing else anywhere.
+- the driver (:class:`ReferenceCheck`, a thread that waits on the child with the GIL released) compares those
+  ids with its *own* provisional reference (:func:`~packtools.pipeline.tokenizer.reference.compare`): the
+  decision is the driver's, made on content.  It records the finding only once the stage is done and every part
+  staged on a reference that proved different is dropped; a run killed before that records nothing.
+- a child that cannot start, fails, is killed, or answers nothing readable leaves the check to the driver
+  (transformers loaded in the driver, torch with it, as before the check moved); :attr:`ReferenceCheck.how` says
+  which, and why, and the run's timings carry it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .reference import (
+    LiteReference,
+    _verdict_path,
+    _versions,
+    compare,
+    copy_identical,
+    transformers_ids,
+    write_copy_finding,
+    write_verdict,
+)
+
+#: the module the child runs (``python -m``)
+CHILD_MODULE = __name__
+#: how long the driver waits for the child's answer before it checks by itself
+CHILD_TIMEOUT_S = 600.0
+#: :attr:`ReferenceCheck.how` when the child answered
+BY_CHILD = "child process (transformers without torch)"
+
+
+def child_pays() -> bool:
+    """Whether the check is worth a child process: transformers is not imported in this process yet.  Its import
+    (torch's with it) is most of the check's cost; a process that has paid it already (a training script, a
+    notebook, a test session) loads only the folder, and checks before the stage as without a child."""
+    return "transformers" not in sys.modules
+
+
+def start_child(tokenizer_dir: str) -> subprocess.Popen[bytes] | None:
+    """The child process of the check of ``tokenizer_dir``, started now (it imports transformers and loads the
+    folder, then waits for its texts on stdin); None where it cannot be started."""
+    import packtools
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(packtools.__file__)))  # this very packtools
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", CHILD_MODULE, tokenizer_dir],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": path},
+        )
+    except OSError:
+        return None
+
+
+class ReferenceCheck:
+    """The first run's check of a provisional lite reference against transformers (see the module docstring).
+
+    Made (which starts the child) as the driver's tokenizer starts loading; :meth:`start` hands it the provisional
+    reference ``lite``, the adversarial ``texts`` and the fast engine's ``copy`` of tokenizer.json once the driver
+    has them, and a thread then waits for the child's answer and compares; :meth:`cancel` where the driver does
+    not stage on a provisional reference after all.  :meth:`result` waits for the comparison;
+    :meth:`record_finding` records it, as :func:`~packtools.pipeline.tokenizer.reference.record` would have.
+    """
+
+    def __init__(self, tokenizer_dir: str, tokenizer_fp: str) -> None:
+        self.tokenizer_dir, self.tokenizer_fp = tokenizer_dir, tokenizer_fp
+        self._child = start_child(tokenizer_dir)
+        self.lite: LiteReference | None = None
+        self.copy: str | None = None
+        self._texts: list[str] = []
+        self._tok: Any = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        #: who gave transformers' ids: :data:`BY_CHILD`, or the driver (with the reason the child did not)
+        self.how = BY_CHILD
+        #: what the child's transformers loaded: ``{"torch": is_torch_available(), "class": the tokenizer's
+        #: class name}`` (None: the child did not answer)
+        self.child_saw: dict[str, Any] | None = None
+        #: None: the same ids; else where they first differ (set by the thread)
+        self.difference: str | None = None
+        self._copy_sha: str | None = None
+        self._copy_identical = False
+        #: records that rest on this check (the adversarial verdicts proven against ``lite``), written on a pass
+        self.on_pass: list[Callable[[], None]] = []
+
+    @property
+    def child_pid(self) -> int | None:
+        """The child process's id (None where none could be started)."""
+        return self._child.pid if self._child is not None else None
+
+    def cancel(self) -> None:
+        """Stop the child: nothing is staged on a provisional reference after all."""
+        if self._child is not None and self._child.poll() is None:
+            self._child.kill()
+        if self._child is not None:
+            self._child.communicate()
+
+    def start(self, lite: LiteReference, texts: list[str], copy: str | None) -> None:
+        """Compare ``lite`` with transformers on ``texts`` (and ``copy`` with tokenizer.json) in a thread."""
+        self.lite, self._texts, self.copy = lite, texts, copy
+        # not a daemon: its work is finite, and a daemon loading transformers at the interpreter's exit can abort
+        self._thread = threading.Thread(target=self._run, name="packtools-reference-check", daemon=False)
+        self._thread.start()
+
+    def _ask(self) -> tuple[dict[str, Any] | None, str]:
+        """The child's answer, or None and why there is none (the child is then gone)."""
+        child = self._child
+        if child is None:
+            return None, "no child process could be started"
+        request = json.dumps({"texts": self._texts, "copy": self.copy}).encode("utf-8")
+        try:
+            out, err = child.communicate(request, timeout=CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+            return None, f"the child process gave no answer in {CHILD_TIMEOUT_S:.0f} s"
+        if child.returncode != 0:
+            last = err.decode("utf-8", "replace").strip().splitlines()[-1:]
+            return None, f"the child process exited with code {child.returncode}" + (
+                f": {last[0]}" if last else ""
+            )
+        try:
+            answer = json.loads(out)
+            if "error" not in answer:
+                answer["eos_id"], answer["ids"]["special"], answer["ids"]["plain"]  # noqa: B018 - all there
+        except (ValueError, TypeError, KeyError):
+            return None, "the child process's answer was unreadable"
+        if "error" in answer:
+            return None, f"transformers could not load it in the child process ({answer['error']})"
+        return answer, BY_CHILD
+
+    def _run(self) -> None:
+        assert self.lite is not None
+        answer, self.how = self._ask()
+        try:
+            if answer is None:  # the driver checks by itself, as it did before the check moved
+                from .folder import load_tokenizer
+
+                self.how = f"in the driver: {self.how}"
+                tok = load_tokenizer(self.tokenizer_dir)
+                tok(
+                    ["x"], add_special_tokens=True
+                )  # its backend in the state __call__ uses (BatchTokenizer.tok)
+                self._tok = tok
+                answer = transformers_ids(tok, self._texts)
+            else:
+                self.child_saw = {"torch": answer.get("torch"), "class": answer.get("class")}
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller of result()
+            self._error = exc
+            return
+        try:
+            self.difference = compare(self.lite, answer, self._texts)
+        except Exception as exc:  # noqa: BLE001 - the library cannot run it: not the same
+            self.difference = f"the tokenizers library cannot run it ({type(exc).__name__}: {exc})"
+        if self.difference is None and self.copy is not None:
+            found = answer.get("copy")
+            if isinstance(found, list) and len(found) == 2 and found[1] in (True, False):
+                self._copy_sha, self._copy_identical = found
+            else:  # the driver's own answer, or the child's missing
+                self._copy_sha, self._copy_identical = copy_identical(self.lite, self.copy)
+
+    def transformers(self) -> Any:
+        """transformers' tokenizer of the folder where the driver loaded it (a failed child), else None."""
+        return self._tok
+
+    def result(self) -> str | None:
+        """Wait for the check: None where the lite reference gives transformers' ids, else where it differs."""
+        assert self._thread is not None, "ReferenceCheck.start was not called"
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self.difference
+
+    def record_finding(self) -> None:
+        """Record the finding as :func:`~packtools.pipeline.tokenizer.reference.record` does (best effort: an
+        unwritable cache means the next run checks again); on a pass, the copy's finding too (a copy that is not
+        identical is removed)."""
+        path = _verdict_path(self.tokenizer_fp)
+        if path is None or self.lite is None:
+            return
+        same = self.difference is None
+        try:
+            write_verdict(path, {"same": same, "eos_id": self.lite.eos_id, **_versions()})
+        except OSError:
+            return
+        if same and self.copy is not None:
+            write_copy_finding(self.tokenizer_fp, self.copy, self._copy_sha, self._copy_identical)
+
+
+def _give_back_freed_memory() -> None:
+    """Hand the memory this (child) process has freed back to the system where the C library can (glibc's
+    ``malloc_trim``): transformers parses tokenizer.json into Python objects while it loads (~150 MB for a 128k
+    vocabulary, freed once loaded), and the child lives on beside the driver's stage."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the memory stays with the process until it exits
+        pass
+
+
+def _copy_finding(tokenizer_dir: str, copy: str) -> list[Any]:
+    """:func:`~packtools.pipeline.tokenizer.reference.copy_identical` of tokenizer.json's tokenizer and ``copy``,
+    one tokenizer in memory at a time (the serialized states compared by SHA-256)."""
+    import hashlib
+
+    lite = LiteReference(tokenizer_dir)
+    state = hashlib.sha256(lite.backend.to_str().encode("utf-8")).hexdigest()
+    del lite
+    _give_back_freed_memory()
+    sha, identical = copy_identical(state, copy)
+    return [sha, identical]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The child: transformers' answer for the folder ``argv[0]`` (see the module docstring), as JSON on stdout;
+    ``{"error": ...}`` where transformers cannot load it or the request is unreadable."""
+    (tokenizer_dir,) = sys.argv[1:] if argv is None else argv
+    sys.modules.setdefault("torch", None)  # type: ignore[arg-type]  # unimportable: transformers loads tokenizers only
+    try:
+        from transformers.utils import is_torch_available
+
+        from .folder import load_tokenizer
+
+        tok = load_tokenizer(tokenizer_dir)
+        _give_back_freed_memory()
+        request = json.load(sys.stdin)
+        answer = transformers_ids(tok, request["texts"])
+        answer["torch"], answer["class"] = is_torch_available(), type(tok).__name__
+        del tok
+        copy = request.get("copy")
+        answer["copy"] = _copy_finding(tokenizer_dir, copy) if copy else None
+    except Exception as exc:  # noqa: BLE001 - the driver checks by itself, saying why
+        answer = {"error": f"{type(exc).__name__}: {exc}"}
+    sys.stdout.write(json.dumps(answer))
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

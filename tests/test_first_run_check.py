@@ -1,0 +1,391 @@
+"""A first run stages on a provisional reference while transformers is checked in a child process (issue 42).
+
+The driver of a first run with a tokenizer (no recorded verdict that the ``tokenizers`` library gives
+transformers' ids) stages plain text on that library's tokenizer while a child process loads the folder through
+transformers (without torch) and hands back transformers' ids, which the driver compares with its own provisional
+reference (:class:`packtools.pipeline.tokenizer.reference_check.ReferenceCheck`); it waits for the check before
+anything is planned or installed (:func:`packtools.pipeline.run._settle_reference`):
+
+- the child's transformers runs without torch and gives the class and ids transformers gives with it;
+- a late difference (a reference that differs from transformers, injected here together with a fast engine that
+  agrees with it, so that every proof on the data passes) is never installed: every part is staged again by
+  transformers, the difference recorded, no adversarial verdict recorded on it; without the check the wrong
+  ids would have been installed (negative control);
+- a run killed between the stage and the check installs nothing and records nothing; the next run checks again
+  (and reuses the killed run's parts under the same pending check);
+- a child that crashes or is killed leaves the check to the driver, which says so; the ids and records are the
+  same;
+- the records a first run leaves in the cache folder are the ones the check before the stage left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+from _pipeline_data import CORPUS, EOS, build_tokenizer, corrupt_fast_engine, load
+
+from packtools import pack_files
+from packtools.pipeline.tokenizer import fast as fast_tokenize
+from packtools.pipeline.tokenizer import reference, reference_check
+from packtools.pipeline.tokenizer.batch import BatchTokenizer
+from packtools.pipeline.tokenizer.folder import tokenizer_fingerprint
+from packtools.pipeline.tokenizer.verdict import PROVISIONAL, VERDICT_FILE
+
+pytestmark = pytest.mark.skipif(fast_tokenize.engine_version() is None, reason="fastokens not installed")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXTS = [f"{CORPUS[i % len(CORPUS)]} number {i}" for i in range(600)]
+CHILD_PAYS = reference_check.child_pays
+
+
+@pytest.fixture
+def tok(tmp_path):
+    return build_tokenizer(str(tmp_path / "tok"))
+
+
+@pytest.fixture(autouse=True)
+def _child_pays(monkeypatch):
+    """This test process has imported transformers (the helpers load it), where a run checks before the stage;
+    these tests are about the run that has not (a fresh ``packtools pack``)."""
+    monkeypatch.setattr(reference_check, "child_pays", lambda: True)
+
+
+def _write(folder, texts) -> str:
+    """``texts`` in three JSON-lines files of ``folder`` (three parts, in this order)."""
+    os.makedirs(folder)
+    for k in range(3):
+        with open(os.path.join(folder, f"part-{k}.jsonl"), "w") as fh:
+            fh.writelines(json.dumps({"text": t}) + "\n" for t in texts[k * 200 : (k + 1) * 200])
+    return str(folder)
+
+
+def _docs(out) -> list[list[int]]:
+    """The packed documents' ids, sorted (packing reorders them)."""
+    from datasets import load_from_disk
+
+    from packtools.core import unpack
+
+    return sorted(list(map(int, s)) for s in unpack(load_from_disk(str(out)).data.table)["input_ids"])
+
+
+def _expected(tok_dir, texts) -> list[list[int]]:
+    """transformers' ids of ``texts`` with EOS, sorted."""
+    t = load(tok_dir)
+    eos = t.convert_tokens_to_ids(EOS)
+    return sorted(ids + [eos] for ids in t(texts)["input_ids"])
+
+
+def _records(cache) -> dict[str, object]:
+    """The cache folder's records: relative path -> content (JSON without its own checksum, else bytes)."""
+    found = {}
+    for root, _, files in os.walk(cache):
+        for name in files:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, cache)
+            if name.endswith(".json") and not rel.startswith("fast-engine"):
+                with open(path) as fh:
+                    body = json.load(fh)
+                body.pop("sha256", None)
+                found[rel] = body
+            else:
+                with open(path, "rb") as fh:
+                    found[rel] = fh.read()
+    return found
+
+
+def _shifted(encodings):
+    """The encodings with the first id of each non-empty one moved (as corrupt_fast_engine moves it)."""
+    out = []
+    for e in encodings:
+        ids = list(e.ids)
+        if ids:
+            ids[0] = (ids[0] + 1) % 300
+        out.append(SimpleNamespace(ids=ids))
+    return out
+
+
+class _OffBackend:
+    """The tokenizers library's tokenizer with other ids than transformers' (the first id of every text moved)."""
+
+    def __init__(self, real) -> None:
+        self._real = real
+
+    def encode_batch(self, texts, add_special_tokens=True):
+        return _shifted(self._real.encode_batch(texts, add_special_tokens=add_special_tokens))
+
+    encode_batch_fast = encode_batch
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def _differing_reference(monkeypatch) -> None:
+    """The lite reference differs from transformers, and the fast engine agrees with it: every proof that
+    compares the engine with the reference passes; only the check against transformers can see it."""
+    real = reference.LiteReference.__init__
+
+    def init(self, tokenizer_dir, file=None):
+        real(self, tokenizer_dir, file)
+        self.backend = _OffBackend(self.backend)
+
+    monkeypatch.setattr(reference.LiteReference, "__init__", init)
+    corrupt_fast_engine(monkeypatch, lambda t: True)
+
+
+def test_a_late_difference_is_staged_again_by_transformers_never_installed(tok, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(cache))
+    _differing_reference(monkeypatch)
+    src = _write(tmp_path / "in", TEXTS)
+    res = pack_files(src, tmp_path / "out", max_length=64, tokenizer=tok, quiet=True)
+    assert _docs(res.out) == _expected(tok, TEXTS)  # transformers' ids, not the reference's
+    report = res.stats["tokenizer"]
+    assert report["engine"] == "transformers" and report["parts_by_engine"] == {"transformers": 3}
+    assert "differed from transformers on the built-in adversarial set" in report["reason"]
+    assert res.timings["parts_restaged"] == 3
+    assert (
+        res.timings["reference_check_by"] == reference_check.BY_CHILD
+    )  # the child's ids, the driver's verdict
+    fp = tokenizer_fingerprint(tok)
+    with open(reference._verdict_path(fp)) as fh:
+        assert json.load(fh)["same"] is False  # recorded: the next run loads transformers as its reference
+    assert reference.load_verified(tok, fp) is None
+    # the adversarial set was proven against the differing reference only: nothing is recorded as proven
+    assert not os.listdir(cache / "engine-proof") if (cache / "engine-proof").exists() else True
+    # the next run, with the difference recorded, has transformers as its reference from the start
+    again = pack_files(src, tmp_path / "out2", max_length=64, tokenizer=tok, quiet=True)
+    assert _docs(again.out) == _expected(tok, TEXTS)
+
+
+def test_negative_control_without_the_check_the_differing_ids_would_be_installed(tok, tmp_path, monkeypatch):
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    _differing_reference(monkeypatch)
+    monkeypatch.setattr(
+        reference_check.ReferenceCheck, "result", lambda self: None
+    )  # a check that never objects
+    src = _write(tmp_path / "in", TEXTS)
+    res = pack_files(src, tmp_path / "out", max_length=64, tokenizer=tok, quiet=True)
+    assert _docs(res.out) != _expected(tok, TEXTS)
+    assert res.stats["tokenizer"]["engine"].startswith(fast_tokenize.ENGINE_MODULE)
+
+
+def test_a_kill_between_the_stage_and_the_check_installs_and_records_nothing(tok, tmp_path, monkeypatch):
+    cache, out, log = tmp_path / "cache", str(tmp_path / "out"), str(tmp_path / "log")
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(cache))  # the runs' cache, and where the paths below point
+    src = _write(tmp_path / "in", TEXTS)
+    args = ["pack", src, "--tokenizer", tok, "--max-length", "64", "--out", out]
+    env = {**os.environ, "PYTHONPATH": ROOT, "PACKTOOLS_CACHE_DIR": str(cache)}
+    paused = os.path.join(ROOT, "tests", "_paused_run.py")
+    proc = subprocess.Popen([sys.executable, paused, log, "reference-check", *args, "--quiet"], env=env)
+    deadline = time.monotonic() + 120
+    while not (os.path.exists(log) and "reference-check" in open(log).read().split()):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    seen = open(log).read().split()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert "stage:3" in seen and "plan" not in seen  # every part staged, none planned
+    assert not os.path.exists(out)
+    fp = tokenizer_fingerprint(tok)
+    assert reference._verdict_path(fp).startswith(str(cache))
+    assert not os.path.exists(reference._verdict_path(fp))  # the check's finding was not recorded
+    assert not (cache / "engine-proof").exists() or not os.listdir(cache / "engine-proof")
+    work = tmp_path / ".out.packtools" / "stage"
+    assert json.loads((work / VERDICT_FILE).read_text())["basis"]["reference"] == PROVISIONAL
+    # the next run checks again (nothing was recorded), reusing the killed run's parts under that same check
+    done = subprocess.run(
+        [sys.executable, "-m", "packtools.cli", *args], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "reused from an interrupted run" in " ".join(done.stdout.split())
+    with open(reference._verdict_path(fp)) as fh:
+        assert json.load(fh)["same"] is True
+    assert _docs(out) == _expected(tok, TEXTS)
+    assert (
+        "reference" not in json.loads((work / VERDICT_FILE).read_text())["basis"] if work.exists() else True
+    )
+
+
+def test_a_first_run_records_what_the_check_before_the_stage_recorded(tok, tmp_path, monkeypatch):
+    src = _write(tmp_path / "in", TEXTS)
+    before = (
+        tmp_path / "cache-before"
+    )  # the check in the tokenizer's load, as BatchTokenizer made directly does
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(before))
+    direct = BatchTokenizer(tok, "text")
+    assert direct.reference_engine == "transformers" and direct.reference_check is None
+    now = tmp_path / "cache-now"
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(now))
+    first = pack_files(src, tmp_path / "out", max_length=64, tokenizer=tok, quiet=True)
+    assert _records(now) == _records(before)
+    assert set(_records(now)) >= {p for p in _records(before) if p.startswith(("reference", "engine-proof"))}
+    assert any(p.startswith("engine-proof") for p in _records(now))
+    assert sum(p.startswith("reference") for p in _records(now)) == 2  # the verdict and the copy's finding
+    # a warm run takes them: the lite reference checked, the adversarial verdict recorded, the same counts
+    warm = pack_files(src, tmp_path / "out2", max_length=64, tokenizer=tok, quiet=True)
+    assert warm.stats["tokenizer"]["checked"] == first.stats["tokenizer"]["checked"]
+    assert "reference_check_s" in first.timings and "reference_check_s" not in warm.timings
+    assert first.timings["reference_check_by"] == reference_check.BY_CHILD
+    assert _docs(warm.out) == _docs(first.out) == _expected(tok, TEXTS)
+
+
+@pytest.mark.parametrize(("executor", "checks_later"), [("local", True), ("pool", False)])
+def test_only_a_local_run_stages_on_a_provisional_reference(
+    tok, tmp_path, monkeypatch, executor, checks_later
+):
+    """A pool's (or Ray's) workers build their own tokenizers: with no verdict recorded yet each would load
+    transformers, so such a run checks before it stages, as before."""
+    from packtools.pipeline import run
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def inputs(*args, check_later=False):
+        seen.append(check_later)
+        raise Stop
+
+    monkeypatch.setattr(run, "_inputs", inputs)
+    with pytest.raises(Stop):
+        pack_files(_write(tmp_path / "in", TEXTS), tmp_path / "out", 64, tokenizer=tok, executor=executor)
+    assert seen == [checks_later]
+
+
+def test_the_child_loads_the_same_tokenizer_without_torch(tok):
+    """transformers in the child runs in its tokenizer-only mode (torch unimportable there) and gives the class,
+    EOS id and ids (with and without special tokens) that transformers gives here, with torch importable."""
+    from packtools.pipeline.tokenizer.adversarial import adversarial_texts
+
+    texts = adversarial_texts([EOS])[:40] + TEXTS[:20]
+    check = reference_check.ReferenceCheck(tok, tokenizer_fingerprint(tok))
+    check.start(reference.LiteReference(tok), texts, None)
+    assert check.result() is None and check.how == reference_check.BY_CHILD
+    here = load(tok)
+    assert check.child_saw == {"torch": False, "class": type(here).__name__}
+    import torch  # noqa: F401 - importable in this process: the child's transformers did not see it
+
+    theirs = reference.transformers_ids(here, texts)
+    child = subprocess.run(
+        [sys.executable, "-m", reference_check.CHILD_MODULE, tok],
+        input=json.dumps({"texts": texts, "copy": None}),
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        check=True,
+    )
+    answer = json.loads(child.stdout)
+    assert answer["torch"] is False
+    assert {"eos_id": answer["eos_id"], "ids": answer["ids"]} == theirs
+
+
+def _crashing_child(monkeypatch):
+    monkeypatch.setattr(reference_check, "CHILD_MODULE", "packtools.no_such_module")  # `python -m` exits 1
+
+
+def _killed_child(monkeypatch):
+    real = reference_check.start_child
+
+    def start_and_kill(tokenizer_dir):
+        child = real(tokenizer_dir)
+        child.send_signal(signal.SIGKILL)
+        return child
+
+    monkeypatch.setattr(reference_check, "start_child", start_and_kill)
+
+
+@pytest.mark.parametrize(
+    ("break_child", "why"),
+    [(_crashing_child, "the child process exited with code 1"), (_killed_child, "exited with code -9")],
+)
+def test_a_child_that_crashes_or_is_killed_leaves_the_check_to_the_driver(
+    tok, tmp_path, monkeypatch, break_child, why
+):
+    src = _write(tmp_path / "in", TEXTS)
+    before = tmp_path / "cache-before"  # the check in the tokenizer's load (main's path)
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(before))
+    BatchTokenizer(tok, "text")
+    now = tmp_path / "cache-now"
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(now))
+    break_child(monkeypatch)
+    res = pack_files(src, tmp_path / "out", max_length=64, tokenizer=tok, quiet=True)
+    by = res.timings["reference_check_by"]
+    assert by.startswith("in the driver: ") and why in by  # never silent
+    assert _records(now) == _records(before)
+    assert _docs(res.out) == _expected(tok, TEXTS)
+
+
+def test_a_late_difference_is_found_when_the_driver_checks_by_itself(tok, tmp_path, monkeypatch):
+    """The driver's own check (a failed child) sees the injected difference as the child's answer does."""
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    _differing_reference(monkeypatch)
+    _crashing_child(monkeypatch)
+    res = pack_files(
+        _write(tmp_path / "in", TEXTS), tmp_path / "out", max_length=64, tokenizer=tok, quiet=True
+    )
+    assert res.timings["reference_check_by"].startswith("in the driver: ")
+    assert res.timings["parts_restaged"] == 3 and res.stats["tokenizer"]["engine"] == "transformers"
+    assert _docs(res.out) == _expected(tok, TEXTS)
+
+
+def test_a_process_that_imported_transformers_checks_before_the_stage(tok, tmp_path, monkeypatch):
+    """No child where transformers is imported already (its import is most of the check's cost): the check
+    before the stage, with the same records and ids."""
+    src = _write(tmp_path / "in", TEXTS)
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache-child"))
+    with_child = pack_files(src, tmp_path / "out", max_length=64, tokenizer=tok, quiet=True)
+    monkeypatch.setattr(reference_check, "child_pays", CHILD_PAYS)  # the real decision
+    assert "transformers" in sys.modules
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache-here"))
+    same = shutil.copytree(
+        tok, tmp_path / "tok-copy"
+    )  # the same files (a tokenizer not loaded in this process yet)
+    here = pack_files(src, tmp_path / "out2", max_length=64, tokenizer=same, quiet=True)
+    assert "reference_check_by" in with_child.timings and "reference_check_by" not in here.timings
+    assert _records(tmp_path / "cache-here") == _records(tmp_path / "cache-child")
+    assert _docs(here.out) == _docs(with_child.out) == _expected(tok, TEXTS)
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (absent, or a zombie nobody has reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_the_child_ends_when_its_driver_is_killed(tok):
+    """A driver killed while its check's child still loads transformers leaves no process behind: the child
+    reads its request to the end of a pipe nobody writes to any more, and ends."""
+    driver = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys, signal\n"
+            "from packtools.pipeline.tokenizer.reference_check import ReferenceCheck\n"
+            "check = ReferenceCheck(sys.argv[1], 'f' * 64)\n"
+            "print(check.child_pid, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n",
+            tok,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    child = int(driver.stdout.readline())
+    driver.wait()
+    assert driver.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 120
+    while not _gone(child):
+        assert time.monotonic() < deadline, f"the check's child {child} outlived its driver"
+        time.sleep(0.1)
