@@ -37,8 +37,10 @@ import pyarrow as pa
 from .._atomic import fsync_file
 from ..core.arrow import check_aligned, is_list_type, read_list_column
 from ..errors import PackingError
+from ..io.direct import arrow_sink
 from ..io.files import Part, Where, iter_part, open_ipc
 from ..io.fingerprint import cache_key
+from ..io.pages import read_ahead
 from .prefetch import prefetch, timed
 from .staged import (
     damage,
@@ -307,7 +309,9 @@ def stage_part(job: StageJob) -> dict[str, Any]:
     clock: dict[str, float] = {}  # busy seconds per phase (read, encode, write, flush), for the run's timings
     opener = np.zeros(0, np.int64)  # tokenizer.chat.head.tool_opener_ids
     try:
-        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        # past the page cache (packtools.io.direct: fresh page-cache pages were most of this write's cost), and
+        # read back into it in the background once whole, for the gather
+        with arrow_sink(tmp) as sink, pa.ipc.new_file(sink, schema) as writer:
             tables = timed(prefetch(_token_tables(job, clock)), clock, "stage_wait")
             for where, table in tables:  # tokenizing runs ahead of writing
                 try:
@@ -347,6 +351,7 @@ def stage_part(job: StageJob) -> dict[str, Any]:
             digest = ""
             fsync_file(tmp)
         os.replace(tmp, job.staged)
+        read_ahead(job.staged)
         clock["flush"] = time.perf_counter() - t_flush
     except BaseException:
         if os.path.exists(tmp):
