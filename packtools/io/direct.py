@@ -71,6 +71,7 @@ class DirectFile:
         self._buf = np.frombuffer(self._map, np.uint8)
         self._fill = 0  # bytes in the buffer, not written yet
         self._written = 0  # bytes of the file written so far (aligned while direct)
+        self._failed = False  # a write raised: the file is left as it is (its writer removes it)
         self.closed = False
 
     def writable(self) -> bool:
@@ -99,6 +100,7 @@ class DirectFile:
     def _drain(self, size: int) -> None:
         """Write the buffer's first ``size`` bytes (a multiple of :data:`ALIGN` while direct)."""
         view = memoryview(self._map)[:size]
+        self._failed = True  # until the whole buffer is written: close() then writes nothing more
         try:
             done = 0
             while done < size:
@@ -115,6 +117,7 @@ class DirectFile:
                 if self.direct and done < size and (done % ALIGN):
                     self._plain()  # a short direct write left the next write unaligned
             self._written += size
+            self._failed = False
         finally:
             view.release()
 
@@ -126,10 +129,13 @@ class DirectFile:
         self.direct = False
 
     def close(self) -> None:
-        """Write what is left (while direct: padded to a whole block, then the file cut back to its size)."""
+        """Write what is left (while direct: padded to a whole block, then the file cut back to its size);
+        after a write that raised, only close the file."""
         if self.closed:
             return
         try:
+            if self._failed:
+                return
             size = self.tell()
             tail = self._fill
             if tail and self.direct:
@@ -144,7 +150,10 @@ class DirectFile:
             self.closed = True
             os.close(self._fd)
             self._buf = None  # type: ignore[assignment]
-            self._map.close()
+            try:
+                self._map.close()
+            except BufferError:  # a view is still held (e.g. by a traceback): unmapped when it goes
+                pass
 
     def __enter__(self) -> DirectFile:
         return self
