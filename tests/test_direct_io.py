@@ -133,7 +133,10 @@ def test_arrow_writes_through_it_the_bytes_it_writes_to_a_plain_file(tmp_path, f
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     table = pa.table({"input_ids": pa.ListArray.from_arrays(offsets, values)})
     new = pa.ipc.new_stream if fmt == "stream" else pa.ipc.new_file
-    for path, sink in ((tmp_path / "direct", arrow_sink(str(tmp_path / "direct"))), (tmp_path / "plain", None)):
+    for path, sink in (
+        (tmp_path / "direct", arrow_sink(str(tmp_path / "direct"))),
+        (tmp_path / "plain", None),
+    ):
         with sink or pa.OSFile(str(path), "wb") as out, new(out, table.schema) as writer:
             writer.write_table(table.slice(0, 150))
             writer.write_table(table.slice(150))
