@@ -149,7 +149,9 @@ def test_read_ahead_brings_a_file_written_past_the_cache_into_it(tmp_path):
         pytest.skip("this file system refuses O_DIRECT: its files are cached when written")
     data = os.urandom(3 * CHUNK)
     _written(str(tmp_path / "f"), [data])
-    read_ahead(str(tmp_path / "f")).join()
+    thread = read_ahead(str(tmp_path / "f"))
+    assert thread is not None
+    thread.join()
     buf = bytearray(len(data))
     fd = os.open(tmp_path / "f", os.O_RDONLY)
     try:
@@ -163,7 +165,9 @@ def test_read_ahead_brings_a_file_written_past_the_cache_into_it(tmp_path):
 def test_read_ahead_of_a_missing_or_empty_file_does_nothing(tmp_path, name):
     if name == "empty":
         open(tmp_path / name, "wb").close()
-    read_ahead(str(tmp_path / name)).join()  # no error, in this thread or that one
+    thread = read_ahead(str(tmp_path / name))
+    assert thread is not None
+    thread.join()  # no error, in this thread or that one
 
 
 # -- the gather's buffers --------------------------------------------------------------------------------

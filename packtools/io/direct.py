@@ -1,4 +1,4 @@
-"""Large files written past the page cache (``O_DIRECT``), and read ahead into it when they are read back.
+"""Large files written past the page cache (``O_DIRECT``).
 
 A run writes ~1 GB of staged token ids per GB of text, and again as much in output shards.  Written through the
 page cache, every byte first takes a fresh page of memory, zeroed and copied into by the writing thread; where
@@ -7,9 +7,8 @@ fresh memory is expensive (a virtual machine whose host backs guest memory only 
 copies what Arrow writes into one small aligned buffer, reused, and hands it to the disk with ``O_DIRECT``; the
 file's bytes are exactly those Arrow wrote (the last aligned block is cut back to the true size).  Where the
 OS or the file system refuses ``O_DIRECT`` (tmpfs, macOS, Windows, a block size it will not take), the same
-bytes are written plainly.  :func:`read_ahead` asks the kernel to read a file back into the page cache in the
-background (a disk read, which fills the pages without the reading thread touching fresh memory), for files
-that are mapped soon after, as staged parts are by the gather.
+bytes are written plainly.  A file mapped soon after (a staged part, by the gather) is read back into the page
+cache by :func:`packtools.io.pages.read_ahead`: disk reads fill those pages, not the reading thread.
 
 >>> import os, tempfile, pyarrow as pa
 >>> d = tempfile.mkdtemp(); path = os.path.join(d, "t.arrow")

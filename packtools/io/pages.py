@@ -69,7 +69,7 @@ class PageReleaser:
         return self._madvise(start, length, _MADV_DONTNEED) == 0
 
 
-def read_ahead(path: str) -> threading.Thread:
+def read_ahead(path: str) -> threading.Thread | None:
     """Read ``path`` into the page cache in a background thread, for a mapping of it soon after (a staged part,
     written past the page cache by :class:`packtools.io.direct.DirectFile`, is mapped by the gather).
 
@@ -78,10 +78,13 @@ def read_ahead(path: str) -> threading.Thread:
     mapping of the file takes one fault per 2 MB instead of one per 64 KB (the kernel's plain read-ahead of
     ``POSIX_FADV_WILLNEED`` makes small pages: 16k faults per GB mapped, on every block the gather maps it
     for).  Only advice: a kernel without ``MADV_POPULATE_READ`` gets ``POSIX_FADV_WILLNEED``, a failure
-    nothing.  Returns the thread (a caller may wait for it; nothing needs to).
+    nothing.  Returns the thread (a caller may wait for it; nothing needs to), None if none could start.
     """
     thread = threading.Thread(target=_populate, args=(path,), name="packtools-read-ahead", daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except RuntimeError:  # no thread to spare (a process at its limit): the gather reads the file itself
+        return None
     return thread
 
 
