@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import packtools.io.direct as direct
+import packtools.io.pages as pages
 import packtools.pipeline.gather as gather
 from packtools import pack_files
 from packtools.io.direct import ALIGN, DirectFile, arrow_sink
@@ -165,9 +166,10 @@ def test_read_ahead_brings_a_file_written_past_the_cache_into_it(tmp_path):
 def test_read_ahead_of_a_missing_or_empty_file_does_nothing(tmp_path, name):
     if name == "empty":
         open(tmp_path / name, "wb").close()
+    pages._populate(str(tmp_path / name))  # the thread's work, here: an error would fail this test
     thread = read_ahead(str(tmp_path / name))
     assert thread is not None
-    thread.join()  # no error, in this thread or that one
+    thread.join()
 
 
 # -- the gather's buffers --------------------------------------------------------------------------------
