@@ -204,6 +204,7 @@ def run_case(env: dict, *args: str) -> dict:
         raise RuntimeError(f"case {args} failed:\n{proc.stderr[-4000:]}")
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     res["wall_s"], res["cpu_s"] = wall, cpu  # CPU seconds (user + system): less hostage to the machine's load
+    res["sys_s"] = after.ru_stime - before.ru_stime  # the kernel's share: page faults, the page cache
     return res
 
 
@@ -233,6 +234,7 @@ def phases(r: dict) -> list[tuple[str, float]]:
         ("install, exit, other", rest),
         ("**end to end (wall)**", r["wall_s"]),
         ("CPU seconds, user + system (whole process)", r["cpu_s"]),
+        ("  of which system (page faults, page cache)", r.get("sys_s", 0.0)),
         ("peak RSS, the run's process (GiB)", r.get("rss_gb", 0.0)),
         ("peak RSS, its child process (GiB; first run's check)", r.get("child_rss_gb", 0.0)),
         ("peak of the two together, sampled every 10 ms (GiB)", r.get("sum_rss_gb", 0.0)),

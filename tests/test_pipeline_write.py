@@ -113,7 +113,7 @@ def test_overlapped_write_is_byte_identical_to_one_block_at_a_time(source, tmp_p
     monkeypatch.setattr(gather, "write_shard", recording)
     overlapped = pack(source, str(tmp_path / "overlapped"))
     assert written == sorted(set(written)) and len(written) == BLOCKS
-    monkeypatch.setattr(run, "write_block", sequential)
+    monkeypatch.setattr(run, "block_steps", lambda: sequential)
     assert pack(source, str(tmp_path / "sequential")) == overlapped
 
 
@@ -131,7 +131,7 @@ def test_a_failed_write_is_reported_naming_its_shard(source, tmp_path, monkeypat
         return real_gather(job)
 
     monkeypatch.setattr(gather, "write_shard", full_at_block_1)
-    monkeypatch.setattr(run, "write_block", TwoSteps(gathers_fail_from_block_2, gather.save_block))
+    monkeypatch.setattr(run, "block_steps", lambda: TwoSteps(gathers_fail_from_block_2, gather.save_block))
     with pytest.raises(PackingError, match=r"no space left .*-00001-of-00010\.arrow\.tmp-"):
         pack(source, str(tmp_path / "out"))
     assert sorted(os.listdir(tmp_path)) == []
@@ -145,7 +145,7 @@ def test_a_failed_gather_is_reported_naming_its_shard(source, tmp_path, monkeypa
             raise PackingError(f"gather failed for {os.path.basename(job.path)}")
         return real(job)
 
-    monkeypatch.setattr(run, "write_block", TwoSteps(failing_from_block_3, gather.save_block))
+    monkeypatch.setattr(run, "block_steps", lambda: TwoSteps(failing_from_block_3, gather.save_block))
     with pytest.raises(PackingError, match=r"gather failed for data-\w+-00003-of-00010\.arrow"):
         pack(source, str(tmp_path / "out"))
     assert sorted(os.listdir(tmp_path)) == []

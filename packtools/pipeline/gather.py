@@ -1,7 +1,7 @@
 """Stage 3 of :func:`packtools.pack_files`: gather packed rows from memory-mapped data files and write them as
 shards of a ``datasets.save_to_disk`` folder.
 
-:func:`write_block` runs one :class:`WriteJob` (one block of rows of the global plan) on any executor: it maps
+:func:`block_steps` runs one :class:`WriteJob` (one block of rows of the global plan) on any executor: it maps
 only the files the block reads, copies the block's segments chunk by chunk, drops each chunk's mapped pages
 once copied (so memory holds one block, whatever the token count), and writes one Arrow stream shard under a
 temporary name renamed into place.  The bytes depend on the plan and the data only.  The local executor
@@ -21,9 +21,11 @@ import hashlib
 import json
 import mmap
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,7 @@ from ..compat.datasets import STATE_FILE, saved_state
 from ..core.arrow import ListColumn
 from ..core.pack import pack_columns, read_columns
 from ..core.plan import PackPlan
+from ..io.direct import arrow_sink
 from ..io.files import IpcReader, reading
 from ..io.pages import PageReleaser
 from .executors import TwoSteps
@@ -47,8 +50,9 @@ def write_json(path: str, obj: Any) -> None:
 
 # -- output shards -------------------------------------------------------------------------------------
 def write_shard(path: str, table: pa.Table) -> None:
-    """Write one Arrow stream file (the format of ``datasets`` cache files)."""
-    with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+    """Write one Arrow stream file (the format of ``datasets`` cache files), past the page cache
+    (:mod:`packtools.io.direct`: the run does not read it back)."""
+    with arrow_sink(path) as sink, pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
 
 
@@ -168,8 +172,12 @@ class WriteJob:
     row_offsets: np.ndarray
 
 
-def gather_block(job: WriteJob) -> pa.Table:
-    """The packed rows of one block, gathered from the (memory-mapped) data files it reads."""
+def gather_block(job: WriteJob, scratch: dict[str, np.ndarray] | None = None) -> pa.Table:
+    """The packed rows of one block, gathered from the (memory-mapped) data files it reads.
+
+    With ``scratch`` (:func:`packtools.core.pack.pack_columns`'s: column name -> buffer, filled in on first
+    use), the values are gathered into those buffers: the table is then a view of them, to be written before
+    they are handed to another block (:class:`BlockBuffers`)."""
     mapped = MappedArrow([p for p, _, _ in job.sources], job.columns)
     try:
         cols, lengths = read_columns(mapped.table, list(job.columns))
@@ -180,7 +188,7 @@ def gather_block(job: WriteJob) -> pa.Table:
         p = PackPlan(
             job.max_length, job.strategy, local, job.seg_start, job.seg_length, job.row_offsets, lengths
         )
-        return pack_columns(cols, p, release=mapped.release)
+        return pack_columns(cols, p, release=mapped.release, scratch=scratch)
     finally:
         mapped.close()
 
@@ -205,21 +213,70 @@ def save_block(job: WriteJob, table: pa.Table) -> dict[str, Any]:
     }
 
 
-def gather_timed(job: WriteJob) -> tuple[pa.Table, float]:
-    """:func:`gather_block` and the seconds it took (the run's timings report them)."""
+class BlockBuffers:
+    """The value buffers of a run's gathered blocks, handed from a written block to the next one gathered
+    (thread-safe).
+
+    A block's values are ~64 MB: gathered into fresh memory, each block paid a page fault per page, most of the
+    gather's time at 1 GB where fresh memory is expensive (``docs/tokenize.md``).  A set of buffers is held by
+    one block at a time, from its gather until its shard is written, then kept for the next block: at most
+    two sets exist (the local executor gathers one block ahead of the one it writes).  Each run makes its own
+    (:func:`block_steps`), so none outlives it; a copy sent to a worker process starts empty.
+    """
+
+    KEEP = 2
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[dict[str, np.ndarray]] = []
+
+    def take(self) -> dict[str, np.ndarray]:
+        with self._lock:
+            return self._free.pop() if self._free else {}
+
+    def give(self, scratch: dict[str, np.ndarray]) -> None:
+        """Hand back a block's buffers, once nothing reads its table any more."""
+        with self._lock:
+            if len(self._free) < self.KEEP:
+                self._free.append(scratch)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()
+
+
+def gather_timed(
+    job: WriteJob, buffers: BlockBuffers | None = None
+) -> tuple[pa.Table, float, dict[str, np.ndarray] | None]:
+    """:func:`gather_block` (into buffers of ``buffers``), the seconds it took (the run's timings report them),
+    and the buffers, to hand back once the table is written (:func:`save_gathered`)."""
     t = time.perf_counter()
-    table = gather_block(job)
-    return table, time.perf_counter() - t
+    scratch = buffers.take() if buffers is not None else None
+    table = gather_block(job, scratch)  # failed: its buffers are dropped
+    return table, time.perf_counter() - t, scratch
 
 
-def save_gathered(job: WriteJob, gathered: tuple[pa.Table, float]) -> dict[str, Any]:
-    """:func:`save_block` of a :func:`gather_timed` block, its gather seconds added to its ``phases``."""
-    table, seconds = gathered
+def save_gathered(
+    job: WriteJob,
+    gathered: tuple[pa.Table, float, dict[str, np.ndarray] | None],
+    buffers: BlockBuffers | None = None,
+) -> dict[str, Any]:
+    """:func:`save_block` of a :func:`gather_timed` block, its gather seconds added to its ``phases``; its
+    buffers go back to ``buffers`` once the shard is written (not after a failed write)."""
+    table, seconds, scratch = gathered
     out = save_block(job, table)
+    del table, gathered  # the buffers' views: the shard holds the bytes now
+    if buffers is not None and scratch is not None:
+        buffers.give(scratch)
     out["phases"]["gather"] = round(seconds, 4)
     return out
 
 
-#: Gather one block of packed rows and write it to ``job.path`` (:func:`gather_block`, then
-#: :func:`save_block`); the local executor gathers the next block while this one is written.
-write_block = TwoSteps(gather_timed, save_gathered)
+def block_steps() -> TwoSteps:
+    """One run's job function for its :class:`WriteJob` s: gather one block of packed rows, then write it to
+    ``job.path`` (:func:`gather_block`, then :func:`save_block`); the local executor gathers the next block
+    while this one is written, into the buffers of a written one (:class:`BlockBuffers`)."""
+    buffers = BlockBuffers()
+    return TwoSteps(partial(gather_timed, buffers=buffers), partial(save_gathered, buffers=buffers))

@@ -46,7 +46,7 @@ from .config import PipelineConfig, PipelineResult, check_options_used, fingerpr
 from .executors import EXECUTORS, Executor, get_executor
 from .failures import explain_os_error, note_interrupted, signals_deferred
 from .formats import input_columns, optional_columns, output_columns
-from .gather import run_token, write_block, write_dataset_files
+from .gather import block_steps, run_token, write_dataset_files
 from .jobs import run_jobs
 from .outcheck import check_out, check_replaceable
 from .planning import load_kernels_ahead, plan_parts, row_plan, write_jobs
@@ -546,7 +546,7 @@ def _run(
             wjobs = write_jobs(
                 p, data, rows.bounds, config, columns, ws.build, run=run_token(fp["fingerprint"])
             )
-            written = run_jobs(ex, write_block, wjobs, "write", how.quiet, how.retries)
+            written = run_jobs(ex, block_steps(), wjobs, "write", how.quiet, how.retries)
             timings["write_s"] = round(time.perf_counter() - t2, 3)
             timings["write_phases_s"] = busy_seconds(written)
             write_dataset_files(ws.build, [os.path.basename(j.path) for j in wjobs], fp["fingerprint"])

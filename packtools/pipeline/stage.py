@@ -37,8 +37,10 @@ import pyarrow as pa
 from .._atomic import fsync_file, removed_on_error
 from ..core.arrow import check_aligned, is_list_type, read_list_column
 from ..errors import PackingError
+from ..io.direct import arrow_sink
 from ..io.files import Part, Where, iter_part, open_ipc
 from ..io.fingerprint import cache_key
+from ..io.pages import read_ahead
 from .prefetch import prefetch, timed
 from .staged import (
     damage,
@@ -311,8 +313,10 @@ def stage_part(job: StageJob) -> dict[str, Any]:
     closing = np.zeros(0, np.int64)  # tokenizer.chat.head.closing_ids of a template with generation markers
     clock: dict[str, float] = {}  # busy seconds per phase (read, encode, write, flush), for the run's timings
     opener = np.zeros(0, np.int64)  # tokenizer.chat.head.tool_opener_ids
+    # past the page cache (packtools.io.direct: fresh page-cache pages were most of this write's cost), and
+    # read back into it in the background once whole, for the gather
     with removed_on_error(tmp):
-        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        with arrow_sink(tmp) as sink, pa.ipc.new_file(sink, schema) as writer:
             tables = timed(prefetch(_token_tables(job, clock)), clock, "stage_wait")
             for where, table in tables:  # tokenizing runs ahead of writing
                 try:
@@ -352,6 +356,7 @@ def stage_part(job: StageJob) -> dict[str, Any]:
             digest = ""
             fsync_file(tmp)
         os.replace(tmp, job.staged)
+        read_ahead(job.staged)
         clock["flush"] = time.perf_counter() - t_flush
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
     all_first = np.concatenate(firsts) if firsts else np.zeros(0, np.int64)
