@@ -19,7 +19,7 @@ import packtools.io.direct as direct
 import packtools.io.pages as pages
 import packtools.pipeline.gather as gather
 from packtools import pack_files
-from packtools.io.direct import ALIGN, DirectFile, arrow_sink
+from packtools.io.direct import ALIGN, DIRECT_ENV, DirectFile, arrow_sink
 from packtools.io.pages import read_ahead
 
 CHUNK = 4 * ALIGN  # small, so that a few KB cross several chunk boundaries
@@ -90,6 +90,29 @@ def test_the_file_is_written_with_o_direct_where_the_file_system_takes_it(tmp_pa
             os.preadv(fd, [bytearray(ALIGN)], 0, os.RWF_NOWAIT)
     finally:
         os.close(fd)
+
+
+def test_direct_writes_can_be_turned_off(tmp_path, monkeypatch):
+    """``PACKTOOLS_DIRECT_IO=0``: the file goes through the page cache (a read that may not wait finds it), the
+    same bytes; negative control: unset, the same file is written past the cache where that is taken."""
+    if not _direct_taken(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT (the plain path is tested above)")
+    data = b"y" * (CHUNK + 5)
+    monkeypatch.setenv(DIRECT_ENV, "0")
+    with DirectFile(str(tmp_path / "plain"), CHUNK) as f:
+        assert not f.direct and not _open_flags(f._fd) & os.O_DIRECT
+        f.write(data)
+    fd = os.open(tmp_path / "plain", os.O_RDONLY)
+    try:
+        assert os.preadv(fd, [bytearray(ALIGN)], 0, os.RWF_NOWAIT) == ALIGN
+    finally:
+        os.close(fd)
+    assert open(tmp_path / "plain", "rb").read() == data
+    monkeypatch.delenv(DIRECT_ENV)
+    with DirectFile(str(tmp_path / "direct"), CHUNK) as f:
+        assert f.direct
+        f.write(data)
+    assert open(tmp_path / "direct", "rb").read() == data
 
 
 def test_a_direct_write_the_file_system_refuses_goes_on_plainly(tmp_path, monkeypatch):

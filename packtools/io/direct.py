@@ -40,10 +40,17 @@ ALIGN = mmap.PAGESIZE
 CHUNK = 2 << 20
 
 
+#: Set to ``0`` to write every file through the page cache (same bytes): for a file system that takes
+#: ``O_DIRECT`` but serves it slowly (some network or FUSE file systems), or a machine where fresh memory is cheap
+#: and the disk is not.
+DIRECT_ENV = "PACKTOOLS_DIRECT_IO"
+
+
 def _open_direct(path: str) -> tuple[int, bool]:
-    """``(fd, direct)``: ``path`` created (or emptied) for writing, with ``O_DIRECT`` where it is taken."""
+    """``(fd, direct)``: ``path`` created (or emptied) for writing, with ``O_DIRECT`` where it is taken (and not
+    turned off by :data:`DIRECT_ENV`)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0)
-    direct = getattr(os, "O_DIRECT", 0)
+    direct = getattr(os, "O_DIRECT", 0) if os.environ.get(DIRECT_ENV, "1") != "0" else 0
     if direct:
         try:
             return os.open(path, flags | direct, 0o666), True
