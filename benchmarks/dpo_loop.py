@@ -29,7 +29,9 @@ def pairs_in(batch):
     return (len(batch["cu_seq_lens_q"]) - 1) // 2
 
 
-def train_dpo(model, ref_model, loader, optimizer, beta=0.1, accumulation_steps=1, max_steps=None):
+def train_dpo(
+    model, ref_model, loader, optimizer, beta=0.1, accumulation_steps=1, max_steps=None, device="cpu"
+):
     """DPO on packed pair batches with the plain loop ``train`` of docs/training.md; return the loss of each
     optimizer step (the mean over its pairs).
 
@@ -66,7 +68,14 @@ def train_dpo(model, ref_model, loader, optimizer, beta=0.1, accumulation_steps=
         return -F.logsigmoid(beta * margins).sum() / num_pairs
 
     return train(
-        model, loader, optimizer, accumulation_steps, max_steps=max_steps, count=pairs_in, loss_fn=dpo_loss
+        model,
+        loader,
+        optimizer,
+        accumulation_steps,
+        device=device,
+        max_steps=max_steps,
+        count=pairs_in,
+        loss_fn=dpo_loss,
     )
 
 
