@@ -29,6 +29,7 @@ WITHOUT_EXAMPLES = {
     "packtools.constants",
     "packtools.errors",
     "packtools.pipeline.preference",  # a pipeline step; tests/test_pipeline_tokenize.py runs it end to end
+    "packtools.pipeline.tokenizer.reference_check",  # a child process and its pipes; tests/test_first_run_check.py
     "packtools._atomic",
     "packtools.integrations.data.ray",  # its example needs a Ray runtime (skipped); tests/test_ray.py runs it
     "packtools.integrations.trainers.context_parallel",  # needs a multi-process Trainer; tests/test_cp_training.py runs it
