@@ -200,6 +200,15 @@ def test_unpack_checks_seq_lengths_row_by_row():
         packtools.core.unpack(bad)
 
 
+@pytest.mark.parametrize("name", ["ids{x}", "ids{0}", "ids{row}", "ids{}"])
+def test_unpack_names_a_column_with_braces_in_its_refusal(name):
+    """The column's name is text of the message, never a placeholder of it (check_row_counts fills ``{}``)."""
+    bad = pa.table({name: [[1, 2], [3]], "seq_lengths": [[1], [1, 1]]})
+    with pytest.raises(packtools.PackingError) as err:
+        packtools.core.unpack(bad)
+    assert str(err.value).startswith(f"row 0: column {name!r} holds 2 values but its seq_lengths sum to 1;")
+
+
 def test_pack_table_with_plan_checks_arguments():
     table = pa.table({"input_ids": [[1, 2], [3]]})
     with pytest.raises(packtools.PackingError, match=r"max_length=5 \(not 2\)"):

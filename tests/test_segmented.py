@@ -363,3 +363,22 @@ def test_compiled_training_step_equals_the_eager_step(monkeypatch):
     with pytest.raises(Exception, match="(?i)data.dependent|graph break|local_scalar_dense"):
         torch.compile(copy.deepcopy(unpacked), backend="aot_eager", fullgraph=True)(**batch)
     torch._dynamo.reset()
+
+
+def test_attention_functions_are_found_by_their_module_and_name():
+    """The per-sequence sdpa, the tree and the CP attention functions (written by segmented.attention_function)
+    are found where they are defined, as pickle (a spawned process, a saved object) and docs look them up."""
+    import importlib
+    import pickle
+
+    from packtools.integrations.attention import context_parallel, tree
+
+    for module, name in (
+        (segmented, "segmented_sdpa_forward"),
+        (tree, "tree_attention_forward"),
+        (context_parallel, "cp_attention_forward"),
+    ):
+        fn = getattr(module, name)
+        assert (fn.__module__, fn.__qualname__) == (module.__name__, name)
+        assert getattr(importlib.import_module(fn.__module__), fn.__qualname__) is fn
+        assert pickle.loads(pickle.dumps(fn)) is fn

@@ -245,6 +245,16 @@ def test_cpu_path_equals_the_varlen_contract_and_a_gather_off_by_one_fails():
     assert float((out - wrong).abs().max()) > 1e-3
 
 
+@pytest.mark.parametrize("payload", [{"kv_index": [0, 1]}, (1, 2), "tree", False])
+def test_a_tree_keyword_that_is_no_tree_layout_is_refused(payload):
+    """Only a TreeLayout (or no tree keyword) is a call the tree attention can serve: anything else under the
+    keyword (a layout turned into a dict or tuple by a batch transform) is refused by name, never run as plain
+    causal attention over the whole row, where every completion would see its siblings."""
+    _, _, q, k, v, _ = layer_inputs()
+    with pytest.raises(PackingError, match=f"{TREE_KEY}=.*not a TreeLayout"):
+        tree_attention_forward(None, q, k, v, None, **{TREE_KEY: payload})
+
+
 def run_tree(model, rows, layout=None, positions=None):
     batch = TreeCollator()(rows)
     layout = batch[TREE_KEY] if layout is None else layout

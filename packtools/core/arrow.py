@@ -199,7 +199,8 @@ def check_row_counts(
     got: np.ndarray, want: np.ndarray, got_says: str, want_says: str, fix: str, *, param: str | None = None
 ) -> None:
     """Refuse the first row where two per-row counts disagree: ``row r: <got_says> but <want_says>; <fix>``,
-    the ``{}`` of each side filled with its count at that row (``{row}`` with ``r``).
+    the ``{}`` of each side filled with its count at that row (``{row}`` with ``r``); a literal brace (in a column
+    name) is written doubled.
 
     >>> check_row_counts(np.array([3, 2]), np.array([3, 4]), "'seq_lengths' sum to {}", "'input_ids' has {} "
     ...                  "tokens", "re-pack the data.")

@@ -314,7 +314,9 @@ def unpack(
         seq = read_list_column(table.column(SEQ_LENGTHS), SEQ_LENGTHS)
         seg_lengths = seq.flat_values().astype(np.int64)
         offsets = np.concatenate(([0], np.cumsum(seg_lengths)))
-        holds = f"column {names[0]!r} holds {{}} values"
+        # the name is text of the message, not a placeholder: its braces doubled for check_row_counts' format
+        name = repr(names[0]).replace("{", "{{").replace("}", "}}")
+        holds = f"column {name} holds {{}} values"
         fix = "seq_lengths must describe each packed row exactly."
         check_row_counts(lengths, seq.row_sums(), holds, "its seq_lengths sum to {}", fix)
         arrays = [

@@ -266,8 +266,9 @@ def attention_function(
             AttentionCall(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
         )
 
+    # found where ``run`` is defined, under ``name`` (as pickle and the docs look a function up)
     forward.__name__ = forward.__qualname__ = name
-    forward.__doc__ = run.__doc__
+    forward.__module__, forward.__doc__ = run.__module__, run.__doc__
     return forward
 
 
@@ -286,7 +287,7 @@ def keyed_attention(
         call = replace(call, kwargs=kwargs)
         return call.segmented() if payload is None else run(call, payload)
 
-    dispatch.__doc__ = run.__doc__
+    dispatch.__module__, dispatch.__doc__ = run.__module__, run.__doc__
     return attention_function(dispatch, name)
 
 

@@ -72,8 +72,12 @@ def _tree_attention(call: AttentionCall, tree: Any) -> tuple[Any, None]:
     >>> out.shape, torch.allclose(out[:, 4:], alone[:, 2:], atol=1e-6)
     (torch.Size([1, 7, 2, 4]), True)
     """
-    if not isinstance(tree, TreeLayout):
-        return call.segmented()
+    if not isinstance(tree, TreeLayout):  # run as one causal row, every completion would see its siblings
+        raise PackingError(
+            f"{TREE_KEY}={type(tree).__name__} reached the tree attention, which is not a TreeLayout; pass the "
+            f"batch TreeCollator built (packtools.batches.tree) as it is, its {TREE_KEY} untouched.",
+            param=TREE_KEY,
+        )
     module, query, key, value = call.module, call.query, call.key, call.value
     dropout, scaling = call.dropout, call.scaling
     torch = require("torch", "packtools tree attention")
