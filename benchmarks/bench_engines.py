@@ -15,13 +15,15 @@ writes one); ``TOKENIZER_DIR`` a ``tokenizer.json``.  The texts are read into me
 then, per repeat and alternating between the engines, each engine is loaded fresh (load timed) and the whole text
 encoded in batches of 1,000, the ids flattened to NumPy (timed with the encode):
 
-- fastokens ``encode_batch_flat``, without and with special tokens;
+- fastokens ``encode_batch_flat``, without and then with special tokens on the same instance (the second pass
+  runs warm, its caches filled by the first: the first pass is the one to set beside a single pass);
 - gigatoken ``encode_batch`` (an awkward array, flattened), without special tokens (it adds none), and its own
   JSONL reader + encode (``encode_files``);
 - tokenizers ``Tokenizer.from_file`` with truncation and padding off, then ``encode_batch_fast`` where the
   version has it (0.23.x; else ``encode_batch``), ``add_special_tokens=True``, as packtools' reference calls
   it (``packtools.pipeline.tokenizer.batch``); each encoding's ``ids`` (``ids_array`` where the version has it)
-  concatenated.  With special tokens only: 0.23.x encodes ~1 MB/s here, a second pass would double the run.
+  concatenated.  With special tokens only (0.23.x encodes ~1 MB/s here: a second pass would double the run),
+  or also without (``--special both``, e.g. on the adversarial set of the proof, a few hundred kB).
 
 Threads: ``--threads N`` (default: the machine's cores) sets ``RAYON_NUM_THREADS`` (tokenizers' pool),
 ``FASTOKENS_BPE_THREADS`` and ``TOKENIZERS_PARALLELISM=true`` before any engine is imported; gigatoken keeps
@@ -30,7 +32,7 @@ its own default.
 ``--env PY=ENGINES`` (repeatable): each repeat runs this script once under every interpreter in turn (a fresh
 process, ``--repeat 1``), so environments with different library versions are interleaved on the same texts and
 threads; the table gives the best and the median of the repeats, with the load average at each start.
-``--ids-dir`` writes every engine's ids (``<engine> <version>.special-<0|1>.ids.npy`` and ``.lengths.npy``;
+``--ids-dir`` (one folder per data and tokenizer) writes every engine's ids (``<engine> <version>.special-<0|1>.ids.npy`` and ``.lengths.npy``;
 the first repeat's) and the ids found there are compared document by document in one process at the end, every
 pair with the same special-token setting; an engine is adoptable only with zero differences.
 """
@@ -121,7 +123,9 @@ def run_gigatoken(texts: list[str], path: str, keep: Callable, ids: dict, docs: 
     keep(f"{name} encode_files (its JSONL reader + encode)", time.perf_counter() - t)
 
 
-def run_tokenizers(texts: list[str], path: str, keep: Callable, ids: dict) -> None:
+def run_tokenizers(
+    texts: list[str], path: str, keep: Callable, ids: dict, specials: tuple[bool, ...]
+) -> None:
     import tokenizers
 
     name = f"tokenizers {tokenizers.__version__}"
@@ -136,17 +140,18 @@ def run_tokenizers(texts: list[str], path: str, keep: Callable, ids: dict) -> No
     keep(f"{name} load", time.perf_counter() - t)
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     as_array = hasattr(tokenizers.Encoding, "ids_array")
-    t = time.perf_counter()
-    rows: list[np.ndarray] = []
-    for i in range(0, len(texts), BATCH):
-        encodings = encode(texts[i : i + BATCH], add_special_tokens=True)
-        if as_array:
-            rows.extend(e.ids_array for e in encodings)
-        else:
-            rows.extend(np.array(e.ids, np.uint32) for e in encodings)
-    ids[(name, True)] = flat_ids(rows)
     how = f"{encode.__name__} + {'ids_array' if as_array else 'ids'}"
-    keep(f"{name} {how} (special tokens True)", time.perf_counter() - t)
+    for special in specials:
+        t = time.perf_counter()
+        rows: list[np.ndarray] = []
+        for i in range(0, len(texts), BATCH):
+            encodings = encode(texts[i : i + BATCH], add_special_tokens=special)
+            if as_array:
+                rows.extend(e.ids_array for e in encodings)
+            else:
+                rows.extend(np.array(e.ids, np.uint32) for e in encodings)
+        ids[(name, special)] = flat_ids(rows)
+        keep(f"{name} {how} (special tokens {special})", time.perf_counter() - t)
 
 
 def measure(args: argparse.Namespace, engines: list[str]) -> tuple[dict[str, list[float]], dict, float, int]:
@@ -169,7 +174,7 @@ def measure(args: argparse.Namespace, engines: list[str]) -> tuple[dict[str, lis
             elif engine == "gigatoken":
                 run_gigatoken(texts, path, keep, ids, args.docs)
             else:
-                run_tokenizers(texts, path, keep, ids)
+                run_tokenizers(texts, path, keep, ids, (True, False) if args.special == "both" else (True,))
     return seconds, ids, mb, len(texts)
 
 
@@ -236,6 +241,7 @@ def across_envs(args: argparse.Namespace) -> None:
                 out = os.path.join(tmp, f"{r}-{k}.json")
                 cmd = [python, os.path.abspath(__file__), args.docs, args.tokenizer, "--repeat", "1"]
                 cmd += ["--engines", engines or "fastokens", "--threads", str(args.threads), "--json", out]
+                cmd += ["--special", args.special]
                 if r == 0 and args.ids_dir:
                     cmd += ["--ids-dir", args.ids_dir]
                 loads.append(load_average())
@@ -262,6 +268,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--engines", default=None, help=f"comma-separated, of {', '.join(ENGINES)} "
                     "(default: fastokens, and gigatoken where it is installed)")  # fmt: skip
+    ap.add_argument("--special", choices=("true", "both"), default="true",
+                    help="tokenizers: with special tokens only (packtools' raw-text call) or also without")  # fmt: skip
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--ids-dir", help="write every engine's ids here (and compare all the ids found there)")
     ap.add_argument("--env", action="append", default=[], metavar="PYTHON=ENGINES",
