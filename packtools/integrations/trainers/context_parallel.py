@@ -43,6 +43,7 @@ from ...errors import PackingError
 from ...io.manifest import read_manifest
 from ..attention.context_parallel import use_cp_attention
 from ..parallel.layout import RankLayout
+from .loader import list_lengths, seq_lengths_column
 from .step import NO_EVAL, other_losses
 
 
@@ -152,11 +153,7 @@ def _seq_lengths(dataset: Any) -> Any:
         return None
     if SEQ_LENGTHS not in (dataset.column_names or []):
         return None
-    from ...compat.datasets import dataset_table
-
-    table, indices = dataset_table(dataset)
-    column = table.column(SEQ_LENGTHS)
-    return column if indices is None else column.take(indices)
+    return seq_lengths_column(dataset)
 
 
 def _one_sequence_rows(dataset: Any) -> Any:
@@ -164,12 +161,7 @@ def _one_sequence_rows(dataset: Any) -> Any:
     (``[[len(input_ids)], ...]``), or ``None`` without an ``input_ids`` column."""
     if "input_ids" not in (getattr(dataset, "column_names", None) or []):
         return None
-    from ...compat.datasets import dataset_table
-    from ...core.arrow import column_lengths
-
-    table, indices = dataset_table(dataset)
-    lengths = column_lengths(table.column("input_ids"))
-    return (lengths if indices is None else lengths[indices]).reshape(-1, 1)
+    return list_lengths(dataset, "input_ids").reshape(-1, 1)
 
 
 def prepare_context_parallel(trainer: Any, layout: RankLayout) -> RankLayout:

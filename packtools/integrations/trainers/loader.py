@@ -61,7 +61,9 @@ class RankBatches:
         return len(self.sampler)
 
 
-def _list_lengths(dataset: Any, column: str) -> np.ndarray:
+def list_lengths(dataset: Any, column: str) -> np.ndarray:
+    """The lengths of list column ``column`` of a ``datasets.Dataset``, in its row order (after ``select``,
+    ``shuffle``, ...)."""
     from ...compat.datasets import dataset_table
     from ...core.arrow import column_lengths
 
@@ -70,7 +72,8 @@ def _list_lengths(dataset: Any, column: str) -> np.ndarray:
     return lengths if indices is None else lengths[indices]
 
 
-def _seq_lengths_column(dataset: Any) -> Any:
+def seq_lengths_column(dataset: Any) -> Any:
+    """The ``seq_lengths`` column of a ``datasets.Dataset``, in its row order."""
     from ...compat.datasets import dataset_table
 
     table, indices = dataset_table(dataset)
@@ -96,7 +99,7 @@ def row_lengths_and_segments(dataset: Any) -> tuple[np.ndarray, Any]:
             param="train_dataset",
         )
     if all(c in names for c in PAIR_COLUMNS) and "input_ids" not in names:
-        p, c, r = (_list_lengths(dataset, n).astype(np.int64) for n in PAIR_COLUMNS)
+        p, c, r = (list_lengths(dataset, n).astype(np.int64) for n in PAIR_COLUMNS)
         segments = np.stack([p + c, p + r], axis=1).reshape(-1).astype(np.int32)
         offsets = np.arange(0, segments.shape[0] + 1, 2, dtype=np.int32)
         return 2 * p + c + r, pa.ListArray.from_arrays(pa.array(offsets), pa.array(segments))
@@ -105,8 +108,8 @@ def row_lengths_and_segments(dataset: Any) -> tuple[np.ndarray, Any]:
             f"the training dataset has no input_ids column (has {names}); token-budget batches need row lengths.",
             param="train_dataset",
         )
-    lengths = _list_lengths(dataset, "input_ids").astype(np.int64)
-    return lengths, _seq_lengths_column(dataset) if SEQ_LENGTHS in names else None
+    lengths = list_lengths(dataset, "input_ids").astype(np.int64)
+    return lengths, seq_lengths_column(dataset) if SEQ_LENGTHS in names else None
 
 
 def make_sampler(trainer: Any, dataset: Any, max_tokens: int | None, layout: Any = None) -> Any:
