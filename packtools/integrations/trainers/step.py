@@ -259,12 +259,9 @@ class DPOStep(StepOwner):
     over all its pairs, over every process (:mod:`packtools.integrations.preference.dpo`)."""
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
-        torch = require("torch", "packtools.prepare_dpo_trainer")
         samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        pairs = torch.tensor(sum(int(b["completion_mask"].shape[0]) // 2 for b in samples), device=device)
-        if int(self.args.world_size) > 1:  # tensor/context-parallel peers hold the same pairs: counted once
-            pairs = self.accelerator.gather(pairs).sum() // _plan(self).layout.peers
-        return samples, int(pairs)
+        pairs = sum(int(b["completion_mask"].shape[0]) // 2 for b in samples)
+        return samples, step_pairs(self, pairs, device)
 
     def compute_loss(
         self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
@@ -275,19 +272,39 @@ class DPOStep(StepOwner):
             )
         if not self.model.training or not num_items_in_batch:
             return result
-        layout = _plan(self).layout
         loss = result[0] if return_outputs else result
         pairs = int(inputs["completion_mask"].shape[0]) // 2
-        # Undo what training_step divides by (read from Trainer's own predicate) and DDP's mean over the
-        # data-parallel group (not over tensor-parallel peers); context-parallel peers' gradients are parts of
-        # one gradient (preference.context_parallel: identity-backward sums), so DDP's mean over them is undone too.
-        divided = trainer_divides_by_accumulation(self, num_items_in_batch)
-        steps = self.current_gradient_accumulation_steps if divided else 1
-        loss = loss * (pairs * steps * layout.dp_size / int(num_items_in_batch))
-        if layout.cp_size > 1:  # the gradient times cp_size, the value (logged) kept the step mean
-            extra = loss * (layout.cp_size - 1)
-            loss = loss + (extra - extra.detach())
+        loss = pair_mean_share(self, loss, pairs, int(num_items_in_batch), num_items_in_batch)
         return (loss, result[1]) if return_outputs else loss
+
+
+def step_pairs(trainer: Any, pairs: int, device: Any) -> int:
+    """The pairs of the optimizer step over every process: ``pairs`` (this process's, every micro-batch of the
+    window) summed over the processes, tensor- and context-parallel peers (which hold the same pairs) once."""
+    torch = require("torch", "packtools pair-mean steps")
+    total = torch.tensor(pairs, device=device)
+    if int(trainer.args.world_size) > 1:
+        total = trainer.accelerator.gather(total).sum() // _plan(trainer).layout.peers
+    return int(total)
+
+
+def pair_mean_share(trainer: Any, loss: Any, pairs: int, step_pairs: int, num_items: Any) -> Any:
+    """``loss``, the trainer's own mean over a micro-batch's ``pairs``, as its share of the mean over the
+    ``step_pairs`` of the optimizer step (DPO and reward steps; ``num_items``: the ``num_items_in_batch``
+    ``Trainer`` passes, which its predicate reads).
+
+    It undoes what ``training_step`` divides by (read from ``Trainer``'s own predicate) and DDP's mean over the
+    data-parallel group (not over tensor-parallel peers); context-parallel peers' gradients are parts of one
+    gradient (preference.context_parallel: identity-backward sums), so DDP's mean over them is undone too.
+    """
+    layout = _plan(trainer).layout
+    divided = trainer_divides_by_accumulation(trainer, num_items)
+    steps = trainer.current_gradient_accumulation_steps if divided else 1
+    loss = loss * (pairs * steps * layout.dp_size / step_pairs)
+    if layout.cp_size > 1:  # the gradient times cp_size, the value (logged) kept the step mean
+        extra = loss * (layout.cp_size - 1)
+        loss = loss + (extra - extra.detach())
+    return loss
 
 
 def own_compute_loss(trainer: Any) -> str | None:
