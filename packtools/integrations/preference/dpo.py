@@ -136,10 +136,6 @@ def _padding_free_forward(model: Any, inner: Any, trainer: Any = None) -> Any:
     return forward
 
 
-def _check_fused_head(model: Any) -> None:
-    fused_forward(_base_model(model))
-
-
 def install_padding_free_forward(model: Any, *, owner: Any = None) -> None:
     """Wrap the fused-LM-head forward that TRL put on ``model`` (once) so it runs one padding-free row.
 
@@ -305,7 +301,7 @@ def _prepare(
         if check_isolation:
             run_probe(trainer, trainer.ref_model, switched=switched)
         for model in models:
-            _check_fused_head(model)
+            fused_forward(_base_model(model))  # TRL's fused LM head must be there to be wrapped
         if not shared:
             for model in models:
                 install_padding_free_forward(model, owner=trainer)
