@@ -37,7 +37,7 @@ from ...batches.context_parallel import CP_KEY, shard_row
 from ...constants import VARLEN_KEYS
 from ...errors import PackingError
 from ..attention.context_parallel import use_cp_attention
-from ..parallel.layout import RankLayout, rank_layout
+from ..parallel.layout import RankLayout
 from ..parallel.shard_loss import sum_over_group
 from .calls import PER_TOKEN
 
@@ -148,17 +148,6 @@ def check_cp_dpo(trainer: Any, layout: RankLayout, shared: bool) -> None:
             f"{'; '.join(refusals)}. Drop it, or train without context_parallel.",
             param="context_parallel",
         )
-
-
-def dpo_layout(trainer: Any, context_parallel: int | None, shared: bool) -> RankLayout:
-    """The run's :class:`RankLayout` for ``prepare_dpo_trainer`` (``context_parallel``: packtools' CP size, or
-    ``None``), refusing what :func:`~packtools.integrations.parallel.layout.rank_layout` refuses (accelerate's
-    own CP, DeepSpeed SP, meshes it cannot account for) and, under packtools' CP, what :func:`check_cp_dpo`
-    refuses."""
-    layout = rank_layout(trainer, context_parallel)
-    if layout.cp_size > 1:
-        check_cp_dpo(trainer, layout, shared)
-    return layout
 
 
 def prepare_dpo_context_parallel(
