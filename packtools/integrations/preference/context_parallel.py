@@ -37,6 +37,7 @@ from ...batches.context_parallel import CP_KEY, shard_row
 from ...constants import VARLEN_KEYS
 from ...errors import PackingError
 from ..attention.context_parallel import use_cp_attention
+from ..parallel.distributed import is_sharded
 from ..parallel.layout import RankLayout
 from ..parallel.shard_loss import sum_over_group
 from .calls import PER_TOKEN
@@ -131,7 +132,7 @@ def check_cp_dpo(trainer: Any, layout: RankLayout, shared: bool) -> None:
     refusals = []
     if layout.tp_size > 1:
         refusals.append("tensor parallelism (TP groups would overlap the CP groups)")
-    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+    if is_sharded(trainer):
         refusals.append("DeepSpeed or FSDP (not run with packtools' CP; use DDP)")
     if shared:
         refusals.append("prompt-shared rows (share_prompt: the tree attention has no CP shards)")

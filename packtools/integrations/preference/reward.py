@@ -51,7 +51,7 @@ from ..attention.backends import (
     sends_seq_idx,
 )
 from ..attention.mixers import run_mixers_per_document
-from ..parallel.distributed import check_loss_path, uneven_gather
+from ..parallel.distributed import check_loss_path, is_sharded, uneven_gather
 from ..parallel.layout import rank_layout
 from ..trainers.guard import guard_model, refuse_prompt_learning
 from ..trainers.loader import check_train_loader
@@ -224,7 +224,7 @@ def prepare_reward_trainer(
         run_mixers_per_document(trainer.model, owner=trainer)  # token-mixing layers per document
         check_attention_implementation(trainer.model)
         with segmented_sdpa_until_checked([trainer.model], segmented_sdpa, owner=trainer):
-            if check_isolation and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
+            if check_isolation and is_sharded(trainer):
                 warnings.warn(
                     "prepare_reward_trainer: the isolation probe was skipped because the model is sharded "
                     "(DeepSpeed/FSDP); run packtools.integrations.preference.reward_scores.check_reward_isolation on an unsharded copy.",

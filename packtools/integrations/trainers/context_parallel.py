@@ -42,6 +42,7 @@ from ...core.cp_budget import check_rows_fit
 from ...errors import PackingError
 from ...io.manifest import read_manifest
 from ..attention.context_parallel import use_cp_attention
+from ..parallel.distributed import is_sharded
 from ..parallel.layout import RankLayout
 from .loader import list_lengths, seq_lengths_column
 from .step import NO_EVAL, other_losses
@@ -56,7 +57,7 @@ def check_cp_trainer(trainer: Any, layout: RankLayout) -> None:
             "processes, TP groups would overlap them); use one of the two.",
             param="context_parallel",
         )
-    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+    if is_sharded(trainer):
         raise PackingError(
             "context_parallel with DeepSpeed or FSDP has not been run with packtools; use DDP (torchrun) with "
             "context_parallel, or context_parallel=None.",

@@ -225,21 +225,20 @@ class SFTStep(StepOwner):
         self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
         plan = _plan(self)
-        if plan.loss != "token":
-            return _weighted_loss(self, model, inputs, return_outputs, num_items_in_batch)
         if CP_KEY in inputs:
             inputs = cp_loss_inputs(inputs, plan)
+        if plan.loss != "token":
+            return _weighted_loss(self, model, inputs, return_outputs, num_items_in_batch)
         return super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )
 
 
 def _weighted_loss(trainer: Any, model: Any, inputs: Any, return_outputs: bool, num_items: Any) -> Any:
-    """The ``sample`` / ``sqrt`` loss of a micro-batch: ``sum_t w_t CE_t / D`` times what ``Trainer`` and DDP
-    divide by again (the processes of the DP x CP world; the accumulation steps when ``Trainer`` divides)."""
+    """The ``sample`` / ``sqrt`` loss of a micro-batch (a CP shard as :func:`cp_loss_inputs` gives it):
+    ``sum_t w_t CE_t / D`` times what ``Trainer`` and DDP divide by again (the processes of the DP x CP world;
+    the accumulation steps when ``Trainer`` divides)."""
     plan = _plan(trainer)
-    if CP_KEY in inputs:
-        inputs = cp_loss_inputs(inputs, plan)
     targets, doc = targets_and_documents(inputs)
     weights = token_weights(targets, doc, plan.loss, _cp_group(plan, inputs))
     outputs = model(**{k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")})
