@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..._optional import require
+from ..._optional import is_instance, require
 from ...compat.accelerate import stop_sharding
 from ...compat.transformers import training_collator, training_rows
 from ...constants import SEQ_LENGTHS
@@ -175,9 +175,8 @@ def _passthrough(prepared: Any, ours: RankBatches) -> Any:
             "packed rows and pairs across processes; packtools shards whole batches. Set split_batches=False.",
             param="split_batches",
         )
-    stop_sharding(
-        shard, ours.set_epoch
-    )  # reached by Trainer through skip_first_batches' SkipBatchSampler too
+    # reached by Trainer through skip_first_batches' SkipBatchSampler too
+    stop_sharding(shard, ours.set_epoch)
     return prepared
 
 
@@ -204,8 +203,6 @@ def check_sharding(loader: Any) -> None:
 
 def is_stream(dataset: Any) -> bool:
     """Whether ``dataset`` is a stream (an ``IterableDataset``, or anything without a length)."""
-    from ..._optional import is_instance
-
     return (
         is_instance(dataset, "torch", "IterableDataset")
         or is_instance(dataset, "datasets", "IterableDataset")
