@@ -44,6 +44,7 @@ from ...errors import PackingError
 from ..parallel.distributed import trainer_divides_by_accumulation, uneven_gather
 from ..parallel.layout import RankLayout
 from .loader import train_loader
+from .sft import causal_lm_loss
 from .step_loss import targets_and_documents, token_weights, weighted_token_loss
 
 #: The trainer attribute holding its :class:`StepPlan` (set by ``prepare_*``, removed by ``unprepare``).
@@ -326,8 +327,6 @@ def own_compute_loss(trainer: Any) -> str | None:
 def other_losses(trainer: Any) -> list[str]:
     """What shapes ``trainer``'s loss besides its model's causal-LM loss, each named for a refusal: a
     ``compute_loss_func`` of the user's own, ``Trainer``'s label smoother, a MoE router loss; ``[]`` if none."""
-    from .sft import causal_lm_loss
-
     config = getattr(getattr(trainer.model, "config", None), "get_text_config", lambda: None)()
     found = [
         "a compute_loss_func of your own" if trainer.compute_loss_func not in (None, causal_lm_loss) else "",
@@ -370,6 +369,4 @@ def use_causal_lm_loss(trainer: Any) -> None:
         or trainer.label_smoother is not None
     ):
         return
-    from .sft import causal_lm_loss
-
     set_attr(trainer, "compute_loss_func", causal_lm_loss, owner=trainer)
