@@ -112,20 +112,18 @@ def row_lengths_and_segments(dataset: Any) -> tuple[np.ndarray, Any]:
     return lengths, seq_lengths_column(dataset) if SEQ_LENGTHS in names else None
 
 
-def make_sampler(trainer: Any, dataset: Any, max_tokens: int | None, layout: Any = None) -> Any:
+def make_sampler(trainer: Any, dataset: Any, max_tokens: int | None, layout: Any) -> Any:
     """The rank's batch sampler for ``dataset`` (see the module docstring).
 
-    ``layout`` (a :class:`~packtools.integrations.parallel.layout.RankLayout`, read from the trainer when not
-    given) says which data-parallel shard this process reads: ``world`` and ``rank`` below are the
-    data-parallel size and rank, not the process count and index.
+    ``layout`` (the run's :class:`~packtools.integrations.parallel.layout.RankLayout`, the step plan's) says
+    which data-parallel shard this process reads: ``world`` and ``rank`` below are the data-parallel size and
+    rank, not the process count and index.
     """
     from ...batches.row_sampler import RowBatchSampler
     from ...batches.sampler import TokenBudgetBatchSampler
-    from ..parallel.layout import rank_layout
 
     args = trainer.args
     seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed
-    layout = rank_layout(trainer) if layout is None else layout
     world, rank = layout.dp_size, layout.dp_rank
     if max_tokens is None:
         if len(dataset) < world:  # some rank would have no batch, and Trainer no length to train on
