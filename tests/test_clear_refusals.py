@@ -153,6 +153,7 @@ def test_fewer_rows_than_processes_is_refused_naming_the_fix():
     Trainer's "args.max_steps must be set"); the 2-process run is in test_distributed.py."""
     from types import SimpleNamespace
 
+    from packtools.integrations.parallel.layout import RankLayout
     from packtools.integrations.trainers.loader import make_sampler
 
     def trainer(rank):
@@ -162,8 +163,8 @@ def test_fewer_rows_than_processes_is_refused_naming_the_fix():
         return SimpleNamespace(args=args)
 
     with pytest.raises(PackingError, match=r"1 training row\(s\) cannot give each of 2 processes a batch"):
-        make_sampler(trainer(0), [0], None)
-    assert [len(make_sampler(trainer(r), [0, 1], None)) for r in (0, 1)] == [1, 1]
+        make_sampler(trainer(0), [0], None, RankLayout(0, 2))
+    assert [len(make_sampler(trainer(r), [0, 1], None, RankLayout(r, 2))) for r in (0, 1)] == [1, 1]
 
 
 class AddsMask:

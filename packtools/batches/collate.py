@@ -22,14 +22,8 @@ from .._optional import require
 from ..constants import IGNORE_INDEX, VARLEN_KEYS
 from ..errors import PackingError
 from .buckets import bucket_for, check_buckets, pad_cu_seq_lens
-from .flatten import FlatRows, check_carried, check_leave_out, flatten_rows
+from .flatten import FlatRows, check_carried, check_leave_out, flatten_rows, restart_positions
 from .labels import ignore_starts, mask_keys
-
-
-def _positions(seg_lengths: np.ndarray, total: int) -> np.ndarray:
-    starts = np.zeros(seg_lengths.shape[0], np.int64)
-    np.cumsum(seg_lengths[:-1], out=starts[1:])
-    return np.arange(total, dtype=np.int64) - np.repeat(starts, seg_lengths)
 
 
 def _padded_total(total: int, multiple: int | None) -> int:
@@ -66,7 +60,7 @@ def assemble_padding_free(
     return {
         "input_ids": input_ids[None],
         "labels": labels[None],
-        "position_ids": _positions(seg, padded)[None],
+        "position_ids": restart_positions(seg)[None],
         "cu_seq_lens_q": cu,
         "cu_seq_lens_k": cu,
         "max_length_q": max_len,
@@ -100,7 +94,7 @@ def assemble_padded(
     is_pad[(ends - 1)[pads > 0]] = True
     seg[~is_pad] = flat.seg_lengths
     seg[is_pad] = pads[pads > 0]
-    positions = _positions(seg, b * width).reshape(b, width)
+    positions = restart_positions(seg).reshape(b, width)
     valid = np.arange(width)[None, :] < flat.row_lengths[:, None]
     input_ids = np.full((b, width), pad_token_id, np.int64)
     input_ids[valid] = flat.input_ids

@@ -102,14 +102,19 @@ def _row_segments(row: Mapping[str, Any], i: int, n: int) -> np.ndarray:
     return seg
 
 
+def restart_positions(seg_lengths: np.ndarray) -> np.ndarray:
+    """The ``position_ids`` of consecutive sequences of ``seg_lengths`` tokens, each from 0 (``[3, 1]``: 0 1 2 0)."""
+    seg = np.asarray(seg_lengths, np.int64)
+    return np.arange(int(seg.sum()), dtype=np.int64) - np.repeat(np.cumsum(seg) - seg, seg)
+
+
 def _check_position_ids(row: Mapping[str, Any], i: int, seg: np.ndarray, n: int) -> None:
     """A row's own ``position_ids`` must say what ``seq_lengths`` say: the collator rebuilds them from
     ``seq_lengths`` (a row without them is one sequence), so any other value would be replaced unseen."""
     if row.get("position_ids") is None:
         return
     own = _int_array(row["position_ids"], i, "position_ids")
-    starts = np.cumsum(seg) - seg
-    rebuilt = np.arange(n, dtype=np.int64) - np.repeat(starts, seg)
+    rebuilt = restart_positions(seg)
     if own.shape[0] == n and np.array_equal(own, rebuilt):
         return
     said = (

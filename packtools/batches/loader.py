@@ -33,7 +33,7 @@ from ..core.arrow import ListColumn, check_aligned, check_row_counts, read_list_
 from ..errors import PackingError
 from .arrow_rows import ArrowBatches, ArrowSource, check_integer
 from .collate import PaddingFreeCollator
-from .flatten import CARRIED_KEYS, FlatRows, check_leave_out
+from .flatten import CARRIED_KEYS, FlatRows, check_leave_out, restart_positions
 from .view import PackedRow, PackedView
 
 #: Image columns of a processed vision-language table: they need :class:`~packtools.batches.MultimodalCollator`.
@@ -145,7 +145,7 @@ class PackedRows(ArrowBatches):
             count, self._table_lengths, "'position_ids' has {} values", "'input_ids' has {} tokens", fix
         )
         seg = seq[0].flat_values().astype(np.int64) if seq else self._table_lengths[self._table_lengths > 0]
-        rebuilt = np.arange(int(seg.sum()), dtype=np.int64) - np.repeat(np.cumsum(seg) - seg, seg)
+        rebuilt = restart_positions(seg)
         wrong = np.flatnonzero(col.flat_values().astype(np.int64) != rebuilt)
         if wrong.size:
             token = int(wrong[0])

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import PackingError
 from .collate import check_pad_args, to_tensors
+from .flatten import restart_positions
 from .labels import ignore_starts, labels_of
 
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -168,7 +169,7 @@ class PreferenceCollator:
         cu = np.zeros(seq.shape[0] + 1, np.int32)
         np.cumsum(seq, out=cu[1:])
         labels = ignore_starts(labels_of(ids, None, [mask]), cu[:-1])  # a sequence start is never a target
-        positions = np.arange(ids.shape[0], dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), seq)
+        positions = restart_positions(seq)
         longest = int(seq.max())
         return {
             "input_ids": ids[None],

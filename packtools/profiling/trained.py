@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from ..batches.flatten import restart_positions
 from ..constants import IGNORE_INDEX
 from ..core.arrow import read_list_column
 
@@ -56,7 +57,7 @@ class TrainedTokens:
             off = chunk.offsets.astype(np.int64)
             n = np.diff(off)
             values = chunk.values[off[0] : off[-1]]
-            pos = np.arange(values.shape[0], dtype=np.int64) - np.repeat(off[:-1] - off[0], n)
+            pos = restart_positions(n)  # each label's place in its row
             trained = (values != IGNORE_INDEX) & (pos > 0)
             counts = np.bincount(pos[trained]) if trained.any() else np.zeros(1, np.int64)
             if counts.shape[0] > at.shape[0]:

@@ -30,10 +30,12 @@ from ...constants import IGNORE_INDEX
 from ...errors import PackingError
 from ..trainers.rows import locate_rows, sequence_spans
 from .backends import (
+    MASK_BACKENDS,
     adapt_collator,
     attention_implementation,
     base_model,
     forward_accepts,
+    is_flash,
     token_mixing_layers,
 )
 
@@ -424,10 +426,6 @@ def _compare_backward(
 
 
 # -- probe refusals ------------------------------------------------------------------------------------------
-#: Backends that keep packed sequences apart by themselves (block mask from position_ids, or varlen kernels).
-ISOLATING = ("sdpa", "eager", "flex_attention", "packtools_sdpa")
-
-
 def translate(err: Exception, model_name: str, impl: str | None) -> PackingError | None:
     """transformers' own refusal (a mixer without the kernel that reads seq_idx) as a PackingError."""
     text = str(err)
@@ -518,7 +516,7 @@ def backend_hint(impl: str | None, unpacked: str) -> str:
     """The fix for a leak that is not the batch's: another backend where ``impl`` does not separate packed
     sequences itself, else (it does: suggesting another would not help) what else in the model lets them meet.
     ``unpacked``: how to train this trainer without packing."""
-    if impl in ISOLATING or (impl is not None and "flash" in impl):
+    if impl in MASK_BACKENDS or is_flash(impl):  # the backends that keep packed sequences apart by themselves
         return (  # the backend already separates packed sequences: something else in the model does not
             f"{impl!r} attention keeps packed sequences apart, so something else in the model lets them meet: "
             f"positions it builds itself instead of reading position_ids (e.g. multimodal 3-D rotary "

@@ -43,9 +43,21 @@ def open_image(value: Any, row: int | str) -> Any:
     """
     Image = require("PIL.Image", "opening images (the images column)")
     ImageOps = require("PIL.ImageOps", "opening images (the images column)")
-    where = where_of(row)
     if isinstance(value, Image.Image):
         return ImageOps.exif_transpose(value)
+    source, name = _image_source(value, row)
+    try:
+        img = Image.open(source)
+        img.load()  # decode now: a truncated or damaged file fails here, with its name
+        return ImageOps.exif_transpose(img).convert("RGB")
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+        raise PackingError(f"{where_of(row)}: cannot open image {name!r}: {err}", param="images") from err
+
+
+def _image_source(value: Any, row: int | str) -> tuple[Any, str]:
+    """What ``PIL.Image.open`` takes for a path, bytes or ``datasets``' ``{"bytes": ..., "path": ...}`` (bytes
+    as a file object), and the image's name for errors; a URL or any other value is refused by name."""
+    where = where_of(row)
     if isinstance(value, dict):
         value = value.get("bytes") or value.get("path")
     if isinstance(value, str) and value.lower().startswith(URL_SCHEMES):
@@ -59,13 +71,9 @@ def open_image(value: Any, row: int | str) -> Any:
             f"{where}: an image must be a path, bytes or a PIL image, got {type(value).__name__}.",
             param="images",
         )
-    name = "<bytes>" if isinstance(value, (bytes, bytearray)) else str(value)[:120]
-    try:
-        img = Image.open(io.BytesIO(value) if isinstance(value, (bytes, bytearray)) else value)
-        img.load()  # decode now: a truncated or damaged file fails here, with its name
-        return ImageOps.exif_transpose(img).convert("RGB")
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
-        raise PackingError(f"{where}: cannot open image {name!r}: {err}", param="images") from err
+    if isinstance(value, (bytes, bytearray)):
+        return io.BytesIO(value), "<bytes>"
+    return value, str(value)[:120]
 
 
 def image_list(images: Any, row: int | str) -> list[Any]:
@@ -110,18 +118,10 @@ def image_size(value: Any, row: int | str) -> tuple[int, int]:
     if isinstance(value, Image.Image):
         img = value
     else:
-        if isinstance(value, dict):
-            value = value.get("bytes") or value.get("path")
-        if (
-            isinstance(value, str)
-            and value.lower().startswith(URL_SCHEMES)
-            or not isinstance(value, (bytes, bytearray, str, os.PathLike))
-        ):
-            return open_image(value, row).size[::-1]  # refused there, by name
+        source, name = _image_source(value, row)
         try:
-            img = Image.open(io.BytesIO(value) if isinstance(value, (bytes, bytearray)) else value)
+            img = Image.open(source)
         except (OSError, ValueError, SyntaxError) as err:
-            name = "<bytes>" if isinstance(value, (bytes, bytearray)) else str(value)[:120]
             raise PackingError(f"{where_of(row)}: cannot open image {name!r}: {err}", param="images") from err
     orientation = img.getexif().get(0x0112, 1)
     w, h = img.size

@@ -150,13 +150,7 @@ def process_vision_sample(
     names = image_list(images, row)
     images = [open_image(v, row) for v in names]
     text = _render(vp, messages, row=row)
-    parts = text.split(vp.image_token)
-    if len(parts) - 1 != len(images):
-        raise PackingError(
-            f"{where_of(row)}: its messages hold {len(parts) - 1} image part(s) but its images column has "
-            f"{len(images)} image(s); every image part needs exactly one image, in order.",
-            param="images",
-        )
+    _check_image_parts(vp, text, len(images), row)
     if vp.processor is not None:
         try:
             out = vp.processor(text=[text], images=images or None, return_tensors="np")
@@ -187,6 +181,17 @@ def process_vision_sample(
     )
     row_out["image_grid_thw"] = grid
     return row_out
+
+
+def _check_image_parts(vp: VisionProcessor, text: str, images: int, row: int | str) -> None:
+    """Refuse a sample whose rendered ``text`` holds another number of image parts than its ``images``."""
+    parts = text.count(vp.image_token)
+    if parts != images:
+        raise PackingError(
+            f"{where_of(row)}: its messages hold {parts} image part(s) but its images column has {images} "
+            f"image(s); every image part needs exactly one image, in order.",
+            param="images",
+        )
 
 
 def _expand(vp: VisionProcessor, text: str, grid: np.ndarray) -> str:
@@ -315,11 +320,6 @@ def sample_length(vp: VisionProcessor, messages: Any, images: Any, row: int | st
     check_messages(messages, row)
     sizes = [image_size(v, row) for v in image_list(images, row)]
     text = _render(vp, messages, row=row)
-    if text.count(vp.image_token) != len(sizes):
-        raise PackingError(
-            f"{where_of(row)}: its messages hold {text.count(vp.image_token)} image part(s) but its images column "
-            f"has {len(sizes)} image(s).",
-            param="images",
-        )
+    _check_image_parts(vp, text, len(sizes), row)
     tokens = len(vp.tokenizer(text)["input_ids"]) - len(sizes)
     return tokens + sum(int(count(h, w)) // vp.merge_size**2 for h, w in sizes)

@@ -6,6 +6,7 @@ accept a different number of items on every process.
   step (``loss_is_scaled_for_ga`` when the trainer sets it, else ``model_accepts_loss_kwargs`` with a token
   count, or a ``compute_loss_func``).  :func:`check_loss_path` refuses the configurations whose scaling
   packtools does not know (a ``Trainer`` without that predicate, ``torch.nn.DataParallel`` over several GPUs).
+* :func:`is_sharded`: whether DeepSpeed or FSDP shards the model.
 * :func:`uneven_gather` makes ``accelerator.gather`` work when the ranks hold different numbers of items (a
   micro-batch of packed pairs holds as many pairs as fit): the sizes are gathered first, every rank pads to
   the largest, and the padding is cut off again, so the result is the concatenation of every rank's real
@@ -21,6 +22,12 @@ from typing import Any
 from ..._optional import require
 from ...compat.accelerate import replaced_gather
 from ...errors import PackingError
+
+
+def is_sharded(trainer: Any) -> bool:
+    """Whether DeepSpeed or FSDP shards ``trainer``'s model (it cannot be probed before ``train()``; packtools'
+    context parallelism has not been run with either)."""
+    return bool(getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False))
 
 
 def check_loss_path(trainer: Any) -> None:

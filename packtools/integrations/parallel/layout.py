@@ -184,22 +184,14 @@ def _from_parallelism_config(accelerator: Any, config: Any, context_parallel: in
             param="context_parallel",
         )
     mesh = getattr(accelerator, "torch_device_mesh", None)
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if mesh is None or not hasattr(mesh, "get_local_rank"):
         raise PackingError(
             f"the accelerator has a ParallelismConfig (tp={tp}, cp={cp}) but no device mesh to read the "
             f"data-parallel rank from; packtools will not guess which processes share a batch.",
             param="parallelism_config",
         )
-    dp_rank = _mesh_rank(mesh, names, "dp_replicate") * shard + _mesh_rank(mesh, names, "dp_shard")
-    return RankLayout(
-        dp_rank=dp_rank,
-        dp_size=replicate * shard,
-        cp_rank=_mesh_rank(mesh, names, "cp"),
-        cp_size=cp,
-        tp_size=tp,
-        source="ParallelismConfig device mesh",
-    )
+    # accelerate's mesh: a DeviceMesh over its enabled dimensions (dp_replicate, dp_shard, tp), read as any other
+    return replace(RankLayout.from_mesh(mesh), source="ParallelismConfig device mesh")
 
 
 def _refuse_unknown_mesh(model: Any) -> None:

@@ -37,7 +37,8 @@ from ...batches.context_parallel import CP_KEY, shard_row
 from ...constants import VARLEN_KEYS
 from ...errors import PackingError
 from ..attention.context_parallel import use_cp_attention
-from ..parallel.layout import RankLayout, rank_layout
+from ..parallel.distributed import is_sharded
+from ..parallel.layout import RankLayout
 from ..parallel.shard_loss import sum_over_group
 from .calls import PER_TOKEN
 
@@ -51,14 +52,6 @@ class CPForward:
     layout: RankLayout
     pad_token_id: int
 
-    @property
-    def cp_size(self) -> int:
-        return self.layout.cp_size
-
-    @property
-    def group(self) -> Any:
-        return self.layout.cp_group
-
     def __call__(self, inner: Any, flat: dict[str, Any], lengths: Any) -> Any:
         """``inner`` (TRL's fused-head forward) on the shard of ``flat`` (the one-row call of the padding-free
         forward, sequences of ``lengths``); the per-token outputs come back as the whole row's, ``[1, T - 1]``
@@ -71,7 +64,7 @@ class CPForward:
             ids.cpu().numpy(),
             labels.cpu().numpy(),
             lengths.cpu().numpy(),
-            self.cp_size,
+            self.layout.cp_size,
             self.layout.cp_rank,
             self.pad_token_id,
             balance=self.layout.balance,  # the layout's choice (packtools_cp reads it from the shard)
@@ -109,15 +102,15 @@ class CPForward:
         evaluation or precompute loader sharding over every process, a user's own loop): ``packtools_cp``
         would attend across their shards as if they were one row's."""
         torch = require("torch", "packtools context parallelism")
-        if self.cp_size == 1:
+        if self.layout.cp_size == 1:
             return
         weights = torch.arange(1, ids.shape[0] + 1, device=ids.device, dtype=torch.int64)
         mine = torch.stack([torch.tensor(ids.shape[0], device=ids.device), (ids.long() * weights).sum()])
-        every = [torch.empty_like(mine) for _ in range(self.cp_size)]
-        torch.distributed.all_gather(every, mine, group=self.group)
+        every = [torch.empty_like(mine) for _ in range(self.layout.cp_size)]
+        torch.distributed.all_gather(every, mine, group=self.layout.cp_group)
         if any(not torch.equal(other, mine) for other in every):
             raise PackingError(
-                f"the {self.cp_size} ranks of a CP group called the model on different rows (token counts "
+                f"the {self.layout.cp_size} ranks of a CP group called the model on different rows (token counts "
                 f"{[int(e[0]) for e in every]}); under context_parallel every rank of the group must run the same "
                 f"batch, its share of it. Evaluation and precomputed reference log-probs are not run under "
                 f"context_parallel: run them without it.",
@@ -127,10 +120,10 @@ class CPForward:
     def _sum(self, whole: Any) -> Any:
         torch = require("torch", "packtools context parallelism")
         if whole.is_floating_point():
-            return sum_over_group(whole, self.group)
+            return sum_over_group(whole, self.layout.cp_group)
         counts = whole.long()
-        if self.cp_size > 1:
-            torch.distributed.all_reduce(counts, group=self.group)
+        if self.layout.cp_size > 1:
+            torch.distributed.all_reduce(counts, group=self.layout.cp_group)
         return counts.to(whole.dtype)
 
 
@@ -139,7 +132,7 @@ def check_cp_dpo(trainer: Any, layout: RankLayout, shared: bool) -> None:
     refusals = []
     if layout.tp_size > 1:
         refusals.append("tensor parallelism (TP groups would overlap the CP groups)")
-    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+    if is_sharded(trainer):
         refusals.append("DeepSpeed or FSDP (not run with packtools' CP; use DDP)")
     if shared:
         refusals.append("prompt-shared rows (share_prompt: the tree attention has no CP shards)")
@@ -156,17 +149,6 @@ def check_cp_dpo(trainer: Any, layout: RankLayout, shared: bool) -> None:
             f"{'; '.join(refusals)}. Drop it, or train without context_parallel.",
             param="context_parallel",
         )
-
-
-def dpo_layout(trainer: Any, context_parallel: int | None, shared: bool) -> RankLayout:
-    """The run's :class:`RankLayout` for ``prepare_dpo_trainer`` (``context_parallel``: packtools' CP size, or
-    ``None``), refusing what :func:`~packtools.integrations.parallel.layout.rank_layout` refuses (accelerate's
-    own CP, DeepSpeed SP, meshes it cannot account for) and, under packtools' CP, what :func:`check_cp_dpo`
-    refuses."""
-    layout = rank_layout(trainer, context_parallel)
-    if layout.cp_size > 1:
-        check_cp_dpo(trainer, layout, shared)
-    return layout
 
 
 def prepare_dpo_context_parallel(

@@ -63,13 +63,14 @@ from ..attention.backends import (
 )
 from ..attention.backends import base_model as _base_model
 from ..parallel.distributed import check_loss_path
+from ..parallel.layout import rank_layout
 from ..trainers.collator_check import check_preference_collator
 from ..trainers.guard import check_forward_inputs, guard_model, refuse_prompt_learning
 from ..trainers.loader import check_train_loader
 from ..trainers.step import DPOStep, StepPlan, install_step, plan_of
 from ..trainers.transformers import run_mixers_per_document, run_probe
 from .calls import PER_TOKEN, padded_preference_call, padding_free_layout
-from .context_parallel import dpo_layout, prepare_dpo_context_parallel
+from .context_parallel import check_cp_dpo, prepare_dpo_context_parallel
 from .probe import check_padding_free_forward
 from .shared_prompt import check_tree_models, prepare_shared_prompt, shares_prompt, tree_columns
 
@@ -134,10 +135,6 @@ def _padding_free_forward(model: Any, inner: Any, trainer: Any = None) -> Any:
         return out
 
     return forward
-
-
-def _check_fused_head(model: Any) -> None:
-    fused_forward(_base_model(model))
 
 
 def install_padding_free_forward(model: Any, *, owner: Any = None) -> None:
@@ -292,7 +289,9 @@ def _prepare(
                 param="model",
             )
     shared = shares_prompt(train_dataset) if share is None else share
-    layout = dpo_layout(trainer, context_parallel, shared)  # refuses what it cannot account for, by name
+    layout = rank_layout(trainer, context_parallel)  # refuses what it cannot account for, by name
+    if layout.cp_size > 1:
+        check_cp_dpo(trainer, layout, shared)
     if shared:  # the tree's own refusal, by name, before any generic probe runs
         check_tree_models(models)
     for model in models:
@@ -305,7 +304,7 @@ def _prepare(
         if check_isolation:
             run_probe(trainer, trainer.ref_model, switched=switched)
         for model in models:
-            _check_fused_head(model)
+            fused_forward(_base_model(model))  # TRL's fused LM head must be there to be wrapped
         if not shared:
             for model in models:
                 install_padding_free_forward(model, owner=trainer)

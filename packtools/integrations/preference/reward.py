@@ -51,11 +51,11 @@ from ..attention.backends import (
     sends_seq_idx,
 )
 from ..attention.mixers import run_mixers_per_document
-from ..parallel.distributed import check_loss_path, trainer_divides_by_accumulation, uneven_gather
+from ..parallel.distributed import check_loss_path, is_sharded, uneven_gather
 from ..parallel.layout import rank_layout
 from ..trainers.guard import guard_model, refuse_prompt_learning
 from ..trainers.loader import check_train_loader
-from ..trainers.step import StepOwner, StepPlan, install_step, plan_of
+from ..trainers.step import StepOwner, StepPlan, install_step, pair_mean_share, plan_of, step_pairs
 from .reward_scores import ScoredRow, check_reward_isolation, reward_batch, score_head
 
 #: Columns of packed reward pair rows (``pack_reward_pairs``); ``margin`` rides along when the data has it.
@@ -98,13 +98,9 @@ class PackedRewardStep(StepOwner):
     loader is :class:`~packtools.integrations.trainers.step.StepOwner`'s."""
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
-        torch = require("torch", "packtools.prepare_reward_trainer")
         samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
         run: RewardPlan = plan_of(self)  # type: ignore[assignment]
-        pairs = torch.tensor(sum(_pairs_in(b) for b in samples), device=device)
-        if self.args.world_size > 1:  # type: ignore[attr-defined]
-            pairs = self.accelerator.gather(pairs).sum() // run.layout.peers  # type: ignore[attr-defined]
-        run.step.pairs = int(pairs)
+        run.step.pairs = step_pairs(self, sum(_pairs_in(b) for b in samples), device)
         return samples, num_items
 
     def compute_loss(
@@ -119,9 +115,7 @@ class PackedRewardStep(StepOwner):
         if not self.model.training or not run.step.pairs:  # type: ignore[attr-defined]
             return result
         loss = result[0] if return_outputs else result
-        divided = trainer_divides_by_accumulation(self, num_items_in_batch)
-        steps = self.current_gradient_accumulation_steps if divided else 1  # type: ignore[attr-defined]
-        loss = loss * (batch.pairs * steps * run.layout.dp_size / run.step.pairs)
+        loss = pair_mean_share(self, loss, batch.pairs, run.step.pairs, num_items_in_batch)
         return (loss, result[1]) if return_outputs else loss
 
 
@@ -230,7 +224,7 @@ def prepare_reward_trainer(
         run_mixers_per_document(trainer.model, owner=trainer)  # token-mixing layers per document
         check_attention_implementation(trainer.model)
         with segmented_sdpa_until_checked([trainer.model], segmented_sdpa, owner=trainer):
-            if check_isolation and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
+            if check_isolation and is_sharded(trainer):
                 warnings.warn(
                     "prepare_reward_trainer: the isolation probe was skipped because the model is sharded "
                     "(DeepSpeed/FSDP); run packtools.integrations.preference.reward_scores.check_reward_isolation on an unsharded copy.",

@@ -42,7 +42,9 @@ from ...core.cp_budget import check_rows_fit
 from ...errors import PackingError
 from ...io.manifest import read_manifest
 from ..attention.context_parallel import use_cp_attention
+from ..parallel.distributed import is_sharded
 from ..parallel.layout import RankLayout
+from .loader import list_lengths, seq_lengths_column
 from .step import NO_EVAL, other_losses
 
 
@@ -55,7 +57,7 @@ def check_cp_trainer(trainer: Any, layout: RankLayout) -> None:
             "processes, TP groups would overlap them); use one of the two.",
             param="context_parallel",
         )
-    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+    if is_sharded(trainer):
         raise PackingError(
             "context_parallel with DeepSpeed or FSDP has not been run with packtools; use DDP (torchrun) with "
             "context_parallel, or context_parallel=None.",
@@ -130,12 +132,14 @@ def cp_collator(trainer: Any, layout: RankLayout) -> ContextParallelCollator:
     whose ``max_length`` packtools cannot know are cut as they are, with a warning saying so."""
     dataset = getattr(trainer, "train_dataset", None)
     limit = packed_max_length(dataset)
-    column = _seq_lengths(dataset)
+    names = getattr(dataset, "column_names", None) or []
+    packed = SEQ_LENGTHS in names and hasattr(dataset, "data")  # packed rows of a datasets.Dataset
     if limit is not None:
-        rows = column if column is not None else _one_sequence_rows(dataset)
-        if rows is not None:
-            check_rows_fit(rows, layout.cp_size, limit)
-    elif column is not None:
+        if packed:
+            check_rows_fit(seq_lengths_column(dataset), layout.cp_size, limit)
+        elif "input_ids" in names:  # rows without seq_lengths (wrapped output): one sequence each
+            check_rows_fit(list_lengths(dataset, "input_ids").reshape(-1, 1), layout.cp_size, limit)
+    elif packed:
         warnings.warn(
             f"context_parallel={layout.cp_size}: the train dataset holds packed rows (seq_lengths) whose packing "
             f"max_length packtools cannot read (neither a pack_files folder nor pack_dataset output), so rows are "
@@ -144,32 +148,6 @@ def cp_collator(trainer: Any, layout: RankLayout) -> ContextParallelCollator:
             stacklevel=4,
         )
     return ContextParallelCollator(trainer.data_collator, max_length=limit, layout=layout)
-
-
-def _seq_lengths(dataset: Any) -> Any:
-    """The ``seq_lengths`` column of a ``datasets.Dataset`` in its row order (``None`` when it has none)."""
-    if not (hasattr(dataset, "column_names") and hasattr(dataset, "data")):
-        return None
-    if SEQ_LENGTHS not in (dataset.column_names or []):
-        return None
-    from ...compat.datasets import dataset_table
-
-    table, indices = dataset_table(dataset)
-    column = table.column(SEQ_LENGTHS)
-    return column if indices is None else column.take(indices)
-
-
-def _one_sequence_rows(dataset: Any) -> Any:
-    """Rows without ``seq_lengths`` (``wrapped`` output) as the collator sees them: one sequence each
-    (``[[len(input_ids)], ...]``), or ``None`` without an ``input_ids`` column."""
-    if "input_ids" not in (getattr(dataset, "column_names", None) or []):
-        return None
-    from ...compat.datasets import dataset_table
-    from ...core.arrow import column_lengths
-
-    table, indices = dataset_table(dataset)
-    lengths = column_lengths(table.column("input_ids"))
-    return (lengths if indices is None else lengths[indices]).reshape(-1, 1)
 
 
 def prepare_context_parallel(trainer: Any, layout: RankLayout) -> RankLayout:

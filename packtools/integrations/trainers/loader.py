@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..._optional import require
+from ..._optional import is_instance, require
 from ...compat.accelerate import stop_sharding
 from ...compat.transformers import training_collator, training_rows
 from ...constants import SEQ_LENGTHS
@@ -61,7 +61,9 @@ class RankBatches:
         return len(self.sampler)
 
 
-def _list_lengths(dataset: Any, column: str) -> np.ndarray:
+def list_lengths(dataset: Any, column: str) -> np.ndarray:
+    """The lengths of list column ``column`` of a ``datasets.Dataset``, in its row order (after ``select``,
+    ``shuffle``, ...)."""
     from ...compat.datasets import dataset_table
     from ...core.arrow import column_lengths
 
@@ -70,7 +72,8 @@ def _list_lengths(dataset: Any, column: str) -> np.ndarray:
     return lengths if indices is None else lengths[indices]
 
 
-def _seq_lengths_column(dataset: Any) -> Any:
+def seq_lengths_column(dataset: Any) -> Any:
+    """The ``seq_lengths`` column of a ``datasets.Dataset``, in its row order."""
     from ...compat.datasets import dataset_table
 
     table, indices = dataset_table(dataset)
@@ -96,7 +99,7 @@ def row_lengths_and_segments(dataset: Any) -> tuple[np.ndarray, Any]:
             param="train_dataset",
         )
     if all(c in names for c in PAIR_COLUMNS) and "input_ids" not in names:
-        p, c, r = (_list_lengths(dataset, n).astype(np.int64) for n in PAIR_COLUMNS)
+        p, c, r = (list_lengths(dataset, n).astype(np.int64) for n in PAIR_COLUMNS)
         segments = np.stack([p + c, p + r], axis=1).reshape(-1).astype(np.int32)
         offsets = np.arange(0, segments.shape[0] + 1, 2, dtype=np.int32)
         return 2 * p + c + r, pa.ListArray.from_arrays(pa.array(offsets), pa.array(segments))
@@ -105,24 +108,22 @@ def row_lengths_and_segments(dataset: Any) -> tuple[np.ndarray, Any]:
             f"the training dataset has no input_ids column (has {names}); token-budget batches need row lengths.",
             param="train_dataset",
         )
-    lengths = _list_lengths(dataset, "input_ids").astype(np.int64)
-    return lengths, _seq_lengths_column(dataset) if SEQ_LENGTHS in names else None
+    lengths = list_lengths(dataset, "input_ids").astype(np.int64)
+    return lengths, seq_lengths_column(dataset) if SEQ_LENGTHS in names else None
 
 
-def make_sampler(trainer: Any, dataset: Any, max_tokens: int | None, layout: Any = None) -> Any:
+def make_sampler(trainer: Any, dataset: Any, max_tokens: int | None, layout: Any) -> Any:
     """The rank's batch sampler for ``dataset`` (see the module docstring).
 
-    ``layout`` (a :class:`~packtools.integrations.parallel.layout.RankLayout`, read from the trainer when not
-    given) says which data-parallel shard this process reads: ``world`` and ``rank`` below are the
-    data-parallel size and rank, not the process count and index.
+    ``layout`` (the run's :class:`~packtools.integrations.parallel.layout.RankLayout`, the step plan's) says
+    which data-parallel shard this process reads: ``world`` and ``rank`` below are the data-parallel size and
+    rank, not the process count and index.
     """
     from ...batches.row_sampler import RowBatchSampler
     from ...batches.sampler import TokenBudgetBatchSampler
-    from ..parallel.layout import rank_layout
 
     args = trainer.args
     seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed
-    layout = rank_layout(trainer) if layout is None else layout
     world, rank = layout.dp_size, layout.dp_rank
     if max_tokens is None:
         if len(dataset) < world:  # some rank would have no batch, and Trainer no length to train on
@@ -172,9 +173,8 @@ def _passthrough(prepared: Any, ours: RankBatches) -> Any:
             "packed rows and pairs across processes; packtools shards whole batches. Set split_batches=False.",
             param="split_batches",
         )
-    stop_sharding(
-        shard, ours.set_epoch
-    )  # reached by Trainer through skip_first_batches' SkipBatchSampler too
+    # reached by Trainer through skip_first_batches' SkipBatchSampler too
+    stop_sharding(shard, ours.set_epoch)
     return prepared
 
 
@@ -201,8 +201,6 @@ def check_sharding(loader: Any) -> None:
 
 def is_stream(dataset: Any) -> bool:
     """Whether ``dataset`` is a stream (an ``IterableDataset``, or anything without a length)."""
-    from ..._optional import is_instance
-
     return (
         is_instance(dataset, "torch", "IterableDataset")
         or is_instance(dataset, "datasets", "IterableDataset")

@@ -44,6 +44,7 @@ from ...errors import PackingError
 from ..parallel.distributed import trainer_divides_by_accumulation, uneven_gather
 from ..parallel.layout import RankLayout
 from .loader import train_loader
+from .sft import causal_lm_loss
 from .step_loss import targets_and_documents, token_weights, weighted_token_loss
 
 #: The trainer attribute holding its :class:`StepPlan` (set by ``prepare_*``, removed by ``unprepare``).
@@ -225,21 +226,20 @@ class SFTStep(StepOwner):
         self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
         plan = _plan(self)
-        if plan.loss != "token":
-            return _weighted_loss(self, model, inputs, return_outputs, num_items_in_batch)
         if CP_KEY in inputs:
             inputs = cp_loss_inputs(inputs, plan)
+        if plan.loss != "token":
+            return _weighted_loss(self, model, inputs, return_outputs, num_items_in_batch)
         return super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )
 
 
 def _weighted_loss(trainer: Any, model: Any, inputs: Any, return_outputs: bool, num_items: Any) -> Any:
-    """The ``sample`` / ``sqrt`` loss of a micro-batch: ``sum_t w_t CE_t / D`` times what ``Trainer`` and DDP
-    divide by again (the processes of the DP x CP world; the accumulation steps when ``Trainer`` divides)."""
+    """The ``sample`` / ``sqrt`` loss of a micro-batch (a CP shard as :func:`cp_loss_inputs` gives it):
+    ``sum_t w_t CE_t / D`` times what ``Trainer`` and DDP divide by again (the processes of the DP x CP world;
+    the accumulation steps when ``Trainer`` divides)."""
     plan = _plan(trainer)
-    if CP_KEY in inputs:
-        inputs = cp_loss_inputs(inputs, plan)
     targets, doc = targets_and_documents(inputs)
     weights = token_weights(targets, doc, plan.loss, _cp_group(plan, inputs))
     outputs = model(**{k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")})
@@ -259,12 +259,9 @@ class DPOStep(StepOwner):
     over all its pairs, over every process (:mod:`packtools.integrations.preference.dpo`)."""
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
-        torch = require("torch", "packtools.prepare_dpo_trainer")
         samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        pairs = torch.tensor(sum(int(b["completion_mask"].shape[0]) // 2 for b in samples), device=device)
-        if int(self.args.world_size) > 1:  # tensor/context-parallel peers hold the same pairs: counted once
-            pairs = self.accelerator.gather(pairs).sum() // _plan(self).layout.peers
-        return samples, int(pairs)
+        pairs = sum(int(b["completion_mask"].shape[0]) // 2 for b in samples)
+        return samples, step_pairs(self, pairs, device)
 
     def compute_loss(
         self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
@@ -275,19 +272,39 @@ class DPOStep(StepOwner):
             )
         if not self.model.training or not num_items_in_batch:
             return result
-        layout = _plan(self).layout
         loss = result[0] if return_outputs else result
         pairs = int(inputs["completion_mask"].shape[0]) // 2
-        # Undo what training_step divides by (read from Trainer's own predicate) and DDP's mean over the
-        # data-parallel group (not over tensor-parallel peers); context-parallel peers' gradients are parts of
-        # one gradient (preference.context_parallel: identity-backward sums), so DDP's mean over them is undone too.
-        divided = trainer_divides_by_accumulation(self, num_items_in_batch)
-        steps = self.current_gradient_accumulation_steps if divided else 1
-        loss = loss * (pairs * steps * layout.dp_size / int(num_items_in_batch))
-        if layout.cp_size > 1:  # the gradient times cp_size, the value (logged) kept the step mean
-            extra = loss * (layout.cp_size - 1)
-            loss = loss + (extra - extra.detach())
+        loss = pair_mean_share(self, loss, pairs, int(num_items_in_batch), num_items_in_batch)
         return (loss, result[1]) if return_outputs else loss
+
+
+def step_pairs(trainer: Any, pairs: int, device: Any) -> int:
+    """The pairs of the optimizer step over every process: ``pairs`` (this process's, every micro-batch of the
+    window) summed over the processes, tensor- and context-parallel peers (which hold the same pairs) once."""
+    torch = require("torch", "packtools pair-mean steps")
+    total = torch.tensor(pairs, device=device)
+    if int(trainer.args.world_size) > 1:
+        total = trainer.accelerator.gather(total).sum() // _plan(trainer).layout.peers
+    return int(total)
+
+
+def pair_mean_share(trainer: Any, loss: Any, pairs: int, step_pairs: int, num_items: Any) -> Any:
+    """``loss``, the trainer's own mean over a micro-batch's ``pairs``, as its share of the mean over the
+    ``step_pairs`` of the optimizer step (DPO and reward steps; ``num_items``: the ``num_items_in_batch``
+    ``Trainer`` passes, which its predicate reads).
+
+    It undoes what ``training_step`` divides by (read from ``Trainer``'s own predicate) and DDP's mean over the
+    data-parallel group (not over tensor-parallel peers); context-parallel peers' gradients are parts of one
+    gradient (preference.context_parallel: identity-backward sums), so DDP's mean over them is undone too.
+    """
+    layout = _plan(trainer).layout
+    divided = trainer_divides_by_accumulation(trainer, num_items)
+    steps = trainer.current_gradient_accumulation_steps if divided else 1
+    loss = loss * (pairs * steps * layout.dp_size / step_pairs)
+    if layout.cp_size > 1:  # the gradient times cp_size, the value (logged) kept the step mean
+        extra = loss * (layout.cp_size - 1)
+        loss = loss + (extra - extra.detach())
+    return loss
 
 
 def own_compute_loss(trainer: Any) -> str | None:
@@ -310,8 +327,6 @@ def own_compute_loss(trainer: Any) -> str | None:
 def other_losses(trainer: Any) -> list[str]:
     """What shapes ``trainer``'s loss besides its model's causal-LM loss, each named for a refusal: a
     ``compute_loss_func`` of the user's own, ``Trainer``'s label smoother, a MoE router loss; ``[]`` if none."""
-    from .sft import causal_lm_loss
-
     config = getattr(getattr(trainer.model, "config", None), "get_text_config", lambda: None)()
     found = [
         "a compute_loss_func of your own" if trainer.compute_loss_func not in (None, causal_lm_loss) else "",
@@ -354,6 +369,4 @@ def use_causal_lm_loss(trainer: Any) -> None:
         or trainer.label_smoother is not None
     ):
         return
-    from .sft import causal_lm_loss
-
     set_attr(trainer, "compute_loss_func", causal_lm_loss, owner=trainer)

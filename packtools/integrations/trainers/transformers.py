@@ -75,6 +75,7 @@ from ..attention.isolation import check_isolation as _check_isolation
 from ..attention.mixers import run_mixers_per_document
 from ..attention.segmented import SEGMENTED_SDPA
 from ..multimodal.models import check_multimodal_model, check_vision_isolation
+from ..parallel.distributed import is_sharded
 from ..parallel.layout import check_context_parallel_size, rank_layout
 from .collator_check import check_trainer_collator, probe_collator
 from .guard import guard_model
@@ -82,10 +83,6 @@ from .loader import check_train_loader
 from .sft import check_sft, is_sft_trainer, keep_packed_columns
 from .step import SFTStep, StepPlan, check_loss_owner, install_step, plan_of, use_causal_lm_loss
 from .step_loss import check_loss_mode
-
-
-def _sharded(trainer: Any) -> bool:
-    return bool(getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False))
 
 
 def run_probe(
@@ -103,7 +100,7 @@ def run_probe(
     ``vision=True`` runs the multimodal probe (:func:`~packtools.integrations.multimodal.models.check_vision_isolation`,
     through the vision tower) instead.
     """
-    if _sharded(trainer):
+    if is_sharded(trainer):
         warnings.warn(
             "prepare_trainer: the isolation probe was skipped because the model is sharded (DeepSpeed/FSDP) "
             "and cannot be run before train(); run packtools.integrations.check_isolation on an unsharded copy of the "
@@ -260,10 +257,9 @@ def prepare_trainer(
     check_train_loader(trainer, max_tokens)
     with all_or_nothing(trainer):
         keep_packed_columns(trainer)
-        sft = is_sft_trainer(trainer)
-        if sft:
+        if is_sft_trainer(trainer):
             check_sft(trainer)
-        if not sft:
+        else:
             use_causal_lm_loss(trainer)
         if trainer.args.world_size > 1 and not getattr(trainer.args, "average_tokens_across_devices", True):
             warnings.warn(
