@@ -12,11 +12,13 @@ transformers is not imported in the driver yet, :func:`child_pays`):
   torch`` raises ``ImportError`` and ``importlib.util.find_spec`` finds nothing, so transformers runs in its
   tokenizer-only mode, the one it has without torch installed).  torch cannot change a tokenizer's ids, and
   importing it was most of the check's cost (transformers 5.25 imports it with any tokenizer load and does not
-  honour ``USE_TORCH=0``).  It then reads the adversarial texts and the fast engine's copy of tokenizer.json from
-  its stdin and writes, as JSON to its stdout, transformers' EOS id and ids of the texts with and without special
+  honour ``USE_TORCH=0``).  It then reads the adversarial texts, the fast engine's copy of tokenizer.json and
+  the SHA-256 of the driver's provisional reference's serialized state (:func:`state_sha256`) from its stdin and
+  writes, as JSON to its stdout, transformers' EOS id and ids of the texts with and without special
   tokens (:func:`~packtools.pipeline.tokenizer.reference.transformers_ids`), and whether the copy loads as
-  tokenizer.json's very tokenizer (:func:`~packtools.pipeline.tokenizer.reference.copy_identical`).  It writes
-  nothing else anywhere.
+  tokenizer.json's very tokenizer (:func:`~packtools.pipeline.tokenizer.reference.copy_identical`, the copy
+  loaded after transformers' tokenizer is freed, its state compared with that SHA-256: tokenizer.json is not
+  loaded a second time).  It writes nothing else anywhere.
 - the driver (:class:`ReferenceCheck`, a thread that waits on the child with the GIL released) compares those
   ids with its *own* provisional reference (:func:`~packtools.pipeline.tokenizer.reference.compare`): the
   decision is the driver's, made on content.  It records the finding only once the stage is done and every part
