@@ -302,7 +302,11 @@ def main() -> int:
                 now = " ".join(fh.read().split()[:3])
             print(
                 f"repeat {rep} (load average after: {now}): "
-                + ", ".join(f"{k} {v['wall_s']:.2f} s / {v['cpu_s']:.2f} CPU s" for k, v in runs.items()),
+                + ", ".join(
+                    f"{k} {v['wall_s']:.2f} s / {v['cpu_s']:.2f} CPU s"
+                    + (f" / peak {v['sum_rss_gb']:.2f} GiB" if "sum_rss_gb" in v else "")
+                    for k, v in runs.items()
+                ),
                 flush=True,
             )
             shutil.rmtree(out, ignore_errors=True)

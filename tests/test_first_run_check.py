@@ -389,3 +389,39 @@ def test_the_child_ends_when_its_driver_is_killed(tok):
     while not _gone(child):
         assert time.monotonic() < deadline, f"the check's child {child} outlived its driver"
         time.sleep(0.1)
+
+
+def _child_copy_finding(tok, copy, state) -> list:
+    """The child's answer on ``copy``, compared with the driver's serialized state's SHA-256 ``state``."""
+    child = subprocess.run(
+        [sys.executable, "-m", reference_check.CHILD_MODULE, tok],
+        input=json.dumps({"texts": TEXTS[:3], "copy": copy, "state": state}),
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        check=True,
+    )
+    return json.loads(child.stdout)["copy"]
+
+
+def test_the_child_finds_a_copy_identical_only_where_it_loads_as_tokenizer_json(tok, tmp_path):
+    """The child loads only the copy and compares its state with the driver's provisional reference's (its
+    SHA-256, :func:`reference_check.state_sha256`): the very file -> identical; one merge dropped (the same
+    vocabulary) -> not identical; a copy but no state -> no finding (the driver then finds it itself)."""
+    lite = reference.LiteReference(tok)
+    state = reference_check.state_sha256(lite)
+    same = str(tmp_path / "same.json")
+    shutil.copyfile(os.path.join(tok, "tokenizer.json"), same)
+    with open(same, encoding="utf-8") as fh:
+        spec = json.load(fh)
+    assert len(spec["model"]["merges"]) > 1
+    spec["model"]["merges"] = spec["model"]["merges"][:-1]
+    other = str(tmp_path / "other.json")
+    with open(other, "w", encoding="utf-8") as fh:
+        json.dump(spec, fh)
+    assert _child_copy_finding(tok, same, state) == [reference.file_sha256(same), True]
+    assert _child_copy_finding(tok, other, state) == [reference.file_sha256(other), False]
+    assert _child_copy_finding(tok, same, None) is None
+    # the same finding the driver makes with both tokenizers in memory
+    assert reference.copy_identical(lite, other) == (reference.file_sha256(other), False)
+    assert reference.copy_identical(lite, same) == (reference.file_sha256(same), True)

@@ -42,6 +42,7 @@ from .._atomic import discard
 from ..errors import PackingError
 from ..io.files import InputFile, Part, find_inputs, read_schema, skipped_notes, split_file
 from ..io.manifest import read_manifest, write_manifest
+from ..io.pages import give_back_freed_memory
 from .config import PipelineConfig, PipelineResult, check_options_used, fingerprint
 from .executors import EXECUTORS, Executor, get_executor
 from .failures import explain_os_error, note_interrupted, signals_deferred
@@ -409,6 +410,10 @@ def _run(
             warming.join()
         raise
     verdict_s = round(time.perf_counter() - t_verdict, 3)
+    if (
+        verdict is not None
+    ):  # the tokenizer's load freed its parse of tokenizer.json: not kept beside the stage
+        give_back_freed_memory()
 
     def jobs_for(verdict: dict[str, Any] | None) -> list[StageJob]:
         return stage_jobs(

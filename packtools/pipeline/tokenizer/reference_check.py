@@ -12,11 +12,13 @@ transformers is not imported in the driver yet, :func:`child_pays`):
   torch`` raises ``ImportError`` and ``importlib.util.find_spec`` finds nothing, so transformers runs in its
   tokenizer-only mode, the one it has without torch installed).  torch cannot change a tokenizer's ids, and
   importing it was most of the check's cost (transformers 5.25 imports it with any tokenizer load and does not
-  honour ``USE_TORCH=0``).  It then reads the adversarial texts and the fast engine's copy of tokenizer.json from
-  its stdin and writes, as JSON to its stdout, transformers' EOS id and ids of the texts with and without special
+  honour ``USE_TORCH=0``).  It then reads the adversarial texts, the fast engine's copy of tokenizer.json and
+  the SHA-256 of the driver's provisional reference's serialized state (:func:`state_sha256`) from its stdin and
+  writes, as JSON to its stdout, transformers' EOS id and ids of the texts with and without special
   tokens (:func:`~packtools.pipeline.tokenizer.reference.transformers_ids`), and whether the copy loads as
-  tokenizer.json's very tokenizer (:func:`~packtools.pipeline.tokenizer.reference.copy_identical`).  It writes
-  nothing else anywhere.
+  tokenizer.json's very tokenizer (:func:`~packtools.pipeline.tokenizer.reference.copy_identical`, the copy
+  loaded after transformers' tokenizer is freed, its state compared with that SHA-256: tokenizer.json is not
+  loaded a second time).  It writes nothing else anywhere.
 - the driver (:class:`ReferenceCheck`, a thread that waits on the child with the GIL released) compares those
   ids with its *own* provisional reference (:func:`~packtools.pipeline.tokenizer.reference.compare`): the
   decision is the driver's, made on content.  It records the finding only once the stage is done and every part
@@ -28,6 +30,7 @@ transformers is not imported in the driver yet, :func:`child_pays`):
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -36,6 +39,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ...io.pages import give_back_freed_memory
 from .reference import (
     LiteReference,
     _verdict_path,
@@ -136,7 +140,9 @@ class ReferenceCheck:
         child = self._child
         if child is None:
             return None, "no child process could be started"
-        request = json.dumps({"texts": self._texts, "copy": self.copy}).encode("utf-8")
+        assert self.lite is not None
+        state = state_sha256(self.lite) if self.copy is not None else None
+        request = json.dumps({"texts": self._texts, "copy": self.copy, "state": state}).encode("utf-8")
         try:
             out, err = child.communicate(request, timeout=CHILD_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -216,31 +222,13 @@ class ReferenceCheck:
             write_copy_finding(self.tokenizer_fp, self.copy, self._copy_sha, self._copy_identical)
 
 
-def _give_back_freed_memory() -> None:
-    """Hand the memory this (child) process has freed back to the system where the C library can (glibc's
-    ``malloc_trim``): transformers parses tokenizer.json into Python objects while it loads (~150 MB for a 128k
-    vocabulary, freed once loaded), and the child lives on beside the driver's stage."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the memory stays with the process until it exits
-        pass
-
-
-def _copy_finding(tokenizer_dir: str, copy: str) -> list[Any]:
-    """:func:`~packtools.pipeline.tokenizer.reference.copy_identical` of tokenizer.json's tokenizer and ``copy``,
-    one tokenizer in memory at a time (the serialized states compared by SHA-256)."""
+def state_sha256(lite: LiteReference) -> str:
+    """The SHA-256 of the serialized state of ``lite`` (loaded from tokenizer.json): what the child compares the
+    fast engine's copy with (:func:`~packtools.pipeline.tokenizer.reference.copy_identical`), so that it loads
+    the copy only, not tokenizer.json a second time (the driver's provisional reference is that very load)."""
     import hashlib
 
-    lite = LiteReference(tokenizer_dir)
-    state = hashlib.sha256(lite.backend.to_str().encode("utf-8")).hexdigest()
-    del lite
-    _give_back_freed_memory()
-    sha, identical = copy_identical(state, copy)
-    return [sha, identical]
+    return hashlib.sha256(lite.backend.to_str().encode("utf-8")).hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,13 +242,16 @@ def main(argv: list[str] | None = None) -> int:
         from .folder import load_tokenizer
 
         tok = load_tokenizer(tokenizer_dir)
-        _give_back_freed_memory()
+        gc.collect()
+        give_back_freed_memory()  # transformers' parse of tokenizer.json (~150 MB), freed once loaded
         request = json.load(sys.stdin)
         answer = transformers_ids(tok, request["texts"])
         answer["torch"], answer["class"] = is_torch_available(), type(tok).__name__
         del tok
-        copy = request.get("copy")
-        answer["copy"] = _copy_finding(tokenizer_dir, copy) if copy else None
+        gc.collect()
+        give_back_freed_memory()  # transformers' tokenizer gone before the copy loads: one in memory at a time
+        copy, state = request.get("copy"), request.get("state")
+        answer["copy"] = list(copy_identical(state, copy)) if copy and isinstance(state, str) else None
     except Exception as exc:  # noqa: BLE001 - the driver checks by itself, saying why
         answer = {"error": f"{type(exc).__name__}: {exc}"}
     sys.stdout.write(json.dumps(answer))
