@@ -279,7 +279,9 @@ def iter_json_lines(
         blocks = _Blocks(fh, max(stop - start, 0), block_bytes)
         while (got := blocks.next()) is not None:
             buf, end = got
-            data = memoryview(buf)[:end]  # valid until blocks.keep_tail: nothing below keeps it
+            # valid until blocks.keep_tail, nothing below keeps it; read-only as `bytes` was (the same Numba
+            # specialization of the scan, and no consumer can write into the buffer)
+            data = memoryview(buf)[:end].toreadonly()
             lead = _SPACE.match(buf, 0, end).end()  # blank lines (and spaces) before the first row
             if lead < end and int_keys is False:
                 first_end = buf.find(b"\n", lead, end)
