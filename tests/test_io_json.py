@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from packtools.errors import PackingError
@@ -146,6 +146,7 @@ def _blocks_read_afresh(data: bytes, block: int) -> list[bytes]:
     return out
 
 
+@example(data=b"\n" + b"a" * 30 + b"\n" + b"a" * 50, block=20)  # the moved tail overlaps its old place
 @given(
     data=st.binary(max_size=300).map(lambda b: bytes(b"a\n\r "[x % 4] for x in b)), block=st.integers(1, 40)
 )
