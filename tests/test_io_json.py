@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from packtools.errors import PackingError
@@ -126,3 +126,123 @@ def test_a_real_replacement_character_is_text_not_an_error(tmp_path):
     assert [r for _, t in iter_json_lines(str(path)) for r in t.to_pylist()] == [
         {"te\ufffdxt": "gr\u00fc\ufffd"}
     ]
+
+
+# --- blocks read into one reused buffer (io.json._Blocks) ---
+
+
+def _blocks_read_afresh(data: bytes, block: int) -> list[bytes]:
+    """The blocks as reading each afresh gives them: ``block`` bytes from the previous cut, cut after their last
+    newline; with no newline, ``block`` more bytes until there is one or the end."""
+    out, pos = [], 0
+    while pos < len(data):
+        want = block
+        while pos + want < len(data) and b"\n" not in data[pos : pos + want]:
+            want += block
+        window = data[pos : pos + want]
+        cut = len(window) if pos + want >= len(data) else window.rfind(b"\n") + 1
+        out.append(window[:cut])
+        pos += cut
+    return out
+
+
+@example(data=b"\n" + b"a" * 30 + b"\n" + b"a" * 50, block=20)  # the moved tail overlaps its old place
+@given(
+    data=st.binary(max_size=300).map(lambda b: bytes(b"a\n\r "[x % 4] for x in b)), block=st.integers(1, 40)
+)
+def test_the_reused_buffer_gives_the_blocks_that_reading_afresh_gives(tmp_path_factory, data, block):
+    from packtools.io.json import _Blocks
+
+    path = tmp_path_factory.mktemp("b") / "raw"
+    path.write_bytes(data)
+    got = []
+    with open(path, "rb", buffering=0) as fh:
+        blocks = _Blocks(fh, len(data), block)
+        while (b := blocks.next()) is not None:
+            buf, end = b
+            got.append(bytes(buf[:end]))
+            blocks.keep_tail(end)
+    assert got == _blocks_read_afresh(data, block)
+
+
+line_st = st.one_of(
+    st.fixed_dictionaries({"text": texts, "n": st.integers(-5, 5)}).map(lambda r: ("row", r)),
+    st.sampled_from(["", " ", "\t", "\r"]).map(lambda s: ("blank", s)),
+)
+
+
+@given(
+    lines=st.lists(line_st, min_size=1, max_size=30),
+    crlf=st.booleans(),
+    last_newline=st.booleans(),
+    block=st.integers(1, 120),
+)
+def test_blank_lines_crlf_and_a_last_line_without_newline_in_any_block(
+    tmp_path_factory, lines, crlf, last_newline, block
+):
+    """Every row once, the line number of each block's first row right, whatever cuts the blocks."""
+    end = "\r\n" if crlf else "\n"
+    texts_ = [json.dumps(v, ensure_ascii=False) if kind == "row" else v for kind, v in lines]
+    body = end.join(texts_) + (end if last_newline else "")
+    path = str(tmp_path_factory.mktemp("l") / "rows.jsonl")
+    with open(path, "w", encoding="utf-8", newline="") as fh:
+        fh.write(body)
+    row_lines = [i + 1 for i, (kind, _) in enumerate(lines) if kind == "row"]
+    got, firsts = [], []
+    for k, table in iter_json_lines(path, block_bytes=block):
+        firsts.append(1 + k)
+        got += table.to_pylist()
+    assert got == [v for kind, v in lines if kind == "row"]
+    # each block's first row: one of the rows' lines, in order (blank lines before it skipped)
+    assert all(f in row_lines for f in firsts) and firsts == sorted(firsts)
+    starts = [row_lines[i] for i in range(len(row_lines)) if row_lines[i] in firsts]
+    assert starts == firsts
+
+
+def test_tables_kept_across_reads_keep_their_values(tmp_path):
+    """A consumer that keeps every table (strings, nested chat cells, token-id lists) sees the values of its rows
+    after the buffer was reused for later blocks: no table points into the buffer."""
+    from packtools.io.json_cells import cells
+
+    chat = tmp_path / "chat.jsonl"
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"q{i} " + "é" * (i % 17)},
+                {"role": "assistant", "content": f"a{i}", "n": i},
+            ],
+            "text": f"row {i} " + "x" * (i % 50),
+            "when": f"2020-01-0{i % 9 + 1}",
+        }
+        for i in range(300)
+    ]
+    chat.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    tables = [t for _, t in iter_json_lines(str(chat), block_bytes=2000)]
+    assert len(tables) > 20  # the buffer was reused many times
+    assert [m for t in tables for m in cells(t, "messages")] == [r["messages"] for r in rows]
+    assert [x for t in tables for x in t.column("text").to_pylist()] == [r["text"] for r in rows]
+    ids = tmp_path / "ids.jsonl"
+    id_rows = [
+        {"input_ids": list(range(i, i + i % 40 + 1)), "labels": [-100] * (i % 40 + 1)} for i in range(300)
+    ]
+    ids.write_text("".join(json.dumps(r) + "\n" for r in id_rows))
+    tables = [t for _, t in iter_json_lines(str(ids), block_bytes=3000)]
+    assert len(tables) > 20
+    assert [r for t in tables for r in t.to_pylist()] == id_rows
+
+
+def test_a_line_longer_than_a_block_and_errors_in_later_blocks_name_their_line(tmp_path):
+    long = {"text": "y" * 5000}
+    rows = [{"text": "a"}, long, {"text": "b"}, long, long, {"text": "c"}]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r for _, t in iter_json_lines(str(path), block_bytes=64) for r in t.to_pylist()] == rows
+    good = "".join(json.dumps({"text": f"r{i}"}) + "\n" for i in range(40)) + json.dumps(long) + "\n"
+    bad = tmp_path / "bad.jsonl"  # malformed JSON on line 42, past many reuses of the buffer and a long line
+    bad.write_text(good + '{"text": "r",}\n{"text": "z"}\n')
+    with pytest.raises(PackingError, match=r"bad\.jsonl' line 42 column 14: malformed JSON"):
+        list(iter_json_lines(str(bad), block_bytes=50))
+    latin = tmp_path / "latin.jsonl"  # not UTF-8 on line 43
+    latin.write_bytes(good.encode() + b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(PackingError, match=r"latin\.jsonl' line 43: bytes .* at column 14 are not UTF-8"):
+        list(iter_json_lines(str(latin), block_bytes=50))

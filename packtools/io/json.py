@@ -24,6 +24,7 @@ import re
 from collections.abc import Iterator
 from typing import IO
 
+import numpy as np
 import pyarrow as pa
 
 from ..errors import PackingError
@@ -111,7 +112,7 @@ def _find_bad_line(path: str, data: bytes, first_line: int) -> PackingError | No
     return None
 
 
-def _valid_utf8(table: pa.Table, data: bytes) -> bool:
+def _valid_utf8(table: pa.Table, data: bytes | memoryview) -> bool:
     """Whether the JSON ``data`` that Arrow parsed into ``table`` is UTF-8 (Arrow's JSON reader takes invalid
     bytes inside strings as they are).  Arrow's own check of every string is ~5x faster than decoding ``data``;
     field names are not in that check, so a name that shows a replacement character decodes ``data`` to tell an
@@ -119,7 +120,7 @@ def _valid_utf8(table: pa.Table, data: bytes) -> bool:
     try:
         table.validate(full=True)
         if "\ufffd" in table.schema.to_string():
-            data.decode("utf-8")
+            str(data, "utf-8")
     except (pa.ArrowInvalid, UnicodeDecodeError):
         return False
     return True
@@ -195,68 +196,129 @@ class LineBase:
         return self._value
 
 
+class _Blocks:
+    """The bytes ``[start, stop)`` of a file as blocks that end just after a newline, read into one buffer
+    reused for every block: a fresh 16 MiB ``bytes`` per read costs page faults (and, on a VM whose balloon
+    hands freed pages back to the host, system time), which a reused buffer does not.  Each block is the
+    ``block_bytes`` from the end of the previous one cut at its last newline (a line longer than that: the
+    buffer grows by ``block_bytes`` until it holds a newline or the end), the same blocks as reading each
+    afresh; the unfinished last line is moved to the front of the buffer for the next block.
+
+    A block (:meth:`next`) is a view of the buffer, valid only until the next call: a consumer that keeps
+    anything past that keeps a copy (Arrow's JSON reader builds its own buffers: ``tests/test_io_json.py``
+    checks a table is unchanged by later reads)."""
+
+    def __init__(self, fh: IO[bytes], size: int, block_bytes: int) -> None:
+        self.fh, self.left, self.block_bytes = fh, size, block_bytes
+        self.buf = bytearray(min(block_bytes, size))
+        self.filled = 0  # bytes of the buffer read and not yet given out (the front: the unfinished line)
+
+    def next(self) -> tuple[bytearray, int] | None:
+        """``(buffer, end)``: the next block is ``buffer[:end]``; None after the last."""
+        want = self.block_bytes
+        while True:
+            room = min(want, self.filled + self.left)
+            if room > len(self.buf):  # a line longer than the buffer (rare): a bigger one, the front copied
+                grown = bytearray(room)
+                memoryview(grown)[: self.filled] = memoryview(self.buf)[: self.filled]
+                self.buf = grown
+            self._fill(room)
+            if self.filled == 0:
+                return None
+            if self.left == 0:  # the end (or a file cut short meanwhile: iter_part says so)
+                return self.buf, self.filled
+            end = self.buf.rfind(b"\n", 0, self.filled) + 1
+            if end:
+                return self.buf, end
+            want += self.block_bytes  # no newline yet: read on
+
+    def _fill(self, room: int) -> None:
+        view = memoryview(self.buf)
+        while self.filled < room:
+            n = self.fh.readinto(view[self.filled : room])
+            if not n:
+                self.left = 0
+                break
+            self.filled += n
+            self.left -= n
+
+    def keep_tail(self, end: int) -> None:
+        """Move the bytes after the block ``buffer[:end]`` (the unfinished line) to the front of the buffer."""
+        view = memoryview(self.buf)
+        tail = self.filled - end
+        view[:tail] = view[end : self.filled]  # memoryview assignment is a memmove: overlap is safe
+        self.filled = tail
+
+
+_SPACE = re.compile(rb"[ \t\n\r\x0b\x0c]*")  # what bytes.lstrip() strips
+
+
+def _ends_with_newline(buf: bytearray, end: int) -> bool:
+    """Whether ``buf[:end]`` without its trailing spaces, tabs and CRs ends with a newline."""
+    i = end
+    while i and buf[i - 1] in b" \t\r":
+        i -= 1
+    return i > 0 and buf[i - 1] == 0x0A
+
+
 def iter_json_lines(
     path: str, start: int = 0, stop: int | None = None, block_bytes: int = BLOCK_BYTES
 ) -> Iterator[tuple[int, pa.Table]]:
     """Yield ``(k, table)`` for blocks of the JSON lines in bytes ``[start, stop)``: the block's first row is
     on line ``LineBase(path, start).value + k``.  ``start`` must be 0 or just after a newline (see
-    :func:`line_ranges`).  Blank lines are skipped (rows are numbered as lines when there are none)."""
+    :func:`line_ranges`).  Blank lines are skipped (rows are numbered as lines when there are none).  The blocks
+    are read into one reused buffer (:class:`_Blocks`); every table yielded owns its data."""
     import pyarrow.json as pj
 
     stop = os.path.getsize(path) if stop is None else stop
     base = LineBase(path, start)
     rel = 0  # newlines between `start` and the current block
     int_keys: list[str] | None | bool = False  # token-id lines' keys (json_ints), from the first block
-    with open(path, "rb") as fh:
+    with open(path, "rb", buffering=0) as fh:
         fh.seek(start)
-        left, tail = stop - start, b""
-        while left > 0 or tail:
-            chunk = fh.read(min(block_bytes, left)) if left > 0 else b""
-            left = left - len(chunk) if chunk else 0  # (a file cut short meanwhile: iter_part says so)
-            data = tail + chunk  # no copy unless a line is longer than the block (tail is then that line)
-            tail = b""
-            if left > 0:
-                cut = data.rfind(b"\n") + 1
-                if cut == 0:  # a line longer than the block: read on
-                    tail = data
-                    continue
-                if cut < len(data):  # the line cut short is read again at the start of the next block
-                    fh.seek(cut - len(data), os.SEEK_CUR)
-                    left += len(data) - cut
-                    data = data[:cut]
-            body = data.lstrip()
-            if body and int_keys is False:
-                int_keys = int_list_keys(body)
-            fast = read_int_lists(data, int_keys) if body and int_keys else None
+        blocks = _Blocks(fh, max(stop - start, 0), block_bytes)
+        while (got := blocks.next()) is not None:
+            buf, end = got
+            # valid until blocks.keep_tail, nothing below keeps it; read-only as `bytes` was (the same Numba
+            # specialization of the scan, and no consumer can write into the buffer)
+            data = memoryview(buf)[:end].toreadonly()
+            lead = _SPACE.match(buf, 0, end).end()  # blank lines (and spaces) before the first row
+            if lead < end and int_keys is False:
+                first_end = buf.find(b"\n", lead, end)
+                int_keys = int_list_keys(bytes(data[lead : first_end if first_end >= 0 else end]))
+            fast = read_int_lists(data, int_keys) if lead < end and int_keys else None
             if fast is not None:  # every line of the block an object of token-id lists (read by Numba)
                 yield rel, fast
                 # the scan takes no blank line: a newline ends every row but an unterminated last one
-                rel += fast.num_rows - (0 if data.rstrip(b" \t\r").endswith(b"\n") else 1)
+                rel += fast.num_rows - (0 if _ends_with_newline(buf, end) else 1)
+                blocks.keep_tail(end)
                 continue
-            if body:
+            if lead < end:
                 try:
-                    options = pj.ReadOptions(block_size=max(len(data) + 1, 1 << 20), use_threads=False)
-                    table = pj.read_json(pa.BufferReader(data), read_options=options)
+                    options = pj.ReadOptions(block_size=max(end + 1, 1 << 20), use_threads=False)
+                    table = pj.read_json(pa.BufferReader(pa.py_buffer(data)), read_options=options)
                 except pa.ArrowInvalid as exc:
-                    err = _find_bad_line(path, data, base.value + rel)
+                    text = bytes(data)  # the error path: a copy
+                    err = _find_bad_line(path, text, base.value + rel)
                     if err is None and "changed from" in str(exc) and _in_chat_column(str(exc)):
                         # valid JSON whose chat cells differ in type (a content string here, parts there):
                         # Python's reading of the block, chat cells as their own JSON (see _table)
-                        objs = [json.loads(raw) for raw in _lines(path, data, None)]
-                        yield (
-                            rel + data.count(b"\n", 0, len(data) - len(body)),
-                            _table(path, objs, base.value + rel),
-                        )
-                        rel += data.count(b"\n")
+                        objs = [json.loads(raw) for raw in _lines(path, text, None)]
+                        yield rel + buf.count(b"\n", 0, lead), _table(path, objs, base.value + rel)
+                        rel += buf.count(b"\n", 0, end)
+                        blocks.keep_tail(end)
                         continue
-                    raise (err or _arrow_json_error(path, data, base.value + rel, exc)) from None
-                if not data.isascii() and not _valid_utf8(table, data):
-                    err = _find_bad_line(path, data, base.value + rel)
+                    raise (err or _arrow_json_error(path, text, base.value + rel, exc)) from None
+                # ASCII (no byte over 127) needs no UTF-8 check; numpy's max reads the view without a copy
+                if np.frombuffer(data, np.uint8).max() > 127 and not _valid_utf8(table, data):
+                    err = _find_bad_line(path, bytes(data), base.value + rel)
                     raise (err or PackingError(f"input {path!r}: not UTF-8.")) from None
                 rows = table.num_rows
-                table = own_json_cells(table, lambda d=data, n=rows: line_array(_lines(path, d, n)))
-                yield rel + data.count(b"\n", 0, len(data) - len(body)), table
-            rel += data.count(b"\n")
+                # own_json_cells calls the line reader at once (before the buffer is reused); its lines are copies
+                table = own_json_cells(table, lambda d=data, n=rows: line_array(_lines(path, bytes(d), n)))
+                yield rel + buf.count(b"\n", 0, lead), table
+            rel += buf.count(b"\n", 0, end)
+            blocks.keep_tail(end)
 
 
 class _TextWindow:
