@@ -425,3 +425,40 @@ def test_the_child_finds_a_copy_identical_only_where_it_loads_as_tokenizer_json(
     # the same finding the driver makes with both tokenizers in memory
     assert reference.copy_identical(lite, other) == (reference.file_sha256(other), False)
     assert reference.copy_identical(lite, same) == (reference.file_sha256(same), True)
+
+
+def test_a_run_stopped_right_after_its_verdict_leaves_no_provisional_part_to_reuse(
+    tok, tmp_path, monkeypatch
+):
+    """A run that finds parts staged on a provisional reference it does not take back drops them before it
+    records its own verdict: stopped in between, the next run would take that verdict back and reuse the
+    parts, never checked (verdict.left_provisional's rule, broken by the order of the two steps)."""
+    from packtools.pipeline import run, stage
+
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    src, out = _write(tmp_path / "in", TEXTS), tmp_path / "out"
+
+    class Stop(BaseException):  # an interruption (as Ctrl-C): the run keeps its staged parts
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    with (
+        monkeypatch.context() as m
+    ):  # the first run: staged on the provisional reference, stopped before its check
+        m.setattr(run, "_settle_reference", stop)
+        with pytest.raises(Stop):
+            pack_files(src, out, max_length=64, tokenizer=tok, quiet=True)
+    work = tmp_path / ".out.packtools" / "stage"
+    assert json.loads((work / VERDICT_FILE).read_text())["basis"]["reference"] == PROVISIONAL
+    pending = [t for t in stage._TOKENIZERS.values() if t.reference_check is not None]
+    for t in pending:  # settled: the next runs stage on no provisional reference (its check passes)
+        t.settle_reference(lambda why: None)
+    with monkeypatch.context() as m:  # a run that does not take the verdict back, stopped right after its own
+        m.setattr(run, "give_back_freed_memory", stop)
+        with pytest.raises(Stop):
+            pack_files(src, out, max_length=64, tokenizer=tok, quiet=True)
+    third = pack_files(src, out, max_length=64, tokenizer=tok, quiet=True)
+    assert third.timings["parts_reused"] == 0
+    assert _docs(out) == _expected(tok, TEXTS)
