@@ -462,3 +462,32 @@ def test_a_run_stopped_right_after_its_verdict_leaves_no_provisional_part_to_reu
     third = pack_files(src, out, max_length=64, tokenizer=tok, quiet=True)
     assert third.timings["parts_reused"] == 0
     assert _docs(out) == _expected(tok, TEXTS)
+
+
+def test_a_tokenizer_load_that_fails_stops_the_child_it_started(tok, tmp_path, monkeypatch):
+    """The child is started as the driver's tokenizer starts loading; a load that fails after that (here its
+    facts) stops it, instead of leaving it waiting on its stdin for as long as the exception is kept (a
+    notebook's last traceback holds the tokenizer being built, and the child with it: transformers in memory)."""
+    from packtools.pipeline.tokenizer import batch
+
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    started = []
+
+    class Recorded(reference_check.ReferenceCheck):
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            started.append(self)
+
+    def broken_facts(*args):
+        raise RuntimeError("facts unreadable")
+
+    monkeypatch.setattr(batch, "ReferenceCheck", Recorded)
+    monkeypatch.setattr(batch, "load_facts", broken_facts)
+    with pytest.raises(RuntimeError, match="facts unreadable") as caught:
+        BatchTokenizer(tok, "text", wait_for_engine=False, input_bytes=1 << 30, check_later=True)
+    assert caught.traceback and len(started) == 1 and started[0].child_pid is not None
+    child = started[0]._child
+    deadline = time.monotonic() + 60
+    while child.poll() is None:
+        assert time.monotonic() < deadline, "the check's child outlived the failed load"
+        time.sleep(0.1)
