@@ -425,3 +425,69 @@ def test_the_child_finds_a_copy_identical_only_where_it_loads_as_tokenizer_json(
     # the same finding the driver makes with both tokenizers in memory
     assert reference.copy_identical(lite, other) == (reference.file_sha256(other), False)
     assert reference.copy_identical(lite, same) == (reference.file_sha256(same), True)
+
+
+def test_a_run_stopped_right_after_its_verdict_leaves_no_provisional_part_to_reuse(
+    tok, tmp_path, monkeypatch
+):
+    """A run that finds parts staged on a provisional reference it does not take back drops them before it
+    records its own verdict: stopped in between, the next run would take that verdict back and reuse the
+    parts, never checked (verdict.left_provisional's rule, broken by the order of the two steps)."""
+    from packtools.pipeline import run, stage
+
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    src, out = _write(tmp_path / "in", TEXTS), tmp_path / "out"
+
+    class Stop(BaseException):  # an interruption (as Ctrl-C): the run keeps its staged parts
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    with (
+        monkeypatch.context() as m
+    ):  # the first run: staged on the provisional reference, stopped before its check
+        m.setattr(run, "_settle_reference", stop)
+        with pytest.raises(Stop):
+            pack_files(src, out, max_length=64, tokenizer=tok, quiet=True)
+    work = tmp_path / ".out.packtools" / "stage"
+    assert json.loads((work / VERDICT_FILE).read_text())["basis"]["reference"] == PROVISIONAL
+    pending = [t for t in stage._TOKENIZERS.values() if t.reference_check is not None]
+    for t in pending:  # settled: the next runs stage on no provisional reference (its check passes)
+        t.settle_reference(lambda why: None)
+    with monkeypatch.context() as m:  # a run that does not take the verdict back, stopped right after its own
+        m.setattr(run, "give_back_freed_memory", stop)
+        with pytest.raises(Stop):
+            pack_files(src, out, max_length=64, tokenizer=tok, quiet=True)
+    third = pack_files(src, out, max_length=64, tokenizer=tok, quiet=True)
+    assert third.timings["parts_reused"] == 0
+    assert _docs(out) == _expected(tok, TEXTS)
+
+
+def test_a_tokenizer_load_that_fails_stops_the_child_it_started(tok, tmp_path, monkeypatch):
+    """The child is started as the driver's tokenizer starts loading; a load that fails after that (here its
+    facts) stops it, instead of leaving it waiting on its stdin for as long as the exception is kept (a
+    notebook's last traceback holds the tokenizer being built, and the child with it: transformers in memory)."""
+    from packtools.pipeline.tokenizer import batch
+
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    started = []
+
+    class Recorded(reference_check.ReferenceCheck):
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            started.append(self)
+
+    def broken_facts(*args):
+        raise RuntimeError("facts unreadable")
+
+    monkeypatch.setattr(batch, "ReferenceCheck", Recorded)
+    monkeypatch.setattr(batch, "load_facts", broken_facts)
+    with pytest.raises(RuntimeError, match="facts unreadable") as caught:
+        BatchTokenizer(tok, "text", wait_for_engine=False, input_bytes=1 << 30, check_later=True)
+    assert caught.traceback and len(started) == 1 and started[0].child_pid is not None
+    child = started[0]._child
+    deadline = time.monotonic() + 60
+    while child.poll() is None:
+        assert time.monotonic() < deadline, "the check's child outlived the failed load"
+        time.sleep(0.1)

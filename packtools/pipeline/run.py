@@ -311,8 +311,9 @@ def _verdict(
     """The run's tokenizer engine (:mod:`packtools.pipeline.tokenizer.verdict`): the one a killed run recorded in this
     work folder, else proven now on the first rows across ``parts``; recorded before any part is staged.  On a
     provisional reference (a first run's, :func:`_settle_reference`) the verdict rests on it.  The third value:
-    the folder's parts were staged on a provisional reference this run does not take back (none is reused).
-    ``(None, None, False)`` for tokenized input."""
+    the folder's parts were staged on a provisional reference this run does not take back (none is reused): the
+    verdict is then not recorded here, but by the caller after it dropped them, so that a run stopped in between
+    leaves the provisional verdict, which no later run takes back.  ``(None, None, False)`` for tokenized input."""
     if found.fmt == "tokenized":
         return None, None, False
     from .stage import preload_tokenizer
@@ -326,7 +327,9 @@ def _verdict(
     if verdict is None:
         stale = left_provisional(ws.stage, rests_on)
         verdict = decide(tok, parts, found.fmt)
-        record(ws.stage, verdict, rests_on)
+        # stale: recorded by the caller once those parts are dropped (stopped before: none is reused)
+        if not stale:
+            record(ws.stage, verdict, rests_on)
     return verdict, rests_on, stale
 
 
@@ -429,7 +432,11 @@ def _run(
         )
 
     jobs = jobs_for(verdict)
-    dropped = drop_all(jobs) if stale else 0  # staged on a reference never checked, or found different
+    dropped = 0
+    # staged on a reference never checked, or found different: dropped before the verdict is recorded
+    if stale:
+        dropped = drop_all(jobs)
+        record(ws.stage, verdict, rests_on)
     from_killed_run = {j.sidecar for j in jobs if os.path.exists(j.sidecar)}
     from_cache, cache_notes = adopt_cached(jobs)  # parts `packtools profile` staged: not tokenized again
     timings: dict[str, Any] = {

@@ -111,29 +111,36 @@ class BatchTokenizer:
             if check_later and self._checks_later(requested, proven)
             else None
         )
-        # tokenizer.json's facts, recorded by an earlier run; the fast engine loads in a background thread
-        self._facts = facts = load_facts(tokenizer_dir, fp)
-        #: tokens transformers adds from the folder's other files (added_tokens.json, tokenizer_config.json,
-        #: special_tokens_map.json) that tokenizer.json lacks: neither the tokenizers library nor the fast
-        #: engine knows them, so transformers itself tokenizes (choose_engine says why)
-        self.added_outside = added_tokens_outside(tokenizer_dir, facts.specials) if facts is not None else []
-        adopted = proven.get("engine") if proven is not None else None
-        skip = adopted == "transformers" or self.small_input is not None or bool(self.added_outside)
-        self._fast_load = start_fast_load(
-            tokenizer_dir, fp, facts, fmt, "transformers" if skip else requested
-        )
-        # transformers' ids from the tokenizers library alone where a recorded check says they are the same
-        # (packtools.pipeline.tokenizer.reference): importing transformers costs seconds a run.  Never when transformers
-        # is asked for, never where transformers adds tokens tokenizer.json lacks; from the fast engine's copy of
-        # tokenizer.json only where it was recorded identical to it, with its SHA-256 (it loads 30% faster)
-        copy = compact_file(fp)
-        lite = (
-            reference.load_verified(tokenizer_dir, fp, copy)
-            if requested != "transformers" and not self.added_outside
-            else None
-        )
-        if self._check is not None:
-            lite = self._provisional(copy)
+        try:  # the started child waits for its texts: a load failing before they are handed over stops it
+            # tokenizer.json's facts, recorded by an earlier run; the fast engine loads in a background thread
+            self._facts = facts = load_facts(tokenizer_dir, fp)
+            #: tokens transformers adds from the folder's other files (added_tokens.json, tokenizer_config.json,
+            #: special_tokens_map.json) that tokenizer.json lacks: neither the tokenizers library nor the fast
+            #: engine knows them, so transformers itself tokenizes (choose_engine says why)
+            self.added_outside = (
+                added_tokens_outside(tokenizer_dir, facts.specials) if facts is not None else []
+            )
+            adopted = proven.get("engine") if proven is not None else None
+            skip = adopted == "transformers" or self.small_input is not None or bool(self.added_outside)
+            self._fast_load = start_fast_load(
+                tokenizer_dir, fp, facts, fmt, "transformers" if skip else requested
+            )
+            # transformers' ids from the tokenizers library alone where a recorded check says they are the same
+            # (packtools.pipeline.tokenizer.reference): importing transformers costs seconds a run.  Never when transformers
+            # is asked for, never where transformers adds tokens tokenizer.json lacks; from the fast engine's copy of
+            # tokenizer.json only where it was recorded identical to it, with its SHA-256 (it loads 30% faster)
+            copy = compact_file(fp)
+            lite = (
+                reference.load_verified(tokenizer_dir, fp, copy)
+                if requested != "transformers" and not self.added_outside
+                else None
+            )
+            if self._check is not None:
+                lite = self._provisional(copy)
+        except BaseException:
+            if self._check is not None:
+                self._check.cancel()
+            raise
         #: what the reference was loaded from: tokenizer.json, its copy recorded identical, or transformers
         self.reference_source = lite.source if lite is not None else "transformers"
         if self._check is not None:
