@@ -196,11 +196,18 @@ def check_columns(table: pa.Table, needed: Sequence[str], what: str, fix: str = 
 
 
 def check_row_counts(
-    got: np.ndarray, want: np.ndarray, got_says: str, want_says: str, fix: str, *, param: str | None = None
+    got: np.ndarray,
+    want: np.ndarray,
+    got_says: str,
+    want_says: str,
+    fix: str,
+    *,
+    param: str | None = None,
+    fields: dict[str, str] | None = None,
 ) -> None:
     """Refuse the first row where two per-row counts disagree: ``row r: <got_says> but <want_says>; <fix>``,
-    the ``{}`` of each side filled with its count at that row (``{row}`` with ``r``); a literal brace (in a column
-    name) is written doubled.
+    the ``{}`` of each side filled with its count at that row (``{row}`` with ``r``, ``{name}`` with
+    ``fields["name"]``: a column name goes in ``fields``, whose values are not read as templates).
 
     >>> check_row_counts(np.array([3, 2]), np.array([3, 4]), "'seq_lengths' sum to {}", "'input_ids' has {} "
     ...                  "tokens", "re-pack the data.")
@@ -211,7 +218,8 @@ def check_row_counts(
     bad = np.flatnonzero(got != want)
     if bad.size:
         r = int(bad[0])
-        said = got_says.format(int(got[r]), row=r), want_says.format(int(want[r]), row=r)
+        extra = fields or {}
+        said = got_says.format(int(got[r]), row=r, **extra), want_says.format(int(want[r]), row=r, **extra)
         raise PackingError(f"row {r}: {said[0]} but {said[1]}; {fix}", param=param)
 
 

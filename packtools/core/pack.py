@@ -314,11 +314,11 @@ def unpack(
         seq = read_list_column(table.column(SEQ_LENGTHS), SEQ_LENGTHS)
         seg_lengths = seq.flat_values().astype(np.int64)
         offsets = np.concatenate(([0], np.cumsum(seg_lengths)))
-        # the name is text of the message, not a placeholder: its braces doubled for check_row_counts' format
-        name = repr(names[0]).replace("{", "{{").replace("}", "}}")
-        holds = f"column {name} holds {{}} values"
+        holds = "column {name} holds {} values"
         fix = "seq_lengths must describe each packed row exactly."
-        check_row_counts(lengths, seq.row_sums(), holds, "its seq_lengths sum to {}", fix)
+        check_row_counts(
+            lengths, seq.row_sums(), holds, "its seq_lengths sum to {}", fix, fields={"name": repr(names[0])}
+        )
         arrays = [
             list_array(offsets, col.flat_values(), pa.types.is_large_list(col.type), col.type.value_type)
             for col in cols
