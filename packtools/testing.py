@@ -686,9 +686,8 @@ def real_tokenizer(vocab: str, path: str, chat_template: str | None = None) -> s
         kwargs = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
     else:
         kwargs = {"eos_token": "<|endoftext|>"}
-    if (
-        vocab != "o200k" or chat_template is not None
-    ):  # an o200k folder has had no template entry unless given one
+    # an o200k folder has had no template entry unless given one
+    if vocab != "o200k" or chat_template is not None:
         kwargs["chat_template"] = chat_template
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
     if extra:

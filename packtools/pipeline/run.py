@@ -413,9 +413,8 @@ def _run(
             warming.join()
         raise
     verdict_s = round(time.perf_counter() - t_verdict, 3)
-    if (
-        verdict is not None
-    ):  # the tokenizer's load freed its parse of tokenizer.json: not kept beside the stage
+    # the tokenizer's load freed its parse of tokenizer.json: not kept beside the stage
+    if verdict is not None:
         give_back_freed_memory()
 
     def jobs_for(verdict: dict[str, Any] | None) -> list[StageJob]:
@@ -465,9 +464,8 @@ def _run(
                     if verdict is not None
                     else None
                 )
-                if (
-                    check_pending is not None
-                ):  # a first run's wait for its check against transformers (in stage_s)
+                # a first run's wait for its check against transformers (in stage_s)
+                if check_pending is not None:
                     timings["reference_check_s"] = round(time.perf_counter() - t_check, 3)
                     timings["reference_check_by"] = check_pending.how  # the child, or the driver and why
                     check_pending = None
