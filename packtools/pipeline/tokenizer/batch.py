@@ -41,6 +41,8 @@ from .reference_check import ReferenceCheck
 
 #: the reference of a first run's driver while its check runs (:meth:`BatchTokenizer.settle_reference`)
 PROVISIONAL_REFERENCE = "tokenizers (provisional: checked against transformers before the install)"
+#: the reference where a recorded (or settled) check says the tokenizers library gives transformers' ids
+CHECKED_REFERENCE = "tokenizers (checked equal to transformers)"
 
 
 def _strings(table: pa.Table, name: str, first_row: Row, values: list | None = None) -> list[str]:
@@ -143,12 +145,9 @@ class BatchTokenizer:
             raise
         #: what the reference was loaded from: tokenizer.json, its copy recorded identical, or transformers
         self.reference_source = lite.source if lite is not None else "transformers"
-        if self._check is not None:
+        if lite is not None:  # (always so while a check runs: _provisional stops the check without one)
             backend, self.eos_id = lite.backend, lite.eos_id
-            self.reference_engine = PROVISIONAL_REFERENCE
-        elif lite is not None:
-            backend, self.eos_id = lite.backend, lite.eos_id
-            self.reference_engine = "tokenizers (checked equal to transformers)"
+            self.reference_engine = PROVISIONAL_REFERENCE if self._check is not None else CHECKED_REFERENCE
         else:
             backend, self.eos_id = self.tok.backend_tokenizer, self.tok.eos_token_id
             self.reference_engine = "transformers"
@@ -236,7 +235,7 @@ class BatchTokenizer:
             check.record_finding()
             for write in check.on_pass:
                 write()
-            self.reference_engine = "tokenizers (checked equal to transformers)"
+            self.reference_engine = CHECKED_REFERENCE
             return None
         why = (
             f"the tokenizers library differed from transformers on the built-in adversarial set ({difference}): "
