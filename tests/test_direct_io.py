@@ -133,6 +133,35 @@ def test_a_direct_write_the_file_system_refuses_goes_on_plainly(tmp_path, monkey
     assert open(tmp_path / "f", "rb").read() == data
 
 
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.EOPNOTSUPP])
+def test_a_file_system_that_refuses_o_direct_at_open_gets_plain_writes(tmp_path, monkeypatch, code):
+    """The open with ``O_DIRECT`` refused by either errno a file system uses for it: the file is opened again
+    without it and holds the same bytes; negative control: another errno from that open is raised."""
+    monkeypatch.delenv(DIRECT_ENV, raising=False)
+    real_open, tried = os.open, []
+
+    def refusing(path, flags, mode=0o777):
+        if flags & getattr(os, "O_DIRECT", 0):
+            tried.append(path)
+            raise OSError(code, "O_DIRECT not supported", path)
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(direct.os, "open", refusing)
+    data = bytes(range(256)) * (CHUNK // 256 + 3)
+    f = _written(str(tmp_path / "f"), [data])
+    assert tried and not f.direct
+    assert open(tmp_path / "f", "rb").read() == data
+
+    def failing(path, flags, mode=0o777):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EACCES, "permission denied", path)
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(direct.os, "open", failing)
+    with pytest.raises(PermissionError):
+        DirectFile(str(tmp_path / "g"), CHUNK)
+
+
 def test_another_error_is_raised(tmp_path, monkeypatch):
     def full(fd, data):
         raise OSError(errno.ENOSPC, "no space left", "f")

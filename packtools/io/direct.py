@@ -44,6 +44,9 @@ CHUNK = 2 << 20
 #: ``O_DIRECT`` but serves it slowly (some network or FUSE file systems), or a machine where fresh memory is cheap
 #: and the disk is not.
 DIRECT_ENV = "PACKTOOLS_DIRECT_IO"
+#: The errors by which a file system says it does not take ``O_DIRECT`` (tmpfs: EINVAL; some FUSE and network file
+#: systems: EOPNOTSUPP): the file is then written plainly.  Any other error is raised.
+REFUSED = frozenset({errno.EINVAL, errno.EOPNOTSUPP})
 
 
 def _open_direct(path: str) -> tuple[int, bool]:
@@ -55,7 +58,7 @@ def _open_direct(path: str) -> tuple[int, bool]:
         try:
             return os.open(path, flags | direct, 0o666), True
         except OSError as exc:
-            if exc.errno != errno.EINVAL:  # EINVAL: this file system does not take O_DIRECT (tmpfs, ...)
+            if exc.errno not in REFUSED:
                 raise
     return os.open(path, flags, 0o666), False
 
@@ -113,7 +116,7 @@ class DirectFile:
                 try:
                     n = os.write(self._fd, view[done:])
                 except OSError as exc:
-                    if not self.direct or exc.errno != errno.EINVAL:
+                    if not self.direct or exc.errno not in REFUSED:
                         raise
                     self._plain()  # e.g. a block size larger than a page: the rest is written plainly
                     continue
