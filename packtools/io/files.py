@@ -148,12 +148,6 @@ def _ipc_batches(path: str) -> Iterator[pa.RecordBatch]:
         yield from guarded(reader.batches(), path, "arrow")
 
 
-def _rebatch(batches: Iterator[pa.RecordBatch], batch_rows: int) -> Iterator[pa.Table]:
-    for batch in batches:
-        for start in range(0, batch.num_rows, batch_rows):
-            yield pa.Table.from_batches([batch.slice(start, batch_rows)])
-
-
 @dataclass(frozen=True)
 class Part:
     """A piece of one input file that one job reads: parquet row groups ``[start, stop)``, JSON-lines bytes
@@ -265,7 +259,7 @@ def read_part(
     path = file.path
     cols = list(columns) if columns is not None else None
     if file.kind == "parquet":
-        # Buffered reads (see _open_ipc); pre_buffer=False, or pyarrow keeps the column chunks it read cached
+        # Buffered reads (see _ipc_batches); pre_buffer=False, or pyarrow keeps the column chunks it read cached
         # until the file is closed, and memory grows with the file.
         with reading(path, "parquet"):
             pf = pq.ParquetFile(path, pre_buffer=False)
@@ -284,9 +278,9 @@ def read_part(
         for batch in _ipc_batches(path):
             if cols is not None:
                 batch = batch.select([c for c in cols if c in batch.schema.names])
-            for table in _rebatch(iter([batch]), batch_rows):
-                yield Where(path, row), table
-                row += table.num_rows
+            for start in range(0, batch.num_rows, batch_rows):
+                yield Where(path, row + start), pa.Table.from_batches([batch.slice(start, batch_rows)])
+            row += batch.num_rows
     elif is_json_array(path):  # objects may span lines: rows are named by their index in the array
         row = 0
         for _, table in iter_json_array(path, batch_rows):
