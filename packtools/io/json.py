@@ -393,15 +393,8 @@ def iter_json_array(
         w.pos += 1
         rows: list[dict] = []
         first, count = 0, 0
-        while True:
-            c = w.peek()
-            if c == "]":
-                break
-            if c == "":
-                raise PackingError(
-                    f"input {path!r} line {w.line_at(w.pos)}: the JSON array is not closed (no ']'); is the file cut?"
-                )
-            if count:
+        while (c := w.peek()) != "]":
+            if count and c != "":
                 if c != ",":
                     raise PackingError(
                         f"input {path!r} line {w.line_at(w.pos)}: expected ',' or ']' after an object of the array, "
