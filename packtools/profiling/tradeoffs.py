@@ -24,11 +24,11 @@ from __future__ import annotations
 import html
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from .._format import text_table
+from .._format import group_spans, text_table
 from ..core.plan import check_max_length, plan
 from ..errors import PackingError
 from .distribution import LengthDistribution
@@ -98,26 +98,41 @@ COLUMNS: tuple[tuple[str, str, str, Callable[[Any], str]], ...] = (
 )
 
 
-@dataclass(frozen=True)
-class TradeoffTable:
-    """Rows of :class:`Tradeoff`, one per candidate, with text / Markdown / HTML renderings."""
+R = TypeVar("R")
 
-    rows: tuple[Tradeoff, ...]
-    batch_size: int
-    name: str | None = None
 
-    def __iter__(self) -> Iterator[Tradeoff]:
+class _Rows(Generic[R]):
+    """What both tables share: their ``rows`` read in order, by index, or as plain dicts."""
+
+    rows: tuple[R, ...]
+
+    def __iter__(self) -> Iterator[R]:
         return iter(self.rows)
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, i: int) -> Tradeoff:
+    def __getitem__(self, i: int) -> R:
         return self.rows[i]
 
     def to_dicts(self) -> list[dict[str, Any]]:
         """One plain dict per row (e.g. for ``pandas.DataFrame`` or JSON)."""
         return [asdict(r) for r in self.rows]
+
+
+def _markdown(heads: list[str], aligns: list[str], cells: list[list[str]]) -> str:
+    """A GitHub-flavoured Markdown table: ``heads``, their alignments (``---:``) and a line per row of ``cells``."""
+    lines = ["| " + " | ".join(row) + " |" for row in (heads, *cells)]
+    return "\n".join([lines[0], "|" + "|".join(aligns) + "|", *lines[1:]])
+
+
+@dataclass(frozen=True)
+class TradeoffTable(_Rows[Tradeoff]):
+    """Rows of :class:`Tradeoff`, one per candidate, with text / Markdown / HTML renderings."""
+
+    rows: tuple[Tradeoff, ...]
+    batch_size: int
+    name: str | None = None
 
     @property
     def columns(self) -> tuple[tuple[str, str, str, Callable[[Any], str]], ...]:
@@ -142,20 +157,11 @@ class TradeoffTable:
             f"{g} {h}".strip() if g and g != h else h
             for g, h in zip(self._groups(), (c[1] for c in self.columns))
         ]
-        lines = ["| " + " | ".join(heads) + " |", "|" + "|".join("---:" for _ in heads) + "|"]
-        lines += ["| " + " | ".join(row) + " |" for row in self._cells()]
-        return "\n".join(lines)
+        return _markdown(heads, ["---:"] * len(heads), self._cells())
 
     def to_html(self, highlight: int | None = None) -> str:
         """An HTML ``<table>`` with grouped headers; the row of ``max_length == highlight`` gets class "chosen"."""
-        groups = self._groups()
-        top, i = [], 0
-        while i < len(groups):
-            j = i
-            while j + 1 < len(groups) and groups[j + 1] == groups[i] and groups[i]:
-                j += 1
-            top.append(f'<th colspan="{j - i + 1}">{html.escape(groups[i])}</th>')
-            i = j + 1
+        top = [f'<th colspan="{b - a + 1}">{html.escape(g)}</th>' for g, a, b in group_spans(self._groups())]
         head2 = "".join(f"<th>{html.escape(h)}</th>" for _, h, _, _ in self.columns)
         body = "".join(
             ('<tr class="chosen">' if r.max_length == highlight else "<tr>")
@@ -275,7 +281,7 @@ class BucketTradeoff:
 
 
 @dataclass(frozen=True)
-class BucketTable:
+class BucketTable(_Rows[BucketTradeoff]):
     """Rows of :class:`BucketTradeoff` for one ``max_length`` / ``max_tokens`` / strategy."""
 
     rows: tuple[BucketTradeoff, ...]
@@ -283,15 +289,6 @@ class BucketTable:
     max_tokens: int
     strategy: str
     batch_tokens: np.ndarray  # tokens in each batch of the epoch the buckets were chosen on
-
-    def __iter__(self) -> Iterator[BucketTradeoff]:
-        return iter(self.rows)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def to_dicts(self) -> list[dict[str, Any]]:
-        return [asdict(r) for r in self.rows]
 
     def _cells(self) -> list[list[str]]:
         return [
@@ -313,9 +310,8 @@ class BucketTable:
         return title + "\n" + text_table([["K", "shapes", "padding", "bucket sizes"], *self._cells()])
 
     def to_markdown(self) -> str:
-        lines = ["| K | shapes | padding | bucket sizes |", "|---:|---:|---:|---|"]
-        lines += ["| " + " | ".join(row) + " |" for row in self._cells()]
-        return "\n".join(lines)
+        heads = ["K", "shapes", "padding", "bucket sizes"]
+        return _markdown(heads, ["---:", "---:", "---:", "---"], self._cells())
 
 
 def bucket_table(
