@@ -9,7 +9,7 @@ in sorted order) and folders written by ``datasets.Dataset.save_to_disk`` (found
 >>> d = tempfile.mkdtemp()
 >>> pq.write_table(pa.table({"text": ["a", "b", "c"]}), os.path.join(d, "part.parquet"))
 >>> files = discover([d])
->>> [f.kind for f in files], sum(t.num_rows for t in iter_tables(files[0], batch_rows=2))
+>>> [f.kind for f in files], sum(t.num_rows for _, t in iter_part(Part(files[0]), batch_rows=2))
 (['parquet'], 3)
 """
 
@@ -27,9 +27,7 @@ import pyarrow.parquet as pq
 from .._atomic import atomic_path
 from ..errors import PackingError
 from .discover import (  # noqa: F401 - re-exported: callers import them from here
-    SUFFIX_KINDS,
     InputFile,
-    Skipped,
     discover,
     find_inputs,
     skipped_notes,
@@ -318,14 +316,6 @@ def _check_known(table: pa.Table, known: Sequence[str] | None, where: Where) -> 
 
 def _select(table: pa.Table, columns: list[str] | None) -> pa.Table:
     return table if columns is None else table.select([c for c in columns if c in table.column_names])
-
-
-def iter_tables(
-    file: InputFile, batch_rows: int = 1000, columns: Sequence[str] | None = None
-) -> Iterator[pa.Table]:
-    """Yield the rows of ``file`` as tables of at most ``batch_rows`` rows (only ``columns`` if given)."""
-    for _, table in iter_part(Part(file), batch_rows, columns):
-        yield table
 
 
 def read_schema(file: InputFile) -> pa.Schema:
