@@ -55,12 +55,12 @@ def shared_prompt_savings(dataset: Any) -> SharedSavings:
     lp = column_lengths(table.column("prompt_ids"))
     if "completion_ids" in names:
         nested = table.column("completion_ids").combine_chunks()
-        g = np.diff(np.asarray(nested.offsets, np.int64))
-        inner = column_lengths(nested.flatten())
-        first = np.zeros(g.shape[0] + 1, np.int64)
-        np.cumsum(g, out=first[1:])
-        sums = np.add.reduceat(inner, first[:-1]) if inner.size else np.zeros_like(g)
-        sums = np.where(g > 0, sums, 0)
+        offsets = np.asarray(nested.offsets, np.int64) - nested.offsets[0].as_py()
+        g = np.diff(offsets)
+        tokens = np.concatenate(
+            ([0], np.cumsum(column_lengths(nested.flatten())))
+        )  # running completion tokens
+        sums = tokens[offsets[1:]] - tokens[offsets[:-1]]
     elif "chosen_ids" in names and "rejected_ids" in names:
         g = np.full(lp.shape[0], 2, np.int64)
         sums = column_lengths(table.column("chosen_ids")) + column_lengths(table.column("rejected_ids"))
