@@ -99,15 +99,9 @@ class LengthProfile(LengthDistribution):
         keep_sequences: float | None = None,
         max_context: int = 32768,
     ) -> Recommendation:
-        """A ``max_length`` (a multiple of ``multiple_of``) and why, with both rules side by side.
-
-        By default (no share given) the **sequence rule at 0.99**: the smallest multiple that holds at least
-        99% of the sequences whole, packed with ``bfd_split`` (which keeps every token and cuts only the
-        longer sequences).  ``keep_sequences=S`` sets that share; ``keep_tokens=T`` instead picks by the token
-        rule, the smallest multiple at which ``bfd`` (truncating) keeps ``T`` of the tokens -- on long-tailed
-        data it asks for a huge ``max_length``.  ``rec.options`` holds both rules with their costs (sequences
-        cut, tokens bfd drops, rows, attention cost); ``rec.flags`` says when a value is above
-        ``max_context`` (see :mod:`packtools.profiling.recommend`).
+        """A ``max_length`` (a multiple of ``multiple_of``) and why, with both rules side by side (the rules,
+        the options and the flags: :mod:`packtools.profiling.recommend`).  By default the sequence rule at 0.99
+        (for ``bfd_split``); ``keep_sequences=S`` sets its share, ``keep_tokens=T`` picks by the token rule.
 
         >>> p = LengthProfile([100] * 98 + [1000, 3000])
         >>> p.recommend().max_length, p.recommend(keep_sequences=0.98).max_length
@@ -148,7 +142,7 @@ def _lengths_of_array(arr: pa.ChunkedArray | pa.Array, column: str) -> np.ndarra
     if pa.types.is_integer(arr.type):
         if arr.null_count:
             raise PackingError("the array of lengths holds nulls; lengths must all be integers.")
-        return np.asarray(arr.to_numpy() if isinstance(arr, pa.Array) else arr.to_numpy())
+        return np.asarray(arr.to_numpy())
     raise PackingError(
         f"column {column!r} has type {arr.type}; profiling needs a list column (token ids) or integer lengths."
     )

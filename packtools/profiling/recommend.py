@@ -7,7 +7,7 @@ Two rules, each the smallest multiple of ``multiple_of`` that meets a share:
   so this rule only decides how many sequences are cut.
 - **token rule** (``keep_tokens``): ``bfd`` (which truncates) keeps at least that share of the tokens.  On
   long-tailed data a few huge sequences hold much of the token mass, and this rule asks for a huge
-  ``max_length`` (82,176 on the standard library's sources at 0.99, where the sequence rule gives 8,000).
+  ``max_length`` (the figures: docs/profiling.md).
 
 The default (neither share given) is the **sequence rule at 0.99**, packed with ``bfd_split``: it keeps
 >= 99% of the sequences whole and every token, whatever the tail.  Either way the :class:`Recommendation`
