@@ -57,9 +57,7 @@ def shared_prompt_savings(dataset: Any) -> SharedSavings:
         nested = table.column("completion_ids").combine_chunks()
         offsets = np.asarray(nested.offsets, np.int64) - nested.offsets[0].as_py()
         g = np.diff(offsets)
-        tokens = np.concatenate(
-            ([0], np.cumsum(column_lengths(nested.flatten())))
-        )  # running completion tokens
+        tokens = np.concatenate(([0], np.cumsum(column_lengths(nested.flatten()))))
         sums = tokens[offsets[1:]] - tokens[offsets[:-1]]
     elif "chosen_ids" in names and "rejected_ids" in names:
         g = np.full(lp.shape[0], 2, np.int64)
