@@ -156,12 +156,7 @@ class LengthDistribution:
         top = max(64, 1 << max(0, (self.max - 1).bit_length()))
         low = max(64, 1 << max(0, self.percentiles["p50"].bit_length() - 1))
         low = max(low, top >> 7)
-        out = []
-        m = low
-        while m <= top:
-            out.append(m)
-            m *= 2
-        return out
+        return [1 << e for e in range(low.bit_length() - 1, top.bit_length())]
 
 
 def log_edges(max_length: int, per_decade: int = 12) -> np.ndarray:
