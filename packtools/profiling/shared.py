@@ -30,12 +30,6 @@ class SharedSavings:
     def saved(self) -> float:
         return 1.0 - self.tokens_shared / self.tokens_unshared if self.tokens_unshared else 0.0
 
-    def line(self) -> str:
-        return (
-            f"prompt sharing: {self.tokens_shared:,} tokens instead of {self.tokens_unshared:,} for {self.units:,} "
-            f"prompts and {self.completions:,} completions ({self.saved:.1%} saved)"
-        )
-
 
 def shared_prompt_savings(dataset: Any) -> SharedSavings:
     """Token counts with and without sharing the prompt, from ``prompt_ids`` and ``chosen_ids`` /
