@@ -83,13 +83,10 @@ class LengthDistribution:
         s(self, "percentiles", {f"p{q:g}": self.percentile(q) for q in PERCENTILES})
         edges = log_edges(hi)
         s(self, "hist_edges", edges)
-        s(self, "hist_counts", np.diff(self._rows_below(edges)))
+        below = cum_rows[np.searchsorted(values, edges, side="left")]  # rows shorter than each edge
+        s(self, "hist_counts", np.diff(below))
 
     # -- exact queries on the distribution ---------------------------------------------------------
-    def _rows_below(self, lengths: np.ndarray) -> np.ndarray:
-        """Rows with length < each value."""
-        return self._cum_rows[np.searchsorted(self._values, lengths, side="left")]
-
     def percentile(self, q: float) -> int:
         """Smallest length ``L`` with at least ``q`` percent of the sequences of length <= ``L``."""
         if not 0 < q <= 100:

@@ -124,24 +124,19 @@ def _check_share(value: object, name: str, what: str) -> float:
     return float(value)
 
 
-def _counted(profile: LengthDistribution) -> tuple[int, object]:
-    """What the token rule counts: the trained (label) tokens of data with labels (a profile with
-    ``trained``), every token otherwise; ``(total, kept_by_bfd)``."""
-    trained = getattr(profile, "trained", None)
-    if trained is not None and trained.total:
-        return trained.total, trained.kept_by_bfd
-    return profile.total_tokens, profile.tokens_kept
-
-
 def token_rule(profile: LengthDistribution, keep_tokens: float, multiple_of: int) -> int:
     """The smallest multiple of ``multiple_of`` at which ``bfd`` keeps at least ``keep_tokens`` of the tokens
     (of the trained tokens, for data with labels: what training learns from)."""
-    total, kept_at = _counted(profile)
+    trained = getattr(profile, "trained", None)
+    if trained is not None and trained.total:
+        total, kept_at = trained.total, trained.kept_by_bfd
+    else:
+        total, kept_at = profile.total_tokens, profile.tokens_kept
     need = math.ceil(Fraction(str(keep_tokens)) * total)
     lo, hi = 1, max(1, -(-profile.max // multiple_of))
     while lo < hi:
         mid = (lo + hi) // 2
-        if kept_at(mid * multiple_of) >= need:  # type: ignore[operator]
+        if kept_at(mid * multiple_of) >= need:
             hi = mid
         else:
             lo = mid + 1
