@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import PackingError
-from .json_cells import CHAT_COLUMNS, line_array, own_json_cells, value_column
+from .json_cells import CHAT_COLUMNS, large_strings, own_json_cells, value_column
 from .json_ints import int_list_keys, read_int_lists
 
 BLOCK_BYTES = 1 << 24
@@ -315,7 +315,7 @@ def iter_json_lines(
                     raise (err or PackingError(f"input {path!r}: not UTF-8.")) from None
                 rows = table.num_rows
                 # own_json_cells calls the line reader at once (before the buffer is reused); its lines are copies
-                table = own_json_cells(table, lambda d=data, n=rows: line_array(_lines(path, bytes(d), n)))
+                table = own_json_cells(table, lambda d=data, n=rows: large_strings(_lines(path, bytes(d), n)))
                 yield rel + buf.count(b"\n", 0, lead), table
             rel += buf.count(b"\n", 0, end)
             blocks.keep_tail(end)
