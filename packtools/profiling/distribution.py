@@ -118,7 +118,7 @@ class LengthDistribution:
 
     def summary(self) -> dict[str, Any]:
         """The statistics as a flat dict."""
-        out: dict[str, Any] = {
+        return {
             "name": self.name,
             "sequences": self.count,
             "tokens": self.total_tokens,
@@ -126,9 +126,8 @@ class LengthDistribution:
             "min": self.min,
             "mean": self.mean,
             "max": self.max,
+            **self.percentiles,
         }
-        out.update(self.percentiles)
-        return out
 
     def to_text(self) -> str:
         """A short multi-line description, as the CLI prints it."""
