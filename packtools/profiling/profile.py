@@ -207,9 +207,7 @@ def _ipc_lengths(path: str, column: str) -> np.ndarray:
     """Memory-mapped: only the offsets buffers of the column are touched."""
     with open_ipc(path) as reader:
         _table_column(reader.schema, column, f"file {path!r}")
-        return _lengths_of_list(
-            pa.chunked_array([b.column(column) for b in reader.batches()], reader.schema.field(column).type)
-        )
+        return _lengths_of_list(reader.read_all().column(column))
 
 
 def profile_lengths(source: Any, column: str = "input_ids", name: str | None = None) -> LengthProfile:
