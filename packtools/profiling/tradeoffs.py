@@ -53,8 +53,7 @@ class Tradeoff:
     attn_bfd_split: float
     attn_wrapped: float
     attn_padded: float
-    #: data with labels (a profile with ``trained``): the share of the trained tokens ``bfd`` keeps, and of its
-    #: kept tokens in sequences that train nothing (None otherwise)
+    #: data with labels only (a profile with ``trained``; None otherwise)
     trained_kept: float | None = None
     untrained: float | None = None
 
