@@ -20,7 +20,7 @@ import html
 import io
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .._atomic import atomic_path
 from .._optional import require
@@ -40,12 +40,8 @@ def save_figure(fig: Figure, path: str | os.PathLike[str], dpi: int = 120) -> No
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in (".png", ".svg", ".pdf"):
         raise ValueError(f"plot path {path!r}: name a .png, .svg or .pdf file.")
-    _atomic_write(path, lambda fh: fig.savefig(fh, format=suffix[1:], dpi=dpi))
-
-
-def _atomic_write(path: str, write: Any) -> None:
-    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
-        write(fh)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format=suffix[1:], dpi=dpi)
 
 
 def _png_base64(fig: Figure) -> str:
@@ -176,5 +172,6 @@ def write_report(
 <p><small>Made by packtools from sequence lengths only; rows and fill come from packtools.plan.</small></p>
 </body></html>
 """
-    _atomic_write(os.fspath(path), lambda fh: fh.write(doc.encode("utf-8")))
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        fh.write(doc.encode("utf-8"))
     return rec
