@@ -208,14 +208,13 @@ def recommend(
             rule,
             strategy,
         )
-    m_seq = sequence_rule(profile, ks, multiple_of)
-    m_tok = token_rule(profile, kt, multiple_of)
-    seq = _option(profile, "sequences", ks, m_seq, max_context)
-    tok = _option(profile, "tokens", kt, m_tok, max_context)
+    seq = _option(profile, "sequences", ks, sequence_rule(profile, ks, multiple_of), max_context)
+    tok = _option(profile, "tokens", kt, token_rule(profile, kt, multiple_of), max_context)
     chosen = seq if rule == "sequences" else tok
     m, total, n = chosen.max_length, profile.total_tokens, profile.count
     kept = total - chosen.tokens_dropped_bfd
     cut = chosen.sequences_cut
+    trained = getattr(profile, "trained", None)
     if rule == "sequences":
         reason = (
             f"max_length={m} is the smallest multiple of {multiple_of} that holds at least {ks:.1%} of the "
@@ -228,7 +227,6 @@ def recommend(
             )
         else:
             reason += " Every sequence fits, so bfd and bfd_split are identical."
-        trained = getattr(profile, "trained", None)
         if trained is not None and trained.total and cut:
             _, idle = trained.idle_under_bfd(m)
             reason += (
@@ -236,8 +234,7 @@ def recommend(
                 f"spend {idle / max(kept, 1):.2%} of its tokens on sequences that train nothing; bfd_split (packtools "
                 f"pack) cuts at turn ends and keeps every trained token."
             )
-    elif getattr(profile, "trained", None) is not None and profile.trained.total:  # type: ignore[attr-defined]
-        trained = profile.trained  # type: ignore[attr-defined]
+    elif trained is not None and trained.total:
         t_kept = trained.kept_by_bfd(m)
         reason = (
             f"max_length={m} is the smallest multiple of {multiple_of} at which bfd keeps at least {kt:.1%} of "
