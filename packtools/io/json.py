@@ -114,7 +114,7 @@ def _find_bad_line(path: str, data: bytes, first_line: int) -> PackingError | No
 
 def _valid_utf8(table: pa.Table, data: bytes | memoryview) -> bool:
     """Whether the JSON ``data`` that Arrow parsed into ``table`` is UTF-8 (Arrow's JSON reader takes invalid
-    bytes inside strings as they are).  Arrow's own check of every string is ~5x faster than decoding ``data``;
+    bytes inside strings as they are).  Arrow's own check of every string is faster than decoding ``data``;
     field names are not in that check, so a name that shows a replacement character decodes ``data`` to tell an
     invalid byte from a real U+FFFD.  ASCII ``data`` needs neither (the caller checks that first)."""
     try:

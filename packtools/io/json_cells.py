@@ -34,7 +34,7 @@ JSON_CELLS = b"packtools.json_cells"
 
 def large_strings(parts: Sequence[bytes], valid: np.ndarray | None = None) -> pa.Array:
     """UTF-8 byte strings (JSON lines, JSON texts; ``valid``: false where null) as a ``large_string`` array,
-    built from its buffers (``pa.array`` on a Python list would import pandas, seconds a process)."""
+    built from its buffers (``pa.array`` on a Python list would import pandas)."""
     offsets = np.zeros(len(parts) + 1, np.int64)
     np.cumsum(np.fromiter(map(len, parts), np.int64, len(parts)), out=offsets[1:])
     bitmap, nulls = None, 0
