@@ -26,12 +26,13 @@ from .._optional import is_instance
 from ..compat.datasets import dataset_table
 from ..constants import SEQ_LENGTHS
 from ..core.arrow import column_lengths, is_list_type
+from ..core.plan import check_max_length, plan
 from ..errors import PackingError
 from ..io.files import discover, open_ipc
 from .distribution import LengthDistribution
 from .packed import file_schema, packed_info, packed_rows, profile_packed
 from .recommend import Recommendation, recommend
-from .tradeoffs import BucketTable, TradeoffTable, bucket_table, tradeoff_table
+from .tradeoffs import BucketTable, BucketTradeoff, TradeoffTable, check_candidates, tradeoff_row
 from .trained import TrainedTokens
 
 BATCH_TOKENS = 1 << 20  # about this many values decoded per parquet batch
@@ -64,9 +65,13 @@ class LengthProfile(LengthDistribution):
         >>> [(r.max_length, r.bfd_rows, r.bfd_split_rows, r.wrapped_rows) for r in t]
         [(4, 3, 3, 3), (8, 2, 2, 2)]
         """
-        return tradeoff_table(
-            self, self.default_candidates() if candidates is None else candidates, batch_size
-        )
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise PackingError(
+                f"batch_size={batch_size!r} must be a positive int (sequences per padded batch)."
+            )
+        candidates = self.default_candidates() if candidates is None else candidates
+        rows = tuple(tradeoff_row(self, m, int(batch_size)) for m in check_candidates(candidates))
+        return TradeoffTable(rows, int(batch_size), self.name)
 
     def bucket_tradeoffs(
         self,
@@ -87,9 +92,25 @@ class LengthProfile(LengthDistribution):
         >>> [(r.k, r.buckets, r.shapes) for r in t]
         [(None, (), 2), (1, (16,), 1), (2, (6, 16), 2)]
         """
-        return bucket_table(
-            self, max_length, max_tokens, candidates=candidates, strategy=strategy, multiple_of=multiple_of
-        )
+        from ..batches.buckets import bucket_padding, choose_buckets
+        from ..batches.sampler import TokenBudgetBatchSampler
+
+        max_length = check_max_length(max_length)
+        ks = sorted({check_max_length(k) for k in candidates}) if candidates else []
+        if not ks:
+            raise PackingError(
+                "candidates is empty; give at least one K, e.g. [1, 2, 4, 8].", param="candidates"
+            )
+        p = plan(self.lengths, max_length, strategy)
+        sampler = TokenBudgetBatchSampler(p.row_lengths, max_tokens)
+        totals = sampler.batch_tokens(0)
+        top = -(-sampler.max_tokens // multiple_of) * multiple_of
+        rows = [BucketTradeoff(None, (), int(np.unique(totals).shape[0]), 0.0)]
+        for k in ks:
+            sizes = choose_buckets(totals, k, multiple_of=multiple_of, top=top)
+            used = np.unique(np.asarray(sizes)[np.searchsorted(sizes, totals)]) if totals.size else totals
+            rows.append(BucketTradeoff(k, sizes, int(used.shape[0]), bucket_padding(totals, sizes)))
+        return BucketTable(tuple(rows), max_length, sampler.max_tokens, strategy, totals)
 
     def recommend(
         self,

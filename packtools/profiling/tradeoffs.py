@@ -179,7 +179,8 @@ class TradeoffTable(_Rows[Tradeoff]):
         )
 
 
-def _check_candidates(candidates: Iterable[int]) -> list[int]:
+def check_candidates(candidates: Iterable[int]) -> list[int]:
+    """The candidate ``max_length`` values, each checked, sorted without repeats (none given: refused)."""
     try:
         values = [check_max_length(c) for c in candidates]
     except PackingError as exc:
@@ -249,16 +250,6 @@ def _trained(profile: LengthDistribution, max_length: int, kept: int) -> dict[st
     }
 
 
-def tradeoff_table(
-    profile: LengthDistribution, candidates: Iterable[int], batch_size: int = 8
-) -> TradeoffTable:
-    """See :meth:`packtools.profiling.LengthProfile.tradeoffs`."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise PackingError(f"batch_size={batch_size!r} must be a positive int (sequences per padded batch).")
-    rows = tuple(tradeoff_row(profile, m, int(batch_size)) for m in _check_candidates(candidates))
-    return TradeoffTable(rows, int(batch_size), profile.name)
-
-
 FIELDS = tuple(f.name for f in fields(Tradeoff))
 
 
@@ -311,33 +302,3 @@ class BucketTable(_Rows[BucketTradeoff]):
     def to_markdown(self) -> str:
         heads = ["K", "shapes", "padding", "bucket sizes"]
         return _markdown(heads, ["---:", "---:", "---:", "---"], self._cells())
-
-
-def bucket_table(
-    profile: LengthDistribution,
-    max_length: int,
-    max_tokens: int,
-    *,
-    candidates: Iterable[int] = (1, 2, 4, 8, 16),
-    strategy: str = "bfd",
-    multiple_of: int = 1,
-    seed: int = 0,
-) -> BucketTable:
-    """See :meth:`packtools.profiling.LengthProfile.bucket_tradeoffs`."""
-    from ..batches.buckets import bucket_padding, choose_buckets
-    from ..batches.sampler import TokenBudgetBatchSampler
-
-    max_length = check_max_length(max_length)
-    ks = sorted({check_max_length(k) for k in candidates}) if candidates else []
-    if not ks:
-        raise PackingError("candidates is empty; give at least one K, e.g. [1, 2, 4, 8].", param="candidates")
-    p = plan(profile.lengths, max_length, strategy)
-    sampler = TokenBudgetBatchSampler(p.row_lengths, max_tokens, seed=seed)
-    totals = sampler.batch_tokens(0)
-    top = -(-sampler.max_tokens // multiple_of) * multiple_of
-    rows = [BucketTradeoff(None, (), int(np.unique(totals).shape[0]), 0.0)]
-    for k in ks:
-        sizes = choose_buckets(totals, k, multiple_of=multiple_of, top=top)
-        used = np.unique(np.asarray(sizes)[np.searchsorted(sizes, totals)]) if totals.size else totals
-        rows.append(BucketTradeoff(k, sizes, int(used.shape[0]), bucket_padding(totals, sizes)))
-    return BucketTable(tuple(rows), max_length, sampler.max_tokens, strategy, totals)
