@@ -44,12 +44,6 @@ def save_figure(fig: Figure, path: str | os.PathLike[str], dpi: int = 120) -> No
         fig.savefig(tmp, format=suffix[1:], dpi=dpi)
 
 
-def _png_base64(fig: Figure) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
 _CSS = """
 body { font-family: system-ui, sans-serif; max-width: 1200px; margin: 2em auto; color: #222; }
 table { border-collapse: collapse; font-size: 0.85em; margin: 1em 0; }
@@ -145,7 +139,9 @@ def write_report(
     ):
         fig = figure.Figure(figsize=(10.0, 4.6), layout="constrained")
         draw(fig.subplots())
-        images.append(_png_base64(fig))
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=110)
+        images.append(base64.b64encode(png.getvalue()).decode("ascii"))
     stats = "".join(
         f"<tr><th>{html.escape(str(k))}</th><td>{v:,.1f}</td></tr>"
         if isinstance(v, float)
