@@ -51,11 +51,10 @@ def _tokens(x: float, _pos: object = None) -> str:
     return f"{x:g}"
 
 
-def _stagger(xs: list[float], decades: float, width: float | list[float] = 0.14) -> list[int]:
+def _stagger(xs: list[float], decades: float, widths: list[float]) -> list[int]:
     """A text row for each label at ``xs`` (log axis spanning ``decades``) so that no two in a row overlap:
-    ``width`` is each label's width as a share of the axis (one for all, or one per label); labels whose
-    centres are closer than half their widths added go to the next row up."""
-    widths = width if isinstance(width, list) else [width] * len(xs)
+    ``widths`` are the labels' widths as shares of the axis; labels whose centres are closer than half their
+    widths added go to the next row up."""
     order = sorted(range(len(xs)), key=lambda i: xs[i])
     rows: list[list[tuple[float, float]]] = []
     levels = [0] * len(xs)
