@@ -160,8 +160,10 @@ class TradeoffTable(_Rows[Tradeoff]):
 
     def to_html(self, highlight: int | None = None) -> str:
         """An HTML ``<table>`` with grouped headers; the row of ``max_length == highlight`` gets class "chosen"."""
-        top = [f'<th colspan="{b - a + 1}">{html.escape(g)}</th>' for g, a, b in group_spans(self._groups())]
-        head2 = "".join(f"<th>{html.escape(h)}</th>" for _, h, _, _ in self.columns)
+        top = "".join(
+            f'<th colspan="{b - a + 1}">{html.escape(g)}</th>' for g, a, b in group_spans(self._groups())
+        )
+        heads = "".join(f"<th>{html.escape(h)}</th>" for _, h, _, _ in self.columns)
         body = "".join(
             ('<tr class="chosen">' if r.max_length == highlight else "<tr>")
             + "".join(f"<td>{html.escape(c)}</td>" for c in row)
@@ -169,13 +171,8 @@ class TradeoffTable(_Rows[Tradeoff]):
             for r, row in zip(self.rows, self._cells())
         )
         return (
-            '<table class="tradeoffs"><thead><tr>'
-            + "".join(top)
-            + "</tr><tr>"
-            + head2
-            + "</tr></thead><tbody>"
-            + body
-            + "</tbody></table>"
+            f'<table class="tradeoffs"><thead><tr>{top}</tr><tr>{heads}</tr></thead>'
+            f"<tbody>{body}</tbody></table>"
         )
 
 
