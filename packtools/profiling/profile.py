@@ -169,7 +169,8 @@ def _lengths_of_array(arr: pa.ChunkedArray | pa.Array, column: str) -> np.ndarra
     )
 
 
-def _table_column(schema: pa.Schema, column: str, where: str) -> pa.Field:
+def _check_column(schema: pa.Schema, column: str, where: str) -> None:
+    """Refuse a ``schema`` without the list column ``column`` (raw text: profile it through the tokenizer)."""
     if column not in schema.names:
         if column == "input_ids" and {"text", "messages", "prompt"} & set(schema.names):
             raise PackingError(
@@ -182,10 +183,9 @@ def _table_column(schema: pa.Schema, column: str, where: str) -> pa.Field:
             f"{where} has no column {column!r}; it has {schema.names}. Pass column=... naming the token column.",
             param="column",
         )
-    f = schema.field(column)
-    if not is_list_type(f.type):
-        raise PackingError(f"column {column!r} of {where} has type {f.type}, not a list of token ids.")
-    return f
+    kind = schema.field(column).type
+    if not is_list_type(kind):
+        raise PackingError(f"column {column!r} of {where} has type {kind}, not a list of token ids.")
 
 
 def _expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
@@ -209,7 +209,7 @@ def _parquet_lengths(path: str, column: str) -> np.ndarray:
     # No memory map and no pre-buffering: the file's pages would count in RSS and whole row groups would be
     # buffered; decoding in batches of about BATCH_TOKENS values keeps memory at the lengths plus one batch.
     with pq.ParquetFile(path, memory_map=False, pre_buffer=False) as pf:
-        _table_column(pf.schema_arrow, column, f"file {path!r}")
+        _check_column(pf.schema_arrow, column, f"file {path!r}")
         md = pf.metadata
         leaf = [i for i in range(md.num_columns) if md.schema.column(i).path.startswith(column + ".")]
         values = (
@@ -227,7 +227,7 @@ def _parquet_lengths(path: str, column: str) -> np.ndarray:
 def _ipc_lengths(path: str, column: str) -> np.ndarray:
     """Memory-mapped: only the offsets buffers of the column are touched."""
     with open_ipc(path) as reader:
-        _table_column(reader.schema, column, f"file {path!r}")
+        _check_column(reader.schema, column, f"file {path!r}")
         return _lengths_of_list(reader.read_all().column(column))
 
 
@@ -265,7 +265,7 @@ def profile_lengths(source: Any, column: str = "input_ids", name: str | None = N
         seqs, rows = packed_rows(source.column(SEQ_LENGTHS))
         return LengthProfile(seqs, name, packed_info(rows, None, "", None))
     elif isinstance(source, (pa.Table, pa.RecordBatch)):
-        _table_column(source.schema, column, "the table")
+        _check_column(source.schema, column, "the table")
         lengths = _lengths_of_list(source.column(column))
     elif isinstance(source, (pa.ChunkedArray, pa.Array)):
         lengths = _lengths_of_array(source, column)
@@ -285,7 +285,7 @@ def profile_lengths(source: Any, column: str = "input_ids", name: str | None = N
             col = table.column(SEQ_LENGTHS)
             seqs, rows = packed_rows(col if indices is None else col.take(pa.array(indices)))
             return LengthProfile(seqs, name, packed_info(rows, None, "", None))
-        _table_column(table.schema, column, "the dataset")
+        _check_column(table.schema, column, "the dataset")
         lengths = _lengths_of_list(table.column(column))
         if indices is not None:
             lengths = lengths[indices]
