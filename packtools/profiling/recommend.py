@@ -182,14 +182,9 @@ def recommend(
             "give keep_tokens or keep_sequences, not both: they are two rules (see LengthProfile.recommend).",
             param="keep_sequences",
         )
-    if isinstance(multiple_of, bool) or not isinstance(multiple_of, (int, np.integer)) or multiple_of < 1:
-        raise PackingError(
-            f"multiple_of={multiple_of!r} must be a positive int, e.g. 64.", param="multiple_of"
-        )
-    if isinstance(max_context, bool) or not isinstance(max_context, (int, np.integer)) or max_context < 1:
-        raise PackingError(
-            f"max_context={max_context!r} must be a positive int, e.g. 32768.", param="max_context"
-        )
+    for name, value, example in (("multiple_of", multiple_of, 64), ("max_context", max_context, 32768)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise PackingError(f"{name}={value!r} must be a positive int, e.g. {example}.", param=name)
     multiple_of, max_context = int(multiple_of), int(max_context)
     rule = "tokens" if keep_tokens is not None else "sequences"
     kt = _check_share(DEFAULT_KEEP_TOKENS if keep_tokens is None else keep_tokens, "keep_tokens", "tokens")
