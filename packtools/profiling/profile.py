@@ -43,10 +43,6 @@ class LengthProfile(LengthDistribution):
     """The length distribution of a dataset's sequences (see :class:`LengthDistribution`) and what the
     planner makes of it: :meth:`tradeoffs`, :meth:`bucket_tradeoffs`, :meth:`recommend`.
 
-    >>> p = LengthProfile([3, 0, 10, 5, 5])
-    >>> p.count, p.percentiles["p90"], p.tokens_kept(4)
-    (5, 10, 15)
-
     ``trained``: where the sequences' trained (label) tokens are, for data with labels (chat,
     prompt/completion; :func:`packtools.profile_files` fills it): the text, the tradeoff table and the token
     rule then count trained tokens (:mod:`packtools.profiling.trained`).
