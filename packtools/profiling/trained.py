@@ -90,9 +90,8 @@ class TrainedTokens:
         return int(idle.sum()), int(kept[idle].sum())
 
     def rows_without(self) -> tuple[int, int]:
-        """``(sequences, tokens)`` of the non-empty sequences without any trained token."""
-        idle = (self.lengths > 0) & (self.first >= self.lengths)
-        return int(idle.sum()), int(self.lengths[idle].sum())
+        """``(sequences, tokens)`` of the non-empty sequences without any trained token (nothing cut)."""
+        return self.idle_under_bfd(np.iinfo(np.int64).max)
 
     def to_text(self) -> str:
         tokens = int(self.lengths.sum())
