@@ -117,10 +117,8 @@ def write_report(
     """Write one self-contained HTML file: statistics, recommendation, both plots (inline PNG) and the table.
 
     Without ``max_length`` the recommended one is marked; either way it joins the candidates of the table.
-    The recommendation follows :meth:`LengthProfile.recommend` (default: the sequence rule at 0.99, for
-    ``bfd_split``); both rules are shown side by side with their costs, and any flag (a value above
-    ``max_context``) is printed under them.
-    Written atomically; returns the recommendation.
+    The recommendation is :meth:`LengthProfile.recommend`'s (given the last four arguments): both rules side by
+    side with their costs, its flags under them.  Written atomically; returns the recommendation.
     """
     figure = require("matplotlib.figure", FEATURE)
     rec = profile.recommend(
