@@ -27,7 +27,7 @@ def text_table(
     cells = [[str(c) for c in row] for row in cells]
     ncol = len(cells[0])
     widths = [max(len(row[i]) for row in cells) for i in range(ncol)]
-    spans = group_spans(groups) if groups is not None else []
+    spans = group_spans(groups or [])
     for g, a, b in spans:  # widen a group's last column so its label fits
         room = sum(widths[a : b + 1]) + 2 * (b - a)
         if len(g) > room:
@@ -50,12 +50,7 @@ def text_table(
 
 
 def group_spans(groups: Sequence[str]) -> list[tuple[str, int, int]]:
-    """``(label, first column, last column)`` for each run of equal consecutive labels; an empty label spans
-    only its own column.
-
-    >>> group_spans(["", "bfd", "bfd", "wrapped"])
-    [('', 0, 0), ('bfd', 1, 2), ('wrapped', 3, 3)]
-    """
+    """``(label, first column, last column)`` of each run of equal labels (an empty label: its column alone)."""
     spans: list[tuple[str, int, int]] = []
     for i, g in enumerate(groups):
         if spans and spans[-1][0] == g and g:
