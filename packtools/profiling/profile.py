@@ -242,12 +242,8 @@ def profile_lengths(source: Any, column: str = "input_ids", name: str | None = N
     ([3, 0, 1], 1, 'tiny: 3 sequences, 4 tokens, 1 empty')
     """
     lengths: Any
-    if isinstance(source, (str, os.PathLike)) or (
-        isinstance(source, (list, tuple))
-        and source
-        and all(isinstance(s, (str, os.PathLike)) for s in source)
-    ):
-        given = [source] if isinstance(source, (str, os.PathLike)) else list(source)
+    given = [source] if isinstance(source, (str, os.PathLike)) else source  # one path or several
+    if isinstance(given, (list, tuple)) and given and all(isinstance(s, (str, os.PathLike)) for s in given):
         paths = _expand_paths(given)
         if column == SEQ_LENGTHS or any(SEQ_LENGTHS in file_schema(p).names for p in paths):
             return LengthProfile(*profile_packed(paths, given, name))
