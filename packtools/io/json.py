@@ -18,6 +18,7 @@ packtools.errors.PackingError: input '...rows.jsonl' line 2 column 14: malformed
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -187,13 +188,10 @@ class LineBase:
 
     def __init__(self, path: str, start: int) -> None:
         self.path, self.start = path, start
-        self._value: int | None = 1 if start == 0 else None
 
-    @property
+    @functools.cached_property
     def value(self) -> int:
-        if self._value is None:
-            self._value = 1 + count_lines(self.path, self.start)
-        return self._value
+        return 1 if self.start == 0 else 1 + count_lines(self.path, self.start)
 
 
 class _Blocks:
