@@ -60,16 +60,8 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """Flush a folder's entries (a rename in it) to disk; a file system that cannot is left as it is."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # e.g. some network file systems refuse fsync on a folder
-        pass
-    finally:
-        os.close(fd)
+    with contextlib.suppress(OSError):  # e.g. some network file systems refuse fsync on a folder
+        fsync_file(path)
 
 
 def fsync_tree(folder: str | os.PathLike[str]) -> None:

@@ -1,4 +1,4 @@
-"""The one fixed-width text-table renderer (used by the profiler, the pipeline summaries, the CLI and the demo).
+"""The one fixed-width text-table renderer and its column groups (profiler, pipeline summaries, CLI, demo).
 
 >>> print(text_table([["strategy", "bfd", "wrapped"], ["rows", "3", "12"]]))
 strategy  bfd  wrapped
@@ -27,17 +27,11 @@ def text_table(
     cells = [[str(c) for c in row] for row in cells]
     ncol = len(cells[0])
     widths = [max(len(row[i]) for row in cells) for i in range(ncol)]
-    spans: list[tuple[str, int, int]] = []
-    if groups is not None:
-        for i, g in enumerate(groups):
-            if spans and spans[-1][0] == g and g:
-                spans[-1] = (g, spans[-1][1], i)
-            else:
-                spans.append((g, i, i))
-        for g, a, b in spans:  # widen a group's last column so its label fits
-            room = sum(widths[a : b + 1]) + 2 * (b - a)
-            if len(g) > room:
-                widths[b] += len(g) - room
+    spans = group_spans(groups or [])
+    for g, a, b in spans:  # widen a group's last column so its label fits
+        room = sum(widths[a : b + 1]) + 2 * (b - a)
+        if len(g) > room:
+            widths[b] += len(g) - room
 
     def line(row: Sequence[str]) -> str:
         return "  ".join(
@@ -53,3 +47,14 @@ def text_table(
         )
         lines.insert(0, top.rstrip())
     return "\n".join(lines)
+
+
+def group_spans(groups: Sequence[str]) -> list[tuple[str, int, int]]:
+    """``(label, first column, last column)`` of each run of equal labels (an empty label: its column alone)."""
+    spans: list[tuple[str, int, int]] = []
+    for i, g in enumerate(groups):
+        if spans and spans[-1][0] == g and g:
+            spans[-1] = (g, spans[-1][1], i)
+        else:
+            spans.append((g, i, i))
+    return spans

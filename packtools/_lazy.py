@@ -55,9 +55,9 @@ def lazy_exports(namespace: dict[str, Any], modules: Mapping[str, tuple[str, ...
 def lazy_module(name: str) -> ModuleType:
     """Module ``name``, imported when one of its attributes is first read (``importlib.util.LazyLoader``).
 
-    The kernels module imports Numba (a quarter to half a second); modules that only call kernels in some of
-    their functions hold it this way, so that ``packtools pack`` reads and tokenizes its first part before
-    paying for Numba.  Already imported: the module itself.
+    Modules that only call the kernels (which import Numba) in some of their functions hold them this way, so
+    that ``packtools pack`` reads and tokenizes its first part before paying for Numba.  Already imported: the
+    module itself.
     """
     if name in sys.modules:
         return sys.modules[name]

@@ -9,7 +9,7 @@ in sorted order) and folders written by ``datasets.Dataset.save_to_disk`` (found
 >>> d = tempfile.mkdtemp()
 >>> pq.write_table(pa.table({"text": ["a", "b", "c"]}), os.path.join(d, "part.parquet"))
 >>> files = discover([d])
->>> [f.kind for f in files], sum(t.num_rows for t in iter_tables(files[0], batch_rows=2))
+>>> [f.kind for f in files], sum(t.num_rows for _, t in iter_part(Part(files[0]), batch_rows=2))
 (['parquet'], 3)
 """
 
@@ -27,9 +27,7 @@ import pyarrow.parquet as pq
 from .._atomic import atomic_path
 from ..errors import PackingError
 from .discover import (  # noqa: F401 - re-exported: callers import them from here
-    SUFFIX_KINDS,
     InputFile,
-    Skipped,
     discover,
     find_inputs,
     skipped_notes,
@@ -148,12 +146,6 @@ def _ipc_batches(path: str) -> Iterator[pa.RecordBatch]:
         yield from guarded(reader.batches(), path, "arrow")
 
 
-def _rebatch(batches: Iterator[pa.RecordBatch], batch_rows: int) -> Iterator[pa.Table]:
-    for batch in batches:
-        for start in range(0, batch.num_rows, batch_rows):
-            yield pa.Table.from_batches([batch.slice(start, batch_rows)])
-
-
 @dataclass(frozen=True)
 class Part:
     """A piece of one input file that one job reads: parquet row groups ``[start, stop)``, JSON-lines bytes
@@ -265,7 +257,7 @@ def read_part(
     path = file.path
     cols = list(columns) if columns is not None else None
     if file.kind == "parquet":
-        # Buffered reads (see _open_ipc); pre_buffer=False, or pyarrow keeps the column chunks it read cached
+        # Buffered reads (see _ipc_batches); pre_buffer=False, or pyarrow keeps the column chunks it read cached
         # until the file is closed, and memory grows with the file.
         with reading(path, "parquet"):
             pf = pq.ParquetFile(path, pre_buffer=False)
@@ -284,9 +276,9 @@ def read_part(
         for batch in _ipc_batches(path):
             if cols is not None:
                 batch = batch.select([c for c in cols if c in batch.schema.names])
-            for table in _rebatch(iter([batch]), batch_rows):
-                yield Where(path, row), table
-                row += table.num_rows
+            for start in range(0, batch.num_rows, batch_rows):
+                yield Where(path, row + start), pa.Table.from_batches([batch.slice(start, batch_rows)])
+            row += batch.num_rows
     elif is_json_array(path):  # objects may span lines: rows are named by their index in the array
         row = 0
         for _, table in iter_json_array(path, batch_rows):
@@ -324,14 +316,6 @@ def _check_known(table: pa.Table, known: Sequence[str] | None, where: Where) -> 
 
 def _select(table: pa.Table, columns: list[str] | None) -> pa.Table:
     return table if columns is None else table.select([c for c in columns if c in table.column_names])
-
-
-def iter_tables(
-    file: InputFile, batch_rows: int = 1000, columns: Sequence[str] | None = None
-) -> Iterator[pa.Table]:
-    """Yield the rows of ``file`` as tables of at most ``batch_rows`` rows (only ``columns`` if given)."""
-    for _, table in iter_part(Part(file), batch_rows, columns):
-        yield table
 
 
 def read_schema(file: InputFile) -> pa.Schema:

@@ -25,7 +25,7 @@ from ..constants import __version__
 @functools.cache
 def source_hash() -> str:
     """SHA-256 over packtools' Python sources (every ``.py`` file of the package, by path and content), read
-    once per process: the code that runs is the code loaded.  A few milliseconds."""
+    once per process: the code that runs is the code loaded."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     h = hashlib.sha256()
     for folder, dirs, names in sorted(os.walk(root)):

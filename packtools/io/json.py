@@ -18,6 +18,7 @@ packtools.errors.PackingError: input '...rows.jsonl' line 2 column 14: malformed
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -28,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import PackingError
-from .json_cells import CHAT_COLUMNS, line_array, own_json_cells, value_column
+from .json_cells import CHAT_COLUMNS, large_strings, own_json_cells, value_column
 from .json_ints import int_list_keys, read_int_lists
 
 BLOCK_BYTES = 1 << 24
@@ -114,7 +115,7 @@ def _find_bad_line(path: str, data: bytes, first_line: int) -> PackingError | No
 
 def _valid_utf8(table: pa.Table, data: bytes | memoryview) -> bool:
     """Whether the JSON ``data`` that Arrow parsed into ``table`` is UTF-8 (Arrow's JSON reader takes invalid
-    bytes inside strings as they are).  Arrow's own check of every string is ~5x faster than decoding ``data``;
+    bytes inside strings as they are).  Arrow's own check of every string is faster than decoding ``data``;
     field names are not in that check, so a name that shows a replacement character decodes ``data`` to tell an
     invalid byte from a real U+FFFD.  ASCII ``data`` needs neither (the caller checks that first)."""
     try:
@@ -187,13 +188,10 @@ class LineBase:
 
     def __init__(self, path: str, start: int) -> None:
         self.path, self.start = path, start
-        self._value: int | None = 1 if start == 0 else None
 
-    @property
+    @functools.cached_property
     def value(self) -> int:
-        if self._value is None:
-            self._value = 1 + count_lines(self.path, self.start)
-        return self._value
+        return 1 if self.start == 0 else 1 + count_lines(self.path, self.start)
 
 
 class _Blocks:
@@ -315,7 +313,7 @@ def iter_json_lines(
                     raise (err or PackingError(f"input {path!r}: not UTF-8.")) from None
                 rows = table.num_rows
                 # own_json_cells calls the line reader at once (before the buffer is reused); its lines are copies
-                table = own_json_cells(table, lambda d=data, n=rows: line_array(_lines(path, bytes(d), n)))
+                table = own_json_cells(table, lambda d=data, n=rows: large_strings(_lines(path, bytes(d), n)))
                 yield rel + buf.count(b"\n", 0, lead), table
             rel += buf.count(b"\n", 0, end)
             blocks.keep_tail(end)
@@ -393,15 +391,8 @@ def iter_json_array(
         w.pos += 1
         rows: list[dict] = []
         first, count = 0, 0
-        while True:
-            c = w.peek()
-            if c == "]":
-                break
-            if c == "":
-                raise PackingError(
-                    f"input {path!r} line {w.line_at(w.pos)}: the JSON array is not closed (no ']'); is the file cut?"
-                )
-            if count:
+        while (c := w.peek()) != "]":
+            if count and c != "":
                 if c != ",":
                     raise PackingError(
                         f"input {path!r} line {w.line_at(w.pos)}: expected ',' or ']' after an object of the array, "

@@ -10,7 +10,7 @@ buffer shared by every such column, nothing parsed while reading); for JSON arra
 :func:`cells` gives the values back with the JSON's own keys and types.
 
 >>> import pyarrow as pa
->>> t = own_json_cells(pa.table({"messages": [[{"a": 1.0}]]}), lambda: line_array([b'{"messages": [{"a": 1}]}']))
+>>> t = own_json_cells(pa.table({"messages": [[{"a": 1.0}]]}), lambda: large_strings([b'{"messages": [{"a": 1}]}']))
 >>> cells(t, "messages")
 [[{'a': 1}]]
 >>> field, array = value_column("tools", [[{"a": 10}], None])
@@ -32,9 +32,9 @@ CHAT_COLUMNS = ("messages", "prompt", "completion", "chosen", "rejected", "tools
 JSON_CELLS = b"packtools.json_cells"
 
 
-def _large_strings(parts: Sequence[bytes], valid: np.ndarray | None = None) -> pa.Array:
-    """UTF-8 byte strings as a ``large_string`` array, built from its buffers (``pa.array`` on a Python list
-    would import pandas, seconds a process)."""
+def large_strings(parts: Sequence[bytes], valid: np.ndarray | None = None) -> pa.Array:
+    """UTF-8 byte strings (JSON lines, JSON texts; ``valid``: false where null) as a ``large_string`` array,
+    built from its buffers (``pa.array`` on a Python list would import pandas)."""
     offsets = np.zeros(len(parts) + 1, np.int64)
     np.cumsum(np.fromiter(map(len, parts), np.int64, len(parts)), out=offsets[1:])
     bitmap, nulls = None, 0
@@ -44,14 +44,9 @@ def _large_strings(parts: Sequence[bytes], valid: np.ndarray | None = None) -> p
     return pa.LargeStringArray.from_buffers(len(parts), pa.py_buffer(offsets), data, bitmap, nulls)
 
 
-def line_array(lines: Sequence[bytes]) -> pa.Array:
-    """JSON lines (UTF-8, one object each) as one ``large_string`` array."""
-    return _large_strings(lines)
-
-
 def own_json_cells(table: pa.Table, lines: Callable[[], pa.Array]) -> pa.Table:
     """``table`` with each :data:`CHAT_COLUMNS` column that Arrow did not read as plain strings replaced by
-    ``lines()`` (the rows' own JSON lines, :func:`line_array`), marked ``b"row"`` so :func:`cells` takes the
+    ``lines()`` (the rows' own JSON lines, :func:`large_strings`), marked ``b"row"`` so :func:`cells` takes the
     column's key from each row's object as the file wrote it."""
     names = []
     for n in CHAT_COLUMNS:
@@ -71,7 +66,7 @@ def own_json_cells(table: pa.Table, lines: Callable[[], pa.Array]) -> pa.Table:
 def value_column(name: str, values: Sequence[object]) -> tuple[pa.Field, pa.Array]:
     """Column ``name`` of ``values`` (Python objects) as JSON texts marked ``b"value"``: its field and array."""
     texts = [b"" if v is None else json.dumps(v, ensure_ascii=False).encode() for v in values]
-    array = _large_strings(texts, np.fromiter((v is not None for v in values), bool, len(values)))
+    array = large_strings(texts, np.fromiter((v is not None for v in values), bool, len(values)))
     return pa.field(name, pa.large_string(), metadata={JSON_CELLS: b"value"}), array
 
 

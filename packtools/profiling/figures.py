@@ -51,11 +51,10 @@ def _tokens(x: float, _pos: object = None) -> str:
     return f"{x:g}"
 
 
-def _stagger(xs: list[float], decades: float, width: float | list[float] = 0.14) -> list[int]:
+def _stagger(xs: list[float], decades: float, widths: list[float]) -> list[int]:
     """A text row for each label at ``xs`` (log axis spanning ``decades``) so that no two in a row overlap:
-    ``width`` is each label's width as a share of the axis (one for all, or one per label); labels whose
-    centres are closer than half their widths added go to the next row up."""
-    widths = width if isinstance(width, list) else [width] * len(xs)
+    ``widths`` are the labels' widths as shares of the axis; labels whose centres are closer than half their
+    widths added go to the next row up."""
     order = sorted(range(len(xs)), key=lambda i: xs[i])
     rows: list[list[tuple[float, float]]] = []
     levels = [0] * len(xs)
@@ -112,22 +111,13 @@ def plot_lengths(profile: LengthProfile, max_length: int | None = None, ax: Axes
             f"  bfd drops {dropped:.2%} of tokens",
         )
         marks.append((max_length, f"max_length {max_length:,}", MAX_LENGTH_COLOR))
-    for (key, value), color in zip(profile.percentiles.items(), PERCENTILE_COLORS):
+    # (name, length, color, line style, width): the percentiles, then the longest sequence
+    markers = [(k, v, c, "--", 1.2) for (k, v), c in zip(profile.percentiles.items(), PERCENTILE_COLORS)]
+    for key, value, color, style, width in [*markers, ("max", profile.max, "black", ":", 1.4)]:
         if value > 0:  # drawn over the max_length line, so a percentile next to it stays visible
-            ax.axvline(
-                value, color=color, linestyle="--", linewidth=1.2, zorder=3, label=f"{key} = {value:,} tokens"
-            )
+            label = f"{key} = {value:,} tokens"
+            ax.axvline(value, color=color, linestyle=style, linewidth=width, zorder=3, label=label)
             marks.append((value, f"{key} {value:,}", color))
-    if profile.max > 0:
-        ax.axvline(
-            profile.max,
-            color="black",
-            linestyle=":",
-            linewidth=1.4,
-            zorder=3,
-            label=f"max = {profile.max:,} tokens",
-        )
-        marks.append((profile.max, f"max {profile.max:,}", "black"))
     right = max(edges[-1], profile.max, max_length or 0) * 1.6
     nonempty = np.flatnonzero(counts > 0)
     # from the shortest length (a little room to its left), not from 1

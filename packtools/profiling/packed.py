@@ -82,9 +82,7 @@ def _file_column(path: str, column: str) -> pa.ChunkedArray:
 
         return pq.read_table(path, columns=[column]).column(column)
     with open_ipc(path) as reader:
-        return pa.chunked_array(
-            [b.column(column) for b in reader.batches()], reader.schema.field(column).type
-        ).combine_chunks()
+        return reader.read_all().column(column).combine_chunks()
 
 
 def profile_packed(

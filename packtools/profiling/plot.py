@@ -20,7 +20,7 @@ import html
 import io
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .._atomic import atomic_path
 from .._optional import require
@@ -40,18 +40,8 @@ def save_figure(fig: Figure, path: str | os.PathLike[str], dpi: int = 120) -> No
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in (".png", ".svg", ".pdf"):
         raise ValueError(f"plot path {path!r}: name a .png, .svg or .pdf file.")
-    _atomic_write(path, lambda fh: fig.savefig(fh, format=suffix[1:], dpi=dpi))
-
-
-def _atomic_write(path: str, write: Any) -> None:
-    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
-        write(fh)
-
-
-def _png_base64(fig: Figure) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format=suffix[1:], dpi=dpi)
 
 
 _CSS = """
@@ -127,10 +117,8 @@ def write_report(
     """Write one self-contained HTML file: statistics, recommendation, both plots (inline PNG) and the table.
 
     Without ``max_length`` the recommended one is marked; either way it joins the candidates of the table.
-    The recommendation follows :meth:`LengthProfile.recommend` (default: the sequence rule at 0.99, for
-    ``bfd_split``); both rules are shown side by side with their costs, and any flag (a value above
-    ``max_context``) is printed under them.
-    Written atomically; returns the recommendation.
+    The recommendation is :meth:`LengthProfile.recommend`'s (given the last four arguments): both rules side by
+    side with their costs, its flags under them.  Written atomically; returns the recommendation.
     """
     figure = require("matplotlib.figure", FEATURE)
     rec = profile.recommend(
@@ -149,7 +137,9 @@ def write_report(
     ):
         fig = figure.Figure(figsize=(10.0, 4.6), layout="constrained")
         draw(fig.subplots())
-        images.append(_png_base64(fig))
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=110)
+        images.append(base64.b64encode(png.getvalue()).decode("ascii"))
     stats = "".join(
         f"<tr><th>{html.escape(str(k))}</th><td>{v:,.1f}</td></tr>"
         if isinstance(v, float)
@@ -176,5 +166,6 @@ def write_report(
 <p><small>Made by packtools from sequence lengths only; rows and fill come from packtools.plan.</small></p>
 </body></html>
 """
-    _atomic_write(os.fspath(path), lambda fh: fh.write(doc.encode("utf-8")))
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        fh.write(doc.encode("utf-8"))
     return rec

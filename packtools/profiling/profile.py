@@ -26,12 +26,13 @@ from .._optional import is_instance
 from ..compat.datasets import dataset_table
 from ..constants import SEQ_LENGTHS
 from ..core.arrow import column_lengths, is_list_type
+from ..core.plan import check_max_length, plan
 from ..errors import PackingError
 from ..io.files import discover, open_ipc
 from .distribution import LengthDistribution
 from .packed import file_schema, packed_info, packed_rows, profile_packed
 from .recommend import Recommendation, recommend
-from .tradeoffs import BucketTable, TradeoffTable, bucket_table, tradeoff_table
+from .tradeoffs import BucketTable, BucketTradeoff, TradeoffTable, check_candidates, tradeoff_row
 from .trained import TrainedTokens
 
 BATCH_TOKENS = 1 << 20  # about this many values decoded per parquet batch
@@ -41,10 +42,6 @@ BATCH_TOKENS = 1 << 20  # about this many values decoded per parquet batch
 class LengthProfile(LengthDistribution):
     """The length distribution of a dataset's sequences (see :class:`LengthDistribution`) and what the
     planner makes of it: :meth:`tradeoffs`, :meth:`bucket_tradeoffs`, :meth:`recommend`.
-
-    >>> p = LengthProfile([3, 0, 10, 5, 5])
-    >>> p.count, p.percentiles["p90"], p.tokens_kept(4)
-    (5, 10, 15)
 
     ``trained``: where the sequences' trained (label) tokens are, for data with labels (chat,
     prompt/completion; :func:`packtools.profile_files` fills it): the text, the tradeoff table and the token
@@ -64,9 +61,13 @@ class LengthProfile(LengthDistribution):
         >>> [(r.max_length, r.bfd_rows, r.bfd_split_rows, r.wrapped_rows) for r in t]
         [(4, 3, 3, 3), (8, 2, 2, 2)]
         """
-        return tradeoff_table(
-            self, self.default_candidates() if candidates is None else candidates, batch_size
-        )
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise PackingError(
+                f"batch_size={batch_size!r} must be a positive int (sequences per padded batch)."
+            )
+        candidates = self.default_candidates() if candidates is None else candidates
+        rows = tuple(tradeoff_row(self, m, int(batch_size)) for m in check_candidates(candidates))
+        return TradeoffTable(rows, int(batch_size), self.name)
 
     def bucket_tradeoffs(
         self,
@@ -87,9 +88,25 @@ class LengthProfile(LengthDistribution):
         >>> [(r.k, r.buckets, r.shapes) for r in t]
         [(None, (), 2), (1, (16,), 1), (2, (6, 16), 2)]
         """
-        return bucket_table(
-            self, max_length, max_tokens, candidates=candidates, strategy=strategy, multiple_of=multiple_of
-        )
+        from ..batches.buckets import bucket_padding, choose_buckets
+        from ..batches.sampler import TokenBudgetBatchSampler
+
+        max_length = check_max_length(max_length)
+        ks = sorted({check_max_length(k) for k in candidates}) if candidates else []
+        if not ks:
+            raise PackingError(
+                "candidates is empty; give at least one K, e.g. [1, 2, 4, 8].", param="candidates"
+            )
+        p = plan(self.lengths, max_length, strategy)
+        sampler = TokenBudgetBatchSampler(p.row_lengths, max_tokens)
+        totals = sampler.batch_tokens(0)
+        top = -(-sampler.max_tokens // multiple_of) * multiple_of
+        rows = [BucketTradeoff(None, (), int(np.unique(totals).shape[0]), 0.0)]
+        for k in ks:
+            sizes = choose_buckets(totals, k, multiple_of=multiple_of, top=top)
+            used = np.unique(np.asarray(sizes)[np.searchsorted(sizes, totals)]) if totals.size else totals
+            rows.append(BucketTradeoff(k, sizes, int(used.shape[0]), bucket_padding(totals, sizes)))
+        return BucketTable(tuple(rows), max_length, sampler.max_tokens, strategy, totals)
 
     def recommend(
         self,
@@ -99,15 +116,9 @@ class LengthProfile(LengthDistribution):
         keep_sequences: float | None = None,
         max_context: int = 32768,
     ) -> Recommendation:
-        """A ``max_length`` (a multiple of ``multiple_of``) and why, with both rules side by side.
-
-        By default (no share given) the **sequence rule at 0.99**: the smallest multiple that holds at least
-        99% of the sequences whole, packed with ``bfd_split`` (which keeps every token and cuts only the
-        longer sequences).  ``keep_sequences=S`` sets that share; ``keep_tokens=T`` instead picks by the token
-        rule, the smallest multiple at which ``bfd`` (truncating) keeps ``T`` of the tokens -- on long-tailed
-        data it asks for a huge ``max_length``.  ``rec.options`` holds both rules with their costs (sequences
-        cut, tokens bfd drops, rows, attention cost); ``rec.flags`` says when a value is above
-        ``max_context`` (see :mod:`packtools.profiling.recommend`).
+        """A ``max_length`` (a multiple of ``multiple_of``) and why, with both rules side by side (the rules,
+        the options and the flags: :mod:`packtools.profiling.recommend`).  By default the sequence rule at 0.99
+        (for ``bfd_split``); ``keep_sequences=S`` sets its share, ``keep_tokens=T`` picks by the token rule.
 
         >>> p = LengthProfile([100] * 98 + [1000, 3000])
         >>> p.recommend().max_length, p.recommend(keep_sequences=0.98).max_length
@@ -148,13 +159,14 @@ def _lengths_of_array(arr: pa.ChunkedArray | pa.Array, column: str) -> np.ndarra
     if pa.types.is_integer(arr.type):
         if arr.null_count:
             raise PackingError("the array of lengths holds nulls; lengths must all be integers.")
-        return np.asarray(arr.to_numpy() if isinstance(arr, pa.Array) else arr.to_numpy())
+        return np.asarray(arr.to_numpy())
     raise PackingError(
         f"column {column!r} has type {arr.type}; profiling needs a list column (token ids) or integer lengths."
     )
 
 
-def _table_column(schema: pa.Schema, column: str, where: str) -> pa.Field:
+def _check_column(schema: pa.Schema, column: str, where: str) -> None:
+    """Refuse a ``schema`` without the list column ``column`` (raw text: profile it through the tokenizer)."""
     if column not in schema.names:
         if column == "input_ids" and {"text", "messages", "prompt"} & set(schema.names):
             raise PackingError(
@@ -167,10 +179,9 @@ def _table_column(schema: pa.Schema, column: str, where: str) -> pa.Field:
             f"{where} has no column {column!r}; it has {schema.names}. Pass column=... naming the token column.",
             param="column",
         )
-    f = schema.field(column)
-    if not is_list_type(f.type):
-        raise PackingError(f"column {column!r} of {where} has type {f.type}, not a list of token ids.")
-    return f
+    kind = schema.field(column).type
+    if not is_list_type(kind):
+        raise PackingError(f"column {column!r} of {where} has type {kind}, not a list of token ids.")
 
 
 def _expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
@@ -194,7 +205,7 @@ def _parquet_lengths(path: str, column: str) -> np.ndarray:
     # No memory map and no pre-buffering: the file's pages would count in RSS and whole row groups would be
     # buffered; decoding in batches of about BATCH_TOKENS values keeps memory at the lengths plus one batch.
     with pq.ParquetFile(path, memory_map=False, pre_buffer=False) as pf:
-        _table_column(pf.schema_arrow, column, f"file {path!r}")
+        _check_column(pf.schema_arrow, column, f"file {path!r}")
         md = pf.metadata
         leaf = [i for i in range(md.num_columns) if md.schema.column(i).path.startswith(column + ".")]
         values = (
@@ -212,10 +223,8 @@ def _parquet_lengths(path: str, column: str) -> np.ndarray:
 def _ipc_lengths(path: str, column: str) -> np.ndarray:
     """Memory-mapped: only the offsets buffers of the column are touched."""
     with open_ipc(path) as reader:
-        _table_column(reader.schema, column, f"file {path!r}")
-        return _lengths_of_list(
-            pa.chunked_array([b.column(column) for b in reader.batches()], reader.schema.field(column).type)
-        )
+        _check_column(reader.schema, column, f"file {path!r}")
+        return _lengths_of_list(reader.read_all().column(column))
 
 
 def profile_lengths(source: Any, column: str = "input_ids", name: str | None = None) -> LengthProfile:
@@ -233,12 +242,8 @@ def profile_lengths(source: Any, column: str = "input_ids", name: str | None = N
     ([3, 0, 1], 1, 'tiny: 3 sequences, 4 tokens, 1 empty')
     """
     lengths: Any
-    if isinstance(source, (str, os.PathLike)) or (
-        isinstance(source, (list, tuple))
-        and source
-        and all(isinstance(s, (str, os.PathLike)) for s in source)
-    ):
-        given = [source] if isinstance(source, (str, os.PathLike)) else list(source)
+    given = [source] if isinstance(source, (str, os.PathLike)) else source  # one path or several
+    if isinstance(given, (list, tuple)) and given and all(isinstance(s, (str, os.PathLike)) for s in given):
         paths = _expand_paths(given)
         if column == SEQ_LENGTHS or any(SEQ_LENGTHS in file_schema(p).names for p in paths):
             return LengthProfile(*profile_packed(paths, given, name))
@@ -252,7 +257,7 @@ def profile_lengths(source: Any, column: str = "input_ids", name: str | None = N
         seqs, rows = packed_rows(source.column(SEQ_LENGTHS))
         return LengthProfile(seqs, name, packed_info(rows, None, "", None))
     elif isinstance(source, (pa.Table, pa.RecordBatch)):
-        _table_column(source.schema, column, "the table")
+        _check_column(source.schema, column, "the table")
         lengths = _lengths_of_list(source.column(column))
     elif isinstance(source, (pa.ChunkedArray, pa.Array)):
         lengths = _lengths_of_array(source, column)
@@ -272,7 +277,7 @@ def profile_lengths(source: Any, column: str = "input_ids", name: str | None = N
             col = table.column(SEQ_LENGTHS)
             seqs, rows = packed_rows(col if indices is None else col.take(pa.array(indices)))
             return LengthProfile(seqs, name, packed_info(rows, None, "", None))
-        _table_column(table.schema, column, "the dataset")
+        _check_column(table.schema, column, "the dataset")
         lengths = _lengths_of_list(table.column(column))
         if indices is not None:
             lengths = lengths[indices]

@@ -7,7 +7,7 @@ Two rules, each the smallest multiple of ``multiple_of`` that meets a share:
   so this rule only decides how many sequences are cut.
 - **token rule** (``keep_tokens``): ``bfd`` (which truncates) keeps at least that share of the tokens.  On
   long-tailed data a few huge sequences hold much of the token mass, and this rule asks for a huge
-  ``max_length`` (82,176 on the standard library's sources at 0.99, where the sequence rule gives 8,000).
+  ``max_length`` (the figures: docs/profiling.md).
 
 The default (neither share given) is the **sequence rule at 0.99**, packed with ``bfd_split``: it keeps
 >= 99% of the sequences whole and every token, whatever the tail.  Either way the :class:`Recommendation`
@@ -124,24 +124,19 @@ def _check_share(value: object, name: str, what: str) -> float:
     return float(value)
 
 
-def _counted(profile: LengthDistribution) -> tuple[int, object]:
-    """What the token rule counts: the trained (label) tokens of data with labels (a profile with
-    ``trained``), every token otherwise; ``(total, kept_by_bfd)``."""
-    trained = getattr(profile, "trained", None)
-    if trained is not None and trained.total:
-        return trained.total, trained.kept_by_bfd
-    return profile.total_tokens, profile.tokens_kept
-
-
 def token_rule(profile: LengthDistribution, keep_tokens: float, multiple_of: int) -> int:
     """The smallest multiple of ``multiple_of`` at which ``bfd`` keeps at least ``keep_tokens`` of the tokens
     (of the trained tokens, for data with labels: what training learns from)."""
-    total, kept_at = _counted(profile)
+    trained = getattr(profile, "trained", None)
+    if trained is not None and trained.total:
+        total, kept_at = trained.total, trained.kept_by_bfd
+    else:
+        total, kept_at = profile.total_tokens, profile.tokens_kept
     need = math.ceil(Fraction(str(keep_tokens)) * total)
     lo, hi = 1, max(1, -(-profile.max // multiple_of))
     while lo < hi:
         mid = (lo + hi) // 2
-        if kept_at(mid * multiple_of) >= need:  # type: ignore[operator]
+        if kept_at(mid * multiple_of) >= need:
             hi = mid
         else:
             lo = mid + 1
@@ -187,14 +182,9 @@ def recommend(
             "give keep_tokens or keep_sequences, not both: they are two rules (see LengthProfile.recommend).",
             param="keep_sequences",
         )
-    if isinstance(multiple_of, bool) or not isinstance(multiple_of, (int, np.integer)) or multiple_of < 1:
-        raise PackingError(
-            f"multiple_of={multiple_of!r} must be a positive int, e.g. 64.", param="multiple_of"
-        )
-    if isinstance(max_context, bool) or not isinstance(max_context, (int, np.integer)) or max_context < 1:
-        raise PackingError(
-            f"max_context={max_context!r} must be a positive int, e.g. 32768.", param="max_context"
-        )
+    for name, value, example in (("multiple_of", multiple_of, 64), ("max_context", max_context, 32768)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise PackingError(f"{name}={value!r} must be a positive int, e.g. {example}.", param=name)
     multiple_of, max_context = int(multiple_of), int(max_context)
     rule = "tokens" if keep_tokens is not None else "sequences"
     kt = _check_share(DEFAULT_KEEP_TOKENS if keep_tokens is None else keep_tokens, "keep_tokens", "tokens")
@@ -213,14 +203,13 @@ def recommend(
             rule,
             strategy,
         )
-    m_seq = sequence_rule(profile, ks, multiple_of)
-    m_tok = token_rule(profile, kt, multiple_of)
-    seq = _option(profile, "sequences", ks, m_seq, max_context)
-    tok = _option(profile, "tokens", kt, m_tok, max_context)
+    seq = _option(profile, "sequences", ks, sequence_rule(profile, ks, multiple_of), max_context)
+    tok = _option(profile, "tokens", kt, token_rule(profile, kt, multiple_of), max_context)
     chosen = seq if rule == "sequences" else tok
     m, total, n = chosen.max_length, profile.total_tokens, profile.count
     kept = total - chosen.tokens_dropped_bfd
     cut = chosen.sequences_cut
+    trained = getattr(profile, "trained", None)
     if rule == "sequences":
         reason = (
             f"max_length={m} is the smallest multiple of {multiple_of} that holds at least {ks:.1%} of the "
@@ -233,7 +222,6 @@ def recommend(
             )
         else:
             reason += " Every sequence fits, so bfd and bfd_split are identical."
-        trained = getattr(profile, "trained", None)
         if trained is not None and trained.total and cut:
             _, idle = trained.idle_under_bfd(m)
             reason += (
@@ -241,8 +229,7 @@ def recommend(
                 f"spend {idle / max(kept, 1):.2%} of its tokens on sequences that train nothing; bfd_split (packtools "
                 f"pack) cuts at turn ends and keeps every trained token."
             )
-    elif getattr(profile, "trained", None) is not None and profile.trained.total:  # type: ignore[attr-defined]
-        trained = profile.trained  # type: ignore[attr-defined]
+    elif trained is not None and trained.total:
         t_kept = trained.kept_by_bfd(m)
         reason = (
             f"max_length={m} is the smallest multiple of {multiple_of} at which bfd keeps at least {kt:.1%} of "

@@ -30,12 +30,6 @@ class SharedSavings:
     def saved(self) -> float:
         return 1.0 - self.tokens_shared / self.tokens_unshared if self.tokens_unshared else 0.0
 
-    def line(self) -> str:
-        return (
-            f"prompt sharing: {self.tokens_shared:,} tokens instead of {self.tokens_unshared:,} for {self.units:,} "
-            f"prompts and {self.completions:,} completions ({self.saved:.1%} saved)"
-        )
-
 
 def shared_prompt_savings(dataset: Any) -> SharedSavings:
     """Token counts with and without sharing the prompt, from ``prompt_ids`` and ``chosen_ids`` /
@@ -55,12 +49,10 @@ def shared_prompt_savings(dataset: Any) -> SharedSavings:
     lp = column_lengths(table.column("prompt_ids"))
     if "completion_ids" in names:
         nested = table.column("completion_ids").combine_chunks()
-        g = np.diff(np.asarray(nested.offsets, np.int64))
-        inner = column_lengths(nested.flatten())
-        first = np.zeros(g.shape[0] + 1, np.int64)
-        np.cumsum(g, out=first[1:])
-        sums = np.add.reduceat(inner, first[:-1]) if inner.size else np.zeros_like(g)
-        sums = np.where(g > 0, sums, 0)
+        offsets = np.asarray(nested.offsets, np.int64) - nested.offsets[0].as_py()
+        g = np.diff(offsets)
+        tokens = np.concatenate(([0], np.cumsum(column_lengths(nested.flatten()))))
+        sums = tokens[offsets[1:]] - tokens[offsets[:-1]]
     elif "chosen_ids" in names and "rejected_ids" in names:
         g = np.full(lp.shape[0], 2, np.int64)
         sums = column_lengths(table.column("chosen_ids")) + column_lengths(table.column("rejected_ids"))

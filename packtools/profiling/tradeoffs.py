@@ -24,11 +24,11 @@ from __future__ import annotations
 import html
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from .._format import text_table
+from .._format import group_spans, text_table
 from ..core.plan import check_max_length, plan
 from ..errors import PackingError
 from .distribution import LengthDistribution
@@ -53,8 +53,7 @@ class Tradeoff:
     attn_bfd_split: float
     attn_wrapped: float
     attn_padded: float
-    #: data with labels (a profile with ``trained``): the share of the trained tokens ``bfd`` keeps, and of its
-    #: kept tokens in sequences that train nothing (None otherwise)
+    #: data with labels only (a profile with ``trained``; None otherwise)
     trained_kept: float | None = None
     untrained: float | None = None
 
@@ -98,26 +97,41 @@ COLUMNS: tuple[tuple[str, str, str, Callable[[Any], str]], ...] = (
 )
 
 
-@dataclass(frozen=True)
-class TradeoffTable:
-    """Rows of :class:`Tradeoff`, one per candidate, with text / Markdown / HTML renderings."""
+R = TypeVar("R")
 
-    rows: tuple[Tradeoff, ...]
-    batch_size: int
-    name: str | None = None
 
-    def __iter__(self) -> Iterator[Tradeoff]:
+class _Rows(Generic[R]):
+    """What both tables share: their ``rows`` read in order, by index, or as plain dicts."""
+
+    rows: tuple[R, ...]
+
+    def __iter__(self) -> Iterator[R]:
         return iter(self.rows)
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, i: int) -> Tradeoff:
+    def __getitem__(self, i: int) -> R:
         return self.rows[i]
 
     def to_dicts(self) -> list[dict[str, Any]]:
         """One plain dict per row (e.g. for ``pandas.DataFrame`` or JSON)."""
         return [asdict(r) for r in self.rows]
+
+
+def _markdown(heads: list[str], aligns: list[str], cells: list[list[str]]) -> str:
+    """A GitHub-flavoured Markdown table: ``heads``, their alignments (``---:``) and a line per row of ``cells``."""
+    lines = ["| " + " | ".join(row) + " |" for row in (heads, *cells)]
+    return "\n".join([lines[0], "|" + "|".join(aligns) + "|", *lines[1:]])
+
+
+@dataclass(frozen=True)
+class TradeoffTable(_Rows[Tradeoff]):
+    """Rows of :class:`Tradeoff`, one per candidate, with text / Markdown / HTML renderings."""
+
+    rows: tuple[Tradeoff, ...]
+    batch_size: int
+    name: str | None = None
 
     @property
     def columns(self) -> tuple[tuple[str, str, str, Callable[[Any], str]], ...]:
@@ -142,21 +156,14 @@ class TradeoffTable:
             f"{g} {h}".strip() if g and g != h else h
             for g, h in zip(self._groups(), (c[1] for c in self.columns))
         ]
-        lines = ["| " + " | ".join(heads) + " |", "|" + "|".join("---:" for _ in heads) + "|"]
-        lines += ["| " + " | ".join(row) + " |" for row in self._cells()]
-        return "\n".join(lines)
+        return _markdown(heads, ["---:"] * len(heads), self._cells())
 
     def to_html(self, highlight: int | None = None) -> str:
         """An HTML ``<table>`` with grouped headers; the row of ``max_length == highlight`` gets class "chosen"."""
-        groups = self._groups()
-        top, i = [], 0
-        while i < len(groups):
-            j = i
-            while j + 1 < len(groups) and groups[j + 1] == groups[i] and groups[i]:
-                j += 1
-            top.append(f'<th colspan="{j - i + 1}">{html.escape(groups[i])}</th>')
-            i = j + 1
-        head2 = "".join(f"<th>{html.escape(h)}</th>" for _, h, _, _ in self.columns)
+        top = "".join(
+            f'<th colspan="{b - a + 1}">{html.escape(g)}</th>' for g, a, b in group_spans(self._groups())
+        )
+        heads = "".join(f"<th>{html.escape(h)}</th>" for _, h, _, _ in self.columns)
         body = "".join(
             ('<tr class="chosen">' if r.max_length == highlight else "<tr>")
             + "".join(f"<td>{html.escape(c)}</td>" for c in row)
@@ -164,17 +171,13 @@ class TradeoffTable:
             for r, row in zip(self.rows, self._cells())
         )
         return (
-            '<table class="tradeoffs"><thead><tr>'
-            + "".join(top)
-            + "</tr><tr>"
-            + head2
-            + "</tr></thead><tbody>"
-            + body
-            + "</tbody></table>"
+            f'<table class="tradeoffs"><thead><tr>{top}</tr><tr>{heads}</tr></thead>'
+            f"<tbody>{body}</tbody></table>"
         )
 
 
-def _check_candidates(candidates: Iterable[int]) -> list[int]:
+def check_candidates(candidates: Iterable[int]) -> list[int]:
+    """The candidate ``max_length`` values, each checked, sorted without repeats (none given: refused)."""
     try:
         values = [check_max_length(c) for c in candidates]
     except PackingError as exc:
@@ -244,16 +247,6 @@ def _trained(profile: LengthDistribution, max_length: int, kept: int) -> dict[st
     }
 
 
-def tradeoff_table(
-    profile: LengthDistribution, candidates: Iterable[int], batch_size: int = 8
-) -> TradeoffTable:
-    """See :meth:`packtools.profiling.LengthProfile.tradeoffs`."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise PackingError(f"batch_size={batch_size!r} must be a positive int (sequences per padded batch).")
-    rows = tuple(tradeoff_row(profile, m, int(batch_size)) for m in _check_candidates(candidates))
-    return TradeoffTable(rows, int(batch_size), profile.name)
-
-
 FIELDS = tuple(f.name for f in fields(Tradeoff))
 
 
@@ -275,7 +268,7 @@ class BucketTradeoff:
 
 
 @dataclass(frozen=True)
-class BucketTable:
+class BucketTable(_Rows[BucketTradeoff]):
     """Rows of :class:`BucketTradeoff` for one ``max_length`` / ``max_tokens`` / strategy."""
 
     rows: tuple[BucketTradeoff, ...]
@@ -283,15 +276,6 @@ class BucketTable:
     max_tokens: int
     strategy: str
     batch_tokens: np.ndarray  # tokens in each batch of the epoch the buckets were chosen on
-
-    def __iter__(self) -> Iterator[BucketTradeoff]:
-        return iter(self.rows)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def to_dicts(self) -> list[dict[str, Any]]:
-        return [asdict(r) for r in self.rows]
 
     def _cells(self) -> list[list[str]]:
         return [
@@ -313,36 +297,5 @@ class BucketTable:
         return title + "\n" + text_table([["K", "shapes", "padding", "bucket sizes"], *self._cells()])
 
     def to_markdown(self) -> str:
-        lines = ["| K | shapes | padding | bucket sizes |", "|---:|---:|---:|---|"]
-        lines += ["| " + " | ".join(row) + " |" for row in self._cells()]
-        return "\n".join(lines)
-
-
-def bucket_table(
-    profile: LengthDistribution,
-    max_length: int,
-    max_tokens: int,
-    *,
-    candidates: Iterable[int] = (1, 2, 4, 8, 16),
-    strategy: str = "bfd",
-    multiple_of: int = 1,
-    seed: int = 0,
-) -> BucketTable:
-    """See :meth:`packtools.profiling.LengthProfile.bucket_tradeoffs`."""
-    from ..batches.buckets import bucket_padding, choose_buckets
-    from ..batches.sampler import TokenBudgetBatchSampler
-
-    max_length = check_max_length(max_length)
-    ks = sorted({check_max_length(k) for k in candidates}) if candidates else []
-    if not ks:
-        raise PackingError("candidates is empty; give at least one K, e.g. [1, 2, 4, 8].", param="candidates")
-    p = plan(profile.lengths, max_length, strategy)
-    sampler = TokenBudgetBatchSampler(p.row_lengths, max_tokens, seed=seed)
-    totals = sampler.batch_tokens(0)
-    top = -(-sampler.max_tokens // multiple_of) * multiple_of
-    rows = [BucketTradeoff(None, (), int(np.unique(totals).shape[0]), 0.0)]
-    for k in ks:
-        sizes = choose_buckets(totals, k, multiple_of=multiple_of, top=top)
-        used = np.unique(np.asarray(sizes)[np.searchsorted(sizes, totals)]) if totals.size else totals
-        rows.append(BucketTradeoff(k, sizes, int(used.shape[0]), bucket_padding(totals, sizes)))
-    return BucketTable(tuple(rows), max_length, sampler.max_tokens, strategy, totals)
+        heads = ["K", "shapes", "padding", "bucket sizes"]
+        return _markdown(heads, ["---:", "---:", "---:", "---"], self._cells())

@@ -51,28 +51,22 @@ class TrainedTokens:
         col = read_list_column(
             labels if isinstance(labels, pa.ChunkedArray) else pa.chunked_array([labels]), "labels"
         )
-        at = np.zeros(1, np.int64)
-        firsts, lengths = [], []
+        parts = []
         for chunk in col.chunks:
             off = chunk.offsets.astype(np.int64)
             n = np.diff(off)
             values = chunk.values[off[0] : off[-1]]
             pos = restart_positions(n)  # each label's place in its row
             trained = (values != IGNORE_INDEX) & (pos > 0)
-            counts = np.bincount(pos[trained]) if trained.any() else np.zeros(1, np.int64)
-            if counts.shape[0] > at.shape[0]:
-                at = np.concatenate([at, np.zeros(counts.shape[0] - at.shape[0], np.int64)])
-            at[: counts.shape[0]] += counts
             first = n.copy()
             rows = np.repeat(np.arange(n.shape[0]), n)[trained]
             np.minimum.at(first, rows, pos[trained])
-            firsts.append(first)
-            lengths.append(n)
-        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
-        return cls(at, cat(firsts), cat(lengths))
+            parts.append(cls(np.bincount(pos[trained], minlength=1), first, n))
+        return cls.combine(parts)
 
     @classmethod
     def combine(cls, parts: list[TrainedTokens]) -> TrainedTokens:
+        """The trained tokens of ``parts`` (consecutive pieces of one dataset) taken as one."""
         size = max((p.at.shape[0] for p in parts), default=1)
         at = np.zeros(size, np.int64)
         for p in parts:
@@ -96,9 +90,8 @@ class TrainedTokens:
         return int(idle.sum()), int(kept[idle].sum())
 
     def rows_without(self) -> tuple[int, int]:
-        """``(sequences, tokens)`` of the non-empty sequences without any trained token."""
-        idle = (self.lengths > 0) & (self.first >= self.lengths)
-        return int(idle.sum()), int(self.lengths[idle].sum())
+        """``(sequences, tokens)`` of the non-empty sequences without any trained token (nothing cut)."""
+        return self.idle_under_bfd(np.iinfo(np.int64).max)
 
     def to_text(self) -> str:
         tokens = int(self.lengths.sum())
