@@ -264,11 +264,6 @@ class BatchTokenizer:
             self._tok(["x"], add_special_tokens=True)
         return self._tok
 
-    @property
-    def has_generation_tags(self) -> bool:
-        """Whether the chat template marks assistant text with ``{% generation %}`` (:mod:`.chat`)."""
-        return self.chat.has_generation_tags
-
     # -- the engine: its state and every change of it ------------------------------------------------
     @property
     def fast(self) -> fast_engine.FastEncoder | None:
@@ -361,12 +356,7 @@ class BatchTokenizer:
 
     def _take_verdict(self, verdict: dict[str, Any]) -> None:
         """The driver's engine for this part (:meth:`start_part`)."""
-        report = fast_engine.EngineReport(
-            verdict["engine"],
-            verdict["reason"],
-            verdict.get("requested", "auto"),
-            dict(verdict.get("checked", {})),
-        )
+        report = fast_engine.EngineReport.from_dict(verdict)
         if report.engine == "transformers":
             self._pending, self._fast = None, None  # a load still running is never taken
         elif self._pending is None:
@@ -435,10 +425,6 @@ class BatchTokenizer:
             raise PackingError(message, param="tokenizer_engine")
         raise EngineDivergence(message, f"{at(first_row)}: {what}")
 
-    def _engine_error(self, exc: Exception, texts: list[str], special: bool, first_row: Row) -> None:
-        """The fast engine raised on a batch: transformers tokenizes it (auto), or stop naming the row (fast)."""
-        engine_error(self, exc, texts, special, first_row)
-
     # -- building blocks -------------------------------------------------------------------------
     def encode(self, texts: list[str], special: bool, first_row: Row = 0, column: str = "text") -> Ragged:
         if self._pending is not None:
@@ -449,7 +435,7 @@ class BatchTokenizer:
             try:
                 got = self.fast.encode(texts, special)
             except Exception as exc:  # noqa: BLE001 - e.g. a regex limit on a pathological row
-                self._engine_error(exc, texts, special, first_row)
+                engine_error(self, exc, texts, special, first_row)
                 return ragged.from_lists(self.reference_ids(texts, special))
             rows, proof = self.proof.sample(column, len(texts))
             ref = self.reference_ids([texts[i] for i in rows], special)
@@ -496,10 +482,6 @@ class BatchTokenizer:
             done = self.encode(_strings(table, name, first_row), False, first_row, name)
             parts.append(ragged.append_to_rows(done, self._eos_id()) if self.add_eos else done)
         return parts
-
-    def compare_labels(self, convs: list, rows: Sequence[int], first_row: Row) -> tuple[int, str] | None:
-        """Where the fast chat path first differs from the reference on ``rows`` of ``convs`` (:mod:`.chat`)."""
-        return self.chat.compare_labels(convs, rows, first_row)
 
     # -- entry point -----------------------------------------------------------------------------
     def __call__(self, table: pa.Table, first_row: Row = 0) -> pa.Table:

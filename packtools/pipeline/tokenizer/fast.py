@@ -141,6 +141,16 @@ class EngineReport:
             "checked": self.checked,
         }
 
+    @classmethod
+    def from_dict(cls, report: dict[str, Any]) -> EngineReport:
+        """The report :meth:`to_dict` gave (the driver's choice or verdict, handed to a worker or a part)."""
+        return cls(
+            report["engine"],
+            report["reason"],
+            report.get("requested", "auto"),
+            dict(report.get("checked", {})),
+        )
+
 
 def engine_summary(reports: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
     """One report for a run from its parts' (None for tokenized parts): the engine and reason of the first part

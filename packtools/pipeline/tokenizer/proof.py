@@ -245,7 +245,7 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> Choice:
                 convs = bt.chat.renderable(convs)  # those the template refuses fail on either path
                 if not convs:
                     raise PackingError("the chat template refuses every one (its raise_exception)")
-                found = bt.compare_labels(convs, range(len(convs)), 0)
+                found = bt.chat.compare_labels(convs, range(len(convs)), 0)
                 mismatch = found[1] if found is not None else None
             except PackingError as exc:  # e.g. a template that is not incremental: data rows will say so
                 mismatch = f"the adversarial conversations cannot be tokenized: {exc}"
@@ -270,9 +270,7 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> Choice:
 
 def adopt(bt: Any, proven: dict[str, Any]) -> Choice:
     """In a worker: the driver's engine choice ``proven`` (an :meth:`EngineReport.to_dict`) taken as it is."""
-    report = fast_engine.EngineReport(
-        proven["engine"], proven["reason"], proven.get("requested", "auto"), dict(proven.get("checked", {}))
-    )
+    report = fast_engine.EngineReport.from_dict(proven)
     if report.engine == "transformers":
         return Choice(report)
     fast = bt.load_fast()

@@ -132,7 +132,7 @@ def labels_from_offsets(
 
 def labels_transformers(bt: Any, convs: Conversations, where: Any) -> tuple[Ragged, Ragged]:
     """Ids and labels as transformers gives them."""
-    if bt.has_generation_tags:
+    if bt.chat.has_generation_tags:
         out = bt.tok.apply_chat_template(
             convs,
             tools=bt.chat.renderer.tools,

@@ -1,19 +1,14 @@
 """Chat templates rendered with jinja2 alone, configured as transformers configures it (no transformers import).
 
 Importing transformers and loading its tokenizer costs seconds a run, and ``apply_chat_template`` adds Python
-work per call; the chat path needs neither once a template renders the same here.  :func:`read_settings` reads
-the template (``chat_template.jinja``, ``chat_template.json`` or ``tokenizer_config.json``'s ``chat_template``,
-a named ``default`` among several) and the named special tokens (``bos_token``, ``eos_token``, ...) straight
-from the tokenizer folder; :class:`ChatRenderer` compiles the template once in jinja2's immutable sandbox with
-the environment transformers documents for chat templates: ``trim_blocks`` and ``lstrip_blocks``, loop controls
-(``break``/``continue``), a ``{% generation %}`` block whose character span is recorded, ``raise_exception``,
-``strftime_now``, a ``tojson`` filter that does not escape HTML, ``dict`` and ``namespace``; the template sees
-``messages``, ``tools`` (the row's ``tools``, else None), ``documents`` (None), ``add_generation_prompt`` and the special-token strings,
-and a message's ``reasoning_content`` under its older names as transformers aliases them.
+work per call.  :func:`read_settings` reads the template and the named special tokens straight from the
+tokenizer folder; :class:`ChatRenderer` compiles the template once in jinja2's immutable sandbox with the
+environment transformers documents for chat templates (what it holds and what the template sees:
+``docs/tokenize.md``, *Chat templates without importing transformers*).
 
-Equal rendering is not assumed: :mod:`packtools.pipeline.tokenizer.chat.tokens` compares it with transformers' on the built-in
-adversarial conversations (every prefix, with and without the generation prompt, and the ``{% generation %}``
-spans) before using it, and falls back to transformers with the reason otherwise.
+Equal rendering is not assumed: :mod:`packtools.pipeline.tokenizer.chat.tokens` compares it with transformers'
+on the built-in adversarial conversations before using it, and falls back to transformers with the reason
+otherwise.
 
 >>> r = ChatRenderer("{{ bos_token }}{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}"
 ...                  "{% endfor %}", {"bos_token": "<s>"})
@@ -233,11 +228,8 @@ def _environment(state: _Spans) -> Any:
 class ChatRenderer:
     """One compiled chat template with its special tokens; renders one conversation at a time.
 
-    A render runs what jinja2's ``Template.render`` runs (a new :class:`jinja2.runtime.Context` over the
-    template's globals and the variables, the compiled root function, ``handle_exception`` on an error) with the
-    globals flattened once instead of per call (jinja2 flattens a ``ChainMap`` twice a call: half of a short
-    render's time); the same context, so the same output and errors (tested against ``Template.render``, and
-    proven against transformers before use)."""
+    A render runs what jinja2's ``Template.render`` runs, with the template's globals flattened once instead of
+    per call: the same context, so the same output and errors (why, and how it is tested: ``docs/tokenize.md``)."""
 
     def __init__(self, template: str, specials: dict[str, str]) -> None:
         self.template = template

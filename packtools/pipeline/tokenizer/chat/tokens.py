@@ -2,18 +2,13 @@
 conversational ``prompt_completion`` / ``preference`` rows, rendered, tokenized and labelled.
 
 :class:`ChatTokens` picks the renderer once per tokenizer: :class:`~packtools.pipeline.tokenizer.chat.render.ChatRenderer`
-(jinja2 alone, no transformers) when it renders the built-in adversarial conversations exactly as transformers'
-``apply_chat_template`` does, every prefix with and without the generation prompt and every ``{% generation %}``
-span (the verdict is recorded per tokenizer, template and versions in the proof cache,
-:mod:`packtools.pipeline.tokenizer.proof_cache`, so later runs need no transformers); transformers itself otherwise, with
-the reason in the part's report (``chat_render``), and always under ``tokenizer_engine='transformers'``.
-
-Where chat time goes (``BatchTokenizer.chat_seconds``, printed by ``benchmarks/bench_tokenize.py``): template
-rendering (one render per conversation with ``{% generation %}`` markers; without them one per assistant turn
-and one per prefix before it, the incremental rule of :mod:`packtools.pipeline.tokenizer.chat.labels`), the fast engine's
-encoding, and the masks (numpy on byte offsets computed from the ids).
-
-What a conversation cell becomes before the template sees it is :mod:`packtools.pipeline.tokenizer.chat.values`.
+(jinja2 alone) where it renders the built-in adversarial conversations exactly as transformers'
+``apply_chat_template`` does (the verdict recorded in :mod:`packtools.pipeline.tokenizer.proof_cache`);
+transformers itself otherwise, with the reason in the part's report (``chat_render``), and always under
+``tokenizer_engine='transformers'`` (``docs/tokenize.md``, *Chat templates without importing transformers*).
+``BatchTokenizer.chat_seconds`` splits chat time into rendering, encoding and masks
+(``benchmarks/bench_tokenize.py`` prints it).  What a conversation cell becomes before the template sees it is
+:mod:`packtools.pipeline.tokenizer.chat.values`.
 
 >>> r = ChatRenderer("{{ messages[0]['content'] }}", {})
 >>> render_difference(r, ChatRenderer("{{ messages[0]['content'] | upper }}", {}), [[{"role": "user", "content": "hi"}]], False)
@@ -25,7 +20,6 @@ from __future__ import annotations
 import time
 import unicodedata
 from collections.abc import Iterator, Sequence
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import numpy as np
@@ -40,16 +34,11 @@ from ...formats import at as _at
 from ...formats import shift as _shift
 from .. import adversarial, proof_cache
 from .. import fast as fast_engine
+from ..proof import engine_error
+from ..spec import library_versions
 from . import labels as chat_labels
 from .render import ChatRenderer, read_settings
 from .values import TYPED_CONVERSATIONS, TYPED_TOOLS, clean_messages, plain_value, render_difference
-
-
-def _version(name: str) -> str:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "absent"
 
 
 class TransformersRenderer:
@@ -128,7 +117,8 @@ class ChatTokens:
             return self._transformers(f"jinja2 cannot compile it here: {type(exc).__name__}: {exc}")
         texts = adversarial.adversarial_texts(list(specials.values()))
         convs = adversarial.adversarial_conversations(texts) + TYPED_CONVERSATIONS
-        reference = f"transformers {_version('transformers')}; jinja2 {_version('jinja2')}"
+        versions = dict(library_versions())
+        reference = f"transformers {versions['transformers']}; jinja2 {versions['jinja2']}"
         typed = repr((TYPED_CONVERSATIONS, TYPED_TOOLS))
         path = proof_cache.verdict_path(bt.fingerprint, "chat-render", reference, [template, *texts, typed])
         checked = proof_cache.load(path)
@@ -149,7 +139,7 @@ class ChatTokens:
             checked = {"adversarial_conversations": len(convs)}
             proof_cache.record(path, checked)
         self.render_engine = (
-            f"jinja2 {_version('jinja2')} (the same renderings as transformers' apply_chat_template on "
+            f"jinja2 {versions['jinja2']} (the same renderings as transformers' apply_chat_template on "
             f"{checked.get('adversarial_conversations', 0)} adversarial conversations, every prefix)"
         )
         if not self.generation_tags(mine):  # one render per conversation where the template allows it
@@ -326,7 +316,7 @@ class ChatTokens:
         except PackingError:
             raise
         except Exception as exc:  # noqa: BLE001 - an engine error: transformers tokenizes this batch
-            bt._engine_error(exc, [], False, first_row)
+            engine_error(bt, exc, [], False, first_row)
             got = None
         if got is None:  # the tokens do not spell the text byte for byte
             bt.proof.to_transformers(
