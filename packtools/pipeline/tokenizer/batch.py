@@ -1,10 +1,8 @@
 """Batched tokenization of raw rows into aligned Arrow token columns (extra ``packtools[hf]``); what each format
-becomes is in :mod:`packtools.pipeline.formats`.  Tokenization uses the fast tokenizer's batch API (Rust); the
-pipeline can also spread batches over processes (``--num-proc``).  With ``engine="auto"`` (the default) a
-byte-level BPE tokenizer is run by the exact engine of :mod:`packtools.pipeline.tokenizer.fast` once it has given
-the same ids (and assistant masks) as transformers on a built-in adversarial set; :mod:`~.proof` compares
-it on the first rows of each column of every part and a random sample of the rest.  ``report`` says which engine
-ran and why; characters the tokenizer cannot encode are counted (:mod:`packtools.pipeline.tokenizer.char_drops`).
+becomes is in :mod:`packtools.pipeline.formats`.  ``report`` says which engine ran and why: the exact engine of
+:mod:`packtools.pipeline.tokenizer.fast` once :mod:`~.proof` has proven it, else transformers (the engines and
+their proof: ``docs/tokenize.md``); characters the tokenizer cannot encode are counted
+(:mod:`packtools.pipeline.tokenizer.char_drops`).
 
 >>> BatchTokenizer("tok", "tokenized")
 Traceback (most recent call last):
@@ -128,9 +126,7 @@ class BatchTokenizer:
                 tokenizer_dir, fp, facts, fmt, "transformers" if skip else requested
             )
             # transformers' ids from the tokenizers library alone where a recorded check says they are the same
-            # (packtools.pipeline.tokenizer.reference): importing transformers costs seconds a run.  Never when transformers
-            # is asked for, never where transformers adds tokens tokenizer.json lacks; from the fast engine's copy of
-            # tokenizer.json only where it was recorded identical to it, with its SHA-256 (it loads 30% faster)
+            # (reference.load_verified): never when transformers is asked for or adds tokens tokenizer.json lacks
             copy = compact_file(fp)
             lite = (
                 reference.load_verified(tokenizer_dir, fp, copy)

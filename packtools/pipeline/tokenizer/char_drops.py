@@ -1,11 +1,10 @@
 """Characters a byte-level BPE tokenizer cannot encode, counted as the data is tokenized.
 
-A byte-level BPE maps every UTF-8 byte to one of 256 characters and needs a token for each of them.  One trained
-without the byte alphabet (``BpeTrainer`` without ``initial_alphabet``, common for locally trained tokenizers)
-lacks some: transformers (the ``tokenizers`` library) then silently leaves those bytes out of the ids (a tab,
-say, disappears from the training data), and the fast engine refuses the text.  The ids packtools writes stay
-transformers' ids; :class:`DropCounter` says which characters were left out, how often and in which rows, for
-the summary and the manifest, or stops the run when asked to (``on_unencodable='error'``).
+A byte-level BPE trained without the byte alphabet has no token for some bytes: transformers silently leaves
+them out of the ids, and the fast engine refuses the text (``docs/tokenize.md``, *Characters the tokenizer cannot
+encode*).  The ids packtools writes stay transformers' ids; :class:`DropCounter` says which characters were left
+out, how often and in which rows, for the summary and the manifest, or stops the run when asked to
+(``on_unencodable='error'``).
 
 >>> spec = {"model": {"type": "BPE", "vocab": {c: i for i, c in enumerate(byte_alphabet()) if c != "\u0109"}},
 ...         "pre_tokenizer": {"type": "ByteLevel"}}
@@ -23,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...errors import PackingError, check_choice
+from .fast import components
 
 ON_UNENCODABLE = ("report", "error")
 FIRST_ROWS = 5  # rows named in the report
@@ -43,14 +43,9 @@ def byte_alphabet() -> list[str]:
 
 
 def _byte_level(spec: dict[str, Any]) -> bool:
-    def kinds(node: Any) -> list[str]:
-        if not isinstance(node, dict):
-            return []
-        if node.get("type") == "Sequence":
-            return [k for child in node.get("pretokenizers", []) for k in kinds(child)]
-        return [str(node.get("type"))]
-
-    return (spec.get("model") or {}).get("type") == "BPE" and "ByteLevel" in kinds(spec.get("pre_tokenizer"))
+    if (spec.get("model") or {}).get("type") != "BPE":
+        return False
+    return any(p.get("type") == "ByteLevel" for p in components(spec.get("pre_tokenizer"), "pretokenizers"))
 
 
 def missing_bytes(spec: dict[str, Any]) -> list[int]:

@@ -1,18 +1,11 @@
 """An exact fast tokenizer for byte-level BPE, proven against transformers before use (extra ``packtools[fast]``).
 
 The engine is `fastokens <https://pypi.org/project/fastokens/>`_, a Rust reimplementation of the
-``tokenizers`` pipeline that reads the same ``tokenizer.json`` and returns a whole batch as two flat buffers
-(``uint32`` ids, ``uint64`` offsets), which become the ``(offsets, values)`` of a :class:`Ragged` without a
-Python int per token.  It was picked by measuring the candidates pip can install here on the same texts and
-tokenizers (see ``docs/tokenize.md``): it was the fastest of those that gave identical ids.
-
-Nothing is taken on trust.  :func:`refusal` first checks that the tokenizer is of the kind the engine is used
-for here (a BPE model with a byte-level pre-tokenizer, no dropout, no subword prefix or suffix, a normalizer
-that is absent or NFC); anything else (Unigram/SentencePiece, WordPiece, ...) stays on transformers.
-:class:`FastEncoder` then has to give the same ids as the transformers tokenizer on :func:`adversarial_texts`
-(unicode, whitespace runs, digits, the tokenizer's own special-token strings inside text, empty strings), with
-and without special tokens, before the caller uses it; :class:`packtools.pipeline.tokenizer.batch.BatchTokenizer`
-also compares it on the first rows of the data and on a sample of every later batch.
+``tokenizers`` pipeline that reads the same ``tokenizer.json`` and returns a batch as two flat buffers, which
+become a :class:`Ragged` without a Python int per token (why this engine: ``docs/tokenize.md``, *How the engine
+was picked*).  Nothing is taken on trust: :func:`refusal` keeps every tokenizer but the kind the engine is used
+for here on transformers, and :class:`FastEncoder` must give transformers' ids on the built-in adversarial set
+(:mod:`packtools.pipeline.tokenizer.proof`), then on the first rows of the data and a sample of every later batch.
 """
 
 from __future__ import annotations
@@ -76,12 +69,12 @@ def read_spec(tokenizer_dir: str) -> dict[str, Any]:
         return json.load(fh)
 
 
-def _types(node: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
+def components(node: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
     """The components of a tokenizer.json node, with ``Sequence`` nodes flattened."""
     if not node:
         return []
     if node.get("type") == "Sequence":
-        return [c for child in node.get(key, []) for c in _types(child, key)]
+        return [c for child in node.get(key, []) for c in components(child, key)]
     return [node]
 
 
@@ -94,13 +87,13 @@ def refusal(spec: dict[str, Any]) -> str | None:
         return "its BPE has dropout (ids are random)"
     if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
         return "its BPE uses a subword prefix or an end-of-word suffix"
-    pre = _types(spec.get("pre_tokenizer"), "pretokenizers")
+    pre = components(spec.get("pre_tokenizer"), "pretokenizers")
     if not any(p.get("type") == "ByteLevel" for p in pre):
         return "its pre-tokenizer is not byte-level"
     other = sorted({p["type"] for p in pre} - {"ByteLevel", "Split"})
     if other:
         return f"its pre-tokenizer uses {', '.join(other)}"
-    norms = [n.get("type") for n in _types(spec.get("normalizer"), "normalizers")]
+    norms = [n.get("type") for n in components(spec.get("normalizer"), "normalizers")]
     if any(n not in _NORMALIZERS for n in norms):
         return f"its normalizer ({', '.join(map(str, norms))}) is not NFC"
     return None
@@ -110,10 +103,10 @@ def offsets_refusal(spec: dict[str, Any]) -> str | None:
     """Why assistant masks cannot come from byte offsets computed from the ids (chat data), or None.  An NFC
     normalizer is fine: batches whose rendered text is already NFC (normalizing changes nothing) take the fast
     path, the others go to transformers (see :mod:`packtools.pipeline.tokenizer.chat.labels`)."""
-    norms = [n.get("type") for n in _types(spec.get("normalizer"), "normalizers")]
+    norms = [n.get("type") for n in components(spec.get("normalizer"), "normalizers")]
     if any(n != "NFC" for n in norms):
         return "it has a normalizer other than NFC, so token offsets do not follow the text byte for byte"
-    post = _types(spec.get("post_processor"), "processors")
+    post = components(spec.get("post_processor"), "processors")
     if any(p.get("type") == "ByteLevel" and p.get("trim_offsets") for p in post):
         return "its post-processor trims token offsets"
     return None
@@ -121,7 +114,7 @@ def offsets_refusal(spec: dict[str, Any]) -> str | None:
 
 def has_nfc(spec: dict[str, Any]) -> bool:
     """Whether the tokenizer normalizes text to NFC."""
-    return any(n.get("type") == "NFC" for n in _types(spec.get("normalizer"), "normalizers"))
+    return any(n.get("type") == "NFC" for n in components(spec.get("normalizer"), "normalizers"))
 
 
 @dataclass
@@ -233,14 +226,10 @@ class FastEncoder:
         values = np.frombuffer(ids, np.uint32).view(np.int32)
         return Ragged(np.frombuffer(offsets, np.uint64).view(np.int64), values)
 
-    def byte_lengths(self) -> np.ndarray:
-        """UTF-8 length of every token id's text (byte-level tokens: one byte per character of the token)."""
-        return self._byte_lengths
-
     def token_spans(self, texts: list[str], ids: Ragged) -> tuple[np.ndarray, np.ndarray] | None:
         """Byte range of every token in the concatenation of ``texts`` (flat ``(starts, ends)``), or None when
         the tokens do not spell the texts byte for byte (e.g. a normalizer changed them)."""
-        lengths = self.byte_lengths()
+        lengths = self._byte_lengths  # the UTF-8 length of every token id's text
         if ids.values.size and int(ids.values.max()) >= lengths.shape[0]:
             return None
         tok_bytes = lengths[ids.values]
