@@ -30,6 +30,7 @@ from ..formats import FORMATS, Row, at, input_columns, shift
 from . import adversarial, reference, reference_check
 from . import fast as fast_engine
 from .char_drops import DropCounter, check_on_unencodable
+from .chat import head as chat_head
 from .chat import tokens as chat
 from .chat.values import by_tools
 from .folder import added_tokens_outside, load_tokenizer, tokenizer_fingerprint
@@ -553,33 +554,24 @@ class BatchTokenizer:
     ) -> pa.Table:
         """The ``input_ids`` and assistant-only ``labels`` of conversations (``rendered``: taken ahead), and each
         one's head (:mod:`packtools.pipeline.tokenizer.chat.head`; the stage keeps it in its sidecar)."""
-        from .chat.head import (
-            CLOSING_KEY,
-            HEAD_COLUMN,
-            TOOL_OPENER_KEY,
-            closing_ids,
-            head_lengths,
-            tool_opener_ids,
-        )
-
         ids, labels = self.chat.assistant_labels(convs, first_row, rendered)
-        heads = head_lengths(self.chat.renderer, self._encode_plain, convs, ids)
+        heads = chat_head.head_lengths(self.chat.renderer, self._encode_plain, convs, ids)
         table = pa.table(
             {
                 "input_ids": ragged.to_arrow(ids),
                 "labels": ragged.to_arrow(labels),
-                HEAD_COLUMN: pa.array(heads),
+                chat_head.HEAD_COLUMN: pa.array(heads),
             }
         )
         meta = {}
         if self.chat.has_generation_tags:  # spans end before the closing text: the stage records it
             if getattr(self, "_closing", None) is None:
-                self._closing = closing_ids(self.chat.renderer, self._encode_plain)
-            meta[CLOSING_KEY] = ",".join(map(str, self._closing)).encode()
+                self._closing = chat_head.closing_ids(self.chat.renderer, self._encode_plain)
+            meta[chat_head.CLOSING_KEY] = ",".join(map(str, self._closing)).encode()
         # a tool result stays with its call: the stage records it
         if getattr(self, "_tool_opener", None) is None:
-            self._tool_opener = tool_opener_ids(self.chat.renderer, self._encode_plain)
-        meta[TOOL_OPENER_KEY] = ",".join(map(str, self._tool_opener)).encode()
+            self._tool_opener = chat_head.tool_opener_ids(self.chat.renderer, self._encode_plain)
+        meta[chat_head.TOOL_OPENER_KEY] = ",".join(map(str, self._tool_opener)).encode()
         return table.replace_schema_metadata(meta)
 
     def _encode_plain(self, texts: list[str]) -> Ragged:

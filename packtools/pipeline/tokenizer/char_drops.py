@@ -22,7 +22,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...errors import PackingError, check_choice
-from .fast import components
 
 ON_UNENCODABLE = ("report", "error")
 FIRST_ROWS = 5  # rows named in the report
@@ -43,9 +42,14 @@ def byte_alphabet() -> list[str]:
 
 
 def _byte_level(spec: dict[str, Any]) -> bool:
-    if (spec.get("model") or {}).get("type") != "BPE":
-        return False
-    return any(p.get("type") == "ByteLevel" for p in components(spec.get("pre_tokenizer"), "pretokenizers"))
+    def kinds(node: Any) -> list[str]:
+        if not isinstance(node, dict):
+            return []
+        if node.get("type") == "Sequence":
+            return [k for child in node.get("pretokenizers", []) for k in kinds(child)]
+        return [str(node.get("type"))]
+
+    return (spec.get("model") or {}).get("type") == "BPE" and "ByteLevel" in kinds(spec.get("pre_tokenizer"))
 
 
 def missing_bytes(spec: dict[str, Any]) -> list[int]:

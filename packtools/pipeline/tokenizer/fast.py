@@ -69,12 +69,12 @@ def read_spec(tokenizer_dir: str) -> dict[str, Any]:
         return json.load(fh)
 
 
-def components(node: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
+def _types(node: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
     """The components of a tokenizer.json node, with ``Sequence`` nodes flattened."""
     if not node:
         return []
     if node.get("type") == "Sequence":
-        return [c for child in node.get(key, []) for c in components(child, key)]
+        return [c for child in node.get(key, []) for c in _types(child, key)]
     return [node]
 
 
@@ -87,13 +87,13 @@ def refusal(spec: dict[str, Any]) -> str | None:
         return "its BPE has dropout (ids are random)"
     if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
         return "its BPE uses a subword prefix or an end-of-word suffix"
-    pre = components(spec.get("pre_tokenizer"), "pretokenizers")
+    pre = _types(spec.get("pre_tokenizer"), "pretokenizers")
     if not any(p.get("type") == "ByteLevel" for p in pre):
         return "its pre-tokenizer is not byte-level"
     other = sorted({p["type"] for p in pre} - {"ByteLevel", "Split"})
     if other:
         return f"its pre-tokenizer uses {', '.join(other)}"
-    norms = [n.get("type") for n in components(spec.get("normalizer"), "normalizers")]
+    norms = [n.get("type") for n in _types(spec.get("normalizer"), "normalizers")]
     if any(n not in _NORMALIZERS for n in norms):
         return f"its normalizer ({', '.join(map(str, norms))}) is not NFC"
     return None
@@ -103,10 +103,10 @@ def offsets_refusal(spec: dict[str, Any]) -> str | None:
     """Why assistant masks cannot come from byte offsets computed from the ids (chat data), or None.  An NFC
     normalizer is fine: batches whose rendered text is already NFC (normalizing changes nothing) take the fast
     path, the others go to transformers (see :mod:`packtools.pipeline.tokenizer.chat.labels`)."""
-    norms = [n.get("type") for n in components(spec.get("normalizer"), "normalizers")]
+    norms = [n.get("type") for n in _types(spec.get("normalizer"), "normalizers")]
     if any(n != "NFC" for n in norms):
         return "it has a normalizer other than NFC, so token offsets do not follow the text byte for byte"
-    post = components(spec.get("post_processor"), "processors")
+    post = _types(spec.get("post_processor"), "processors")
     if any(p.get("type") == "ByteLevel" and p.get("trim_offsets") for p in post):
         return "its post-processor trims token offsets"
     return None
@@ -114,7 +114,7 @@ def offsets_refusal(spec: dict[str, Any]) -> str | None:
 
 def has_nfc(spec: dict[str, Any]) -> bool:
     """Whether the tokenizer normalizes text to NFC."""
-    return any(n.get("type") == "NFC" for n in components(spec.get("normalizer"), "normalizers"))
+    return any(n.get("type") == "NFC" for n in _types(spec.get("normalizer"), "normalizers"))
 
 
 @dataclass

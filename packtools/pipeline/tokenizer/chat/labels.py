@@ -1,14 +1,11 @@
 """Token ids and assistant-only labels of chat conversations, by transformers or by the fast engine.
 
-Two marking rules, both transformers': with ``{% generation %}`` markers in the template, a token is an
-assistant token when it overlaps a marked span (``return_assistant_tokens_mask``); without them, assistant turn
-``i`` spans the characters between the rendering of messages ``[:i]`` with the generation prompt and the
-rendering of messages ``[:i + 1]``, and a token is an assistant token when it overlaps such a span too (the same
-rule as with markers, so a plain template and a copy with markers around the same text give the same labels: a
-token that starts in the assistant header and runs into the turn, e.g. ``"\n\n"``, is the turn's).  The
-fast path computes token byte offsets from the ids (each byte-level token spells its bytes) instead of asking a
-tokenizer for offsets (:func:`labels_fast`); with an NFC normalizer it does so for batches whose rendered text is
-already NFC, other batches take the reference: the reference tokenizer's character offsets
+The marking rules are transformers' (``docs/pipeline.md``, *Labels*): a token is an assistant token when it
+overlaps a ``{% generation %}`` span or, without markers, an assistant turn's span by the incremental rule
+(:func:`incremental_spans`), so a plain template and a copy with markers around the same text give the same
+labels.  The fast path computes token byte offsets from the ids (each byte-level token spells its bytes) instead
+of asking a tokenizer for offsets (:func:`labels_fast`); with an NFC normalizer it does so for batches whose
+rendered text is already NFC, other batches take the reference: the reference tokenizer's character offsets
 (:func:`labels_from_offsets`, what transformers computes the mask from), or transformers itself
 (:func:`labels_transformers`) when the renderer is transformers'.  The first two mark tokens with
 :func:`overlap_mask`.

@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
 
-#: The special-token names transformers passes to a chat template (its named special tokens).
-SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+from ..folder import SPECIAL_NAMES
+
 #: A message's reasoning may come under these names; templates read the first (transformers fills it and
 #: ``thinking`` from the others).
 REASONING_NAMES = ("reasoning_content", "thinking", "reasoning")
