@@ -83,8 +83,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     return tok
 
 
-#: per-file hashes taken in this process, keyed by the files' stat (a run asks for them several times; hashing a
-#: 250k vocabulary's 33 MB takes 50-200 ms each time)
+#: per-file hashes taken in this process, keyed by the files' stat (a run asks for them several times)
 _HASHES: dict[tuple[Any, ...], dict[str, str]] = {}
 
 

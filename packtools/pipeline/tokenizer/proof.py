@@ -6,11 +6,9 @@ transformers (``auto``) or a clear error (``fast``); :func:`adopt` takes the dri
 worker process, which does not choose again.  Both return a :class:`Choice`, which the tokenizer takes: it alone
 changes its engine's state.
 
-:class:`Proof` then decides which rows of the data are compared with transformers: in every run, the first
-:data:`~packtools.pipeline.tokenizer.fast.PROOF_ROWS` rows of *each* column (prompt and completion alike) of the
-run's first part (every part, for a :class:`~packtools.pipeline.tokenizer.batch.BatchTokenizer` used without runs),
-then a random sample of every part's rows at the audit rate, seeded by the part (so a rerun compares the same
-rows, and the same parts prove whichever process stages them).  It counts what it compared per part, for the manifest.
+:class:`Proof` then decides which rows of the data are compared with transformers (the first rows of each column
+of a run's first part, or of every part without runs, then a sample of every part's rows at the audit rate,
+seeded by the part: ``docs/tokenize.md``, *Engines*) and counts them per part, for the manifest.
 
 >>> p = Proof(audit_rate=0.5)
 >>> p.start_part("part-0")
