@@ -260,9 +260,7 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> Choice:
     else:  # proven against a provisional reference: recorded, as proven against transformers, once it is checked
         as_proven = proof_cache.verdict_path(bt.fingerprint, kind, "transformers", texts, source=source)
         check.on_pass.append(functools.partial(proof_cache.record, as_proven, checked))
-    report = fast_engine.EngineReport(
-        f"{fast_engine.ENGINE_MODULE} {version}", proof_reason(bt.proof.audit_rate), requested, checked
-    )
+    report.checked = checked  # (no recorded verdict: it was empty)
     return Choice(report, fast=fast, source=source)
 
 
