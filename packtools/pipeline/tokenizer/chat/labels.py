@@ -128,7 +128,8 @@ def labels_from_offsets(
 
 
 def labels_transformers(bt: Any, convs: Conversations, where: Any) -> tuple[Ragged, Ragged]:
-    """Ids and labels as transformers gives them."""
+    """Ids and labels as transformers gives them: its ``return_assistant_tokens_mask`` with ``{% generation %}``
+    markers, else the incremental rule's spans on its renderings and its tokenizer's offsets."""
     if bt.chat.has_generation_tags:
         out = bt.tok.apply_chat_template(
             convs,
@@ -141,19 +142,7 @@ def labels_transformers(bt: Any, convs: Conversations, where: Any) -> tuple[Ragg
         mask = ragged.from_lists(out["assistant_masks"], np.int8)
         return ids, Ragged(ids.offsets, np.where(mask.values != 0, ids.values, IGNORE_INDEX).astype(np.int32))
     texts, spans = incremental_spans(bt.chat.renderer, convs, where)
-    enc = bt.tok(texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
-    ids = ragged.from_lists(enc["input_ids"])
-    n = ids.values.shape[0]
-    starts = np.fromiter((s for offsets in enc["offset_mapping"] for s, _ in offsets), np.int64, count=n)
-    ends = np.fromiter((e for offsets in enc["offset_mapping"] for _, e in offsets), np.int64, count=n)
-    labels = np.full(n, IGNORE_INDEX, np.int32)
-    for i, row_spans in enumerate(spans):
-        lo, hi = int(ids.offsets[i]), int(ids.offsets[i + 1])
-        row_starts, row_ends = starts[lo:hi], ends[lo:hi]
-        for a, b in row_spans:
-            sel = (row_starts < b) & (row_ends > a)  # overlaps the turn
-            labels[lo:hi][sel] = ids.values[lo:hi][sel]
-    return ids, Ragged(ids.offsets, labels)
+    return labels_from_offsets(bt.tok.backend_tokenizer, texts, spans)  # (what ``bt.tok(texts)`` runs)
 
 
 def labels_fast(
