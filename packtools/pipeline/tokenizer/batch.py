@@ -59,9 +59,8 @@ class BatchTokenizer:
 
     Built from the tokenizer *directory*; worker processes build their own from the same arguments, with
     ``proven`` the driver's engine choice (:meth:`EngineReport.to_dict`), which they take without choosing again.
-    ``on_unencodable``: ``report`` counts characters the tokenizer cannot encode (transformers leaves them out of
-    the ids; see :mod:`packtools.pipeline.tokenizer.char_drops`), ``error`` stops at the first one.  ``wait_for_engine``:
-    see :meth:`take_pending` (the pipeline passes False).  ``input_bytes``: the run's raw input size when
+    ``on_unencodable``: ``report`` counts characters the tokenizer cannot encode (:mod:`~.char_drops`), ``error``
+    stops at the first one.  ``wait_for_engine``: see :meth:`take_pending` (the pipeline passes False).  ``input_bytes``: the run's raw input size when
     known; with ``wait_for_engine=False`` a small input of a large vocabulary is tokenized by the reference
     alone (:func:`packtools.pipeline.tokenizer.load.reference_suffices`).
 
@@ -151,8 +150,7 @@ class BatchTokenizer:
         self.backend = backend  # the reference tokenizer (offsets of chat tokens: packtools.pipeline.tokenizer.chat.tokens)
         self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
         self.wait_for_engine = wait_for_engine
-        # the engine's state: assigned only by the transitions below (choose, adopt a verdict, take the
-        # pending load, fall back, start a part), read through the properties fast, report and pending
+        # the engine's state: assigned only by its transitions (class docstring)
         self._fast: fast_engine.FastEncoder | None = None
         self._pending: FastLoad | None = None  # the fast engine still loading (take_pending)
         self._reference_batch_done = False  # the one batch the reference tokenizes while the engine loads
@@ -471,7 +469,6 @@ class BatchTokenizer:
     def _prompt_and_completions(self, table: pa.Table, names: Sequence[str], first_row: Row) -> list[Ragged]:
         """Tokenized prompt (first) and completions (the others) of prompt-completion or preference rows."""
         prompts = cells(table, "prompt")
-        # conversational rows (packtools.pipeline.tokenizer.chat.tokens)
         if prompts and isinstance(prompts[0], list):
             return self.chat.prompt_and_completions(table, prompts, names, first_row)
         parts = [self.encode(_strings(table, "prompt", first_row, prompts), True, first_row, "prompt")]

@@ -101,8 +101,7 @@ def refusal(spec: dict[str, Any]) -> str | None:
 
 def offsets_refusal(spec: dict[str, Any]) -> str | None:
     """Why assistant masks cannot come from byte offsets computed from the ids (chat data), or None.  An NFC
-    normalizer is fine: batches whose rendered text is already NFC (normalizing changes nothing) take the fast
-    path, the others go to transformers (see :mod:`packtools.pipeline.tokenizer.chat.labels`)."""
+    normalizer is fine: only batches whose rendered text is already NFC take the fast path (:mod:`.chat.labels`)."""
     norms = [n.get("type") for n in _types(spec.get("normalizer"), "normalizers")]
     if any(n != "NFC" for n in norms):
         return "it has a normalizer other than NFC, so token offsets do not follow the text byte for byte"
@@ -187,11 +186,8 @@ _PER_PART = frozenset({"rows_checked", "proof_rows", "batches_on_transformers"})
 
 
 class FastEncoder:
-    """Batch encoding of strings to a :class:`Ragged` with the fast engine, from a tokenizer folder.
-
-    ``threads``: the engine's worker threads (default: the engine's own choice, all cores; ``1`` where
-    ``TOKENIZERS_PARALLELISM=false``, which the pipeline sets in its worker processes).
-    """
+    """Batch encoding of strings to a :class:`Ragged` with the fast engine, from a tokenizer folder; ``threads``:
+    the engine's worker threads (:func:`set_engine_threads`)."""
 
     def __init__(
         self, tokenizer_dir: str, threads: int | None = None, *, facts: Any = None, native: Any = None

@@ -189,9 +189,7 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> Choice:
         )
     load = bt.background_load
     texts = adversarial.adversarial_texts(facts.specials)
-    # a passing verdict on this fixed set, recorded by an earlier run for the same tokenizer, kind, reference,
-    # form of the engine's file and versions, is taken as it is (packtools.pipeline.tokenizer.proof_cache); the per-part
-    # proof of the data still runs
+    # a passing verdict on this fixed set recorded by an earlier run (proof_cache) is taken as it is
     kind = "messages" if bt.fmt == "messages" else "text"
     source = load.source if load is not None else "tokenizer.json"
     verdict = proof_cache.verdict_path(bt.fingerprint, kind, bt.reference_engine, texts, source=source)

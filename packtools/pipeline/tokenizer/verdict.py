@@ -50,8 +50,7 @@ def basis(
     """What a verdict rests on: the content of every tokenizer file, the format, the requested engine with
     the installed engine's version (:func:`packtools.pipeline.tokenizer.fast.engine_key`), the ``parts`` whose
     first rows it was proven on (path, size, mtime, range) and ``ids``, the run's
-    :meth:`packtools.pipeline.tokenizer.spec.IdsSpec.key` (library versions, packtools' sources, add-EOS, on-unencodable,
-    audit rate): a rerun after an upgrade proves the engine again instead of reusing the old verdict."""
+    :meth:`packtools.pipeline.tokenizer.spec.IdsSpec.key`: a rerun after an upgrade proves the engine again."""
     from .fast import engine_key
     from .folder import tokenizer_file_hashes
 

@@ -3,10 +3,9 @@ them (BOS included), which a turn-aware split (:mod:`packtools.pipeline.turn_spl
 every piece but the first.
 
 The head is the rendering of ``messages[:k]`` (``k`` leading ``system`` messages, no generation prompt),
-tokenized like the whole conversation, and kept only where those ids are the first ids of the whole
-conversation's: a template that renders a system turn alone differently (or refuses it), or a tokenization
-that merges across the boundary, gives a head of 0 (the pieces then carry nothing).  A conversation without a
-leading system message has a head of 0.
+tokenized like the whole conversation; it is 0 (the pieces then carry nothing) without a leading system message
+or where those ids are not the first of the whole conversation's (a template that renders a system turn alone
+differently or refuses it, a tokenization that merges across the boundary).
 
 >>> class R:
 ...     def render(self, conv, prompt): return "".join(f"<{m['role']}>{m['content']}" for m in conv)
