@@ -115,6 +115,7 @@ class ChatTokens:
             mine = ChatRenderer(template, specials)
         except Exception as exc:  # noqa: BLE001 - jinja2 missing or a template it does not compile
             return self._transformers(f"jinja2 cannot compile it here: {type(exc).__name__}: {exc}")
+        tags = bool(chat_labels.GENERATION_TAG.search(template))
         texts = adversarial.adversarial_texts(list(specials.values()))
         convs = adversarial.adversarial_conversations(texts) + TYPED_CONVERSATIONS
         versions = dict(library_versions())
@@ -130,7 +131,7 @@ class ChatTokens:
             elif specials != tok.special_tokens_map:
                 why = f"transformers passes other special tokens ({tok.special_tokens_map})"
             else:
-                theirs, tags = TransformersRenderer(tok), self.generation_tags(mine)
+                theirs = TransformersRenderer(tok)
                 why = render_difference(mine, theirs, convs, tags) or render_difference(
                     mine, theirs, convs[:3] + TYPED_CONVERSATIONS, tags, TYPED_TOOLS
                 )
@@ -142,7 +143,7 @@ class ChatTokens:
             f"jinja2 {versions['jinja2']} (the same renderings as transformers' apply_chat_template on "
             f"{checked.get('adversarial_conversations', 0)} adversarial conversations, every prefix)"
         )
-        if not self.generation_tags(mine):  # one render per conversation where the template allows it
+        if not tags:  # one render per conversation where the template allows it
             why_not = mine.enable_local(
                 convs, lambda conv: _first(chat_labels.incremental_spans(mine, [conv], str))
             )
@@ -159,14 +160,10 @@ class ChatTokens:
         if tools is not None or self._renderer is not None:  # None needs no renderer built for it
             self.renderer.tools = plain_value(tools)
 
-    @staticmethod
-    def generation_tags(renderer: Any) -> bool:
-        return bool(chat_labels.GENERATION_TAG.search(renderer.template or ""))
-
     @property
     def has_generation_tags(self) -> bool:
         """Whether the chat template marks assistant text with ``{% generation %}``."""
-        return self.generation_tags(self.renderer)
+        return bool(chat_labels.GENERATION_TAG.search(self.renderer.template or ""))
 
     # -- prompt + completions --------------------------------------------------------------------
     def split_rendering(self, prompt: list, completion: list, row: Row) -> tuple[str, str]:
