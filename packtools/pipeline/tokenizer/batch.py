@@ -349,26 +349,6 @@ class BatchTokenizer:
             self._reference_batch_done = True  # take_pending then waits for the load
             self.take_pending()
 
-    def _take_verdict(self, verdict: dict[str, Any]) -> None:
-        """The driver's engine for this part (:meth:`start_part`)."""
-        report = fast_engine.EngineReport.from_dict(verdict)
-        if report.engine == "transformers":
-            self._pending, self._fast = None, None  # a load still running is never taken
-        elif self._pending is None:
-            fast = self._loaded[1] or self._fast
-            self._fast = fast if fast is not None else self.load_fast()
-        self._report = report
-
-    def _fall_back(self, what: str) -> None:
-        """A proof row of an ``auto`` run differed: transformers tokenizes the rest of the part."""
-        self._fast = None
-        self._report = fast_engine.EngineReport(
-            "transformers",
-            f"fallback: the fast engine differed from transformers on the data ({what})",
-            "auto",
-            dict(self._report.checked),
-        )
-
     # -- per part ----------------------------------------------------------------------------------
     def start_part(self, seed: str, verdict: dict[str, Any] | None = None) -> None:
         """A new part (a unit of work with its own report, its audit seeded by ``seed``).  ``verdict``: the
@@ -376,10 +356,16 @@ class BatchTokenizer:
         :meth:`EngineReport.to_dict`): the part is tokenized with exactly that engine, audited, and has no proof
         rows of its own.  None (a :class:`BatchTokenizer` used directly): the part starts from the engine chosen
         at load and proves it on its first rows of each column (a difference there falls back, ``auto``)."""
-        if verdict is not None:
-            self._take_verdict(verdict)
-        else:
+        if verdict is None:
             self._report, self._fast = self._loaded
+        else:
+            report = fast_engine.EngineReport.from_dict(verdict)
+            if report.engine == "transformers":
+                self._pending, self._fast = None, None  # a load still running is never taken
+            elif self._pending is None:
+                fast = self._loaded[1] or self._fast
+                self._fast = fast if fast is not None else self.load_fast()
+            self._report = report
         self.proof.start_part(seed, proves=verdict is None)
         if self.drops is not None:
             self.drops.take()
@@ -409,8 +395,14 @@ class BatchTokenizer:
         """The fast engine gave other tokens than transformers: fall back (a proof row, auto) or stop; an
         audited row raises :class:`~packtools.pipeline.tokenizer.proof.EngineDivergence`, on which the pipeline's
         driver restages the run's fast-engine parts (auto)."""
-        if initial and self.report.requested == "auto":
-            self._fall_back(what)
+        if initial and self.report.requested == "auto":  # transformers tokenizes the rest of the part
+            self._fast = None
+            self._report = fast_engine.EngineReport(
+                "transformers",
+                f"fallback: the fast engine differed from transformers on the data ({what})",
+                "auto",
+                dict(self._report.checked),
+            )
             return
         message = (
             f"{at(first_row)}: the fast tokenizer engine gave other tokens than transformers ({what}); "

@@ -91,16 +91,13 @@ class ChatTokens:
             self._renderer = self._choose_renderer()
         return self._renderer
 
-    def _no_template(self) -> PackingError:
-        return PackingError(
-            f"conversational data needs a chat template, and the tokenizer in {self.bt.tokenizer_dir!r} has "
-            f"none; add one (tokenizer.chat_template = ...; save_pretrained) or pass plain strings."
-        )
-
     def _transformers(self, why: str) -> TransformersRenderer:
         tok = self.bt.tok
         if not tok.chat_template:
-            raise self._no_template()
+            raise PackingError(
+                f"conversational data needs a chat template, and the tokenizer in {self.bt.tokenizer_dir!r} has "
+                f"none; add one (tokenizer.chat_template = ...; save_pretrained) or pass plain strings."
+            )
         self.render_engine = f"transformers ({why})"
         return TransformersRenderer(tok)
 
