@@ -475,7 +475,9 @@ class BatchTokenizer:
         :class:`packtools.io.files.Where` does) locates bad rows in errors.  An exception raised by the
         tokenizer or its chat template is turned into a :class:`PackingError` naming the first row that raises it."""
         try:
-            return self._tokenize(table, first_row)
+            if "tools" in table.column_names:
+                return by_tools(self, table, first_row)
+            return self.tokenize_rows(table, first_row)
         except PackingError:
             raise
         except Exception as exc:  # noqa: BLE001 - a template or tokenizer error: find the row that raises it
@@ -578,11 +580,6 @@ class BatchTokenizer:
             chat.clean_messages(c, "messages", shift(first_row, i))
             for i, c in enumerate(cells(table, "messages"))
         ]
-
-    def _tokenize(self, table: pa.Table, first_row: Row) -> pa.Table:
-        if "tools" in table.column_names:
-            return by_tools(self, table, first_row)
-        return self.tokenize_rows(table, first_row)
 
     def tokenize_rows(self, table: pa.Table, first_row: Row) -> pa.Table:
         """The token table of a batch without a ``tools`` column (:func:`by_tools` splits by it)."""

@@ -102,14 +102,6 @@ class Proof:
         return out
 
 
-def proof_reason(audit_rate: float) -> str:
-    return (
-        f"byte-level BPE; identical ids to transformers on the built-in adversarial set; in every run the first "
-        f"{fast_engine.PROOF_ROWS} rows of each column and a random {audit_rate:.4g} of the rows after them are "
-        f"compared as they are tokenized"
-    )
-
-
 @dataclass(frozen=True)
 class Choice:
     """What :func:`choose_engine` or :func:`adopt` decided, for the tokenizer to take
@@ -200,8 +192,13 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> Choice:
         recorded = proof_cache.load(
             proof_cache.verdict_path(bt.fingerprint, kind, "transformers", texts, source=source)
         )
+    reason = (
+        f"byte-level BPE; identical ids to transformers on the built-in adversarial set; in every run the first "
+        f"{fast_engine.PROOF_ROWS} rows of each column and a random {bt.proof.audit_rate:.4g} of the rows after "
+        f"them are compared as they are tokenized"
+    )
     report = fast_engine.EngineReport(
-        f"{fast_engine.ENGINE_MODULE} {version}", proof_reason(bt.proof.audit_rate), requested, recorded or {}
+        f"{fast_engine.ENGINE_MODULE} {version}", reason, requested, recorded or {}
     )
     overlap = not bt.wait_for_engine and requested == "auto"
     if recorded is not None and load is not None and overlap and load.overlaps():
