@@ -114,9 +114,8 @@ class BatchTokenizer:
         try:  # the started child waits for its texts: a load failing before they are handed over stops it
             # tokenizer.json's facts, recorded by an earlier run; the fast engine loads in a background thread
             self._facts = facts = load_facts(tokenizer_dir, fp)
-            #: tokens transformers adds from the folder's other files (added_tokens.json, tokenizer_config.json,
-            #: special_tokens_map.json) that tokenizer.json lacks: neither the tokenizers library nor the fast
-            #: engine knows them, so transformers itself tokenizes (choose_engine says why)
+            #: tokens transformers adds that tokenizer.json lacks (:func:`.folder.added_tokens_outside`): then
+            #: transformers itself tokenizes (choose_engine says why)
             self.added_outside = (
                 added_tokens_outside(tokenizer_dir, facts.specials) if facts is not None else []
             )

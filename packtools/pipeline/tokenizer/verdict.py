@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -75,18 +76,14 @@ def decide(tok: Any, parts: Sequence[Part], fmt: str) -> dict[str, Any]:
     for part in parts:
         if need <= 0 or tok.fast is None:
             break
-        read = iter_part(part, 1000, input_columns(fmt) + optional_columns(fmt))  # tools too, as staged
-        try:
+        columns = input_columns(fmt) + optional_columns(fmt)  # tools too, as staged
+        with contextlib.closing(iter_part(part, 1000, columns)) as read:
             for where, table in read:
                 table = table.slice(0, need)
                 tok(table, where)
                 need -= table.num_rows
                 if need <= 0 or tok.fast is None:
                     break
-        finally:
-            close = getattr(read, "close", None)
-            if close is not None:
-                close()
     verdict = tok.report.to_dict()
     checked = tok.proof.checked()
     verdict["checked"] = {**verdict["checked"], "data_proof_rows": checked["proof_rows"]}
