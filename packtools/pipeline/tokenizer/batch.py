@@ -310,14 +310,11 @@ class BatchTokenizer:
             self._fast = before
 
     def take_pending(self) -> None:
-        """At a batch of a tokenizer made with ``wait_for_engine=False`` whose adversarial verdict was a recorded
-        one taken while the fast engine (of a large vocabulary:
-        :meth:`~packtools.pipeline.tokenizer.load.FastLoad.overlaps`) was still loading: the engine becomes the
-        fast one once its load has finished, and the per-part proof then compares the first rows *it* tokenizes
-        of each column.  The first batch, if the load is still running, goes to the reference (exact by
-        definition: its ids are the ones compared against), counted in the part's ``batches_on_transformers``
-        with the reason; a later batch waits for the load.  A failed load falls back to transformers for the
-        run, saying why."""
+        """At a batch, while the fast engine's load that :func:`~packtools.pipeline.tokenizer.proof.choose_engine`
+        left running (``wait_for_engine=False``) is pending: the engine becomes the fast one once its load has
+        finished, and the per-part proof then compares the first rows *it* tokenizes.  The first batch, if the
+        load is still running, goes to the reference (counted in ``batches_on_transformers``, with the reason);
+        a later batch waits for the load.  A failed load falls back to transformers for the run, saying why."""
         load = self._pending
         if load is None:
             return
