@@ -10,7 +10,7 @@ out, how often and in which rows, for the summary and the manifest, or stops the
 ...         "pre_tokenizer": {"type": "ByteLevel"}}
 >>> missing_bytes(spec)
 [9]
->>> c = DropCounter.from_spec(spec)
+>>> c = DropCounter(missing_bytes(spec))
 >>> c.scan(["a\\tb\\t", "no tab"], lambda i: f"row {i}")
 >>> c.report()["chars"], c.report()["rows"]
 ({'\\\\t': 2}, 1)
@@ -101,14 +101,6 @@ class DropCounter:
         self.chars: dict[str, int] = {}
         self.rows = 0
         self.first_rows: list[str] = []
-
-    @classmethod
-    def from_spec(cls, spec: dict[str, Any], on_unencodable: str = "report") -> DropCounter | None:
-        missing = missing_bytes(spec)
-        if not missing:
-            return None
-        specials = [a.get("content", "") for a in spec.get("added_tokens", [])]
-        return cls(missing, specials, on_unencodable)
 
     def _hits(self, text: str) -> bytes:
         return text.encode("utf-8", "surrogatepass").translate(None, self._keep)
