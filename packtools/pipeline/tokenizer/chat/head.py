@@ -103,18 +103,13 @@ def closing_ids(renderer: Any, encode: Callable[[list[str]], Ragged]) -> np.ndar
     return np.asarray(got.values[got.offsets[0] : got.offsets[1]], np.int64)
 
 
-#: a tool result after a call; its content is a marker found in the rendering
+#: the content of the message that follows the probe's assistant message: a marker found in the rendering
 _TOOL_MARK = "zqxj"
-_TOOL_PROBE = [
-    {"role": "user", "content": "a"},
-    {"role": "assistant", "content": "b"},
-    {"role": "tool", "content": _TOOL_MARK},
-]
 
 
 def _opener(renderer: Any, role: str) -> str | None:
     """What the template writes before a ``role`` message's content that follows an assistant message."""
-    conv = [*_TOOL_PROBE[:2], {"role": role, "content": _TOOL_MARK}]
+    conv = [*_PROBE[:2], {"role": role, "content": _TOOL_MARK}]
     upto = renderer.render(conv[:2], False)
     text = renderer.render(conv, False)
     if not text.startswith(upto) or text.count(_TOOL_MARK) != 1:
