@@ -186,12 +186,10 @@ _PER_PART = frozenset({"rows_checked", "proof_rows", "batches_on_transformers"})
 
 
 class FastEncoder:
-    """Batch encoding of strings to a :class:`Ragged` with the fast engine, from a tokenizer folder; ``threads``:
-    the engine's worker threads (:func:`set_engine_threads`)."""
+    """Batch encoding of strings to a :class:`Ragged` with the fast engine, from a tokenizer folder (or the
+    engine's ``native`` tokenizer, loaded already)."""
 
-    def __init__(
-        self, tokenizer_dir: str, threads: int | None = None, *, facts: Any = None, native: Any = None
-    ) -> None:
+    def __init__(self, tokenizer_dir: str, *, facts: Any = None, native: Any = None) -> None:
         if native is None:
             try:
                 import fastokens
@@ -200,7 +198,7 @@ class FastEncoder:
                     "the fast tokenizer engine needs the optional dependency 'fastokens'. Install it with: "
                     "pip install 'packtools[fast]'"
                 ) from exc
-            set_engine_threads(threads)
+            set_engine_threads(None)
             native = fastokens.Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
         self._tok = native
         # transformers' __call__ ignores the file's truncation and padding blocks (save_pretrained writes them
@@ -212,7 +210,6 @@ class FastEncoder:
             self._byte_lengths, self.nfc = byte_lengths_of(spec), has_nfc(spec)
         else:  # a packtools.pipeline.tokenizer.load.TokenizerFacts
             self._byte_lengths, self.nfc = facts.byte_lengths, facts.nfc
-        # (nfc: offsets follow the text only where it is already NFC)
 
     def encode(self, texts: list[str], special: bool) -> Ragged:
         """Token ids of ``texts``; ``special`` adds the tokenizer's special tokens (e.g. BOS), like transformers."""

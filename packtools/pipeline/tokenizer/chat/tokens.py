@@ -70,11 +70,6 @@ class TransformersRenderer:
         return texts[0], [tuple(s) for s in spans[0]]
 
 
-def _first(rendered: tuple[list[str], list[list[tuple[int, int]]]]) -> tuple[str, list[tuple[int, int]]]:
-    """The one conversation's ``(text, spans)`` of :func:`chat_labels.incremental_spans` over a list of one."""
-    return rendered[0][0], rendered[1][0]
-
-
 class ChatTokens:
     """Chat rendering, tokenizing and labelling for one :class:`BatchTokenizer` ``bt``."""
 
@@ -141,9 +136,12 @@ class ChatTokens:
             f"{checked.get('adversarial_conversations', 0)} adversarial conversations, every prefix)"
         )
         if not tags:  # one render per conversation where the template allows it
-            why_not = mine.enable_local(
-                convs, lambda conv: _first(chat_labels.incremental_spans(mine, [conv], str))
-            )
+
+            def prefix_spans(conv: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
+                (text,), (spans,) = chat_labels.incremental_spans(mine, [conv], str)
+                return text, spans
+
+            why_not = mine.enable_local(convs, prefix_spans)
             self.render_engine += (
                 "; one render per conversation (its loop body reads its message, its position and the first "
                 "message only; the same spans as prefix renders on the adversarial conversations)"
