@@ -292,9 +292,7 @@ class ChatTokens:
                 )
         if parts[0] is None:
             return parts[1]
-        position = np.empty(len(convs), np.int64)
-        position[fast_rows] = np.arange(len(fast_rows))
-        position[slow_rows] = len(fast_rows) + np.arange(len(slow_rows))
+        position = np.argsort(np.concatenate([fast_rows, slow_rows]))  # each row's place in the parts
         ids, labels = (ragged.select(ragged.stack_rows([parts[0][k], parts[1][k]]), position) for k in (0, 1))
         return ids, labels
 

@@ -190,6 +190,5 @@ def by_tools(bt: Any, table: pa.Table, first_row: Row) -> pa.Table:
             order += rows
     finally:
         bt.chat.set_tools(None)
-    back = np.empty(len(order), np.int64)
-    back[np.asarray(order, np.int64)] = np.arange(len(order))
+    back = np.argsort(np.asarray(order, np.int64))  # each row's place among the groups' rows
     return pa.concat_tables(parts).take(back).combine_chunks()
