@@ -112,7 +112,6 @@ class BatchTokenizer:
             else None
         )
         try:  # the started child waits for its texts: a load failing before they are handed over stops it
-            # tokenizer.json's facts, recorded by an earlier run; the fast engine loads in a background thread
             self._facts = facts = load_facts(tokenizer_dir, fp)
             #: tokens transformers adds that tokenizer.json lacks (:func:`.folder.added_tokens_outside`): then
             #: transformers itself tokenizes (choose_engine says why)

@@ -136,12 +136,8 @@ class EngineReport:
     @classmethod
     def from_dict(cls, report: dict[str, Any]) -> EngineReport:
         """The report :meth:`to_dict` gave (the driver's choice or verdict, handed to a worker or a part)."""
-        return cls(
-            report["engine"],
-            report["reason"],
-            report.get("requested", "auto"),
-            dict(report.get("checked", {})),
-        )
+        requested, checked = report.get("requested", "auto"), dict(report.get("checked", {}))
+        return cls(report["engine"], report["reason"], requested, checked)
 
 
 def engine_summary(reports: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
