@@ -117,11 +117,9 @@ class Choice:
 
 
 def choose_engine(bt: Any, requested: str, facts: Any) -> Choice:
-    """The engine for :class:`~packtools.pipeline.tokenizer.batch.BatchTokenizer` ``bt`` (the fast one in
-    :attr:`Choice.fast` when it is chosen); ``facts``: the
-    :class:`~packtools.pipeline.tokenizer.load.TokenizerFacts` of its tokenizer.json (None when it could not be
-    read).  The fast engine comes from ``bt``'s background load
-    (:class:`~packtools.pipeline.tokenizer.load.FastLoad`) when one was started."""
+    """The engine for :class:`~packtools.pipeline.tokenizer.batch.BatchTokenizer` ``bt`` (the fast one, from
+    ``bt.load_fast``, in :attr:`Choice.fast` when it is chosen); ``facts``: the
+    :class:`~packtools.pipeline.tokenizer.load.TokenizerFacts` of its tokenizer.json (None when unreadable)."""
     source: str | None = None
     recorded: dict[str, int] | None = None
 

@@ -51,9 +51,8 @@ def incremental_spans(
 ) -> tuple[list[str], list[list[tuple[int, int]]]]:
     """Rendered conversations and the character span of every assistant turn (incremental rendering) by
     ``renderer`` (``render_prefixes(conv, cuts)``: ``render(conv[:k], prompt)`` per cut, lazily); ``where(i)`` names
-    conversation ``i`` in errors.  The rendering of the whole conversation is reused for its last turn (no
-    render of the same text twice); a renderer with ``local`` set renders each conversation once
-    (``local_spans``, :mod:`packtools.pipeline.tokenizer.chat.local`) and prefixes only where that returns None."""
+    conversation ``i`` in errors.  A renderer with ``local`` set renders each conversation once (``local_spans``,
+    :mod:`packtools.pipeline.tokenizer.chat.local`) and prefixes only where that returns None."""
     texts, spans = [], []
     render_prefixes = renderer.render_prefixes
     local = renderer.local_spans if getattr(renderer, "local", None) is not None else None

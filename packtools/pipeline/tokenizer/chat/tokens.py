@@ -283,13 +283,11 @@ class ChatTokens:
         parts = []
         for rows in (fast_rows, slow_rows):
             sub = [convs[i] for i in rows], ([rendered[0][i] for i in rows], [rendered[1][i] for i in rows])
+            named = lambda i=0, rows=rows: _at(first_row, int(rows[i]))  # noqa: E731 - rows of the batch
             if rows is fast_rows:
-                named = lambda i=0, rows=rows: _at(first_row, int(rows[i]))  # noqa: E731 - rows of the batch
                 parts.append(self._fast_labels(sub[0], sub[1], named) if len(rows) else None)
             else:
-                parts.append(
-                    self.reference(sub[0], lambda i, rows=rows: _at(first_row, int(rows[i])), sub[1])
-                )
+                parts.append(self.reference(sub[0], named, sub[1]))
         if parts[0] is None:
             return parts[1]
         position = np.argsort(np.concatenate([fast_rows, slow_rows]))  # each row's place in the parts
