@@ -55,7 +55,7 @@ def _strings(table: pa.Table, name: str, first_row: Row, values: list | None = N
 
 
 class BatchTokenizer:
-    """Turns a table of raw rows into token columns (see the module docstring for each format).
+    """Turns a table of raw rows into token columns (what each format becomes: :mod:`packtools.pipeline.formats`).
 
     Built from the tokenizer *directory*; worker processes build their own from the same arguments, with
     ``proven`` the driver's engine choice (:meth:`EngineReport.to_dict`), which they take without choosing again.
@@ -564,10 +564,8 @@ class BatchTokenizer:
         """``texts`` encoded as a rendered conversation is, without the proof's bookkeeping (chat.head keeps an
         encoding only where it starts the conversation's proven ids)."""
         if self.fast is not None:
-            try:
+            with contextlib.suppress(Exception):  # an engine error: the reference encodes them
                 return self.fast.encode(texts, False)
-            except Exception:  # noqa: BLE001, S110 - the reference encodes them
-                pass
         return ragged.from_lists(self.reference_ids(texts, False))
 
     def _conversations(self, table: pa.Table, first_row: Row) -> list[list[dict[str, Any]]]:

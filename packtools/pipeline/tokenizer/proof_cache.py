@@ -17,6 +17,7 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -103,9 +104,6 @@ def load(path: str | None) -> dict[str, int] | None:
 
 def record(path: str | None, checked: dict[str, Any]) -> None:
     """Record a passing verdict (best effort: an unwritable cache only means the proof runs again next time)."""
-    if path is None:
-        return
-    try:
-        write_verdict(path, {"same": True, "checked": checked, **_versions()})
-    except OSError:
-        return
+    if path is not None:
+        with contextlib.suppress(OSError):
+            write_verdict(path, {"same": True, "checked": checked, **_versions()})

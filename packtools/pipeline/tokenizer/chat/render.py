@@ -18,6 +18,7 @@ otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -306,10 +307,8 @@ class ChatRenderer:
         self.local = None
         wants = []
         for conv in convs:  # the rule by prefix renders, before the one-render path is on
-            try:
+            with contextlib.suppress(Exception):  # a conversation the rule refuses: the fallback raises it
                 wants.append((conv, prefix_spans(conv)))
-            except Exception:  # noqa: BLE001 - a conversation the rule refuses: the fallback raises it
-                continue
         try:
             compiled = self._env.from_string(tree, globals={chat_local.MARK: self._track})
             instrumented = (compiled, dict(compiled.globals))
