@@ -85,8 +85,7 @@ def decide(tok: Any, parts: Sequence[Part], fmt: str) -> dict[str, Any]:
                 if need <= 0 or tok.fast is None:
                     break
     verdict = tok.report.to_dict()
-    checked = tok.proof.checked()
-    verdict["checked"] = {**verdict["checked"], "data_proof_rows": checked["proof_rows"]}
+    verdict["checked"] = {**verdict["checked"], "data_proof_rows": tok.proof.proof_rows}
     if tok.drops is not None:
         tok.drops.take()  # the proof's rows are counted again by the part that stages them
     return verdict
