@@ -117,7 +117,7 @@ def test_missing_bytes_are_found_and_counted(tok_noalpha, tok_bl):
     spec = fast_tokenize.read_spec(tok_noalpha)
     assert 9 in missing_bytes(spec)
     assert missing_bytes(fast_tokenize.read_spec(tok_bl)) == []  # control: the full alphabet
-    counter = DropCounter.from_spec(spec)
+    counter = DropCounter(missing_bytes(spec), [a["content"] for a in spec["added_tokens"]])
     counter.scan(["a\tb\t", "plain", f"x{EOS}"], lambda i: f"row {i}")
     rep = counter.report()
     assert rep["chars"]["\\t"] == 2 and rep["rows"] == 1 and rep["first_rows"] == ["row 0"]

@@ -2,9 +2,7 @@
 
 The fast engine (:mod:`packtools.pipeline.tokenizer.fast`) is compared with transformers on it before it may
 tokenize a run (:func:`packtools.pipeline.tokenizer.proof.choose_engine`); so is the lite reference
-(:mod:`packtools.pipeline.tokenizer.reference`) and the chat renderer.  It holds unicode, whitespace runs, digits,
-special-token strings, empty texts, one text longer than usual truncation, and characters where regex engines'
-character classes disagree (:data:`REGEX_CLASS_CHARS`, issue 29's S4) next to words.
+(:mod:`packtools.pipeline.tokenizer.reference`) and the chat renderer.  What it holds: ``docs/tokenize.md``.
 """
 
 from __future__ import annotations

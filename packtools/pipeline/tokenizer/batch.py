@@ -1,10 +1,8 @@
 """Batched tokenization of raw rows into aligned Arrow token columns (extra ``packtools[hf]``); what each format
-becomes is in :mod:`packtools.pipeline.formats`.  Tokenization uses the fast tokenizer's batch API (Rust); the
-pipeline can also spread batches over processes (``--num-proc``).  With ``engine="auto"`` (the default) a
-byte-level BPE tokenizer is run by the exact engine of :mod:`packtools.pipeline.tokenizer.fast` once it has given
-the same ids (and assistant masks) as transformers on a built-in adversarial set; :mod:`~.proof` compares
-it on the first rows of each column of every part and a random sample of the rest.  ``report`` says which engine
-ran and why; characters the tokenizer cannot encode are counted (:mod:`packtools.pipeline.tokenizer.char_drops`).
+becomes is in :mod:`packtools.pipeline.formats`.  ``report`` says which engine ran and why: the exact engine of
+:mod:`packtools.pipeline.tokenizer.fast` once :mod:`~.proof` has proven it, else transformers (the engines and
+their proof: ``docs/tokenize.md``); characters the tokenizer cannot encode are counted
+(:mod:`packtools.pipeline.tokenizer.char_drops`).
 
 >>> BatchTokenizer("tok", "tokenized")
 Traceback (most recent call last):
@@ -32,6 +30,7 @@ from ..formats import FORMATS, Row, at, input_columns, shift
 from . import adversarial, reference, reference_check
 from . import fast as fast_engine
 from .char_drops import DropCounter, check_on_unencodable
+from .chat import head as chat_head
 from .chat import tokens as chat
 from .chat.values import by_tools
 from .folder import added_tokens_outside, load_tokenizer, tokenizer_fingerprint
@@ -56,13 +55,12 @@ def _strings(table: pa.Table, name: str, first_row: Row, values: list | None = N
 
 
 class BatchTokenizer:
-    """Turns a table of raw rows into token columns (see the module docstring for each format).
+    """Turns a table of raw rows into token columns (what each format becomes: :mod:`packtools.pipeline.formats`).
 
     Built from the tokenizer *directory*; worker processes build their own from the same arguments, with
     ``proven`` the driver's engine choice (:meth:`EngineReport.to_dict`), which they take without choosing again.
-    ``on_unencodable``: ``report`` counts characters the tokenizer cannot encode (transformers leaves them out of
-    the ids; see :mod:`packtools.pipeline.tokenizer.char_drops`), ``error`` stops at the first one.  ``wait_for_engine``:
-    see :meth:`take_pending` (the pipeline passes False).  ``input_bytes``: the run's raw input size when
+    ``on_unencodable``: ``report`` counts characters the tokenizer cannot encode (:mod:`~.char_drops`), ``error``
+    stops at the first one.  ``wait_for_engine``: see :meth:`take_pending` (the pipeline passes False).  ``input_bytes``: the run's raw input size when
     known; with ``wait_for_engine=False`` a small input of a large vocabulary is tokenized by the reference
     alone (:func:`packtools.pipeline.tokenizer.load.reference_suffices`).
 
@@ -114,11 +112,9 @@ class BatchTokenizer:
             else None
         )
         try:  # the started child waits for its texts: a load failing before they are handed over stops it
-            # tokenizer.json's facts, recorded by an earlier run; the fast engine loads in a background thread
             self._facts = facts = load_facts(tokenizer_dir, fp)
-            #: tokens transformers adds from the folder's other files (added_tokens.json, tokenizer_config.json,
-            #: special_tokens_map.json) that tokenizer.json lacks: neither the tokenizers library nor the fast
-            #: engine knows them, so transformers itself tokenizes (choose_engine says why)
+            #: tokens transformers adds that tokenizer.json lacks (:func:`.folder.added_tokens_outside`): then
+            #: transformers itself tokenizes (choose_engine says why)
             self.added_outside = (
                 added_tokens_outside(tokenizer_dir, facts.specials) if facts is not None else []
             )
@@ -128,9 +124,7 @@ class BatchTokenizer:
                 tokenizer_dir, fp, facts, fmt, "transformers" if skip else requested
             )
             # transformers' ids from the tokenizers library alone where a recorded check says they are the same
-            # (packtools.pipeline.tokenizer.reference): importing transformers costs seconds a run.  Never when transformers
-            # is asked for, never where transformers adds tokens tokenizer.json lacks; from the fast engine's copy of
-            # tokenizer.json only where it was recorded identical to it, with its SHA-256 (it loads 30% faster)
+            # (reference.load_verified): never when transformers is asked for or adds tokens tokenizer.json lacks
             copy = compact_file(fp)
             lite = (
                 reference.load_verified(tokenizer_dir, fp, copy)
@@ -154,8 +148,7 @@ class BatchTokenizer:
         self.backend = backend  # the reference tokenizer (offsets of chat tokens: packtools.pipeline.tokenizer.chat.tokens)
         self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
         self.wait_for_engine = wait_for_engine
-        # the engine's state: assigned only by the transitions below (choose, adopt a verdict, take the
-        # pending load, fall back, start a part), read through the properties fast, report and pending
+        # the engine's state: assigned only by its transitions (class docstring)
         self._fast: fast_engine.FastEncoder | None = None
         self._pending: FastLoad | None = None  # the fast engine still loading (take_pending)
         self._reference_batch_done = False  # the one batch the reference tokenizes while the engine loads
@@ -264,11 +257,6 @@ class BatchTokenizer:
             self._tok(["x"], add_special_tokens=True)
         return self._tok
 
-    @property
-    def has_generation_tags(self) -> bool:
-        """Whether the chat template marks assistant text with ``{% generation %}`` (:mod:`.chat`)."""
-        return self.chat.has_generation_tags
-
     # -- the engine: its state and every change of it ------------------------------------------------
     @property
     def fast(self) -> fast_engine.FastEncoder | None:
@@ -321,14 +309,11 @@ class BatchTokenizer:
             self._fast = before
 
     def take_pending(self) -> None:
-        """At a batch of a tokenizer made with ``wait_for_engine=False`` whose adversarial verdict was a recorded
-        one taken while the fast engine (of a large vocabulary:
-        :meth:`~packtools.pipeline.tokenizer.load.FastLoad.overlaps`) was still loading: the engine becomes the
-        fast one once its load has finished, and the per-part proof then compares the first rows *it* tokenizes
-        of each column.  The first batch, if the load is still running, goes to the reference (exact by
-        definition: its ids are the ones compared against), counted in the part's ``batches_on_transformers``
-        with the reason; a later batch waits for the load.  A failed load falls back to transformers for the
-        run, saying why."""
+        """At a batch, while the fast engine's load that :func:`~packtools.pipeline.tokenizer.proof.choose_engine`
+        left running (``wait_for_engine=False``) is pending: the engine becomes the fast one once its load has
+        finished, and the per-part proof then compares the first rows *it* tokenizes.  The first batch, if the
+        load is still running, goes to the reference (counted in ``batches_on_transformers``, with the reason);
+        a later batch waits for the load.  A failed load falls back to transformers for the run, saying why."""
         load = self._pending
         if load is None:
             return
@@ -359,31 +344,6 @@ class BatchTokenizer:
             self._reference_batch_done = True  # take_pending then waits for the load
             self.take_pending()
 
-    def _take_verdict(self, verdict: dict[str, Any]) -> None:
-        """The driver's engine for this part (:meth:`start_part`)."""
-        report = fast_engine.EngineReport(
-            verdict["engine"],
-            verdict["reason"],
-            verdict.get("requested", "auto"),
-            dict(verdict.get("checked", {})),
-        )
-        if report.engine == "transformers":
-            self._pending, self._fast = None, None  # a load still running is never taken
-        elif self._pending is None:
-            fast = self._loaded[1] or self._fast
-            self._fast = fast if fast is not None else self.load_fast()
-        self._report = report
-
-    def _fall_back(self, what: str) -> None:
-        """A proof row of an ``auto`` run differed: transformers tokenizes the rest of the part."""
-        self._fast = None
-        self._report = fast_engine.EngineReport(
-            "transformers",
-            f"fallback: the fast engine differed from transformers on the data ({what})",
-            "auto",
-            dict(self._report.checked),
-        )
-
     # -- per part ----------------------------------------------------------------------------------
     def start_part(self, seed: str, verdict: dict[str, Any] | None = None) -> None:
         """A new part (a unit of work with its own report, its audit seeded by ``seed``).  ``verdict``: the
@@ -391,10 +351,16 @@ class BatchTokenizer:
         :meth:`EngineReport.to_dict`): the part is tokenized with exactly that engine, audited, and has no proof
         rows of its own.  None (a :class:`BatchTokenizer` used directly): the part starts from the engine chosen
         at load and proves it on its first rows of each column (a difference there falls back, ``auto``)."""
-        if verdict is not None:
-            self._take_verdict(verdict)
-        else:
+        if verdict is None:
             self._report, self._fast = self._loaded
+        else:
+            report = fast_engine.EngineReport.from_dict(verdict)
+            if report.engine == "transformers":
+                self._pending, self._fast = None, None  # a load still running is never taken
+            elif self._pending is None:
+                fast = self._loaded[1] or self._fast
+                self._fast = fast if fast is not None else self.load_fast()
+            self._report = report
         self.proof.start_part(seed, proves=verdict is None)
         if self.drops is not None:
             self.drops.take()
@@ -424,8 +390,14 @@ class BatchTokenizer:
         """The fast engine gave other tokens than transformers: fall back (a proof row, auto) or stop; an
         audited row raises :class:`~packtools.pipeline.tokenizer.proof.EngineDivergence`, on which the pipeline's
         driver restages the run's fast-engine parts (auto)."""
-        if initial and self.report.requested == "auto":
-            self._fall_back(what)
+        if initial and self.report.requested == "auto":  # transformers tokenizes the rest of the part
+            self._fast = None
+            self._report = fast_engine.EngineReport(
+                "transformers",
+                f"fallback: the fast engine differed from transformers on the data ({what})",
+                "auto",
+                dict(self._report.checked),
+            )
             return
         message = (
             f"{at(first_row)}: the fast tokenizer engine gave other tokens than transformers ({what}); "
@@ -434,10 +406,6 @@ class BatchTokenizer:
         if initial:
             raise PackingError(message, param="tokenizer_engine")
         raise EngineDivergence(message, f"{at(first_row)}: {what}")
-
-    def _engine_error(self, exc: Exception, texts: list[str], special: bool, first_row: Row) -> None:
-        """The fast engine raised on a batch: transformers tokenizes it (auto), or stop naming the row (fast)."""
-        engine_error(self, exc, texts, special, first_row)
 
     # -- building blocks -------------------------------------------------------------------------
     def encode(self, texts: list[str], special: bool, first_row: Row = 0, column: str = "text") -> Ragged:
@@ -449,7 +417,7 @@ class BatchTokenizer:
             try:
                 got = self.fast.encode(texts, special)
             except Exception as exc:  # noqa: BLE001 - e.g. a regex limit on a pathological row
-                self._engine_error(exc, texts, special, first_row)
+                engine_error(self, exc, texts, special, first_row)
                 return ragged.from_lists(self.reference_ids(texts, special))
             rows, proof = self.proof.sample(column, len(texts))
             ref = self.reference_ids([texts[i] for i in rows], special)
@@ -488,7 +456,6 @@ class BatchTokenizer:
     def _prompt_and_completions(self, table: pa.Table, names: Sequence[str], first_row: Row) -> list[Ragged]:
         """Tokenized prompt (first) and completions (the others) of prompt-completion or preference rows."""
         prompts = cells(table, "prompt")
-        # conversational rows (packtools.pipeline.tokenizer.chat.tokens)
         if prompts and isinstance(prompts[0], list):
             return self.chat.prompt_and_completions(table, prompts, names, first_row)
         parts = [self.encode(_strings(table, "prompt", first_row, prompts), True, first_row, "prompt")]
@@ -497,17 +464,15 @@ class BatchTokenizer:
             parts.append(ragged.append_to_rows(done, self._eos_id()) if self.add_eos else done)
         return parts
 
-    def compare_labels(self, convs: list, rows: Sequence[int], first_row: Row) -> tuple[int, str] | None:
-        """Where the fast chat path first differs from the reference on ``rows`` of ``convs`` (:mod:`.chat`)."""
-        return self.chat.compare_labels(convs, rows, first_row)
-
     # -- entry point -----------------------------------------------------------------------------
     def __call__(self, table: pa.Table, first_row: Row = 0) -> pa.Table:
         """Tokenize one batch; ``first_row`` (the batch's first row number, or a callable naming row ``i`` as
         :class:`packtools.io.files.Where` does) locates bad rows in errors.  An exception raised by the
         tokenizer or its chat template is turned into a :class:`PackingError` naming the first row that raises it."""
         try:
-            return self._tokenize(table, first_row)
+            if "tools" in table.column_names:
+                return by_tools(self, table, first_row)
+            return self.tokenize_rows(table, first_row)
         except PackingError:
             raise
         except Exception as exc:  # noqa: BLE001 - a template or tokenizer error: find the row that raises it
@@ -575,43 +540,32 @@ class BatchTokenizer:
     ) -> pa.Table:
         """The ``input_ids`` and assistant-only ``labels`` of conversations (``rendered``: taken ahead), and each
         one's head (:mod:`packtools.pipeline.tokenizer.chat.head`; the stage keeps it in its sidecar)."""
-        from .chat.head import (
-            CLOSING_KEY,
-            HEAD_COLUMN,
-            TOOL_OPENER_KEY,
-            closing_ids,
-            head_lengths,
-            tool_opener_ids,
-        )
-
         ids, labels = self.chat.assistant_labels(convs, first_row, rendered)
-        heads = head_lengths(self.chat.renderer, self._encode_plain, convs, ids)
+        heads = chat_head.head_lengths(self.chat.renderer, self._encode_plain, convs, ids)
         table = pa.table(
             {
                 "input_ids": ragged.to_arrow(ids),
                 "labels": ragged.to_arrow(labels),
-                HEAD_COLUMN: pa.array(heads),
+                chat_head.HEAD_COLUMN: pa.array(heads),
             }
         )
         meta = {}
         if self.chat.has_generation_tags:  # spans end before the closing text: the stage records it
             if getattr(self, "_closing", None) is None:
-                self._closing = closing_ids(self.chat.renderer, self._encode_plain)
-            meta[CLOSING_KEY] = ",".join(map(str, self._closing)).encode()
+                self._closing = chat_head.closing_ids(self.chat.renderer, self._encode_plain)
+            meta[chat_head.CLOSING_KEY] = ",".join(map(str, self._closing)).encode()
         # a tool result stays with its call: the stage records it
         if getattr(self, "_tool_opener", None) is None:
-            self._tool_opener = tool_opener_ids(self.chat.renderer, self._encode_plain)
-        meta[TOOL_OPENER_KEY] = ",".join(map(str, self._tool_opener)).encode()
+            self._tool_opener = chat_head.tool_opener_ids(self.chat.renderer, self._encode_plain)
+        meta[chat_head.TOOL_OPENER_KEY] = ",".join(map(str, self._tool_opener)).encode()
         return table.replace_schema_metadata(meta)
 
     def _encode_plain(self, texts: list[str]) -> Ragged:
         """``texts`` encoded as a rendered conversation is, without the proof's bookkeeping (chat.head keeps an
         encoding only where it starts the conversation's proven ids)."""
         if self.fast is not None:
-            try:
+            with contextlib.suppress(Exception):  # an engine error: the reference encodes them
                 return self.fast.encode(texts, False)
-            except Exception:  # noqa: BLE001, S110 - the reference encodes them
-                pass
         return ragged.from_lists(self.reference_ids(texts, False))
 
     def _conversations(self, table: pa.Table, first_row: Row) -> list[list[dict[str, Any]]]:
@@ -619,11 +573,6 @@ class BatchTokenizer:
             chat.clean_messages(c, "messages", shift(first_row, i))
             for i, c in enumerate(cells(table, "messages"))
         ]
-
-    def _tokenize(self, table: pa.Table, first_row: Row) -> pa.Table:
-        if "tools" in table.column_names:
-            return by_tools(self, table, first_row)
-        return self.tokenize_rows(table, first_row)
 
     def tokenize_rows(self, table: pa.Table, first_row: Row) -> pa.Table:
         """The token table of a batch without a ``tools`` column (:func:`by_tools` splits by it)."""

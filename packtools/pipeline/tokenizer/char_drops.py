@@ -1,17 +1,16 @@
 """Characters a byte-level BPE tokenizer cannot encode, counted as the data is tokenized.
 
-A byte-level BPE maps every UTF-8 byte to one of 256 characters and needs a token for each of them.  One trained
-without the byte alphabet (``BpeTrainer`` without ``initial_alphabet``, common for locally trained tokenizers)
-lacks some: transformers (the ``tokenizers`` library) then silently leaves those bytes out of the ids (a tab,
-say, disappears from the training data), and the fast engine refuses the text.  The ids packtools writes stay
-transformers' ids; :class:`DropCounter` says which characters were left out, how often and in which rows, for
-the summary and the manifest, or stops the run when asked to (``on_unencodable='error'``).
+A byte-level BPE trained without the byte alphabet has no token for some bytes: transformers silently leaves
+them out of the ids, and the fast engine refuses the text (``docs/tokenize.md``, *Characters the tokenizer cannot
+encode*).  The ids packtools writes stay transformers' ids; :class:`DropCounter` says which characters were left
+out, how often and in which rows, for the summary and the manifest, or stops the run when asked to
+(``on_unencodable='error'``).
 
 >>> spec = {"model": {"type": "BPE", "vocab": {c: i for i, c in enumerate(byte_alphabet()) if c != "\u0109"}},
 ...         "pre_tokenizer": {"type": "ByteLevel"}}
 >>> missing_bytes(spec)
 [9]
->>> c = DropCounter.from_spec(spec)
+>>> c = DropCounter(missing_bytes(spec))
 >>> c.scan(["a\\tb\\t", "no tab"], lambda i: f"row {i}")
 >>> c.report()["chars"], c.report()["rows"]
 ({'\\\\t': 2}, 1)
@@ -102,14 +101,6 @@ class DropCounter:
         self.chars: dict[str, int] = {}
         self.rows = 0
         self.first_rows: list[str] = []
-
-    @classmethod
-    def from_spec(cls, spec: dict[str, Any], on_unencodable: str = "report") -> DropCounter | None:
-        missing = missing_bytes(spec)
-        if not missing:
-            return None
-        specials = [a.get("content", "") for a in spec.get("added_tokens", [])]
-        return cls(missing, specials, on_unencodable)
 
     def _hits(self, text: str) -> bytes:
         return text.encode("utf-8", "surrogatepass").translate(None, self._keep)

@@ -1,18 +1,11 @@
 """An exact fast tokenizer for byte-level BPE, proven against transformers before use (extra ``packtools[fast]``).
 
 The engine is `fastokens <https://pypi.org/project/fastokens/>`_, a Rust reimplementation of the
-``tokenizers`` pipeline that reads the same ``tokenizer.json`` and returns a whole batch as two flat buffers
-(``uint32`` ids, ``uint64`` offsets), which become the ``(offsets, values)`` of a :class:`Ragged` without a
-Python int per token.  It was picked by measuring the candidates pip can install here on the same texts and
-tokenizers (see ``docs/tokenize.md``): it was the fastest of those that gave identical ids.
-
-Nothing is taken on trust.  :func:`refusal` first checks that the tokenizer is of the kind the engine is used
-for here (a BPE model with a byte-level pre-tokenizer, no dropout, no subword prefix or suffix, a normalizer
-that is absent or NFC); anything else (Unigram/SentencePiece, WordPiece, ...) stays on transformers.
-:class:`FastEncoder` then has to give the same ids as the transformers tokenizer on :func:`adversarial_texts`
-(unicode, whitespace runs, digits, the tokenizer's own special-token strings inside text, empty strings), with
-and without special tokens, before the caller uses it; :class:`packtools.pipeline.tokenizer.batch.BatchTokenizer`
-also compares it on the first rows of the data and on a sample of every later batch.
+``tokenizers`` pipeline that reads the same ``tokenizer.json`` and returns a batch as two flat buffers, which
+become a :class:`Ragged` without a Python int per token (why this engine: ``docs/tokenize.md``, *How the engine
+was picked*).  Nothing is taken on trust: :func:`refusal` keeps every tokenizer but the kind the engine is used
+for here on transformers, and :class:`FastEncoder` must give transformers' ids on the built-in adversarial set
+(:mod:`packtools.pipeline.tokenizer.proof`), then on the first rows of the data and a sample of every later batch.
 """
 
 from __future__ import annotations
@@ -108,8 +101,7 @@ def refusal(spec: dict[str, Any]) -> str | None:
 
 def offsets_refusal(spec: dict[str, Any]) -> str | None:
     """Why assistant masks cannot come from byte offsets computed from the ids (chat data), or None.  An NFC
-    normalizer is fine: batches whose rendered text is already NFC (normalizing changes nothing) take the fast
-    path, the others go to transformers (see :mod:`packtools.pipeline.tokenizer.chat.labels`)."""
+    normalizer is fine: only batches whose rendered text is already NFC take the fast path (:mod:`.chat.labels`)."""
     norms = [n.get("type") for n in _types(spec.get("normalizer"), "normalizers")]
     if any(n != "NFC" for n in norms):
         return "it has a normalizer other than NFC, so token offsets do not follow the text byte for byte"
@@ -140,6 +132,12 @@ class EngineReport:
             "reason": self.reason,
             "checked": self.checked,
         }
+
+    @classmethod
+    def from_dict(cls, report: dict[str, Any]) -> EngineReport:
+        """The report :meth:`to_dict` gave (the driver's choice or verdict, handed to a worker or a part)."""
+        requested, checked = report.get("requested", "auto"), dict(report.get("checked", {}))
+        return cls(report["engine"], report["reason"], requested, checked)
 
 
 def engine_summary(reports: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
@@ -184,15 +182,10 @@ _PER_PART = frozenset({"rows_checked", "proof_rows", "batches_on_transformers"})
 
 
 class FastEncoder:
-    """Batch encoding of strings to a :class:`Ragged` with the fast engine, from a tokenizer folder.
+    """Batch encoding of strings to a :class:`Ragged` with the fast engine, from a tokenizer folder (or the
+    engine's ``native`` tokenizer, loaded already)."""
 
-    ``threads``: the engine's worker threads (default: the engine's own choice, all cores; ``1`` where
-    ``TOKENIZERS_PARALLELISM=false``, which the pipeline sets in its worker processes).
-    """
-
-    def __init__(
-        self, tokenizer_dir: str, threads: int | None = None, *, facts: Any = None, native: Any = None
-    ) -> None:
+    def __init__(self, tokenizer_dir: str, *, facts: Any = None, native: Any = None) -> None:
         if native is None:
             try:
                 import fastokens
@@ -201,7 +194,7 @@ class FastEncoder:
                     "the fast tokenizer engine needs the optional dependency 'fastokens'. Install it with: "
                     "pip install 'packtools[fast]'"
                 ) from exc
-            set_engine_threads(threads)
+            set_engine_threads(None)
             native = fastokens.Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
         self._tok = native
         # transformers' __call__ ignores the file's truncation and padding blocks (save_pretrained writes them
@@ -213,7 +206,6 @@ class FastEncoder:
             self._byte_lengths, self.nfc = byte_lengths_of(spec), has_nfc(spec)
         else:  # a packtools.pipeline.tokenizer.load.TokenizerFacts
             self._byte_lengths, self.nfc = facts.byte_lengths, facts.nfc
-        # (nfc: offsets follow the text only where it is already NFC)
 
     def encode(self, texts: list[str], special: bool) -> Ragged:
         """Token ids of ``texts``; ``special`` adds the tokenizer's special tokens (e.g. BOS), like transformers."""
@@ -223,14 +215,10 @@ class FastEncoder:
         values = np.frombuffer(ids, np.uint32).view(np.int32)
         return Ragged(np.frombuffer(offsets, np.uint64).view(np.int64), values)
 
-    def byte_lengths(self) -> np.ndarray:
-        """UTF-8 length of every token id's text (byte-level tokens: one byte per character of the token)."""
-        return self._byte_lengths
-
     def token_spans(self, texts: list[str], ids: Ragged) -> tuple[np.ndarray, np.ndarray] | None:
         """Byte range of every token in the concatenation of ``texts`` (flat ``(starts, ends)``), or None when
         the tokens do not spell the texts byte for byte (e.g. a normalizer changed them)."""
-        lengths = self.byte_lengths()
+        lengths = self._byte_lengths  # the UTF-8 length of every token id's text
         if ids.values.size and int(ids.values.max()) >= lengths.shape[0]:
             return None
         tok_bytes = lengths[ids.values]

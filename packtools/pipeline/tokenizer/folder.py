@@ -83,8 +83,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     return tok
 
 
-#: per-file hashes taken in this process, keyed by the files' stat (a run asks for them several times; hashing a
-#: 250k vocabulary's 33 MB takes 50-200 ms each time)
+#: per-file hashes taken in this process, keyed by the files' stat (a run asks for them several times)
 _HASHES: dict[tuple[Any, ...], dict[str, str]] = {}
 
 
@@ -127,18 +126,10 @@ def tokenizer_fingerprint(path: str | os.PathLike[str]) -> str:
 _FINGERPRINTS: dict[tuple[tuple[str, str], ...], str] = {}
 
 
+#: The named special tokens (transformers passes them to a chat template too).
+SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 #: the special-token fields of tokenizer_config.json / special_tokens_map.json that transformers adds as tokens
-SPECIAL_FIELDS = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-    "additional_special_tokens",
-    "extra_special_tokens",
-)
+SPECIAL_FIELDS = (*SPECIAL_NAMES, "additional_special_tokens", "extra_special_tokens")
 
 
 def _contents(value: Any) -> list[str]:

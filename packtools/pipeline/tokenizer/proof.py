@@ -6,11 +6,9 @@ transformers (``auto``) or a clear error (``fast``); :func:`adopt` takes the dri
 worker process, which does not choose again.  Both return a :class:`Choice`, which the tokenizer takes: it alone
 changes its engine's state.
 
-:class:`Proof` then decides which rows of the data are compared with transformers: in every run, the first
-:data:`~packtools.pipeline.tokenizer.fast.PROOF_ROWS` rows of *each* column (prompt and completion alike) of the
-run's first part (every part, for a :class:`~packtools.pipeline.tokenizer.batch.BatchTokenizer` used without runs),
-then a random sample of every part's rows at the audit rate, seeded by the part (so a rerun compares the same
-rows, and the same parts prove whichever process stages them).  It counts what it compared per part, for the manifest.
+:class:`Proof` then decides which rows of the data are compared with transformers (the first rows of each column
+of a run's first part, or of every part without runs, then a sample of every part's rows at the audit rate,
+seeded by the part: ``docs/tokenize.md``, *Engines*) and counts them per part, for the manifest.
 
 >>> p = Proof(audit_rate=0.5)
 >>> p.start_part("part-0")
@@ -104,14 +102,6 @@ class Proof:
         return out
 
 
-def proof_reason(audit_rate: float) -> str:
-    return (
-        f"byte-level BPE; identical ids to transformers on the built-in adversarial set; in every run the first "
-        f"{fast_engine.PROOF_ROWS} rows of each column and a random {audit_rate:.4g} of the rows after them are "
-        f"compared as they are tokenized"
-    )
-
-
 @dataclass(frozen=True)
 class Choice:
     """What :func:`choose_engine` or :func:`adopt` decided, for the tokenizer to take
@@ -127,11 +117,9 @@ class Choice:
 
 
 def choose_engine(bt: Any, requested: str, facts: Any) -> Choice:
-    """The engine for :class:`~packtools.pipeline.tokenizer.batch.BatchTokenizer` ``bt`` (the fast one in
-    :attr:`Choice.fast` when it is chosen); ``facts``: the
-    :class:`~packtools.pipeline.tokenizer.load.TokenizerFacts` of its tokenizer.json (None when it could not be
-    read).  The fast engine comes from ``bt``'s background load
-    (:class:`~packtools.pipeline.tokenizer.load.FastLoad`) when one was started."""
+    """The engine for :class:`~packtools.pipeline.tokenizer.batch.BatchTokenizer` ``bt`` (the fast one, from
+    ``bt.load_fast``, in :attr:`Choice.fast` when it is chosen); ``facts``: the
+    :class:`~packtools.pipeline.tokenizer.load.TokenizerFacts` of its tokenizer.json (None when unreadable)."""
     source: str | None = None
     recorded: dict[str, int] | None = None
 
@@ -191,9 +179,7 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> Choice:
         )
     load = bt.background_load
     texts = adversarial.adversarial_texts(facts.specials)
-    # a passing verdict on this fixed set, recorded by an earlier run for the same tokenizer, kind, reference,
-    # form of the engine's file and versions, is taken as it is (packtools.pipeline.tokenizer.proof_cache); the per-part
-    # proof of the data still runs
+    # a passing verdict on this fixed set recorded by an earlier run (proof_cache) is taken as it is
     kind = "messages" if bt.fmt == "messages" else "text"
     source = load.source if load is not None else "tokenizer.json"
     verdict = proof_cache.verdict_path(bt.fingerprint, kind, bt.reference_engine, texts, source=source)
@@ -204,8 +190,13 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> Choice:
         recorded = proof_cache.load(
             proof_cache.verdict_path(bt.fingerprint, kind, "transformers", texts, source=source)
         )
+    reason = (
+        f"byte-level BPE; identical ids to transformers on the built-in adversarial set; in every run the first "
+        f"{fast_engine.PROOF_ROWS} rows of each column and a random {bt.proof.audit_rate:.4g} of the rows after "
+        f"them are compared as they are tokenized"
+    )
     report = fast_engine.EngineReport(
-        f"{fast_engine.ENGINE_MODULE} {version}", proof_reason(bt.proof.audit_rate), requested, recorded or {}
+        f"{fast_engine.ENGINE_MODULE} {version}", reason, requested, recorded or {}
     )
     overlap = not bt.wait_for_engine and requested == "auto"
     if recorded is not None and load is not None and overlap and load.overlaps():
@@ -245,7 +236,7 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> Choice:
                 convs = bt.chat.renderable(convs)  # those the template refuses fail on either path
                 if not convs:
                     raise PackingError("the chat template refuses every one (its raise_exception)")
-                found = bt.compare_labels(convs, range(len(convs)), 0)
+                found = bt.chat.compare_labels(convs, range(len(convs)), 0)
                 mismatch = found[1] if found is not None else None
             except PackingError as exc:  # e.g. a template that is not incremental: data rows will say so
                 mismatch = f"the adversarial conversations cannot be tokenized: {exc}"
@@ -262,17 +253,13 @@ def choose_engine(bt: Any, requested: str, facts: Any) -> Choice:
     else:  # proven against a provisional reference: recorded, as proven against transformers, once it is checked
         as_proven = proof_cache.verdict_path(bt.fingerprint, kind, "transformers", texts, source=source)
         check.on_pass.append(functools.partial(proof_cache.record, as_proven, checked))
-    report = fast_engine.EngineReport(
-        f"{fast_engine.ENGINE_MODULE} {version}", proof_reason(bt.proof.audit_rate), requested, checked
-    )
+    report.checked = checked  # (no recorded verdict: it was empty)
     return Choice(report, fast=fast, source=source)
 
 
 def adopt(bt: Any, proven: dict[str, Any]) -> Choice:
     """In a worker: the driver's engine choice ``proven`` (an :meth:`EngineReport.to_dict`) taken as it is."""
-    report = fast_engine.EngineReport(
-        proven["engine"], proven["reason"], proven.get("requested", "auto"), dict(proven.get("checked", {}))
-    )
+    report = fast_engine.EngineReport.from_dict(proven)
     if report.engine == "transformers":
         return Choice(report)
     fast = bt.load_fast()

@@ -1,19 +1,11 @@
 """The fast engine's verdict on the built-in adversarial set, recorded so that later runs skip that fixed set.
 
-The adversarial proof (:func:`packtools.pipeline.tokenizer.proof.choose_engine`) compares the fast engine with the
-reference on the same fixed texts (and conversations, for chat) every run: the same inputs, the same tokenizer,
-the same libraries give the same answer.  So a *passing* verdict is written to
-``$PACKTOOLS_CACHE_DIR/engine-proof/`` (atomically), keyed by everything the answer depends on: the tokenizer's
-fingerprint (its files: vocabulary, merges, added tokens, chat template), the data kind (chat or not), the
-form the fast engine was loaded from (tokenizer.json or its copy with ``"a b"`` merges), which reference gave the ids (transformers or the ``tokenizers`` library checked equal to it), a hash of the adversarial
-texts themselves, and the versions of packtools, the fast engine, tokenizers and transformers (a run on the
-``tokenizers`` reference also takes a verdict against transformers itself: the first run gives that one, and
-checks the ``tokenizers`` library equal to transformers too).  Anything else
-(another tokenizer or version, a failed proof, no cache) runs the proof.  A failing verdict is not recorded:
-it is computed again, and says why each time.
-
-What a recorded verdict does *not* skip: in every run, the first rows of each column are still compared with
-the reference, and a random share of every part's rows after them (:class:`~packtools.pipeline.tokenizer.proof.Proof`).
+The adversarial proof (:func:`packtools.pipeline.tokenizer.proof.choose_engine`) gives the same answer for the
+same texts, tokenizer, libraries and code, so a *passing* verdict is written (atomically) to
+``$PACKTOOLS_CACHE_DIR/engine-proof/``, keyed by everything the answer depends on (:func:`verdict_path`; the list
+and why each is there: ``docs/tokenize.md``, *The adversarial proof's verdict is recorded*).  Anything else runs
+the proof; a failing verdict is not recorded: it is computed again, and says why each time.  A recorded verdict
+does not skip the per-part proof on the data (:class:`~packtools.pipeline.tokenizer.proof.Proof`).
 
 >>> import os
 >>> saved = os.environ.get("PACKTOOLS_CACHE_DIR")
@@ -25,6 +17,7 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -111,9 +104,6 @@ def load(path: str | None) -> dict[str, int] | None:
 
 def record(path: str | None, checked: dict[str, Any]) -> None:
     """Record a passing verdict (best effort: an unwritable cache only means the proof runs again next time)."""
-    if path is None:
-        return
-    try:
-        write_verdict(path, {"same": True, "checked": checked, **_versions()})
-    except OSError:
-        return
+    if path is not None:
+        with contextlib.suppress(OSError):
+            write_verdict(path, {"same": True, "checked": checked, **_versions()})

@@ -2,18 +2,9 @@
 
 The stage key of every part (:func:`packtools.pipeline.stage.stage_key`), the output's fingerprint
 (:func:`packtools.pipeline.config.fingerprint`) and the run's engine verdict
-(:func:`packtools.pipeline.tokenizer.verdict.basis`) all derive from it, so an option, a library or a code change that
-can change the ids has one place to be named, and changes all three:
-
-- the tokenizer: the SHA-256 of every one of its files, whatever their size;
-- the engine asked for and the installed fast engine's version (:func:`.fast.engine_key`);
-- the versions of transformers, tokenizers and jinja2 (which load the tokenizer and render chat templates);
-- a hash of packtools' own sources (:func:`packtools.io.fingerprint.source_hash`, also in every cache key):
-  a development checkout changes the code that builds ids and masks without a new version number;
-- the format, add-EOS, on-unencodable and the audit rate (which rows are compared decides which runs stop).
-
-It travels as that one value from the driver to every stage job, on every executor
-(:class:`packtools.pipeline.stage.StageJob`), whose process builds its tokenizer from it.
+(:func:`packtools.pipeline.tokenizer.verdict.basis`) all derive from it, so an option, a library or a code change
+that can change the ids has one place to be named, and changes all three.  It travels as that one value from the
+driver to every stage job (:class:`packtools.pipeline.stage.StageJob`), whose process builds its tokenizer from it.
 
 >>> spec = IdsSpec.of(None, "tokenized", True, "auto", "report", 0.001)
 >>> spec.key()["format"], spec.key()["tokenizer"]
@@ -56,9 +47,9 @@ class IdsSpec:
     add_eos: bool | None
     engine: str | None  # tokenizer.fast.engine_key of the requested engine
     on_unencodable: str | None
-    audit_rate: float | None
+    audit_rate: float | None  # which rows are compared decides which runs stop
     libraries: tuple[tuple[str, str], ...] | None
-    code: str
+    code: str  # packtools' sources: a development checkout changes them without a new version
 
     @classmethod
     def of(

@@ -1,28 +1,22 @@
-"""The run's tokenizer engine: decided once by the driver, recorded in the run's work folder, handed to every job.
+"""The run's tokenizer engine: decided once by the driver, recorded in the run's work folder, handed to every job
+(what a run does with it, and why: ``docs/tokenize.md``, *Engines*).
 
-1. **Decide** (:func:`decide`), before any part is staged: the engine the tokenizer chose at load (the built-in
-   adversarial set, :func:`packtools.pipeline.tokenizer.proof.choose_engine`) is compared with transformers on the
-   run's own data: the first :data:`~packtools.pipeline.tokenizer.fast.PROOF_ROWS` rows of each column, read
-   across the parts in order (a small first file does not make a small proof).  A difference falls back to
-   transformers (``auto``) or stops naming the row (``fast``).
-2. **Record** (:func:`record`): the verdict (an :meth:`EngineReport.to_dict`) goes to
-   ``WORK/stage/engine-verdict.json`` with what it rests on (the SHA-256 of every tokenizer file, the format,
-   the requested engine and its version) and the SHA-256 of its own content; it is flushed to disk before the
-   rename.  A rerun after a kill reads it back (:func:`recorded`) when what it rests on is unchanged, so the
-   parts it reuses and those it stages are tokenized under one verdict, even one an audit reached.
+1. **Decide** (:func:`decide`), before any part is staged: the tokenizer's engine is proven on the run's own data,
+   the first :data:`~packtools.pipeline.tokenizer.fast.PROOF_ROWS` rows of each column read across the parts in
+   order.  A difference falls back to transformers (``auto``) or stops naming the row (``fast``).
+2. **Record** (:func:`record`): the verdict and what it rests on (:func:`basis`), checksummed and flushed, in
+   ``WORK/stage/engine-verdict.json``; a rerun after a kill takes it back (:func:`recorded`) where its basis is
+   unchanged, so the parts it reuses and those it stages share one verdict.
 3. **Hand on**: every :class:`~packtools.pipeline.stage.StageJob` carries the verdict as a value
-   (``engine_proven``) and its process tokenizes with exactly that engine
-   (:meth:`packtools.pipeline.tokenizer.batch.BatchTokenizer.start_part`), on every executor.
-4. **Never a mix**: the audit of a part (a random sample of its rows) raising
-   :class:`~packtools.pipeline.tokenizer.proof.EngineDivergence` makes the driver record a fallback verdict
-   (:func:`fall_back`) and restage every part that the fast engine tokenized (``auto``), or stop (``fast``);
-   a part whose recorded report disagrees with the verdict (a fast-engine part under a transformers verdict) is
-   never reused (:func:`drop_disagreeing`).
-5. **A provisional reference** (a first run stages on the ``tokenizers`` library's ids while they are checked
-   against transformers: :meth:`~packtools.pipeline.tokenizer.batch.BatchTokenizer.settle_reference`): the basis
-   says so (:func:`provisional`) until the check passes; a difference drops every part (:func:`drop_all`) and
-   records :func:`reference_fallback`; a verdict left on a provisional basis that a later run does not take back
-   reuses no part (:func:`left_provisional`).
+   (``engine_proven``) and tokenizes with exactly that engine
+   (:meth:`packtools.pipeline.tokenizer.batch.BatchTokenizer.start_part`).
+4. **Never a mix**: an audit raising :class:`~packtools.pipeline.tokenizer.proof.EngineDivergence` makes the
+   driver record :func:`fall_back` and restage every part the fast engine tokenized (``auto``), or stop
+   (``fast``); a part whose report disagrees with the verdict is never reused (:func:`drop_disagreeing`).
+5. **A provisional reference** (:meth:`~packtools.pipeline.tokenizer.batch.BatchTokenizer.settle_reference`): the
+   basis says so (:func:`provisional`) until the check passes; a difference drops every part (:func:`drop_all`)
+   and records :func:`reference_fallback`; a verdict left on a provisional basis that a later run does not take
+   back reuses no part (:func:`left_provisional`).
 
 >>> v = {"engine": "fastokens 0.3.5", "requested": "auto", "reason": "ok", "checked": {}}
 >>> fall_back(v, "line 9: ...")["engine"], fall_back(v, "line 9: ...")["reason"][:52]
@@ -31,6 +25,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -56,8 +51,7 @@ def basis(
     """What a verdict rests on: the content of every tokenizer file, the format, the requested engine with
     the installed engine's version (:func:`packtools.pipeline.tokenizer.fast.engine_key`), the ``parts`` whose
     first rows it was proven on (path, size, mtime, range) and ``ids``, the run's
-    :meth:`packtools.pipeline.tokenizer.spec.IdsSpec.key` (library versions, packtools' sources, add-EOS, on-unencodable,
-    audit rate): a rerun after an upgrade proves the engine again instead of reusing the old verdict."""
+    :meth:`packtools.pipeline.tokenizer.spec.IdsSpec.key`: a rerun after an upgrade proves the engine again."""
     from .fast import engine_key
     from .folder import tokenizer_file_hashes
 
@@ -82,21 +76,16 @@ def decide(tok: Any, parts: Sequence[Part], fmt: str) -> dict[str, Any]:
     for part in parts:
         if need <= 0 or tok.fast is None:
             break
-        read = iter_part(part, 1000, input_columns(fmt) + optional_columns(fmt))  # tools too, as staged
-        try:
+        columns = input_columns(fmt) + optional_columns(fmt)  # tools too, as staged
+        with contextlib.closing(iter_part(part, 1000, columns)) as read:
             for where, table in read:
                 table = table.slice(0, need)
                 tok(table, where)
                 need -= table.num_rows
                 if need <= 0 or tok.fast is None:
                     break
-        finally:
-            close = getattr(read, "close", None)
-            if close is not None:
-                close()
     verdict = tok.report.to_dict()
-    checked = tok.proof.checked()
-    verdict["checked"] = {**verdict["checked"], "data_proof_rows": checked["proof_rows"]}
+    verdict["checked"] = {**verdict["checked"], "data_proof_rows": tok.proof.proof_rows}
     if tok.drops is not None:
         tok.drops.take()  # the proof's rows are counted again by the part that stages them
     return verdict

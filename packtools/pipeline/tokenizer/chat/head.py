@@ -3,10 +3,9 @@ them (BOS included), which a turn-aware split (:mod:`packtools.pipeline.turn_spl
 every piece but the first.
 
 The head is the rendering of ``messages[:k]`` (``k`` leading ``system`` messages, no generation prompt),
-tokenized like the whole conversation, and kept only where those ids are the first ids of the whole
-conversation's: a template that renders a system turn alone differently (or refuses it), or a tokenization
-that merges across the boundary, gives a head of 0 (the pieces then carry nothing).  A conversation without a
-leading system message has a head of 0.
+tokenized like the whole conversation; it is 0 (the pieces then carry nothing) without a leading system message
+or where those ids are not the first of the whole conversation's (a template that renders a system turn alone
+differently or refuses it, a tokenization that merges across the boundary).
 
 >>> class R:
 ...     def render(self, conv, prompt): return "".join(f"<{m['role']}>{m['content']}" for m in conv)
@@ -104,18 +103,13 @@ def closing_ids(renderer: Any, encode: Callable[[list[str]], Ragged]) -> np.ndar
     return np.asarray(got.values[got.offsets[0] : got.offsets[1]], np.int64)
 
 
-#: a tool result after a call; its content is a marker found in the rendering
+#: the content of the message that follows the probe's assistant message: a marker found in the rendering
 _TOOL_MARK = "zqxj"
-_TOOL_PROBE = [
-    {"role": "user", "content": "a"},
-    {"role": "assistant", "content": "b"},
-    {"role": "tool", "content": _TOOL_MARK},
-]
 
 
 def _opener(renderer: Any, role: str) -> str | None:
     """What the template writes before a ``role`` message's content that follows an assistant message."""
-    conv = [*_TOOL_PROBE[:2], {"role": role, "content": _TOOL_MARK}]
+    conv = [*_PROBE[:2], {"role": role, "content": _TOOL_MARK}]
     upto = renderer.render(conv[:2], False)
     text = renderer.render(conv, False)
     if not text.startswith(upto) or text.count(_TOOL_MARK) != 1:

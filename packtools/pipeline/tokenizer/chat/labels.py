@@ -1,14 +1,11 @@
 """Token ids and assistant-only labels of chat conversations, by transformers or by the fast engine.
 
-Two marking rules, both transformers': with ``{% generation %}`` markers in the template, a token is an
-assistant token when it overlaps a marked span (``return_assistant_tokens_mask``); without them, assistant turn
-``i`` spans the characters between the rendering of messages ``[:i]`` with the generation prompt and the
-rendering of messages ``[:i + 1]``, and a token is an assistant token when it overlaps such a span too (the same
-rule as with markers, so a plain template and a copy with markers around the same text give the same labels: a
-token that starts in the assistant header and runs into the turn, e.g. ``"\n\n"``, is the turn's).  The
-fast path computes token byte offsets from the ids (each byte-level token spells its bytes) instead of asking a
-tokenizer for offsets (:func:`labels_fast`); with an NFC normalizer it does so for batches whose rendered text is
-already NFC, other batches take the reference: the reference tokenizer's character offsets
+The marking rules are transformers' (``docs/pipeline.md``, *Labels*): a token is an assistant token when it
+overlaps a ``{% generation %}`` span or, without markers, an assistant turn's span by the incremental rule
+(:func:`incremental_spans`), so a plain template and a copy with markers around the same text give the same
+labels.  The fast path computes token byte offsets from the ids (each byte-level token spells its bytes) instead
+of asking a tokenizer for offsets (:func:`labels_fast`); with an NFC normalizer it does so for batches whose
+rendered text is already NFC, other batches take the reference: the reference tokenizer's character offsets
 (:func:`labels_from_offsets`, what transformers computes the mask from), or transformers itself
 (:func:`labels_transformers`) when the renderer is transformers'.  The first two mark tokens with
 :func:`overlap_mask`.
@@ -54,9 +51,8 @@ def incremental_spans(
 ) -> tuple[list[str], list[list[tuple[int, int]]]]:
     """Rendered conversations and the character span of every assistant turn (incremental rendering) by
     ``renderer`` (``render_prefixes(conv, cuts)``: ``render(conv[:k], prompt)`` per cut, lazily); ``where(i)`` names
-    conversation ``i`` in errors.  The rendering of the whole conversation is reused for its last turn (no
-    render of the same text twice); a renderer with ``local`` set renders each conversation once
-    (``local_spans``, :mod:`packtools.pipeline.tokenizer.chat.local`) and prefixes only where that returns None."""
+    conversation ``i`` in errors.  A renderer with ``local`` set renders each conversation once (``local_spans``,
+    :mod:`packtools.pipeline.tokenizer.chat.local`) and prefixes only where that returns None."""
     texts, spans = [], []
     render_prefixes = renderer.render_prefixes
     local = renderer.local_spans if getattr(renderer, "local", None) is not None else None
@@ -100,7 +96,7 @@ def overlap_mask(starts: np.ndarray, ends: np.ndarray, lo: np.ndarray, hi: np.nd
         return np.zeros(n, bool)
     if n > 1 and bool((starts[1:] >= starts[:-1]).all()):
         # tokens in order (as the ids give them): the same j, counted from the first token at or after each
-        # span's end (a search per span instead of one per token: ~6x faster on a batch)
+        # span's end (a search per span instead of one per token)
         first = np.searchsorted(starts, hi, side="left")
         j = np.cumsum(np.bincount(first, minlength=n + 1)[:n])
     else:
@@ -131,8 +127,9 @@ def labels_from_offsets(
 
 
 def labels_transformers(bt: Any, convs: Conversations, where: Any) -> tuple[Ragged, Ragged]:
-    """Ids and labels as transformers gives them."""
-    if bt.has_generation_tags:
+    """Ids and labels as transformers gives them: its ``return_assistant_tokens_mask`` with ``{% generation %}``
+    markers, else the incremental rule's spans on its renderings and its tokenizer's offsets."""
+    if bt.chat.has_generation_tags:
         out = bt.tok.apply_chat_template(
             convs,
             tools=bt.chat.renderer.tools,
@@ -144,19 +141,7 @@ def labels_transformers(bt: Any, convs: Conversations, where: Any) -> tuple[Ragg
         mask = ragged.from_lists(out["assistant_masks"], np.int8)
         return ids, Ragged(ids.offsets, np.where(mask.values != 0, ids.values, IGNORE_INDEX).astype(np.int32))
     texts, spans = incremental_spans(bt.chat.renderer, convs, where)
-    enc = bt.tok(texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
-    ids = ragged.from_lists(enc["input_ids"])
-    n = ids.values.shape[0]
-    starts = np.fromiter((s for offsets in enc["offset_mapping"] for s, _ in offsets), np.int64, count=n)
-    ends = np.fromiter((e for offsets in enc["offset_mapping"] for _, e in offsets), np.int64, count=n)
-    labels = np.full(n, IGNORE_INDEX, np.int32)
-    for i, row_spans in enumerate(spans):
-        lo, hi = int(ids.offsets[i]), int(ids.offsets[i + 1])
-        row_starts, row_ends = starts[lo:hi], ends[lo:hi]
-        for a, b in row_spans:
-            sel = (row_starts < b) & (row_ends > a)  # overlaps the turn
-            labels[lo:hi][sel] = ids.values[lo:hi][sel]
-    return ids, Ragged(ids.offsets, labels)
+    return labels_from_offsets(bt.tok.backend_tokenizer, texts, spans)  # (what ``bt.tok(texts)`` runs)
 
 
 def labels_fast(

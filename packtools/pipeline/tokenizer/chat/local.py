@@ -1,8 +1,8 @@
 """One render instead of one per prefix, for chat templates whose loop body depends on its message alone.
 
-Without ``{% generation %}`` markers, an assistant turn ``i`` spans the characters between the rendering of
-``messages[:i]`` with the generation prompt and that of ``messages[:i + 1]`` (:mod:`.labels`): four renders
-of a user/assistant/user/assistant row.  Many templates have a shape that makes those renders predictable:
+Without ``{% generation %}`` markers, the incremental rule (:mod:`.labels`) renders the prefixes around every
+assistant turn: four renders of a user/assistant/user/assistant row.  Many templates have a shape that makes
+those renders predictable:
 
     HEAD  {% for m in messages %} BODY {% endfor %}  TAIL
 
@@ -24,8 +24,7 @@ The checks of the incremental rule (each prefix is the start of the next) are ma
 errors.
 
 Whether a template has the shape is decided by its syntax; :mod:`.chat` also compares the spans with the
-prefix renders on the built-in adversarial conversations before using them (``tests/test_chat_local.py``
-compares them on generated ones, and checks templates that must be refused).
+prefix renders on the built-in adversarial conversations before using them.
 
 >>> t = "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}{% endfor %}"
 >>> local_shape(t + "{% if add_generation_prompt %}<assistant>{% endif %}") is not None

@@ -1,19 +1,14 @@
 """Chat templates rendered with jinja2 alone, configured as transformers configures it (no transformers import).
 
 Importing transformers and loading its tokenizer costs seconds a run, and ``apply_chat_template`` adds Python
-work per call; the chat path needs neither once a template renders the same here.  :func:`read_settings` reads
-the template (``chat_template.jinja``, ``chat_template.json`` or ``tokenizer_config.json``'s ``chat_template``,
-a named ``default`` among several) and the named special tokens (``bos_token``, ``eos_token``, ...) straight
-from the tokenizer folder; :class:`ChatRenderer` compiles the template once in jinja2's immutable sandbox with
-the environment transformers documents for chat templates: ``trim_blocks`` and ``lstrip_blocks``, loop controls
-(``break``/``continue``), a ``{% generation %}`` block whose character span is recorded, ``raise_exception``,
-``strftime_now``, a ``tojson`` filter that does not escape HTML, ``dict`` and ``namespace``; the template sees
-``messages``, ``tools`` (the row's ``tools``, else None), ``documents`` (None), ``add_generation_prompt`` and the special-token strings,
-and a message's ``reasoning_content`` under its older names as transformers aliases them.
+work per call.  :func:`read_settings` reads the template and the named special tokens straight from the
+tokenizer folder; :class:`ChatRenderer` compiles the template once in jinja2's immutable sandbox with the
+environment transformers documents for chat templates (what it holds and what the template sees:
+``docs/tokenize.md``, *Chat templates without importing transformers*).
 
-Equal rendering is not assumed: :mod:`packtools.pipeline.tokenizer.chat.tokens` compares it with transformers' on the built-in
-adversarial conversations (every prefix, with and without the generation prompt, and the ``{% generation %}``
-spans) before using it, and falls back to transformers with the reason otherwise.
+Equal rendering is not assumed: :mod:`packtools.pipeline.tokenizer.chat.tokens` compares it with transformers'
+on the built-in adversarial conversations before using it, and falls back to transformers with the reason
+otherwise.
 
 >>> r = ChatRenderer("{{ bos_token }}{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}"
 ...                  "{% endfor %}", {"bos_token": "<s>"})
@@ -23,6 +18,7 @@ spans) before using it, and falls back to transformers with the reason otherwise
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -30,8 +26,8 @@ from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
 
-#: The special-token names transformers passes to a chat template (its named special tokens).
-SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+from ..folder import SPECIAL_NAMES
+
 #: A message's reasoning may come under these names; templates read the first (transformers fills it and
 #: ``thinking`` from the others).
 REASONING_NAMES = ("reasoning_content", "thinking", "reasoning")
@@ -103,24 +99,19 @@ def template_messages(conv: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-class _Spans:
-    """Where the output of a render stands, and the generation spans found so far (None: not tracking)."""
+class _Track:
+    """The blocks a render has put out so far (None: not tracking), and where its markers fell among them:
+    ``spans``, each ``{% generation %}`` block as (the number of blocks before it, its length); ``at``, where
+    each iteration of :mod:`.local`'s instrumented template starts and where its loop ends (it writes this
+    object there, which puts out nothing).  jinja2 yields each output expression as it comes, so the blocks
+    before a marker have all been taken."""
 
-    def __init__(self) -> None:
-        self.length = 0
-        self.spans: list[tuple[int, int]] | None = None
-
-
-class _Marker:
-    """What the instrumented template of :mod:`.local` writes where an iteration starts and where the loop
-    ends: nothing, noting how many blocks the render had put out by then (jinja2 yields each output expression
-    as it comes, so the blocks before the marker have all been taken)."""
-
-    __slots__ = ("parts", "at")
+    __slots__ = ("parts", "at", "spans")
 
     def __init__(self) -> None:
         self.parts: list[str] | None = None
         self.at: list[int] = []
+        self.spans: list[tuple[int, int]] = []
 
     def __str__(self) -> str:
         if self.parts is not None:
@@ -133,7 +124,7 @@ PLAIN_TYPES = frozenset({dict, list, tuple, str, int, float, bool, type(None)})
 BUILTIN_METHOD = type("".strip)  # builtin_function_or_method: no attributes, so never marked unsafe
 
 
-def _environment(state: _Spans) -> Any:
+def _environment(track: _Track) -> Any:
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -150,8 +141,8 @@ def _environment(state: _Spans) -> Any:
 
         def _mark(self, caller: Any) -> str:
             text = caller()
-            if state.spans is not None:  # the span starts after everything the render has put out so far
-                state.spans.append((state.length, state.length + len(text)))
+            if track.parts is not None:  # the span starts after every block the render has put out so far
+                track.spans.append((len(track.parts), len(text)))
             return text
 
     class Namespace(jinja2.utils.Namespace):
@@ -233,24 +224,21 @@ def _environment(state: _Spans) -> Any:
 class ChatRenderer:
     """One compiled chat template with its special tokens; renders one conversation at a time.
 
-    A render runs what jinja2's ``Template.render`` runs (a new :class:`jinja2.runtime.Context` over the
-    template's globals and the variables, the compiled root function, ``handle_exception`` on an error) with the
-    globals flattened once instead of per call (jinja2 flattens a ``ChainMap`` twice a call: half of a short
-    render's time); the same context, so the same output and errors (tested against ``Template.render``, and
-    proven against transformers before use)."""
+    A render runs what jinja2's ``Template.render`` runs, with the template's globals flattened once instead of
+    per call: the same context, so the same output and errors (why, and how it is tested: ``docs/tokenize.md``)."""
 
     def __init__(self, template: str, specials: dict[str, str]) -> None:
         self.template = template
-        self._state = _Spans()
-        compiled = _environment(self._state).from_string(template)
+        self._track = _Track()
+        compiled = _environment(self._track).from_string(template)
         self._compiled = compiled
         self._env = compiled.environment
         self._globals = dict(compiled.globals)  # what jinja2's new_context flattens from a ChainMap per call
         self._variables = {**specials, "tools": None, "documents": None}
         #: one render per conversation for the incremental rule (:mod:`.local`), once :meth:`enable_local`
-        #: has found the shape and checked it: ((instrumented template, its globals, its marker), (the tail without
-        #: and with the generation prompt))
-        self.local: tuple[tuple[Any, dict[str, Any], _Marker], tuple[str, str]] | None = None
+        #: has found the shape and checked it: ((instrumented template, its globals), (the tail without and with
+        #: the generation prompt))
+        self.local: tuple[tuple[Any, dict[str, Any]], tuple[str, str]] | None = None
 
     @property
     def tools(self) -> Any:
@@ -303,20 +291,8 @@ class ChatRenderer:
         """The conversation rendered, and the character span of every ``{% generation %}`` block in it."""
         if not conv:
             raise ValueError("an empty conversation has no chat rendering")
-        state = self._state
-        state.length, state.spans = 0, []
-        parts = []
-        ctx = self._context(template_messages(conv), False)
-        try:
-            for block in self._compiled.root_render_func(ctx):  # type: ignore[attr-defined]
-                parts.append(block)
-                state.length += len(block)
-            return "".join(parts), state.spans
-        except Exception:
-            self._env.handle_exception()  # re-raises, as Template.generate does
-            raise  # not reached
-        finally:
-            state.spans = None
+        text, ends = self._render_tracked(template_messages(conv), False)
+        return text, [(ends[k], ends[k] + n) for k, n in self._track.spans]
 
     # -- one render for the incremental rule (packtools.pipeline.tokenizer.chat.local) ---------------------------------
     def enable_local(self, convs: list[list[dict[str, Any]]], prefix_spans: Any) -> str | None:
@@ -331,18 +307,15 @@ class ChatRenderer:
         self.local = None
         wants = []
         for conv in convs:  # the rule by prefix renders, before the one-render path is on
-            try:
+            with contextlib.suppress(Exception):  # a conversation the rule refuses: the fallback raises it
                 wants.append((conv, prefix_spans(conv)))
-            except Exception:  # noqa: BLE001 - a conversation the rule refuses: the fallback raises it
-                continue
-        marker = _Marker()
         try:
-            compiled = self._env.from_string(tree, globals={chat_local.MARK: marker})
-            instrumented = (compiled, dict(compiled.globals), marker)
+            compiled = self._env.from_string(tree, globals={chat_local.MARK: self._track})
+            instrumented = (compiled, dict(compiled.globals))
             tails = []
             for prompt in (False, True):
-                text, marks = self._render_marked(instrumented, [{"role": "user", "content": ""}], prompt)
-                tails.append(text[marks[-1] :])
+                text, ends = self._render_tracked([{"role": "user", "content": ""}], prompt, *instrumented)
+                tails.append(text[ends[self._track.at[-1]] :])
         except Exception as exc:  # noqa: BLE001 - then prefixes are rendered, as before
             return f"the instrumented template failed: {type(exc).__name__}: {exc}"
         self.local = (instrumented, (tails[0], tails[1]))
@@ -352,14 +325,15 @@ class ChatRenderer:
                 return f"one render gave other spans than prefix renders for {conv!r:.120}"
         return None
 
-    def _render_marked(
-        self, instrumented: tuple[Any, dict[str, Any], _Marker], messages: list[dict[str, Any]], prompt: bool
+    def _render_tracked(
+        self, messages: list[dict[str, Any]], prompt: bool, compiled: Any = None, globals_: Any = None
     ) -> tuple[str, list[int]]:
-        """The rendering by ``instrumented`` (template, its globals, its marker) and the output length at each
-        marker."""
-        compiled, globals_, marker = instrumented
+        """The rendering by ``compiled`` (default: the template) with its globals, :attr:`_track` noting its
+        markers, and where each block starts in it, then its end."""
+        compiled = self._compiled if compiled is None else compiled
         parts: list[str] = []
-        marker.parts, marker.at = parts, []
+        track = self._track
+        track.parts, track.at, track.spans = parts, [], []
         ctx = self._context(messages, prompt, compiled, globals_)
         append = parts.append
         try:
@@ -369,9 +343,8 @@ class ChatRenderer:
             self._env.handle_exception()  # re-raises, as Template.generate does
             raise  # not reached
         finally:
-            at, marker.parts, marker.at = marker.at, None, []
-        ends = list(itertools.accumulate(map(len, parts), initial=0))  # where each block starts, then the end
-        return "".join(parts), [ends[k] for k in at]
+            track.parts = None
+        return "".join(parts), list(itertools.accumulate(map(len, parts), initial=0))
 
     def local_spans(self, conv: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]] | None:
         """The incremental rule's ``(rendering, assistant spans)`` of ``conv`` from one render (see
@@ -381,7 +354,8 @@ class ChatRenderer:
             raise ValueError("an empty conversation has no chat rendering")
         assert self.local is not None
         instrumented, (tail, prompt_tail) = self.local
-        text, marks = self._render_marked(instrumented, template_messages(conv), False)
+        text, ends = self._render_tracked(template_messages(conv), False, *instrumented)
+        marks = [ends[k] for k in self._track.at]
         if len(marks) != len(conv) + 1 or text[marks[-1] :] != tail:
             return None
         spans = []

@@ -2,18 +2,13 @@
 conversational ``prompt_completion`` / ``preference`` rows, rendered, tokenized and labelled.
 
 :class:`ChatTokens` picks the renderer once per tokenizer: :class:`~packtools.pipeline.tokenizer.chat.render.ChatRenderer`
-(jinja2 alone, no transformers) when it renders the built-in adversarial conversations exactly as transformers'
-``apply_chat_template`` does, every prefix with and without the generation prompt and every ``{% generation %}``
-span (the verdict is recorded per tokenizer, template and versions in the proof cache,
-:mod:`packtools.pipeline.tokenizer.proof_cache`, so later runs need no transformers); transformers itself otherwise, with
-the reason in the part's report (``chat_render``), and always under ``tokenizer_engine='transformers'``.
-
-Where chat time goes (``BatchTokenizer.chat_seconds``, printed by ``benchmarks/bench_tokenize.py``): template
-rendering (one render per conversation with ``{% generation %}`` markers; without them one per assistant turn
-and one per prefix before it, the incremental rule of :mod:`packtools.pipeline.tokenizer.chat.labels`), the fast engine's
-encoding, and the masks (numpy on byte offsets computed from the ids).
-
-What a conversation cell becomes before the template sees it is :mod:`packtools.pipeline.tokenizer.chat.values`.
+(jinja2 alone) where it renders the built-in adversarial conversations exactly as transformers'
+``apply_chat_template`` does (the verdict recorded in :mod:`packtools.pipeline.tokenizer.proof_cache`);
+transformers itself otherwise, with the reason in the part's report (``chat_render``), and always under
+``tokenizer_engine='transformers'`` (``docs/tokenize.md``, *Chat templates without importing transformers*).
+``BatchTokenizer.chat_seconds`` splits chat time into rendering, encoding and masks
+(``benchmarks/bench_tokenize.py`` prints it).  What a conversation cell becomes before the template sees it is
+:mod:`packtools.pipeline.tokenizer.chat.values`.
 
 >>> r = ChatRenderer("{{ messages[0]['content'] }}", {})
 >>> render_difference(r, ChatRenderer("{{ messages[0]['content'] | upper }}", {}), [[{"role": "user", "content": "hi"}]], False)
@@ -25,7 +20,6 @@ from __future__ import annotations
 import time
 import unicodedata
 from collections.abc import Iterator, Sequence
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import numpy as np
@@ -40,16 +34,11 @@ from ...formats import at as _at
 from ...formats import shift as _shift
 from .. import adversarial, proof_cache
 from .. import fast as fast_engine
+from ..proof import engine_error
+from ..spec import library_versions
 from . import labels as chat_labels
 from .render import ChatRenderer, read_settings
 from .values import TYPED_CONVERSATIONS, TYPED_TOOLS, clean_messages, plain_value, render_difference
-
-
-def _version(name: str) -> str:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "absent"
 
 
 class TransformersRenderer:
@@ -81,11 +70,6 @@ class TransformersRenderer:
         return texts[0], [tuple(s) for s in spans[0]]
 
 
-def _first(rendered: tuple[list[str], list[list[tuple[int, int]]]]) -> tuple[str, list[tuple[int, int]]]:
-    """The one conversation's ``(text, spans)`` of :func:`chat_labels.incremental_spans` over a list of one."""
-    return rendered[0][0], rendered[1][0]
-
-
 class ChatTokens:
     """Chat rendering, tokenizing and labelling for one :class:`BatchTokenizer` ``bt``."""
 
@@ -102,16 +86,13 @@ class ChatTokens:
             self._renderer = self._choose_renderer()
         return self._renderer
 
-    def _no_template(self) -> PackingError:
-        return PackingError(
-            f"conversational data needs a chat template, and the tokenizer in {self.bt.tokenizer_dir!r} has "
-            f"none; add one (tokenizer.chat_template = ...; save_pretrained) or pass plain strings."
-        )
-
     def _transformers(self, why: str) -> TransformersRenderer:
         tok = self.bt.tok
         if not tok.chat_template:
-            raise self._no_template()
+            raise PackingError(
+                f"conversational data needs a chat template, and the tokenizer in {self.bt.tokenizer_dir!r} has "
+                f"none; add one (tokenizer.chat_template = ...; save_pretrained) or pass plain strings."
+            )
         self.render_engine = f"transformers ({why})"
         return TransformersRenderer(tok)
 
@@ -126,9 +107,11 @@ class ChatTokens:
             mine = ChatRenderer(template, specials)
         except Exception as exc:  # noqa: BLE001 - jinja2 missing or a template it does not compile
             return self._transformers(f"jinja2 cannot compile it here: {type(exc).__name__}: {exc}")
+        tags = bool(chat_labels.GENERATION_TAG.search(template))
         texts = adversarial.adversarial_texts(list(specials.values()))
         convs = adversarial.adversarial_conversations(texts) + TYPED_CONVERSATIONS
-        reference = f"transformers {_version('transformers')}; jinja2 {_version('jinja2')}"
+        versions = dict(library_versions())
+        reference = f"transformers {versions['transformers']}; jinja2 {versions['jinja2']}"
         typed = repr((TYPED_CONVERSATIONS, TYPED_TOOLS))
         path = proof_cache.verdict_path(bt.fingerprint, "chat-render", reference, [template, *texts, typed])
         checked = proof_cache.load(path)
@@ -140,7 +123,7 @@ class ChatTokens:
             elif specials != tok.special_tokens_map:
                 why = f"transformers passes other special tokens ({tok.special_tokens_map})"
             else:
-                theirs, tags = TransformersRenderer(tok), self.generation_tags(mine)
+                theirs = TransformersRenderer(tok)
                 why = render_difference(mine, theirs, convs, tags) or render_difference(
                     mine, theirs, convs[:3] + TYPED_CONVERSATIONS, tags, TYPED_TOOLS
                 )
@@ -149,13 +132,16 @@ class ChatTokens:
             checked = {"adversarial_conversations": len(convs)}
             proof_cache.record(path, checked)
         self.render_engine = (
-            f"jinja2 {_version('jinja2')} (the same renderings as transformers' apply_chat_template on "
+            f"jinja2 {versions['jinja2']} (the same renderings as transformers' apply_chat_template on "
             f"{checked.get('adversarial_conversations', 0)} adversarial conversations, every prefix)"
         )
-        if not self.generation_tags(mine):  # one render per conversation where the template allows it
-            why_not = mine.enable_local(
-                convs, lambda conv: _first(chat_labels.incremental_spans(mine, [conv], str))
-            )
+        if not tags:  # one render per conversation where the template allows it
+
+            def prefix_spans(conv: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
+                (text,), (spans,) = chat_labels.incremental_spans(mine, [conv], str)
+                return text, spans
+
+            why_not = mine.enable_local(convs, prefix_spans)
             self.render_engine += (
                 "; one render per conversation (its loop body reads its message, its position and the first "
                 "message only; the same spans as prefix renders on the adversarial conversations)"
@@ -169,14 +155,10 @@ class ChatTokens:
         if tools is not None or self._renderer is not None:  # None needs no renderer built for it
             self.renderer.tools = plain_value(tools)
 
-    @staticmethod
-    def generation_tags(renderer: Any) -> bool:
-        return bool(chat_labels.GENERATION_TAG.search(renderer.template or ""))
-
     @property
     def has_generation_tags(self) -> bool:
         """Whether the chat template marks assistant text with ``{% generation %}``."""
-        return self.generation_tags(self.renderer)
+        return bool(chat_labels.GENERATION_TAG.search(self.renderer.template or ""))
 
     # -- prompt + completions --------------------------------------------------------------------
     def split_rendering(self, prompt: list, completion: list, row: Row) -> tuple[str, str]:
@@ -301,18 +283,14 @@ class ChatTokens:
         parts = []
         for rows in (fast_rows, slow_rows):
             sub = [convs[i] for i in rows], ([rendered[0][i] for i in rows], [rendered[1][i] for i in rows])
+            named = lambda i=0, rows=rows: _at(first_row, int(rows[i]))  # noqa: E731 - rows of the batch
             if rows is fast_rows:
-                named = lambda i=0, rows=rows: _at(first_row, int(rows[i]))  # noqa: E731 - rows of the batch
                 parts.append(self._fast_labels(sub[0], sub[1], named) if len(rows) else None)
             else:
-                parts.append(
-                    self.reference(sub[0], lambda i, rows=rows: _at(first_row, int(rows[i])), sub[1])
-                )
+                parts.append(self.reference(sub[0], named, sub[1]))
         if parts[0] is None:
             return parts[1]
-        position = np.empty(len(convs), np.int64)
-        position[fast_rows] = np.arange(len(fast_rows))
-        position[slow_rows] = len(fast_rows) + np.arange(len(slow_rows))
+        position = np.argsort(np.concatenate([fast_rows, slow_rows]))  # each row's place in the parts
         ids, labels = (ragged.select(ragged.stack_rows([parts[0][k], parts[1][k]]), position) for k in (0, 1))
         return ids, labels
 
@@ -326,7 +304,7 @@ class ChatTokens:
         except PackingError:
             raise
         except Exception as exc:  # noqa: BLE001 - an engine error: transformers tokenizes this batch
-            bt._engine_error(exc, [], False, first_row)
+            engine_error(bt, exc, [], False, first_row)
             got = None
         if got is None:  # the tokens do not spell the text byte for byte
             bt.proof.to_transformers(

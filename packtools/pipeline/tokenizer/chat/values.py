@@ -1,12 +1,10 @@
 """What a chat cell becomes before the template sees it, as transformers' ``apply_chat_template`` makes it.
 
 :func:`clean_messages` checks a conversation cell and drops ``None`` values at the top of each message (Arrow
-gives a struct's missing key as ``None``; transformers drops them too); :func:`plain_value` rebuilds values
-from plain JSON types as transformers does before rendering (numpy scalars as Python ones, a ``datetime`` as the
-placeholder ``<datetime>``).  JSON input keeps each row's own nested values (:mod:`packtools.io.json_cells`).
-:data:`TYPED_CONVERSATIONS` and :data:`TYPED_TOOLS` join the adversarial conversations in the proof that the
-jinja2 renderer renders as transformers does (:func:`render_difference`, run by :mod:`packtools.pipeline.tokenizer.chat.tokens`);
-:func:`by_tools` renders the rows of a ``tools`` column with their own tools.
+gives a struct's missing key as ``None``; transformers drops them too) and makes its values plain
+(:func:`plain_value`).  :data:`TYPED_CONVERSATIONS` and :data:`TYPED_TOOLS` join the adversarial conversations in
+the proof that jinja2 renders as transformers does (:func:`render_difference`); :func:`by_tools` renders the rows
+of a ``tools`` column with their own tools.
 
 >>> clean_messages([{"role": "user", "content": "hi", "tool_calls": None}], "messages", 0)
 [{'role': 'user', 'content': 'hi'}]
@@ -192,6 +190,5 @@ def by_tools(bt: Any, table: pa.Table, first_row: Row) -> pa.Table:
             order += rows
     finally:
         bt.chat.set_tools(None)
-    back = np.empty(len(order), np.int64)
-    back[np.asarray(order, np.int64)] = np.arange(len(order))
+    back = np.argsort(np.asarray(order, np.int64))  # each row's place among the groups' rows
     return pa.concat_tables(parts).take(back).combine_chunks()
