@@ -18,9 +18,6 @@ reads), but accelerate's ``BatchSamplerShard`` is made a pass-through (the sampl
 forwards ``set_epoch`` to the sampler, also after ``skip_first_batches`` wraps it when resuming from a
 checkpoint.  Every epoch is a deterministic function of ``(seed, epoch)``, so a resumed run sees the batches
 the uninterrupted run would have.
-
-:func:`check_sharding` refuses a ``TokenBudgetBatchSampler(num_replicas > 1)`` under accelerate's own
-sharding (each rank would keep ``1/W`` of its own batches and skip ``(W-1)/W`` of every epoch).
 """
 
 from __future__ import annotations

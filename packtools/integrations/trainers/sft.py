@@ -75,19 +75,10 @@ def packed_sft_config(**kwargs: Any) -> Any:
     It sets ``packing=False`` and ``dataset_kwargs={"skip_prepare_dataset": True}`` (preparation would
     rebuild labels and truncate rows without updating ``seq_lengths``), and by default
     ``padding_free=True`` with ``max_length=None``: an ``SFTTrainer`` built without a ``data_collator``
-    then uses TRL's own padding-free collator, which reads ``seq_lengths`` (positions restarting at every
-    packed sequence, ``cu_seq_lens``, the first label of each sequence masked) and trains exactly, with or
-    without :func:`~packtools.prepare_trainer`::
-
-        trainer = prepare_trainer(SFTTrainer(model, args=packed_sft_config(output_dir="out"),
-                                             train_dataset=packed, processing_class=tokenizer))
-
-    TRL refuses a custom ``data_collator`` under ``padding_free=True``.  To pass
-    ``PaddingFreeCollator`` (its options, ``context_parallel``, ``max_tokens``), say
-    ``packed_sft_config(..., padding_free=False)`` and pass ``data_collator=PaddingFreeCollator(pad)``:
-    with ``padding_free=False`` and no ``data_collator``, TRL's collator would give every packed row an
-    all-ones ``attention_mask`` (sequences attending to each other), which only
-    :func:`~packtools.prepare_trainer` then refuses.  Other arguments pass through.
+    then uses TRL's own padding-free collator, which reads ``seq_lengths`` and trains exactly, with or
+    without :func:`~packtools.prepare_trainer`.  ``padding_free=False`` is for passing
+    ``data_collator=PaddingFreeCollator(pad)`` (its options, ``context_parallel``, ``max_tokens``), which TRL
+    refuses under ``padding_free=True`` (docs/training.md).  Other arguments pass through.
     """
     trl = require("trl", "packtools.integrations.packed_sft_config")
     if kwargs.get("packing"):
