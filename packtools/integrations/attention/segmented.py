@@ -6,11 +6,8 @@ kernel is slower than the causal one).  FlashAttention's varlen kernels cost ``s
 on a GPU without flash-attn, this backend gets the same order:
 
 * it is registered with transformers as :data:`SEGMENTED_SDPA` (``"packtools_sdpa"``) with its own mask
-  function, :func:`document_mask`: for one row without padding or cache (a padding-free batch) it builds
-  nothing and returns a :class:`DocumentMask`, which holds ``sdpa``'s mask arguments and materializes only what
-  a call needs -- each document's diagonal block (``L_i²``, one at a time, freed after use), or the whole
-  ``[1, 1, T, T]`` mask for a call that goes to transformers' ``sdpa`` (a row without ``cu_seq_lens``); every
-  other call (several rows, padding, a cache, tracing) gets ``sdpa``'s own mask, exactly as before;
+  function, :func:`document_mask`: a padding-free row's mask is not built (a :class:`DocumentMask`
+  materializes each document's diagonal block, one at a time); every other call gets ``sdpa``'s own mask;
 * when a call carries ``cu_seq_lens_q``/``cu_seq_lens_k`` (a padding-free batch of one row), each sequence's
   queries attend to its own keys with the **diagonal block of that mask** (plain ``is_causal=True`` when the
   block is the causal triangle, which is what a model without sliding windows or bidirectional spans gets),
@@ -26,9 +23,7 @@ on a GPU without flash-attn, this backend gets the same order:
   ``(sum L_i)²`` cost (bucketed static shapes, :class:`~packtools.PaddingFreeCollator` ``pad_to_buckets``,
   keep the compile count down).
 * the boundaries are read back to the host once per forward and which blocks are plain causal once per
-  mask (cached on the :class:`DocumentMask`, which lives for one forward; for a 4-D mask tensor the caller
-  passed, on the tensors' identity and in-place version counter, so a tensor changed in place is read again;
-  masks are held weakly).
+  mask (:data:`_LAST_BOUNDS`, :meth:`DocumentMask.plain_causal`, :func:`_causal_blocks`).
 
 Memory: a forward over one padding-free row of ``T`` tokens in documents of ``L_i`` tokens holds no ``T × T``
 tensor; its attention peak follows ``max L_i²`` for the mask blocks that are not plain causal (sliding windows)
