@@ -45,8 +45,9 @@ class Patches:
     def names(self) -> list[str]:
         return [what for what, _ in self.undos]
 
-    def undo(self) -> None:
-        while self.undos:
+    def undo(self, keep: int = 0) -> None:
+        """Undo the changes after the first ``keep``, newest first."""
+        while len(self.undos) > keep:
             _, fn = self.undos.pop()
             fn()
 
@@ -99,9 +100,7 @@ def all_or_nothing(owner: Any) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        while len(patches.undos) > mark:
-            _, fn = patches.undos.pop()
-            fn()
+        patches.undo(mark)
         raise
 
 
