@@ -19,8 +19,7 @@ Every other call (a plain or padding-free batch, generation) goes to packtools' 
 :func:`check_tree_model` refuses, by name, models the tree cannot serve: layers that mix tokens outside
 attention (hybrid linear attention, SSM, convolutions), sliding-window or chunked layers, ALiBi, attention
 sinks or logit softcapping, and models whose forward takes no ``position_ids``.  :func:`use_tree_attention`
-switches a model after those checks and runs :func:`check_tree_isolation`: a small tree batch must equal
-each prompt + completion run alone, and perturbing a sibling or another unit must move nothing.
+switches a model after those checks and probes it (:func:`check_tree_isolation`).
 """
 
 from __future__ import annotations
