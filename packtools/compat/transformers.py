@@ -188,9 +188,9 @@ def _trainer_method(trainer: Any, name: str, params: Sequence[str]) -> Callable[
     return method
 
 
-def keep_signature_columns(trainer: Any, columns: Sequence[str], *, owner: Any) -> None:
-    """Add ``columns`` to the columns ``remove_unused_columns`` keeps (``Trainer._signature_columns``)."""
-    fill = _trainer_method(trainer, "_set_signature_columns_if_needed", ())
+def keep_signature_columns(trainer: Any, columns: Sequence[str], *, owner: Any = None) -> None:
+    """Add ``columns`` to the columns ``remove_unused_columns`` keeps (``Trainer._signature_columns``); recorded
+    on ``owner`` (default: the trainer)."""
     if "_signature_columns" not in vars(trainer):
         raise unknown_shape(
             "transformers",
@@ -199,6 +199,7 @@ def keep_signature_columns(trainer: Any, columns: Sequence[str], *, owner: Any) 
             "Pass TrainingArguments(remove_unused_columns=False), or install a transformers version packtools "
             "was checked against (see CHECKED).",
         )
+    fill = _trainer_method(trainer, "_set_signature_columns_if_needed", ())
     before = trainer._signature_columns
     fill()
     kept = trainer._signature_columns
@@ -208,7 +209,7 @@ def keep_signature_columns(trainer: Any, columns: Sequence[str], *, owner: Any) 
         )
     trainer._signature_columns = kept + [c for c in columns if c not in kept]
     record(
-        owner,
+        trainer if owner is None else owner,
         f"{type(trainer).__name__}._signature_columns",
         lambda: setattr(trainer, "_signature_columns", before),
     )

@@ -54,7 +54,7 @@ def causal_lm_loss(outputs: Any, labels: Any, num_items_in_batch: Any = None) ->
 def keep_packed_columns(trainer: Any, *, owner: Any = None) -> None:
     """Keep ``seq_lengths`` and the loss-mask columns through the trainer's ``remove_unused_columns``."""
     if trainer.args.remove_unused_columns:
-        keep_signature_columns(trainer, PACKED_COLUMNS, owner=trainer if owner is None else owner)
+        keep_signature_columns(trainer, PACKED_COLUMNS, owner=owner)
 
 
 def check_sft(trainer: Any) -> None:
