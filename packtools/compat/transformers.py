@@ -59,7 +59,6 @@ from . import record, set_attr, unknown_shape, warn_unchecked
 #: The ``transformers`` versions whose shapes this module was checked against (lowest and newest CI runs).
 CHECKED = "5.15.0 - 5.25.0"
 warn_unchecked("transformers", CHECKED)  # once per process, when the installed transformers is outside it
-_FIX = "Install a transformers version packtools was checked against (see CHECKED), or report the new shape."
 #: Registry entries packtools added, with how many owners still need them.
 _HELD: dict[str, int] = {}
 
@@ -73,9 +72,7 @@ def attn_implementation(config: Any) -> str | None:
     if is_instance(config, "transformers", "PretrainedConfig") and not hasattr(
         type(config), "_attn_implementation"
     ):
-        raise unknown_shape(
-            "transformers", CHECKED, f"{type(config).__name__} has no _attn_implementation", _FIX
-        )
+        raise unknown_shape("transformers", CHECKED, f"{type(config).__name__} has no _attn_implementation")
     return getattr(config, "_attn_implementation", None)
 
 
@@ -95,10 +92,7 @@ def sdpa_functions() -> tuple[Callable[..., Any], Callable[..., Any]]:
         from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
     except ImportError as err:
         raise unknown_shape(
-            "transformers",
-            CHECKED,
-            f"transformers.integrations.sdpa_attention lacks a function ({err})",
-            _FIX,
+            "transformers", CHECKED, f"transformers.integrations.sdpa_attention lacks a function ({err})"
         ) from err
     return sdpa_attention_forward, repeat_kv
 
@@ -113,10 +107,7 @@ def _registries() -> tuple[Any, Any, Any]:
             registry, "register"
         ):
             raise unknown_shape(
-                "transformers",
-                CHECKED,
-                f"{registry.__name__} has no register / class-wide _global_mapping",
-                _FIX,
+                "transformers", CHECKED, f"{registry.__name__} has no register / class-wide _global_mapping"
             )
     return AttentionInterface, ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
@@ -165,9 +156,7 @@ def set_attention(model: Any, name: str, *, owner: Any = None) -> None:
     """``model.set_attn_implementation(name)``; with an ``owner``, undone by switching back to the old backend."""
     switch = getattr(model, "set_attn_implementation", None)
     if not callable(switch):
-        raise unknown_shape(
-            "transformers", CHECKED, f"{type(model).__name__} has no set_attn_implementation", _FIX
-        )
+        raise unknown_shape("transformers", CHECKED, f"{type(model).__name__} has no set_attn_implementation")
     before = attn_implementation(getattr(model, "config", None))
     switch(name)
     if owner is not None and before is not None and before != name:
@@ -205,7 +194,7 @@ def keep_signature_columns(trainer: Any, columns: Sequence[str], *, owner: Any =
     kept = trainer._signature_columns
     if not isinstance(kept, list):
         raise unknown_shape(
-            "transformers", CHECKED, f"_signature_columns is {type(kept).__name__}, not a list", _FIX
+            "transformers", CHECKED, f"_signature_columns is {type(kept).__name__}, not a list"
         )
     trainer._signature_columns = kept + [c for c in columns if c not in kept]
     record(
@@ -237,7 +226,7 @@ def replace_mixer_forward(module: Any, forward: Callable[..., Any], *, owner: An
     ``forward`` the module has when prepared (accelerate's included) is kept and called.
     """
     if not callable(getattr(module, "forward", None)) or not hasattr(module, "__dict__"):
-        raise unknown_shape("transformers", CHECKED, f"{type(module).__name__} has no forward", _FIX)
+        raise unknown_shape("transformers", CHECKED, f"{type(module).__name__} has no forward")
     original = module.forward
     set_attr(module, "forward", forward, owner=owner)
     return original
@@ -261,7 +250,7 @@ def packed_position_masks(model: Any, inputs_embeds: Any, position_ids: Any) -> 
     unknown = names - {"full_attention", "sliding_attention"}
     if unknown:
         raise unknown_shape(
-            "transformers", CHECKED, f"{type(model).__name__} has layer types {sorted(unknown)}", _FIX
+            "transformers", CHECKED, f"{type(model).__name__} has layer types {sorted(unknown)}"
         )
     masks = {"full_attention": masking.create_causal_mask(**arguments)}
     if "sliding_attention" in names:
@@ -322,7 +311,6 @@ def tiktoken_tokenizer(ranks: dict[bytes, int], specials: Sequence[str], pattern
             "transformers",
             CHECKED,
             "convert_slow_tokenizer.TikTokenConverter(extra_special_tokens=...) with load_tiktoken_bpe is missing",
-            _FIX,
         )
 
     class LocalRanks(base):  # type: ignore[misc, valid-type]

@@ -44,7 +44,6 @@ warn_unchecked("trl", CHECKED)  # once per process, when the installed trl is ou
 #: The transformers versions whose ``Trainer`` internals (``_signature_columns``, ``get_batch_samples``) were checked.
 TRANSFORMERS_CHECKED = "5.15.0 - 5.25.0"
 
-_FIX = "Install a trl version packtools was checked against (see CHECKED), or report the new shape."
 #: Parameters of the trainer methods packtools wraps, as the checked versions define them.
 _METHOD_PARAMS = {
     "compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch"),
@@ -54,7 +53,7 @@ _METHOD_PARAMS = {
 
 def _unknown(what: str, library: str = "trl") -> Exception:
     checked = CHECKED if library == "trl" else TRANSFORMERS_CHECKED
-    return unknown_shape(library, checked, what, _FIX.replace("trl", library))
+    return unknown_shape(library, checked, what)
 
 
 def fused_forward(base: Any) -> Callable[..., Any]:
