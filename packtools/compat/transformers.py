@@ -19,8 +19,6 @@ undoes them:
   ``ALL_MASK_ATTENTION_FUNCTIONS.register`` (public); taking an entry out again needs their class-wide
   ``_global_mapping`` (no public ``unregister``), done only when the last owner that needed it is undone.
 * a model's backend (:func:`set_attention`, through the public ``set_attn_implementation``).
-* ``Trainer._remove_unused_columns`` / ``_get_collator_with_removed_columns`` (:func:`training_rows`,
-  :func:`training_collator`): the column removal packtools' own training loader applies as ``Trainer``'s does.
 * a token-mixing layer's ``forward`` (:func:`replace_mixer_forward`): an instance attribute over the method, as
   accelerate's hooks do (``packtools.integrations.attention.mixers`` runs the layer per document).
 

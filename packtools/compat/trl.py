@@ -20,8 +20,7 @@ each recorded on the trainer (:func:`~packtools.compat.set_attr` with ``owner=tr
 a stand-in for the model; it relies on TRL 1.16's ``compute_loss`` calling ``model(**inputs)`` once and reading
 only ``outputs.logits`` (``[2 * pairs, 1]``, chosen then rejected), ``inputs["margin"]`` and
 ``inputs["attention_mask"]`` (its token count), which :func:`check_step_methods` cannot see: the CHECKED range
-and the side-by-side tests hold it.  :func:`check_step_methods` checks the parameters of the methods the
-subclass overrides.
+and the side-by-side tests hold it.
 
 Each function checks the shape it relies on and raises :func:`~packtools.compat.unknown_shape`
 otherwise.  The tokenizer is read from the public ``processing_class`` (not ``DPOTrainer._tokenizer``).

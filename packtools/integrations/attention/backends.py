@@ -171,12 +171,11 @@ def check_attention_implementation(model: Any) -> str:
             f"attention would let packed sequences see each other. Upgrade transformers (>= 4.54), or use "
             f"attn_implementation='flash_attention_2'."
         )
-    if not is_flash(impl):
-        if not forward_accepts(model, "position_ids", named=True):
-            raise PackingError(
-                f"{type(base_model(model)).__name__}.forward takes no position_ids, so with {impl!r} attention it "
-                f"cannot separate packed sequences. Use attn_implementation='flash_attention_2', or do not pack."
-            )
+    if not is_flash(impl) and not forward_accepts(model, "position_ids", named=True):
+        raise PackingError(
+            f"{type(base_model(model)).__name__}.forward takes no position_ids, so with {impl!r} attention it "
+            f"cannot separate packed sequences. Use attn_implementation='flash_attention_2', or do not pack."
+        )
     return impl
 
 
@@ -191,14 +190,13 @@ def uses_alibi(model: Any) -> bool:
 
 
 def use_segmented_sdpa(model: Any, *, owner: Any = None) -> bool:
-    """Switch a text model from ``sdpa`` to packtools' per-sequence ``sdpa``; returns whether it switched.
+    """Switch a text model from ``sdpa`` to packtools' per-sequence ``sdpa``
+    (:mod:`packtools.integrations.attention.segmented`); returns whether it switched.
 
-    Padding-free rows then cost ``sum(L_i²)`` per attention layer instead of ``(sum L_i)²``, with the same
-    result (see :mod:`packtools.integrations.attention.segmented`).  Other backends, composite (multimodal) configs, ALiBi
-    models (:func:`uses_alibi`) and models without ``set_attn_implementation`` are left as they are.  With an
-    ``owner`` (``prepare_trainer`` passes the trainer) the switch and the registration are recorded, so
-    :func:`packtools.integrations.unprepare` switches back; otherwise ``model.set_attn_implementation("sdpa")``
-    does.  The name is not saved with the config.
+    Other backends, composite (multimodal) configs, ALiBi models (:func:`uses_alibi`) and models without
+    ``set_attn_implementation`` are left as they are.  With an ``owner`` (``prepare_trainer`` passes the trainer)
+    the switch and the registration are recorded, so :func:`packtools.integrations.unprepare` switches back;
+    otherwise ``model.set_attn_implementation("sdpa")`` does.  The name is not saved with the config.
     """
     base = base_model(model)
     config = getattr(base, "config", None)

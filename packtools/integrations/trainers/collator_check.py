@@ -84,6 +84,11 @@ def _head_rows(dataset: Any, count: int) -> list[Any]:
     return list(itertools.islice(iter(dataset), count))
 
 
+def _batch_rows(trainer: Any) -> int:
+    """The rows of a checked batch: the trainer's batch size, at least 2 and at most :data:`MAX_BATCH_ROWS`."""
+    return min(max(2, int(getattr(trainer.args, "per_device_train_batch_size", 2) or 2)), MAX_BATCH_ROWS)
+
+
 def _seq_lengths(row: Mapping[str, Any]) -> list[int]:
     n = len(_array(row["input_ids"]))
     value = row.get(SEQ_LENGTHS)
@@ -99,10 +104,9 @@ def sample_batch(
     head = [(i, r) for i, r in enumerate(head) if isinstance(r, Mapping) and "input_ids" in r]
     if not head:
         return None
-    size = min(max(2, int(getattr(trainer.args, "per_device_train_batch_size", 2) or 2)), MAX_BATCH_ROWS)
     packed = [i for i, r in head if len(_seq_lengths(r)) > 1]
     others = [i for i, r in head if len(_seq_lengths(r)) <= 1]
-    picked = sorted((packed + others)[:size])
+    picked = sorted((packed + others)[: _batch_rows(trainer)])
     raw = [dict(head)[i] for i in picked]
     return raw, *_as_trained(trainer, dataset, raw, picked)
 
@@ -380,7 +384,7 @@ def _preference_sample(trainer: Any, dataset: Any) -> tuple[list[Any], list[Any]
         isinstance(r, Mapping) and {"prompt_ids", "chosen_ids", "rejected_ids"} <= set(r) for r in head
     ):
         return None
-    head = head[: min(max(2, int(getattr(trainer.args, "per_device_train_batch_size", 2) or 2)), len(head))]
+    head = head[: _batch_rows(trainer)]
     return head, *_as_trained(trainer, dataset, head, range(len(head)))
 
 
