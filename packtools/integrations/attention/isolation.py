@@ -125,6 +125,11 @@ class IsolationReport:
         return "\n".join(lines)
 
 
+def max_abs_diff(got: Any, reference: Any) -> float:
+    """The largest ``|got - reference|`` of two tensors, compared in float32."""
+    return float((got.float() - reference.float()).abs().max())
+
+
 class ProbeDiffs:
     """What the tree and padding-free RL probes compare: each packed output against its reference (the sequence
     run alone, TRL's padded batch), a difference above ``tol`` times the reference's scale (``max(1, |ref|)``)
@@ -137,7 +142,7 @@ class ProbeDiffs:
 
     def exceeds(self, got: Any, reference: Any) -> float | None:
         """The largest ``|got - reference|`` where it exceeds the tolerance, else ``None``."""
-        diff = float((got.float() - reference.float()).abs().max())
+        diff = max_abs_diff(got, reference)
         self.worst = max(self.worst, diff)
         return diff if diff > self.tol * max(1.0, float(reference.abs().max())) else None
 
@@ -320,11 +325,9 @@ def check_isolation(
             logits, _, keys, spans = run_packed(list(seqs))
             moved, _, _, moved_spans = run_packed([other, *seqs[1:]])
             alone = [run_alone(s) for s in seqs]
-        diffs = tuple(
-            float((logits[r, a:b].float() - al.float()).abs().max()) for (r, a, b), al in zip(spans, alone)
-        )
+        diffs = tuple(max_abs_diff(logits[r, a:b], al) for (r, a, b), al in zip(spans, alone))
         perturb = max(
-            float((logits[r, a:b].float() - moved[mr, ma:mb].float()).abs().max())
+            max_abs_diff(logits[r, a:b], moved[mr, ma:mb])
             for (r, a, b), (mr, ma, mb) in zip(spans[1:], moved_spans[1:])
         )
         scale = max(1.0, max(float(al.float().abs().max()) for al in alone))
@@ -339,11 +342,8 @@ def check_isolation(
             with torch.no_grad():
                 again, _, _, _ = run_packed(list(seqs))
                 noise = max(
-                    max(
-                        float((logits[r, a:b].float() - again[r, a:b].float()).abs().max())
-                        for r, a, b in spans
-                    ),
-                    max(float((run_alone(s).float() - al.float()).abs().max()) for s, al in zip(seqs, alone)),
+                    max(max_abs_diff(logits[r, a:b], again[r, a:b]) for r, a, b in spans),
+                    max(max_abs_diff(run_alone(s), al) for s, al in zip(seqs, alone)),
                 )
             tol, perturb_tol = max(tol, NOISE_FACTOR * noise), max(perturb_tol, NOISE_FACTOR * noise)
             backward_tol = max(backward_tol, NOISE_FACTOR * noise)
@@ -412,7 +412,7 @@ def _compare_backward(
             continue
         a = torch.zeros_like(b) if a is None else a
         b = torch.zeros_like(a) if b is None else b
-        grad_diff = max(grad_diff, float((a.float() - b.float()).abs().max()))
+        grad_diff = max(grad_diff, max_abs_diff(a, b))
         grad_scale = max(grad_scale, float(b.float().abs().max()))
     loss_diff = abs(float(packed_loss.detach()) - alone_loss) / max(1.0, abs(alone_loss))
     return loss_diff, grad_diff / grad_scale

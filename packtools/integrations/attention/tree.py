@@ -34,7 +34,7 @@ from ...compat import set_attr
 from ...compat.transformers import register_attention, set_attention
 from ...errors import PackingError
 from .backends import attention_implementation, base_model, forward_accepts, token_mixing_layers
-from .isolation import ProbeDiffs
+from .isolation import ProbeDiffs, max_abs_diff
 from .segmented import AttentionCall, keyed_attention
 
 TREE_ATTENTION = "packtools_tree"
@@ -248,7 +248,7 @@ def check_tree_isolation(model: Any, seed: int = 0) -> float:
             moved[other] = (moved[other] + 1) % vocab
             again = _logits(model, input_ids=moved[None], position_ids=positions, **{TREE_KEY: dev})[0]
             mine = torch.from_numpy(own).to(param.device)
-            diff = float((again[mine].float() - tree[mine].float()).abs().max())
+            diff = max_abs_diff(again[mine], tree[mine])
             if diff > probe.tol:
                 raise PackingError(
                     f"{type(base).__name__} with the tree attention: changing a sibling completion or another unit "
