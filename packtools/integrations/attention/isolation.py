@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 
 from ..._optional import require
-from ...constants import IGNORE_INDEX
 from ...errors import PackingError
 from ..trainers.rows import locate_rows, sequence_spans
+from ..trainers.sft import summed_next_token_loss
 from .backends import (
     MASK_BACKENDS,
     adapt_collator,
@@ -202,16 +202,6 @@ def _spans(rows: list[dict[str, Any]], input_ids: Any, name: str) -> list[tuple[
             f"packtools.PaddingFreeCollator."
         )
     return sequence_spans(where, [row.get("seq_lengths") or [len(row["input_ids"])] for row in rows])
-
-
-def _sum_loss(torch: Any, logits: Any, labels: Any) -> Any:
-    """Summed next-token cross-entropy (position ``i`` predicts ``labels[i + 1]``)."""
-    return torch.nn.functional.cross_entropy(
-        logits[..., :-1, :].float().reshape(-1, logits.shape[-1]),
-        labels[..., 1:].reshape(-1).to(logits.device),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
 
 
 def _logits(out: Any, name: str) -> Any:
@@ -397,12 +387,12 @@ def _compare_backward(
     if not params:
         return 0.0, 0.0
     logits, labels, _, _ = run_packed(list(seqs))
-    packed_loss = _sum_loss(torch, logits, labels)
+    packed_loss, _ = summed_next_token_loss(logits, labels)
     packed_grads = torch.autograd.grad(packed_loss, params, allow_unused=True)
     alone_loss = 0.0
     alone_grads = [None] * len(params)
     for seq in seqs:
-        loss = _sum_loss(torch, run_alone(seq)[None], torch.as_tensor(seq[None]))
+        loss, _ = summed_next_token_loss(run_alone(seq)[None], torch.as_tensor(seq[None]))
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         alone_loss += float(loss.detach())
         alone_grads = [g if a is None else (a if g is None else a + g) for a, g in zip(alone_grads, grads)]

@@ -27,6 +27,7 @@ from typing import Any
 
 from ..._optional import require
 from ...constants import IGNORE_INDEX
+from .sft import summed_next_token_loss
 
 
 def token_mean_loss(trainer: Any, eval_dataset: Any = None) -> float:
@@ -52,13 +53,8 @@ def token_mean_loss(trainer: Any, eval_dataset: Any = None) -> float:
                 labels = batch.pop("labels")
                 out = model(**batch)
                 logits = out["logits"] if isinstance(out, dict) else out.logits
-                target = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-                total += torch.nn.functional.cross_entropy(
-                    logits.float().reshape(-1, logits.shape[-1]),
-                    target.reshape(-1),
-                    ignore_index=IGNORE_INDEX,
-                    reduction="sum",
-                ).double()
+                loss, target = summed_next_token_loss(logits, labels)
+                total += loss.double()
                 count += (target != IGNORE_INDEX).sum()
     finally:
         model.train(was_training)

@@ -40,6 +40,16 @@ def causal_lm_loss(outputs: Any, labels: Any, num_items_in_batch: Any = None) ->
     """
     torch = require("torch", "packtools.integrations.trainers.sft.causal_lm_loss")
     logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+    total, target = summed_next_token_loss(logits, labels)
+    count = (target != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
+    return total / torch.as_tensor(count, device=total.device).clamp(min=1)
+
+
+def summed_next_token_loss(logits: Any, labels: Any) -> tuple[Any, Any]:
+    """``(summed cross-entropy, targets)`` of ``logits`` against the next token: position ``i`` predicts
+    ``labels[i + 1]`` (the targets are ``labels`` shifted by one, ``-100`` at the end and where nothing is
+    predicted)."""
+    torch = require("torch", "packtools causal-LM loss")
     target = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].to(logits.device)
     total = torch.nn.functional.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]),
@@ -47,8 +57,7 @@ def causal_lm_loss(outputs: Any, labels: Any, num_items_in_batch: Any = None) ->
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
-    count = (target != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
-    return total / torch.as_tensor(count, device=total.device).clamp(min=1)
+    return total, target
 
 
 def keep_packed_columns(trainer: Any, *, owner: Any = None) -> None:
