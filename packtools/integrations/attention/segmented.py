@@ -316,9 +316,8 @@ def _segmented_sdpa(call: AttentionCall) -> tuple[Any, None]:
     if bounds is None:
         if isinstance(attention_mask, DocumentMask):
             attention_mask = attention_mask.full()
-        if (
-            kwargs.get("s_aux") is not None
-        ):  # transformers' sdpa has no sinks: the same softmax, over the call
+        # transformers' sdpa has no sinks: the same softmax, over the call
+        if kwargs.get("s_aux") is not None:
             groups = getattr(module, "num_key_value_groups", 1)
             k, v = (repeat_kv(key, groups), repeat_kv(value, groups)) if groups > 1 else (key, value)
             plain = attention_mask is None and query.shape[2] == key.shape[2] and is_causal is not False
