@@ -19,9 +19,7 @@ It then returns a collator for :func:`packtools.integrations.check_isolation` th
 shaped like the real ones, through the trainer's collator, so the probe measures the batches training will see.
 A collator that passes is accepted as it is (judged by its batch, never by its class name); one that fails: refused.
 
-:func:`check_preference_collator` does the same for ``DPOTrainer``: each pair's chosen and rejected sequences
-must come out as their own right-padded rows, chosen rows first, as TRL's ``DataCollatorForPreference`` lays
-them out (the layout :func:`packtools.prepare_dpo_trainer` flattens), never merged into one row.
+:func:`check_preference_collator` does the same for a ``DPOTrainer``'s pairs.
 
 A collator with side effects (counting batches) can tell these calls from training's with :func:`in_check`.
 """

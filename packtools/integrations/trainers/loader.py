@@ -1,23 +1,16 @@
 """The training dataloader of a ``Trainer`` under data parallelism: per-rank batches, each row once per epoch.
 
 :func:`train_loader` is the training loader the step owner's ``get_train_dataloader`` returns
-(:mod:`packtools.integrations.trainers.step`); its batches come from a rank-aware batch sampler of packtools:
-
-* ``max_tokens=N``: a :class:`~packtools.batches.TokenBudgetBatchSampler` per rank (batches of at most ``N`` tokens,
-  balanced across ranks by attention cost, ``sum(L_i²)`` per packed segment or per sequence of a pair);
-* otherwise, with several processes: a :class:`~packtools.batches.row_sampler.RowBatchSampler`
-  (``per_device_train_batch_size`` rows, the same number of batches on every rank, no row repeated; the
-  rows accelerate's ``even_batches`` would have repeated are spread by splitting batches instead).
-
-The sampler shards over the **data-parallel** group only (:func:`~packtools.integrations.parallel.layout.rank_layout`:
-rank and size read from accelerate's device mesh, DeepSpeed AutoTP, or the processes), so tensor- and
-context-parallel peers draw the same batches; a layout packtools does not handle is refused there by name.
+(:mod:`packtools.integrations.trainers.step`).  Its batches come from a rank-aware batch sampler of packtools
+(:func:`make_sampler`: a :class:`~packtools.batches.TokenBudgetBatchSampler` per rank with ``max_tokens=N``, else a
+:class:`~packtools.batches.row_sampler.RowBatchSampler` of ``per_device_train_batch_size`` rows) that shards over
+the **data-parallel** group only (:func:`~packtools.integrations.parallel.layout.rank_layout`), so tensor- and
+context-parallel peers draw the same batches.
 
 The loader still goes through ``accelerator.prepare`` (device placement, the data-loader state ``Trainer``
-reads), but accelerate's ``BatchSamplerShard`` is made a pass-through (the sampler already shards), and it
-forwards ``set_epoch`` to the sampler, also after ``skip_first_batches`` wraps it when resuming from a
-checkpoint.  Every epoch is a deterministic function of ``(seed, epoch)``, so a resumed run sees the batches
-the uninterrupted run would have.
+reads), but accelerate's ``BatchSamplerShard`` is made a pass-through (the sampler already shards) that forwards
+``set_epoch``, also after ``skip_first_batches`` on resume: every epoch is a deterministic function of
+``(seed, epoch)``, so a resumed run sees the batches the uninterrupted run would have (docs/training.md).
 """
 
 from __future__ import annotations
@@ -110,7 +103,7 @@ def row_lengths_and_segments(dataset: Any) -> tuple[np.ndarray, Any]:
 
 
 def make_sampler(trainer: Any, dataset: Any, max_tokens: int | None, layout: Any) -> Any:
-    """The rank's batch sampler for ``dataset`` (see the module docstring).
+    """The rank's batch sampler for ``dataset``: token-budget batches with ``max_tokens``, else rows.
 
     ``layout`` (the run's :class:`~packtools.integrations.parallel.layout.RankLayout`, the step plan's) says
     which data-parallel shard this process reads: ``world`` and ``rank`` below are the data-parallel size and
