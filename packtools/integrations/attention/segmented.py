@@ -17,21 +17,13 @@ on a GPU without flash-attn, this backend gets the same order:
 * every other call (padded batches, generation with a cache, ``position_bias``, ``softcap``) goes to
   transformers' ``sdpa`` unchanged;
 * under ``torch.compile`` (while Dynamo traces) every call goes to transformers' ``sdpa`` with the mask too: the
-  per-sequence loop needs the boundaries on the host, which inside a compiled graph is a graph break whose
-  Python ints then specialize the graph, recompiling for every new set of boundaries.  transformers builds the
-  block-diagonal mask from ``position_ids`` whenever it traces, so the compiled step is exact, at the masked
-  ``(sum L_i)²`` cost (bucketed static shapes, :class:`~packtools.PaddingFreeCollator` ``pad_to_buckets``,
-  keep the compile count down).
+  per-sequence loop needs the boundaries on the host, a graph break whose Python ints would recompile the graph
+  for every new set of boundaries; the compiled step is exact, at the masked ``(sum L_i)²`` cost;
 * the boundaries are read back to the host once per forward and which blocks are plain causal once per
   mask (:data:`_LAST_BOUNDS`, :meth:`DocumentMask.plain_causal`, :func:`_causal_blocks`).
 
-Memory: a forward over one padding-free row of ``T`` tokens in documents of ``L_i`` tokens holds no ``T × T``
-tensor; its attention peak follows ``max L_i²`` for the mask blocks that are not plain causal (sliding windows)
-and the kernel's own per-document work.  Nothing of the row's size is copied: grouped keys/values go to sdpa's
-own GQA (``enable_gqa``, where transformers' sdpa uses it: no mask) or are repeated one document at a time, and
-without autograd each document's output is written into one ``[batch, tokens, heads, dim]`` buffer (with it, one
-``cat`` in that layout, whose backward only slices).  ``benchmarks/bench_segmented_memory.py`` measures it
-against the documents run one by one, with the tensors live at the peak.
+Memory: a forward over one padding-free row holds no ``T × T`` tensor and no copy of the row's keys, values or
+output (docs/training.md has both the memory figures and the ``torch.compile`` detail).
 
 The result equals ``sdpa`` with the block-diagonal mask up to float rounding (tested against it, and against
 each sequence run alone, forward and backward).
