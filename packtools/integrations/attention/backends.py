@@ -89,10 +89,8 @@ def multimodal_parts(model: Any) -> list[str]:
 
 
 def check_multimodal(model: Any) -> None:
-    """Refuse a multimodal model whose type is not in :data:`packtools.batches.mrope.VERIFIED_MODEL_TYPES` (the
-    one list of vision-language models whose packed batches are verified exact), naming it and why.  A verified
-    one passes here; ``prepare_trainer`` then requires its ``MultimodalCollator``
-    (:func:`packtools.integrations.multimodal.models.check_multimodal_model`)."""
+    """Refuse a multimodal model whose type is not in :data:`packtools.batches.mrope.VERIFIED_MODEL_TYPES`, naming
+    it and why (a verified one passes here; ``prepare_trainer`` then requires its ``MultimodalCollator``)."""
     from ...batches import mrope
 
     parts = multimodal_parts(model)

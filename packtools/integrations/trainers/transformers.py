@@ -150,12 +150,9 @@ def prepare_trainer(
     trainer's own loss), ``"sample"`` or ``"sqrt"``, computed by packtools, so a loss of the trainer's own is
     refused by name with them.
 
-    The trainer's class becomes a packtools subclass of it (:mod:`packtools.integrations.trainers.step`, the one
-    owner of what packtools changes in its step).  Vision-language models of
-    :data:`packtools.batches.mrope.VERIFIED_MODEL_TYPES` train packed with
-    ``data_collator=packtools.batches.MultimodalCollator(model, pad_token_id)``, probed through the vision tower
-    (:mod:`packtools.integrations.multimodal.models`); other multimodal models are refused by name.  Returns the
-    trainer.
+    The trainer's class becomes a packtools subclass of it (:mod:`packtools.integrations.trainers.step`).
+    Vision-language models train packed with ``packtools.batches.MultimodalCollator``
+    (:mod:`packtools.integrations.multimodal.models`).  Returns the trainer.
     """
     require("transformers", "packtools.integrations.prepare_trainer")
     loss = check_loss_mode(loss)
