@@ -93,12 +93,7 @@ class IsolationReport:
 
     @property
     def leaks(self) -> bool:
-        backward = max([d for d in (self.loss_diff, self.grad_diff) if d is not None], default=0.0)
-        return (
-            max(self.alone_diff) > self.tolerance
-            or self.perturb_diff > self.perturb_tolerance
-            or backward > max(self.backward_tolerance, self.tolerance)
-        )
+        return bool(exceeded(self))
 
     def __str__(self) -> str:
         lines = [
