@@ -19,7 +19,7 @@ torch's own tensor parallelism that neither accelerate nor DeepSpeed describes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ...errors import PackingError
@@ -63,16 +63,7 @@ class RankLayout:
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled without its process group (a group does not cross processes: a data-loader worker's shards
         come back carrying the layout's ranks, and the step owner binds them to its own layout again)."""
-        fields = (
-            self.dp_rank,
-            self.dp_size,
-            self.cp_rank,
-            self.cp_size,
-            self.tp_size,
-            self.source,
-            self.balance,
-        )
-        return (type(self), fields)
+        return (type(self), tuple(getattr(self, f.name) for f in fields(self) if f.name != "cp_group"))
 
     def with_cp_group(self) -> RankLayout:
         """This layout with its CP process group created (consecutive processes ``[dp_rank * N, (dp_rank + 1) *
