@@ -21,9 +21,13 @@ from typing import Any
 import numpy as np
 
 from ..._optional import is_instance, require
+from ...batches.row_sampler import RowBatchSampler
+from ...batches.sampler import TokenBudgetBatchSampler, _positive_int
 from ...compat.accelerate import stop_sharding
+from ...compat.datasets import dataset_table
 from ...compat.transformers import training_collator, training_rows
 from ...constants import SEQ_LENGTHS
+from ...core.arrow import column_lengths
 from ...errors import PackingError
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -54,9 +58,6 @@ class RankBatches:
 def list_lengths(dataset: Any, column: str) -> np.ndarray:
     """The lengths of list column ``column`` of a ``datasets.Dataset``, in its row order (after ``select``,
     ``shuffle``, ...)."""
-    from ...compat.datasets import dataset_table
-    from ...core.arrow import column_lengths
-
     table, indices = dataset_table(dataset)
     lengths = column_lengths(table.column(column))
     return lengths if indices is None else lengths[indices]
@@ -64,8 +65,6 @@ def list_lengths(dataset: Any, column: str) -> np.ndarray:
 
 def seq_lengths_column(dataset: Any) -> Any:
     """The ``seq_lengths`` column of a ``datasets.Dataset``, in its row order."""
-    from ...compat.datasets import dataset_table
-
     table, indices = dataset_table(dataset)
     column = table.column(SEQ_LENGTHS)
     return column if indices is None else column.take(indices)
@@ -109,9 +108,6 @@ def make_sampler(trainer: Any, dataset: Any, max_tokens: int | None, layout: Any
     which data-parallel shard this process reads: ``world`` and ``rank`` below are the data-parallel size and
     rank, not the process count and index.
     """
-    from ...batches.row_sampler import RowBatchSampler
-    from ...batches.sampler import TokenBudgetBatchSampler
-
     args = trainer.args
     seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed
     world, rank = layout.dp_size, layout.dp_rank
@@ -170,8 +166,6 @@ def _passthrough(prepared: Any, ours: RankBatches) -> Any:
 
 def check_sharding(loader: Any) -> None:
     """Raise if a ``TokenBudgetBatchSampler`` with ``num_replicas > 1`` sits under accelerate's sharding."""
-    from ...batches.sampler import TokenBudgetBatchSampler
-
     shard = getattr(loader, "batch_sampler", None)
     inner = getattr(shard, "batch_sampler", None)
     if (
@@ -247,8 +241,6 @@ def check_train_loader(trainer: Any, max_tokens: int | None) -> None:
     """Refuse, before training, what :func:`train_loader` cannot serve: a ``max_tokens`` that is not a positive
     int, a streaming dataset under several processes or a token budget."""
     if max_tokens is not None:
-        from ...batches.sampler import _positive_int
-
         _positive_int(max_tokens, "max_tokens")
     check_stream(trainer.train_dataset, int(trainer.args.world_size), max_tokens)
     if max_tokens is not None or max(int(trainer.args.world_size), 1) > 1:
