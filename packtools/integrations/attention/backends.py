@@ -17,6 +17,8 @@ import inspect
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ...batches import mrope
+from ...batches.collate import SWITCHED_KEYS, PaddingFreeCollator
 from ...compat.transformers import attn_implementation, builds_packed_masks, set_attention
 from ...errors import PackingError
 from .segmented import SEGMENTED_SDPA, register
@@ -91,8 +93,6 @@ def multimodal_parts(model: Any) -> list[str]:
 def check_multimodal(model: Any) -> None:
     """Refuse a multimodal model whose type is not in :data:`packtools.batches.mrope.VERIFIED_MODEL_TYPES`, naming
     it and why (a verified one passes here; ``prepare_trainer`` then requires its ``MultimodalCollator``)."""
-    from ...batches import mrope
-
     parts = multimodal_parts(model)
     base = base_model(model)
     model_type = getattr(getattr(base, "config", None), "model_type", None)
@@ -272,8 +272,6 @@ def adapt_collator(collator: Any, model: Any) -> Any:
     any other collator is returned as is.  ``position_ids`` is never switched off here: without it
     non-flash backends cannot separate sequences, which :func:`check_attention_implementation` refuses.
     """
-    from ...batches.collate import SWITCHED_KEYS, PaddingFreeCollator
-
     inner = getattr(collator, "collator", collator)
     if not isinstance(inner, PaddingFreeCollator):
         return collator

@@ -28,10 +28,12 @@ import math
 from typing import Any
 
 from ..._optional import require
+from ...batches.attention import varlen_attention
 from ...batches.context_parallel import CP_KEY
 from ...compat.transformers import register_attention, set_attention
 from ...errors import PackingError
 from . import segmented
+from .backends import token_mixing_layers
 from .segmented import AttentionCall
 
 #: The attention implementation name registered with transformers.
@@ -180,8 +182,6 @@ def shard_attention(
     >>> torch.allclose(out, want, atol=1e-6)
     True
     """
-    from ...batches.attention import varlen_attention
-
     torch = require("torch", "packtools context parallelism")
     q_index, k_index, cu_q, cu_k = _indices(shard, query.device)
     out = torch.zeros(query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device)
@@ -219,8 +219,6 @@ def use_cp_attention(model: Any, *, owner: Any = None) -> None:
     Refuses a model with layers that mix tokens outside attention (convolutions, state-space or linear
     attention scans): on a CP shard they would run over chunks of different documents as one sequence.
     """
-    from .backends import token_mixing_layers
-
     mixers = token_mixing_layers(model, include_handled=True)  # a document's chunks sit on several ranks
     if mixers:
         raise PackingError(

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..._optional import require
+from ...batches.collate import PaddingFreeCollator
 from ...errors import PackingError
 from ..trainers.rows import locate_rows, sequence_spans
 from ..trainers.sft import summed_next_token_loss
@@ -266,8 +267,6 @@ def check_isolation(
     config = getattr(base, "config", None)
     pad = getattr(config, "pad_token_id", None) if config is not None else None
     if collator is None:
-        from ...batches.collate import PaddingFreeCollator
-
         collator = PaddingFreeCollator(pad if isinstance(pad, int) else 0, unpacked=not packed)
     collator = adapt_collator(collator, model)
     param = next(iter(base.parameters()), None)

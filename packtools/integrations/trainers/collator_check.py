@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..._optional import is_instance
+from ...batches.collate import PaddingFreeCollator
 from ...compat.transformers import training_collator, training_rows
 from ...constants import IGNORE_INDEX, MASK_COLUMNS, SEQ_LENGTHS
 from ...errors import PackingError
@@ -338,8 +339,6 @@ def check_trainer_collator(trainer: Any) -> tuple[ProbeRows | None, bool]:
 
 def probe_collator(collator: Any) -> Any:
     """The trainer's PaddingFreeCollator (returning tensors), or None for the probe's default."""
-    from ...batches.collate import PaddingFreeCollator
-
     inner = getattr(collator, "collator", collator)
     if not isinstance(inner, PaddingFreeCollator):
         return None
