@@ -45,8 +45,9 @@ class Patches:
     def names(self) -> list[str]:
         return [what for what, _ in self.undos]
 
-    def undo(self) -> None:
-        while self.undos:
+    def undo(self, keep: int = 0) -> None:
+        """Undo the changes after the first ``keep``, newest first."""
+        while len(self.undos) > keep:
             _, fn = self.undos.pop()
             fn()
 
@@ -99,9 +100,7 @@ def all_or_nothing(owner: Any) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        while len(patches.undos) > mark:
-            _, fn = patches.undos.pop()
-            fn()
+        patches.undo(mark)
         raise
 
 
@@ -150,8 +149,12 @@ def warn_unchecked(library: str, checked: str) -> None:
     )
 
 
-def unknown_shape(library: str, checked: str, what: str, fix: str) -> PackingError:
-    """The error for an object whose internals are not the shape packtools checked (never patch blindly)."""
+def unknown_shape(library: str, checked: str, what: str, fix: str | None = None) -> PackingError:
+    """The error for an object whose internals are not the shape packtools checked (never patch blindly);
+    ``fix`` defaults to installing a checked version."""
+    if fix is None:
+        article = "an" if library[0] in "aeiou" else "a"
+        fix = f"Install {article} {library} version packtools was checked against (see CHECKED), or report the new shape."
     return PackingError(
         f"packtools does not know this {library} {version(library) or '(unknown version)'}: {what}. "
         f"packtools was checked against {library} {checked}. {fix}"

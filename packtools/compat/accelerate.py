@@ -32,7 +32,6 @@ from . import unknown_shape, warn_unchecked
 #: The ``accelerate`` versions whose shapes this module was checked against (lowest and newest CI runs).
 CHECKED = "1.10.1 - 1.16.0"
 warn_unchecked("accelerate", CHECKED)  # once per process, when the installed accelerate is outside it
-_FIX = "Install an accelerate version packtools was checked against (see CHECKED), or report the new shape."
 _SHARD = ("batch_sampler", "num_processes", "process_index", "split_batches")
 
 
@@ -46,7 +45,6 @@ def stop_sharding(shard: Any, set_epoch: Callable[[int], None]) -> None:
             f"the training loader's batch sampler is a {type(shard).__name__}"
             + (f" without {missing}" if missing else "")
             + ", not the BatchSamplerShard packtools keeps from sharding its per-rank batches again",
-            _FIX,
         )
     shard.num_processes = 1
     shard.process_index = 0
@@ -58,7 +56,7 @@ def replaced_gather(accelerator: Any, gather: Callable[[Any], Any]) -> Iterator[
     """Within the block, ``accelerator.gather`` is ``gather``; the method is back afterwards."""
     if not callable(getattr(type(accelerator), "gather", None)) or "gather" in vars(accelerator):
         raise unknown_shape(
-            "accelerate", CHECKED, f"{type(accelerator).__name__}.gather is not a plain method", _FIX
+            "accelerate", CHECKED, f"{type(accelerator).__name__}.gather is not a plain method"
         )
     accelerator.gather = gather
     try:

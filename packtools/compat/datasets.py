@@ -38,11 +38,9 @@ warn_unchecked("datasets", CHECKED)  # once per process, when the installed data
 #: The file of a ``save_to_disk`` folder that lists its data files (a ``datasets`` internal format).
 STATE_FILE = "state.json"
 
-_FIX = "Install a datasets version packtools was checked against (see CHECKED), or report the new shape."
-
 
 def _unknown(what: str) -> Exception:
-    return unknown_shape("datasets", CHECKED, what, _FIX)
+    return unknown_shape("datasets", CHECKED, what)
 
 
 def dataset_table(dataset: Any) -> tuple[pa.Table, np.ndarray | None]:

@@ -32,7 +32,6 @@ from . import record, unknown_shape, warn_unchecked
 #: The ``torch`` versions whose shapes this module was checked against (lowest and newest CI runs).
 CHECKED = "2.13.0"
 warn_unchecked("torch", CHECKED)  # once per process, when the installed torch is outside it
-_FIX = "Install a torch version packtools was checked against (see CHECKED), or report the new shape."
 
 
 def tensor_version(tensor: Any) -> int | None:
@@ -42,9 +41,7 @@ def tensor_version(tensor: Any) -> int | None:
     except RuntimeError:  # "Inference tensors do not track version counter"
         return None
     except AttributeError:
-        raise unknown_shape(
-            "torch", CHECKED, f"{type(tensor).__name__} has no _version counter", _FIX
-        ) from None
+        raise unknown_shape("torch", CHECKED, f"{type(tensor).__name__} has no _version counter") from None
 
 
 def forward_pre_hook(module: Any, hook: Callable[..., Any], *, owner: Any) -> Any:
@@ -69,7 +66,7 @@ def _register(
     """``module.<method>(hook, <option>=True)``, refused where that method takes no such option."""
     register = getattr(module, method, None)
     if not callable(register) or option not in inspect.signature(register).parameters:
-        raise unknown_shape("torch", CHECKED, f"{type(module).__name__}.{method} takes no {option}", _FIX)
+        raise unknown_shape("torch", CHECKED, f"{type(module).__name__}.{method} takes no {option}")
     handle = register(hook, **{option: True})
     record(owner, f"{type(module).__name__} {what}", handle.remove)
     return handle
@@ -80,6 +77,6 @@ def in_backward(torch: Any) -> bool:
     task = getattr(getattr(torch, "_C", None), "_current_graph_task_id", None)
     if not callable(task):
         raise unknown_shape(
-            "torch", CHECKED, "torch._C has no _current_graph_task_id (is a backward pass running?)", _FIX
+            "torch", CHECKED, "torch._C has no _current_graph_task_id (is a backward pass running?)"
         )
     return task() != -1

@@ -19,8 +19,6 @@ undoes them:
   ``ALL_MASK_ATTENTION_FUNCTIONS.register`` (public); taking an entry out again needs their class-wide
   ``_global_mapping`` (no public ``unregister``), done only when the last owner that needed it is undone.
 * a model's backend (:func:`set_attention`, through the public ``set_attn_implementation``).
-* ``Trainer._remove_unused_columns`` / ``_get_collator_with_removed_columns`` (:func:`training_rows`,
-  :func:`training_collator`): the column removal packtools' own training loader applies as ``Trainer``'s does.
 * a token-mixing layer's ``forward`` (:func:`replace_mixer_forward`): an instance attribute over the method, as
   accelerate's hooks do (``packtools.integrations.attention.mixers`` runs the layer per document).
 
@@ -59,7 +57,6 @@ from . import record, set_attr, unknown_shape, warn_unchecked
 #: The ``transformers`` versions whose shapes this module was checked against (lowest and newest CI runs).
 CHECKED = "5.15.0 - 5.25.0"
 warn_unchecked("transformers", CHECKED)  # once per process, when the installed transformers is outside it
-_FIX = "Install a transformers version packtools was checked against (see CHECKED), or report the new shape."
 #: Registry entries packtools added, with how many owners still need them.
 _HELD: dict[str, int] = {}
 
@@ -73,9 +70,7 @@ def attn_implementation(config: Any) -> str | None:
     if is_instance(config, "transformers", "PretrainedConfig") and not hasattr(
         type(config), "_attn_implementation"
     ):
-        raise unknown_shape(
-            "transformers", CHECKED, f"{type(config).__name__} has no _attn_implementation", _FIX
-        )
+        raise unknown_shape("transformers", CHECKED, f"{type(config).__name__} has no _attn_implementation")
     return getattr(config, "_attn_implementation", None)
 
 
@@ -95,10 +90,7 @@ def sdpa_functions() -> tuple[Callable[..., Any], Callable[..., Any]]:
         from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
     except ImportError as err:
         raise unknown_shape(
-            "transformers",
-            CHECKED,
-            f"transformers.integrations.sdpa_attention lacks a function ({err})",
-            _FIX,
+            "transformers", CHECKED, f"transformers.integrations.sdpa_attention lacks a function ({err})"
         ) from err
     return sdpa_attention_forward, repeat_kv
 
@@ -113,10 +105,7 @@ def _registries() -> tuple[Any, Any, Any]:
             registry, "register"
         ):
             raise unknown_shape(
-                "transformers",
-                CHECKED,
-                f"{registry.__name__} has no register / class-wide _global_mapping",
-                _FIX,
+                "transformers", CHECKED, f"{registry.__name__} has no register / class-wide _global_mapping"
             )
     return AttentionInterface, ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
@@ -165,9 +154,7 @@ def set_attention(model: Any, name: str, *, owner: Any = None) -> None:
     """``model.set_attn_implementation(name)``; with an ``owner``, undone by switching back to the old backend."""
     switch = getattr(model, "set_attn_implementation", None)
     if not callable(switch):
-        raise unknown_shape(
-            "transformers", CHECKED, f"{type(model).__name__} has no set_attn_implementation", _FIX
-        )
+        raise unknown_shape("transformers", CHECKED, f"{type(model).__name__} has no set_attn_implementation")
     before = attn_implementation(getattr(model, "config", None))
     switch(name)
     if owner is not None and before is not None and before != name:
@@ -188,9 +175,9 @@ def _trainer_method(trainer: Any, name: str, params: Sequence[str]) -> Callable[
     return method
 
 
-def keep_signature_columns(trainer: Any, columns: Sequence[str], *, owner: Any) -> None:
-    """Add ``columns`` to the columns ``remove_unused_columns`` keeps (``Trainer._signature_columns``)."""
-    fill = _trainer_method(trainer, "_set_signature_columns_if_needed", ())
+def keep_signature_columns(trainer: Any, columns: Sequence[str], *, owner: Any = None) -> None:
+    """Add ``columns`` to the columns ``remove_unused_columns`` keeps (``Trainer._signature_columns``); recorded
+    on ``owner`` (default: the trainer)."""
     if "_signature_columns" not in vars(trainer):
         raise unknown_shape(
             "transformers",
@@ -199,16 +186,17 @@ def keep_signature_columns(trainer: Any, columns: Sequence[str], *, owner: Any) 
             "Pass TrainingArguments(remove_unused_columns=False), or install a transformers version packtools "
             "was checked against (see CHECKED).",
         )
+    fill = _trainer_method(trainer, "_set_signature_columns_if_needed", ())
     before = trainer._signature_columns
     fill()
     kept = trainer._signature_columns
     if not isinstance(kept, list):
         raise unknown_shape(
-            "transformers", CHECKED, f"_signature_columns is {type(kept).__name__}, not a list", _FIX
+            "transformers", CHECKED, f"_signature_columns is {type(kept).__name__}, not a list"
         )
     trainer._signature_columns = kept + [c for c in columns if c not in kept]
     record(
-        owner,
+        trainer if owner is None else owner,
         f"{type(trainer).__name__}._signature_columns",
         lambda: setattr(trainer, "_signature_columns", before),
     )
@@ -236,7 +224,7 @@ def replace_mixer_forward(module: Any, forward: Callable[..., Any], *, owner: An
     ``forward`` the module has when prepared (accelerate's included) is kept and called.
     """
     if not callable(getattr(module, "forward", None)) or not hasattr(module, "__dict__"):
-        raise unknown_shape("transformers", CHECKED, f"{type(module).__name__} has no forward", _FIX)
+        raise unknown_shape("transformers", CHECKED, f"{type(module).__name__} has no forward")
     original = module.forward
     set_attr(module, "forward", forward, owner=owner)
     return original
@@ -260,7 +248,7 @@ def packed_position_masks(model: Any, inputs_embeds: Any, position_ids: Any) -> 
     unknown = names - {"full_attention", "sliding_attention"}
     if unknown:
         raise unknown_shape(
-            "transformers", CHECKED, f"{type(model).__name__} has layer types {sorted(unknown)}", _FIX
+            "transformers", CHECKED, f"{type(model).__name__} has layer types {sorted(unknown)}"
         )
     masks = {"full_attention": masking.create_causal_mask(**arguments)}
     if "sliding_attention" in names:
@@ -321,7 +309,6 @@ def tiktoken_tokenizer(ranks: dict[bytes, int], specials: Sequence[str], pattern
             "transformers",
             CHECKED,
             "convert_slow_tokenizer.TikTokenConverter(extra_special_tokens=...) with load_tiktoken_bpe is missing",
-            _FIX,
         )
 
     class LocalRanks(base):  # type: ignore[misc, valid-type]

@@ -11,9 +11,8 @@ each recorded on the trainer (:func:`~packtools.compat.set_attr` with ``owner=tr
 * **``compute_loss`` and ``get_batch_samples``** (:func:`check_step_methods`): their signatures are checked; the step
   owner (:class:`packtools.integrations.trainers.step.DPOStep`, the trainer's class swapped to a subclass of its own)
   overrides them and calls ``super()``.
-* **The kept columns** (:func:`keep_signature_columns`): ``Trainer`` drops dataset columns its model's
-  ``forward`` does not name, from ``Trainer._signature_columns`` (set by
-  ``Trainer._set_signature_columns_if_needed``, both private); packed pair rows add their columns to it.
+* **The kept columns** (:func:`~packtools.compat.transformers.keep_signature_columns`): packed pair rows add
+  their columns to those ``Trainer``'s ``remove_unused_columns`` keeps.
 * **The dataset and collator** (``train_dataset``, ``data_collator``: public attributes, recorded all the same).
 
 :func:`packtools.integrations.preference.reward.prepare_reward_trainer` swaps a subclass onto a ``RewardTrainer``
@@ -21,8 +20,7 @@ each recorded on the trainer (:func:`~packtools.compat.set_attr` with ``owner=tr
 a stand-in for the model; it relies on TRL 1.16's ``compute_loss`` calling ``model(**inputs)`` once and reading
 only ``outputs.logits`` (``[2 * pairs, 1]``, chosen then rejected), ``inputs["margin"]`` and
 ``inputs["attention_mask"]`` (its token count), which :func:`check_step_methods` cannot see: the CHECKED range
-and the side-by-side tests hold it.  :func:`check_step_methods` checks the parameters of the methods the
-subclass overrides.
+and the side-by-side tests hold it.
 
 Each function checks the shape it relies on and raises :func:`~packtools.compat.unknown_shape`
 otherwise.  The tokenizer is read from the public ``processing_class`` (not ``DPOTrainer._tokenizer``).
@@ -32,11 +30,12 @@ from __future__ import annotations
 
 import inspect
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import PackingError
 from . import set_attr, unknown_shape, version, warn_unchecked, within
+from .transformers import keep_signature_columns as keep_signature_columns
 
 #: The TRL versions whose ``DPOTrainer`` shapes this module was checked against (lowest and newest CI runs).
 CHECKED = "1.16.0 - 1.16.0"
@@ -44,7 +43,6 @@ warn_unchecked("trl", CHECKED)  # once per process, when the installed trl is ou
 #: The transformers versions whose ``Trainer`` internals (``_signature_columns``, ``get_batch_samples``) were checked.
 TRANSFORMERS_CHECKED = "5.15.0 - 5.25.0"
 
-_FIX = "Install a trl version packtools was checked against (see CHECKED), or report the new shape."
 #: Parameters of the trainer methods packtools wraps, as the checked versions define them.
 _METHOD_PARAMS = {
     "compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch"),
@@ -54,7 +52,7 @@ _METHOD_PARAMS = {
 
 def _unknown(what: str, library: str = "trl") -> Exception:
     checked = CHECKED if library == "trl" else TRANSFORMERS_CHECKED
-    return unknown_shape(library, checked, what, _FIX.replace("trl", library))
+    return unknown_shape(library, checked, what)
 
 
 def fused_forward(base: Any) -> Callable[..., Any]:
@@ -100,25 +98,6 @@ def check_step_methods(trainer: Any) -> None:
         if params != expected:
             library = "trl" if name == "compute_loss" else "transformers"
             raise _unknown(f"{type(trainer).__name__}.{name} takes {params}, not {expected}", library)
-
-
-def keep_signature_columns(trainer: Any, columns: Sequence[str]) -> None:
-    """Add ``columns`` to the dataset columns ``Trainer`` keeps under ``remove_unused_columns``; recorded."""
-    setter = getattr(trainer, "_set_signature_columns_if_needed", None)
-    if not callable(setter) or not hasattr(trainer, "_signature_columns"):
-        raise _unknown(
-            f"{type(trainer).__name__} has no _signature_columns / _set_signature_columns_if_needed",
-            "transformers",
-        )
-    before = trainer._signature_columns
-    setter()
-    kept = trainer._signature_columns
-    if not isinstance(kept, (list, tuple)):
-        raise _unknown(
-            f"Trainer._signature_columns is {type(kept).__name__}, not a list of names", "transformers"
-        )
-    trainer._signature_columns = before  # the old value is what unprepare restores
-    set_attr(trainer, "_signature_columns", [*kept, *(c for c in columns if c not in kept)], owner=trainer)
 
 
 def set_training_data(trainer: Any, dataset: Any, collator: Callable[..., Any]) -> None:

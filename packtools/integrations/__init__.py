@@ -1,11 +1,8 @@
 """Adapters to other libraries: Hugging Face ``datasets``, ``transformers``/TRL trainers, Ray Data.
 
 Each name is imported on first use (``datasets``, ``transformers``, ``trl`` or ``ray`` only then).
-``pack_dataset``, ``packed_view``, ``prepare_trainer`` and ``prepare_dpo_trainer`` are also at the front door;
-``prepare_reward_trainer`` (with ``pack_reward_pairs``) and ``prepare_kto_trainer`` run TRL's ``RewardTrainer``
-and ``KTOTrainer`` padding-free.
-``unprepare(trainer)`` undoes everything a ``prepare_*`` call changed; ``prepared(trainer, **kwargs)`` is
-``prepare_trainer`` (``prepare_dpo_trainer`` for a ``DPOTrainer``) for the span of a ``with`` block.
+``unprepare(trainer)`` undoes everything a ``prepare_*`` call changed; ``prepared(trainer, **kwargs)`` is the
+``prepare_*`` of the trainer's kind for the span of a ``with`` block.
 
 >>> import datasets
 >>> from packtools.integrations import truncate_dataset

@@ -17,6 +17,8 @@ import inspect
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ...batches import mrope
+from ...batches.collate import SWITCHED_KEYS, PaddingFreeCollator
 from ...compat.transformers import attn_implementation, builds_packed_masks, set_attention
 from ...errors import PackingError
 from .segmented import SEGMENTED_SDPA, register
@@ -89,12 +91,8 @@ def multimodal_parts(model: Any) -> list[str]:
 
 
 def check_multimodal(model: Any) -> None:
-    """Refuse a multimodal model whose type is not in :data:`packtools.batches.mrope.VERIFIED_MODEL_TYPES` (the
-    one list of vision-language models whose packed batches are verified exact), naming it and why.  A verified
-    one passes here; ``prepare_trainer`` then requires its ``MultimodalCollator``
-    (:func:`packtools.integrations.multimodal.models.check_multimodal_model`)."""
-    from ...batches import mrope
-
+    """Refuse a multimodal model whose type is not in :data:`packtools.batches.mrope.VERIFIED_MODEL_TYPES`, naming
+    it and why (a verified one passes here; ``prepare_trainer`` then requires its ``MultimodalCollator``)."""
     parts = multimodal_parts(model)
     base = base_model(model)
     model_type = getattr(getattr(base, "config", None), "model_type", None)
@@ -171,12 +169,11 @@ def check_attention_implementation(model: Any) -> str:
             f"attention would let packed sequences see each other. Upgrade transformers (>= 4.54), or use "
             f"attn_implementation='flash_attention_2'."
         )
-    if not is_flash(impl):
-        if not forward_accepts(model, "position_ids", named=True):
-            raise PackingError(
-                f"{type(base_model(model)).__name__}.forward takes no position_ids, so with {impl!r} attention it "
-                f"cannot separate packed sequences. Use attn_implementation='flash_attention_2', or do not pack."
-            )
+    if not is_flash(impl) and not forward_accepts(model, "position_ids", named=True):
+        raise PackingError(
+            f"{type(base_model(model)).__name__}.forward takes no position_ids, so with {impl!r} attention it "
+            f"cannot separate packed sequences. Use attn_implementation='flash_attention_2', or do not pack."
+        )
     return impl
 
 
@@ -191,14 +188,13 @@ def uses_alibi(model: Any) -> bool:
 
 
 def use_segmented_sdpa(model: Any, *, owner: Any = None) -> bool:
-    """Switch a text model from ``sdpa`` to packtools' per-sequence ``sdpa``; returns whether it switched.
+    """Switch a text model from ``sdpa`` to packtools' per-sequence ``sdpa``
+    (:mod:`packtools.integrations.attention.segmented`); returns whether it switched.
 
-    Padding-free rows then cost ``sum(L_i²)`` per attention layer instead of ``(sum L_i)²``, with the same
-    result (see :mod:`packtools.integrations.attention.segmented`).  Other backends, composite (multimodal) configs, ALiBi
-    models (:func:`uses_alibi`) and models without ``set_attn_implementation`` are left as they are.  With an
-    ``owner`` (``prepare_trainer`` passes the trainer) the switch and the registration are recorded, so
-    :func:`packtools.integrations.unprepare` switches back; otherwise ``model.set_attn_implementation("sdpa")``
-    does.  The name is not saved with the config.
+    Other backends, composite (multimodal) configs, ALiBi models (:func:`uses_alibi`) and models without
+    ``set_attn_implementation`` are left as they are.  With an ``owner`` (``prepare_trainer`` passes the trainer)
+    the switch and the registration are recorded, so :func:`packtools.integrations.unprepare` switches back;
+    otherwise ``model.set_attn_implementation("sdpa")`` does.  The name is not saved with the config.
     """
     base = base_model(model)
     config = getattr(base, "config", None)
@@ -276,8 +272,6 @@ def adapt_collator(collator: Any, model: Any) -> Any:
     any other collator is returned as is.  ``position_ids`` is never switched off here: without it
     non-flash backends cannot separate sequences, which :func:`check_attention_implementation` refuses.
     """
-    from ...batches.collate import SWITCHED_KEYS, PaddingFreeCollator
-
     inner = getattr(collator, "collator", collator)
     if not isinstance(inner, PaddingFreeCollator):
         return collator

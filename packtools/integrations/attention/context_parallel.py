@@ -13,19 +13,13 @@ and ``2N - 1 - r``).  In every attention layer:
    varlen (or ``torch.nn.attention.varlen.varlen_attn``) on CUDA fp16/bf16, the per-sequence PyTorch
    reference elsewhere; padding tokens attend nothing and are attended by nothing (output 0).
 
-Layers asking for what it does not apply (a sliding window, softcapping, attention sinks, a position bias,
-non-causal attention) and models with token-mixing layers outside attention are refused by name.
+Layers asking for what it does not apply (:func:`_cp_attention`) and models with token-mixing layers outside
+attention (:func:`use_cp_attention`) are refused by name.  A call without a CP shard (evaluation, generation)
+goes to :mod:`packtools.integrations.attention.segmented`, whose mask function this backend shares.
 
-A call without a CP shard (evaluation, generation) goes to :mod:`packtools.integrations.attention.segmented` (one
-padding-free row per document, or transformers' ``sdpa``).  The mask function is the segmented one: it builds
-nothing for a padding-free row.
-
-The process group comes with the shard: a shard cut by a collator given the run's
-:class:`~packtools.integrations.parallel.layout.RankLayout` carries that layout, whose ``cp_group`` the keys
-are gathered over (no module global: two layouts in one process each gather over their own group); a shard cut
-without one gathers over the default group.  A shard whose CP size or rank disagrees with that group is refused
-by name, and so is a CP shard given to any other attention (``packtools_sdpa``, and transformers' own through
-:func:`~packtools.integrations.parallel.shard_loss.model_inputs` and the model guard).
+The process group comes with the shard (:func:`shard_group`: the ``cp_group`` of the
+:class:`~packtools.integrations.parallel.layout.RankLayout` it was cut for, no module global), so two layouts in
+one process each gather over their own group.
 """
 
 from __future__ import annotations
@@ -34,10 +28,12 @@ import math
 from typing import Any
 
 from ..._optional import require
+from ...batches.attention import varlen_attention
 from ...batches.context_parallel import CP_KEY
 from ...compat.transformers import register_attention, set_attention
 from ...errors import PackingError
 from . import segmented
+from .backends import token_mixing_layers
 from .segmented import AttentionCall
 
 #: The attention implementation name registered with transformers.
@@ -186,8 +182,6 @@ def shard_attention(
     >>> torch.allclose(out, want, atol=1e-6)
     True
     """
-    from ...batches.attention import varlen_attention
-
     torch = require("torch", "packtools context parallelism")
     q_index, k_index, cu_q, cu_k = _indices(shard, query.device)
     out = torch.zeros(query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype, device=query.device)
@@ -225,8 +219,6 @@ def use_cp_attention(model: Any, *, owner: Any = None) -> None:
     Refuses a model with layers that mix tokens outside attention (convolutions, state-space or linear
     attention scans): on a CP shard they would run over chunks of different documents as one sequence.
     """
-    from .backends import token_mixing_layers
-
     mixers = token_mixing_layers(model, include_handled=True)  # a document's chunks sit on several ranks
     if mixers:
         raise PackingError(

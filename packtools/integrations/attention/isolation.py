@@ -26,9 +26,10 @@ from typing import Any
 import numpy as np
 
 from ..._optional import require
-from ...constants import IGNORE_INDEX
+from ...batches.collate import PaddingFreeCollator
 from ...errors import PackingError
 from ..trainers.rows import locate_rows, sequence_spans
+from ..trainers.sft import summed_next_token_loss
 from .backends import (
     MASK_BACKENDS,
     adapt_collator,
@@ -55,7 +56,7 @@ PERTURB_TOLERANCE = 1e-6
 #: moves logits by the size of other sequences' contributions (1e-2 and more), far above a few rounding steps.
 NOISE_FACTOR = 10.0
 #: ``backward=True`` allows relative loss/gradient differences this many times :data:`TOLERANCE`: gradients sum all
-#: tokens and layers (6-layer Gemma 4 eager, fp32: 1.02e-5 with exact logits), a leak moves them 1e-3 and more.
+#: tokens and layers, so their rounding noise exceeds the logits'; a leak moves them far more.
 BACKWARD_FACTOR = 10.0
 
 
@@ -67,9 +68,7 @@ class IsolationReport:
     sequence run alone; ``perturb_diff``: largest change of the other sequences' logits when the tokens of
     sequence 0 change; ``loss_diff`` / ``grad_diff`` (``backward=True``): relative differences of the summed
     token loss and of the parameter gradients, packed against one by one (divided by ``max(1, |loss|)`` and
-    ``max(1, largest |gradient|)``).  A packed-against-alone difference above ``tolerance`` (which follows the
-    dtype's rounding noise) is a leak, and so is a perturbation above ``perturb_tolerance`` (~0 in every dtype:
-    an isolated model moves the other sequences by exactly 0).
+    ``max(1, largest |gradient|)``).  :attr:`leaks`: any of them above its tolerance.
     """
 
     model: str
@@ -95,12 +94,7 @@ class IsolationReport:
 
     @property
     def leaks(self) -> bool:
-        backward = max([d for d in (self.loss_diff, self.grad_diff) if d is not None], default=0.0)
-        return (
-            max(self.alone_diff) > self.tolerance
-            or self.perturb_diff > self.perturb_tolerance
-            or backward > max(self.backward_tolerance, self.tolerance)
-        )
+        return bool(exceeded(self))
 
     def __str__(self) -> str:
         lines = [
@@ -127,6 +121,11 @@ class IsolationReport:
         return "\n".join(lines)
 
 
+def max_abs_diff(got: Any, reference: Any) -> float:
+    """The largest ``|got - reference|`` of two tensors, compared in float32."""
+    return float((got.float() - reference.float()).abs().max())
+
+
 class ProbeDiffs:
     """What the tree and padding-free RL probes compare: each packed output against its reference (the sequence
     run alone, TRL's padded batch), a difference above ``tol`` times the reference's scale (``max(1, |ref|)``)
@@ -139,7 +138,7 @@ class ProbeDiffs:
 
     def exceeds(self, got: Any, reference: Any) -> float | None:
         """The largest ``|got - reference|`` where it exceeds the tolerance, else ``None``."""
-        diff = float((got.float() - reference.float()).abs().max())
+        diff = max_abs_diff(got, reference)
         self.worst = max(self.worst, diff)
         return diff if diff > self.tol * max(1.0, float(reference.abs().max())) else None
 
@@ -201,16 +200,6 @@ def _spans(rows: list[dict[str, Any]], input_ids: Any, name: str) -> list[tuple[
     return sequence_spans(where, [row.get("seq_lengths") or [len(row["input_ids"])] for row in rows])
 
 
-def _sum_loss(torch: Any, logits: Any, labels: Any) -> Any:
-    """Summed next-token cross-entropy (position ``i`` predicts ``labels[i + 1]``)."""
-    return torch.nn.functional.cross_entropy(
-        logits[..., :-1, :].float().reshape(-1, logits.shape[-1]),
-        labels[..., 1:].reshape(-1).to(logits.device),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
-
-
 def _logits(out: Any, name: str) -> Any:
     logits = getattr(out, "logits", None)
     if logits is None and isinstance(out, (tuple, list)) and out:
@@ -247,16 +236,11 @@ def check_isolation(
     (no ``seq_lengths``), as an unpacked dataset would.
 
     ``atol`` defaults to a tolerance by dtype (:data:`TOLERANCE`, times the largest ``|logit|`` when that
-    exceeds 1) for the packed-against-alone differences: in float32 a leak shows at 1e-4 and above while an
-    isolated model stays near 1e-7; in bfloat16/float16 rounding noise is larger.  The perturbation signal is
-    judged against ~0 in every dtype (:data:`PERTURB_TOLERANCE` times the same scale, or ``atol`` if smaller):
-    an isolated model moves the other sequences by exactly 0, so a leak too small to stand out of bfloat16
-    rounding in the alone comparison is still caught.
-
-    ``measure_noise`` (default: on every device but the CPU, whose forward is bitwise reproducible) runs the
-    packed batch and each sequence alone a second time and raises both tolerances to :data:`NOISE_FACTOR` times
-    the largest difference between the two runs (the report states it): a model whose forward is not
-    reproducible (mixture-of-experts blocks on CUDA) is not refused for its own noise.
+    exceeds 1) for the packed-against-alone differences; the perturbation signal is judged against ~0 in every
+    dtype (:data:`PERTURB_TOLERANCE` times the same scale, or ``atol`` if smaller), so a leak too small to stand
+    out of half-precision rounding in the alone comparison is still caught.  ``measure_noise`` (default: on
+    every device but the CPU, whose forward is bitwise reproducible) floors both at the model's own run-to-run
+    noise (:data:`NOISE_FACTOR`).
 
     Raises :class:`PackingError` naming the model class, the backend and the fix when sequences leak
     (or when transformers refuses the packed batch); ``raise_on_leak=False`` returns the report instead.
@@ -283,8 +267,6 @@ def check_isolation(
     config = getattr(base, "config", None)
     pad = getattr(config, "pad_token_id", None) if config is not None else None
     if collator is None:
-        from ...batches.collate import PaddingFreeCollator
-
         collator = PaddingFreeCollator(pad if isinstance(pad, int) else 0, unpacked=not packed)
     collator = adapt_collator(collator, model)
     param = next(iter(base.parameters()), None)
@@ -327,11 +309,9 @@ def check_isolation(
             logits, _, keys, spans = run_packed(list(seqs))
             moved, _, _, moved_spans = run_packed([other, *seqs[1:]])
             alone = [run_alone(s) for s in seqs]
-        diffs = tuple(
-            float((logits[r, a:b].float() - al.float()).abs().max()) for (r, a, b), al in zip(spans, alone)
-        )
+        diffs = tuple(max_abs_diff(logits[r, a:b], al) for (r, a, b), al in zip(spans, alone))
         perturb = max(
-            float((logits[r, a:b].float() - moved[mr, ma:mb].float()).abs().max())
+            max_abs_diff(logits[r, a:b], moved[mr, ma:mb])
             for (r, a, b), (mr, ma, mb) in zip(spans[1:], moved_spans[1:])
         )
         scale = max(1.0, max(float(al.float().abs().max()) for al in alone))
@@ -346,11 +326,8 @@ def check_isolation(
             with torch.no_grad():
                 again, _, _, _ = run_packed(list(seqs))
                 noise = max(
-                    max(
-                        float((logits[r, a:b].float() - again[r, a:b].float()).abs().max())
-                        for r, a, b in spans
-                    ),
-                    max(float((run_alone(s).float() - al.float()).abs().max()) for s, al in zip(seqs, alone)),
+                    max(max_abs_diff(logits[r, a:b], again[r, a:b]) for r, a, b in spans),
+                    max(max_abs_diff(run_alone(s), al) for s, al in zip(seqs, alone)),
                 )
             tol, perturb_tol = max(tol, NOISE_FACTOR * noise), max(perturb_tol, NOISE_FACTOR * noise)
             backward_tol = max(backward_tol, NOISE_FACTOR * noise)
@@ -404,12 +381,12 @@ def _compare_backward(
     if not params:
         return 0.0, 0.0
     logits, labels, _, _ = run_packed(list(seqs))
-    packed_loss = _sum_loss(torch, logits, labels)
+    packed_loss, _ = summed_next_token_loss(logits, labels)
     packed_grads = torch.autograd.grad(packed_loss, params, allow_unused=True)
     alone_loss = 0.0
     alone_grads = [None] * len(params)
     for seq in seqs:
-        loss = _sum_loss(torch, run_alone(seq)[None], torch.as_tensor(seq[None]))
+        loss, _ = summed_next_token_loss(run_alone(seq)[None], torch.as_tensor(seq[None]))
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         alone_loss += float(loss.detach())
         alone_grads = [g if a is None else (a if g is None else a + g) for a, g in zip(alone_grads, grads)]
@@ -419,7 +396,7 @@ def _compare_backward(
             continue
         a = torch.zeros_like(b) if a is None else a
         b = torch.zeros_like(a) if b is None else b
-        grad_diff = max(grad_diff, float((a.float() - b.float()).abs().max()))
+        grad_diff = max(grad_diff, max_abs_diff(a, b))
         grad_scale = max(grad_scale, float(b.float().abs().max()))
     loss_diff = abs(float(packed_loss.detach()) - alone_loss) / max(1.0, abs(alone_loss))
     return loss_diff, grad_diff / grad_scale

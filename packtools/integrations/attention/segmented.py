@@ -6,11 +6,8 @@ kernel is slower than the causal one).  FlashAttention's varlen kernels cost ``s
 on a GPU without flash-attn, this backend gets the same order:
 
 * it is registered with transformers as :data:`SEGMENTED_SDPA` (``"packtools_sdpa"``) with its own mask
-  function, :func:`document_mask`: for one row without padding or cache (a padding-free batch) it builds
-  nothing and returns a :class:`DocumentMask`, which holds ``sdpa``'s mask arguments and materializes only what
-  a call needs -- each document's diagonal block (``L_i²``, one at a time, freed after use), or the whole
-  ``[1, 1, T, T]`` mask for a call that goes to transformers' ``sdpa`` (a row without ``cu_seq_lens``); every
-  other call (several rows, padding, a cache, tracing) gets ``sdpa``'s own mask, exactly as before;
+  function, :func:`document_mask`: a padding-free row's mask is not built (a :class:`DocumentMask`
+  materializes each document's diagonal block, one at a time); every other call gets ``sdpa``'s own mask;
 * when a call carries ``cu_seq_lens_q``/``cu_seq_lens_k`` (a padding-free batch of one row), each sequence's
   queries attend to its own keys with the **diagonal block of that mask** (plain ``is_causal=True`` when the
   block is the causal triangle, which is what a model without sliding windows or bidirectional spans gets),
@@ -20,23 +17,13 @@ on a GPU without flash-attn, this backend gets the same order:
 * every other call (padded batches, generation with a cache, ``position_bias``, ``softcap``) goes to
   transformers' ``sdpa`` unchanged;
 * under ``torch.compile`` (while Dynamo traces) every call goes to transformers' ``sdpa`` with the mask too: the
-  per-sequence loop needs the boundaries on the host, which inside a compiled graph is a graph break whose
-  Python ints then specialize the graph, recompiling for every new set of boundaries.  transformers builds the
-  block-diagonal mask from ``position_ids`` whenever it traces, so the compiled step is exact, at the masked
-  ``(sum L_i)²`` cost (bucketed static shapes, :class:`~packtools.PaddingFreeCollator` ``pad_to_buckets``,
-  keep the compile count down).
+  per-sequence loop needs the boundaries on the host, a graph break whose Python ints would recompile the graph
+  for every new set of boundaries; the compiled step is exact, at the masked ``(sum L_i)²`` cost;
 * the boundaries are read back to the host once per forward and which blocks are plain causal once per
-  mask (cached on the :class:`DocumentMask`, which lives for one forward; for a 4-D mask tensor the caller
-  passed, on the tensors' identity and in-place version counter, so a tensor changed in place is read again;
-  masks are held weakly).
+  mask (:data:`_LAST_BOUNDS`, :meth:`DocumentMask.plain_causal`, :func:`_causal_blocks`).
 
-Memory: a forward over one padding-free row of ``T`` tokens in documents of ``L_i`` tokens holds no ``T × T``
-tensor; its attention peak follows ``max L_i²`` for the mask blocks that are not plain causal (sliding windows)
-and the kernel's own per-document work.  Nothing of the row's size is copied: grouped keys/values go to sdpa's
-own GQA (``enable_gqa``, where transformers' sdpa uses it: no mask) or are repeated one document at a time, and
-without autograd each document's output is written into one ``[batch, tokens, heads, dim]`` buffer (with it, one
-``cat`` in that layout, whose backward only slices).  ``benchmarks/bench_segmented_memory.py`` measures it
-against the documents run one by one, with the tensors live at the peak.
+Memory: a forward over one padding-free row holds no ``T × T`` tensor and no copy of the row's keys, values or
+output (docs/training.md has both the memory figures and the ``torch.compile`` detail).
 
 The result equals ``sdpa`` with the block-diagonal mask up to float rounding (tested against it, and against
 each sequence run alone, forward and backward).
@@ -321,9 +308,8 @@ def _segmented_sdpa(call: AttentionCall) -> tuple[Any, None]:
     if bounds is None:
         if isinstance(attention_mask, DocumentMask):
             attention_mask = attention_mask.full()
-        if (
-            kwargs.get("s_aux") is not None
-        ):  # transformers' sdpa has no sinks: the same softmax, over the call
+        # transformers' sdpa has no sinks: the same softmax, over the call
+        if kwargs.get("s_aux") is not None:
             groups = getattr(module, "num_key_value_groups", 1)
             k, v = (repeat_kv(key, groups), repeat_kv(value, groups)) if groups > 1 else (key, value)
             plain = attention_mask is None and query.shape[2] == key.shape[2] and is_causal is not False

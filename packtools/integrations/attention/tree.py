@@ -19,8 +19,7 @@ Every other call (a plain or padding-free batch, generation) goes to packtools' 
 :func:`check_tree_model` refuses, by name, models the tree cannot serve: layers that mix tokens outside
 attention (hybrid linear attention, SSM, convolutions), sliding-window or chunked layers, ALiBi, attention
 sinks or logit softcapping, and models whose forward takes no ``position_ids``.  :func:`use_tree_attention`
-switches a model after those checks and runs :func:`check_tree_isolation`: a small tree batch must equal
-each prompt + completion run alone, and perturbing a sibling or another unit must move nothing.
+switches a model after those checks and probes it (:func:`check_tree_isolation`).
 """
 
 from __future__ import annotations
@@ -34,8 +33,8 @@ from ...batches.tree import TREE_KEY, TreeLayout, tree_segments, unshared_index
 from ...compat import set_attr
 from ...compat.transformers import register_attention, set_attention
 from ...errors import PackingError
-from .backends import attention_implementation, base_model, forward_accepts, token_mixing_layers
-from .isolation import ProbeDiffs
+from .backends import attention_implementation, base_model, forward_accepts, token_mixing_layers, uses_alibi
+from .isolation import ProbeDiffs, max_abs_diff
 from .segmented import AttentionCall, keyed_attention
 
 TREE_ATTENTION = "packtools_tree"
@@ -122,11 +121,10 @@ def _tree_attention(call: AttentionCall, tree: Any) -> tuple[Any, None]:
             outs.append(sdpa(qs[i], ks[i], vs[i], dropout_p=dropout, scale=scaling, is_causal=True))
             continue
         prefix = segment_at.get(pre_start)
-        if (
-            prefix is not None and lengths[prefix] == pre_len
-        ):  # the unit's prefix segment, as packtools builds
+        # the unit's prefix segment, as packtools builds, else any other span of keys a layout names
+        if prefix is not None and lengths[prefix] == pre_len:
             k_pre, v_pre = ks[prefix], vs[prefix]
-        else:  # any other span of keys a layout names
+        else:
             k_pre, v_pre = (
                 key[:, :, pre_start : pre_start + pre_len],
                 value[:, :, pre_start : pre_start + pre_len],
@@ -166,9 +164,8 @@ def check_tree_model(model: Any) -> None:
         raise PackingError(
             f"{name} has a composite (multimodal) config; prompt sharing supports text models only."
         )
-    mixers = token_mixing_layers(
-        model, include_handled=True
-    )  # per document would cut a prompt off its completions
+    # layers run per document count too: that would cut a prompt off its completions
+    mixers = token_mixing_layers(model, include_handled=True)
     if mixers:
         raise PackingError(
             f"{name} has layers that mix tokens outside attention ({mixers[:3]}: linear attention, state-space "
@@ -185,7 +182,7 @@ def check_tree_model(model: Any) -> None:
             f"the tree attention applies full causal attention over the prompt and cannot apply the window. Use "
             f"share_prompt=False, or set config.sliding_window=None if every sequence is shorter than the window."
         )
-    if getattr(text, "alibi", False) or getattr(text, "model_type", "") in ("bloom", "mpt"):
+    if uses_alibi(model):
         raise PackingError(
             f"{name} uses ALiBi position biases, which the tree attention does not apply; use share_prompt=False."
         )
@@ -249,7 +246,7 @@ def check_tree_isolation(model: Any, seed: int = 0) -> float:
             moved[other] = (moved[other] + 1) % vocab
             again = _logits(model, input_ids=moved[None], position_ids=positions, **{TREE_KEY: dev})[0]
             mine = torch.from_numpy(own).to(param.device)
-            diff = float((again[mine].float() - tree[mine].float()).abs().max())
+            diff = max_abs_diff(again[mine], tree[mine])
             if diff > probe.tol:
                 raise PackingError(
                     f"{type(base).__name__} with the tree attention: changing a sibling completion or another unit "

@@ -3,14 +3,11 @@ accept a different number of items on every process.
 
 * :func:`trainer_divides_by_accumulation` reads the predicate the installed ``transformers.Trainer`` uses in
   ``training_step`` to decide whether it divides a micro-batch's loss by the number of micro-batches of the
-  step (``loss_is_scaled_for_ga`` when the trainer sets it, else ``model_accepts_loss_kwargs`` with a token
-  count, or a ``compute_loss_func``).  :func:`check_loss_path` refuses the configurations whose scaling
-  packtools does not know (a ``Trainer`` without that predicate, ``torch.nn.DataParallel`` over several GPUs).
+  step; :func:`check_loss_path` refuses the configurations whose scaling packtools does not know.
 * :func:`is_sharded`: whether DeepSpeed or FSDP shards the model.
-* :func:`uneven_gather` makes ``accelerator.gather`` work when the ranks hold different numbers of items (a
-  micro-batch of packed pairs holds as many pairs as fit): the sizes are gathered first, every rank pads to
-  the largest, and the padding is cut off again, so the result is the concatenation of every rank's real
-  items.  Without it the collective fails ("size mismatch" on gloo, a hang or a crash on NCCL).
+* :func:`uneven_gather`: ``accelerator.gather`` when the ranks hold different numbers of items (a micro-batch of
+  packed pairs holds as many pairs as fit), where the collective alone fails (a size mismatch on gloo, a hang
+  or a crash on NCCL).
 """
 
 from __future__ import annotations

@@ -9,23 +9,17 @@ state accelerate keeps (``Accelerator.parallelism_config``, ``Accelerator.torch_
 value: the per-rank loaders shard over ``dp_size`` at ``dp_rank``, and losses that DDP averages are scaled by
 ``dp_size``, never by the world size.  Without accelerate (a plain loop over torch's own tensor parallelism,
 ``parallelize_module`` on a ``DeviceMesh``), :meth:`RankLayout.from_mesh` reads the same from the mesh's named
-dimensions; hand ``layout.dp_size`` / ``layout.dp_rank`` to the sampler as ``num_replicas`` / ``rank``
-(``tests/test_tp_training.py`` runs it: 2 and 4 processes, gloo, CPU).
+dimensions; hand ``layout.dp_size`` / ``layout.dp_rank`` to the sampler as ``num_replicas`` / ``rank``.
 
-A layout packtools does not handle is refused by name, never sharded silently:
-
-* accelerate's own context parallelism (``cp_size > 1``), also next to packtools' ``context_parallel=N`` (the
-  fix it names: ``cp_size=1`` and ``context_parallel=N``): torch's ``context_parallel`` shards a packed row as
-  one causal sequence, so its documents attend to each other;
-* DeepSpeed sequence parallelism (``sp_size > 1``, Ulysses): its all-to-all layout is not one packtools checks;
-* a mesh whose sizes do not multiply to the world size, or a ``ParallelismConfig`` without a mesh;
-* a model split by torch's own tensor parallelism (DTensor parameters over a mesh of several processes) that
-  neither accelerate nor DeepSpeed describes: plain processes would be taken for data-parallel replicas.
+A layout packtools does not handle is refused by name, never sharded silently: accelerate's own context
+parallelism (torch's ``context_parallel`` shards a packed row as one causal sequence), DeepSpeed sequence
+parallelism, a mesh whose sizes do not multiply to the world size (or a ``ParallelismConfig`` without one), and
+torch's own tensor parallelism that neither accelerate nor DeepSpeed describes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ...errors import PackingError
@@ -69,16 +63,7 @@ class RankLayout:
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled without its process group (a group does not cross processes: a data-loader worker's shards
         come back carrying the layout's ranks, and the step owner binds them to its own layout again)."""
-        fields = (
-            self.dp_rank,
-            self.dp_size,
-            self.cp_rank,
-            self.cp_size,
-            self.tp_size,
-            self.source,
-            self.balance,
-        )
-        return (type(self), fields)
+        return (type(self), tuple(getattr(self, f.name) for f in fields(self) if f.name != "cp_group"))
 
     def with_cp_group(self) -> RankLayout:
         """This layout with its CP process group created (consecutive processes ``[dp_rank * N, (dp_rank + 1) *

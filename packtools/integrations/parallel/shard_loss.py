@@ -9,19 +9,12 @@ the targets at chunk edges.
 The loss of an optimizer step is the token mean over every rank of the data-parallel × context-parallel
 world and every micro-batch of the accumulation window: each rank divides its summed token loss by
 :func:`global_count` (the targets of the whole window, all ranks), and the gradients are **summed** over all
-ranks (``all_reduce``; or DDP's mean times the world size).  A per-rank mean averaged over ranks weighs the
-tokens of ranks with fewer targets more (``tests/test_cp_training.py`` shows it moves the step).
+ranks (``all_reduce``; or DDP's mean times the world size).  A per-rank mean averaged over ranks would weigh the
+tokens of ranks with fewer targets more.
 
-**DPO on packed pairs** (:func:`cp_sequence_logps`): a sequence's log-probability is the sum over its tokens,
-which lie on every rank of the CP group.  Each rank sums the per-token log-probabilities of its shard per
-sequence and the partial sums are added over the CP group by :func:`sum_over_group`, whose backward is the
-identity: every rank ends with the whole row's per-sequence sums (so the same DPO loss of each pair on every
-CP peer) while its gradient flows only into its own shard's tokens.  The CP peers' parameter gradients are
-then *parts* of one gradient: summed over all ranks (``all_reduce``, or DDP's mean times the world size) they
-give the gradient of the loss counted once.  The loss of a step is the pair mean: each DP group's summed pair
-losses over :func:`global_pairs` (the pairs of every DP group, CP peers counted once).  Two wrong versions
-move the step (``tests/test_cp_dpo.py``): the DPO loss on each rank's partial sums, and an all-reduce whose
-backward also sums (``torch.distributed.nn.functional.all_reduce``) without dividing the loss by the CP size.
+**DPO on packed pairs** (:func:`cp_sequence_logps`, docs/preference.md): each rank sums its shard's per-token
+log-probabilities per sequence, added over the CP group with an identity backward (:func:`sum_over_group`); the
+loss of a step is the pair mean over :func:`global_pairs` (CP peers counted once).
 """
 
 from __future__ import annotations

@@ -19,9 +19,7 @@ It then returns a collator for :func:`packtools.integrations.check_isolation` th
 shaped like the real ones, through the trainer's collator, so the probe measures the batches training will see.
 A collator that passes is accepted as it is (judged by its batch, never by its class name); one that fails: refused.
 
-:func:`check_preference_collator` does the same for ``DPOTrainer``: each pair's chosen and rejected sequences
-must come out as their own right-padded rows, chosen rows first, as TRL's ``DataCollatorForPreference`` lays
-them out (the layout :func:`packtools.prepare_dpo_trainer` flattens), never merged into one row.
+:func:`check_preference_collator` does the same for a ``DPOTrainer``'s pairs.
 
 A collator with side effects (counting batches) can tell these calls from training's with :func:`in_check`.
 """
@@ -37,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..._optional import is_instance
+from ...batches.collate import PaddingFreeCollator
 from ...compat.transformers import training_collator, training_rows
 from ...constants import IGNORE_INDEX, MASK_COLUMNS, SEQ_LENGTHS
 from ...errors import PackingError
@@ -84,6 +83,11 @@ def _head_rows(dataset: Any, count: int) -> list[Any]:
     return list(itertools.islice(iter(dataset), count))
 
 
+def _batch_rows(trainer: Any) -> int:
+    """The rows of a checked batch: the trainer's batch size, at least 2 and at most :data:`MAX_BATCH_ROWS`."""
+    return min(max(2, int(getattr(trainer.args, "per_device_train_batch_size", 2) or 2)), MAX_BATCH_ROWS)
+
+
 def _seq_lengths(row: Mapping[str, Any]) -> list[int]:
     n = len(_array(row["input_ids"]))
     value = row.get(SEQ_LENGTHS)
@@ -99,10 +103,9 @@ def sample_batch(
     head = [(i, r) for i, r in enumerate(head) if isinstance(r, Mapping) and "input_ids" in r]
     if not head:
         return None
-    size = min(max(2, int(getattr(trainer.args, "per_device_train_batch_size", 2) or 2)), MAX_BATCH_ROWS)
     packed = [i for i, r in head if len(_seq_lengths(r)) > 1]
     others = [i for i, r in head if len(_seq_lengths(r)) <= 1]
-    picked = sorted((packed + others)[:size])
+    picked = sorted((packed + others)[: _batch_rows(trainer)])
     raw = [dict(head)[i] for i in picked]
     return raw, *_as_trained(trainer, dataset, raw, picked)
 
@@ -336,8 +339,6 @@ def check_trainer_collator(trainer: Any) -> tuple[ProbeRows | None, bool]:
 
 def probe_collator(collator: Any) -> Any:
     """The trainer's PaddingFreeCollator (returning tensors), or None for the probe's default."""
-    from ...batches.collate import PaddingFreeCollator
-
     inner = getattr(collator, "collator", collator)
     if not isinstance(inner, PaddingFreeCollator):
         return None
@@ -380,7 +381,7 @@ def _preference_sample(trainer: Any, dataset: Any) -> tuple[list[Any], list[Any]
         isinstance(r, Mapping) and {"prompt_ids", "chosen_ids", "rejected_ids"} <= set(r) for r in head
     ):
         return None
-    head = head[: min(max(2, int(getattr(trainer.args, "per_device_train_batch_size", 2) or 2)), len(head))]
+    head = head[: _batch_rows(trainer)]
     return head, *_as_trained(trainer, dataset, head, range(len(head)))
 
 

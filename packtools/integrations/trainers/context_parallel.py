@@ -7,23 +7,16 @@ The pieces, each from its own module:
   (:meth:`~packtools.integrations.parallel.layout.RankLayout.with_cp_group`); the training loader shards over
   the DP group only, so the ``N`` ranks of a CP group read the same batch;
 * the collator: the trainer's :class:`~packtools.PaddingFreeCollator` wrapped in
-  :class:`~packtools.batches.context_parallel.ContextParallelCollator` given the layout (this rank's share of
-  every batch, each shard carrying the layout), holding the rows of a ``pack_files`` folder or of
-  ``pack_dataset`` output to their ``max_length`` once padded, every row checked before training
-  (:func:`cp_collator`);
+  :class:`~packtools.batches.context_parallel.ContextParallelCollator` given the layout, every row checked
+  against the packing ``max_length`` before training (:func:`cp_collator`);
 * the model: ``packtools_cp`` attention (:mod:`packtools.integrations.attention.context_parallel`), gathering over the group
   of the layout each shard carries;
-* the step (:class:`~packtools.integrations.trainers.step.SFTStep`): the trainer's own ``compute_loss`` gets the shard
-  with ``labels`` = ``shift_labels`` (scored without a second shift) and, as ``num_items_in_batch``, the
-  targets of the whole accumulation window over every rank; ``Trainer`` then multiplies by the process count
-  as it does for any token-count loss, and DDP's gradient mean over every process divides it again: CP peers'
-  gradients are parts of one sum.  A subclass's ``compute_loss`` and ``SFTTrainer``'s ``loss_type`` are
-  honoured.
+* the step (:class:`~packtools.integrations.trainers.step.SFTStep`): the trainer's own ``compute_loss`` on the
+  shard's targets, divided by the targets of the whole accumulation window over every rank (``Trainer``'s
+  multiplication by the process count and DDP's gradient mean then cancel: CP peers' gradients are parts of one sum).
 
 Evaluation and prediction are refused by name (when scheduled, at ``prepare_trainer``; when called, by the step
-owner): ``Trainer``'s evaluation and test loaders shard rows over every process, so the ranks of a CP group
-would hold different rows while ``packtools_cp`` gathers their keys as one row's.  Evaluate in a run without
-``context_parallel`` (the same weights, exact: :func:`packtools.integrations.trainers.evaluation.token_mean_loss`).
+owner), with the reason and the fix of :data:`~packtools.integrations.trainers.step.NO_EVAL`.
 
 accelerate's own context parallelism (``ParallelismConfig(cp_size>1)``) is refused by name: its
 ``maybe_context_parallel`` would cut packtools' shards again as one causal sequence.

@@ -1,13 +1,10 @@
 """The evaluation loss of packed rows as the training loss is: the mean over every predicted token of the
 evaluation set.
 
-``Trainer.evaluate()`` reports ``eval_loss`` as the mean of its batches' losses (transformers'
-``evaluation_loop``: each batch's loss, already a mean over that batch's tokens, repeated ``eval_batch_size``
-times, then averaged), so a batch of few tokens weighs as much as a batch of many.  Packed rows hold varying
-token counts, so that mean differs from the token mean (by 0.003 in one report); the training loss does not
-(:mod:`packtools.integrations.trainers.transformers`, "Loss denominator").  transformers has no public hook that changes
-that aggregation, so packtools does not patch it; :func:`token_mean_loss` computes the token mean over the same
-batches instead (one line after or instead of ``evaluate()``)::
+``Trainer.evaluate()`` reports ``eval_loss`` as the mean of its batches' losses, each already a mean over that
+batch's tokens, so with packed rows (uneven token counts per batch) it is not the token mean the training loss is.
+transformers has no public hook that changes that aggregation, so packtools does not patch it;
+:func:`token_mean_loss` computes the token mean over the same batches instead (docs/training.md)::
 
     metrics = trainer.evaluate()
     metrics["eval_loss"] = token_mean_loss(trainer)
@@ -30,6 +27,7 @@ from typing import Any
 
 from ..._optional import require
 from ...constants import IGNORE_INDEX
+from .sft import summed_next_token_loss
 
 
 def token_mean_loss(trainer: Any, eval_dataset: Any = None) -> float:
@@ -55,13 +53,8 @@ def token_mean_loss(trainer: Any, eval_dataset: Any = None) -> float:
                 labels = batch.pop("labels")
                 out = model(**batch)
                 logits = out["logits"] if isinstance(out, dict) else out.logits
-                target = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-                total += torch.nn.functional.cross_entropy(
-                    logits.float().reshape(-1, logits.shape[-1]),
-                    target.reshape(-1),
-                    ignore_index=IGNORE_INDEX,
-                    reduction="sum",
-                ).double()
+                loss, target = summed_next_token_loss(logits, labels)
+                total += loss.double()
                 count += (target != IGNORE_INDEX).sum()
     finally:
         model.train(was_training)

@@ -3,9 +3,8 @@ sequences, and turns the KV cache off in training.
 
 FlashAttention-family kernels use ``cu_seq_lens_*`` (or derive segments from ``position_ids``); ``sdpa``,
 ``eager`` and ``flex_attention`` build a block-diagonal mask from ``position_ids`` -- but only when no
-``attention_mask`` and no KV cache are passed.  :func:`guard_model` registers the hook (through the public
-``register_forward_pre_hook(with_kwargs=True)``, :mod:`packtools.compat.torch`; the model's
-``forward`` is never rebound) and records it, so ``unprepare`` removes it; :func:`check_forward_inputs` is the
+``attention_mask`` and no KV cache are passed.  :func:`guard_model` registers the hook (through
+:mod:`packtools.compat.torch`: the model's ``forward`` is never rebound); :func:`check_forward_inputs` is the
 check it runs.
 """
 

@@ -1,26 +1,16 @@
 """The training dataloader of a ``Trainer`` under data parallelism: per-rank batches, each row once per epoch.
 
 :func:`train_loader` is the training loader the step owner's ``get_train_dataloader`` returns
-(:mod:`packtools.integrations.trainers.step`); its batches come from a rank-aware batch sampler of packtools:
-
-* ``max_tokens=N``: a :class:`~packtools.batches.TokenBudgetBatchSampler` per rank (batches of at most ``N`` tokens,
-  balanced across ranks by attention cost, ``sum(L_i²)`` per packed segment or per sequence of a pair);
-* otherwise, with several processes: a :class:`~packtools.batches.row_sampler.RowBatchSampler`
-  (``per_device_train_batch_size`` rows, the same number of batches on every rank, no row repeated; the
-  rows accelerate's ``even_batches`` would have repeated are spread by splitting batches instead).
-
-The sampler shards over the **data-parallel** group only (:func:`~packtools.integrations.parallel.layout.rank_layout`:
-rank and size read from accelerate's device mesh, DeepSpeed AutoTP, or the processes), so tensor- and
-context-parallel peers draw the same batches; a layout packtools does not handle is refused there by name.
+(:mod:`packtools.integrations.trainers.step`).  Its batches come from a rank-aware batch sampler of packtools
+(:func:`make_sampler`: a :class:`~packtools.batches.TokenBudgetBatchSampler` per rank with ``max_tokens=N``, else a
+:class:`~packtools.batches.row_sampler.RowBatchSampler` of ``per_device_train_batch_size`` rows) that shards over
+the **data-parallel** group only (:func:`~packtools.integrations.parallel.layout.rank_layout`), so tensor- and
+context-parallel peers draw the same batches.
 
 The loader still goes through ``accelerator.prepare`` (device placement, the data-loader state ``Trainer``
-reads), but accelerate's ``BatchSamplerShard`` is made a pass-through (the sampler already shards), and it
-forwards ``set_epoch`` to the sampler, also after ``skip_first_batches`` wraps it when resuming from a
-checkpoint.  Every epoch is a deterministic function of ``(seed, epoch)``, so a resumed run sees the batches
-the uninterrupted run would have.
-
-:func:`check_sharding` refuses a ``TokenBudgetBatchSampler(num_replicas > 1)`` under accelerate's own
-sharding (each rank would keep ``1/W`` of its own batches and skip ``(W-1)/W`` of every epoch).
+reads), but accelerate's ``BatchSamplerShard`` is made a pass-through (the sampler already shards) that forwards
+``set_epoch``, also after ``skip_first_batches`` on resume: every epoch is a deterministic function of
+``(seed, epoch)``, so a resumed run sees the batches the uninterrupted run would have (docs/training.md).
 """
 
 from __future__ import annotations
@@ -31,9 +21,13 @@ from typing import Any
 import numpy as np
 
 from ..._optional import is_instance, require
+from ...batches.row_sampler import RowBatchSampler
+from ...batches.sampler import TokenBudgetBatchSampler, _positive_int
 from ...compat.accelerate import stop_sharding
+from ...compat.datasets import dataset_table
 from ...compat.transformers import training_collator, training_rows
 from ...constants import SEQ_LENGTHS
+from ...core.arrow import column_lengths
 from ...errors import PackingError
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -64,9 +58,6 @@ class RankBatches:
 def list_lengths(dataset: Any, column: str) -> np.ndarray:
     """The lengths of list column ``column`` of a ``datasets.Dataset``, in its row order (after ``select``,
     ``shuffle``, ...)."""
-    from ...compat.datasets import dataset_table
-    from ...core.arrow import column_lengths
-
     table, indices = dataset_table(dataset)
     lengths = column_lengths(table.column(column))
     return lengths if indices is None else lengths[indices]
@@ -74,8 +65,6 @@ def list_lengths(dataset: Any, column: str) -> np.ndarray:
 
 def seq_lengths_column(dataset: Any) -> Any:
     """The ``seq_lengths`` column of a ``datasets.Dataset``, in its row order."""
-    from ...compat.datasets import dataset_table
-
     table, indices = dataset_table(dataset)
     column = table.column(SEQ_LENGTHS)
     return column if indices is None else column.take(indices)
@@ -113,15 +102,12 @@ def row_lengths_and_segments(dataset: Any) -> tuple[np.ndarray, Any]:
 
 
 def make_sampler(trainer: Any, dataset: Any, max_tokens: int | None, layout: Any) -> Any:
-    """The rank's batch sampler for ``dataset`` (see the module docstring).
+    """The rank's batch sampler for ``dataset``: token-budget batches with ``max_tokens``, else rows.
 
     ``layout`` (the run's :class:`~packtools.integrations.parallel.layout.RankLayout`, the step plan's) says
     which data-parallel shard this process reads: ``world`` and ``rank`` below are the data-parallel size and
     rank, not the process count and index.
     """
-    from ...batches.row_sampler import RowBatchSampler
-    from ...batches.sampler import TokenBudgetBatchSampler
-
     args = trainer.args
     seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed
     world, rank = layout.dp_size, layout.dp_rank
@@ -180,8 +166,6 @@ def _passthrough(prepared: Any, ours: RankBatches) -> Any:
 
 def check_sharding(loader: Any) -> None:
     """Raise if a ``TokenBudgetBatchSampler`` with ``num_replicas > 1`` sits under accelerate's sharding."""
-    from ...batches.sampler import TokenBudgetBatchSampler
-
     shard = getattr(loader, "batch_sampler", None)
     inner = getattr(shard, "batch_sampler", None)
     if (
@@ -257,8 +241,6 @@ def check_train_loader(trainer: Any, max_tokens: int | None) -> None:
     """Refuse, before training, what :func:`train_loader` cannot serve: a ``max_tokens`` that is not a positive
     int, a streaming dataset under several processes or a token budget."""
     if max_tokens is not None:
-        from ...batches.sampler import _positive_int
-
         _positive_int(max_tokens, "max_tokens")
     check_stream(trainer.train_dataset, int(trainer.args.world_size), max_tokens)
     if max_tokens is not None or max(int(trainer.args.world_size), 1) > 1:

@@ -1,11 +1,8 @@
 """``prepared(trainer, **kwargs)``: a trainer prepared for the span of a ``with`` block, then unprepared.
 
-A ``DPOTrainer`` gets :func:`~packtools.integrations.preference.dpo.prepare_dpo_trainer`, a ``RewardTrainer``
-:func:`~packtools.integrations.preference.reward.prepare_reward_trainer`, a ``KTOTrainer``
-:func:`~packtools.integrations.preference.kto.prepare_kto_trainer`, a ``GRPOTrainer`` or ``RLOOTrainer``
-:func:`~packtools.integrations.rl.grpo.prepare_grpo_trainer`, any other trainer
-:func:`~packtools.integrations.trainers.transformers.prepare_trainer`; each records what they change on the trainer, and
-:func:`~packtools.compat.unprepare` puts it back when the block ends (also on an error).
+TRL's DPO, reward, KTO and GRPO / RLOO trainers get the ``prepare_*`` of their kind, any other trainer
+:func:`~packtools.integrations.trainers.transformers.prepare_trainer`; each records what it changes on the trainer,
+and :func:`~packtools.compat.unprepare` puts it back when the block ends (also on an error).
 
 >>> import tempfile, datasets, transformers
 >>> from packtools import PaddingFreeCollator, pack_dataset

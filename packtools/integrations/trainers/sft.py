@@ -40,6 +40,16 @@ def causal_lm_loss(outputs: Any, labels: Any, num_items_in_batch: Any = None) ->
     """
     torch = require("torch", "packtools.integrations.trainers.sft.causal_lm_loss")
     logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+    total, target = summed_next_token_loss(logits, labels)
+    count = (target != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
+    return total / torch.as_tensor(count, device=total.device).clamp(min=1)
+
+
+def summed_next_token_loss(logits: Any, labels: Any) -> tuple[Any, Any]:
+    """``(summed cross-entropy, targets)`` of ``logits`` against the next token: position ``i`` predicts
+    ``labels[i + 1]`` (the targets are ``labels`` shifted by one, ``-100`` at the end and where nothing is
+    predicted)."""
+    torch = require("torch", "packtools causal-LM loss")
     target = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].to(logits.device)
     total = torch.nn.functional.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]),
@@ -47,14 +57,13 @@ def causal_lm_loss(outputs: Any, labels: Any, num_items_in_batch: Any = None) ->
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
-    count = (target != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
-    return total / torch.as_tensor(count, device=total.device).clamp(min=1)
+    return total, target
 
 
 def keep_packed_columns(trainer: Any, *, owner: Any = None) -> None:
     """Keep ``seq_lengths`` and the loss-mask columns through the trainer's ``remove_unused_columns``."""
     if trainer.args.remove_unused_columns:
-        keep_signature_columns(trainer, PACKED_COLUMNS, owner=trainer if owner is None else owner)
+        keep_signature_columns(trainer, PACKED_COLUMNS, owner=owner)
 
 
 def check_sft(trainer: Any) -> None:
@@ -75,19 +84,10 @@ def packed_sft_config(**kwargs: Any) -> Any:
     It sets ``packing=False`` and ``dataset_kwargs={"skip_prepare_dataset": True}`` (preparation would
     rebuild labels and truncate rows without updating ``seq_lengths``), and by default
     ``padding_free=True`` with ``max_length=None``: an ``SFTTrainer`` built without a ``data_collator``
-    then uses TRL's own padding-free collator, which reads ``seq_lengths`` (positions restarting at every
-    packed sequence, ``cu_seq_lens``, the first label of each sequence masked) and trains exactly, with or
-    without :func:`~packtools.prepare_trainer`::
-
-        trainer = prepare_trainer(SFTTrainer(model, args=packed_sft_config(output_dir="out"),
-                                             train_dataset=packed, processing_class=tokenizer))
-
-    TRL refuses a custom ``data_collator`` under ``padding_free=True``.  To pass
-    ``PaddingFreeCollator`` (its options, ``context_parallel``, ``max_tokens``), say
-    ``packed_sft_config(..., padding_free=False)`` and pass ``data_collator=PaddingFreeCollator(pad)``:
-    with ``padding_free=False`` and no ``data_collator``, TRL's collator would give every packed row an
-    all-ones ``attention_mask`` (sequences attending to each other), which only
-    :func:`~packtools.prepare_trainer` then refuses.  Other arguments pass through.
+    then uses TRL's own padding-free collator, which reads ``seq_lengths`` and trains exactly, with or
+    without :func:`~packtools.prepare_trainer`.  ``padding_free=False`` is for passing
+    ``data_collator=PaddingFreeCollator(pad)`` (its options, ``context_parallel``, ``max_tokens``), which TRL
+    refuses under ``padding_free=True`` (docs/training.md).  Other arguments pass through.
     """
     trl = require("trl", "packtools.integrations.packed_sft_config")
     if kwargs.get("packing"):

@@ -1,34 +1,20 @@
 """One owner of a training step: what packtools changes about a ``Trainer``'s step, in one class per trainer kind.
 
-``prepare_trainer`` / ``prepare_dpo_trainer`` swap the trainer's class to a packtools subclass of its own class
-(:func:`packed_class`: ``PackedTrainer``, ``PackedSFTTrainer``, ``PackedDPOTrainer``, ``Packed<YourTrainer>``;
-created once per class and mixin) and store the run's decisions in one frozen :class:`StepPlan` on the trainer
-(attribute :data:`PLAN_ATTR`).  Both are recorded (:func:`~packtools.compat.record`), so
-``packtools.integrations.unprepare(trainer)`` gives the trainer its own class back and removes the plan.
+``prepare_*`` swaps the trainer's class to a packtools subclass of its own class (:func:`packed_class`:
+``PackedTrainer``, ``PackedSFTTrainer``, ``PackedDPOTrainer``, ``Packed<YourTrainer>``) and stores the run's
+decisions in one frozen :class:`StepPlan` on the trainer (attribute :data:`PLAN_ATTR`), both recorded, so
+``packtools.integrations.unprepare(trainer)`` gives the class back and removes the plan.
 
-The mixins override ``Trainer``'s public step methods and call ``super()``, so the trainer's own class -- a
-user's ``compute_loss``, TRL's ``SFTTrainer.compute_loss`` (its ``loss_type``, its metrics),
-``DPOTrainer.compute_loss`` -- runs inside them, never replaced:
+The mixins override ``Trainer``'s public step methods and call ``super()``, so the trainer's own class (a user's
+``compute_loss``, TRL's ``SFTTrainer`` / ``DPOTrainer.compute_loss``) runs inside them, never replaced:
+:class:`StepOwner` (every kind: the loader, evaluation refused under CP), :class:`SFTStep` (``Trainer``,
+``SFTTrainer``: the step's denominator, CP shards and the ``sample`` / ``sqrt`` loss modes), :class:`DPOStep`
+(TRL ``DPOTrainer``: the pair mean of the step).  docs/training.md tabulates each method.
 
-* :class:`StepOwner` (every kind): ``get_train_dataloader`` (packtools' per-rank loader,
-  :func:`~packtools.integrations.trainers.loader.train_loader`); under context parallelism ``evaluate``,
-  ``predict`` and their loaders are refused by name (their loaders give the ranks of a CP group different rows).
-* :class:`SFTStep` (``Trainer``, ``SFTTrainer``): ``get_batch_samples`` returns the step's denominator as
-  ``num_items_in_batch`` (the global sum of token weights, :mod:`packtools.integrations.trainers.step_loss`) under CP or
-  a loss mode other than ``token``; ``compute_loss`` hands a CP shard to the trainer's own ``compute_loss`` as
-  ``labels`` = ``shift_labels`` (already shifted; transformers' causal-LM loss and TRL's fused head score them
-  without a second shift), and computes the ``sample`` / ``sqrt`` modes itself (a trainer loss of its own is
-  refused by name with those, :func:`check_loss_owner`).
-* :class:`DPOStep` (TRL ``DPOTrainer``): ``get_batch_samples`` counts the pairs of the step over every process
-  (CP peers once) and returns them as ``num_items_in_batch``; ``compute_loss`` rescales the trainer's own
-  per-micro-batch pair mean to its share of the step's pair mean.
-
-Another trainer kind plugs in with a mixin of its own (a subclass of :class:`StepOwner` overriding the
-methods it changes, each calling ``super()``) and ``install_step(trainer, TheMixin, StepPlan(...))``: TRL's
-``RewardTrainer`` (:class:`~packtools.integrations.preference.reward.PackedRewardStep` with a ``RewardPlan``); TRL's
-``GRPOTrainer`` / ``RLOOTrainer`` (:class:`~packtools.integrations.rl.grpo.PackedRLStep` with an ``RLPlan``: it
-changes the log-probability forwards and, under data parallelism, wraps TRL's own sampler (which repeats each
-prompt for its group) to balance whole groups across ranks; it keeps TRL's loader, so it does not derive from
+Another trainer kind plugs in with a mixin of its own (a subclass of :class:`StepOwner` overriding the methods it
+changes, each calling ``super()``) and ``install_step(trainer, TheMixin, plan)``: TRL's ``RewardTrainer``
+(:class:`~packtools.integrations.preference.reward.PackedRewardStep`), ``GRPOTrainer`` / ``RLOOTrainer``
+(:class:`~packtools.integrations.rl.grpo.PackedRLStep`, which keeps TRL's loader, so it does not derive from
 :class:`StepOwner`).
 """
 

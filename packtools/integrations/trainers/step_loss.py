@@ -11,13 +11,10 @@ computation -- each document run alone -- and one formula:
   context-parallel group (a document split over a CP group is one document; its ``n_i`` is summed over the
   group).  Documents with no trained token weigh nothing.
 
-``token`` (``p = 1``, the default, ``Trainer``'s own ``num_items_in_batch``): the mean over every trained token.
-``sample`` (``p = 0``): each document's token mean, averaged over the documents of the global batch -- each
-conversation weighs the same whatever its length.  ``sqrt`` (``p = 1/2``): length-weighted between the two
-(a document weighs ``sqrt(n_i)``, as LongAlign's balanced weighting does).
-
-A "document" is a sequence of the packed row (``seq_lengths``: what the collator separates); a document that
-packing cut across rows (``bfd_split``) counts as its pieces.
+``token`` (``p = 1``, the default, ``Trainer``'s own ``num_items_in_batch``) is the mean over every trained token,
+``sample`` (``p = 0``) the mean of the documents' token means, ``sqrt`` (``p = 1/2``) between the two
+(docs/training.md).  A "document" is a sequence of the packed row (``seq_lengths``); one that packing cut across
+rows (``bfd_split``) counts as its pieces.
 
 >>> import torch
 >>> targets = torch.tensor([5, 6, -100, 7])  # document 0: two targets, document 1: one target, one ignored

@@ -1,43 +1,24 @@
-"""Thin adapter: packed padding-free batches in ``transformers.Trainer`` and TRL's ``SFTTrainer``.
+"""``prepare_trainer``: packed padding-free batches in ``transformers.Trainer`` and TRL's ``SFTTrainer``.
 
-``PaddingFreeCollator`` builds correct batches; what can still go wrong sits in the trainer and the model,
-and this module closes exactly those gaps, nothing more:
+``PaddingFreeCollator`` builds correct batches; what can still go wrong sits in the trainer and the model, and
+:func:`prepare_trainer` closes exactly those gaps (docs/training.md lists each risk and what is done about it):
 
-* **Columns.** ``Trainer`` drops dataset columns that the model's ``forward`` does not name
-  (``remove_unused_columns=True``), which silently removes ``seq_lengths`` (every packed row then looks like
-  one long sequence) and ``completion_mask`` / ``assistant_masks``.  :func:`prepare_trainer` adds them to
-  the trainer's kept columns, so ``remove_unused_columns`` can stay on.
-* **Attention isolation.** FlashAttention-family kernels use ``cu_seq_lens_*`` (or derive segments from
-  ``position_ids``); ``sdpa``, ``eager`` and ``flex_attention`` build a block-diagonal mask from
-  ``position_ids`` -- but only when no ``attention_mask`` and no KV cache are passed.  A forward pre-hook
-  (:func:`~packtools.integrations.trainers.guard.guard_model`) passes ``use_cache=False`` in training and whenever the caller did not choose, and raises
-  :class:`~packtools.errors.PackingError` on the inputs that make transformers attend across sequences:
-  a 2-D ``attention_mask`` next to packed ``position_ids``; ``cu_seq_lens_*`` without ``position_ids`` on a
-  non-flash backend (which ignores them); several packed rows without ``cu_seq_lens_*`` on a flash backend
-  (transformers infers segments from ``position_ids`` only for one row).  Backends that cannot isolate
-  packed sequences (paged attention, custom kernels) are refused up front.
-* **Attention cost.** Under a block-diagonal mask a padding-free row of ``N`` tokens costs ``N²`` per
-  attention layer.  :func:`prepare_trainer` switches ``sdpa`` models to packtools' per-sequence ``sdpa``
-  (:mod:`packtools.integrations.attention.segmented`, :func:`~packtools.integrations.attention.backends.use_segmented_sdpa`), which costs ``sum(L_i²)`` like
-  FlashAttention varlen and gives the same result; ``segmented_sdpa=False`` keeps transformers' ``sdpa``.
-* **Loss denominator.** ``Trainer`` prefetches the ``gradient_accumulation_steps`` batches of an optimizer
-  step, counts ``labels[..., 1:] != -100`` over all of them (``num_items_in_batch``) and passes that count
-  to the model, whose causal-LM loss is then ``sum of token losses / count`` -- the token-weighted mean over
-  the whole accumulation window, with no further division by the number of steps.  Because the collator
-  sets -100 at every sequence start (position 0 included) and on padding, that count is exactly the number
-  of predicted tokens, whether or not the count skips column 0.  This only happens when the model accepts
-  loss kwargs (every ``*ForCausalLM`` does); for a model that does not, :func:`prepare_trainer` installs
-  :func:`~packtools.integrations.trainers.sft.causal_lm_loss` as ``compute_loss_func``, which uses the same count.  With several processes
-  ``average_tokens_across_devices=True`` (the default) makes the count global.
+* **Columns.** ``remove_unused_columns`` would drop ``seq_lengths`` (every packed row then trains as one
+  sequence) and the loss-mask columns: they are kept (:func:`~packtools.integrations.trainers.sft.keep_packed_columns`).
+* **Attention isolation.** Backends that cannot isolate packed sequences are refused up front
+  (:func:`~packtools.integrations.attention.backends.check_attention_implementation`), the trainer's own collator
+  is checked on a real batch (:mod:`~packtools.integrations.trainers.collator_check`), the model's forward is
+  guarded (:func:`~packtools.integrations.trainers.guard.guard_model`) and probed once (:func:`run_probe`).
+* **Attention cost.** ``sdpa`` models switch to packtools' per-sequence ``sdpa``
+  (:mod:`packtools.integrations.attention.segmented`): ``sum(L_i²)`` per layer instead of ``(sum L_i)²``.
+* **Loss denominator.** The summed token loss is divided by the predicted tokens of the whole accumulation
+  window: ``Trainer``'s own ``num_items_in_batch`` (exact because the collator sets -100 at every sequence
+  start and on padding) for a model that takes loss kwargs, else
+  :func:`~packtools.integrations.trainers.sft.causal_lm_loss` as ``compute_loss_func``.
 
-TRL's ``SFTTrainer`` needs three settings for an already-packed dataset;
-:func:`~packtools.integrations.trainers.sft.packed_sft_config` sets them.
-
-Everything :func:`prepare_trainer` changes on the trainer, its model, its collator, its loader method and
-transformers' attention registry goes through :mod:`packtools.compat` and is recorded on the
-trainer: :func:`packtools.integrations.unprepare` puts it all back, :func:`packtools.integrations.prepared` prepares for
-a block, and
-a trainer that ``prepare_trainer`` refuses is left as it came.
+Everything :func:`prepare_trainer` changes goes through :mod:`packtools.compat` and is recorded on the trainer:
+:func:`packtools.integrations.unprepare` puts it all back, and a trainer ``prepare_trainer`` refuses is left as it
+came.
 
 >>> import tempfile, datasets, transformers
 >>> from packtools import PaddingFreeCollator, pack_dataset
@@ -150,54 +131,28 @@ def prepare_trainer(
                                           data_collator=PaddingFreeCollator(pad_token_id)))
         trainer.train()
 
-    It checks the attention backend (:func:`check_attention_implementation`), keeps ``seq_lengths`` and the
-    loss-mask columns through ``remove_unused_columns``, guards the model's forward (:func:`~packtools.integrations.trainers.guard.guard_model`:
-    ``use_cache=False``, contamination errors), makes sure the loss is divided by the predicted tokens of the
-    whole accumulation window (see the module docstring), and for ``SFTTrainer`` that the dataset was not
-    prepared again.  A ``PaddingFreeCollator`` as ``data_collator`` is adapted to the model's ``forward``
-    (keys it does not take are switched off, :func:`~packtools.integrations.attention.backends.adapt_collator`).
-    Everything it changes is recorded on the trainer (:func:`packtools.integrations.unprepare` undoes it; a
-    refused trainer is left as it came).
+    It closes the gaps of the module docstring.  A ``PaddingFreeCollator`` as ``data_collator`` is adapted to the
+    model's ``forward`` (:func:`~packtools.integrations.attention.backends.adapt_collator`); an ``SFTTrainer`` must
+    not prepare the dataset again (:func:`~packtools.integrations.trainers.sft.check_sft`).
 
-    With ``check_isolation=True`` (the default) it first checks the trainer's own ``data_collator`` on a real
-    batch of its train dataset and refuses one that merges packed sequences, with the fix
-    (:mod:`packtools.integrations.trainers.collator_check`), then runs :func:`packtools.integrations.check_isolation` once through
-    that collator: a few short sequences through the model, packed as the collator packs them and alone, under
-    ``no_grad`` (well under a second for small models; a few forward passes of ~24 tokens for large ones),
-    and raises :class:`~packtools.errors.PackingError` if packed sequences leak into each other.
-    ``check_isolation=False`` skips both.
-
-    With ``segmented_sdpa=True`` (the default) an ``sdpa`` model is switched to packtools' per-sequence
-    ``sdpa`` (:func:`~packtools.integrations.attention.backends.use_segmented_sdpa`): a padding-free row's attention then costs ``sum(L_i²)`` like
-    FlashAttention varlen instead of ``(sum L_i)²`` under the block-diagonal mask, with the same result
-    (the probe runs on it).  ``max_tokens=N`` batches by a token budget per process; with several processes
-    every process runs the same number of micro-batches and no row is repeated
-    (:mod:`packtools.integrations.trainers.loader`).  The loaders shard over the data-parallel group read from
-    accelerate's device mesh (:mod:`packtools.integrations.parallel.layout`): tensor- and context-parallel
-    peers read the same batches; layouts packtools does not handle are refused by name.
+    ``check_isolation=True`` (the default) checks the trainer's own ``data_collator`` on a real batch of its train
+    dataset, refusing one that merges packed sequences with the fix, then runs
+    :func:`packtools.integrations.check_isolation` once through that collator (a few short sequences, packed and
+    alone, under ``no_grad``); ``False`` skips both.  ``segmented_sdpa=False`` keeps transformers' ``sdpa``.
+    ``max_tokens=N`` batches by a token budget per process (:mod:`packtools.integrations.trainers.loader`: with
+    several processes each runs the same number of micro-batches and no row is repeated).  The loaders shard over
+    the data-parallel group of :mod:`packtools.integrations.parallel.layout`; layouts packtools does not handle
+    are refused by name.
 
     ``context_parallel=N`` (a positive int) splits every padding-free row across ``N`` consecutive processes per
-    document (:mod:`packtools.integrations.trainers.context_parallel`: CP collator, ``packtools_cp`` attention, the trainer's
-    own loss on the shards' targets, the token mean over every rank and the accumulation window).
-
-    ``loss`` is how the token losses of an optimizer step are averaged (:mod:`packtools.integrations.trainers.step_loss`),
-    each equal to the unpacked computation over the global batch (accumulation window x processes x CP group):
-    ``"token"`` (the default: the mean over every trained token, the trainer's own loss), ``"sample"`` (each
-    sequence's token mean, averaged over the sequences) or ``"sqrt"`` (sequences weighted by the square root of
-    their trained tokens).  ``"sample"`` and ``"sqrt"`` are computed by packtools, so a loss of the trainer's own
-    (a ``compute_loss`` override, ``compute_loss_func``, ``SFTConfig(loss_type=...)``, label smoothing) is
+    document (:mod:`packtools.integrations.trainers.context_parallel`).  ``loss`` is how the token losses of an
+    optimizer step are averaged (:mod:`packtools.integrations.trainers.step_loss`): ``"token"`` (the default, the
+    trainer's own loss), ``"sample"`` or ``"sqrt"``, computed by packtools, so a loss of the trainer's own is
     refused by name with them.
 
-    The trainer's class becomes a packtools subclass of it (``PackedTrainer``, ``PackedSFTTrainer``,
-    ``Packed<YourTrainer>``: :mod:`packtools.integrations.trainers.step`), the one owner of what packtools changes in
-    its step; ``unprepare`` gives the class back.
-
-    Vision-language models (:mod:`packtools.integrations.multimodal.models`): Qwen2-VL, Qwen2.5-VL and Qwen3-VL (the list
-    is :data:`packtools.batches.mrope.VERIFIED_MODEL_TYPES`) train packed with
-    ``data_collator=packtools.batches.MultimodalCollator(model, pad_token_id)`` (per-document 3-D positions,
-    images in row order); any other multimodal model, or one of these with another collator, is refused by
-    name.  Their isolation probe runs samples with images through the vision tower
-    (:func:`~packtools.integrations.multimodal.models.check_vision_isolation`).  Returns the trainer.
+    The trainer's class becomes a packtools subclass of it (:mod:`packtools.integrations.trainers.step`).
+    Vision-language models train packed with ``packtools.batches.MultimodalCollator``
+    (:mod:`packtools.integrations.multimodal.models`).  Returns the trainer.
     """
     require("transformers", "packtools.integrations.prepare_trainer")
     loss = check_loss_mode(loss)
