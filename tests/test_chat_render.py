@@ -327,3 +327,31 @@ def test_a_batch_that_fails_while_rendered_ahead_names_its_row(tokdir, tmp_path,
         assert bt.engine_loading()  # the error came from rendering ahead, before the engine was there
     finally:
         release.set()
+
+
+def test_a_chat_batch_the_fast_engine_raises_on_is_counted_once_with_its_reason(tokdir, monkeypatch):
+    """An engine error on a chat batch (auto): transformers' ids and labels, the batch counted once on
+    transformers, and the reason the error's (negative control: a batch without the trigger stays fast)."""
+    from _pipeline_data import fail_fast_engine
+
+    convs = [
+        [
+            {"role": "user", "content": f"q{i}" + (" boom" if i == 1 else "")},
+            {"role": "assistant", "content": "a"},
+        ]
+        for i in range(4)
+    ]
+    table = pa.table({"messages": convs})
+    want = BatchTokenizer(tokdir, "messages", engine="transformers")(table)
+    bt = BatchTokenizer(tokdir, "messages")
+    assert bt.fast is not None, bt.report.reason
+    fail_fast_engine(monkeypatch, lambda t: "boom" in t, RuntimeError, "match limit exceeded")
+    bt.start_part("p")
+    assert bt(table).equals(want)
+    report = bt.part_report()
+    assert report["checked"]["batches_on_transformers"] == 1
+    assert "match limit exceeded" in report["batches_on_transformers_why"]
+    bt.start_part("q")
+    quiet = pa.table({"messages": [convs[0], convs[2]]})
+    assert bt(quiet).equals(BatchTokenizer(tokdir, "messages", engine="transformers")(quiet))
+    assert bt.part_report()["checked"].get("batches_on_transformers", 0) == 0

@@ -304,8 +304,8 @@ class ChatTokens:
         except PackingError:
             raise
         except Exception as exc:  # noqa: BLE001 - an engine error: transformers tokenizes this batch
-            engine_error(bt, exc, [], False, first_row)
-            got = None
+            engine_error(bt, exc, [], False, first_row)  # counted there, with its reason
+            return self.reference(convs, where, rendered)
         if got is None:  # the tokens do not spell the text byte for byte
             bt.proof.to_transformers(
                 f"{_at(first_row)}: the tokens of the rendered text do not spell it byte for byte, so token "
