@@ -20,6 +20,7 @@ import numpy as np
 
 from .._optional import require
 from ..constants import IGNORE_INDEX, VARLEN_KEYS
+from ..core.ragged import offsets_of
 from ..errors import PackingError
 from .buckets import bucket_for, check_buckets, pad_cu_seq_lens
 from .flatten import FlatRows, check_carried, check_leave_out, flatten_rows, restart_positions
@@ -45,8 +46,7 @@ def assemble_padding_free(
     seg = flat.seg_lengths
     if padded > total:
         seg = np.append(seg, padded - total)
-    cu = np.zeros(seg.shape[0] + 1, np.int32)
-    np.cumsum(seg, out=cu[1:])
+    cu = offsets_of(seg, np.int32)
     if padded > total:
         input_ids = np.full(padded, pad_token_id, np.int64)
         input_ids[:total] = flat.input_ids

@@ -60,6 +60,7 @@ import numpy as np
 
 from ..constants import IGNORE_INDEX
 from ..core.cp_budget import check_cp_size, check_rows_fit, cp_padded_lengths
+from ..core.ragged import offsets_of
 from ..errors import PackingError
 
 #: The key under which a CP shard carries its :class:`CPLayout` to the attention function.
@@ -109,10 +110,8 @@ class CPLayout:
             )
         chunks = 2 * cp_size
         padded = cp_padded_lengths(lengths, cp_size)
-        cu = np.zeros(lengths.size + 1, np.int32)
-        np.cumsum(lengths, out=cu[1:])
-        cu_padded = np.zeros(lengths.size + 1, np.int32)
-        np.cumsum(padded, out=cu_padded[1:])
+        cu = offsets_of(lengths, np.int32)
+        cu_padded = offsets_of(padded, np.int32)
         if int(cu_padded[-1]) != int(np.sum(padded)):
             raise PackingError("a CP row of more than 2**31 - 1 tokens does not fit int32 boundaries.")
         size = padded // chunks
@@ -203,10 +202,8 @@ class CPShard:
             k_parts.append(gathered[start : start + last + 1])
             q_lens.append(group.size)
             k_lens.append(last + 1)
-        cu_q = np.zeros(len(q_lens) + 1, np.int32)
-        cu_k = np.zeros(len(k_lens) + 1, np.int32)
-        np.cumsum(q_lens, out=cu_q[1:])
-        np.cumsum(k_lens, out=cu_k[1:])
+        cu_q = offsets_of(q_lens, np.int32)
+        cu_k = offsets_of(k_lens, np.int32)
         empty = np.zeros(0, np.int64)
         q_index = np.concatenate(q_parts).astype(np.int64) if q_parts else empty
         k_index = np.concatenate(k_parts).astype(np.int64) if k_parts else empty

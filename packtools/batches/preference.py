@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core.ragged import offsets_of
 from ..errors import PackingError
 from .collate import check_pad_args, to_tensors
 from .flatten import restart_positions
@@ -166,8 +167,7 @@ class PreferenceCollator:
         return to_tensors(out, self.return_tensors)
 
     def _padding_free(self, ids: np.ndarray, mask: np.ndarray, seq: np.ndarray) -> dict[str, Any]:
-        cu = np.zeros(seq.shape[0] + 1, np.int32)
-        np.cumsum(seq, out=cu[1:])
+        cu = offsets_of(seq, np.int32)
         labels = ignore_starts(labels_of(ids, None, [mask]), cu[:-1])  # a sequence start is never a target
         positions = restart_positions(seq)
         longest = int(seq.max())
@@ -184,8 +184,7 @@ class PreferenceCollator:
     def _trl_layout(self, ids: np.ndarray, mask: np.ndarray, seq: np.ndarray) -> dict[str, Any]:
         n = seq.shape[0]
         order = np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)])  # chosen sequences, then rejected
-        starts = np.zeros(n, np.int64)
-        np.cumsum(seq[:-1], out=starts[1:])
+        starts = offsets_of(seq)[:-1]
         width = int(seq.max())
         lengths = seq[order]
         cols = np.arange(width)

@@ -24,6 +24,7 @@ import numpy as np
 
 from .._optional import require
 from ..compat.torch import in_backward
+from ..core.ragged import offsets_of
 from ..errors import PackingError
 from .labels import ignore_starts, labels_of
 
@@ -53,16 +54,14 @@ def tree_segments(
     # Segments in order: per unit, its prefix (dropped when empty), then its branches.
     counts = 1 + g
     n = int(counts.sum())
-    first = np.zeros(p.shape[0] + 1, np.int64)
-    np.cumsum(counts, out=first[1:])
+    first = offsets_of(counts)
     length = np.zeros(n, np.int64)
     length[first[:-1]] = prefix
     is_branch = np.ones(n, bool)
     is_branch[first[:-1]] = False
     length[is_branch] = branch_len
     seg_unit = np.repeat(np.arange(p.shape[0]), counts)
-    start = np.zeros(n, np.int64)
-    np.cumsum(length[:-1], out=start[1:])
+    start = offsets_of(length)[:-1]
     pre_start = start[first[:-1]][seg_unit]
     pre_len = np.where(is_branch, prefix[seg_unit], 0)
     seg = np.stack([start, length, pre_start, pre_len], 1)
@@ -81,8 +80,7 @@ def unshared_index(segments: np.ndarray, is_branch: np.ndarray) -> tuple[np.ndar
     b = segments[is_branch]
     q_start, q_len, pre_start, pre_len = b.T
     lengths = pre_len + q_len
-    cu = np.zeros(b.shape[0] + 1, np.int64)
-    np.cumsum(lengths, out=cu[1:])
+    cu = offsets_of(lengths)
     which = np.repeat(np.arange(b.shape[0]), lengths)
     j = np.arange(int(cu[-1])) - cu[:-1][which]
     index = np.where(j < pre_len[which], pre_start[which] + j, q_start[which] + j - pre_len[which])
@@ -201,10 +199,8 @@ class TreeLayout:
         torch = require("torch", "packtools tree batches")
         q_start, q_len, pre_start, pre_len = segments.T
         k_len = pre_len + q_len
-        cu_q = np.zeros(segments.shape[0] + 1, np.int64)
-        np.cumsum(q_len, out=cu_q[1:])
-        cu_k = np.zeros(segments.shape[0] + 1, np.int64)
-        np.cumsum(k_len, out=cu_k[1:])
+        cu_q = offsets_of(q_len)
+        cu_k = offsets_of(k_len)
         which = np.repeat(np.arange(segments.shape[0]), k_len)
         j = np.arange(int(cu_k[-1])) - cu_k[:-1][which]
         kv = np.where(j < pre_len[which], pre_start[which] + j, q_start[which] + j - pre_len[which])
@@ -231,8 +227,7 @@ class TreeLayout:
     def positions(self) -> np.ndarray:
         """Position ids of the flat row: ``prefix_len + 0, 1, ...`` on every segment."""
         q_len, pre_len = self.segments[:, 1], self.segments[:, 3]
-        cu = np.zeros(q_len.shape[0] + 1, np.int64)
-        np.cumsum(q_len, out=cu[1:])
+        cu = offsets_of(q_len)
         which = np.repeat(np.arange(q_len.shape[0]), q_len)
         return np.arange(int(cu[-1])) - cu[:-1][which] + pre_len[which]
 

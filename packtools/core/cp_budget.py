@@ -51,6 +51,7 @@ import numpy as np
 from ..errors import PackingError
 from .plan import PackPlan
 from .plan import plan as make_plan
+from .ragged import offsets_of
 
 
 def check_cp_size(cp_size: object) -> int:
@@ -178,8 +179,7 @@ def check_rows_fit(seq_lengths: Any, cp_size: int, max_length: int, *, first_row
     docs, counts = _documents_per_row(seq_lengths)
     if counts.size == 0:
         return
-    starts = np.zeros(counts.size + 1, np.int64)
-    np.cumsum(counts, out=starts[1:])
+    starts = offsets_of(counts)
     padded = np.add.reduceat(np.append(cp_padded_lengths(docs, cp_size), 0), starts[:-1]) * (counts > 0)
     over = np.flatnonzero(padded > max_length)
     if over.size:

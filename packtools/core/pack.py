@@ -21,6 +21,7 @@ from .arrow import (
 )
 from .plan import STRATEGIES, PackPlan, Strategy, check_max_length, kernels  # kernels: imported on first use
 from .plan import plan as make_plan
+from .ragged import offsets_of
 
 #: Columns that only packed (or already collated) data carries: their presence means the rows are packed.
 BOUNDARY_COLUMNS = ("cu_seq_lens", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
@@ -344,9 +345,7 @@ def unpack(
     kept = np.bincount(p.seg_source, weights=p.seg_length, minlength=p.num_sequences).astype(np.int64)
     offsets = np.concatenate(([0], np.cumsum(kept)))
     src, size = p.seg_dest[order], p.seg_length[order]
-    dest = np.zeros(p.num_segments, np.int64)
-    if p.num_segments:
-        np.cumsum(size[:-1], out=dest[1:])
+    dest = offsets_of(size)[:-1]
     arrays = []
     for col in cols:
         flat = col.flat_values()

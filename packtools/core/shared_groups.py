@@ -22,6 +22,7 @@ from .pairs import (
     default_prompt_budget,
     plan_units,
 )
+from .ragged import offsets_of
 from .shared_pairs import (
     SharedReport,
     _check_nonempty,
@@ -175,8 +176,7 @@ def pack_groups(
     extra = _read_pair_columns(table, columns) if columns else []
     n_all = sizes.shape[0]
     rows = np.arange(n_all) if row_indices is None else np.ascontiguousarray(row_indices, np.int64)
-    first = np.zeros(n_all + 1, np.int64)
-    np.cumsum(sizes, out=first[1:])
+    first = offsets_of(sizes)
     lp, g = prompt.lengths()[rows], sizes[rows]
     comp_len = comps.lengths()
     branch_rows = [np.arange(first[r], first[r + 1]) for r in rows]
@@ -204,8 +204,7 @@ def pack_groups(
     for name, column in extra:
         values = column.take(pa.array(source)).combine_chunks()
         arrays.append((name, pa.ListArray.from_arrays(unit_offsets, values)))
-    first_branch = np.zeros(order.shape[0] + 1, np.int64)
-    np.cumsum(units.group, out=first_branch[1:])
+    first_branch = offsets_of(units.group)
     branch_offsets = pa.array(first_branch[p.row_offsets].astype(np.int32))
     for name in completion_columns:
         flat = table.column(name).combine_chunks().flatten()

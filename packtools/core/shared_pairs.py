@@ -34,6 +34,7 @@ from ..constants import COMPLETION_MASK, SEQ_LENGTHS
 from ..errors import PackingError
 from .arrow import ListColumn, copy_segments, list_array
 from .plan import PackPlan
+from .ragged import offsets_of
 
 if TYPE_CHECKING:
     from . import kernels
@@ -133,10 +134,8 @@ def _materialize(
     unit_start = p.seg_dest
     branch_unit = np.repeat(np.arange(kp.shape[0]), g)
     branch_len = head[branch_unit] + units.keep
-    first_branch = np.zeros(kp.shape[0] + 1, np.int64)
-    np.cumsum(g, out=first_branch[1:])
-    within = np.zeros(branch_len.shape[0] + 1, np.int64)
-    np.cumsum(branch_len, out=within[1:])
+    first_branch = offsets_of(g)
+    within = offsets_of(branch_len)
     branch_start = (
         unit_start[branch_unit] + prefix[branch_unit] + within[:-1] - within[first_branch[:-1]][branch_unit]
     )
