@@ -26,9 +26,9 @@ import numpy as np
 
 from ..core.ragged import offsets_of
 from ..errors import PackingError
-from .collate import check_pad_args, to_tensors
-from .flatten import restart_positions
-from .labels import ignore_starts, labels_of
+from .collate import assemble_padding_free, check_pad_args, to_tensors
+from .flatten import FlatRows
+from .labels import labels_of
 
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
@@ -167,19 +167,13 @@ class PreferenceCollator:
         return to_tensors(out, self.return_tensors)
 
     def _padding_free(self, ids: np.ndarray, mask: np.ndarray, seq: np.ndarray) -> dict[str, Any]:
-        cu = offsets_of(seq, np.int32)
-        labels = ignore_starts(labels_of(ids, None, [mask]), cu[:-1])  # a sequence start is never a target
-        positions = restart_positions(seq)
-        longest = int(seq.max())
-        return {
-            "input_ids": ids[None],
-            "labels": labels[None],
-            "position_ids": positions[None],
-            "cu_seq_lens_q": cu,
-            "cu_seq_lens_k": cu,
-            "max_length_q": longest,
-            "max_length_k": longest,
-        }
+        """One row of every sequence, the batch ``PaddingFreeCollator`` makes of it, without ``seq_idx``."""
+        flat = FlatRows(
+            ids, labels_of(ids, None, [mask]), np.array([ids.shape[0]]), seq, np.array([seq.shape[0]])
+        )
+        batch = assemble_padding_free(flat, self.pad_token_id)
+        del batch["seq_idx"]
+        return batch
 
     def _trl_layout(self, ids: np.ndarray, mask: np.ndarray, seq: np.ndarray) -> dict[str, Any]:
         n = seq.shape[0]
