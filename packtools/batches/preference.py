@@ -29,24 +29,14 @@ from ..errors import PackingError
 from .collate import assemble_padding_free, check_pad_args, to_tensors
 from .flatten import FlatRows
 from .labels import labels_of
+from .tree import flat_ints, row_groups, tree_row, unshared_index
 
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
-
-
-def _ints(value: Any, row: int, key: str) -> np.ndarray:
-    arr = np.asarray(value)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iub"):
-        raise PackingError(
-            f"row {row}: {key!r} must be a flat list of integers, got {arr.dtype} {arr.shape}."
-        )
-    return arr.astype(np.int64, copy=False)
 
 
 def _pair_row(row: Mapping[str, Any], i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, completion mask, sequence lengths) of one row, in pair order."""
     if row.get("prompt_lengths") is not None:  # prompt-shared: expand to [prompt + chosen][prompt + rejected]
-        from .tree import row_groups, tree_row, unshared_index
-
         if (row_groups(row) != 2).any():
             raise PackingError(
                 f"row {i} holds groups of completions, not preference pairs (group_sizes != 2)."
@@ -56,14 +46,14 @@ def _pair_row(row: Mapping[str, Any], i: int) -> tuple[np.ndarray, np.ndarray, n
         unshared_mask = mask[index].copy()
         return ids[index], unshared_mask, lengths
     if "seq_lengths" in row:
-        ids = _ints(row["input_ids"], i, "input_ids")
+        ids = flat_ints(row["input_ids"], i, "input_ids")
         if row.get("completion_mask") is None:
             raise PackingError(
                 f"row {i} has no 'completion_mask'; packed pair rows need it to tell completions from prompts "
                 f"(packtools.dpo.pack_preference writes it; keep it through remove_unused_columns)."
             )
-        mask = _ints(row["completion_mask"], i, "completion_mask")
-        seq = _ints(row["seq_lengths"], i, "seq_lengths")
+        mask = flat_ints(row["completion_mask"], i, "completion_mask")
+        seq = flat_ints(row["seq_lengths"], i, "seq_lengths")
         if mask.shape != ids.shape or int(seq.sum()) != ids.shape[0] or (seq.size and seq.min() <= 0):
             raise PackingError(
                 f"row {i}: input_ids ({ids.shape[0]}), completion_mask ({mask.shape[0]}) and seq_lengths "
@@ -83,7 +73,7 @@ def _pair_row(row: Mapping[str, Any], i: int) -> tuple[np.ndarray, np.ndarray, n
             f"(prompt_ids, chosen_ids, rejected_ids); it has {sorted(row)}."
         ) from None
     p, c, r = (
-        _ints(v, i, k)
+        flat_ints(v, i, k)
         for v, k in ((prompt, "prompt_ids"), (chosen, "chosen_ids"), (rejected, "rejected_ids"))
     )
     ids = np.concatenate([p, c, p, r])

@@ -26,6 +26,7 @@ from .._optional import require
 from ..compat.torch import in_backward
 from ..core.ragged import offsets_of
 from ..errors import PackingError
+from .flatten import restart_positions
 from .labels import ignore_starts, labels_of
 
 #: The keyword the model's forward passes down to the attention function.
@@ -69,6 +70,17 @@ def tree_segments(
     return np.ascontiguousarray(seg[keep]), is_branch[keep]
 
 
+def key_positions(segments: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(index, lengths)``: each segment's keys (its prefix, then its own tokens) as positions of the flat row,
+    segment after segment, and how many keys each has."""
+    q_start, q_len, pre_start, pre_len = segments.T
+    lengths = pre_len + q_len
+    which = np.repeat(np.arange(segments.shape[0]), lengths)
+    j = restart_positions(lengths)
+    index = np.where(j < pre_len[which], pre_start[which] + j, q_start[which] + j - pre_len[which])
+    return index, lengths
+
+
 def unshared_index(segments: np.ndarray, is_branch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(index, lengths)``: the flat-row positions of every branch's ``prompt + completion`` sequence.
 
@@ -77,14 +89,7 @@ def unshared_index(segments: np.ndarray, is_branch: np.ndarray) -> tuple[np.ndar
     >>> index.tolist(), lengths.tolist()
     ([0, 1, 2, 3, 0, 1, 4, 5, 6], [4, 5])
     """
-    b = segments[is_branch]
-    q_start, q_len, pre_start, pre_len = b.T
-    lengths = pre_len + q_len
-    cu = offsets_of(lengths)
-    which = np.repeat(np.arange(b.shape[0]), lengths)
-    j = np.arange(int(cu[-1])) - cu[:-1][which]
-    index = np.where(j < pre_len[which], pre_start[which] + j, q_start[which] + j - pre_len[which])
-    return index, lengths
+    return key_positions(segments[is_branch])
 
 
 FIX_HINT = (
@@ -197,13 +202,10 @@ class TreeLayout:
     @classmethod
     def build(cls, segments: np.ndarray, is_branch: np.ndarray, group_sizes: np.ndarray) -> TreeLayout:
         torch = require("torch", "packtools tree batches")
-        q_start, q_len, pre_start, pre_len = segments.T
-        k_len = pre_len + q_len
+        q_len = segments[:, 1]
+        kv, k_len = key_positions(segments)
         cu_q = offsets_of(q_len)
         cu_k = offsets_of(k_len)
-        which = np.repeat(np.arange(segments.shape[0]), k_len)
-        j = np.arange(int(cu_k[-1])) - cu_k[:-1][which]
-        kv = np.where(j < pre_len[which], pre_start[which] + j, q_start[which] + j - pre_len[which])
         return cls(
             segments=segments,
             is_branch=is_branch,
@@ -227,9 +229,7 @@ class TreeLayout:
     def positions(self) -> np.ndarray:
         """Position ids of the flat row: ``prefix_len + 0, 1, ...`` on every segment."""
         q_len, pre_len = self.segments[:, 1], self.segments[:, 3]
-        cu = offsets_of(q_len)
-        which = np.repeat(np.arange(q_len.shape[0]), q_len)
-        return np.arange(int(cu[-1])) - cu[:-1][which] + pre_len[which]
+        return restart_positions(q_len) + np.repeat(pre_len, q_len)
 
     def to(self, device: Any, *args: Any, **kwargs: Any) -> TreeLayout:
         return replace(
@@ -249,9 +249,16 @@ def _ints(row: Mapping[str, Any], key: str, i: int) -> np.ndarray:
             f"pack_preference(..., share_prompt=True) or pack_groups write them; keep them through "
             f"remove_unused_columns)."
         )
-    arr = np.asarray(row[key])
+    return flat_ints(row[key], i, key)
+
+
+def flat_ints(value: Any, row: int, key: str) -> np.ndarray:
+    """Column ``key`` of row ``row`` as int64, refused unless a flat list of integers (or booleans)."""
+    arr = np.asarray(value)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iub"):
-        raise PackingError(f"row {i}: {key!r} must be a flat list of integers, got {arr.dtype} {arr.shape}.")
+        raise PackingError(
+            f"row {row}: {key!r} must be a flat list of integers, got {arr.dtype} {arr.shape}."
+        )
     return arr.astype(np.int64, copy=False)
 
 
