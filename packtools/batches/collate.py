@@ -346,13 +346,11 @@ class PaddingFreeCollator:
             batch = assemble_static(
                 flat, self.pad_token_id, self.pad_to_multiple_of, self.pad_to_buckets, self.pad_cu_seq_lens_to
             )
-            if self.dropped_keys:
-                batch = {k: v for k, v in batch.items() if k not in self.dropped_keys}
-            return to_tensors(batch, self.return_tensors)
-        if not self.padding_free:
+        elif self.padding_free:
+            batch = assemble_padding_free(flat, self.pad_token_id, self.pad_to_multiple_of)
+        else:
             check_padded_attention(flat, self.attn_implementation)
-        build = assemble_padding_free if self.padding_free else assemble_padded
-        batch = build(flat, self.pad_token_id, self.pad_to_multiple_of)
+            batch = assemble_padded(flat, self.pad_token_id, self.pad_to_multiple_of)
         if self.dropped_keys:
             batch = {k: v for k, v in batch.items() if k not in self.dropped_keys}
         return to_tensors(batch, self.return_tensors)

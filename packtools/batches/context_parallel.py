@@ -60,8 +60,10 @@ import numpy as np
 
 from ..constants import IGNORE_INDEX
 from ..core.cp_budget import check_cp_size, check_rows_fit, cp_padded_lengths
+from ..core.plan import check_max_length
 from ..core.ragged import offsets_of
 from ..errors import PackingError
+from .collate import PaddingFreeCollator, to_tensors
 
 #: The key under which a CP shard carries its :class:`CPLayout` to the attention function.
 CP_KEY = "packtools_cp"
@@ -331,14 +333,10 @@ class ContextParallelCollator:
         self.balance = bool(balance)
         self.layout = layout
         if max_length is not None:
-            from ..core.plan import check_max_length
-
             max_length = check_max_length(max_length)
         self.max_length = max_length
         if return_tensors not in ("pt", "np"):
             raise PackingError(f"return_tensors must be 'pt' or 'np', got {return_tensors!r}.")
-        from .collate import PaddingFreeCollator
-
         replace = getattr(inner, "replace", None)
         if not isinstance(inner, PaddingFreeCollator) or not callable(replace) or not inner.padding_free:
             raise PackingError(
@@ -380,11 +378,7 @@ class ContextParallelCollator:
             balance=self.balance,
             bound=self.layout,
         )
-        if self.return_tensors == "np":
-            return out
-        from .collate import to_tensors
-
-        return to_tensors(out, "pt")
+        return to_tensors(out, self.return_tensors)
 
 
 def _documents(feature: Any) -> list[int]:
