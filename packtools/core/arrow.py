@@ -245,6 +245,16 @@ def copy_segments(
         )
 
 
+def ones_at(total: int, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """An int8 array of ``total`` zeros with 1 on the ``lengths[i]`` values from ``starts[i]`` (a mask of spans)."""
+    mask = np.zeros(total, np.int8)
+    if lengths.size and lengths.max() > 0:
+        ones = np.ones(int(lengths.max()), np.int8)
+        starts, lengths = np.ascontiguousarray(starts), np.ascontiguousarray(lengths)
+        kernels.copy_all_segments(ones, np.zeros_like(lengths), lengths, starts, mask)
+    return mask
+
+
 def numeric_array(values: np.ndarray, value_type: pa.DataType) -> pa.Array:
     """A 1-D NumPy array as an Arrow array of ``value_type``: its buffer as it is when the dtypes match (no copy;
     unlike ``pa.array(ndarray)``, this does not import pandas, seconds of a run's fixed cost), else converted."""

@@ -28,6 +28,7 @@ from .shared_pairs import (
     _check_nonempty,
     _materialize,
     _Units,
+    per_unit_columns,
     unit_lengths,
 )
 
@@ -199,11 +200,7 @@ def pack_groups(
         row=np.concatenate([branch_rows[i] for i in order]) if order.size else np.zeros(0, np.int64),
         keep=np.concatenate([kc[i] for i in order]) if order.size else np.zeros(0, np.int64),
     )
-    arrays = _materialize(prompt, [comps], units, p, with_groups=True)
-    unit_offsets = pa.array(p.row_offsets.astype(np.int32))
-    for name, column in extra:
-        values = column.take(pa.array(source)).combine_chunks()
-        arrays.append((name, pa.ListArray.from_arrays(unit_offsets, values)))
+    arrays = _materialize(prompt, [comps], units, p, with_groups=True) + per_unit_columns(extra, source, p)
     first_branch = offsets_of(units.group)
     branch_offsets = pa.array(first_branch[p.row_offsets].astype(np.int32))
     for name in completion_columns:
