@@ -7,7 +7,7 @@ NumPy view of the child array), so kernels never see an Arrow object and no toke
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -230,10 +230,18 @@ def copy_segments(
     length: np.ndarray,
     dest: np.ndarray,
     out: np.ndarray,
+    *,
+    by_source: bool = False,
+    release: Callable[[np.ndarray], object] | None = None,
 ) -> None:
-    """Copy segments ``(source row, start, length)`` of ``col`` to ``out[dest:dest + length]``."""
-    order = np.argsort(source, kind="stable")  # read each chunk front to back
-    source, start, length, dest = source[order], start[order], length[order], dest[order]
+    """Copy segments ``(source row, start, length)`` of ``col`` to ``out[dest:dest + length]``, chunk by chunk.
+
+    ``by_source``: the segments are already sorted by source row (else they are sorted here, so each chunk is
+    read front to back).  ``release`` is called on each chunk's values once they have been copied from.
+    """
+    if not by_source:
+        order = np.argsort(source, kind="stable")
+        source, start, length, dest = source[order], start[order], length[order], dest[order]
     chunk_of = np.searchsorted(col.chunk_row_starts()[1:], source, side="right")
     bounds = np.searchsorted(chunk_of, np.arange(len(col.chunks) + 1))
     for chunk, a, b in zip(col.chunks, bounds[:-1], bounds[1:]):
@@ -243,6 +251,8 @@ def copy_segments(
         kernels.copy_all_segments(
             chunk.values, src, np.ascontiguousarray(length[a:b]), np.ascontiguousarray(dest[a:b]), out
         )
+        if release is not None:
+            release(chunk.values)
 
 
 def ones_at(total: int, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -15,6 +15,7 @@ from .arrow import (
     as_table,
     check_aligned,
     check_row_counts,
+    copy_segments,
     is_list_type,
     list_array,
     read_list_column,
@@ -181,18 +182,8 @@ def gather_column(
         out = out[: p.tokens_kept]
     if p.num_segments == 0:
         return out
-    source, start, length, dest = (
-        segments if segments is not None else segments_in_input_order(p, row_indices)
-    )
-    chunk_of = np.searchsorted(col.chunk_row_starts()[1:], source, side="right")  # non-decreasing
-    bounds = np.searchsorted(chunk_of, np.arange(len(col.chunks) + 1))
-    for chunk, a, b in zip(col.chunks, bounds[:-1], bounds[1:]):
-        if a == b:
-            continue
-        src = chunk.offsets[source[a:b] - chunk.row_start] + start[a:b]
-        kernels.copy_all_segments(chunk.values, src, length[a:b], dest[a:b], out)
-        if release is not None:
-            release(chunk.values)
+    segments = segments if segments is not None else segments_in_input_order(p, row_indices)
+    copy_segments(col, *segments, out, by_source=True, release=release)
     return out
 
 
