@@ -155,11 +155,7 @@ def wrapped_segments(lengths, max_length):
     Returns ``(source, start, size, row_offsets)``: the pieces of sequences that make up each row, in order.
     """
     n = lengths.shape[0]
-    total = 0
     pieces = 0
-    for i in range(n):
-        if lengths[i] > 0:
-            total += lengths[i]
     # A sequence of length l starting at stream position p spans the rows p // L ... (p + l - 1) // L.
     position = 0
     for i in range(n):
@@ -167,7 +163,7 @@ def wrapped_segments(lengths, max_length):
         if length > 0:
             pieces += (position + length - 1) // max_length - position // max_length + 1
             position += length
-    num_rows = (total + max_length - 1) // max_length
+    num_rows = (position + max_length - 1) // max_length  # position: every token of the stream
     source = np.empty(pieces, np.int64)
     start = np.empty(pieces, np.int64)
     size = np.empty(pieces, np.int64)
