@@ -63,10 +63,6 @@ def attention_costs(lengths: np.ndarray, seq_lengths: Any = None) -> np.ndarray:
         sums_arr = col.row_sums(np.float64)
         cost = col.row_sums(np.float64, squared=True)
     else:
-        if len(seq_lengths) != len(lengths):
-            raise PackingError(
-                f"seq_lengths has {len(seq_lengths)} rows but lengths has {len(lengths)}; give one entry per row."
-            )
         rows = [np.asarray(s, np.float64).reshape(-1) for s in seq_lengths]
         sums_arr = np.array([r.sum() for r in rows])
         cost = np.array([(r * r).sum() for r in rows])
