@@ -84,8 +84,7 @@ class ListColumn:
 def numpy_values(arr: pa.Array) -> np.ndarray:
     """A null-free integer or float array's values: a read-only NumPy view of its data buffer, no copy.
 
-    What ``arr.to_numpy(zero_copy_only=True)`` gives, without pyarrow's NumPy conversion, which imports pandas
-    on first use (0.3 s of a short run).
+    What ``arr.to_numpy(zero_copy_only=True)`` gives, without pyarrow's NumPy conversion (it imports pandas).
     """
     dtype = np.dtype(arr.type.to_pandas_dtype())
     data = arr.buffers()[1]
@@ -267,7 +266,7 @@ def ones_at(total: int, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 def numeric_array(values: np.ndarray, value_type: pa.DataType) -> pa.Array:
     """A 1-D NumPy array as an Arrow array of ``value_type``: its buffer as it is when the dtypes match (no copy;
-    unlike ``pa.array(ndarray)``, this does not import pandas, seconds of a run's fixed cost), else converted."""
+    unlike ``pa.array(ndarray)``, this does not import pandas), else converted."""
     if (
         values.ndim == 1
         and values.flags.c_contiguous
