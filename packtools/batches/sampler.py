@@ -233,12 +233,8 @@ class TokenBudgetBatchSampler:
             batches[i] = first
             batches.append(second)
             need -= 1
-        k = 0
-        while need:  # every batch is one row: repeat batches, as DistributedSampler repeats samples
-            batches.append(batches[k % len(batches)])
-            k += 1
-            need -= 1
-        return batches
+        # every batch is one row: repeat batches, as DistributedSampler repeats samples
+        return batches + [batches[k % len(batches)] for k in range(need)]
 
     def _plan(self) -> list[list[np.ndarray]]:
         """Per step, the batch of each rank (computed once per epoch, identical on every rank)."""
