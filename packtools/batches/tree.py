@@ -293,18 +293,13 @@ def row_groups(row: Mapping[str, Any]) -> np.ndarray:
 
 def concat_trees(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> tuple:
     """Rows side by side in one flat row: ``(ids, mask, segments, is_branch)``."""
-    offset = 0
-    segs = []
-    for ids, _, seg, _ in parts:
-        moved = seg.copy()
-        moved[:, 0] += offset
-        moved[:, 2] += offset
-        segs.append(moved)
-        offset += ids.shape[0]
+    segments = np.concatenate([p[2] for p in parts])
+    row_start = offsets_of([p[0].shape[0] for p in parts])[:-1]
+    segments[:, [0, 2]] += np.repeat(row_start, [p[2].shape[0] for p in parts])[:, None]
     return (
         np.concatenate([p[0] for p in parts]),
         np.concatenate([p[1] for p in parts]),
-        np.concatenate(segs),
+        segments,
         np.concatenate([p[3] for p in parts]),
     )
 
