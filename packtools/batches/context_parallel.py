@@ -317,8 +317,7 @@ class ContextParallelCollator:
         self.max_length = max_length
         if return_tensors not in ("pt", "np"):
             raise PackingError(f"return_tensors must be 'pt' or 'np', got {return_tensors!r}.")
-        replace = getattr(inner, "replace", None)
-        if not isinstance(inner, PaddingFreeCollator) or not callable(replace) or not inner.padding_free:
+        if not isinstance(inner, PaddingFreeCollator) or not inner.padding_free:
             raise PackingError(
                 "ContextParallelCollator needs a padding-free PaddingFreeCollator as inner collator "
                 f"(got {type(inner).__name__}); CP shards one flat row per batch.",
@@ -339,7 +338,7 @@ class ContextParallelCollator:
                 f"{sorted(shaped)}.",
                 param="inner",
             )
-        self.inner = replace(return_tensors="np", return_flash_attn_kwargs=True)
+        self.inner = inner.replace(return_tensors="np", return_flash_attn_kwargs=True)
         self.pad_token_id = int(self.inner.pad_token_id)
         self.return_tensors = return_tensors
 

@@ -43,8 +43,7 @@ def _pair_row(row: Mapping[str, Any], i: int) -> tuple[np.ndarray, np.ndarray, n
             )
         ids, mask, segments, is_branch = tree_row(row, i)
         index, lengths = unshared_index(segments, is_branch)
-        unshared_mask = mask[index].copy()
-        return ids[index], unshared_mask, lengths
+        return ids[index], mask[index], lengths
     if "seq_lengths" in row:
         ids = flat_ints(row["input_ids"], i, "input_ids")
         if row.get("completion_mask") is None:

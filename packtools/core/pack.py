@@ -293,10 +293,8 @@ def unpack(
     {'input_ids': [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]]}
     """
     table = as_table(table)
-    if columns is None:
-        names = [n for n in table.column_names if n != SEQ_LENGTHS]
-    else:
-        names = [n for n in _select_columns(table, columns) if n != SEQ_LENGTHS]
+    chosen = table.column_names if columns is None else _select_columns(table, columns)
+    names = [n for n in chosen if n != SEQ_LENGTHS]
     cols, lengths = read_columns(table, names, unpacked=False)
     if plan is None:
         if SEQ_LENGTHS not in table.column_names:
