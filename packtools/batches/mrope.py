@@ -121,10 +121,8 @@ def document_positions(input_ids: Any, image_grid_thw: Any, spec: MropeSpec, *, 
         out[:, cursor:start] = np.arange(start - cursor) + pos
         pos += start - cursor
         gh, gw = h // merge, w // merge
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
-        out[0, start:stop] = tt.ravel() + pos
-        out[1, start:stop] = hh.ravel() + pos
-        out[2, start:stop] = ww.ravel() + pos
+        thw = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")  # the merged grid's t, h, w
+        out[:, start:stop] = np.stack(thw).reshape(3, -1) + pos
         pos += max(gh, gw)
         cursor = stop
     out[:, cursor:] = np.arange(ids.shape[0] - cursor) + pos
