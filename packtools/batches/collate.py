@@ -13,6 +13,7 @@ Everything is built with NumPy on rows laid end to end (:class:`~packtools.batch
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -306,20 +307,7 @@ class PaddingFreeCollator:
 
     def options(self) -> dict[str, Any]:
         """The constructor arguments of this collator (``PaddingFreeCollator(**c.options())`` copies it)."""
-        names = (
-            "pad_token_id",
-            "pad_to_multiple_of",
-            "padding_free",
-            "return_tensors",
-            "unpacked",
-            *SWITCHED_KEYS,
-            "completion_only_loss",
-            "assistant_only_loss",
-            "pad_to_buckets",
-            "pad_cu_seq_lens_to",
-            "leave_out",
-            "attn_implementation",
-        )
+        names = list(inspect.signature(PaddingFreeCollator.__init__).parameters)[1:]  # without self
         return {name: getattr(self, name) for name in names}
 
     def replace(self, **changes: Any) -> PaddingFreeCollator:
