@@ -177,7 +177,7 @@ class CPShard:
         doc, pos, real = layout.padded_doc()
         mine = layout.index[rank]
         chunk = pos[mine] // (layout.padded[doc[mine]] // (2 * layout.cp_size))
-        q_parts, k_parts, q_lens, k_lens = [], [], [], []
+        q_parts, k_parts = [], []
         offsets = np.flatnonzero(real[mine])
         keys = (doc[mine] * (2 * layout.cp_size) + chunk)[offsets]
         cuts = np.flatnonzero(np.diff(keys)) + 1
@@ -187,10 +187,8 @@ class CPShard:
             start = int(layout.cu_seqlens_padded[d])
             q_parts.append(group)
             k_parts.append(gathered[start : start + last + 1])
-            q_lens.append(group.size)
-            k_lens.append(last + 1)
-        cu_q = offsets_of(q_lens, np.int32)
-        cu_k = offsets_of(k_lens, np.int32)
+        cu_q = offsets_of([q.size for q in q_parts], np.int32)
+        cu_k = offsets_of([k.size for k in k_parts], np.int32)
         empty = np.zeros(0, np.int64)
         q_index = np.concatenate(q_parts).astype(np.int64) if q_parts else empty
         k_index = np.concatenate(k_parts).astype(np.int64) if k_parts else empty
