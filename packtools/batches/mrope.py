@@ -121,7 +121,9 @@ def document_positions(input_ids: Any, image_grid_thw: Any, spec: MropeSpec, *, 
         out[:, cursor:start] = np.arange(start - cursor) + pos
         pos += start - cursor
         gh, gw = h // merge, w // merge
-        thw = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")  # the merged grid's t, h, w
+        thw = np.meshgrid(
+            np.arange(t), np.arange(gh), np.arange(gw), indexing="ij"
+        )  # the merged grid's t, h, w
         out[:, start:stop] = np.stack(thw).reshape(3, -1) + pos
         pos += max(gh, gw)
         cursor = stop
