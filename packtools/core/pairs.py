@@ -1,10 +1,7 @@
 """Preference pairs packed whole: ``[prompt + chosen][prompt + rejected]`` side by side in one row.
 
-The packing unit is the pair.  Its two sequences sit next to each other, chosen first, and a pair is never
-split across rows, so a row's ``seq_lengths`` read ``[c0, r0, c1, r1, ...]``: sequence ``2k`` of a row is
-pair ``k``'s chosen, ``2k + 1`` its rejected.  The plan is one global best-fit-decreasing plan over the pair
-lengths ``len(prompt + chosen) + len(prompt + rejected)``, made by the same kernel as every other plan; the
-tokens are copied with the same segment-copy kernel.
+The packing unit is the pair: its two sequences sit next to each other, chosen first (the row columns:
+:func:`pack_pairs`), and a pair is never split across rows; one global best-fit-decreasing plan places them.
 
 Pairs longer than ``max_length`` are made to fit (:func:`fit_pairs`) or dropped, and counted in a
 :class:`PairReport`; nothing else changes a pair.

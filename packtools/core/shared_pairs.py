@@ -16,9 +16,6 @@ Rows carry ``input_ids``, ``completion_mask`` (1 on completion tokens), ``seq_le
 the length ``P + C_g`` of the sequence ``prompt + completion`` the unit stands for, in unit order),
 ``prompt_lengths`` (one per unit: the kept ``P``) and, for groups, ``group_sizes`` (one per unit: ``G``).
 :mod:`packtools.batches.tree` turns a row into the batch the tree attention needs.
-
-One global best-fit-decreasing plan over the unit lengths (the same planner as every other plan); tokens are
-copied with the same segment-copy kernel as unshared pairs.
 """
 
 from __future__ import annotations
