@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import PackingError
-from .arrow import ListColumn, check_columns, read_list_column
+from .arrow import ListColumn, check_columns, is_list_type, read_list_column
 from .pairs import (
     UnitOptions,
     _read_pair_columns,
@@ -91,9 +91,7 @@ def _read_groups(
     check_columns(table, GROUP_COLUMNS, "group tables (a prompt and a list of completions per row)")
     prompt = read_list_column(table.column("prompt_ids"), "prompt_ids")
     nested = table.column("completion_ids").combine_chunks()
-    if not (pa.types.is_list(nested.type) or pa.types.is_large_list(nested.type)) or not (
-        pa.types.is_list(nested.type.value_type) or pa.types.is_large_list(nested.type.value_type)
-    ):
+    if not is_list_type(nested.type) or not is_list_type(nested.type.value_type):
         raise PackingError(
             f"completion_ids must be a list of token lists per row (list<list<int>>), got {nested.type}.",
             param="dataset",
@@ -119,7 +117,7 @@ def _read_groups(
                 f"per-completion column {name!r} is not in the table.", param="completion_columns"
             )
         arr = table.column(name).combine_chunks()
-        if not pa.types.is_list(arr.type) and not pa.types.is_large_list(arr.type):
+        if not is_list_type(arr.type):
             raise PackingError(
                 f"per-completion column {name!r} must hold a list per row (one value per completion), got "
                 f"{arr.type}.",
