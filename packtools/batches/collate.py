@@ -75,9 +75,8 @@ def assemble_padded(
 ) -> dict[str, Any]:
     """Rows right-padded to ``[B, T]``; positions restart per packed sequence (padding is one more segment).
 
-    ``attention_mask`` is returned only when no row holds more than one sequence: with packed rows, leaving
-    it out is what makes transformers' sdpa / eager / flex attention build a block-diagonal mask from
-    ``position_ids`` (FlashAttention does so only for one row: :func:`check_padded_attention`).
+    ``attention_mask`` is returned only when no row holds more than one sequence: without it, the backends of
+    :data:`MASK_FROM_POSITIONS` build the block-diagonal mask from ``position_ids`` (:func:`check_padded_attention`).
 
     >>> f = flatten_rows([{"input_ids": [5, 6, 7], "seq_lengths": [2, 1]}, {"input_ids": [8]}])
     >>> b = assemble_padded(f, pad_token_id=0)
@@ -254,11 +253,9 @@ class PaddingFreeCollator:
     ``seq_lengths`` columns (``pixel_values``, ``image_grid_thw``, an ``id``...) is refused by name unless
     ``leave_out`` lists it.
 
-    Static shapes, for ``torch.compile(dynamic=False)`` and CUDA graphs (padding-free only): with
-    ``pad_to_buckets`` (sizes, e.g. ``TokenBudgetBatchSampler(..., buckets=K).buckets``) ``T`` is rounded up to
-    the smallest size that holds it (one padding segment) and ``max_length_q/k`` is that size; with
-    ``pad_cu_seq_lens_to=N`` ``cu_seq_lens`` has exactly ``N`` entries (its last value repeated).  See
-    :func:`assemble_static`.
+    Static shapes, for ``torch.compile(dynamic=False)`` and CUDA graphs (padding-free only): ``pad_to_buckets``
+    (sizes, e.g. ``TokenBudgetBatchSampler(..., buckets=K).buckets``) rounds ``T`` up to a bucket and
+    ``pad_cu_seq_lens_to=N`` gives ``cu_seq_lens`` exactly ``N`` entries (:func:`assemble_static`).
 
     >>> c = PaddingFreeCollator(pad_token_id=0, return_tensors="np")
     >>> b = c([{"input_ids": [1, 2, 3, 4], "seq_lengths": [3, 1]}, {"input_ids": [5, 6], "seq_lengths": [2]}])
