@@ -6,11 +6,9 @@ segment's queries are its own tokens; its keys are the unit's prefix followed by
 segment has only its own), causal with the queries aligned to the end of the keys (bottom-right).  So a
 completion sees its prompt and the tokens before it in its own branch, never a sibling or another unit.
 
-:class:`TreeLayout` carries this for the attention (host ``segments`` for the per-segment CPU path,
-``cu_q``/``cu_k``/``kv_index`` for FlashAttention varlen over gathered keys) and for
-:func:`packtools.dpo.sequence_logps` (``cu_seq_lens`` and which segments are branches).  :class:`TreeCollator`
-builds it from packed rows; :func:`unshared_index` maps the tree row back to ``prompt + completion``
-sequences one after the other (what TRL's padded layout holds).
+:class:`TreeLayout` carries this for the attention and for :func:`packtools.dpo.sequence_logps`;
+:class:`TreeCollator` builds it from packed rows; :func:`unshared_index` maps the tree row back to
+``prompt + completion`` sequences one after the other (what TRL's padded layout holds).
 """
 
 from __future__ import annotations
