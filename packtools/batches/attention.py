@@ -80,7 +80,7 @@ def check_cu_seqlens(cu: Any, name: str, total: int, max_seqlen: object, max_nam
     return bounds
 
 
-def _check_qkv(q: Any, k: Any, v: Any) -> tuple[int, int]:
+def _check_qkv(q: Any, k: Any, v: Any) -> None:
     torch = _torch()
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
@@ -95,7 +95,6 @@ def _check_qkv(q: Any, k: Any, v: Any) -> tuple[int, int]:
         raise PackingError(
             f"q has {hq} heads and k/v have {hk}; grouped-query attention needs heads_q to be a multiple of heads_k."
         )
-    return hq, hk
 
 
 def _reference(

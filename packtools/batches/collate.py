@@ -13,6 +13,7 @@ Everything is built with NumPy on rows laid end to end (:class:`~packtools.batch
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ import numpy as np
 
 from .._optional import require
 from ..constants import IGNORE_INDEX, VARLEN_KEYS
+from ..core.ragged import offsets_of
 from ..errors import PackingError
 from .buckets import bucket_for, check_buckets, pad_cu_seq_lens
 from .flatten import FlatRows, check_carried, check_leave_out, flatten_rows, restart_positions
@@ -45,8 +47,7 @@ def assemble_padding_free(
     seg = flat.seg_lengths
     if padded > total:
         seg = np.append(seg, padded - total)
-    cu = np.zeros(seg.shape[0] + 1, np.int32)
-    np.cumsum(seg, out=cu[1:])
+    cu = offsets_of(seg, np.int32)
     if padded > total:
         input_ids = np.full(padded, pad_token_id, np.int64)
         input_ids[:total] = flat.input_ids
@@ -74,9 +75,8 @@ def assemble_padded(
 ) -> dict[str, Any]:
     """Rows right-padded to ``[B, T]``; positions restart per packed sequence (padding is one more segment).
 
-    ``attention_mask`` is returned only when no row holds more than one sequence: with packed rows, leaving
-    it out is what makes transformers' sdpa / eager / flex attention build a block-diagonal mask from
-    ``position_ids`` (FlashAttention does so only for one row: :func:`check_padded_attention`).
+    ``attention_mask`` is returned only when no row holds more than one sequence: without it, the backends of
+    :data:`MASK_FROM_POSITIONS` build the block-diagonal mask from ``position_ids`` (:func:`check_padded_attention`).
 
     >>> f = flatten_rows([{"input_ids": [5, 6, 7], "seq_lengths": [2, 1]}, {"input_ids": [8]}])
     >>> b = assemble_padded(f, pad_token_id=0)
@@ -253,11 +253,9 @@ class PaddingFreeCollator:
     ``seq_lengths`` columns (``pixel_values``, ``image_grid_thw``, an ``id``...) is refused by name unless
     ``leave_out`` lists it.
 
-    Static shapes, for ``torch.compile(dynamic=False)`` and CUDA graphs (padding-free only): with
-    ``pad_to_buckets`` (sizes, e.g. ``TokenBudgetBatchSampler(..., buckets=K).buckets``) ``T`` is rounded up to
-    the smallest size that holds it (one padding segment) and ``max_length_q/k`` is that size; with
-    ``pad_cu_seq_lens_to=N`` ``cu_seq_lens`` has exactly ``N`` entries (its last value repeated).  See
-    :func:`assemble_static`.
+    Static shapes, for ``torch.compile(dynamic=False)`` and CUDA graphs (padding-free only): ``pad_to_buckets``
+    (sizes, e.g. ``TokenBudgetBatchSampler(..., buckets=K).buckets``) rounds ``T`` up to a bucket and
+    ``pad_cu_seq_lens_to=N`` gives ``cu_seq_lens`` exactly ``N`` entries (:func:`assemble_static`).
 
     >>> c = PaddingFreeCollator(pad_token_id=0, return_tensors="np")
     >>> b = c([{"input_ids": [1, 2, 3, 4], "seq_lengths": [3, 1]}, {"input_ids": [5, 6], "seq_lengths": [2]}])
@@ -306,20 +304,7 @@ class PaddingFreeCollator:
 
     def options(self) -> dict[str, Any]:
         """The constructor arguments of this collator (``PaddingFreeCollator(**c.options())`` copies it)."""
-        names = (
-            "pad_token_id",
-            "pad_to_multiple_of",
-            "padding_free",
-            "return_tensors",
-            "unpacked",
-            *SWITCHED_KEYS,
-            "completion_only_loss",
-            "assistant_only_loss",
-            "pad_to_buckets",
-            "pad_cu_seq_lens_to",
-            "leave_out",
-            "attn_implementation",
-        )
+        names = list(inspect.signature(PaddingFreeCollator.__init__).parameters)[1:]  # without self
         return {name: getattr(self, name) for name in names}
 
     def replace(self, **changes: Any) -> PaddingFreeCollator:
@@ -346,13 +331,11 @@ class PaddingFreeCollator:
             batch = assemble_static(
                 flat, self.pad_token_id, self.pad_to_multiple_of, self.pad_to_buckets, self.pad_cu_seq_lens_to
             )
-            if self.dropped_keys:
-                batch = {k: v for k, v in batch.items() if k not in self.dropped_keys}
-            return to_tensors(batch, self.return_tensors)
-        if not self.padding_free:
+        elif self.padding_free:
+            batch = assemble_padding_free(flat, self.pad_token_id, self.pad_to_multiple_of)
+        else:
             check_padded_attention(flat, self.attn_implementation)
-        build = assemble_padding_free if self.padding_free else assemble_padded
-        batch = build(flat, self.pad_token_id, self.pad_to_multiple_of)
+            batch = assemble_padded(flat, self.pad_token_id, self.pad_to_multiple_of)
         if self.dropped_keys:
             batch = {k: v for k, v in batch.items() if k not in self.dropped_keys}
         return to_tensors(batch, self.return_tensors)

@@ -1,48 +1,33 @@
 """Context parallelism (CP) for padding-free rows: each document cut into ``2N`` chunks, two per rank.
 
-With ``N`` ranks in a CP group, a row is not split as one sequence (which would let documents attend to each
-other and give the ranks unequal causal work) but **per document**, the head-tail layout of Megatron-Core's
-THD format:
+With ``N`` ranks in a CP group a row is split **per document** (not as one sequence, which would let documents
+attend to each other and give the ranks unequal causal work), in the head-tail layout of Megatron-Core's THD
+format (the layout in words and figures: docs/training.md):
 
-* document ``i`` of ``L_i`` tokens is padded to ``P_i``, the next multiple of ``2N`` (``P_i - L_i < 2N``
-  padding tokens; the rule :func:`~packtools.core.cp_budget.cp_padded_lengths`, shared with the planners that
-  pack rows for CP), and cut into ``2N`` chunks of ``c_i = P_i / 2N`` tokens; rank ``r`` holds chunks ``r``
-  and ``2N - 1 - r`` (an early, cheap chunk and a late, expensive one: the causal work of the two sums to
-  about the same on every rank);
-* a rank's row is, document after document, its two chunks of that document: ``sum(P_i) / N`` tokens, the
-  same on every rank (an all-gather of keys and values needs equal sizes);
-* ``balance=True`` (what ``prepare_trainer(..., context_parallel=N)`` uses): the ranks still hold head-tail
-  pairs (chunks ``k`` and ``2N - 1 - k``), but which rank holds which pair is chosen document after document:
-  the rank with the most work so far in the row takes the pair with the least
-  (:func:`packtools.core.kernels.balance_pairs`; a row without padding keeps pair ``r`` on rank ``r``).  A
-  document's padding sits at its end, in chunk ``2N - 1``, so with the fixed assignment every document's lost
-  work falls on rank 0; balancing spreads it (the figures: docs/training.md).
-  Exact for :mod:`packtools.integrations.attention.context_parallel`, which reads the layout; *not* the layout
-  Megatron-Core / Transformer Engine THD kernels assume (chunks ``r`` and ``2N - 1 - r`` of every document):
-  keep the default ``balance=False`` when such a kernel consumes the shards;
-* **padding** (the ``P_i - L_i`` tokens after each document) has ``pad_token_id``, no label, position ids
-  restarting at 0, is attended by nothing and attends nothing (its attention output is 0: see
-  :mod:`packtools.integrations.attention.context_parallel`); :attr:`CPLayout.fill_lost` reports it;
-* **documents shorter than 2N** are padded to ``2N`` like any other (one token per chunk): some ranks then
-  hold only padding of that document.  Exact, at the cost of up to ``2N - 1`` padding tokens per document,
-  reported as fill lost; pack with longer documents (``bfd_split``) or a smaller ``N`` to keep it low;
-* every real token keeps its **true position** in its document (``position_ids``), so RoPE and the causal
-  rule see the positions the unsplit row would;
-* labels are **shifted before the split**: ``shift_labels[t]`` is the label of token ``t + 1`` of the same
-  document (-100 at a document's last token and on padding), so the target of the last token of a chunk,
-  which lives on another rank, is not lost.  The loss is then computed on ``shift_labels`` **without**
-  shifting again (:func:`packtools.integrations.parallel.shard_loss.shifted_token_loss`); no ``labels`` key is emitted,
-  so a loss that shifts ``labels`` cannot be run on these rows by mistake.
+* document ``i`` of ``L_i`` tokens is padded to ``P_i``, the next multiple of ``2N``
+  (:func:`~packtools.core.cp_budget.cp_padded_lengths`, the rule the CP planners share; a document shorter than
+  ``2N`` becomes ``2N``), and cut into ``2N`` chunks; the rank holding pair ``k`` holds chunks ``k`` and
+  ``2N - 1 - k`` (an early, cheap chunk and a late, expensive one), and a rank's row is its pair of every
+  document in turn: ``sum(P_i) / N`` tokens on every rank (an all-gather of keys and values needs equal sizes);
+* pair ``k`` is on rank ``k`` (the layout Megatron-Core / Transformer Engine THD kernels assume), or, with
+  ``balance=True`` (what ``prepare_trainer(..., context_parallel=N)`` trains; exact only for
+  :mod:`packtools.integrations.attention.context_parallel`, which reads the layout), on the rank
+  :func:`pair_holders` picks, so that the padding at each document's end (lost work in chunk ``2N - 1``) is
+  not all rank 0's;
+* **padding** has ``pad_token_id``, no label and position ids restarting at 0, is attended by nothing and
+  attends nothing (its attention output is 0); :attr:`CPLayout.fill_lost` counts it;
+* every real token keeps its **true position** in its document, so RoPE and the causal rule see the positions
+  the unsplit row would;
+* labels are **shifted before the split** (``shift_labels[t]`` is the label of token ``t + 1`` of the same
+  document, -100 at a document's last token and on padding), so the target of a chunk's last token, which
+  lives on another rank, is not lost; the loss takes them without shifting again
+  (:func:`packtools.integrations.parallel.shard_loss.shifted_token_loss`), and no ``labels`` key is emitted, so
+  a loss that shifts ``labels`` cannot be run on these rows by mistake.
 
-Both boundary arrays Megatron-style THD consumers take are emitted, int32, over the whole (unsplit) row:
-``cu_seqlens`` (``[0, L_0, L_0 + L_1, ...]``) and ``cu_seqlens_padded`` (``[0, P_0, P_0 + P_1, ...]``); rank
-``r``'s tokens of document ``i`` start at ``cu_seqlens_padded[i] / N`` in its row (balanced or not).
-
-**The per-rank work.**  A rank's causal attention work is ``sum(t - doc_start + 1)`` over the real query tokens it
-holds: :func:`rank_work` reads it from a layout (the cost audit), :func:`document_rank_work` computes it in closed
-form per document, and :func:`pair_holders` chooses which rank holds which pair under ``balance=True`` (row by
-row, document after document, the rank with the most work so far takes the lightest pair,
-:func:`packtools.core.kernels.balance_pairs`).
+``cu_seqlens`` (``[0, L_0, L_0 + L_1, ...]``) and ``cu_seqlens_padded`` (``[0, P_0, P_0 + P_1, ...]``), int32
+over the whole row, are the boundaries THD consumers take; rank ``r``'s tokens of document ``i`` start at
+``cu_seqlens_padded[i] / N`` in its row.  A rank's causal attention work is ``sum(t - doc_start + 1)`` over the
+real query tokens it holds (:func:`rank_work`, :func:`document_rank_work`).
 
 >>> document_rank_work([8, 5, 5], 2).sum(axis=0).tolist(), work_imbalance([24, 42])  # pair k on rank k
 ([24, 42], 0.2727272727272727)
@@ -60,7 +45,10 @@ import numpy as np
 
 from ..constants import IGNORE_INDEX
 from ..core.cp_budget import check_cp_size, check_rows_fit, cp_padded_lengths
+from ..core.plan import check_max_length
+from ..core.ragged import offsets_of
 from ..errors import PackingError
+from .collate import PaddingFreeCollator, to_tensors
 
 #: The key under which a CP shard carries its :class:`CPLayout` to the attention function.
 CP_KEY = "packtools_cp"
@@ -109,10 +97,8 @@ class CPLayout:
             )
         chunks = 2 * cp_size
         padded = cp_padded_lengths(lengths, cp_size)
-        cu = np.zeros(lengths.size + 1, np.int32)
-        np.cumsum(lengths, out=cu[1:])
-        cu_padded = np.zeros(lengths.size + 1, np.int32)
-        np.cumsum(padded, out=cu_padded[1:])
+        cu = offsets_of(lengths, np.int32)
+        cu_padded = offsets_of(padded, np.int32)
         if int(cu_padded[-1]) != int(np.sum(padded)):
             raise PackingError("a CP row of more than 2**31 - 1 tokens does not fit int32 boundaries.")
         size = padded // chunks
@@ -191,7 +177,7 @@ class CPShard:
         doc, pos, real = layout.padded_doc()
         mine = layout.index[rank]
         chunk = pos[mine] // (layout.padded[doc[mine]] // (2 * layout.cp_size))
-        q_parts, k_parts, q_lens, k_lens = [], [], [], []
+        q_parts, k_parts = [], []
         offsets = np.flatnonzero(real[mine])
         keys = (doc[mine] * (2 * layout.cp_size) + chunk)[offsets]
         cuts = np.flatnonzero(np.diff(keys)) + 1
@@ -201,12 +187,8 @@ class CPShard:
             start = int(layout.cu_seqlens_padded[d])
             q_parts.append(group)
             k_parts.append(gathered[start : start + last + 1])
-            q_lens.append(group.size)
-            k_lens.append(last + 1)
-        cu_q = np.zeros(len(q_lens) + 1, np.int32)
-        cu_k = np.zeros(len(k_lens) + 1, np.int32)
-        np.cumsum(q_lens, out=cu_q[1:])
-        np.cumsum(k_lens, out=cu_k[1:])
+        cu_q = offsets_of([q.size for q in q_parts], np.int32)
+        cu_k = offsets_of([k.size for k in k_parts], np.int32)
         empty = np.zeros(0, np.int64)
         q_index = np.concatenate(q_parts).astype(np.int64) if q_parts else empty
         k_index = np.concatenate(k_parts).astype(np.int64) if k_parts else empty
@@ -291,19 +273,14 @@ class ContextParallelCollator:
     (already shifted: no ``labels``), ``cu_seqlens``, ``cu_seqlens_padded`` (int32), ``cp_size``, ``cp_rank``,
     and :data:`CP_KEY` (the :class:`CPShard`, which the CP attention reads).
 
-    ``balance``: each document's chunk pairs given to the ranks by their work (see the module docstring):
-    balanced work when documents carry padding, exact on ``packtools_cp``, not the THD layout external kernels
-    assume.
+    ``balance``: each document's chunk pairs given to the ranks by their work (see the module docstring).
 
     ``layout``: the run's ``packtools.integrations.RankLayout``; given, the CP size, rank and balance choice are
     its own (``cp_size``/``cp_rank``/``balance`` are then left out) and every shard carries it, so the CP
     attention gathers over its group and refuses a shard cut for another layout.
 
-    ``max_length``: the packed rows' length (the ``max_length`` they were packed with).  Given, every feature's
-    documents padded for ``cp_size`` must fit it, or the batch is refused by row
-    (:func:`~packtools.core.cp_budget.check_rows_fit`): rows packed for this CP size (or a multiple of it:
-    ``pack_dataset`` / ``pack_files`` with ``context_parallel``) always fit; rows packed for another (or none) fit or
-    are refused, never trained over ``max_length`` silently.
+    ``max_length``: the packed rows' length (the ``max_length`` they were packed with).  Given, a batch whose
+    documents padded for ``cp_size`` do not fit it is refused by row (:func:`~packtools.core.cp_budget.check_rows_fit`).
 
     >>> from packtools import PaddingFreeCollator
     >>> c = ContextParallelCollator(PaddingFreeCollator(0), cp_size=2, cp_rank=0, return_tensors="np")
@@ -334,16 +311,11 @@ class ContextParallelCollator:
         self.balance = bool(balance)
         self.layout = layout
         if max_length is not None:
-            from ..core.plan import check_max_length
-
             max_length = check_max_length(max_length)
         self.max_length = max_length
         if return_tensors not in ("pt", "np"):
             raise PackingError(f"return_tensors must be 'pt' or 'np', got {return_tensors!r}.")
-        from .collate import PaddingFreeCollator
-
-        replace = getattr(inner, "replace", None)
-        if not isinstance(inner, PaddingFreeCollator) or not callable(replace) or not inner.padding_free:
+        if not isinstance(inner, PaddingFreeCollator) or not inner.padding_free:
             raise PackingError(
                 "ContextParallelCollator needs a padding-free PaddingFreeCollator as inner collator "
                 f"(got {type(inner).__name__}); CP shards one flat row per batch.",
@@ -364,7 +336,7 @@ class ContextParallelCollator:
                 f"{sorted(shaped)}.",
                 param="inner",
             )
-        self.inner = replace(return_tensors="np", return_flash_attn_kwargs=True)
+        self.inner = inner.replace(return_tensors="np", return_flash_attn_kwargs=True)
         self.pad_token_id = int(self.inner.pad_token_id)
         self.return_tensors = return_tensors
 
@@ -383,11 +355,7 @@ class ContextParallelCollator:
             balance=self.balance,
             bound=self.layout,
         )
-        if self.return_tensors == "np":
-            return out
-        from .collate import to_tensors
-
-        return to_tensors(out, "pt")
+        return to_tensors(out, self.return_tensors)
 
 
 def _documents(feature: Any) -> list[int]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..constants import MASK_COLUMNS
+from ..constants import MASK_COLUMNS, SEQ_LENGTHS, TOKEN_COLUMNS
 from ..errors import PackingError
 from .labels import masked_labels
 
@@ -205,20 +205,10 @@ def flatten_rows(features: Sequence[Mapping[str, Any]], mask_keys: Sequence[str]
 
 
 #: The row keys :class:`PaddingFreeCollator` reads (``position_ids`` is rebuilt from ``seq_lengths``, and a row's
-#: own must agree with them); any other
-#: key is refused by name unless ``leave_out`` lists it: a column that does not reach the model must not vanish
-#: without a word (a vision-language row's ``pixel_values`` dropped leaves image tokens without an image).
-CARRIED_KEYS = frozenset(
-    {
-        "input_ids",
-        "labels",
-        "seq_lengths",
-        "attention_mask",
-        "position_ids",
-        "completion_mask",
-        "assistant_masks",
-    }
-)
+#: own must agree with them); any other key is refused by name unless ``leave_out`` lists it: a column that does
+#: not reach the model must not vanish without a word (a vision-language row's ``pixel_values`` dropped leaves
+#: image tokens without an image).
+CARRIED_KEYS = frozenset({*TOKEN_COLUMNS, SEQ_LENGTHS, "attention_mask", "position_ids"})
 
 
 def check_leave_out(leave_out: object) -> frozenset[str]:

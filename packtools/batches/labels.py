@@ -1,12 +1,9 @@
 """Labels of a batch: the one place tokens are taken out of the loss.
 
 Two rules, used by every collator and gatherer of :mod:`packtools.batches` (rows as dicts, ``PackedRows``,
-``PackedView``, the preference and tree collators):
-
-* :func:`masked_labels` -- a row's own ``labels`` win; without them the tokens are the labels, with -100 where
-  a 0/1 mask (``completion_mask``, ``assistant_masks``, in the order given, all of them applied) is 0;
-* :func:`ignore_starts` -- -100 at every sequence start, so no sequence learns to predict the next one's
-  first token (the contract of padding-free batches).
+``PackedView``, the preference and tree collators): :func:`masked_labels` (a row's own ``labels``, else -100
+where a 0/1 mask is 0) and :func:`ignore_starts` (-100 at every sequence start, so no sequence learns to
+predict the next one's first token: the contract of padding-free batches).
 
 >>> ids = np.array([5, 6, 7, 8])
 >>> masked_labels(ids, None, [np.array([0, 1, 1, 1]), np.array([1, 1, 0, 1])]).tolist()

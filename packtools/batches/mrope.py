@@ -6,22 +6,13 @@ image get ``start + (t, h, w)`` over its merged grid, and the text after it cont
 (grid sides divided by the merge size).  These positions are a pure function of a document's ``input_ids``,
 its ``image_grid_thw`` rows and the vision config's ``spatial_merge_size``: no weights are needed.
 
-A packed row must get each document's own positions, restarting at 0 for every document.  The models do not
-do that themselves (transformers 5.25 computes them only when ``position_ids`` is None, and then over the
-whole row), and 2-D per-document ids give image tokens text positions.  :func:`row_positions` gives them.
+A packed row must get each document's own positions, restarting at 0 for every document; the models compute
+them only when ``position_ids`` is None, and then over the whole row.  :func:`row_positions` returns ``(4, T)``:
+the text row (``0, 1, 2, ...`` restarting per document, what the text model's masks detect packed documents
+from), then t/h/w (why this layout, and the negative controls: docs/vision.md).
 
-Layout.  In transformers 5.25 the text model of all three families reads ``position_ids`` of shape
-``(4, B, T)`` as *text positions first, then t/h/w*: the text row (``0, 1, 2, ...`` restarting per document)
-is what its ``sdpa``/``eager``/``flex`` masks and FlashAttention's position-id path detect packed documents
-from.  Given ``(3, B, T)`` (or 2-D ids, or no ids) the models build no per-document mask and attend across
-documents (the negative controls in ``tests/test_vision_train.py``), so :func:`row_positions` returns
-``(4, T)`` for every family (``text_row=False`` gives the model's own 3 rows, for inspection).  The t/h/w rows
-must restart per document too, but a whole-row computation beside a per-document text row only shifts each
-document's three rows by one constant, which rotary embeddings cancel (the same loss, also tested).
-
-Videos are refused by name (their temporal spacing differs per family: seconds per grid in Qwen2.5-VL, one
-grid per frame with timestamps in Qwen3-VL); two images with no text token between them are refused too
-(the models group consecutive image tokens as one image and fail on them).
+Videos are refused by name (their temporal spacing differs per family); two images with no text token between
+them are refused too (the models group consecutive image tokens as one image and fail on them).
 """
 
 from __future__ import annotations
@@ -130,10 +121,10 @@ def document_positions(input_ids: Any, image_grid_thw: Any, spec: MropeSpec, *, 
         out[:, cursor:start] = np.arange(start - cursor) + pos
         pos += start - cursor
         gh, gw = h // merge, w // merge
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
-        out[0, start:stop] = tt.ravel() + pos
-        out[1, start:stop] = hh.ravel() + pos
-        out[2, start:stop] = ww.ravel() + pos
+        thw = np.meshgrid(
+            np.arange(t), np.arange(gh), np.arange(gw), indexing="ij"
+        )  # the merged grid's t, h, w
+        out[:, start:stop] = np.stack(thw).reshape(3, -1) + pos
         pos += max(gh, gw)
         cursor = stop
     out[:, cursor:] = np.arange(ids.shape[0] - cursor) + pos

@@ -24,45 +24,35 @@ from typing import Any
 
 import numpy as np
 
+from ..core.ragged import offsets_of
 from ..errors import PackingError
-from .collate import check_pad_args, to_tensors
-from .flatten import restart_positions
-from .labels import ignore_starts, labels_of
+from .collate import assemble_padding_free, check_pad_args, to_tensors
+from .flatten import FlatRows
+from .labels import labels_of
+from .tree import flat_ints, row_groups, tree_row, unshared_index
 
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
-
-
-def _ints(value: Any, row: int, key: str) -> np.ndarray:
-    arr = np.asarray(value)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iub"):
-        raise PackingError(
-            f"row {row}: {key!r} must be a flat list of integers, got {arr.dtype} {arr.shape}."
-        )
-    return arr.astype(np.int64, copy=False)
 
 
 def _pair_row(row: Mapping[str, Any], i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, completion mask, sequence lengths) of one row, in pair order."""
     if row.get("prompt_lengths") is not None:  # prompt-shared: expand to [prompt + chosen][prompt + rejected]
-        from .tree import row_groups, tree_row, unshared_index
-
         if (row_groups(row) != 2).any():
             raise PackingError(
                 f"row {i} holds groups of completions, not preference pairs (group_sizes != 2)."
             )
         ids, mask, segments, is_branch = tree_row(row, i)
         index, lengths = unshared_index(segments, is_branch)
-        unshared_mask = mask[index].copy()
-        return ids[index], unshared_mask, lengths
+        return ids[index], mask[index], lengths
     if "seq_lengths" in row:
-        ids = _ints(row["input_ids"], i, "input_ids")
+        ids = flat_ints(row["input_ids"], i, "input_ids")
         if row.get("completion_mask") is None:
             raise PackingError(
                 f"row {i} has no 'completion_mask'; packed pair rows need it to tell completions from prompts "
                 f"(packtools.dpo.pack_preference writes it; keep it through remove_unused_columns)."
             )
-        mask = _ints(row["completion_mask"], i, "completion_mask")
-        seq = _ints(row["seq_lengths"], i, "seq_lengths")
+        mask = flat_ints(row["completion_mask"], i, "completion_mask")
+        seq = flat_ints(row["seq_lengths"], i, "seq_lengths")
         if mask.shape != ids.shape or int(seq.sum()) != ids.shape[0] or (seq.size and seq.min() <= 0):
             raise PackingError(
                 f"row {i}: input_ids ({ids.shape[0]}), completion_mask ({mask.shape[0]}) and seq_lengths "
@@ -82,7 +72,7 @@ def _pair_row(row: Mapping[str, Any], i: int) -> tuple[np.ndarray, np.ndarray, n
             f"(prompt_ids, chosen_ids, rejected_ids); it has {sorted(row)}."
         ) from None
     p, c, r = (
-        _ints(v, i, k)
+        flat_ints(v, i, k)
         for v, k in ((prompt, "prompt_ids"), (chosen, "chosen_ids"), (rejected, "rejected_ids"))
     )
     ids = np.concatenate([p, c, p, r])
@@ -166,26 +156,18 @@ class PreferenceCollator:
         return to_tensors(out, self.return_tensors)
 
     def _padding_free(self, ids: np.ndarray, mask: np.ndarray, seq: np.ndarray) -> dict[str, Any]:
-        cu = np.zeros(seq.shape[0] + 1, np.int32)
-        np.cumsum(seq, out=cu[1:])
-        labels = ignore_starts(labels_of(ids, None, [mask]), cu[:-1])  # a sequence start is never a target
-        positions = restart_positions(seq)
-        longest = int(seq.max())
-        return {
-            "input_ids": ids[None],
-            "labels": labels[None],
-            "position_ids": positions[None],
-            "cu_seq_lens_q": cu,
-            "cu_seq_lens_k": cu,
-            "max_length_q": longest,
-            "max_length_k": longest,
-        }
+        """One row of every sequence, the batch ``PaddingFreeCollator`` makes of it, without ``seq_idx``."""
+        flat = FlatRows(
+            ids, labels_of(ids, None, [mask]), np.array([ids.shape[0]]), seq, np.array([seq.shape[0]])
+        )
+        batch = assemble_padding_free(flat, self.pad_token_id)
+        del batch["seq_idx"]
+        return batch
 
     def _trl_layout(self, ids: np.ndarray, mask: np.ndarray, seq: np.ndarray) -> dict[str, Any]:
         n = seq.shape[0]
         order = np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)])  # chosen sequences, then rejected
-        starts = np.zeros(n, np.int64)
-        np.cumsum(seq[:-1], out=starts[1:])
+        starts = offsets_of(seq)[:-1]
         width = int(seq.max())
         lengths = seq[order]
         cols = np.arange(width)

@@ -1,22 +1,19 @@
 """Token-budget batching: batches of rows holding at most ``max_tokens`` tokens, balanced across ranks.
 
-Pure NumPy (plus the Numba best-fit-decreasing kernel); torch is not needed to import or use it, and it works
-as ``torch.utils.data.DataLoader(dataset, batch_sampler=...)``.
+Pure NumPy (plus the Numba best-fit-decreasing kernel); it works as
+``torch.utils.data.DataLoader(dataset, batch_sampler=...)``.  An epoch is built deterministically from
+``(seed, epoch)``:
 
-How an epoch is built, deterministically from ``(seed, epoch)``:
-
-1. Rows are shuffled, then grouped into batches with best-fit decreasing on their token counts (the same
-   kernel that packs sequences), so batches are as full as possible.  The batch structure depends only on the
-   multiset of lengths, so the number of batches is the same every epoch; shuffling changes which rows of
-   equal length share a batch.
-2. The number of batches is made a multiple of ``num_replicas``: by splitting the biggest batches in two
-   (``drop_last=False``; rows are repeated, as ``DistributedSampler`` does, only once every batch
-   is down to one row), or by dropping the
-   smallest batches (``drop_last=True``).
-3. Batches are sorted by attention cost (sum of squared sequence lengths; per packed segment when
-   ``seq_lengths`` is given) and cut into *steps* of ``num_replicas`` consecutive batches, so the ranks of a
-   step get similar work; inside a step, batches go to ranks longest-processing-time first on the running
-   totals, which balances the epoch totals too.  Steps are then shuffled.
+1. Rows are shuffled, then grouped into batches with best-fit decreasing on their token counts (the kernel that
+   packs sequences), so batches are as full as possible; the batch structure depends only on the multiset of
+   lengths, so the number of batches is the same every epoch.
+2. The number of batches is made a multiple of ``num_replicas``: the biggest batches are split in two (rows
+   are repeated, as ``DistributedSampler`` does, only once every batch is one row), or with ``drop_last`` the
+   smallest are dropped.
+3. Batches are sorted by attention cost (sum of squared sequence lengths, per packed segment when
+   ``seq_lengths`` is given) and cut into *steps* of ``num_replicas`` batches, so the ranks of a step get
+   similar work; inside a step, batches go to ranks longest-processing-time first on the running totals,
+   which balances the epoch totals too.  Steps are then shuffled.
 
 :meth:`TokenBudgetBatchSampler.imbalance` reports what was reached.
 """
@@ -63,10 +60,6 @@ def attention_costs(lengths: np.ndarray, seq_lengths: Any = None) -> np.ndarray:
         sums_arr = col.row_sums(np.float64)
         cost = col.row_sums(np.float64, squared=True)
     else:
-        if len(seq_lengths) != len(lengths):
-            raise PackingError(
-                f"seq_lengths has {len(seq_lengths)} rows but lengths has {len(lengths)}; give one entry per row."
-            )
         rows = [np.asarray(s, np.float64).reshape(-1) for s in seq_lengths]
         sums_arr = np.array([r.sum() for r in rows])
         cost = np.array([(r * r).sum() for r in rows])
@@ -240,12 +233,8 @@ class TokenBudgetBatchSampler:
             batches[i] = first
             batches.append(second)
             need -= 1
-        k = 0
-        while need:  # every batch is one row: repeat batches, as DistributedSampler repeats samples
-            batches.append(batches[k % len(batches)])
-            k += 1
-            need -= 1
-        return batches
+        # every batch is one row: repeat batches, as DistributedSampler repeats samples
+        return batches + [batches[k % len(batches)] for k in range(need)]
 
     def _plan(self) -> list[list[np.ndarray]]:
         """Per step, the batch of each rank (computed once per epoch, identical on every rank)."""

@@ -6,11 +6,9 @@ segment's queries are its own tokens; its keys are the unit's prefix followed by
 segment has only its own), causal with the queries aligned to the end of the keys (bottom-right).  So a
 completion sees its prompt and the tokens before it in its own branch, never a sibling or another unit.
 
-:class:`TreeLayout` carries this for the attention (host ``segments`` for the per-segment CPU path,
-``cu_q``/``cu_k``/``kv_index`` for FlashAttention varlen over gathered keys) and for
-:func:`packtools.dpo.sequence_logps` (``cu_seq_lens`` and which segments are branches).  :class:`TreeCollator`
-builds it from packed rows; :func:`unshared_index` maps the tree row back to ``prompt + completion``
-sequences one after the other (what TRL's padded layout holds).
+:class:`TreeLayout` carries this for the attention and for :func:`packtools.dpo.sequence_logps`;
+:class:`TreeCollator` builds it from packed rows; :func:`unshared_index` maps the tree row back to
+``prompt + completion`` sequences one after the other (what TRL's padded layout holds).
 """
 
 from __future__ import annotations
@@ -24,7 +22,9 @@ import numpy as np
 
 from .._optional import require
 from ..compat.torch import in_backward
+from ..core.ragged import offsets_of
 from ..errors import PackingError
+from .flatten import restart_positions
 from .labels import ignore_starts, labels_of
 
 #: The keyword the model's forward passes down to the attention function.
@@ -53,21 +53,30 @@ def tree_segments(
     # Segments in order: per unit, its prefix (dropped when empty), then its branches.
     counts = 1 + g
     n = int(counts.sum())
-    first = np.zeros(p.shape[0] + 1, np.int64)
-    np.cumsum(counts, out=first[1:])
+    first = offsets_of(counts)
     length = np.zeros(n, np.int64)
     length[first[:-1]] = prefix
     is_branch = np.ones(n, bool)
     is_branch[first[:-1]] = False
     length[is_branch] = branch_len
     seg_unit = np.repeat(np.arange(p.shape[0]), counts)
-    start = np.zeros(n, np.int64)
-    np.cumsum(length[:-1], out=start[1:])
+    start = offsets_of(length)[:-1]
     pre_start = start[first[:-1]][seg_unit]
     pre_len = np.where(is_branch, prefix[seg_unit], 0)
     seg = np.stack([start, length, pre_start, pre_len], 1)
     keep = length > 0
     return np.ascontiguousarray(seg[keep]), is_branch[keep]
+
+
+def key_positions(segments: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(index, lengths)``: each segment's keys (its prefix, then its own tokens) as positions of the flat row,
+    segment after segment, and how many keys each has."""
+    q_start, q_len, pre_start, pre_len = segments.T
+    lengths = pre_len + q_len
+    which = np.repeat(np.arange(segments.shape[0]), lengths)
+    j = restart_positions(lengths)
+    index = np.where(j < pre_len[which], pre_start[which] + j, q_start[which] + j - pre_len[which])
+    return index, lengths
 
 
 def unshared_index(segments: np.ndarray, is_branch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -78,15 +87,7 @@ def unshared_index(segments: np.ndarray, is_branch: np.ndarray) -> tuple[np.ndar
     >>> index.tolist(), lengths.tolist()
     ([0, 1, 2, 3, 0, 1, 4, 5, 6], [4, 5])
     """
-    b = segments[is_branch]
-    q_start, q_len, pre_start, pre_len = b.T
-    lengths = pre_len + q_len
-    cu = np.zeros(b.shape[0] + 1, np.int64)
-    np.cumsum(lengths, out=cu[1:])
-    which = np.repeat(np.arange(b.shape[0]), lengths)
-    j = np.arange(int(cu[-1])) - cu[:-1][which]
-    index = np.where(j < pre_len[which], pre_start[which] + j, q_start[which] + j - pre_len[which])
-    return index, lengths
+    return key_positions(segments[is_branch])
 
 
 FIX_HINT = (
@@ -199,15 +200,10 @@ class TreeLayout:
     @classmethod
     def build(cls, segments: np.ndarray, is_branch: np.ndarray, group_sizes: np.ndarray) -> TreeLayout:
         torch = require("torch", "packtools tree batches")
-        q_start, q_len, pre_start, pre_len = segments.T
-        k_len = pre_len + q_len
-        cu_q = np.zeros(segments.shape[0] + 1, np.int64)
-        np.cumsum(q_len, out=cu_q[1:])
-        cu_k = np.zeros(segments.shape[0] + 1, np.int64)
-        np.cumsum(k_len, out=cu_k[1:])
-        which = np.repeat(np.arange(segments.shape[0]), k_len)
-        j = np.arange(int(cu_k[-1])) - cu_k[:-1][which]
-        kv = np.where(j < pre_len[which], pre_start[which] + j, q_start[which] + j - pre_len[which])
+        q_len = segments[:, 1]
+        kv, k_len = key_positions(segments)
+        cu_q = offsets_of(q_len)
+        cu_k = offsets_of(k_len)
         return cls(
             segments=segments,
             is_branch=is_branch,
@@ -231,10 +227,7 @@ class TreeLayout:
     def positions(self) -> np.ndarray:
         """Position ids of the flat row: ``prefix_len + 0, 1, ...`` on every segment."""
         q_len, pre_len = self.segments[:, 1], self.segments[:, 3]
-        cu = np.zeros(q_len.shape[0] + 1, np.int64)
-        np.cumsum(q_len, out=cu[1:])
-        which = np.repeat(np.arange(q_len.shape[0]), q_len)
-        return np.arange(int(cu[-1])) - cu[:-1][which] + pre_len[which]
+        return restart_positions(q_len) + np.repeat(pre_len, q_len)
 
     def to(self, device: Any, *args: Any, **kwargs: Any) -> TreeLayout:
         return replace(
@@ -254,9 +247,16 @@ def _ints(row: Mapping[str, Any], key: str, i: int) -> np.ndarray:
             f"pack_preference(..., share_prompt=True) or pack_groups write them; keep them through "
             f"remove_unused_columns)."
         )
-    arr = np.asarray(row[key])
+    return flat_ints(row[key], i, key)
+
+
+def flat_ints(value: Any, row: int, key: str) -> np.ndarray:
+    """Column ``key`` of row ``row`` as int64, refused unless a flat list of integers (or booleans)."""
+    arr = np.asarray(value)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iub"):
-        raise PackingError(f"row {i}: {key!r} must be a flat list of integers, got {arr.dtype} {arr.shape}.")
+        raise PackingError(
+            f"row {row}: {key!r} must be a flat list of integers, got {arr.dtype} {arr.shape}."
+        )
     return arr.astype(np.int64, copy=False)
 
 
@@ -291,18 +291,13 @@ def row_groups(row: Mapping[str, Any]) -> np.ndarray:
 
 def concat_trees(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> tuple:
     """Rows side by side in one flat row: ``(ids, mask, segments, is_branch)``."""
-    offset = 0
-    segs = []
-    for ids, _, seg, _ in parts:
-        moved = seg.copy()
-        moved[:, 0] += offset
-        moved[:, 2] += offset
-        segs.append(moved)
-        offset += ids.shape[0]
+    segments = np.concatenate([p[2] for p in parts])
+    row_start = offsets_of([p[0].shape[0] for p in parts])[:-1]
+    segments[:, [0, 2]] += np.repeat(row_start, [p[2].shape[0] for p in parts])[:, None]
     return (
         np.concatenate([p[0] for p in parts]),
         np.concatenate([p[1] for p in parts]),
-        np.concatenate(segs),
+        segments,
         np.concatenate([p[3] for p in parts]),
     )
 

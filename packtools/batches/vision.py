@@ -1,22 +1,13 @@
 """Padding-free batches of vision-language rows: the text batch of ``PaddingFreeCollator`` plus the images.
 
 A row is a processed sample (or a packed row of several, with ``seq_lengths``): ``input_ids`` with the
-processor's image tokens, ``pixel_values`` (the row's image patches, ``(patches, C*tp*p*p)``, images in row
-order) and ``image_grid_thw`` (one ``(t, h, w)`` row per image, in row order).  :class:`MultimodalCollator`
-lays the rows end to end like :class:`~packtools.batches.collate.PaddingFreeCollator` (``cu_seq_lens``, labels
--100 at every document start) and adds:
-
-* ``position_ids`` of shape ``(4, 1, T)``: the text row, then each document's own t/h/w positions
-  (:mod:`packtools.batches.mrope`), restarting at every document;
-* ``pixel_values`` and ``image_grid_thw`` concatenated in row order (the vision tower attends within each
-  image, by ``image_grid_thw``, so images of different documents never mix);
-* ``mm_token_type_ids`` (1 on image tokens), which the models read when they compute positions themselves;
-* labels -100 on every image token (an image placeholder is never learned).
-
-A row whose image tokens do not match its ``image_grid_thw`` or ``pixel_values`` is refused with its index.
-Every other column reaches the batch or stops it, as with ``PaddingFreeCollator``: a key outside the text
-collator's columns and the image columns (an ``id``...) is refused by name unless ``leave_out`` lists it, and
-video inputs (a video column, or the model's video token in ``input_ids``) are refused by name.
+processor's image tokens, ``pixel_values`` (the row's image patches, images in row order) and ``image_grid_thw``
+(one ``(t, h, w)`` row per image).  :class:`MultimodalCollator` lays the rows end to end like
+:class:`~packtools.batches.collate.PaddingFreeCollator` and adds each document's own rotary positions
+(:mod:`packtools.batches.mrope`), the images in row order (the vision tower attends within each image, so images
+of different documents never mix), ``mm_token_type_ids``, and -100 on every image token.  A row whose image
+tokens do not match its images, a column it does not carry (unless ``leave_out`` lists it) and any video input
+are refused by name (docs/vision.md).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ NumPy view of the child array), so kernels never see an Arrow object and no toke
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -84,8 +84,7 @@ class ListColumn:
 def numpy_values(arr: pa.Array) -> np.ndarray:
     """A null-free integer or float array's values: a read-only NumPy view of its data buffer, no copy.
 
-    What ``arr.to_numpy(zero_copy_only=True)`` gives, without pyarrow's NumPy conversion, which imports pandas
-    on first use (0.3 s of a short run).
+    What ``arr.to_numpy(zero_copy_only=True)`` gives, without pyarrow's NumPy conversion (it imports pandas).
     """
     dtype = np.dtype(arr.type.to_pandas_dtype())
     data = arr.buffers()[1]
@@ -230,10 +229,18 @@ def copy_segments(
     length: np.ndarray,
     dest: np.ndarray,
     out: np.ndarray,
+    *,
+    by_source: bool = False,
+    release: Callable[[np.ndarray], object] | None = None,
 ) -> None:
-    """Copy segments ``(source row, start, length)`` of ``col`` to ``out[dest:dest + length]``."""
-    order = np.argsort(source, kind="stable")  # read each chunk front to back
-    source, start, length, dest = source[order], start[order], length[order], dest[order]
+    """Copy segments ``(source row, start, length)`` of ``col`` to ``out[dest:dest + length]``, chunk by chunk.
+
+    ``by_source``: the segments are already sorted by source row (else they are sorted here, so each chunk is
+    read front to back).  ``release`` is called on each chunk's values once they have been copied from.
+    """
+    if not by_source:
+        order = np.argsort(source, kind="stable")
+        source, start, length, dest = source[order], start[order], length[order], dest[order]
     chunk_of = np.searchsorted(col.chunk_row_starts()[1:], source, side="right")
     bounds = np.searchsorted(chunk_of, np.arange(len(col.chunks) + 1))
     for chunk, a, b in zip(col.chunks, bounds[:-1], bounds[1:]):
@@ -243,11 +250,23 @@ def copy_segments(
         kernels.copy_all_segments(
             chunk.values, src, np.ascontiguousarray(length[a:b]), np.ascontiguousarray(dest[a:b]), out
         )
+        if release is not None:
+            release(chunk.values)
+
+
+def ones_at(total: int, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """An int8 array of ``total`` zeros with 1 on the ``lengths[i]`` values from ``starts[i]`` (a mask of spans)."""
+    mask = np.zeros(total, np.int8)
+    if lengths.size and lengths.max() > 0:
+        ones = np.ones(int(lengths.max()), np.int8)
+        starts, lengths = np.ascontiguousarray(starts), np.ascontiguousarray(lengths)
+        kernels.copy_all_segments(ones, np.zeros_like(lengths), lengths, starts, mask)
+    return mask
 
 
 def numeric_array(values: np.ndarray, value_type: pa.DataType) -> pa.Array:
     """A 1-D NumPy array as an Arrow array of ``value_type``: its buffer as it is when the dtypes match (no copy;
-    unlike ``pa.array(ndarray)``, this does not import pandas, seconds of a run's fixed cost), else converted."""
+    unlike ``pa.array(ndarray)``, this does not import pandas), else converted."""
     if (
         values.ndim == 1
         and values.flags.c_contiguous

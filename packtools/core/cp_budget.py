@@ -1,35 +1,13 @@
 """Rows budgeted for context parallelism (CP): the padding rule, plans at CP-padded lengths, the fit check.
 
 Under CP size ``N`` every document is padded to ``P = ceil(L / 2N) * 2N`` tokens (:func:`cp_padded_lengths`, the
-one rule: the CP layout of :mod:`packtools.batches.context_parallel` pads to it at batch time).  Packing for CP
-(``pack_files(..., context_parallel=N)`` / ``packtools pack --context-parallel N`` offline,
-``pack_dataset(..., context_parallel=N)`` in memory: :func:`plan_for_cp`) plans every document (or piece) at
-``P`` tokens, so that each packed row still fits ``max_length`` once
-:class:`~packtools.batches.ContextParallelCollator` pads it; :func:`check_rows_fit` holds rows packed any other
-way to ``max_length`` once padded, refusing the first that does not fit by row.
-
-**The rows carry no padding.**  The written rows are real tokens only (the same columns, ``seq_lengths`` the real
-document lengths); only *which* documents share a row changes.  The collator pads at batch time, so a row packed
-offline is cut into exactly the shards (and gives exactly the loss) of the same documents packed at batch time,
-and the same folder also trains without CP.  The padding is counted, never silent: ``cp_padding_tokens`` and
-``cp_fill_lost`` (share of the rows' capacity) in the summary and the manifest's ``stats``.
-
-What it asks of the options (refused by name otherwise):
-
-* ``max_length`` a multiple of ``2N``: then any document of at most ``max_length`` tokens still fits after
-  padding, so ``overlong`` (truncate, drop, split) and the turn-aware split (``split_at``) keep their meaning
-  unchanged, and the pieces of ``bfd_split`` (``max_length`` tokens, a multiple of ``2N``) carry no padding;
-* ``strategy``: ``bfd`` and ``bfd_split`` are planned at the padded lengths; ``wrapped`` rows carry no
-  ``seq_lengths`` (each row is one sequence of the cut stream, as the model sees it without CP too), so its plan
-  is the plain one: with ``max_length`` a multiple of ``2N`` a full row needs no padding, and only rows shorter
-  than ``max_length`` (the last of a plan) are padded -- counted per row (:func:`cp_stats`);
-* not preference data (:mod:`packtools.pipeline.run` refuses it: pair rows are not budgeted offline;
-  ``prepare_dpo_trainer(..., context_parallel=N)`` pads them at batch time), nor vision-language samples
-  (``pack_dataset`` refuses them).
-
-Rows packed for ``K > 1`` fit every ``N`` dividing ``K`` (a multiple of ``2K`` is one of ``2N``); for another ``N`` the
-collator given ``max_length`` refuses a row that does not fit, by row (:func:`check_rows_fit`).  ``context_parallel=1`` (the default) is no CP: the
-plan and the output are those of a run without it.
+one rule: :mod:`packtools.batches.context_parallel` pads to it at batch time).  Packing for CP
+(``pack_files(..., context_parallel=N)``, ``pack_dataset(..., context_parallel=N)``: :func:`plan_for_cp`) plans
+every document (or piece) at ``P`` tokens, so that each row still fits ``max_length`` once the collator pads it;
+the rows themselves carry real tokens only, and the padding is counted (:func:`cp_stats`).
+:func:`check_rows_fit` holds rows packed any other way to ``max_length`` once padded.  ``max_length`` must be a
+multiple of ``2N`` (:func:`check_context_parallel`); ``wrapped`` rows are one sequence each, so their plan is the
+plain one (:func:`budgets`).  The options and what is refused: docs/pipeline.md.
 
 >>> import numpy as np
 >>> from packtools.core.plan import plan
@@ -51,6 +29,7 @@ import numpy as np
 from ..errors import PackingError
 from .plan import PackPlan
 from .plan import plan as make_plan
+from .ragged import offsets_of
 
 
 def check_cp_size(cp_size: object) -> int:
@@ -178,8 +157,7 @@ def check_rows_fit(seq_lengths: Any, cp_size: int, max_length: int, *, first_row
     docs, counts = _documents_per_row(seq_lengths)
     if counts.size == 0:
         return
-    starts = np.zeros(counts.size + 1, np.int64)
-    np.cumsum(counts, out=starts[1:])
+    starts = offsets_of(counts)
     padded = np.add.reduceat(np.append(cp_padded_lengths(docs, cp_size), 0), starts[:-1]) * (counts > 0)
     over = np.flatnonzero(padded > max_length)
     if over.size:

@@ -110,9 +110,7 @@ def bfd_assign(sizes, max_length):
     tail = np.full(max_length + 1, -1, np.int64)
     next_bin = np.full(max(n, 1), -1, np.int64)
     # Work on sizes in sorted order: sequential reads instead of scattered ones.
-    sorted_sizes = np.empty(n, np.int64)
-    for k in range(n):
-        sorted_sizes[k] = sizes[order[k]]
+    sorted_sizes = sizes[order]
     placed_bin = np.empty(n, np.int64)  # bin of the k-th placed item
     num_bins = 0
     for k in range(n):
@@ -147,10 +145,7 @@ def bfd_assign(sizes, max_length):
 
     # Group items by bin (stable on placement order).
     by_bin, row_offsets = bucket_order(placed_bin, num_bins)
-    item_order = np.empty(n, np.int64)
-    for j in range(n):
-        item_order[j] = order[by_bin[j]]
-    return item_order, row_offsets
+    return order[by_bin], row_offsets
 
 
 @njit(cache=True)
@@ -160,11 +155,7 @@ def wrapped_segments(lengths, max_length):
     Returns ``(source, start, size, row_offsets)``: the pieces of sequences that make up each row, in order.
     """
     n = lengths.shape[0]
-    total = 0
     pieces = 0
-    for i in range(n):
-        if lengths[i] > 0:
-            total += lengths[i]
     # A sequence of length l starting at stream position p spans the rows p // L ... (p + l - 1) // L.
     position = 0
     for i in range(n):
@@ -172,7 +163,7 @@ def wrapped_segments(lengths, max_length):
         if length > 0:
             pieces += (position + length - 1) // max_length - position // max_length + 1
             position += length
-    num_rows = (total + max_length - 1) // max_length
+    num_rows = (position + max_length - 1) // max_length  # position: every token of the stream
     source = np.empty(pieces, np.int64)
     start = np.empty(pieces, np.int64)
     size = np.empty(pieces, np.int64)
@@ -251,23 +242,9 @@ def view_segments(
             at += seg_length[s]
             k += 1
     order = np.argsort(begin, kind="mergesort")
-    bounds = np.zeros(num_sources + 1, np.int64)
-    for k in range(n):
-        bounds[source[k] + 1] += 1
-    for j in range(num_sources):
-        bounds[j + 1] += bounds[j]
-    fill = bounds[:-1].copy()
-    out_begin = np.empty(n, np.int64)
-    out_size = np.empty(n, np.int64)
-    out_dest = np.empty(n, np.int64)
-    for q in range(n):
-        k = order[q]
-        j = fill[source[k]]
-        out_begin[j] = begin[k]
-        out_size[j] = size[k]
-        out_dest[j] = dest[k]
-        fill[source[k]] += 1
-    return out_begin, out_size, out_dest, bounds, size
+    by_source, bounds = bucket_order(source[order], num_sources)
+    order = order[by_source]  # by source, then by begin
+    return begin[order], size[order], dest[order], bounds, size
 
 
 @njit(cache=True)
@@ -275,9 +252,8 @@ def gather_scattered(values, src_start, size, dst_start, out):
     """``copy_all_segments`` for segments scattered over a large buffer (a packed view's source file).
 
     A first pass reads one value per 1024 of every segment, so the cache and TLB misses of all segments
-    overlap instead of stalling the copy one segment at a time (~25% faster on a 1.6 GB memory-mapped file);
-    then the segments are copied.  Returns how many values read in the first pass are non-zero (so the reads
-    are not elided).
+    overlap instead of stalling the copy one segment at a time; then the segments are copied.  Returns how many
+    values read in the first pass are non-zero (so the reads are not elided).
     """
     acc = 0
     for s in range(src_start.shape[0]):
@@ -288,11 +264,7 @@ def gather_scattered(values, src_start, size, dst_start, out):
             acc += values[k] != 0
             k += 1024
         acc += values[end - 1] != 0
-    for s in range(src_start.shape[0]):
-        a = src_start[s]
-        d = dst_start[s]
-        m = size[s]
-        out[d : d + m] = values[a : a + m]
+    copy_all_segments(values, src_start, size, dst_start, out)
     return acc
 
 

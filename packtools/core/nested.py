@@ -80,9 +80,7 @@ def _take(column: pa.ChunkedArray | pa.Array, rows: np.ndarray) -> pa.Array:
     grouped = pa.concat_arrays(pieces) if pieces else pa.array([], column.type)
     if np.array_equal(order, np.arange(order.shape[0])):
         return grouped
-    inverse = np.empty_like(order)
-    inverse[order] = np.arange(order.shape[0])
-    return grouped.take(pa.array(inverse, pa.int64()))
+    return grouped.take(pa.array(np.argsort(order), pa.int64()))  # the inverse permutation
 
 
 def gather_whole_samples(

@@ -1,10 +1,7 @@
 """Preference pairs packed whole: ``[prompt + chosen][prompt + rejected]`` side by side in one row.
 
-The packing unit is the pair.  Its two sequences sit next to each other, chosen first, and a pair is never
-split across rows, so a row's ``seq_lengths`` read ``[c0, r0, c1, r1, ...]``: sequence ``2k`` of a row is
-pair ``k``'s chosen, ``2k + 1`` its rejected.  The plan is one global best-fit-decreasing plan over the pair
-lengths ``len(prompt + chosen) + len(prompt + rejected)``, made by the same kernel as every other plan; the
-tokens are copied with the same segment-copy kernel.
+The packing unit is the pair: its two sequences sit next to each other, chosen first (the row columns:
+:func:`pack_pairs`), and a pair is never split across rows; one global best-fit-decreasing plan places them.
 
 Pairs longer than ``max_length`` are made to fit (:func:`fit_pairs`) or dropped, and counted in a
 :class:`PairReport`; nothing else changes a pair.
@@ -14,24 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
-from .._lazy import lazy_module
 from ..constants import COMPLETION_MASK, SEQ_LENGTHS
 from ..errors import PackingError, check_choice
-from .arrow import ListColumn, check_columns, copy_segments, list_array, read_list_column
+from .arrow import ListColumn, check_columns, copy_segments, list_array, ones_at, read_list_column
 from .plan import PackPlan, check_max_length
 from .plan import plan as make_plan
-from .shared_pairs import SharedReport, _check_nonempty, _Units, unit_lengths
+from .shared_pairs import SharedReport, _check_nonempty, _Units, per_unit_columns, unit_lengths
 from .shared_pairs import _materialize as _materialize_shared
-
-if TYPE_CHECKING:
-    from . import kernels
-else:  # Numba is imported when a kernel first runs
-    kernels = lazy_module("packtools.core.kernels")
 
 #: Input columns of a tokenized preference table (TRL's names).
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -117,14 +107,18 @@ def fit_pairs(
     max_length: int,
     overlong: str = "truncate",
     max_prompt_length: int | None = None,
+    *,
+    shared: bool = False,
 ) -> FittedPairs:
-    """Decide what each pair keeps so that ``2 * prompt + chosen + rejected <= max_length``.
+    """Decide what each pair keeps so that it fits ``max_length``: ``2 * prompt + chosen + rejected`` tokens, or
+    with ``shared`` (the prompt written once, :mod:`packtools.core.shared_pairs`) ``prompt + 1 + chosen +
+    rejected`` (``chosen + rejected`` without a prompt).
 
     Pairs that fit are untouched.  ``drop`` removes the others.  ``truncate`` keeps the *end* of the prompt
-    and the *start* of each completion: the prompt keeps ``min(len, max(budget, (max_length - chosen -
-    rejected) // 2))`` tokens, where ``budget`` is ``max_prompt_length`` (default ``max_length // 4``), so it
-    is cut only as far as the whole completions need; the completions then share what is left, the shorter
-    one whole if it fits in half, else both cut to half.
+    and the *start* of each completion: the prompt keeps ``min(len, max(budget, longest))`` tokens, where
+    ``longest`` is the longest prompt that fits beside the whole completions and ``budget`` is
+    ``max_prompt_length`` (default ``max_length // 4``), so it is cut only as far as the whole completions need;
+    the completions then share what is left, the shorter one whole if it fits in half, else both cut to half.
 
     >>> f = fit_pairs(np.array([2, 10]), np.array([3, 9]), np.array([1, 2]), 12)
     >>> f.prompt_keep.tolist(), f.chosen_keep.tolist(), f.rejected_keep.tolist(), f.pair_lengths.tolist()
@@ -132,12 +126,19 @@ def fit_pairs(
     """
     overlong = check_overlong(overlong)
     lp, lc, lr = (np.asarray(a, np.int64) for a in (prompt, chosen, rejected))
-    fits = 2 * lp + lc + lr <= max_length
+
+    def prompt_cost(
+        kept: np.ndarray,
+    ) -> np.ndarray:  # the tokens a prompt of `kept` tokens takes in the layout
+        return np.where(kept > 0, kept + 1, 0) if shared else 2 * kept
+
+    fits = prompt_cost(lp) + lc + lr <= max_length
     if overlong == "drop":
         return FittedPairs(fits, lp.copy(), lc.copy(), lr.copy())
     budget = default_prompt_budget(max_length) if max_prompt_length is None else max_prompt_length
-    kp = np.where(fits, lp, np.minimum(lp, np.maximum(budget, (max_length - lc - lr) // 2)))
-    room = max_length - 2 * kp
+    longest = max_length - lc - lr - 1 if shared else (max_length - lc - lr) // 2
+    kp = np.where(fits, lp, np.minimum(lp, np.maximum(budget, longest)))
+    room = max_length - prompt_cost(kp)
     cap = np.maximum(room // 2, room - np.minimum(lc, lr))
     kc = np.where(fits, lc, np.minimum(lc, cap))
     kr = np.where(fits, lr, np.minimum(lr, cap))
@@ -342,18 +343,9 @@ def _materialize(
     )
     copy_segments(cols[1], source, zero, kc, pair_start + kp, tokens)
     copy_segments(cols[2], source, zero, kr, pair_start + chosen_len + kp, tokens)
-    # completion_mask: ones copied over each completion's span (the same segment-copy kernel).
-    mask = np.zeros(total, np.int8)
-    if pair.shape[0]:
-        ones = np.ones(int(max(kc.max(), kr.max())), np.int8)
-        spans = np.ascontiguousarray(np.concatenate([kc, kr]))
-        kernels.copy_all_segments(
-            ones,
-            np.zeros_like(spans),
-            spans,
-            np.concatenate([pair_start + kp, pair_start + chosen_len + kp]),
-            mask,
-        )
+    mask = ones_at(
+        total, np.concatenate([pair_start + kp, pair_start + chosen_len + kp]), np.concatenate([kc, kr])
+    )
     token_offsets = p.token_offsets
     seq = np.empty(2 * pair.shape[0], np.int32)
     seq[0::2], seq[1::2] = chosen_len, rejected_len
@@ -363,10 +355,8 @@ def _materialize(
         pa.ListArray.from_arrays(pa.array((2 * p.row_offsets).astype(np.int32)), pa.array(seq)),
     ]
     names = ["input_ids", COMPLETION_MASK, SEQ_LENGTHS]
-    pair_offsets = pa.array(p.row_offsets.astype(np.int32))
-    for name, column in extra:
-        values = column.take(pa.array(source)).combine_chunks()
-        arrays.append(pa.ListArray.from_arrays(pair_offsets, values))
+    for name, values in per_unit_columns(extra, source, p):
+        arrays.append(values)
         names.append(name)
     return pa.Table.from_arrays(arrays, names=names)
 
@@ -392,20 +382,6 @@ def _report(max_length: int, lp, lc, lr, fitted: FittedPairs, p: PackPlan) -> Pa
     )
 
 
-def _fit_pairs_fast(lp, lc, lr, max_length, overlong, max_prompt_length):
-    """:func:`~packtools.core.shared_groups.fit_units` for units of two, vectorized (the per-unit loop would cost seconds on 1M pairs)."""
-    fits = unit_lengths(lp, lc + lr, np.full(lp.shape[0], 2)) <= max_length
-    if overlong == "drop":
-        return fits, lp.copy(), lc.copy(), lr.copy()
-    budget = default_prompt_budget(max_length) if max_prompt_length is None else max_prompt_length
-    kp = np.where(fits, lp, np.minimum(lp, np.maximum(budget, max_length - lc - lr - 1)))
-    room = max_length - np.where(kp > 0, kp + 1, 0)
-    cap = np.maximum(room // 2, room - np.minimum(lc, lr))
-    kc = np.where(fits, lc, np.minimum(lc, cap))
-    kr = np.where(fits, lr, np.minimum(lr, cap))
-    return np.ones(lp.shape[0], bool), kp, kc, kr
-
-
 def _pack_shared(
     cols: list[ListColumn],
     extra: list[tuple[str, pa.ChunkedArray]],
@@ -417,7 +393,8 @@ def _pack_shared(
     lp, lc, lr = (c.lengths() for c in cols)
     rows = np.arange(lp.shape[0]) if row_indices is None else row_indices
     lp, lc, lr = lp[rows], lc[rows], lr[rows]
-    keep, kp, kc, kr = _fit_pairs_fast(lp, lc, lr, max_length, options.overlong, options.max_prompt_length)
+    fitted = fit_pairs(lp, lc, lr, max_length, options.overlong, options.max_prompt_length, shared=True)
+    keep, kp, kc, kr = fitted.keep, fitted.prompt_keep, fitted.chosen_keep, fitted.rejected_keep
     n = lp.shape[0]
     _check_nonempty(keep, np.stack([kc, kr], 1).reshape(-1), np.repeat(np.arange(n), 2), rows)
     kept = np.flatnonzero(keep)
@@ -435,11 +412,9 @@ def _pack_shared(
         row=np.repeat(source, 2),
         keep=np.stack([kc[order], kr[order]], 1).reshape(-1),
     )
-    arrays = _materialize_shared(cols[0], cols[1:], units, p, with_groups=False)
-    unit_offsets = pa.array(p.row_offsets.astype(np.int32))
-    for name, column in extra:
-        values = column.take(pa.array(source)).combine_chunks()
-        arrays.append((name, pa.ListArray.from_arrays(unit_offsets, values)))
+    arrays = _materialize_shared(cols[0], cols[1:], units, p, with_groups=False) + per_unit_columns(
+        extra, source, p
+    )
     cut_p, cut_c = keep & (kp < lp), keep & ((kc < lc) | (kr < lr))
     report = SharedReport(
         max_length=max_length,

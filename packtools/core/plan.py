@@ -13,6 +13,7 @@ from .._lazy import lazy_module
 from ..errors import PackingError
 from .arrow import numeric_array
 from .plan_file import PLAN_ARRAYS, read_plan, write_plan
+from .ragged import offsets_of
 
 if TYPE_CHECKING:
     from . import kernels
@@ -242,9 +243,7 @@ class PackPlan:
     @property
     def seg_dest(self) -> np.ndarray:
         """Start of each segment in the packed token stream."""
-        out = np.zeros(self.num_segments, np.int64)
-        np.cumsum(self.seg_length[:-1], out=out[1:])
-        return out
+        return offsets_of(self.seg_length)[:-1]
 
     def seq_lengths_of(self, row: int) -> np.ndarray:
         """Lengths of the segments that make up ``row``."""

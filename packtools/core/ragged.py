@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-import pyarrow as pa
 
-from .arrow import list_array
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 class Ragged(NamedTuple):
@@ -36,10 +36,16 @@ class Ragged(NamedTuple):
         return int(self.offsets.shape[0] - 1)
 
 
+def offsets_of(lengths: Sequence[int] | np.ndarray, dtype: type = np.int64) -> np.ndarray:
+    """``[0, l_0, l_0 + l_1, ..., sum(lengths)]``: where each of runs of ``lengths`` laid end to end starts, then
+    the end of the last (``len(lengths) + 1`` values of ``dtype``)."""
+    out = np.zeros(len(lengths) + 1, dtype)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
 def from_lengths(lengths: np.ndarray, values: np.ndarray) -> Ragged:
-    offsets = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return Ragged(offsets, values)
+    return Ragged(offsets_of(lengths), values)
 
 
 def from_lists(rows: Sequence[Sequence[int]], dtype: type = np.int32) -> Ragged:
@@ -58,8 +64,7 @@ def full_like(r: Ragged, fill: int) -> Ragged:
 def _positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """``np.concatenate(arange(s, s + l) for s, l in zip(starts, lengths))`` without a Python loop."""
     total = int(lengths.sum())
-    first = np.zeros(len(lengths), np.int64)
-    np.cumsum(lengths[:-1], out=first[1:])
+    first = offsets_of(lengths)[:-1]
     return np.repeat(starts - first, lengths) + np.arange(total, dtype=np.int64)
 
 
@@ -104,6 +109,10 @@ def select(r: Ragged, keep: np.ndarray) -> Ragged:
 
 
 def to_arrow(r: Ragged) -> pa.Array:
+    import pyarrow as pa
+
+    from .arrow import list_array
+
     return list_array(r.offsets, r.values, False, pa.from_numpy_dtype(r.values.dtype))
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import PackingError
-from .arrow import ListColumn, check_columns, read_list_column
+from .arrow import ListColumn, check_columns, is_list_type, read_list_column
 from .pairs import (
     UnitOptions,
     _read_pair_columns,
@@ -22,11 +22,13 @@ from .pairs import (
     default_prompt_budget,
     plan_units,
 )
+from .ragged import offsets_of
 from .shared_pairs import (
     SharedReport,
     _check_nonempty,
     _materialize,
     _Units,
+    per_unit_columns,
     unit_lengths,
 )
 
@@ -89,9 +91,7 @@ def _read_groups(
     check_columns(table, GROUP_COLUMNS, "group tables (a prompt and a list of completions per row)")
     prompt = read_list_column(table.column("prompt_ids"), "prompt_ids")
     nested = table.column("completion_ids").combine_chunks()
-    if not (pa.types.is_list(nested.type) or pa.types.is_large_list(nested.type)) or not (
-        pa.types.is_list(nested.type.value_type) or pa.types.is_large_list(nested.type.value_type)
-    ):
+    if not is_list_type(nested.type) or not is_list_type(nested.type.value_type):
         raise PackingError(
             f"completion_ids must be a list of token lists per row (list<list<int>>), got {nested.type}.",
             param="dataset",
@@ -117,7 +117,7 @@ def _read_groups(
                 f"per-completion column {name!r} is not in the table.", param="completion_columns"
             )
         arr = table.column(name).combine_chunks()
-        if not pa.types.is_list(arr.type) and not pa.types.is_large_list(arr.type):
+        if not is_list_type(arr.type):
             raise PackingError(
                 f"per-completion column {name!r} must hold a list per row (one value per completion), got "
                 f"{arr.type}.",
@@ -175,8 +175,7 @@ def pack_groups(
     extra = _read_pair_columns(table, columns) if columns else []
     n_all = sizes.shape[0]
     rows = np.arange(n_all) if row_indices is None else np.ascontiguousarray(row_indices, np.int64)
-    first = np.zeros(n_all + 1, np.int64)
-    np.cumsum(sizes, out=first[1:])
+    first = offsets_of(sizes)
     lp, g = prompt.lengths()[rows], sizes[rows]
     comp_len = comps.lengths()
     branch_rows = [np.arange(first[r], first[r + 1]) for r in rows]
@@ -199,13 +198,8 @@ def pack_groups(
         row=np.concatenate([branch_rows[i] for i in order]) if order.size else np.zeros(0, np.int64),
         keep=np.concatenate([kc[i] for i in order]) if order.size else np.zeros(0, np.int64),
     )
-    arrays = _materialize(prompt, [comps], units, p, with_groups=True)
-    unit_offsets = pa.array(p.row_offsets.astype(np.int32))
-    for name, column in extra:
-        values = column.take(pa.array(source)).combine_chunks()
-        arrays.append((name, pa.ListArray.from_arrays(unit_offsets, values)))
-    first_branch = np.zeros(order.shape[0] + 1, np.int64)
-    np.cumsum(units.group, out=first_branch[1:])
+    arrays = _materialize(prompt, [comps], units, p, with_groups=True) + per_unit_columns(extra, source, p)
+    first_branch = offsets_of(units.group)
     branch_offsets = pa.array(first_branch[p.row_offsets].astype(np.int32))
     for name in completion_columns:
         flat = table.column(name).combine_chunks().flatten()

@@ -16,29 +16,20 @@ Rows carry ``input_ids``, ``completion_mask`` (1 on completion tokens), ``seq_le
 the length ``P + C_g`` of the sequence ``prompt + completion`` the unit stands for, in unit order),
 ``prompt_lengths`` (one per unit: the kept ``P``) and, for groups, ``group_sizes`` (one per unit: ``G``).
 :mod:`packtools.batches.tree` turns a row into the batch the tree attention needs.
-
-One global best-fit-decreasing plan over the unit lengths (the same planner as every other plan); tokens are
-copied with the same segment-copy kernel as unshared pairs.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
-from .._lazy import lazy_module
 from ..constants import COMPLETION_MASK, SEQ_LENGTHS
 from ..errors import PackingError
-from .arrow import ListColumn, copy_segments, list_array
+from .arrow import ListColumn, copy_segments, list_array, ones_at
 from .plan import PackPlan
-
-if TYPE_CHECKING:
-    from . import kernels
-else:  # Numba is imported when a kernel first runs
-    kernels = lazy_module("packtools.core.kernels")
+from .ragged import offsets_of
 
 PROMPT_LENGTHS = "prompt_lengths"
 GROUP_SIZES = "group_sizes"
@@ -133,10 +124,8 @@ def _materialize(
     unit_start = p.seg_dest
     branch_unit = np.repeat(np.arange(kp.shape[0]), g)
     branch_len = head[branch_unit] + units.keep
-    first_branch = np.zeros(kp.shape[0] + 1, np.int64)
-    np.cumsum(g, out=first_branch[1:])
-    within = np.zeros(branch_len.shape[0] + 1, np.int64)
-    np.cumsum(branch_len, out=within[1:])
+    first_branch = offsets_of(g)
+    within = offsets_of(branch_len)
     branch_start = (
         unit_start[branch_unit] + prefix[branch_unit] + within[:-1] - within[first_branch[:-1]][branch_unit]
     )
@@ -159,16 +148,7 @@ def _materialize(
         copy_segments(
             col, units.row[sel], np.zeros(int(sel.sum()), np.int64), units.keep[sel], comp_dest[sel], tokens
         )
-    mask = np.zeros(total, np.int8)
-    if units.keep.shape[0] and units.keep.max() > 0:
-        ones = np.ones(int(units.keep.max()), np.int8)
-        kernels.copy_all_segments(
-            ones,
-            np.zeros_like(units.keep),
-            np.ascontiguousarray(units.keep),
-            np.ascontiguousarray(comp_dest),
-            mask,
-        )
+    mask = ones_at(total, comp_dest, units.keep)
     branch_offsets = pa.array(first_branch[p.row_offsets].astype(np.int32))
     unit_offsets = pa.array(p.row_offsets.astype(np.int32))
     seq = (kp[branch_unit] + units.keep).astype(np.int32)
@@ -181,6 +161,18 @@ def _materialize(
     if with_groups:
         out.append((GROUP_SIZES, pa.ListArray.from_arrays(unit_offsets, pa.array(g.astype(np.int32)))))
     return out
+
+
+def per_unit_columns(
+    extra: list[tuple[str, pa.ChunkedArray]], source: np.ndarray, p: PackPlan
+) -> list[tuple[str, pa.Array]]:
+    """Each per-unit column of ``extra`` (one value per input row) as a list per packed row of ``p``: the values
+    of the input rows ``source`` (one per unit, in packed order)."""
+    unit_offsets = pa.array(p.row_offsets.astype(np.int32))
+    return [
+        (name, pa.ListArray.from_arrays(unit_offsets, column.take(pa.array(source)).combine_chunks()))
+        for name, column in extra
+    ]
 
 
 def _check_nonempty(
