@@ -402,3 +402,24 @@ def test_recommend_keep_sequences_holds_that_share_whole():
     with pytest.raises(PackingError, match="keep_sequences=1.5") as err:
         p.recommend(keep_sequences=1.5)
     assert err.value.param == "keep_sequences"
+
+
+def test_shared_prompt_savings_counts_tokens_of_both_layouts_and_refuses_an_empty_group():
+    """Pairs: ``2P + C + R`` unshared, ``P + C + R + 1`` shared; groups: ``G*P + sum(C)`` against
+    ``P + sum(C) + G - 1``; a group with no completion is refused by row as pack_groups refuses it (it was
+    counted as a unit of ``P - 1`` tokens, more shared than unshared)."""
+    from packtools.profiling.shared import shared_prompt_savings
+
+    pairs = pa.table(
+        {"prompt_ids": [[1] * 10, [1] * 3], "chosen_ids": [[2] * 3, [2]], "rejected_ids": [[3] * 2, [3] * 4]}
+    )
+    s = shared_prompt_savings(pairs)
+    assert (s.units, s.completions) == (2, 4)
+    assert (s.tokens_unshared, s.tokens_shared) == (25 + 11, 16 + 9)
+    groups = pa.table({"prompt_ids": [[1] * 4, [1] * 5], "completion_ids": [[[2, 2], [3]], [[4], [5], [6]]]})
+    s = shared_prompt_savings(groups)
+    assert (s.units, s.completions, s.tokens_unshared, s.tokens_shared) == (2, 5, 11 + 18, 8 + 10)
+    assert s.saved == pytest.approx(1 - 18 / 29)
+    empty = pa.table({"prompt_ids": [[1] * 4, [1] * 5], "completion_ids": [[[2, 2], [3]], []]})
+    with pytest.raises(PackingError, match="row 1: completion_ids holds no completion"):
+        shared_prompt_savings(empty)
