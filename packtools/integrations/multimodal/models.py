@@ -15,6 +15,7 @@ the vision tower.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,18 @@ def is_multimodal(model: Any) -> bool:
     (True, True)
     """
     return bool(multimodal_parts(model))
+
+
+def refuse_multimodal(models: Sequence[Any], what: str) -> None:
+    """Refuse, by name, a multimodal model in a padding-free preference or RL path (verified vision-language
+    models train packed in SFT only): ``what`` (e.g. ``"DPO forwards"``) carries text rows only."""
+    for model in models:
+        if is_multimodal(model):
+            raise PackingError(
+                f"{type(base_model(model)).__name__} is a multimodal model: packtools' padding-free {what} carry "
+                f"text rows only (no pixel_values, no 3-D positions); train it padded, with TRL's collator.",
+                param="model",
+            )
 
 
 def check_multimodal_model(model: Any, collator: Any) -> MropeSpec | None:

@@ -44,13 +44,12 @@ from ...compat.trl import check_step_methods, keep_signature_columns, set_traini
 from ...constants import SEQ_LENGTHS
 from ...errors import PackingError
 from ..attention.backends import (
-    base_model,
     check_attention_implementation,
-    multimodal_parts,
     segmented_sdpa_until_checked,
     sends_seq_idx,
 )
 from ..attention.mixers import run_mixers_per_document
+from ..multimodal.models import refuse_multimodal
 from ..parallel.distributed import check_loss_path, is_sharded, uneven_gather
 from ..parallel.layout import rank_layout
 from ..trainers.guard import guard_model, refuse_prompt_learning
@@ -139,12 +138,7 @@ def _check_trainer(trainer: Any) -> None:
             f"(its pooled logits would be the row's last token). Move the change into a callback, or train padded.",
             param="trainer",
         )
-    inner = base_model(trainer.model)
-    if multimodal_parts(trainer.model):
-        raise PackingError(
-            f"{type(inner).__name__} is a multimodal model: the padding-free reward forward carries text rows only.",
-            param="model",
-        )
+    refuse_multimodal([trainer.model], "reward forwards")
     refuse_prompt_learning(trainer.model)
     score_head(trainer.model)
 
