@@ -42,6 +42,24 @@ def padded_preference_call(args: tuple, kwargs: dict[str, Any], fused_lm_head: b
     return ids, mask, labels, rest
 
 
+def scatter_per_token(out: Any, tokens: int, target: Any, index: Any, refusal: str) -> None:
+    """Put the per-token outputs of a flat call on ``tokens`` tokens back into TRL's padded layout, in place:
+    each :data:`PER_TOKEN` field of ``out`` (``[1, tokens - 1]``) becomes ``target.shape``, the positions of
+    ``target`` read from ``index``, zero elsewhere (as TRL's are on padding).  A field of another length is
+    refused, ``refusal`` naming the models that make one."""
+    for name in PER_TOKEN:
+        value = getattr(out, name, None)
+        if value is None:
+            continue
+        if value.shape[-1] != tokens - 1:
+            raise PackingError(
+                f"the model's {name} has {value.shape[-1]} positions for {tokens} tokens; {refusal}"
+            )
+        full = value.new_zeros(target.shape)
+        full[target] = value[0, index]
+        out[name] = full
+
+
 def padding_free_layout(attention_mask: Any) -> tuple[Any, Any, Any]:
     """``(lengths, valid, cu_seq_lens)`` of a right-padded ``[B, T]`` mask; raises if it is not right-padded.
 

@@ -43,7 +43,7 @@ from ..trainers.guard import check_forward_inputs, guard_model, refuse_prompt_le
 from ..trainers.loader import check_train_loader
 from ..trainers.step import DPOStep, StepPlan, install_step, plan_of
 from ..trainers.transformers import run_mixers_per_document, run_probe
-from .calls import PER_TOKEN, padded_preference_call, padding_free_layout
+from .calls import padded_preference_call, padding_free_layout, scatter_per_token
 from .context_parallel import check_cp_dpo, prepare_dpo_context_parallel
 from .probe import check_padding_free_forward
 from .shared_prompt import check_tree_models, prepare_shared_prompt, shares_prompt, tree_columns
@@ -94,18 +94,8 @@ def _padding_free_forward(model: Any, inner: Any, trainer: Any = None) -> Any:
         # Flat output i scores token i + 1; padded (b, j) scores token j + 1 of sequence b.
         target = valid[:, 1:]
         index = (starts[:, None] + torch.arange(width - 1, device=ids.device)[None, :])[target]
-        for name in PER_TOKEN:
-            value = getattr(out, name, None)
-            if value is None:
-                continue
-            if value.shape[-1] != flat_ids.shape[0] - 1:
-                raise PackingError(
-                    f"the model's {name} has {value.shape[-1]} positions for {flat_ids.shape[0]} tokens; models "
-                    f"that add virtual tokens (prompt-learning PEFT) cannot run padding-free."
-                )
-            full = value.new_zeros((n_seq, width - 1))
-            full[target] = value[0, index]
-            out[name] = full
+        refusal = "models that add virtual tokens (prompt-learning PEFT) cannot run padding-free."
+        scatter_per_token(out, flat_ids.shape[0], target, index, refusal)
         return out
 
     return forward

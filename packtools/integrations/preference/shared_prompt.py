@@ -1,14 +1,10 @@
 """TRL's ``DPOTrainer`` with each pair's prompt forwarded once (``prepare_dpo_trainer(..., share_prompt=True)``).
 
-TRL's loss code receives its padded ``[2 * pairs, T]`` layout as always (the collator expands prompt-shared
-rows into it; integers only).  The model's fused-LM-head forward folds that batch into one prompt-shared row
-before the backbone runs: each pair's prompt (read from the labels: the tokens before the first completion
-label) is checked equal in its chosen and rejected sequences and laid out once, its last token heading each
-completion (:mod:`packtools.core.shared_pairs`).  The backbone runs on that row with the tree attention
-(:mod:`packtools.integrations.attention.tree`), and the per-token outputs are gathered back into the padded
-layout, each sequence's prompt positions read from the one shared copy.  Everything else (micro-batching,
-the mean over the pairs of a step, the guards) is :mod:`packtools.integrations.preference.dpo` unchanged, which imports
-this module (never the other way round).
+TRL's loss code receives its padded ``[2 * pairs, T]`` layout as always; the model's fused-LM-head forward
+folds that batch into one prompt-shared row (:func:`fold_pairs`), runs the backbone on it with the tree
+attention (:mod:`packtools.integrations.attention.tree`) and gathers the per-token outputs back into the padded
+layout.  Everything else is :mod:`packtools.integrations.preference.dpo`'s, which imports this module (never
+the other way round).  The layout: ``docs/preference.md`` (*The prompt once*).
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ from ..attention.backends import attention_implementation
 from ..attention.backends import base_model as _base_model
 from ..attention.segmented import SEGMENTED_SDPA
 from ..attention.tree import check_tree_model, use_tree_attention
-from .calls import PER_TOKEN, padded_preference_call, padding_free_layout
+from .calls import padded_preference_call, padding_free_layout, scatter_per_token
 
 _WRAPPED = "_packtools_shared_prompt"
 
@@ -123,20 +119,9 @@ def _shared_forward(inner: Any) -> Any:
             **kwargs,
         )
         folded["tree"].reads.take(None, "prepare_dpo_trainer(share_prompt=True)")  # it ran the tree
-        n_seq, width = ids.shape
-        target = folded["valid"][:, 1:]
-        for name in PER_TOKEN:
-            value = getattr(out, name, None)
-            if value is None:
-                continue
-            if value.shape[-1] != folded["input_ids"].shape[1] - 1:
-                raise PackingError(
-                    f"the model's {name} has {value.shape[-1]} positions for {folded['input_ids'].shape[1]} tokens; "
-                    f"models that add virtual tokens cannot share prompts."
-                )
-            full = value.new_zeros((n_seq, width - 1))
-            full[target] = value[0, folded["back"]]
-            out[name] = full
+        refusal = "models that add virtual tokens cannot share prompts."
+        tokens = folded["input_ids"].shape[1]
+        scatter_per_token(out, tokens, folded["valid"][:, 1:], folded["back"], refusal)
         return out
 
     return forward
