@@ -1,36 +1,18 @@
 """Packing and truncating Hugging Face ``datasets`` (extra ``packtools[datasets]``), imported only when used.
 
-:func:`pack_dataset` packs a ``Dataset`` / ``DatasetDict`` with one global plan (in memory, or block by block into
-an Arrow cache file) and an ``IterableDataset`` window by window (:func:`~packtools.integrations.data.datasets.truncate_dataset`
-cuts list columns).
-Views without copies are in :mod:`packtools.integrations.data.views`, preference pairs and groups in
+:func:`pack_dataset` packs a ``Dataset`` / ``DatasetDict`` with one global plan (in memory, or block by block
+into an Arrow cache file) and an ``IterableDataset`` window by window; processed vision-language samples are
+packed whole, their images with them (:func:`pack_vision_table`, ``docs/vision.md``).  :func:`truncate_dataset`
+cuts list columns to ``max_length`` values, with the drops reported (never silent).  Views without copies are
+in :mod:`packtools.integrations.data.views`, preference pairs and groups in
 :mod:`packtools.integrations.preference.data`; what they read of ``datasets``' internals is in
 :mod:`packtools.compat.datasets`.
-
-Truncating Hugging Face ``datasets`` (extra ``packtools[datasets]``): :func:`truncate_dataset` cuts list columns
-to ``max_length`` values, with the drops reported (never silent).
-
-``pack_dataset`` for processed vision-language rows: samples placed whole, their images with them.
-
-A processed sample has its token columns (``input_ids``, ``labels``, ``mm_token_type_ids``, masks), whose
-length already counts the image tokens the processor expanded, and per-sample image columns
-(``pixel_values``: one list of patches; ``image_grid_thw``: one ``(t, h, w)`` per image).  Only ``bfd``
-packs them: every sample goes whole into one row (a sample longer than ``max_length`` is refused, never
-truncated, since cutting it would cut an image or its placeholder tokens), and each packed row gets its
-samples' patches and grids concatenated in row order (:func:`~packtools.core.nested.gather_whole_samples`).
-``bfd_split`` and ``wrapped`` are refused by name: they cut samples.
-
-Memory: the packed rows are built in memory -- the token columns plus one copy of every pixel value
-(``pixel_values`` of ``n`` patches of ``C*tp*p*p`` values per image; e.g. 1,176 float32 values = 4.6 kB per
-patch for Qwen2-VL's 14-pixel patches), whatever ``keep_in_memory`` says.  Offline, out of core packing of
-images is not available yet.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,7 +29,7 @@ from ...core.nested import gather_whole_samples, plan_whole_samples
 from ...core.pack import pack_columns, read_columns, truncate_table
 from ...core.plan import PackPlan, Strategy, check_max_length, check_strategy
 from ...errors import PackingError
-from .drops import DropReport, TokensDroppedWarning, untrained_pieces, warn_dropped, warn_untrained
+from .drops import DropReport, untrained_pieces, warn_dropped, warn_untrained
 
 DEFAULT_WINDOW = 100_000
 
@@ -72,6 +54,21 @@ def derived_fingerprint(dataset: Any, operation: str, **params: Any) -> str:
         except (OSError, KeyError, TypeError):
             files.append([str(f), None, None])
     return cache_key(operation, 1, dataset=datasets_fingerprint(dataset), files=files, params=params)[:16]
+
+
+def each_split(dataset: Any, one: Any, warn: Any, return_report: bool) -> Any:
+    """``one(split) -> (out, report)`` on a ``Dataset`` or ``pyarrow.Table``, or on every split of a
+    ``DatasetDict`` (a ``DatasetDict`` out, a dict of reports); ``warn(report, split_name)`` for each (name
+    ``""`` for a single one).  Returns the output, with its report(s) when ``return_report``."""
+    if not isinstance(dataset, pa.Table) and isinstance(dataset, datasets_module().DatasetDict):
+        results = {name: one(split) for name, split in dataset.items()}
+        for name, (_, report) in results.items():
+            warn(report, name)
+        out = datasets_module().DatasetDict({name: r[0] for name, r in results.items()})
+        return (out, {name: r[1] for name, r in results.items()}) if return_report else out
+    out, report = one(dataset)
+    warn(report, "")
+    return (out, report) if return_report else out
 
 
 def restore_format(ds: Any, fmt: dict[str, Any], added: list[str]) -> Any:
@@ -250,8 +247,7 @@ def pack_dataset(
 
     An ``IterableDataset`` is packed lazily in windows of ``window`` rows, each with its own plan.  A window
     ends with one partly filled row, so a window of ``w`` rows of mean length ``m`` adds about
-    ``max_length / (2 * w * m)`` relative rows over a global plan: ~0.5% for TRL's 1000-row windows at
-    ``m / max_length = 0.1``, under 0.01% from 100k rows on.
+    ``max_length / (2 * w * m)`` relative rows over a global plan.
 
     A dataset that is already packed is refused, since packing it again would merge the sequences of its
     rows: packtools tells from a ``seq_lengths`` column, a ``cu_seq_lens*`` / ``cu_seqlens`` / ``seq_idx``
@@ -265,7 +261,7 @@ def pack_dataset(
     dict of them for a ``DatasetDict``; not for an ``IterableDataset``, packed lazily).
 
     Processed vision-language samples (``pixel_values`` and ``image_grid_thw`` columns beside ``input_ids``)
-    are packed by :mod:`packtools.integrations.data.datasets`: ``bfd`` only, every sample whole (one longer than
+    are packed ``bfd`` only, every sample whole (one longer than
     ``max_length`` is refused, never truncated), its patches and grids concatenated in row order, in memory;
     ``bfd_split`` / ``wrapped`` and ``IterableDataset`` inputs are refused.  ``processor=DIR`` (a local
     folder of the model's processor) first processes rows in TRL's vision format (``messages`` with image
@@ -311,18 +307,13 @@ def pack_dataset(
             dataset = ds_mod.DatasetDict({k: process_vision_dataset(v, vp) for k, v in dataset.items()})
         else:
             dataset = process_vision_dataset(dataset, vp)
-    if isinstance(dataset, ds_mod.DatasetDict):
-        results = {
-            name: pack_split(split, max_length, strategy, columns, **how) for name, split in dataset.items()
-        }
-        for name, (_, report) in results.items():
-            warn_dropped(report, "pack_dataset", name)
-        out = ds_mod.DatasetDict({name: r[0] for name, r in results.items()})
-        return (out, {name: r[1] for name, r in results.items()}) if return_report else out
-    if isinstance(dataset, ds_mod.Dataset):
-        out, report = pack_split(dataset, max_length, strategy, columns, **how)
-        warn_dropped(report, "pack_dataset")
-        return (out, report) if return_report else out
+    if isinstance(dataset, (ds_mod.Dataset, ds_mod.DatasetDict)):
+        return each_split(
+            dataset,
+            lambda split: pack_split(split, max_length, strategy, columns, **how),
+            lambda report, name: warn_dropped(report, "pack_dataset", name, stacklevel=4),
+            return_report,
+        )
     if isinstance(dataset, ds_mod.IterableDataset):
         if has_images(dataset):
             raise PackingError(
@@ -376,30 +367,27 @@ def truncate_dataset(
         return (out, report) if return_report else out
     ds_mod = datasets_module()
     max_length = check_max_length(max_length)
-    if isinstance(dataset, ds_mod.DatasetDict):
-        results = {}
-        for k, v in dataset.items():
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", TokensDroppedWarning)
-                results[k] = truncate_dataset(v, max_length, columns, return_report=True)
-            warn_dropped(results[k][1], "truncate_dataset", k)
-        out = ds_mod.DatasetDict({k: r[0] for k, r in results.items()})
-        return (out, {k: r[1] for k, r in results.items()}) if return_report else out
-    if not isinstance(dataset, ds_mod.Dataset):
+    if not isinstance(dataset, (ds_mod.Dataset, ds_mod.DatasetDict)):
         raise PackingError(
             f"dataset must be a datasets.Dataset or DatasetDict, got {type(dataset).__name__}."
         )
-    table, indices = dataset_table(dataset)
-    if indices is not None:
-        table = table.take(pa.array(indices))
-    fingerprint = derived_fingerprint(dataset, "truncate", max_length=max_length, columns=columns)
-    out = ds_mod.Dataset(
-        truncate_table(table, max_length, columns), split=dataset.split, fingerprint=fingerprint
+
+    def one(split: Any) -> tuple[Any, DropReport]:
+        table, indices = dataset_table(split)
+        if indices is not None:
+            table = table.take(pa.array(indices))
+        fingerprint = derived_fingerprint(split, "truncate", max_length=max_length, columns=columns)
+        out = ds_mod.Dataset(
+            truncate_table(table, max_length, columns), split=split.split, fingerprint=fingerprint
+        )
+        return restore_format(out, dict(split.format), []), _truncate_report(table, max_length, columns)
+
+    return each_split(
+        dataset,
+        one,
+        lambda report, name: warn_dropped(report, "truncate_dataset", name, stacklevel=4),
+        return_report,
     )
-    report = _truncate_report(table, max_length, columns)
-    warn_dropped(report, "truncate_dataset")
-    out = restore_format(out, dict(dataset.format), [])
-    return (out, report) if return_report else out
 
 
 def _truncate_report(table: pa.Table, max_length: int, columns: Sequence[str] | None) -> DropReport:
