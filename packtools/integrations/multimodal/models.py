@@ -1,16 +1,6 @@
-"""Vision-language models in ``prepare_trainer``: which ones packtools trains packed, and the probe through
-the vision tower.
-
-* :func:`check_multimodal_model`: a model with a vision (or audio) tower is refused by name unless its
-  ``model_type`` is in :data:`~packtools.batches.mrope.VERIFIED_MODEL_TYPES` (the one list), and a verified
-  one must be fed by :class:`~packtools.batches.vision.MultimodalCollator`: a text collator gives 2-D
-  positions, which turn image tokens into text positions (and, in Qwen2-VL / Qwen2.5-VL, let documents
-  attend to each other).
-* :func:`check_vision_isolation`: a few samples with images of different sizes and text-only ones, packed by
-  the trainer's collator, run through the whole model (vision tower included) and compared with each
-  sample run alone through the model's own path (``input_ids``, ``pixel_values``, ``image_grid_thw``,
-  ``mm_token_type_ids``; the model computes its positions itself); then the first sample's pixels and
-  tokens change and the others' logits must not move.
+"""Vision-language models in ``prepare_trainer``: which ones packtools trains packed
+(:func:`check_multimodal_model`; in the preference and RL paths none, :func:`refuse_multimodal`), and the probe
+through the vision tower (:func:`check_vision_isolation`).
 """
 
 from __future__ import annotations

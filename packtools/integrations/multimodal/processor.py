@@ -1,18 +1,11 @@
 """TRL's vision format through a local processor folder: ``messages`` with image parts + an ``images`` column.
 
 :func:`load_vision_processor` opens a folder written by the model's own processor (``save_pretrained``); it never
-downloads.  When transformers can build the folder's ``AutoProcessor``, that processor does all the work.
-transformers 5.25 cannot build the Qwen2-VL / Qwen2.5-VL / Qwen3-VL processors without torchvision (their video
-processor's base class is missing), while their PIL image processor works without it: packtools then loads the
-folder's image processor (``AutoImageProcessor``, PIL backend) and tokenizer, renders the folder's chat
-template, and does the processor's one remaining step itself -- each image placeholder becomes
-``t*h*w / merge²`` image tokens (the rule of ``Qwen2VLProcessor.replace_image_token``).
-
-:func:`process_vision_sample` gives what the processor gives for one sample: ``input_ids``, ``pixel_values``,
-``image_grid_thw``, ``mm_token_type_ids`` (NumPy), and ``assistant_masks``: 1 on the assistant turns, found as
-text chat's labels are (:func:`assistant_mask`), so :class:`~packtools.batches.vision.MultimodalCollator` learns
-the assistant turns only by default (``assistant_only_loss=False``: every text token); image tokens are never
-learned.  Images are opened by :mod:`packtools.integrations.multimodal.images` (as ``load_image`` opens a path).
+downloads.  When transformers can build the folder's ``AutoProcessor``, that processor does all the work;
+without torchvision (transformers 5.25 cannot build the Qwen-VL processors then) packtools uses the folder's
+image processor, tokenizer and chat template, and expands each image placeholder to ``t*h*w / merge²`` image
+tokens itself (the rule of ``Qwen2VLProcessor.replace_image_token``).  :func:`process_vision_sample` gives what
+the processor gives for one sample, with ``assistant_masks`` (:func:`assistant_mask`).
 """
 
 from __future__ import annotations
