@@ -18,25 +18,11 @@ from ..attention.isolation import PERTURB_TOLERANCE, TOLERANCE, IsolationReport,
 from ..trainers.collator_check import _checking
 
 
-def is_multimodal(model: Any) -> bool:
-    """Whether the (unwrapped) model is multimodal: a vision or audio tower in its config, or ``pixel_values``
-    in its ``forward`` (:func:`packtools.integrations.attention.backends.multimodal_parts`).
-
-    >>> class Config:
-    ...     vision_config = {"depth": 2}
-    >>> class Model:
-    ...     config = Config()
-    >>> is_multimodal(Model()), check_multimodal_model(object(), None) is None
-    (True, True)
-    """
-    return bool(multimodal_parts(model))
-
-
 def refuse_multimodal(models: Sequence[Any], what: str) -> None:
     """Refuse, by name, a multimodal model in a padding-free preference or RL path (verified vision-language
     models train packed in SFT only): ``what`` (e.g. ``"DPO forwards"``) carries text rows only."""
     for model in models:
-        if is_multimodal(model):
+        if multimodal_parts(model):  # a vision or audio tower, or pixel_values in its forward
             raise PackingError(
                 f"{type(base_model(model)).__name__} is a multimodal model: packtools' padding-free {what} carry "
                 f"text rows only (no pixel_values, no 3-D positions); train it padded, with TRL's collator.",
@@ -46,8 +32,12 @@ def refuse_multimodal(models: Sequence[Any], what: str) -> None:
 
 def check_multimodal_model(model: Any, collator: Any) -> MropeSpec | None:
     """``None`` for a text model; the positions spec of a verified multimodal model fed by a
-    ``MultimodalCollator``; :class:`PackingError` otherwise (naming the model type and the fix)."""
-    if not is_multimodal(model):
+    ``MultimodalCollator``; :class:`PackingError` otherwise (naming the model type and the fix).
+
+    >>> check_multimodal_model(object(), None) is None
+    True
+    """
+    if not multimodal_parts(model):
         return None
     from ...batches.vision import MultimodalCollator
 

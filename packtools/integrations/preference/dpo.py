@@ -26,6 +26,7 @@ from ...compat.trl import (
     wrap_fused_forward,
 )
 from ...constants import SEQ_LENGTHS
+from ...core.shared_pairs import PROMPT_LENGTHS
 from ...errors import PackingError
 from ..attention.backends import (
     attention_implementation,
@@ -35,6 +36,7 @@ from ..attention.backends import (
     token_mixing_layers,
 )
 from ..attention.backends import base_model as _base_model
+from ..attention.tree import check_tree_model
 from ..multimodal.models import refuse_multimodal
 from ..parallel.distributed import check_loss_path
 from ..parallel.layout import rank_layout
@@ -46,7 +48,7 @@ from ..trainers.transformers import run_mixers_per_document, run_probe
 from .calls import padded_preference_call, padding_free_layout, scatter_per_token
 from .context_parallel import check_cp_dpo, prepare_dpo_context_parallel
 from .probe import check_padding_free_forward
-from .shared_prompt import check_tree_models, prepare_shared_prompt, shares_prompt, tree_columns
+from .shared_prompt import prepare_shared_prompt, shares_prompt
 
 _WRAPPED = "_packtools_padding_free"
 PAIR_ROW_COLUMNS = ("input_ids", "completion_mask", SEQ_LENGTHS)
@@ -167,7 +169,8 @@ def _use_packed_dataset(trainer: Any, dataset: Any, shared: bool) -> None:
 
     set_training_data(trainer, dataset, collate)
     if trainer.args.remove_unused_columns:  # the columns the collator needs survive Trainer's column removal
-        keep_signature_columns(trainer, [*PAIR_ROW_COLUMNS, *pair_columns, *tree_columns(shared)])
+        tree = [PROMPT_LENGTHS] if shared else []  # the prompt lengths of prompt-shared rows
+        keep_signature_columns(trainer, [*PAIR_ROW_COLUMNS, *pair_columns, *tree])
 
 
 def prepare_dpo_trainer(
@@ -193,19 +196,15 @@ def prepare_dpo_trainer(
         packed = pack_preference(trainer.train_dataset, max_length=4096)
         prepare_dpo_trainer(trainer, train_dataset=packed).train()
 
-    The loss of an optimizer step is the mean over all pairs of the step, over all processes (see the module
-    docstring).  ``max_tokens=N`` batches whole pairs (or whole packed pair rows) by a token budget per process,
-    balanced across processes by attention cost; with several processes and no ``max_tokens`` each process
-    gets ``per_device_train_batch_size`` rows per micro-batch, the same number of micro-batches everywhere, and
-    no row is repeated (:mod:`packtools.integrations.trainers.loader`).
+    The loss of an optimizer step is the mean over all pairs of the step, over all processes.  ``max_tokens=N``
+    batches whole pairs (or whole packed pair rows) by a token budget per process, balanced across processes
+    by attention cost; with several processes and no ``max_tokens`` each process gets
+    ``per_device_train_batch_size`` rows per micro-batch, the same number of micro-batches everywhere, and no
+    row is repeated (:mod:`packtools.integrations.trainers.loader`).
     With ``check_isolation=True`` (the default) the policy and the reference model first go through
     :func:`packtools.integrations.check_isolation` (tiny inputs, no gradients): a model whose packed sequences leak is
-    refused before training; ``check_isolation=False`` skips it.
-
-    With ``segmented_sdpa=True`` (the default) ``sdpa`` models are switched to packtools' per-sequence
-    ``sdpa`` (:func:`~packtools.integrations.attention.backends.use_segmented_sdpa`): the flat row's attention then
-    costs ``sum(L_i²)`` like FlashAttention varlen, not ``(sum L_i)²`` under a block-diagonal mask, with the
-    same result.  FlashAttention and ``eager`` models are left as they are.
+    refused before training; ``check_isolation=False`` skips it.  ``segmented_sdpa``: as in
+    :func:`packtools.prepare_trainer`.
 
     With ``share_prompt=True`` (the default when ``train_dataset`` comes from ``pack_preference(...,
     share_prompt=True)``) each pair's prompt runs through the model once, on packtools' tree attention
@@ -229,7 +228,8 @@ def prepare_dpo_trainer(
         if layout.cp_size > 1:
             check_cp_dpo(trainer, layout, shared)
         if shared:  # the tree's own refusal, by name, before any generic probe runs
-            check_tree_models(models)
+            for model in models:
+                check_tree_model(model)
         for model in models:
             check_attention_implementation(model)
             if not shared:  # token-mixing layers per document (integrations.attention.mixers)

@@ -139,12 +139,6 @@ def install_shared_prompt_forward(model: Any, *, owner: Any = None) -> None:
     set_attr(base, _WRAPPED, True, owner=owner)
 
 
-def check_tree_models(models: list[Any]) -> None:
-    """:func:`~packtools.integrations.attention.tree.check_tree_model` on every model (policy, reference)."""
-    for model in models:
-        check_tree_model(model)
-
-
 def prepare_shared_prompt(trainer: Any, models: list[Any], check_isolation: bool = True) -> None:
     """Put ``models`` on the tree attention and fold their batches; all or none.
 
@@ -152,7 +146,8 @@ def prepare_shared_prompt(trainer: Any, models: list[Any], check_isolation: bool
     name if the tree cannot serve it), then switched and probed; if one fails, all go back to ``sdpa`` (or
     their own backend) and nothing is wrapped.
     """
-    check_tree_models(models)
+    for model in models:
+        check_tree_model(model)
     switched = []
     try:
         for model in models:
@@ -164,13 +159,3 @@ def prepare_shared_prompt(trainer: Any, models: list[Any], check_isolation: bool
         raise
     for model in models:
         install_shared_prompt_forward(model, owner=trainer)
-
-
-def tree_columns(shared: bool) -> list[str]:
-    """The columns of prompt-shared rows the collator needs besides a pair row's (kept through
-    ``remove_unused_columns``).
-
-    >>> tree_columns(True), tree_columns(False)
-    (['prompt_lengths'], [])
-    """
-    return [PROMPT_LENGTHS] if shared else []
