@@ -66,7 +66,6 @@ def load_vision_processor(path: str | os.PathLike[str]) -> VisionProcessor:
             f"(AutoProcessor.from_pretrained(name).save_pretrained(DIR)); packtools never downloads one.",
             param="processor",
         )
-    processor = None
     try:
         processor = transformers.AutoProcessor.from_pretrained(path, local_files_only=True)
     except (ImportError, ValueError, TypeError, AttributeError, OSError):
@@ -211,12 +210,9 @@ def assistant_mask(
         for upto, prompt in ((i, True), (i + 1, False)):
             text = _render(vp, messages[:upto], prompt, row=row) if upto else ""
             n_img = text.count(vp.image_token)
-            got = (
-                np.asarray(vp.tokenizer(_expand(vp, text, grid[:n_img]))["input_ids"], np.int64)
-                if text
-                else []
+            got = np.asarray(
+                vp.tokenizer(_expand(vp, text, grid[:n_img]))["input_ids"] if text else [], np.int64
             )
-            got = np.asarray(got, np.int64)
             if got.shape[0] > ids.shape[0] or not np.array_equal(ids[: got.shape[0]], got):
                 raise PackingError(
                     f"{where_of(row)}: the chat template's rendering of the first {upto} message(s) is not the start "
@@ -290,11 +286,8 @@ def vision_lengths(
     messages: str = "messages",
     images: str = "images",
 ) -> np.ndarray:
-    """Token counts of rows in TRL's vision format as the model sees them (image tokens counted), without
-    processing a pixel: each image's tokens come from its size (read from the file header) through the image
-    processor's resize rule (``get_number_of_image_patches / merge²``).  Feed them to
-    :func:`packtools.profile_lengths` to choose ``max_length``.
-    """
+    """Token counts of rows in TRL's vision format as the model sees them (:func:`sample_length` of each row,
+    no pixel processed); feed them to :func:`packtools.profile_lengths` to choose ``max_length``."""
     vp = processor if isinstance(processor, VisionProcessor) else load_vision_processor(processor)
     lengths = [
         sample_length(vp, example[messages], example.get(images), i) for i, example in enumerate(dataset)

@@ -73,9 +73,7 @@ def fold_pairs(ids: Any, mask: Any, labels: Any) -> dict[str, Any]:
     seg, is_branch = tree_segments(p, np.full(pairs, 2), comp)
     layout = TreeLayout.build(seg, is_branch, np.full(pairs, 2))
     index, seq_len = unshared_index(seg, is_branch)  # branch m = pair m // 2, chosen if m is even
-    row = np.arange(2 * pairs).reshape(pairs, 2)
-    row = (row // 2) + (row % 2) * pairs  # padded row of each branch
-    row = row.reshape(-1)
+    row = np.arange(2 * pairs).reshape(2, pairs).T.reshape(-1)  # padded row of each branch: m, pairs + m, ...
     cu = np.zeros(seq_len.shape[0] + 1, np.int64)
     np.cumsum(seq_len, out=cu[1:])
     which = np.repeat(np.arange(seq_len.shape[0]), seq_len)
