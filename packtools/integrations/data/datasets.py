@@ -307,13 +307,20 @@ def pack_dataset(
             dataset = ds_mod.DatasetDict({k: process_vision_dataset(v, vp) for k, v in dataset.items()})
         else:
             dataset = process_vision_dataset(dataset, vp)
-    if isinstance(dataset, (ds_mod.Dataset, ds_mod.DatasetDict)):
-        return each_split(
-            dataset,
-            lambda split: pack_split(split, max_length, strategy, columns, **how),
-            lambda report, name: warn_dropped(report, "pack_dataset", name, stacklevel=4),
-            return_report,
-        )
+    if isinstance(dataset, ds_mod.DatasetDict):
+        results = {
+            name: pack_split(split, max_length, strategy, columns, **how) for name, split in dataset.items()
+        }
+        for name, (_, report) in results.items():
+            warn_dropped(report, "pack_dataset", name)
+        out = ds_mod.DatasetDict({name: r[0] for name, r in results.items()})
+        return (out, {name: r[1] for name, r in results.items()}) if return_report else out
+    if isinstance(
+        dataset, ds_mod.Dataset
+    ):  # not through each_split: pack_split's warning counts these frames
+        out, report = pack_split(dataset, max_length, strategy, columns, **how)
+        warn_dropped(report, "pack_dataset")
+        return (out, report) if return_report else out
     if isinstance(dataset, ds_mod.IterableDataset):
         if has_images(dataset):
             raise PackingError(
