@@ -125,18 +125,6 @@ def _shared_forward(inner: Any) -> Any:
     return forward
 
 
-def install_shared_prompt_forward(model: Any, *, owner: Any = None) -> None:
-    """Wrap the fused-LM-head forward TRL put on ``model`` (once) so each pair's prompt runs once.
-
-    Recorded on ``owner`` (the trainer under ``prepare_dpo_trainer``; by default the base model)."""
-    base = _base_model(model)
-    if vars(base).get(_WRAPPED):
-        return
-    owner = base if owner is None else owner
-    wrap_fused_forward(base, _shared_forward, owner=owner)
-    set_attr(base, _WRAPPED, True, owner=owner)
-
-
 def prepare_shared_prompt(trainer: Any, models: list[Any], check_isolation: bool = True) -> None:
     """Put ``models`` on the tree attention and fold their batches; all or none.
 
@@ -155,5 +143,8 @@ def prepare_shared_prompt(trainer: Any, models: list[Any], check_isolation: bool
         for model, before in switched:
             _base_model(model).set_attn_implementation("sdpa" if before == SEGMENTED_SDPA else before)
         raise
-    for model in models:
-        install_shared_prompt_forward(model, owner=trainer)
+    for model in models:  # the fused-LM-head forward TRL put on each model folds its pair batches (once)
+        base = _base_model(model)
+        if not vars(base).get(_WRAPPED):
+            wrap_fused_forward(base, _shared_forward, owner=trainer)
+            set_attr(base, _WRAPPED, True, owner=trainer)
