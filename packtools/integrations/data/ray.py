@@ -11,15 +11,9 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
-import pyarrow as pa
-
 from ..._optional import require
 from ...core.pack import pack_table
 from ...core.plan import Strategy, check_max_length, check_strategy
-
-
-def _pack_block(batch: pa.Table, max_length: int, strategy: str, columns: list[str] | None) -> pa.Table:
-    return pack_table(batch, max_length, strategy, columns)
 
 
 def pack_ray_dataset(
@@ -44,7 +38,7 @@ def pack_ray_dataset(
     if "udf_modifying_row_count" in inspect.signature(ds.map_batches).parameters:
         kwargs["udf_modifying_row_count"] = True
     return ds.map_batches(
-        _pack_block,
+        pack_table,  # each block: pack_table(block, **fn_kwargs)
         batch_format="pyarrow",
         batch_size=None,
         fn_kwargs={
