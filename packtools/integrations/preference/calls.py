@@ -1,9 +1,7 @@
-"""Which forward calls of TRL's ``DPOTrainer`` packtools rewrites, and the layout both padding-free forwards read.
-
-TRL's DPO loss calls the policy (and the reference) with a padded ``[2B, T]`` preference batch and
-``fused_lm_head=True``.  Both packtools forwards (one padding-free row, :mod:`packtools.integrations.preference.dpo`, and
-the prompt-shared tree, :mod:`packtools.integrations.preference.shared_prompt`) take exactly those calls and pass every
-other call (generation, evaluation helpers, a call with embeddings) to the model unchanged.
+"""What both packtools forwards of TRL's ``DPOTrainer`` share (one padding-free row,
+:mod:`packtools.integrations.preference.dpo`; the prompt-shared tree, :mod:`packtools.integrations.preference.shared_prompt`):
+which calls they rewrite (TRL's padded ``[2B, T]`` preference batch with ``fused_lm_head=True``; every other
+call, e.g. generation, passes unchanged), the layout they read and the per-token outputs put back.
 """
 
 from __future__ import annotations

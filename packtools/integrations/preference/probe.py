@@ -16,11 +16,9 @@ from ..attention.backends import attention_implementation
 from ..attention.backends import base_model as _base_model
 from ..attention.isolation import TOLERANCE
 
-DEFAULT_LENGTHS = (5, 9, 3, 7)
-
 
 def check_padding_free_forward(
-    model: Any, lengths: Sequence[int] = DEFAULT_LENGTHS, seed: int = 0, atol: float | None = None
+    model: Any, lengths: Sequence[int] = (5, 9, 3, 7), seed: int = 0, atol: float | None = None
 ) -> float:
     """Largest log-prob difference between the sequences run together and alone; raises on a leak.
 
