@@ -249,11 +249,8 @@ def pack_dataset(
     ends with one partly filled row, so a window of ``w`` rows of mean length ``m`` adds about
     ``max_length / (2 * w * m)`` relative rows over a global plan.
 
-    A dataset that is already packed is refused, since packing it again would merge the sequences of its
-    rows: packtools tells from a ``seq_lengths`` column, a ``cu_seq_lens*`` / ``cu_seqlens`` / ``seq_idx``
-    column, or ``position_ids`` that restart inside a row (:func:`packtools.core.pack.check_not_packed`).  It
-    cannot tell rows that were concatenated with none of these left (e.g. ``seq_lengths`` removed from
-    packtools output that had no ``position_ids``): keep ``seq_lengths`` with packed data.
+    A dataset that is already packed is refused (:func:`packtools.core.pack.check_not_packed` says what it can
+    tell): keep ``seq_lengths`` with packed data.
 
     Tokens dropped (``bfd`` cuts sequences longer than ``max_length``) raise a
     :class:`~packtools.integrations.data.drops.TokensDroppedWarning` with their share and the ``bfd_split`` hint;
