@@ -312,9 +312,8 @@ def pack_dataset(
             warn_dropped(report, "pack_dataset", name)
         out = ds_mod.DatasetDict({name: r[0] for name, r in results.items()})
         return (out, {name: r[1] for name, r in results.items()}) if return_report else out
-    if isinstance(
-        dataset, ds_mod.Dataset
-    ):  # not through each_split: pack_split's warning counts these frames
+    # pack_split is called here, not through each_split: its untrained-pieces warning counts these frames
+    if isinstance(dataset, ds_mod.Dataset):
         out, report = pack_split(dataset, max_length, strategy, columns, **how)
         warn_dropped(report, "pack_dataset")
         return (out, report) if return_report else out
