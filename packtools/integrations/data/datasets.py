@@ -419,8 +419,8 @@ def has_images(dataset_or_table: Any) -> bool:
 
 def _check_patches(table: pa.Table) -> None:
     """Every sample's ``pixel_values`` hold exactly the patches its ``image_grid_thw`` announces."""
-    if not all(c in table.column_names for c in IMAGE_COLUMNS):
-        missing = [c for c in IMAGE_COLUMNS if c not in table.column_names]
+    missing = [c for c in IMAGE_COLUMNS if c not in table.column_names]
+    if missing:
         raise PackingError(
             f"the rows have image columns but not {missing}: keep both 'pixel_values' and 'image_grid_thw' "
             f"(the processor's output) so every image travels with its sample.",

@@ -77,9 +77,8 @@ def image_list(images: Any, row: int | str) -> list[Any]:
     if images is None:
         return []
     if isinstance(images, (str, bytes, bytearray, dict)) or not isinstance(images, (list, tuple)):
-        where = where_of(row)
         raise PackingError(
-            f"{where}: 'images' must be a list (one entry per image part, in order), got "
+            f"{where_of(row)}: 'images' must be a list (one entry per image part, in order), got "
             f"{type(images).__name__} {str(images)[:60]!r}; write [{str(images)[:40]!r}].",
             param="images",
         )
