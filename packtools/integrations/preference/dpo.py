@@ -48,7 +48,7 @@ from ..trainers.transformers import run_mixers_per_document, run_probe
 from .calls import padded_preference_call, padding_free_layout, scatter_per_token
 from .context_parallel import check_cp_dpo, prepare_dpo_context_parallel
 from .probe import check_padding_free_forward
-from .shared_prompt import prepare_shared_prompt, shares_prompt
+from .shared_prompt import prepare_shared_prompt
 
 _WRAPPED = "_packtools_padding_free"
 PAIR_ROW_COLUMNS = ("input_ids", "completion_mask", SEQ_LENGTHS)
@@ -223,7 +223,9 @@ def prepare_dpo_trainer(
     with all_or_nothing(trainer):  # a refused trainer is left as TRL built it
         models = [m for m in (trainer.model, trainer.ref_model) if m is not None]
         refuse_multimodal(models, "DPO forwards")
-        shared = shares_prompt(train_dataset) if share_prompt is None else share_prompt
+        shared = share_prompt
+        if shared is None:  # rows of pack_preference(..., share_prompt=True) carry prompt lengths
+            shared = PROMPT_LENGTHS in list(getattr(train_dataset, "column_names", None) or [])
         layout = rank_layout(trainer, context_parallel)  # refuses what it cannot account for, by name
         if layout.cp_size > 1:
             check_cp_dpo(trainer, layout, shared)

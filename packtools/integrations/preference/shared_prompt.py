@@ -17,7 +17,6 @@ from ..._optional import require
 from ...batches.tree import TREE_KEY, TreeLayout, tree_segments, unshared_index
 from ...compat import set_attr
 from ...compat.trl import wrap_fused_forward
-from ...core.shared_pairs import PROMPT_LENGTHS
 from ...errors import PackingError
 from ..attention.backends import attention_implementation
 from ..attention.backends import base_model as _base_model
@@ -26,18 +25,6 @@ from ..attention.tree import check_tree_model, use_tree_attention
 from .calls import padded_preference_call, padding_free_layout, scatter_per_token
 
 _WRAPPED = "_packtools_shared_prompt"
-
-
-def shares_prompt(dataset: Any) -> bool:
-    """Whether ``dataset`` holds prompt-shared rows (a ``prompt_lengths`` column).
-
-    >>> import pyarrow as pa
-    >>> from packtools.dpo import pack_preference
-    >>> t = pa.table({"prompt_ids": [[1, 2]], "chosen_ids": [[3]], "rejected_ids": [[4]]})
-    >>> shares_prompt(pack_preference(t, 8, share_prompt=True)), shares_prompt(pack_preference(t, 8))
-    (True, False)
-    """
-    return PROMPT_LENGTHS in list(getattr(dataset, "column_names", None) or [])
 
 
 def fold_pairs(ids: Any, mask: Any, labels: Any) -> dict[str, Any]:
