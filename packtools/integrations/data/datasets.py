@@ -23,7 +23,7 @@ from ..._optional import require
 from ...compat.datasets import dataset_table, format_type, memory_mapped_table, temporary_cache_directory
 from ...compat.datasets import fingerprint as datasets_fingerprint
 from ...constants import SEQ_LENGTHS
-from ...core.arrow import check_row_counts, is_list_type
+from ...core.arrow import check_row_counts, column_lengths, is_list_type
 from ...core.cp_budget import check_context_parallel, plan_for_cp
 from ...core.nested import gather_whole_samples, plan_whole_samples
 from ...core.pack import pack_columns, read_columns, truncate_table
@@ -394,8 +394,6 @@ def truncate_dataset(
 
 
 def _truncate_report(table: pa.Table, max_length: int, columns: Sequence[str] | None) -> DropReport:
-    from ...core.arrow import column_lengths, is_list_type
-
     names = [f.name for f in table.schema if is_list_type(f.type)] if columns is None else list(columns)
     name = "input_ids" if "input_ids" in names else (names[0] if names else None)
     lengths = column_lengths(table.column(name)) if name else np.zeros(0, np.int64)

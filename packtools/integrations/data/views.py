@@ -21,9 +21,8 @@ from .drops import DropReport, warn_dropped
 class DatasetView(PackedView):
     """A :class:`~packtools.batches.view.PackedView` over a ``datasets.Dataset`` (made by :func:`packed_view`).
 
-    It keeps the dataset, so :meth:`materialize` returns what :func:`packtools.pack_dataset` returns for the same
-    arguments, and pickling sends the dataset (for a memory-mapped one: its file paths and row mapping).
-    """
+    It keeps the dataset for :meth:`materialize` and pickling (a memory-mapped one pickles as its file paths and
+    row mapping)."""
 
     dataset: Any
     _args: dict[str, Any]

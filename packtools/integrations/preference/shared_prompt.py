@@ -72,7 +72,6 @@ def fold_pairs(ids: Any, mask: Any, labels: Any) -> dict[str, Any]:
     flat_ids = ids.reshape(-1)[src]
     flat_labels = labels.reshape(-1)[src].clone()
     flat_labels[torch.from_numpy(seg[:, 0]).to(device)] = -100
-    # Padded (b, j) -> flat position of token j of sequence b, for j < len_b - 1, row-major over b.
     order = np.arange(2 * pairs).reshape(pairs, 2).T.reshape(-1)  # branch of each padded row: row's inverse
     parts = [index[cu[m] : cu[m + 1] - 1] for m in order]
     back = np.concatenate(parts) if parts else np.zeros(0, np.int64)
