@@ -363,24 +363,22 @@ def truncate_dataset(
     >>> truncate_dataset(Dataset.from_dict({"input_ids": [[1, 2, 3], [4]]}), 2)[:]
     {'input_ids': [[1, 2], [4]]}
     """
-    if isinstance(dataset, pa.Table):
-        out = truncate_table(dataset, max_length, columns)
-        report = _truncate_report(dataset, max_length, columns)
-        warn_dropped(report, "truncate_dataset")
-        return (out, report) if return_report else out
-    ds_mod = datasets_module()
-    max_length = check_max_length(max_length)
-    if not isinstance(dataset, (ds_mod.Dataset, ds_mod.DatasetDict)):
-        raise PackingError(
-            f"dataset must be a datasets.Dataset or DatasetDict, got {type(dataset).__name__}."
-        )
+    if not isinstance(dataset, pa.Table):
+        ds_mod = datasets_module()
+        max_length = check_max_length(max_length)
+        if not isinstance(dataset, (ds_mod.Dataset, ds_mod.DatasetDict)):
+            raise PackingError(
+                f"dataset must be a datasets.Dataset or DatasetDict, got {type(dataset).__name__}."
+            )
 
     def one(split: Any) -> tuple[Any, DropReport]:
+        if isinstance(split, pa.Table):
+            return truncate_table(split, max_length, columns), _truncate_report(split, max_length, columns)
         table, indices = dataset_table(split)
         if indices is not None:
             table = table.take(pa.array(indices))
         fingerprint = derived_fingerprint(split, "truncate", max_length=max_length, columns=columns)
-        out = ds_mod.Dataset(
+        out = datasets_module().Dataset(
             truncate_table(table, max_length, columns), split=split.split, fingerprint=fingerprint
         )
         return restore_format(out, dict(split.format), []), _truncate_report(table, max_length, columns)

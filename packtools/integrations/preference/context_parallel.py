@@ -15,6 +15,7 @@ from typing import Any
 
 from ..._optional import require
 from ...batches.context_parallel import CP_KEY, shard_row
+from ...compat.trl import tokenizer_of
 from ...constants import VARLEN_KEYS
 from ...errors import PackingError
 from ..attention.context_parallel import use_cp_attention
@@ -138,8 +139,6 @@ def prepare_dpo_context_parallel(
     """Create the layout's CP group and switch ``models`` (the policy, and the reference model if any) to
     ``packtools_cp`` attention, recorded on ``trainer``; returns the layout holding its group and the
     :class:`CPForward` the step plan hands to the padding-free forward."""
-    from ...compat.trl import tokenizer_of
-
     layout = layout.with_cp_group()
     for model in models:
         use_cp_attention(model, owner=trainer)
