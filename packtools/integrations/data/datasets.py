@@ -193,12 +193,11 @@ def pack_split(
         out = _packed(dataset, packed, fingerprint, record)
         return restore_format(out, dict(dataset.format), [SEQ_LENGTHS]), DropReport.from_plan(p)
     cols, lengths = read_columns(table, columns)
-    if plan is not None:
-        p = plan
-    else:
-        if indices is not None:
-            lengths = lengths[indices]
-        p = plan_for_cp(lengths, max_length, strategy, context_parallel)
+    p = plan
+    if p is None:
+        p = plan_for_cp(
+            lengths if indices is None else lengths[indices], max_length, strategy, context_parallel
+        )
         if shuffle:
             p = p.shuffled(seed)
     if keep_in_memory is None:
