@@ -1,9 +1,8 @@
 """Preference pairs (DPO) without padding: the names a DPO run uses, in one place.
 
-``pack_preference`` packs whole pairs into rows, ``PreferenceCollator`` lays packed pairs out as one
-padding-free row (or TRL's padded layout), ``sequence_logps`` sums the log-probabilities of each sequence of a
-packed batch, and ``prepare_dpo_trainer`` (also at the front door) runs TRL's ``DPOTrainer`` padding-free.  They
-live in ``packtools.integrations`` and ``packtools.batches``; each is imported on first use.
+``pack_preference``, ``PreferenceCollator``, ``sequence_logps``, ``prepare_dpo_trainer`` (also at the front
+door) and the prompt-once names ``pack_groups``, ``TreeCollator``, ``use_tree_attention`` (each says what it
+does; ``docs/preference.md``) live in ``packtools.integrations`` and ``packtools.batches``, imported on first use.
 
 >>> import pyarrow as pa
 >>> from packtools.dpo import pack_preference

@@ -625,6 +625,7 @@ def test_prepare_dpo_trainer_refuses_what_the_tree_cannot_serve_by_its_own_check
     trainer = mistral_policy_trainer(tmp_path, monkeypatch, arch, role)
     monkeypatch.setattr(shared_dpo, "check_tree_model", lambda model: None)
     monkeypatch.setattr("packtools.integrations.attention.tree.check_tree_model", lambda model: None)
+    monkeypatch.setattr("packtools.integrations.preference.dpo.check_tree_model", lambda model: None)
     with pytest.raises(PackingError) as caught:
         prepare_dpo_trainer(trainer, train_dataset=packed)
     assert not re.search(match, str(caught.value)), caught.value

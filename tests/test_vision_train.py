@@ -294,12 +294,14 @@ def test_padding_and_token_budget_batches_stay_exact(family, tmp_path):
     )
 
 
-def test_dpo_refuses_a_vision_language_model():
+def test_dpo_refuses_a_vision_language_model(monkeypatch):
     """Verified for SFT packing only: the padding-free DPO forwards carry no pixels and no 3-D positions."""
     from types import SimpleNamespace
 
     from packtools.integrations.preference import dpo as trl
 
+    for checked_before in ("_check_trainer", "check_loss_path", "check_step_methods"):  # a real DPOTrainer's
+        monkeypatch.setattr(trl, checked_before, lambda trainer: None)
     trainer = SimpleNamespace(model=tiny_vl("qwen2_vl"), ref_model=None)
     with pytest.raises(PackingError, match="multimodal model: packtools' padding-free DPO"):
-        trl._prepare(trainer, None, None, False, False, False, context_parallel=None)
+        trl.prepare_dpo_trainer(trainer, check_isolation=False, segmented_sdpa=False, share_prompt=False)

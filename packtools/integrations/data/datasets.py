@@ -1,36 +1,18 @@
 """Packing and truncating Hugging Face ``datasets`` (extra ``packtools[datasets]``), imported only when used.
 
-:func:`pack_dataset` packs a ``Dataset`` / ``DatasetDict`` with one global plan (in memory, or block by block into
-an Arrow cache file) and an ``IterableDataset`` window by window (:func:`~packtools.integrations.data.datasets.truncate_dataset`
-cuts list columns).
-Views without copies are in :mod:`packtools.integrations.data.views`, preference pairs and groups in
+:func:`pack_dataset` packs a ``Dataset`` / ``DatasetDict`` with one global plan (in memory, or block by block
+into an Arrow cache file) and an ``IterableDataset`` window by window; processed vision-language samples are
+packed whole, their images with them (:func:`pack_vision_table`, ``docs/vision.md``).  :func:`truncate_dataset`
+cuts list columns to ``max_length`` values, with the drops reported (never silent).  Views without copies are
+in :mod:`packtools.integrations.data.views`, preference pairs and groups in
 :mod:`packtools.integrations.preference.data`; what they read of ``datasets``' internals is in
 :mod:`packtools.compat.datasets`.
-
-Truncating Hugging Face ``datasets`` (extra ``packtools[datasets]``): :func:`truncate_dataset` cuts list columns
-to ``max_length`` values, with the drops reported (never silent).
-
-``pack_dataset`` for processed vision-language rows: samples placed whole, their images with them.
-
-A processed sample has its token columns (``input_ids``, ``labels``, ``mm_token_type_ids``, masks), whose
-length already counts the image tokens the processor expanded, and per-sample image columns
-(``pixel_values``: one list of patches; ``image_grid_thw``: one ``(t, h, w)`` per image).  Only ``bfd``
-packs them: every sample goes whole into one row (a sample longer than ``max_length`` is refused, never
-truncated, since cutting it would cut an image or its placeholder tokens), and each packed row gets its
-samples' patches and grids concatenated in row order (:func:`~packtools.core.nested.gather_whole_samples`).
-``bfd_split`` and ``wrapped`` are refused by name: they cut samples.
-
-Memory: the packed rows are built in memory -- the token columns plus one copy of every pixel value
-(``pixel_values`` of ``n`` patches of ``C*tp*p*p`` values per image; e.g. 1,176 float32 values = 4.6 kB per
-patch for Qwen2-VL's 14-pixel patches), whatever ``keep_in_memory`` says.  Offline, out of core packing of
-images is not available yet.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,13 +23,13 @@ from ..._optional import require
 from ...compat.datasets import dataset_table, format_type, memory_mapped_table, temporary_cache_directory
 from ...compat.datasets import fingerprint as datasets_fingerprint
 from ...constants import SEQ_LENGTHS
-from ...core.arrow import check_row_counts, is_list_type
+from ...core.arrow import check_row_counts, column_lengths, is_list_type
 from ...core.cp_budget import check_context_parallel, plan_for_cp
 from ...core.nested import gather_whole_samples, plan_whole_samples
 from ...core.pack import pack_columns, read_columns, truncate_table
 from ...core.plan import PackPlan, Strategy, check_max_length, check_strategy
 from ...errors import PackingError
-from .drops import DropReport, TokensDroppedWarning, untrained_pieces, warn_dropped, warn_untrained
+from .drops import DropReport, untrained_pieces, warn_dropped, warn_untrained
 
 DEFAULT_WINDOW = 100_000
 
@@ -72,6 +54,21 @@ def derived_fingerprint(dataset: Any, operation: str, **params: Any) -> str:
         except (OSError, KeyError, TypeError):
             files.append([str(f), None, None])
     return cache_key(operation, 1, dataset=datasets_fingerprint(dataset), files=files, params=params)[:16]
+
+
+def each_split(dataset: Any, one: Any, warn: Any, return_report: bool) -> Any:
+    """``one(split) -> (out, report)`` on a ``Dataset`` or ``pyarrow.Table``, or on every split of a
+    ``DatasetDict`` (a ``DatasetDict`` out, a dict of reports); ``warn(report, split_name)`` for each (name
+    ``""`` for a single one).  Returns the output, with its report(s) when ``return_report``."""
+    if not isinstance(dataset, pa.Table) and isinstance(dataset, datasets_module().DatasetDict):
+        results = {name: one(split) for name, split in dataset.items()}
+        for name, (_, report) in results.items():
+            warn(report, name)
+        out = datasets_module().DatasetDict({name: r[0] for name, r in results.items()})
+        return (out, {name: r[1] for name, r in results.items()}) if return_report else out
+    out, report = one(dataset)
+    warn(report, "")
+    return (out, report) if return_report else out
 
 
 def restore_format(ds: Any, fmt: dict[str, Any], added: list[str]) -> Any:
@@ -196,12 +193,11 @@ def pack_split(
         out = _packed(dataset, packed, fingerprint, record)
         return restore_format(out, dict(dataset.format), [SEQ_LENGTHS]), DropReport.from_plan(p)
     cols, lengths = read_columns(table, columns)
-    if plan is not None:
-        p = plan
-    else:
-        if indices is not None:
-            lengths = lengths[indices]
-        p = plan_for_cp(lengths, max_length, strategy, context_parallel)
+    p = plan
+    if p is None:
+        p = plan_for_cp(
+            lengths if indices is None else lengths[indices], max_length, strategy, context_parallel
+        )
         if shuffle:
             p = p.shuffled(seed)
     if keep_in_memory is None:
@@ -250,14 +246,10 @@ def pack_dataset(
 
     An ``IterableDataset`` is packed lazily in windows of ``window`` rows, each with its own plan.  A window
     ends with one partly filled row, so a window of ``w`` rows of mean length ``m`` adds about
-    ``max_length / (2 * w * m)`` relative rows over a global plan: ~0.5% for TRL's 1000-row windows at
-    ``m / max_length = 0.1``, under 0.01% from 100k rows on.
+    ``max_length / (2 * w * m)`` relative rows over a global plan.
 
-    A dataset that is already packed is refused, since packing it again would merge the sequences of its
-    rows: packtools tells from a ``seq_lengths`` column, a ``cu_seq_lens*`` / ``cu_seqlens`` / ``seq_idx``
-    column, or ``position_ids`` that restart inside a row (:func:`packtools.core.pack.check_not_packed`).  It
-    cannot tell rows that were concatenated with none of these left (e.g. ``seq_lengths`` removed from
-    packtools output that had no ``position_ids``): keep ``seq_lengths`` with packed data.
+    A dataset that is already packed is refused (:func:`packtools.core.pack.check_not_packed` says what it can
+    tell): keep ``seq_lengths`` with packed data.
 
     Tokens dropped (``bfd`` cuts sequences longer than ``max_length``) raise a
     :class:`~packtools.integrations.data.drops.TokensDroppedWarning` with their share and the ``bfd_split`` hint;
@@ -265,7 +257,7 @@ def pack_dataset(
     dict of them for a ``DatasetDict``; not for an ``IterableDataset``, packed lazily).
 
     Processed vision-language samples (``pixel_values`` and ``image_grid_thw`` columns beside ``input_ids``)
-    are packed by :mod:`packtools.integrations.data.datasets`: ``bfd`` only, every sample whole (one longer than
+    are packed ``bfd`` only, every sample whole (one longer than
     ``max_length`` is refused, never truncated), its patches and grids concatenated in row order, in memory;
     ``bfd_split`` / ``wrapped`` and ``IterableDataset`` inputs are refused.  ``processor=DIR`` (a local
     folder of the model's processor) first processes rows in TRL's vision format (``messages`` with image
@@ -319,6 +311,7 @@ def pack_dataset(
             warn_dropped(report, "pack_dataset", name)
         out = ds_mod.DatasetDict({name: r[0] for name, r in results.items()})
         return (out, {name: r[1] for name, r in results.items()}) if return_report else out
+    # pack_split is called here, not through each_split: its untrained-pieces warning counts these frames
     if isinstance(dataset, ds_mod.Dataset):
         out, report = pack_split(dataset, max_length, strategy, columns, **how)
         warn_dropped(report, "pack_dataset")
@@ -369,42 +362,35 @@ def truncate_dataset(
     >>> truncate_dataset(Dataset.from_dict({"input_ids": [[1, 2, 3], [4]]}), 2)[:]
     {'input_ids': [[1, 2], [4]]}
     """
-    if isinstance(dataset, pa.Table):
-        out = truncate_table(dataset, max_length, columns)
-        report = _truncate_report(dataset, max_length, columns)
-        warn_dropped(report, "truncate_dataset")
-        return (out, report) if return_report else out
-    ds_mod = datasets_module()
-    max_length = check_max_length(max_length)
-    if isinstance(dataset, ds_mod.DatasetDict):
-        results = {}
-        for k, v in dataset.items():
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", TokensDroppedWarning)
-                results[k] = truncate_dataset(v, max_length, columns, return_report=True)
-            warn_dropped(results[k][1], "truncate_dataset", k)
-        out = ds_mod.DatasetDict({k: r[0] for k, r in results.items()})
-        return (out, {k: r[1] for k, r in results.items()}) if return_report else out
-    if not isinstance(dataset, ds_mod.Dataset):
-        raise PackingError(
-            f"dataset must be a datasets.Dataset or DatasetDict, got {type(dataset).__name__}."
+    if not isinstance(dataset, pa.Table):
+        ds_mod = datasets_module()
+        max_length = check_max_length(max_length)
+        if not isinstance(dataset, (ds_mod.Dataset, ds_mod.DatasetDict)):
+            raise PackingError(
+                f"dataset must be a datasets.Dataset or DatasetDict, got {type(dataset).__name__}."
+            )
+
+    def one(split: Any) -> tuple[Any, DropReport]:
+        if isinstance(split, pa.Table):
+            return truncate_table(split, max_length, columns), _truncate_report(split, max_length, columns)
+        table, indices = dataset_table(split)
+        if indices is not None:
+            table = table.take(pa.array(indices))
+        fingerprint = derived_fingerprint(split, "truncate", max_length=max_length, columns=columns)
+        out = datasets_module().Dataset(
+            truncate_table(table, max_length, columns), split=split.split, fingerprint=fingerprint
         )
-    table, indices = dataset_table(dataset)
-    if indices is not None:
-        table = table.take(pa.array(indices))
-    fingerprint = derived_fingerprint(dataset, "truncate", max_length=max_length, columns=columns)
-    out = ds_mod.Dataset(
-        truncate_table(table, max_length, columns), split=dataset.split, fingerprint=fingerprint
+        return restore_format(out, dict(split.format), []), _truncate_report(table, max_length, columns)
+
+    return each_split(
+        dataset,
+        one,
+        lambda report, name: warn_dropped(report, "truncate_dataset", name, stacklevel=4),
+        return_report,
     )
-    report = _truncate_report(table, max_length, columns)
-    warn_dropped(report, "truncate_dataset")
-    out = restore_format(out, dict(dataset.format), [])
-    return (out, report) if return_report else out
 
 
 def _truncate_report(table: pa.Table, max_length: int, columns: Sequence[str] | None) -> DropReport:
-    from ...core.arrow import column_lengths, is_list_type
-
     names = [f.name for f in table.schema if is_list_type(f.type)] if columns is None else list(columns)
     name = "input_ids" if "input_ids" in names else (names[0] if names else None)
     lengths = column_lengths(table.column(name)) if name else np.zeros(0, np.int64)
@@ -428,8 +414,8 @@ def has_images(dataset_or_table: Any) -> bool:
 
 def _check_patches(table: pa.Table) -> None:
     """Every sample's ``pixel_values`` hold exactly the patches its ``image_grid_thw`` announces."""
-    if not all(c in table.column_names for c in IMAGE_COLUMNS):
-        missing = [c for c in IMAGE_COLUMNS if c not in table.column_names]
+    missing = [c for c in IMAGE_COLUMNS if c not in table.column_names]
+    if missing:
         raise PackingError(
             f"the rows have image columns but not {missing}: keep both 'pixel_values' and 'image_grid_thw' "
             f"(the processor's output) so every image travels with its sample.",

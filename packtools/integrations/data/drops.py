@@ -1,9 +1,5 @@
-"""What packing or truncating left out, as a report and a warning (the Python API never drops tokens silently).
-
-:func:`packtools.pack_dataset`, :func:`packtools.packed_view` and :func:`packtools.integrations.truncate_dataset` call
-:func:`warn_dropped` with a :class:`DropReport` (and return it with ``return_report=True``): when any token is
-dropped, a :class:`TokensDroppedWarning` says how many, their share, how many sequences were cut, and that
-``strategy='bfd_split'`` keeps every token.
+"""What packing or truncating left out, as a report and a warning (the Python API never drops tokens silently):
+:class:`DropReport` (returned with ``return_report=True``) and :func:`warn_dropped`.
 
 >>> r = DropReport.from_lengths([5, 2, 3], 4, "bfd")
 >>> r.tokens_in, r.tokens_kept, r.tokens_dropped, r.sequences_truncated, f"{r.dropped_share:.0%}"

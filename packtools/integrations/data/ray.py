@@ -1,15 +1,8 @@
 """Pack a ``ray.data.Dataset`` block by block (needs ``pip install 'packtools[ray]'``).
 
-Each Ray Data block is packed on its own by :func:`packtools.pack_table` inside ``map_batches`` over pyarrow
-batches with ``batch_size=None`` (one batch per block).  Block boundaries are chosen by Ray (file layout, target
-block size, operator fusion, the number of CPUs) and are not deterministic: the same data can be packed into
-different rows from run to run, and small blocks cost extra rows over the lower bound.  For reproducible,
-resumable output with a manifest use :func:`packtools.pack_files` (``executor="ray"``) instead.
-
-The packer changes the number of rows, so it is declared with ``udf_modifying_row_count=True`` where Ray has that
-argument (Ray >= 2.52).  Ray 2.52 and 2.53 defaulted it to ``False`` and then pushed a downstream ``limit()`` /
-``take()`` below the packer, packing only the first few input rows; older Ray never pushes a limit past
-``map_batches``.
+Each Ray Data block is packed on its own by :func:`packtools.pack_table`; block boundaries are Ray's and not
+deterministic, so for reproducible, resumable output with a manifest use :func:`packtools.pack_files`
+(``executor="ray"``) instead (``docs/scale-out.md``).
 """
 
 from __future__ import annotations
@@ -18,15 +11,9 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
-import pyarrow as pa
-
 from ..._optional import require
 from ...core.pack import pack_table
 from ...core.plan import Strategy, check_max_length, check_strategy
-
-
-def _pack_block(batch: pa.Table, max_length: int, strategy: str, columns: list[str] | None) -> pa.Table:
-    return pack_table(batch, max_length, strategy, columns)
 
 
 def pack_ray_dataset(
@@ -46,10 +33,12 @@ def pack_ray_dataset(
     if isinstance(columns, str):
         columns = [columns]
     kwargs: dict[str, Any] = {}
+    # the packer changes the row count; Ray 2.52-2.53 default the argument to False and then push a downstream
+    # limit() below the packer, which packs only the first rows
     if "udf_modifying_row_count" in inspect.signature(ds.map_batches).parameters:
         kwargs["udf_modifying_row_count"] = True
     return ds.map_batches(
-        _pack_block,
+        pack_table,  # each block: pack_table(block, **fn_kwargs)
         batch_format="pyarrow",
         batch_size=None,
         fn_kwargs={

@@ -1,8 +1,5 @@
-"""Packed rows of a Hugging Face ``datasets.Dataset`` without a copy: :func:`packed_view` and :class:`DatasetView`.
-
-The view plans the same rows as :func:`packtools.pack_dataset` and gathers them on demand from the dataset's
-Arrow buffers (read through :mod:`packtools.compat.datasets`); ``materialize()`` writes them out
-exactly as ``pack_dataset`` would.
+"""Packed rows of a Hugging Face ``datasets.Dataset`` without a copy: :func:`packed_view` and :class:`DatasetView`,
+gathered on demand from the dataset's Arrow buffers (read through :mod:`packtools.compat.datasets`).
 """
 
 from __future__ import annotations
@@ -24,9 +21,8 @@ from .drops import DropReport, warn_dropped
 class DatasetView(PackedView):
     """A :class:`~packtools.batches.view.PackedView` over a ``datasets.Dataset`` (made by :func:`packed_view`).
 
-    It keeps the dataset, so :meth:`materialize` returns what :func:`packtools.pack_dataset` returns for the same
-    arguments, and pickling sends the dataset (for a memory-mapped one: its file paths and row mapping).
-    """
+    It keeps the dataset for :meth:`materialize` and pickling (a memory-mapped one pickles as its file paths and
+    row mapping)."""
 
     dataset: Any
     _args: dict[str, Any]
@@ -96,13 +92,12 @@ def packed_view(
     ds_mod = datasets_module()
     if isinstance(dataset, ds_mod.DatasetDict):
         views = {}
-        for name, split in dataset.items():
+        for name, split in dataset.items():  # each split's drops warned by its own call
             views[name] = packed_view(
                 split, max_length, strategy, shuffle=shuffle, seed=seed, columns=columns
             )
-        if not return_report:
-            return views
-        return views, {name: DropReport.from_plan(v.plan) for name, v in views.items()}
+        reports = {name: DropReport.from_plan(v.plan) for name, v in views.items()}
+        return (views, reports) if return_report else views
     if isinstance(dataset, ds_mod.IterableDataset):
         raise PackingError(
             "an IterableDataset has no random access, so it cannot be viewed by row; pack it as a stream with "

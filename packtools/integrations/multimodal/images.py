@@ -1,9 +1,5 @@
-"""Images and messages of TRL's vision rows as the model's processor opens them, each bad one refused by name.
-
-:func:`open_image` opens a path or bytes as ``transformers.image_utils.load_image`` opens a path (decoded at once,
-EXIF orientation applied, RGB), :func:`image_size` reads the same size from a file's header, :func:`image_list`
-and :func:`check_messages` refuse a row's ``images`` that are not a list and ``messages`` that are empty or hold a
-video part.  Every error names the row (``row N`` or ``FILE:LINE``) and the image.
+"""Images and messages of TRL's vision rows as the model's processor opens them, each bad one refused by name
+(the row, ``row N`` or ``FILE:LINE``, and the image).
 """
 
 from __future__ import annotations
@@ -81,9 +77,8 @@ def image_list(images: Any, row: int | str) -> list[Any]:
     if images is None:
         return []
     if isinstance(images, (str, bytes, bytearray, dict)) or not isinstance(images, (list, tuple)):
-        where = where_of(row)
         raise PackingError(
-            f"{where}: 'images' must be a list (one entry per image part, in order), got "
+            f"{where_of(row)}: 'images' must be a list (one entry per image part, in order), got "
             f"{type(images).__name__} {str(images)[:60]!r}; write [{str(images)[:40]!r}].",
             param="images",
         )

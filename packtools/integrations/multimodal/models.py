@@ -1,20 +1,11 @@
-"""Vision-language models in ``prepare_trainer``: which ones packtools trains packed, and the probe through
-the vision tower.
-
-* :func:`check_multimodal_model`: a model with a vision (or audio) tower is refused by name unless its
-  ``model_type`` is in :data:`~packtools.batches.mrope.VERIFIED_MODEL_TYPES` (the one list), and a verified
-  one must be fed by :class:`~packtools.batches.vision.MultimodalCollator`: a text collator gives 2-D
-  positions, which turn image tokens into text positions (and, in Qwen2-VL / Qwen2.5-VL, let documents
-  attend to each other).
-* :func:`check_vision_isolation`: a few samples with images of different sizes and text-only ones, packed by
-  the trainer's collator, run through the whole model (vision tower included) and compared with each
-  sample run alone through the model's own path (``input_ids``, ``pixel_values``, ``image_grid_thw``,
-  ``mm_token_type_ids``; the model computes its positions itself); then the first sample's pixels and
-  tokens change and the others' logits must not move.
+"""Vision-language models in ``prepare_trainer``: which ones packtools trains packed
+(:func:`check_multimodal_model`; in the preference and RL paths none, :func:`refuse_multimodal`), and the probe
+through the vision tower (:func:`check_vision_isolation`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -27,24 +18,26 @@ from ..attention.isolation import PERTURB_TOLERANCE, TOLERANCE, IsolationReport,
 from ..trainers.collator_check import _checking
 
 
-def is_multimodal(model: Any) -> bool:
-    """Whether the (unwrapped) model is multimodal: a vision or audio tower in its config, or ``pixel_values``
-    in its ``forward`` (:func:`packtools.integrations.attention.backends.multimodal_parts`).
-
-    >>> class Config:
-    ...     vision_config = {"depth": 2}
-    >>> class Model:
-    ...     config = Config()
-    >>> is_multimodal(Model()), check_multimodal_model(object(), None) is None
-    (True, True)
-    """
-    return bool(multimodal_parts(model))
+def refuse_multimodal(models: Sequence[Any], what: str) -> None:
+    """Refuse, by name, a multimodal model in a padding-free preference or RL path (verified vision-language
+    models train packed in SFT only): ``what`` (e.g. ``"DPO forwards"``) carries text rows only."""
+    for model in models:
+        if multimodal_parts(model):  # a vision or audio tower, or pixel_values in its forward
+            raise PackingError(
+                f"{type(base_model(model)).__name__} is a multimodal model: packtools' padding-free {what} carry "
+                f"text rows only (no pixel_values, no 3-D positions); train it padded, with TRL's collator.",
+                param="model",
+            )
 
 
 def check_multimodal_model(model: Any, collator: Any) -> MropeSpec | None:
     """``None`` for a text model; the positions spec of a verified multimodal model fed by a
-    ``MultimodalCollator``; :class:`PackingError` otherwise (naming the model type and the fix)."""
-    if not is_multimodal(model):
+    ``MultimodalCollator``; :class:`PackingError` otherwise (naming the model type and the fix).
+
+    >>> check_multimodal_model(object(), None) is None
+    True
+    """
+    if not multimodal_parts(model):
         return None
     from ...batches.vision import MultimodalCollator
 

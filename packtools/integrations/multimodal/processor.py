@@ -1,18 +1,11 @@
 """TRL's vision format through a local processor folder: ``messages`` with image parts + an ``images`` column.
 
 :func:`load_vision_processor` opens a folder written by the model's own processor (``save_pretrained``); it never
-downloads.  When transformers can build the folder's ``AutoProcessor``, that processor does all the work.
-transformers 5.25 cannot build the Qwen2-VL / Qwen2.5-VL / Qwen3-VL processors without torchvision (their video
-processor's base class is missing), while their PIL image processor works without it: packtools then loads the
-folder's image processor (``AutoImageProcessor``, PIL backend) and tokenizer, renders the folder's chat
-template, and does the processor's one remaining step itself -- each image placeholder becomes
-``t*h*w / merge²`` image tokens (the rule of ``Qwen2VLProcessor.replace_image_token``).
-
-:func:`process_vision_sample` gives what the processor gives for one sample: ``input_ids``, ``pixel_values``,
-``image_grid_thw``, ``mm_token_type_ids`` (NumPy), and ``assistant_masks``: 1 on the assistant turns, found as
-text chat's labels are (:func:`assistant_mask`), so :class:`~packtools.batches.vision.MultimodalCollator` learns
-the assistant turns only by default (``assistant_only_loss=False``: every text token); image tokens are never
-learned.  Images are opened by :mod:`packtools.integrations.multimodal.images` (as ``load_image`` opens a path).
+downloads.  When transformers can build the folder's ``AutoProcessor``, that processor does all the work;
+without torchvision (transformers 5.25 cannot build the Qwen-VL processors then) packtools uses the folder's
+image processor, tokenizer and chat template, and expands each image placeholder to ``t*h*w / merge²`` image
+tokens itself (the rule of ``Qwen2VLProcessor.replace_image_token``).  :func:`process_vision_sample` gives what
+the processor gives for one sample, with ``assistant_masks`` (:func:`assistant_mask`).
 """
 
 from __future__ import annotations
@@ -73,7 +66,6 @@ def load_vision_processor(path: str | os.PathLike[str]) -> VisionProcessor:
             f"(AutoProcessor.from_pretrained(name).save_pretrained(DIR)); packtools never downloads one.",
             param="processor",
         )
-    processor = None
     try:
         processor = transformers.AutoProcessor.from_pretrained(path, local_files_only=True)
     except (ImportError, ValueError, TypeError, AttributeError, OSError):
@@ -218,12 +210,9 @@ def assistant_mask(
         for upto, prompt in ((i, True), (i + 1, False)):
             text = _render(vp, messages[:upto], prompt, row=row) if upto else ""
             n_img = text.count(vp.image_token)
-            got = (
-                np.asarray(vp.tokenizer(_expand(vp, text, grid[:n_img]))["input_ids"], np.int64)
-                if text
-                else []
+            got = np.asarray(
+                vp.tokenizer(_expand(vp, text, grid[:n_img]))["input_ids"] if text else [], np.int64
             )
-            got = np.asarray(got, np.int64)
             if got.shape[0] > ids.shape[0] or not np.array_equal(ids[: got.shape[0]], got):
                 raise PackingError(
                     f"{where_of(row)}: the chat template's rendering of the first {upto} message(s) is not the start "
@@ -297,11 +286,8 @@ def vision_lengths(
     messages: str = "messages",
     images: str = "images",
 ) -> np.ndarray:
-    """Token counts of rows in TRL's vision format as the model sees them (image tokens counted), without
-    processing a pixel: each image's tokens come from its size (read from the file header) through the image
-    processor's resize rule (``get_number_of_image_patches / merge²``).  Feed them to
-    :func:`packtools.profile_lengths` to choose ``max_length``.
-    """
+    """Token counts of rows in TRL's vision format as the model sees them (:func:`sample_length` of each row,
+    no pixel processed); feed them to :func:`packtools.profile_lengths` to choose ``max_length``."""
     vp = processor if isinstance(processor, VisionProcessor) else load_vision_processor(processor)
     lengths = [
         sample_length(vp, example[messages], example.get(images), i) for i, example in enumerate(dataset)

@@ -1,9 +1,7 @@
-"""Which forward calls of TRL's ``DPOTrainer`` packtools rewrites, and the layout both padding-free forwards read.
-
-TRL's DPO loss calls the policy (and the reference) with a padded ``[2B, T]`` preference batch and
-``fused_lm_head=True``.  Both packtools forwards (one padding-free row, :mod:`packtools.integrations.preference.dpo`, and
-the prompt-shared tree, :mod:`packtools.integrations.preference.shared_prompt`) take exactly those calls and pass every
-other call (generation, evaluation helpers, a call with embeddings) to the model unchanged.
+"""What both packtools forwards of TRL's ``DPOTrainer`` share (one padding-free row,
+:mod:`packtools.integrations.preference.dpo`; the prompt-shared tree, :mod:`packtools.integrations.preference.shared_prompt`):
+which calls they rewrite (TRL's padded ``[2B, T]`` preference batch with ``fused_lm_head=True``; every other
+call, e.g. generation, passes unchanged), the layout they read and the per-token outputs put back.
 """
 
 from __future__ import annotations
@@ -40,6 +38,24 @@ def padded_preference_call(args: tuple, kwargs: dict[str, Any], fused_lm_head: b
     if rest.pop("position_ids", None) is not None:
         raise PackingError("a padded preference batch came with position_ids; packtools builds them itself.")
     return ids, mask, labels, rest
+
+
+def scatter_per_token(out: Any, tokens: int, target: Any, index: Any, refusal: str) -> None:
+    """Put the per-token outputs of a flat call on ``tokens`` tokens back into TRL's padded layout, in place:
+    each :data:`PER_TOKEN` field of ``out`` (``[1, tokens - 1]``) becomes ``target.shape``, the positions of
+    ``target`` read from ``index``, zero elsewhere (as TRL's are on padding).  A field of another length is
+    refused, ``refusal`` naming the models that make one."""
+    for name in PER_TOKEN:
+        value = getattr(out, name, None)
+        if value is None:
+            continue
+        if value.shape[-1] != tokens - 1:
+            raise PackingError(
+                f"the model's {name} has {value.shape[-1]} positions for {tokens} tokens; {refusal}"
+            )
+        full = value.new_zeros(target.shape)
+        full[target] = value[0, index]
+        out[name] = full
 
 
 def padding_free_layout(attention_mask: Any) -> tuple[Any, Any, Any]:

@@ -1,30 +1,11 @@
 """``prepare_dpo_trainer(trainer, context_parallel=N)``: TRL's ``DPOTrainer`` on context-parallel (CP) shards.
 
-The padding-free forward of :mod:`packtools.integrations.preference.dpo` lays TRL's padded ``[2 * pairs, T]`` call out
-as one padding-free row; under CP every rank of a CP group gets the **same** micro-batch (the training
-loader shards over the data-parallel group only, so a pair stays on one CP group) and :class:`CPForward`
-runs only this rank's share of that row through the model:
-
-* the row is cut per sequence (:func:`~packtools.batches.context_parallel.shard_row`, balanced: chunks ``k`` and
-  ``2N - 1 - k``, the pair chosen per sequence by the ranks' work so far, true positions, labels shifted before the split) and
-  goes through TRL's fused LM head with ``shift_labels`` (scored without a second shift) on ``packtools_cp``
-  attention;
-* the shard's per-token outputs (log-probabilities, and the metrics' entropy, mean logits, ...) are put back
-  at their places in the row, zero elsewhere, and **added over the CP group** with
-  :func:`~packtools.integrations.parallel.shard_loss.sum_over_group`, whose backward is the identity: every CP peer
-  holds the whole row's per-token values, so TRL's own loss code computes each sequence's summed
-  log-probability, and the DPO loss of each pair, identically on every peer, while each peer's gradient flows
-  into its own tokens only (its part of the one gradient);
-* the loss: the pair mean of the step over the DP groups (the pairs counted once per CP group), times the
-  world size, which DDP's gradient mean divides by again: the CP peers' gradients are parts of one sum
-  (:mod:`packtools.integrations.preference.dpo`, ``_mean_over_step``).
-
-Refused by name under CP: accelerate's own CP (``ParallelismConfig(cp_size>1)``), tensor parallelism,
-DeepSpeed/FSDP, prompt-shared rows, precomputed reference log-probabilities, evaluation during training
-(its loader does not keep CP peers on one batch), MoE router losses (summed per shard, not per row), and
-models with token-mixing layers (:func:`~packtools.integrations.attention.context_parallel.use_cp_attention`); a direct
-``evaluate()`` or ``predict()`` (the step owner refuses it before TRL prepares the dataset); and every call
-whose row differs between the ranks of a CP group (checked per call: a fingerprint of the row, all-gathered).
+Every rank of a CP group gets the same micro-batch; :class:`CPForward` runs only this rank's share of the
+padding-free row through TRL's fused LM head, and the shard's per-token outputs are put back at their places
+in the row and added over the CP group with an identity backward, so TRL's loss code sees the whole row on
+every peer while each peer's gradient flows into its own tokens only.  :func:`check_cp_dpo` refuses, by name,
+what this does not handle.  The layout, the loss and what is tested: ``docs/preference.md`` (*Context
+parallelism*).
 """
 
 from __future__ import annotations
@@ -34,6 +15,7 @@ from typing import Any
 
 from ..._optional import require
 from ...batches.context_parallel import CP_KEY, shard_row
+from ...compat.trl import tokenizer_of
 from ...constants import VARLEN_KEYS
 from ...errors import PackingError
 from ..attention.context_parallel import use_cp_attention
@@ -128,7 +110,7 @@ class CPForward:
 
 
 def check_cp_dpo(trainer: Any, layout: RankLayout, shared: bool) -> None:
-    """Refuse, by name, what packtools' DPO under CP does not handle (see the module docstring)."""
+    """Refuse, by name, what packtools' DPO under CP does not handle."""
     refusals = []
     if layout.tp_size > 1:
         refusals.append("tensor parallelism (TP groups would overlap the CP groups)")
@@ -157,8 +139,6 @@ def prepare_dpo_context_parallel(
     """Create the layout's CP group and switch ``models`` (the policy, and the reference model if any) to
     ``packtools_cp`` attention, recorded on ``trainer``; returns the layout holding its group and the
     :class:`CPForward` the step plan hands to the padding-free forward."""
-    from ...compat.trl import tokenizer_of
-
     layout = layout.with_cp_group()
     for model in models:
         use_cp_attention(model, owner=trainer)

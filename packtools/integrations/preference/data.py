@@ -20,7 +20,7 @@ import pyarrow as pa
 from ...compat.datasets import dataset_table
 from ...core.arrow import check_columns
 from ...errors import PackingError
-from ..data.datasets import datasets_module, derived_fingerprint
+from ..data.datasets import datasets_module, derived_fingerprint, each_split
 
 
 def pack_preference(
@@ -83,37 +83,26 @@ def pack_preference(
         if isinstance(split, pa.Table):
             return packed, report
         fingerprint = derived_fingerprint(split, "pack_preference", **how)
-        return ds_mod.Dataset(packed, split=split.split, fingerprint=fingerprint), report
+        return datasets_module().Dataset(packed, split=split.split, fingerprint=fingerprint), report
 
-    def warn(report: Any, name: str = "") -> None:
+    def warn(report: Any, name: str) -> None:
         if report.pairs_truncated or report.pairs_dropped:
             where = f" in split {name!r}" if name else ""
             warnings.warn(
                 f"pack_preference{where}: {report.pairs_truncated} of {report.pairs_in} pairs truncated and "
                 f"{report.pairs_dropped} dropped to fit max_length={max_length} ({report.tokens_dropped} tokens "
                 f"left out); pass return_report=True for the details.",
-                stacklevel=3,
+                stacklevel=4,
             )
 
-    if isinstance(dataset, pa.Table):
-        out, report = one(dataset)
-        warn(report)
-        return (out, report) if return_report else out
-    ds_mod = datasets_module()
-    if isinstance(dataset, ds_mod.DatasetDict):
-        results = {name: one(split) for name, split in dataset.items()}
-        for name, (_, report) in results.items():
-            warn(report, name)
-        out = ds_mod.DatasetDict({name: r[0] for name, r in results.items()})
-        return (out, {name: r[1] for name, r in results.items()}) if return_report else out
-    if not isinstance(dataset, ds_mod.Dataset):
-        raise PackingError(
-            f"dataset must be a datasets.Dataset, DatasetDict or pyarrow.Table, got {type(dataset).__name__}.",
-            param="dataset",
-        )
-    out, report = one(dataset)
-    warn(report)
-    return (out, report) if return_report else out
+    if not isinstance(dataset, pa.Table):
+        ds_mod = datasets_module()
+        if not isinstance(dataset, (ds_mod.Dataset, ds_mod.DatasetDict)):
+            raise PackingError(
+                f"dataset must be a datasets.Dataset, DatasetDict or pyarrow.Table, got {type(dataset).__name__}.",
+                param="dataset",
+            )
+    return each_split(dataset, one, warn, return_report)
 
 
 def pack_reward_pairs(

@@ -2,38 +2,12 @@
 
 TRL 1.16 turns ``padding_free=True`` off for DPO and pads every chosen and rejected sequence of a batch to the
 longest.  :func:`prepare_dpo_trainer` keeps TRL's loss code as it is and changes only what runs through the
-model:
-
-* **One padding-free row.**  TRL calls the model with its padded ``[2 * pairs, T]`` layout and reads per-token
-  log-probabilities back in that layout.  The model's forward is wrapped so that the backbone and LM head run
-  on the real tokens only, as one row with ``position_ids`` restarting per sequence and ``cu_seq_lens``
-  (FlashAttention varlen, or the block-diagonal mask of ``sdpa``/``eager``), and the per-token outputs are
-  scattered back into the padded layout (they are zero on padding, as TRL's are).  Padding costs a few
-  integer tensors, never a forward.  The policy, a separate reference model, the reference under a disabled
-  PEFT adapter and the reference log-probabilities precomputed later (``evaluate``) all go through it.
-* **Packed pairs.**  With ``train_dataset=`` the output of :func:`packtools.dpo.pack_preference`, micro-batches are
-  whole packed rows (``per_device_train_batch_size`` rows, so a steady token count); a
-  :class:`~packtools.batches.preference.PreferenceCollator` lays their pairs out the way TRL's loss expects.
-* **Gradient accumulation.**  TRL averages its loss over the pairs of each micro-batch and ``Trainer`` divides
-  by the number of micro-batches, which weighs pairs unevenly when micro-batches hold different numbers of
-  pairs.  Here the loss of an optimizer step is **the mean over all pairs of the step** (over all processes):
-  ``Trainer`` prefetches the micro-batches of a step, their pairs are counted (summed across processes), and
-  each micro-batch's loss is rescaled by ``its pairs / step pairs`` (times the factors ``Trainer`` and DDP
-  divide by: the number of processes, and the accumulation steps only when the installed ``Trainer``'s own
-  predicate says ``training_step`` divides, :func:`~packtools.integrations.parallel.distributed.trainer_divides_by_accumulation`).
-  With equal micro-batches this is TRL's loss exactly; the logged ``loss`` is the step mean.
-* **Several processes.**  Ranks hold different numbers of pairs; TRL's gathers of per-pair metrics are made
-  size-safe (:func:`~packtools.integrations.parallel.distributed.uneven_gather`), and the training loader gives every
-  process the same number of micro-batches without repeating a pair (``max_tokens=N`` for token-budget
-  batches of whole pairs; :mod:`packtools.integrations.trainers.loader`).
-* **Guards.**  Those of :func:`packtools.prepare_trainer`: the attention backend must isolate packed sequences
-  (:func:`~packtools.integrations.trainers.transformers.check_attention_implementation`), the forward runs with
-  ``use_cache=False`` (:func:`~packtools.integrations.trainers.transformers.guard_model`) and the flat call is checked
-  for an ``attention_mask`` next to packed positions
-  (:func:`~packtools.integrations.trainers.transformers.check_forward_inputs`).
-
-Use fp32 (``bf16=False``: TRL's configs default to ``bf16=True``, which on CPU autocasts the reference model)
-to compare against the padded trainer bit for bit.
+model: the fused-LM-head forward TRL installs is wrapped (:func:`install_padding_free_forward`) so that the
+backbone and LM head run on the real tokens only, as one row with ``position_ids`` restarting per sequence and
+``cu_seq_lens``, and the per-token outputs are scattered back into TRL's padded ``[2 * pairs, T]`` layout (zero
+on padding, as TRL's are).  The step owner (:class:`~packtools.integrations.trainers.step.DPOStep`) makes the
+loss of an optimizer step the mean over all its pairs, over all processes.  What each part does, the guards,
+several processes and what it is tested against: ``docs/preference.md``.
 """
 
 from __future__ import annotations
@@ -52,16 +26,18 @@ from ...compat.trl import (
     wrap_fused_forward,
 )
 from ...constants import SEQ_LENGTHS
+from ...core.shared_pairs import PROMPT_LENGTHS
 from ...errors import PackingError
 from ..attention.backends import (
     attention_implementation,
     check_attention_implementation,
-    multimodal_parts,
     segmented_sdpa_until_checked,
     sends_seq_idx,
     token_mixing_layers,
 )
 from ..attention.backends import base_model as _base_model
+from ..attention.tree import check_tree_model
+from ..multimodal.models import refuse_multimodal
 from ..parallel.distributed import check_loss_path
 from ..parallel.layout import rank_layout
 from ..trainers.collator_check import check_preference_collator
@@ -69,10 +45,10 @@ from ..trainers.guard import check_forward_inputs, guard_model, refuse_prompt_le
 from ..trainers.loader import check_train_loader
 from ..trainers.step import DPOStep, StepPlan, install_step, plan_of
 from ..trainers.transformers import run_mixers_per_document, run_probe
-from .calls import PER_TOKEN, padded_preference_call, padding_free_layout
+from .calls import padded_preference_call, padding_free_layout, scatter_per_token
 from .context_parallel import check_cp_dpo, prepare_dpo_context_parallel
 from .probe import check_padding_free_forward
-from .shared_prompt import check_tree_models, prepare_shared_prompt, shares_prompt, tree_columns
+from .shared_prompt import prepare_shared_prompt
 
 _WRAPPED = "_packtools_padding_free"
 PAIR_ROW_COLUMNS = ("input_ids", "completion_mask", SEQ_LENGTHS)
@@ -120,18 +96,8 @@ def _padding_free_forward(model: Any, inner: Any, trainer: Any = None) -> Any:
         # Flat output i scores token i + 1; padded (b, j) scores token j + 1 of sequence b.
         target = valid[:, 1:]
         index = (starts[:, None] + torch.arange(width - 1, device=ids.device)[None, :])[target]
-        for name in PER_TOKEN:
-            value = getattr(out, name, None)
-            if value is None:
-                continue
-            if value.shape[-1] != flat_ids.shape[0] - 1:
-                raise PackingError(
-                    f"the model's {name} has {value.shape[-1]} positions for {flat_ids.shape[0]} tokens; models "
-                    f"that add virtual tokens (prompt-learning PEFT) cannot run padding-free."
-                )
-            full = value.new_zeros((n_seq, width - 1))
-            full[target] = value[0, index]
-            out[name] = full
+        refusal = "models that add virtual tokens (prompt-learning PEFT) cannot run padding-free."
+        scatter_per_token(out, flat_ids.shape[0], target, index, refusal)
         return out
 
     return forward
@@ -203,7 +169,8 @@ def _use_packed_dataset(trainer: Any, dataset: Any, shared: bool) -> None:
 
     set_training_data(trainer, dataset, collate)
     if trainer.args.remove_unused_columns:  # the columns the collator needs survive Trainer's column removal
-        keep_signature_columns(trainer, [*PAIR_ROW_COLUMNS, *pair_columns, *tree_columns(shared)])
+        tree = [PROMPT_LENGTHS] if shared else []  # the prompt lengths of prompt-shared rows
+        keep_signature_columns(trainer, [*PAIR_ROW_COLUMNS, *pair_columns, *tree])
 
 
 def prepare_dpo_trainer(
@@ -229,19 +196,15 @@ def prepare_dpo_trainer(
         packed = pack_preference(trainer.train_dataset, max_length=4096)
         prepare_dpo_trainer(trainer, train_dataset=packed).train()
 
-    The loss of an optimizer step is the mean over all pairs of the step, over all processes (see the module
-    docstring).  ``max_tokens=N`` batches whole pairs (or whole packed pair rows) by a token budget per process,
-    balanced across processes by attention cost; with several processes and no ``max_tokens`` each process
-    gets ``per_device_train_batch_size`` rows per micro-batch, the same number of micro-batches everywhere, and
-    no row is repeated (:mod:`packtools.integrations.trainers.loader`).
+    The loss of an optimizer step is the mean over all pairs of the step, over all processes.  ``max_tokens=N``
+    batches whole pairs (or whole packed pair rows) by a token budget per process, balanced across processes
+    by attention cost; with several processes and no ``max_tokens`` each process gets
+    ``per_device_train_batch_size`` rows per micro-batch, the same number of micro-batches everywhere, and no
+    row is repeated (:mod:`packtools.integrations.trainers.loader`).
     With ``check_isolation=True`` (the default) the policy and the reference model first go through
     :func:`packtools.integrations.check_isolation` (tiny inputs, no gradients): a model whose packed sequences leak is
-    refused before training; ``check_isolation=False`` skips it.
-
-    With ``segmented_sdpa=True`` (the default) ``sdpa`` models are switched to packtools' per-sequence
-    ``sdpa`` (:func:`~packtools.integrations.attention.backends.use_segmented_sdpa`): the flat row's attention then
-    costs ``sum(L_i²)`` like FlashAttention varlen, not ``(sum L_i)²`` under a block-diagonal mask, with the
-    same result.  FlashAttention and ``eager`` models are left as they are.
+    refused before training; ``check_isolation=False`` skips it.  ``segmented_sdpa``: as in
+    :func:`packtools.prepare_trainer`.
 
     With ``share_prompt=True`` (the default when ``train_dataset`` comes from ``pack_preference(...,
     share_prompt=True)``) each pair's prompt runs through the model once, on packtools' tree attention
@@ -258,68 +221,44 @@ def prepare_dpo_trainer(
         raise PackingError("prepare_dpo_trainer was already called on this trainer.")
     check_step_methods(trainer)
     with all_or_nothing(trainer):  # a refused trainer is left as TRL built it
-        _prepare(
-            trainer,
-            train_dataset,
-            max_tokens,
-            check_isolation,
-            segmented_sdpa,
-            share_prompt,
-            context_parallel=context_parallel,
-        )
-    return trainer
-
-
-def _prepare(
-    trainer: Any,
-    train_dataset: Any,
-    max_tokens: Any,
-    check_isolation: bool,
-    segmented_sdpa: bool,
-    share: Any,
-    *,
-    context_parallel: int | None,
-) -> None:
-    models = [m for m in (trainer.model, trainer.ref_model) if m is not None]
-    for model in models:
-        if multimodal_parts(model):  # verified vision-language models train packed in SFT only
-            raise PackingError(
-                f"{type(_base_model(model)).__name__} is a multimodal model: packtools' padding-free DPO forwards "
-                f"carry text rows only (no pixel_values, no 3-D positions); train it unpacked with TRL's collator.",
-                param="model",
-            )
-    shared = shares_prompt(train_dataset) if share is None else share
-    layout = rank_layout(trainer, context_parallel)  # refuses what it cannot account for, by name
-    if layout.cp_size > 1:
-        check_cp_dpo(trainer, layout, shared)
-    if shared:  # the tree's own refusal, by name, before any generic probe runs
-        check_tree_models(models)
-    for model in models:
-        check_attention_implementation(model)
-        if not shared:  # token-mixing layers per document (integrations.attention.mixers)
-            run_mixers_per_document(model, owner=trainer)
-    if check_isolation:  # the user's collator must keep every sequence in its own row (collator_check)
-        check_preference_collator(trainer)
-    with segmented_sdpa_until_checked(models, segmented_sdpa, owner=trainer) as switched:
-        if check_isolation:
-            run_probe(trainer, trainer.ref_model, switched=switched)
+        models = [m for m in (trainer.model, trainer.ref_model) if m is not None]
+        refuse_multimodal(models, "DPO forwards")
+        shared = share_prompt
+        if shared is None:  # rows of pack_preference(..., share_prompt=True) carry prompt lengths
+            shared = PROMPT_LENGTHS in list(getattr(train_dataset, "column_names", None) or [])
+        layout = rank_layout(trainer, context_parallel)  # refuses what it cannot account for, by name
+        if layout.cp_size > 1:
+            check_cp_dpo(trainer, layout, shared)
+        if shared:  # the tree's own refusal, by name, before any generic probe runs
+            for model in models:
+                check_tree_model(model)
         for model in models:
-            fused_forward(_base_model(model))  # TRL's fused LM head must be there to be wrapped
-        if not shared:
+            check_attention_implementation(model)
+            if not shared:  # token-mixing layers per document (integrations.attention.mixers)
+                run_mixers_per_document(model, owner=trainer)
+        if check_isolation:  # the user's collator must keep every sequence in its own row (collator_check)
+            check_preference_collator(trainer)
+        with segmented_sdpa_until_checked(models, segmented_sdpa, owner=trainer) as switched:
+            if check_isolation:
+                run_probe(trainer, trainer.ref_model, switched=switched)
             for model in models:
-                install_padding_free_forward(model, owner=trainer)
-        if check_isolation and not shared:  # the probe again, through the forward training calls
-            for model in models:
-                check_padding_free_forward(model)
-    if shared:
-        prepare_shared_prompt(trainer, models, check_isolation)
-    guard_model(trainer.model, owner=trainer)  # recorded on the trainer (unprepare removes the hook)
-    if trainer.ref_model is not None:
-        guard_model(trainer.ref_model, owner=trainer)
-    if train_dataset is not None:
-        _use_packed_dataset(trainer, train_dataset, shared)
-    cp_forward = None
-    if layout.cp_size > 1:
-        layout, cp_forward = prepare_dpo_context_parallel(trainer, layout, models)
-    check_train_loader(trainer, max_tokens)
-    install_step(trainer, DPOStep, StepPlan(layout, max_tokens=max_tokens, cp_forward=cp_forward))
+                fused_forward(_base_model(model))  # TRL's fused LM head must be there to be wrapped
+            if not shared:
+                for model in models:
+                    install_padding_free_forward(model, owner=trainer)
+            if check_isolation and not shared:  # the probe again, through the forward training calls
+                for model in models:
+                    check_padding_free_forward(model)
+        if shared:
+            prepare_shared_prompt(trainer, models, check_isolation)
+        guard_model(trainer.model, owner=trainer)  # recorded on the trainer (unprepare removes the hook)
+        if trainer.ref_model is not None:
+            guard_model(trainer.ref_model, owner=trainer)
+        if train_dataset is not None:
+            _use_packed_dataset(trainer, train_dataset, shared)
+        cp_forward = None
+        if layout.cp_size > 1:
+            layout, cp_forward = prepare_dpo_context_parallel(trainer, layout, models)
+        check_train_loader(trainer, max_tokens)
+        install_step(trainer, DPOStep, StepPlan(layout, max_tokens=max_tokens, cp_forward=cp_forward))
+    return trainer

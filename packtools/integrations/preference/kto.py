@@ -31,10 +31,10 @@ from ...errors import PackingError
 from ..attention.backends import (
     base_model,
     check_attention_implementation,
-    multimodal_parts,
     segmented_sdpa_until_checked,
 )
 from ..attention.mixers import run_mixers_per_document
+from ..multimodal.models import refuse_multimodal
 from ..parallel.distributed import check_loss_path
 from ..trainers.guard import guard_model, refuse_prompt_learning
 from .dpo import _WRAPPED, install_padding_free_forward
@@ -87,13 +87,8 @@ def prepare_kto_trainer(trainer: Any, *, check_isolation: bool = True, segmented
         raise PackingError(
             "prepare_kto_trainer was already called on this trainer (its models run padding-free)."
         )
+    refuse_multimodal(models, "KTO forwards")
     for model in models:
-        if multimodal_parts(model):
-            raise PackingError(
-                f"{type(base_model(model)).__name__} is a multimodal model: packtools' padding-free KTO forwards "
-                f"carry text rows only; train it padded.",
-                param="model",
-            )
         check_attention_implementation(model)
         fused_forward(base_model(model))  # TRL's fused LM head must be there to be wrapped
     with all_or_nothing(trainer):

@@ -1,12 +1,8 @@
 """The isolation probe of the DPO path, run through the forward that training really calls.
 
 :func:`packtools.integrations.check_isolation` checks a batch built by ``PaddingFreeCollator``; ``DPOTrainer`` under
-:func:`packtools.prepare_dpo_trainer` sends something else: TRL's padded ``[2 * pairs, T]`` batch, flattened by
-packtools' padding-free forward into one row (``position_ids``, ``cu_seq_lens``, ``seq_idx`` where the model
-takes it).  :func:`check_padding_free_forward` runs a few sequences through that installed forward, as one
-padded batch and each alone, and compares the per-token log-probabilities TRL's loss reads; a model whose
-layers let packed sequences see each other on that batch (a hybrid whose kernels ignore ``seq_idx`` or
-``cu_seq_lens``, a backend that ignores ``position_ids``) is refused before training.
+:func:`packtools.prepare_dpo_trainer` sends TRL's padded batch through packtools' padding-free forward instead,
+so :func:`check_padding_free_forward` probes that forward.
 """
 
 from __future__ import annotations
@@ -20,11 +16,9 @@ from ..attention.backends import attention_implementation
 from ..attention.backends import base_model as _base_model
 from ..attention.isolation import TOLERANCE
 
-DEFAULT_LENGTHS = (5, 9, 3, 7)
-
 
 def check_padding_free_forward(
-    model: Any, lengths: Sequence[int] = DEFAULT_LENGTHS, seed: int = 0, atol: float | None = None
+    model: Any, lengths: Sequence[int] = (5, 9, 3, 7), seed: int = 0, atol: float | None = None
 ) -> float:
     """Largest log-prob difference between the sequences run together and alone; raises on a leak.
 

@@ -2,34 +2,24 @@
 
 TRL 1.16 pads every chosen and rejected sequence of a batch to the longest and reads each sequence's score at
 its last non-pad token (``input_ids != pad_token_id`` in transformers' sequence-classification heads).  On a
-padding-free row that rule finds the row's last token, not each document's, so packtools reads the scores
-itself and hands TRL's loss code the ``[2 * pairs, 1]`` scores it expects:
+padding-free row that rule finds the row's last token, not each document's, so packtools runs each
+micro-batch (TRL's padded batch, or packed pair rows from
+:func:`packtools.integrations.preference.data.pack_reward_pairs`) as one padding-free row, reads each
+document's score at its own last token (:mod:`packtools.integrations.preference.reward_scores`) and hands
+TRL's loss code the ``[2 * pairs, 1]`` scores it expects:
 
-* **One padding-free row.**  Each micro-batch -- TRL's padded ``[2B, T]`` batch, or packed pair rows from
-  :func:`packtools.integrations.preference.data.pack_reward_pairs` -- runs through the model as one row
-  (``position_ids`` restarting per sequence and ``cu_seq_lens``: FlashAttention varlen, or the block-diagonal
-  mask of ``sdpa`` / ``eager``).  The model's own forward runs (through DDP's, so gradients are reduced), and
-  its classification head (``score``) scores every position of the row; a forward hook on the head, held for
-  that one call, keeps those per-position scores, and the score of each document is read at its own last
-  token (:mod:`packtools.integrations.preference.reward_scores`).  The model's pooled output (the row's last token) is
-  ignored.
 * **TRL's loss and metrics unchanged.**  :class:`PackedRewardStep.compute_loss` calls ``RewardTrainer``'s own
   ``compute_loss`` with a stand-in for the model whose call returns the model's output with ``logits`` =
   those scores, chosen of every pair first, then rejected (TRL's ``torch.chunk`` order), and with the
   batch's ``margin`` and an ``attention_mask`` of the row's real tokens (TRL counts ``num_tokens`` from it):
   the margin, ``center_rewards_coefficient``, accuracy, margins and rewards are TRL's code.
-* **The step's pair mean.**  As for DPO (:mod:`packtools.integrations.preference.dpo`): ``get_batch_samples`` counts the
-  pairs of an optimizer step over all processes, and each micro-batch's loss (TRL's mean over its pairs) is
-  weighed by ``its pairs / step pairs`` times what ``Trainer`` and DDP divide by, so the step's loss is the
-  mean over all its pairs.  With equal micro-batches (TRL's own) the factor is exactly 1.
-* **Guards.**  The attention backend must isolate packed sequences, the forward runs with
-  ``use_cache=False`` and is checked for an ``attention_mask`` next to packed positions
-  (:func:`~packtools.integrations.trainers.guard.guard_model`), and :func:`check_reward_isolation` scores a few
-  sequences packed and alone through this very path before training.
+* **The step's pair mean.**  As for DPO (``docs/preference.md``): the loss of an optimizer step is the mean
+  over all its pairs, over all processes (:class:`StepPairs`); with equal micro-batches (TRL's own) the
+  factor is exactly 1.
 
-Everything packtools changes about a step is the one class :class:`PackedRewardStep`, swapped onto the
-trainer by :func:`packtools.integrations.trainers.step.install_step` (the same step owner as SFT and DPO); the run's
-decisions are one frozen :class:`RewardPlan`; :func:`packtools.integrations.unprepare` undoes all.
+:class:`PackedRewardStep` is everything packtools changes about a step (swapped in by
+:func:`packtools.integrations.trainers.step.install_step`), :class:`RewardPlan` the run's decisions;
+:func:`packtools.integrations.unprepare` undoes all.
 """
 
 from __future__ import annotations
@@ -44,13 +34,12 @@ from ...compat.trl import check_step_methods, keep_signature_columns, set_traini
 from ...constants import SEQ_LENGTHS
 from ...errors import PackingError
 from ..attention.backends import (
-    base_model,
     check_attention_implementation,
-    multimodal_parts,
     segmented_sdpa_until_checked,
     sends_seq_idx,
 )
 from ..attention.mixers import run_mixers_per_document
+from ..multimodal.models import refuse_multimodal
 from ..parallel.distributed import check_loss_path, is_sharded, uneven_gather
 from ..parallel.layout import rank_layout
 from ..trainers.guard import guard_model, refuse_prompt_learning
@@ -139,12 +128,7 @@ def _check_trainer(trainer: Any) -> None:
             f"(its pooled logits would be the row's last token). Move the change into a callback, or train padded.",
             param="trainer",
         )
-    inner = base_model(trainer.model)
-    if multimodal_parts(trainer.model):
-        raise PackingError(
-            f"{type(inner).__name__} is a multimodal model: the padding-free reward forward carries text rows only.",
-            param="model",
-        )
+    refuse_multimodal([trainer.model], "reward forwards")
     refuse_prompt_learning(trainer.model)
     score_head(trainer.model)
 

@@ -1,14 +1,10 @@
 """TRL's ``DPOTrainer`` with each pair's prompt forwarded once (``prepare_dpo_trainer(..., share_prompt=True)``).
 
-TRL's loss code receives its padded ``[2 * pairs, T]`` layout as always (the collator expands prompt-shared
-rows into it; integers only).  The model's fused-LM-head forward folds that batch into one prompt-shared row
-before the backbone runs: each pair's prompt (read from the labels: the tokens before the first completion
-label) is checked equal in its chosen and rejected sequences and laid out once, its last token heading each
-completion (:mod:`packtools.core.shared_pairs`).  The backbone runs on that row with the tree attention
-(:mod:`packtools.integrations.attention.tree`), and the per-token outputs are gathered back into the padded
-layout, each sequence's prompt positions read from the one shared copy.  Everything else (micro-batching,
-the mean over the pairs of a step, the guards) is :mod:`packtools.integrations.preference.dpo` unchanged, which imports
-this module (never the other way round).
+TRL's loss code receives its padded ``[2 * pairs, T]`` layout as always; the model's fused-LM-head forward
+folds that batch into one prompt-shared row (:func:`fold_pairs`), runs the backbone on it with the tree
+attention (:mod:`packtools.integrations.attention.tree`) and gathers the per-token outputs back into the padded
+layout.  Everything else is :mod:`packtools.integrations.preference.dpo`'s, which imports this module (never
+the other way round).  The layout: ``docs/preference.md`` (*The prompt once*).
 """
 
 from __future__ import annotations
@@ -21,27 +17,14 @@ from ..._optional import require
 from ...batches.tree import TREE_KEY, TreeLayout, tree_segments, unshared_index
 from ...compat import set_attr
 from ...compat.trl import wrap_fused_forward
-from ...core.shared_pairs import PROMPT_LENGTHS
 from ...errors import PackingError
 from ..attention.backends import attention_implementation
 from ..attention.backends import base_model as _base_model
 from ..attention.segmented import SEGMENTED_SDPA
 from ..attention.tree import check_tree_model, use_tree_attention
-from .calls import PER_TOKEN, padded_preference_call, padding_free_layout
+from .calls import padded_preference_call, padding_free_layout, scatter_per_token
 
 _WRAPPED = "_packtools_shared_prompt"
-
-
-def shares_prompt(dataset: Any) -> bool:
-    """Whether ``dataset`` holds prompt-shared rows (a ``prompt_lengths`` column).
-
-    >>> import pyarrow as pa
-    >>> from packtools.dpo import pack_preference
-    >>> t = pa.table({"prompt_ids": [[1, 2]], "chosen_ids": [[3]], "rejected_ids": [[4]]})
-    >>> shares_prompt(pack_preference(t, 8, share_prompt=True)), shares_prompt(pack_preference(t, 8))
-    (True, False)
-    """
-    return PROMPT_LENGTHS in list(getattr(dataset, "column_names", None) or [])
 
 
 def fold_pairs(ids: Any, mask: Any, labels: Any) -> dict[str, Any]:
@@ -77,9 +60,7 @@ def fold_pairs(ids: Any, mask: Any, labels: Any) -> dict[str, Any]:
     seg, is_branch = tree_segments(p, np.full(pairs, 2), comp)
     layout = TreeLayout.build(seg, is_branch, np.full(pairs, 2))
     index, seq_len = unshared_index(seg, is_branch)  # branch m = pair m // 2, chosen if m is even
-    row = np.arange(2 * pairs).reshape(pairs, 2)
-    row = (row // 2) + (row % 2) * pairs  # padded row of each branch
-    row = row.reshape(-1)
+    row = np.arange(2 * pairs).reshape(2, pairs).T.reshape(-1)  # padded row of each branch: m, pairs + m, ...
     cu = np.zeros(seq_len.shape[0] + 1, np.int64)
     np.cumsum(seq_len, out=cu[1:])
     which = np.repeat(np.arange(seq_len.shape[0]), seq_len)
@@ -91,9 +72,7 @@ def fold_pairs(ids: Any, mask: Any, labels: Any) -> dict[str, Any]:
     flat_ids = ids.reshape(-1)[src]
     flat_labels = labels.reshape(-1)[src].clone()
     flat_labels[torch.from_numpy(seg[:, 0]).to(device)] = -100
-    # Padded (b, j) -> flat position of token j of sequence b, for j < len_b - 1, row-major over b.
-    order = np.empty(2 * pairs, np.int64)
-    order[row] = np.arange(2 * pairs)  # branch of each padded row
+    order = np.arange(2 * pairs).reshape(pairs, 2).T.reshape(-1)  # branch of each padded row: row's inverse
     parts = [index[cu[m] : cu[m + 1] - 1] for m in order]
     back = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     return {
@@ -123,41 +102,12 @@ def _shared_forward(inner: Any) -> Any:
             **kwargs,
         )
         folded["tree"].reads.take(None, "prepare_dpo_trainer(share_prompt=True)")  # it ran the tree
-        n_seq, width = ids.shape
-        target = folded["valid"][:, 1:]
-        for name in PER_TOKEN:
-            value = getattr(out, name, None)
-            if value is None:
-                continue
-            if value.shape[-1] != folded["input_ids"].shape[1] - 1:
-                raise PackingError(
-                    f"the model's {name} has {value.shape[-1]} positions for {folded['input_ids'].shape[1]} tokens; "
-                    f"models that add virtual tokens cannot share prompts."
-                )
-            full = value.new_zeros((n_seq, width - 1))
-            full[target] = value[0, folded["back"]]
-            out[name] = full
+        refusal = "models that add virtual tokens cannot share prompts."
+        tokens = folded["input_ids"].shape[1]
+        scatter_per_token(out, tokens, folded["valid"][:, 1:], folded["back"], refusal)
         return out
 
     return forward
-
-
-def install_shared_prompt_forward(model: Any, *, owner: Any = None) -> None:
-    """Wrap the fused-LM-head forward TRL put on ``model`` (once) so each pair's prompt runs once.
-
-    Recorded on ``owner`` (the trainer under ``prepare_dpo_trainer``; by default the base model)."""
-    base = _base_model(model)
-    if vars(base).get(_WRAPPED):
-        return
-    owner = base if owner is None else owner
-    wrap_fused_forward(base, _shared_forward, owner=owner)
-    set_attr(base, _WRAPPED, True, owner=owner)
-
-
-def check_tree_models(models: list[Any]) -> None:
-    """:func:`~packtools.integrations.attention.tree.check_tree_model` on every model (policy, reference)."""
-    for model in models:
-        check_tree_model(model)
 
 
 def prepare_shared_prompt(trainer: Any, models: list[Any], check_isolation: bool = True) -> None:
@@ -167,7 +117,8 @@ def prepare_shared_prompt(trainer: Any, models: list[Any], check_isolation: bool
     name if the tree cannot serve it), then switched and probed; if one fails, all go back to ``sdpa`` (or
     their own backend) and nothing is wrapped.
     """
-    check_tree_models(models)
+    for model in models:
+        check_tree_model(model)
     switched = []
     try:
         for model in models:
@@ -177,15 +128,8 @@ def prepare_shared_prompt(trainer: Any, models: list[Any], check_isolation: bool
         for model, before in switched:
             _base_model(model).set_attn_implementation("sdpa" if before == SEGMENTED_SDPA else before)
         raise
-    for model in models:
-        install_shared_prompt_forward(model, owner=trainer)
-
-
-def tree_columns(shared: bool) -> list[str]:
-    """The columns of prompt-shared rows the collator needs besides a pair row's (kept through
-    ``remove_unused_columns``).
-
-    >>> tree_columns(True), tree_columns(False)
-    (['prompt_lengths'], [])
-    """
-    return [PROMPT_LENGTHS] if shared else []
+    for model in models:  # the fused-LM-head forward TRL put on each model folds its pair batches (once)
+        base = _base_model(model)
+        if not vars(base).get(_WRAPPED):
+            wrap_fused_forward(base, _shared_forward, owner=trainer)
+            set_attr(base, _WRAPPED, True, owner=trainer)

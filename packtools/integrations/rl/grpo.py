@@ -41,7 +41,6 @@ from ..attention.backends import (
     attention_implementation,
     base_model,
     check_attention_implementation,
-    multimodal_parts,
     segmented_sdpa_until_checked,
     sends_seq_idx,
     token_mixing_layers,
@@ -49,6 +48,7 @@ from ..attention.backends import (
 from ..attention.isolation import ProbeDiffs
 from ..attention.mixers import POSITIONLESS_MASKS, run_mixers_per_document
 from ..attention.tree import check_tree_model, use_tree_attention
+from ..multimodal.models import refuse_multimodal
 from ..trainers.guard import check_forward_inputs, refuse_prompt_learning
 from ..trainers.step import install_step, plan_of
 from .groups import GroupBalancedSampler, choose_balance, prompt_token_counter
@@ -280,14 +280,9 @@ def _check_models(trainer: Any, models: list[Any]) -> bool:
             f"loss_type={loss_type!r} is not one packtools checked ({', '.join(GRPO_LOSS_TYPES)}); train padded.",
             param="loss_type",
         )
+    refuse_multimodal(models, "GRPO/RLOO rows")
     seq_idx = False
     for model in models:
-        if multimodal_parts(model):
-            raise PackingError(
-                f"{type(base_model(model)).__name__} is a multimodal model: packtools' padding-free GRPO/RLOO rows "
-                f"carry text only; train it padded.",
-                param="model",
-            )
         refuse_prompt_learning(model)
         check_attention_implementation(model)
         seq_idx = seq_idx or sends_seq_idx(model)
