@@ -107,7 +107,7 @@ def _no_cache_note(folder: str, exc: OSError) -> str:
 def _stage(ex: Any, jobs: list, verdict: dict[str, Any] | None, quiet: bool) -> list[dict[str, Any]]:
     """Stage ``jobs`` under the driver's ``verdict``: entries another engine tokenized are staged again, and
     an audit difference restages the fast engine's entries with transformers (``auto``; ``fast`` stops)."""
-    from .jobs import run_jobs
+    from .executors import run_jobs
     from .tokenizer.proof import EngineDivergence
     from .tokenizer.verdict import drop_disagreeing, fall_back
 

@@ -44,11 +44,10 @@ from ..io.files import InputFile, Part, find_inputs, read_schema, skipped_notes,
 from ..io.manifest import read_manifest, write_manifest
 from ..io.pages import give_back_freed_memory
 from .config import PipelineConfig, PipelineResult, check_options_used, fingerprint
-from .executors import EXECUTORS, Executor, get_executor
+from .executors import EXECUTORS, Executor, get_executor, run_jobs
 from .failures import explain_os_error, note_interrupted, signals_deferred
 from .formats import input_columns, optional_columns, output_columns
 from .gather import block_steps, run_token, write_dataset_files
-from .jobs import run_jobs
 from .outcheck import check_out, check_replaceable
 from .planning import load_kernels_ahead, plan_parts, row_plan, write_jobs
 from .schema import data_format, known_columns, token_schema
