@@ -220,7 +220,7 @@ class RowPlan:
         over = np.flatnonzero((self.lengths > config.max_length) & (self.eff > 0))
         self.trained_eff = np.where(self.eff > 0, self.trained, 0)
         if config.overlong_policy == "truncate" and over.size:
-            self.trained_eff[over] = trained_prefix(data, self.bounds, over, columns, config.max_length)
+            self.trained_eff[over] = trained_prefix(data, self.bounds, over, config.max_length)
         over = over[self.trained[over] > 0]
         if config.overlong_policy != "split" or config.strategy != "bfd_split" or over.size == 0:
             return list(data)  # wrapped cuts one stream: it keeps every token, and no piece is a sequence

@@ -28,10 +28,9 @@ and cut so that the reply keeps its question:
   before it as fits (the question's start, in the pieces before, trains nothing);
 * a longer reply: its first piece holds the head (where carried), the question (its end when longer than
   three quarters of what the piece holds besides the head: a quarter is left to the reply) and the reply's
-  start; the later pieces continue the reply *without the
-  head*: each is a plain window of the conversation, and its first token is not trained (the first token of
-  every sequence is masked in a padding-free batch, contract 3), so no trained token follows a head or a
-  context it was not answering.
+  start; the later pieces continue the reply *without the head*: each is a plain window of the conversation,
+  and its first token is not trained (the first token of every sequence is masked in a padding-free batch,
+  contract 3), so no trained token follows a head or a context it was not answering.
 
 **Pieces without a trained token** (a label other than -100 after the piece's first token: the first token's
 label is masked in every padding-free batch, contract 3) train nothing; they are dropped unless
@@ -122,17 +121,7 @@ def _tail_fits(labels: np.ndarray, a: int, b: int, head: int, max_length: int) -
 
 def long_exchange(labels: np.ndarray, a: int, b: int, head: int, max_length: int) -> list[Piece]:
     """The pieces of one exchange ``row[a:b]`` longer than a piece (the question, then the reply from its first
-    trained token ``r``).
-
-    * A reply that fits a piece (with the head it carries): cut from the end, the last piece holding the reply
-      and as much of the question as fits.
-    * A longer reply: its first piece holds the head (where it is carried), the question (its end when it is
-      longer than three quarters of the piece, so that a quarter is left to the reply) and the reply's start;
-      the later pieces continue the reply **without a head**, each a plain window of the conversation whose
-      first token is not trained (as every sequence's first token), so no trained token follows a context that
-      never existed.  A question's start that does not fit goes into
-      pieces before, which train nothing.
-    """
+    trained token ``r``), cut as the module docstring's "An exchange longer than a piece" says."""
     carry = carried_head(head, max_length)
     r = _reply_start(labels, a, b, head)
     if _tail_fits(labels, a, b, head, max_length):
@@ -295,10 +284,9 @@ def staged_rows(data: Sequence[str], bounds: Sequence[int], rows: np.ndarray, co
 
 
 def trained_prefix(
-    data: Sequence[str], bounds: Sequence[int], rows: np.ndarray, columns: Sequence[str], max_length: int
+    data: Sequence[str], bounds: Sequence[int], rows: np.ndarray, max_length: int
 ) -> np.ndarray:
     """The trained tokens of the first ``max_length`` tokens of each row of ``rows`` (what truncation keeps)."""
-    del columns
     return np.array(
         [trained_tokens(c["labels"][:max_length]) for _, c in staged_rows(data, bounds, rows, ["labels"])],
         np.int64,
