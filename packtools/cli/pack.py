@@ -1,17 +1,8 @@
-"""``packtools pack``: raw, chat, preference or tokenized files to a packed dataset folder, out of core.
-
-``packtools pack INPUT... --out DIR --max-length N`` runs :func:`packtools.pipeline.run.pack_files` and prints a
-summary; ``--executor local|pool|ray`` (with ``--workers``, ``--address``) chooses where its read/tokenize and
-gather/write stages run, and changes nothing in the output.  Two smaller forms stay: ``--out FILE.parquet|
-.arrow`` packs one tokenized file in memory into one file; without ``--out`` a tokenized file is only planned
-(the summary is printed).  Without INPUT, a built-in sample (the standard library's sources, byte-level) is
-packed in memory with every strategy; ``packtools demo`` runs the whole pipeline on it.
-
-``packtools pack --processor DIR``: TRL-format vision JSON lines packed offline
-(:func:`packtools.pipeline.vision.pack_vision_files`).
-
-The text pipeline's options (tokenizer, format, columns, overlong, executor, ...) do nothing here, so each one
-given a value other than its default is refused by name rather than ignored.
+"""``packtools pack``: raw, chat, preference or tokenized files to a packed dataset folder, out of core
+(:func:`packtools.pipeline.run.pack_files`; the parser's description says the forms).  The small forms pack one
+tokenized file (or, without INPUT, a built-in sample) in memory.  ``--processor DIR`` packs TRL-format vision
+JSON lines (:func:`packtools.pipeline.vision.pack_vision_files`) and refuses by name each text-pipeline option
+given a value other than its default, rather than ignore it.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """Profile raw input (text, chat, prompt/completion, preference) through the same stage as ``packtools pack``.
 
-:func:`profile_files` finds and splits the input files as :func:`packtools.pack_files` does, stages every
-part with :func:`packtools.pipeline.stage.stage_part` on the chosen executor (reading in blocks and
-tokenizing: out of core, only the lengths are held), and profiles the staged lengths.  The staged parts go
-to the shared stage cache (:mod:`packtools.pipeline.stage_cache`), where a following ``packtools pack`` of the
-same inputs with the same tokenizer (and format, ``add_eos``) finds them: it tokenizes nothing again.
+:func:`profile_files` stages every part as ``pack`` does (:func:`packtools.pipeline.stage.stage_part`, out of
+core: only the lengths are held) into the shared stage cache (:mod:`packtools.pipeline.stage_cache`), where a
+following ``pack`` of the same inputs with the same tokenizer (and format, ``add_eos``) tokenizes nothing again.
 
-What one "sequence" is, per format: ``text``, ``prompt_completion`` and ``messages`` -- one tokenized row
-(EOS included when ``add_eos``), the length ``pack`` packs; ``preference`` -- one pair as ``pack`` lays it out
-in a row, ``2 * prompt + chosen + rejected`` (``[prompt + chosen][prompt + rejected]``, never split).
-Tokenized input (``input_ids`` ...) needs no stage: its lengths are read from the list offsets
-(:func:`packtools.profile_lengths`), and packed input by its ``seq_lengths``.
+A "sequence" is what ``pack`` packs: one tokenized row (EOS included when ``add_eos``), or for ``preference``
+one pair as laid out in a row, ``2 * prompt + chosen + rejected`` (never split).  Tokenized input needs no
+stage: its lengths are read from the list offsets (:func:`packtools.profile_lengths`), and packed input's from
+its ``seq_lengths``.
 
 >>> import os, tempfile, pyarrow as pa, pyarrow.parquet as pq
 >>> d = tempfile.mkdtemp()

@@ -1,31 +1,22 @@
 """The file-packing engine behind ``packtools pack`` and :func:`packtools.pack_files`.
 
-One run, whatever executes it:
+One run, whatever executes it (``docs/pipeline.md``, "One engine, any executor"):
 
-1. **Discover** the input files and cut them into parts (parquet row groups, JSON-lines byte ranges, whole
-   files; :func:`packtools.io.files.split_file`).
-2. **Stage** every part on the executor: read it in blocks, tokenize raw rows (or check and cast tokenized
-   ones), write its token columns to a staged Arrow file plus a sidecar of row lengths
-   (:mod:`packtools.pipeline.stage`).  Staged parts are cached by a key of everything that decides them.
-3. **Plan** on the driver, from lengths alone (O(rows) memory, no token touched): apply the ``overlong``
-   policy, optionally drop rows without a label token, and make **one global plan** (``plan="shards"``
-   instead plans each part on its own, for lengths that do not fit one machine; see
-   :data:`packtools.pipeline.config.PLANS` and :mod:`packtools.pipeline.planning`).
-4. **Gather and write** on the executor: the plan cut into blocks of at most ``shard_tokens`` tokens, each
-   gathered from the memory-mapped staged files and written as one shard
-   (:mod:`packtools.pipeline.gather`).
-5. **Install**: ``manifest.json``, ``state.json`` and ``dataset_info.json`` are written and the finished folder
-   is renamed to ``out`` (see :mod:`packtools.pipeline.workspace` for the lock and crash safety).
+1. **Discover** the input files and cut them into parts (:func:`packtools.io.files.split_file`).
+2. **Stage** every part on the executor: its token columns and a sidecar of row lengths, cached by a key of
+   everything that decides them (:mod:`packtools.pipeline.stage`).
+3. **Plan** on the driver, from lengths alone (O(rows) memory, no token touched): the ``overlong`` policy,
+   unlabeled rows and **one global plan**, or one per part (:mod:`packtools.pipeline.planning`).
+4. **Gather and write** on the executor: blocks of at most ``shard_tokens`` tokens gathered from the
+   memory-mapped staged files, one shard each (:mod:`packtools.pipeline.gather`).
+5. **Install**: the manifest and the ``datasets`` files written, the finished folder renamed to ``out``
+   (:mod:`packtools.pipeline.workspace`: the lock and crash safety).
 
 The executor (``local``, ``pool``, ``ray``) decides where stages 2 and 4 run and nothing else: the output
-folder is the same bytes whichever runs it, and ``datasets.load_from_disk(out)`` opens it.  The manifest holds
-only what decides the output (configuration, input fingerprints, packtools and format versions) and its
-statistics, so a rerun whose fingerprint matches does nothing; timings are returned, not written.
-
-Preference data (``prompt``/``chosen``/``rejected``) is staged the same way and then written as pairs by
-:func:`packtools.pipeline.preference.write_packed_preference`: each pair's ``[prompt + chosen][prompt +
-rejected]`` side by side in a row, never split (``input_ids``, ``completion_mask``, ``seq_lengths``; see
-:func:`packtools.dpo.pack_preference`).
+folder is the same bytes whichever runs it.  The manifest holds only what decides the output and its
+statistics, so a rerun whose fingerprint matches does nothing; timings are returned, not written.  Preference
+data is staged the same way and written as whole pairs by
+:func:`packtools.pipeline.preference.write_packed_preference`.
 """
 
 from __future__ import annotations
