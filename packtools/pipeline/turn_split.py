@@ -184,16 +184,24 @@ def plan_pieces(  # noqa: PLR0913 - the row and the markers of its turns
     pieces: list[Piece] = []
     cut = 0
     start = end = 0  # the piece being filled: row[start:end], carrying the head unless start == 0
-    for unit in units:
-        ua, ub = unit[0][0], unit[-1][1]
-        if ub - start <= cap(start):  # the whole unit fits the open piece
-            end = ub
-            continue
+
+    def fill(a: int, b: int) -> bool:
+        """Put ``row[a:b]`` in the open piece, else close it and open one at ``a``; whether it fitted."""
+        nonlocal start, end
+        if b - start <= cap(start):
+            end = b
+            return True
         if end > start:
             pieces.append((carry if start else 0, start, end))
-        start = end = ua
-        if ub - ua <= cap(ua):
-            end = ub
+        start = end = a
+        if b - a <= cap(a):
+            end = b
+            return True
+        return False
+
+    for unit in units:
+        ua, ub = unit[0][0], unit[-1][1]
+        if fill(ua, ub):  # the whole unit
             continue
         if len(unit) > 1 and _tail_fits(labels, ua, ub, head, max_length):
             # a long question before a tool chain that fits a piece: the chain with the question's end
@@ -202,18 +210,10 @@ def plan_pieces(  # noqa: PLR0913 - the row and the markers of its turns
             start = end = ub
             continue
         for a, b in unit:  # longer than a piece: exchange by exchange
-            if b - start <= cap(start):
-                end = b
-                continue
-            if end > start:
-                pieces.append((carry if start else 0, start, end))
-            start = end = a
-            if b - a <= cap(a):
-                end = b
-                continue
-            cut += 1
-            pieces.extend(long_exchange(labels, a, b, head, max_length))
-            start = end = b
+            if not fill(a, b):
+                cut += 1
+                pieces.extend(long_exchange(labels, a, b, head, max_length))
+                start = end = b
     if end > start:
         pieces.append((carry if start else 0, start, end))
     glued = {a for unit in units for a, _ in unit[1:]}
