@@ -32,7 +32,7 @@ from .turn_split import check_split_at
 
 OVERLONG = ("truncate", "drop", "split")
 #: ``global``: one plan over every row (the default; fewest rows).  ``shards``: each part planned on its own
-#: and the plans put one after the other; costs a few rows per part (< 0.01% with parts of >= 100k rows).
+#: and the plans put one after the other, a few rows more per part (``docs/pipeline.md``).
 PLANS = ("global", "shards")
 
 

@@ -287,8 +287,7 @@ def get_executor(
     if address is not None and name != "ray":
         raise PackingError(
             f"address={address!r} with executor={name!r}: only the Ray executor connects to a cluster, so it "
-            f"would change nothing. Use "
-            f"executor='ray', or leave address out.",
+            f"would change nothing. Use executor='ray', or leave address out.",
             param="address",
         )
     if name == "local":

@@ -288,9 +288,8 @@ def _inputs(
     proven = freeze_report(tok.report.to_dict())
     early.update(tokenizer_timings(tok, time.perf_counter() - t_tok))
     columns, types = output_columns(fmt), ["int32"] * len(output_columns(fmt))
-    read = set(
-        input_columns(fmt) + optional_columns(fmt)
-    )  # every file's other columns are listed as left out
+    # every file's other columns are listed as left out
+    read = set(input_columns(fmt) + optional_columns(fmt))
     left_out = list(dict.fromkeys(n for f in files for n in read_schema(f).names if n not in read))
     return RunInputs(files, columns, types, left_out, ids, proven), early
 
