@@ -28,7 +28,7 @@ from .tokenizer.char_drops import check_on_unencodable
 from .tokenizer.fast import check_audit_rate, check_engine, engine_key
 from .tokenizer.folder import tokenizer_fingerprint
 from .tokenizer.spec import IdsSpec
-from .turn_split import check_split_at
+from .turn_split import SPLIT_AT
 
 OVERLONG = ("truncate", "drop", "split")
 #: ``global``: one plan over every row (the default; fewest rows).  ``shards``: each part planned on its own
@@ -73,7 +73,7 @@ class PipelineConfig:
         check_audit_rate(self.tokenizer_audit)
         check_on_unencodable(self.on_unencodable)
         check_strategy(self.strategy)
-        check_split_at(self.split_at)
+        check_choice("split_at", self.split_at, SPLIT_AT)
         object.__setattr__(
             self,
             "context_parallel",

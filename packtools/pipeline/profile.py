@@ -162,7 +162,6 @@ def profile_files(
         tokenizer_engine=tokenizer_engine,
         part_rows=part_rows,
         part_bytes=part_bytes,
-        columns=None if format != "tokenized" or column == "input_ids" else (column,),
     )
     files = discover(inputs)
     if not files:

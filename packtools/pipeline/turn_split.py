@@ -57,16 +57,11 @@ import pyarrow as pa
 from .._atomic import removed_on_error
 from ..constants import IGNORE_INDEX, MASK_COLUMNS
 from ..core.arrow import read_list_column
-from ..errors import check_choice
 
 #: ``turns``: cut at the ends of trained spans, carrying the head; ``tokens``: every ``max_length`` tokens.
 SPLIT_AT = ("turns", "tokens")
 
 Piece = tuple[int, int, int]  # (tokens of the head carried before it, start, end) in the row
-
-
-def check_split_at(split_at: str) -> None:
-    check_choice("split_at", split_at, SPLIT_AT)
 
 
 def carried_head(head: int, max_length: int) -> int:
