@@ -201,8 +201,7 @@ def save_block(job: WriteJob, table: pa.Table) -> dict[str, Any]:
         t = time.perf_counter()
         write_shard(tmp, table)
         t_flush = time.perf_counter()
-        # flushed here, while the next block is gathered (the install's flush of the whole output before the
-        # rename a later run trusts then finds it on disk: 1 GB of shards flushed at the end cost ~1 s)
+        # flushed here, while the next block is gathered: the install's flush of the whole output finds it on disk
         fsync_file(tmp)
         os.replace(tmp, job.path)
     done = time.perf_counter()
