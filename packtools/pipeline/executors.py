@@ -102,19 +102,14 @@ def run_overlapped(fn: TwoSteps, jobs: Sequence[Any]) -> Iterator[tuple[int, Any
             done = ahead
             if i + 1 < len(jobs):
                 ahead = pool.submit(fn.first, jobs[i + 1])
-            outcome = _second_step(fn, job, done)
+            try:
+                outcome = fn.second(job, done.result())
+            except Exception as exc:  # noqa: BLE001 - either step's error, reported as the job's outcome
+                outcome = exc
             del done  # its result: not kept while the caller handles the outcome
             yield i, outcome
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _second_step(fn: TwoSteps, job: Any, first: Future[Any]) -> Any:
-    """``fn.second(job, result of first)``, or the exception either step raised."""
-    try:
-        return fn.second(job, first.result())
-    except Exception as exc:  # noqa: BLE001 - reported to the caller as the job's outcome
-        return exc
 
 
 class PoolExecutor(Executor):

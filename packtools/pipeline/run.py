@@ -42,7 +42,7 @@ from .gather import block_steps, run_token, write_dataset_files
 from .outcheck import check_out, check_replaceable
 from .planning import load_kernels_ahead, plan_parts, row_plan, write_jobs
 from .schema import data_format, known_columns, token_schema
-from .stage import StageJob, freeze_report, stage_part
+from .stage import StageJob, freeze_report, iter_staged, stage_part
 from .stage_cache import adopt_cached, evicted_error, keep_in_place, stage_jobs
 from .staged import load_sidecar, sidecar_tool_opener, sidecar_turns
 from .summary import tokenizer_timings
@@ -499,7 +499,6 @@ def _run(
         os.makedirs(ws.build)
         if fmt == "preference":
             from .preference import write_packed_preference
-            from .stage import iter_staged
 
             t1 = time.perf_counter()
             stats = write_packed_preference(
