@@ -21,9 +21,13 @@ data is staged the same way and written as whole pairs by
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import signal
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -36,7 +40,6 @@ from ..io.manifest import read_manifest, write_manifest
 from ..io.pages import give_back_freed_memory
 from .config import PipelineConfig, PipelineResult, check_options_used, fingerprint
 from .executors import EXECUTORS, Executor, get_executor, run_jobs
-from .failures import explain_os_error, note_interrupted, signals_deferred
 from .formats import input_columns, optional_columns, output_columns
 from .gather import block_steps, run_token, write_dataset_files
 from .outcheck import check_out, check_replaceable
@@ -234,6 +237,57 @@ def warn_pipeline_drops(stats: dict[str, Any]) -> None:
     text = pipeline_drop_message(stats)
     if text is not None:
         warnings.warn(text, TokensDroppedWarning, stacklevel=3)
+
+
+# -- a failed or interrupted run: signals held back while it cleans up, OS errors said as one line ----------
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back while cleaning up (they are delivered right after)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def explain_os_error(exc: BaseException, out: str) -> BaseException:
+    """OS errors while writing, as one clear line naming the place and the fix.
+
+    >>> err = explain_os_error(OSError(errno.ENOSPC, "No space left on device", "/data/x.arrow"), "/data")
+    >>> print(err)
+    no space left on the device while writing '/data/x.arrow'; free some space or choose another out
+    (nothing was left behind).
+    >>> err.param
+    'out'
+    """
+    if isinstance(exc, PackingError) or not isinstance(exc, OSError):
+        return exc
+    place = exc.filename or out
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return PackingError(
+            f"no space left on the device while writing {place!r}; free some space or choose another out "
+            f"(nothing was left behind).",
+            param="out",
+        )
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return PackingError(
+            f"cannot write {place!r} ({exc.strerror}); choose an out in a folder you can write to.",
+            param="out",
+        )
+    return exc
+
+
+def note_interrupted(exc: BaseException, ws: Workspace) -> None:
+    """Say on ``exc`` (``packtools_note``, which the CLI prints) what an interrupted run kept for the next one."""
+    kept = ws.staged_parts()
+    note = "no output was written"
+    if kept:
+        note += f"; {kept} finished part(s) kept in {ws.root} for the next run (delete it to free the space)"
+    with contextlib.suppress(AttributeError):
+        exc.packtools_note = note  # type: ignore[attr-defined]
 
 
 def _inputs(
