@@ -199,16 +199,14 @@ def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> tuple[s
             if not (os.path.exists(sidecar) and os.path.exists(arrow)):
                 continue
             why = damage(sidecar)
-            if why is None:
-                _, _, data = load_sidecar(sidecar)
-                if os.path.abspath(data) != arrow:
-                    continue  # an entry that points elsewhere (an as-is input): stage it normally
-            else:
+            if why is not None:
                 notes.append(
                     f"stage cache entry {sidecar!r} was damaged ({why}): removed, and the part staged again"
                 )
                 discard(sidecar, arrow)
                 continue
+            if os.path.abspath(load_sidecar(sidecar)[2]) != arrow:
+                continue  # an entry that points elsewhere (an as-is input): stage it normally
             target = arrow
             try:
                 os.makedirs(os.path.dirname(job.staged), exist_ok=True)
