@@ -81,6 +81,22 @@ class ShardFolder:
         return names
 
 
+def shard_rows(weights: np.ndarray, budget: int) -> list[tuple[int, int]]:
+    """Consecutive row ranges ``(start, stop)`` whose ``weights`` add up to at most ``budget`` (at least one row
+    each), as :meth:`packtools.core.plan.PackPlan.row_blocks` cuts a plan by its tokens.
+
+    >>> shard_rows(np.array([40, 0, 120, 20]), 100)
+    [(0, 2), (2, 3), (3, 4)]
+    """
+    csum = np.concatenate(([0], np.cumsum(weights)))
+    blocks, start = [], 0
+    while start < len(weights):
+        stop = max(int(np.searchsorted(csum, csum[start] + budget, side="right")) - 1, start + 1)
+        blocks.append((start, stop))
+        start = stop
+    return blocks
+
+
 def shard_name(i: int, n: int, run: str = "") -> str:
     """``data-RUN-XXXXX-of-NNNNN.arrow``: ``run`` (the start of the run's fingerprint) differs between runs with
     other inputs or options, so a replacing run never reuses an old shard's name: a reader holding the old

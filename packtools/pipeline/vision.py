@@ -31,7 +31,7 @@ from ..errors import PackingError
 from ..io.discover import InputFile
 from ..io.files import mapped_table
 from ..io.manifest import MANIFEST_FORMAT, read_manifest, write_manifest
-from .gather import ShardFolder
+from .gather import ShardFolder, shard_rows
 from .outcheck import check_out, check_replaceable
 from .vision_stage import (
     block_damage,
@@ -79,16 +79,7 @@ def shard_bounds(p: PackPlan, patches: np.ndarray, dim: int, shard_bytes: int) -
     """
     per_seg = patches[p.seg_source] * (4 * dim)
     csum = np.concatenate([[0], np.cumsum(per_seg)])
-    row_bytes = csum[p.row_offsets[1:]] - csum[p.row_offsets[:-1]]
-    bounds, start, used = [], 0, 0
-    for r, b in enumerate(row_bytes.tolist()):
-        if r > start and used + b > shard_bytes:
-            bounds.append((start, r))
-            start, used = r, 0
-        used += b
-    if p.num_rows:
-        bounds.append((start, p.num_rows))
-    return bounds
+    return shard_rows(csum[p.row_offsets[1:]] - csum[p.row_offsets[:-1]], shard_bytes)
 
 
 def _value_lengths(column: pa.ChunkedArray) -> np.ndarray:
