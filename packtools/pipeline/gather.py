@@ -4,8 +4,7 @@ shards of a ``datasets.save_to_disk`` folder.
 :func:`block_steps` runs one :class:`WriteJob` (one block of rows of the global plan) on any executor: it maps
 only the files the block reads, copies the block's segments chunk by chunk, drops each chunk's mapped pages
 once copied (so memory holds one block, whatever the token count), and writes one Arrow stream shard under a
-temporary name renamed into place.  The bytes depend on the plan and the data only.  The local executor
-gathers the next block in a thread while one is written (memory then holds two blocks).
+temporary name renamed into place.  The bytes depend on the plan and the data only.
 
 >>> import os, tempfile, pyarrow as pa
 >>> folder = ShardFolder(tempfile.mkdtemp())
