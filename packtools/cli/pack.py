@@ -1,8 +1,8 @@
 """``packtools pack``: raw, chat, preference or tokenized files to a packed dataset folder, out of core
-(:func:`packtools.pipeline.run.pack_files`; the parser's description says the forms).  The small forms pack one
-tokenized file (or, without INPUT, a built-in sample) in memory.  ``--processor DIR`` packs TRL-format vision
-JSON lines (:func:`packtools.pipeline.vision.pack_vision_files`) and refuses by name each text-pipeline option
-given a value other than its default, rather than ignore it.
+(:func:`packtools.pipeline.run.pack_files`; the parser's description says the forms).  The small forms pack
+one tokenized file (or, without INPUT, a built-in sample) in memory.  ``--processor DIR`` packs TRL-format
+vision JSON lines (:func:`packtools.pipeline.vision.pack_vision_files`) and refuses by name each text-pipeline
+option given a value other than its default, rather than ignore it.
 """
 
 from __future__ import annotations

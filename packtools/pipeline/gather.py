@@ -81,8 +81,8 @@ class ShardFolder:
 
 
 def shard_rows(weights: np.ndarray, budget: int) -> list[tuple[int, int]]:
-    """Consecutive row ranges ``(start, stop)`` whose ``weights`` add up to at most ``budget`` (at least one row
-    each), as :meth:`packtools.core.plan.PackPlan.row_blocks` cuts a plan by its tokens.
+    """Consecutive row ranges ``(start, stop)`` whose ``weights`` add up to at most ``budget`` (at least one
+    row each), as :meth:`packtools.core.plan.PackPlan.row_blocks` cuts a plan by its tokens.
 
     >>> shard_rows(np.array([40, 0, 120, 20]), 100)
     [(0, 2), (2, 3), (3, 4)]
@@ -216,7 +216,7 @@ def save_block(job: WriteJob, table: pa.Table) -> dict[str, Any]:
         t = time.perf_counter()
         write_shard(tmp, table)
         t_flush = time.perf_counter()
-        # flushed here, while the next block is gathered: the install's flush of the whole output finds it on disk
+        # flushed here, while the next block is gathered: the install's flush of the output finds it on disk
         fsync_file(tmp)
         os.replace(tmp, job.path)
     done = time.perf_counter()

@@ -2,7 +2,7 @@
 
 :func:`profile_files` stages every part as ``pack`` does (:func:`packtools.pipeline.stage.stage_part`, out of
 core: only the lengths are held) into the shared stage cache (:mod:`packtools.pipeline.stage_cache`), where a
-following ``pack`` of the same inputs with the same tokenizer (and format, ``add_eos``) tokenizes nothing again.
+following ``pack`` of the same inputs, tokenizer, format and ``add_eos`` tokenizes nothing again.
 
 A "sequence" is what ``pack`` packs: one tokenized row (EOS included when ``add_eos``), or for ``preference``
 one pair as laid out in a row, ``2 * prompt + chosen + rejected`` (never split).  Tokenized input needs no

@@ -438,8 +438,8 @@ def _run(
     """Stage, plan, write and install, holding the lock of ``ws``."""
     fmt, columns = found.fmt, found.columns
     parts: list[Part] = [p for f in found.files for p in split_file(f, config.part_rows, config.part_bytes)]
-    # the kernels load beside a stage long enough to hide it (beside a short one they compete with it), started
-    # before the driver's verdict, which mostly waits for the fast engine's load (a thread that releases the GIL)
+    # the kernels load beside a stage long enough to hide it (beside a short one they compete with it),
+    # started before the driver's verdict, which mostly waits for the fast engine's load (it releases the GIL)
     big = sum(f.size for f in found.files) >= KERNELS_AHEAD_MIN_BYTES
     name = how.executor if isinstance(how.executor, str) else how.executor.name
     warming = (

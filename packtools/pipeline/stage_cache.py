@@ -1,8 +1,8 @@
 """The shared stage cache: tokenized parts that ``packtools profile`` staged, found again by ``packtools pack``.
 
 ``packtools profile --tokenizer`` has no ``--out``, so it stages into one folder per user, :func:`cache_dir`.
-An entry's file names are its cache key (:func:`packtools.pipeline.stage.stage_key`), so it can never be stale:
-a changed input or tokenizer has another key.  Before staging, ``pack`` looks each of its parts up here
+An entry's file names are its cache key (:func:`packtools.pipeline.stage.stage_key`), so it can never be
+stale: a changed input or tokenizer has another key.  Before staging, ``pack`` looks each of its parts up here
 (:func:`adopt_cached`): a hit is **hard-linked** into the run's own ``stage/`` folder, so the run tokenizes
 nothing for it and an eviction here cannot pull the file from under it (across file systems the run reads the
 entry in place; entries used in the last :data:`MIN_AGE_S` seconds are never evicted).
@@ -147,8 +147,8 @@ def stage_jobs(
     engine_proven: tuple[tuple[str, Any], ...] | None = None,
     checksum: bool = False,
 ) -> list[StageJob]:
-    """One :class:`StageJob` per part, its files named by their cache key in ``folder`` (as ``pack`` names them);
-    the other arguments are the :class:`StageJob` fields every job shares (``ids``: the run's
+    """One :class:`StageJob` per part, its files named by their cache key in ``folder`` (as ``pack`` names
+    them); the other arguments are the :class:`StageJob` fields every job shares (``ids``: the run's
     :class:`~packtools.pipeline.tokenizer.spec.IdsSpec`, handed to every job as it is)."""
     jobs = []
     for part in parts:

@@ -1,14 +1,14 @@
 """Offline packing of vision-language samples: JSON lines in TRL's vision format -> a packed folder, out of core.
 
 :func:`pack_vision_files` runs the text pipeline's steps in its crash-safe workspace
-(:class:`~packtools.pipeline.workspace.Workspace`): ``out`` checked as for text (:mod:`packtools.pipeline.outcheck`)
-and kept as it is when its manifest has this run's fingerprint (the stage key and the whole configuration); the
+(:class:`~packtools.pipeline.workspace.Workspace`): ``out`` checked as for text
+(:mod:`packtools.pipeline.outcheck`) and kept as it is when its manifest has this run's fingerprint; the
 samples processed ``block_rows`` at a time into staged Arrow files (:mod:`packtools.pipeline.vision_stage`: a
-rerun after a kill reuses the finished, undamaged blocks); one global ``bfd`` plan from the staged lengths, image
-tokens included (a sample longer than ``max_length`` is refused by its file and line, never truncated); shards
-of at most ``shard_bytes`` of pixel values gathered from the staged files mapped anew (token columns per
-token, image columns whole per sample, in row order); then the manifest, the ``datasets`` files and the rename.
-Memory holds one staged block or one shard and the pages it mapped, never the dataset (``docs/vision.md``).
+rerun after a kill reuses the finished, undamaged blocks); one global ``bfd`` plan from the staged lengths,
+image tokens included (a sample longer than ``max_length`` is refused by its file and line, never truncated);
+shards of at most ``shard_bytes`` of pixel values gathered from the staged files mapped anew (token columns
+per token, image columns whole per sample, in row order); then the manifest, the ``datasets`` files and the
+rename.  Memory holds one staged block or one shard and its mapped pages, never the dataset.
 """
 
 from __future__ import annotations

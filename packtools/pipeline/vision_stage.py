@@ -2,8 +2,8 @@
 processed block by block into Arrow files, and the rule for reusing them.
 
 A staged block is named by :func:`stage_key` (everything that decides its bytes, the content of the image
-files its rows name included).  It is written aside, flushed and renamed, then its sidecar (size and SHA-256) the
-same way; a later run reuses it only when the sidecar is there and the bytes match it (:func:`block_damage`),
+files its rows name included).  It is written aside, flushed and renamed, then its sidecar (size and SHA-256)
+the same way; a later run reuses it only when the sidecar is there and its bytes match (:func:`block_damage`),
 else stages it again.  A row key that would not reach the model is refused by name (:func:`check_row_keys`).
 
 >>> import os, tempfile

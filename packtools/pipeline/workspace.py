@@ -248,7 +248,7 @@ class Workspace:
 
 def tidy_after_dead_run(out: str) -> None:
     """For a run whose output is already in place (a cache hit): remove the lock file and work folder that a
-    run killed after installing it (or while cleaning up) left: take the lock, recover, remove the work folder.
+    run killed after installing it (or while cleaning up) left (take the lock, recover, remove the folder).
     A live run holding the lock is left alone."""
     ws = Workspace(out)
     if not ws.leftovers():
