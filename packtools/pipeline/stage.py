@@ -235,7 +235,6 @@ def _token_tables(job: StageJob, clock: dict[str, float]):
     # (seeded by the part); without a verdict the part proves the engine on its own first rows
     verdict = _thaw(job.engine_proven) if job.engine_proven is not None else None
     tok.start_part(os.path.basename(job.sidecar), verdict=verdict)
-    # Reading runs ahead in a thread (Arrow's readers release the GIL), as does tokenizing (stage_part).
     read = iter_part(job.part, TOKENIZE_ROWS, input_columns(job.fmt) + optional_columns(job.fmt))
     if job.fmt == "text":
         # the rows become Python strings in the reading thread, beside the engine's encoding of the batch before
