@@ -63,8 +63,7 @@ class PipelineConfig:
     tokenizer_engine: str = "auto"
     tokenizer_audit: float = 0.001  # share of rows compared with transformers after the proof
     on_unencodable: str = "report"  # characters the tokenizer cannot encode: report | error
-    # CP size the rows are budgeted for (documents planned at their CP-padded length; packtools.core.cp_budget);
-    # 1: no context parallelism
+    # CP size the rows are budgeted for, documents planned at their CP-padded length (1: none; core.cp_budget)
     context_parallel: int = 1
 
     def __post_init__(self) -> None:

@@ -205,11 +205,11 @@ class RowPlan:
         tool_opener: np.ndarray | None = None,
     ) -> list[str]:
         """Under ``overlong="split"``, cut the over-long rows with labels into pieces
-        (:func:`packtools.pipeline.turn_split.split_rows`, at turns or every ``max_length`` tokens; ``closing``
-        and ``tool_opener`` as for :func:`~packtools.pipeline.turn_split.plan_pieces`), write them to a file in
-        ``folder`` and plan the pieces instead of the rows (pieces without a trained token dropped unless
-        ``drop_unlabeled=False``); under ``truncate``, count the trained tokens the cut keeps.  Returns the data
-        files to gather from (``data``, then the pieces' file when there is one)."""
+        (:func:`packtools.pipeline.turn_split.split_rows`, at turns or every ``max_length`` tokens;
+        ``closing`` and ``tool_opener`` as for :func:`~packtools.pipeline.turn_split.plan_pieces`), write them
+        to a file in ``folder`` and plan the pieces instead of the rows (pieces without a trained token dropped
+        unless ``drop_unlabeled=False``); under ``truncate``, count the trained tokens the cut keeps.  Returns
+        the data files to gather from (``data``, then the pieces' file when there is one)."""
         from .turn_split import split_rows, trained_prefix
 
         if self.trained is None:

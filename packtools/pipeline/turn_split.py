@@ -149,9 +149,7 @@ def plan_pieces(  # noqa: PLR0913 - the row and the markers of its turns
     """The pieces of one row (see the module docstring).  ``closing`` (with the row's ``ids``): the tokens a
     template writes after an assistant's labelled span and before the next message; a turn end followed by
     them moves past them, so the next piece starts at the next message.  ``tool_opener``: the tokens that
-    start a tool message (:func:`packtools.pipeline.tokenizer.chat.head.tool_opener_ids`); an exchange that starts with
-    them (a tool result and the answer after it) stays with the exchange before it (the question and the
-    call) where the whole fits a piece.
+    start a tool message, which glue an exchange to the one before it (the module docstring's "Tool calls").
 
     >>> labels = np.array([-100, -100, -100] + list(range(103, 115)))
     >>> plan_pieces(labels, head=2, max_length=8)  # head 2, a question of 1, a reply of 12

@@ -37,8 +37,7 @@ from .gather import write_shard
 from .tokenizer.folder import file_sha256
 from .tokenizer.spec import library_versions
 
-#: The keys of a TRL vision row that reach the model; any other key is refused by name (file and line)
-#: unless ``leave_out`` lists it (``tools``, for one, is not passed to the processor's chat template).
+#: The keys of a TRL vision row that reach the model; :func:`check_row_keys` refuses any other by name.
 ROW_KEYS = ("messages", "images")
 #: Libraries besides :func:`~packtools.pipeline.tokenizer.spec.library_versions` whose versions can change the pixels
 #: (image decoding and resizing) of a processor folder.
