@@ -34,6 +34,8 @@ from ..errors import PackingError
 from ..io.discover import discover
 from ..io.files import open_ipc, split_file
 from ..profiling.profile import LengthProfile, profile_lengths
+from .executors import get_executor, run_jobs
+from .formats import output_columns
 from .stage import freeze_report, preload_tokenizer, stage_part
 from .staged import load_sidecar
 
@@ -82,8 +84,6 @@ class ProfiledInput:
 
 def _pair_lengths(paths: Sequence[str]) -> np.ndarray:
     """``2 * prompt + chosen + rejected`` per pair of staged preference files (offsets only, memory-mapped)."""
-    from .formats import output_columns
-
     prompt, chosen, rejected = output_columns("preference")
     out = []
     for path in paths:
@@ -104,7 +104,6 @@ def _no_cache_note(folder: str, exc: OSError) -> str:
 def _stage(ex: Any, jobs: list, verdict: dict[str, Any] | None, quiet: bool) -> list[dict[str, Any]]:
     """Stage ``jobs`` under the driver's ``verdict``: entries another engine tokenized are staged again, and
     an audit difference restages the fast engine's entries with transformers (``auto``; ``fast`` stops)."""
-    from .executors import run_jobs
     from .tokenizer.proof import EngineDivergence
     from .tokenizer.verdict import drop_disagreeing, fall_back
 
@@ -146,7 +145,6 @@ def profile_files(
     temporary folder removed afterwards).  ``executor``/``workers`` as for :func:`packtools.pack_files`.
     """
     from .config import PipelineConfig
-    from .executors import get_executor
     from .schema import data_format, known_columns, token_schema
     from .stage_cache import CacheLock, cache_dir, evict, max_bytes, prepare, stage_jobs
 
@@ -183,7 +181,6 @@ def profile_files(
             param="tokenizer",
         )
     else:
-        from .formats import output_columns
         from .tokenizer.folder import check_tokenizer_dir, tokenizer_fingerprint
 
         tok_dir = check_tokenizer_dir(tokenizer)
