@@ -38,6 +38,7 @@ from .executors import get_executor, run_jobs
 from .formats import output_columns
 from .stage import freeze_report, preload_tokenizer, stage_part
 from .staged import load_sidecar
+from .summary import unencodable_text
 
 
 @dataclass
@@ -60,8 +61,6 @@ class ProfiledInput:
             f"in the stage cache {s['folder']}"
         ]
         if s.get("unencodable"):
-            from .summary import unencodable_text
-
             lines.append(
                 "unencodable chars: "
                 + unencodable_text(

@@ -89,8 +89,7 @@ def _value_lengths(column: pa.ChunkedArray) -> np.ndarray:
 
 
 def _mapped(paths: Sequence[str]) -> pa.Table:
-    tables = [mapped_table(p) for p in paths]
-    return pa.concat_tables(tables)
+    return pa.concat_tables([mapped_table(p) for p in paths])
 
 
 def pack_vision_files(
