@@ -15,8 +15,7 @@ from packtools import pack_files, pack_table
 from packtools.cli.main import main
 from packtools.core import unpack
 from packtools.errors import PackingError
-from packtools.pipeline.executors import PoolExecutor, get_executor
-from packtools.pipeline.jobs import run_jobs
+from packtools.pipeline.executors import PoolExecutor, get_executor, run_jobs
 
 datasets = pytest.importorskip("datasets")
 

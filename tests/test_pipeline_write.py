@@ -20,8 +20,7 @@ import packtools.pipeline.gather as gather
 import packtools.pipeline.run as run
 from packtools import pack_files
 from packtools.errors import PackingError
-from packtools.pipeline.executors import LocalExecutor, TwoSteps
-from packtools.pipeline.jobs import run_jobs
+from packtools.pipeline.executors import LocalExecutor, TwoSteps, run_jobs
 from packtools.pipeline.planning import load_kernels_ahead
 
 BLOCKS = 10

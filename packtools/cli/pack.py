@@ -1,17 +1,8 @@
-"""``packtools pack``: raw, chat, preference or tokenized files to a packed dataset folder, out of core.
-
-``packtools pack INPUT... --out DIR --max-length N`` runs :func:`packtools.pipeline.run.pack_files` and prints a
-summary; ``--executor local|pool|ray`` (with ``--workers``, ``--address``) chooses where its read/tokenize and
-gather/write stages run, and changes nothing in the output.  Two smaller forms stay: ``--out FILE.parquet|
-.arrow`` packs one tokenized file in memory into one file; without ``--out`` a tokenized file is only planned
-(the summary is printed).  Without INPUT, a built-in sample (the standard library's sources, byte-level) is
-packed in memory with every strategy; ``packtools demo`` runs the whole pipeline on it.
-
-``packtools pack --processor DIR``: TRL-format vision JSON lines packed offline
-(:func:`packtools.pipeline.vision.pack_vision_files`).
-
-The text pipeline's options (tokenizer, format, columns, overlong, executor, ...) do nothing here, so each one
-given a value other than its default is refused by name rather than ignored.
+"""``packtools pack``: raw, chat, preference or tokenized files to a packed dataset folder, out of core
+(:func:`packtools.pipeline.run.pack_files`; the parser's description says the forms).  The small forms pack
+one tokenized file (or, without INPUT, a built-in sample) in memory.  ``--processor DIR`` packs TRL-format
+vision JSON lines (:func:`packtools.pipeline.vision.pack_vision_files`) and refuses by name each text-pipeline
+option given a value other than its default, rather than ignore it.
 """
 
 from __future__ import annotations
@@ -252,6 +243,14 @@ def _check_tokenized(path: str, args: argparse.Namespace) -> None:
 
 def _in_memory(args: argparse.Namespace, max_length: int) -> int:
     """The small forms of the command: one tokenized file (or the built-in sample), packed in memory."""
+    others = [i for i in args.input or [] if not str(i).endswith((".parquet", ".arrow", ".feather", ".ipc"))]
+    if args.out is not None and others:
+        raise PackingError(
+            f"--out {args.out!r} is a file: that packs one tokenized .parquet/.arrow file in memory, and "
+            f"{others[0]!r} is not one; give --out a folder (e.g. --out {os.path.splitext(args.out)[0]!r}) to run "
+            f"the full pipeline (text, chat, JSON, folders, many files).",
+            param="out",
+        )
     columns = args.columns.split(",") if args.columns else None
     if not args.input:
         from ..pipeline.sample import stdlib_table
@@ -297,18 +296,6 @@ def _in_memory(args: argparse.Namespace, max_length: int) -> int:
     return 0
 
 
-def _check_in_memory_inputs(args: argparse.Namespace) -> None:
-    """``--out FILE.parquet|.arrow`` packs one tokenized Parquet/Arrow file in memory; say so for anything else."""
-    others = [i for i in args.input or [] if not str(i).endswith((".parquet", ".arrow", ".feather", ".ipc"))]
-    if args.out is not None and others:
-        raise PackingError(
-            f"--out {args.out!r} is a file: that packs one tokenized .parquet/.arrow file in memory, and "
-            f"{others[0]!r} is not one; give --out a folder (e.g. --out {os.path.splitext(args.out)[0]!r}) to run "
-            f"the full pipeline (text, chat, JSON, folders, many files).",
-            param="out",
-        )
-
-
 def run(args: argparse.Namespace) -> int:
     max_length = args.max_length if args.max_length is not None else 4096
     in_memory = not args.input or args.out is None or args.out.endswith((".parquet", ".arrow"))
@@ -321,7 +308,6 @@ def run(args: argparse.Namespace) -> int:
     if args.processor is not None:
         return run_vision(args, max_length, add_parser(argparse.ArgumentParser().add_subparsers()))
     if in_memory:
-        _check_in_memory_inputs(args)
         return _in_memory(args, max_length)
     from ..integrations.data.drops import TokensDroppedWarning
     from ..pipeline.run import run_pipeline

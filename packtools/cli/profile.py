@@ -1,9 +1,5 @@
-"""``packtools profile``: the length distribution of a dataset and what each max_length would do.
-
-Tokenized files are read from their list offsets; raw text, chat, prompt/completion and preference files are
-tokenized with ``--tokenizer`` through the same stage as ``packtools pack`` (:mod:`packtools.pipeline.profile`),
-into the shared stage cache, so a following ``pack`` of the same inputs tokenizes nothing again.  Packed
-input (a ``seq_lengths`` column) is profiled by its sequences and its rows' fill.
+"""``packtools profile``: the length distribution of a dataset and what each max_length would do
+(:func:`packtools.pipeline.profile.profile_files`; the parser's description says what is read and how).
 """
 
 from __future__ import annotations

@@ -28,11 +28,11 @@ from .tokenizer.char_drops import check_on_unencodable
 from .tokenizer.fast import check_audit_rate, check_engine, engine_key
 from .tokenizer.folder import tokenizer_fingerprint
 from .tokenizer.spec import IdsSpec
-from .turn_split import check_split_at
+from .turn_split import SPLIT_AT
 
 OVERLONG = ("truncate", "drop", "split")
 #: ``global``: one plan over every row (the default; fewest rows).  ``shards``: each part planned on its own
-#: and the plans put one after the other; costs a few rows per part (< 0.01% with parts of >= 100k rows).
+#: and the plans put one after the other, a few rows more per part (``docs/pipeline.md``).
 PLANS = ("global", "shards")
 
 
@@ -63,8 +63,7 @@ class PipelineConfig:
     tokenizer_engine: str = "auto"
     tokenizer_audit: float = 0.001  # share of rows compared with transformers after the proof
     on_unencodable: str = "report"  # characters the tokenizer cannot encode: report | error
-    # CP size the rows are budgeted for (documents planned at their CP-padded length; packtools.core.cp_budget);
-    # 1: no context parallelism
+    # CP size the rows are budgeted for, documents planned at their CP-padded length (1: none; core.cp_budget)
     context_parallel: int = 1
 
     def __post_init__(self) -> None:
@@ -73,7 +72,7 @@ class PipelineConfig:
         check_audit_rate(self.tokenizer_audit)
         check_on_unencodable(self.on_unencodable)
         check_strategy(self.strategy)
-        check_split_at(self.split_at)
+        check_choice("split_at", self.split_at, SPLIT_AT)
         object.__setattr__(
             self,
             "context_parallel",

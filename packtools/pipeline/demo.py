@@ -3,9 +3,7 @@
 The corpus is every function, method and class of the standard library's ``.py`` files: each source file is
 cut before every line that starts a ``def``/``class`` at the top level or one indent in, which gives tens of
 thousands of sequences with a long tail (a few huge literals).  Ids are the UTF-8 bytes (a byte-level
-vocabulary of 256), or come from a local tokenizer folder.  :func:`run_demo` profiles the lengths, picks
-``max_length``, compares the three strategies, writes the length plot and packs the corpus to a dataset
-folder with :func:`packtools.pipeline.run.pack_files`.
+vocabulary of 256), or come from a local tokenizer folder.
 
 >>> texts = stdlib_definitions(limit=3)
 >>> len(texts) > 3, all(isinstance(t, bytes) for t in texts)

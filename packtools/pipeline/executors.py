@@ -1,13 +1,14 @@
-"""Executors: run one function over many jobs, in-process, in a process pool, or as Ray tasks.
+"""Executors: run one function over many jobs, in-process, in a process pool, or as Ray tasks; and
+:func:`run_jobs`, the pipeline's two parallel stages (staging, writing) run on one.
 
 They share one interface, :meth:`Executor.run`, which yields ``(index, outcome)`` pairs as jobs finish, where
 ``outcome`` is the function's return value or the exception it raised.  An executor never retries and never
-raises a job's exception: retrying and reporting are the caller's business (see :func:`packtools.pipeline.jobs.run_jobs`),
-so every executor behaves the same way.
+raises a job's exception: :func:`run_jobs` retries a job whose worker was lost and raises any other, so every
+executor behaves the same way.
 
 >>> with get_executor("local") as ex:
-...     sorted(ex.run(abs, [-1, 2, -3]))
-[(0, 1), (1, 2), (2, 3)]
+...     sorted(ex.run(abs, [-1, 2, -3])), run_jobs(ex, abs, [-1, 2, -3], "stage", True, 0)
+([(0, 1), (1, 2), (2, 3)], [1, 2, 3])
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._optional import require
+from .._progress import progress
 from ..compat.futures import pool_broken, pool_processes
 from ..errors import PackingError
+from .workspace import checkpoint
 
 EXECUTORS: tuple[str, ...] = ("local", "pool", "ray")
 
@@ -99,19 +102,14 @@ def run_overlapped(fn: TwoSteps, jobs: Sequence[Any]) -> Iterator[tuple[int, Any
             done = ahead
             if i + 1 < len(jobs):
                 ahead = pool.submit(fn.first, jobs[i + 1])
-            outcome = _second_step(fn, job, done)
+            try:
+                outcome = fn.second(job, done.result())
+            except Exception as exc:  # noqa: BLE001 - either step's error, reported as the job's outcome
+                outcome = exc
             del done  # its result: not kept while the caller handles the outcome
             yield i, outcome
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _second_step(fn: TwoSteps, job: Any, first: Future[Any]) -> Any:
-    """``fn.second(job, result of first)``, or the exception either step raised."""
-    try:
-        return fn.second(job, first.result())
-    except Exception as exc:  # noqa: BLE001 - reported to the caller as the job's outcome
-        return exc
 
 
 class PoolExecutor(Executor):
@@ -284,8 +282,7 @@ def get_executor(
     if address is not None and name != "ray":
         raise PackingError(
             f"address={address!r} with executor={name!r}: only the Ray executor connects to a cluster, so it "
-            f"would change nothing. Use "
-            f"executor='ray', or leave address out.",
+            f"would change nothing. Use executor='ray', or leave address out.",
             param="address",
         )
     if name == "local":
@@ -315,3 +312,48 @@ TRANSIENT = frozenset(
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` says a worker was lost (retry) rather than the job failing (deterministic: report)."""
     return any(cls.__name__ in TRANSIENT for cls in type(exc).__mro__)
+
+
+def run_jobs(
+    ex: Executor,
+    fn: Callable[[Any], Any],
+    jobs: Sequence[Any],
+    desc: str,
+    quiet: bool,
+    retries: int,
+    *,
+    finished: list[float] | None = None,
+) -> list[Any]:
+    """Run ``fn`` over ``jobs`` on ``ex``; results in job order.  A job whose worker was lost is tried again
+    (up to ``retries`` times); any other exception is raised at once (it would fail again).  ``finished``
+    gets the wall-clock time (``time.time()``) each job's result reached the driver, in that order."""
+    results: list[Any] = [None] * len(jobs)
+    todo = list(range(len(jobs)))
+    bar = progress(len(jobs), desc, unit="parts" if desc == "stage" else "shards", quiet=quiet)
+    try:
+        for attempt in range(retries + 1):
+            lost = []
+            outcomes = ex.run(fn, [jobs[i] for i in todo])
+            try:
+                for k, outcome in outcomes:
+                    i = todo[k]
+                    if isinstance(outcome, BaseException):
+                        if is_transient(outcome) and attempt < retries:
+                            lost.append(i)
+                            continue
+                        raise outcome
+                    results[i] = outcome
+                    if finished is not None:
+                        finished.append(time.time())
+                    bar.update(1)
+                    checkpoint(f"{desc}:{sum(r is not None for r in results)}")
+            finally:  # on an error: the executor stops the jobs still running before the caller goes on
+                close = getattr(outcomes, "close", None)
+                if close is not None:
+                    close()
+            todo = sorted(lost)
+            if not todo:
+                break
+    finally:
+        bar.close()
+    return results

@@ -1,29 +1,10 @@
 """The raw input formats: which one a table is, the columns each reads and writes, and where a row is.
 
 ``text``, ``prompt_completion``, ``messages`` and ``preference`` are tokenized
-(:class:`packtools.pipeline.tokenizer.batch.BatchTokenizer`); ``tokenized`` is taken as it is.  A *row* in an error
-message is a row number, or a callable naming row ``i`` of a block (:class:`packtools.io.files.Where`).
-
-Formats, and what each row becomes:
-
-- ``text`` (column ``text``): ``input_ids`` = the tokenizer's encoding with its own special tokens (e.g. BOS),
-  then ``eos_token`` appended unless the encoding already ends with it (``add_eos=False`` turns this off).
-- ``prompt_completion`` (``prompt``, ``completion``): ``input_ids`` = prompt (with special tokens) + completion
-  (without) + EOS; ``labels`` = ``-100`` on the prompt, the token ids on completion and EOS.  The two parts are
-  tokenized separately, so the boundary is always a token boundary.  Conversational rows (lists of messages)
-  go through the chat template: prompt rendered with ``add_generation_prompt=True``, completion = the rest of
-  the full rendering; no EOS is added (the template closes the turn).
-- ``messages`` (column ``messages``): the chat template renders the conversation; ``labels`` are the token ids
-  on assistant turns only, ``-100`` elsewhere.  When the template marks assistant text with
-  ``{% generation %}``, transformers' ``return_assistant_tokens_mask`` gives the mask.  Otherwise the mask comes
-  from incremental rendering: assistant turn ``i`` covers the characters between the rendering of messages
-  ``[:i]`` with the generation prompt and the rendering of messages ``[:i + 1]``; a token is an assistant token
-  when it overlaps such a span (as with markers).  A template that does not render prefixes as prefixes of the whole (e.g. one
-  that rewrites earlier turns) is refused with an error naming the row.
-- A ``tools`` column (chat formats): each row's tool schemas (a list of JSON schemas, or null), passed to the chat
-  template as ``tools`` when that row is rendered, as TRL passes it to ``apply_chat_template``.
-- ``preference`` (``prompt``, ``chosen``, ``rejected``): ``prompt_input_ids``, ``chosen_input_ids``,
-  ``rejected_input_ids``, tokenized like prompt-completion (EOS after string completions); not packed.
+(:class:`packtools.pipeline.tokenizer.batch.BatchTokenizer`); ``tokenized`` is taken as it is.  What each
+format's rows become (ids, EOS, labels, a ``tools`` column) is in ``docs/pipeline.md``, "What goes in".  A
+*row* in an error message is a row number, or a callable naming row ``i`` of a block
+(:class:`packtools.io.files.Where`).
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@ shards of a ``datasets.save_to_disk`` folder.
 :func:`block_steps` runs one :class:`WriteJob` (one block of rows of the global plan) on any executor: it maps
 only the files the block reads, copies the block's segments chunk by chunk, drops each chunk's mapped pages
 once copied (so memory holds one block, whatever the token count), and writes one Arrow stream shard under a
-temporary name renamed into place.  The bytes depend on the plan and the data only.  The local executor
-gathers the next block in a thread while one is written (memory then holds two blocks).
+temporary name renamed into place.  The bytes depend on the plan and the data only.
 
 >>> import os, tempfile, pyarrow as pa
 >>> folder = ShardFolder(tempfile.mkdtemp())
@@ -79,6 +78,22 @@ class ShardFolder:
             os.replace(path, os.path.join(self.folder, name))
         write_dataset_files(self.folder, names, fingerprint)
         return names
+
+
+def shard_rows(weights: np.ndarray, budget: int) -> list[tuple[int, int]]:
+    """Consecutive row ranges ``(start, stop)`` whose ``weights`` add up to at most ``budget`` (at least one
+    row each), as :meth:`packtools.core.plan.PackPlan.row_blocks` cuts a plan by its tokens.
+
+    >>> shard_rows(np.array([40, 0, 120, 20]), 100)
+    [(0, 2), (2, 3), (3, 4)]
+    """
+    csum = np.concatenate(([0], np.cumsum(weights)))
+    blocks, start = [], 0
+    while start < len(weights):
+        stop = max(int(np.searchsorted(csum, csum[start] + budget, side="right")) - 1, start + 1)
+        blocks.append((start, stop))
+        start = stop
+    return blocks
 
 
 def shard_name(i: int, n: int, run: str = "") -> str:
@@ -201,8 +216,7 @@ def save_block(job: WriteJob, table: pa.Table) -> dict[str, Any]:
         t = time.perf_counter()
         write_shard(tmp, table)
         t_flush = time.perf_counter()
-        # flushed here, while the next block is gathered (the install's flush of the whole output before the
-        # rename a later run trusts then finds it on disk: 1 GB of shards flushed at the end cost ~1 s)
+        # flushed here, while the next block is gathered: the install's flush of the output finds it on disk
         fsync_file(tmp)
         os.replace(tmp, job.path)
     done = time.perf_counter()

@@ -89,7 +89,6 @@ def check_out(out: str, inputs: Sequence[str], files: Sequence[InputFile]) -> No
                 f"folder.",
                 param="out",
             )
-        return
 
 
 def check_replaceable(out: str) -> None:

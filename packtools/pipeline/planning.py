@@ -205,11 +205,10 @@ class RowPlan:
         tool_opener: np.ndarray | None = None,
     ) -> list[str]:
         """Under ``overlong="split"``, cut the over-long rows with labels into pieces
-        (:func:`packtools.pipeline.turn_split.split_rows`, at turns or every ``max_length`` tokens), write them
+        (:func:`packtools.pipeline.turn_split.split_rows`, at turns or every ``max_length`` tokens;
+        ``closing`` and ``tool_opener`` as for :func:`~packtools.pipeline.turn_split.plan_pieces`), write them
         to a file in ``folder`` and plan the pieces instead of the rows (pieces without a trained token dropped
-        unless ``drop_unlabeled=False``); under ``truncate``, count the trained tokens the cut keeps.  ``closing``:
-        the ids a turn's closing text has after its labelled span (:func:`packtools.pipeline.tokenizer.chat.head.closing_ids`);
-        ``tool_opener``: the ids that start a tool message (:func:`packtools.pipeline.tokenizer.chat.head.tool_opener_ids`).  Returns
+        unless ``drop_unlabeled=False``); under ``truncate``, count the trained tokens the cut keeps.  Returns
         the data files to gather from (``data``, then the pieces' file when there is one)."""
         from .turn_split import split_rows, trained_prefix
 
@@ -220,7 +219,7 @@ class RowPlan:
         over = np.flatnonzero((self.lengths > config.max_length) & (self.eff > 0))
         self.trained_eff = np.where(self.eff > 0, self.trained, 0)
         if config.overlong_policy == "truncate" and over.size:
-            self.trained_eff[over] = trained_prefix(data, self.bounds, over, columns, config.max_length)
+            self.trained_eff[over] = trained_prefix(data, self.bounds, over, config.max_length)
         over = over[self.trained[over] > 0]
         if config.overlong_policy != "split" or config.strategy != "bfd_split" or over.size == 0:
             return list(data)  # wrapped cuts one stream: it keeps every token, and no piece is a sequence

@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from ..errors import PackingError
 from .formats import output_columns
-from .gather import ShardFolder
+from .gather import ShardFolder, shard_rows
 
 
 def write_packed_preference(
@@ -43,14 +43,8 @@ def write_packed_preference(
         raise _in_input(exc, parts) from None
     shards = ShardFolder(folder)
     lengths = np.diff(np.asarray(packed.column("input_ids").combine_chunks().offsets))
-    bounds = np.concatenate(([0], np.cumsum(lengths)))
-    start = 0
-    while start < packed.num_rows:
-        stop = max(
-            int(np.searchsorted(bounds, bounds[start] + config.shard_tokens, side="right")) - 1, start + 1
-        )
+    for start, stop in shard_rows(lengths, config.shard_tokens):
         shards.write(packed.slice(start, stop - start))
-        start = stop
     shards.finish(packed.schema, fingerprint)
     return {
         "rows_in": report.pairs_in,

@@ -1,16 +1,13 @@
 """Profile raw input (text, chat, prompt/completion, preference) through the same stage as ``packtools pack``.
 
-:func:`profile_files` finds and splits the input files as :func:`packtools.pack_files` does, stages every
-part with :func:`packtools.pipeline.stage.stage_part` on the chosen executor (reading in blocks and
-tokenizing: out of core, only the lengths are held), and profiles the staged lengths.  The staged parts go
-to the shared stage cache (:mod:`packtools.pipeline.stage_cache`), where a following ``packtools pack`` of the
-same inputs with the same tokenizer (and format, ``add_eos``) finds them: it tokenizes nothing again.
+:func:`profile_files` stages every part as ``pack`` does (:func:`packtools.pipeline.stage.stage_part`, out of
+core: only the lengths are held) into the shared stage cache (:mod:`packtools.pipeline.stage_cache`), where a
+following ``pack`` of the same inputs, tokenizer, format and ``add_eos`` tokenizes nothing again.
 
-What one "sequence" is, per format: ``text``, ``prompt_completion`` and ``messages`` -- one tokenized row
-(EOS included when ``add_eos``), the length ``pack`` packs; ``preference`` -- one pair as ``pack`` lays it out
-in a row, ``2 * prompt + chosen + rejected`` (``[prompt + chosen][prompt + rejected]``, never split).
-Tokenized input (``input_ids`` ...) needs no stage: its lengths are read from the list offsets
-(:func:`packtools.profile_lengths`), and packed input by its ``seq_lengths``.
+A "sequence" is what ``pack`` packs: one tokenized row (EOS included when ``add_eos``), or for ``preference``
+one pair as laid out in a row, ``2 * prompt + chosen + rejected`` (never split).  Tokenized input needs no
+stage: its lengths are read from the list offsets (:func:`packtools.profile_lengths`), and packed input's from
+its ``seq_lengths``.
 
 >>> import os, tempfile, pyarrow as pa, pyarrow.parquet as pq
 >>> d = tempfile.mkdtemp()
@@ -37,8 +34,11 @@ from ..errors import PackingError
 from ..io.discover import discover
 from ..io.files import open_ipc, split_file
 from ..profiling.profile import LengthProfile, profile_lengths
+from .executors import get_executor, run_jobs
+from .formats import output_columns
 from .stage import freeze_report, preload_tokenizer, stage_part
 from .staged import load_sidecar
+from .summary import unencodable_text
 
 
 @dataclass
@@ -61,8 +61,6 @@ class ProfiledInput:
             f"in the stage cache {s['folder']}"
         ]
         if s.get("unencodable"):
-            from .summary import unencodable_text
-
             lines.append(
                 "unencodable chars: "
                 + unencodable_text(
@@ -85,8 +83,6 @@ class ProfiledInput:
 
 def _pair_lengths(paths: Sequence[str]) -> np.ndarray:
     """``2 * prompt + chosen + rejected`` per pair of staged preference files (offsets only, memory-mapped)."""
-    from .formats import output_columns
-
     prompt, chosen, rejected = output_columns("preference")
     out = []
     for path in paths:
@@ -107,7 +103,6 @@ def _no_cache_note(folder: str, exc: OSError) -> str:
 def _stage(ex: Any, jobs: list, verdict: dict[str, Any] | None, quiet: bool) -> list[dict[str, Any]]:
     """Stage ``jobs`` under the driver's ``verdict``: entries another engine tokenized are staged again, and
     an audit difference restages the fast engine's entries with transformers (``auto``; ``fast`` stops)."""
-    from .jobs import run_jobs
     from .tokenizer.proof import EngineDivergence
     from .tokenizer.verdict import drop_disagreeing, fall_back
 
@@ -149,7 +144,6 @@ def profile_files(
     temporary folder removed afterwards).  ``executor``/``workers`` as for :func:`packtools.pack_files`.
     """
     from .config import PipelineConfig
-    from .executors import get_executor
     from .schema import data_format, known_columns, token_schema
     from .stage_cache import CacheLock, cache_dir, evict, max_bytes, prepare, stage_jobs
 
@@ -165,7 +159,6 @@ def profile_files(
         tokenizer_engine=tokenizer_engine,
         part_rows=part_rows,
         part_bytes=part_bytes,
-        columns=None if format != "tokenized" or column == "input_ids" else (column,),
     )
     files = discover(inputs)
     if not files:
@@ -187,7 +180,6 @@ def profile_files(
             param="tokenizer",
         )
     else:
-        from .formats import output_columns
         from .tokenizer.folder import check_tokenizer_dir, tokenizer_fingerprint
 
         tok_dir = check_tokenizer_dir(tokenizer)

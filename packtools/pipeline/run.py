@@ -1,38 +1,33 @@
 """The file-packing engine behind ``packtools pack`` and :func:`packtools.pack_files`.
 
-One run, whatever executes it:
+One run, whatever executes it (``docs/pipeline.md``, "One engine, any executor"):
 
-1. **Discover** the input files and cut them into parts (parquet row groups, JSON-lines byte ranges, whole
-   files; :func:`packtools.io.files.split_file`).
-2. **Stage** every part on the executor: read it in blocks, tokenize raw rows (or check and cast tokenized
-   ones), write its token columns to a staged Arrow file plus a sidecar of row lengths
-   (:mod:`packtools.pipeline.stage`).  Staged parts are cached by a key of everything that decides them.
-3. **Plan** on the driver, from lengths alone (O(rows) memory, no token touched): apply the ``overlong``
-   policy, optionally drop rows without a label token, and make **one global plan** (``plan="shards"``
-   instead plans each part on its own, for lengths that do not fit one machine; see
-   :data:`packtools.pipeline.config.PLANS` and :mod:`packtools.pipeline.planning`).
-4. **Gather and write** on the executor: the plan cut into blocks of at most ``shard_tokens`` tokens, each
-   gathered from the memory-mapped staged files and written as one shard
-   (:mod:`packtools.pipeline.gather`).
-5. **Install**: ``manifest.json``, ``state.json`` and ``dataset_info.json`` are written and the finished folder
-   is renamed to ``out`` (see :mod:`packtools.pipeline.workspace` for the lock and crash safety).
+1. **Discover** the input files and cut them into parts (:func:`packtools.io.files.split_file`).
+2. **Stage** every part on the executor: its token columns and a sidecar of row lengths, cached by a key of
+   everything that decides them (:mod:`packtools.pipeline.stage`).
+3. **Plan** on the driver, from lengths alone (O(rows) memory, no token touched): the ``overlong`` policy,
+   unlabeled rows and **one global plan**, or one per part (:mod:`packtools.pipeline.planning`).
+4. **Gather and write** on the executor: blocks of at most ``shard_tokens`` tokens gathered from the
+   memory-mapped staged files, one shard each (:mod:`packtools.pipeline.gather`).
+5. **Install**: the manifest and the ``datasets`` files written, the finished folder renamed to ``out``
+   (:mod:`packtools.pipeline.workspace`: the lock and crash safety).
 
 The executor (``local``, ``pool``, ``ray``) decides where stages 2 and 4 run and nothing else: the output
-folder is the same bytes whichever runs it, and ``datasets.load_from_disk(out)`` opens it.  The manifest holds
-only what decides the output (configuration, input fingerprints, packtools and format versions) and its
-statistics, so a rerun whose fingerprint matches does nothing; timings are returned, not written.
-
-Preference data (``prompt``/``chosen``/``rejected``) is staged the same way and then written as pairs by
-:func:`packtools.pipeline.preference.write_packed_preference`: each pair's ``[prompt + chosen][prompt +
-rejected]`` side by side in a row, never split (``input_ids``, ``completion_mask``, ``seq_lengths``; see
-:func:`packtools.dpo.pack_preference`).
+folder is the same bytes whichever runs it.  The manifest holds only what decides the output and its
+statistics, so a rerun whose fingerprint matches does nothing; timings are returned, not written.  Preference
+data is staged the same way and written as whole pairs by
+:func:`packtools.pipeline.preference.write_packed_preference`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import signal
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -44,15 +39,13 @@ from ..io.files import InputFile, Part, find_inputs, read_schema, skipped_notes,
 from ..io.manifest import read_manifest, write_manifest
 from ..io.pages import give_back_freed_memory
 from .config import PipelineConfig, PipelineResult, check_options_used, fingerprint
-from .executors import EXECUTORS, Executor, get_executor
-from .failures import explain_os_error, note_interrupted, signals_deferred
+from .executors import EXECUTORS, Executor, get_executor, run_jobs
 from .formats import input_columns, optional_columns, output_columns
 from .gather import block_steps, run_token, write_dataset_files
-from .jobs import run_jobs
 from .outcheck import check_out, check_replaceable
 from .planning import load_kernels_ahead, plan_parts, row_plan, write_jobs
 from .schema import data_format, known_columns, token_schema
-from .stage import StageJob, freeze_report, stage_part
+from .stage import StageJob, freeze_report, iter_staged, stage_part
 from .stage_cache import adopt_cached, evicted_error, keep_in_place, stage_jobs
 from .staged import load_sidecar, sidecar_tool_opener, sidecar_turns
 from .summary import tokenizer_timings
@@ -246,6 +239,57 @@ def warn_pipeline_drops(stats: dict[str, Any]) -> None:
         warnings.warn(text, TokensDroppedWarning, stacklevel=3)
 
 
+# -- a failed or interrupted run: signals held back while it cleans up, OS errors said as one line ----------
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back while cleaning up (they are delivered right after)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def explain_os_error(exc: BaseException, out: str) -> BaseException:
+    """OS errors while writing, as one clear line naming the place and the fix.
+
+    >>> err = explain_os_error(OSError(errno.ENOSPC, "No space left on device", "/data/x.arrow"), "/data")
+    >>> print(err)
+    no space left on the device while writing '/data/x.arrow'; free some space or choose another out
+    (nothing was left behind).
+    >>> err.param
+    'out'
+    """
+    if isinstance(exc, PackingError) or not isinstance(exc, OSError):
+        return exc
+    place = exc.filename or out
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return PackingError(
+            f"no space left on the device while writing {place!r}; free some space or choose another out "
+            f"(nothing was left behind).",
+            param="out",
+        )
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return PackingError(
+            f"cannot write {place!r} ({exc.strerror}); choose an out in a folder you can write to.",
+            param="out",
+        )
+    return exc
+
+
+def note_interrupted(exc: BaseException, ws: Workspace) -> None:
+    """Say on ``exc`` (``packtools_note``, which the CLI prints) what an interrupted run kept for the next one."""
+    kept = ws.staged_parts()
+    note = "no output was written"
+    if kept:
+        note += f"; {kept} finished part(s) kept in {ws.root} for the next run (delete it to free the space)"
+    with contextlib.suppress(AttributeError):
+        exc.packtools_note = note  # type: ignore[attr-defined]
+
+
 def _inputs(
     files: Sequence[InputFile],
     config: PipelineConfig,
@@ -298,9 +342,8 @@ def _inputs(
     proven = freeze_report(tok.report.to_dict())
     early.update(tokenizer_timings(tok, time.perf_counter() - t_tok))
     columns, types = output_columns(fmt), ["int32"] * len(output_columns(fmt))
-    read = set(
-        input_columns(fmt) + optional_columns(fmt)
-    )  # every file's other columns are listed as left out
+    # every file's other columns are listed as left out
+    read = set(input_columns(fmt) + optional_columns(fmt))
     left_out = list(dict.fromkeys(n for f in files for n in read_schema(f).names if n not in read))
     return RunInputs(files, columns, types, left_out, ids, proven), early
 
@@ -395,9 +438,8 @@ def _run(
     """Stage, plan, write and install, holding the lock of ``ws``."""
     fmt, columns = found.fmt, found.columns
     parts: list[Part] = [p for f in found.files for p in split_file(f, config.part_rows, config.part_bytes)]
-    # loading the kernels beside the stage pays where the stage is long enough to hide it; beside a short one
-    # it only competes with it (a one-document run: +0.3 s), and the plan loads them as before.  Started before
-    # the driver's verdict, which mostly waits for the fast engine's load (a thread that releases the GIL)
+    # the kernels load beside a stage long enough to hide it (beside a short one they compete with it),
+    # started before the driver's verdict, which mostly waits for the fast engine's load (it releases the GIL)
     big = sum(f.size for f in found.files) >= KERNELS_AHEAD_MIN_BYTES
     name = how.executor if isinstance(how.executor, str) else how.executor.name
     warming = (
@@ -511,7 +553,6 @@ def _run(
         os.makedirs(ws.build)
         if fmt == "preference":
             from .preference import write_packed_preference
-            from .stage import iter_staged
 
             t1 = time.perf_counter()
             stats = write_packed_preference(

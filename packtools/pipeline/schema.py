@@ -2,12 +2,11 @@
 
 :func:`data_format` detects the format of each file (or checks ``config.format`` against each).
 :func:`token_schema` chooses the token columns of tokenized input and the columns left out.  Every file's
-columns are read (Parquet and Arrow from their schemas, JSON from its first block; the JSON blocks after it are
-checked as they are staged, see ``known_columns`` of :func:`packtools.io.files.iter_part`), so a column that
-only a later file holds is never dropped without a word: without ``columns=``, a token column missing from
-some file stops the run naming both files; with ``columns=``, the others are left out and listed.  Already
-packed input (``seq_lengths`` or a boundary column in any file) is refused whatever ``columns`` says, since
-packing it again merges its sequences.
+columns are read (Parquet and Arrow from their schemas, JSON from its first block; the JSON blocks after it
+are checked as they are staged, see ``known_columns`` of :func:`packtools.io.files.iter_part`), so a column
+that only a later file holds is never dropped without a word (:func:`token_schema` says how).  Already packed
+input (``seq_lengths`` or a boundary column in any file) is refused whatever ``columns`` says, since packing
+it again merges its sequences.
 
 >>> import os, tempfile, pyarrow.parquet as pq
 >>> from packtools.io.files import discover

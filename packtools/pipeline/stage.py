@@ -2,12 +2,11 @@
 
 A :class:`StageJob` runs on any executor (it is small and picklable; :func:`stage_part` is module-level).  It
 reads its :class:`~packtools.io.files.Part` block by block, tokenizes raw rows (or checks and casts the token
-columns of tokenized rows), and writes the token columns to an uncompressed Arrow IPC file, then a sidecar
-``.npz`` with each row's length (a preference pair's: its tokens in all three columns) and the position of its first label token.  Both are written under temporary
-names and renamed; the sidecar comes last, so its presence means the part is done: a rerun after a crash
-finds it and skips the part.  The file names are a hash of everything that decides their content (the part's
-path, size, mtime and range, the format, the tokenizer's fingerprint, the columns and types, the packtools
-version and :data:`STAGE_FORMAT`), so a cached part can never be stale.
+columns of tokenized rows), and writes the token columns to an uncompressed Arrow IPC file, then its sidecar
+(:mod:`packtools.pipeline.staged`; a preference pair's length counts its tokens in all three columns).  Both
+are written under temporary names and renamed; the sidecar comes last, so its presence means the part is done:
+a rerun after a crash finds it and skips the part.  The file names are the part's cache key
+(:func:`stage_key`), so a cached part can never be stale.
 
 A tokenized, uncompressed Arrow input whose columns already have the target types is not copied: the sidecar
 records the input itself as the data to gather from (``data``).
@@ -54,8 +53,7 @@ from .staged import (
 from .tokenizer.chat.head import CLOSING_KEY, HEAD_COLUMN, TOOL_OPENER_KEY
 from .tokenizer.spec import IdsSpec
 
-#: Version of the staged-file layout; part of every cache key (2: the sidecar keeps the engine report; 3: and
-#: the data's SHA-256; 4: trained tokens and heads).
+#: Version of the staged-file layout; part of every cache key.
 STAGE_FORMAT = 4
 #: Rows per block handed to the tokenizer, read from tokenized files, and most rows / bytes per record batch of
 #: a staged file.
@@ -237,7 +235,6 @@ def _token_tables(job: StageJob, clock: dict[str, float]):
     # (seeded by the part); without a verdict the part proves the engine on its own first rows
     verdict = _thaw(job.engine_proven) if job.engine_proven is not None else None
     tok.start_part(os.path.basename(job.sidecar), verdict=verdict)
-    # Reading runs ahead in a thread (Arrow's readers release the GIL), as does tokenizing (stage_part).
     read = iter_part(job.part, TOKENIZE_ROWS, input_columns(job.fmt) + optional_columns(job.fmt))
     if job.fmt == "text":
         # the rows become Python strings in the reading thread, beside the engine's encoding of the batch before

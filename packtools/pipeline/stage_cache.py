@@ -1,28 +1,17 @@
 """The shared stage cache: tokenized parts that ``packtools profile`` staged, found again by ``packtools pack``.
 
-``packtools pack`` stages each input part (:mod:`packtools.pipeline.stage`) in its work folder next to
-``--out`` and removes it when the run succeeds.  ``packtools profile --tokenizer`` has no ``--out``, so it
-stages into one folder per user, :func:`cache_dir`:
-
-- ``$PACKTOOLS_STAGE_CACHE`` if set, else ``$XDG_CACHE_HOME/packtools/stage``, else
-  ``~/.cache/packtools/stage``.
-
-A staged part's file names are its cache key (:func:`packtools.pipeline.stage.stage_key`: the part's path,
-size, mtime and byte range, the columns and types, the stage format and the run's
-:class:`~packtools.pipeline.tokenizer.spec.IdsSpec`: the format, the tokenizer files' hash, ``add_eos``, the engine and
-library versions, packtools' sources, ...), so an entry can never be stale: a changed input or tokenizer has
-another key.  Before staging, ``pack`` looks each of its parts up here (:func:`adopt_cached`): a hit is
-**hard-linked** into the run's own ``stage/`` folder with a sidecar that points at the link, so the run
-tokenizes nothing for it and an eviction here cannot pull the file from under a running pack.  (When the
-cache is on another file system, where a hard link cannot be made, the run reads the cache file in place;
-entries used in the last :data:`MIN_AGE_S` seconds are never evicted.)
+``packtools profile --tokenizer`` has no ``--out``, so it stages into one folder per user, :func:`cache_dir`.
+An entry's file names are its cache key (:func:`packtools.pipeline.stage.stage_key`), so it can never be
+stale: a changed input or tokenizer has another key.  Before staging, ``pack`` looks each of its parts up here
+(:func:`adopt_cached`): a hit is **hard-linked** into the run's own ``stage/`` folder, so the run tokenizes
+nothing for it and an eviction here cannot pull the file from under it (across file systems the run reads the
+entry in place; entries used in the last :data:`MIN_AGE_S` seconds are never evicted).
 
 Safety: entries are written under temporary names and renamed (the sidecar last, so its presence means the
 entry is complete); writers hold a shared ``flock`` on ``.lock`` while staging and adopting, and eviction
-runs only under the exclusive lock, taken without waiting (a busy cache is simply not trimmed that time).
-Bounded: after each profile the least recently used entries are removed until the cache holds at most
-``$PACKTOOLS_STAGE_CACHE_MAX_GB`` (default :data:`DEFAULT_MAX_GB`) GB; the entries of the run that just
-finished are kept.  ``rm -rf`` of the folder is always safe when no packtools run is going.
+(:func:`evict`, least recently used first, down to ``$PACKTOOLS_STAGE_CACHE_MAX_GB``) runs only under the
+exclusive lock, taken without waiting.  ``rm -rf`` of the folder is always safe when no packtools run is going
+(``docs/pipeline.md``, "Profile first, then pack").
 
 >>> import tempfile
 >>> d = tempfile.mkdtemp()
@@ -158,12 +147,9 @@ def stage_jobs(
     engine_proven: tuple[tuple[str, Any], ...] | None = None,
     checksum: bool = False,
 ) -> list[StageJob]:
-    """One :class:`StageJob` per part, its files named by their cache key in ``folder`` (as ``pack`` names them):
-    ``ids`` is the run's :class:`~packtools.pipeline.tokenizer.spec.IdsSpec`, the one value that decides the ids (format,
-    tokenizer content, the requested engine and its version, add-EOS, on-unencodable, audit rate, ...), handed
-    to every job as it is; ``tokenizer``: the tokenizer folder it was taken from.  ``engine_proven``: the run's
-    verdict (:mod:`packtools.pipeline.tokenizer.verdict`), the engine of every part, whichever process stages it;
-    ``checksum``: each part's sidecar holds its data's SHA-256 (the stage cache's entries, checked on adoption)."""
+    """One :class:`StageJob` per part, its files named by their cache key in ``folder`` (as ``pack`` names
+    them); the other arguments are the :class:`StageJob` fields every job shares (``ids``: the run's
+    :class:`~packtools.pipeline.tokenizer.spec.IdsSpec`, handed to every job as it is)."""
     jobs = []
     for part in parts:
         key = stage_key(part, tuple(columns), tuple(types), ids, known_columns)
@@ -198,11 +184,8 @@ def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> tuple[s
     unreadable cache is no error: the parts are staged."""
     adopted: set[str] = set()
     notes: list[str] = []
-    try:
-        folder = cache_dir(folder)
-    except PackingError:
-        return adopted, notes
-    if not os.path.isdir(folder):
+    folder = _cache_or_none(folder)
+    if folder is None or not os.path.isdir(folder):
         return adopted, notes
     try:
         lock = CacheLock(folder).shared()
@@ -216,16 +199,14 @@ def adopt_cached(jobs: Sequence[StageJob], folder: str | None = None) -> tuple[s
             if not (os.path.exists(sidecar) and os.path.exists(arrow)):
                 continue
             why = damage(sidecar)
-            if why is None:
-                _, _, data = load_sidecar(sidecar)
-                if os.path.abspath(data) != arrow:
-                    continue  # an entry that points elsewhere (an as-is input): stage it normally
-            else:
+            if why is not None:
                 notes.append(
                     f"stage cache entry {sidecar!r} was damaged ({why}): removed, and the part staged again"
                 )
                 discard(sidecar, arrow)
                 continue
+            if os.path.abspath(load_sidecar(sidecar)[2]) != arrow:
+                continue  # an entry that points elsewhere (an as-is input): stage it normally
             target = arrow
             try:
                 os.makedirs(os.path.dirname(job.staged), exist_ok=True)

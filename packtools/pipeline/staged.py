@@ -1,12 +1,12 @@
 """A staged part on disk: its sidecar and the checks that make it trusted.
 
-A part staged by :mod:`packtools.pipeline.stage` is an Arrow file plus a sidecar ``.npz`` with each row's length,
-the position of its first label token and its trained tokens, each conversation's head, the closing ids of a
-template with ``{% generation %}`` markers, the path of the data to gather from, the tokenizer engine report it was
-tokenized with, and the size of that data file and, for the stage cache's long-lived entries, its SHA-256 (a
-run's own parts are flushed to disk instead, which costs less than hashing them).  The sidecar is written last
-and flushed to disk before its rename, so its presence means the part is done; :func:`damage` checks a part's content against it before a
-rerun or the stage cache trusts it, and :func:`drop_staged` removes a part so it is staged again.
+A part staged by :mod:`packtools.pipeline.stage` is an Arrow file plus a sidecar ``.npz`` with each row's
+length, the position of its first label token and its trained tokens, each conversation's head, the closing
+ids of a template with ``{% generation %}`` markers, the path of the data to gather from, the tokenizer engine
+report it was tokenized with, and the size of that data file and, for the stage cache's long-lived entries,
+its SHA-256 (a run's own parts are flushed to disk instead, which costs less than hashing them).
+:func:`damage` checks a part's content against its sidecar before a rerun or the stage cache trusts it, and
+:func:`drop_staged` removes a part so it is staged again.
 
 >>> import hashlib, os, tempfile, numpy as np
 >>> d = tempfile.mkdtemp(); data = os.path.join(d, "p.arrow"); side = os.path.join(d, "p.npz")

@@ -154,22 +154,15 @@ def format_pipeline_summary(
     def n(key: str) -> str:
         return f"{stats.get(key, 0):,}"
 
-    head = "packed dataset" if stats.get("packed") else "preference dataset (not packed)"
     cells: list[tuple[str, str]] = [
-        ("", head + (" (cached: inputs and options unchanged)" if cached else "")),
+        ("", "packed dataset" + (" (cached: inputs and options unchanged)" if cached else "")),
         ("format", str(stats.get("format"))),
     ]
     if stats.get("tokenizer"):
         cells += _engine_rows(stats["tokenizer"])
-    if stats.get("packed"):
-        cells.append(
-            (
-                "strategy",
-                f"{stats['strategy']}, overlong={stats['overlong']}, plan={stats.get('plan', 'global')}",
-            )
-        )
-    else:
-        cells.append(("overlong", str(stats.get("overlong"))))
+    cells.append(
+        ("strategy", f"{stats['strategy']}, overlong={stats['overlong']}, plan={stats.get('plan', 'global')}")
+    )
     cells.append(("max_length", n("max_length")))
     cols = ", ".join(stats.get("columns", []))
     if stats.get("columns_left_out"):
@@ -177,7 +170,7 @@ def format_pipeline_summary(
     if cols:
         cells.append(("columns", cols))
     cells.append(("rows in", n("rows_in")))
-    if stats.get("packed") and "pairs_out" not in stats:
+    if "pairs_out" not in stats:
         dropped = stats["rows_dropped_overlong"] + stats.get("rows_dropped_unlabeled", 0)
         cells.append(
             (
@@ -203,7 +196,6 @@ def format_pipeline_summary(
                     f"({stats.get('tokens_dropped_unlabeled', 0):,} tokens; --keep-unlabeled keeps them)",
                 )
             )
-        cells.append(("rows out (packed)", f"{stats['rows_out']:,} (lower bound {stats['lower_bound']:,})"))
     else:
         cells.append(("pairs dropped", n("pairs_dropped")))
         cells.append(
@@ -213,13 +205,8 @@ def format_pipeline_summary(
                 f"rejected {stats['rejected_truncated']:,}",
             )
         )
-        if "pairs_out" in stats:  # preference pairs packed whole
-            cells.append(("pairs out", n("pairs_out")))
-            cells.append(
-                ("rows out (packed)", f"{stats['rows_out']:,} (lower bound {stats['lower_bound']:,})")
-            )
-        else:
-            cells.append(("rows out", n("rows_out")))
+        cells.append(("pairs out", n("pairs_out")))  # preference pairs packed whole
+    cells.append(("rows out (packed)", f"{stats['rows_out']:,} (lower bound {stats['lower_bound']:,})"))
     cells.append(("tokens in", n("tokens_in")))
     carried = stats.get("tokens_carried", 0)
     cells.append(
@@ -240,26 +227,25 @@ def format_pipeline_summary(
                 f"trained token",
             )
         )
-    if stats.get("packed"):
-        cells.append(("fill", f"{100 * stats['fill']:.2f}%"))
-        if stats.get("context_parallel", 1) > 1:
+    cells.append(("fill", f"{100 * stats['fill']:.2f}%"))
+    if stats.get("context_parallel", 1) > 1:
+        cells.append(
+            (
+                f"CP padding (N={stats['context_parallel']})",
+                f"{stats['cp_padding_tokens']:,} tokens added at batch time: {100 * stats['cp_fill_lost']:.2f}% "
+                f"of the rows' capacity lost, fill {100 * stats['fill_after_cp_padding']:.2f}% once padded",
+            )
+        )
+        if "cp_worst_row_imbalance" in stats:
             cells.append(
                 (
-                    f"CP padding (N={stats['context_parallel']})",
-                    f"{stats['cp_padding_tokens']:,} tokens added at batch time: {100 * stats['cp_fill_lost']:.2f}% "
-                    f"of the rows' capacity lost, fill {100 * stats['fill_after_cp_padding']:.2f}% once padded",
+                    "CP work per rank",
+                    f"worst row {100 * stats['cp_worst_row_imbalance']:.2f}% off its mean (chunk pairs balanced "
+                    f"per document, as prepare_trainer trains; {100 * stats['cp_worst_row_imbalance_head_tail']:.2f}% "
+                    f"head-tail), {100 * stats['cp_time_lost_to_imbalance']:.2f}% of attention time lost to "
+                    f"the busiest rank, one row per batch",
                 )
             )
-            if "cp_worst_row_imbalance" in stats:
-                cells.append(
-                    (
-                        "CP work per rank",
-                        f"worst row {100 * stats['cp_worst_row_imbalance']:.2f}% off its mean (chunk pairs balanced "
-                        f"per document, as prepare_trainer trains; {100 * stats['cp_worst_row_imbalance_head_tail']:.2f}% "
-                        f"head-tail), {100 * stats['cp_time_lost_to_imbalance']:.2f}% of attention time lost to "
-                        f"the busiest rank, one row per batch",
-                    )
-                )
     if timings:
         cells += _time_rows(timings)
     cells.append(("output", f"{out} ({stats['shards']} shard{'s' if stats['shards'] != 1 else ''})"))

@@ -28,10 +28,9 @@ and cut so that the reply keeps its question:
   before it as fits (the question's start, in the pieces before, trains nothing);
 * a longer reply: its first piece holds the head (where carried), the question (its end when longer than
   three quarters of what the piece holds besides the head: a quarter is left to the reply) and the reply's
-  start; the later pieces continue the reply *without the
-  head*: each is a plain window of the conversation, and its first token is not trained (the first token of
-  every sequence is masked in a padding-free batch, contract 3), so no trained token follows a head or a
-  context it was not answering.
+  start; the later pieces continue the reply *without the head*: each is a plain window of the conversation,
+  and its first token is not trained (the first token of every sequence is masked in a padding-free batch,
+  contract 3), so no trained token follows a head or a context it was not answering.
 
 **Pieces without a trained token** (a label other than -100 after the piece's first token: the first token's
 label is masked in every padding-free batch, contract 3) train nothing; they are dropped unless
@@ -58,16 +57,11 @@ import pyarrow as pa
 from .._atomic import removed_on_error
 from ..constants import IGNORE_INDEX, MASK_COLUMNS
 from ..core.arrow import read_list_column
-from ..errors import check_choice
 
 #: ``turns``: cut at the ends of trained spans, carrying the head; ``tokens``: every ``max_length`` tokens.
 SPLIT_AT = ("turns", "tokens")
 
 Piece = tuple[int, int, int]  # (tokens of the head carried before it, start, end) in the row
-
-
-def check_split_at(split_at: str) -> None:
-    check_choice("split_at", split_at, SPLIT_AT)
 
 
 def carried_head(head: int, max_length: int) -> int:
@@ -122,17 +116,7 @@ def _tail_fits(labels: np.ndarray, a: int, b: int, head: int, max_length: int) -
 
 def long_exchange(labels: np.ndarray, a: int, b: int, head: int, max_length: int) -> list[Piece]:
     """The pieces of one exchange ``row[a:b]`` longer than a piece (the question, then the reply from its first
-    trained token ``r``).
-
-    * A reply that fits a piece (with the head it carries): cut from the end, the last piece holding the reply
-      and as much of the question as fits.
-    * A longer reply: its first piece holds the head (where it is carried), the question (its end when it is
-      longer than three quarters of the piece, so that a quarter is left to the reply) and the reply's start;
-      the later pieces continue the reply **without a head**, each a plain window of the conversation whose
-      first token is not trained (as every sequence's first token), so no trained token follows a context that
-      never existed.  A question's start that does not fit goes into
-      pieces before, which train nothing.
-    """
+    trained token ``r``), cut as the module docstring's "An exchange longer than a piece" says."""
     carry = carried_head(head, max_length)
     r = _reply_start(labels, a, b, head)
     if _tail_fits(labels, a, b, head, max_length):
@@ -165,9 +149,7 @@ def plan_pieces(  # noqa: PLR0913 - the row and the markers of its turns
     """The pieces of one row (see the module docstring).  ``closing`` (with the row's ``ids``): the tokens a
     template writes after an assistant's labelled span and before the next message; a turn end followed by
     them moves past them, so the next piece starts at the next message.  ``tool_opener``: the tokens that
-    start a tool message (:func:`packtools.pipeline.tokenizer.chat.head.tool_opener_ids`); an exchange that starts with
-    them (a tool result and the answer after it) stays with the exchange before it (the question and the
-    call) where the whole fits a piece.
+    start a tool message, which glue an exchange to the one before it (the module docstring's "Tool calls").
 
     >>> labels = np.array([-100, -100, -100] + list(range(103, 115)))
     >>> plan_pieces(labels, head=2, max_length=8)  # head 2, a question of 1, a reply of 12
@@ -195,16 +177,24 @@ def plan_pieces(  # noqa: PLR0913 - the row and the markers of its turns
     pieces: list[Piece] = []
     cut = 0
     start = end = 0  # the piece being filled: row[start:end], carrying the head unless start == 0
-    for unit in units:
-        ua, ub = unit[0][0], unit[-1][1]
-        if ub - start <= cap(start):  # the whole unit fits the open piece
-            end = ub
-            continue
+
+    def fill(a: int, b: int) -> bool:
+        """Put ``row[a:b]`` in the open piece, else close it and open one at ``a``; whether it fitted."""
+        nonlocal start, end
+        if b - start <= cap(start):
+            end = b
+            return True
         if end > start:
             pieces.append((carry if start else 0, start, end))
-        start = end = ua
-        if ub - ua <= cap(ua):
-            end = ub
+        start = end = a
+        if b - a <= cap(a):
+            end = b
+            return True
+        return False
+
+    for unit in units:
+        ua, ub = unit[0][0], unit[-1][1]
+        if fill(ua, ub):  # the whole unit
             continue
         if len(unit) > 1 and _tail_fits(labels, ua, ub, head, max_length):
             # a long question before a tool chain that fits a piece: the chain with the question's end
@@ -213,18 +203,10 @@ def plan_pieces(  # noqa: PLR0913 - the row and the markers of its turns
             start = end = ub
             continue
         for a, b in unit:  # longer than a piece: exchange by exchange
-            if b - start <= cap(start):
-                end = b
-                continue
-            if end > start:
-                pieces.append((carry if start else 0, start, end))
-            start = end = a
-            if b - a <= cap(a):
-                end = b
-                continue
-            cut += 1
-            pieces.extend(long_exchange(labels, a, b, head, max_length))
-            start = end = b
+            if not fill(a, b):
+                cut += 1
+                pieces.extend(long_exchange(labels, a, b, head, max_length))
+                start = end = b
     if end > start:
         pieces.append((carry if start else 0, start, end))
     glued = {a for unit in units for a, _ in unit[1:]}
@@ -295,10 +277,9 @@ def staged_rows(data: Sequence[str], bounds: Sequence[int], rows: np.ndarray, co
 
 
 def trained_prefix(
-    data: Sequence[str], bounds: Sequence[int], rows: np.ndarray, columns: Sequence[str], max_length: int
+    data: Sequence[str], bounds: Sequence[int], rows: np.ndarray, max_length: int
 ) -> np.ndarray:
     """The trained tokens of the first ``max_length`` tokens of each row of ``rows`` (what truncation keeps)."""
-    del columns
     return np.array(
         [trained_tokens(c["labels"][:max_length]) for _, c in staged_rows(data, bounds, rows, ["labels"])],
         np.int64,

@@ -1,32 +1,14 @@
 """Offline packing of vision-language samples: JSON lines in TRL's vision format -> a packed folder, out of core.
 
-:func:`pack_vision_files` runs the same four steps as the text pipeline, in the same crash-safe workspace
-(:class:`~packtools.pipeline.workspace.Workspace`: a lock next to ``out``, a hidden work folder, the finished
-folder renamed into place, so ``out`` is absent, the old or the new output whatever kills the run):
-
-0. **Check** ``out`` as the text pipeline does (:mod:`packtools.pipeline.outcheck`: never holding an input,
-   never a folder with files packtools did not write); an output whose manifest has this run's fingerprint (the
-   stage key and the whole configuration: ``max_length``, ``shuffle``, ``seed``, ``block_rows``,
-   ``shard_bytes``, ``leave_out``) is kept as it is (``cached=True``).
-1. **Stage**: the rows are read ``block_rows`` at a time, each sample processed by the local processor folder
-   (:func:`~packtools.integrations.multimodal.processor.process_vision_sample`: ``input_ids``, ``pixel_values``,
-   ``image_grid_thw``, ``mm_token_type_ids``) and the block written as one Arrow file under ``stage/``
-   (:mod:`packtools.pipeline.vision_stage`: written atomically with a size/SHA-256 sidecar, named by a key of
-   the processor folder's content, packtools' sources, the library versions, the inputs and the content of every
-   image file the rows name, so a rerun after a
-   kill reuses the blocks that were finished and undamaged, never a block made from other inputs or code).
-   A row key other than ``messages``/``images`` is refused by name unless ``leave_out`` lists it.
-2. **Plan**: one global ``bfd`` plan from the staged lengths alone (image tokens included); a sample longer
-   than ``max_length`` is refused by its file and line, never truncated.
-3. **Write**: the plan cut into shards of at most ``shard_bytes`` of pixel values (at least one row each), each
-   gathered from the staged files mapped anew (token columns per token, image columns whole per sample, in
-   row order) and written; the mapped pages a shard read are given back with its maps.
-4. **Install**: ``manifest.json`` and the ``datasets`` files, then the rename.  ``datasets.load_from_disk(out)``
-   opens the result; :class:`~packtools.batches.vision.MultimodalCollator` collates its rows.
-
-Memory: one block of ``block_rows`` processed samples while staging (built from NumPy buffers), one shard of
-packed rows while writing (``shard_bytes`` of pixels, plus the mapped pages of the staged files it reads);
-the whole dataset is never in memory (measured by ``benchmarks/bench_vision.py``).
+:func:`pack_vision_files` runs the text pipeline's steps in its crash-safe workspace
+(:class:`~packtools.pipeline.workspace.Workspace`): ``out`` checked as for text
+(:mod:`packtools.pipeline.outcheck`) and kept as it is when its manifest has this run's fingerprint; the
+samples processed ``block_rows`` at a time into staged Arrow files (:mod:`packtools.pipeline.vision_stage`: a
+rerun after a kill reuses the finished, undamaged blocks); one global ``bfd`` plan from the staged lengths,
+image tokens included (a sample longer than ``max_length`` is refused by its file and line, never truncated);
+shards of at most ``shard_bytes`` of pixel values gathered from the staged files mapped anew (token columns
+per token, image columns whole per sample, in row order); then the manifest, the ``datasets`` files and the
+rename.  Memory holds one staged block or one shard and its mapped pages, never the dataset.
 """
 
 from __future__ import annotations
@@ -49,7 +31,7 @@ from ..errors import PackingError
 from ..io.discover import InputFile
 from ..io.files import mapped_table
 from ..io.manifest import MANIFEST_FORMAT, read_manifest, write_manifest
-from .gather import ShardFolder
+from .gather import ShardFolder, shard_rows
 from .outcheck import check_out, check_replaceable
 from .vision_stage import (
     block_damage,
@@ -97,16 +79,7 @@ def shard_bounds(p: PackPlan, patches: np.ndarray, dim: int, shard_bytes: int) -
     """
     per_seg = patches[p.seg_source] * (4 * dim)
     csum = np.concatenate([[0], np.cumsum(per_seg)])
-    row_bytes = csum[p.row_offsets[1:]] - csum[p.row_offsets[:-1]]
-    bounds, start, used = [], 0, 0
-    for r, b in enumerate(row_bytes.tolist()):
-        if r > start and used + b > shard_bytes:
-            bounds.append((start, r))
-            start, used = r, 0
-        used += b
-    if p.num_rows:
-        bounds.append((start, p.num_rows))
-    return bounds
+    return shard_rows(csum[p.row_offsets[1:]] - csum[p.row_offsets[:-1]], shard_bytes)
 
 
 def _value_lengths(column: pa.ChunkedArray) -> np.ndarray:
@@ -116,8 +89,7 @@ def _value_lengths(column: pa.ChunkedArray) -> np.ndarray:
 
 
 def _mapped(paths: Sequence[str]) -> pa.Table:
-    tables = [mapped_table(p) for p in paths]
-    return pa.concat_tables(tables)
+    return pa.concat_tables([mapped_table(p) for p in paths])
 
 
 def pack_vision_files(
@@ -132,13 +104,9 @@ def pack_vision_files(
     seed: int = 0,
     leave_out: Sequence[str] = (),
 ) -> VisionPackResult:
-    """Pack JSON-lines files of TRL-format vision samples into ``out`` (see the module docstring).
-
-    ``out`` is checked as the text pipeline checks it (:mod:`packtools.pipeline.outcheck`): never inside an
-    input folder, never a folder holding files packtools did not write.  A rerun whose fingerprint (the stage
-    key and the whole configuration) matches the output's manifest does nothing (``cached=True``).  A row key
-    other than ``messages`` and ``images`` is refused by name unless ``leave_out`` lists it.
-    """
+    """Pack JSON-lines files of TRL-format vision samples into ``out`` (see the module docstring); a rerun
+    whose fingerprint matches the output's manifest does nothing (``cached=True``).  A row key other than
+    ``messages`` and ``images`` is refused by name unless ``leave_out`` lists it."""
     from ..integrations.multimodal.processor import load_vision_processor
 
     max_length = check_max_length(max_length)

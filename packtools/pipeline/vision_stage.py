@@ -1,17 +1,10 @@
 """Staging of the vision pipeline (:func:`packtools.pipeline.vision.pack_vision_files`, step 1): TRL vision rows
 processed block by block into Arrow files, and the rule for reusing them.
 
-A staged block is named by :func:`stage_key`: the processor folder's content (SHA-256 of its files, weights left
-out), packtools' sources (:func:`packtools.io.fingerprint.source_hash`), the versions of the libraries that make
-ids (transformers, tokenizers, jinja2, as for text: :func:`packtools.pipeline.tokenizer.spec.library_versions`) and pixels
-(Pillow, numpy, torch, torchvision), the inputs (path, size, mtime), the content of every image file the rows
-name (:func:`images_key`: SHA-256 of each file, hashed once per run, so a replaced image restages its blocks
-and changes the output's fingerprint), ``block_rows`` and the patch width.  It is
-written aside, flushed and renamed, then its sidecar (size and SHA-256) the same way; a later run reuses it only
-when the sidecar is there and the bytes match it (:func:`block_damage`), else stages it again.
-
-A row key other than ``messages`` and ``images`` is refused by name (file and line) unless ``leave_out`` lists
-it: ``tools`` is not passed to the processor's chat template, so a row with tool schemas would train without them.
+A staged block is named by :func:`stage_key` (everything that decides its bytes, the content of the image
+files its rows name included).  It is written aside, flushed and renamed, then its sidecar (size and SHA-256)
+the same way; a later run reuses it only when the sidecar is there and its bytes match (:func:`block_damage`),
+else stages it again.  A row key that would not reach the model is refused by name (:func:`check_row_keys`).
 
 >>> import os, tempfile
 >>> block = os.path.join(tempfile.mkdtemp(), "b.arrow")
@@ -44,8 +37,7 @@ from .gather import write_shard
 from .tokenizer.folder import file_sha256
 from .tokenizer.spec import library_versions
 
-#: The keys of a TRL vision row that reach the model; any other key is refused by name (file and line)
-#: unless ``leave_out`` lists it (``tools``, for one, is not passed to the processor's chat template).
+#: The keys of a TRL vision row that reach the model; :func:`check_row_keys` refuses any other by name.
 ROW_KEYS = ("messages", "images")
 #: Libraries besides :func:`~packtools.pipeline.tokenizer.spec.library_versions` whose versions can change the pixels
 #: (image decoding and resizing) of a processor folder.

@@ -179,17 +179,9 @@ class Workspace:
                     os.unlink(os.path.join(self.stage, name))
 
     def leftovers(self) -> bool:
-        """Whether a run that died left its lock file or work folder here (what :meth:`tidy` removes)."""
+        """Whether a run that died left its lock file or work folder here (what :func:`tidy_after_dead_run`
+        removes)."""
         return os.path.exists(self.lock.path) or (os.path.isdir(self.root) and not self.foreign_root())
-
-    def tidy(self) -> None:
-        """Remove what a dead run left (for a run that finds its output already there): take the lock,
-        recover, remove the work folder.  A live run holding the lock is left alone."""
-        try:
-            self.acquire()
-        except (PackingError, OSError):
-            return
-        self.finish(ok=True, keep_stage=False)
 
     # -- leaving ---------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -256,10 +248,16 @@ class Workspace:
 
 def tidy_after_dead_run(out: str) -> None:
     """For a run whose output is already in place (a cache hit): remove the lock file and work folder that a
-    run killed after installing it (or while cleaning up) left, unless a live run holds them."""
+    run killed after installing it (or while cleaning up) left (take the lock, recover, remove the folder).
+    A live run holding the lock is left alone."""
     ws = Workspace(out)
-    if ws.leftovers():
-        ws.tidy()
+    if not ws.leftovers():
+        return
+    try:
+        ws.acquire()
+    except (PackingError, OSError):
+        return
+    ws.finish(ok=True, keep_stage=False)
 
 
 def left_behind_notes(ws: Workspace) -> list[str]:
