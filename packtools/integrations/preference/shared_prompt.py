@@ -32,7 +32,15 @@ def fold_pairs(ids: Any, mask: Any, labels: Any) -> dict[str, Any]:
 
     Returns ``input_ids``, ``labels``, ``position_ids`` (``[1, T]``), ``tree`` (the :class:`TreeLayout`) and
     ``back`` (for every padded position ``(b, j)`` with ``j < len_b - 1``, row-major: the flat position whose
-    output scores token ``j + 1`` of sequence ``b``).
+    output scores token ``j + 1`` of sequence ``b``).  Each branch starts again at the prompt's last token,
+    whose output scores the branch's first completion token:
+
+    >>> import torch
+    >>> ids = torch.tensor([[5, 6, 7, 0], [5, 6, 8, 9]])  # chosen 7, rejected 8 9 after the prompt 5 6
+    >>> labels = torch.tensor([[-100, -100, 7, -100], [-100, -100, 8, 9]])
+    >>> flat = fold_pairs(ids, (ids > 0).long(), labels)
+    >>> flat["input_ids"].tolist(), flat["position_ids"].tolist(), flat["back"].tolist()
+    ([[5, 6, 7, 6, 8, 9]], [[0, 1, 2, 1, 2, 3]], [0, 1, 0, 3, 4])
     """
     torch = require("torch", "packtools.prepare_dpo_trainer")
     lengths, valid, _ = padding_free_layout(mask)
