@@ -570,3 +570,24 @@ def test_a_run_stopped_before_its_settle_ends_its_child_and_a_later_settle_finds
     fp = tokenizer_fingerprint(tok)
     found = reference._copy_verdict(fp, tokenizer_load.compact_file(fp))
     assert found is not None and found["identical"] is True
+
+
+def test_the_child_runs_this_packtools_whatever_the_working_folder_holds(tok, tmp_path, monkeypatch):
+    """``python -m`` puts the working folder first on the child's path: a folder holding another packtools
+    checkout would run *its* check (another protocol, or none).  The child runs this very packtools."""
+    other = tmp_path / "elsewhere" / "packtools"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("raise ImportError('another packtools, from the working folder')\n")
+    monkeypatch.chdir(other.parent)
+    with pytest.raises(subprocess.CalledProcessError):  # what `python -m` there runs (the negative control)
+        subprocess.run(
+            [sys.executable, "-m", reference_check.CHILD_MODULE, tok],
+            input="",
+            capture_output=True,
+            env={**os.environ, "PYTHONPATH": ROOT},
+            check=True,
+        )
+    check = reference_check.ReferenceCheck(tok, tokenizer_fingerprint(tok))
+    check.start(reference.LiteReference(tok), TEXTS[:5], None)
+    assert check.result() is None and check.how == reference_check.BY_CHILD
+    check.finish()
