@@ -26,9 +26,10 @@ transformers is not imported in the driver yet, :func:`child_pays`):
   decision is the driver's, made on content.  It records the finding only once the stage is done and every part
   staged on a reference that proved different is dropped; a run killed before that records nothing.  Only a
   pass asks for the copy's finding, at that settle: it does not decide this run's ids (it lets later runs load
-  their reference from the copy), so the child finds it, and the driver hashes its state, while the run plans
-  and writes its output (a phase that leaves a core free), not while the data is staged (both cores busy); the
-  run waits for it before it returns (:meth:`ReferenceCheck.finish`).
+  their reference from the copy), so the child finds it while the run plans and writes its output (a phase
+  that leaves a core free), not while the data is staged (both cores busy); the run waits for it before it
+  returns (:meth:`ReferenceCheck.finish`).  (The driver hashes its reference's state before the stage, while
+  it waits for the fast engine's load: at the settle that held the GIL the run's next steps need.)
 - a child that cannot start, fails, is killed, or answers nothing readable leaves the check to the driver
   (transformers loaded in the driver, torch with it, as before the check moved); :attr:`ReferenceCheck.how` says
   which, and why, and the run's timings carry it.
@@ -121,6 +122,7 @@ class ReferenceCheck:
         self.tokenizer_dir, self.tokenizer_fp = tokenizer_dir, tokenizer_fp
         self._child = start_child(tokenizer_dir)
         self._unread = b""  # what the child wrote past the line last read
+        self._state: str | None = None  # the SHA-256 of lite's serialized state (state_sha256)
         #: the last line the child wrote to its stderr, once it has ended (why it failed, where it did)
         self.errors: list[str] = []
         self.lite: LiteReference | None = None
@@ -275,6 +277,10 @@ class ReferenceCheck:
 
     def _run(self) -> None:
         assert self.lite is not None
+        if (
+            self.copy is not None
+        ):  # for the copy's finding; here, while the driver waits for the fast engine's
+            self._state = state_sha256(self.lite)  # load, not at the settle, where it held the GIL 0.16 s
         answer, self.how = self._ask()
         try:
             if answer is None:  # the driver checks by itself, as it did before the check moved
@@ -336,10 +342,9 @@ class ReferenceCheck:
     def _find_copy(self) -> None:
         """The copy's finding, by the child where it answered the check (else by the driver), recorded."""
         assert self.lite is not None and self.copy is not None
-        state = state_sha256(self.lite)
         found = None
         if self.how == BY_CHILD and self._child is not None and self._child.poll() is None:
-            answer = self._exchange({"copy": self.copy, "state": state})
+            answer = self._exchange({"copy": self.copy, "state": self._state})
             found = answer.get("copy") if answer is not None else None
         self._end_child()
         if isinstance(found, list) and len(found) == 2 and found[1] in (True, False):
