@@ -232,10 +232,6 @@ def phases(r: dict) -> list[tuple[str, float]]:
         ("  write shards (busy)", write.get("write", 0.0)),
         ("  flush shards (busy)", write.get("flush", 0.0)),
         ("install, exit, other", rest),
-        (
-            "  waiting for the copy's finding (first run; asked for at the check's settle)",
-            t.get("reference_copy_wait_s", 0.0),
-        ),
         ("**end to end (wall)**", r["wall_s"]),
         ("CPU seconds, user + system (whole process)", r["cpu_s"]),
         ("  of which system (page faults, page cache)", r.get("sys_s", 0.0)),

@@ -34,7 +34,6 @@ from _pipeline_data import CORPUS, EOS, build_tokenizer, corrupt_fast_engine, lo
 
 from packtools import pack_files
 from packtools.pipeline.tokenizer import fast as fast_tokenize
-from packtools.pipeline.tokenizer import load as tokenizer_load
 from packtools.pipeline.tokenizer import reference, reference_check
 from packtools.pipeline.tokenizer.batch import BatchTokenizer
 from packtools.pipeline.tokenizer.folder import tokenizer_fingerprint
@@ -393,20 +392,16 @@ def test_the_child_ends_when_its_driver_is_killed(tok):
 
 
 def _child_copy_finding(tok, copy, state) -> list:
-    """The child's answer on ``copy``, compared with the driver's serialized state's SHA-256 ``state`` (its
-    second request, after the texts: the driver asks for it at the settle)."""
-    requests = [{"texts": TEXTS[:3]}, {"copy": copy, "state": state}]
+    """The child's answer on ``copy``, compared with the driver's serialized state's SHA-256 ``state``."""
     child = subprocess.run(
         [sys.executable, "-m", reference_check.CHILD_MODULE, tok],
-        input="".join(json.dumps(r) + "\n" for r in requests),
+        input=json.dumps({"texts": TEXTS[:3], "copy": copy, "state": state}),
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": ROOT},
         check=True,
     )
-    ids, found = map(json.loads, child.stdout.splitlines())
-    assert set(ids) >= {"eos_id", "ids"}
-    return found["copy"]
+    return json.loads(child.stdout)["copy"]
 
 
 def test_the_child_finds_a_copy_identical_only_where_it_loads_as_tokenizer_json(tok, tmp_path):
@@ -498,80 +493,6 @@ def test_a_tokenizer_load_that_fails_stops_the_child_it_started(tok, tmp_path, m
         time.sleep(0.1)
 
 
-def test_the_copys_finding_is_asked_for_at_the_settle_and_awaited_before_the_run_returns(
-    tok, tmp_path, monkeypatch
-):
-    """The child answers the ids first; the copy's finding (which does not decide this run's ids) is asked for
-    only once the check is settled, while the run plans and writes, and is recorded before the run returns."""
-    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
-    seen: list[str] = []
-    real_exchange, real_record = (
-        reference_check.ReferenceCheck._exchange,
-        reference_check.ReferenceCheck.record_finding,
-    )
-
-    def exchange(self, request):
-        seen.append("+".join(sorted(request)))
-        return real_exchange(self, request)
-
-    def record(self):
-        seen.append("settled")
-        return real_record(self)
-
-    monkeypatch.setattr(reference_check.ReferenceCheck, "_exchange", exchange)
-    monkeypatch.setattr(reference_check.ReferenceCheck, "record_finding", record)
-    res = pack_files(
-        _write(tmp_path / "in", TEXTS), tmp_path / "out", max_length=64, tokenizer=tok, quiet=True
-    )
-    assert seen == ["texts", "settled", "copy+state"]
-    assert (
-        res.timings["reference_check_by"] == reference_check.BY_CHILD
-        and "reference_copy_wait_s" in res.timings
-    )
-    fp = tokenizer_fingerprint(tok)
-    copy = reference._copy_verdict(fp, tokenizer_load.compact_file(fp))
-    assert copy is not None and copy["identical"] is True  # recorded by the time the run returned
-    assert reference.load_verified(tok, fp, tokenizer_load.compact_file(fp)).source == "copy"
-
-
-def test_a_run_stopped_before_its_settle_ends_its_child_and_a_later_settle_finds_the_copy_itself(
-    tok, tmp_path, monkeypatch
-):
-    """A run stopped between the stage and the settle releases its check: the child, which has answered the ids
-    and would wait for the copy's request as long as this process lives, ends; settled later, the check
-    records the same finding, the copy's found by the driver."""
-    from packtools.pipeline import run, stage
-
-    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
-
-    class Stop(BaseException):
-        pass
-
-    def stop(*args, **kwargs):
-        raise Stop
-
-    monkeypatch.setattr(run, "_settle_reference", stop)
-    with pytest.raises(Stop):
-        pack_files(_write(tmp_path / "in", TEXTS), tmp_path / "out", max_length=64, tokenizer=tok, quiet=True)
-    pending = [
-        t
-        for t in stage._TOKENIZERS.values()
-        if t.reference_check is not None and t.tokenizer_dir == os.path.abspath(tok)
-    ]
-    assert len(pending) == 1
-    check = pending[0].reference_check
-    check.result()  # answered: the child was then ended (release)
-    deadline = time.monotonic() + 60
-    while check._child.poll() is None:
-        assert time.monotonic() < deadline, "the released check's child is still waiting"
-        time.sleep(0.05)
-    assert pending[0].settle_reference(lambda why: None) is None
-    check.finish()
-    fp = tokenizer_fingerprint(tok)
-    found = reference._copy_verdict(fp, tokenizer_load.compact_file(fp))
-    assert found is not None and found["identical"] is True
-
-
 def test_the_child_runs_this_packtools_whatever_the_working_folder_holds(tok, tmp_path, monkeypatch):
     """``python -m`` puts the working folder first on the child's path: a folder holding another packtools
     checkout would run *its* check (another protocol, or none).  The child runs this very packtools."""
@@ -590,4 +511,3 @@ def test_the_child_runs_this_packtools_whatever_the_working_folder_holds(tok, tm
     check = reference_check.ReferenceCheck(tok, tokenizer_fingerprint(tok))
     check.start(reference.LiteReference(tok), TEXTS[:5], None)
     assert check.result() is None and check.how == reference_check.BY_CHILD
-    check.finish()

@@ -448,7 +448,6 @@ def _run(
     ex = get_executor(how.executor, how.workers, how.address)
     timings["executor"] = ex.name
     check_pending = _reference_pending(found, config) if verdict is not None else None
-    settled = None  # the check once settled: its copy's finding is awaited before the run returns
     if ex.name != "local" and warming is not None:  # (an Executor object that is not local after all)
         warming.join()
     try:
@@ -469,7 +468,7 @@ def _run(
                 if check_pending is not None:
                     timings["reference_check_s"] = round(time.perf_counter() - t_check, 3)
                     timings["reference_check_by"] = check_pending.how  # the child, or the driver and why
-                    settled, check_pending = check_pending, None
+                    check_pending = None
                 if late is None:
                     break
                 # the first run's provisional reference differed from transformers: every part again, by it
@@ -572,12 +571,6 @@ def _run(
             ex.close()
         if warming is not None:  # a failed stage too: nothing of the run loads kernels after it returns
             warming.join()
-        if settled is not None:  # the copy's finding, found while the run planned and wrote (reference_check)
-            t_copy = time.perf_counter()
-            settled.finish()
-            timings["reference_copy_wait_s"] = round(time.perf_counter() - t_copy, 3)
-        elif check_pending is not None:  # stopped before the settle: its child ends once it has answered
-            check_pending.release()
     cols = stats.pop("columns", columns)  # preference rows have their own columns
     stats.update(
         {"format": fmt, "max_length": config.max_length, "columns": cols, "columns_left_out": found.left_out}
