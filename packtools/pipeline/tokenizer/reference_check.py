@@ -58,8 +58,8 @@ CHILD_MODULE = __name__
 CHILD_TIMEOUT_S = 600.0
 #: how the child runs :data:`CHILD_MODULE`: as ``python -m`` does, but without the working folder first on its
 #: path (``-m`` puts it there, so a folder holding another packtools checkout would run *its* module; ``-P``
-#: is Python 3.11's)
-_RUN_CHILD = "import runpy, sys; del sys.path[0]; sys.argv[:] = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"  # fmt: skip
+#: is Python 3.11's; ``-c`` puts an empty entry there, dropped, and nothing else under ``PYTHONSAFEPATH``)
+_RUN_CHILD = "import runpy, sys; sys.path[:1] = [p for p in sys.path[:1] if p]; sys.argv[:] = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"  # fmt: skip
 #: :attr:`ReferenceCheck.how` when the child answered
 BY_CHILD = "child process (transformers without torch)"
 
