@@ -491,3 +491,23 @@ def test_a_tokenizer_load_that_fails_stops_the_child_it_started(tok, tmp_path, m
     while child.poll() is None:
         assert time.monotonic() < deadline, "the check's child outlived the failed load"
         time.sleep(0.1)
+
+
+def test_the_child_runs_this_packtools_whatever_the_working_folder_holds(tok, tmp_path, monkeypatch):
+    """``python -m`` puts the working folder first on the child's path: a folder holding another packtools
+    checkout would run *its* check (another protocol, or none).  The child runs this very packtools."""
+    other = tmp_path / "elsewhere" / "packtools"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("raise ImportError('another packtools, from the working folder')\n")
+    monkeypatch.chdir(other.parent)
+    with pytest.raises(subprocess.CalledProcessError):  # what `python -m` there runs (the negative control)
+        subprocess.run(
+            [sys.executable, "-m", reference_check.CHILD_MODULE, tok],
+            input="",
+            capture_output=True,
+            env={**os.environ, "PYTHONPATH": ROOT},
+            check=True,
+        )
+    check = reference_check.ReferenceCheck(tok, tokenizer_fingerprint(tok))
+    check.start(reference.LiteReference(tok), TEXTS[:5], None)
+    assert check.result() is None and check.how == reference_check.BY_CHILD

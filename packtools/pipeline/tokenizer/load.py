@@ -171,9 +171,12 @@ def write_compact(path: str | None, spec: dict[str, Any]) -> bool:
         if not (isinstance(m, list) and len(m) == 2 and " " not in m[0] and " " not in m[1]):
             return False
     model = dict(spec["model"], merges=[f"{a} {b}" for a, b in merges])
+    # one string from the C encoder, one write: json.dump's many small writes through its Python encoder took
+    # twice as long (a first run's fast-engine load starts only once this copy is written)
+    text = json.dumps(dict(spec, model=model), ensure_ascii=False)
     try:
         with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(dict(spec, model=model), fh, ensure_ascii=False)
+            fh.write(text)
         with atomic_path(path + ".sha256") as tmp, open(tmp, "w", encoding="ascii") as fh:
             fh.write(file_sha256(path))  # checked before every load (compact_intact)
     except OSError:

@@ -7,7 +7,8 @@ The check's expensive half, importing transformers and loading the folder throug
 started as the driver's tokenizer starts loading, so it holds neither the driver's GIL nor its memory (where
 transformers is not imported in the driver yet, :func:`child_pays`):
 
-- the child (``python -m packtools.pipeline.tokenizer.reference_check DIR``, :func:`main`) loads the folder
+- the child (``python -m packtools.pipeline.tokenizer.reference_check DIR``, from this very packtools whatever
+  the working folder holds, :func:`main`) loads the folder
   through transformers with ``torch`` made unimportable first (a ``None`` entry in ``sys.modules``: ``import
   torch`` raises ``ImportError`` and ``importlib.util.find_spec`` finds nothing, so transformers runs in its
   tokenizer-only mode, the one it has without torch installed).  torch cannot change a tokenizer's ids, and
@@ -55,6 +56,10 @@ from .reference import (
 CHILD_MODULE = __name__
 #: how long the driver waits for the child's answer before it checks by itself
 CHILD_TIMEOUT_S = 600.0
+#: how the child runs :data:`CHILD_MODULE`: as ``python -m`` does, but without the working folder first on its
+#: path (``-m`` puts it there, so a folder holding another packtools checkout would run *its* module; ``-P``
+#: is Python 3.11's; ``-c`` puts an empty entry there, dropped, and nothing else under ``PYTHONSAFEPATH``)
+_RUN_CHILD = "import runpy, sys; sys.path[:1] = [p for p in sys.path[:1] if p]; sys.argv[:] = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"  # fmt: skip
 #: :attr:`ReferenceCheck.how` when the child answered
 BY_CHILD = "child process (transformers without torch)"
 
@@ -75,7 +80,7 @@ def start_child(tokenizer_dir: str) -> subprocess.Popen[bytes] | None:
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", CHILD_MODULE, tokenizer_dir],
+            [sys.executable, "-c", _RUN_CHILD, CHILD_MODULE, tokenizer_dir],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
