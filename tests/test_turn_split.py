@@ -39,6 +39,7 @@ def label_rows(draw):
 @settings(max_examples=300, deadline=None)
 @given(label_rows())
 @example(case=(np.array([5, IGNORE_INDEX, 5]), 2, 2))  # a turn end inside the head, in a cut exchange
+@example(case=(np.array([5, 5, IGNORE_INDEX, 5]), 1, 2))  # an exchange that fits only without the head
 def test_cut_covers_the_row_at_turn_ends(case):
     labels, head, max_length = case
     pieces, cut, _ = plan_pieces(labels, head, max_length)
@@ -64,7 +65,9 @@ def test_cut_covers_the_row_at_turn_ends(case):
         # a reply's first trained token is never a piece's first own token: its question (some) comes first
         # (a turn end inside the head is no boundary: there a continuation may start at a span's start)
         assert a <= head or not (trained[a] and not trained[a - 1])
-    assert (inside == 0) == (cut == 0)
+    assert cut or not inside  # a piece starts inside a turn only in a cut exchange
+    if cut and not inside:  # an exchange that fits a piece only without the head (the head leaves it no room)
+        assert carry and any(c == 0 and a > 0 for c, a, _ in pieces)
     # negative control: the fixed cut starts pieces inside turns where the turn cut does not
     fixed = plan_pieces(labels, head, max_length, "tokens").pieces
     assert all(b - a <= max_length for _, a, b in fixed) and fixed[-1][2] == n
