@@ -1,11 +1,31 @@
 """The assistant-token mask (packtools.pipeline.tokenizer.chat.labels.overlap_mask) equals transformers' rule written out
-plainly: a token is marked when it overlaps one of the sorted, disjoint spans."""
+plainly: a token is marked when it overlaps one of the sorted, disjoint spans; and the incremental rule gives it
+only such spans (a template whose turns' spans overlap is refused, whichever engine tokenizes)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
+import pytest
 
-from packtools.pipeline.tokenizer.chat.labels import overlap_mask
+from packtools.errors import PackingError
+from packtools.pipeline.tokenizer.batch import BatchTokenizer
+from packtools.pipeline.tokenizer.chat.labels import incremental_spans, overlap_mask
+from packtools.pipeline.tokenizer.chat.render import ChatRenderer
+from packtools.testing import tiny_tokenizer
+
+# renders nothing for a prompt after more than two messages: the prefix before the second assistant turn
+# (with the generation prompt) is empty, so that turn's span would start at 0 and hold every earlier message
+OVERLAPPING = (
+    "{% if add_generation_prompt and messages|length > 2 %}{% else %}"
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}{% endif %}"
+)
+CONV = [
+    {"role": "user", "content": "aaaaa"},
+    {"role": "assistant", "content": "bbbbb"},
+    {"role": "user", "content": "cc"},
+    {"role": "assistant", "content": "ddd"},
+]
 
 
 def plain_mask(starts, ends, lo, hi):
@@ -35,3 +55,22 @@ def test_overlap_mask_equals_the_plain_rule():
             lo,
             hi,
         )
+
+
+def test_a_template_whose_turns_spans_overlap_is_refused():
+    renderer = ChatRenderer(OVERLAPPING, {})
+    with pytest.raises(PackingError, match="row 0: column 'messages' turn 3: .* render shorter"):
+        incremental_spans(renderer, [CONV], lambda i: f"row {i}")
+    # control: each prefix is the start of the whole, so only the order of the spans is wrong
+    full = renderer.render(CONV, False)
+    assert all(full.startswith(renderer.render(CONV[:k], p)) for k in (1, 2, 3) for p in (False, True))
+    assert incremental_spans(renderer, [CONV[:2]], str)[1] == [[(5, 10)]]  # one turn: its span, as before
+
+
+@pytest.mark.parametrize("engine", ["auto", "transformers"])
+def test_overlapping_turns_train_no_user_text_on_either_engine(tmp_path, engine):
+    """The span of turn 3 would hold the user's messages (every engine labelled 'cc', and transformers' path
+    'aaaaa' too): refused instead, naming the row and the turn."""
+    bt = BatchTokenizer(tiny_tokenizer(str(tmp_path), OVERLAPPING), "messages", engine=engine)
+    with pytest.raises(PackingError, match="row 0: column 'messages' turn 3"):
+        bt(pa.table({"messages": [CONV]}))

@@ -78,6 +78,14 @@ def incremental_spans(
                     f"conversations incrementally (a prefix renders differently from the start of the whole), "
                     f"so assistant tokens cannot be located; use a template with {{% generation %}} markers."
                 )
+            if row_spans and len(start) < row_spans[-1][1]:  # the spans must follow each other (overlap_mask)
+                raise PackingError(
+                    f"{where(i)}: column 'messages' turn {turn}: the chat template does not render "
+                    f"conversations incrementally (the messages before this turn, with the generation prompt, "
+                    f"render shorter than those through the assistant turn before it, so the turns' spans "
+                    f"overlap), so assistant tokens cannot be located; use a template with {{% generation %}} "
+                    f"markers."
+                )
             row_spans.append((len(start), len(end)))
         texts.append(full)
         spans.append(row_spans)
