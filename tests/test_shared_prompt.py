@@ -142,6 +142,40 @@ def test_groups_pack_with_completion_columns_aligned():
         pack_groups(table.set_column(2, "adv", pa.array([[1.0]] * 4)), 40, completion_columns=["adv"])
 
 
+def test_groups_of_a_selected_dataset_are_checked_and_named_within_the_selection():
+    """A ``Dataset.select`` leaving out a row with an empty group packs as the selected rows do as a table (it
+    was refused for a row the dataset does not hold); a selected empty group, or a per-completion column of the
+    wrong size, is refused by its place in the dataset, not in the table under it."""
+    datasets = pytest.importorskip("datasets")
+    from packtools.profiling.shared import shared_prompt_savings
+
+    table = pa.table(
+        {
+            "prompt_ids": [[5, 6], [7], [8, 9, 10], [11]],
+            "completion_ids": [[[2], [3, 4]], [], [[5]], [[6], [7]]],
+            "adv": [[1.0, 2.0], [], [3.0], [5.0, 6.0]],
+        }
+    )
+    ds = datasets.Dataset(table)
+    kept = ds.select([3, 0])
+    got = pack_groups(kept, 32, completion_columns=["adv"], shuffle=False).to_list()
+    want = pack_groups(table.take([3, 0]), 32, completion_columns=["adv"], shuffle=False).to_pylist()
+    assert got == want and sorted(a for r in got for a in r["adv"]) == [1.0, 2.0, 5.0, 6.0]
+    assert shared_prompt_savings(kept) == shared_prompt_savings(table.take([3, 0]))
+    with pytest.raises(PackingError, match="row 1: completion_ids holds no completion"):
+        pack_groups(ds.select([0, 1]), 32)
+    with pytest.raises(PackingError, match="row 1: completion_ids holds no completion"):
+        shared_prompt_savings(ds.select([0, 1]))
+    wrong = datasets.Dataset(table.set_column(2, "adv", pa.array([[1.0, 2.0], [], [3.0, 4.0], [5.0, 6.0]])))
+    with pytest.raises(PackingError, match="row 2: 'adv' has 2 values for 1 completions"):
+        pack_groups(wrong.select([3, 0, 2]), 32, completion_columns=["adv"])
+    # outside the selection too (the values would be read shifted): named as the table's row
+    with pytest.raises(
+        PackingError, match=r"row 2 of the table under the dataset \(not selected\): 'adv' has 2"
+    ):
+        pack_groups(wrong.select([3, 0]), 32, completion_columns=["adv"])
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The tree attention, in a plain loop
 

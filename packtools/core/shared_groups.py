@@ -86,8 +86,11 @@ def fit_units(
 
 
 def _read_groups(
-    table: pa.Table, completion_columns: Sequence[str]
+    table: pa.Table, completion_columns: Sequence[str], rows: np.ndarray
 ) -> tuple[ListColumn, ListColumn, np.ndarray]:
+    """The prompts, the completions and each row's group size; ``rows``: the table rows the dataset holds, in
+    its order (an empty group outside them is not refused; a refused row is named by its place in the dataset).
+    A per-completion column must match its completions in every row: its values are read by their offsets."""
     check_columns(table, GROUP_COLUMNS, "group tables (a prompt and a list of completions per row)")
     prompt = read_list_column(table.column("prompt_ids"), "prompt_ids")
     nested = table.column("completion_ids").combine_chunks()
@@ -99,8 +102,9 @@ def _read_groups(
     if nested.null_count or nested.flatten().null_count:
         raise PackingError("completion_ids has a null group or completion; fill or drop it.", param="dataset")
     sizes = np.diff(np.asarray(nested.offsets, np.int64))
-    if sizes.size and sizes.min() < 1:
-        row = int(np.flatnonzero(sizes < 1)[0])
+    empty = np.flatnonzero(sizes[rows] < 1)
+    if empty.size:
+        row = int(empty[0])
         raise PackingError(
             f"row {row}: completion_ids holds no completion; a group needs one.", param="dataset"
         )
@@ -124,11 +128,17 @@ def _read_groups(
                 param="completion_columns",
             )
         own = np.diff(np.asarray(arr.offsets, np.int64))
-        bad = np.flatnonzero(own != sizes)
+        bad = np.flatnonzero(own != sizes)  # every row: the values are taken by the completions' offsets
         if bad.size:
-            r = int(bad[0])
+            at = int(bad[0])
+            place = np.flatnonzero(rows == at)
+            row = (
+                f"row {int(place[0])}"
+                if place.size
+                else f"row {at} of the table under the dataset (not selected)"
+            )
             raise PackingError(
-                f"row {r}: {name!r} has {own[r]} values for {sizes[r]} completions; give one per completion.",
+                f"{row}: {name!r} has {own[at]} values for {sizes[at]} completions; give one per completion.",
                 param="completion_columns",
             )
     return prompt, comps, sizes
@@ -171,10 +181,10 @@ def pack_groups(
         )
     if isinstance(completion_columns, str):
         completion_columns = [completion_columns]
-    prompt, comps, sizes = _read_groups(table, completion_columns)
-    extra = _read_pair_columns(table, columns) if columns else []
-    n_all = sizes.shape[0]
+    n_all = table.num_rows
     rows = np.arange(n_all) if row_indices is None else np.ascontiguousarray(row_indices, np.int64)
+    prompt, comps, sizes = _read_groups(table, completion_columns, rows)
+    extra = _read_pair_columns(table, columns) if columns else []
     first = offsets_of(sizes)
     lp, g = prompt.lengths()[rows], sizes[rows]
     comp_len = comps.lengths()

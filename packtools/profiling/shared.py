@@ -51,11 +51,6 @@ def shared_prompt_savings(dataset: Any) -> SharedSavings:
         nested = table.column("completion_ids").combine_chunks()
         offsets = np.asarray(nested.offsets, np.int64) - nested.offsets[0].as_py()
         g = np.diff(offsets)
-        if g.size and g.min() < 1:  # as pack_groups refuses it: no unit to share a prompt in
-            row = int(np.flatnonzero(g < 1)[0])
-            raise PackingError(
-                f"row {row}: completion_ids holds no completion; a group needs one.", param="dataset"
-            )
         tokens = np.concatenate(([0], np.cumsum(column_lengths(nested.flatten()))))
         sums = tokens[offsets[1:]] - tokens[offsets[:-1]]
     elif "chosen_ids" in names and "rejected_ids" in names:
@@ -69,6 +64,11 @@ def shared_prompt_savings(dataset: Any) -> SharedSavings:
         )
     if indices is not None:
         lp, g, sums = lp[indices], g[indices], sums[indices]
+    if g.size and g.min() < 1:  # as pack_groups refuses it: no unit to share a prompt in
+        row = int(np.flatnonzero(g < 1)[0])
+        raise PackingError(
+            f"row {row}: completion_ids holds no completion; a group needs one.", param="dataset"
+        )
     return SharedSavings(
         units=int(lp.shape[0]),
         completions=int(g.sum()),
