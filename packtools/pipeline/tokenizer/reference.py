@@ -191,7 +191,8 @@ def compare(lite: LiteReference, theirs: dict[str, Any], texts: list[str]) -> st
     its EOS id, then its ids of ``texts`` with and without special tokens), or None where it gives the same."""
     if lite.eos_id != theirs["eos_id"]:
         return f"the EOS id differs ({lite.eos_id} against transformers' {theirs['eos_id']})"
-    encode = getattr(lite.backend, "encode_batch_fast", lite.backend.encode_batch)  # the ids alone, no offsets
+    # the ids alone, no offsets
+    encode = getattr(lite.backend, "encode_batch_fast", lite.backend.encode_batch)
     for name in ("special", "plain"):
         mine = [e.ids for e in encode(texts, add_special_tokens=name == "special")]
         for i, (a, b) in enumerate(zip(mine, theirs["ids"][name])):
