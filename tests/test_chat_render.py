@@ -329,6 +329,7 @@ def test_a_batch_that_fails_while_rendered_ahead_names_its_row(tokdir, tmp_path,
         release.set()
 
 
+@pytest.mark.skipif(fast_tokenize.engine_version() is None, reason="needs packtools[fast]")
 def test_a_chat_batch_the_fast_engine_raises_on_is_counted_once_with_its_reason(tokdir, monkeypatch):
     """An engine error on a chat batch (auto): transformers' ids and labels, the batch counted once on
     transformers, and the reason the error's (negative control: a batch without the trigger stays fast)."""

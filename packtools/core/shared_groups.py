@@ -85,6 +85,15 @@ def fit_units(
     return np.ones(lp.shape[0], bool), kp, kc
 
 
+def refuse_empty_groups(sizes: np.ndarray) -> None:
+    """Refuse a group without a completion (``sizes``: the completions of each row, in the dataset's order)."""
+    empty = np.flatnonzero(sizes < 1)
+    if empty.size:
+        raise PackingError(
+            f"row {int(empty[0])}: completion_ids holds no completion; a group needs one.", param="dataset"
+        )
+
+
 def _read_groups(
     table: pa.Table, completion_columns: Sequence[str], rows: np.ndarray
 ) -> tuple[ListColumn, ListColumn, np.ndarray]:
@@ -102,12 +111,7 @@ def _read_groups(
     if nested.null_count or nested.flatten().null_count:
         raise PackingError("completion_ids has a null group or completion; fill or drop it.", param="dataset")
     sizes = np.diff(np.asarray(nested.offsets, np.int64))
-    empty = np.flatnonzero(sizes[rows] < 1)
-    if empty.size:
-        row = int(empty[0])
-        raise PackingError(
-            f"row {row}: completion_ids holds no completion; a group needs one.", param="dataset"
-        )
+    refuse_empty_groups(sizes[rows])
     comps = read_list_column(nested.flatten(), "completion_ids")
     if str(comps.type.value_type) != str(prompt.type.value_type):
         raise PackingError(

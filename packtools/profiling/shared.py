@@ -15,6 +15,7 @@ import pyarrow as pa
 
 from ..compat.datasets import dataset_table
 from ..core.arrow import column_lengths
+from ..core.shared_groups import refuse_empty_groups
 from ..core.shared_pairs import unit_lengths
 from ..errors import PackingError
 
@@ -64,11 +65,7 @@ def shared_prompt_savings(dataset: Any) -> SharedSavings:
         )
     if indices is not None:
         lp, g, sums = lp[indices], g[indices], sums[indices]
-    if g.size and g.min() < 1:  # as pack_groups refuses it: no unit to share a prompt in
-        row = int(np.flatnonzero(g < 1)[0])
-        raise PackingError(
-            f"row {row}: completion_ids holds no completion; a group needs one.", param="dataset"
-        )
+    refuse_empty_groups(g)  # as pack_groups: no unit to share a prompt in
     return SharedSavings(
         units=int(lp.shape[0]),
         completions=int(g.sum()),
