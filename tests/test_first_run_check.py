@@ -511,3 +511,107 @@ def test_the_child_runs_this_packtools_whatever_the_working_folder_holds(tok, tm
     check = reference_check.ReferenceCheck(tok, tokenizer_fingerprint(tok))
     check.start(reference.LiteReference(tok), TEXTS[:5], None)
     assert check.result() is None and check.how == reference_check.BY_CHILD
+
+
+# -- a tokenizers release without a method the lite reference calls ------------------------------------------
+def _tokenizers_without(monkeypatch, *missing) -> None:
+    """``tokenizers.Tokenizer`` as a release that renamed or removed the methods ``missing`` would be: neither the
+    class nor the tokenizers it loads have them; every other method is the installed library's.  transformers,
+    whose modules are imported already, keeps the class it imported (as it keeps working with the release its
+    own requirement allows)."""
+    import tokenizers
+
+    real = tokenizers.Tokenizer
+
+    class Wrapped:
+        def __init__(self, inner) -> None:
+            self._inner = inner
+
+        def __getattr__(self, name):
+            if name in missing:
+                raise AttributeError(f"'tokenizers.Tokenizer' object has no attribute {name!r}")
+            return getattr(self._inner, name)
+
+    def forward(name):
+        return lambda self, *args, **kwargs: getattr(self._inner, name)(*args, **kwargs)
+
+    members = {
+        name: forward(name)
+        for name in dir(real)
+        if not name.startswith("_") and name not in missing and callable(getattr(real, name))
+    }
+    if "from_file" in members:
+        members["from_file"] = staticmethod(lambda path: lacking(real.from_file(path)))
+    lacking = type("Tokenizer", (Wrapped,), members)
+    monkeypatch.setattr(tokenizers, "Tokenizer", lacking)
+
+
+@pytest.mark.parametrize(
+    "missing",
+    [
+        ("from_file",),
+        ("no_truncation",),
+        ("no_padding",),
+        ("token_to_id",),
+        ("encode_batch",),  # the chat labels read its offsets; encode_batch_fast alone is not enough
+        ("to_str",),  # called by the first run's check, in its thread
+    ],
+)
+def test_a_tokenizers_without_a_method_the_reference_calls_falls_back_to_transformers_saying_why(
+    tok, tmp_path, monkeypatch, missing
+):
+    """A future tokenizers without one of the methods the lite reference calls: transformers is the reference,
+    the run's notes say why (the method, the version), and the ids are transformers'.  Never an AttributeError,
+    and never the lite reference installed unchecked: here it would give other ids (and the fast engine agree
+    with it), which only its check against transformers can see."""
+    expected = _expected(tok, TEXTS)  # (transformers' tokenizer modules imported before the library changes)
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    _differing_reference(monkeypatch)
+    _tokenizers_without(monkeypatch, *missing)
+    src = _write(tmp_path / "in", TEXTS)
+    for run in ("first", "second"):
+        res = pack_files(src, tmp_path / run, max_length=64, tokenizer=tok, quiet=True)
+        assert _docs(res.out) == expected, run
+        said = [n for n in res.notes if f"has no Tokenizer.{missing[0]}" in n]
+        assert said and "transformers is loaded as the reference" in said[0], (run, res.notes)
+        assert "reference_check_by" not in res.timings  # no provisional reference, nothing to check
+    bt = BatchTokenizer(tok, "text")
+    assert bt.reference_engine == "transformers" and missing[0] in bt.reference_why
+    with pytest.raises(reference.LiteUnavailable, match=f"Tokenizer.{missing[0]}"):
+        reference.LiteReference(tok)
+    assert BatchTokenizer(tok, "text", engine="transformers").reference_why is None  # not asked for: no note
+
+
+def test_a_reference_without_encode_batch_fast_encodes_with_encode_batch(tok, tmp_path, monkeypatch):
+    """``encode_batch_fast`` (ids without offsets) is an extra: without it the lite reference encodes with
+    ``encode_batch``, the same ids, and nothing is said."""
+    expected = _expected(tok, TEXTS)
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    _tokenizers_without(monkeypatch, "encode_batch_fast")
+    res = pack_files(
+        _write(tmp_path / "in", TEXTS), tmp_path / "out", max_length=64, tokenizer=tok, quiet=True
+    )
+    assert _docs(res.out) == expected and res.notes == []
+    assert res.timings["reference_check_by"] == reference_check.BY_CHILD
+    bt = BatchTokenizer(tok, "text")
+    assert bt.reference_why is None and bt.reference_engine == "tokenizers (checked equal to transformers)"
+
+
+def test_a_check_whose_request_fails_is_made_by_the_driver_never_read_as_a_pass(tok, tmp_path, monkeypatch):
+    """The check's thread could not ask its child (here the reference's state cannot be serialized): the driver
+    checks by itself and says why; the thread never dies before comparing, which read as a pass and installed
+    a differing reference's ids."""
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    _differing_reference(monkeypatch)
+
+    def unserializable(lite):
+        raise RuntimeError("no state")
+
+    monkeypatch.setattr(reference_check, "state_sha256", unserializable)
+    res = pack_files(
+        _write(tmp_path / "in", TEXTS), tmp_path / "out", max_length=64, tokenizer=tok, quiet=True
+    )
+    assert _docs(res.out) == _expected(tok, TEXTS)
+    by = res.timings["reference_check_by"]
+    assert by == "in the driver: the request to the child process failed (RuntimeError: no state)", by
+    assert res.stats["tokenizer"]["engine"] == "transformers" and res.timings["parts_restaged"] == 3

@@ -176,6 +176,74 @@ def test_a_packed_folder_is_profiled_by_its_sequences(tmp_path, capsys):
     assert profile_lengths(table).lengths.tolist() == [3, 4, 5]
 
 
+def _bad_batch(path) -> None:
+    """Overwrite the header of the first record batch of the Arrow stream at ``path`` (its schema still reads)."""
+    whole = open(path, "rb").read()
+    with pa.OSFile(str(path), "rb") as src:
+        pa.ipc.open_stream(src)
+        first = src.tell()
+    open(path, "wb").write(whole[:first] + b"\xff" * 8 + whole[first + 8 :])
+
+
+def test_a_corrupt_shard_of_a_packed_folder_is_named(tmp_path, capsys):
+    """A packed folder with a shard that is no Arrow file, or whose batches are corrupted behind a readable
+    schema: ``packtools profile`` and profile_lengths name the shard and the fix (as pack does), never pyarrow's
+    bare error."""
+    offsets = np.arange(0, 601 * 40, 40, dtype=np.int32)
+    col = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.ones(offsets[-1], np.int32)))
+    pq.write_table(pa.table({"input_ids": col}), tmp_path / "in.parquet")
+    res = pack_files(str(tmp_path / "in.parquet"), tmp_path / "packed", 256, shard_tokens=4000)
+    shards = sorted(f for f in os.listdir(res.out) if f.endswith(".arrow"))
+    assert len(shards) >= 2
+    bad = os.path.join(res.out, shards[1])
+    argvs = (["profile", res.out], ["profile", res.out, "--column", "seq_lengths"])
+    for argv in argvs:  # negative control: the whole folder profiles
+        assert main(argv) == 0
+    capsys.readouterr()
+    whole = open(bad, "rb").read()
+    said = f"{shards[1]}' cannot be read as an Arrow IPC file"
+    for fault in ("batches", "not arrow"):
+        if fault == "batches":
+            _bad_batch(bad)
+        else:
+            open(bad, "wb").write(b"not an Arrow file\n" * 64)
+        for argv in argvs:
+            assert main(argv) == 1
+            err = capsys.readouterr().err
+            assert said in err and "copy it again" in err and "Error:" not in err, (fault, argv, err)
+        with pytest.raises(PackingError, match=said):
+            profile_lengths(res.out)
+        open(bad, "wb").write(whole)
+
+
+def test_a_corrupt_packed_or_tokenized_file_is_named(tmp_path):
+    """profile_lengths of a packed ``.parquet`` cut in half, and of tokenized files whose data (not footer or
+    schema) is corrupted: PackingError naming the file."""
+    packed = pa.table({"input_ids": [[1] * 7, [2] * 5], "seq_lengths": [[3, 4], [5]]})
+    pq.write_table(packed, tmp_path / "packed.parquet")
+    assert profile_lengths(str(tmp_path / "packed.parquet")).lengths.tolist() == [3, 4, 5]  # control
+    blob = (tmp_path / "packed.parquet").read_bytes()
+    (tmp_path / "packed.parquet").write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(PackingError, match="packed.parquet' cannot be read as a Parquet file"):
+        profile_lengths(str(tmp_path / "packed.parquet"))
+    tokens = pa.table({"input_ids": pa.array([[1, 2, 3]] * 100, pa.list_(pa.int32()))})
+    pq.write_table(tokens, tmp_path / "pages.parquet")
+    with (
+        pa.OSFile(str(tmp_path / "batches.arrow"), "wb") as sink,
+        pa.ipc.new_stream(sink, tokens.schema) as w,
+    ):
+        w.write_table(tokens)
+    for name in ("pages.parquet", "batches.arrow"):
+        assert profile_lengths(str(tmp_path / name)).count == 100  # control
+    blob = (tmp_path / "pages.parquet").read_bytes()
+    (tmp_path / "pages.parquet").write_bytes(blob[:4] + b"\xff" * 16 + blob[20:])  # the first page's header
+    assert pq.read_schema(tmp_path / "pages.parquet").names == ["input_ids"]  # its footer still reads
+    _bad_batch(tmp_path / "batches.arrow")
+    for name, kind in (("pages.parquet", "a Parquet"), ("batches.arrow", "an Arrow IPC")):
+        with pytest.raises(PackingError, match=f"{name}' cannot be read as {kind} file"):
+            profile_lengths(str(tmp_path / name))
+
+
 def test_default_rule_holds_on_a_long_tail():
     rng = np.random.default_rng(0)
     lens = np.clip(rng.lognormal(5.0, 1.6, 20_000), 1, 2_000_000).astype(np.int64)

@@ -154,3 +154,59 @@ def test_a_sidecar_is_flushed_to_disk_before_the_rename_that_trusts_it(tmp_path,
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append("replace"), real_replace(a, b))[1])
     staged.save_sidecar(str(tmp_path / "s.npz"), np.zeros(1, np.int64), np.zeros(0, np.int64), "x")
     assert events[:2] == ["fsync", "replace"] and events[-1] == "fsync"  # the file, the rename, the folder
+
+
+# -- staged.damage itself ------------------------------------------------------------------------------------
+def test_damage_opens_the_sidecar_once_and_names_each_reason(tmp_path, monkeypatch):
+    """``staged.damage`` reads everything from one open of the sidecar (it was opened four times), and every
+    reason it gives still comes out; the sidecar readers pipeline code calls with a path see the same."""
+    import hashlib
+
+    from packtools.pipeline import staged
+
+    data, side = tmp_path / "p.arrow", str(tmp_path / "p.npz")
+    data.write_bytes(b"tokens")
+    digest = hashlib.sha256(b"tokens").hexdigest()
+
+    def write(**arrays):
+        staged.save_sidecar(
+            side, np.array([3, 2]), np.array([1, 0]), str(data), data_sha256=digest, data_size=6, **arrays
+        )
+
+    opened, load = [], np.load
+    monkeypatch.setattr(np, "load", lambda path, **kw: opened.append(path) or load(path, **kw))
+
+    def damage():
+        opened.clear()
+        why = staged.damage(side)
+        assert opened == [side]
+        return why
+
+    write(trained=np.array([2, 1]), heads=np.array([1, 1]), report={"engine": "fast"})
+    assert damage() is None
+    with np.load(side, allow_pickle=False) as z:  # a path or the open sidecar: the same values
+        for read in (
+            staged.load_sidecar,
+            staged.sidecar_checksum,
+            staged.sidecar_report,
+            staged.sidecar_turns,
+        ):
+            assert repr(read(z)) == repr(read(side))
+    assert staged.load_sidecar(side)[0].tolist() == [3, 2] and staged.sidecar_report(side) == {
+        "engine": "fast"
+    }
+    write(trained=np.array([2]))
+    assert damage() == "its trained tokens do not match its rows (1 for 2 rows)"
+    write(heads=np.array([1, 1, 1]))
+    assert damage() == "its heads do not match its rows (3 for 2 rows)"
+    write()
+    assert damage() is None  # no labels and no heads: empty arrays, as tokenized input has
+    data.write_bytes(b"tokenz")
+    assert damage() == "its data file is not the one it was written with (checksum differs)"
+    data.write_bytes(b"token")
+    assert damage() == "its data file is cut or not the one it was written with (size differs)"
+    data.unlink()
+    assert damage() == "its data file is missing"
+    blob = open(side, "rb").read()
+    open(side, "wb").write(blob[: len(blob) // 2])
+    assert damage() == "its sidecar cannot be read (BadZipFile)"

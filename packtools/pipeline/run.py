@@ -79,6 +79,8 @@ class RunInputs:
     left_out: list[str]
     ids: IdsSpec
     proven: Any = None  # stage.freeze_report of the engine chosen at load; None for tokenized input
+    #: why transformers, not the tokenizers library, is the reference (BatchTokenizer.reference_why): a note
+    reference_why: str | None = None
 
     @property
     def fmt(self) -> str:
@@ -345,7 +347,7 @@ def _inputs(
     # every file's other columns are listed as left out
     read = set(input_columns(fmt) + optional_columns(fmt))
     left_out = list(dict.fromkeys(n for f in files for n in read_schema(f).names if n not in read))
-    return RunInputs(files, columns, types, left_out, ids, proven), early
+    return RunInputs(files, columns, types, left_out, ids, proven, tok.reference_why), early
 
 
 def _verdict(
@@ -622,6 +624,5 @@ def _run(
     manifest = {**fp, "format": fmt, "stats": stats}
     write_manifest(ws.build, manifest)
     ws.install()
-    return PipelineResult(
-        ws.out, stats, cached=False, manifest=manifest, timings=timings, notes=list(cache_notes)
-    )
+    notes = cache_notes + ([found.reference_why] if found.reference_why else [])
+    return PipelineResult(ws.out, stats, cached=False, manifest=manifest, timings=timings, notes=notes)

@@ -32,10 +32,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+from numpy.lib.npyio import NpzFile
 
 from .._atomic import fsync_dir
 from ..constants import IGNORE_INDEX
@@ -93,38 +95,49 @@ def _write_sidecar(path: str, arrays: dict[str, np.ndarray]) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def load_sidecar(path: str) -> tuple[np.ndarray, np.ndarray, str]:
-    """``(lengths, first_label, data path)`` of a staged part."""
-    with np.load(path, allow_pickle=False) as z:
+@contextlib.contextmanager
+def _members(sidecar: str | NpzFile) -> Iterator[NpzFile]:
+    """The members of a sidecar: a path is opened (and closed) here; a sidecar already open (``damage`` reads
+    several things from one open) is used as it is, and its opener closes it."""
+    if isinstance(sidecar, NpzFile):
+        yield sidecar
+        return
+    with np.load(sidecar, allow_pickle=False) as z:
+        yield z
+
+
+def load_sidecar(path: str | NpzFile) -> tuple[np.ndarray, np.ndarray, str]:
+    """``(lengths, first_label, data path)`` of a staged part (``path``: the sidecar, or the sidecar open)."""
+    with _members(path) as z:
         return z["lengths"], z["first_label"], str(z["data"])
 
 
-def sidecar_turns(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def sidecar_turns(path: str | NpzFile) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(trained tokens, head length)`` of each row of a staged part (empty arrays: the part has no labels,
     resp. no heads: every head is 0), and the ids a turn's closing text has after its labelled span
     (:func:`packtools.pipeline.tokenizer.chat.head.closing_ids`; empty for most templates)."""
-    with np.load(path, allow_pickle=False) as z:
+    with _members(path) as z:
         return z["trained"], z["heads"], z["closing"]
 
 
-def sidecar_tool_opener(path: str) -> np.ndarray:
+def sidecar_tool_opener(path: str | NpzFile) -> np.ndarray:
     """The ids that start a tool message in a staged part's chat template
     (:func:`packtools.pipeline.tokenizer.chat.head.tool_opener_ids`; empty: none known)."""
-    with np.load(path, allow_pickle=False) as z:
+    with _members(path) as z:
         return z["tool_opener"] if "tool_opener" in z.files else np.zeros(0, np.int64)
 
 
-def sidecar_report(path: str) -> dict[str, Any] | None:
+def sidecar_report(path: str | NpzFile) -> dict[str, Any] | None:
     """The tokenizer engine report a staged part was written with (None for tokenized input)."""
-    with np.load(path, allow_pickle=False) as z:
+    with _members(path) as z:
         text = str(z["tokenizer"]) if "tokenizer" in z.files else ""
     return json.loads(text) if text else None
 
 
-def sidecar_checksum(path: str) -> tuple[str, int]:
+def sidecar_checksum(path: str | NpzFile) -> tuple[str, int]:
     """The SHA-256 ("" if none was taken) and the size (-1: unknown) of the data file the sidecar was written
     with."""
-    with np.load(path, allow_pickle=False) as z:
+    with _members(path) as z:
         digest = str(z["data_sha256"]) if "data_sha256" in z.files else ""
         size = int(z["data_size"]) if "data_size" in z.files else -1
     return digest, size
@@ -133,14 +146,15 @@ def sidecar_checksum(path: str) -> tuple[str, int]:
 def damage(sidecar: str) -> str | None:
     """Why the staged part of ``sidecar`` cannot be used (cut, emptied, changed since it was written: its
     sidecar unreadable, its data missing, or not the bytes whose SHA-256 the sidecar holds), else None.  A zip
-    member's CRC guards the sidecar itself."""
+    member's CRC guards the sidecar itself.  The sidecar is opened once; the readers above read its members."""
     from .tokenizer.folder import file_sha256
 
     try:
-        lengths, _, data = load_sidecar(sidecar)
-        checksum, size = sidecar_checksum(sidecar)
-        sidecar_report(sidecar)
-        trained, heads, _ = sidecar_turns(sidecar)
+        with np.load(sidecar, allow_pickle=False) as z:
+            lengths, _, data = load_sidecar(z)
+            checksum, size = sidecar_checksum(z)
+            sidecar_report(z)
+            trained, heads, _ = sidecar_turns(z)
     except Exception as exc:  # noqa: BLE001 - a cut or damaged .npz raises many kinds (BadZipFile, EOFError, ...)
         return f"its sidecar cannot be read ({type(exc).__name__})"
     for name, per_row in (("trained tokens", trained), ("heads", heads)):

@@ -23,7 +23,7 @@ import pyarrow as pa
 from ..constants import SEQ_LENGTHS
 from ..core.arrow import is_list_type
 from ..errors import PackingError
-from ..io.files import open_ipc
+from ..io.files import open_ipc, reading
 
 
 def packed_rows(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -67,21 +67,26 @@ def _manifest_of(paths: Sequence[str | os.PathLike[str]]) -> dict[str, Any] | No
 
 
 def file_schema(path: str) -> pa.Schema:
+    """The columns of a ``.parquet`` or Arrow IPC file; a cut, corrupted or non-Arrow file raises
+    :class:`PackingError` naming it (:func:`packtools.io.files.reading`), not pyarrow's bare error."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        return pq.read_schema(path)
-    with open_ipc(path) as reader:
+        with reading(path, "parquet"):
+            return pq.read_schema(path)
+    with reading(path, "arrow"), open_ipc(path) as reader:
         return reader.schema
 
 
 def _file_column(path: str, column: str) -> pa.ChunkedArray:
-    """A small column read whole (``seq_lengths``: a few ints per packed row)."""
+    """A small column read whole (``seq_lengths``: a few ints per packed row); read errors as in
+    :func:`file_schema` (a file whose footer reads may still hold corrupted pages or batches)."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        return pq.read_table(path, columns=[column]).column(column)
-    with open_ipc(path) as reader:
+        with reading(path, "parquet"):
+            return pq.read_table(path, columns=[column]).column(column)
+    with reading(path, "arrow"), open_ipc(path) as reader:
         return reader.read_all().column(column).combine_chunks()
 
 

@@ -28,7 +28,7 @@ from ..constants import SEQ_LENGTHS
 from ..core.arrow import column_lengths, is_list_type
 from ..core.plan import check_max_length, plan
 from ..errors import PackingError
-from ..io.files import discover, open_ipc
+from ..io.files import discover, open_ipc, reading
 from .distribution import LengthDistribution
 from .packed import file_schema, packed_info, packed_rows, profile_packed
 from .recommend import Recommendation, recommend
@@ -204,7 +204,8 @@ def _parquet_lengths(path: str, column: str) -> np.ndarray:
 
     # No memory map and no pre-buffering: the file's pages would count in RSS and whole row groups would be
     # buffered; decoding in batches of about BATCH_TOKENS values keeps memory at the lengths plus one batch.
-    with pq.ParquetFile(path, memory_map=False, pre_buffer=False) as pf:
+    # Read errors (a corrupted page behind a readable footer) name the file (io.files.reading).
+    with reading(path, "parquet"), pq.ParquetFile(path, memory_map=False, pre_buffer=False) as pf:
         _check_column(pf.schema_arrow, column, f"file {path!r}")
         md = pf.metadata
         leaf = [i for i in range(md.num_columns) if md.schema.column(i).path.startswith(column + ".")]
@@ -221,8 +222,8 @@ def _parquet_lengths(path: str, column: str) -> np.ndarray:
 
 
 def _ipc_lengths(path: str, column: str) -> np.ndarray:
-    """Memory-mapped: only the offsets buffers of the column are touched."""
-    with open_ipc(path) as reader:
+    """Memory-mapped: only the offsets buffers of the column are touched; read errors name the file."""
+    with reading(path, "arrow"), open_ipc(path) as reader:
         _check_column(reader.schema, column, f"file {path!r}")
         return _lengths_of_list(reader.read_all().column(column))
 

@@ -93,6 +93,9 @@ class BatchTokenizer:
         started = time.perf_counter()
         check_on_unencodable(on_unencodable)
         requested = fast_engine.check_engine(engine)
+        #: why the tokenizers library cannot be the reference (:func:`~.reference.library_gap`: its Tokenizer
+        #: lacks a method packtools calls), so that transformers is; None where it can (or is not asked to)
+        self.reference_why = reference.library_gap() if requested != "transformers" else None
         self._tok: Any = None
         self.fingerprint = fp = tokenizer_fingerprint(tokenizer_dir)
         #: a small input the reference tokenizes alone (choose_engine); no fast engine is loaded
@@ -128,7 +131,7 @@ class BatchTokenizer:
             copy = compact_file(fp)
             lite = (
                 reference.load_verified(tokenizer_dir, fp, copy)
-                if requested != "transformers" and not self.added_outside
+                if requested != "transformers" and not self.added_outside and self.reference_why is None
                 else None
             )
             if self._check is not None:
@@ -146,7 +149,7 @@ class BatchTokenizer:
             backend, self.eos_id = self.tok.backend_tokenizer, self.tok.eos_token_id
             self.reference_engine = "transformers"
         self.backend = backend  # the reference tokenizer (offsets of chat tokens: packtools.pipeline.tokenizer.chat.tokens)
-        self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        self._encode_batch = reference.batch_encoder(backend)
         self.wait_for_engine = wait_for_engine
         # the engine's state: assigned only by its transitions (class docstring)
         self._fast: fast_engine.FastEncoder | None = None
@@ -161,7 +164,7 @@ class BatchTokenizer:
             if facts is not None and facts.missing
             else None
         )
-        if lite is None and facts is not None and not self.added_outside:
+        if lite is None and facts is not None and not self.added_outside and self.reference_why is None:
             reference.record(tokenizer_dir, fp, self.tok, adversarial.adversarial_texts(facts.specials), copy)
         self.chat = chat.ChatTokens(self, requested)  # the chat formats (renderer chosen on first use)
         loaded = time.perf_counter()
@@ -173,13 +176,15 @@ class BatchTokenizer:
         """Whether this (driver's) tokenizer may stage on a provisional reference while it is checked: plain
         text, an engine other than transformers asked for, no engine handed down, an input large enough for the
         fast engine (a small one the reference alone tokenizes), no verdict recorded for this tokenizer and these
-        versions, and transformers not imported here yet (:func:`~.reference_check.child_pays`).
+        versions, the library able to be the reference (:attr:`reference_why`), and transformers not imported
+        here yet (:func:`~.reference_check.child_pays`).
         (:meth:`_provisional` gives the check up where tokenizer.json's facts rule it out.)"""
         return (
             self.fmt == "text"
             and requested != "transformers"
             and proven is None
             and self.small_input is None
+            and self.reference_why is None
             and reference.unchecked(self.fingerprint)
             and reference_check.child_pays()
         )
@@ -236,7 +241,7 @@ class BatchTokenizer:
         )
         self._tok = check.transformers()  # where the driver checked by itself; else loaded by self.tok
         self.backend = self.tok.backend_tokenizer
-        self._encode_batch = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        self._encode_batch = reference.batch_encoder(self.backend)
         self.eos_id = self.tok.eos_token_id
         self.reference_engine = self.reference_source = "transformers"
         self._fast = self._pending = self._fast_load = None

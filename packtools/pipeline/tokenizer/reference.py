@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -47,6 +48,10 @@ from ...io.fingerprint import cache_key
 from .folder import file_sha256
 
 VERDICT_FORMAT = 1
+
+#: the methods of ``tokenizers.Tokenizer`` the lite reference calls (``encode_batch``: with offsets, which the chat
+#: formats' labels read; ``encode_batch_fast``, ids alone, is taken where the library has it: :func:`batch_encoder`)
+LITE_CALLS = ("from_file", "no_truncation", "no_padding", "token_to_id", "encode_batch", "to_str")
 
 
 def cache_dir() -> str | None:
@@ -82,11 +87,45 @@ def _verdict_path(tokenizer_fp: str, file: str | None = None) -> str | None:
     return os.path.join(root, "reference", key + ".json")
 
 
+class LiteUnavailable(RuntimeError):
+    """The installed ``tokenizers`` cannot be the lite reference (:func:`library_gap` says why)."""
+
+
+def library_gap() -> str | None:
+    """Why the installed ``tokenizers`` cannot be the lite reference, in a sentence: its ``Tokenizer`` lacks one of
+    :data:`LITE_CALLS` (a release that renamed or removed it), or it is not installed; None where it has them all.
+    transformers is then the reference: the ids are its own either way, only the run loads it."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return "the tokenizers library is not installed, so transformers is loaded as the reference"
+    lacking = [name for name in LITE_CALLS if not callable(getattr(Tokenizer, name, None))]
+    if not lacking:
+        return None
+    return (
+        f"the installed tokenizers {_versions()['tokenizers']} has no Tokenizer.{', Tokenizer.'.join(lacking)}, "
+        f"which packtools' lite reference calls, so transformers is loaded as the reference: the same ids, a "
+        f"longer load (a tokenizers release that has it brings the shortcut back)"
+    )
+
+
+def batch_encoder(backend: Any) -> Callable[..., list[Any]]:
+    """The batch encoder of a ``tokenizers.Tokenizer`` for ids alone: ``encode_batch_fast`` (no offsets, the same
+    ids) where the library has it, else ``encode_batch``."""
+    fast = getattr(backend, "encode_batch_fast", None)
+    return fast if fast is not None else backend.encode_batch
+
+
 class LiteReference:
     """The ``tokenizers`` library's tokenizer of a folder, as transformers' ``__call__`` runs it; ``file``: the
-    copy of its tokenizer.json to load instead (with ``"a b"`` merges; only one recorded identical to it)."""
+    copy of its tokenizer.json to load instead (with ``"a b"`` merges; only one recorded identical to it).
+    :class:`LiteUnavailable` where the installed library lacks a method it calls (:func:`library_gap`), checked
+    before any is called: a reference that loaded has every method it is later asked for."""
 
     def __init__(self, tokenizer_dir: str, file: str | None = None) -> None:
+        gap = library_gap()
+        if gap is not None:
+            raise LiteUnavailable(gap)
         from tokenizers import Tokenizer
 
         #: what was loaded: ``tokenizer.json``, or ``copy`` (its copy checked identical, see the module docstring)
@@ -191,8 +230,7 @@ def compare(lite: LiteReference, theirs: dict[str, Any], texts: list[str]) -> st
     its EOS id, then its ids of ``texts`` with and without special tokens), or None where it gives the same."""
     if lite.eos_id != theirs["eos_id"]:
         return f"the EOS id differs ({lite.eos_id} against transformers' {theirs['eos_id']})"
-    # the ids alone, no offsets
-    encode = getattr(lite.backend, "encode_batch_fast", lite.backend.encode_batch)
+    encode = batch_encoder(lite.backend)  # the ids alone, no offsets
     for name in ("special", "plain"):
         mine = [e.ids for e in encode(texts, add_special_tokens=name == "special")]
         for i, (a, b) in enumerate(zip(mine, theirs["ids"][name])):

@@ -171,7 +171,11 @@ class ReferenceCheck:
 
     def _run(self) -> None:
         assert self.lite is not None
-        answer, self.how = self._ask()
+        try:
+            answer, self.how = self._ask()
+        except Exception as exc:  # noqa: BLE001 - never a thread that dies before comparing (read as a pass)
+            self.cancel()
+            answer, self.how = None, f"the request to the child process failed ({type(exc).__name__}: {exc})"
         try:
             if answer is None:  # the driver checks by itself, as it did before the check moved
                 from .folder import load_tokenizer
