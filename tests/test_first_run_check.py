@@ -597,3 +597,16 @@ def test_a_forked_process_neither_takes_nor_stops_its_parents_child(tok, tmp_pat
     assert child.poll() is None  # still the parent's, still waiting for its texts
     assert reference_check.take_ahead(tok) is child
     reference_check._stop(child)
+
+
+def test_arguments_the_early_look_cannot_read_are_refused_once_by_the_command(tok, tmp_path, capsys):
+    """``packtools pack``'s early look at its options starts nothing and says nothing where it cannot read them:
+    the command's own parser says what is wrong, once."""
+    from packtools.cli import main as cli
+
+    bad = ["pack", str(tmp_path / "in.jsonl"), "--tokenizer", tok, "--out", str(tmp_path / "o"), "--num-proc"]
+    with pytest.raises(SystemExit):
+        cli.main(bad)
+    err = capsys.readouterr().err
+    assert err.count("usage:") == 1 and "--num-proc: expected one argument" in err
+    assert reference_check._AHEAD == {}

@@ -14,6 +14,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 from ..constants import __version__
 
@@ -97,6 +98,13 @@ def cli_words(message: str, param: str | None = None) -> str:
     return re.sub(r"  +", " ", message)
 
 
+class _Unsaid(argparse.ArgumentParser):
+    """A parser that raises ``ValueError`` where argparse would print an error and exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
 def _check_ahead(argv: list[str]) -> None:
     """For ``packtools pack INPUT... --tokenizer DIR --out DIR`` on this process (the local executor): start a
     first run's check against transformers before the subcommands' imports (numpy, pyarrow, the kernels), so
@@ -106,17 +114,16 @@ def _check_ahead(argv: list[str]) -> None:
     child it does not take."""
     if not argv or argv[0] != "pack":
         return
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for flag in ("--tokenizer", "--tokenizer-engine", "--out", "--processor", "--executor"):
+    p = _Unsaid(add_help=False, allow_abbrev=False)
+    for flag in ("--tokenizer", "--tokenizer-engine", "--out", "--processor", "--executor", "--num-proc"):
         p.add_argument(flag)
-    p.add_argument("--num-proc", type=int)
     p.add_argument("input", nargs="*")
     try:
         known, _ = p.parse_known_args(argv[1:])
-    except SystemExit:  # unparsable here: the real parser says why
+    except ValueError:  # unparsable here: the real parser says why, once
         return
     in_memory = not known.input or known.out is None or known.out.endswith((".parquet", ".arrow"))
-    pool = known.executor not in (None, "local") or (known.num_proc or 1) > 1
+    pool = known.executor not in (None, "local") or known.num_proc not in (None, "0", "1")
     if known.tokenizer is None or in_memory or pool or known.processor is not None:
         return
     inputs = [os.path.getsize(i) if os.path.isfile(i) else None for i in known.input]
