@@ -4,7 +4,8 @@ A first run with a tokenizer (no recorded verdict that the ``tokenizers`` librar
 :mod:`packtools.pipeline.tokenizer.reference`) stages plain text on that library's tokenizer as a *provisional*
 reference, and waits for this check only before anything is planned or installed (``run._settle_reference``).
 The check's expensive half, importing transformers and loading the folder through it, runs in a child process
-started as the driver's tokenizer starts loading, so it holds neither the driver's GIL nor its memory (where
+started as the driver's tokenizer starts loading, or ahead of it (:func:`start_ahead`: ``packtools pack`` before
+its imports, ``pack_files`` once its inputs are found), so it holds neither the driver's GIL nor its memory (where
 transformers is not imported in the driver yet, :func:`child_pays`):
 
 - the child (``python -m packtools.pipeline.tokenizer.reference_check DIR``, from this very packtools whatever
