@@ -615,3 +615,102 @@ def test_a_check_whose_request_fails_is_made_by_the_driver_never_read_as_a_pass(
     by = res.timings["reference_check_by"]
     assert by == "in the driver: the request to the child process failed (RuntimeError: no state)", by
     assert res.stats["tokenizer"]["engine"] == "transformers" and res.timings["parts_restaged"] == 3
+
+
+def _recording(monkeypatch) -> tuple[list, list]:
+    """The children ``reference_check`` starts, and those its checks take from :func:`start_ahead`'s."""
+    started, taken = [], []
+    start, take = reference_check.start_child, reference_check.take_ahead
+    monkeypatch.setattr(reference_check, "start_child", lambda d: started.append(start(d)) or started[-1])
+    monkeypatch.setattr(reference_check, "take_ahead", lambda d: taken.append(take(d)) or taken[-1])
+    return started, taken
+
+
+def test_the_check_takes_the_child_the_run_started_ahead(tok, tmp_path, monkeypatch):
+    """A first run starts the check's child once its inputs are found, before its fingerprints and its tokenizer
+    (``start_ahead``); the tokenizer's check takes that very child (no second one), and the run's ids and
+    records are those of a check with a child of its own.  A warm run starts none."""
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    started, taken = _recording(monkeypatch)
+    src = _write(tmp_path / "in", TEXTS)
+    first = pack_files(src, tmp_path / "out", max_length=64, tokenizer=tok, quiet=True)
+    assert len(started) == 1 and taken == started and started[0].returncode == 0
+    assert first.timings["reference_check_by"] == reference_check.BY_CHILD
+    assert _docs(first.out) == _expected(tok, TEXTS)
+    assert reference_check._AHEAD == {}
+    started.clear()
+    pack_files(src, tmp_path / "out2", max_length=64, tokenizer=tok, quiet=True)
+    assert started == []
+
+
+def test_a_child_started_ahead_that_the_tokenizer_does_not_take_is_stopped(tok, tmp_path, monkeypatch):
+    """Where the run's tokenizer checks otherwise (here: as a process that imported transformers does, before
+    the stage), the child started ahead is stopped when the tokenizer is loaded, not left waiting on its
+    stdin; the run checks in the driver and its ids are transformers'."""
+    from packtools.pipeline.tokenizer import batch
+
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(batch.BatchTokenizer, "_checks_later", lambda self, *a: False)
+    started, taken = _recording(monkeypatch)
+    out = pack_files(
+        _write(tmp_path / "in", TEXTS), tmp_path / "out", max_length=64, tokenizer=tok, quiet=True
+    )
+    assert len(started) == 1 and taken == []
+    assert started[0].returncode is not None  # stopped (killed, reaped) by the run
+    assert "reference_check_by" not in out.timings and reference_check._AHEAD == {}
+    assert _docs(out.out) == _expected(tok, TEXTS)
+
+
+def test_packtools_pack_starts_the_check_before_its_imports(tok, tmp_path, monkeypatch):
+    """``packtools pack INPUT --tokenizer DIR --out DIR`` starts the check's child before it builds its parser
+    (which imports numpy, pyarrow and the kernels); an in-memory ``--out FILE.parquet`` or a pool starts none."""
+    from packtools.cli import main as cli
+
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    started, taken = _recording(monkeypatch)
+    waiting = []
+    build = cli.build_parser
+    monkeypatch.setattr(cli, "build_parser", lambda: waiting.append(list(reference_check._AHEAD)) or build())
+    src = _write(tmp_path / "in", TEXTS)
+    for extra in (
+        ["--out", str(tmp_path / "x.parquet")],
+        ["--out", str(tmp_path / "p"), "--executor", "pool"],
+    ):
+        cli._check_ahead(["pack", os.path.join(src, "part-0.jsonl"), "--tokenizer", tok, *extra])
+    assert started == []
+    argv = ["pack", src, "--tokenizer", tok, "--out", str(tmp_path / "out"), "--max-length", "64", "--quiet"]
+    assert cli.main(argv) == 0
+    assert waiting == [[os.path.realpath(tok)]] and len(started) == 1 and taken == started
+    assert _docs(tmp_path / "out") == _expected(tok, TEXTS)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks")
+def test_a_forked_process_neither_takes_nor_stops_its_parents_child(tok, tmp_path, monkeypatch):
+    """A process forked from the one that started a child ahead (a pool's worker) inherits the record of it,
+    but neither takes the child nor stops it (at its exit, or when its own run ends)."""
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    assert reference_check.start_ahead(tok)
+    child = reference_check._AHEAD[os.path.realpath(tok)][1]
+    pid = os.fork()
+    if pid == 0:  # the forked process
+        ok = reference_check.take_ahead(tok) is None
+        reference_check.stop_ahead()
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert child.poll() is None  # still the parent's, still waiting for its texts
+    assert reference_check.take_ahead(tok) is child
+    reference_check._stop(child)
+
+
+def test_arguments_the_early_look_cannot_read_are_refused_once_by_the_command(tok, tmp_path, capsys):
+    """``packtools pack``'s early look at its options starts nothing and says nothing where it cannot read them:
+    the command's own parser says what is wrong, once."""
+    from packtools.cli import main as cli
+
+    bad = ["pack", str(tmp_path / "in.jsonl"), "--tokenizer", tok, "--out", str(tmp_path / "o"), "--num-proc"]
+    with pytest.raises(SystemExit):
+        cli.main(bad)
+    err = capsys.readouterr().err
+    assert err.count("usage:") == 1 and "--num-proc: expected one argument" in err
+    assert reference_check._AHEAD == {}

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 import threading
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 from ..constants import __version__
 
@@ -96,14 +98,50 @@ def cli_words(message: str, param: str | None = None) -> str:
     return re.sub(r"  +", " ", message)
 
 
+class _Unsaid(argparse.ArgumentParser):
+    """A parser that raises ``ValueError`` where argparse would print an error and exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
+def _check_ahead(argv: list[str]) -> None:
+    """For ``packtools pack INPUT... --tokenizer DIR --out DIR`` on this process (the local executor): start a
+    first run's check against transformers before the subcommands' imports (numpy, pyarrow, the kernels), so
+    that its child imports transformers on the core those imports leave idle
+    (:func:`~packtools.pipeline.tokenizer.reference_check.start_ahead`, which says when it is worth it).  Only a
+    head start, read from the options by name (no abbreviations): the run's tokenizer decides, and the run stops a
+    child it does not take."""
+    if not argv or argv[0] != "pack":
+        return
+    p = _Unsaid(add_help=False, allow_abbrev=False)
+    for flag in ("--tokenizer", "--tokenizer-engine", "--out", "--processor", "--executor", "--num-proc"):
+        p.add_argument(flag)
+    p.add_argument("input", nargs="*")
+    try:
+        known, _ = p.parse_known_args(argv[1:])
+    except ValueError:  # unparsable here: the real parser says why, once
+        return
+    in_memory = not known.input or known.out is None or known.out.endswith((".parquet", ".arrow"))
+    pool = known.executor not in (None, "local") or known.num_proc not in (None, "0", "1")
+    if known.tokenizer is None or in_memory or pool or known.processor is not None:
+        return
+    inputs = [os.path.getsize(i) if os.path.isfile(i) else None for i in known.input]
+    from ..pipeline.tokenizer.reference_check import start_ahead
+
+    start_ahead(known.tokenizer, known.tokenizer_engine or "auto", None if None in inputs else sum(inputs))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``packtools`` console script; returns the exit status.
 
     Every failure is one line on stderr and a non-zero status (``--debug`` adds the traceback): 1 for an
     error, 130 for Ctrl-C, 143 for SIGTERM.  An interrupted ``pack`` leaves no output behind.
     """
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    _check_ahead(argv)
     parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    args = parser.parse_args(argv)
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2

@@ -51,6 +51,7 @@ from .staged import load_sidecar, sidecar_tool_opener, sidecar_turns
 from .summary import tokenizer_timings
 from .tokenizer.fast import engine_summary
 from .tokenizer.proof import EngineDivergence
+from .tokenizer.reference_check import start_ahead, stop_ahead
 from .tokenizer.spec import IdsSpec
 from .tokenizer.verdict import (
     basis,
@@ -179,24 +180,31 @@ def run_pipeline(
         if tok_dir != config.tokenizer:
             config = PipelineConfig(**{**asdict(config), "tokenizer": tok_dir})
     files, skipped = find_inputs(inputs)
-    check_out(out, [os.fspath(i) for i in inputs], files)
-    fp = fingerprint(files, config)
-    if skipped:  # listed in the manifest (not fingerprinted: they decide nothing in the output)
-        fp["inputs_skipped"] = [s.to_dict() for s in skipped]
-    previous = read_manifest(out)
-    if previous is not None and previous.get("fingerprint") == fp["fingerprint"]:
-        tidy_after_dead_run(out)  # a run killed after installing this output may have left its work folder
-        warn_pipeline_drops(previous.get("stats", {}))
-        return PipelineResult(
-            out, previous.get("stats", {}), cached=True, manifest=previous, notes=skipped_notes(skipped)
-        )
-    check_replaceable(out)
-    Workspace(out).refuse_if_held()  # before loading the tokenizer: a busy out fails at once
-    # early: seconds before staging, itemized in the summary
     # a first run checks the reference while it stages only where its stage jobs share the driver's tokenizer: a
     # pool's or Ray's workers would each load transformers meanwhile (no verdict recorded yet)
     local = getattr(executor, "name", executor) == "local"
-    found, early = _inputs(files, config, fp["tokenizer_sha256"], started, check_later=local)
+    if local and config.tokenizer is not None:  # the check's child imports transformers from now on
+        start_ahead(config.tokenizer, config.tokenizer_engine, sum(f.size for f in files))
+    try:
+        check_out(out, [os.fspath(i) for i in inputs], files)
+        fp = fingerprint(files, config)
+        if skipped:  # listed in the manifest (not fingerprinted: they decide nothing in the output)
+            fp["inputs_skipped"] = [s.to_dict() for s in skipped]
+        previous = read_manifest(out)
+        if previous is not None and previous.get("fingerprint") == fp["fingerprint"]:
+            # a run killed after installing this output may have left its work folder
+            tidy_after_dead_run(out)
+            warn_pipeline_drops(previous.get("stats", {}))
+            return PipelineResult(
+                out, previous.get("stats", {}), cached=True, manifest=previous, notes=skipped_notes(skipped)
+            )
+        check_replaceable(out)
+        Workspace(out).refuse_if_held()  # before loading the tokenizer: a busy out fails at once
+        # early: seconds before staging, itemized in the summary
+        found, early = _inputs(files, config, fp["tokenizer_sha256"], started, check_later=local)
+    finally:  # a child started ahead that the run's tokenizer did not take (cached, chat, tokenized, failed)
+        if config.tokenizer is not None:
+            stop_ahead(config.tokenizer)
 
     ws = Workspace(out)
     ws.acquire()

@@ -4,7 +4,8 @@ A first run with a tokenizer (no recorded verdict that the ``tokenizers`` librar
 :mod:`packtools.pipeline.tokenizer.reference`) stages plain text on that library's tokenizer as a *provisional*
 reference, and waits for this check only before anything is planned or installed (``run._settle_reference``).
 The check's expensive half, importing transformers and loading the folder through it, runs in a child process
-started as the driver's tokenizer starts loading, so it holds neither the driver's GIL nor its memory (where
+started as the driver's tokenizer starts loading, or ahead of it (:func:`start_ahead`: ``packtools pack`` before
+its imports, ``pack_files`` once its inputs are found), so it holds neither the driver's GIL nor its memory (where
 transformers is not imported in the driver yet, :func:`child_pays`):
 
 - the child (``python -m packtools.pipeline.tokenizer.reference_check DIR``, from this very packtools whatever
@@ -31,6 +32,7 @@ transformers is not imported in the driver yet, :func:`child_pays`):
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import os
@@ -40,7 +42,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ...io.pages import give_back_freed_memory
+from .folder import tokenizer_fingerprint
 from .reference import (
     LiteReference,
     _verdict_path,
@@ -48,6 +50,7 @@ from .reference import (
     compare,
     copy_identical,
     transformers_ids,
+    unchecked,
     write_copy_finding,
     write_verdict,
 )
@@ -62,6 +65,13 @@ CHILD_TIMEOUT_S = 600.0
 _RUN_CHILD = "import runpy, sys; sys.path[:1] = [p for p in sys.path[:1] if p]; sys.argv[:] = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"  # fmt: skip
 #: :attr:`ReferenceCheck.how` when the child answered
 BY_CHILD = "child process (transformers without torch)"
+
+
+#: children started ahead of their check (:func:`start_ahead`), by the tokenizer folder's real path, with the id
+#: of the process that started them: a process's resource, as ``pipeline.stage`` keeps its loaded tokenizers;
+#: taken by that folder's :class:`ReferenceCheck`, else stopped by :func:`stop_ahead` (the run, once its tokenizer
+#: has decided) or at the interpreter's exit
+_AHEAD: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
 
 
 def child_pays() -> bool:
@@ -90,6 +100,59 @@ def start_child(tokenizer_dir: str) -> subprocess.Popen[bytes] | None:
         return None
 
 
+def start_ahead(tokenizer_dir: str, engine: str = "auto", input_bytes: int | None = None) -> bool:
+    """Start the check's child for ``tokenizer_dir`` now, ahead of the run's tokenizer, where a first run will
+    likely want it: transformers not imported here (:func:`child_pays`), the cache on and no verdict recorded for
+    this tokenizer and these versions, an ``engine`` other than transformers, and an input (``input_bytes``;
+    None: unknown) the reference does not tokenize alone.  Its child then imports transformers on the core that
+    the driver leaves idle while it imports numpy, pyarrow and the kernels (``packtools pack``) or finds its
+    inputs (``pack_files``).  Only a head start: the tokenizer decides
+    (:meth:`~packtools.pipeline.tokenizer.batch.BatchTokenizer`), and the run stops a child it did not take.
+    Returns whether a child is waiting for the folder."""
+    key = os.path.realpath(tokenizer_dir)
+    if key in _AHEAD:
+        return True
+    if engine == "transformers" or not child_pays():
+        return False
+    from .load import reference_suffices
+
+    try:
+        if reference_suffices(tokenizer_dir, "auto", input_bytes) or not unchecked(
+            tokenizer_fingerprint(tokenizer_dir)
+        ):
+            return False
+    except OSError:  # an unreadable folder: the run says why
+        return False
+    child = start_child(tokenizer_dir)
+    if child is None:
+        return False
+    if not _AHEAD:
+        atexit.register(stop_ahead)
+    _AHEAD[key] = (os.getpid(), child)
+    return True
+
+
+def take_ahead(tokenizer_dir: str) -> subprocess.Popen[bytes] | None:
+    """The child :func:`start_ahead` started for ``tokenizer_dir`` in this process, now the caller's (None: none)."""
+    pid, child = _AHEAD.pop(os.path.realpath(tokenizer_dir), (None, None))
+    return child if pid == os.getpid() else None
+
+
+def stop_ahead(tokenizer_dir: str | None = None) -> None:
+    """Stop the children started ahead and not taken: the one of ``tokenizer_dir``, or (None) all of them."""
+    keys = list(_AHEAD) if tokenizer_dir is None else [os.path.realpath(tokenizer_dir)]
+    for key in keys:
+        pid, child = _AHEAD.pop(key, (None, None))
+        if child is not None and pid == os.getpid():  # a forked process does not stop its parent's child
+            _stop(child)
+
+
+def _stop(child: subprocess.Popen[bytes]) -> None:
+    if child.poll() is None:
+        child.kill()
+    child.communicate()
+
+
 class ReferenceCheck:
     """The first run's check of a provisional lite reference against transformers (see the module docstring).
 
@@ -102,7 +165,7 @@ class ReferenceCheck:
 
     def __init__(self, tokenizer_dir: str, tokenizer_fp: str) -> None:
         self.tokenizer_dir, self.tokenizer_fp = tokenizer_dir, tokenizer_fp
-        self._child = start_child(tokenizer_dir)
+        self._child = take_ahead(tokenizer_dir) or start_child(tokenizer_dir)
         self.lite: LiteReference | None = None
         self.copy: str | None = None
         self._texts: list[str] = []
@@ -128,10 +191,8 @@ class ReferenceCheck:
 
     def cancel(self) -> None:
         """Stop the child: nothing is staged on a provisional reference after all."""
-        if self._child is not None and self._child.poll() is None:
-            self._child.kill()
         if self._child is not None:
-            self._child.communicate()
+            _stop(self._child)
 
     def start(self, lite: LiteReference, texts: list[str], copy: str | None) -> None:
         """Compare ``lite`` with transformers on ``texts`` (and ``copy`` with tokenizer.json) in a thread."""
@@ -248,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from transformers.utils import is_torch_available
 
+        from ...io.pages import give_back_freed_memory
         from .folder import load_tokenizer
 
         tok = load_tokenizer(tokenizer_dir)
