@@ -95,7 +95,7 @@ class BatchTokenizer:
         requested = fast_engine.check_engine(engine)
         #: why the tokenizers library cannot be the reference (:func:`~.reference.library_gap`: its Tokenizer
         #: lacks a method packtools calls), so that transformers is; None where it can (or is not asked to)
-        self.reference_why = reference.library_gap() if requested != "transformers" else None
+        self.reference_why: str | None = None
         self._tok: Any = None
         self.fingerprint = fp = tokenizer_fingerprint(tokenizer_dir)
         #: a small input the reference tokenizes alone (choose_engine); no fast engine is loaded
@@ -128,6 +128,9 @@ class BatchTokenizer:
             )
             # transformers' ids from the tokenizers library alone where a recorded check says they are the same
             # (reference.load_verified): never when transformers is asked for or adds tokens tokenizer.json lacks
+            # asked once the fast engine's load has started: the library imported before that load starts made
+            # it ~0.3 s slower beside the reference's load (warm runs, Llama 3, measured)
+            self.reference_why = reference.library_gap() if requested != "transformers" else None
             copy = compact_file(fp)
             lite = (
                 reference.load_verified(tokenizer_dir, fp, copy)
@@ -176,15 +179,14 @@ class BatchTokenizer:
         """Whether this (driver's) tokenizer may stage on a provisional reference while it is checked: plain
         text, an engine other than transformers asked for, no engine handed down, an input large enough for the
         fast engine (a small one the reference alone tokenizes), no verdict recorded for this tokenizer and these
-        versions, the library able to be the reference (:attr:`reference_why`), and transformers not imported
-        here yet (:func:`~.reference_check.child_pays`).
+        versions, and transformers not imported here yet (:func:`~.reference_check.child_pays`).  (A library
+        that cannot be the reference, :attr:`reference_why`, gives the check up in :meth:`_provisional`.)
         (:meth:`_provisional` gives the check up where tokenizer.json's facts rule it out.)"""
         return (
             self.fmt == "text"
             and requested != "transformers"
             and proven is None
             and self.small_input is None
-            and self.reference_why is None
             and reference.unchecked(self.fingerprint)
             and reference_check.child_pays()
         )
@@ -193,11 +195,12 @@ class BatchTokenizer:
         """The lite reference of the folder's own tokenizer.json, handed to the started check
         (:class:`~packtools.pipeline.tokenizer.reference_check.ReferenceCheck`); None, with the check stopped, where
         the facts rule the fast path out (transformers then loads here, as without a check: no facts, or tokens
-        transformers adds that tokenizer.json lacks) or the library cannot load it."""
+        transformers adds that tokenizer.json lacks) or the library cannot load it (:attr:`reference_why`, or
+        its load fails)."""
         check = self._check
         assert check is not None
         lite = None
-        if self._facts is not None and not self.added_outside:
+        if self._facts is not None and not self.added_outside and self.reference_why is None:
             try:
                 lite = reference.LiteReference(self.tokenizer_dir)
             except Exception:  # noqa: BLE001 - transformers says why, or tokenizes
