@@ -714,3 +714,33 @@ def test_arguments_the_early_look_cannot_read_are_refused_once_by_the_command(to
     err = capsys.readouterr().err
     assert err.count("usage:") == 1 and "--num-proc: expected one argument" in err
     assert reference_check._AHEAD == {}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--out", "OUT", "missing.jsonl"],  # an input that is not there: run_pipeline fails before its try
+        ["--out", "OUT", "IN", "--max-length", "0"],  # refused by the command before its run
+        ["--out", "OUT", "IN", "--help"],  # the parser prints its help and exits
+        ["--out", "OUT", "IN", "--no-such-flag"],  # the parser refuses it
+    ],
+)
+def test_packtools_pack_stops_the_child_it_started_ahead_whatever_ends_the_command(
+    tok, tmp_path, monkeypatch, bad
+):
+    """A command that ends before its run takes or stops the child it started ahead (an input that is not there,
+    options the command refuses, ``--help``) stops it as it returns: a process that calls ``main`` more than once
+    (a notebook, a test session) keeps no child waiting on its stdin until it exits."""
+    from packtools.cli import main as cli
+
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    started, _ = _recording(monkeypatch)
+    src = os.path.join(_write(tmp_path / "in", TEXTS), "part-0.jsonl")
+    swap = {"OUT": str(tmp_path / "out"), "IN": src, "missing.jsonl": str(tmp_path / "missing.jsonl")}
+    argv = ["pack", "--tokenizer", tok, *(swap.get(a, a) for a in bad)]
+    try:
+        assert cli.main(argv) != 0
+    except SystemExit as exc:
+        assert bad[-1] == "--help" or exc.code != 0
+    assert len(started) == 1, "the early look started no child: the test proves nothing"
+    assert started[0].returncode is not None and reference_check._AHEAD == {}
