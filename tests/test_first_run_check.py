@@ -744,3 +744,34 @@ def test_packtools_pack_stops_the_child_it_started_ahead_whatever_ends_the_comma
         assert bad[-1] == "--help" or exc.code != 0
     assert len(started) == 1, "the early look started no child: the test proves nothing"
     assert started[0].returncode is not None and reference_check._AHEAD == {}
+
+
+def test_runs_starting_ahead_at_once_start_one_child_and_leave_none_behind(tok, tmp_path, monkeypatch):
+    """Two runs in threads of one process (the same tokenizer, first runs) ask for a child ahead at once: one
+    child is started and waits for the folder; a second one, started meanwhile and overwritten in the record,
+    would be stopped by nothing (kept alive by ``subprocess``'s list of running children, waiting on its stdin
+    until the process exits)."""
+    import threading
+
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    started, both_in = [], threading.Event()
+    start = reference_check.start_child
+
+    def slow_start(d):
+        started.append(start(d))
+        if len(started) == 2:
+            both_in.set()
+        both_in.wait(2)  # the other thread's start joins this one, unless it waits outside
+        return started[-1]
+
+    monkeypatch.setattr(reference_check, "start_child", slow_start)
+    threads = [threading.Thread(target=reference_check.start_ahead, args=(tok,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    waiting = [child for _, child in reference_check._AHEAD.values()]
+    reference_check.stop_ahead()
+    for child in started:
+        reference_check._stop(child)
+    assert len(started) == 1 and waiting == started

@@ -72,6 +72,9 @@ BY_CHILD = "child process (transformers without torch)"
 #: taken by that folder's :class:`ReferenceCheck`, else stopped by :func:`stop_ahead` (the run, once its tokenizer
 #: has decided) or at the interpreter's exit
 _AHEAD: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
+#: held while :func:`start_ahead` looks for a folder's child and starts one: runs in threads of one process
+#: starting at once start one child (a second, overwritten in :data:`_AHEAD`, would be stopped by nothing)
+_AHEAD_LOCK = threading.Lock()
 
 
 def child_pays() -> bool:
@@ -109,26 +112,27 @@ def start_ahead(tokenizer_dir: str, engine: str = "auto", input_bytes: int | Non
     inputs (``pack_files``).  Only a head start: the tokenizer decides
     (:meth:`~packtools.pipeline.tokenizer.batch.BatchTokenizer`), and the run stops a child it did not take.
     Returns whether a child is waiting for the folder."""
-    key = os.path.realpath(tokenizer_dir)
-    if key in _AHEAD:
-        return True
-    if engine == "transformers" or not child_pays():
-        return False
     from .load import reference_suffices
 
-    try:
-        if reference_suffices(tokenizer_dir, "auto", input_bytes) or not unchecked(
-            tokenizer_fingerprint(tokenizer_dir)
-        ):
+    key = os.path.realpath(tokenizer_dir)
+    with _AHEAD_LOCK:
+        if key in _AHEAD:
+            return True
+        if engine == "transformers" or not child_pays():
             return False
-    except OSError:  # an unreadable folder: the run says why
-        return False
-    child = start_child(tokenizer_dir)
-    if child is None:
-        return False
-    if not _AHEAD:
-        atexit.register(stop_ahead)
-    _AHEAD[key] = (os.getpid(), child)
+        try:
+            if reference_suffices(tokenizer_dir, "auto", input_bytes) or not unchecked(
+                tokenizer_fingerprint(tokenizer_dir)
+            ):
+                return False
+        except OSError:  # an unreadable folder: the run says why
+            return False
+        child = start_child(tokenizer_dir)
+        if child is None:
+            return False
+        if not _AHEAD:
+            atexit.register(stop_ahead)
+        _AHEAD[key] = (os.getpid(), child)
     return True
 
 
