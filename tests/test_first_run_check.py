@@ -775,3 +775,24 @@ def test_runs_starting_ahead_at_once_start_one_child_and_leave_none_behind(tok, 
     for child in started:
         reference_check._stop(child)
     assert len(started) == 1 and waiting == started
+
+
+def test_a_check_thread_ended_by_what_is_not_an_exception_fails_the_run_never_a_pass(
+    tok, tmp_path, monkeypatch
+):
+    """The check's thread ended before comparing by a ``BaseException`` that is not an ``Exception`` (here a
+    ``SystemExit`` from its request): the run fails saying so; it is never read as a pass (which installed a
+    differing reference's ids and recorded it as the same as transformers)."""
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    _differing_reference(monkeypatch)
+
+    def leaves(self):
+        raise SystemExit("gone")
+
+    monkeypatch.setattr(reference_check.ReferenceCheck, "_ask", leaves)
+    started, _ = _recording(monkeypatch)
+    with pytest.raises(BaseException, match="gone"):
+        pack_files(_write(tmp_path / "in", TEXTS), tmp_path / "out", max_length=64, tokenizer=tok, quiet=True)
+    assert not (tmp_path / "out").exists()
+    assert reference.unchecked(tokenizer_fingerprint(tok))  # nothing recorded: the next run checks again
+    assert started and all(c.returncode is not None for c in started)  # its child stopped

@@ -235,6 +235,15 @@ class ReferenceCheck:
         return answer, BY_CHILD
 
     def _run(self) -> None:
+        """The thread: whatever ends it before it has compared is handed to :meth:`result`, which raises it;
+        a thread that died quietly would read as the same ids (:attr:`difference` None)."""
+        try:
+            self._compare()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller of result()
+            self.cancel()
+            self._error = exc
+
+    def _compare(self) -> None:
         assert self.lite is not None
         try:
             answer, self.how = self._ask()
