@@ -796,3 +796,21 @@ def test_a_check_thread_ended_by_what_is_not_an_exception_fails_the_run_never_a_
     assert not (tmp_path / "out").exists()
     assert reference.unchecked(tokenizer_fingerprint(tok))  # nothing recorded: the next run checks again
     assert started and all(c.returncode is not None for c in started)  # its child stopped
+
+
+def test_packtools_pack_with_a_relative_tokenizer_path_hands_its_child_to_the_run(tok, tmp_path, monkeypatch):
+    """``--tokenizer`` as a user types it (relative, through a link, a trailing slash) names the folder the run
+    resolves to an absolute path: the run's check takes the child the command started (one child, no second)."""
+    from packtools.cli import main as cli
+
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    os.symlink(tok, tmp_path / "link")
+    monkeypatch.chdir(tmp_path)
+    started, taken = _recording(monkeypatch)
+    src = os.path.relpath(_write(tmp_path / "in", TEXTS))
+    assert (
+        cli.main(["pack", src, "--tokenizer", "./link/", "--out", "out", "--max-length", "64", "--quiet"])
+        == 0
+    )
+    assert len(started) == 1 and taken == started and reference_check._AHEAD == {}
+    assert _docs(tmp_path / "out") == _expected(tok, TEXTS)
