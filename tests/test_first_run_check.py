@@ -814,3 +814,14 @@ def test_packtools_pack_with_a_relative_tokenizer_path_hands_its_child_to_the_ru
     )
     assert len(started) == 1 and taken == started and reference_check._AHEAD == {}
     assert _docs(tmp_path / "out") == _expected(tok, TEXTS)
+
+
+@pytest.mark.parametrize("folder", ["missing", "empty"])
+def test_no_child_is_started_ahead_for_a_folder_without_tokenizer_files(tmp_path, monkeypatch, folder):
+    """A ``--tokenizer`` that is mistyped or holds no tokenizer files starts no child (it would import
+    transformers only to be stopped): the run says what is wrong with the folder."""
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "empty").mkdir()
+    started, _ = _recording(monkeypatch)
+    assert reference_check.start_ahead(str(tmp_path / folder)) is False
+    assert started == [] and reference_check._AHEAD == {}

@@ -42,7 +42,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .folder import tokenizer_fingerprint
+from .folder import tokenizer_files, tokenizer_fingerprint
 from .reference import (
     LiteReference,
     _verdict_path,
@@ -105,9 +105,9 @@ def start_child(tokenizer_dir: str) -> subprocess.Popen[bytes] | None:
 
 def start_ahead(tokenizer_dir: str, engine: str = "auto", input_bytes: int | None = None) -> bool:
     """Start the check's child for ``tokenizer_dir`` now, ahead of the run's tokenizer, where a first run will
-    likely want it: transformers not imported here (:func:`child_pays`), the cache on and no verdict recorded for
-    this tokenizer and these versions, an ``engine`` other than transformers, and an input (``input_bytes``;
-    None: unknown) the reference does not tokenize alone.  Its child then imports transformers on the core that
+    likely want it: tokenizer files in the folder, transformers not imported here (:func:`child_pays`), the cache
+    on and no verdict recorded for this tokenizer and these versions, an ``engine`` other than transformers, and
+    an input (``input_bytes``; None: unknown) the reference does not tokenize alone.  Its child then imports transformers on the core that
     the driver leaves idle while it imports numpy, pyarrow and the kernels (``packtools pack``) or finds its
     inputs (``pack_files``).  Only a head start: the tokenizer decides
     (:meth:`~packtools.pipeline.tokenizer.batch.BatchTokenizer`), and the run stops a child it did not take.
@@ -118,8 +118,8 @@ def start_ahead(tokenizer_dir: str, engine: str = "auto", input_bytes: int | Non
     with _AHEAD_LOCK:
         if key in _AHEAD:
             return True
-        if engine == "transformers" or not child_pays():
-            return False
+        if engine == "transformers" or not child_pays() or not tokenizer_files(tokenizer_dir):
+            return False  # (no tokenizer files: a mistyped or empty folder, which the run names)
         try:
             if reference_suffices(tokenizer_dir, "auto", input_bytes) or not unchecked(
                 tokenizer_fingerprint(tokenizer_dir)
