@@ -107,9 +107,9 @@ def start_ahead(tokenizer_dir: str, engine: str = "auto", input_bytes: int | Non
     """Start the check's child for ``tokenizer_dir`` now, ahead of the run's tokenizer, where a first run will
     likely want it: tokenizer files in the folder, transformers not imported here (:func:`child_pays`), the cache
     on and no verdict recorded for this tokenizer and these versions, an ``engine`` other than transformers, and
-    an input (``input_bytes``; None: unknown) the reference does not tokenize alone.  Its child then imports transformers on the core that
-    the driver leaves idle while it imports numpy, pyarrow and the kernels (``packtools pack``) or finds its
-    inputs (``pack_files``).  Only a head start: the tokenizer decides
+    an input (``input_bytes``; None: unknown) the reference does not tokenize alone.  Its child then imports
+    transformers on the core that the driver leaves idle while it imports numpy, pyarrow and the kernels
+    (``packtools pack``) or finds its inputs (``pack_files``).  Only a head start: the tokenizer decides
     (:meth:`~packtools.pipeline.tokenizer.batch.BatchTokenizer`), and the run stops a child it did not take.
     Returns whether a child is waiting for the folder."""
     from .load import reference_suffices
