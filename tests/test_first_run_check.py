@@ -825,3 +825,21 @@ def test_no_child_is_started_ahead_for_a_folder_without_tokenizer_files(tmp_path
     started, _ = _recording(monkeypatch)
     assert reference_check.start_ahead(str(tmp_path / folder)) is False
     assert started == [] and reference_check._AHEAD == {}
+
+
+def test_a_child_started_on_a_guess_of_the_input_is_stopped_once_the_run_knows_the_reference_suffices(
+    tok, tmp_path, monkeypatch
+):
+    """``packtools pack`` guesses the input's size from its options (unknown for a folder, or where an option's
+    value reads as an input) and starts a child; the run, which knows the size, stops it where the reference
+    tokenizes that input alone (no check wanted), rather than let it import transformers beside the run."""
+    from packtools.pipeline.tokenizer import load
+
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(load, "OVERLAP_MIN_BYTES", 0)  # a vocabulary large enough for the reference alone
+    started, _ = _recording(monkeypatch)
+    assert reference_check.start_ahead(tok, "auto", None)  # the command: the size unknown
+    assert reference_check.start_ahead(tok, "auto", 1000) is False  # the run: a small input
+    assert len(started) == 1 and started[0].returncode is not None and reference_check._AHEAD == {}
+    assert reference_check.start_ahead(tok, "fast", 1000)  # the fast engine asked for: checked, a child
+    reference_check.stop_ahead()

@@ -111,19 +111,23 @@ def start_ahead(tokenizer_dir: str, engine: str = "auto", input_bytes: int | Non
     transformers on the core that the driver leaves idle while it imports numpy, pyarrow and the kernels
     (``packtools pack``) or finds its inputs (``pack_files``).  Only a head start: the tokenizer decides
     (:meth:`~packtools.pipeline.tokenizer.batch.BatchTokenizer`), and the run stops a child it did not take.
-    Returns whether a child is waiting for the folder."""
+    A child waiting for the folder that ``input_bytes`` now rules out (started where the size was unknown) is
+    stopped.  Returns whether a child is waiting for the folder."""
     from .load import reference_suffices
 
     key = os.path.realpath(tokenizer_dir)
+    if reference_suffices(tokenizer_dir, engine, input_bytes):  # the reference alone tokenizes this input
+        stop_ahead(
+            tokenizer_dir
+        )  # one started on a guess (packtools pack: an input folder, its size unknown)
+        return False
     with _AHEAD_LOCK:
         if key in _AHEAD:
             return True
         if engine == "transformers" or not child_pays() or not tokenizer_files(tokenizer_dir):
             return False  # (no tokenizer files: a mistyped or empty folder, which the run names)
         try:
-            if reference_suffices(tokenizer_dir, "auto", input_bytes) or not unchecked(
-                tokenizer_fingerprint(tokenizer_dir)
-            ):
+            if not unchecked(tokenizer_fingerprint(tokenizer_dir)):
                 return False
         except OSError:  # an unreadable folder: the run says why
             return False
