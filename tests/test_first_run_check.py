@@ -714,3 +714,132 @@ def test_arguments_the_early_look_cannot_read_are_refused_once_by_the_command(to
     err = capsys.readouterr().err
     assert err.count("usage:") == 1 and "--num-proc: expected one argument" in err
     assert reference_check._AHEAD == {}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--out", "OUT", "missing.jsonl"],  # an input that is not there: run_pipeline fails before its try
+        ["--out", "OUT", "IN", "--max-length", "0"],  # refused by the command before its run
+        ["--out", "OUT", "IN", "--help"],  # the parser prints its help and exits
+        ["--out", "OUT", "IN", "--no-such-flag"],  # the parser refuses it
+    ],
+)
+def test_packtools_pack_stops_the_child_it_started_ahead_whatever_ends_the_command(
+    tok, tmp_path, monkeypatch, bad
+):
+    """A command that ends before its run takes or stops the child it started ahead (an input that is not there,
+    options the command refuses, ``--help``) stops it as it returns: a process that calls ``main`` more than once
+    (a notebook, a test session) keeps no child waiting on its stdin until it exits."""
+    from packtools.cli import main as cli
+
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    started, _ = _recording(monkeypatch)
+    src = os.path.join(_write(tmp_path / "in", TEXTS), "part-0.jsonl")
+    swap = {"OUT": str(tmp_path / "out"), "IN": src, "missing.jsonl": str(tmp_path / "missing.jsonl")}
+    argv = ["pack", "--tokenizer", tok, *(swap.get(a, a) for a in bad)]
+    try:
+        assert cli.main(argv) != 0
+    except SystemExit as exc:
+        assert bad[-1] == "--help" or exc.code != 0
+    assert len(started) == 1, "the early look started no child: the test proves nothing"
+    assert started[0].returncode is not None and reference_check._AHEAD == {}
+
+
+def test_runs_starting_ahead_at_once_start_one_child_and_leave_none_behind(tok, tmp_path, monkeypatch):
+    """Two runs in threads of one process (the same tokenizer, first runs) ask for a child ahead at once: one
+    child is started and waits for the folder; a second one, started meanwhile and overwritten in the record,
+    would be stopped by nothing (kept alive by ``subprocess``'s list of running children, waiting on its stdin
+    until the process exits)."""
+    import threading
+
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    started, both_in = [], threading.Event()
+    start = reference_check.start_child
+
+    def slow_start(d):
+        started.append(start(d))
+        if len(started) == 2:
+            both_in.set()
+        both_in.wait(2)  # the other thread's start joins this one, unless it waits outside
+        return started[-1]
+
+    monkeypatch.setattr(reference_check, "start_child", slow_start)
+    threads = [threading.Thread(target=reference_check.start_ahead, args=(tok,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    waiting = [child for _, child in reference_check._AHEAD.values()]
+    reference_check.stop_ahead()
+    for child in started:
+        reference_check._stop(child)
+    assert len(started) == 1 and waiting == started
+
+
+def test_a_check_thread_ended_by_what_is_not_an_exception_fails_the_run_never_a_pass(
+    tok, tmp_path, monkeypatch
+):
+    """The check's thread ended before comparing by a ``BaseException`` that is not an ``Exception`` (here a
+    ``SystemExit`` from its request): the run fails saying so; it is never read as a pass (which installed a
+    differing reference's ids and recorded it as the same as transformers)."""
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    _differing_reference(monkeypatch)
+
+    def leaves(self):
+        raise SystemExit("gone")
+
+    monkeypatch.setattr(reference_check.ReferenceCheck, "_ask", leaves)
+    started, _ = _recording(monkeypatch)
+    with pytest.raises(BaseException, match="gone"):
+        pack_files(_write(tmp_path / "in", TEXTS), tmp_path / "out", max_length=64, tokenizer=tok, quiet=True)
+    assert not (tmp_path / "out").exists()
+    assert reference.unchecked(tokenizer_fingerprint(tok))  # nothing recorded: the next run checks again
+    assert started and all(c.returncode is not None for c in started)  # its child stopped
+
+
+def test_packtools_pack_with_a_relative_tokenizer_path_hands_its_child_to_the_run(tok, tmp_path, monkeypatch):
+    """``--tokenizer`` as a user types it (relative, through a link, a trailing slash) names the folder the run
+    resolves to an absolute path: the run's check takes the child the command started (one child, no second)."""
+    from packtools.cli import main as cli
+
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    os.symlink(tok, tmp_path / "link")
+    monkeypatch.chdir(tmp_path)
+    started, taken = _recording(monkeypatch)
+    src = os.path.relpath(_write(tmp_path / "in", TEXTS))
+    assert (
+        cli.main(["pack", src, "--tokenizer", "./link/", "--out", "out", "--max-length", "64", "--quiet"])
+        == 0
+    )
+    assert len(started) == 1 and taken == started and reference_check._AHEAD == {}
+    assert _docs(tmp_path / "out") == _expected(tok, TEXTS)
+
+
+@pytest.mark.parametrize("folder", ["missing", "empty"])
+def test_no_child_is_started_ahead_for_a_folder_without_tokenizer_files(tmp_path, monkeypatch, folder):
+    """A ``--tokenizer`` that is mistyped or holds no tokenizer files starts no child (it would import
+    transformers only to be stopped): the run says what is wrong with the folder."""
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "empty").mkdir()
+    started, _ = _recording(monkeypatch)
+    assert reference_check.start_ahead(str(tmp_path / folder)) is False
+    assert started == [] and reference_check._AHEAD == {}
+
+
+def test_a_child_started_on_a_guess_of_the_input_is_stopped_once_the_run_knows_the_reference_suffices(
+    tok, tmp_path, monkeypatch
+):
+    """``packtools pack`` guesses the input's size from its options (unknown for a folder, or where an option's
+    value reads as an input) and starts a child; the run, which knows the size, stops it where the reference
+    tokenizes that input alone (no check wanted), rather than let it import transformers beside the run."""
+    from packtools.pipeline.tokenizer import load
+
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(load, "OVERLAP_MIN_BYTES", 0)  # a vocabulary large enough for the reference alone
+    started, _ = _recording(monkeypatch)
+    assert reference_check.start_ahead(tok, "auto", None)  # the command: the size unknown
+    assert reference_check.start_ahead(tok, "auto", 1000) is False  # the run: a small input
+    assert len(started) == 1 and started[0].returncode is not None and reference_check._AHEAD == {}
+    assert reference_check.start_ahead(tok, "fast", 1000)  # the fast engine asked for: checked, a child
+    reference_check.stop_ahead()

@@ -105,15 +105,16 @@ class _Unsaid(argparse.ArgumentParser):
         raise ValueError(message)
 
 
-def _check_ahead(argv: list[str]) -> None:
+def _check_ahead(argv: list[str]) -> str | None:
     """For ``packtools pack INPUT... --tokenizer DIR --out DIR`` on this process (the local executor): start a
     first run's check against transformers before the subcommands' imports (numpy, pyarrow, the kernels), so
     that its child imports transformers on the core those imports leave idle
     (:func:`~packtools.pipeline.tokenizer.reference_check.start_ahead`, which says when it is worth it).  Only a
     head start, read from the options by name (no abbreviations): the run's tokenizer decides, and the run stops a
-    child it does not take."""
+    child it does not take.  Returns the tokenizer folder a child waits for (None: none), which :func:`main` stops
+    as it returns where the command ended before its run took or stopped it (a missing input, ``--help``)."""
     if not argv or argv[0] != "pack":
-        return
+        return None
     p = _Unsaid(add_help=False, allow_abbrev=False)
     for flag in ("--tokenizer", "--tokenizer-engine", "--out", "--processor", "--executor", "--num-proc"):
         p.add_argument(flag)
@@ -121,15 +122,16 @@ def _check_ahead(argv: list[str]) -> None:
     try:
         known, _ = p.parse_known_args(argv[1:])
     except ValueError:  # unparsable here: the real parser says why, once
-        return
+        return None
     in_memory = not known.input or known.out is None or known.out.endswith((".parquet", ".arrow"))
     pool = known.executor not in (None, "local") or known.num_proc not in (None, "0", "1")
     if known.tokenizer is None or in_memory or pool or known.processor is not None:
-        return
+        return None
     inputs = [os.path.getsize(i) if os.path.isfile(i) else None for i in known.input]
     from ..pipeline.tokenizer.reference_check import start_ahead
 
-    start_ahead(known.tokenizer, known.tokenizer_engine or "auto", None if None in inputs else sum(inputs))
+    size = None if None in inputs else sum(inputs)
+    return known.tokenizer if start_ahead(known.tokenizer, known.tokenizer_engine or "auto", size) else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -139,7 +141,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     error, 130 for Ctrl-C, 143 for SIGTERM.  An interrupted ``pack`` leaves no output behind.
     """
     argv = list(argv) if argv is not None else sys.argv[1:]
-    _check_ahead(argv)
+    ahead = _check_ahead(argv)
+    try:
+        return _command(argv)
+    finally:  # a child started ahead that the command's run neither took nor stopped (it ended before)
+        if ahead is not None:
+            from ..pipeline.tokenizer.reference_check import stop_ahead
+
+            stop_ahead(ahead)
+
+
+def _command(argv: list[str]) -> int:
+    """:func:`main` once its early look at the options is done."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "_run", None) is None:

@@ -42,7 +42,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .folder import tokenizer_fingerprint
+from .folder import tokenizer_files, tokenizer_fingerprint
 from .reference import (
     LiteReference,
     _verdict_path,
@@ -72,6 +72,9 @@ BY_CHILD = "child process (transformers without torch)"
 #: taken by that folder's :class:`ReferenceCheck`, else stopped by :func:`stop_ahead` (the run, once its tokenizer
 #: has decided) or at the interpreter's exit
 _AHEAD: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
+#: held while :func:`start_ahead` looks for a folder's child and starts one: runs in threads of one process
+#: starting at once start one child (a second, overwritten in :data:`_AHEAD`, would be stopped by nothing)
+_AHEAD_LOCK = threading.Lock()
 
 
 def child_pays() -> bool:
@@ -102,33 +105,38 @@ def start_child(tokenizer_dir: str) -> subprocess.Popen[bytes] | None:
 
 def start_ahead(tokenizer_dir: str, engine: str = "auto", input_bytes: int | None = None) -> bool:
     """Start the check's child for ``tokenizer_dir`` now, ahead of the run's tokenizer, where a first run will
-    likely want it: transformers not imported here (:func:`child_pays`), the cache on and no verdict recorded for
-    this tokenizer and these versions, an ``engine`` other than transformers, and an input (``input_bytes``;
-    None: unknown) the reference does not tokenize alone.  Its child then imports transformers on the core that
-    the driver leaves idle while it imports numpy, pyarrow and the kernels (``packtools pack``) or finds its
-    inputs (``pack_files``).  Only a head start: the tokenizer decides
+    likely want it: tokenizer files in the folder, transformers not imported here (:func:`child_pays`), the cache
+    on and no verdict recorded for this tokenizer and these versions, an ``engine`` other than transformers, and
+    an input (``input_bytes``; None: unknown) the reference does not tokenize alone.  Its child then imports
+    transformers on the core that the driver leaves idle while it imports numpy, pyarrow and the kernels
+    (``packtools pack``) or finds its inputs (``pack_files``).  Only a head start: the tokenizer decides
     (:meth:`~packtools.pipeline.tokenizer.batch.BatchTokenizer`), and the run stops a child it did not take.
-    Returns whether a child is waiting for the folder."""
-    key = os.path.realpath(tokenizer_dir)
-    if key in _AHEAD:
-        return True
-    if engine == "transformers" or not child_pays():
-        return False
+    A child waiting for the folder that ``input_bytes`` now rules out (started where the size was unknown) is
+    stopped.  Returns whether a child is waiting for the folder."""
     from .load import reference_suffices
 
-    try:
-        if reference_suffices(tokenizer_dir, "auto", input_bytes) or not unchecked(
-            tokenizer_fingerprint(tokenizer_dir)
-        ):
+    key = os.path.realpath(tokenizer_dir)
+    if reference_suffices(tokenizer_dir, engine, input_bytes):  # the reference alone tokenizes this input
+        stop_ahead(
+            tokenizer_dir
+        )  # one started on a guess (packtools pack: an input folder, its size unknown)
+        return False
+    with _AHEAD_LOCK:
+        if key in _AHEAD:
+            return True
+        if engine == "transformers" or not child_pays() or not tokenizer_files(tokenizer_dir):
+            return False  # (no tokenizer files: a mistyped or empty folder, which the run names)
+        try:
+            if not unchecked(tokenizer_fingerprint(tokenizer_dir)):
+                return False
+        except OSError:  # an unreadable folder: the run says why
             return False
-    except OSError:  # an unreadable folder: the run says why
-        return False
-    child = start_child(tokenizer_dir)
-    if child is None:
-        return False
-    if not _AHEAD:
-        atexit.register(stop_ahead)
-    _AHEAD[key] = (os.getpid(), child)
+        child = start_child(tokenizer_dir)
+        if child is None:
+            return False
+        if not _AHEAD:
+            atexit.register(stop_ahead)
+        _AHEAD[key] = (os.getpid(), child)
     return True
 
 
@@ -231,6 +239,15 @@ class ReferenceCheck:
         return answer, BY_CHILD
 
     def _run(self) -> None:
+        """The thread: whatever ends it before it has compared is handed to :meth:`result`, which raises it;
+        a thread that died quietly would read as the same ids (:attr:`difference` None)."""
+        try:
+            self._compare()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller of result()
+            self.cancel()
+            self._error = exc
+
+    def _compare(self) -> None:
         assert self.lite is not None
         try:
             answer, self.how = self._ask()
