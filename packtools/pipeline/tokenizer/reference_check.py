@@ -117,9 +117,8 @@ def start_ahead(tokenizer_dir: str, engine: str = "auto", input_bytes: int | Non
 
     key = os.path.realpath(tokenizer_dir)
     if reference_suffices(tokenizer_dir, engine, input_bytes):  # the reference alone tokenizes this input
-        stop_ahead(
-            tokenizer_dir
-        )  # one started on a guess (packtools pack: an input folder, its size unknown)
+        # a child started on a guess (packtools pack: an input folder, its size unknown) is stopped
+        stop_ahead(tokenizer_dir)
         return False
     with _AHEAD_LOCK:
         if key in _AHEAD:
