@@ -105,6 +105,13 @@ class _Unsaid(argparse.ArgumentParser):
         raise ValueError(message)
 
 
+def packs_in_memory(inputs: Sequence[str], out: str | None) -> bool:
+    """Whether ``packtools pack INPUT... --out OUT`` packs in memory (no INPUT: the built-in sample; no ``--out``:
+    the summary alone; ``--out FILE.parquet|.arrow``: one file) rather than through the pipeline into a folder.
+    The one rule: :mod:`packtools.cli.pack` runs by it, :func:`_check_ahead` reads it before the imports."""
+    return not inputs or out is None or out.endswith((".parquet", ".arrow"))
+
+
 def _check_ahead(argv: list[str]) -> str | None:
     """For ``packtools pack INPUT... --tokenizer DIR --out DIR`` on this process (the local executor): start a
     first run's check against transformers before the subcommands' imports (numpy, pyarrow, the kernels), so
@@ -123,9 +130,13 @@ def _check_ahead(argv: list[str]) -> str | None:
         known, _ = p.parse_known_args(argv[1:])
     except ValueError:  # unparsable here: the real parser says why, once
         return None
-    in_memory = not known.input or known.out is None or known.out.endswith((".parquet", ".arrow"))
     pool = known.executor not in (None, "local") or known.num_proc not in (None, "0", "1")
-    if known.tokenizer is None or in_memory or pool or known.processor is not None:
+    if (
+        known.tokenizer is None
+        or packs_in_memory(known.input, known.out)
+        or pool
+        or known.processor is not None
+    ):
         return None
     inputs = [os.path.getsize(i) if os.path.isfile(i) else None for i in known.input]
     from ..pipeline.tokenizer.reference_check import start_ahead

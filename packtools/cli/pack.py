@@ -22,6 +22,7 @@ from ..errors import PackingError
 from ..io.files import discover, read_schema, read_table, write_table
 from ..pipeline.executors import EXECUTORS
 from ..pipeline.summary import format_pipeline_summary, format_summary, seconds_since_process_start
+from .main import packs_in_memory
 
 #: Schema metadata key marking a file written by ``packtools pack --out FILE`` (so a rerun may replace it).
 FILE_MARK = b"packtools"
@@ -298,7 +299,7 @@ def _in_memory(args: argparse.Namespace, max_length: int) -> int:
 
 def run(args: argparse.Namespace) -> int:
     max_length = args.max_length if args.max_length is not None else 4096
-    in_memory = not args.input or args.out is None or args.out.endswith((".parquet", ".arrow"))
+    in_memory = packs_in_memory(args.input, args.out)
     if args.context_parallel != 1 and (args.processor is not None or in_memory):
         raise PackingError(
             f"--context-parallel {args.context_parallel} packs text through the pipeline only (INPUT... --out DIR, "
