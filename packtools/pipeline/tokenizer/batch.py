@@ -126,12 +126,12 @@ class BatchTokenizer:
             self._fast_load = start_fast_load(
                 tokenizer_dir, fp, facts, fmt, "transformers" if skip else requested
             )
-            # transformers' ids from the tokenizers library alone where a recorded check says they are the same
-            # (reference.load_verified): never when transformers is asked for or adds tokens tokenizer.json lacks
             # asked once the fast engine's load has started: the library imported before that load starts made
             # it ~0.3 s slower beside the reference's load (warm runs, Llama 3, measured)
             self.reference_why = reference.library_gap() if requested != "transformers" else None
             copy = compact_file(fp)
+            # transformers' ids from the tokenizers library alone where a recorded check says they are the same
+            # (reference.load_verified): never when transformers is asked for or adds tokens tokenizer.json lacks
             lite = (
                 reference.load_verified(tokenizer_dir, fp, copy)
                 if requested != "transformers" and not self.added_outside and self.reference_why is None
@@ -179,9 +179,9 @@ class BatchTokenizer:
         """Whether this (driver's) tokenizer may stage on a provisional reference while it is checked: plain
         text, an engine other than transformers asked for, no engine handed down, an input large enough for the
         fast engine (a small one the reference alone tokenizes), no verdict recorded for this tokenizer and these
-        versions, and transformers not imported here yet (:func:`~.reference_check.child_pays`).  (A library
-        that cannot be the reference, :attr:`reference_why`, gives the check up in :meth:`_provisional`.)
-        (:meth:`_provisional` gives the check up where tokenizer.json's facts rule it out.)"""
+        versions, and transformers not imported here yet (:func:`~.reference_check.child_pays`).
+        (:meth:`_provisional` gives the check up where tokenizer.json's facts rule it out, or the library cannot
+        be the reference: :attr:`reference_why`.)"""
         return (
             self.fmt == "text"
             and requested != "transformers"
