@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
-import threading
 from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
@@ -53,32 +51,38 @@ def lazy_exports(namespace: dict[str, Any], modules: Mapping[str, tuple[str, ...
 
 
 def lazy_module(name: str) -> ModuleType:
-    """Module ``name``, imported when one of its attributes is first read (``importlib.util.LazyLoader``).
+    """Module ``name``, imported when one of its attributes is first read.
 
     Modules that only call the kernels (which import Numba) in some of their functions hold them this way, so
-    that ``packtools pack`` reads and tokenizes its first part before paying for Numba.  Already imported: the
-    module itself.
+    that ``packtools pack`` reads and tokenizes its first part before paying for Numba.  Safe for threads that
+    read it first at once (two runs in one process): see :class:`_LazyModule`.
     """
-    if name in sys.modules:
-        return sys.modules[name]
     spec = importlib.util.find_spec(name)
     if spec is None or spec.loader is None:
         raise ImportError(f"no module named {name!r}")
-    spec.loader = importlib.util.LazyLoader(spec.loader)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return _LazyModule(name)
 
 
-#: held by a thread while it loads a lazy module (Python 3.11's ``LazyLoader`` is not safe for two threads at once)
-_LOADING = threading.Lock()
+class _LazyModule(ModuleType):
+    """Stands for module ``__name__``, which it imports at its first attribute read and forwards every read to.
+
+    It imports through the import system, which makes a second thread that reads meanwhile wait for the first
+    thread's import (its lock per module).  ``importlib.util.LazyLoader`` did not: before Python 3.12 it marks
+    its module loaded before running it, so another thread could read a half-run module.
+    """
+
+    def __getattr__(self, attr: str) -> Any:  # called for the names the stand-in itself lacks
+        module = self.__dict__.get("_module")
+        if module is None:
+            module = self.__dict__["_module"] = load_now(self.__name__)
+        return getattr(module, attr)
+
+    def __dir__(self) -> list[str]:
+        return dir(load_now(self.__name__))
 
 
 def load_now(name: str) -> ModuleType:
-    """Module ``name`` fully loaded, safely from any thread: one thread at a time completes a :func:`lazy_module`
-    (the pipeline loads the kernels in one thread while another reads tokenized JSON with one of them)."""
-    with _LOADING:
-        module = importlib.import_module(name)
-        module.__dict__  # noqa: B018 - reading an attribute of a lazy module loads it
-        return sys.modules[name]
+    """Module ``name`` fully loaded, safely from any thread: a thread that asks while another imports it waits
+    for that import (the pipeline loads the kernels in one thread while another reads tokenized JSON with one
+    of them)."""
+    return importlib.import_module(name)

@@ -97,9 +97,8 @@ def plan_parts(eff: np.ndarray, bounds: Sequence[int], config: PipelineConfig) -
 def load_kernels_ahead(strategy: str, value_types: Sequence[str]) -> threading.Thread:
     """Start loading Numba and the kernels that planning and writing columns of ``value_types`` call
     (:func:`warmup_packing`) in a daemon thread, so that the run stages meanwhile
-    instead of paying it before its plan.  Join the thread before planning: Python 3.11's lazy import of the
-    kernels module is not safe for two threads at once.  A failure is ignored: the plan then loads or
-    compiles the kernels itself, as without it."""
+    instead of paying it before its plan.  Join the thread before planning: the plan calls the kernels it
+    loads.  A failure is ignored: the plan then loads or compiles the kernels itself, as without it."""
     thread = threading.Thread(
         target=_load_kernels, args=(strategy, tuple(value_types)), name="packtools-kernels", daemon=True
     )

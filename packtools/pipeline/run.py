@@ -577,7 +577,7 @@ def _run(
         else:
             t1 = time.perf_counter()
             if warming is not None:
-                warming.join()  # the kernels module is not for two threads to load at once
+                warming.join()  # the plan calls the kernels it loads
             turns = [sidecar_turns(j.sidecar) for j in jobs]
             rows = row_plan([load_sidecar(j.sidecar) for j in jobs], columns, config, [t[0] for t in turns])
             checkpoint("plan")
