@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -703,6 +704,47 @@ def test_a_forked_process_neither_takes_nor_stops_its_parents_child(tok, tmp_pat
     reference_check._stop(child)
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks")
+def test_a_process_forked_while_another_thread_starts_a_child_ahead_can_start_ahead_itself(
+    tmp_path, monkeypatch
+):
+    """A process forked while another thread holds ``start_ahead``'s lock (a pool's worker forked while a run
+    in another thread starts its child ahead) inherits the lock held by a thread it does not have: its own
+    ``start_ahead`` returns (here for a folder without tokenizer files) instead of waiting forever."""
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "empty").mkdir()
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with reference_check._AHEAD_LOCK:
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(60)
+        pid = os.fork()
+        if pid == 0:  # the forked process: start_ahead in a thread, so that a wait for ever ends in a failure
+            code = 1
+            try:
+                done = threading.Event()
+
+                def start() -> None:
+                    assert reference_check.start_ahead(str(tmp_path / "empty")) is False
+                    done.set()
+
+                threading.Thread(target=start, daemon=True).start()
+                code = 0 if done.wait(20) else 1
+            finally:
+                os._exit(code)
+    finally:
+        release.set()
+        holder.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_arguments_the_early_look_cannot_read_are_refused_once_by_the_command(tok, tmp_path, capsys):
     """``packtools pack``'s early look at its options starts nothing and says nothing where it cannot read them:
     the command's own parser says what is wrong, once."""
@@ -751,8 +793,6 @@ def test_runs_starting_ahead_at_once_start_one_child_and_leave_none_behind(tok, 
     child is started and waits for the folder; a second one, started meanwhile and overwritten in the record,
     would be stopped by nothing (kept alive by ``subprocess``'s list of running children, waiting on its stdin
     until the process exits)."""
-    import threading
-
     monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
     started, both_in = [], threading.Event()
     start = reference_check.start_child

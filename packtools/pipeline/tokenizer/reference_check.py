@@ -77,6 +77,18 @@ _AHEAD: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
 _AHEAD_LOCK = threading.Lock()
 
 
+def _new_ahead_lock() -> None:
+    """A lock anew in a forked process: a fork while another thread held it would leave it held by a thread the
+    forked process does not have (its :func:`start_ahead` would wait for ever).  Its records stay (see
+    :func:`take_ahead`)."""
+    global _AHEAD_LOCK
+    _AHEAD_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_ahead_lock)
+
+
 def child_pays() -> bool:
     """Whether the check is worth a child process: transformers is not imported in this process yet.  Its import
     (torch's with it) is most of the check's cost; a process that has paid it already (a training script, a
