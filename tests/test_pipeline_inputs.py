@@ -6,6 +6,7 @@ fault packs every row."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 
@@ -17,6 +18,7 @@ from _pipeline_data import build_tokenizer
 from packtools import pack_files, profile_lengths
 from packtools.cli.main import main
 from packtools.errors import PackingError
+from packtools.io.files import InputFile, Part, read_part, read_schema, read_table
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +79,42 @@ def test_cut_and_corrupted_files_name_the_file(tmp_path, capsys):
         assert main(["pack", str(tmp_path / name), "--out", str(tmp_path / "out"), "--max-length", "8"]) == 1
         err = capsys.readouterr().err
         assert f"{name}' cannot be read as" in err and "copy it again" in err and "Error:" not in err, err
+
+
+def test_a_folder_or_a_failed_system_read_is_not_called_a_corrupted_file(tmp_path):
+    """Arrow's OSError is not always the file's contents: a folder named like a data file gets a line saying it
+    is a folder; a read the system fails (EIO) names the system's error; neither claims the file is cut or
+    corrupted.  A missing file still propagates as FileNotFoundError (its callers name it)."""
+    for kind, name in (("parquet", "a Parquet"), ("arrow", "an Arrow IPC")):
+        folder = tmp_path / f"x.{kind}"
+        folder.mkdir()
+        with pytest.raises(PackingError) as err:
+            read_schema(InputFile(str(folder), kind, 0, 0))
+        assert f"input {str(folder)!r} is a folder, not {name} file; pass a file" in str(err.value)
+        assert "corrupted" not in str(err.value)
+    with pytest.raises(PackingError, match=r"x\.arrow' is a folder, not an Arrow IPC file"):
+        read_table(tmp_path / "x.arrow")
+    with pytest.raises(FileNotFoundError):
+        read_schema(InputFile(str(tmp_path / "missing.parquet"), "parquet", 0, 0))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="reads /proc/self/mem (Linux)")
+def test_an_io_error_of_the_system_names_it_not_corruption(tmp_path):
+    """Reading /proc/self/mem from its start fails in the kernel with EIO: a real failed read, which the
+    error names as the system's, not as a cut or corrupted file."""
+    link = tmp_path / "mem.arrow"
+    link.symlink_to("/proc/self/mem")
+    try:
+        open(link, "rb").read(8)
+    except OSError as exc:
+        if exc.errno != errno.EIO:
+            pytest.skip(f"reading /proc/self/mem fails here with {exc!r}, not EIO")
+    else:
+        pytest.skip("reading /proc/self/mem succeeds here")
+    with pytest.raises(PackingError) as err:
+        list(read_part(Part(InputFile(str(link), "arrow", 0, 0))))
+    assert f"input {str(link)!r} could not be read: the system's read failed (EIO: " in str(err.value)
+    assert "corrupted" not in str(err.value)
 
 
 # -- S2-S4: a column that appears only later ----------------------------------------------------------------

@@ -16,6 +16,7 @@ in sorted order) and folders written by ``datasets.Dataset.save_to_disk`` (found
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -37,7 +38,12 @@ from .json import LineBase, is_json_array, iter_json_array, iter_json_lines, lin
 
 @contextlib.contextmanager
 def reading(path: str, kind: str) -> Iterator[None]:
-    """Arrow's and Parquet's read errors (a cut, corrupted or mislabelled file) as one line naming the file."""
+    """Arrow's and Parquet's read errors (a cut, corrupted or mislabelled file) as one line naming the file.
+
+    ``pa.ArrowIOError`` is ``OSError``: a folder where a file is read, and an error of the system's read (one
+    with an ``errno``: EIO, ...), each get their own line, which claims nothing of the file's contents; a
+    missing or forbidden file propagates as it is.
+    """
     try:
         yield
     except (pa.ArrowInvalid, pa.ArrowIOError, EOFError) as exc:
@@ -45,6 +51,17 @@ def reading(path: str, kind: str) -> Iterator[None]:
             raise
         name = "a Parquet" if kind == "parquet" else "an Arrow IPC"
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if isinstance(exc, IsADirectoryError) or (isinstance(exc, OSError) and os.path.isdir(path)):
+            raise PackingError(
+                f"input {path!r} is a folder, not {name} file; pass a file, or pass the folder where an input "
+                f"may be a folder (pack_files, profile_lengths, packtools pack and profile read the files in it)."
+            ) from None
+        if isinstance(exc, OSError) and exc.errno is not None:
+            code = errno.errorcode.get(exc.errno, str(exc.errno))
+            raise PackingError(
+                f"input {path!r} could not be read: the system's read failed ({code}: {detail}), which says "
+                f"nothing of the file's contents; check the disk or mount it is on, then run again."
+            ) from None
         raise PackingError(
             f"input {path!r} cannot be read as {name} file ({detail}): it is cut, corrupted or not {name} "
             f"file; copy it again, or leave it out."
