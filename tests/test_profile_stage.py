@@ -98,6 +98,29 @@ def test_no_stage_cache_leaves_nothing(tmp_path, tok, cache):
     assert res.profile.count == 30 and not os.path.exists(cache) and not os.path.exists(res.stage["folder"])
 
 
+def test_profile_says_why_the_tokenizers_library_is_not_the_reference(
+    tmp_path, tok, cache, monkeypatch, capsys
+):
+    """Where the installed ``tokenizers`` cannot be the reference (``reference.library_gap`` gives a reason),
+    ``packtools profile`` prints that reason, the note ``packtools pack`` gives, with the stage cache on or off."""
+    from packtools.pipeline import stage
+    from packtools.pipeline.tokenizer import reference
+
+    why = "the tokenizers library is not installed, so transformers is loaded as the reference"
+    monkeypatch.setattr(reference, "library_gap", lambda: why)
+    monkeypatch.setattr(stage, "_TOKENIZERS", {})  # tokenizers loaded by earlier tests asked no library_gap
+    data = _write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in _texts(30)])
+    assert main(["profile", data, "--tokenizer", tok, "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert f"  {why}\n" in out and "reuses these 1 staged part(s)" in out, out
+    assert (
+        why in pack_files(data, tmp_path / "packed", 256, tokenizer=tok).notes
+    )  # pack's note: the same text
+    assert main(["profile", data, "--tokenizer", tok, "--quiet", "--no-stage-cache"]) == 0
+    out = capsys.readouterr().out
+    assert f"  {why}\n" in out and "(--no-stage-cache: the staged parts were removed" in out, out
+
+
 def test_chat_prompt_completion_and_preference_lengths(tmp_path, tok, cache):
     from packtools.pipeline.tokenizer.batch import BatchTokenizer
 

@@ -43,7 +43,9 @@ from .summary import unencodable_text
 
 @dataclass
 class ProfiledInput:
-    """A profile and how it was read: ``format``, ``stage`` (parts, reused, seconds, cache folder) or None."""
+    """A profile and how it was read: ``format``, ``stage`` (parts, reused, seconds, cache folder) or None;
+    ``notes``: what the stage says as ``pack``'s notes do (a stage cache it could not use, why the tokenizers
+    library is not the reference)."""
 
     profile: LengthProfile
     format: str
@@ -74,10 +76,9 @@ class ProfiledInput:
                 f"(cache: {s['cache_bytes'] / 1e9:.2f} GB of {s['budget_bytes'] / 1e9:g} GB, "
                 f"${'PACKTOOLS_STAGE_CACHE_MAX_GB'}; {s['evicted']} old entr(ies) evicted)"
             )
-        elif self.notes:
-            lines += [f"  {n}" for n in self.notes]
-        else:
+        elif s.get("cache_off"):
             lines.append("  (--no-stage-cache: the staged parts were removed; a pack tokenizes again)")
+        lines += [f"  {n}" for n in self.notes]
         return "\n".join(lines)
 
 
@@ -169,6 +170,7 @@ def profile_files(
         prof = profile_lengths([os.fspath(i) for i in inputs], column=column, name=name)
         return ProfiledInput(prof, fmt)
     left_out: list[str] = []
+    notes: list[str] = []
     if fmt == "tokenized":  # token ids in JSON: parsed and checked by the stage, as pack does
         columns, types, left_out = token_schema(files, config)
         tok_dir = proven = None
@@ -185,6 +187,8 @@ def profile_files(
         tok_dir = check_tokenizer_dir(tokenizer)
         ids = config.ids(fmt, tokenizer_fingerprint(tok_dir))  # what decides the ids, for every stage job
         tok = preload_tokenizer(tok_dir, ids)  # fails here, once, if it cannot load
+        if tok.reference_why:  # as pack notes it
+            notes.append(tok.reference_why)
         columns = output_columns(fmt)
         types = ["int32"] * len(columns)
     keep = stage_cache is not False
@@ -193,7 +197,6 @@ def profile_files(
         if keep
         else tempfile.mkdtemp(prefix="packtools-stage-")
     )
-    notes: list[str] = []
     if keep:
         try:
             prepare(folder)
@@ -257,6 +260,7 @@ def profile_files(
         "reused": sum(bool(s["reused"]) for s in staged),
         "stage_s": round(stage_s, 3),
         "kept": keep,
+        "cache_off": stage_cache is False,  # --no-stage-cache (a cache it could not use: a note says why)
     }
     from .tokenizer.fast import engine_summary
 
