@@ -3,6 +3,7 @@ are dropped, and ``packtools profile`` of a packed folder reads its manifest."""
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pyarrow as pa
@@ -47,3 +48,21 @@ def test_profile_of_a_packed_folder_reads_its_manifest(tmp_path, tokenized, caps
     assert text.startswith("packed: 4 sequences")
     assert "of max_length 32 (from manifest.json)" in text
     assert "no manifest" not in text
+
+
+def test_the_console_script_freezes_what_it_holds_before_the_interpreter_exits(monkeypatch):
+    import gc
+
+    import tomllib
+
+    import packtools.cli.main as cli
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as fh:
+        assert tomllib.load(fh)["project"]["scripts"]["packtools"] == "packtools.cli.main:console"
+    monkeypatch.setattr(cli, "main", lambda: 3)
+    assert gc.get_freeze_count() == 0
+    try:
+        assert cli.console() == 3  # main's status, unchanged
+        assert gc.get_freeze_count() > 0  # the shutdown's collections skip what was held
+    finally:
+        gc.unfreeze()

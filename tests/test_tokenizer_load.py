@@ -283,3 +283,31 @@ def test_list_columns_are_read_without_importing_pandas():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.split()
     assert out == ["False", "True"]
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["collector-on", "collector-off"])
+def test_the_parse_runs_without_collections_and_leaves_the_collector_as_it_was(tok, monkeypatch, enabled):
+    import gc
+
+    seen: list[bool] = []
+    real = fast_tokenize.read_spec
+
+    def read_spec(path):
+        seen.append(gc.isenabled())
+        return real(path)
+
+    monkeypatch.setattr(fast_tokenize, "read_spec", read_spec)
+    fp = tokenizer_fingerprint(tok)
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        assert not tokenizer_load.load_facts(tok, fp).recorded
+        assert seen == [False]  # parsed with the collector paused
+        assert gc.isenabled() is enabled  # and left as it was
+        monkeypatch.setattr(fast_tokenize, "read_spec", lambda path: 1 / 0)
+        os.remove(tokenizer_load.facts_path(fp))
+        with pytest.raises(ZeroDivisionError):
+            tokenizer_load.load_facts(tok, fp)
+        assert gc.isenabled() is enabled  # also when the parse raises
+    finally:
+        (gc.enable if was else gc.disable)()

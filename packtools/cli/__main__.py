@@ -1,5 +1,5 @@
 import sys
 
-from .main import main
+from .main import console
 
-sys.exit(main())
+sys.exit(console())

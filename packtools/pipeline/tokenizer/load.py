@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from ... import _gc
 from ..._atomic import atomic_path, discard
 from ...constants import __version__
 from ...io.fingerprint import cache_key
@@ -133,15 +134,17 @@ def load_facts(tokenizer_dir: str, tokenizer_fp: str) -> TokenizerFacts | None:
         facts = _read(path)
         if facts is not None:
             return facts
-    try:
-        spec = fast_engine.read_spec(tokenizer_dir)
-    except (OSError, ValueError):
-        return None
-    facts = TokenizerFacts.from_spec(spec)
-    if path is not None:
-        _write(path, facts)
-        if facts.refusal is None:
-            write_compact(compact_path(tokenizer_fp), spec)
+    with _gc.paused():  # hundreds of thousands of lists and dicts, no cycle among them (packtools._gc)
+        try:
+            spec = fast_engine.read_spec(tokenizer_dir)
+        except (OSError, ValueError):
+            return None
+        facts = TokenizerFacts.from_spec(spec)
+        if path is not None:
+            _write(path, facts)
+            if facts.refusal is None:
+                write_compact(compact_path(tokenizer_fp), spec)
+        del spec
     return facts  # the parsed file is large; only the facts are kept
 
 
