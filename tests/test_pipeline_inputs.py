@@ -98,6 +98,23 @@ def test_a_folder_or_a_failed_system_read_is_not_called_a_corrupted_file(tmp_pat
         read_schema(InputFile(str(tmp_path / "missing.parquet"), "parquet", 0, 0))
 
 
+def test_a_folder_that_a_saved_datasets_state_lists_as_a_data_file_is_named_as_a_folder(tmp_path):
+    """A save_to_disk folder whose state.json lists a folder among its data files: the error says it is a
+    folder the state lists, not "a pipe, socket or device"."""
+    saved = tmp_path / "saved"
+    (saved / "data-00000-of-00001.arrow").mkdir(parents=True)
+    (saved / "state.json").write_text(
+        json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]})
+    )
+    with pytest.raises(PackingError) as err:
+        pack_files([str(saved)], str(tmp_path / "out"), max_length=8)
+    message = str(err.value)
+    assert (
+        "data-00000-of-00001.arrow' is a folder, but its save_to_disk folder's state.json lists it" in message
+    )
+    assert "pipe" not in message
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="reads /proc/self/mem (Linux)")
 def test_an_io_error_of_the_system_names_it_not_corruption(tmp_path):
     """Reading /proc/self/mem from its start fails in the kernel with EIO: a real failed read, which the

@@ -17,7 +17,7 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..compat.datasets import saved_data_files
+from ..compat.datasets import STATE_FILE, saved_data_files
 from ..errors import PackingError
 
 SUFFIX_KINDS = {
@@ -53,6 +53,12 @@ def _input_file(path: str) -> InputFile:
             f"directories of them, or a datasets save_to_disk folder."
         )
     st = os.stat(path)
+    # a folder here: one a save_to_disk folder's state.json names (find_inputs walks the folders it is given)
+    if stat.S_ISDIR(st.st_mode):
+        raise PackingError(
+            f"input {path!r} is a folder, but its save_to_disk folder's {STATE_FILE} lists it as a data file; "
+            f"the saved dataset is damaged: save it again, or pass its data files."
+        )
     if not stat.S_ISREG(st.st_mode):
         raise PackingError(_not_a_file(path))
     return InputFile(os.path.abspath(path), kind, st.st_size, st.st_mtime_ns)
