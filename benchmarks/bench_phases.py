@@ -19,7 +19,8 @@ hits all of them; each column is the repeat with the best wall time.
   made again; transformers is imported, in the check's child process), timed from the process start; its peak
   RSS, its child's, and the two together sampled every 10 ms (the machine's memory at one time).
 - ``warm``: the same command again with that cache folder.
-- ``--cli``: also ``packtools pack`` itself (``packtools.cli.main.main`` in a fresh process, a cache folder of
+- ``--cli``: also ``packtools pack`` itself (the console script's ``packtools.cli.main.console`` in a fresh
+  process, ``main`` in a tree without it, a cache folder of
   its own), first and warm, end to end from the process start: the command starts a first run's check before
   its imports, which ``run_pipeline`` called from Python cannot (``reference_check.start_ahead``).
 
@@ -125,16 +126,20 @@ def case_pack(src: str, out: str, tok_dir: str) -> dict:
 
 
 def case_cli(src: str, out: str, tok_dir: str) -> dict:
-    """``packtools pack`` as a user runs it (its ``main``, in this fresh process): a first run starts its check's
-    child before the command's imports, which ``run_pipeline`` called from Python cannot."""
+    """``packtools pack`` as a user runs it (the console script's entry ``console``, or ``main`` in a tree
+    without one, in this fresh process): a first run starts its check's child before the command's imports,
+    which ``run_pipeline`` called from Python cannot, and the process exits as the command's does."""
     stop, peak = threading.Event(), [0]
     sampler = threading.Thread(target=sample_rss, args=(stop, peak), daemon=True)
     sampler.start()
     shutil.rmtree(out, ignore_errors=True)
-    from packtools.cli.main import main
+    import packtools.cli.main as cli
 
     argv = ["pack", src, "--tokenizer", tok_dir, "--out", out, "--max-length", str(MAX_LENGTH), "--quiet"]
-    if main(argv) != 0:
+    console = getattr(cli, "console", None)  # the console script's entry, where the tree has one (issue 42)
+    if console is not None:
+        sys.argv[1:] = argv
+    if (console() if console is not None else cli.main(argv)) != 0:
         raise RuntimeError("packtools pack failed")
     stop.set()
     sampler.join()
