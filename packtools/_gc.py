@@ -14,13 +14,54 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import threading
 from collections.abc import Iterator
+
+
+class _Pauses:
+    """The :func:`paused` blocks open in this process, counted under a lock: the first one in records whether
+    the collector was on and turns it off, the last one out turns it on again where it was.  Each block reading
+    and restoring the state by itself is not safe for two threads (two runs loading their tokenizers at once):
+    a second block that read "off" while the first held it, and turned it off only after the first had turned
+    it on again, would leave the collector off for the rest of the process."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open = 0
+        self.was = False
+
+    def enter(self) -> None:
+        with self.lock:
+            if self.open == 0:
+                self.was = gc.isenabled()
+                gc.disable()
+            self.open += 1
+
+    def exit(self) -> None:
+        with self.lock:
+            self.open -= 1
+            if self.open == 0 and self.was:
+                gc.enable()
+
+    def after_fork(self) -> None:
+        """In a forked process: the threads whose blocks were open are not there to close them, so the
+        collector is as it was before them, and the lock (held, perhaps, by one of them) is a new one."""
+        if self.open and self.was:
+            gc.enable()
+        self.lock, self.open, self.was = threading.Lock(), 0, False
+
+
+_PAUSES = _Pauses()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_PAUSES.after_fork)
 
 
 @contextlib.contextmanager
 def paused() -> Iterator[None]:
-    """No automatic collection inside the block; the collector is enabled again after it only where it was on
-    before it (so a caller that disabled it, or an enclosing block, keeps it off).
+    """No automatic collection inside the block; the collector is enabled again once the last block open in
+    this process has ended, only where it was on before the first (so a caller that disabled it keeps it off).
+    Safe for threads: blocks of several threads at once leave the collector as it was before them.
 
     >>> import gc
     >>> with paused():
@@ -29,13 +70,11 @@ def paused() -> Iterator[None]:
     >>> gc.isenabled()
     True
     """
-    was = gc.isenabled()
-    gc.disable()
+    _PAUSES.enter()
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        _PAUSES.exit()
 
 
 def freeze_at_exit() -> None:
