@@ -3,11 +3,14 @@
 - **A large parse** (:func:`paused`): ``json.load`` of a real vocabulary's tokenizer.json creates several hundred
   thousand lists and dicts, and each 700 of them start a collection that walks the young ones (and, as they
   are promoted, the whole heap): a third of the parse's time.  Nothing in such a parse is a cycle, so pausing
-  the collector while it runs frees nothing later than reference counting does.
+  the collector while it runs frees nothing of the parse later than reference counting does.  The pause is
+  the process's: cycles that other threads drop meanwhile wait for its end.
 - **The interpreter's shutdown** (:func:`freeze_at_exit`): at exit Python collects every generation several
   times while it tears the modules down.  A process that is about to exit anyway (the console script, once its
   command has returned) moves what it holds to the permanent generation first, which those collections skip;
-  finalizers still run as reference counts drop, and ``atexit`` handlers as always.
+  finalizers still run as reference counts drop, and ``atexit`` handlers as always, but an object already
+  unreachable in a cycle at the freeze is never finalized (its ``__del__`` does not run): packtools closes its
+  files and removes its folders itself, and defines no ``__del__``.
 """
 
 from __future__ import annotations
@@ -79,5 +82,6 @@ def paused() -> Iterator[None]:
 
 def freeze_at_exit() -> None:
     """Everything this process holds moved to the permanent generation, so that the interpreter's collections at
-    shutdown skip it.  For a process about to exit only: frozen objects are never collected again."""
+    shutdown skip it.  For a process about to exit only: frozen objects are never collected again, and cycles
+    already unreachable are never finalized."""
     gc.freeze()
