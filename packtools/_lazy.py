@@ -80,6 +80,12 @@ class _LazyModule(ModuleType):
     def __dir__(self) -> list[str]:
         return dir(load_now(self.__name__))
 
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        # pickled as the module it stands for, by name, as cloudpickle (Ray) and dill pickle a module found in
+        # sys.modules (the stand-in is not there, and their table of reducers matches ``ModuleType`` exactly):
+        # a function pickled by value that reads it unpickles it as that module, not as an error
+        return importlib.import_module, (self.__name__,)
+
 
 def load_now(name: str) -> ModuleType:
     """Module ``name`` fully loaded, safely from any thread: a thread that asks while another imports it waits

@@ -87,3 +87,18 @@ def test_two_threads_pack_files_at_once_in_a_fresh_process(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True", done.stdout + done.stderr
+
+
+def test_the_stand_in_pickles_as_the_module_it_stands_for():
+    """Ray (cloudpickle) and dill pickle a module by name; a function they pickle by value (one made in a
+    notebook) that reads a stand-in pickles it too: it unpickles as the module, and pickling it imports
+    nothing."""
+    import importlib
+    import pickle
+
+    sys.modules.pop("colorsys", None)
+    stand_in = lazy_module("colorsys")
+    data = pickle.dumps(stand_in)
+    assert "colorsys" not in sys.modules  # not imported by the pickling
+    assert pickle.loads(data) is importlib.import_module("colorsys")
+    assert stand_in.rgb_to_hsv(1.0, 0.0, 0.0) == (0.0, 1.0, 1.0)
