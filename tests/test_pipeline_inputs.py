@@ -134,6 +134,20 @@ def test_an_io_error_of_the_system_names_it_not_corruption(tmp_path):
     assert "corrupted" not in str(err.value)
 
 
+def test_a_system_error_that_is_not_the_disk_does_not_send_the_user_to_the_disk(tmp_path):
+    """EMFILE (too many open files) names the limit's error and the system as the cause, not the disk or mount;
+    EIO still points at the disk."""
+    from packtools.io.files import reading
+
+    path = str(tmp_path / "x.parquet")
+    for code, disk in ((errno.EMFILE, False), (errno.EIO, True)):
+        with pytest.raises(PackingError) as err, reading(path, "parquet"):
+            raise OSError(code, os.strerror(code))
+        message = str(err.value)
+        assert f"({errno.errorcode[code]}: " in message and "corrupted" not in message
+        assert ("check the disk or mount" in message) is disk
+
+
 # -- S2-S4: a column that appears only later ----------------------------------------------------------------
 def test_labels_only_in_a_later_file_stop_the_run(tmp_path):
     a, b = str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")

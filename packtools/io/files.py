@@ -35,6 +35,13 @@ from .discover import (  # noqa: F401 - re-exported: callers import them from he
 )
 from .json import LineBase, is_json_array, iter_json_array, iter_json_lines, line_ranges
 
+#: the system errors of a read that point at the disk or the mount (others, e.g. EMFILE or ENOMEM, at a limit)
+_DEVICE_ERRNOS = frozenset(
+    getattr(errno, n)
+    for n in ("EIO", "ENXIO", "ENODEV", "ESTALE", "EREMOTEIO", "ENOLINK")
+    if hasattr(errno, n)
+)
+
 
 @contextlib.contextmanager
 def reading(path: str, kind: str) -> Iterator[None]:
@@ -58,9 +65,14 @@ def reading(path: str, kind: str) -> Iterator[None]:
             ) from None
         if isinstance(exc, OSError) and exc.errno is not None:
             code = errno.errorcode.get(exc.errno, str(exc.errno))
+            fix = (
+                "check the disk or mount it is on"
+                if exc.errno in _DEVICE_ERRNOS
+                else "remove the cause the system names (a limit, the memory, ...)"
+            )
             raise PackingError(
                 f"input {path!r} could not be read: the system's read failed ({code}: {detail}), which says "
-                f"nothing of the file's contents; check the disk or mount it is on, then run again."
+                f"nothing of the file's contents; {fix}, then run again."
             ) from None
         raise PackingError(
             f"input {path!r} cannot be read as {name} file ({detail}): it is cut, corrupted or not {name} "
