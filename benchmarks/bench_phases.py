@@ -216,15 +216,17 @@ def tokenized(args: argparse.Namespace, workdir: str) -> list[str]:
     return lines
 
 
-def pair_ratio(walls: dict[str, list[float]], prefix: str, suffix: str) -> str:
-    """The median of each repeat's first run / warm run (``walls`` in repeat order): the two run one after the
-    other, so each ratio is taken in one state of a machine whose speed drifts between repeats.
+def medians(walls: dict[str, list[float]], prefix: str, suffix: str) -> tuple[float, float, float]:
+    """The median first run, the median warm run, and the median of each repeat's first / warm (``walls`` in
+    repeat order): the two run one after the other, so each such ratio is taken in one state of a machine whose
+    speed drifts between repeats.
 
-    >>> pair_ratio({"first": [6.0, 4.0, 5.0], "warm": [4.0, 2.0, 4.0]}, "", "")
-    "the pairs' ratios' median 1.50x"
+    >>> medians({"first": [6.0, 4.0, 5.0], "warm": [4.0, 2.0, 4.0]}, "", "")
+    (5.0, 4.0, 1.5)
     """
     first, warm = walls[prefix + "first" + suffix], walls[prefix + "warm" + suffix]
-    return f"the pairs' ratios' median {statistics.median(f / w for f, w in zip(first, warm)):.2f}x"
+    pairs = statistics.median(f / w for f, w in zip(first, warm))
+    return statistics.median(first), statistics.median(warm), pairs
 
 
 def run_case(env: dict, *args: str) -> dict:
@@ -399,20 +401,20 @@ def main() -> int:
             )
             if "cli warm" + suffix in best:
                 w, f = best["cli warm" + suffix], best["cli first" + suffix]
-                mw, mf = (statistics.median(walls[k + suffix]) for k in ("cli warm", "cli first"))
+                mf, mw, pairs = medians(walls, "cli ", suffix)
                 lines.append(
                     f"- `packtools pack`{suffix}, the command from its process start: warm {w['wall_s']:.2f} s / "
                     f"{w['cpu_s']:.2f} CPU s, first run {f['wall_s']:.2f} s / {f['cpu_s']:.2f} CPU s (peak of both "
                     f"processes {f['sum_rss_gb']:.2f} GiB): first run / warm = **{f['wall_s'] / w['wall_s']:.2f}x** "
                     f"(target <= 1.5x), {f['cpu_s'] / w['cpu_s']:.2f}x in CPU seconds; medians of the "
                     f"{len(walls['cli warm' + suffix])} repeats {mf:.2f} / {mw:.2f} s = **{mf / mw:.2f}x**, "
-                    f"{pair_ratio(walls, 'cli ', suffix)}."
+                    f"the pairs' ratios' median {pairs:.2f}x."
                 )
             if args.repeat > 1:
-                mw, mf = (statistics.median(walls[k + suffix]) for k in ("warm", "first"))
+                mf, mw, pairs = medians(walls, "", suffix)
                 lines.append(
                     f"- medians{suffix} (`run_pipeline`): first {mf:.2f} s, warm {mw:.2f} s = {mf / mw:.2f}x, "
-                    f"{pair_ratio(walls, '', suffix)}."
+                    f"the pairs' ratios' median {pairs:.2f}x."
                 )
         print_report("\n".join(lines), args.markdown)
     return 0
