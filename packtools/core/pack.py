@@ -10,6 +10,7 @@ import pyarrow.compute as pc
 
 from ..constants import SEQ_LENGTHS
 from ..errors import PackingError
+from . import buffers
 from .arrow import (
     ListColumn,
     as_table,
@@ -177,7 +178,7 @@ def gather_column(
     """
     dtype = col.chunks[0].values.dtype if col.chunks else col.type.value_type.to_pandas_dtype()
     if out is None or out.dtype != dtype or out.shape[0] < p.tokens_kept:
-        out = np.empty(p.tokens_kept, dtype)
+        out = buffers.empty(p.tokens_kept, dtype)  # not NumPy's huge-page memory: packtools.core.buffers
     else:
         out = out[: p.tokens_kept]
     if p.num_segments == 0:
@@ -338,7 +339,7 @@ def unpack(
     arrays = []
     for col in cols:
         flat = col.flat_values()
-        out = np.empty(int(offsets[-1]), flat.dtype)
+        out = buffers.empty(int(offsets[-1]), flat.dtype)
         kernels.copy_all_segments(flat, src, size, dest, out)
         arrays.append(list_array(offsets, out, pa.types.is_large_list(col.type), col.type.value_type))
     return pa.Table.from_arrays(arrays, names=names)

@@ -1,0 +1,69 @@
+"""packtools.core.buffers: the gather's output buffers are not in memory NumPy advised for huge pages."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from packtools.core import buffers
+from packtools.core.pack import pack_table
+
+linux = pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="/proc/self/smaps is Linux's")
+
+
+def vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of the mapping of this process that holds ``address``."""
+    with open("/proc/self/smaps") as fh:
+        inside = False
+        for line in fh:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_small_buffers_are_numpys() -> None:
+    a = buffers.empty(10, np.int32)
+    assert a.shape == (10,) and a.dtype == np.int32 and a.flags.writeable and a.base is None
+
+
+def test_large_buffer_is_a_writable_mapping_of_its_own() -> None:
+    n = buffers.MIN_BYTES // 4 + 3
+    a = buffers.empty(n, "int32")
+    assert a.shape == (n,) and a.dtype == np.int32 and a.flags.writeable and a.flags.c_contiguous
+    assert isinstance(a.base.obj, mmap.mmap) and a.ctypes.data % mmap.PAGESIZE == 0
+    a[:] = np.arange(n, dtype=np.int32)
+    assert int(a[-1]) == n - 1
+    # zero-copy into Arrow and back, as the gather's list columns are made
+    assert pa.array(a[:5]).to_pylist() == [0, 1, 2, 3, 4]
+
+
+@linux
+def test_large_buffer_is_not_advised_for_huge_pages() -> None:
+    nbytes = 2 * buffers.MIN_BYTES
+    ours = buffers.empty(nbytes, np.uint8)
+    assert "hg" not in vm_flags(ours.ctypes.data + nbytes // 2)
+    numpys = np.empty(nbytes, np.uint8)  # the allocation the gather made before
+    if "hg" not in vm_flags(numpys.ctypes.data + nbytes // 2):
+        pytest.skip("NumPy gives no huge page advice here (NUMPY_MADVISE_HUGEPAGE=0, or no THP)")
+
+
+@linux
+def test_pack_table_gathers_into_such_a_buffer() -> None:
+    rows = 4096
+    lengths = np.full(rows, 600, np.int64)
+    values = np.arange(int(lengths.sum()), dtype=np.int32)
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+    table = pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))})
+    packed = pack_table(table, 2048)
+    out = packed.column("input_ids").chunk(0).values
+    assert out.nbytes >= buffers.MIN_BYTES
+    assert sorted(np.asarray(out).tolist()) == values.tolist()  # every token, once
+    assert "hg" not in vm_flags(out.buffers()[1].address + out.nbytes // 2)
