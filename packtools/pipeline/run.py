@@ -98,6 +98,12 @@ class Execution:
     retries: int = 2
     quiet: bool = True
 
+    @property
+    def name(self) -> str:
+        """The executor's name (``local``, ``pool``, ``ray``, or an :class:`Executor`'s own): what the run asks of
+        where its stages run (load ahead in the driver, single-threaded jobs) is read here, one way."""
+        return self.executor if isinstance(self.executor, str) else self.executor.name
+
 
 # -- the whole run -----------------------------------------------------------------------------------------
 def pack_files(
@@ -172,6 +178,7 @@ def run_pipeline(
         executor, workers = "pool", num_proc
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
         raise PackingError(f"retries={retries!r} must be an int >= 0.", param="retries")
+    how = Execution(executor, workers, address, retries, quiet)
     out = os.path.abspath(os.fspath(out))
     if config.tokenizer is not None:
         from .tokenizer.folder import check_tokenizer_dir
@@ -182,7 +189,7 @@ def run_pipeline(
     files, skipped = find_inputs(inputs)
     # a first run checks the reference while it stages only where its stage jobs share the driver's tokenizer: a
     # pool's or Ray's workers would each load transformers meanwhile (no verdict recorded yet)
-    local = getattr(executor, "name", executor) == "local"
+    local = how.name == "local"
     if local and config.tokenizer is not None:  # the check's child imports transformers from now on
         start_ahead(config.tokenizer, config.tokenizer_engine, sum(f.size for f in files))
     try:
@@ -213,7 +220,6 @@ def run_pipeline(
         if previous is not None and previous.get("fingerprint") == fp["fingerprint"]:
             result = PipelineResult(out, previous.get("stats", {}), cached=True, manifest=previous)
         else:
-            how = Execution(executor, workers, address, retries, quiet)
             result = _run(found, config, fp, ws, how)
             result.timings.update(early)
             result.timings["time_s"] = round(time.perf_counter() - started, 3)
@@ -451,10 +457,9 @@ def _run(
     # the kernels load beside a stage long enough to hide it (beside a short one they compete with it),
     # started before the driver's verdict, which mostly waits for the fast engine's load (it releases the GIL)
     big = sum(f.size for f in found.files) >= KERNELS_AHEAD_MIN_BYTES
-    name = how.executor if isinstance(how.executor, str) else how.executor.name
     warming = (
         load_kernels_ahead(config.strategy, found.types)
-        if name == "local" and fmt != "preference" and big
+        if how.name == "local" and fmt != "preference" and big
         else None
     )
     t_verdict = time.perf_counter()
@@ -477,7 +482,7 @@ def _run(
             found.types,
             ws.stage,
             tokenizer=config.tokenizer,
-            single_threaded=getattr(how.executor, "name", how.executor) != "local",
+            single_threaded=how.name != "local",
             known_columns=known_columns(columns, found.left_out) if fmt == "tokenized" else None,
             engine_proven=freeze_report(verdict) if verdict is not None else None,
         )
@@ -498,10 +503,8 @@ def _run(
     if verdict is not None:
         timings["parts_restaged"] = dropped + drop_disagreeing(jobs, verdict)
     ex = get_executor(how.executor, how.workers, how.address)
-    timings["executor"] = ex.name
+    timings["executor"] = how.name
     check_pending = _reference_pending(found, config) if verdict is not None else None
-    if ex.name != "local" and warming is not None:  # (an Executor object that is not local after all)
-        warming.join()
     try:
         t0 = time.perf_counter()
         done: list[float] = []
