@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import signal
 import threading
@@ -58,12 +59,12 @@ from .tokenizer.verdict import (
     decide,
     drop_all,
     drop_disagreeing,
-    fall_back,
     left_provisional,
     provisional,
     record,
     recorded,
     reference_fallback,
+    restage_after_divergence,
 )
 from .workspace import Workspace, checkpoint, left_behind_notes, tidy_after_dead_run
 
@@ -532,15 +533,13 @@ def _run(
                 timings["parts_restaged"] = timings.get("parts_restaged", 0) + dropped
                 done.clear()
             except EngineDivergence as exc:
-                if verdict is None or verdict["requested"] != "auto" or verdict["engine"] == "transformers":
-                    raise
                 # the audit of a part found the fast engine wrong on this data: the whole run goes to
                 # transformers, recorded first (a kill from here on reruns under it), then every part the fast
                 # engine tokenized is staged again
-                verdict = fall_back(verdict, exc.what)
-                record(ws.stage, verdict, rests_on)
-                jobs = jobs_for(verdict)
-                timings["parts_restaged"] = timings.get("parts_restaged", 0) + drop_disagreeing(jobs, verdict)
+                verdict, jobs, dropped = restage_after_divergence(
+                    exc, verdict, jobs_for, functools.partial(record, ws.stage, rests_on=rests_on)
+                )
+                timings["parts_restaged"] = timings.get("parts_restaged", 0) + dropped
                 done.clear()
         gone = keep_in_place([s["data"] for s in staged])  # cache entries read in place, evicted meanwhile
         if gone:
