@@ -86,12 +86,18 @@ def pack_preference(
         return datasets_module().Dataset(packed, split=split.split, fingerprint=fingerprint), report
 
     def warn(report: Any, name: str) -> None:
-        if report.pairs_truncated or report.pairs_dropped:
+        # a SharedReport (share_prompt) counts its units, here pairs; a PairReport its pairs
+        pairs, truncated, dropped = (
+            (report.units_in, report.units_truncated, report.units_dropped)
+            if share_prompt
+            else (report.pairs_in, report.pairs_truncated, report.pairs_dropped)
+        )
+        if truncated or dropped:
             where = f" in split {name!r}" if name else ""
             warnings.warn(
-                f"pack_preference{where}: {report.pairs_truncated} of {report.pairs_in} pairs truncated and "
-                f"{report.pairs_dropped} dropped to fit max_length={max_length} ({report.tokens_dropped} tokens "
-                f"left out); pass return_report=True for the details.",
+                f"pack_preference{where}: {truncated} of {pairs} pairs truncated and {dropped} dropped to fit "
+                f"max_length={max_length} ({report.tokens_dropped} tokens left out); pass return_report=True "
+                f"for the details.",
                 stacklevel=4,
             )
 
