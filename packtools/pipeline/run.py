@@ -36,7 +36,8 @@ import numpy as np
 
 from .._atomic import discard
 from ..errors import PackingError
-from ..io.files import InputFile, Part, find_inputs, read_schema, skipped_notes, split_file
+from ..io.discover import InputFile, find_inputs, skipped_notes
+from ..io.files import Part, read_schema, split_file
 from ..io.manifest import read_manifest, write_manifest
 from ..io.pages import give_back_freed_memory
 from .config import PipelineConfig, PipelineResult, check_options_used, fingerprint
