@@ -317,7 +317,7 @@ def bench_packing(args):
         print(
             f"pack_preference(share_prompt=True): {shared_seconds:.2f} s ({shared_seconds / seconds:.3f}x the "
             f"unshared), {shared.tokens_kept:,} tokens ({shared.saved:.1%} of the unshared layout saved), "
-            f"{shared.rows:,} rows, truncated {shared.pairs_truncated}"
+            f"{shared.rows:,} rows, truncated {shared.units_truncated}"
         )
     return seconds, report
 

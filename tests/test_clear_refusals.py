@@ -38,10 +38,11 @@ def test_an_empty_chosen_completion_is_refused_either_way(share_prompt):
 # -- U12: the input changes while it is read --------------------------------------------------------------------
 def test_a_file_cut_while_packing_says_so_not_malformed_json(tmp_path, monkeypatch):
     from packtools.io import files
+    from packtools.io.discover import discover
 
     src = tmp_path / "rows.jsonl"
     src.write_text("".join(json.dumps({"input_ids": [i, i + 1, i + 2]}) + "\n" for i in range(50)))
-    (found,) = files.discover([str(src)])
+    (found,) = discover([str(src)])
     with open(src, "r+b") as fh:  # a writer cuts the file mid-line after the run found it
         fh.truncate(os.path.getsize(src) - 7)
     with pytest.raises(
@@ -52,15 +53,16 @@ def test_a_file_cut_while_packing_says_so_not_malformed_json(tmp_path, monkeypat
 
 def test_a_file_cut_at_a_line_end_while_packing_is_no_silent_loss(tmp_path):
     from packtools.io import files
+    from packtools.io.discover import discover
 
     src = tmp_path / "rows.jsonl"
     lines = [json.dumps({"input_ids": [i, i + 1]}) + "\n" for i in range(10)]
     src.write_text("".join(lines))
-    (found,) = files.discover([str(src)])
+    (found,) = discover([str(src)])
     src.write_text("".join(lines[:7]))  # three rows gone, every line whole
     with pytest.raises(PackingError, match="changed while packing"):
         list(files.iter_part(files.Part(found)))
-    (again,) = files.discover([str(src)])  # found again: read as it is now
+    (again,) = discover([str(src)])  # found again: read as it is now
     assert sum(t.num_rows for _, t in files.iter_part(files.Part(again))) == 7
 
 

@@ -137,6 +137,26 @@ def test_an_audited_divergence_restages_every_fast_part_or_stops(tok, tmp_path, 
         pack_files([a, b], tmp_path / "fast", 256, tokenizer_engine="fast", **opts)
 
 
+def test_profile_restages_every_fast_part_after_an_audited_divergence_or_stops(tok, tmp_path, diverging):
+    """``packtools profile`` stages as ``pack`` does, through the same restage: an audit difference (past the
+    driver's proof rows, in the second file, where every row mentions a zebra: the default audit rate samples
+    some) sends every part to transformers (auto; the clean first part's fast entry is staged again, never
+    kept beside it) or stops (fast)."""
+    from packtools.pipeline.profile import profile_files
+    from packtools.pipeline.staged import sidecar_report
+
+    a = _write(tmp_path / "a.jsonl", [CORPUS[i % len(CORPUS)] for i in range(300)])
+    b = _write(tmp_path / "b.jsonl", ["a zebra " + CORPUS[i % len(CORPUS)] for i in range(10_000)])
+    res = profile_files([a, b], tok, stage_cache=str(tmp_path / "cache"))
+    sidecars = sorted(p for p in os.listdir(res.stage["folder"]) if p.endswith(".npz"))
+    reports = [sidecar_report(os.path.join(res.stage["folder"], p)) for p in sidecars]
+    assert len(reports) == res.stage["parts"] == 2
+    assert [r["engine"] for r in reports] == ["transformers", "transformers"], reports
+    assert all("zebra" in r["reason"] for r in reports)
+    with pytest.raises(PackingError, match="zebra"):
+        profile_files([a, b], tok, tokenizer_engine="fast", stage_cache=str(tmp_path / "fast"))
+
+
 def test_the_verdict_file_is_checked_by_content_and_basis(tok, tmp_path):
     rests_on = verdict.basis(tok, "text", "auto")
     v = {"engine": "transformers", "requested": "auto", "reason": "fallback: x", "checked": {}}

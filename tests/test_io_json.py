@@ -9,7 +9,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from packtools.errors import PackingError
-from packtools.io.files import discover, iter_part, split_file
+from packtools.io.discover import discover
+from packtools.io.files import iter_part, split_file
 from packtools.io.json import LineBase, iter_json_array, iter_json_lines, line_ranges
 
 texts = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=30)

@@ -18,7 +18,8 @@ from _pipeline_data import build_tokenizer
 from packtools import pack_files, profile_lengths
 from packtools.cli.main import main
 from packtools.errors import PackingError
-from packtools.io.files import InputFile, Part, read_part, read_schema, read_table
+from packtools.io.discover import InputFile
+from packtools.io.files import Part, read_part, read_schema, read_table
 
 
 @pytest.fixture(scope="module")

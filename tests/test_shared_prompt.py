@@ -111,8 +111,9 @@ def test_truncation_keeps_prompt_end_and_completion_starts_and_reports():
     table = pa.table(
         {"prompt_ids": [list(range(2, 32))], "chosen_ids": [[40] * 10], "rejected_ids": [[50] * 3]}
     )
-    with pytest.warns(UserWarning, match="1 of 1 pairs truncated"):
+    with pytest.warns(UserWarning, match="1 of 1 pairs truncated") as said:
         rows, report = pack_preference(table, 24, share_prompt=True, return_report=True)
+    assert said[0].filename == __file__  # the caller's line
     (chosen, cm), (rejected, rm) = sequences_of(rows.to_pylist())
     assert len(rows[0][0]) <= 24 and report.prompts_truncated == 1 and report.units_truncated == 1
     kp = rows.column("prompt_lengths").to_pylist()[0][0]
@@ -686,7 +687,9 @@ def test_overlong_groups_truncate_shorter_completions_whole_first_or_drop():
             "completion_ids": [[[40] * 2, [41] * 30, [42] * 12], [[7], [8]]],
         }
     )
-    rows, report = pack_groups(table, 32, return_report=True)
+    with pytest.warns(UserWarning, match=r"pack_groups: 1 of 2 groups truncated and 0 dropped") as said:
+        rows, report = pack_groups(table, 32, return_report=True)
+    assert said[0].filename == __file__  # the caller's line
     assert all(len(r) <= 32 for r in rows.column("input_ids").to_pylist())
     seqs = sequences_of(rows.to_pylist())
     by_head = {tuple(s[-1:]): s for s, _ in seqs}
@@ -696,5 +699,6 @@ def test_overlong_groups_truncate_shorter_completions_whole_first_or_drop():
     assert by_head[(40,)][:p] == list(range(14, 22)) and by_head[(40,)][p:] == [40, 40]  # short one whole
     assert len(by_head[(41,)]) - p == len(by_head[(42,)]) - p  # the two long ones share the rest equally
     assert report.units_truncated == 1 and report.units_dropped == 0
-    dropped, report = pack_groups(table, 32, overlong="drop", return_report=True)
+    with pytest.warns(UserWarning, match=r"pack_groups: 0 of 2 groups truncated and 1 dropped"):
+        dropped, report = pack_groups(table, 32, overlong="drop", return_report=True)
     assert report.units_dropped == 1 and dropped.column("prompt_lengths").to_pylist() == [[2]]

@@ -20,7 +20,8 @@ from transformers import PreTrainedTokenizerFast
 from packtools import PackingError, pack_files
 from packtools.constants import MANIFEST
 from packtools.core import unpack
-from packtools.io.files import Part, discover
+from packtools.io.discover import discover
+from packtools.io.files import Part
 from packtools.pipeline.stage import StageJob, stage_key, stage_part
 from packtools.pipeline.tokenizer import adversarial
 from packtools.pipeline.tokenizer import fast as fast_tokenize

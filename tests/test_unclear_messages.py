@@ -10,7 +10,8 @@ import pytest
 
 from packtools.cli.main import main
 from packtools.errors import PackingError
-from packtools.io.files import discover, iter_part, split_file
+from packtools.io.discover import discover
+from packtools.io.files import iter_part, split_file
 
 ROWS = "".join(json.dumps({"input_ids": [1, 2, 3]}) + "\n" for _ in range(3))
 

@@ -19,7 +19,8 @@ from ..constants import INPUT_FORMATS, __version__
 from ..core.pack import pack_table, read_columns, warmup
 from ..core.plan import STRATEGIES, plan
 from ..errors import PackingError
-from ..io.files import discover, read_schema, read_table, write_table
+from ..io.discover import discover
+from ..io.files import read_schema, read_table, write_table
 from ..pipeline.executors import EXECUTORS
 from ..pipeline.summary import format_pipeline_summary, format_summary, seconds_since_process_start
 from .main import packs_in_memory

@@ -12,7 +12,7 @@ plain one (:func:`budgets`).  The options and what is refused: docs/pipeline.md.
 >>> import numpy as np
 >>> from packtools.core.plan import plan
 >>> eff = np.array([5, 3, 2])  # at N=2: 8 + 4 + 4 tokens once padded
->>> p = to_real_plan(plan(budget_lengths(eff, 2), 8), eff)
+>>> p = to_real_plan(plan(cp_padded_lengths(eff, 2), 8), eff)
 >>> [p.seq_lengths_of(r).tolist() for r in range(p.num_rows)], cp_stats(p, 2)["cp_padding_tokens"]
 ([[5], [3, 2]], 6)
 >>> cp_stats(plan_for_cp(eff, 8, "wrapped", 2), 2)["cp_padding_tokens"]  # rows of 8 and 2 tokens: 2 pad
@@ -91,12 +91,7 @@ def plan_for_cp(lengths: np.ndarray, max_length: int, strategy: str, cp_size: in
     lengths = np.asarray(lengths, np.int64)
     if not budgets(strategy, n):
         return make_plan(lengths, max_length, strategy)
-    return to_real_plan(make_plan(budget_lengths(lengths, n), max_length, strategy), lengths)
-
-
-def budget_lengths(eff: np.ndarray, cp_size: int) -> np.ndarray:
-    """What the planner packs: each row's length padded for ``cp_size`` (0 stays 0: not packed)."""
-    return cp_padded_lengths(eff, cp_size)
+    return to_real_plan(make_plan(cp_padded_lengths(lengths, n), max_length, strategy), lengths)
 
 
 def to_real_plan(budgeted: PackPlan, eff: np.ndarray) -> PackPlan:

@@ -25,6 +25,9 @@ from .shared_pairs import _materialize as _materialize_shared
 
 #: Input columns of a tokenized preference table (TRL's names).
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+#: Columns of a row of packed pairs, before the per-pair ``columns`` (``pack_preference``,
+#: ``pack_reward_pairs``): what the DPO and reward trainers keep.
+PAIR_ROW_COLUMNS = ("input_ids", COMPLETION_MASK, SEQ_LENGTHS)
 #: What to do with a pair longer than ``max_length``.
 OVERLONG = ("truncate", "drop")
 
@@ -185,7 +188,7 @@ def _read_pair_columns(table: pa.Table, names: Sequence[str]) -> list[tuple[str,
             raise PackingError(
                 f"per-pair column {name!r} is not in the table; it has {table.column_names}.", param="columns"
             )
-        if name in PAIR_COLUMNS or name in (SEQ_LENGTHS, COMPLETION_MASK, "input_ids"):
+        if name in PAIR_COLUMNS or name in PAIR_ROW_COLUMNS:
             raise PackingError(
                 f"{name!r} cannot be a per-pair column: packing builds it. Name only columns with one value "
                 f"per pair (e.g. ref_chosen_logps).",
@@ -354,7 +357,7 @@ def _materialize(
         list_array(token_offsets, mask, False, pa.int8()),
         pa.ListArray.from_arrays(pa.array((2 * p.row_offsets).astype(np.int32)), pa.array(seq)),
     ]
-    names = ["input_ids", COMPLETION_MASK, SEQ_LENGTHS]
+    names = list(PAIR_ROW_COLUMNS)
     for name, values in per_unit_columns(extra, source, p):
         arrays.append(values)
         names.append(name)

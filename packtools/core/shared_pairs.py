@@ -57,19 +57,6 @@ class SharedReport:
     lower_bound: int
     repeated: int = 0  # branch heads beyond a unit's first: the prompt's last token, once more per completion
 
-    # The names of PairReport, so the callers' warnings read either report.
-    @property
-    def pairs_in(self) -> int:
-        return self.units_in
-
-    @property
-    def pairs_truncated(self) -> int:
-        return self.units_truncated
-
-    @property
-    def pairs_dropped(self) -> int:
-        return self.units_dropped
-
     @property
     def tokens_dropped(self) -> int:
         """Input tokens left out (the repeated branch heads are not input tokens)."""

@@ -8,6 +8,7 @@ in sorted order) and folders written by ``datasets.Dataset.save_to_disk`` (found
 >>> import os, tempfile, pyarrow as pa, pyarrow.parquet as pq
 >>> d = tempfile.mkdtemp()
 >>> pq.write_table(pa.table({"text": ["a", "b", "c"]}), os.path.join(d, "part.parquet"))
+>>> from packtools.io.discover import discover
 >>> files = discover([d])
 >>> [f.kind for f in files], sum(t.num_rows for _, t in iter_part(Part(files[0]), batch_rows=2))
 (['parquet'], 3)
@@ -27,12 +28,7 @@ import pyarrow.parquet as pq
 
 from .._atomic import atomic_path
 from ..errors import PackingError
-from .discover import (  # noqa: F401 - re-exported: callers import them from here
-    InputFile,
-    discover,
-    find_inputs,
-    skipped_notes,
-)
+from .discover import InputFile
 from .json import LineBase, is_json_array, iter_json_array, iter_json_lines, line_ranges
 
 #: the system errors of a read that point at the disk or the mount (others, e.g. EMFILE or ENOMEM, at a limit)

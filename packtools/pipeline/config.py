@@ -20,7 +20,7 @@ from ..constants import __version__
 from ..core.cp_budget import check_context_parallel
 from ..core.plan import check_max_length, check_strategy
 from ..errors import PackingError, check_choice
-from ..io.files import InputFile
+from ..io.discover import InputFile
 from ..io.fingerprint import cache_key
 from ..io.manifest import MANIFEST_FORMAT
 from .formats import FORMATS

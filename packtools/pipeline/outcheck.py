@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from ..compat.datasets import saved_data_files
 from ..constants import MANIFEST
 from ..errors import PackingError
-from ..io.files import InputFile
+from ..io.discover import InputFile
 from ..io.manifest import has_manifest_file, read_manifest
 
 #: Files of a packtools output besides the data files its ``state.json`` lists.

@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..core.arrow import numeric_array
-from ..core.cp_budget import budget_lengths, budgets, cp_stats, to_real_plan
+from ..core.cp_budget import budgets, cp_padded_lengths, cp_stats, to_real_plan
 from ..core.pack import pack_columns, read_columns
 from ..core.plan import PackPlan
 from ..core.plan import plan as make_plan
@@ -70,7 +70,7 @@ def plan_parts(eff: np.ndarray, bounds: Sequence[int], config: PipelineConfig) -
     real = eff
     budgeted = budgets(config.strategy, config.context_parallel)
     if budgeted:  # every row planned at its CP-padded length, cut back below
-        eff = budget_lengths(real, config.context_parallel)
+        eff = cp_padded_lengths(real, config.context_parallel)
     if config.plan == "global" or len(bounds) <= 2:
         p = make_plan(eff, config.max_length, config.strategy)
     else:

@@ -105,18 +105,18 @@ def _stage(ex: Any, jobs: list, verdict: dict[str, Any] | None, quiet: bool) -> 
     """Stage ``jobs`` under the driver's ``verdict``: entries another engine tokenized are staged again, and
     an audit difference restages the fast engine's entries with transformers (``auto``; ``fast`` stops)."""
     from .tokenizer.proof import EngineDivergence
-    from .tokenizer.verdict import drop_disagreeing, fall_back
+    from .tokenizer.verdict import drop_disagreeing, restage_after_divergence
+
+    def jobs_for(verdict: dict[str, Any]) -> list:
+        return [replace(j, engine_proven=freeze_report(verdict)) for j in jobs]
 
     while True:
         if verdict is not None:
             drop_disagreeing(jobs, verdict)
         try:
             staged = run_jobs(ex, stage_part, jobs, "stage", quiet, 2)
-        except EngineDivergence as exc:
-            if verdict is None or verdict["requested"] != "auto" or verdict["engine"] == "transformers":
-                raise
-            verdict = fall_back(verdict, exc.what)
-            jobs = [replace(j, engine_proven=freeze_report(verdict)) for j in jobs]
+        except EngineDivergence as exc:  # nothing recorded: profile has no work folder
+            verdict, jobs, _ = restage_after_divergence(exc, verdict, jobs_for)
             continue
         if verdict is None or not drop_disagreeing(jobs, verdict):
             return staged

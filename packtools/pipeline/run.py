@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import signal
 import threading
@@ -35,7 +36,8 @@ import numpy as np
 
 from .._atomic import discard
 from ..errors import PackingError
-from ..io.files import InputFile, Part, find_inputs, read_schema, skipped_notes, split_file
+from ..io.discover import InputFile, find_inputs, skipped_notes
+from ..io.files import Part, read_schema, split_file
 from ..io.manifest import read_manifest, write_manifest
 from ..io.pages import give_back_freed_memory
 from .config import PipelineConfig, PipelineResult, check_options_used, fingerprint
@@ -58,12 +60,12 @@ from .tokenizer.verdict import (
     decide,
     drop_all,
     drop_disagreeing,
-    fall_back,
     left_provisional,
     provisional,
     record,
     recorded,
     reference_fallback,
+    restage_after_divergence,
 )
 from .workspace import Workspace, checkpoint, left_behind_notes, tidy_after_dead_run
 
@@ -97,6 +99,12 @@ class Execution:
     address: str | None = None
     retries: int = 2
     quiet: bool = True
+
+    @property
+    def name(self) -> str:
+        """The executor's name (``local``, ``pool``, ``ray``, or an :class:`Executor`'s own): what the run asks of
+        where its stages run (load ahead in the driver, single-threaded jobs) is read here, one way."""
+        return self.executor if isinstance(self.executor, str) else self.executor.name
 
 
 # -- the whole run -----------------------------------------------------------------------------------------
@@ -172,6 +180,7 @@ def run_pipeline(
         executor, workers = "pool", num_proc
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
         raise PackingError(f"retries={retries!r} must be an int >= 0.", param="retries")
+    how = Execution(executor, workers, address, retries, quiet)
     out = os.path.abspath(os.fspath(out))
     if config.tokenizer is not None:
         from .tokenizer.folder import check_tokenizer_dir
@@ -182,7 +191,7 @@ def run_pipeline(
     files, skipped = find_inputs(inputs)
     # a first run checks the reference while it stages only where its stage jobs share the driver's tokenizer: a
     # pool's or Ray's workers would each load transformers meanwhile (no verdict recorded yet)
-    local = getattr(executor, "name", executor) == "local"
+    local = how.name == "local"
     if local and config.tokenizer is not None:  # the check's child imports transformers from now on
         start_ahead(config.tokenizer, config.tokenizer_engine, sum(f.size for f in files))
     try:
@@ -213,7 +222,6 @@ def run_pipeline(
         if previous is not None and previous.get("fingerprint") == fp["fingerprint"]:
             result = PipelineResult(out, previous.get("stats", {}), cached=True, manifest=previous)
         else:
-            how = Execution(executor, workers, address, retries, quiet)
             result = _run(found, config, fp, ws, how)
             result.timings.update(early)
             result.timings["time_s"] = round(time.perf_counter() - started, 3)
@@ -451,10 +459,9 @@ def _run(
     # the kernels load beside a stage long enough to hide it (beside a short one they compete with it),
     # started before the driver's verdict, which mostly waits for the fast engine's load (it releases the GIL)
     big = sum(f.size for f in found.files) >= KERNELS_AHEAD_MIN_BYTES
-    name = how.executor if isinstance(how.executor, str) else how.executor.name
     warming = (
         load_kernels_ahead(config.strategy, found.types)
-        if name == "local" and fmt != "preference" and big
+        if how.name == "local" and fmt != "preference" and big
         else None
     )
     t_verdict = time.perf_counter()
@@ -477,7 +484,7 @@ def _run(
             found.types,
             ws.stage,
             tokenizer=config.tokenizer,
-            single_threaded=getattr(how.executor, "name", how.executor) != "local",
+            single_threaded=how.name != "local",
             known_columns=known_columns(columns, found.left_out) if fmt == "tokenized" else None,
             engine_proven=freeze_report(verdict) if verdict is not None else None,
         )
@@ -498,10 +505,8 @@ def _run(
     if verdict is not None:
         timings["parts_restaged"] = dropped + drop_disagreeing(jobs, verdict)
     ex = get_executor(how.executor, how.workers, how.address)
-    timings["executor"] = ex.name
+    timings["executor"] = how.name
     check_pending = _reference_pending(found, config) if verdict is not None else None
-    if ex.name != "local" and warming is not None:  # (an Executor object that is not local after all)
-        warming.join()
     try:
         t0 = time.perf_counter()
         done: list[float] = []
@@ -529,15 +534,13 @@ def _run(
                 timings["parts_restaged"] = timings.get("parts_restaged", 0) + dropped
                 done.clear()
             except EngineDivergence as exc:
-                if verdict is None or verdict["requested"] != "auto" or verdict["engine"] == "transformers":
-                    raise
                 # the audit of a part found the fast engine wrong on this data: the whole run goes to
                 # transformers, recorded first (a kill from here on reruns under it), then every part the fast
                 # engine tokenized is staged again
-                verdict = fall_back(verdict, exc.what)
-                record(ws.stage, verdict, rests_on)
-                jobs = jobs_for(verdict)
-                timings["parts_restaged"] = timings.get("parts_restaged", 0) + drop_disagreeing(jobs, verdict)
+                verdict, jobs, dropped = restage_after_divergence(
+                    exc, verdict, jobs_for, functools.partial(record, ws.stage, rests_on=rests_on)
+                )
+                timings["parts_restaged"] = timings.get("parts_restaged", 0) + dropped
                 done.clear()
         gone = keep_in_place([s["data"] for s in staged])  # cache entries read in place, evicted meanwhile
         if gone:

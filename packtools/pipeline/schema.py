@@ -9,7 +9,7 @@ input (``seq_lengths`` or a boundary column in any file) is refused whatever ``c
 it again merges its sequences.
 
 >>> import os, tempfile, pyarrow.parquet as pq
->>> from packtools.io.files import discover
+>>> from packtools.io.discover import discover
 >>> from packtools.pipeline.config import PipelineConfig
 >>> d = tempfile.mkdtemp()
 >>> pq.write_table(pa.table({"input_ids": [[1, 2]], "id": ["x"]}), os.path.join(d, "a.parquet"))
@@ -33,7 +33,8 @@ from ..constants import SEQ_LENGTHS
 from ..core.arrow import is_list_type
 from ..core.pack import BOUNDARY_COLUMNS
 from ..errors import PackingError
-from ..io.files import InputFile, read_schema
+from ..io.discover import InputFile
+from ..io.files import read_schema
 from .formats import detect_format, input_columns
 
 if TYPE_CHECKING:

@@ -12,7 +12,8 @@ A tokenized, uncompressed Arrow input whose columns already have the target type
 records the input itself as the data to gather from (``data``).
 
 >>> import os, tempfile, pyarrow as pa, pyarrow.parquet as pq
->>> from packtools.io.files import Part, discover
+>>> from packtools.io.discover import discover
+>>> from packtools.io.files import Part
 >>> d = tempfile.mkdtemp()
 >>> pq.write_table(pa.table({"input_ids": [[1, 2, 3], [4]]}), os.path.join(d, "t.parquet"))
 >>> ids = IdsSpec.of(None, "tokenized", True, "auto", "report", 0.001)

@@ -28,7 +28,8 @@ from ..constants import SEQ_LENGTHS
 from ..core.arrow import column_lengths, is_list_type
 from ..core.plan import check_max_length, plan
 from ..errors import PackingError
-from ..io.files import discover, open_ipc, reading
+from ..io.discover import discover
+from ..io.files import open_ipc, reading
 from .distribution import LengthDistribution
 from .packed import file_schema, packed_info, packed_rows, profile_packed
 from .recommend import Recommendation, recommend
@@ -185,7 +186,7 @@ def _check_column(schema: pa.Schema, column: str, where: str) -> None:
 
 
 def _expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
-    """The files to profile, found as the pipeline finds its inputs (:func:`packtools.io.files.discover`): a
+    """The files to profile, found as the pipeline finds its inputs (:func:`packtools.io.discover.discover`): a
     ``save_to_disk`` folder stands for the files its ``state.json`` lists (not every ``*.arrow`` in it)."""
     files = discover(paths)
     for f in files:

@@ -23,6 +23,26 @@ from ...errors import PackingError
 from ..data.datasets import datasets_module, derived_fingerprint, each_split
 
 
+def _warn_fitted(
+    what: str,
+    units: str,
+    counts: tuple[int, int, int],
+    tokens_dropped: int,
+    max_length: int,
+    *,
+    stacklevel: int,
+) -> None:
+    """Never silent: the warning of ``what`` (the call) when it truncated or dropped ``units`` to fit
+    ``max_length``; ``counts``: units in, truncated, dropped."""
+    total, truncated, dropped = counts
+    if truncated or dropped:
+        warnings.warn(
+            f"{what}: {truncated} of {total} {units} truncated and {dropped} dropped to fit max_length={max_length} "
+            f"({tokens_dropped} tokens left out); pass return_report=True for the details.",
+            stacklevel=stacklevel,
+        )
+
+
 def pack_preference(
     dataset: Any,
     max_length: int,
@@ -86,14 +106,16 @@ def pack_preference(
         return datasets_module().Dataset(packed, split=split.split, fingerprint=fingerprint), report
 
     def warn(report: Any, name: str) -> None:
-        if report.pairs_truncated or report.pairs_dropped:
-            where = f" in split {name!r}" if name else ""
-            warnings.warn(
-                f"pack_preference{where}: {report.pairs_truncated} of {report.pairs_in} pairs truncated and "
-                f"{report.pairs_dropped} dropped to fit max_length={max_length} ({report.tokens_dropped} tokens "
-                f"left out); pass return_report=True for the details.",
-                stacklevel=4,
-            )
+        # a SharedReport (share_prompt) counts its units, here pairs; a PairReport its pairs
+        counts = (
+            (report.units_in, report.units_truncated, report.units_dropped)
+            if share_prompt
+            else (report.pairs_in, report.pairs_truncated, report.pairs_dropped)
+        )
+        where = f" in split {name!r}" if name else ""
+        _warn_fitted(
+            f"pack_preference{where}", "pairs", counts, report.tokens_dropped, max_length, stacklevel=5
+        )
 
     if not isinstance(dataset, pa.Table):
         ds_mod = datasets_module()
@@ -180,7 +202,9 @@ def pack_groups(
 
     ``dataset``: a ``datasets.Dataset`` or ``pyarrow.Table`` with ``prompt_ids`` and ``completion_ids`` (a
     list of token lists per row); per-group ``columns`` and per-completion ``completion_columns`` (e.g.
-    ``rewards``, ``advantages``) are kept aligned (see :func:`packtools.core.shared_groups.pack_groups`).
+    ``rewards``, ``advantages``) are kept aligned (see :func:`packtools.core.shared_groups.pack_groups`).  Groups
+    longer than ``max_length`` are truncated (``overlong="truncate"``) or dropped (``"drop"``); a warning says how
+    many, and ``return_report=True`` also returns the :class:`~packtools.core.shared_pairs.SharedReport`.
     """
     from ...core.pairs import UnitOptions
     from ...core.shared_groups import pack_groups as pack_table_groups
@@ -190,6 +214,8 @@ def pack_groups(
     packed, report = pack_table_groups(
         table, max_length, columns, completion_columns, options=options, row_indices=indices
     )
+    counts = (report.units_in, report.units_truncated, report.units_dropped)
+    _warn_fitted("pack_groups", "groups", counts, report.tokens_dropped, max_length, stacklevel=3)
     if not isinstance(dataset, pa.Table):
         how = {
             "max_length": max_length,

@@ -26,6 +26,7 @@ from ...compat.trl import (
     wrap_fused_forward,
 )
 from ...constants import SEQ_LENGTHS
+from ...core.pairs import PAIR_ROW_COLUMNS
 from ...core.shared_pairs import PROMPT_LENGTHS
 from ...errors import PackingError
 from ..attention.backends import (
@@ -51,7 +52,6 @@ from .probe import check_padding_free_forward
 from .shared_prompt import prepare_shared_prompt
 
 _WRAPPED = "_packtools_padding_free"
-PAIR_ROW_COLUMNS = ("input_ids", "completion_mask", SEQ_LENGTHS)
 
 
 def _padding_free_forward(model: Any, inner: Any, trainer: Any = None) -> Any:

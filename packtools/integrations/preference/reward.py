@@ -32,6 +32,7 @@ from ..._optional import is_instance, require
 from ...compat import all_or_nothing
 from ...compat.trl import check_step_methods, keep_signature_columns, set_training_data, tokenizer_of
 from ...constants import SEQ_LENGTHS
+from ...core.pairs import PAIR_ROW_COLUMNS
 from ...errors import PackingError
 from ..attention.backends import (
     check_attention_implementation,
@@ -46,9 +47,6 @@ from ..trainers.guard import guard_model, refuse_prompt_learning
 from ..trainers.loader import check_train_loader
 from ..trainers.step import StepOwner, StepPlan, install_step, pair_mean_share, plan_of, step_pairs
 from .reward_scores import ScoredRow, check_reward_isolation, reward_batch, score_head
-
-#: Columns of packed reward pair rows (``pack_reward_pairs``); ``margin`` rides along when the data has it.
-REWARD_ROW_COLUMNS = ("input_ids", "completion_mask", SEQ_LENGTHS)
 
 
 @dataclass
@@ -137,7 +135,7 @@ def _use_packed_dataset(trainer: Any, dataset: Any) -> None:
     from ...batches.preference import PreferenceCollator
 
     names = list(getattr(dataset, "column_names", None) or [])
-    missing = [c for c in REWARD_ROW_COLUMNS if c not in names]
+    missing = [c for c in PAIR_ROW_COLUMNS if c not in names]
     if missing:
         raise PackingError(
             f"train_dataset must be pack_reward_pairs output; it lacks {missing} (has {names}).",
@@ -159,7 +157,7 @@ def _use_packed_dataset(trainer: Any, dataset: Any) -> None:
 
     set_training_data(trainer, dataset, collate)
     if trainer.args.remove_unused_columns:
-        keep_signature_columns(trainer, [*REWARD_ROW_COLUMNS, *pair_columns])
+        keep_signature_columns(trainer, [*PAIR_ROW_COLUMNS, *pair_columns])
 
 
 def prepare_reward_trainer(

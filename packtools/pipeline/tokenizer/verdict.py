@@ -12,7 +12,8 @@
    (:meth:`packtools.pipeline.tokenizer.batch.BatchTokenizer.start_part`).
 4. **Never a mix**: an audit raising :class:`~packtools.pipeline.tokenizer.proof.EngineDivergence` makes the
    driver record :func:`fall_back` and restage every part the fast engine tokenized (``auto``), or stop
-   (``fast``); a part whose report disagrees with the verdict is never reused (:func:`drop_disagreeing`).
+   (``fast``), in :func:`restage_after_divergence`; a part whose report disagrees with the verdict is never
+   reused (:func:`drop_disagreeing`).
 5. **A provisional reference** (:meth:`~packtools.pipeline.tokenizer.batch.BatchTokenizer.settle_reference`): the
    basis says so (:func:`provisional`) until the check passes; a difference drops every part (:func:`drop_all`)
    and records :func:`reference_fallback`; a verdict left on a provisional basis that a later run does not take
@@ -29,11 +30,14 @@ import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..._atomic import atomic_path
 from ...io.files import Part, iter_part
+
+if TYPE_CHECKING:
+    from .proof import EngineDivergence
 
 #: the verdict's file in the run's ``stage/`` folder
 VERDICT_FILE = "engine-verdict.json"
@@ -99,6 +103,27 @@ def fall_back(verdict: dict[str, Any], what: str) -> dict[str, Any]:
         "reason": f"fallback: the fast engine differed from transformers on the data ({what}); every part is "
         f"tokenized by transformers",
     }
+
+
+def restage_after_divergence(
+    exc: EngineDivergence,
+    verdict: dict[str, Any] | None,
+    jobs_for: Callable[[dict[str, Any]], list[Any]],
+    keep: Callable[[dict[str, Any]], None] | None = None,
+) -> tuple[dict[str, Any], list[Any], int]:
+    """Never a mix, after the audit of a part raised ``exc``: under ``auto`` on the fast engine the run's verdict
+    falls back to transformers (:func:`fall_back`), kept first by ``keep`` where the run records it (``pack``'s
+    work folder: a kill from here on reruns under it), ``jobs_for`` builds the jobs that carry it, and every part
+    the fast engine staged is dropped (:func:`drop_disagreeing`) to be staged again.  Returns the verdict, the jobs
+    and how many parts were dropped.  ``fast``, no verdict, or transformers already: ``exc`` is raised.  The one
+    restage of ``pack`` (:mod:`packtools.pipeline.run`) and ``profile`` (:mod:`packtools.pipeline.profile`)."""
+    if verdict is None or verdict["requested"] != "auto" or verdict["engine"] == "transformers":
+        raise exc
+    verdict = fall_back(verdict, exc.what)
+    if keep is not None:
+        keep(verdict)
+    jobs = jobs_for(verdict)
+    return verdict, jobs, drop_disagreeing(jobs, verdict)
 
 
 def _digest(body: dict[str, Any]) -> str:
