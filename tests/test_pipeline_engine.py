@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -15,7 +16,7 @@ from packtools import pack_files, pack_table
 from packtools.cli.main import main
 from packtools.core import unpack
 from packtools.errors import PackingError
-from packtools.pipeline.executors import PoolExecutor, get_executor, run_jobs
+from packtools.pipeline.executors import Executor, PoolExecutor, get_executor, run_jobs
 
 datasets = pytest.importorskip("datasets")
 
@@ -235,3 +236,30 @@ def test_caches_cannot_go_stale(tmp_path, monkeypatch):
     assert pack_files(src, out, 4).cached
     monkeypatch.setattr(fp_mod, "__version__", "999.0")  # another packtools version: nothing is reused
     assert not pack_files(src, out, 4).cached
+
+
+class _NamedLocal(Executor):
+    """An executor of the caller's own: jobs one after another, under its own name."""
+
+    name = "mine"
+
+    def run(self, fn, jobs):
+        for i, job in enumerate(jobs):
+            try:
+                yield i, fn(job)
+            except Exception as exc:  # noqa: BLE001 - the job's outcome
+                yield i, exc
+
+
+def test_an_executor_is_a_name_or_an_executor_and_anything_else_is_refused_by_name(tmp_path):
+    path = str(tmp_path / "in.parquet")
+    pq.write_table(tokenized_table(50), path)
+    res = pack_files(path, str(tmp_path / "mine"), MAX_LENGTH, executor=_NamedLocal())
+    assert res.timings["executor"] == "mine" and res.stats["rows_out"] > 0
+    for wrong in (None, 3, concurrent.futures.ThreadPoolExecutor(1)):
+        with pytest.raises(
+            PackingError, match=r"executor=.* is not an executor: pass one of local, pool, ray"
+        ) as e:
+            pack_files(path, str(tmp_path / "wrong"), MAX_LENGTH, executor=wrong)
+        assert e.value.param == "executor"
+    assert not (tmp_path / "wrong").exists()

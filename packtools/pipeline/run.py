@@ -176,6 +176,12 @@ def run_pipeline(
         raise PackingError(
             f"executor={executor!r} is unknown; use one of {', '.join(EXECUTORS)}.", param="executor"
         )
+    if not isinstance(executor, (str, Executor)):  # (Execution.name reads an Executor's own name)
+        raise PackingError(
+            f"executor={executor!r} is not an executor: pass one of {', '.join(EXECUTORS)}, or an instance of "
+            f"packtools.pipeline.executors.Executor (a subclass with its name and run method).",
+            param="executor",
+        )
     if num_proc is not None and num_proc > 1 and executor == "local":
         executor, workers = "pool", num_proc
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
