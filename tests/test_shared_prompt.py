@@ -10,6 +10,7 @@ against each prompt + completion alone; and the refusal of each model kind the t
 import os
 import re
 import sys
+import warnings
 
 import numpy as np
 import pyarrow as pa
@@ -111,7 +112,7 @@ def test_truncation_keeps_prompt_end_and_completion_starts_and_reports():
     table = pa.table(
         {"prompt_ids": [list(range(2, 32))], "chosen_ids": [[40] * 10], "rejected_ids": [[50] * 3]}
     )
-    with pytest.warns(UserWarning, match="1 of 1 pairs truncated") as said:
+    with pytest.warns(UserWarning, match="1 of 1 pairs truncated.*raise max_length") as said:
         rows, report = pack_preference(table, 24, share_prompt=True, return_report=True)
     assert said[0].filename == __file__  # the caller's line
     (chosen, cm), (rejected, rm) = sequences_of(rows.to_pylist())
@@ -687,7 +688,9 @@ def test_overlong_groups_truncate_shorter_completions_whole_first_or_drop():
             "completion_ids": [[[40] * 2, [41] * 30, [42] * 12], [[7], [8]]],
         }
     )
-    with pytest.warns(UserWarning, match=r"pack_groups: 1 of 2 groups truncated and 0 dropped") as said:
+    with pytest.warns(
+        UserWarning, match=r"pack_groups: 1 of 2 groups truncated and 0 dropped.*raise max_length"
+    ) as said:
         rows, report = pack_groups(table, 32, return_report=True)
     assert said[0].filename == __file__  # the caller's line
     assert all(len(r) <= 32 for r in rows.column("input_ids").to_pylist())
@@ -699,6 +702,12 @@ def test_overlong_groups_truncate_shorter_completions_whole_first_or_drop():
     assert by_head[(40,)][:p] == list(range(14, 22)) and by_head[(40,)][p:] == [40, 40]  # short one whole
     assert len(by_head[(41,)]) - p == len(by_head[(42,)]) - p  # the two long ones share the rest equally
     assert report.units_truncated == 1 and report.units_dropped == 0
-    with pytest.warns(UserWarning, match=r"pack_groups: 0 of 2 groups truncated and 1 dropped"):
+    with pytest.warns(
+        UserWarning, match=r"pack_groups: 0 of 2 groups truncated and 1 dropped.*raise max_length"
+    ):
         dropped, report = pack_groups(table, 32, overlong="drop", return_report=True)
     assert report.units_dropped == 1 and dropped.column("prompt_lengths").to_pylist() == [[2]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing left out: nothing said
+        whole, report = pack_groups(table, 128, return_report=True)
+    assert report.units_truncated == report.units_dropped == 0 and whole.num_rows == 1

@@ -33,12 +33,13 @@ def _warn_fitted(
     stacklevel: int,
 ) -> None:
     """Never silent: the warning of ``what`` (the call) when it truncated or dropped ``units`` to fit
-    ``max_length``; ``counts``: units in, truncated, dropped."""
+    ``max_length``, with the fix (a larger ``max_length``); ``counts``: units in, truncated, dropped."""
     total, truncated, dropped = counts
     if truncated or dropped:
         warnings.warn(
             f"{what}: {truncated} of {total} {units} truncated and {dropped} dropped to fit max_length={max_length} "
-            f"({tokens_dropped} tokens left out); pass return_report=True for the details.",
+            f"({tokens_dropped} tokens left out); raise max_length to keep them whole, or pass return_report=True "
+            f"for the details.",
             stacklevel=stacklevel,
         )
 
