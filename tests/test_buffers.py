@@ -67,3 +67,49 @@ def test_pack_table_gathers_into_such_a_buffer() -> None:
     assert out.nbytes >= buffers.MIN_BYTES
     assert sorted(np.asarray(out).tolist()) == values.tolist()  # every token, once
     assert "hg" not in vm_flags(out.buffers()[1].address + out.nbytes // 2)
+
+
+def _values_sum(table: pa.Table) -> int:
+    return int(np.asarray(table.column("input_ids").combine_chunks().values).sum())
+
+
+def test_packed_tables_outlive_their_gather_and_each_other() -> None:
+    """The mapped buffers live as long as any Arrow table, slice or NumPy view of them: tables packed, every
+    other one dropped (a slice or a view of some kept), the memory collected and reused, and what is left reads
+    the same values, also pickled and through a worker process and back."""
+    import gc
+    import pickle
+    from concurrent.futures import ProcessPoolExecutor
+
+    from packtools.core.pack import unpack
+
+    rng = np.random.default_rng(0)
+    tables, sums, slices, views = [], [], [], []
+    for i in range(6):  # kept: 0, 2, 4; dropped: 1 (a slice of it kept), 3 (a NumPy view of it kept), 5 (all)
+        lengths = rng.integers(1, 700, 3000)
+        offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+        values = rng.integers(0, 1 << 40, int(offsets[-1]))
+        packed = pack_table(
+            pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))}), 4096
+        )
+        assert packed.column("input_ids").chunk(0).values.nbytes >= buffers.MIN_BYTES  # a mapping's
+        tables.append(packed)
+        sums.append(int(values.sum()))
+        if i == 1:
+            slices.append((packed.slice(3, 5), packed.slice(3, 5).to_pylist()))
+        if i == 3:
+            views.append(np.asarray(packed.column("input_ids").chunk(0).values)[-1000:])
+    expected_views = [v.copy() for v in views]
+    kept, kept_sums = tables[::2], sums[::2]
+    del tables, packed
+    gc.collect()
+    reused = [np.full(1 << 20, -1, np.int64) for _ in range(40)]  # the freed memory, written over
+    assert all(_values_sum(t) == s for t, s in zip(kept, kept_sums))
+    assert all(s.to_pylist() == rows for s, rows in slices)
+    assert all(np.array_equal(v, e) for v, e in zip(views, expected_views))
+    assert [_values_sum(pickle.loads(pickle.dumps(t))) for t in kept] == kept_sums
+    with ProcessPoolExecutor(1) as pool:
+        assert list(pool.map(_values_sum, kept)) == kept_sums
+    flat = unpack(kept.pop())  # unpacked into a mapping too, the packed table gone
+    gc.collect()
+    assert _values_sum(flat) == kept_sums[-1] and reused[-1][0] == -1
