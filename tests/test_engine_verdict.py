@@ -137,6 +137,43 @@ def test_an_audited_divergence_restages_every_fast_part_or_stops(tok, tmp_path, 
         pack_files([a, b], tmp_path / "fast", 256, tokenizer_engine="fast", **opts)
 
 
+def test_a_fast_part_landing_after_the_fallback_is_staged_again_and_counted(
+    tok, tmp_path, diverging, monkeypatch
+):
+    """A pool's worker stopped by the divergence can land its fast part after the fallback dropped the fast
+    parts: it is dropped and staged again, and counted with them in ``parts_restaged`` (the run's summary says
+    how many parts were staged again).  Here the landing is made in order: the first part's fast sidecar, set
+    aside when the second part diverged, is put back once the restage is done."""
+    import shutil
+
+    from packtools.pipeline import run as run_module
+    from packtools.pipeline.tokenizer.proof import EngineDivergence
+
+    texts = [CORPUS[i % len(CORPUS)] for i in range(300)]
+    a = _write(tmp_path / "a.jsonl", texts)
+    b = _write(tmp_path / "b.jsonl", [("a zebra " if i == 150 else "") + t for i, t in enumerate(texts)])
+    real, calls, aside = run_module.run_jobs, [], str(tmp_path / "fast-sidecar")
+
+    def landing_late(ex, fn, jobs, *args, **kwargs):
+        if args[0] != "stage":
+            return real(ex, fn, jobs, *args, **kwargs)
+        calls.append(len(jobs))
+        try:
+            out = real(ex, fn, jobs, *args, **kwargs)
+        except EngineDivergence:
+            shutil.copy(jobs[0].sidecar, aside)  # the clean first part, staged by the fast engine
+            raise
+        if len(calls) == 2:
+            shutil.copy(aside, jobs[0].sidecar)  # ... lands now, over the restaged one
+        return out
+
+    monkeypatch.setattr(run_module, "run_jobs", landing_late)
+    res = pack_files([a, b], tmp_path / "auto", 256, tokenizer=tok, tokenizer_audit=1.0)
+    assert len(calls) == 3  # diverged; restaged; the late fast part staged again
+    assert res.stats["tokenizer"]["parts_by_engine"] == {"transformers": 2}
+    assert res.timings["parts_restaged"] == 2  # the first part, dropped at the fallback and again on landing
+
+
 def test_profile_restages_every_fast_part_after_an_audited_divergence_or_stops(tok, tmp_path, diverging):
     """``packtools profile`` stages as ``pack`` does, through the same restage: an audit difference (past the
     driver's proof rows, in the second file, where every row mentions a zebra: the default audit rate samples

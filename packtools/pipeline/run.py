@@ -519,8 +519,10 @@ def _run(
         while True:
             try:
                 staged = run_jobs(ex, stage_part, jobs, "stage", how.quiet, how.retries, finished=done)
-                if verdict is not None and drop_disagreeing(jobs, verdict):
-                    continue  # (a part of a stopped worker that landed after the fallback is staged again)
+                landed = drop_disagreeing(jobs, verdict) if verdict is not None else 0
+                if landed:  # (a part of a stopped worker that landed after the fallback is staged again)
+                    timings["parts_restaged"] = timings.get("parts_restaged", 0) + landed
+                    continue
                 t_check = time.perf_counter()
                 late = (
                     _settle_reference(found, config, ws, jobs, verdict, rests_on)
