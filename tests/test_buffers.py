@@ -113,3 +113,25 @@ def test_packed_tables_outlive_their_gather_and_each_other() -> None:
     flat = unpack(kept.pop())  # unpacked into a mapping too, the packed table gone
     gc.collect()
     assert _values_sum(flat) == kept_sums[-1] and reused[-1][0] == -1
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX's")
+def test_a_forked_process_writes_its_own_copy() -> None:
+    """The buffer behaves as malloc's memory across a fork: a child's writes stay the child's (a shared mapping, Python's
+    default for ``mmap.mmap(-1, n)``, would hand them to the parent)."""
+    a = buffers.empty(buffers.MIN_BYTES, np.uint8)
+    a[:] = 1
+    pid = os.fork()
+    if pid == 0:  # the child
+        a[:] = 2
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0
+    assert int(a.min()) == 1 and int(a.max()) == 1
+
+
+@linux
+def test_large_buffer_is_private_memory() -> None:
+    a = buffers.empty(2 * buffers.MIN_BYTES, np.uint8)
+    flags = vm_flags(a.ctypes.data + a.nbytes // 2)
+    assert "sh" not in flags and "mr" in flags and "mw" in flags

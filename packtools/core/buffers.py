@@ -24,6 +24,9 @@ import numpy as np
 
 #: buffers from this size on are mapped here (below it NumPy gives no advice, and ``np.empty`` is the same)
 MIN_BYTES = 4 << 20
+#: a private mapping, as malloc's (Python's default on POSIX is a shared one: shared memory, and writes after a
+#: ``fork`` seen by both processes); Windows has no flags (its anonymous mappings are the process's own)
+_PRIVATE = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
 
 
 def empty(n: int, dtype: np.dtype | type | str) -> np.ndarray:
@@ -34,7 +37,7 @@ def empty(n: int, dtype: np.dtype | type | str) -> np.ndarray:
     if nbytes < MIN_BYTES:
         return np.empty(int(n), dt)
     try:
-        memory = mmap.mmap(-1, nbytes)
+        memory = mmap.mmap(-1, nbytes, **_PRIVATE)
     except (OSError, ValueError):  # no address space for a mapping (a limit): NumPy's allocator says why
         return np.empty(int(n), dt)
     return np.frombuffer(memory, dt, count=int(n))
