@@ -359,3 +359,26 @@ def test_first_label_is_the_first_labelled_position_of_every_row():
                 row = vals[off[i] : off[i + 1]].tolist()
                 want.append(next((j for j, v in enumerate(row) if v != -100), int(n)))
         assert first_label(pa.chunked_array(chunks, pa.list_(pa.int32()))).tolist() == want
+
+
+def test_an_executor_object_is_read_by_its_name_and_anything_else_refused(tmp_path, tok, cache, monkeypatch):
+    """profile_files(executor=...) reads an Executor by its own name, as pack_files does: a LocalExecutor's jobs use
+    the engine's threads (they were made single-threaded, as for a pool); a non-executor is refused by name."""
+    from packtools.pipeline import profile as profile_module
+    from packtools.pipeline.executors import LocalExecutor
+
+    data = _write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in _texts(50)])
+    seen = []
+    real = profile_module.run_jobs
+
+    def spy(ex, fn, jobs, *args, **kwargs):
+        seen.extend(j.single_threaded for j in jobs)
+        return real(ex, fn, jobs, *args, **kwargs)
+
+    monkeypatch.setattr(profile_module, "run_jobs", spy)
+    assert profile_files(data, tok, executor=LocalExecutor(), stage_cache=False).profile.lengths.size == 50
+    assert seen and not any(seen)
+    for bad in (None, 3, "threads"):
+        with pytest.raises(PackingError, match="executor=") as info:
+            profile_files(data, tok, executor=bad, stage_cache=False)
+        assert info.value.param == "executor"

@@ -266,6 +266,29 @@ def _check_workers(workers: int | None) -> int | None:
     return workers
 
 
+def executor_name(executor: str | Executor) -> str:
+    """The name of ``executor``: one of :data:`EXECUTORS` as given, or an :class:`Executor`'s own; anything else is
+    refused by name.  Where a run asks how its stages run (load ahead in the driver, single-threaded jobs), it
+    reads this, one way.
+
+    >>> executor_name("pool"), executor_name(LocalExecutor())
+    ('pool', 'local')
+    """
+    if isinstance(executor, Executor):
+        return executor.name
+    if isinstance(executor, str) and executor in EXECUTORS:
+        return executor
+    if isinstance(executor, str):
+        raise PackingError(
+            f"executor={executor!r} is unknown; use one of {', '.join(EXECUTORS)}.", param="executor"
+        )
+    raise PackingError(
+        f"executor={executor!r} is not an executor: pass one of {', '.join(EXECUTORS)}, or an instance of "
+        f"packtools.pipeline.executors.Executor (a subclass with its name and run method).",
+        param="executor",
+    )
+
+
 def get_executor(
     name: str | Executor = "local", workers: int | None = None, address: str | None = None
 ) -> Executor:

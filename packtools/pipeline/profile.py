@@ -34,7 +34,7 @@ from ..errors import PackingError
 from ..io.discover import discover
 from ..io.files import open_ipc, split_file
 from ..profiling.profile import LengthProfile, profile_lengths
-from .executors import get_executor, run_jobs
+from .executors import Executor, executor_name, get_executor, run_jobs
 from .formats import output_columns
 from .stage import freeze_report, preload_tokenizer, stage_part
 from .staged import load_sidecar
@@ -131,7 +131,7 @@ def profile_files(
     add_eos: bool = True,
     tokenizer_engine: str = "auto",
     stage_cache: str | os.PathLike[str] | bool | None = None,
-    executor: str = "local",
+    executor: str | Executor = "local",
     workers: int | None = None,
     quiet: bool = True,
     name: str | None = None,
@@ -219,7 +219,7 @@ def profile_files(
         types,
         folder,
         tokenizer=tok_dir,
-        single_threaded=executor != "local",
+        single_threaded=executor_name(executor) != "local",
         engine_proven=proven,
         checksum=keep,  # entries of the stage cache, checked by their SHA-256 when pack adopts them
         known_columns=known_columns(columns, left_out) if fmt == "tokenized" else None,  # as pack stages them

@@ -41,7 +41,7 @@ from ..io.files import Part, read_schema, split_file
 from ..io.manifest import read_manifest, write_manifest
 from ..io.pages import give_back_freed_memory
 from .config import PipelineConfig, PipelineResult, check_options_used, fingerprint
-from .executors import EXECUTORS, Executor, get_executor, run_jobs
+from .executors import Executor, executor_name, get_executor, run_jobs
 from .formats import input_columns, optional_columns, output_columns
 from .gather import block_steps, run_token, write_dataset_files
 from .outcheck import check_out, check_replaceable
@@ -104,7 +104,7 @@ class Execution:
     def name(self) -> str:
         """The executor's name (``local``, ``pool``, ``ray``, or an :class:`Executor`'s own): what the run asks of
         where its stages run (load ahead in the driver, single-threaded jobs) is read here, one way."""
-        return self.executor if isinstance(self.executor, str) else self.executor.name
+        return executor_name(self.executor)
 
 
 # -- the whole run -----------------------------------------------------------------------------------------
@@ -172,16 +172,7 @@ def run_pipeline(
 ) -> PipelineResult:
     """:func:`pack_files` with a ready :class:`PipelineConfig`."""
     started = time.perf_counter()
-    if isinstance(executor, str) and executor not in EXECUTORS:
-        raise PackingError(
-            f"executor={executor!r} is unknown; use one of {', '.join(EXECUTORS)}.", param="executor"
-        )
-    if not isinstance(executor, (str, Executor)):  # (Execution.name reads an Executor's own name)
-        raise PackingError(
-            f"executor={executor!r} is not an executor: pass one of {', '.join(EXECUTORS)}, or an instance of "
-            f"packtools.pipeline.executors.Executor (a subclass with its name and run method).",
-            param="executor",
-        )
+    executor_name(executor)  # a known name or an Executor, else refused by name
     if num_proc is not None and num_proc > 1 and executor == "local":
         executor, workers = "pool", num_proc
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
