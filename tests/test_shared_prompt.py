@@ -34,6 +34,7 @@ from packtools.integrations.attention.tree import (  # noqa: E402
     tree_attention_forward,
     use_tree_attention,
 )
+from packtools.integrations.data.drops import TokensDroppedWarning  # noqa: E402
 
 TOL = 1e-5
 VOCAB = 97
@@ -112,7 +113,7 @@ def test_truncation_keeps_prompt_end_and_completion_starts_and_reports():
     table = pa.table(
         {"prompt_ids": [list(range(2, 32))], "chosen_ids": [[40] * 10], "rejected_ids": [[50] * 3]}
     )
-    with pytest.warns(UserWarning, match="1 of 1 pairs truncated.*raise max_length") as said:
+    with pytest.warns(TokensDroppedWarning, match="1 of 1 pairs truncated.*raise max_length") as said:
         rows, report = pack_preference(table, 24, share_prompt=True, return_report=True)
     assert said[0].filename == __file__  # the caller's line
     (chosen, cm), (rejected, rm) = sequences_of(rows.to_pylist())
@@ -689,7 +690,7 @@ def test_overlong_groups_truncate_shorter_completions_whole_first_or_drop():
         }
     )
     with pytest.warns(
-        UserWarning, match=r"pack_groups: 1 of 2 groups truncated and 0 dropped.*raise max_length"
+        TokensDroppedWarning, match=r"pack_groups: 1 of 2 groups truncated and 0 dropped.*raise max_length"
     ) as said:
         rows, report = pack_groups(table, 32, return_report=True)
     assert said[0].filename == __file__  # the caller's line

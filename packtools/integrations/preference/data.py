@@ -21,6 +21,7 @@ from ...compat.datasets import dataset_table
 from ...core.arrow import check_columns
 from ...errors import PackingError
 from ..data.datasets import datasets_module, derived_fingerprint, each_split
+from ..data.drops import TokensDroppedWarning
 
 
 def _warn_fitted(
@@ -33,13 +34,15 @@ def _warn_fitted(
     stacklevel: int,
 ) -> None:
     """Never silent: the warning of ``what`` (the call) when it truncated or dropped ``units`` to fit
-    ``max_length``, with the fix (a larger ``max_length``); ``counts``: units in, truncated, dropped."""
+    ``max_length``, with the fix (a larger ``max_length``); ``counts``: units in, truncated, dropped.  A
+    :class:`~packtools.integrations.data.drops.TokensDroppedWarning`, as ``pack_dataset``'s, to filter by class."""
     total, truncated, dropped = counts
     if truncated or dropped:
         warnings.warn(
             f"{what}: {truncated} of {total} {units} truncated and {dropped} dropped to fit max_length={max_length} "
             f"({tokens_dropped} tokens left out); raise max_length to keep them whole, or pass return_report=True "
             f"for the details.",
+            TokensDroppedWarning,
             stacklevel=stacklevel,
         )
 
