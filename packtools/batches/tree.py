@@ -22,6 +22,7 @@ import numpy as np
 
 from .._optional import require
 from ..compat.torch import in_backward
+from ..core.pairs import PAIR_ROW_COLUMNS
 from ..core.ragged import offsets_of
 from ..errors import PackingError
 from .flatten import restart_positions
@@ -29,7 +30,7 @@ from .labels import ignore_starts, labels_of
 
 #: The keyword the model's forward passes down to the attention function.
 TREE_KEY = "packtools_tree"
-TREE_ROW_COLUMNS = ("input_ids", "completion_mask", "seq_lengths", "prompt_lengths")
+TREE_ROW_COLUMNS = (*PAIR_ROW_COLUMNS, "prompt_lengths")
 
 
 def tree_segments(
