@@ -26,7 +26,7 @@ import numpy as np
 MIN_BYTES = 4 << 20
 #: a private mapping, as malloc's (Python's default on POSIX is a shared one: shared memory, and writes after a
 #: ``fork`` seen by both processes); Windows has no flags (its anonymous mappings are the process's own)
-_PRIVATE = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
+_PRIVATE = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}  # Python adds MAP_ANONYMOUS
 
 
 def empty(n: int, dtype: np.dtype | type | str) -> np.ndarray:
