@@ -86,11 +86,16 @@ def test_a_ctrl_c_during_a_compile_in_the_main_thread_comes_after_it():
 
 @pytest.fixture(scope="module")
 def tokenized(tmp_path_factory):
+    """A tokenized parquet file of 4,000 rows (one small part: the kernels load in the main thread at the plan)
+    and a Numba cache that one uninterrupted run filled."""
     root = tmp_path_factory.mktemp("load")
     rng = np.random.default_rng(0)
-    ids = [rng.integers(0, 1000, k).tolist() for k in rng.integers(1, 300, 4000)]
+    offsets = np.concatenate([[0], np.cumsum(rng.integers(1, 300, 4000))]).astype(np.int32)
+    values = rng.integers(0, 1000, int(offsets[-1])).astype(np.int32)
     src = str(root / "in.parquet")
-    pq.write_table(pa.table({"input_ids": pa.array(ids, pa.list_(pa.int32()))}), src, row_group_size=500)
+    pq.write_table(
+        pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))}), src
+    )
     warm = str(root / "numba-cache-warm")  # every kernel of the run loaded from here, none compiled
     cmd = [
         sys.executable,
