@@ -6,10 +6,12 @@ loads a kernel from its cache or compiles one, that can be:
 - inside one of llvmlite's ctypes callbacks (its object cache: ``ExecutionEngine._raw_object_cache_getbuffer``,
   ``_raw_object_cache_notify``), where the ``KeyboardInterrupt`` cannot get out: ctypes prints "Exception ignored
   on calling ctypes callback function" and drops it, and the run goes on to finish as though Ctrl-C had not been
-  pressed (or fails later with "no compiled object yet");
-- between Numba's taking its compiler lock (an ``RLock``) and the ``with`` block that gives it back: the main
-  thread then keeps the lock, and the thread that loads the kernels beside the stage waits for it forever while
-  the interrupted main thread waits for that thread.
+  pressed, or fails with "no compiled object yet";
+- in the middle of a compile, which it leaves half done: the process then printed its "interrupted" line and
+  died of a segmentation fault at its exit;
+- right after Numba takes its compiler lock (an ``RLock``, taken in ``_CompilerLock.acquire``) and before the
+  ``with`` block that gives it back begins: the main thread then keeps the lock, and any other thread that
+  compiles (the kernels' thread beside the stage) waits for it forever.
 
 :func:`held` holds them around a load in the main thread (the kernels module's import, which imports Numba);
 :func:`hold_while_numba_compiles` does so around every span of Numba's compiler lock in the main thread, through
