@@ -119,8 +119,10 @@ def env(cache: str) -> dict[str, str]:
     return values
 
 
-def interrupted_run(src: str, folder, cache: str, ahead: bool, delay: float) -> tuple[int, str, str]:
-    """Start ``packtools pack SRC``, send SIGINT ``delay`` s after Numba's import starts; status, stderr, out."""
+def interrupted_run(
+    src: str, folder, cache: str, ahead: bool, delay: float, sig: int = signal.SIGINT
+) -> tuple[int, str, str]:
+    """Start ``packtools pack SRC``, send ``sig`` ``delay`` s after Numba's import starts; status, stderr, out."""
     log, out = str(folder / "log"), str(folder / "out")
     args = ["pack", src, "--out", out, "--max-length", "512", "--quiet"]
     proc = subprocess.Popen(
@@ -136,23 +138,35 @@ def interrupted_run(src: str, folder, cache: str, ahead: bool, delay: float) -> 
         assert time.monotonic() < deadline, "Numba was never imported"
         time.sleep(0.005)
     time.sleep(delay)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     return proc.returncode, err, out
+
+
+def check_interrupted(tokenized, tmp_path, ahead, runs, how):
+    """Each of ``runs`` (cold cache?, delay) ends with ``how``'s status and line, and installs nothing."""
+    src, warm = tokenized
+    sig, status, name = how
+    for i, (cold, delay) in enumerate(runs):
+        cache = str(tmp_path / f"numba-cache-{i}") if cold else warm  # cold: every kernel compiles
+        folder = tmp_path / f"run{i}"
+        folder.mkdir()
+        got, err, out = interrupted_run(src, folder, cache, ahead, delay, sig)
+        said = f"{'cold' if cold else 'warm'} cache, {name} {delay} s after Numba's import began: {err}"
+        assert got == status, said
+        assert f"interrupted by {name}" in err and "Exception ignored" not in err, said
+        assert err.count("\n") == 1 and "Traceback" not in err, said
+        assert not os.path.exists(out), said  # nothing installed
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ahead", [False, True], ids=["main-thread", "kernels-thread"])
 def test_ctrl_c_while_the_kernels_load_ends_the_run_with_130(tokenized, tmp_path, ahead):
-    src, warm = tokenized
     runs = [(True, d) for d in (0.0, 0.3, 1.0, 2.5)] + [(False, d) for d in (0.0, 0.1, 0.25, 0.5)]
-    for i, (cold, delay) in enumerate(runs):
-        cache = str(tmp_path / f"numba-cache-{i}") if cold else warm  # cold: every kernel compiles
-        folder = tmp_path / f"run{i}"
-        folder.mkdir()
-        status, err, out = interrupted_run(src, folder, cache, ahead, delay)
-        said = f"{'cold' if cold else 'warm'} cache, SIGINT {delay} s after Numba's import began: {err}"
-        assert status == 130, said
-        assert "interrupted by Ctrl-C" in err and "Exception ignored" not in err, said
-        assert err.count("\n") == 1 and "Traceback" not in err, said
-        assert not os.path.exists(out), said  # nothing installed
+    check_interrupted(tokenized, tmp_path, ahead, runs, (signal.SIGINT, 130, "Ctrl-C"))
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_kernels_load_ends_the_run_with_143(tokenized, tmp_path):
+    runs = [(True, 0.3), (True, 1.0), (False, 0.1), (False, 0.25)]
+    check_interrupted(tokenized, tmp_path, False, runs, (signal.SIGTERM, 143, "SIGTERM"))
