@@ -27,6 +27,7 @@ LAYERS = {
     "_progress": 0,
     "_atomic": 0,
     "_lazy": 0,
+    "_interrupts": 0,
     "_gc": 0,
     "core": 1,
     # compat: the reads and patches of other libraries' internals, below every layer that meets those libraries'

@@ -9,7 +9,14 @@ cast inputs once, so these functions trust their arguments.  They also run uncha
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from .._interrupts import held, hold_while_numba_compiles
+
+# a Ctrl-C or SIGTERM while the main thread imports Numba, or loads or compiles a kernel, is delivered once that
+# is done: delivered inside, it can be dropped by llvmlite or leave a lock held (packtools._interrupts)
+with held():
+    from numba import njit
+hold_while_numba_compiles()
 
 
 @njit(cache=True)

@@ -94,37 +94,66 @@ def plan_parts(eff: np.ndarray, bounds: Sequence[int], config: PipelineConfig) -
     return p.shuffled(config.seed) if config.shuffle else p
 
 
-def load_kernels_ahead(strategy: str, value_types: Sequence[str]) -> threading.Thread:
+def load_kernels_ahead(strategy: str, value_types: Sequence[str]) -> KernelLoad:
     """Start loading Numba and the kernels that planning and writing columns of ``value_types`` call
     (:func:`warmup_packing`) in a daemon thread, so that the run stages meanwhile
-    instead of paying it before its plan.  Join the thread before planning: the plan calls the kernels it
-    loads.  A failure is ignored: the plan then loads or compiles the kernels itself, as without it."""
-    thread = threading.Thread(
-        target=_load_kernels, args=(strategy, tuple(value_types)), name="packtools-kernels", daemon=True
-    )
+    instead of paying it before its plan.  Join the thread before planning (:func:`join_kernels`): the plan calls
+    the kernels it loads.  A failure is ignored: the plan then loads or compiles the kernels itself, as without
+    it."""
+    thread = KernelLoad(strategy, tuple(value_types))
     thread.start()
     return thread
 
 
-def _load_kernels(strategy: str, value_types: tuple[str, ...]) -> None:
-    try:
-        import numba  # noqa: F401 - first, so that a missing Numba leaves the lazy kernels module untouched
+class KernelLoad(threading.Thread):
+    """The daemon thread of :func:`load_kernels_ahead`.  :attr:`unwanted` set (a failed or interrupted run), it
+    ends after the step it is in (Numba's import, the kernels module's, the plan's kernels, the writer's)
+    instead of loading the rest: a compile cannot be cut short, and a process that exits while this thread
+    compiles can abort in its exit (status -6) instead of exiting with its own status."""
 
-        from .._lazy import load_now
+    def __init__(self, strategy: str, value_types: tuple[str, ...]) -> None:
+        super().__init__(name="packtools-kernels", daemon=True)
+        self.strategy, self.value_types = strategy, value_types
+        self.unwanted = threading.Event()
 
-        load_now("packtools.core.kernels")  # beside a thread reading tokenized JSON (packtools.io.json_ints)
-        warmup_packing(strategy, value_types)
-    except Exception:  # noqa: BLE001, S110 - the plan loads the kernels itself
-        pass
+    def run(self) -> None:
+        try:
+            import numba  # noqa: F401 - first, so that a missing Numba leaves the lazy kernels module untouched
+
+            from .._lazy import load_now
+
+            if not self.unwanted.is_set():
+                load_now("packtools.core.kernels")  # beside a thread reading tokenized JSON (io.json_ints)
+                warmup_packing(self.strategy, self.value_types, self.unwanted)
+        except Exception:  # noqa: BLE001, S110 - the plan loads the kernels itself
+            pass
 
 
-def warmup_packing(strategy: str, value_types: Sequence[str]) -> None:
+def join_kernels(thread: KernelLoad | None, unwanted: bool = False) -> None:
+    """Wait for the thread of :func:`load_kernels_ahead` (None: none was started); ``unwanted``: the run will
+    not plan (it failed or was interrupted), so the thread stops after its current step.  Waits in short
+    turns: a signal that another thread of the process received reaches the main thread's handler only when
+    that thread runs Python, which an untimed wait never does, so a second Ctrl-C or a SIGTERM still ends the
+    wait at once."""
+    if thread is None:
+        return
+    if unwanted:
+        thread.unwanted.set()
+    while thread.is_alive():
+        thread.join(0.1)
+
+
+def warmup_packing(
+    strategy: str, value_types: Sequence[str], unwanted: threading.Event | None = None
+) -> None:
     """Load (or compile) the kernels that planning with ``strategy`` and gathering list columns of
     ``value_types`` (``"int32"``, ...) from staged Arrow files call, with their argument types, on a tiny
-    input; :func:`packtools.core.warmup` loads every kernel."""
+    input; :func:`packtools.core.warmup` loads every kernel.  Stops between steps once ``unwanted`` is set."""
     p = make_plan(np.array([3, 0, 1], np.int64), 2, strategy)
+    if unwanted is not None and unwanted.is_set():
+        return
     PackPlan(p.max_length, strategy, p.seg_source, p.seg_start, p.seg_length, p.row_offsets, p.source_lengths)
-    if not value_types:
+    if not value_types or (unwanted is not None and unwanted.is_set()):
         return
     # not pa.array: it imports pandas (~0.25 CPU seconds, beside the stage) to look at what it is given
     offsets = numeric_array(np.array([0, 3, 3, 4], np.int32), pa.int32())

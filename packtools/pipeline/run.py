@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from .._atomic import discard
+from .._interrupts import held
 from ..errors import PackingError
 from ..io.discover import InputFile, find_inputs, skipped_notes
 from ..io.files import Part, read_schema, split_file
@@ -45,7 +46,7 @@ from .executors import Executor, executor_name, get_executor, run_jobs
 from .formats import input_columns, optional_columns, output_columns
 from .gather import block_steps, run_token, write_dataset_files
 from .outcheck import check_out, check_replaceable
-from .planning import load_kernels_ahead, plan_parts, row_plan, write_jobs
+from .planning import join_kernels, load_kernels_ahead, plan_parts, row_plan, write_jobs
 from .schema import data_format, known_columns, token_schema
 from .stage import StageJob, freeze_report, iter_staged, stage_part
 from .stage_cache import adopt_cached, evicted_error, keep_in_place, stage_jobs
@@ -257,15 +258,20 @@ def warn_pipeline_drops(stats: dict[str, Any]) -> None:
 # -- a failed or interrupted run: signals held back while it cleans up, OS errors said as one line ----------
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM back while cleaning up (they are delivered right after)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    """Hold SIGINT and SIGTERM back while cleaning up (they are delivered right after): their handlers in Python
+    by :func:`~packtools._interrupts.held` (the main thread runs them even for a signal that another thread of
+    the process received, which the main thread's mask does not hold back), the OS's default action by the
+    main thread's mask."""
+    main = threading.current_thread() is threading.main_thread()
+    with held():
+        if not main or not hasattr(signal, "pthread_sigmask"):
+            yield
+            return
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def explain_os_error(exc: BaseException, out: str) -> BaseException:
@@ -465,8 +471,7 @@ def _run(
     try:
         verdict, rests_on, stale = _verdict(found, config, parts, ws, fp["config"]["ids"])
     except BaseException:
-        if warming is not None:  # nothing of the run loads kernels after it returns
-            warming.join()
+        join_kernels(warming, unwanted=True)  # nothing of the run loads kernels after it returns
         raise
     verdict_s = round(time.perf_counter() - t_verdict, 3)
     # the tokenizer's load freed its parse of tokenizer.json: not kept beside the stage
@@ -578,8 +583,7 @@ def _run(
             stats.update(strategy="bfd (pairs)", overlong=config.overlong or "truncate", plan="global")
         else:
             t1 = time.perf_counter()
-            if warming is not None:
-                warming.join()  # the plan calls the kernels it loads
+            join_kernels(warming)  # the plan calls the kernels it loads
             turns = [sidecar_turns(j.sidecar) for j in jobs]
             rows = row_plan([load_sidecar(j.sidecar) for j in jobs], columns, config, [t[0] for t in turns])
             checkpoint("plan")
@@ -622,8 +626,9 @@ def _run(
     finally:
         if ex is not how.executor:
             ex.close()
-        if warming is not None:  # a failed stage too: nothing of the run loads kernels after it returns
-            warming.join()
+        # a run that planned has joined it already; a failed or interrupted one stops it after its current step
+        # (nothing of the run loads kernels after it returns)
+        join_kernels(warming, unwanted=True)
     cols = stats.pop("columns", columns)  # preference rows have their own columns
     stats.update(
         {"format": fmt, "max_length": config.max_length, "columns": cols, "columns_left_out": found.left_out}
