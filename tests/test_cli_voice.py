@@ -66,3 +66,18 @@ def test_the_console_script_freezes_what_it_holds_before_the_interpreter_exits(m
         assert gc.get_freeze_count() > 0  # the shutdown's collections skip what was held
     finally:
         gc.unfreeze()
+
+
+def test_ctrl_c_before_the_command_runs_is_one_line_and_130(monkeypatch, capsys):
+    """A Ctrl-C while the CLI still reads its options and imports its command's modules (before the command's
+    own handling) ends with its one line and 130, as later, not a traceback."""
+    import packtools.cli.main as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert main(["pack", "x.jsonl", "--out", "o", "--max-length", "8"]) == 130
+    assert capsys.readouterr().err == "packtools pack: interrupted by Ctrl-C; stopped.\n"
+    assert main(["--help"]) == 130
+    assert capsys.readouterr().err == "packtools: interrupted by Ctrl-C; stopped.\n"

@@ -152,9 +152,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     error, 130 for Ctrl-C, 143 for SIGTERM.  An interrupted ``pack`` leaves no output behind.
     """
     argv = list(argv) if argv is not None else sys.argv[1:]
-    ahead = _check_ahead(argv)
+    ahead = None
     try:
+        ahead = _check_ahead(argv)
         return _command(argv)
+    except KeyboardInterrupt:  # before the command's own handling began (its options, its imports)
+        command = f" {argv[0]}" if argv and not argv[0].startswith("-") else ""
+        print(f"packtools{command}: interrupted by Ctrl-C; stopped.", file=sys.stderr)
+        return 130
     finally:  # a child started ahead that the command's run neither took nor stopped (it ended before)
         if ahead is not None:
             from ..pipeline.tokenizer.reference_check import stop_ahead
