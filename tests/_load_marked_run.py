@@ -8,6 +8,7 @@ whatever the input's size (:data:`packtools.pipeline.run.KERNELS_AHEAD_MIN_BYTES
 no such hooks: they live here only.
 """
 
+import signal
 import sys
 import time
 
@@ -39,6 +40,9 @@ def run(log: str, ahead: bool, args: list[str]) -> int:
             while time.monotonic() < end:
                 time.sleep(0.05)
 
+    # Ctrl-C raises, as in a terminal, even where this process was started with SIGINT ignored (a background job
+    # of a non-interactive shell, which Python then leaves ignored): the tests send it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if ahead:
         pipeline_run.KERNELS_AHEAD_MIN_BYTES = 0
     sys.meta_path.insert(0, NumbaImportMark(log))

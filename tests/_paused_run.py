@@ -5,6 +5,7 @@ Runs ``packtools ARGS...`` (``packtools.cli.main.main``) with an observer on the
 ``POINT``, waits until the process is signalled.  Production code has no such hook: it lives here only.
 """
 
+import signal
 import sys
 import time
 
@@ -20,6 +21,9 @@ def run(log: str, point: str, args: list[str]) -> int:
             while True:
                 time.sleep(0.05)
 
+    # Ctrl-C raises, as in a terminal, even where this process was started with SIGINT ignored (a background job
+    # of a non-interactive shell, which Python then leaves ignored): the tests send it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     workspace.CHECKPOINT_OBSERVERS.append(observe)
     return main(args)
 

@@ -27,6 +27,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKED = os.path.join(ROOT, "tests", "_load_marked_run.py")
 
 
+@pytest.fixture(autouse=True)
+def ctrl_c_raises():
+    """Ctrl-C raises here, as in a terminal, even where pytest was started with SIGINT ignored (a background job of
+    a non-interactive shell, which Python then leaves ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def test_a_ctrl_c_inside_a_hold_is_raised_as_it_ends():
     steps = []
     with pytest.raises(KeyboardInterrupt):
