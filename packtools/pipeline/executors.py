@@ -292,9 +292,11 @@ def executor_name(executor: str | Executor) -> str:
 def get_executor(
     name: str | Executor = "local", workers: int | None = None, address: str | None = None
 ) -> Executor:
-    """The executor called ``name`` (``local``, ``pool`` or ``ray``); an :class:`Executor` is returned as is."""
+    """The executor called ``name`` (``local``, ``pool`` or ``ray``); an :class:`Executor` is returned as is, and
+    anything else refused by name (:func:`executor_name`)."""
     if isinstance(name, Executor):
         return name
+    executor_name(name)
     if name == "local" and workers is not None:
         raise PackingError(
             f"workers={workers} with executor='local': the local executor runs every stage in this process, so "
@@ -312,9 +314,7 @@ def get_executor(
         return LocalExecutor()
     if name == "pool":
         return PoolExecutor(workers)
-    if name == "ray":
-        return RayExecutor(address, workers)
-    raise PackingError(f"executor={name!r} is not an executor; use one of {', '.join(EXECUTORS)}.")
+    return RayExecutor(address, workers)  # (executor_name let only the three names through)
 
 
 #: Exceptions that a lost worker raises rather than the job itself: worth trying again.

@@ -148,6 +148,7 @@ def profile_files(
     from .schema import data_format, known_columns, token_schema
     from .stage_cache import CacheLock, cache_dir, evict, max_bytes, prepare, stage_jobs
 
+    where = executor_name(executor)  # refused by name before any work
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
     if format in (None, "tokenized") and column != "input_ids":  # a named token column: read it as is
@@ -219,7 +220,7 @@ def profile_files(
         types,
         folder,
         tokenizer=tok_dir,
-        single_threaded=executor_name(executor) != "local",
+        single_threaded=where != "local",
         engine_proven=proven,
         checksum=keep,  # entries of the stage cache, checked by their SHA-256 when pack adopts them
         known_columns=known_columns(columns, left_out) if fmt == "tokenized" else None,  # as pack stages them
