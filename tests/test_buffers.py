@@ -135,3 +135,24 @@ def test_large_buffer_is_private_memory() -> None:
     a = buffers.empty(2 * buffers.MIN_BYTES, np.uint8)
     flags = vm_flags(a.ctypes.data + a.nbytes // 2)
     assert "sh" not in flags and "mr" in flags and "mw" in flags
+
+
+@linux
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_pack_pairs_gathers_into_such_a_buffer(share_prompt) -> None:
+    from packtools.core.pairs import pack_pairs
+
+    n = 4096
+    prompt = np.arange(n * 300, dtype=np.int32).reshape(n, 300)
+    table = pa.table(
+        {
+            "prompt_ids": prompt.tolist(),
+            "chosen_ids": np.full((n, 200), 7, np.int32).tolist(),
+            "rejected_ids": np.full((n, 200), 9, np.int32).tolist(),
+        }
+    )
+    rows, _ = pack_pairs(table, 4096, share_prompt=share_prompt)
+    assert rows.column("input_ids").num_chunks == 1
+    out = rows.column("input_ids").chunk(0).values
+    assert out.nbytes >= buffers.MIN_BYTES
+    assert "hg" not in vm_flags(out.buffers()[1].address + out.nbytes // 2)

@@ -1,4 +1,6 @@
-"""Large output buffers in fresh memory that is not advised for transparent huge pages.
+"""Large output buffers in fresh memory that is not advised for transparent huge pages: the token buffers
+that packing gathers into (``core.pack``'s ``gather_column`` and ``unpack``, ``pack_pairs``, the prompt-shared
+layouts).
 
 NumPy advises every allocation of 4 MiB or more for huge pages (``madvise(MADV_HUGEPAGE)``).  Where the kernel's
 huge page ``defrag`` setting is ``madvise`` (a common default) or the machine is a virtual machine whose host

@@ -17,6 +17,7 @@ import pyarrow as pa
 
 from ..constants import COMPLETION_MASK, SEQ_LENGTHS
 from ..errors import PackingError, check_choice
+from . import buffers
 from .arrow import ListColumn, check_columns, copy_segments, list_array, ones_at, read_list_column
 from .plan import PackPlan, check_max_length
 from .plan import plan as make_plan
@@ -333,7 +334,7 @@ def _materialize(
     total = p.tokens_kept
     value_type = cols[0].type.value_type
     dtype = cols[0].value_dtype
-    tokens = np.empty(total, dtype)
+    tokens = buffers.empty(total, dtype)  # written whole by the copies below (packtools.core.buffers)
     zero = np.zeros_like(source)
     prompt_from = lp - kp  # the prompt keeps its end
     copy_segments(

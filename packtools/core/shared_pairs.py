@@ -27,6 +27,7 @@ import pyarrow as pa
 
 from ..constants import COMPLETION_MASK, SEQ_LENGTHS
 from ..errors import PackingError
+from . import buffers
 from .arrow import ListColumn, copy_segments, list_array, ones_at
 from .plan import PackPlan
 from .ragged import offsets_of
@@ -117,7 +118,7 @@ def _materialize(
         unit_start[branch_unit] + prefix[branch_unit] + within[:-1] - within[first_branch[:-1]][branch_unit]
     )
     total = p.tokens_kept
-    tokens = np.empty(total, prompt.value_dtype)
+    tokens = buffers.empty(total, prompt.value_dtype)  # written whole by the copies below
     # The prompt: the shared prefix once, then its last token at the head of every branch.
     last = units.prompt_from + kp - 1
     bsrc = units.source[branch_unit]
