@@ -352,6 +352,20 @@ def test_gpt_oss_guard_alone_refuses_packed_batches_without_masks_from_positions
 
 
 @pytest.mark.parametrize("arch", ["Qwen3.5", "LFM2"])
+def test_guard_before_run_mixers_per_document_takes_the_handled_layers(arch):
+    """guard_model listed the token-mixing layers when it was registered: called before run_mixers_per_document
+    it refused a positions-only batch the per-document layers keep apart ("would run every packed row as one
+    sequence", false) before it read the handled layers at each call."""
+    from packtools.integrations.trainers.guard import guard_model
+
+    model = tiny_arch(arch, "sdpa")
+    guard_model(model)
+    run_mixers_per_document(model)
+    report = check_isolation(model, PaddingFreeCollator(0, **POSITIONS_ONLY))
+    assert not report.leaks and max(report.alone_diff) < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["Qwen3.5", "LFM2"])
 def test_per_document_layers_refuse_a_cache_on_a_packed_row(arch):
     """The model's config defaults to use_cache=True: a packed row's documents each read the cache the previous
     one filled (1.5e-3 at Qwen3.5's first linear attention, no error) before the layers refused it."""

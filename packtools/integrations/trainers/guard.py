@@ -187,7 +187,10 @@ def guard_model(model: Any, *, owner: Any = None) -> Any:
         module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         impl = attention_implementation(module)
-        check_forward_inputs(kwargs, impl, mixers)
+        done = document_mixers(module)  # run_mixers_per_document after the guard: its layers are handled now
+        check_forward_inputs(
+            kwargs, impl, mixers if done is None else tuple(m for m in mixers if m not in done.modes)
+        )
         check_positionless_masks(module, kwargs, impl)
         generating = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
         if not generating and (kwargs.get("use_cache") is None or module.training):
