@@ -351,6 +351,22 @@ def test_gpt_oss_guard_alone_refuses_packed_batches_without_masks_from_positions
     assert not report.leaks and max(report.alone_diff) < 1e-5
 
 
+@pytest.mark.parametrize("arch", ["Qwen3.5", "Nemotron-H"])
+def test_guard_without_per_document_layers_refuses_packed_batches_naming_the_fix(arch):
+    """guard_model alone on a hybrid, on the CPU: a packed batch reached transformers' fallback, which raised a
+    ValueError naming no fix (or, given positions only, the guard's advice to keep seq_idx, no fix here either);
+    now a PackingError naming run_mixers_per_document.  One unpacked sequence still runs."""
+    from packtools.integrations.trainers.guard import guard_model
+
+    model = tiny_arch(arch, "sdpa")
+    guard_model(model)
+    for collator in (PaddingFreeCollator(0), PaddingFreeCollator(0, **POSITIONS_ONLY)):
+        batch = collator([{"input_ids": list(range(3, 16)), "seq_lengths": [6, 7]}])
+        with pytest.raises(PackingError, match="no varlen kernels on this machine.*run_mixers_per_document"):
+            model(**batch)
+    model(input_ids=torch.tensor([list(range(3, 10))]))
+
+
 @pytest.mark.parametrize("arch", ["Qwen3.5", "LFM2"])
 def test_guard_before_run_mixers_per_document_takes_the_handled_layers(arch):
     """guard_model listed the token-mixing layers when it was registered: called before run_mixers_per_document

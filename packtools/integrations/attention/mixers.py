@@ -124,7 +124,7 @@ def segments_of(kwargs: dict[str, Any]) -> Segments | None:
     return None
 
 
-def _kernel_ready(module: Any, device: Any) -> bool:
+def kernel_ready(module: Any, device: Any) -> bool:
     """Whether ``module``'s family has its varlen kernels installed and the module is on CUDA."""
     if getattr(device, "type", None) != "cuda":
         return False
@@ -408,7 +408,7 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
         for name in mixers:
             module = modules[name]
             param = next(iter(module.parameters()), None)
-            kernel = kernels and _kernel_ready(module, getattr(param, "device", None))
+            kernel = kernels and kernel_ready(module, getattr(param, "device", None))
             wrapper = _PerDocument(name, module.forward, kernel, module, _enclosing_layer(modules, name))
             replace_mixer_forward(module, wrapper, owner=result)
             if wrapper.layer is not None:

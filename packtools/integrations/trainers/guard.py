@@ -18,7 +18,7 @@ from ...compat.torch import forward_pre_hook
 from ...constants import VARLEN_KEYS
 from ...errors import PackingError
 from ..attention.backends import attention_implementation, base_model, is_flash, token_mixing_layers
-from ..attention.mixers import POSITIONLESS_MASKS, document_mixers
+from ..attention.mixers import POSITIONLESS_MASKS, document_mixers, kernel_ready
 
 _HOOK_ATTR = "_packtools_guard"
 
@@ -124,6 +124,33 @@ def is_packed(kwargs: Mapping[str, Any]) -> bool:
     return has_restarts(pos, mask if getattr(mask, "ndim", 0) == 2 else None)
 
 
+def check_unhandled_mixers(model: Any, kwargs: Mapping[str, Any], mixers: tuple[str, ...]) -> None:
+    """Refuse a packed batch for a model whose token-mixing layers ``mixers`` are neither run per document nor
+    have their varlen kernels here (CUDA and the family's packages,
+    :func:`~packtools.integrations.attention.mixers.kernel_ready`): transformers' PyTorch fallback cannot keep
+    the documents apart (it raises a ``ValueError`` that names no fix, or, before 5.20, runs the row as one)."""
+    if not mixers or not is_packed(kwargs):
+        return
+    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+        return
+    base = base_model(model)
+    missing = []
+    for name in mixers:
+        module = base.get_submodule(name)
+        param = next(iter(module.parameters()), None)
+        if not kernel_ready(module, getattr(param, "device", None)):
+            missing.append(name)
+    if missing:
+        raise PackingError(
+            f"{type(base).__name__}'s layers {missing[:3]} mix tokens outside attention and have no varlen "
+            f"kernels on this machine (CUDA with causal-conv1d, plus flash-linear-attention or mamba-ssm): on a "
+            f"packed batch each document would start from the previous one's state. Call "
+            f"packtools.integrations.attention.mixers.run_mixers_per_document(model) before training (it runs "
+            f"them one document at a time; prepare_trainer does), or do not pack.",
+            param="model",
+        )
+
+
 def check_positionless_masks(model: Any, kwargs: Mapping[str, Any], implementation: str | None) -> None:
     """Refuse a packed batch for a model whose forward builds its attention masks without ``position_ids``
     (:data:`~packtools.integrations.attention.mixers.POSITIONLESS_MASKS`, GPT-OSS) unless
@@ -188,9 +215,9 @@ def guard_model(model: Any, *, owner: Any = None) -> Any:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         impl = attention_implementation(module)
         done = document_mixers(module)  # run_mixers_per_document after the guard: its layers are handled now
-        check_forward_inputs(
-            kwargs, impl, mixers if done is None else tuple(m for m in mixers if m not in done.modes)
-        )
+        left = mixers if done is None else tuple(m for m in mixers if m not in done.modes)
+        check_unhandled_mixers(module, kwargs, left)  # first: without kernels, seq_idx alone is no fix
+        check_forward_inputs(kwargs, impl, left)
         check_positionless_masks(module, kwargs, impl)
         generating = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
         if not generating and (kwargs.get("use_cache") is None or module.training):
