@@ -439,3 +439,15 @@ def test_prompt_learning_adapters_are_refused_by_name():
     assert err.value.param is None
     refuse_prompt_learning(model(False))  # LoRA-style: accepted
     refuse_prompt_learning(SimpleNamespace())  # no PEFT at all
+
+
+def test_guard_lets_one_padding_free_sequence_keep_its_cache():
+    """use_cache=True is refused only where a row holds several sequences: one sequence with cu_seq_lens is exact."""
+    model = tiny_llama("sdpa").eval()
+    guard_model(model)
+    batch = PaddingFreeCollator(PAD)([{"input_ids": [5, 6, 7, 8], "seq_lengths": [4]}])
+    with torch.no_grad():
+        cached = model(**batch, use_cache=True)
+        plain = model(input_ids=batch["input_ids"], use_cache=False)
+    assert cached.past_key_values is not None
+    assert (cached.logits - plain.logits).abs().max() < 1e-5

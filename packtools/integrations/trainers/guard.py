@@ -114,9 +114,15 @@ def check_forward_inputs(
 
 
 def is_packed(kwargs: Mapping[str, Any]) -> bool:
-    """Whether a forward's inputs hold packed sequences: ``cu_seq_lens``/``max_length`` keys, or 2-D
-    ``position_ids`` that restart inside a row between attended tokens (:func:`has_restarts`)."""
-    if any(kwargs.get(k) is not None for k in VARLEN_KEYS):
+    """Whether a forward's inputs hold several sequences in a row: ``cu_seq_lens_q`` with more than one
+    segment, or 2-D ``position_ids`` that restart inside a row between attended tokens (:func:`has_restarts`).
+
+    >>> import numpy as np
+    >>> is_packed({"cu_seq_lens_q": np.array([0, 3, 5])}), is_packed({"cu_seq_lens_q": np.array([0, 5])})
+    (True, False)
+    """
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None and getattr(cu, "ndim", 0) == 1 and len(cu) > 2:
         return True
     pos, mask = kwargs.get("position_ids"), kwargs.get("attention_mask")
     if pos is None or getattr(pos, "ndim", 0) != 2:
@@ -129,7 +135,8 @@ def check_unhandled_mixers(model: Any, kwargs: Mapping[str, Any], mixers: tuple[
     have their varlen kernels here (CUDA and the family's packages,
     :func:`~packtools.integrations.attention.mixers.kernel_ready`): transformers' PyTorch fallback cannot keep
     the documents apart (it raises a ``ValueError`` that names no fix, or, before 5.20, runs the row as one)."""
-    if not mixers or not is_packed(kwargs):
+    row_keys = ("seq_idx", *VARLEN_KEYS)  # transformers' fallback refuses these even for one sequence
+    if not mixers or not (is_packed(kwargs) or any(kwargs.get(k) is not None for k in row_keys)):
         return
     if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
         return
