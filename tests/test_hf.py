@@ -234,6 +234,35 @@ def test_guard_sets_use_cache_false_and_keeps_generation_working():
     assert out.tolist() == plain.tolist()
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_guard_refuses_use_cache_true_on_a_packed_batch(impl):
+    """With a cache transformers builds no block-diagonal mask from position_ids: an explicit use_cache=True in
+    eval let packed sequences see each other (2.2e-1 in the logits of the tiny Llama) before the guard refused it."""
+    model = tiny_llama(impl).eval()
+    guard_model(model)
+    batch = PaddingFreeCollator(PAD)([{"input_ids": [5, 6, 7, 8, 9, 10, 11], "seq_lengths": [3, 4]}])
+    with pytest.raises(PackingError, match="use_cache=True.*Pass use_cache=False"):
+        model(**batch, use_cache=True)
+    with torch.no_grad():  # left out, the guard passes use_cache=False: the second sequence as if alone
+        packed = model(**batch).logits[0, 3:]
+        alone = model(input_ids=batch["input_ids"][:, 3:]).logits[0]
+    assert (packed - alone).abs().max() < 1e-5
+    prompt = torch.tensor([[5, 6, 7]])  # generation (one sequence) keeps its cache
+    assert model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=PAD).shape == (1, 5)
+
+
+def test_forward_input_check_of_use_cache():
+    packed = np.array([[0, 1, 2, 0, 1]])
+    with pytest.raises(PackingError, match="use_cache=True"):
+        check_forward_inputs({"position_ids": packed, "use_cache": True}, "sdpa")
+    check_forward_inputs(
+        {"position_ids": np.array([[0, 1, 2, 3]]), "use_cache": True}, "sdpa"
+    )  # one sequence
+    check_forward_inputs({"position_ids": packed, "use_cache": False}, "sdpa")
+    cu = {"cu_seq_lens_q": 1, "cu_seq_lens_k": 1, "max_length_q": 3, "max_length_k": 3}
+    check_forward_inputs({"position_ids": packed, **cu, "use_cache": True}, "flash_attention_2")
+
+
 class _Config:
     def __init__(self, impl):
         self._attn_implementation = impl
@@ -357,7 +386,10 @@ def test_prepare_trainer_runs_the_isolation_probe(tmp_path, monkeypatch):
     assert prepare_trainer(trainer_for(tiny_arch("Falcon-H1", "sdpa")))  # per-document layers: exact, probed
     monkeypatch.setattr(prepare_module, "run_mixers_per_document", lambda model, owner=None: None)
     model = tiny_arch("Falcon-H1", "sdpa")
-    with pytest.raises(PackingError, match="FalconH1ForCausalLM with attn_implementation='sdpa' cannot keep"):
+    # the guard refuses the probe's packed batch first (layers neither per document nor with kernels here)
+    with pytest.raises(
+        PackingError, match="FalconH1ForCausalLM's layers .* no varlen kernels on this machine"
+    ):
         prepare_trainer(trainer_for(model))
     assert model.config._attn_implementation == "sdpa"  # a refused model is left on its own backend
     trainer = prepare_trainer(trainer_for(tiny_arch("Falcon-H1", "sdpa")), check_isolation=False)
@@ -407,3 +439,15 @@ def test_prompt_learning_adapters_are_refused_by_name():
     assert err.value.param is None
     refuse_prompt_learning(model(False))  # LoRA-style: accepted
     refuse_prompt_learning(SimpleNamespace())  # no PEFT at all
+
+
+def test_guard_lets_one_padding_free_sequence_keep_its_cache():
+    """use_cache=True is refused only where a row holds several sequences: one sequence with cu_seq_lens is exact."""
+    model = tiny_llama("sdpa").eval()
+    guard_model(model)
+    batch = PaddingFreeCollator(PAD)([{"input_ids": [5, 6, 7, 8], "seq_lengths": [4]}])
+    with torch.no_grad():
+        cached = model(**batch, use_cache=True)
+        plain = model(input_ids=batch["input_ids"], use_cache=False)
+    assert cached.past_key_values is not None
+    assert (cached.logits - plain.logits).abs().max() < 1e-5

@@ -14,7 +14,7 @@ from packtools.errors import PackingError
 from packtools.integrations import check_isolation
 from packtools.integrations.attention.backends import token_mixing_layers
 from packtools.integrations.attention.isolation import IsolationReport
-from packtools.integrations.trainers.guard import guard_model
+from packtools.integrations.trainers.guard import check_forward_inputs, guard_model
 
 
 class Rows:
@@ -129,9 +129,14 @@ def test_leak_hybrid_mixers_without_seq_idx(arch):
     # With them, transformers' PyTorch fallback (no CUDA kernels here) refuses: packtools says what to do.
     with pytest.raises(PackingError, match="cannot keep packed sequences apart on this machine.*do not pack"):
         check_isolation(model)
-    guard_model(model)  # and the guard refuses a packed batch without seq_idx before it reaches the model
-    with pytest.raises(PackingError, match="neither seq_idx nor cu_seq_lens"):
+    guard_model(model)  # and the guard refuses a packed batch before it reaches the model: no kernels here
+    with pytest.raises(PackingError, match="no varlen kernels on this machine.*run_mixers_per_document"):
         check_isolation(model, position_only)
+    # where the kernels are (CUDA), a batch without seq_idx / cu_seq_lens is still refused by the input check
+    with pytest.raises(PackingError, match="neither seq_idx nor cu_seq_lens"):
+        check_forward_inputs(
+            {"position_ids": torch.tensor([[0, 1, 0, 1]])}, "sdpa", ("model.layers.0.mamba",)
+        )
 
 
 def test_attention_only_models_have_no_token_mixing_layers():

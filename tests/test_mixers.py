@@ -332,6 +332,71 @@ def test_gpt_oss_eager_exact_with_masks_from_positions():
     assert not report.leaks and report.grad_diff < 1e-5
 
 
+def test_gpt_oss_guard_alone_refuses_packed_batches_without_masks_from_positions():
+    """guard_model without run_mixers_per_document let GPT-OSS's packed sequences attend to each other (0.2 in
+    the logits, no error) before the guard refused it; with the masks built from positions it passes."""
+    from packtools.integrations.trainers.guard import guard_model
+
+    model = tiny_arch("GPT-OSS", "eager")
+    guard_model(model)
+    for collator in (PaddingFreeCollator(0), PaddingFreeCollator(0, **POSITIONS_ONLY)):
+        batch = collator([{"input_ids": list(range(3, 16)), "seq_lengths": [6, 7]}])
+        with pytest.raises(
+            PackingError, match="GptOssForCausalLM builds its attention masks.*run_mixers_per_doc"
+        ):
+            model(**batch)
+    model(input_ids=torch.tensor([list(range(3, 10))]))  # one sequence, unpacked: not refused
+    run_mixers_per_document(model)
+    report = check_isolation(model)
+    assert not report.leaks and max(report.alone_diff) < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["Qwen3.5", "Nemotron-H"])
+def test_guard_without_per_document_layers_refuses_packed_batches_naming_the_fix(arch):
+    """guard_model alone on a hybrid, on the CPU: a packed batch reached transformers' fallback, which raised a
+    ValueError naming no fix (or, given positions only, the guard's advice to keep seq_idx, no fix here either);
+    now a PackingError naming run_mixers_per_document.  One unpacked sequence still runs."""
+    from packtools.integrations.trainers.guard import guard_model
+
+    model = tiny_arch(arch, "sdpa")
+    guard_model(model)
+    for collator in (PaddingFreeCollator(0), PaddingFreeCollator(0, **POSITIONS_ONLY)):
+        batch = collator([{"input_ids": list(range(3, 16)), "seq_lengths": [6, 7]}])
+        with pytest.raises(PackingError, match="no varlen kernels on this machine.*run_mixers_per_document"):
+            model(**batch)
+    model(input_ids=torch.tensor([list(range(3, 10))]))
+
+
+@pytest.mark.parametrize("arch", ["Qwen3.5", "LFM2"])
+def test_guard_before_run_mixers_per_document_takes_the_handled_layers(arch):
+    """guard_model listed the token-mixing layers when it was registered: called before run_mixers_per_document
+    it refused a positions-only batch the per-document layers keep apart ("would run every packed row as one
+    sequence", false) before it read the handled layers at each call."""
+    from packtools.integrations.trainers.guard import guard_model
+
+    model = tiny_arch(arch, "sdpa")
+    guard_model(model)
+    run_mixers_per_document(model)
+    report = check_isolation(model, PaddingFreeCollator(0, **POSITIONS_ONLY))
+    assert not report.leaks and max(report.alone_diff) < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["Qwen3.5", "LFM2"])
+def test_per_document_layers_refuse_a_cache_on_a_packed_row(arch):
+    """The model's config defaults to use_cache=True: a packed row's documents each read the cache the previous
+    one filled (1.5e-3 at Qwen3.5's first linear attention, no error) before the layers refused it."""
+    model = tiny_arch(arch, "sdpa").eval()
+    run_mixers_per_document(model)
+    assert model.config.use_cache
+    batch = PaddingFreeCollator(0)([{"input_ids": list(range(3, 16)), "seq_lengths": [6, 7]}])
+    with torch.no_grad(), pytest.raises(PackingError, match="got a cache.*use_cache=False"):
+        model(**batch)
+    report = check_isolation(model)  # without a cache: exact
+    assert not report.leaks and max(report.alone_diff) < 1e-5
+    with torch.no_grad():  # generation passes its cache into rows without restarts: untouched
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
 def test_alibi_refused_under_packtools_sdpa_and_kept_on_sdpa():
     from packtools.integrations.attention.backends import use_segmented_sdpa
     from packtools.integrations.attention.segmented import register

@@ -60,6 +60,9 @@ from .backends import base_model, token_mixing_layers
 SEGMENTS_KEY = "packtools_segments"
 #: Keys a per-document call does not pass on (the row's boundaries, which a single document does not have).
 _ROW_KEYS = (*VARLEN_KEYS, "seq_idx", SEGMENTS_KEY)
+#: The names transformers passes a layer's cache under (5.25: ``cache``; earlier: ``cache_params``,
+#: ``past_key_values``): a cache filled on a packed row would hand each document the previous one's state.
+_CACHE_KEYS = ("cache", "cache_params", "past_key_values")
 #: Where the model keeps its :class:`DocumentMixers` (read with :func:`document_mixers`).
 _ATTR = "_packtools_document_mixers"
 #: Model types whose forward builds attention masks without ``position_ids`` (checked in transformers 5.25).
@@ -121,7 +124,7 @@ def segments_of(kwargs: dict[str, Any]) -> Segments | None:
     return None
 
 
-def _kernel_ready(module: Any, device: Any) -> bool:
+def kernel_ready(module: Any, device: Any) -> bool:
     """Whether ``module``'s family has its varlen kernels installed and the module is on CUDA."""
     if getattr(device, "type", None) != "cuda":
         return False
@@ -154,6 +157,14 @@ class _PerDocument:
             if not self.kernel:
                 kwargs = {k: v for k, v in kwargs.items() if k not in _ROW_KEYS}
             return self.original(*args, **kwargs)
+        cache = next((k for k in _CACHE_KEYS if kwargs.get(k) is not None), None)
+        if cache is not None:
+            raise PackingError(
+                f"the token-mixing layer {self.name} got a cache ({cache}=) with a packed row: it would carry its "
+                f"state and convolution window from each document into the next. Pass use_cache=False on packed "
+                f"batches (packtools.integrations.trainers.guard.guard_model(model) passes it whenever the caller "
+                f"does not choose; the model's config defaults to use_cache=True)."
+            )
         hidden = args[0] if args else kwargs.pop("hidden_states")
         rest = args[1:]
         rows, length = int(hidden.shape[0]), int(hidden.shape[1])
@@ -397,7 +408,7 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
         for name in mixers:
             module = modules[name]
             param = next(iter(module.parameters()), None)
-            kernel = kernels and _kernel_ready(module, getattr(param, "device", None))
+            kernel = kernels and kernel_ready(module, getattr(param, "device", None))
             wrapper = _PerDocument(name, module.forward, kernel, module, _enclosing_layer(modules, name))
             replace_mixer_forward(module, wrapper, owner=result)
             if wrapper.layer is not None:

@@ -17,7 +17,8 @@ from ...compat import set_attr
 from ...compat.torch import forward_pre_hook
 from ...constants import VARLEN_KEYS
 from ...errors import PackingError
-from ..attention.backends import attention_implementation, is_flash, token_mixing_layers
+from ..attention.backends import attention_implementation, base_model, is_flash, token_mixing_layers
+from ..attention.mixers import POSITIONLESS_MASKS, document_mixers, kernel_ready
 
 _HOOK_ATTR = "_packtools_guard"
 
@@ -84,6 +85,14 @@ def check_forward_inputs(
             f"(PaddingFreeCollator(return_seq_idx=True, return_flash_attn_kwargs=True)), or do not pack."
         )
     flash = is_flash(implementation)
+    if not flash and kwargs.get("use_cache") is True and is_packed(kwargs):
+        raise PackingError(
+            f"the batch is packed and use_cache=True: with a cache the {implementation!r} attention gets no "
+            f"per-sequence mask from position_ids (transformers builds it only without a cache), so packed "
+            f"sequences would attend to each other. Pass use_cache=False, or leave it out (the guard then "
+            f"passes use_cache=False).",
+            param="use_cache",
+        )
     if pos is None and not flash and any(kwargs.get(k) is not None for k in VARLEN_KEYS):
         raise PackingError(
             f"the batch has cu_seq_lens/max_length but no position_ids: the {implementation!r} attention ignores "
@@ -102,6 +111,75 @@ def check_forward_inputs(
             f"infers sequences from position_ids only for a single row, so these rows would attend across "
             f"sequences. Use PaddingFreeCollator(padding_free=True) (one flat row with cu_seq_lens)."
         )
+
+
+def is_packed(kwargs: Mapping[str, Any]) -> bool:
+    """Whether a forward's inputs hold several sequences in a row: ``cu_seq_lens_q`` with more than one
+    segment, or 2-D ``position_ids`` that restart inside a row between attended tokens (:func:`has_restarts`).
+
+    >>> import numpy as np
+    >>> is_packed({"cu_seq_lens_q": np.array([0, 3, 5])}), is_packed({"cu_seq_lens_q": np.array([0, 5])})
+    (True, False)
+    """
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None and getattr(cu, "ndim", 0) == 1 and len(cu) > 2:
+        return True
+    pos, mask = kwargs.get("position_ids"), kwargs.get("attention_mask")
+    if pos is None or getattr(pos, "ndim", 0) != 2:
+        return False
+    return has_restarts(pos, mask if getattr(mask, "ndim", 0) == 2 else None)
+
+
+def check_unhandled_mixers(model: Any, kwargs: Mapping[str, Any], mixers: tuple[str, ...]) -> None:
+    """Refuse a packed batch for a model whose token-mixing layers ``mixers`` are neither run per document nor
+    have their varlen kernels here (CUDA and the family's packages,
+    :func:`~packtools.integrations.attention.mixers.kernel_ready`): transformers' PyTorch fallback cannot keep
+    the documents apart (it raises a ``ValueError`` that names no fix, or, before 5.20, runs the row as one)."""
+    row_keys = ("seq_idx", *VARLEN_KEYS)  # transformers' fallback refuses these even for one sequence
+    if not mixers or not (is_packed(kwargs) or any(kwargs.get(k) is not None for k in row_keys)):
+        return
+    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+        return
+    base = base_model(model)
+    missing = []
+    for name in mixers:
+        module = base.get_submodule(name)
+        param = next(iter(module.parameters()), None)
+        if not kernel_ready(module, getattr(param, "device", None)):
+            missing.append(name)
+    if missing:
+        raise PackingError(
+            f"{type(base).__name__}'s layers {missing[:3]} mix tokens outside attention and have no varlen "
+            f"kernels on this machine (CUDA with causal-conv1d, plus flash-linear-attention or mamba-ssm): on a "
+            f"packed batch each document would start from the previous one's state. Call "
+            f"packtools.integrations.attention.mixers.run_mixers_per_document(model) before training (it runs "
+            f"them one document at a time; prepare_trainer does), or do not pack.",
+            param="model",
+        )
+
+
+def check_positionless_masks(model: Any, kwargs: Mapping[str, Any], implementation: str | None) -> None:
+    """Refuse a packed batch for a model whose forward builds its attention masks without ``position_ids``
+    (:data:`~packtools.integrations.attention.mixers.POSITIONLESS_MASKS`, GPT-OSS) unless
+    :func:`~packtools.integrations.attention.mixers.run_mixers_per_document` builds them from ``position_ids``:
+    otherwise every packed sequence attends to the ones before it in its row, with no error."""
+    if is_flash(implementation) or kwargs.get("attention_mask") is not None:
+        return
+    base = base_model(model)
+    if getattr(getattr(base, "config", None), "model_type", None) not in POSITIONLESS_MASKS:
+        return
+    done = document_mixers(base)
+    if done is not None and done.masks_from_positions:
+        return
+    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None or not is_packed(kwargs):
+        return
+    raise PackingError(
+        f"{type(base).__name__} builds its attention masks without position_ids, so on {implementation!r} the "
+        f"sequences of a packed row would attend to each other. Call "
+        f"packtools.integrations.attention.mixers.run_mixers_per_document(model) before training (it builds "
+        f"the masks from position_ids; prepare_trainer does), or do not pack.",
+        param="model",
+    )
 
 
 def check_cp_attention(kwargs: Mapping[str, Any], implementation: str | None) -> None:
@@ -143,7 +221,11 @@ def guard_model(model: Any, *, owner: Any = None) -> Any:
         module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         impl = attention_implementation(module)
-        check_forward_inputs(kwargs, impl, mixers)
+        done = document_mixers(module)  # run_mixers_per_document after the guard: its layers are handled now
+        left = mixers if done is None else tuple(m for m in mixers if m not in done.modes)
+        check_unhandled_mixers(module, kwargs, left)  # first: without kernels, seq_idx alone is no fix
+        check_forward_inputs(kwargs, impl, left)
+        check_positionless_masks(module, kwargs, impl)
         generating = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
         if not generating and (kwargs.get("use_cache") is None or module.training):
             kwargs["use_cache"] = False

@@ -85,7 +85,8 @@ def packed_sft_config(**kwargs: Any) -> Any:
     rebuild labels and truncate rows without updating ``seq_lengths``), and by default
     ``padding_free=True`` with ``max_length=None``: an ``SFTTrainer`` built without a ``data_collator``
     then uses TRL's own padding-free collator, which reads ``seq_lengths`` and trains exactly, with or
-    without :func:`~packtools.prepare_trainer`.  ``padding_free=False`` is for passing
+    without :func:`~packtools.prepare_trainer`, on models whose masks come from ``position_ids`` and that have
+    no token-mixing layers (GPT-OSS and hybrids need :func:`~packtools.prepare_trainer`: docs/training.md).  ``padding_free=False`` is for passing
     ``data_collator=PaddingFreeCollator(pad)`` (its options, ``context_parallel``, ``max_tokens``), which TRL
     refuses under ``padding_free=True`` (docs/training.md).  Other arguments pass through.
     """
