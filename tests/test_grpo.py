@@ -713,3 +713,28 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path):
             assert gap > 1e-2, (case, variant, what, gap)  # TRL's own semantics: per-rank token means
         else:
             assert gap <= TOL, (case, variant, what, gap)
+
+
+@pytest.mark.slow
+def test_continuous_batching_generation_is_refused_on_packtools_attention_and_runs_on_the_models_own(
+    tmp_path,
+):
+    """TRL's ``use_transformers_continuous_batching`` generates with the policy itself, and transformers'
+    continuous batching runs only on sdpa, eager or FlashAttention: on the attention packtools installs
+    (``packtools_tree``, ``packtools_sdpa``) the first step stopped inside ``generate_batch`` (failed before this
+    refusal).  Refused by name, the trainer left as TRL built it; plain rows on the model's own sdpa train as TRL."""
+    config = dict(
+        loss_type="grpo",
+        beta=0.1,
+        use_transformers_continuous_batching=True,
+        max_steps=1,
+        max_completion_length=4,
+    )
+    for share in ("auto", False):
+        trainer = build(tmp_path, **config)
+        with pytest.raises(PackingError, match="use_transformers_continuous_batching=True .* on 'packtools_"):
+            prepare_grpo_trainer(trainer, share_prompt=share)
+        assert type(trainer) is trl.GRPOTrainer and trainer.model.config._attn_implementation == "sdpa"
+    ours = build(tmp_path, **config)
+    prepare_grpo_trainer(ours, share_prompt=False, segmented_sdpa=False)
+    assert_same_run(train(build(tmp_path, **config)), train(ours))
