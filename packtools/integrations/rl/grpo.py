@@ -423,7 +423,8 @@ def prepare_grpo_trainer(
     :data:`~packtools.compat.trl.RL_CHECKED`, an unknown ``loss_type``, ``use_liger_kernel``,
     multimodal models or image batches, prompt-learning adapters, attention backends that cannot isolate
     packed sequences, TRL's continuous-batching generation on an attention packtools installed
-    (:func:`refuse_continuous_batching`).  ``packtools.integrations.unprepare(trainer)`` restores the trainer as TRL built it.
+    (:func:`refuse_continuous_batching`).  ``packtools.integrations.unprepare(trainer)`` restores the trainer as
+    TRL built it.
     """
     require("trl", "packtools.prepare_grpo_trainer")
     if plan_of(trainer) is not None:
