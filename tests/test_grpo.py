@@ -738,3 +738,34 @@ def test_continuous_batching_generation_is_refused_on_packtools_attention_and_ru
     ours = build(tmp_path, **config)
     prepare_grpo_trainer(ours, share_prompt=False, segmented_sdpa=False)
     assert_same_run(train(build(tmp_path, **config)), train(ours))
+
+
+def test_a_model_trls_fused_head_cannot_run_is_refused_by_name(tmp_path):
+    """Llama 4's ``base_model`` is the model itself, so TRL's fused LM head (``model.base_model`` for the hidden
+    states) fails inside TRL's own forward; ``prepare_grpo_trainer`` raised that ``AttributeError`` from its probe
+    (failed before: 'MoeCausalLMOutputWithPast' object has no attribute 'last_hidden_state'), and with
+    ``check_isolation=False`` at the first step.  Refused by name, the trainer left as TRL built it."""
+    from _hf_models import word_tokenizer as words
+
+    from packtools.testing import VOCAB as TINY_VOCAB
+    from packtools.testing import tiny_model
+
+    model = tiny_model("Llama 4")
+    model.config.pad_token_id, model.config.eos_token_id = PAD, EOS
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
+        report_to=[], use_cpu=True, save_strategy="no", bf16=False, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = trl.GRPOTrainer(
+        model,
+        reward_funcs=reward_len,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(prompts()),
+        processing_class=words(TINY_VOCAB),
+    )
+    for check in (True, False):
+        with pytest.raises(
+            PackingError, match="TRL's fused LM head cannot run Llama4ForCausalLM.*GRPOTrainer"
+        ):
+            prepare_grpo_trainer(trainer, check_isolation=check)
+        assert type(trainer) is trl.GRPOTrainer and vars(trainer).get("packtools_step") is None

@@ -35,7 +35,13 @@ from typing import Any
 from ..._optional import require
 from ...batches.tree import TREE_KEY
 from ...compat import all_or_nothing
-from ...compat.trl import GRPO_LOSS_TYPES, RL_MEDIA_PARAMS, rl_trainer_kind, trl_logps
+from ...compat.trl import (
+    GRPO_LOSS_TYPES,
+    RL_MEDIA_PARAMS,
+    refuse_headless_base_model,
+    rl_trainer_kind,
+    trl_logps,
+)
 from ...errors import PackingError
 from ..attention.backends import (
     attention_implementation,
@@ -283,6 +289,7 @@ def _check_models(trainer: Any, models: list[Any]) -> bool:
     refuse_multimodal(models, "GRPO/RLOO rows")
     seq_idx = False
     for model in models:
+        refuse_headless_base_model(base_model(model), type(trainer).__name__, "GRPO/RLOO")
         refuse_prompt_learning(model)
         check_attention_implementation(model)
         seq_idx = seq_idx or sends_seq_idx(model)
@@ -420,8 +427,8 @@ def prepare_grpo_trainer(
     models to packtools' per-sequence ``sdpa`` (cost ``sum L_i^2``).  With ``check_isolation=True`` (the default)
     each model first runs :func:`check_rl_forward`: packtools' values must equal TRL's padded ones on a small
     batch, and no sequence may see another.  Refused by name: another trainer, a TRL version outside
-    :data:`~packtools.compat.trl.RL_CHECKED`, an unknown ``loss_type``, ``use_liger_kernel``,
-    multimodal models or image batches, prompt-learning adapters, attention backends that cannot isolate
+    :data:`~packtools.compat.trl.RL_CHECKED`, an unknown ``loss_type``, ``use_liger_kernel``, a model TRL's
+    fused LM head cannot run (Llama 4), multimodal models or image batches, prompt-learning adapters, attention backends that cannot isolate
     packed sequences, TRL's continuous-batching generation on an attention packtools installed
     (:func:`refuse_continuous_batching`).  ``packtools.integrations.unprepare(trainer)`` restores the trainer as
     TRL built it.
