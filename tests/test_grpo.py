@@ -769,3 +769,28 @@ def test_a_model_trls_fused_head_cannot_run_is_refused_by_name(tmp_path):
         ):
             prepare_grpo_trainer(trainer, check_isolation=check)
         assert type(trainer) is trl.GRPOTrainer and vars(trainer).get("packtools_step") is None
+
+
+@pytest.mark.parametrize("share", ["auto", False], ids=["default-shared", "plain"])
+def test_bf16_mixed_precision_is_probed_at_its_precision_and_still_catches_a_leak(
+    tmp_path, monkeypatch, share
+):
+    """``bf16=True`` on a float32 model: accelerate's autocast runs TRL's and packtools' log-probability forwards
+    in bfloat16, and the probe allowed only float32 rounding, so it refused a plain Llama as "absolute position
+    embeddings, or a leak" (failed before: differ from TRL's padded ones by 0.0381).  Probed at bfloat16's
+    tolerance, the run prepares, a micro-batch equals TRL's within bfloat16 rounding, and a leak is refused."""
+    config = dict(beta=0.1, loss_type="grpo", bf16=True)
+    ours, theirs = build(tmp_path, True, share=share, **config), build(tmp_path, **config)
+    assert theirs.accelerator.mixed_precision == "bf16"
+    assert next(theirs.model.parameters()).dtype == torch.float32
+    batch = scored_batch(theirs)
+    exact = loss_metrics_grads(build(tmp_path, **{**config, "bf16": False}), batch)  # float32 throughout
+    trl_error = differs(exact, loss_metrics_grads(theirs, batch))
+    our_error = differs(exact, loss_metrics_grads(ours, batch))
+    assert 0 < our_error <= 2 * trl_error  # bfloat16's rounding, as large as TRL's own
+    layout, broken = ("share_prompts", _siblings_see_each_other) if share else ("unpad_completions", _leaky)
+    monkeypatch.setattr(rl_grpo, layout, broken)
+    with pytest.raises(
+        PackingError, match="isolation probe|leak"
+    ):  # True: "auto" would fall back to plain rows
+        build(tmp_path, True, share=bool(share), **config)

@@ -238,7 +238,10 @@ def check_rl_forward(trainer: Any, model: Any, entropy: bool) -> float:
     training = base.training
     base.eval()
     name = type(base).__name__
-    probe = ProbeDiffs(next(base.parameters()).dtype == torch.float32)
+    # Both forwards run under the trainer's autocast: with bf16/fp16 mixed precision a float32 model computes in
+    # half precision, and the probe allows half precision's rounding.
+    mixed = getattr(trainer.accelerator, "mixed_precision", "no") not in (None, "no")
+    probe = ProbeDiffs(next(base.parameters()).dtype == torch.float32 and not mixed)
     try:
         with torch.no_grad():
             theirs = trl_logps(plan.trl_class, trainer, model, ids, mask, keep, compute_entropy=entropy)
