@@ -713,3 +713,84 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path):
             assert gap > 1e-2, (case, variant, what, gap)  # TRL's own semantics: per-rank token means
         else:
             assert gap <= TOL, (case, variant, what, gap)
+
+
+@pytest.mark.slow
+def test_continuous_batching_generation_is_refused_on_packtools_attention_and_runs_on_the_models_own(
+    tmp_path,
+):
+    """TRL's ``use_transformers_continuous_batching`` generates with the policy itself, and transformers'
+    continuous batching runs only on sdpa, eager or FlashAttention: on the attention packtools installs
+    (``packtools_tree``, ``packtools_sdpa``) the first step stopped inside ``generate_batch`` (failed before this
+    refusal).  Refused by name, the trainer left as TRL built it; plain rows on the model's own sdpa train as TRL."""
+    config = dict(
+        loss_type="grpo",
+        beta=0.1,
+        use_transformers_continuous_batching=True,
+        max_steps=1,
+        max_completion_length=4,
+    )
+    for share in ("auto", False):
+        trainer = build(tmp_path, **config)
+        with pytest.raises(PackingError, match="use_transformers_continuous_batching=True .* on 'packtools_"):
+            prepare_grpo_trainer(trainer, share_prompt=share)
+        assert type(trainer) is trl.GRPOTrainer and trainer.model.config._attn_implementation == "sdpa"
+    ours = build(tmp_path, **config)
+    prepare_grpo_trainer(ours, share_prompt=False, segmented_sdpa=False)
+    assert_same_run(train(build(tmp_path, **config)), train(ours))
+
+
+def test_a_model_trls_fused_head_cannot_run_is_refused_by_name(tmp_path):
+    """Llama 4's ``base_model`` is the model itself, so TRL's fused LM head (``model.base_model`` for the hidden
+    states) fails inside TRL's own forward; ``prepare_grpo_trainer`` raised that ``AttributeError`` from its probe
+    (failed before: 'MoeCausalLMOutputWithPast' object has no attribute 'last_hidden_state'), and with
+    ``check_isolation=False`` at the first step.  Refused by name, the trainer left as TRL built it."""
+    from _hf_models import word_tokenizer as words
+
+    from packtools.testing import VOCAB as TINY_VOCAB
+    from packtools.testing import tiny_model
+
+    model = tiny_model("Llama 4")
+    model.config.pad_token_id, model.config.eos_token_id = PAD, EOS
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
+        report_to=[], use_cpu=True, save_strategy="no", bf16=False, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = trl.GRPOTrainer(
+        model,
+        reward_funcs=reward_len,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(prompts()),
+        processing_class=words(TINY_VOCAB),
+    )
+    for check in (True, False):
+        with pytest.raises(
+            PackingError, match="TRL's fused LM head cannot run Llama4ForCausalLM.*GRPOTrainer"
+        ):
+            prepare_grpo_trainer(trainer, check_isolation=check)
+        assert type(trainer) is trl.GRPOTrainer and vars(trainer).get("packtools_step") is None
+
+
+@pytest.mark.parametrize("share", ["auto", False], ids=["default-shared", "plain"])
+def test_bf16_mixed_precision_is_probed_at_its_precision_and_still_catches_a_leak(
+    tmp_path, monkeypatch, share
+):
+    """``bf16=True`` on a float32 model: accelerate's autocast runs TRL's and packtools' log-probability forwards
+    in bfloat16, and the probe allowed only float32 rounding, so it refused a plain Llama as "absolute position
+    embeddings, or a leak" (failed before: differ from TRL's padded ones by 0.0381).  Probed at bfloat16's
+    tolerance, the run prepares, a micro-batch equals TRL's within bfloat16 rounding, and a leak is refused."""
+    config = dict(beta=0.1, loss_type="grpo", bf16=True)
+    ours, theirs = build(tmp_path, True, share=share, **config), build(tmp_path, **config)
+    assert theirs.accelerator.mixed_precision == "bf16"
+    assert next(theirs.model.parameters()).dtype == torch.float32
+    batch = scored_batch(theirs)
+    exact = loss_metrics_grads(build(tmp_path, **{**config, "bf16": False}), batch)  # float32 throughout
+    trl_error = differs(exact, loss_metrics_grads(theirs, batch))
+    our_error = differs(exact, loss_metrics_grads(ours, batch))
+    assert 0 < our_error <= 2 * trl_error  # bfloat16's rounding, as large as TRL's own
+    layout, broken = ("share_prompts", _siblings_see_each_other) if share else ("unpad_completions", _leaky)
+    monkeypatch.setattr(rl_grpo, layout, broken)
+    with pytest.raises(
+        PackingError, match="isolation probe|leak"
+    ):  # True: "auto" would fall back to plain rows
+        build(tmp_path, True, share=bool(share), **config)

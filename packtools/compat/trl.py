@@ -69,15 +69,22 @@ def fused_forward(base: Any) -> Callable[..., Any]:
             "Build the DPOTrainer first (it adds the head to its models), then call "
             "packtools.prepare_dpo_trainer(trainer).",
         )
-    if getattr(base, "base_model", None) is base:  # TRL's head calls base.base_model for the backbone
+    refuse_headless_base_model(base, "DPOTrainer", "DPO")
+    return found
+
+
+def refuse_headless_base_model(base: Any, trainer_name: str, what: str) -> None:
+    """Refuse a model TRL's fused LM head cannot run: the head calls ``base.base_model`` for the backbone's
+    hidden states, and a model whose ``base_model`` is itself (Llama 4's ``base_model_prefix`` names no
+    submodule) returns its own output there, which fails inside TRL's forward (TRL's unprepared run too)."""
+    if getattr(base, "base_model", None) is base:
         raise PackingError(
             f"TRL's fused LM head cannot run {type(base).__name__}: it calls model.base_model for the backbone's "
             f"hidden states, and this model's base_model is the model itself (its base_model_prefix "
-            f"{getattr(base, 'base_model_prefix', None)!r} names no submodule), so DPOTrainer's forward fails on "
-            f"it. packtools cannot pack DPO for it; train it with TRL's own batches once TRL supports it.",
+            f"{getattr(base, 'base_model_prefix', None)!r} names no submodule), so {trainer_name}'s forward fails "
+            f"on it. packtools cannot pack {what} for it; train it with TRL's own batches once TRL supports it.",
             param="model",
         )
-    return found
 
 
 def wrap_fused_forward(

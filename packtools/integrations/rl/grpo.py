@@ -35,7 +35,13 @@ from typing import Any
 from ..._optional import require
 from ...batches.tree import TREE_KEY
 from ...compat import all_or_nothing
-from ...compat.trl import GRPO_LOSS_TYPES, RL_MEDIA_PARAMS, rl_trainer_kind, trl_logps
+from ...compat.trl import (
+    GRPO_LOSS_TYPES,
+    RL_MEDIA_PARAMS,
+    refuse_headless_base_model,
+    rl_trainer_kind,
+    trl_logps,
+)
 from ...errors import PackingError
 from ..attention.backends import (
     attention_implementation,
@@ -232,7 +238,10 @@ def check_rl_forward(trainer: Any, model: Any, entropy: bool) -> float:
     training = base.training
     base.eval()
     name = type(base).__name__
-    probe = ProbeDiffs(next(base.parameters()).dtype == torch.float32)
+    # Both forwards run under the trainer's autocast: with bf16/fp16 mixed precision a float32 model computes in
+    # half precision, and the probe allows half precision's rounding.
+    mixed = getattr(trainer.accelerator, "mixed_precision", "no") not in (None, "no")
+    probe = ProbeDiffs(next(base.parameters()).dtype == torch.float32 and not mixed)
     try:
         with torch.no_grad():
             theirs = trl_logps(plan.trl_class, trainer, model, ids, mask, keep, compute_entropy=entropy)
@@ -283,10 +292,36 @@ def _check_models(trainer: Any, models: list[Any]) -> bool:
     refuse_multimodal(models, "GRPO/RLOO rows")
     seq_idx = False
     for model in models:
+        refuse_headless_base_model(base_model(model), type(trainer).__name__, "GRPO/RLOO")
         refuse_prompt_learning(model)
         check_attention_implementation(model)
         seq_idx = seq_idx or sends_seq_idx(model)
     return seq_idx
+
+
+#: The attention implementations transformers' continuous-batching generation runs on (5.x,
+#: ``ContinuousMixin.switch_to_cb_friendly_attn``): these, and FlashAttention's.
+CONTINUOUS_BATCHING_ATTENTION = ("sdpa", "eager", "paged|eager")
+
+
+def refuse_continuous_batching(trainer: Any, plan: RLPlan) -> None:
+    """Refuse TRL's ``use_transformers_continuous_batching`` (or the deprecated ``use_transformers_paged``) when
+    the attention packtools installed on the policy for its forwards is one transformers' continuous batching
+    cannot generate with (``packtools_tree``, ``packtools_sdpa``): TRL generates with the same model, so the
+    first step would stop inside ``generate_batch`` on an error naming an implementation the user never chose."""
+    if not getattr(trainer, "use_transformers_continuous_batching", False):
+        return
+    impl = attention_implementation(trainer.model) or ""
+    if impl in CONTINUOUS_BATCHING_ATTENTION or ("flash" in impl and not impl.startswith("paged|")):
+        return
+    layout = "prompt-shared rows" if plan.share_prompt else "plain rows on packtools' per-sequence sdpa"
+    raise PackingError(
+        f"use_transformers_continuous_batching=True (or use_transformers_paged=True): transformers' continuous "
+        f"batching generates only with sdpa, eager or FlashAttention, and packtools runs the policy on {impl!r} "
+        f"({layout}). Use prepare_grpo_trainer(trainer, share_prompt=False, segmented_sdpa=False) (plain rows on "
+        f"the model's own attention), or set use_transformers_continuous_batching=False.",
+        param="use_transformers_continuous_batching",
+    )
 
 
 def prompt_sharing_refusal(trainer: Any, models: list[Any]) -> str | None:
@@ -395,9 +430,11 @@ def prepare_grpo_trainer(
     models to packtools' per-sequence ``sdpa`` (cost ``sum L_i^2``).  With ``check_isolation=True`` (the default)
     each model first runs :func:`check_rl_forward`: packtools' values must equal TRL's padded ones on a small
     batch, and no sequence may see another.  Refused by name: another trainer, a TRL version outside
-    :data:`~packtools.compat.trl.RL_CHECKED`, an unknown ``loss_type``, ``use_liger_kernel``,
-    multimodal models or image batches, prompt-learning adapters, attention backends that cannot isolate
-    packed sequences.  ``packtools.integrations.unprepare(trainer)`` restores the trainer as TRL built it.
+    :data:`~packtools.compat.trl.RL_CHECKED`, an unknown ``loss_type``, ``use_liger_kernel``, a model TRL's
+    fused LM head cannot run (Llama 4), multimodal models or image batches, prompt-learning adapters, attention backends that cannot isolate
+    packed sequences, TRL's continuous-batching generation on an attention packtools installed
+    (:func:`refuse_continuous_batching`).  ``packtools.integrations.unprepare(trainer)`` restores the trainer as
+    TRL built it.
     """
     require("trl", "packtools.prepare_grpo_trainer")
     if plan_of(trainer) is not None:
@@ -409,16 +446,19 @@ def prepare_grpo_trainer(
         share, reason = choose_layout(trainer, models, share_prompt)
         balance, balance_reason = choose_balance(trainer, balance_groups)
     plan = RLPlan(trl_class, share, seq_idx, reason, balance, balance_reason)
-    try:
-        _install(trainer, models, plan, check_isolation=check_isolation, segmented_sdpa=segmented_sdpa)
-    except PackingError as err:
-        if not (share and share_prompt == "auto"):
-            raise
-        # "auto": the tree's probes refused a model the static checks let through (a backend not yet run
-        # here, e.g. flash-attn's varlen kernel on a GPU); plain rows are probed on their own, and the plan says why.
-        why = f"share_prompt='auto' and the tree attention failed its probe ({str(err).rstrip('.')})"
-        plan = replace(plan, share_prompt=False, layout_reason=why)
-        _install(trainer, models, plan, check_isolation=check_isolation, segmented_sdpa=segmented_sdpa)
-        logging.getLogger("packtools").warning("packtools: prepare_grpo_trainer: %s", plan.summary())
+    with all_or_nothing(trainer):
+        try:
+            _install(trainer, models, plan, check_isolation=check_isolation, segmented_sdpa=segmented_sdpa)
+        except PackingError as err:
+            if not (share and share_prompt == "auto"):
+                raise
+            # "auto": the tree's probes refused a model the static checks let through (a backend not yet run
+            # here, e.g. flash-attn's varlen kernel on a GPU); plain rows are probed on their own, and the plan
+            # says why.
+            why = f"share_prompt='auto' and the tree attention failed its probe ({str(err).rstrip('.')})"
+            plan = replace(plan, share_prompt=False, layout_reason=why)
+            _install(trainer, models, plan, check_isolation=check_isolation, segmented_sdpa=segmented_sdpa)
+            logging.getLogger("packtools").warning("packtools: prepare_grpo_trainer: %s", plan.summary())
+        refuse_continuous_batching(trainer, plan)
     logging.getLogger("packtools").info("packtools: prepare_grpo_trainer: %s", plan.summary())
     return trainer
