@@ -81,6 +81,38 @@ def test_detect_format():
     assert err.value.param == "format"
 
 
+@pytest.mark.parametrize(
+    "raw", [{"messages": CONVS[1]}, {"prompt": "hi", "completion": " yo"}, {"text": "hello"}]
+)
+def test_input_ids_beside_raw_columns_are_packed_not_replaced(tmp_path, toks, raw):
+    """A dataset the user tokenized (``input_ids`` + ``labels``) that kept its raw columns is tokenized data,
+    as TRL takes it: before, ``messages`` or ``prompt``/``completion`` beside ``input_ids`` won the detection,
+    and a run with a tokenizer silently replaced the user's ids and labels by a new tokenization (without one,
+    it was refused as "--format 'messages' needs a tokenizer")."""
+    row = {**raw, "input_ids": [5, 6, 7, 8], "labels": [IGNORE_INDEX, IGNORE_INDEX, 7, 8]}
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(row) + "\n")
+    assert detect_format(list(row)) == "tokenized"
+    res = run_pipeline([str(src)], str(tmp_path / "o"), PipelineConfig(max_length=16))
+    assert res.stats["format"] == "tokenized"
+    assert datasets.load_from_disk(str(tmp_path / "o"))[0] == {
+        "input_ids": [5, 6, 7, 8],
+        "labels": [IGNORE_INDEX, IGNORE_INDEX, 7, 8],
+        "seq_lengths": [4],
+    }
+    # a tokenizer given with it is refused, naming the format that tokenizes the raw columns instead
+    with pytest.raises(PackingError, match=r"format='(messages|prompt_completion|text)' to tokenize") as err:
+        run_pipeline([str(src)], str(tmp_path / "o2"), PipelineConfig(max_length=16, tokenizer=toks["plain"]))
+    assert err.value.param == "tokenizer"
+    # and that format, chosen, tokenizes them
+    fmt = detect_format(list(raw))
+    res = run_pipeline(
+        [str(src)], str(tmp_path / "o3"), PipelineConfig(max_length=64, tokenizer=toks["plain"], format=fmt)
+    )
+    assert res.stats["format"] == fmt
+    assert datasets.load_from_disk(str(tmp_path / "o3"))[0]["input_ids"] != [5, 6, 7, 8]
+
+
 def test_text_gets_one_eos(toks):
     bt = BatchTokenizer(toks["plain"], "text")
     tok = load(toks["plain"])
