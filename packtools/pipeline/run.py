@@ -608,6 +608,8 @@ def _run(
                 tool_opener=opener,
             )
             p = plan_parts(rows.eff, rows.bounds, config)
+            if config.strategy == "wrapped":
+                rows.count_wrapped(p, data)
             timings["plan_s"] = round(time.perf_counter() - t1, 3)
             t2 = time.perf_counter()
             wjobs = write_jobs(
