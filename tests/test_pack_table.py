@@ -179,6 +179,21 @@ def test_error_column_named_twice():
     assert PipelineConfig(max_length=4, columns=("input_ids", "labels")).columns == ("input_ids", "labels")
 
 
+def test_pipeline_columns_as_one_string_is_one_column(tmp_path):
+    """``pack_files(..., columns="input_ids")`` was read letter by letter ("columns=['i', 'n', 'p', ...] are not
+    in ..."), while ``pack_table`` takes one name as a string; now both do."""
+    import pyarrow.parquet as pq
+
+    from packtools.pipeline.config import PipelineConfig
+
+    assert PipelineConfig(max_length=4, columns="input_ids").columns == ("input_ids",)
+    assert PipelineConfig(max_length=4, columns=["input_ids"]).columns == ("input_ids",)
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"input_ids": [[1, 2], [3]], "labels": [[1, 2], [3]]}), src)
+    stats = packtools.pack_files(str(src), str(tmp_path / "o"), 4, columns="input_ids").stats
+    assert stats["columns"] == ["input_ids"] and stats["columns_left_out"] == ["labels"]
+
+
 def test_truncate_table():
     table = make_table([[1, 2, 3, 4], [5], []], chunks=2)
     out = packtools.core.truncate_table(table, 2).to_pydict()

@@ -69,8 +69,12 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         check_max_length(self.max_length)
-        if self.columns and not isinstance(self.columns, str):
-            check_columns_unique(self.columns)
+        if (
+            self.columns is not None
+        ):  # one name as a string is one column (as pack_table takes it), not its letters
+            names = (self.columns,) if isinstance(self.columns, str) else tuple(self.columns)
+            check_columns_unique(names)
+            object.__setattr__(self, "columns", names)
         check_engine(self.tokenizer_engine)
         check_audit_rate(self.tokenizer_audit)
         check_on_unencodable(self.on_unencodable)
