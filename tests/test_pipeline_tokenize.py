@@ -302,3 +302,29 @@ def test_num_proc_gives_the_same_output(tmp_path, toks):
     a = datasets.load_from_disk(str(tmp_path / "a")).data.table
     b = datasets.load_from_disk(str(tmp_path / "b")).data.table
     assert a.equals(b)
+
+
+def test_input_in_which_nothing_trains_is_refused(tmp_path, toks):
+    """Chat rows whose roles no template calls 'assistant' (ShareGPT's 'human' / 'gpt') have no trained token:
+    the run packed them with status 0, no warning (a summary line under --quiet was all), into rows that train
+    nothing. Now it stops naming the cause; rows without a trained token beside rows with one are still kept
+    and counted."""
+    src = tmp_path / "sharegpt.jsonl"
+    convs = [[{"role": "human", "content": f"q{i}"}, {"role": "gpt", "content": f"a{i}"}] for i in range(4)]
+    src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    config = PipelineConfig(max_length=128, tokenizer=toks["plain"])
+    with pytest.raises(PackingError, match=r"has a trained token .* check the roles \(ShareGPT's 'human'"):
+        run_pipeline([str(src)], str(tmp_path / "o"), config)
+    assert not (tmp_path / "o").exists()
+    # tokenized labels all -100: the same refusal, in its own words
+    tok_src = tmp_path / "tok.parquet"
+    pq.write_table(
+        pa.table({"input_ids": [[1, 2], [3]], "labels": [[IGNORE_INDEX] * 2, [IGNORE_INDEX]]}), tok_src
+    )
+    with pytest.raises(PackingError, match=r"every label is -100"):
+        run_pipeline([str(tok_src)], str(tmp_path / "o2"), PipelineConfig(max_length=8))
+    # control: one trained row among them is enough; the others are kept and counted
+    convs.append([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
+    src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    res = run_pipeline([str(src)], str(tmp_path / "o"), config)
+    assert res.stats["rows_unlabeled"] == 4 and res.stats["tokens_trained_in"] > 0

@@ -29,6 +29,7 @@ from ..core.cp_budget import budgets, cp_padded_lengths, cp_stats, to_real_plan
 from ..core.pack import pack_columns, read_columns
 from ..core.plan import PackPlan
 from ..core.plan import plan as make_plan
+from ..errors import PackingError
 from .gather import WriteJob, shard_name
 
 if TYPE_CHECKING:
@@ -364,6 +365,28 @@ class RowPlan:
         return out
 
 
+def check_something_trains(rows: RowPlan, fmt: str) -> None:
+    """Refuse input with labels in which no row has a trained token: the output would train nothing, and a run
+    that ends with status 0 says so only in a summary line.  Rows without one are kept and counted when others
+    train (a conversation without an assistant turn); all of them is a mistake upstream, named with its usual
+    cause."""
+    if rows.first is None:
+        return
+    has_tokens = rows.lengths > 0
+    if not has_tokens.any() or (rows.first[has_tokens] < rows.lengths[has_tokens]).any():
+        return
+    why = {
+        "messages": "the loss is on the assistant messages (role 'assistant'), and no row has one: check the "
+        "roles (ShareGPT's 'human' / 'gpt' are 'user' / 'assistant' to a chat template)",
+        "prompt_completion": "the loss is on the completions, and every one is empty",
+    }.get(fmt, "every label is -100")
+    raise PackingError(
+        f"no row of the input ({int(has_tokens.sum()):,} rows with tokens) has a trained token (a label other "
+        f"than -100), so the packed output would train nothing: {why}. Fix the data; rows without one are "
+        f"kept and counted when others train."
+    )
+
+
 def row_plan(
     sidecars: Sequence[tuple[np.ndarray, np.ndarray]],
     columns: Sequence[str],
@@ -393,6 +416,4 @@ def row_plan(
             per_row = (
                 np.concatenate(list(trained)).astype(np.int64) if len(trained) else np.zeros(0, np.int64)
             )
-    return RowPlan(
-        lengths, bounds, eff, counts, rows_unlabeled, per_row, first=first if per_row is not None else None
-    )
+    return RowPlan(lengths, bounds, eff, counts, rows_unlabeled, per_row, first=first)
