@@ -255,3 +255,24 @@ def test_conversational_preference_rows_keep_their_own_values(tmp_path, tok_dir)
         for side in ("chosen", "rejected"):
             want = tok.apply_chat_template(r["prompt"] + r[side], tokenize=True, return_dict=False)
             assert out["prompt_input_ids"][i] + out[f"{side}_input_ids"][i] == want
+
+
+def test_a_row_without_messages_is_named_as_such(tmp_path, tok_dir):
+    """A JSON-lines file whose rows mix text and chat (one row {"text": ...}, the next {"messages": [...]}) is
+    chat data by its columns; the text row was refused as 'not a list of messages (every message with a
+    role)', which reads as a malformed conversation. Now the error says the row has no 'messages'."""
+    from packtools import PackingError
+
+    src = tmp_path / "mixed.jsonl"
+    src.write_text(
+        json.dumps({"text": "plain"})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+        + "\n"
+    )
+    with pytest.raises(
+        PackingError, match=r"line 1: column 'messages' is null \(the row has no 'messages'\)"
+    ):
+        run_pipeline([str(src)], str(tmp_path / "o"), PipelineConfig(max_length=64, tokenizer=tok_dir))
+    with pytest.raises(PackingError, match=r"row 3: column 'messages' is null"):
+        clean_messages(None, "messages", 3)

@@ -192,3 +192,29 @@ def test_the_leak_refusal_names_the_collator_and_the_argument_to_change():
     with pytest.raises(PackingError, match=r"from AddsMask\)") as err:
         check_isolation(tiny_llama("sdpa"), AddsMask())
     assert "data_collator=packtools.PaddingFreeCollator(tokenizer.pad_token_id)" in str(err.value)
+
+
+# -- a loaded tokenizer object where a folder is taken (data44) -----------------------------------------------
+def test_a_tokenizer_object_is_refused_naming_save_pretrained(tmp_path):
+    """``pack_files`` / ``profile_files`` take the tokenizer's folder (its files decide the ids and the cache
+    keys); a loaded tokenizer object, the natural thing to pass in a notebook, failed with os.fspath's
+    TypeError. Now one PackingError names ``tokenizer=`` and ``save_pretrained``, and nothing is written."""
+    from packtools import pack_files, profile_files
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"text": "hello"}) + "\n")
+
+    class Tokenizer:  # what a user holds: any object that is not a path
+        pass
+
+    out = tmp_path / "out"
+    for call in (
+        lambda: pack_files(str(src), str(out), max_length=8, tokenizer=Tokenizer()),
+        lambda: profile_files(str(src), tokenizer=Tokenizer(), stage_cache=False),
+    ):
+        with pytest.raises(
+            PackingError, match=r"got a Tokenizer; save it with tokenizer.save_pretrained"
+        ) as err:
+            call()
+        assert err.value.param == "tokenizer"
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]

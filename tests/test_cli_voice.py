@@ -81,3 +81,18 @@ def test_ctrl_c_before_the_command_runs_is_one_line_and_130(monkeypatch, capsys)
     assert capsys.readouterr().err == "packtools pack: interrupted by Ctrl-C; stopped.\n"
     assert main(["--help"]) == 130
     assert capsys.readouterr().err == "packtools: interrupted by Ctrl-C; stopped.\n"
+
+
+def test_cli_errors_name_the_flags_not_the_python_arguments():
+    """Two library messages a command-line user reads told them to pass Python arguments that the command
+    spells otherwise: a tokenizer without eos_token said 'pass add_eos=False' (the flag is --no-eos), and the
+    engine errors said tokenizer_engine='auto' (--tokenizer-engine auto)."""
+    from packtools.cli.main import cli_words
+
+    no_eos = (
+        "the tokenizer in '/t' has no eos_token, so none can end each sequence; set eos_token in its "
+        "tokenizer_config.json or pass add_eos=False."
+    )
+    assert cli_words(no_eos, "tokenizer").endswith("or pass --no-eos.")
+    engine = "transformers can: rerun with tokenizer_engine='auto' or 'transformers'."
+    assert cli_words(engine) == "transformers can: rerun with --tokenizer-engine 'auto' or 'transformers'."

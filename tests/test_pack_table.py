@@ -162,6 +162,38 @@ def test_error_arguments():
         packtools.pack_table(pa.table({"x": [["a"]]}), 4)
 
 
+def test_error_column_named_twice():
+    """A column named twice in ``columns=`` was packed twice: pack_table returned a table with two
+    'input_ids' columns and pack_dataset failed with Arrow's KeyError; now one PackingError names it."""
+    table = pa.table({"input_ids": [[1, 2], [3]], "labels": [[1, 2], [3]]})
+    with pytest.raises(packtools.PackingError, match=r"names 'input_ids' more than once") as err:
+        packtools.pack_table(table, 4, columns=["input_ids", "labels", "input_ids"])
+    assert err.value.param == "columns"
+    datasets = pytest.importorskip("datasets")
+    with pytest.raises(packtools.PackingError, match=r"names 'input_ids' more than once"):
+        packtools.pack_dataset(datasets.Dataset(table), 4, columns=["input_ids", "input_ids"])
+    from packtools.pipeline.config import PipelineConfig
+
+    with pytest.raises(packtools.PackingError, match=r"names 'labels' more than once"):
+        PipelineConfig(max_length=4, columns=("input_ids", "labels", "labels"))
+    assert PipelineConfig(max_length=4, columns=("input_ids", "labels")).columns == ("input_ids", "labels")
+
+
+def test_pipeline_columns_as_one_string_is_one_column(tmp_path):
+    """``pack_files(..., columns="input_ids")`` was read letter by letter ("columns=['i', 'n', 'p', ...] are not
+    in ..."), while ``pack_table`` takes one name as a string; now both do."""
+    import pyarrow.parquet as pq
+
+    from packtools.pipeline.config import PipelineConfig
+
+    assert PipelineConfig(max_length=4, columns="input_ids").columns == ("input_ids",)
+    assert PipelineConfig(max_length=4, columns=["input_ids"]).columns == ("input_ids",)
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"input_ids": [[1, 2], [3]], "labels": [[1, 2], [3]]}), src)
+    stats = packtools.pack_files(str(src), str(tmp_path / "o"), 4, columns="input_ids").stats
+    assert stats["columns"] == ["input_ids"] and stats["columns_left_out"] == ["labels"]
+
+
 def test_truncate_table():
     table = make_table([[1, 2, 3, 4], [5], []], chunks=2)
     out = packtools.core.truncate_table(table, 2).to_pydict()

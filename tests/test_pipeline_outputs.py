@@ -210,3 +210,19 @@ def test_a_concurrent_load_from_disk_sees_the_old_or_the_new_output_whole(tmp_pa
         reader.join()
     counts = [n for n in seen if n != "gone"]
     assert counts and set(counts) <= wants, sorted(set(counts) - wants)
+
+
+@pytest.mark.parametrize("name", ["packed.jsonl", "packed.feather", "packed.json.gz", "train.parquet"])
+def test_an_out_named_like_a_data_file_is_refused(tmp_path, src, capsys, name):
+    """``packtools pack data/ --out packed.jsonl`` (or .feather, .json.gz; ``pack_files(..., 'train.parquet')``)
+    used to write a folder under that file name without a word: the user asked for a file and got a
+    save_to_disk folder named like one. Now the run stops naming the folder to give instead, writing nothing."""
+    out = str(tmp_path / name)
+    with pytest.raises(PackingError, match=r"is named like a \.\w+ file, but the output is a folder") as err:
+        pack_files(src, out, max_length=8)
+    assert err.value.param == "out"
+    if not name.endswith(".parquet"):  # the command packs --out FILE.parquet in memory, as documented
+        assert "(--out)" in fails(["pack", src, "--out", out, "--max-length", "8", "--quiet"], capsys)
+    assert sorted(os.listdir(tmp_path)) == ["in.parquet"]
+    # control: a folder name with a dot in it is still a folder name
+    assert pack_files(src, str(tmp_path / "packed.v2"), max_length=8).stats["rows_in"] == 3

@@ -81,6 +81,38 @@ def test_detect_format():
     assert err.value.param == "format"
 
 
+@pytest.mark.parametrize(
+    "raw", [{"messages": CONVS[1]}, {"prompt": "hi", "completion": " yo"}, {"text": "hello"}]
+)
+def test_input_ids_beside_raw_columns_are_packed_not_replaced(tmp_path, toks, raw):
+    """A dataset the user tokenized (``input_ids`` + ``labels``) that kept its raw columns is tokenized data,
+    as TRL takes it: before, ``messages`` or ``prompt``/``completion`` beside ``input_ids`` won the detection,
+    and a run with a tokenizer silently replaced the user's ids and labels by a new tokenization (without one,
+    it was refused as "--format 'messages' needs a tokenizer")."""
+    row = {**raw, "input_ids": [5, 6, 7, 8], "labels": [IGNORE_INDEX, IGNORE_INDEX, 7, 8]}
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(row) + "\n")
+    assert detect_format(list(row)) == "tokenized"
+    res = run_pipeline([str(src)], str(tmp_path / "o"), PipelineConfig(max_length=16))
+    assert res.stats["format"] == "tokenized"
+    assert datasets.load_from_disk(str(tmp_path / "o"))[0] == {
+        "input_ids": [5, 6, 7, 8],
+        "labels": [IGNORE_INDEX, IGNORE_INDEX, 7, 8],
+        "seq_lengths": [4],
+    }
+    # a tokenizer given with it is refused, naming the format that tokenizes the raw columns instead
+    with pytest.raises(PackingError, match=r"format='(messages|prompt_completion|text)' to tokenize") as err:
+        run_pipeline([str(src)], str(tmp_path / "o2"), PipelineConfig(max_length=16, tokenizer=toks["plain"]))
+    assert err.value.param == "tokenizer"
+    # and that format, chosen, tokenizes them
+    fmt = detect_format(list(raw))
+    res = run_pipeline(
+        [str(src)], str(tmp_path / "o3"), PipelineConfig(max_length=64, tokenizer=toks["plain"], format=fmt)
+    )
+    assert res.stats["format"] == fmt
+    assert datasets.load_from_disk(str(tmp_path / "o3"))[0]["input_ids"] != [5, 6, 7, 8]
+
+
 def test_text_gets_one_eos(toks):
     bt = BatchTokenizer(toks["plain"], "text")
     tok = load(toks["plain"])
@@ -270,3 +302,29 @@ def test_num_proc_gives_the_same_output(tmp_path, toks):
     a = datasets.load_from_disk(str(tmp_path / "a")).data.table
     b = datasets.load_from_disk(str(tmp_path / "b")).data.table
     assert a.equals(b)
+
+
+def test_input_in_which_nothing_trains_is_refused(tmp_path, toks):
+    """Chat rows whose roles no template calls 'assistant' (ShareGPT's 'human' / 'gpt') have no trained token:
+    the run packed them with status 0, no warning (a summary line under --quiet was all), into rows that train
+    nothing. Now it stops naming the cause; rows without a trained token beside rows with one are still kept
+    and counted."""
+    src = tmp_path / "sharegpt.jsonl"
+    convs = [[{"role": "human", "content": f"q{i}"}, {"role": "gpt", "content": f"a{i}"}] for i in range(4)]
+    src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    config = PipelineConfig(max_length=128, tokenizer=toks["plain"])
+    with pytest.raises(PackingError, match=r"has a trained token .* check the roles \(ShareGPT's 'human'"):
+        run_pipeline([str(src)], str(tmp_path / "o"), config)
+    assert not (tmp_path / "o").exists()
+    # tokenized labels all -100: the same refusal, in its own words
+    tok_src = tmp_path / "tok.parquet"
+    pq.write_table(
+        pa.table({"input_ids": [[1, 2], [3]], "labels": [[IGNORE_INDEX] * 2, [IGNORE_INDEX]]}), tok_src
+    )
+    with pytest.raises(PackingError, match=r"every label is -100"):
+        run_pipeline([str(tok_src)], str(tmp_path / "o2"), PipelineConfig(max_length=8))
+    # control: one trained row among them is enough; the others are kept and counted
+    convs.append([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
+    src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    res = run_pipeline([str(src)], str(tmp_path / "o"), config)
+    assert res.stats["rows_unlabeled"] == 4 and res.stats["tokens_trained_in"] > 0

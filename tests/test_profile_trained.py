@@ -79,3 +79,34 @@ def test_the_tradeoff_plot_draws_trained_tokens_kept(chat):
     line = next(ln for ln in ax.lines if ln.get_label() == "trained (label) tokens kept, bfd")
     want = [100 * r.trained_kept for r in profile.tradeoffs([64, 128, 256])]
     assert list(line.get_ydata()) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("overlong", ["split", "truncate"])
+def test_wrapped_counts_trained_tokens_by_its_packed_rows(tmp_path, overlong):
+    """Under ``wrapped`` each packed row is one sequence as the model sees it (no ``seq_lengths``; the collator
+    masks the row's first label). The manifest counted by the input documents instead: every trained token
+    kept and no sequence untrained, while rows cut from a long prompt train nothing and each row's first
+    trained token is masked. The counts are checked against the written rows."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ignore = -100
+    docs = [
+        ([ignore] * 11 + [5, 6, 7], 14),  # a long prompt: its first rows train nothing
+        ([1, 2, 3, 4, 5], 5),  # trained from its first token
+        ([ignore, 8, 9], 3),
+        ([ignore] * 9 + [4], 10),
+        ([7] * 6, 6),
+    ]
+    labels = [lab for lab, _ in docs]
+    src = tmp_path / "tok.parquet"
+    pq.write_table(pa.table({"input_ids": [[3] * n for _, n in docs], "labels": labels}), src)
+    stats = pack_files(str(src), str(tmp_path / "o"), 4, "wrapped", overlong=overlong).stats
+    rows = datasets.load_from_disk(str(tmp_path / "o"))["labels"]
+    trained = [sum(x != ignore for x in row[1:]) for row in rows]
+    assert stats["tokens_trained_kept"] == sum(trained)
+    assert stats["sequences_untrained"] == sum(t == 0 for t in trained) > 0
+    assert stats["tokens_untrained"] == sum(len(r) for r, t in zip(rows, trained) if t == 0)
+    # the input's own figure is unchanged: labels after each document's first token
+    assert stats["tokens_trained_in"] == sum(sum(x != ignore for x in lab[1:]) for lab in labels)

@@ -68,6 +68,8 @@ _PYTHON_WORDS = (
     ("drop_unlabeled=False (keep unlabeled)", "--keep-unlabeled"),
     ("drop_unlabeled=True", "--drop-unlabeled"),
     ("shuffle=True", "--shuffle"),
+    ("add_eos=False", "--no-eos"),
+    ("tokenizer_engine=", "--tokenizer-engine "),
     ("executor=", "--executor "),
 )
 

@@ -77,6 +77,24 @@ def check_not_packed(table: pa.Table) -> None:
             )
 
 
+def check_columns_unique(columns: Sequence[str]) -> None:
+    """Refuse a column named twice in ``columns=`` (``--columns``): it would be packed twice into two output
+    columns of one name, which Arrow keeps and ``datasets`` cannot open.
+
+    >>> check_columns_unique(["input_ids", "labels", "input_ids"])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: columns=['input_ids', 'labels', 'input_ids'] names 'input_ids' more than once...
+    """
+    twice = [c for c in dict.fromkeys(columns) if list(columns).count(c) > 1]
+    if twice:
+        raise PackingError(
+            f"columns={list(columns)} names {', '.join(map(repr, twice))} more than once; name each column to "
+            f"pack once.",
+            param="columns",
+        )
+
+
 def _select_columns(table: pa.Table, columns: Sequence[str] | None) -> list[str]:
     if columns is None:
         names = list(table.column_names)
@@ -85,6 +103,7 @@ def _select_columns(table: pa.Table, columns: Sequence[str] | None) -> list[str]
         return names
     if isinstance(columns, str):
         columns = [columns]
+    check_columns_unique(columns)
     missing = [c for c in columns if c not in table.column_names]
     if missing:
         raise PackingError(f"columns {missing} are not in the table; it has {table.column_names}.")

@@ -18,12 +18,13 @@ from typing import Any
 
 from ..constants import __version__
 from ..core.cp_budget import check_context_parallel
+from ..core.pack import check_columns_unique
 from ..core.plan import check_max_length, check_strategy
 from ..errors import PackingError, check_choice
 from ..io.discover import InputFile
 from ..io.fingerprint import cache_key
 from ..io.manifest import MANIFEST_FORMAT
-from .formats import FORMATS
+from .formats import FORMATS, input_columns, raw_format
 from .tokenizer.char_drops import check_on_unencodable
 from .tokenizer.fast import check_audit_rate, check_engine, engine_key
 from .tokenizer.folder import tokenizer_fingerprint
@@ -68,6 +69,12 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         check_max_length(self.max_length)
+        if (
+            self.columns is not None
+        ):  # one name as a string is one column (as pack_table takes it), not its letters
+            names = (self.columns,) if isinstance(self.columns, str) else tuple(self.columns)
+            check_columns_unique(names)
+            object.__setattr__(self, "columns", names)
         check_engine(self.tokenizer_engine)
         check_audit_rate(self.tokenizer_audit)
         check_on_unencodable(self.on_unencodable)
@@ -163,9 +170,11 @@ def fingerprint(files: Sequence[InputFile], config: PipelineConfig) -> dict[str,
     return {"fingerprint": digest, **body}
 
 
-def check_options_used(config: PipelineConfig, fmt: str) -> None:
+def check_options_used(config: PipelineConfig, fmt: str, columns: Sequence[str] = ()) -> None:
     """Refuse, by name, an option that cannot change anything for data of format ``fmt`` (a user who gave it
-    expected an effect; the vision path refuses its unused options the same way)."""
+    expected an effect; the vision path refuses its unused options the same way).  ``columns``: the first
+    input's, so that a tokenizer given with tokenized data that also holds raw columns is told the format that
+    tokenizes them."""
     if fmt == "text" and config.drop_unlabeled is not None:
         flag = "drop_unlabeled=True" if config.drop_unlabeled else "drop_unlabeled=False (keep unlabeled)"
         raise PackingError(
@@ -180,8 +189,15 @@ def check_options_used(config: PipelineConfig, fmt: str) -> None:
             param="max_prompt_length",
         )
     if fmt == "tokenized" and config.tokenizer is not None:
+        raw = raw_format(columns) if config.format is None else None
+        fix = (
+            f"Leave it out to pack the input's 'input_ids' as they are, or pass format={raw!r} to tokenize its "
+            f"{input_columns(raw)} columns instead (the input holds both)."
+            if raw
+            else "Leave it out (or give text, chat or preference data to tokenize)."
+        )
         raise PackingError(
             f"tokenizer={config.tokenizer!r} with tokenized data: token ids are packed as they are and the "
-            f"tokenizer is never used. Leave it out (or give text, chat or preference data to tokenize).",
+            f"tokenizer is never used. {fix}",
             param="tokenizer",
         )

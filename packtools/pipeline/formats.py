@@ -33,11 +33,12 @@ def at(first_row: Row, i: int = 0) -> str:
     return first_row(i) if callable(first_row) else f"row {first_row + i}"
 
 
-def detect_format(columns: Sequence[str]) -> str:
-    """Guess the format from column names.
+def raw_format(columns: Sequence[str]) -> str | None:
+    """The raw (to be tokenized) format that ``columns`` hold, whether or not an ``input_ids`` column stands
+    beside them; None when they hold none.
 
-    >>> detect_format(["prompt", "chosen", "rejected"]), detect_format(["text", "id"])
-    ('preference', 'text')
+    >>> raw_format(["messages", "input_ids", "labels"]), raw_format(["input_ids"])
+    ('messages', None)
     """
     names = set(columns)
     if {"prompt", "chosen", "rejected"} <= names:
@@ -46,12 +47,29 @@ def detect_format(columns: Sequence[str]) -> str:
         return "prompt_completion"
     if "messages" in names:
         return "messages"
-    if "input_ids" in names:
-        return "tokenized"
     if "text" in names:
         return "text"
+    return None
+
+
+def detect_format(columns: Sequence[str]) -> str:
+    """Guess the format from column names.  An ``input_ids`` column makes the data ``tokenized`` whatever raw
+    columns stand beside it (a ``datasets.map`` that tokenized them keeps them), as TRL's trainers take a dataset
+    with ``input_ids`` as already processed: the ids (and ``labels``) the user made are packed, not replaced by
+    a new tokenization of the raw columns.  ``format=`` chooses the raw format instead.
+
+    >>> detect_format(["prompt", "chosen", "rejected"]), detect_format(["text", "id"])
+    ('preference', 'text')
+    >>> detect_format(["messages", "input_ids", "labels"])
+    'tokenized'
+    """
+    if "input_ids" in set(columns):
+        return "tokenized"
+    fmt = raw_format(columns)
+    if fmt is not None:
+        return fmt
     raise PackingError(
-        f"cannot tell the data format from the columns {sorted(names)}; expected 'text', 'prompt'+'completion', "
+        f"cannot tell the data format from the columns {sorted(set(columns))}; expected 'text', 'prompt'+'completion', "
         f"'messages', 'prompt'+'chosen'+'rejected' or 'input_ids'. Pass format={{{','.join(FORMATS)}}}.",
         param="format",
     )

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from ..compat.datasets import saved_data_files
 from ..constants import MANIFEST
 from ..errors import PackingError
-from ..io.discover import InputFile
+from ..io.discover import COMPRESSED, SUFFIX_KINDS, InputFile
 from ..io.manifest import has_manifest_file, read_manifest
 
 #: Files of a packtools output besides the data files its ``state.json`` lists.
@@ -68,6 +68,7 @@ def check_out(out: str, inputs: Sequence[str], files: Sequence[InputFile]) -> No
                     param="out",
                 )
     if not os.path.lexists(out):
+        _refuse_file_name(out)
         return
     if not os.path.isdir(out):
         raise PackingError(
@@ -89,6 +90,21 @@ def check_out(out: str, inputs: Sequence[str], files: Sequence[InputFile]) -> No
                 f"folder.",
                 param="out",
             )
+
+
+def _refuse_file_name(out: str) -> None:
+    """Refuse a new ``out`` named like a data file (``packed.jsonl``, ``train.parquet``): the run writes a folder,
+    and a folder under a file's name is not what was asked for (and a later run given its parent would take
+    that folder for a file of that type)."""
+    suffix = os.path.splitext(out.rstrip(os.sep))[1].lower()
+    if suffix in SUFFIX_KINDS or suffix in COMPRESSED:
+        raise PackingError(
+            f"out={out!r} is named like a {suffix} file, but the output is a folder (a datasets save_to_disk "
+            f"dataset with its manifest, which datasets.load_from_disk opens); name a folder, e.g. "
+            f"{os.path.splitext(out.rstrip(os.sep))[0]!r}. (Tokenized input packed into one file: packtools pack "
+            f"IN.parquet --out FILE.parquet|.arrow, or packtools.pack_table.)",
+            param="out",
+        )
 
 
 def check_replaceable(out: str) -> None:

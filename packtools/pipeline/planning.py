@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from ..constants import IGNORE_INDEX
 from ..core.arrow import numeric_array
 from ..core.cp_budget import budgets, cp_padded_lengths, cp_stats, to_real_plan
 from ..core.pack import pack_columns, read_columns
 from ..core.plan import PackPlan
 from ..core.plan import plan as make_plan
+from ..errors import PackingError
 from .gather import WriteJob, shard_name
 
 if TYPE_CHECKING:
@@ -219,6 +221,8 @@ class RowPlan:
     trained_eff: np.ndarray | None = None  # per planned row, its trained tokens in what is packed (eff)
     whole_split: np.ndarray | None = None  # rows the plan itself splits (split_at="tokens", every piece kept)
     idle_pieces: tuple[int, int] = (0, 0)  # their pieces without a trained token, and the tokens in those
+    first: np.ndarray | None = None  # per input row, its first trained position (labels; load_sidecar)
+    by_packed_row: tuple[int, int, int] | None = None  # wrapped: trained, untrained rows and their tokens
 
     def split_labelled(  # noqa: PLR0913
         self,
@@ -275,6 +279,46 @@ class RowPlan:
         self.bounds = [*self.bounds, self.bounds[-1] + int(got.lengths.shape[0])]
         return [*data, path]
 
+    def count_wrapped(self, p: PackPlan, data: Sequence[str]) -> None:
+        """Under ``wrapped``, count what trains by the packed rows: each row is one sequence as the model sees it
+        (no ``seq_lengths``; the collator masks its first label), so a document's first token trains where it
+        falls inside a row and a row's first token does not, and a row cut from a long prompt trains nothing.
+        Documents the plan keeps whole are counted from their sidecars; those it cuts are read (their labels
+        only, one staged part at a time)."""
+        from .turn_split import staged_rows
+
+        if self.trained is None or self.first is None or p.num_rows == 0:
+            return
+        src = np.asarray(p.seg_source, np.int64)
+        start = np.asarray(p.seg_start, np.int64)
+        length = np.asarray(p.seg_length, np.int64)
+        whole = (start == 0) & (length == self.lengths[src])
+        head_trained = (self.first == 0) & (self.lengths > 0)  # a document's first token trains
+        seg = np.where(whole, self.trained[src] + head_trained[src], 0)
+        row_first = np.asarray(p.row_offsets[:-1], np.int64)
+        lead = np.where(start[row_first] == 0, head_trained[src[row_first]], False).astype(np.int64)
+        cut = np.flatnonzero(~whole)
+        if cut.size:
+            cut = cut[np.argsort(src[cut], kind="stable")]
+            firsts = {int(r): i for i, r in enumerate(row_first)}  # segment -> packed row it starts
+            bounds = np.searchsorted(src[cut], np.unique(src[cut]))
+            groups = np.split(cut, bounds[1:])
+            for (_, cols), segs in zip(
+                staged_rows(data, self.bounds, np.unique(src[cut]), ["labels"]), groups
+            ):
+                trains = cols["labels"] != IGNORE_INDEX
+                csum = np.concatenate([[0], np.cumsum(trains, dtype=np.int64)])
+                seg[segs] = csum[start[segs] + length[segs]] - csum[start[segs]]
+                for sg in segs:
+                    if int(sg) in firsts and length[sg] > 0:
+                        lead[firsts[int(sg)]] = int(trains[start[sg]])
+        per_row = np.add.reduceat(seg, row_first) - lead if seg.size else np.zeros(0, np.int64)
+        empty = np.diff(np.asarray(p.row_offsets, np.int64)) == 0
+        per_row[empty] = 0
+        idle = per_row == 0
+        row_tokens = np.add.reduceat(length, row_first) if length.size else np.zeros(0, np.int64)
+        self.by_packed_row = (int(per_row.sum()), int(idle.sum()), int(row_tokens[idle].sum()))
+
     def stats(self, p: PackPlan, shards: int, config: PipelineConfig) -> dict[str, Any]:
         """The statistics of the output packed by ``p`` in ``shards`` shards (the manifest's ``stats``)."""
         lengths, tokens_in = self.lengths, int(self.lengths.sum())
@@ -315,7 +359,32 @@ class RowPlan:
                     "tokens_untrained": int(self.eff[idle].sum()) + self.idle_pieces[1],
                 }
             )
+            if self.by_packed_row is not None:  # wrapped: its packed rows are the sequences
+                kept, rows, tokens = self.by_packed_row
+                out.update(tokens_trained_kept=kept, sequences_untrained=rows, tokens_untrained=tokens)
         return out
+
+
+def check_something_trains(rows: RowPlan, fmt: str) -> None:
+    """Refuse input with labels in which no row has a trained token: the output would train nothing, and a run
+    that ends with status 0 says so only in a summary line.  Rows without one are kept and counted when others
+    train (a conversation without an assistant turn); all of them is a mistake upstream, named with its usual
+    cause."""
+    if rows.first is None:
+        return
+    has_tokens = rows.lengths > 0
+    if not has_tokens.any() or (rows.first[has_tokens] < rows.lengths[has_tokens]).any():
+        return
+    why = {
+        "messages": "the loss is on the assistant messages (role 'assistant'), and no row has one: check the "
+        "roles (ShareGPT's 'human' / 'gpt' are 'user' / 'assistant' to a chat template)",
+        "prompt_completion": "the loss is on the completions, and every one is empty",
+    }.get(fmt, "every label is -100")
+    raise PackingError(
+        f"no row of the input ({int(has_tokens.sum()):,} rows with tokens) has a trained token (a label other "
+        f"than -100), so the packed output would train nothing: {why}. Fix the data; rows without one are "
+        f"kept and counted when others train."
+    )
 
 
 def row_plan(
@@ -335,7 +404,7 @@ def row_plan(
     lengths = np.concatenate([s[0] for s in sidecars]).astype(np.int64)
     eff, counts = apply_overlong(lengths, config.max_length, config.overlong_policy)
     rows_unlabeled = 0
-    per_row = None
+    per_row = first = None
     if "labels" in columns:
         first = np.concatenate([s[1] for s in sidecars])
         kept_len = lengths if config.overlong_policy == "split" else eff
@@ -347,4 +416,4 @@ def row_plan(
             per_row = (
                 np.concatenate(list(trained)).astype(np.int64) if len(trained) else np.zeros(0, np.int64)
             )
-    return RowPlan(lengths, bounds, eff, counts, rows_unlabeled, per_row)
+    return RowPlan(lengths, bounds, eff, counts, rows_unlabeled, per_row, first=first)

@@ -39,6 +39,7 @@ from .formats import output_columns
 from .stage import freeze_report, preload_tokenizer, stage_part
 from .staged import load_sidecar
 from .summary import unencodable_text
+from .tokenizer.folder import tokenizer_arg
 
 
 @dataclass
@@ -156,7 +157,7 @@ def profile_files(
     config = PipelineConfig(
         max_length=1,
         format=format,
-        tokenizer=None if tokenizer is None else os.fspath(tokenizer),
+        tokenizer=None if tokenizer is None else tokenizer_arg(tokenizer),
         add_eos=add_eos,
         tokenizer_engine=tokenizer_engine,
         part_rows=part_rows,

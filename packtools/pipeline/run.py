@@ -46,7 +46,14 @@ from .executors import Executor, executor_name, get_executor, run_jobs
 from .formats import input_columns, optional_columns, output_columns
 from .gather import block_steps, run_token, write_dataset_files
 from .outcheck import check_out, check_replaceable
-from .planning import join_kernels, load_kernels_ahead, plan_parts, row_plan, write_jobs
+from .planning import (
+    check_something_trains,
+    join_kernels,
+    load_kernels_ahead,
+    plan_parts,
+    row_plan,
+    write_jobs,
+)
 from .schema import data_format, known_columns, token_schema
 from .stage import StageJob, freeze_report, iter_staged, stage_part
 from .stage_cache import adopt_cached, evicted_error, keep_in_place, stage_jobs
@@ -324,7 +331,7 @@ def _inputs(
     ``check_later``: a first run may stage on a provisional reference (:func:`_settle_reference`)."""
     early: dict[str, Any] = {}
     fmt = data_format(files, config)
-    check_options_used(config, fmt)
+    check_options_used(config, fmt, read_schema(files[0]).names)
     if fmt == "preference" and config.overlong == "split":
         raise PackingError(
             "overlong='split' does not apply to preference data; use truncate or drop.", param="overlong"
@@ -586,6 +593,7 @@ def _run(
             join_kernels(warming)  # the plan calls the kernels it loads
             turns = [sidecar_turns(j.sidecar) for j in jobs]
             rows = row_plan([load_sidecar(j.sidecar) for j in jobs], columns, config, [t[0] for t in turns])
+            check_something_trains(rows, fmt)
             checkpoint("plan")
             heads = np.concatenate(
                 [
@@ -608,6 +616,8 @@ def _run(
                 tool_opener=opener,
             )
             p = plan_parts(rows.eff, rows.bounds, config)
+            if config.strategy == "wrapped":
+                rows.count_wrapped(p, data)
             timings["plan_s"] = round(time.perf_counter() - t1, 3)
             t2 = time.perf_counter()
             wjobs = write_jobs(

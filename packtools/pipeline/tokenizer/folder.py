@@ -44,9 +44,22 @@ def tokenizer_files(path: str) -> list[str]:
     return sorted(names)
 
 
+def tokenizer_arg(value: Any) -> str:
+    """``tokenizer=`` as a path string: the files decide the ids (and the cache keys hash them), so a loaded
+    tokenizer object is refused with the way to give its folder, instead of ``os.fspath``'s ``TypeError``."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise PackingError(
+            f"tokenizer= takes a local tokenizer folder (a str or path), got a {type(value).__name__}; save it "
+            f"with tokenizer.save_pretrained(DIR) and pass DIR (the folder's files decide the ids and the cache "
+            f"keys).",
+            param="tokenizer",
+        )
+    return os.fspath(value)
+
+
 def check_tokenizer_dir(path: str | os.PathLike[str]) -> str:
     """``path`` as an absolute folder that holds tokenizer files, or an error that says what to pass."""
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.abspath(tokenizer_arg(path))
     if not os.path.isdir(path):
         what = "does not exist" if not os.path.exists(path) else "is not a directory"
         raise PackingError(

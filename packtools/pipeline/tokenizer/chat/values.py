@@ -52,6 +52,12 @@ def plain_value(value: Any) -> Any:
 def clean_messages(conv: Any, name: str, row: Row) -> list[dict[str, Any]]:
     """A conversation cell as a list of message dicts without None values, its values made plain as
     transformers makes them (:func:`plain_value`), or an error naming the row."""
+    if conv is None:  # a JSON row without the key (Arrow fills it with null), or a null cell
+        raise PackingError(
+            f"{at(row)}: column {name!r} is null (the row has no {name!r}); every row of this data needs a list "
+            f"of messages there: fill or filter that row (rows of another format, such as 'text', go in a "
+            f"separate run)."
+        )
     if not isinstance(conv, list) or not all(isinstance(m, dict) and m.get("role") is not None for m in conv):
         raise PackingError(  # Arrow gives a message's missing "role" as None: that is a missing role too
             f"{at(row)}: column {name!r} is not a list of messages ({{'role': ..., 'content': ...}}, every "
