@@ -144,7 +144,11 @@ class ScoredRow:
                 f"{shapes}, not once over the {n} positions of the packed row: this model pools before its head, "
                 f"so packtools cannot read each document's score. Train it padded (without prepare_reward_trainer)."
             )
-        out["logits"] = scored[0][0].index_select(0, self.batch.ends)
+        # In the dtype of the model's own (pooled) output: under bf16/fp16 mixed precision accelerate returns a
+        # float32 model's outputs in float32 while the head ran in half precision, and TRL computes the loss on them.
+        pooled = getattr(out, "logits", None)
+        scores = scored[0][0].index_select(0, self.batch.ends)
+        out["logits"] = scores if pooled is None else scores.to(pooled.dtype)
         return out
 
 
