@@ -21,7 +21,7 @@ from ..._optional import require
 from ...constants import VARLEN_KEYS
 from ...errors import PackingError
 from ..attention.backends import base_model, token_mixing_layers
-from ..attention.isolation import PERTURB_TOLERANCE, TOLERANCE, backend_hint, translate
+from ..attention.isolation import PERTURB_TOLERANCE, TOLERANCE, backend_hint, compute_dtype, translate
 from ..attention.mixers import POSITIONLESS_MASKS, document_mixers
 from .calls import padding_free_layout
 
@@ -197,7 +197,7 @@ def check_reward_isolation(
         ) from err
     finally:
         model.train(was_training)
-    dtype = str(together.dtype).replace("torch.", "")
+    dtype = compute_dtype(inner)
     scale = max(1.0, float(alone.abs().max()))
     diff = float((together - alone).abs().max()) / scale
     perturb = float((moved[1:] - together[1:]).abs().max()) / scale
