@@ -274,8 +274,8 @@ def test_bf16_mixed_precision_scores_in_float32_like_trl_and_a_leak_is_still_ref
     """``bf16=True`` on a float32 model: accelerate runs the forward under bfloat16 autocast and hands the model's
     outputs back in float32, so TRL's loss reads float32 scores.  The prepared step read the head's own bfloat16
     output and computed the loss in bfloat16 (failed before: its loss was a bfloat16 tensor, 0.65625 against
-    TRL's 0.65393 on the first step, five times TRL's own distance from the float32 run).  Now the loss is
-    float32 like TRL's, two optimizer steps stay as close to the float32 run as TRL's own, and a leak is still
+    TRL's 0.65393 on the first step, over five times TRL's own distance from the float32 run's 0.65344).  Now the loss is
+    float32 like TRL's, two optimizer steps stay within twice TRL's own distance from the float32 run, and a leak is still
     refused at bf16."""
     config = dict(
         bf16=True, per_device_train_batch_size=2, max_steps=2, logging_strategy="steps", logging_steps=1
