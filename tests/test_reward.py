@@ -265,6 +265,52 @@ def test_negative_controls_differ_from_trl(tmp_path, monkeypatch, wrong):
             reward_scores.check_reward_isolation(trainer.model)
 
 
+def step_losses(trainer):
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_bf16_mixed_precision_scores_in_float32_like_trl_and_a_leak_is_still_refused(tmp_path, monkeypatch):
+    """``bf16=True`` on a float32 model: accelerate runs the forward under bfloat16 autocast and hands the model's
+    outputs back in float32, so TRL's loss reads float32 scores.  The prepared step read the head's own bfloat16
+    output and computed the loss in bfloat16 (failed before: its loss was a bfloat16 tensor, 0.65625 against
+    TRL's 0.65393 on the first step, over five times TRL's own distance from the float32 run's 0.65344).  Now the loss is
+    float32 like TRL's, two optimizer steps stay within twice TRL's own distance from the float32 run, and a leak is still
+    refused at bf16."""
+    config = dict(
+        bf16=True, per_device_train_batch_size=2, max_steps=2, logging_strategy="steps", logging_steps=1
+    )
+    padded = build(tmp_path, **config)
+    prepared = prepare_reward_trainer(build(tmp_path, **config))
+    assert prepared.accelerator.mixed_precision == "bf16"
+    assert next(prepared.model.parameters()).dtype == torch.float32
+    batch = padded.data_collator([padded.train_dataset[i] for i in range(2)])
+    got = {}
+    for name in ("padded", "prepared"):
+        trainer = build(tmp_path, **config)
+        if name == "prepared":
+            prepare_reward_trainer(trainer)
+        model = trainer.accelerator.prepare_model(
+            trainer.model
+        )  # what train() runs: autocast, float32 outputs
+        loss, outputs = trainer.compute_loss(model, dict(batch), return_outputs=True)
+        got[name] = (loss, outputs.logits)
+    assert got["padded"][0].dtype == got["padded"][1].dtype == torch.float32
+    assert got["prepared"][0].dtype == got["prepared"][1].dtype == torch.float32
+    exact = step_losses(build(tmp_path, **{**config, "bf16": False}))  # float32 throughout
+    theirs, ours = step_losses(padded), step_losses(prepared)
+    assert len(exact) == len(theirs) == len(ours) == 2
+    trl_error = max(abs(a - b) for a, b in zip(theirs, exact))
+    our_error = max(abs(a - b) for a, b in zip(ours, exact))
+    assert 0 < trl_error and our_error <= 2 * trl_error  # bfloat16's rounding, as large as TRL's own
+    real = reward_scores.reward_batch
+    monkeypatch.setattr(
+        reward_scores, "reward_batch", lambda inputs, send=False: chosen_sees_rejected(real(inputs, send))
+    )
+    with pytest.raises(PackingError, match="scores packed sequences differently"):
+        prepare_reward_trainer(build(tmp_path, **config))
+
+
 # -- the step owner, refusals, undo ----------------------------------------------------------------------
 def test_unprepare_gives_the_trainer_back(tmp_path):
     from packtools.integrations.trainers.step import plan_of

@@ -20,6 +20,7 @@ False
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,14 +127,46 @@ def max_abs_diff(got: Any, reference: Any) -> float:
     return float((got.float() - reference.float()).abs().max())
 
 
+def compute_dtype(model: Any, default: Any = None) -> str:
+    """The dtype ``model``'s forward computes in here, by name (a key of :data:`TOLERANCE`), which every probe's
+    tolerance follows: the autocast dtype where autocast is on for the device of its weights (a float32 model
+    trained with ``bf16=True`` runs in bfloat16 under :func:`trainer_autocast`), else its first floating
+    parameter's dtype (``default``, then float32, for a model without one).
+
+    >>> import torch
+    >>> model = torch.nn.Linear(2, 2)
+    >>> compute_dtype(model)
+    'float32'
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     compute_dtype(model)
+    'bfloat16'
+    """
+    torch = require("torch", "packtools.integrations.check_isolation")
+    param = next((p for p in base_model(model).parameters() if p.is_floating_point()), None)
+    if param is not None and torch.is_autocast_enabled(param.device.type):
+        dtype = torch.get_autocast_dtype(param.device.type)
+    else:
+        dtype = param.dtype if param is not None else (default or torch.float32)
+    return str(dtype).replace("torch.", "")
+
+
+def trainer_autocast(trainer: Any) -> AbstractContextManager[Any]:
+    """The trainer's mixed-precision autocast (accelerate's ``Accelerator.autocast``; none without an accelerator).
+    The prepare functions run their probes under it, so a float32 model trained with ``bf16=True`` / ``fp16=True``
+    is probed at the precision and on the kernels training runs (packtools' flash paths take half-precision CUDA
+    inputs only), at that precision's tolerance (:func:`compute_dtype`)."""
+    accelerator = getattr(trainer, "accelerator", None)
+    return accelerator.autocast() if accelerator is not None else nullcontext()
+
+
 class ProbeDiffs:
     """What the tree and padding-free RL probes compare: each packed output against its reference (the sequence
     run alone, TRL's padded batch), a difference above ``tol`` times the reference's scale (``max(1, |ref|)``)
-    being a leak; ``worst`` keeps the largest difference seen.  ``tol`` follows the model's dtype: ``1e-4`` in
-    float32, ``3e-2`` in half precision."""
+    being a leak; ``worst`` keeps the largest difference seen.  ``tol`` follows the compute dtype
+    (:func:`compute_dtype`): ``1e-4`` in float32 (and float64), ``3e-2`` in half precision."""
 
-    def __init__(self, float32: bool) -> None:
-        self.tol = 1e-4 if float32 else 3e-2
+    def __init__(self, dtype: str) -> None:
+        self.tol = 1e-4 if dtype in ("float32", "float64") else 3e-2
         self.worst = 0.0
 
     def exceeds(self, got: Any, reference: Any) -> float | None:
@@ -315,9 +348,8 @@ def check_isolation(
             for (r, a, b), (mr, ma, mb) in zip(spans[1:], moved_spans[1:])
         )
         scale = max(1.0, max(float(al.float().abs().max()) for al in alone))
-        # The compute dtype (of the weights), not the logits' (some heads upcast them to float32).
-        floating = next((p.dtype for p in base.parameters() if p.is_floating_point()), logits.dtype)
-        dtype = str(floating).replace("torch.", "")
+        # The compute dtype (the weights', or autocast's), not the logits' (some heads upcast them to float32).
+        dtype = compute_dtype(base, logits.dtype)
         tol = float(atol) if atol is not None else TOLERANCE.get(dtype, 1e-5) * scale
         perturb_tol = min(tol, PERTURB_TOLERANCE * scale)
         backward_tol = float(atol) if atol is not None else TOLERANCE.get(dtype, 1e-5) * BACKWARD_FACTOR

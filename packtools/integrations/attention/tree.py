@@ -34,7 +34,7 @@ from ...compat import set_attr
 from ...compat.transformers import register_attention, set_attention
 from ...errors import PackingError
 from .backends import attention_implementation, base_model, forward_accepts, token_mixing_layers, uses_alibi
-from .isolation import ProbeDiffs, max_abs_diff
+from .isolation import ProbeDiffs, compute_dtype, max_abs_diff
 from .segmented import AttentionCall, keyed_attention
 
 TREE_ATTENTION = "packtools_tree"
@@ -221,7 +221,7 @@ def check_tree_isolation(model: Any, seed: int = 0) -> float:
     positions = torch.from_numpy(layout.positions()).to(param.device)[None]
     index, lengths = unshared_index(seg, branch)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    probe = ProbeDiffs(param.dtype == torch.float32)
+    probe = ProbeDiffs(compute_dtype(base))
     was_training = base.training
     base.eval()
     try:

@@ -14,7 +14,7 @@ from ..._optional import require
 from ...batches.mrope import MropeSpec
 from ...errors import PackingError
 from ..attention.backends import attention_implementation, base_model, check_multimodal, multimodal_parts
-from ..attention.isolation import PERTURB_TOLERANCE, TOLERANCE, IsolationReport, _logits
+from ..attention.isolation import PERTURB_TOLERANCE, TOLERANCE, IsolationReport, _logits, compute_dtype
 from ..trainers.collator_check import _checking
 
 
@@ -125,7 +125,7 @@ def check_vision_isolation(
     name = type(base).__name__
     impl = attention_implementation(model)
     param = next(iter(base.parameters()))
-    device, dtype = param.device, param.dtype
+    device = param.device
     inner = getattr(collator, "collator", collator)
     if getattr(inner, "return_tensors", "pt") != "pt" and hasattr(inner, "replace"):
         collator = inner.replace(return_tensors="pt")
@@ -174,7 +174,7 @@ def check_vision_isolation(
     diffs = tuple(float((packed[a:b].float() - al.float()).abs().max()) for (a, b), al in zip(spans, alone))
     perturb = max(float((packed[a:b].float() - other[a:b].float()).abs().max()) for a, b in spans[1:])
     scale = max(1.0, max(float(al.float().abs().max()) for al in alone))
-    dtype_name = str(dtype).replace("torch.", "")
+    dtype_name = compute_dtype(base)
     tol = TOLERANCE.get(dtype_name, 1e-5) * scale
     report = IsolationReport(
         model=name,

@@ -37,6 +37,7 @@ from ..attention.backends import (
     token_mixing_layers,
 )
 from ..attention.backends import base_model as _base_model
+from ..attention.isolation import trainer_autocast
 from ..attention.tree import check_tree_model
 from ..multimodal.models import refuse_multimodal
 from ..parallel.distributed import check_loss_path
@@ -247,10 +248,12 @@ def prepare_dpo_trainer(
                 for model in models:
                     install_padding_free_forward(model, owner=trainer)
             if check_isolation and not shared:  # the probe again, through the forward training calls
-                for model in models:
-                    check_padding_free_forward(model)
+                with trainer_autocast(trainer):  # at the precision training runs
+                    for model in models:
+                        check_padding_free_forward(model)
         if shared:
-            prepare_shared_prompt(trainer, models, check_isolation)
+            with trainer_autocast(trainer):  # the tree probe at the precision training runs
+                prepare_shared_prompt(trainer, models, check_isolation)
         guard_model(trainer.model, owner=trainer)  # recorded on the trainer (unprepare removes the hook)
         if trainer.ref_model is not None:
             guard_model(trainer.ref_model, owner=trainer)

@@ -33,6 +33,7 @@ from ..attention.backends import (
     check_attention_implementation,
     segmented_sdpa_until_checked,
 )
+from ..attention.isolation import trainer_autocast
 from ..attention.mixers import run_mixers_per_document
 from ..multimodal.models import refuse_multimodal
 from ..parallel.distributed import check_loss_path
@@ -97,7 +98,8 @@ def prepare_kto_trainer(trainer: Any, *, check_isolation: bool = True, segmented
                 run_mixers_per_document(model, owner=trainer)  # token-mixing layers per document, as DPO
                 install_padding_free_forward(model, owner=trainer)
                 if check_isolation:
-                    check_padding_free_forward(model)
+                    with trainer_autocast(trainer):  # at the precision training runs
+                        check_padding_free_forward(model)
         for model in models:
             guard_model(model, owner=trainer)
     return trainer

@@ -14,7 +14,7 @@ from ..._optional import require
 from ...errors import PackingError
 from ..attention.backends import attention_implementation
 from ..attention.backends import base_model as _base_model
-from ..attention.isolation import TOLERANCE
+from ..attention.isolation import TOLERANCE, compute_dtype
 
 
 def check_padding_free_forward(
@@ -71,7 +71,7 @@ def check_padding_free_forward(
                 scale = max(scale, float(alone.abs().max()))
     finally:
         base.train(training)
-    dtype = str(param.dtype).replace("torch.", "")
+    dtype = compute_dtype(base)
     tol = float(atol) if atol is not None else TOLERANCE.get(dtype, 1e-5) * scale
     if worst > tol:
         raise PackingError(

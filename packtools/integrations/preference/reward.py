@@ -39,6 +39,7 @@ from ..attention.backends import (
     segmented_sdpa_until_checked,
     sends_seq_idx,
 )
+from ..attention.isolation import trainer_autocast
 from ..attention.mixers import run_mixers_per_document
 from ..multimodal.models import refuse_multimodal
 from ..parallel.distributed import check_loss_path, is_sharded, uneven_gather
@@ -213,7 +214,8 @@ def prepare_reward_trainer(
                     stacklevel=2,
                 )
             elif check_isolation:
-                check_reward_isolation(trainer.model, send_seq_idx=run.send_seq_idx)
+                with trainer_autocast(trainer):  # at the precision training runs
+                    check_reward_isolation(trainer.model, send_seq_idx=run.send_seq_idx)
         guard_model(trainer.model, owner=trainer)
         if train_dataset is not None:
             _use_packed_dataset(trainer, train_dataset)

@@ -21,7 +21,7 @@ from ..._optional import require
 from ...constants import VARLEN_KEYS
 from ...errors import PackingError
 from ..attention.backends import base_model, token_mixing_layers
-from ..attention.isolation import PERTURB_TOLERANCE, TOLERANCE, backend_hint, translate
+from ..attention.isolation import PERTURB_TOLERANCE, TOLERANCE, backend_hint, compute_dtype, translate
 from ..attention.mixers import POSITIONLESS_MASKS, document_mixers
 from .calls import padding_free_layout
 
@@ -144,7 +144,11 @@ class ScoredRow:
                 f"{shapes}, not once over the {n} positions of the packed row: this model pools before its head, "
                 f"so packtools cannot read each document's score. Train it padded (without prepare_reward_trainer)."
             )
-        out["logits"] = scored[0][0].index_select(0, self.batch.ends)
+        # In the dtype of the model's own (pooled) output: under bf16/fp16 mixed precision accelerate returns a
+        # float32 model's outputs in float32 while the head ran in half precision, and TRL computes the loss on them.
+        pooled = getattr(out, "logits", None)
+        scores = scored[0][0].index_select(0, self.batch.ends)
+        out["logits"] = scores if pooled is None else scores.to(pooled.dtype)
         return out
 
 
@@ -193,7 +197,7 @@ def check_reward_isolation(
         ) from err
     finally:
         model.train(was_training)
-    dtype = str(together.dtype).replace("torch.", "")
+    dtype = compute_dtype(inner)
     scale = max(1.0, float(alone.abs().max()))
     diff = float((together - alone).abs().max()) / scale
     perturb = float((moved[1:] - together[1:]).abs().max()) / scale

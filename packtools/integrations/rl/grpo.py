@@ -51,7 +51,7 @@ from ..attention.backends import (
     sends_seq_idx,
     token_mixing_layers,
 )
-from ..attention.isolation import ProbeDiffs
+from ..attention.isolation import ProbeDiffs, compute_dtype, trainer_autocast
 from ..attention.mixers import POSITIONLESS_MASKS, run_mixers_per_document
 from ..attention.tree import check_tree_model, use_tree_attention
 from ..multimodal.models import refuse_multimodal
@@ -240,8 +240,8 @@ def check_rl_forward(trainer: Any, model: Any, entropy: bool) -> float:
     name = type(base).__name__
     # Both forwards run under the trainer's autocast: with bf16/fp16 mixed precision a float32 model computes in
     # half precision, and the probe allows half precision's rounding.
-    mixed = getattr(trainer.accelerator, "mixed_precision", "no") not in (None, "no")
-    probe = ProbeDiffs(next(base.parameters()).dtype == torch.float32 and not mixed)
+    with trainer_autocast(trainer):
+        probe = ProbeDiffs(compute_dtype(base))
     try:
         with torch.no_grad():
             theirs = trl_logps(plan.trl_class, trainer, model, ids, mask, keep, compute_entropy=entropy)
@@ -385,7 +385,10 @@ def _install(
         if not plan.share_prompt:
             for model in models:
                 run_mixers_per_document(model, owner=trainer)
-        with segmented_sdpa_until_checked(models, segmented_sdpa and not plan.share_prompt, owner=trainer):
+        with (
+            segmented_sdpa_until_checked(models, segmented_sdpa and not plan.share_prompt, owner=trainer),
+            trainer_autocast(trainer),  # the tree probe too, at the precision training runs
+        ):
             for model in models:
                 if plan.share_prompt:
                     use_tree_attention(model, check_isolation=check_isolation, owner=trainer)

@@ -53,6 +53,7 @@ from ..attention.backends import (
     switch_back,
 )
 from ..attention.isolation import check_isolation as _check_isolation
+from ..attention.isolation import trainer_autocast
 from ..attention.mixers import run_mixers_per_document
 from ..attention.segmented import SEGMENTED_SDPA
 from ..multimodal.models import check_multimodal_model, check_vision_isolation
@@ -90,15 +91,17 @@ def run_probe(
         )
         return
     if vision:
-        check_vision_isolation(trainer.model, trainer.data_collator)
+        with trainer_autocast(trainer):
+            check_vision_isolation(trainer.model, trainer.data_collator)
         return
     if collator is None:
         collator = probe_collator(trainer.data_collator)
 
-    def probe() -> None:
-        for model in (trainer.model, *extra_models):
-            if model is not None:
-                _check_isolation(model, collator, packed=packed)
+    def probe() -> None:  # at the precision training runs (bf16=True / fp16=True: autocast)
+        with trainer_autocast(trainer):
+            for model in (trainer.model, *extra_models):
+                if model is not None:
+                    _check_isolation(model, collator, packed=packed)
 
     try:
         probe()
