@@ -382,3 +382,22 @@ def test_an_executor_object_is_read_by_its_name_and_anything_else_refused(tmp_pa
         with pytest.raises(PackingError, match="executor=") as info:
             profile_files(data, tok, executor=bad, stage_cache=False)
         assert info.value.param == "executor"
+
+
+def test_profile_then_pack_reuses_the_stage_of_a_small_input(tmp_path, tok, cache, monkeypatch):
+    """A small input of a large vocabulary is tokenized by the reference alone (load.reference_suffices): profile
+    chose its engine without the input's size, so it staged on the fast engine and pack, on the reference, dropped
+    those parts and tokenized again, while profile had said pack would reuse them."""
+    from packtools.pipeline import stage as stage_module
+    from packtools.pipeline.tokenizer import load as tokenizer_load
+
+    # the test tokenizer counts as a large vocabulary
+    monkeypatch.setattr(tokenizer_load, "OVERLAP_MIN_BYTES", 0)
+    monkeypatch.setattr(stage_module, "_TOKENIZERS", {})  # no tokenizer of another test's size class
+    data = _write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in _texts()])
+    assert os.path.getsize(data) < tokenizer_load.SMALL_INPUT_BYTES
+    staged = profile_files(data, tok)
+    assert staged.stage["parts"] == 1
+    res = pack_files(data, tmp_path / "packed", 256, "bfd_split", tokenizer=tok)
+    assert res.timings["parts_from_stage_cache"] == 1 and res.timings.get("parts_restaged", 0) == 0
+    assert res.stats["tokenizer"]["engine"] == "transformers"  # the reference alone, in both

@@ -188,7 +188,9 @@ def profile_files(
 
         tok_dir = check_tokenizer_dir(tokenizer)
         ids = config.ids(fmt, tokenizer_fingerprint(tok_dir))  # what decides the ids, for every stage job
-        tok = preload_tokenizer(tok_dir, ids)  # fails here, once, if it cannot load
+        # fails here, once, if it cannot load; the input's size as pack gives it, so that both choose the same
+        # engine (a small input goes to the reference alone) and pack takes these staged parts
+        tok = preload_tokenizer(tok_dir, ids, input_bytes=sum(f.size for f in files))
         if tok.reference_why:  # as pack notes it
             notes.append(tok.reference_why)
         columns = output_columns(fmt)
