@@ -240,13 +240,9 @@ def test_guard_refuses_use_cache_true_on_a_packed_batch(impl):
     eval let packed sequences see each other (2.2e-1 in the logits of the tiny Llama) before the guard refused it."""
     model = tiny_llama(impl).eval()
     guard_model(model)
-    batch = PaddingFreeCollator(PAD)([{"input_ids": [5, 6, 7, 8, 9, 10, 11], "seq_lengths": [3, 4]}])
-    with pytest.raises(PackingError, match="use_cache=True.*Pass use_cache=False"):
-        model(**batch, use_cache=True)
-    with torch.no_grad():  # left out, the guard passes use_cache=False: the second sequence as if alone
-        packed = model(**batch).logits[0, 3:]
-        alone = model(input_ids=batch["input_ids"][:, 3:]).logits[0]
-    assert (packed - alone).abs().max() < 1e-5
+    cache_refused_and_left_out_exact(
+        model, PaddingFreeCollator(PAD)([{"input_ids": [5, 6, 7, 8, 9, 10, 11], "seq_lengths": [3, 4]}])
+    )
     prompt = torch.tensor([[5, 6, 7]])  # generation (one sequence) keeps its cache
     assert model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=PAD).shape == (1, 5)
 
@@ -264,9 +260,15 @@ def test_guard_refuses_use_cache_true_on_a_packed_vision_language_batch(name):
     batch = MultimodalCollator(model, 0)([{"input_ids": [5, 6, 7, 8, 9, 10, 11], "seq_lengths": [3, 4]}])
     batch.pop("labels")
     assert batch["position_ids"].ndim == 3
+    cache_refused_and_left_out_exact(model, batch)
+
+
+def cache_refused_and_left_out_exact(model, batch):
+    """``batch`` packs [5, 6, 7] and [8, 9, 10, 11]: use_cache=True is refused, and left out the guard passes
+    use_cache=False, the second sequence computed as if alone."""
     with pytest.raises(PackingError, match="use_cache=True.*Pass use_cache=False"):
         model(**batch, use_cache=True)
-    with torch.no_grad():  # left out, the guard passes use_cache=False: the second sequence as if alone
+    with torch.no_grad():
         packed = model(**batch).logits[0, 3:]
         alone = model(input_ids=batch["input_ids"][:, 3:]).logits[0]
     assert (packed - alone).abs().max() < 1e-5
