@@ -240,15 +240,38 @@ def test_guard_refuses_use_cache_true_on_a_packed_batch(impl):
     eval let packed sequences see each other (2.2e-1 in the logits of the tiny Llama) before the guard refused it."""
     model = tiny_llama(impl).eval()
     guard_model(model)
-    batch = PaddingFreeCollator(PAD)([{"input_ids": [5, 6, 7, 8, 9, 10, 11], "seq_lengths": [3, 4]}])
+    cache_refused_and_left_out_exact(
+        model, PaddingFreeCollator(PAD)([{"input_ids": [5, 6, 7, 8, 9, 10, 11], "seq_lengths": [3, 4]}])
+    )
+    prompt = torch.tensor([[5, 6, 7]])  # generation (one sequence) keeps its cache
+    assert model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=PAD).shape == (1, 5)
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl"])
+def test_guard_refuses_use_cache_true_on_a_packed_vision_language_batch(name):
+    """A packed vision-language row has 3-D (multimodal rotary) position_ids, and the use_cache=True refusal came
+    after the guard's early return for them: an explicit use_cache=True let the packed sequences see each other
+    (1.5e-1 in Qwen2-VL's logits, no error). Its cu_seq_lens tell it is packed."""
+    from packtools.batches.vision import MultimodalCollator
+    from packtools.testing import tiny_vl_model
+
+    model = tiny_vl_model(name).eval()
+    guard_model(model)
+    batch = MultimodalCollator(model, 0)([{"input_ids": [5, 6, 7, 8, 9, 10, 11], "seq_lengths": [3, 4]}])
+    batch.pop("labels")
+    assert batch["position_ids"].ndim == 3
+    cache_refused_and_left_out_exact(model, batch)
+
+
+def cache_refused_and_left_out_exact(model, batch):
+    """``batch`` packs [5, 6, 7] and [8, 9, 10, 11]: use_cache=True is refused, and left out the guard passes
+    use_cache=False, the second sequence computed as if alone."""
     with pytest.raises(PackingError, match="use_cache=True.*Pass use_cache=False"):
         model(**batch, use_cache=True)
-    with torch.no_grad():  # left out, the guard passes use_cache=False: the second sequence as if alone
+    with torch.no_grad():
         packed = model(**batch).logits[0, 3:]
         alone = model(input_ids=batch["input_ids"][:, 3:]).logits[0]
     assert (packed - alone).abs().max() < 1e-5
-    prompt = torch.tensor([[5, 6, 7]])  # generation (one sequence) keeps its cache
-    assert model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=PAD).shape == (1, 5)
 
 
 def test_forward_input_check_of_use_cache():
@@ -261,6 +284,14 @@ def test_forward_input_check_of_use_cache():
     check_forward_inputs({"position_ids": packed, "use_cache": False}, "sdpa")
     cu = {"cu_seq_lens_q": 1, "cu_seq_lens_k": 1, "max_length_q": 3, "max_length_k": 3}
     check_forward_inputs({"position_ids": packed, **cu, "use_cache": True}, "flash_attention_2")
+    rope = np.zeros(
+        (4, 1, 5), np.int64
+    )  # a vision-language row's positions: its cu_seq_lens say it is packed
+    with pytest.raises(PackingError, match="use_cache=True"):
+        check_forward_inputs(
+            {"position_ids": rope, "cu_seq_lens_q": np.array([0, 3, 5]), "use_cache": True}, "sdpa"
+        )
+    check_forward_inputs({"position_ids": rope, "cu_seq_lens_q": np.array([0, 5]), "use_cache": True}, "sdpa")
 
 
 class _Config:

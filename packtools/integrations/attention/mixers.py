@@ -95,12 +95,17 @@ class Segments:
 def segments_of(kwargs: dict[str, Any]) -> Segments | None:
     """The documents of a forward's inputs, or ``None`` when no row holds more than one (one host sync): from
     ``position_ids`` (a document starts where a position does not follow the previous one by 1), else
-    ``seq_idx`` (where it changes), else ``cu_seq_lens_q`` (one row).
+    ``seq_idx`` (where it changes), else ``cu_seq_lens_q`` (one row).  With a 2-D ``attention_mask`` only a
+    step between two attended tokens counts, as in transformers' masks: the positions a left-padded prefill gives
+    its padding (``[1, 1, 0, 1, 2]``) are no documents, and the row runs whole, its cache included.
 
     >>> import torch
     >>> segments_of({"position_ids": torch.tensor([[0, 1, 2, 0, 1]])})
     Segments(bounds=((0, 3, 5),), length=5)
     >>> segments_of({"position_ids": torch.tensor([[0, 1, 2]])}) is None
+    True
+    >>> pads = torch.tensor([[0, 0, 1, 1, 1]])  # a left-padded row's mask, and the positions its prefill gives
+    >>> segments_of({"position_ids": torch.tensor([[1, 1, 0, 1, 2]]), "attention_mask": pads}) is None
     True
     """
     if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
@@ -109,10 +114,17 @@ def segments_of(kwargs: dict[str, Any]) -> Segments | None:
     if pos is not None and getattr(pos, "ndim", 0) == 3:
         pos = pos[0]  # multi-axis rotary positions: the first axis is the token's position
     seq_idx = kwargs.get("seq_idx")
+    mask = kwargs.get(
+        "attention_mask"
+    )  # padding (a 0 in a 2-D mask) starts no document: generation's prefill
+    mask = mask if getattr(mask, "ndim", 0) == 2 else None  # positions a left-padded batch gives its pads
     for ids, step in ((pos, 1), (seq_idx, 0)):  # a document starts where positions jump / seq_idx changes
         if ids is not None and getattr(ids, "ndim", 0) == 2 and ids.shape[1] > 1:
             rows, length = int(ids.shape[0]), int(ids.shape[1])
-            starts = ((ids[:, 1:] - ids[:, :-1]) != step).nonzero().tolist()
+            broken = (ids[:, 1:] - ids[:, :-1]) != step
+            if mask is not None and tuple(mask.shape) == (rows, length):
+                broken = broken & (mask[:, 1:] != 0) & (mask[:, :-1] != 0)
+            starts = broken.nonzero().tolist()
             if starts:
                 per_row: list[list[int]] = [[0] for _ in range(rows)]
                 for row, index in starts:

@@ -64,6 +64,7 @@ def check_forward_inputs(
     pos = kwargs.get("position_ids")
     mask = kwargs.get("attention_mask")
     if pos is not None and getattr(pos, "ndim", 0) != 2:
+        check_cache_on_packed(kwargs, implementation)  # a packed vision-language row: told by its cu_seq_lens
         return  # multimodal rotary positions (e.g. [3, B, T]): not ours to judge
     if pos is not None and mask is not None and getattr(mask, "ndim", 0) == 2 and has_restarts(pos, mask):
         raise PackingError(
@@ -85,14 +86,7 @@ def check_forward_inputs(
             f"(PaddingFreeCollator(return_seq_idx=True, return_flash_attn_kwargs=True)), or do not pack."
         )
     flash = is_flash(implementation)
-    if not flash and kwargs.get("use_cache") is True and is_packed(kwargs):
-        raise PackingError(
-            f"the batch is packed and use_cache=True: with a cache the {implementation!r} attention gets no "
-            f"per-sequence mask from position_ids (transformers builds it only without a cache), so packed "
-            f"sequences would attend to each other. Pass use_cache=False, or leave it out (the guard then "
-            f"passes use_cache=False).",
-            param="use_cache",
-        )
+    check_cache_on_packed(kwargs, implementation)
     if pos is None and not flash and any(kwargs.get(k) is not None for k in VARLEN_KEYS):
         raise PackingError(
             f"the batch has cu_seq_lens/max_length but no position_ids: the {implementation!r} attention ignores "
@@ -110,6 +104,19 @@ def check_forward_inputs(
             f"the batch holds {pos.shape[0]} packed rows without cu_seq_lens: with {implementation!r} transformers "
             f"infers sequences from position_ids only for a single row, so these rows would attend across "
             f"sequences. Use PaddingFreeCollator(padding_free=True) (one flat row with cu_seq_lens)."
+        )
+
+
+def check_cache_on_packed(kwargs: Mapping[str, Any], implementation: str | None) -> None:
+    """Refuse ``use_cache=True`` on a packed batch (:func:`is_packed`) for attention other than FlashAttention's:
+    with a cache transformers builds no per-sequence mask from ``position_ids``."""
+    if not is_flash(implementation) and kwargs.get("use_cache") is True and is_packed(kwargs):
+        raise PackingError(
+            f"the batch is packed and use_cache=True: with a cache the {implementation!r} attention gets no "
+            f"per-sequence mask from position_ids (transformers builds it only without a cache), so packed "
+            f"sequences would attend to each other. Pass use_cache=False, or leave it out (the guard then "
+            f"passes use_cache=False).",
+            param="use_cache",
         )
 
 
