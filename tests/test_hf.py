@@ -294,6 +294,20 @@ def test_forward_input_check_of_use_cache():
     check_forward_inputs({"position_ids": rope, "cu_seq_lens_q": np.array([0, 5]), "use_cache": True}, "sdpa")
 
 
+def test_unhandled_mixers_check_reads_no_positions_while_generating():
+    """A decode step (a cache passed in) is not checked, and its positions are not read (a host sync per token)."""
+    from packtools.integrations.trainers.guard import check_unhandled_mixers
+
+    class Unreadable:
+        ndim = 2
+
+        def __getitem__(self, key):
+            raise AssertionError("the positions of a decode step were read")
+
+    for cache in ({"past_key_values": object()}, {"cache": object()}):
+        check_unhandled_mixers(object(), {"position_ids": Unreadable(), **cache}, ("layers.0.linear_attn",))
+
+
 class _Config:
     def __init__(self, impl):
         self._attn_implementation = impl

@@ -143,9 +143,9 @@ def check_unhandled_mixers(model: Any, kwargs: Mapping[str, Any], mixers: tuple[
     :func:`~packtools.integrations.attention.mixers.kernel_ready`): transformers' PyTorch fallback cannot keep
     the documents apart (it raises a ``ValueError`` that names no fix, or, before 5.20, runs the row as one)."""
     row_keys = ("seq_idx", *VARLEN_KEYS)  # transformers' fallback refuses these even for one sequence
-    if not mixers or not (is_packed(kwargs) or any(kwargs.get(k) is not None for k in row_keys)):
-        return
-    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+    if not mixers or kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+        return  # (generation: each decode step would read the positions, a host sync, for nothing)
+    if not (any(kwargs.get(k) is not None for k in row_keys) or is_packed(kwargs)):
         return
     base = base_model(model)
     missing = []
