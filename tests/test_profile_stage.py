@@ -401,3 +401,22 @@ def test_profile_then_pack_reuses_the_stage_of_a_small_input(tmp_path, tok, cach
     res = pack_files(data, tmp_path / "packed", 256, "bfd_split", tokenizer=tok)
     assert res.timings["parts_from_stage_cache"] == 1 and res.timings.get("parts_restaged", 0) == 0
     assert res.stats["tokenizer"]["engine"] == "transformers"  # the reference alone, in both
+
+
+def test_profile_refuses_a_tokenizer_it_would_not_use_as_pack_does(tmp_path, tok, cache):
+    """Rows holding both input_ids and messages are tokenized data (pack packs their input_ids and refuses a
+    tokenizer, naming format='messages'); profile took the tokenizer and measured the input_ids without a word."""
+    rows = [
+        {
+            "messages": [{"role": "user", "content": t}, {"role": "assistant", "content": t}],
+            "input_ids": [1, 2],
+        }
+        for t in _texts(20)
+    ]
+    data = _write_jsonl(tmp_path / "mixed.jsonl", rows)
+    with pytest.raises(PackingError, match="format='messages'") as err:
+        profile_files(data, tok)
+    assert err.value.param == "tokenizer"
+    with pytest.raises(PackingError, match="format='messages'"):
+        pack_files(data, tmp_path / "packed", 256, tokenizer=tok)
+    assert profile_files(data).profile.count == 20  # without the tokenizer: the input_ids, as pack packs them

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..errors import PackingError
 from ..io.discover import discover
-from ..io.files import open_ipc, split_file
+from ..io.files import open_ipc, read_schema, split_file
 from ..profiling.profile import LengthProfile, profile_lengths
 from .executors import Executor, executor_name, get_executor, run_jobs
 from .formats import output_columns
@@ -145,7 +145,7 @@ def profile_files(
     (default :func:`packtools.pipeline.stage_cache.cache_dir`, which ``pack`` looks in; ``False`` stages into a
     temporary folder removed afterwards).  ``executor``/``workers`` as for :func:`packtools.pack_files`.
     """
-    from .config import PipelineConfig
+    from .config import PipelineConfig, check_options_used
     from .schema import data_format, known_columns, token_schema
     from .stage_cache import CacheLock, cache_dir, evict, max_bytes, prepare, stage_jobs
 
@@ -167,6 +167,9 @@ def profile_files(
     if not files:
         raise PackingError(f"no input files in {[os.fspath(i) for i in inputs]}.", param="paths")
     fmt = data_format(files, config)
+    # a tokenizer that would change nothing is refused as pack refuses it (tokenized data beside raw columns is
+    # told the format that tokenizes them), so that profile measures what pack would pack
+    check_options_used(config, fmt, read_schema(files[0]).names)
     if fmt == "tokenized" and all(f.kind != "json" for f in files):  # offsets only: nothing to stage
         # the inputs as given: a packed folder's manifest (its max_length) and name come with it
         prof = profile_lengths([os.fspath(i) for i in inputs], column=column, name=name)
