@@ -110,3 +110,8 @@ def test_wrapped_counts_trained_tokens_by_its_packed_rows(tmp_path, overlong):
     assert stats["tokens_untrained"] == sum(len(r) for r, t in zip(rows, trained) if t == 0)
     # the input's own figure is unchanged: labels after each document's first token
     assert stats["tokens_trained_in"] == sum(sum(x != ignore for x in lab[1:]) for lab in labels)
+    # the summary says which sequences each figure counts (the rows may hold more than the input: "11 kept of 8")
+    from packtools.pipeline.summary import format_pipeline_summary
+
+    text = " ".join(format_pipeline_summary(stats, str(tmp_path / "o")).split())
+    assert f"{stats['tokens_trained_kept']:,} in the packed rows" in text and "kept of" not in text

@@ -217,9 +217,15 @@ def format_pipeline_summary(
     )
     cells.append(("tokens dropped", n("tokens_dropped")))
     if "tokens_trained_in" in stats:
-        cells.append(
-            ("trained tokens", f"{stats['tokens_trained_kept']:,} kept of {stats['tokens_trained_in']:,}")
+        kept, given = stats["tokens_trained_kept"], stats["tokens_trained_in"]
+        # under wrapped a packed row is one sequence: a document's first token trains after the one before it,
+        # so the rows can hold more trained tokens than the input's sequences
+        trained = (
+            f"{kept:,} in the packed rows (each one sequence under wrapped), {given:,} in the input's sequences"
+            if stats.get("strategy") == "wrapped"
+            else f"{kept:,} kept of {given:,}"
         )
+        cells.append(("trained tokens", trained))
         cells.append(
             (
                 "training nothing",
