@@ -130,14 +130,14 @@ def test_an_unwritable_cache_is_left_out_saying_so(tok, data, cache, monkeypatch
     assert "cannot be written" in res.to_text()
 
 
-def test_a_stage_cache_inside_the_input_folder_is_not_read_as_input(tok, tmp_path, monkeypatch):
+def test_a_stage_cache_inside_the_input_folder_is_not_read_as_input(tmp_path, monkeypatch):
     """S3: the cache's staged files are tokenized Arrow files; its CACHEDIR.TAG keeps them out of the input."""
     folder = tmp_path / "tdata"
     folder.mkdir()
     with open(folder / "a.jsonl", "w") as fh:
         fh.writelines(json.dumps({"input_ids": [i, i + 1, i + 2]}) + "\n" for i in range(100))
     monkeypatch.setenv(stage_cache.CACHE_ENV, str(folder / "cache"))
-    profile_files(str(folder), tok)
+    profile_files(str(folder))  # tokenized JSON lines are staged (a tokenizer would be refused: unused)
     assert os.path.exists(folder / "cache" / "CACHEDIR.TAG")
     res = pack_files(str(folder), tmp_path / "out", 64)
     assert res.stats["rows_in"] == 100
