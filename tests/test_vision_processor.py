@@ -158,3 +158,25 @@ def test_profile_lengths_count_image_tokens_without_processing_pixels(tmp_path):
     assert lengths.tolist() == [len(r) for r in done["input_ids"]]
     assert (lengths > [len(r) - int(np.sum(np.asarray(r) == IMAGE)) for r in done["input_ids"]]).sum() == 2
     assert profile_lengths(lengths).lengths.tolist() == lengths.tolist()
+
+
+def test_a_literal_image_placeholder_in_the_text_is_refused_by_message(tmp_path):
+    # the processor expands every placeholder of the rendered text: a text part holding "<|image_pad|>" took the
+    # row's image at the text's spot (no image part, one image: packed without a word), or, beside an image
+    # part, was refused as "2 image part(s)" when the messages hold one
+    from packtools.integrations.multimodal.processor import process_vision_sample
+
+    vp = load_vision_processor(processor_folder(tmp_path / "proc"))
+    image = _image(np.random.default_rng(0), 28, 28)
+    answer = {"role": "assistant", "content": [{"type": "text", "text": "a cat"}]}
+    literal = {"type": "text", "text": f"what {vp.image_token} is"}
+    for parts, images in (([literal], [image]), ([{"type": "image"}, literal], [image])):
+        messages = [{"role": "user", "content": parts}, answer]
+        with pytest.raises(PackingError, match=r"row 3: message 0 holds the image placeholder .* literally"):
+            process_vision_sample(vp, messages, images, 3)
+    say = [{"role": "user", "content": f"say {vp.image_token}"}, answer]
+    with pytest.raises(PackingError, match="message 0 holds the image placeholder"):
+        process_vision_sample(vp, say, [], 0)
+    # the same words without the placeholder pack
+    fine = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is"}]}, answer]
+    assert process_vision_sample(vp, fine, [image], 0)["image_grid_thw"].shape == (1, 3)
