@@ -180,3 +180,12 @@ def test_a_literal_image_placeholder_in_the_text_is_refused_by_message(tmp_path)
     # the same words without the placeholder pack
     fine = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is"}]}, answer]
     assert process_vision_sample(vp, fine, [image], 0)["image_grid_thw"].shape == (1, 3)
+
+
+def test_pack_dataset_with_a_processor_names_what_it_got_and_the_fix(tmp_path):
+    # the docs write pack_dataset(rows, ..., processor=DIR): a list of rows was refused as "processor= needs a
+    # Dataset or DatasetDict." without what was given or how to build one
+    rows = [{"messages": [{"role": "user", "content": "hi"}], "images": []}]
+    with pytest.raises(PackingError, match=r"got list.*datasets\.Dataset\.from_list\(rows\)") as err:
+        pack_dataset(rows, 64, processor=processor_folder(tmp_path / "proc"))
+    assert err.value.param == "dataset"
