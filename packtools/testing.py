@@ -405,7 +405,9 @@ def _vl_vision(name: str, patch: int) -> dict[str, Any]:
     # Qwen2.5-VL's and Qwen3-VL's vision towers: an MLP and a projection to the text width on top
     newer = dict(common, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32)
     if name == "qwen2_5_vl":
-        return dict(newer, window_size=8, fullatt_block_indexes=[1])
+        # windows of 2x2 merged patches at any patch size (a fixed window_size under patch * merge pixels
+        # made the tower divide by zero)
+        return dict(newer, window_size=2 * MERGE * patch, fullatt_block_indexes=[1])
     return dict(newer, num_position_embeddings=64, deepstack_visual_indexes=[0])
 
 

@@ -100,14 +100,16 @@ def test_processor_folder_rows_equal_the_image_processor_and_the_placeholder_rul
         assert np.array_equal(np.asarray(got["mm_token_type_ids"]), is_img.astype(int))
 
 
-def test_pack_dataset_with_processor_trains_like_one_by_one(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_pack_dataset_with_processor_trains_like_one_by_one(tmp_path, family):
+    # every family at the processor's 14-pixel patches (tiny Qwen2.5-VL's window once divided by zero there)
     from test_vision_train import _loss, one_by_one
 
     folder = processor_folder(tmp_path / "proc")
     rows = _rows(tmp_path) * 2
     packed = pack_dataset(_dataset(rows), 128, processor=folder)
     assert len(packed) < len(rows) and max(len(r) for r in packed["seq_lengths"]) > 1
-    model = tiny_vl("qwen2_vl", "sdpa", patch=14)
+    model = tiny_vl(family, "sdpa", patch=14)
     batch = MultimodalCollator(model, 0)(list(packed))
     done = process_vision_dataset(_dataset(rows), folder)
     samples = []
@@ -158,3 +160,34 @@ def test_profile_lengths_count_image_tokens_without_processing_pixels(tmp_path):
     assert lengths.tolist() == [len(r) for r in done["input_ids"]]
     assert (lengths > [len(r) - int(np.sum(np.asarray(r) == IMAGE)) for r in done["input_ids"]]).sum() == 2
     assert profile_lengths(lengths).lengths.tolist() == lengths.tolist()
+
+
+def test_a_literal_image_placeholder_in_the_text_is_refused_by_message(tmp_path):
+    # the processor expands every placeholder of the rendered text: a text part holding "<|image_pad|>" took the
+    # row's image at the text's spot (no image part, one image: packed without a word), or, beside an image
+    # part, was refused as "2 image part(s)" when the messages hold one
+    from packtools.integrations.multimodal.processor import process_vision_sample
+
+    vp = load_vision_processor(processor_folder(tmp_path / "proc"))
+    image = _image(np.random.default_rng(0), 28, 28)
+    answer = {"role": "assistant", "content": [{"type": "text", "text": "a cat"}]}
+    literal = {"type": "text", "text": f"what {vp.image_token} is"}
+    for parts, images in (([literal], [image]), ([{"type": "image"}, literal], [image])):
+        messages = [{"role": "user", "content": parts}, answer]
+        with pytest.raises(PackingError, match=r"row 3: message 0 holds the image placeholder .* literally"):
+            process_vision_sample(vp, messages, images, 3)
+    say = [{"role": "user", "content": f"say {vp.image_token}"}, answer]
+    with pytest.raises(PackingError, match="message 0 holds the image placeholder"):
+        process_vision_sample(vp, say, [], 0)
+    # the same words without the placeholder pack
+    fine = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is"}]}, answer]
+    assert process_vision_sample(vp, fine, [image], 0)["image_grid_thw"].shape == (1, 3)
+
+
+def test_pack_dataset_with_a_processor_names_what_it_got_and_the_fix(tmp_path):
+    # the docs write pack_dataset(rows, ..., processor=DIR): a list of rows was refused as "processor= needs a
+    # Dataset or DatasetDict." without what was given or how to build one
+    rows = [{"messages": [{"role": "user", "content": "hi"}], "images": []}]
+    with pytest.raises(PackingError, match=r"got list.*datasets\.Dataset\.from_list\(rows\)") as err:
+        pack_dataset(rows, 64, processor=processor_folder(tmp_path / "proc"))
+    assert err.value.param == "dataset"

@@ -53,6 +53,30 @@ def test_multimodal_collator_refuses_a_column_it_does_not_carry():
     assert set(got) == set(plain) and all(np.array_equal(got[k], plain[k]) for k in got)
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_multimodal_collator_refuses_pixels_of_another_patch_size(family):
+    # rows processed with a 14-pixel-patch processor (1176 values per patch) trained on a model whose vision
+    # tower reads another patch size: transformers crashed deep in its vision tower ("The size of tensor a
+    # (6272) must match ...") with no word of the cause; the collator names it
+    pytest.importorskip("transformers")
+    from packtools.testing import IMAGE, tiny_vl_config
+
+    config = tiny_vl_config(family)
+    vision = config.vision_config
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    row = {"input_ids": [1, IMAGE, 2], "seq_lengths": [3], "image_grid_thw": [[1, 2, 2]]}
+    collator = MultimodalCollator(config, 0, return_tensors="np")
+    batch = collator([{**row, "pixel_values": np.zeros((4, width), np.float32)}])
+    assert batch["pixel_values"].shape == (4, width)
+    with pytest.raises(
+        PackingError, match=rf"row 0: 'pixel_values' has 1176 values per patch but .* reads {width}"
+    ):
+        collator([{**row, "pixel_values": np.zeros((4, 3 * 2 * 14 * 14), np.float32)}])
+    # kept through options() / replace()
+    with pytest.raises(PackingError, match="values per patch"):
+        collator.replace(leave_out=["id"])([{**row, "pixel_values": np.zeros((4, 1176), np.float32)}])
+
+
 # -- the Arrow loader: PackedRows / ArrowCollator ------------------------------------------------------------
 
 

@@ -17,7 +17,7 @@ them are refused too (the models group consecutive image tokens as one image and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,11 @@ class MropeSpec:
     image_token_id: int
     video_token_id: int | None
     spatial_merge_size: int
+    #: values per patch in the ``pixel_values`` the vision tower reads (``in_channels * temporal_patch_size *
+    #: patch_size**2``), so rows processed for another patch size are refused by name rather than crashing in
+    #: the vision tower; ``None`` (a spec built by hand): not checked.  Not part of equality: it decides no
+    #: position.
+    patch_width: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.model_type not in VERIFIED_MODEL_TYPES:
@@ -65,8 +70,14 @@ class MropeSpec:
                 param="model",
             )
         video = getattr(config, "video_token_id", None)
+        sizes = [getattr(vision, k, None) for k in ("in_channels", "temporal_patch_size", "patch_size")]
+        width = sizes[0] * sizes[1] * sizes[2] ** 2 if all(isinstance(v, int) for v in sizes) else None
         return cls(
-            model_type, image, video if isinstance(video, int) else None, int(vision.spatial_merge_size)
+            model_type,
+            image,
+            video if isinstance(video, int) else None,
+            int(vision.spatial_merge_size),
+            patch_width=width,
         )
 
 

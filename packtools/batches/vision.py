@@ -44,7 +44,7 @@ def check_no_video(features: Sequence[Mapping[str, Any]]) -> None:
                 )
 
 
-def _pixels(value: Any, row: int, patches: int) -> np.ndarray | None:
+def _pixels(value: Any, row: int, patches: int, width: int | None) -> np.ndarray | None:
     if value is None or (patches == 0 and np.asarray(value).size == 0):
         if patches:
             raise PackingError(
@@ -57,6 +57,13 @@ def _pixels(value: Any, row: int, patches: int) -> np.ndarray | None:
         raise PackingError(
             f"row {row}: 'pixel_values' has shape {arr.shape} ({arr.dtype}) but its image_grid_thw gives "
             f"{patches} patches; pass the processor's float pixel_values, one patch per line, images in row order."
+        )
+    if width is not None and arr.shape[1] != width:
+        raise PackingError(
+            f"row {row}: 'pixel_values' has {arr.shape[1]} values per patch but the model's vision tower reads "
+            f"{width} (in_channels x temporal_patch_size x patch_size**2): the row was processed with another "
+            f"model's processor. Process the rows again with this model's processor folder.",
+            param="pixel_values",
         )
     return arr
 
@@ -189,7 +196,7 @@ class MultimodalCollator:
         for i, row in enumerate(features):
             n = len(np.asarray(row["input_ids"]))
             grid = check_grid(row.get("image_grid_thw"), "image_grid_thw", i)
-            pix = _pixels(row.get("pixel_values"), i, int(grid.prod(axis=1).sum()))
+            pix = _pixels(row.get("pixel_values"), i, int(grid.prod(axis=1).sum()), self.spec.patch_width)
             if n == 0:
                 if grid.shape[0]:
                     raise PackingError(

@@ -297,7 +297,12 @@ def pack_dataset(
         from ..multimodal.processor import load_vision_processor, process_vision_dataset
 
         if not isinstance(dataset, (ds_mod.Dataset, ds_mod.DatasetDict)):
-            raise PackingError("processor= needs a Dataset or DatasetDict.", param="processor")
+            raise PackingError(
+                f"processor= needs a datasets.Dataset or DatasetDict in TRL's vision format, got "
+                f"{type(dataset).__name__}; build one (datasets.Dataset.from_list(rows), images as paths or bytes), "
+                f"or pack JSON lines offline with packtools pack --processor DIR.",
+                param="dataset",
+            )
         vp = load_vision_processor(processor) if isinstance(processor, (str, os.PathLike)) else processor
         if isinstance(dataset, ds_mod.DatasetDict):
             dataset = ds_mod.DatasetDict({k: process_vision_dataset(v, vp) for k, v in dataset.items()})

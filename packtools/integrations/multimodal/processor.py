@@ -142,7 +142,7 @@ def process_vision_sample(
     names = image_list(images, row)
     images = [open_image(v, row) for v in names]
     text = _render(vp, messages, row=row)
-    _check_image_parts(vp, text, len(images), row)
+    _check_image_parts(vp, messages, text, len(images), row)
     if vp.processor is not None:
         try:
             out = vp.processor(text=[text], images=images or None, return_tensors="np")
@@ -175,8 +175,22 @@ def process_vision_sample(
     return row_out
 
 
-def _check_image_parts(vp: VisionProcessor, text: str, images: int, row: int | str) -> None:
-    """Refuse a sample whose rendered ``text`` holds another number of image parts than its ``images``."""
+def _check_image_parts(vp: VisionProcessor, messages: Any, text: str, images: int, row: int | str) -> None:
+    """Refuse a sample whose rendered ``text`` holds another number of image parts than its ``images``, and one
+    whose messages' text holds the image placeholder itself: the processor expands every placeholder of the
+    rendered text, so a literal one would take an image (or be counted as an image part) at the text's spot."""
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        texts = [content] if isinstance(content, str) else []
+        for part in content if isinstance(content, list) else []:
+            texts += [v for v in part.values() if isinstance(v, str)] if isinstance(part, dict) else []
+        if any(vp.image_token in t for t in texts):
+            raise PackingError(
+                f"{where_of(row)}: message {i} holds the image placeholder {vp.image_token!r} literally in its text; "
+                f"the processor would expand it as an image. Remove it from the text (an image goes in an "
+                f'{{"type": "image"}} part, with its entry in the images column).',
+                param="messages",
+            )
     parts = text.count(vp.image_token)
     if parts != images:
         raise PackingError(
@@ -306,6 +320,6 @@ def sample_length(vp: VisionProcessor, messages: Any, images: Any, row: int | st
     check_messages(messages, row)
     sizes = [image_size(v, row) for v in image_list(images, row)]
     text = _render(vp, messages, row=row)
-    _check_image_parts(vp, text, len(sizes), row)
+    _check_image_parts(vp, messages, text, len(sizes), row)
     tokens = len(vp.tokenizer(text)["input_ids"]) - len(sizes)
     return tokens + sum(int(count(h, w)) // vp.merge_size**2 for h, w in sizes)
