@@ -40,3 +40,23 @@ def test_random_is_packtools_own_shuffle_and_one_process_keeps_trainers_sampler(
     prepare_trainer(t, check_isolation=False)
     sampler = t.get_train_dataloader().base_dataloader.sampler
     assert isinstance(sampler, __import__("torch").utils.data.SequentialSampler), type(sampler)
+
+
+def test_drop_last_the_token_budget_loader_does_not_apply_is_said(tmp_path):
+    """dataloader_drop_last=True was ignored silently by packtools' loader (every row trained, no last batch
+    dropped): it warns by name; Trainer's own loader (one process, no max_tokens) honours it, no warning."""
+    rows = pack_dataset(datasets.Dataset.from_list(sequences(16, seed=2)), 32)
+
+    def built():
+        args = train_args(tmp_path, dataloader_drop_last=True)
+        return transformers.Trainer(
+            model=tiny_llama(), args=args, train_dataset=rows, data_collator=PaddingFreeCollator(PAD)
+        )
+
+    with pytest.warns(UserWarning, match=r"dataloader_drop_last=True is not applied"):
+        prepare_trainer(built(), max_tokens=64, check_isolation=False)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*dataloader_drop_last")
+        prepare_trainer(built(), check_isolation=False)

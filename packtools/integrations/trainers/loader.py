@@ -239,12 +239,20 @@ def check_sampling_strategy(args: Any, max_tokens: int | None) -> None:
 
 def check_train_loader(trainer: Any, max_tokens: int | None) -> None:
     """Refuse, before training, what :func:`train_loader` cannot serve: a ``max_tokens`` that is not a positive
-    int, a streaming dataset under several processes or a token budget."""
+    int, a streaming dataset under several processes or a token budget; warn that ``dataloader_drop_last`` is
+    not applied there (the user asked for rows to be dropped; every row is trained instead)."""
     if max_tokens is not None:
         _positive_int(max_tokens, "max_tokens")
     check_stream(trainer.train_dataset, int(trainer.args.world_size), max_tokens)
     if max_tokens is not None or max(int(trainer.args.world_size), 1) > 1:
         check_sampling_strategy(trainer.args, max_tokens)
+        if getattr(trainer.args, "dataloader_drop_last", False):
+            warnings.warn(
+                "dataloader_drop_last=True is not applied by packtools' training loader (max_tokens or several "
+                "processes): it trains every row once per epoch, evening out the processes by splitting batches, "
+                "so no last batch is dropped. Set dataloader_drop_last=False to silence this.",
+                stacklevel=3,
+            )
 
 
 def train_loader(trainer: Any, max_tokens: int | None, layout: Any, default: Any) -> Any:

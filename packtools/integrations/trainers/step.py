@@ -7,7 +7,7 @@ decisions in one frozen :class:`StepPlan` on the trainer (attribute :data:`PLAN_
 
 The mixins override ``Trainer``'s public step methods and call ``super()``, so the trainer's own class (a user's
 ``compute_loss``, TRL's ``SFTTrainer`` / ``DPOTrainer.compute_loss``) runs inside them, never replaced:
-:class:`StepOwner` (every kind: the loader, evaluation refused under CP), :class:`SFTStep` (``Trainer``,
+:class:`StepOwner` (every kind: the loader, evaluation refused under CP, predictions of merged rows refused), :class:`SFTStep` (``Trainer``,
 ``SFTTrainer``: the step's denominator, CP shards and the ``sample`` / ``sqrt`` loss modes), :class:`DPOStep`
 (TRL ``DPOTrainer``: the pair mean of the step).  docs/training.md tabulates each method.
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..._optional import require
+from ...batches.collate import PaddingFreeCollator
 from ...batches.context_parallel import CP_KEY
 from ...compat import record, set_attr
 from ...errors import PackingError
@@ -127,9 +128,27 @@ def refuse_under_cp(trainer: Any, what: str) -> None:
         raise PackingError(NO_EVAL.format(what=what) + ".", param="eval_dataset")
 
 
+def refuse_merged_predictions(trainer: Any) -> None:
+    """Refuse predictions (``predict()``, ``evaluate()`` with ``compute_metrics``) of padding-free batches that
+    join several rows: ``Trainer`` would return one flat row per batch, not one per example, and under several
+    processes accelerate's even-out batch would be kept (it truncates by the batch dimension, 1 here)."""
+    inner = getattr(trainer.data_collator, "collator", trainer.data_collator)  # an ArrowCollator's inner one
+    size = int(trainer.args.eval_batch_size)
+    if isinstance(inner, PaddingFreeCollator) and inner.padding_free and size > 1:
+        raise PackingError(
+            f"predictions of padding-free batches with per_device_eval_batch_size={size}: PaddingFreeCollator "
+            f"joins the {size} rows of a batch into one flat row, so predictions and label_ids would come back "
+            "one row per batch, not per example (and with several processes the batch accelerate repeats to "
+            "even out the ranks would be kept). Set TrainingArguments(per_device_eval_batch_size=1): one "
+            "example per batch, in order, on any number of processes.",
+            param="per_device_eval_batch_size",
+        )
+
+
 class StepOwner:
-    """What packtools changes in every prepared trainer's step: the training loader and, under context
-    parallelism, the refusal of evaluation and prediction (see the module docstring)."""
+    """What packtools changes in every prepared trainer's step: the training loader, the refusal of predictions
+    of merged padding-free rows (:func:`refuse_merged_predictions`) and, under context parallelism, the refusal
+    of evaluation and prediction (see the module docstring)."""
 
     def get_train_dataloader(self) -> Any:
         plan = _plan(self)
@@ -142,6 +161,13 @@ class StepOwner:
     def predict(self, *args: Any, **kwargs: Any) -> Any:
         refuse_under_cp(self, "predict()")
         return super().predict(*args, **kwargs)
+
+    def prediction_step(
+        self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None
+    ) -> Any:
+        if not prediction_loss_only:
+            refuse_merged_predictions(self)
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     def get_eval_dataloader(self, *args: Any, **kwargs: Any) -> Any:
         refuse_under_cp(self, "evaluation")
