@@ -22,6 +22,7 @@ from ..core.pack import check_columns_unique
 from ..core.plan import check_max_length, check_strategy
 from ..errors import PackingError, check_choice
 from ..io.discover import InputFile
+from ..io.files import read_schema
 from ..io.fingerprint import cache_key
 from ..io.manifest import MANIFEST_FORMAT
 from .formats import FORMATS, input_columns, raw_format
@@ -69,9 +70,7 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         check_max_length(self.max_length)
-        if (
-            self.columns is not None
-        ):  # one name as a string is one column (as pack_table takes it), not its letters
+        if self.columns is not None:  # one name as a string is one column (as pack_table takes it)
             names = (self.columns,) if isinstance(self.columns, str) else tuple(self.columns)
             check_columns_unique(names)
             object.__setattr__(self, "columns", names)
@@ -170,11 +169,11 @@ def fingerprint(files: Sequence[InputFile], config: PipelineConfig) -> dict[str,
     return {"fingerprint": digest, **body}
 
 
-def check_options_used(config: PipelineConfig, fmt: str, columns: Sequence[str] = ()) -> None:
+def check_options_used(config: PipelineConfig, fmt: str, files: Sequence[InputFile] = ()) -> None:
     """Refuse, by name, an option that cannot change anything for data of format ``fmt`` (a user who gave it
-    expected an effect; the vision path refuses its unused options the same way).  ``columns``: the first
-    input's, so that a tokenizer given with tokenized data that also holds raw columns is told the format that
-    tokenizes them."""
+    expected an effect; the vision path refuses its unused options the same way).  ``files``: the inputs; the
+    first one's columns are read only to refuse a tokenizer given with tokenized data, which is told the format
+    that tokenizes its raw columns where it also holds them."""
     if fmt == "text" and config.drop_unlabeled is not None:
         flag = "drop_unlabeled=True" if config.drop_unlabeled else "drop_unlabeled=False (keep unlabeled)"
         raise PackingError(
@@ -189,7 +188,7 @@ def check_options_used(config: PipelineConfig, fmt: str, columns: Sequence[str] 
             param="max_prompt_length",
         )
     if fmt == "tokenized" and config.tokenizer is not None:
-        raw = raw_format(columns) if config.format is None else None
+        raw = raw_format(read_schema(files[0]).names) if config.format is None and files else None
         fix = (
             f"Leave it out to pack the input's 'input_ids' as they are, or pass format={raw!r} to tokenize its "
             f"{input_columns(raw)} columns instead (the input holds both)."

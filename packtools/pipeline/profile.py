@@ -32,7 +32,7 @@ import numpy as np
 
 from ..errors import PackingError
 from ..io.discover import discover
-from ..io.files import open_ipc, read_schema, split_file
+from ..io.files import open_ipc, split_file
 from ..profiling.profile import LengthProfile, profile_lengths
 from .executors import Executor, executor_name, get_executor, run_jobs
 from .formats import output_columns
@@ -169,7 +169,7 @@ def profile_files(
     fmt = data_format(files, config)
     # a tokenizer that would change nothing is refused as pack refuses it (tokenized data beside raw columns is
     # told the format that tokenizes them), so that profile measures what pack would pack
-    check_options_used(config, fmt, read_schema(files[0]).names)
+    check_options_used(config, fmt, files)
     if fmt == "tokenized" and all(f.kind != "json" for f in files):  # offsets only: nothing to stage
         # the inputs as given: a packed folder's manifest (its max_length) and name come with it
         prof = profile_lengths([os.fspath(i) for i in inputs], column=column, name=name)

@@ -331,7 +331,7 @@ def _inputs(
     ``check_later``: a first run may stage on a provisional reference (:func:`_settle_reference`)."""
     early: dict[str, Any] = {}
     fmt = data_format(files, config)
-    check_options_used(config, fmt, read_schema(files[0]).names)
+    check_options_used(config, fmt, files)
     if fmt == "preference" and config.overlong == "split":
         raise PackingError(
             "overlong='split' does not apply to preference data; use truncate or drop.", param="overlong"
