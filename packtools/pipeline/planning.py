@@ -285,7 +285,7 @@ class RowPlan:
         falls inside a row and a row's first token does not, and a row cut from a long prompt trains nothing.
         Documents the plan keeps whole are counted from their sidecars; those it cuts are read (their labels
         only, one staged part at a time)."""
-        from .turn_split import staged_rows
+        from .turn_split import staged_parts
 
         if self.trained is None or self.first is None or p.num_rows == 0:
             return
@@ -297,21 +297,21 @@ class RowPlan:
         seg = np.where(whole, self.trained[src] + head_trained[src], 0)
         row_first = np.asarray(p.row_offsets[:-1], np.int64)
         lead = np.where(start[row_first] == 0, head_trained[src[row_first]], False).astype(np.int64)
+        row_of = np.full(src.shape[0], -1, np.int64)  # segment -> the packed row it starts (-1: none)
+        row_of[row_first] = np.arange(row_first.shape[0])
         cut = np.flatnonzero(~whole)
-        if cut.size:
-            cut = cut[np.argsort(src[cut], kind="stable")]
-            firsts = {int(r): i for i, r in enumerate(row_first)}  # segment -> packed row it starts
-            bounds = np.searchsorted(src[cut], np.unique(src[cut]))
-            groups = np.split(cut, bounds[1:])
-            for (_, cols), segs in zip(
-                staged_rows(data, self.bounds, np.unique(src[cut]), ["labels"]), groups
-            ):
-                trains = cols["labels"] != IGNORE_INDEX
-                csum = np.concatenate([[0], np.cumsum(trains, dtype=np.int64)])
-                seg[segs] = csum[start[segs] + length[segs]] - csum[start[segs]]
-                for sg in segs:
-                    if int(sg) in firsts and length[sg] > 0:
-                        lead[firsts[int(sg)]] = int(trains[start[sg]])
+        cut = cut[np.argsort(src[cut], kind="stable")]
+        for mine, flat in staged_parts(data, self.bounds, np.unique(src[cut]), ["labels"]):
+            labels, offsets = flat["labels"]
+            trains = labels != IGNORE_INDEX
+            csum = np.concatenate([[0], np.cumsum(trains, dtype=np.int64)])
+            segs = cut[np.isin(src[cut], mine)]
+            at = (
+                offsets[np.searchsorted(mine, src[segs])] + start[segs]
+            )  # where each segment starts in labels
+            seg[segs] = csum[at + length[segs]] - csum[at]
+            leads = (row_of[segs] >= 0) & (length[segs] > 0)
+            lead[row_of[segs[leads]]] = trains[at[leads]]
         per_row = np.add.reduceat(seg, row_first) - lead if seg.size else np.zeros(0, np.int64)
         empty = np.diff(np.asarray(p.row_offsets, np.int64)) == 0
         per_row[empty] = 0

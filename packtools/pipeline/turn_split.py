@@ -255,9 +255,10 @@ def piece_columns(
     return out
 
 
-def staged_rows(data: Sequence[str], bounds: Sequence[int], rows: np.ndarray, columns: Sequence[str]):
-    """``(row, {column: values})`` of the rows ``rows`` (global row numbers, sorted) of the staged files ``data``
-    (part ``k`` holds rows ``bounds[k]:bounds[k + 1]``), one part mapped at a time."""
+def staged_parts(data: Sequence[str], bounds: Sequence[int], rows: np.ndarray, columns: Sequence[str]):
+    """``(rows_of_part, {column: (flat values, offsets)})`` of the rows ``rows`` (global row numbers, sorted) of
+    the staged files ``data`` (part ``k`` holds rows ``bounds[k]:bounds[k + 1]``), one part mapped at a time:
+    row ``i`` of the part's ``rows_of_part`` is ``values[offsets[i]:offsets[i + 1]]``."""
     from .gather import MappedArrow
 
     part_of = np.searchsorted(np.asarray(bounds[1:], np.int64), rows, side="right")
@@ -272,6 +273,13 @@ def staged_rows(data: Sequence[str], bounds: Sequence[int], rows: np.ndarray, co
         for c in columns:
             col = read_list_column(table.column(c), c)
             flat[c] = (col.flat_values(), np.concatenate([[0], np.cumsum(col.lengths())]))
+        yield mine, flat
+
+
+def staged_rows(data: Sequence[str], bounds: Sequence[int], rows: np.ndarray, columns: Sequence[str]):
+    """``(row, {column: values})`` of the rows ``rows`` (global row numbers, sorted) of the staged files ``data``,
+    one row at a time (:func:`staged_parts`)."""
+    for mine, flat in staged_parts(data, bounds, rows, columns):
         for i, row in enumerate(mine):
             yield int(row), {c: v[o[i] : o[i + 1]] for c, (v, o) in flat.items()}
 
