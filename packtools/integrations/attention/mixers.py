@@ -92,6 +92,21 @@ class Segments:
     length: int
 
 
+def breaks(ids: Any, attention_mask: Any = None, step: int = 1) -> Any:
+    """Where a row's ``ids`` do not step by ``step`` from one token to the next (position ids by 1: a packed
+    sequence starts; ``seq_idx`` by 0), shape ``[..., T - 1]``; with ``attention_mask`` only between two attended
+    tokens, as transformers' masks read them, so left or right padding is no boundary.  NumPy or torch.
+
+    >>> import numpy as np
+    >>> bool(breaks(np.array([[1, 1, 0, 1, 2]]), np.array([[0, 0, 1, 1, 1]])).any())
+    False
+    """
+    broken = (ids[..., 1:] - ids[..., :-1]) != step
+    if attention_mask is not None:
+        broken = broken & (attention_mask[..., 1:] != 0) & (attention_mask[..., :-1] != 0)
+    return broken
+
+
 def segments_of(kwargs: dict[str, Any]) -> Segments | None:
     """The documents of a forward's inputs, or ``None`` when no row holds more than one (one host sync): from
     ``position_ids`` (a document starts where a position does not follow the previous one by 1), else
@@ -114,17 +129,12 @@ def segments_of(kwargs: dict[str, Any]) -> Segments | None:
     if pos is not None and getattr(pos, "ndim", 0) == 3:
         pos = pos[0]  # multi-axis rotary positions: the first axis is the token's position
     seq_idx = kwargs.get("seq_idx")
-    mask = kwargs.get(
-        "attention_mask"
-    )  # padding (a 0 in a 2-D mask) starts no document: generation's prefill
-    mask = mask if getattr(mask, "ndim", 0) == 2 else None  # positions a left-padded batch gives its pads
+    mask = kwargs.get("attention_mask")  # padding starts no document (the positions a prefill gives its pads)
     for ids, step in ((pos, 1), (seq_idx, 0)):  # a document starts where positions jump / seq_idx changes
         if ids is not None and getattr(ids, "ndim", 0) == 2 and ids.shape[1] > 1:
             rows, length = int(ids.shape[0]), int(ids.shape[1])
-            broken = (ids[:, 1:] - ids[:, :-1]) != step
-            if mask is not None and tuple(mask.shape) == (rows, length):
-                broken = broken & (mask[:, 1:] != 0) & (mask[:, :-1] != 0)
-            starts = broken.nonzero().tolist()
+            fits = getattr(mask, "ndim", 0) == 2 and tuple(mask.shape) == (rows, length)
+            starts = breaks(ids, mask if fits else None, step).nonzero().tolist()
             if starts:
                 per_row: list[list[int]] = [[0] for _ in range(rows)]
                 for row, index in starts:

@@ -18,7 +18,7 @@ from ...compat.torch import forward_pre_hook
 from ...constants import VARLEN_KEYS
 from ...errors import PackingError
 from ..attention.backends import attention_implementation, base_model, is_flash, token_mixing_layers
-from ..attention.mixers import POSITIONLESS_MASKS, document_mixers, kernel_ready
+from ..attention.mixers import POSITIONLESS_MASKS, breaks, document_mixers, kernel_ready
 
 _HOOK_ATTR = "_packtools_guard"
 
@@ -35,10 +35,7 @@ def has_restarts(position_ids: Any, attention_mask: Any = None) -> bool:
     >>> has_restarts(np.array([[1, 1, 0, 1, 2]]), attention_mask=np.array([[0, 0, 1, 1, 1]]))
     False
     """
-    broken = (position_ids[..., 1:] - position_ids[..., :-1]) != 1
-    if attention_mask is not None:
-        broken = broken & (attention_mask[..., 1:] != 0) & (attention_mask[..., :-1] != 0)
-    return bool(broken.any())
+    return bool(breaks(position_ids, attention_mask).any())
 
 
 def check_forward_inputs(
