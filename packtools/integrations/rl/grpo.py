@@ -238,10 +238,9 @@ def check_rl_forward(trainer: Any, model: Any, entropy: bool) -> float:
     training = base.training
     base.eval()
     name = type(base).__name__
-    # Both forwards run under the trainer's autocast: with bf16/fp16 mixed precision a float32 model computes in
-    # half precision, and the probe allows half precision's rounding.
-    with trainer_autocast(trainer):
-        probe = ProbeDiffs(compute_dtype(base))
+    # The tolerance of the precision the forwards compute in: _install runs this under the trainer's autocast,
+    # where a float32 model trained with bf16=True / fp16=True computes in half precision (as the other probes).
+    probe = ProbeDiffs(compute_dtype(base))
     try:
         with torch.no_grad():
             theirs = trl_logps(plan.trl_class, trainer, model, ids, mask, keep, compute_entropy=entropy)
