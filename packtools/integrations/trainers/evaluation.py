@@ -106,9 +106,9 @@ def _first_seen(loader: Any, batch: dict[str, Any], dealt: tuple[list[int], int]
     if not _same(again["input_ids"], batch["input_ids"]):
         raise PackingError(
             "token_mean_loss: the evaluation loader's sampler gave another order when iterated again "
-            f"({type(loader.batch_sampler.batch_sampler).__name__}), so the rows accelerate repeated to even "
-            "out the processes cannot be found. Evaluate with Trainer's sequential evaluation sampler "
-            "(train_sampling_strategy='random', the default, leaves it sequential).",
+            f"({type(getattr(loader.batch_sampler.batch_sampler, 'sampler', None)).__name__}), so the rows "
+            "accelerate repeated to even out the processes cannot be found. Evaluate with Trainer's sequential "
+            "evaluation sampler (any train_sampling_strategy but 'group_by_length' leaves it sequential).",
             param="eval_dataset",
         )
     return loader.collate_fn(rows[:first])
