@@ -148,6 +148,16 @@ def test_check_isolation_called_directly_on_a_reference_model_in_accelerates_aut
         check_isolation(model, PaddingFreeCollator(PAD, return_position_ids=False))
 
 
+def test_padding_free_forward_probe_called_directly_on_a_reference_model_in_accelerates_autocast(tmp_path):
+    """``check_padding_free_forward(trainer.ref_model)`` after ``prepare_dpo_trainer``, ``bf16=True``: the same
+    rule, the precision read from inside the forward accelerate wrapped.  Failed before: refused at float32's
+    tolerance (8.59e-04 > 4.7e-05)."""
+    trainer, _ = build("dpo", tmp_path, bf16=True)
+    prepare_dpo_trainer(trainer, segmented_sdpa=False)
+    assert not torch.is_autocast_enabled("cpu")
+    assert 5e-5 < check_padding_free_forward(trainer.ref_model) < 3e-2  # bfloat16's rounding, accepted
+
+
 def test_probes_called_under_autocast_judge_at_its_precision_and_still_catch_a_leak():
     """A user's ``torch.autocast`` around a probe: the float32 model computes in bfloat16, so the probe takes
     bfloat16's tolerance.  Failed before: check_isolation judged ``packed - alone`` 1.95e-3 against float32's

@@ -127,11 +127,12 @@ def max_abs_diff(got: Any, reference: Any) -> float:
     return float((got.float() - reference.float()).abs().max())
 
 
-def compute_dtype(model: Any, default: Any = None) -> str:
+def compute_dtype(model: Any, default: Any = None, seen: Sequence[str] = ()) -> str:
     """The dtype ``model``'s forward computes in here, by name (a key of :data:`TOLERANCE`), which every probe's
     tolerance follows: the autocast dtype where autocast is on for the device of its weights (a float32 model
     trained with ``bf16=True`` runs in bfloat16 under :func:`trainer_autocast`), else its first floating
-    parameter's dtype (``default``, then float32, for a model without one).
+    parameter's dtype (``default``, then float32, for a model without one).  ``seen``: what
+    :func:`autocast_inside` recorded during a forward of the probe; its first entry, when there is one, wins.
 
     >>> import torch
     >>> model = torch.nn.Linear(2, 2)
@@ -141,6 +142,8 @@ def compute_dtype(model: Any, default: Any = None) -> str:
     ...     compute_dtype(model)
     'bfloat16'
     """
+    if seen:
+        return seen[0]
     torch = require("torch", "packtools.integrations.check_isolation")
     param = next((p for p in base_model(model).parameters() if p.is_floating_point()), None)
     if param is not None and torch.is_autocast_enabled(param.device.type):
@@ -392,7 +395,7 @@ def check_isolation(
         scale = max(1.0, max(float(al.float().abs().max()) for al in alone))
         # The compute dtype (the weights', or autocast's: the caller's or the one the model's forward enters, as
         # accelerate's mixed-precision wrapper does), not the logits' (some heads upcast them to float32).
-        dtype = seen[0] if seen else compute_dtype(base, logits.dtype)
+        dtype = compute_dtype(base, logits.dtype, seen)
         tol = float(atol) if atol is not None else TOLERANCE.get(dtype, 1e-5) * scale
         perturb_tol = min(tol, PERTURB_TOLERANCE * scale)
         backward_tol = float(atol) if atol is not None else TOLERANCE.get(dtype, 1e-5) * BACKWARD_FACTOR
