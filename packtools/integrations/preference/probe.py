@@ -14,7 +14,7 @@ from ..._optional import require
 from ...errors import PackingError
 from ..attention.backends import attention_implementation
 from ..attention.backends import base_model as _base_model
-from ..attention.isolation import TOLERANCE, compute_dtype
+from ..attention.isolation import TOLERANCE, autocast_inside, compute_dtype
 
 
 def check_padding_free_forward(
@@ -54,7 +54,7 @@ def check_padding_free_forward(
     training = base.training
     base.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), autocast_inside(base) as seen:  # the precision the forward itself enters
             together = base(
                 input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, use_cache=False
             ).log_probs.float()
@@ -71,7 +71,7 @@ def check_padding_free_forward(
                 scale = max(scale, float(alone.abs().max()))
     finally:
         base.train(training)
-    dtype = compute_dtype(base)
+    dtype = compute_dtype(base, seen=seen)
     tol = float(atol) if atol is not None else TOLERANCE.get(dtype, 1e-5) * scale
     if worst > tol:
         raise PackingError(
