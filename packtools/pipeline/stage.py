@@ -317,14 +317,12 @@ def stage_part(job: StageJob) -> dict[str, Any]:
         with arrow_sink(tmp) as sink, pa.ipc.new_file(sink, schema) as writer:
             tables = timed(prefetch(_token_tables(job, clock)), clock, "stage_wait")
             for where, table in tables:  # tokenizing runs ahead of writing
-                try:
-                    cols = [read_list_column(table.column(c), c) for c in job.columns]
-                    if job.fmt == "preference":  # a pair's columns differ in length: count all its tokens
-                        lengths.append(np.sum([c.lengths() for c in cols], axis=0).astype(np.int64))
-                    else:
-                        lengths.append(check_aligned(cols).astype(np.int64))
-                except PackingError as exc:
-                    raise PackingError(f"{where()} (block start): {exc}", param=exc.param) from None
+                # a bad row is named by its line (row) in the file: `where` names the rows of this table
+                cols = [read_list_column(table.column(c), c, where) for c in job.columns]
+                if job.fmt == "preference":  # a pair's columns differ in length: count all its tokens
+                    lengths.append(np.sum([c.lengths() for c in cols], axis=0).astype(np.int64))
+                else:
+                    lengths.append(check_aligned(cols, where).astype(np.int64))
                 if job.has_labels:
                     firsts.append(first_label(table.column("labels")))
                     trained.append(trained_per_row(table.column("labels")))
