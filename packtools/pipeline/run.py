@@ -667,4 +667,11 @@ def _run(
     write_manifest(ws.build, manifest)
     ws.install()
     notes = cache_notes + ([found.reference_why] if found.reference_why else [])
+    if fp.get("tokenizer_sha256") and fmt != "tokenized":
+        from .tokenizer.reference import copy_removed_note
+
+        removed = copy_removed_note(fp["tokenizer_sha256"])  # why this run's tokenizer load was the slow one
+        if removed is not None:
+            notes.append(removed)
+            timings["tokenizer_copy_removed"] = True
     return PipelineResult(ws.out, stats, cached=False, manifest=manifest, timings=timings, notes=notes)
