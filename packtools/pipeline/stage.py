@@ -37,7 +37,7 @@ import pyarrow as pa
 from .._atomic import fsync_file, removed_on_error
 from ..core.arrow import check_aligned, is_list_type, read_list_column
 from ..errors import PackingError
-from ..io.direct import arrow_sink
+from ..io.direct import DirectFile, arrow_sink
 from ..io.files import Part, Where, iter_part, open_ipc
 from ..io.fingerprint import cache_key
 from ..io.pages import read_ahead
@@ -314,7 +314,9 @@ def stage_part(job: StageJob) -> dict[str, Any]:
     # past the page cache (packtools.io.direct: fresh page-cache pages were most of this write's cost), and
     # read back into it in the background once whole, for the gather
     with removed_on_error(tmp):
-        with arrow_sink(tmp) as sink, pa.ipc.new_file(sink, schema) as writer:
+        # a part flushed rather than hashed below carries the CRC-32 of its bytes, taken as they are written
+        direct = DirectFile(tmp, crc=not job.checksum)
+        with arrow_sink(direct) as sink, pa.ipc.new_file(sink, schema) as writer:
             tables = timed(prefetch(_token_tables(job, clock)), clock, "stage_wait")
             for where, table in tables:  # tokenizing runs ahead of writing
                 # a bad row is named by its line (row) in the file: `where` names the rows of this table
@@ -369,6 +371,7 @@ def stage_part(job: StageJob) -> dict[str, Any]:
         report=report,
         data_sha256=digest,
         data_size=size,
+        data_crc32=direct.crc32 if direct.crc32 is not None else -1,
         trained=all_trained,
         heads=all_heads,
         closing=closing,
