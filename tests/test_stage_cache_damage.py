@@ -95,6 +95,8 @@ def test_a_part_a_killed_run_left_is_checked_by_content_before_reuse(tok, data, 
         _flip_a_token_bit(part)
     res = pack_files(data, tmp_path / "packed", 128, tokenizer=tok)
     assert res.timings["parts_reused"] == (0 if flip else 1)
+    said = [n for n in res.notes if "interrupted run left was damaged (its data file is not the one" in n]
+    assert len(said) == flip, res.notes
     assert _shards(res.out) == _shards(fresh.out)
 
 

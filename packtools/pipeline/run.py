@@ -591,6 +591,11 @@ def _run(
         timings["parts_from_stage_cache"] = sum(r and j.sidecar in from_cache for r, j in zip(reused, jobs))
         timings["parts_mapped"] = sum(s["data"] == j.part.file.path for s, j in zip(staged, jobs))
         cache_notes += empty_inputs_notes(found.files, jobs, staged)
+        cache_notes += [
+            f"part {j.part.describe()} that an interrupted run left was damaged ({s['damaged']}): staged again"
+            for j, s in zip(jobs, staged)
+            if s.get("damaged")
+        ]
         os.makedirs(ws.build)
         if fmt == "preference":
             from .preference import write_packed_preference

@@ -283,9 +283,11 @@ def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray, np.ndarray] | Non
 
 
 def stage_part(job: StageJob) -> dict[str, Any]:
-    """Stage one part (see the module docstring); returns ``{"rows", "reused", "seconds", "data"}``."""
+    """Stage one part (see the module docstring); returns ``{"rows", "reused", "seconds", "data"}``, and
+    ``"damaged"`` (why) where a part an interrupted run left could not be trusted and was staged again."""
     start = time.perf_counter()
-    if os.path.exists(job.sidecar) and damage(job.sidecar) is not None:  # e.g. cut by a machine crash
+    damaged = damage(job.sidecar) if os.path.exists(job.sidecar) else None  # e.g. cut by a machine crash
+    if damaged is not None:
         drop_staged(job)  # staged again
     if os.path.exists(job.sidecar):
         lengths, _, data = load_sidecar(job.sidecar)
@@ -304,6 +306,7 @@ def stage_part(job: StageJob) -> dict[str, Any]:
             "reused": False,
             "seconds": time.perf_counter() - start,
             "data": job.part.file.path,
+            **({"damaged": damaged} if damaged else {}),
         }
     schema = pa.schema([(c, pa.list_(pa.type_for_alias(v))) for c, v in zip(job.columns, job.value_types)])
     tmp = f"{job.staged}.tmp-{os.getpid()}"
@@ -384,6 +387,8 @@ def stage_part(job: StageJob) -> dict[str, Any]:
         "data": job.staged,
         "phases": _phases(clock, time.perf_counter() - start),
     }
+    if damaged is not None:
+        result["damaged"] = damaged
     if report is not None:
         result["tokenizer"] = report
     return result
