@@ -18,9 +18,15 @@ from ..attention.isolation import TOLERANCE, autocast_inside, compute_dtype
 
 
 def check_padding_free_forward(
-    model: Any, lengths: Sequence[int] = (5, 9, 3, 7), seed: int = 0, atol: float | None = None
+    model: Any,
+    lengths: Sequence[int] = (5, 9, 3, 7),
+    seed: int = 0,
+    atol: float | None = None,
+    *,
+    trainer: str = "DPO",
 ) -> float:
-    """Largest log-prob difference between the sequences run together and alone; raises on a leak.
+    """Largest log-prob difference between the sequences run together and alone; raises on a leak, naming the
+    ``trainer`` whose forward it is (``"DPO"``, ``"KTO"``) and its prepare function.
 
     ``model`` must carry packtools' padding-free forward
     (:func:`~packtools.integrations.preference.dpo.install_padding_free_forward`).  Runs under ``no_grad`` in eval mode
@@ -76,9 +82,9 @@ def check_padding_free_forward(
     if worst > tol:
         raise PackingError(
             f"{type(base).__name__} ({attention_implementation(base)!r} attention, {dtype}) lets the sequences "
-            f"of a padding-free DPO row see each other: their log-probs differ from the same sequences run alone "
-            f"by {worst:.2e} (tolerance {tol:.1e}). Hybrid layers need kernels that read seq_idx / cu_seq_lens "
-            f"(mamba-ssm, causal-conv1d on CUDA); otherwise keep TRL's padded batches (do not call "
-            f"prepare_dpo_trainer), or pass check_isolation=False if you know better."
+            f"of a padding-free {trainer} row see each other: their log-probs differ from the same sequences run "
+            f"alone by {worst:.2e} (tolerance {tol:.1e}). Hybrid layers need kernels that read seq_idx / "
+            f"cu_seq_lens (mamba-ssm, causal-conv1d on CUDA); otherwise keep TRL's padded batches (do not call "
+            f"prepare_{trainer.lower()}_trainer), or pass check_isolation=False if you know better."
         )
     return worst
