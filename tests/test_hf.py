@@ -266,6 +266,7 @@ def test_guard_refuses_use_cache_true_on_a_packed_vision_language_batch(name):
 def cache_refused_and_left_out_exact(model, batch):
     """``batch`` packs [5, 6, 7] and [8, 9, 10, 11]: use_cache=True is refused, and left out the guard passes
     use_cache=False, the second sequence computed as if alone."""
+    batch = {k: v for k, v in batch.items() if k != "use_cache"}  # as if return_use_cache=False: the guard's
     with pytest.raises(PackingError, match="use_cache=True.*Pass use_cache=False"):
         model(**batch, use_cache=True)
     with torch.no_grad():
@@ -382,7 +383,7 @@ def test_causal_lm_loss_matches_model_loss():
     model = tiny_llama()
     batch = PaddingFreeCollator(PAD)([{"input_ids": [3, 4, 5, 6, 7], "seq_lengths": [2, 3]}])
     with torch.no_grad():
-        out = model(**batch, use_cache=False)
+        out = model(**batch)
     assert batch["labels"].ne(-100).sum() == 3
     assert abs(causal_lm_loss(out, batch["labels"]).item() - out.loss.item()) < 1e-6
     assert abs(causal_lm_loss(out, batch["labels"], num_items_in_batch=6).item() * 2 - out.loss.item()) < 1e-6
@@ -492,7 +493,7 @@ def test_guard_lets_one_padding_free_sequence_keep_its_cache():
     guard_model(model)
     batch = PaddingFreeCollator(PAD)([{"input_ids": [5, 6, 7, 8], "seq_lengths": [4]}])
     with torch.no_grad():
-        cached = model(**batch, use_cache=True)
+        cached = model(**{**batch, "use_cache": True})
         plain = model(input_ids=batch["input_ids"], use_cache=False)
     assert cached.past_key_values is not None
     assert (cached.logits - plain.logits).abs().max() < 1e-5

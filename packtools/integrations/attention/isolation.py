@@ -368,7 +368,7 @@ def check_isolation(
         labels = batch.pop("labels", None)
         batch = {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
         try:
-            out = model(**batch, **cache)
+            out = model(**{**batch, **cache})  # (the batch may hold use_cache=False already)
         except (ValueError, NotImplementedError) as err:
             translated = translate(err, name, impl)
             if translated is not None:
