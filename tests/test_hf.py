@@ -293,7 +293,9 @@ def test_guard_refuses_use_cache_true_on_a_vision_language_batch_without_cu_seq_
         model(**{**batch, "use_cache": True})
     with pytest.raises(PackingError, match=r"\(3, B, T\) rotary position_ids.*MultimodalCollator"):
         model(**rotary)
-    one = MultimodalCollator(model, 0, return_flash_attn_kwargs=False)([{"input_ids": [5, 6, 7], "seq_lengths": [3]}])
+    one = MultimodalCollator(model, 0, return_flash_attn_kwargs=False)(
+        [{"input_ids": [5, 6, 7], "seq_lengths": [3]}]
+    )
     one.pop("labels")
     with torch.no_grad():  # one sequence: its cache is kept, in either layout
         assert model(**{**one, "use_cache": True}).past_key_values is not None

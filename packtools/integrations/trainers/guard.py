@@ -239,9 +239,7 @@ def most_per_row(seq_lengths: Any) -> int:
     rows = seq_lengths.tolist() if hasattr(seq_lengths, "tolist") else list(seq_lengths)
     if rows and not isinstance(rows[0], (list, tuple)) and not hasattr(rows[0], "tolist"):
         rows = [rows]
-    return max(
-        (sum(1 for n in (r.tolist() if hasattr(r, "tolist") else r) if n) for r in rows), default=0
-    )
+    return max((sum(1 for n in (r.tolist() if hasattr(r, "tolist") else r) if n) for r in rows), default=0)
 
 
 def check_unhandled_mixers(model: Any, kwargs: Mapping[str, Any], mixers: tuple[str, ...]) -> None:
