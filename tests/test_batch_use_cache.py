@@ -150,7 +150,7 @@ def test_dispatch_batches_refuses_the_key_loudly(tmp_path):
         cmd += [f"--master_port={_free_port()}", str(script), flag]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         out[flag] = proc.stdout
-    assert "TYPEERROR 0 Can only concatenate tensors but got <class 'bool'>" in out["1"], out["1"]
+    assert "TYPEERROR 0" in out["1"] and "bool" in out["1"], out["1"]  # accelerate names the type
     assert "KEYS 0" not in out["1"]
     for rank in (0, 1):
         assert f"KEYS {rank} ['input_ids', 'labels', 'position_ids', 'seq_idx']" in out["0"], out["0"]
