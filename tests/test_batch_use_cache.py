@@ -136,6 +136,7 @@ except TypeError as err:
 """
 
 
+@pytest.mark.slow  # two torchrun launches (~30 s on 2 cores)
 def test_dispatch_batches_refuses_the_key_loudly(tmp_path):
     """accelerate's dispatch_batches (an IterableDataset under several processes) concatenates every value of
     the batches as tensors: the key is a TypeError on rank 0 (as max_length_q already is), never a silent
