@@ -147,7 +147,7 @@ def sft_grad(rows, unpacked):
     """The gradient of one process's token mean over ``rows`` (one padding-free batch)."""
     model = tiny_llama("sdpa")
     batch = PaddingFreeCollator(PAD, unpacked=unpacked)(rows)
-    model(**batch, use_cache=False).loss.backward()
+    model(**batch).loss.backward()
     return {k: p.grad.detach().clone() for k, p in model.named_parameters()}
 
 

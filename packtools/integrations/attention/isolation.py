@@ -368,7 +368,8 @@ def check_isolation(
         labels = batch.pop("labels", None)
         batch = {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
         try:
-            out = model(**batch, **cache)
+            # the batch may hold use_cache=False already; a forward that takes no use_cache gets none
+            out = model(**{k: v for k, v in batch.items() if k != "use_cache"}, **cache)
         except (ValueError, NotImplementedError) as err:
             translated = translate(err, name, impl)
             if translated is not None:
