@@ -15,18 +15,14 @@ import test_grpo as T  # noqa: E402
 
 def main(out):
     out = Path(out)
+    steps = dict(beta=0.1, num_iterations=2, gradient_accumulation_steps=2)
     cases = {
-        "grpo": dict(loss_type="dapo", beta=0.1, num_iterations=2, gradient_accumulation_steps=2),
+        "grpo": dict(loss_type="dapo", **steps),
         "gspo": dict(
-            loss_type="grpo",
-            importance_sampling_level="sequence",
-            top_entropy_quantile=0.3,
-            beta=0.1,
-            num_iterations=2,
-            gradient_accumulation_steps=2,
+            loss_type="grpo", importance_sampling_level="sequence", top_entropy_quantile=0.3, **steps
         ),
         "truncated": dict(mask_truncated_completions=True, max_completion_length=5, steps_per_generation=2),
-        "rloo": dict(trainer="rloo", beta=0.1, num_iterations=2, gradient_accumulation_steps=2, max_steps=1),
+        "rloo": dict(trainer="rloo", max_steps=1, **steps),
     }
     results = {}
     variants = (("trl", False, False), ("packtools", True, False), ("shared", True, True))
