@@ -548,6 +548,21 @@ def test_absolute_positions_are_refused_by_the_probe(tmp_path):
     assert type(trainer) is trl.GRPOTrainer
 
 
+@pytest.mark.parametrize("share", ["auto", False], ids=["default-shared", "plain"])
+def test_neftune_is_refused_by_name(tmp_path, share):
+    """``neftune_noise_alpha`` (a TrainingArguments option GRPOTrainer runs): transformers' NEFTune hook draws the
+    embeddings' noise within alpha / sqrt(width x hidden) of the batch it sees.  TRL's log-probability forward of
+    this run sees [4, 7] (bound 0.334 at alpha 5, hidden 32), packtools' plain row [1, 25] (0.177) and its shared
+    row [1, 13] (0.245): the run trained with other noise, silently (failed before: DID NOT RAISE).  Refused by
+    name, the trainer left as TRL built it."""
+    trainer = build(tmp_path, neftune_noise_alpha=5.0)
+    with pytest.raises(
+        PackingError, match=r"neftune_noise_alpha=5.0: transformers' NEFTune .* Set neftune_noise"
+    ):
+        prepare_grpo_trainer(trainer, share_prompt=share)
+    assert type(trainer) is trl.GRPOTrainer and "packtools_step" not in vars(trainer)
+
+
 def test_refusals_by_name_and_unprepare(tmp_path, monkeypatch):
     trainer = build(tmp_path)
     trainer.loss_type = "mystery"
