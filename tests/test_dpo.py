@@ -414,3 +414,13 @@ def test_prepare_dpo_trainer_runs_the_isolation_probe(tmp_path, monkeypatch):
     # Without the probe the next check speaks: this ref model was not built by DPOTrainer (no fused head).
     with pytest.raises(PackingError, match="no fused LM head"):
         prepare_dpo_trainer(trainer, check_isolation=False)
+
+
+def test_neftune_is_refused_by_name(tmp_path):
+    """NEFTune's noise shrinks with the width of the batch the embeddings see, which padding-free rows change."""
+    trainer = build(tmp_path, neftune_noise_alpha=5.0)
+    with pytest.raises(
+        PackingError, match=r"neftune_noise_alpha=5.0: .*do not call prepare_dpo_trainer"
+    ) as err:
+        prepare_dpo_trainer(trainer)
+    assert err.value.param == "neftune_noise_alpha"

@@ -32,6 +32,7 @@ from packtools.integrations import packed_sft_config, prepare_trainer
 from packtools.integrations.attention.backends import check_attention_implementation
 from packtools.integrations.trainers.guard import check_forward_inputs, guard_model, refuse_prompt_learning
 from packtools.integrations.trainers.sft import causal_lm_loss
+from packtools.integrations.trainers.step import plan_of
 
 datasets = pytest.importorskip("datasets")
 
@@ -187,6 +188,41 @@ def test_packed_sft_config_settings_and_refusals(tmp_path):
         packed_sft_config(output_dir=str(tmp_path), packing=True)
     with pytest.raises(PackingError, match="skip_prepare_dataset"):
         packed_sft_config(output_dir=str(tmp_path), dataset_kwargs={"skip_prepare_dataset": False})
+
+
+def test_neftune_is_refused_where_packed_rows_would_shrink_its_noise(tmp_path):
+    """transformers' NEFTune bounds each embedding's noise by alpha / sqrt(width x hidden) of the batch it sees: a
+    packed row as wide as all its sequences would train with smaller noise than the user's batches, silently."""
+    try:  # transformers >= 5.2x keeps it in integrations; before, in trainer_utils
+        from transformers.integrations.neftune import neftune_post_forward_hook
+    except ImportError:
+        from transformers.trainer_utils import neftune_post_forward_hook
+
+    embed = torch.nn.Embedding(50, 16).train()
+    embed.neftune_noise_alpha = 5.0
+    torch.manual_seed(0)
+    bounds = [
+        (neftune_post_forward_hook(embed, None, embed(ids)) - embed(ids)).abs().max().item()
+        for ids in (torch.zeros(4, 7, dtype=torch.long), torch.zeros(1, 28, dtype=torch.long))
+    ]
+    assert bounds[1] < 0.6 * bounds[0]  # the same 28 tokens, packed in one row: half the noise (sqrt(7/28))
+    trainer = transformers.Trainer(
+        model=tiny_llama(),
+        args=train_args(tmp_path, neftune_noise_alpha=5.0),
+        train_dataset=packed_dataset(),
+        data_collator=PaddingFreeCollator(PAD),
+    )
+    with pytest.raises(
+        PackingError, match=r"neftune_noise_alpha=5.0: .* Set neftune_noise_alpha=None"
+    ) as err:
+        prepare_trainer(trainer)
+    assert err.value.param == "neftune_noise_alpha" and plan_of(trainer) is None  # left as it was built
+    pytest.importorskip("trl")
+    with pytest.raises(PackingError, match="neftune_noise_alpha=5.0") as err:
+        packed_sft_config(output_dir=str(tmp_path), neftune_noise_alpha=5.0)
+    assert err.value.param == "neftune_noise_alpha"
+    cpu = {"output_dir": str(tmp_path), "report_to": [], "use_cpu": True, "bf16": False}
+    assert packed_sft_config(**cpu, neftune_noise_alpha=None).neftune_noise_alpha is None
 
 
 def test_prepare_trainer_keeps_packing_columns(tmp_path):

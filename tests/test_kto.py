@@ -209,3 +209,13 @@ def test_a_leaking_forward_is_refused_as_kto_not_dpo(tmp_path, monkeypatch):
     with pytest.raises(PackingError, match="padding-free KTO row see each other") as err:
         prepare_kto_trainer(trainer)
     assert "prepare_kto_trainer" in str(err.value) and "DPO" not in str(err.value)
+
+
+def test_neftune_is_refused_by_name(tmp_path):
+    """NEFTune's noise shrinks with the width of the batch the embeddings see, which padding-free rows change."""
+    trainer = build(tmp_path, neftune_noise_alpha=5.0)
+    with pytest.raises(
+        PackingError, match=r"neftune_noise_alpha=5.0: .*do not call prepare_kto_trainer"
+    ) as err:
+        prepare_kto_trainer(trainer)
+    assert err.value.param == "neftune_noise_alpha"

@@ -492,3 +492,13 @@ def test_a_model_that_pools_before_its_head_is_refused_by_name():
     )  # fmt: skip
     with pytest.raises(PackingError, match="has no 'score' head"):
         reward_scores.score_head(bert)
+
+
+def test_neftune_is_refused_by_name(tmp_path):
+    """NEFTune's noise shrinks with the width of the batch the embeddings see, which padding-free rows change."""
+    trainer = build(tmp_path, neftune_noise_alpha=5.0)
+    with pytest.raises(
+        PackingError, match=r"neftune_noise_alpha=5.0: .*do not call prepare_reward_trainer"
+    ) as err:
+        prepare_reward_trainer(trainer)
+    assert err.value.param == "neftune_noise_alpha"

@@ -43,7 +43,7 @@ from ..multimodal.models import refuse_multimodal
 from ..parallel.distributed import check_loss_path
 from ..parallel.layout import rank_layout
 from ..trainers.collator_check import check_preference_collator
-from ..trainers.guard import check_forward_inputs, guard_model, refuse_prompt_learning
+from ..trainers.guard import check_forward_inputs, guard_model, refuse_neftune, refuse_prompt_learning
 from ..trainers.loader import check_train_loader
 from ..trainers.step import DPOStep, StepPlan, install_step, plan_of
 from ..trainers.transformers import run_mixers_per_document, run_probe
@@ -218,6 +218,7 @@ def prepare_dpo_trainer(
     require("trl", "packtools.prepare_dpo_trainer")
     _check_trainer(trainer)
     check_loss_path(trainer)
+    refuse_neftune(trainer.args, "padding-free DPO rows", "prepare_dpo_trainer")
     if plan_of(trainer) is not None:
         raise PackingError("prepare_dpo_trainer was already called on this trainer.")
     check_step_methods(trainer)

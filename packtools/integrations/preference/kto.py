@@ -37,7 +37,7 @@ from ..attention.isolation import trainer_autocast
 from ..attention.mixers import run_mixers_per_document
 from ..multimodal.models import refuse_multimodal
 from ..parallel.distributed import check_loss_path
-from ..trainers.guard import guard_model, refuse_prompt_learning
+from ..trainers.guard import guard_model, refuse_neftune, refuse_prompt_learning
 from .dpo import _WRAPPED, install_padding_free_forward
 from .probe import check_padding_free_forward
 
@@ -83,6 +83,7 @@ def prepare_kto_trainer(trainer: Any, *, check_isolation: bool = True, segmented
     require("trl", "packtools.prepare_kto_trainer")
     _check_trainer(trainer)
     check_loss_path(trainer)
+    refuse_neftune(trainer.args, "padding-free KTO rows", "prepare_kto_trainer")
     models = [m for m in (trainer.model, trainer.ref_model) if m is not None]
     if any(vars(base_model(m)).get(_WRAPPED) for m in models):
         raise PackingError(

@@ -44,7 +44,7 @@ from ..attention.mixers import run_mixers_per_document
 from ..multimodal.models import refuse_multimodal
 from ..parallel.distributed import check_loss_path, is_sharded, uneven_gather
 from ..parallel.layout import rank_layout
-from ..trainers.guard import guard_model, refuse_prompt_learning
+from ..trainers.guard import guard_model, refuse_neftune, refuse_prompt_learning
 from ..trainers.loader import check_train_loader
 from ..trainers.step import StepOwner, StepPlan, install_step, pair_mean_share, plan_of, step_pairs
 from .reward_scores import ScoredRow, check_reward_isolation, reward_batch, score_head
@@ -187,6 +187,7 @@ def prepare_reward_trainer(
     require("trl", "packtools.prepare_reward_trainer")
     _check_trainer(trainer)
     check_loss_path(trainer)
+    refuse_neftune(trainer.args, "packed reward pairs", "prepare_reward_trainer")
     check_step_methods(trainer)
     layout = rank_layout(trainer)
     if layout.cp_size > 1:

@@ -55,7 +55,7 @@ from ..attention.isolation import ProbeDiffs, compute_dtype, trainer_autocast
 from ..attention.mixers import POSITIONLESS_MASKS, run_mixers_per_document
 from ..attention.tree import check_tree_model, use_tree_attention
 from ..multimodal.models import refuse_multimodal
-from ..trainers.guard import check_forward_inputs, refuse_prompt_learning
+from ..trainers.guard import check_forward_inputs, refuse_neftune, refuse_prompt_learning
 from ..trainers.step import install_step, plan_of
 from .groups import GroupBalancedSampler, choose_balance, prompt_token_counter
 from .rows import Row, share_prompts, unpad_completions
@@ -282,15 +282,7 @@ def _check_models(trainer: Any, models: list[Any]) -> bool:
             "use_liger_kernel=False, or train padded.",
             param="use_liger_kernel",
         )
-    if getattr(trainer.args, "neftune_noise_alpha", None) is not None:
-        raise PackingError(
-            f"neftune_noise_alpha={trainer.args.neftune_noise_alpha}: transformers' NEFTune draws its noise within "
-            f"alpha / sqrt(width x hidden size) of the batch the embeddings see; TRL's padded batch is B rows as wide "
-            f"as its longest prompt + completion, a padding-free row holds every token of the forward, so each "
-            f"token's noise would be smaller than TRL's by the square root of their ratio. Set "
-            f"neftune_noise_alpha=None, or train padded (do not call prepare_grpo_trainer).",
-            param="neftune_noise_alpha",
-        )
+    refuse_neftune(trainer.args, "padding-free GRPO/RLOO rows", "prepare_grpo_trainer")
     loss_type = getattr(trainer, "loss_type", None)
     if hasattr(trainer, "loss_type") and loss_type not in GRPO_LOSS_TYPES:
         raise PackingError(

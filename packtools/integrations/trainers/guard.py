@@ -359,3 +359,19 @@ def refuse_prompt_learning(model: Any, param: str | None = "model") -> None:
             "row cannot hold; use LoRA-style adapters.",
             param=param,
         )
+
+
+def refuse_neftune(args: Any, rows: str, prepare: str) -> None:
+    """Raise when ``args`` (a trainer's ``TrainingArguments``) turn NEFTune on: transformers draws each embedding's
+    noise within ``alpha / sqrt(width x hidden size)`` of the batch the embedding layer sees, and a packed row is
+    as wide as all its sequences together, so every token would get a smaller noise than in the trainer's own
+    batches, with no error.  ``rows`` names the rows (``"packed SFT rows"``), ``prepare`` the prepare function."""
+    alpha = getattr(args, "neftune_noise_alpha", None)
+    if alpha is not None:
+        raise PackingError(
+            f"neftune_noise_alpha={alpha}: transformers' NEFTune draws each embedding's noise within alpha / "
+            f"sqrt(width x hidden size) of the batch it sees, and {rows} hold several sequences in one row, so "
+            f"every token's noise would be smaller than in the trainer's own batches by the square root of their "
+            f"widths' ratio. Set neftune_noise_alpha=None, or train without packing (do not call {prepare}).",
+            param="neftune_noise_alpha",
+        )

@@ -13,12 +13,14 @@ and TRL's ``SFTConfig`` for an already-packed dataset.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 from ..._optional import is_instance, require
 from ...compat.transformers import keep_signature_columns
 from ...constants import IGNORE_INDEX, PACKED_COLUMNS
 from ...errors import PackingError
+from .guard import refuse_neftune
 
 
 def is_sft_trainer(trainer: Any) -> bool:
@@ -96,6 +98,11 @@ def packed_sft_config(**kwargs: Any) -> Any:
             "packing=True makes SFTTrainer pack the already packed rows again. Leave packing out.",
             param="packing",
         )
+    refuse_neftune(
+        SimpleNamespace(neftune_noise_alpha=kwargs.get("neftune_noise_alpha")),
+        "packed rows",
+        "packed_sft_config",
+    )
     padding_free = kwargs.pop("padding_free", True)
     if padding_free not in (True, False):
         raise PackingError(

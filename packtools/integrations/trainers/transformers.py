@@ -60,7 +60,7 @@ from ..multimodal.models import check_multimodal_model, check_vision_isolation
 from ..parallel.distributed import is_sharded
 from ..parallel.layout import check_context_parallel_size, rank_layout
 from .collator_check import check_trainer_collator, probe_collator
-from .guard import guard_model
+from .guard import guard_model, refuse_neftune
 from .loader import check_train_loader
 from .sft import check_sft, is_sft_trainer, keep_packed_columns
 from .step import SFTStep, StepPlan, check_loss_owner, install_step, plan_of, use_causal_lm_loss
@@ -160,6 +160,7 @@ def prepare_trainer(
     require("transformers", "packtools.integrations.prepare_trainer")
     loss = check_loss_mode(loss)
     check_context_parallel_size(context_parallel)
+    refuse_neftune(trainer.args, "packed rows", "prepare_trainer")
     if is_instance(trainer, "trl", "DPOTrainer"):
         raise PackingError(
             f"prepare_trainer got a {type(trainer).__name__}: preference pairs need their own batches, loss scaling "
