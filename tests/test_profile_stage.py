@@ -152,6 +152,22 @@ def test_chat_prompt_completion_and_preference_lengths(tmp_path, tok, cache):
         assert res.profile.lengths.tolist() == want.tolist(), fmt
 
 
+def test_preference_recommendation_names_the_strategy_pack_takes(tmp_path, tok, cache):
+    """Pairs are packed whole by bfd only (pack refuses bfd_split): the recommendation said "Pack with strategy
+    bfd_split ... keeps every token" for preference data, which pack then refused."""
+    texts = _texts(200, 3)
+    rows = [{"prompt": a, "chosen": b, "rejected": c} for a, b, c in zip(texts, texts[1:], texts[2:])]
+    rows[0]["chosen"] = " ".join(texts[:40])  # a few long pairs, so that some do not fit
+    rows[1]["rejected"] = " ".join(texts[40:80])
+    path = _write_jsonl(tmp_path / "pref.jsonl", rows)
+    profile = profile_files(path, tok).profile
+    rec = profile.recommend()
+    assert rec.truncated_share > 0 and rec.strategy == "bfd" and "bfd_split" not in rec.reason
+    assert all(o.strategy == "bfd" for o in rec.options)
+    res = pack_files(path, tmp_path / "packed", rec.max_length, rec.strategy, tokenizer=tok)
+    assert res.stats["rows_out"] == rec.options[0].bfd_rows
+
+
 def test_raw_input_without_tokenizer_names_the_flag(tmp_path, capsys):
     data = _write_jsonl(tmp_path / "t.jsonl", [{"text": "a b"}])
     assert main(["profile", data]) == 1

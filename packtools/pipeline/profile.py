@@ -282,7 +282,9 @@ def profile_files(
         base = os.path.basename(files[0].path) if len(files) == 1 else f"{len(files)} files"
         what = "pairs as packed: 2 x prompt + chosen + rejected" if fmt == "preference" else "tokenized"
         name = f"{base} ({fmt}, {what})"
-    return ProfiledInput(LengthProfile(lengths, name, trained=trained), fmt, info, notes)
+    return ProfiledInput(
+        LengthProfile(lengths, name, trained=trained, pairs=fmt == "preference"), fmt, info, notes
+    )
 
 
 def _trained_tokens(paths: list[str]) -> Any:

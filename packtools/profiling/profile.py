@@ -47,9 +47,12 @@ class LengthProfile(LengthDistribution):
     ``trained``: where the sequences' trained (label) tokens are, for data with labels (chat,
     prompt/completion; :func:`packtools.profile_files` fills it): the text, the tradeoff table and the token
     rule then count trained tokens (:mod:`packtools.profiling.trained`).
+    ``pairs``: the sequences are preference pairs (``2 * prompt + chosen + rejected``; :func:`packtools.profile_files`
+    sets it), which ``pack`` packs whole with ``bfd`` only: :meth:`recommend` then names ``bfd``, never ``bfd_split``.
     """
 
     trained: TrainedTokens | None = None
+    pairs: bool = False
 
     def to_text(self) -> str:
         text = super().to_text()
