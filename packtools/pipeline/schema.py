@@ -142,6 +142,12 @@ def token_schema(
                         "; in JSON, integers beyond the int64 range (|id| >= 2**63) are read as floats too: "
                         "no tokenizer has such ids, so the file is likely wrong"
                     )
+                if not config.columns and name not in ("input_ids", "labels"):
+                    token_names = [n for n in names if n != name]
+                    fix += (
+                        f"; if {name!r} is not a token column, leave it out by naming the token columns: "
+                        f"columns={token_names} (--columns {','.join(token_names)})"
+                    )
             elif name == "input_ids" and pa.types.is_string(t):
                 fix = "it holds text, not token ids: pass format='text' and tokenizer=DIR to tokenize it"
             else:
