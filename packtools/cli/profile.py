@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ..constants import INPUT_FORMATS
+from .._optional import require
 from ..errors import PackingError
 from ..profiling.profile import LengthProfile, profile_lengths
 from ..profiling.recommend import COMMON_CONTEXT
@@ -187,9 +188,23 @@ def load_profile(args: argparse.Namespace) -> LengthProfile:
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag, value in (("--max-length", args.max_length), ("--max-context", args.max_context)):
+    for flag, value in (
+        ("--max-length", args.max_length),
+        ("--max-context", args.max_context),
+        ("--context-parallel", args.context_parallel),
+        ("--batch-size", args.batch_size),
+    ):
         if value is not None and value < 1:
             raise PackingError(f"{flag} must be >= 1, got {value}.")
+    if args.plot or args.html:  # before the profile (which may tokenize for minutes), not after it
+        from ..profiling.plot import plot_format
+
+        require("matplotlib", "--plot and --html")
+        if args.plot:
+            try:
+                plot_format(args.plot)
+            except ValueError as exc:
+                raise PackingError(f"--plot: {exc}") from None
     profile = load_profile(args)
     rec = profile.recommend(
         keep_tokens=args.keep_tokens,
@@ -215,8 +230,6 @@ def run(args: argparse.Namespace) -> int:
         from ..core.cp_budget import check_context_parallel, plan_for_cp
         from ..profiling.cp_audit import audit_plan
 
-        if args.context_parallel < 1:
-            raise PackingError(f"--context-parallel must be >= 1, got {args.context_parallel}.")
         n = args.context_parallel
         at = chosen
         if args.max_length is not None:  # the check pack makes: a document of max_length must fit once padded
