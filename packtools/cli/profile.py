@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..constants import INPUT_FORMATS
 from .._optional import require
+from ..constants import INPUT_FORMATS
 from ..errors import PackingError
 from ..profiling.profile import LengthProfile, profile_lengths
 from ..profiling.recommend import COMMON_CONTEXT
