@@ -45,7 +45,7 @@ from .config import PipelineConfig, PipelineResult, check_options_used, fingerpr
 from .executors import Executor, executor_name, get_executor, run_jobs
 from .formats import input_columns, optional_columns, output_columns
 from .gather import block_steps, run_token, write_dataset_files
-from .outcheck import check_out, check_replaceable
+from .outcheck import check_out, check_replaceable, missing_outputs
 from .planning import (
     check_something_trains,
     join_kernels,
@@ -205,7 +205,9 @@ def run_pipeline(
         if skipped:  # listed in the manifest (not fingerprinted: they decide nothing in the output)
             fp["inputs_skipped"] = [s.to_dict() for s in skipped]
         previous = read_manifest(out)
-        if previous is not None and previous.get("fingerprint") == fp["fingerprint"]:
+        same = previous is not None and previous.get("fingerprint") == fp["fingerprint"]
+        gone = missing_outputs(out) if same else []  # files deleted since: rebuilt (its stats count them)
+        if same and not gone:
             # a run killed after installing this output may have left its work folder
             tidy_after_dead_run(out)
             warn_pipeline_drops(previous.get("stats", {}))
@@ -224,7 +226,11 @@ def run_pipeline(
     ws.acquire()
     try:
         previous = read_manifest(out)  # a run that held the lock may have just written the same output
-        if previous is not None and previous.get("fingerprint") == fp["fingerprint"]:
+        if (
+            previous is not None
+            and previous.get("fingerprint") == fp["fingerprint"]
+            and not missing_outputs(out)
+        ):
             result = PipelineResult(out, previous.get("stats", {}), cached=True, manifest=previous)
         else:
             result = _run(found, config, fp, ws, how)
@@ -246,6 +252,9 @@ def run_pipeline(
     with signals_deferred():
         ws.finish(ok=True, keep_stage=False)
     result.notes.extend(skipped_notes(skipped) + left_behind_notes(ws))
+    if gone and not result.cached:
+        shown = ", ".join(gone[:3]) + (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
+        result.notes.append(f"{out} lacked {shown} (deleted since it was written): packed again")
     warn_pipeline_drops(result.stats)
     return result
 
