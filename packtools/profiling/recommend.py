@@ -144,8 +144,16 @@ def token_rule(profile: LengthDistribution, keep_tokens: float, multiple_of: int
 
 
 def sequence_rule(profile: LengthDistribution, keep_sequences: float, multiple_of: int) -> int:
-    """The smallest multiple of ``multiple_of`` that holds at least ``keep_sequences`` of the sequences whole."""
-    need = max(1, math.ceil(Fraction(str(keep_sequences)) * profile.count))
+    """The smallest multiple of ``multiple_of`` that holds at least ``keep_sequences`` of the sequences whole.
+
+    Empty sequences are not counted: ``pack`` drops them (nothing to pack), so they must not make up a share.
+
+    >>> from packtools.profiling import LengthProfile
+    >>> sequence_rule(LengthProfile([0] * 50 + [10] * 49 + [1000]), 0.99, 64)
+    1024
+    """
+    real = profile.count - profile.empty
+    need = max(1, math.ceil(Fraction(str(keep_sequences)) * real) + profile.empty)
     longest = int(profile._values[np.searchsorted(profile._cum_rows, need, side="left") - 1])
     return max(1, -(-longest // multiple_of)) * multiple_of
 
@@ -212,10 +220,13 @@ def recommend(
     cut = chosen.sequences_cut
     trained = getattr(profile, "trained", None)
     if rule == "sequences":
+        real = n - profile.empty  # the sequences pack packs (it drops empty ones)
         reason = (
             f"max_length={m} is the smallest multiple of {multiple_of} that holds at least {ks:.1%} of the "
-            f"sequences whole: {n - cut:,} of {n:,} fit ({(n - cut) / n:.2%})."
+            f"sequences whole: {real - cut:,} of {real:,} fit ({(real - cut) / real:.2%})."
         )
+        if profile.empty:
+            reason += f" The {profile.empty:,} empty sequences are not counted (pack drops them)."
         if cut and pairs:
             reason += (
                 f" Pack with strategy bfd (a preference pair is packed whole, never split): the other {cut:,} pairs "
