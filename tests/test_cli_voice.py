@@ -39,6 +39,18 @@ def test_pack_files_warns_and_the_cli_prints_it(tmp_path, tokenized, capsys):
         pack_files(tokenized, str(tmp_path / "split"), 8, "bfd_split")
 
 
+@pytest.mark.parametrize("strategy", ["bfd_split", "wrapped"])
+def test_a_drop_by_the_overlong_policy_names_overlong_split(tmp_path, tokenized, strategy):
+    """bfd_split or wrapped with --overlong drop/truncate: the tokens go by the policy, and the warning named
+    strategy='bfd_split' as the fix, the strategy the user had chosen; it names overlong='split'."""
+    for overlong in ("drop", "truncate"):
+        with pytest.warns(TokensDroppedWarning) as caught:
+            pack_files(tokenized, str(tmp_path / f"{strategy}-{overlong}"), 8, strategy, overlong=overlong)
+        text = str(caught[0].message)
+        assert f"strategy={strategy!r}, overlong={overlong!r}" in text and "overlong='split'" in text, text
+        assert "strategy='bfd_split' keeps" not in text
+
+
 def test_profile_of_a_packed_folder_reads_its_manifest(tmp_path, tokenized, capsys):
     out = str(tmp_path / "packed")
     pack_files(tokenized, out, 32, "bfd_split")
