@@ -168,6 +168,24 @@ def test_preference_recommendation_names_the_strategy_pack_takes(tmp_path, tok, 
     assert res.stats["rows_out"] == rec.options[0].bfd_rows
 
 
+def test_tokenized_parquet_with_labels_profiles_as_its_json_lines(tmp_path, cache):
+    """The same labelled rows as parquet and as JSON lines: the parquet profile had no trained tokens, so its
+    token rule counted every token (another max_length) and it never said what pack's turn split drops."""
+    rng = np.random.default_rng(4)
+    rows = []
+    for n in rng.integers(2, 400, 300):
+        k = int(rng.integers(1, n))
+        rows.append({"input_ids": list(range(int(n))), "labels": [-100] * k + list(range(k, int(n)))})
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    jsonl = _write_jsonl(tmp_path / "rows.jsonl", rows)
+    from_json = profile_files(jsonl).profile
+    from_parquet = profile_files(str(tmp_path / "rows.parquet")).profile
+    assert from_parquet.trained is not None and from_parquet.trained.total == from_json.trained.total
+    for kw in ({}, {"keep_tokens": 0.99}):
+        assert from_parquet.recommend(**kw).to_text() == from_json.recommend(**kw).to_text()
+    assert from_parquet.tradeoffs([128, 256]).to_dicts() == from_json.tradeoffs([128, 256]).to_dicts()
+
+
 def test_raw_input_without_tokenizer_names_the_flag(tmp_path, capsys):
     data = _write_jsonl(tmp_path / "t.jsonl", [{"text": "a b"}])
     assert main(["profile", data]) == 1

@@ -173,6 +173,8 @@ def profile_files(
     if fmt == "tokenized" and all(f.kind != "json" for f in files):  # offsets only: nothing to stage
         # the inputs as given: a packed folder's manifest (its max_length) and name come with it
         prof = profile_lengths([os.fspath(i) for i in inputs], column=column, name=name)
+        if prof.packed is None and _has_labels(files[0].path):  # as a JSON-lines input of the same rows
+            prof = LengthProfile(prof.lengths, prof.name, trained=_file_trained_tokens(files))
         return ProfiledInput(prof, fmt)
     left_out: list[str] = []
     notes: list[str] = []
@@ -285,6 +287,34 @@ def profile_files(
     return ProfiledInput(
         LengthProfile(lengths, name, trained=trained, pairs=fmt == "preference"), fmt, info, notes
     )
+
+
+def _has_labels(path: str) -> bool:
+    from ..core.arrow import is_list_type
+    from ..profiling.packed import file_schema
+
+    schema = file_schema(path)
+    return "labels" in schema.names and is_list_type(schema.field("labels").type)
+
+
+def _file_trained_tokens(files: Sequence[Any]) -> Any:
+    """:class:`~packtools.profiling.trained.TrainedTokens` of the ``labels`` column of tokenized parquet / Arrow
+    files, read batch by batch (the token rule, the trained share and the pieces ``pack``'s turn split drops
+    depend on them, as for JSON lines; their ``input_ids`` values are still never read)."""
+    import pyarrow.parquet as pq
+
+    from ..io.files import reading
+    from ..profiling.trained import TrainedTokens
+
+    parts = []
+    for f in files:
+        if f.kind == "parquet":
+            with reading(f.path, "parquet"), pq.ParquetFile(f.path, memory_map=False, pre_buffer=False) as pf:
+                parts += [TrainedTokens.from_labels(b.column(0)) for b in pf.iter_batches(columns=["labels"])]
+        else:
+            with reading(f.path, "arrow"), open_ipc(f.path) as reader:
+                parts += [TrainedTokens.from_labels(b.column("labels")) for b in reader.batches()]
+    return TrainedTokens.combine(parts)
 
 
 def _trained_tokens(paths: list[str]) -> Any:
