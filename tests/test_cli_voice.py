@@ -51,6 +51,18 @@ def test_a_drop_by_the_overlong_policy_names_overlong_split(tmp_path, tokenized,
         assert "strategy='bfd_split' keeps" not in text
 
 
+def test_pack_without_out_says_nothing_was_written(tmp_path, tokenized, capsys, monkeypatch):
+    """`packtools pack FILE --max-length N` (no --out) printed the summary of a pack (rows out, tokens kept)
+    and wrote nothing, without a word."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["pack", tokenized, "--max-length", "32", "--strategy", "bfd_split"]) == 0
+    out = capsys.readouterr().out
+    assert "rows out" in out and "nothing written (no --out)" in out
+    assert sorted(os.listdir(tmp_path)) == ["tok.parquet"]
+    assert main(["pack", tokenized, "--max-length", "32", "--out", str(tmp_path / "p.parquet")]) == 0
+    assert "nothing written" not in capsys.readouterr().out
+
+
 def test_profile_of_a_packed_folder_reads_its_manifest(tmp_path, tokenized, capsys):
     out = str(tmp_path / "packed")
     pack_files(tokenized, out, 32, "bfd_split")
