@@ -74,6 +74,22 @@ def test_profile_of_a_packed_folder_reads_its_manifest(tmp_path, tokenized, caps
     assert "no manifest" not in text
 
 
+def test_profile_of_a_wrapped_folder_is_refused(tmp_path, tokenized, capsys):
+    """A wrapped output has no seq_lengths: it was profiled as its rows (every one max_length long) with a
+    recommendation made from them, where the docs say a packtools folder is profiled by its sequences."""
+    from packtools import profile_lengths
+    from packtools.errors import PackingError
+
+    out = str(tmp_path / "wrapped")
+    pack_files(tokenized, out, 8, "wrapped")
+    with pytest.raises(PackingError, match="strategy 'wrapped'") as e:
+        profile_lengths(out)
+    assert tokenized in str(e.value)  # the inputs to profile instead
+    capsys.readouterr()
+    assert main(["profile", out]) == 1
+    assert "profile the inputs it was packed from" in capsys.readouterr().err
+
+
 def test_the_console_script_freezes_what_it_holds_before_the_interpreter_exits(monkeypatch):
     import gc
 
