@@ -74,6 +74,17 @@ def test_profile_of_a_packed_folder_reads_its_manifest(tmp_path, tokenized, caps
     assert "no manifest" not in text
 
 
+def test_profile_of_a_bfd_folder_says_its_lengths_are_truncated(tmp_path, tokenized, capsys):
+    """A folder packed with bfd holds the truncated sequences: its profile showed them as the data's lengths
+    (max = max_length, "every sequence fits") without saying that 2 of 4 had been cut."""
+    out = str(tmp_path / "bfd")
+    with pytest.warns(TokensDroppedWarning):
+        pack_files(tokenized, out, 8)
+    capsys.readouterr()
+    assert main(["profile", out]) == 0
+    assert "2 sequences were truncated to max_length when packed" in capsys.readouterr().out
+
+
 def test_profile_of_a_wrapped_folder_is_refused(tmp_path, tokenized, capsys):
     """A wrapped output has no seq_lengths: it was profiled as its rows (every one max_length long) with a
     recommendation made from them, where the docs say a packtools folder is profiled by its sequences."""

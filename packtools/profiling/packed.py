@@ -131,6 +131,7 @@ def profile_packed(
         "from manifest.json",
         split if split in ("bfd_split", "wrapped") else None,
     )
+    info["truncated"] = int(stats.get("rows_truncated") or 0)  # their lengths here are the cut ones
     if name is None:
         name = (
             os.path.basename(os.path.normpath(os.fspath(given[0])))
