@@ -108,3 +108,18 @@ def test_demo_rerun_with_another_tokenizer_tokenizes_again(tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(second)
     expected = sum(len(tok(t.decode())["input_ids"]) + 1 for t in stdlib_definitions(limit=2))  # + EOS
     assert sum(map(len, ids)) == expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [(["--keep", "0"], "--keep"), (["--keep", "1.5"], "--keep"), (["--max-length", "0"], "--max-length")],
+)
+def test_demo_flags_are_checked_first_in_their_own_names(tmp_path, capsys, monkeypatch, argv, flag):
+    """--keep 0 was refused as '--keep-sequences' (a flag the demo does not have), and --max-length 0 only after
+    the corpus was built and profiled."""
+    import packtools.pipeline.demo as demo
+
+    monkeypatch.setattr(demo, "stdlib_definitions", lambda limit=None: pytest.fail("built the corpus first"))
+    assert main(["demo", "--out", str(tmp_path / "d"), "--quiet", *argv]) == 1
+    err = capsys.readouterr().err
+    assert f"error ({flag}):" in err and "--keep-sequences" not in err, err
