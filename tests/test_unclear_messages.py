@@ -60,3 +60,23 @@ def test_a_float_side_column_names_the_columns_flag(tmp_path, capsys):
     assert "--columns input_ids,labels" in err, err
     argv = ["pack", str(path), "--out", str(tmp_path / "out"), "--max-length", "8", "--quiet"]
     assert main([*argv, "--columns", "input_ids,labels"]) == 0
+
+
+def test_num_proc_below_one_is_refused(tmp_path, capsys):
+    """--num-proc 0 (or -2) packed in this process without a word; the other counts (--workers) are refused."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(ROWS)
+    for n in ("0", "-2"):
+        argv = [
+            "pack",
+            str(path),
+            "--out",
+            str(tmp_path / "out"),
+            "--max-length",
+            "8",
+            "--quiet",
+            "--num-proc",
+            n,
+        ]
+        assert main(argv) == 1
+        assert "error (--num-proc)" in capsys.readouterr().err

@@ -181,6 +181,11 @@ def run_pipeline(
     """:func:`pack_files` with a ready :class:`PipelineConfig`."""
     started = time.perf_counter()
     executor_name(executor)  # a known name or an Executor, else refused by name
+    if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1):
+        raise PackingError(
+            f"num_proc={num_proc!r} must be a positive int (1: this process; N: a pool of N).",
+            param="num_proc",
+        )
     if num_proc is not None and num_proc > 1 and executor == "local":
         executor, workers = "pool", num_proc
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
