@@ -147,10 +147,20 @@ def _vision_profile(args: argparse.Namespace) -> LengthProfile | None:
             f"{vision[0]} holds vision rows but {other[0]} does not: profile vision files on their own.",
             param="paths",
         )
+    flags = (("--keep-sequences", args.keep_sequences), ("--keep-tokens", args.keep_tokens))
+    given = [flag for flag, value in flags if value is not None]
+    if given:
+        raise PackingError(
+            f"{given[0]}: vision samples are packed whole and `packtools pack --processor` refuses a sample longer "
+            f"than --max-length, so the recommendation holds every sample; drop {given[0]}.",
+            param=given[0][2:].replace("-", "_"),
+        )
+    args.keep_sequences = 1.0  # pack --processor refuses a longer sample: a share below 1 would fail the pack
     lengths, images = vision_file_lengths(vision, proc)
     args._stage_text = (
         f"vision samples: {len(lengths):,} ({images:,} images); each length counts its image tokens "
-        f"(t*h*w / merge\u00b2 from the image's size, as processor {proc} resizes it) besides its text tokens"
+        f"(t*h*w / merge\u00b2 from the image's size, as processor {proc} resizes it) besides its text tokens; "
+        f"they are packed whole (bfd) and a longer one is refused, so the recommendation holds every sample"
     )
     return profile_lengths(lengths, name=args.name or os.path.basename(vision[0]))
 
