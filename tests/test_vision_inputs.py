@@ -189,6 +189,34 @@ def test_vision_samples_train_the_assistant_turns_only(tmp_path, proc):
     assert not mask[ids == IMAGE].any() and tokens.count("<|image_pad|>") == 4
 
 
+def test_rows_with_images_are_not_tokenized_as_text(tmp_path, proc, capsys):
+    """pack --tokenizer PROC (no --processor) on vision rows packed their text with one placeholder token per
+    image and no image, without a word (and profile_files counted those lengths); both refuse now."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from packtools import profile_files
+
+    Image.fromarray(np.zeros((56, 56, 3), np.uint8)).save(tmp_path / "0.png")
+    data = _write(tmp_path, [_row(["0.png"]), _row(["0.png"])])
+    assert main(["pack", str(data), "--out", str(tmp_path / "o"), "--tokenizer", proc, "--quiet"]) == 1
+    assert "packtools pack --processor DIR" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(PackingError, match="holds images"):
+        profile_files(str(data), tokenizer=proc)
+    parts = tmp_path / "parquet"
+    parts.mkdir()
+    pq.write_table(pa.Table.from_pylist([_row(["0.png"])]), parts / "rows.parquet")  # an images column
+    assert main(["pack", str(parts), "--out", str(tmp_path / "p"), "--tokenizer", proc, "--quiet"]) == 1
+    assert "holds images (images)" in capsys.readouterr().err
+    row = _row(["0.png"])  # transformers' layout: the image inside its part, no images column
+    row["messages"][0]["content"] = [{"type": "image", "image": "0.png"}, {"type": "text", "text": "what?"}]
+    del row["images"]
+    parts_only = _write(tmp_path / "parts", [row])
+    assert main(["pack", str(parts_only), "--out", str(tmp_path / "q"), "--tokenizer", proc, "--quiet"]) == 1
+    assert "holds images (image parts in messages)" in capsys.readouterr().err
+
+
 def test_profile_recommends_a_max_length_pack_takes(tmp_path, proc, capsys):
     """Vision samples are packed whole and pack --processor refuses a longer one: the recommendation (the
     sequence rule at 0.99, bfd_split) left the longest samples out, and the pack at it was refused."""
