@@ -454,3 +454,11 @@ def test_profile_refuses_a_tokenizer_it_would_not_use_as_pack_does(tmp_path, tok
     with pytest.raises(PackingError, match="format='messages'"):
         pack_files(data, tmp_path / "packed", 256, tokenizer=tok)
     assert profile_files(data).profile.count == 20  # without the tokenizer: the input_ids, as pack packs them
+
+
+def test_column_on_json_lines_says_to_drop_it(tmp_path, capsys):
+    """`packtools profile rows.jsonl --column labels` was told to use `packtools profile PATH`, the command it ran."""
+    data = _write_jsonl(tmp_path / "t.jsonl", [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}])
+    assert main(["profile", data, "--column", "labels"]) == 1
+    err = capsys.readouterr().err
+    assert "error (--column)" in err and "drop --column" in err and "packtools profile PATH" not in err, err

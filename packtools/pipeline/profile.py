@@ -153,6 +153,14 @@ def profile_files(
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
     if format in (None, "tokenized") and column != "input_ids":  # a named token column: read it as is
+        json_file = next((f.path for f in discover(inputs) if f.kind == "json"), None)
+        if json_file is not None:
+            raise PackingError(
+                f"column={column!r} names a column of tokenized .parquet/.arrow files, read from its "
+                f"offsets; {json_file!r} is JSON lines, staged as pack stages it and profiled by its rows' lengths "
+                f"(every token column of a row has that length): drop --column.",
+                param="column",
+            )
         return ProfiledInput(profile_lengths(list(inputs), column=column, name=name), "tokenized")
     config = PipelineConfig(
         max_length=1,
