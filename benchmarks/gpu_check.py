@@ -244,7 +244,7 @@ def check_llama(torch, device: str, dtype, impl: str, seed: int) -> tuple[list[l
 
     def packed_run(m, extra=None):
         m.zero_grad()
-        out = m(**batch, **(extra or {}), use_cache=False)
+        out = m(**batch, **(extra or {}))
         out.loss.backward()
         cu = batch["cu_seq_lens_q"].tolist()
         ids = batch["input_ids"][0].tolist()

@@ -32,8 +32,9 @@ def predicted_tokens(batch):
 
 def causal_lm_loss(model, batch, num_items):
     """``batch``'s summed token loss over ``num_items`` (transformers' causal-LM loss, ``num_items_in_batch``)."""
-    # use_cache=False: with sdpa/eager, transformers separates packed sequences only without a cache.
-    return model(**batch, use_cache=False, num_items_in_batch=num_items).loss
+    # The batch holds use_cache=False: with sdpa/eager, transformers separates packed sequences only without
+    # a cache, and Llama & co. default to one.
+    return model(**batch, num_items_in_batch=num_items).loss
 
 
 def train(

@@ -261,7 +261,44 @@ def check_stream(out):
     }
 
 
-ON_REQUEST = ("stream",)  # refusals, run only when named (tests/test_distributed.py launches them apart)
+EVAL_CASES = {"flat, batch 1": (True, 1), "flat, batch 2": (True, 2), "padded, batch 2": (False, 2)}
+
+
+def eval_rows():
+    """5 packed rows: 2 processes cannot share them evenly, so accelerate repeats rows in the last batches."""
+    rows = pack_dataset(datasets.Dataset.from_list(sequences(n=40, seed=7, max_len=30)), 48, "bfd")
+    return rows.select(range(5))
+
+
+def eval_trainer(out, rows, padding_free, batch):
+    """An evaluating Trainer on ``rows`` (tiny Llama, seed 0), prepared by packtools."""
+    trainer = transformers.Trainer(
+        model=tiny_llama("sdpa"),
+        args=transformers.TrainingArguments(
+            out, per_device_eval_batch_size=batch, report_to=[], use_cpu=True, disable_tqdm=True
+        ),
+        train_dataset=rows,
+        eval_dataset=rows,
+        data_collator=PaddingFreeCollator(PAD, padding_free=padding_free),
+    )
+    return prepare_trainer(trainer)
+
+
+def check_eval(out):
+    """token_mean_loss and evaluate()'s eval_loss of every EVAL_CASES case on 5 rows under 2 processes."""
+    from packtools.integrations.trainers.evaluation import token_mean_loss
+
+    rows, got = eval_rows(), {}
+    for name, (padding_free, batch) in EVAL_CASES.items():
+        trainer = eval_trainer(out, rows, padding_free, batch)
+        got[name] = (token_mean_loss(trainer), trainer.evaluate()["eval_loss"])
+    return got
+
+
+ON_REQUEST = (
+    "stream",
+    "eval",
+)  # refusals, run only when named (tests/test_distributed.py launches them apart)
 
 
 def main(out: str) -> None:
@@ -275,6 +312,7 @@ def main(out: str) -> None:
         ("refusal", check_refusal),
         ("loops", check_loops),
         ("stream", check_stream),
+        ("eval", check_eval),
     )
     only = sys.argv[2].split(",") if len(sys.argv) > 2 else None  # e.g. "loops": run some checks only
     for name, check in checks:

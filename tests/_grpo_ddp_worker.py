@@ -1,4 +1,4 @@
-"""One rank of test_grpo.py's 2-process check: TRL's GRPOTrainer (dapo) and RLOOTrainer as they are, then prepared
+"""One rank of test_grpo.py's 2-process check: TRL's GRPOTrainer (three cases) and RLOOTrainer as they are, then prepared
 (plain and prompt-shared), each trained 2 steps from the same seeds on 2 processes (gloo); the rank's final weights and logs saved.  The
 prepared trainers keep TRL's sampler order (balance_groups=False): generation samples per rank, so a group placed
 on another rank draws other completions, and the runs compare the forwards, not the sampling."""
@@ -15,9 +15,14 @@ import test_grpo as T  # noqa: E402
 
 def main(out):
     out = Path(out)
+    steps = dict(beta=0.1, num_iterations=2, gradient_accumulation_steps=2)
     cases = {
-        "grpo": dict(loss_type="dapo", beta=0.1, num_iterations=2, gradient_accumulation_steps=2),
-        "rloo": dict(trainer="rloo", beta=0.1, num_iterations=2, gradient_accumulation_steps=2, max_steps=1),
+        "grpo": dict(loss_type="dapo", **steps),
+        "gspo": dict(
+            loss_type="grpo", importance_sampling_level="sequence", top_entropy_quantile=0.3, **steps
+        ),
+        "truncated": dict(mask_truncated_completions=True, max_completion_length=5, steps_per_generation=2),
+        "rloo": dict(trainer="rloo", max_steps=1, **steps),
     }
     results = {}
     variants = (("trl", False, False), ("packtools", True, False), ("shared", True, True))

@@ -100,6 +100,7 @@ def test_contract_holds(rows, multiple):
 def test_equals_trl_padding_free_collator(rows):
     ours = PaddingFreeCollator(pad_token_id=0)(rows)
     trl = trl_sft.DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(rows)
+    assert ours.pop("use_cache") is False  # ours only: model(**batch) runs without a cache
     if "cu_seq_lens_q" in trl:
         assert set(ours) == set(trl)
     else:  # TRL < 1.16 returns no varlen keys (cu_seq_lens_*, max_length_*, seq_idx); the rest must be equal
@@ -138,7 +139,7 @@ def test_relation_to_trl_with_padding(rows, multiple):
 def test_equals_transformers_flattening_on_documents(rows):
     flattening = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
     theirs = flattening(_docs(rows))
-    ours = PaddingFreeCollator(pad_token_id=0)(rows)
+    ours = PaddingFreeCollator(pad_token_id=0, return_use_cache=False)(rows)
     assert set(ours) == set(theirs)
     for key, value in theirs.items():
         if isinstance(value, torch.Tensor):
@@ -213,7 +214,7 @@ def test_padded_mode_packed_rows_have_no_attention_mask():
     b = PaddingFreeCollator(
         pad_token_id=0, padding_free=False, pad_to_multiple_of=4, attn_implementation="sdpa"
     )(rows)
-    assert set(b) == {"input_ids", "labels", "position_ids"}
+    assert set(b) == {"input_ids", "labels", "position_ids", "use_cache"}
     assert b["input_ids"].tolist() == [[1, 2, 3, 4, 5, 0, 0, 0], [6, 7, 0, 0, 0, 0, 0, 0]]
     assert b["position_ids"].tolist() == [[0, 1, 0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3, 4, 5]]
     assert b["labels"].tolist() == [[-100, 2, -100, 4, 5, -100, -100, -100], [-100, 7] + [-100] * 6]

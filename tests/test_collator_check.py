@@ -113,10 +113,30 @@ def test_collators_that_merge_packed_sequences_are_refused(tmp_path, case):
     with pytest.raises(PackingError, match=REFUSED[case]) as err:
         prepare_trainer(trainer)
     assert "data_collator=packtools.PaddingFreeCollator(0)" in str(err.value)
+    if case == "DataCollatorForLanguageModeling":  # its batches carry seq_lengths to the model: the guard too
+        seq_lengths_reach_the_model_and_are_refused(tmp_path)
+        return
     # Negative control: without the check (the old behaviour) the same trainer trains, with no error, away
     # from the sequences run one by one.
     off, moved = one_step(case, tmp_path, check=False)
     assert off > 1e-3 and moved > 1e-2, (off, moved)
+
+
+def seq_lengths_reach_the_model_and_are_refused(tmp_path):
+    """DataCollatorForLanguageModeling passes seq_lengths through with an all-ones attention_mask: without the
+    collator check the guard still refuses the first step (it trained on with no error before), and the model
+    unguarded runs each row as one sequence (negative control: a later document's logits are not its own)."""
+    with pytest.raises(PackingError, match="carries seq_lengths.*PaddingFreeCollator"):
+        one_step("DataCollatorForLanguageModeling", tmp_path, check=False)
+    row = packed_rows()[0]
+    batch = transformers.DataCollatorForLanguageModeling(word_tokenizer(), mlm=False)([row])
+    assert "seq_lengths" in batch and "position_ids" not in batch
+    model = tiny_llama("sdpa").eval()
+    first = int(row["seq_lengths"][0])
+    with torch.no_grad():
+        merged = model(**batch).logits[0, first:]
+        alone = model(input_ids=batch["input_ids"][:, first:]).logits[0]
+    assert (merged[: alone.shape[0]] - alone).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("case", ["PaddingFreeCollator", "TRL padding-free collator"])

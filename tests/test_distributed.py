@@ -72,6 +72,27 @@ def test_a_stream_and_a_single_row_under_two_processes_are_refused_with_the_fix(
         assert got["one_row"].startswith("1 training row(s) cannot give each of 2 processes a batch")
 
 
+def test_token_mean_loss_counts_each_row_once_under_two_processes(tmp_path):
+    """5 evaluation rows on 2 processes: accelerate repeats rows from the start of the set to give both the same
+    number of batches; token_mean_loss counts every row once, so it equals one process's (< 1e-5), flat
+    (padding-free) and padded batches alike.  Failed before: the repeated rows were counted (batch 1: 4.57782,
+    batch 2: 4.57301 against 4.57915 in one process).  evaluate()'s eval_loss is transformers' own figure (a
+    mean of per-step figures, its last step scaled by tokens of repeated rows: docs/training.md) and differs."""
+    from _ddp_worker import EVAL_CASES, eval_rows, eval_trainer
+
+    from packtools.integrations.trainers.evaluation import token_mean_loss
+
+    ranks = _launch(tmp_path, "eval")
+    rows, one = eval_rows(), {}
+    for name, (padding_free, batch) in EVAL_CASES.items():
+        one[name] = token_mean_loss(eval_trainer(str(tmp_path / "one"), rows, padding_free, batch))
+        for res in ranks:
+            assert "error" not in res["eval"], res["eval"].get("error")
+            got, _ = res["eval"][name]
+            assert abs(got - one[name]) < TOL, (name, got, one[name])
+    assert abs(ranks[0]["eval"]["flat, batch 1"][1] - one["flat, batch 1"]) > 1e-2  # transformers' figure
+
+
 def ok(ranks, *names):
     """Fail (with the worker's traceback) when a check of the worker raised."""
     for r, res in enumerate(ranks):
@@ -126,7 +147,7 @@ def sft_grad(rows, unpacked):
     """The gradient of one process's token mean over ``rows`` (one padding-free batch)."""
     model = tiny_llama("sdpa")
     batch = PaddingFreeCollator(PAD, unpacked=unpacked)(rows)
-    model(**batch, use_cache=False).loss.backward()
+    model(**batch).loss.backward()
     return {k: p.grad.detach().clone() for k, p in model.named_parameters()}
 
 

@@ -35,7 +35,7 @@ def packed_rows(seqs, max_length=32, strategy="bfd"):
 def packed_step(model, rows, num_items=None, **collator_kwargs):
     batch = PaddingFreeCollator(0, **collator_kwargs)(rows)
     extra = {} if num_items is None else {"num_items_in_batch": num_items}
-    out = model(**batch, use_cache=False, **extra)
+    out = model(**batch, **extra)
     out.loss.backward()
     return out.loss.item()
 
@@ -66,7 +66,7 @@ def test_padded_mode_rows_equal_one_by_one(impl):
     model = tiny_llama(impl)
     batch = PaddingFreeCollator(0, padding_free=False, attn_implementation=impl)(rows)
     assert batch["input_ids"].shape[0] == len(rows) and "attention_mask" not in batch
-    out = model(**batch, use_cache=False)
+    out = model(**batch)
     out.loss.backward()
     g_packed = grads(model)
     model.zero_grad()
@@ -97,7 +97,7 @@ def test_accumulation_window_is_token_weighted():
     model.zero_grad()
     for half in (first, second):
         batch = PaddingFreeCollator(0)(half)
-        (model(**batch, use_cache=False).loss / 2).backward()
+        (model(**batch).loss / 2).backward()
     assert max_diff(g_packed, grads(model)) > 10 * TOL
 
 
@@ -110,15 +110,23 @@ def test_comparison_detects_cross_sequence_attention(impl):
     one_by_one_backward(model, unpacked, predicted(unpacked))
     g_ref = grads(model)
     batch = PaddingFreeCollator(0)(rows)
-    for extra in ({"attention_mask": torch.ones_like(batch["input_ids"]), "use_cache": False}, {}):
+    assert batch["use_cache"] is False
+    for extra in ({"attention_mask": torch.ones_like(batch["input_ids"])}, {"use_cache": True}):
         model.zero_grad()
-        model(**batch, **extra).loss.backward()  # {}: config.use_cache=True, so no packed-sequence detection
+        model(**{**batch, **extra}).loss.backward()  # a cache: no packed-sequence detection
         assert max_diff(g_ref, grads(model)) > 1e-3
-    # With the packtools guard, the same call without use_cache is correct again.
-    guard_model(model)
+    # Without the batch's use_cache=False the config's use_cache=True applies: attention crosses sequences.
+    plain = PaddingFreeCollator(0, return_use_cache=False)(rows)
+    assert "use_cache" not in plain and model.config.use_cache
     model.zero_grad()
-    model(**batch).loss.backward()
-    assert max_diff(g_ref, grads(model)) < TOL
+    model(**plain).loss.backward()
+    assert max_diff(g_ref, grads(model)) > 1e-3
+    # The batch as the collator gives it is right without anything else, and so is the other one guarded.
+    for given in (batch, plain):
+        model.zero_grad()
+        model(**given).loss.backward()
+        assert max_diff(g_ref, grads(model)) < TOL
+        guard_model(model)
 
 
 def test_bfd_split_chunks_train_as_separate_sequences():

@@ -92,3 +92,54 @@ def test_predictions_of_merged_padding_free_rows_are_refused_and_one_row_a_batch
         assert out.label_ids[i, :n].tolist() == batch["labels"][0].tolist()
         assert (out.label_ids[i, n:] == -100).all()
         assert torch.allclose(torch.from_numpy(out.predictions[i, :n]), logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_rows_accelerate_repeats_to_even_out_processes_are_told_from_their_position(split):
+    """accelerate's BatchSamplerShard (even_batches, its default) fills the last batches of every process with
+    rows from the start; batches_with_first_seen tells them apart: over every process, the rows counted are each
+    row of the set exactly once (each batch's counted rows first), for every row count, batch size and process
+    count up to 4 (split_batches: the batch size is the global one)."""
+    from accelerate.data_loader import BatchSamplerShard
+
+    from packtools.compat.accelerate import batches_with_first_seen
+
+    for rows in range(1, 14):
+        for batch in range(1, 5):
+            for processes in range(2, 5):
+                size = batch * processes if split else batch
+                counted = []
+                for rank in range(processes):
+                    shard = BatchSamplerShard(
+                        torch.utils.data.BatchSampler(range(rows), size, False), processes, rank, split
+                    )
+                    loader = torch.utils.data.DataLoader(range(rows), batch_sampler=shard)
+                    dealt = list(batches_with_first_seen(loader))
+                    assert [d[0] for d in dealt] == list(shard)
+                    counted += [i for indices, first in dealt for i in indices[:first]]
+                assert sorted(counted) == list(range(rows)), (rows, batch, processes)
+    one = torch.utils.data.DataLoader(range(3), batch_sampler=BatchSamplerShard(
+        torch.utils.data.BatchSampler(range(3), 2, False), 1, 0))  # fmt: skip
+    assert batches_with_first_seen(one) is None
+
+
+def test_an_evaluation_order_that_changes_between_iterations_is_refused():
+    """token_mean_loss finds a batch's repeated rows by iterating accelerate's shard again: a random evaluation
+    sampler would give other rows, and is refused by name instead of miscounted."""
+    from accelerate.data_loader import BatchSamplerShard
+
+    from packtools.compat.accelerate import batches_with_first_seen
+    from packtools.errors import PackingError
+    from packtools.integrations.trainers.evaluation import _first_seen
+
+    rows = [{"input_ids": [i + 1, i + 2, i + 3]} for i in range(0, 50, 5)]
+    sampler = torch.utils.data.RandomSampler(rows, generator=torch.Generator().manual_seed(0))
+    shard = BatchSamplerShard(torch.utils.data.BatchSampler(sampler, 4, False), 2, 0)
+    loader = torch.utils.data.DataLoader(
+        rows, batch_sampler=shard, collate_fn=PaddingFreeCollator(PAD, unpacked=True)
+    )
+    last = list(loader)[-1]  # 10 rows, 2 processes of 4: process 0 has 2 rows and 2 repeats last
+    dealt = list(batches_with_first_seen(loader))[-1]
+    assert dealt[1] == 2 and len(dealt[0]) == 4
+    with pytest.raises(PackingError, match="another order when iterated again"):
+        _first_seen(loader, last, dealt)

@@ -263,9 +263,69 @@ def test_guard_refuses_use_cache_true_on_a_packed_vision_language_batch(name):
     cache_refused_and_left_out_exact(model, batch)
 
 
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl"])
+def test_guard_refuses_use_cache_true_on_a_vision_language_batch_without_cu_seq_lens(name):
+    """MultimodalCollator(return_flash_attn_kwargs=False): only the (4, 1, T) positions tell the row is packed.
+    is_packed read 2-D position_ids only, so an explicit use_cache=True passed the guard and the packed sequences
+    saw each other (no error); now the text row is read.  The batch as collated (use_cache=False in it) is exact
+    without the guard; (3, 1, T) rotary positions without the text row are refused (the model builds no
+    per-sequence mask from them, cache or not)."""
+    from packtools.batches.vision import MultimodalCollator
+    from packtools.integrations.trainers.guard import is_packed
+    from packtools.testing import tiny_vl_model
+
+    model = tiny_vl_model(name).eval()
+    batch = MultimodalCollator(model, 0, return_flash_attn_kwargs=False)(
+        [{"input_ids": [5, 6, 7, 8, 9, 10, 11], "seq_lengths": [3, 4]}]
+    )
+    batch.pop("labels")
+    assert "cu_seq_lens_q" not in batch and batch["position_ids"].shape == (4, 1, 7) and is_packed(batch)
+    with torch.no_grad():
+        alone = model(input_ids=batch["input_ids"][:, 3:]).logits[0]
+        as_collated = model(**batch).logits[0, 3:]
+        leaked = model(**{**batch, "use_cache": True}).logits[0, 3:]  # negative control: unguarded, a cache
+        rotary = {**batch, "position_ids": batch["position_ids"][1:]}
+        rotary_leaked = model(**rotary).logits[0, 3:]
+    assert (as_collated - alone).abs().max() < 1e-5
+    assert (leaked - alone).abs().max() > 1e-3 and (rotary_leaked - alone).abs().max() > 1e-3
+    guard_model(model)
+    with pytest.raises(PackingError, match="use_cache=True.*Pass use_cache=False"):
+        model(**{**batch, "use_cache": True})
+    with pytest.raises(PackingError, match=r"\(3, B, T\) rotary position_ids.*MultimodalCollator"):
+        model(**rotary)
+    one = MultimodalCollator(model, 0, return_flash_attn_kwargs=False)(
+        [{"input_ids": [5, 6, 7], "seq_lengths": [3]}]
+    )
+    one.pop("labels")
+    with torch.no_grad():  # one sequence: its cache is kept, in either layout
+        assert model(**{**one, "use_cache": True}).past_key_values is not None
+        model(**{**one, "position_ids": one["position_ids"][1:], "use_cache": True})
+
+
+def test_guard_reads_every_packed_batch_shape():
+    """Shapes a user might feed: positions (1, T) for a (B, T) batch, cu_seq_lens cut by accelerate's
+    dispatch_batches (every tensor sliced to the batch size: cu_seq_lens_q == [0], no error before), and
+    seq_lengths passed through to the model with nothing that separates its sequences."""
+    from packtools.integrations.trainers.guard import is_packed
+
+    packed = np.array([[0, 1, 2, 0, 1]])
+    assert is_packed({"position_ids": packed, "input_ids": np.zeros((3, 5), int)})
+    assert is_packed({"position_ids": np.repeat(packed, 3, 0)})
+    assert not is_packed({"position_ids": np.array([[0, 1, 2, 3, 4]])})
+    with pytest.raises(PackingError, match="use_cache=True"):
+        check_forward_inputs({"position_ids": np.repeat(packed, 3, 0), "use_cache": True}, "eager")
+    with pytest.raises(PackingError, match="cu_seq_lens_q has shape \\(1,\\).*dispatch_batches"):
+        check_forward_inputs({"position_ids": packed, "cu_seq_lens_q": np.array([0])}, "flash_attention_2")
+    with pytest.raises(PackingError, match="carries seq_lengths.*PaddingFreeCollator"):
+        check_forward_inputs({"input_ids": np.zeros((1, 5), int), "seq_lengths": [[3, 2]]}, "sdpa")
+    check_forward_inputs({"input_ids": np.zeros((2, 5), int), "seq_lengths": [[5], [5]]}, "sdpa")
+    check_forward_inputs({"position_ids": packed, "seq_lengths": [[3, 2]]}, "sdpa")  # separated: fine
+
+
 def cache_refused_and_left_out_exact(model, batch):
     """``batch`` packs [5, 6, 7] and [8, 9, 10, 11]: use_cache=True is refused, and left out the guard passes
     use_cache=False, the second sequence computed as if alone."""
+    batch = {k: v for k, v in batch.items() if k != "use_cache"}  # as if return_use_cache=False: the guard's
     with pytest.raises(PackingError, match="use_cache=True.*Pass use_cache=False"):
         model(**batch, use_cache=True)
     with torch.no_grad():
@@ -284,9 +344,8 @@ def test_forward_input_check_of_use_cache():
     check_forward_inputs({"position_ids": packed, "use_cache": False}, "sdpa")
     cu = {"cu_seq_lens_q": 1, "cu_seq_lens_k": 1, "max_length_q": 3, "max_length_k": 3}
     check_forward_inputs({"position_ids": packed, **cu, "use_cache": True}, "flash_attention_2")
-    rope = np.zeros(
-        (4, 1, 5), np.int64
-    )  # a vision-language row's positions: its cu_seq_lens say it is packed
+    # a vision-language row's (4, 1, T) positions of one sequence: its cu_seq_lens say it is packed
+    rope = np.broadcast_to(np.arange(5), (4, 1, 5))
     with pytest.raises(PackingError, match="use_cache=True"):
         check_forward_inputs(
             {"position_ids": rope, "cu_seq_lens_q": np.array([0, 3, 5]), "use_cache": True}, "sdpa"
@@ -382,7 +441,7 @@ def test_causal_lm_loss_matches_model_loss():
     model = tiny_llama()
     batch = PaddingFreeCollator(PAD)([{"input_ids": [3, 4, 5, 6, 7], "seq_lengths": [2, 3]}])
     with torch.no_grad():
-        out = model(**batch, use_cache=False)
+        out = model(**batch)
     assert batch["labels"].ne(-100).sum() == 3
     assert abs(causal_lm_loss(out, batch["labels"]).item() - out.loss.item()) < 1e-6
     assert abs(causal_lm_loss(out, batch["labels"], num_items_in_batch=6).item() * 2 - out.loss.item()) < 1e-6
@@ -492,7 +551,7 @@ def test_guard_lets_one_padding_free_sequence_keep_its_cache():
     guard_model(model)
     batch = PaddingFreeCollator(PAD)([{"input_ids": [5, 6, 7, 8], "seq_lengths": [4]}])
     with torch.no_grad():
-        cached = model(**batch, use_cache=True)
+        cached = model(**{**batch, "use_cache": True})
         plain = model(input_ids=batch["input_ids"], use_cache=False)
     assert cached.past_key_values is not None
     assert (cached.logits - plain.logits).abs().max() < 1e-5

@@ -219,7 +219,7 @@ def test_probe_finds_the_sequences_in_a_padded_or_left_padded_batch():
         batch = tok(rows)
         ids, keep = batch["input_ids"], batch["attention_mask"].bool()
         width = ids.shape[1]
-        out = {k: torch.zeros_like(v) for k, v in batch.items() if k != "labels"}
+        out = {k: torch.zeros_like(v) for k, v in batch.items() if torch.is_tensor(v) and k != "labels"}
         for b in range(ids.shape[0]):
             n = int(keep[b].sum())
             out["input_ids"][b, width - n :] = ids[b, :n]

@@ -196,3 +196,16 @@ def test_prepared_block_dispatches_kto_trainers(tmp_path):
         with pytest.raises(PackingError, match="already called"):
             prepare_kto_trainer(trainer)
     assert not any(vars(m).get(kto._WRAPPED) for m in models)
+
+
+def test_a_leaking_forward_is_refused_as_kto_not_dpo(tmp_path, monkeypatch):
+    """The isolation probe's refusal under prepare_kto_trainer said "padding-free DPO row" and "do not call
+    prepare_dpo_trainer": it names KTO and prepare_kto_trainer (a tolerance below any difference stands in
+    for a model whose sequences leak)."""
+    from packtools.integrations.preference import probe
+
+    monkeypatch.setitem(probe.TOLERANCE, "float32", -1.0)
+    trainer = build(tmp_path)
+    with pytest.raises(PackingError, match="padding-free KTO row see each other") as err:
+        prepare_kto_trainer(trainer)
+    assert "prepare_kto_trainer" in str(err.value) and "DPO" not in str(err.value)

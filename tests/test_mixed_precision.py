@@ -133,6 +133,31 @@ def test_reference_model_in_accelerates_autocast_is_probed_at_its_precision(tmp_
     assert trainer.ref_model.config._attn_implementation == "sdpa"
 
 
+def test_check_isolation_called_directly_on_a_reference_model_in_accelerates_autocast(tmp_path):
+    """``check_isolation(trainer.ref_model)`` outside any prepare function, ``bf16=True``: the forward accelerate
+    wrapped enters bfloat16 autocast itself, so the probe reads the precision from inside the forward and judges
+    at bfloat16's tolerance; a real leak (no positions: one long row) is still refused.  Failed before: the
+    dtype was read outside that wrapper (float32), and the isolated model was refused (1.95e-03 > 1.00e-05)."""
+    trainer, _ = build("dpo", tmp_path, bf16=True)
+    model = trainer.ref_model
+    assert not torch.is_autocast_enabled("cpu") and next(model.parameters()).dtype == torch.float32
+    report = check_isolation(model)
+    assert report.dtype == "bfloat16" and not report.leaks
+    assert 1e-5 < max(report.alone_diff) < report.tolerance  # bfloat16's rounding: over float32's tolerance
+    with pytest.raises(PackingError, match="lets packed sequences see each other"):
+        check_isolation(model, PaddingFreeCollator(PAD, return_position_ids=False))
+
+
+def test_padding_free_forward_probe_called_directly_on_a_reference_model_in_accelerates_autocast(tmp_path):
+    """``check_padding_free_forward(trainer.ref_model)`` after ``prepare_dpo_trainer``, ``bf16=True``: the same
+    rule, the precision read from inside the forward accelerate wrapped.  Failed before: refused at float32's
+    tolerance (8.59e-04 > 4.7e-05)."""
+    trainer, _ = build("dpo", tmp_path, bf16=True)
+    prepare_dpo_trainer(trainer, segmented_sdpa=False)
+    assert not torch.is_autocast_enabled("cpu")
+    assert 5e-5 < check_padding_free_forward(trainer.ref_model) < 3e-2  # bfloat16's rounding, accepted
+
+
 def test_probes_called_under_autocast_judge_at_its_precision_and_still_catch_a_leak():
     """A user's ``torch.autocast`` around a probe: the float32 model computes in bfloat16, so the probe takes
     bfloat16's tolerance.  Failed before: check_isolation judged ``packed - alone`` 1.95e-3 against float32's

@@ -388,7 +388,9 @@ def test_per_document_layers_refuse_a_cache_on_a_packed_row(arch):
     model = tiny_arch(arch, "sdpa").eval()
     run_mixers_per_document(model)
     assert model.config.use_cache
-    batch = PaddingFreeCollator(0)([{"input_ids": list(range(3, 16)), "seq_lengths": [6, 7]}])
+    batch = PaddingFreeCollator(0, return_use_cache=False)(
+        [{"input_ids": list(range(3, 16)), "seq_lengths": [6, 7]}]
+    )
     with torch.no_grad(), pytest.raises(PackingError, match="got a cache.*use_cache=False"):
         model(**batch)
     report = check_isolation(model)  # without a cache: exact

@@ -103,7 +103,10 @@ def test_global_plan_equals_packing_all_rows_at_once(mixed, tmp_path):
     lengths = np.asarray(pa.compute.list_value_length(table.column("input_ids")))
     unlabeled = sum(bool(lab) and max(lab) == -100 for lab in table.column("labels").to_pylist())
     assert res.stats["rows_unlabeled"] == unlabeled and res.stats["rows_dropped_unlabeled"] == 0
-    assert res.stats["sequences_packed"] == int((lengths > 0).sum())
+    assert res.stats["documents_packed"] == int((lengths > 0).sum())
+    # sequences as the model sees them: the pieces the plan cut are one each
+    assert res.stats["sequences_packed"] == len(pa.compute.list_flatten(got.column("seq_lengths")))
+    assert res.stats["sequences_packed"] > res.stats["documents_packed"]
 
 
 @pytest.mark.slow

@@ -336,6 +336,61 @@ def test_an_empty_input_says_it_holds_no_rows(tmp_path, content):
         pack_files(str(src), str(tmp_path / "out"), max_length=8)
 
 
+@pytest.mark.parametrize(
+    "bad, said",
+    [
+        ('{"input_ids": null, "labels": [1]}', "column 'input_ids' is null"),
+        ('{"input_ids": [1, null], "labels": [1, 2]}', "column 'input_ids' contains a null value"),
+        ('{"input_ids": [1, 2, 3], "labels": [1, 2]}', "differ in length at input"),
+    ],
+)
+@pytest.mark.parametrize("part_bytes", [1 << 26, 2000])  # one part, or parts that start past line 1
+def test_a_bad_json_line_is_named_by_its_own_line_number(tmp_path, capsys, bad, said, part_bytes):
+    """A null (or misaligned) row was named "line B (block start) ... row R", B its block's first line: the
+    error names the file's line B + R itself."""
+    lines = [json.dumps({"input_ids": [i, i + 1], "labels": [i, i + 1]}) for i in range(300)]
+    lines[236] = bad  # line 237 of the file
+    src = tmp_path / "t.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    with pytest.raises(PackingError) as err:
+        pack_files(str(src), str(tmp_path / "out"), max_length=8, part_bytes=part_bytes)
+    assert f"input {str(src)!r} line 237" in str(err.value) and said in str(err.value), err.value
+    assert "block start" not in str(err.value) and "row 236" not in str(err.value)
+    # the CLI says the same line
+    assert main(["pack", str(src), "--out", str(tmp_path / "cli"), "--max-length", "8", "--quiet"]) != 0
+    assert "line 237" in capsys.readouterr().err
+
+
+def test_an_empty_shard_beside_others_is_noted_and_an_input_of_no_rows_is_refused(tmp_path, capsys):
+    """An empty JSON lines shard stopped a run while an empty Parquet shard was accepted, and an input of only
+    empty Parquet files packed 0 rows with status 0: now an empty shard among others is left out, in either
+    format, with a note naming it, and an input of no rows at all is refused, in either format."""
+    rows = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}] * 4
+    for kind in ("jsonl", "parquet"):
+        d = tmp_path / kind
+        d.mkdir()
+        for i in range(3):
+            src = d / f"s{i}.{kind}"
+            if kind == "jsonl":
+                jsonl(src, rows if i != 1 else [])
+            else:
+                table = pa.Table.from_pylist(rows)
+                pq.write_table(table if i != 1 else table.slice(0, 0), str(src))
+        got = pack_files(str(d), str(tmp_path / f"out-{kind}"), max_length=8)
+        assert got.stats["rows_in"] == 8
+        assert any("held no rows" in n and f"s1.{kind}" in n for n in got.notes), got.notes
+        assert (
+            main(["pack", str(d), "--out", str(tmp_path / f"cli-{kind}"), "--max-length", "8", "--quiet"])
+            == 0
+        )
+        assert f"s1.{kind}" in capsys.readouterr().err
+        # only the empty shard: refused, naming it
+        only = d / f"s1.{kind}"
+        with pytest.raises(PackingError, match=r"the input holds no rows: .*s1\." + kind):
+            pack_files(str(only), str(tmp_path / f"none-{kind}"), max_length=8)
+        assert not os.path.exists(tmp_path / f"none-{kind}")
+
+
 def test_ids_beyond_int64_in_json_say_so(tmp_path):
     src = jsonl(tmp_path / "big.jsonl", [{"input_ids": [1, 30000000000000000000]}])
     with pytest.raises(PackingError, match="beyond the int64 range"):

@@ -228,6 +228,32 @@ def test_an_out_named_like_a_data_file_is_refused(tmp_path, src, capsys, name):
     assert pack_files(src, str(tmp_path / "packed.v2"), max_length=8).stats["rows_in"] == 3
 
 
+@pytest.mark.parametrize("strategy", ["bfd", "bfd_split", "wrapped"])
+def test_sequences_packed_counts_the_sequences_the_model_sees(tmp_path, strategy):
+    """`sequences_packed` counted the input documents under every strategy: under wrapped the model sees each
+    packed row as one sequence (no seq_lengths), and a bfd_split piece is a sequence of its own.  Now it counts
+    those, and `documents_packed` the documents."""
+    import datasets
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"input_ids": list(range(5 + i))}) + "\n" for i in range(10)))
+    out = tmp_path / strategy
+    assert (
+        main(["pack", str(src), "--out", str(out), "--max-length", "8", "--strategy", strategy, "--quiet"])
+        == 0
+    )
+    stats = json.loads((out / "manifest.json").read_text())["stats"]
+    table = datasets.load_from_disk(str(out)).data.table
+    if strategy == "wrapped":
+        assert "seq_lengths" not in table.column_names
+        want = table.num_rows  # 95 tokens in rows of 8: 12 sequences
+    else:
+        want = len(pa.compute.list_flatten(table.column("seq_lengths")))
+    assert stats["sequences_packed"] == want
+    assert stats["documents_packed"] == 10
+    assert (want > 10) == (strategy != "bfd")
+
+
 @pytest.mark.parametrize("which", ["data", "dataset_info.json", "state.json"])
 def test_a_rerun_rebuilds_an_output_missing_a_file(tmp_path, src, which):
     """A shard (or datasets' state/info file) deleted from an output: the rerun with the same inputs and options

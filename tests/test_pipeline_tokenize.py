@@ -81,6 +81,15 @@ def test_detect_format():
     assert err.value.param == "format"
 
 
+def test_detect_format_refuses_kto_rows_rather_than_training_every_completion():
+    # KTO's unpaired rows guessed as prompt_completion would train the undesirable completions (label false) too
+    with pytest.raises(PackingError, match="KTO.*label false.*format='prompt_completion'") as err:
+        detect_format(["prompt", "completion", "label"])
+    assert err.value.param == "format"
+    assert detect_format(["prompt", "completion", "id"]) == "prompt_completion"
+    assert detect_format(["text", "label"]) == "text"  # a classification set's text: not KTO
+
+
 @pytest.mark.parametrize(
     "raw", [{"messages": CONVS[1]}, {"prompt": "hi", "completion": " yo"}, {"text": "hello"}]
 )

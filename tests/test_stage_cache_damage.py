@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import time
+import zlib
 
 import _stage_fixtures
 import numpy as np
@@ -68,6 +69,35 @@ def test_a_damaged_entry_is_staged_again_with_a_note(tok, cache, data, tmp_path,
     # the damaged entry left the cache; profile stages the part into it again, and pack takes that one
     assert profile_files(data, tok).profile.count == 300
     assert pack_files(data, tmp_path / "again", 128, tokenizer=tok).timings["parts_from_stage_cache"] == 1
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_a_part_a_killed_run_left_is_checked_by_content_before_reuse(tok, data, tmp_path, flip):
+    """A run's own staged parts were checked by size only before a rerun reused them: one flipped bit in a token
+    id of a part a killed run left was packed as it was.  Their CRC-32, taken as they are written, finds it:
+    the part is staged again and the output is the clean run's; an intact part is still reused."""
+    from packtools.pipeline import workspace
+
+    fresh = pack_files(data, tmp_path / "fresh", 128, tokenizer=tok)
+
+    def killed(name):
+        if name == "plan":
+            raise KeyboardInterrupt  # as Ctrl-C: the finished parts are kept for the next run
+
+    workspace.CHECKPOINT_OBSERVERS.append(killed)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pack_files(data, tmp_path / "packed", 128, tokenizer=tok)
+    finally:
+        workspace.CHECKPOINT_OBSERVERS.remove(killed)
+    (part,) = glob.glob(os.path.join(tmp_path, ".packed.packtools", "stage", "*.arrow"))
+    if flip:
+        _flip_a_token_bit(part)
+    res = pack_files(data, tmp_path / "packed", 128, tokenizer=tok)
+    assert res.timings["parts_reused"] == (0 if flip else 1)
+    said = [n for n in res.notes if "interrupted run left was damaged (its data file is not the one" in n]
+    assert len(said) == flip, res.notes
+    assert _shards(res.out) == _shards(fresh.out)
 
 
 def test_an_entry_swapped_with_another_is_not_adopted(tok, cache, data, tmp_path):
@@ -203,6 +233,12 @@ def test_damage_opens_the_sidecar_once_and_names_each_reason(tmp_path, monkeypat
     assert damage() is None  # no labels and no heads: empty arrays, as tokenized input has
     data.write_bytes(b"tokenz")
     assert damage() == "its data file is not the one it was written with (checksum differs)"
+    staged.save_sidecar(side, np.array([3, 2]), np.array([1, 0]), str(data), data_size=6, data_crc32=0)
+    assert damage() == "its data file is not the one it was written with (CRC-32 differs)"
+    crc = zlib.crc32(b"tokenz")
+    staged.save_sidecar(side, np.array([3, 2]), np.array([1, 0]), str(data), data_size=6, data_crc32=crc)
+    assert damage() is None
+    write()
     data.write_bytes(b"token")
     assert damage() == "its data file is cut or not the one it was written with (size differs)"
     data.unlink()

@@ -200,6 +200,32 @@ def test_a_copy_that_is_not_identical_is_recorded_so_and_removed(tmp_path, monke
     assert BatchTokenizer(tok, "text").reference_source == "tokenizer.json"
 
 
+@needs_engine
+@pytest.mark.parametrize("faulty", [False, True])
+def test_a_removed_copy_is_said_by_the_run_and_the_warm_runs_after(tmp_path, monkeypatch, faulty):
+    """copy_identical's removal of a copy that is not identical was silent: the warm runs after it load
+    tokenizer.json (slower) and nothing said why.  The run's notes and timings say it, on the run that removed
+    it and on the warm runs after; the normal path (the copy identical) says nothing."""
+    monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))
+    if faulty:
+        real = tokenizer_load.write_compact
+        monkeypatch.setattr(  # one merge dropped in the copy: not tokenizer.json's tokenizer
+            tokenizer_load, "write_compact",
+            lambda path, spec: real(path, dict(spec, model=dict(spec["model"], merges=spec["model"]["merges"][1:]))),
+        )  # fmt: skip
+    tok = build_tokenizer(str(tmp_path / "tok"))
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": CORPUS[i % 5] + f" {i}"}) + "\n" for i in range(200)))
+    for run in ("first", "warm"):
+        res = pack_files(str(src), str(tmp_path / run), 64, tokenizer=tok)
+        said = [n for n in res.notes if "compact copy of tokenizer.json" in n]
+        assert len(said) == faulty and res.timings.get("tokenizer_copy_removed", False) is faulty, (
+            run,
+            res.notes,
+        )
+    assert bool(glob.glob(os.path.join(str(tmp_path / "cache"), "fast-engine", "*.json"))) is not faulty
+
+
 def test_record_copy_compares_whole_states(tmp_path, monkeypatch):
     """Negative control of the comparison itself: a copy with one added token more is not identical."""
     monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path / "cache"))

@@ -288,3 +288,52 @@ def test_samples_without_an_assistant_turn_are_counted(tmp_path, proc, capsys):
     assert pack_vision_files(data, tmp_path / "out", processor=proc, max_length=64).samples_untrained == 1
     assert _pack(data, tmp_path / "cli", proc, "--quiet") == 0
     assert "note: 1 sample(s) have no assistant turn" in capsys.readouterr().out
+
+
+def test_a_folder_without_the_image_processor_file_leads_with_our_message(tmp_path, proc, capsys):
+    """A processor folder without preprocessor_config.json quoted transformers' long message (about the hub)
+    first: ours leads, naming the folder, the file and the fix; transformers' text follows."""
+    import shutil
+
+    folder = tmp_path / "tok-only"
+    shutil.copytree(proc, folder)
+    (folder / "preprocessor_config.json").unlink()
+    data = _write(tmp_path, [_row([], content=[{"type": "text", "text": "hi"}])])
+    assert _pack(data, tmp_path / "out", str(folder)) == 1
+    err = capsys.readouterr().err
+    ours = f"--processor {str(folder)!r} has no preprocessor_config.json"
+    assert ours in err and "save_pretrained(" in err and "Traceback" not in err
+    assert err.index(ours) < err.index("transformers said: ") < err.index("huggingface.co")
+    with pytest.raises(
+        PackingError, match=r"^processor='.*tok-only' has no preprocessor_config\.json"
+    ) as got:
+        load_vision_processor(folder)
+    assert got.value.param == "processor"
+
+
+def test_rows_already_tokenized_or_processed_given_a_processor_are_told_what_they_are(tmp_path, proc, capsys):
+    """Rows without 'messages' given to --processor / processor= were told only "no 'messages'": the refusal
+    now says what they hold and how to pack that."""
+    from packtools import pack_dataset
+    from packtools.integrations.multimodal.processor import process_vision_dataset
+
+    tokenized = tmp_path / "tok.jsonl"
+    tokenized.write_text(json.dumps({"input_ids": [1, 2, 3], "labels": [1, 2, 3]}) + "\n")
+    assert _pack(tokenized, tmp_path / "out", proc) == 1
+    err = capsys.readouterr().err
+    assert f"{tokenized}:1: the row has no 'messages'" in err and "already tokenized text" in err
+    assert "leave processor= (--processor) out" in err
+    assert (
+        main(["pack", str(tokenized), "--out", str(tmp_path / "plain"), "--max-length", "64", "--quiet"]) == 0
+    )
+
+    rows = datasets.Dataset.from_list([_row([], content=[{"type": "text", "text": "hi"}])])
+    processed = process_vision_dataset(rows, proc)
+    with pytest.raises(PackingError, match=r"already processed .*'pixel_values', 'image_grid_thw'") as got:
+        pack_dataset(processed, 64, processor=proc)
+    assert "without processor=" in str(got.value)
+    assert pack_dataset(processed, 64).num_rows == 1  # the fix it names
+    with pytest.raises(
+        PackingError, match=r"has no 'messages' .*\['text'\]\); processor= \(--processor\) packs"
+    ):
+        pack_dataset(datasets.Dataset.from_list([{"text": "hi"}]), 64, processor=proc)

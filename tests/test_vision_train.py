@@ -113,7 +113,7 @@ def test_packed_training_step_equals_one_by_one(family, impl, tmp_path):
 
 def _loss(model, batch) -> float:
     with torch.no_grad():
-        return float(model(**batch, use_cache=False).loss)
+        return float(model(**batch).loss)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

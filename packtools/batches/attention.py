@@ -177,7 +177,7 @@ def _flash_eligible(q: Any, k: Any, v: Any) -> bool:
 
 
 #: Keys of a PaddingFreeCollator batch that varlen_attention accepts and ignores (``**batch`` works).
-BATCH_KEYS = ("input_ids", "labels", "position_ids", "seq_idx")
+BATCH_KEYS = ("input_ids", "labels", "position_ids", "seq_idx", "use_cache")
 #: Collator spellings of the boundary arguments, and flash-attn's.
 ALIASES = {
     "cu_seq_lens_q": "cu_seqlens_q",

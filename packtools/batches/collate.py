@@ -217,6 +217,7 @@ SWITCHED_KEYS = {
     "return_position_ids": ("position_ids",),
     "return_flash_attn_kwargs": VARLEN_KEYS,
     "return_seq_idx": ("seq_idx",),
+    "return_use_cache": ("use_cache",),
 }
 
 
@@ -243,6 +244,12 @@ class PaddingFreeCollator:
     ``DataCollatorWithFlattening``, ``return_position_ids``, ``return_flash_attn_kwargs`` (``cu_seq_lens_*``,
     ``max_length_*``) and ``return_seq_idx`` switch those keys off (:func:`prepare_trainer` switches off
     the ones the model's ``forward`` does not take).
+
+    Every batch also holds ``use_cache=False`` (``return_use_cache=False`` leaves it out): Llama and most
+    models default to ``use_cache=True``, and with a cache transformers' ``sdpa``/``eager``/``flex_attention``
+    build no per-sequence mask from ``position_ids``, so ``model(**batch)`` would let the packed sequences
+    attend to each other.  With the key in the batch, ``model(**batch)`` is right without anything else (and
+    ``model(**batch, use_cache=False)`` is a ``TypeError``: the value is given twice; drop the keyword).
 
     Padded output (``padding_free=False``): ``[B, T]`` right-padded ``input_ids``, ``labels``,
     ``position_ids`` (restarting per packed sequence), and ``attention_mask`` only if no row is packed.  Several
@@ -274,6 +281,7 @@ class PaddingFreeCollator:
         return_position_ids: bool = True,
         return_flash_attn_kwargs: bool = True,
         return_seq_idx: bool = True,
+        return_use_cache: bool = True,
         completion_only_loss: bool = True,
         assistant_only_loss: bool = True,
         pad_to_buckets: Sequence[int] | None = None,
@@ -290,6 +298,7 @@ class PaddingFreeCollator:
         self.return_position_ids = bool(return_position_ids)
         self.return_flash_attn_kwargs = bool(return_flash_attn_kwargs)
         self.return_seq_idx = bool(return_seq_idx)
+        self.return_use_cache = bool(return_use_cache)
         self.completion_only_loss = bool(completion_only_loss)
         self.assistant_only_loss = bool(assistant_only_loss)
         self.mask_keys = mask_keys(self.completion_only_loss, self.assistant_only_loss)
@@ -336,6 +345,7 @@ class PaddingFreeCollator:
         else:
             check_padded_attention(flat, self.attn_implementation)
             batch = assemble_padded(flat, self.pad_token_id, self.pad_to_multiple_of)
+        batch["use_cache"] = False  # model(**batch) is right by construction (see the class docstring)
         if self.dropped_keys:
             batch = {k: v for k, v in batch.items() if k not in self.dropped_keys}
         return to_tensors(batch, self.return_tensors)

@@ -81,7 +81,8 @@ class MultimodalCollator:
     :class:`~packtools.batches.collate.PaddingFreeCollator` (``seq_idx`` is off by default: these models have
     no token-mixing layers that read it).  Output keys: ``input_ids``, ``labels`` ``[1, T]``,
     ``position_ids`` ``(4, 1, T)``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``mm_token_type_ids`` ``[1, T]``,
-    and, when the batch holds images, ``pixel_values`` and ``image_grid_thw``.
+    ``use_cache=False`` (as :class:`~packtools.batches.collate.PaddingFreeCollator`'s: ``model(**batch)`` needs
+    nothing else), and, when the batch holds images, ``pixel_values`` and ``image_grid_thw``.
 
     >>> import numpy as np
     >>> spec = MropeSpec("qwen2_vl", image_token_id=9, video_token_id=8, spatial_merge_size=2)
@@ -105,6 +106,7 @@ class MultimodalCollator:
         return_flash_attn_kwargs: bool = True,
         return_seq_idx: bool = False,
         return_mm_token_type_ids: bool = True,
+        return_use_cache: bool = True,
         leave_out: Sequence[str] = (),
     ) -> None:
         self.spec = (
@@ -118,6 +120,7 @@ class MultimodalCollator:
             unpacked=unpacked,
             return_flash_attn_kwargs=return_flash_attn_kwargs,
             return_seq_idx=return_seq_idx,
+            return_use_cache=return_use_cache,
             completion_only_loss=completion_only_loss,
             assistant_only_loss=assistant_only_loss,
         )
@@ -144,6 +147,7 @@ class MultimodalCollator:
             "return_flash_attn_kwargs": text["return_flash_attn_kwargs"],
             "return_seq_idx": text["return_seq_idx"],
             "return_mm_token_type_ids": self.return_mm_token_type_ids,
+            "return_use_cache": text["return_use_cache"],
             "leave_out": self.leave_out,
         }
 

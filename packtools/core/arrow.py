@@ -112,8 +112,17 @@ def as_table(table: Any) -> pa.Table:
     )
 
 
-def read_list_column(column: pa.ChunkedArray | pa.Array, name: str) -> ListColumn:
-    """Split a list column into chunks of ``(offsets, values)``, checking nulls and value types."""
+def _at_row(name: str, row: int, at: Callable[[int], str] | None) -> str:
+    """``column 'x' row 6``, or with ``at`` (a reader's row namer, e.g. ``io.files.Where``) ``input 'f.jsonl'
+    line 7: column 'x'``: the file's own line or row, not the row's index in one block of it."""
+    return f"column {name!r} row {row}" if at is None else f"{at(row)}: column {name!r}"
+
+
+def read_list_column(
+    column: pa.ChunkedArray | pa.Array, name: str, at: Callable[[int], str] | None = None
+) -> ListColumn:
+    """Split a list column into chunks of ``(offsets, values)``, checking nulls and value types; ``at`` names a
+    bad row in the error (default: its index in ``column``)."""
     if isinstance(column, pa.Array):
         column = pa.chunked_array([column], type=column.type)
     t = column.type
@@ -147,7 +156,7 @@ def read_list_column(column: pa.ChunkedArray | pa.Array, name: str) -> ListColum
         if chunk.null_count:
             bad = row + _first_null_row(chunk)
             raise PackingError(
-                f"column {name!r} row {bad} is null; packing needs a list in every row. "
+                f"{_at_row(name, bad, at)} is null; packing needs a list in every row. "
                 f"Fill it (e.g. with an empty list) or filter the row out."
             )
         offsets = numpy_values(chunk.offsets).astype(np.int64, copy=False)
@@ -158,7 +167,7 @@ def read_list_column(column: pa.ChunkedArray | pa.Array, name: str) -> ListColum
             inner = lo + _first_null_row(window)
             bad = row + int(np.searchsorted(offsets, inner, side="right")) - 1
             raise PackingError(
-                f"column {name!r} row {bad} contains a null value; packed token columns cannot hold nulls. "
+                f"{_at_row(name, bad, at)} contains a null value; packed token columns cannot hold nulls. "
                 f"Replace the nulls (e.g. with the pad id) or drop the row."
             )
         values = numpy_values(window)
@@ -167,15 +176,17 @@ def read_list_column(column: pa.ChunkedArray | pa.Array, name: str) -> ListColum
     return ListColumn(name, t, tuple(chunks), row)
 
 
-def check_aligned(columns: list[ListColumn]) -> np.ndarray:
-    """Return the shared row lengths, or explain the first row where columns disagree."""
+def check_aligned(columns: list[ListColumn], at: Callable[[int], str] | None = None) -> np.ndarray:
+    """Return the shared row lengths, or explain the first row where columns disagree (named by ``at``, as in
+    :func:`read_list_column`)."""
     lengths = columns[0].lengths()
     for col in columns[1:]:
         other = col.lengths()
         if not np.array_equal(lengths, other):
             row = int(np.flatnonzero(lengths != other)[0])
+            where = f"row {row}" if at is None else at(row)
             raise PackingError(
-                f"columns {columns[0].name!r} and {col.name!r} differ in length at row {row} "
+                f"columns {columns[0].name!r} and {col.name!r} differ in length at {where} "
                 f"({lengths[row]} vs {other[row]} values); packed columns must be aligned token for token. "
                 f"Fix the data or pack them separately with columns=[...]."
             )

@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import zlib
 from typing import Any
 
 import numpy as np
@@ -71,10 +72,13 @@ class DirectFile:
     from then on, same bytes) if the file system refuses a direct write after all.
     """
 
-    def __init__(self, path: str, chunk: int = CHUNK) -> None:
+    def __init__(self, path: str, chunk: int = CHUNK, *, crc: bool = False) -> None:
         if chunk <= 0 or chunk % ALIGN:
             raise ValueError(f"chunk must be a positive multiple of {ALIGN}, got {chunk}")
         self.path = path
+        #: ``crc=True``: the CRC-32 of every byte written so far (:func:`file_crc32` of the file once closed), for
+        #: a later reader to check the file's content by; None otherwise
+        self.crc32: int | None = 0 if crc else None
         self._fd, self.direct = _open_direct(path)
         self._map = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
         self._buf = np.frombuffer(self._map, np.uint8)
@@ -95,6 +99,8 @@ class DirectFile:
 
     def write(self, data: Any) -> int:
         src = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+        if self.crc32 is not None:  # zlib releases the GIL on large buffers
+            self.crc32 = zlib.crc32(src, self.crc32)
         size, start, room = src.shape[0], 0, self._buf.shape[0]
         while start < size:
             n = min(room - self._fill, size - start)
@@ -171,6 +177,16 @@ class DirectFile:
         self.close()
 
 
-def arrow_sink(path: str) -> pa.PythonFile:
-    """An Arrow output stream writing ``path`` through a :class:`DirectFile` (closing it closes the file)."""
-    return pa.PythonFile(DirectFile(path), mode="w")
+def arrow_sink(path: str | DirectFile) -> pa.PythonFile:
+    """An Arrow output stream writing ``path`` through a :class:`DirectFile` (or into the one given; closing the
+    stream closes the file)."""
+    return pa.PythonFile(path if isinstance(path, DirectFile) else DirectFile(path), mode="w")
+
+
+def file_crc32(path: str) -> int:
+    """The CRC-32 of the file at ``path`` (what :attr:`DirectFile.crc32` was when it was closed)."""
+    crc = 0
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 24), b""):
+            crc = zlib.crc32(block, crc)
+    return crc

@@ -62,10 +62,22 @@ def detect_format(columns: Sequence[str]) -> str:
     ('preference', 'text')
     >>> detect_format(["messages", "input_ids", "labels"])
     'tokenized'
+
+    A ``label`` beside ``prompt`` and ``completion`` (KTO's rows) is refused rather than guessed: packed for SFT,
+    the completions marked undesirable would train like the others.
     """
     if "input_ids" in set(columns):
         return "tokenized"
     fmt = raw_format(columns)
+    if fmt == "prompt_completion" and "label" in set(columns):
+        raise PackingError(
+            "the columns 'prompt', 'completion' and 'label' are TRL's unpaired preference (KTO) format: packed as "
+            "prompt_completion, every completion would train, the undesirable ones (label false) too. For KTO, "
+            "train with TRL's KTOTrainer and prepare_kto_trainer; to fine-tune on the desirable completions, keep "
+            "the rows whose label is true and drop the column; to train on every completion as it is, pass "
+            "format='prompt_completion'.",
+            param="format",
+        )
     if fmt is not None:
         return fmt
     raise PackingError(

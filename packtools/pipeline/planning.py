@@ -330,7 +330,15 @@ class RowPlan:
             "rows_dropped_unlabeled": self.rows_unlabeled if config.drop_unlabeled else 0,
             **self.counts,
             "rows_out": p.num_rows,
-            "sequences_packed": int(np.count_nonzero(self.eff)),
+            # what the model sees as sequences: the segments of seq_lengths (a bfd_split piece is one), or under
+            # wrapped (no seq_lengths: the stream is cut, documents run together) the packed rows themselves
+            "sequences_packed": int(
+                np.count_nonzero(p.row_lengths)
+                if config.strategy == "wrapped"
+                else np.count_nonzero(p.seg_length)
+            ),
+            # the input rows (or, cut at turns, their pieces) that put tokens in the output, whole or in part
+            "documents_packed": int(np.count_nonzero(self.eff)),
             "lower_bound": p.lower_bound,
             "tokens_in": tokens_in,
             "tokens_kept": p.tokens_kept,

@@ -54,7 +54,7 @@ from .planning import (
     row_plan,
     write_jobs,
 )
-from .schema import data_format, known_columns, token_schema
+from .schema import data_format, known_columns, no_rows_message, token_schema
 from .stage import StageJob, freeze_report, iter_staged, stage_part
 from .stage_cache import adopt_cached, evicted_error, keep_in_place, stage_jobs
 from .staged import load_sidecar, sidecar_tool_opener, sidecar_turns
@@ -461,6 +461,22 @@ def _settle_reference(
     return late[0]
 
 
+def empty_inputs_notes(
+    files: Sequence[InputFile], jobs: Sequence[StageJob], staged: Sequence[Any]
+) -> list[str]:
+    """A note naming the input files that held no rows (a shard left empty adds nothing and drops nothing, so
+    the run goes on and says so); an input of no rows at all is refused (:func:`schema.no_rows_message`)."""
+    rows = dict.fromkeys((f.path for f in files), 0)
+    for job, s in zip(jobs, staged):
+        rows[job.part.file.path] += int(s["rows"])
+    empty = [path for path, n in rows.items() if n == 0]
+    if len(empty) == len(rows):
+        raise PackingError(no_rows_message(files))
+    if not empty:
+        return []
+    return [f"{len(empty)} input file(s) held no rows and added nothing: {', '.join(map(repr, empty))}"]
+
+
 def busy_seconds(outcomes: Sequence[Any]) -> dict[str, float]:
     """The busy seconds per phase of a stage's jobs (their ``phases``, summed; they overlap in threads)."""
     total: dict[str, float] = {}
@@ -588,6 +604,12 @@ def _run(
         timings["parts_reused"] = sum(r and j.sidecar in from_killed_run for r, j in zip(reused, jobs))
         timings["parts_from_stage_cache"] = sum(r and j.sidecar in from_cache for r, j in zip(reused, jobs))
         timings["parts_mapped"] = sum(s["data"] == j.part.file.path for s, j in zip(staged, jobs))
+        cache_notes += empty_inputs_notes(found.files, jobs, staged)
+        cache_notes += [
+            f"part {j.part.describe()} that an interrupted run left was damaged ({s['damaged']}): staged again"
+            for j, s in zip(jobs, staged)
+            if s.get("damaged")
+        ]
         os.makedirs(ws.build)
         if fmt == "preference":
             from .preference import write_packed_preference
@@ -664,4 +686,11 @@ def _run(
     write_manifest(ws.build, manifest)
     ws.install()
     notes = cache_notes + ([found.reference_why] if found.reference_why else [])
+    if fp.get("tokenizer_sha256") and fmt != "tokenized":
+        from .tokenizer.reference import copy_removed_note
+
+        removed = copy_removed_note(fp["tokenizer_sha256"])  # why this run's tokenizer load was the slow one
+        if removed is not None:
+            notes.append(removed)
+            timings["tokenizer_copy_removed"] = True
     return PipelineResult(ws.out, stats, cached=False, manifest=manifest, timings=timings, notes=notes)

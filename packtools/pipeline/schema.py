@@ -46,13 +46,13 @@ def data_format(files: Sequence[InputFile], config: PipelineConfig) -> str:
     """The input format, the same for every file: ``config.format`` (checked against each file's columns) or
     detected per file from its columns; mixed formats are refused naming the files."""
     seen: dict[str, str] = {}
-    for f in files:
-        names = read_schema(f).names
-        if not names:
-            raise PackingError(
-                f"input {f.path!r} holds no rows (an empty file, only whitespace, or an empty JSON array); "
-                f"leave it out or fill it."
-            )
+    schemas = [read_schema(f) for f in files]
+    if not any(s.names for s in schemas):
+        raise PackingError(no_rows_message(files))
+    for f, schema in zip(files, schemas):
+        names = schema.names
+        if not names:  # a JSON file with no rows (a shard left empty): it says nothing of the format
+            continue
         if config.format is not None:
             needed = (
                 input_columns(config.format)
@@ -106,6 +106,18 @@ def _refuse_images(files: Sequence[InputFile], tokenizer: str | None) -> None:
             )
 
 
+def no_rows_message(files: Sequence[InputFile]) -> str:
+    """The refusal of an input in which no file holds a row (a pack of nothing is a mistake upstream; an empty
+    file beside others that hold rows is not refused: sharding often leaves one)."""
+    named = ", ".join(repr(f.path) for f in files[:3]) + (
+        f" and {len(files) - 3} more" if len(files) > 3 else ""
+    )
+    return (
+        f"the input holds no rows: {named} {'is' if len(files) == 1 else 'are all'} empty (an empty file, only "
+        f"whitespace, an empty JSON array, or a Parquet/Arrow file of 0 rows); give files that hold rows."
+    )
+
+
 def _is_token_field(f: pa.Field) -> bool:
     return is_list_type(f.type) or pa.types.is_null(f.type) or f.name in ("input_ids", "labels")
 
@@ -134,6 +146,9 @@ def token_schema(
     """
     schemas = [read_schema(f) for f in files]
     _refuse_packed(schemas, files)
+    # JSON files with no rows have no columns (data_format refuses an input of only those)
+    kept = [(s, f) for s, f in zip(schemas, files) if s.names]
+    schemas, files = [s for s, _ in kept], [f for _, f in kept]
     schema = schemas[0]
     path = files[0].path
     if config.columns:

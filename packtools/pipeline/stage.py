@@ -37,7 +37,7 @@ import pyarrow as pa
 from .._atomic import fsync_file, removed_on_error
 from ..core.arrow import check_aligned, is_list_type, read_list_column
 from ..errors import PackingError
-from ..io.direct import arrow_sink
+from ..io.direct import DirectFile, arrow_sink
 from ..io.files import Part, Where, iter_part, open_ipc
 from ..io.fingerprint import cache_key
 from ..io.pages import read_ahead
@@ -283,9 +283,11 @@ def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray, np.ndarray] | Non
 
 
 def stage_part(job: StageJob) -> dict[str, Any]:
-    """Stage one part (see the module docstring); returns ``{"rows", "reused", "seconds", "data"}``."""
+    """Stage one part (see the module docstring); returns ``{"rows", "reused", "seconds", "data"}``, and
+    ``"damaged"`` (why) where a part an interrupted run left could not be trusted and was staged again."""
     start = time.perf_counter()
-    if os.path.exists(job.sidecar) and damage(job.sidecar) is not None:  # e.g. cut by a machine crash
+    damaged = damage(job.sidecar) if os.path.exists(job.sidecar) else None  # e.g. cut by a machine crash
+    if damaged is not None:
         drop_staged(job)  # staged again
     if os.path.exists(job.sidecar):
         lengths, _, data = load_sidecar(job.sidecar)
@@ -304,6 +306,7 @@ def stage_part(job: StageJob) -> dict[str, Any]:
             "reused": False,
             "seconds": time.perf_counter() - start,
             "data": job.part.file.path,
+            **({"damaged": damaged} if damaged else {}),
         }
     schema = pa.schema([(c, pa.list_(pa.type_for_alias(v))) for c, v in zip(job.columns, job.value_types)])
     tmp = f"{job.staged}.tmp-{os.getpid()}"
@@ -314,17 +317,17 @@ def stage_part(job: StageJob) -> dict[str, Any]:
     # past the page cache (packtools.io.direct: fresh page-cache pages were most of this write's cost), and
     # read back into it in the background once whole, for the gather
     with removed_on_error(tmp):
-        with arrow_sink(tmp) as sink, pa.ipc.new_file(sink, schema) as writer:
+        # a part flushed rather than hashed below carries the CRC-32 of its bytes, taken as they are written
+        direct = DirectFile(tmp, crc=not job.checksum)
+        with arrow_sink(direct) as sink, pa.ipc.new_file(sink, schema) as writer:
             tables = timed(prefetch(_token_tables(job, clock)), clock, "stage_wait")
             for where, table in tables:  # tokenizing runs ahead of writing
-                try:
-                    cols = [read_list_column(table.column(c), c) for c in job.columns]
-                    if job.fmt == "preference":  # a pair's columns differ in length: count all its tokens
-                        lengths.append(np.sum([c.lengths() for c in cols], axis=0).astype(np.int64))
-                    else:
-                        lengths.append(check_aligned(cols).astype(np.int64))
-                except PackingError as exc:
-                    raise PackingError(f"{where()} (block start): {exc}", param=exc.param) from None
+                # a bad row is named by its line (row) in the file: `where` names the rows of this table
+                cols = [read_list_column(table.column(c), c, where) for c in job.columns]
+                if job.fmt == "preference":  # a pair's columns differ in length: count all its tokens
+                    lengths.append(np.sum([c.lengths() for c in cols], axis=0).astype(np.int64))
+                else:
+                    lengths.append(check_aligned(cols, where).astype(np.int64))
                 if job.has_labels:
                     firsts.append(first_label(table.column("labels")))
                     trained.append(trained_per_row(table.column("labels")))
@@ -371,6 +374,7 @@ def stage_part(job: StageJob) -> dict[str, Any]:
         report=report,
         data_sha256=digest,
         data_size=size,
+        data_crc32=direct.crc32 if direct.crc32 is not None else -1,
         trained=all_trained,
         heads=all_heads,
         closing=closing,
@@ -383,6 +387,8 @@ def stage_part(job: StageJob) -> dict[str, Any]:
         "data": job.staged,
         "phases": _phases(clock, time.perf_counter() - start),
     }
+    if damaged is not None:
+        result["damaged"] = damaged
     if report is not None:
         result["tokenizer"] = report
     return result

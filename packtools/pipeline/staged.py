@@ -4,7 +4,9 @@ A part staged by :mod:`packtools.pipeline.stage` is an Arrow file plus a sidecar
 length, the position of its first label token and its trained tokens, each conversation's head, the closing
 ids of a template with ``{% generation %}`` markers, the path of the data to gather from, the tokenizer engine
 report it was tokenized with, and the size of that data file and, for the stage cache's long-lived entries,
-its SHA-256 (a run's own parts are flushed to disk instead, which costs less than hashing them).
+its SHA-256 (a run's own parts are flushed to disk instead, which costs less than hashing them, and carry the
+CRC-32 of their bytes, taken as they are written: a flipped byte in a part a killed run left is found before a
+rerun reuses it; docs/pipeline.md has its cost).
 :func:`damage` checks a part's content against its sidecar before a rerun or the stage cache trusts it, and
 :func:`drop_staged` removes a part so it is staged again.
 
@@ -53,6 +55,7 @@ def save_sidecar(
     report: dict[str, Any] | None = None,
     data_sha256: str = "",
     data_size: int = -1,
+    data_crc32: int = -1,
     trained: np.ndarray | None = None,
     heads: np.ndarray | None = None,
     closing: np.ndarray | None = None,
@@ -71,6 +74,7 @@ def save_sidecar(
         "tokenizer": np.array(json.dumps(report, sort_keys=True) if report else ""),
         "data_sha256": np.array(data_sha256),
         "data_size": np.array(data_size, np.int64),
+        "data_crc32": np.array(data_crc32, np.int64),
     }
     _write_sidecar(path, arrays)
 
@@ -134,25 +138,27 @@ def sidecar_report(path: str | NpzFile) -> dict[str, Any] | None:
     return json.loads(text) if text else None
 
 
-def sidecar_checksum(path: str | NpzFile) -> tuple[str, int]:
-    """The SHA-256 ("" if none was taken) and the size (-1: unknown) of the data file the sidecar was written
-    with."""
+def sidecar_checksum(path: str | NpzFile) -> tuple[str, int, int]:
+    """The SHA-256 ("" if none was taken), the size (-1: unknown) and the CRC-32 (-1: none taken) of the data
+    file the sidecar was written with."""
     with _members(path) as z:
         digest = str(z["data_sha256"]) if "data_sha256" in z.files else ""
         size = int(z["data_size"]) if "data_size" in z.files else -1
-    return digest, size
+        crc = int(z["data_crc32"]) if "data_crc32" in z.files else -1
+    return digest, size, crc
 
 
 def damage(sidecar: str) -> str | None:
     """Why the staged part of ``sidecar`` cannot be used (cut, emptied, changed since it was written: its
     sidecar unreadable, its data missing, or not the bytes whose SHA-256 the sidecar holds), else None.  A zip
     member's CRC guards the sidecar itself.  The sidecar is opened once; the readers above read its members."""
+    from ..io.direct import file_crc32
     from .tokenizer.folder import file_sha256
 
     try:
         with np.load(sidecar, allow_pickle=False) as z:
             lengths, _, data = load_sidecar(z)
-            checksum, size = sidecar_checksum(z)
+            checksum, size, crc = sidecar_checksum(z)
             sidecar_report(z)
             trained, heads, _ = sidecar_turns(z)
     except Exception as exc:  # noqa: BLE001 - a cut or damaged .npz raises many kinds (BadZipFile, EOFError, ...)
@@ -166,6 +172,8 @@ def damage(sidecar: str) -> str | None:
         return "its data file is cut or not the one it was written with (size differs)"
     if checksum and file_sha256(data) != checksum:
         return "its data file is not the one it was written with (checksum differs)"
+    if not checksum and crc >= 0 and file_crc32(data) != crc:
+        return "its data file is not the one it was written with (CRC-32 differs)"
     return None
 
 

@@ -253,7 +253,9 @@ class RowKeysError(PackingError):
 def check_row_keys(row: dict[str, Any], where: str, leave_out: frozenset[str]) -> None:
     """Refuse, by name, a key of a TRL vision row that would not reach the model."""
     if "messages" not in row:
-        raise PackingError(f"{where}: the row has no 'messages' (it has {sorted(row)}).")
+        from ..integrations.multimodal.processor import not_vision_rows
+
+        raise PackingError(not_vision_rows(f"{where}: the row", list(row)))
     extra = sorted(k for k in row if k not in ROW_KEYS and k not in leave_out)
     if extra:
         raise RowKeysError(where, extra)

@@ -271,6 +271,8 @@ def adapt_collator(collator: Any, model: Any) -> Any:
     Applies to a :class:`~packtools.PaddingFreeCollator` (or the one inside an ``ArrowCollator``);
     any other collator is returned as is.  ``position_ids`` is never switched off here: without it
     non-flash backends cannot separate sequences, which :func:`check_attention_implementation` refuses.
+    ``use_cache`` stays only where the ``forward`` names it (a model without the parameter has no cache to
+    turn off, and the key would travel on through its ``**kwargs``).
     """
     inner = getattr(collator, "collator", collator)
     if not isinstance(inner, PaddingFreeCollator):
@@ -280,7 +282,7 @@ def adapt_collator(collator: Any, model: Any) -> Any:
         for switch, keys in SWITCHED_KEYS.items()
         if switch != "return_position_ids"
         and getattr(inner, switch)
-        and not all(forward_accepts(model, key) for key in keys)
+        and not all(forward_accepts(model, key, named=key == "use_cache") for key in keys)
     }
     if not inner.padding_free and inner.attn_implementation is None:  # the model's backend, for its check
         changes["attn_implementation"] = attention_implementation(model)

@@ -19,8 +19,8 @@ False
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,11 +127,12 @@ def max_abs_diff(got: Any, reference: Any) -> float:
     return float((got.float() - reference.float()).abs().max())
 
 
-def compute_dtype(model: Any, default: Any = None) -> str:
+def compute_dtype(model: Any, default: Any = None, seen: Sequence[str] = ()) -> str:
     """The dtype ``model``'s forward computes in here, by name (a key of :data:`TOLERANCE`), which every probe's
     tolerance follows: the autocast dtype where autocast is on for the device of its weights (a float32 model
     trained with ``bf16=True`` runs in bfloat16 under :func:`trainer_autocast`), else its first floating
-    parameter's dtype (``default``, then float32, for a model without one).
+    parameter's dtype (``default``, then float32, for a model without one).  ``seen``: what
+    :func:`autocast_inside` recorded during a forward of the probe; its first entry, when there is one, wins.
 
     >>> import torch
     >>> model = torch.nn.Linear(2, 2)
@@ -141,6 +142,8 @@ def compute_dtype(model: Any, default: Any = None) -> str:
     ...     compute_dtype(model)
     'bfloat16'
     """
+    if seen:
+        return seen[0]
     torch = require("torch", "packtools.integrations.check_isolation")
     param = next((p for p in base_model(model).parameters() if p.is_floating_point()), None)
     if param is not None and torch.is_autocast_enabled(param.device.type):
@@ -148,6 +151,47 @@ def compute_dtype(model: Any, default: Any = None) -> str:
     else:
         dtype = param.dtype if param is not None else (default or torch.float32)
     return str(dtype).replace("torch.", "")
+
+
+@contextmanager
+def autocast_inside(model: Any) -> Iterator[list[str]]:
+    """Record, while the block runs, the compute dtype each forward of ``model`` runs in, seen from inside it: a
+    forward pre-hook on its first submodule with floating weights appends :func:`compute_dtype` there.
+
+    It sees what :func:`compute_dtype` cannot from outside: an autocast the model's own ``forward`` enters, as
+    accelerate's ``prepare_model`` wraps it under ``bf16=True`` / ``fp16=True`` (TRL's reference models), so a
+    probe called on such a model directly judges at the precision it computes in.  Nothing is recorded for a
+    model without such a submodule (a bare layer): :func:`compute_dtype` from outside is then all there is.
+
+    >>> import torch
+    >>> class Wrapped(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.inner = torch.nn.Linear(2, 2)
+    ...     @torch.autocast("cpu", dtype=torch.bfloat16)
+    ...     def forward(self, x):
+    ...         return self.inner(x)
+    >>> model = Wrapped()
+    >>> with autocast_inside(model) as seen:
+    ...     _ = model(torch.ones(1, 2))
+    >>> compute_dtype(model), seen
+    ('float32', ['bfloat16'])
+    """
+    require("torch", "packtools.integrations.check_isolation")
+    base = base_model(model)
+    inner = next(
+        (m for m in base.modules() if m is not base and any(p.is_floating_point() for p in m.parameters())),
+        None,
+    )
+    seen: list[str] = []
+    handle = (
+        None if inner is None else inner.register_forward_pre_hook(lambda m, a: seen.append(compute_dtype(m)))
+    )
+    try:
+        yield seen
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 def trainer_autocast(trainer: Any) -> AbstractContextManager[Any]:
@@ -324,7 +368,8 @@ def check_isolation(
         labels = batch.pop("labels", None)
         batch = {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
         try:
-            out = model(**batch, **cache)
+            # the batch may hold use_cache=False already; a forward that takes no use_cache gets none
+            out = model(**{k: v for k, v in batch.items() if k != "use_cache"}, **cache)
         except (ValueError, NotImplementedError) as err:
             translated = translate(err, name, impl)
             if translated is not None:
@@ -339,7 +384,8 @@ def check_isolation(
     model.eval()
     try:
         with torch.no_grad():
-            logits, _, keys, spans = run_packed(list(seqs))
+            with autocast_inside(model) as seen:
+                logits, _, keys, spans = run_packed(list(seqs))
             moved, _, _, moved_spans = run_packed([other, *seqs[1:]])
             alone = [run_alone(s) for s in seqs]
         diffs = tuple(max_abs_diff(logits[r, a:b], al) for (r, a, b), al in zip(spans, alone))
@@ -348,8 +394,9 @@ def check_isolation(
             for (r, a, b), (mr, ma, mb) in zip(spans[1:], moved_spans[1:])
         )
         scale = max(1.0, max(float(al.float().abs().max()) for al in alone))
-        # The compute dtype (the weights', or autocast's), not the logits' (some heads upcast them to float32).
-        dtype = compute_dtype(base, logits.dtype)
+        # The compute dtype (the weights', or autocast's: the caller's or the one the model's forward enters, as
+        # accelerate's mixed-precision wrapper does), not the logits' (some heads upcast them to float32).
+        dtype = compute_dtype(base, logits.dtype, seen)
         tol = float(atol) if atol is not None else TOLERANCE.get(dtype, 1e-5) * scale
         perturb_tol = min(tol, PERTURB_TOLERANCE * scale)
         backward_tol = float(atol) if atol is not None else TOLERANCE.get(dtype, 1e-5) * BACKWARD_FACTOR

@@ -145,7 +145,8 @@ def check_vision_isolation(
             batch = dict(collator(_packed_rows(parts)))
         batch.pop("labels", None)
         batch = to_device(batch)
-        return _logits(model(**batch, use_cache=False), name)[0], tuple(batch)
+        batch["use_cache"] = False  # also where a caller's collator was built with return_use_cache=False
+        return _logits(model(**batch), name)[0], tuple(batch)
 
     def run_alone(sample: dict[str, Any]) -> Any:
         ids = torch.as_tensor(sample["input_ids"][None])

@@ -50,6 +50,26 @@ def _chat_template(path: str, tokenizer: Any) -> str | None:
     return None
 
 
+#: The files a processor folder keeps the image processor's settings in (transformers'
+#: ``ImageProcessingMixin.get_image_processor_dict`` reads either).
+IMAGE_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def _unloadable(path: str, err: Exception) -> str:
+    """Why ``path`` is no processor folder, ours first (the folder, the file it lacks, the fix), then
+    transformers' own words (long, and about the hub)."""
+    fix = (
+        f"save the model's processor there: AutoProcessor.from_pretrained(NAME).save_pretrained({path!r}) "
+        f"(a tokenizer alone is no processor folder)"
+    )
+    if not any(os.path.isfile(os.path.join(path, f)) for f in IMAGE_PROCESSOR_FILES):
+        head = f"processor={path!r} has no {IMAGE_PROCESSOR_FILES[0]} (the image processor's settings)"
+    else:
+        head = f"processor={path!r}: neither the folder's AutoProcessor nor its image processor and tokenizer load"
+    said = " ".join(str(err).split())
+    return f"{head}; {fix}. transformers said: {said}"
+
+
 def load_vision_processor(path: str | os.PathLike[str]) -> VisionProcessor:
     """Open a local processor folder (``AutoProcessor.save_pretrained`` output); never a hub download.
 
@@ -79,11 +99,7 @@ def load_vision_processor(path: str | os.PathLike[str]) -> VisionProcessor:
             image_processor = transformers.AutoImageProcessor.from_pretrained(path, local_files_only=True)
             tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as err:
-            raise PackingError(
-                f"processor={path!r}: neither the folder's AutoProcessor nor its image processor and tokenizer "
-                f"load ({err}). Save the model's processor there with save_pretrained.",
-                param="processor",
-            ) from err
+            raise PackingError(_unloadable(path, err), param="processor") from err
     image_token = getattr(processor, "image_token", None) or getattr(tokenizer, "image_token", None)
     image_token = image_token or DEFAULT_IMAGE_TOKEN
     token_id = tokenizer.convert_tokens_to_ids(image_token)
@@ -239,6 +255,34 @@ def assistant_mask(
     return mask
 
 
+#: Columns of rows that a processor already made (``process_vision_dataset``'s output, or the model's processor's).
+PROCESSED_COLUMNS = ("pixel_values", "image_grid_thw")
+
+
+def not_vision_rows(where: str, names: Sequence[str], messages: str = "messages") -> str:
+    """The refusal of rows without ``messages`` given to ``processor=``: what they hold instead, and the way to
+    pack that (already processed vision rows and tokenized rows pack as they are, text without a processor)."""
+    found = f"{where} has no {messages!r} (it has {sorted(names)})"
+    if "input_ids" in names and any(c in names for c in PROCESSED_COLUMNS):
+        return (
+            f"{found}: these rows are already processed (input_ids with the image tokens, "
+            f"{[c for c in PROCESSED_COLUMNS if c in names]}), and processor= processes TRL's vision format "
+            f"(messages with image parts + images). Pack them as they are, without processor=: "
+            f"pack_dataset(ds, max_length) on a datasets.Dataset of these rows."
+        )
+    if "input_ids" in names:
+        return (
+            f"{found}: these rows are already tokenized text (input_ids, no images), and processor= processes TRL's "
+            f"vision format (messages with image parts + images). Pack them as they are: leave processor= "
+            f"(--processor) out."
+        )
+    return (
+        f"{found}; processor= (--processor) packs TRL's vision format: a {messages!r} list whose contents have "
+        f"{{'type': 'image'}} parts, and an 'images' list. Text or chat data without images packs without it "
+        f"(with tokenizer=DIR, --tokenizer)."
+    )
+
+
 def process_vision_dataset(
     dataset: Any,
     processor: str | os.PathLike[str] | VisionProcessor,
@@ -256,7 +300,7 @@ def process_vision_dataset(
     vp = processor if isinstance(processor, VisionProcessor) else load_vision_processor(processor)
     names = dataset.column_names
     if messages not in names:
-        raise PackingError(f"the dataset has no {messages!r} column (it has {names}).", param="messages")
+        raise PackingError(not_vision_rows("the dataset", names, messages), param="messages")
     extra = sorted(n for n in names if n not in (messages, images) and n not in leave_out)
     if extra:
         raise PackingError(

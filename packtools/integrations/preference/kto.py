@@ -99,7 +99,7 @@ def prepare_kto_trainer(trainer: Any, *, check_isolation: bool = True, segmented
                 install_padding_free_forward(model, owner=trainer)
                 if check_isolation:
                     with trainer_autocast(trainer):  # at the precision training runs
-                        check_padding_free_forward(model)
+                        check_padding_free_forward(model, trainer="KTO")
         for model in models:
             guard_model(model, owner=trainer)
     return trainer

@@ -14,13 +14,19 @@ from ..._optional import require
 from ...errors import PackingError
 from ..attention.backends import attention_implementation
 from ..attention.backends import base_model as _base_model
-from ..attention.isolation import TOLERANCE, compute_dtype
+from ..attention.isolation import TOLERANCE, autocast_inside, compute_dtype
 
 
 def check_padding_free_forward(
-    model: Any, lengths: Sequence[int] = (5, 9, 3, 7), seed: int = 0, atol: float | None = None
+    model: Any,
+    lengths: Sequence[int] = (5, 9, 3, 7),
+    seed: int = 0,
+    atol: float | None = None,
+    *,
+    trainer: str = "DPO",
 ) -> float:
-    """Largest log-prob difference between the sequences run together and alone; raises on a leak.
+    """Largest log-prob difference between the sequences run together and alone; raises on a leak, naming the
+    ``trainer`` whose forward it is (``"DPO"``, ``"KTO"``) and its prepare function.
 
     ``model`` must carry packtools' padding-free forward
     (:func:`~packtools.integrations.preference.dpo.install_padding_free_forward`).  Runs under ``no_grad`` in eval mode
@@ -54,7 +60,7 @@ def check_padding_free_forward(
     training = base.training
     base.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), autocast_inside(base) as seen:  # the precision the forward itself enters
             together = base(
                 input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, use_cache=False
             ).log_probs.float()
@@ -71,14 +77,14 @@ def check_padding_free_forward(
                 scale = max(scale, float(alone.abs().max()))
     finally:
         base.train(training)
-    dtype = compute_dtype(base)
+    dtype = compute_dtype(base, seen=seen)
     tol = float(atol) if atol is not None else TOLERANCE.get(dtype, 1e-5) * scale
     if worst > tol:
         raise PackingError(
             f"{type(base).__name__} ({attention_implementation(base)!r} attention, {dtype}) lets the sequences "
-            f"of a padding-free DPO row see each other: their log-probs differ from the same sequences run alone "
-            f"by {worst:.2e} (tolerance {tol:.1e}). Hybrid layers need kernels that read seq_idx / cu_seq_lens "
-            f"(mamba-ssm, causal-conv1d on CUDA); otherwise keep TRL's padded batches (do not call "
-            f"prepare_dpo_trainer), or pass check_isolation=False if you know better."
+            f"of a padding-free {trainer} row see each other: their log-probs differ from the same sequences run "
+            f"alone by {worst:.2e} (tolerance {tol:.1e}). Hybrid layers need kernels that read seq_idx / "
+            f"cu_seq_lens (mamba-ssm, causal-conv1d on CUDA); otherwise keep TRL's padded batches (do not call "
+            f"prepare_{trainer.lower()}_trainer), or pass check_isolation=False if you know better."
         )
     return worst

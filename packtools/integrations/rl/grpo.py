@@ -282,6 +282,15 @@ def _check_models(trainer: Any, models: list[Any]) -> bool:
             "use_liger_kernel=False, or train padded.",
             param="use_liger_kernel",
         )
+    if getattr(trainer.args, "neftune_noise_alpha", None) is not None:
+        raise PackingError(
+            f"neftune_noise_alpha={trainer.args.neftune_noise_alpha}: transformers' NEFTune draws its noise within "
+            f"alpha / sqrt(width x hidden size) of the batch the embeddings see; TRL's padded batch is B rows as wide "
+            f"as its longest prompt + completion, a padding-free row holds every token of the forward, so each "
+            f"token's noise would be smaller than TRL's by the square root of their ratio. Set "
+            f"neftune_noise_alpha=None, or train padded (do not call prepare_grpo_trainer).",
+            param="neftune_noise_alpha",
+        )
     loss_type = getattr(trainer, "loss_type", None)
     if hasattr(trainer, "loss_type") and loss_type not in GRPO_LOSS_TYPES:
         raise PackingError(
@@ -432,7 +441,8 @@ def prepare_grpo_trainer(
     models to packtools' per-sequence ``sdpa`` (cost ``sum L_i^2``).  With ``check_isolation=True`` (the default)
     each model first runs :func:`check_rl_forward`: packtools' values must equal TRL's padded ones on a small
     batch, and no sequence may see another.  Refused by name: another trainer, a TRL version outside
-    :data:`~packtools.compat.trl.RL_CHECKED`, an unknown ``loss_type``, ``use_liger_kernel``, a model TRL's
+    :data:`~packtools.compat.trl.RL_CHECKED`, an unknown ``loss_type``, ``use_liger_kernel``, ``neftune_noise_alpha``
+    (NEFTune's noise scales with the width of the batch it sees, which a padding-free row changes), a model TRL's
     fused LM head cannot run (Llama 4), multimodal models or image batches, prompt-learning adapters, attention backends that cannot isolate
     packed sequences, TRL's continuous-batching generation on an attention packtools installed
     (:func:`refuse_continuous_batching`).  ``packtools.integrations.unprepare(trainer)`` restores the trainer as

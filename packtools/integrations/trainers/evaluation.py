@@ -26,7 +26,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..._optional import require
+from ...compat.accelerate import batches_with_first_seen
 from ...constants import IGNORE_INDEX
+from ...errors import PackingError
 from .sft import summed_next_token_loss
 
 
@@ -35,12 +37,30 @@ def token_mean_loss(trainer: Any, eval_dataset: Any = None) -> float:
     (default: the trainer's own) and divided by their count, over the trainer's evaluation batches (its
     ``get_eval_dataloader``, so its collator), in eval mode under ``no_grad``.
 
-    With several processes the sums and counts are added across processes (``torch.distributed``); the
-    evaluation sampler may then repeat a few rows to even out the batches, as for ``evaluate()``.
+    With several processes the sums and counts are added across processes (``torch.distributed``), and every
+    row counts once: where the rows do not divide evenly among the processes, accelerate fills the last batches
+    with rows from the start of the set (``even_batches=True``, so that each process runs as many batches); a
+    batch holding such repeats is run on its rows seen for the first time only (one forward a batch on every
+    process all the same, which sharded models need), so the result is the one-process token mean. The
+    evaluation sampler must give the same order each time it is iterated (``Trainer``'s sequential one does);
+    an order that changes is refused by name.
     """
     torch = require("torch", "packtools.integrations.trainers.evaluation.token_mean_loss")
     model = trainer.model
     loader = trainer.get_eval_dataloader(eval_dataset)
+    dist = torch.distributed
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    rows = batches_with_first_seen(loader)
+    if (
+        several and rows is None and int(trainer.args.world_size) > 1
+    ):  # sharded, but not by a BatchSamplerShard
+        raise PackingError(
+            f"token_mean_loss under {dist.get_world_size()} processes: the evaluation loader "
+            f"({type(getattr(loader, 'batch_sampler', None)).__name__} batches) is not dealt out by accelerate's "
+            "BatchSamplerShard, so the rows repeated to even out the processes cannot be told apart. Evaluate a "
+            "map-style dataset (a datasets.Dataset, not a stream), or call it in one process.",
+            param="eval_dataset",
+        )
     device = trainer.args.device
     was_training = model.training
     model.eval()
@@ -49,18 +69,50 @@ def token_mean_loss(trainer: Any, eval_dataset: Any = None) -> float:
     try:
         with torch.no_grad():
             for batch in loader:
-                batch = {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
-                labels = batch.pop("labels")
-                out = model(**batch)
+                counted = batch if rows is None else _first_seen(loader, batch, next(rows))
+                inputs = {k: _on(v, device) for k, v in (batch if counted is None else counted).items()}
+                labels = inputs.pop("labels")
+                out = model(**inputs)  # every batch runs, on every process: sharded models gather weights
+                if counted is None:  # every row a repeat
+                    continue
                 logits = out["logits"] if isinstance(out, dict) else out.logits
                 loss, target = summed_next_token_loss(logits, labels)
                 total += loss.double()
                 count += (target != IGNORE_INDEX).sum()
     finally:
         model.train(was_training)
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if several:
         both = torch.stack([total, count.double()])
         dist.all_reduce(both)
         total, count = both[0], both[1]
     return float(total / max(float(count), 1.0))
+
+
+def _on(value: Any, device: Any) -> Any:
+    return value.to(device) if hasattr(value, "to") else value
+
+
+def _first_seen(loader: Any, batch: dict[str, Any], dealt: tuple[list[int], int]) -> dict[str, Any] | None:
+    """The batch to count: ``batch`` whole when none of its rows repeats; ``None`` when all do; else its
+    rows seen for the first time, collated again by the loader's collator (checked to be the rows ``batch``
+    was collated from, so a sampler whose order changes between iterations is refused, never miscounted)."""
+    indices, first = dealt
+    if first == len(indices):
+        return batch
+    if first == 0:
+        return None
+    rows = [loader.dataset[i] for i in indices]
+    again = loader.collate_fn(rows)
+    if not _same(again["input_ids"], batch["input_ids"]):
+        raise PackingError(
+            "token_mean_loss: the evaluation loader's sampler gave another order when iterated again "
+            f"({type(getattr(loader.batch_sampler.batch_sampler, 'sampler', None)).__name__}), so the rows "
+            "accelerate repeated to even out the processes cannot be found. Evaluate with Trainer's sequential "
+            "evaluation sampler (any train_sampling_strategy but 'group_by_length' leaves it sequential).",
+            param="eval_dataset",
+        )
+    return loader.collate_fn(rows[:first])
+
+
+def _same(a: Any, b: Any) -> bool:
+    return tuple(a.shape) == tuple(b.shape) and bool((a.cpu() == b.cpu()).all())

@@ -58,11 +58,14 @@ def check_forward_inputs(
     if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
         return
     check_cp_attention(kwargs, implementation)
-    pos = kwargs.get("position_ids")
+    check_cut_boundaries(kwargs)
+    given = kwargs.get("position_ids")
+    pos = text_positions(given)
     mask = kwargs.get("attention_mask")
-    if pos is not None and getattr(pos, "ndim", 0) != 2:
-        check_cache_on_packed(kwargs, implementation)  # a packed vision-language row: told by its cu_seq_lens
-        return  # multimodal rotary positions (e.g. [3, B, T]): not ours to judge
+    if given is not None and pos is None:
+        check_rotary_only(kwargs, implementation)
+        return  # other position layouts: not ours to judge
+    check_unseparated_rows(kwargs)
     if pos is not None and mask is not None and getattr(mask, "ndim", 0) == 2 and has_restarts(pos, mask):
         raise PackingError(
             "the batch has packed position_ids (they restart inside a row) and an attention_mask: transformers "
@@ -117,21 +120,126 @@ def check_cache_on_packed(kwargs: Mapping[str, Any], implementation: str | None)
         )
 
 
+def text_positions(position_ids: Any) -> Any:
+    """The ``[B, T]`` positions transformers tells packed sequences from: 2-D ``position_ids`` themselves, or
+    the first (text) row of the ``(4, B, T)`` layout of Qwen2-VL & co., which their text model builds its masks
+    from (``MultimodalCollator``'s); ``None`` for any other layout.
+
+    >>> import numpy as np
+    >>> text_positions(np.zeros((4, 1, 5), int)).shape, text_positions(np.zeros((3, 1, 5), int))
+    ((1, 5), None)
+    """
+    ndim = getattr(position_ids, "ndim", 0)
+    if ndim == 2:
+        return position_ids
+    if ndim == 3 and position_ids.shape[0] == 4:
+        return position_ids[0]
+    return None
+
+
+def rotary_restarts(position_ids: Any, attention_mask: Any = None) -> bool:
+    """True when ``(3, B, T)`` rotary positions (temporal, height, width; no text row) return to ``(0, 0, 0)``
+    after a row's first attended token: a new document.  Inside one sample they never do (text counts on from
+    the previous maximum, an image starts at the next position), so images are no restarts.
+
+    >>> import numpy as np
+    >>> one = np.array([[[0, 1, 1, 1, 3]], [[0, 1, 1, 2, 3]], [[0, 1, 2, 1, 3]]])  # text, a 2x2 image, text
+    >>> rotary_restarts(one), rotary_restarts(np.concatenate([one, one], axis=-1))
+    (False, True)
+    """
+    zero = (position_ids == 0).all(0)  # [B, T]
+    if attention_mask is not None:
+        attended = attention_mask != 0
+        first = attended.cumsum(-1) == 1
+        return bool((zero & attended & ~first).any())
+    return bool(zero[..., 1:].any())
+
+
 def is_packed(kwargs: Mapping[str, Any]) -> bool:
     """Whether a forward's inputs hold several sequences in a row: ``cu_seq_lens_q`` with more than one
-    segment, or 2-D ``position_ids`` that restart inside a row between attended tokens (:func:`has_restarts`).
+    segment, ``position_ids`` whose ``[B, T]`` text positions (:func:`text_positions`: 2-D, or the text row of
+    ``(4, B, T)``) restart inside a row between attended tokens (:func:`has_restarts`), or ``(3, B, T)`` rotary
+    positions that start again at zero (:func:`rotary_restarts`).
 
     >>> import numpy as np
     >>> is_packed({"cu_seq_lens_q": np.array([0, 3, 5])}), is_packed({"cu_seq_lens_q": np.array([0, 5])})
     (True, False)
+    >>> is_packed({"position_ids": np.array([[0, 1, 0, 1]] * 4)[:, None]})
+    True
     """
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None and getattr(cu, "ndim", 0) == 1 and len(cu) > 2:
         return True
-    pos, mask = kwargs.get("position_ids"), kwargs.get("attention_mask")
-    if pos is None or getattr(pos, "ndim", 0) != 2:
-        return False
-    return has_restarts(pos, mask if getattr(mask, "ndim", 0) == 2 else None)
+    given, mask = kwargs.get("position_ids"), kwargs.get("attention_mask")
+    mask = mask if getattr(mask, "ndim", 0) == 2 else None
+    pos = text_positions(given)
+    if pos is not None:
+        return has_restarts(pos, mask)
+    if getattr(given, "ndim", 0) == 3 and given.shape[0] == 3:
+        return rotary_restarts(given, mask)
+    return False
+
+
+def check_rotary_only(kwargs: Mapping[str, Any], implementation: str | None) -> None:
+    """Refuse packed ``(3, B, T)`` rotary positions without a text row unless FlashAttention gets
+    ``cu_seq_lens``: Qwen2-VL & co. build per-sequence masks only from the text row of ``(4, B, T)``, so every
+    other backend (and FlashAttention without ``cu_seq_lens``) runs the row as one sequence."""
+    pos = kwargs.get("position_ids")
+    if getattr(pos, "ndim", 0) != 3 or pos.shape[0] != 3:
+        return
+    if is_flash(implementation) and kwargs.get("cu_seq_lens_q") is not None:
+        return
+    mask = kwargs.get("attention_mask")
+    if rotary_restarts(pos, mask if getattr(mask, "ndim", 0) == 2 else None):
+        raise PackingError(
+            f"the batch's (3, B, T) rotary position_ids start again at 0 inside a row (packed sequences) but have "
+            f"no text row: the model then builds no per-sequence mask, so on {implementation!r} the sequences "
+            f"would attend to each other. Use packtools.batches.MultimodalCollator (its (4, 1, T) positions lead "
+            f"with the text row), or FlashAttention with cu_seq_lens.",
+            param="position_ids",
+        )
+
+
+def check_cut_boundaries(kwargs: Mapping[str, Any]) -> None:
+    """Refuse ``cu_seq_lens_q`` with fewer than 2 entries: a padding-free batch whose boundaries were cut, as
+    accelerate's ``dispatch_batches`` does to every tensor of a batch (sliced along dim 0 to the batch size)."""
+    shape = tuple(getattr(kwargs.get("cu_seq_lens_q"), "shape", (2,)))  # no tensor there: nothing to judge
+    if len(shape) == 1 and shape[0] >= 2:
+        return
+    raise PackingError(
+        f"cu_seq_lens_q has shape {shape}, not (n + 1,) with n >= 1: the batch's sequence boundaries were cut on "
+        "the way (accelerate's dispatch_batches=True, on for an IterableDataset, slices every tensor along dim 0). "
+        "Pass DataLoaderConfiguration(dispatch_batches=False) (Trainer: accelerator_config).",
+        param="cu_seq_lens_q",
+    )
+
+
+def check_unseparated_rows(kwargs: Mapping[str, Any]) -> None:
+    """Refuse ``seq_lengths`` (the packed rows' column) reaching the model with several sequences in a row but
+    nothing that separates them (no ``cu_seq_lens_q``, no restarting ``position_ids``): the collator passed
+    the column through instead of building the padding-free batch, and the model would run each row whole."""
+    lengths = kwargs.get("seq_lengths")
+    if lengths is None or is_packed(kwargs) or most_per_row(lengths) < 2:
+        return
+    raise PackingError(
+        "the batch carries seq_lengths (rows holding several packed sequences) but neither cu_seq_lens nor "
+        "position_ids that restart per sequence: the model would run each row as one sequence. Collate the "
+        "rows with packtools.PaddingFreeCollator.",
+        param="seq_lengths",
+    )
+
+
+def most_per_row(seq_lengths: Any) -> int:
+    """The most non-empty sequences any row of a ``seq_lengths`` value holds (a list of lists, a list of
+    tensors, a padded ``[B, K]`` tensor; 1-D: one row).
+
+    >>> most_per_row([[3, 2], [5]]), most_per_row([4, 1]), most_per_row([[5], [6]])
+    (2, 2, 1)
+    """
+    rows = seq_lengths.tolist() if hasattr(seq_lengths, "tolist") else list(seq_lengths)
+    if rows and not isinstance(rows[0], (list, tuple)) and not hasattr(rows[0], "tolist"):
+        rows = [rows]
+    return max((sum(1 for n in (r.tolist() if hasattr(r, "tolist") else r) if n) for r in rows), default=0)
 
 
 def check_unhandled_mixers(model: Any, kwargs: Mapping[str, Any], mixers: tuple[str, ...]) -> None:

@@ -307,6 +307,21 @@ def write_copy_finding(tokenizer_fp: str, copy: str, sha: str | None, identical:
     return identical
 
 
+def copy_removed_note(tokenizer_fp: str) -> str | None:
+    """A note for the run's summary where this tokenizer's compact copy was found not identical to tokenizer.json
+    and removed (:func:`write_copy_finding`): the reference and the fast engine then load tokenizer.json itself,
+    slower, on this run and every later one, which a user would otherwise find nowhere.  None on the normal path
+    (the copy found identical, or never checked)."""
+    found = _whole_verdict(_verdict_path(tokenizer_fp, "compact"))
+    if found is None or found.get("identical") is not False:
+        return None
+    return (
+        "the tokenizer's compact copy of tokenizer.json (the fast-loading one packtools keeps in its cache) did not "
+        "load as tokenizer.json's own tokenizer when it was checked, so it was removed: the tokenizer loads from "
+        "tokenizer.json itself, slower (tokenizer_load_s in the timings). Please report it, with the tokenizer"
+    )
+
+
 def record_copy(tokenizer_fp: str, lite: LiteReference, copy: str) -> bool | None:
     """Whether ``copy`` loads as the very tokenizer ``lite`` loaded from tokenizer.json (their serialized states
     equal), recorded with the copy's SHA-256; a copy that is not is removed.  None: nothing could be recorded."""
