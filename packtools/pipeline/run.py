@@ -211,8 +211,10 @@ def run_pipeline(
             fp["inputs_skipped"] = [s.to_dict() for s in skipped]
         previous = read_manifest(out)
         same = previous is not None and previous.get("fingerprint") == fp["fingerprint"]
-        gone = missing_outputs(out) if same else []  # files deleted since: rebuilt (its stats count them)
-        if same and not gone:
+        lost_files = (
+            missing_outputs(out) if same else []
+        )  # files deleted since: rebuilt (its stats count them)
+        if same and not lost_files:
             # a run killed after installing this output may have left its work folder
             tidy_after_dead_run(out)
             warn_pipeline_drops(previous.get("stats", {}))
@@ -257,8 +259,10 @@ def run_pipeline(
     with signals_deferred():
         ws.finish(ok=True, keep_stage=False)
     result.notes.extend(skipped_notes(skipped) + left_behind_notes(ws))
-    if gone and not result.cached:
-        shown = ", ".join(gone[:3]) + (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
+    if lost_files and not result.cached:
+        shown = ", ".join(lost_files[:3]) + (
+            f" and {len(lost_files) - 3} more" if len(lost_files) > 3 else ""
+        )
         result.notes.append(f"{out} lacked {shown} (deleted since it was written): packed again")
     warn_pipeline_drops(result.stats)
     return result
