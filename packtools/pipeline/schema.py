@@ -79,11 +79,11 @@ def data_format(files: Sequence[InputFile], config: PipelineConfig) -> str:
         seen.setdefault(fmt, f.path)
     fmt = config.format or next(iter(seen))
     if fmt != "tokenized":
-        _refuse_images(files, config.tokenizer)
+        _refuse_images(files, [s.names for s in schemas], config.tokenizer)
     return fmt
 
 
-def _refuse_images(files: Sequence[InputFile], tokenizer: str | None) -> None:
+def _refuse_images(files: Sequence[InputFile], columns: Sequence[list[str]], tokenizer: str | None) -> None:
     """Rows with images tokenized as text would keep one placeholder token per image and lose the images,
     without a word: refused with the fix.  Images are an ``images``/``image`` column (TRL's vision format), or
     image parts in JSON lines' messages when the tokenizer folder is a vision model's processor (a
@@ -91,8 +91,7 @@ def _refuse_images(files: Sequence[InputFile], tokenizer: str | None) -> None:
     from .vision import is_vision_file
 
     processor = tokenizer is not None and os.path.isfile(os.path.join(tokenizer, "preprocessor_config.json"))
-    for f in files:
-        names = read_schema(f).names
+    for f, names in zip(files, columns):  # the columns data_format read: no file's first block parsed again
         found = next((c for c in ("images", "image") if c in names), None)
         if found is None and processor and f.kind == "json" and is_vision_file(f.path):
             found = "image parts in messages"
