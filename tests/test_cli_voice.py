@@ -39,6 +39,30 @@ def test_pack_files_warns_and_the_cli_prints_it(tmp_path, tokenized, capsys):
         pack_files(tokenized, str(tmp_path / "split"), 8, "bfd_split")
 
 
+@pytest.mark.parametrize("strategy", ["bfd_split", "wrapped"])
+def test_a_drop_by_the_overlong_policy_names_overlong_split(tmp_path, tokenized, strategy):
+    """bfd_split or wrapped with --overlong drop/truncate: the tokens go by the policy, and the warning named
+    strategy='bfd_split' as the fix, the strategy the user had chosen; it names overlong='split'."""
+    for overlong in ("drop", "truncate"):
+        with pytest.warns(TokensDroppedWarning) as caught:
+            pack_files(tokenized, str(tmp_path / f"{strategy}-{overlong}"), 8, strategy, overlong=overlong)
+        text = str(caught[0].message)
+        assert f"strategy={strategy!r}, overlong={overlong!r}" in text and "overlong='split'" in text, text
+        assert "strategy='bfd_split' keeps" not in text
+
+
+def test_pack_without_out_says_nothing_was_written(tmp_path, tokenized, capsys, monkeypatch):
+    """`packtools pack FILE --max-length N` (no --out) printed the summary of a pack (rows out, tokens kept)
+    and wrote nothing, without a word."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["pack", tokenized, "--max-length", "32", "--strategy", "bfd_split"]) == 0
+    out = capsys.readouterr().out
+    assert "rows out" in out and "nothing written (no --out)" in out
+    assert sorted(os.listdir(tmp_path)) == ["tok.parquet"]
+    assert main(["pack", tokenized, "--max-length", "32", "--out", str(tmp_path / "p.parquet")]) == 0
+    assert "nothing written" not in capsys.readouterr().out
+
+
 def test_profile_of_a_packed_folder_reads_its_manifest(tmp_path, tokenized, capsys):
     out = str(tmp_path / "packed")
     pack_files(tokenized, out, 32, "bfd_split")
@@ -48,6 +72,33 @@ def test_profile_of_a_packed_folder_reads_its_manifest(tmp_path, tokenized, caps
     assert text.startswith("packed: 4 sequences")
     assert "of max_length 32 (from manifest.json)" in text
     assert "no manifest" not in text
+
+
+def test_profile_of_a_bfd_folder_says_its_lengths_are_truncated(tmp_path, tokenized, capsys):
+    """A folder packed with bfd holds the truncated sequences: its profile showed them as the data's lengths
+    (max = max_length, "every sequence fits") without saying that 2 of 4 had been cut."""
+    out = str(tmp_path / "bfd")
+    with pytest.warns(TokensDroppedWarning):
+        pack_files(tokenized, out, 8)
+    capsys.readouterr()
+    assert main(["profile", out]) == 0
+    assert "2 sequences were truncated to max_length when packed" in capsys.readouterr().out
+
+
+def test_profile_of_a_wrapped_folder_is_refused(tmp_path, tokenized, capsys):
+    """A wrapped output has no seq_lengths: it was profiled as its rows (every one max_length long) with a
+    recommendation made from them, where the docs say a packtools folder is profiled by its sequences."""
+    from packtools import profile_lengths
+    from packtools.errors import PackingError
+
+    out = str(tmp_path / "wrapped")
+    pack_files(tokenized, out, 8, "wrapped")
+    with pytest.raises(PackingError, match="strategy 'wrapped'") as e:
+        profile_lengths(out)
+    assert tokenized in str(e.value)  # the inputs to profile instead
+    capsys.readouterr()
+    assert main(["profile", out]) == 1
+    assert "profile the inputs it was packed from" in capsys.readouterr().err
 
 
 def test_the_console_script_freezes_what_it_holds_before_the_interpreter_exits(monkeypatch):

@@ -47,3 +47,21 @@ def test_notebook_executes(path, tmp_path, kernel_name):
         assert len(images) == 3  # histogram, tradeoffs, histogram with the chosen max_length
         text = "".join(o.get("text", "") for o in outputs)
         assert "rows of at most" in text and "done in" in text
+
+
+def test_stored_outputs_are_those_of_the_current_cells():
+    """What a reader sees without running the notebook (GitHub renders the stored outputs) is one run of the
+    cells as they are: every code cell ran, in order, and the packed rows printed at the end are those of the
+    recommended max_length (the stored pack output had been left from an older cell choosing 8,192)."""
+    import re
+
+    nb = json.loads((Path(__file__).parent.parent / "notebooks" / "choose_max_length.ipynb").read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert [c["execution_count"] for c in code] == list(range(1, len(code) + 1))
+    text = "".join("".join(o.get("text", "")) for c in code for o in c["outputs"])
+    recommended = int(re.search(r"recommended: max_length=(\d+)", text).group(1))
+    picked = re.search(r"max_length = ([\d,]+): .* keeps all in ([\d,]+) rows", text)
+    packed = re.search(r"-> ([\d,]+) rows of at most ([\d,]+) tokens", text)
+    assert int(picked.group(1).replace(",", "")) == recommended
+    assert int(packed.group(2).replace(",", "")) == recommended
+    assert packed.group(1) == picked.group(2)

@@ -78,3 +78,48 @@ def test_demo_writes_to_a_temporary_folder_by_default(monkeypatch, tmp_path):
     assert seen["out"] == str(tmp_path / "packtools-demo")  # not the working directory (a clone)
     ignored = (Path(__file__).parents[1] / ".gitignore").read_text().split()
     assert "packtools-demo/" in ignored  # and a named ./packtools-demo stays out of git
+
+
+def test_demo_rerun_with_another_tokenizer_tokenizes_again(tmp_path):
+    """A second demo into the same --out with another tokenizer packs that tokenizer's ids (the corpus kept by
+    the first run was reused whatever the tokenizer: the packed rows held the first tokenizer's ids)."""
+    datasets = pytest.importorskip("datasets")
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    from packtools.testing import TOKENIZER_CORPUS, tiny_tokenizer
+
+    first = tiny_tokenizer(str(tmp_path / "tok400"))  # 378 ids
+    pre = tokenizers.pre_tokenizers.ByteLevel
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = pre(add_prefix_space=False)
+    bpe.train_from_iterator(
+        TOKENIZER_CORPUS,
+        tokenizers.trainers.BpeTrainer(
+            vocab_size=280, special_tokens=["<eos>"], initial_alphabet=pre.alphabet(), show_progress=False
+        ),
+    )
+    second = str(tmp_path / "tok280")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>").save_pretrained(second)
+    out = str(tmp_path / "demo")
+    for tok in (first, second):
+        run_demo(out, tokenizer=tok, limit=2, echo=lambda _: None, quiet=True)
+    ids = datasets.load_from_disk(os.path.join(out, "packed"))["input_ids"]
+    assert max(map(max, ids)) < 280  # the second tokenizer's ids only
+    tok = transformers.AutoTokenizer.from_pretrained(second)
+    expected = sum(len(tok(t.decode())["input_ids"]) + 1 for t in stdlib_definitions(limit=2))  # + EOS
+    assert sum(map(len, ids)) == expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [(["--keep", "0"], "--keep"), (["--keep", "1.5"], "--keep"), (["--max-length", "0"], "--max-length")],
+)
+def test_demo_flags_are_checked_first_in_their_own_names(tmp_path, capsys, monkeypatch, argv, flag):
+    """--keep 0 was refused as '--keep-sequences' (a flag the demo does not have), and --max-length 0 only after
+    the corpus was built and profiled."""
+    import packtools.pipeline.demo as demo
+
+    monkeypatch.setattr(demo, "stdlib_definitions", lambda limit=None: pytest.fail("built the corpus first"))
+    assert main(["demo", "--out", str(tmp_path / "d"), "--quiet", *argv]) == 1
+    err = capsys.readouterr().err
+    assert f"error ({flag}):" in err and "--keep-sequences" not in err, err

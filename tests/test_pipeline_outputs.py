@@ -252,3 +252,20 @@ def test_sequences_packed_counts_the_sequences_the_model_sees(tmp_path, strategy
     assert stats["sequences_packed"] == want
     assert stats["documents_packed"] == 10
     assert (want > 10) == (strategy != "bfd")
+
+
+@pytest.mark.parametrize("which", ["data", "dataset_info.json", "state.json"])
+def test_a_rerun_rebuilds_an_output_missing_a_file(tmp_path, src, which):
+    """A shard (or datasets' state/info file) deleted from an output: the rerun with the same inputs and options
+    reported the output done, its stats counting rows that were no longer there; it packs again, and says so."""
+    datasets = pytest.importorskip("datasets")
+    out = tmp_path / "out"
+    first = pack_files(src, str(out), max_length=4, shard_tokens=2)
+    shards = sorted(n for n in os.listdir(out) if n.endswith(".arrow"))
+    assert len(shards) > 1
+    (out / (shards[0] if which == "data" else which)).unlink()
+    again = pack_files(src, str(out), max_length=4, shard_tokens=2)
+    assert not again.cached and any("packed again" in n for n in again.notes)
+    ds = datasets.load_from_disk(str(out))
+    assert ds.num_rows == first.stats["rows_out"] and sum(map(len, ds["input_ids"])) == 6
+    assert pack_files(src, str(out), max_length=4, shard_tokens=2).cached  # whole again: a rerun does nothing

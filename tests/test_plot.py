@@ -186,6 +186,23 @@ def test_cli_writes_plot_and_report(tmp_path, rng, capsys):
     assert "--plot" in capsys.readouterr().err
 
 
+def test_cli_refuses_a_bad_plot_path_and_a_missing_matplotlib_before_profiling(tmp_path, capsys, monkeypatch):
+    """A --plot suffix it cannot write, or no matplotlib for --plot/--html, is said before the profile is made
+    (raw input is tokenized first, minutes on a large corpus); both were found only after it was printed."""
+    import sys
+
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3], [4, 5]]}), tmp_path / "d.parquet")
+    argv = ["profile", str(tmp_path / "d.parquet")]
+    assert main([*argv, "--plot", str(tmp_path / "p.gif")]) == 1
+    captured = capsys.readouterr()
+    assert "--plot" in captured.err and "recommended:" not in captured.out
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main([*argv, "--html", str(tmp_path / "r.html")]) == 1
+    captured = capsys.readouterr()
+    assert "packtools[plot]" in captured.err and "recommended:" not in captured.out
+    assert not (tmp_path / "r.html").exists()
+
+
 def test_cli_builtin_sample(tmp_path, capsys):
     assert main(["profile", "--plot", str(tmp_path / "s.svg"), "--candidates", "4096,65536"]) == 0
     out = capsys.readouterr().out

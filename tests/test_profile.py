@@ -423,3 +423,13 @@ def test_shared_prompt_savings_counts_tokens_of_both_layouts_and_refuses_an_empt
     empty = pa.table({"prompt_ids": [[1] * 4, [1] * 5], "completion_ids": [[[2, 2], [3]], []]})
     with pytest.raises(PackingError, match="row 1: completion_ids holds no completion"):
         shared_prompt_savings(empty)
+
+
+def test_sequence_rule_does_not_count_empty_sequences():
+    """Empty rows are dropped by pack (nothing to pack): counted as sequences that fit, they made up the
+    share, so with half the rows empty "99% whole" held 99.5% of the rows and 99% of the real sequences not."""
+    lengths = [0] * 50 + [10] * 49 + [1000]
+    rec = LengthProfile(lengths).recommend()
+    assert rec.max_length == 1024 and rec.truncated_share == 0
+    assert "50 empty sequences are not counted" in rec.reason
+    assert LengthProfile([10] * 99 + [1000]).recommend().max_length == 64  # no empty rows: 99 of 100

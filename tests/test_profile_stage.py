@@ -152,6 +152,40 @@ def test_chat_prompt_completion_and_preference_lengths(tmp_path, tok, cache):
         assert res.profile.lengths.tolist() == want.tolist(), fmt
 
 
+def test_preference_recommendation_names_the_strategy_pack_takes(tmp_path, tok, cache):
+    """Pairs are packed whole by bfd only (pack refuses bfd_split): the recommendation said "Pack with strategy
+    bfd_split ... keeps every token" for preference data, which pack then refused."""
+    texts = _texts(200, 3)
+    rows = [{"prompt": a, "chosen": b, "rejected": c} for a, b, c in zip(texts, texts[1:], texts[2:])]
+    rows[0]["chosen"] = " ".join(texts[:40])  # a few long pairs, so that some do not fit
+    rows[1]["rejected"] = " ".join(texts[40:80])
+    path = _write_jsonl(tmp_path / "pref.jsonl", rows)
+    profile = profile_files(path, tok).profile
+    rec = profile.recommend()
+    assert rec.truncated_share > 0 and rec.strategy == "bfd" and "bfd_split" not in rec.reason
+    assert all(o.strategy == "bfd" for o in rec.options)
+    res = pack_files(path, tmp_path / "packed", rec.max_length, rec.strategy, tokenizer=tok)
+    assert res.stats["rows_out"] == rec.options[0].bfd_rows
+
+
+def test_tokenized_parquet_with_labels_profiles_as_its_json_lines(tmp_path, cache):
+    """The same labelled rows as parquet and as JSON lines: the parquet profile had no trained tokens, so its
+    token rule counted every token (another max_length) and it never said what pack's turn split drops."""
+    rng = np.random.default_rng(4)
+    rows = []
+    for n in rng.integers(2, 400, 300):
+        k = int(rng.integers(1, n))
+        rows.append({"input_ids": list(range(int(n))), "labels": [-100] * k + list(range(k, int(n)))})
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    jsonl = _write_jsonl(tmp_path / "rows.jsonl", rows)
+    from_json = profile_files(jsonl).profile
+    from_parquet = profile_files(str(tmp_path / "rows.parquet")).profile
+    assert from_parquet.trained is not None and from_parquet.trained.total == from_json.trained.total
+    for kw in ({}, {"keep_tokens": 0.99}):
+        assert from_parquet.recommend(**kw).to_text() == from_json.recommend(**kw).to_text()
+    assert from_parquet.tradeoffs([128, 256]).to_dicts() == from_json.tradeoffs([128, 256]).to_dicts()
+
+
 def test_raw_input_without_tokenizer_names_the_flag(tmp_path, capsys):
     data = _write_jsonl(tmp_path / "t.jsonl", [{"text": "a b"}])
     assert main(["profile", data]) == 1
@@ -420,3 +454,11 @@ def test_profile_refuses_a_tokenizer_it_would_not_use_as_pack_does(tmp_path, tok
     with pytest.raises(PackingError, match="format='messages'"):
         pack_files(data, tmp_path / "packed", 256, tokenizer=tok)
     assert profile_files(data).profile.count == 20  # without the tokenizer: the input_ids, as pack packs them
+
+
+def test_column_on_json_lines_says_to_drop_it(tmp_path, capsys):
+    """`packtools profile rows.jsonl --column labels` was told to use `packtools profile PATH`, the command it ran."""
+    data = _write_jsonl(tmp_path / "t.jsonl", [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}])
+    assert main(["profile", data, "--column", "labels"]) == 1
+    err = capsys.readouterr().err
+    assert "error (--column)" in err and "drop --column" in err and "packtools profile PATH" not in err, err

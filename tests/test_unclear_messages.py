@@ -45,3 +45,38 @@ def test_input_changed_message_has_one_period(tmp_path):
         list(iter_part(part))
     assert ".." not in str(err.value), str(err.value)
     assert str(err.value).count("Run again once nothing writes to it") == 1
+
+
+def test_a_float_side_column_names_the_columns_flag(tmp_path, capsys):
+    """A list<double> side column (a score per row) is refused, since JSON reads ids beyond int64 as floats;
+    the message named only the cast, not how to leave a column that holds no ids out of the pack."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(
+        "".join(json.dumps({"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "score": [0.5]}) + "\n")
+    )
+    assert main(["pack", str(path), "--out", str(tmp_path / "out"), "--max-length", "8", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "column 'score' has type list<item: double>" in err
+    assert "--columns input_ids,labels" in err, err
+    argv = ["pack", str(path), "--out", str(tmp_path / "out"), "--max-length", "8", "--quiet"]
+    assert main([*argv, "--columns", "input_ids,labels"]) == 0
+
+
+def test_num_proc_below_one_is_refused(tmp_path, capsys):
+    """--num-proc 0 (or -2) packed in this process without a word; the other counts (--workers) are refused."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(ROWS)
+    for n in ("0", "-2"):
+        argv = [
+            "pack",
+            str(path),
+            "--out",
+            str(tmp_path / "out"),
+            "--max-length",
+            "8",
+            "--quiet",
+            "--num-proc",
+            n,
+        ]
+        assert main(argv) == 1
+        assert "error (--num-proc)" in capsys.readouterr().err

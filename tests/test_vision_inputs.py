@@ -189,6 +189,53 @@ def test_vision_samples_train_the_assistant_turns_only(tmp_path, proc):
     assert not mask[ids == IMAGE].any() and tokens.count("<|image_pad|>") == 4
 
 
+def test_rows_with_images_are_not_tokenized_as_text(tmp_path, proc, capsys):
+    """pack --tokenizer PROC (no --processor) on vision rows packed their text with one placeholder token per
+    image and no image, without a word (and profile_files counted those lengths); both refuse now."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from packtools import profile_files
+
+    Image.fromarray(np.zeros((56, 56, 3), np.uint8)).save(tmp_path / "0.png")
+    data = _write(tmp_path, [_row(["0.png"]), _row(["0.png"])])
+    assert main(["pack", str(data), "--out", str(tmp_path / "o"), "--tokenizer", proc, "--quiet"]) == 1
+    assert "packtools pack --processor DIR" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(PackingError, match="holds images"):
+        profile_files(str(data), tokenizer=proc)
+    parts = tmp_path / "parquet"
+    parts.mkdir()
+    pq.write_table(pa.Table.from_pylist([_row(["0.png"])]), parts / "rows.parquet")  # an images column
+    assert main(["pack", str(parts), "--out", str(tmp_path / "p"), "--tokenizer", proc, "--quiet"]) == 1
+    assert "holds images (images)" in capsys.readouterr().err
+    row = _row(["0.png"])  # transformers' layout: the image inside its part, no images column
+    row["messages"][0]["content"] = [{"type": "image", "image": "0.png"}, {"type": "text", "text": "what?"}]
+    del row["images"]
+    parts_only = _write(tmp_path / "parts", [row])
+    assert main(["pack", str(parts_only), "--out", str(tmp_path / "q"), "--tokenizer", proc, "--quiet"]) == 1
+    assert "holds images (image parts in messages)" in capsys.readouterr().err
+
+
+def test_profile_recommends_a_max_length_pack_takes(tmp_path, proc, capsys):
+    """Vision samples are packed whole and pack --processor refuses a longer one: the recommendation (the
+    sequence rule at 0.99, bfd_split) left the longest samples out, and the pack at it was refused."""
+    import re
+
+    rng = np.random.default_rng(3)
+    rows = []
+    for i in range(120):
+        side = 448 if i == 0 else 112  # one large image: the longest sample, above the 99% of the others
+        Image.fromarray(rng.integers(0, 255, (side, side, 3), dtype=np.uint8)).save(tmp_path / f"{i}.png")
+        rows.append(_row([f"{i}.png"]))
+    data = _write(tmp_path, rows)
+    assert main(["profile", str(data), "--tokenizer", proc, "--quiet"]) == 0
+    out = capsys.readouterr().out
+    m = int(re.search(r"recommended: max_length=(\d+)", out).group(1))
+    argv = ["pack", str(data), "--out", str(tmp_path / "o"), "--processor", proc, "--max-length", str(m)]
+    assert main([*argv, "--quiet"]) == 0, capsys.readouterr().err
+
+
 def test_profile_counts_image_tokens_with_the_processor(tmp_path, proc, capsys):
     from packtools.integrations.multimodal.processor import sample_length
 
@@ -210,6 +257,8 @@ def test_profile_counts_image_tokens_with_the_processor(tmp_path, proc, capsys):
     )
     tok = tmp_path / "tok"
     transformers.AutoTokenizer.from_pretrained(proc).save_pretrained(tok)  # a tokenizer alone: cannot count
+    assert main(["profile", str(data), "--tokenizer", proc, "--keep-tokens", "0.9"]) == 1
+    assert "error (--keep-tokens)" in capsys.readouterr().err
     assert main(["profile", str(data), "--tokenizer", str(tok)]) == 1
     assert "their image tokens are counted only with the model's processor folder" in capsys.readouterr().err
 

@@ -46,7 +46,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import tempfile
 
+    from ..errors import PackingError
     from ..pipeline.demo import run_demo
+
+    # said in the demo's own flags, before the corpus is built and profiled
+    if not 0 < args.keep <= 1:
+        raise PackingError(f"--keep {args.keep} must be a share in (0, 1], e.g. 0.99.", param="keep")
+    if args.max_length is not None and args.max_length < 1:
+        raise PackingError(f"--max-length must be >= 1, got {args.max_length}.", param="max_length")
 
     run_demo(
         args.out if args.out is not None else os.path.join(tempfile.gettempdir(), "packtools-demo"),

@@ -171,7 +171,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "memory with every strategy; `packtools demo` runs the whole pipeline on it.",
     )
     p.add_argument("input", nargs="*", help="input files, directories or save_to_disk folders")
-    p.add_argument("--out", help="output folder (or a .parquet/.arrow file for tokenized input, in memory)")
+    p.add_argument(
+        "--out",
+        help="output folder (or a .parquet/.arrow file for tokenized input, in memory); without it, one tokenized "
+        "file is planned and its summary printed, and nothing is written",
+    )
     p.add_argument(
         "--processor",
         metavar="DIR",
@@ -290,6 +294,13 @@ def _in_memory(args: argparse.Namespace, max_length: int) -> int:
     if not args.input:
         print(
             "\nrun `packtools demo` for the whole pipeline on this sample (profile, plot, packed dataset folder)."
+        )
+    if (
+        args.input and not args.out
+    ):  # the summary alone reads like a finished pack: say that nothing was written
+        print(
+            "\nnothing written (no --out): these are the plan's numbers; --out DIR writes a dataset folder, "
+            "--out FILE.parquet one packed file."
         )
     if args.out and packed is not None:
         mark = json.dumps({"version": __version__, "max_length": max_length, "strategy": args.strategy})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from .._optional import require
 from ..constants import INPUT_FORMATS
 from ..errors import PackingError
 from ..profiling.profile import LengthProfile, profile_lengths
@@ -146,10 +147,20 @@ def _vision_profile(args: argparse.Namespace) -> LengthProfile | None:
             f"{vision[0]} holds vision rows but {other[0]} does not: profile vision files on their own.",
             param="paths",
         )
+    flags = (("--keep-sequences", args.keep_sequences), ("--keep-tokens", args.keep_tokens))
+    given = [flag for flag, value in flags if value is not None]
+    if given:
+        raise PackingError(
+            f"{given[0]}: vision samples are packed whole and `packtools pack --processor` refuses a sample longer "
+            f"than --max-length, so the recommendation holds every sample; drop {given[0]}.",
+            param=given[0][2:].replace("-", "_"),
+        )
+    args.keep_sequences = 1.0  # pack --processor refuses a longer sample: a share below 1 would fail the pack
     lengths, images = vision_file_lengths(vision, proc)
     args._stage_text = (
         f"vision samples: {len(lengths):,} ({images:,} images); each length counts its image tokens "
-        f"(t*h*w / merge\u00b2 from the image's size, as processor {proc} resizes it) besides its text tokens"
+        f"(t*h*w / merge\u00b2 from the image's size, as processor {proc} resizes it) besides its text tokens; "
+        f"they are packed whole (bfd) and a longer one is refused, so the recommendation holds every sample"
     )
     return profile_lengths(lengths, name=args.name or os.path.basename(vision[0]))
 
@@ -187,9 +198,23 @@ def load_profile(args: argparse.Namespace) -> LengthProfile:
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag, value in (("--max-length", args.max_length), ("--max-context", args.max_context)):
+    for flag, value in (
+        ("--max-length", args.max_length),
+        ("--max-context", args.max_context),
+        ("--context-parallel", args.context_parallel),
+        ("--batch-size", args.batch_size),
+    ):
         if value is not None and value < 1:
             raise PackingError(f"{flag} must be >= 1, got {value}.")
+    if args.plot or args.html:  # before the profile (which may tokenize for minutes), not after it
+        from ..profiling.plot import plot_format
+
+        require("matplotlib", "--plot and --html")
+        if args.plot:
+            try:
+                plot_format(args.plot)
+            except ValueError as exc:
+                raise PackingError(f"--plot: {exc}") from None
     profile = load_profile(args)
     rec = profile.recommend(
         keep_tokens=args.keep_tokens,
@@ -215,8 +240,6 @@ def run(args: argparse.Namespace) -> int:
         from ..core.cp_budget import check_context_parallel, plan_for_cp
         from ..profiling.cp_audit import audit_plan
 
-        if args.context_parallel < 1:
-            raise PackingError(f"--context-parallel must be >= 1, got {args.context_parallel}.")
         n = args.context_parallel
         at = chosen
         if args.max_length is not None:  # the check pack makes: a document of max_length must fit once padded

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +35,22 @@ def stdlib_definitions(limit: int | None = None) -> list[bytes]:
         bounds = [0] + [m.start() for m in _DEFINITION.finditer(data)] + [len(data)]
         pieces.extend(data[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a)
     return pieces
+
+
+def _corpus_name(tokenizer: str | None, limit: int | None) -> str:
+    """The corpus file's name: what its ids depend on (the interpreter's standard library, the tokenizer's
+    files, ``limit``) is in it, so a rerun into the same ``out`` with another tokenizer tokenizes again instead of
+    packing the ids of the one before."""
+    import hashlib
+    import sysconfig
+
+    key = [sysconfig.get_paths()["stdlib"], sys.version, str(limit)]
+    if tokenizer is not None:
+        from .tokenizer.folder import tokenizer_fingerprint
+
+        key.append(tokenizer_fingerprint(tokenizer))
+    digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
+    return f"stdlib-{'definitions' if tokenizer is None else 'tokenized'}-{digest}.parquet"
 
 
 def tokenized_table(texts: list[bytes], tokenizer_dir: str, batch_rows: int = 1000) -> pa.Table:
@@ -68,8 +85,8 @@ def run_demo(
     how many tokens it dropped.  Strategies are timed after the kernels are compiled (the compile time is
     printed apart).
 
-    Writes ``out/corpus/stdlib-definitions.parquet`` (kept between runs), ``out/lengths.png`` (with
-    matplotlib) and ``out/packed`` (a ``datasets.load_from_disk`` folder).  Returns what it printed, as data.
+    Writes ``out/corpus/stdlib-*.parquet`` (kept between runs; named by the interpreter, the tokenizer and
+    ``limit``), ``out/lengths.png`` (with matplotlib) and ``out/packed`` (a ``datasets.load_from_disk`` folder).  Returns what it printed, as data.
     ``limit`` takes only the first source files (for quick checks).
     """
     from ..core.pack import warmup
@@ -82,11 +99,9 @@ def run_demo(
 
     started = time.perf_counter()
     os.makedirs(out, exist_ok=True)
-    corpus = os.path.join(
-        out, "corpus", "stdlib-definitions.parquet" if tokenizer is None else "stdlib-tokenized.parquet"
-    )
+    corpus = os.path.join(out, "corpus", _corpus_name(tokenizer, limit))
     what = "byte-level ids" if tokenizer is None else f"tokenizer {tokenizer}"
-    if os.path.exists(corpus):  # kept from an earlier run: the same interpreter gives the same corpus
+    if os.path.exists(corpus):  # kept from an earlier run with the same interpreter, tokenizer and limit
         import pyarrow.parquet as pq
 
         table = pq.read_table(corpus)

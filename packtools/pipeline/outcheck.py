@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Sequence
 
 from ..compat.datasets import saved_data_files
@@ -27,6 +28,7 @@ from ..constants import MANIFEST
 from ..errors import PackingError
 from ..io.discover import COMPRESSED, SUFFIX_KINDS, InputFile
 from ..io.manifest import has_manifest_file, read_manifest
+from .gather import run_token
 
 #: Files of a packtools output besides the data files its ``state.json`` lists.
 OUTPUT_FILES = (MANIFEST, "state.json", "dataset_info.json")
@@ -37,12 +39,29 @@ def _inside(path: str, folder: str) -> bool:
 
 
 def foreign_entries(out: str) -> list[str]:
-    """Entries of the packtools output ``out`` that packtools did not write (sorted names)."""
+    """Entries of the packtools output ``out`` that packtools did not write (sorted names): not its manifest,
+    ``state.json``, ``dataset_info.json``, a data file ``state.json`` lists, or a shard named by the
+    manifest's run (``state.json`` lost: :func:`~packtools.pipeline.gather.shard_name`)."""
     ours = set(OUTPUT_FILES)
     # no readable state.json (PackingError is a ValueError): nothing listed
     with contextlib.suppress(OSError, ValueError):
         ours.update(saved_data_files(out))
-    return sorted(name for name in os.listdir(out) if name not in ours)
+    manifest = read_manifest(out) or {}
+    run = run_token(str(manifest.get("fingerprint", "")))
+    shard = re.compile(rf"data-{re.escape(run)}-\d{{5}}-of-\d{{5}}\.arrow") if run else None
+    return sorted(
+        name for name in os.listdir(out) if name not in ours and not (shard and shard.fullmatch(name))
+    )
+
+
+def missing_outputs(out: str) -> list[str]:
+    """What the packtools output ``out`` needs to load and lacks: ``state.json``, ``dataset_info.json`` or a
+    data file ``state.json`` lists (sorted names).  A rerun whose fingerprint matches rebuilds such an output
+    instead of reporting it done (its stats would count rows that are no longer there)."""
+    missing = [name for name in OUTPUT_FILES if not os.path.isfile(os.path.join(out, name))]
+    with contextlib.suppress(OSError, ValueError):  # no readable state.json: named above
+        missing += [name for name in saved_data_files(out) if not os.path.isfile(os.path.join(out, name))]
+    return sorted(set(missing))
 
 
 def check_out(out: str, inputs: Sequence[str], files: Sequence[InputFile]) -> None:

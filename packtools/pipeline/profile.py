@@ -153,6 +153,14 @@ def profile_files(
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
     if format in (None, "tokenized") and column != "input_ids":  # a named token column: read it as is
+        json_file = next((f.path for f in discover(inputs) if f.kind == "json"), None)
+        if json_file is not None:
+            raise PackingError(
+                f"column={column!r} names a column of tokenized .parquet/.arrow files, read from its "
+                f"offsets; {json_file!r} is JSON lines, staged as pack stages it and profiled by its rows' lengths "
+                f"(every token column of a row has that length): drop --column.",
+                param="column",
+            )
         return ProfiledInput(profile_lengths(list(inputs), column=column, name=name), "tokenized")
     config = PipelineConfig(
         max_length=1,
@@ -173,6 +181,8 @@ def profile_files(
     if fmt == "tokenized" and all(f.kind != "json" for f in files):  # offsets only: nothing to stage
         # the inputs as given: a packed folder's manifest (its max_length) and name come with it
         prof = profile_lengths([os.fspath(i) for i in inputs], column=column, name=name)
+        if prof.packed is None and _has_labels(files[0].path):  # as a JSON-lines input of the same rows
+            prof = LengthProfile(prof.lengths, prof.name, trained=_file_trained_tokens(files))
         return ProfiledInput(prof, fmt)
     left_out: list[str] = []
     notes: list[str] = []
@@ -282,7 +292,37 @@ def profile_files(
         base = os.path.basename(files[0].path) if len(files) == 1 else f"{len(files)} files"
         what = "pairs as packed: 2 x prompt + chosen + rejected" if fmt == "preference" else "tokenized"
         name = f"{base} ({fmt}, {what})"
-    return ProfiledInput(LengthProfile(lengths, name, trained=trained), fmt, info, notes)
+    return ProfiledInput(
+        LengthProfile(lengths, name, trained=trained, pairs=fmt == "preference"), fmt, info, notes
+    )
+
+
+def _has_labels(path: str) -> bool:
+    from ..core.arrow import is_list_type
+    from ..profiling.packed import file_schema
+
+    schema = file_schema(path)
+    return "labels" in schema.names and is_list_type(schema.field("labels").type)
+
+
+def _file_trained_tokens(files: Sequence[Any]) -> Any:
+    """:class:`~packtools.profiling.trained.TrainedTokens` of the ``labels`` column of tokenized parquet / Arrow
+    files, read batch by batch (the token rule, the trained share and the pieces ``pack``'s turn split drops
+    depend on them, as for JSON lines; their ``input_ids`` values are still never read)."""
+    import pyarrow.parquet as pq
+
+    from ..io.files import reading
+    from ..profiling.trained import TrainedTokens
+
+    parts = []
+    for f in files:
+        if f.kind == "parquet":
+            with reading(f.path, "parquet"), pq.ParquetFile(f.path, memory_map=False, pre_buffer=False) as pf:
+                parts += [TrainedTokens.from_labels(b.column(0)) for b in pf.iter_batches(columns=["labels"])]
+        else:
+            with reading(f.path, "arrow"), open_ipc(f.path) as reader:
+                parts += [TrainedTokens.from_labels(b.column("labels")) for b in reader.batches()]
+    return TrainedTokens.combine(parts)
 
 
 def _trained_tokens(paths: list[str]) -> Any:

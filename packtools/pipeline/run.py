@@ -45,7 +45,7 @@ from .config import PipelineConfig, PipelineResult, check_options_used, fingerpr
 from .executors import Executor, executor_name, get_executor, run_jobs
 from .formats import input_columns, optional_columns, output_columns
 from .gather import block_steps, run_token, write_dataset_files
-from .outcheck import check_out, check_replaceable
+from .outcheck import check_out, check_replaceable, missing_outputs
 from .planning import (
     check_something_trains,
     join_kernels,
@@ -181,6 +181,11 @@ def run_pipeline(
     """:func:`pack_files` with a ready :class:`PipelineConfig`."""
     started = time.perf_counter()
     executor_name(executor)  # a known name or an Executor, else refused by name
+    if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1):
+        raise PackingError(
+            f"num_proc={num_proc!r} must be a positive int (1: this process; N: a pool of N).",
+            param="num_proc",
+        )
     if num_proc is not None and num_proc > 1 and executor == "local":
         executor, workers = "pool", num_proc
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
@@ -205,7 +210,11 @@ def run_pipeline(
         if skipped:  # listed in the manifest (not fingerprinted: they decide nothing in the output)
             fp["inputs_skipped"] = [s.to_dict() for s in skipped]
         previous = read_manifest(out)
-        if previous is not None and previous.get("fingerprint") == fp["fingerprint"]:
+        same = previous is not None and previous.get("fingerprint") == fp["fingerprint"]
+        lost_files = (
+            missing_outputs(out) if same else []
+        )  # files deleted since: rebuilt (its stats count them)
+        if same and not lost_files:
             # a run killed after installing this output may have left its work folder
             tidy_after_dead_run(out)
             warn_pipeline_drops(previous.get("stats", {}))
@@ -224,7 +233,11 @@ def run_pipeline(
     ws.acquire()
     try:
         previous = read_manifest(out)  # a run that held the lock may have just written the same output
-        if previous is not None and previous.get("fingerprint") == fp["fingerprint"]:
+        if (
+            previous is not None
+            and previous.get("fingerprint") == fp["fingerprint"]
+            and not missing_outputs(out)
+        ):
             result = PipelineResult(out, previous.get("stats", {}), cached=True, manifest=previous)
         else:
             result = _run(found, config, fp, ws, how)
@@ -246,6 +259,11 @@ def run_pipeline(
     with signals_deferred():
         ws.finish(ok=True, keep_stage=False)
     result.notes.extend(skipped_notes(skipped) + left_behind_notes(ws))
+    if lost_files and not result.cached:
+        shown = ", ".join(lost_files[:3]) + (
+            f" and {len(lost_files) - 3} more" if len(lost_files) > 3 else ""
+        )
+        result.notes.append(f"{out} lacked {shown} (deleted since it was written): packed again")
     warn_pipeline_drops(result.stats)
     return result
 

@@ -24,6 +24,7 @@ packtools.errors.PackingError: '.../b.parquet' has the token column(s) ['labels'
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -76,7 +77,32 @@ def data_format(files: Sequence[InputFile], config: PipelineConfig) -> str:
                 f"runs (or convert them to one format)."
             )
         seen.setdefault(fmt, f.path)
-    return config.format or next(iter(seen))
+    fmt = config.format or next(iter(seen))
+    if fmt != "tokenized":
+        _refuse_images(files, [s.names for s in schemas], config.tokenizer)
+    return fmt
+
+
+def _refuse_images(files: Sequence[InputFile], columns: Sequence[list[str]], tokenizer: str | None) -> None:
+    """Rows with images tokenized as text would keep one placeholder token per image and lose the images,
+    without a word: refused with the fix.  Images are an ``images``/``image`` column (TRL's vision format), or
+    image parts in JSON lines' messages when the tokenizer folder is a vision model's processor (a
+    ``preprocessor_config.json``); with a text tokenizer, parts render as its chat template writes them."""
+    from .vision import is_vision_file
+
+    processor = tokenizer is not None and os.path.isfile(os.path.join(tokenizer, "preprocessor_config.json"))
+    for f, names in zip(files, columns):  # the columns data_format read: no file's first block parsed again
+        found = next((c for c in ("images", "image") if c in names), None)
+        if found is None and processor and f.kind == "json" and is_vision_file(f.path):
+            found = "image parts in messages"
+        if found is not None:
+            raise PackingError(
+                f"input {f.path!r} holds images ({found}): tokenized as text, each image would become a "
+                f"placeholder token and the images would be lost. Pack vision-language rows with their processor "
+                f"folder: packtools pack --processor DIR (pack_dataset(..., processor=DIR)); profile them with "
+                f"packtools profile PATH --tokenizer DIR (the processor folder). To train on the text alone, drop "
+                f"the images first."
+            )
 
 
 def no_rows_message(files: Sequence[InputFile]) -> str:
@@ -156,6 +182,12 @@ def token_schema(
                     fix += (
                         "; in JSON, integers beyond the int64 range (|id| >= 2**63) are read as floats too: "
                         "no tokenizer has such ids, so the file is likely wrong"
+                    )
+                if not config.columns and name not in ("input_ids", "labels"):
+                    token_names = [n for n in names if n != name]
+                    fix += (
+                        f"; if {name!r} is not a token column, leave it out by naming the token columns: "
+                        f"columns={token_names} (--columns {','.join(token_names)})"
                     )
             elif name == "input_ids" and pa.types.is_string(t):
                 fix = "it holds text, not token ids: pass format='text' and tokenizer=DIR to tokenize it"

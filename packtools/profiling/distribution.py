@@ -145,6 +145,11 @@ class LengthDistribution:
             )
             if k.get("split"):
                 text += f" (packed with {k['split']}: a sequence cut in pieces counts as its pieces)"
+            if k.get("truncated"):
+                text += (
+                    f"; {k['truncated']:,} sequences were truncated to max_length when packed: their lengths here "
+                    f"are the truncated ones (profile the inputs for the whole lengths)"
+                )
         return text
 
     def default_candidates(self) -> list[int]:

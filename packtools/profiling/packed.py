@@ -78,6 +78,23 @@ def file_schema(path: str) -> pa.Schema:
         return reader.schema
 
 
+def refuse_wrapped(given: Sequence[Any]) -> None:
+    """Refuse a packtools folder packed with ``wrapped``: its rows are ``max_length`` cuts of one token stream
+    with no ``seq_lengths``, so profiling them would describe the cut (every row ``max_length`` long), not the
+    data, and recommend a ``max_length`` from it."""
+    manifest = _manifest_of(given)
+    stats = (manifest or {}).get("stats", {})
+    if stats.get("packed") and stats.get("strategy") == "wrapped":
+        inputs = [i.get("path") for i in manifest.get("inputs", []) if isinstance(i, dict)]
+        raise PackingError(
+            f"{os.fspath(given[0])!r} was packed with strategy 'wrapped': its rows are max_length="
+            f"{stats.get('max_length')} cuts of one token stream, without sequence boundaries (no "
+            f"{SEQ_LENGTHS!r}), so they say nothing about your sequences' lengths; profile the inputs it was "
+            f"packed from{' (' + ', '.join(map(repr, inputs[:3])) + ')' if inputs else ''} instead.",
+            param="paths",
+        )
+
+
 def _file_column(path: str, column: str) -> pa.ChunkedArray:
     """A small column read whole (``seq_lengths``: a few ints per packed row); read errors as in
     :func:`file_schema` (a file whose footer reads may still hold corrupted pages or batches)."""
@@ -114,6 +131,7 @@ def profile_packed(
         "from manifest.json",
         split if split in ("bfd_split", "wrapped") else None,
     )
+    info["truncated"] = int(stats.get("rows_truncated") or 0)  # their lengths here are the cut ones
     if name is None:
         name = (
             os.path.basename(os.path.normpath(os.fspath(given[0])))

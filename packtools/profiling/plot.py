@@ -31,15 +31,22 @@ from .recommend import Recommendation
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["plot_lengths", "plot_tradeoffs", "profile_figure", "save_figure", "write_report"]
+__all__ = ["plot_format", "plot_lengths", "plot_tradeoffs", "profile_figure", "save_figure", "write_report"]
+
+
+def plot_format(path: str | os.PathLike[str]) -> str:
+    """The format of a plot file from its suffix (``png``, ``svg`` or ``pdf``), or ``ValueError``: callers
+    check it before the work whose result the plot shows."""
+    suffix = os.path.splitext(os.fspath(path))[1].lower()
+    if suffix not in (".png", ".svg", ".pdf"):
+        raise ValueError(f"plot path {os.fspath(path)!r}: name a .png, .svg or .pdf file.")
+    return suffix[1:]
 
 
 def save_figure(fig: Figure, path: str | os.PathLike[str], dpi: int = 120) -> None:
     """Save ``fig`` to ``path`` atomically; the format comes from the suffix (``.png``, ``.svg``, ``.pdf``)."""
     path = os.fspath(path)
-    suffix = os.path.splitext(path)[1].lower()
-    if suffix not in (".png", ".svg", ".pdf"):
-        raise ValueError(f"plot path {path!r}: name a .png, .svg or .pdf file.")
+    suffix = "." + plot_format(path)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format=suffix[1:], dpi=dpi)
 

@@ -31,7 +31,7 @@ from ..errors import PackingError
 from ..io.discover import discover
 from ..io.files import open_ipc, reading
 from .distribution import LengthDistribution
-from .packed import file_schema, packed_info, packed_rows, profile_packed
+from .packed import file_schema, packed_info, packed_rows, profile_packed, refuse_wrapped
 from .recommend import Recommendation, recommend
 from .tradeoffs import BucketTable, BucketTradeoff, TradeoffTable, check_candidates, tradeoff_row
 from .trained import TrainedTokens
@@ -47,9 +47,12 @@ class LengthProfile(LengthDistribution):
     ``trained``: where the sequences' trained (label) tokens are, for data with labels (chat,
     prompt/completion; :func:`packtools.profile_files` fills it): the text, the tradeoff table and the token
     rule then count trained tokens (:mod:`packtools.profiling.trained`).
+    ``pairs``: the sequences are preference pairs (``2 * prompt + chosen + rejected``; :func:`packtools.profile_files`
+    sets it), which ``pack`` packs whole with ``bfd`` only: :meth:`recommend` then names ``bfd``, never ``bfd_split``.
     """
 
     trained: TrainedTokens | None = None
+    pairs: bool = False
 
     def to_text(self) -> str:
         text = super().to_text()
@@ -249,6 +252,7 @@ def profile_lengths(source: Any, column: str = "input_ids", name: str | None = N
         paths = _expand_paths(given)
         if column == SEQ_LENGTHS or any(SEQ_LENGTHS in file_schema(p).names for p in paths):
             return LengthProfile(*profile_packed(paths, given, name))
+        refuse_wrapped(given)
         parts = [
             _parquet_lengths(p, column) if p.endswith(".parquet") else _ipc_lengths(p, column) for p in paths
         ]

@@ -63,7 +63,7 @@ class RuleOption:
     @property
     def label(self) -> str:
         return (
-            f"sequences whole >= {self.share:.1%} (bfd_split)"
+            f"sequences whole >= {self.share:.1%} ({self.strategy})"
             if self.rule == "sequences"
             else f"{'trained ' if self.trained else ''}tokens kept by bfd >= {self.share:.1%}"
         )
@@ -144,15 +144,23 @@ def token_rule(profile: LengthDistribution, keep_tokens: float, multiple_of: int
 
 
 def sequence_rule(profile: LengthDistribution, keep_sequences: float, multiple_of: int) -> int:
-    """The smallest multiple of ``multiple_of`` that holds at least ``keep_sequences`` of the sequences whole."""
-    need = max(1, math.ceil(Fraction(str(keep_sequences)) * profile.count))
+    """The smallest multiple of ``multiple_of`` that holds at least ``keep_sequences`` of the sequences whole.
+
+    Empty sequences are not counted: ``pack`` drops them (nothing to pack), so they must not make up a share.
+
+    >>> from packtools.profiling import LengthProfile
+    >>> sequence_rule(LengthProfile([0] * 50 + [10] * 49 + [1000]), 0.99, 64)
+    1024
+    """
+    real = profile.count - profile.empty
+    need = max(1, math.ceil(Fraction(str(keep_sequences)) * real) + profile.empty)
     longest = int(profile._values[np.searchsorted(profile._cum_rows, need, side="left") - 1])
     return max(1, -(-longest // multiple_of)) * multiple_of
 
 
 def _option(profile: LengthDistribution, rule: str, share: float, m: int, max_context: int) -> RuleOption:
     row = tradeoff_row(profile, m, 8)
-    strategy = "bfd_split" if rule == "sequences" else "bfd"
+    strategy = "bfd_split" if rule == "sequences" and not getattr(profile, "pairs", False) else "bfd"
     return RuleOption(
         rule,
         share,
@@ -162,7 +170,7 @@ def _option(profile: LengthDistribution, rule: str, share: float, m: int, max_co
         profile.total_tokens - profile.tokens_kept(m),
         row.bfd_rows,
         row.bfd_split_rows,
-        row.attn_bfd_split if rule == "sequences" else row.attn_bfd,
+        row.attn_bfd_split if strategy == "bfd_split" else row.attn_bfd,
         m > max_context,
         getattr(profile, "trained", None) is not None,
     )
@@ -191,7 +199,8 @@ def recommend(
     ks = _check_share(
         DEFAULT_KEEP_SEQUENCES if keep_sequences is None else keep_sequences, "keep_sequences", "sequences"
     )
-    strategy = "bfd" if rule == "tokens" else "bfd_split"
+    pairs = getattr(profile, "pairs", False)  # preference pairs: packed whole, by bfd only
+    strategy = "bfd" if rule == "tokens" or pairs else "bfd_split"
     if profile.total_tokens == 0:
         return Recommendation(
             multiple_of,
@@ -211,15 +220,26 @@ def recommend(
     cut = chosen.sequences_cut
     trained = getattr(profile, "trained", None)
     if rule == "sequences":
+        real = n - profile.empty  # the sequences pack packs (it drops empty ones)
         reason = (
             f"max_length={m} is the smallest multiple of {multiple_of} that holds at least {ks:.1%} of the "
-            f"sequences whole: {n - cut:,} of {n:,} fit ({(n - cut) / n:.2%})."
+            f"sequences whole: {real - cut:,} of {real:,} fit ({(real - cut) / real:.2%})."
         )
-        if cut:
+        if profile.empty:
+            reason += f" The {profile.empty:,} empty sequences are not counted (pack drops them)."
+        if cut and pairs:
+            reason += (
+                f" Pack with strategy bfd (a preference pair is packed whole, never split): the other {cut:,} pairs "
+                f"are truncated (--overlong truncate, the default; {kept / total:.2%} of the tokens kept) or dropped "
+                f"(--overlong drop); the longest pair has {profile.max:,} tokens."
+            )
+        elif cut:
             reason += (
                 f" Pack with strategy bfd_split: bfd_split cuts the other {cut:,} into max_length chunks and keeps "
                 f"every token; bfd would keep {kept / total:.2%} of the tokens (the longest sequence has {profile.max:,})."
             )
+        elif pairs:
+            reason += " Every pair fits whole; pack with strategy bfd."
         else:
             reason += " Every sequence fits, so bfd and bfd_split are identical."
         if trained is not None and trained.total and cut:
@@ -261,13 +281,18 @@ def recommend(
             flags.append(
                 f"{which} max_length={o.max_length:,} is above {max_context:,}, larger than the context most "
                 f"fine-tuning runs use (attention memory and time per row grow with it); train with it only if "
-                f"your model and memory allow, else choose a smaller --max-length (bfd_split keeps every token)."
+                f"your model and memory allow, else choose a smaller --max-length"
+                + (
+                    " (over-long pairs are truncated or dropped)."
+                    if pairs
+                    else " (bfd_split keeps every token)."
+                )
             )
     if rule == "tokens" and tok.max_length > 2 * seq.max_length:
         flags.append(
             f"the token rule asks for {tok.max_length / seq.max_length:.1f}x the length the sequence rule needs "
             f"({seq.max_length:,} holds {ks:.0%} of the sequences whole): a long tail holds the tokens; the sequence "
-            f"rule with bfd_split is the default for this reason."
+            f"rule{'' if pairs else ' with bfd_split'} is the default for this reason."
         )
     return Recommendation(
         m,

@@ -88,15 +88,23 @@ class DropReport:
         *,
         counts: str = "Pass return_report=True for the counts.",
         cut: str = "the ends of",
+        overlong: str | None = None,
     ) -> str:
+        """``overlong``: the policy that cut the tokens when it is not the strategy's own (``pack_files`` with
+        ``overlong='truncate'`` or ``'drop'``): the fix named is then ``overlong='split'``, since a strategy that
+        splits does not keep the tokens while the policy drops them."""
         where = f" (split {split!r})" if split else ""
         how = "truncated" if self.strategy == "truncate" else f"strategy={self.strategy!r}"
+        keep = "strategy='bfd_split' keeps every token (it splits long sequences)"
+        if overlong is not None:
+            how += f", overlong={overlong!r}"
+            if self.strategy in ("bfd_split", "wrapped"):
+                keep = "overlong='split' (--overlong split) keeps every token (it splits long sequences)"
         return (
             f"{what}{where}: {how} at max_length={self.max_length:,} dropped {self.tokens_dropped:,} of "
             f"{self.tokens_in:,} tokens ({self.dropped_share:.2%}; {cut} {self.sequences_truncated:,} of "
-            f"{self.sequences:,} sequences longer than max_length). strategy='bfd_split' keeps every token "
-            f"(it splits long sequences); or choose max_length with packtools.profile_lengths(...).recommend(). "
-            f"{counts}"
+            f"{self.sequences:,} sequences longer than max_length). {keep}; or choose max_length with "
+            f"packtools.profile_lengths(...).recommend(). {counts}"
         )
 
 
@@ -119,6 +127,7 @@ def pipeline_drop_message(stats: dict) -> str | None:
         "pack_files",
         counts="The manifest's stats hold the counts.",
         cut="all of" if dropping else "the ends of",
+        overlong=str(stats["overlong"]) if stats.get("overlong") else None,
     )
     if "tokens_trained_in" in stats:
         text += f" Trained (label) tokens kept: {stats['tokens_trained_kept']:,} of {stats['tokens_trained_in']:,}."
