@@ -254,9 +254,11 @@ def prepare_dpo_trainer(
         if shared:
             with trainer_autocast(trainer):  # the tree probe at the precision training runs
                 prepare_shared_prompt(trainer, models, check_isolation)
-        guard_model(trainer.model, owner=trainer)  # recorded on the trainer (unprepare removes the hook)
+        guard_model(
+            trainer.model, owner=trainer, check_isolation=False
+        )  # recorded on the trainer (unprepare removes the hook)
         if trainer.ref_model is not None:
-            guard_model(trainer.ref_model, owner=trainer)
+            guard_model(trainer.ref_model, owner=trainer, check_isolation=False)
         if train_dataset is not None:
             _use_packed_dataset(trainer, train_dataset, shared)
         cp_forward = None

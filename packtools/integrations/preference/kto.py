@@ -101,5 +101,5 @@ def prepare_kto_trainer(trainer: Any, *, check_isolation: bool = True, segmented
                     with trainer_autocast(trainer):  # at the precision training runs
                         check_padding_free_forward(model)
         for model in models:
-            guard_model(model, owner=trainer)
+            guard_model(model, owner=trainer, check_isolation=False)
     return trainer

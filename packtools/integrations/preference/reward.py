@@ -216,7 +216,7 @@ def prepare_reward_trainer(
             elif check_isolation:
                 with trainer_autocast(trainer):  # at the precision training runs
                     check_reward_isolation(trainer.model, send_seq_idx=run.send_seq_idx)
-        guard_model(trainer.model, owner=trainer)
+        guard_model(trainer.model, owner=trainer, check_isolation=False)
         if train_dataset is not None:
             _use_packed_dataset(trainer, train_dataset)
     return trainer

@@ -204,7 +204,7 @@ def check_cp_attention(kwargs: Mapping[str, Any], implementation: str | None) ->
         )
 
 
-def guard_model(model: Any, *, owner: Any = None) -> Any:
+def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) -> Any:
     """Register (once) a forward pre-hook on ``model`` that checks packed inputs and disables the KV cache.
 
     The hook raises :class:`PackingError` through :func:`check_forward_inputs`, and passes
@@ -213,6 +213,14 @@ def guard_model(model: Any, *, owner: Any = None) -> Any:
     ``use_cache=True``.  Register it on the outermost module that the trainer calls (a PEFT model forwards
     to its base with ``.forward``, which skips hooks on the base).  The hook is recorded on ``owner`` (default:
     the model): ``packtools.integrations.unprepare(owner)`` removes it.  Returns the hook handle.
+
+    Those checks read the batch's keys only, and many families do not separate packed sequences whatever the
+    keys: their forward builds its masks or positions without ``position_ids`` (OPT, BLOOM, MPT, BART-style
+    decoders, ...: their packed sequences would attend to each other with no error).  So with
+    ``check_isolation=True`` the first packed batch the hook sees also runs
+    :func:`~packtools.integrations.attention.isolation.check_isolation` once (a few short sequences packed and
+    alone, with the batch's own keys), which raises :class:`PackingError` naming the model, backend and fix.
+    The prepare functions pass ``False``: they run their own probe before training.
     """
     # vars(), not getattr(): PEFT models forward unknown attributes to the base model, whose hook they skip.
     handle = vars(model).get(_HOOK_ATTR)
@@ -220,6 +228,7 @@ def guard_model(model: Any, *, owner: Any = None) -> Any:
         return handle
 
     mixers = tuple(token_mixing_layers(model))
+    probe = FirstPackedProbe() if check_isolation else None
 
     def hook(
         module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -230,6 +239,8 @@ def guard_model(model: Any, *, owner: Any = None) -> Any:
         check_unhandled_mixers(module, kwargs, left)  # first: without kernels, seq_idx alone is no fix
         check_forward_inputs(kwargs, impl, left)
         check_positionless_masks(module, kwargs, impl)
+        if probe is not None:
+            probe(module, kwargs)
         generating = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
         if not generating and (kwargs.get("use_cache") is None or module.training):
             kwargs["use_cache"] = False
@@ -239,6 +250,60 @@ def guard_model(model: Any, *, owner: Any = None) -> Any:
     handle = forward_pre_hook(model, hook, owner=owner)
     set_attr(model, _HOOK_ATTR, handle, owner=owner)
     return handle
+
+
+class FirstPackedProbe:
+    """The guard's isolation probe: run once, on the first packed batch (:func:`is_packed`) outside generation,
+    with that batch's keys; the probe's own forwards pass through the guard without probing again."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.running = False
+
+    def __call__(self, module: Any, kwargs: Mapping[str, Any]) -> None:
+        if (
+            self.done
+            or self.running
+            or kwargs.get("past_key_values") is not None
+            or kwargs.get("cache") is not None
+        ):
+            return
+        if not is_packed(kwargs):
+            return
+        from ...batches.collate import PaddingFreeCollator
+        from ..attention.isolation import check_isolation
+
+        config = getattr(base_model(module), "config", None)
+        pad = getattr(config, "pad_token_id", None)
+        keys = {k for k, v in kwargs.items() if v is not None} | {"input_ids", "labels"}
+        collator = PaddingFreeCollator(pad if isinstance(pad, int) else 0)
+
+        def same_keys(rows: list[dict[str, Any]]) -> dict[str, Any]:
+            return {k: v for k, v in collator(rows).items() if k in keys}
+
+        self.running = True
+        try:
+            check_isolation(module, same_keys)
+        except PackingError as err:
+            raise PackingError(
+                f"guard_model: the first packed batch's probe found that {type(base_model(module)).__name__} does "
+                f"not keep packed sequences apart, so training on packed rows would be silently wrong. "
+                f"{segmented_hint(module)}{err}",
+                param="model",
+            ) from err
+        finally:
+            self.running = False
+        self.done = True
+
+
+def segmented_hint(model: Any) -> str:
+    """For an ``sdpa`` model: packtools' per-sequence sdpa, which separates sequences whatever the model builds."""
+    if attention_implementation(model) != "sdpa":
+        return ""
+    return (
+        "On 'sdpa', packtools.integrations.use_segmented_sdpa(model) (what prepare_trainer does) runs attention "
+        "per sequence from position_ids/cu_seq_lens and may make it exact; call guard_model after it. "
+    )
 
 
 def refuse_prompt_learning(model: Any, param: str | None = "model") -> None:

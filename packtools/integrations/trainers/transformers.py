@@ -233,7 +233,7 @@ def prepare_trainer(
         if check_isolation and not vision:
             probe_rows, packed = check_trainer_collator(trainer)
         run_mixers_per_document(trainer.model, owner=trainer)  # before the guard: its mixers are then handled
-        guard_model(trainer.model, owner=trainer)
+        guard_model(trainer.model, owner=trainer, check_isolation=False)
         with segmented_sdpa_until_checked([trainer.model], segmented_sdpa, owner=trainer) as switched:
             if check_isolation:
                 run_probe(trainer, switched=switched, collator=probe_rows, packed=packed, vision=vision)

@@ -1,0 +1,137 @@
+"""guard_model's first-batch probe: the plain loop of docs/training.md on families whose forward builds masks or
+positions without position_ids (the sweep of every transformers causal-LM family found them, issue arch45).
+
+Before, ``guard_model`` checked the batch's keys only, so on these families a packed batch trained with every
+sequence attending to the ones before it in its row, with no error (per-document logits 5e-3 to 0.5 away from each
+document alone).  Now the first packed batch runs ``check_isolation`` once and refuses; isolated families (Llama,
+and OPT on packtools' per-sequence sdpa) still train exactly.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from packtools import PackingError, PaddingFreeCollator  # noqa: E402
+from packtools.integrations.trainers.guard import guard_model  # noqa: E402
+
+SIZES = dict(vocab_size=101, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+ROWS = [[7, 13, 4], [11, 6]]  # two packed rows of 3 and 2 documents
+
+#: model class, config class, tiny sizes, backend: families the sweep found silently wrong in the plain loop.
+SILENT = {
+    "opt-sdpa": (
+        "OPTForCausalLM",
+        "OPTConfig",
+        dict(
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            word_embed_proj_dim=32,
+            max_position_embeddings=128,
+        ),
+        "sdpa",
+    ),
+    "opt-eager": (
+        "OPTForCausalLM",
+        "OPTConfig",
+        dict(
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            word_embed_proj_dim=32,
+            max_position_embeddings=128,
+        ),
+        "eager",
+    ),
+    "bloom-eager": ("BloomForCausalLM", "BloomConfig", dict(hidden_size=32, n_layer=2, n_head=4), "eager"),
+    "mpt-eager": (
+        "MptForCausalLM",
+        "MptConfig",
+        dict(d_model=32, n_layers=2, n_heads=4, max_seq_len=128),
+        "eager",
+    ),
+}
+
+
+def build(cls, config_cls, sizes, impl):
+    config = getattr(transformers, config_cls)(**SIZES, **sizes)
+    torch.manual_seed(0)
+    return getattr(transformers, cls)._from_config(config, attn_implementation=impl).float().eval()
+
+
+def documents(seed=0):
+    rng = np.random.default_rng(seed)
+    return [[rng.integers(3, 101, size=n) for n in row] for row in ROWS]
+
+
+def packed_batch(docs):
+    rows = [{"input_ids": np.concatenate(r).tolist(), "seq_lengths": [len(d) for d in r]} for r in docs]
+    return PaddingFreeCollator(0)(rows)
+
+
+def gap_to_alone(model, docs, logits):
+    """The largest |logit| difference of any document between the packed batch (one flat row) and it alone."""
+    worst, start = 0.0, 0
+    with torch.no_grad():
+        for doc in (d for r in docs for d in r):
+            alone = model(input_ids=torch.as_tensor(doc[None]), use_cache=False).logits[0]
+            worst = max(worst, float((logits[0, start : start + len(doc)] - alone).abs().max()))
+            start += len(doc)
+    return worst
+
+
+@pytest.mark.parametrize("name", sorted(SILENT))
+def test_guard_refuses_a_family_that_mixes_packed_documents(name):
+    model = build(*SILENT[name])
+    docs = documents()
+    batch = packed_batch(docs)
+    with torch.no_grad():  # negative control: unguarded, the packed documents see each other, with no error
+        leaked = model(**batch, use_cache=False).logits
+    assert gap_to_alone(model, docs, leaked) > 1e-3
+    guard_model(model)
+    with pytest.raises(PackingError, match=rf"guard_model: the first packed batch.*{SILENT[name][0]}"):
+        model(**batch, use_cache=False)
+    with pytest.raises(PackingError, match="guard_model"):  # refused every time, not only once
+        model(**batch, use_cache=False)
+
+
+def test_guard_probes_once_and_isolated_families_stay_exact():
+    config = transformers.LlamaConfig(
+        **SIZES,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    calls = []
+    model.model.embed_tokens.register_forward_hook(lambda *a: calls.append(1))
+    guard_model(model)
+    docs = documents()
+    batch = packed_batch(docs)
+    with torch.no_grad():
+        first = model(**batch).logits
+    probe_calls = len(calls) - 1
+    assert probe_calls > 0  # the first packed batch ran the probe
+    with torch.no_grad():
+        model(**batch)
+    assert len(calls) == probe_calls + 2  # and only the first
+    assert gap_to_alone(model, docs, first) < 1e-5
+
+
+def test_opt_on_segmented_sdpa_is_exact_under_the_guard():
+    from packtools.integrations import use_segmented_sdpa
+
+    model = build(*SILENT["opt-sdpa"])
+    use_segmented_sdpa(model)  # the fix the refusal names on sdpa
+    guard_model(model)
+    docs = documents()
+    with torch.no_grad():
+        logits = model(**packed_batch(docs), use_cache=False).logits
+    assert gap_to_alone(model, docs, logits) < 1e-5
