@@ -254,7 +254,8 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
 
 class FirstPackedProbe:
     """The guard's isolation probe: run once, on the first packed batch (:func:`is_packed`) outside generation,
-    with that batch's keys; the probe's own forwards pass through the guard without probing again."""
+    with that batch's keys; the probe's own forwards pass through the guard without probing again.  A batch of
+    multimodal (3-D) rotary positions is left to the vision probe (``prepare_trainer``'s), which builds them."""
 
     def __init__(self) -> None:
         self.done = False
@@ -268,8 +269,9 @@ class FirstPackedProbe:
             or kwargs.get("cache") is not None
         ):
             return
-        if not is_packed(kwargs):
-            return
+        pos = kwargs.get("position_ids")
+        if not is_packed(kwargs) or (pos is not None and getattr(pos, "ndim", 2) != 2):
+            return  # (3-D multimodal rotary positions: the vision probe's, as in check_forward_inputs)
         from ...batches.collate import PaddingFreeCollator
         from ..attention.isolation import check_isolation
 
