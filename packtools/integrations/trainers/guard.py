@@ -229,6 +229,7 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
 
     mixers = tuple(token_mixing_layers(model))
     probe = FirstPackedProbe() if check_isolation else None
+    rope = length_dependent_rope(model)
 
     def hook(
         module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -239,6 +240,7 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
         check_unhandled_mixers(module, kwargs, left)  # first: without kernels, seq_idx alone is no fix
         check_forward_inputs(kwargs, impl, left)
         check_positionless_masks(module, kwargs, impl)
+        check_length_dependent_rope(rope, kwargs)
         if probe is not None:
             probe(module, kwargs)
         generating = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
@@ -250,6 +252,93 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
     handle = forward_pre_hook(model, hook, owner=owner)
     set_attr(model, _HOOK_ATTR, handle, owner=owner)
     return handle
+
+
+def length_dependent_rope(model: Any) -> tuple[tuple[str, str, int], ...]:
+    """``(model name, rope_type, threshold)`` of each rotary embedding of ``model`` whose frequencies transformers
+    picks from the longest sequence of the forward (``max(position_ids) + 1``), not per sequence: ``longrope``
+    (Phi-3/3.5/4-mini: the long factors for every token once it exceeds ``original_max_position_embeddings``) and
+    the ``dynamic`` NTK types (frequencies rescaled once it exceeds ``max_position_embeddings``).
+
+    >>> from types import SimpleNamespace as NS
+    >>> config = NS(rope_parameters={"rope_type": "longrope", "original_max_position_embeddings": 4096},
+    ...     max_position_embeddings=131072)
+    >>> length_dependent_rope(NS(config=config))
+    (('SimpleNamespace', 'longrope', 4096),)
+    """
+    base = base_model(model)
+    config = getattr(base, "config", None)
+    if config is None:
+        return ()
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    params = getattr(text, "rope_parameters", None)
+    if not isinstance(params, Mapping):
+        return ()
+    every = params.values() if all(isinstance(v, Mapping) for v in params.values()) and params else [params]
+    found = []
+    for entry in every:  # one entry, or one per layer type (sliding / full attention)
+        kind = str(entry.get("rope_type", ""))
+        if kind == "longrope":
+            limit = entry.get("original_max_position_embeddings")
+            limit = limit if limit is not None else getattr(text, "original_max_position_embeddings", None)
+        elif "dynamic" in kind:
+            limit = getattr(text, "max_position_embeddings", None)
+        else:
+            continue
+        if isinstance(limit, int):
+            found.append((type(base).__name__, kind, limit))
+    return tuple(dict.fromkeys(found))
+
+
+def document_lengths(position_ids: Any) -> Any:
+    """The length of every sequence of a packed batch from its 2-D ``position_ids`` (each restarts at 0 and steps
+    by 1): the last position of each run, plus one.
+
+    >>> import torch
+    >>> document_lengths(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]])).tolist()
+    [3, 2, 4, 1]
+    """
+    pos = position_ids
+    following = pos.new_full(pos.shape, -1)
+    following[:, :-1] = pos[:, 1:]
+    return pos[following != pos + 1] + 1
+
+
+def check_length_dependent_rope(rope: tuple[tuple[str, str, int], ...], kwargs: Mapping[str, Any]) -> None:
+    """Refuse a packed batch on which a :func:`length_dependent_rope` embedding would rotate some sequence with
+    other frequencies than it alone: ``longrope`` when the batch holds sequences on both sides of its threshold
+    (the short ones would get the long factors), ``dynamic`` when a sequence exceeds it (every sequence would get
+    the frequencies of the longest).  transformers picks them per forward, so nothing else shows it; the
+    isolation probe's short sequences never reach the threshold."""
+    pos = kwargs.get("position_ids")
+    if not rope or pos is None or getattr(pos, "ndim", 0) != 2 or not hasattr(pos, "new_full"):
+        return
+    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None or not is_packed(kwargs):
+        return
+    lengths = document_lengths(pos)
+    longest, shortest = int(lengths.max()), int(lengths.min())
+    for name, kind, limit in rope:
+        if kind == "longrope" and longest > limit >= shortest:
+            why = (
+                f"its longrope rotary embedding uses the long factors for every token of a forward once one "
+                f"sequence exceeds original_max_position_embeddings={limit}: this batch holds a sequence of "
+                f"{longest} tokens and one of {shortest}, so the short sequences would be rotated with other "
+                f"frequencies than alone"
+            )
+        elif kind != "longrope" and longest > limit:
+            why = (
+                f"its {kind!r} rotary embedding rescales its frequencies for the longest sequence of a forward once "
+                f"it exceeds max_position_embeddings={limit}: this batch holds a sequence of {longest} tokens, so "
+                f"every other sequence would be rotated for that length instead of its own"
+            )
+        else:
+            continue
+        raise PackingError(
+            f"{name}: packed sequences would train with wrong positions, with no error: {why}. Pack with "
+            f"max_length <= {limit} (pack_dataset(..., max_length={limit})) so that no sequence crosses it, or "
+            f"train the longer sequences unpacked, in batches of their own.",
+            param="model",
+        )
 
 
 class FirstPackedProbe:
