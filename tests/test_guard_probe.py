@@ -135,3 +135,89 @@ def test_opt_on_segmented_sdpa_is_exact_under_the_guard():
     with torch.no_grad():
         logits = model(**packed_batch(docs), use_cache=False).logits
     assert gap_to_alone(model, docs, logits) < 1e-5
+
+
+#: Rotary embeddings whose frequencies transformers picks from the longest sequence of a forward (threshold 10 here;
+#: 4096 on Phi-3-mini-128k): the isolation probe's short sequences never reach it.
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 10}
+ROPES = {
+    "phi3-longrope": (
+        "Phi3ForCausalLM",
+        "Phi3Config",
+        dict(
+            original_max_position_embeddings=10,
+            rope_parameters=dict(
+                LONGROPE, partial_rotary_factor=0.5, short_factor=[1.0] * 2, long_factor=[4.0] * 2
+            ),
+        ),
+    ),
+    "llama-longrope": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(rope_parameters=dict(LONGROPE, short_factor=[1.0] * 4, long_factor=[4.0] * 4)),
+    ),
+    "llama-dynamic": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(
+            max_position_embeddings=10,
+            rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+        ),
+    ),
+}
+
+
+def rope_model(name, impl="sdpa"):
+    cls, config_cls, extra = ROPES[name]
+    sizes = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    return build(cls, config_cls, {**sizes, **extra}, impl)
+
+
+@pytest.mark.parametrize("name", sorted(ROPES))
+def test_guard_refuses_a_batch_a_length_dependent_rope_would_rotate_wrong(name):
+    model = rope_model(name)
+    docs = documents()  # documents of 4 to 13 tokens: some over the threshold (10), some not
+    batch = packed_batch(docs)
+    with torch.no_grad():  # negative control: unguarded, the short documents get the long one's frequencies
+        wrong = model(**batch, use_cache=False).logits
+    assert gap_to_alone(model, docs, wrong) > 1e-5
+    guard_model(model)
+    with pytest.raises(PackingError, match=r"wrong positions.*max_length <= 10"):
+        model(**batch, use_cache=False)
+    short = [[d[:4] for d in row] for row in docs]  # every document under the threshold: exact, accepted
+    with torch.no_grad():
+        logits = model(**packed_batch(short), use_cache=False).logits
+    assert gap_to_alone(model, short, logits) < 1e-5
+
+
+def test_prepare_trainer_refuses_the_longrope_batch_at_the_first_step(tmp_path):
+    from datasets import Dataset
+
+    from packtools import prepare_trainer
+
+    docs = documents()
+    rows = {
+        "input_ids": [np.concatenate(r).tolist() for r in docs],
+        "seq_lengths": [[len(d) for d in r] for r in docs],
+    }
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, report_to="none", use_cpu=True, max_steps=1
+    )
+    trainer = transformers.Trainer(
+        rope_model("phi3-longrope"),
+        args,
+        train_dataset=Dataset.from_dict(rows),
+        data_collator=PaddingFreeCollator(0),
+    )
+    prepare_trainer(trainer)  # the isolation probe's sequences (<= 9 tokens) pass
+    with pytest.raises(
+        PackingError, match="Phi3ForCausalLM: packed sequences would train with wrong positions"
+    ):
+        trainer.train()
