@@ -221,3 +221,41 @@ def test_prepare_trainer_refuses_the_longrope_batch_at_the_first_step(tmp_path):
         PackingError, match="Phi3ForCausalLM: packed sequences would train with wrong positions"
     ):
         trainer.train()
+
+
+def test_prepare_trainer_keeps_doge_on_its_own_sdpa(tmp_path):
+    """Doge's attention reads the mask tensor itself (``attention_mask.dtype``): on packtools' per-sequence sdpa
+    prepare_trainer's probe crashed with an AttributeError from transformers. Now it stays on 'sdpa' (probed) and
+    trains each packed document as alone."""
+    from datasets import Dataset
+
+    from packtools import prepare_trainer
+
+    sizes = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    model = build("DogeForCausalLM", "DogeConfig", sizes, "sdpa")
+    docs = documents()
+    rows = {
+        "input_ids": [np.concatenate(r).tolist() for r in docs],
+        "seq_lengths": [[len(d) for d in r] for r in docs],
+    }
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, report_to="none", use_cpu=True, max_steps=1
+    )
+    trainer = transformers.Trainer(
+        model, args, train_dataset=Dataset.from_dict(rows), data_collator=PaddingFreeCollator(0)
+    )
+    with pytest.warns(UserWarning, match="DogeForCausalLM cannot run packtools' per-sequence sdpa"):
+        prepare_trainer(trainer)
+    assert model.config._attn_implementation == "sdpa"
+    batch = next(iter(trainer.get_train_dataloader()))
+    batch.pop("labels")
+    with torch.no_grad():
+        logits = model(**batch).logits
+    assert gap_to_alone(model.eval(), docs, logits) < 1e-5

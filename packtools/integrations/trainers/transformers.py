@@ -115,6 +115,18 @@ def run_probe(
             f"{type(base_model(switched[0])).__name__} leak while its own 'sdpa' keeps them apart; the models "
             f"were switched back to 'sdpa'. Pass segmented_sdpa=False, and please report the model."
         ) from None
+    except (AttributeError, TypeError) as err:
+        # An attention layer that reads the mask tensor itself (Doge's dynamic mask: ``attention_mask.dtype``)
+        # cannot take packtools' per-sequence mask object: such models stay on their own 'sdpa', probed as it is.
+        if not switched:
+            raise
+        switch_back(switched)
+        probe()
+        warnings.warn(
+            f"prepare_trainer: {type(base_model(switched[0])).__name__} cannot run packtools' per-sequence sdpa "
+            f"({type(err).__name__}: {str(err)[:120]}); it stays on 'sdpa', which the isolation probe checked.",
+            stacklevel=3,
+        )
 
 
 def prepare_trainer(
