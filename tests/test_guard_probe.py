@@ -15,38 +15,18 @@ transformers = pytest.importorskip("transformers")
 
 from packtools import PackingError, PaddingFreeCollator  # noqa: E402
 from packtools.integrations.trainers.guard import guard_model  # noqa: E402
+from packtools.testing import SMALL  # noqa: E402
 
-SIZES = dict(vocab_size=101, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 ROWS = [[7, 13, 4], [11, 6]]  # two packed rows of 3 and 2 documents
-
+#: packtools.testing's tiny sizes, for the configs that name them like Llama's.
+LLAMA_SIZES = {k: v for k, v in SMALL.items() if k != "vocab_size"}
+OPT_SIZES = dict(
+    hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32
+)
 #: model class, config class, tiny sizes, backend: families the sweep found silently wrong in the plain loop.
 SILENT = {
-    "opt-sdpa": (
-        "OPTForCausalLM",
-        "OPTConfig",
-        dict(
-            hidden_size=32,
-            ffn_dim=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            word_embed_proj_dim=32,
-            max_position_embeddings=128,
-        ),
-        "sdpa",
-    ),
-    "opt-eager": (
-        "OPTForCausalLM",
-        "OPTConfig",
-        dict(
-            hidden_size=32,
-            ffn_dim=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            word_embed_proj_dim=32,
-            max_position_embeddings=128,
-        ),
-        "eager",
-    ),
+    "opt-sdpa": ("OPTForCausalLM", "OPTConfig", OPT_SIZES, "sdpa"),
+    "opt-eager": ("OPTForCausalLM", "OPTConfig", OPT_SIZES, "eager"),
     "bloom-eager": ("BloomForCausalLM", "BloomConfig", dict(hidden_size=32, n_layer=2, n_head=4), "eager"),
     "mpt-eager": (
         "MptForCausalLM",
@@ -58,7 +38,8 @@ SILENT = {
 
 
 def build(cls, config_cls, sizes, impl):
-    config = getattr(transformers, config_cls)(**SIZES, **sizes)
+    ids = {k: SMALL[k] for k in ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")}
+    config = getattr(transformers, config_cls)(**{**ids, **sizes})
     torch.manual_seed(0)
     return getattr(transformers, cls)._from_config(config, attn_implementation=impl).float().eval()
 
@@ -100,16 +81,7 @@ def test_guard_refuses_a_family_that_mixes_packed_documents(name):
 
 
 def test_guard_probes_once_and_isolated_families_stay_exact():
-    config = transformers.LlamaConfig(
-        **SIZES,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = build("LlamaForCausalLM", "LlamaConfig", LLAMA_SIZES, "sdpa")
     calls = []
     model.model.embed_tokens.register_forward_hook(lambda *a: calls.append(1))
     guard_model(model)
@@ -169,15 +141,23 @@ ROPES = {
 
 def rope_model(name, impl="sdpa"):
     cls, config_cls, extra = ROPES[name]
-    sizes = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
+    return build(cls, config_cls, {**LLAMA_SIZES, **extra}, impl)
+
+
+def packed_trainer(model, docs, output_dir):
+    """A transformers Trainer on the packed rows of ``docs`` with packtools' collator (the quickstart)."""
+    from datasets import Dataset
+
+    rows = {
+        "input_ids": [np.concatenate(r).tolist() for r in docs],
+        "seq_lengths": [[len(d) for d in r] for r in docs],
+    }
+    args = transformers.TrainingArguments(
+        output_dir=str(output_dir), per_device_train_batch_size=2, report_to="none", use_cpu=True, max_steps=1
     )
-    return build(cls, config_cls, {**sizes, **extra}, impl)
+    return transformers.Trainer(
+        model, args, train_dataset=Dataset.from_dict(rows), data_collator=PaddingFreeCollator(0)
+    )
 
 
 @pytest.mark.parametrize("name", sorted(ROPES))
@@ -198,24 +178,9 @@ def test_guard_refuses_a_batch_a_length_dependent_rope_would_rotate_wrong(name):
 
 
 def test_prepare_trainer_refuses_the_longrope_batch_at_the_first_step(tmp_path):
-    from datasets import Dataset
-
     from packtools import prepare_trainer
 
-    docs = documents()
-    rows = {
-        "input_ids": [np.concatenate(r).tolist() for r in docs],
-        "seq_lengths": [[len(d) for d in r] for r in docs],
-    }
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, report_to="none", use_cpu=True, max_steps=1
-    )
-    trainer = transformers.Trainer(
-        rope_model("phi3-longrope"),
-        args,
-        train_dataset=Dataset.from_dict(rows),
-        data_collator=PaddingFreeCollator(0),
-    )
+    trainer = packed_trainer(rope_model("phi3-longrope"), documents(), tmp_path)
     prepare_trainer(trainer)  # the isolation probe's sequences (<= 9 tokens) pass
     with pytest.raises(
         PackingError, match="Phi3ForCausalLM: packed sequences would train with wrong positions"
@@ -227,30 +192,11 @@ def test_prepare_trainer_keeps_doge_on_its_own_sdpa(tmp_path):
     """Doge's attention reads the mask tensor itself (``attention_mask.dtype``): on packtools' per-sequence sdpa
     prepare_trainer's probe crashed with an AttributeError from transformers. Now it stays on 'sdpa' (probed) and
     trains each packed document as alone."""
-    from datasets import Dataset
-
     from packtools import prepare_trainer
 
-    sizes = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    model = build("DogeForCausalLM", "DogeConfig", sizes, "sdpa")
+    model = build("DogeForCausalLM", "DogeConfig", LLAMA_SIZES, "sdpa")
     docs = documents()
-    rows = {
-        "input_ids": [np.concatenate(r).tolist() for r in docs],
-        "seq_lengths": [[len(d) for d in r] for r in docs],
-    }
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, report_to="none", use_cpu=True, max_steps=1
-    )
-    trainer = transformers.Trainer(
-        model, args, train_dataset=Dataset.from_dict(rows), data_collator=PaddingFreeCollator(0)
-    )
+    trainer = packed_trainer(model, docs, tmp_path)
     with pytest.warns(UserWarning, match="DogeForCausalLM cannot run packtools' per-sequence sdpa"):
         prepare_trainer(trainer)
     assert model.config._attn_implementation == "sdpa"
