@@ -1,10 +1,13 @@
-"""guard_model's first-batch probe: the plain loop of docs/training.md on families whose forward builds masks or
-positions without position_ids (the sweep of every transformers causal-LM family found them, issue arch45).
+"""Regressions from the sweep of every causal-LM family transformers 5.25 ships on packtools' padding-free batches
+(/tmp/arch45_sweep.py in issue arch45): each test failed before its fix.
 
-Before, ``guard_model`` checked the batch's keys only, so on these families a packed batch trained with every
-sequence attending to the ones before it in its row, with no error (per-document logits 5e-3 to 0.5 away from each
-document alone).  Now the first packed batch runs ``check_isolation`` once and refuses; isolated families (Llama,
-and OPT on packtools' per-sequence sdpa) still train exactly.
+- guard_model's first-batch probe: the plain loop of docs/training.md on families whose forward builds masks or
+  positions without position_ids (OPT, BLOOM, MPT, ...) trained with every packed sequence attending to the ones
+  before it (per-document logits 5e-3 to 0.5 away from each document alone), with no error.
+- length-dependent rotary embeddings (longrope, dynamic NTK): frequencies picked from the longest sequence of the
+  forward, which the isolation probe's short sequences never reach.
+- Doge on packtools' per-sequence sdpa (an AttributeError out of prepare_trainer), RecurrentGemma's decoder layers
+  run per document (a shape error: positional position_ids and the row's 4-D mask were passed whole).
 """
 
 import numpy as np
@@ -205,3 +208,21 @@ def test_prepare_trainer_keeps_doge_on_its_own_sdpa(tmp_path):
     with torch.no_grad():
         logits = model(**batch).logits
     assert gap_to_alone(model.eval(), docs, logits) < 1e-5
+
+
+def test_recurrent_gemma_layers_run_per_document_exactly():
+    from packtools.integrations.attention.mixers import run_mixers_per_document
+
+    sizes = dict(
+        LLAMA_SIZES, num_hidden_layers=3, lru_width=32, attention_window_size=4
+    )  # recurrent x2, attention
+    model = build("RecurrentGemmaForCausalLM", "RecurrentGemmaConfig", sizes, "sdpa")
+    docs = documents()
+    batch = packed_batch(docs)
+    with torch.no_grad():  # negative control: its convolutions run the packed row as one sequence
+        assert gap_to_alone(model, docs, model(**batch, use_cache=False).logits) > 1e-3
+    run_mixers_per_document(model)
+    guard_model(model)
+    with torch.no_grad():
+        logits = model(**batch).logits
+    assert gap_to_alone(model, docs, logits) < 1e-5
