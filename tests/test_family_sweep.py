@@ -226,3 +226,15 @@ def test_recurrent_gemma_layers_run_per_document_exactly():
     with torch.no_grad():
         logits = model(**batch).logits
     assert gap_to_alone(model, docs, logits) < 1e-5
+
+
+@pytest.mark.slow  # flex_attention compiles on the CPU (~9 s)
+def test_recurrent_gemma_on_flex_attention_is_refused_by_name():
+    """flex_attention's BlockMask of the packed row cannot be cut to one document (it crashed inside torch)."""
+    from packtools.integrations.attention.mixers import run_mixers_per_document
+
+    sizes = dict(LLAMA_SIZES, num_hidden_layers=3, lru_width=32, attention_window_size=4)
+    model = build("RecurrentGemmaForCausalLM", "RecurrentGemmaConfig", sizes, "flex_attention")
+    run_mixers_per_document(model)
+    with pytest.raises(PackingError, match="BlockMask attention mask.*'sdpa' or 'eager'"), torch.no_grad():
+        model(**packed_batch(documents()), use_cache=False)

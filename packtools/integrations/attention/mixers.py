@@ -345,6 +345,12 @@ def _slice(value: Any, rows: int, length: int, row: int, start: int, end: int) -
     if shape is not None and len(shape) >= 2 and tuple(shape[:2]) == (rows, length):
         return value[row : row + 1, start:end]
     if shape is not None and len(shape) == 4 and shape[0] == rows and tuple(shape[2:]) == (length, length):
+        if type(value).__name__ == "BlockMask":  # flex_attention's: no cut of it can be used
+            raise PackingError(
+                f"a layer run per document gets the packed row's {type(value).__name__} attention mask, which "
+                f"packtools cannot cut to one document: use attn_implementation='sdpa' or 'eager' for this model.",
+                param="attn_implementation",
+            )
         return value[row : row + 1, :, start:end, start:end]
     return value
 
