@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         packed, batch_size=args.rows_per_batch, shuffle=True, collate_fn=PaddingFreeCollator(pad_token_id=0)
     )
     model = tiny_llama()
-    run_mixers_per_document(model)  # hybrids' token-mixing layers one document at a time (nothing on other models)
+    run_mixers_per_document(model)  # hybrids: token-mixing layers per document (nothing on others)
     guard_model(model)  # refuses batches and models that would let packed sequences meet
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = train(model, loader, optimizer, accumulation_steps=args.accumulation, max_steps=args.max_steps)
