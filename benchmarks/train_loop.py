@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     from torch.utils.data import DataLoader
 
     from packtools import PaddingFreeCollator, pack_dataset
+    from packtools.integrations.attention.mixers import run_mixers_per_document
+    from packtools.integrations.trainers.guard import guard_model
 
     # --- the docs/training.md example ------------------------------------------------------------------------------
     dataset = synthetic_dataset(args.sequences, args.max_length)  # any dataset with an "input_ids" column
@@ -138,6 +140,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         packed, batch_size=args.rows_per_batch, shuffle=True, collate_fn=PaddingFreeCollator(pad_token_id=0)
     )
     model = tiny_llama()
+    run_mixers_per_document(model)  # hybrids: token-mixing layers per document (nothing on others)
+    guard_model(model)  # refuses batches and models that would let packed sequences meet
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = train(model, loader, optimizer, accumulation_steps=args.accumulation, max_steps=args.max_steps)
     # -------------------------------------------------------------------------------------------------------

@@ -237,7 +237,8 @@ class _PerDocument:
                     continue
                 local = {k: _slice(v, rows, length, row, start, end) for k, v in kwargs.items()}
                 with document_scan(self.module, end - start) as chunk:  # its chunked scan at its own size
-                    got = self.original(hidden[row : row + 1, start:end], *rest, **local, **chunk)
+                    args = tuple(_slice(v, rows, length, row, start, end) for v in rest)
+                    got = self.original(hidden[row : row + 1, start:end], *args, **local, **chunk)
                 if not hasattr(got, "shape") or tuple(got.shape[:2]) != (1, end - start):
                     raise PackingError(
                         f"the token-mixing layer {self.name} returned {type(got).__name__} for a document of "
@@ -337,10 +338,20 @@ def _write_into(torch: Any) -> Any:
 
 
 def _slice(value: Any, rows: int, length: int, row: int, start: int, end: int) -> Any:
-    """A per-token tensor argument (``[rows, length, ...]``, e.g. a padding mask) cut to one document."""
+    """A per-token tensor argument (``[rows, length, ...]``, e.g. a padding mask or ``position_ids``) cut to one
+    document; a 4-D attention mask over the row (``[rows, heads, length, length]``, which a decoder layer run per
+    document gets, e.g. RecurrentGemma's) cut to the document's own block of it."""
     shape = getattr(value, "shape", None)
     if shape is not None and len(shape) >= 2 and tuple(shape[:2]) == (rows, length):
         return value[row : row + 1, start:end]
+    if shape is not None and len(shape) == 4 and shape[0] == rows and tuple(shape[2:]) == (length, length):
+        if type(value).__name__ == "BlockMask":  # flex_attention's: no cut of it can be used
+            raise PackingError(
+                f"a layer run per document gets the packed row's {type(value).__name__} attention mask, which "
+                f"packtools cannot cut to one document: use attn_implementation='sdpa' or 'eager' for this model.",
+                param="attn_implementation",
+            )
+        return value[row : row + 1, :, start:end, start:end]
     return value
 
 

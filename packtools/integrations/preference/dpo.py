@@ -43,8 +43,9 @@ from ..multimodal.models import refuse_multimodal
 from ..parallel.distributed import check_loss_path
 from ..parallel.layout import rank_layout
 from ..trainers.collator_check import check_preference_collator
-from ..trainers.guard import check_forward_inputs, guard_model, refuse_neftune, refuse_prompt_learning
+from ..trainers.guard import check_forward_inputs, guard_model, refuse_prompt_learning
 from ..trainers.loader import check_train_loader
+from ..trainers.sft import refuse_neftune
 from ..trainers.step import DPOStep, StepPlan, install_step, plan_of
 from ..trainers.transformers import run_mixers_per_document, run_probe
 from .calls import padded_preference_call, padding_free_layout, scatter_per_token
@@ -255,9 +256,11 @@ def prepare_dpo_trainer(
         if shared:
             with trainer_autocast(trainer):  # the tree probe at the precision training runs
                 prepare_shared_prompt(trainer, models, check_isolation)
-        guard_model(trainer.model, owner=trainer)  # recorded on the trainer (unprepare removes the hook)
+        guard_model(
+            trainer.model, owner=trainer, check_isolation=False
+        )  # recorded on the trainer (unprepare removes the hook)
         if trainer.ref_model is not None:
-            guard_model(trainer.ref_model, owner=trainer)
+            guard_model(trainer.ref_model, owner=trainer, check_isolation=False)
         if train_dataset is not None:
             _use_packed_dataset(trainer, train_dataset, shared)
         cp_forward = None

@@ -37,7 +37,8 @@ from ..attention.isolation import trainer_autocast
 from ..attention.mixers import run_mixers_per_document
 from ..multimodal.models import refuse_multimodal
 from ..parallel.distributed import check_loss_path
-from ..trainers.guard import guard_model, refuse_neftune, refuse_prompt_learning
+from ..trainers.guard import guard_model, refuse_prompt_learning
+from ..trainers.sft import refuse_neftune
 from .dpo import _WRAPPED, install_padding_free_forward
 from .probe import check_padding_free_forward
 
@@ -102,5 +103,5 @@ def prepare_kto_trainer(trainer: Any, *, check_isolation: bool = True, segmented
                     with trainer_autocast(trainer):  # at the precision training runs
                         check_padding_free_forward(model, trainer="KTO")
         for model in models:
-            guard_model(model, owner=trainer)
+            guard_model(model, owner=trainer, check_isolation=False)
     return trainer

@@ -44,8 +44,9 @@ from ..attention.mixers import run_mixers_per_document
 from ..multimodal.models import refuse_multimodal
 from ..parallel.distributed import check_loss_path, is_sharded, uneven_gather
 from ..parallel.layout import rank_layout
-from ..trainers.guard import guard_model, refuse_neftune, refuse_prompt_learning
+from ..trainers.guard import guard_model, refuse_prompt_learning
 from ..trainers.loader import check_train_loader
+from ..trainers.sft import refuse_neftune
 from ..trainers.step import StepOwner, StepPlan, install_step, pair_mean_share, plan_of, step_pairs
 from .reward_scores import ScoredRow, check_reward_isolation, reward_batch, score_head
 
@@ -217,7 +218,7 @@ def prepare_reward_trainer(
             elif check_isolation:
                 with trainer_autocast(trainer):  # at the precision training runs
                     check_reward_isolation(trainer.model, send_seq_idx=run.send_seq_idx)
-        guard_model(trainer.model, owner=trainer)
+        guard_model(trainer.model, owner=trainer, check_isolation=False)
         if train_dataset is not None:
             _use_packed_dataset(trainer, train_dataset)
     return trainer

@@ -55,7 +55,8 @@ from ..attention.isolation import ProbeDiffs, compute_dtype, trainer_autocast
 from ..attention.mixers import POSITIONLESS_MASKS, run_mixers_per_document
 from ..attention.tree import check_tree_model, use_tree_attention
 from ..multimodal.models import refuse_multimodal
-from ..trainers.guard import check_forward_inputs, refuse_neftune, refuse_prompt_learning
+from ..trainers.guard import check_forward_inputs, refuse_prompt_learning
+from ..trainers.sft import refuse_neftune
 from ..trainers.step import install_step, plan_of
 from .groups import GroupBalancedSampler, choose_balance, prompt_token_counter
 from .rows import Row, share_prompts, unpad_completions

@@ -312,7 +312,7 @@ def check_cp_attention(kwargs: Mapping[str, Any], implementation: str | None) ->
         )
 
 
-def guard_model(model: Any, *, owner: Any = None) -> Any:
+def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) -> Any:
     """Register (once) a forward pre-hook on ``model`` that checks packed inputs and disables the KV cache.
 
     The hook raises :class:`PackingError` through :func:`check_forward_inputs`, and passes
@@ -321,6 +321,14 @@ def guard_model(model: Any, *, owner: Any = None) -> Any:
     ``use_cache=True``.  Register it on the outermost module that the trainer calls (a PEFT model forwards
     to its base with ``.forward``, which skips hooks on the base).  The hook is recorded on ``owner`` (default:
     the model): ``packtools.integrations.unprepare(owner)`` removes it.  Returns the hook handle.
+
+    Those checks read the batch's keys only, and many families do not separate packed sequences whatever the
+    keys: their forward builds its masks or positions without ``position_ids`` (OPT, BLOOM, MPT, BART-style
+    decoders, ...: their packed sequences would attend to each other with no error).  So with
+    ``check_isolation=True`` the first packed batch the hook sees also runs
+    :func:`~packtools.integrations.attention.isolation.check_isolation` once (a few short sequences packed and
+    alone, with the batch's own keys), which raises :class:`PackingError` naming the model, backend and fix.
+    The prepare functions pass ``False``: they run their own probe before training.
     """
     # vars(), not getattr(): PEFT models forward unknown attributes to the base model, whose hook they skip.
     handle = vars(model).get(_HOOK_ATTR)
@@ -328,6 +336,8 @@ def guard_model(model: Any, *, owner: Any = None) -> Any:
         return handle
 
     mixers = tuple(token_mixing_layers(model))
+    probe = FirstPackedProbe() if check_isolation else None
+    rope = length_dependent_rope(model)
 
     def hook(
         module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -338,6 +348,9 @@ def guard_model(model: Any, *, owner: Any = None) -> Any:
         check_unhandled_mixers(module, kwargs, left)  # first: without kernels, seq_idx alone is no fix
         check_forward_inputs(kwargs, impl, left)
         check_positionless_masks(module, kwargs, impl)
+        check_length_dependent_rope(rope, kwargs)
+        if probe is not None:
+            probe(module, kwargs)
         generating = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
         if not generating and (kwargs.get("use_cache") is None or module.training):
             kwargs["use_cache"] = False
@@ -349,6 +362,149 @@ def guard_model(model: Any, *, owner: Any = None) -> Any:
     return handle
 
 
+def length_dependent_rope(model: Any) -> tuple[tuple[str, str, int], ...]:
+    """``(model name, rope_type, threshold)`` of each rotary embedding of ``model`` whose frequencies transformers
+    picks from the longest sequence of the forward (``max(position_ids) + 1``), not per sequence: ``longrope``
+    (Phi-3/3.5/4-mini: the long factors for every token once it exceeds ``original_max_position_embeddings``) and
+    the ``dynamic`` NTK types (frequencies rescaled once it exceeds ``max_position_embeddings``).
+
+    >>> from types import SimpleNamespace as NS
+    >>> config = NS(rope_parameters={"rope_type": "longrope", "original_max_position_embeddings": 4096},
+    ...     max_position_embeddings=131072)
+    >>> length_dependent_rope(NS(config=config))
+    (('SimpleNamespace', 'longrope', 4096),)
+    """
+    base = base_model(model)
+    config = getattr(base, "config", None)
+    if config is None:
+        return ()
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    params = getattr(text, "rope_parameters", None)
+    if not isinstance(params, Mapping):
+        return ()
+    every = params.values() if all(isinstance(v, Mapping) for v in params.values()) and params else [params]
+    found = []
+    for entry in every:  # one entry, or one per layer type (sliding / full attention)
+        kind = str(entry.get("rope_type", ""))
+        if kind == "longrope":
+            limit = entry.get("original_max_position_embeddings")
+            limit = limit if limit is not None else getattr(text, "original_max_position_embeddings", None)
+        elif "dynamic" in kind:
+            limit = getattr(text, "max_position_embeddings", None)
+        else:
+            continue
+        if isinstance(limit, int):
+            found.append((type(base).__name__, kind, limit))
+    return tuple(dict.fromkeys(found))
+
+
+def document_lengths(position_ids: Any) -> Any:
+    """The length of every sequence of a packed batch from its 2-D ``position_ids`` (each restarts at 0 and steps
+    by 1): the last position of each run, plus one.
+
+    >>> import torch
+    >>> document_lengths(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]])).tolist()
+    [3, 2, 4, 1]
+    """
+    pos = position_ids
+    following = pos.new_full(pos.shape, -1)
+    following[:, :-1] = pos[:, 1:]
+    return pos[following != pos + 1] + 1
+
+
+def check_length_dependent_rope(rope: tuple[tuple[str, str, int], ...], kwargs: Mapping[str, Any]) -> None:
+    """Refuse a packed batch on which a :func:`length_dependent_rope` embedding would rotate some sequence with
+    other frequencies than it alone: ``longrope`` when the batch holds sequences on both sides of its threshold
+    (the short ones would get the long factors), ``dynamic`` when a sequence exceeds it (every sequence would get
+    the frequencies of the longest).  transformers picks them per forward, so nothing else shows it; the
+    isolation probe's short sequences never reach the threshold."""
+    pos = kwargs.get("position_ids")
+    if not rope or pos is None or getattr(pos, "ndim", 0) != 2 or not hasattr(pos, "new_full"):
+        return
+    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None or not is_packed(kwargs):
+        return
+    lengths = document_lengths(pos)
+    longest, shortest = int(lengths.max()), int(lengths.min())
+    for name, kind, limit in rope:
+        if kind == "longrope" and longest > limit >= shortest:
+            why = (
+                f"its longrope rotary embedding uses the long factors for every token of a forward once one "
+                f"sequence exceeds original_max_position_embeddings={limit}: this batch holds a sequence of "
+                f"{longest} tokens and one of {shortest}, so the short sequences would be rotated with other "
+                f"frequencies than alone"
+            )
+        elif kind != "longrope" and longest > limit:
+            why = (
+                f"its {kind!r} rotary embedding rescales its frequencies for the longest sequence of a forward once "
+                f"it exceeds max_position_embeddings={limit}: this batch holds a sequence of {longest} tokens, so "
+                f"every other sequence would be rotated for that length instead of its own"
+            )
+        else:
+            continue
+        raise PackingError(
+            f"{name}: packed sequences would train with wrong positions, with no error: {why}. Pack with "
+            f"max_length <= {limit} (pack_dataset(..., max_length={limit})) so that no sequence crosses it, or "
+            f"train the longer sequences unpacked, in batches of their own.",
+            param="model",
+        )
+
+
+class FirstPackedProbe:
+    """The guard's isolation probe: run once, on the first packed batch (:func:`is_packed`) outside generation,
+    with that batch's keys; the probe's own forwards pass through the guard without probing again.  A batch of
+    multimodal (3-D) rotary positions is left to the vision probe (``prepare_trainer``'s), which builds them."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.running = False
+
+    def __call__(self, module: Any, kwargs: Mapping[str, Any]) -> None:
+        if (
+            self.done
+            or self.running
+            or kwargs.get("past_key_values") is not None
+            or kwargs.get("cache") is not None
+        ):
+            return
+        pos = kwargs.get("position_ids")
+        if not is_packed(kwargs) or (pos is not None and getattr(pos, "ndim", 2) != 2):
+            return  # (3-D multimodal rotary positions: the vision probe's, as in check_forward_inputs)
+        from ...batches.collate import PaddingFreeCollator
+        from ..attention.isolation import check_isolation
+
+        config = getattr(base_model(module), "config", None)
+        pad = getattr(config, "pad_token_id", None)
+        keys = {k for k, v in kwargs.items() if v is not None} | {"input_ids", "labels"}
+        collator = PaddingFreeCollator(pad if isinstance(pad, int) else 0)
+
+        def same_keys(rows: list[dict[str, Any]]) -> dict[str, Any]:
+            return {k: v for k, v in collator(rows).items() if k in keys}
+
+        self.running = True
+        try:
+            check_isolation(module, same_keys)
+        except PackingError as err:
+            raise PackingError(
+                f"guard_model: the first packed batch's probe found that {type(base_model(module)).__name__} does "
+                f"not keep packed sequences apart, so training on packed rows would be silently wrong. "
+                f"{segmented_hint(module)}{err}",
+                param="model",
+            ) from err
+        finally:
+            self.running = False
+        self.done = True
+
+
+def segmented_hint(model: Any) -> str:
+    """For an ``sdpa`` model: packtools' per-sequence sdpa, which separates sequences whatever the model builds."""
+    if attention_implementation(model) != "sdpa":
+        return ""
+    return (
+        "On 'sdpa', packtools.integrations.use_segmented_sdpa(model) (what prepare_trainer does) runs attention "
+        "per sequence from position_ids/cu_seq_lens and may make it exact; call guard_model after it. "
+    )
+
+
 def refuse_prompt_learning(model: Any, param: str | None = "model") -> None:
     """Raise when ``model`` carries a prompt-learning PEFT adapter: its virtual tokens go in front of every
     sequence, which a padding-free row cannot hold."""
@@ -358,20 +514,4 @@ def refuse_prompt_learning(model: Any, param: str | None = "model") -> None:
             "prompt-learning PEFT adapters add virtual tokens in front of every sequence, which a padding-free "
             "row cannot hold; use LoRA-style adapters.",
             param=param,
-        )
-
-
-def refuse_neftune(args: Any, rows: str, prepare: str) -> None:
-    """Raise when ``args`` (a trainer's ``TrainingArguments``) turn NEFTune on: transformers draws each embedding's
-    noise within ``alpha / sqrt(width x hidden size)`` of the batch the embedding layer sees, and a packed row is
-    as wide as all its sequences together, so every token would get a smaller noise than in the trainer's own
-    batches, with no error.  ``rows`` names the rows (``"packed SFT rows"``), ``prepare`` the prepare function."""
-    alpha = getattr(args, "neftune_noise_alpha", None)
-    if alpha is not None:
-        raise PackingError(
-            f"neftune_noise_alpha={alpha}: transformers' NEFTune draws each embedding's noise within alpha / "
-            f"sqrt(width x hidden size) of the batch it sees, and {rows} hold several sequences in one row, so "
-            f"every token's noise would be smaller than in the trainer's own batches by the square root of their "
-            f"widths' ratio. Set neftune_noise_alpha=None, or train without packing (do not call {prepare}).",
-            param="neftune_noise_alpha",
         )

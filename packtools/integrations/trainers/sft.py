@@ -8,6 +8,8 @@ and TRL's ``SFTConfig`` for an already-packed dataset.
   :mod:`packtools.compat.transformers`, recorded so ``unprepare`` undoes it).
 * :func:`packed_sft_config` and :func:`check_sft`: an ``SFTTrainer`` that does not prepare the packed rows
   again (read from its public ``args.dataset_kwargs``).
+* :func:`refuse_neftune`: the one training argument packed rows cannot honour whatever the trainer (every
+  prepare function and :func:`packed_sft_config` call it).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from ..._optional import is_instance, require
 from ...compat.transformers import keep_signature_columns
 from ...constants import IGNORE_INDEX, PACKED_COLUMNS
 from ...errors import PackingError
-from .guard import refuse_neftune
 
 
 def is_sft_trainer(trainer: Any) -> bool:
@@ -128,3 +129,19 @@ def packed_sft_config(**kwargs: Any) -> Any:
         kwargs["max_length"] = None
     kwargs.update(packing=False, padding_free=padding_free, dataset_kwargs=dataset_kwargs)
     return trl.SFTConfig(**kwargs)
+
+
+def refuse_neftune(args: Any, rows: str, prepare: str) -> None:
+    """Raise when ``args`` (a trainer's ``TrainingArguments``) turn NEFTune on: transformers draws each embedding's
+    noise within ``alpha / sqrt(width x hidden size)`` of the batch the embedding layer sees, and a packed row is
+    as wide as all its sequences together, so every token would get a smaller noise than in the trainer's own
+    batches, with no error.  ``rows`` names the rows (``"packed SFT rows"``), ``prepare`` the prepare function."""
+    alpha = getattr(args, "neftune_noise_alpha", None)
+    if alpha is not None:
+        raise PackingError(
+            f"neftune_noise_alpha={alpha}: transformers' NEFTune draws each embedding's noise within alpha / "
+            f"sqrt(width x hidden size) of the batch it sees, and {rows} hold several sequences in one row, so "
+            f"every token's noise would be smaller than in the trainer's own batches by the square root of their "
+            f"widths' ratio. Set neftune_noise_alpha=None, or train without packing (do not call {prepare}).",
+            param="neftune_noise_alpha",
+        )

@@ -60,9 +60,9 @@ from ..multimodal.models import check_multimodal_model, check_vision_isolation
 from ..parallel.distributed import is_sharded
 from ..parallel.layout import check_context_parallel_size, rank_layout
 from .collator_check import check_trainer_collator, probe_collator
-from .guard import guard_model, refuse_neftune
+from .guard import guard_model
 from .loader import check_train_loader
-from .sft import check_sft, is_sft_trainer, keep_packed_columns
+from .sft import check_sft, is_sft_trainer, keep_packed_columns, refuse_neftune
 from .step import SFTStep, StepPlan, check_loss_owner, install_step, plan_of, use_causal_lm_loss
 from .step_loss import check_loss_mode
 
@@ -115,6 +115,18 @@ def run_probe(
             f"{type(base_model(switched[0])).__name__} leak while its own 'sdpa' keeps them apart; the models "
             f"were switched back to 'sdpa'. Pass segmented_sdpa=False, and please report the model."
         ) from None
+    except (AttributeError, TypeError) as err:
+        # An attention layer that reads the mask tensor itself (Doge's dynamic mask: ``attention_mask.dtype``)
+        # cannot take packtools' per-sequence mask object: such models stay on their own 'sdpa', probed as it is.
+        if not switched:
+            raise
+        switch_back(switched)
+        probe()
+        warnings.warn(
+            f"prepare_trainer: {type(base_model(switched[0])).__name__} cannot run packtools' per-sequence sdpa "
+            f"({type(err).__name__}: {str(err)[:120]}); it stays on 'sdpa', which the isolation probe checked.",
+            stacklevel=3,
+        )
 
 
 def prepare_trainer(
@@ -234,7 +246,7 @@ def prepare_trainer(
         if check_isolation and not vision:
             probe_rows, packed = check_trainer_collator(trainer)
         run_mixers_per_document(trainer.model, owner=trainer)  # before the guard: its mixers are then handled
-        guard_model(trainer.model, owner=trainer)
+        guard_model(trainer.model, owner=trainer, check_isolation=False)
         with segmented_sdpa_until_checked([trainer.model], segmented_sdpa, owner=trainer) as switched:
             if check_isolation:
                 run_probe(trainer, switched=switched, collator=probe_rows, packed=packed, vision=vision)
