@@ -189,6 +189,26 @@ def test_vision_samples_train_the_assistant_turns_only(tmp_path, proc):
     assert not mask[ids == IMAGE].any() and tokens.count("<|image_pad|>") == 4
 
 
+@pytest.mark.parametrize("which", ["data", "state.json", "dataset_info.json"])
+def test_a_vision_rerun_rebuilds_an_output_missing_a_file(tmp_path, proc, which):
+    """A shard (or datasets' state/info file) deleted from a vision output: pack_vision_files reported the output
+    done (cached) and load_from_disk failed on the missing shard; it packs again, as pack_files does."""
+    rows = []
+    for i in range(6):
+        Image.fromarray(np.full((56, 56, 3), 40 * i, np.uint8)).save(tmp_path / f"{i}.png")
+        rows.append(_row([f"{i}.png"]))
+    data = _write(tmp_path, rows)
+    out = tmp_path / "out"
+    first = pack_vision_files(data, out, processor=proc, max_length=24, shard_bytes=1)  # a shard per row
+    shards = sorted(p.name for p in out.glob("*.arrow"))
+    assert len(shards) > 1
+    (out / (shards[0] if which == "data" else which)).unlink()
+    again = pack_vision_files(data, out, processor=proc, max_length=24, shard_bytes=1)
+    assert not again.cached
+    assert datasets.load_from_disk(str(out)).num_rows == first.rows_out
+    assert pack_vision_files(data, out, processor=proc, max_length=24, shard_bytes=1).cached  # whole again
+
+
 def test_rows_with_images_are_not_tokenized_as_text(tmp_path, proc, capsys):
     """pack --tokenizer PROC (no --processor) on vision rows packed their text with one placeholder token per
     image and no image, without a word (and profile_files counted those lengths); both refuse now."""

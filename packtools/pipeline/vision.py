@@ -32,7 +32,7 @@ from ..io.discover import InputFile
 from ..io.files import mapped_table
 from ..io.manifest import MANIFEST_FORMAT, read_manifest, write_manifest
 from .gather import ShardFolder, shard_rows
-from .outcheck import check_out, check_replaceable
+from .outcheck import check_out, check_replaceable, missing_outputs
 from .vision_stage import (
     block_damage,
     blocks,
@@ -144,7 +144,8 @@ def pack_vision_files(
     }
     fingerprint = hashlib.sha256(json.dumps([key, config], sort_keys=True).encode()).hexdigest()
     previous = read_manifest(out)
-    if previous is not None and previous.get("fingerprint") == fingerprint:
+    # a file deleted since (a shard, state.json, dataset_info.json): packed again, as run_pipeline does
+    if previous is not None and previous.get("fingerprint") == fingerprint and not missing_outputs(out):
         tidy_after_dead_run(out)  # a run killed after installing this output may have left its work folder
         st = previous.get("stats", {})
         return VisionPackResult(
