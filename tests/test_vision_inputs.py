@@ -237,6 +237,38 @@ def test_rows_with_images_are_not_tokenized_as_text(tmp_path, proc, capsys):
     assert "holds images (image parts in messages)" in capsys.readouterr().err
 
 
+def test_rows_with_an_empty_images_column_pack_as_text(tmp_path, capsys):
+    """Text-only rows of a vision dataset (``images: []`` or null on every row) lose nothing as text, but any
+    ``images`` column was refused ("the images would be lost"); a row with an image after them still is."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from packtools import pack_files
+    from packtools.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer(str(tmp_path / "tok"))
+    texts = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello, how are you"}]
+    plain = _write(tmp_path / "plain", [{"messages": texts}] * 3)
+    want = datasets.load_from_disk(pack_files(plain, tmp_path / "want", 64, tokenizer=tok).out)["input_ids"]
+    empty = _write(tmp_path / "empty", [{"messages": texts, "images": v} for v in ([], None, [])])
+    got = pack_files(empty, tmp_path / "got", 64, tokenizer=tok)
+    assert datasets.load_from_disk(got.out)["input_ids"] == want
+    parts = tmp_path / "parquet"
+    parts.mkdir()
+    table = pa.table({"messages": [texts] * 3, "images": pa.array([[], None, []], pa.list_(pa.string()))})
+    pq.write_table(table, parts / "rows.parquet")
+    got = pack_files(str(parts), tmp_path / "got_parquet", 64, tokenizer=tok)
+    assert datasets.load_from_disk(got.out)["input_ids"] == want
+    (tmp_path / "late").mkdir()
+    Image.fromarray(np.zeros((56, 56, 3), np.uint8)).save(tmp_path / "late" / "0.png")
+    late = [{"messages": texts, "images": []}] * 3000 + [{"messages": texts, "images": ["0.png"]}]
+    late_file = tmp_path / "late" / "data.jsonl"
+    late_file.write_text("".join(json.dumps(r) + "\n" for r in late))
+    with pytest.raises(PackingError, match="holds images"):
+        pack_files(late_file, tmp_path / "late_out", 64, tokenizer=tok)
+    assert not (tmp_path / "late_out").exists()
+
+
 def test_profile_recommends_a_max_length_pack_takes(tmp_path, proc, capsys):
     """Vision samples are packed whole and pack --processor refuses a longer one: the recommendation (the
     sequence rule at 0.99, bfd_split) left the longest samples out, and the pack at it was refused."""

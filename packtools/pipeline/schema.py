@@ -35,7 +35,7 @@ from ..core.arrow import is_list_type
 from ..core.pack import BOUNDARY_COLUMNS
 from ..errors import PackingError
 from ..io.discover import InputFile
-from ..io.files import read_schema
+from ..io.files import Part, iter_part, read_schema
 from .formats import detect_format, input_columns
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ def _refuse_images(files: Sequence[InputFile], columns: Sequence[list[str]], tok
 
     processor = tokenizer is not None and os.path.isfile(os.path.join(tokenizer, "preprocessor_config.json"))
     for f, names in zip(files, columns):  # the columns data_format read: no file's first block parsed again
-        found = next((c for c in ("images", "image") if c in names), None)
+        found = next((c for c in ("images", "image") if c in names and _holds_images(f, c)), None)
         if found is None and processor and f.kind == "json" and is_vision_file(f.path):
             found = "image parts in messages"
         if found is not None:
@@ -103,6 +103,22 @@ def _refuse_images(files: Sequence[InputFile], columns: Sequence[list[str]], tok
                 f"packtools profile PATH --tokenizer DIR (the processor folder). To train on the text alone, drop "
                 f"the images first."
             )
+
+
+def _holds_images(file: InputFile, column: str) -> bool:
+    """Whether a row of ``file`` has a value in ``column`` (not null, not an empty list): text-only rows of a
+    vision dataset (``images: []``) lose nothing as text.  Read up to the first such row, that column alone
+    (a JSON file whose rows have no image is parsed whole)."""
+    import pyarrow.compute as pc
+
+    for _, table in iter_part(Part(file), 4096, columns=[column]):
+        col = table.column(column)
+        if is_list_type(col.type):
+            if pc.any(pc.greater(pc.fill_null(pc.list_value_length(col), 0), 0)).as_py():
+                return True
+        elif col.null_count < len(col):
+            return True
+    return False
 
 
 def no_rows_message(files: Sequence[InputFile]) -> str:
