@@ -237,6 +237,22 @@ def test_rows_with_images_are_not_tokenized_as_text(tmp_path, proc, capsys):
     assert "holds images (image parts in messages)" in capsys.readouterr().err
 
 
+def test_image_parts_after_the_first_rows_are_refused(tmp_path, proc):
+    """Image parts in messages were looked for in a file's first 64 rows only: text rows first, then rows with
+    image parts, packed with the processor folder as --tokenizer, lost those images without a word."""
+    from packtools import pack_files
+
+    text = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]
+    image = [{"role": "user", "content": [{"type": "image", "image": "0.png"}, {"type": "text", "text": "what?"}]}]
+    rows = [{"messages": text}] * 100 + [{"messages": image + text[1:]}]
+    data = _write(tmp_path, rows)
+    with pytest.raises(PackingError, match=r"holds images \(image parts in messages\)"):
+        pack_files(data, tmp_path / "out", 64, tokenizer=proc)
+    assert not (tmp_path / "out").exists()
+    plain = _write(tmp_path / "plain", [{"messages": text}] * 101)  # no image part: packs
+    assert pack_files(plain, tmp_path / "plain_out", 64, tokenizer=proc).stats["rows_in"] == 101
+
+
 def test_rows_with_an_empty_images_column_pack_as_text(tmp_path, capsys):
     """Text-only rows of a vision dataset (``images: []`` or null on every row) lose nothing as text, but any
     ``images`` column was refused ("the images would be lost"); a row with an image after them still is."""

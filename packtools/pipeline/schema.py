@@ -85,15 +85,16 @@ def data_format(files: Sequence[InputFile], config: PipelineConfig) -> str:
 
 def _refuse_images(files: Sequence[InputFile], columns: Sequence[list[str]], tokenizer: str | None) -> None:
     """Rows with images tokenized as text would keep one placeholder token per image and lose the images,
-    without a word: refused with the fix.  Images are an ``images``/``image`` column (TRL's vision format), or
-    image parts in JSON lines' messages when the tokenizer folder is a vision model's processor (a
-    ``preprocessor_config.json``); with a text tokenizer, parts render as its chat template writes them."""
-    from .vision import is_vision_file
+    without a word: refused with the fix.  Images are an ``images``/``image`` column with a value on some row
+    (TRL's vision format; empty on every row, it holds none), or image parts in any row of JSON lines' messages
+    when the tokenizer folder is a vision model's processor (a ``preprocessor_config.json``); with a text
+    tokenizer, parts render as its chat template writes them."""
+    from .vision import holds_images
 
     processor = tokenizer is not None and os.path.isfile(os.path.join(tokenizer, "preprocessor_config.json"))
-    for f, names in zip(files, columns):  # the columns data_format read: no file's first block parsed again
-        found = next((c for c in ("images", "image") if c in names and _holds_images(f, c)), None)
-        if found is None and processor and f.kind == "json" and is_vision_file(f.path):
+    for f, names in zip(files, columns):  # the columns data_format read (each file's schema read once)
+        found = next((c for c in ("images", "image") if c in names and _column_set(f, c)), None)
+        if found is None and processor and f.kind == "json" and holds_images(f.path):
             found = "image parts in messages"
         if found is not None:
             raise PackingError(
@@ -105,7 +106,7 @@ def _refuse_images(files: Sequence[InputFile], columns: Sequence[list[str]], tok
             )
 
 
-def _holds_images(file: InputFile, column: str) -> bool:
+def _column_set(file: InputFile, column: str) -> bool:
     """Whether a row of ``file`` has a value in ``column`` (not null, not an empty list): text-only rows of a
     vision dataset (``images: []``) lose nothing as text.  Read up to the first such row, that column alone
     (a JSON file whose rows have no image is parsed whole)."""
