@@ -243,7 +243,9 @@ def test_image_parts_after_the_first_rows_are_refused(tmp_path, proc):
     from packtools import pack_files
 
     text = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]
-    image = [{"role": "user", "content": [{"type": "image", "image": "0.png"}, {"type": "text", "text": "what?"}]}]
+    image = [
+        {"role": "user", "content": [{"type": "image", "image": "0.png"}, {"type": "text", "text": "what?"}]}
+    ]
     rows = [{"messages": text}] * 100 + [{"messages": image + text[1:]}]
     data = _write(tmp_path, rows)
     with pytest.raises(PackingError, match=r"holds images \(image parts in messages\)"):
@@ -283,6 +285,35 @@ def test_rows_with_an_empty_images_column_pack_as_text(tmp_path, capsys):
     with pytest.raises(PackingError, match="holds images"):
         pack_files(late_file, tmp_path / "late_out", 64, tokenizer=tok)
     assert not (tmp_path / "late_out").exists()
+
+
+def test_parquet_images_are_told_from_the_footer(tmp_path, monkeypatch):
+    """Whether a parquet images column holds an image is read from the footer's statistics (a null count per
+    leaf), not from the column: a row group of embedded image bytes was read whole only to refuse it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import packtools.pipeline.schema as schema
+    from packtools import pack_files
+    from packtools.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer(str(tmp_path / "tok"))
+    texts = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello, how are you"}]
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    monkeypatch.setattr(schema, "iter_part", lambda *a, **k: pytest.fail("read the images column"))
+    for name, values, refused in (
+        ("set", [[], [{"bytes": b"\x89PNG" * 1000, "path": None}], None], True),
+        ("empty", [[], None, []], False),
+    ):
+        folder = tmp_path / name
+        folder.mkdir()
+        table = pa.table({"messages": [texts] * 3, "images": pa.array(values, pa.list_(image))})
+        pq.write_table(table, folder / "rows.parquet")
+        if refused:
+            with pytest.raises(PackingError, match=r"holds images \(images\)"):
+                pack_files(str(folder), tmp_path / f"{name}_out", 64, tokenizer=tok)
+        else:
+            assert pack_files(str(folder), tmp_path / f"{name}_out", 64, tokenizer=tok).stats["rows_in"] == 3
 
 
 def test_profile_recommends_a_max_length_pack_takes(tmp_path, proc, capsys):

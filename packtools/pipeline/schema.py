@@ -35,7 +35,7 @@ from ..core.arrow import is_list_type
 from ..core.pack import BOUNDARY_COLUMNS
 from ..errors import PackingError
 from ..io.discover import InputFile
-from ..io.files import Part, iter_part, read_schema
+from ..io.files import Part, iter_part, read_schema, reading
 from .formats import detect_format, input_columns
 
 if TYPE_CHECKING:
@@ -108,10 +108,15 @@ def _refuse_images(files: Sequence[InputFile], columns: Sequence[list[str]], tok
 
 def _column_set(file: InputFile, column: str) -> bool:
     """Whether a row of ``file`` has a value in ``column`` (not null, not an empty list): text-only rows of a
-    vision dataset (``images: []``) lose nothing as text.  Read up to the first such row, that column alone
-    (a JSON file whose rows have no image is parsed whole)."""
+    vision dataset (``images: []``) lose nothing as text.  Parquet says it in its footer (:func:`_parquet_set`);
+    otherwise read up to the first such row, that column alone (a JSON file whose rows have no image is parsed
+    whole)."""
     import pyarrow.compute as pc
 
+    if file.kind == "parquet":
+        told = _parquet_set(file.path, column)
+        if told is not None:
+            return told
     for _, table in iter_part(Part(file), 4096, columns=[column]):
         col = table.column(column)
         if is_list_type(col.type):
@@ -119,6 +124,28 @@ def _column_set(file: InputFile, column: str) -> bool:
                 return True
         elif col.null_count < len(col):
             return True
+    return False
+
+
+def _parquet_set(path: str, column: str) -> bool | None:
+    """:func:`_column_set` from the footer's statistics: a leaf of ``column`` whose null count (an empty list
+    or a null counts as one) is below its number of values holds one (image bytes are never read); None where a
+    row group has no null count."""
+    import pyarrow.parquet as pq
+
+    with reading(path, "parquet"):
+        md = pq.ParquetFile(path).metadata
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        for i in range(rg.num_columns):
+            leaf = rg.column(i)
+            if leaf.path_in_schema != column and not leaf.path_in_schema.startswith(column + "."):
+                continue
+            stats = leaf.statistics if leaf.is_stats_set else None
+            if stats is None or not stats.has_null_count:
+                return None
+            if stats.null_count < leaf.num_values:
+                return True
     return False
 
 
