@@ -316,6 +316,23 @@ def test_parquet_images_are_told_from_the_footer(tmp_path, monkeypatch):
             assert pack_files(str(folder), tmp_path / f"{name}_out", 64, tokenizer=tok).stats["rows_in"] == 3
 
 
+def test_vision_rows_in_parquet_are_told_a_way_that_takes_them(tmp_path, proc, capsys):
+    """Vision rows in parquet: the refusal said to run `packtools profile PATH --tokenizer DIR (the processor
+    folder)`, the command that had just been refused, and `packtools pack --processor`, which reads JSON lines
+    only; it names the ways that take them (JSON lines, or pack_dataset(..., processor=DIR))."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    Image.fromarray(np.zeros((56, 56, 3), np.uint8)).save(tmp_path / "0.png")
+    pq.write_table(pa.Table.from_pylist([_row(["0.png"])]), tmp_path / "rows.parquet")
+    assert main(["profile", str(tmp_path / "rows.parquet"), "--tokenizer", proc]) == 1
+    err = capsys.readouterr().err
+    assert "holds images (images)" in err and "JSON lines" in err and "pack_dataset(" in err, err
+    assert (
+        "packtools profile PATH --tokenizer DIR" not in err and "packtools pack --processor DIR" not in err
+    ), err
+
+
 def test_profile_recommends_a_max_length_pack_takes(tmp_path, proc, capsys):
     """Vision samples are packed whole and pack --processor refuses a longer one: the recommendation (the
     sequence rule at 0.99, bfd_split) left the longest samples out, and the pack at it was refused."""

@@ -96,14 +96,24 @@ def _refuse_images(files: Sequence[InputFile], columns: Sequence[list[str]], tok
         found = next((c for c in ("images", "image") if c in names and _column_set(f, c)), None)
         if found is None and processor and f.kind == "json" and holds_images(f.path):
             found = "image parts in messages"
-        if found is not None:
-            raise PackingError(
-                f"input {f.path!r} holds images ({found}): tokenized as text, each image would become a "
-                f"placeholder token and the images would be lost. Pack vision-language rows with their processor "
-                f"folder: packtools pack --processor DIR (pack_dataset(..., processor=DIR)); profile them with "
-                f"packtools profile PATH --tokenizer DIR (the processor folder). To train on the text alone, drop "
-                f"the images first."
+        if found is None:
+            continue
+        if f.kind == "json":
+            how = (
+                "Pack vision-language rows with their processor folder: packtools pack --processor DIR "
+                "(pack_dataset(..., processor=DIR)); profile them with packtools profile PATH --tokenizer DIR "
+                "(the processor folder)."
             )
+        else:  # pack --processor and profile's vision lengths read JSON lines only
+            how = (
+                "packtools pack --processor and packtools profile read vision-language rows from JSON lines "
+                "(.jsonl): write these rows as JSON lines, or pack them in Python with "
+                "pack_dataset(datasets.load_dataset(...), processor=DIR)."
+            )
+        raise PackingError(
+            f"input {f.path!r} holds images ({found}): tokenized as text, each image would become a placeholder "
+            f"token and the images would be lost. {how} To train on the text alone, drop the images first."
+        )
 
 
 def _column_set(file: InputFile, column: str) -> bool:
