@@ -123,3 +123,26 @@ def test_demo_flags_are_checked_first_in_their_own_names(tmp_path, capsys, monke
     assert main(["demo", "--out", str(tmp_path / "d"), "--quiet", *argv]) == 1
     err = capsys.readouterr().err
     assert f"error ({flag}):" in err and "--keep-sequences" not in err, err
+
+
+def test_demo_corpus_is_tokenized_again_when_what_decides_the_ids_changes(tmp_path, monkeypatch):
+    """The kept corpus was named by the tokenizer's files alone: after an upgrade of transformers/tokenizers (or a
+    change to packtools' tokenizing code or the fast engine) a rerun packed the ids tokenized before.  It is named
+    by what decides the ids in any run (IdsSpec: libraries, engine, code), as the stage cache is."""
+    pytest.importorskip("transformers")
+    import packtools.pipeline.demo as demo
+    import packtools.pipeline.tokenizer.spec as spec
+    from packtools.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer(str(tmp_path / "tok"))
+    built = []
+    real = demo.tokenized_table
+    monkeypatch.setattr(demo, "tokenized_table", lambda *a, **k: built.append(1) or real(*a, **k))
+    out = str(tmp_path / "demo")
+    for _ in range(2):
+        run_demo(out, tokenizer=tok, limit=1, echo=lambda _: None, quiet=True)
+    assert len(built) == 1  # the same ids: kept
+    versions = spec.library_versions()
+    monkeypatch.setattr(spec, "library_versions", lambda: (*versions, ("tokenizers-upgraded", "9")))
+    run_demo(out, tokenizer=tok, limit=1, echo=lambda _: None, quiet=True)
+    assert len(built) == 2

@@ -186,6 +186,53 @@ def test_tokenized_parquet_with_labels_profiles_as_its_json_lines(tmp_path, cach
     assert from_parquet.tradeoffs([128, 256]).to_dicts() == from_json.tradeoffs([128, 256]).to_dicts()
 
 
+@pytest.mark.parametrize("suffix", ["parquet", "arrow"])
+def test_labels_of_tokenized_files_are_read_a_bounded_batch_at_a_time(tmp_path, cache, monkeypatch, suffix):
+    """The labels of tokenized parquet were read in pyarrow's default batches (65,536 rows): with long rows a
+    batch held hundreds of millions of labels, several int64 arrays of each at once (1.7 GB peak for 40,000 rows
+    of 1,024 tokens, where the lengths alone took 0.2 GB).  Each batch now holds at most LABEL_BATCH_TOKENS
+    labels (a row longer than that: the row alone), with the same counts."""
+    import packtools.pipeline.profile as stage_profile
+    from packtools.profiling.trained import TrainedTokens
+
+    rng = np.random.default_rng(5)
+    rows = []
+    for n in rng.integers(2, 300, 400):
+        k = int(rng.integers(1, n))
+        rows.append({"input_ids": list(range(int(n))), "labels": [-100] * k + list(range(k, int(n)))})
+    table = pa.Table.from_pylist(rows)
+    path = tmp_path / f"rows.{suffix}"
+    if suffix == "parquet":
+        pq.write_table(table, path)
+    else:
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)  # one record batch of 400 rows
+    whole = TrainedTokens.from_labels(table.column("labels"))
+    seen = []
+    real = TrainedTokens.from_labels.__func__
+
+    def counted(cls, labels):
+        seen.append(sum(len(v) for v in labels.to_pylist()))
+        return real(cls, labels)
+
+    monkeypatch.setattr(stage_profile, "LABEL_BATCH_TOKENS", 1000)
+    monkeypatch.setattr(TrainedTokens, "from_labels", classmethod(counted))
+    got = profile_files(str(path)).profile.trained
+    assert len(seen) > 1 and max(seen) <= 1000, seen
+    assert got.total == whole.total and got.first.tolist() == whole.first.tolist()
+    assert got.lengths.tolist() == whole.lengths.tolist() and got.at.tolist() == whole.at.tolist()
+
+
+def test_tokenized_files_with_and_without_labels_are_refused_by_name(tmp_path, cache):
+    """Profiling tokenized parquet whose first file has labels and another not failed with a bare
+    'IndexError: index out of bounds' (pack refuses those inputs, naming the file)."""
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3]], "labels": [[-100, 2, 3]]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3, 4]]}), tmp_path / "b.parquet")
+    with pytest.raises(PackingError, match=r"b\.parquet.*labels") as info:
+        profile_files(str(tmp_path))
+    assert info.value.param == "paths"
+
+
 def test_raw_input_without_tokenizer_names_the_flag(tmp_path, capsys):
     data = _write_jsonl(tmp_path / "t.jsonl", [{"text": "a b"}])
     assert main(["profile", data]) == 1

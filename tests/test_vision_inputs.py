@@ -189,6 +189,26 @@ def test_vision_samples_train_the_assistant_turns_only(tmp_path, proc):
     assert not mask[ids == IMAGE].any() and tokens.count("<|image_pad|>") == 4
 
 
+@pytest.mark.parametrize("which", ["data", "state.json", "dataset_info.json"])
+def test_a_vision_rerun_rebuilds_an_output_missing_a_file(tmp_path, proc, which):
+    """A shard (or datasets' state/info file) deleted from a vision output: pack_vision_files reported the output
+    done (cached) and load_from_disk failed on the missing shard; it packs again, as pack_files does."""
+    rows = []
+    for i in range(6):
+        Image.fromarray(np.full((56, 56, 3), 40 * i, np.uint8)).save(tmp_path / f"{i}.png")
+        rows.append(_row([f"{i}.png"]))
+    data = _write(tmp_path, rows)
+    out = tmp_path / "out"
+    first = pack_vision_files(data, out, processor=proc, max_length=24, shard_bytes=1)  # a shard per row
+    shards = sorted(p.name for p in out.glob("*.arrow"))
+    assert len(shards) > 1
+    (out / (shards[0] if which == "data" else which)).unlink()
+    again = pack_vision_files(data, out, processor=proc, max_length=24, shard_bytes=1)
+    assert not again.cached
+    assert datasets.load_from_disk(str(out)).num_rows == first.rows_out
+    assert pack_vision_files(data, out, processor=proc, max_length=24, shard_bytes=1).cached  # whole again
+
+
 def test_rows_with_images_are_not_tokenized_as_text(tmp_path, proc, capsys):
     """pack --tokenizer PROC (no --processor) on vision rows packed their text with one placeholder token per
     image and no image, without a word (and profile_files counted those lengths); both refuse now."""
@@ -215,6 +235,102 @@ def test_rows_with_images_are_not_tokenized_as_text(tmp_path, proc, capsys):
     parts_only = _write(tmp_path / "parts", [row])
     assert main(["pack", str(parts_only), "--out", str(tmp_path / "q"), "--tokenizer", proc, "--quiet"]) == 1
     assert "holds images (image parts in messages)" in capsys.readouterr().err
+
+
+def test_image_parts_after_the_first_rows_are_refused(tmp_path, proc):
+    """Image parts in messages were looked for in a file's first 64 rows only: text rows first, then rows with
+    image parts, packed with the processor folder as --tokenizer, lost those images without a word."""
+    from packtools import pack_files
+
+    text = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]
+    image = [
+        {"role": "user", "content": [{"type": "image", "image": "0.png"}, {"type": "text", "text": "what?"}]}
+    ]
+    rows = [{"messages": text}] * 100 + [{"messages": image + text[1:]}]
+    data = _write(tmp_path, rows)
+    with pytest.raises(PackingError, match=r"holds images \(image parts in messages\)"):
+        pack_files(data, tmp_path / "out", 64, tokenizer=proc)
+    assert not (tmp_path / "out").exists()
+    plain = _write(tmp_path / "plain", [{"messages": text}] * 101)  # no image part: packs
+    assert pack_files(plain, tmp_path / "plain_out", 64, tokenizer=proc).stats["rows_in"] == 101
+
+
+def test_rows_with_an_empty_images_column_pack_as_text(tmp_path, capsys):
+    """Text-only rows of a vision dataset (``images: []`` or null on every row) lose nothing as text, but any
+    ``images`` column was refused ("the images would be lost"); a row with an image after them still is."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from packtools import pack_files
+    from packtools.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer(str(tmp_path / "tok"))
+    texts = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello, how are you"}]
+    plain = _write(tmp_path / "plain", [{"messages": texts}] * 3)
+    want = datasets.load_from_disk(pack_files(plain, tmp_path / "want", 64, tokenizer=tok).out)["input_ids"]
+    empty = _write(tmp_path / "empty", [{"messages": texts, "images": v} for v in ([], None, [])])
+    got = pack_files(empty, tmp_path / "got", 64, tokenizer=tok)
+    assert datasets.load_from_disk(got.out)["input_ids"] == want
+    parts = tmp_path / "parquet"
+    parts.mkdir()
+    table = pa.table({"messages": [texts] * 3, "images": pa.array([[], None, []], pa.list_(pa.string()))})
+    pq.write_table(table, parts / "rows.parquet")
+    got = pack_files(str(parts), tmp_path / "got_parquet", 64, tokenizer=tok)
+    assert datasets.load_from_disk(got.out)["input_ids"] == want
+    (tmp_path / "late").mkdir()
+    Image.fromarray(np.zeros((56, 56, 3), np.uint8)).save(tmp_path / "late" / "0.png")
+    late = [{"messages": texts, "images": []}] * 3000 + [{"messages": texts, "images": ["0.png"]}]
+    late_file = tmp_path / "late" / "data.jsonl"
+    late_file.write_text("".join(json.dumps(r) + "\n" for r in late))
+    with pytest.raises(PackingError, match="holds images"):
+        pack_files(late_file, tmp_path / "late_out", 64, tokenizer=tok)
+    assert not (tmp_path / "late_out").exists()
+
+
+def test_parquet_images_are_told_from_the_footer(tmp_path, monkeypatch):
+    """Whether a parquet images column holds an image is read from the footer's statistics (a null count per
+    leaf), not from the column: a row group of embedded image bytes was read whole only to refuse it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import packtools.pipeline.schema as schema
+    from packtools import pack_files
+    from packtools.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer(str(tmp_path / "tok"))
+    texts = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello, how are you"}]
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    monkeypatch.setattr(schema, "iter_part", lambda *a, **k: pytest.fail("read the images column"))
+    for name, values, refused in (
+        ("set", [[], [{"bytes": b"\x89PNG" * 1000, "path": None}], None], True),
+        ("empty", [[], None, []], False),
+    ):
+        folder = tmp_path / name
+        folder.mkdir()
+        table = pa.table({"messages": [texts] * 3, "images": pa.array(values, pa.list_(image))})
+        pq.write_table(table, folder / "rows.parquet")
+        if refused:
+            with pytest.raises(PackingError, match=r"holds images \(images\)"):
+                pack_files(str(folder), tmp_path / f"{name}_out", 64, tokenizer=tok)
+        else:
+            assert pack_files(str(folder), tmp_path / f"{name}_out", 64, tokenizer=tok).stats["rows_in"] == 3
+
+
+def test_vision_rows_in_parquet_are_told_a_way_that_takes_them(tmp_path, proc, capsys):
+    """Vision rows in parquet: the refusal said to run `packtools profile PATH --tokenizer DIR (the processor
+    folder)`, the command that had just been refused, and `packtools pack --processor`, which reads JSON lines
+    only; it names the ways that take them (JSON lines, or pack_dataset(..., processor=DIR))."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    Image.fromarray(np.zeros((56, 56, 3), np.uint8)).save(tmp_path / "0.png")
+    pq.write_table(pa.Table.from_pylist([_row(["0.png"])]), tmp_path / "rows.parquet")
+    assert main(["profile", str(tmp_path / "rows.parquet"), "--tokenizer", proc]) == 1
+    err = capsys.readouterr().err
+    assert "holds images (images)" in err and "JSON lines" in err and "pack_dataset(" in err, err
+    assert (
+        "packtools profile PATH --tokenizer DIR" not in err and "packtools pack --processor DIR" not in err
+    ), err
 
 
 def test_profile_recommends_a_max_length_pack_takes(tmp_path, proc, capsys):

@@ -38,17 +38,25 @@ def stdlib_definitions(limit: int | None = None) -> list[bytes]:
 
 
 def _corpus_name(tokenizer: str | None, limit: int | None) -> str:
-    """The corpus file's name: what its ids depend on (the interpreter's standard library, the tokenizer's
-    files, ``limit``) is in it, so a rerun into the same ``out`` with another tokenizer tokenizes again instead of
-    packing the ids of the one before."""
+    """The corpus file's name: what its ids depend on is in it, so a rerun into the same ``out`` after any of
+    it changed builds the corpus again instead of packing the ids of the one before: the interpreter's standard
+    library, ``limit`` and packtools' code (how the corpus is cut), and with a tokenizer what decides its ids in
+    any run (:class:`~packtools.pipeline.tokenizer.spec.IdsSpec`: the tokenizer's files, the engine, the
+    libraries' versions), as :func:`tokenized_table` tokenizes."""
     import hashlib
+    import json
     import sysconfig
 
-    key = [sysconfig.get_paths()["stdlib"], sys.version, str(limit)]
-    if tokenizer is not None:
-        from .tokenizer.folder import tokenizer_fingerprint
+    from ..io.fingerprint import source_hash
 
-        key.append(tokenizer_fingerprint(tokenizer))
+    key = [sysconfig.get_paths()["stdlib"], sys.version, str(limit), source_hash()]
+    if tokenizer is not None:
+        from .tokenizer.fast import AUDIT_RATE
+        from .tokenizer.folder import tokenizer_fingerprint
+        from .tokenizer.spec import IdsSpec
+
+        spec = IdsSpec.of(tokenizer_fingerprint(tokenizer), "text", True, "auto", "report", AUDIT_RATE)
+        key.append(json.dumps(spec.key(), sort_keys=True))
     digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
     return f"stdlib-{'definitions' if tokenizer is None else 'tokenized'}-{digest}.parquet"
 
@@ -85,8 +93,8 @@ def run_demo(
     how many tokens it dropped.  Strategies are timed after the kernels are compiled (the compile time is
     printed apart).
 
-    Writes ``out/corpus/stdlib-*.parquet`` (kept between runs; named by the interpreter, the tokenizer and
-    ``limit``), ``out/lengths.png`` (with matplotlib) and ``out/packed`` (a ``datasets.load_from_disk`` folder).  Returns what it printed, as data.
+    Writes ``out/corpus/stdlib-*.parquet`` (kept between runs; named by what decides its ids: the interpreter,
+    ``limit``, packtools' code, the tokenizer and the libraries that tokenize), ``out/lengths.png`` (with matplotlib) and ``out/packed`` (a ``datasets.load_from_disk`` folder).  Returns what it printed, as data.
     ``limit`` takes only the first source files (for quick checks).
     """
     from ..core.pack import warmup

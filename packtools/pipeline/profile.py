@@ -181,8 +181,18 @@ def profile_files(
     if fmt == "tokenized" and all(f.kind != "json" for f in files):  # offsets only: nothing to stage
         # the inputs as given: a packed folder's manifest (its max_length) and name come with it
         prof = profile_lengths([os.fspath(i) for i in inputs], column=column, name=name)
-        if prof.packed is None and _has_labels(files[0].path):  # as a JSON-lines input of the same rows
-            prof = LengthProfile(prof.lengths, prof.name, trained=_file_trained_tokens(files))
+        labelled = [f.path for f in files if _has_labels(f.path)] if prof.packed is None else []
+        if labelled:  # as a JSON-lines input of the same rows
+            bare = next((f.path for f in files if f.path not in labelled), None)
+            if bare is not None:
+                raise PackingError(
+                    f"input {bare!r} has no 'labels' column but {labelled[0]!r} has one: pack refuses inputs whose "
+                    f"token columns differ (it needs the same in every file); profile and pack them apart, or give "
+                    f"every file labels.",
+                    param="paths",
+                )
+            longest = int(prof.lengths.max()) if prof.count else 1
+            prof = LengthProfile(prof.lengths, prof.name, trained=_file_trained_tokens(files, longest))
         return ProfiledInput(prof, fmt)
     left_out: list[str] = []
     notes: list[str] = []
@@ -305,24 +315,40 @@ def _has_labels(path: str) -> bool:
     return "labels" in schema.names and is_list_type(schema.field("labels").type)
 
 
-def _file_trained_tokens(files: Sequence[Any]) -> Any:
+def _file_trained_tokens(files: Sequence[Any], longest: int) -> Any:
     """:class:`~packtools.profiling.trained.TrainedTokens` of the ``labels`` column of tokenized parquet / Arrow
-    files, read batch by batch (the token rule, the trained share and the pieces ``pack``'s turn split drops
-    depend on them, as for JSON lines; their ``input_ids`` values are still never read)."""
+    files (the token rule, the trained share and the pieces ``pack``'s turn split drops depend on them, as for
+    JSON lines; their ``input_ids`` values are still never read).  Read in batches of at most
+    :data:`LABEL_BATCH_TOKENS` labels (``longest``: the longest row), since each label takes several int64 arrays
+    while it is counted: pyarrow's default batch of 65,536 rows held hundreds of millions of them on long rows."""
     import pyarrow.parquet as pq
 
     from ..io.files import reading
     from ..profiling.trained import TrainedTokens
 
-    parts = []
+    rows = max(1, LABEL_BATCH_TOKENS // max(1, longest))
+    parts: list[TrainedTokens] = []
+
+    def count(labels: Any) -> None:
+        parts.append(TrainedTokens.from_labels(labels))
+        if len(parts) >= 64:  # each part holds a count per position: folded as they come
+            parts[:] = [TrainedTokens.combine(parts)]
+
     for f in files:
         if f.kind == "parquet":
             with reading(f.path, "parquet"), pq.ParquetFile(f.path, memory_map=False, pre_buffer=False) as pf:
-                parts += [TrainedTokens.from_labels(b.column(0)) for b in pf.iter_batches(columns=["labels"])]
+                for b in pf.iter_batches(batch_size=rows, columns=["labels"]):
+                    count(b.column(0))
         else:
             with reading(f.path, "arrow"), open_ipc(f.path) as reader:
-                parts += [TrainedTokens.from_labels(b.column("labels")) for b in reader.batches()]
+                for b in reader.batches():
+                    for start in range(0, b.num_rows, rows):
+                        count(b.column("labels").slice(start, rows))
     return TrainedTokens.combine(parts)
+
+
+#: Labels counted at once by :func:`_file_trained_tokens` (a batch of rows, or one longer row).
+LABEL_BATCH_TOKENS = 1 << 22
 
 
 def _trained_tokens(paths: list[str]) -> Any:

@@ -35,7 +35,7 @@ from ..core.arrow import is_list_type
 from ..core.pack import BOUNDARY_COLUMNS
 from ..errors import PackingError
 from ..io.discover import InputFile
-from ..io.files import read_schema
+from ..io.files import Part, iter_part, read_schema, reading
 from .formats import detect_format, input_columns
 
 if TYPE_CHECKING:
@@ -85,24 +85,78 @@ def data_format(files: Sequence[InputFile], config: PipelineConfig) -> str:
 
 def _refuse_images(files: Sequence[InputFile], columns: Sequence[list[str]], tokenizer: str | None) -> None:
     """Rows with images tokenized as text would keep one placeholder token per image and lose the images,
-    without a word: refused with the fix.  Images are an ``images``/``image`` column (TRL's vision format), or
-    image parts in JSON lines' messages when the tokenizer folder is a vision model's processor (a
-    ``preprocessor_config.json``); with a text tokenizer, parts render as its chat template writes them."""
-    from .vision import is_vision_file
+    without a word: refused with the fix.  Images are an ``images``/``image`` column with a value on some row
+    (TRL's vision format; empty on every row, it holds none), or image parts in any row of JSON lines' messages
+    when the tokenizer folder is a vision model's processor (a ``preprocessor_config.json``); with a text
+    tokenizer, parts render as its chat template writes them."""
+    from .vision import holds_images
 
     processor = tokenizer is not None and os.path.isfile(os.path.join(tokenizer, "preprocessor_config.json"))
-    for f, names in zip(files, columns):  # the columns data_format read: no file's first block parsed again
-        found = next((c for c in ("images", "image") if c in names), None)
-        if found is None and processor and f.kind == "json" and is_vision_file(f.path):
+    for f, names in zip(files, columns):  # the columns data_format read (each file's schema read once)
+        found = next((c for c in ("images", "image") if c in names and _column_set(f, c)), None)
+        if found is None and processor and f.kind == "json" and holds_images(f.path):
             found = "image parts in messages"
-        if found is not None:
-            raise PackingError(
-                f"input {f.path!r} holds images ({found}): tokenized as text, each image would become a "
-                f"placeholder token and the images would be lost. Pack vision-language rows with their processor "
-                f"folder: packtools pack --processor DIR (pack_dataset(..., processor=DIR)); profile them with "
-                f"packtools profile PATH --tokenizer DIR (the processor folder). To train on the text alone, drop "
-                f"the images first."
+        if found is None:
+            continue
+        if f.kind == "json":
+            how = (
+                "Pack vision-language rows with their processor folder: packtools pack --processor DIR "
+                "(pack_dataset(..., processor=DIR)); profile them with packtools profile PATH --tokenizer DIR "
+                "(the processor folder)."
             )
+        else:  # pack --processor and profile's vision lengths read JSON lines only
+            how = (
+                "packtools pack --processor and packtools profile read vision-language rows from JSON lines "
+                "(.jsonl): write these rows as JSON lines, or pack them in Python with "
+                "pack_dataset(datasets.load_dataset(...), processor=DIR)."
+            )
+        raise PackingError(
+            f"input {f.path!r} holds images ({found}): tokenized as text, each image would become a placeholder "
+            f"token and the images would be lost. {how} To train on the text alone, drop the images first."
+        )
+
+
+def _column_set(file: InputFile, column: str) -> bool:
+    """Whether a row of ``file`` has a value in ``column`` (not null, not an empty list): text-only rows of a
+    vision dataset (``images: []``) lose nothing as text.  Parquet says it in its footer (:func:`_parquet_set`);
+    otherwise read up to the first such row, that column alone (a JSON file whose rows have no image is parsed
+    whole)."""
+    import pyarrow.compute as pc
+
+    if file.kind == "parquet":
+        told = _parquet_set(file.path, column)
+        if told is not None:
+            return told
+    for _, table in iter_part(Part(file), 4096, columns=[column]):
+        col = table.column(column)
+        if is_list_type(col.type):
+            if pc.any(pc.greater(pc.fill_null(pc.list_value_length(col), 0), 0)).as_py():
+                return True
+        elif col.null_count < len(col):
+            return True
+    return False
+
+
+def _parquet_set(path: str, column: str) -> bool | None:
+    """:func:`_column_set` from the footer's statistics: a leaf of ``column`` whose null count (an empty list
+    or a null counts as one) is below its number of values holds one (image bytes are never read); None where a
+    row group has no null count."""
+    import pyarrow.parquet as pq
+
+    with reading(path, "parquet"):
+        md = pq.ParquetFile(path).metadata
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        for i in range(rg.num_columns):
+            leaf = rg.column(i)
+            if leaf.path_in_schema != column and not leaf.path_in_schema.startswith(column + "."):
+                continue
+            stats = leaf.statistics if leaf.is_stats_set else None
+            if stats is None or not stats.has_null_count:
+                return None
+            if stats.null_count < leaf.num_values:
+                return True
+    return False
 
 
 def no_rows_message(files: Sequence[InputFile]) -> str:

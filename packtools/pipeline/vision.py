@@ -32,7 +32,7 @@ from ..io.discover import InputFile
 from ..io.files import mapped_table
 from ..io.manifest import MANIFEST_FORMAT, read_manifest, write_manifest
 from .gather import ShardFolder, shard_rows
-from .outcheck import check_out, check_replaceable
+from .outcheck import check_out, check_replaceable, missing_outputs
 from .vision_stage import (
     block_damage,
     blocks,
@@ -144,7 +144,8 @@ def pack_vision_files(
     }
     fingerprint = hashlib.sha256(json.dumps([key, config], sort_keys=True).encode()).hexdigest()
     previous = read_manifest(out)
-    if previous is not None and previous.get("fingerprint") == fingerprint:
+    # a file deleted since (a shard, state.json, dataset_info.json): packed again, as run_pipeline does
+    if previous is not None and previous.get("fingerprint") == fingerprint and not missing_outputs(out):
         tidy_after_dead_run(out)  # a run killed after installing this output may have left its work folder
         st = previous.get("stats", {})
         return VisionPackResult(
@@ -235,18 +236,37 @@ def pack_vision_files(
 
 def is_vision_file(path: str, rows: int = 64) -> bool:
     """Whether a JSON-lines file holds TRL vision rows: one of its first ``rows`` objects has an ``images``
-    key, or a message content part of type ``image``."""
+    key, or a message content part of type ``image`` or ``video``."""
     for _, block in blocks(path, rows, strict=False):
-        for _, row in block:
-            if "images" in row:
-                return True
-            for m in row.get("messages") or []:
-                content = m.get("content") if isinstance(m, dict) else None
-                if isinstance(content, list) and any(
-                    isinstance(c, dict) and c.get("type") in ("image", "video") for c in content
-                ):
-                    return True
+        return any("images" in row or _image_parts(row) for _, row in block)
+    return False
+
+
+def holds_images(path: str) -> bool:
+    """Whether a row of a JSON-lines file has an image: a non-empty ``images`` or a message content part of
+    type ``image`` or ``video`` (read to the first such row; a file whose bytes never hold ``"image`` or
+    ``"video"``, always quoted in JSON, is not parsed)."""
+    import mmap
+
+    if os.path.getsize(path) == 0:
         return False
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        if mm.find(b'"image') < 0 and mm.find(b'"video"') < 0:
+            return False
+    return any(
+        row.get("images") or _image_parts(row)
+        for _, block in blocks(path, 4096, strict=False)
+        for _, row in block
+    )
+
+
+def _image_parts(row: dict) -> bool:
+    for m in row.get("messages") or []:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(
+            isinstance(c, dict) and c.get("type") in ("image", "video") for c in content
+        ):
+            return True
     return False
 
 
