@@ -74,13 +74,13 @@ def test_guard_refuses_a_family_that_mixes_packed_documents(name):
     docs = documents()
     batch = packed_batch(docs)
     with torch.no_grad():  # negative control: unguarded, the packed documents see each other, with no error
-        leaked = model(**batch, use_cache=False).logits
+        leaked = model(**batch).logits
     assert gap_to_alone(model, docs, leaked) > 1e-3
     guard_model(model)
     with pytest.raises(PackingError, match=rf"guard_model: the first packed batch.*{SILENT[name][0]}"):
-        model(**batch, use_cache=False)
+        model(**batch)
     with pytest.raises(PackingError, match="guard_model"):  # refused every time, not only once
-        model(**batch, use_cache=False)
+        model(**batch)
 
 
 def test_guard_probes_once_and_isolated_families_stay_exact():
@@ -108,7 +108,7 @@ def test_opt_on_segmented_sdpa_is_exact_under_the_guard():
     guard_model(model)
     docs = documents()
     with torch.no_grad():
-        logits = model(**packed_batch(docs), use_cache=False).logits
+        logits = model(**packed_batch(docs)).logits
     assert gap_to_alone(model, docs, logits) < 1e-5
 
 
@@ -169,14 +169,14 @@ def test_guard_refuses_a_batch_a_length_dependent_rope_would_rotate_wrong(name):
     docs = documents()  # documents of 4 to 13 tokens: some over the threshold (10), some not
     batch = packed_batch(docs)
     with torch.no_grad():  # negative control: unguarded, the short documents get the long one's frequencies
-        wrong = model(**batch, use_cache=False).logits
+        wrong = model(**batch).logits
     assert gap_to_alone(model, docs, wrong) > 1e-5
     guard_model(model)
     with pytest.raises(PackingError, match=r"wrong positions.*max_length <= 10"):
-        model(**batch, use_cache=False)
+        model(**batch)
     short = [[d[:4] for d in row] for row in docs]  # every document under the threshold: exact, accepted
     with torch.no_grad():
-        logits = model(**packed_batch(short), use_cache=False).logits
+        logits = model(**packed_batch(short)).logits
     assert gap_to_alone(model, short, logits) < 1e-5
 
 
@@ -220,7 +220,7 @@ def test_recurrent_gemma_layers_run_per_document_exactly():
     docs = documents()
     batch = packed_batch(docs)
     with torch.no_grad():  # negative control: its convolutions run the packed row as one sequence
-        assert gap_to_alone(model, docs, model(**batch, use_cache=False).logits) > 1e-3
+        assert gap_to_alone(model, docs, model(**batch).logits) > 1e-3
     run_mixers_per_document(model)
     guard_model(model)
     with torch.no_grad():
@@ -237,4 +237,4 @@ def test_recurrent_gemma_on_flex_attention_is_refused_by_name():
     model = build("RecurrentGemmaForCausalLM", "RecurrentGemmaConfig", sizes, "flex_attention")
     run_mixers_per_document(model)
     with pytest.raises(PackingError, match="BlockMask attention mask.*'sdpa' or 'eager'"), torch.no_grad():
-        model(**packed_batch(documents()), use_cache=False)
+        model(**packed_batch(documents()))
