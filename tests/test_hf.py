@@ -338,6 +338,32 @@ def test_guard_refuses_use_cache_true_on_a_vision_language_batch_without_cu_seq_
         model(**{**one, "position_ids": one["position_ids"][1:], "use_cache": True})
 
 
+def test_guard_refuses_rotary_positions_counted_on_across_a_row_cut_by_cu_seq_lens():
+    """(3, 1, T) rotary positions without a text row that count on across the documents (no restart) in a row
+    that cu_seq_lens_q cuts in two: on sdpa the model builds no per-sequence mask, so the documents see each
+    other (0.15 in Qwen2-VL's logits) with use_cache=False, and with use_cache=True, which the guard refused
+    before it judged (3, B, T) positions itself, too; both are refused now."""
+    from packtools.testing import tiny_vl_model
+
+    model = tiny_vl_model("qwen2_vl").eval()
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    batch = {
+        "input_ids": torch.tensor([[5, 6, 7, 8, 9, 10, 11]]),
+        "position_ids": torch.arange(7)[None, None].expand(3, 1, 7).clone(),
+        **{"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 4, "max_length_k": 4},
+    }
+    later = torch.arange(3, 7)[None, None].expand(3, 1, 4)  # the second document alone, at its positions
+    with torch.no_grad():  # negative control, unguarded: the second document sees the first
+        alone = model(input_ids=batch["input_ids"][:, 3:], position_ids=later, use_cache=False).logits[0]
+        assert (model(**batch, use_cache=False).logits[0, 3:] - alone).abs().max() > 1e-3
+    guard_model(model)
+    for cache in (False, True):
+        with pytest.raises(
+            PackingError, match=r"\(3, B, T\) rotary position_ids sit in a row that cu_seq_lens_q"
+        ):
+            model(**batch, use_cache=cache)
+
+
 def test_guard_reads_every_packed_batch_shape():
     """Shapes a user might feed: positions (1, T) for a (B, T) batch, cu_seq_lens cut by accelerate's
     dispatch_batches (every tensor sliced to the batch size: cu_seq_lens_q == [0], no error before), and
