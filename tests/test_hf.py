@@ -217,6 +217,16 @@ def test_neftune_is_refused_where_packed_rows_would_shrink_its_noise(tmp_path):
     ) as err:
         prepare_trainer(trainer)
     assert err.value.param == "neftune_noise_alpha" and plan_of(trainer) is None  # left as it was built
+    # Trainer copies the value when built and train() reads its copy: one set on the trainer itself was let through
+    trainer = transformers.Trainer(
+        model=tiny_llama(),
+        args=train_args(tmp_path),
+        train_dataset=packed_dataset(),
+        data_collator=PaddingFreeCollator(PAD),
+    )
+    trainer.neftune_noise_alpha = 5.0
+    with pytest.raises(PackingError, match=r"neftune_noise_alpha=5.0: "):
+        prepare_trainer(trainer)
     pytest.importorskip("trl")
     with pytest.raises(PackingError, match="neftune_noise_alpha=5.0") as err:
         packed_sft_config(output_dir=str(tmp_path), neftune_noise_alpha=5.0)
