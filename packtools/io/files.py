@@ -220,13 +220,21 @@ class Where:
     block before this table: row ``i`` is then found on the file's ``rows + i``-th non-blank line from there (the
     reader skips blank lines, so a row's line is not ``first + rows + i`` once one is skipped)."""
 
-    def __init__(self, path: str, first: int | Callable[[], int], unit: str = "row", rows: int = 0) -> None:
-        self.path, self._first, self.unit, self.rows = path, first, unit, rows
+    def __init__(
+        self,
+        path: str,
+        first: int | Callable[[], int],
+        unit: str = "row",
+        *,
+        rows: int = 0,
+        base: LineBase | None = None,
+    ) -> None:
+        self.path, self._first, self.unit, self.rows, self.base = path, first, unit, rows, base
 
     def __call__(self, i: int = 0) -> str:
         first = self._first() if callable(self._first) else self._first
         if self.unit == "line":
-            return f"input {self.path!r} line {row_line(self.path, first, self.rows + i)}"
+            return f"input {self.path!r} line {row_line(self.path, first, self.rows + i, self.base)}"
         return f"input {self.path!r} {self.unit} {first + self.rows + i}"
 
 
@@ -320,11 +328,11 @@ def read_part(
         base = LineBase(path, part.start)
         stop = part.stop if part.stop >= 0 else None
         for rel, table in iter_json_lines(path, part.start, stop):
-            _check_known(table, known_columns, Where(path, lambda r=rel: base.value + r, "line"))
+            _check_known(table, known_columns, Where(path, lambda r=rel: base.value + r, "line", base=base))
             table = _select(table, cols)
             for start in range(0, table.num_rows, batch_rows):
                 yield (
-                    Where(path, lambda r=rel: base.value + r, "line", rows=start),
+                    Where(path, lambda r=rel: base.value + r, "line", rows=start, base=base),
                     table.slice(start, batch_rows),
                 )
 
