@@ -374,6 +374,35 @@ def test_guard_refuses_rotary_positions_counted_on_across_a_row_cut_by_cu_seq_le
             model(**batch, use_cache=cache)
 
 
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_guard_refuses_2d_positions_where_a_vision_language_model_drops_the_text_row(name):
+    """PaddingFreeCollator's 2-D positions on a vision-language model in a loop of one's own (text-only rows):
+    Qwen2-VL and Qwen2.5-VL expand them to 3 rotary rows with no text row and build no per-sequence mask, so the
+    guarded model attended across documents with no error (0.15 and 0.17 in the logits on sdpa); refused now.
+    Qwen3-VL expands them to 4 rows, the text row first: exact, and let through."""
+    from packtools.testing import tiny_vl_model
+
+    model = tiny_vl_model(name).eval()
+    batch = PaddingFreeCollator(PAD)([{"input_ids": [5, 6, 7, 8, 9, 10, 11], "seq_lengths": [3, 4]}])
+    batch.pop("labels")
+    one = PaddingFreeCollator(PAD)([{"input_ids": [8, 9, 10, 11], "seq_lengths": [4]}])
+    one.pop("labels")
+    with torch.no_grad():
+        alone = model(**one).logits[0]
+        gap = float((model(**batch).logits[0, 3:] - alone).abs().max())  # unguarded
+    guard_model(model)
+    with torch.no_grad():
+        model(**one)  # one sequence: nothing to separate
+    if name == "qwen3_vl":
+        assert gap < 1e-5
+        with torch.no_grad():
+            assert (model(**batch).logits[0, 3:] - alone).abs().max() < 1e-5
+        return
+    assert gap > 1e-2  # negative control: the documents see each other
+    with pytest.raises(PackingError, match=rf"\({name}\) turns 2-D position_ids .*MultimodalCollator"):
+        model(**batch)
+
+
 def test_guard_reads_every_packed_batch_shape():
     """Shapes a user might feed: positions (1, T) for a (B, T) batch, cu_seq_lens cut by accelerate's
     dispatch_batches (every tensor sliced to the batch size: cu_seq_lens_q == [0], no error before), and

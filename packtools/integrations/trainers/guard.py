@@ -302,6 +302,34 @@ def check_positionless_masks(model: Any, kwargs: Mapping[str, Any], implementati
     )
 
 
+#: Vision-language model types whose text model turns 2-D ``position_ids`` into its 3 rotary rows with no text
+#: row, and so builds no per-sequence mask from them (transformers 5.25: Qwen2-VL and Qwen2.5-VL expand them to 3
+#: rows; Qwen3-VL to 4, the text row first, which separates the sequences).
+NO_TEXT_ROW_FROM_2D = ("qwen2_vl", "qwen2_5_vl")
+
+
+def check_text_row(model: Any, kwargs: Mapping[str, Any], implementation: str | None) -> None:
+    """Refuse packed 2-D ``position_ids`` (``PaddingFreeCollator``'s) for a :data:`NO_TEXT_ROW_FROM_2D` model
+    unless FlashAttention gets ``cu_seq_lens``: the model builds per-sequence masks only from the text row of
+    ``(4, B, T)`` positions, so the sequences of a packed row would attend to each other (0.15 in a tiny
+    Qwen2-VL's logits on ``sdpa``) with no error."""
+    pos = kwargs.get("position_ids")
+    if getattr(pos, "ndim", 0) != 2 or (is_flash(implementation) and kwargs.get("cu_seq_lens_q") is not None):
+        return
+    model_type = getattr(getattr(base_model(model), "config", None), "model_type", None)
+    if model_type not in NO_TEXT_ROW_FROM_2D:
+        return
+    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None or not is_packed(kwargs):
+        return
+    raise PackingError(
+        f"{type(base_model(model)).__name__} ({model_type}) turns 2-D position_ids into its 3 rotary rows without "
+        f"the text row it builds per-sequence masks from, so on {implementation!r} the packed sequences of a row "
+        f"would attend to each other. Collate with packtools.batches.MultimodalCollator (its (4, 1, T) positions "
+        f"lead with the text row), or use FlashAttention with cu_seq_lens.",
+        param="position_ids",
+    )
+
+
 def check_cp_attention(kwargs: Mapping[str, Any], implementation: str | None) -> None:
     """Refuse a context-parallel shard (``packtools_cp``) given to any attention but ``packtools_cp``: ``sdpa``,
     flash or ``packtools_sdpa`` would take the kwarg into ``**kwargs`` and attend only within this rank's chunks.
@@ -346,6 +374,7 @@ def guard_model(model: Any, *, owner: Any = None) -> Any:
         check_unhandled_mixers(module, kwargs, left)  # first: without kernels, seq_idx alone is no fix
         check_forward_inputs(kwargs, impl, left)
         check_positionless_masks(module, kwargs, impl)
+        check_text_row(module, kwargs, impl)
         generating = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
         if not generating and (kwargs.get("use_cache") is None or module.training):
             kwargs["use_cache"] = False
