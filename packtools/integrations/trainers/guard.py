@@ -278,6 +278,12 @@ def check_unhandled_mixers(model: Any, kwargs: Mapping[str, Any], mixers: tuple[
         )
 
 
+def packed_training_input(kwargs: Mapping[str, Any]) -> bool:
+    """A packed batch (:func:`is_packed`) that is no generation step (no cache passed in)."""
+    generating = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
+    return not generating and is_packed(kwargs)
+
+
 def check_positionless_masks(model: Any, kwargs: Mapping[str, Any], implementation: str | None) -> None:
     """Refuse a packed batch for a model whose forward builds its attention masks without ``position_ids``
     (:data:`~packtools.integrations.attention.mixers.POSITIONLESS_MASKS`, GPT-OSS) unless
@@ -291,7 +297,7 @@ def check_positionless_masks(model: Any, kwargs: Mapping[str, Any], implementati
     done = document_mixers(base)
     if done is not None and done.masks_from_positions:
         return
-    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None or not is_packed(kwargs):
+    if not packed_training_input(kwargs):
         return
     raise PackingError(
         f"{type(base).__name__} builds its attention masks without position_ids, so on {implementation!r} the "
@@ -316,13 +322,12 @@ def check_text_row(model: Any, kwargs: Mapping[str, Any], implementation: str | 
     pos = kwargs.get("position_ids")
     if getattr(pos, "ndim", 0) != 2 or (is_flash(implementation) and kwargs.get("cu_seq_lens_q") is not None):
         return
-    model_type = getattr(getattr(base_model(model), "config", None), "model_type", None)
-    if model_type not in NO_TEXT_ROW_FROM_2D:
-        return
-    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None or not is_packed(kwargs):
+    base = base_model(model)
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    if model_type not in NO_TEXT_ROW_FROM_2D or not packed_training_input(kwargs):
         return
     raise PackingError(
-        f"{type(base_model(model)).__name__} ({model_type}) turns 2-D position_ids into its 3 rotary rows without "
+        f"{type(base).__name__} ({model_type}) turns 2-D position_ids into its 3 rotary rows without "
         f"the text row it builds per-sequence masks from, so on {implementation!r} the packed sequences of a row "
         f"would attend to each other. Collate with packtools.batches.MultimodalCollator (its (4, 1, T) positions "
         f"lead with the text row), or use FlashAttention with cu_seq_lens.",
