@@ -295,9 +295,53 @@ def check_eval(out):
     return got
 
 
+class Reshuffled(torch.utils.data.Sampler):
+    """Another order each time it is iterated (a sampler token_mean_loss refuses)."""
+
+    def __init__(self, n):
+        self.n, self.calls = n, 0
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        self.calls += 1
+        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(self.calls)).tolist())
+
+
+def check_eval_order(out):
+    """token_mean_loss with an evaluation order that changes between iterations, 5 rows of batch 2 on 2
+    processes: only rank 0's last batch mixes a row with a repeat (the rows counted again), so only rank 0 can
+    see the change; each rank says what token_mean_loss did ("Type: message")."""
+    from packtools.integrations.trainers.evaluation import token_mean_loss
+
+    class Trainer(transformers.Trainer):
+        def _get_eval_sampler(self, eval_dataset):
+            return Reshuffled(len(eval_dataset))
+
+    trainer = Trainer(
+        model=tiny_llama("sdpa"),
+        args=transformers.TrainingArguments(
+            out,
+            per_device_eval_batch_size=2,
+            remove_unused_columns=False,
+            report_to=[],
+            use_cpu=True,
+            disable_tqdm=True,
+        ),
+        eval_dataset=eval_rows(),
+        data_collator=PaddingFreeCollator(PAD),
+    )
+    try:
+        return f"counted: {token_mean_loss(trainer)}"
+    except Exception as e:  # noqa: BLE001 - recorded for the test to show
+        return f"{type(e).__name__}: {e}"
+
+
 ON_REQUEST = (
     "stream",
     "eval",
+    "eval_order",
 )  # refusals, run only when named (tests/test_distributed.py launches them apart)
 
 
@@ -313,6 +357,7 @@ def main(out: str) -> None:
         ("loops", check_loops),
         ("stream", check_stream),
         ("eval", check_eval),
+        ("eval_order", check_eval_order),
     )
     only = sys.argv[2].split(",") if len(sys.argv) > 2 else None  # e.g. "loops": run some checks only
     for name, check in checks:

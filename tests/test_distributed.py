@@ -93,6 +93,22 @@ def test_token_mean_loss_counts_each_row_once_under_two_processes(tmp_path):
     assert abs(ranks[0]["eval"]["flat, batch 1"][1] - one["flat, batch 1"]) > 1e-2  # transformers' figure
 
 
+@pytest.mark.slow  # a torchrun launch of 2 processes
+def test_an_evaluation_order_that_changes_is_refused_on_every_process(tmp_path):
+    """token_mean_loss finds the change where a batch mixes rows and repeats, on one process only (here rank 0):
+    that process raised alone, and the other waited for it in the all_reduce of the sums (a gloo error once rank
+    0 was gone, or a hang while it lived).  The refusal now travels with the sums: both processes raise it."""
+    for rank, res in enumerate(_launch(tmp_path, "eval_order")):
+        got = res["eval_order"]
+        assert got.startswith(
+            "PackingError: token_mean_loss: the evaluation loader's sampler gave another order"
+        ), (
+            rank,
+            got,
+        )
+        assert "(Reshuffled)" in got
+
+
 def ok(ranks, *names):
     """Fail (with the worker's traceback) when a check of the worker raised."""
     for r, res in enumerate(ranks):

@@ -130,7 +130,7 @@ def test_an_evaluation_order_that_changes_between_iterations_is_refused():
 
     from packtools.compat.accelerate import batches_with_first_seen
     from packtools.errors import PackingError
-    from packtools.integrations.trainers.evaluation import _first_seen
+    from packtools.integrations.trainers.evaluation import CHANGED, _first_seen, order_changed
 
     rows = [{"input_ids": [i + 1, i + 2, i + 3]} for i in range(0, 50, 5)]
     sampler = torch.utils.data.RandomSampler(rows, generator=torch.Generator().manual_seed(0))
@@ -141,5 +141,8 @@ def test_an_evaluation_order_that_changes_between_iterations_is_refused():
     last = list(loader)[-1]  # 10 rows, 2 processes of 4: process 0 has 2 rows and 2 repeats last
     dealt = list(batches_with_first_seen(loader))[-1]
     assert dealt[1] == 2 and len(dealt[0]) == 4
-    with pytest.raises(PackingError, match="another order when iterated again"):
-        _first_seen(loader, last, dealt)
+    assert _first_seen(loader, last, dealt) is CHANGED  # refused after the loop, on every process at once
+    refusal = order_changed(loader)
+    assert isinstance(refusal, PackingError) and "another order when iterated again (RandomSampler)" in str(
+        refusal
+    )

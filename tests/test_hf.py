@@ -217,6 +217,16 @@ def test_neftune_is_refused_where_packed_rows_would_shrink_its_noise(tmp_path):
     ) as err:
         prepare_trainer(trainer)
     assert err.value.param == "neftune_noise_alpha" and plan_of(trainer) is None  # left as it was built
+    # Trainer copies the value when built and train() reads its copy: one set on the trainer itself was let through
+    trainer = transformers.Trainer(
+        model=tiny_llama(),
+        args=train_args(tmp_path),
+        train_dataset=packed_dataset(),
+        data_collator=PaddingFreeCollator(PAD),
+    )
+    trainer.neftune_noise_alpha = 5.0
+    with pytest.raises(PackingError, match=r"neftune_noise_alpha=5.0: "):
+        prepare_trainer(trainer)
     pytest.importorskip("trl")
     with pytest.raises(PackingError, match="neftune_noise_alpha=5.0") as err:
         packed_sft_config(output_dir=str(tmp_path), neftune_noise_alpha=5.0)
@@ -336,6 +346,61 @@ def test_guard_refuses_use_cache_true_on_a_vision_language_batch_without_cu_seq_
     with torch.no_grad():  # one sequence: its cache is kept, in either layout
         assert model(**{**one, "use_cache": True}).past_key_values is not None
         model(**{**one, "position_ids": one["position_ids"][1:], "use_cache": True})
+
+
+def test_guard_refuses_rotary_positions_counted_on_across_a_row_cut_by_cu_seq_lens():
+    """(3, 1, T) rotary positions without a text row that count on across the documents (no restart) in a row
+    that cu_seq_lens_q cuts in two: on sdpa the model builds no per-sequence mask, so the documents see each
+    other (0.15 in Qwen2-VL's logits) with use_cache=False, and with use_cache=True, which the guard refused
+    before it judged (3, B, T) positions itself, too; both are refused now."""
+    from packtools.testing import tiny_vl_model
+
+    model = tiny_vl_model("qwen2_vl").eval()
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    batch = {
+        "input_ids": torch.tensor([[5, 6, 7, 8, 9, 10, 11]]),
+        "position_ids": torch.arange(7)[None, None].expand(3, 1, 7).clone(),
+        **{"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 4, "max_length_k": 4},
+    }
+    later = torch.arange(3, 7)[None, None].expand(3, 1, 4)  # the second document alone, at its positions
+    with torch.no_grad():  # negative control, unguarded: the second document sees the first
+        alone = model(input_ids=batch["input_ids"][:, 3:], position_ids=later, use_cache=False).logits[0]
+        assert (model(**batch, use_cache=False).logits[0, 3:] - alone).abs().max() > 1e-3
+    guard_model(model)
+    for cache in (False, True):
+        with pytest.raises(
+            PackingError, match=r"\(3, B, T\) rotary position_ids sit in a row that cu_seq_lens_q"
+        ):
+            model(**batch, use_cache=cache)
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_guard_refuses_2d_positions_where_a_vision_language_model_drops_the_text_row(name):
+    """PaddingFreeCollator's 2-D positions on a vision-language model in a loop of one's own (text-only rows):
+    Qwen2-VL and Qwen2.5-VL expand them to 3 rotary rows with no text row and build no per-sequence mask, so the
+    guarded model attended across documents with no error (0.15 and 0.17 in the logits on sdpa); refused now.
+    Qwen3-VL expands them to 4 rows, the text row first: exact, and let through."""
+    from packtools.testing import tiny_vl_model
+
+    model = tiny_vl_model(name).eval()
+    batch = PaddingFreeCollator(PAD)([{"input_ids": [5, 6, 7, 8, 9, 10, 11], "seq_lengths": [3, 4]}])
+    batch.pop("labels")
+    one = PaddingFreeCollator(PAD)([{"input_ids": [8, 9, 10, 11], "seq_lengths": [4]}])
+    one.pop("labels")
+    with torch.no_grad():
+        alone = model(**one).logits[0]
+        gap = float((model(**batch).logits[0, 3:] - alone).abs().max())  # unguarded
+    guard_model(model)
+    with torch.no_grad():
+        model(**one)  # one sequence: nothing to separate
+    if name == "qwen3_vl":
+        assert gap < 1e-5
+        with torch.no_grad():
+            assert (model(**batch).logits[0, 3:] - alone).abs().max() < 1e-5
+        return
+    assert gap > 1e-2  # negative control: the documents see each other
+    with pytest.raises(PackingError, match=rf"\({name}\) turns 2-D position_ids .*MultimodalCollator"):
+        model(**batch)
 
 
 def test_guard_reads_every_packed_batch_shape():

@@ -158,6 +158,27 @@ def test_padding_free_forward_probe_called_directly_on_a_reference_model_in_acce
     assert 5e-5 < check_padding_free_forward(trainer.ref_model) < 3e-2  # bfloat16's rounding, accepted
 
 
+def test_vision_probe_called_directly_on_a_model_whose_forward_enters_bfloat16_autocast():
+    """``check_vision_isolation(trainer.model)`` after ``train()`` with ``bf16=True``: accelerate's prepare_model
+    wrapped the float32 model's forward in bfloat16 autocast (as here, by hand).  The probe read the precision
+    from outside it (float32) and refused the isolated model (2.0e-03 over float32's tolerance); it reads it
+    from inside the forward now, as check_isolation does.  Control: the model unwrapped is exact in float32."""
+    from packtools.batches.vision import MultimodalCollator
+    from packtools.integrations.multimodal.models import check_vision_isolation
+    from packtools.testing import tiny_vl_model
+
+    plain = check_vision_isolation(
+        tiny_vl_model("qwen2_vl"), MultimodalCollator(tiny_vl_model("qwen2_vl"), 0)
+    )
+    assert plain.dtype == "float32" and max(plain.alone_diff) < 1e-5
+    model = tiny_vl_model("qwen2_vl")
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)  # accelerate's wrapper
+    assert not torch.is_autocast_enabled("cpu") and next(model.parameters()).dtype == torch.float32
+    report = check_vision_isolation(model, MultimodalCollator(model, 0))
+    assert report.dtype == "bfloat16" and not report.leaks
+    assert max(report.alone_diff) > 1e-4 and report.perturb_diff == 0.0  # bfloat16's rounding, nothing moved
+
+
 def test_probes_called_under_autocast_judge_at_its_precision_and_still_catch_a_leak():
     """A user's ``torch.autocast`` around a probe: the float32 model computes in bfloat16, so the probe takes
     bfloat16's tolerance.  Failed before: check_isolation judged ``packed - alone`` 1.95e-3 against float32's

@@ -361,6 +361,23 @@ def test_a_bad_json_line_is_named_by_its_own_line_number(tmp_path, capsys, bad, 
     assert "line 237" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("part_bytes", [1 << 26, 2000])
+def test_a_bad_json_line_after_blank_lines_is_named_by_its_own_line(tmp_path, part_bytes):
+    """The reader skips blank lines (and lines of spaces), so row R of a block is not line B + R once one is
+    skipped: a null on line 243 behind 6 blank lines was named "line 237".  The row's own line is named."""
+    lines = [json.dumps({"input_ids": [i, i + 1]}) for i in range(300)]
+    for at in (10, 11, 150, 200, 230, 231):
+        lines.insert(at, "" if at % 2 else "  ")
+    bad = next(i for i, line in enumerate(lines) if line.startswith('{"input_ids": [236,'))
+    lines[bad] = '{"input_ids": [1, null]}'
+    src = tmp_path / "t.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    with pytest.raises(PackingError) as err:
+        pack_files(str(src), str(tmp_path / "out"), max_length=8, part_bytes=part_bytes)
+    assert f"input {str(src)!r} line {bad + 1}:" in str(err.value), err.value
+    assert bad + 1 == 243
+
+
 def test_an_empty_shard_beside_others_is_noted_and_an_input_of_no_rows_is_refused(tmp_path, capsys):
     """An empty JSON lines shard stopped a run while an empty Parquet shard was accepted, and an input of only
     empty Parquet files packed 0 rows with status 0: now an empty shard among others is left out, in either

@@ -302,6 +302,8 @@ def test_dpo_refuses_a_vision_language_model(monkeypatch):
 
     for checked_before in ("_check_trainer", "check_loss_path", "check_step_methods"):  # a real DPOTrainer's
         monkeypatch.setattr(trl, checked_before, lambda trainer: None)
-    trainer = SimpleNamespace(model=tiny_vl("qwen2_vl"), ref_model=None, args=SimpleNamespace())
+    # TrainingArguments as a real DPOTrainer has them (NEFTune off: prepare_dpo_trainer reads it first)
+    args = SimpleNamespace(neftune_noise_alpha=None)
+    trainer = SimpleNamespace(model=tiny_vl("qwen2_vl"), ref_model=None, args=args)
     with pytest.raises(PackingError, match="multimodal model: packtools' padding-free DPO"):
         trl.prepare_dpo_trainer(trainer, check_isolation=False, segmented_sdpa=False, share_prompt=False)

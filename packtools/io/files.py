@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from .._atomic import atomic_path
 from ..errors import PackingError
 from .discover import InputFile
-from .json import LineBase, is_json_array, iter_json_array, iter_json_lines, line_ranges
+from .json import LineBase, is_json_array, iter_json_array, iter_json_lines, line_ranges, row_line
 
 #: the system errors of a read that point at the disk or the mount (others, e.g. EMFILE or ENOMEM, at a limit)
 _DEVICE_ERRNOS = frozenset(
@@ -214,14 +214,28 @@ def split_file(file: InputFile, part_rows: int = 1 << 17, part_bytes: int = 1 <<
 
 
 class Where:
-    """Names row ``i`` of a block in error messages: the file and its row (or line) number."""
+    """Names row ``i`` of a block in error messages: the file and its row (or line) number.
 
-    def __init__(self, path: str, first: int | Callable[[], int], unit: str = "row") -> None:
-        self.path, self._first, self.unit = path, first, unit
+    For JSON lines (``unit="line"``), ``first`` is the line of the block's first row and ``rows`` the rows of the
+    block before this table: row ``i`` is then found on the file's ``rows + i``-th non-blank line from there (the
+    reader skips blank lines, so a row's line is not ``first + rows + i`` once one is skipped)."""
+
+    def __init__(
+        self,
+        path: str,
+        first: int | Callable[[], int],
+        unit: str = "row",
+        *,
+        rows: int = 0,
+        base: LineBase | None = None,
+    ) -> None:
+        self.path, self._first, self.unit, self.rows, self.base = path, first, unit, rows, base
 
     def __call__(self, i: int = 0) -> str:
         first = self._first() if callable(self._first) else self._first
-        return f"input {self.path!r} {self.unit} {first + i}"
+        if self.unit == "line":
+            return f"input {self.path!r} line {row_line(self.path, first, self.rows + i, self.base)}"
+        return f"input {self.path!r} {self.unit} {first + self.rows + i}"
 
 
 def changed_since_found(file: InputFile) -> str | None:
@@ -314,11 +328,11 @@ def read_part(
         base = LineBase(path, part.start)
         stop = part.stop if part.stop >= 0 else None
         for rel, table in iter_json_lines(path, part.start, stop):
-            _check_known(table, known_columns, Where(path, lambda r=rel: base.value + r, "line"))
+            _check_known(table, known_columns, Where(path, lambda r=rel: base.value + r, "line", base=base))
             table = _select(table, cols)
             for start in range(0, table.num_rows, batch_rows):
                 yield (
-                    Where(path, lambda r=rel + start: base.value + r, "line"),
+                    Where(path, lambda r=rel: base.value + r, "line", rows=start, base=base),
                     table.slice(start, batch_rows),
                 )
 

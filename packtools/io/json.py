@@ -167,6 +167,24 @@ def count_lines(path: str, stop: int) -> int:
     return n
 
 
+def row_line(path: str, first: int, k: int, base: LineBase | None = None) -> int:
+    """The line of the ``k``-th row (0-based) of a JSON lines file counted from line ``first`` (1-based, the line
+    of a row): blank lines, which the reader skips, hold no row.  ``base``: a known line start at or before
+    ``first`` (the part's), where the reading starts.  Read on errors and reports only."""
+    with open(path, "rb") as fh:
+        n = 1
+        if base is not None and base.value <= first:
+            fh.seek(base.start)
+            n = base.value
+        for line in fh:
+            if n >= first and line.strip():
+                if k == 0:
+                    return n
+                k -= 1
+            n += 1
+    return first + k  # past the end (the file changed since): the rows counted as lines
+
+
 def line_ranges(path: str, part_bytes: int) -> list[tuple[int, int]]:
     """Byte ranges ``[start, stop)`` of about ``part_bytes`` each, cut just after a newline, covering the file."""
     size = os.path.getsize(path)

@@ -14,7 +14,14 @@ from ..._optional import require
 from ...batches.mrope import MropeSpec
 from ...errors import PackingError
 from ..attention.backends import attention_implementation, base_model, check_multimodal, multimodal_parts
-from ..attention.isolation import PERTURB_TOLERANCE, TOLERANCE, IsolationReport, _logits, compute_dtype
+from ..attention.isolation import (
+    PERTURB_TOLERANCE,
+    TOLERANCE,
+    IsolationReport,
+    _logits,
+    autocast_inside,
+    compute_dtype,
+)
 from ..trainers.collator_check import _checking
 
 
@@ -165,7 +172,10 @@ def check_vision_isolation(
     model.eval()
     try:
         with torch.no_grad():
-            packed, keys = run_packed(samples)
+            with autocast_inside(
+                model
+            ) as seen:  # the precision the forward enters itself (accelerate's bf16)
+                packed, keys = run_packed(samples)
             other, _ = run_packed(moved)
             alone = [run_alone(s) for s in samples]
     finally:
@@ -175,7 +185,7 @@ def check_vision_isolation(
     diffs = tuple(float((packed[a:b].float() - al.float()).abs().max()) for (a, b), al in zip(spans, alone))
     perturb = max(float((packed[a:b].float() - other[a:b].float()).abs().max()) for a, b in spans[1:])
     scale = max(1.0, max(float(al.float().abs().max()) for al in alone))
-    dtype_name = compute_dtype(base)
+    dtype_name = compute_dtype(base, seen=seen)
     tol = TOLERANCE.get(dtype_name, 1e-5) * scale
     report = IsolationReport(
         model=name,

@@ -283,7 +283,7 @@ def _check_models(trainer: Any, models: list[Any]) -> bool:
             "use_liger_kernel=False, or train padded.",
             param="use_liger_kernel",
         )
-    refuse_neftune(trainer.args, "padding-free GRPO/RLOO rows", "prepare_grpo_trainer")
+    refuse_neftune(trainer, "padding-free GRPO/RLOO rows", "prepare_grpo_trainer")
     loss_type = getattr(trainer, "loss_type", None)
     if hasattr(trainer, "loss_type") and loss_type not in GRPO_LOSS_TYPES:
         raise PackingError(

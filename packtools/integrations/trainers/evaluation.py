@@ -66,10 +66,13 @@ def token_mean_loss(trainer: Any, eval_dataset: Any = None) -> float:
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.int64, device=device)
+    changed = False  # the order changed between iterations: refused on every process at once, after the loop
     try:
         with torch.no_grad():
             for batch in loader:
                 counted = batch if rows is None else _first_seen(loader, batch, next(rows))
+                if counted is CHANGED:
+                    changed, counted = True, None
                 inputs = {k: _on(v, device) for k, v in (batch if counted is None else counted).items()}
                 labels = inputs.pop("labels")
                 out = model(**inputs)  # every batch runs, on every process: sharded models gather weights
@@ -81,10 +84,13 @@ def token_mean_loss(trainer: Any, eval_dataset: Any = None) -> float:
                 count += (target != IGNORE_INDEX).sum()
     finally:
         model.train(was_training)
-    if several:
-        both = torch.stack([total, count.double()])
+    if several:  # the refusal travels with the sums: a process that alone found the change would leave the
+        # others waiting in this all_reduce
+        both = torch.stack([total, count.double(), total.new_tensor(float(changed))])
         dist.all_reduce(both)
-        total, count = both[0], both[1]
+        total, count, changed = both[0], both[1], bool(both[2] > 0)
+    if changed:
+        raise order_changed(loader)
     return float(total / max(float(count), 1.0))
 
 
@@ -92,10 +98,15 @@ def _on(value: Any, device: Any) -> Any:
     return value.to(device) if hasattr(value, "to") else value
 
 
-def _first_seen(loader: Any, batch: dict[str, Any], dealt: tuple[list[int], int]) -> dict[str, Any] | None:
+#: What :func:`_first_seen` returns for a batch that is not the one the sampler gives when iterated again.
+CHANGED: Any = object()
+
+
+def _first_seen(loader: Any, batch: dict[str, Any], dealt: tuple[list[int], int]) -> Any:
     """The batch to count: ``batch`` whole when none of its rows repeats; ``None`` when all do; else its
-    rows seen for the first time, collated again by the loader's collator (checked to be the rows ``batch``
-    was collated from, so a sampler whose order changes between iterations is refused, never miscounted)."""
+    rows seen for the first time, collated again by the loader's collator, checked to be the rows ``batch``
+    was collated from: :data:`CHANGED` where they are not (a sampler whose order changes between iterations,
+    refused by :func:`order_changed` on every process, never miscounted)."""
     indices, first = dealt
     if first == len(indices):
         return batch
@@ -104,14 +115,19 @@ def _first_seen(loader: Any, batch: dict[str, Any], dealt: tuple[list[int], int]
     rows = [loader.dataset[i] for i in indices]
     again = loader.collate_fn(rows)
     if not _same(again["input_ids"], batch["input_ids"]):
-        raise PackingError(
-            "token_mean_loss: the evaluation loader's sampler gave another order when iterated again "
-            f"({type(getattr(loader.batch_sampler.batch_sampler, 'sampler', None)).__name__}), so the rows "
-            "accelerate repeated to even out the processes cannot be found. Evaluate with Trainer's sequential "
-            "evaluation sampler (any train_sampling_strategy but 'group_by_length' leaves it sequential).",
-            param="eval_dataset",
-        )
+        return CHANGED
     return loader.collate_fn(rows[:first])
+
+
+def order_changed(loader: Any) -> PackingError:
+    """The refusal of an evaluation sampler whose order changed between two iterations (:func:`_first_seen`)."""
+    return PackingError(
+        "token_mean_loss: the evaluation loader's sampler gave another order when iterated again "
+        f"({type(getattr(loader.batch_sampler.batch_sampler, 'sampler', None)).__name__}), so the rows "
+        "accelerate repeated to even out the processes cannot be found. Evaluate with Trainer's sequential "
+        "evaluation sampler (any train_sampling_strategy but 'group_by_length' leaves it sequential).",
+        param="eval_dataset",
+    )
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -64,6 +64,7 @@ def check_forward_inputs(
     mask = kwargs.get("attention_mask")
     if given is not None and pos is None:
         check_rotary_only(kwargs, implementation)
+        check_cache_on_packed(kwargs, implementation)  # a packed row told by its cu_seq_lens
         return  # other position layouts: not ours to judge
     check_unseparated_rows(kwargs)
     if pos is not None and mask is not None and getattr(mask, "ndim", 0) == 2 and has_restarts(pos, mask):
@@ -183,19 +184,26 @@ def is_packed(kwargs: Mapping[str, Any]) -> bool:
 def check_rotary_only(kwargs: Mapping[str, Any], implementation: str | None) -> None:
     """Refuse packed ``(3, B, T)`` rotary positions without a text row unless FlashAttention gets
     ``cu_seq_lens``: Qwen2-VL & co. build per-sequence masks only from the text row of ``(4, B, T)``, so every
-    other backend (and FlashAttention without ``cu_seq_lens``) runs the row as one sequence."""
+    other backend (and FlashAttention without ``cu_seq_lens``) runs the row as one sequence.  Packed: the
+    positions start again at zero (:func:`rotary_restarts`), or ``cu_seq_lens_q`` holds several sequences (positions
+    counted on across them separate nothing either: 0.15 in a tiny Qwen2-VL's logits on ``sdpa``)."""
     pos = kwargs.get("position_ids")
     if getattr(pos, "ndim", 0) != 3 or pos.shape[0] != 3:
         return
-    if is_flash(implementation) and kwargs.get("cu_seq_lens_q") is not None:
+    cu = kwargs.get("cu_seq_lens_q")
+    if is_flash(implementation) and cu is not None:
         return
     mask = kwargs.get("attention_mask")
-    if rotary_restarts(pos, mask if getattr(mask, "ndim", 0) == 2 else None):
+    restarts = rotary_restarts(pos, mask if getattr(mask, "ndim", 0) == 2 else None)
+    if restarts or (getattr(cu, "ndim", 0) == 1 and len(cu) > 2):
+        said = (
+            "start again at 0 inside a row" if restarts else "sit in a row that cu_seq_lens_q cuts in several"
+        )
         raise PackingError(
-            f"the batch's (3, B, T) rotary position_ids start again at 0 inside a row (packed sequences) but have "
-            f"no text row: the model then builds no per-sequence mask, so on {implementation!r} the sequences "
-            f"would attend to each other. Use packtools.batches.MultimodalCollator (its (4, 1, T) positions lead "
-            f"with the text row), or FlashAttention with cu_seq_lens.",
+            f"the batch's (3, B, T) rotary position_ids {said} (packed sequences) but have no text row: the model "
+            f"then builds no per-sequence mask, so on {implementation!r} the sequences would attend to each other. "
+            f"Use packtools.batches.MultimodalCollator (its (4, 1, T) positions lead with the text row), or "
+            f"FlashAttention with cu_seq_lens.",
             param="position_ids",
         )
 
@@ -270,6 +278,12 @@ def check_unhandled_mixers(model: Any, kwargs: Mapping[str, Any], mixers: tuple[
         )
 
 
+def packed_training_input(kwargs: Mapping[str, Any]) -> bool:
+    """A packed batch (:func:`is_packed`) that is no generation step (no cache passed in)."""
+    generating = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
+    return not generating and is_packed(kwargs)
+
+
 def check_positionless_masks(model: Any, kwargs: Mapping[str, Any], implementation: str | None) -> None:
     """Refuse a packed batch for a model whose forward builds its attention masks without ``position_ids``
     (:data:`~packtools.integrations.attention.mixers.POSITIONLESS_MASKS`, GPT-OSS) unless
@@ -283,7 +297,7 @@ def check_positionless_masks(model: Any, kwargs: Mapping[str, Any], implementati
     done = document_mixers(base)
     if done is not None and done.masks_from_positions:
         return
-    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None or not is_packed(kwargs):
+    if not packed_training_input(kwargs):
         return
     raise PackingError(
         f"{type(base).__name__} builds its attention masks without position_ids, so on {implementation!r} the "
@@ -291,6 +305,33 @@ def check_positionless_masks(model: Any, kwargs: Mapping[str, Any], implementati
         f"packtools.integrations.attention.mixers.run_mixers_per_document(model) before training (it builds "
         f"the masks from position_ids; prepare_trainer does), or do not pack.",
         param="model",
+    )
+
+
+#: Vision-language model types whose text model turns 2-D ``position_ids`` into its 3 rotary rows with no text
+#: row, and so builds no per-sequence mask from them (transformers 5.25: Qwen2-VL and Qwen2.5-VL expand them to 3
+#: rows; Qwen3-VL to 4, the text row first, which separates the sequences).
+NO_TEXT_ROW_FROM_2D = ("qwen2_vl", "qwen2_5_vl")
+
+
+def check_text_row(model: Any, kwargs: Mapping[str, Any], implementation: str | None) -> None:
+    """Refuse packed 2-D ``position_ids`` (``PaddingFreeCollator``'s) for a :data:`NO_TEXT_ROW_FROM_2D` model
+    unless FlashAttention gets ``cu_seq_lens``: the model builds per-sequence masks only from the text row of
+    ``(4, B, T)`` positions, so the sequences of a packed row would attend to each other (0.15 in a tiny
+    Qwen2-VL's logits on ``sdpa``) with no error."""
+    pos = kwargs.get("position_ids")
+    if getattr(pos, "ndim", 0) != 2 or (is_flash(implementation) and kwargs.get("cu_seq_lens_q") is not None):
+        return
+    base = base_model(model)
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    if model_type not in NO_TEXT_ROW_FROM_2D or not packed_training_input(kwargs):
+        return
+    raise PackingError(
+        f"{type(base).__name__} ({model_type}) turns 2-D position_ids into its 3 rotary rows without "
+        f"the text row it builds per-sequence masks from, so on {implementation!r} the packed sequences of a row "
+        f"would attend to each other. Collate with packtools.batches.MultimodalCollator (its (4, 1, T) positions "
+        f"lead with the text row), or use FlashAttention with cu_seq_lens.",
+        param="position_ids",
     )
 
 
@@ -348,6 +389,7 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
         check_unhandled_mixers(module, kwargs, left)  # first: without kernels, seq_idx alone is no fix
         check_forward_inputs(kwargs, impl, left)
         check_positionless_masks(module, kwargs, impl)
+        check_text_row(module, kwargs, impl)
         check_length_dependent_rope(rope, kwargs)
         if probe is not None:
             probe(module, kwargs)

@@ -131,12 +131,16 @@ def packed_sft_config(**kwargs: Any) -> Any:
     return trl.SFTConfig(**kwargs)
 
 
-def refuse_neftune(args: Any, rows: str, prepare: str) -> None:
-    """Raise when ``args`` (a trainer's ``TrainingArguments``) turn NEFTune on: transformers draws each embedding's
-    noise within ``alpha / sqrt(width x hidden size)`` of the batch the embedding layer sees, and a packed row is
-    as wide as all its sequences together, so every token would get a smaller noise than in the trainer's own
-    batches, with no error.  ``rows`` names the rows (``"packed SFT rows"``), ``prepare`` the prepare function."""
-    alpha = getattr(args, "neftune_noise_alpha", None)
+def refuse_neftune(owner: Any, rows: str, prepare: str) -> None:
+    """Raise when ``owner`` (a trainer, or a config's keyword arguments) turns NEFTune on: transformers draws each
+    embedding's noise within ``alpha / sqrt(width x hidden size)`` of the batch the embedding layer sees, and a
+    packed row is as wide as all its sequences together, so every token would get a smaller noise than in the
+    trainer's own batches, with no error.  A trainer's own ``neftune_noise_alpha`` is read first (``Trainer``
+    copies it from its arguments when built, and ``train()`` reads that copy), then its ``args``'.  ``rows``
+    names the rows (``"packed SFT rows"``), ``prepare`` the prepare function."""
+    alpha = getattr(owner, "neftune_noise_alpha", None)
+    if alpha is None:
+        alpha = getattr(getattr(owner, "args", None), "neftune_noise_alpha", None)
     if alpha is not None:
         raise PackingError(
             f"neftune_noise_alpha={alpha}: transformers' NEFTune draws each embedding's noise within alpha / "

@@ -172,7 +172,7 @@ def prepare_trainer(
     require("transformers", "packtools.integrations.prepare_trainer")
     loss = check_loss_mode(loss)
     check_context_parallel_size(context_parallel)
-    refuse_neftune(trainer.args, "packed rows", "prepare_trainer")
+    refuse_neftune(trainer, "packed rows", "prepare_trainer")
     if is_instance(trainer, "trl", "DPOTrainer"):
         raise PackingError(
             f"prepare_trainer got a {type(trainer).__name__}: preference pairs need their own batches, loss scaling "
