@@ -112,6 +112,28 @@ def test_opt_on_segmented_sdpa_is_exact_under_the_guard():
     assert gap_to_alone(model, docs, logits) < 1e-5
 
 
+def test_torch_compile_after_the_guard_trains_and_the_probe_still_refuses():
+    """torch.compile(model) traces the guard's hook: the first packed batch's probe ran inside Dynamo's trace and
+    failed there ('Dynamo failed to run FX node' on the probe's numpy), so no compiled model with the default guard
+    could take a packed batch; it runs outside the trace now, and still refuses a family that mixes documents."""
+    model = build("LlamaForCausalLM", "LlamaConfig", LLAMA_SIZES, "sdpa").train()
+    batch = packed_batch(documents())
+    torch.manual_seed(0)
+    expected = model(**batch).loss
+    guard_model(model)
+    compiled = torch.compile(model, backend="eager")
+    torch.manual_seed(0)
+    loss = compiled(**batch).loss
+    loss.backward()
+    assert torch.allclose(loss, expected, atol=1e-6)
+    assert model.training  # the probe compared in eval mode and restored train mode
+
+    opt = build(*SILENT["opt-sdpa"])
+    guard_model(opt)
+    with pytest.raises(PackingError, match="guard_model: the first packed batch.*OPTForCausalLM"):
+        torch.compile(opt, backend="eager")(**batch)
+
+
 #: Rotary embeddings whose frequencies transformers picks from the longest sequence of a forward (threshold 10 here;
 #: 4096 on Phi-3-mini-128k): the isolation probe's short sequences never reach it.
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 10}

@@ -511,6 +511,8 @@ class FirstPackedProbe:
         pos = kwargs.get("position_ids")
         if not is_packed(kwargs) or (pos is not None and getattr(pos, "ndim", 2) != 2):
             return  # (3-D multimodal rotary positions: the vision probe's, as in check_forward_inputs)
+        import torch
+
         from ...batches.collate import PaddingFreeCollator
         from ..attention.isolation import check_isolation
 
@@ -522,9 +524,12 @@ class FirstPackedProbe:
         def same_keys(rows: list[dict[str, Any]]) -> dict[str, Any]:
             return {k: v for k, v in collator(rows).items() if k in keys}
 
+        # Outside Dynamo's trace: under torch.compile(model) the hook is traced, and the probe's numpy and nested
+        # forwards are no graph (it failed in tracing: 'Dynamo failed to run FX node' on np.split).
+        probe = torch.compiler.disable(check_isolation)
         self.running = True
         try:
-            check_isolation(module, same_keys)
+            probe(module, same_keys)
         except PackingError as err:
             raise PackingError(
                 f"guard_model: the first packed batch's probe found that {type(base_model(module)).__name__} does "
