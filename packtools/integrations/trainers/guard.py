@@ -456,37 +456,58 @@ def document_lengths(position_ids: Any) -> Any:
 
 def check_length_dependent_rope(rope: tuple[tuple[str, str, int], ...], kwargs: Mapping[str, Any]) -> None:
     """Refuse a packed batch on which a :func:`length_dependent_rope` embedding would rotate some sequence with
-    other frequencies than it alone: ``longrope`` when the batch holds sequences on both sides of its threshold
-    (the short ones would get the long factors), ``dynamic`` when a sequence exceeds it (every sequence would get
-    the frequencies of the longest).  transformers picks them per forward, so nothing else shows it; the
-    isolation probe's short sequences never reach the threshold."""
+    other frequencies than it alone: transformers picks them from ``max(position_ids) + 1`` of the forward, so
+    ``longrope`` is wrong for a sequence on the other side of its threshold than that length (short sequences
+    packed with a longer one), ``dynamic`` once either exceeds it (every sequence rotated for that length).
+    Nothing else shows it; the isolation probe's short sequences never reach the threshold.
+
+    A context-parallel shard (``packtools_cp``) is judged by its row's true document lengths against this rank's
+    own ``max(position_ids)``: a rank holding the middle chunks of a document over the threshold sees positions
+    under it and would rotate them with the short factors (one document, no restart in the rank's positions),
+    while a rank holding the head and tail chunks of documents all over it is right (its positions restart)."""
     pos = kwargs.get("position_ids")
     if not rope or pos is None or getattr(pos, "ndim", 0) != 2 or not hasattr(pos, "new_full"):
         return
-    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None or not is_packed(kwargs):
+    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
         return
-    lengths = document_lengths(pos)
-    longest, shortest = int(lengths.max()), int(lengths.min())
+    shard = kwargs.get("packtools_cp")
+    layout = getattr(shard, "layout", None)
+    if (
+        layout is not None
+    ):  # this rank's chunks: the documents' lengths are the layout's, not the positions' runs
+        lengths = [int(n) for n in layout.lengths]
+        seen = int(pos.max()) + 1
+    elif is_packed(kwargs):
+        lengths = [int(n) for n in document_lengths(pos).tolist()]
+        seen = max(lengths)
+    else:
+        return
     for name, kind, limit in rope:
-        if kind == "longrope" and longest > limit >= shortest:
+        if kind == "longrope":
+            other = [n for n in lengths if (n > limit) != (seen > limit)]
+            if not other:
+                continue
             why = (
-                f"its longrope rotary embedding uses the long factors for every token of a forward once one "
-                f"sequence exceeds original_max_position_embeddings={limit}: this batch holds a sequence of "
-                f"{longest} tokens and one of {shortest}, so the short sequences would be rotated with other "
-                f"frequencies than alone"
+                f"its longrope rotary embedding uses the long factors for every token of a forward once "
+                f"max(position_ids) + 1 exceeds original_max_position_embeddings={limit}, the short ones "
+                f"otherwise: this forward's positions reach {seen}, and it holds a sequence of {other[0]} tokens, "
+                f"which alone would get the {'short' if seen > limit else 'long'} factors"
             )
-        elif kind != "longrope" and longest > limit:
+        elif seen > limit or max(lengths) > limit:
             why = (
-                f"its {kind!r} rotary embedding rescales its frequencies for the longest sequence of a forward once "
-                f"it exceeds max_position_embeddings={limit}: this batch holds a sequence of {longest} tokens, so "
-                f"every other sequence would be rotated for that length instead of its own"
+                f"its {kind!r} rotary embedding rescales its frequencies for max(position_ids) + 1 of a forward "
+                f"once it exceeds max_position_embeddings={limit}: this forward's positions reach {seen} and its "
+                f"longest sequence holds {max(lengths)} tokens, so its sequences would be rotated for another "
+                f"length than their own"
             )
         else:
             continue
         raise PackingError(
-            f"{name}: packed sequences would train with wrong positions, with no error: {why}. Pack with "
+            f"{name}: {'the context-parallel shard' if layout is not None else 'packed'} sequences would train "
+            f"with wrong positions, with no error: {why}. Pack with "
             f"max_length <= {limit} (pack_dataset(..., max_length={limit})) so that no sequence crosses it, or "
-            f"train the longer sequences unpacked, in batches of their own.",
+            f"train the longer sequences unpacked, in batches of their own"
+            f"{' and without context parallelism' if layout is not None else ''}.",
             param="model",
         )
 
