@@ -134,6 +134,33 @@ def test_torch_compile_after_the_guard_trains_and_the_probe_still_refuses():
         torch.compile(opt, backend="eager")(**batch)
 
 
+def test_the_probe_leaves_a_seeded_training_run_with_dropout_unchanged():
+    """The first packed batch's probe compares in eval mode and draws no random numbers of torch's: a seeded run with
+    attention dropout gives the same losses guarded and unguarded, in train mode throughout."""
+
+    def losses(guarded, seed=1):
+        model = build(
+            "LlamaForCausalLM", "LlamaConfig", {**LLAMA_SIZES, "attention_dropout": 0.2}, "eager"
+        ).train()
+        if guarded:
+            guard_model(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(seed)
+        seen = []
+        for step in range(3):
+            loss = model(**packed_batch(documents(step))).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            seen.append(loss.item())
+            assert model.training and all(m.training for m in model.modules())
+        return seen
+
+    plain = losses(False)
+    assert losses(True) == plain
+    assert losses(False, seed=2) != plain  # negative control: dropout draws, so another seed trains otherwise
+
+
 #: Rotary embeddings whose frequencies transformers picks from the longest sequence of a forward (threshold 10 here;
 #: 4096 on Phi-3-mini-128k): the isolation probe's short sequences never reach it.
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 10}
