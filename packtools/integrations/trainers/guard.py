@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..._optional import is_instance
 from ...compat import set_attr
 from ...compat.torch import forward_pre_hook
 from ...constants import VARLEN_KEYS
@@ -548,9 +549,18 @@ class FirstPackedProbe:
         # Outside Dynamo's trace: under torch.compile(model) the hook is traced, and the probe's numpy and nested
         # forwards are no graph (it failed in tracing: 'Dynamo failed to run FX node' on np.split).
         probe = torch.compiler.disable(check_isolation)
+        # Under DistributedDataParallel the probe runs its module: DDP's own forward broadcasts the buffers, a
+        # collective, and the ranks reach their first packed batch at different steps (a row of one document is no
+        # packed batch), so the probe's extra forwards on one rank met the real forward of another (gloo: 'Received
+        # data size doesn't match expected size', the process aborted).
+        target = module
+        while is_instance(target, "torch", "DistributedDataParallel") or is_instance(
+            target, "torch", "DataParallel"
+        ):
+            target = target.module
         self.running = True
         try:
-            probe(module, same_keys)
+            probe(target, same_keys)
         except PackingError as err:
             raise PackingError(
                 f"guard_model: the first packed batch's probe found that {type(base_model(module)).__name__} does "
