@@ -370,7 +370,10 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
     ``check_isolation=True`` the first packed batch the hook sees also runs
     :func:`~packtools.integrations.attention.isolation.check_isolation` once (a few short sequences packed and
     alone, with the batch's own keys), which raises :class:`PackingError` naming the model, backend and fix.
-    The prepare functions pass ``False``: they run their own probe before training.
+    The prepare functions pass ``False``: they run their own probe before training.  The probe runs outside
+    ``torch.compile``'s trace and, under ``DistributedDataParallel``, on the module it wraps: no collective, since
+    the ranks may reach their first packed batch at different steps.  A sharded model's forward (FSDP's) gathers
+    its parameters, a collective the probe cannot avoid: pass ``False`` there.
     """
     # vars(), not getattr(): PEFT models forward unknown attributes to the base model, whose hook they skip.
     handle = vars(model).get(_HOOK_ATTR)
