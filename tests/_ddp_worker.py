@@ -338,10 +338,40 @@ def check_eval_order(out):
         return f"{type(e).__name__}: {e}"
 
 
+def check_guard_probe(out):
+    """guard_model on the DistributedDataParallel wrapper (the outermost module a loop calls) in a loop of one's
+    own, rank 1's first batch one document (no packed batch, so no probe there yet): the probe of rank 0's first
+    packed batch ran DDP forwards, each broadcasting the buffers, and met rank 1's real forward (gloo aborted the
+    process: 'Received data size doesn't match expected size').  Each rank's two losses."""
+    import torch.distributed as dist
+
+    from packtools.integrations.trainers.guard import guard_model
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(tiny_llama("sdpa").train())
+    guard_model(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    collate = PaddingFreeCollator(PAD)
+    losses = []
+    for step in range(2):
+        lengths = [13] if rank == 1 and step == 0 else [5, 7, 3]
+        ids = [3 + (7 * i + rank) % 90 for i in range(sum(lengths))]
+        loss = model(**collate([{"input_ids": ids, "seq_lengths": lengths}])).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 ON_REQUEST = (
     "stream",
     "eval",
     "eval_order",
+    "guard_probe",
 )  # refusals, run only when named (tests/test_distributed.py launches them apart)
 
 
@@ -358,6 +388,7 @@ def main(out: str) -> None:
         ("stream", check_stream),
         ("eval", check_eval),
         ("eval_order", check_eval_order),
+        ("guard_probe", check_guard_probe),
     )
     only = sys.argv[2].split(",") if len(sys.argv) > 2 else None  # e.g. "loops": run some checks only
     for name, check in checks:

@@ -109,6 +109,16 @@ def test_an_evaluation_order_that_changes_is_refused_on_every_process(tmp_path):
         assert "(Reshuffled)" in got
 
 
+def test_the_guards_probe_on_a_ddp_wrapper_runs_no_collective(tmp_path):
+    """guard_model(DistributedDataParallel(model)) in a loop of one's own, the ranks reaching their first packed
+    batch at different steps: the probe's DDP forwards broadcast buffers that the other rank never matched (gloo
+    aborted the processes).  The probe now runs the module DDP wraps: both ranks train their two steps."""
+    for rank, res in enumerate(_launch(tmp_path, "guard_probe")):
+        losses = res["guard_probe"]
+        assert not isinstance(losses, dict), (rank, losses)
+        assert len(losses) == 2 and all(0 < loss < 20 for loss in losses), (rank, losses)
+
+
 def ok(ranks, *names):
     """Fail (with the worker's traceback) when a check of the worker raised."""
     for r, res in enumerate(ranks):

@@ -112,6 +112,55 @@ def test_opt_on_segmented_sdpa_is_exact_under_the_guard():
     assert gap_to_alone(model, docs, logits) < 1e-5
 
 
+def test_torch_compile_after_the_guard_trains_and_the_probe_still_refuses():
+    """torch.compile(model) traces the guard's hook: the first packed batch's probe ran inside Dynamo's trace and
+    failed there ('Dynamo failed to run FX node' on the probe's numpy), so no compiled model with the default guard
+    could take a packed batch; it runs outside the trace now, and still refuses a family that mixes documents."""
+    model = build("LlamaForCausalLM", "LlamaConfig", LLAMA_SIZES, "sdpa").train()
+    batch = packed_batch(documents())
+    torch.manual_seed(0)
+    expected = model(**batch).loss
+    guard_model(model)
+    compiled = torch.compile(model, backend="eager")
+    torch.manual_seed(0)
+    loss = compiled(**batch).loss
+    loss.backward()
+    assert torch.allclose(loss, expected, atol=1e-6)
+    assert model.training  # the probe compared in eval mode and restored train mode
+
+    opt = build(*SILENT["opt-sdpa"])
+    guard_model(opt)
+    with pytest.raises(PackingError, match="guard_model: the first packed batch.*OPTForCausalLM"):
+        torch.compile(opt, backend="eager")(**batch)
+
+
+def test_the_probe_leaves_a_seeded_training_run_with_dropout_unchanged():
+    """The first packed batch's probe compares in eval mode and draws no random numbers of torch's: a seeded run with
+    attention dropout gives the same losses guarded and unguarded, in train mode throughout."""
+
+    def losses(guarded, seed=1):
+        model = build(
+            "LlamaForCausalLM", "LlamaConfig", {**LLAMA_SIZES, "attention_dropout": 0.2}, "eager"
+        ).train()
+        if guarded:
+            guard_model(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(seed)
+        seen = []
+        for step in range(3):
+            loss = model(**packed_batch(documents(step))).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            seen.append(loss.item())
+            assert model.training and all(m.training for m in model.modules())
+        return seen
+
+    plain = losses(False)
+    assert losses(True) == plain
+    assert losses(False, seed=2) != plain  # negative control: dropout draws, so another seed trains otherwise
+
+
 #: Rotary embeddings whose frequencies transformers picks from the longest sequence of a forward (threshold 10 here;
 #: 4096 on Phi-3-mini-128k): the isolation probe's short sequences never reach it.
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 10}
@@ -178,6 +227,47 @@ def test_guard_refuses_a_batch_a_length_dependent_rope_would_rotate_wrong(name):
     with torch.no_grad():
         logits = model(**packed_batch(short)).logits
     assert gap_to_alone(model, short, logits) < 1e-5
+
+
+def test_a_context_parallel_shard_is_judged_by_its_documents_against_the_ranks_own_positions():
+    """Under CP a rank's rotary embedding picks its frequencies from its own max(position_ids): rank 1 of 2 holds
+    the middle chunks of a 12-token document (positions 3..8), so longrope rotated them with the short factors where
+    the document alone gets the long ones (threshold 10), and the guard saw one run of positions, no packing, and
+    let it through; rank 0's head and tail chunks of documents all over the threshold (runs of 3 and 12 tokens)
+    were refused, though every token of that rank gets the long factors as alone."""
+    from packtools.batches.context_parallel import shard_row
+    from packtools.integrations.attention.context_parallel import use_cp_attention
+    from packtools.integrations.parallel.shard_loss import model_inputs
+    from packtools.integrations.trainers.guard import check_length_dependent_rope, length_dependent_rope
+
+    model = rope_model("phi3-longrope")
+    use_cp_attention(model)
+    guard_model(model, check_isolation=False)
+
+    def shard(lengths, rank):
+        ids = list(range(3, 3 + sum(lengths)))
+        cut = shard_row(ids, ids, lengths, 2, rank, 0)
+        return model_inputs(
+            {k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in cut.items()}, model
+        )
+
+    middle = shard([12], 1)
+    pos = middle["position_ids"]
+    assert pos.tolist() == [[3, 4, 5, 6, 7, 8]]
+    # negative control: this rank's rotation of those positions is not the document's alone
+    cos_rank, _ = model.model.rotary_emb(torch.zeros(1), pos)
+    cos_alone, _ = model.model.rotary_emb(torch.zeros(1), torch.arange(12)[None])
+    assert float((cos_rank[0] - cos_alone[0, pos[0]]).abs().max()) > 1e-2
+    with pytest.raises(
+        PackingError, match=r"context-parallel shard.*reach 9.*sequence of 12 tokens.*long factors"
+    ):
+        model(**middle)  # refused in the guard, before any collective
+    rope = length_dependent_rope(model)
+    check_length_dependent_rope(rope, shard([12], 0))  # positions reach 12: the long factors, as alone
+    for rank in (0, 1):  # documents all over the threshold: every rank reaches past it
+        check_length_dependent_rope(rope, shard([12, 14], rank))
+    with pytest.raises(PackingError, match=r"reach 12.*sequence of 4 tokens.*short factors"):
+        check_length_dependent_rope(rope, shard([12, 4], 0))
 
 
 def test_prepare_trainer_refuses_the_longrope_batch_at_the_first_step(tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..._optional import is_instance
 from ...compat import set_attr
 from ...compat.torch import forward_pre_hook
 from ...constants import VARLEN_KEYS
@@ -369,7 +370,10 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
     ``check_isolation=True`` the first packed batch the hook sees also runs
     :func:`~packtools.integrations.attention.isolation.check_isolation` once (a few short sequences packed and
     alone, with the batch's own keys), which raises :class:`PackingError` naming the model, backend and fix.
-    The prepare functions pass ``False``: they run their own probe before training.
+    The prepare functions pass ``False``: they run their own probe before training.  The probe runs outside
+    ``torch.compile``'s trace and, under ``DistributedDataParallel``, on the module it wraps: no collective, since
+    the ranks may reach their first packed batch at different steps.  A sharded model's forward (FSDP's) gathers
+    its parameters, a collective the probe cannot avoid: pass ``False`` there.
     """
     # vars(), not getattr(): PEFT models forward unknown attributes to the base model, whose hook they skip.
     handle = vars(model).get(_HOOK_ATTR)
@@ -456,37 +460,58 @@ def document_lengths(position_ids: Any) -> Any:
 
 def check_length_dependent_rope(rope: tuple[tuple[str, str, int], ...], kwargs: Mapping[str, Any]) -> None:
     """Refuse a packed batch on which a :func:`length_dependent_rope` embedding would rotate some sequence with
-    other frequencies than it alone: ``longrope`` when the batch holds sequences on both sides of its threshold
-    (the short ones would get the long factors), ``dynamic`` when a sequence exceeds it (every sequence would get
-    the frequencies of the longest).  transformers picks them per forward, so nothing else shows it; the
-    isolation probe's short sequences never reach the threshold."""
+    other frequencies than it alone: transformers picks them from ``max(position_ids) + 1`` of the forward, so
+    ``longrope`` is wrong for a sequence on the other side of its threshold than that length (short sequences
+    packed with a longer one), ``dynamic`` once either exceeds it (every sequence rotated for that length).
+    Nothing else shows it; the isolation probe's short sequences never reach the threshold.
+
+    A context-parallel shard (``packtools_cp``) is judged by its row's true document lengths against this rank's
+    own ``max(position_ids)``: a rank holding the middle chunks of a document over the threshold sees positions
+    under it and would rotate them with the short factors (one document, no restart in the rank's positions),
+    while a rank holding the head and tail chunks of documents all over it is right (its positions restart)."""
     pos = kwargs.get("position_ids")
     if not rope or pos is None or getattr(pos, "ndim", 0) != 2 or not hasattr(pos, "new_full"):
         return
-    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None or not is_packed(kwargs):
+    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
         return
-    lengths = document_lengths(pos)
-    longest, shortest = int(lengths.max()), int(lengths.min())
+    shard = kwargs.get("packtools_cp")
+    layout = getattr(shard, "layout", None)
+    if (
+        layout is not None
+    ):  # this rank's chunks: the documents' lengths are the layout's, not the positions' runs
+        lengths = [int(n) for n in layout.lengths]
+        seen = int(pos.max()) + 1
+    elif is_packed(kwargs):
+        lengths = [int(n) for n in document_lengths(pos).tolist()]
+        seen = max(lengths)
+    else:
+        return
     for name, kind, limit in rope:
-        if kind == "longrope" and longest > limit >= shortest:
+        if kind == "longrope":
+            other = [n for n in lengths if (n > limit) != (seen > limit)]
+            if not other:
+                continue
             why = (
-                f"its longrope rotary embedding uses the long factors for every token of a forward once one "
-                f"sequence exceeds original_max_position_embeddings={limit}: this batch holds a sequence of "
-                f"{longest} tokens and one of {shortest}, so the short sequences would be rotated with other "
-                f"frequencies than alone"
+                f"its longrope rotary embedding uses the long factors for every token of a forward once "
+                f"max(position_ids) + 1 exceeds original_max_position_embeddings={limit}, the short ones "
+                f"otherwise: this forward's positions reach {seen}, and it holds a sequence of {other[0]} tokens, "
+                f"which alone would get the {'short' if seen > limit else 'long'} factors"
             )
-        elif kind != "longrope" and longest > limit:
+        elif seen > limit or max(lengths) > limit:
             why = (
-                f"its {kind!r} rotary embedding rescales its frequencies for the longest sequence of a forward once "
-                f"it exceeds max_position_embeddings={limit}: this batch holds a sequence of {longest} tokens, so "
-                f"every other sequence would be rotated for that length instead of its own"
+                f"its {kind!r} rotary embedding rescales its frequencies for max(position_ids) + 1 of a forward "
+                f"once it exceeds max_position_embeddings={limit}: this forward's positions reach {seen} and its "
+                f"longest sequence holds {max(lengths)} tokens, so its sequences would be rotated for another "
+                f"length than their own"
             )
         else:
             continue
         raise PackingError(
-            f"{name}: packed sequences would train with wrong positions, with no error: {why}. Pack with "
+            f"{name}: {'the context-parallel shard' if layout is not None else 'packed'} sequences would train "
+            f"with wrong positions, with no error: {why}. Pack with "
             f"max_length <= {limit} (pack_dataset(..., max_length={limit})) so that no sequence crosses it, or "
-            f"train the longer sequences unpacked, in batches of their own.",
+            f"train the longer sequences unpacked, in batches of their own"
+            f"{' and without context parallelism' if layout is not None else ''}.",
             param="model",
         )
 
@@ -511,6 +536,8 @@ class FirstPackedProbe:
         pos = kwargs.get("position_ids")
         if not is_packed(kwargs) or (pos is not None and getattr(pos, "ndim", 2) != 2):
             return  # (3-D multimodal rotary positions: the vision probe's, as in check_forward_inputs)
+        import torch
+
         from ...batches.collate import PaddingFreeCollator
         from ..attention.isolation import check_isolation
 
@@ -522,9 +549,21 @@ class FirstPackedProbe:
         def same_keys(rows: list[dict[str, Any]]) -> dict[str, Any]:
             return {k: v for k, v in collator(rows).items() if k in keys}
 
+        # Outside Dynamo's trace: under torch.compile(model) the hook is traced, and the probe's numpy and nested
+        # forwards are no graph (it failed in tracing: 'Dynamo failed to run FX node' on np.split).
+        probe = torch.compiler.disable(check_isolation)
+        # Under DistributedDataParallel the probe runs its module: DDP's own forward broadcasts the buffers, a
+        # collective, and the ranks reach their first packed batch at different steps (a row of one document is no
+        # packed batch), so the probe's extra forwards on one rank met the real forward of another (gloo: 'Received
+        # data size doesn't match expected size', the process aborted).
+        target = module
+        while is_instance(target, "torch", "DistributedDataParallel") or is_instance(
+            target, "torch", "DataParallel"
+        ):
+            target = target.module
         self.running = True
         try:
-            check_isolation(module, same_keys)
+            probe(target, same_keys)
         except PackingError as err:
             raise PackingError(
                 f"guard_model: the first packed batch's probe found that {type(base_model(module)).__name__} does "
