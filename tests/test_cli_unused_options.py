@@ -10,6 +10,7 @@ data's format is known (before tokenizing): ``--keep-unlabeled`` / ``--drop-unla
 from __future__ import annotations
 
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -79,3 +80,26 @@ def test_the_api_refuses_them_too(inputs, tmp_path):
     assert err.value.param == "tokenizer"
     with pytest.raises(PackingError, match="workers=2 with executor='local'"):
         pack_files(inputs["tokenized"], str(tmp_path / "o"), 32, workers=2)
+
+
+def test_a_bad_max_length_or_workers_names_its_flag(inputs, tmp_path, capsys):
+    """Both were refused without the flag's name (the library's ``max_length`` / ``workers=0`` words only)."""
+    out = str(tmp_path / "out")
+    code = main(["pack", inputs["tokenized"], "--out", out, "--max-length", "0", "--quiet"])
+    assert code == 1 and "error (--max-length): max_length must be >= 1" in capsys.readouterr().err
+    code = main(
+        [
+            "pack",
+            inputs["tokenized"],
+            "--out",
+            out,
+            "--max-length",
+            "32",
+            "--executor",
+            "pool",
+            "--workers",
+            "0",
+        ]
+    )
+    assert code == 1 and "error (--workers): --workers 0 must be a positive int" in capsys.readouterr().err
+    assert not os.path.exists(out)

@@ -44,10 +44,11 @@ def check_strategy(strategy: str) -> str:
 def check_max_length(max_length: object) -> int:
     if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)):
         raise PackingError(
-            f"max_length must be a positive int, got {max_length!r} ({type(max_length).__name__})."
+            f"max_length must be a positive int, got {max_length!r} ({type(max_length).__name__}).",
+            param="max_length",
         )
     if max_length < 1:
-        raise PackingError(f"max_length must be >= 1, got {max_length}.")
+        raise PackingError(f"max_length must be >= 1, got {max_length}.", param="max_length")
     return int(max_length)
 
 

@@ -262,7 +262,9 @@ def _call(fn: Callable[[Any], Any], job: Any) -> Any:
 
 def _check_workers(workers: int | None) -> int | None:
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-        raise PackingError(f"workers={workers!r} must be a positive int (or None for all cores).")
+        raise PackingError(
+            f"workers={workers!r} must be a positive int (or None for all cores).", param="workers"
+        )
     return workers
 
 
