@@ -46,6 +46,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +93,12 @@ class Segments:
     length: int
 
 
+def generating(kwargs: Mapping[str, Any]) -> bool:
+    """Whether a forward's inputs are a generation step, a cache passed in (``past_key_values``, or ``cache``):
+    :func:`segments_of` and the guard's checks (``integrations.trainers.guard``) leave those alone."""
+    return kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
+
+
 def breaks(ids: Any, attention_mask: Any = None, step: int = 1) -> Any:
     """Where a row's ``ids`` do not step by ``step`` from one token to the next (position ids by 1: a packed
     sequence starts; ``seq_idx`` by 0), shape ``[..., T - 1]``; with ``attention_mask`` only between two attended
@@ -123,7 +130,7 @@ def segments_of(kwargs: dict[str, Any]) -> Segments | None:
     >>> segments_of({"position_ids": torch.tensor([[1, 1, 0, 1, 2]]), "attention_mask": pads}) is None
     True
     """
-    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+    if generating(kwargs):
         return None
     pos, cu = kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q")
     if pos is not None and getattr(pos, "ndim", 0) == 3:

@@ -19,7 +19,7 @@ from ...compat.torch import forward_pre_hook
 from ...constants import VARLEN_KEYS
 from ...errors import PackingError
 from ..attention.backends import attention_implementation, base_model, is_flash, token_mixing_layers
-from ..attention.mixers import POSITIONLESS_MASKS, breaks, document_mixers, kernel_ready
+from ..attention.mixers import POSITIONLESS_MASKS, breaks, document_mixers, generating, kernel_ready
 
 _HOOK_ATTR = "_packtools_guard"
 
@@ -56,7 +56,7 @@ def check_forward_inputs(
     ...
     packtools.errors.PackingError: the batch has packed position_ids (they restart inside a row) and an attention_mask...
     """
-    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+    if generating(kwargs):
         return
     check_cp_attention(kwargs, implementation)
     check_cut_boundaries(kwargs)
@@ -257,7 +257,7 @@ def check_unhandled_mixers(model: Any, kwargs: Mapping[str, Any], mixers: tuple[
     :func:`~packtools.integrations.attention.mixers.kernel_ready`): transformers' PyTorch fallback cannot keep
     the documents apart (it raises a ``ValueError`` that names no fix, or, before 5.20, runs the row as one)."""
     row_keys = ("seq_idx", *VARLEN_KEYS)  # transformers' fallback refuses these even for one sequence
-    if not mixers or kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+    if not mixers or generating(kwargs):
         return  # (generation: each decode step would read the positions, a host sync, for nothing)
     if not (any(kwargs.get(k) is not None for k in row_keys) or is_packed(kwargs)):
         return
@@ -280,9 +280,8 @@ def check_unhandled_mixers(model: Any, kwargs: Mapping[str, Any], mixers: tuple[
 
 
 def packed_training_input(kwargs: Mapping[str, Any]) -> bool:
-    """A packed batch (:func:`is_packed`) that is no generation step (no cache passed in)."""
-    generating = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
-    return not generating and is_packed(kwargs)
+    """A packed batch (:func:`is_packed`) that is no generation step (:func:`generating`)."""
+    return not generating(kwargs) and is_packed(kwargs)
 
 
 def check_positionless_masks(model: Any, kwargs: Mapping[str, Any], implementation: str | None) -> None:
@@ -397,8 +396,7 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
         check_length_dependent_rope(rope, kwargs)
         if probe is not None:
             probe(module, kwargs)
-        generating = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
-        if not generating and (kwargs.get("use_cache") is None or module.training):
+        if not generating(kwargs) and (kwargs.get("use_cache") is None or module.training):
             kwargs["use_cache"] = False
         return args, kwargs
 
@@ -472,7 +470,7 @@ def check_length_dependent_rope(rope: tuple[tuple[str, str, int], ...], kwargs: 
     pos = kwargs.get("position_ids")
     if not rope or pos is None or getattr(pos, "ndim", 0) != 2 or not hasattr(pos, "new_full"):
         return
-    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+    if generating(kwargs):
         return
     shard = kwargs.get("packtools_cp")
     layout = getattr(shard, "layout", None)
@@ -526,12 +524,7 @@ class FirstPackedProbe:
         self.running = False
 
     def __call__(self, module: Any, kwargs: Mapping[str, Any]) -> None:
-        if (
-            self.done
-            or self.running
-            or kwargs.get("past_key_values") is not None
-            or kwargs.get("cache") is not None
-        ):
+        if self.done or self.running or generating(kwargs):
             return
         pos = kwargs.get("position_ids")
         if not is_packed(kwargs) or (pos is not None and getattr(pos, "ndim", 2) != 2):
