@@ -269,3 +269,66 @@ def test_a_rerun_rebuilds_an_output_missing_a_file(tmp_path, src, which):
     ds = datasets.load_from_disk(str(out))
     assert ds.num_rows == first.stats["rows_out"] and sum(map(len, ds["input_ids"])) == 6
     assert pack_files(src, str(out), max_length=4, shard_tokens=2).cached  # whole again: a rerun does nothing
+
+
+def _flip_a_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage, said",
+    [
+        ("state_garbage", "state.json is damaged"),
+        ("state_shape", "state.json is damaged"),
+        ("info_garbage", "dataset_info.json is damaged"),
+        ("flipped_byte", "is not the bytes that were written (CRC-32 differs)"),
+        ("cut_shard", "bytes where"),
+    ],
+)
+def test_a_rerun_rebuilds_a_damaged_output(tmp_path, src, damage, said):
+    """A corrupt (not missing) state.json or dataset_info.json, or a shard with a flipped byte or cut short,
+    in an output: the rerun with the same inputs and options reported it done (a corrupt state.json counted as
+    no data file to look for; shards carried no checksum).  Each shard's size and CRC-32 are recorded in the
+    manifest as it is written; the rerun packs again and says why."""
+    datasets = pytest.importorskip("datasets")
+    out = tmp_path / "out"
+    first = pack_files(src, str(out), max_length=4, shard_tokens=2)
+    shards = sorted(n for n in os.listdir(out) if n.endswith(".arrow"))
+    sums = first.manifest["shards"]
+    assert sorted(sums) == shards and all(sums[n][0] == os.path.getsize(out / n) for n in shards)
+    if damage == "state_garbage":
+        (out / "state.json").write_text('{"_data_files": [')
+    elif damage == "state_shape":
+        (out / "state.json").write_text("{}")
+    elif damage == "info_garbage":
+        (out / "dataset_info.json").write_text("\x00" * 8)
+    elif damage == "flipped_byte":
+        _flip_a_byte(out / shards[1])
+    else:
+        with open(out / shards[1], "r+b") as fh:
+            fh.truncate(os.path.getsize(out / shards[1]) - 3)
+    again = pack_files(src, str(out), max_length=4, shard_tokens=2)
+    assert not again.cached
+    assert any(said in n and "packed again" in n for n in again.notes), again.notes
+    ds = datasets.load_from_disk(str(out))
+    assert ds.num_rows == first.stats["rows_out"] and sum(map(len, ds["input_ids"])) == 6
+    assert again.manifest["shards"] == sums  # the same bytes as the first run wrote
+    assert pack_files(src, str(out), max_length=4, shard_tokens=2).cached
+
+
+def test_shard_folder_records_each_shards_size_and_crc(tmp_path):
+    """ShardFolder (the preference and vision writers' shards) records each shard's size and CRC-32 as written."""
+    from packtools.pipeline.gather import ShardFolder
+
+    folder = ShardFolder(str(tmp_path))
+    table = pa.table({"input_ids": pa.array([[1, 2, 3]], pa.list_(pa.int32()))})
+    folder.write(table)
+    folder.write(table)
+    names = folder.finish(table.schema, "f" * 64)
+    import zlib
+
+    for name in names:
+        data = (tmp_path / name).read_bytes()
+        assert folder.sums[name] == [len(data), zlib.crc32(data)]

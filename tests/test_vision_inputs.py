@@ -453,3 +453,46 @@ def test_rows_already_tokenized_or_processed_given_a_processor_are_told_what_the
         PackingError, match=r"has no 'messages' .*\['text'\]\); processor= \(--processor\) packs"
     ):
         pack_dataset(datasets.Dataset.from_list([{"text": "hi"}]), 64, processor=proc)
+
+
+#: ChatML whose content may be a list of parts: it writes the text parts and drops the rest (as Qwen's and
+#: Llama's templates do with an image part when the tokenizer has no image processor).
+PARTS_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['content'] is string %}"
+    "{% set t = m['content'] %}{% else %}{% set t = m['content'] | selectattr('type', 'equalto', 'text') "
+    "| map(attribute='text') | join('') %}{% endif %}{{ t + '<|im_end|>\\n' }}{% endfor %}"
+)
+
+
+def test_image_parts_with_a_text_tokenizer_are_refused(tmp_path, capsys):
+    """Image parts in chat messages packed with a text-only tokenizer rendered as its chat template writes
+    them (this one drops them): the images were lost without a word, from JSON lines and from a JSON array
+    file (.json, never looked at); both refuse now, through pack and profile, and text rows still pack."""
+    from packtools import pack_files, profile_files
+    from packtools.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer(str(tmp_path / "tok"), chat_template=PARTS_TEMPLATE)
+    parts = [{"type": "image", "image": "0.png"}, {"type": "text", "text": "what is this"}]
+    text = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]
+    rows = [{"messages": text}] * 5 + [{"messages": [{"role": "user", "content": parts}, text[1]]}]
+    lines = _write(tmp_path / "lines", rows)
+    array = tmp_path / "array" / "data.json"
+    array.parent.mkdir()
+    array.write_text(json.dumps(rows, indent=1))
+    prompts = tmp_path / "prefs" / "data.jsonl"  # preference rows: the part in the prompt
+    prompts.parent.mkdir()
+    row = {"prompt": [{"role": "user", "content": parts}], "chosen": text[1:], "rejected": text[1:]}
+    prompts.write_text(json.dumps(row) + "\n")
+    for data in (lines, array, prompts):
+        assert main(["pack", str(data), "--out", str(data.parent / "o"), "--tokenizer", tok, "--quiet"]) == 1
+        err = capsys.readouterr().err
+        assert "holds images (image parts in messages)" in err and "chat template" in err, err
+        assert not (data.parent / "o").exists()
+        with pytest.raises(PackingError, match=r"holds images \(image parts in messages\)"):
+            profile_files(str(data), tokenizer=tok)
+    assert main(["profile", str(array), "--tokenizer", tok]) == 1
+    assert "holds images" in capsys.readouterr().err
+    plain = tmp_path / "plain" / "data.json"
+    plain.parent.mkdir()
+    plain.write_text(json.dumps(rows[:5], indent=1))
+    assert pack_files(plain, tmp_path / "plain_out", 64, tokenizer=tok).stats["rows_in"] == 5

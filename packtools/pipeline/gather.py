@@ -35,7 +35,7 @@ from ..compat.datasets import STATE_FILE, saved_state
 from ..core.arrow import ListColumn
 from ..core.pack import pack_columns, read_columns
 from ..core.plan import PackPlan
-from ..io.direct import arrow_sink
+from ..io.direct import DirectFile, arrow_sink
 from ..io.files import IpcReader, reading
 from ..io.pages import PageReleaser
 from .executors import TwoSteps
@@ -48,11 +48,15 @@ def write_json(path: str, obj: Any) -> None:
 
 
 # -- output shards -------------------------------------------------------------------------------------
-def write_shard(path: str, table: pa.Table) -> None:
+def write_shard(path: str, table: pa.Table) -> int:
     """Write one Arrow stream file (the format of ``datasets`` cache files), past the page cache
-    (:mod:`packtools.io.direct`: the run does not read it back)."""
-    with arrow_sink(path) as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+    (:mod:`packtools.io.direct`: the run does not read it back).  Returns the file's CRC-32, computed from the
+    buffers as they are written (the output's manifest records it: :func:`~.outcheck.output_damage`)."""
+    direct = DirectFile(path, crc=True)
+    with arrow_sink(direct) as sink, pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
+    assert direct.crc32 is not None
+    return direct.crc32
 
 
 class ShardFolder:
@@ -62,11 +66,16 @@ class ShardFolder:
         self.folder = folder
         self.paths: list[str] = []
         self.schema: pa.Schema | None = None
+        #: each shard's ``[bytes, crc32]`` by its final name (filled in by :meth:`finish`): the manifest's
+        #: ``shards``
+        self.sums: dict[str, list[int]] = {}
+        self._sums: list[list[int]] = []
 
     def write(self, table: pa.Table) -> None:
         path = os.path.join(self.folder, f"_shard-{len(self.paths):05d}.arrow")
-        write_shard(path, table)
+        crc = write_shard(path, table)
         self.paths.append(path)
+        self._sums.append([os.path.getsize(path), crc])
         self.schema = table.schema
 
     def finish(self, empty_schema: pa.Schema, fingerprint: str = "") -> list[str]:
@@ -74,8 +83,9 @@ class ShardFolder:
             self.write(empty_schema.empty_table())
         n = len(self.paths)
         names = [shard_name(i, n, run_token(fingerprint)) for i in range(n)]
-        for path, name in zip(self.paths, names):
+        for path, name, sums in zip(self.paths, names, self._sums):
             os.replace(path, os.path.join(self.folder, name))
+            self.sums[name] = sums
         write_dataset_files(self.folder, names, fingerprint)
         return names
 
@@ -210,11 +220,11 @@ def gather_block(job: WriteJob, scratch: dict[str, np.ndarray] | None = None) ->
 
 def save_block(job: WriteJob, table: pa.Table) -> dict[str, Any]:
     """Write the gathered ``table`` of one block to ``job.path``, via a temporary name in the same folder.
-    Returns ``{"rows", "bytes"}``."""
+    Returns ``{"rows", "bytes", "crc32", "phases"}``."""
     tmp = f"{job.path}.tmp-{os.getpid()}"
     with removed_on_error(tmp):
         t = time.perf_counter()
-        write_shard(tmp, table)
+        crc = write_shard(tmp, table)
         t_flush = time.perf_counter()
         # flushed here, while the next block is gathered: the install's flush of the output finds it on disk
         fsync_file(tmp)
@@ -223,6 +233,7 @@ def save_block(job: WriteJob, table: pa.Table) -> dict[str, Any]:
     return {
         "rows": table.num_rows,
         "bytes": os.path.getsize(job.path),
+        "crc32": crc,
         "phases": {"write": round(t_flush - t, 4), "flush": round(done - t_flush, 4)},
     }
 

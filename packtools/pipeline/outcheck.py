@@ -19,13 +19,16 @@ packtools.errors.PackingError: out=... has a manifest.json that packtools did no
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..compat.datasets import saved_data_files
 from ..constants import MANIFEST
 from ..errors import PackingError
+from ..io.direct import file_crc32
 from ..io.discover import COMPRESSED, SUFFIX_KINDS, InputFile
 from ..io.manifest import has_manifest_file, read_manifest
 from .gather import run_token
@@ -54,14 +57,60 @@ def foreign_entries(out: str) -> list[str]:
     )
 
 
-def missing_outputs(out: str) -> list[str]:
-    """What the packtools output ``out`` needs to load and lacks: ``state.json``, ``dataset_info.json`` or a
-    data file ``state.json`` lists (sorted names).  A rerun whose fingerprint matches rebuilds such an output
-    instead of reporting it done (its stats would count rows that are no longer there)."""
+def output_damage(out: str, manifest: Mapping[str, Any]) -> list[str]:
+    """Why the packtools output ``out`` (whose manifest is ``manifest``) is not whole, one phrase each; empty
+    when it is.  A rerun whose fingerprint matches rebuilds a damaged output instead of reporting it done (its
+    stats would count rows that are no longer there, or a reader would fail on it):
+
+    - a file it needs is gone: ``state.json``, ``dataset_info.json`` or a data file ``state.json`` lists;
+    - ``state.json`` or ``dataset_info.json`` is not the JSON ``datasets`` reads (cut, overwritten);
+    - a shard's size or CRC-32 differs from what the run wrote (``manifest["shards"]``: name -> ``[bytes,
+      crc32]``, recorded while writing; outputs written before it have none and are checked for files only).
+      The sizes are one ``stat`` each; the CRC-32 reads every shard once (zlib, about as fast as the disk
+      reads), and only when nothing else is wrong.
+    """
     missing = [name for name in OUTPUT_FILES if not os.path.isfile(os.path.join(out, name))]
-    with contextlib.suppress(OSError, ValueError):  # no readable state.json: named above
-        missing += [name for name in saved_data_files(out) if not os.path.isfile(os.path.join(out, name))]
-    return sorted(set(missing))
+    why: list[str] = []
+    listed: list[str] | None = None
+    if "state.json" not in missing:
+        try:
+            listed = saved_data_files(out)
+        except (OSError, ValueError) as exc:  # not JSON, or not the shape datasets writes (PackingError)
+            why.append(f"state.json is damaged ({_short(exc)})")
+    if "dataset_info.json" not in missing:
+        try:
+            with open(os.path.join(out, "dataset_info.json")) as fh:
+                if not isinstance(json.load(fh), dict):
+                    raise ValueError("not a JSON object")
+        except (OSError, ValueError) as exc:
+            why.append(f"dataset_info.json is damaged ({_short(exc)})")
+    missing += [name for name in listed or () if not os.path.isfile(os.path.join(out, name))]
+    if missing:
+        shown = ", ".join(sorted(set(missing))[:3]) + (
+            f" and {len(set(missing)) - 3} more" if len(set(missing)) > 3 else ""
+        )
+        why.insert(0, f"lacked {shown} (deleted since it was written)")
+    sums = manifest.get("shards")
+    if why or not isinstance(sums, dict):
+        return why
+    if listed is not None and sorted(listed) != sorted(sums):
+        return ["state.json lists other data files than the run wrote"]
+    for name, (size, _) in sorted(sums.items()):
+        found = os.path.getsize(os.path.join(out, name))
+        if found != size:
+            why.append(f"{name} has {found:,} bytes where {size:,} were written")
+    if not why:
+        why = [
+            f"{name} is not the bytes that were written (CRC-32 differs)"
+            for name, (_, crc) in sorted(sums.items())
+            if file_crc32(os.path.join(out, name)) != crc
+        ]
+    return why
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def check_out(out: str, inputs: Sequence[str], files: Sequence[InputFile]) -> None:

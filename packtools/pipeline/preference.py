@@ -63,6 +63,7 @@ def write_packed_preference(
         "shards": len(shards.paths),
         "packed": True,
         "columns": packed.column_names,
+        "shard_sums": shards.sums,  # for the manifest's ``shards`` (taken out of the stats by the run)
     }
 
 

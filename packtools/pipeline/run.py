@@ -45,7 +45,7 @@ from .config import PipelineConfig, PipelineResult, check_options_used, fingerpr
 from .executors import Executor, executor_name, get_executor, run_jobs
 from .formats import input_columns, optional_columns, output_columns
 from .gather import block_steps, run_token, write_dataset_files
-from .outcheck import check_out, check_replaceable, missing_outputs
+from .outcheck import check_out, check_replaceable, output_damage
 from .planning import (
     check_something_trains,
     join_kernels,
@@ -211,10 +211,9 @@ def run_pipeline(
             fp["inputs_skipped"] = [s.to_dict() for s in skipped]
         previous = read_manifest(out)
         same = previous is not None and previous.get("fingerprint") == fp["fingerprint"]
-        lost_files = (
-            missing_outputs(out) if same else []
-        )  # files deleted since: rebuilt (its stats count them)
-        if same and not lost_files:
+        # files deleted or damaged since: rebuilt (its stats count them)
+        damage = output_damage(out, previous) if same else []
+        if same and not damage:
             # a run killed after installing this output may have left its work folder
             tidy_after_dead_run(out)
             warn_pipeline_drops(previous.get("stats", {}))
@@ -236,7 +235,7 @@ def run_pipeline(
         if (
             previous is not None
             and previous.get("fingerprint") == fp["fingerprint"]
-            and not missing_outputs(out)
+            and not output_damage(out, previous)
         ):
             result = PipelineResult(out, previous.get("stats", {}), cached=True, manifest=previous)
         else:
@@ -259,11 +258,8 @@ def run_pipeline(
     with signals_deferred():
         ws.finish(ok=True, keep_stage=False)
     result.notes.extend(skipped_notes(skipped) + left_behind_notes(ws))
-    if lost_files and not result.cached:
-        shown = ", ".join(lost_files[:3]) + (
-            f" and {len(lost_files) - 3} more" if len(lost_files) > 3 else ""
-        )
-        result.notes.append(f"{out} lacked {shown} (deleted since it was written): packed again")
+    if damage and not result.cached:
+        result.notes.append(f"{out} {'; '.join(damage)}: packed again")
     warn_pipeline_drops(result.stats)
     return result
 
@@ -627,6 +623,7 @@ def _run(
                 [(j.part.describe(), s["rows"]) for j, s in zip(jobs, staged)],
             )
             timings["write_s"] = round(time.perf_counter() - t1, 3)
+            sums = stats.pop("shard_sums")
             stats.update(strategy="bfd (pairs)", overlong=config.overlong or "truncate", plan="global")
         else:
             t1 = time.perf_counter()
@@ -667,6 +664,8 @@ def _run(
             timings["write_s"] = round(time.perf_counter() - t2, 3)
             timings["write_phases_s"] = busy_seconds(written)
             write_dataset_files(ws.build, [os.path.basename(j.path) for j in wjobs], fp["fingerprint"])
+            # each shard's size and CRC-32 as written: a rerun checks them before it calls the output done
+            sums = {os.path.basename(j.path): [w["bytes"], w["crc32"]] for j, w in zip(wjobs, written)}
             stats = rows.stats(p, len(wjobs), config)
     except FileNotFoundError as exc:
         said = evicted_error(exc)
@@ -686,7 +685,7 @@ def _run(
     engines = engine_summary([s.get("tokenizer") for s in staged])
     if engines:  # per-part reports (kept in the sidecars), so a rerun after a kill writes the same manifest
         stats["tokenizer"] = engines
-    manifest = {**fp, "format": fmt, "stats": stats}
+    manifest = {**fp, "format": fmt, "stats": stats, "shards": sums}
     write_manifest(ws.build, manifest)
     ws.install()
     notes = cache_notes + ([found.reference_why] if found.reference_why else [])

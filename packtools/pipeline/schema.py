@@ -84,21 +84,22 @@ def data_format(files: Sequence[InputFile], config: PipelineConfig) -> str:
 
 
 def _refuse_images(files: Sequence[InputFile], columns: Sequence[list[str]], tokenizer: str | None) -> None:
-    """Rows with images tokenized as text would keep one placeholder token per image and lose the images,
-    without a word: refused with the fix.  Images are an ``images``/``image`` column with a value on some row
-    (TRL's vision format; empty on every row, it holds none), or image parts in any row of JSON lines' messages
-    when the tokenizer folder is a vision model's processor (a ``preprocessor_config.json``); with a text
-    tokenizer, parts render as its chat template writes them."""
-    from .vision import holds_images
+    """Rows with images tokenized as text lose the images without a word: refused with the fix.  Images are
+    an ``images``/``image`` column with a value on some row (TRL's vision format; empty on every row, it holds
+    none), or image/video parts in any row of a JSON file's chat columns (JSON lines or a JSON array), whatever
+    the tokenizer: a vision model's processor folder would keep one placeholder token per image, and a text
+    tokenizer's chat template writes a part as it likes (most drop it, some write a placeholder)."""
+    from ..io.json import is_json_array
+    from .vision import holds_image_parts
 
     processor = tokenizer is not None and os.path.isfile(os.path.join(tokenizer, "preprocessor_config.json"))
     for f, names in zip(files, columns):  # the columns data_format read (each file's schema read once)
         found = next((c for c in ("images", "image") if c in names and _column_set(f, c)), None)
-        if found is None and processor and f.kind == "json" and holds_images(f.path):
+        if found is None and f.kind == "json" and holds_image_parts(f.path):
             found = "image parts in messages"
         if found is None:
             continue
-        if f.kind == "json":
+        if f.kind == "json" and not is_json_array(f.path):
             how = (
                 "Pack vision-language rows with their processor folder: packtools pack --processor DIR "
                 "(pack_dataset(..., processor=DIR)); profile them with packtools profile PATH --tokenizer DIR "
@@ -110,9 +111,14 @@ def _refuse_images(files: Sequence[InputFile], columns: Sequence[list[str]], tok
                 "(.jsonl): write these rows as JSON lines, or pack them in Python with "
                 "pack_dataset(datasets.load_dataset(...), processor=DIR)."
             )
+        lost = (
+            "each image would become a placeholder token"
+            if processor
+            else "the text tokenizer's chat template writes each image part as it likes (most drop it)"
+        )
         raise PackingError(
-            f"input {f.path!r} holds images ({found}): tokenized as text, each image would become a placeholder "
-            f"token and the images would be lost. {how} To train on the text alone, drop the images first."
+            f"input {f.path!r} holds images ({found}): tokenized as text, {lost} and the images would be lost. "
+            f"{how} To train on the text alone, drop the images first."
         )
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,9 +30,11 @@ from ..core.plan import PackPlan, check_max_length
 from ..errors import PackingError
 from ..io.discover import InputFile
 from ..io.files import mapped_table
+from ..io.json import is_json_array, iter_json_array
+from ..io.json_cells import CHAT_COLUMNS, cells
 from ..io.manifest import MANIFEST_FORMAT, read_manifest, write_manifest
 from .gather import ShardFolder, shard_rows
-from .outcheck import check_out, check_replaceable, missing_outputs
+from .outcheck import check_out, check_replaceable, output_damage
 from .vision_stage import (
     block_damage,
     blocks,
@@ -144,8 +146,12 @@ def pack_vision_files(
     }
     fingerprint = hashlib.sha256(json.dumps([key, config], sort_keys=True).encode()).hexdigest()
     previous = read_manifest(out)
-    # a file deleted since (a shard, state.json, dataset_info.json): packed again, as run_pipeline does
-    if previous is not None and previous.get("fingerprint") == fingerprint and not missing_outputs(out):
+    # a file deleted or damaged since (a shard, state.json, dataset_info.json): packed again, as run_pipeline does
+    if (
+        previous is not None
+        and previous.get("fingerprint") == fingerprint
+        and not output_damage(out, previous)
+    ):
         tidy_after_dead_run(out)  # a run killed after installing this output may have left its work folder
         st = previous.get("stats", {})
         return VisionPackResult(
@@ -222,6 +228,7 @@ def pack_vision_files(
                 "config": config,
                 "inputs": [os.path.basename(p) for p in paths],
                 "stats": {**stats, "shards": len(names)},
+                "shards": shards.sums,  # each shard's [bytes, crc32]: a rerun checks them
             },
         )
         ws.install()
@@ -242,31 +249,45 @@ def is_vision_file(path: str, rows: int = 64) -> bool:
     return False
 
 
-def holds_images(path: str) -> bool:
-    """Whether a row of a JSON-lines file has an image: a non-empty ``images`` or a message content part of
-    type ``image`` or ``video`` (read to the first such row; a file whose bytes never hold ``"image`` or
-    ``"video"``, always quoted in JSON, is not parsed)."""
+def holds_image_parts(path: str) -> bool:
+    """Whether a row of a JSON file (JSON lines, or one JSON array of objects) has a message content part of
+    type ``image`` or ``video`` in a chat column (``messages``, ``prompt``, ``completion``, ``chosen``,
+    ``rejected``); read to the first such row.  A file whose bytes never hold ``"image"`` or ``"video"`` (a
+    type is always quoted in JSON) is not parsed."""
     import mmap
 
     if os.path.getsize(path) == 0:
         return False
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        if mm.find(b'"image') < 0 and mm.find(b'"video"') < 0:
+        if mm.find(b'"image"') < 0 and mm.find(b'"video"') < 0:
             return False
-    return any(
-        row.get("images") or _image_parts(row)
-        for _, block in blocks(path, 4096, strict=False)
-        for _, row in block
-    )
+    return any(_image_parts(row, CHAT_COLUMNS) for row in _json_rows(path))
 
 
-def _image_parts(row: dict) -> bool:
-    for m in row.get("messages") or []:
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list) and any(
-            isinstance(c, dict) and c.get("type") in ("image", "video") for c in content
-        ):
-            return True
+def _json_rows(path: str) -> Iterator[dict]:
+    """The rows of a JSON file as dicts: each line of JSON lines (a line that is no object skipped: the
+    reader names it), or the chat columns of each object of a JSON array."""
+    if is_json_array(path):
+        for _, table in iter_json_array(path, 4096):
+            names = [c for c in CHAT_COLUMNS if c in table.column_names]
+            values = [cells(table, c) for c in names]
+            for i in range(table.num_rows):
+                yield {c: v[i] for c, v in zip(names, values)}
+        return
+    for _, block in blocks(path, 4096, strict=False):
+        for _, row in block:
+            yield row
+
+
+def _image_parts(row: dict, columns: Sequence[str] = ("messages",)) -> bool:
+    for column in columns:
+        messages = row.get(column) if column != "tools" else None  # tools: function schemas
+        for m in messages if isinstance(messages, list) else ():
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list) and any(
+                isinstance(c, dict) and c.get("type") in ("image", "video") for c in content
+            ):
+                return True
     return False
 
 
