@@ -176,6 +176,29 @@ def test_token_column_types(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["f.parquet", "j.jsonl", "s.parquet"]  # nothing left behind
 
 
+def test_a_float_in_a_later_json_block_is_named_by_its_own_line(tmp_path):
+    """A float in a tokenized JSON block after the first file's was named by the block's first line ("line 1")
+    rather than its own; a ``2.0`` (read as an integer-valued float) too.  JSON arrays name the object."""
+    ints = json.dumps({"input_ids": [1, 2, 3]}) + "\n"
+    (tmp_path / "a.jsonl").write_text(ints * 3)
+    for value, rows_before in ((2.5, 10), (2.0, 10), (2.0, 8200)):  # 8200: the second block of 8192 rows
+        folder = tmp_path / f"in-{value}-{rows_before}"
+        folder.mkdir()
+        (folder / "a.jsonl").write_text(ints * 3)
+        lines = [ints] * rows_before + ["\n", json.dumps({"input_ids": [1, value, 3]}) + "\n", ints]
+        (folder / "b.jsonl").write_text("".join(lines))
+        with pytest.raises(PackingError, match=rf"b\.jsonl' line {rows_before + 2}: column 'input_ids'"):
+            pack_files(str(folder), tmp_path / "out", max_length=8)
+    folder = tmp_path / "array"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(ints * 3)
+    (folder / "b.json").write_text(
+        json.dumps([{"input_ids": [1, 2]}] * 4 + [{"input_ids": [1, 2.5]}], indent=1)
+    )
+    with pytest.raises(PackingError, match=r"b\.json' object 4: column 'input_ids'"):
+        pack_files(str(folder), tmp_path / "out", max_length=8)
+
+
 def test_mixed_formats_name_the_file(tmp_path, capsys):
     pq.write_table(pa.table({"input_ids": [[1, 2]]}), tmp_path / "tok.parquet")
     (tmp_path / "raw.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from .._atomic import atomic_path
 from ..errors import PackingError
 from .discover import InputFile
-from .json import LineBase, is_json_array, iter_json_array, iter_json_lines, line_ranges, row_line
+from .json import LineBase, is_json_array, iter_json_array, iter_json_lines, line_ranges, row_line, row_texts
 
 #: the system errors of a read that point at the disk or the mount (others, e.g. EMFILE or ENOMEM, at a limit)
 _DEVICE_ERRNOS = frozenset(
@@ -230,6 +230,15 @@ class Where:
         base: LineBase | None = None,
     ) -> None:
         self.path, self._first, self.unit, self.rows, self.base = path, first, unit, rows, base
+
+    def texts(self) -> Iterator[bytes] | None:
+        """The lines of the block's rows from its first on, as the file holds them, to the file's end (JSON
+        lines; None for other files): for an error that must find its row in what Arrow's reading lost (a
+        ``2.0`` read as a float; Arrow types a whole read block at once, so the row may be past this slice)."""
+        if self.unit != "line":
+            return None
+        first = self._first() if callable(self._first) else self._first
+        return row_texts(self.path, first, self.rows, self.base)
 
     def __call__(self, i: int = 0) -> str:
         first = self._first() if callable(self._first) else self._first

@@ -185,6 +185,23 @@ def row_line(path: str, first: int, k: int, base: LineBase | None = None) -> int
     return first + k  # past the end (the file changed since): the rows counted as lines
 
 
+def row_texts(path: str, first: int, k: int, base: LineBase | None = None) -> Iterator[bytes]:
+    """The text of the rows from row ``k`` on (0-based, as :func:`row_line` counts them from line ``first``) of a
+    JSON lines file, blank lines skipped.  Read on errors only."""
+    with open(path, "rb") as fh:
+        line_no = 1
+        if base is not None and base.value <= first:
+            fh.seek(base.start)
+            line_no = base.value
+        for line in fh:
+            if line_no >= first and line.strip():
+                if k > 0:
+                    k -= 1
+                else:
+                    yield line
+            line_no += 1
+
+
 def line_ranges(path: str, part_bytes: int) -> list[tuple[int, int]]:
     """Byte ranges ``[start, stop)`` of about ``part_bytes`` each, cut just after a newline, covering the file."""
     size = os.path.getsize(path)

@@ -204,7 +204,8 @@ def check_token_column(table: pa.Table, name: str, value_type: pa.DataType, wher
             if vt is not None and pa.types.is_floating(vt)
             else f"a token column holds lists of integers (list<{value_type}>); cast it or leave it out with columns=[...]"
         )
-        raise PackingError(f"{where()}: column {name!r} has type {t}; {hint}.")
+        row = _first_float_row(col, name, where) if vt is not None and pa.types.is_floating(vt) else 0
+        raise PackingError(f"{where(row)}: column {name!r} has type {t}; {hint}.")
     if vt != value_type or not pa.types.is_list(t):
         try:
             col = col.cast(pa.list_(value_type))
@@ -214,6 +215,35 @@ def check_token_column(table: pa.Table, name: str, value_type: pa.DataType, wher
                 f"file ({exc}); cast the files to one type first."
             ) from None
     return col
+
+
+def _first_float_row(col: pa.ChunkedArray, name: str, where: Where) -> int:
+    """The row (from the block's first, maybe past this block: Arrow types a whole read block of JSON lines at
+    once) whose ``name`` list holds a float: for JSON lines the first line that writes one (``2.5``, ``2.0``,
+    an integer beyond int64, which JSON reads as a float); otherwise the first row with a fraction, a
+    non-finite value or one beyond int64; else the block's first row.  Errors only."""
+    import json
+
+    import pyarrow.compute as pc
+
+    texts = where.texts()
+    if texts is not None:
+        for i, text in enumerate(texts):
+            try:
+                cell = json.loads(text).get(name)
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(cell, list) and any(
+                isinstance(v, float) or (isinstance(v, int) and abs(v) >= 2**63) for v in cell
+            ):
+                return i
+        return 0
+    arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    values = np.asarray(pc.list_flatten(arr).fill_null(0).to_numpy(zero_copy_only=False), np.float64)
+    rows = np.asarray(pc.list_parent_indices(arr).to_numpy(zero_copy_only=False))
+    with np.errstate(invalid="ignore"):
+        odd = ~np.isfinite(values) | (values != np.trunc(values)) | (np.abs(values) >= 2.0**63)
+    return int(rows[np.argmax(odd)]) if odd.any() else 0
 
 
 def _token_tables(job: StageJob, clock: dict[str, float]):
