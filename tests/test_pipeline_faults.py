@@ -175,6 +175,36 @@ def test_a_real_read_only_folder(tmp_path, capsys):
         assert "cannot write in" in err and "(--out)" in err
 
 
+def test_a_tokenized_attention_mask_is_decided_at_pack_time(tmp_path, capsys):
+    """pack packed a tokenized attention_mask column, which PaddingFreeCollator then refuses beside
+    seq_lengths (found only at training time); a mask with 0s was refused while writing, naming a row of the
+    write block rather than of the input.  Now: all ones -> left out with a note naming the column; a 0 ->
+    refused while staging, naming the input's own row/line."""
+    pytest.importorskip("torch")
+    import datasets
+
+    from packtools import PaddingFreeCollator, pack_files
+
+    ok = tmp_path / "ok.parquet"
+    pq.write_table(pa.table({"input_ids": [[5, 6], [7, 8, 9]], "attention_mask": [[1, 1], [1, 1, 1]]}), ok)
+    res = pack_files(str(ok), str(tmp_path / "out"), max_length=8)
+    assert any("column 'attention_mask' left out" in n for n in res.notes), res.notes
+    assert "attention_mask" in res.stats["columns_left_out"] and "attention_mask" not in res.stats["columns"]
+    ds = datasets.load_from_disk(str(tmp_path / "out"))
+    assert ds.column_names == ["input_ids", "seq_lengths"]
+    batch = PaddingFreeCollator(0)([ds[0]])  # trains: the collator refused the packed mask
+    assert sorted(batch["input_ids"].tolist()[0]) == [5, 6, 7, 8, 9]
+    rows = [{"input_ids": [5, 6], "attention_mask": [1, 1]}] * 3 + [
+        {"input_ids": [7, 0], "attention_mask": [1, 0]}
+    ]
+    lines = tmp_path / "in" / "padded.jsonl"
+    lines.parent.mkdir()
+    (lines.parent / "a.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    lines.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    err = fails(["pack", str(lines.parent), "--out", str(tmp_path / "o2"), "--max-length", "8"], capsys)
+    assert "padded.jsonl' line 4: column 'attention_mask' is 0 at position 1" in err, err
+
+
 def test_padded_rows_are_refused_not_packed(tmp_path, capsys):
     """Tokenized rows padded to a fixed length (attention_mask 0s): packing would keep the pads as tokens."""
     src = str(tmp_path / "padded.parquet")
@@ -183,9 +213,9 @@ def test_padded_rows_are_refused_not_packed(tmp_path, capsys):
         src,
     )
     err = fails(["pack", src, "--out", str(tmp_path / "out"), "--max-length", "8"], capsys)
-    assert "'attention_mask' has 0s (first in row 0, position 2)" in err and "padding" in err
+    assert "padded.parquet' row 0: column 'attention_mask' is 0 at position 2" in err and "padding" in err
     assert sorted(os.listdir(tmp_path)) == ["padded.parquet"]
-    # The same rows without their padding pack, the all-ones mask with them.
+    # The same rows without their padding pack; the all-ones mask is left out.
     ok = str(tmp_path / "stripped.parquet")
     pq.write_table(pa.table({"input_ids": [[5, 6], [7, 8, 9]], "attention_mask": [[1, 1], [1, 1, 1]]}), ok)
     assert main(["pack", ok, "--out", str(tmp_path / "out"), "--max-length", "8"]) == 0

@@ -264,6 +264,17 @@ def run_pipeline(
     return result
 
 
+#: A tokenized ``attention_mask`` column: checked while staging (a 0 is padding, refused by row), then left out
+#: of the output, since an all-ones mask carries nothing and ``PaddingFreeCollator`` refuses one beside
+#: ``seq_lengths``.
+MASK = "attention_mask"
+MASK_NOTE = (
+    "column 'attention_mask' left out of the output: it is 1 on every token (no padding), so it carries nothing, "
+    "and PaddingFreeCollator refuses an attention_mask beside seq_lengths (packed sequences are told apart by "
+    "seq_lengths)"
+)
+
+
 def warn_pipeline_drops(stats: dict[str, Any]) -> None:
     """A :class:`~packtools.integrations.data.drops.TokensDroppedWarning` when the run's overlong policy cut tokens
     (as :func:`packtools.pack_dataset` warns; ``packtools pack`` prints it)."""
@@ -642,9 +653,13 @@ def _run(
             opener = next(
                 (o for o in (sidecar_tool_opener(j.sidecar) for j in jobs) if o.size), np.zeros(0, np.int64)
             )
+            # an all-ones attention_mask (the stage refused one with 0s) carries nothing: not written
+            kept = [c for c in columns if c != MASK]
+            if len(kept) < len(columns):
+                cache_notes.append(MASK_NOTE)
             data = rows.split_labelled(
                 [s["data"] for s in staged],
-                columns,
+                kept,
                 config,
                 heads,
                 ws.stage,
@@ -657,9 +672,7 @@ def _run(
                 rows.count_wrapped(p, data)
             timings["plan_s"] = round(time.perf_counter() - t1, 3)
             t2 = time.perf_counter()
-            wjobs = write_jobs(
-                p, data, rows.bounds, config, columns, ws.build, run=run_token(fp["fingerprint"])
-            )
+            wjobs = write_jobs(p, data, rows.bounds, config, kept, ws.build, run=run_token(fp["fingerprint"]))
             written = run_jobs(ex, block_steps(), wjobs, "write", how.quiet, how.retries)
             timings["write_s"] = round(time.perf_counter() - t2, 3)
             timings["write_phases_s"] = busy_seconds(written)
@@ -678,9 +691,10 @@ def _run(
         # a run that planned has joined it already; a failed or interrupted one stops it after its current step
         # (nothing of the run loads kernels after it returns)
         join_kernels(warming, unwanted=True)
-    cols = stats.pop("columns", columns)  # preference rows have their own columns
+    cols = stats.pop("columns", None) or [c for c in columns if c != MASK]  # preference rows: their own
+    left_out = found.left_out + ([MASK] if MASK in columns and fmt != "preference" else [])
     stats.update(
-        {"format": fmt, "max_length": config.max_length, "columns": cols, "columns_left_out": found.left_out}
+        {"format": fmt, "max_length": config.max_length, "columns": cols, "columns_left_out": left_out}
     )
     engines = engine_summary([s.get("tokenizer") for s in staged])
     if engines:  # per-part reports (kept in the sidecars), so a rerun after a kill writes the same manifest

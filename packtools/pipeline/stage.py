@@ -217,6 +217,29 @@ def check_token_column(table: pa.Table, name: str, value_type: pa.DataType, wher
     return col
 
 
+def check_mask(col: pa.ChunkedArray, where: Where) -> None:
+    """Refuse an ``attention_mask`` with a 0, naming the row (the file's own line or row): the rows are padded,
+    and packing would keep the padding as tokens of the packed rows.  An all-ones mask is left out of the
+    output (:data:`packtools.pipeline.run.MASK`)."""
+    import pyarrow.compute as pc
+
+    arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    values = np.asarray(pc.list_flatten(arr).fill_null(1).to_numpy(zero_copy_only=False))
+    zeros = np.flatnonzero(values == 0)
+    if not zeros.size:
+        return
+    parents = np.asarray(pc.list_parent_indices(arr).to_numpy(zero_copy_only=False))
+    row = int(parents[zeros[0]])
+    position = int(zeros[0] - np.searchsorted(parents, row))
+    raise PackingError(
+        f"{where(row)}: column 'attention_mask' is 0 at position {position}: the rows are padded, and packing "
+        f"would keep the padding as tokens of the packed rows (attended to, and trained on unless labels are "
+        f"-100 there). Tokenize without padding=... (packed rows need none), or strip the padded positions "
+        f"from every column first. (An attention_mask of all ones is left out of the output: it carries "
+        f"nothing.)"
+    )
+
+
 def _first_float_row(col: pa.ChunkedArray, name: str, where: Where) -> int:
     """The row (from the block's first, maybe past this block: Arrow types a whole read block of JSON lines at
     once) whose ``name`` list holds a float: for JSON lines the first line that writes one (``2.5``, ``2.0``,
@@ -256,6 +279,9 @@ def _token_tables(job: StageJob, clock: dict[str, float]):
             iter_part(job.part, READ_ROWS, job.columns, job.known_columns), clock, "read"
         ):
             cols = [check_token_column(table, n, t, where) for n, t in zip(job.columns, types)]
+            for n, c in zip(job.columns, cols):
+                if n == "attention_mask":
+                    check_mask(c, where)
             yield where, pa.Table.from_arrays(cols, names=list(job.columns))
         return
     from .formats import input_columns, optional_columns
@@ -292,6 +318,7 @@ def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray, np.ndarray] | Non
         mapped = MappedArrow([job.part.file.path], job.columns)
     except (pa.ArrowInvalid, KeyError, ValueError):
         return None
+    padded: PackingError | None = None
     try:
         table = mapped.table
         if [table.schema.field(c).type for c in job.columns] != want:
@@ -300,16 +327,23 @@ def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray, np.ndarray] | Non
         if not mapped.zero_copy(cols):
             return None
         lengths = check_aligned(cols).astype(np.int64)
+        if "attention_mask" in job.columns:  # raised as it is (it names the file), not wrapped below
+            try:
+                check_mask(table.column("attention_mask"), Where(job.part.file.path, 0))
+            except PackingError as exc:
+                padded = exc
         first = first_label(table.column("labels")) if job.has_labels else np.zeros(0, np.int64)
         trained = trained_per_row(table.column("labels")) if job.has_labels else np.zeros(0, np.int64)
         for col in cols:
             for chunk in col.chunks:
                 mapped.release(chunk.values)
-        return lengths, first, trained
     except PackingError as exc:
         raise PackingError(f"input {job.part.file.path!r}: {exc}", param=exc.param) from None
     finally:
         mapped.close()
+    if padded is not None:
+        raise padded
+    return lengths, first, trained
 
 
 def stage_part(job: StageJob) -> dict[str, Any]:
