@@ -408,6 +408,32 @@ def test_an_empty_shard_beside_others_is_noted_and_an_input_of_no_rows_is_refuse
         assert not os.path.exists(tmp_path / f"none-{kind}")
 
 
+def test_profile_refuses_an_input_of_only_empty_files_as_pack_does(tmp_path, tok_dir, capsys):
+    """profile on Parquet files of 0 rows (tokenized, read by offsets; or text, staged) reported "the dataset
+    holds no tokens" with status 0 where pack refuses an input with no rows; now it refuses the same way, and
+    notes an empty file among others as pack does."""
+    from packtools import profile_files
+
+    for name, table in (
+        ("tokenized", pa.table({"input_ids": pa.array([], pa.list_(pa.int32()))})),
+        ("text", pa.table({"text": pa.array([], pa.string())})),
+    ):
+        d = tmp_path / name
+        d.mkdir()
+        pq.write_table(table, str(d / "s0.parquet"))
+        pq.write_table(table, str(d / "s1.parquet"))
+        tok = [] if name == "tokenized" else ["--tokenizer", tok_dir]
+        assert main(["profile", str(d), *tok]) == 1
+        err = capsys.readouterr().err
+        assert "the input holds no rows" in err and "s0.parquet" in err, err
+        with pytest.raises(PackingError, match="the input holds no rows"):
+            profile_files(str(d), tokenizer=tok_dir if tok else None)
+    pq.write_table(pa.table({"text": ["hello there", "yes"]}), str(tmp_path / "text" / "s2.parquet"))
+    got = profile_files(str(tmp_path / "text"), tokenizer=tok_dir)
+    assert got.profile.count == 2
+    assert any("held no rows" in n and "s0.parquet" in n for n in got.notes), got.notes
+
+
 def test_ids_beyond_int64_in_json_say_so(tmp_path):
     src = jsonl(tmp_path / "big.jsonl", [{"input_ids": [1, 30000000000000000000]}])
     with pytest.raises(PackingError, match="beyond the int64 range"):

@@ -146,7 +146,7 @@ def profile_files(
     temporary folder removed afterwards).  ``executor``/``workers`` as for :func:`packtools.pack_files`.
     """
     from .config import PipelineConfig, check_options_used
-    from .schema import data_format, known_columns, token_schema
+    from .schema import data_format, empty_inputs_notes, known_columns, no_rows_message, token_schema
     from .stage_cache import CacheLock, cache_dir, evict, max_bytes, prepare, stage_jobs
 
     where = executor_name(executor)  # refused by name before any work
@@ -181,6 +181,8 @@ def profile_files(
     if fmt == "tokenized" and all(f.kind != "json" for f in files):  # offsets only: nothing to stage
         # the inputs as given: a packed folder's manifest (its max_length) and name come with it
         prof = profile_lengths([os.fspath(i) for i in inputs], column=column, name=name)
+        if prof.count == 0:  # Parquet/Arrow files of 0 rows: refused as pack refuses them
+            raise PackingError(no_rows_message(files))
         labelled = [f.path for f in files if _has_labels(f.path)] if prof.packed is None else []
         if labelled:  # as a JSON-lines input of the same rows
             bare = next((f.path for f in files if f.path not in labelled), None)
@@ -270,6 +272,7 @@ def profile_files(
             ]  # fmt: skip
             staged = _stage(ex, jobs, verdict, quiet)
         stage_s = time.perf_counter() - t0
+        notes += empty_inputs_notes(files, jobs, staged)  # no rows at all: refused as pack refuses it
         if fmt == "preference":
             lengths = _pair_lengths([s["data"] for s in staged])
         else:

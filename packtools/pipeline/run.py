@@ -54,7 +54,7 @@ from .planning import (
     row_plan,
     write_jobs,
 )
-from .schema import data_format, known_columns, no_rows_message, token_schema
+from .schema import data_format, empty_inputs_notes, known_columns, token_schema
 from .stage import StageJob, freeze_report, iter_staged, stage_part
 from .stage_cache import adopt_cached, evicted_error, keep_in_place, stage_jobs
 from .staged import load_sidecar, sidecar_tool_opener, sidecar_turns
@@ -470,22 +470,6 @@ def _settle_reference(
         record(ws.stage, verdict, settled)
         return None
     return late[0]
-
-
-def empty_inputs_notes(
-    files: Sequence[InputFile], jobs: Sequence[StageJob], staged: Sequence[Any]
-) -> list[str]:
-    """A note naming the input files that held no rows (a shard left empty adds nothing and drops nothing, so
-    the run goes on and says so); an input of no rows at all is refused (:func:`schema.no_rows_message`)."""
-    rows = dict.fromkeys((f.path for f in files), 0)
-    for job, s in zip(jobs, staged):
-        rows[job.part.file.path] += int(s["rows"])
-    empty = [path for path, n in rows.items() if n == 0]
-    if len(empty) == len(rows):
-        raise PackingError(no_rows_message(files))
-    if not empty:
-        return []
-    return [f"{len(empty)} input file(s) held no rows and added nothing: {', '.join(map(repr, empty))}"]
 
 
 def busy_seconds(outcomes: Sequence[Any]) -> dict[str, float]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -175,6 +175,20 @@ def no_rows_message(files: Sequence[InputFile]) -> str:
         f"the input holds no rows: {named} {'is' if len(files) == 1 else 'are all'} empty (an empty file, only "
         f"whitespace, an empty JSON array, or a Parquet/Arrow file of 0 rows); give files that hold rows."
     )
+
+
+def empty_inputs_notes(files: Sequence[InputFile], jobs: Sequence[Any], staged: Sequence[Any]) -> list[str]:
+    """A note naming the input files that held no rows (a shard left empty adds nothing and drops nothing, so
+    the run goes on and says so); an input of no rows at all is refused (:func:`no_rows_message`); ``jobs``: the stage jobs, ``staged``: what staging them returned."""
+    rows = dict.fromkeys((f.path for f in files), 0)
+    for job, s in zip(jobs, staged):
+        rows[job.part.file.path] += int(s["rows"])
+    empty = [path for path, n in rows.items() if n == 0]
+    if len(empty) == len(rows):
+        raise PackingError(no_rows_message(files))
+    if not empty:
+        return []
+    return [f"{len(empty)} input file(s) held no rows and added nothing: {', '.join(map(repr, empty))}"]
 
 
 def _is_token_field(f: pa.Field) -> bool:
