@@ -206,6 +206,13 @@ def test_mixed_formats_name_the_file(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "mixed input formats" in err and "tok.parquet" in err and "raw.jsonl" in err and "\n" == err[-1]
     assert err.count("\n") == 1
+    assert "pack them in separate runs" in err
+    # profile said "pack them in separate runs" too: it names the command that runs
+    assert main(["profile", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert (
+        "mixed input formats" in err and "profile them in separate runs" in err and "pack them" not in err
+    ), err
 
 
 def _die_once(marker: str) -> str:

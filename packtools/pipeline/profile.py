@@ -174,7 +174,7 @@ def profile_files(
     files = discover(inputs)
     if not files:
         raise PackingError(f"no input files in {[os.fspath(i) for i in inputs]}.", param="paths")
-    fmt = data_format(files, config)
+    fmt = data_format(files, config, command="profile")
     # a tokenizer that would change nothing is refused as pack refuses it (tokenized data beside raw columns is
     # told the format that tokenizes them), so that profile measures what pack would pack
     check_options_used(config, fmt, files)

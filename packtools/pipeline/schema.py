@@ -42,9 +42,10 @@ if TYPE_CHECKING:
     from .config import PipelineConfig
 
 
-def data_format(files: Sequence[InputFile], config: PipelineConfig) -> str:
+def data_format(files: Sequence[InputFile], config: PipelineConfig, command: str = "pack") -> str:
     """The input format, the same for every file: ``config.format`` (checked against each file's columns) or
-    detected per file from its columns; mixed formats are refused naming the files."""
+    detected per file from its columns; mixed formats are refused naming the files (and ``command``, the one
+    that runs: ``pack`` or ``profile``)."""
     seen: dict[str, str] = {}
     schemas = [read_schema(f) for f in files]
     if not any(s.names for s in schemas):
@@ -73,7 +74,7 @@ def data_format(files: Sequence[InputFile], config: PipelineConfig) -> str:
         if seen and fmt not in seen:
             other, first = next(iter(seen.items()))
             raise PackingError(
-                f"mixed input formats: {f.path!r} is {fmt} data but {first!r} is {other}; pack them in separate "
+                f"mixed input formats: {f.path!r} is {fmt} data but {first!r} is {other}; {command} them in separate "
                 f"runs (or convert them to one format)."
             )
         seen.setdefault(fmt, f.path)
