@@ -496,3 +496,27 @@ def test_image_parts_with_a_text_tokenizer_are_refused(tmp_path, capsys):
     plain.parent.mkdir()
     plain.write_text(json.dumps(rows[:5], indent=1))
     assert pack_files(plain, tmp_path / "plain_out", 64, tokenizer=tok).stats["rows_in"] == 5
+
+
+def test_recommend_on_vision_lengths_holds_every_sample(tmp_path, proc):
+    """profile_lengths(vision_lengths(...)).recommend() used the sequence rule at 0.99 (bfd_split): a
+    max_length that leaves the longest samples out, which pack --processor then refuses (the docs asked
+    for keep_sequences=1.0 by hand).  Vision lengths are packed whole: the default holds every sample, with
+    bfd, and a rule that would leave one out is refused by name."""
+    from packtools import profile_lengths
+    from packtools.integrations.multimodal.processor import vision_lengths
+
+    small = tmp_path / "small.png"
+    big = tmp_path / "big.png"
+    Image.fromarray(np.zeros((56, 56, 3), np.uint8)).save(small)
+    Image.fromarray(np.zeros((448, 448, 3), np.uint8)).save(big)
+    rows = [_row([str(small)])] * 120 + [_row([str(big)])]
+    lengths = vision_lengths(rows, proc)
+    rec = profile_lengths(lengths).recommend()
+    assert rec.max_length >= int(lengths.max()) and rec.strategy == "bfd", (rec.max_length, lengths.max())
+    plain = profile_lengths(np.asarray(lengths).view(np.ndarray)).recommend()  # text lengths: the 99% rule
+    assert plain.max_length < int(lengths.max())
+    for kw in ({"keep_sequences": 0.99}, {"keep_tokens": 0.9}):
+        with pytest.raises(PackingError, match="packed whole"):
+            profile_lengths(lengths).recommend(**kw)
+    assert profile_lengths(lengths).recommend(keep_sequences=1.0).max_length == rec.max_length

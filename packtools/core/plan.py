@@ -373,3 +373,15 @@ def plan(lengths: object, max_length: int, strategy: Strategy | str = "bfd") -> 
         order, row_offsets = kernels.bfd_assign(size, max_length)
     segments = (source[order], start[order], size[order])
     return PackPlan._unchecked(max_length, strategy, segments, row_offsets, lens)
+
+
+class WholeLengths(np.ndarray):
+    """Lengths of samples that are packed whole, a longer one refused (vision samples,
+    :func:`packtools.integrations.multimodal.processor.vision_lengths`): a NumPy int array marking them, so
+    that :func:`packtools.profile_lengths` of them is a ``whole`` profile, whose ``recommend()`` holds every
+    sample.
+
+    >>> from packtools import profile_lengths
+    >>> profile_lengths(np.array([10, 700]).view(WholeLengths)).recommend().max_length
+    704
+    """

@@ -26,7 +26,7 @@ from ..constants import __version__
 from ..core.arrow import read_list_column
 from ..core.nested import gather_whole_samples, plan_whole_samples
 from ..core.pack import pack_columns
-from ..core.plan import PackPlan, check_max_length
+from ..core.plan import PackPlan, WholeLengths, check_max_length
 from ..errors import PackingError
 from ..io.discover import InputFile
 from ..io.files import mapped_table
@@ -309,4 +309,4 @@ def vision_file_lengths(paths: Sequence[str], processor: str | os.PathLike[str])
                 found = _resolve(row.get("images"), base, where)
                 images += len(found)
                 out.append(sample_length(vp, row.get("messages"), found, where))
-    return np.asarray(out, np.int64), images
+    return np.asarray(out, np.int64).view(WholeLengths), images  # packed whole: recommend() holds every one

@@ -26,7 +26,7 @@ from .._optional import is_instance
 from ..compat.datasets import dataset_table
 from ..constants import SEQ_LENGTHS
 from ..core.arrow import column_lengths, is_list_type
-from ..core.plan import check_max_length, plan
+from ..core.plan import WholeLengths, check_max_length, plan
 from ..errors import PackingError
 from ..io.discover import discover
 from ..io.files import open_ipc, reading
@@ -49,10 +49,14 @@ class LengthProfile(LengthDistribution):
     rule then count trained tokens (:mod:`packtools.profiling.trained`).
     ``pairs``: the sequences are preference pairs (``2 * prompt + chosen + rejected``; :func:`packtools.profile_files`
     sets it), which ``pack`` packs whole with ``bfd`` only: :meth:`recommend` then names ``bfd``, never ``bfd_split``.
+    ``whole``: every sample is packed whole and a longer one is refused (vision samples: :func:`profile_lengths`
+    of a :class:`WholeLengths`, which ``vision_lengths`` returns): :meth:`recommend` holds every sample
+    (``keep_sequences=1.0``, ``bfd``) and refuses a rule that would leave one out.
     """
 
     trained: TrainedTokens | None = None
     pairs: bool = False
+    whole: bool = False
 
     def to_text(self) -> str:
         text = super().to_text()
@@ -291,6 +295,8 @@ def profile_lengths(source: Any, column: str = "input_ids", name: str | None = N
             info = getattr(source, "info", None)
             base = getattr(info, "dataset_name", None) or getattr(info, "builder_name", None) or "dataset"
             name = f"{base} ({source.split})" if getattr(source, "split", None) else base
+    elif isinstance(source, WholeLengths):
+        return LengthProfile(np.asarray(source).view(np.ndarray), name, whole=True)
     elif isinstance(source, (np.ndarray, list, tuple, range)):
         lengths = source
     else:

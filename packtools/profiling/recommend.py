@@ -160,7 +160,8 @@ def sequence_rule(profile: LengthDistribution, keep_sequences: float, multiple_o
 
 def _option(profile: LengthDistribution, rule: str, share: float, m: int, max_context: int) -> RuleOption:
     row = tradeoff_row(profile, m, 8)
-    strategy = "bfd_split" if rule == "sequences" and not getattr(profile, "pairs", False) else "bfd"
+    whole = getattr(profile, "pairs", False) or getattr(profile, "whole", False)  # packed whole: bfd only
+    strategy = "bfd_split" if rule == "sequences" and not whole else "bfd"
     return RuleOption(
         rule,
         share,
@@ -194,13 +195,25 @@ def recommend(
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise PackingError(f"{name}={value!r} must be a positive int, e.g. {example}.", param=name)
     multiple_of, max_context = int(multiple_of), int(max_context)
+    whole = getattr(profile, "whole", False)  # vision samples: packed whole, a longer one refused
+    if whole and (keep_tokens is not None or (keep_sequences is not None and keep_sequences != 1.0)):
+        given = "keep_tokens" if keep_tokens is not None else "keep_sequences"
+        raise PackingError(
+            f"{given}={keep_tokens if keep_tokens is not None else keep_sequences!r}: these samples (vision) are "
+            f"packed whole and `pack --processor` / pack_dataset(..., processor=DIR) refuse a sample longer than "
+            f"max_length, so the recommendation must hold every sample; call recommend() without {given} (it "
+            f"holds every sample, keep_sequences=1.0).",
+            param=given,
+        )
+    if whole:
+        keep_sequences = 1.0
     rule = "tokens" if keep_tokens is not None else "sequences"
     kt = _check_share(DEFAULT_KEEP_TOKENS if keep_tokens is None else keep_tokens, "keep_tokens", "tokens")
     ks = _check_share(
         DEFAULT_KEEP_SEQUENCES if keep_sequences is None else keep_sequences, "keep_sequences", "sequences"
     )
     pairs = getattr(profile, "pairs", False)  # preference pairs: packed whole, by bfd only
-    strategy = "bfd" if rule == "tokens" or pairs else "bfd_split"
+    strategy = "bfd" if rule == "tokens" or pairs or whole else "bfd_split"
     if profile.total_tokens == 0:
         return Recommendation(
             multiple_of,
@@ -240,6 +253,11 @@ def recommend(
             )
         elif pairs:
             reason += " Every pair fits whole; pack with strategy bfd."
+        elif whole:
+            reason += (
+                " Samples are packed whole (bfd) and a longer one is refused, so the recommendation holds every "
+                "sample."
+            )
         else:
             reason += " Every sequence fits, so bfd and bfd_split are identical."
         if trained is not None and trained.total and cut:

@@ -345,12 +345,16 @@ def vision_lengths(
     images: str = "images",
 ) -> np.ndarray:
     """Token counts of rows in TRL's vision format as the model sees them (:func:`sample_length` of each row,
-    no pixel processed); feed them to :func:`packtools.profile_lengths` to choose ``max_length``."""
+    no pixel processed); feed them to :func:`packtools.profile_lengths` to choose ``max_length``.  They are
+    a :class:`~packtools.core.plan.WholeLengths` (a NumPy int64 array): vision samples are packed
+    whole and a longer one is refused, so the profile's ``recommend()`` holds every sample."""
+    from ...core.plan import WholeLengths
+
     vp = processor if isinstance(processor, VisionProcessor) else load_vision_processor(processor)
     lengths = [
         sample_length(vp, example[messages], example.get(images), i) for i, example in enumerate(dataset)
     ]
-    return np.asarray(lengths, np.int64)
+    return np.asarray(lengths, np.int64).view(WholeLengths)
 
 
 def sample_length(vp: VisionProcessor, messages: Any, images: Any, row: int | str) -> int:
