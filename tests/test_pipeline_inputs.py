@@ -10,6 +10,7 @@ import errno
 import json
 import os
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -432,6 +433,36 @@ def test_profile_refuses_an_input_of_only_empty_files_as_pack_does(tmp_path, tok
     got = profile_files(str(tmp_path / "text"), tokenizer=tok_dir)
     assert got.profile.count == 2
     assert any("held no rows" in n and "s0.parquet" in n for n in got.notes), got.notes
+
+
+def test_preference_profile_drops_what_pack_drops(tmp_path, tok_dir, capsys):
+    """The preference profile's "bfd drops" counted ``sum(max(0, 2p + c + r - max_length))`` per pair, but
+    pack truncates a pair by its own rule (the prompt, held twice, loses whole tokens; completions are cut to
+    fit), so it drops more (e.g. 139 where the profile said 135).  The profile now keeps what pack keeps."""
+    import random
+
+    from packtools import profile_files
+
+    rng = random.Random(0)
+    words = "hello there how are you doing today yes no maybe cat dog".split()
+    text = lambda n: " ".join(rng.choice(words) for _ in range(n))  # noqa: E731
+    rows = [{"prompt": text(rng.randint(1, 30)), "chosen": text(rng.randint(1, 30)),
+             "rejected": text(rng.randint(1, 30))} for _ in range(200)]  # fmt: skip
+    src = jsonl(tmp_path / "pref.jsonl", rows)
+    prof = profile_files(src, tokenizer=tok_dir, format="preference").profile
+    odd = 0
+    for m in (128, 256, 320):
+        got = pack_files(src, str(tmp_path / f"out{m}"), max_length=m, tokenizer=tok_dir, format="preference")
+        assert prof.total_tokens == got.stats["tokens_in"]
+        assert prof.total_tokens - prof.tokens_kept(m) == got.stats["tokens_dropped"], m
+        overflow = int(np.maximum(prof.lengths - m, 0).sum())
+        odd += got.stats["tokens_dropped"] != overflow
+    assert odd  # the data has pairs that pack cuts past the overflow (the old count was wrong there)
+    assert main(["profile", src, "--tokenizer", tok_dir, "--format", "preference"]) == 0
+    table = capsys.readouterr().out
+    line = next(x for x in table.splitlines() if "tokens kept by bfd" in x)
+    m, dropped = int(line.split()[-7]), int(line.split()[-5].replace(",", ""))
+    assert dropped == prof.total_tokens - prof.tokens_kept(m)
 
 
 def test_ids_beyond_int64_in_json_say_so(tmp_path):

@@ -83,16 +83,18 @@ class ProfiledInput:
         return "\n".join(lines)
 
 
-def _pair_lengths(paths: Sequence[str]) -> np.ndarray:
-    """``2 * prompt + chosen + rejected`` per pair of staged preference files (offsets only, memory-mapped)."""
+def _pair_parts(paths: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The prompt, chosen and rejected lengths of every pair of staged preference files (offsets only,
+    memory-mapped); a pair as packed is ``2 * prompt + chosen + rejected``."""
     prompt, chosen, rejected = output_columns("preference")
-    out = []
+    out: list[list[np.ndarray]] = [[], [], []]
     for path in paths:
         with open_ipc(path) as reader:
             table = reader.read_all()
-            lens = [profile_lengths(table, column=c).lengths for c in (prompt, chosen, rejected)]
-            out.append(2 * lens[0] + lens[1] + lens[2])
-    return np.concatenate(out) if out else np.zeros(0, np.int64)
+            for k, c in enumerate((prompt, chosen, rejected)):
+                out[k].append(profile_lengths(table, column=c).lengths)
+    lp, lc, lr = (np.concatenate(o) if o else np.zeros(0, np.int64) for o in out)
+    return lp, lc, lr
 
 
 def _no_cache_note(folder: str, exc: OSError) -> str:
@@ -255,6 +257,7 @@ def profile_files(
     )
     ex = get_executor(executor, workers, None)
     trained = None
+    pair_parts = None
     t0 = time.perf_counter()
     try:
         try:
@@ -274,7 +277,8 @@ def profile_files(
         stage_s = time.perf_counter() - t0
         notes += empty_inputs_notes(files, jobs, staged)  # no rows at all: refused as pack refuses it
         if fmt == "preference":
-            lengths = _pair_lengths([s["data"] for s in staged])
+            pair_parts = _pair_parts([s["data"] for s in staged])
+            lengths = 2 * pair_parts[0] + pair_parts[1] + pair_parts[2]
         else:
             sidecars = [load_sidecar(j.sidecar)[0] for j in jobs]
             lengths = np.concatenate(sidecars) if sidecars else np.zeros(0, np.int64)
@@ -306,7 +310,10 @@ def profile_files(
         what = "pairs as packed: 2 x prompt + chosen + rejected" if fmt == "preference" else "tokenized"
         name = f"{base} ({fmt}, {what})"
     return ProfiledInput(
-        LengthProfile(lengths, name, trained=trained, pairs=fmt == "preference"), fmt, info, notes
+        LengthProfile(lengths, name, trained=trained, pairs=fmt == "preference", pair_parts=pair_parts),
+        fmt,
+        info,
+        notes,
     )
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ from .._optional import is_instance
 from ..compat.datasets import dataset_table
 from ..constants import SEQ_LENGTHS
 from ..core.arrow import column_lengths, is_list_type
+from ..core.pairs import fit_pairs
 from ..core.plan import WholeLengths, check_max_length, plan
 from ..errors import PackingError
 from ..io.discover import discover
@@ -47,6 +48,8 @@ class LengthProfile(LengthDistribution):
     ``trained``: where the sequences' trained (label) tokens are, for data with labels (chat,
     prompt/completion; :func:`packtools.profile_files` fills it): the text, the tradeoff table and the token
     rule then count trained tokens (:mod:`packtools.profiling.trained`).
+    ``pair_parts``: for ``pairs``, each pair's prompt, chosen and rejected lengths, so that the tokens ``bfd``
+    keeps (:meth:`tokens_kept`, the tables and the token rule) are those ``pack`` keeps.
     ``pairs``: the sequences are preference pairs (``2 * prompt + chosen + rejected``; :func:`packtools.profile_files`
     sets it), which ``pack`` packs whole with ``bfd`` only: :meth:`recommend` then names ``bfd``, never ``bfd_split``.
     ``whole``: every sample is packed whole and a longer one is refused (vision samples: :func:`profile_lengths`
@@ -57,6 +60,16 @@ class LengthProfile(LengthDistribution):
     trained: TrainedTokens | None = None
     pairs: bool = False
     whole: bool = False
+    pair_parts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
+
+    def tokens_kept(self, max_length: int) -> int:
+        """Tokens ``bfd`` keeps at ``max_length``: ``sum(min(length, max_length))``; for preference pairs with
+        ``pair_parts`` (each pair's prompt, chosen and rejected lengths), what ``pack`` keeps of each over-long
+        pair under ``--overlong truncate`` (its default: :func:`packtools.core.pairs.fit_pairs`, which cuts
+        the prompt, held twice, and the completions by its own rule, so it may keep less than ``max_length``)."""
+        if self.pair_parts is None:
+            return super().tokens_kept(max_length)
+        return int(fit_pairs(*self.pair_parts, max_length).pair_lengths.sum())
 
     def to_text(self) -> str:
         text = super().to_text()
