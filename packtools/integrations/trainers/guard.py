@@ -19,7 +19,14 @@ from ...compat.torch import forward_pre_hook
 from ...constants import VARLEN_KEYS
 from ...errors import PackingError
 from ..attention.backends import attention_implementation, base_model, is_flash, token_mixing_layers
-from ..attention.mixers import POSITIONLESS_MASKS, breaks, document_mixers, generating, kernel_ready
+from ..attention.mixers import (
+    POSITIONLESS_MASKS,
+    breaks,
+    document_mixers,
+    generating,
+    kernel_ready,
+    passed_cache,
+)
 
 _HOOK_ATTR = "_packtools_guard"
 
@@ -44,7 +51,8 @@ def check_forward_inputs(
 ) -> None:
     """Raise :class:`PackingError` on keyword inputs that make transformers attend across packed sequences.
 
-    Inputs of generation (a cache passed in) are not checked.  Only the suspicious combinations read
+    Inputs of a generation step (a cache holding tokens passed in) are not checked; an empty cache is (a packed
+    row with one is refused, :func:`check_cache_on_packed`).  Only the suspicious combinations read
     tensor values (one host sync); correct padding-free batches are checked from their keys alone.
 
     >>> import numpy as np
@@ -110,9 +118,34 @@ def check_forward_inputs(
 
 
 def check_cache_on_packed(kwargs: Mapping[str, Any], implementation: str | None) -> None:
-    """Refuse ``use_cache=True`` on a packed batch (:func:`is_packed`) for attention other than FlashAttention's:
-    with a cache transformers builds no per-sequence mask from ``position_ids``."""
-    if not is_flash(implementation) and kwargs.get("use_cache") is True and is_packed(kwargs):
+    """Refuse ``use_cache=True``, or a cache passed in that holds no tokens yet (an empty ``DynamicCache``: no
+    generation step, :func:`~packtools.integrations.attention.mixers.generating`), on a packed batch
+    (:func:`is_packed`) for attention other than FlashAttention's: with a cache transformers builds no
+    per-sequence mask from ``position_ids``.
+
+    >>> import numpy as np
+    >>> from transformers import DynamicCache
+    >>> check_cache_on_packed(
+    ...     {"position_ids": np.array([[0, 1, 0]]), "past_key_values": DynamicCache()}, "sdpa"
+    ... )  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: the batch is packed and a cache was passed in (past_key_values=DynamicCache...
+    """
+    if is_flash(implementation):
+        return
+    cache = passed_cache(kwargs)
+    if cache is not None and is_packed(kwargs):
+        key = "past_key_values" if kwargs.get("past_key_values") is not None else "cache"
+        raise PackingError(
+            f"the batch is packed and a cache was passed in ({key}={type(cache).__name__}, holding no tokens: no "
+            f"generation step): with a cache the {implementation!r} attention gets no per-sequence mask from "
+            f"position_ids (transformers builds it only without a cache), so packed sequences would attend to "
+            f"each other. Pass no cache with packed rows (train without {key}=), or generate from one sequence "
+            f"per row.",
+            param=key,
+        )
+    if kwargs.get("use_cache") is True and is_packed(kwargs):
         raise PackingError(
             f"the batch is packed and use_cache=True: with a cache the {implementation!r} attention gets no "
             f"per-sequence mask from position_ids (transformers builds it only without a cache), so packed "
@@ -396,7 +429,7 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
         check_length_dependent_rope(rope, kwargs)
         if probe is not None:
             probe(module, kwargs)
-        if not generating(kwargs) and (kwargs.get("use_cache") is None or module.training):
+        if passed_cache(kwargs) is None and (kwargs.get("use_cache") is None or module.training):
             kwargs["use_cache"] = False
         return args, kwargs
 
