@@ -270,15 +270,14 @@ def test_a_context_parallel_shard_is_judged_by_its_documents_against_the_ranks_o
         check_length_dependent_rope(rope, shard([12, 4], 0))
 
 
-def test_prepare_trainer_refuses_the_longrope_batch_at_the_first_step(tmp_path):
+def test_prepare_trainer_refuses_the_longrope_rows_up_front(tmp_path):
     from packtools import prepare_trainer
 
     trainer = packed_trainer(rope_model("phi3-longrope"), documents(), tmp_path)
-    prepare_trainer(trainer)  # the isolation probe's sequences (<= 9 tokens) pass
-    with pytest.raises(
-        PackingError, match="Phi3ForCausalLM: packed sequences would train with wrong positions"
+    with pytest.raises(  # the dataset's seq_lengths, read before training (tests/test_rope_rows.py)
+        PackingError, match="prepare_trainer: Phi3ForCausalLM's packed sequences would train with wrong positions"
     ):
-        trainer.train()
+        prepare_trainer(trainer)
 
 
 def test_prepare_trainer_keeps_doge_on_its_own_sdpa(tmp_path):

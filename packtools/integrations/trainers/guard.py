@@ -10,7 +10,7 @@ check it runs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..._optional import is_instance
@@ -517,6 +517,31 @@ def check_length_dependent_rope(rope: tuple[tuple[str, str, int], ...], kwargs: 
         seen = max(lengths)
     else:
         return
+    found = rope_mismatch(rope, lengths, seen)
+    if found is None:
+        return
+    name, limit, why = found
+    raise PackingError(
+        f"{name}: {'the context-parallel shard' if layout is not None else 'packed'} sequences would train "
+        f"with wrong positions, with no error: {why}. Pack with "
+        f"max_length <= {limit} (pack_dataset(..., max_length={limit})) so that no sequence crosses it, or "
+        f"train the longer sequences unpacked, in batches of their own"
+        f"{' and without context parallelism' if layout is not None else ''}.",
+        param="model",
+    )
+
+
+def rope_mismatch(
+    rope: tuple[tuple[str, str, int], ...], lengths: Sequence[int], seen: int
+) -> tuple[str, int, str] | None:
+    """The rule of :func:`check_length_dependent_rope` on plain numbers: ``(model name, threshold, why)`` when a
+    forward holding sequences of ``lengths`` whose positions reach ``seen`` (``max(position_ids) + 1``) would
+    rotate one of them with other frequencies than it alone gets, else ``None``.
+
+    >>> rope = (("Phi3ForCausalLM", "longrope", 10),)
+    >>> rope_mismatch(rope, [12, 4], 12)[:2], rope_mismatch(rope, [12, 14], 14)
+    (('Phi3ForCausalLM', 10), None)
+    """
     for name, kind, limit in rope:
         if kind == "longrope":
             other = [n for n in lengths if (n > limit) != (seen > limit)]
@@ -537,14 +562,8 @@ def check_length_dependent_rope(rope: tuple[tuple[str, str, int], ...], kwargs: 
             )
         else:
             continue
-        raise PackingError(
-            f"{name}: {'the context-parallel shard' if layout is not None else 'packed'} sequences would train "
-            f"with wrong positions, with no error: {why}. Pack with "
-            f"max_length <= {limit} (pack_dataset(..., max_length={limit})) so that no sequence crosses it, or "
-            f"train the longer sequences unpacked, in batches of their own"
-            f"{' and without context parallelism' if layout is not None else ''}.",
-            param="model",
-        )
+        return name, limit, why
+    return None
 
 
 class FirstPackedProbe:
