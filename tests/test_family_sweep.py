@@ -275,7 +275,8 @@ def test_prepare_trainer_refuses_the_longrope_rows_up_front(tmp_path):
 
     trainer = packed_trainer(rope_model("phi3-longrope"), documents(), tmp_path)
     with pytest.raises(  # the dataset's seq_lengths, read before training (tests/test_rope_rows.py)
-        PackingError, match="prepare_trainer: Phi3ForCausalLM's packed sequences would train with wrong positions"
+        PackingError,
+        match="prepare_trainer: Phi3ForCausalLM's packed sequences would train with wrong positions",
     ):
         prepare_trainer(trainer)
 

@@ -103,5 +103,7 @@ def test_prepare_dpo_trainer_refuses_pairs_across_the_threshold_before_training(
     trainer = build()
     monkeypatch.setattr(dpo, "check_rope_rows", lambda *a, **k: None)
     prepare_dpo_trainer(trainer)
-    with pytest.raises(PackingError, match="Phi3ForCausalLM: packed sequences would train with wrong positions"):
+    with pytest.raises(
+        PackingError, match="Phi3ForCausalLM: packed sequences would train with wrong positions"
+    ):
         trainer.train()
