@@ -33,7 +33,7 @@ from ..attention.mixers import POSITIONLESS_MASKS, document_mixers
 from .calls import padding_free_layout
 
 _PADDED_KEYS = {"input_ids", "attention_mask", "margin"}
-_PACKED_KEYS = {"input_ids", "labels", "position_ids", "margin", "seq_idx", *VARLEN_KEYS}
+_PACKED_KEYS = {"input_ids", "labels", "position_ids", "margin", "seq_idx", "use_cache", *VARLEN_KEYS}
 
 
 @dataclass(frozen=True)
