@@ -132,8 +132,8 @@ def check_cache_on_packed(kwargs: Mapping[str, Any], implementation: str | None)
     ...
     packtools.errors.PackingError: the batch is packed and a cache was passed in (past_key_values=DynamicCache...
     """
-    if is_flash(implementation):
-        return
+    if is_flash(implementation) or kwargs.get("packtools_cp") is not None:
+        return  # (a CP shard: packtools_cp attends per document from its layout, cache or not)
     cache = passed_cache(kwargs)
     if cache is not None and is_packed(kwargs):
         key = "past_key_values" if kwargs.get("past_key_values") is not None else "cache"
@@ -292,7 +292,8 @@ def check_unhandled_mixers(model: Any, kwargs: Mapping[str, Any], mixers: tuple[
     row_keys = ("seq_idx", *VARLEN_KEYS)  # transformers' fallback refuses these even for one sequence
     if not mixers or generating(kwargs):
         return  # (generation: each decode step would read the positions, a host sync, for nothing)
-    if not (any(kwargs.get(k) is not None for k in row_keys) or is_packed(kwargs)):
+    shard = kwargs.get("packtools_cp") is not None  # one verdict on every rank (their positions differ)
+    if not (shard or any(kwargs.get(k) is not None for k in row_keys) or is_packed(kwargs)):
         return
     base = base_model(model)
     missing = []
@@ -322,8 +323,12 @@ def check_positionless_masks(model: Any, kwargs: Mapping[str, Any], implementati
     (:data:`~packtools.integrations.attention.mixers.POSITIONLESS_MASKS`, GPT-OSS) unless
     :func:`~packtools.integrations.attention.mixers.run_mixers_per_document` builds them from ``position_ids``:
     otherwise every packed sequence attends to the ones before it in its row, with no error."""
-    if is_flash(implementation) or kwargs.get("attention_mask") is not None:
-        return
+    if (
+        is_flash(implementation)
+        or kwargs.get("attention_mask") is not None
+        or kwargs.get("packtools_cp") is not None
+    ):
+        return  # (a CP shard: packtools_cp attends per document from its layout, whatever the masks)
     base = base_model(model)
     if getattr(getattr(base, "config", None), "model_type", None) not in POSITIONLESS_MASKS:
         return
@@ -404,7 +409,10 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
     alone, with the batch's own keys), which raises :class:`PackingError` naming the model, backend and fix.
     The prepare functions pass ``False``: they run their own probe before training.  The probe runs outside
     ``torch.compile``'s trace and, under ``DistributedDataParallel``, on the module it wraps: no collective, since
-    the ranks may reach their first packed batch at different steps.  A sharded model's forward (FSDP's) gathers
+    the ranks may reach their first packed batch at different steps.  A context-parallel shard (``packtools_cp``)
+    is the exception: every rank of its CP group probes the first shard (they reach it in the same forward, their
+    own positions restarting or not) and one all-reduce over that group agrees on the verdict, so the group
+    refuses on every rank or on none, never leaving a rank waiting in the CP attention's all-gather.  A sharded model's forward (FSDP's) gathers
     its parameters, a collective the probe cannot avoid: pass ``False`` there.
     """
     # vars(), not getattr(): PEFT models forward unknown attributes to the base model, whose hook they skip.
@@ -496,10 +504,12 @@ def check_length_dependent_rope(rope: tuple[tuple[str, str, int], ...], kwargs: 
     packed with a longer one), ``dynamic`` once either exceeds it (every sequence rotated for that length).
     Nothing else shows it; the isolation probe's short sequences never reach the threshold.
 
-    A context-parallel shard (``packtools_cp``) is judged by its row's true document lengths against this rank's
+    A context-parallel shard (``packtools_cp``) is judged by its row's true document lengths against each rank's
     own ``max(position_ids)``: a rank holding the middle chunks of a document over the threshold sees positions
     under it and would rotate them with the short factors (one document, no restart in the rank's positions),
-    while a rank holding the head and tail chunks of documents all over it is right (its positions restart)."""
+    while a rank holding the head and tail chunks of documents all over it is right (its positions restart).
+    Every rank of the CP group judges every rank's positions (from the layout they share) and refuses alike:
+    a refusal on some ranks only would leave the others waiting in the CP attention's all-gather."""
     pos = kwargs.get("position_ids")
     if not rope or pos is None or getattr(pos, "ndim", 0) != 2 or not hasattr(pos, "new_full"):
         return
@@ -507,12 +517,25 @@ def check_length_dependent_rope(rope: tuple[tuple[str, str, int], ...], kwargs: 
         return
     shard = kwargs.get("packtools_cp")
     layout = getattr(shard, "layout", None)
-    if (
-        layout is not None
-    ):  # this rank's chunks: the documents' lengths are the layout's, not the positions' runs
+    if layout is not None:  # the documents' lengths are the layout's, not the positions' runs
         lengths = [int(n) for n in layout.lengths]
-        seen = int(pos.max()) + 1
-    elif is_packed(kwargs):
+        # Every rank of the CP group judged alike, from the layout they share: a refusal on some ranks only
+        # would leave the others waiting in the CP attention's all-gather (a hang).
+        for rank in range(int(layout.cp_size)):
+            seen = int(layout.positions(rank).max()) + 1
+            found = rope_mismatch(rope, lengths, seen)
+            if found is not None:
+                name, limit, why = found
+                raise PackingError(
+                    f"{name}: the context-parallel shard of rank {rank} of the CP group would train with wrong "
+                    f"positions, with no error (every rank of the group refuses the row): {why}. Pack with "
+                    f"max_length <= {limit} (pack_dataset(..., max_length={limit})) so that no sequence crosses "
+                    f"it, or train the longer sequences unpacked, in batches of their own and without context "
+                    f"parallelism.",
+                    param="model",
+                )
+        return
+    if is_packed(kwargs):
         lengths = [int(n) for n in document_lengths(pos).tolist()]
         seen = max(lengths)
     else:
@@ -522,11 +545,9 @@ def check_length_dependent_rope(rope: tuple[tuple[str, str, int], ...], kwargs: 
         return
     name, limit, why = found
     raise PackingError(
-        f"{name}: {'the context-parallel shard' if layout is not None else 'packed'} sequences would train "
-        f"with wrong positions, with no error: {why}. Pack with "
+        f"{name}: packed sequences would train with wrong positions, with no error: {why}. Pack with "
         f"max_length <= {limit} (pack_dataset(..., max_length={limit})) so that no sequence crosses it, or "
-        f"train the longer sequences unpacked, in batches of their own"
-        f"{' and without context parallelism' if layout is not None else ''}.",
+        f"train the longer sequences unpacked, in batches of their own.",
         param="model",
     )
 
@@ -569,7 +590,8 @@ def rope_mismatch(
 class FirstPackedProbe:
     """The guard's isolation probe: run once, on the first packed batch (:func:`is_packed`) outside generation,
     with that batch's keys; the probe's own forwards pass through the guard without probing again.  A batch of
-    multimodal (3-D) rotary positions is left to the vision probe (``prepare_trainer``'s), which builds them."""
+    multimodal (3-D) rotary positions is left to the vision probe (``prepare_trainer``'s), which builds them.
+    A context-parallel shard is probed on every rank of its CP group, the verdict agreed (:func:`agreed_refusal`)."""
 
     def __init__(self) -> None:
         self.done = False
@@ -579,8 +601,42 @@ class FirstPackedProbe:
         if self.done or self.running or generating(kwargs):
             return
         pos = kwargs.get("position_ids")
+        shard = kwargs.get("packtools_cp")
+        if shard is not None and int(getattr(getattr(shard, "layout", None), "cp_size", 1)) > 1:
+            # A context-parallel shard: whether this rank's positions restart depends on the chunks it holds
+            # (the middle chunks of one document do not), so the first shard is probed on every rank of the CP
+            # group, which reach it in the same forward, and the verdict is agreed on before any raises.
+            self._probe_shard(module, kwargs, shard)
+            return
         if not is_packed(kwargs) or (pos is not None and getattr(pos, "ndim", 2) != 2):
             return  # (3-D multimodal rotary positions: the vision probe's, as in check_forward_inputs)
+        self._probe(module, kwargs)
+        self.done = True
+
+    def _probe_shard(self, module: Any, kwargs: Mapping[str, Any], shard: Any) -> None:
+        """Probe on the first CP shard, then agree over the shard's CP group (one all-reduce, once): every rank
+        raises if any rank's probe refused, so none is left waiting in the CP attention's all-gather."""
+        from ..attention.context_parallel import shard_group
+
+        refused: PackingError | None = None
+        try:
+            self._probe(module, kwargs)
+        except PackingError as err:
+            refused = err
+        if not agreed_refusal(refused is not None, shard_group(shard)):
+            self.done = True
+            return
+        if refused is None:
+            raise PackingError(
+                f"guard_model: the first context-parallel batch's probe refused "
+                f"{type(base_model(module)).__name__} on another rank of the CP group (see its error), so this "
+                f"rank refuses it too: training on packed rows would be silently wrong.",
+                param="model",
+            )
+        raise refused
+
+    def _probe(self, module: Any, kwargs: Mapping[str, Any]) -> None:
+        """Run :func:`~packtools.integrations.attention.isolation.check_isolation` with the batch's keys."""
         import torch
 
         from ...batches.collate import PaddingFreeCollator
@@ -618,7 +674,22 @@ class FirstPackedProbe:
             ) from err
         finally:
             self.running = False
-        self.done = True
+
+
+def agreed_refusal(refused: bool, group: Any) -> bool:
+    """Whether any rank of ``group`` (a ``torch.distributed`` process group, ``None``: the default one) refused:
+    one all-reduce of a flag, on the device the group's backend takes.  Without an initialized process group:
+    this rank's own verdict."""
+    import torch
+
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return refused
+    backend = str(dist.get_backend(group))
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+    flag = torch.tensor([1 if refused else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 def segmented_hint(model: Any) -> str:
