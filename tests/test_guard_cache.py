@@ -1,4 +1,6 @@
-"""A cache passed in with a packed row: transformers' ``sdpa``/``eager`` masks read ``position_ids`` for packed
+"""The guard on a forward's cache, and its model type read once.
+
+A cache passed in with a packed row: transformers' ``sdpa``/``eager`` masks read ``position_ids`` for packed
 sequences only without a cache, so an explicit empty ``DynamicCache`` (no generation step: it holds no tokens) on
 a packed training batch made the documents attend to each other.  The guard skipped every call that passed a
 cache, as if it were a decode step; it now refuses an empty cache with a packed row and still lets generation
@@ -66,3 +68,17 @@ def test_generation_with_a_cache_still_passes(impl):
         model.eval()
         out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=PAD)
     assert out.shape == (1, 7)
+
+
+def test_the_guard_reads_the_model_type_once(monkeypatch):
+    """The model type decides the guard's GPT-OSS and Qwen2-VL checks: read once, at guard_model, not on every
+    forward (before: two reads a forward)."""
+    model = tiny_llama("sdpa")
+    reads = []
+    monkeypatch.setattr(type(model.config), "model_type", property(lambda self: reads.append(1) or "llama"))
+    guard_model(model, check_isolation=False)
+    at_guard = len(reads)
+    batch = PaddingFreeCollator(PAD)([ROW])
+    for _ in range(3):
+        model(**batch)
+    assert len(reads) == at_guard >= 1

@@ -423,6 +423,9 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
     mixers = tuple(token_mixing_layers(model))
     probe = FirstPackedProbe() if check_isolation else None
     rope = length_dependent_rope(model)
+    # The model type decides two checks; read once here, not on every forward.
+    model_type = getattr(getattr(base_model(model), "config", None), "model_type", None)
+    positionless, text_row = model_type in POSITIONLESS_MASKS, model_type in NO_TEXT_ROW_FROM_2D
 
     def hook(
         module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -432,8 +435,10 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
         left = mixers if done is None else tuple(m for m in mixers if m not in done.modes)
         check_unhandled_mixers(module, kwargs, left)  # first: without kernels, seq_idx alone is no fix
         check_forward_inputs(kwargs, impl, left)
-        check_positionless_masks(module, kwargs, impl)
-        check_text_row(module, kwargs, impl)
+        if positionless:
+            check_positionless_masks(module, kwargs, impl)
+        if text_row:
+            check_text_row(module, kwargs, impl)
         check_length_dependent_rope(rope, kwargs)
         if probe is not None:
             probe(module, kwargs)
