@@ -107,3 +107,40 @@ def test_prepare_dpo_trainer_refuses_pairs_across_the_threshold_before_training(
         PackingError, match="Phi3ForCausalLM: packed sequences would train with wrong positions"
     ):
         trainer.train()
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_grpo_rows_across_the_threshold_are_refused_at_their_step(tmp_path, share):
+    """GRPO's rows are generated, so no lengths exist up front, and the model is not guarded: its padding-free
+    rows (plain, or prompt-shared trees) went to the model unchecked and a longrope model trained them with the
+    long factors for the short sequences, silently.  Each row is now checked as the guard checks a batch."""
+    from _hf_models import word_tokenizer
+    from _trl_setup import trl
+    from test_family_sweep import LLAMA_SIZES, ROPES, build
+    from test_grpo import prompts, reward_len
+
+    from packtools.integrations.rl import prepare_grpo_trainer
+
+    cls, config_cls, extra = ROPES["phi3-longrope"]
+    sizes = {
+        **LLAMA_SIZES,
+        **extra,
+        "vocab_size": 12,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 1,
+    }
+    model = build(cls, config_cls, sizes, "sdpa")
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=10,
+        report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, max_steps=1, seed=0,
+    )  # fmt: skip
+    trainer = trl.GRPOTrainer(
+        model, reward_funcs=reward_len, args=args, train_dataset=datasets.Dataset.from_list(prompts()),
+        processing_class=word_tokenizer(12),
+    )  # fmt: skip
+    prepare_grpo_trainer(trainer, share_prompt=share)  # the probe's sequences stay under the threshold
+    with pytest.raises(
+        PackingError, match="Phi3ForCausalLM: packed sequences would train with wrong positions"
+    ):
+        trainer.train()

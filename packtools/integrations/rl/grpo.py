@@ -55,7 +55,12 @@ from ..attention.isolation import ProbeDiffs, autocast_inside, compute_dtype, tr
 from ..attention.mixers import POSITIONLESS_MASKS, run_mixers_per_document
 from ..attention.tree import check_tree_model, use_tree_attention
 from ..multimodal.models import refuse_multimodal
-from ..trainers.guard import check_forward_inputs, refuse_prompt_learning
+from ..trainers.guard import (
+    check_forward_inputs,
+    check_length_dependent_rope,
+    length_dependent_rope,
+    refuse_prompt_learning,
+)
 from ..trainers.sft import refuse_neftune
 from ..trainers.step import install_step, plan_of
 from .groups import GroupBalancedSampler, choose_balance, prompt_token_counter
@@ -103,6 +108,9 @@ def _back(value: Any, row: Row, name: str) -> Any:
 def _row_inputs(row: Row, plan: RLPlan, model: Any) -> dict[str, Any]:
     torch = require("torch", "packtools.prepare_grpo_trainer")
     inputs = {"input_ids": row.ids[None], "labels": row.labels[None], "position_ids": row.positions[None]}
+    # A length-dependent rotary embedding rotates every sequence of the row for its longest one (the model is
+    # not guarded: its forward's hook would not see these rows' lengths either way).
+    check_length_dependent_rope(length_dependent_rope(model), inputs)
     if row.tree is not None:
         inputs[TREE_KEY] = row.tree
         return inputs
