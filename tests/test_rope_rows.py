@@ -98,6 +98,13 @@ def test_prepare_dpo_trainer_refuses_pairs_across_the_threshold_before_training(
     assert (pairs == 2).all() and (lengths > 10).any() and (lengths <= 10).any()  # the data crosses it
     with pytest.raises(PackingError, match=r"prepare_dpo_trainer: Phi3ForCausalLM's .*(row|rows) \d+"):
         prepare_dpo_trainer(trainer)
+    # prompt-shared pairs (the tree: no lengths read up front) are checked at each batch
+    from packtools.dpo import pack_preference
+
+    trainer = build()
+    prepare_dpo_trainer(trainer, train_dataset=pack_preference(trainer.train_dataset, 64, share_prompt=True))
+    with pytest.raises(PackingError, match="Phi3ForCausalLM: packed sequences would train with wrong positions"):
+        trainer.train()
     # the per-batch check stays, in DPO's own padding-free forward (the guard's hook sees TRL's padded call, so
     # on main these pairs trained 3 epochs with no error): with the dataset's rule off, the first batch refuses
     trainer = build()
