@@ -103,7 +103,9 @@ def test_prepare_dpo_trainer_refuses_pairs_across_the_threshold_before_training(
 
     trainer = build()
     prepare_dpo_trainer(trainer, train_dataset=pack_preference(trainer.train_dataset, 64, share_prompt=True))
-    with pytest.raises(PackingError, match="Phi3ForCausalLM: packed sequences would train with wrong positions"):
+    with pytest.raises(
+        PackingError, match="Phi3ForCausalLM: packed sequences would train with wrong positions"
+    ):
         trainer.train()
     # the per-batch check stays, in DPO's own padding-free forward (the guard's hook sees TRL's padded call, so
     # on main these pairs trained 3 epochs with no error): with the dataset's rule off, the first batch refuses
