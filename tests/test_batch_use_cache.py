@@ -155,3 +155,75 @@ def test_dispatch_batches_refuses_the_key_loudly(tmp_path):
     assert "KEYS 0" not in out["1"]
     for rank in (0, 1):
         assert f"KEYS {rank} ['input_ids', 'labels', 'position_ids', 'seq_idx']" in out["0"], out["0"]
+
+
+PAIR = {
+    "input_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13],
+    "completion_mask": [0, 1, 1, 1, 0, 1, 1, 1, 1],
+    "seq_lengths": [4, 5],
+}
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_preference_collator_batch_alone_keeps_the_pair_apart(impl):
+    """``model(**PreferenceCollator(pad)(rows))`` with the config's ``use_cache=True`` and no guard: before, the
+    padding-free batch had no ``use_cache`` key and the rejected sequence attended to the chosen one (0.54 in
+    the logits), silently.  TRL's padded layout (one sequence per row) goes to TRL's forward and has no key."""
+    from packtools.batches.preference import PreferenceCollator
+
+    model = tiny_llama(impl)
+    batch = PreferenceCollator(PAD)([PAIR])
+    assert batch["use_cache"] is False
+    batch.pop("labels")
+    assert second_document_gap(model, batch) < TOL
+    bare = PreferenceCollator(PAD, return_use_cache=False)([PAIR])  # negative control: the config's cache
+    bare.pop("labels")
+    assert "use_cache" not in bare and second_document_gap(model, bare) > 1e-3
+    trl_layout = PreferenceCollator(PAD, padding_free=False)(
+        [{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3]}]
+    )
+    assert "use_cache" not in trl_layout
+
+
+def test_tree_and_context_parallel_batches_carry_the_key_and_need_no_more():
+    """TreeCollator's and ContextParallelCollator's batches carry ``use_cache=False`` like the other collators'
+    (``return_use_cache=False`` leaves it out).  Their attention (``packtools_tree``, ``packtools_cp``) builds
+    its own per-document mask, so with the config's cache they stay exact too: the key saves the cache, it is
+    not what keeps the documents apart there."""
+    import datasets
+
+    from packtools.batches.context_parallel import ContextParallelCollator
+    from packtools.batches.tree import TreeCollator
+    from packtools.dpo import pack_preference
+    from packtools.integrations.attention.context_parallel import use_cp_attention
+    from packtools.integrations.attention.tree import use_tree_attention
+
+    pairs = datasets.Dataset.from_dict(
+        {
+            "prompt_ids": [[5, 6, 7], [8, 9]],
+            "chosen_ids": [[10, 11], [12]],
+            "rejected_ids": [[13], [14, 15, 16]],
+        }
+    )
+    rows = pack_preference(pairs, 32, share_prompt=True).to_list()
+    model = tiny_llama("sdpa").eval()
+    use_tree_attention(model)
+    batch = TreeCollator()(rows)
+    assert batch["use_cache"] is False and "use_cache" not in TreeCollator(return_use_cache=False)(rows)
+    batch.pop("labels")
+    with torch.no_grad():
+        assert (model(**batch).logits - model(**{**batch, "use_cache": True}).logits).abs().max() < TOL
+
+    model = tiny_llama("sdpa").eval()
+    use_cp_attention(model)
+    shard = ContextParallelCollator(PaddingFreeCollator(PAD), cp_size=1, cp_rank=0)([ROW])
+    assert shard["use_cache"] is False
+    bare = ContextParallelCollator(PaddingFreeCollator(PAD), cp_size=1, cp_rank=0, return_use_cache=False)(
+        [ROW]
+    )
+    assert "use_cache" not in bare
+    alone = bare["input_ids"][:, 4:9]  # the second document: chunks padded to 2 x cp_size, it starts at 4
+    with torch.no_grad():
+        expected = model(input_ids=alone, use_cache=False).logits[0]
+        for b in (shard, bare):
+            assert (model(**b).logits[0, 4:9] - expected).abs().max() < TOL

@@ -13,6 +13,7 @@ NEEDS = {
     "packtools.integrations.data.datasets": "datasets",
     "packtools.integrations.data.views": "datasets",
     "packtools.integrations.preference.data": "datasets",
+    "packtools.integrations.trainers.rope_rows": "datasets",
     "packtools.compat.datasets": "datasets",
     "packtools.integrations.attention.isolation": "transformers",
     "packtools.integrations.trainers.evaluation": "transformers",

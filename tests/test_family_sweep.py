@@ -259,26 +259,27 @@ def test_a_context_parallel_shard_is_judged_by_its_documents_against_the_ranks_o
     cos_alone, _ = model.model.rotary_emb(torch.zeros(1), torch.arange(12)[None])
     assert float((cos_rank[0] - cos_alone[0, pos[0]]).abs().max()) > 1e-2
     with pytest.raises(
-        PackingError, match=r"context-parallel shard.*reach 9.*sequence of 12 tokens.*long factors"
+        PackingError, match=r"context-parallel shard of rank 1.*reach 9.*sequence of 12 tokens.*long factors"
     ):
         model(**middle)  # refused in the guard, before any collective
     rope = length_dependent_rope(model)
-    check_length_dependent_rope(rope, shard([12], 0))  # positions reach 12: the long factors, as alone
+    with pytest.raises(PackingError, match=r"shard of rank 1 .*every rank of the group refuses"):
+        check_length_dependent_rope(rope, shard([12], 0))  # right here, but rank 1 refuses: so does rank 0
     for rank in (0, 1):  # documents all over the threshold: every rank reaches past it
         check_length_dependent_rope(rope, shard([12, 14], rank))
     with pytest.raises(PackingError, match=r"reach 12.*sequence of 4 tokens.*short factors"):
         check_length_dependent_rope(rope, shard([12, 4], 0))
 
 
-def test_prepare_trainer_refuses_the_longrope_batch_at_the_first_step(tmp_path):
+def test_prepare_trainer_refuses_the_longrope_rows_up_front(tmp_path):
     from packtools import prepare_trainer
 
     trainer = packed_trainer(rope_model("phi3-longrope"), documents(), tmp_path)
-    prepare_trainer(trainer)  # the isolation probe's sequences (<= 9 tokens) pass
-    with pytest.raises(
-        PackingError, match="Phi3ForCausalLM: packed sequences would train with wrong positions"
+    with pytest.raises(  # the dataset's seq_lengths, read before training (tests/test_rope_rows.py)
+        PackingError,
+        match="prepare_trainer: Phi3ForCausalLM's packed sequences would train with wrong positions",
     ):
-        trainer.train()
+        prepare_trainer(trainer)
 
 
 def test_prepare_trainer_keeps_doge_on_its_own_sdpa(tmp_path):

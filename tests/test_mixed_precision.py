@@ -197,3 +197,64 @@ def test_probes_called_under_autocast_judge_at_its_precision_and_still_catch_a_l
         assert 5e-5 < check_padding_free_forward(policy)
         with pytest.raises(PackingError, match="lets packed sequences see each other"):
             check_isolation(tiny_llama("eager"), PaddingFreeCollator(PAD, return_position_ids=False))
+
+
+def accelerate_wrapped(model):
+    """What accelerate's prepare_model does to a float32 model under bf16=True: its forward enters bfloat16
+    autocast itself (the caller's code sees none)."""
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
+    assert not torch.is_autocast_enabled("cpu") and next(model.parameters()).dtype == torch.float32
+    return model
+
+
+def test_tree_and_reward_probes_called_directly_in_accelerates_autocast_judge_at_its_precision():
+    """``check_tree_isolation`` and ``check_reward_isolation`` on a model whose forward accelerate wrapped:
+    read the precision from inside the forward, as check_isolation does.  Failed before: refused at float32's
+    tolerance (tree: 1.95e-03 > 1e-4; reward: 4.88e-04 > 1e-5).  Controls: unwrapped, both are exact in
+    float32; a real leak (the reward probe's rows with no positions) is still refused wrapped."""
+    from packtools.integrations.attention.tree import check_tree_isolation, use_tree_attention
+    from packtools.integrations.preference import reward_scores
+    from packtools.integrations.preference.reward_scores import check_reward_isolation
+
+    def tree_model(wrapped):
+        model = tiny_llama("sdpa")
+        use_tree_attention(accelerate_wrapped(model) if wrapped else model, check_isolation=False)
+        return model
+
+    assert check_tree_isolation(tree_model(False)) < 1e-6
+    assert 1e-4 < check_tree_isolation(tree_model(True)) < 3e-2  # bfloat16's rounding, accepted
+
+    def reward_model():
+        return tiny_preference_model("llama", "sdpa", 0, num_labels=1)
+
+    assert check_reward_isolation(reward_model()) < 1e-6
+    assert 1e-5 < check_reward_isolation(accelerate_wrapped(reward_model())) < 3e-2
+    real = reward_scores.reward_batch
+
+    def no_positions(inputs, send=False):
+        batch = real(inputs, send)
+        batch.flat.pop("position_ids")
+        for key in [k for k in batch.flat if k.startswith(("cu_seq_lens", "max_length"))]:
+            batch.flat.pop(key)
+        return batch
+
+    model = accelerate_wrapped(reward_model())
+    model.config._attn_implementation = "eager"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(reward_scores, "reward_batch", no_positions)
+        with pytest.raises(PackingError, match="scores packed sequences differently"):
+            check_reward_isolation(model)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_grpo_probe_called_directly_in_accelerates_autocast_judges_at_its_precision(tmp_path, share):
+    """``check_rl_forward`` (plain padding-free rows and prompt-shared tree rows) on a policy whose forward
+    accelerate wrapped in bfloat16 autocast.  Failed before: judged at float32's tolerance (1e-4) and refused."""
+    from test_grpo import build
+
+    from packtools.integrations.rl.grpo import check_rl_forward
+
+    trainer = build(tmp_path, prepared=True, share=share)
+    assert check_rl_forward(trainer, trainer.model, entropy=True) < 1e-4  # float32: exact
+    accelerate_wrapped(trainer.model)
+    assert check_rl_forward(trainer, trainer.model, entropy=True) > 1e-4  # bfloat16's rounding, accepted

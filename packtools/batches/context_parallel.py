@@ -134,6 +134,18 @@ class CPLayout:
         pos = np.arange(int(self.cu_seqlens_padded[-1])) - self.cu_seqlens_padded[:-1].astype(np.int64)[doc]
         return doc, pos, pos < self.lengths[doc]
 
+    def positions(self, rank: int) -> np.ndarray:
+        """``rank``'s ``position_ids`` (int64): each real token's position in its document, padding's
+        restarting at 0 after the document's last real token.
+
+        >>> layout = CPLayout.build([5], 2)  # padded to 8: chunks 0, 3 on rank 0 and 1, 2 on rank 1
+        >>> layout.positions(0).tolist(), layout.positions(1).tolist()
+        ([0, 1, 1, 2], [2, 3, 4, 0])
+        """
+        doc, pos, real = self.padded_doc()
+        idx = self.index[rank]
+        return np.where(real[idx], pos[idx], pos[idx] - self.lengths[doc[idx]]).astype(np.int64)
+
     def source(self, rank: int) -> np.ndarray:
         """For each token of ``rank``'s row, its index in the unpadded row, or -1 for padding."""
         doc, pos, real = self.padded_doc()
@@ -249,9 +261,7 @@ def shard_row(
     src = lay.source(cp_rank)
     real = src >= 0
     take = np.where(real, src, 0)
-    doc, pos, _ = lay.padded_doc()
-    idx = lay.index[cp_rank]
-    positions = np.where(real, pos[idx], pos[idx] - lay.lengths[doc[idx]])
+    positions = lay.positions(cp_rank)
     return {
         "input_ids": np.where(real, input_ids[take], pad_token_id).astype(np.int64)[None],
         "position_ids": positions.astype(np.int64)[None],
@@ -271,7 +281,10 @@ class ContextParallelCollator:
     :class:`~packtools.batches.PaddingFreeCollator`); every rank of the CP group must call it on the same
     features (the same batch), and keeps its share.  Keys: ``input_ids``, ``position_ids``, ``shift_labels``
     (already shifted: no ``labels``), ``cu_seqlens``, ``cu_seqlens_padded`` (int32), ``cp_size``, ``cp_rank``,
-    and :data:`CP_KEY` (the :class:`CPShard`, which the CP attention reads).
+    :data:`CP_KEY` (the :class:`CPShard`, which the CP attention reads) and ``use_cache=False``
+    (``return_use_cache=False`` leaves it out), as every packtools collator whose batch can go to
+    ``model(**batch)``: ``packtools_cp`` attends per document from the shard's layout whatever the mask, so a
+    cache lets nothing attend across documents there, but it would be built and filled for nothing.
 
     ``balance``: each document's chunk pairs given to the ranks by their work (see the module docstring).
 
@@ -298,7 +311,9 @@ class ContextParallelCollator:
         max_length: int | None = None,
         balance: bool = False,
         layout: Any = None,
+        return_use_cache: bool = True,
     ) -> None:
+        self.return_use_cache = bool(return_use_cache)
         if layout is not None:
             if cp_size is not None or cp_rank is not None:
                 raise PackingError(
@@ -355,6 +370,8 @@ class ContextParallelCollator:
             balance=self.balance,
             bound=self.layout,
         )
+        if self.return_use_cache:
+            out["use_cache"] = False
         return to_tensors(out, self.return_tensors)
 
 

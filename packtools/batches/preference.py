@@ -103,6 +103,12 @@ class PreferenceCollator:
     ``pair_columns`` names per-pair values to carry along (default: ``ref_chosen_logps`` and
     ``ref_rejected_logps`` when the first row has them).  Floats come back as float32 tensors.
 
+    A padding-free batch also holds ``use_cache=False`` (``return_use_cache=False`` leaves it out), as
+    :class:`~packtools.batches.PaddingFreeCollator`'s: with the cache Llama & co. default to, ``sdpa``/``eager``
+    would let the packed sequences attend to each other under ``model(**batch)``.  TRL's layout
+    (``padding_free=False``: one sequence per row, with ``attention_mask``) goes to TRL's own forward, which
+    passes its own arguments, and does not hold it.
+
     >>> c = PreferenceCollator(pad_token_id=0, return_tensors="np")
     >>> b = c([{"input_ids": [1, 2, 1, 3, 3], "completion_mask": [0, 1, 0, 1, 1], "seq_lengths": [2, 3]}])
     >>> b["labels"].tolist(), b["cu_seq_lens_q"].tolist()
@@ -119,8 +125,10 @@ class PreferenceCollator:
         pair_columns: Sequence[str] | None = None,
         padding_free: bool = True,
         return_tensors: str = "pt",
+        return_use_cache: bool = True,
     ) -> None:
         self.pad_token_id, _ = check_pad_args(pad_token_id, None)
+        self.return_use_cache = bool(return_use_cache)
         self.pair_columns = None if pair_columns is None else list(pair_columns)
         if return_tensors not in ("pt", "np"):
             raise PackingError(f"return_tensors must be 'pt' or 'np', got {return_tensors!r}.")
@@ -130,7 +138,8 @@ class PreferenceCollator:
     def __repr__(self) -> str:
         return (
             f"PreferenceCollator(pad_token_id={self.pad_token_id}, pair_columns={self.pair_columns}, "
-            f"padding_free={self.padding_free}, return_tensors={self.return_tensors!r})"
+            f"padding_free={self.padding_free}, return_tensors={self.return_tensors!r}, "
+            f"return_use_cache={self.return_use_cache})"
         )
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -153,6 +162,10 @@ class PreferenceCollator:
         out = build(ids, mask, seq)
         for key, values in extra.items():
             out[key] = values.astype(np.float32) if values.dtype.kind == "f" else values
+        if self.padding_free and self.return_use_cache:
+            out["use_cache"] = (
+                False  # model(**batch) keeps the sequences apart (PaddingFreeCollator's docstring)
+            )
         return to_tensors(out, self.return_tensors)
 
     def _padding_free(self, ids: np.ndarray, mask: np.ndarray, seq: np.ndarray) -> dict[str, Any]:

@@ -310,12 +310,22 @@ class TreeCollator:
     ``position_ids`` (``[1, T]``), ``packtools_tree`` (a :class:`TreeLayout`: pass it to the model's forward,
     which hands it to the attention, and to :func:`packtools.dpo.sequence_logps` as ``cu_seq_lens``), each
     per-unit column of ``unit_columns`` as ``[n_units]`` and each per-completion column of
-    ``completion_columns`` as ``[n_completions]`` (floats as float32).
+    ``completion_columns`` as ``[n_completions]`` (floats as float32), and ``use_cache=False``
+    (``return_use_cache=False`` leaves it out), as every packtools collator whose batch goes to ``model(**batch)``:
+    the tree attention builds its own mask, so a cache would let nothing attend across the tree, but it would
+    be built and filled for nothing (and a model whose attention was not switched is refused by the tree key).
     """
 
-    def __init__(self, unit_columns: Sequence[str] = (), completion_columns: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        unit_columns: Sequence[str] = (),
+        completion_columns: Sequence[str] = (),
+        *,
+        return_use_cache: bool = True,
+    ) -> None:
         self.unit_columns = list(unit_columns)
         self.completion_columns = list(completion_columns)
+        self.return_use_cache = bool(return_use_cache)
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         torch = require("torch", "packtools.batches.tree.TreeCollator")
@@ -339,4 +349,6 @@ class TreeCollator:
             if values.shape[0] != want:
                 raise PackingError(f"{key!r} has {values.shape[0]} values for {want} units/completions.")
             out[key] = torch.from_numpy(values.astype(np.float32) if values.dtype.kind == "f" else values)
+        if self.return_use_cache:
+            out["use_cache"] = False
         return out

@@ -93,10 +93,38 @@ class Segments:
     length: int
 
 
+def passed_cache(kwargs: Mapping[str, Any]) -> Any:
+    """The cache a forward's inputs pass in (``past_key_values``, or ``cache``), or ``None``."""
+    cache = kwargs.get("past_key_values")
+    return cache if cache is not None else kwargs.get("cache")
+
+
 def generating(kwargs: Mapping[str, Any]) -> bool:
-    """Whether a forward's inputs are a generation step, a cache passed in (``past_key_values``, or ``cache``):
-    :func:`segments_of` and the guard's checks (``integrations.trainers.guard``) leave those alone."""
-    return kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
+    """Whether a forward's inputs are a generation step: a cache passed in that holds tokens
+    (:func:`holds_tokens`).  :func:`segments_of` and the guard's checks (``integrations.trainers.guard``) leave
+    those alone.  An empty cache is no generation step: with a packed row it is what the guard refuses (with a
+    cache transformers builds no per-sequence mask from ``position_ids``), so those inputs are checked.
+
+    >>> generating({"past_key_values": None}), generating({"cache": object()}), generating({"cache": ()})
+    (False, True, False)
+    """
+    cache = passed_cache(kwargs)
+    return cache is not None and holds_tokens(cache)
+
+
+def holds_tokens(cache: Any) -> bool:
+    """Whether a cache passed to a forward holds tokens, read without a host sync: a transformers ``Cache``
+    by ``get_seq_length()`` (a count held on the GPU, which only a sync could read: as before, holding tokens); a
+    legacy tuple by its length; any other object counts as holding tokens (a generation step)."""
+    if isinstance(cache, (tuple, list)):
+        return len(cache) > 0
+    if not callable(getattr(cache, "get_seq_length", None)):
+        return True
+    count = cache.get_seq_length()
+    if isinstance(count, int):
+        return count > 0
+    device = getattr(getattr(count, "device", None), "type", None)
+    return device != "cpu" or int(count) > 0
 
 
 def breaks(ids: Any, attention_mask: Any = None, step: int = 1) -> Any:

@@ -34,7 +34,7 @@ from ...compat import set_attr
 from ...compat.transformers import register_attention, set_attention
 from ...errors import PackingError
 from .backends import attention_implementation, base_model, forward_accepts, token_mixing_layers, uses_alibi
-from .isolation import ProbeDiffs, compute_dtype, max_abs_diff
+from .isolation import ProbeDiffs, autocast_inside, compute_dtype, max_abs_diff
 from .segmented import AttentionCall, keyed_attention
 
 TREE_ATTENTION = "packtools_tree"
@@ -221,13 +221,16 @@ def check_tree_isolation(model: Any, seed: int = 0) -> float:
     positions = torch.from_numpy(layout.positions()).to(param.device)[None]
     index, lengths = unshared_index(seg, branch)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    probe = ProbeDiffs(compute_dtype(base))
     was_training = base.training
     base.eval()
     try:
         with torch.no_grad():
             dev = layout.to(param.device)
-            tree = _logits(model, input_ids=tokens[None], position_ids=positions, **{TREE_KEY: dev})[0]
+            with autocast_inside(
+                base
+            ) as seen:  # the precision the forward computes in (accelerate's wrapper)
+                tree = _logits(model, input_ids=tokens[None], position_ids=positions, **{TREE_KEY: dev})[0]
+            probe = ProbeDiffs(compute_dtype(base, seen=seen))
             for b, (s, n) in enumerate(zip(starts, lengths)):
                 where = torch.from_numpy(index[s : s + n]).to(param.device)
                 alone = _logits(model, input_ids=tokens[where][None])[0]

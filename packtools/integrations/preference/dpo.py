@@ -43,8 +43,15 @@ from ..multimodal.models import refuse_multimodal
 from ..parallel.distributed import check_loss_path
 from ..parallel.layout import rank_layout
 from ..trainers.collator_check import check_preference_collator
-from ..trainers.guard import check_forward_inputs, guard_model, refuse_prompt_learning
+from ..trainers.guard import (
+    check_forward_inputs,
+    check_length_dependent_rope,
+    guard_model,
+    length_dependent_rope,
+    refuse_prompt_learning,
+)
 from ..trainers.loader import check_train_loader
+from ..trainers.rope_rows import check_rope_rows
 from ..trainers.sft import refuse_neftune
 from ..trainers.step import DPOStep, StepPlan, install_step, plan_of
 from ..trainers.transformers import run_mixers_per_document, run_probe
@@ -60,6 +67,7 @@ def _padding_free_forward(model: Any, inner: Any, trainer: Any = None) -> Any:
     torch = require("torch", "packtools.prepare_dpo_trainer")
     mixers = tuple(token_mixing_layers(model))
     send_seq_idx = sends_seq_idx(model)
+    rope = length_dependent_rope(model)  # the guard's hook sees TRL's padded call, not this row: checked here
 
     def forward(self: Any, *args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
         call = padded_preference_call(args, kwargs, fused_lm_head)
@@ -92,6 +100,7 @@ def _padding_free_forward(model: Any, inner: Any, trainer: Any = None) -> Any:
         }
         flat["use_cache"] = False
         check_forward_inputs(flat, attention_implementation(self), mixers)
+        check_length_dependent_rope(rope, flat)
         plan = None if trainer is None else plan_of(trainer)
         cp = None if plan is None else plan.cp_forward  # context parallelism: this rank's shard, the row back
         out = inner(fused_lm_head=True, **flat) if cp is None else cp(inner, flat, lengths)
@@ -229,6 +238,11 @@ def prepare_dpo_trainer(
         shared = share_prompt
         if shared is None:  # rows of pack_preference(..., share_prompt=True) carry prompt lengths
             shared = PROMPT_LENGTHS in list(getattr(train_dataset, "column_names", None) or [])
+        if not shared:  # the length-dependent RoPE rule on the pairs' lengths, before training (rope_rows)
+            pairs = train_dataset if train_dataset is not None else trainer.train_dataset
+            batch = 1 if max_tokens is not None else trainer.args.per_device_train_batch_size
+            for model in models:
+                check_rope_rows(model, pairs, rows_per_forward=batch, caller="prepare_dpo_trainer")
         layout = rank_layout(trainer, context_parallel)  # refuses what it cannot account for, by name
         if layout.cp_size > 1:
             check_cp_dpo(trainer, layout, shared)

@@ -46,6 +46,7 @@ from ..parallel.distributed import check_loss_path, is_sharded, uneven_gather
 from ..parallel.layout import rank_layout
 from ..trainers.guard import guard_model, refuse_prompt_learning
 from ..trainers.loader import check_train_loader
+from ..trainers.rope_rows import check_rope_rows
 from ..trainers.sft import refuse_neftune
 from ..trainers.step import StepOwner, StepPlan, install_step, pair_mean_share, plan_of, step_pairs
 from .reward_scores import ScoredRow, check_reward_isolation, reward_batch, score_head
@@ -204,6 +205,12 @@ def prepare_reward_trainer(
         )
     with all_or_nothing(trainer):
         check_train_loader(trainer, max_tokens)
+        check_rope_rows(  # the length-dependent RoPE rule on the pairs' lengths, before training (rope_rows)
+            trainer.model,
+            train_dataset if train_dataset is not None else trainer.train_dataset,
+            rows_per_forward=1 if max_tokens is not None else trainer.args.per_device_train_batch_size,
+            caller="prepare_reward_trainer",
+        )
         run = RewardPlan(layout, max_tokens, send_seq_idx=sends_seq_idx(trainer.model))
         install_step(trainer, PackedRewardStep, run)  # refuses a trainer prepared twice
         run_mixers_per_document(trainer.model, owner=trainer)  # token-mixing layers per document

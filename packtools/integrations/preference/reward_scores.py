@@ -21,12 +21,19 @@ from ..._optional import require
 from ...constants import VARLEN_KEYS
 from ...errors import PackingError
 from ..attention.backends import base_model, token_mixing_layers
-from ..attention.isolation import PERTURB_TOLERANCE, TOLERANCE, backend_hint, compute_dtype, translate
+from ..attention.isolation import (
+    PERTURB_TOLERANCE,
+    TOLERANCE,
+    autocast_inside,
+    backend_hint,
+    compute_dtype,
+    translate,
+)
 from ..attention.mixers import POSITIONLESS_MASKS, document_mixers
 from .calls import padding_free_layout
 
 _PADDED_KEYS = {"input_ids", "attention_mask", "margin"}
-_PACKED_KEYS = {"input_ids", "labels", "position_ids", "margin", "seq_idx", *VARLEN_KEYS}
+_PACKED_KEYS = {"input_ids", "labels", "position_ids", "margin", "seq_idx", "use_cache", *VARLEN_KEYS}
 
 
 @dataclass(frozen=True)
@@ -182,7 +189,10 @@ def check_reward_isolation(
     model.eval()
     try:
         with torch.no_grad():
-            together = packed(tokens)
+            with autocast_inside(
+                inner
+            ) as seen:  # the precision the forward computes in (accelerate's wrapper)
+                together = packed(tokens)
             alone = torch.stack(
                 [model(input_ids=t[None], use_cache=False).logits.reshape(-1)[0] for t in tokens]
             )
@@ -197,7 +207,7 @@ def check_reward_isolation(
         ) from err
     finally:
         model.train(was_training)
-    dtype = compute_dtype(inner)
+    dtype = compute_dtype(inner, seen=seen)
     scale = max(1.0, float(alone.abs().max()))
     diff = float((together - alone).abs().max()) / scale
     perturb = float((moved[1:] - together[1:]).abs().max()) / scale

@@ -22,6 +22,7 @@ from ..attention.backends import attention_implementation
 from ..attention.backends import base_model as _base_model
 from ..attention.segmented import SEGMENTED_SDPA
 from ..attention.tree import check_tree_model, use_tree_attention
+from ..trainers.guard import check_length_dependent_rope, length_dependent_rope
 from .calls import padded_preference_call, padding_free_layout, scatter_per_token
 
 _WRAPPED = "_packtools_shared_prompt"
@@ -100,6 +101,8 @@ def _shared_forward(inner: Any) -> Any:
             return inner(*args, fused_lm_head=fused_lm_head, **kwargs)
         ids, mask, labels, kwargs = call
         folded = fold_pairs(ids, mask, labels)
+        # the guard's hook sees TRL's padded call, not this tree: a length-dependent RoPE is checked here
+        check_length_dependent_rope(length_dependent_rope(self), {"position_ids": folded["position_ids"]})
         kwargs["use_cache"] = False
         out = inner(
             fused_lm_head=True,

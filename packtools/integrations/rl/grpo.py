@@ -51,11 +51,16 @@ from ..attention.backends import (
     sends_seq_idx,
     token_mixing_layers,
 )
-from ..attention.isolation import ProbeDiffs, compute_dtype, trainer_autocast
+from ..attention.isolation import ProbeDiffs, autocast_inside, compute_dtype, trainer_autocast
 from ..attention.mixers import POSITIONLESS_MASKS, run_mixers_per_document
 from ..attention.tree import check_tree_model, use_tree_attention
 from ..multimodal.models import refuse_multimodal
-from ..trainers.guard import check_forward_inputs, refuse_prompt_learning
+from ..trainers.guard import (
+    check_forward_inputs,
+    check_length_dependent_rope,
+    length_dependent_rope,
+    refuse_prompt_learning,
+)
 from ..trainers.sft import refuse_neftune
 from ..trainers.step import install_step, plan_of
 from .groups import GroupBalancedSampler, choose_balance, prompt_token_counter
@@ -103,6 +108,9 @@ def _back(value: Any, row: Row, name: str) -> Any:
 def _row_inputs(row: Row, plan: RLPlan, model: Any) -> dict[str, Any]:
     torch = require("torch", "packtools.prepare_grpo_trainer")
     inputs = {"input_ids": row.ids[None], "labels": row.labels[None], "position_ids": row.positions[None]}
+    # A length-dependent rotary embedding rotates every sequence of the row for its longest one (the model is
+    # not guarded: its forward's hook would not see these rows' lengths either way).
+    check_length_dependent_rope(length_dependent_rope(model), inputs)
     if row.tree is not None:
         inputs[TREE_KEY] = row.tree
         return inputs
@@ -239,15 +247,17 @@ def check_rl_forward(trainer: Any, model: Any, entropy: bool) -> float:
     training = base.training
     base.eval()
     name = type(base).__name__
-    # The tolerance of the precision the forwards compute in: _install runs this under the trainer's autocast,
-    # where a float32 model trained with bf16=True / fp16=True computes in half precision (as the other probes).
-    probe = ProbeDiffs(compute_dtype(base))
     try:
         with torch.no_grad():
-            theirs = trl_logps(plan.trl_class, trainer, model, ids, mask, keep, compute_entropy=entropy)
-            ours = padding_free_logps(
-                trainer, model, (ids, mask, keep), batch_size=None, entropy=entropy, aux=False
-            )
+            with autocast_inside(base) as seen:
+                theirs = trl_logps(plan.trl_class, trainer, model, ids, mask, keep, compute_entropy=entropy)
+                ours = padding_free_logps(
+                    trainer, model, (ids, mask, keep), batch_size=None, entropy=entropy, aux=False
+                )
+            # The tolerance of the precision the forwards compute in: _install runs this under the trainer's
+            # autocast, and a model whose forward accelerate wrapped enters it itself (read from inside: seen),
+            # where a float32 model trained with bf16=True / fp16=True computes in half precision.
+            probe = ProbeDiffs(compute_dtype(base, seen=seen))
             for what, a, b in (("log-probabilities", ours[0], theirs[0]), ("entropies", ours[1], theirs[1])):
                 if a is None:
                     continue

@@ -10,7 +10,7 @@ check it runs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..._optional import is_instance
@@ -19,7 +19,14 @@ from ...compat.torch import forward_pre_hook
 from ...constants import VARLEN_KEYS
 from ...errors import PackingError
 from ..attention.backends import attention_implementation, base_model, is_flash, token_mixing_layers
-from ..attention.mixers import POSITIONLESS_MASKS, breaks, document_mixers, generating, kernel_ready
+from ..attention.mixers import (
+    POSITIONLESS_MASKS,
+    breaks,
+    document_mixers,
+    generating,
+    kernel_ready,
+    passed_cache,
+)
 
 _HOOK_ATTR = "_packtools_guard"
 
@@ -44,7 +51,8 @@ def check_forward_inputs(
 ) -> None:
     """Raise :class:`PackingError` on keyword inputs that make transformers attend across packed sequences.
 
-    Inputs of generation (a cache passed in) are not checked.  Only the suspicious combinations read
+    Inputs of a generation step (a cache holding tokens passed in) are not checked; an empty cache is (a packed
+    row with one is refused, :func:`check_cache_on_packed`).  Only the suspicious combinations read
     tensor values (one host sync); correct padding-free batches are checked from their keys alone.
 
     >>> import numpy as np
@@ -110,9 +118,34 @@ def check_forward_inputs(
 
 
 def check_cache_on_packed(kwargs: Mapping[str, Any], implementation: str | None) -> None:
-    """Refuse ``use_cache=True`` on a packed batch (:func:`is_packed`) for attention other than FlashAttention's:
-    with a cache transformers builds no per-sequence mask from ``position_ids``."""
-    if not is_flash(implementation) and kwargs.get("use_cache") is True and is_packed(kwargs):
+    """Refuse ``use_cache=True``, or a cache passed in that holds no tokens yet (an empty ``DynamicCache``: no
+    generation step, :func:`~packtools.integrations.attention.mixers.generating`), on a packed batch
+    (:func:`is_packed`) for attention other than FlashAttention's: with a cache transformers builds no
+    per-sequence mask from ``position_ids``.
+
+    >>> import numpy as np
+    >>> from transformers import DynamicCache
+    >>> check_cache_on_packed(
+    ...     {"position_ids": np.array([[0, 1, 0]]), "past_key_values": DynamicCache()}, "sdpa"
+    ... )  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: the batch is packed and a cache was passed in (past_key_values=DynamicCache...
+    """
+    if is_flash(implementation) or kwargs.get("packtools_cp") is not None:
+        return  # (a CP shard: packtools_cp attends per document from its layout, cache or not)
+    cache = passed_cache(kwargs)
+    if cache is not None and is_packed(kwargs):
+        key = "past_key_values" if kwargs.get("past_key_values") is not None else "cache"
+        raise PackingError(
+            f"the batch is packed and a cache was passed in ({key}={type(cache).__name__}, holding no tokens: no "
+            f"generation step): with a cache the {implementation!r} attention gets no per-sequence mask from "
+            f"position_ids (transformers builds it only without a cache), so packed sequences would attend to "
+            f"each other. Pass no cache with packed rows (train without {key}=), or generate from one sequence "
+            f"per row.",
+            param=key,
+        )
+    if kwargs.get("use_cache") is True and is_packed(kwargs):
         raise PackingError(
             f"the batch is packed and use_cache=True: with a cache the {implementation!r} attention gets no "
             f"per-sequence mask from position_ids (transformers builds it only without a cache), so packed "
@@ -259,7 +292,8 @@ def check_unhandled_mixers(model: Any, kwargs: Mapping[str, Any], mixers: tuple[
     row_keys = ("seq_idx", *VARLEN_KEYS)  # transformers' fallback refuses these even for one sequence
     if not mixers or generating(kwargs):
         return  # (generation: each decode step would read the positions, a host sync, for nothing)
-    if not (any(kwargs.get(k) is not None for k in row_keys) or is_packed(kwargs)):
+    shard = kwargs.get("packtools_cp") is not None  # one verdict on every rank (their positions differ)
+    if not (shard or any(kwargs.get(k) is not None for k in row_keys) or is_packed(kwargs)):
         return
     base = base_model(model)
     missing = []
@@ -289,8 +323,12 @@ def check_positionless_masks(model: Any, kwargs: Mapping[str, Any], implementati
     (:data:`~packtools.integrations.attention.mixers.POSITIONLESS_MASKS`, GPT-OSS) unless
     :func:`~packtools.integrations.attention.mixers.run_mixers_per_document` builds them from ``position_ids``:
     otherwise every packed sequence attends to the ones before it in its row, with no error."""
-    if is_flash(implementation) or kwargs.get("attention_mask") is not None:
-        return
+    if (
+        is_flash(implementation)
+        or kwargs.get("attention_mask") is not None
+        or kwargs.get("packtools_cp") is not None
+    ):
+        return  # (a CP shard: packtools_cp attends per document from its layout, whatever the masks)
     base = base_model(model)
     if getattr(getattr(base, "config", None), "model_type", None) not in POSITIONLESS_MASKS:
         return
@@ -371,7 +409,10 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
     alone, with the batch's own keys), which raises :class:`PackingError` naming the model, backend and fix.
     The prepare functions pass ``False``: they run their own probe before training.  The probe runs outside
     ``torch.compile``'s trace and, under ``DistributedDataParallel``, on the module it wraps: no collective, since
-    the ranks may reach their first packed batch at different steps.  A sharded model's forward (FSDP's) gathers
+    the ranks may reach their first packed batch at different steps.  A context-parallel shard (``packtools_cp``)
+    is the exception: every rank of its CP group probes the first shard (they reach it in the same forward, their
+    own positions restarting or not) and one all-reduce over that group agrees on the verdict, so the group
+    refuses on every rank or on none, never leaving a rank waiting in the CP attention's all-gather.  A sharded model's forward (FSDP's) gathers
     its parameters, a collective the probe cannot avoid: pass ``False`` there.
     """
     # vars(), not getattr(): PEFT models forward unknown attributes to the base model, whose hook they skip.
@@ -382,6 +423,9 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
     mixers = tuple(token_mixing_layers(model))
     probe = FirstPackedProbe() if check_isolation else None
     rope = length_dependent_rope(model)
+    # The model type decides two checks; read once here, not on every forward.
+    model_type = getattr(getattr(base_model(model), "config", None), "model_type", None)
+    positionless, text_row = model_type in POSITIONLESS_MASKS, model_type in NO_TEXT_ROW_FROM_2D
 
     def hook(
         module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -391,12 +435,14 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
         left = mixers if done is None else tuple(m for m in mixers if m not in done.modes)
         check_unhandled_mixers(module, kwargs, left)  # first: without kernels, seq_idx alone is no fix
         check_forward_inputs(kwargs, impl, left)
-        check_positionless_masks(module, kwargs, impl)
-        check_text_row(module, kwargs, impl)
+        if positionless:
+            check_positionless_masks(module, kwargs, impl)
+        if text_row:
+            check_text_row(module, kwargs, impl)
         check_length_dependent_rope(rope, kwargs)
         if probe is not None:
             probe(module, kwargs)
-        if not generating(kwargs) and (kwargs.get("use_cache") is None or module.training):
+        if passed_cache(kwargs) is None and (kwargs.get("use_cache") is None or module.training):
             kwargs["use_cache"] = False
         return args, kwargs
 
@@ -463,10 +509,12 @@ def check_length_dependent_rope(rope: tuple[tuple[str, str, int], ...], kwargs: 
     packed with a longer one), ``dynamic`` once either exceeds it (every sequence rotated for that length).
     Nothing else shows it; the isolation probe's short sequences never reach the threshold.
 
-    A context-parallel shard (``packtools_cp``) is judged by its row's true document lengths against this rank's
+    A context-parallel shard (``packtools_cp``) is judged by its row's true document lengths against each rank's
     own ``max(position_ids)``: a rank holding the middle chunks of a document over the threshold sees positions
     under it and would rotate them with the short factors (one document, no restart in the rank's positions),
-    while a rank holding the head and tail chunks of documents all over it is right (its positions restart)."""
+    while a rank holding the head and tail chunks of documents all over it is right (its positions restart).
+    Every rank of the CP group judges every rank's positions (from the layout they share) and refuses alike:
+    a refusal on some ranks only would leave the others waiting in the CP attention's all-gather."""
     pos = kwargs.get("position_ids")
     if not rope or pos is None or getattr(pos, "ndim", 0) != 2 or not hasattr(pos, "new_full"):
         return
@@ -474,16 +522,52 @@ def check_length_dependent_rope(rope: tuple[tuple[str, str, int], ...], kwargs: 
         return
     shard = kwargs.get("packtools_cp")
     layout = getattr(shard, "layout", None)
-    if (
-        layout is not None
-    ):  # this rank's chunks: the documents' lengths are the layout's, not the positions' runs
+    if layout is not None:  # the documents' lengths are the layout's, not the positions' runs
         lengths = [int(n) for n in layout.lengths]
-        seen = int(pos.max()) + 1
-    elif is_packed(kwargs):
+        # Every rank of the CP group judged alike, from the layout they share: a refusal on some ranks only
+        # would leave the others waiting in the CP attention's all-gather (a hang).
+        for rank in range(int(layout.cp_size)):
+            seen = int(layout.positions(rank).max()) + 1
+            found = rope_mismatch(rope, lengths, seen)
+            if found is not None:
+                name, limit, why = found
+                raise PackingError(
+                    f"{name}: the context-parallel shard of rank {rank} of the CP group would train with wrong "
+                    f"positions, with no error (every rank of the group refuses the row): {why}. Pack with "
+                    f"max_length <= {limit} (pack_dataset(..., max_length={limit})) so that no sequence crosses "
+                    f"it, or train the longer sequences unpacked, in batches of their own and without context "
+                    f"parallelism.",
+                    param="model",
+                )
+        return
+    if is_packed(kwargs):
         lengths = [int(n) for n in document_lengths(pos).tolist()]
         seen = max(lengths)
     else:
         return
+    found = rope_mismatch(rope, lengths, seen)
+    if found is None:
+        return
+    name, limit, why = found
+    raise PackingError(
+        f"{name}: packed sequences would train with wrong positions, with no error: {why}. Pack with "
+        f"max_length <= {limit} (pack_dataset(..., max_length={limit})) so that no sequence crosses it, or "
+        f"train the longer sequences unpacked, in batches of their own.",
+        param="model",
+    )
+
+
+def rope_mismatch(
+    rope: tuple[tuple[str, str, int], ...], lengths: Sequence[int], seen: int
+) -> tuple[str, int, str] | None:
+    """The rule of :func:`check_length_dependent_rope` on plain numbers: ``(model name, threshold, why)`` when a
+    forward holding sequences of ``lengths`` whose positions reach ``seen`` (``max(position_ids) + 1``) would
+    rotate one of them with other frequencies than it alone gets, else ``None``.
+
+    >>> rope = (("Phi3ForCausalLM", "longrope", 10),)
+    >>> rope_mismatch(rope, [12, 4], 12)[:2], rope_mismatch(rope, [12, 14], 14)
+    (('Phi3ForCausalLM', 10), None)
+    """
     for name, kind, limit in rope:
         if kind == "longrope":
             other = [n for n in lengths if (n > limit) != (seen > limit)]
@@ -504,20 +588,15 @@ def check_length_dependent_rope(rope: tuple[tuple[str, str, int], ...], kwargs: 
             )
         else:
             continue
-        raise PackingError(
-            f"{name}: {'the context-parallel shard' if layout is not None else 'packed'} sequences would train "
-            f"with wrong positions, with no error: {why}. Pack with "
-            f"max_length <= {limit} (pack_dataset(..., max_length={limit})) so that no sequence crosses it, or "
-            f"train the longer sequences unpacked, in batches of their own"
-            f"{' and without context parallelism' if layout is not None else ''}.",
-            param="model",
-        )
+        return name, limit, why
+    return None
 
 
 class FirstPackedProbe:
     """The guard's isolation probe: run once, on the first packed batch (:func:`is_packed`) outside generation,
     with that batch's keys; the probe's own forwards pass through the guard without probing again.  A batch of
-    multimodal (3-D) rotary positions is left to the vision probe (``prepare_trainer``'s), which builds them."""
+    multimodal (3-D) rotary positions is left to the vision probe (``prepare_trainer``'s), which builds them.
+    A context-parallel shard is probed on every rank of its CP group, the verdict agreed (:func:`agreed_refusal`)."""
 
     def __init__(self) -> None:
         self.done = False
@@ -527,8 +606,42 @@ class FirstPackedProbe:
         if self.done or self.running or generating(kwargs):
             return
         pos = kwargs.get("position_ids")
+        shard = kwargs.get("packtools_cp")
+        if shard is not None and int(getattr(getattr(shard, "layout", None), "cp_size", 1)) > 1:
+            # A context-parallel shard: whether this rank's positions restart depends on the chunks it holds
+            # (the middle chunks of one document do not), so the first shard is probed on every rank of the CP
+            # group, which reach it in the same forward, and the verdict is agreed on before any raises.
+            self._probe_shard(module, kwargs, shard)
+            return
         if not is_packed(kwargs) or (pos is not None and getattr(pos, "ndim", 2) != 2):
             return  # (3-D multimodal rotary positions: the vision probe's, as in check_forward_inputs)
+        self._probe(module, kwargs)
+        self.done = True
+
+    def _probe_shard(self, module: Any, kwargs: Mapping[str, Any], shard: Any) -> None:
+        """Probe on the first CP shard, then agree over the shard's CP group (one all-reduce, once): every rank
+        raises if any rank's probe refused, so none is left waiting in the CP attention's all-gather."""
+        from ..attention.context_parallel import shard_group
+
+        refused: PackingError | None = None
+        try:
+            self._probe(module, kwargs)
+        except PackingError as err:
+            refused = err
+        if not agreed_refusal(refused is not None, shard_group(shard)):
+            self.done = True
+            return
+        if refused is None:
+            raise PackingError(
+                f"guard_model: the first context-parallel batch's probe refused "
+                f"{type(base_model(module)).__name__} on another rank of the CP group (see its error), so this "
+                f"rank refuses it too: training on packed rows would be silently wrong.",
+                param="model",
+            )
+        raise refused
+
+    def _probe(self, module: Any, kwargs: Mapping[str, Any]) -> None:
+        """Run :func:`~packtools.integrations.attention.isolation.check_isolation` with the batch's keys."""
         import torch
 
         from ...batches.collate import PaddingFreeCollator
@@ -566,7 +679,22 @@ class FirstPackedProbe:
             ) from err
         finally:
             self.running = False
-        self.done = True
+
+
+def agreed_refusal(refused: bool, group: Any) -> bool:
+    """Whether any rank of ``group`` (a ``torch.distributed`` process group, ``None``: the default one) refused:
+    one all-reduce of a flag, on the device the group's backend takes.  Without an initialized process group:
+    this rank's own verdict."""
+    import torch
+
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return refused
+    backend = str(dist.get_backend(group))
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+    flag = torch.tensor([1 if refused else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 def segmented_hint(model: Any) -> str:

@@ -62,6 +62,7 @@ from ..parallel.layout import check_context_parallel_size, rank_layout
 from .collator_check import check_trainer_collator, probe_collator
 from .guard import guard_model
 from .loader import check_train_loader
+from .rope_rows import check_rope_rows, rows_per_forward
 from .sft import check_sft, is_sft_trainer, keep_packed_columns, refuse_neftune
 from .step import SFTStep, StepPlan, check_loss_owner, install_step, plan_of, use_causal_lm_loss
 from .step_loss import check_loss_mode
@@ -226,6 +227,12 @@ def prepare_trainer(
     layout = rank_layout(trainer, context_parallel)  # refuses a context_parallel that is no positive int
     check_loss_owner(trainer, loss)
     check_train_loader(trainer, max_tokens)
+    check_rope_rows(
+        trainer.model,
+        trainer.train_dataset,
+        rows_per_forward=rows_per_forward(trainer, max_tokens),
+        caller="prepare_trainer",
+    )
     with all_or_nothing(trainer):
         keep_packed_columns(trainer)
         if is_sft_trainer(trainer):
