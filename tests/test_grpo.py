@@ -159,9 +159,9 @@ def assert_close(a, b, what, tol=TOL):
     assert diff <= tol * scale, f"{what}: {diff:.3g} apart (scale {scale:.3g})"
 
 
-def assert_same_run(a, b):
+def assert_same_run(a, b, weight_tol=TOL):
     for (name, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
-        assert_close(p.detach().numpy(), q.detach().numpy(), name)
+        assert_close(p.detach().numpy(), q.detach().numpy(), name, weight_tol)
     assert len(a.state.log_history) == len(b.state.log_history)
     for la, lb in zip(a.state.log_history, b.state.log_history):
         assert sorted(la) == sorted(lb)
@@ -394,7 +394,10 @@ def test_lora_reference_through_the_disabled_adapter_equals_trl(tmp_path):
     "case",
     [
         dict(beta=0.1, num_iterations=2, gradient_accumulation_steps=2, share=False),
-        dict(beta=0.0, share=False),
+        # Two steps at lr 0.1 (grad norm ~97): the first step's weights end ~9e-7 apart (summation order), which
+        # the second step's gradients carry to 1.9e-5-3.9e-5 relative (AMD EPYC, torch 2.13 CPU; 1e-5 held on
+        # another CPU): rounding carried, not a different step, so the weights get 1e-4 here, the logs TOL.
+        dict(beta=0.0, share=False, weight_tol=1e-4),
         # The default (prompt-shared rows), one step: RLOO puts the KL into the reward; its normalized advantages
         # carry rounding (~3e-6 relative on one micro-batch, plain rows alike) into the next step, and
         # prompt-shared weights end 1.2e-5 relative apart (one q_proj entry) after two steps at lr 0.1.
@@ -403,8 +406,12 @@ def test_lora_reference_through_the_disabled_adapter_equals_trl(tmp_path):
     ],
 )
 def test_rloo_training_equals_trl(tmp_path, case):
+    case = dict(case)
+    weight_tol = case.pop("weight_tol", TOL)
     assert_same_run(
-        train(build(tmp_path, trainer="rloo", **case)), train(build(tmp_path, True, trainer="rloo", **case))
+        train(build(tmp_path, trainer="rloo", **case)),
+        train(build(tmp_path, True, trainer="rloo", **case)),
+        weight_tol,
     )
 
 
