@@ -38,3 +38,18 @@ def _own_packtools_cache(tmp_path_factory, monkeypatch):
     """Each test gets an empty packtools cache (recorded reference and proof verdicts): a verdict recorded by
     another test, or by an earlier run in ~/.cache, must not skip the proof a test breaks on purpose."""
     monkeypatch.setenv("PACKTOOLS_CACHE_DIR", str(tmp_path_factory.mktemp("packtools-cache")))
+
+
+@pytest.fixture(autouse=True)
+def _own_loaded_tokenizers():
+    """Each test starts with no tokenizer loaded by another (``pipeline.stage`` keeps one per folder path and
+    content for the process).  pytest >= 9 removes a passing test's ``tmp_path`` at its end and hands the same
+    path to the next parametrized case, so a tokenizer folder rebuilt there with the same files would reuse the
+    earlier case's tokenizer, loaded under that case's patches and cache folder (six tokenizer-check tests failed
+    so, in order, and passed alone)."""
+    import sys
+
+    stage = sys.modules.get("packtools.pipeline.stage")
+    if stage is not None:
+        stage._TOKENIZERS.clear()
+    yield
