@@ -229,7 +229,7 @@ def _first_row_out_of(col: pa.ChunkedArray, value_type: pa.DataType) -> int | No
     try:
         for chunk in col.chunks:
             values, parents = pc.list_flatten(chunk), pc.list_parent_indices(chunk)
-            wide = values.cast(pa.float64())  # one comparable type for int64 and uint64 values alike
+            wide = values.cast(pa.float64(), safe=False)  # one comparable type for int64 and uint64 alike
             bad = pc.or_(pc.less(wide, float(info.min)), pc.greater(wide, float(info.max)))
             at = pc.index(bad, True).as_py()
             if at >= 0:
