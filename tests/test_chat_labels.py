@@ -74,3 +74,38 @@ def test_overlapping_turns_train_no_user_text_on_either_engine(tmp_path, engine)
     bt = BatchTokenizer(tiny_tokenizer(str(tmp_path), OVERLAPPING), "messages", engine=engine)
     with pytest.raises(PackingError, match="row 0: column 'messages' turn 3"):
         bt(pa.table({"messages": [CONV]}))
+
+
+PLAIN_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# a namespace set in the loop: not the one-render shape, every prefix rendered
+NOT_LOCAL = (
+    "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}<|im_start|>{{ m['role'] }}"
+    "\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("engine", ["auto", "transformers"])
+@pytest.mark.parametrize("template", [PLAIN_CHATML, NOT_LOCAL], ids=["one-render", "prefixes"])
+def test_a_conversation_opening_with_an_assistant_turn_names_the_cause(tmp_path, template, engine):
+    """adv46: without {% generation %} markers, a conversation whose first message is the assistant's was
+    refused as 'an empty conversation has no chat rendering', which it is not: the error now says that the
+    first turn has no messages before it and what to do."""
+    bt = BatchTokenizer(tiny_tokenizer(str(tmp_path), template), "messages", engine=engine)
+    first = [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"}]
+    with pytest.raises(
+        PackingError, match=r"row 1: column 'messages' turn 0: .*opens with an assistant turn"
+    ):
+        bt(pa.table({"messages": [CONV, first]}))
+    assert "generation" in str(incremental_spans_error(template, first))
+    # control: the same turns after a system message are labelled
+    out = bt(pa.table({"messages": [[{"role": "system", "content": "s"}, *first]]}))
+    assert any(x != -100 for x in out.column("labels")[0].as_py())
+
+
+def incremental_spans_error(template, conv):
+    with pytest.raises(ValueError) as err:
+        incremental_spans(ChatRenderer(template, {}), [conv], lambda i: f"row {i}")
+    return err.value

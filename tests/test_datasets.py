@@ -216,3 +216,31 @@ def test_pack_dataset_refuses_padded_rows():
     )
     with pytest.raises(packtools.PackingError, match="first in row 1, position 1"):
         packtools.pack_dataset(ds, 8)
+
+
+def _mask_first(batch):
+    """A transform that masks each document's first two tokens (its 'prompt') in labels it adds."""
+    return {**batch, "labels": [[-100, -100] + list(r[2:]) for r in batch["input_ids"]]}
+
+
+def test_a_dataset_with_a_transform_is_refused_not_packed_raw():
+    """adv46: ``pack_dataset`` / ``packed_view`` read a ``with_transform`` dataset's stored Arrow data: the labels
+    the transform makes (what ``datasets.map`` sees) were left out of the packed rows (the view trained every
+    prompt token), and ``pack_dataset`` put the transform back on the packed rows, so each row's first two tokens
+    were masked instead of each document's.  Now refused naming the transform and the fix."""
+    from packtools.errors import PackingError
+    from packtools.integrations import truncate_dataset
+
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10]]})
+    shown = ds.with_transform(_mask_first)
+    assert shown.map(lambda r: {"n": sum(x != -100 for x in r["labels"])}).with_format(None)["n"] == [2, 1, 1]
+    for call in (
+        lambda: packtools.pack_dataset(shown, 16),
+        lambda: packtools.packed_view(shown, 16),
+        lambda: truncate_dataset(shown, 2),
+    ):
+        with pytest.raises(PackingError, match=r"transform \('_mask_first'.*with_format\(None\)\.map"):
+            call()
+    # the fix the message gives: the transform applied first, every document keeps its own mask
+    packed = packtools.pack_dataset(ds.with_format(None).map(_mask_first, batched=True), 16)
+    assert packed[0]["labels"] == [-100, -100, 3, 4, -100, -100, 7, -100, -100, 10]

@@ -170,6 +170,53 @@ def test_labels_only_in_a_later_file_stop_the_run(tmp_path):
     ]
 
 
+@pytest.mark.parametrize("kind", ["parquet", "jsonl"])
+def test_a_boolean_mask_column_is_refused_not_left_out(tmp_path, kind):
+    """adv46: a ``completion_mask`` of booleans was left out of tokenized input without an error (only the
+    summary's "left out" said it), so every prompt token was trained; ``pack_dataset`` refuses the same column.
+    Now refused naming the column and the cast; named out with ``columns=`` it is left out knowingly."""
+    rows = [{"input_ids": [1, 2, 3], "completion_mask": [False, True, True]}] * 3
+    if kind == "parquet":
+        src = str(tmp_path / "m.parquet")
+        pq.write_table(pa.Table.from_pylist(rows), src)
+    else:
+        src = jsonl(tmp_path / "m.jsonl", rows)
+    with pytest.raises(
+        PackingError, match=r"column 'completion_mask' has type list<(element|item): bool>.*list<int8>"
+    ):
+        pack_files(src, str(tmp_path / "out"), max_length=8)
+    assert not (tmp_path / "out").exists()
+    res = pack_files(src, str(tmp_path / "out"), max_length=8, columns=("input_ids",))
+    assert res.stats["columns_left_out"] == ["completion_mask"]
+    # control: the same mask as integers is packed with the ids
+    ints = [{**r, "completion_mask": [int(m) for m in r["completion_mask"]]} for r in rows]
+    src = str(tmp_path / "i.parquet")
+    pq.write_table(pa.Table.from_pylist(ints), src)
+    assert pack_files(src, str(tmp_path / "out2"), max_length=8).stats["columns"] == [
+        "input_ids",
+        "completion_mask",
+    ]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_an_id_that_does_not_fit_the_column_type_names_its_own_line(tmp_path, kind):
+    """adv46: the id that does not fit the first file's integer type (int32 for JSON) was named at the first
+    line of its block (line 1 for one on line 4); now at its own line (JSON lines) or row (Parquet)."""
+    rows = [{"input_ids": [1, 2]}] * 3 + [{"input_ids": [1, 3_000_000_000]}] + [{"input_ids": [5]}]
+    first = str(tmp_path / "a.parquet")
+    pq.write_table(pa.table({"input_ids": pa.array([[1, 2]], pa.list_(pa.int32()))}), first)
+    if kind == "jsonl":
+        src, want = jsonl(tmp_path / "b.jsonl", rows), "line 4"
+    else:
+        src, want = str(tmp_path / "b.parquet"), "row 3"
+        pq.write_table(pa.Table.from_pylist(rows), src)
+    with pytest.raises(
+        PackingError, match=rf"b\.{kind}' {want}: column 'input_ids' .* does not fit list<int32>"
+    ):
+        pack_files([first, src], str(tmp_path / "out"), max_length=8)
+    assert not (tmp_path / "out").exists()
+
+
 def test_labels_only_after_the_first_jsonl_block_stop_the_run(tmp_path, monkeypatch):
     import packtools.io.json as pj
 

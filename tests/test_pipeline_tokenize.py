@@ -147,6 +147,29 @@ def test_prompt_completion_labels_only_the_completion(toks):
         assert labels == [IGNORE_INDEX] * n_prompt + completion
 
 
+@pytest.mark.parametrize("fmt", ["prompt_completion", "preference"])
+def test_a_completion_ending_with_eos_gets_no_second_one(toks, fmt):
+    """adv46: a string completion that already ends with the EOS token got a second EOS (trained: EOS predicts
+    EOS); TRL's add_eos (SFT, DPO, KTO) appends it only to a completion that does not end with it."""
+    tok = load(toks["plain"])
+    eos = tok.eos_token
+    names = ["completion"] if fmt == "prompt_completion" else ["chosen", "rejected"]
+    values = {"prompt": ["hello", "hi"], **{n: [f" world{eos}", " there"] for n in names}}
+    out = BatchTokenizer(toks["plain"], fmt)(pa.table(values))
+    for row in range(2):
+        prompt = tok(values["prompt"][row])["input_ids"]
+        for n in names:
+            # TRL: the string with eos_token appended unless it ends with it, tokenized without special tokens
+            text = values[n][row] if values[n][row].endswith(eos) else values[n][row] + eos
+            want = tok(text, add_special_tokens=False)["input_ids"]
+            assert want[-1] == tok.eos_token_id and want[-2] != tok.eos_token_id
+            if fmt == "prompt_completion":
+                assert out["input_ids"][row].as_py() == prompt + want
+            else:
+                assert out["prompt_input_ids"][row].as_py() == prompt
+                assert out[f"{n}_input_ids"][row].as_py() == want
+
+
 def test_conversational_prompt_completion(toks):
     tok = load(toks["plain"])
     table = pa.table(

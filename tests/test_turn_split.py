@@ -379,3 +379,26 @@ def test_untrained_piece_count_equals_a_direct_count_in_blocks(strategy):
         empty += all(x == IGNORE_INDEX for x in lab[start + skip : start + n])
     assert untrained_pieces(table, None, p) == untrained_pieces(table, None, p, block_rows=7)
     assert untrained_pieces(table, None, p) == (pieces, empty, "labels") and empty > 0
+
+
+def test_an_unlabeled_row_cut_by_the_plan_counts_each_piece_as_an_untrained_sequence(tmp_path):
+    """adv46: a row without a trained token (kept, the default) longer than max_length is cut by bfd_split's
+    plan into several sequences, each training nothing; ``sequences_untrained`` counted it as one ("10 tokens in
+    1 sequences" for 3 sequences)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from packtools import pack_files
+
+    src = str(tmp_path / "t.parquet")
+    pq.write_table(
+        pa.table({"input_ids": [list(range(1, 11)), [11, 12, 13]], "labels": [[-100] * 10, [-100, 12, 13]]}),
+        src,
+    )
+    for split_at in ("turns", "tokens"):
+        stats = pack_files(src, str(tmp_path / split_at), 4, "bfd_split", split_at=split_at).stats
+        assert stats["sequences_packed"] == 4  # 4 + 4 + 2 of the unlabeled row, and the labelled one
+        assert stats["sequences_untrained"] == 3 and stats["tokens_untrained"] == 10
+    # control: truncated, the unlabeled row is one sequence
+    stats = pack_files(src, str(tmp_path / "bfd"), 4, "bfd").stats
+    assert stats["sequences_untrained"] == 1 and stats["tokens_untrained"] == 4

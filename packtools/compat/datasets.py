@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ..errors import PackingError
 from . import unknown_shape, warn_unchecked
 
 #: The ``datasets`` versions whose shapes this module was checked against (lowest and newest CI runs).
@@ -46,8 +47,22 @@ def _unknown(what: str) -> Exception:
 def dataset_table(dataset: Any) -> tuple[pa.Table, np.ndarray | None]:
     """The Arrow table behind a ``datasets.Dataset`` and its row mapping (int64 row numbers, or None).
 
-    Row ``i`` of the dataset is row ``indices[i]`` of the table (after ``select``, ``shuffle``, ...).
+    Row ``i`` of the dataset is row ``indices[i]`` of the table (after ``select``, ``shuffle``, ...).  A dataset
+    with a transform (``with_transform`` / ``set_transform``: its public ``format`` type ``"custom"``) is refused:
+    its rows are what the function makes of the table, which ``datasets.map`` sees and the table does not.
     """
+    fmt = getattr(dataset, "format", None)
+    if isinstance(fmt, dict) and fmt.get("type") == "custom":
+        transform = (fmt.get("format_kwargs") or {}).get("transform")
+        name = getattr(transform, "__name__", type(transform).__name__)
+        raise PackingError(
+            f"the dataset has a transform ({name!r}, set by with_transform / set_transform) that packtools would "
+            f"not apply: it reads the dataset's Arrow data, so the rows the transform makes (labels, masks, ids) "
+            f"would be replaced by the stored ones without a word. Apply it first: "
+            f"dataset.with_format(None).map({name}, batched=True) (what datasets.map on the dataset sees), or "
+            f"drop it with dataset.with_format(None) to use the stored columns.",
+            param="dataset",
+        )
     data = getattr(dataset, "data", None)
     table = getattr(data, "table", None)
     if not isinstance(table, pa.Table):

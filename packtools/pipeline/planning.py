@@ -357,13 +357,18 @@ class RowPlan:
             out.update(work_stats(p, config.context_parallel))  # the ranks' attention work, row by row
         if self.trained is not None and self.trained_eff is not None:
             idle = (self.eff > 0) & (self.trained_eff == 0)
+            segments = np.bincount(np.asarray(p.seg_source, np.int64), minlength=idle.shape[0])[
+                : idle.shape[0]
+            ]
             if self.whole_split is not None:
                 idle[self.whole_split] = False  # counted by piece
             out.update(
                 {
                     "tokens_trained_in": int(self.trained.sum()),
                     "tokens_trained_kept": int(self.trained_eff.sum()),
-                    "sequences_untrained": int(idle.sum()) + self.idle_pieces[0],
+                    # each sequence of the plan: a row without a trained token that bfd_split cuts (it is not
+                    # a source of pieces) is as many sequences as the plan cuts it into
+                    "sequences_untrained": int(segments[idle].sum()) + self.idle_pieces[0],
                     "tokens_untrained": int(self.eff[idle].sum()) + self.idle_pieces[1],
                 }
             )

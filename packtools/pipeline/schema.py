@@ -264,6 +264,21 @@ def token_schema(
                         f"; if {name!r} is not a token column, leave it out by naming the token columns: "
                         f"columns={token_names} (--columns {','.join(token_names)})"
                     )
+            elif vt is not None and pa.types.is_boolean(vt) and name in ("input_ids", "labels"):
+                fix = "token ids must be integers, not booleans: fix the column in the source"
+            elif vt is not None and pa.types.is_boolean(vt):
+                # a per-token mask (completion_mask, assistant_masks, ...): left out, the loss it decides would
+                # change without a word (pack_dataset refuses it too)
+                fix = (
+                    f"it holds a per-token mask of booleans, which packtools packs as integers: cast it to "
+                    f"list<int8> (in datasets: ds.cast_column({name!r}, Sequence(Value('int8'))))"
+                )
+                if not config.columns:
+                    token_names = [n for n in names if n != name]
+                    fix += (
+                        f", or if it is not a mask of the tokens, leave it out by naming the token columns: "
+                        f"columns={token_names} (--columns {','.join(token_names)})"
+                    )
             elif name == "input_ids" and pa.types.is_string(t):
                 fix = "it holds text, not token ids: pass format='text' and tokenizer=DIR to tokenize it"
             else:
@@ -271,7 +286,7 @@ def token_schema(
             if (
                 config.columns
                 or name in ("input_ids", "labels")
-                or (vt is not None and pa.types.is_floating(vt))
+                or (vt is not None and (pa.types.is_floating(vt) or pa.types.is_boolean(vt)))
             ):
                 raise PackingError(
                     f"{path!r}: column {name!r} has type {t}; {fix}.",

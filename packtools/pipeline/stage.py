@@ -210,9 +210,10 @@ def check_token_column(table: pa.Table, name: str, value_type: pa.DataType, wher
         try:
             col = col.cast(pa.list_(value_type))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+            row = _first_row_out_of(col, value_type)
             raise PackingError(
-                f"{where()}: column {name!r} ({t}) does not fit list<{value_type}>, the type of the first input "
-                f"file ({exc}); cast the files to one type first."
+                f"{where(row or 0)}: column {name!r} ({t}) does not fit list<{value_type}>, the type of the first "
+                f"input file ({exc}); cast the files to one type first."
             ) from None
     return col
 
@@ -267,6 +268,29 @@ def _first_float_row(col: pa.ChunkedArray, name: str, where: Where) -> int:
     with np.errstate(invalid="ignore"):
         odd = ~np.isfinite(values) | (values != np.trunc(values)) | (np.abs(values) >= 2.0**63)
     return int(rows[np.argmax(odd)]) if odd.any() else 0
+
+
+def _first_row_out_of(col: pa.ChunkedArray, value_type: pa.DataType) -> int | None:
+    """The first row of ``col`` (lists of integers) holding a value outside ``value_type``'s range, for the
+    error to name its line (None when it cannot be told: the message then names the block's first row)."""
+    import pyarrow.compute as pc
+
+    if not pa.types.is_integer(value_type):
+        return None
+    info = np.iinfo(value_type.to_pandas_dtype())
+    before = 0
+    try:
+        for chunk in col.chunks:
+            values, parents = pc.list_flatten(chunk), pc.list_parent_indices(chunk)
+            wide = values.cast(pa.float64(), safe=False)  # one comparable type for int64 and uint64 alike
+            bad = pc.or_(pc.less(wide, float(info.min)), pc.greater(wide, float(info.max)))
+            at = pc.index(bad, True).as_py()
+            if at >= 0:
+                return before + parents[at].as_py()
+            before += len(chunk)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
+    return None
 
 
 def _token_tables(job: StageJob, clock: dict[str, float]):

@@ -248,6 +248,9 @@ def pack_dataset(
     ends with one partly filled row, so a window of ``w`` rows of mean length ``m`` adds about
     ``max_length / (2 * w * m)`` relative rows over a global plan.
 
+    A dataset with a transform (``with_transform`` / ``set_transform``) is refused: packing reads its stored
+    Arrow data, not the rows the function makes; apply it first (``ds.with_format(None).map(fn, batched=True)``).
+
     A dataset that is already packed is refused (:func:`packtools.core.pack.check_not_packed` says what it can
     tell): keep ``seq_lengths`` with packed data.
 

@@ -469,7 +469,7 @@ class BatchTokenizer:
         parts = [self.encode(_strings(table, "prompt", first_row, prompts), True, first_row, "prompt")]
         for name in names:
             done = self.encode(_strings(table, name, first_row), False, first_row, name)
-            parts.append(ragged.append_to_rows(done, self._eos_id()) if self.add_eos else done)
+            parts.append(self._with_eos(done))  # as TRL's add_eos: not after a completion that ends with it
         return parts
 
     # -- entry point -----------------------------------------------------------------------------

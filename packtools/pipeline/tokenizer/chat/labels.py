@@ -57,6 +57,14 @@ def incremental_spans(
     render_prefixes = renderer.render_prefixes
     local = renderer.local_spans if getattr(renderer, "local", None) is not None else None
     for i, conv in enumerate(convs):
+        if conv and conv[0].get("role") == "assistant":  # its prefix is empty: no rendering (not 'empty')
+            raise PackingError(
+                f"{where(i)}: column 'messages' turn 0: the conversation opens with an assistant turn; without "
+                f"{{% generation %}} markers in the chat template, an assistant turn's labels come from rendering "
+                f"the messages before it with the generation prompt, and none come before the first. Put a "
+                f"system or user message first, or use a template with {{% generation %}} markers around the "
+                f"assistant text."
+            )
         if local is not None:  # one render gives every prefix (packtools.pipeline.tokenizer.chat.local)
             got = local(conv)
             if got is not None:
