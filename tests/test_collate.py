@@ -367,3 +367,42 @@ def test_key_switches_like_data_collator_with_flattening(switch, gone):
     )
     assert c.replace(**{switch: True})(rows).keys() == full.keys()
     assert repr(c).startswith("PaddingFreeCollator(pad_token_id=0,") and f"{switch}=False" in repr(c)
+
+
+@pytest.mark.parametrize(
+    "switches",
+    [
+        {"padding_free": False, "attn_implementation": "sdpa", "return_position_ids": False},
+        {
+            "return_position_ids": False,
+            "return_flash_attn_kwargs": False,
+        },  # seq_idx alone: attention ignores it
+        {"return_position_ids": False, "return_flash_attn_kwargs": False, "return_seq_idx": False},
+    ],
+)
+def test_packed_rows_with_nothing_that_separates_their_sequences_are_refused(switches):
+    """With position_ids switched off (and, padding-free, cu_seq_lens too) a packed batch held input_ids and
+    labels only (seq_idx at most): a tiny Llama ran each row as one sequence, 0.9 away from the sequences'
+    own logits, no error from the collator or from guard_model (nothing marked the batch packed)."""
+    rows = [
+        {"input_ids": [5, 6, 7, 8, 9, 10, 11], "seq_lengths": [3, 4]},
+        {"input_ids": [12, 13], "seq_lengths": [2]},
+    ]
+    collator = PaddingFreeCollator(0, **switches)
+    with pytest.raises(
+        PackingError, match=r"row 0 of the batch holds 2 packed sequences.*return_position_ids=True"
+    ):
+        collator(rows)
+    # rows of one sequence each have nothing to separate: still collated (padded: their attention_mask)
+    single = collator(
+        [{"input_ids": [5, 6, 7], "seq_lengths": [3]}, {"input_ids": [8, 9], "seq_lengths": [2]}]
+    )
+    assert "position_ids" not in single
+    # what such a batch does: the row runs whole, its second sequence attends to the first (tiny Llama, eager)
+    from packtools.testing import tiny_model
+
+    model = tiny_model("Llama", "eager").eval()
+    with torch.no_grad():
+        whole = model(input_ids=torch.tensor([rows[0]["input_ids"]])).logits[0, 3:]
+        alone = model(input_ids=torch.tensor([rows[0]["input_ids"][3:]])).logits[0]
+    assert (whole - alone).abs().max() > 1e-2

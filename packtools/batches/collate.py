@@ -212,6 +212,31 @@ def check_padded_attention(flat: FlatRows, attn_implementation: str | None) -> N
     )
 
 
+def check_separated(flat: FlatRows, batch: Mapping[str, Any], padding_free: bool) -> None:
+    """Refuse a batch whose rows hold several sequences when the ``return_*`` switches left nothing that tells
+    the model where they start: neither ``position_ids`` (what ``sdpa`` / ``eager`` / ``flex_attention`` build
+    the block mask from) nor ``cu_seq_lens_q`` (FlashAttention's).  ``seq_idx`` alone separates nothing in
+    attention.  Such a batch (``input_ids`` and ``labels`` only, maybe ``seq_idx``) runs each row as one
+    sequence with no error, on every backend, and the guard cannot tell it from an unpacked one."""
+    if flat.segs_per_row.shape[0] == 0 or int(flat.segs_per_row.max()) <= 1:
+        return
+    if "position_ids" in batch or "cu_seq_lens_q" in batch:
+        return
+    row = int(np.argmax(flat.segs_per_row > 1))
+    keep = (
+        "return_position_ids=True (or, for FlashAttention only, return_flash_attn_kwargs=True)"
+        if padding_free
+        else "return_position_ids=True (the padded [B, T] output has nothing else that separates them)"
+    )
+    raise PackingError(
+        f"row {row} of the batch holds {int(flat.segs_per_row[row])} packed sequences, but the collator returns "
+        f"neither position_ids nor cu_seq_lens (return_position_ids=False"
+        f"{', return_flash_attn_kwargs=False' if padding_free else ''}): the model would run each row as one "
+        f"sequence, its sequences attending to each other, with no error. Keep {keep}.",
+        param="return_position_ids",
+    )
+
+
 #: The keys each ``return_*`` switch of :class:`PaddingFreeCollator` controls (padding-free output).
 SWITCHED_KEYS = {
     "return_position_ids": ("position_ids",),
@@ -243,7 +268,8 @@ class PaddingFreeCollator:
     ``DataCollatorForLanguageModeling(padding_free=True)`` on the same rows.  Like transformers'
     ``DataCollatorWithFlattening``, ``return_position_ids``, ``return_flash_attn_kwargs`` (``cu_seq_lens_*``,
     ``max_length_*``) and ``return_seq_idx`` switch those keys off (:func:`prepare_trainer` switches off
-    the ones the model's ``forward`` does not take).
+    the ones the model's ``forward`` does not take); rows of several sequences with neither ``position_ids`` nor
+    ``cu_seq_lens`` left are refused (:func:`check_separated`).
 
     Every batch also holds ``use_cache=False`` (``return_use_cache=False`` leaves it out): Llama and most
     models default to ``use_cache=True``, and with a cache transformers' ``sdpa``/``eager``/``flex_attention``
@@ -348,6 +374,7 @@ class PaddingFreeCollator:
         batch["use_cache"] = False  # model(**batch) is right by construction (see the class docstring)
         if self.dropped_keys:
             batch = {k: v for k, v in batch.items() if k not in self.dropped_keys}
+            check_separated(flat, batch, self.padding_free)
         return to_tensors(batch, self.return_tensors)
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
