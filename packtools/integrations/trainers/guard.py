@@ -20,6 +20,7 @@ from ...constants import VARLEN_KEYS
 from ...errors import PackingError
 from ..attention.backends import attention_implementation, base_model, is_flash, token_mixing_layers
 from ..attention.mixers import POSITIONLESS_MASKS, breaks, document_mixers, generating, kernel_ready
+from ..parallel.distributed import sharded_by
 
 _HOOK_ATTR = "_packtools_guard"
 
@@ -371,14 +372,18 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
     alone, with the batch's own keys), which raises :class:`PackingError` naming the model, backend and fix.
     The prepare functions pass ``False``: they run their own probe before training.  The probe runs outside
     ``torch.compile``'s trace and, under ``DistributedDataParallel``, on the module it wraps: no collective, since
-    the ranks may reach their first packed batch at different steps.  A sharded model's forward (FSDP's) gathers
-    its parameters, a collective the probe cannot avoid: pass ``False`` there.
+    the ranks may reach their first packed batch at different steps.  A sharded model's forward (FSDP's, ZeRO-3's)
+    gathers its parameters, a collective the probe cannot avoid: such a model is refused with
+    ``check_isolation=True`` (:func:`check_sharded_probe`; the ranks' mismatched gathers hung), here and at its
+    first packed batch when it was sharded after this call; probe the model before sharding it and pass ``False``.
     """
     # vars(), not getattr(): PEFT models forward unknown attributes to the base model, whose hook they skip.
     handle = vars(model).get(_HOOK_ATTR)
     if handle is not None:
         return handle
 
+    if check_isolation:
+        check_sharded_probe(model)
     mixers = tuple(token_mixing_layers(model))
     probe = FirstPackedProbe() if check_isolation else None
     rope = length_dependent_rope(model)
@@ -529,6 +534,7 @@ class FirstPackedProbe:
         pos = kwargs.get("position_ids")
         if not is_packed(kwargs) or (pos is not None and getattr(pos, "ndim", 2) != 2):
             return  # (3-D multimodal rotary positions: the vision probe's, as in check_forward_inputs)
+        check_sharded_probe(module)  # sharded after guard_model: refused before the probe's first gather
         import torch
 
         from ...batches.collate import PaddingFreeCollator
@@ -567,6 +573,31 @@ class FirstPackedProbe:
         finally:
             self.running = False
         self.done = True
+
+
+def check_sharded_probe(model: Any) -> None:
+    """Refuse the guard's isolation probe on a model whose forward gathers its sharded parameters (FSDP2's
+    ``fully_shard``, FSDP1, DeepSpeed ZeRO-3: :func:`~packtools.integrations.parallel.distributed.sharded_by`).
+    The probe runs extra forwards on the first packed batch a process sees, and the processes reach theirs at
+    different steps (a row of one document is no packed batch): one process's probe gathers met another's real
+    forward and backward, and both waited for ever (``fully_shard`` on 2 gloo processes: a hang, no error).
+    Where every process happened to probe at the same step it ran, but nothing makes it so.
+
+    >>> import torch
+    >>> check_sharded_probe(torch.nn.Linear(2, 2))  # nothing sharded: nothing to refuse
+    """
+    how = sharded_by(model)
+    if how is None:
+        return
+    raise PackingError(
+        f"guard_model: {type(base_model(model)).__name__} is sharded by {how}, whose every forward gathers the "
+        f"parameters from all processes (a collective); the isolation probe runs extra forwards on the first "
+        f"packed batch each process sees, and the processes reach it at different steps, so their gathers would "
+        f"not match (a hang). Probe the model before sharding it -- "
+        f"packtools.integrations.check_isolation(model) on the unsharded model, on every process -- then guard "
+        f"the sharded one with guard_model(model, check_isolation=False).",
+        param="check_isolation",
+    )
 
 
 def segmented_hint(model: Any) -> str:
