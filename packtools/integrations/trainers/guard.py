@@ -590,7 +590,7 @@ def check_sharded_probe(model: Any) -> None:
     if how is None:
         return
     raise PackingError(
-        f"guard_model: {type(base_model(model)).__name__} is sharded by {how}, whose every forward gathers the "
+        f"guard_model: {type(base_model(getattr(model, 'module', model))).__name__} is sharded by {how}, whose every forward gathers the "
         f"parameters from all processes (a collective); the isolation probe runs extra forwards on the first "
         f"packed batch each process sees, and the processes reach it at different steps, so their gathers would "
         f"not match (a hang). Probe the model before sharding it -- "
