@@ -367,11 +367,62 @@ def check_guard_probe(out):
     return losses
 
 
+def check_fsdp(out):
+    """An own loop over FSDP2 (``fully_shard`` on each decoder layer and the model), rank 0 one packed row of 3
+    documents, rank 1 two rows (rank 1's first batch of one document would have probed a step later): the guard's
+    probe is refused by name on both ranks (it hung before), and with ``check_isolation=False`` the global token
+    mean's loss and full gradients, and the change of one SGD step, for the reference to compare."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from packtools.errors import PackingError
+    from packtools.integrations import check_isolation
+    from packtools.integrations.trainers.guard import guard_model
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = fsdp_rows()
+    mine = rows[:1] if rank == 0 else rows[1:]
+    model = tiny_llama("sdpa").train()
+    check_isolation(model)  # the fix the refusal names: probe the unsharded model
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    try:
+        guard_model(model)
+        refused = None
+    except PackingError as err:
+        refused = str(err)
+    guard_model(model, check_isolation=False)
+    batch = PaddingFreeCollator(PAD)(mine)
+    count = torch.tensor(int((batch["labels"][:, 1:] != -100).sum()))
+    dist.all_reduce(count)
+    loss = model(**batch, num_items_in_batch=int(count)).loss * world  # FSDP averages the gradients
+    loss.backward()
+    summed = torch.tensor(loss.item() / world)
+    dist.all_reduce(summed)
+    grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+    return {"refused": refused, "loss": summed.item(), "grads": grads, "count": int(count)}
+
+
+def fsdp_rows():
+    """Three packed rows of 8 documents (token ids from a fixed seed)."""
+    g = torch.Generator().manual_seed(1)
+    lengths = [[5, 7, 3], [11, 4], [9, 6, 2]]
+    rows = []
+    for row in lengths:
+        ids = torch.randint(3, 90, (sum(row),), generator=g).tolist()
+        rows.append({"input_ids": ids, "seq_lengths": row})
+    return rows
+
+
 ON_REQUEST = (
     "stream",
     "eval",
     "eval_order",
     "guard_probe",
+    "fsdp",
 )  # refusals, run only when named (tests/test_distributed.py launches them apart)
 
 
@@ -389,6 +440,7 @@ def main(out: str) -> None:
         ("eval", check_eval),
         ("eval_order", check_eval_order),
         ("guard_probe", check_guard_probe),
+        ("fsdp", check_fsdp),
     )
     only = sys.argv[2].split(",") if len(sys.argv) > 2 else None  # e.g. "loops": run some checks only
     for name, check in checks:

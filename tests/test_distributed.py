@@ -119,6 +119,39 @@ def test_the_guards_probe_on_a_ddp_wrapper_runs_no_collective(tmp_path):
         assert len(losses) == 2 and all(0 < loss < 20 for loss in losses), (rank, losses)
 
 
+def test_fsdp2_own_loop_refuses_the_probe_and_trains_the_global_token_mean(tmp_path):
+    """fully_shard in a loop of one's own on 2 processes, rank 0's batch one packed row, rank 1's two: with
+    guard_model(model) the probe's gathers on one process met the other's real forward (a hang, no error, when
+    the ranks reached their first packed batch at different steps); now both refuse it by name before any
+    gather.  With check_isolation=False the loss and every gradient equal the 8 documents run one by one on one
+    process within 1e-5 (FSDP2's averaged reduce-scatter times the processes, the global token count)."""
+    from _ddp_worker import fsdp_rows
+    from _hf_models import split_rows
+
+    ranks = _launch(tmp_path, "fsdp")
+    for res in ranks:
+        assert "error" not in res["fsdp"], res["fsdp"]["error"]
+    model = tiny_llama("sdpa").train()
+    docs = [s["input_ids"] for s in split_rows(fsdp_rows())]
+    total = sum(len(d) - 1 for d in docs)
+    loss = 0.0
+    for doc in docs:
+        ids = torch.tensor([doc])
+        out = model(input_ids=ids, labels=ids, num_items_in_batch=total, use_cache=False)
+        out.loss.backward()
+        loss += out.loss.item()
+    for rank, res in enumerate(ranks):
+        got = res["fsdp"]
+        assert got["refused"] is not None and "sharded by FSDP2" in got["refused"], (rank, got["refused"])
+        assert "check_isolation=False" in got["refused"]
+        assert got["count"] == total
+        assert abs(got["loss"] - loss) < TOL, (rank, got["loss"], loss)
+        diff = max(float((got["grads"][n] - p.grad).abs().max()) for n, p in model.named_parameters())
+        assert diff < TOL, (rank, diff)
+        scale = max(float(p.grad.abs().max()) for p in model.parameters())
+        assert scale > 1e-2  # the gradients compared are not all ~0
+
+
 def ok(ranks, *names):
     """Fail (with the worker's traceback) when a check of the worker raised."""
     for r, res in enumerate(ranks):

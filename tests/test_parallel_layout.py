@@ -152,3 +152,18 @@ def test_prepare_dpo_trainer_refuses_accelerates_context_parallelism_by_name(tmp
     finally:
         trainer.accelerator.state.parallelism_config = None
     assert trainer.model.config._attn_implementation == "sdpa"  # left as TRL built it
+
+
+def test_a_trainer_counting_fewer_processes_than_the_process_group_is_refused(monkeypatch):
+    """DeepSpeed on the CPU (2 gloo processes): TrainingArguments.world_size and the accelerator said 1 on both,
+    so no loader sharded the rows and one epoch trained every row on both processes while DeepSpeed averaged the
+    gradients over 2, with no error.  Failed before: rank_layout gave RankLayout(0, 1)."""
+    dist = pytest.importorskip("torch.distributed")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(
+        PackingError, match=r"counts 1 process.*torch.distributed runs 2.*2 times per epoch"
+    ) as err:
+        rank_layout(trainer(0, 1, deepspeed={}))
+    assert err.value.param == "world_size"
+    assert rank_layout(trainer(1, 2)) == RankLayout(1, 2)  # the group and the trainer agree: nothing refused

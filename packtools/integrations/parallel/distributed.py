@@ -4,7 +4,8 @@ accept a different number of items on every process.
 * :func:`trainer_divides_by_accumulation` reads the predicate the installed ``transformers.Trainer`` uses in
   ``training_step`` to decide whether it divides a micro-batch's loss by the number of micro-batches of the
   step; :func:`check_loss_path` refuses the configurations whose scaling packtools does not know.
-* :func:`is_sharded`: whether DeepSpeed or FSDP shards the model.
+* :func:`is_sharded`: whether DeepSpeed or FSDP shards the model; :func:`sharded_by`: which of them shards a
+  module of one's own (a plain loop's ``fully_shard`` / ``FullyShardedDataParallel`` / ZeRO-3 model).
 * :func:`uneven_gather`: ``accelerator.gather`` when the ranks hold different numbers of items (a micro-batch of
   packed pairs holds as many pairs as fit), where the collective alone fails (a size mismatch on gloo, a hang
   or a crash on NCCL).
@@ -16,7 +17,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from ..._optional import require
+from ..._optional import is_instance, require
 from ...compat.accelerate import replaced_gather
 from ...errors import PackingError
 
@@ -25,6 +26,27 @@ def is_sharded(trainer: Any) -> bool:
     """Whether DeepSpeed or FSDP shards ``trainer``'s model (it cannot be probed before ``train()``; packtools'
     context parallelism has not been run with either)."""
     return bool(getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False))
+
+
+def sharded_by(model: Any) -> str | None:
+    """What shards ``model``'s parameters so that its forward gathers them from every process (a collective), or
+    ``None``: FSDP2 (``fully_shard`` on it or a submodule), FSDP1 (a ``FullyShardedDataParallel`` wrapper
+    anywhere in it) or DeepSpeed ZeRO-3 (partitioned parameters, which carry ``ds_id``).
+
+    >>> import torch
+    >>> sharded_by(torch.nn.Linear(2, 2)) is None
+    True
+    """
+    modules = model.modules() if hasattr(model, "modules") else [model]
+    for sub in modules:
+        if is_instance(sub, "torch", "FSDPModule"):
+            return "FSDP2 (torch.distributed.fsdp.fully_shard)"
+        if is_instance(sub, "torch", "FullyShardedDataParallel"):
+            return "FSDP (torch.distributed.fsdp.FullyShardedDataParallel)"
+    parameters = model.parameters() if hasattr(model, "parameters") else []
+    if any(hasattr(p, "ds_id") for p in parameters):
+        return "DeepSpeed ZeRO-3"
+    return None
 
 
 def check_loss_path(trainer: Any) -> None:

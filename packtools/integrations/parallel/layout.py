@@ -222,6 +222,31 @@ def check_context_parallel_size(context_parallel: Any) -> None:
         )
 
 
+def check_trainer_world(trainer: Any, world: int) -> None:
+    """Refuse a trainer that counts fewer processes than the running ``torch.distributed`` group: it would give
+    every process the same rows while the gradients are averaged over all of them.  Seen with DeepSpeed on the
+    CPU (``DS_ACCELERATOR=cpu``, transformers 5.25, accelerate 1.16) without ``use_cpu=True``:
+    ``TrainingArguments.world_size`` and the accelerator said 1 on each of 2 processes, so ``Trainer``'s loader and packtools' sharded nothing, and one
+    epoch trained every row on both processes, with no error."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")  # never imported here: a group exists only where torch is
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    running = int(dist.get_world_size())
+    if running != world:
+        how = "DeepSpeed" if getattr(trainer, "is_deepspeed_enabled", False) else "the launcher"
+        raise PackingError(
+            f"the trainer counts {world} process(es) (TrainingArguments.world_size, the accelerator), but "
+            f"torch.distributed runs {running} (started by {how}): every process would train the same rows, "
+            f"and each row would be trained {running // max(world, 1)} times per epoch, while the gradients are "
+            f"averaged over all {running}. Seen with DeepSpeed on the CPU without use_cpu=True, where the "
+            f"accelerator counted one process: pass TrainingArguments(use_cpu=True) there (then every process "
+            f"is counted).",
+            param="world_size",
+        )
+
+
 def rank_layout(trainer: Any, context_parallel: int | None = None) -> RankLayout:
     """The :class:`RankLayout` of ``trainer``'s process (see the module docstring).
 
@@ -231,6 +256,7 @@ def rank_layout(trainer: Any, context_parallel: int | None = None) -> RankLayout
     check_context_parallel_size(context_parallel)
     args = trainer.args
     world, index = max(int(args.world_size), 1), int(args.process_index)
+    check_trainer_world(trainer, world)
     accelerator = getattr(trainer, "accelerator", None)
     config = getattr(accelerator, "parallelism_config", None)
     layout = None

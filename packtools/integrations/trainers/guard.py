@@ -27,6 +27,7 @@ from ..attention.mixers import (
     kernel_ready,
     passed_cache,
 )
+from ..parallel.distributed import sharded_by
 
 _HOOK_ATTR = "_packtools_guard"
 
@@ -412,14 +413,19 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
     the ranks may reach their first packed batch at different steps.  A context-parallel shard (``packtools_cp``)
     is the exception: every rank of its CP group probes the first shard (they reach it in the same forward, their
     own positions restarting or not) and one all-reduce over that group agrees on the verdict, so the group
-    refuses on every rank or on none, never leaving a rank waiting in the CP attention's all-gather.  A sharded model's forward (FSDP's) gathers
-    its parameters, a collective the probe cannot avoid: pass ``False`` there.
+    refuses on every rank or on none, never leaving a rank waiting in the CP attention's all-gather.  A sharded
+    model's forward (FSDP's, ZeRO-3's) gathers its parameters, a collective the probe cannot avoid: such a model
+    is refused with ``check_isolation=True`` (:func:`check_sharded_probe`; the ranks' mismatched gathers hung),
+    here and at its first packed batch when it was sharded after this call; probe the model before sharding it
+    and pass ``False``.
     """
     # vars(), not getattr(): PEFT models forward unknown attributes to the base model, whose hook they skip.
     handle = vars(model).get(_HOOK_ATTR)
     if handle is not None:
         return handle
 
+    if check_isolation:
+        check_sharded_probe(model)
     mixers = tuple(token_mixing_layers(model))
     probe = FirstPackedProbe() if check_isolation else None
     rope = length_dependent_rope(model)
@@ -642,6 +648,7 @@ class FirstPackedProbe:
 
     def _probe(self, module: Any, kwargs: Mapping[str, Any]) -> None:
         """Run :func:`~packtools.integrations.attention.isolation.check_isolation` with the batch's keys."""
+        check_sharded_probe(module)  # sharded after guard_model: refused before the probe's first gather
         import torch
 
         from ...batches.collate import PaddingFreeCollator
@@ -695,6 +702,31 @@ def agreed_refusal(refused: bool, group: Any) -> bool:
     flag = torch.tensor([1 if refused else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
+
+
+def check_sharded_probe(model: Any) -> None:
+    """Refuse the guard's isolation probe on a model whose forward gathers its sharded parameters (FSDP2's
+    ``fully_shard``, FSDP1, DeepSpeed ZeRO-3: :func:`~packtools.integrations.parallel.distributed.sharded_by`).
+    The probe runs extra forwards on the first packed batch a process sees, and the processes reach theirs at
+    different steps (a row of one document is no packed batch): one process's probe gathers met another's real
+    forward and backward, and both waited for ever (``fully_shard`` on 2 gloo processes: a hang, no error).
+    Where every process happened to probe at the same step it ran, but nothing makes it so.
+
+    >>> import torch
+    >>> check_sharded_probe(torch.nn.Linear(2, 2))  # nothing sharded: nothing to refuse
+    """
+    how = sharded_by(model)
+    if how is None:
+        return
+    raise PackingError(
+        f"guard_model: {type(base_model(getattr(model, 'module', model))).__name__} is sharded by {how}, whose every forward gathers the "
+        f"parameters from all processes (a collective); the isolation probe runs extra forwards on the first "
+        f"packed batch each process sees, and the processes reach it at different steps, so their gathers would "
+        f"not match (a hang). Probe the model before sharding it -- "
+        f"packtools.integrations.check_isolation(model) on the unsharded model, on every process -- then guard "
+        f"the sharded one with guard_model(model, check_isolation=False).",
+        param="check_isolation",
+    )
 
 
 def segmented_hint(model: Any) -> str:
