@@ -280,8 +280,9 @@ class PaddingFreeCollator:
     ``DataCollatorForLanguageModeling(padding_free=True)`` on the same rows.  Like transformers'
     ``DataCollatorWithFlattening``, ``return_position_ids``, ``return_flash_attn_kwargs`` (``cu_seq_lens_*``,
     ``max_length_*``) and ``return_seq_idx`` switch those keys off (:func:`prepare_trainer` switches off
-    the ones the model's ``forward`` does not take); rows of several sequences with neither ``position_ids`` nor
-    ``cu_seq_lens`` left are refused (:func:`check_separated`).
+    the ones the model's ``forward`` does not take); rows of several sequences (padding-free: a batch of several,
+    rows of one each included) with neither ``position_ids`` nor ``cu_seq_lens`` left are refused
+    (:func:`check_separated`).
 
     Every batch also holds ``use_cache=False`` (``return_use_cache=False`` leaves it out): Llama and most
     models default to ``use_cache=True``, and with a cache transformers' ``sdpa``/``eager``/``flex_attention``
