@@ -393,11 +393,19 @@ def test_packed_rows_with_nothing_that_separates_their_sequences_are_refused(swi
         PackingError, match=r"row 0 of the batch holds 2 packed sequences.*return_position_ids=True"
     ):
         collator(rows)
-    # rows of one sequence each have nothing to separate: still collated (padded: their attention_mask)
-    single = collator(
-        [{"input_ids": [5, 6, 7], "seq_lengths": [3]}, {"input_ids": [8, 9], "seq_lengths": [2]}]
-    )
-    assert "position_ids" not in single
+    # one row of one sequence has nothing to separate: still collated
+    assert "position_ids" not in collator([{"input_ids": [5, 6, 7], "seq_lengths": [3]}])
+    # rows of one sequence each: padded, their attention_mask separates them; padding-free they are laid end to
+    # end in one [1, T] row, two sequences with nothing between them (were collated so, no error)
+    ones = [{"input_ids": [5, 6, 7], "seq_lengths": [3]}, {"input_ids": [8, 9], "seq_lengths": [2]}]
+    if switches.get("padding_free", True):
+        with pytest.raises(PackingError, match=r"2 rows are laid end to end in one padding-free row"):
+            collator(ones)
+        with pytest.raises(PackingError, match=r"laid end to end"):
+            collator.replace(unpacked=True)([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
+    else:
+        single = collator(ones)
+        assert "position_ids" not in single and single["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
     # what such a batch does: the row runs whole, its second sequence attends to the first (tiny Llama, eager)
     from packtools.testing import tiny_model
 

@@ -166,4 +166,12 @@ def test_a_trainer_counting_fewer_processes_than_the_process_group_is_refused(mo
     ) as err:
         rank_layout(trainer(0, 1, deepspeed={}))
     assert err.value.param == "world_size"
+    assert "DeepSpeed averages the gradients" in str(err.value)
+    # torchrun with gloo on the CPU without use_cpu=True: accelerate's state is NO, so no DDP averages anything;
+    # the refusal said "the gradients are averaged over all 2" there too
+    with pytest.raises(
+        PackingError, match=r"torch.distributed runs 2.*2 copies of one run.*use_cpu=True"
+    ) as err:
+        rank_layout(trainer(0, 1))
+    assert "averag" not in str(err.value)
     assert rank_layout(trainer(1, 2)) == RankLayout(1, 2)  # the group and the trainer agree: nothing refused

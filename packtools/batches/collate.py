@@ -217,10 +217,22 @@ def check_separated(flat: FlatRows, batch: Mapping[str, Any], padding_free: bool
     the model where they start: neither ``position_ids`` (what ``sdpa`` / ``eager`` / ``flex_attention`` build
     the block mask from) nor ``cu_seq_lens_q`` (FlashAttention's).  ``seq_idx`` alone separates nothing in
     attention.  Such a batch (``input_ids`` and ``labels`` only, maybe ``seq_idx``) runs each row as one
-    sequence with no error, on every backend, and the guard cannot tell it from an unpacked one."""
-    if flat.segs_per_row.shape[0] == 0 or int(flat.segs_per_row.max()) <= 1:
+    sequence with no error, on every backend, and the guard cannot tell it from an unpacked one.  Padding-free,
+    the rows themselves are laid end to end in one ``[1, T]`` row: two rows of one sequence each are two
+    sequences there, refused alike (padded, such rows keep their ``attention_mask``)."""
+    if flat.segs_per_row.shape[0] == 0 or "position_ids" in batch or "cu_seq_lens_q" in batch:
         return
-    if "position_ids" in batch or "cu_seq_lens_q" in batch:
+    if padding_free and int(flat.segs_per_row.sum()) > 1 and int(flat.segs_per_row.max()) <= 1:
+        raise PackingError(
+            f"the batch's {flat.segs_per_row.shape[0]} rows are laid end to end in one padding-free row, but the "
+            f"collator returns neither position_ids nor cu_seq_lens (return_position_ids=False, "
+            f"return_flash_attn_kwargs=False): the model would run them as one sequence, each row attending to "
+            f"the rows before it, with no error. Keep return_position_ids=True (or, for FlashAttention only, "
+            f"return_flash_attn_kwargs=True), or use padding_free=False (a padded [B, T] batch with its "
+            f"attention_mask).",
+            param="return_position_ids",
+        )
+    if int(flat.segs_per_row.max()) <= 1:
         return
     row = int(np.argmax(flat.segs_per_row > 1))
     keep = (
@@ -268,8 +280,9 @@ class PaddingFreeCollator:
     ``DataCollatorForLanguageModeling(padding_free=True)`` on the same rows.  Like transformers'
     ``DataCollatorWithFlattening``, ``return_position_ids``, ``return_flash_attn_kwargs`` (``cu_seq_lens_*``,
     ``max_length_*``) and ``return_seq_idx`` switch those keys off (:func:`prepare_trainer` switches off
-    the ones the model's ``forward`` does not take); rows of several sequences with neither ``position_ids`` nor
-    ``cu_seq_lens`` left are refused (:func:`check_separated`).
+    the ones the model's ``forward`` does not take); rows of several sequences (padding-free: a batch of several,
+    rows of one each included) with neither ``position_ids`` nor ``cu_seq_lens`` left are refused
+    (:func:`check_separated`).
 
     Every batch also holds ``use_cache=False`` (``return_use_cache=False`` leaves it out): Llama and most
     models default to ``use_cache=True``, and with a cache transformers' ``sdpa``/``eager``/``flex_attention``

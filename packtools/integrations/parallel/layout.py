@@ -235,14 +235,23 @@ def check_trainer_world(trainer: Any, world: int) -> None:
         return
     running = int(dist.get_world_size())
     if running != world:
-        how = "DeepSpeed" if getattr(trainer, "is_deepspeed_enabled", False) else "the launcher"
+        if getattr(trainer, "is_deepspeed_enabled", False):
+            what = (
+                f"(started by DeepSpeed): every process would train the same rows, and each row would be trained "
+                f"{running // max(world, 1)} times per epoch, while DeepSpeed averages the gradients over all "
+                f"{running}"
+            )
+        else:  # torchrun on the CPU without use_cpu=True: accelerate's state is NO, nothing wraps the model
+            what = (
+                f"(started by the launcher or by hand): every process would train the same rows as a run of its "
+                f"own (the accelerator wraps nothing for data parallelism), {running} copies of one run instead "
+                f"of one data-parallel run"
+            )
         raise PackingError(
             f"the trainer counts {world} process(es) (TrainingArguments.world_size, the accelerator), but "
-            f"torch.distributed runs {running} (started by {how}): every process would train the same rows, "
-            f"and each row would be trained {running // max(world, 1)} times per epoch, while the gradients are "
-            f"averaged over all {running}. Seen with DeepSpeed on the CPU without use_cpu=True, where the "
-            f"accelerator counted one process: pass TrainingArguments(use_cpu=True) there (then every process "
-            f"is counted).",
+            f"torch.distributed runs {running} {what}. Seen on the CPU without use_cpu=True (DeepSpeed, or "
+            f"torchrun with gloo), where the accelerator counted one process: pass TrainingArguments(use_cpu=True) "
+            f"there (then every process is counted).",
             param="world_size",
         )
 
