@@ -117,7 +117,7 @@ def _free_port() -> int:
 
 
 WORKER = """
-import sys, accelerate, torch
+import os, sys, accelerate, torch
 from torch.utils.data import DataLoader, IterableDataset
 from packtools import PaddingFreeCollator
 
@@ -130,9 +130,10 @@ collator = PaddingFreeCollator(0, return_flash_attn_kwargs=False, return_use_cac
 acc = accelerate.Accelerator(cpu=True)
 try:
     batch = next(iter(acc.prepare(DataLoader(Rows(), batch_size=1, collate_fn=collator))))
-    print("KEYS", acc.process_index, sorted(batch))
+    line = f"KEYS {acc.process_index} {sorted(batch)}"
 except TypeError as err:
-    print("TYPEERROR", acc.process_index, err)
+    line = f"TYPEERROR {acc.process_index} {err}"
+os.write(1, (line + "\\n").encode())  # one write: the two ranks share the pipe (print's pieces interleaved)
 """
 
 
