@@ -184,3 +184,28 @@ def test_unpacked_rows_padded_by_a_plain_collator_are_not_refused(name, tmp_path
     )
     with pytest.raises(PackingError, match="rows 0 and 1 .* would share a forward"):
         prepare_trainer(trainer)
+
+
+def test_prepare_dpo_trainer_judges_pairs_at_the_collators_truncated_lengths(tmp_path, monkeypatch):
+    """TRL's DataCollatorForPreference cuts each prompt + chosen / prompt + rejected sequence to
+    DPOConfig.max_length before the forward: with max_length=10 (the tiny longrope threshold) no forward holds a
+    sequence over it, the per-batch check agrees at every step, and the up-front rule must judge the cut lengths
+    (before: pairs of [19, 9] dataset tokens were refused though the model sees [10, 9]).  Cut to 16, the same
+    data still crosses the threshold and is refused."""
+    from _hf_models import exact_step_args, text_pairs, word_tokenizer
+    from _trl_setup import trl
+
+    from packtools import prepare_dpo_trainer
+
+    def build(max_length):
+        return trl.DPOTrainer(
+            rope_model("phi3-longrope"),
+            ref_model=rope_model("phi3-longrope"),
+            args=trl.DPOConfig(**exact_step_args(tmp_path, max_length=max_length, max_steps=3)),
+            train_dataset=datasets.Dataset.from_list(text_pairs(12)),
+            processing_class=word_tokenizer(),
+        )
+
+    prepare_dpo_trainer(build(10)).train()  # every step passes the guard's per-batch rule
+    with pytest.raises(PackingError, match=r"prepare_dpo_trainer: Phi3ForCausalLM's .*row"):
+        prepare_dpo_trainer(build(16))

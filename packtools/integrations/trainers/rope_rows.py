@@ -54,11 +54,18 @@ def rows_and_sequences(dataset: Any) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 def check_rope_rows(
-    model: Any, dataset: Any, *, rows_per_forward: int = 1, caller: str = "prepare_trainer"
+    model: Any,
+    dataset: Any,
+    *,
+    rows_per_forward: int = 1,
+    caller: str = "prepare_trainer",
+    truncated_to: int | None = None,
 ) -> None:
     """Raise :class:`PackingError` naming the first row of ``dataset`` that a length-dependent rotary embedding of
     ``model`` (:func:`~packtools.integrations.trainers.guard.length_dependent_rope`) is sure to have refused in
-    training (see the module docstring); nothing for other models or datasets whose lengths cannot be read."""
+    training (see the module docstring); nothing for other models or datasets whose lengths cannot be read.
+    ``truncated_to``: the length the collator cuts each sequence to before the forward (TRL's
+    ``DataCollatorForPreference(max_length=...)``): the forward sees those lengths, not the dataset's."""
     rope = length_dependent_rope(model)
     if not rope or dataset is None:
         return
@@ -66,6 +73,8 @@ def check_rope_rows(
     if found is None:
         return
     offsets, lengths = found
+    if truncated_to is not None:
+        lengths = np.minimum(lengths, int(truncated_to))
     counts = np.diff(offsets)
     for _, kind, limit in rope:
         over = np.concatenate([[0], np.cumsum(lengths > limit)])
