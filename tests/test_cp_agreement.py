@@ -80,6 +80,21 @@ def _worker(rank, port, queue):
             queue.put((index, rank, type(err).__name__, str(err)[:300]))
             break
         dist.barrier()  # both ranks report before the next scenario
+    # rank 0 alone checks a plain packed batch first (no CP: its probe passes, on rank 0 only); the first CP shard
+    # must still be agreed on by both ranks (before: rank 0 skipped the CP probe as done, and rank 1 waited in
+    # the agreement's all-reduce while rank 0 went on into the all-gather)
+    isolation.check_isolation = real
+    model = _model("llama").train()
+    use_cp_attention(model)
+    guard_model(model)
+    if rank == 0:
+        model(**PaddingFreeCollator(0)([dict(ROW, seq_lengths=[2, 2])]))
+    batch = ContextParallelCollator(PaddingFreeCollator(0), layout=layout)([ROW])
+    try:
+        model(**model_inputs(batch, model))
+        queue.put((len(SCENARIOS), rank, "trained", ""))
+    except Exception as err:  # noqa: BLE001 - reported to the test, which fails on it
+        queue.put((len(SCENARIOS), rank, type(err).__name__, str(err)[:300]))
     dist.destroy_process_group()
 
 
@@ -98,7 +113,7 @@ def test_every_rank_of_the_cp_group_refuses_or_none_does():
         p.start()
     got = {}
     try:
-        while len(got) < 2 * len(SCENARIOS):
+        while len(got) < 2 * (len(SCENARIOS) + 1):
             index, rank, what, detail = queue.get(timeout=240)  # nothing within it: a hang, the test fails
             got[index, rank] = (what, detail)
     finally:
@@ -113,3 +128,5 @@ def test_every_rank_of_the_cp_group_refuses_or_none_does():
     assert got[1, 1][0] == "PackingError" and "on another rank of the CP group" in got[1, 1][1], got
     assert got[2, 0][0] == got[2, 1][0] == "trained", got
     assert got[2, 1][1] == [[1, 2]]  # rank 1's positions restart nowhere: it was probed all the same
+    last = len(SCENARIOS)  # a plain packed batch probed on rank 0 alone first: the CP shard still agreed
+    assert got[last, 0][0] == got[last, 1][0] == "trained", got

@@ -153,3 +153,59 @@ def test_grpo_rows_across_the_threshold_are_refused_at_their_step(tmp_path, shar
         PackingError, match="Phi3ForCausalLM: packed sequences would train with wrong positions"
     ):
         trainer.train()
+
+
+def _pad_rows(rows):
+    """A plain padding collator (transformers' DataCollatorWithPadding's layout): each row its own, right-padded."""
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.tensor([r["input_ids"] + [0] * (width - len(r["input_ids"])) for r in rows])
+    mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows])
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+@pytest.mark.parametrize("name", ["phi3-longrope", "llama-dynamic"])
+def test_unpacked_rows_padded_by_a_plain_collator_are_not_refused(name, tmp_path):
+    """Unpacked rows of 12 and 4 tokens in one padded [2, T] batch are no packed row (each row its own sequence,
+    as transformers trains them without packtools): the up-front rule for rows sharing a padding-free row does not
+    apply to a collator that does not flatten them (before: any collator without a padding_free attribute was
+    taken for a flattening one, and prepare_trainer refused, calling the batch 'one padding-free row')."""
+    rng = np.random.default_rng(0)
+    data = {"input_ids": [rng.integers(3, 90, n).tolist() for n in (12, 4, 5, 3)]}
+    args = transformers.TrainingArguments(
+        str(tmp_path), per_device_train_batch_size=2, report_to="none", use_cpu=True, max_steps=2
+    )
+    trainer = transformers.Trainer(
+        rope_model(name), args, train_dataset=datasets.Dataset.from_dict(data), data_collator=_pad_rows
+    )
+    prepare_trainer(trainer).train()
+    flat = transformers.DataCollatorWithFlattening()  # transformers' padding-free collator flattens: refused
+    trainer = transformers.Trainer(
+        rope_model(name), args, train_dataset=datasets.Dataset.from_dict(data), data_collator=flat
+    )
+    with pytest.raises(PackingError, match="rows 0 and 1 .* would share a forward"):
+        prepare_trainer(trainer)
+
+
+def test_prepare_dpo_trainer_judges_pairs_at_the_collators_truncated_lengths(tmp_path, monkeypatch):
+    """TRL's DataCollatorForPreference cuts each prompt + chosen / prompt + rejected sequence to
+    DPOConfig.max_length before the forward: with max_length=10 (the tiny longrope threshold) no forward holds a
+    sequence over it, the per-batch check agrees at every step, and the up-front rule must judge the cut lengths
+    (before: pairs of [19, 9] dataset tokens were refused though the model sees [10, 9]).  Cut to 16, the same
+    data still crosses the threshold and is refused."""
+    from _hf_models import exact_step_args, text_pairs, word_tokenizer
+    from _trl_setup import trl
+
+    from packtools import prepare_dpo_trainer
+
+    def build(max_length):
+        return trl.DPOTrainer(
+            rope_model("phi3-longrope"),
+            ref_model=rope_model("phi3-longrope"),
+            args=trl.DPOConfig(**exact_step_args(tmp_path, max_length=max_length, max_steps=3)),
+            train_dataset=datasets.Dataset.from_list(text_pairs(12)),
+            processing_class=word_tokenizer(),
+        )
+
+    prepare_dpo_trainer(build(10)).train()  # every step passes the guard's per-batch rule
+    with pytest.raises(PackingError, match=r"prepare_dpo_trainer: Phi3ForCausalLM's .*row"):
+        prepare_dpo_trainer(build(16))

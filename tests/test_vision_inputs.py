@@ -520,3 +520,9 @@ def test_recommend_on_vision_lengths_holds_every_sample(tmp_path, proc):
         with pytest.raises(PackingError, match="packed whole"):
             profile_lengths(lengths).recommend(**kw)
     assert profile_lengths(lengths).recommend(keep_sequences=1.0).max_length == rec.max_length
+    # still the int64 array the function returned before: a reduction is a NumPy scalar (lengths.max() was a
+    # 0-d WholeLengths, which max_length= refused as no int)
+    from packtools.core.plan import check_max_length
+
+    assert isinstance(lengths.max(), np.integer) and isinstance(lengths.sum(), np.integer)
+    assert check_max_length(lengths.max()) == int(np.asarray(lengths).max())

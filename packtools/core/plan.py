@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -382,6 +382,17 @@ class WholeLengths(np.ndarray):
     sample.
 
     >>> from packtools import profile_lengths
-    >>> profile_lengths(np.array([10, 700]).view(WholeLengths)).recommend().max_length
+    >>> lengths = np.array([10, 700]).view(WholeLengths)
+    >>> profile_lengths(lengths).recommend().max_length
     704
+
+    A reduction gives the plain NumPy scalar, as on any int array (``max_length=lengths.max()`` is an int):
+
+    >>> type(lengths.max()).__name__, check_max_length(lengths.max())
+    ('int64', 700)
     """
+
+    def __array_wrap__(self, obj: Any, context: Any = None, return_scalar: bool = False) -> Any:
+        if getattr(obj, "ndim", 1) == 0:  # max(), sum(), ...: a scalar, not a 0-d WholeLengths
+            return obj[()]
+        return super().__array_wrap__(obj, context)

@@ -63,6 +63,18 @@ from .shared_prompt import prepare_shared_prompt
 _WRAPPED = "_packtools_padding_free"
 
 
+def collator_truncation(trainer: Any, pairs: Any) -> int | None:
+    """The length TRL's preference collator cuts each ``prompt + chosen`` / ``prompt + rejected`` sequence to
+    (its ``max_length``, ``DPOConfig.max_length``: keep_start or keep_end, either way at most that many tokens)
+    when ``pairs`` are TRL's tokenized pairs, which it collates; ``None`` otherwise (packtools' packed rows are
+    not cut)."""
+    names = list(getattr(pairs, "column_names", None) or [])
+    if "input_ids" in names or not all(c in names for c in ("prompt_ids", "chosen_ids", "rejected_ids")):
+        return None
+    limit = getattr(trainer.data_collator, "max_length", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
 def _padding_free_forward(model: Any, inner: Any, trainer: Any = None) -> Any:
     torch = require("torch", "packtools.prepare_dpo_trainer")
     mixers = tuple(token_mixing_layers(model))
@@ -242,7 +254,13 @@ def prepare_dpo_trainer(
             pairs = train_dataset if train_dataset is not None else trainer.train_dataset
             batch = 1 if max_tokens is not None else trainer.args.per_device_train_batch_size
             for model in models:
-                check_rope_rows(model, pairs, rows_per_forward=batch, caller="prepare_dpo_trainer")
+                check_rope_rows(
+                    model,
+                    pairs,
+                    rows_per_forward=batch,
+                    caller="prepare_dpo_trainer",
+                    truncated_to=collator_truncation(trainer, pairs),
+                )
         layout = rank_layout(trainer, context_parallel)  # refuses what it cannot account for, by name
         if layout.cp_size > 1:
             check_cp_dpo(trainer, layout, shared)

@@ -606,18 +606,25 @@ class FirstPackedProbe:
 
     def __init__(self) -> None:
         self.done = False
+        #: a context-parallel shard's probe passed, apart from ``done``: every rank of the CP group joins the
+        #: agreement (one all-reduce) on its first shard, whatever non-CP batch a rank alone probed before
+        self.cp_done = False
         self.running = False
 
     def __call__(self, module: Any, kwargs: Mapping[str, Any]) -> None:
-        if self.done or self.running or generating(kwargs):
+        if self.running or generating(kwargs):
             return
         pos = kwargs.get("position_ids")
         shard = kwargs.get("packtools_cp")
         if shard is not None and int(getattr(getattr(shard, "layout", None), "cp_size", 1)) > 1:
+            if self.cp_done:
+                return
             # A context-parallel shard: whether this rank's positions restart depends on the chunks it holds
             # (the middle chunks of one document do not), so the first shard is probed on every rank of the CP
             # group, which reach it in the same forward, and the verdict is agreed on before any raises.
             self._probe_shard(module, kwargs, shard)
+            return
+        if self.done:
             return
         if not is_packed(kwargs) or (pos is not None and getattr(pos, "ndim", 2) != 2):
             return  # (3-D multimodal rotary positions: the vision probe's, as in check_forward_inputs)
@@ -635,7 +642,7 @@ class FirstPackedProbe:
         except PackingError as err:
             refused = err
         if not agreed_refusal(refused is not None, shard_group(shard)):
-            self.done = True
+            self.done = self.cp_done = True  # (refused: every rank refused, and every rank probes again)
             return
         if refused is None:
             raise PackingError(

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..._optional import require
+from ..._optional import is_instance, require
 from ...errors import PackingError
 from .guard import length_dependent_rope, rope_mismatch
 from .loader import row_lengths_and_segments
@@ -54,11 +54,18 @@ def rows_and_sequences(dataset: Any) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 def check_rope_rows(
-    model: Any, dataset: Any, *, rows_per_forward: int = 1, caller: str = "prepare_trainer"
+    model: Any,
+    dataset: Any,
+    *,
+    rows_per_forward: int = 1,
+    caller: str = "prepare_trainer",
+    truncated_to: int | None = None,
 ) -> None:
     """Raise :class:`PackingError` naming the first row of ``dataset`` that a length-dependent rotary embedding of
     ``model`` (:func:`~packtools.integrations.trainers.guard.length_dependent_rope`) is sure to have refused in
-    training (see the module docstring); nothing for other models or datasets whose lengths cannot be read."""
+    training (see the module docstring); nothing for other models or datasets whose lengths cannot be read.
+    ``truncated_to``: the length the collator cuts each sequence to before the forward (TRL's
+    ``DataCollatorForPreference(max_length=...)``): the forward sees those lengths, not the dataset's."""
     rope = length_dependent_rope(model)
     if not rope or dataset is None:
         return
@@ -66,6 +73,8 @@ def check_rope_rows(
     if found is None:
         return
     offsets, lengths = found
+    if truncated_to is not None:
+        lengths = np.minimum(lengths, int(truncated_to))
     counts = np.diff(offsets)
     for _, kind, limit in rope:
         over = np.concatenate([[0], np.cumsum(lengths > limit)])
@@ -120,8 +129,25 @@ def _refuse(
 
 def rows_per_forward(trainer: Any, max_tokens: int | None) -> int:
     """How many rows of the training dataset each forward of ``trainer`` surely holds together: its
-    ``per_device_train_batch_size`` when its collator flattens them into one padding-free row and no token budget
-    (``max_tokens``) decides the count, else 1."""
-    if max_tokens is not None or not getattr(trainer.data_collator, "padding_free", True):
+    ``per_device_train_batch_size`` when its collator is known to flatten them into one padding-free row
+    (:func:`flattens_rows`) and no token budget (``max_tokens``) decides the count, else 1."""
+    if max_tokens is not None or not flattens_rows(trainer.data_collator):
         return 1
     return int(getattr(trainer.args, "per_device_train_batch_size", 1) or 1)
+
+
+def flattens_rows(collator: Any) -> bool:
+    """Whether ``collator`` is known to put a batch's rows into one padding-free row: one with a true
+    ``padding_free`` attribute (packtools' collators, TRL's), or transformers' ``DataCollatorWithFlattening``.
+    Any other collator (a padding one: each row its own, the guard's per-batch check stays) counts as not.
+
+    >>> from packtools import PaddingFreeCollator
+    >>> flattens_rows(PaddingFreeCollator(0)), flattens_rows(PaddingFreeCollator(0, padding_free=False))
+    (True, False)
+    >>> flattens_rows(lambda rows: rows)
+    False
+    """
+    inner = getattr(collator, "collator", collator)  # packtools' wrappers keep the user's collator here
+    if is_instance(inner, "transformers", "DataCollatorWithFlattening"):
+        return True
+    return getattr(inner, "padding_free", False) is True
