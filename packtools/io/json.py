@@ -19,6 +19,7 @@ packtools.errors.PackingError: input '...rows.jsonl' line 2 column 14: malformed
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import re
@@ -167,10 +168,9 @@ def count_lines(path: str, stop: int) -> int:
     return n
 
 
-def row_line(path: str, first: int, k: int, base: LineBase | None = None) -> int:
-    """The line of the ``k``-th row (0-based) of a JSON lines file counted from line ``first`` (1-based, the line
-    of a row): blank lines, which the reader skips, hold no row.  ``base``: a known line start at or before
-    ``first`` (the part's), where the reading starts.  Read on errors and reports only."""
+def _rows_from(path: str, first: int, base: LineBase | None) -> Iterator[tuple[int, bytes]]:
+    """``(line, text)`` of each row of a JSON lines file from line ``first`` (1-based) on, blank lines (which the
+    reader skips) left out; ``base``: a known line start at or before ``first``, where the reading starts."""
     with open(path, "rb") as fh:
         n = 1
         if base is not None and base.value <= first:
@@ -178,28 +178,24 @@ def row_line(path: str, first: int, k: int, base: LineBase | None = None) -> int
             n = base.value
         for line in fh:
             if n >= first and line.strip():
-                if k == 0:
-                    return n
-                k -= 1
+                yield n, line
             n += 1
+
+
+def row_line(path: str, first: int, k: int, base: LineBase | None = None) -> int:
+    """The line of the ``k``-th row (0-based) of a JSON lines file counted from line ``first`` (1-based, the line
+    of a row): blank lines, which the reader skips, hold no row.  ``base``: a known line start at or before
+    ``first`` (the part's), where the reading starts.  Read on errors and reports only."""
+    for n, _ in itertools.islice(_rows_from(path, first, base), k, None):
+        return n
     return first + k  # past the end (the file changed since): the rows counted as lines
 
 
 def row_texts(path: str, first: int, k: int, base: LineBase | None = None) -> Iterator[bytes]:
     """The text of the rows from row ``k`` on (0-based, as :func:`row_line` counts them from line ``first``) of a
     JSON lines file, blank lines skipped.  Read on errors only."""
-    with open(path, "rb") as fh:
-        line_no = 1
-        if base is not None and base.value <= first:
-            fh.seek(base.start)
-            line_no = base.value
-        for line in fh:
-            if line_no >= first and line.strip():
-                if k > 0:
-                    k -= 1
-                else:
-                    yield line
-            line_no += 1
+    for _, line in itertools.islice(_rows_from(path, first, base), k, None):
+        yield line
 
 
 def line_ranges(path: str, part_bytes: int) -> list[tuple[int, int]]:
