@@ -219,3 +219,25 @@ def test_padded_rows_are_refused_not_packed(tmp_path, capsys):
     ok = str(tmp_path / "stripped.parquet")
     pq.write_table(pa.table({"input_ids": [[5, 6], [7, 8, 9]], "attention_mask": [[1, 1], [1, 1, 1]]}), ok)
     assert main(["pack", ok, "--out", str(tmp_path / "out"), "--max-length", "8"]) == 0
+
+
+def test_the_mask_check_names_the_row_across_chunks_and_slices():
+    """check_mask walks a column chunk by chunk (a memory-mapped file's whole column comes to it, and it copies
+    no values): the padded row is named counting the chunks before it, past empty and null rows, in a sliced
+    chunk too."""
+    import pyarrow as pa
+
+    from packtools.errors import PackingError
+    from packtools.pipeline.stage import check_mask
+
+    def named(col):
+        with pytest.raises(PackingError) as err:
+            check_mask(col, lambda row: f"row {row}")
+        return str(err.value).split(": the rows")[0]
+
+    ones = pa.array([[1], [1, 1]], pa.list_(pa.int8()))
+    later = pa.array([[1, 1, 1], None, [], [1, 0, 1]], pa.list_(pa.int8()))
+    assert named(pa.chunked_array([ones, later])) == "row 5: column 'attention_mask' is 0 at position 1"
+    sliced = pa.array([[0], [1, 1, 0], [0]], pa.large_list(pa.int32())).slice(1)
+    assert named(pa.chunked_array([sliced])) == "row 0: column 'attention_mask' is 0 at position 2"
+    check_mask(pa.chunked_array([ones, ones]), lambda row: f"row {row}")  # all ones: nothing to refuse

@@ -221,17 +221,24 @@ def check_token_column(table: pa.Table, name: str, value_type: pa.DataType, wher
 def check_mask(col: pa.ChunkedArray, where: Where) -> None:
     """Refuse an ``attention_mask`` with a 0, naming the row (the file's own line or row): the rows are padded,
     and packing would keep the padding as tokens of the packed rows.  An all-ones mask is left out of the
-    output (:data:`packtools.pipeline.run.MASK`)."""
+    output (:data:`packtools.pipeline.run.MASK`).  Chunk by chunk, with no copy of the values (a memory-mapped
+    file's whole column comes here)."""
     import pyarrow.compute as pc
 
-    arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
-    values = np.asarray(pc.list_flatten(arr).fill_null(1).to_numpy(zero_copy_only=False))
-    zeros = np.flatnonzero(values == 0)
-    if not zeros.size:
+    before = 0
+    for chunk in col.chunks:
+        values = pc.list_flatten(chunk)  # this chunk's slice of the values (nulls are no 0)
+        at = pc.index(values, pa.scalar(0, values.type)).as_py() if len(values) else -1
+        if at >= 0:
+            break
+        before += len(chunk)
+    else:
         return
-    parents = np.asarray(pc.list_parent_indices(arr).to_numpy(zero_copy_only=False))
-    row = int(parents[zeros[0]])
-    position = int(zeros[0] - np.searchsorted(parents, row))
+    starts = np.asarray(chunk.offsets)
+    starts = starts - starts[0]
+    row_in_chunk = int(np.searchsorted(starts, at, side="right") - 1)
+    row = before + row_in_chunk
+    position = int(at - starts[row_in_chunk])
     raise PackingError(
         f"{where(row)}: column 'attention_mask' is 0 at position {position}: the rows are padded, and packing "
         f"would keep the padding as tokens of the packed rows (attended to, and trained on unless labels are "
