@@ -98,11 +98,18 @@ def test_prepare_dpo_trainer_refuses_pairs_across_the_threshold_before_training(
     assert (pairs == 2).all() and (lengths > 10).any() and (lengths <= 10).any()  # the data crosses it
     with pytest.raises(PackingError, match=r"prepare_dpo_trainer: Phi3ForCausalLM's .*(row|rows) \d+"):
         prepare_dpo_trainer(trainer)
-    # prompt-shared pairs (the tree: no lengths read up front) are checked at each batch
+    # prompt-shared pairs (the tree) are refused up front too, by their row: their seq_lengths are each branch's
+    # prompt + completion (before: left to the batch check, which refused only once training reached them)
     from packtools.dpo import pack_preference
 
     trainer = build()
-    prepare_dpo_trainer(trainer, train_dataset=pack_preference(trainer.train_dataset, 64, share_prompt=True))
+    shared = pack_preference(trainer.train_dataset, 64, share_prompt=True)
+    with pytest.raises(PackingError, match=r"prepare_dpo_trainer: Phi3ForCausalLM's .*(row|rows) \d+"):
+        prepare_dpo_trainer(trainer, train_dataset=shared)
+    # ... and the batch check stays behind it (the up-front rule off: the first batch refuses)
+    monkeypatch.setattr(dpo, "check_rope_rows", lambda *a, **k: None)
+    trainer = build()
+    prepare_dpo_trainer(trainer, train_dataset=shared)
     with pytest.raises(
         PackingError, match="Phi3ForCausalLM: packed sequences would train with wrong positions"
     ):
@@ -110,8 +117,44 @@ def test_prepare_dpo_trainer_refuses_pairs_across_the_threshold_before_training(
     # the per-batch check stays, in DPO's own padding-free forward (the guard's hook sees TRL's padded call, so
     # on main these pairs trained 3 epochs with no error): with the dataset's rule off, the first batch refuses
     trainer = build()
-    monkeypatch.setattr(dpo, "check_rope_rows", lambda *a, **k: None)
     prepare_dpo_trainer(trainer)
+    with pytest.raises(
+        PackingError, match="Phi3ForCausalLM: packed sequences would train with wrong positions"
+    ):
+        trainer.train()
+
+
+def test_prepare_kto_trainer_refuses_rows_across_the_threshold_before_training(tmp_path, monkeypatch):
+    """KTO runs every micro-batch's prompt + completion sequences (and its KL sequences) as one padding-free row:
+    rows on both sides of longrope's threshold are refused up front, by row (before: prepare_kto_trainer read no
+    lengths, and the refusal came only at the batch holding them, in training).  Cut by KTOConfig.max_length to
+    the threshold, as TRL's collator cuts them, the same rows train."""
+    from _hf_models import exact_step_args, word_tokenizer
+    from _trl_setup import trl
+    from test_kto import examples
+
+    from packtools.integrations.preference import kto
+    from packtools.integrations.preference.kto import prepare_kto_trainer
+
+    def build(**config):
+        return trl.KTOTrainer(
+            rope_model("phi3-longrope"),
+            ref_model=rope_model("phi3-longrope"),
+            args=trl.KTOConfig(**exact_step_args(tmp_path, max_steps=1, **config)),
+            train_dataset=datasets.Dataset.from_list(examples(12)),
+            processing_class=word_tokenizer(),
+        )
+
+    trainer = build()
+    data = trainer.train_dataset
+    lengths = np.array([len(p) + len(c) for p, c in zip(data["prompt_ids"], data["completion_ids"])])
+    assert (lengths > 10).any() and (lengths <= 10).any()  # the data crosses the threshold
+    with pytest.raises(PackingError, match=r"prepare_kto_trainer: Phi3ForCausalLM's .*rows \d+ and \d+"):
+        prepare_kto_trainer(trainer)
+    prepare_kto_trainer(build(max_length=10)).train()  # cut to the threshold: no forward crosses it
+    # the per-batch check stays behind it (the up-front rule off: the first batch refuses)
+    monkeypatch.setattr(kto, "check_rope_sequences", lambda *a, **k: None)
+    trainer = prepare_kto_trainer(build())
     with pytest.raises(
         PackingError, match="Phi3ForCausalLM: packed sequences would train with wrong positions"
     ):

@@ -250,17 +250,18 @@ def prepare_dpo_trainer(
         shared = share_prompt
         if shared is None:  # rows of pack_preference(..., share_prompt=True) carry prompt lengths
             shared = PROMPT_LENGTHS in list(getattr(train_dataset, "column_names", None) or [])
-        if not shared:  # the length-dependent RoPE rule on the pairs' lengths, before training (rope_rows)
-            pairs = train_dataset if train_dataset is not None else trainer.train_dataset
-            batch = 1 if max_tokens is not None else trainer.args.per_device_train_batch_size
-            for model in models:
-                check_rope_rows(
-                    model,
-                    pairs,
-                    rows_per_forward=batch,
-                    caller="prepare_dpo_trainer",
-                    truncated_to=collator_truncation(trainer, pairs),
-                )
+        # the length-dependent RoPE rule on the pairs' lengths, before training (rope_rows); prompt-shared rows
+        # too: their seq_lengths are each branch's prompt + completion, the runs the tree's positions make
+        pairs = train_dataset if train_dataset is not None else trainer.train_dataset
+        batch = 1 if max_tokens is not None else trainer.args.per_device_train_batch_size
+        for model in models:
+            check_rope_rows(
+                model,
+                pairs,
+                rows_per_forward=batch,
+                caller="prepare_dpo_trainer",
+                truncated_to=collator_truncation(trainer, pairs),
+            )
         layout = rank_layout(trainer, context_parallel)  # refuses what it cannot account for, by name
         if layout.cp_size > 1:
             check_cp_dpo(trainer, layout, shared)

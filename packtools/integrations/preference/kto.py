@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ..._optional import is_instance, require
 from ...compat import all_or_nothing
 from ...compat.trl import fused_forward, is_vision
@@ -38,6 +40,8 @@ from ..attention.mixers import run_mixers_per_document
 from ..multimodal.models import refuse_multimodal
 from ..parallel.distributed import check_loss_path
 from ..trainers.guard import guard_model, refuse_prompt_learning
+from ..trainers.loader import list_lengths
+from ..trainers.rope_rows import check_rope_sequences
 from ..trainers.sft import refuse_neftune
 from .dpo import _WRAPPED, install_padding_free_forward
 from .probe import check_padding_free_forward
@@ -60,6 +64,31 @@ def _check_trainer(trainer: Any) -> None:
             param="router_aux_loss_coef",
         )
     refuse_prompt_learning(trainer.model)
+
+
+def check_kto_rope_rows(trainer: Any, models: list[Any]) -> None:
+    """The length-dependent RoPE rule on KTO's rows before training (:mod:`~packtools.integrations.trainers.rope_rows`):
+    every ``per_device_train_batch_size`` rows run as one padding-free row of ``prompt + completion`` sequences
+    (and one of ``prompt + KL completion``), each cut to the collator's ``max_length`` as TRL's collator cuts it.
+    Nothing for a dataset whose lengths cannot be read up front (a stream): the per-batch check stays."""
+    data = trainer.train_dataset
+    names = list(getattr(data, "column_names", None) or [])
+    if not hasattr(data, "data") or not {"prompt_ids", "completion_ids"} <= set(names):
+        return
+    prompt = list_lengths(data, "prompt_ids")
+    limit = getattr(trainer.data_collator, "max_length", None)
+    batch = int(getattr(trainer.args, "per_device_train_batch_size", 1) or 1)
+    offsets = np.arange(len(prompt) + 1, dtype=np.int64)
+    for column in ("completion_ids", "KL_completion_ids"):  # the two forwards of a micro-batch
+        if column not in names:
+            continue
+        lengths = prompt + list_lengths(data, column)
+        if isinstance(limit, int) and limit > 0:
+            lengths = np.minimum(lengths, limit)
+        for model in models:
+            check_rope_sequences(
+                model, offsets, lengths, rows_per_forward=batch, caller="prepare_kto_trainer"
+            )
 
 
 def prepare_kto_trainer(trainer: Any, *, check_isolation: bool = True, segmented_sdpa: bool = True) -> Any:
@@ -91,6 +120,9 @@ def prepare_kto_trainer(trainer: Any, *, check_isolation: bool = True, segmented
             "prepare_kto_trainer was already called on this trainer (its models run padding-free)."
         )
     refuse_multimodal(models, "KTO forwards")
+    check_kto_rope_rows(
+        trainer, models
+    )  # length-dependent RoPE, before training (the guard sees TRL's padded call)
     for model in models:
         check_attention_implementation(model)
         fused_forward(base_model(model))  # TRL's fused LM head must be there to be wrapped

@@ -66,8 +66,7 @@ def check_rope_rows(
     training (see the module docstring); nothing for other models or datasets whose lengths cannot be read.
     ``truncated_to``: the length the collator cuts each sequence to before the forward (TRL's
     ``DataCollatorForPreference(max_length=...)``): the forward sees those lengths, not the dataset's."""
-    rope = length_dependent_rope(model)
-    if not rope or dataset is None:
+    if not length_dependent_rope(model) or dataset is None:
         return
     found = rows_and_sequences(dataset)
     if found is None:
@@ -75,6 +74,37 @@ def check_rope_rows(
     offsets, lengths = found
     if truncated_to is not None:
         lengths = np.minimum(lengths, int(truncated_to))
+    check_rope_sequences(model, offsets, lengths, rows_per_forward=rows_per_forward, caller=caller)
+
+
+def check_rope_sequences(
+    model: Any,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    rows_per_forward: int = 1,
+    caller: str = "prepare_trainer",
+) -> None:
+    """:func:`check_rope_rows` on lengths already read: row ``i`` of the training dataset puts sequences of
+    ``lengths[offsets[i]:offsets[i + 1]]`` tokens into a forward (a trainer whose rows are no ``seq_lengths`` or
+    ``input_ids`` column: KTO's prompt + completion).  Vectorized over the rows (two cumulative sums per rotary
+    embedding): no row is walked in Python.
+
+    >>> import numpy as np, transformers
+    >>> config = transformers.LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+    ...     num_attention_heads=2, max_position_embeddings=10, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    >>> model = transformers.LlamaForCausalLM(config)
+    >>> check_rope_sequences(model, np.array([0, 1, 2]), np.array([12, 4]))  # each row alone: fine
+    >>> check_rope_sequences(model, np.array([0, 1, 2]), np.array([12, 4]), rows_per_forward=2)
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: prepare_trainer: LlamaForCausalLM's packed sequences would train with wrong positions, refused before training: rows 0 and 1 of the training dataset (sequences of [12, 4] tokens) would share a forward (2 rows per micro-batch, flattened into one padding-free row), and its 'dynamic' rotary embedding rescales its frequencies for max(position_ids) + 1 of a forward once it exceeds max_position_embeddings=10: this forward's positions reach 12 and its longest sequence holds 12 tokens, so its sequences would be rotated for another length than their own. Pack with max_length <= 10 (pack_dataset(..., max_length=10)) so that no sequence crosses it, or train the longer sequences unpacked, in batches of their own (per_device_train_batch_size=1).
+    """
+    rope = length_dependent_rope(model)
+    if not rope:
+        return
+    offsets = np.asarray(offsets, np.int64)
+    lengths = np.asarray(lengths, np.int64)
     counts = np.diff(offsets)
     for _, kind, limit in rope:
         over = np.concatenate([[0], np.cumsum(lengths > limit)])
