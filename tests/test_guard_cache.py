@@ -70,6 +70,40 @@ def test_generation_with_a_cache_still_passes(impl):
     assert out.shape == (1, 7)
 
 
+class OnGPU(torch.Tensor):
+    """A CPU tensor that reports a CUDA device: StaticCache's count as it comes back on a GPU, without one."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def test_an_empty_static_cache_counting_on_the_gpu_is_refused_with_a_packed_row(monkeypatch):
+    """StaticCache's layers count their tokens in a tensor on the cache's device once initialized
+    (``get_seq_length()``: ``cumulative_length``); reset, or initialized early, the cache holds none, and a packed
+    row with it attends across its documents (no per-sequence mask with a cache).  Before, a count on the GPU
+    was taken for tokens held without reading it: the guard let the packed row through.  A decode step (one
+    token per row) is a generation step whatever the count, and its count is not read (no host sync)."""
+    model = tiny_llama("sdpa").train()
+    guard_model(model)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=cache, use_cache=True)  # a prefill
+    cache.reset()  # initialized and empty: its count is a tensor 0 (on the GPU, on CUDA)
+    counted = cache.get_seq_length()
+    assert isinstance(counted, torch.Tensor) and int(counted) == 0
+    monkeypatch.setattr(cache, "get_seq_length", lambda layer_idx=0: counted.as_subclass(OnGPU))
+    assert cache.get_seq_length().device.type == "cuda"
+    with pytest.raises(PackingError, match="cache was passed in.*no per-sequence mask"):
+        model(**packed_batches()["positions"], past_key_values=cache)
+
+    def unread(layer_idx=0):
+        raise AssertionError("a decode step's cache count was read")
+
+    monkeypatch.setattr(cache, "get_seq_length", unread)
+    assert generating({"past_key_values": cache, "input_ids": torch.tensor([[9], [4]])})
+
+
 def test_the_guard_reads_the_model_type_once(monkeypatch):
     """The model type decides the guard's GPT-OSS and Qwen2-VL checks: read once, at guard_model, not on every
     forward (before: two reads a forward)."""

@@ -101,30 +101,55 @@ def passed_cache(kwargs: Mapping[str, Any]) -> Any:
 
 def generating(kwargs: Mapping[str, Any]) -> bool:
     """Whether a forward's inputs are a generation step: a cache passed in that holds tokens
-    (:func:`holds_tokens`).  :func:`segments_of` and the guard's checks (``integrations.trainers.guard``) leave
-    those alone.  An empty cache is no generation step: with a packed row it is what the guard refuses (with a
-    cache transformers builds no per-sequence mask from ``position_ids``), so those inputs are checked.
+    (:func:`holds_tokens`), or with one token per row (a decode step: no row to judge, and a count held on the GPU
+    is not read).  :func:`segments_of` and the guard's checks (``integrations.trainers.guard``) leave those
+    alone.  An empty cache is no generation step: with a packed row it is what the guard refuses (with a cache
+    transformers builds no per-sequence mask from ``position_ids``), so those inputs are checked.
 
     >>> generating({"past_key_values": None}), generating({"cache": object()}), generating({"cache": ()})
     (False, True, False)
     """
     cache = passed_cache(kwargs)
-    return cache is not None and holds_tokens(cache)
+    if cache is None:
+        return False
+    return query_width(kwargs) == 1 or holds_tokens(cache)
+
+
+def query_width(kwargs: Mapping[str, Any]) -> int | None:
+    """Tokens per row of a forward's inputs (``input_ids``' last dimension, ``inputs_embeds``' one before), or
+    ``None`` when neither is given.
+
+    >>> import numpy as np
+    >>> query_width({"input_ids": np.zeros((2, 1))}), query_width({"inputs_embeds": np.zeros((1, 5, 8))})
+    (1, 5)
+    """
+    ids = kwargs.get("input_ids")
+    if getattr(ids, "ndim", 0) >= 1:
+        return int(ids.shape[-1])
+    embeds = kwargs.get("inputs_embeds")
+    if getattr(embeds, "ndim", 0) >= 2:
+        return int(embeds.shape[-2])
+    return None
 
 
 def holds_tokens(cache: Any) -> bool:
-    """Whether a cache passed to a forward holds tokens, read without a host sync: a transformers ``Cache``
-    by ``get_seq_length()`` (a count held on the GPU, which only a sync could read: as before, holding tokens); a
-    legacy tuple by its length; any other object counts as holding tokens (a generation step)."""
+    """Whether a cache passed to a forward holds tokens: a transformers ``Cache`` by ``get_seq_length()``, an int
+    or a 0-d tensor (``StaticCache``'s layers count in a tensor on the cache's device once initialized: on the
+    GPU it is read with one host sync, only for a forward of several tokens per row, :func:`generating`); a
+    legacy tuple by its length; any other object counts as holding tokens (a generation step).
+
+    >>> import torch
+    >>> from types import SimpleNamespace as NS
+    >>> holds_tokens(NS(get_seq_length=lambda: torch.tensor(0))), holds_tokens(NS(get_seq_length=lambda: 3))
+    (False, True)
+    """
     if isinstance(cache, (tuple, list)):
         return len(cache) > 0
     if not callable(getattr(cache, "get_seq_length", None)):
         return True
-    count = cache.get_seq_length()
-    if isinstance(count, int):
-        return count > 0
-    device = getattr(getattr(count, "device", None), "type", None)
-    return device != "cpu" or int(count) > 0
+    # (before: a count on the GPU was taken for tokens held without reading it, so an empty StaticCache on CUDA
+    # -- reset, or initialized early -- let a packed row through unchecked)
+    return int(cache.get_seq_length()) > 0
 
 
 def breaks(ids: Any, attention_mask: Any = None, step: int = 1) -> Any:
