@@ -41,8 +41,9 @@ def _model(family):
     return transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa").float()
 
 
-#: (model family, the rank whose probe alone is made to refuse, or -1): run in turn by the same two processes.
-SCENARIOS = (("opt", -1), ("llama", 0), ("llama", -1))
+#: (model family, the rank whose probe alone is made to fail, or -1, and how: "refuse" raises a PackingError,
+#: "crash" a RuntimeError): run in turn by the same two processes.
+SCENARIOS = (("opt", -1, ""), ("llama", 0, "refuse"), ("llama", -1, ""), ("llama", 0, "crash"))
 
 
 def _worker(rank, port, queue):
@@ -62,11 +63,14 @@ def _worker(rank, port, queue):
     def refuse(*args, **kwargs):
         raise PackingError("a probe refusal on this rank only")
 
+    def crash(*args, **kwargs):
+        raise RuntimeError("a probe crash on this rank only")
+
     real = isolation.check_isolation
     layout = RankLayout(dp_rank=0, dp_size=1, cp_rank=rank, cp_size=2).with_cp_group()
-    for index, (family, fail_on) in enumerate(SCENARIOS):
-        # this rank's probe alone refuses: the agreement, not the model, is under test
-        isolation.check_isolation = refuse if rank == fail_on else real
+    for index, (family, fail_on, how) in enumerate(SCENARIOS):
+        # this rank's probe alone fails: the agreement, not the model, is under test
+        isolation.check_isolation = {"refuse": refuse, "crash": crash}[how] if rank == fail_on else real
         model = _model(family).train()
         use_cp_attention(model)
         guard_model(model)
@@ -76,9 +80,10 @@ def _worker(rank, port, queue):
             queue.put((index, rank, "trained", batch["position_ids"].tolist()))
         except PackingError as err:
             queue.put((index, rank, "PackingError", str(err)))
-        except Exception as err:  # noqa: BLE001 - reported to the test, which fails on it
+        except Exception as err:  # noqa: BLE001 - reported to the test, which fails on it unless expected
             queue.put((index, rank, type(err).__name__, str(err)[:300]))
-            break
+            if "on this rank only" not in str(err):
+                break
         dist.barrier()  # both ranks report before the next scenario
     # rank 0 alone checks a plain packed batch first (no CP: its probe passes, on rank 0 only); the first CP shard
     # must still be agreed on by both ranks (before: rank 0 skipped the CP probe as done, and rank 1 waited in
@@ -100,7 +105,9 @@ def _worker(rank, port, queue):
 
 def test_every_rank_of_the_cp_group_refuses_or_none_does():
     """OPT (which the probe refuses) is refused on both ranks, rank 1's positions restarting nowhere; a refusal
-    of rank 0's probe alone is agreed on by rank 1; a model the probe accepts trains on both.  Failed before:
+    of rank 0's probe alone is agreed on by rank 1, and so is any other error of it (a RuntimeError: before,
+    rank 0 raised past the agreement and rank 1 waited in its all-reduce until gloo's timeout); a model the
+    probe accepts trains on both.  Failed before:
     rank 0 refused OPT and rank 1 waited in the CP attention's all-gather (gloo then reported rank 0 gone, or
     the test's timeout a hang)."""
     ctx = torch.multiprocessing.get_context("spawn")
@@ -128,5 +135,9 @@ def test_every_rank_of_the_cp_group_refuses_or_none_does():
     assert got[1, 1][0] == "PackingError" and "on another rank of the CP group" in got[1, 1][1], got
     assert got[2, 0][0] == got[2, 1][0] == "trained", got
     assert got[2, 1][1] == [[1, 2]]  # rank 1's positions restart nowhere: it was probed all the same
+    # rank 0's probe raised no PackingError (before: rank 0 raised past the agreement's all-reduce, and rank 1
+    # waited in it for ever): rank 0 raises its own error, rank 1 a PackingError naming the other rank
+    assert got[3, 0] == ("RuntimeError", "a probe crash on this rank only"), got
+    assert got[3, 1][0] == "PackingError" and "on another rank of the CP group" in got[3, 1][1], got
     last = len(SCENARIOS)  # a plain packed batch probed on rank 0 alone first: the CP shard still agreed
     assert got[last, 0][0] == got[last, 1][0] == "trained", got

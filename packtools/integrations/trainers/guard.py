@@ -633,22 +633,28 @@ class FirstPackedProbe:
 
     def _probe_shard(self, module: Any, kwargs: Mapping[str, Any], shard: Any) -> None:
         """Probe on the first CP shard, then agree over the shard's CP group (one all-reduce, once): every rank
-        raises if any rank's probe refused, so none is left waiting in the CP attention's all-gather."""
+        raises if any rank's probe refused or failed (the failing rank its own error, the others a
+        :class:`PackingError` naming another rank), so none is left waiting in the agreement or in the CP
+        attention's all-gather."""
         from ..attention.context_parallel import shard_group
 
-        refused: PackingError | None = None
+        # Whatever the probe raises (a refusal, or any other error of its forwards: out of memory, a model
+        # that fails on the probe's rows), this rank joins the agreement before raising it: a rank that raised
+        # past the all-reduce left the others waiting in it for ever.
+        refused: BaseException | None = None
         try:
             self._probe(module, kwargs)
-        except PackingError as err:
+        except BaseException as err:  # noqa: BLE001 - re-raised below, after the agreement
             refused = err
         if not agreed_refusal(refused is not None, shard_group(shard)):
             self.done = self.cp_done = True  # (refused: every rank refused, and every rank probes again)
             return
         if refused is None:
             raise PackingError(
-                f"guard_model: the first context-parallel batch's probe refused "
-                f"{type(base_model(module)).__name__} on another rank of the CP group (see its error), so this "
-                f"rank refuses it too: training on packed rows would be silently wrong.",
+                f"guard_model: the first context-parallel batch's probe failed on another rank of the CP group "
+                f"(a refusal of {type(base_model(module)).__name__}, or an error of the probe: see that rank's "
+                f"error), so this rank stops too: training on packed rows there would be silently wrong, and "
+                f"this rank would wait for it for ever.",
                 param="model",
             )
         raise refused
