@@ -29,6 +29,7 @@ from ..._optional import require
 from ...compat.accelerate import batches_with_first_seen
 from ...constants import IGNORE_INDEX
 from ...errors import PackingError
+from .guard import refuse_encoder_decoder
 from .sft import summed_next_token_loss
 
 
@@ -47,6 +48,9 @@ def token_mean_loss(trainer: Any, eval_dataset: Any = None) -> float:
     """
     torch = require("torch", "packtools.integrations.trainers.evaluation.token_mean_loss")
     model = trainer.model
+    refuse_encoder_decoder(
+        model, "token_mean_loss"
+    )  # its loss is no next-token loss over labels shifted here
     loader = trainer.get_eval_dataloader(eval_dataset)
     dist = torch.distributed
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -424,6 +424,7 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
     if handle is not None:
         return handle
 
+    refuse_encoder_decoder(model, "guard_model")
     if check_isolation:
         check_sharded_probe(model)
     mixers = tuple(token_mixing_layers(model))
@@ -456,6 +457,36 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
     handle = forward_pre_hook(model, hook, owner=owner)
     set_attr(model, _HOOK_ATTR, handle, owner=owner)
     return handle
+
+
+def refuse_encoder_decoder(model: Any, caller: str) -> None:
+    """Refuse an encoder-decoder model (``config.is_encoder_decoder``: Whisper, T5, BART, Florence-2, ...) by
+    name.  packtools' packed rows are decoder-only: their labels are laid out for a next-token loss (position
+    ``i`` predicts ``labels[i + 1]``, ``-100`` on every sequence start) and their documents are told apart by
+    ``position_ids``.  An encoder-decoder model shifts ``labels`` right into its decoder inputs itself and scores
+    position ``i`` against ``labels[i]``, and reads no ``position_ids`` (Whisper: ``decoder_position_ids``), so a
+    packed row reached it with no error: each sequence's first token dropped from the loss, the previous
+    sequence's last label fed as its first decoder input, and the documents attending each other in the
+    decoder.  Its causal-LM sibling (``BartForCausalLM`` & co.) is a decoder-only model and is not refused.
+
+    >>> from types import SimpleNamespace as NS
+    >>> refuse_encoder_decoder(NS(config=NS(is_encoder_decoder=False)), "guard_model")
+    >>> refuse_encoder_decoder(NS(config=NS(is_encoder_decoder=True)), "guard_model")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: guard_model: SimpleNamespace is an encoder-decoder model...
+    """
+    base = base_model(model)
+    if getattr(getattr(base, "config", None), "is_encoder_decoder", False) is not True:
+        return
+    raise PackingError(
+        f"{caller}: {type(base).__name__} is an encoder-decoder model (config.is_encoder_decoder): packtools packs "
+        f"rows for decoder-only models, whose loss predicts labels[i + 1] at position i and whose documents are "
+        f"told apart by position_ids. This model shifts its labels into the decoder inputs itself and reads no "
+        f"position_ids, so a packed row would train each document with the previous one's tokens in view and its "
+        f"first token dropped from the loss, with no error. Train it on unpacked, padded batches.",
+        param="model",
+    )
 
 
 def length_dependent_rope(model: Any) -> tuple[tuple[str, str, int], ...]:
