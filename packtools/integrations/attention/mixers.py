@@ -136,7 +136,8 @@ def holds_tokens(cache: Any) -> bool:
     """Whether a cache passed to a forward holds tokens: a transformers ``Cache`` by ``get_seq_length()``, an int
     or a 0-d tensor (``StaticCache``'s layers count in a tensor on the cache's device once initialized: on the
     GPU it is read with one host sync, only for a forward of several tokens per row, :func:`generating`); a
-    legacy tuple by its length; any other object counts as holding tokens (a generation step).
+    legacy tuple by its length; any other object, or a count that is no number, counts as holding tokens (a
+    generation step).
 
     >>> import torch
     >>> from types import SimpleNamespace as NS
@@ -149,7 +150,11 @@ def holds_tokens(cache: Any) -> bool:
         return True
     # (before: a count on the GPU was taken for tokens held without reading it, so an empty StaticCache on CUDA
     # -- reset, or initialized early -- let a packed row through unchecked)
-    return int(cache.get_seq_length()) > 0
+    count = cache.get_seq_length()
+    try:
+        return int(count) > 0
+    except (TypeError, ValueError, RuntimeError):  # no count (None, several): as any other object
+        return True
 
 
 def breaks(ids: Any, attention_mask: Any = None, step: int = 1) -> Any:

@@ -120,9 +120,8 @@ def prepare_kto_trainer(trainer: Any, *, check_isolation: bool = True, segmented
             "prepare_kto_trainer was already called on this trainer (its models run padding-free)."
         )
     refuse_multimodal(models, "KTO forwards")
-    check_kto_rope_rows(
-        trainer, models
-    )  # length-dependent RoPE, before training (the guard sees TRL's padded call)
+    # length-dependent RoPE, before training (the guard's hook sees TRL's padded call, not the padding-free row)
+    check_kto_rope_rows(trainer, models)
     for model in models:
         check_attention_implementation(model)
         fused_forward(base_model(model))  # TRL's fused LM head must be there to be wrapped
