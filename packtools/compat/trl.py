@@ -127,6 +127,42 @@ def tokenizer_of(trainer: Any) -> Any:
     return found
 
 
+_SFT_TRAINER = "trl.trainer.sft_trainer.SFTTrainer"
+
+
+def count_every_position(trainer: Any, inputs: Any) -> None:
+    """Make a TRL ``SFTTrainer``'s logged ``num_tokens`` count every position of a packed training batch.
+
+    TRL 1.16's ``SFTTrainer.compute_loss`` adds, in training, ``position_ids.size(1)`` of a batch without an
+    ``attention_mask`` (gathered over the processes, divided by its ``_tp_size``) to ``_total_train_tokens``: the
+    width of its own flat padding-free row ``[1, T]``.  A batch of several rows (``PaddingFreeCollator(
+    padding_free=False)``'s ``[B, T]``, a ``(3 | 4, B, T)`` position tensor) holds ``input_ids.numel()``
+    positions, of which TRL counted one row's width (47 tokens logged for 75 in the regression test): this adds
+    the rest, on every process (one gather, as TRL's).  Call it after ``SFTTrainer.compute_loss``; it does nothing
+    for other trainers, in evaluation, or for batches with an ``attention_mask``.
+    """
+    if not any(f"{c.__module__}.{c.__qualname__}" == _SFT_TRAINER for c in type(trainer).__mro__):
+        return
+    if not trainer.model.training or "attention_mask" in inputs or "position_ids" not in inputs:
+        return
+    metrics = getattr(trainer, "_metrics", None)
+    if (
+        not isinstance(getattr(trainer, "_total_train_tokens", None), (int, float))
+        or not isinstance(getattr(trainer, "_tp_size", None), int)
+        or not isinstance(metrics, dict)
+        or "train" not in metrics
+    ):
+        raise _unknown(
+            f"{type(trainer).__name__} has no _total_train_tokens / _tp_size / _metrics['train'] (its logged num_tokens)"
+        )
+    import torch
+
+    ids, positions = inputs["input_ids"], inputs["position_ids"]
+    rest = torch.tensor(ids.numel() - positions.size(1), device=ids.device)
+    trainer._total_train_tokens += trainer.accelerator.gather(rest).sum().item() // trainer._tp_size
+    metrics["train"]["num_tokens"] = [trainer._total_train_tokens]  # what TRL logs, set before this call
+
+
 def is_vision(trainer: Any) -> bool:
     """Whether a ``DPOTrainer`` was built on image data (``DPOTrainer._is_vision_dataset``, set in its constructor)."""
     found = vars(trainer).get("_is_vision_dataset")

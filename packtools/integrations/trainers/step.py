@@ -27,6 +27,7 @@ from ..._optional import require
 from ...batches.collate import PaddingFreeCollator
 from ...batches.context_parallel import CP_KEY
 from ...compat import record, set_attr
+from ...compat.trl import count_every_position
 from ...errors import PackingError
 from ..parallel.distributed import trainer_divides_by_accumulation, uneven_gather
 from ..parallel.layout import RankLayout
@@ -242,9 +243,11 @@ class SFTStep(StepOwner):
             inputs = cp_loss_inputs(inputs, plan)
         if plan.loss != "token":
             return _weighted_loss(self, model, inputs, return_outputs, num_items_in_batch)
-        return super().compute_loss(
+        result = super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )
+        count_every_position(self, inputs)  # SFTTrainer's num_tokens: every row of the batch, not one
+        return result
 
 
 def _weighted_loss(trainer: Any, model: Any, inputs: Any, return_outputs: bool, num_items: Any) -> Any:

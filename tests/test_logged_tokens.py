@@ -1,0 +1,66 @@
+"""The token counts a trainer logs on packed rows equal those of the same tokens unpacked.
+
+TRL's ``SFTTrainer`` logs ``num_tokens`` from ``position_ids.size(1)`` when a batch has no ``attention_mask`` (its
+own flat padding-free row ``[1, T]``); packtools' ``[B, T]`` rows (``PaddingFreeCollator(padding_free=False)``)
+hold ``B x T`` positions, of which it counted one row's width.  Rows here are all ``T`` long (no padding), so
+every layout must log exactly the dataset's tokens, as TRL's own padding-free collator does.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _hf_models import PAD, tiny_llama, torch, word_tokenizer
+
+from packtools import PaddingFreeCollator, prepare_trainer
+
+datasets = pytest.importorskip("datasets")
+trl = pytest.importorskip("trl")
+
+ROWS = {  # four packed rows of 12 tokens each, several sequences per row
+    "input_ids": [[3 + (5 * r + j) % 90 for j in range(12)] for r in range(4)],
+    "seq_lengths": [[5, 7], [12], [3, 4, 5], [6, 6]],
+}
+
+
+def logged_num_tokens(tmp_path, collator):
+    from packtools.integrations import packed_sft_config
+
+    rows = datasets.Dataset.from_dict({**ROWS, "labels": ROWS["input_ids"]})
+    extra = {} if collator is None else {"padding_free": False}
+    args = packed_sft_config(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=2,
+        logging_steps=1,
+        bf16=False,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        **extra,
+    )
+    trainer = trl.SFTTrainer(
+        tiny_llama("sdpa"),
+        args=args,
+        train_dataset=rows,
+        processing_class=word_tokenizer(),
+        data_collator=collator,
+    )
+    prepare_trainer(trainer).train()
+    return [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h]
+
+
+@pytest.mark.parametrize(
+    "collator",
+    [
+        None,  # TRL's own padding-free collator (reads seq_lengths): the reference layout
+        PaddingFreeCollator(PAD),  # one flat row per batch
+        PaddingFreeCollator(
+            PAD, padding_free=False, attn_implementation="sdpa"
+        ),  # [B, T]: was one row's width
+    ],
+    ids=["trl-collator", "flat", "rows"],
+)
+def test_sft_trainer_logs_every_token_of_packed_rows(tmp_path, collator):
+    torch.manual_seed(0)
+    assert logged_num_tokens(tmp_path, collator) == [24.0, 48.0]  # 2 rows of 12 per step
