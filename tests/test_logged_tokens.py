@@ -9,7 +9,7 @@ every layout must log exactly the dataset's tokens, as TRL's own padding-free co
 from __future__ import annotations
 
 import pytest
-from _hf_models import PAD, tiny_llama, torch, word_tokenizer
+from _hf_models import PAD, tiny_llama, torch, transformers, word_tokenizer
 
 from packtools import PaddingFreeCollator, prepare_trainer
 
@@ -64,3 +64,61 @@ def logged_num_tokens(tmp_path, collator):
 def test_sft_trainer_logs_every_token_of_packed_rows(tmp_path, collator):
     torch.manual_seed(0)
     assert logged_num_tokens(tmp_path, collator) == [24.0, 48.0]  # 2 rows of 12 per step
+
+
+def test_non_padding_token_count_warns_when_real_tokens_equal_the_pad_id(tmp_path):
+    """``include_num_input_tokens_seen="non_padding"``: on packed rows (no ``attention_mask``) transformers counts
+    ``input_ids != pad_token_id``; documents ending with an EOS that is also the pad id lose one token each from
+    the count, with no error on main.  prepare_trainer says so, naming the count."""
+    from _hf_models import plain_sgd_options
+
+    from packtools import pack_dataset
+
+    docs = [[3 + (7 * i + j) % 90 for j in range(n)] + [PAD] for i, n in enumerate([3, 5, 7, 2, 9, 4])]
+    packed = pack_dataset(datasets.Dataset.from_dict({"input_ids": docs}), max_length=16)
+    args = transformers.TrainingArguments(
+        str(tmp_path),
+        per_device_train_batch_size=2,
+        num_train_epochs=1,
+        include_num_input_tokens_seen="non_padding",
+        **plain_sgd_options(),
+    )
+    trainer = transformers.Trainer(
+        tiny_llama("sdpa"),
+        args,
+        train_dataset=packed,
+        data_collator=PaddingFreeCollator(PAD),
+        processing_class=word_tokenizer(),
+    )
+    with pytest.warns(UserWarning, match=r"non_padding.* 6 tokens of the training rows equal it"):
+        prepare_trainer(trainer)
+    trainer.train()
+    assert trainer.state.num_input_tokens_seen == sum(map(len, docs)) - 6  # the count the warning announced
+
+
+def test_non_padding_token_count_is_quiet_when_no_real_token_is_the_pad_id(tmp_path, recwarn):
+    from _hf_models import plain_sgd_options
+
+    from packtools import pack_dataset
+
+    docs = [[3 + (7 * i + j) % 90 for j in range(n)] for i, n in enumerate([3, 5, 7, 2, 9, 4])]
+    packed = pack_dataset(datasets.Dataset.from_dict({"input_ids": docs}), max_length=16)
+    args = transformers.TrainingArguments(
+        str(tmp_path),
+        per_device_train_batch_size=2,
+        num_train_epochs=1,
+        include_num_input_tokens_seen="non_padding",
+        **plain_sgd_options(),
+    )
+    trainer = transformers.Trainer(
+        tiny_llama("sdpa"),
+        args,
+        train_dataset=packed,
+        data_collator=PaddingFreeCollator(PAD, pad_to_multiple_of=8),
+        processing_class=word_tokenizer(),
+    )
+    prepare_trainer(trainer).train()
+    assert not [w for w in recwarn if "non_padding" in str(w.message)]
+    assert trainer.state.num_input_tokens_seen == sum(
+        map(len, docs)
+    )  # exact: the collator's padding left out
