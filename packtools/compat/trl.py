@@ -163,6 +163,50 @@ def count_every_position(trainer: Any, inputs: Any) -> None:
     metrics["train"]["num_tokens"] = [trainer._total_train_tokens]  # what TRL logs, set before this call
 
 
+#: What each per-micro-batch metric of TRL 1.16's ``DPOTrainer.compute_loss`` is a mean over: the micro-batch's
+#: pairs (over every process), its chosen completion tokens, its rejected ones, or all its completion tokens.
+DPO_METRIC_UNITS = {
+    "rewards/chosen": "pairs",
+    "rewards/rejected": "pairs",
+    "rewards/accuracies": "pairs",
+    "rewards/margins": "pairs",
+    "logps/chosen": "pairs",
+    "logps/rejected": "pairs",
+    "logits/chosen": "chosen",
+    "mean_token_accuracy": "chosen",
+    "logits/rejected": "rejected",
+    "entropy": "tokens",
+}
+
+
+def train_metrics(trainer: Any) -> dict[str, list[float]]:
+    """A TRL trainer's training metrics: ``_metrics["train"]``, one list per key, one value appended per
+    micro-batch, averaged by ``log`` (TRL 1.16's ``DPOTrainer`` and ``SFTTrainer``)."""
+    metrics = getattr(trainer, "_metrics", None)
+    found = metrics.get("train") if isinstance(metrics, dict) else None
+    if not isinstance(found, dict):
+        raise _unknown(f"{type(trainer).__name__} has no _metrics['train'] (the metrics it logs)")
+    return found
+
+
+#: The same for TRL 1.16's ``RewardTrainer.compute_loss`` (``mean_reward`` is over both scores of each pair;
+#: ``min_reward`` / ``max_reward`` are extremes, not means: left as TRL logs them).
+REWARD_METRIC_UNITS = {"mean_reward": "pairs", "accuracy": "pairs", "margin": "pairs"}
+
+
+def weigh_new_metrics(
+    trainer: Any, lengths: dict[str, int], factors: dict[str, float], units: dict[str, str] = DPO_METRIC_UNITS
+) -> None:
+    """Multiply the value each metric of ``units`` (key -> unit) appended since ``lengths`` (the lists' lengths
+    before ``compute_loss``) by ``factors[unit]``: TRL's ``log`` averages its values over the micro-batches, so a
+    micro-batch's mean weighs ``its units / mean units`` once scaled by ``its units x micro-batches / step units``."""
+    metrics = train_metrics(trainer)
+    for key, unit in units.items():
+        values = metrics.get(key)
+        if values is not None and len(values) == lengths.get(key, 0) + 1:
+            values[-1] = values[-1] * factors[unit]
+
+
 def is_vision(trainer: Any) -> bool:
     """Whether a ``DPOTrainer`` was built on image data (``DPOTrainer._is_vision_dataset``, set in its constructor)."""
     found = vars(trainer).get("_is_vision_dataset")
