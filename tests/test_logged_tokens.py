@@ -4,6 +4,10 @@ TRL's ``SFTTrainer`` logs ``num_tokens`` from ``position_ids.size(1)`` when a ba
 own flat padding-free row ``[1, T]``); packtools' ``[B, T]`` rows (``PaddingFreeCollator(padding_free=False)``)
 hold ``B x T`` positions, of which it counted one row's width.  Rows here are all ``T`` long (no padding), so
 every layout must log exactly the dataset's tokens, as TRL's own padding-free collator does.
+
+``include_num_input_tokens_seen="non_padding"`` counts ``input_ids != pad_token_id`` on packed batches (no
+``attention_mask``): exact where no real token is the pad id, short by every one that is (an EOS used as pad),
+which ``prepare_trainer`` says with the count.
 """
 
 from __future__ import annotations

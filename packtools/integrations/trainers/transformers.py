@@ -145,6 +145,8 @@ def warn_uncounted_pad_tokens(trainer: Any) -> int:
     names = list(getattr(trainer.train_dataset, "column_names", None) or [])
     if pad is None or "seq_lengths" not in names or "input_ids" not in names:
         return 0
+    if not is_instance(trainer.train_dataset, "datasets", "Dataset"):  # a stream: no rows to read up front
+        return 0
     from ...compat.datasets import dataset_table
 
     pc = require("pyarrow.compute", "packtools.integrations.trainers.transformers")
