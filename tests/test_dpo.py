@@ -283,6 +283,21 @@ def test_accumulation_is_the_mean_over_all_pairs_of_the_step(tmp_path):
     assert abs(per_micro - whole[0]) > 1e-3  # what TRL alone would have optimized
 
 
+def test_logged_metrics_are_those_of_all_pairs_of_the_step(tmp_path):
+    """Micro-batches of unequal pair counts (packed rows of 2, 2 and 1 pairs): the logged rewards, log-probs,
+    logits, entropy and accuracy are TRL's over all the step's pairs at once.  On main they were means of the
+    micro-batches' means, each pair of the 1-pair row weighing twice (rewards/margins 0.0437 for 0.0230)."""
+    prepared, _ = packed_trainer(tmp_path, max_length=64, **ONE_LOGGED_STEP)
+    _, _, whole = check_step_is_the_whole_step(tmp_path, prepared)
+    logged = prepared.state.log_history[0]
+    bad = {
+        k: (logged[k], whole[1][k])
+        for k in METRICS
+        if abs(logged[k] - whole[1][k]) > TOL * max(1.0, abs(whole[1][k]))
+    }
+    assert not bad, bad
+
+
 def test_sequence_logps_is_exact_per_sequence_and_off_by_one_fails():
     model = tiny_llama()
     rng = np.random.default_rng(0)

@@ -175,9 +175,17 @@ def test_training_with_accumulation_equals_trl(tmp_path):
 
 
 def test_packed_accumulation_is_the_mean_over_all_pairs_of_the_step(tmp_path):
-    """Packed micro-batches of unequal pair counts: the step's gradient is that of all its pairs at once."""
+    """Packed micro-batches of unequal pair counts: the step's gradient is that of all its pairs at once, and so
+    are the logged mean_reward, accuracy and margin (on main: means of the micro-batches' means)."""
     trainer = build(
-        tmp_path, n=16, margin=True, gradient_accumulation_steps=3, per_device_train_batch_size=1, max_steps=1
+        tmp_path,
+        n=16,
+        margin=True,
+        gradient_accumulation_steps=3,
+        per_device_train_batch_size=1,
+        max_steps=1,
+        logging_strategy="steps",
+        logging_steps=1,
     )
     reference = build(tmp_path, n=16, margin=True)
     packed = pack_reward_pairs(trainer.train_dataset, 80)
@@ -211,6 +219,13 @@ def test_packed_accumulation_is_the_mean_over_all_pairs_of_the_step(tmp_path):
         float((step[k] - whole[2][k]).abs().max()) / max(1.0, float(whole[2][k].abs().max())) for k in step
     )
     assert worst < TOL, worst
+    logged = trainer.state.log_history[0]
+    bad = {
+        k: (logged[k], whole[1][k])
+        for k in ("mean_reward", "accuracy", "margin")
+        if abs(logged[k] - whole[1][k]) > TOL
+    }
+    assert not bad, bad
     per_micro = [
         loss_metrics_grads(reference, collate([reference.train_dataset[i] for i in m]))[2] for m in micro
     ]

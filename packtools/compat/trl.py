@@ -127,6 +127,86 @@ def tokenizer_of(trainer: Any) -> Any:
     return found
 
 
+_SFT_TRAINER = "trl.trainer.sft_trainer.SFTTrainer"
+
+
+def count_every_position(trainer: Any, inputs: Any) -> None:
+    """Make a TRL ``SFTTrainer``'s logged ``num_tokens`` count every position of a packed training batch.
+
+    TRL 1.16's ``SFTTrainer.compute_loss`` adds, in training, ``position_ids.size(1)`` of a batch without an
+    ``attention_mask`` (gathered over the processes, divided by its ``_tp_size``) to ``_total_train_tokens``: the
+    width of its own flat padding-free row ``[1, T]``.  A batch of several rows (``PaddingFreeCollator(
+    padding_free=False)``'s ``[B, T]``, a ``(3 | 4, B, T)`` position tensor) holds ``input_ids.numel()``
+    positions, of which TRL counted one row's width (47 tokens logged for 75 in the regression test): this adds
+    the rest, on every process (one gather, as TRL's).  Call it after ``SFTTrainer.compute_loss``; it does nothing
+    for other trainers, in evaluation, or for batches with an ``attention_mask``.
+    """
+    if not any(f"{c.__module__}.{c.__qualname__}" == _SFT_TRAINER for c in type(trainer).__mro__):
+        return
+    if not trainer.model.training or "attention_mask" in inputs or "position_ids" not in inputs:
+        return
+    metrics = getattr(trainer, "_metrics", None)
+    if (
+        not isinstance(getattr(trainer, "_total_train_tokens", None), (int, float))
+        or not isinstance(getattr(trainer, "_tp_size", None), int)
+        or not isinstance(metrics, dict)
+        or "train" not in metrics
+    ):
+        raise _unknown(
+            f"{type(trainer).__name__} has no _total_train_tokens / _tp_size / _metrics['train'] (its logged num_tokens)"
+        )
+    import torch
+
+    ids, positions = inputs["input_ids"], inputs["position_ids"]
+    rest = torch.tensor(ids.numel() - positions.size(1), device=ids.device)
+    trainer._total_train_tokens += trainer.accelerator.gather(rest).sum().item() // trainer._tp_size
+    metrics["train"]["num_tokens"] = [trainer._total_train_tokens]  # what TRL logs, set before this call
+
+
+#: What each per-micro-batch metric of TRL 1.16's ``DPOTrainer.compute_loss`` is a mean over: the micro-batch's
+#: pairs (over every process), its chosen completion tokens, its rejected ones, or all its completion tokens.
+DPO_METRIC_UNITS = {
+    "rewards/chosen": "pairs",
+    "rewards/rejected": "pairs",
+    "rewards/accuracies": "pairs",
+    "rewards/margins": "pairs",
+    "logps/chosen": "pairs",
+    "logps/rejected": "pairs",
+    "logits/chosen": "chosen",
+    "mean_token_accuracy": "chosen",
+    "logits/rejected": "rejected",
+    "entropy": "tokens",
+}
+
+
+def train_metrics(trainer: Any) -> dict[str, list[float]]:
+    """A TRL trainer's training metrics: ``_metrics["train"]``, one list per key, one value appended per
+    micro-batch, averaged by ``log`` (TRL 1.16's ``DPOTrainer`` and ``SFTTrainer``)."""
+    metrics = getattr(trainer, "_metrics", None)
+    found = metrics.get("train") if isinstance(metrics, dict) else None
+    if not isinstance(found, dict):
+        raise _unknown(f"{type(trainer).__name__} has no _metrics['train'] (the metrics it logs)")
+    return found
+
+
+#: The same for TRL 1.16's ``RewardTrainer.compute_loss`` (``mean_reward`` is over both scores of each pair;
+#: ``min_reward`` / ``max_reward`` are extremes, not means: left as TRL logs them).
+REWARD_METRIC_UNITS = {"mean_reward": "pairs", "accuracy": "pairs", "margin": "pairs"}
+
+
+def weigh_new_metrics(
+    trainer: Any, lengths: dict[str, int], factors: dict[str, float], units: dict[str, str] = DPO_METRIC_UNITS
+) -> None:
+    """Multiply the value each metric of ``units`` (key -> unit) appended since ``lengths`` (the lists' lengths
+    before ``compute_loss``) by ``factors[unit]``: TRL's ``log`` averages its values over the micro-batches, so a
+    micro-batch's mean weighs ``its units / mean units`` once scaled by ``its units x micro-batches / step units``."""
+    metrics = train_metrics(trainer)
+    for key, unit in units.items():
+        values = metrics.get(key)
+        if values is not None and len(values) == lengths.get(key, 0) + 1:
+            values[-1] = values[-1] * factors[unit]
+
+
 def is_vision(trainer: Any) -> bool:
     """Whether a ``DPOTrainer`` was built on image data (``DPOTrainer._is_vision_dataset``, set in its constructor)."""
     found = vars(trainer).get("_is_vision_dataset")

@@ -30,7 +30,15 @@ from typing import Any
 
 from ..._optional import is_instance, require
 from ...compat import all_or_nothing
-from ...compat.trl import check_step_methods, keep_signature_columns, set_training_data, tokenizer_of
+from ...compat.trl import (
+    REWARD_METRIC_UNITS,
+    check_step_methods,
+    keep_signature_columns,
+    set_training_data,
+    tokenizer_of,
+    train_metrics,
+    weigh_new_metrics,
+)
 from ...constants import SEQ_LENGTHS
 from ...core.pairs import PAIR_ROW_COLUMNS
 from ...errors import PackingError
@@ -65,6 +73,7 @@ class StepPairs:
     """
 
     pairs: int | None = None
+    micro_batches: int = 0  # of the step: the logged metrics' weights (PackedRewardStep.compute_loss)
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,7 @@ class PackedRewardStep(StepOwner):
         samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
         run: RewardPlan = plan_of(self)  # type: ignore[assignment]
         run.step.pairs = step_pairs(self, sum(_pairs_in(b) for b in samples), device)
+        run.step.micro_batches = len(samples)
         return samples, num_items
 
     def compute_loss(
@@ -98,12 +108,18 @@ class PackedRewardStep(StepOwner):
     ) -> Any:
         run: RewardPlan = plan_of(self)  # type: ignore[assignment]
         batch = reward_batch(inputs, run.send_seq_idx)
+        training = self.model.training and bool(run.step.pairs)  # type: ignore[attr-defined]
+        lengths = {k: len(v) for k, v in train_metrics(self).items()} if training else {}
         with uneven_gather(self.accelerator):  # type: ignore[attr-defined]  # ranks hold different pair counts
             result = super().compute_loss(  # type: ignore[misc]
                 ScoredRow(model, batch), dict(batch.view), return_outputs, num_items_in_batch
             )
-        if not self.model.training or not run.step.pairs:  # type: ignore[attr-defined]
+        if not training:
             return result
+        # TRL logs the mean of its micro-batches' pair means: weigh each by its share of the step's pairs
+        mine = step_pairs(self, batch.pairs, batch.view["input_ids"].device)
+        share = mine * run.step.micro_batches / run.step.pairs
+        weigh_new_metrics(self, lengths, {"pairs": share}, REWARD_METRIC_UNITS)
         loss = result[0] if return_outputs else result
         loss = pair_mean_share(self, loss, batch.pairs, run.step.pairs, num_items_in_batch)
         return (loss, result[1]) if return_outputs else loss

@@ -27,6 +27,7 @@ from ..._optional import require
 from ...batches.collate import PaddingFreeCollator
 from ...batches.context_parallel import CP_KEY
 from ...compat import record, set_attr
+from ...compat.trl import count_every_position, train_metrics, weigh_new_metrics
 from ...errors import PackingError
 from ..parallel.distributed import trainer_divides_by_accumulation, uneven_gather
 from ..parallel.layout import RankLayout
@@ -242,9 +243,11 @@ class SFTStep(StepOwner):
             inputs = cp_loss_inputs(inputs, plan)
         if plan.loss != "token":
             return _weighted_loss(self, model, inputs, return_outputs, num_items_in_batch)
-        return super().compute_loss(
+        result = super().compute_loss(
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )
+        count_every_position(self, inputs)  # SFTTrainer's num_tokens: every row of the batch, not one
+        return result
 
 
 def _weighted_loss(trainer: Any, model: Any, inputs: Any, return_outputs: bool, num_items: Any) -> Any:
@@ -273,21 +276,70 @@ class DPOStep(StepOwner):
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
         samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         pairs = sum(int(b["completion_mask"].shape[0]) // 2 for b in samples)
+        if samples:  # the step's units over every process, for the metrics' weights (compute_loss)
+            units = sum(metric_units(b) for b in samples)
+            self._packtools_step_units = (len(samples), step_units(self, units, device))
         return samples, step_pairs(self, pairs, device)
 
     def compute_loss(
         self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
+        training = self.model.training and bool(num_items_in_batch)
+        lengths = {k: len(v) for k, v in train_metrics(self).items()} if training else {}
         with uneven_gather(self.accelerator):  # per-pair metrics: ranks hold different numbers of pairs
             result = super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
-        if not self.model.training or not num_items_in_batch:
+        if not training:
             return result
+        weigh_micro_batch_metrics(self, inputs, lengths)
         loss = result[0] if return_outputs else result
         pairs = int(inputs["completion_mask"].shape[0]) // 2
         loss = pair_mean_share(self, loss, pairs, int(num_items_in_batch), num_items_in_batch)
         return (loss, result[1]) if return_outputs else loss
+
+
+#: The units of :data:`~packtools.compat.trl.DPO_METRIC_UNITS`, in :func:`metric_units`' order.
+UNITS = ("pairs", "chosen", "rejected", "tokens")
+
+
+def metric_units(batch: dict[str, Any]) -> Any:
+    """``[pairs, chosen tokens, rejected tokens, completion tokens]`` of a DPO micro-batch in TRL's layout
+    (``completion_mask`` ``[2 * pairs, T]``, chosen rows first; a token counts where TRL's metrics count it,
+    ``completion_mask[..., 1:]``), an int64 tensor."""
+    torch = require("torch", "packtools DPO metrics")
+    mask = batch["completion_mask"][..., 1:]
+    chosen, rejected = mask.chunk(2, dim=0)
+    counts = [mask.shape[0] // 2, int(chosen.sum()), int(rejected.sum()), int(mask.sum())]
+    return torch.tensor(counts, dtype=torch.int64, device=mask.device)
+
+
+def step_units(trainer: Any, units: Any, device: Any) -> Any:
+    """``units`` (:func:`metric_units`, summed) over every process, tensor- and context-parallel peers once."""
+    units = units.to(device)
+    if int(trainer.args.world_size) > 1:
+        units = trainer.accelerator.gather(units[None]).sum(0) // _plan(trainer).layout.peers
+    return units
+
+
+def weigh_micro_batch_metrics(trainer: Any, inputs: dict[str, Any], lengths: dict[str, int]) -> None:
+    """Make TRL's logged DPO metrics the step's means over its pairs (or tokens), not means of micro-batch means.
+
+    TRL appends each micro-batch's mean (over every process) and ``log`` averages the values: right for micro-batches
+    of equal sizes, TRL's own, not for packed rows or batches split across processes, whose pair counts differ
+    (a pair of a 1-pair micro-batch weighed twice one of a 2-pair one).  Each new value is multiplied by
+    ``its units x micro-batches / step units`` (:data:`~packtools.compat.trl.DPO_METRIC_UNITS`).
+    """
+    found = getattr(trainer, "_packtools_step_units", None)
+    if found is None:
+        return
+    micro_batches, total = found
+    mine = step_units(trainer, metric_units(inputs), total.device)
+    factors = {
+        unit: float(mine[i]) * micro_batches / float(total[i]) if int(total[i]) else 1.0
+        for i, unit in enumerate(UNITS)
+    }
+    weigh_new_metrics(trainer, lengths, factors)
 
 
 def step_pairs(trainer: Any, pairs: int, device: Any) -> int:

@@ -130,6 +130,46 @@ def run_probe(
         )
 
 
+def warn_uncounted_pad_tokens(trainer: Any) -> int:
+    """Warn when ``include_num_input_tokens_seen="non_padding"`` would leave real tokens of packed rows uncounted;
+    return how many (0: nothing to say, or the rows cannot be read up front).
+
+    A packed batch has no ``attention_mask``, so ``Trainer`` counts its non-padding tokens as ``input_ids !=
+    processing_class.pad_token_id``: a real token equal to the pad id (the EOS of data whose pad token is its EOS)
+    is not counted, where the same rows unpacked, with their ``attention_mask``, count it.  The packed rows
+    (``seq_lengths``) of a ``datasets.Dataset`` are read for that id, in one pass.
+    """
+    if getattr(trainer.args, "include_num_input_tokens_seen", "no") != "non_padding":
+        return 0
+    pad = getattr(getattr(trainer, "processing_class", None), "pad_token_id", None)
+    names = list(getattr(trainer.train_dataset, "column_names", None) or [])
+    if pad is None or "seq_lengths" not in names or "input_ids" not in names:
+        return 0
+    if not is_instance(trainer.train_dataset, "datasets", "Dataset"):  # a stream: no rows to read up front
+        return 0
+    from ...compat.datasets import dataset_table
+
+    pc = require("pyarrow.compute", "packtools.integrations.trainers.transformers")
+    try:
+        table, indices = dataset_table(trainer.train_dataset)
+    except PackingError:  # a dataset with a transform: its rows are not the table's
+        return 0
+    column = table.column("input_ids")
+    if indices is not None:
+        column = column.take(indices)
+    found = int(pc.sum(pc.equal(pc.list_flatten(column), pad)).as_py() or 0)
+    if found:
+        warnings.warn(
+            f"include_num_input_tokens_seen='non_padding': packed batches have no attention_mask, so Trainer counts "
+            f"input_ids != pad_token_id ({pad}), and {found:,} tokens of the training rows equal it (an EOS used as "
+            f"the pad token?): num_input_tokens_seen will leave them out, where the rows unpacked count them. Give "
+            f"the tokenizer a pad token that does not occur in the data, or count 'all' tokens (the collator's "
+            f"padding included).",
+            stacklevel=3,
+        )
+    return found
+
+
 def prepare_trainer(
     trainer: Any,
     *,
@@ -245,6 +285,7 @@ def prepare_trainer(
                 "processes with fewer tokens weigh more. Set it to True for a token-weighted loss across processes.",
                 stacklevel=2,
             )
+        warn_uncounted_pad_tokens(trainer)
         collator = adapt_collator(trainer.data_collator, trainer.model)
         if collator is not trainer.data_collator:
             set_attr(trainer, "data_collator", collator, owner=trainer)
