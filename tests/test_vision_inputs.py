@@ -234,7 +234,7 @@ def test_rows_with_images_are_not_tokenized_as_text(tmp_path, proc, capsys):
     del row["images"]
     parts_only = _write(tmp_path / "parts", [row])
     assert main(["pack", str(parts_only), "--out", str(tmp_path / "q"), "--tokenizer", proc, "--quiet"]) == 1
-    assert "holds images (image parts in messages)" in capsys.readouterr().err
+    assert "line 1: column 'messages' turn 0 part 0 is of type 'image'" in capsys.readouterr().err
 
 
 def test_image_parts_after_the_first_rows_are_refused(tmp_path, proc):
@@ -248,7 +248,7 @@ def test_image_parts_after_the_first_rows_are_refused(tmp_path, proc):
     ]
     rows = [{"messages": text}] * 100 + [{"messages": image + text[1:]}]
     data = _write(tmp_path, rows)
-    with pytest.raises(PackingError, match=r"holds images \(image parts in messages\)"):
+    with pytest.raises(PackingError, match=r"line 101: column 'messages' turn 0 part 0 is of type 'image'"):
         pack_files(data, tmp_path / "out", 64, tokenizer=proc)
     assert not (tmp_path / "out").exists()
     plain = _write(tmp_path / "plain", [{"messages": text}] * 101)  # no image part: packs
@@ -486,12 +486,12 @@ def test_image_parts_with_a_text_tokenizer_are_refused(tmp_path, capsys):
     for data in (lines, array, prompts):
         assert main(["pack", str(data), "--out", str(data.parent / "o"), "--tokenizer", tok, "--quiet"]) == 1
         err = capsys.readouterr().err
-        assert "holds images (image parts in messages)" in err and "chat template" in err, err
+        assert "turn 0 part 0 is of type 'image'" in err and "chat template" in err, err
         assert not (data.parent / "o").exists()
-        with pytest.raises(PackingError, match=r"holds images \(image parts in messages\)"):
+        with pytest.raises(PackingError, match=r"turn 0 part 0 is of type 'image'"):
             profile_files(str(data), tokenizer=tok)
     assert main(["profile", str(array), "--tokenizer", tok]) == 1
-    assert "holds images" in capsys.readouterr().err
+    assert "object 6 of the array: column 'messages' turn 0 part 0" in capsys.readouterr().err
     plain = tmp_path / "plain" / "data.json"
     plain.parent.mkdir()
     plain.write_text(json.dumps(rows[:5], indent=1))
@@ -526,3 +526,64 @@ def test_recommend_on_vision_lengths_holds_every_sample(tmp_path, proc):
 
     assert isinstance(lengths.max(), np.integer) and isinstance(lengths.sum(), np.integer)
     assert check_max_length(lengths.max()) == int(np.asarray(lengths).max())
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "https://x/cat.png"}},
+        {"type": "input_image", "image_url": "https://x/cat.png"},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+        {"type": "audio", "audio": "a.wav"},
+        {"type": "file", "file": {"file_id": "f-1"}},
+        {"type": "input_text", "text": "OpenAI's text part"},
+        {"text": "a part without a type"},
+    ],
+)
+def test_every_non_text_part_with_a_text_tokenizer_is_refused(tmp_path, capsys, part):
+    """Only ``image`` and ``video`` parts were refused: OpenAI-style ``image_url``/``input_image``, audio and
+    file parts, ``input_text`` and a part without a type packed with a text tokenizer, whose template (this one
+    selects ``type == 'text'``) dropped them without a word.  Refused now, naming file, line, column, turn, part
+    and type, from JSON lines (before any work) and from Parquet (row by row as it is tokenized)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from packtools import pack_files
+    from packtools.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer(str(tmp_path / "tok"), chat_template=PARTS_TEMPLATE)
+    text = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]
+    said = [{"type": "text", "text": "what is this"}, part]
+    rows = [{"messages": text}] * 2 + [{"messages": [text[0], text[1], {"role": "user", "content": said}]}]
+    lines = _write(tmp_path / "lines", rows)
+    kind = part.get("type")
+    named = f"turn 2 part 1 {'is of type ' + repr(kind) if kind else 'has no ' + repr('type')}"
+    assert main(["pack", str(lines), "--out", str(tmp_path / "o"), "--tokenizer", tok, "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert f"data.jsonl' line 3: column 'messages' {named}" in err, err
+    assert ("pack --processor DIR" in err) == (kind in ("input_image", "image_url")), err
+    assert not (tmp_path / "o").exists()
+    (tmp_path / "pq").mkdir()
+    answer = {"role": "assistant", "content": said[:1]}  # Arrow holds one type of content per column
+    table = pa.Table.from_pylist([{"messages": [{"role": "user", "content": said}, answer]}])
+    pq.write_table(table, tmp_path / "pq" / "rows.parquet")
+    with pytest.raises(PackingError, match=r"rows.parquet' row 0: column 'messages' turn 0 part 1 "):
+        pack_files(str(tmp_path / "pq"), tmp_path / "p", 64, tokenizer=tok)
+    only_text = [{"role": "user", "content": said[:1]}, answer]
+    ok = _write(tmp_path / "ok", [{"messages": only_text}])  # text parts pack
+    assert pack_files(ok, tmp_path / "ok_out", 64, tokenizer=tok).stats["rows_in"] == 1
+
+
+def test_an_image_column_of_captions_is_refused_with_the_fix(tmp_path):
+    """A string column named ``image`` that holds no image (a caption) is read as images and refused; the
+    error said to pack with the processor or drop the images, not that the column can be renamed or dropped."""
+    from packtools import pack_files
+    from packtools.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer(str(tmp_path / "tok"))
+    text = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]
+    data = _write(tmp_path, [{"messages": text, "image": "a cat on a mat"}])
+    with pytest.raises(
+        PackingError, match=r"holds images \(image\).* If column 'image' holds no images .* rename"
+    ):
+        pack_files(data, tmp_path / "out", 64, tokenizer=tok)
