@@ -134,7 +134,39 @@ def read_columns(
     lengths = check_aligned(cols)
     if unpacked:
         check_no_padding(cols)
+        check_ids_not_negative(cols)
     return cols, lengths
+
+
+def check_ids_not_negative(cols: Sequence[ListColumn]) -> None:
+    """Refuse a negative value in ``input_ids``: no tokenizer has one (``-100`` belongs in ``labels``), and
+    packed as given it reaches the model's embedding lookup.
+
+    >>> import pyarrow as pa
+    >>> from packtools.core.arrow import read_list_column
+    >>> ids = pa.array([[1, 2], [3, -100]])
+    >>> check_ids_not_negative([read_list_column(ids, "input_ids")])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: column 'input_ids' holds -100 (first negative in row 1, position 1): token ids...
+    """
+    for col in cols:
+        if col.name != "input_ids" or not np.issubdtype(
+            col.type.value_type.to_pandas_dtype(), np.signedinteger
+        ):
+            continue
+        for chunk in col.chunks:
+            values = chunk.values[chunk.offsets[0] : chunk.offsets[-1]]
+            if not values.size or values.min() >= 0:
+                continue
+            at = int(np.argmax(values < 0)) + int(chunk.offsets[0])
+            row = int(np.searchsorted(chunk.offsets, at, side="right")) - 1
+            raise PackingError(
+                f"column 'input_ids' holds {int(chunk.values[at])} (first negative in row {chunk.row_start + row}, "
+                f"position {at - int(chunk.offsets[row])}): token ids are never negative (-100, the ignore index, "
+                f"belongs in 'labels'), and the model would look it up as an embedding. Fix the ids in the source "
+                f"(tokenize the row again)."
+            )
 
 
 def check_no_padding(cols: Sequence[ListColumn]) -> None:

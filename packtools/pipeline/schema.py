@@ -204,6 +204,22 @@ def _is_token_field(f: pa.Field) -> bool:
     return is_list_type(f.type) or pa.types.is_null(f.type) or f.name in ("input_ids", "labels")
 
 
+def _first_float(file: InputFile, name: str) -> str:
+    """Where ``file`` first writes a float in column ``name``: the line, for JSON lines (Arrow reads the first
+    block's floats as the column's type, the line that writes one tells which row to fix, as staging names later
+    blocks: :func:`~packtools.pipeline.stage.first_float_row`); the file alone otherwise (its type is the
+    column's, on every row)."""
+    from ..io.files import Where
+    from ..io.json import is_json_array
+
+    if file.kind != "json" or is_json_array(file.path):
+        return repr(file.path)
+    from .stage import first_float_row
+
+    where = Where(file.path, 1, "line")
+    return where(first_float_row(None, name, where))
+
+
 def _refuse_packed(schemas: Sequence[pa.Schema], files: Sequence[InputFile]) -> None:
     for schema, f in zip(schemas, files):
         found = [c for c in (SEQ_LENGTHS, *BOUNDARY_COLUMNS) if c in schema.names]
@@ -297,7 +313,9 @@ def token_schema(
                 or (vt is not None and (pa.types.is_floating(vt) or pa.types.is_boolean(vt)))
             ):
                 raise PackingError(
-                    f"{path!r}: column {name!r} has type {t}; {fix}.",
+                    f"{_first_float(files[0], name) if vt is not None and pa.types.is_floating(vt) else repr(path)}: "
+                    f"column "
+                    f"{name!r} has type {t}; {fix}.",
                     param="columns" if config.columns else None,
                 )
             names = [n for n in names if n != name]
