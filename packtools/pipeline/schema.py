@@ -312,10 +312,10 @@ def token_schema(
                 or name in ("input_ids", "labels")
                 or (vt is not None and (pa.types.is_floating(vt) or pa.types.is_boolean(vt)))
             ):
+                floats = vt is not None and pa.types.is_floating(vt)
                 raise PackingError(
-                    f"{_first_float(files[0], name) if vt is not None and pa.types.is_floating(vt) else repr(path)}: "
-                    f"column "
-                    f"{name!r} has type {t}; {fix}.",
+                    f"{_first_float(files[0], name) if floats else repr(path)}: column {name!r} has type {t}; "
+                    f"{fix}.",
                     param="columns" if config.columns else None,
                 )
             names = [n for n in names if n != name]
