@@ -209,6 +209,26 @@ def test_a_vision_rerun_rebuilds_an_output_missing_a_file(tmp_path, proc, which)
     assert pack_vision_files(data, out, processor=proc, max_length=24, shard_bytes=1).cached  # whole again
 
 
+def test_a_vision_rerun_into_a_damaged_output_says_it_packed_again(tmp_path, proc, capsys):
+    """pack --processor repacked an output missing a shard without a word (the text path notes "... packed
+    again"); it notes it now, on stderr as the text path does, and a rerun into a whole output notes nothing."""
+    Image.fromarray(np.zeros((56, 56, 3), np.uint8)).save(tmp_path / "0.png")
+    data = _write(tmp_path, [_row(["0.png"]), _row(["0.png"])])
+    out = tmp_path / "out"
+    argv = ["pack", str(data), "--out", str(out), "--processor", proc, "--max-length", "24", "--quiet"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    shard = next(out.glob("*.arrow"))
+    shard.unlink()
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"packtools pack: note: {out} lacked {shard.name} (deleted since it was written): packed again" in err
+    )
+    assert main(argv) == 0
+    assert "packed again" not in capsys.readouterr().err
+
+
 def test_rows_with_images_are_not_tokenized_as_text(tmp_path, proc, capsys):
     """pack --tokenizer PROC (no --processor) on vision rows packed their text with one placeholder token per
     image and no image, without a word (and profile_files counted those lengths); both refuse now."""

@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -65,6 +65,8 @@ class VisionPackResult:
     cached: bool = False  # the output was already there (same fingerprint): nothing was done
     #: samples without an assistant turn: they train nothing under the default assistant-only loss
     samples_untrained: int = 0
+    #: what the run says beside its numbers (a damaged output packed again), as ``PipelineResult.notes``
+    notes: list[str] = field(default_factory=list)
 
 
 def _input_file(path: str) -> InputFile:
@@ -147,12 +149,11 @@ def pack_vision_files(
     }
     fingerprint = hashlib.sha256(json.dumps([key, config], sort_keys=True).encode()).hexdigest()
     previous = read_manifest(out)
-    # a file deleted or damaged since (a shard, state.json, dataset_info.json): packed again, as run_pipeline does
-    if (
-        previous is not None
-        and previous.get("fingerprint") == fingerprint
-        and not output_damage(out, previous)
-    ):
+    # a file deleted or damaged since (a shard, state.json, dataset_info.json): packed again, and said, as
+    # run_pipeline does
+    same = previous is not None and previous.get("fingerprint") == fingerprint
+    damage = output_damage(out, previous) if same else []
+    if same and not damage:
         tidy_after_dead_run(out)  # a run killed after installing this output may have left its work folder
         st = previous.get("stats", {})
         return VisionPackResult(
@@ -237,6 +238,7 @@ def pack_vision_files(
         return VisionPackResult(
             ws.out, stats["rows_in"], p.num_rows, images, stats["tokens"], len(staged), reused,
             samples_untrained=untrained,
+            notes=[f"{ws.out} {'; '.join(damage)}: packed again"] if damage else [],
         )  # fmt: skip
     finally:
         ws.finish(ok=ok, keep_stage=not ok)
