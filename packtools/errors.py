@@ -18,6 +18,10 @@ class PackingError(ValueError):
         self.param = param
 
 
+class TokensDroppedWarning(UserWarning):
+    """Packing or truncation dropped tokens (filter with ``warnings.filterwarnings``)."""
+
+
 class EmptyRowsWarning(UserWarning):
     """Rows of no tokens were left out (nothing to train on them): said, never silent (filter with
     ``warnings.filterwarnings``)."""
@@ -28,7 +32,8 @@ def empty_rows_message(empty: int, rows: int, what: str, fate: str) -> str:
     says what became of them."""
     return (
         f"{what}: {empty:,} of {rows:,} rows hold no token (nothing to train): {fate}. Filter them out first "
-        f"(ds.filter(lambda r: len(r['input_ids']) > 0)) to silence this."
+        f"(the rows whose input_ids is empty; in datasets: ds.filter(lambda r: len(r['input_ids']) > 0)) to "
+        f"silence this."
     )
 
 

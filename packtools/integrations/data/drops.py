@@ -15,11 +15,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ...errors import EmptyRowsWarning, empty_rows_message
-
-
-class TokensDroppedWarning(UserWarning):
-    """Packing or truncation dropped tokens (filter with ``warnings.filterwarnings``)."""
+from ...errors import EmptyRowsWarning, TokensDroppedWarning, empty_rows_message
 
 
 @dataclass(frozen=True)
