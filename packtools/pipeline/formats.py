@@ -126,7 +126,8 @@ def non_text_part(conv: Any) -> tuple[int, int, str] | None:
     ``apply_chat_template`` reads ``image``/``video``/``audio`` parts, and turns OpenAI's ``image_url`` into
     ``image``); the template then drops a part it does not know (most select ``type == 'text'``) or writes the
     whole list as text.  So any other part is lost: an image, ``image_url``, ``input_image``, ``input_audio``,
-    ``audio``, ``file``, OpenAI's ``input_text``, or a part without a ``type`` (named ``None``).
+    ``audio``, ``file``, OpenAI's ``input_text``, a part without a ``type`` (named ``None``), a part that is no
+    object (a bare string: named ``<str>``), or a content that is one part object, not a list (``<one part>``).
 
     >>> non_text_part([{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url"}]}])
     (0, 1, 'image_url')
@@ -135,18 +136,32 @@ def non_text_part(conv: Any) -> tuple[int, int, str] | None:
     """
     for turn, message in enumerate(conv if isinstance(conv, list) else ()):
         content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, dict):  # one part where a list of them belongs: templates drop or print it
+            return turn, 0, ONE_PART
         if not isinstance(content, list):
             continue
         for k, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") != "text":
+            if not isinstance(part, dict):  # a bare string among the parts: dropped, or printed as a list
+                return turn, k, f"<{type(part).__name__}>"
+            if part.get("type") != "text":
                 kind = part.get("type")
                 return turn, k, kind if isinstance(kind, str) else repr(kind)
     return None
 
 
+#: :func:`non_text_part`'s kind for a content that is one part object rather than a list of parts.
+ONE_PART = "<one part>"
+
+
 def part_kind(kind: str) -> str:
     """A content part's type (:func:`non_text_part`) in words."""
-    return "has no 'type'" if kind == "None" else f"is of type {kind!r}"
+    if kind == "None":
+        return "has no 'type'"
+    if kind == ONE_PART:
+        return "is one part object where content holds a string or a list of parts"
+    if kind.startswith("<"):
+        return f"is a {kind[1:-1]}, not a part object ({{'type': 'text', 'text': ...}})"
+    return f"is of type {kind!r}"
 
 
 def non_text_error(where: str, column: str, turn: int, part: int, kind: str) -> str:
@@ -171,6 +186,10 @@ def part_fix(kind: str) -> str:
         return "write the part as {'type': 'text', 'text': ...}, the type chat templates read"
     if kind == "None":
         return "give the part its 'type' ('text' for text)"
+    if kind == ONE_PART:
+        return "give the content as a string, or as a list of parts ([{'type': 'text', 'text': ...}])"
+    if kind.startswith("<"):
+        return "write each part as {'type': 'text', 'text': ...}"
     return (
         "a text tokenizer cannot train on it (packtools packs images only, through --processor); to train on "
         "the text alone, drop the part, or write what it says as a {'type': 'text'} part"

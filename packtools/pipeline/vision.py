@@ -257,15 +257,15 @@ def first_non_text_part(path: str) -> tuple[str, str, int, int, str] | None:
     that a text tokenizer's chat template would lose (:func:`~packtools.pipeline.formats.non_text_part`: any part
     but ``{"type": "text"}``) in a chat column (``messages``, ``prompt``, ``completion``, ``chosen``,
     ``rejected``), as ``(where, column, turn, part, type)``: ``("line 7", "messages", 0, 1, "image_url")``;
-    None where no row has one.  Read to the first such row; a file whose bytes never hold a content list (``"content": [``) is not
-    parsed."""
+    None where no row has one.  Read to the first such row; a file whose bytes never hold a content list or
+    object (``"content": [`` or ``"content": {``) is not parsed."""
     import mmap
     import re
 
     if os.path.getsize(path) == 0:
         return None
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        if re.search(rb'"content"\s*:\s*\[', mm) is None:
+        if re.search(rb'"content"\s*:\s*[[{]', mm) is None:
             return None
     for where, row in _json_rows(path):
         for column in CHAT_COLUMNS:
