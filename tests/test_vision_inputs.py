@@ -629,3 +629,40 @@ def test_an_image_column_of_captions_is_refused_with_the_fix(tmp_path):
         PackingError, match=r"holds images \(image\).* If column 'image' holds no images .* rename"
     ):
         pack_files(data, tmp_path / "out", 64, tokenizer=tok)
+
+
+def test_text_parts_with_a_template_that_prints_content_lists_are_refused(tmp_path):
+    """Text parts with a chat template that writes ``{{ m['content'] }}`` (many text-only templates do) packed
+    "[{'type': 'text', 'text': 'hi'}]" as the user's text, Python's repr and all, without a word (transformers
+    renders the same).  Refused now by line, column and turn (messages, prompt and completion); plain strings
+    with that template, and text parts with a template that reads them, pack."""
+    from packtools import pack_files
+    from packtools.testing import tiny_tokenizer
+
+    printing = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{{ m['content'] }}{{ '<|im_end|>\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    tok = tiny_tokenizer(str(tmp_path / "tok"), chat_template=printing)
+    user = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
+    answer = {"role": "assistant", "content": "hello"}
+    plain = {"messages": [{"role": "user", "content": "hi"}, answer]}
+    cases = [
+        ("messages", [plain, {"messages": [user, answer]}], "line 2: column 'messages' turn 0"),
+        ("prompt", [{"prompt": [user], "completion": [answer]}], "line 1: column 'prompt' turn 0"),
+        ("completion", [{"prompt": [plain["messages"][0]], "completion": [{**user, "role": "assistant"}]}],
+         "line 1: column 'completion' turn 0"),
+    ]  # fmt: skip
+    for name, rows, said in cases:
+        data = _write(tmp_path / name, rows)
+        with pytest.raises(
+            PackingError, match=rf"{said}: its content is a list of parts, and the chat template"
+        ):
+            pack_files(data, tmp_path / f"{name}_out", 64, tokenizer=tok)
+    assert (
+        pack_files(_write(tmp_path / "plain", [plain]), tmp_path / "p", 64, tokenizer=tok).stats["rows_in"]
+        == 1
+    )
+    reads = tiny_tokenizer(str(tmp_path / "reads"), chat_template=PARTS_TEMPLATE)
+    data = _write(tmp_path / "reads_parts", [{"messages": [user, answer]}])
+    assert pack_files(data, tmp_path / "r", 64, tokenizer=reads).stats["rows_in"] == 1

@@ -265,7 +265,7 @@ def first_non_text_part(path: str) -> tuple[str, str, int, int, str] | None:
     if os.path.getsize(path) == 0:
         return None
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        if re.search(rb'"content"\s*:\s*[[{]', mm) is None:
+        if re.search(rb'"content"\s*:\s*[\[{]', mm) is None:
             return None
     for where, row in _json_rows(path):
         for column in CHAT_COLUMNS:
