@@ -174,7 +174,8 @@ class ChatTokens:
                 shown = self.renderer.render(probe, False)
             except Exception:  # noqa: BLE001 - a template that refuses lists raises on the rows themselves
                 shown = ""
-            self._prints_parts = "'type'" in shown or '"type"' in shown
+            # the part itself in the text (not the tools' schemas a template may print beside it)
+            self._prints_parts = "'text': 'packtools probe'" in shown or '"text": "packtools probe"' in shown
         if self._prints_parts:
             i, turn = first
             raise PackingError(
