@@ -58,7 +58,7 @@ ROWS = [
     [
         {
             "role": "user",
-            "content": [{"type": "code", "code": "cat = 1"}, {"type": "text", "text": "what is it?"}],
+            "content": [{"type": "text", "code": "cat = 1"}, {"type": "text", "text": "what is it?"}],
         },
         {"role": "assistant", "content": "a cat"},
     ],
@@ -73,7 +73,7 @@ PARTS = [  # content as parts in every row, so Arrow reads the file (and unifies
     [
         {
             "role": "user",
-            "content": [{"type": "code", "code": "cat = 1"}, {"type": "text", "text": "what is it?"}],
+            "content": [{"type": "text", "code": "cat = 1"}, {"type": "text", "text": "what is it?"}],
         },
         {"role": "assistant", "content": [{"type": "text", "text": "a cat"}]},
     ],

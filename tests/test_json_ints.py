@@ -160,10 +160,12 @@ def test_packing_scanned_json_lines_equals_packing_the_same_rows_from_parquet(tm
 
     rng = np.random.default_rng(1)
     rows = [rng.integers(-100, 50_000, rng.integers(1, 40)).tolist() for _ in range(500)]
+    # negative ids are refused; the labels keep the scan's negatives
+    ids = [[abs(v) for v in r] for r in rows]
     src = os.path.join(tmp_path, "t.jsonl")
     with open(src, "w") as fh:
-        fh.write("".join(json.dumps({"input_ids": r, "labels": r}) + "\n" for r in rows))
-    pq.write_table(pa.table({"input_ids": rows, "labels": rows}).cast(
+        fh.write("".join(json.dumps({"input_ids": i, "labels": r}) + "\n" for i, r in zip(ids, rows)))
+    pq.write_table(pa.table({"input_ids": ids, "labels": rows}).cast(
         pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))])
     ), os.path.join(tmp_path, "t.parquet"))  # fmt: skip
     got = pack_files(src, os.path.join(tmp_path, "a"), max_length=64)

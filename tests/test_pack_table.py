@@ -291,3 +291,26 @@ def test_padded_attention_mask_is_refused_with_its_row():
         packtools.pack_table(chunked, 4)
     ones = t.slice(0, 2)
     assert packtools.pack_table(ones, 8).to_pydict()["attention_mask"] == [[1, 1, 1, 1, 1]]
+
+
+def test_pack_table_says_what_its_own_plan_left_out():
+    """pack_table with bfd cut sequences longer than max_length and left out rows of no token without a word
+    (pack_dataset warns for both); it warns now where it made the plan itself, and not with a caller's plan=."""
+    import warnings
+
+    from packtools import pack_table, plan
+    from packtools.errors import EmptyRowsWarning, TokensDroppedWarning
+
+    t = pa.table({"input_ids": [list(range(10)), [], [1, 2]]})
+    with pytest.warns(
+        TokensDroppedWarning, match=r"pack_table: strategy='bfd' at max_length=4 dropped 6 of 12"
+    ):
+        with pytest.warns(EmptyRowsWarning, match=r"pack_table: 1 of 3 rows hold no token"):
+            out = pack_table(t, 4)
+    assert out["seq_lengths"].to_pylist() == [[4], [2]]
+    with pytest.warns(EmptyRowsWarning):
+        pack_table(t, 4, "bfd_split")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pack_table(t, 4, plan=plan([10, 0, 2], 4))  # the caller has the plan's numbers
+        pack_table(pa.table({"input_ids": [[1, 2], [3]]}), 4)

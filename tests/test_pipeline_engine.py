@@ -199,6 +199,52 @@ def test_a_float_in_a_later_json_block_is_named_by_its_own_line(tmp_path):
         pack_files(str(folder), tmp_path / "out", max_length=8)
 
 
+def test_a_float_in_the_first_files_first_block_is_named_by_its_line(tmp_path, capsys):
+    """A float in the first JSON-lines file's first block made the column's type (read before any work) and was
+    refused naming the file alone; every later position named its line.  Now that one names its line too."""
+    ints = json.dumps({"input_ids": [1, 2, 3]}) + "\n"
+    for value in (2.5, 2.0):
+        folder = tmp_path / f"in-{value}"
+        folder.mkdir()
+        lines = [ints] * 5 + ["\n", json.dumps({"input_ids": [1, value, 3]}) + "\n", ints]
+        (folder / "a.jsonl").write_text("".join(lines))
+        assert main(["pack", str(folder), "--out", str(tmp_path / "out"), "--max-length", "8"]) == 1
+        err = capsys.readouterr().err
+        assert "a.jsonl' line 7: column 'input_ids' has type list<item: double>" in err, err
+
+
+def test_negative_token_ids_are_refused_by_row(tmp_path, capsys):
+    """Negative ids in ``input_ids`` (a -100 copied from the labels, an overflowed id) were packed as given,
+    to reach the embedding lookup; ids beyond int32 were already refused by line.  Refused now by line (JSON
+    lines), row (Parquet, an Arrow file mapped as is) and in pack_table / pack_dataset; -100 in labels packs."""
+    rows = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}] * 4 + [
+        {"input_ids": [4, -100, 6], "labels": [4, 5, 6]}
+    ]
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["pack", str(tmp_path / "j"), "--out", str(tmp_path / "o1"), "--max-length", "8"]) == 1
+    err = capsys.readouterr().err
+    assert "a.jsonl' line 5: column 'input_ids' holds -100 at position 1" in err, err
+    table = pa.Table.from_pylist(rows)
+    (tmp_path / "p").mkdir()
+    pq.write_table(table, tmp_path / "p" / "a.parquet")
+    with pytest.raises(PackingError, match=r"a\.parquet' row 4: column 'input_ids' holds -100"):
+        pack_files(str(tmp_path / "p"), tmp_path / "o2", max_length=8)
+    (tmp_path / "a").mkdir()
+    with pa.OSFile(str(tmp_path / "a" / "a.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+        w.write_table(table)
+    with pytest.raises(PackingError, match=r"a\.arrow' row 4: column 'input_ids' holds -100"):
+        pack_files(str(tmp_path / "a"), tmp_path / "o3", max_length=8)
+    with pytest.raises(PackingError, match=r"'input_ids' holds -100 \(first negative in row 4, position 1\)"):
+        pack_table(table, 8)
+    ds = datasets.Dataset.from_list(rows)
+    with pytest.raises(PackingError, match=r"'input_ids' holds -100 \(first negative in row 4"):
+        from packtools import pack_dataset
+
+        pack_dataset(ds, 8)
+    assert pack_table(table.slice(0, 4), 8).num_rows == 2  # -100 in labels packs
+
+
 def test_mixed_formats_name_the_file(tmp_path, capsys):
     pq.write_table(pa.table({"input_ids": [[1, 2]]}), tmp_path / "tok.parquet")
     (tmp_path / "raw.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")

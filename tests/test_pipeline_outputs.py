@@ -318,6 +318,43 @@ def test_a_rerun_rebuilds_a_damaged_output(tmp_path, src, damage, said):
     assert pack_files(src, str(out), max_length=4, shard_tokens=2).cached
 
 
+def test_a_rerun_into_a_damaged_output_reads_its_shards_once(tmp_path, src, monkeypatch):
+    """A rerun into an output with a flipped byte checked the output before taking the lock and again under
+    it: every shard's CRC-32 was computed twice (the whole output read twice).  Under the lock it is checked
+    again only where another run installed an output meanwhile (the manifest is another file); then a whole
+    output installed by that run is taken as it is (cached), as before."""
+    import shutil
+
+    from packtools.pipeline import outcheck
+
+    out = tmp_path / "out"
+    pack_files(src, str(out), max_length=4, shard_tokens=2)
+    shards = sorted(n for n in os.listdir(out) if n.endswith(".arrow"))
+    shutil.copytree(out, tmp_path / "whole")
+    _flip_a_byte(out / shards[1])
+    read: list[str] = []
+    real = outcheck.file_crc32
+    monkeypatch.setattr(
+        outcheck, "file_crc32", lambda path: read.append(os.path.basename(path)) or real(path)
+    )
+    again = pack_files(src, str(out), max_length=4, shard_tokens=2)
+    assert not again.cached and any("CRC-32 differs" in n for n in again.notes), again.notes
+    assert sorted(read) == shards, read  # each shard read once
+    _flip_a_byte(
+        out / shards[1]
+    )  # damaged again; another run installs a whole output before the lock is taken
+    real_acquire = workspace.Workspace.acquire
+
+    def installed_meanwhile(self):
+        shutil.copytree(tmp_path / "whole", tmp_path / "fresh")
+        os.replace(out, tmp_path / "old")
+        os.replace(tmp_path / "fresh", out)
+        return real_acquire(self)
+
+    monkeypatch.setattr(workspace.Workspace, "acquire", installed_meanwhile)
+    assert pack_files(src, str(out), max_length=4, shard_tokens=2).cached
+
+
 def test_shard_folder_records_each_shards_size_and_crc(tmp_path):
     """ShardFolder (the preference and vision writers' shards) records each shard's size and CRC-32 as written."""
     from packtools.pipeline.gather import ShardFolder

@@ -186,3 +186,40 @@ def test_options_after_max_tokens_are_keyword_only():
     with pytest.raises(TypeError):
         TokenBudgetBatchSampler([3, 4], 8, False)  # shuffle only by name
     assert TokenBudgetBatchSampler([3, 4], 8, shuffle=False).shuffle is False
+
+
+def test_rows_of_no_token_are_said_not_skipped_silently(tmp_path):
+    """Rows of 0 tokens were left out without a word by TokenBudgetBatchSampler (no batch holds them),
+    PackedRows (a batch skips them) and pack_dataset (the plan drops them; its report had no count), while
+    pack_files counts them (``rows_empty``, "empty rows" in its summary).  Each says so now: an
+    EmptyRowsWarning naming the count, and pack_dataset's report has ``sequences_empty``."""
+    import json
+    import warnings
+
+    datasets = pytest.importorskip("datasets")
+    from packtools import pack_dataset, pack_files
+    from packtools.batches.loader import PackedRows
+    from packtools.errors import EmptyRowsWarning
+
+    rows = [[1, 2], [], [3], []]
+    with pytest.warns(EmptyRowsWarning, match=r"TokenBudgetBatchSampler: 2 of 4 rows hold no token"):
+        s = TokenBudgetBatchSampler([2, 0, 1, 0], 4, shuffle=False)
+    assert s.num_empty == 2 and sorted(int(i) for b in s for i in b) == [0, 2]
+    with pytest.warns(EmptyRowsWarning, match=r"PackedRows: 2 of 4 rows hold no token"):
+        PackedRows(pa.table({"input_ids": rows}))
+    ds = datasets.Dataset.from_dict({"input_ids": rows})
+    with pytest.warns(EmptyRowsWarning, match=r"pack_dataset: 2 of 4 rows hold no token"):
+        packed, report = pack_dataset(ds, 4, return_report=True)
+    assert report.sequences_empty == 2 and packed["seq_lengths"] == [[2, 1]]
+    with pytest.warns(EmptyRowsWarning, match=r"pack_dataset \(split 'train'\): 2 of 4"):
+        pack_dataset(datasets.DatasetDict({"train": ds}), 4)
+    with pytest.warns(EmptyRowsWarning, match=r"IterableDataset window\): 2 of 4"):
+        list(pack_dataset(ds.to_iterable_dataset(), 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EmptyRowsWarning)  # none where no row is empty
+        TokenBudgetBatchSampler([2, 1], 4)
+        PackedRows(pa.table({"input_ids": [[1, 2], [3]]}))
+        pack_dataset(datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]]}), 4)
+    src = tmp_path / "a.jsonl"  # pack_files already counted them: its stats say so
+    src.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    assert pack_files(str(src), str(tmp_path / "out"), 4).stats["rows_empty"] == 2

@@ -209,6 +209,26 @@ def test_a_vision_rerun_rebuilds_an_output_missing_a_file(tmp_path, proc, which)
     assert pack_vision_files(data, out, processor=proc, max_length=24, shard_bytes=1).cached  # whole again
 
 
+def test_a_vision_rerun_into_a_damaged_output_says_it_packed_again(tmp_path, proc, capsys):
+    """pack --processor repacked an output missing a shard without a word (the text path notes "... packed
+    again"); it notes it now, on stderr as the text path does, and a rerun into a whole output notes nothing."""
+    Image.fromarray(np.zeros((56, 56, 3), np.uint8)).save(tmp_path / "0.png")
+    data = _write(tmp_path, [_row(["0.png"]), _row(["0.png"])])
+    out = tmp_path / "out"
+    argv = ["pack", str(data), "--out", str(out), "--processor", proc, "--max-length", "24", "--quiet"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    shard = next(out.glob("*.arrow"))
+    shard.unlink()
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"packtools pack: note: {out} lacked {shard.name} (deleted since it was written): packed again" in err
+    )
+    assert main(argv) == 0
+    assert "packed again" not in capsys.readouterr().err
+
+
 def test_rows_with_images_are_not_tokenized_as_text(tmp_path, proc, capsys):
     """pack --tokenizer PROC (no --processor) on vision rows packed their text with one placeholder token per
     image and no image, without a word (and profile_files counted those lengths); both refuse now."""
@@ -234,7 +254,7 @@ def test_rows_with_images_are_not_tokenized_as_text(tmp_path, proc, capsys):
     del row["images"]
     parts_only = _write(tmp_path / "parts", [row])
     assert main(["pack", str(parts_only), "--out", str(tmp_path / "q"), "--tokenizer", proc, "--quiet"]) == 1
-    assert "holds images (image parts in messages)" in capsys.readouterr().err
+    assert "line 1: column 'messages' turn 0 part 0 is of type 'image'" in capsys.readouterr().err
 
 
 def test_image_parts_after_the_first_rows_are_refused(tmp_path, proc):
@@ -248,7 +268,7 @@ def test_image_parts_after_the_first_rows_are_refused(tmp_path, proc):
     ]
     rows = [{"messages": text}] * 100 + [{"messages": image + text[1:]}]
     data = _write(tmp_path, rows)
-    with pytest.raises(PackingError, match=r"holds images \(image parts in messages\)"):
+    with pytest.raises(PackingError, match=r"line 101: column 'messages' turn 0 part 0 is of type 'image'"):
         pack_files(data, tmp_path / "out", 64, tokenizer=proc)
     assert not (tmp_path / "out").exists()
     plain = _write(tmp_path / "plain", [{"messages": text}] * 101)  # no image part: packs
@@ -486,12 +506,12 @@ def test_image_parts_with_a_text_tokenizer_are_refused(tmp_path, capsys):
     for data in (lines, array, prompts):
         assert main(["pack", str(data), "--out", str(data.parent / "o"), "--tokenizer", tok, "--quiet"]) == 1
         err = capsys.readouterr().err
-        assert "holds images (image parts in messages)" in err and "chat template" in err, err
+        assert "turn 0 part 0 is of type 'image'" in err and "chat template" in err, err
         assert not (data.parent / "o").exists()
-        with pytest.raises(PackingError, match=r"holds images \(image parts in messages\)"):
+        with pytest.raises(PackingError, match=r"turn 0 part 0 is of type 'image'"):
             profile_files(str(data), tokenizer=tok)
     assert main(["profile", str(array), "--tokenizer", tok]) == 1
-    assert "holds images" in capsys.readouterr().err
+    assert "object 6 of the array: column 'messages' turn 0 part 0" in capsys.readouterr().err
     plain = tmp_path / "plain" / "data.json"
     plain.parent.mkdir()
     plain.write_text(json.dumps(rows[:5], indent=1))
@@ -526,3 +546,123 @@ def test_recommend_on_vision_lengths_holds_every_sample(tmp_path, proc):
 
     assert isinstance(lengths.max(), np.integer) and isinstance(lengths.sum(), np.integer)
     assert check_max_length(lengths.max()) == int(np.asarray(lengths).max())
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "https://x/cat.png"}},
+        {"type": "input_image", "image_url": "https://x/cat.png"},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+        {"type": "audio", "audio": "a.wav"},
+        {"type": "file", "file": {"file_id": "f-1"}},
+        {"type": "input_text", "text": "OpenAI's text part"},
+        {"text": "a part without a type"},
+        "a bare string among the parts",
+    ],
+)
+def test_every_non_text_part_with_a_text_tokenizer_is_refused(tmp_path, capsys, part):
+    """Only ``image`` and ``video`` parts were refused: OpenAI-style ``image_url``/``input_image``, audio and
+    file parts, ``input_text`` and a part without a type packed with a text tokenizer, whose template (this one
+    selects ``type == 'text'``) dropped them without a word.  Refused now, naming file, line, column, turn, part
+    and type, from JSON lines (before any work) and from Parquet (row by row as it is tokenized)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from packtools import pack_files
+    from packtools.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer(str(tmp_path / "tok"), chat_template=PARTS_TEMPLATE)
+    text = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]
+    said = [{"type": "text", "text": "what is this"}, part]
+    rows = [{"messages": text}] * 2 + [{"messages": [text[0], text[1], {"role": "user", "content": said}]}]
+    lines = _write(tmp_path / "lines", rows)
+    kind = part.get("type") if isinstance(part, dict) else "<str>"
+    named = f"turn 2 part 1 {'is of type ' + repr(kind) if kind else 'has no ' + repr('type')}"
+    if kind == "<str>":
+        named = "turn 2 part 1 is a str, not a part object"
+    assert main(["pack", str(lines), "--out", str(tmp_path / "o"), "--tokenizer", tok, "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert f"data.jsonl' line 3: column 'messages' {named}" in err, err
+    assert ("pack --processor DIR" in err) == (kind in ("input_image", "image_url")), err
+    assert not (tmp_path / "o").exists()
+    answer = {"role": "assistant", "content": said[:1]}  # Arrow holds one type of content per column
+    if isinstance(part, dict):  # Arrow cannot hold a string beside part objects
+        (tmp_path / "pq").mkdir()
+        table = pa.Table.from_pylist([{"messages": [{"role": "user", "content": said}, answer]}])
+        pq.write_table(table, tmp_path / "pq" / "rows.parquet")
+        with pytest.raises(PackingError, match=r"rows.parquet' row 0: column 'messages' turn 0 part 1 "):
+            pack_files(str(tmp_path / "pq"), tmp_path / "p", 64, tokenizer=tok)
+    only_text = [{"role": "user", "content": said[:1]}, answer]
+    ok = _write(tmp_path / "ok", [{"messages": only_text}])  # text parts pack
+    assert pack_files(ok, tmp_path / "ok_out", 64, tokenizer=tok).stats["rows_in"] == 1
+
+
+def test_a_content_that_is_one_part_object_is_refused(tmp_path):
+    """A message whose content is one part object ({'type': 'text', 'text': 'hi'}), not a list of them: this
+    template dropped its text without a word (another writes the dict as text).  Refused by line."""
+    from packtools import pack_files
+    from packtools.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer(str(tmp_path / "tok"), chat_template=PARTS_TEMPLATE)
+    conv = [
+        {"role": "user", "content": {"type": "text", "text": "hi"}},
+        {"role": "assistant", "content": "hello"},
+    ]
+    data = _write(tmp_path, [{"messages": conv}])
+    with pytest.raises(
+        PackingError, match=r"line 1: column 'messages' turn 0 part 0 is one part object .*as a string"
+    ):
+        pack_files(data, tmp_path / "out", 64, tokenizer=tok)
+
+
+def test_an_image_column_of_captions_is_refused_with_the_fix(tmp_path):
+    """A string column named ``image`` that holds no image (a caption) is read as images and refused; the
+    error said to pack with the processor or drop the images, not that the column can be renamed or dropped."""
+    from packtools import pack_files
+    from packtools.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer(str(tmp_path / "tok"))
+    text = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]
+    data = _write(tmp_path, [{"messages": text, "image": "a cat on a mat"}])
+    with pytest.raises(
+        PackingError, match=r"holds images \(image\).* If column 'image' holds no images .* rename"
+    ):
+        pack_files(data, tmp_path / "out", 64, tokenizer=tok)
+
+
+def test_text_parts_with_a_template_that_prints_content_lists_are_refused(tmp_path):
+    """Text parts with a chat template that writes ``{{ m['content'] }}`` (many text-only templates do) packed
+    "[{'type': 'text', 'text': 'hi'}]" as the user's text, Python's repr and all, without a word (transformers
+    renders the same).  Refused now by line, column and turn (messages, prompt and completion); plain strings
+    with that template, and text parts with a template that reads them, pack."""
+    from packtools import pack_files
+    from packtools.testing import tiny_tokenizer
+
+    printing = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{{ m['content'] }}{{ '<|im_end|>\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    tok = tiny_tokenizer(str(tmp_path / "tok"), chat_template=printing)
+    user = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
+    answer = {"role": "assistant", "content": "hello"}
+    plain = {"messages": [{"role": "user", "content": "hi"}, answer]}
+    cases = [
+        ("messages", [plain, {"messages": [user, answer]}], "line 2: column 'messages' turn 0"),
+        ("prompt", [{"prompt": [user], "completion": [answer]}], "line 1: column 'prompt' turn 0"),
+        ("completion", [{"prompt": [plain["messages"][0]], "completion": [{**user, "role": "assistant"}]}],
+         "line 1: column 'completion' turn 0"),
+    ]  # fmt: skip
+    for name, rows, said in cases:
+        data = _write(tmp_path / name, rows)
+        with pytest.raises(
+            PackingError, match=rf"{said}: its content is a list of parts, and the chat template"
+        ):
+            pack_files(data, tmp_path / f"{name}_out", 64, tokenizer=tok)
+    assert (
+        pack_files(_write(tmp_path / "plain", [plain]), tmp_path / "p", 64, tokenizer=tok).stats["rows_in"]
+        == 1
+    )
+    reads = tiny_tokenizer(str(tmp_path / "reads"), chat_template=PARTS_TEMPLATE)
+    data = _write(tmp_path / "reads_parts", [{"messages": [user, answer]}])
+    assert pack_files(data, tmp_path / "r", 64, tokenizer=reads).stats["rows_in"] == 1

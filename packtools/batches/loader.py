@@ -20,6 +20,7 @@ With torch: ``DataLoader(rows, batch_sampler=TokenBudgetBatchSampler(rows.length
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,7 +31,7 @@ from .._optional import is_instance
 from ..compat.datasets import dataset_table
 from ..constants import SEQ_LENGTHS, TOKEN_COLUMNS
 from ..core.arrow import ListColumn, check_aligned, check_row_counts, read_list_column
-from ..errors import PackingError
+from ..errors import EmptyRowsWarning, PackingError, empty_rows_message
 from .arrow_rows import ArrowBatches, ArrowSource, check_integer
 from .collate import PaddingFreeCollator
 from .flatten import CARRIED_KEYS, FlatRows, check_leave_out, restart_positions
@@ -122,6 +123,13 @@ class PackedRows(ArrowBatches):
         seq = [c for c in cols if c.name == SEQ_LENGTHS]
         self._table_lengths = check_aligned(tokens)
         self._indices = indices
+        empty = int(np.count_nonzero(self.lengths == 0))
+        if empty:  # a batch leaves them out (_gather): said once here
+            warnings.warn(
+                empty_rows_message(empty, len(self.lengths), "PackedRows", "a batch leaves them out"),
+                EmptyRowsWarning,
+                stacklevel=2,
+            )
         # The gather runs on table rows (a row mapping is applied first), whole rows.
         self._source = ArrowSource(table, tokens, others=seq)
         self._seq_column = None

@@ -20,6 +20,7 @@ Pure NumPy (plus the Numba best-fit-decreasing kernel); it works as
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ import pyarrow as pa
 from .._lazy import lazy_module
 from ..core.arrow import check_row_counts, read_list_column
 from ..core.plan import as_lengths
-from ..errors import PackingError
+from ..errors import EmptyRowsWarning, PackingError, empty_rows_message
 from .buckets import bucket_padding, check_buckets, choose_buckets
 
 if TYPE_CHECKING:
@@ -140,6 +141,16 @@ class TokenBudgetBatchSampler:
                 f"row {i} has {int(self.lengths[i])} tokens, more than max_tokens={self.max_tokens} "
                 f"({too_long.size} rows do); raise max_tokens to at least {int(self.lengths.max())} or pack "
                 f"with max_length <= max_tokens."
+            )
+        #: rows of no token: no batch holds them (nothing to train), said once here
+        self.num_empty = int(np.count_nonzero(self.lengths == 0))
+        if self.num_empty:
+            warnings.warn(
+                empty_rows_message(
+                    self.num_empty, len(self.lengths), "TokenBudgetBatchSampler", "no batch holds them"
+                ),
+                EmptyRowsWarning,
+                stacklevel=2,
             )
         self.costs = attention_costs(self.lengths, seq_lengths)
         self.epoch = 0

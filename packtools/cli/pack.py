@@ -427,4 +427,6 @@ def run_vision(args: argparse.Namespace, max_length: int, parser: argparse.Argum
             f"turns only (assistant_only_loss=True, the default), so they train nothing; remove them, or pass "
             f"MultimodalCollator(..., assistant_only_loss=False) to train every text token."
         )
+    for note in r.notes:
+        print(f"packtools pack: note: {note}", file=sys.stderr)
     return 0

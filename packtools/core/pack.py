@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -9,7 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..constants import SEQ_LENGTHS
-from ..errors import PackingError
+from ..errors import EmptyRowsWarning, PackingError, TokensDroppedWarning, empty_rows_message
 from . import buffers
 from .arrow import (
     ListColumn,
@@ -134,7 +135,39 @@ def read_columns(
     lengths = check_aligned(cols)
     if unpacked:
         check_no_padding(cols)
+        check_ids_not_negative(cols)
     return cols, lengths
+
+
+def check_ids_not_negative(cols: Sequence[ListColumn]) -> None:
+    """Refuse a negative value in ``input_ids``: no tokenizer has one (``-100`` belongs in ``labels``), and
+    packed as given it reaches the model's embedding lookup.
+
+    >>> import pyarrow as pa
+    >>> from packtools.core.arrow import read_list_column
+    >>> ids = pa.array([[1, 2], [3, -100]])
+    >>> check_ids_not_negative([read_list_column(ids, "input_ids")])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: column 'input_ids' holds -100 (first negative in row 1, position 1): token ids...
+    """
+    for col in cols:
+        if col.name != "input_ids" or not np.issubdtype(
+            col.type.value_type.to_pandas_dtype(), np.signedinteger
+        ):
+            continue
+        for chunk in col.chunks:
+            values = chunk.values[chunk.offsets[0] : chunk.offsets[-1]]
+            if not values.size or values.min() >= 0:
+                continue
+            at = int(np.argmax(values < 0)) + int(chunk.offsets[0])
+            row = int(np.searchsorted(chunk.offsets, at, side="right")) - 1
+            raise PackingError(
+                f"column 'input_ids' holds {int(chunk.values[at])} (first negative in row {chunk.row_start + row}, "
+                f"position {at - int(chunk.offsets[row])}): token ids are never negative (-100, the ignore index, "
+                f"belongs in 'labels'), and the model would look it up as an embedding. Fix the ids in the source "
+                f"(tokenize the row again)."
+            )
 
 
 def check_no_padding(cols: Sequence[ListColumn]) -> None:
@@ -265,6 +298,7 @@ def pack_table(
     cols, lengths = read_columns(table, columns)
     if plan is None:
         p = make_plan(lengths, max_length, strategy)
+        _warn_left_out(p)
         if shuffle:
             p = p.shuffled(seed)
         return pack_columns(cols, p)
@@ -282,6 +316,29 @@ def pack_table(
             "plan you keep is the one that made the rows (unpack needs it)."
         )
     return pack_columns(cols, plan)
+
+
+def _warn_left_out(p: PackPlan) -> None:
+    """What a plan ``pack_table`` made itself left out, said (a caller with its own ``plan=`` has the numbers):
+    a :class:`~packtools.errors.TokensDroppedWarning` for tokens ``bfd`` cut, an
+    :class:`~packtools.errors.EmptyRowsWarning` for rows of no token."""
+    if p.tokens_kept < p.tokens_in:
+        cut = int(np.count_nonzero(p.source_lengths > p.max_length))
+        warnings.warn(
+            f"pack_table: strategy={p.strategy!r} at max_length={p.max_length:,} dropped "
+            f"{p.tokens_in - p.tokens_kept:,} of {p.tokens_in:,} tokens (the ends of {cut:,} of {p.num_sequences:,} "
+            f"sequences longer than max_length). strategy='bfd_split' keeps every token (it splits long "
+            f"sequences); or choose max_length with packtools.profile_lengths(...).recommend(). packtools.plan() "
+            f"gives the counts (tokens_in, tokens_kept).",
+            TokensDroppedWarning,
+            stacklevel=3,
+        )
+    if p.num_empty:
+        warnings.warn(
+            empty_rows_message(p.num_empty, p.num_sequences, "pack_table", "they are not in the packed rows"),
+            EmptyRowsWarning,
+            stacklevel=3,
+        )
 
 
 def _plan_mismatch(p: PackPlan, max_length: int, strategy: str) -> str:
@@ -396,8 +453,11 @@ def truncate_table(table: pa.Table, max_length: int, columns: Sequence[str] | No
 def warmup() -> None:
     """Compile (or load from the on-disk cache) every kernel on a tiny input."""
     table = pa.table({"input_ids": pa.array([[1, 2, 3], [], [4]], pa.list_(pa.int32()))})
-    for strategy in STRATEGIES:
-        pack_table(table, 2, strategy)
+    with warnings.catch_warnings():  # its row cut short and its empty row are on purpose
+        warnings.simplefilter("ignore", TokensDroppedWarning)
+        warnings.simplefilter("ignore", EmptyRowsWarning)
+        for strategy in STRATEGIES:
+            pack_table(table, 2, strategy)
     # The plan check and the packed-view kernels, with the argument types their callers pass.
     p = make_plan(np.array([3, 0, 1], np.int64), 2, "bfd_split")
     kernels.plan_violation(p.seg_source, p.seg_start, p.seg_length, p.row_offsets, p.source_lengths, 2)

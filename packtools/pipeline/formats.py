@@ -113,3 +113,84 @@ def input_columns(fmt: str) -> list[str]:
         "messages": ["messages"],
         "preference": ["prompt", "chosen", "rejected"],
     }[fmt]
+
+
+#: Content part types that hold an image or a video (OpenAI's among them): ``--processor`` packs those.
+VISION_PARTS = ("image", "video", "image_url", "input_image")
+
+
+def non_text_part(conv: Any) -> tuple[int, int, str] | None:
+    """The first content part of conversation ``conv`` that a text tokenizer's chat template would lose:
+    ``(turn, part, type)`` (None: every part is ``{"type": "text", ...}``, or every content a string).
+    transformers hands a text tokenizer's template the parts as they are (only a processor's
+    ``apply_chat_template`` reads ``image``/``video``/``audio`` parts, and turns OpenAI's ``image_url`` into
+    ``image``); the template then drops a part it does not know (most select ``type == 'text'``) or writes the
+    whole list as text.  So any other part is lost: an image, ``image_url``, ``input_image``, ``input_audio``,
+    ``audio``, ``file``, OpenAI's ``input_text``, a part without a ``type`` (named ``None``), a part that is no
+    object (a bare string: named ``<str>``), or a content that is one part object, not a list (``<one part>``).
+
+    >>> non_text_part([{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url"}]}])
+    (0, 1, 'image_url')
+    >>> non_text_part([{"role": "user", "content": "hi"}]) is None
+    True
+    """
+    for turn, message in enumerate(conv if isinstance(conv, list) else ()):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, dict):  # one part where a list of them belongs: templates drop or print it
+            return turn, 0, ONE_PART
+        if not isinstance(content, list):
+            continue
+        for k, part in enumerate(content):
+            if not isinstance(part, dict):  # a bare string among the parts: dropped, or printed as a list
+                return turn, k, f"<{type(part).__name__}>"
+            if part.get("type") != "text":
+                kind = part.get("type")
+                return turn, k, kind if isinstance(kind, str) else repr(kind)
+    return None
+
+
+#: :func:`non_text_part`'s kind for a content that is one part object rather than a list of parts.
+ONE_PART = "<one part>"
+
+
+def part_kind(kind: str) -> str:
+    """A content part's type (:func:`non_text_part`) in words."""
+    if kind == "None":
+        return "has no 'type'"
+    if kind == ONE_PART:
+        return "is one part object where content holds a string or a list of parts"
+    if kind.startswith("<"):
+        return f"is a {kind[1:-1]}, not a part object ({{'type': 'text', 'text': ...}})"
+    return f"is of type {kind!r}"
+
+
+def non_text_error(where: str, column: str, turn: int, part: int, kind: str) -> str:
+    """The refusal of a content part a text tokenizer would lose (:func:`non_text_part`), at ``where``."""
+    fix = part_fix(kind)
+    return (
+        f"{where}: column {column!r} turn {turn} part {part} {part_kind(kind)}: content a text tokenizer cannot "
+        f"read: tokenized as text, the chat template drops such a part or writes it as text, and what it holds "
+        f"would be lost. {fix[0].upper()}{fix[1:]}."
+    )
+
+
+def part_fix(kind: str) -> str:
+    """How to keep what a content part of type ``kind`` (:func:`non_text_part`) holds."""
+    if kind in VISION_PARTS:
+        return (
+            "pack images with the model's processor folder: packtools pack --processor DIR (pack_dataset(..., "
+            "processor=DIR)), the rows in TRL's vision format ({'type': 'image'} parts, the images in an 'images' "
+            "column); to train on the text alone, drop the part"
+        )
+    if kind in ("input_text", "output_text"):
+        return "write the part as {'type': 'text', 'text': ...}, the type chat templates read"
+    if kind == "None":
+        return "give the part its 'type' ('text' for text)"
+    if kind == ONE_PART:
+        return "give the content as a string, or as a list of parts ([{'type': 'text', 'text': ...}])"
+    if kind.startswith("<"):
+        return "write each part as {'type': 'text', 'text': ...}"
+    return (
+        "a text tokenizer cannot train on it (packtools packs images only, through --processor); to train on "
+        "the text alone, drop the part, or write what it says as a {'type': 'text'} part"
+    )

@@ -57,6 +57,18 @@ def foreign_entries(out: str) -> list[str]:
     )
 
 
+def manifest_stamp(out: str) -> tuple[int, int, int, int] | None:
+    """The identity of ``out``'s ``manifest.json`` (device, inode, size, mtime; None: none there).  A run
+    installs an output by renaming a whole new folder over ``out`` (:meth:`Workspace.install`), so a stamp that
+    is unchanged says no run installed an output meanwhile: a damage found before stands without reading the
+    shards again."""
+    try:
+        st = os.stat(os.path.join(out, "manifest.json"))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def output_damage(out: str, manifest: Mapping[str, Any]) -> list[str]:
     """Why the packtools output ``out`` (whose manifest is ``manifest``) is not whole, one phrase each; empty
     when it is.  A rerun whose fingerprint matches rebuilds a damaged output instead of reporting it done (its

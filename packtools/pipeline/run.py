@@ -45,7 +45,7 @@ from .config import PipelineConfig, PipelineResult, check_options_used, fingerpr
 from .executors import Executor, executor_name, get_executor, run_jobs
 from .formats import input_columns, optional_columns, output_columns
 from .gather import block_steps, run_token, write_dataset_files
-from .outcheck import check_out, check_replaceable, output_damage
+from .outcheck import check_out, check_replaceable, manifest_stamp, output_damage
 from .planning import (
     check_something_trains,
     join_kernels,
@@ -209,6 +209,7 @@ def run_pipeline(
         fp = fingerprint(files, config)
         if skipped:  # listed in the manifest (not fingerprinted: they decide nothing in the output)
             fp["inputs_skipped"] = [s.to_dict() for s in skipped]
+        stamp = manifest_stamp(out)  # before the manifest is read: a run that installs after it changes it
         previous = read_manifest(out)
         same = previous is not None and previous.get("fingerprint") == fp["fingerprint"]
         # files deleted or damaged since: rebuilt (its stats count them)
@@ -231,7 +232,10 @@ def run_pipeline(
     ws = Workspace(out)
     ws.acquire()
     try:
-        previous = read_manifest(out)  # a run that held the lock may have just written the same output
+        # a run that held the lock may have just written the same output; where none installed one since the
+        # damage was found (the manifest is the same file), that damage stands: the shards are not read again
+        still_damaged = bool(damage) and stamp is not None and manifest_stamp(out) == stamp
+        previous = None if still_damaged else read_manifest(out)
         if (
             previous is not None
             and previous.get("fingerprint") == fp["fingerprint"]

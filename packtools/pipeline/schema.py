@@ -36,7 +36,7 @@ from ..core.pack import BOUNDARY_COLUMNS
 from ..errors import PackingError
 from ..io.discover import InputFile
 from ..io.files import Part, iter_part, read_schema, reading
-from .formats import detect_format, input_columns
+from .formats import VISION_PARTS, detect_format, input_columns, non_text_error
 
 if TYPE_CHECKING:
     from .config import PipelineConfig
@@ -87,17 +87,24 @@ def data_format(files: Sequence[InputFile], config: PipelineConfig, command: str
 def _refuse_images(files: Sequence[InputFile], columns: Sequence[list[str]], tokenizer: str | None) -> None:
     """Rows with images tokenized as text lose the images without a word: refused with the fix.  Images are
     an ``images``/``image`` column with a value on some row (TRL's vision format; empty on every row, it holds
-    none), or image/video parts in any row of a JSON file's chat columns (JSON lines or a JSON array), whatever
-    the tokenizer: a vision model's processor folder would keep one placeholder token per image, and a text
-    tokenizer's chat template writes a part as it likes (most drop it, some write a placeholder)."""
+    none).  A JSON file's chat columns (JSON lines or a JSON array) are read for any content part but text
+    (:func:`~packtools.pipeline.formats.non_text_part`: images, ``image_url``, audio, files, a part without a
+    type), whatever the tokenizer: a vision model's processor folder would keep one placeholder token per
+    image, and a text tokenizer's chat template drops such a part or writes it as text.  (Other inputs meet
+    the same rule row by row as they are tokenized: ``clean_messages``.)"""
     from ..io.json import is_json_array
-    from .vision import holds_image_parts
+    from .vision import first_non_text_part
 
     processor = tokenizer is not None and os.path.isfile(os.path.join(tokenizer, "preprocessor_config.json"))
     for f, names in zip(files, columns):  # the columns data_format read (each file's schema read once)
         found = next((c for c in ("images", "image") if c in names and _column_set(f, c)), None)
-        if found is None and f.kind == "json" and holds_image_parts(f.path):
-            found = "image parts in messages"
+        if found is None and f.kind == "json":
+            part = first_non_text_part(f.path)
+            if part is not None:
+                why = non_text_error(f"input {f.path!r} {part[0]}", *part[1:])
+                if is_json_array(f.path) and part[-1] in VISION_PARTS:
+                    why += " (pack --processor reads JSON lines: write these rows as .jsonl first.)"
+                raise PackingError(why)
         if found is None:
             continue
         if f.kind == "json" and not is_json_array(f.path):
@@ -119,7 +126,8 @@ def _refuse_images(files: Sequence[InputFile], columns: Sequence[list[str]], tok
         )
         raise PackingError(
             f"input {f.path!r} holds images ({found}): tokenized as text, {lost} and the images would be lost. "
-            f"{how} To train on the text alone, drop the images first."
+            f"{how} To train on the text alone, drop the images first. If column {found!r} holds no images (a "
+            f"caption, a name), rename or drop that column: packtools reads a column named {found!r} as images."
         )
 
 
@@ -194,6 +202,22 @@ def empty_inputs_notes(files: Sequence[InputFile], jobs: Sequence[Any], staged: 
 
 def _is_token_field(f: pa.Field) -> bool:
     return is_list_type(f.type) or pa.types.is_null(f.type) or f.name in ("input_ids", "labels")
+
+
+def _first_float(file: InputFile, name: str) -> str:
+    """Where ``file`` first writes a float in column ``name``: the line, for JSON lines (Arrow reads the first
+    block's floats as the column's type, the line that writes one tells which row to fix, as staging names later
+    blocks: :func:`~packtools.pipeline.stage.first_float_row`); the file alone otherwise (its type is the
+    column's, on every row)."""
+    from ..io.files import Where
+    from ..io.json import is_json_array
+
+    if file.kind != "json" or is_json_array(file.path):
+        return repr(file.path)
+    from .stage import first_float_row
+
+    where = Where(file.path, 1, "line")
+    return where(first_float_row(None, name, where))
 
 
 def _refuse_packed(schemas: Sequence[pa.Schema], files: Sequence[InputFile]) -> None:
@@ -288,8 +312,10 @@ def token_schema(
                 or name in ("input_ids", "labels")
                 or (vt is not None and (pa.types.is_floating(vt) or pa.types.is_boolean(vt)))
             ):
+                floats = vt is not None and pa.types.is_floating(vt)
                 raise PackingError(
-                    f"{path!r}: column {name!r} has type {t}; {fix}.",
+                    f"{_first_float(files[0], name) if floats else repr(path)}: column {name!r} has type {t}; "
+                    f"{fix}.",
                     param="columns" if config.columns else None,
                 )
             names = [n for n in names if n != name]

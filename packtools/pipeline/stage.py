@@ -204,7 +204,7 @@ def check_token_column(table: pa.Table, name: str, value_type: pa.DataType, wher
             if vt is not None and pa.types.is_floating(vt)
             else f"a token column holds lists of integers (list<{value_type}>); cast it or leave it out with columns=[...]"
         )
-        row = _first_float_row(col, name, where) if vt is not None and pa.types.is_floating(vt) else 0
+        row = first_float_row(col, name, where) if vt is not None and pa.types.is_floating(vt) else 0
         raise PackingError(f"{where(row)}: column {name!r} has type {t}; {hint}.")
     if vt != value_type or not pa.types.is_list(t):
         try:
@@ -248,10 +248,37 @@ def check_mask(col: pa.ChunkedArray, where: Where) -> None:
     )
 
 
-def _first_float_row(col: pa.ChunkedArray, name: str, where: Where) -> int:
+def check_ids(col: pa.ChunkedArray, where: Where) -> None:
+    """Refuse a negative value in ``input_ids``, naming the row (the file's own line or row): no tokenizer has
+    one (a ``-100`` belongs in ``labels``), and packed as given it reaches the embedding lookup.  Chunk by chunk,
+    with no copy of the values, as :func:`check_mask` walks the mask."""
+    import pyarrow.compute as pc
+
+    before = 0
+    for chunk in col.chunks:
+        values = pc.list_flatten(chunk)
+        low = pc.min(values).as_py() if len(values) else None
+        if low is not None and low < 0:
+            at = pc.index(pc.less(values, 0), True).as_py()
+            low = values[at].as_py()
+            break
+        before += len(chunk)
+    else:
+        return
+    starts = np.asarray(chunk.offsets)
+    starts = starts - starts[0]
+    row_in_chunk = int(np.searchsorted(starts, at, side="right") - 1)
+    raise PackingError(
+        f"{where(before + row_in_chunk)}: column 'input_ids' holds {low} at position {at - starts[row_in_chunk]}: "
+        f"token ids are never negative (-100, the ignore index, belongs in 'labels'), and the model would look "
+        f"it up as an embedding. Fix the ids in the source (tokenize the row again)."
+    )
+
+
+def first_float_row(col: pa.ChunkedArray | None, name: str, where: Where) -> int:
     """The row (from the block's first, maybe past this block: Arrow types a whole read block of JSON lines at
     once) whose ``name`` list holds a float: for JSON lines the first line that writes one (``2.5``, ``2.0``,
-    an integer beyond int64, which JSON reads as a float); otherwise the first row with a fraction, a
+    an integer beyond int64, which JSON reads as a float); otherwise the first row of ``col`` with a fraction, a
     non-finite value or one beyond int64; else the block's first row.  Errors only."""
     import json
 
@@ -268,6 +295,8 @@ def _first_float_row(col: pa.ChunkedArray, name: str, where: Where) -> int:
                 isinstance(v, float) or (isinstance(v, int) and abs(v) >= 2**63) for v in cell
             ):
                 return i
+        return 0
+    if col is None:
         return 0
     arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     values = np.asarray(pc.list_flatten(arr).fill_null(0).to_numpy(zero_copy_only=False), np.float64)
@@ -313,6 +342,8 @@ def _token_tables(job: StageJob, clock: dict[str, float]):
             for n, c in zip(job.columns, cols):
                 if n == "attention_mask":
                     check_mask(c, where)
+                elif n == "input_ids":
+                    check_ids(c, where)
             yield where, pa.Table.from_arrays(cols, names=list(job.columns))
         return
     from .formats import input_columns, optional_columns
@@ -358,11 +389,13 @@ def _map_as_is(job: StageJob) -> tuple[np.ndarray, np.ndarray, np.ndarray] | Non
         if not mapped.zero_copy(cols):
             return None
         lengths = check_aligned(cols).astype(np.int64)
-        if "attention_mask" in job.columns:  # raised as it is (it names the file), not wrapped below
-            try:
+        try:  # raised as it is (it names the file), not wrapped below
+            if "input_ids" in job.columns:
+                check_ids(table.column("input_ids"), Where(job.part.file.path, 0))
+            if "attention_mask" in job.columns:
                 check_mask(table.column("attention_mask"), Where(job.part.file.path, 0))
-            except PackingError as exc:
-                padded = exc
+        except PackingError as exc:
+            padded = exc
         first = first_label(table.column("labels")) if job.has_labels else np.zeros(0, np.int64)
         trained = trained_per_row(table.column("labels")) if job.has_labels else np.zeros(0, np.int64)
         for col in cols:

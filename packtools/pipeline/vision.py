@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -33,6 +33,7 @@ from ..io.files import mapped_table
 from ..io.json import is_json_array, iter_json_array
 from ..io.json_cells import CHAT_COLUMNS, cells
 from ..io.manifest import MANIFEST_FORMAT, read_manifest, write_manifest
+from .formats import non_text_part
 from .gather import ShardFolder, shard_rows
 from .outcheck import check_out, check_replaceable, output_damage
 from .vision_stage import (
@@ -64,6 +65,8 @@ class VisionPackResult:
     cached: bool = False  # the output was already there (same fingerprint): nothing was done
     #: samples without an assistant turn: they train nothing under the default assistant-only loss
     samples_untrained: int = 0
+    #: what the run says beside its numbers (a damaged output packed again), as ``PipelineResult.notes``
+    notes: list[str] = field(default_factory=list)
 
 
 def _input_file(path: str) -> InputFile:
@@ -146,12 +149,11 @@ def pack_vision_files(
     }
     fingerprint = hashlib.sha256(json.dumps([key, config], sort_keys=True).encode()).hexdigest()
     previous = read_manifest(out)
-    # a file deleted or damaged since (a shard, state.json, dataset_info.json): packed again, as run_pipeline does
-    if (
-        previous is not None
-        and previous.get("fingerprint") == fingerprint
-        and not output_damage(out, previous)
-    ):
+    # a file deleted or damaged since (a shard, state.json, dataset_info.json): packed again, and said, as
+    # run_pipeline does
+    same = previous is not None and previous.get("fingerprint") == fingerprint
+    damage = output_damage(out, previous) if same else []
+    if same and not damage:
         tidy_after_dead_run(out)  # a run killed after installing this output may have left its work folder
         st = previous.get("stats", {})
         return VisionPackResult(
@@ -236,6 +238,7 @@ def pack_vision_files(
         return VisionPackResult(
             ws.out, stats["rows_in"], p.num_rows, images, stats["tokens"], len(staged), reused,
             samples_untrained=untrained,
+            notes=[f"{ws.out} {'; '.join(damage)}: packed again"] if damage else [],
         )  # fmt: skip
     finally:
         ws.finish(ok=ok, keep_stage=not ok)
@@ -249,34 +252,45 @@ def is_vision_file(path: str, rows: int = 64) -> bool:
     return False
 
 
-def holds_image_parts(path: str) -> bool:
-    """Whether a row of a JSON file (JSON lines, or one JSON array of objects) has a message content part of
-    type ``image`` or ``video`` in a chat column (``messages``, ``prompt``, ``completion``, ``chosen``,
-    ``rejected``); read to the first such row.  A file whose bytes never hold ``"image"`` or ``"video"`` (a
-    type is always quoted in JSON) is not parsed."""
+def first_non_text_part(path: str) -> tuple[str, str, int, int, str] | None:
+    """Where a row of a JSON file (JSON lines, or one JSON array of objects) first has a message content part
+    that a text tokenizer's chat template would lose (:func:`~packtools.pipeline.formats.non_text_part`: any part
+    but ``{"type": "text"}``) in a chat column (``messages``, ``prompt``, ``completion``, ``chosen``,
+    ``rejected``), as ``(where, column, turn, part, type)``: ``("line 7", "messages", 0, 1, "image_url")``;
+    None where no row has one.  Read to the first such row; a file whose bytes never hold a content list or
+    object (``"content": [`` or ``"content": {``) is not parsed."""
     import mmap
+    import re
 
     if os.path.getsize(path) == 0:
-        return False
+        return None
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        if mm.find(b'"image"') < 0 and mm.find(b'"video"') < 0:
-            return False
-    return any(_image_parts(row, CHAT_COLUMNS) for row in _json_rows(path))
+        if re.search(rb'"content"\s*:\s*[\[{]', mm) is None:
+            return None
+    for where, row in _json_rows(path):
+        for column in CHAT_COLUMNS:
+            found = non_text_part(row.get(column)) if column != "tools" else None  # tools: function schemas
+            if found is not None:
+                return (where, column, *found)
+    return None
 
 
-def _json_rows(path: str) -> Iterator[dict]:
-    """The rows of a JSON file as dicts: each line of JSON lines (a line that is no object skipped: the
-    reader names it), or the chat columns of each object of a JSON array."""
+def _json_rows(path: str) -> Iterator[tuple[str, dict]]:
+    """``(where, row)`` of each row of a JSON file: each line of JSON lines (``line 7``; a line that is no object
+    skipped: the reader names it), or the chat columns of each object of a JSON array (``object 7 of the
+    array``, counted from 1)."""
     if is_json_array(path):
+        n = 0
         for _, table in iter_json_array(path, 4096):
             names = [c for c in CHAT_COLUMNS if c in table.column_names]
             values = [cells(table, c) for c in names]
             for i in range(table.num_rows):
-                yield {c: v[i] for c, v in zip(names, values)}
+                n += 1
+                yield f"object {n} of the array", {c: v[i] for c, v in zip(names, values)}
         return
     for _, block in blocks(path, 4096, strict=False):
-        for _, row in block:
-            yield row
+        for line_no, row in block:
+            yield f"line {line_no}", row
 
 
 def _image_parts(row: dict, columns: Sequence[str] = ("messages",)) -> bool:

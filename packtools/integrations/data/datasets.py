@@ -29,7 +29,7 @@ from ...core.nested import gather_whole_samples, plan_whole_samples
 from ...core.pack import pack_columns, read_columns, truncate_table
 from ...core.plan import PackPlan, Strategy, check_max_length, check_strategy
 from ...errors import PackingError
-from .drops import DropReport, untrained_pieces, warn_dropped, warn_untrained
+from .drops import DropReport, untrained_pieces, warn_dropped, warn_empty, warn_untrained
 
 DEFAULT_WINDOW = 100_000
 
@@ -343,6 +343,8 @@ def pack_dataset(
         def pack_window(batch: pa.Table) -> pa.Table:
             cols, lengths = read_columns(batch, names)
             p = plan_for_cp(lengths, max_length, strategy, context_parallel)
+            if p.num_empty:  # said window by window, as they are packed
+                warn_empty(p.num_empty, p.num_sequences, "pack_dataset (an IterableDataset window)")
             if shuffle:
                 p = p.shuffled(seed)
             return pack_columns(cols, p)

@@ -15,9 +15,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-
-class TokensDroppedWarning(UserWarning):
-    """Packing or truncation dropped tokens (filter with ``warnings.filterwarnings``)."""
+from ...errors import EmptyRowsWarning, TokensDroppedWarning, empty_rows_message
 
 
 @dataclass(frozen=True)
@@ -38,6 +36,8 @@ class DropReport:
     context_parallel: int = 1
     cp_padding_tokens: int = 0
     cp_fill_lost: float = 0.0
+    #: sequences of no token, left out of the packed rows (nothing to train; :class:`EmptyRowsWarning`)
+    sequences_empty: int = 0
 
     @property
     def tokens_dropped(self) -> int:
@@ -79,6 +79,7 @@ class DropReport:
             plan.tokens_in,
             plan.tokens_kept,
             **cp,
+            sequences_empty=plan.num_empty,
         )
 
     def message(
@@ -135,9 +136,27 @@ def pipeline_drop_message(stats: dict) -> str | None:
 
 
 def warn_dropped(report: DropReport, what: str, split: str = "", stacklevel: int = 2) -> None:
-    """A :class:`TokensDroppedWarning` if ``report`` dropped any token."""
+    """A :class:`TokensDroppedWarning` if ``report`` dropped any token; an
+    :class:`~packtools.errors.EmptyRowsWarning` if it left out sequences of no token."""
     if report.tokens_dropped:
         warnings.warn(report.message(what, split), TokensDroppedWarning, stacklevel=stacklevel + 1)
+    if report.sequences_empty:
+        warn_empty(
+            report.sequences_empty,
+            report.sequences,
+            what + (f" (split {split!r})" if split else ""),
+            stacklevel + 1,
+        )
+
+
+def warn_empty(empty: int, rows: int, what: str, stacklevel: int = 2) -> None:
+    """An :class:`~packtools.errors.EmptyRowsWarning`: ``empty`` of ``rows`` rows held no token and are not in
+    the packed rows."""
+    warnings.warn(
+        empty_rows_message(empty, rows, what, "they are not in the packed rows"),
+        EmptyRowsWarning,
+        stacklevel=stacklevel + 1,
+    )
 
 
 class UntrainedPiecesWarning(UserWarning):

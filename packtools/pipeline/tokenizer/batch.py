@@ -577,10 +577,12 @@ class BatchTokenizer:
         return ragged.from_lists(self.reference_ids(texts, False))
 
     def _conversations(self, table: pa.Table, first_row: Row) -> list[list[dict[str, Any]]]:
-        return [
+        convs = [
             chat.clean_messages(c, "messages", shift(first_row, i))
             for i, c in enumerate(cells(table, "messages"))
         ]
+        self.chat.refuse_printed_parts(convs, lambda i: at(first_row, i), "messages")
+        return convs
 
     def tokenize_rows(self, table: pa.Table, first_row: Row) -> pa.Table:
         """The token table of a batch without a ``tools`` column (:func:`by_tools` splits by it)."""

@@ -77,6 +77,7 @@ class ChatTokens:
         self.bt = bt
         self.requested = requested
         self._renderer: Any = None
+        self._prints_parts: bool | None = None  # whether the template writes a content list as text
         self.render_engine = ""  # which renderer runs, and why (the part report's ``chat_render``)
 
     # -- the renderer ------------------------------------------------------------------------------
@@ -150,6 +151,40 @@ class ChatTokens:
             )
         return mine
 
+    def refuse_printed_parts(self, convs: list[list[dict[str, Any]]], where: Any, column: str) -> None:
+        """Refuse a content list (of text parts: other parts are refused before, by ``clean_messages``) where
+        the chat template writes such a list as text, Python's repr and all (``{{ message['content'] }}``, as
+        many text-only templates do), rather than reading its parts: the model would train on
+        ``[{'type': 'text', 'text': ...}]``.  transformers renders it the same, without a word.  ``where(i)``
+        names conversation ``i``.  The template is probed once, on a one-part conversation."""
+        first = next(
+            (
+                (i, turn)
+                for i, conv in enumerate(convs)
+                for turn, m in enumerate(conv)
+                if isinstance(m.get("content"), list)
+            ),
+            None,
+        )
+        if first is None:
+            return
+        if self._prints_parts is None:
+            probe = [{"role": "user", "content": [{"type": "text", "text": "packtools probe"}]}]
+            try:
+                shown = self.renderer.render(probe, False)
+            except Exception:  # noqa: BLE001 - a template that refuses lists raises on the rows themselves
+                shown = ""
+            # the part itself in the text (not the tools' schemas a template may print beside it)
+            self._prints_parts = "'text': 'packtools probe'" in shown or '"text": "packtools probe"' in shown
+        if self._prints_parts:
+            i, turn = first
+            raise PackingError(
+                f"{where(i)}: column {column!r} turn {turn}: its content is a list of parts, and the chat template "
+                f"writes such a list as text (\"[{{'type': 'text', 'text': ...}}]\", Python's repr) instead of "
+                f"reading its parts, so the model would train on that repr. Give each content as a string (join "
+                f"its text parts), or use a chat template that reads content parts."
+            )
+
     def set_tools(self, tools: Any) -> None:
         """The tool schemas the renderings that follow pass to the template (None: none)."""
         if tools is not None or self._renderer is not None:  # None needs no renderer built for it
@@ -181,8 +216,10 @@ class ChatTokens:
         tails: dict[str, list[str]] = {n: [] for n in names}
         for i, prompt in enumerate(prompts):
             p = clean_messages(prompt, "prompt", _shift(first_row, i))
+            self.refuse_printed_parts([p], lambda _, i=i: _at(_shift(first_row, i)), "prompt")
             for n in names:
                 completion = clean_messages(columns[n][i], n, _shift(first_row, i))
+                self.refuse_printed_parts([completion], lambda _, i=i: _at(_shift(first_row, i)), n)
                 if not completion:  # not the template's fault: there is nothing to render after the prompt
                     raise PackingError(
                         f"{_at(_shift(first_row, i))}: column {n!r} is an empty conversation ([]); every "

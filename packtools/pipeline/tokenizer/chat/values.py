@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from ....errors import PackingError
 from ....io.json_cells import cells
-from ...formats import Row, at
+from ...formats import Row, at, non_text_error, non_text_part
 
 
 def plain_value(value: Any) -> Any:
@@ -51,7 +51,9 @@ def plain_value(value: Any) -> Any:
 
 def clean_messages(conv: Any, name: str, row: Row) -> list[dict[str, Any]]:
     """A conversation cell as a list of message dicts without None values, its values made plain as
-    transformers makes them (:func:`plain_value`), or an error naming the row."""
+    transformers makes them (:func:`plain_value`), or an error naming the row; a content part other than text
+    (:func:`~packtools.pipeline.formats.non_text_part`: an image, ``image_url``, audio, a file) is refused by
+    row, turn and part, since the text template would lose it."""
     if conv is None:  # a JSON row without the key (Arrow fills it with null), or a null cell
         raise PackingError(
             f"{at(row)}: column {name!r} is null (the row has no {name!r}); every row of this data needs a list "
@@ -63,6 +65,9 @@ def clean_messages(conv: Any, name: str, row: Row) -> list[dict[str, Any]]:
             f"{at(row)}: column {name!r} is not a list of messages ({{'role': ..., 'content': ...}}, every "
             f"message with a role); fix that row."
         )
+    part = non_text_part(conv)  # JSON input was read for these before any work (schema._refuse_images)
+    if part is not None:
+        raise PackingError(non_text_error(at(row), name, *part))
     # a message of string values only is kept as it is (the cell's rows are fresh dicts): the common case
     return [
         m
