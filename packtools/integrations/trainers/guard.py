@@ -18,7 +18,13 @@ from ...compat import set_attr
 from ...compat.torch import forward_pre_hook
 from ...constants import VARLEN_KEYS
 from ...errors import PackingError
-from ..attention.backends import attention_implementation, base_model, is_flash, token_mixing_layers
+from ..attention.backends import (
+    attention_implementation,
+    base_model,
+    check_row_pooling,
+    is_flash,
+    token_mixing_layers,
+)
 from ..attention.mixers import (
     POSITIONLESS_MASKS,
     breaks,
@@ -424,6 +430,7 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
     if handle is not None:
         return handle
 
+    check_row_pooling(model)  # a leak the probe's short rows cannot measure: refused from the config
     if check_isolation:
         check_sharded_probe(model)
     mixers = tuple(token_mixing_layers(model))
