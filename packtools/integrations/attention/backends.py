@@ -109,6 +109,42 @@ def check_multimodal(model: Any) -> None:
     )
 
 
+#: Layer types whose layers pool every ``config.compress_rates[type]`` consecutive tokens of a row into one
+#: compressed key/value (DeepSeek-V4's compressed sparse and heavily compressed attention): the windows run along
+#: the row whatever its documents, and a query attends to the first windows of the row by its ``position_ids``.
+ROW_POOLING_LAYER_TYPES = ("compressed_sparse_attention", "heavily_compressed_attention")
+
+
+def row_pooling_layers(model: Any) -> list[tuple[int, str]]:
+    """``(layer index, layer type)`` of the layers of :data:`ROW_POOLING_LAYER_TYPES` in the model's config."""
+    config = getattr(base_model(model), "config", None)
+    if config is not None and callable(getattr(config, "get_text_config", None)):
+        config = config.get_text_config()
+    types = getattr(config, "layer_types", None) or ()
+    return [(i, t) for i, t in enumerate(types) if t in ROW_POOLING_LAYER_TYPES]
+
+
+def check_row_pooling(model: Any) -> None:
+    """Refuse a model with layers that pool fixed windows of the row (:func:`row_pooling_layers`), whatever its
+    backend: a packed row's windows mix its documents (and a later document's queries read the row's first
+    windows), with no error.  The isolation probe's rows are shorter than such a window (DeepSeek-V4's heavily
+    compressed attention pools 128 tokens), so it measures nothing; this check reads the config instead."""
+    found = row_pooling_layers(model)
+    if not found:
+        return
+    config = getattr(base_model(model), "config", None)
+    rates = getattr(config, "compress_rates", None) or {}
+    layers = ", ".join(f"{i} ({t}{f', {rates[t]} tokens' if t in rates else ''})" for i, t in found)
+    raise PackingError(
+        f"{type(base_model(model)).__name__} has layers that pool every few consecutive tokens of a row into one "
+        f"compressed key/value: layers {layers}. On a packed row those windows take tokens of several documents, "
+        f"and each document's queries read the row's first windows, so packed documents would see each other "
+        f"with no error (the isolation probe's short rows never fill a window). Train this model unpacked (one "
+        f"document per row, padded), or with layer_types of 'sliding_attention' only.",
+        param="model",
+    )
+
+
 def check_not_compiled(model: Any) -> None:
     """Refuse a model already wrapped by ``torch.compile``: packtools must hook and check the module itself."""
     if not hasattr(model, "_orig_mod") or not hasattr(model, "_torchdynamo_orig_callable"):
@@ -140,6 +176,7 @@ def check_attention_implementation(model: Any) -> str:
     """
     check_not_compiled(model)
     check_multimodal(model)
+    check_row_pooling(model)
     impl = attention_implementation(model)
     if impl is None:
         raise PackingError(

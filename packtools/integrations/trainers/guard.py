@@ -18,7 +18,13 @@ from ...compat import set_attr
 from ...compat.torch import forward_pre_hook
 from ...constants import VARLEN_KEYS
 from ...errors import PackingError
-from ..attention.backends import attention_implementation, base_model, is_flash, token_mixing_layers
+from ..attention.backends import (
+    attention_implementation,
+    base_model,
+    check_row_pooling,
+    is_flash,
+    token_mixing_layers,
+)
 from ..attention.mixers import (
     POSITIONLESS_MASKS,
     breaks,
@@ -417,7 +423,9 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
     model's forward (FSDP's, ZeRO-3's) gathers its parameters, a collective the probe cannot avoid: such a model
     is refused with ``check_isolation=True`` (:func:`check_sharded_probe`; the ranks' mismatched gathers hung),
     here and at its first packed batch when it was sharded after this call; probe the model before sharding it
-    and pass ``False``.
+    and pass ``False``.  A model with layers that pool fixed windows of the row (DeepSeek-V4's compressed attention,
+    :func:`~packtools.integrations.attention.backends.check_row_pooling`) is refused here, from its config: its
+    windows are longer than the probe's rows.
     """
     # vars(), not getattr(): PEFT models forward unknown attributes to the base model, whose hook they skip.
     handle = vars(model).get(_HOOK_ATTR)
@@ -425,6 +433,7 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
         return handle
 
     refuse_encoder_decoder(model, "guard_model")
+    check_row_pooling(model)  # a leak the probe's short rows cannot measure: refused from the config
     if check_isolation:
         check_sharded_probe(model)
     mixers = tuple(token_mixing_layers(model))
