@@ -13,6 +13,9 @@ from), then t/h/w (why this layout, and the negative controls: docs/vision.md).
 
 Videos are refused by name (their temporal spacing differs per family); two images with no text token between
 them are refused too (the models group consecutive image tokens as one image and fail on them).
+
+LLaVA (:data:`FLAT_MODEL_TYPES`) has 1-D positions: its :class:`MropeSpec` (``flat``) carries the tokens of one
+image and the pixel shape, and a packed row's positions are the text row alone.
 """
 
 from __future__ import annotations
@@ -27,7 +30,13 @@ from ..errors import PackingError
 #: The multimodal model types (``config.model_type``) whose packed path packtools computes and has verified
 #: against the model's own ``get_rope_index`` and one-by-one training (``tests/test_vision_*.py``).  Every other
 #: multimodal model is refused by name (:func:`packtools.integrations.multimodal.models.check_multimodal_model`).
-VERIFIED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+#: Of these, the LLaVA-style types: a language model with 1-D rotary positions over a fixed run of image tokens per
+#: image (a CLIP/SigLIP tower at one image size).  Their packed positions are the text row, restarting at every
+#: document; the images travel in row order (``pixel_values`` ``(images, channels, size, size)``).
+FLAT_MODEL_TYPES = ("llava",)
+#: The vision towers of :data:`FLAT_MODEL_TYPES` verified (one fixed image size, images seen one by one).
+FLAT_VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
+VERIFIED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", *FLAT_MODEL_TYPES)
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,14 @@ class MropeSpec:
     #: the vision tower; ``None`` (a spec built by hand): not checked.  Not part of equality: it decides no
     #: position.
     patch_width: int | None = field(default=None, compare=False)
+    #: :data:`FLAT_MODEL_TYPES` only: the tokens of one image and the ``(channels, size, size)`` of its pixels.
+    image_tokens: int | None = None
+    image_shape: tuple[int, int, int] | None = field(default=None, compare=False)
+
+    @property
+    def flat(self) -> bool:
+        """1-D positions (the text row): a LLaVA-style model (:data:`FLAT_MODEL_TYPES`)."""
+        return self.model_type in FLAT_MODEL_TYPES
 
     def __post_init__(self) -> None:
         if self.model_type not in VERIFIED_MODEL_TYPES:
@@ -50,6 +67,12 @@ class MropeSpec:
                 f"model_type {self.model_type!r}: packtools computes packed multimodal positions only for "
                 f"{list(VERIFIED_MODEL_TYPES)}; other multimodal models are not verified.",
                 param="model_type",
+            )
+        if self.flat and (not isinstance(self.image_tokens, int) or self.image_tokens < 1):
+            raise PackingError(
+                f"model_type {self.model_type!r} needs image_tokens (the tokens of one image), got "
+                f"{self.image_tokens!r}.",
+                param="image_tokens",
             )
         if int(self.spatial_merge_size) < 1:
             raise PackingError(
@@ -59,7 +82,8 @@ class MropeSpec:
 
     @classmethod
     def from_config(cls, config: Any) -> MropeSpec:
-        """The spec of a transformers config (``Qwen2VLConfig``, ``Qwen2_5_VLConfig``, ``Qwen3VLConfig``)."""
+        """The spec of a transformers config (``Qwen2VLConfig``, ``Qwen2_5_VLConfig``, ``Qwen3VLConfig``,
+        ``LlavaConfig``)."""
         model_type = getattr(config, "model_type", None)
         vision = getattr(config, "vision_config", None)
         image = getattr(config, "image_token_id", None)
@@ -69,6 +93,8 @@ class MropeSpec:
                 f"verified; packed multimodal rows are supported for {list(VERIFIED_MODEL_TYPES)}.",
                 param="model",
             )
+        if model_type in FLAT_MODEL_TYPES:
+            return cls._flat_from_config(config, model_type, vision, image)
         video = getattr(config, "video_token_id", None)
         sizes = [getattr(vision, k, None) for k in ("in_channels", "temporal_patch_size", "patch_size")]
         width = sizes[0] * sizes[1] * sizes[2] ** 2 if all(isinstance(v, int) for v in sizes) else None
@@ -79,6 +105,28 @@ class MropeSpec:
             int(vision.spatial_merge_size),
             patch_width=width,
         )
+
+    @classmethod
+    def _flat_from_config(cls, config: Any, model_type: str, vision: Any, image: int) -> MropeSpec:
+        size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
+        strategy = getattr(config, "vision_feature_select_strategy", None)
+        tower = getattr(vision, "model_type", None)
+        if tower not in FLAT_VISION_TYPES or not isinstance(size, int) or not isinstance(patch, int):
+            raise PackingError(
+                f"{type(config).__name__} with a {tower!r} vision tower: packtools has verified {model_type!r} "
+                f"packed with the vision towers {list(FLAT_VISION_TYPES)} only (one image size, a fixed number of "
+                f"tokens per image); train this one unpacked.",
+                param="model",
+            )
+        if strategy not in ("default", "full"):
+            raise PackingError(
+                f"{type(config).__name__}: vision_feature_select_strategy {strategy!r} is not verified "
+                f"('default' or 'full').",
+                param="model",
+            )
+        tokens = (size // patch) ** 2 + (1 if strategy == "full" else 0)
+        shape = (int(getattr(vision, "num_channels", 3)), size, size)
+        return cls(model_type, image, None, 1, image_tokens=tokens, image_shape=shape)
 
 
 def check_grid(image_grid_thw: Any, name: str, row: int | None = None) -> np.ndarray:
