@@ -35,6 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from family_sweep import _documents, _gap, _one_by_one  # noqa: E402
 
 BUILD_SECONDS = 90
+#: A tiny build above this is built on the meta device instead (two copies are trained: memory).
+MAX_PARAMETERS = 20_000_000
 TEXT = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     head_dim=8, vocab_size=512, max_position_embeddings=512, num_layers=2, d_model=32, d_ff=64, num_heads=4,
@@ -91,6 +93,10 @@ def build(model_type: str, backend: str) -> tuple[Any, str]:
             getattr(config, sub)._attn_implementation = backend
     torch.manual_seed(0)
     try:  # within the type's alarm (main): a build that runs past it is built on the meta device
+        with torch.device("meta"):
+            size = sum(p.numel() for p in cls(config).parameters())
+        if size > MAX_PARAMETERS:
+            raise ValueError(f"{size / 1e6:.0f}M parameters at the sizes set (sizes this sweep does not set)")
         return cls(config).float(), "tiny"
     except Exception as err:  # noqa: BLE001 - the reason is the cell
         reason = f"tiny build failed: {type(err).__name__}: {str(err).splitlines()[0][:100]}"
