@@ -1,6 +1,6 @@
-"""LLaVA (1-D rotary positions, a fixed run of image tokens per image) trained packed through Trainer +
-prepare_trainer + MultimodalCollator equals the samples run one by one (loss and every gradient, sdpa and eager,
-CPU fp32); the packed rows come from ``pack_dataset``.  Refused on main (llava was not verified there).
+"""LLaVA and InternVL (1-D rotary positions, a fixed run of image tokens per image or tile) trained packed through
+Trainer + prepare_trainer + MultimodalCollator equal the samples run one by one (loss and every gradient, sdpa and
+eager, CPU fp32); the packed rows come from ``pack_dataset``.  Refused on main (neither was verified there).
 """
 
 from __future__ import annotations
@@ -21,7 +21,29 @@ transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
 IMAGE = 300
-PER_IMAGE = 4  # (28 / 14)**2 patches, the CLS token dropped ("default" strategy)
+PER_IMAGE = 4  # LLaVA: (28 / 14)**2 patches, the CLS token dropped ("default"); InternVL: (56 / 14)**2 / 2**2
+SIDE = {"llava": 28, "internvl": 56}
+
+
+def tiny_internvl(impl: str):
+    vision = transformers.InternVLVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=[56, 56],
+        patch_size=[14, 14],
+    )  # fmt: skip
+    text = dict(
+        model_type="qwen2", vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+    )  # fmt: skip
+    config = transformers.InternVLConfig(
+        vision_config=vision, text_config=text, image_token_id=IMAGE, image_seq_length=PER_IMAGE,
+        attn_implementation=impl,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.InternVLForConditionalGeneration(config).float()
+
+
+def tiny(family: str, impl: str):
+    return tiny_llava(impl) if family == "llava" else tiny_internvl(impl)
 
 
 def tiny_llava(impl: str, **extra):
@@ -41,7 +63,7 @@ def tiny_llava(impl: str, **extra):
     return transformers.LlavaForConditionalGeneration(config).float()
 
 
-def samples(seed: int = 0) -> list[dict]:
+def samples(seed: int = 0, side: int = 28) -> list[dict]:
     """Samples with 1, 0, 2, 1 and 0 images (image runs within the text) of 9 to 24 tokens."""
     rng = np.random.default_rng(seed)
     out = []
@@ -51,7 +73,7 @@ def samples(seed: int = 0) -> list[dict]:
             ids += [IMAGE] * PER_IMAGE + rng.integers(3, 290, 3).tolist()
         row = {"input_ids": ids}
         if images:
-            row["pixel_values"] = rng.standard_normal((images, 3, 28, 28)).astype(np.float32).tolist()
+            row["pixel_values"] = rng.standard_normal((images, 3, side, side)).astype(np.float32).tolist()
         out.append(row)
     return out
 
@@ -73,9 +95,10 @@ def one_by_one(model, rows: list[dict]) -> tuple[float, dict]:
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_packed_llava_training_step_equals_one_by_one(impl, tmp_path):
-    rows = samples()
-    model = tiny_llava(impl)
+@pytest.mark.parametrize("family", ["llava", "internvl"])
+def test_packed_training_step_equals_one_by_one(family, impl, tmp_path):
+    rows = samples(side=SIDE[family])
+    model = tiny(family, impl)
     reference = copy.deepcopy(model)
     packed = pack_dataset(datasets.Dataset.from_list(rows), 48)
     assert len(packed) < len(rows)  # documents with images share rows
@@ -129,6 +152,11 @@ def test_llava_rows_whose_images_do_not_match_their_tokens_are_refused():
         collate([cut])
     with pytest.raises(PackingError, match="image_grid_thw"):
         collate([dict(rows[0], seq_lengths=[12], image_grid_thw=[[1, 2, 2]])])
+
+
+def test_internvl_spec_counts_tokens_after_the_pixel_shuffle():
+    spec = MropeSpec.from_config(tiny_internvl("sdpa").config)
+    assert (spec.flat, spec.image_tokens, spec.image_shape) == (True, PER_IMAGE, (3, 56, 56))
 
 
 def test_llava_with_another_vision_tower_or_strategy_is_refused():

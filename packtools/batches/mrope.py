@@ -14,7 +14,7 @@ from), then t/h/w (why this layout, and the negative controls: docs/vision.md).
 Videos are refused by name (their temporal spacing differs per family); two images with no text token between
 them are refused too (the models group consecutive image tokens as one image and fail on them).
 
-LLaVA (:data:`FLAT_MODEL_TYPES`) has 1-D positions: its :class:`MropeSpec` (``flat``) carries the tokens of one
+LLaVA and InternVL (:data:`FLAT_MODEL_TYPES`) have 1-D positions: its :class:`MropeSpec` (``flat``) carries the tokens of one
 image and the pixel shape, and a packed row's positions are the text row alone.
 """
 
@@ -31,11 +31,14 @@ from ..errors import PackingError
 #: against the model's own ``get_rope_index`` and one-by-one training (``tests/test_vision_*.py``).  Every other
 #: multimodal model is refused by name (:func:`packtools.integrations.multimodal.models.check_multimodal_model`).
 #: Of these, the LLaVA-style types: a language model with 1-D rotary positions over a fixed run of image tokens per
-#: image (a CLIP/SigLIP tower at one image size).  Their packed positions are the text row, restarting at every
+#: image (or InternVL tile), from a vision tower at one image size.  Their packed positions are the text row, restarting at every
 #: document; the images travel in row order (``pixel_values`` ``(images, channels, size, size)``).
-FLAT_MODEL_TYPES = ("llava",)
-#: The vision towers of :data:`FLAT_MODEL_TYPES` verified (one fixed image size, images seen one by one).
-FLAT_VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
+FLAT_MODEL_TYPES = ("llava", "internvl")
+#: The vision towers verified with each of :data:`FLAT_MODEL_TYPES` (one fixed image size, each image -- each
+#: InternVL tile -- seen alone).
+FLAT_VISION_TYPES = {"llava": ("clip_vision_model", "siglip_vision_model"), "internvl": ("internvl_vision",)}
+#: The ``vision_feature_select_strategy`` values verified with each of :data:`FLAT_MODEL_TYPES`.
+FLAT_STRATEGIES = {"llava": ("default", "full"), "internvl": ("default",)}
 VERIFIED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", *FLAT_MODEL_TYPES)
 
 
@@ -83,7 +86,7 @@ class MropeSpec:
     @classmethod
     def from_config(cls, config: Any) -> MropeSpec:
         """The spec of a transformers config (``Qwen2VLConfig``, ``Qwen2_5_VLConfig``, ``Qwen3VLConfig``,
-        ``LlavaConfig``)."""
+        ``LlavaConfig``, ``InternVLConfig``)."""
         model_type = getattr(config, "model_type", None)
         vision = getattr(config, "vision_config", None)
         image = getattr(config, "image_token_id", None)
@@ -108,25 +111,44 @@ class MropeSpec:
 
     @classmethod
     def _flat_from_config(cls, config: Any, model_type: str, vision: Any, image: int) -> MropeSpec:
-        size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
+        size, patch = (
+            _square(getattr(vision, "image_size", None)),
+            _square(getattr(vision, "patch_size", None)),
+        )
         strategy = getattr(config, "vision_feature_select_strategy", None)
         tower = getattr(vision, "model_type", None)
-        if tower not in FLAT_VISION_TYPES or not isinstance(size, int) or not isinstance(patch, int):
+        if tower not in FLAT_VISION_TYPES[model_type] or size is None or patch is None:
             raise PackingError(
                 f"{type(config).__name__} with a {tower!r} vision tower: packtools has verified {model_type!r} "
-                f"packed with the vision towers {list(FLAT_VISION_TYPES)} only (one image size, a fixed number of "
-                f"tokens per image); train this one unpacked.",
+                f"packed with the vision towers {list(FLAT_VISION_TYPES[model_type])} only (one image size, a fixed "
+                f"number of tokens per image); train this one unpacked.",
                 param="model",
             )
-        if strategy not in ("default", "full"):
+        if strategy not in FLAT_STRATEGIES[model_type]:
             raise PackingError(
                 f"{type(config).__name__}: vision_feature_select_strategy {strategy!r} is not verified "
-                f"('default' or 'full').",
+                f"({list(FLAT_STRATEGIES[model_type])}).",
                 param="model",
             )
-        tokens = (size // patch) ** 2 + (1 if strategy == "full" else 0)
+        side = size // patch
+        if model_type == "internvl":  # the pixel shuffle keeps side * downsample_ratio tokens a side
+            side = side * float(getattr(config, "downsample_ratio", 1.0))
+            if side != int(side) or side < 1:
+                raise PackingError(
+                    f"{type(config).__name__}: {size // patch} patches a side times downsample_ratio "
+                    f"{config.downsample_ratio} is not a whole number of tokens.",
+                    param="model",
+                )
+        tokens = int(side) ** 2 + (1 if strategy == "full" else 0)
         shape = (int(getattr(vision, "num_channels", 3)), size, size)
         return cls(model_type, image, None, 1, image_tokens=tokens, image_shape=shape)
+
+
+def _square(value: Any) -> int | None:
+    """A side given as an int or a square (side, side) pair; ``None`` otherwise."""
+    if isinstance(value, (list, tuple)) and len(value) == 2 and value[0] == value[1]:
+        value = value[0]
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def check_grid(image_grid_thw: Any, name: str, row: int | None = None) -> np.ndarray:

@@ -77,7 +77,7 @@ class MultimodalCollator:
     """Collate processed vision-language rows (packed or one sample each) into one padding-free batch.
 
     ``model`` is the model, its config or an :class:`~packtools.batches.mrope.MropeSpec` (Qwen2-VL,
-    Qwen2.5-VL, Qwen3-VL, LLaVA; others are refused by name).  For LLaVA (``spec.flat``) ``position_ids`` are
+    Qwen2.5-VL, Qwen3-VL, LLaVA, InternVL; others are refused by name).  For these two (``spec.flat``) ``position_ids`` are
     the text row ``[1, T]``, ``pixel_values`` ``(images, channels, size, size)``, and there is no
     ``image_grid_thw`` / ``mm_token_type_ids``.  The text options are those of
     :class:`~packtools.batches.collate.PaddingFreeCollator` (``seq_idx`` is off by default: these models have
