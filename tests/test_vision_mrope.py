@@ -52,7 +52,9 @@ def test_spec_from_config_and_refusals():
     with pytest.raises(PackingError, match="runs of"):  # image tokens without a grid
         document_positions([1, IMAGE, 2], None, spec)
     with pytest.raises(PackingError, match="not verified"):
-        MropeSpec("llava", IMAGE, None, 2)
+        MropeSpec("llava_next", IMAGE, None, 2)
+    with pytest.raises(PackingError, match="image_tokens"):  # llava is verified, with its tokens per image
+        MropeSpec("llava", IMAGE, None, 1)
 
     class Cfg:
         model_type = "gemma3"

@@ -193,7 +193,8 @@ def test_refusals_by_name(tmp_path):
         prepare_trainer(trainer_for(model, rows, tmp_path, collator=other))
     with pytest.raises(PackingError, match="context_parallel=2 with a vision-language model"):
         prepare_trainer(trainer_for(model, rows, tmp_path), context_parallel=2)
-    # an unverified vision-language model (Llava): its text and vision towers of the same tiny sizes
+    # Llava (verified: 1-D positions, tests/test_vision_llava.py) with another collator, and an unverified
+    # vision-language model (LlavaNext: tiles of any resolution) of the same tiny sizes
     sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
     text = transformers.LlamaConfig(vocab_size=64, **sizes)
     vision = transformers.CLIPVisionConfig(image_size=8, patch_size=4, **sizes)
@@ -201,8 +202,15 @@ def test_refusals_by_name(tmp_path):
         transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_id=60)
     )
     rows = [{"input_ids": [1, 2, 3], "seq_lengths": [3]}]
-    with pytest.raises(PackingError, match="'llava'.*not verified"):
+    with pytest.raises(
+        PackingError, match="LlavaForConditionalGeneration is a vision-language model.*MultimodalCollator"
+    ):
         prepare_trainer(trainer_for(llava, rows, tmp_path, collator=PaddingFreeCollator(0)))
+    llava_next = transformers.LlavaNextForConditionalGeneration(
+        transformers.LlavaNextConfig(text_config=text, vision_config=vision, image_token_id=60)
+    )
+    with pytest.raises(PackingError, match="'llava_next'.*not verified"):
+        prepare_trainer(trainer_for(llava_next, rows, tmp_path, collator=PaddingFreeCollator(0)))
 
 
 def _dataset(samples: list[dict]):

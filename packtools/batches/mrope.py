@@ -13,6 +13,9 @@ from), then t/h/w (why this layout, and the negative controls: docs/vision.md).
 
 Videos are refused by name (their temporal spacing differs per family); two images with no text token between
 them are refused too (the models group consecutive image tokens as one image and fail on them).
+
+LLaVA and InternVL (:data:`FLAT_MODEL_TYPES`) have 1-D positions: its :class:`MropeSpec` (``flat``) carries the tokens of one
+image and the pixel shape, and a packed row's positions are the text row alone.
 """
 
 from __future__ import annotations
@@ -27,7 +30,16 @@ from ..errors import PackingError
 #: The multimodal model types (``config.model_type``) whose packed path packtools computes and has verified
 #: against the model's own ``get_rope_index`` and one-by-one training (``tests/test_vision_*.py``).  Every other
 #: multimodal model is refused by name (:func:`packtools.integrations.multimodal.models.check_multimodal_model`).
-VERIFIED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+#: Of these, the LLaVA-style types: a language model with 1-D rotary positions over a fixed run of image tokens per
+#: image (or InternVL tile), from a vision tower at one image size.  Their packed positions are the text row, restarting at every
+#: document; the images travel in row order (``pixel_values`` ``(images, channels, size, size)``).
+FLAT_MODEL_TYPES = ("llava", "internvl")
+#: The vision towers verified with each of :data:`FLAT_MODEL_TYPES` (one fixed image size, each image -- each
+#: InternVL tile -- seen alone).
+FLAT_VISION_TYPES = {"llava": ("clip_vision_model", "siglip_vision_model"), "internvl": ("internvl_vision",)}
+#: The ``vision_feature_select_strategy`` values verified with each of :data:`FLAT_MODEL_TYPES`.
+FLAT_STRATEGIES = {"llava": ("default", "full"), "internvl": ("default",)}
+VERIFIED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", *FLAT_MODEL_TYPES)
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,14 @@ class MropeSpec:
     #: the vision tower; ``None`` (a spec built by hand): not checked.  Not part of equality: it decides no
     #: position.
     patch_width: int | None = field(default=None, compare=False)
+    #: :data:`FLAT_MODEL_TYPES` only: the tokens of one image and the ``(channels, size, size)`` of its pixels.
+    image_tokens: int | None = None
+    image_shape: tuple[int, int, int] | None = field(default=None, compare=False)
+
+    @property
+    def flat(self) -> bool:
+        """1-D positions (the text row): a LLaVA-style model (:data:`FLAT_MODEL_TYPES`)."""
+        return self.model_type in FLAT_MODEL_TYPES
 
     def __post_init__(self) -> None:
         if self.model_type not in VERIFIED_MODEL_TYPES:
@@ -50,6 +70,12 @@ class MropeSpec:
                 f"model_type {self.model_type!r}: packtools computes packed multimodal positions only for "
                 f"{list(VERIFIED_MODEL_TYPES)}; other multimodal models are not verified.",
                 param="model_type",
+            )
+        if self.flat and (not isinstance(self.image_tokens, int) or self.image_tokens < 1):
+            raise PackingError(
+                f"model_type {self.model_type!r} needs image_tokens (the tokens of one image), got "
+                f"{self.image_tokens!r}.",
+                param="image_tokens",
             )
         if int(self.spatial_merge_size) < 1:
             raise PackingError(
@@ -59,7 +85,8 @@ class MropeSpec:
 
     @classmethod
     def from_config(cls, config: Any) -> MropeSpec:
-        """The spec of a transformers config (``Qwen2VLConfig``, ``Qwen2_5_VLConfig``, ``Qwen3VLConfig``)."""
+        """The spec of a transformers config (``Qwen2VLConfig``, ``Qwen2_5_VLConfig``, ``Qwen3VLConfig``,
+        ``LlavaConfig``, ``InternVLConfig``)."""
         model_type = getattr(config, "model_type", None)
         vision = getattr(config, "vision_config", None)
         image = getattr(config, "image_token_id", None)
@@ -69,6 +96,8 @@ class MropeSpec:
                 f"verified; packed multimodal rows are supported for {list(VERIFIED_MODEL_TYPES)}.",
                 param="model",
             )
+        if model_type in FLAT_MODEL_TYPES:
+            return cls._flat_from_config(config, model_type, vision, image)
         video = getattr(config, "video_token_id", None)
         sizes = [getattr(vision, k, None) for k in ("in_channels", "temporal_patch_size", "patch_size")]
         width = sizes[0] * sizes[1] * sizes[2] ** 2 if all(isinstance(v, int) for v in sizes) else None
@@ -79,6 +108,47 @@ class MropeSpec:
             int(vision.spatial_merge_size),
             patch_width=width,
         )
+
+    @classmethod
+    def _flat_from_config(cls, config: Any, model_type: str, vision: Any, image: int) -> MropeSpec:
+        size, patch = (
+            _square(getattr(vision, "image_size", None)),
+            _square(getattr(vision, "patch_size", None)),
+        )
+        strategy = getattr(config, "vision_feature_select_strategy", None)
+        tower = getattr(vision, "model_type", None)
+        if tower not in FLAT_VISION_TYPES[model_type] or size is None or patch is None:
+            raise PackingError(
+                f"{type(config).__name__} with a {tower!r} vision tower: packtools has verified {model_type!r} "
+                f"packed with the vision towers {list(FLAT_VISION_TYPES[model_type])} only (one image size, a fixed "
+                f"number of tokens per image); train this one unpacked.",
+                param="model",
+            )
+        if strategy not in FLAT_STRATEGIES[model_type]:
+            raise PackingError(
+                f"{type(config).__name__}: vision_feature_select_strategy {strategy!r} is not verified "
+                f"({list(FLAT_STRATEGIES[model_type])}).",
+                param="model",
+            )
+        side = size // patch
+        if model_type == "internvl":  # the pixel shuffle keeps side * downsample_ratio tokens a side
+            side = side * float(getattr(config, "downsample_ratio", 1.0))
+            if side != int(side) or side < 1:
+                raise PackingError(
+                    f"{type(config).__name__}: {size // patch} patches a side times downsample_ratio "
+                    f"{config.downsample_ratio} is not a whole number of tokens.",
+                    param="model",
+                )
+        tokens = int(side) ** 2 + (1 if strategy == "full" else 0)
+        shape = (int(getattr(vision, "num_channels", 3)), size, size)
+        return cls(model_type, image, None, 1, image_tokens=tokens, image_shape=shape)
+
+
+def _square(value: Any) -> int | None:
+    """A side given as an int or a square (side, side) pair; ``None`` otherwise."""
+    if isinstance(value, (list, tuple)) and len(value) == 2 and value[0] == value[1]:
+        value = value[0]
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def check_grid(image_grid_thw: Any, name: str, row: int | None = None) -> np.ndarray:

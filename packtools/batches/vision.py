@@ -77,7 +77,9 @@ class MultimodalCollator:
     """Collate processed vision-language rows (packed or one sample each) into one padding-free batch.
 
     ``model`` is the model, its config or an :class:`~packtools.batches.mrope.MropeSpec` (Qwen2-VL,
-    Qwen2.5-VL, Qwen3-VL; others are refused by name).  The text options are those of
+    Qwen2.5-VL, Qwen3-VL, LLaVA, InternVL; others are refused by name).  For these two (``spec.flat``) ``position_ids`` are
+    the text row ``[1, T]``, ``pixel_values`` ``(images, channels, size, size)``, and there is no
+    ``image_grid_thw`` / ``mm_token_type_ids``.  The text options are those of
     :class:`~packtools.batches.collate.PaddingFreeCollator` (``seq_idx`` is off by default: these models have
     no token-mixing layers that read it).  Output keys: ``input_ids``, ``labels`` ``[1, T]``,
     ``position_ids`` ``(4, 1, T)``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``mm_token_type_ids`` ``[1, T]``,
@@ -170,6 +172,12 @@ class MultimodalCollator:
         ]
         flat = flatten_rows(text_rows, self.text.mask_keys)
         batch = self.text.collate_flat(flat)
+        if self.spec.flat:  # 1-D positions: the text row's, restarting at every document
+            pixels = self._flat_images(features, flat)
+            batch["labels"][0, batch["input_ids"][0] == self.spec.image_token_id] = IGNORE_INDEX
+            if pixels:
+                batch["pixel_values"] = np.concatenate(pixels) if len(pixels) > 1 else pixels[0]
+            return to_tensors(batch, self.return_tensors)
         total = int(flat.input_ids.shape[0])
         width = int(batch["input_ids"].shape[1])
         positions = np.empty((4, width), np.int64)
@@ -234,6 +242,63 @@ class MultimodalCollator:
                 grids.append(grid)
                 pixels.append(pix)
         return grids, pixels
+
+    def _flat_images(self, features: Sequence[Mapping[str, Any]], flat: Any) -> list[np.ndarray]:
+        """The rows' ``(images, channels, size, size)`` pixels, in row order, each document's image tokens checked
+        against them: runs of ``image_tokens`` tokens per image (a LLaVA-style spec)."""
+        spec = self.spec
+        per = int(spec.image_tokens or 0)
+        pixels: list[np.ndarray] = []
+        seg_at = tok_at = kept = 0
+        for i, row in enumerate(features):
+            n = len(np.asarray(row["input_ids"]))
+            if row.get("image_grid_thw") is not None and np.asarray(row["image_grid_thw"]).size:
+                raise PackingError(
+                    f"row {i} has 'image_grid_thw' but {spec.model_type!r} takes no image grid: the row was "
+                    f"processed for another model; process it again with this model's processor.",
+                    param="image_grid_thw",
+                )
+            images = 0
+            if n:
+                segs = flat.seg_lengths[seg_at : seg_at + int(flat.segs_per_row[kept])]
+                seg_at += segs.shape[0]
+                kept += 1
+                ids = flat.input_ids[tok_at : tok_at + n]
+                self._check_types(row, i, ids)
+                start = 0
+                for d, length in enumerate(segs.tolist()):
+                    is_img = (ids[start : start + length] == spec.image_token_id).astype(np.int8)
+                    edges = np.flatnonzero(np.diff(np.concatenate([[0], is_img, [0]])))
+                    runs = edges[1::2] - edges[0::2]
+                    if np.any(runs % per):
+                        raise PackingError(
+                            f"row {i}, document {d}: its image tokens (id {spec.image_token_id}) form runs of "
+                            f"{runs.tolist()} tokens, but each image of {spec.model_type!r} is {per} tokens: process "
+                            f"the sample with the model's own processor.",
+                            param="input_ids",
+                        )
+                    images += int(runs.sum()) // per
+                    start += length
+                tok_at += n
+            value = row.get("pixel_values")
+            arr = None if value is None else np.asarray(value)
+            count = 0 if arr is None or arr.size == 0 else int(arr.shape[0])
+            if count and (arr.ndim != 4 or tuple(arr.shape[1:]) != spec.image_shape or arr.dtype.kind != "f"):
+                raise PackingError(
+                    f"row {i}: 'pixel_values' has shape {arr.shape} ({arr.dtype}) but {spec.model_type!r} reads "
+                    f"float images of shape (images, *{spec.image_shape}): process the row with this model's "
+                    f"processor.",
+                    param="pixel_values",
+                )
+            if count != images:
+                raise PackingError(
+                    f"row {i}: 'pixel_values' holds {count} image(s) but its input_ids hold {images} "
+                    f"({per} image tokens each); every image must travel with its sample (re-process the row).",
+                    param="pixel_values",
+                )
+            if count:
+                pixels.append(arr)
+        return pixels
 
     def _check_types(self, row: Mapping[str, Any], i: int, ids: np.ndarray) -> None:
         given = row.get("mm_token_type_ids")

@@ -425,6 +425,8 @@ def has_images(dataset_or_table: Any) -> bool:
 def _check_patches(table: pa.Table) -> None:
     """Every sample's ``pixel_values`` hold exactly the patches its ``image_grid_thw`` announces."""
     missing = [c for c in IMAGE_COLUMNS if c not in table.column_names]
+    if missing == ["image_grid_thw"]:
+        return  # LLaVA-style rows: whole images, one per entry (MultimodalCollator checks them per document)
     if missing:
         raise PackingError(
             f"the rows have image columns but not {missing}: keep both 'pixel_values' and 'image_grid_thw' "
@@ -488,5 +490,6 @@ def pack_vision_table(
     p = plan_whole_samples(lengths, max_length, shuffle=shuffle, seed=seed, where=lambda i: f"sample {i}")
     packed = pack_columns(cols, p, indices)
     for name in IMAGE_COLUMNS:
-        packed = packed.append_column(name, gather_whole_samples(table.column(name), p, indices))
+        if name in table.column_names:  # LLaVA-style rows have no image_grid_thw (_check_patches)
+            packed = packed.append_column(name, gather_whole_samples(table.column(name), p, indices))
     return packed, p

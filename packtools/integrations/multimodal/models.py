@@ -72,6 +72,9 @@ def probe_samples(model: Any, rng: np.random.Generator) -> list[dict[str, Any]]:
     """Processed samples for the probe: images of different sizes (one, none, two) around random text."""
     base = base_model(model)
     config = base.config
+    spec = MropeSpec.from_config(config)
+    if spec.flat:
+        return _flat_probe_samples(config, spec, rng)
     vision = config.vision_config
     merge = int(vision.spatial_merge_size)
     dim = (
@@ -104,6 +107,27 @@ def probe_samples(model: Any, rng: np.random.Generator) -> list[dict[str, Any]]:
     return [sample([(1, 2 * m, 2 * m)], 4), sample([], 6), sample([(1, 2 * m, m), (1, m, 3 * m)], 3)]
 
 
+def _flat_probe_samples(config: Any, spec: MropeSpec, rng: np.random.Generator) -> list[dict[str, Any]]:
+    """The probe's samples for a LLaVA-style model: one image, none, two, each a run of ``image_tokens``."""
+    text = config.get_text_config()
+    special = {spec.image_token_id} | {
+        getattr(text, n, None) for n in ("pad_token_id", "bos_token_id", "eos_token_id")
+    }
+    allowed = np.setdiff1d(np.arange(int(text.vocab_size)), [s for s in special if isinstance(s, int)])
+    shape = spec.image_shape or (3, 1, 1)
+
+    def sample(images: int, words: int) -> dict[str, Any]:
+        ids = list(rng.choice(allowed, words))
+        for _ in range(images):
+            ids += [spec.image_token_id] * int(spec.image_tokens or 0) + list(rng.choice(allowed, 3))
+        row: dict[str, Any] = {"input_ids": np.asarray(ids, np.int64)}
+        if images:
+            row["pixel_values"] = rng.standard_normal((images, *shape)).astype(np.float32)
+        return row
+
+    return [sample(1, 4), sample(0, 6), sample(2, 3)]
+
+
 def _packed_rows(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The first two samples packed in one row, the third alone (with its seq_lengths)."""
     first, second = samples[0], samples[1]
@@ -114,7 +138,8 @@ def _packed_rows(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     images = [s for s in (first, second) if "pixel_values" in s]
     if images:
         row["pixel_values"] = np.concatenate([s["pixel_values"] for s in images])
-        row["image_grid_thw"] = np.concatenate([s["image_grid_thw"] for s in images])
+        if "image_grid_thw" in images[0]:
+            row["image_grid_thw"] = np.concatenate([s["image_grid_thw"] for s in images])
     return [row, {**samples[2], "seq_lengths": [len(samples[2]["input_ids"])]}]
 
 
@@ -158,7 +183,9 @@ def check_vision_isolation(
     def run_alone(sample: dict[str, Any]) -> Any:
         ids = torch.as_tensor(sample["input_ids"][None])
         extra = {}
-        if "pixel_values" in sample:
+        if "pixel_values" in sample and "image_grid_thw" not in sample:  # LLaVA-style: the images alone
+            extra = {"pixel_values": torch.as_tensor(sample["pixel_values"])}
+        elif "pixel_values" in sample:
             extra = {
                 "pixel_values": torch.as_tensor(sample["pixel_values"]),
                 "image_grid_thw": torch.as_tensor(sample["image_grid_thw"]),
