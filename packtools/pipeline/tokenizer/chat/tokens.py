@@ -78,7 +78,7 @@ class ChatTokens:
         self.requested = requested
         self._renderer: Any = None
         # role -> how the template renders a content list of that role (:meth:`_parts_verdict`)
-        self._parts_verdicts: dict[Any, str | None] = {}
+        self._parts_verdicts: dict[str, str | None] = {}
         self.render_engine = ""  # which renderer runs, and why (the part report's ``chat_render``)
 
     # -- the renderer ------------------------------------------------------------------------------
@@ -164,6 +164,8 @@ class ChatTokens:
                 if not isinstance(m.get("content"), list):
                     continue
                 role = m.get("role")
+                if not isinstance(role, str):  # no role the template knows (refused where it renders it)
+                    continue
                 verdict = self._parts_verdicts.get(role, "")
                 if verdict == "":
                     verdict = self._parts_verdicts[role] = self._parts_verdict(role)
@@ -173,15 +175,16 @@ class ChatTokens:
                     "writes such a list as text (\"[{'type': 'text', 'text': ...}]\", Python's repr) instead of "
                     "reading its parts, so the model would train on that repr"
                     if verdict == "prints"
-                    else "drops such a list (it renders a string content only), so the model would not see its text"
+                    else "drops such a list (it renders a string content only), so the model would not see "
+                    "its text"
                 )
                 raise PackingError(
                     f"{where(i)}: column {column!r} turn {turn}: its content is a list of parts, and the chat "
-                    f"template {what} (a {role!r} message). Give each content as a string (join its text parts), or use a chat "
-                    f"template that reads content parts."
+                    f"template {what} (a {role!r} message). Give each content as a string (join its text parts), "
+                    f"or use a chat template that reads content parts."
                 )
 
-    def _parts_verdict(self, role: Any) -> str | None:
+    def _parts_verdict(self, role: str) -> str | None:
         """How the chat template renders a ``role`` message whose content is a list of one text part:
         ``"prints"`` (its repr in the text), ``"drops"`` (its text is missing where a string content shows), or
         None (its text is read; or the probe cannot tell: the template refuses it)."""
