@@ -631,6 +631,46 @@ def test_an_image_column_of_captions_is_refused_with_the_fix(tmp_path):
         pack_files(data, tmp_path / "out", 64, tokenizer=tok)
 
 
+def test_text_parts_with_a_template_that_drops_content_lists_are_refused(tmp_path):
+    """Qwen 3's template renders a content that is no string as '' ({% if message.content is string %}...{% else
+    %}{% set content = '' %}): an assistant turn given as text parts packed as an empty reply (2 tokens trained
+    of the answer's), without a word.  Refused now by line, column and turn; a template that reads parts packs
+    them, and a template that leaves a role out whatever its content (a string there shows no more) is no
+    reason to refuse."""
+    from packtools import pack_files
+    from packtools.testing import tiny_tokenizer
+
+    qwen3 = (
+        "{%- for message in messages %}{%- if message.content is string %}{%- set content = message.content %}"
+        "{%- else %}{%- set content = '' %}{%- endif %}"
+        "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+    tok = tiny_tokenizer(str(tmp_path / "tok"), chat_template=qwen3)
+    answer = {"role": "assistant", "content": [{"type": "text", "text": "the answer", "cache_control": None}]}
+    data = _write(tmp_path / "drops", [{"messages": [{"role": "user", "content": "hi"}, answer]}])
+    with pytest.raises(
+        PackingError,
+        match=r"line 1: column 'messages' turn 1: its content is a list of parts, and the chat template drops",
+    ):
+        pack_files(data, tmp_path / "out", 64, tokenizer=tok)
+    # a template that reads parts: the same row packs, the answer trained
+    reads = tiny_tokenizer(str(tmp_path / "reads"), chat_template=PARTS_TEMPLATE)
+    assert pack_files(data, tmp_path / "r", 64, tokenizer=reads).stats["tokens_trained_in"] > 2
+    # a role the template leaves out whatever its content: not the parts' loss
+    skips = (
+        "{% for m in messages %}{% if m['role'] != 'tool' %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}{{ m['content'][0]['text'] }}{% endif %}"
+        "{{ '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    )
+    skip = tiny_tokenizer(str(tmp_path / "skip"), chat_template=skips)
+    tool = {"role": "tool", "content": [{"type": "text", "text": "42"}]}
+    rows = [{"messages": [{"role": "user", "content": "hi"}, tool, {"role": "assistant", "content": "ok"}]}]
+    assert (
+        pack_files(_write(tmp_path / "tool", rows), tmp_path / "t", 64, tokenizer=skip).stats["rows_in"] == 1
+    )
+
+
 def test_text_parts_with_a_template_that_prints_content_lists_are_refused(tmp_path):
     """Text parts with a chat template that writes ``{{ m['content'] }}`` (many text-only templates do) packed
     "[{'type': 'text', 'text': 'hi'}]" as the user's text, Python's repr and all, without a word (transformers

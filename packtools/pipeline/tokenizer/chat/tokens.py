@@ -77,7 +77,8 @@ class ChatTokens:
         self.bt = bt
         self.requested = requested
         self._renderer: Any = None
-        self._prints_parts: bool | None = None  # whether the template writes a content list as text
+        # role -> how the template renders a content list of that role (:meth:`_parts_verdict`)
+        self._parts_verdicts: dict[str, str | None] = {}
         self.render_engine = ""  # which renderer runs, and why (the part report's ``chat_render``)
 
     # -- the renderer ------------------------------------------------------------------------------
@@ -154,36 +155,62 @@ class ChatTokens:
     def refuse_printed_parts(self, convs: list[list[dict[str, Any]]], where: Any, column: str) -> None:
         """Refuse a content list (of text parts: other parts are refused before, by ``clean_messages``) where
         the chat template writes such a list as text, Python's repr and all (``{{ message['content'] }}``, as
-        many text-only templates do), rather than reading its parts: the model would train on
-        ``[{'type': 'text', 'text': ...}]``.  transformers renders it the same, without a word.  ``where(i)``
-        names conversation ``i``.  The template is probed once, on a one-part conversation."""
-        first = next(
-            (
-                (i, turn)
-                for i, conv in enumerate(convs)
-                for turn, m in enumerate(conv)
-                if isinstance(m.get("content"), list)
-            ),
-            None,
-        )
-        if first is None:
-            return
-        if self._prints_parts is None:
-            probe = [{"role": "user", "content": [{"type": "text", "text": "packtools probe"}]}]
-            try:
-                shown = self.renderer.render(probe, False)
-            except Exception:  # noqa: BLE001 - a template that refuses lists raises on the rows themselves
-                shown = ""
-            # the part itself in the text (not the tools' schemas a template may print beside it)
-            self._prints_parts = "'text': 'packtools probe'" in shown or '"text": "packtools probe"' in shown
-        if self._prints_parts:
-            i, turn = first
-            raise PackingError(
-                f"{where(i)}: column {column!r} turn {turn}: its content is a list of parts, and the chat template "
-                f"writes such a list as text (\"[{{'type': 'text', 'text': ...}}]\", Python's repr) instead of "
-                f"reading its parts, so the model would train on that repr. Give each content as a string (join "
-                f"its text parts), or use a chat template that reads content parts."
-            )
+        many text-only templates do), or drops it (Qwen 3's ``{% if content is string %}...{% else %}''``)
+        rather than reading its parts: the model would train on ``[{'type': 'text', 'text': ...}]``, or on
+        nothing where the text was.  transformers renders it the same, without a word.  ``where(i)`` names
+        conversation ``i``.  The template is probed once per role that holds a list (:meth:`_parts_verdict`)."""
+        for i, conv in enumerate(convs):
+            for turn, m in enumerate(conv):
+                if not isinstance(m.get("content"), list):
+                    continue
+                role = m.get("role")
+                if not isinstance(role, str):  # no role the template knows (refused where it renders it)
+                    continue
+                verdict = self._parts_verdicts.get(role, "")
+                if verdict == "":
+                    verdict = self._parts_verdicts[role] = self._parts_verdict(role)
+                if verdict is None:
+                    continue
+                what = (
+                    "writes such a list as text (\"[{'type': 'text', 'text': ...}]\", Python's repr) instead of "
+                    "reading its parts, so the model would train on that repr"
+                    if verdict == "prints"
+                    else "drops such a list (it renders a string content only), so the model would not see "
+                    "its text"
+                )
+                raise PackingError(
+                    f"{where(i)}: column {column!r} turn {turn}: its content is a list of parts, and the chat "
+                    f"template {what} (a {role!r} message). Give each content as a string (join its text parts), "
+                    f"or use a chat template that reads content parts."
+                )
+
+    def _parts_verdict(self, role: str) -> str | None:
+        """How the chat template renders a ``role`` message whose content is a list of one text part:
+        ``"prints"`` (its repr in the text), ``"drops"`` (its text is missing where a string content shows), or
+        None (its text is read; or the probe cannot tell: the template refuses it)."""
+        text = "packtools probe"
+
+        def conv(content: Any) -> list[dict[str, Any]]:
+            if role == "user":
+                return [{"role": "user", "content": content}]
+            if role == "system":
+                return [{"role": "system", "content": content}, {"role": "user", "content": "question"}]
+            return [{"role": "user", "content": "question"}, {"role": role, "content": content}]
+
+        try:
+            shown = self.renderer.render(conv([{"type": "text", "text": text}]), False)
+        except Exception:  # noqa: BLE001 - a template that refuses lists raises on the rows themselves
+            return None
+        # the part itself in the text (not the tools' schemas a template may print beside it)
+        if f"'text': '{text}'" in shown or f'"text": "{text}"' in shown:
+            return "prints"
+        if text in shown:
+            return None
+        try:  # dropped: only where a string content of that role shows (a template may drop a role wholly)
+            plain = self.renderer.render(conv(text), False)
+        except Exception:  # noqa: BLE001
+            return None
+        return "drops" if text in plain else None
 
     def set_tools(self, tools: Any) -> None:
         """The tool schemas the renderings that follow pass to the template (None: none)."""
