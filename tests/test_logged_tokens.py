@@ -149,15 +149,17 @@ def test_two_processes_with_and_without_an_attention_mask_count_every_token(tmp_
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
         "--master_port", str(port), str(root / "tests" / "_logged_tokens_worker.py"), str(tmp_path),
     ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        _, err = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # torchrun and its workers (their own session)
-        proc.communicate()
-        pytest.fail("2 processes hung in the logged token count (a gather on some processes only)")
-    assert proc.returncode == 0, err[-4000:]
+    # torchrun's workers run in sessions of their own: on a hang, SIGTERM to torchrun stops them (it forwards
+    # the signal); output goes to a file, which no leftover process can keep the test waiting on
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            proc.wait(timeout=60)
+            pytest.fail("2 processes hung in the logged token count (a gather on some processes only)")
+    assert proc.returncode == 0, log.read_text()[-4000:]
     logged = torch.load(tmp_path / "tokens.pt")
     assert logged == [[24.0, 48.0, 72.0, 96.0]] * 2
