@@ -194,9 +194,11 @@ def train_metrics(trainer: Any) -> dict[str, list[float]]:
     return found
 
 
-#: The same for TRL 1.16's ``RewardTrainer.compute_loss`` (``mean_reward`` is over both scores of each pair;
-#: ``min_reward`` / ``max_reward`` are extremes, not means: left as TRL logs them).
-REWARD_METRIC_UNITS = {"mean_reward": "pairs", "accuracy": "pairs", "margin": "pairs"}
+#: The same for TRL 1.16's ``RewardTrainer.compute_loss``: ``mean_reward`` is over both scores of each pair of
+#: every process; ``accuracy`` and ``margin`` are means of each process's own mean (not over the pairs of every
+#: process: ``preference.reward.set_pair_means`` recomputes them); ``min_reward`` / ``max_reward`` are extremes,
+#: not means: left as TRL logs them.
+REWARD_METRIC_UNITS = {"mean_reward": "pairs"}
 
 
 def weigh_new_metrics(
