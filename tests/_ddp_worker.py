@@ -131,8 +131,9 @@ def run_dpo(out, packed, share_prompt=False, **prepare):
     from packtools.dpo import pack_preference
 
     trainer = test_dpo.build(
-        Path(out), n=24, per_device_train_batch_size=1, gradient_accumulation_steps=2, num_train_epochs=1
-    )
+        Path(out), n=24, per_device_train_batch_size=1, gradient_accumulation_steps=2, num_train_epochs=1,
+        logging_strategy="steps", logging_steps=1,
+    )  # fmt: skip
     dataset = None
     if packed:
         indexed = trainer.train_dataset.add_column("pair", list(range(len(trainer.train_dataset))))
@@ -141,7 +142,7 @@ def run_dpo(out, packed, share_prompt=False, **prepare):
     prepare_dpo_trainer(trainer, train_dataset=dataset, **prepare)
     recorder = Recorder(trainer.data_collator, pair_key)
     trainer.data_collator = recorder
-    return train_recorded(trainer, recorder, trainer.model)
+    return {**train_recorded(trainer, recorder, trainer.model), "logged": trainer.state.log_history[0]}
 
 
 def check_dpo(out):

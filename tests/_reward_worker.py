@@ -4,7 +4,7 @@ Usage: ``torchrun --nproc_per_node 2 tests/_reward_worker.py OUT_DIR``.  Trains 
 ``prepare_reward_trainer`` (tiny Llama, fp32, SGD lr 1, no clipping, margins) on TRL's own batches, on packed
 pair rows, and on packed rows by token budget, and records per rank: the pairs of every micro-batch in the
 order drawn (as ``(chosen_ids, rejected_ids)``), the parameter change of the first optimizer step and the
-number of steps; and one KTO optimizer step, TRL's padded and ``prepare_kto_trainer``'s.  Results of rank ``r`` go to ``OUT_DIR/rank{r}.pt``.
+number of steps, the metrics logged at the first step; and one KTO optimizer step, TRL's padded and ``prepare_kto_trainer``'s.  Results of rank ``r`` go to ``OUT_DIR/rank{r}.pt``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def run(out, packed, **prepare):
 
     trainer = test_reward.build(
         Path(out), n=24, margin=True, per_device_train_batch_size=2, gradient_accumulation_steps=GA,
-        num_train_epochs=1,
+        num_train_epochs=1, logging_strategy="steps", logging_steps=1,
     )  # fmt: skip
     dataset = pack_reward_pairs(trainer.train_dataset, 80) if packed else None
     if packed:
@@ -60,7 +60,12 @@ def run(out, packed, **prepare):
     first = FirstStep(trainer.model)
     trainer.add_callback(first)
     trainer.train()
-    return {"batches": recorder.batches, "delta": first.delta, "steps": trainer.state.global_step}
+    return {
+        "batches": recorder.batches,
+        "delta": first.delta,
+        "steps": trainer.state.global_step,
+        "logged": trainer.state.log_history[0],  # the first optimizer step's metrics
+    }
 
 
 def run_kto(out, prepared):

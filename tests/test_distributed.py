@@ -281,6 +281,22 @@ def test_dpo_step_equals_one_process_and_epoch_covers_every_pair_once(ranks, dpo
         assert rel(res[name]["delta"], whole) < TOL
 
 
+@pytest.mark.parametrize("name", DPO)
+def test_dpo_logged_metrics_are_those_of_every_pair_of_the_step(ranks, dpo_reference, name):
+    """The first step's logged rewards, log-probs, logits, entropy and accuracy, on both ranks, are TRL's on all
+    the step's pairs at once: the micro-batches' pair counts differ across the ranks and the micro-batches."""
+    import test_dpo
+
+    ok(ranks, name)
+    reference, index = dpo_reference
+    per_rank = [[p for key in keys for p in pair_ids(key, index)] for keys in first_step_rows(ranks, name)]
+    whole = test_dpo.loss_metrics_grads(reference, test_dpo.trl_batch(reference, sum(per_rank, [])))[1]
+    for res in ranks:
+        logged = res[name]["logged"]
+        bad = {k: (logged[k], whole[k]) for k in test_dpo.METRICS[:-1] if abs(logged[k] - whole[k]) > 1e-5}
+        assert not bad, bad
+
+
 def test_dpo_negative_control_the_mean_of_per_rank_means_is_another_step(ranks, dpo_reference):
     """Where the ranks' first steps held different numbers of pairs, averaging each rank's own pair mean (what
     DDP does with TRL's loss alone) gives another update than the one the ranks made."""

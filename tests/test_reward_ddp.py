@@ -90,6 +90,22 @@ def test_step_equals_one_process_and_epoch_covers_every_pair_once(ranks, referen
         assert test_reward.rel(res[name]["delta"], whole) < TOL
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_logged_metrics_are_the_means_over_every_pair_of_the_step(ranks, reference, name):
+    """The accuracy, margin and mean reward logged at the first step are TRL's on all its pairs at once, on every
+    rank.  TRL averages each process's own mean of accuracy and margin: with packed micro-batches of unequal pair
+    counts across the processes (2 and 3 pairs) the log was 0.409 for 0.455, the margin of the wrong sign."""
+    import test_reward
+
+    trainer, index = reference
+    pairs = sum((step_pairs(res, index, name) for res in ranks), [])
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in pairs])
+    whole = test_reward.loss_metrics_grads(trainer, batch)[1]
+    for res in ranks:
+        for key in ("accuracy", "margin", "mean_reward"):
+            assert res[name]["logged"][key] == pytest.approx(whole[key], abs=1e-6), (key, res[name]["logged"])
+
+
 def test_negative_control_the_mean_of_per_rank_means_is_another_step(ranks, reference):
     import test_reward
 

@@ -139,11 +139,14 @@ def count_every_position(trainer: Any, inputs: Any) -> None:
     padding_free=False)``'s ``[B, T]``, a ``(3 | 4, B, T)`` position tensor) holds ``input_ids.numel()``
     positions, of which TRL counted one row's width (47 tokens logged for 75 in the regression test): this adds
     the rest, on every process (one gather, as TRL's).  Call it after ``SFTTrainer.compute_loss``; it does nothing
-    for other trainers, in evaluation, or for batches with an ``attention_mask``.
+    for other trainers or in evaluation, and adds 0 for a batch with an ``attention_mask`` (TRL counted its mask).
+    The gather runs on every process whatever its batch holds: ``PaddingFreeCollator(padding_free=False)`` gives
+    a batch of single-sequence rows an ``attention_mask`` and one with a packed row none, so at one step the
+    processes may hold either (a gather on some only left the others waiting: 2 processes hung).
     """
     if not any(f"{c.__module__}.{c.__qualname__}" == _SFT_TRAINER for c in type(trainer).__mro__):
         return
-    if not trainer.model.training or "attention_mask" in inputs or "position_ids" not in inputs:
+    if not trainer.model.training:
         return
     metrics = getattr(trainer, "_metrics", None)
     if (
@@ -157,8 +160,10 @@ def count_every_position(trainer: Any, inputs: Any) -> None:
         )
     import torch
 
-    ids, positions = inputs["input_ids"], inputs["position_ids"]
-    rest = torch.tensor(ids.numel() - positions.size(1), device=ids.device)
+    ids, positions = inputs.get("input_ids"), inputs.get("position_ids")
+    counted = "attention_mask" in inputs or ids is None or positions is None  # TRL's count is the batch's
+    device = trainer.accelerator.device if ids is None else ids.device
+    rest = torch.tensor(0 if counted else ids.numel() - positions.size(1), device=device)
     trainer._total_train_tokens += trainer.accelerator.gather(rest).sum().item() // trainer._tp_size
     metrics["train"]["num_tokens"] = [trainer._total_train_tokens]  # what TRL logs, set before this call
 
@@ -189,9 +194,11 @@ def train_metrics(trainer: Any) -> dict[str, list[float]]:
     return found
 
 
-#: The same for TRL 1.16's ``RewardTrainer.compute_loss`` (``mean_reward`` is over both scores of each pair;
-#: ``min_reward`` / ``max_reward`` are extremes, not means: left as TRL logs them).
-REWARD_METRIC_UNITS = {"mean_reward": "pairs", "accuracy": "pairs", "margin": "pairs"}
+#: The same for TRL 1.16's ``RewardTrainer.compute_loss``: ``mean_reward`` is over both scores of each pair of
+#: every process; ``accuracy`` and ``margin`` are means of each process's own mean (not over the pairs of every
+#: process: ``preference.reward.set_pair_means`` recomputes them); ``min_reward`` / ``max_reward`` are extremes,
+#: not means: left as TRL logs them.
+REWARD_METRIC_UNITS = {"mean_reward": "pairs"}
 
 
 def weigh_new_metrics(

@@ -112,17 +112,39 @@ class PackedRewardStep(StepOwner):
         lengths = {k: len(v) for k, v in train_metrics(self).items()} if training else {}
         with uneven_gather(self.accelerator):  # type: ignore[attr-defined]  # ranks hold different pair counts
             result = super().compute_loss(  # type: ignore[misc]
-                ScoredRow(model, batch), dict(batch.view), return_outputs, num_items_in_batch
+                ScoredRow(model, batch), dict(batch.view), training or return_outputs, num_items_in_batch
             )
         if not training:
             return result
+        loss, outputs = result
         # TRL logs the mean of its micro-batches' pair means: weigh each by its share of the step's pairs
         mine = step_pairs(self, batch.pairs, batch.view["input_ids"].device)
         share = mine * run.step.micro_batches / run.step.pairs
         weigh_new_metrics(self, lengths, {"pairs": share}, REWARD_METRIC_UNITS)
-        loss = result[0] if return_outputs else result
+        set_pair_means(self, outputs, lengths, run.step.micro_batches / run.step.pairs)
         loss = pair_mean_share(self, loss, batch.pairs, run.step.pairs, num_items_in_batch)
-        return (loss, result[1]) if return_outputs else loss
+        return (loss, outputs) if return_outputs else loss
+
+
+def set_pair_means(trainer: Any, outputs: Any, lengths: dict[str, int], scale: float) -> None:
+    """Replace the ``accuracy`` and ``margin`` TRL 1.16's ``RewardTrainer`` just logged by the micro-batch's sums
+    over the pairs of every process times ``scale`` (``micro-batches / step pairs``: the step's means once ``log``
+    averages its values).
+
+    TRL gathers each process's *own* mean of them and averages those means: right for processes of equal pair
+    counts (TRL's batches), not for packed micro-batches, whose processes hold different numbers of pairs (2
+    processes of 2 and 3 pairs: accuracy 0.409 logged for 0.455 over the step's pairs, margin of the wrong sign).
+    ``outputs.logits``: the micro-batch's scores as TRL reads them (chosen half first)."""
+    torch = require("torch", "packtools reward metrics")
+    chosen, rejected = torch.chunk(outputs.logits.detach().squeeze(-1).float(), chunks=2)
+    sums = torch.stack([(chosen > rejected).float().sum(), (chosen - rejected).sum()])
+    if int(trainer.args.world_size) > 1:
+        sums = trainer.accelerator.gather(sums[None]).sum(0) / plan_of(trainer).layout.peers
+    metrics = train_metrics(trainer)
+    for i, key in enumerate(("accuracy", "margin")):
+        values = metrics.get(key)
+        if values is not None and len(values) == lengths.get(key, 0) + 1:
+            values[-1] = float(sums[i]) * scale
 
 
 def _check_trainer(trainer: Any) -> None:
