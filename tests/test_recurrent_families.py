@@ -208,3 +208,16 @@ def test_an_attention_model_whose_positions_reach_nothing_is_still_refused():
 
     with pytest.raises(PackingError, match="takes no position_ids"):
         check_attention_implementation(Model())
+
+
+def test_mamba1_blocks_never_take_the_varlen_kernel_path(monkeypatch):
+    """Mamba-1 blocks call their mixer with the hidden states, cache and mask only (transformers 5.25), so the
+    seq_idx of the varlen path would never reach a kernel: they run per document even with the kernels installed."""
+    from types import SimpleNamespace
+
+    from packtools.integrations.attention import mixers
+
+    monkeypatch.setattr(mixers.importlib.util, "find_spec", lambda name: object())  # every kernel "installed"
+    cuda = SimpleNamespace(type="cuda")
+    blocks = {name: type(name, (), {})() for name in ("MambaBlock", "FalconMambaBlock", "Mamba2Block")}
+    assert [mixers.kernel_ready(block, cuda) for block in blocks.values()] == [False, False, True]

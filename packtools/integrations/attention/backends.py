@@ -346,7 +346,7 @@ def token_mixing_layers(model: Any, *, include_handled: bool = False) -> list[st
             found.append(parent)
         elif (
             any(part in cls for part in _MIXER_NAMES)
-            and not cls.endswith(("Model", "ForCausalLM"))
+            and not cls.endswith(("Model", "ForCausalLM", "Norm"))  # a norm (MambaRMSNorm) mixes no tokens
             and not hasattr(module, "is_causal")
         ):
             found.append(name)

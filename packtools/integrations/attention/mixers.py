@@ -492,16 +492,14 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
         )
 
     #: the running forwards of the model above its decoder, innermost last (a probe may run one inside another,
-    #: from a pre-hook): their documents, and the position_ids and mask they came from
+    #: from a pre-hook): their documents, and the inputs they came from (_BOUNDARY_KEYS)
     outer: list[dict[str, Any]] = []
 
     def top(
         module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        found = segments_of(kwargs)
-        outer.append(
-            dict(segments=found, positions=kwargs.get("position_ids"), mask=kwargs.get("attention_mask"))
-        )
+        outer.append({k: kwargs.get(k) for k in _BOUNDARY_KEYS})
+        outer[-1]["segments"] = segments_of(kwargs)
         return args, kwargs
 
     def top_done(module: Any, args: tuple[Any, ...], output: Any) -> None:
@@ -554,17 +552,20 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
     return result
 
 
+#: The inputs :func:`segments_of` reads the documents from.
+_BOUNDARY_KEYS = ("position_ids", "seq_idx", "cu_seq_lens_q", "attention_mask")
+
+
 def _decoder_segments(kwargs: dict[str, Any], outer: Mapping[str, Any] | None) -> Segments | None:
-    """The documents of a decoder forward's inputs (:func:`segments_of`); where it is given no boundaries at all
-    (no ``position_ids``, ``seq_idx`` or ``cu_seq_lens_q``: transformers 5.25's MambaForCausalLM hands its
-    backbone none), those of the model's forward running above it (``outer``); and those too, without a second
-    host sync, where the decoder got the very ``position_ids`` that forward did.  Either way only with the same
-    ``attention_mask`` (or none)."""
-    if outer and not generating(kwargs):
-        positions, seq_idx, cu = (kwargs.get(k) for k in ("position_ids", "seq_idx", "cu_seq_lens_q"))
-        mask = kwargs.get("attention_mask")
-        unbounded = positions is None or positions is outer["positions"]
-        if unbounded and seq_idx is None and cu is None and (mask is None or mask is outer["mask"]):
+    """The documents of a decoder forward's inputs (:func:`segments_of`); those of the model's forward running
+    above it (``outer``) where the decoder got the very inputs they came from (no second host sync), or no
+    boundaries at all (no ``position_ids``, ``seq_idx`` or ``cu_seq_lens_q``, its mask that forward's or none:
+    transformers 5.25's MambaForCausalLM hands its backbone none)."""
+    if outer is not None and not generating(kwargs):
+        got = [kwargs.get(k) for k in _BOUNDARY_KEYS]
+        if all(g is outer[k] for g, k in zip(got, _BOUNDARY_KEYS)):
+            return outer["segments"]
+        if all(g is None for g in got[:3]) and (got[3] is None or got[3] is outer["attention_mask"]):
             return outer["segments"]
     return segments_of(kwargs)
 
