@@ -292,10 +292,16 @@ def markdown(cells: list[Cell], archs: list[Family]) -> str:
         "`prepare_trainer` and `prepare_dpo_trainer` run those layers document by document, each from a zero state "
         "as the model runs a document alone (`packtools.integrations.attention.mixers`; on CUDA with causal-conv1d, "
         "mamba-ssm or flash-linear-attention installed, their varlen kernels instead), and each cell here is "
-        "checked with that in place. GPT-OSS builds its attention masks without `position_ids`; packtools hands "
+        "checked with that in place. The recurrent models with no attention at all (Mamba, Falcon-Mamba, "
+        "Mamba-2) are run the same way: every block per document (Mamba-1's blocks always, as they hand their "
+        "mixer no `seq_idx`), their documents found from `position_ids` (MambaForCausalLM hands its backbone none: "
+        "from its own forward's). RWKV and xLSTM, whose blocks return their state along with the hidden states, "
+        "are refused by name. GPT-OSS builds its attention masks without `position_ids`; packtools hands "
         "it the masks built from them. The *DPO log-probs* column runs the same tiny model through the padding-free "
         "forward `prepare_dpo_trainer` installs: four sequences as TRL's padded batch, their summed log-probs and the "
-        "gradients of those against each sequence alone (largest relative difference; tolerance 1e-5).",
+        "gradients of those against each sequence alone (largest relative difference; tolerance 1e-5). The Whisper "
+        "decoder's own loss does not shift its labels; `prepare_trainer` gives its Trainer packtools' "
+        "next-token loss.",
         "",
     ]
     return "\n".join(lines)

@@ -61,6 +61,8 @@ _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 _LINEAR = dict(
     linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8
 )
+#: Pure state-space models: a scan state of 8, a convolution of 4 tokens.
+_SSM = {"state_size": 8, "conv_kernel": 4, "expand": 2}
 _MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8)
 
 
@@ -297,6 +299,36 @@ FAMILIES = (
             "head_dim": 8,
         },
         "partial rotary, MoE with shared expert",
+    ),
+    Family("Mamba", "MambaForCausalLM", "MambaConfig", _SSM, "recurrent, no attention: Mamba selective scan"),
+    Family(
+        "Falcon-Mamba",
+        "FalconMambaForCausalLM",
+        "FalconMambaConfig",
+        _SSM,
+        "recurrent, no attention: Mamba with B/C/dt norms",
+    ),
+    Family(
+        "Mamba-2",
+        "Mamba2ForCausalLM",
+        "Mamba2Config",
+        {**_SSM, "num_heads": 4, "head_dim": 16, "n_groups": 1, "chunk_size": 8},
+        "recurrent, no attention: Mamba-2 chunked scan (8)",
+    ),
+    Family(
+        "Whisper decoder",
+        "WhisperForCausalLM",
+        "WhisperConfig",
+        {
+            "decoder_layers": 2,
+            "decoder_attention_heads": 4,
+            "decoder_ffn_dim": 64,
+            "encoder_layers": 1,
+            "encoder_ffn_dim": 64,
+            "max_target_positions": 128,
+            "decoder_start_token_id": 1,
+        },
+        "decoder-only Whisper: learned positions, position_ids through **kwargs",
     ),
 )
 

@@ -23,7 +23,7 @@ def test_import_is_light():
         "sorted(m for m in ('torch', 'transformers', 'tokenizers', 'packtools.integrations') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["28", "[]"]
+    assert out.split() == ["32", "[]"]
 
 
 def test_unknown_family_is_refused_with_the_names():

@@ -177,6 +177,7 @@ def check_attention_implementation(model: Any) -> str:
     check_not_compiled(model)
     check_multimodal(model)
     check_row_pooling(model)
+    check_recurrent(model)
     impl = attention_implementation(model)
     if impl is None:
         raise PackingError(
@@ -207,11 +208,66 @@ def check_attention_implementation(model: Any) -> str:
             f"attn_implementation='flash_attention_2'."
         )
     if not is_flash(impl) and not forward_accepts(model, "position_ids", named=True):
-        raise PackingError(
-            f"{type(base_model(model)).__name__}.forward takes no position_ids, so with {impl!r} attention it "
-            f"cannot separate packed sequences. Use attn_implementation='flash_attention_2', or do not pack."
-        )
+        if not (positions_reach_decoder(model) or attention_free(model)):
+            raise PackingError(
+                f"{type(base_model(model)).__name__}.forward takes no position_ids, so with {impl!r} attention it "
+                f"cannot separate packed sequences. Use attn_implementation='flash_attention_2', or do not pack."
+            )
+        # else: position_ids travel through **kwargs to a decoder that names them, or the model has no
+        # attention that would read them; the isolation probe measures the packed batch (prepare_trainer's, or
+        # guard_model's at the first packed batch)
     return impl
+
+
+#: Recurrent model types (no attention) that packtools cannot keep packed documents apart in, and why (checked in
+#: transformers 5.25).  Refused by :func:`check_recurrent` whatever the backend: nothing in them reads
+#: ``position_ids``, and their recurrent layers cannot be run per document.
+UNPACKABLE_RECURRENT = {
+    "rwkv": "its RWKV blocks carry their recurrent state from token to token and take no document boundaries; "
+    "they return (hidden states, state) tuples that packtools cannot run per document",
+    "xlstm": "its xLSTM blocks carry their recurrent state from token to token and take no document boundaries; "
+    "they return (hidden states, state) tuples that packtools cannot run per document",
+}
+
+
+def check_recurrent(model: Any) -> None:
+    """Refuse a recurrent model type of :data:`UNPACKABLE_RECURRENT`, naming what is missing: its state would run
+    from one packed document into the next with no error."""
+    base = base_model(model)
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    if model_type not in UNPACKABLE_RECURRENT:
+        return
+    raise PackingError(
+        f"{type(base).__name__} (model_type {model_type!r}) is a recurrent model with no attention: "
+        f"{UNPACKABLE_RECURRENT[model_type]}. On a packed row each document's state would start where the "
+        f"previous one ended, with no error. Train it unpacked (one document per row, padded); Mamba, "
+        f"Falcon-Mamba and Mamba-2 models pack exactly.",
+        param="model",
+    )
+
+
+def positions_reach_decoder(model: Any) -> bool:
+    """Whether ``position_ids`` can reach the model's decoder though its own ``forward`` does not name them: it
+    takes ``**kwargs`` and its decoder (``get_decoder()``) names ``position_ids`` (transformers 5.25's
+    WhisperForCausalLM hands its keyword arguments to its decoder).  Whether they do is measured by the probe."""
+    base = base_model(model)
+    decoder = base.get_decoder() if callable(getattr(base, "get_decoder", None)) else None
+    if decoder is None or decoder is base or not callable(getattr(decoder, "forward", None)):
+        return False
+    return forward_accepts(base, "position_ids") and forward_accepts(decoder, "position_ids", named=True)
+
+
+def attention_free(model: Any) -> bool:
+    """Whether the model has token-mixing layers (:func:`token_mixing_layers`, handled ones included) and no
+    attention module (transformers' attention classes set ``is_causal``): its documents are kept apart by running
+    those layers per document (:mod:`packtools.integrations.attention.mixers`), and ``position_ids`` mean nothing
+    to it (transformers 5.25's Mamba-2).  Whether they are is measured by the probe."""
+    base = base_model(model)
+    if not callable(getattr(base, "named_modules", None)):
+        return False
+    if any(hasattr(m, "is_causal") for _, m in base.named_modules()):
+        return False
+    return bool(token_mixing_layers(base, include_handled=True))
 
 
 #: Model types whose attention always adds ALiBi biases (others say so in ``config.alibi``, e.g. Falcon).
@@ -290,7 +346,7 @@ def token_mixing_layers(model: Any, *, include_handled: bool = False) -> list[st
             found.append(parent)
         elif (
             any(part in cls for part in _MIXER_NAMES)
-            and not cls.endswith(("Model", "ForCausalLM"))
+            and not cls.endswith(("Model", "ForCausalLM", "Norm"))  # a norm (MambaRMSNorm) mixes no tokens
             and not hasattr(module, "is_causal")
         ):
             found.append(name)

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..._optional import require
-from ...compat.torch import forward_pre_hook
+from ...compat.torch import forward_hook, forward_pre_hook
 from ...compat.transformers import document_scan, packed_position_masks, replace_mixer_forward
 from ...constants import VARLEN_KEYS
 from ...errors import PackingError
@@ -83,6 +83,10 @@ KERNELS = (
 #: layer run over the whole row (docs/training.md, ``benchmarks/bench_mixers.py``).  The delta-rule layers hold
 #: less per document than over the row (the row pads to the scan's chunk) and keep theirs.
 RECOMPUTED = ("Mamba", "Mixer", "ShortConv")
+#: Layers (by class name) whose forward hands their mixer no ``seq_idx`` / ``cu_seq_lens`` (transformers 5.25's
+#: Mamba-1 blocks call it with the hidden states, cache and mask only, and Mamba-1's scan reads no ``seq_idx``):
+#: they take the per-document path even where the varlen kernels are installed.
+NO_VARLEN = ("MambaBlock", "FalconMambaBlock")
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,8 @@ def kernel_ready(module: Any, device: Any) -> bool:
     if getattr(device, "type", None) != "cuda":
         return False
     name = type(module).__name__
+    if name in NO_VARLEN:
+        return False
     for part, packages in KERNELS:
         if part in name:
             return all(importlib.util.find_spec(p) is not None for p in packages)
@@ -485,10 +491,25 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
             f"whose forward packtools can read the documents from. Do not pack for this model."
         )
 
+    #: the running forwards of the model above its decoder, innermost last (a probe may run one inside another,
+    #: from a pre-hook): their documents, and the inputs they came from (_BOUNDARY_KEYS)
+    outer: list[dict[str, Any]] = []
+
+    def top(
+        module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        outer.append({k: kwargs.get(k) for k in _BOUNDARY_KEYS})
+        outer[-1]["segments"] = segments_of(kwargs)
+        return args, kwargs
+
+    def top_done(module: Any, args: tuple[Any, ...], output: Any) -> None:
+        if outer:  # called even when the forward raised (forward_hook)
+            outer.pop()
+
     def hook(
         module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        segments = segments_of(kwargs)
+        segments = _decoder_segments(kwargs, outer[-1] if outer else None)
         if mixers:  # None too: the layers then know the row has no documents to split (_layer_hooks)
             kwargs[SEGMENTS_KEY] = segments
         if segments is None:
@@ -503,6 +524,12 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
     try:
         modules = dict(base.named_modules())
         modes, recomputed = {}, []
+        forward_pre_hook(decoder, hook, owner=result)  # before the layer hooks: a decoder may be that layer
+        if (
+            mixers and decoder is not base
+        ):  # a model that does not hand its decoder the position_ids (Mamba-1)
+            forward_pre_hook(base, top, owner=result)
+            forward_hook(base, top_done, owner=result)
         for name in mixers:
             module = modules[name]
             param = next(iter(module.parameters()), None)
@@ -515,7 +542,6 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
             if wrapper.recompute and not kernel:
                 recomputed.append(name)
 
-        forward_pre_hook(decoder, hook, owner=result)
         result.modes, result.recomputed = modes, tuple(recomputed)
         set_attr(base, _ATTR, result, owner=result)
     except BaseException:
@@ -524,6 +550,24 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
     _use(result, owner)
     logging.getLogger("packtools").info("packtools: %s", result.summary())
     return result
+
+
+#: The inputs :func:`segments_of` reads the documents from.
+_BOUNDARY_KEYS = ("position_ids", "seq_idx", "cu_seq_lens_q", "attention_mask")
+
+
+def _decoder_segments(kwargs: dict[str, Any], outer: Mapping[str, Any] | None) -> Segments | None:
+    """The documents of a decoder forward's inputs (:func:`segments_of`); those of the model's forward running
+    above it (``outer``) where the decoder got the very inputs they came from (no second host sync), or no
+    boundaries at all (no ``position_ids``, ``seq_idx`` or ``cu_seq_lens_q``, its mask that forward's or none:
+    transformers 5.25's MambaForCausalLM hands its backbone none)."""
+    if outer is not None and not generating(kwargs):
+        got = [kwargs.get(k) for k in _BOUNDARY_KEYS]
+        if all(g is outer[k] for g, k in zip(got, _BOUNDARY_KEYS)):
+            return outer["segments"]
+        if all(g is None for g in got[:3]) and (got[3] is None or got[3] is outer["attention_mask"]):
+            return outer["segments"]
+    return segments_of(kwargs)
 
 
 def _use(done: DocumentMixers, owner: Any) -> None:

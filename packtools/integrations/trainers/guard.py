@@ -21,6 +21,7 @@ from ...errors import PackingError
 from ..attention.backends import (
     attention_implementation,
     base_model,
+    check_recurrent,
     check_row_pooling,
     is_flash,
     token_mixing_layers,
@@ -434,6 +435,7 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
 
     refuse_encoder_decoder(model, "guard_model")
     check_row_pooling(model)  # a leak the probe's short rows cannot measure: refused from the config
+    check_recurrent(model)  # its state runs across documents and nothing can split it: refused by type
     if check_isolation:
         check_sharded_probe(model)
     mixers = tuple(token_mixing_layers(model))

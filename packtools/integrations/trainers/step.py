@@ -29,6 +29,7 @@ from ...batches.context_parallel import CP_KEY
 from ...compat import record, set_attr
 from ...compat.trl import count_every_position, train_metrics, weigh_new_metrics
 from ...errors import PackingError
+from ..attention.backends import base_model
 from ..parallel.distributed import trainer_divides_by_accumulation, uneven_gather
 from ..parallel.layout import RankLayout
 from .loader import train_loader
@@ -423,12 +424,21 @@ def check_loss_owner(trainer: Any, loss: str) -> None:
         )
 
 
+#: Model types whose causal-LM loss does not shift its labels (they are to come shifted already), checked in
+#: transformers 5.25: WhisperForCausalLM's ``CrossEntropyLoss(logits, labels)``.  PaddingFreeCollator's labels are
+#: the tokens themselves (the loss shifts them), so that loss would train each token to predict itself.
+UNSHIFTED_LOSS = ("whisper",)
+
+
 def use_causal_lm_loss(trainer: Any) -> None:
-    """Give a trainer whose model takes no loss kwargs (so ``Trainer`` cannot pass it ``num_items_in_batch``)
-    packtools' :func:`~packtools.integrations.trainers.sft.causal_lm_loss` as ``compute_loss_func`` (``Trainer``'s public
+    """Give a trainer whose model takes no loss kwargs (so ``Trainer`` cannot pass it ``num_items_in_batch``), or
+    whose model's loss does not shift its labels (:data:`UNSHIFTED_LOSS`), packtools'
+    :func:`~packtools.integrations.trainers.sft.causal_lm_loss` as ``compute_loss_func`` (``Trainer``'s public
     hook, recorded), unless it has a loss function or label smoother of its own."""
+    config = getattr(base_model(trainer.model), "config", None)
+    unshifted = getattr(config, "model_type", None) in UNSHIFTED_LOSS
     if (
-        getattr(trainer, "model_accepts_loss_kwargs", True)
+        (getattr(trainer, "model_accepts_loss_kwargs", True) and not unshifted)
         or trainer.compute_loss_func is not None
         or trainer.label_smoother is not None
     ):
