@@ -46,7 +46,7 @@ def tiny(family: str, impl: str):
     return tiny_llava(impl) if family == "llava" else tiny_internvl(impl)
 
 
-def tiny_llava(impl: str, **extra):
+def tiny_llava(impl: str, tower: str = "clip", **extra):
     vision = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
         patch_size=14, projection_dim=32,
@@ -56,21 +56,22 @@ def tiny_llava(impl: str, **extra):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
     )  # fmt: skip
     config = transformers.LlavaConfig(
-        vision_config=transformers.CLIPVisionConfig(**vision), text_config=text, image_token_id=IMAGE,
+        vision_config=(transformers.CLIPVisionConfig if tower == "clip" else transformers.SiglipVisionConfig)(**vision),
+        text_config=text, image_token_id=IMAGE,
         image_seq_length=PER_IMAGE, attn_implementation=impl, **extra,
     )  # fmt: skip
     torch.manual_seed(0)
     return transformers.LlavaForConditionalGeneration(config).float()
 
 
-def samples(seed: int = 0, side: int = 28) -> list[dict]:
+def samples(seed: int = 0, side: int = 28, per: int = PER_IMAGE) -> list[dict]:
     """Samples with 1, 0, 2, 1 and 0 images (image runs within the text) of 9 to 24 tokens."""
     rng = np.random.default_rng(seed)
     out = []
     for images, words in ((1, 5), (0, 9), (2, 4), (1, 11), (0, 6)):
         ids = rng.integers(3, 290, words).tolist()
         for _ in range(images):
-            ids += [IMAGE] * PER_IMAGE + rng.integers(3, 290, 3).tolist()
+            ids += [IMAGE] * per + rng.integers(3, 290, 3).tolist()
         row = {"input_ids": ids}
         if images:
             row["pixel_values"] = rng.standard_normal((images, 3, side, side)).astype(np.float32).tolist()
@@ -97,8 +98,20 @@ def one_by_one(model, rows: list[dict]) -> tuple[float, dict]:
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", ["llava", "internvl"])
 def test_packed_training_step_equals_one_by_one(family, impl, tmp_path):
-    rows = samples(side=SIDE[family])
-    model = tiny(family, impl)
+    trainer_step_equals_one_by_one(tiny(family, impl), samples(side=SIDE[family]), tmp_path)
+
+
+@pytest.mark.parametrize("strategy", ["default", "full"])
+def test_llava_with_a_siglip_tower_trains_packed_exactly(strategy, tmp_path):
+    # SigLIP has no class token: "default" (first token dropped) gives 2 * 2 - 1 tokens an image, "full" 2 * 2.
+    # The spec counted CLIP's (4 and 5) and refused the processor's rows.
+    model = tiny_llava("sdpa", "siglip", vision_feature_select_strategy=strategy)
+    per = 3 if strategy == "default" else 4
+    assert MropeSpec.from_config(model.config).image_tokens == per
+    trainer_step_equals_one_by_one(model, samples(per=per), tmp_path)
+
+
+def trainer_step_equals_one_by_one(model, rows: list[dict], tmp_path) -> None:
     reference = copy.deepcopy(model)
     packed = pack_dataset(datasets.Dataset.from_list(rows), 48)
     assert len(packed) < len(rows)  # documents with images share rows
@@ -171,7 +184,11 @@ def test_llava_with_another_vision_tower_or_strategy_is_refused():
             vision_feature_select_strategy=strategy,
         )
 
-    assert MropeSpec.from_config(config("siglip_vision_model", "full")).image_tokens == PER_IMAGE + 1
+    assert (
+        MropeSpec.from_config(config("siglip_vision_model", "full")).image_tokens == PER_IMAGE
+    )  # no class token
+    assert MropeSpec.from_config(config("siglip_vision_model", "default")).image_tokens == PER_IMAGE - 1
+    assert MropeSpec.from_config(config("clip_vision_model", "full")).image_tokens == PER_IMAGE + 1
     with pytest.raises(PackingError, match="vision_feature_select_strategy"):
         MropeSpec.from_config(config("clip_vision_model", "other"))
     with pytest.raises(PackingError, match="pixtral"):  # images of any size: a token count per image
