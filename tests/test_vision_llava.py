@@ -167,6 +167,21 @@ def test_llava_rows_whose_images_do_not_match_their_tokens_are_refused():
         collate([dict(rows[0], seq_lengths=[12], image_grid_thw=[[1, 2, 2]])])
 
 
+def test_a_hand_built_llava_spec_takes_images_of_any_size_but_checks_their_count():
+    # image_shape None (a spec built by hand, like patch_width) is not checked: every image was refused before.
+    collate = MultimodalCollator(MropeSpec("llava", IMAGE, None, 1, image_tokens=2), 0, return_tensors="np")
+    row = {
+        "input_ids": [5, IMAGE, IMAGE, 6],
+        "seq_lengths": [4],
+        "pixel_values": np.ones((1, 3, 8, 8), np.float32),
+    }
+    assert collate([row])["pixel_values"].shape == (1, 3, 8, 8)
+    with pytest.raises(PackingError, match="holds 2 image"):
+        collate([dict(row, pixel_values=np.ones((2, 3, 8, 8), np.float32))])
+    with pytest.raises(PackingError, match="float images"):
+        collate([dict(row, pixel_values=np.ones((1, 192), np.float32))])
+
+
 def test_internvl_spec_counts_tokens_after_the_pixel_shuffle():
     spec = MropeSpec.from_config(tiny_internvl("sdpa").config)
     assert (spec.flat, spec.image_tokens, spec.image_shape) == (True, PER_IMAGE, (3, 56, 56))
