@@ -208,3 +208,17 @@ def test_llava_with_another_vision_tower_or_strategy_is_refused():
         MropeSpec.from_config(config("clip_vision_model", "other"))
     with pytest.raises(PackingError, match="pixtral"):  # images of any size: a token count per image
         MropeSpec.from_config(config("pixtral", "default"))
+
+
+def test_pack_dataset_refuses_patch_rows_that_lost_their_image_grid():
+    # Qwen-VL rows (pixel_values one patch a line) whose image_grid_thw column was dropped packed without a word:
+    # rows without the grid are taken as LLaVA-style images since vlm47, and only the collator refused them.
+    patches = [
+        {"input_ids": [5, IMAGE, 6], "pixel_values": np.ones((4, 24), np.float32).tolist()},
+        {"input_ids": [7, 8]},
+    ]
+    with pytest.raises(PackingError, match=r"2-D values per sample but there is no 'image_grid_thw'"):
+        pack_dataset(datasets.Dataset.from_list(patches), 16)
+    images = samples()  # LLaVA-style rows (4-D per sample) still pack, their images whole
+    packed = pack_dataset(datasets.Dataset.from_list(images), 48)
+    assert sum(len(r["pixel_values"]) for r in packed) == sum(len(s.get("pixel_values", [])) for s in images)
