@@ -46,7 +46,7 @@ def tiny(family: str, impl: str):
     return tiny_llava(impl) if family == "llava" else tiny_internvl(impl)
 
 
-def tiny_llava(impl: str, **extra):
+def tiny_llava(impl: str, tower: str = "clip", **extra):
     vision = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
         patch_size=14, projection_dim=32,
@@ -56,21 +56,22 @@ def tiny_llava(impl: str, **extra):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
     )  # fmt: skip
     config = transformers.LlavaConfig(
-        vision_config=transformers.CLIPVisionConfig(**vision), text_config=text, image_token_id=IMAGE,
+        vision_config=(transformers.CLIPVisionConfig if tower == "clip" else transformers.SiglipVisionConfig)(**vision),
+        text_config=text, image_token_id=IMAGE,
         image_seq_length=PER_IMAGE, attn_implementation=impl, **extra,
     )  # fmt: skip
     torch.manual_seed(0)
     return transformers.LlavaForConditionalGeneration(config).float()
 
 
-def samples(seed: int = 0, side: int = 28) -> list[dict]:
+def samples(seed: int = 0, side: int = 28, per: int = PER_IMAGE) -> list[dict]:
     """Samples with 1, 0, 2, 1 and 0 images (image runs within the text) of 9 to 24 tokens."""
     rng = np.random.default_rng(seed)
     out = []
     for images, words in ((1, 5), (0, 9), (2, 4), (1, 11), (0, 6)):
         ids = rng.integers(3, 290, words).tolist()
         for _ in range(images):
-            ids += [IMAGE] * PER_IMAGE + rng.integers(3, 290, 3).tolist()
+            ids += [IMAGE] * per + rng.integers(3, 290, 3).tolist()
         row = {"input_ids": ids}
         if images:
             row["pixel_values"] = rng.standard_normal((images, 3, side, side)).astype(np.float32).tolist()
@@ -97,8 +98,20 @@ def one_by_one(model, rows: list[dict]) -> tuple[float, dict]:
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", ["llava", "internvl"])
 def test_packed_training_step_equals_one_by_one(family, impl, tmp_path):
-    rows = samples(side=SIDE[family])
-    model = tiny(family, impl)
+    trainer_step_equals_one_by_one(tiny(family, impl), samples(side=SIDE[family]), tmp_path)
+
+
+@pytest.mark.parametrize("strategy", ["default", "full"])
+def test_llava_with_a_siglip_tower_trains_packed_exactly(strategy, tmp_path):
+    # SigLIP has no class token: "default" (first token dropped) gives 2 * 2 - 1 tokens an image, "full" 2 * 2.
+    # The spec counted CLIP's (4 and 5) and refused the processor's rows.
+    model = tiny_llava("sdpa", "siglip", vision_feature_select_strategy=strategy)
+    per = 3 if strategy == "default" else 4
+    assert MropeSpec.from_config(model.config).image_tokens == per
+    trainer_step_equals_one_by_one(model, samples(per=per), tmp_path)
+
+
+def trainer_step_equals_one_by_one(model, rows: list[dict], tmp_path) -> None:
     reference = copy.deepcopy(model)
     packed = pack_dataset(datasets.Dataset.from_list(rows), 48)
     assert len(packed) < len(rows)  # documents with images share rows
@@ -154,6 +167,21 @@ def test_llava_rows_whose_images_do_not_match_their_tokens_are_refused():
         collate([dict(rows[0], seq_lengths=[12], image_grid_thw=[[1, 2, 2]])])
 
 
+def test_a_hand_built_llava_spec_takes_images_of_any_size_but_checks_their_count():
+    # image_shape None (a spec built by hand, like patch_width) is not checked: every image was refused before.
+    collate = MultimodalCollator(MropeSpec("llava", IMAGE, None, 1, image_tokens=2), 0, return_tensors="np")
+    row = {
+        "input_ids": [5, IMAGE, IMAGE, 6],
+        "seq_lengths": [4],
+        "pixel_values": np.ones((1, 3, 8, 8), np.float32),
+    }
+    assert collate([row])["pixel_values"].shape == (1, 3, 8, 8)
+    with pytest.raises(PackingError, match="holds 2 image"):
+        collate([dict(row, pixel_values=np.ones((2, 3, 8, 8), np.float32))])
+    with pytest.raises(PackingError, match="float images"):
+        collate([dict(row, pixel_values=np.ones((1, 192), np.float32))])
+
+
 def test_internvl_spec_counts_tokens_after_the_pixel_shuffle():
     spec = MropeSpec.from_config(tiny_internvl("sdpa").config)
     assert (spec.flat, spec.image_tokens, spec.image_shape) == (True, PER_IMAGE, (3, 56, 56))
@@ -171,8 +199,26 @@ def test_llava_with_another_vision_tower_or_strategy_is_refused():
             vision_feature_select_strategy=strategy,
         )
 
-    assert MropeSpec.from_config(config("siglip_vision_model", "full")).image_tokens == PER_IMAGE + 1
+    assert (
+        MropeSpec.from_config(config("siglip_vision_model", "full")).image_tokens == PER_IMAGE
+    )  # no class token
+    assert MropeSpec.from_config(config("siglip_vision_model", "default")).image_tokens == PER_IMAGE - 1
+    assert MropeSpec.from_config(config("clip_vision_model", "full")).image_tokens == PER_IMAGE + 1
     with pytest.raises(PackingError, match="vision_feature_select_strategy"):
         MropeSpec.from_config(config("clip_vision_model", "other"))
     with pytest.raises(PackingError, match="pixtral"):  # images of any size: a token count per image
         MropeSpec.from_config(config("pixtral", "default"))
+
+
+def test_pack_dataset_refuses_patch_rows_that_lost_their_image_grid():
+    # Qwen-VL rows (pixel_values one patch a line) whose image_grid_thw column was dropped packed without a word:
+    # rows without the grid are taken as LLaVA-style images since vlm47, and only the collator refused them.
+    patches = [
+        {"input_ids": [5, IMAGE, 6], "pixel_values": np.ones((4, 24), np.float32).tolist()},
+        {"input_ids": [7, 8]},
+    ]
+    with pytest.raises(PackingError, match=r"2-D values per sample but there is no 'image_grid_thw'"):
+        pack_dataset(datasets.Dataset.from_list(patches), 16)
+    images = samples()  # LLaVA-style rows (4-D per sample) still pack, their images whole
+    packed = pack_dataset(datasets.Dataset.from_list(images), 48)
+    assert sum(len(r["pixel_values"]) for r in packed) == sum(len(s.get("pixel_values", [])) for s in images)

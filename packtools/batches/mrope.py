@@ -39,6 +39,9 @@ FLAT_MODEL_TYPES = ("llava", "internvl")
 FLAT_VISION_TYPES = {"llava": ("clip_vision_model", "siglip_vision_model"), "internvl": ("internvl_vision",)}
 #: The ``vision_feature_select_strategy`` values verified with each of :data:`FLAT_MODEL_TYPES`.
 FLAT_STRATEGIES = {"llava": ("default", "full"), "internvl": ("default",)}
+#: Whether each vision tower of :data:`FLAT_VISION_TYPES` puts a class token before its patches (CLIP does, SigLIP does
+#: not): the ``"default"`` strategy drops the first token either way, so SigLIP's images are one token short.
+_CLASS_TOKEN = {"clip_vision_model": 1, "siglip_vision_model": 0, "internvl_vision": 1}
 VERIFIED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", *FLAT_MODEL_TYPES)
 
 
@@ -139,7 +142,15 @@ class MropeSpec:
                     f"{config.downsample_ratio} is not a whole number of tokens.",
                     param="model",
                 )
-        tokens = int(side) ** 2 + (1 if strategy == "full" else 0)
+        if model_type == "internvl":  # the class token is dropped before the pixel shuffle
+            tokens = int(side) ** 2
+        else:  # the tower's patches, its class token, less the first token under "default"
+            tokens = int(side) ** 2 + _CLASS_TOKEN[tower] - (1 if strategy == "default" else 0)
+        if tokens < 1:
+            raise PackingError(
+                f"{type(config).__name__}: {tokens} tokens per image ({size // patch} patches a side).",
+                param="model",
+            )
         shape = (int(getattr(vision, "num_channels", 3)), size, size)
         return cls(model_type, image, None, 1, image_tokens=tokens, image_shape=shape)
 

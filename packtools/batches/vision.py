@@ -283,11 +283,16 @@ class MultimodalCollator:
             value = row.get("pixel_values")
             arr = None if value is None else np.asarray(value)
             count = 0 if arr is None or arr.size == 0 else int(arr.shape[0])
-            if count and (arr.ndim != 4 or tuple(arr.shape[1:]) != spec.image_shape or arr.dtype.kind != "f"):
+            shape = spec.image_shape  # None (a spec built by hand): any (channels, size, size) is taken
+            if count and (
+                arr.ndim != 4
+                or (shape is not None and tuple(arr.shape[1:]) != shape)
+                or arr.dtype.kind != "f"
+            ):
                 raise PackingError(
                     f"row {i}: 'pixel_values' has shape {arr.shape} ({arr.dtype}) but {spec.model_type!r} reads "
-                    f"float images of shape (images, *{spec.image_shape}): process the row with this model's "
-                    f"processor.",
+                    f"float images of shape (images, {'channels, size, size' if shape is None else shape}): process "
+                    f"the row with this model's processor.",
                     param="pixel_values",
                 )
             if count != images:

@@ -425,8 +425,19 @@ def has_images(dataset_or_table: Any) -> bool:
 def _check_patches(table: pa.Table) -> None:
     """Every sample's ``pixel_values`` hold exactly the patches its ``image_grid_thw`` announces."""
     missing = [c for c in IMAGE_COLUMNS if c not in table.column_names]
-    if missing == ["image_grid_thw"]:
-        return  # LLaVA-style rows: whole images, one per entry (MultimodalCollator checks them per document)
+    if missing == [
+        "image_grid_thw"
+    ]:  # LLaVA-style rows: whole images (MultimodalCollator checks them per row)
+        depth, kind = _list_depth(table.schema.field("pixel_values").type)
+        if depth != 4 and (pa.types.is_floating(kind) or pa.types.is_integer(kind)):
+            raise PackingError(
+                f"'pixel_values' holds {depth}-D values per sample but there is no 'image_grid_thw' column: rows "
+                f"without it are LLaVA-style, one (channels, size, size) image per entry (4-D per sample); patches "
+                f"one per line (Qwen-VL's processor) need their 'image_grid_thw'. Keep the processor's "
+                f"image_grid_thw column with the rows.",
+                param="columns",
+            )
+        return
     if missing:
         raise PackingError(
             f"the rows have image columns but not {missing}: keep both 'pixel_values' and 'image_grid_thw' "
@@ -444,6 +455,14 @@ def _check_patches(table: pa.Table) -> None:
     patches = np.asarray(table.column("pixel_values").combine_chunks().value_lengths().fill_null(0), np.int64)
     fix = "pass the processor's output for every sample unchanged."
     check_row_counts(patches, expected, "'pixel_values' holds {} patches", "its image_grid_thw gives {}", fix)
+
+
+def _list_depth(kind: pa.DataType) -> tuple[int, pa.DataType]:
+    """How many list levels a column type nests, and the type inside them."""
+    depth = 0
+    while is_list_type(kind):
+        kind, depth = kind.value_type, depth + 1
+    return depth, kind
 
 
 def pack_vision_table(
