@@ -221,3 +221,35 @@ def test_mamba1_blocks_never_take_the_varlen_kernel_path(monkeypatch):
     cuda = SimpleNamespace(type="cuda")
     blocks = {name: type(name, (), {})() for name in ("MambaBlock", "FalconMambaBlock", "Mamba2Block")}
     assert [mixers.kernel_ready(block, cuda) for block in blocks.values()] == [False, False, True]
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "mamba2"])
+def test_an_interrupted_packed_forward_leaves_no_boundaries_for_the_next_backbone_call(model_type):
+    """A KeyboardInterrupt inside a packed forward (Ctrl-C in a notebook) runs no always-called forward hook, so the
+    forward's documents stayed on run_mixers_per_document's stack; the backbone called on its own afterwards (TRL's
+    reward and value models call ``model.backbone``) then ran an unpacked row cut at the old documents' boundaries,
+    with no error."""
+    model = build(model_type)
+    reference = copy.deepcopy(model)
+    run_mixers_per_document(model)
+    ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(3))
+    positions = torch.tensor([list(range(10)) * 2])
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    handle = model.backbone.layers[0].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(input_ids=ids, position_ids=positions, use_cache=False)
+    handle.remove()
+    other = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got = model.backbone(other, use_cache=False).last_hidden_state
+        want = reference.backbone(other, use_cache=False).last_hidden_state
+        assert gap(got, want) < TOLERANCE
+        # the packed forward still runs its documents apart
+        packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        halves = torch.cat(
+            [reference(input_ids=ids[:, :10]).logits, reference(input_ids=ids[:, 10:]).logits], 1
+        )
+        assert gap(packed, halves) < TOLERANCE

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import threading
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -491,25 +492,36 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
             f"whose forward packtools can read the documents from. Do not pack for this model."
         )
 
-    #: the running forwards of the model above its decoder, innermost last (a probe may run one inside another,
-    #: from a pre-hook): their documents, and the inputs they came from (_BOUNDARY_KEYS)
-    outer: list[dict[str, Any]] = []
+    #: per thread, the running forwards of the model above its decoder, innermost last (a probe may run one
+    #: inside another, from a pre-hook): their documents, and the inputs they came from (_BOUNDARY_KEYS,
+    #: _INPUT_KEYS).  An entry outlives its forward when a KeyboardInterrupt (no Exception: always-called hooks
+    #: do not run) stops it; _decoder_segments uses an entry only for the very input tensor it came from.
+    running = threading.local()
+
+    def stack() -> list[dict[str, Any]]:
+        if not hasattr(running, "outer"):
+            running.outer = []
+        return running.outer
 
     def top(
         module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        outer.append({k: kwargs.get(k) for k in _BOUNDARY_KEYS})
-        outer[-1]["segments"] = segments_of(kwargs)
+        entry = {k: kwargs.get(k) for k in _BOUNDARY_KEYS}
+        entry["input"] = _input_of(args, kwargs)
+        entry["segments"] = segments_of(kwargs)
+        stack().append(entry)
         return args, kwargs
 
     def top_done(module: Any, args: tuple[Any, ...], output: Any) -> None:
-        if outer:  # called even when the forward raised (forward_hook)
+        outer = stack()
+        if outer:  # called even when the forward raised an Exception (forward_hook)
             outer.pop()
 
     def hook(
         module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        segments = _decoder_segments(kwargs, outer[-1] if outer else None)
+        outer = stack()
+        segments = _decoder_segments(args, kwargs, outer[-1] if outer else None)
         if mixers:  # None too: the layers then know the row has no documents to split (_layer_hooks)
             kwargs[SEGMENTS_KEY] = segments
         if segments is None:
@@ -556,12 +568,25 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
 _BOUNDARY_KEYS = ("position_ids", "seq_idx", "cu_seq_lens_q", "attention_mask")
 
 
-def _decoder_segments(kwargs: dict[str, Any], outer: Mapping[str, Any] | None) -> Segments | None:
+def _input_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """The token input of a forward: ``input_ids`` (first positional argument or keyword), else
+    ``inputs_embeds``; ``None`` when it has neither."""
+    ids = args[0] if args else kwargs.get("input_ids")
+    return ids if ids is not None else kwargs.get("inputs_embeds")
+
+
+def _decoder_segments(
+    args: tuple[Any, ...], kwargs: dict[str, Any], outer: Mapping[str, Any] | None
+) -> Segments | None:
     """The documents of a decoder forward's inputs (:func:`segments_of`); those of the model's forward running
-    above it (``outer``) where the decoder got the very inputs they came from (no second host sync), or no
-    boundaries at all (no ``position_ids``, ``seq_idx`` or ``cu_seq_lens_q``, its mask that forward's or none:
-    transformers 5.25's MambaForCausalLM hands its backbone none)."""
-    if outer is not None and not generating(kwargs):
+    above it (``outer``) where the decoder got the very token input that forward got and the very inputs its
+    documents came from (no second host sync), or no boundaries at all (no ``position_ids``, ``seq_idx`` or
+    ``cu_seq_lens_q``, its mask that forward's or none: transformers 5.25's MambaForCausalLM hands its backbone
+    none).  A decoder called on its own (TRL's reward and value models call the backbone) gets its own."""
+    token_input = _input_of(args, kwargs)
+    if token_input is None or outer is None or token_input is not outer["input"]:
+        return segments_of(kwargs)
+    if not generating(kwargs):
         got = [kwargs.get(k) for k in _BOUNDARY_KEYS]
         if all(g is outer[k] for g, k in zip(got, _BOUNDARY_KEYS)):
             return outer["segments"]
