@@ -253,3 +253,20 @@ def test_an_interrupted_packed_forward_leaves_no_boundaries_for_the_next_backbon
             [reference(input_ids=ids[:, :10]).logits, reference(input_ids=ids[:, 10:]).logits], 1
         )
         assert gap(packed, halves) < TOLERANCE
+
+
+def test_own_loop_whisper_labels_from_the_collator_are_refused_and_shifted_ones_pass():
+    """WhisperForCausalLM's own loss scores position i against labels[i]: with PaddingFreeCollator's labels (the
+    tokens themselves) a loop of one's own under guard_model trained each token to predict itself, with no error
+    (packed loss 4.24 against the documents' 4.61).  Labels shifted by the caller still pass."""
+    model = build("whisper")
+    guard_model(model)
+    docs = [doc for row in documents() for doc in row][:4]
+    row = {"input_ids": [t for d in docs for t in d], "seq_lengths": [len(d) for d in docs]}
+    batch = PaddingFreeCollator(0)([row])
+    with pytest.raises(PackingError, match="predict itself"):
+        model(**batch)
+    labels = batch.pop("labels")
+    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
+    model(**batch, labels=shifted)  # the caller's own shift: Whisper's loss is then a next-token loss
+    model(**batch)  # no labels: the caller computes the loss from the logits

@@ -54,6 +54,47 @@ def has_restarts(position_ids: Any, attention_mask: Any = None) -> bool:
     return bool(breaks(position_ids, attention_mask).any())
 
 
+#: Model types whose causal-LM loss does not shift its labels (they are to come shifted already), checked in
+#: transformers 5.25: WhisperForCausalLM's ``CrossEntropyLoss(logits, labels)``.  PaddingFreeCollator's labels are
+#: the tokens themselves (a next-token loss shifts them), so that loss would train each token to predict itself:
+#: ``prepare_trainer`` installs packtools' loss (``step.use_causal_lm_loss``), ``guard_model`` refuses the labels
+#: (:func:`check_unshifted_labels`).
+UNSHIFTED_LOSS = ("whisper",)
+
+
+def check_unshifted_labels(kwargs: Mapping[str, Any], model_type: str | None) -> None:
+    """Refuse ``labels`` laid out for a next-token loss (each labelled token is the input token at its position,
+    as PaddingFreeCollator makes them) passed to a model whose own loss does not shift them
+    (:data:`UNSHIFTED_LOSS`): it would train each token to predict itself, with no error.  One host sync, only
+    for those models and only when labels are passed; labels shifted by the caller pass.
+
+    >>> import numpy as np
+    >>> ids = np.array([[5, 6, 7]])
+    >>> check_unshifted_labels({"input_ids": ids, "labels": np.array([[6, 7, -100]])}, "whisper")
+    >>> check_unshifted_labels({"input_ids": ids, "labels": np.array([[-100, 6, 7]])}, "whisper")
+    ... # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: WhisperForCausalLM-type model (model_type 'whisper') scores position i...
+    """
+    if model_type not in UNSHIFTED_LOSS:
+        return
+    labels, ids = kwargs.get("labels"), kwargs.get("input_ids")
+    if labels is None or ids is None or getattr(labels, "shape", None) != getattr(ids, "shape", None):
+        return
+    scored = labels != -100
+    if not bool(scored.any()) or not bool((labels[scored] == ids[scored]).all()):
+        return
+    raise PackingError(
+        f"WhisperForCausalLM-type model (model_type {model_type!r}) scores position i against labels[i] without "
+        f"shifting them, and these labels are the input tokens themselves (PaddingFreeCollator's layout for a "
+        f"next-token loss): the model's loss would train each token to predict itself. Do not pass labels to the "
+        f"model; compute the loss from its logits with packtools.integrations.trainers.sft.causal_lm_loss (or "
+        f"prepare_trainer(trainer), which installs it).",
+        param="labels",
+    )
+
+
 def check_forward_inputs(
     kwargs: Mapping[str, Any], implementation: str | None, mixers: tuple[str, ...] = ()
 ) -> None:
@@ -458,6 +499,7 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
         if text_row:
             check_text_row(module, kwargs, impl)
         check_length_dependent_rope(rope, kwargs)
+        check_unshifted_labels(kwargs, model_type)
         if probe is not None:
             probe(module, kwargs)
         if passed_cache(kwargs) is None and (kwargs.get("use_cache") is None or module.training):

@@ -32,6 +32,7 @@ from ...errors import PackingError
 from ..attention.backends import base_model
 from ..parallel.distributed import trainer_divides_by_accumulation, uneven_gather
 from ..parallel.layout import RankLayout
+from .guard import UNSHIFTED_LOSS
 from .loader import train_loader
 from .sft import causal_lm_loss
 from .step_loss import targets_and_documents, token_weights, weighted_token_loss
@@ -422,12 +423,6 @@ def check_loss_owner(trainer: Any, loss: str) -> None:
             f"loss, honoured), or drop it.",
             param="loss",
         )
-
-
-#: Model types whose causal-LM loss does not shift its labels (they are to come shifted already), checked in
-#: transformers 5.25: WhisperForCausalLM's ``CrossEntropyLoss(logits, labels)``.  PaddingFreeCollator's labels are
-#: the tokens themselves (the loss shifts them), so that loss would train each token to predict itself.
-UNSHIFTED_LOSS = ("whisper",)
 
 
 def use_causal_lm_loss(trainer: Any) -> None:
