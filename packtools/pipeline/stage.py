@@ -225,20 +225,10 @@ def check_mask(col: pa.ChunkedArray, where: Where) -> None:
     file's whole column comes here)."""
     import pyarrow.compute as pc
 
-    before = 0
-    for chunk in col.chunks:
-        values = pc.list_flatten(chunk)  # this chunk's slice of the values (nulls are no 0)
-        at = pc.index(values, pa.scalar(0, values.type)).as_py() if len(values) else -1
-        if at >= 0:
-            break
-        before += len(chunk)
-    else:
+    found = _first_value(col, lambda values: pc.equal(values, pa.scalar(0, values.type)))
+    if found is None:
         return
-    starts = np.asarray(chunk.offsets)
-    starts = starts - starts[0]
-    row_in_chunk = int(np.searchsorted(starts, at, side="right") - 1)
-    row = before + row_in_chunk
-    position = int(at - starts[row_in_chunk])
+    row, position, _ = found
     raise PackingError(
         f"{where(row)}: column 'attention_mask' is 0 at position {position}: the rows are padded, and packing "
         f"would keep the padding as tokens of the packed rows (attended to, and trained on unless labels are "
@@ -254,25 +244,34 @@ def check_ids(col: pa.ChunkedArray, where: Where) -> None:
     with no copy of the values, as :func:`check_mask` walks the mask."""
     import pyarrow.compute as pc
 
-    before = 0
-    for chunk in col.chunks:
-        values = pc.list_flatten(chunk)
-        low = pc.min(values).as_py() if len(values) else None
-        if low is not None and low < 0:
-            at = pc.index(pc.less(values, 0), True).as_py()
-            low = values[at].as_py()
-            break
-        before += len(chunk)
-    else:
+    found = _first_value(col, lambda values: pc.less(values, 0))
+    if found is None:
         return
-    starts = np.asarray(chunk.offsets)
-    starts = starts - starts[0]
-    row_in_chunk = int(np.searchsorted(starts, at, side="right") - 1)
+    row, position, low = found
     raise PackingError(
-        f"{where(before + row_in_chunk)}: column 'input_ids' holds {low} at position {at - starts[row_in_chunk]}: "
+        f"{where(row)}: column 'input_ids' holds {low} at position {position}: "
         f"token ids are never negative (-100, the ignore index, belongs in 'labels'), and the model would look "
         f"it up as an embedding. Fix the ids in the source (tokenize the row again)."
     )
+
+
+def _first_value(col: pa.ChunkedArray, test: Any) -> tuple[int, int, Any] | None:
+    """``(row, position in the row, value)`` of the first value of the list column ``col`` where ``test(values)``
+    (an Arrow boolean array over a chunk's flattened values; nulls count as false) is true, or ``None``.  Chunk
+    by chunk: only the chunk's own slice of the values is read, and nothing is copied."""
+    import pyarrow.compute as pc
+
+    before = 0
+    for chunk in col.chunks:
+        values = pc.list_flatten(chunk)  # this chunk's slice of the values
+        at = pc.index(pc.fill_null(test(values), False), True).as_py() if len(values) else -1
+        if at >= 0:
+            starts = np.asarray(chunk.offsets)
+            starts = starts - starts[0]
+            row_in_chunk = int(np.searchsorted(starts, at, side="right") - 1)
+            return before + row_in_chunk, int(at - starts[row_in_chunk]), values[at].as_py()
+        before += len(chunk)
+    return None
 
 
 def first_float_row(col: pa.ChunkedArray | None, name: str, where: Where) -> int:
