@@ -270,3 +270,20 @@ def test_own_loop_whisper_labels_from_the_collator_are_refused_and_shifted_ones_
     shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
     model(**batch, labels=shifted)  # the caller's own shift: Whisper's loss is then a next-token loss
     model(**batch)  # no labels: the caller computes the loss from the logits
+
+
+def test_whisper_labels_scored_by_trls_fused_lm_head_pass():
+    """TRL's fused LM head (DPO's and GRPO's forwards: ``fused_lm_head=True``) scores next-token labels itself and
+    never hands them to the model's loss: the guard's unshifted-labels refusal refused DPO on the Whisper decoder
+    (docs/models.md's matrix: 'refused' where it is exact)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = build("whisper")
+    add_fused_lm_head(model)
+    guard_model(model)
+    docs = [doc for row in documents() for doc in row][:4]
+    row = {"input_ids": [t for d in docs for t in d], "seq_lengths": [len(d) for d in docs]}
+    batch = PaddingFreeCollator(0)([row])
+    batch.pop("labels")
+    out = model(**batch, labels=batch["input_ids"], fused_lm_head=True)
+    assert tuple(out.log_probs.shape) == (1, batch["input_ids"].shape[1] - 1)  # a log-prob per next token

@@ -66,19 +66,21 @@ def check_unshifted_labels(kwargs: Mapping[str, Any], model_type: str | None) ->
     """Refuse ``labels`` laid out for a next-token loss (each labelled token is the input token at its position,
     as PaddingFreeCollator makes them) passed to a model whose own loss does not shift them
     (:data:`UNSHIFTED_LOSS`): it would train each token to predict itself, with no error.  One host sync, only
-    for those models and only when labels are passed; labels shifted by the caller pass.
+    for those models and only when labels are passed; labels shifted by the caller pass, and so do labels TRL's
+    fused LM head scores (``fused_lm_head=True``: DPO's and GRPO's forwards), which shifts them itself.
 
     >>> import numpy as np
     >>> ids = np.array([[5, 6, 7]])
     >>> check_unshifted_labels({"input_ids": ids, "labels": np.array([[6, 7, -100]])}, "whisper")
+    >>> check_unshifted_labels({"input_ids": ids, "labels": ids, "fused_lm_head": True}, "whisper")  # TRL's head
     >>> check_unshifted_labels({"input_ids": ids, "labels": np.array([[-100, 6, 7]])}, "whisper")
     ... # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     packtools.errors.PackingError: WhisperForCausalLM-type model (model_type 'whisper') scores position i...
     """
-    if model_type not in UNSHIFTED_LOSS:
-        return
+    if model_type not in UNSHIFTED_LOSS or kwargs.get("fused_lm_head") is True:
+        return  # (TRL's fused LM head scores next-token labels itself: the model's own loss never sees them)
     labels, ids = kwargs.get("labels"), kwargs.get("input_ids")
     if labels is None or ids is None or getattr(labels, "shape", None) != getattr(ids, "shape", None):
         return
