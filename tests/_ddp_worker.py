@@ -458,6 +458,11 @@ def main(out: str) -> None:
         else:
             results[name] = value
     torch.save(results, Path(out) / f"rank{rank}.pt")
+    # The group torn down before the interpreter exits: left to the exit, gloo's threads once aborted a rank
+    # ('terminate called without an active exception', -6, in CI on 72f8b5c). No barrier: a rank whose check
+    # failed may have left the other in a collective, which must end in gloo's error, not a mismatched barrier.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
