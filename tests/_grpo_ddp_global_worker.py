@@ -104,3 +104,6 @@ def run(out, world):
 if __name__ == "__main__":
     results = run(sys.argv[1], 2)
     torch.save(results, Path(sys.argv[1]) / f"global-rank{os.environ['RANK']}.pt")
+    from _workers import end_process_group
+
+    end_process_group()

@@ -107,3 +107,6 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    from _workers import end_process_group
+
+    end_process_group()

@@ -40,3 +40,14 @@ def run_worker(main: Callable[[], None]) -> None:
     except BaseException:
         traceback.print_exc()
         os._exit(1)
+    end_process_group()
+
+
+def end_process_group() -> None:
+    """Destroy the default process group, if any, before the interpreter exits: gloo's threads left to the exit
+    can abort the process ('terminate called without an active exception', -6; pytorch/pytorch#190489), which
+    CI saw twice in session 47 after a rank had saved its results."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
