@@ -425,9 +425,8 @@ def has_images(dataset_or_table: Any) -> bool:
 def _check_patches(table: pa.Table) -> None:
     """Every sample's ``pixel_values`` hold exactly the patches its ``image_grid_thw`` announces."""
     missing = [c for c in IMAGE_COLUMNS if c not in table.column_names]
-    if missing == [
-        "image_grid_thw"
-    ]:  # LLaVA-style rows: whole images (MultimodalCollator checks them per row)
+    # LLaVA-style rows: whole images, no grid (MultimodalCollator checks them per row)
+    if missing == ["image_grid_thw"]:
         depth, kind = _list_depth(table.schema.field("pixel_values").type)
         if depth != 4 and (pa.types.is_floating(kind) or pa.types.is_integer(kind)):
             raise PackingError(
