@@ -1,7 +1,11 @@
 """One run of the resume oracle of ``tests/test_resume.py``: a straight run, or a run resumed from its checkpoint.
 
 Usage: ``python tests/_resume_worker.py OUT CASE PHASE`` (or under ``torchrun --nproc_per_node 2``).  ``CASE`` is
-a JSON object of options (see :func:`build`); ``PHASE`` is ``full`` (train ``epochs`` epochs, saving a checkpoint
+a JSON object of options: ``data`` (``rows``: ``pack_dataset`` output, ``plain``: unpacked sequences),
+``prepare`` (``prepare_trainer``'s options, ``null``: not prepared), ``trainer`` (``sft``: TRL's ``SFTTrainer``
+with ``packed_sft_config``), ``collator`` (``flat``: transformers' ``DataCollatorWithFlattening``), ``stream``
+(an ``IterableDataset``), ``k``, ``save_every``, ``bs``, ``ga``, ``epochs``, ``max_steps``, ``dropout``,
+``ignore_data_skip``, ``sampling``; ``PHASE`` is ``full`` (train ``epochs`` epochs, saving a checkpoint
 every ``k`` optimizer steps) or ``resume`` (a new model and trainer, resumed from ``OUT/checkpoint-K``).  Each rank
 records, per optimizer step, the documents every micro-batch trained on (read from the ``input_ids`` and
 ``position_ids`` the model's forward received, so skipped batches and the collator check are not counted), and
@@ -94,6 +98,7 @@ def train_args(out: str, case: dict, **extra):
         train_sampling_strategy=case.get("sampling", "random"),
         remove_unused_columns=case.get("prepare") is not None,
         max_steps=case.get("max_steps", -1),
+        accelerator_config={"dispatch_batches": False} if case.get("stream") else None,
         **extra,
     )
 
@@ -106,7 +111,13 @@ def run(out: str, case: dict, phase: str) -> dict:
         config = transformers.LlamaConfig(**tiny_config("sdpa", attention_dropout=case["dropout"]))
         model = transformers.LlamaForCausalLM(config).float()
     if phase == "full":
-        args = train_args(out, case, save_strategy="steps", save_steps=case["k"], save_only_model=False)
+        args = train_args(
+            out,
+            case,
+            save_strategy="steps",
+            save_steps=case.get("save_every", case["k"]),
+            save_only_model=False,
+        )
     else:
         args = train_args(out, case, save_strategy="no")
     if case.get("trainer") == "sft":
