@@ -5,7 +5,7 @@ a JSON object of options: ``data`` (``rows``: ``pack_dataset`` output, ``plain``
 ``prepare`` (``prepare_trainer``'s options, ``null``: not prepared), ``trainer`` (``sft``: TRL's ``SFTTrainer``
 with ``packed_sft_config``), ``collator`` (``flat``: transformers' ``DataCollatorWithFlattening``), ``stream``
 (an ``IterableDataset``), ``k``, ``save_every``, ``bs``, ``ga``, ``epochs``, ``max_steps``, ``dropout``,
-``ignore_data_skip``, ``sampling``; ``PHASE`` is ``full`` (train ``epochs`` epochs, saving a checkpoint
+``ignore_data_skip``, ``sampling``, ``workers``; ``PHASE`` is ``full`` (train ``epochs`` epochs, saving a checkpoint
 every ``k`` optimizer steps) or ``resume`` (a new model and trainer, resumed from ``OUT/checkpoint-K``).  Each rank
 records, per optimizer step, the documents every micro-batch trained on (read from the ``input_ids`` and
 ``position_ids`` the model's forward received, so skipped batches and the collator check are not counted), and
@@ -98,6 +98,8 @@ def train_args(out: str, case: dict, **extra):
         train_sampling_strategy=case.get("sampling", "random"),
         remove_unused_columns=case.get("prepare") is not None,
         max_steps=case.get("max_steps", -1),
+        dataloader_num_workers=case.get("workers", 0),
+        dataloader_persistent_workers=bool(case.get("workers")),
         accelerator_config={"dispatch_batches": False} if case.get("stream") else None,
         **extra,
     )
