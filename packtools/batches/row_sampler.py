@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from ..errors import PackingError
-from .sampler import _positive_int
+from .sampler import EpochHandle, _positive_int
 
 
 class RowBatchSampler:
@@ -63,6 +63,11 @@ class RowBatchSampler:
     def set_epoch(self, epoch: int) -> None:
         """Use the shuffle of ``epoch`` (call on every rank before iterating)."""
         self.epoch = _positive_int(epoch, "epoch", minimum=0)
+
+    @property
+    def sampler(self) -> EpochHandle:
+        """What accelerate's loader reaches under ``skip_first_batches`` to set the epoch (:class:`EpochHandle`)."""
+        return EpochHandle(self)
 
     def batches(self) -> list[np.ndarray]:
         """Every rank's batches of this epoch, in order (batch ``i`` belongs to rank ``i % num_replicas``)."""

@@ -45,6 +45,27 @@ def _positive_int(value: object, name: str, minimum: int = 1) -> int:
     return int(value)
 
 
+class EpochHandle:
+    """The ``sampler`` of a packtools batch sampler: only ``set_epoch``, forwarded to that batch sampler.
+
+    accelerate's ``skip_first_batches`` (how a training loop resumes mid-epoch) wraps the loader's batch sampler
+    in its ``SkipBatchSampler``, and its loader's ``set_epoch(epoch)`` then reaches the batch sampler only as
+    ``batch_sampler.batch_sampler.sampler.set_epoch`` (a torch ``BatchSampler``'s index sampler).  Without a
+    ``sampler`` the resumed epoch silently kept the shuffle of the epoch set before (epoch 0 in a new process):
+    rows of the checkpoint's epoch trained twice, others not at all.
+
+    >>> s = TokenBudgetBatchSampler([3, 2, 2, 1], max_tokens=4)
+    >>> s.sampler.set_epoch(3); s.epoch
+    3
+    """
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+
+    def set_epoch(self, epoch: int) -> None:
+        self.owner.set_epoch(epoch)
+
+
 def attention_costs(lengths: np.ndarray, seq_lengths: Any = None) -> np.ndarray:
     """Per-row attention cost: the sum of squared sequence lengths (``length**2`` for an unpacked row).
 
@@ -211,6 +232,11 @@ class TokenBudgetBatchSampler:
     def set_epoch(self, epoch: int) -> None:
         """Use the shuffle of ``epoch`` (call on every rank before iterating)."""
         self.epoch = _positive_int(epoch, "epoch", minimum=0)
+
+    @property
+    def sampler(self) -> EpochHandle:
+        """What accelerate's loader reaches under ``skip_first_batches`` to set the epoch (:class:`EpochHandle`)."""
+        return EpochHandle(self)
 
     # -- planning --------------------------------------------------------------------------------
     def _batches(self, rng: np.random.Generator) -> list[np.ndarray]:

@@ -1,0 +1,163 @@
+"""One run of the resume oracle of ``tests/test_resume.py``: a straight run, or a run resumed from its checkpoint.
+
+Usage: ``python tests/_resume_worker.py OUT CASE PHASE`` (or under ``torchrun --nproc_per_node 2``).  ``CASE`` is
+a JSON object of options: ``data`` (``rows``: ``pack_dataset`` output, ``plain``: unpacked sequences),
+``prepare`` (``prepare_trainer``'s options, ``null``: not prepared), ``trainer`` (``sft``: TRL's ``SFTTrainer``
+with ``packed_sft_config``), ``collator`` (``flat``: transformers' ``DataCollatorWithFlattening``), ``stream``
+(an ``IterableDataset``), ``k``, ``save_every``, ``bs``, ``ga``, ``epochs``, ``max_steps``, ``dropout``,
+``ignore_data_skip``, ``sampling``, ``workers``; ``PHASE`` is ``full`` (train ``epochs`` epochs, saving a checkpoint
+every ``k`` optimizer steps) or ``resume`` (a new model and trainer, resumed from ``OUT/checkpoint-K``).  Each rank
+records, per optimizer step, the documents every micro-batch trained on (read from the ``input_ids`` and
+``position_ids`` the model's forward received, so skipped batches and the collator check are not counted), and
+the run's logged losses and ``num_input_tokens_seen``; rank 0 adds the final weights.  The records of every rank
+go to ``OUT/PHASE.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import datasets
+import torch
+import transformers
+from _hf_models import PAD, sequences, tiny_config, tiny_llama, word_tokenizer
+
+from packtools import PaddingFreeCollator, pack_dataset, prepare_trainer
+
+
+class Trace(transformers.TrainerCallback):
+    """The documents of every micro-batch the model ran forward on, grouped by optimizer step."""
+
+    def __init__(self, model, docs):
+        self.docs, self.current, self.steps = docs, [], []
+        model.register_forward_pre_hook(self.hook, with_kwargs=True)
+
+    def hook(self, module, args, kwargs):
+        if not module.training:
+            return
+        ids, pos = kwargs["input_ids"], kwargs.get("position_ids")
+        batch = []
+        for r in range(ids.shape[0]):
+            row, p = ids[r].tolist(), (pos[r].tolist() if pos is not None else [0] + [1] * (ids.shape[1] - 1))
+            starts = [i for i, x in enumerate(p) if x == 0] + [len(row)]
+            for a, b in zip(starts, starts[1:]):
+                batch.append(self.docs.get(tuple(row[a:b]), -1))  # -1: padding or an unknown piece
+        self.current.append(batch)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append((state.global_step, self.current))
+        self.current = []
+
+
+def build(case: dict):
+    seqs = sequences(case.get("n", 48), seed=7, max_len=case.get("max_len", 20), masks=False)
+    docs = {}
+    for i, s in enumerate(seqs):
+        docs.setdefault(tuple(s["input_ids"]), i)
+    plain = datasets.Dataset.from_list(seqs)
+    if case.get("stream"):  # a datasets.IterableDataset, packed lazily window by window
+        plain = plain.to_iterable_dataset(num_shards=4)
+        if case.get("stream_shuffle"):
+            plain = plain.shuffle(seed=5, buffer_size=8)
+    data = (
+        plain
+        if case["data"] == "plain"
+        else pack_dataset(plain, case.get("max_length", 32), **({"window": 16} if case.get("stream") else {}))
+    )
+    if case.get("collator", "pf") == "flat":
+        collator = transformers.DataCollatorWithFlattening(return_position_ids=True)
+    else:
+        collator = PaddingFreeCollator(PAD, unpacked=case["data"] == "plain")
+    return docs, data, collator
+
+
+def train_args(out: str, case: dict, **extra):
+    make = transformers.TrainingArguments
+    if case.get("trainer") == "sft":
+        from packtools.integrations import packed_sft_config
+
+        make = packed_sft_config
+    return make(
+        output_dir=out,
+        per_device_train_batch_size=case.get("bs", 2),
+        gradient_accumulation_steps=case.get("ga", 2),
+        num_train_epochs=case.get("epochs", 2),
+        learning_rate=1e-2,
+        lr_scheduler_type="linear",
+        warmup_steps=2,
+        optim="adamw_torch",
+        seed=case.get("seed", 3),
+        report_to=[],
+        use_cpu=True,
+        logging_steps=1,
+        disable_tqdm=True,
+        include_num_input_tokens_seen="all",
+        ignore_data_skip=case.get("ignore_data_skip", False),
+        train_sampling_strategy=case.get("sampling", "random"),
+        remove_unused_columns=case.get("prepare") is not None,
+        max_steps=case.get("max_steps", -1),
+        dataloader_num_workers=case.get("workers", 0),
+        dataloader_persistent_workers=bool(case.get("workers")),
+        accelerator_config={"dispatch_batches": False} if case.get("stream") else None,
+        **extra,
+    )
+
+
+def run(out: str, case: dict, phase: str) -> dict:
+    docs, data, collator = build(case)
+    model = tiny_llama("sdpa", seed=1)
+    if case.get("dropout"):  # dropout draws from the RNG the checkpoint saves and resuming restores
+        torch.manual_seed(1)
+        config = transformers.LlamaConfig(**tiny_config("sdpa", attention_dropout=case["dropout"]))
+        model = transformers.LlamaForCausalLM(config).float()
+    if phase == "full":
+        args = train_args(
+            out,
+            case,
+            save_strategy="steps",
+            save_steps=case.get("save_every", case["k"]),
+            save_only_model=False,
+        )
+    else:
+        args = train_args(out, case, save_strategy="no")
+    if case.get("trainer") == "sft":
+        from trl import SFTTrainer
+
+        trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=word_tokenizer())
+    else:
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=collator)
+    if case.get("prepare") is not None:
+        prepare_trainer(trainer, **case["prepare"])
+    trace = Trace(model, docs)
+    trainer.add_callback(trace)
+    resume = os.path.join(out, f"checkpoint-{case['k']}") if phase == "resume" else None
+    trainer.train(resume_from_checkpoint=resume)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {
+        "steps": trace.steps,
+        "loss": {h["step"]: h["loss"] for h in logs},
+        "seen": {h["step"]: (h.get("num_input_tokens_seen"), h.get("num_tokens")) for h in logs},
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "global_step": trainer.state.global_step,
+    }
+
+
+def main() -> None:
+    out, case, phase = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    result = run(out, case, phase)
+    if "RANK" in os.environ:
+        from _workers import end_process_group, save_gathered
+
+        save_gathered(result, os.path.join(out, f"{phase}.pt"))
+        end_process_group()
+    else:
+        torch.save([result], os.path.join(out, f"{phase}.pt"))
+
+
+if __name__ == "__main__":
+    main()
