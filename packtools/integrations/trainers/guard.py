@@ -10,7 +10,9 @@ check it runs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 from ..._optional import is_instance
@@ -37,6 +39,52 @@ from ..attention.mixers import (
 from ..parallel.distributed import sharded_by
 
 _HOOK_ATTR = "_packtools_guard"
+
+#: ``(input_ids, owner)`` of the packed batch whose loss a trainer's own ``compute_loss`` is computing (set by
+#: :func:`packed_loss_inputs` around it), else ``None``: a guarded forward of those ids without what separates
+#: their documents is refused (:func:`check_packed_ids_forward`).
+_PACKED_IDS: ContextVar[tuple[Any, str] | None] = ContextVar("packtools_packed_ids", default=None)
+
+
+@contextlib.contextmanager
+def packed_loss_inputs(inputs: Mapping[str, Any], owner: str) -> Iterator[None]:
+    """While the block runs, a guarded model called on ``inputs["input_ids"]`` of this packed batch must get what
+    separates its documents (:func:`check_packed_ids_forward`); ``owner`` names the method that builds the call
+    (``"MyTrainer.compute_loss"``).  Nothing is checked for a batch that is not packed."""
+    ids = inputs.get("input_ids") if is_packed(inputs) else None
+    token = _PACKED_IDS.set(None if ids is None else (ids, owner))
+    try:
+        yield
+    finally:
+        _PACKED_IDS.reset(token)
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:  # a view or a copy moved by ``.to()``: the same storage and shape
+        return a.data_ptr() == b.data_ptr() and tuple(a.shape) == tuple(b.shape)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def check_packed_ids_forward(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    """Refuse a forward of the packed batch's ``input_ids`` (inside :func:`packed_loss_inputs`) that carries
+    neither restarting ``position_ids`` nor ``cu_seq_lens_q``: the model then runs each packed row as one
+    sequence, its documents attending to each other, with no error (a ``compute_loss`` that calls
+    ``model(input_ids=inputs["input_ids"], labels=...)`` instead of ``model(**inputs)``)."""
+    found = _PACKED_IDS.get()
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if found is None or ids is None or not _same_tensor(ids, found[0]) or is_packed(kwargs):
+        return
+    given = sorted(k for k, v in kwargs.items() if v is not None)
+    raise PackingError(
+        f"{found[1]} called the model on the packed batch's input_ids with {given} but without its position_ids "
+        f"or cu_seq_lens_q: the model then runs each packed row as one sequence and its documents attend to each "
+        f"other, with no error. Pass the batch's separating keys (position_ids, and cu_seq_lens_q/k, "
+        f"max_length_q/k when the batch has them) -- model(**inputs) does -- or train unpacked, without "
+        f"prepare_trainer."
+    )
 
 
 def has_restarts(position_ids: Any, attention_mask: Any = None) -> bool:
@@ -494,7 +542,8 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
         impl = attention_implementation(module)
         done = document_mixers(module)  # run_mixers_per_document after the guard: its layers are handled now
         left = mixers if done is None else tuple(m for m in mixers if m not in done.modes)
-        check_unhandled_mixers(module, kwargs, left)  # first: without kernels, seq_idx alone is no fix
+        check_packed_ids_forward(args, kwargs)  # first: the other checks judge the keys the call was given
+        check_unhandled_mixers(module, kwargs, left)  # without kernels, seq_idx alone is no fix
         check_forward_inputs(kwargs, impl, left)
         if positionless:
             check_positionless_masks(module, kwargs, impl)

@@ -64,7 +64,15 @@ from .guard import guard_model
 from .loader import check_train_loader
 from .rope_rows import check_rope_rows, rows_per_forward
 from .sft import check_sft, is_sft_trainer, keep_packed_columns, refuse_neftune
-from .step import SFTStep, StepPlan, check_loss_owner, install_step, plan_of, use_causal_lm_loss
+from .step import (
+    SFTStep,
+    StepPlan,
+    check_loss_owner,
+    install_step,
+    plan_of,
+    unknown_trl_step,
+    use_causal_lm_loss,
+)
 from .step_loss import check_loss_mode
 
 
@@ -170,6 +178,34 @@ def warn_uncounted_pad_tokens(trainer: Any) -> int:
     return found
 
 
+def refuse_unknown_trl_step(trainer: Any) -> None:
+    """Refuse, by name, a TRL trainer whose step packtools does not know (:func:`~.step.unknown_trl_step`): TRL's
+    distillation, GKD, GOLD, ORPO, CPO, online-DPO, SDFT, ... trainers compute their loss, forward a teacher or
+    reference model, or generate their batches in methods of their own, which packtools has not checked on packed
+    batches; prepared, they would fail mid-step or train on documents that see each other (docs/training.md)."""
+    found = unknown_trl_step(trainer)
+    if found is None:
+        return
+    name, methods = found
+    if name == "trl.trainer.distillation_trainer.DistillationTrainer":
+        raise PackingError(
+            f"prepare_trainer got a {type(trainer).__name__}: distillation generates its completions and runs the "
+            f"student and the teacher in its own methods. Use "
+            f"packtools.integrations.rl.distillation.prepare_distillation_trainer(trainer) instead.",
+            param="trainer",
+        )
+    raise PackingError(
+        f"prepare_trainer got a {type(trainer).__name__}: TRL's {name} runs its own "
+        f"{', '.join(methods)} (its own batches, forwards -- a teacher's or reference model's too -- and loss), "
+        f"which packtools has not checked on packed padding-free batches: its documents could attend to each "
+        f"other, or its loss and logged numbers differ from its padded step, with no error. Train it without "
+        f"packing (its own dataset and collator, no prepare_trainer). packtools packs TRL's SFTTrainer "
+        f"(prepare_trainer), DPOTrainer (prepare_dpo_trainer), RewardTrainer (prepare_reward_trainer), KTOTrainer "
+        f"(prepare_kto_trainer), GRPOTrainer and RLOOTrainer and their subclasses (prepare_grpo_trainer).",
+        param="trainer",
+    )
+
+
 def prepare_trainer(
     trainer: Any,
     *,
@@ -239,6 +275,7 @@ def prepare_trainer(
             "log-probabilities in its own method. Use packtools.prepare_grpo_trainer(trainer) instead.",
             param="trainer",
         )
+    refuse_unknown_trl_step(trainer)
     plan = plan_of(trainer)
     if plan is not None:  # idempotent with the same options; other options would stack on the first
         if (plan.max_tokens, plan.loss, plan.layout.cp_size) == (max_tokens, loss, context_parallel or 1):
