@@ -19,7 +19,7 @@ from packtools.integrations.rl import distillation as rl_distillation
 from packtools.integrations.rl.distillation import prepare_distillation_trainer
 
 
-def build(tmp_path, prepared=False, kind="llama", **config):
+def build(tmp_path, prepared=False, kind="llama", lora=False, **config):
     kwargs = dict(
         output_dir=str(tmp_path / "out"),
         per_device_train_batch_size=4,
@@ -40,12 +40,19 @@ def build(tmp_path, prepared=False, kind="llama", **config):
         beta=0.5,
     )
     kwargs.update(config)
+    extra = {}
+    if lora:  # TRL unwraps the PEFT model to its base model's backbone (the adapters inside it)
+        peft = pytest.importorskip("peft")
+        extra["peft_config"] = peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
+        )
     trainer = trl.DistillationTrainer(
         tiny(kind),
         teacher_model=tiny(kind, seed=1),
         args=trl.DistillationConfig(**kwargs),
         train_dataset=datasets.Dataset.from_list(prompts()),
         processing_class=word_tokenizer(VOCAB),
+        **extra,
     )
     return prepare_distillation_trainer(trainer) if prepared else trainer
 
@@ -63,13 +70,15 @@ def loss_metrics_grads(trainer, batch):
     loss = trainer.compute_loss(trainer.model, dict(batch))
     loss.backward()
     grads = {k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None}
+    assert grads
     return loss.item(), {k: v[-1] for k, v in trainer._metrics["train"].items() if v}, grads
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_micro_batch_loss_entropy_and_gradients_equal_trl(tmp_path, kind):
-    theirs, ours = build(tmp_path, kind=kind), build(tmp_path, True, kind=kind)
+@pytest.mark.parametrize(("kind", "lora"), [("llama", False), ("qwen3", False), ("llama", True)])
+def test_micro_batch_loss_entropy_and_gradients_equal_trl(tmp_path, kind, lora):
+    theirs, ours = build(tmp_path, kind=kind, lora=lora), build(tmp_path, True, kind=kind, lora=lora)
     assert type(ours).__name__ == "PackedDistillationTrainer"
+    assert lora == any("lora" in name for name, _ in ours.model.named_parameters())
     batch = scored_batch(theirs)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     assert int(mask.sum(1).min()) < mask.shape[1]  # really padded
