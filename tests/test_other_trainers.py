@@ -21,6 +21,7 @@ from _hf_models import (
     sequences,
     sgd_train_args,
     tiny_llama,
+    torch,
     transformers,
     word_tokenizer,
 )
@@ -119,6 +120,16 @@ class PositionsDropped(transformers.Trainer):
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
 
+class PositionsRebuilt(transformers.Trainer):
+    """One that passes positions of its own, counting through the whole row."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        ids = inputs["input_ids"]
+        positions = torch.arange(ids.shape[1]).expand_as(ids)
+        outputs = model(input_ids=ids, position_ids=positions, labels=inputs["labels"])
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
 class PositionsKept(transformers.Trainer):
     """The same with the packed batch's separating keys: trains like the documents one by one."""
 
@@ -140,11 +151,12 @@ def _run(tmp_path, cls):
     return model, start, recorder
 
 
-def test_a_compute_loss_that_drops_the_positions_is_refused_at_its_forward(tmp_path):
-    """It trained every packed row as one sequence with no error (the guard saw input_ids and labels only, which
-    look like one unpacked sequence); now its first forward of the packed input_ids is refused, naming it."""
-    with pytest.raises(PackingError, match=r"PositionsDropped.compute_loss called the model.*position_ids"):
-        _run(tmp_path, PositionsDropped)
+@pytest.mark.parametrize("cls", [PositionsDropped, PositionsRebuilt], ids=lambda c: c.__name__)
+def test_a_compute_loss_that_drops_the_positions_is_refused_at_its_forward(tmp_path, cls):
+    """It trained every packed row as one sequence with no error (the guard saw keys that look like one unpacked
+    sequence); now its first forward of the packed input_ids is refused, naming it."""
+    with pytest.raises(PackingError, match=rf"{cls.__name__}.compute_loss called the model.*position_ids"):
+        _run(tmp_path, cls)
 
 
 def test_a_compute_loss_that_keeps_the_positions_trains_like_one_by_one(tmp_path):
