@@ -140,21 +140,38 @@ class PositionsKept(transformers.Trainer):
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
 
+class Distilled(transformers.Trainer):
+    """A distillation of the user's own: the student on the whole batch, the teacher on its input_ids only."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs)
+        with torch.no_grad():
+            teacher = self.teacher_model(input_ids=inputs["input_ids"]).logits
+        kl = torch.nn.functional.kl_div(
+            outputs.logits.log_softmax(-1), teacher.log_softmax(-1), log_target=True, reduction="batchmean"
+        )
+        loss = outputs.loss + kl
+        return (loss, outputs) if return_outputs else loss
+
+
 def _run(tmp_path, cls):
     model = tiny_llama()
     start = copy.deepcopy(model)
     recorder = Recorder(PaddingFreeCollator(PAD))
     rows = pack_dataset(datasets.Dataset.from_list(sequences(24, seed=5)), 32)
     args = sgd_train_args(str(tmp_path), LR, max_steps=2)
-    trainer = prepare_trainer(cls(model=model, args=args, train_dataset=rows, data_collator=recorder))
+    trainer = cls(model=model, args=args, train_dataset=rows, data_collator=recorder)
+    trainer.teacher_model = tiny_llama(seed=1).eval()
+    prepare_trainer(trainer)
     trainer.train()
     return model, start, recorder
 
 
-@pytest.mark.parametrize("cls", [PositionsDropped, PositionsRebuilt], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [PositionsDropped, PositionsRebuilt, Distilled], ids=lambda c: c.__name__)
 def test_a_compute_loss_that_drops_the_positions_is_refused_at_its_forward(tmp_path, cls):
     """It trained every packed row as one sequence with no error (the guard saw keys that look like one unpacked
-    sequence); now its first forward of the packed input_ids is refused, naming it."""
+    sequence, and did not see the teacher's forward at all); now its first forward of the packed input_ids is
+    refused, naming it -- the teacher's too (``prepare_trainer`` guards ``trainer.teacher_model``)."""
     with pytest.raises(PackingError, match=rf"{cls.__name__}.compute_loss called the model.*position_ids"):
         _run(tmp_path, cls)
 

@@ -178,6 +178,27 @@ def warn_uncounted_pad_tokens(trainer: Any) -> int:
     return found
 
 
+#: Trainer attributes that hold a second model a ``compute_loss`` of the user's own may forward on the batch.
+SECOND_MODEL_ATTRS = ("teacher_model", "teacher", "ref_model")
+
+
+def second_models(trainer: Any) -> list[Any]:
+    """The models other than ``trainer.model`` held in :data:`SECOND_MODEL_ATTRS` (a distillation teacher, a
+    reference model): ``prepare_trainer`` guards and probes them like the model, so a forward of the packed batch
+    that loses its positions is refused there too (``guard.packed_loss_inputs``)."""
+    torch = require("torch", "packtools.prepare_trainer")
+    found = []
+    for name in SECOND_MODEL_ATTRS:
+        model = getattr(trainer, name, None)
+        if (
+            isinstance(model, torch.nn.Module)
+            and model is not trainer.model
+            and all(model is not m for m in found)
+        ):
+            found.append(model)
+    return found
+
+
 def refuse_unknown_trl_step(trainer: Any) -> None:
     """Refuse, by name, a TRL trainer whose step packtools does not know (:func:`~.step.unknown_trl_step`): TRL's
     distillation, GKD, GOLD, ORPO, CPO, online-DPO, SDFT, ... trainers compute their loss, forward a teacher or
@@ -330,11 +351,15 @@ def prepare_trainer(
         # the trainer's own collator on a real batch, then the probe through it (vision: its own probe)
         if check_isolation and not vision:
             probe_rows, packed = check_trainer_collator(trainer)
-        run_mixers_per_document(trainer.model, owner=trainer)  # before the guard: its mixers are then handled
-        guard_model(trainer.model, owner=trainer, check_isolation=False)
+        second = second_models(trainer)  # a teacher or reference of the user's compute_loss: guarded alike
+        for model in (trainer.model, *second):
+            run_mixers_per_document(model, owner=trainer)  # before the guard: its mixers are then handled
+            guard_model(model, owner=trainer, check_isolation=False)
         with segmented_sdpa_until_checked([trainer.model], segmented_sdpa, owner=trainer) as switched:
             if check_isolation:
-                run_probe(trainer, switched=switched, collator=probe_rows, packed=packed, vision=vision)
+                run_probe(
+                    trainer, *second, switched=switched, collator=probe_rows, packed=packed, vision=vision
+                )
         if layout.cp_size > 1:
             from .context_parallel import prepare_context_parallel
 
