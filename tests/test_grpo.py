@@ -115,9 +115,14 @@ def build(  # noqa: PLR0913 - the test's knobs
         max_steps=2,
     )
     kwargs.update(config)
-    cls, config_cls = (
-        (trl.GRPOTrainer, trl.GRPOConfig) if trainer == "grpo" else (trl.RLOOTrainer, trl.RLOOConfig)
-    )
+    if trainer == "gmpo":  # TRL's experimental GRPO subclass with a loss of its own
+        from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
+
+        cls, config_cls = GMPOTrainer, GMPOConfig
+    else:
+        cls, config_cls = (
+            (trl.GRPOTrainer, trl.GRPOConfig) if trainer == "grpo" else (trl.RLOOTrainer, trl.RLOOConfig)
+        )
     extra = {}
     if lora:  # no reference model: TRL disables the adapter for the reference log-probabilities
         peft = pytest.importorskip("peft")
@@ -413,6 +418,18 @@ def test_rloo_training_equals_trl(tmp_path, case):
         train(build(tmp_path, True, trainer="rloo", **case)),
         weight_tol,
     )
+
+
+@pytest.mark.parametrize("share", ["auto", False], ids=["default-shared", "plain"])
+def test_gmpo_a_grpo_subclass_with_its_own_loss_equals_trl(tmp_path, monkeypatch, share):
+    """TRL's GMPOTrainer overrides GRPO's _compute_loss (a geometric mean) and reads the log-probabilities through
+    _get_per_token_logps_and_entropies, which packtools runs padding-free: the run equals TRL's padded one."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    case = dict(beta=0.1, num_iterations=2, gradient_accumulation_steps=2)
+    theirs = train(build(tmp_path, trainer="gmpo", **case))
+    ours = build(tmp_path, True, trainer="gmpo", share=share, **case)
+    assert type(ours).__name__ == "PackedGMPOTrainer"
+    assert_same_run(theirs, train(ours))
 
 
 def scored_batch(trainer):

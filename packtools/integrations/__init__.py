@@ -31,6 +31,7 @@ _EXPORTS = lazy_exports(
         ".preference.reward": ("prepare_reward_trainer",),
         ".preference.kto": ("prepare_kto_trainer",),
         ".rl.grpo": ("prepare_grpo_trainer",),
+        ".rl.distillation": ("prepare_distillation_trainer",),
         ".attention.context_parallel": ("use_cp_attention",),
         ".parallel.layout": ("RankLayout",),
     },

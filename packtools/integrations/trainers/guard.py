@@ -10,7 +10,9 @@ check it runs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 from ..._optional import is_instance
@@ -37,6 +39,66 @@ from ..attention.mixers import (
 from ..parallel.distributed import sharded_by
 
 _HOOK_ATTR = "_packtools_guard"
+
+#: ``(batch, owner)`` of the batch whose loss a trainer's own ``compute_loss`` is computing (set by
+#: :func:`packed_loss_inputs` around it), else ``None``: a guarded forward of its packed ``input_ids`` without what
+#: separates their documents is refused (:func:`check_packed_ids_forward`).
+_LOSS_BATCH: ContextVar[tuple[Mapping[str, Any], str] | None] = ContextVar(
+    "packtools_loss_batch", default=None
+)
+
+
+@contextlib.contextmanager
+def packed_loss_inputs(inputs: Mapping[str, Any], owner: str) -> Iterator[None]:
+    """While the block runs, a guarded model called on ``inputs["input_ids"]`` of a packed batch must get what
+    separates its documents (:func:`check_packed_ids_forward`); ``owner`` names the method that builds the call
+    (``"MyTrainer.compute_loss"``)."""
+    token = _LOSS_BATCH.set((inputs, owner) if isinstance(inputs, Mapping) else None)
+    try:
+        yield
+    finally:
+        _LOSS_BATCH.reset(token)
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:  # a view, or a copy ``.to()`` returned as it was: the same storage and shape
+        return a.data_ptr() == b.data_ptr() and tuple(a.shape) == tuple(b.shape)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def check_packed_ids_forward(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    """Refuse a forward of a packed batch's ``input_ids`` (inside :func:`packed_loss_inputs`) that carries neither
+    ``cu_seq_lens_q`` nor ``position_ids`` restarting per document: the model then runs each packed row as one
+    sequence, its documents attending to each other, with no error (a ``compute_loss`` that calls
+    ``model(input_ids=inputs["input_ids"], labels=...)`` instead of ``model(**inputs)``).  The batch's own keys
+    pass from their identity; only another call's values are read (one host sync)."""
+    found = _LOSS_BATCH.get()
+    if found is None:
+        return
+    batch, owner = found
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if (
+        ids is None
+        or not _same_tensor(ids, batch.get("input_ids"))
+        or kwargs.get("cu_seq_lens_q") is not None
+    ):
+        return
+    given, own = kwargs.get("position_ids"), batch.get("position_ids")
+    if (given is not None and own is not None and _same_tensor(given, own)) or is_packed(kwargs):
+        return
+    if not is_packed(batch):
+        return
+    keys = sorted(k for k, v in kwargs.items() if v is not None)
+    raise PackingError(
+        f"{owner} called the model on the packed batch's input_ids with {keys}, without the batch's "
+        f"position_ids or cu_seq_lens_q: the model then runs each packed row as one sequence and its documents "
+        f"attend to each other, with no error. Pass the batch's separating keys (position_ids, and "
+        f"cu_seq_lens_q/k, max_length_q/k when the batch has them) -- model(**inputs) does -- or train unpacked, "
+        f"without prepare_trainer."
+    )
 
 
 def has_restarts(position_ids: Any, attention_mask: Any = None) -> bool:
@@ -494,7 +556,8 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
         impl = attention_implementation(module)
         done = document_mixers(module)  # run_mixers_per_document after the guard: its layers are handled now
         left = mixers if done is None else tuple(m for m in mixers if m not in done.modes)
-        check_unhandled_mixers(module, kwargs, left)  # first: without kernels, seq_idx alone is no fix
+        check_packed_ids_forward(args, kwargs)  # first: the other checks judge the keys the call was given
+        check_unhandled_mixers(module, kwargs, left)  # without kernels, seq_idx alone is no fix
         check_forward_inputs(kwargs, impl, left)
         if positionless:
             check_positionless_masks(module, kwargs, impl)

@@ -1,6 +1,6 @@
 """``prepared(trainer, **kwargs)``: a trainer prepared for the span of a ``with`` block, then unprepared.
 
-TRL's DPO, reward, KTO and GRPO / RLOO trainers get the ``prepare_*`` of their kind, any other trainer
+TRL's DPO, reward, KTO, GRPO / RLOO and distillation trainers get the ``prepare_*`` of their kind, any other trainer
 :func:`~packtools.integrations.trainers.transformers.prepare_trainer`; each records what it changes on the trainer,
 and :func:`~packtools.compat.unprepare` puts it back when the block ends (also on an error).
 
@@ -56,6 +56,8 @@ def prepared(trainer: Any, **kwargs: Any) -> Iterator[Any]:
         from ..preference.kto import prepare_kto_trainer as prepare
     elif is_instance(trainer, "trl", "GRPOTrainer") or is_instance(trainer, "trl", "RLOOTrainer"):
         from ..rl.grpo import prepare_grpo_trainer as prepare
+    elif is_instance(trainer, "trl", "DistillationTrainer"):
+        from ..rl.distillation import prepare_distillation_trainer as prepare
     else:
         from .transformers import prepare_trainer as prepare
     prepare(trainer, **kwargs)

@@ -32,7 +32,7 @@ from ...errors import PackingError
 from ..attention.backends import base_model
 from ..parallel.distributed import trainer_divides_by_accumulation, uneven_gather
 from ..parallel.layout import RankLayout
-from .guard import UNSHIFTED_LOSS
+from .guard import UNSHIFTED_LOSS, packed_loss_inputs
 from .loader import train_loader
 from .sft import causal_lm_loss
 from .step_loss import targets_and_documents, token_weights, weighted_token_loss
@@ -245,9 +245,10 @@ class SFTStep(StepOwner):
             inputs = cp_loss_inputs(inputs, plan)
         if plan.loss != "token":
             return _weighted_loss(self, model, inputs, return_outputs, num_items_in_batch)
-        result = super().compute_loss(
-            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-        )
+        with packed_loss_inputs(inputs, f"{loss_owner(self)}.compute_loss"):  # its forwards keep positions
+            result = super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         count_every_position(self, inputs)  # SFTTrainer's num_tokens: every row of the batch, not one
         return result
 
@@ -387,6 +388,48 @@ def own_compute_loss(trainer: Any) -> str | None:
         if f"{cls.__module__}.{cls.__qualname__}" in known:
             return None
         return cls.__name__
+    return None
+
+
+def loss_owner(trainer: Any) -> str:
+    """The name of the class whose ``compute_loss`` runs under packtools' step owner (``Trainer`` at least)."""
+    for cls in type(trainer).__mro__:
+        if not issubclass(cls, StepOwner) and "compute_loss" in vars(cls):
+            return cls.__name__
+    return type(trainer).__name__
+
+
+#: The methods in which a trainer builds its batches, forwards its models and computes its loss.
+STEP_METHODS = (
+    "compute_loss",
+    "_compute_loss",
+    "training_step",
+    "_prepare_inputs",
+    "get_train_dataloader",
+    "_get_train_sampler",
+    "get_batch_samples",
+    "prediction_step",
+)
+
+#: TRL's classes whose step methods ``prepare_trainer`` knows (checked against packed batches by the tests).
+KNOWN_TRL_STEPS = frozenset({"trl.trainer.sft_trainer.SFTTrainer", "trl.trainer.base_trainer._BaseTrainer"})
+
+
+def unknown_trl_step(trainer: Any) -> tuple[str, list[str]] | None:
+    """The first class of TRL's in ``trainer``'s class hierarchy that overrides a step method (:data:`STEP_METHODS`)
+    and is not one ``prepare_trainer`` knows (:data:`KNOWN_TRL_STEPS`), as ``(module.Class, [methods])``; ``None``
+    if there is none.  A user's subclass is not TRL's: its ``compute_loss`` runs under the guard's checks.
+
+    >>> unknown_trl_step(object()) is None
+    True
+    """
+    for cls in type(trainer).__mro__:
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        if issubclass(cls, StepOwner) or cls.__module__.split(".")[0] != "trl" or name in KNOWN_TRL_STEPS:
+            continue
+        methods = [m for m in STEP_METHODS if m in vars(cls)]
+        if methods:
+            return name, methods
     return None
 
 

@@ -64,7 +64,15 @@ from .guard import guard_model
 from .loader import check_train_loader
 from .rope_rows import check_rope_rows, rows_per_forward
 from .sft import check_sft, is_sft_trainer, keep_packed_columns, refuse_neftune
-from .step import SFTStep, StepPlan, check_loss_owner, install_step, plan_of, use_causal_lm_loss
+from .step import (
+    SFTStep,
+    StepPlan,
+    check_loss_owner,
+    install_step,
+    plan_of,
+    unknown_trl_step,
+    use_causal_lm_loss,
+)
 from .step_loss import check_loss_mode
 
 
@@ -170,6 +178,55 @@ def warn_uncounted_pad_tokens(trainer: Any) -> int:
     return found
 
 
+#: Trainer attributes that hold a second model a ``compute_loss`` of the user's own may forward on the batch.
+SECOND_MODEL_ATTRS = ("teacher_model", "teacher", "ref_model")
+
+
+def second_models(trainer: Any) -> list[Any]:
+    """The models other than ``trainer.model`` held in :data:`SECOND_MODEL_ATTRS` (a distillation teacher, a
+    reference model): ``prepare_trainer`` guards and probes them like the model, so a forward of the packed batch
+    that loses its positions is refused there too (``guard.packed_loss_inputs``)."""
+    torch = require("torch", "packtools.prepare_trainer")
+    found = []
+    for name in SECOND_MODEL_ATTRS:
+        model = getattr(trainer, name, None)
+        if (
+            isinstance(model, torch.nn.Module)
+            and model is not trainer.model
+            and all(model is not m for m in found)
+        ):
+            found.append(model)
+    return found
+
+
+def refuse_unknown_trl_step(trainer: Any) -> None:
+    """Refuse, by name, a TRL trainer whose step packtools does not know (:func:`~.step.unknown_trl_step`): TRL's
+    distillation, GKD, GOLD, ORPO, CPO, online-DPO, SDFT, ... trainers compute their loss, forward a teacher or
+    reference model, or generate their batches in methods of their own, which packtools has not checked on packed
+    batches; prepared, they would fail mid-step or train on documents that see each other (docs/training.md)."""
+    found = unknown_trl_step(trainer)
+    if found is None:
+        return
+    name, methods = found
+    if name == "trl.trainer.distillation_trainer.DistillationTrainer":
+        raise PackingError(
+            f"prepare_trainer got a {type(trainer).__name__}: distillation generates its completions and runs the "
+            f"student and the teacher in its own methods. Use "
+            f"packtools.integrations.rl.distillation.prepare_distillation_trainer(trainer) instead.",
+            param="trainer",
+        )
+    raise PackingError(
+        f"prepare_trainer got a {type(trainer).__name__}: TRL's {name} runs its own "
+        f"{', '.join(methods)} (its own batches, forwards -- a teacher's or reference model's too -- and loss), "
+        f"which packtools has not checked on packed padding-free batches: its documents could attend to each "
+        f"other, or its loss and logged numbers differ from its padded step, with no error. Train it without "
+        f"packing (its own dataset and collator, no prepare_trainer). packtools packs TRL's SFTTrainer "
+        f"(prepare_trainer), DPOTrainer (prepare_dpo_trainer), RewardTrainer (prepare_reward_trainer), KTOTrainer "
+        f"(prepare_kto_trainer), GRPOTrainer and RLOOTrainer and their subclasses (prepare_grpo_trainer).",
+        param="trainer",
+    )
+
+
 def prepare_trainer(
     trainer: Any,
     *,
@@ -239,6 +296,7 @@ def prepare_trainer(
             "log-probabilities in its own method. Use packtools.prepare_grpo_trainer(trainer) instead.",
             param="trainer",
         )
+    refuse_unknown_trl_step(trainer)
     plan = plan_of(trainer)
     if plan is not None:  # idempotent with the same options; other options would stack on the first
         if (plan.max_tokens, plan.loss, plan.layout.cp_size) == (max_tokens, loss, context_parallel or 1):
@@ -293,11 +351,15 @@ def prepare_trainer(
         # the trainer's own collator on a real batch, then the probe through it (vision: its own probe)
         if check_isolation and not vision:
             probe_rows, packed = check_trainer_collator(trainer)
-        run_mixers_per_document(trainer.model, owner=trainer)  # before the guard: its mixers are then handled
-        guard_model(trainer.model, owner=trainer, check_isolation=False)
+        second = second_models(trainer)  # a teacher or reference of the user's compute_loss: guarded alike
+        for model in (trainer.model, *second):
+            run_mixers_per_document(model, owner=trainer)  # before the guard: its mixers are then handled
+            guard_model(model, owner=trainer, check_isolation=False)
         with segmented_sdpa_until_checked([trainer.model], segmented_sdpa, owner=trainer) as switched:
             if check_isolation:
-                run_probe(trainer, switched=switched, collator=probe_rows, packed=packed, vision=vision)
+                run_probe(
+                    trainer, *second, switched=switched, collator=probe_rows, packed=packed, vision=vision
+                )
         if layout.cp_size > 1:
             from .context_parallel import prepare_context_parallel
 

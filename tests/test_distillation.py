@@ -1,0 +1,155 @@
+"""TRL's DistillationTrainer with padding-free student and teacher forwards equals TRL's padded one.
+
+Two trainers from the same seeds and weights: TRL as it is, and one prepared by ``prepare_distillation_trainer``.
+Generation is TRL's (sampling from the global RNG seeded before each run), so both see the same completions while
+their students agree. One micro-batch through ``compute_loss`` gives the same loss, entropy and gradients; two
+optimizer steps end with the same weights and logs (1e-5 relative, fp32 CPU). A negative control (the sequences
+of the row seeing each other) must fail the same comparison.
+"""
+
+import pytest
+from _hf_models import word_tokenizer
+from _trl_setup import TOL, datasets, torch, transformers, trl
+from test_grpo import TIMING, VOCAB, assert_close, differs, prompts, tiny
+
+from packtools import prepare_trainer
+from packtools.errors import PackingError
+from packtools.integrations import unprepare
+from packtools.integrations.rl import distillation as rl_distillation
+from packtools.integrations.rl.distillation import prepare_distillation_trainer
+
+
+def build(tmp_path, prepared=False, kind="llama", lora=False, **config):
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        max_completion_length=10,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        bf16=False,
+        learning_rate=0.1,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        seed=0,
+        max_steps=2,
+        beta=0.5,
+    )
+    kwargs.update(config)
+    extra = {}
+    if lora:  # TRL unwraps the PEFT model to its base model's backbone (the adapters inside it)
+        peft = pytest.importorskip("peft")
+        extra["peft_config"] = peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
+        )
+    trainer = trl.DistillationTrainer(
+        tiny(kind),
+        teacher_model=tiny(kind, seed=1),
+        args=trl.DistillationConfig(**kwargs),
+        train_dataset=datasets.Dataset.from_list(prompts()),
+        processing_class=word_tokenizer(VOCAB),
+        **extra,
+    )
+    return prepare_distillation_trainer(trainer) if prepared else trainer
+
+
+def scored_batch(trainer):
+    trainer.model.train()
+    transformers.set_seed(0)
+    return trainer._generate_and_score_completions(prompts()[:4])
+
+
+def loss_metrics_grads(trainer, batch):
+    trainer.model.zero_grad()
+    for values in trainer._metrics["train"].values():
+        values.clear()
+    loss = trainer.compute_loss(trainer.model, dict(batch))
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in trainer.model.named_parameters() if p.grad is not None}
+    assert grads
+    return loss.item(), {k: v[-1] for k, v in trainer._metrics["train"].items() if v}, grads
+
+
+@pytest.mark.parametrize(("kind", "lora"), [("llama", False), ("qwen3", False), ("llama", True)])
+def test_micro_batch_loss_entropy_and_gradients_equal_trl(tmp_path, kind, lora):
+    theirs, ours = build(tmp_path, kind=kind, lora=lora), build(tmp_path, True, kind=kind, lora=lora)
+    assert type(ours).__name__ == "PackedDistillationTrainer"
+    assert lora == any("lora" in name for name, _ in ours.model.named_parameters())
+    batch = scored_batch(theirs)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    assert int(mask.sum(1).min()) < mask.shape[1]  # really padded
+    assert differs(loss_metrics_grads(theirs, batch), loss_metrics_grads(ours, batch)) <= TOL
+
+
+def test_the_negative_control_fails(tmp_path, monkeypatch):
+    """The row's sequences attending to each other (no positions, no cu_seq_lens): the same comparison fails."""
+    theirs, ours = build(tmp_path), build(tmp_path, True)
+    batch = scored_batch(theirs)
+    original = rl_distillation.padding_free_hidden
+
+    def leaky(model, input_ids, attention_mask, keep):
+        model, backbone = rl_distillation._backbone(model)
+        row = rl_distillation.unpad_completions(input_ids, attention_mask, keep)
+        hidden = backbone(input_ids=row.ids[None], use_cache=False).last_hidden_state
+        dest = row.dest[..., None].expand(*row.dest.shape, hidden.shape[-1])
+        return hidden.new_zeros(dest.shape).masked_scatter(dest, hidden[0, row.source])
+
+    monkeypatch.setattr(rl_distillation, "padding_free_hidden", leaky)
+    assert differs(loss_metrics_grads(theirs, batch), loss_metrics_grads(ours, batch)) > 1e-3
+    monkeypatch.setattr(rl_distillation, "padding_free_hidden", original)
+
+
+def test_two_training_steps_equal_trl(tmp_path):
+    runs = []
+    for prepared in (False, True):
+        trainer = build(tmp_path, prepared, gradient_accumulation_steps=2)
+        transformers.set_seed(0)
+        trainer.train()
+        runs.append(trainer)
+    theirs, ours = runs
+    start = tiny("llama")
+    moved = max(
+        float((p - s).detach().abs().max()) for p, s in zip(ours.model.parameters(), start.parameters())
+    )
+    assert moved > 1e-3  # the steps trained
+    for (name, p), (_, q) in zip(theirs.model.named_parameters(), ours.model.named_parameters()):
+        assert_close(p.detach().numpy(), q.detach().numpy(), name)
+    assert len(theirs.state.log_history) == len(ours.state.log_history)
+    for a, b in zip(theirs.state.log_history, ours.state.log_history):
+        assert sorted(a) == sorted(b)
+        for key, value in a.items():
+            if key not in TIMING:
+                assert_close(value, b[key], key)
+
+
+def test_refusals_by_name_and_unprepare(tmp_path):
+    trainer = build(tmp_path)
+    with pytest.raises(
+        PackingError, match=r"prepare_trainer got a DistillationTrainer.*prepare_distillation_trainer"
+    ):
+        prepare_trainer(trainer)
+
+    class Mine(trl.DistillationTrainer):
+        def _compute_loss(self, *args, **kwargs):
+            return super()._compute_loss(*args, **kwargs)
+
+    mine = object.__new__(Mine)
+    with pytest.raises(PackingError, match=r"Mine overrides _compute_loss"):
+        prepare_distillation_trainer(mine)
+    with pytest.raises(PackingError, match="expects a trl.DistillationTrainer"):
+        prepare_distillation_trainer(object())
+    prepared = prepare_distillation_trainer(build(tmp_path))
+    assert type(unprepare(prepared)) is trl.DistillationTrainer
+
+
+def test_prepared_block_dispatches_the_distillation_trainer(tmp_path):
+    from packtools.integrations import prepared
+
+    trainer = build(tmp_path)
+    with prepared(trainer):
+        assert type(trainer).__name__ == "PackedDistillationTrainer"
+    assert type(trainer) is trl.DistillationTrainer

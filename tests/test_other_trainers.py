@@ -1,0 +1,182 @@
+"""Other people's trainers: every TRL 1.16 trainer class passed to ``prepare_trainer``, and ``compute_loss``
+overrides that build their own forward.
+
+TRL's own trainers whose step packtools has not checked on packed batches (distillation, GKD, GOLD, ORPO, CPO,
+online DPO, ...) are refused by name before anything changes; a subclass's ``compute_loss`` that forwards the
+packed row without its positions is refused at its first forward (it trained with documents attending to each
+other, with no error); one that passes them trains like the documents one by one.
+"""
+
+import copy
+import importlib
+import inspect
+import os
+import pkgutil
+
+import pytest
+from _hf_models import (
+    PAD,
+    Recorder,
+    one_by_one_gap,
+    sequences,
+    sgd_train_args,
+    tiny_llama,
+    torch,
+    transformers,
+    word_tokenizer,
+)
+
+from packtools import PaddingFreeCollator, pack_dataset, prepare_trainer
+from packtools.errors import PackingError
+
+datasets = pytest.importorskip("datasets")
+trl = pytest.importorskip("trl")
+
+LR = 0.5
+#: TRL's trainers packtools trains packed, each with the prepare function its refusal names
+DISPATCHED = {
+    "DPOTrainer": "prepare_dpo_trainer",
+    "RewardTrainer": "prepare_reward_trainer",
+    "KTOTrainer": "prepare_kto_trainer",
+    "GRPOTrainer": "prepare_grpo_trainer",
+    "RLOOTrainer": "prepare_grpo_trainer",
+    "DistillationTrainer": "prepare_distillation_trainer",  # not its subclasses with step methods of their own
+}
+
+
+def trl_trainer_classes():
+    """Every ``Trainer`` subclass defined in ``trl`` and ``trl.experimental`` (modules that import)."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    found = {getattr(trl, n) for n in dir(trl) if n.endswith("Trainer")}
+    experimental = importlib.import_module("trl.experimental")
+    for info in pkgutil.walk_packages(experimental.__path__, "trl.experimental."):
+        try:
+            module = importlib.import_module(info.name)
+        except Exception:  # noqa: BLE001 - an optional dependency of one experiment (openenv, vllm, ...)
+            continue
+        found.update(
+            c for c in vars(module).values() if inspect.isclass(c) and c.__module__ == module.__name__
+        )
+    classes = [c for c in found if inspect.isclass(c) and issubclass(c, transformers.Trainer)]
+    return sorted(classes, key=lambda c: f"{c.__module__}.{c.__qualname__}")
+
+
+def test_every_trl_trainer_is_prepared_or_refused_by_name():
+    """No TRL trainer gets past ``prepare_trainer``'s class checks but SFTTrainer: each other one is refused
+    naming itself and where to go (an instance without ``__init__``: the refusal reads the class only)."""
+    classes = trl_trainer_classes()
+    names = {c.__name__ for c in classes}
+    assert {"DistillationTrainer", "GKDTrainer", "GOLDTrainer", "ORPOTrainer", "CPOTrainer"} <= names
+    for cls in classes:
+        if cls.__name__ in ("SFTTrainer", "_BaseTrainer"):
+            continue
+        base = next((DISPATCHED[k.__name__] for k in cls.__mro__ if k.__name__ in DISPATCHED), None)
+        if cls.__name__ != "DistillationTrainer" and base == "prepare_distillation_trainer":
+            base = None  # ServerDistillationTrainer & co.: a loss of their own
+        with pytest.raises(PackingError, match=f"prepare_trainer got a {cls.__name__}") as err:
+            prepare_trainer(object.__new__(cls))
+        assert (base or "without packing") in str(err.value), (cls, str(err.value))
+
+
+def _gkd_trainer(tmp_path):
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    config = GKDConfig(
+        output_dir=str(tmp_path),
+        report_to=[],
+        use_cpu=True,
+        lmbda=0.0,
+        max_length=None,
+        dataset_kwargs={"skip_prepare_dataset": True},
+        remove_unused_columns=False,
+    )
+    rows = pack_dataset(datasets.Dataset.from_list(sequences(8, seed=5)), 32)
+    return GKDTrainer(
+        tiny_llama(),
+        teacher_model=tiny_llama(seed=1),
+        args=config,
+        data_collator=PaddingFreeCollator(PAD),
+        train_dataset=rows,
+        processing_class=word_tokenizer(),
+    )
+
+
+def test_gkd_on_packed_rows_is_refused_before_anything_changes(tmp_path):
+    """GKDTrainer subclasses SFTTrainer with its own compute_loss (student and unguarded teacher forwards on
+    ``input_ids`` + ``attention_mask``, a JSD loss): prepare_trainer took it and the first step failed inside TRL
+    (KeyError: 'attention_mask'). Now refused by name, the trainer left as built."""
+    trainer = _gkd_trainer(tmp_path)
+    impl = trainer.model.config._attn_implementation
+    with pytest.raises(PackingError, match=r"GKDTrainer.*compute_loss.*teacher.*without packing"):
+        prepare_trainer(trainer)
+    assert type(trainer).__name__ == "GKDTrainer" and trainer.model.config._attn_implementation == impl
+
+
+class PositionsDropped(transformers.Trainer):
+    """A compute_loss of the user's own that forwards the packed row without its position_ids."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(input_ids=inputs["input_ids"], labels=inputs["labels"])
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
+class PositionsRebuilt(transformers.Trainer):
+    """One that passes positions of its own, counting through the whole row."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        ids = inputs["input_ids"]
+        positions = torch.arange(ids.shape[1]).expand_as(ids)
+        outputs = model(input_ids=ids, position_ids=positions, labels=inputs["labels"])
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
+class PositionsKept(transformers.Trainer):
+    """The same with the packed batch's separating keys: trains like the documents one by one."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        keys = ("input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q")
+        kept = {k: inputs[k] for k in (*keys, "max_length_k") if k in inputs}
+        outputs = model(**kept, num_items_in_batch=num_items_in_batch)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
+class Distilled(transformers.Trainer):
+    """A distillation of the user's own: the student on the whole batch, the teacher on its input_ids only."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs)
+        with torch.no_grad():
+            teacher = self.teacher_model(input_ids=inputs["input_ids"]).logits
+        kl = torch.nn.functional.kl_div(
+            outputs.logits.log_softmax(-1), teacher.log_softmax(-1), log_target=True, reduction="batchmean"
+        )
+        loss = outputs.loss + kl
+        return (loss, outputs) if return_outputs else loss
+
+
+def _run(tmp_path, cls):
+    model = tiny_llama()
+    start = copy.deepcopy(model)
+    recorder = Recorder(PaddingFreeCollator(PAD))
+    rows = pack_dataset(datasets.Dataset.from_list(sequences(24, seed=5)), 32)
+    args = sgd_train_args(str(tmp_path), LR, max_steps=2)
+    trainer = cls(model=model, args=args, train_dataset=rows, data_collator=recorder)
+    trainer.teacher_model = tiny_llama(seed=1).eval()
+    prepare_trainer(trainer)
+    trainer.train()
+    return model, start, recorder
+
+
+@pytest.mark.parametrize("cls", [PositionsDropped, PositionsRebuilt, Distilled], ids=lambda c: c.__name__)
+def test_a_compute_loss_that_drops_the_positions_is_refused_at_its_forward(tmp_path, cls):
+    """It trained every packed row as one sequence with no error (the guard saw keys that look like one unpacked
+    sequence, and did not see the teacher's forward at all); now its first forward of the packed input_ids is
+    refused, naming it -- the teacher's too (``prepare_trainer`` guards ``trainer.teacher_model``)."""
+    with pytest.raises(PackingError, match=rf"{cls.__name__}.compute_loss called the model.*position_ids"):
+        _run(tmp_path, cls)
+
+
+def test_a_compute_loss_that_keeps_the_positions_trains_like_one_by_one(tmp_path):
+    model, start, recorder = _run(tmp_path, PositionsKept)
+    gap, moved = one_by_one_gap(model, start, recorder.batches, accumulation=2, lr=LR)
+    assert moved > 1e-2 and gap < 1e-5, (gap, moved)
