@@ -43,6 +43,50 @@ FLAT_STRATEGIES = {"llava": ("default", "full"), "internvl": ("default",)}
 #: not): the ``"default"`` strategy drops the first token either way, so SigLIP's images are one token short.
 _CLASS_TOKEN = {"clip_vision_model": 1, "siglip_vision_model": 0, "internvl_vision": 1}
 VERIFIED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", *FLAT_MODEL_TYPES)
+#: Why popular multimodal types outside :data:`VERIFIED_MODEL_TYPES` are refused, measured on transformers 5.25
+#: (``tests/test_vision_refusals.py``); the refusals of :class:`MropeSpec` and ``prepare_trainer`` say it.
+UNVERIFIED_REASONS = {
+    "gemma3": (
+        "Gemma 3 with images is not exact packed: transformers builds its sliding-window layers' mask by looking "
+        "up the bidirectional image blocks (from token_type_ids) at each document's own positions instead of the "
+        "row's token indices, so from the second document on, image tokens lose their bidirectional attention and "
+        "text tokens can attend ahead (a later document's logits 0.3 away from it run alone; exact with "
+        "full-attention layers only). Text-only Gemma 3 (Gemma3ForCausalLM) packs exactly."
+    ),
+    "llava_next": (
+        "LLaVA-NeXT's any-resolution images are a different number of tokens each (tiles, unpadding and newline "
+        "tokens from image_sizes), which MultimodalCollator does not check, and it does not carry image_sizes "
+        "or pad pixel_values' tiles across documents (the model's forward alone is exact on such rows, measured)."
+    ),
+    "llava_onevision": (
+        "LLaVA-OneVision's any-resolution images are a different number of tokens each (tiles, unpadding and "
+        "newline tokens from image_sizes), which MultimodalCollator does not check, and it does not carry "
+        "image_sizes or pad pixel_values' tiles across documents (the model's forward alone is exact on such "
+        "rows, measured)."
+    ),
+    "idefics3": (
+        "Idefics3's images are split into tiles with row/column tokens and read with a pixel_attention_mask, "
+        "which MultimodalCollator does not carry or check."
+    ),
+    "smolvlm": (
+        "SmolVLM's images are split into tiles with row/column tokens and read with a pixel_attention_mask, "
+        "which MultimodalCollator does not carry or check."
+    ),
+    "mistral3": (
+        "Mistral 3's Pixtral tower reads images of any size (a different number of tokens each, with "
+        "[IMG_BREAK] rows, from image_sizes), which MultimodalCollator does not carry or check."
+    ),
+}
+
+
+def unverified_reason(model_type: Any) -> str:
+    """The reason :data:`UNVERIFIED_REASONS` gives for ``model_type`` (with a leading space), or ``""``.
+
+    >>> unverified_reason("qwen2_vl")
+    ''
+    """
+    reason = UNVERIFIED_REASONS.get(model_type) if isinstance(model_type, str) else None
+    return f" {reason}" if reason else ""
 
 
 @dataclass(frozen=True)
@@ -71,7 +115,8 @@ class MropeSpec:
         if self.model_type not in VERIFIED_MODEL_TYPES:
             raise PackingError(
                 f"model_type {self.model_type!r}: packtools computes packed multimodal positions only for "
-                f"{list(VERIFIED_MODEL_TYPES)}; other multimodal models are not verified.",
+                f"{list(VERIFIED_MODEL_TYPES)}; other multimodal models are not verified."
+                f"{unverified_reason(self.model_type)}",
                 param="model_type",
             )
         if self.flat and (not isinstance(self.image_tokens, int) or self.image_tokens < 1):
@@ -96,7 +141,8 @@ class MropeSpec:
         if model_type not in VERIFIED_MODEL_TYPES or vision is None or not isinstance(image, int):
             raise PackingError(
                 f"{type(config).__name__} (model_type {model_type!r}) is not a multimodal model packtools has "
-                f"verified; packed multimodal rows are supported for {list(VERIFIED_MODEL_TYPES)}.",
+                f"verified; packed multimodal rows are supported for {list(VERIFIED_MODEL_TYPES)}."
+                f"{unverified_reason(model_type)} Train it unpacked, with its processor's collator.",
                 param="model",
             )
         if model_type in FLAT_MODEL_TYPES:

@@ -98,15 +98,41 @@ def check_multimodal(model: Any) -> None:
     model_type = getattr(getattr(base, "config", None), "model_type", None)
     if not parts or model_type in mrope.VERIFIED_MODEL_TYPES:
         return
+    why = mrope.unverified_reason(model_type) or (
+        " Such models can build their rotary positions from the image grid and the tokens (e.g. Qwen2-VL's 3-D "
+        "mRoPE), not from position_ids that restart per sequence, and PaddingFreeCollator does not carry "
+        "pixel_values / image_grid_thw."
+    )
     raise PackingError(
         f"{type(base).__name__} (model_type {model_type!r}) is a multimodal model ({', '.join(parts)}), and "
-        f"packtools has not verified packed batches for it: such models build their rotary positions from the "
-        f"image grid and the tokens (e.g. Qwen2-VL's 3-D mRoPE), not from position_ids that restart per "
-        f"sequence, and PaddingFreeCollator does not carry pixel_values / image_grid_thw. Train it unpacked with "
-        f"its processor's collator. Verified multimodal model types (packed with "
-        f"packtools.batches.MultimodalCollator): {list(mrope.VERIFIED_MODEL_TYPES)}.",
+        f"packtools has not verified packed batches for it.{why} Train it unpacked with its processor's "
+        f"collator. Verified multimodal model types (packed with packtools.batches.MultimodalCollator): "
+        f"{list(mrope.VERIFIED_MODEL_TYPES)}.",
         param="model",
     )
+
+
+#: Forward inputs that bring images (or what a model makes of them) into a multimodal model's packed row.
+IMAGE_INPUTS = (
+    "pixel_values",
+    "pixel_values_videos",
+    "pixel_attention_mask",
+    "image_sizes",
+    "image_grid_thw",
+    "mm_encoder_outputs",
+    "token_type_ids",
+)
+
+
+def check_image_inputs(model: Any, kwargs: Any) -> None:
+    """Refuse (:func:`check_multimodal`'s error) a forward of an unverified multimodal model that carries any of
+    :data:`IMAGE_INPUTS`: ``guard_model``'s probe packs text only, which such a model may keep apart while its
+    image path does not (Gemma 3's sliding layers).  Text-only forwards and verified types pass.
+
+    >>> check_image_inputs(object(), {"pixel_values": 1})
+    """
+    if any(kwargs.get(name) is not None for name in IMAGE_INPUTS):
+        check_multimodal(model)
 
 
 #: Layer types whose layers pool every ``config.compress_rates[type]`` consecutive tokens of a row into one

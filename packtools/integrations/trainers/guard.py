@@ -21,6 +21,8 @@ from ...errors import PackingError
 from ..attention.backends import (
     attention_implementation,
     base_model,
+    check_image_inputs,
+    check_multimodal,
     check_recurrent,
     check_row_pooling,
     is_flash,
@@ -487,6 +489,11 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
     # The model type decides two checks; read once here, not on every forward.
     model_type = getattr(getattr(base_model(model), "config", None), "model_type", None)
     positionless, text_row = model_type in POSITIONLESS_MASKS, model_type in NO_TEXT_ROW_FROM_2D
+    try:  # an unverified multimodal model: its text-only forwards pass, its image inputs are refused
+        check_multimodal(model)
+        unverified = False
+    except PackingError:
+        unverified = True
 
     def hook(
         module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -496,6 +503,8 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
         left = mixers if done is None else tuple(m for m in mixers if m not in done.modes)
         check_unhandled_mixers(module, kwargs, left)  # first: without kernels, seq_idx alone is no fix
         check_forward_inputs(kwargs, impl, left)
+        if unverified:
+            check_image_inputs(module, kwargs)  # its images: refused by name (the probe packs text only)
         if positionless:
             check_positionless_masks(module, kwargs, impl)
         if text_row:
