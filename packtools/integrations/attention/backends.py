@@ -124,15 +124,32 @@ IMAGE_INPUTS = (
 )
 
 
-def check_image_inputs(model: Any, kwargs: Any) -> None:
-    """Refuse (:func:`check_multimodal`'s error) a forward of an unverified multimodal model that carries any of
-    :data:`IMAGE_INPUTS`: ``guard_model``'s probe packs text only, which such a model may keep apart while its
-    image path does not (Gemma 3's sliding layers).  Text-only forwards and verified types pass.
+def check_image_inputs(model: Any, kwargs: Any, impl: str | None = None) -> None:
+    """Refuse a forward that carries any of :data:`IMAGE_INPUTS` into a multimodal model of an unverified type
+    (:func:`check_multimodal`'s error: ``guard_model``'s probe packs text only, which such a model may keep apart
+    while its image path does not), or into one of :data:`~packtools.batches.mrope.IMAGE_BLOCK_TYPES` (Gemma 3)
+    without its documents' masks ready-made (``attention_mask``, a dict by layer type, as ``MultimodalCollator``
+    gives it) on a backend that reads them.  Text-only forwards pass.
 
     >>> check_image_inputs(object(), {"pixel_values": 1})
     """
-    if any(kwargs.get(name) is not None for name in IMAGE_INPUTS):
-        check_multimodal(model)
+    if not any(kwargs.get(name) is not None for name in IMAGE_INPUTS):
+        return
+    check_multimodal(model)
+    model_type = getattr(getattr(base_model(model), "config", None), "model_type", None)
+    if model_type not in mrope.IMAGE_BLOCK_TYPES:
+        return
+    ready = isinstance(kwargs.get("attention_mask"), dict)
+    if ready and impl in mrope.IMAGE_BLOCK_BACKENDS:
+        return
+    raise PackingError(
+        f"{type(base_model(model)).__name__} (model_type {model_type!r}) got image inputs "
+        f"{'with' if ready else 'without'} each document's masks ready-made, on attn_implementation={impl!r}: "
+        f"{mrope.IMAGE_BLOCK_REASON}. Collate its packed rows with packtools.batches.MultimodalCollator(model, "
+        f"pad_token_id), which gives them (attention_mask by layer type), on "
+        f"{list(mrope.IMAGE_BLOCK_BACKENDS)}.",
+        param="attention_mask",
+    )
 
 
 #: Layer types whose layers pool every ``config.compress_rates[type]`` consecutive tokens of a row into one

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..._optional import is_instance
+from ...batches import mrope
 from ...compat import set_attr
 from ...compat.torch import forward_pre_hook
 from ...constants import VARLEN_KEYS
@@ -491,9 +492,9 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
     positionless, text_row = model_type in POSITIONLESS_MASKS, model_type in NO_TEXT_ROW_FROM_2D
     try:  # an unverified multimodal model: its text-only forwards pass, its image inputs are refused
         check_multimodal(model)
-        unverified = False
+        images_checked = model_type in mrope.IMAGE_BLOCK_TYPES  # Gemma 3: its images need their masks
     except PackingError:
-        unverified = True
+        images_checked = True
 
     def hook(
         module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -503,8 +504,8 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
         left = mixers if done is None else tuple(m for m in mixers if m not in done.modes)
         check_unhandled_mixers(module, kwargs, left)  # first: without kernels, seq_idx alone is no fix
         check_forward_inputs(kwargs, impl, left)
-        if unverified:
-            check_image_inputs(module, kwargs)  # its images: refused by name (the probe packs text only)
+        if images_checked and is_packed(kwargs):  # a sample alone is built right by the model itself
+            check_image_inputs(module, kwargs, impl)  # refused by name (the probe packs text only)
         if positionless:
             check_positionless_masks(module, kwargs, impl)
         if text_row:
