@@ -88,7 +88,9 @@ def test_trainer_step_equals_one_by_one(layers, tmp_path):
     model = tiny_gemma3("sdpa", layers).train()
     rows = samples()
     reference = copy.deepcopy(model)
-    packed = pack_dataset(datasets.Dataset.from_list(rows), 48)
+    # as the processor gives them: token_type_ids 1 on the image tokens (packed along, checked by the collator)
+    marked = [dict(r, token_type_ids=[int(t == IMAGE) for t in r["input_ids"]]) for r in rows]
+    packed = pack_dataset(datasets.Dataset.from_list(marked), 48)
     assert len(packed) < len(rows) and max(len(r["input_ids"]) for r in rows) > 4  # longer than the window
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=len(packed), max_steps=1, optim="sgd",
@@ -203,12 +205,19 @@ def test_gemma3_spec_and_columns():
     collate = MultimodalCollator(model, 0)
     first = samples()[0]
     row = dict(first, seq_lengths=[len(first["input_ids"])])
-    # the processor's token_type_ids column: refused by name unless leave_out lists it (the collator makes its own)
+    # the processor's token_type_ids column: checked against the image tokens (was refused as unknown)
     marks = [int(t == IMAGE) for t in first["input_ids"]]
+    assert collate([dict(row, token_type_ids=marks)])["token_type_ids"][0].tolist() == marks
+    wrong = marks[:1] + [1] + marks[2:]  # a text token marked as an image token
+    with pytest.raises(PackingError, match="'token_type_ids' does not mark exactly the image tokens"):
+        collate([dict(row, token_type_ids=wrong)])
+    # other models do not take it (LLaVA's processor gives none): refused by name, as before
+    from test_vision_llava import tiny_llava
+
     with pytest.raises(PackingError, match="token_type_ids"):
-        collate([dict(row, token_type_ids=marks)])
-    batch = MultimodalCollator(model, 0, leave_out=["token_type_ids"])([dict(row, token_type_ids=marks)])
-    assert batch["token_type_ids"][0].tolist() == marks
+        MultimodalCollator(tiny_llava("sdpa"), 0)(
+            [{"input_ids": [1, 2], "seq_lengths": [2], "token_type_ids": [0, 0]}]
+        )
     # full-attention layers only: no sliding mask (the model reads none)
     full = tiny_gemma3("sdpa", ("full_attention", "full_attention"))
     assert MropeSpec.from_config(full.config).sliding_window is None

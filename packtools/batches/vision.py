@@ -193,11 +193,11 @@ class MultimodalCollator:
         if isinstance(features, Mapping) or not isinstance(features, Sequence) or not features:
             raise PackingError(f"features must be a non-empty list of rows, got {type(features).__name__}.")
         check_no_video(features)
-        check_carried(
-            features, self.leave_out, CARRIED_KEYS | frozenset(VISION_COLUMNS), "MultimodalCollator"
-        )
+        # Gemma 3's processor gives token_type_ids (1 on image tokens): checked, and made again for the batch
+        consumed = frozenset(VISION_COLUMNS) | ({"token_type_ids"} if self.spec.image_blocks else set())
+        check_carried(features, self.leave_out, CARRIED_KEYS | consumed, "MultimodalCollator")
         text_rows = [
-            {k: v for k, v in row.items() if k not in VISION_COLUMNS} if isinstance(row, Mapping) else row
+            {k: v for k, v in row.items() if k not in consumed} if isinstance(row, Mapping) else row
             for row in features
         ]
         flat = flatten_rows(text_rows, self.text.mask_keys)
@@ -343,12 +343,16 @@ class MultimodalCollator:
         return pixels
 
     def _check_types(self, row: Mapping[str, Any], i: int, ids: np.ndarray) -> None:
-        given = row.get("mm_token_type_ids")
-        if given is None:
-            return
-        arr = np.asarray(given)
-        if arr.shape != ids.shape or not np.array_equal(arr != 0, ids == self.spec.image_token_id):
-            raise PackingError(
-                f"row {i}: 'mm_token_type_ids' does not mark exactly the image tokens (id "
-                f"{self.spec.image_token_id}) of its input_ids; re-process the row."
-            )
+        for name in (
+            ("mm_token_type_ids", "token_type_ids") if self.spec.image_blocks else ("mm_token_type_ids",)
+        ):
+            given = row.get(name)
+            if given is None:
+                continue
+            arr = np.asarray(given)
+            if arr.shape != ids.shape or not np.array_equal(arr != 0, ids == self.spec.image_token_id):
+                raise PackingError(
+                    f"row {i}: {name!r} does not mark exactly the image tokens (id "
+                    f"{self.spec.image_token_id}) of its input_ids; re-process the row.",
+                    param=name,
+                )
