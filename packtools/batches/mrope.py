@@ -42,7 +42,7 @@ FLAT_VISION_TYPES = {
     "gemma3": ("siglip_vision_model",),
 }
 #: The ``vision_feature_select_strategy`` values verified with each of :data:`FLAT_MODEL_TYPES`.
-FLAT_STRATEGIES = {"llava": ("default", "full"), "internvl": ("default",), "gemma3": (None,)}
+FLAT_STRATEGIES = {"llava": ("default", "full"), "internvl": ("default",)}  # Gemma 3 has no strategy
 #: Of :data:`FLAT_MODEL_TYPES`, those whose images attend bidirectionally within themselves (``token_type_ids``):
 #: transformers builds their packed sliding-window masks wrong (:data:`IMAGE_BLOCK_REASON`), so
 #: ``MultimodalCollator`` gives them each document's own masks ready-made (``attention_mask``, a dict of boolean
@@ -244,11 +244,7 @@ class MropeSpec:
         window = getattr(text, "sliding_window", None) if "sliding_attention" in layers else None
         if window is not None and (not isinstance(window, int) or window < 1):
             raise PackingError(f"{type(text).__name__}: sliding_window {window!r} is not a positive int.")
-        shape = (
-            int(getattr(vision, "num_channels", 3)),
-            side * int(vision.patch_size),
-            side * int(vision.patch_size),
-        )
+        shape = (int(getattr(vision, "num_channels", 3)), size, size)
         return cls("gemma3", image, None, 1, image_tokens=tokens, image_shape=shape, sliding_window=window)
 
 
