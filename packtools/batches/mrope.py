@@ -33,16 +33,71 @@ from ..errors import PackingError
 #: Of these, the LLaVA-style types: a language model with 1-D rotary positions over a fixed run of image tokens per
 #: image (or InternVL tile), from a vision tower at one image size.  Their packed positions are the text row, restarting at every
 #: document; the images travel in row order (``pixel_values`` ``(images, channels, size, size)``).
-FLAT_MODEL_TYPES = ("llava", "internvl")
+FLAT_MODEL_TYPES = ("llava", "internvl", "gemma3")
 #: The vision towers verified with each of :data:`FLAT_MODEL_TYPES` (one fixed image size, each image -- each
 #: InternVL tile -- seen alone).
-FLAT_VISION_TYPES = {"llava": ("clip_vision_model", "siglip_vision_model"), "internvl": ("internvl_vision",)}
+FLAT_VISION_TYPES = {
+    "llava": ("clip_vision_model", "siglip_vision_model"),
+    "internvl": ("internvl_vision",),
+    "gemma3": ("siglip_vision_model",),
+}
 #: The ``vision_feature_select_strategy`` values verified with each of :data:`FLAT_MODEL_TYPES`.
-FLAT_STRATEGIES = {"llava": ("default", "full"), "internvl": ("default",)}
+FLAT_STRATEGIES = {"llava": ("default", "full"), "internvl": ("default",)}  # Gemma 3 has no strategy
+#: Of :data:`FLAT_MODEL_TYPES`, those whose images attend bidirectionally within themselves (``token_type_ids``):
+#: transformers builds their packed sliding-window masks wrong (:data:`IMAGE_BLOCK_REASON`), so
+#: ``MultimodalCollator`` gives them each document's own masks ready-made (``attention_mask``, a dict of boolean
+#: ``[1, 1, T, T]`` masks by layer type), which ``sdpa`` and ``packtools_sdpa`` read and ``eager`` cannot.
+IMAGE_BLOCK_TYPES = ("gemma3",)
+#: The attention implementations verified with the ready-made masks of :data:`IMAGE_BLOCK_TYPES`.
+IMAGE_BLOCK_BACKENDS = ("sdpa", "packtools_sdpa")
+#: Why :data:`IMAGE_BLOCK_TYPES` need their masks ready-made, measured on transformers 5.25.
+IMAGE_BLOCK_REASON = (
+    "transformers builds Gemma 3's sliding-window layers' mask over a packed row by looking up the bidirectional "
+    "image blocks (from token_type_ids) at each document's own positions instead of the row's token indices, so "
+    "from the second document on, image tokens lose their bidirectional attention and text tokens can attend "
+    "ahead (a later document's logits 0.3 away from it run alone; exact with full-attention layers only)"
+)
 #: Whether each vision tower of :data:`FLAT_VISION_TYPES` puts a class token before its patches (CLIP does, SigLIP does
 #: not): the ``"default"`` strategy drops the first token either way, so SigLIP's images are one token short.
 _CLASS_TOKEN = {"clip_vision_model": 1, "siglip_vision_model": 0, "internvl_vision": 1}
 VERIFIED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", *FLAT_MODEL_TYPES)
+#: Why popular multimodal types outside :data:`VERIFIED_MODEL_TYPES` are refused, measured on transformers 5.25
+#: (``tests/test_vision_refusals.py``); the refusals of :class:`MropeSpec` and ``prepare_trainer`` say it.
+UNVERIFIED_REASONS = {
+    "llava_next": (
+        "LLaVA-NeXT's any-resolution images are a different number of tokens each (tiles, unpadding and newline "
+        "tokens from image_sizes), which MultimodalCollator does not check, and it does not carry image_sizes "
+        "or pad pixel_values' tiles across documents (the model's forward alone is exact on such rows, measured)."
+    ),
+    "llava_onevision": (
+        "LLaVA-OneVision's any-resolution images are a different number of tokens each (tiles, unpadding and "
+        "newline tokens from image_sizes), which MultimodalCollator does not check, and it does not carry "
+        "image_sizes or pad pixel_values' tiles across documents (the model's forward alone is exact on such "
+        "rows, measured)."
+    ),
+    "idefics3": (
+        "Idefics3's images are split into tiles with row/column tokens and read with a pixel_attention_mask, "
+        "which MultimodalCollator does not carry or check."
+    ),
+    "smolvlm": (
+        "SmolVLM's images are split into tiles with row/column tokens and read with a pixel_attention_mask, "
+        "which MultimodalCollator does not carry or check."
+    ),
+    "mistral3": (
+        "Mistral 3's Pixtral tower reads images of any size (a different number of tokens each, with "
+        "[IMG_BREAK] rows, from image_sizes), which MultimodalCollator does not carry or check."
+    ),
+}
+
+
+def unverified_reason(model_type: Any) -> str:
+    """The reason :data:`UNVERIFIED_REASONS` gives for ``model_type`` (with a leading space), or ``""``.
+
+    >>> unverified_reason("qwen2_vl")
+    ''
+    """
+    reason = UNVERIFIED_REASONS.get(model_type) if isinstance(model_type, str) else None
+    return f" {reason}" if reason else ""
 
 
 @dataclass(frozen=True)
@@ -61,17 +116,26 @@ class MropeSpec:
     #: :data:`FLAT_MODEL_TYPES` only: the tokens of one image and the ``(channels, size, size)`` of its pixels.
     image_tokens: int | None = None
     image_shape: tuple[int, int, int] | None = field(default=None, compare=False)
+    #: :data:`IMAGE_BLOCK_TYPES` only: the text model's sliding window (``None``: no sliding layers).
+    sliding_window: int | None = None
 
     @property
     def flat(self) -> bool:
         """1-D positions (the text row): a LLaVA-style model (:data:`FLAT_MODEL_TYPES`)."""
         return self.model_type in FLAT_MODEL_TYPES
 
+    @property
+    def image_blocks(self) -> bool:
+        """Images attend bidirectionally within themselves (:data:`IMAGE_BLOCK_TYPES`): the collator gives
+        ``token_type_ids`` and each document's masks ready-made."""
+        return self.model_type in IMAGE_BLOCK_TYPES
+
     def __post_init__(self) -> None:
         if self.model_type not in VERIFIED_MODEL_TYPES:
             raise PackingError(
                 f"model_type {self.model_type!r}: packtools computes packed multimodal positions only for "
-                f"{list(VERIFIED_MODEL_TYPES)}; other multimodal models are not verified.",
+                f"{list(VERIFIED_MODEL_TYPES)}; other multimodal models are not verified."
+                f"{unverified_reason(self.model_type)}",
                 param="model_type",
             )
         if self.flat and (not isinstance(self.image_tokens, int) or self.image_tokens < 1):
@@ -96,7 +160,8 @@ class MropeSpec:
         if model_type not in VERIFIED_MODEL_TYPES or vision is None or not isinstance(image, int):
             raise PackingError(
                 f"{type(config).__name__} (model_type {model_type!r}) is not a multimodal model packtools has "
-                f"verified; packed multimodal rows are supported for {list(VERIFIED_MODEL_TYPES)}.",
+                f"verified; packed multimodal rows are supported for {list(VERIFIED_MODEL_TYPES)}."
+                f"{unverified_reason(model_type)} Train it unpacked, with its processor's collator.",
                 param="model",
             )
         if model_type in FLAT_MODEL_TYPES:
@@ -120,6 +185,8 @@ class MropeSpec:
         )
         strategy = getattr(config, "vision_feature_select_strategy", None)
         tower = getattr(vision, "model_type", None)
+        if model_type == "gemma3" and tower in FLAT_VISION_TYPES[model_type] and size and patch:
+            return cls._gemma3_from_config(config, vision, image, size, patch)
         if tower not in FLAT_VISION_TYPES[model_type] or size is None or patch is None:
             raise PackingError(
                 f"{type(config).__name__} with a {tower!r} vision tower: packtools has verified {model_type!r} "
@@ -153,6 +220,32 @@ class MropeSpec:
             )
         shape = (int(getattr(vision, "num_channels", 3)), size, size)
         return cls(model_type, image, None, 1, image_tokens=tokens, image_shape=shape)
+
+    @classmethod
+    def _gemma3_from_config(cls, config: Any, vision: Any, image: int, size: int, patch: int) -> MropeSpec:
+        """Gemma 3: ``mm_tokens_per_image`` tokens an image (the tower's ``side x side`` patches average-pooled to
+        a square of them), and the text model's sliding window."""
+        tokens, side = getattr(config, "mm_tokens_per_image", None), size // patch
+        per_side = int(round(tokens**0.5)) if isinstance(tokens, int) and tokens > 0 else 0
+        if per_side < 1 or per_side * per_side != tokens or side % per_side:
+            raise PackingError(
+                f"{type(config).__name__}: mm_tokens_per_image {tokens!r} is not a square whose side divides the "
+                f"tower's {side} patches a side.",
+                param="model",
+            )
+        text = config.get_text_config()
+        if getattr(text, "use_bidirectional_attention", False):
+            raise PackingError(
+                f"{type(config).__name__}: use_bidirectional_attention=True (every token attends both ways) is not "
+                f"verified packed; train it unpacked.",
+                param="model",
+            )
+        layers = getattr(text, "layer_types", None) or ()
+        window = getattr(text, "sliding_window", None) if "sliding_attention" in layers else None
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise PackingError(f"{type(text).__name__}: sliding_window {window!r} is not a positive int.")
+        shape = (int(getattr(vision, "num_channels", 3)), size, size)
+        return cls("gemma3", image, None, 1, image_tokens=tokens, image_shape=shape, sliding_window=window)
 
 
 def _square(value: Any) -> int | None:

@@ -73,13 +73,43 @@ def _image_runs(ids: np.ndarray, image_token_id: int) -> int:
     return int(np.count_nonzero(np.diff(np.concatenate([[0], is_img])) == 1))
 
 
+def image_block_masks(
+    positions: np.ndarray, is_image: np.ndarray, sliding_window: int | None
+) -> dict[str, Any]:
+    """Each document's own masks over a packed row, as transformers builds them for the document alone in a model
+    whose images attend bidirectionally within themselves (Gemma 3, :data:`~.mrope.IMAGE_BLOCK_TYPES`): a query
+    sees the keys of its document that are causal or in its own image; under a sliding window also only keys
+    less than ``sliding_window`` behind it.  Boolean ``[1, 1, T, T]`` (True: attend), by layer type.
+
+    ``positions`` restart at 0 at every document (the collator's text row).
+
+    >>> m = image_block_masks(np.array([0, 1, 2, 0, 1, 2]), np.array([0, 1, 1, 0, 1, 1], bool), 2)
+    >>> m["full_attention"][0, 0].astype(int).tolist()
+    [[1, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0], [0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1]]
+    >>> m["sliding_attention"][0, 0, 2].astype(int).tolist()
+    [0, 1, 1, 0, 0, 0]
+    """
+    doc = np.cumsum(positions == 0)
+    starts = is_image & ~np.concatenate([[False], is_image[:-1]])
+    starts |= is_image & (positions == 0)  # an image at a document's start opens a block of its own
+    block = np.where(is_image, np.cumsum(starts), 0)  # 0: text (no block)
+    index = np.arange(positions.shape[0])
+    same_block = (block[:, None] == block[None, :]) & (block[:, None] > 0)
+    full = (doc[:, None] == doc[None, :]) & ((index[None, :] <= index[:, None]) | same_block)
+    masks = {"full_attention": full[None, None]}
+    if sliding_window is not None:
+        masks["sliding_attention"] = (full & (index[None, :] > index[:, None] - sliding_window))[None, None]
+    return masks
+
+
 class MultimodalCollator:
     """Collate processed vision-language rows (packed or one sample each) into one padding-free batch.
 
     ``model`` is the model, its config or an :class:`~packtools.batches.mrope.MropeSpec` (Qwen2-VL,
-    Qwen2.5-VL, Qwen3-VL, LLaVA, InternVL; others are refused by name).  For these two (``spec.flat``) ``position_ids`` are
+    Qwen2.5-VL, Qwen3-VL, LLaVA, InternVL, Gemma 3; others are refused by name).  For the last three (``spec.flat``) ``position_ids`` are
     the text row ``[1, T]``, ``pixel_values`` ``(images, channels, size, size)``, and there is no
-    ``image_grid_thw`` / ``mm_token_type_ids``.  The text options are those of
+    ``image_grid_thw`` / ``mm_token_type_ids``; Gemma 3 (``spec.image_blocks``) also gets ``token_type_ids`` (1 on
+    image tokens) and ``attention_mask``, each document's own masks by layer type (:func:`image_block_masks`).  The text options are those of
     :class:`~packtools.batches.collate.PaddingFreeCollator` (``seq_idx`` is off by default: these models have
     no token-mixing layers that read it).  Output keys: ``input_ids``, ``labels`` ``[1, T]``,
     ``position_ids`` ``(4, 1, T)``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``mm_token_type_ids`` ``[1, T]``,
@@ -163,21 +193,28 @@ class MultimodalCollator:
         if isinstance(features, Mapping) or not isinstance(features, Sequence) or not features:
             raise PackingError(f"features must be a non-empty list of rows, got {type(features).__name__}.")
         check_no_video(features)
-        check_carried(
-            features, self.leave_out, CARRIED_KEYS | frozenset(VISION_COLUMNS), "MultimodalCollator"
-        )
+        # Gemma 3's processor gives token_type_ids (1 on image tokens): checked, and made again for the batch
+        consumed = frozenset(VISION_COLUMNS) | ({"token_type_ids"} if self.spec.image_blocks else set())
+        check_carried(features, self.leave_out, CARRIED_KEYS | consumed, "MultimodalCollator")
         text_rows = [
-            {k: v for k, v in row.items() if k not in VISION_COLUMNS} if isinstance(row, Mapping) else row
+            {k: v for k, v in row.items() if k not in consumed} if isinstance(row, Mapping) else row
             for row in features
         ]
         flat = flatten_rows(text_rows, self.text.mask_keys)
         batch = self.text.collate_flat(flat)
         if self.spec.flat:  # 1-D positions: the text row's, restarting at every document
             pixels = self._flat_images(features, flat)
-            batch["labels"][0, batch["input_ids"][0] == self.spec.image_token_id] = IGNORE_INDEX
+            is_image = batch["input_ids"][0] == self.spec.image_token_id
+            batch["labels"][0, is_image] = IGNORE_INDEX
             if pixels:
                 batch["pixel_values"] = np.concatenate(pixels) if len(pixels) > 1 else pixels[0]
-            return to_tensors(batch, self.return_tensors)
+            if not self.spec.image_blocks:
+                return to_tensors(batch, self.return_tensors)
+            batch["token_type_ids"] = is_image.astype(np.int64)[None]
+            masks = image_block_masks(batch["position_ids"][0], is_image, self.spec.sliding_window)
+            out = to_tensors(batch, self.return_tensors)
+            out["attention_mask"] = to_tensors(masks, self.return_tensors)
+            return out
         total = int(flat.input_ids.shape[0])
         width = int(batch["input_ids"].shape[1])
         positions = np.empty((4, width), np.int64)
@@ -306,12 +343,16 @@ class MultimodalCollator:
         return pixels
 
     def _check_types(self, row: Mapping[str, Any], i: int, ids: np.ndarray) -> None:
-        given = row.get("mm_token_type_ids")
-        if given is None:
-            return
-        arr = np.asarray(given)
-        if arr.shape != ids.shape or not np.array_equal(arr != 0, ids == self.spec.image_token_id):
-            raise PackingError(
-                f"row {i}: 'mm_token_type_ids' does not mark exactly the image tokens (id "
-                f"{self.spec.image_token_id}) of its input_ids; re-process the row."
-            )
+        for name in (
+            ("mm_token_type_ids", "token_type_ids") if self.spec.image_blocks else ("mm_token_type_ids",)
+        ):
+            given = row.get(name)
+            if given is None:
+                continue
+            arr = np.asarray(given)
+            if arr.shape != ids.shape or not np.array_equal(arr != 0, ids == self.spec.image_token_id):
+                raise PackingError(
+                    f"row {i}: {name!r} does not mark exactly the image tokens (id "
+                    f"{self.spec.image_token_id}) of its input_ids; re-process the row.",
+                    param=name,
+                )

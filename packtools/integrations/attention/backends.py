@@ -98,14 +98,57 @@ def check_multimodal(model: Any) -> None:
     model_type = getattr(getattr(base, "config", None), "model_type", None)
     if not parts or model_type in mrope.VERIFIED_MODEL_TYPES:
         return
+    why = mrope.unverified_reason(model_type) or (
+        " Such models can build their rotary positions from the image grid and the tokens (e.g. Qwen2-VL's 3-D "
+        "mRoPE), not from position_ids that restart per sequence, and PaddingFreeCollator does not carry "
+        "pixel_values / image_grid_thw."
+    )
     raise PackingError(
         f"{type(base).__name__} (model_type {model_type!r}) is a multimodal model ({', '.join(parts)}), and "
-        f"packtools has not verified packed batches for it: such models build their rotary positions from the "
-        f"image grid and the tokens (e.g. Qwen2-VL's 3-D mRoPE), not from position_ids that restart per "
-        f"sequence, and PaddingFreeCollator does not carry pixel_values / image_grid_thw. Train it unpacked with "
-        f"its processor's collator. Verified multimodal model types (packed with "
-        f"packtools.batches.MultimodalCollator): {list(mrope.VERIFIED_MODEL_TYPES)}.",
+        f"packtools has not verified packed batches for it.{why} Train it unpacked with its processor's "
+        f"collator. Verified multimodal model types (packed with packtools.batches.MultimodalCollator): "
+        f"{list(mrope.VERIFIED_MODEL_TYPES)}.",
         param="model",
+    )
+
+
+#: Forward inputs that bring images (or what a model makes of them) into a multimodal model's packed row.
+IMAGE_INPUTS = (
+    "pixel_values",
+    "pixel_values_videos",
+    "pixel_attention_mask",
+    "image_sizes",
+    "image_grid_thw",
+    "mm_encoder_outputs",
+    "token_type_ids",
+)
+
+
+def check_image_inputs(model: Any, kwargs: Any, impl: str | None = None) -> None:
+    """Refuse a forward that carries any of :data:`IMAGE_INPUTS` into a multimodal model of an unverified type
+    (:func:`check_multimodal`'s error: ``guard_model``'s probe packs text only, which such a model may keep apart
+    while its image path does not), or into one of :data:`~packtools.batches.mrope.IMAGE_BLOCK_TYPES` (Gemma 3)
+    without its documents' masks ready-made (``attention_mask``, a dict by layer type, as ``MultimodalCollator``
+    gives it) on a backend that reads them.  Text-only forwards pass.
+
+    >>> check_image_inputs(object(), {"pixel_values": 1})
+    """
+    if not any(kwargs.get(name) is not None for name in IMAGE_INPUTS):
+        return
+    check_multimodal(model)
+    model_type = getattr(getattr(base_model(model), "config", None), "model_type", None)
+    if model_type not in mrope.IMAGE_BLOCK_TYPES:
+        return
+    ready = isinstance(kwargs.get("attention_mask"), dict)
+    if ready and impl in mrope.IMAGE_BLOCK_BACKENDS:
+        return
+    raise PackingError(
+        f"{type(base_model(model)).__name__} (model_type {model_type!r}) got image inputs "
+        f"{'with' if ready else 'without'} each document's masks ready-made, on attn_implementation={impl!r}: "
+        f"{mrope.IMAGE_BLOCK_REASON}. Collate its packed rows with packtools.batches.MultimodalCollator(model, "
+        f"pad_token_id), which gives them (attention_mask by layer type), on "
+        f"{list(mrope.IMAGE_BLOCK_BACKENDS)}.",
+        param="attention_mask",
     )
 
 

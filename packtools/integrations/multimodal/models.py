@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..._optional import require
-from ...batches.mrope import MropeSpec
+from ...batches.mrope import IMAGE_BLOCK_BACKENDS, IMAGE_BLOCK_REASON, MropeSpec
 from ...errors import PackingError
 from ..attention.backends import attention_implementation, base_model, check_multimodal, multimodal_parts
 from ..attention.isolation import (
@@ -60,12 +60,26 @@ def check_multimodal_model(model: Any, collator: Any) -> MropeSpec | None:
             param="data_collator",
         )
     spec = MropeSpec.from_config(base.config)
+    check_image_block_backend(model, spec)
     if inner.spec != spec:
         raise PackingError(
             f"the MultimodalCollator was built for {inner.spec} but the model is {spec}; build it from this model.",
             param="data_collator",
         )
     return spec
+
+
+def check_image_block_backend(model: Any, spec: MropeSpec) -> None:
+    """Refuse a model of :data:`~packtools.batches.mrope.IMAGE_BLOCK_TYPES` (Gemma 3) on an attention backend that
+    cannot read the collator's ready-made boolean masks (``eager`` adds them to its scores)."""
+    impl = attention_implementation(model)
+    if spec.image_blocks and impl not in IMAGE_BLOCK_BACKENDS:
+        raise PackingError(
+            f"{type(base_model(model)).__name__} with attn_implementation={impl!r}: packed {spec.model_type!r} rows "
+            f"with images carry each document's masks ready-made (boolean), which only {list(IMAGE_BLOCK_BACKENDS)} "
+            f"read ({IMAGE_BLOCK_REASON}). Load the model with attn_implementation='sdpa'.",
+            param="model",
+        )
 
 
 def probe_samples(model: Any, rng: np.random.Generator) -> list[dict[str, Any]]:
@@ -185,6 +199,8 @@ def check_vision_isolation(
         extra = {}
         if "pixel_values" in sample and "image_grid_thw" not in sample:  # LLaVA-style: the images alone
             extra = {"pixel_values": torch.as_tensor(sample["pixel_values"])}
+            if MropeSpec.from_config(base.config).image_blocks:  # Gemma 3: its images' blocks, as processed
+                extra["token_type_ids"] = (ids == image_id).to(torch.int64)
         elif "pixel_values" in sample:
             extra = {
                 "pixel_values": torch.as_tensor(sample["pixel_values"]),

@@ -16,6 +16,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from ..._optional import is_instance
+from ...batches import mrope
 from ...compat import set_attr
 from ...compat.torch import forward_pre_hook
 from ...constants import VARLEN_KEYS
@@ -23,6 +24,8 @@ from ...errors import PackingError
 from ..attention.backends import (
     attention_implementation,
     base_model,
+    check_image_inputs,
+    check_multimodal,
     check_recurrent,
     check_row_pooling,
     is_flash,
@@ -549,6 +552,11 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
     # The model type decides two checks; read once here, not on every forward.
     model_type = getattr(getattr(base_model(model), "config", None), "model_type", None)
     positionless, text_row = model_type in POSITIONLESS_MASKS, model_type in NO_TEXT_ROW_FROM_2D
+    try:  # an unverified multimodal model: its text-only forwards pass, its image inputs are refused
+        check_multimodal(model)
+        images_checked = model_type in mrope.IMAGE_BLOCK_TYPES  # Gemma 3: its images need their masks
+    except PackingError:
+        images_checked = True
 
     def hook(
         module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -559,6 +567,8 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
         check_packed_ids_forward(args, kwargs)  # first: the other checks judge the keys the call was given
         check_unhandled_mixers(module, kwargs, left)  # without kernels, seq_idx alone is no fix
         check_forward_inputs(kwargs, impl, left)
+        if images_checked and is_packed(kwargs):  # a sample alone is built right by the model itself
+            check_image_inputs(module, kwargs, impl)  # refused by name (the probe packs text only)
         if positionless:
             check_positionless_masks(module, kwargs, impl)
         if text_row:

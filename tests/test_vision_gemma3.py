@@ -1,0 +1,233 @@
+"""Gemma 3 with images trained packed: through Trainer + prepare_trainer + MultimodalCollator and through a guarded
+loop of one's own, the loss and every gradient equal the samples run one by one (CPU fp32, 1e-5), with a sliding
+layer whose window is shorter than the documents, images of one and two per document and a text-only one.
+
+transformers builds a packed row's sliding-window mask wrong for Gemma 3's images (tests/test_vision_refusals.py
+pins it), so ``MultimodalCollator`` gives each document's masks ready-made (``attention_mask`` by layer type, with
+``token_type_ids``); ``eager`` cannot read them and is refused, and so are image inputs without them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+from _hf_models import plain_sgd_options
+from test_vision_refusals import IMAGE, tiny_gemma3
+
+from packtools import PaddingFreeCollator, pack_dataset, prepare_trainer
+from packtools.batches.mrope import MropeSpec
+from packtools.batches.vision import MultimodalCollator
+from packtools.errors import PackingError
+from packtools.integrations.trainers.guard import guard_model
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+BOI, EOI = 297, 298
+
+
+def samples(seed: int = 0) -> list[dict]:
+    """Samples with 1, 0, 2, 1 and 0 images (<boi>, 4 image tokens, <eoi>, within the text) of 6 to 24 tokens."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for images, words in ((1, 5), (0, 9), (2, 4), (1, 11), (0, 6)):
+        ids = [2, *rng.integers(3, 290, words).tolist()]
+        for _ in range(images):
+            ids += [BOI, *[IMAGE] * 4, EOI, *rng.integers(3, 290, 3).tolist()]
+        row = {"input_ids": ids}
+        if images:
+            row["pixel_values"] = rng.standard_normal((images, 3, 56, 56)).astype(np.float32).tolist()
+        out.append(row)
+    return out
+
+
+def one_by_one(model, rows: list[dict], mean: bool = True) -> tuple[float, dict]:
+    """Each sample alone, as its processor gives it (``token_type_ids`` 1 on the image tokens)."""
+    model.zero_grad()
+    total = sum(int((torch.tensor(s["input_ids"][1:]) != IMAGE).sum()) for s in rows)
+    loss = 0.0
+    for s in rows:
+        ids = torch.tensor([s["input_ids"]])
+        extra = {"token_type_ids": (ids == IMAGE).long()}
+        if "pixel_values" in s:
+            extra["pixel_values"] = torch.tensor(s["pixel_values"])
+        labels = ids.masked_fill(ids == IMAGE, -100)
+        if mean:
+            out = model(input_ids=ids, labels=labels, use_cache=False, num_items_in_batch=total, **extra)
+            part = out.loss
+        else:
+            logits = model(input_ids=ids, use_cache=False, **extra).logits[0, :-1]
+            part = torch.nn.functional.cross_entropy(
+                logits, labels[0, 1:], reduction="sum", ignore_index=-100
+            )
+        part.backward()
+        loss += float(part.detach())
+    return loss, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_grads(model, before, ref_grads, step: bool) -> None:
+    got = {k: (before[k] - p.detach()) if step else p.grad for k, p in model.named_parameters()}
+    diffs = [float((got[k] - g).abs().max()) for k, g in ref_grads.items()]
+    worst = max(ref_grads, key=lambda k: float((got[k] - ref_grads[k]).abs().max()))
+    assert len(diffs) == len(ref_grads) and max(diffs) < 1e-5, (
+        worst,
+        max(diffs),
+        float(ref_grads[worst].abs().max()),
+    )
+    tower = [k for k in ref_grads if "vision_tower" in k]
+    assert tower and any(float(ref_grads[k].abs().max()) > 0 for k in tower)  # the vision tower learns
+
+
+@pytest.mark.parametrize(
+    "layers", [("sliding_attention", "full_attention"), ("full_attention", "sliding_attention")]
+)
+def test_trainer_step_equals_one_by_one(layers, tmp_path):
+    model = tiny_gemma3("sdpa", layers).train()
+    rows = samples()
+    reference = copy.deepcopy(model)
+    # as the processor gives them: token_type_ids 1 on the image tokens (packed along, checked by the collator)
+    marked = [dict(r, token_type_ids=[int(t == IMAGE) for t in r["input_ids"]]) for r in rows]
+    packed = pack_dataset(datasets.Dataset.from_list(marked), 48)
+    assert len(packed) < len(rows) and max(len(r["input_ids"]) for r in rows) > 4  # longer than the window
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=len(packed), max_steps=1, optim="sgd",
+        **plain_sgd_options(),
+    )  # fmt: skip
+    collator = MultimodalCollator(model, 0)
+    trainer = prepare_trainer(transformers.Trainer(model, args, train_dataset=packed, data_collator=collator))
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    result = trainer.train()
+    ref_loss, ref_grads = one_by_one(reference, rows)
+    assert abs(result.training_loss - ref_loss) < 1e-5
+    assert_same_grads(model, before, ref_grads, step=True)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "packtools_sdpa"])
+def test_guarded_loop_equals_one_by_one(impl):
+    model = tiny_gemma3("sdpa").train()
+    if impl != "sdpa":
+        from packtools.integrations.attention.segmented import register
+
+        model.set_attn_implementation(register())
+    rows = samples()
+    reference = copy.deepcopy(model)
+    guard_model(model)
+    row = {
+        "input_ids": sum((s["input_ids"] for s in rows), []),
+        "seq_lengths": [len(s["input_ids"]) for s in rows],
+        "pixel_values": sum((s.get("pixel_values", []) for s in rows), []),
+    }
+    batch = MultimodalCollator(model, 0)([row])
+    assert set(batch["attention_mask"]) == {"full_attention", "sliding_attention"}
+    assert torch.equal(batch["token_type_ids"], (batch["input_ids"] == IMAGE).long())
+    labels = batch.pop("labels")
+    logits = model(**batch).logits[0, :-1]
+    loss = torch.nn.functional.cross_entropy(logits, labels[0, 1:], reduction="sum", ignore_index=-100)
+    loss.backward()
+    ref_loss, ref_grads = one_by_one(reference, rows, mean=False)
+    assert abs(float(loss.detach()) - ref_loss) < 1e-4 * max(1.0, abs(ref_loss))
+    assert_same_grads(model, None, ref_grads, step=False)
+    # the same batch without its ready-made masks (a collator of one's own): refused, never trained
+    batch.pop("attention_mask")
+    with pytest.raises(PackingError, match=r"without each document's masks ready-made.*MultimodalCollator"):
+        model(**batch)
+
+
+def test_masks_match_the_documents_alone():
+    # the masks of a packed row are, block by block, those transformers builds for each document alone
+    from transformers.models.gemma3.modeling_gemma3 import (
+        create_masks_for_vision_model,
+        get_block_sequence_ids_for_mask,
+    )
+
+    model = tiny_gemma3("sdpa")
+    rows = samples()
+    row = {
+        "input_ids": sum((s["input_ids"] for s in rows), []),
+        "seq_lengths": [len(s["input_ids"]) for s in rows],
+    }
+    row["pixel_values"] = sum((s.get("pixel_values", []) for s in rows), [])
+    masks = MultimodalCollator(model, 0)([row])["attention_mask"]
+    at = 0
+    for s in rows:
+        ids = torch.tensor([s["input_ids"]])
+        n = ids.shape[1]
+        alone = create_masks_for_vision_model(
+            config=model.config.get_text_config(), inputs_embeds=torch.zeros(1, n, 8), attention_mask=None,
+            cache=None, position_ids=torch.arange(n)[None],
+            block_sequence_ids=get_block_sequence_ids_for_mask((ids == IMAGE).long()),
+        )  # fmt: skip
+        for kind, mask in masks.items():
+            assert torch.equal(mask[0, 0, at : at + n, at : at + n], alone[kind][0, 0]), kind
+            assert not mask[0, 0, at : at + n, at + n :].any() and not mask[0, 0, at : at + n, :at].any()
+        at += n
+
+
+def test_eager_and_masks_of_ones_own_are_refused(tmp_path):
+    model = tiny_gemma3("eager")
+    spec = MropeSpec.from_config(model.config)
+    assert (spec.flat, spec.image_tokens, spec.image_shape, spec.sliding_window) == (True, 4, (3, 56, 56), 4)
+    rows = [{"input_ids": [1, 2, 3], "seq_lengths": [3]}]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True)
+    trainer = transformers.Trainer(
+        model,
+        args,
+        train_dataset=datasets.Dataset.from_list(rows),
+        data_collator=MultimodalCollator(model, 0),
+    )
+    with pytest.raises(
+        PackingError, match=r"attn_implementation='eager'.*ready-made.*\['sdpa', 'packtools_sdpa'\]"
+    ):
+        prepare_trainer(trainer)
+    # a guarded loop on eager: image inputs refused, with or without the masks
+    guard_model(model)
+    first, second = samples()[0], samples()[2]
+    row = {
+        "input_ids": first["input_ids"] + second["input_ids"],
+        "seq_lengths": [len(first["input_ids"]), len(second["input_ids"])],
+        "pixel_values": first["pixel_values"] + second["pixel_values"],
+    }
+    batch = MultimodalCollator(model, 0)([row])
+    with pytest.raises(
+        PackingError, match=r"with each document's masks ready-made, on attn_implementation='eager'"
+    ):
+        model(**batch)
+    # text-only rows still pass (no image inputs)
+    text = PaddingFreeCollator(0)([{"input_ids": [2, 5, 6, 7, 2, 8, 9], "seq_lengths": [4, 3]}])
+    assert torch.isfinite(model(**text).loss)
+
+
+def test_gemma3_spec_and_columns():
+    model = tiny_gemma3("sdpa")
+    collate = MultimodalCollator(model, 0)
+    first = samples()[0]
+    row = dict(first, seq_lengths=[len(first["input_ids"])])
+    # the processor's token_type_ids column: checked against the image tokens (was refused as unknown)
+    marks = [int(t == IMAGE) for t in first["input_ids"]]
+    assert collate([dict(row, token_type_ids=marks)])["token_type_ids"][0].tolist() == marks
+    wrong = marks[:1] + [1] + marks[2:]  # a text token marked as an image token
+    with pytest.raises(PackingError, match="'token_type_ids' does not mark exactly the image tokens"):
+        collate([dict(row, token_type_ids=wrong)])
+    # other models do not take it (LLaVA's processor gives none): refused by name, as before
+    from test_vision_llava import tiny_llava
+
+    with pytest.raises(PackingError, match="token_type_ids"):
+        MultimodalCollator(tiny_llava("sdpa"), 0)(
+            [{"input_ids": [1, 2], "seq_lengths": [2], "token_type_ids": [0, 0]}]
+        )
+    # full-attention layers only: no sliding mask (the model reads none)
+    full = tiny_gemma3("sdpa", ("full_attention", "full_attention"))
+    assert MropeSpec.from_config(full.config).sliding_window is None
+    assert set(MultimodalCollator(full, 0)([row])["attention_mask"]) == {"full_attention"}
+    # what the spec cannot count, or a model whose text attends both ways: refused by name
+    odd = copy.deepcopy(model.config)
+    odd.mm_tokens_per_image = 3
+    with pytest.raises(PackingError, match="mm_tokens_per_image 3 is not a square"):
+        MropeSpec.from_config(odd)
+    both = copy.deepcopy(model.config)
+    both.text_config.use_bidirectional_attention = True
+    with pytest.raises(PackingError, match="use_bidirectional_attention"):
+        MropeSpec.from_config(both)
