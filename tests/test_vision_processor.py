@@ -14,6 +14,7 @@ from _vl_models import IMAGE, processor_folder, tiny_vl, torch, transformers
 from packtools import pack_dataset
 from packtools.batches.vision import MultimodalCollator
 from packtools.errors import PackingError
+from packtools.integrations.attention.mixers import run_mixers_per_document
 from packtools.integrations.multimodal.processor import load_vision_processor, process_vision_dataset
 
 datasets = pytest.importorskip("datasets")
@@ -100,7 +101,7 @@ def test_processor_folder_rows_equal_the_image_processor_and_the_placeholder_rul
         assert np.array_equal(np.asarray(got["mm_token_type_ids"]), is_img.astype(int))
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_pack_dataset_with_processor_trains_like_one_by_one(tmp_path, family):
     # every family at the processor's 14-pixel patches (tiny Qwen2.5-VL's window once divided by zero there)
     from test_vision_train import _loss, one_by_one
@@ -110,6 +111,7 @@ def test_pack_dataset_with_processor_trains_like_one_by_one(tmp_path, family):
     packed = pack_dataset(_dataset(rows), 128, processor=folder)
     assert len(packed) < len(rows) and max(len(r) for r in packed["seq_lengths"]) > 1
     model = tiny_vl(family, "sdpa", patch=14)
+    run_mixers_per_document(model)  # Qwen3.5's DeltaNet layers per document (nothing on the others)
     batch = MultimodalCollator(model, 0)(list(packed))
     done = process_vision_dataset(_dataset(rows), folder)
     samples = []
