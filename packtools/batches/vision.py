@@ -95,11 +95,11 @@ class MultimodalCollator:
     """Collate processed vision-language rows (packed or one sample each) into one padding-free batch.
 
     ``model`` is the model, its config or an :class:`~packtools.batches.mrope.MropeSpec` (Qwen2-VL,
-    Qwen2.5-VL, Qwen3-VL, LLaVA, InternVL; others are refused by name).  For these two (``spec.flat``) ``position_ids`` are
+    Qwen2.5-VL, Qwen3-VL, Qwen3.5, LLaVA, InternVL; others are refused by name).  For these two (``spec.flat``) ``position_ids`` are
     the text row ``[1, T]``, ``pixel_values`` ``(images, channels, size, size)``, and there is no
     ``image_grid_thw`` / ``mm_token_type_ids``.  The text options are those of
-    :class:`~packtools.batches.collate.PaddingFreeCollator` (``seq_idx`` is off by default: these models have
-    no token-mixing layers that read it).  Output keys: ``input_ids``, ``labels`` ``[1, T]``,
+    :class:`~packtools.batches.collate.PaddingFreeCollator` (``seq_idx`` is off by default: Qwen3.5's gated DeltaNet
+    layers get their documents from the text row, :mod:`packtools.integrations.attention.mixers`).  Output keys: ``input_ids``, ``labels`` ``[1, T]``,
     ``position_ids`` ``(4, 1, T)``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``mm_token_type_ids`` ``[1, T]``,
     ``use_cache=False`` (as :class:`~packtools.batches.collate.PaddingFreeCollator`'s: ``model(**batch)`` needs
     nothing else), and, when the batch holds images, ``pixel_values`` and ``image_grid_thw``.
