@@ -15,6 +15,9 @@ COMPLETION_MASK = "completion_mask"
 MASK_COLUMNS = (COMPLETION_MASK, "assistant_masks")
 #: Per-token columns a padding-free batch is built from (what the loaders and views read; integers).
 TOKEN_COLUMNS = ("input_ids", "labels", *MASK_COLUMNS)
+#: Per-sample image columns of processed vision-language rows: they travel whole with their sample (never cut per
+#: token), so only the vision path of ``pack_dataset`` packs them (``docs/vision.md``).
+IMAGE_COLUMNS = ("pixel_values", "image_grid_thw")
 #: Columns packed rows carry that a model's ``forward`` does not name (kept through ``remove_unused_columns``).
 PACKED_COLUMNS = (SEQ_LENGTHS, *MASK_COLUMNS)
 #: The keyword arguments that carry a padding-free row's document boundaries to a varlen attention call

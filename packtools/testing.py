@@ -394,7 +394,7 @@ def tiny_model(name: str | Family, attn_implementation: str = "sdpa", seed: int 
 
 # -- tiny vision-language models --------------------------------------------------------------------------
 #: The vision-language families of :func:`tiny_vl_model` (transformers' ``model_type`` names).
-VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
 #: The vocabulary of the tiny vision-language models and of :func:`tiny_processor`'s tokenizer.
 VL_VOCAB = 128
 #: The ids of the image and video placeholders and of the marks around a picture, in :data:`VL_VOCAB`.
@@ -405,6 +405,8 @@ _VL_CLASSES = {
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
 }
 
 
@@ -427,6 +429,14 @@ def _vl_text(name: str) -> dict[str, Any]:
     if name == "qwen3_vl":
         text["head_dim"] = 8
         rope["mrope_interleaved"] = True
+    if name in ("qwen3_5", "qwen3_5_moe"):
+        # the hybrid text model: a gated DeltaNet layer, then a gated attention layer rotating half of its
+        # 16-wide heads (Qwen3.5 rotates a quarter of its 256)
+        text.update(head_dim=16, layer_types=["linear_attention", "full_attention"], **_LINEAR)
+        if name == "qwen3_5_moe":
+            text.update(_MOE, shared_expert_intermediate_size=16)
+        # rope_theta 100: its 4 rotated frequencies turn faster than at 10000, so wrong positions show in the loss
+        rope.update(mrope_interleaved=True, partial_rotary_factor=0.5, rope_theta=100.0)
     return dict(text, rope_parameters=rope)
 
 
@@ -440,6 +450,8 @@ def _vl_vision(name: str, patch: int) -> dict[str, Any]:
         # windows of 2x2 merged patches at any patch size (a fixed window_size under patch * merge pixels
         # made the tower divide by zero)
         return dict(newer, window_size=2 * MERGE * patch, fullatt_block_indexes=[1])
+    if name in ("qwen3_5", "qwen3_5_moe"):  # Qwen3-VL's tower without its deepstack mergers
+        return dict(newer, num_position_embeddings=64)
     return dict(newer, num_position_embeddings=64, deepstack_visual_indexes=[0])
 
 

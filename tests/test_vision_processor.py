@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import io
+import json
 import os
 
 import numpy as np
@@ -14,6 +15,7 @@ from _vl_models import IMAGE, processor_folder, tiny_vl, torch, transformers
 from packtools import pack_dataset
 from packtools.batches.vision import MultimodalCollator
 from packtools.errors import PackingError
+from packtools.integrations.attention.mixers import run_mixers_per_document
 from packtools.integrations.multimodal.processor import load_vision_processor, process_vision_dataset
 
 datasets = pytest.importorskip("datasets")
@@ -100,7 +102,7 @@ def test_processor_folder_rows_equal_the_image_processor_and_the_placeholder_rul
         assert np.array_equal(np.asarray(got["mm_token_type_ids"]), is_img.astype(int))
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_pack_dataset_with_processor_trains_like_one_by_one(tmp_path, family):
     # every family at the processor's 14-pixel patches (tiny Qwen2.5-VL's window once divided by zero there)
     from test_vision_train import _loss, one_by_one
@@ -110,6 +112,7 @@ def test_pack_dataset_with_processor_trains_like_one_by_one(tmp_path, family):
     packed = pack_dataset(_dataset(rows), 128, processor=folder)
     assert len(packed) < len(rows) and max(len(r) for r in packed["seq_lengths"]) > 1
     model = tiny_vl(family, "sdpa", patch=14)
+    run_mixers_per_document(model)  # Qwen3.5's DeltaNet layers per document (nothing on the others)
     batch = MultimodalCollator(model, 0)(list(packed))
     done = process_vision_dataset(_dataset(rows), folder)
     samples = []
@@ -191,3 +194,65 @@ def test_pack_dataset_with_a_processor_names_what_it_got_and_the_fix(tmp_path):
     with pytest.raises(PackingError, match=r"got list.*datasets\.Dataset\.from_list\(rows\)") as err:
         pack_dataset(rows, 64, processor=processor_folder(tmp_path / "proc"))
     assert err.value.param == "dataset"
+
+
+_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+)
+
+
+def _llava_folder(path):
+    """A LLaVA processor folder (LlavaProcessor.save_pretrained: CLIP's image processor, a trained tokenizer)."""
+    from packtools.testing import tiny_tokenizer
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_tokenizer(str(path), chat_template=_TEMPLATE))
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    ip = transformers.CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    transformers.LlavaProcessor(
+        image_processor=ip, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
+        chat_template=_TEMPLATE,
+    ).save_pretrained(str(path))  # fmt: skip
+    return str(path)
+
+
+def _internvl_folder(path):
+    """An InternVL processor folder as saved by InternVLProcessor (its video processor needs torchvision, not
+    installed here: the parts, each saved with save_pretrained, and its processor_config.json)."""
+    from packtools.testing import tiny_tokenizer
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_tokenizer(str(path), chat_template=_TEMPLATE))
+    tok.add_special_tokens({"additional_special_tokens": ["<img>", "</img>", "<IMG_CONTEXT>"]})
+    tok.save_pretrained(str(path))
+    transformers.GotOcr2ImageProcessor(size={"height": 28, "width": 28}).save_pretrained(str(path))
+    with open(os.path.join(path, "processor_config.json"), "w") as f:
+        json.dump({"processor_class": "InternVLProcessor", "image_seq_length": 4}, f)
+    return str(path)
+
+
+@pytest.mark.parametrize("make", [_llava_folder, _internvl_folder], ids=["llava", "internvl"])
+def test_llava_and_internvl_processor_folders_are_refused_with_the_processed_rows_route(
+    tmp_path, make, capsys
+):
+    """pack --processor reads Qwen-VL processor folders only: a LLaVA or InternVL one stops before any row is
+    processed, naming its image processor and how such rows pack (already processed, pack_dataset)."""
+    from packtools.cli.main import main
+
+    folder = make(tmp_path / "proc")
+    with pytest.raises(
+        PackingError, match=r"image processor \(\w+\) has no merge_size.*LLaVA and InternVL rows"
+    ):
+        load_vision_processor(folder)
+    with pytest.raises(PackingError, match="has no merge_size"):
+        pack_dataset(_dataset(_rows(tmp_path)), 256, processor=folder)
+    rows = tmp_path / "rows.jsonl"
+    image = os.path.join(tmp_path, "a.png")
+    _image(np.random.default_rng(0), 30, 40).save(image)
+    msg = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what"}]}
+    rows.write_text(json.dumps({"messages": [msg], "images": [image]}) + "\n")
+    assert main(
+        ["pack", "--processor", folder, str(rows), "--out", str(tmp_path / "out"), "--max-length", "64"]
+    )
+    assert "has no merge_size" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "out" / "manifest.json")

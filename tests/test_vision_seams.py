@@ -363,3 +363,51 @@ def test_pack_processor_refuses_text_only_options_by_name(tmp_path, capsys, monk
     monkeypatch.setattr(vision, "pack_vision_files", lambda *a, **k: called.append(k) or done)
     assert main([*argv, "--max-length", "64", "--shuffle", "--seed", "3", "--executor", "local"]) == 0
     assert called == [{"processor": str(tmp_path), "max_length": 64, "shuffle": True, "seed": 3}]
+
+
+def _processed_rows():
+    """Processed vision-language samples (token ids with image placeholders, patches, grids), as a table."""
+    pa = pytest.importorskip("pyarrow")
+    rows = [
+        {"input_ids": [1, 9, 2, 3], "pixel_values": np.ones((4, 6)).tolist(), "image_grid_thw": [[1, 2, 2]]},
+        {"input_ids": [4, 5, 6], "pixel_values": [], "image_grid_thw": []},
+        {"input_ids": [7, 9, 9, 8], "pixel_values": np.ones((8, 6)).tolist(), "image_grid_thw": [[1, 2, 4]]},
+    ]
+    return pa.Table.from_pylist(rows)
+
+
+def test_token_column_paths_refuse_vision_rows_whatever_columns_say():
+    """packed_view(columns=['input_ids']) planned the token column alone, and its materialize() went through
+    pack_split(plan=...), which skipped the vision path: rows whose image placeholders kept no pixels, no error
+    (pack_dataset refuses the same columns=; docs/vision.md says packed_view refuses multimodal rows)."""
+    datasets = pytest.importorskip("datasets")
+    from packtools import packed_view, plan
+    from packtools.integrations.data.datasets import pack_split
+
+    table = _processed_rows()
+    ds = datasets.Dataset(table)
+    with pytest.raises(
+        PackingError, match=r"packed_view plans token columns only.*\['pixel_values', 'image_grid_thw'\]"
+    ):
+        packed_view(ds, 16, columns=["input_ids"])
+    with pytest.raises(PackingError, match="packed_view plans token columns only"):
+        packed_view(table, 16, columns=["input_ids"])
+    p = plan([4, 3, 4], 16)
+    with pytest.raises(PackingError, match=r"pack_split\(plan=...\)"):
+        pack_split(ds, 16, "bfd", ["input_ids"], shuffle=False, seed=0, keep_in_memory=True, plan=p)
+
+
+def test_pack_files_refuses_processed_vision_rows(tmp_path):
+    """The text pipeline left pixel_values / image_grid_thw out as 'other columns' (listed in the summary only):
+    packed rows with image placeholder tokens and no pixels. Named token columns leave them out knowingly, as
+    pack_table(columns=[...]) does."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    from packtools import pack_files
+
+    path = str(tmp_path / "rows.parquet")
+    pq.write_table(_processed_rows(), path)
+    with pytest.raises(PackingError, match=r"rows.parquet' holds processed vision-language rows.*--columns"):
+        pack_files([path], str(tmp_path / "out"), max_length=16)
+    assert not os.path.exists(tmp_path / "out" / "manifest.json")
+    told = pack_files([path], str(tmp_path / "out"), max_length=16, columns=["input_ids"])
+    assert told.stats["columns_left_out"] == ["pixel_values", "image_grid_thw"]

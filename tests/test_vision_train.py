@@ -18,6 +18,7 @@ from packtools import PaddingFreeCollator, prepare_trainer
 from packtools.batches.mrope import MropeSpec
 from packtools.batches.vision import MultimodalCollator
 from packtools.errors import PackingError
+from packtools.integrations.attention.mixers import run_mixers_per_document
 from packtools.integrations.multimodal.models import check_vision_isolation
 
 datasets = pytest.importorskip("datasets")
@@ -119,6 +120,7 @@ def _loss(model, batch) -> float:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_negative_controls_2d_or_whole_row_positions_change_the_loss(family):
     model = tiny_vl(family, "sdpa").eval()
+    run_mixers_per_document(model)  # Qwen3.5's gated DeltaNet layers, per document (no change to the others)
     samples = mixed_samples(3)
     batch = MultimodalCollator(model, 0)(packed_rows(samples))
     right = _loss(model, batch)
@@ -170,6 +172,7 @@ def test_text_only_rows_of_qwen2_vl_need_the_text_row():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_probe_runs_through_the_vision_tower_and_catches_a_leak(family):
     model = tiny_vl(family, "eager")
+    run_mixers_per_document(model)
     report = check_vision_isolation(model, MultimodalCollator(model, 0))
     assert not report.leaks and report.perturb_diff == 0.0 and "pixel_values" in report.keys
 
@@ -315,3 +318,62 @@ def test_dpo_refuses_a_vision_language_model(monkeypatch):
     trainer = SimpleNamespace(model=tiny_vl("qwen2_vl"), ref_model=None, args=args)
     with pytest.raises(PackingError, match="multimodal model: packtools' padding-free DPO"):
         trl.prepare_dpo_trainer(trainer, check_isolation=False, segmented_sdpa=False, share_prompt=False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_per_document_mixers_keep_a_sample_with_images_whole(family):
+    """A sample run through Qwen3.5's own path (no position_ids: the model computes its (3, B, T) temporal /
+    height / width rows, no text row) is one document.  The per-document mixers read documents from the first
+    row, the temporal one, which stays put over an image: they cut the sample at every image token and ran the
+    gated DeltaNet on the pieces, 2e-2 in the logits with no error (the isolation probe's reference, and any
+    unpacked forward with images on a prepared model). Now only a return to (0, 0, 0) starts a document."""
+    model = tiny_vl(family, "sdpa").eval()
+    sample = mixed_samples(3)[2]  # three images of different sizes
+    ids = torch.tensor([sample["input_ids"]])
+    inputs = dict(
+        input_ids=ids,
+        pixel_values=torch.tensor(sample["pixel_values"]),
+        image_grid_thw=torch.tensor(sample["image_grid_thw"]),
+        mm_token_type_ids=(ids == IMAGE).int(),
+        use_cache=False,
+    )
+    with torch.no_grad():
+        plain = model(**inputs).logits
+        run_mixers_per_document(model)
+        assert float((model(**inputs).logits - plain).abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_guarded_own_loop_equals_one_by_one(family):
+    """A loop of one's own: run_mixers_per_document (Qwen3.5's gated DeltaNet; nothing on Qwen3-VL), guard_model,
+    MultimodalCollator's batch with the token count of the whole batch: loss and every gradient as one by one."""
+    from packtools.integrations.trainers.guard import guard_model
+
+    samples = mixed_samples(3)
+    model = tiny_vl(family, "sdpa")
+    reference = copy.deepcopy(model)
+    run_mixers_per_document(model)
+    guard_model(model)
+    batch = MultimodalCollator(model, 0)(packed_rows(samples))
+    count = int((batch["labels"][..., 1:] != -100).sum())
+    out = model(**batch, num_items_in_batch=count)
+    out.loss.backward()
+    ref_loss, ref_grads = one_by_one(reference, samples)
+    assert abs(float(out.loss.detach()) - ref_loss) < 1e-5
+    grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    assert set(grads) == set(ref_grads)
+    assert max(float((grads[k] - ref_grads[k]).abs().max()) for k in grads) < 1e-5
+
+
+def test_qwen3_5_with_gradient_checkpointing_equals_one_by_one(tmp_path):
+    """Checkpointed decoder layers run Qwen3.5's per-document DeltaNet layers again in backward: still exact."""
+    samples = mixed_samples(3)
+    model = tiny_vl("qwen3_5", "sdpa")
+    reference = copy.deepcopy(model)
+    trainer = prepare_trainer(trainer_for(model, packed_rows(samples), tmp_path, gradient_checkpointing=True))
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    result = trainer.train()
+    ref_loss, ref_grads = one_by_one(reference, samples)
+    assert abs(result.training_loss - ref_loss) < 1e-5
+    diffs = [float((before[k] - p.detach() - ref_grads[k]).abs().max()) for k, p in model.named_parameters()]
+    assert max(diffs) < 1e-5

@@ -1,6 +1,6 @@
 """Multimodal rotary positions (mRoPE) of packed vision-language rows, computed per document with NumPy.
 
-Qwen2-VL, Qwen2.5-VL and Qwen3-VL rotate each token by three positions (temporal, height, width).  Text tokens
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 rotate each token by three positions (temporal, height, width).  Text tokens
 get the same value in all three rows, counting on from the previous token; the ``t*h*w / merge²`` tokens of an
 image get ``start + (t, h, w)`` over its merged grid, and the text after it continues at ``start + max(h, w)``
 (grid sides divided by the merge size).  These positions are a pure function of a document's ``input_ids``,
@@ -60,7 +60,9 @@ IMAGE_BLOCK_REASON = (
 #: Whether each vision tower of :data:`FLAT_VISION_TYPES` puts a class token before its patches (CLIP does, SigLIP does
 #: not): the ``"default"`` strategy drops the first token either way, so SigLIP's images are one token short.
 _CLASS_TOKEN = {"clip_vision_model": 1, "siglip_vision_model": 0, "internvl_vision": 1}
-VERIFIED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", *FLAT_MODEL_TYPES)
+#: Qwen3.5 and Qwen3.5-MoE (``qwen3_5``, ``qwen3_5_moe``) place their positions as Qwen3-VL does; their text model
+#: is a hybrid whose gated DeltaNet layers run per document (``packtools.integrations.attention.mixers``).
+VERIFIED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", *FLAT_MODEL_TYPES)
 #: Why popular multimodal types outside :data:`VERIFIED_MODEL_TYPES` are refused, measured on transformers 5.25
 #: (``tests/test_vision_refusals.py``); the refusals of :class:`MropeSpec` and ``prepare_trainer`` say it.
 UNVERIFIED_REASONS = {
@@ -153,7 +155,7 @@ class MropeSpec:
     @classmethod
     def from_config(cls, config: Any) -> MropeSpec:
         """The spec of a transformers config (``Qwen2VLConfig``, ``Qwen2_5_VLConfig``, ``Qwen3VLConfig``,
-        ``LlavaConfig``, ``InternVLConfig``)."""
+        ``Qwen3_5Config``, ``Qwen3_5MoeConfig``, ``LlavaConfig``, ``InternVLConfig``)."""
         model_type = getattr(config, "model_type", None)
         vision = getattr(config, "vision_config", None)
         image = getattr(config, "image_token_id", None)

@@ -30,7 +30,7 @@ import pyarrow as pa
 
 from ..constants import SEQ_LENGTHS, TOKEN_COLUMNS
 from ..core.arrow import ListColumn
-from ..core.pack import pack_columns, read_columns
+from ..core.pack import check_no_images, pack_columns, read_columns
 from ..core.plan import PackPlan, check_max_length
 from ..core.plan import plan as make_plan
 from ..errors import PackingError
@@ -112,6 +112,7 @@ class PackedView(ArrowBatches):
     ) -> PackedView:
         """Plan ``table``'s rows (through ``indices``) and view them; the plan is the one ``pack_table`` makes."""
         max_length = check_max_length(max_length)
+        check_no_images(table, "packed_view")
         cols, lengths = read_columns(table, columns)
         idx = _as_indices(indices, table.num_rows)
         p = make_plan(lengths if idx is None else lengths[idx], max_length, strategy)

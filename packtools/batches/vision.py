@@ -68,6 +68,24 @@ def _pixels(value: Any, row: int, patches: int, width: int | None) -> np.ndarray
     return arr
 
 
+def _row_walk(features: Sequence[Mapping[str, Any]], flat: Any) -> Any:
+    """Each row with its tokens in the flat batch: ``(row index, row, ids, offset of its first token, documents)``,
+    ``documents`` a list of ``(document index, start in the row, length)``; an empty row has no ids, no documents
+    (``flatten_rows`` keeps no segment for it).  Nothing is checked here: the callers check rows in their order."""
+    seg_at = tok_at = kept = 0
+    for i, row in enumerate(features):
+        n = len(np.asarray(row["input_ids"]))
+        if n == 0:
+            yield i, row, flat.input_ids[tok_at:tok_at], tok_at, []
+            continue
+        segs = flat.seg_lengths[seg_at : seg_at + int(flat.segs_per_row[kept])].tolist()
+        seg_at += len(segs)
+        kept += 1
+        starts = np.concatenate([[0], np.cumsum(segs)[:-1]]).tolist()
+        yield i, row, flat.input_ids[tok_at : tok_at + n], tok_at, list(zip(range(len(segs)), starts, segs))
+        tok_at += n
+
+
 def _image_runs(ids: np.ndarray, image_token_id: int) -> int:
     is_img = (ids == image_token_id).astype(np.int8)
     return int(np.count_nonzero(np.diff(np.concatenate([[0], is_img])) == 1))
@@ -106,12 +124,12 @@ class MultimodalCollator:
     """Collate processed vision-language rows (packed or one sample each) into one padding-free batch.
 
     ``model`` is the model, its config or an :class:`~packtools.batches.mrope.MropeSpec` (Qwen2-VL,
-    Qwen2.5-VL, Qwen3-VL, LLaVA, InternVL, Gemma 3; others are refused by name).  For the last three (``spec.flat``) ``position_ids`` are
+    Qwen2.5-VL, Qwen3-VL, Qwen3.5, LLaVA, InternVL, Gemma 3; others are refused by name).  For the last three (``spec.flat``) ``position_ids`` are
     the text row ``[1, T]``, ``pixel_values`` ``(images, channels, size, size)``, and there is no
     ``image_grid_thw`` / ``mm_token_type_ids``; Gemma 3 (``spec.image_blocks``) also gets ``token_type_ids`` (1 on
     image tokens) and ``attention_mask``, each document's own masks by layer type (:func:`image_block_masks`).  The text options are those of
-    :class:`~packtools.batches.collate.PaddingFreeCollator` (``seq_idx`` is off by default: these models have
-    no token-mixing layers that read it).  Output keys: ``input_ids``, ``labels`` ``[1, T]``,
+    :class:`~packtools.batches.collate.PaddingFreeCollator` (``seq_idx`` is off by default: Qwen3.5's gated DeltaNet
+    layers get their documents from the text row, :mod:`packtools.integrations.attention.mixers`).  Output keys: ``input_ids``, ``labels`` ``[1, T]``,
     ``position_ids`` ``(4, 1, T)``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``mm_token_type_ids`` ``[1, T]``,
     ``use_cache=False`` (as :class:`~packtools.batches.collate.PaddingFreeCollator`'s: ``model(**batch)`` needs
     nothing else), and, when the batch holds images, ``pixel_values`` and ``image_grid_thw``.
@@ -239,27 +257,18 @@ class MultimodalCollator:
         """Fill ``positions[1:]`` document by document; the rows' grids and pixels, in row order."""
         grids: list[np.ndarray] = []
         pixels: list[np.ndarray] = []
-        seg_at = 0
-        tok_at = 0
-        kept = 0
-        for i, row in enumerate(features):
-            n = len(np.asarray(row["input_ids"]))
+        for i, row, ids, tok_at, documents in _row_walk(features, flat):
             grid = check_grid(row.get("image_grid_thw"), "image_grid_thw", i)
             pix = _pixels(row.get("pixel_values"), i, int(grid.prod(axis=1).sum()), self.spec.patch_width)
-            if n == 0:
+            if not len(ids):
                 if grid.shape[0]:
                     raise PackingError(
                         f"row {i} is empty but has {grid.shape[0]} image(s) in image_grid_thw."
                     )
                 continue
-            segs = flat.seg_lengths[seg_at : seg_at + int(flat.segs_per_row[kept])]
-            seg_at += segs.shape[0]
-            kept += 1
-            ids = flat.input_ids[tok_at : tok_at + n]
             self._check_types(row, i, ids)
             used = 0
-            start = 0
-            for d, length in enumerate(segs.tolist()):
+            for d, start, length in documents:
                 doc = ids[start : start + length]
                 k = _image_runs(doc, self.spec.image_token_id)
                 try:
@@ -268,13 +277,11 @@ class MultimodalCollator:
                     raise PackingError(f"row {i}: {err}") from None
                 positions[1:, tok_at + start : tok_at + start + length] = pos
                 used += k
-                start += length
             if used != grid.shape[0]:
                 raise PackingError(
                     f"row {i}: image_grid_thw has {grid.shape[0]} images but the row's input_ids hold {used} "
                     f"runs of image tokens; every image must travel with its sample (re-process the row)."
                 )
-            tok_at += n
             if grid.shape[0]:
                 grids.append(grid)
                 pixels.append(pix)
@@ -286,9 +293,7 @@ class MultimodalCollator:
         spec = self.spec
         per = int(spec.image_tokens or 0)
         pixels: list[np.ndarray] = []
-        seg_at = tok_at = kept = 0
-        for i, row in enumerate(features):
-            n = len(np.asarray(row["input_ids"]))
+        for i, row, ids, _, documents in _row_walk(features, flat):
             if row.get("image_grid_thw") is not None and np.asarray(row["image_grid_thw"]).size:
                 raise PackingError(
                     f"row {i} has 'image_grid_thw' but {spec.model_type!r} takes no image grid: the row was "
@@ -296,27 +301,20 @@ class MultimodalCollator:
                     param="image_grid_thw",
                 )
             images = 0
-            if n:
-                segs = flat.seg_lengths[seg_at : seg_at + int(flat.segs_per_row[kept])]
-                seg_at += segs.shape[0]
-                kept += 1
-                ids = flat.input_ids[tok_at : tok_at + n]
+            if len(ids):
                 self._check_types(row, i, ids)
-                start = 0
-                for d, length in enumerate(segs.tolist()):
-                    is_img = (ids[start : start + length] == spec.image_token_id).astype(np.int8)
-                    edges = np.flatnonzero(np.diff(np.concatenate([[0], is_img, [0]])))
-                    runs = edges[1::2] - edges[0::2]
-                    if np.any(runs % per):
-                        raise PackingError(
-                            f"row {i}, document {d}: its image tokens (id {spec.image_token_id}) form runs of "
-                            f"{runs.tolist()} tokens, but each image of {spec.model_type!r} is {per} tokens: process "
-                            f"the sample with the model's own processor.",
-                            param="input_ids",
-                        )
-                    images += int(runs.sum()) // per
-                    start += length
-                tok_at += n
+            for d, start, length in documents:
+                is_img = (ids[start : start + length] == spec.image_token_id).astype(np.int8)
+                edges = np.flatnonzero(np.diff(np.concatenate([[0], is_img, [0]])))
+                runs = edges[1::2] - edges[0::2]
+                if np.any(runs % per):
+                    raise PackingError(
+                        f"row {i}, document {d}: its image tokens (id {spec.image_token_id}) form runs of "
+                        f"{runs.tolist()} tokens, but each image of {spec.model_type!r} is {per} tokens: process "
+                        f"the sample with the model's own processor.",
+                        param="input_ids",
+                    )
+                images += int(runs.sum()) // per
             value = row.get("pixel_values")
             arr = None if value is None else np.asarray(value)
             count = 0 if arr is None or arr.size == 0 else int(arr.shape[0])

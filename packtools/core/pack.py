@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..constants import SEQ_LENGTHS
+from ..constants import IMAGE_COLUMNS, SEQ_LENGTHS
 from ..errors import EmptyRowsWarning, PackingError, TokensDroppedWarning, empty_rows_message
 from . import buffers
 from .arrow import (
@@ -268,6 +268,26 @@ def pack_columns(
         arrays.append(p.seq_lengths)
         names.append(SEQ_LENGTHS)
     return pa.Table.from_arrays(arrays, names=names)
+
+
+def check_no_images(table: pa.Table, what: str) -> None:
+    """Refuse a table of processed vision-language rows (:data:`~packtools.constants.IMAGE_COLUMNS`) in a path that
+    plans its token columns alone (``what``: ``packed_view``, whose ``materialize()`` must equal ``pack_dataset``,
+    which packs such rows whole with their images): with ``columns=[...]`` leaving the images out, the rows would
+    keep each image's placeholder tokens and lose its pixels, with no error.  (``pack_table(columns=[...])`` leaves
+    them out knowingly, as any column it names not.)
+
+    >>> check_no_images(pa.table({"input_ids": [[1, 2]]}), "packed_view")
+    """
+    found = [c for c in IMAGE_COLUMNS if c in table.column_names]
+    if found:
+        raise PackingError(
+            f"{what} plans token columns only, and this table holds vision-language rows ({found}): packed "
+            f"without them, each image's placeholder tokens would stay in input_ids with no pixels. Pack them "
+            f"with packtools.pack_dataset(datasets.Dataset(table), max_length) (each sample whole, its images "
+            f"in row order; docs/vision.md), or drop {found} first to train the text alone.",
+            param="table",
+        )
 
 
 def pack_table(

@@ -54,7 +54,7 @@ from .planning import (
     row_plan,
     write_jobs,
 )
-from .schema import data_format, empty_inputs_notes, known_columns, token_schema
+from .schema import data_format, empty_inputs_notes, known_columns, refuse_image_columns, token_schema
 from .stage import StageJob, freeze_report, iter_staged, stage_part
 from .stage_cache import adopt_cached, evicted_error, keep_in_place, stage_jobs
 from .staged import load_sidecar, sidecar_tool_opener, sidecar_turns
@@ -382,6 +382,7 @@ def _inputs(
         )
     ids = config.ids(fmt, tokenizer_fp)  # what decides the ids: this one value, down to every stage job
     if fmt == "tokenized":
+        refuse_image_columns(files, config)
         columns, types, left_out = token_schema(files, config)
         return RunInputs(files, columns, types, left_out, ids), early
     if config.tokenizer is None:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from ..constants import SEQ_LENGTHS
+from ..constants import IMAGE_COLUMNS, SEQ_LENGTHS
 from ..core.arrow import is_list_type
 from ..core.pack import BOUNDARY_COLUMNS
 from ..errors import PackingError
@@ -228,6 +228,27 @@ def _refuse_packed(schemas: Sequence[pa.Schema], files: Sequence[InputFile]) -> 
                 f"{f.path!r} has {found}, so it is already packed; packing it again would merge its sequences "
                 f"(whichever columns are chosen). Unpack it first (packtools.core.unpack) and pack the result, or "
                 f"pack the original unpacked data."
+            )
+
+
+def refuse_image_columns(files: Sequence[InputFile], config: PipelineConfig) -> None:
+    """Refuse tokenized input holding processed vision-language rows (:data:`~packtools.constants.IMAGE_COLUMNS`)
+    in a pack run that did not choose its columns: left out as other columns, each image's placeholder tokens
+    would train without its pixels, said only in the summary.  ``columns=[...]`` leaves them out knowingly (as
+    ``pack_table(columns=...)`` does); ``profile`` reads them (their ``input_ids`` count the image tokens)."""
+    if config.columns:
+        return
+    for f in files:
+        images = [c for c in IMAGE_COLUMNS if c in read_schema(f).names]
+        if images:
+            raise PackingError(
+                f"{f.path!r} holds processed vision-language rows ({images}): the text pipeline packs token "
+                f"columns only and would leave the images out, keeping their placeholder tokens in input_ids. "
+                f"Pack processed rows in memory with packtools.pack_dataset(datasets.Dataset, max_length) (each "
+                f"sample whole, its images in row order), or rows in TRL's vision format offline with packtools "
+                f"pack --processor DIR (docs/vision.md); or name the token columns (columns=[...], --columns) to "
+                f"leave {images} out knowingly.",
+                param="columns",
             )
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from ..constants import __version__
+from ..constants import IMAGE_COLUMNS, __version__
 from ..core.arrow import read_list_column
 from ..core.nested import gather_whole_samples, plan_whole_samples
 from ..core.pack import pack_columns
@@ -50,7 +50,6 @@ from .vision_stage import (
 from .workspace import Workspace, checkpoint, tidy_after_dead_run
 
 TOKEN_COLUMNS = ("input_ids", "mm_token_type_ids", "assistant_masks")
-IMAGE_COLUMNS = ("pixel_values", "image_grid_thw")
 
 
 @dataclass(frozen=True)

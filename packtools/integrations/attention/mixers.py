@@ -177,10 +177,30 @@ def breaks(ids: Any, attention_mask: Any = None, step: int = 1) -> Any:
     return broken
 
 
+def rotary_starts(positions: Any, attention_mask: Any = None) -> Any:
+    """Where ``(3, B, T)`` rotary positions (temporal, height, width: Qwen-VL's, as the model computes them
+    without a text row) return to ``(0, 0, 0)``, shape ``[B, T - 1]`` like :func:`breaks`: a new document.  Inside
+    one document they never do (text counts on from the previous maximum, an image's tokens share its temporal
+    position and start at the next one), so an image is no boundary.  NumPy or torch.
+
+    >>> import numpy as np
+    >>> one = np.array([[[0, 1, 1, 1, 3]], [[0, 1, 1, 2, 3]], [[0, 1, 2, 1, 3]]])  # text, a 2x2 image, text
+    >>> bool(rotary_starts(one).any()), rotary_starts(np.concatenate([one, one], -1)).nonzero()[1].tolist()
+    (False, [4])
+    """
+    zero = (positions == 0).all(0)  # [B, T]
+    starts = zero[..., 1:]
+    if attention_mask is not None:
+        starts = starts & (attention_mask[..., 1:] != 0) & (attention_mask[..., :-1] != 0)
+    return starts
+
+
 def segments_of(kwargs: dict[str, Any]) -> Segments | None:
     """The documents of a forward's inputs, or ``None`` when no row holds more than one (one host sync): from
-    ``position_ids`` (a document starts where a position does not follow the previous one by 1), else
-    ``seq_idx`` (where it changes), else ``cu_seq_lens_q`` (one row).  With a 2-D ``attention_mask`` only a
+    ``position_ids`` (a document starts where a position does not follow the previous one by 1: 2-D ones, or the
+    text row of Qwen-VL's ``(4, B, T)``; the ``(3, B, T)`` temporal/height/width rows the model computes itself
+    stay put or jump inside an image, so there a document starts only where all three are 0 again,
+    :func:`rotary_starts`), else ``seq_idx`` (where it changes), else ``cu_seq_lens_q`` (one row).  With a 2-D ``attention_mask`` only a
     step between two attended tokens counts, as in transformers' masks: the positions a left-padded prefill gives
     its padding (``[1, 1, 0, 1, 2]``) are no documents, and the row runs whole, its cache included.
 
@@ -192,19 +212,35 @@ def segments_of(kwargs: dict[str, Any]) -> Segments | None:
     >>> pads = torch.tensor([[0, 0, 1, 1, 1]])  # a left-padded row's mask, and the positions its prefill gives
     >>> segments_of({"position_ids": torch.tensor([[1, 1, 0, 1, 2]]), "attention_mask": pads}) is None
     True
+    >>> image = torch.tensor([[[0, 1, 1, 1, 1, 3]], [[0, 1, 1, 2, 2, 3]], [[0, 1, 2, 1, 2, 3]]])  # text, 2x2, text
+    >>> segments_of({"position_ids": image}) is None, segments_of({"position_ids": torch.cat([image, image], -1)})
+    (True, Segments(bounds=((0, 6, 12),), length=12))
     """
     if generating(kwargs):
         return None
     pos, cu = kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q")
+    zeros = None  # (3, B, T) rotary positions: a document starts where all three are 0 again
     if pos is not None and getattr(pos, "ndim", 0) == 3:
-        pos = pos[0]  # multi-axis rotary positions: the first axis is the token's position
+        if pos.shape[0] == 3:  # temporal, height, width: the temporal row stays put over an image
+            zeros, pos = pos, None
+        else:  # (4, B, T): the first axis is the text row, the token's position
+            pos = pos[0]
     seq_idx = kwargs.get("seq_idx")
     mask = kwargs.get("attention_mask")  # padding starts no document (the positions a prefill gives its pads)
-    for ids, step in ((pos, 1), (seq_idx, 0)):  # a document starts where positions jump / seq_idx changes
-        if ids is not None and getattr(ids, "ndim", 0) == 2 and ids.shape[1] > 1:
-            rows, length = int(ids.shape[0]), int(ids.shape[1])
+    for ids, step in ((pos, 1), (seq_idx, 0), (zeros, None)):  # where positions jump / seq_idx changes
+        if (
+            ids is not None
+            and getattr(ids, "ndim", 0) == (2 if step is not None else 3)
+            and ids.shape[-1] > 1
+        ):
+            rows, length = int(ids.shape[-2]), int(ids.shape[-1])
             fits = getattr(mask, "ndim", 0) == 2 and tuple(mask.shape) == (rows, length)
-            starts = breaks(ids, mask if fits else None, step).nonzero().tolist()
+            starts = (
+                rotary_starts(ids, mask if fits else None)
+                if step is None
+                else breaks(ids, mask if fits else None, step)
+            )
+            starts = starts.nonzero().tolist()
             if starts:
                 per_row: list[list[int]] = [[0] for _ in range(rows)]
                 for row, index in starts:

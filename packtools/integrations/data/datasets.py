@@ -22,11 +22,11 @@ import pyarrow as pa
 from ..._optional import require
 from ...compat.datasets import dataset_table, format_type, memory_mapped_table, temporary_cache_directory
 from ...compat.datasets import fingerprint as datasets_fingerprint
-from ...constants import SEQ_LENGTHS
+from ...constants import IMAGE_COLUMNS, SEQ_LENGTHS
 from ...core.arrow import check_row_counts, column_lengths, is_list_type
 from ...core.cp_budget import check_context_parallel, plan_for_cp
 from ...core.nested import gather_whole_samples, plan_whole_samples
-from ...core.pack import pack_columns, read_columns, truncate_table
+from ...core.pack import check_no_images, pack_columns, read_columns, truncate_table
 from ...core.plan import PackPlan, Strategy, check_max_length, check_strategy
 from ...errors import PackingError
 from .drops import DropReport, untrained_pieces, warn_dropped, warn_empty, warn_untrained
@@ -179,6 +179,8 @@ def pack_split(
         how["context_parallel"] = context_parallel
     fingerprint = derived_fingerprint(dataset, "pack", **how)
     record = {"max_length": max_length, "strategy": strategy, "context_parallel": context_parallel}
+    if plan is not None:  # a plan made for the token columns alone (packed_view's): never for image rows
+        check_no_images(table, "pack_split(plan=...) (packed_view(...).materialize())")
     if plan is None and has_images(table):  # processed vision-language samples: whole, images in row order
         if context_parallel > 1:
             raise PackingError(
@@ -408,10 +410,6 @@ def _truncate_report(table: pa.Table, max_length: int, columns: Sequence[str] | 
 
 
 # -- vision data ---------------------------------------------------------------------------------------------
-#: Per-sample image columns: they travel whole with their sample (never cut per token).
-IMAGE_COLUMNS = ("pixel_values", "image_grid_thw")
-
-
 def has_images(dataset_or_table: Any) -> bool:
     """Whether a ``Dataset`` or table carries per-sample image columns.
 

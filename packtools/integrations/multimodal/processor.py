@@ -100,6 +100,16 @@ def load_vision_processor(path: str | os.PathLike[str]) -> VisionProcessor:
             tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as err:
             raise PackingError(_unloadable(path, err), param="processor") from err
+    merge = getattr(image_processor, "merge_size", None)
+    if not isinstance(merge, int):  # decided first: a LLaVA / InternVL folder is named as what it is
+        raise PackingError(
+            f"processor={path!r}: its image processor ({type(image_processor).__name__}) has no merge_size; "
+            f"packtools processes rows with the Qwen-VL image processors only (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, "
+            f"Qwen3.5). LLaVA and InternVL rows pack already processed (input_ids with each image's tokens "
+            f"expanded, pixel_values one entry per image or tile): pack_dataset(ds, max_length) without "
+            f"processor= (docs/vision.md).",
+            param="processor",
+        )
     image_token = getattr(processor, "image_token", None) or getattr(tokenizer, "image_token", None)
     image_token = image_token or DEFAULT_IMAGE_TOKEN
     token_id = tokenizer.convert_tokens_to_ids(image_token)
@@ -107,13 +117,6 @@ def load_vision_processor(path: str | os.PathLike[str]) -> VisionProcessor:
         raise PackingError(
             f"processor={path!r}: the tokenizer has no image token {image_token!r}; this is not a Qwen-VL "
             f"processor folder.",
-            param="processor",
-        )
-    merge = getattr(image_processor, "merge_size", None)
-    if not isinstance(merge, int):
-        raise PackingError(
-            f"processor={path!r}: its image processor ({type(image_processor).__name__}) has no merge_size; "
-            f"packtools supports the Qwen2-VL / Qwen2.5-VL / Qwen3-VL image processors.",
             param="processor",
         )
     return VisionProcessor(
