@@ -231,3 +231,34 @@ def test_gemma3_spec_and_columns():
     both.text_config.use_bidirectional_attention = True
     with pytest.raises(PackingError, match="use_bidirectional_attention"):
         MropeSpec.from_config(both)
+
+
+def test_sft_trainer_is_refused_by_name(tmp_path):
+    # TRL's SFTTrainer counts a batch's tokens with inputs["attention_mask"].sum(): the ready-made masks (a dict)
+    # stopped the first step with "'dict' object has no attribute 'sum'"; prepare_trainer says why and the fix
+    trl = pytest.importorskip("trl")
+    from _hf_models import word_tokenizer
+
+    from packtools.integrations.trainers.sft import packed_sft_config
+
+    model = tiny_gemma3("sdpa").train()
+    packed = pack_dataset(datasets.Dataset.from_list(samples()), 48)
+    args = packed_sft_config(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        bf16=False,
+        max_length=None,
+        padding_free=False,
+        **plain_sgd_options(),
+    )
+    trainer = trl.SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=packed,
+        processing_class=word_tokenizer(),
+        data_collator=MultimodalCollator(model, 0),
+    )
+    with pytest.raises(
+        PackingError, match=r"SFTTrainer counts the tokens.*attention_mask.*transformers.Trainer"
+    ):
+        prepare_trainer(trainer)
