@@ -262,3 +262,21 @@ def test_sft_trainer_is_refused_by_name(tmp_path):
         PackingError, match=r"SFTTrainer counts the tokens.*attention_mask.*transformers.Trainer"
     ):
         prepare_trainer(trainer)
+
+
+def test_non_padding_token_count_is_refused_by_name(tmp_path):
+    # Trainer's include_num_input_tokens_seen="non_padding" sums inputs["attention_mask"]: the ready-made masks
+    # (a dict) stopped the first step with an AttributeError; prepare_trainer says why and the fix
+    model = tiny_gemma3("sdpa").train()
+    packed = pack_dataset(datasets.Dataset.from_list(samples()), 48)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        include_num_input_tokens_seen="non_padding",
+        **plain_sgd_options(),
+    )
+    trainer = transformers.Trainer(
+        model, args, train_dataset=packed, data_collator=MultimodalCollator(model, 0)
+    )
+    with pytest.raises(PackingError, match=r"include_num_input_tokens_seen='non_padding'.*'all'"):
+        prepare_trainer(trainer).train()

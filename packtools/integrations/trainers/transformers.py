@@ -319,6 +319,19 @@ def prepare_trainer(
             f"collator, prepare_trainer).",
             param="trainer",
         )
+    if (
+        vision
+        and spec.image_blocks
+        and getattr(trainer.args, "include_num_input_tokens_seen", "no") == "non_padding"
+    ):
+        raise PackingError(
+            f"include_num_input_tokens_seen='non_padding' with a packed {spec.model_type!r} model: Trainer counts "
+            f"a batch's tokens with attention_mask.sum(), and MultimodalCollator gives {spec.model_type!r} each "
+            f"document's masks ready-made (attention_mask, a dict by layer type; it would stop at the first step "
+            f"with an AttributeError). Use include_num_input_tokens_seen='all' (packed rows hold padding only at "
+            f"the end of a batch, with pad_to_multiple_of) or 'no'.",
+            param="include_num_input_tokens_seen",
+        )
     if vision and context_parallel not in (None, 1):
         raise PackingError(
             f"context_parallel={context_parallel} with a vision-language model ({type(trainer.model).__name__}): "
