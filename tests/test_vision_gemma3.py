@@ -231,3 +231,105 @@ def test_gemma3_spec_and_columns():
     both.text_config.use_bidirectional_attention = True
     with pytest.raises(PackingError, match="use_bidirectional_attention"):
         MropeSpec.from_config(both)
+
+
+def test_sft_trainer_is_refused_by_name(tmp_path):
+    # TRL's SFTTrainer counts a batch's tokens with inputs["attention_mask"].sum(): the ready-made masks (a dict)
+    # stopped the first step with "'dict' object has no attribute 'sum'"; prepare_trainer says why and the fix
+    trl = pytest.importorskip("trl")
+    from _hf_models import word_tokenizer
+
+    from packtools.integrations.trainers.sft import packed_sft_config
+
+    model = tiny_gemma3("sdpa").train()
+    packed = pack_dataset(datasets.Dataset.from_list(samples()), 48)
+    args = packed_sft_config(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        bf16=False,
+        max_length=None,
+        padding_free=False,
+        **plain_sgd_options(),
+    )
+    trainer = trl.SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=packed,
+        processing_class=word_tokenizer(),
+        data_collator=MultimodalCollator(model, 0),
+    )
+    with pytest.raises(
+        PackingError, match=r"SFTTrainer counts the tokens.*attention_mask.*transformers.Trainer"
+    ):
+        prepare_trainer(trainer)
+
+
+def test_non_padding_token_count_is_refused_by_name(tmp_path):
+    # Trainer's include_num_input_tokens_seen="non_padding" sums inputs["attention_mask"]: the ready-made masks
+    # (a dict) stopped the first step with an AttributeError; prepare_trainer says why and the fix
+    model = tiny_gemma3("sdpa").train()
+    packed = pack_dataset(datasets.Dataset.from_list(samples()), 48)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        include_num_input_tokens_seen="non_padding",
+        **plain_sgd_options(),
+    )
+    trainer = transformers.Trainer(
+        model, args, train_dataset=packed, data_collator=MultimodalCollator(model, 0)
+    )
+    with pytest.raises(PackingError, match=r"include_num_input_tokens_seen='non_padding'.*'all'"):
+        prepare_trainer(trainer).train()
+
+
+@pytest.mark.parametrize(
+    "window, impl, pad, split",
+    [
+        (1, "sdpa", None, False),
+        (64, "sdpa", None, False),
+        (3, "sdpa", 16, True),
+        (3, "packtools_sdpa", 16, True),
+    ],
+)
+def test_edge_documents_equal_transformers_alone(window, impl, pad, split):
+    # documents the Trainer test has not: two images back to back (one bidirectional block, as transformers makes
+    # it alone), an image first or last in a document, a document that is one image, a document ending in an
+    # image before one starting with an image; windows of 1 and longer than every document; padding at the end;
+    # rows of different lengths given as several features (laid end to end); logits of a guarded forward
+    model = tiny_gemma3("sdpa", window=window)
+    if impl != "sdpa":
+        from packtools.integrations.attention.segmented import register
+
+        model.set_attn_implementation(register())
+    guard_model(model)
+    image, rng = [IMAGE] * 4, np.random.default_rng(3)
+
+    def text(n):
+        return rng.integers(3, 290, n).tolist()
+
+    docs = [image + image + text(3), text(2) + [BOI, *image, *image], image + text(5) + image, text(7), image]
+    pixels = [rng.standard_normal((d.count(IMAGE) // 4, 3, 56, 56)).astype(np.float32) for d in docs]
+    groups = [[0, 1], [2], [3, 4]] if split else [[0, 1, 2, 3, 4]]
+    rows = []
+    for group in groups:
+        rows.append(
+            {
+                "input_ids": sum((docs[i] for i in group), []),
+                "seq_lengths": [len(docs[i]) for i in group],
+                "pixel_values": np.concatenate([pixels[i] for i in group]),
+            }
+        )
+    batch = MultimodalCollator(model, 0, pad_to_multiple_of=pad)(rows)
+    assert batch["input_ids"].shape[0] == 1
+    batch.pop("labels")
+    with torch.no_grad():
+        packed = model(**batch).logits[0]
+        at = 0
+        for d, pix in zip(docs, pixels):
+            ids = torch.tensor([d])
+            extra = {"pixel_values": torch.tensor(pix)} if len(pix) else {}
+            alone = model(
+                input_ids=ids, token_type_ids=(ids == IMAGE).long(), use_cache=False, **extra
+            ).logits[0]
+            assert float((packed[at : at + len(d)] - alone).abs().max()) < 1e-5
+            at += len(d)

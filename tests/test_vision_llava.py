@@ -111,16 +111,43 @@ def test_llava_with_a_siglip_tower_trains_packed_exactly(strategy, tmp_path):
     trainer_step_equals_one_by_one(model, samples(per=per), tmp_path)
 
 
-def trainer_step_equals_one_by_one(model, rows: list[dict], tmp_path) -> None:
+def test_llava_through_sft_trainer_keeps_its_images(tmp_path):
+    # TRL's SFTTrainer keeps only input_ids, labels and seq_lengths of a prepared dataset (remove_unused_columns,
+    # the default): pixel_values were dropped and the collator refused every row ("re-process the row");
+    # prepare_trainer keeps the image columns now, and the step equals the samples one by one
+    trainer_step_equals_one_by_one(tiny_llava("sdpa"), samples(), tmp_path, sft=True)
+
+
+def trainer_step_equals_one_by_one(model, rows: list[dict], tmp_path, sft: bool = False) -> None:
     reference = copy.deepcopy(model)
     packed = pack_dataset(datasets.Dataset.from_list(rows), 48)
     assert len(packed) < len(rows)  # documents with images share rows
-    args = transformers.TrainingArguments(
+    options = dict(
         output_dir=str(tmp_path), per_device_train_batch_size=len(packed), max_steps=1, optim="sgd",
         **plain_sgd_options(),
     )  # fmt: skip
     collator = MultimodalCollator(model, 0)
-    trainer = prepare_trainer(transformers.Trainer(model, args, train_dataset=packed, data_collator=collator))
+    if sft:
+        trl = pytest.importorskip("trl")
+        from _hf_models import word_tokenizer
+
+        from packtools.integrations.trainers.sft import packed_sft_config
+
+        args = packed_sft_config(**options, bf16=False, max_length=None, padding_free=False)
+        assert args.remove_unused_columns
+        trainer = trl.SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=packed,
+            processing_class=word_tokenizer(),
+            data_collator=collator,
+        )
+        trainer = prepare_trainer(trainer)
+    else:
+        args = transformers.TrainingArguments(**options)
+        trainer = prepare_trainer(
+            transformers.Trainer(model, args, train_dataset=packed, data_collator=collator)
+        )
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
     result = trainer.train()
     ref_loss, ref_grads = one_by_one(reference, rows)

@@ -567,7 +567,8 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
         check_packed_ids_forward(args, kwargs)  # first: the other checks judge the keys the call was given
         check_unhandled_mixers(module, kwargs, left)  # without kernels, seq_idx alone is no fix
         check_forward_inputs(kwargs, impl, left)
-        if images_checked and is_packed(kwargs):  # a sample alone is built right by the model itself
+        # a sample alone is built right by the model itself, and a generation step is no packed row
+        if images_checked and packed_training_input(kwargs):
             check_image_inputs(module, kwargs, impl)  # refused by name (the probe packs text only)
         if positionless:
             check_positionless_masks(module, kwargs, impl)

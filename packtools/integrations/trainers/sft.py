@@ -14,7 +14,7 @@ and TRL's ``SFTConfig`` for an already-packed dataset.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -63,10 +63,11 @@ def summed_next_token_loss(logits: Any, labels: Any) -> tuple[Any, Any]:
     return total, target
 
 
-def keep_packed_columns(trainer: Any, *, owner: Any = None) -> None:
-    """Keep ``seq_lengths`` and the loss-mask columns through the trainer's ``remove_unused_columns``."""
+def keep_packed_columns(trainer: Any, extra: Sequence[str] = (), *, owner: Any = None) -> None:
+    """Keep ``seq_lengths``, the loss-mask columns and ``extra`` (a vision collator's image columns) through the
+    trainer's ``remove_unused_columns``."""
     if trainer.args.remove_unused_columns:
-        keep_signature_columns(trainer, PACKED_COLUMNS, owner=owner)
+        keep_signature_columns(trainer, (*PACKED_COLUMNS, *extra), owner=owner)
 
 
 def check_sft(trainer: Any) -> None:

@@ -56,7 +56,7 @@ from ..attention.isolation import check_isolation as _check_isolation
 from ..attention.isolation import trainer_autocast
 from ..attention.mixers import run_mixers_per_document
 from ..attention.segmented import SEGMENTED_SDPA
-from ..multimodal.models import check_multimodal_model, check_vision_isolation
+from ..multimodal.models import check_multimodal_model, check_vision_isolation, image_columns
 from ..parallel.distributed import is_sharded
 from ..parallel.layout import check_context_parallel_size, rank_layout
 from .collator_check import check_trainer_collator, probe_collator
@@ -308,7 +308,30 @@ def prepare_trainer(
             param="trainer",
         )
     check_attention_implementation(trainer.model)
-    vision = check_multimodal_model(trainer.model, trainer.data_collator) is not None
+    spec = check_multimodal_model(trainer.model, trainer.data_collator)
+    vision = spec is not None
+    if vision and spec.image_blocks and is_sft_trainer(trainer):
+        raise PackingError(
+            f"{type(trainer).__name__} with a packed {spec.model_type!r} model: MultimodalCollator gives its "
+            f"batches each document's masks ready-made (attention_mask, a dict by layer type), and TRL's "
+            f"SFTTrainer counts the tokens of a batch with attention_mask.sum(), which a dict has not (it would "
+            f"stop at the first step with an AttributeError). Train it with transformers.Trainer (same "
+            f"collator, prepare_trainer).",
+            param="trainer",
+        )
+    if (
+        vision
+        and spec.image_blocks
+        and getattr(trainer.args, "include_num_input_tokens_seen", "no") == "non_padding"
+    ):
+        raise PackingError(
+            f"include_num_input_tokens_seen='non_padding' with a packed {spec.model_type!r} model: Trainer counts "
+            f"a batch's tokens with attention_mask.sum(), and MultimodalCollator gives {spec.model_type!r} each "
+            f"document's masks ready-made (attention_mask, a dict by layer type; it would stop at the first step "
+            f"with an AttributeError). Use include_num_input_tokens_seen='all' (packed rows hold padding only at "
+            f"the end of a batch, with pad_to_multiple_of) or 'no'.",
+            param="include_num_input_tokens_seen",
+        )
     if vision and context_parallel not in (None, 1):
         raise PackingError(
             f"context_parallel={context_parallel} with a vision-language model ({type(trainer.model).__name__}): "
@@ -332,7 +355,8 @@ def prepare_trainer(
         caller="prepare_trainer",
     )
     with all_or_nothing(trainer):
-        keep_packed_columns(trainer)
+        # TRL's SFTTrainer keeps only input_ids, labels and seq_lengths: the images are kept too
+        keep_packed_columns(trainer, image_columns(spec) if vision else ())
         if is_sft_trainer(trainer):
             check_sft(trainer)
         else:
