@@ -411,3 +411,19 @@ def test_pack_files_refuses_processed_vision_rows(tmp_path):
     assert not os.path.exists(tmp_path / "out" / "manifest.json")
     told = pack_files([path], str(tmp_path / "out"), max_length=16, columns=["input_ids"])
     assert told.stats["columns_left_out"] == ["pixel_values", "image_grid_thw"]
+
+
+@pytest.mark.parametrize("columns", [None, ["input_ids"]])
+def test_streamed_vision_rows_of_unknown_features_are_refused(columns):
+    """An IterableDataset whose features are unknown (from_generator, or after map) has no column names to check
+    up front: pack_dataset(columns=['input_ids']) packed its tokens window by window and left pixel_values /
+    image_grid_thw out, image placeholders without pixels, no error (the error for columns=None even advised
+    naming the token columns). A Dataset, or an IterableDataset with known features, is refused."""
+    datasets = pytest.importorskip("datasets")
+    from packtools import pack_dataset
+
+    rows = [r for r in _processed_rows().to_pylist() if r["image_grid_thw"]]  # (an empty list infers no type)
+    ds = datasets.IterableDataset.from_generator(lambda: iter(rows))
+    assert ds.column_names is None  # the case: nothing to check before the first window
+    with pytest.raises(PackingError, match="IterableDataset with image columns"):
+        list(pack_dataset(ds, 16, columns=columns))
