@@ -377,3 +377,29 @@ def test_qwen3_5_with_gradient_checkpointing_equals_one_by_one(tmp_path):
     assert abs(result.training_loss - ref_loss) < 1e-5
     diffs = [float((before[k] - p.detach() - ref_grads[k]).abs().max()) for k, p in model.named_parameters()]
     assert max(diffs) < 1e-5
+
+
+def test_per_document_mixers_leave_an_embeds_forward_after_images_whole():
+    """A forward given inputs_embeds alone after one with images: Qwen3.5 positions it arange + rope_deltas (3 rows,
+    the deltas negative, so they count up through 0). The per-document DeltaNet layers cut the row at that 0 while
+    attention ran it whole: 2e-2 in the logits against the unprepared model, no error."""
+    model = tiny_vl("qwen3_5", "sdpa").eval()
+    plain = copy.deepcopy(model)
+    run_mixers_per_document(model)
+    sample = mixed_samples(3)[2]
+    ids = torch.tensor([sample["input_ids"]])
+    images = dict(
+        input_ids=ids,
+        pixel_values=torch.tensor(sample["pixel_values"]),
+        image_grid_thw=torch.tensor(sample["image_grid_thw"]),
+        mm_token_type_ids=(ids == IMAGE).int(),
+        use_cache=False,
+    )
+    text = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = []
+        for m in (model, plain):
+            m(**images)  # leaves the model's rope_deltas negative
+            assert int(m.model.rope_deltas.min()) < 0
+            logits.append(m(inputs_embeds=m.get_input_embeddings()(text), use_cache=False).logits)
+    assert float((logits[0] - logits[1]).abs().max()) < 1e-6
