@@ -427,3 +427,22 @@ def test_streamed_vision_rows_of_unknown_features_are_refused(columns):
     assert ds.column_names is None  # the case: nothing to check before the first window
     with pytest.raises(PackingError, match="IterableDataset with image columns"):
         list(pack_dataset(ds, 16, columns=columns))
+
+
+def test_truncate_dataset_never_cuts_vision_samples():
+    """truncate_dataset cut every list column: pixel_values to max_length patches while image_grid_thw still
+    announced them all (no warning when input_ids fit: no token was dropped), and input_ids through an image's
+    placeholder tokens while its pixels stayed. Image columns are never cut; a token column over max_length is
+    refused by row."""
+    datasets = pytest.importorskip("datasets")
+    from packtools.integrations import truncate_dataset
+
+    ds = datasets.Dataset(_processed_rows())  # 4, 3, 4 tokens; 4, 0, 8 patches
+    kept = truncate_dataset(ds, 5)
+    assert kept["pixel_values"] == ds["pixel_values"] and kept["image_grid_thw"] == ds["image_grid_thw"]
+    assert kept["input_ids"] == ds["input_ids"]
+    for columns in (None, ["input_ids"]):
+        with pytest.raises(PackingError, match=r"row 0 holds 4 values in 'input_ids', over max_length=3"):
+            truncate_dataset(ds, 3, columns=columns)
+    with pytest.raises(PackingError, match=r"names the per-sample image column\(s\) \['pixel_values'\]"):
+        truncate_dataset(ds, 5, columns=["input_ids", "pixel_values"])
