@@ -170,6 +170,19 @@ def test_segments_from_positions_seq_idx_and_cu_seq_lens():
     assert segments_of({"position_ids": pos, "cache": object()}) is None  # generation: never split
 
 
+def test_rotary_rows_counting_up_through_zero_are_one_document():
+    """(3, B, T) rows that count up through 0 are one sequence: transformers' Qwen3.5 gives arange + rope_deltas
+    to a forward of inputs_embeds alone after one with images (the deltas negative). Read as "all three 0 again",
+    the per-document DeltaNet layers cut that row where attention does not (2e-2 in the logits, no error)."""
+    through_zero = (torch.arange(8) - 5)[None, None].expand(3, 2, -1)
+    assert segments_of({"position_ids": through_zero}) is None
+    # a real restart still starts a document, after text or after an image (temporal row stays put)
+    text_then_image = torch.tensor(
+        [[[0, 1, 2, 2, 2, 2, 0, 1]], [[0, 1, 2, 2, 3, 3, 0, 1]], [[0, 1, 2, 3, 2, 3, 0, 1]]]
+    )
+    assert segments_of({"position_ids": text_then_image}) == Segments(((0, 6, 8),), 8)
+
+
 def test_rows_of_several_documents_each():
     """Two packed rows ([2, T], padding_free=False): each row split on its own restarts."""
     model = tiny_arch("Qwen3.5", "sdpa")

@@ -411,3 +411,38 @@ def test_pack_files_refuses_processed_vision_rows(tmp_path):
     assert not os.path.exists(tmp_path / "out" / "manifest.json")
     told = pack_files([path], str(tmp_path / "out"), max_length=16, columns=["input_ids"])
     assert told.stats["columns_left_out"] == ["pixel_values", "image_grid_thw"]
+
+
+@pytest.mark.parametrize("columns", [None, ["input_ids"]])
+def test_streamed_vision_rows_of_unknown_features_are_refused(columns):
+    """An IterableDataset whose features are unknown (from_generator, or after map) has no column names to check
+    up front: pack_dataset(columns=['input_ids']) packed its tokens window by window and left pixel_values /
+    image_grid_thw out, image placeholders without pixels, no error (the error for columns=None even advised
+    naming the token columns). A Dataset, or an IterableDataset with known features, is refused."""
+    datasets = pytest.importorskip("datasets")
+    from packtools import pack_dataset
+
+    rows = [r for r in _processed_rows().to_pylist() if r["image_grid_thw"]]  # (an empty list infers no type)
+    ds = datasets.IterableDataset.from_generator(lambda: iter(rows))
+    assert ds.column_names is None  # the case: nothing to check before the first window
+    with pytest.raises(PackingError, match="IterableDataset with image columns"):
+        list(pack_dataset(ds, 16, columns=columns))
+
+
+def test_truncate_dataset_never_cuts_vision_samples():
+    """truncate_dataset cut every list column: pixel_values to max_length patches while image_grid_thw still
+    announced them all (no warning when input_ids fit: no token was dropped), and input_ids through an image's
+    placeholder tokens while its pixels stayed. Image columns are never cut; a token column over max_length is
+    refused by row."""
+    datasets = pytest.importorskip("datasets")
+    from packtools.integrations import truncate_dataset
+
+    ds = datasets.Dataset(_processed_rows())  # 4, 3, 4 tokens; 4, 0, 8 patches
+    kept = truncate_dataset(ds, 5)
+    assert kept["pixel_values"] == ds["pixel_values"] and kept["image_grid_thw"] == ds["image_grid_thw"]
+    assert kept["input_ids"] == ds["input_ids"]
+    for columns in (None, ["input_ids"]):
+        with pytest.raises(PackingError, match=r"row 0 holds 4 values in 'input_ids', over max_length=3"):
+            truncate_dataset(ds, 3, columns=columns)
+    with pytest.raises(PackingError, match=r"names the per-sample image column\(s\) \['pixel_values'\]"):
+        truncate_dataset(ds, 5, columns=["input_ids", "pixel_values"])

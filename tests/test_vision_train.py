@@ -12,7 +12,19 @@ import copy
 import numpy as np
 import pytest
 from _hf_models import plain_sgd_options
-from _vl_models import FAMILIES, IMAGE, mixed_samples, tiny_vl, torch, transformers
+from _vl_models import (
+    FAMILIES,
+    IMAGE,
+    MERGE,
+    PATCH,
+    TEMPORAL,
+    VEND,
+    VSTART,
+    mixed_samples,
+    tiny_vl,
+    torch,
+    transformers,
+)
 
 from packtools import PaddingFreeCollator, prepare_trainer
 from packtools.batches.mrope import MropeSpec
@@ -365,10 +377,11 @@ def test_guarded_own_loop_equals_one_by_one(family):
     assert max(float((grads[k] - ref_grads[k]).abs().max()) for k in grads) < 1e-5
 
 
-def test_qwen3_5_with_gradient_checkpointing_equals_one_by_one(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_with_gradient_checkpointing_equals_one_by_one(family, tmp_path):
     """Checkpointed decoder layers run Qwen3.5's per-document DeltaNet layers again in backward: still exact."""
     samples = mixed_samples(3)
-    model = tiny_vl("qwen3_5", "sdpa")
+    model = tiny_vl(family, "sdpa")
     reference = copy.deepcopy(model)
     trainer = prepare_trainer(trainer_for(model, packed_rows(samples), tmp_path, gradient_checkpointing=True))
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
@@ -377,3 +390,82 @@ def test_qwen3_5_with_gradient_checkpointing_equals_one_by_one(tmp_path):
     assert abs(result.training_loss - ref_loss) < 1e-5
     diffs = [float((before[k] - p.detach() - ref_grads[k]).abs().max()) for k, p in model.named_parameters()]
     assert max(diffs) < 1e-5
+
+
+def test_per_document_mixers_leave_an_embeds_forward_after_images_whole():
+    """A forward given inputs_embeds alone after one with images: Qwen3.5 positions it arange + rope_deltas (3 rows,
+    the deltas negative, so they count up through 0). The per-document DeltaNet layers cut the row at that 0 while
+    attention ran it whole: 2e-2 in the logits against the unprepared model, no error."""
+    model = tiny_vl("qwen3_5", "sdpa").eval()
+    plain = copy.deepcopy(model)
+    run_mixers_per_document(model)
+    sample = mixed_samples(3)[2]
+    ids = torch.tensor([sample["input_ids"]])
+    images = dict(
+        input_ids=ids,
+        pixel_values=torch.tensor(sample["pixel_values"]),
+        image_grid_thw=torch.tensor(sample["image_grid_thw"]),
+        mm_token_type_ids=(ids == IMAGE).int(),
+        use_cache=False,
+    )
+    text = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = []
+        for m in (model, plain):
+            m(**images)  # leaves the model's rope_deltas negative
+            assert int(m.model.rope_deltas.min()) < 0
+            logits.append(m(inputs_embeds=m.get_input_embeddings()(text), use_cache=False).logits)
+    assert float((logits[0] - logits[1]).abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_documents_that_start_or_end_with_an_image_stay_whole(family):
+    """Documents whose first token is an image token (t/h/w all 0 at the start), one of an image alone, and
+    documents of 0, 1 and 2 images in one packed row: loss and every gradient as one by one (the per-document
+    DeltaNet layers cut the row exactly at the documents)."""
+    from packtools.integrations.trainers.guard import guard_model
+
+    rng = np.random.default_rng(5)
+
+    def sample(ids, grids):
+        row = {"input_ids": [int(i) for i in ids]}
+        if grids:
+            width = 3 * TEMPORAL * PATCH * PATCH
+            row["pixel_values"] = rng.standard_normal((sum(t * h * w for t, h, w in grids), width)).astype(
+                np.float32
+            )
+            row["image_grid_thw"] = np.asarray(grids, np.int64)
+        return row
+
+    def image(t, h, w):
+        return [IMAGE] * (t * h * w // (MERGE * MERGE))
+
+    samples = [
+        sample([*image(1, 4, 4), 5, 6, 7], [(1, 4, 4)]),  # an image first
+        sample([20, 21, 22], []),
+        sample(image(1, 2, 4), [(1, 2, 4)]),  # an image alone
+        sample([VSTART, *image(1, 2, 2), VEND], [(1, 2, 2)]),
+        sample(
+            [36, VSTART, *image(1, 4, 2), VEND, 37, VSTART, *image(1, 2, 2), VEND, 38], [(1, 4, 2), (1, 2, 2)]
+        ),
+    ]
+    row = {
+        "input_ids": [t for s in samples for t in s["input_ids"]],
+        "seq_lengths": [len(s["input_ids"]) for s in samples],
+    }
+    with_images = [s for s in samples if "pixel_values" in s]
+    row["pixel_values"] = np.concatenate([s["pixel_values"] for s in with_images]).tolist()
+    row["image_grid_thw"] = np.concatenate([s["image_grid_thw"] for s in with_images]).tolist()
+    model = tiny_vl(family, "sdpa")
+    reference = copy.deepcopy(model)
+    run_mixers_per_document(model)
+    guard_model(model)
+    batch = MultimodalCollator(model, 0)([row])
+    count = int((batch["labels"][..., 1:] != -100).sum())
+    out = model(**batch, num_items_in_batch=count)
+    out.loss.backward()
+    ref_loss, ref_grads = one_by_one(reference, samples)
+    assert abs(float(out.loss.detach()) - ref_loss) < 1e-5
+    grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    assert set(grads) == set(ref_grads)
+    assert max(float((grads[k] - ref_grads[k]).abs().max()) for k in grads) < 1e-5

@@ -17,6 +17,7 @@ from .arrow import (
     as_table,
     check_aligned,
     check_row_counts,
+    column_lengths,
     copy_segments,
     is_list_type,
     list_array,
@@ -464,10 +465,43 @@ def truncate_table(table: pa.Table, max_length: int, columns: Sequence[str] | No
             raise PackingError(
                 f"columns {bad} are not list columns and cannot be truncated.", param="columns"
             )
+    names = _vision_safe_truncation(table, names, max_length, named=columns is not None)
     for n in names:
         i = table.column_names.index(n)
         table = table.set_column(i, table.schema.field(n), pc.list_slice(table.column(n), 0, max_length))
     return table
+
+
+def _vision_safe_truncation(table: pa.Table, names: list[str], max_length: int, named: bool) -> list[str]:
+    """The columns to truncate in a table of processed vision-language rows: never the per-sample image columns
+    (:data:`~packtools.constants.IMAGE_COLUMNS`: cut to ``max_length`` patches or grids, their pixels no longer
+    match their grids), and nothing at all where a token column is longer than ``max_length`` (the cut would part
+    images from their placeholder tokens): a vision sample is never truncated, as ``pack_dataset`` never does."""
+    images = [c for c in IMAGE_COLUMNS if c in table.column_names]
+    if not images:
+        return names
+    if named and (cut := [n for n in names if n in IMAGE_COLUMNS]):
+        raise PackingError(
+            f"columns={names} names the per-sample image column(s) {cut}: they hold patches or grids, not one "
+            f"value per token, and cut to max_length={max_length} they no longer match their images. Name the "
+            f"token columns only.",
+            param="columns",
+        )
+    names = [n for n in names if n not in IMAGE_COLUMNS]
+    for n in names:
+        lengths = column_lengths(table.column(n))
+        over = np.flatnonzero(lengths > max_length)
+        if over.size:
+            row = int(over[0])
+            raise PackingError(
+                f"row {row} holds {int(lengths[row])} values in {n!r}, over max_length={max_length}, and these are "
+                f"vision-language rows ({images}): truncated, a sample would keep images whose placeholder "
+                f"tokens were cut (or the reverse). Vision samples are never truncated: filter out the samples "
+                f"longer than max_length (ds.filter(lambda r: len(r['input_ids']) <= {max_length})), or raise "
+                f"max_length (packtools.profile_lengths counts image tokens; docs/vision.md).",
+                param="max_length",
+            )
+    return names
 
 
 def warmup() -> None:

@@ -179,17 +179,22 @@ def breaks(ids: Any, attention_mask: Any = None, step: int = 1) -> Any:
 
 def rotary_starts(positions: Any, attention_mask: Any = None) -> Any:
     """Where ``(3, B, T)`` rotary positions (temporal, height, width: Qwen-VL's, as the model computes them
-    without a text row) return to ``(0, 0, 0)``, shape ``[B, T - 1]`` like :func:`breaks`: a new document.  Inside
-    one document they never do (text counts on from the previous maximum, an image's tokens share its temporal
-    position and start at the next one), so an image is no boundary.  NumPy or torch.
+    without a text row) return to ``(0, 0, 0)`` from anywhere but ``-1``, shape ``[B, T - 1]`` like
+    :func:`breaks`: a new document.  Inside one document they never do (text counts on from the previous maximum,
+    an image's tokens share its temporal position and start at the next one), so an image is no boundary; and a
+    document starts after the previous one's last position, never after ``-1``: positions that count up through
+    0 (transformers' ``arange + rope_deltas`` for a forward given ``inputs_embeds`` alone after one with images,
+    the deltas negative) are one sequence, as the model's attention reads them.  NumPy or torch.
 
     >>> import numpy as np
     >>> one = np.array([[[0, 1, 1, 1, 3]], [[0, 1, 1, 2, 3]], [[0, 1, 2, 1, 3]]])  # text, a 2x2 image, text
     >>> bool(rotary_starts(one).any()), rotary_starts(np.concatenate([one, one], -1)).nonzero()[1].tolist()
     (False, [4])
+    >>> bool(rotary_starts(np.arange(-2, 3)[None, None].repeat(3, 0)).any())  # -2, -1, 0, 1, 2
+    False
     """
     zero = (positions == 0).all(0)  # [B, T]
-    starts = zero[..., 1:]
+    starts = zero[..., 1:] & (positions[0, ..., :-1] != -1)
     if attention_mask is not None:
         starts = starts & (attention_mask[..., 1:] != 0) & (attention_mask[..., :-1] != 0)
     return starts

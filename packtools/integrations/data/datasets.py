@@ -328,11 +328,7 @@ def pack_dataset(
         return (out, report) if return_report else out
     if isinstance(dataset, ds_mod.IterableDataset):
         if has_images(dataset):
-            raise PackingError(
-                "an IterableDataset with image columns (pixel_values / image_grid_thw) cannot be packed yet; "
-                "load it as a Dataset (its samples are packed whole, images in row order).",
-                param="dataset",
-            )
+            _refuse_streamed_images()
         if return_report:
             raise PackingError(
                 "return_report=True needs a Dataset: an IterableDataset is packed lazily, window by window.",
@@ -343,6 +339,10 @@ def pack_dataset(
         names = list(columns) if columns is not None else None
 
         def pack_window(batch: pa.Table) -> pa.Table:
+            # an IterableDataset of unknown features (from_generator, after map) shows its columns only here:
+            # columns=['input_ids'] would otherwise pack the tokens and leave the images out, with no error
+            if has_images(batch):
+                _refuse_streamed_images()
             cols, lengths = read_columns(batch, names)
             p = plan_for_cp(lengths, max_length, strategy, context_parallel)
             if p.num_empty:  # said window by window, as they are packed
@@ -418,6 +418,14 @@ def has_images(dataset_or_table: Any) -> bool:
     """
     names = getattr(dataset_or_table, "column_names", None) or []
     return any(c in names for c in IMAGE_COLUMNS)
+
+
+def _refuse_streamed_images() -> None:
+    raise PackingError(
+        "an IterableDataset with image columns (pixel_values / image_grid_thw) cannot be packed yet; "
+        "load it as a Dataset (its samples are packed whole, images in row order).",
+        param="dataset",
+    )
 
 
 def _check_patches(table: pa.Table) -> None:
