@@ -120,6 +120,49 @@ class PositionsDropped(transformers.Trainer):
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
 
+class CopyWithoutPositions(transformers.Trainer):
+    """The same on a copy of the packed row: not the batch's tensor, the same tokens."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(input_ids=inputs["input_ids"].clone(), labels=inputs["labels"])
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
+def _shifted_loss(model, ids, labels):
+    logits = model(input_ids=ids).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    return loss, transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+
+class SliceWithoutPositions(transformers.Trainer):
+    """Its own shift: a view of the packed row without its last column, without positions."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = _shifted_loss(model, inputs["input_ids"][:, :-1], inputs["labels"][:, 1:])
+        return (loss, outputs) if return_outputs else loss
+
+
+class CopiedSliceWithoutPositions(transformers.Trainer):
+    """The same on a copy of the slice."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = _shifted_loss(model, inputs["input_ids"][:, :-1].clone(), inputs["labels"][:, 1:])
+        return (loss, outputs) if return_outputs else loss
+
+
+class CopiesWithPositions(transformers.Trainer):
+    """Every key of the batch copied, and a second forward of each row's first document alone (a slice of the
+    packed row that spans no two documents: nothing to separate)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        copied = {k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()}
+        outputs = model(**copied, num_items_in_batch=num_items_in_batch)
+        starts = (inputs["position_ids"][:, 1:] == 0).int().argmax(1) + 1
+        first = model(input_ids=inputs["input_ids"][:, : int(starts.min())])
+        loss = outputs.loss + 0.0 * first.logits.sum()
+        return (loss, outputs) if return_outputs else loss
+
+
 class PositionsRebuilt(transformers.Trainer):
     """One that passes positions of its own, counting through the whole row."""
 
@@ -167,7 +210,18 @@ def _run(tmp_path, cls):
     return model, start, recorder
 
 
-@pytest.mark.parametrize("cls", [PositionsDropped, PositionsRebuilt, Distilled], ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "cls",
+    [
+        PositionsDropped,
+        PositionsRebuilt,
+        Distilled,
+        CopyWithoutPositions,
+        SliceWithoutPositions,
+        CopiedSliceWithoutPositions,
+    ],
+    ids=lambda c: c.__name__,
+)
 def test_a_compute_loss_that_drops_the_positions_is_refused_at_its_forward(tmp_path, cls):
     """It trained every packed row as one sequence with no error (the guard saw keys that look like one unpacked
     sequence, and did not see the teacher's forward at all); now its first forward of the packed input_ids is
@@ -176,7 +230,10 @@ def test_a_compute_loss_that_drops_the_positions_is_refused_at_its_forward(tmp_p
         _run(tmp_path, cls)
 
 
-def test_a_compute_loss_that_keeps_the_positions_trains_like_one_by_one(tmp_path):
-    model, start, recorder = _run(tmp_path, PositionsKept)
+@pytest.mark.parametrize("cls", [PositionsKept, CopiesWithPositions], ids=lambda c: c.__name__)
+def test_a_compute_loss_that_keeps_the_positions_trains_like_one_by_one(tmp_path, cls):
+    """Copies of the batch's keys, and a forward of tokens of one document each, are not refused: a copy or a
+    slice of the packed row is refused only without what separates the documents it holds."""
+    model, start, recorder = _run(tmp_path, cls)
     gap, moved = one_by_one_gap(model, start, recorder.batches, accumulation=2, lr=LR)
     assert moved > 1e-2 and gap < 1e-5, (gap, moved)
