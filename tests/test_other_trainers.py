@@ -237,3 +237,35 @@ def test_a_compute_loss_that_keeps_the_positions_trains_like_one_by_one(tmp_path
     model, start, recorder = _run(tmp_path, cls)
     gap, moved = one_by_one_gap(model, start, recorder.batches, accumulation=2, lr=LR)
     assert moved > 1e-2 and gap < 1e-5, (gap, moved)
+
+
+class EvaluatedWithoutPositions(transformers.Trainer):
+    """An evaluation of the user's own: ``prediction_step`` forwards the packed row without its positions."""
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        with torch.no_grad():
+            outputs = model(input_ids=inputs["input_ids"], labels=inputs["labels"])
+        return outputs.loss.detach(), None, None
+
+
+class EvaluatedWithPositions(transformers.Trainer):
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        with torch.no_grad():
+            outputs = model(**inputs)
+        return outputs.loss.detach(), None, None
+
+
+def _evaluate(tmp_path, cls):
+    rows = pack_dataset(datasets.Dataset.from_list(sequences(8, seed=5)), 32)
+    args = sgd_train_args(str(tmp_path), LR, per_device_eval_batch_size=2)
+    trainer = cls(model=tiny_llama(), args=args, train_dataset=rows, data_collator=PaddingFreeCollator(PAD))
+    prepare_trainer(trainer)
+    return trainer.evaluate(rows)["eval_loss"]
+
+
+def test_a_prediction_step_that_drops_the_positions_is_refused(tmp_path):
+    """Its eval loss came from rows whose documents attended to each other, with no error: refused, naming it;
+    the same method passing the batch's keys evaluates."""
+    with pytest.raises(PackingError, match=r"EvaluatedWithoutPositions.prediction_step called the model"):
+        _evaluate(tmp_path, EvaluatedWithoutPositions)
+    assert _evaluate(tmp_path, EvaluatedWithPositions) > 0
