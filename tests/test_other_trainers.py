@@ -269,3 +269,25 @@ def test_a_prediction_step_that_drops_the_positions_is_refused(tmp_path):
     with pytest.raises(PackingError, match=r"EvaluatedWithoutPositions.prediction_step called the model"):
         _evaluate(tmp_path, EvaluatedWithoutPositions)
     assert _evaluate(tmp_path, EvaluatedWithPositions) > 0
+
+
+def test_which_forwards_of_the_packed_tokens_are_refused():
+    """``guard.check_packed_ids_forward`` on its own: the packed row's tokens -- the tensor, a view, a copy, a
+    copied slice -- without positions are refused where they span two documents; a slice within one document,
+    another row of the buffer the batch was cut from, and the tokens with the batch's positions copied pass."""
+    from packtools.integrations.trainers.guard import check_packed_ids_forward, packed_loss_inputs
+
+    buffer = torch.arange(2, 26).view(2, 12)  # row 0: the batch; row 1: other tokens of the same storage
+    ids, positions = buffer[:1], torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])
+    batch = {"input_ids": ids, "position_ids": positions}
+    refused = [ids, ids[:, :-1], ids.clone(), ids[:, 1:].clone(), ids.view(-1)[None], ids[:, 3:7]]
+    passed = [ids[:, :5], ids[:, :5].clone(), ids[:, 5:8], buffer[1:], torch.arange(12)[None]]
+    with packed_loss_inputs(batch, "Mine.compute_loss"):
+        for tokens in refused:
+            with pytest.raises(PackingError, match="Mine.compute_loss called the model"):
+                check_packed_ids_forward((), {"input_ids": tokens})
+        for tokens in passed:
+            check_packed_ids_forward((), {"input_ids": tokens})
+        check_packed_ids_forward((), {"input_ids": ids.clone(), "position_ids": positions.clone()})
+        check_packed_ids_forward((tokens,), {"position_ids": positions})
+    check_packed_ids_forward((), {"input_ids": ids})  # outside a loss: not this check's

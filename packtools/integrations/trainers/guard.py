@@ -69,14 +69,22 @@ def _same_tensor(a: Any, b: Any) -> bool:
         return False
 
 
+def _byte_span(t: Any) -> tuple[int, int]:
+    """The first and one-past-the-last byte of the memory tensor ``t`` reads."""
+    start = t.data_ptr()
+    last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+    return start, start + (last + 1) * t.element_size()
+
+
 def _shares_storage(a: Any, b: Any) -> bool:
-    """Whether tensor ``a`` is ``b`` or a view of ``b``'s storage (a slice, a reshape)."""
+    """Whether tensor ``a`` is ``b`` or a view of ``b`` (a slice, a reshape): it reads only memory of ``b``'s."""
     try:
-        return (
-            a.device == b.device
-            and b.numel() > 0
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-        )
+        if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+            return False
+        if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+            return False
+        (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+        return b0 <= a0 and a1 <= b1
     except (AttributeError, RuntimeError, TypeError):
         return False
 
