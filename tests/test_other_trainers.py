@@ -163,6 +163,15 @@ class CopiesWithPositions(transformers.Trainer):
         return (loss, outputs) if return_outputs else loss
 
 
+class EmbedsWithoutPositions(transformers.Trainer):
+    """Embeddings of its own (noise added, NEFTune-style) of the packed row, without positions."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        embeds = model.get_input_embeddings()(inputs["input_ids"])
+        outputs = model(inputs_embeds=embeds + 0.01 * torch.randn_like(embeds), labels=inputs["labels"])
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
 class PositionsRebuilt(transformers.Trainer):
     """One that passes positions of its own, counting through the whole row."""
 
@@ -219,6 +228,7 @@ def _run(tmp_path, cls):
         CopyWithoutPositions,
         SliceWithoutPositions,
         CopiedSliceWithoutPositions,
+        EmbedsWithoutPositions,
     ],
     ids=lambda c: c.__name__,
 )
@@ -290,4 +300,10 @@ def test_which_forwards_of_the_packed_tokens_are_refused():
             check_packed_ids_forward((), {"input_ids": tokens})
         check_packed_ids_forward((), {"input_ids": ids.clone(), "position_ids": positions.clone()})
         check_packed_ids_forward((tokens,), {"position_ids": positions})
+        with pytest.raises(PackingError, match="Mine.compute_loss called the model"):
+            check_packed_ids_forward((), {"inputs_embeds": torch.zeros(1, 12, 4)})
+        check_packed_ids_forward(
+            (), {"inputs_embeds": torch.zeros(1, 12, 4), "position_ids": positions.clone()}
+        )
+        check_packed_ids_forward((), {"inputs_embeds": torch.zeros(1, 5, 4)})
     check_packed_ids_forward((), {"input_ids": ids})  # outside a loss: not this check's

@@ -130,18 +130,24 @@ def check_packed_ids_forward(args: Sequence[Any], kwargs: Mapping[str, Any]) -> 
     sequence, its documents attending to each other, with no error (a ``compute_loss`` that calls
     ``model(input_ids=inputs["input_ids"], labels=...)`` instead of ``model(**inputs)``).  The batch's tokens are
     recognized as the tensor itself, a view of it, or a copy of it or of its leading/trailing columns
-    (:func:`_batch_positions_of`); such a call is refused when the tokens it holds span two documents of the
-    batch.  The batch's own keys pass from their identity; only another call's values are read (host syncs)."""
+    (:func:`_batch_positions_of`), and ``inputs_embeds`` of the row's shape as its embedding; such a call is refused
+    when the tokens it holds span two documents of the batch.  The batch's own keys pass from their identity; only
+    another call's values are read (host syncs)."""
     found = _LOSS_BATCH.get()
     if found is None:
         return
     batch, owner = found
     ids = kwargs.get("input_ids", args[0] if args else None)
     batch_ids = batch.get("input_ids")
-    if ids is None or batch_ids is None or kwargs.get("cu_seq_lens_q") is not None:
+    if batch_ids is None or kwargs.get("cu_seq_lens_q") is not None:
         return
     given, own = kwargs.get("position_ids"), batch.get("position_ids")
     if given is not None and own is not None and _same_tensor(given, own):
+        return
+    embeds = kwargs.get("inputs_embeds") if ids is None else None
+    if embeds is not None:  # the embedded packed row (a noise of one's own, NEFTune-style): one per token
+        ids = batch_ids if tuple(getattr(embeds, "shape", ())[:2]) == tuple(batch_ids.shape) else None
+    if ids is None:
         return
     derived, positions = _batch_positions_of(ids, batch_ids, own)
     if not derived or is_packed(kwargs):
@@ -150,8 +156,8 @@ def check_packed_ids_forward(args: Sequence[Any], kwargs: Mapping[str, Any]) -> 
         return
     keys = sorted(k for k, v in kwargs.items() if v is not None)
     raise PackingError(
-        f"{owner} called the model on the packed batch's input_ids with {keys}, without the batch's "
-        f"position_ids or cu_seq_lens_q: the model then runs each packed row as one sequence and its documents "
+        f"{owner} called the model on the packed batch's input_ids (or their embeddings) with {keys}, without the "
+        f"batch's position_ids or cu_seq_lens_q: the model then runs each packed row as one sequence and its documents "
         f"attend to each other, with no error. Pass the batch's separating keys (position_ids, and "
         f"cu_seq_lens_q/k, max_length_q/k when the batch has them) -- model(**inputs) does -- or train unpacked, "
         f"without prepare_trainer."
