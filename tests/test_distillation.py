@@ -7,6 +7,12 @@ optimizer steps end with the same weights and logs (1e-5 relative, fp32 CPU). A 
 of the row seeing each other) must fail the same comparison.
 """
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from _hf_models import word_tokenizer
 from _trl_setup import TOL, datasets, torch, transformers, trl
@@ -19,7 +25,7 @@ from packtools.integrations.rl import distillation as rl_distillation
 from packtools.integrations.rl.distillation import prepare_distillation_trainer
 
 
-def build(tmp_path, prepared=False, kind="llama", lora=False, **config):
+def build(tmp_path, prepared=False, kind="llama", lora=False, teacher=None, **config):
     kwargs = dict(
         output_dir=str(tmp_path / "out"),
         per_device_train_batch_size=4,
@@ -48,7 +54,7 @@ def build(tmp_path, prepared=False, kind="llama", lora=False, **config):
         )
     trainer = trl.DistillationTrainer(
         tiny(kind),
-        teacher_model=tiny(kind, seed=1),
+        teacher_model=tiny(teacher or kind, seed=1),
         args=trl.DistillationConfig(**kwargs),
         train_dataset=datasets.Dataset.from_list(prompts()),
         processing_class=word_tokenizer(VOCAB),
@@ -82,6 +88,25 @@ def test_micro_batch_loss_entropy_and_gradients_equal_trl(tmp_path, kind, lora):
     batch = scored_batch(theirs)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     assert int(mask.sum(1).min()) < mask.shape[1]  # really padded
+    assert differs(loss_metrics_grads(theirs, batch), loss_metrics_grads(ours, batch)) <= TOL
+
+
+@pytest.mark.parametrize(
+    ("kind", "teacher", "config"),
+    [("qwen3", "llama", {"beta": 0.0, "temperature": 0.7}), ("llama", "qwen3", {"beta": 1.0})],
+    ids=["forward-kl", "reverse-kl"],
+)
+def test_a_teacher_of_another_family_and_each_divergence_equal_trl(tmp_path, kind, teacher, config):
+    """TRL takes a teacher of another family (only the vocabulary must match); forward KL (``beta=0``, with a
+    temperature) and reverse KL (``beta=1``); completions of different lengths in the batch."""
+    theirs = build(tmp_path, kind=kind, teacher=teacher, **config)
+    ours = build(tmp_path, True, kind=kind, teacher=teacher, **config)
+    assert type(ours.teacher_model) is not type(ours.model)
+    batch = scored_batch(theirs)
+    if (
+        kind == "qwen3"
+    ):  # its sampled completions end early (EOS) in some sequences: right padding inside the batch
+        assert len(set(batch["completion_mask"].sum(1).tolist())) > 1
     assert differs(loss_metrics_grads(theirs, batch), loss_metrics_grads(ours, batch)) <= TOL
 
 
@@ -153,3 +178,29 @@ def test_prepared_block_dispatches_the_distillation_trainer(tmp_path):
     with prepared(trainer):
         assert type(trainer).__name__ == "PackedDistillationTrainer"
     assert type(trainer) is trl.DistillationTrainer
+
+
+@pytest.mark.slow
+def test_two_processes_equal_trl(tmp_path):
+    """DDP over two processes (gloo): two optimizer steps with accumulation end with TRL's padded weights and logs
+    on every rank (a Qwen3 teacher for a Llama student)."""
+    here = Path(__file__).parent
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parent), str(here), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    done = subprocess.run(
+        [*cmd, str(here / "_distillation_worker.py"), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record["world"] == 2 and record["type"] == "PackedDistillationTrainer"
+        assert record["diff"] <= TOL
+        pairs = [pair for step in record["logs"] for pair in step]
+        assert len(pairs) >= 4
+        for theirs, ours in pairs:
+            assert_close(theirs, ours, "log")

@@ -120,6 +120,58 @@ class PositionsDropped(transformers.Trainer):
         return (outputs.loss, outputs) if return_outputs else outputs.loss
 
 
+class CopyWithoutPositions(transformers.Trainer):
+    """The same on a copy of the packed row: not the batch's tensor, the same tokens."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(input_ids=inputs["input_ids"].clone(), labels=inputs["labels"])
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
+def _shifted_loss(model, ids, labels):
+    logits = model(input_ids=ids).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    return loss, transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+
+class SliceWithoutPositions(transformers.Trainer):
+    """Its own shift: a view of the packed row without its last column, without positions."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = _shifted_loss(model, inputs["input_ids"][:, :-1], inputs["labels"][:, 1:])
+        return (loss, outputs) if return_outputs else loss
+
+
+class CopiedSliceWithoutPositions(transformers.Trainer):
+    """The same on a copy of the slice."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = _shifted_loss(model, inputs["input_ids"][:, :-1].clone(), inputs["labels"][:, 1:])
+        return (loss, outputs) if return_outputs else loss
+
+
+class CopiesWithPositions(transformers.Trainer):
+    """Every key of the batch copied, and a second forward of each row's first document alone (a slice of the
+    packed row that spans no two documents: nothing to separate)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        copied = {k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()}
+        outputs = model(**copied, num_items_in_batch=num_items_in_batch)
+        starts = (inputs["position_ids"][:, 1:] == 0).int().argmax(1) + 1
+        first = model(input_ids=inputs["input_ids"][:, : int(starts.min())])
+        loss = outputs.loss + 0.0 * first.logits.sum()
+        return (loss, outputs) if return_outputs else loss
+
+
+class EmbedsWithoutPositions(transformers.Trainer):
+    """Embeddings of its own (noise added, NEFTune-style) of the packed row, without positions."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        embeds = model.get_input_embeddings()(inputs["input_ids"])
+        outputs = model(inputs_embeds=embeds + 0.01 * torch.randn_like(embeds), labels=inputs["labels"])
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
 class PositionsRebuilt(transformers.Trainer):
     """One that passes positions of its own, counting through the whole row."""
 
@@ -167,7 +219,19 @@ def _run(tmp_path, cls):
     return model, start, recorder
 
 
-@pytest.mark.parametrize("cls", [PositionsDropped, PositionsRebuilt, Distilled], ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "cls",
+    [
+        PositionsDropped,
+        PositionsRebuilt,
+        Distilled,
+        CopyWithoutPositions,
+        SliceWithoutPositions,
+        CopiedSliceWithoutPositions,
+        EmbedsWithoutPositions,
+    ],
+    ids=lambda c: c.__name__,
+)
 def test_a_compute_loss_that_drops_the_positions_is_refused_at_its_forward(tmp_path, cls):
     """It trained every packed row as one sequence with no error (the guard saw keys that look like one unpacked
     sequence, and did not see the teacher's forward at all); now its first forward of the packed input_ids is
@@ -176,7 +240,70 @@ def test_a_compute_loss_that_drops_the_positions_is_refused_at_its_forward(tmp_p
         _run(tmp_path, cls)
 
 
-def test_a_compute_loss_that_keeps_the_positions_trains_like_one_by_one(tmp_path):
-    model, start, recorder = _run(tmp_path, PositionsKept)
+@pytest.mark.parametrize("cls", [PositionsKept, CopiesWithPositions], ids=lambda c: c.__name__)
+def test_a_compute_loss_that_keeps_the_positions_trains_like_one_by_one(tmp_path, cls):
+    """Copies of the batch's keys, and a forward of tokens of one document each, are not refused: a copy or a
+    slice of the packed row is refused only without what separates the documents it holds."""
+    model, start, recorder = _run(tmp_path, cls)
     gap, moved = one_by_one_gap(model, start, recorder.batches, accumulation=2, lr=LR)
     assert moved > 1e-2 and gap < 1e-5, (gap, moved)
+
+
+class EvaluatedWithoutPositions(transformers.Trainer):
+    """An evaluation of the user's own: ``prediction_step`` forwards the packed row without its positions."""
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        with torch.no_grad():
+            outputs = model(input_ids=inputs["input_ids"], labels=inputs["labels"])
+        return outputs.loss.detach(), None, None
+
+
+class EvaluatedWithPositions(transformers.Trainer):
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        with torch.no_grad():
+            outputs = model(**inputs)
+        return outputs.loss.detach(), None, None
+
+
+def _evaluate(tmp_path, cls):
+    rows = pack_dataset(datasets.Dataset.from_list(sequences(8, seed=5)), 32)
+    args = sgd_train_args(str(tmp_path), LR, per_device_eval_batch_size=2)
+    trainer = cls(model=tiny_llama(), args=args, train_dataset=rows, data_collator=PaddingFreeCollator(PAD))
+    prepare_trainer(trainer)
+    return trainer.evaluate(rows)["eval_loss"]
+
+
+def test_a_prediction_step_that_drops_the_positions_is_refused(tmp_path):
+    """Its eval loss came from rows whose documents attended to each other, with no error: refused, naming it;
+    the same method passing the batch's keys evaluates."""
+    with pytest.raises(PackingError, match=r"EvaluatedWithoutPositions.prediction_step called the model"):
+        _evaluate(tmp_path, EvaluatedWithoutPositions)
+    assert _evaluate(tmp_path, EvaluatedWithPositions) > 0
+
+
+def test_which_forwards_of_the_packed_tokens_are_refused():
+    """``guard.check_packed_ids_forward`` on its own: the packed row's tokens -- the tensor, a view, a copy, a
+    copied slice -- without positions are refused where they span two documents; a slice within one document,
+    another row of the buffer the batch was cut from, and the tokens with the batch's positions copied pass."""
+    from packtools.integrations.trainers.guard import check_packed_ids_forward, packed_loss_inputs
+
+    buffer = torch.arange(2, 26).view(2, 12)  # row 0: the batch; row 1: other tokens of the same storage
+    ids, positions = buffer[:1], torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])
+    batch = {"input_ids": ids, "position_ids": positions}
+    refused = [ids, ids[:, :-1], ids.clone(), ids[:, 1:].clone(), ids.view(-1)[None], ids[:, 3:7]]
+    passed = [ids[:, :5], ids[:, :5].clone(), ids[:, 5:8], buffer[1:], torch.arange(12)[None]]
+    with packed_loss_inputs(batch, "Mine.compute_loss"):
+        for tokens in refused:
+            with pytest.raises(PackingError, match="Mine.compute_loss called the model"):
+                check_packed_ids_forward((), {"input_ids": tokens})
+        for tokens in passed:
+            check_packed_ids_forward((), {"input_ids": tokens})
+        check_packed_ids_forward((), {"input_ids": ids.clone(), "position_ids": positions.clone()})
+        check_packed_ids_forward((tokens,), {"position_ids": positions})
+        with pytest.raises(PackingError, match="Mine.compute_loss called the model"):
+            check_packed_ids_forward((), {"inputs_embeds": torch.zeros(1, 12, 4)})
+        check_packed_ids_forward(
+            (), {"inputs_embeds": torch.zeros(1, 12, 4), "position_ids": positions.clone()}
+        )
+        check_packed_ids_forward((), {"inputs_embeds": torch.zeros(1, 5, 4)})
+    check_packed_ids_forward((), {"input_ids": ids})  # outside a loss: not this check's

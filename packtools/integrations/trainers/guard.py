@@ -72,32 +72,95 @@ def _same_tensor(a: Any, b: Any) -> bool:
         return False
 
 
+def _byte_span(t: Any) -> tuple[int, int]:
+    """The first and one-past-the-last byte of the memory tensor ``t`` reads."""
+    start = t.data_ptr()
+    last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+    return start, start + (last + 1) * t.element_size()
+
+
+def _shares_storage(a: Any, b: Any) -> bool:
+    """Whether tensor ``a`` is ``b`` or a view of ``b`` (a slice, a reshape): it reads only memory of ``b``'s."""
+    try:
+        if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+            return False
+        if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+            return False
+        (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+        return b0 <= a0 and a1 <= b1
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+
+
+def _batch_positions_of(ids: Any, batch_ids: Any, positions: Any) -> tuple[bool, Any]:
+    """``(derived, their_positions)``: whether ``ids`` holds the packed batch's tokens -- its ``input_ids``, a view
+    of them (``ids[:, :-1]``), or a copy of them or of their leading or trailing columns (``.clone()``) -- and then
+    the batch's ``position_ids`` of exactly those tokens (``None`` where they cannot be told: judge the batch).
+    A copy is recognized by its values (one host sync), looked at only for a tensor of a fitting shape."""
+    if ids is batch_ids:
+        return True, positions
+    same_layout = (
+        positions is not None
+        and getattr(positions, "ndim", 0) == 2
+        and tuple(positions.shape) == tuple(batch_ids.shape)
+        and positions.stride() == batch_ids.stride()
+    )
+    if _shares_storage(ids, batch_ids):
+        if not same_layout:
+            return True, None
+        offset = positions.storage_offset() + ids.storage_offset() - batch_ids.storage_offset()
+        try:  # the same view of the positions: the same strides from the same offset
+            return True, positions.as_strided(ids.size(), ids.stride(), offset)
+        except (RuntimeError, TypeError):
+            return True, None
+    try:
+        fits = ids.ndim == batch_ids.ndim == 2 and ids.shape[0] == batch_ids.shape[0]
+        width, total = int(ids.shape[-1]), int(batch_ids.shape[-1])
+    except (AttributeError, TypeError):
+        return False, None
+    if not fits or not 0 < width <= total:
+        return False, None
+    ids = ids.to(batch_ids.device)
+    for cols in (slice(0, width), slice(total - width, total)):
+        if bool((ids == batch_ids[:, cols]).all()):
+            return True, (positions[:, cols] if same_layout else None)
+    return False, None
+
+
 def check_packed_ids_forward(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
     """Refuse a forward of a packed batch's ``input_ids`` (inside :func:`packed_loss_inputs`) that carries neither
     ``cu_seq_lens_q`` nor ``position_ids`` restarting per document: the model then runs each packed row as one
     sequence, its documents attending to each other, with no error (a ``compute_loss`` that calls
-    ``model(input_ids=inputs["input_ids"], labels=...)`` instead of ``model(**inputs)``).  The batch's own keys
-    pass from their identity; only another call's values are read (one host sync)."""
+    ``model(input_ids=inputs["input_ids"], labels=...)`` instead of ``model(**inputs)``).  The batch's tokens are
+    recognized as the tensor itself, a view of it, or a copy of it or of its leading/trailing columns
+    (:func:`_batch_positions_of`), and ``inputs_embeds`` of the row's shape as its embedding; such a call is refused
+    when the tokens it holds span two documents of the batch.  The batch's own keys pass from their identity; only
+    another call's values are read (host syncs)."""
     found = _LOSS_BATCH.get()
     if found is None:
         return
     batch, owner = found
     ids = kwargs.get("input_ids", args[0] if args else None)
-    if (
-        ids is None
-        or not _same_tensor(ids, batch.get("input_ids"))
-        or kwargs.get("cu_seq_lens_q") is not None
-    ):
+    batch_ids = batch.get("input_ids")
+    if batch_ids is None or kwargs.get("cu_seq_lens_q") is not None:
         return
     given, own = kwargs.get("position_ids"), batch.get("position_ids")
-    if (given is not None and own is not None and _same_tensor(given, own)) or is_packed(kwargs):
+    if given is not None and own is not None and _same_tensor(given, own):
         return
-    if not is_packed(batch):
+    embeds = kwargs.get("inputs_embeds") if ids is None else None
+    if embeds is not None:  # the embedded packed row (a noise of one's own, NEFTune-style): one per token
+        ids = batch_ids if tuple(getattr(embeds, "shape", ())[:2]) == tuple(batch_ids.shape) else None
+    if ids is None:
+        return
+    derived, positions = _batch_positions_of(ids, batch_ids, own)
+    if not derived or is_packed(kwargs):
+        return
+    if not (is_packed(batch) if positions is None else is_packed({"position_ids": positions})):
         return
     keys = sorted(k for k, v in kwargs.items() if v is not None)
     raise PackingError(
-        f"{owner} called the model on the packed batch's input_ids with {keys}, without the batch's "
-        f"position_ids or cu_seq_lens_q: the model then runs each packed row as one sequence and its documents "
+        f"{owner} called the model on the packed batch's input_ids (or their embeddings) with {keys}, without the "
+        f"batch's position_ids or cu_seq_lens_q: the model then runs each packed row as one sequence and its documents "
         f"attend to each other, with no error. Pass the batch's separating keys (position_ids, and "
         f"cu_seq_lens_q/k, max_length_q/k when the batch has them) -- model(**inputs) does -- or train unpacked, "
         f"without prepare_trainer."

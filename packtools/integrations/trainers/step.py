@@ -237,6 +237,13 @@ class SFTStep(StepOwner):
             num_items = window_weight(self, samples, plan, device)
         return samples, num_items
 
+    def prediction_step(
+        self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None
+    ) -> Any:
+        # a prediction_step of the trainer's own forwards the batch too: its forwards keep positions
+        with packed_loss_inputs(inputs, f"{loss_owner(self, 'prediction_step')}.prediction_step"):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
     def compute_loss(
         self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
@@ -391,10 +398,10 @@ def own_compute_loss(trainer: Any) -> str | None:
     return None
 
 
-def loss_owner(trainer: Any) -> str:
-    """The name of the class whose ``compute_loss`` runs under packtools' step owner (``Trainer`` at least)."""
+def loss_owner(trainer: Any, method: str = "compute_loss") -> str:
+    """The name of the class whose ``method`` runs under packtools' step owner (``Trainer`` at least)."""
     for cls in type(trainer).__mro__:
-        if not issubclass(cls, StepOwner) and "compute_loss" in vars(cls):
+        if not issubclass(cls, StepOwner) and method in vars(cls):
             return cls.__name__
     return type(trainer).__name__
 
