@@ -34,7 +34,7 @@ from ..attention.isolation import check_isolation as _check_isolation
 from ..parallel.distributed import is_sharded
 from ..trainers.guard import check_forward_inputs, check_length_dependent_rope, length_dependent_rope
 from ..trainers.sft import refuse_neftune
-from ..trainers.step import STEP_METHODS, install_step, plan_of
+from ..trainers.step import STEP_METHODS, install_step, overriding_classes, plan_of, qualified_name
 from .rows import unpad_completions
 
 #: The methods of TRL's ``DistillationTrainer`` that a subclass may not override: packtools has not checked them.
@@ -111,17 +111,15 @@ class PackedDistillationStep:
 
 def _check_subclass(trainer: Any) -> None:
     """Refuse a subclass (TRL's or yours) that overrides a method packtools has not checked."""
-    for cls in type(trainer).__mro__:
-        if cls.__name__ == "DistillationTrainer" and cls.__module__ == "trl.trainer.distillation_trainer":
+    for cls, methods in overriding_classes(trainer, DISTILLATION_METHODS):
+        if qualified_name(cls) == "trl.trainer.distillation_trainer.DistillationTrainer":  # defines them all
             return
-        methods = [m for m in DISTILLATION_METHODS if m in vars(cls)]
-        if methods:
-            raise PackingError(
-                f"prepare_distillation_trainer got a {type(trainer).__name__}: {cls.__module__}.{cls.__qualname__} "
-                f"overrides {', '.join(methods)}, which packtools has not checked padding-free. Train it padded "
-                f"(without prepare_distillation_trainer), or subclass trl.DistillationTrainer without them.",
-                param="trainer",
-            )
+        raise PackingError(
+            f"prepare_distillation_trainer got a {type(trainer).__name__}: {qualified_name(cls)} overrides "
+            f"{', '.join(methods)}, which packtools has not checked padding-free. Train it padded (without "
+            f"prepare_distillation_trainer), or subclass trl.DistillationTrainer without them.",
+            param="trainer",
+        )
 
 
 def _check_model(model: Any, role: str) -> None:

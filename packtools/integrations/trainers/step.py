@@ -20,6 +20,7 @@ changes, each calling ``super()``) and ``install_step(trainer, TheMixin, plan)``
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -389,21 +390,39 @@ def own_compute_loss(trainer: Any) -> str | None:
         "trl.trainer.sft_trainer.SFTTrainer",
         "trl.trainer.dpo_trainer.DPOTrainer",
     }
-    for cls in type(trainer).__mro__:
-        if issubclass(cls, StepOwner) or "compute_loss" not in vars(cls):
-            continue
-        if f"{cls.__module__}.{cls.__qualname__}" in known:
-            return None
-        return cls.__name__
+    for cls, _ in overriding_classes(trainer, ("compute_loss",)):
+        return None if qualified_name(cls) in known else cls.__name__
     return None
+
+
+def qualified_name(cls: type) -> str:
+    """``module.Class`` of ``cls``.
+
+    >>> qualified_name(dict)
+    'builtins.dict'
+    """
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def overriding_classes(trainer: Any, methods: Sequence[str]) -> Iterator[tuple[type, list[str]]]:
+    """Each class of ``trainer``'s hierarchy (packtools' step owners left out) that defines one of ``methods``,
+    nearest first, with those it defines.
+
+    >>> A = type("A", (), {"compute_loss": None}); B = type("B", (A,), {"training_step": None})
+    >>> [(c.__name__, m) for c, m in overriding_classes(B(), ("compute_loss", "training_step"))]
+    [('B', ['training_step']), ('A', ['compute_loss'])]
+    """
+    for cls in type(trainer).__mro__:
+        if issubclass(cls, StepOwner):
+            continue
+        found = [m for m in methods if m in vars(cls)]
+        if found:
+            yield cls, found
 
 
 def loss_owner(trainer: Any, method: str = "compute_loss") -> str:
     """The name of the class whose ``method`` runs under packtools' step owner (``Trainer`` at least)."""
-    for cls in type(trainer).__mro__:
-        if not issubclass(cls, StepOwner) and method in vars(cls):
-            return cls.__name__
-    return type(trainer).__name__
+    return next((cls.__name__ for cls, _ in overriding_classes(trainer, (method,))), type(trainer).__name__)
 
 
 #: The methods in which a trainer builds its batches, forwards its models and computes its loss.
@@ -430,12 +449,9 @@ def unknown_trl_step(trainer: Any) -> tuple[str, list[str]] | None:
     >>> unknown_trl_step(object()) is None
     True
     """
-    for cls in type(trainer).__mro__:
-        name = f"{cls.__module__}.{cls.__qualname__}"
-        if issubclass(cls, StepOwner) or cls.__module__.split(".")[0] != "trl" or name in KNOWN_TRL_STEPS:
-            continue
-        methods = [m for m in STEP_METHODS if m in vars(cls)]
-        if methods:
+    for cls, methods in overriding_classes(trainer, STEP_METHODS):
+        name = qualified_name(cls)
+        if cls.__module__.split(".")[0] == "trl" and name not in KNOWN_TRL_STEPS:
             return name, methods
     return None
 
