@@ -275,6 +275,17 @@ def check_grid(image_grid_thw: Any, name: str, row: int | None = None) -> np.nda
     return grid.astype(np.int64, copy=False)
 
 
+def image_token_runs(ids: np.ndarray, image_token_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """The runs of ``image_token_id`` in ``ids``: their starts and their ends (one past the last token).
+
+    >>> [r.tolist() for r in image_token_runs(np.array([1, 9, 9, 2, 9, 3]), 9)]
+    [[1, 4], [3, 5]]
+    """
+    is_img = (np.asarray(ids) == image_token_id).astype(np.int8)
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], is_img, [0]])))
+    return edges[0::2], edges[1::2]
+
+
 def document_positions(input_ids: Any, image_grid_thw: Any, spec: MropeSpec, *, doc: int = 0) -> np.ndarray:
     """The ``(3, n)`` t/h/w positions of one document, as the model's ``get_rope_index`` computes them.
 
@@ -290,9 +301,7 @@ def document_positions(input_ids: Any, image_grid_thw: Any, spec: MropeSpec, *, 
             f"document {doc} holds video tokens (id {spec.video_token_id}): packtools packs images only; "
             f"videos are not supported yet. Drop video samples or train them unpacked."
         )
-    is_img = ids == spec.image_token_id
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], is_img.astype(np.int8), [0]])))
-    run_starts, run_stops = edges[0::2], edges[1::2]
+    run_starts, run_stops = image_token_runs(ids, spec.image_token_id)
     counts = grid.prod(axis=1) // (merge * merge) if grid.size else np.zeros(0, np.int64)
     if run_starts.shape[0] != grid.shape[0] or np.any(run_stops - run_starts != counts):
         raise PackingError(

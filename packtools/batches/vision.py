@@ -21,7 +21,7 @@ from ..constants import IGNORE_INDEX
 from ..errors import PackingError
 from .collate import PaddingFreeCollator, to_tensors
 from .flatten import CARRIED_KEYS, check_carried, check_leave_out, flatten_rows
-from .mrope import MropeSpec, check_grid, document_positions
+from .mrope import MropeSpec, check_grid, document_positions, image_token_runs
 
 #: The per-row image columns this collator consumes (everything else goes to the text collator).
 VISION_COLUMNS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
@@ -84,11 +84,6 @@ def _row_walk(features: Sequence[Mapping[str, Any]], flat: Any) -> Any:
         starts = np.concatenate([[0], np.cumsum(segs)[:-1]]).tolist()
         yield i, row, flat.input_ids[tok_at : tok_at + n], tok_at, list(zip(range(len(segs)), starts, segs))
         tok_at += n
-
-
-def _image_runs(ids: np.ndarray, image_token_id: int) -> int:
-    is_img = (ids == image_token_id).astype(np.int8)
-    return int(np.count_nonzero(np.diff(np.concatenate([[0], is_img])) == 1))
 
 
 def image_block_masks(
@@ -270,7 +265,7 @@ class MultimodalCollator:
             used = 0
             for d, start, length in documents:
                 doc = ids[start : start + length]
-                k = _image_runs(doc, self.spec.image_token_id)
+                k = len(image_token_runs(doc, self.spec.image_token_id)[0])
                 try:
                     pos = document_positions(doc, grid[used : used + k], self.spec, doc=d)
                 except PackingError as err:
@@ -304,9 +299,8 @@ class MultimodalCollator:
             if len(ids):
                 self._check_types(row, i, ids)
             for d, start, length in documents:
-                is_img = (ids[start : start + length] == spec.image_token_id).astype(np.int8)
-                edges = np.flatnonzero(np.diff(np.concatenate([[0], is_img, [0]])))
-                runs = edges[1::2] - edges[0::2]
+                run_starts, run_stops = image_token_runs(ids[start : start + length], spec.image_token_id)
+                runs = run_stops - run_starts
                 if np.any(runs % per):
                     raise PackingError(
                         f"row {i}, document {d}: its image tokens (id {spec.image_token_id}) form runs of "
