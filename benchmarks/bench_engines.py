@@ -1,5 +1,5 @@
 """Tokenizer engines compared on the same text and threads, ids compared document by document: fastokens
-(packtools' engine), gigatoken and the ``tokenizers`` library (packtools' reference; whatever version the
+(packtools' engine), gigatoken, quicktok and the ``tokenizers`` library (packtools' reference; whatever version the
 interpreter has, e.g. 0.23.x beside transformers and 1.0's release candidate in a separate environment).  The
 script needs only NumPy, pyarrow and the engines it measures (no packtools), so it runs in any environment.
 
@@ -19,6 +19,10 @@ encoded in batches of 1,000, the ids flattened to NumPy (timed with the encode):
   runs warm, its caches filled by the first: the first pass is the one to set beside a single pass);
 - gigatoken ``encode_batch`` (an awkward array, flattened), without special tokens (it adds none), and its own
   JSONL reader + encode (``encode_files``);
+- quicktok: ``quicktok.import_tokenizer`` of the ``tokenizer.json`` into a temporary data folder (its own
+  verification on its stress suite; timed as its one-time import), then ``get_encoding`` (the load of every later
+  run) and ``encode_batch(texts, threads=N, with_special=True)`` (added-token strings in the text become their
+  ids, as in the ``tokenizers`` library; it adds no BOS: compared with the others' ids without special tokens);
 - tokenizers ``Tokenizer.from_file`` with truncation and padding off, then ``encode_batch_fast`` where the
   version has it (0.23.x; else ``encode_batch``), ``add_special_tokens=True``, as packtools' reference calls
   it (``packtools.pipeline.tokenizer.batch``); each encoding's ``ids`` (``ids_array`` where the version has it)
@@ -51,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
-ENGINES = ("fastokens", "gigatoken", "tokenizers")
+ENGINES = ("fastokens", "gigatoken", "quicktok", "tokenizers")
 BATCH = 1000
 
 
@@ -123,6 +127,27 @@ def run_gigatoken(texts: list[str], path: str, keep: Callable, ids: dict, docs: 
     keep(f"{name} encode_files (its JSONL reader + encode)", time.perf_counter() - t)
 
 
+def run_quicktok(texts: list[str], path: str, keep: Callable, ids: dict, threads: int) -> None:
+    import quicktok
+
+    name = f"quicktok {version('quicktok-v1')}"
+    with tempfile.TemporaryDirectory() as data:
+        t = time.perf_counter()
+        quicktok.import_tokenizer(path, "bench", data_dir=data)
+        keep(f"{name} import_tokenizer (one-time, verified)", time.perf_counter() - t)
+        t = time.perf_counter()
+        quick = quicktok.get_encoding("bench", data_dir=data)
+        keep(f"{name} load", time.perf_counter() - t)
+    t = time.perf_counter()
+    flat, lengths = [], []
+    for i in range(0, len(texts), BATCH):
+        values, offsets = quick.encode_batch(texts[i : i + BATCH], threads=threads, with_special=True)
+        flat.append(np.asarray(values, np.uint32))
+        lengths.append(np.diff(np.asarray(offsets, np.int64)))
+    keep(f"{name} encode_batch (special tokens False)", time.perf_counter() - t)
+    ids[(name, False)] = (np.concatenate(flat), np.concatenate(lengths))
+
+
 def run_tokenizers(
     texts: list[str], path: str, keep: Callable, ids: dict, specials: tuple[bool, ...]
 ) -> None:
@@ -173,6 +198,8 @@ def measure(args: argparse.Namespace, engines: list[str]) -> tuple[dict[str, lis
                 run_fastokens(texts, path, keep, ids)
             elif engine == "gigatoken":
                 run_gigatoken(texts, path, keep, ids, args.docs)
+            elif engine == "quicktok":
+                run_quicktok(texts, path, keep, ids, args.threads)
             else:
                 run_tokenizers(texts, path, keep, ids, (True, False) if args.special == "both" else (True,))
     return seconds, ids, mb, len(texts)
@@ -225,7 +252,7 @@ def report(seconds: dict[str, list[float]], mb: float, docs: int, head: str) -> 
     print("| step | best s | median s | best MB/s |\n|---|---|---|---|")
     for name, values in seconds.items():
         best = min(values)
-        rate = "" if name.endswith(" load") else f"{mb / best:.1f}"
+        rate = "" if name.endswith(" load") or "(one-time" in name else f"{mb / best:.1f}"
         print(f"| {name} | {best:.2f} | {statistics.median(values):.2f} | {rate} |")
 
 
