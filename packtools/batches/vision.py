@@ -231,7 +231,10 @@ class MultimodalCollator:
     Qwen2.5-VL, Qwen3-VL, Qwen3.5, LLaVA, InternVL, Gemma 3; others are refused by name).  For the last three (``spec.flat``) ``position_ids`` are
     the text row ``[1, T]``, ``pixel_values`` ``(images, channels, size, size)``, and there is no
     ``image_grid_thw`` / ``mm_token_type_ids``; Gemma 3 (``spec.image_blocks``) also gets ``token_type_ids`` (1 on
-    image tokens) and ``attention_mask``, each document's own masks by layer type (:func:`image_block_masks`).  The text options are those of
+    image tokens) and ``attention_mask``, each document's own masks by layer type: ``image_masks='dense'``
+    (:func:`image_block_masks`, ``T²`` bytes each, what ``sdpa`` reads) or ``'per_document'``
+    (:class:`DocumentBlockMask`, ``T`` bytes each, what ``packtools_sdpa`` reads); ``None`` picks
+    ``'per_document'`` for a model on ``packtools_sdpa``, else ``'dense'`` (a spec names no backend).  The text options are those of
     :class:`~packtools.batches.collate.PaddingFreeCollator` (``seq_idx`` is off by default: Qwen3.5's gated DeltaNet
     layers get their documents from the text row, :mod:`packtools.integrations.attention.mixers`).  Output keys: ``input_ids``, ``labels`` ``[1, T]``,
     ``position_ids`` ``(4, 1, T)``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``mm_token_type_ids`` ``[1, T]``,
