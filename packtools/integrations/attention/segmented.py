@@ -193,9 +193,19 @@ def document_mask(**arguments: Any) -> Any:
     return DocumentMask(arguments)
 
 
-def _one_row(query: Any, key: Any, mask: Any) -> bool:
-    """Whether a call is one row whose queries and keys are the tokens of ``mask`` (no cache, no padding)."""
-    return query.shape[0] == 1 and query.shape[2] == key.shape[2] == mask.shape[-1]
+def _plain_call(kwargs: dict[str, Any]) -> bool:
+    """Whether a call asks for nothing that only transformers' ``sdpa`` path gives (a position bias, a logit
+    softcap, the attention weights): then it may run per document."""
+    if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
+        return False
+    return not kwargs.get("output_attentions", False)
+
+
+def _one_row(query: Any, key: Any, mask: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a plain call (:func:`_plain_call`) is one row whose queries and keys are the tokens of ``mask``
+    (no cache, no padding)."""
+    one = query.shape[0] == 1 and query.shape[2] == key.shape[2] == mask.shape[-1]
+    return one and _plain_call(kwargs)
 
 
 def _segments_apply(kwargs: dict[str, Any], query: Any, key: Any) -> list[int] | None:
@@ -205,9 +215,7 @@ def _segments_apply(kwargs: dict[str, Any], query: Any, key: Any) -> list[int] |
         return None
     if not hasattr(cu_q, "tolist") or not hasattr(cu_k, "tolist") or getattr(cu_q, "ndim", 0) != 1:
         return None
-    if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
-        return None
-    if kwargs.get("output_attentions", False):
+    if not _plain_call(kwargs):
         return None
     bounds = _boundaries(cu_q, cu_k)
     if bounds is None or bounds[-1] != query.shape[2] or key.shape[2] != query.shape[2]:
@@ -312,7 +320,7 @@ def _segmented_sdpa(call: AttentionCall) -> tuple[Any, None]:
     torch, sdpa_attention_forward, repeat_kv, _ = _functions()
     bounds = None if _compiling(torch) else _segments_apply(kwargs, query, key)
     blocks = isinstance(attention_mask, DocumentBlockMask)
-    if blocks and bounds is None and not _compiling(torch) and _one_row(query, key, attention_mask):
+    if blocks and bounds is None and not _compiling(torch) and _one_row(query, key, attention_mask, kwargs):
         bounds = attention_mask.bounds  # no cu_seq_lens in the batch: the mask's own documents
     if bounds is None:
         if isinstance(attention_mask, DocumentMask):
