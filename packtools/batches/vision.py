@@ -165,6 +165,7 @@ class DocumentBlockMask:
         if any(b <= a for a, b in zip(self.bounds, self.bounds[1:])):
             raise PackingError(f"document bounds {self.bounds} are not strictly increasing.")
         self.shape = (1, 1, total, total)
+        self._ends = dict(zip(self.bounds, self.bounds[1:]))
         self._on: dict[str, Any] = {}
 
     def __repr__(self) -> str:
@@ -194,7 +195,7 @@ class DocumentBlockMask:
 
     def block(self, start: int, end: int, device: Any = None) -> Any:
         """The ``[1, 1, L, L]`` block of the document ``start:end`` (torch boolean, on ``device``)."""
-        if start not in self.bounds or end != self.bounds[self.bounds.index(start) + 1]:
+        if self._ends.get(start) != end:
             raise PackingError(f"tokens {start}:{end} are not one document of {self.bounds}.")
         key = str(device)
         if key not in self._on:
