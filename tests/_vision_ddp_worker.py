@@ -1,6 +1,7 @@
 """One process of the 2-process vision-language check of ``tests/test_vision_ddp.py`` (torchrun, gloo, CPU).
 
-Usage: ``torchrun --nproc_per_node 2 tests/_vision_ddp_worker.py OUT_DIR FAMILY``.  Trains a tiny VL model one
+Usage: ``torchrun --nproc_per_node 2 tests/_vision_ddp_worker.py OUT_DIR FAMILY`` (a Qwen family of
+``packtools.testing.VL_FAMILIES``, ``gemma3-sdpa`` or ``gemma3-packtools_sdpa``).  Trains a tiny VL model one
 SGD step (lr 1, no clipping) through ``Trainer`` + ``prepare_trainer`` on packed multimodal rows, and saves
 the rows of its micro-batch and the parameter change to ``OUT_DIR/rank{r}.pt``.
 """
@@ -47,10 +48,26 @@ class Recorder:
         return self.inner(features)
 
 
+def gemma3_samples():
+    from test_vision_gemma3 import samples as gemma3
+
+    return [s for seed in (11, 12, 13) for s in gemma3(seed)]
+
+
 def main(out: str, family: str) -> None:
     rank = int(os.environ["RANK"])
-    model = tiny_vl(family, "sdpa")
-    rows = pack_dataset(datasets.Dataset.from_list(samples()), 40)
+    if family.startswith("gemma3"):  # gemma3-sdpa (dense masks), gemma3-packtools_sdpa (per-document masks)
+        from test_vision_refusals import tiny_gemma3
+
+        model = tiny_gemma3("sdpa")
+        if family == "gemma3-packtools_sdpa":
+            from packtools.integrations.attention.segmented import register
+
+            model.set_attn_implementation(register())
+        rows = pack_dataset(datasets.Dataset.from_list(gemma3_samples()), 48)
+    else:
+        model = tiny_vl(family, "sdpa")
+        rows = pack_dataset(datasets.Dataset.from_list(samples()), 40)
     args = transformers.TrainingArguments(
         output_dir=out, per_device_train_batch_size=2, max_steps=1, optim="sgd", learning_rate=1.0,
         lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0, report_to=[], use_cpu=True,

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _vl_models import IMAGE, tiny_vl, torch
+from test_vision_refusals import IMAGE as GEMMA3_IMAGE
 
 pytest.importorskip("datasets")
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,11 +40,22 @@ def _split(row: dict) -> list[dict]:
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
-def test_two_processes_equal_one_by_one(family, tmp_path):
-    from test_vision_train import one_by_one
+def _split_flat(row: dict) -> list[dict]:
+    """A packed Gemma 3 row back into its samples: each run of image tokens is one image (4 tokens, between
+    <boi> and <eoi>), its pixels the next of the row's images."""
+    out, start, image = [], 0, 0
+    for n in row["seq_lengths"]:
+        ids = row["input_ids"][start : start + n]
+        k = sum(1 for i in range(n) if ids[i] == GEMMA3_IMAGE and (i == 0 or ids[i - 1] != GEMMA3_IMAGE))
+        sample = {"input_ids": ids}
+        if k:
+            sample["pixel_values"] = np.asarray(row["pixel_values"][image : image + k], np.float32).tolist()
+        out.append(sample)
+        start, image = start + n, image + k
+    return out
 
+
+def _run_workers(family: str, tmp_path: Path) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
@@ -51,12 +63,44 @@ def test_two_processes_equal_one_by_one(family, tmp_path):
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def _first_rows(ranks: list[dict]) -> list[dict]:
     rows = [row for res in ranks for row in res["batches"][0]]  # the first step's micro-batch of each rank
     assert len(rows) >= 2 and len({str(r["input_ids"]) for r in rows}) == len(rows)  # no row repeated
-    samples = [s for row in rows for s in _split(row)]
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_two_processes_equal_one_by_one(family, tmp_path):
+    from test_vision_train import one_by_one
+
+    ranks = _run_workers(family, tmp_path)
+    samples = [s for row in _first_rows(ranks) for s in _split(row)]
     assert sum("pixel_values" in s for s in samples) >= 2 and any("pixel_values" not in s for s in samples)
     _, grads = one_by_one(tiny_vl(family, "sdpa"), samples)
+    for res in ranks:
+        diff = max(float((res["delta"][k] - g).abs().max()) for k, g in grads.items())
+        assert diff < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["sdpa", "packtools_sdpa"])
+def test_gemma3_two_processes_equal_one_by_one(impl, tmp_path):
+    # Gemma 3 (flat image runs, bidirectional image blocks, a sliding layer shorter than the documents) under
+    # DDP: dense masks on sdpa, per-document masks on packtools_sdpa; each rank's step equals one process running
+    # both ranks' samples one by one
+    from test_vision_gemma3 import one_by_one
+    from test_vision_refusals import tiny_gemma3
+
+    ranks = _run_workers(f"gemma3-{impl}", tmp_path)
+    rows = _first_rows(ranks)
+    samples = [s for row in rows for s in _split_flat(row)]
+    assert sum("pixel_values" in s for s in samples) >= 2 and any(len(r["seq_lengths"]) > 1 for r in rows)
+    _, grads = one_by_one(tiny_gemma3("sdpa"), samples)
+    assert any("vision_tower" in k and float(g.abs().max()) > 0 for k, g in grads.items())
     for res in ranks:
         diff = max(float((res["delta"][k] - g).abs().max()) for k, g in grads.items())
         assert diff < 1e-5

@@ -82,10 +82,19 @@ def assert_same_grads(model, before, ref_grads, step: bool) -> None:
 
 
 @pytest.mark.parametrize(
-    "layers", [("sliding_attention", "full_attention"), ("full_attention", "sliding_attention")]
+    "layers, impl",
+    [
+        (("sliding_attention", "full_attention"), "sdpa"),
+        (("full_attention", "sliding_attention"), "sdpa"),
+        (("sliding_attention", "full_attention"), "packtools_sdpa"),  # per-document masks
+    ],
 )
-def test_trainer_step_equals_one_by_one(layers, tmp_path):
+def test_trainer_step_equals_one_by_one(layers, impl, tmp_path):
     model = tiny_gemma3("sdpa", layers).train()
+    if impl != "sdpa":
+        from packtools.integrations.attention.segmented import register
+
+        model.set_attn_implementation(register())
     rows = samples()
     reference = copy.deepcopy(model)
     # as the processor gives them: token_type_ids 1 on the image tokens (packed along, checked by the collator)
@@ -97,6 +106,7 @@ def test_trainer_step_equals_one_by_one(layers, tmp_path):
         **plain_sgd_options(),
     )  # fmt: skip
     collator = MultimodalCollator(model, 0)
+    assert collator.image_masks == ("dense" if impl == "sdpa" else "per_document")
     trainer = prepare_trainer(transformers.Trainer(model, args, train_dataset=packed, data_collator=collator))
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
     result = trainer.train()
@@ -333,3 +343,93 @@ def test_edge_documents_equal_transformers_alone(window, impl, pad, split):
             ).logits[0]
             assert float((packed[at : at + len(d)] - alone).abs().max()) < 1e-5
             at += len(d)
+
+
+def _packed_row(rows: list[dict]) -> dict:
+    return {
+        "input_ids": sum((s["input_ids"] for s in rows), []),
+        "seq_lengths": [len(s["input_ids"]) for s in rows],
+        "pixel_values": sum((s.get("pixel_values", []) for s in rows), []),
+    }
+
+
+def test_packtools_sdpa_batches_hold_no_row_sized_mask():
+    # a model on packtools_sdpa gets each document's masks per document: T bytes per layer type, not the T² of
+    # the dense [1, 1, T, T] masks (1 GiB each at 32,768 tokens; main built them whatever the backend)
+    from packtools.batches.vision import DocumentBlockMask, image_block_masks
+    from packtools.integrations.attention.segmented import register
+
+    model = tiny_gemma3("sdpa")
+    model.set_attn_implementation(register())
+    batch = MultimodalCollator(model, 0, pad_to_multiple_of=16)([_packed_row(samples())])
+    total = batch["input_ids"].shape[1]
+    masks = batch["attention_mask"]
+    assert set(masks) == {"full_attention", "sliding_attention"}
+    assert all(isinstance(m, DocumentBlockMask) for m in masks.values())
+    held = sum(m.is_image.nbytes + 8 * len(m.bounds) for m in masks.values())
+    assert held < total * total // 4
+    # the same masks, exactly, as the dense form (checked block by block against transformers alone above)
+    dense = image_block_masks(batch["position_ids"][0].numpy(), batch["token_type_ids"][0].numpy() == 1, 4)
+    for kind, mask in masks.items():
+        assert np.array_equal(mask.dense(), dense[kind]), kind
+    assert MultimodalCollator(model, 0).image_masks == "per_document"
+    assert MultimodalCollator(model, 0, image_masks="dense").replace().image_masks == "dense"
+    assert (
+        MultimodalCollator(tiny_gemma3("sdpa"), 0).image_masks == "dense"
+    )  # sdpa reads only whole-row masks
+    with pytest.raises(PackingError, match="image_masks must be one of"):
+        MultimodalCollator(model, 0, image_masks="blocks")
+
+
+@pytest.mark.parametrize("flash_kwargs", [True, False])
+def test_per_document_masks_equal_one_by_one(flash_kwargs):
+    # loss and every gradient of the packed row on packtools_sdpa with per-document masks equal the samples
+    # alone; without cu_seq_lens in the batch the masks' own documents are used
+    from packtools.integrations.attention.segmented import register
+
+    model = tiny_gemma3("sdpa").train()
+    model.set_attn_implementation(register())
+    reference = copy.deepcopy(model)
+    rows = samples()
+    batch = MultimodalCollator(model, 0, return_flash_attn_kwargs=flash_kwargs)([_packed_row(rows)])
+    assert ("cu_seq_lens_q" in batch) == flash_kwargs
+    labels = batch.pop("labels")
+    logits = model(**batch).logits[0, :-1]
+    loss = torch.nn.functional.cross_entropy(logits, labels[0, 1:], reduction="sum", ignore_index=-100)
+    loss.backward()
+    ref_loss, ref_grads = one_by_one(reference, rows, mean=False)
+    assert abs(float(loss.detach()) - ref_loss) < 1e-4 * max(1.0, abs(ref_loss))
+    assert_same_grads(model, None, ref_grads, step=False)
+
+
+def test_per_document_masks_elsewhere_are_refused(tmp_path):
+    from packtools.integrations.attention.segmented import register
+
+    rows = samples()
+    # on sdpa (which reads whole-row tensors): prepare_trainer and the guard refuse, naming the fix
+    model = tiny_gemma3("sdpa")
+    collate = MultimodalCollator(model, 0, image_masks="per_document")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True)
+    trainer = transformers.Trainer(
+        model, args, train_dataset=datasets.Dataset.from_list(rows), data_collator=collate
+    )
+    with pytest.raises(
+        PackingError, match=r"image_masks='per_document'.*'packtools_sdpa'.*image_masks='dense'"
+    ):
+        prepare_trainer(trainer)
+    guard_model(model)
+    batch = collate([_packed_row(rows)])
+    with pytest.raises(PackingError, match=r"per document.*attn_implementation='sdpa'.*image_masks='dense'"):
+        model(**batch)
+    # a backend that indexes it as a tensor (eager) gets a PackingError, never another mask
+    with pytest.raises(PackingError, match="reads masks as whole-row tensors"):
+        batch["attention_mask"]["full_attention"][:, :, :, :3]
+    # boundaries other than the masks' documents (a batch changed after collation): refused, not mixed
+    segmented = tiny_gemma3("sdpa")
+    segmented.set_attn_implementation(register())
+    batch = MultimodalCollator(segmented, 0)([_packed_row(rows)])
+    batch.pop("labels")
+    cu = batch["cu_seq_lens_q"]
+    batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.cat([cu[:1], cu[2:]])  # two documents as one
+    with pytest.raises(PackingError, match="are not the documents of its per-document masks"):
+        segmented(**batch)

@@ -45,8 +45,9 @@ FLAT_VISION_TYPES = {
 FLAT_STRATEGIES = {"llava": ("default", "full"), "internvl": ("default",)}  # Gemma 3 has no strategy
 #: Of :data:`FLAT_MODEL_TYPES`, those whose images attend bidirectionally within themselves (``token_type_ids``):
 #: transformers builds their packed sliding-window masks wrong (:data:`IMAGE_BLOCK_REASON`), so
-#: ``MultimodalCollator`` gives them each document's own masks ready-made (``attention_mask``, a dict of boolean
-#: ``[1, 1, T, T]`` masks by layer type), which ``sdpa`` and ``packtools_sdpa`` read and ``eager`` cannot.
+#: ``MultimodalCollator`` gives them each document's own masks ready-made (``attention_mask``, a dict by layer type
+#: of boolean ``[1, 1, T, T]`` masks, which ``sdpa`` and ``packtools_sdpa`` read and ``eager`` cannot, or, on
+#: ``packtools_sdpa``, of per-document ``DocumentBlockMask``s: ``image_masks``).
 IMAGE_BLOCK_TYPES = ("gemma3",)
 #: The attention implementations verified with the ready-made masks of :data:`IMAGE_BLOCK_TYPES`.
 IMAGE_BLOCK_BACKENDS = ("sdpa", "packtools_sdpa")

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from .._optional import require
+from ..compat.transformers import attn_implementation
 from ..constants import IGNORE_INDEX
 from ..errors import PackingError
 from .collate import PaddingFreeCollator, to_tensors
@@ -115,6 +117,114 @@ def image_block_masks(
     return masks
 
 
+#: How :class:`MultimodalCollator` gives the masks of :data:`~.mrope.IMAGE_BLOCK_TYPES` (Gemma 3): ``"dense"``,
+#: boolean ``[1, 1, T, T]`` tensors by layer type (what ``sdpa`` reads: ``T²`` bytes each, 1 GiB at 32,768 tokens);
+#: ``"per_document"``, a :class:`DocumentBlockMask` by layer type (``T`` bytes; what ``packtools_sdpa`` reads, one
+#: document's block at a time).
+IMAGE_MASK_FORMS = ("dense", "per_document")
+
+
+def document_block(is_image: Any, sliding_window: int | None) -> Any:
+    """One document's mask (torch boolean ``[1, 1, L, L]``, True: attend) from its image tokens (a torch boolean
+    ``[L]``): :func:`image_block_masks` of that document alone, built on ``is_image``'s device.
+
+    >>> import torch
+    >>> document_block(torch.tensor([False, True, True]), 2)[0, 0].int().tolist()
+    [[1, 0, 0], [1, 1, 1], [0, 1, 1]]
+    """
+    torch = require("torch", "MultimodalCollator's per-document masks")
+    length = is_image.shape[0]
+    previous = torch.cat([is_image.new_zeros(1), is_image[:-1]])
+    block = torch.where(is_image, torch.cumsum(is_image & ~previous, 0), 0)  # 0: text (no block)
+    index = torch.arange(length, device=is_image.device)
+    mask = (index[None, :] <= index[:, None]) | ((block[:, None] == block[None, :]) & (block[:, None] > 0))
+    if sliding_window is not None:
+        mask &= index[None, :] > index[:, None] - sliding_window
+    return mask[None, None]
+
+
+class DocumentBlockMask:
+    """One layer type's mask of a packed Gemma 3 row, kept per document: the documents' boundaries and which
+    tokens are image tokens (``T`` bytes instead of the ``T²`` of the dense mask).  Each document's block is
+    :func:`document_block` of it alone, and nothing crosses a boundary: what ``packtools_sdpa`` reads
+    (:mod:`packtools.integrations.attention.segmented`).  Any other backend that reads it as a tensor is stopped
+    with a :class:`~packtools.errors.PackingError` naming the fix (never a silently different mask).
+
+    >>> m = DocumentBlockMask([0, 3, 5], np.array([0, 1, 1, 0, 1], bool), None)
+    >>> m.shape, m.dense()[0, 0].astype(int).tolist()
+    ((1, 1, 5, 5), [[1, 0, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]])
+    """
+
+    def __init__(self, bounds: Sequence[int], is_image: np.ndarray, sliding_window: int | None) -> None:
+        self.bounds = [int(b) for b in bounds]
+        self.is_image = np.ascontiguousarray(is_image, dtype=bool)
+        self.sliding_window = sliding_window
+        total = int(self.is_image.shape[0])
+        if not self.bounds or self.bounds[0] != 0 or self.bounds[-1] != total:
+            raise PackingError(f"document bounds {self.bounds} do not cover the row's {total} tokens.")
+        if any(b <= a for a, b in zip(self.bounds, self.bounds[1:])):
+            raise PackingError(f"document bounds {self.bounds} are not strictly increasing.")
+        self.shape = (1, 1, total, total)
+        self._ends = dict(zip(self.bounds, self.bounds[1:]))
+        self._on: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"DocumentBlockMask({len(self.bounds) - 1} documents, {self.shape[-1]} tokens, "
+            f"sliding_window={self.sliding_window})"
+        )
+
+    def plain_causal(self, bounds: Sequence[int]) -> list[bool]:
+        """For each document, whether its block is the plain causal triangle (no image token, and no window or
+        one at least as long as the document)."""
+        self.check_bounds(bounds)
+        window = self.sliding_window
+        return [
+            not self.is_image[a:b].any() and (window is None or b - a <= window)
+            for a, b in zip(self.bounds, self.bounds[1:])
+        ]
+
+    def check_bounds(self, bounds: Sequence[int]) -> None:
+        """Refuse boundaries other than this mask's documents (a block would then span two documents)."""
+        if list(bounds) != self.bounds:
+            raise PackingError(
+                f"the batch's cu_seq_lens {list(bounds)} are not the documents of its per-document masks "
+                f"{self.bounds}: the batch was changed after MultimodalCollator made it. Collate and pass it whole.",
+                param="attention_mask",
+            )
+
+    def block(self, start: int, end: int, device: Any = None) -> Any:
+        """The ``[1, 1, L, L]`` block of the document ``start:end`` (torch boolean, on ``device``)."""
+        if self._ends.get(start) != end:
+            raise PackingError(f"tokens {start}:{end} are not one document of {self.bounds}.")
+        key = str(device)
+        if key not in self._on:
+            torch = require("torch", "MultimodalCollator's per-document masks")
+            self._on = {key: torch.from_numpy(self.is_image).to(device)}  # one device at a time
+        return document_block(self._on[key][start:end], self.sliding_window)
+
+    def dense(self) -> np.ndarray:
+        """The whole row's boolean ``[1, 1, T, T]`` mask (``T²`` bytes: for checks and small rows)."""
+        out = np.zeros(self.shape, bool)
+        for a, b in zip(self.bounds, self.bounds[1:]):
+            out[0, 0, a:b, a:b] = self.block(a, b, "cpu").numpy()[0, 0]
+        return out
+
+    def full(self, device: Any = None) -> Any:
+        """:meth:`dense` as a torch tensor on ``device``."""
+        torch = require("torch", "MultimodalCollator's per-document masks")
+        return torch.from_numpy(self.dense()).to(device)
+
+    def __getitem__(self, item: Any) -> Any:
+        raise PackingError(
+            "a per-document Gemma 3 mask (MultimodalCollator(image_masks='per_document')) reached an attention "
+            "backend that reads masks as whole-row tensors, which it is not: load the model with "
+            "attn_implementation='packtools_sdpa' (packtools.integrations.attention.segmented.register()), or "
+            "collate with image_masks='dense' on 'sdpa'.",
+            param="attention_mask",
+        )
+
+
 class MultimodalCollator:
     """Collate processed vision-language rows (packed or one sample each) into one padding-free batch.
 
@@ -122,7 +232,10 @@ class MultimodalCollator:
     Qwen2.5-VL, Qwen3-VL, Qwen3.5, LLaVA, InternVL, Gemma 3; others are refused by name).  For the last three (``spec.flat``) ``position_ids`` are
     the text row ``[1, T]``, ``pixel_values`` ``(images, channels, size, size)``, and there is no
     ``image_grid_thw`` / ``mm_token_type_ids``; Gemma 3 (``spec.image_blocks``) also gets ``token_type_ids`` (1 on
-    image tokens) and ``attention_mask``, each document's own masks by layer type (:func:`image_block_masks`).  The text options are those of
+    image tokens) and ``attention_mask``, each document's own masks by layer type: ``image_masks='dense'``
+    (:func:`image_block_masks`, ``T²`` bytes each, what ``sdpa`` reads) or ``'per_document'``
+    (:class:`DocumentBlockMask`, ``T`` bytes each, what ``packtools_sdpa`` reads); ``None`` picks
+    ``'per_document'`` for a model on ``packtools_sdpa``, else ``'dense'`` (a spec names no backend).  The text options are those of
     :class:`~packtools.batches.collate.PaddingFreeCollator` (``seq_idx`` is off by default: Qwen3.5's gated DeltaNet
     layers get their documents from the text row, :mod:`packtools.integrations.attention.mixers`).  Output keys: ``input_ids``, ``labels`` ``[1, T]``,
     ``position_ids`` ``(4, 1, T)``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``mm_token_type_ids`` ``[1, T]``,
@@ -153,10 +266,21 @@ class MultimodalCollator:
         return_mm_token_type_ids: bool = True,
         return_use_cache: bool = True,
         leave_out: Sequence[str] = (),
+        image_masks: str | None = None,
     ) -> None:
         self.spec = (
             model if isinstance(model, MropeSpec) else MropeSpec.from_config(getattr(model, "config", model))
         )
+        if image_masks is None:  # the form the model's backend reads (a spec names none: dense)
+            config = None if isinstance(model, MropeSpec) else getattr(model, "config", model)
+            image_masks = "per_document" if attn_implementation(config) == "packtools_sdpa" else "dense"
+        if image_masks not in IMAGE_MASK_FORMS:
+            raise PackingError(
+                f"image_masks must be one of {list(IMAGE_MASK_FORMS)} (or None: 'per_document' for a model on "
+                f"'packtools_sdpa', else 'dense'), got {image_masks!r}.",
+                param="image_masks",
+            )
+        self.image_masks = image_masks
         self.text = PaddingFreeCollator(
             pad_token_id,
             pad_to_multiple_of,
@@ -194,6 +318,7 @@ class MultimodalCollator:
             "return_mm_token_type_ids": self.return_mm_token_type_ids,
             "return_use_cache": text["return_use_cache"],
             "leave_out": self.leave_out,
+            "image_masks": self.image_masks,
         }
 
     def replace(self, **changes: Any) -> MultimodalCollator:
@@ -224,9 +349,8 @@ class MultimodalCollator:
             if not self.spec.image_blocks:
                 return to_tensors(batch, self.return_tensors)
             batch["token_type_ids"] = is_image.astype(np.int64)[None]
-            masks = image_block_masks(batch["position_ids"][0], is_image, self.spec.sliding_window)
             out = to_tensors(batch, self.return_tensors)
-            out["attention_mask"] = to_tensors(masks, self.return_tensors)
+            out["attention_mask"] = self._image_block_masks(batch["position_ids"][0], is_image)
             return out
         total = int(flat.input_ids.shape[0])
         width = int(batch["input_ids"].shape[1])
@@ -245,6 +369,18 @@ class MultimodalCollator:
             batch["pixel_values"] = np.concatenate(pixels) if len(pixels) > 1 else pixels[0]
             batch["image_grid_thw"] = np.concatenate(grids)
         return to_tensors(batch, self.return_tensors)
+
+    def _image_block_masks(self, positions: np.ndarray, is_image: np.ndarray) -> dict[str, Any]:
+        """Each document's masks by layer type, in the form of ``image_masks``."""
+        window = self.spec.sliding_window
+        if self.image_masks == "dense":
+            return to_tensors(image_block_masks(positions, is_image, window), self.return_tensors)
+        starts = np.flatnonzero(positions[1:] == 0) + 1  # documents restart at 0 (as image_block_masks reads)
+        bounds = [0, *starts.tolist(), int(positions.shape[0])]
+        masks = {"full_attention": DocumentBlockMask(bounds, is_image, None)}
+        if window is not None:
+            masks["sliding_attention"] = DocumentBlockMask(bounds, is_image, window)
+        return masks
 
     def _place_images(
         self, features: Sequence[Mapping[str, Any]], flat: Any, positions: np.ndarray

@@ -19,6 +19,7 @@ from typing import Any
 
 from ...batches import mrope
 from ...batches.collate import SWITCHED_KEYS, PaddingFreeCollator
+from ...batches.vision import DocumentBlockMask
 from ...compat.transformers import attn_implementation, builds_packed_masks, set_attention
 from ...errors import PackingError
 from .segmented import SEGMENTED_SDPA, register
@@ -140,6 +141,15 @@ def check_image_inputs(model: Any, kwargs: Any, impl: str | None = None) -> None
     if model_type not in mrope.IMAGE_BLOCK_TYPES:
         return
     ready = isinstance(kwargs.get("attention_mask"), dict)
+    per_document = ready and any(isinstance(m, DocumentBlockMask) for m in kwargs["attention_mask"].values())
+    if per_document and impl != SEGMENTED_SDPA:
+        raise PackingError(
+            f"{type(base_model(model)).__name__} (model_type {model_type!r}) got each document's masks per "
+            f"document (MultimodalCollator(image_masks='per_document')) on attn_implementation={impl!r}, which "
+            f"reads masks as whole-row tensors only. Load the model with attn_implementation={SEGMENTED_SDPA!r} "
+            f"(packtools.integrations.attention.segmented.register()), or collate with image_masks='dense'.",
+            param="attention_mask",
+        )
     if ready and impl in mrope.IMAGE_BLOCK_BACKENDS:
         return
     raise PackingError(

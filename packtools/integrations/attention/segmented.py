@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..._optional import require
+from ...batches.vision import DocumentBlockMask
 from ...compat.torch import tensor_version as _version
 from ...compat.transformers import register_attention, sdpa_functions, sdpa_mask_function
 from ...errors import PackingError
@@ -192,6 +193,21 @@ def document_mask(**arguments: Any) -> Any:
     return DocumentMask(arguments)
 
 
+def _plain_call(kwargs: dict[str, Any]) -> bool:
+    """Whether a call asks for nothing that only transformers' ``sdpa`` path gives (a position bias, a logit
+    softcap, the attention weights): then it may run per document."""
+    if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
+        return False
+    return not kwargs.get("output_attentions", False)
+
+
+def _one_row(query: Any, key: Any, mask: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a plain call (:func:`_plain_call`) is one row whose queries and keys are the tokens of ``mask``
+    (no cache, no padding)."""
+    one = query.shape[0] == 1 and query.shape[2] == key.shape[2] == mask.shape[-1]
+    return one and _plain_call(kwargs)
+
+
 def _segments_apply(kwargs: dict[str, Any], query: Any, key: Any) -> list[int] | None:
     """The sequence boundaries when a call can run per segment, else ``None``."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
@@ -199,9 +215,7 @@ def _segments_apply(kwargs: dict[str, Any], query: Any, key: Any) -> list[int] |
         return None
     if not hasattr(cu_q, "tolist") or not hasattr(cu_k, "tolist") or getattr(cu_q, "ndim", 0) != 1:
         return None
-    if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
-        return None
-    if kwargs.get("output_attentions", False):
+    if not _plain_call(kwargs):
         return None
     bounds = _boundaries(cu_q, cu_k)
     if bounds is None or bounds[-1] != query.shape[2] or key.shape[2] != query.shape[2]:
@@ -305,9 +319,14 @@ def _segmented_sdpa(call: AttentionCall) -> tuple[Any, None]:
         )
     torch, sdpa_attention_forward, repeat_kv, _ = _functions()
     bounds = None if _compiling(torch) else _segments_apply(kwargs, query, key)
+    blocks = isinstance(attention_mask, DocumentBlockMask)
+    if blocks and bounds is None and not _compiling(torch) and _one_row(query, key, attention_mask, kwargs):
+        bounds = attention_mask.bounds  # no cu_seq_lens in the batch: the mask's own documents
     if bounds is None:
         if isinstance(attention_mask, DocumentMask):
             attention_mask = attention_mask.full()
+        elif blocks:  # several rows, or traced: the whole row's mask, built (T² bytes)
+            attention_mask = attention_mask.full(query.device)
         # transformers' sdpa has no sinks: the same softmax, over the call
         if kwargs.get("s_aux") is not None:
             groups = getattr(module, "num_key_value_groups", 1)
@@ -338,7 +357,7 @@ def _segmented_sdpa(call: AttentionCall) -> tuple[Any, None]:
         )
     groups = getattr(module, "num_key_value_groups", 1)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    lazy = isinstance(attention_mask, DocumentMask)
+    lazy = isinstance(attention_mask, (DocumentMask, DocumentBlockMask))
     if attention_mask is None:
         plain = None
     elif lazy:
@@ -362,6 +381,8 @@ def _segmented_sdpa(call: AttentionCall) -> tuple[Any, None]:
             block, use_causal = None, causal
         elif plain[i]:
             block, use_causal = None, True
+        elif blocks:
+            block, use_causal = attention_mask.block(start, end, query.device), False
         elif lazy:
             block, use_causal = attention_mask.block(start, end), False
         else:

@@ -61,7 +61,7 @@ def check_multimodal_model(model: Any, collator: Any) -> MropeSpec | None:
             param="data_collator",
         )
     spec = MropeSpec.from_config(base.config)
-    check_image_block_backend(model, spec)
+    check_image_block_backend(model, spec, inner.image_masks)
     if inner.spec != spec:
         raise PackingError(
             f"the MultimodalCollator was built for {inner.spec} but the model is {spec}; build it from this model.",
@@ -80,10 +80,19 @@ def image_columns(spec: MropeSpec) -> tuple[str, ...]:
     return (*VISION_COLUMNS, *(("token_type_ids",) if spec.image_blocks else ()))
 
 
-def check_image_block_backend(model: Any, spec: MropeSpec) -> None:
+def check_image_block_backend(model: Any, spec: MropeSpec, image_masks: str = "dense") -> None:
     """Refuse a model of :data:`~packtools.batches.mrope.IMAGE_BLOCK_TYPES` (Gemma 3) on an attention backend that
-    cannot read the collator's ready-made boolean masks (``eager`` adds them to its scores)."""
+    cannot read the collator's ready-made boolean masks (``eager`` adds them to its scores), or its per-document
+    masks (``image_masks='per_document'``: ``packtools_sdpa`` only)."""
     impl = attention_implementation(model)
+    if spec.image_blocks and image_masks == "per_document" and impl != "packtools_sdpa":
+        raise PackingError(
+            f"{type(base_model(model)).__name__} with attn_implementation={impl!r} and a MultimodalCollator with "
+            f"image_masks='per_document': only 'packtools_sdpa' reads each document's masks per document. Load "
+            f"the model with attn_implementation='packtools_sdpa' (packtools.integrations.attention.segmented."
+            f"register()), or build the collator with image_masks='dense' (T² bytes per layer type and batch).",
+            param="data_collator",
+        )
     if spec.image_blocks and impl not in IMAGE_BLOCK_BACKENDS:
         raise PackingError(
             f"{type(base_model(model)).__name__} with attn_implementation={impl!r}: packed {spec.model_type!r} rows "
