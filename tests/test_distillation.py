@@ -171,6 +171,26 @@ def test_refusals_by_name_and_unprepare(tmp_path):
     assert type(unprepare(prepared)) is trl.DistillationTrainer
 
 
+@pytest.mark.parametrize(
+    ("kind", "teacher", "role"), [("gpt2", "llama", "student"), ("llama", "gpt2", "teacher")]
+)
+def test_absolute_positions_are_refused_by_the_probe(tmp_path, kind, teacher, role):
+    """TRL's padded forward numbers a left-padded prompt from the row's start; with learned absolute positions
+    (GPT-2) the padding-free row (positions from 0, as generate) computes another loss: the loss 0.387 against TRL's
+    0.395 and the entropy 1.48 against 1.23 on a GPT-2 student, with no error, before the probe refused it."""
+    theirs = build(tmp_path, kind=kind, teacher=teacher)
+    with pytest.raises(
+        PackingError, match=rf"the {role} GPT2LMHeadModel: packtools' padding-free hidden states differ"
+    ):
+        prepare_distillation_trainer(theirs)
+    assert type(theirs) is trl.DistillationTrainer and "packtools_step" not in vars(theirs)
+    # what the probe guards: the same micro-batch, padding-free without it, is not TRL's step
+    ours = build(tmp_path, kind=kind, teacher=teacher)
+    prepare_distillation_trainer(ours, check_isolation=False)
+    batch = scored_batch(theirs)
+    assert differs(loss_metrics_grads(theirs, batch), loss_metrics_grads(ours, batch)) > 1e-2
+
+
 def test_prepared_block_dispatches_the_distillation_trainer(tmp_path):
     from packtools.integrations import prepared
 
