@@ -10,11 +10,11 @@ at 0, ``cu_seq_lens``, no padding), for the student and the teacher alike, and p
 state back where TRL reads it.  TRL's loss, logged metrics, generation and loader are its own, unchanged.
 
 Before training, both models are checked: an attention backend that cannot keep documents apart, token-mixing
-layers (hybrids), a multimodal student, a sharded model and NEFTune are refused by name, and
-:func:`packtools.integrations.check_isolation` runs on each, then :func:`check_distillation_forward` (TRL's padded
-forward against the padding-free one on left-padded prompts: models with absolute position embeddings are
-refused).  Every forward's inputs are checked as the guard
-checks a model's (the backbone is called directly, past the model's own hooks).
+layers (hybrids), masks built without ``position_ids`` (GPT-OSS), a multimodal student, a sharded model and NEFTune
+are refused by name, and :func:`packtools.integrations.check_isolation` runs on each, then
+:func:`check_distillation_forward` (TRL's padded forward against the padding-free one on left-padded prompts: models
+with absolute position embeddings are refused).  Every forward's inputs are checked as the guard checks a model's
+(the backbone is called directly, past the model's own hooks).
 
 Exact: one micro-batch's loss, entropy and gradients, and two optimizer steps, equal TRL's padded ones
 (``tests/test_distillation.py``).
@@ -40,6 +40,7 @@ from ..attention.isolation import (
     trainer_autocast,
 )
 from ..attention.isolation import check_isolation as _check_isolation
+from ..attention.mixers import POSITIONLESS_MASKS
 from ..parallel.distributed import is_sharded
 from ..trainers.guard import check_forward_inputs, check_length_dependent_rope, length_dependent_rope
 from ..trainers.sft import refuse_neftune
@@ -133,6 +134,14 @@ def _check_subclass(trainer: Any) -> None:
 
 def _check_model(model: Any, role: str) -> None:
     check_attention_implementation(model)
+    unwrapped = _backbone(model)[0]
+    if getattr(getattr(unwrapped, "config", None), "model_type", None) in POSITIONLESS_MASKS:
+        raise PackingError(
+            f"the {role} {type(unwrapped).__name__} builds its attention masks without position_ids, and "
+            f"prepare_distillation_trainer calls its backbone directly, past the hooks that build them per document: "
+            f"the sequences of a padding-free row would attend to each other. Train it padded.",
+            param="model" if role == "student" else "teacher_model",
+        )
     mixers = list(token_mixing_layers(model))
     if mixers:
         raise PackingError(
