@@ -171,6 +171,57 @@ def test_refusals_by_name_and_unprepare(tmp_path):
     assert type(unprepare(prepared)) is trl.DistillationTrainer
 
 
+@pytest.mark.parametrize(
+    ("kind", "teacher", "role"), [("gpt2", "llama", "student"), ("llama", "gpt2", "teacher")]
+)
+def test_absolute_positions_are_refused_by_the_probe(tmp_path, kind, teacher, role):
+    """TRL's padded forward numbers a left-padded prompt from the row's start; with learned absolute positions
+    (GPT-2) the padding-free row (positions from 0, as generate) computes another step: here a GPT-2 student's loss
+    0.355 against TRL's 0.377 and entropy 1.51 against 1.41, a GPT-2 teacher's loss 0.385 against 0.384, with no
+    error, before the probe refused them."""
+    theirs = build(tmp_path, kind=kind, teacher=teacher)
+    with pytest.raises(
+        PackingError, match=rf"the {role} GPT2LMHeadModel: packtools' padding-free hidden states differ"
+    ):
+        prepare_distillation_trainer(theirs)
+    assert type(theirs) is trl.DistillationTrainer and "packtools_step" not in vars(theirs)
+    # what the probe guards: the same micro-batch, padding-free without it, is not TRL's step
+    ours = build(tmp_path, kind=kind, teacher=teacher)
+    prepare_distillation_trainer(ours, check_isolation=False)
+    batch = scored_batch(theirs)
+    assert differs(loss_metrics_grads(theirs, batch), loss_metrics_grads(ours, batch)) > 1e-2
+
+
+def tiny_gpt_oss(seed=0):
+    from packtools.testing import tiny_config
+
+    config = tiny_config("GPT-OSS", "eager")
+    config.vocab_size, config.pad_token_id, config.eos_token_id = VOCAB, 0, 1
+    torch.manual_seed(seed)
+    return transformers.GptOssForCausalLM(config).float()
+
+
+@pytest.mark.parametrize("role", ["student", "teacher"])
+def test_masks_without_position_ids_are_refused_by_name(tmp_path, monkeypatch, role):
+    """GPT-OSS builds its masks without position_ids, and TRL's distillation forward calls the backbone directly:
+    the row's sequences attend to each other (a GPT-OSS student with a Llama teacher and check_isolation=False: the
+    loss 0.310 against TRL's 0.304, the entropy 1.657 against 1.672, no error). Refused by name, probes or not."""
+    import test_distillation as this
+
+    monkeypatch.setattr(
+        this,
+        "tiny",
+        lambda kind, seed=0, plain=tiny: tiny_gpt_oss(seed) if kind == "gpt_oss" else plain(kind, seed),
+    )
+    kinds = ("gpt_oss", "llama") if role == "student" else ("llama", "gpt_oss")
+    trainer = build(tmp_path, kind=kinds[0], teacher=kinds[1])
+    with pytest.raises(
+        PackingError, match=rf"the {role} GptOssForCausalLM builds its attention masks without"
+    ):
+        prepare_distillation_trainer(trainer, check_isolation=False)
+    assert type(trainer) is trl.DistillationTrainer
+
+
 def test_prepared_block_dispatches_the_distillation_trainer(tmp_path):
     from packtools.integrations import prepared
 

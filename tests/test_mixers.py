@@ -578,7 +578,7 @@ def test_grpo_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch, i
     from packtools.compat.trl import trl_logps
     from packtools.integrations import unprepare
     from packtools.integrations.rl import prepare_grpo_trainer
-    from packtools.integrations.rl.grpo import _probe_batch
+    from packtools.integrations.rl.rows import probe_batch
 
     model = tiny_arch(arch, impl).float()
     words = tokenizers.Tokenizer(
@@ -604,7 +604,7 @@ def test_grpo_runs_hybrid_mixers_per_document_equal_trl_padded(tmp_path, arch, i
     assert document_mixers(model) is not None and token_mixing_layers(model) == []
     plan = trainer.packtools_step  # the default (share_prompt="auto") falls back to plain rows, and says why
     assert not plan.share_prompt and "the prompt cannot be shared" in plan.summary()
-    ids, mask, keep = _probe_batch(model)
+    ids, mask, keep = probe_batch(model)
     with torch.no_grad():
         ours = trainer._get_per_token_logps_and_entropies(model, ids, mask, keep)[0]
         theirs = trl_logps(trl.GRPOTrainer, trainer, model, ids, mask, keep, compute_entropy=False)[0]

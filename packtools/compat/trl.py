@@ -294,3 +294,16 @@ def rl_trainer_kind(trainer: Any) -> tuple[type, str]:
 def trl_logps(base: type, trainer: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
     """TRL's own padded ``_get_per_token_logps_and_entropies`` of class ``base`` (the isolation probe's reference)."""
     return getattr(base, _RL_LOGPS)(trainer, model, *args, **kwargs)
+
+
+#: TRL's distillation trainer, whose padded ``_get_last_hidden_state`` is the distillation probe's reference.
+DISTILLATION_TRAINER = "trl.trainer.distillation_trainer.DistillationTrainer"
+
+
+def trl_last_hidden_state(trainer: Any, model: Any, *args: Any) -> Any:
+    """TRL's own padded ``DistillationTrainer._get_last_hidden_state`` (the distillation probe's reference), found
+    in the trainer's class hierarchy (a subclass's override is refused before this runs)."""
+    for cls in type(trainer).__mro__:
+        if f"{cls.__module__}.{cls.__qualname__}" == DISTILLATION_TRAINER:
+            return cls._get_last_hidden_state(trainer, model, *args)
+    raise _unknown(f"{type(trainer).__name__} is no {DISTILLATION_TRAINER}")

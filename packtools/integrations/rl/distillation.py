@@ -10,9 +10,11 @@ at 0, ``cu_seq_lens``, no padding), for the student and the teacher alike, and p
 state back where TRL reads it.  TRL's loss, logged metrics, generation and loader are its own, unchanged.
 
 Before training, both models are checked: an attention backend that cannot keep documents apart, token-mixing
-layers (hybrids), a multimodal student, a sharded model and NEFTune are refused by name, and
-:func:`packtools.integrations.check_isolation` runs on each.  Every forward's inputs are checked as the guard
-checks a model's (the backbone is called directly, past the model's own hooks).
+layers (hybrids), masks built without ``position_ids`` (GPT-OSS), a multimodal student, a sharded model and NEFTune
+are refused by name, and :func:`packtools.integrations.check_isolation` runs on each, then
+:func:`check_distillation_forward` (TRL's padded forward against the padding-free one on left-padded prompts: models
+with absolute position embeddings are refused).  Every forward's inputs are checked as the guard checks a model's
+(the backbone is called directly, past the model's own hooks).
 
 Exact: one micro-batch's loss, entropy and gradients, and two optimizer steps, equal TRL's padded ones
 (``tests/test_distillation.py``).
@@ -24,18 +26,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._optional import is_instance, require
+from ...compat.trl import trl_last_hidden_state
 from ...errors import PackingError
 from ..attention.backends import (
     attention_implementation,
     check_attention_implementation,
     token_mixing_layers,
 )
+from ..attention.isolation import (
+    ProbeDiffs,
+    autocast_inside,
+    compute_dtype,
+    trainer_autocast,
+)
 from ..attention.isolation import check_isolation as _check_isolation
+from ..attention.mixers import POSITIONLESS_MASKS
 from ..parallel.distributed import is_sharded
 from ..trainers.guard import check_forward_inputs, check_length_dependent_rope, length_dependent_rope
 from ..trainers.sft import refuse_neftune
 from ..trainers.step import STEP_METHODS, install_step, overriding_classes, plan_of, qualified_name
-from .rows import unpad_completions
+from .rows import probe_batch, unpad_completions
 
 #: The methods of TRL's ``DistillationTrainer`` that a subclass may not override: packtools has not checked them.
 DISTILLATION_METHODS = (*STEP_METHODS, "_get_last_hidden_state", "_generate_and_score_completions")
@@ -124,6 +134,14 @@ def _check_subclass(trainer: Any) -> None:
 
 def _check_model(model: Any, role: str) -> None:
     check_attention_implementation(model)
+    unwrapped = _backbone(model)[0]
+    if getattr(getattr(unwrapped, "config", None), "model_type", None) in POSITIONLESS_MASKS:
+        raise PackingError(
+            f"the {role} {type(unwrapped).__name__} builds its attention masks without position_ids, and "
+            f"prepare_distillation_trainer calls its backbone directly, past the hooks that build them per document: "
+            f"the sequences of a padding-free row would attend to each other. Train it padded.",
+            param="model" if role == "student" else "teacher_model",
+        )
     mixers = list(token_mixing_layers(model))
     if mixers:
         raise PackingError(
@@ -131,6 +149,40 @@ def _check_model(model: Any, role: str) -> None:
             f"prepare_distillation_trainer runs attention-only models padding-free. Train it padded.",
             param="model" if role == "student" else "teacher_model",
         )
+
+
+def check_distillation_forward(trainer: Any, model: Any, role: str) -> float:
+    """Compare packtools' padding-free hidden states with TRL's padded ``_get_last_hidden_state`` on a small batch
+    with left-padded prompts, at every completion token; raise unless they agree.  Returns the largest difference.
+
+    TRL's padded forward numbers a left-padded prompt's tokens from the row's start; a padding-free row numbers
+    them from 0 (as ``generate`` does).  Rotary positions see only differences, so the two agree to rounding;
+    learned absolute positions (GPT-2) do not, and the loss, entropy and gradients would differ from TRL's step
+    with no error.  No gradients; the model's mode is restored."""
+    torch = require("torch", "packtools.prepare_distillation_trainer")
+    unwrapped = trainer.accelerator.unwrap_model(model)
+    ids, mask, keep = probe_batch(unwrapped)
+    base = _backbone(unwrapped)[0]
+    training = base.training
+    base.eval()
+    try:
+        with torch.no_grad(), trainer_autocast(trainer), autocast_inside(base) as seen:
+            theirs = trl_last_hidden_state(trainer, unwrapped, ids, mask, keep)
+            ours = padding_free_hidden(unwrapped, ids, mask, keep)
+        real = mask[:, -keep:].bool()
+        probe = ProbeDiffs(compute_dtype(base, seen=seen))
+        diff = probe.exceeds(ours[real].float(), theirs[real].float())
+    finally:
+        base.train(training)
+    if diff is not None:
+        raise PackingError(
+            f"the {role} {type(base).__name__}: packtools' padding-free hidden states differ from TRL's padded ones "
+            f"by {diff:.3g} on the probe (left-padded prompts); this model cannot run distillation padding-free "
+            f"exactly (absolute position embeddings: TRL numbers a left-padded prompt from the row's start; or a "
+            f"leak). Train it padded (without prepare_distillation_trainer).",
+            param="model" if role == "student" else "teacher_model",
+        )
+    return probe.worst
 
 
 def prepare_distillation_trainer(trainer: Any, *, check_isolation: bool = True) -> Any:
@@ -142,7 +194,9 @@ def prepare_distillation_trainer(trainer: Any, *, check_isolation: bool = True) 
                                                                    args=DistillationConfig(...), ...))
         trainer.train()
 
-    ``check_isolation=False`` skips the isolation probe of both models.  ``packtools.integrations.unprepare``
+    ``check_isolation=False`` skips the probes of both models: the isolation probe, and the comparison with TRL's
+    padded forward on left-padded prompts (:func:`check_distillation_forward`, which refuses models with absolute
+    position embeddings, e.g. GPT-2).  ``packtools.integrations.unprepare``
     gives the trainer its class back.
 
     >>> prepare_distillation_trainer(object())  # doctest: +ELLIPSIS
@@ -177,7 +231,8 @@ def prepare_distillation_trainer(trainer: Any, *, check_isolation: bool = True) 
     for role, model in models.items():
         _check_model(model, role)
     if check_isolation:
-        for model in models.values():
+        for role, model in models.items():
             _check_isolation(model)
+            check_distillation_forward(trainer, model, role)
     install_step(trainer, PackedDistillationStep, DistillationPlan())
     return trainer

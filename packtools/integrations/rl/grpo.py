@@ -64,7 +64,7 @@ from ..trainers.guard import (
 from ..trainers.sft import refuse_neftune
 from ..trainers.step import install_step, plan_of
 from .groups import GroupBalancedSampler, choose_balance, prompt_token_counter
-from .rows import Row, share_prompts, unpad_completions
+from .rows import Row, probe_batch, share_prompts, unpad_completions
 
 
 @dataclass(frozen=True)
@@ -215,26 +215,6 @@ class PackedRLStep:
         )
 
 
-def _probe_batch(model: Any) -> tuple[Any, Any, int]:
-    """A small TRL-shaped batch: left-padded prompts (two equal), right-padded completions, one 1-token prompt."""
-    torch = require("torch", "packtools.prepare_grpo_trainer")
-    base = base_model(model)
-    vocab = int(base.config.get_text_config().vocab_size)
-    param = next(base.parameters())
-    gen = torch.Generator().manual_seed(0)
-    prompts, completions = [4, 4, 2, 1], [4, 1, 6, 3]
-    width_p, width_c = max(prompts), max(completions)
-    ids = torch.zeros(len(prompts), width_p + width_c, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    shared_prompt = torch.randint(1, vocab, (prompts[0],), generator=gen)
-    for b, (p, c) in enumerate(zip(prompts, completions)):
-        prompt = shared_prompt if b < 2 else torch.randint(1, vocab, (p,), generator=gen)
-        ids[b, width_p - p : width_p] = prompt[:p]
-        ids[b, width_p : width_p + c] = torch.randint(1, vocab, (c,), generator=gen)
-        mask[b, width_p - p : width_p + c] = 1
-    return ids.to(param.device), mask.to(param.device), width_c
-
-
 def check_rl_forward(trainer: Any, model: Any, entropy: bool) -> float:
     """Compare packtools' log-probabilities (and entropies) with TRL's padded method on a small batch; raise
     unless they agree, and unless changing every other sequence (a sibling sharing the prompt included) leaves
@@ -242,7 +222,7 @@ def check_rl_forward(trainer: Any, model: Any, entropy: bool) -> float:
     mode is restored."""
     torch = require("torch", "packtools.prepare_grpo_trainer")
     plan: RLPlan = plan_of(trainer)  # type: ignore[assignment]
-    ids, mask, keep = _probe_batch(model)
+    ids, mask, keep = probe_batch(model)
     base = base_model(model)
     training = base.training
     base.eval()

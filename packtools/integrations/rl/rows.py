@@ -23,6 +23,7 @@ import numpy as np
 from ..._optional import require
 from ...batches.tree import TreeLayout, tree_segments
 from ...errors import PackingError
+from ..attention.backends import base_model
 
 
 @dataclass(frozen=True)
@@ -197,3 +198,24 @@ def share_prompts(input_ids: Any, attention_mask: Any, logits_to_keep: int) -> R
         torch.from_numpy(dest_flat).to(device),
         tree=layout.to(device),
     )
+
+
+def probe_batch(model: Any) -> tuple[Any, Any, int]:
+    """A small TRL-shaped batch ``(input_ids, attention_mask, logits_to_keep)`` on ``model``'s device: left-padded
+    prompts (two equal), right-padded completions, one 1-token prompt (the GRPO/RLOO and distillation probes)."""
+    torch = require("torch", "packtools.integrations.rl")
+    base = base_model(model)
+    vocab = int(base.config.get_text_config().vocab_size)
+    param = next(base.parameters())
+    gen = torch.Generator().manual_seed(0)
+    prompts, completions = [4, 4, 2, 1], [4, 1, 6, 3]
+    width_p, width_c = max(prompts), max(completions)
+    ids = torch.zeros(len(prompts), width_p + width_c, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    shared_prompt = torch.randint(1, vocab, (prompts[0],), generator=gen)
+    for b, (p, c) in enumerate(zip(prompts, completions)):
+        prompt = shared_prompt if b < 2 else torch.randint(1, vocab, (p,), generator=gen)
+        ids[b, width_p - p : width_p] = prompt[:p]
+        ids[b, width_p : width_p + c] = torch.randint(1, vocab, (c,), generator=gen)
+        mask[b, width_p - p : width_p + c] = 1
+    return ids.to(param.device), mask.to(param.device), width_c
