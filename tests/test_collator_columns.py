@@ -73,13 +73,15 @@ def test_padded_batches_that_cannot_leak_need_no_backend():
 
 
 def test_pack_table_names_an_image_column_it_cannot_pack():
-    table = pa.table(
-        {
-            "input_ids": [[1, 2, 3], [4, 5]],
-            "pixel_values": [[[0.5, 0.25]], [[0.0, 1.0]]],
-        }
-    )
-    with pytest.raises(PackingError, match=r"'pixel_values'.*not one value per token.*never sees it"):
+    """An image column is refused whatever columns= says (named token columns left it out with no error, its
+    placeholder tokens kept without pixels); another column of nested lists is named, and columns=[...] leaves it
+    out knowingly."""
+    table = pa.table({"input_ids": [[1, 2, 3], [4, 5]], "pixel_values": [[[0.5, 0.25]], [[0.0, 1.0]]]})
+    for columns in (None, ["input_ids"]):
+        with pytest.raises(PackingError, match=r"\['pixel_values'\].*placeholder tokens.*pack_dataset"):
+            pack_table(table, 8, columns=columns)
+    table = table.rename_columns(["input_ids", "audio_features"])
+    with pytest.raises(PackingError, match=r"'audio_features'.*not one value per token.*never sees it"):
         pack_table(table, 8)
     assert pack_table(table, 8, columns=["input_ids"]).column_names == ["input_ids", "seq_lengths"]
 
