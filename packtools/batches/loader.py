@@ -36,11 +36,10 @@ from .arrow_rows import ArrowBatches, ArrowSource, check_integer
 from .collate import PaddingFreeCollator
 from .flatten import CARRIED_KEYS, FlatRows, check_leave_out, restart_positions
 from .view import PackedRow, PackedView
+from .vision import VIDEO_COLUMNS, VISION_COLUMNS
 
 #: Image columns of a processed vision-language table: they need :class:`~packtools.batches.MultimodalCollator`.
-_IMAGE_COLUMNS = frozenset(
-    {"pixel_values", "image_grid_thw", "mm_token_type_ids", "pixel_values_videos", "video_grid_thw"}
-)
+_IMAGE_COLUMNS = frozenset((*VISION_COLUMNS, *VIDEO_COLUMNS))
 
 
 def check_table_columns(names: Sequence[str], leave_out: frozenset[str], who: str) -> None:
