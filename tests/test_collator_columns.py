@@ -24,15 +24,26 @@ ROWS = [
 
 
 def test_a_column_the_batch_does_not_carry_is_refused_by_name():
+    """Image columns are refused whatever leave_out says: PaddingFreeCollator(leave_out=['pixel_values',
+    'image_grid_thw']) made the text batch with each image's placeholder tokens and no pixels, no error (and its
+    error for the rows advised that leave_out). Another column is left out when leave_out lists it."""
     collator = PaddingFreeCollator(0, return_tensors="np")
-    with pytest.raises(PackingError, match=r"\['image_grid_thw', 'pixel_values'\].*leave_out=") as err:
-        collator(ROWS)
-    assert err.value.param == "leave_out"
-    # told to leave them out: the batch is the one of the rows without them
-    told = PaddingFreeCollator(0, return_tensors="np", leave_out=["pixel_values", "image_grid_thw"])(ROWS)
+    image_error = (
+        r"image column\(s\) \['image_grid_thw', 'pixel_values'\].*MultimodalCollator.*placeholder tokens"
+    )
+    for leave_out in ((), ["pixel_values", "image_grid_thw"]):
+        with pytest.raises(PackingError, match=image_error) as err:
+            collator.replace(leave_out=leave_out)(ROWS)
+        assert err.value.param == "leave_out" and "leave_out=[" not in str(err.value)
+    # another column, told to leave it out: the batch is the one of the rows without it
+    rows = [
+        {"input_ids": r["input_ids"], "seq_lengths": r["seq_lengths"], "id": i} for i, r in enumerate(ROWS)
+    ]
+    with pytest.raises(PackingError, match=r"\['id'\].*leave_out=\['id'\]"):
+        collator(rows)
+    told = PaddingFreeCollator(0, return_tensors="np", leave_out=["id"])(rows)
     plain = collator([{k: r[k] for k in ("input_ids", "seq_lengths")} for r in ROWS])
     assert set(told) == set(plain) and all(np.array_equal(told[k], plain[k]) for k in told)
-    assert "pixel_values" not in told
     with pytest.raises(PackingError, match="leave_out must be a list"):
         PaddingFreeCollator(0, leave_out="pixel_values")
 

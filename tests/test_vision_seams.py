@@ -98,6 +98,9 @@ def test_packed_rows_refuses_image_columns_and_names_the_multimodal_collator():
         PackingError, match=r"image column\(s\) \['image_grid_thw', 'pixel_values'\].*Multimodal"
     ):
         PackedRows(table)
+    # named in leave_out they were dropped, the image placeholder tokens kept with no pixels, no error
+    with pytest.raises(PackingError, match=r"image column\(s\).*even with leave_out=.*placeholder tokens"):
+        PackedRows(table, leave_out=["pixel_values", "image_grid_thw"])
     # an ordinary extra column: refused by name unless left out, then the batch is that of the token columns
     ids = table.select(["input_ids", "seq_lengths"]).append_column("id", pa.array([7]))
     with pytest.raises(PackingError, match=r"\['id'\].*PackedRows\(\.\.\., leave_out=\['id'\]\)") as err:
