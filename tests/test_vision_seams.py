@@ -430,7 +430,7 @@ def test_cli_pack_columns_refuses_processed_vision_rows(tmp_path, capsys):
         argv = ["pack", path, "--format", "tokenized", "--max-length", "16", "--columns", "input_ids"]
         assert main([*argv, "--out", out]) != 0
         assert "vision-language rows" in capsys.readouterr().err
-        assert not os.path.exists(out) or not os.listdir(out)
+        assert not os.path.isfile(out) and not os.path.exists(os.path.join(out, "manifest.json"))
 
 
 @pytest.mark.parametrize("columns", [None, ["input_ids"]])
