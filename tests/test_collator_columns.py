@@ -24,15 +24,26 @@ ROWS = [
 
 
 def test_a_column_the_batch_does_not_carry_is_refused_by_name():
+    """Image columns are refused whatever leave_out says: PaddingFreeCollator(leave_out=['pixel_values',
+    'image_grid_thw']) made the text batch with each image's placeholder tokens and no pixels, no error (and its
+    error for the rows advised that leave_out). Another column is left out when leave_out lists it."""
     collator = PaddingFreeCollator(0, return_tensors="np")
-    with pytest.raises(PackingError, match=r"\['image_grid_thw', 'pixel_values'\].*leave_out=") as err:
-        collator(ROWS)
-    assert err.value.param == "leave_out"
-    # told to leave them out: the batch is the one of the rows without them
-    told = PaddingFreeCollator(0, return_tensors="np", leave_out=["pixel_values", "image_grid_thw"])(ROWS)
+    image_error = (
+        r"image column\(s\) \['image_grid_thw', 'pixel_values'\].*MultimodalCollator.*placeholder tokens"
+    )
+    for leave_out in ((), ["pixel_values", "image_grid_thw"]):
+        with pytest.raises(PackingError, match=image_error) as err:
+            collator.replace(leave_out=leave_out)(ROWS)
+        assert err.value.param == "leave_out" and "leave_out=[" not in str(err.value)
+    # another column, told to leave it out: the batch is the one of the rows without it
+    rows = [
+        {"input_ids": r["input_ids"], "seq_lengths": r["seq_lengths"], "id": i} for i, r in enumerate(ROWS)
+    ]
+    with pytest.raises(PackingError, match=r"\['id'\].*leave_out=\['id'\]"):
+        collator(rows)
+    told = PaddingFreeCollator(0, return_tensors="np", leave_out=["id"])(rows)
     plain = collator([{k: r[k] for k in ("input_ids", "seq_lengths")} for r in ROWS])
     assert set(told) == set(plain) and all(np.array_equal(told[k], plain[k]) for k in told)
-    assert "pixel_values" not in told
     with pytest.raises(PackingError, match="leave_out must be a list"):
         PaddingFreeCollator(0, leave_out="pixel_values")
 
@@ -73,13 +84,15 @@ def test_padded_batches_that_cannot_leak_need_no_backend():
 
 
 def test_pack_table_names_an_image_column_it_cannot_pack():
-    table = pa.table(
-        {
-            "input_ids": [[1, 2, 3], [4, 5]],
-            "pixel_values": [[[0.5, 0.25]], [[0.0, 1.0]]],
-        }
-    )
-    with pytest.raises(PackingError, match=r"'pixel_values'.*not one value per token.*never sees it"):
+    """An image column is refused whatever columns= says (named token columns left it out with no error, its
+    placeholder tokens kept without pixels); another column of nested lists is named, and columns=[...] leaves it
+    out knowingly."""
+    table = pa.table({"input_ids": [[1, 2, 3], [4, 5]], "pixel_values": [[[0.5, 0.25]], [[0.0, 1.0]]]})
+    for columns in (None, ["input_ids"]):
+        with pytest.raises(PackingError, match=r"\['pixel_values'\].*placeholder tokens.*pack_dataset"):
+            pack_table(table, 8, columns=columns)
+    table = table.rename_columns(["input_ids", "audio_features"])
+    with pytest.raises(PackingError, match=r"'audio_features'.*not one value per token.*never sees it"):
         pack_table(table, 8)
     assert pack_table(table, 8, columns=["input_ids"]).column_names == ["input_ids", "seq_lengths"]
 

@@ -374,6 +374,30 @@ def test_guard_refuses_rotary_positions_counted_on_across_a_row_cut_by_cu_seq_le
             model(**batch, use_cache=cache)
 
 
+def test_guard_refuses_rotary_restart_after_padding_gap():
+    """guard.rotary_restarts and mixers.rotary_starts differ on purpose: (3, 1, T) positions without a text row
+    that return to zero after a padded gap ([A][pad][B], attention_mask 0 on the pad) are one sequence to the
+    model's attention (B sees A: the negative control), so the per-document mixers leave them whole
+    (rotary_starts), while the guard refuses them as packed. Read with rotary_starts' rule the guard would pass
+    this row and B would train on A with no error."""
+    from packtools.integrations.attention.mixers import rotary_starts
+    from packtools.testing import tiny_vl_model
+
+    model = tiny_vl_model("qwen2_vl").eval()
+    ids = torch.tensor([[5, 6, 7, 0, 9, 10, 11]])
+    mask = torch.tensor([[1, 1, 1, 0, 1, 1, 1]])
+    pos = torch.tensor([0, 1, 2, 0, 0, 1, 2])[None, None].expand(3, 1, 7).clone()
+    later = torch.arange(3)[None, None].expand(3, 1, 3)
+    with torch.no_grad():  # negative control, unguarded: B sees A across the gap
+        alone = model(input_ids=ids[:, 4:], position_ids=later, use_cache=False).logits[0]
+        row = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits[0, 4:]
+        assert (row - alone).abs().max() > 1e-3
+    assert not bool(rotary_starts(pos, mask).any())  # the model's attention: one sequence
+    guard_model(model)
+    with pytest.raises(PackingError, match=r"\(3, B, T\) rotary position_ids start again at 0 inside a row"):
+        model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+
+
 @pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_guard_refuses_2d_positions_where_a_vision_language_model_drops_the_text_row(name):
     """PaddingFreeCollator's 2-D positions on a vision-language model in a loop of one's own (text-only rows):

@@ -104,3 +104,24 @@ def test_ray_executor_reports_exceptions_and_dead_workers(ray_local):
     assert i == 0 and isinstance(outcome, Exception)
     ex.close()
     assert ray_local.is_initialized()  # close() leaves a runtime it did not start
+
+
+@pytest.mark.parametrize("columns", [None, ["input_ids"]])
+def test_ray_data_adapter_refuses_processed_vision_rows(ray_local, columns):
+    """pack_ray_dataset(columns=['input_ids']) packed each block's token column and left pixel_values /
+    image_grid_thw out, no error: image placeholder tokens in input_ids with no pixels. Refused now, up front
+    when the dataset knows its schema, and by pack_table at the first block when it does not."""
+    from packtools.errors import PackingError
+
+    rows = pa.table(
+        {
+            "input_ids": [[1, 9, 2], [3, 4]],
+            "pixel_values": [np.ones((4, 6)).tolist(), []],
+            "image_grid_thw": [[[1, 2, 2]], []],
+        }
+    )
+    with pytest.raises(PackingError, match=r"vision-language rows \(\['pixel_values', 'image_grid_thw'\]\)"):
+        pack_ray_dataset(ray.data.from_arrow(rows), MAX_LENGTH, "bfd", columns=columns)
+    unknown = ray.data.from_arrow(rows).map_batches(lambda b: b, batch_format="pyarrow")  # schema not known
+    with pytest.raises(Exception, match="pack_table plans token columns only"):
+        pack_ray_dataset(unknown, MAX_LENGTH, "bfd", columns=columns).take_all()

@@ -433,3 +433,46 @@ def test_per_document_masks_elsewhere_are_refused(tmp_path):
     batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.cat([cu[:1], cu[2:]])  # two documents as one
     with pytest.raises(PackingError, match="are not the documents of its per-document masks"):
         segmented(**batch)
+
+
+@pytest.mark.parametrize(
+    "impl, layers, window",
+    [
+        ("sdpa", ("sliding_attention", "full_attention"), 3),
+        ("sdpa", ("full_attention", "sliding_attention"), 1),
+        ("eager", ("sliding_attention", "full_attention"), 3),
+        ("packtools_sdpa", ("sliding_attention", "full_attention"), 3),
+    ],
+)
+def test_text_only_forward_with_zero_token_type_ids_equals_documents_alone(impl, layers, window):
+    """A packed text-only row given Gemma 3's processor column token_type_ids (all zero: no image token) and no
+    masks of its own was refused by the guard as 'image inputs' without ready-made masks. With no image token
+    marked, transformers' packed masks have no image block to misplace: the logits equal each document run
+    alone (sliding windows shorter than the documents), so it passes. A marked token, pixels, or ready-made masks
+    on eager are still refused."""
+    model = tiny_gemma3("eager" if impl == "eager" else "sdpa", layers=layers, window=window)
+    if impl == "packtools_sdpa":
+        from packtools.integrations.attention.segmented import register
+
+        model.set_attn_implementation(register())
+    guard_model(model)
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(3, 290, n).tolist() for n in (6, 9, 1, 7)]
+    batch = PaddingFreeCollator(0)([{"input_ids": sum(docs, []), "seq_lengths": [len(d) for d in docs]}])
+    batch.pop("labels")
+    zeros = torch.zeros_like(batch["input_ids"])
+    with torch.no_grad():
+        packed = model(**batch, token_type_ids=zeros).logits[0]
+        at = 0
+        for d in docs:
+            ids = torch.tensor([d])
+            alone = model(input_ids=ids, token_type_ids=torch.zeros_like(ids), use_cache=False).logits[0]
+            assert float((packed[at : at + len(d)] - alone).abs().max()) < 1e-5
+            at += len(d)
+        marked = zeros.clone()
+        marked[0, 8] = 1
+        with pytest.raises(PackingError, match="got image inputs without each document's masks ready-made"):
+            model(**batch, token_type_ids=marked)
+        pixels = torch.zeros(1, 3, 56, 56)
+        with pytest.raises(PackingError, match="got image inputs without each document's masks ready-made"):
+            model(**batch, token_type_ids=zeros, pixel_values=pixels)

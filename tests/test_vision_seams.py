@@ -98,6 +98,9 @@ def test_packed_rows_refuses_image_columns_and_names_the_multimodal_collator():
         PackingError, match=r"image column\(s\) \['image_grid_thw', 'pixel_values'\].*Multimodal"
     ):
         PackedRows(table)
+    # named in leave_out they were dropped, the image placeholder tokens kept with no pixels, no error
+    with pytest.raises(PackingError, match=r"image column\(s\).*even with leave_out=.*placeholder tokens"):
+        PackedRows(table, leave_out=["pixel_values", "image_grid_thw"])
     # an ordinary extra column: refused by name unless left out, then the batch is that of the token columns
     ids = table.select(["input_ids", "seq_lengths"]).append_column("id", pa.array([7]))
     with pytest.raises(PackingError, match=r"\['id'\].*PackedRows\(\.\.\., leave_out=\['id'\]\)") as err:
@@ -397,20 +400,52 @@ def test_token_column_paths_refuse_vision_rows_whatever_columns_say():
         pack_split(ds, 16, "bfd", ["input_ids"], shuffle=False, seed=0, keep_in_memory=True, plan=p)
 
 
-def test_pack_files_refuses_processed_vision_rows(tmp_path):
+@pytest.mark.parametrize("columns", [None, ["input_ids"]])
+def test_pack_files_refuses_processed_vision_rows(tmp_path, columns):
     """The text pipeline left pixel_values / image_grid_thw out as 'other columns' (listed in the summary only):
-    packed rows with image placeholder tokens and no pixels. Named token columns leave them out knowingly, as
-    pack_table(columns=[...]) does."""
+    packed rows with image placeholder tokens and no pixels. Named token columns (columns=['input_ids'],
+    --columns) left them out with no error either ('knowingly'), the same change to the training data;
+    pack_dataset and packed_view refuse it. Now refused whatever columns= says, naming the columns and the fix."""
     pq = pytest.importorskip("pyarrow.parquet")
     from packtools import pack_files
 
     path = str(tmp_path / "rows.parquet")
     pq.write_table(_processed_rows(), path)
-    with pytest.raises(PackingError, match=r"rows.parquet' holds processed vision-language rows.*--columns"):
-        pack_files([path], str(tmp_path / "out"), max_length=16)
+    match = r"rows.parquet' holds processed vision-language rows \(\['pixel_values', 'image_grid_thw'\]\).*"
+    match += r"pack_dataset.*remove .* and their placeholder tokens"
+    with pytest.raises(PackingError, match=match):
+        pack_files([path], str(tmp_path / "out"), max_length=16, columns=columns)
     assert not os.path.exists(tmp_path / "out" / "manifest.json")
-    told = pack_files([path], str(tmp_path / "out"), max_length=16, columns=["input_ids"])
-    assert told.stats["columns_left_out"] == ["pixel_values", "image_grid_thw"]
+
+
+def test_cli_pack_columns_refuses_processed_vision_rows(tmp_path, capsys):
+    """packtools pack --columns input_ids on processed vision rows wrote packed rows without their images (the
+    placeholder tokens kept, no pixels), exit 0; in memory (--out FILE) and to a folder alike."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    from packtools.cli.main import main
+
+    path = str(tmp_path / "rows.parquet")
+    pq.write_table(_processed_rows(), path)
+    for out in (str(tmp_path / "packed.parquet"), str(tmp_path / "out")):
+        argv = ["pack", path, "--format", "tokenized", "--max-length", "16", "--columns", "input_ids"]
+        assert main([*argv, "--out", out]) != 0
+        assert "vision-language rows" in capsys.readouterr().err
+        assert not os.path.isfile(out) and not os.path.exists(os.path.join(out, "manifest.json"))
+
+
+@pytest.mark.parametrize("columns", [None, ["input_ids"]])
+def test_pack_table_refuses_processed_vision_rows(columns):
+    """pack_table(columns=['input_ids']) packed the token column and left pixel_values / image_grid_thw out, no
+    error: each image's placeholder tokens in input_ids with no pixels. (columns=None was refused, advising to
+    name the token columns.) Refused now, naming the columns and the fix."""
+    from packtools import pack_table
+
+    with pytest.raises(
+        PackingError,
+        match=r"pack_table plans token columns only.*\['pixel_values', 'image_grid_thw'\].*pack_dataset.*"
+        r"placeholder tokens",
+    ):
+        pack_table(_processed_rows(), 16, columns=columns)
 
 
 @pytest.mark.parametrize("columns", [None, ["input_ids"]])

@@ -297,7 +297,7 @@ class PaddingFreeCollator:
 
     Every column of a row reaches the batch or stops it: a key other than the token, label, mask and
     ``seq_lengths`` columns (``pixel_values``, ``image_grid_thw``, an ``id``...) is refused by name unless
-    ``leave_out`` lists it.
+    ``leave_out`` lists it; an image column even then (its placeholder tokens would train without pixels).
 
     Static shapes, for ``torch.compile(dynamic=False)`` and CUDA graphs (padding-free only): ``pad_to_buckets``
     (sizes, e.g. ``TokenBudgetBatchSampler(..., buckets=K).buckets``) rounds ``T`` up to a bucket and

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..constants import MASK_COLUMNS, SEQ_LENGTHS, TOKEN_COLUMNS
+from ..constants import IMAGE_COLUMNS, MASK_COLUMNS, SEQ_LENGTHS, TOKEN_COLUMNS
 from ..errors import PackingError
 from .labels import masked_labels
 
@@ -217,6 +217,17 @@ def check_leave_out(leave_out: object) -> frozenset[str]:
     return frozenset(leave_out)  # type: ignore[arg-type]
 
 
+def image_columns_left_out(where: str, images: Sequence[str], who: str) -> str:
+    """The refusal of image columns that the text collator ``who`` would drop, ``leave_out`` or not."""
+    return (
+        f"{where} has the image column(s) {list(images)}, which {who} does not put in the batch: left out (even "
+        f"with leave_out=), each image's placeholder tokens would stay in input_ids and train without pixels. "
+        f"Batch vision-language rows with packtools.batches.MultimodalCollator(model, pad_token_id) "
+        f"(docs/vision.md), or, to train the text alone, remove {list(images)} and their placeholder tokens from "
+        f"the rows first."
+    )
+
+
 def check_carried(
     features: Sequence[Mapping[str, Any]],
     leave_out: frozenset[str],
@@ -224,13 +235,17 @@ def check_carried(
     who: str = "PaddingFreeCollator",
 ) -> None:
     """Refuse, by name, a column of the rows that the batch would not carry and ``leave_out`` does not list.
+    An image column (:data:`~packtools.constants.IMAGE_COLUMNS`) the batch would not carry is refused even when
+    ``leave_out`` lists it: left out, each image's placeholder tokens would train without its pixels.
 
     ``carried`` is the set of keys the collator ``who`` reads (``CARRIED_KEYS`` for the text collator).
     """
-    known = carried | leave_out
+    known = carried | (leave_out - frozenset(IMAGE_COLUMNS))
     for i, row in enumerate(features):
         if isinstance(row, Mapping) and not known.issuperset(row.keys()):
             extra = sorted(k for k in row.keys() if k not in known)
+            if images := [k for k in extra if k in IMAGE_COLUMNS]:
+                raise PackingError(image_columns_left_out(f"row {i}", images, who), param="leave_out")
             raise PackingError(
                 f"row {i} has the column(s) {extra}, which {who} does not put in the batch, so the "
                 f"model would never see them (a vision-language model given image tokens without its "

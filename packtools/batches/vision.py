@@ -19,18 +19,29 @@ import numpy as np
 
 from .._optional import require
 from ..compat.transformers import attn_implementation
-from ..constants import IGNORE_INDEX
+from ..constants import IGNORE_INDEX, IMAGE_COLUMNS
 from ..errors import PackingError
 from .collate import PaddingFreeCollator, to_tensors
 from .flatten import CARRIED_KEYS, check_carried, check_leave_out, flatten_rows
 from .mrope import MropeSpec, check_grid, document_positions, image_token_runs
 
-#: The per-row image columns this collator consumes (everything else goes to the text collator).
-VISION_COLUMNS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
+#: The per-row image columns this collator consumes (everything else goes to the text collator; Gemma 3's
+#: ``token_type_ids`` too, :func:`image_columns`).
+VISION_COLUMNS = (*IMAGE_COLUMNS, "mm_token_type_ids")
 
 #: The processors' video columns: refused by name (videos are not verified; see :mod:`.mrope`), even when
 #: ``leave_out`` lists them, since a video's tokens without its pixels would train on placeholders.
 VIDEO_COLUMNS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "video_metadata")
+
+
+def image_columns(spec: MropeSpec) -> tuple[str, ...]:
+    """The row columns a :class:`MultimodalCollator` for ``spec`` reads besides the text ones: what it takes out
+    of the text rows, and what a trainer must keep through ``remove_unused_columns``.
+
+    >>> image_columns(MropeSpec("qwen2_vl", 9, 8, 2))
+    ('pixel_values', 'image_grid_thw', 'mm_token_type_ids')
+    """
+    return (*VISION_COLUMNS, *(("token_type_ids",) if spec.image_blocks else ()))
 
 
 def check_no_video(features: Sequence[Mapping[str, Any]]) -> None:
@@ -332,7 +343,7 @@ class MultimodalCollator:
             raise PackingError(f"features must be a non-empty list of rows, got {type(features).__name__}.")
         check_no_video(features)
         # Gemma 3's processor gives token_type_ids (1 on image tokens): checked, and made again for the batch
-        consumed = frozenset(VISION_COLUMNS) | ({"token_type_ids"} if self.spec.image_blocks else set())
+        consumed = frozenset(image_columns(self.spec))
         check_carried(features, self.leave_out, CARRIED_KEYS | consumed, "MultimodalCollator")
         text_rows = [
             {k: v for k, v in row.items() if k not in consumed} if isinstance(row, Mapping) else row

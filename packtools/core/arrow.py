@@ -140,9 +140,10 @@ def read_list_column(
     if is_list_type(vt) or pa.types.is_struct(vt):
         raise PackingError(
             f"column {name!r} holds lists of {vt}, not one value per token, so it cannot be packed with the tokens "
-            f"(image or audio features such as pixel_values / image_grid_thw do not split per token). Packing "
-            f"without it means the model never sees it: remove it, or leave it out knowingly with columns=[...] "
-            f"naming the token columns."
+            f"(per-sample features such as audio features do not split per token). Packing without it means the "
+            f"model never sees it: remove it, or leave it out knowingly with columns=[...] naming the token "
+            f"columns. (Image columns, pixel_values / image_grid_thw, are never left out: their placeholder "
+            f"tokens would stay; pack such rows with packtools.pack_dataset, docs/vision.md.)"
         )
     if not (pa.types.is_integer(vt) or pa.types.is_floating(vt)):
         raise PackingError(

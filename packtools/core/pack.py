@@ -273,10 +273,10 @@ def pack_columns(
 
 def check_no_images(table: pa.Table, what: str) -> None:
     """Refuse a table of processed vision-language rows (:data:`~packtools.constants.IMAGE_COLUMNS`) in a path that
-    plans its token columns alone (``what``: ``packed_view``, whose ``materialize()`` must equal ``pack_dataset``,
-    which packs such rows whole with their images): with ``columns=[...]`` leaving the images out, the rows would
-    keep each image's placeholder tokens and lose its pixels, with no error.  (``pack_table(columns=[...])`` leaves
-    them out knowingly, as any column it names not.)
+    packs or plans its token columns alone (``what``: ``pack_table``, ``packed_view``, whose ``materialize()`` must
+    equal ``pack_dataset``, which packs such rows whole with their images): left out, as ``columns=[...]`` naming
+    the token columns would leave them, each image's placeholder tokens would stay in ``input_ids`` with no pixels
+    and the training data would change with no error.  Refused whatever ``columns=`` says.
 
     >>> check_no_images(pa.table({"input_ids": [[1, 2]]}), "packed_view")
     """
@@ -284,9 +284,10 @@ def check_no_images(table: pa.Table, what: str) -> None:
     if found:
         raise PackingError(
             f"{what} plans token columns only, and this table holds vision-language rows ({found}): packed "
-            f"without them, each image's placeholder tokens would stay in input_ids with no pixels. Pack them "
-            f"with packtools.pack_dataset(datasets.Dataset(table), max_length) (each sample whole, its images "
-            f"in row order; docs/vision.md), or drop {found} first to train the text alone.",
+            f"without them (whatever columns= names), each image's placeholder tokens would stay in input_ids "
+            f"with no pixels. Pack them with packtools.pack_dataset(datasets.Dataset(table), max_length) (each "
+            f"sample whole, its images in row order; docs/vision.md), or, to train the text alone, remove the "
+            f"images and their placeholder tokens from the rows first.",
             param="table",
         )
 
@@ -305,7 +306,8 @@ def pack_table(
 
     All packed columns must share row lengths (e.g. ``input_ids``, ``labels``, ``attention_mask``).  With
     ``columns=None`` every column is packed and all must be lists; otherwise only the named ones are, and
-    the rest are left out.  ``bfd``/``bfd_split`` add ``seq_lengths`` (``list<int32>``), the lengths of the
+    the rest are left out.  Processed vision-language rows (:data:`~packtools.constants.IMAGE_COLUMNS`) are
+    refused, whatever ``columns`` says (:func:`check_no_images`; ``pack_dataset`` packs them).  ``bfd``/``bfd_split`` add ``seq_lengths`` (``list<int32>``), the lengths of the
     sequences inside each row.  ``shuffle=True`` reorders packed rows deterministically for ``seed``.
 
     >>> import pyarrow as pa
@@ -316,6 +318,7 @@ def pack_table(
     if not isinstance(table, pa.Table):
         raise PackingError(f"table must be a pyarrow.Table, got {type(table).__name__}.")
     max_length = check_max_length(max_length)
+    check_no_images(table, "pack_table")
     cols, lengths = read_columns(table, columns)
     if plan is None:
         p = make_plan(lengths, max_length, strategy)

@@ -233,21 +233,22 @@ def _refuse_packed(schemas: Sequence[pa.Schema], files: Sequence[InputFile]) -> 
 
 def refuse_image_columns(files: Sequence[InputFile], config: PipelineConfig) -> None:
     """Refuse tokenized input holding processed vision-language rows (:data:`~packtools.constants.IMAGE_COLUMNS`)
-    in a pack run that did not choose its columns: left out as other columns, each image's placeholder tokens
-    would train without its pixels, said only in the summary.  ``columns=[...]`` leaves them out knowingly (as
-    ``pack_table(columns=...)`` does); ``profile`` reads them (their ``input_ids`` count the image tokens)."""
-    if config.columns:
-        return
+    in a pack run, whatever its columns: the text pipeline packs token columns only, so the images would be left
+    out (said only in the summary, or by ``columns=[...]`` naming the token columns) and each image's placeholder
+    tokens would train without its pixels, as ``pack_table`` and ``pack_dataset`` refuse; ``profile`` reads them
+    (their ``input_ids`` count the image tokens)."""
     for f in files:
         images = [c for c in IMAGE_COLUMNS if c in read_schema(f).names]
         if images:
+            named = f" (columns={list(config.columns)} would leave them out)" if config.columns else ""
             raise PackingError(
-                f"{f.path!r} holds processed vision-language rows ({images}): the text pipeline packs token "
-                f"columns only and would leave the images out, keeping their placeholder tokens in input_ids. "
-                f"Pack processed rows in memory with packtools.pack_dataset(datasets.Dataset, max_length) (each "
-                f"sample whole, its images in row order), or rows in TRL's vision format offline with packtools "
-                f"pack --processor DIR (docs/vision.md); or name the token columns (columns=[...], --columns) to "
-                f"leave {images} out knowingly.",
+                f"{f.path!r} holds processed vision-language rows ({images}){named}: the text pipeline packs "
+                f"token columns only and would leave the images out, keeping their placeholder tokens in "
+                f"input_ids with no pixels. Pack processed rows in memory with "
+                f"packtools.pack_dataset(datasets.Dataset, max_length) (each sample whole, its images in row "
+                f"order), or rows in TRL's vision format offline with packtools pack --processor DIR "
+                f"(docs/vision.md); or, to train the text alone, remove {images} and their placeholder tokens "
+                f"from the rows first.",
                 param="columns",
             )
 

@@ -130,11 +130,13 @@ def check_image_inputs(model: Any, kwargs: Any, impl: str | None = None) -> None
     (:func:`check_multimodal`'s error: ``guard_model``'s probe packs text only, which such a model may keep apart
     while its image path does not), or into one of :data:`~packtools.batches.mrope.IMAGE_BLOCK_TYPES` (Gemma 3)
     without its documents' masks ready-made (``attention_mask``, a dict by layer type, as ``MultimodalCollator``
-    gives it) on a backend that reads them.  Text-only forwards pass.
+    gives it) on a backend that reads them.  Text-only forwards pass, and so does a Gemma 3 forward whose only
+    image input is an all-zero ``token_type_ids`` without ready-made masks (:func:`_text_only_image_blocks`).
 
     >>> check_image_inputs(object(), {"pixel_values": 1})
     """
-    if not any(kwargs.get(name) is not None for name in IMAGE_INPUTS):
+    given = [name for name in IMAGE_INPUTS if kwargs.get(name) is not None]
+    if not given:
         return
     check_multimodal(model)
     model_type = getattr(getattr(base_model(model), "config", None), "model_type", None)
@@ -150,6 +152,8 @@ def check_image_inputs(model: Any, kwargs: Any, impl: str | None = None) -> None
             f"(packtools.integrations.attention.segmented.register()), or collate with image_masks='dense'.",
             param="attention_mask",
         )
+    if not ready and _text_only_image_blocks(given, kwargs):
+        return
     if ready and impl in mrope.IMAGE_BLOCK_BACKENDS:
         return
     raise PackingError(
@@ -160,6 +164,21 @@ def check_image_inputs(model: Any, kwargs: Any, impl: str | None = None) -> None
         f"{list(mrope.IMAGE_BLOCK_BACKENDS)}.",
         param="attention_mask",
     )
+
+
+def _text_only_image_blocks(given: Sequence[str], kwargs: Any) -> bool:
+    """Whether the image inputs ``given`` to a model of :data:`~packtools.batches.mrope.IMAGE_BLOCK_TYPES` (Gemma 3)
+    are ``token_type_ids`` alone with no image token marked (all zero): then transformers' packed masks have no
+    image block to look up at the wrong index and are those of a text-only forward, exact per document on
+    ``sdpa`` and ``eager``, sliding layers included (``tests/test_vision_gemma3.py``).  Only without ready-made
+    masks: a dict ``attention_mask`` reaches the layers as given, which ``eager`` cannot read.
+
+    >>> import numpy as np
+    >>> zeros, marked = {"token_type_ids": np.zeros((1, 4))}, {"token_type_ids": np.eye(2)}
+    >>> _text_only_image_blocks(["token_type_ids"], zeros), _text_only_image_blocks(["token_type_ids"], marked)
+    (True, False)
+    """
+    return list(given) == ["token_type_ids"] and not bool(kwargs["token_type_ids"].any())
 
 
 #: Layer types whose layers pool every ``config.compress_rates[type]`` consecutive tokens of a row into one

@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..._optional import require
+from ...constants import IMAGE_COLUMNS
 from ...core.pack import pack_table
 from ...core.plan import Strategy, check_max_length, check_strategy
+from ...errors import PackingError
 
 
 def pack_ray_dataset(
@@ -22,6 +24,9 @@ def pack_ray_dataset(
     """A lazy ``ray.data.Dataset`` of packed rows: every block of ``ds`` packed into rows of ``max_length``.
 
     ``columns`` as in :func:`packtools.pack_table` (default: all columns, which must all be list columns).
+    Processed vision-language rows (:data:`~packtools.constants.IMAGE_COLUMNS`) are refused whatever ``columns``
+    says, here when ``ds`` knows its schema, else by ``pack_table`` at the first block: left out, their image
+    placeholder tokens would train without pixels.
 
     >>> import ray  # doctest: +SKIP
     >>> ds = ray.data.read_parquet("tokenized/")  # doctest: +SKIP
@@ -32,6 +37,16 @@ def pack_ray_dataset(
     strategy = check_strategy(strategy)
     if isinstance(columns, str):
         columns = [columns]
+    schema = ds.schema(fetch_if_missing=False)  # None when knowing it would run the dataset
+    if images := [c for c in IMAGE_COLUMNS if c in (getattr(schema, "names", None) or [])]:
+        raise PackingError(
+            f"the dataset holds processed vision-language rows ({images}), and pack_ray_dataset packs token "
+            f"columns only: packed without them (whatever columns= names), each image's placeholder tokens would "
+            f"stay in input_ids with no pixels. Pack them with packtools.pack_dataset(datasets.Dataset, "
+            f"max_length) (each sample whole, its images in row order; docs/vision.md), or, to train the text "
+            f"alone, remove {images} and their placeholder tokens from the rows first.",
+            param="ds",
+        )
     kwargs: dict[str, Any] = {}
     # the packer changes the row count; Ray 2.52-2.53 default the argument to False and then push a downstream
     # limit() below the packer, which packs only the first rows

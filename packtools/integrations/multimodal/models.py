@@ -12,7 +12,6 @@ import numpy as np
 
 from ..._optional import require
 from ...batches.mrope import IMAGE_BLOCK_BACKENDS, IMAGE_BLOCK_REASON, MropeSpec
-from ...batches.vision import VISION_COLUMNS
 from ...errors import PackingError
 from ..attention.backends import attention_implementation, base_model, check_multimodal, multimodal_parts
 from ..attention.isolation import (
@@ -68,16 +67,6 @@ def check_multimodal_model(model: Any, collator: Any) -> MropeSpec | None:
             param="data_collator",
         )
     return spec
-
-
-def image_columns(spec: MropeSpec) -> tuple[str, ...]:
-    """The dataset columns that a :class:`~packtools.batches.vision.MultimodalCollator` for ``spec`` reads
-    besides the text ones (kept through a trainer's ``remove_unused_columns``).
-
-    >>> image_columns(MropeSpec("qwen2_vl", 9, 8, 2))
-    ('pixel_values', 'image_grid_thw', 'mm_token_type_ids')
-    """
-    return (*VISION_COLUMNS, *(("token_type_ids",) if spec.image_blocks else ()))
 
 
 def check_image_block_backend(model: Any, spec: MropeSpec, image_masks: str = "dense") -> None:

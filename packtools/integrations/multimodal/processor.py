@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..._optional import require
+from ...constants import IMAGE_COLUMNS
 from ...errors import PackingError
 from .images import check_messages, image_list, image_size, open_image, where_of
 
@@ -258,18 +259,14 @@ def assistant_mask(
     return mask
 
 
-#: Columns of rows that a processor already made (``process_vision_dataset``'s output, or the model's processor's).
-PROCESSED_COLUMNS = ("pixel_values", "image_grid_thw")
-
-
 def not_vision_rows(where: str, names: Sequence[str], messages: str = "messages") -> str:
     """The refusal of rows without ``messages`` given to ``processor=``: what they hold instead, and the way to
     pack that (already processed vision rows and tokenized rows pack as they are, text without a processor)."""
     found = f"{where} has no {messages!r} (it has {sorted(names)})"
-    if "input_ids" in names and any(c in names for c in PROCESSED_COLUMNS):
+    if "input_ids" in names and any(c in names for c in IMAGE_COLUMNS):
         return (
             f"{found}: these rows are already processed (input_ids with the image tokens, "
-            f"{[c for c in PROCESSED_COLUMNS if c in names]}), and processor= processes TRL's vision format "
+            f"{[c for c in IMAGE_COLUMNS if c in names]}), and processor= processes TRL's vision format "
             f"(messages with image parts + images). Pack them as they are, without processor=: "
             f"pack_dataset(ds, max_length) on a datasets.Dataset of these rows."
         )

@@ -356,6 +356,12 @@ def rotary_restarts(position_ids: Any, attention_mask: Any = None) -> bool:
     after a row's first attended token: a new document.  Inside one sample they never do (text counts on from
     the previous maximum, an image starts at the next position), so images are no restarts.
 
+    Wider on purpose than :func:`~packtools.integrations.attention.mixers.rotary_starts`, which says where the
+    model's attention splits such a row (the per-document mixers must split it there and nowhere else): here any
+    return to zero after the first attended token counts, after padding too (the model then attends across the
+    gap: ``tests/test_hf.py::test_guard_refuses_rotary_restart_after_padding_gap``) and after ``-1`` (a row
+    counting up through 0 cannot be told from two documents).  A packed row is refused, never passed.
+
     >>> import numpy as np
     >>> one = np.array([[[0, 1, 1, 1, 3]], [[0, 1, 1, 2, 3]], [[0, 1, 2, 1, 3]]])  # text, a 2x2 image, text
     >>> rotary_restarts(one), rotary_restarts(np.concatenate([one, one], axis=-1))

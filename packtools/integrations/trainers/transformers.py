@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..._optional import is_instance, require
+from ...batches.vision import image_columns
 from ...compat import all_or_nothing, set_attr
 from ...errors import PackingError
 from ..attention.backends import (
@@ -56,7 +57,7 @@ from ..attention.isolation import check_isolation as _check_isolation
 from ..attention.isolation import trainer_autocast
 from ..attention.mixers import run_mixers_per_document
 from ..attention.segmented import SEGMENTED_SDPA
-from ..multimodal.models import check_multimodal_model, check_vision_isolation, image_columns
+from ..multimodal.models import check_multimodal_model, check_vision_isolation
 from ..parallel.distributed import is_sharded
 from ..parallel.layout import check_context_parallel_size, rank_layout
 from .collator_check import check_trainer_collator, probe_collator
