@@ -476,3 +476,39 @@ def test_text_only_forward_with_zero_token_type_ids_equals_documents_alone(impl,
         pixels = torch.zeros(1, 3, 56, 56)
         with pytest.raises(PackingError, match="got image inputs without each document's masks ready-made"):
             model(**batch, token_type_ids=zeros, pixel_values=pixels)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa", "packtools_sdpa"])
+def test_one_document_with_ready_made_masks(impl):
+    # a batch of one document still carries MultimodalCollator's masks, which the backend reads as they are: on
+    # eager the guard let it through (it checked packed batches only) and eager added the booleans to its scores
+    # (logits 0.46 away from the sample alone, no error); per-document masks on eager stopped with a TypeError
+    from packtools.integrations.attention.segmented import register
+
+    model = tiny_gemma3("eager" if impl == "eager" else "sdpa")
+    if impl == "packtools_sdpa":
+        model.set_attn_implementation(register())
+    first = samples()[0]
+    row = _packed_row([first])
+    ids = torch.tensor([first["input_ids"]])
+    with torch.no_grad():
+        alone = model(
+            input_ids=ids, token_type_ids=(ids == IMAGE).long(), use_cache=False,
+            pixel_values=torch.tensor(first["pixel_values"]),
+        ).logits  # fmt: skip
+    unguarded = copy.deepcopy(model)
+    guard_model(model)
+    for form in ("dense", "per_document"):
+        batch = MultimodalCollator(model, 0, image_masks=form)([row])
+        batch.pop("labels")
+        if impl == "eager" or (impl, form) == ("sdpa", "per_document"):
+            with pytest.raises(PackingError, match=r"masks (ready-made|per document).*attn_implementation="):
+                model(**batch)
+            continue
+        with torch.no_grad():
+            assert float((model(**batch).logits - alone).abs().max()) < 1e-5, form
+    if impl == "eager":  # unguarded: the per-document mask itself refuses being added to the scores
+        batch = MultimodalCollator(model, 0, image_masks="per_document")([row])
+        batch.pop("labels")
+        with pytest.raises(PackingError, match="reads masks as whole-row tensors"):
+            unguarded(**batch)

@@ -158,8 +158,10 @@ class DocumentBlockMask:
     """One layer type's mask of a packed Gemma 3 row, kept per document: the documents' boundaries and which
     tokens are image tokens (``T`` bytes instead of the ``T²`` of the dense mask).  Each document's block is
     :func:`document_block` of it alone, and nothing crosses a boundary: what ``packtools_sdpa`` reads
-    (:mod:`packtools.integrations.attention.segmented`).  Any other backend that reads it as a tensor is stopped
-    with a :class:`~packtools.errors.PackingError` naming the fix (never a silently different mask).
+    (:mod:`packtools.integrations.attention.segmented`).  Any other backend that slices it or adds it to its
+    scores as a tensor (``flex_attention``, ``eager``) is stopped with a :class:`~packtools.errors.PackingError`
+    naming the fix (never a silently different mask); plain ``sdpa`` with a ``TypeError`` (``guard_model`` and
+    ``prepare_trainer`` refuse it by name first).
 
     >>> m = DocumentBlockMask([0, 3, 5], np.array([0, 1, 1, 0, 1], bool), None)
     >>> m.shape, m.dense()[0, 0].astype(int).tolist()
@@ -234,6 +236,11 @@ class DocumentBlockMask:
             "collate with image_masks='dense' on 'sdpa'.",
             param="attention_mask",
         )
+
+    def __add__(self, other: Any) -> Any:  # a backend adding it to its scores (Gemma 3's eager): same refusal
+        return self[...]
+
+    __radd__ = __add__
 
 
 class MultimodalCollator:

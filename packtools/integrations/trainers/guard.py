@@ -17,6 +17,7 @@ from typing import Any
 
 from ..._optional import is_instance
 from ...batches import mrope
+from ...batches.vision import DocumentBlockMask
 from ...compat import set_attr
 from ...compat.torch import forward_pre_hook
 from ...constants import VARLEN_KEYS
@@ -503,6 +504,28 @@ def packed_training_input(kwargs: Mapping[str, Any]) -> bool:
     return not generating(kwargs) and is_packed(kwargs)
 
 
+def ready_made_masks(kwargs: Mapping[str, Any]) -> bool:
+    """Whether a forward that is no generation step carries masks as ``MultimodalCollator`` makes them for
+    :data:`~packtools.batches.mrope.IMAGE_BLOCK_TYPES` (``attention_mask`` a dict by layer type of boolean tensors
+    or :class:`~packtools.batches.vision.DocumentBlockMask`): the backend must read them as they are, whether the
+    batch holds one document or several (``eager`` would add the booleans to its scores).  transformers' own
+    masks for ``eager`` are additive floats, so a generation prefill of its own is not one of them.
+
+    >>> import numpy as np
+    >>> ready_made_masks({"attention_mask": {"full_attention": np.ones((1, 1, 2, 2), bool)}})
+    True
+    >>> ready_made_masks({"attention_mask": {"full_attention": np.zeros((1, 1, 2, 2), np.float32)}})
+    False
+    """
+    masks = kwargs.get("attention_mask")
+    if not isinstance(masks, Mapping) or generating(kwargs):
+        return False
+    return any(
+        isinstance(m, DocumentBlockMask) or str(getattr(m, "dtype", "")) in ("bool", "torch.bool")
+        for m in masks.values()
+    )
+
+
 def check_positionless_masks(model: Any, kwargs: Mapping[str, Any], implementation: str | None) -> None:
     """Refuse a packed batch for a model whose forward builds its attention masks without ``position_ids``
     (:data:`~packtools.integrations.attention.mixers.POSITIONLESS_MASKS`, GPT-OSS) unless
@@ -624,8 +647,9 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
     try:  # an unverified multimodal model: its text-only forwards pass, its image inputs are refused
         check_multimodal(model)
         images_checked = model_type in mrope.IMAGE_BLOCK_TYPES  # Gemma 3: its images need their masks
+        image_blocks = images_checked
     except PackingError:
-        images_checked = True
+        images_checked, image_blocks = True, False
 
     def hook(
         module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -636,8 +660,9 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
         check_packed_ids_forward(args, kwargs)  # first: the other checks judge the keys the call was given
         check_unhandled_mixers(module, kwargs, left)  # without kernels, seq_idx alone is no fix
         check_forward_inputs(kwargs, impl, left)
-        # a sample alone is built right by the model itself, and a generation step is no packed row
-        if images_checked and packed_training_input(kwargs):
+        # a sample alone is built right by the model itself, and a generation step is no packed row; but one
+        # document with the collator's masks (Gemma 3) is read as they say, so the backend must read them
+        if images_checked and (packed_training_input(kwargs) or (image_blocks and ready_made_masks(kwargs))):
             check_image_inputs(module, kwargs, impl)  # refused by name (the probe packs text only)
         if positionless:
             check_positionless_masks(module, kwargs, impl)
