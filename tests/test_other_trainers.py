@@ -307,3 +307,46 @@ def test_which_forwards_of_the_packed_tokens_are_refused():
         )
         check_packed_ids_forward((), {"inputs_embeds": torch.zeros(1, 5, 4)})
     check_packed_ids_forward((), {"input_ids": ids})  # outside a loss: not this check's
+
+
+def test_several_gpus_in_one_process_are_refused_before_anything_changes(tmp_path):
+    """``args.n_gpu > 1`` makes ``Trainer`` wrap the model in ``torch.nn.DataParallel``: it chunks each tensor of
+    the batch on its own (``cu_seq_lens_q`` apart from its tokens) and runs each replica in a thread of its own,
+    where the check of a ``compute_loss``'s forwards (a ``ContextVar``) is not set -- the forward below, dropping
+    the positions, passes with no error there.  prepare_trainer (and prepare_grpo_trainer: TRL trains with
+    the same ``Trainer`` wrapping) refuse it by name, before anything changes."""
+    import threading
+
+    from packtools.integrations import prepare_grpo_trainer
+    from packtools.integrations.trainers.guard import guard_model, packed_loss_inputs
+
+    model = tiny_llama()
+    guard_model(model, check_isolation=False)
+    ids, positions = torch.arange(3, 11)[None], torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    errors = []
+
+    def replica():  # what torch.nn.parallel.parallel_apply's worker thread runs
+        try:
+            model(input_ids=ids)
+        except PackingError as err:
+            errors.append(err)
+
+    with packed_loss_inputs({"input_ids": ids, "position_ids": positions}, "Mine.compute_loss"):
+        with pytest.raises(PackingError, match="Mine.compute_loss called the model"):
+            model(input_ids=ids)  # in this thread: refused
+        thread = threading.Thread(target=replica)
+        thread.start()
+        thread.join()
+    assert errors == []  # in a replica's thread: not seen, hence the refusal of DataParallel itself
+
+    rows = pack_dataset(datasets.Dataset.from_list(sequences(8, seed=5)), 32)
+    args = sgd_train_args(str(tmp_path), LR)
+    trainer = transformers.Trainer(
+        model=tiny_llama(), args=args, train_dataset=rows, data_collator=PaddingFreeCollator(PAD)
+    )
+    trainer.args._n_gpu = 2  # what TrainingArguments counts on a machine with two visible GPUs
+    with pytest.raises(PackingError, match=r"prepare_trainer: n_gpu=2.*DataParallel.*torchrun"):
+        prepare_trainer(trainer)
+    assert type(trainer) is transformers.Trainer and "_packtools_guard" not in vars(trainer.model)
+    with pytest.raises(PackingError, match=r"prepare_grpo_trainer: n_gpu=2.*DataParallel"):
+        prepare_grpo_trainer(trainer)

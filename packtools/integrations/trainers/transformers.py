@@ -57,7 +57,7 @@ from ..attention.isolation import trainer_autocast
 from ..attention.mixers import run_mixers_per_document
 from ..attention.segmented import SEGMENTED_SDPA
 from ..multimodal.models import check_multimodal_model, check_vision_isolation, image_columns
-from ..parallel.distributed import is_sharded
+from ..parallel.distributed import is_sharded, refuse_data_parallel
 from ..parallel.layout import check_context_parallel_size, rank_layout
 from .collator_check import check_trainer_collator, probe_collator
 from .guard import guard_model
@@ -297,6 +297,7 @@ def prepare_trainer(
             param="trainer",
         )
     refuse_unknown_trl_step(trainer)
+    refuse_data_parallel(trainer, "prepare_trainer")
     plan = plan_of(trainer)
     if plan is not None:  # idempotent with the same options; other options would stack on the first
         if (plan.max_tokens, plan.loss, plan.layout.cp_size) == (max_tokens, loss, context_parallel or 1):
