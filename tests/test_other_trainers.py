@@ -313,11 +313,10 @@ def test_several_gpus_in_one_process_are_refused_before_anything_changes(tmp_pat
     """``args.n_gpu > 1`` makes ``Trainer`` wrap the model in ``torch.nn.DataParallel``: it chunks each tensor of
     the batch on its own (``cu_seq_lens_q`` apart from its tokens) and runs each replica in a thread of its own,
     where the check of a ``compute_loss``'s forwards (a ``ContextVar``) is not set -- the forward below, dropping
-    the positions, passes with no error there.  prepare_trainer (and prepare_grpo_trainer: TRL trains with
-    the same ``Trainer`` wrapping) refuse it by name, before anything changes."""
+    the positions, passes with no error there.  prepare_trainer (prepare_grpo_trainer too:
+    tests/test_grpo.py) refuse it by name, before anything changes."""
     import threading
 
-    from packtools.integrations import prepare_grpo_trainer
     from packtools.integrations.trainers.guard import guard_model, packed_loss_inputs
 
     model = tiny_llama()
@@ -348,8 +347,6 @@ def test_several_gpus_in_one_process_are_refused_before_anything_changes(tmp_pat
     with pytest.raises(PackingError, match=r"prepare_trainer: n_gpu=2.*DataParallel.*torchrun"):
         prepare_trainer(trainer)
     assert type(trainer) is transformers.Trainer and "_packtools_guard" not in vars(trainer.model)
-    with pytest.raises(PackingError, match=r"prepare_grpo_trainer: n_gpu=2.*DataParallel"):
-        prepare_grpo_trainer(trainer)
 
 
 class Judged(transformers.Trainer):

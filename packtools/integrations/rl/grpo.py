@@ -455,8 +455,8 @@ def prepare_grpo_trainer(
     require("trl", "packtools.prepare_grpo_trainer")
     if plan_of(trainer) is not None:
         raise PackingError("prepare_grpo_trainer was already called on this trainer.")
-    refuse_data_parallel(trainer, "prepare_grpo_trainer")
     trl_class, _ = rl_trainer_kind(trainer)
+    refuse_data_parallel(trainer, "prepare_grpo_trainer")
     models = [m for m in (trainer.model, getattr(trainer, "ref_model", None)) if m is not None]
     with all_or_nothing(trainer):
         seq_idx = _check_models(trainer, models)
