@@ -618,6 +618,11 @@ def test_refusals_by_name_and_unprepare(tmp_path, monkeypatch):
         trainer._get_per_token_logps_and_entropies(trainer.model, ids, torch.tensor([[1, 0, 1]]), 1)
     unprepare(trainer)
     assert type(trainer) is trl.GRPOTrainer and "packtools_step" not in vars(trainer)
+    trainer.args._n_gpu = 2  # two GPUs visible to one process: Trainer's torch.nn.DataParallel
+    with pytest.raises(PackingError, match=r"prepare_grpo_trainer: n_gpu=2.*DataParallel"):
+        prepare_grpo_trainer(trainer)
+    assert type(trainer) is trl.GRPOTrainer
+    trainer.args._n_gpu = 1
 
     class Mine(trl.GRPOTrainer):
         def _get_per_token_logps_and_entropies(self, *args, **kwargs):

@@ -307,3 +307,258 @@ def test_which_forwards_of_the_packed_tokens_are_refused():
         )
         check_packed_ids_forward((), {"inputs_embeds": torch.zeros(1, 5, 4)})
     check_packed_ids_forward((), {"input_ids": ids})  # outside a loss: not this check's
+
+
+def test_several_gpus_in_one_process_are_refused_before_anything_changes(tmp_path):
+    """``args.n_gpu > 1`` makes ``Trainer`` wrap the model in ``torch.nn.DataParallel``: it chunks each tensor of
+    the batch on its own (``cu_seq_lens_q`` apart from its tokens) and runs each replica in a thread of its own,
+    where the check of a ``compute_loss``'s forwards (a ``ContextVar``) is not set -- the forward below, dropping
+    the positions, passes with no error there.  prepare_trainer (prepare_grpo_trainer too:
+    tests/test_grpo.py) refuse it by name, before anything changes."""
+    import threading
+
+    from packtools.integrations.trainers.guard import guard_model, packed_loss_inputs
+
+    model = tiny_llama()
+    guard_model(model, check_isolation=False)
+    ids, positions = torch.arange(3, 11)[None], torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    errors = []
+
+    def replica():  # what torch.nn.parallel.parallel_apply's worker thread runs
+        try:
+            model(input_ids=ids)
+        except PackingError as err:
+            errors.append(err)
+
+    with packed_loss_inputs({"input_ids": ids, "position_ids": positions}, "Mine.compute_loss"):
+        with pytest.raises(PackingError, match="Mine.compute_loss called the model"):
+            model(input_ids=ids)  # in this thread: refused
+        thread = threading.Thread(target=replica)
+        thread.start()
+        thread.join()
+    assert errors == []  # in a replica's thread: not seen, hence the refusal of DataParallel itself
+
+    rows = pack_dataset(datasets.Dataset.from_list(sequences(8, seed=5)), 32)
+    args = sgd_train_args(str(tmp_path), LR)
+    trainer = transformers.Trainer(
+        model=tiny_llama(), args=args, train_dataset=rows, data_collator=PaddingFreeCollator(PAD)
+    )
+    trainer.args._n_gpu = 2  # what TrainingArguments counts on a machine with two visible GPUs
+    with pytest.raises(PackingError, match=r"prepare_trainer: n_gpu=2.*DataParallel.*torchrun"):
+        prepare_trainer(trainer)
+    assert type(trainer) is transformers.Trainer and "_packtools_guard" not in vars(trainer.model)
+
+
+class Judged(transformers.Trainer):
+    """A compute_loss of the user's own that also scores the packed row with a model it holds under a name of
+    its own (``self.judge_of()``: wherever the test put it), without the batch's positions."""
+
+    def judge_of(self):
+        return self.judge
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
+        with torch.no_grad():
+            score = self.judge_of()(input_ids=inputs["input_ids"]).logits.mean()
+        loss = outputs.loss + 0.0 * score
+        return (loss, outputs) if return_outputs else loss
+
+
+class Critic(torch.nn.Module):
+    """A module of the user's own around a language model (its forward calls the model's)."""
+
+    def __init__(self, backbone):
+        super().__init__()
+        self.backbone = backbone
+
+    def forward(self, input_ids):
+        return self.backbone(input_ids=input_ids)
+
+
+def _held(tmp_path, cls, place, *, after=False, steps=1):
+    model = tiny_llama()
+    start = copy.deepcopy(model)
+    recorder = Recorder(PaddingFreeCollator(PAD))
+    rows = pack_dataset(datasets.Dataset.from_list(sequences(24, seed=5)), 32)
+    args = sgd_train_args(str(tmp_path), LR, max_steps=steps)
+    trainer = cls(model=model, args=args, train_dataset=rows, data_collator=recorder)
+    if not after:
+        place(trainer)
+    prepare_trainer(trainer)
+    if after:  # set on the trainer after prepare_trainer
+        place(trainer)
+    trainer.train()
+    return trainer, model, start, recorder
+
+
+def _as_reward_model(trainer):
+    trainer.reward_model = trainer.judge = tiny_llama(seed=1).eval()
+
+
+def _in_a_list(trainer):
+    trainer.aux_models = [torch.nn.CrossEntropyLoss(), tiny_llama(seed=1).eval()]
+    trainer.judge_of = lambda: trainer.aux_models[1]
+
+
+def _in_a_dict(trainer):
+    trainer.scorers = {"judge": tiny_llama(seed=1).eval()}
+    trainer.judge_of = lambda: trainer.scorers["judge"]
+
+
+def _in_a_module(trainer):
+    trainer.critic = Critic(tiny_llama(seed=1).eval())
+    trainer.judge_of = lambda: trainer.critic
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
+@pytest.mark.parametrize(
+    "place", [_as_reward_model, _in_a_list, _in_a_dict, _in_a_module], ids=lambda f: f.__name__
+)
+def test_any_model_the_trainer_holds_is_checked_at_a_packed_forward(tmp_path, place, after):
+    """Only ``teacher_model``, ``teacher`` and ``ref_model`` were guarded: a reward model, a judge in a list or a
+    dict, a critic module around a model -- held before or set after prepare_trainer -- forwarded on the packed
+    input_ids without positions scored rows whose documents attended to each other, with no error.  Now every
+    language model the trainer holds is guarded lazily (``held.watch_held_models``) and that forward refused."""
+    with pytest.raises(PackingError, match=r"Judged.compute_loss called the model.*position_ids"):
+        _held(tmp_path, Judged, place, after=after)
+
+
+class JudgedAlone(Judged):
+    """The held models run on inputs of their own (a document alone, unpacked) or on the whole batch with its
+    positions: nothing mixes, nothing to refuse."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
+        starts = (inputs["position_ids"][:, 1:] == 0).int().argmax(1) + 1
+        with torch.no_grad():
+            alone = self.judge(input_ids=inputs["input_ids"][:, : int(starts.min())].clone()).logits.mean()
+            whole = self.judge(**{k: v for k, v in inputs.items() if k != "labels"}).logits.mean()
+            words = self.encoder_decoder(
+                input_ids=torch.arange(3, 9)[None], decoder_input_ids=torch.arange(3, 6)[None]
+            )
+        loss = outputs.loss + 0.0 * (alone + whole + words.logits.mean())
+        return (loss, outputs) if return_outputs else loss
+
+
+def _judge_and_encoder_decoder(trainer):
+    config = transformers.BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64, pad_token_id=0,
+    )  # fmt: skip
+    trainer.judge = tiny_llama(seed=1).eval()
+    trainer.encoder_decoder = transformers.BartForConditionalGeneration(config).eval()
+
+
+def test_held_models_run_unpacked_or_with_positions_are_not_refused(tmp_path):
+    """A held model run on a document alone or on the batch with its positions trains like one by one, and one
+    guard_model refuses by name at once (an encoder-decoder model) is not refused while it never sees a packed
+    row: the held models are guarded at their first packed input, not at prepare_trainer."""
+    trainer, model, start, recorder = _held(tmp_path, JudgedAlone, _judge_and_encoder_decoder, steps=2)
+    gap, moved = one_by_one_gap(model, start, recorder.batches, accumulation=2, lr=LR)
+    assert moved > 1e-2 and gap < 1e-5, (gap, moved)
+    assert "_packtools_watch" in vars(trainer.judge) and "_packtools_watch" in vars(trainer.encoder_decoder)
+    from packtools.integrations import unprepare
+
+    unprepare(trainer)
+    assert "_packtools_watch" not in vars(trainer.judge) and not trainer.judge._forward_pre_hooks
+
+
+class JudgedWithCache(Judged):
+    """The held model given the batch's positions, and ``use_cache=True``: outside FlashAttention transformers then
+    builds no per-document mask (guard_model refuses it on a packed row)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
+        with torch.no_grad():
+            score = self.judge(
+                **{**{k: v for k, v in inputs.items() if k != "labels"}, "use_cache": True}
+            ).logits.mean()
+        loss = outputs.loss + 0.0 * score
+        return (loss, outputs) if return_outputs else loss
+
+
+def test_a_held_model_gets_the_whole_guard_at_its_first_packed_input(tmp_path):
+    """From its first packed input on, a held model is checked as guard_model checks the model: a packed row
+    with an explicit KV cache on sdpa (documents attending each other, no error before) is refused."""
+    with pytest.raises(PackingError, match="use_cache"):
+        _held(tmp_path, JudgedWithCache, _as_reward_model)
+
+
+def test_which_held_models_are_others():
+    """``held.held_models``: language models under any attribute, in containers or inside a module of one's own,
+    each once (a wrapped copy counts as its wrapper); not trainer.model, its parts or its wrappers (compiled,
+    DDP-like ``.module``), nor a loss or an embedding table."""
+    from types import SimpleNamespace
+
+    from packtools.integrations.trainers.held import held_models
+
+    class Wrapper(
+        torch.nn.Module
+    ):  # what DistributedDataParallel looks like to packtools: a .module, no config
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    model, judge, critic, teacher = (
+        tiny_llama(),
+        tiny_llama(seed=1),
+        Critic(tiny_llama(seed=2)),
+        tiny_llama(seed=3),
+    )
+    wrapped_teacher = Wrapper(teacher)
+    trainer = SimpleNamespace(
+        model=model,
+        model_wrapped=Wrapper(model),
+        compiled=torch.compile(model),
+        backbone=model.model,
+        loss_fn=torch.nn.CrossEntropyLoss(),
+        table=torch.nn.Embedding(4, 2),
+        judges=[{"a": judge}, judge],
+        critic=critic,
+        teacher=teacher,
+        teacher_wrapped=wrapped_teacher,
+        rows=[judge] + [0] * 64,  # too long a list to walk before every step
+    )
+    found = held_models(trainer)
+    assert [id(m) for m in found] == [id(judge), id(critic.backbone), id(wrapped_teacher)]
+
+
+def test_packed_tokens_rebuilt_another_way_are_refused():
+    """A copy of a middle block of the packed row, of one row of several, the row put back together with
+    ``torch.cat``, rebuilt from a list (decoded and encoded again to the same ids), or with a token prepended:
+    the same tokens, no longer the batch's tensor nor a copy of its leading/trailing columns, passed with no
+    error.  Now they are recognized by value and refused where they span two documents; a block within one
+    document (even where the same tokens also cross a boundary elsewhere) and other tokens pass."""
+    from packtools.integrations.trainers.guard import check_packed_ids_forward, packed_loss_inputs
+
+    ids = torch.tensor(
+        [[10, 11, 12, 13, 14, 20, 21, 22, 30, 31, 32, 33], [40, 41, 42, 50, 51, 52, 53, 54, 55, 60, 61, 0]]
+    )
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 0, 1, 2, 3, 4, 5, 0, 1, 2]])
+    batch = {"input_ids": ids, "position_ids": positions}
+    refused = [
+        ids[:, 3:7].clone(),  # the middle of the row: 13, 14 | 20, 21
+        ids[1:, 1:5].clone(),  # one row of two, copied: 41, 42 | 50, 51
+        torch.cat([ids[:, :4], ids[:, 4:]], dim=1),
+        torch.tensor(ids.tolist()),
+        torch.cat([torch.ones(2, 1, dtype=ids.dtype), ids], dim=1),  # a BOS prepended to each row
+        ids[:, 4:9].to(torch.int32),
+        torch.tensor([[13, 14, 20]]),  # a list of the user's own: the first row's tokens across a boundary
+    ]
+    passed = [
+        ids[:, 5:8].clone(),  # within one document in each row (20-22 and 50-52)
+        ids[1:, 3:9].clone(),  # one document of the second row
+        torch.tensor([[99, 10, 11]]),
+        torch.arange(12)[None],
+    ]
+    with packed_loss_inputs(batch, "Mine.compute_loss"):
+        for tokens in refused:
+            with pytest.raises(PackingError, match="Mine.compute_loss called the model"):
+                check_packed_ids_forward((), {"input_ids": tokens})
+        for tokens in passed:
+            check_packed_ids_forward((), {"input_ids": tokens})
+    # the same tokens inside one document of another row too: a forward of them mixes nothing
+    ids2 = torch.cat([ids, torch.tensor([[13, 14, 20, 7, 7, 7, 7, 7, 7, 7, 7, 7]])])
+    pos2 = torch.cat([positions, torch.arange(12)[None]])
+    with packed_loss_inputs({"input_ids": ids2, "position_ids": pos2}, "Mine.compute_loss"):
+        check_packed_ids_forward((), {"input_ids": torch.tensor([[13, 14, 20]])})

@@ -57,10 +57,31 @@ def check_loss_path(trainer: Any) -> None:
             f"know whether {type(trainer).__name__} divides each micro-batch's loss by the accumulation steps; "
             f"packtools handles transformers >= 5.x with that attribute. Upgrade transformers."
         )
-    if getattr(trainer.args, "n_gpu", 1) > 1:
+    refuse_data_parallel(trainer)
+
+
+def refuse_data_parallel(trainer: Any, caller: str = "") -> None:
+    """Refuse a trainer that ``Trainer`` will wrap in ``torch.nn.DataParallel`` (``args.n_gpu > 1``: one process
+    driving several GPUs).  DataParallel chunks every tensor of the batch along dim 0 on its own -- a packed row's
+    ``cu_seq_lens_q`` cut apart from the tokens it describes, a preference row's pairs split -- and runs each replica
+    in a thread of its own, where the check of a ``compute_loss``'s forwards (``guard.packed_loss_inputs``, a
+    ``ContextVar``) is not set: a forward dropping the packed row's positions would pass with no error.
+
+    >>> from types import SimpleNamespace as NS
+    >>> refuse_data_parallel(NS(args=NS(n_gpu=1)))
+    >>> refuse_data_parallel(NS(args=NS(n_gpu=2)), "prepare_trainer")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: prepare_trainer: n_gpu=2: transformers' Trainer wraps the model in torch.nn...
+    """
+    n_gpu = getattr(trainer.args, "n_gpu", 1)
+    if n_gpu > 1:
         raise PackingError(
-            f"n_gpu={trainer.args.n_gpu}: torch.nn.DataParallel splits every batch along dim 0, which cuts a "
-            f"padding-free row's pairs apart. Launch one process per GPU (torchrun / accelerate launch) instead.",
+            f"{caller + ': ' if caller else ''}n_gpu={n_gpu}: transformers' Trainer wraps the model in "
+            f"torch.nn.DataParallel, which splits every batch along dim 0 tensor by tensor (a padding-free row's "
+            f"cu_seq_lens apart from its tokens, a preference row's pairs apart) and runs each replica in a thread "
+            f"where packtools' check of your compute_loss's forwards is off. Launch one process per GPU (torchrun / "
+            f"accelerate launch) instead, or make one GPU visible (CUDA_VISIBLE_DEVICES=0).",
             param="n_gpu",
         )
 

@@ -55,6 +55,7 @@ from ..attention.isolation import ProbeDiffs, autocast_inside, compute_dtype, tr
 from ..attention.mixers import POSITIONLESS_MASKS, run_mixers_per_document
 from ..attention.tree import check_tree_model, use_tree_attention
 from ..multimodal.models import refuse_multimodal
+from ..parallel.distributed import refuse_data_parallel
 from ..trainers.guard import (
     check_forward_inputs,
     check_length_dependent_rope,
@@ -435,6 +436,7 @@ def prepare_grpo_trainer(
     if plan_of(trainer) is not None:
         raise PackingError("prepare_grpo_trainer was already called on this trainer.")
     trl_class, _ = rl_trainer_kind(trainer)
+    refuse_data_parallel(trainer, "prepare_grpo_trainer")
     models = [m for m in (trainer.model, getattr(trainer, "ref_model", None)) if m is not None]
     with all_or_nothing(trainer):
         seq_idx = _check_models(trainer, models)

@@ -43,6 +43,7 @@ from ..attention.mixers import (
 from ..parallel.distributed import sharded_by
 
 _HOOK_ATTR = "_packtools_guard"
+_WATCH_ATTR = "_packtools_watch"  # watch_model's hook
 
 #: ``(batch, owner)`` of the batch whose loss a trainer's own ``compute_loss`` is computing (set by
 #: :func:`packed_loss_inputs` around it), else ``None``: a guarded forward of its packed ``input_ids`` without what
@@ -93,11 +94,41 @@ def _shares_storage(a: Any, b: Any) -> bool:
         return False
 
 
+#: the most elements :func:`_windows_equal` compares at once (candidate windows x their size)
+_COMPARED = 1 << 24
+
+
+def _windows_equal(haystack: Any, needle: Any) -> list[tuple[int, int]]:
+    """Every ``(row, column)`` at which the 2-D ``needle`` equals a window of the 2-D ``haystack`` (same device):
+    candidate corners by the needle's first and last tokens, each candidate then compared whole, in chunks."""
+    import torch
+
+    (big_h, big_w), (h, w) = haystack.shape, needle.shape
+    if not (0 < h <= big_h and 0 < w <= big_w):
+        return []
+    first = haystack[: big_h - h + 1, : big_w - w + 1] == needle[0, 0]
+    first &= haystack[h - 1 :, w - 1 :] == needle[-1, -1]
+    corners = first.nonzero().tolist()  # one host sync
+    windows = haystack.unfold(0, h, 1).unfold(1, w, 1)  # (rows, columns, h, w): a view, nothing copied
+    found: list[tuple[int, int]] = []
+    step = max(1, _COMPARED // (h * w))
+    for i in range(0, len(corners), step):
+        chunk = corners[i : i + step]
+        rows = torch.tensor([r for r, _ in chunk], device=haystack.device)
+        cols = torch.tensor([c for _, c in chunk], device=haystack.device)
+        same = (windows[rows, cols] == needle).flatten(1).all(1).tolist()
+        found.extend((r, c) for (r, c), hit in zip(chunk, same, strict=True) if hit)
+    return found
+
+
 def _batch_positions_of(ids: Any, batch_ids: Any, positions: Any) -> tuple[bool, Any]:
     """``(derived, their_positions)``: whether ``ids`` holds the packed batch's tokens -- its ``input_ids``, a view
-    of them (``ids[:, :-1]``), or a copy of them or of their leading or trailing columns (``.clone()``) -- and then
-    the batch's ``position_ids`` of exactly those tokens (``None`` where they cannot be told: judge the batch).
-    A copy is recognized by its values (one host sync), looked at only for a tensor of a fitting shape."""
+    of them (``ids[:, :-1]``), a copy of them or of any block of rows and columns of them (``.clone()``,
+    ``ids[:, 3:9].clone()``, ``torch.cat`` of pieces that put them back together, tokens decoded and encoded again
+    to the same ids), or a wider row holding the whole batch (a token prepended) -- and then the batch's
+    ``position_ids`` of exactly those tokens (``None`` where they cannot be told: judge the batch).  A copy is
+    recognized by its values (a few host syncs), looked at only for an integer tensor of two dimensions; of several
+    places the copied tokens equal, one within a single document is taken (nothing to separate there)."""
     if ids is batch_ids:
         return True, positions
     same_layout = (
@@ -115,16 +146,23 @@ def _batch_positions_of(ids: Any, batch_ids: Any, positions: Any) -> tuple[bool,
         except (RuntimeError, TypeError):
             return True, None
     try:
-        fits = ids.ndim == batch_ids.ndim == 2 and ids.shape[0] == batch_ids.shape[0]
-        width, total = int(ids.shape[-1]), int(batch_ids.shape[-1])
+        fits = ids.ndim == batch_ids.ndim == 2 and not ids.dtype.is_floating_point and ids.numel() > 0
     except (AttributeError, TypeError):
         return False, None
-    if not fits or not 0 < width <= total:
+    if not fits:
         return False, None
     ids = ids.to(batch_ids.device)
-    for cols in (slice(0, width), slice(total - width, total)):
-        if bool((ids == batch_ids[:, cols]).all()):
-            return True, (positions[:, cols] if same_layout else None)
+    (h, w), (big_h, big_w) = tuple(ids.shape), tuple(batch_ids.shape)
+    if h <= big_h and w <= big_w:  # a block of the batch's tokens
+        places = _windows_equal(batch_ids, ids)
+        if not places:
+            return False, None
+        if not same_layout:
+            return True, None
+        found = [positions[r : r + h, c : c + w] for r, c in places]
+        return True, next((p for p in found if not is_packed({"position_ids": p})), found[0])
+    if h >= big_h and w >= big_w and _windows_equal(ids, batch_ids):  # the whole batch, and more
+        return True, positions if same_layout else None
     return False, None
 
 
@@ -632,7 +670,15 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
     handle = vars(model).get(_HOOK_ATTR)
     if handle is not None:
         return handle
+    hook = _guard_hook(model, check_isolation)
+    owner = model if owner is None else owner
+    handle = forward_pre_hook(model, hook, owner=owner)
+    set_attr(model, _HOOK_ATTR, handle, owner=owner)
+    return handle
 
+
+def _guard_hook(model: Any, check_isolation: bool) -> Any:
+    """:func:`guard_model`'s checks of ``model`` itself (refusing it by name), then its hook."""
     refuse_encoder_decoder(model, "guard_model")
     check_row_pooling(model)  # a leak the probe's short rows cannot measure: refused from the config
     check_recurrent(model)  # its state runs across documents and nothing can split it: refused by type
@@ -676,10 +722,36 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
             kwargs["use_cache"] = False
         return args, kwargs
 
-    owner = model if owner is None else owner
-    handle = forward_pre_hook(model, hook, owner=owner)
-    set_attr(model, _HOOK_ATTR, handle, owner=owner)
-    return handle
+    return hook
+
+
+def watch_model(model: Any, *, owner: Any) -> None:
+    """Guard ``model`` lazily: a model the trainer holds besides the ones packtools prepares (a reward model, a
+    judge, a critic of the user's ``compute_loss``), which may well run only on unpacked inputs of its own.
+
+    Its forwards are checked by :func:`check_packed_ids_forward` (inside a trainer's ``compute_loss``, the packed
+    batch's tokens without what separates their documents are refused), and from its first packed input
+    (:func:`packed_training_input`) on by the whole guard of :func:`guard_model`, the isolation probe included:
+    a model it would refuse is refused then, at that forward, not before -- a model never given a packed row is
+    never refused, and its forwards are left as they are (no ``use_cache`` set) until then.  Nothing is done for
+    a model :func:`guard_model` guards already; the hook is recorded on ``owner`` (``unprepare`` removes it)."""
+    if _HOOK_ATTR in vars(model) or _WATCH_ATTR in vars(model):
+        return
+    full: list[Any] = []  # the guard's hook, built at the first packed input
+
+    def hook(
+        module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if _HOOK_ATTR in vars(module):  # guarded since (guard_model): its guard checks
+            return args, kwargs
+        if not full:
+            check_packed_ids_forward(args, kwargs)
+            if not packed_training_input(kwargs):
+                return args, kwargs
+            full.append(_guard_hook(module, check_isolation=True))
+        return full[0](module, args, kwargs)
+
+    set_attr(model, _WATCH_ATTR, forward_pre_hook(model, hook, owner=owner), owner=owner)
 
 
 def refuse_encoder_decoder(model: Any, caller: str) -> None:

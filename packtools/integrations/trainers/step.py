@@ -34,6 +34,7 @@ from ..attention.backends import base_model
 from ..parallel.distributed import trainer_divides_by_accumulation, uneven_gather
 from ..parallel.layout import RankLayout
 from .guard import UNSHIFTED_LOSS, packed_loss_inputs
+from .held import watch_held_models
 from .loader import train_loader
 from .sft import causal_lm_loss
 from .step_loss import targets_and_documents, token_weights, weighted_token_loss
@@ -242,6 +243,7 @@ class SFTStep(StepOwner):
         self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None
     ) -> Any:
         # a prediction_step of the trainer's own forwards the batch too: its forwards keep positions
+        watch_held_models(self)  # a model set on the trainer since prepare_trainer: checked too
         with packed_loss_inputs(inputs, f"{loss_owner(self, 'prediction_step')}.prediction_step"):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
@@ -253,6 +255,7 @@ class SFTStep(StepOwner):
             inputs = cp_loss_inputs(inputs, plan)
         if plan.loss != "token":
             return _weighted_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        watch_held_models(self)  # a model set on the trainer since prepare_trainer: checked too
         with packed_loss_inputs(inputs, f"{loss_owner(self)}.compute_loss"):  # its forwards keep positions
             result = super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch

@@ -58,10 +58,11 @@ from ..attention.isolation import trainer_autocast
 from ..attention.mixers import run_mixers_per_document
 from ..attention.segmented import SEGMENTED_SDPA
 from ..multimodal.models import check_multimodal_model, check_vision_isolation
-from ..parallel.distributed import is_sharded
+from ..parallel.distributed import is_sharded, refuse_data_parallel
 from ..parallel.layout import check_context_parallel_size, rank_layout
 from .collator_check import check_trainer_collator, probe_collator
 from .guard import guard_model
+from .held import watch_held_models
 from .loader import check_train_loader
 from .rope_rows import check_rope_rows, rows_per_forward
 from .sft import check_sft, is_sft_trainer, keep_packed_columns, refuse_neftune
@@ -298,6 +299,7 @@ def prepare_trainer(
             param="trainer",
         )
     refuse_unknown_trl_step(trainer)
+    refuse_data_parallel(trainer, "prepare_trainer")
     plan = plan_of(trainer)
     if plan is not None:  # idempotent with the same options; other options would stack on the first
         if (plan.max_tokens, plan.loss, plan.layout.cp_size) == (max_tokens, loss, context_parallel or 1):
@@ -380,6 +382,7 @@ def prepare_trainer(
         for model in (trainer.model, *second):
             run_mixers_per_document(model, owner=trainer)  # before the guard: its mixers are then handled
             guard_model(model, owner=trainer, check_isolation=False)
+        watch_held_models(trainer)  # any other model: guarded at its first packed input (held.py)
         with segmented_sdpa_until_checked([trainer.model], segmented_sdpa, owner=trainer) as switched:
             if check_isolation:
                 run_probe(

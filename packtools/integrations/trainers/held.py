@@ -1,0 +1,91 @@
+"""The other models a trainer holds: a ``compute_loss`` of the user's own may forward any of them on the packed
+batch (a reward model, a judge, a critic, a frozen copy kept in a list), and one that drops the batch's
+positions there runs each packed row as one sequence, its documents attending to each other, with no error.
+
+:func:`held_models` finds them by a rule, not by attribute name: every language model (a module whose unwrapped
+model has a ``config`` and input embeddings -- a ``transformers`` model, or a PEFT / DDP / compiled wrapper of
+one) reachable from the trainer's attributes, directly or in a ``list`` / ``tuple`` / ``dict`` (of at most 64
+items, nested at most 3 deep) or a module of the user's own, outermost first; those that are ``trainer.model``, a part of it or a wrapper of it are not others.
+:func:`watch_held_models` guards each lazily (:func:`~.guard.watch_model`): refused only at a forward of packed
+input, never for what it does on inputs of its own.  ``prepare_trainer`` runs it once, and packtools' step before
+each ``compute_loss`` / ``prediction_step`` (a model set on the trainer after ``prepare_trainer`` is seen too).
+A sub-module of ``trainer.model`` called on its own (``self.model.model(...)``, its backbone) is not watched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..._optional import require
+from ..attention.backends import base_model
+from .guard import watch_model
+
+#: how deep containers of the trainer's attributes are looked into (a list of dicts of models: 2), and the
+#: longest looked into (a dataset kept as a list of rows is not walked before every step)
+_DEPTH, _WIDTH = 3, 64
+
+
+def is_language_model(module: Any) -> bool:
+    """Whether ``module`` (unwrapped: :func:`~packtools.integrations.attention.backends.base_model`) is a model
+    with a ``config`` and input embeddings, as ``transformers`` models are; a loss, an embedding table or a head
+    of one's own is not.
+
+    >>> import torch
+    >>> is_language_model(torch.nn.Embedding(4, 2)), is_language_model(torch.nn.CrossEntropyLoss())
+    (False, False)
+    """
+    base = base_model(module)
+    try:
+        return getattr(base, "config", None) is not None and callable(
+            getattr(base, "get_input_embeddings", None)
+        )
+    except Exception:  # noqa: BLE001 - a module of one's own whose attribute lookup raises: not a model
+        return False
+
+
+def _outermost_models(module: Any, torch: Any) -> list[Any]:
+    """The language models in ``module``'s tree that no other language model of it contains."""
+    if is_language_model(module):
+        return [module]
+    found: list[Any] = []
+    for child in module.children():
+        found.extend(_outermost_models(child, torch))
+    return found
+
+
+def held_models(trainer: Any) -> list[Any]:
+    """The language models the trainer's attributes hold other than ``trainer.model`` (see the module
+    docstring), each once, outermost first."""
+    torch = require("torch", "packtools.prepare_trainer")
+    model = getattr(trainer, "model", None)
+    own = {id(m) for m in model.modules()} if isinstance(model, torch.nn.Module) else {id(model)}
+    found: list[Any] = []
+    seen: set[int] = set()
+
+    def visit(value: Any, depth: int) -> None:
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.nn.Module):
+            for candidate in _outermost_models(value, torch):
+                if id(candidate) in own or any(id(m) in own for m in candidate.modules()):
+                    continue  # trainer.model, a part of it, or a wrapper of it (DDP, compiled, PEFT)
+                if all(candidate is not f for f in found):
+                    found.append(candidate)
+        elif depth < _DEPTH and isinstance(value, (list, tuple)) and len(value) <= _WIDTH:
+            for item in value:
+                visit(item, depth + 1)
+        elif depth < _DEPTH and isinstance(value, dict) and len(value) <= _WIDTH:
+            for item in value.values():
+                visit(item, depth + 1)
+
+    for value in list(vars(trainer).values()):
+        visit(value, 0)
+    # a model found under one attribute and, wrapped, under another: the wrapper (outermost) is the one called
+    return [m for m in found if not any(m is not o and any(x is m for x in o.modules()) for o in found)]
+
+
+def watch_held_models(trainer: Any) -> None:
+    """Guard each of :func:`held_models` lazily (:func:`~.guard.watch_model`), recorded on the trainer."""
+    for model in held_models(trainer):
+        watch_model(model, owner=trainer)
