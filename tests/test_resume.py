@@ -61,7 +61,7 @@ def test_skip_first_batches_then_set_epoch_resumes_that_epochs_shuffle(kind):
 
 
 # -- Trainer: a run resumed from its checkpoint against the run straight through ------------------------------
-def launch(out: Path, case: dict, phase: str, nproc: int = 1) -> list:
+def launch(out: Path, case: dict, phase: str, nproc: int = 1, fails: bool = False) -> list | str:
     root = str(HERE.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, str(HERE), os.environ.get("PYTHONPATH", "")]))
     env["OMP_NUM_THREADS"] = "1"
@@ -70,6 +70,9 @@ def launch(out: Path, case: dict, phase: str, nproc: int = 1) -> list:
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     cmd += [str(HERE / "_resume_worker.py"), str(out), json.dumps(case), phase]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if fails:  # the run must stop with an error: its output, to read the message from
+        assert done.returncode != 0, "the run did not fail"
+        return done.stdout + done.stderr
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return torch.load(out / f"{phase}.pt", weights_only=False)
 
@@ -116,3 +119,17 @@ def test_resumed_trainer_trains_what_the_straight_run_trains(tmp_path, name):
     resumed[0]["steps"] = [(steps[0][0], steps[1][1]), (steps[1][0], steps[0][1]), *steps[2:]]
     with pytest.raises(AssertionError):
         assert_resumed_like_straight(full, resumed, case["k"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("saved", "resumed"), [(2, 1), (1, 2)])
+def test_resuming_under_another_process_count_is_refused_by_name(tmp_path, saved, resumed):
+    """Trainer resumes by the step count alone, skipping that many batches of the epoch laid out for the new
+    process count; packtools' batches depend on it, so under another count (token budget, 64 documents, saved
+    4 steps in) rows of the interrupted epoch were silently trained twice (2 -> 1: 32 of 64 documents trained
+    3 or 4 times in 2 epochs) or never (1 -> 2: 26 documents trained once).  Refused, naming both counts."""
+    case = {"data": "rows", "prepare": {"max_tokens": 64}, "k": 2, "n": 64, "max_steps": 3}
+    launch(tmp_path, case, "full", saved)
+    out = launch(tmp_path, case, "resume", resumed, fails=True)
+    assert f"saved under {saved} process(es) ({saved} data-parallel)" in out, out[-3000:]
+    assert f"resumed under {resumed} process(es)" in out and "--nproc_per_node" in out
