@@ -133,3 +133,13 @@ def test_resuming_under_another_process_count_is_refused_by_name(tmp_path, saved
     out = launch(tmp_path, case, "resume", resumed, fails=True)
     assert f"saved under {saved} process(es) ({saved} data-parallel)" in out, out[-3000:]
     assert f"resumed under {resumed} process(es)" in out and "--nproc_per_node" in out
+
+
+@pytest.mark.slow
+def test_resuming_with_another_token_budget_is_refused_by_name(tmp_path):
+    """A lower max_tokens after an out-of-memory error: Trainer skips the saved step count of smaller batches,
+    so rows of the interrupted epoch were trained again, silently.  Refused, naming the saved and new budget."""
+    case = {"data": "rows", "prepare": {"max_tokens": 64}, "k": 2, "max_steps": 3}
+    launch(tmp_path, case, "full")
+    out = launch(tmp_path, {**case, "resume_prepare": {"max_tokens": 32}}, "resume", fails=True)
+    assert "saved with max_tokens=64 (now 32)" in out, out[-3000:]

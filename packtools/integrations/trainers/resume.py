@@ -8,8 +8,9 @@ interrupted epoch would be trained twice and others skipped, without an error.
 
 :func:`save_layout` writes the layout of the run into every checkpoint (``packtools_layout.json``, by the
 processes that save); :func:`check_resume` compares it with the resuming run's before ``Trainer`` loads
-anything and refuses a change, naming both and the fix.  A checkpoint without the file (not saved by a
-prepared trainer) is not checked.
+anything and refuses a change, naming both and the fix.  The token budget, the rows per batch and the
+accumulation steps are recorded and compared too: a change of any of them moves the batches ``Trainer`` skips
+in the same way.  A checkpoint without the file (not saved by a prepared trainer) is not checked.
 """
 
 from __future__ import annotations
@@ -24,17 +25,26 @@ from ...errors import PackingError
 LAYOUT_FILE = "packtools_layout.json"
 
 
-def run_layout(trainer: Any, layout: Any) -> dict[str, int]:
-    """The process layout the training batches depend on: processes and data-parallel processes.
+def run_layout(trainer: Any, layout: Any, max_tokens: int | None) -> dict[str, Any]:
+    """What the training batches and ``Trainer``'s step-count skip depend on: the processes, the data-parallel
+    processes, the token budget (or the rows per batch without one) and the accumulation steps.
 
     >>> from types import SimpleNamespace as N
-    >>> run_layout(N(args=N(world_size=4)), N(dp_size=2))
-    {'processes': 4, 'data_parallel': 2}
+    >>> args = N(world_size=4, per_device_train_batch_size=2, gradient_accumulation_steps=1)
+    >>> run_layout(N(args=args), N(dp_size=2), None)
+    {'processes': 4, 'data_parallel': 2, 'max_tokens': None, 'rows_per_batch': 2, 'accumulation': 1}
     """
-    return {"processes": max(int(trainer.args.world_size), 1), "data_parallel": int(layout.dp_size)}
+    args = trainer.args
+    return {
+        "processes": max(int(args.world_size), 1),
+        "data_parallel": int(layout.dp_size),
+        "max_tokens": max_tokens,
+        "rows_per_batch": int(args.per_device_train_batch_size) if max_tokens is None else None,
+        "accumulation": int(args.gradient_accumulation_steps),
+    }
 
 
-def save_layout(folder: str, layout: dict[str, int]) -> None:
+def save_layout(folder: str, layout: dict[str, Any]) -> None:
     """Write ``layout`` into checkpoint ``folder`` (a temporary file renamed, so a reader sees all or none)."""
     if not os.path.isdir(folder):
         return
@@ -57,33 +67,46 @@ def checkpoint_folder(trainer: Any, resume_from_checkpoint: Any) -> str | None:
     return str(resume_from_checkpoint)
 
 
-def check_resume(folder: str | None, current: dict[str, int]) -> None:
+def check_resume(folder: str | None, current: dict[str, Any]) -> None:
     """Refuse to resume from checkpoint ``folder`` if the layout it recorded differs from ``current``."""
     path = os.path.join(folder, LAYOUT_FILE) if folder else None
     if path is None or not os.path.isfile(path):
         return
     with open(path) as f:
         saved = json.load(f)
-    if saved == current:
+    changed = {key: (saved.get(key), value) for key, value in current.items() if saved.get(key) != value}
+    if not changed:
         return
-    what = _layout_words
+    fix = (
+        "start a new run from the checkpoint's weights (from_pretrained of the checkpoint folder, without "
+        "resume_from_checkpoint)."
+    )
+    if "processes" in changed or "data_parallel" in changed:
+        raise PackingError(
+            f"resume_from_checkpoint={folder!r} was saved under {_processes(saved)} and is resumed under "
+            f"{_processes(current)}: packtools' batches of an epoch depend on the number of data-parallel "
+            f"processes, and Trainer skips the saved number of steps of the epoch laid out for the new count, so "
+            f"rows of the interrupted epoch would be trained twice and others never (and the epoch count would "
+            f"be off). Resume under {saved.get('processes')} process(es) with the same parallel layout (torchrun "
+            f"--nproc_per_node {saved.get('processes')}); to go on under another count, " + fix,
+            param="resume_from_checkpoint",
+        )
+    names = {"max_tokens": "max_tokens", "rows_per_batch": "per_device_train_batch_size"}
+    names["accumulation"] = "gradient_accumulation_steps"
+    said = ", ".join(f"{names.get(k, k)}={old} (now {new})" for k, (old, new) in changed.items())
     raise PackingError(
-        f"resume_from_checkpoint={folder!r} was saved under {what(saved)} and is resumed under {what(current)}: "
-        f"packtools' batches of an epoch depend on the number of data-parallel processes, and Trainer skips "
-        f"the saved number of steps of the epoch laid out for the new count, so rows of the interrupted epoch "
-        f"would be trained twice and others never (and the epoch count would be off). Resume under "
-        f"{saved.get('processes')} process(es) with the same parallel layout (torchrun --nproc_per_node "
-        f"{saved.get('processes')}); to go on under another count, start a new run from the checkpoint's "
-        f"weights (from_pretrained of the checkpoint folder, without resume_from_checkpoint).",
+        f"resume_from_checkpoint={folder!r} was saved with {said}: Trainer skips the saved number of steps of "
+        f"batches laid out with the new setting, so rows of the interrupted epoch would be trained twice and "
+        f"others never. Resume with the saved setting, or " + fix,
         param="resume_from_checkpoint",
     )
 
 
-def _layout_words(layout: dict[str, int]) -> str:
+def _processes(layout: dict[str, Any]) -> str:
     return f"{layout.get('processes')} process(es) ({layout.get('data_parallel')} data-parallel)"
 
 
-def layout_saver(layout: dict[str, int]) -> Any:
+def layout_saver(layout: dict[str, Any]) -> Any:
     """A ``TrainerCallback`` that writes ``layout`` into each checkpoint folder ``Trainer`` saves."""
     from transformers import TrainerCallback
 

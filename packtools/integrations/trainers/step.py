@@ -162,7 +162,8 @@ class StepOwner:
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``, refusing to resume under another process layout than the checkpoint's and
         recording this run's layout in each checkpoint it saves (:mod:`~packtools.integrations.trainers.resume`)."""
-        layout = run_layout(self, _plan(self).layout)
+        plan = _plan(self)
+        layout = run_layout(self, plan.layout, plan.max_tokens)
         check_resume(checkpoint_folder(self, resume_from_checkpoint), layout)
         saver = layout_saver(layout)
         self.add_callback(saver)
