@@ -105,6 +105,26 @@ CASES = {
     "sft_epoch_boundary": ({"trainer": "sft", "data": "rows", "prepare": {}, "k": 5}, 1),
     # two processes, token budget, one step into epoch 1
     "budget_two_processes": ({"data": "rows", "prepare": {"max_tokens": 64}, "k": 4, "n": 64}, 2),
+    # rows of a packed_view (gathered by ArrowCollator), token budget, mid-epoch 0
+    "packed_view": ({"data": "view", "prepare": {"max_tokens": 64}, "k": 6}, 1),
+    # TRL's DPOTrainer with prepare_dpo_trainer, unpacked pairs by token budget, two processes, mid-epoch 0
+    "dpo_two_processes": (
+        {"trainer": "dpo", "data": "plain", "prepare": {"max_tokens": 128}, "k": 3, "n": 32, "pieces": True},
+        2,
+    ),
+    # context parallelism: 2 processes, each row split over both (its pieces recorded), accumulation 2
+    "context_parallel": (
+        {"data": "rows", "prepare": {"context_parallel": 2}, "k": 3, "pieces": True, "tokens_seen": "no"},
+        2,
+    ),
+    # TRL's RewardTrainer with prepare_reward_trainer, packed pairs by token budget, two processes
+    "reward_two_processes": (
+        {
+            **{"trainer": "reward", "data": "plain", "packed_pairs": True},
+            **{"prepare": {"max_tokens": 160}, "k": 3, "n": 32, "pieces": True},
+        },
+        2,
+    ),
 }
 
 
