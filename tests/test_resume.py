@@ -163,3 +163,29 @@ def test_resuming_with_another_token_budget_is_refused_by_name(tmp_path):
     launch(tmp_path, case, "full")
     out = launch(tmp_path, {**case, "resume_prepare": {"max_tokens": 32}}, "resume", fails=True)
     assert "saved with max_tokens=64 (now 32)" in out, out[-3000:]
+
+
+def test_the_layout_record_of_the_last_checkpoint_is_what_resume_true_checks(tmp_path):
+    """``resume_from_checkpoint=True`` resumes from the last ``checkpoint-N`` of ``output_dir``: its record is
+    the one compared; the same layout passes, another is refused, a checkpoint without a record is not checked."""
+    from types import SimpleNamespace
+
+    from packtools.errors import PackingError
+    from packtools.integrations.trainers.resume import check_resume, checkpoint_folder, save_layout
+
+    layout = {"processes": 2, "data_parallel": 2, "max_tokens": 64, "rows_per_batch": None, "accumulation": 2}
+    for step in (5, 10):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    save_layout(str(tmp_path / "checkpoint-5"), {**layout, "processes": 1, "data_parallel": 1})
+    save_layout(str(tmp_path / "checkpoint-10"), layout)
+    trainer = SimpleNamespace(args=SimpleNamespace(output_dir=str(tmp_path)))
+    last = checkpoint_folder(trainer, True)
+    assert last == str(tmp_path / "checkpoint-10") and checkpoint_folder(trainer, None) is None
+    check_resume(last, layout)
+    with pytest.raises(
+        PackingError, match=r"saved under 2 process\(es\) \(2 data-parallel\).*under 1 process"
+    ):
+        check_resume(last, {**layout, "processes": 1, "data_parallel": 1})
+    with pytest.raises(PackingError, match=r"gradient_accumulation_steps=2 \(now 4\)"):
+        check_resume(last, {**layout, "accumulation": 4})
+    check_resume(str(tmp_path), {**layout, "processes": 8})  # no record: not checked
