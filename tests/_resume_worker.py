@@ -7,7 +7,7 @@ with ``packed_sft_config``), ``collator`` (``flat``: transformers' ``DataCollato
 (an ``IterableDataset``), ``k``, ``save_every``, ``bs``, ``ga``, ``epochs``, ``max_steps``, ``dropout``,
 ``ignore_data_skip``, ``sampling``, ``workers``, ``resume_prepare`` (``prepare`` of the resumed run),
 ``pieces`` (a piece that is no whole document, a CP shard's or a DPO sequence's, gets a number of its own),
-``tokens_seen``, ``trainer`` ``dpo`` / ``reward`` (TRL's, on text pairs, ``packed_pairs``), ``data`` ``view``
+``tokens_seen``, ``trainer`` ``dpo`` / ``reward`` / ``kto`` (TRL's, on text pairs, ``packed_pairs``), ``data`` ``view``
 (a ``packed_view``); ``PHASE`` is ``full`` (train ``epochs`` epochs, saving a checkpoint
 every ``k`` optimizer steps) or ``resume`` (a new model and trainer, resumed from ``OUT/checkpoint-K``).  Each rank
 records, per optimizer step, the documents every micro-batch trained on (read from the ``input_ids`` and
@@ -88,10 +88,10 @@ def build(case: dict):
 
 def train_args(out: str, case: dict, **extra):
     make = transformers.TrainingArguments
-    if case.get("trainer") in ("dpo", "reward"):
+    if case.get("trainer") in ("dpo", "reward", "kto"):
         import trl
 
-        make = trl.DPOConfig if case["trainer"] == "dpo" else trl.RewardConfig
+        make = {"dpo": trl.DPOConfig, "reward": trl.RewardConfig, "kto": trl.KTOConfig}[case["trainer"]]
     if case.get("trainer") == "sft":
         from packtools.integrations import packed_sft_config
 
@@ -114,7 +114,7 @@ def train_args(out: str, case: dict, **extra):
         ignore_data_skip=case.get("ignore_data_skip", False),
         train_sampling_strategy=case.get("sampling", "random"),
         remove_unused_columns=case.get("prepare") is not None
-        and case.get("trainer") not in ("dpo", "reward"),
+        and case.get("trainer") not in ("dpo", "reward", "kto"),
         max_steps=case.get("max_steps", -1),
         dataloader_num_workers=case.get("workers", 0),
         dataloader_persistent_workers=bool(case.get("workers")),
@@ -164,9 +164,25 @@ def run(out: str, case: dict, phase: str) -> dict:
 
             packed = pack_preference(trainer.train_dataset, case.get("max_length", 64))
         prepare_dpo_trainer(trainer, train_dataset=packed, **case["prepare"])
-    elif (
-        case.get("trainer") == "reward"
-    ):  # TRL's RewardTrainer (a sequence classifier) on text pairs, margins
+    elif case.get("trainer") == "kto":
+        # TRL's KTOTrainer on prompt/completion/label rows, a reference model of other weights
+        import trl
+        from _hf_models import tiny_preference_model
+        from test_kto import examples
+
+        from packtools.integrations import prepare_kto_trainer
+
+        model = tiny_preference_model("llama", "sdpa", seed=0)
+        trainer = trl.KTOTrainer(
+            model,
+            ref_model=tiny_preference_model("llama", "sdpa", seed=1),
+            args=args,
+            train_dataset=datasets.Dataset.from_list(examples(case.get("n", 24))),
+            processing_class=word_tokenizer(),
+        )
+        prepare_kto_trainer(trainer, **case["prepare"])
+    elif case.get("trainer") == "reward":
+        # TRL's RewardTrainer (a sequence classifier) on text pairs, margins
         import trl
         from _hf_models import text_pairs, tiny_preference_model
 
@@ -182,8 +198,9 @@ def run(out: str, case: dict, phase: str) -> dict:
             packed = pack_reward_pairs(trainer.train_dataset, case.get("max_length", 80))
         prepare_reward_trainer(trainer, packed, **case["prepare"])
     else:
+        assert case.get("trainer") is None, case["trainer"]  # a name the worker does not build
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=collator)
-    if case.get("prepare") is not None and case.get("trainer") not in ("dpo", "reward"):
+    if case.get("prepare") is not None and case.get("trainer") not in ("dpo", "reward", "kto"):
         prepare_trainer(trainer, **case.get(f"{phase}_prepare", case["prepare"]))
     trace = Trace(model, docs, pieces=case.get("pieces", False))
     trainer.add_callback(trace)

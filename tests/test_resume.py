@@ -109,7 +109,28 @@ CASES = {
     "packed_view": ({"data": "view", "prepare": {"max_tokens": 64}, "k": 6}, 1),
     # TRL's DPOTrainer with prepare_dpo_trainer, unpacked pairs by token budget, two processes, mid-epoch 0
     "dpo_two_processes": (
-        {"trainer": "dpo", "data": "plain", "prepare": {"max_tokens": 128}, "k": 3, "n": 32, "pieces": True},
+        {
+            "trainer": "dpo",
+            "data": "plain",
+            "prepare": {"max_tokens": 128},
+            "k": 3,
+            "n": 32,
+            "pieces": True,
+            "ga": 1,
+        },
+        2,
+    ),
+    # TRL's KTOTrainer with prepare_kto_trainer (TRL's own loader, which KTO's loss wants sequential), two processes
+    "kto_two_processes": (
+        {
+            "trainer": "kto",
+            "data": "plain",
+            "prepare": {},
+            "k": 2,
+            "n": 24,
+            "pieces": True,
+            "sampling": "sequential",
+        },
         2,
     ),
     # context parallelism: 2 processes, each row split over both (its pieces recorded), accumulation 2
@@ -121,7 +142,7 @@ CASES = {
     "reward_two_processes": (
         {
             **{"trainer": "reward", "data": "plain", "packed_pairs": True},
-            **{"prepare": {"max_tokens": 160}, "k": 3, "n": 32, "pieces": True},
+            **{"prepare": {"max_tokens": 160}, "k": 3, "n": 32, "pieces": True, "ga": 1},
         },
         2,
     ),
