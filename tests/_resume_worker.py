@@ -5,7 +5,10 @@ a JSON object of options: ``data`` (``rows``: ``pack_dataset`` output, ``plain``
 ``prepare`` (``prepare_trainer``'s options, ``null``: not prepared), ``trainer`` (``sft``: TRL's ``SFTTrainer``
 with ``packed_sft_config``), ``collator`` (``flat``: transformers' ``DataCollatorWithFlattening``), ``stream``
 (an ``IterableDataset``), ``k``, ``save_every``, ``bs``, ``ga``, ``epochs``, ``max_steps``, ``dropout``,
-``ignore_data_skip``, ``sampling``, ``workers``; ``PHASE`` is ``full`` (train ``epochs`` epochs, saving a checkpoint
+``ignore_data_skip``, ``sampling``, ``workers``, ``resume_prepare`` (``prepare`` of the resumed run),
+``pieces`` (a piece that is no whole document, a CP shard's or a DPO sequence's, gets a number of its own),
+``tokens_seen``, ``trainer`` ``dpo`` / ``reward`` / ``kto`` (TRL's, on text pairs, ``packed_pairs``), ``data`` ``view``
+(a ``packed_view``); ``PHASE`` is ``full`` (train ``epochs`` epochs, saving a checkpoint
 every ``k`` optimizer steps) or ``resume`` (a new model and trainer, resumed from ``OUT/checkpoint-K``).  Each rank
 records, per optimizer step, the documents every micro-batch trained on (read from the ``input_ids`` and
 ``position_ids`` the model's forward received, so skipped batches and the collator check are not counted), and
@@ -24,14 +27,15 @@ import torch
 import transformers
 from _hf_models import PAD, sequences, tiny_config, tiny_llama, word_tokenizer
 
-from packtools import PaddingFreeCollator, pack_dataset, prepare_trainer
+from packtools import PaddingFreeCollator, pack_dataset, packed_view, prepare_trainer
+from packtools.batches import ArrowCollator
 
 
 class Trace(transformers.TrainerCallback):
     """The documents of every micro-batch the model ran forward on, grouped by optimizer step."""
 
-    def __init__(self, model, docs):
-        self.docs, self.current, self.steps = docs, [], []
+    def __init__(self, model, docs, pieces=False):
+        self.docs, self.pieces, self.current, self.steps = docs, pieces, [], []
         model.register_forward_pre_hook(self.hook, with_kwargs=True)
 
     def hook(self, module, args, kwargs):
@@ -43,7 +47,10 @@ class Trace(transformers.TrainerCallback):
             row, p = ids[r].tolist(), (pos[r].tolist() if pos is not None else [0] + [1] * (ids.shape[1] - 1))
             starts = [i for i, x in enumerate(p) if x == 0] + [len(row)]
             for a, b in zip(starts, starts[1:]):
-                batch.append(self.docs.get(tuple(row[a:b]), -1))  # -1: padding or an unknown piece
+                piece = tuple(row[a:b])
+                # -1: padding or an unknown piece; with pieces (a CP shard, a DPO sequence): a number of its own
+                known = self.docs.get(piece, -1)
+                batch.append(known if known >= 0 or not self.pieces else 10**6 + hash(piece) % 10**9)
         self.current.append(batch)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -61,20 +68,30 @@ def build(case: dict):
         plain = plain.to_iterable_dataset(num_shards=4)
         if case.get("stream_shuffle"):
             plain = plain.shuffle(seed=5, buffer_size=8)
-    data = (
-        plain
-        if case["data"] == "plain"
-        else pack_dataset(plain, case.get("max_length", 32), **({"window": 16} if case.get("stream") else {}))
-    )
+    if case["data"] == "plain":
+        data = plain
+    elif case["data"] == "view":  # packed rows gathered on demand from the dataset's Arrow buffers
+        data = packed_view(plain, case.get("max_length", 32))
+    else:
+        extra = {"window": 16} if case.get("stream") else {}
+        if (case.get("prepare") or {}).get("context_parallel"):  # rows padded for the CP split
+            extra["context_parallel"] = case["prepare"]["context_parallel"]
+        data = pack_dataset(plain, case.get("max_length", 32), **extra)
     if case.get("collator", "pf") == "flat":
         collator = transformers.DataCollatorWithFlattening(return_position_ids=True)
     else:
         collator = PaddingFreeCollator(PAD, unpacked=case["data"] == "plain")
+    if case["data"] == "view":
+        collator = ArrowCollator(data, collator)
     return docs, data, collator
 
 
 def train_args(out: str, case: dict, **extra):
     make = transformers.TrainingArguments
+    if case.get("trainer") in ("dpo", "reward", "kto"):
+        import trl
+
+        make = {"dpo": trl.DPOConfig, "reward": trl.RewardConfig, "kto": trl.KTOConfig}[case["trainer"]]
     if case.get("trainer") == "sft":
         from packtools.integrations import packed_sft_config
 
@@ -93,10 +110,11 @@ def train_args(out: str, case: dict, **extra):
         use_cpu=True,
         logging_steps=1,
         disable_tqdm=True,
-        include_num_input_tokens_seen="all",
+        include_num_input_tokens_seen=case.get("tokens_seen", "all"),
         ignore_data_skip=case.get("ignore_data_skip", False),
         train_sampling_strategy=case.get("sampling", "random"),
-        remove_unused_columns=case.get("prepare") is not None,
+        remove_unused_columns=case.get("prepare") is not None
+        and case.get("trainer") not in ("dpo", "reward", "kto"),
         max_steps=case.get("max_steps", -1),
         dataloader_num_workers=case.get("workers", 0),
         dataloader_persistent_workers=bool(case.get("workers")),
@@ -126,11 +144,65 @@ def run(out: str, case: dict, phase: str) -> dict:
         from trl import SFTTrainer
 
         trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=word_tokenizer())
+    elif case.get("trainer") == "dpo":  # TRL's DPOTrainer on text pairs, a reference model of other weights
+        import trl
+        from _hf_models import text_pairs, tiny_preference_model
+
+        from packtools import prepare_dpo_trainer
+
+        model = tiny_preference_model("llama", "sdpa", seed=0)
+        trainer = trl.DPOTrainer(
+            model,
+            ref_model=tiny_preference_model("llama", "sdpa", seed=1),
+            args=args,
+            train_dataset=datasets.Dataset.from_list(text_pairs(case.get("n", 24))),
+            processing_class=word_tokenizer(),
+        )
+        packed = None
+        if case.get("packed_pairs"):
+            from packtools.dpo import pack_preference
+
+            packed = pack_preference(trainer.train_dataset, case.get("max_length", 64))
+        prepare_dpo_trainer(trainer, train_dataset=packed, **case["prepare"])
+    elif case.get("trainer") == "kto":
+        # TRL's KTOTrainer on prompt/completion/label rows, a reference model of other weights
+        import trl
+        from _hf_models import tiny_preference_model
+        from test_kto import examples
+
+        from packtools.integrations import prepare_kto_trainer
+
+        model = tiny_preference_model("llama", "sdpa", seed=0)
+        trainer = trl.KTOTrainer(
+            model,
+            ref_model=tiny_preference_model("llama", "sdpa", seed=1),
+            args=args,
+            train_dataset=datasets.Dataset.from_list(examples(case.get("n", 24))),
+            processing_class=word_tokenizer(),
+        )
+        prepare_kto_trainer(trainer, **case["prepare"])
+    elif case.get("trainer") == "reward":
+        # TRL's RewardTrainer (a sequence classifier) on text pairs, margins
+        import trl
+        from _hf_models import text_pairs, tiny_preference_model
+
+        from packtools.integrations.preference.reward import prepare_reward_trainer
+
+        model = tiny_preference_model("llama", "sdpa", seed=0, num_labels=1)
+        pairs = datasets.Dataset.from_list(text_pairs(case.get("n", 24), margin=True))
+        trainer = trl.RewardTrainer(model, args=args, train_dataset=pairs, processing_class=word_tokenizer())
+        packed = None
+        if case.get("packed_pairs"):
+            from packtools.integrations.preference.data import pack_reward_pairs
+
+            packed = pack_reward_pairs(trainer.train_dataset, case.get("max_length", 80))
+        prepare_reward_trainer(trainer, packed, **case["prepare"])
     else:
+        assert case.get("trainer") is None, case["trainer"]  # a name the worker does not build
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=collator)
-    if case.get("prepare") is not None:
-        prepare_trainer(trainer, **case["prepare"])
-    trace = Trace(model, docs)
+    if case.get("prepare") is not None and case.get("trainer") not in ("dpo", "reward", "kto"):
+        prepare_trainer(trainer, **case.get(f"{phase}_prepare", case["prepare"]))
+    trace = Trace(model, docs, pieces=case.get("pieces", False))
     trainer.add_callback(trace)
     resume = os.path.join(out, f"checkpoint-{case['k']}") if phase == "resume" else None
     trainer.train(resume_from_checkpoint=resume)

@@ -61,7 +61,7 @@ def test_skip_first_batches_then_set_epoch_resumes_that_epochs_shuffle(kind):
 
 
 # -- Trainer: a run resumed from its checkpoint against the run straight through ------------------------------
-def launch(out: Path, case: dict, phase: str, nproc: int = 1) -> list:
+def launch(out: Path, case: dict, phase: str, nproc: int = 1, fails: bool = False) -> list | str:
     root = str(HERE.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, str(HERE), os.environ.get("PYTHONPATH", "")]))
     env["OMP_NUM_THREADS"] = "1"
@@ -70,6 +70,9 @@ def launch(out: Path, case: dict, phase: str, nproc: int = 1) -> list:
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     cmd += [str(HERE / "_resume_worker.py"), str(out), json.dumps(case), phase]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if fails:  # the run must stop with an error: its output, to read the message from
+        assert done.returncode != 0, "the run did not fail"
+        return done.stdout + done.stderr
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return torch.load(out / f"{phase}.pt", weights_only=False)
 
@@ -102,6 +105,47 @@ CASES = {
     "sft_epoch_boundary": ({"trainer": "sft", "data": "rows", "prepare": {}, "k": 5}, 1),
     # two processes, token budget, one step into epoch 1
     "budget_two_processes": ({"data": "rows", "prepare": {"max_tokens": 64}, "k": 4, "n": 64}, 2),
+    # rows of a packed_view (gathered by ArrowCollator), token budget, mid-epoch 0
+    "packed_view": ({"data": "view", "prepare": {"max_tokens": 64}, "k": 6}, 1),
+    # TRL's DPOTrainer with prepare_dpo_trainer, unpacked pairs by token budget, two processes, mid-epoch 0
+    "dpo_two_processes": (
+        {
+            "trainer": "dpo",
+            "data": "plain",
+            "prepare": {"max_tokens": 128},
+            "k": 3,
+            "n": 32,
+            "pieces": True,
+            "ga": 1,
+        },
+        2,
+    ),
+    # TRL's KTOTrainer with prepare_kto_trainer (TRL's own loader, which KTO's loss wants sequential), two processes
+    "kto_two_processes": (
+        {
+            "trainer": "kto",
+            "data": "plain",
+            "prepare": {},
+            "k": 2,
+            "n": 24,
+            "pieces": True,
+            "sampling": "sequential",
+        },
+        2,
+    ),
+    # context parallelism: 2 processes, each row split over both (its pieces recorded), accumulation 2
+    "context_parallel": (
+        {"data": "rows", "prepare": {"context_parallel": 2}, "k": 3, "pieces": True, "tokens_seen": "no"},
+        2,
+    ),
+    # TRL's RewardTrainer with prepare_reward_trainer, packed pairs by token budget, two processes
+    "reward_two_processes": (
+        {
+            **{"trainer": "reward", "data": "plain", "packed_pairs": True},
+            **{"prepare": {"max_tokens": 160}, "k": 3, "n": 32, "pieces": True, "ga": 1},
+        },
+        2,
+    ),
 }
 
 
@@ -116,3 +160,53 @@ def test_resumed_trainer_trains_what_the_straight_run_trains(tmp_path, name):
     resumed[0]["steps"] = [(steps[0][0], steps[1][1]), (steps[1][0], steps[0][1]), *steps[2:]]
     with pytest.raises(AssertionError):
         assert_resumed_like_straight(full, resumed, case["k"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("saved", "resumed"), [(2, 1), (1, 2)])
+def test_resuming_under_another_process_count_is_refused_by_name(tmp_path, saved, resumed):
+    """Trainer resumes by the step count alone, skipping that many batches of the epoch laid out for the new
+    process count; packtools' batches depend on it, so under another count (token budget, 64 documents, saved
+    4 steps in) rows of the interrupted epoch were silently trained twice (2 -> 1: 32 of 64 documents trained
+    3 or 4 times in 2 epochs) or never (1 -> 2: 26 documents trained once).  Refused, naming both counts."""
+    case = {"data": "rows", "prepare": {"max_tokens": 64}, "k": 2, "n": 64, "max_steps": 3}
+    launch(tmp_path, case, "full", saved)
+    out = launch(tmp_path, case, "resume", resumed, fails=True)
+    assert f"saved under {saved} process(es) ({saved} data-parallel)" in out, out[-3000:]
+    assert f"resumed under {resumed} process(es)" in out and "--nproc_per_node" in out
+
+
+@pytest.mark.slow
+def test_resuming_with_another_token_budget_is_refused_by_name(tmp_path):
+    """A lower max_tokens after an out-of-memory error: Trainer skips the saved step count of smaller batches,
+    so rows of the interrupted epoch were trained again, silently.  Refused, naming the saved and new budget."""
+    case = {"data": "rows", "prepare": {"max_tokens": 64}, "k": 2, "max_steps": 3}
+    launch(tmp_path, case, "full")
+    out = launch(tmp_path, {**case, "resume_prepare": {"max_tokens": 32}}, "resume", fails=True)
+    assert "saved with max_tokens=64 (now 32)" in out, out[-3000:]
+
+
+def test_the_layout_record_of_the_last_checkpoint_is_what_resume_true_checks(tmp_path):
+    """``resume_from_checkpoint=True`` resumes from the last ``checkpoint-N`` of ``output_dir``: its record is
+    the one compared; the same layout passes, another is refused, a checkpoint without a record is not checked."""
+    from types import SimpleNamespace
+
+    from packtools.errors import PackingError
+    from packtools.integrations.trainers.resume import check_resume, checkpoint_folder, save_layout
+
+    layout = {"processes": 2, "data_parallel": 2, "max_tokens": 64, "rows_per_batch": None, "accumulation": 2}
+    for step in (5, 10):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    save_layout(str(tmp_path / "checkpoint-5"), {**layout, "processes": 1, "data_parallel": 1})
+    save_layout(str(tmp_path / "checkpoint-10"), layout)
+    trainer = SimpleNamespace(args=SimpleNamespace(output_dir=str(tmp_path)))
+    last = checkpoint_folder(trainer, True)
+    assert last == str(tmp_path / "checkpoint-10") and checkpoint_folder(trainer, None) is None
+    check_resume(last, layout)
+    with pytest.raises(
+        PackingError, match=r"saved under 2 process\(es\) \(2 data-parallel\).*under 1 process"
+    ):
+        check_resume(last, {**layout, "processes": 1, "data_parallel": 1})
+    with pytest.raises(PackingError, match=r"gradient_accumulation_steps=2 \(now 4\)"):
+        check_resume(last, {**layout, "accumulation": 4})
+    check_resume(str(tmp_path), {**layout, "processes": 8})  # no record: not checked

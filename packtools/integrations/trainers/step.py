@@ -36,6 +36,7 @@ from ..parallel.layout import RankLayout
 from .guard import UNSHIFTED_LOSS, packed_loss_inputs
 from .held import watch_held_models
 from .loader import train_loader
+from .resume import check_resume, checkpoint_folder, layout_saver, run_layout
 from .sft import causal_lm_loss
 from .step_loss import targets_and_documents, token_weights, weighted_token_loss
 
@@ -158,6 +159,19 @@ class StepOwner:
     def get_train_dataloader(self) -> Any:
         plan = _plan(self)
         return train_loader(self, plan.max_tokens, plan.layout, super().get_train_dataloader)
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``, refusing to resume under another process layout than the checkpoint's and
+        recording this run's layout in each checkpoint it saves (:mod:`~packtools.integrations.trainers.resume`)."""
+        plan = _plan(self)
+        layout = run_layout(self, plan.layout, plan.max_tokens)
+        check_resume(checkpoint_folder(self, resume_from_checkpoint), layout)
+        saver = layout_saver(layout)
+        self.add_callback(saver)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self.remove_callback(saver)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         refuse_under_cp(self, "evaluate()")
