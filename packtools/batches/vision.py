@@ -19,7 +19,7 @@ import numpy as np
 
 from .._optional import require
 from ..compat.transformers import attn_implementation
-from ..constants import IGNORE_INDEX, IMAGE_COLUMNS
+from ..constants import IGNORE_INDEX, IMAGE_COLUMNS, VIDEO_COLUMNS
 from ..errors import PackingError
 from .collate import PaddingFreeCollator, to_tensors
 from .flatten import CARRIED_KEYS, check_carried, check_leave_out, flatten_rows
@@ -28,10 +28,6 @@ from .mrope import MropeSpec, check_grid, document_positions, image_token_runs
 #: The per-row image columns this collator consumes (everything else goes to the text collator; Gemma 3's
 #: ``token_type_ids`` too, :func:`image_columns`).
 VISION_COLUMNS = (*IMAGE_COLUMNS, "mm_token_type_ids")
-
-#: The processors' video columns: refused by name (videos are not verified; see :mod:`.mrope`), even when
-#: ``leave_out`` lists them, since a video's tokens without its pixels would train on placeholders.
-VIDEO_COLUMNS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "video_metadata")
 
 
 def image_columns(spec: MropeSpec) -> tuple[str, ...]:
