@@ -476,3 +476,30 @@ def test_text_only_forward_with_zero_token_type_ids_equals_documents_alone(impl,
         pixels = torch.zeros(1, 3, 56, 56)
         with pytest.raises(PackingError, match="got image inputs without each document's masks ready-made"):
             model(**batch, token_type_ids=zeros, pixel_values=pixels)
+
+
+@pytest.mark.parametrize("token_type_ids", ["zeros", None])
+def test_image_tokens_without_pixels_are_refused(token_type_ids):
+    """A packed Gemma 3 row whose input_ids hold image placeholder tokens (the config's image_token_id) with no
+    pixel_values, given an all-zero token_type_ids (accepted since img49 as 'text only') or none, trained the
+    placeholders as text with no error (the images' columns dropped, their tokens kept). Refused now by name; a
+    row without placeholder tokens still passes."""
+    from test_vision_refusals import gemma3_documents
+
+    model = tiny_gemma3("sdpa")
+    guard_model(model)
+    docs, _ = gemma3_documents()
+    batch = PaddingFreeCollator(0)(
+        [{"input_ids": torch.cat(docs).tolist(), "seq_lengths": [len(d) for d in docs]}]
+    )
+    given = {} if token_type_ids is None else {"token_type_ids": torch.zeros_like(batch["input_ids"])}
+    with pytest.raises(
+        PackingError, match=rf"placeholder token {IMAGE} \(image_token_id; at index \(0, 5\).*no pixel"
+    ):
+        model(**batch, **given)
+    text = [d[d != IMAGE] for d in docs]
+    rows = PaddingFreeCollator(0)(
+        [{"input_ids": torch.cat(text).tolist(), "seq_lengths": [len(d) for d in text]}]
+    )
+    given = {} if token_type_ids is None else {"token_type_ids": torch.zeros_like(rows["input_ids"])}
+    assert torch.isfinite(model(**rows, **given).loss)
