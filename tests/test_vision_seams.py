@@ -513,9 +513,9 @@ def test_text_collators_refuse_video_columns_even_in_leave_out():
         PaddingFreeCollator(0, leave_out=video)(rows)
     with pytest.raises(PackingError, match="the data has the " + _VIDEO):
         PackedRows(table, leave_out=video)
-    # a non-pixel column listed in leave_out is still left out knowingly
-    text = {"input_ids": [1, 9, 9, 2], "seq_lengths": [4], "source": "web"}
-    kept = PaddingFreeCollator(0, leave_out=["source"])([text])
+    # a non-pixel column listed in leave_out is still left out knowingly (a text dataset's own video_metadata too)
+    text = {"input_ids": [1, 9, 9, 2], "seq_lengths": [4], "source": "web", "video_metadata": "yt:1"}
+    kept = PaddingFreeCollator(0, leave_out=["source", "video_metadata"])([text])
     assert kept["input_ids"].tolist() == [[1, 9, 9, 2]]
 
 
