@@ -176,6 +176,10 @@ PLACEHOLDER_INPUTS = (
 )
 
 
+#: The config attributes of :data:`PLACEHOLDER_INPUTS` (the isolation probe's random tokens avoid them).
+PLACEHOLDER_TOKENS = tuple(attr for attr, _ in PLACEHOLDER_INPUTS)
+
+
 def check_image_placeholders(model: Any, kwargs: Any) -> None:
     """Refuse a packed forward into a multimodal model whose ``input_ids`` hold an image (or video) placeholder
     token (the config's ``image_token_id`` / ``image_token_index`` / ``video_token_id``) with no pixels for it
