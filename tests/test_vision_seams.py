@@ -565,3 +565,38 @@ def test_pack_files_refuses_video_columns(tmp_path, columns):
     with pytest.raises(PackingError, match="rows.parquet'.*" + _VIDEO):
         pack_files([path], str(tmp_path / "out"), max_length=16, columns=columns)
     assert not os.path.exists(tmp_path / "out" / "manifest.json")
+
+
+@pytest.mark.parametrize(
+    "pixels",
+    [("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")],
+    ids=["images", "videos"],
+)
+@pytest.mark.parametrize("where", ["train", "eval"])
+def test_prepare_trainer_refuses_pixel_columns_for_a_text_model(tmp_path, pixels, where):
+    """A text model's Trainer (remove_unused_columns=True, the default) dropped pixel_values / image_grid_thw (or the
+    video columns) before PaddingFreeCollator saw the rows: prepare_trainer passed and the batches trained the
+    placeholder tokens without pixels, no error. Refused by name now; the same rows without them still pass."""
+    datasets = pytest.importorskip("datasets")
+    transformers = pytest.importorskip("transformers")
+    from _hf_models import tiny_llama
+
+    from packtools import PaddingFreeCollator, prepare_trainer
+
+    text = {"input_ids": [[1, 2, 3, 4], [5, 6, 7]], "seq_lengths": [[4], [3]]}
+    rows = {**text, pixels[0]: [[[0.1]], [[0.2]]], pixels[1]: [[[1, 1, 1]], [[1, 1, 1]]]}
+
+    def trainer(train, evaluation=None):
+        args = transformers.TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], max_steps=1)
+        return transformers.Trainer(
+            tiny_llama(), args=args, train_dataset=datasets.Dataset.from_dict(train),
+            eval_dataset=None if evaluation is None else datasets.Dataset.from_dict(evaluation),
+            data_collator=PaddingFreeCollator(0),
+        )  # fmt: skip
+
+    given = trainer(rows) if where == "train" else trainer(text, rows)
+    with pytest.raises(
+        PackingError, match=rf"the {where}_dataset holds the image/video column\(s\) \['{pixels[0]}'"
+    ):
+        prepare_trainer(given)
+    prepare_trainer(trainer(text, text))
