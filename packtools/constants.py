@@ -18,6 +18,14 @@ TOKEN_COLUMNS = ("input_ids", "labels", *MASK_COLUMNS)
 #: Per-sample image columns of processed vision-language rows: they travel whole with their sample (never cut per
 #: token), so only the vision path of ``pack_dataset`` packs them (``docs/vision.md``).
 IMAGE_COLUMNS = ("pixel_values", "image_grid_thw")
+#: The processors' per-sample video pixel columns: packtools packs images only (video positions are not verified),
+#: so rows holding them are refused by name on every path, ``leave_out`` and ``columns=`` included.  (Their
+#: companions ``second_per_grid_ts`` / ``video_metadata`` are ordinary columns there: a text dataset may name a
+#: column so, and left out alone they drop no pixels; ``MultimodalCollator`` refuses them too.)
+VIDEO_COLUMNS = ("pixel_values_videos", "video_grid_thw")
+#: Per-sample pixel columns (images and videos): left out of a batch or a packing, each image's or video's
+#: placeholder tokens would stay in ``input_ids`` and train without pixels, so no path drops them silently.
+PIXEL_COLUMNS = (*IMAGE_COLUMNS, *VIDEO_COLUMNS)
 #: Columns packed rows carry that a model's ``forward`` does not name (kept through ``remove_unused_columns``).
 PACKED_COLUMNS = (SEQ_LENGTHS, *MASK_COLUMNS)
 #: The keyword arguments that carry a padding-free row's document boundaries to a varlen attention call

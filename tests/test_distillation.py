@@ -255,3 +255,29 @@ def test_two_processes_equal_trl(tmp_path):
         assert len(pairs) >= 4
         for theirs, ours in pairs:
             assert_close(theirs, ours, "log")
+
+
+def test_a_multimodal_teacher_is_refused_by_name(tmp_path, monkeypatch):
+    """A Qwen2-VL teacher (TRL's _is_vlm looks at the student only) passed prepare_distillation_trainer with
+    check_isolation=False: its padding-free text rows have no 3-D text positions, so the sequences of a row saw
+    each other (the isolation probe measures 0.28 on its logits) with no error. Refused by name now, as GRPO does."""
+    from packtools.testing import tiny_vl_model
+
+    vocab = tiny_vl_model("qwen2_vl").config.get_text_config().vocab_size
+
+    def models(kind, seed=0):
+        if seed == 1:
+            return tiny_vl_model("qwen2_vl")
+        torch.manual_seed(seed)
+        config = transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, vocab_size=vocab, eos_token_id=2,
+        )  # fmt: skip
+        return transformers.LlamaForCausalLM(config)
+
+    monkeypatch.setattr(sys.modules[__name__], "tiny", models)
+    for check in (False, True):
+        trainer = build(tmp_path)
+        with pytest.raises(PackingError, match="Qwen2VLForConditionalGeneration is a multimodal model"):
+            prepare_distillation_trainer(trainer, check_isolation=check)
+        assert type(trainer) is trl.DistillationTrainer

@@ -481,3 +481,122 @@ def test_truncate_dataset_never_cuts_vision_samples():
             truncate_dataset(ds, 3, columns=columns)
     with pytest.raises(PackingError, match=r"names the per-sample image column\(s\) \['pixel_values'\]"):
         truncate_dataset(ds, 5, columns=["input_ids", "pixel_values"])
+
+
+def _video_rows():
+    """Processed video rows (a Qwen2-VL processor's video columns) beside their token columns."""
+    import pyarrow as pa
+
+    return pa.table(
+        {
+            "input_ids": [[1, 9, 9, 2], [3, 9, 4]],
+            "labels": [[1, 9, 9, 2], [3, 9, 4]],
+            "pixel_values_videos": [[[0.1, 0.2]] * 4, [[0.3, 0.4]] * 4],
+            "video_grid_thw": [[[1, 2, 2]], [[1, 2, 2]]],
+        }
+    )
+
+
+_VIDEO = r"video column\(s\) \['pixel_values_videos', 'video_grid_thw'\].*placeholder tokens.*pixels"
+
+
+def test_text_collators_refuse_video_columns_even_in_leave_out():
+    """leave_out=['pixel_values_videos', 'video_grid_thw'] on PaddingFreeCollator / PackedRows dropped the videos
+    with no error, each video's placeholder tokens training without pixels (img49 refused this for images only)."""
+    from packtools import PaddingFreeCollator
+    from packtools.batches import PackedRows
+
+    table = _video_rows()
+    video = ["pixel_values_videos", "video_grid_thw"]
+    rows = [dict(r, seq_lengths=[len(r["input_ids"])]) for r in table.to_pylist()]
+    with pytest.raises(PackingError, match="row 0 has the " + _VIDEO):
+        PaddingFreeCollator(0, leave_out=video)(rows)
+    with pytest.raises(PackingError, match="the data has the " + _VIDEO):
+        PackedRows(table, leave_out=video)
+    # a non-pixel column listed in leave_out is still left out knowingly (a text dataset's own video_metadata too)
+    text = {"input_ids": [1, 9, 9, 2], "seq_lengths": [4], "source": "web", "video_metadata": "yt:1"}
+    kept = PaddingFreeCollator(0, leave_out=["source", "video_metadata"])([text])
+    assert kept["input_ids"].tolist() == [[1, 9, 9, 2]]
+
+
+@pytest.mark.parametrize("columns", [None, ["input_ids", "labels"]])
+def test_packing_paths_refuse_video_columns(tmp_path, columns):
+    """Named token columns (columns=['input_ids', ...]) packed the tokens and left pixel_values_videos /
+    video_grid_thw out with no error in pack_table, pack_dataset, packed_view and a streamed IterableDataset:
+    the videos' placeholder tokens kept without pixels. Refused now whatever columns= says."""
+    datasets = pytest.importorskip("datasets")
+    from packtools import pack_dataset, pack_table
+    from packtools.integrations.data.views import packed_view
+
+    table = _video_rows()
+    ds = datasets.Dataset(table)
+    with pytest.raises(PackingError, match="pack_table: the rows hold " + _VIDEO):
+        pack_table(table, 8, columns=columns)
+    with pytest.raises(PackingError, match="pack_dataset: the rows hold " + _VIDEO):
+        pack_dataset(ds, 8, columns=columns)
+    with pytest.raises(PackingError, match="packed_view: the rows hold " + _VIDEO):
+        packed_view(ds, 8, columns=columns)
+    stream = datasets.IterableDataset.from_generator(lambda: iter(table.to_pylist()))
+    with pytest.raises(PackingError, match=_VIDEO):
+        list(pack_dataset(stream, 8, columns=columns))
+    # images and videos in one row: the image path (columns naming the image columns) dropped the videos
+    both = table.append_column("pixel_values", pa_list([[[0.5, 0.6]] * 4] * 2))
+    both = both.append_column("image_grid_thw", pa_list([[[1, 2, 2]]] * 2))
+    names = ["input_ids", "labels", "pixel_values", "image_grid_thw"]
+    with pytest.raises(PackingError, match=_VIDEO):
+        pack_dataset(datasets.Dataset(both), 8, columns=names)
+
+
+def pa_list(values):
+    import pyarrow as pa
+
+    return pa.array(values)
+
+
+@pytest.mark.parametrize("columns", [None, ["input_ids"]])
+def test_pack_files_refuses_video_columns(tmp_path, columns):
+    """pack_files(columns=['input_ids']) / packtools pack --columns packed tokenized video rows without their
+    videos (placeholder tokens kept, no pixels), no error."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    from packtools import pack_files
+
+    path = str(tmp_path / "rows.parquet")
+    pq.write_table(_video_rows(), path)
+    with pytest.raises(PackingError, match="rows.parquet'.*" + _VIDEO):
+        pack_files([path], str(tmp_path / "out"), max_length=16, columns=columns)
+    assert not os.path.exists(tmp_path / "out" / "manifest.json")
+
+
+@pytest.mark.parametrize(
+    "pixels",
+    [("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")],
+    ids=["images", "videos"],
+)
+@pytest.mark.parametrize("where", ["train", "eval"])
+def test_prepare_trainer_refuses_pixel_columns_for_a_text_model(tmp_path, pixels, where):
+    """A text model's Trainer (remove_unused_columns=True, the default) dropped pixel_values / image_grid_thw (or the
+    video columns) before PaddingFreeCollator saw the rows: prepare_trainer passed and the batches trained the
+    placeholder tokens without pixels, no error. Refused by name now; the same rows without them still pass."""
+    datasets = pytest.importorskip("datasets")
+    transformers = pytest.importorskip("transformers")
+    from _hf_models import tiny_llama
+
+    from packtools import PaddingFreeCollator, prepare_trainer
+
+    text = {"input_ids": [[1, 2, 3, 4], [5, 6, 7]], "seq_lengths": [[4], [3]]}
+    rows = {**text, pixels[0]: [[[0.1]], [[0.2]]], pixels[1]: [[[1, 1, 1]], [[1, 1, 1]]]}
+
+    def trainer(train, evaluation=None):
+        args = transformers.TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], max_steps=1)
+        return transformers.Trainer(
+            tiny_llama(), args=args, train_dataset=datasets.Dataset.from_dict(train),
+            eval_dataset=None if evaluation is None else datasets.Dataset.from_dict(evaluation),
+            data_collator=PaddingFreeCollator(0),
+        )  # fmt: skip
+
+    given = trainer(rows) if where == "train" else trainer(text, rows)
+    with pytest.raises(
+        PackingError, match=rf"the {where}_dataset holds the image/video column\(s\) \['{pixels[0]}'"
+    ):
+        prepare_trainer(given)
+    prepare_trainer(trainer(text, text))

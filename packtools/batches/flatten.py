@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..constants import IMAGE_COLUMNS, MASK_COLUMNS, SEQ_LENGTHS, TOKEN_COLUMNS
+from ..constants import MASK_COLUMNS, PIXEL_COLUMNS, SEQ_LENGTHS, TOKEN_COLUMNS, VIDEO_COLUMNS
 from ..errors import PackingError
 from .labels import masked_labels
 
@@ -218,7 +218,15 @@ def check_leave_out(leave_out: object) -> frozenset[str]:
 
 
 def image_columns_left_out(where: str, images: Sequence[str], who: str) -> str:
-    """The refusal of image columns that the text collator ``who`` would drop, ``leave_out`` or not."""
+    """The refusal of pixel columns (images or videos: :data:`~packtools.constants.PIXEL_COLUMNS`) that the text
+    collator ``who`` would drop, ``leave_out`` or not."""
+    if videos := [c for c in images if c in VIDEO_COLUMNS]:
+        return (
+            f"{where} has the video column(s) {videos}, which {who} does not put in the batch: left out (even "
+            f"with leave_out=), each video's placeholder tokens would stay in input_ids and train without pixels. "
+            f"packtools packs images only (video positions are not verified): remove the video samples (their "
+            f"columns and placeholder tokens) from the rows first, or train them unpacked."
+        )
     return (
         f"{where} has the image column(s) {list(images)}, which {who} does not put in the batch: left out (even "
         f"with leave_out=), each image's placeholder tokens would stay in input_ids and train without pixels. "
@@ -235,16 +243,16 @@ def check_carried(
     who: str = "PaddingFreeCollator",
 ) -> None:
     """Refuse, by name, a column of the rows that the batch would not carry and ``leave_out`` does not list.
-    An image column (:data:`~packtools.constants.IMAGE_COLUMNS`) the batch would not carry is refused even when
-    ``leave_out`` lists it: left out, each image's placeholder tokens would train without its pixels.
+    An image or video column (:data:`~packtools.constants.PIXEL_COLUMNS`) the batch would not carry is refused even
+    when ``leave_out`` lists it: left out, each image's or video's placeholder tokens would train without pixels.
 
     ``carried`` is the set of keys the collator ``who`` reads (``CARRIED_KEYS`` for the text collator).
     """
-    known = carried | (leave_out - frozenset(IMAGE_COLUMNS))
+    known = carried | (leave_out - frozenset(PIXEL_COLUMNS))
     for i, row in enumerate(features):
         if isinstance(row, Mapping) and not known.issuperset(row.keys()):
             extra = sorted(k for k in row.keys() if k not in known)
-            if images := [k for k in extra if k in IMAGE_COLUMNS]:
+            if images := [k for k in extra if k in PIXEL_COLUMNS]:
                 raise PackingError(image_columns_left_out(f"row {i}", images, who), param="leave_out")
             raise PackingError(
                 f"row {i} has the column(s) {extra}, which {who} does not put in the batch, so the "

@@ -29,23 +29,23 @@ import pyarrow as pa
 
 from .._optional import is_instance
 from ..compat.datasets import dataset_table
-from ..constants import IMAGE_COLUMNS, SEQ_LENGTHS, TOKEN_COLUMNS
+from ..constants import PIXEL_COLUMNS, SEQ_LENGTHS, TOKEN_COLUMNS
 from ..core.arrow import ListColumn, check_aligned, check_row_counts, read_list_column
 from ..errors import EmptyRowsWarning, PackingError, empty_rows_message
 from .arrow_rows import ArrowBatches, ArrowSource, check_integer
 from .collate import PaddingFreeCollator
 from .flatten import CARRIED_KEYS, FlatRows, check_leave_out, image_columns_left_out, restart_positions
 from .view import PackedRow, PackedView
-from .vision import VIDEO_COLUMNS, VISION_COLUMNS
+from .vision import VISION_COLUMNS
 
 #: Image columns of a processed vision-language table: they need :class:`~packtools.batches.MultimodalCollator`.
-_IMAGE_COLUMNS = frozenset((*VISION_COLUMNS, *VIDEO_COLUMNS))
+_IMAGE_COLUMNS = frozenset((*VISION_COLUMNS, *PIXEL_COLUMNS))
 
 
 def check_table_columns(names: Sequence[str], leave_out: frozenset[str], who: str) -> None:
     """Refuse, by name, a column of the data that the batch would not carry and ``leave_out`` does not list (an
     image column even when it does: :func:`~packtools.batches.flatten.check_carried`)."""
-    if found := sorted(c for c in names if c in IMAGE_COLUMNS):
+    if found := sorted(c for c in names if c in PIXEL_COLUMNS):
         raise PackingError(image_columns_left_out("the data", found, who), param="leave_out")
     extra = sorted(c for c in names if c not in CARRIED_KEYS and c not in leave_out)
     if not extra:

@@ -19,7 +19,7 @@ import numpy as np
 
 from .._optional import require
 from ..compat.transformers import attn_implementation
-from ..constants import IGNORE_INDEX, IMAGE_COLUMNS
+from ..constants import IGNORE_INDEX, IMAGE_COLUMNS, VIDEO_COLUMNS
 from ..errors import PackingError
 from .collate import PaddingFreeCollator, to_tensors
 from .flatten import CARRIED_KEYS, check_carried, check_leave_out, flatten_rows
@@ -29,9 +29,9 @@ from .mrope import MropeSpec, check_grid, document_positions, image_token_runs
 #: ``token_type_ids`` too, :func:`image_columns`).
 VISION_COLUMNS = (*IMAGE_COLUMNS, "mm_token_type_ids")
 
-#: The processors' video columns: refused by name (videos are not verified; see :mod:`.mrope`), even when
-#: ``leave_out`` lists them, since a video's tokens without its pixels would train on placeholders.
-VIDEO_COLUMNS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "video_metadata")
+#: The processors' video columns (:data:`~packtools.constants.VIDEO_COLUMNS` and what travels with them): refused
+#: by name (videos are not verified; see :mod:`.mrope`), even when ``leave_out`` lists them.
+VIDEO_ROW_COLUMNS = (*VIDEO_COLUMNS, "second_per_grid_ts", "video_metadata")
 
 
 def image_columns(spec: MropeSpec) -> tuple[str, ...]:
@@ -48,7 +48,7 @@ def check_no_video(features: Sequence[Mapping[str, Any]]) -> None:
     """Refuse, by name, a row with a video column."""
     for i, row in enumerate(features):
         if isinstance(row, Mapping):
-            video = [k for k in VIDEO_COLUMNS if k in row]
+            video = [k for k in VIDEO_ROW_COLUMNS if k in row]
             if video:
                 raise PackingError(
                     f"row {i} has the video column(s) {video}: packtools packs images only (video positions "

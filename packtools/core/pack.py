@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..constants import IMAGE_COLUMNS, SEQ_LENGTHS
+from ..constants import IMAGE_COLUMNS, SEQ_LENGTHS, VIDEO_COLUMNS
 from ..errors import EmptyRowsWarning, PackingError, TokensDroppedWarning, empty_rows_message
 from . import buffers
 from .arrow import (
@@ -271,15 +271,28 @@ def pack_columns(
     return pa.Table.from_arrays(arrays, names=names)
 
 
+def video_refusal(what: str, videos: list[str]) -> str:
+    """The refusal of rows holding video columns (:data:`~packtools.constants.VIDEO_COLUMNS`) in ``what``, which
+    packs token columns (or images) only."""
+    return (
+        f"{what}: the rows hold video column(s) {videos}, and packtools packs images only (video positions are "
+        f"not verified): packed without them (whatever columns= names), each video's placeholder tokens would "
+        f"stay in input_ids with no pixels. Remove the video samples (their columns and placeholder tokens) "
+        f"first, or train them unpacked."
+    )
+
+
 def check_no_images(table: pa.Table, what: str) -> None:
-    """Refuse a table of processed vision-language rows (:data:`~packtools.constants.IMAGE_COLUMNS`) in a path that
-    packs or plans its token columns alone (``what``: ``pack_table``, ``packed_view``, whose ``materialize()`` must
+    """Refuse a table of processed vision-language rows (:data:`~packtools.constants.PIXEL_COLUMNS`: images, and
+    videos, which no path packs) in a path that packs or plans its token columns alone (``what``: ``pack_table``, ``packed_view``, whose ``materialize()`` must
     equal ``pack_dataset``, which packs such rows whole with their images): left out, as ``columns=[...]`` naming
     the token columns would leave them, each image's placeholder tokens would stay in ``input_ids`` with no pixels
     and the training data would change with no error.  Refused whatever ``columns=`` says.
 
     >>> check_no_images(pa.table({"input_ids": [[1, 2]]}), "packed_view")
     """
+    if videos := [c for c in VIDEO_COLUMNS if c in table.column_names]:
+        raise PackingError(video_refusal(what, videos), param="table")
     found = [c for c in IMAGE_COLUMNS if c in table.column_names]
     if found:
         raise PackingError(

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from ..constants import IMAGE_COLUMNS, SEQ_LENGTHS
+from ..constants import IMAGE_COLUMNS, SEQ_LENGTHS, VIDEO_COLUMNS
 from ..core.arrow import is_list_type
-from ..core.pack import BOUNDARY_COLUMNS
+from ..core.pack import BOUNDARY_COLUMNS, video_refusal
 from ..errors import PackingError
 from ..io.discover import InputFile
 from ..io.files import Part, iter_part, read_schema, reading
@@ -232,13 +232,16 @@ def _refuse_packed(schemas: Sequence[pa.Schema], files: Sequence[InputFile]) -> 
 
 
 def refuse_image_columns(files: Sequence[InputFile], config: PipelineConfig) -> None:
-    """Refuse tokenized input holding processed vision-language rows (:data:`~packtools.constants.IMAGE_COLUMNS`)
+    """Refuse tokenized input holding processed vision-language rows (:data:`~packtools.constants.PIXEL_COLUMNS`)
     in a pack run, whatever its columns: the text pipeline packs token columns only, so the images would be left
     out (said only in the summary, or by ``columns=[...]`` naming the token columns) and each image's placeholder
     tokens would train without its pixels, as ``pack_table`` and ``pack_dataset`` refuse; ``profile`` reads them
     (their ``input_ids`` count the image tokens)."""
     for f in files:
-        images = [c for c in IMAGE_COLUMNS if c in read_schema(f).names]
+        names = read_schema(f).names
+        if videos := [c for c in VIDEO_COLUMNS if c in names]:
+            raise PackingError(video_refusal(repr(f.path), videos), param="columns")
+        images = [c for c in IMAGE_COLUMNS if c in names]
         if images:
             named = f" (columns={list(config.columns)} would leave them out)" if config.columns else ""
             raise PackingError(

@@ -166,6 +166,60 @@ def check_image_inputs(model: Any, kwargs: Any, impl: str | None = None) -> None
     )
 
 
+#: Config attributes naming a multimodal model's placeholder tokens, and the forward inputs that bring their pixels
+#: (or features): a placeholder in ``input_ids`` with none of them trains on its embedding alone.
+PLACEHOLDER_INPUTS = (
+    ("image_token_id", ("pixel_values", "image_embeds", "mm_encoder_outputs")),
+    ("image_token_index", ("pixel_values", "image_embeds", "mm_encoder_outputs")),
+    ("video_token_id", ("pixel_values_videos", "video_embeds", "mm_encoder_outputs")),
+    ("video_token_index", ("pixel_values_videos", "video_embeds", "mm_encoder_outputs")),
+)
+
+
+#: The config attributes of :data:`PLACEHOLDER_INPUTS` (the isolation probe's random tokens avoid them).
+PLACEHOLDER_TOKENS = tuple(attr for attr, _ in PLACEHOLDER_INPUTS)
+
+
+def check_image_placeholders(model: Any, kwargs: Any) -> None:
+    """Refuse a packed forward into a multimodal model whose ``input_ids`` hold an image (or video) placeholder
+    token (the config's ``image_token_id`` / ``image_token_index`` / ``video_token_id``) with no pixels for it
+    (:data:`PLACEHOLDER_INPUTS`): transformers then embeds the placeholders as text with no error, so rows whose
+    images were dropped (their columns removed, the tokens kept; a Gemma 3 text-only batch with an all-zero
+    ``token_type_ids``) would train image tokens without images.
+
+    >>> check_image_placeholders(object(), {"input_ids": [[1, 2]]})
+    """
+    ids = kwargs.get("input_ids")
+    config = getattr(base_model(model), "config", None)
+    if ids is None or config is None or not hasattr(ids, "__eq__") or not hasattr(ids, "shape"):
+        return
+    for attr, inputs in PLACEHOLDER_INPUTS:
+        token = getattr(config, attr, None)
+        if (
+            isinstance(token, bool)
+            or not isinstance(token, int)
+            or any(kwargs.get(n) is not None for n in inputs)
+        ):
+            continue
+        found = ids == token
+        if bool(found.any()):
+            where = found.nonzero()  # torch: one (row, token) per line; numpy: one array per axis
+            at = (
+                tuple(int(w[0]) for w in where)
+                if isinstance(where, tuple)
+                else tuple(int(i) for i in where[0])
+            )
+            raise PackingError(
+                f"{type(base_model(model)).__name__} got a packed batch whose input_ids hold its placeholder token "
+                f"{token} ({attr}; at index {at} of input_ids) with no {' / '.join(inputs)}: the model would embed the "
+                f"placeholders as text and train them without their images or videos, with no error (their pixel "
+                f"columns left out of the rows). Batch vision-language rows with "
+                f"packtools.batches.MultimodalCollator(model, pad_token_id), or, to train the text alone, remove "
+                f"the placeholder tokens from the rows with their pixels.",
+                param="input_ids",
+            )
+
+
 def _text_only_image_blocks(given: Sequence[str], kwargs: Any) -> bool:
     """Whether the image inputs ``given`` to a model of :data:`~packtools.batches.mrope.IMAGE_BLOCK_TYPES` (Gemma 3)
     are ``token_type_ids`` alone with no image token marked (all zero): then transformers' packed masks have no

@@ -33,6 +33,7 @@ from ..trainers.rows import locate_rows, sequence_spans
 from ..trainers.sft import summed_next_token_loss
 from .backends import (
     MASK_BACKENDS,
+    PLACEHOLDER_TOKENS,
     adapt_collator,
     attention_implementation,
     base_model,
@@ -234,7 +235,8 @@ def _probe_tokens(base: Any, total: int, rng: np.random.Generator) -> np.ndarray
         )
     special = set()
     if config is not None:
-        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        # and a multimodal model's placeholders: one without its pixels is refused (check_image_placeholders)
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id", *PLACEHOLDER_TOKENS):
             value = getattr(config, name, None)
             special.update(value if isinstance(value, (list, tuple)) else [value])
     ids = np.arange(int(vocab), dtype=np.int64)

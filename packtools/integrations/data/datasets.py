@@ -22,11 +22,11 @@ import pyarrow as pa
 from ..._optional import require
 from ...compat.datasets import dataset_table, format_type, memory_mapped_table, temporary_cache_directory
 from ...compat.datasets import fingerprint as datasets_fingerprint
-from ...constants import IMAGE_COLUMNS, SEQ_LENGTHS
+from ...constants import IMAGE_COLUMNS, SEQ_LENGTHS, VIDEO_COLUMNS
 from ...core.arrow import check_row_counts, column_lengths, is_list_type
 from ...core.cp_budget import check_context_parallel, plan_for_cp
 from ...core.nested import gather_whole_samples, plan_whole_samples
-from ...core.pack import check_no_images, pack_columns, read_columns, truncate_table
+from ...core.pack import check_no_images, pack_columns, read_columns, truncate_table, video_refusal
 from ...core.plan import PackPlan, Strategy, check_max_length, check_strategy
 from ...errors import PackingError
 from .drops import DropReport, untrained_pieces, warn_dropped, warn_empty, warn_untrained
@@ -179,6 +179,7 @@ def pack_split(
         how["context_parallel"] = context_parallel
     fingerprint = derived_fingerprint(dataset, "pack", **how)
     record = {"max_length": max_length, "strategy": strategy, "context_parallel": context_parallel}
+    _refuse_videos(table, "pack_dataset")  # whatever columns= names: images only are packed with their pixels
     if plan is not None:  # a plan made for the token columns alone (packed_view's): never for image rows
         check_no_images(table, "pack_split(plan=...) (packed_view(...).materialize())")
     if plan is None and has_images(table):  # processed vision-language samples: whole, images in row order
@@ -327,6 +328,7 @@ def pack_dataset(
         warn_dropped(report, "pack_dataset")
         return (out, report) if return_report else out
     if isinstance(dataset, ds_mod.IterableDataset):
+        _refuse_videos(dataset, "pack_dataset (an IterableDataset)")
         if has_images(dataset):
             _refuse_streamed_images()
         if return_report:
@@ -341,6 +343,7 @@ def pack_dataset(
         def pack_window(batch: pa.Table) -> pa.Table:
             # an IterableDataset of unknown features (from_generator, after map) shows its columns only here:
             # columns=['input_ids'] would otherwise pack the tokens and leave the images out, with no error
+            _refuse_videos(batch, "pack_dataset (an IterableDataset window)")
             if has_images(batch):
                 _refuse_streamed_images()
             cols, lengths = read_columns(batch, names)
@@ -418,6 +421,13 @@ def has_images(dataset_or_table: Any) -> bool:
     """
     names = getattr(dataset_or_table, "column_names", None) or []
     return any(c in names for c in IMAGE_COLUMNS)
+
+
+def _refuse_videos(dataset_or_table: Any, what: str) -> None:
+    """Refuse rows with video columns (:data:`~packtools.constants.VIDEO_COLUMNS`) whatever ``columns=`` says."""
+    names = getattr(dataset_or_table, "column_names", None) or []
+    if videos := [c for c in VIDEO_COLUMNS if c in names]:
+        raise PackingError(video_refusal(what, videos), param="dataset")
 
 
 def _refuse_streamed_images() -> None:

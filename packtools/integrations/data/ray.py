@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..._optional import require
-from ...constants import IMAGE_COLUMNS
-from ...core.pack import pack_table
+from ...constants import IMAGE_COLUMNS, VIDEO_COLUMNS
+from ...core.pack import pack_table, video_refusal
 from ...core.plan import Strategy, check_max_length, check_strategy
 from ...errors import PackingError
 
@@ -24,7 +24,7 @@ def pack_ray_dataset(
     """A lazy ``ray.data.Dataset`` of packed rows: every block of ``ds`` packed into rows of ``max_length``.
 
     ``columns`` as in :func:`packtools.pack_table` (default: all columns, which must all be list columns).
-    Processed vision-language rows (:data:`~packtools.constants.IMAGE_COLUMNS`) are refused whatever ``columns``
+    Processed vision-language rows (:data:`~packtools.constants.PIXEL_COLUMNS`) are refused whatever ``columns``
     says, here when ``ds`` knows its schema, else by ``pack_table`` at the first block: left out, their image
     placeholder tokens would train without pixels.
 
@@ -38,7 +38,10 @@ def pack_ray_dataset(
     if isinstance(columns, str):
         columns = [columns]
     schema = ds.schema(fetch_if_missing=False)  # None when knowing it would run the dataset
-    if images := [c for c in IMAGE_COLUMNS if c in (getattr(schema, "names", None) or [])]:
+    names = getattr(schema, "names", None) or []
+    if videos := [c for c in VIDEO_COLUMNS if c in names]:
+        raise PackingError(video_refusal("pack_ray_dataset", videos), param="ds")
+    if images := [c for c in IMAGE_COLUMNS if c in names]:
         raise PackingError(
             f"the dataset holds processed vision-language rows ({images}), and pack_ray_dataset packs token "
             f"columns only: packed without them (whatever columns= names), each image's placeholder tokens would "

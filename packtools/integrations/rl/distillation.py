@@ -41,6 +41,7 @@ from ..attention.isolation import (
 )
 from ..attention.isolation import check_isolation as _check_isolation
 from ..attention.mixers import POSITIONLESS_MASKS
+from ..multimodal.models import refuse_multimodal
 from ..parallel.distributed import is_sharded
 from ..trainers.guard import check_forward_inputs, check_length_dependent_rope, length_dependent_rope
 from ..trainers.sft import refuse_neftune
@@ -228,6 +229,8 @@ def prepare_distillation_trainer(trainer: Any, *, check_isolation: bool = True) 
             param="trainer",
         )
     models = {"student": trainer.model, "teacher": trainer.teacher_model}
+    # a multimodal teacher too (TRL's _is_vlm looks at the student): Qwen-VL's text path needs 3-D positions
+    refuse_multimodal(list(models.values()), "distillation forwards")
     for role, model in models.items():
         _check_model(model, role)
     if check_isolation:

@@ -26,10 +26,12 @@ from ..attention.backends import (
     attention_implementation,
     base_model,
     check_image_inputs,
+    check_image_placeholders,
     check_multimodal,
     check_recurrent,
     check_row_pooling,
     is_flash,
+    multimodal_parts,
     token_mixing_layers,
 )
 from ..attention.mixers import (
@@ -690,6 +692,7 @@ def _guard_hook(model: Any, check_isolation: bool) -> Any:
     # The model type decides two checks; read once here, not on every forward.
     model_type = getattr(getattr(base_model(model), "config", None), "model_type", None)
     positionless, text_row = model_type in POSITIONLESS_MASKS, model_type in NO_TEXT_ROW_FROM_2D
+    multimodal = bool(multimodal_parts(model))  # its packed rows' placeholder tokens need their pixels
     try:  # an unverified multimodal model: its text-only forwards pass, its image inputs are refused
         check_multimodal(model)
         images_checked = model_type in mrope.IMAGE_BLOCK_TYPES  # Gemma 3: its images need their masks
@@ -710,6 +713,8 @@ def _guard_hook(model: Any, check_isolation: bool) -> Any:
         # document with the collator's masks (Gemma 3) is read as they say, so the backend must read them
         if images_checked and (packed_training_input(kwargs) or (image_blocks and ready_made_masks(kwargs))):
             check_image_inputs(module, kwargs, impl)  # refused by name (the probe packs text only)
+        if multimodal and packed_training_input(kwargs):  # a placeholder token without its pixels
+            check_image_placeholders(module, kwargs)
         if positionless:
             check_positionless_masks(module, kwargs, impl)
         if text_row:

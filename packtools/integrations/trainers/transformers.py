@@ -45,6 +45,7 @@ from typing import Any
 from ..._optional import is_instance, require
 from ...batches.vision import image_columns
 from ...compat import all_or_nothing, set_attr
+from ...constants import PIXEL_COLUMNS
 from ...errors import PackingError
 from ..attention.backends import (
     adapt_collator,
@@ -229,6 +230,29 @@ def refuse_unknown_trl_step(trainer: Any) -> None:
     )
 
 
+def check_no_pixel_columns(trainer: Any) -> None:
+    """Refuse a text model's train or eval dataset holding image or video columns
+    (:data:`~packtools.constants.PIXEL_COLUMNS`): ``Trainer``'s ``remove_unused_columns`` drops every column its
+    model's ``forward`` does not name before the collator sees the rows, so the images would go with no error and
+    their placeholder tokens train without pixels (the collator refuses them only with it off)."""
+    datasets = {"train_dataset": trainer.train_dataset}
+    if isinstance(trainer.eval_dataset, dict):
+        datasets.update({f"eval_dataset[{k!r}]": v for k, v in trainer.eval_dataset.items()})
+    else:
+        datasets["eval_dataset"] = trainer.eval_dataset
+    for name, dataset in datasets.items():
+        found = [c for c in PIXEL_COLUMNS if c in (getattr(dataset, "column_names", None) or [])]
+        if found:
+            raise PackingError(
+                f"the {name} holds the image/video column(s) {found}, and {type(trainer.model).__name__} is a text "
+                f"model: Trainer's remove_unused_columns would drop them with no error, each image's placeholder "
+                f"tokens training without pixels. Train a vision-language model with "
+                f"packtools.batches.MultimodalCollator (docs/vision.md), or remove {found} and their placeholder "
+                f"tokens from the rows first.",
+                param="trainer",
+            )
+
+
 def prepare_trainer(
     trainer: Any,
     *,
@@ -348,6 +372,8 @@ def prepare_trainer(
             f"weights are not checked against MultimodalCollator batches (3-D positions); use loss='token'.",
             param="loss",
         )
+    if not vision:
+        check_no_pixel_columns(trainer)
     layout = rank_layout(trainer, context_parallel)  # refuses a context_parallel that is no positive int
     check_loss_owner(trainer, loss)
     check_train_loader(trainer, max_tokens)
