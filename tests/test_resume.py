@@ -210,3 +210,72 @@ def test_the_layout_record_of_the_last_checkpoint_is_what_resume_true_checks(tmp
     with pytest.raises(PackingError, match=r"gradient_accumulation_steps=2 \(now 4\)"):
         check_resume(last, {**layout, "accumulation": 4})
     check_resume(str(tmp_path), {**layout, "processes": 8})  # no record: not checked
+
+
+def test_a_batch_size_lowered_by_auto_find_batch_size_is_refused_by_name(tmp_path):
+    """``auto_find_batch_size`` retries an out-of-memory step with a lower batch size (4 -> 3 here): Trainer's
+    own loader trained batches of 3 while the checkpoint's layout record said 4, so a resume with
+    ``per_device_train_batch_size=4`` skipped 2 rows of the epoch silently (and one with 3 was refused).  The
+    retry is refused, naming the size Trainer found and the fix."""
+    import transformers
+    from _hf_models import sequences, tiny_llama
+
+    from packtools import PaddingFreeCollator, prepare_trainer
+    from packtools.errors import PackingError
+
+    class OutOfMemoryOnce(transformers.Trainer):
+        failed = False
+
+        def training_step(self, *args, **kwargs):
+            if not OutOfMemoryOnce.failed:
+                OutOfMemoryOnce.failed = True
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return super().training_step(*args, **kwargs)
+
+    args = transformers.TrainingArguments(
+        str(tmp_path), per_device_train_batch_size=4, auto_find_batch_size=True, max_steps=2, save_steps=2,
+        report_to=[], use_cpu=True, remove_unused_columns=False,
+    )  # fmt: skip
+    collator = PaddingFreeCollator(pad_token_id=0, unpacked=True)
+    trainer = OutOfMemoryOnce(model=tiny_llama(), args=args, train_dataset=sequences(32), data_collator=collator)
+    prepare_trainer(trainer)
+    with pytest.raises(PackingError, match=r"per_device_train_batch_size=4 to 3 .*per_device_train_batch_size=3,"):
+        trainer.train()
+    assert OutOfMemoryOnce.failed and not (tmp_path / "checkpoint-2").exists()
+
+
+@pytest.mark.parametrize("text", ["", '{"processes": 2, "data_par', "[1, 2]"])
+def test_an_unreadable_layout_record_is_refused_by_name(tmp_path, text):
+    """A record that is empty, cut short or not a mapping (a copy interrupted, a file edited by hand) raised
+    json's JSONDecodeError (or AttributeError) from train(); refused by name, saying what to do."""
+    from packtools.errors import PackingError
+    from packtools.integrations.trainers.resume import LAYOUT_FILE, check_resume
+
+    (tmp_path / LAYOUT_FILE).write_text(text)
+    layout = {"processes": 1, "data_parallel": 1, "max_tokens": 64, "rows_per_batch": None, "accumulation": 1}
+    with pytest.raises(PackingError, match=r"packtools_layout.json cannot be read .*delete the file") as caught:
+        check_resume(str(tmp_path), layout)
+    assert caught.value.param == "resume_from_checkpoint"
+
+
+def test_the_layout_record_is_written_whole_under_a_name_of_its_own(tmp_path, monkeypatch):
+    """Two processes saving into one checkpoint folder (``save_on_each_node`` on shared storage) shared one
+    temporary name: the second ``os.replace`` found it gone (FileNotFoundError in the middle of training).  Each
+    process now writes its own temporary file and renames it over the record."""
+    from packtools.integrations.trainers import resume
+
+    layout = {"processes": 2, "data_parallel": 2, "max_tokens": None, "rows_per_batch": 2, "accumulation": 1}
+    renamed = []
+    replace = os.replace
+
+    def other_node_first(src, dst):  # another node renames its temporary file between our write and rename
+        if not renamed:
+            renamed.append(src)
+            resume.save_layout(str(tmp_path), {**layout, "processes": 2})
+        replace(src, dst)
+
+    monkeypatch.setattr(resume.os, "replace", other_node_first)
+    monkeypatch.setattr(resume.os, "getpid", iter([101, 202]).__next__)
+    resume.save_layout(str(tmp_path), layout)
+    assert json.loads((tmp_path / resume.LAYOUT_FILE).read_text()) == layout
+    assert sorted(os.listdir(tmp_path)) == [resume.LAYOUT_FILE]

@@ -49,9 +49,10 @@ def save_layout(folder: str, layout: dict[str, Any]) -> None:
     if not os.path.isdir(folder):
         return
     path = os.path.join(folder, LAYOUT_FILE)
-    with open(path + ".tmp", "w") as f:
+    temporary = f"{path}.{os.getpid()}.tmp"  # one per process: nodes saving into shared storage do not collide
+    with open(temporary, "w") as f:
         json.dump(layout, f)
-    os.replace(path + ".tmp", path)
+    os.replace(temporary, path)
 
 
 def checkpoint_folder(trainer: Any, resume_from_checkpoint: Any) -> str | None:
@@ -72,14 +73,27 @@ def check_resume(folder: str | None, current: dict[str, Any]) -> None:
     path = os.path.join(folder, LAYOUT_FILE) if folder else None
     if path is None or not os.path.isfile(path):
         return
-    with open(path) as f:
-        saved = json.load(f)
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as error:
+        saved = error
+    if not isinstance(saved, dict):
+        raise PackingError(
+            f"resume_from_checkpoint={folder!r}: its {LAYOUT_FILE} cannot be read as the layout record packtools "
+            f"writes ({saved!r}), so whether the run is resumed under the layout it was saved under is unknown. "
+            f"Resume from another checkpoint, or, if this run's processes, max_tokens, per_device_train_batch_size "
+            f"and gradient_accumulation_steps are those of the saved run, delete the file to resume unchecked.",
+            param="resume_from_checkpoint",
+        )
     changed = {key: (saved.get(key), value) for key, value in current.items() if saved.get(key) != value}
     if not changed:
         return
     fix = (
         "start a new run from the checkpoint's weights (from_pretrained of the checkpoint folder, without "
-        "resume_from_checkpoint)."
+        "resume_from_checkpoint). ignore_data_skip=True does not make the change safe: Trainer still counts "
+        "the epochs trained as global_step // the new layout's steps per epoch, and the steps left by the new "
+        "layout, so whole epochs' rows would be trained again or never."
     )
     if "processes" in changed or "data_parallel" in changed:
         raise PackingError(
