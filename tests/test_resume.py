@@ -237,9 +237,13 @@ def test_a_batch_size_lowered_by_auto_find_batch_size_is_refused_by_name(tmp_pat
         report_to=[], use_cpu=True, remove_unused_columns=False,
     )  # fmt: skip
     collator = PaddingFreeCollator(pad_token_id=0, unpacked=True)
-    trainer = OutOfMemoryOnce(model=tiny_llama(), args=args, train_dataset=sequences(32), data_collator=collator)
+    trainer = OutOfMemoryOnce(
+        model=tiny_llama(), args=args, train_dataset=sequences(32), data_collator=collator
+    )
     prepare_trainer(trainer)
-    with pytest.raises(PackingError, match=r"per_device_train_batch_size=4 to 3 .*per_device_train_batch_size=3,"):
+    with pytest.raises(
+        PackingError, match=r"per_device_train_batch_size=4 to 3 .*per_device_train_batch_size=3,"
+    ):
         trainer.train()
     assert OutOfMemoryOnce.failed and not (tmp_path / "checkpoint-2").exists()
 
@@ -253,7 +257,9 @@ def test_an_unreadable_layout_record_is_refused_by_name(tmp_path, text):
 
     (tmp_path / LAYOUT_FILE).write_text(text)
     layout = {"processes": 1, "data_parallel": 1, "max_tokens": 64, "rows_per_batch": None, "accumulation": 1}
-    with pytest.raises(PackingError, match=r"packtools_layout.json cannot be read .*delete the file") as caught:
+    with pytest.raises(
+        PackingError, match=r"packtools_layout.json cannot be read .*delete the file"
+    ) as caught:
         check_resume(str(tmp_path), layout)
     assert caught.value.param == "resume_from_checkpoint"
 

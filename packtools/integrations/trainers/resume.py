@@ -49,7 +49,8 @@ def save_layout(folder: str, layout: dict[str, Any]) -> None:
     if not os.path.isdir(folder):
         return
     path = os.path.join(folder, LAYOUT_FILE)
-    temporary = f"{path}.{os.getpid()}.tmp"  # one per process: nodes saving into shared storage do not collide
+    # one per process: nodes saving into one shared folder (save_on_each_node) do not collide
+    temporary = f"{path}.{os.getpid()}.tmp"
     with open(temporary, "w") as f:
         json.dump(layout, f)
     os.replace(temporary, path)
