@@ -2,7 +2,8 @@
 
 packtools' training batches depend on the number of data-parallel processes (each rank's share of an epoch's
 shuffle, or of its token-budget batches), and with one process and no ``max_tokens`` ``Trainer``'s own sampler is
-kept.  ``Trainer`` resumes by the step count alone: it skips ``global_step`` optimizer steps of the epochs it
+kept; a change of the process count alone (the processes of a context-parallel group read one batch) is
+accepted where both runs use packtools' sampler.  ``Trainer`` resumes by the step count alone: it skips ``global_step`` optimizer steps of the epochs it
 lays out for the *current* processes.  Under another process count those are other batches, so rows of the
 interrupted epoch would be trained twice and others skipped, without an error.
 
@@ -38,7 +39,7 @@ def run_layout(trainer: Any, layout: Any, max_tokens: int | None) -> dict[str, A
     return {
         "processes": max(int(args.world_size), 1),
         "data_parallel": int(layout.dp_size),
-        "max_tokens": max_tokens,
+        "max_tokens": None if max_tokens is None else int(max_tokens),  # a numpy int too (json writes ints)
         "rows_per_batch": int(args.per_device_train_batch_size) if max_tokens is None else None,
         "accumulation": int(args.gradient_accumulation_steps),
     }
@@ -88,6 +89,11 @@ def check_resume(folder: str | None, current: dict[str, Any]) -> None:
             param="resume_from_checkpoint",
         )
     changed = {key: (saved.get(key), value) for key, value in current.items() if saved.get(key) != value}
+    if "processes" in changed and _trainers_sampler(saved) == _trainers_sampler(current):
+        # the batches follow the data-parallel processes (compared on their own), not the process count: the
+        # processes of a context- or tensor-parallel group read one batch, so CP=2 on 2 processes resumed on 1
+        # (one data-parallel process both times, packtools' sampler both times) trains the same batches
+        del changed["processes"]
     if not changed:
         return
     fix = (
@@ -115,6 +121,11 @@ def check_resume(folder: str | None, current: dict[str, Any]) -> None:
         f"others never. Resume with the saved setting, or " + fix,
         param="resume_from_checkpoint",
     )
+
+
+def _trainers_sampler(layout: dict[str, Any]) -> bool:
+    """Whether the run kept ``Trainer``'s own sampler (one process, no ``max_tokens``), not packtools'."""
+    return layout.get("processes") == 1 and layout.get("max_tokens") is None
 
 
 def _processes(layout: dict[str, Any]) -> str:
