@@ -197,6 +197,41 @@ def test_context_parallel_checkpoint_resumed_on_one_process_trains_the_straight_
 
 
 @pytest.mark.slow
+def test_resuming_with_another_shuffle_seed_is_refused_by_name(tmp_path):
+    """packtools' epoch shuffle is a function of (data_seed or seed, epoch): resumed with another seed, Trainer
+    skipped the saved step count of another shuffle, so rows of the interrupted epoch were trained twice or
+    never, with no error (the record held no seed).  Refused, naming the saved and the new seed."""
+    case = {"data": "rows", "prepare": {"max_tokens": 64}, "k": 2, "max_steps": 3}
+    launch(tmp_path, case, "full")
+    out = launch(tmp_path, {**case, "seed": 4}, "resume", fails=True)
+    assert "saved with data_seed (or seed)=3 (now 4)" in out, out[-3000:]
+
+
+def test_the_shuffle_seed_is_recorded_where_packtools_shuffles(tmp_path):
+    """The seed of packtools' shuffle (data_seed, else seed) is recorded and compared where packtools' sampler
+    lays out the epoch (max_tokens, or several processes); Trainer's own sampler (one process, rows) records
+    none; a record written without it is not compared on it."""
+    from types import SimpleNamespace as N
+
+    from packtools.errors import PackingError
+    from packtools.integrations.trainers.resume import check_resume, run_layout, save_layout
+
+    def layout(max_tokens=64, world=1, **seeds):
+        args = N(world_size=world, per_device_train_batch_size=2, gradient_accumulation_steps=1, **seeds)
+        return run_layout(N(args=args), N(dp_size=world), max_tokens)
+
+    save_layout(str(tmp_path), layout(seed=3))
+    check_resume(str(tmp_path), layout(seed=3, data_seed=None))
+    with pytest.raises(PackingError, match=r"data_seed \(or seed\)=3 \(now 5\)"):
+        check_resume(str(tmp_path), layout(seed=3, data_seed=5))
+    assert layout(None, seed=3)["shuffle_seed"] is None and layout(None, 2, seed=3)["shuffle_seed"] == 3
+    old = layout(seed=3)
+    del old["shuffle_seed"]
+    save_layout(str(tmp_path), old)
+    check_resume(str(tmp_path), layout(seed=9))
+
+
+@pytest.mark.slow
 def test_resuming_with_another_token_budget_is_refused_by_name(tmp_path):
     """A lower max_tokens after an out-of-memory error: Trainer skips the saved step count of smaller batches,
     so rows of the interrupted epoch were trained again, silently.  Refused, naming the saved and new budget."""

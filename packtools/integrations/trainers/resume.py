@@ -11,7 +11,8 @@ interrupted epoch would be trained twice and others skipped, without an error.
 processes that save); :func:`check_resume` compares it with the resuming run's before ``Trainer`` loads
 anything and refuses a change, naming both and the fix.  The token budget, the rows per batch and the
 accumulation steps are recorded and compared too: a change of any of them moves the batches ``Trainer`` skips
-in the same way.  A checkpoint without the file (not saved by a prepared trainer) is not checked.
+in the same way, and so does the seed of packtools' epoch shuffle.  A checkpoint without the file (not saved
+by a prepared trainer) is not checked.
 """
 
 from __future__ import annotations
@@ -32,16 +33,24 @@ def run_layout(trainer: Any, layout: Any, max_tokens: int | None) -> dict[str, A
 
     >>> from types import SimpleNamespace as N
     >>> args = N(world_size=4, per_device_train_batch_size=2, gradient_accumulation_steps=1)
+    >>> args = N(world_size=4, per_device_train_batch_size=2, gradient_accumulation_steps=1, seed=42)
     >>> run_layout(N(args=args), N(dp_size=2), None)
-    {'processes': 4, 'data_parallel': 2, 'max_tokens': None, 'rows_per_batch': 2, 'accumulation': 1}
+    {'processes': 4, 'data_parallel': 2, 'max_tokens': None, 'rows_per_batch': 2, 'accumulation': 1, 'shuffle_seed': 42}
+
+    ``shuffle_seed``: the seed of packtools' epoch shuffle (``data_seed``, else ``seed``; ``None`` where
+    ``Trainer``'s own sampler is kept, one process without ``max_tokens``).
     """
     args = trainer.args
+    processes = max(int(args.world_size), 1)
+    ours = max_tokens is not None or processes > 1
+    seed = getattr(args, "data_seed", None)
     return {
-        "processes": max(int(args.world_size), 1),
+        "processes": processes,
         "data_parallel": int(layout.dp_size),
         "max_tokens": None if max_tokens is None else int(max_tokens),  # a numpy int too (json writes ints)
         "rows_per_batch": int(args.per_device_train_batch_size) if max_tokens is None else None,
         "accumulation": int(args.gradient_accumulation_steps),
+        "shuffle_seed": (int(args.seed) if seed is None else int(seed)) if ours else None,
     }
 
 
@@ -88,7 +97,8 @@ def check_resume(folder: str | None, current: dict[str, Any]) -> None:
             f"and gradient_accumulation_steps are those of the saved run, delete the file to resume unchecked.",
             param="resume_from_checkpoint",
         )
-    changed = {key: (saved.get(key), value) for key, value in current.items() if saved.get(key) != value}
+    # a key the record lacks (written before packtools recorded it) is not compared
+    changed = {k: (saved[k], value) for k, value in current.items() if k in saved and saved[k] != value}
     if "processes" in changed and _trainers_sampler(saved) == _trainers_sampler(current):
         # the batches follow the data-parallel processes (compared on their own), not the process count: the
         # processes of a context- or tensor-parallel group read one batch, so CP=2 on 2 processes resumed on 1
@@ -114,6 +124,7 @@ def check_resume(folder: str | None, current: dict[str, Any]) -> None:
         )
     names = {"max_tokens": "max_tokens", "rows_per_batch": "per_device_train_batch_size"}
     names["accumulation"] = "gradient_accumulation_steps"
+    names["shuffle_seed"] = "data_seed (or seed)"
     said = ", ".join(f"{names.get(k, k)}={old} (now {new})" for k, (old, new) in changed.items())
     raise PackingError(
         f"resume_from_checkpoint={folder!r} was saved with {said}: Trainer skips the saved number of steps of "
