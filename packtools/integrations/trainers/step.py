@@ -171,8 +171,9 @@ def refuse_found_batch_size(trainer: Any, max_tokens: int | None) -> None:
         f"auto_find_batch_size=False"
     )
     raise PackingError(
-        f"auto_find_batch_size lowered the training batch size from per_device_train_batch_size={asked} to "
-        f"{found} after an out-of-memory error: packtools sizes its batches and records them in each "
+        f"auto_find_batch_size set the training batch size from per_device_train_batch_size={asked} to "
+        f"{found} (lowered after an out-of-memory error, or the size in the resumed checkpoint's "
+        f"trainer_state.json): packtools sizes its batches and records them in each "
         f"checkpoint from per_device_train_batch_size and max_tokens, so the retry would train other batches "
         f"than the ones it logs and records (and a resume would skip the wrong rows). To train with a smaller "
         f"batch, {fix}.",
