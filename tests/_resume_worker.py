@@ -6,6 +6,7 @@ a JSON object of options: ``data`` (``rows``: ``pack_dataset`` output, ``plain``
 with ``packed_sft_config``), ``collator`` (``flat``: transformers' ``DataCollatorWithFlattening``), ``stream``
 (an ``IterableDataset``), ``k``, ``save_every``, ``bs``, ``ga``, ``epochs``, ``max_steps``, ``dropout``,
 ``ignore_data_skip``, ``sampling``, ``workers``, ``resume_prepare`` (``prepare`` of the resumed run),
+``pack_context_parallel`` (rows packed for a CP split whether or not the run trains under CP),
 ``pieces`` (a piece that is no whole document, a CP shard's or a DPO sequence's, gets a number of its own),
 ``tokens_seen``, ``trainer`` ``dpo`` / ``reward`` / ``kto`` (TRL's, on text pairs, ``packed_pairs``), ``data`` ``view``
 (a ``packed_view``); ``PHASE`` is ``full`` (train ``epochs`` epochs, saving a checkpoint
@@ -74,8 +75,9 @@ def build(case: dict):
         data = packed_view(plain, case.get("max_length", 32))
     else:
         extra = {"window": 16} if case.get("stream") else {}
-        if (case.get("prepare") or {}).get("context_parallel"):  # rows padded for the CP split
-            extra["context_parallel"] = case["prepare"]["context_parallel"]
+        cp = case.get("pack_context_parallel") or (case.get("prepare") or {}).get("context_parallel")
+        if cp:  # rows padded for the CP split (pack_context_parallel: so padded without CP in training)
+            extra["context_parallel"] = cp
         data = pack_dataset(plain, case.get("max_length", 32), **extra)
     if case.get("collator", "pf") == "flat":
         collator = transformers.DataCollatorWithFlattening(return_position_ids=True)

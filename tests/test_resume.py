@@ -177,6 +177,61 @@ def test_resuming_under_another_process_count_is_refused_by_name(tmp_path, saved
 
 
 @pytest.mark.slow
+def test_context_parallel_checkpoint_resumed_on_one_process_trains_the_straight_runs_batches(tmp_path):
+    """Saved under context_parallel=2 on 2 processes (one data-parallel process, token budget), resumed on one
+    process without CP: every later step trains the documents of a one-process run straight through, in the same
+    micro-batches (it was refused as another process count).  Losses and weights agree to float tolerance (the
+    first steps ran on CP shards)."""
+    case = {"data": "rows", "pack_context_parallel": 2, "k": 3, "pieces": True, "tokens_seen": "no"}
+    saved, straight = tmp_path / "cp", tmp_path / "one"
+    launch(saved, {**case, "prepare": {"context_parallel": 2, "max_tokens": 64}}, "full", 2)
+    resumed = launch(saved, {**case, "prepare": {"max_tokens": 64}}, "resume")
+    full = launch(straight, {**case, "prepare": {"max_tokens": 64}}, "full")
+    later = [s for s in full[0]["steps"] if s[0] > case["k"]]
+    assert later and resumed[0]["steps"] == later and resumed[0]["global_step"] == full[0]["global_step"]
+    want = {s: v for s, v in full[0]["loss"].items() if s > case["k"]}
+    got = {s: v for s, v in resumed[0]["loss"].items() if s > case["k"]}
+    assert got.keys() == want.keys() and all(abs(got[s] - want[s]) <= 1e-4 for s in want), (got, want)
+    params = full[0]["params"]
+    assert max(float((params[n] - resumed[0]["params"][n]).abs().max()) for n in params) <= 1e-4
+
+
+@pytest.mark.slow
+def test_resuming_with_another_shuffle_seed_is_refused_by_name(tmp_path):
+    """packtools' epoch shuffle is a function of (data_seed or seed, epoch): resumed with another seed, Trainer
+    skipped the saved step count of another shuffle, so rows of the interrupted epoch were trained twice or
+    never, with no error (the record held no seed).  Refused, naming the saved and the new seed."""
+    case = {"data": "rows", "prepare": {"max_tokens": 64}, "k": 2, "max_steps": 3}
+    launch(tmp_path, case, "full")
+    out = launch(tmp_path, {**case, "seed": 4}, "resume", fails=True)
+    assert "saved with data_seed (or seed)=3 (now 4)" in out, out[-3000:]
+
+
+def test_the_shuffle_seed_is_recorded_where_packtools_shuffles(tmp_path):
+    """The seed of packtools' shuffle (data_seed, else seed) is recorded and compared where packtools' sampler
+    lays out the epoch (max_tokens, or several processes); Trainer's own sampler (one process, rows) records
+    none; a record written without it is not compared on it."""
+    from types import SimpleNamespace as N
+
+    from packtools.errors import PackingError
+    from packtools.integrations.trainers.resume import check_resume, run_layout, save_layout
+
+    def layout(max_tokens=64, world=1, **seeds):
+        args = N(world_size=world, per_device_train_batch_size=2, gradient_accumulation_steps=1, **seeds)
+        return run_layout(N(args=args), N(dp_size=world), max_tokens)
+
+    save_layout(str(tmp_path), layout(seed=3))
+    check_resume(str(tmp_path), layout(seed=3, data_seed=None))
+    with pytest.raises(PackingError, match=r"data_seed \(or seed\)=3 \(now 5\)"):
+        check_resume(str(tmp_path), layout(seed=3, data_seed=5))
+    assert layout(None, seed=3)["shuffle_seed"] is None and layout(None, 2, seed=3)["shuffle_seed"] == 3
+    old = layout(seed=3)
+    del old["shuffle_seed"]
+    save_layout(str(tmp_path), old)
+    check_resume(str(tmp_path), layout(seed=9))
+
+
+@pytest.mark.slow
 def test_resuming_with_another_token_budget_is_refused_by_name(tmp_path):
     """A lower max_tokens after an out-of-memory error: Trainer skips the saved step count of smaller batches,
     so rows of the interrupted epoch were trained again, silently.  Refused, naming the saved and new budget."""
@@ -210,3 +265,127 @@ def test_the_layout_record_of_the_last_checkpoint_is_what_resume_true_checks(tmp
     with pytest.raises(PackingError, match=r"gradient_accumulation_steps=2 \(now 4\)"):
         check_resume(last, {**layout, "accumulation": 4})
     check_resume(str(tmp_path), {**layout, "processes": 8})  # no record: not checked
+
+
+def test_another_process_count_with_the_same_data_parallel_processes_is_resumed(tmp_path):
+    """The processes of a context-parallel group read one batch: CP=2 on 2 processes (one data-parallel
+    process) resumed on 1 process, or CP=4 resumed as CP=2, trains the batches the saved run laid out (packtools'
+    sampler both times); it was refused as another process count.  Refused still where one side keeps
+    Trainer's own sampler (one process, no max_tokens) or the data-parallel count changes."""
+    from packtools.errors import PackingError
+    from packtools.integrations.trainers.resume import check_resume, save_layout
+
+    cp = {"processes": 2, "data_parallel": 1, "max_tokens": 64, "rows_per_batch": None, "accumulation": 2}
+    save_layout(str(tmp_path), cp)
+    check_resume(str(tmp_path), {**cp, "processes": 1})
+    check_resume(str(tmp_path), {**cp, "processes": 4})
+    rows = {**cp, "max_tokens": None, "rows_per_batch": 2}
+    save_layout(str(tmp_path), rows)
+    check_resume(str(tmp_path), {**rows, "processes": 4})  # CP=2 -> CP=4: packtools' sampler, 1 DP process
+    with pytest.raises(PackingError, match=r"saved under 2 process\(es\) \(1 data-parallel\).*under 1 proc"):
+        check_resume(str(tmp_path), {**rows, "processes": 1})  # Trainer's own sampler: another shuffle
+    with pytest.raises(PackingError, match=r"\(1 data-parallel\).*under 2 process\(es\) \(2 data-parallel"):
+        check_resume(str(tmp_path), {**rows, "data_parallel": 2})
+
+
+def test_a_batch_size_lowered_by_auto_find_batch_size_is_refused_by_name(tmp_path):
+    """``auto_find_batch_size`` retries an out-of-memory step with a lower batch size (4 -> 3 here): Trainer's
+    own loader trained batches of 3 while the checkpoint's layout record said 4, so a resume with
+    ``per_device_train_batch_size=4`` skipped 2 rows of the epoch silently (and one with 3 was refused).  The
+    retry is refused, naming the size Trainer found and the fix."""
+    import transformers
+    from _hf_models import sequences, tiny_llama
+
+    from packtools import PaddingFreeCollator, prepare_trainer
+    from packtools.errors import PackingError
+
+    class OutOfMemoryOnce(transformers.Trainer):
+        failed = False
+
+        def training_step(self, *args, **kwargs):
+            if not OutOfMemoryOnce.failed:
+                OutOfMemoryOnce.failed = True
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return super().training_step(*args, **kwargs)
+
+    args = transformers.TrainingArguments(
+        str(tmp_path), per_device_train_batch_size=4, auto_find_batch_size=True, max_steps=2, save_steps=2,
+        report_to=[], use_cpu=True, remove_unused_columns=False,
+    )  # fmt: skip
+    collator = PaddingFreeCollator(pad_token_id=0, unpacked=True)
+    trainer = OutOfMemoryOnce(
+        model=tiny_llama(), args=args, train_dataset=sequences(32), data_collator=collator
+    )
+    prepare_trainer(trainer)
+    with pytest.raises(
+        PackingError, match=r"per_device_train_batch_size=4 to 3 .*per_device_train_batch_size=3,"
+    ):
+        trainer.train()
+    assert OutOfMemoryOnce.failed and not (tmp_path / "checkpoint-2").exists()
+
+
+@pytest.mark.parametrize("text", ["", '{"processes": 2, "data_par', "[1, 2]"])
+def test_an_unreadable_layout_record_is_refused_by_name(tmp_path, text):
+    """A record that is empty, cut short or not a mapping (a copy interrupted, a file edited by hand) raised
+    json's JSONDecodeError (or AttributeError) from train(); refused by name, saying what to do."""
+    from packtools.errors import PackingError
+    from packtools.integrations.trainers.resume import LAYOUT_FILE, check_resume
+
+    (tmp_path / LAYOUT_FILE).write_text(text)
+    layout = {"processes": 1, "data_parallel": 1, "max_tokens": 64, "rows_per_batch": None, "accumulation": 1}
+    with pytest.raises(
+        PackingError, match=r"packtools_layout.json cannot be read .*delete the file"
+    ) as caught:
+        check_resume(str(tmp_path), layout)
+    assert caught.value.param == "resume_from_checkpoint"
+
+
+def test_the_layout_record_is_written_whole_under_a_name_of_its_own(tmp_path, monkeypatch):
+    """Two processes saving into one checkpoint folder (``save_on_each_node`` on shared storage) shared one
+    temporary name: the second ``os.replace`` found it gone (FileNotFoundError in the middle of training).  Each
+    process now writes its own temporary file and renames it over the record."""
+    from packtools.integrations.trainers import resume
+
+    layout = {"processes": 2, "data_parallel": 2, "max_tokens": None, "rows_per_batch": 2, "accumulation": 1}
+    renamed = []
+    replace = os.replace
+
+    def other_node_first(src, dst):  # another node renames its temporary file between our write and rename
+        if not renamed:
+            renamed.append(src)
+            resume.save_layout(str(tmp_path), {**layout, "processes": 2})
+        replace(src, dst)
+
+    monkeypatch.setattr(resume.os, "replace", other_node_first)
+    monkeypatch.setattr(resume.os, "getpid", iter([101, 202]).__next__)
+    resume.save_layout(str(tmp_path), layout)
+    assert json.loads((tmp_path / resume.LAYOUT_FILE).read_text()) == layout
+    assert sorted(os.listdir(tmp_path)) == [resume.LAYOUT_FILE]
+
+
+def test_a_numpy_token_budget_is_recorded_and_resumed(tmp_path):
+    """``prepare_trainer(max_tokens=np.int64(64))`` is accepted (a length read from an array), but the layout
+    record kept it as given: json.dump raised TypeError at the first checkpoint, stopping training.  Recorded as
+    an int, and a resume with ``max_tokens=64`` passes."""
+    import datasets
+    import numpy as np
+    import transformers
+    from _hf_models import sequences, tiny_llama
+
+    from packtools import PaddingFreeCollator, prepare_trainer
+    from packtools.integrations.trainers.resume import LAYOUT_FILE
+
+    def trainer(max_tokens):
+        args = transformers.TrainingArguments(
+            str(tmp_path), per_device_train_batch_size=2, max_steps=2, save_steps=1, report_to=[],
+            use_cpu=True, remove_unused_columns=False, disable_tqdm=True,
+        )  # fmt: skip
+        collator = PaddingFreeCollator(pad_token_id=0, unpacked=True)
+        rows = datasets.Dataset.from_list(sequences(16))
+        built = transformers.Trainer(tiny_llama(), args, train_dataset=rows, data_collator=collator)
+        prepare_trainer(built, max_tokens=max_tokens)
+        return built
+
+    trainer(np.int64(64)).train()
+    assert json.loads((tmp_path / "checkpoint-1" / LAYOUT_FILE).read_text())["max_tokens"] == 64
+    trainer(64).train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))

@@ -9,6 +9,8 @@ Reads:
 * ``transformers.integrations.sdpa_attention`` (:func:`sdpa_functions`): the ``sdpa`` forward and ``repeat_kv``.
 * ``Trainer._remove_unused_columns`` / ``Trainer._get_collator_with_removed_columns`` (:func:`training_rows`,
   :func:`training_collator`): the trainer's own column removal, called as training calls it.
+* ``Trainer._train_batch_size`` (:func:`found_train_batch_size`): the batch size ``auto_find_batch_size`` retries
+  with after an out-of-memory error (no public getter).
 
 Changes, each recorded on its ``owner`` (a trainer) so that :func:`~packtools.compat.unprepare`
 undoes them:
@@ -200,6 +202,15 @@ def keep_signature_columns(trainer: Any, columns: Sequence[str], *, owner: Any =
         f"{type(trainer).__name__}._signature_columns",
         lambda: setattr(trainer, "_signature_columns", before),
     )
+
+
+def found_train_batch_size(trainer: Any) -> int | None:
+    """The per-process batch size ``Trainer``'s training loop runs with (``_train_batch_size``: lowered by
+    ``auto_find_batch_size`` after an out-of-memory error), or ``None`` where the trainer has none."""
+    found = vars(trainer).get("_train_batch_size")
+    if found is not None and not isinstance(found, int):
+        raise unknown_shape("transformers", CHECKED, f"Trainer._train_batch_size is {type(found).__name__}")
+    return found
 
 
 def training_rows(trainer: Any, dataset: Any) -> Any:

@@ -28,6 +28,7 @@ from ..._optional import require
 from ...batches.collate import PaddingFreeCollator
 from ...batches.context_parallel import CP_KEY
 from ...compat import record, set_attr
+from ...compat.transformers import found_train_batch_size
 from ...compat.trl import count_every_position, train_metrics, weigh_new_metrics
 from ...errors import PackingError
 from ..attention.backends import base_model
@@ -151,6 +152,35 @@ def refuse_merged_predictions(trainer: Any) -> None:
         )
 
 
+def refuse_found_batch_size(trainer: Any, max_tokens: int | None) -> None:
+    """Refuse the batch size ``auto_find_batch_size`` lowered after an out-of-memory error: packtools' row
+    sampler and token budget do not follow it (the same batches would run again), and the checkpoints' layout
+    record (:mod:`~packtools.integrations.trainers.resume`) would name another batch size than the one trained,
+    so a resume would skip the wrong rows without an error."""
+    args = trainer.args
+    found = found_train_batch_size(trainer)
+    if not getattr(args, "auto_find_batch_size", False) or found is None:
+        return
+    asked = int(args.per_device_train_batch_size)
+    if found == asked:
+        return
+    fix = (
+        f"set TrainingArguments(per_device_train_batch_size={found}, auto_find_batch_size=False)"
+        if max_tokens is None
+        else f"lower max_tokens={max_tokens} (the token budget sizes packtools' batches) and set "
+        f"auto_find_batch_size=False"
+    )
+    raise PackingError(
+        f"auto_find_batch_size set the training batch size from per_device_train_batch_size={asked} to "
+        f"{found} (lowered after an out-of-memory error, or the size in the resumed checkpoint's "
+        f"trainer_state.json): packtools sizes its batches and records them in each "
+        f"checkpoint from per_device_train_batch_size and max_tokens, so the retry would train other batches "
+        f"than the ones it logs and records (and a resume would skip the wrong rows). To train with a smaller "
+        f"batch, {fix}.",
+        param="auto_find_batch_size",
+    )
+
+
 class StepOwner:
     """What packtools changes in every prepared trainer's step: the training loader, the refusal of predictions
     of merged padding-free rows (:func:`refuse_merged_predictions`) and, under context parallelism, the refusal
@@ -158,6 +188,7 @@ class StepOwner:
 
     def get_train_dataloader(self) -> Any:
         plan = _plan(self)
+        refuse_found_batch_size(self, plan.max_tokens)
         return train_loader(self, plan.max_tokens, plan.layout, super().get_train_dataloader)
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
