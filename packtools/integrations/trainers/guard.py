@@ -166,14 +166,34 @@ def _batch_positions_of(ids: Any, batch_ids: Any, positions: Any) -> tuple[bool,
     return False, None
 
 
+def _cu_positions(batch: Mapping[str, Any]) -> Any:
+    """The positions of a batch that separates its documents by ``cu_seq_lens_q`` alone (FlashAttention,
+    ``return_position_ids=False``): each token's place in its document, laid out as ``input_ids`` (``None`` where
+    ``cu_seq_lens_q`` does not cover every token).  Without them a copy of tokens within one document, or of one
+    token, would be judged by the whole batch (packed) and refused."""
+    import torch
+
+    ids, cu = batch.get("input_ids"), batch.get("cu_seq_lens_q")
+    if not (isinstance(ids, torch.Tensor) and isinstance(cu, torch.Tensor)) or cu.ndim != 1 or len(cu) < 2:
+        return None
+    cu = cu.to(ids.device, torch.long)
+    total = ids.numel()
+    lengths = cu.diff()
+    if int(cu[0]) != 0 or int(cu[-1]) != total or bool((lengths < 0).any()):  # (host syncs)
+        return None
+    starts = torch.repeat_interleave(cu[:-1], lengths, output_size=total)
+    return (torch.arange(total, device=ids.device) - starts).reshape(ids.shape)
+
+
 def check_packed_ids_forward(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
     """Refuse a forward of a packed batch's ``input_ids`` (inside :func:`packed_loss_inputs`) that carries neither
     ``cu_seq_lens_q`` nor ``position_ids`` restarting per document: the model then runs each packed row as one
     sequence, its documents attending to each other, with no error (a ``compute_loss`` that calls
     ``model(input_ids=inputs["input_ids"], labels=...)`` instead of ``model(**inputs)``).  The batch's tokens are
-    recognized as the tensor itself, a view of it, or a copy of it or of its leading/trailing columns
+    recognized as the tensor itself, a view of it, or a copy of any block of it or a wider row holding it
     (:func:`_batch_positions_of`), and ``inputs_embeds`` of the row's shape as its embedding; such a call is refused
-    when the tokens it holds span two documents of the batch.  The batch's own keys pass from their identity; only
+    when the tokens it holds span two documents of the batch (told by its ``position_ids``, or by its
+    ``cu_seq_lens_q`` where it has no ``position_ids``: :func:`_cu_positions`).  The batch's own keys pass from their identity; only
     another call's values are read (host syncs)."""
     found = _LOSS_BATCH.get()
     if found is None:
@@ -191,7 +211,7 @@ def check_packed_ids_forward(args: Sequence[Any], kwargs: Mapping[str, Any]) -> 
         ids = batch_ids if tuple(getattr(embeds, "shape", ())[:2]) == tuple(batch_ids.shape) else None
     if ids is None:
         return
-    derived, positions = _batch_positions_of(ids, batch_ids, own)
+    derived, positions = _batch_positions_of(ids, batch_ids, own if own is not None else _cu_positions(batch))
     if not derived or is_packed(kwargs):
         return
     if not (is_packed(batch) if positions is None else is_packed({"position_ids": positions})):
