@@ -562,3 +562,35 @@ def test_packed_tokens_rebuilt_another_way_are_refused():
     pos2 = torch.cat([positions, torch.arange(12)[None]])
     with packed_loss_inputs({"input_ids": ids2, "position_ids": pos2}, "Mine.compute_loss"):
         check_packed_ids_forward((), {"input_ids": torch.tensor([[13, 14, 20]])})
+
+
+def test_copies_within_a_document_pass_where_the_batch_has_cu_seq_lens_alone():
+    """A FlashAttention batch separates its documents by ``cu_seq_lens_q`` alone (``return_position_ids=False``):
+    with no positions to read, a held model's forward of one document re-tokenized, a block inside one, or one
+    decoded token equal to any token of the batch was judged by the whole (packed) batch and refused.  Now the
+    documents are read from ``cu_seq_lens_q``: those pass, and tokens across a boundary are still refused."""
+    from packtools.integrations.trainers.guard import check_packed_ids_forward, packed_loss_inputs
+
+    ids = torch.tensor([[10, 11, 12, 13, 14, 20, 21, 22, 30, 31, 32, 33]])
+    cu = torch.tensor([0, 5, 8, 12], dtype=torch.int32)
+    batch = {"input_ids": ids, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 5, "max_length_k": 5}
+    with packed_loss_inputs(batch, "Mine.compute_loss"):
+        for tokens in (ids[:, :5].clone(), ids[:, 5:8].clone(), ids[:, 9:].clone(), torch.tensor([[21]])):
+            check_packed_ids_forward((), {"input_ids": tokens})
+        for tokens in (ids[:, 3:7].clone(), torch.tensor(ids.tolist()), ids):
+            with pytest.raises(PackingError, match="Mine.compute_loss called the model"):
+                check_packed_ids_forward((), {"input_ids": tokens})
+
+
+def _sharing_a_table(trainer):
+    trainer.judge = tiny_llama(seed=1).eval()
+    trainer.judge.model.embed_tokens = trainer.model.model.embed_tokens  # one table for both, to save memory
+
+
+def test_a_model_sharing_a_module_with_the_trainer_model_is_still_another(tmp_path):
+    """A held model that shares a module with ``trainer.model`` (its embedding table) counted as a part or a wrapper
+    of ``trainer.model`` and went unwatched: forwarded on the packed input_ids without positions, it scored rows
+    whose documents attended to each other, with no error.  Only a model holding ``trainer.model`` itself is its
+    wrapper now."""
+    with pytest.raises(PackingError, match=r"Judged.compute_loss called the model.*position_ids"):
+        _held(tmp_path, Judged, _sharing_a_table)
