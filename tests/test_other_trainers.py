@@ -594,3 +594,21 @@ def test_a_model_sharing_a_module_with_the_trainer_model_is_still_another(tmp_pa
     wrapper now."""
     with pytest.raises(PackingError, match=r"Judged.compute_loss called the model.*position_ids"):
         _held(tmp_path, Judged, _sharing_a_table)
+
+
+def test_a_quantized_model_on_a_machine_with_several_gpus_is_not_refused(tmp_path):
+    """``Trainer`` never wraps a model quantized in 8 or 4 bits (QLoRA) in ``torch.nn.DataParallel``, whatever
+    ``args.n_gpu`` counts (a notebook with two visible GPUs, the model on one): nothing is split, and
+    prepare_trainer's refusal of ``n_gpu > 1`` refused that training.  It passes now."""
+    rows = pack_dataset(datasets.Dataset.from_list(sequences(8, seed=5)), 32)
+    model = tiny_llama()
+    model.is_loaded_in_4bit = True  # what bitsandbytes' 4-bit loading sets (the test has no GPU)
+    args = sgd_train_args(str(tmp_path), LR, max_steps=1)
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=rows, data_collator=PaddingFreeCollator(PAD)
+    )
+    trainer.args._n_gpu = 2
+    prepare_trainer(trainer)
+    assert "_packtools_guard" in vars(trainer.model)
+    # what train() then wraps (the model itself: bitsandbytes, needed to train it, is not installed here)
+    assert trainer._wrap_model(trainer.model_wrapped) is trainer.model
