@@ -612,3 +612,16 @@ def test_a_quantized_model_on_a_machine_with_several_gpus_is_not_refused(tmp_pat
     assert "_packtools_guard" in vars(trainer.model)
     # what train() then wraps (the model itself: bitsandbytes, needed to train it, is not installed here)
     assert trainer._wrap_model(trainer.model_wrapped) is trainer.model
+
+
+def test_a_module_registered_under_its_own_child_is_no_endless_walk():
+    """``held_models`` walked a module's children with no memory of those seen: a module of the user's own
+    registered under its own child (a back-reference) made every ``compute_loss`` stop with a RecursionError.
+    Each module is looked at once now, and the language model beside the loop is still found."""
+    from types import SimpleNamespace
+
+    from packtools.integrations.trainers.held import held_models
+
+    outer, inner, judge = torch.nn.Module(), torch.nn.Module(), tiny_llama(seed=1)
+    outer.inner, inner.outer, inner.judge = inner, outer, judge
+    assert held_models(SimpleNamespace(model=tiny_llama(), loop=outer)) == [judge]

@@ -46,12 +46,20 @@ def is_language_model(module: Any) -> bool:
 
 
 def _outermost_models(module: Any, torch: Any) -> list[Any]:
-    """The language models in ``module``'s tree that no other language model of it contains."""
-    if is_language_model(module):
-        return [module]
+    """The language models in ``module``'s tree that no other language model of it contains: each module looked
+    at once (a module shared by several parents, or one registered under its own child, is no endless walk)."""
     found: list[Any] = []
-    for child in module.children():
-        found.extend(_outermost_models(child, torch))
+    seen: set[int] = set()
+    todo = [module]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if is_language_model(current):
+            found.append(current)
+        else:
+            todo.extend(reversed(list(current.children())))
     return found
 
 
