@@ -625,3 +625,23 @@ def test_a_module_registered_under_its_own_child_is_no_endless_walk():
     outer, inner, judge = torch.nn.Module(), torch.nn.Module(), tiny_llama(seed=1)
     outer.inner, inner.outer, inner.judge = inner, outer, judge
     assert held_models(SimpleNamespace(model=tiny_llama(), loop=outer)) == [judge]
+
+
+@pytest.mark.parametrize("rows", [4, 3], ids=["text_row", "rotary_only"])
+def test_copies_within_a_document_pass_with_multimodal_positions(rows):
+    """A vision batch's ``position_ids`` are ``(4, B, T)`` (a text row first) or ``(3, B, T)`` (rotary only, with
+    ``cu_seq_lens_q``): not laid out as ``input_ids``, so a held model's forward of a block inside one document, or
+    of one decoded token found anywhere in the batch, was judged by the whole (packed) batch and refused.  The
+    documents are read from the text row, or from ``cu_seq_lens_q``, now; tokens across a boundary still refused."""
+    from packtools.integrations.trainers.guard import check_packed_ids_forward, packed_loss_inputs
+
+    ids = torch.tensor([[10, 11, 12, 13, 14, 20, 21, 22, 30, 31, 32, 33]])
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]]).expand(rows, 1, 12).clone()
+    cu = torch.tensor([0, 5, 8, 12], dtype=torch.int32)
+    batch = {"input_ids": ids, "position_ids": positions, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+    with packed_loss_inputs(batch, "Mine.compute_loss"):
+        for tokens in (ids[:, 5:8].clone(), torch.tensor([[21]]), ids[:, 9:].clone()):
+            check_packed_ids_forward((), {"input_ids": tokens})
+        for tokens in (ids[:, 3:7].clone(), ids):
+            with pytest.raises(PackingError, match="Mine.compute_loss called the model"):
+                check_packed_ids_forward((), {"input_ids": tokens})

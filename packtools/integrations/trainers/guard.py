@@ -185,6 +185,17 @@ def _cu_positions(batch: Mapping[str, Any]) -> Any:
     return (torch.arange(total, device=ids.device) - starts).reshape(ids.shape)
 
 
+def _document_positions(batch: Mapping[str, Any], own: Any) -> Any:
+    """``[B, T]`` positions of the batch that restart at each document, laid out as its ``input_ids``: its 2-D
+    ``position_ids``, the text row of ``(4, B, T)`` ones (:func:`text_positions`), else read from its
+    ``cu_seq_lens_q`` (:func:`_cu_positions`: FlashAttention without ``position_ids``, ``(3, B, T)`` rotary ones);
+    ``None`` where none fits (a copy is then judged by the whole batch)."""
+    text, ids = text_positions(own), batch.get("input_ids")
+    if text is not None and tuple(getattr(text, "shape", ())) == tuple(getattr(ids, "shape", ())):
+        return text
+    return _cu_positions(batch)
+
+
 def check_packed_ids_forward(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
     """Refuse a forward of a packed batch's ``input_ids`` (inside :func:`packed_loss_inputs`) that carries neither
     ``cu_seq_lens_q`` nor ``position_ids`` restarting per document: the model then runs each packed row as one
@@ -193,7 +204,7 @@ def check_packed_ids_forward(args: Sequence[Any], kwargs: Mapping[str, Any]) -> 
     recognized as the tensor itself, a view of it, or a copy of any block of it or a wider row holding it
     (:func:`_batch_positions_of`), and ``inputs_embeds`` of the row's shape as its embedding; such a call is refused
     when the tokens it holds span two documents of the batch (told by its ``position_ids``, or by its
-    ``cu_seq_lens_q`` where it has no ``position_ids``: :func:`_cu_positions`).  The batch's own keys pass from their identity; only
+    ``cu_seq_lens_q`` where they are no ``[B, T]`` text positions: :func:`_document_positions`).  The batch's own keys pass from their identity; only
     another call's values are read (host syncs)."""
     found = _LOSS_BATCH.get()
     if found is None:
@@ -211,7 +222,7 @@ def check_packed_ids_forward(args: Sequence[Any], kwargs: Mapping[str, Any]) -> 
         ids = batch_ids if tuple(getattr(embeds, "shape", ())[:2]) == tuple(batch_ids.shape) else None
     if ids is None:
         return
-    derived, positions = _batch_positions_of(ids, batch_ids, own if own is not None else _cu_positions(batch))
+    derived, positions = _batch_positions_of(ids, batch_ids, _document_positions(batch, own))
     if not derived or is_packed(kwargs):
         return
     if not (is_packed(batch) if positions is None else is_packed({"position_ids": positions})):
