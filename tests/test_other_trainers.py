@@ -645,3 +645,24 @@ def test_copies_within_a_document_pass_with_multimodal_positions(rows):
         for tokens in (ids[:, 3:7].clone(), ids):
             with pytest.raises(PackingError, match="Mine.compute_loss called the model"):
                 check_packed_ids_forward((), {"input_ids": tokens})
+
+
+def test_one_token_a_row_is_not_searched_for(monkeypatch):
+    """A held model's decode step inside compute_loss gives one token a row: no sequence of one token can mix
+    documents, but it was searched for among the batch's tokens (every place a common token occurs, each turned
+    into a view of the positions, a host sync each until one within a document) at every step of the generation.
+    Not searched for now; two tokens across a boundary still refused."""
+    from packtools.integrations.trainers import guard
+
+    def searched(haystack, needle):
+        assert needle.shape[-1] > 1, "a one-token-a-row input searched for"
+        return real(haystack, needle)
+
+    real = guard._windows_equal
+    monkeypatch.setattr(guard, "_windows_equal", searched)
+    ids = torch.tensor([[5, 5, 5, 5, 6, 6, 6, 6], [5, 5, 6, 6, 5, 5, 6, 6]])
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 0, 1, 0, 1, 0, 1]])
+    with guard.packed_loss_inputs({"input_ids": ids, "position_ids": positions}, "Mine.compute_loss"):
+        guard.check_packed_ids_forward((), {"input_ids": torch.tensor([[5], [6]])})
+        with pytest.raises(PackingError, match="Mine.compute_loss called the model"):
+            guard.check_packed_ids_forward((), {"input_ids": torch.tensor([[5, 6]])})

@@ -151,16 +151,21 @@ def _batch_positions_of(ids: Any, batch_ids: Any, positions: Any) -> tuple[bool,
         return False, None
     if not fits:
         return False, None
-    ids = ids.to(batch_ids.device)
     (h, w), (big_h, big_w) = tuple(ids.shape), tuple(batch_ids.shape)
+    if w == 1:  # one token a row (a decode step's): each row's sequence is one token, nothing to separate
+        return False, None
+    ids = ids.to(batch_ids.device)
     if h <= big_h and w <= big_w:  # a block of the batch's tokens
         places = _windows_equal(batch_ids, ids)
         if not places:
             return False, None
         if not same_layout:
             return True, None
-        found = [positions[r : r + h, c : c + w] for r, c in places]
-        return True, next((p for p in found if not is_packed({"position_ids": p})), found[0])
+        found = (positions[r : r + h, c : c + w] for r, c in places)  # a common token's places: not all built
+        first = next(found)
+        if not is_packed({"position_ids": first}):
+            return True, first
+        return True, next((p for p in found if not is_packed({"position_ids": p})), first)
     if h >= big_h and w >= big_w and _windows_equal(ids, batch_ids):  # the whole batch, and more
         return True, positions if same_layout else None
     return False, None
