@@ -62,7 +62,7 @@ def check_loss_path(trainer: Any) -> None:
 
 def refuse_data_parallel(trainer: Any, caller: str = "") -> None:
     """Refuse a trainer that ``Trainer`` will wrap in ``torch.nn.DataParallel`` (``args.n_gpu > 1``: one process
-    driving several GPUs).  DataParallel chunks every tensor of the batch along dim 0 on its own -- a packed row's
+    driving several GPUs; a model quantized in 8 or 4 bits is not wrapped, so passes).  DataParallel chunks every tensor of the batch along dim 0 on its own -- a packed row's
     ``cu_seq_lens_q`` cut apart from the tokens it describes, a preference row's pairs split -- and runs each replica
     in a thread of its own, where the check of a ``compute_loss``'s forwards (``guard.packed_loss_inputs``, a
     ``ContextVar``) is not set: a forward dropping the packed row's positions would pass with no error.
@@ -75,7 +75,11 @@ def refuse_data_parallel(trainer: Any, caller: str = "") -> None:
     packtools.errors.PackingError: prepare_trainer: n_gpu=2: transformers' Trainer wraps the model in torch.nn...
     """
     n_gpu = getattr(trainer.args, "n_gpu", 1)
-    if n_gpu > 1:
+    model = getattr(trainer, "model", None)
+    # Trainer._wrap_model's own predicate: a model quantized in 8 or 4 bits (bitsandbytes, QLoRA) is never wrapped
+    # in DataParallel -- it trains on its one device, whatever n_gpu counts -- so nothing is split
+    quantized = getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False)
+    if n_gpu > 1 and not quantized:
         raise PackingError(
             f"{caller + ': ' if caller else ''}n_gpu={n_gpu}: transformers' Trainer wraps the model in "
             f"torch.nn.DataParallel, which splits every batch along dim 0 tensor by tensor (a padding-free row's "

@@ -153,19 +153,54 @@ def _batch_positions_of(ids: Any, batch_ids: Any, positions: Any) -> tuple[bool,
         return False, None
     if not fits:
         return False, None
-    ids = ids.to(batch_ids.device)
     (h, w), (big_h, big_w) = tuple(ids.shape), tuple(batch_ids.shape)
+    if w == 1:  # one token a row (a decode step's): each row's sequence is one token, nothing to separate
+        return False, None
+    ids = ids.to(batch_ids.device)
     if h <= big_h and w <= big_w:  # a block of the batch's tokens
         places = _windows_equal(batch_ids, ids)
         if not places:
             return False, None
         if not same_layout:
             return True, None
-        found = [positions[r : r + h, c : c + w] for r, c in places]
-        return True, next((p for p in found if not is_packed({"position_ids": p})), found[0])
+        found = (positions[r : r + h, c : c + w] for r, c in places)  # a common token's places: not all built
+        first = next(found)
+        if not is_packed({"position_ids": first}):
+            return True, first
+        return True, next((p for p in found if not is_packed({"position_ids": p})), first)
     if h >= big_h and w >= big_w and _windows_equal(ids, batch_ids):  # the whole batch, and more
         return True, positions if same_layout else None
     return False, None
+
+
+def _cu_positions(batch: Mapping[str, Any]) -> Any:
+    """The positions of a batch that separates its documents by ``cu_seq_lens_q`` alone (FlashAttention,
+    ``return_position_ids=False``): each token's place in its document, laid out as ``input_ids`` (``None`` where
+    ``cu_seq_lens_q`` does not cover every token).  Without them a copy of tokens within one document, or of one
+    token, would be judged by the whole batch (packed) and refused."""
+    import torch
+
+    ids, cu = batch.get("input_ids"), batch.get("cu_seq_lens_q")
+    if not (isinstance(ids, torch.Tensor) and isinstance(cu, torch.Tensor)) or cu.ndim != 1 or len(cu) < 2:
+        return None
+    cu = cu.to(ids.device, torch.long)
+    total = ids.numel()
+    lengths = cu.diff()
+    if int(cu[0]) != 0 or int(cu[-1]) != total or bool((lengths < 0).any()):  # (host syncs)
+        return None
+    starts = torch.repeat_interleave(cu[:-1], lengths, output_size=total)
+    return (torch.arange(total, device=ids.device) - starts).reshape(ids.shape)
+
+
+def _document_positions(batch: Mapping[str, Any], own: Any) -> Any:
+    """``[B, T]`` positions of the batch that restart at each document, laid out as its ``input_ids``: its 2-D
+    ``position_ids``, the text row of ``(4, B, T)`` ones (:func:`text_positions`), else read from its
+    ``cu_seq_lens_q`` (:func:`_cu_positions`: FlashAttention without ``position_ids``, ``(3, B, T)`` rotary ones);
+    ``None`` where none fits (a copy is then judged by the whole batch)."""
+    text, ids = text_positions(own), batch.get("input_ids")
+    if text is not None and tuple(getattr(text, "shape", ())) == tuple(getattr(ids, "shape", ())):
+        return text
+    return _cu_positions(batch)
 
 
 def check_packed_ids_forward(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
@@ -173,9 +208,10 @@ def check_packed_ids_forward(args: Sequence[Any], kwargs: Mapping[str, Any]) -> 
     ``cu_seq_lens_q`` nor ``position_ids`` restarting per document: the model then runs each packed row as one
     sequence, its documents attending to each other, with no error (a ``compute_loss`` that calls
     ``model(input_ids=inputs["input_ids"], labels=...)`` instead of ``model(**inputs)``).  The batch's tokens are
-    recognized as the tensor itself, a view of it, or a copy of it or of its leading/trailing columns
+    recognized as the tensor itself, a view of it, or a copy of any block of it or a wider row holding it
     (:func:`_batch_positions_of`), and ``inputs_embeds`` of the row's shape as its embedding; such a call is refused
-    when the tokens it holds span two documents of the batch.  The batch's own keys pass from their identity; only
+    when the tokens it holds span two documents of the batch (told by its ``position_ids``, or by its
+    ``cu_seq_lens_q`` where they are no ``[B, T]`` text positions: :func:`_document_positions`).  The batch's own keys pass from their identity; only
     another call's values are read (host syncs)."""
     found = _LOSS_BATCH.get()
     if found is None:
@@ -193,7 +229,7 @@ def check_packed_ids_forward(args: Sequence[Any], kwargs: Mapping[str, Any]) -> 
         ids = batch_ids if tuple(getattr(embeds, "shape", ())[:2]) == tuple(batch_ids.shape) else None
     if ids is None:
         return
-    derived, positions = _batch_positions_of(ids, batch_ids, own)
+    derived, positions = _batch_positions_of(ids, batch_ids, _document_positions(batch, own))
     if not derived or is_packed(kwargs):
         return
     if not (is_packed(batch) if positions is None else is_packed({"position_ids": positions})):

@@ -5,7 +5,9 @@ positions there runs each packed row as one sequence, its documents attending to
 :func:`held_models` finds them by a rule, not by attribute name: every language model (a module whose unwrapped
 model has a ``config`` and input embeddings -- a ``transformers`` model, or a PEFT / DDP / compiled wrapper of
 one) reachable from the trainer's attributes, directly or in a ``list`` / ``tuple`` / ``dict`` (of at most 64
-items, nested at most 3 deep) or a module of the user's own, outermost first; those that are ``trainer.model``, a part of it or a wrapper of it are not others.
+items, nested at most 3 deep) or a module of the user's own, outermost first; those that are ``trainer.model``, a part of it or a wrapper of it
+(one holding ``trainer.model`` itself) are not others -- a model that only shares some modules with it (an embedding
+table, a backbone) is.
 :func:`watch_held_models` guards each lazily (:func:`~.guard.watch_model`): refused only at a forward of packed
 input, never for what it does on inputs of its own.  ``prepare_trainer`` runs it once, and packtools' step before
 each ``compute_loss`` / ``prediction_step`` (a model set on the trainer after ``prepare_trainer`` is seen too).
@@ -44,12 +46,20 @@ def is_language_model(module: Any) -> bool:
 
 
 def _outermost_models(module: Any, torch: Any) -> list[Any]:
-    """The language models in ``module``'s tree that no other language model of it contains."""
-    if is_language_model(module):
-        return [module]
+    """The language models in ``module``'s tree that no other language model of it contains: each module looked
+    at once (a module shared by several parents, or one registered under its own child, is no endless walk)."""
     found: list[Any] = []
-    for child in module.children():
-        found.extend(_outermost_models(child, torch))
+    seen: set[int] = set()
+    todo = [module]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if is_language_model(current):
+            found.append(current)
+        else:
+            todo.extend(reversed(list(current.children())))
     return found
 
 
@@ -59,6 +69,12 @@ def held_models(trainer: Any) -> list[Any]:
     torch = require("torch", "packtools.prepare_trainer")
     model = getattr(trainer, "model", None)
     own = {id(m) for m in model.modules()} if isinstance(model, torch.nn.Module) else {id(model)}
+
+    def mine(candidate: Any) -> bool:
+        # trainer.model, a part of it (its backbone), or a wrapper of it (DDP, compiled, PEFT): one that holds
+        # trainer.model itself. A model sharing only some modules with it (a tied embedding table) is another.
+        return id(candidate) in own or any(m is model for m in candidate.modules())
+
     found: list[Any] = []
     seen: set[int] = set()
 
@@ -68,8 +84,8 @@ def held_models(trainer: Any) -> list[Any]:
         seen.add(id(value))
         if isinstance(value, torch.nn.Module):
             for candidate in _outermost_models(value, torch):
-                if id(candidate) in own or any(id(m) in own for m in candidate.modules()):
-                    continue  # trainer.model, a part of it, or a wrapper of it (DDP, compiled, PEFT)
+                if mine(candidate):
+                    continue
                 if all(candidate is not f for f in found):
                     found.append(candidate)
         elif depth < _DEPTH and isinstance(value, (list, tuple)) and len(value) <= _WIDTH:
