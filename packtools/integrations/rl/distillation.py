@@ -59,7 +59,9 @@ class DistillationPlan:
     models: tuple[str, ...] = ("student", "teacher")
 
     def summary(self) -> str:
-        """>>> DistillationPlan().summary()
+        """What the plan trains on, in words.
+
+        >>> DistillationPlan().summary()
         'padding-free rows for the student and the teacher (each sequence its own document)'
         """
         return f"padding-free rows for the {' and the '.join(self.models)} (each sequence its own document)"

@@ -3,8 +3,8 @@
 packtools' training batches depend on the number of data-parallel processes (each rank's share of an epoch's
 shuffle, or of its token-budget batches), and with one process and no ``max_tokens`` ``Trainer``'s own sampler is
 kept; a change of the process count alone (the processes of a context-parallel group read one batch) is
-accepted where both runs use packtools' sampler.  ``Trainer`` resumes by the step count alone: it skips ``global_step`` optimizer steps of the epochs it
-lays out for the *current* processes.  Under another process count those are other batches, so rows of the
+accepted where both runs use packtools' sampler.  ``Trainer`` resumes by the step count alone: it skips
+``global_step`` optimizer steps of the epochs it lays out for the *current* processes.  Under another process count those are other batches, so rows of the
 interrupted epoch would be trained twice and others skipped, without an error.
 
 :func:`save_layout` writes the layout of the run into every checkpoint (``packtools_layout.json``, by the
@@ -32,7 +32,6 @@ def run_layout(trainer: Any, layout: Any, max_tokens: int | None) -> dict[str, A
     processes, the token budget (or the rows per batch without one) and the accumulation steps.
 
     >>> from types import SimpleNamespace as N
-    >>> args = N(world_size=4, per_device_train_batch_size=2, gradient_accumulation_steps=1)
     >>> args = N(world_size=4, per_device_train_batch_size=2, gradient_accumulation_steps=1, seed=42)
     >>> run_layout(N(args=args), N(dp_size=2), None)
     {'processes': 4, 'data_parallel': 2, 'max_tokens': None, 'rows_per_batch': 2, 'accumulation': 1, 'shuffle_seed': 42}
