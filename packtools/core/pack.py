@@ -271,29 +271,30 @@ def pack_columns(
     return pa.Table.from_arrays(arrays, names=names)
 
 
-def video_refusal(what: str, videos: list[str]) -> str:
-    """The refusal of rows holding video columns (:data:`~packtools.constants.VIDEO_COLUMNS`) in ``what``, which
-    packs token columns (or images) only."""
-    return (
-        f"{what}: the rows hold video column(s) {videos}, and packtools packs images only (video positions are "
-        f"not verified): packed without them (whatever columns= names), each video's placeholder tokens would "
-        f"stay in input_ids with no pixels. Remove the video samples (their columns and placeholder tokens) "
-        f"first, or train them unpacked."
-    )
+def refuse_video_columns(names: Sequence[str], what: str, param: str) -> None:
+    """Refuse rows holding video columns (:data:`~packtools.constants.VIDEO_COLUMNS`; ``names``: the rows' column
+    names) in ``what``, which packs token columns (or images) only, whatever ``columns=`` says."""
+    if videos := [c for c in VIDEO_COLUMNS if c in names]:
+        raise PackingError(
+            f"{what}: the rows hold video column(s) {videos}, and packtools packs images only (video positions "
+            f"are not verified): packed without them (whatever columns= names), each video's placeholder tokens "
+            f"would stay in input_ids with no pixels. Remove the video samples (their columns and placeholder "
+            f"tokens) first, or train them unpacked.",
+            param=param,
+        )
 
 
-def check_no_images(table: pa.Table, what: str) -> None:
-    """Refuse a table of processed vision-language rows (:data:`~packtools.constants.PIXEL_COLUMNS`: images, and
-    videos, which no path packs) in a path that packs or plans its token columns alone (``what``: ``pack_table``, ``packed_view``, whose ``materialize()`` must
-    equal ``pack_dataset``, which packs such rows whole with their images): left out, as ``columns=[...]`` naming
-    the token columns would leave them, each image's placeholder tokens would stay in ``input_ids`` with no pixels
-    and the training data would change with no error.  Refused whatever ``columns=`` says.
+def refuse_pixel_columns(names: Sequence[str], what: str, param: str = "table") -> None:
+    """Refuse processed vision-language rows (:data:`~packtools.constants.PIXEL_COLUMNS`: images, and videos, which
+    no path packs; ``names``: the rows' column names) in ``what``, a path that packs or plans its token columns
+    alone: left out, as ``columns=[...]`` naming the token columns would leave them, each image's placeholder
+    tokens would stay in ``input_ids`` with no pixels and the training data would change with no error.  Refused
+    whatever ``columns=`` says (``pack_dataset`` packs such rows whole with their images).
 
-    >>> check_no_images(pa.table({"input_ids": [[1, 2]]}), "packed_view")
+    >>> refuse_pixel_columns(["input_ids"], "pack_ray_dataset", "ds")
     """
-    if videos := [c for c in VIDEO_COLUMNS if c in table.column_names]:
-        raise PackingError(video_refusal(what, videos), param="table")
-    found = [c for c in IMAGE_COLUMNS if c in table.column_names]
+    refuse_video_columns(names, what, param)
+    found = [c for c in IMAGE_COLUMNS if c in names]
     if found:
         raise PackingError(
             f"{what} plans token columns only, and this table holds vision-language rows ({found}): packed "
@@ -301,8 +302,17 @@ def check_no_images(table: pa.Table, what: str) -> None:
             f"with no pixels. Pack them with packtools.pack_dataset(datasets.Dataset(table), max_length) (each "
             f"sample whole, its images in row order; docs/vision.md), or, to train the text alone, remove the "
             f"images and their placeholder tokens from the rows first.",
-            param="table",
+            param=param,
         )
+
+
+def check_no_images(table: pa.Table, what: str) -> None:
+    """:func:`refuse_pixel_columns` of a table (``what``: ``pack_table``, ``packed_view``, whose ``materialize()``
+    must equal ``pack_dataset``'s).
+
+    >>> check_no_images(pa.table({"input_ids": [[1, 2]]}), "packed_view")
+    """
+    refuse_pixel_columns(table.column_names, what, "table")
 
 
 def pack_table(

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from ..constants import IMAGE_COLUMNS, SEQ_LENGTHS, VIDEO_COLUMNS
+from ..constants import IMAGE_COLUMNS, SEQ_LENGTHS
 from ..core.arrow import is_list_type
-from ..core.pack import BOUNDARY_COLUMNS, video_refusal
+from ..core.pack import BOUNDARY_COLUMNS, refuse_video_columns
 from ..errors import PackingError
 from ..io.discover import InputFile
 from ..io.files import Part, iter_part, read_schema, reading
@@ -239,8 +239,7 @@ def refuse_image_columns(files: Sequence[InputFile], config: PipelineConfig) -> 
     (their ``input_ids`` count the image tokens)."""
     for f in files:
         names = read_schema(f).names
-        if videos := [c for c in VIDEO_COLUMNS if c in names]:
-            raise PackingError(video_refusal(repr(f.path), videos), param="columns")
+        refuse_video_columns(names, repr(f.path), "columns")
         images = [c for c in IMAGE_COLUMNS if c in names]
         if images:
             named = f" (columns={list(config.columns)} would leave them out)" if config.columns else ""

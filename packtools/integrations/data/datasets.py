@@ -22,11 +22,11 @@ import pyarrow as pa
 from ..._optional import require
 from ...compat.datasets import dataset_table, format_type, memory_mapped_table, temporary_cache_directory
 from ...compat.datasets import fingerprint as datasets_fingerprint
-from ...constants import IMAGE_COLUMNS, SEQ_LENGTHS, VIDEO_COLUMNS
+from ...constants import IMAGE_COLUMNS, SEQ_LENGTHS
 from ...core.arrow import check_row_counts, column_lengths, is_list_type
 from ...core.cp_budget import check_context_parallel, plan_for_cp
 from ...core.nested import gather_whole_samples, plan_whole_samples
-from ...core.pack import check_no_images, pack_columns, read_columns, truncate_table, video_refusal
+from ...core.pack import check_no_images, pack_columns, read_columns, refuse_video_columns, truncate_table
 from ...core.plan import PackPlan, Strategy, check_max_length, check_strategy
 from ...errors import PackingError
 from .drops import DropReport, untrained_pieces, warn_dropped, warn_empty, warn_untrained
@@ -425,9 +425,7 @@ def has_images(dataset_or_table: Any) -> bool:
 
 def _refuse_videos(dataset_or_table: Any, what: str) -> None:
     """Refuse rows with video columns (:data:`~packtools.constants.VIDEO_COLUMNS`) whatever ``columns=`` says."""
-    names = getattr(dataset_or_table, "column_names", None) or []
-    if videos := [c for c in VIDEO_COLUMNS if c in names]:
-        raise PackingError(video_refusal(what, videos), param="dataset")
+    refuse_video_columns(getattr(dataset_or_table, "column_names", None) or [], what, "dataset")
 
 
 def _refuse_streamed_images() -> None:

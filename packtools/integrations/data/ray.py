@@ -12,10 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..._optional import require
-from ...constants import IMAGE_COLUMNS, VIDEO_COLUMNS
-from ...core.pack import pack_table, video_refusal
+from ...core.pack import pack_table, refuse_pixel_columns
 from ...core.plan import Strategy, check_max_length, check_strategy
-from ...errors import PackingError
 
 
 def pack_ray_dataset(
@@ -39,17 +37,7 @@ def pack_ray_dataset(
         columns = [columns]
     schema = ds.schema(fetch_if_missing=False)  # None when knowing it would run the dataset
     names = getattr(schema, "names", None) or []
-    if videos := [c for c in VIDEO_COLUMNS if c in names]:
-        raise PackingError(video_refusal("pack_ray_dataset", videos), param="ds")
-    if images := [c for c in IMAGE_COLUMNS if c in names]:
-        raise PackingError(
-            f"the dataset holds processed vision-language rows ({images}), and pack_ray_dataset packs token "
-            f"columns only: packed without them (whatever columns= names), each image's placeholder tokens would "
-            f"stay in input_ids with no pixels. Pack them with packtools.pack_dataset(datasets.Dataset, "
-            f"max_length) (each sample whole, its images in row order; docs/vision.md), or, to train the text "
-            f"alone, remove {images} and their placeholder tokens from the rows first.",
-            param="ds",
-        )
+    refuse_pixel_columns(names, "pack_ray_dataset", "ds")
     kwargs: dict[str, Any] = {}
     # the packer changes the row count; Ray 2.52-2.53 default the argument to False and then push a downstream
     # limit() below the packer, which packs only the first rows
