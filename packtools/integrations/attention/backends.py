@@ -193,14 +193,21 @@ def check_image_placeholders(model: Any, kwargs: Any) -> None:
     config = getattr(base_model(model), "config", None)
     if ids is None or config is None or not hasattr(ids, "__eq__") or not hasattr(ids, "shape"):
         return
-    for attr, inputs in PLACEHOLDER_INPUTS:
-        token = getattr(config, attr, None)
-        if (
-            isinstance(token, bool)
-            or not isinstance(token, int)
-            or any(kwargs.get(n) is not None for n in inputs)
-        ):
-            continue
+    unfed = [
+        (attr, inputs, token)
+        for attr, inputs in PLACEHOLDER_INPUTS
+        if isinstance(token := getattr(config, attr, None), int)
+        and not isinstance(token, bool)
+        and all(kwargs.get(n) is None for n in inputs)
+    ]
+    if not unfed:
+        return
+    anywhere = ids == unfed[0][2]
+    for _, _, token in unfed[1:]:
+        anywhere = anywhere | (ids == token)
+    if not bool(anywhere.any()):  # one host sync on the training path; which token, only when one is there
+        return
+    for attr, inputs, token in unfed:
         found = ids == token
         if bool(found.any()):
             where = found.nonzero()  # torch: one (row, token) per line; numpy: one array per axis
