@@ -11,7 +11,7 @@ check it runs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any
 
@@ -123,24 +123,32 @@ def _windows_equal(haystack: Any, needle: Any) -> list[tuple[int, int]]:
     return found
 
 
-def _batch_positions_of(ids: Any, batch_ids: Any, positions: Any) -> tuple[bool, Any]:
+def _batch_positions_of(ids: Any, batch_ids: Any, positions_of: Callable[[], Any]) -> tuple[bool, Any]:
     """``(derived, their_positions)``: whether ``ids`` holds the packed batch's tokens -- its ``input_ids``, a view
     of them (``ids[:, :-1]``), a copy of them or of any block of rows and columns of them (``.clone()``,
     ``ids[:, 3:9].clone()``, ``torch.cat`` of pieces that put them back together, tokens decoded and encoded again
     to the same ids), or a wider row holding the whole batch (a token prepended) -- and then the batch's
     ``position_ids`` of exactly those tokens (``None`` where they cannot be told: judge the batch).  A copy is
     recognized by its values (a few host syncs), looked at only for an integer tensor of two dimensions; of several
-    places the copied tokens equal, one within a single document is taken (nothing to separate there)."""
+    places the copied tokens equal, one within a single document is taken (nothing to separate there).
+    ``positions_of()`` gives the batch's positions (:func:`_document_positions`), asked for only where ``ids``
+    holds the batch's tokens (reading them from ``cu_seq_lens_q`` costs host syncs)."""
     if ids is batch_ids:
-        return True, positions
-    same_layout = (
-        positions is not None
-        and getattr(positions, "ndim", 0) == 2
-        and tuple(positions.shape) == tuple(batch_ids.shape)
-        and positions.stride() == batch_ids.stride()
-    )
+        return True, positions_of()
+
+    def laid_out() -> Any:  # the batch's positions where laid out as its input_ids, else None
+        positions = positions_of()
+        same_layout = (
+            positions is not None
+            and getattr(positions, "ndim", 0) == 2
+            and tuple(positions.shape) == tuple(batch_ids.shape)
+            and positions.stride() == batch_ids.stride()
+        )
+        return positions if same_layout else None
+
     if _shares_storage(ids, batch_ids):
-        if not same_layout:
+        positions = laid_out()
+        if positions is None:
             return True, None
         offset = positions.storage_offset() + ids.storage_offset() - batch_ids.storage_offset()
         try:  # the same view of the positions: the same strides from the same offset
@@ -161,7 +169,8 @@ def _batch_positions_of(ids: Any, batch_ids: Any, positions: Any) -> tuple[bool,
         places = _windows_equal(batch_ids, ids)
         if not places:
             return False, None
-        if not same_layout:
+        positions = laid_out()
+        if positions is None:
             return True, None
         found = (positions[r : r + h, c : c + w] for r, c in places)  # a common token's places: not all built
         first = next(found)
@@ -169,7 +178,7 @@ def _batch_positions_of(ids: Any, batch_ids: Any, positions: Any) -> tuple[bool,
             return True, first
         return True, next((p for p in found if not is_packed({"position_ids": p})), first)
     if h >= big_h and w >= big_w and _windows_equal(ids, batch_ids):  # the whole batch, and more
-        return True, positions if same_layout else None
+        return True, laid_out()
     return False, None
 
 
@@ -229,7 +238,7 @@ def check_packed_ids_forward(args: Sequence[Any], kwargs: Mapping[str, Any]) -> 
         ids = batch_ids if tuple(getattr(embeds, "shape", ())[:2]) == tuple(batch_ids.shape) else None
     if ids is None:
         return
-    derived, positions = _batch_positions_of(ids, batch_ids, _document_positions(batch, own))
+    derived, positions = _batch_positions_of(ids, batch_ids, lambda: _document_positions(batch, own))
     if not derived or is_packed(kwargs):
         return
     if not (is_packed(batch) if positions is None else is_packed({"position_ids": positions})):
