@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 import datasets
@@ -57,6 +58,14 @@ class Trace(transformers.TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.steps.append((state.global_step, self.current))
         self.current = []
+
+
+class KillAtSave(transformers.TrainerCallback):
+    """SIGKILL this process as soon as ``Trainer`` has saved its first checkpoint: before any callback
+    registered after this one (packtools' own, added by ``train()``) runs its ``on_save``."""
+
+    def on_save(self, args, state, control, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def build(case: dict):
@@ -206,6 +215,8 @@ def run(out: str, case: dict, phase: str) -> dict:
         prepare_trainer(trainer, **case.get(f"{phase}_prepare", case["prepare"]))
     trace = Trace(model, docs, pieces=case.get("pieces", False))
     trainer.add_callback(trace)
+    if phase == "full" and case.get("kill_at_save"):
+        trainer.add_callback(KillAtSave())
     resume = os.path.join(out, f"checkpoint-{case['k']}") if phase == "resume" else None
     trainer.train(resume_from_checkpoint=resume)
     logs = [h for h in trainer.state.log_history if "loss" in h]

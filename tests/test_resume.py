@@ -243,7 +243,7 @@ def test_resuming_with_another_token_budget_is_refused_by_name(tmp_path):
 
 def test_the_layout_record_of_the_last_checkpoint_is_what_resume_true_checks(tmp_path):
     """``resume_from_checkpoint=True`` resumes from the last ``checkpoint-N`` of ``output_dir``: its record is
-    the one compared; the same layout passes, another is refused, a checkpoint without a record is not checked."""
+    the one compared; the same layout passes, another is refused, a folder with no step count to skip is not checked."""
     from types import SimpleNamespace
 
     from packtools.errors import PackingError
@@ -264,7 +264,7 @@ def test_the_layout_record_of_the_last_checkpoint_is_what_resume_true_checks(tmp
         check_resume(last, {**layout, "processes": 1, "data_parallel": 1})
     with pytest.raises(PackingError, match=r"gradient_accumulation_steps=2 \(now 4\)"):
         check_resume(last, {**layout, "accumulation": 4})
-    check_resume(str(tmp_path), {**layout, "processes": 8})  # no record: not checked
+    check_resume(str(tmp_path), {**layout, "processes": 8})  # no trainer_state.json: nothing
 
 
 def test_another_process_count_with_the_same_data_parallel_processes_is_resumed(tmp_path):
@@ -288,40 +288,144 @@ def test_another_process_count_with_the_same_data_parallel_processes_is_resumed(
         check_resume(str(tmp_path), {**rows, "data_parallel": 2})
 
 
-def test_a_batch_size_lowered_by_auto_find_batch_size_is_refused_by_name(tmp_path):
-    """``auto_find_batch_size`` retries an out-of-memory step with a lower batch size (4 -> 3 here): Trainer's
-    own loader trained batches of 3 while the checkpoint's layout record said 4, so a resume with
-    ``per_device_train_batch_size=4`` skipped 2 rows of the epoch silently (and one with 3 was refused).  The
-    retry is refused, naming the size Trainer found and the fix."""
+class OutOfMemoryOnce:
+    """A ``Trainer`` subclass mixin whose first ``training_step`` raises CUDA's out-of-memory error."""
+
+    failed = False
+
+    def training_step(self, *args, **kwargs):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().training_step(*args, **kwargs)
+
+
+def oom_once_trainer(out, max_steps=2, fail=True, **extra):
+    import datasets
     import transformers
     from _hf_models import sequences, tiny_llama
+
+    from packtools import PaddingFreeCollator
+
+    args = transformers.TrainingArguments(
+        str(out), max_steps=max_steps, save_steps=2, report_to=[], use_cpu=True, remove_unused_columns=False,
+        disable_tqdm=True, **{"per_device_train_batch_size": 4, "auto_find_batch_size": True, **extra},
+    )  # fmt: skip
+    kind = type("OOMOnce", (OutOfMemoryOnce, transformers.Trainer), {"failed": not fail})
+    collator = PaddingFreeCollator(pad_token_id=0, unpacked=True)
+    return kind(
+        model=tiny_llama(),
+        args=args,
+        train_dataset=datasets.Dataset.from_list(sequences(32)),
+        data_collator=collator,
+    )
+
+
+def test_a_batch_size_lowered_by_auto_find_batch_size_is_refused_where_packtools_batches(tmp_path):
+    """``auto_find_batch_size`` retries an out-of-memory step with a lower batch size (4 -> 3 here): with
+    ``max_tokens`` packtools' token budget does not follow it, so the retry is refused, naming the fix."""
+    from packtools import prepare_trainer
+    from packtools.errors import PackingError
+
+    trainer = prepare_trainer(oom_once_trainer(tmp_path), max_tokens=64)
+    with pytest.raises(PackingError, match=r"per_device_train_batch_size=4 to 3 .*lower max_tokens=64"):
+        trainer.train()
+    assert trainer.failed and not (tmp_path / "checkpoint-2").exists()
+
+
+def test_auto_find_batch_size_with_trainers_own_loader_is_trained_recorded_and_resumed(tmp_path):
+    """One process without ``max_tokens`` keeps ``Trainer``'s own loader, which follows the size
+    ``auto_find_batch_size`` finds: the retry is exact, but it was refused like a packtools batch.  It trains,
+    the record names the size trained (3, not the 4 asked), a resume with ``auto_find_batch_size`` (Trainer
+    restores 3) passes, and one with ``per_device_train_batch_size=4`` and no search (batches of 4: the saved
+    step count of another layout) is refused."""
+    from packtools import prepare_trainer
+    from packtools.errors import PackingError
+
+    trainer = prepare_trainer(oom_once_trainer(tmp_path))
+    trainer.train()
+    assert trainer.failed and trainer.state.train_batch_size == 3
+    from packtools.integrations.trainers.resume import saved_layout
+
+    assert saved_layout(str(tmp_path / "checkpoint-2"))["rows_per_batch"] == 3
+    checkpoint = str(tmp_path / "checkpoint-2")
+    prepare_trainer(oom_once_trainer(tmp_path, 3, fail=False)).train(resume_from_checkpoint=checkpoint)
+    fixed = prepare_trainer(oom_once_trainer(tmp_path, 3, fail=False, auto_find_batch_size=False))
+    with pytest.raises(PackingError, match=r"per_device_train_batch_size=3 \(now 4\)"):
+        fixed.train(resume_from_checkpoint=checkpoint)
+
+
+def test_a_checkpoint_killed_before_packtools_saw_it_is_still_checked(tmp_path):
+    """A process killed (SIGKILL) right after ``Trainer`` saved a checkpoint, before packtools' ``on_save``
+    wrote ``packtools_layout.json`` into it: ``resume_from_checkpoint`` (``True`` picks it too) resumed it
+    unchecked, here under another ``max_tokens``, training rows twice with no error.  The record now rides in
+    the checkpoint's own ``trainer_state.json``, written by ``Trainer`` before any ``on_save``: refused."""
+    case = {"data": "rows", "prepare": {"max_tokens": 64}, "k": 2, "max_steps": 3, "kill_at_save": True}
+    out = launch(tmp_path, case, "full", fails=True)
+    assert (tmp_path / "checkpoint-2" / "trainer_state.json").is_file(), out[-3000:]
+    out = launch(tmp_path, {**case, "resume_prepare": {"max_tokens": 32}}, "resume", fails=True)
+    assert "saved with max_tokens=64 (now 32)" in out, out[-3000:]
+
+
+def test_a_checkpoint_with_no_record_anywhere_is_refused_with_the_record_to_write(tmp_path):
+    """A checkpoint with ``Trainer``'s state (a step count to skip) and no layout record (saved without
+    ``prepare_*``, or by a packtools before the record) was resumed unchecked.  Refused, the message giving the
+    record to write; once written (the user's word that the layout is the saved one) it is checked as a record.
+    A folder without ``trainer_state.json`` is resumed from step 0 by ``Trainer`` (nothing skipped): passes."""
+    from packtools.errors import PackingError
+    from packtools.integrations.trainers.resume import LAYOUT_FILE, check_resume
+
+    layout = {"processes": 1, "data_parallel": 1, "max_tokens": 64, "rows_per_batch": None, "accumulation": 1}
+    check_resume(str(tmp_path), layout)
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"global_step": 4, "stateful_callbacks": {}}))
+    with pytest.raises(PackingError, match="records no data layout") as caught:
+        check_resume(str(tmp_path), layout)
+    assert json.dumps(layout) in str(caught.value) and caught.value.param == "resume_from_checkpoint"
+    (tmp_path / LAYOUT_FILE).write_text(json.dumps(layout))
+    check_resume(str(tmp_path), layout)
+    with pytest.raises(PackingError, match=r"max_tokens=64 \(now 32\)"):
+        check_resume(str(tmp_path), {**layout, "max_tokens": 32})
+
+
+def test_a_hyperparameter_trials_checkpoints_hold_the_trials_layout(tmp_path, monkeypatch):
+    """A hyperparameter search saves ``output_dir/run-N/checkpoint-K``, but packtools wrote its record into
+    ``output_dir/checkpoint-K`` (absent: no record at all), and recorded the arguments before the trial set
+    them.  The trial's checkpoint records the trial's layout (its ``gradient_accumulation_steps`` here), and a
+    resume from it under another is refused."""
+    from types import SimpleNamespace
+
+    import datasets
+    import transformers
+    from _hf_models import sequences, tiny_llama
+    from transformers.trainer_utils import HPSearchBackend
 
     from packtools import PaddingFreeCollator, prepare_trainer
     from packtools.errors import PackingError
 
-    class OutOfMemoryOnce(transformers.Trainer):
-        failed = False
+    def trainer():
+        args = transformers.TrainingArguments(
+            str(tmp_path), per_device_train_batch_size=2, max_steps=2, save_steps=2, report_to=[],
+            use_cpu=True, remove_unused_columns=False, disable_tqdm=True,
+        )  # fmt: skip
+        collator = PaddingFreeCollator(pad_token_id=0, unpacked=True)
+        rows = datasets.Dataset.from_list(sequences(16))
+        built = prepare_trainer(
+            transformers.Trainer(tiny_llama(), args, train_dataset=rows, data_collator=collator)
+        )
+        # what Trainer.hyperparameter_search sets before each trial's train(trial=...) (optuna's trial.number)
+        built.hp_search_backend, built.hp_space = HPSearchBackend.OPTUNA, lambda t: t.params
+        return built
 
-        def training_step(self, *args, **kwargs):
-            if not OutOfMemoryOnce.failed:
-                OutOfMemoryOnce.failed = True
-                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
-            return super().training_step(*args, **kwargs)
+    # optuna is not installed here: its trial is a stand-in, whose parameters Trainer logs through hp_params
+    monkeypatch.setattr(transformers.integrations, "hp_params", lambda t: t.params)
+    trial = SimpleNamespace(number=0, params={"gradient_accumulation_steps": 2})
+    trainer().train(trial=trial)
+    other = SimpleNamespace(number=0, params={"gradient_accumulation_steps": 1})
+    with pytest.raises(PackingError, match=r"gradient_accumulation_steps=2 \(now 1\)"):
+        trainer().train(resume_from_checkpoint=str(tmp_path / "run-0" / "checkpoint-2"), trial=other)
+    from packtools.integrations.trainers.resume import saved_layout
 
-    args = transformers.TrainingArguments(
-        str(tmp_path), per_device_train_batch_size=4, auto_find_batch_size=True, max_steps=2, save_steps=2,
-        report_to=[], use_cpu=True, remove_unused_columns=False,
-    )  # fmt: skip
-    collator = PaddingFreeCollator(pad_token_id=0, unpacked=True)
-    trainer = OutOfMemoryOnce(
-        model=tiny_llama(), args=args, train_dataset=sequences(32), data_collator=collator
-    )
-    prepare_trainer(trainer)
-    with pytest.raises(
-        PackingError, match=r"per_device_train_batch_size=4 to 3 .*per_device_train_batch_size=3,"
-    ):
-        trainer.train()
-    assert OutOfMemoryOnce.failed and not (tmp_path / "checkpoint-2").exists()
+    assert saved_layout(str(tmp_path / "run-0" / "checkpoint-2"))["accumulation"] == 2
 
 
 @pytest.mark.parametrize("text", ["", '{"processes": 2, "data_par', "[1, 2]"])
@@ -373,7 +477,7 @@ def test_a_numpy_token_budget_is_recorded_and_resumed(tmp_path):
     from _hf_models import sequences, tiny_llama
 
     from packtools import PaddingFreeCollator, prepare_trainer
-    from packtools.integrations.trainers.resume import LAYOUT_FILE
+    from packtools.integrations.trainers.resume import saved_layout
 
     def trainer(max_tokens):
         args = transformers.TrainingArguments(
@@ -387,5 +491,20 @@ def test_a_numpy_token_budget_is_recorded_and_resumed(tmp_path):
         return built
 
     trainer(np.int64(64)).train()
-    assert json.loads((tmp_path / "checkpoint-1" / LAYOUT_FILE).read_text())["max_tokens"] == 64
+    assert saved_layout(str(tmp_path / "checkpoint-1"))["max_tokens"] == 64
     trainer(64).train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+
+
+def test_the_trainers_that_keep_trls_loader_change_no_loader_method():
+    """``prepare_kto_trainer``, ``prepare_distillation_trainer`` and ``prepare_grpo_trainer`` record no layout
+    (docs/training.md): a resume there is TRL's own because packtools leaves their loader and ``train`` alone
+    (GRPO's ``_get_train_sampler`` only permutes whole groups inside each generation batch,
+    ``tests/test_grpo.py``).  A loader override added to one of them must come with the layout record."""
+    from packtools.integrations.preference import kto
+    from packtools.integrations.rl.distillation import PackedDistillationStep
+    from packtools.integrations.rl.grpo import PackedRLStep
+
+    loader = {"get_train_dataloader", "_get_train_sampler", "train", "_get_dataloader", "get_batch_samples"}
+    assert not loader & set(vars(PackedDistillationStep))
+    assert loader & set(vars(PackedRLStep)) == {"_get_train_sampler"}
+    assert "install_step" not in vars(kto)  # no class swap: the trainer's own methods run

@@ -7,12 +7,21 @@ accepted where both runs use packtools' sampler.  ``Trainer`` resumes by the ste
 ``global_step`` optimizer steps of the epochs it lays out for the *current* processes.  Under another process count those are other batches, so rows of the
 interrupted epoch would be trained twice and others skipped, without an error.
 
-:func:`save_layout` writes the layout of the run into every checkpoint (``packtools_layout.json``, by the
-processes that save); :func:`check_resume` compares it with the resuming run's before ``Trainer`` loads
-anything and refuses a change, naming both and the fix.  The token budget, the rows per batch and the
-accumulation steps are recorded and compared too: a change of any of them moves the batches ``Trainer`` skips
-in the same way, and so does the seed of packtools' epoch shuffle.  A checkpoint without the file (not saved
-by a prepared trainer) is not checked.
+The run's layout (:func:`run_layout`) is recorded in ``Trainer``'s own ``trainer_state.json``
+(``stateful_callbacks["packtools_layout"]``, set by :func:`layout_record` when training begins): the file
+``Trainer`` reads the step count it skips from, written by ``Trainer._save_checkpoint`` into every checkpoint it
+saves (``run-N/checkpoint-K`` of a hyperparameter search too), so a checkpoint that has a step count to skip has
+the layout beside it -- no window between the checkpoint and a record of its own (a kill there left a
+checkpoint resumed unchecked).  :func:`check_resume` compares it with the resuming run's when training begins
+(after a hyperparameter trial set its arguments, before the first step) and refuses a change, naming both and
+the fix.  The token budget, the rows per batch (the size ``Trainer`` trains with, ``auto_find_batch_size``'s
+included, where its own sampler is kept) and the accumulation steps are recorded and compared too: a change of
+any of them moves the batches ``Trainer`` skips in the same way, and so does the seed of packtools' epoch
+shuffle.  ``packtools_layout.json`` in the checkpoint folder (what earlier packtools wrote, or written by hand
+with :func:`save_layout`) is read where ``trainer_state.json`` holds no record.  A checkpoint with a
+``trainer_state.json`` and no record anywhere (saved without ``prepare_*``, or by a packtools before the record)
+is refused, the message giving the record to write if the run is known to have the checkpoint's layout; one
+without ``trainer_state.json`` is resumed from step 0 by ``Trainer`` (nothing skipped) and not checked.
 """
 
 from __future__ import annotations
@@ -21,10 +30,16 @@ import json
 import os
 from typing import Any
 
+from ...compat.transformers import found_train_batch_size
 from ...errors import PackingError
 
-#: the file in a checkpoint folder that records the process layout of the run that saved it
+#: the file in a checkpoint folder that records the process layout of the run that saved it (earlier packtools;
+#: now the fallback and the record a user writes by hand, :func:`save_layout`)
 LAYOUT_FILE = "packtools_layout.json"
+#: ``Trainer``'s state file in a checkpoint (``transformers.trainer.TRAINER_STATE_NAME``)
+STATE_FILE = "trainer_state.json"
+#: the key of the layout record in ``trainer_state.json``'s ``stateful_callbacks``
+STATE_KEY = "packtools_layout"
 
 
 def run_layout(trainer: Any, layout: Any, max_tokens: int | None) -> dict[str, Any]:
@@ -37,17 +52,22 @@ def run_layout(trainer: Any, layout: Any, max_tokens: int | None) -> dict[str, A
     {'processes': 4, 'data_parallel': 2, 'max_tokens': None, 'rows_per_batch': 2, 'accumulation': 1, 'shuffle_seed': 42}
 
     ``shuffle_seed``: the seed of packtools' epoch shuffle (``data_seed``, else ``seed``; ``None`` where
-    ``Trainer``'s own sampler is kept, one process without ``max_tokens``).
+    ``Trainer``'s own sampler is kept, one process without ``max_tokens``).  There, ``rows_per_batch`` is the
+    size ``Trainer``'s loader is built with (``_train_batch_size``: lowered by ``auto_find_batch_size`` after an
+    out-of-memory error, or restored from the resumed checkpoint's state), which its own sampler follows.
     """
     args = trainer.args
     processes = max(int(args.world_size), 1)
     ours = max_tokens is not None or processes > 1
     seed = getattr(args, "data_seed", None)
+    rows = int(args.per_device_train_batch_size)
+    if not ours:
+        rows = found_train_batch_size(trainer) or rows
     return {
         "processes": processes,
         "data_parallel": int(layout.dp_size),
         "max_tokens": None if max_tokens is None else int(max_tokens),  # a numpy int too (json writes ints)
-        "rows_per_batch": int(args.per_device_train_batch_size) if max_tokens is None else None,
+        "rows_per_batch": rows if max_tokens is None else None,
         "accumulation": int(args.gradient_accumulation_steps),
         "shuffle_seed": (int(args.seed) if seed is None else int(seed)) if ours else None,
     }
@@ -78,22 +98,63 @@ def checkpoint_folder(trainer: Any, resume_from_checkpoint: Any) -> str | None:
     return str(resume_from_checkpoint)
 
 
-def check_resume(folder: str | None, current: dict[str, Any]) -> None:
-    """Refuse to resume from checkpoint ``folder`` if the layout it recorded differs from ``current``."""
-    path = os.path.join(folder, LAYOUT_FILE) if folder else None
-    if path is None or not os.path.isfile(path):
-        return
+def saved_layout(folder: str) -> dict[str, Any] | None:
+    """The layout checkpoint ``folder`` recorded: ``trainer_state.json``'s record, else ``packtools_layout.json``;
+    ``None`` where it has neither.  A file that cannot be read as a record is refused by name."""
+    state = _read(folder, STATE_FILE)
+    if state is not None:
+        record = state.get("stateful_callbacks") if isinstance(state, dict) else None
+        if isinstance(record, dict) and STATE_KEY in record:
+            return _checked(folder, STATE_FILE, record[STATE_KEY])
+        if not isinstance(state, dict):
+            _checked(folder, STATE_FILE, state)
+    record = _read(folder, LAYOUT_FILE)
+    return None if record is None else _checked(folder, LAYOUT_FILE, record)
+
+
+def _read(folder: str, name: str) -> Any:
+    path = os.path.join(folder, name)
+    if not os.path.isfile(path):
+        return None
     try:
         with open(path) as f:
-            saved = json.load(f)
+            return json.load(f)
     except (OSError, ValueError) as error:
-        saved = error
-    if not isinstance(saved, dict):
+        return error
+
+
+def _checked(folder: str, name: str, saved: Any) -> dict[str, Any]:
+    if isinstance(saved, dict):
+        return saved
+    raise PackingError(
+        f"resume_from_checkpoint={folder!r}: its {name} cannot be read as the layout record packtools "
+        f"writes ({saved!r}), so whether the run is resumed under the layout it was saved under is unknown. "
+        f"Resume from another checkpoint, or, if this run's processes, max_tokens, per_device_train_batch_size "
+        f"and gradient_accumulation_steps are those of the saved run, delete the file to resume unchecked"
+        f"{'' if name == LAYOUT_FILE else ' (Trainer then resumes from step 0)'}.",
+        param="resume_from_checkpoint",
+    )
+
+
+def check_resume(folder: str | None, current: dict[str, Any]) -> None:
+    """Refuse to resume from checkpoint ``folder`` if the layout it recorded differs from ``current``, or if it
+    records none while ``Trainer`` would skip its saved step count (see the module docstring)."""
+    if not folder or not os.path.isdir(folder):
+        return
+    saved = saved_layout(folder)
+    if saved is None:
+        if not os.path.isfile(os.path.join(folder, STATE_FILE)):
+            return  # Trainer starts at step 0: it skips nothing
         raise PackingError(
-            f"resume_from_checkpoint={folder!r}: its {LAYOUT_FILE} cannot be read as the layout record packtools "
-            f"writes ({saved!r}), so whether the run is resumed under the layout it was saved under is unknown. "
-            f"Resume from another checkpoint, or, if this run's processes, max_tokens, per_device_train_batch_size "
-            f"and gradient_accumulation_steps are those of the saved run, delete the file to resume unchecked.",
+            f"resume_from_checkpoint={folder!r} records no data layout (saved without prepare_*, or by a "
+            f"packtools before the record): Trainer would skip its saved step count of batches laid out for "
+            f"this run, and if the processes, max_tokens, per_device_train_batch_size, "
+            f"gradient_accumulation_steps or data_seed/seed differ from the saved run's, rows of the "
+            f"interrupted epoch would be trained twice and others never, without an error. If the checkpoint was "
+            f"saved under this run's layout, record it and resume: write {json.dumps(current)} to "
+            f"{os.path.join(folder, LAYOUT_FILE)} (packtools.integrations.trainers.resume.save_layout); "
+            f"otherwise start a new run from the checkpoint's weights (from_pretrained of the folder, without "
+            f"resume_from_checkpoint).",
             param="resume_from_checkpoint",
         )
     # a key the record lacks (written before packtools recorded it) is not compared
@@ -142,13 +203,16 @@ def _processes(layout: dict[str, Any]) -> str:
     return f"{layout.get('processes')} process(es) ({layout.get('data_parallel')} data-parallel)"
 
 
-def layout_saver(layout: dict[str, Any]) -> Any:
-    """A ``TrainerCallback`` that writes ``layout`` into each checkpoint folder ``Trainer`` saves."""
+def layout_record(current: Any, folder: str | None) -> Any:
+    """A ``TrainerCallback`` that, when training begins (after ``Trainer`` built or loaded its state, on every
+    ``auto_find_batch_size`` retry too), checks the resume from ``folder`` against ``current()`` (the run's
+    :func:`run_layout`) and records that layout in the state ``Trainer`` saves into each checkpoint."""
     from transformers import TrainerCallback
 
-    class SaveLayout(TrainerCallback):
-        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if args.should_save:
-                save_layout(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"), layout)
+    class LayoutRecord(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            layout = current()
+            check_resume(folder, layout)
+            state.stateful_callbacks[STATE_KEY] = layout
 
-    return SaveLayout()
+    return LayoutRecord()

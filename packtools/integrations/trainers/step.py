@@ -37,7 +37,7 @@ from ..parallel.layout import RankLayout
 from .guard import UNSHIFTED_LOSS, packed_loss_inputs
 from .held import watch_held_models
 from .loader import train_loader
-from .resume import check_resume, checkpoint_folder, layout_saver, run_layout
+from .resume import checkpoint_folder, layout_record, run_layout
 from .sft import causal_lm_loss
 from .step_loss import targets_and_documents, token_weights, weighted_token_loss
 
@@ -153,10 +153,13 @@ def refuse_merged_predictions(trainer: Any) -> None:
 
 
 def refuse_found_batch_size(trainer: Any, max_tokens: int | None) -> None:
-    """Refuse the batch size ``auto_find_batch_size`` lowered after an out-of-memory error: packtools' row
-    sampler and token budget do not follow it (the same batches would run again), and the checkpoints' layout
-    record (:mod:`~packtools.integrations.trainers.resume`) would name another batch size than the one trained,
-    so a resume would skip the wrong rows without an error."""
+    """Refuse the batch size ``auto_find_batch_size`` lowered after an out-of-memory error where packtools'
+    loader serves the batches (``max_tokens``, or several processes): its row sampler and token budget do not
+    follow it (the same batches would run again).  With one process and no ``max_tokens`` ``Trainer``'s own
+    loader is kept and follows the lowered size, and the layout record names the size trained
+    (:func:`~packtools.integrations.trainers.resume.run_layout`), so the retry is exact and allowed."""
+    if max_tokens is None and max(int(trainer.args.world_size), 1) == 1:
+        return
     args = trainer.args
     found = found_train_batch_size(trainer)
     if not getattr(args, "auto_find_batch_size", False) or found is None:
@@ -192,17 +195,17 @@ class StepOwner:
         return train_loader(self, plan.max_tokens, plan.layout, super().get_train_dataloader)
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer.train``, refusing to resume under another process layout than the checkpoint's and
-        recording this run's layout in each checkpoint it saves (:mod:`~packtools.integrations.trainers.resume`)."""
+        """``Trainer.train``, refusing to resume under another data layout than the checkpoint's and recording
+        this run's layout in the state each checkpoint saves (:mod:`~packtools.integrations.trainers.resume`);
+        both when training begins, after a hyperparameter trial set its arguments and before the first step."""
         plan = _plan(self)
-        layout = run_layout(self, plan.layout, plan.max_tokens)
-        check_resume(checkpoint_folder(self, resume_from_checkpoint), layout)
-        saver = layout_saver(layout)
-        self.add_callback(saver)
+        folder = checkpoint_folder(self, resume_from_checkpoint)
+        record = layout_record(lambda: run_layout(self, plan.layout, plan.max_tokens), folder)
+        self.add_callback(record)
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
-            self.remove_callback(saver)
+            self.remove_callback(record)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         refuse_under_cp(self, "evaluate()")
