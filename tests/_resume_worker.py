@@ -61,8 +61,8 @@ class Trace(transformers.TrainerCallback):
 
 
 class KillAtSave(transformers.TrainerCallback):
-    """SIGKILL this process as soon as ``Trainer`` has saved its first checkpoint: before any callback
-    registered after this one (packtools' own, added by ``train()``) runs its ``on_save``."""
+    """SIGKILL this process as soon as ``Trainer`` has saved its first checkpoint, before any callback
+    registered after this one runs its ``on_save`` (where packtools once wrote its layout record)."""
 
     def on_save(self, args, state, control, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)

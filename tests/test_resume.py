@@ -385,6 +385,9 @@ def test_a_checkpoint_with_no_record_anywhere_is_refused_with_the_record_to_writ
     check_resume(str(tmp_path), layout)
     with pytest.raises(PackingError, match=r"max_tokens=64 \(now 32\)"):
         check_resume(str(tmp_path), {**layout, "max_tokens": 32})
+    (tmp_path / "trainer_state.json").write_text('{"global_step": 4, "stateful_cal')  # a write cut short
+    with pytest.raises(PackingError, match=r"trainer_state.json cannot be read .*resumes from step 0"):
+        check_resume(str(tmp_path), layout)
 
 
 def test_a_hyperparameter_trials_checkpoints_hold_the_trials_layout(tmp_path, monkeypatch):
