@@ -159,9 +159,9 @@ class DocumentBlockMask:
     tokens are image tokens (``T`` bytes instead of the ``T²`` of the dense mask).  Each document's block is
     :func:`document_block` of it alone, and nothing crosses a boundary: what ``packtools_sdpa`` reads
     (:mod:`packtools.integrations.attention.segmented`).  Any other backend that slices it or adds it to its
-    scores as a tensor (``flex_attention``, ``eager``) is stopped with a :class:`~packtools.errors.PackingError`
-    naming the fix (never a silently different mask); plain ``sdpa`` with a ``TypeError`` (``guard_model`` and
-    ``prepare_trainer`` refuse it by name first).
+    scores as a tensor (``flex_attention``, ``eager``), or hands it to a torch function (plain ``sdpa``), is stopped
+    with a :class:`~packtools.errors.PackingError` naming the fix (never a silently different mask;
+    ``guard_model`` and ``prepare_trainer`` refuse it by name first).
 
     >>> m = DocumentBlockMask([0, 3, 5], np.array([0, 1, 1, 0, 1], bool), None)
     >>> m.shape, m.dense()[0, 0].astype(int).tolist()
@@ -241,6 +241,20 @@ class DocumentBlockMask:
         return self[...]
 
     __radd__ = __add__
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """A torch function handed the mask as a tensor (plain ``sdpa`` passes it to
+        ``scaled_dot_product_attention`` as ``attn_mask``): refused by name, naming the fix (torch raised a
+        ``TypeError`` from inside transformers)."""
+        name = getattr(func, "__name__", str(func))
+        raise PackingError(
+            f"a per-document Gemma 3 mask (MultimodalCollator(image_masks='per_document')) reached torch's {name}() "
+            f"as a whole-row mask tensor, which it is not (e.g. an unguarded model on 'sdpa'): load the model "
+            f"with attn_implementation='packtools_sdpa' (packtools.integrations.attention.segmented.register(); "
+            f"prepare_trainer switches 'sdpa' to it), or collate with image_masks='dense' on 'sdpa'.",
+            param="attention_mask",
+        )
 
 
 class MultimodalCollator:
