@@ -467,6 +467,49 @@ def test_per_document_masks_elsewhere_are_refused(tmp_path):
         segmented(**batch)
 
 
+def test_per_document_blocks_are_built_once_per_forward():
+    # packtools_sdpa built each image document's block in every layer, and autograd kept each layer's copy for the
+    # backward (torch's float form of it): one block per document and layer type now, shared by that type's
+    # layers, and the logits and every gradient equal those with the dense masks
+    from packtools.integrations.attention.segmented import register
+
+    layers = ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
+    model = tiny_gemma3("sdpa", layers).train()
+    model.set_attn_implementation(register())
+    dense_model = copy.deepcopy(model)
+    rows = samples()
+    batch = MultimodalCollator(model, 0)([_packed_row(rows)])
+    masks = batch["attention_mask"]
+    bounds = batch["cu_seq_lens_q"].tolist()
+    blocks = sum(not plain for m in masks.values() for plain in m.plain_causal(bounds))
+    assert blocks > 0
+    held: dict[int, tuple] = {}
+
+    def pack(t):
+        if t.dim() == 4 and t.shape[:2] == (1, 1) and t.shape[-1] == t.shape[-2] > 1:
+            held[t.untyped_storage().data_ptr()] = tuple(t.shape)
+        return t
+
+    labels = batch.pop("labels")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(**batch).logits
+    assert len(held) == blocks, (len(held), blocks)  # main: one per document and layer (2 layers a type)
+    dense_batch = MultimodalCollator(dense_model, 0, image_masks="dense")([_packed_row(rows)])
+    dense_batch.pop("labels")
+    dense_logits = dense_model(**dense_batch).logits
+    assert float((logits - dense_logits).detach().abs().max()) < 1e-6
+    for out in (logits, dense_logits):
+        torch.nn.functional.cross_entropy(out[0, :-1], labels[0, 1:], ignore_index=-100).backward()
+    dense_grads = dict(dense_model.named_parameters())
+    compared = 0
+    for name, p in model.named_parameters():
+        assert (p.grad is None) == (dense_grads[name].grad is None), name
+        if p.grad is not None:
+            assert float((p.grad - dense_grads[name].grad).abs().max()) < 1e-6, name
+            compared += 1
+    assert compared > len(layers) * 4
+
+
 @pytest.mark.parametrize(
     "impl, layers, window",
     [
