@@ -138,6 +138,12 @@ def test_prepare_trainer_switch_is_undone(tmp_path):
     unprepare(trainer)
     assert attention_implementation(model) == "sdpa"
     assert model.config.vision_config._attn_implementation == "sdpa"
+    # a vision tower loaded on another backend keeps it: no switch (it would name one backend for both)
+    from packtools.integrations.attention.backends import switches_to_segmented_sdpa
+
+    assert switches_to_segmented_sdpa(model)
+    model.config.vision_config._attn_implementation = "eager"
+    assert not switches_to_segmented_sdpa(model)
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "packtools_sdpa"])

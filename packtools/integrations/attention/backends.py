@@ -427,8 +427,13 @@ def switches_to_segmented_sdpa(model: Any) -> bool:
     config = getattr(base, "config", None)
     if attention_implementation(model) != "sdpa" or not hasattr(base, "set_attn_implementation"):
         return False
-    composite = bool(getattr(config, "sub_configs", None))
-    if composite and getattr(config, "model_type", None) not in mrope.IMAGE_BLOCK_TYPES:
+    parts = getattr(config, "sub_configs", None)
+    if parts and getattr(config, "model_type", None) not in mrope.IMAGE_BLOCK_TYPES:
+        return False
+    # every part on sdpa (a vision tower loaded on another backend keeps it: the switch names one for all)
+    if parts and any(
+        getattr(getattr(config, name, None), "_attn_implementation", "sdpa") != "sdpa" for name in parts
+    ):
         return False
     return not uses_alibi(model)  # ALiBi: check_attention_implementation
 
