@@ -269,7 +269,8 @@ def markdown(cells: list[Cell], archs: list[Family]) -> str:
         "`check_isolation`), naming the fix.",
         "- **n/a**: transformers itself does not offer this backend for this architecture (on the CPU).",
         "- `packtools_sdpa` is packtools' per-sequence sdpa, which `prepare_trainer` and `prepare_dpo_trainer` "
-        "switch `sdpa` models to: on a padding-free row with `cu_seq_lens` each sequence runs on its own "
+        "switch `sdpa` models to (text models, and Gemma 3 with images, docs/vision.md; other multimodal models "
+        "stay on `sdpa`): on a padding-free row with `cu_seq_lens` each sequence runs on its own "
         "(attention cost sum(L_i^2) instead of (sum L_i)^2), each with its own block of sdpa's mask built alone "
         "(`document_mask`: no T x T mask); on a batch "
         "with `position_ids` only it is transformers' sdpa, hence *needs* `position_ids`.",

@@ -74,7 +74,9 @@ def main(out: str, family: str) -> None:
         save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
     )  # fmt: skip
     recorder = Recorder(MultimodalCollator(model, 0))
-    trainer = prepare_trainer(transformers.Trainer(model, args, train_dataset=rows, data_collator=recorder))
+    trainer = transformers.Trainer(model, args, train_dataset=rows, data_collator=recorder)
+    # gemma3-sdpa stays on sdpa (prepare_trainer would switch it to packtools_sdpa, reading the dense masks)
+    trainer = prepare_trainer(trainer, segmented_sdpa=family != "gemma3-sdpa")
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
     trainer.train()
     delta = {k: before[k] - p.detach() for k, p in model.named_parameters()}

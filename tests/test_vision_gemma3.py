@@ -82,14 +82,20 @@ def assert_same_grads(model, before, ref_grads, step: bool) -> None:
 
 
 @pytest.mark.parametrize(
-    "layers, impl",
+    "layers, impl, segmented, image_masks",
     [
-        (("sliding_attention", "full_attention"), "sdpa"),
-        (("full_attention", "sliding_attention"), "sdpa"),
-        (("sliding_attention", "full_attention"), "packtools_sdpa"),  # per-document masks
+        (("sliding_attention", "full_attention"), "sdpa", False, None),  # kept on sdpa: dense masks
+        (("full_attention", "sliding_attention"), "sdpa", False, None),
+        (("sliding_attention", "full_attention"), "packtools_sdpa", True, None),  # per-document masks
+        # loaded on sdpa: prepare_trainer switches it to packtools_sdpa (main left it on sdpa, and refused a
+        # per-document collator), which reads the collator's dense masks and its per-document ones alike
+        (("sliding_attention", "full_attention"), "sdpa", True, None),
+        (("full_attention", "sliding_attention"), "sdpa", True, "per_document"),
     ],
 )
-def test_trainer_step_equals_one_by_one(layers, impl, tmp_path):
+def test_trainer_step_equals_one_by_one(layers, impl, segmented, image_masks, tmp_path):
+    from packtools.integrations.attention.backends import attention_implementation
+
     model = tiny_gemma3("sdpa", layers).train()
     if impl != "sdpa":
         from packtools.integrations.attention.segmented import register
@@ -105,14 +111,39 @@ def test_trainer_step_equals_one_by_one(layers, impl, tmp_path):
         output_dir=str(tmp_path), per_device_train_batch_size=len(packed), max_steps=1, optim="sgd",
         **plain_sgd_options(),
     )  # fmt: skip
-    collator = MultimodalCollator(model, 0)
-    assert collator.image_masks == ("dense" if impl == "sdpa" else "per_document")
-    trainer = prepare_trainer(transformers.Trainer(model, args, train_dataset=packed, data_collator=collator))
+    collator = MultimodalCollator(model, 0, image_masks=image_masks)
+    assert collator.image_masks == (image_masks or ("dense" if impl == "sdpa" else "per_document"))
+    trainer = transformers.Trainer(model, args, train_dataset=packed, data_collator=collator)
+    trainer = prepare_trainer(trainer, segmented_sdpa=segmented)
+    assert attention_implementation(model) == ("packtools_sdpa" if segmented else "sdpa")
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
     result = trainer.train()
     ref_loss, ref_grads = one_by_one(reference, rows)
     assert abs(result.training_loss - ref_loss) < 1e-5
     assert_same_grads(model, before, ref_grads, step=True)
+
+
+def test_prepare_trainer_switch_is_undone(tmp_path):
+    # the switch to packtools_sdpa is recorded: unprepare puts the whole model (vision tower too) back on sdpa
+    from packtools.integrations import unprepare
+    from packtools.integrations.attention.backends import attention_implementation
+
+    model = tiny_gemma3("sdpa").train()
+    packed = pack_dataset(datasets.Dataset.from_list(samples()), 48)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, **plain_sgd_options())
+    collator = MultimodalCollator(model, 0, image_masks="per_document")
+    trainer = prepare_trainer(transformers.Trainer(model, args, train_dataset=packed, data_collator=collator))
+    assert attention_implementation(model) == "packtools_sdpa"
+    assert model.config.vision_config._attn_implementation == "packtools_sdpa"
+    unprepare(trainer)
+    assert attention_implementation(model) == "sdpa"
+    assert model.config.vision_config._attn_implementation == "sdpa"
+    # a vision tower loaded on another backend keeps it: no switch (it would name one backend for both)
+    from packtools.integrations.attention.backends import switches_to_segmented_sdpa
+
+    assert switches_to_segmented_sdpa(model)
+    model.config.vision_config._attn_implementation = "eager"
+    assert not switches_to_segmented_sdpa(model)
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "packtools_sdpa"])
@@ -406,7 +437,7 @@ def test_per_document_masks_elsewhere_are_refused(tmp_path):
     from packtools.integrations.attention.segmented import register
 
     rows = samples()
-    # on sdpa (which reads whole-row tensors): prepare_trainer and the guard refuse, naming the fix
+    # kept on sdpa (which reads whole-row tensors): prepare_trainer and the guard refuse, naming the fix
     model = tiny_gemma3("sdpa")
     collate = MultimodalCollator(model, 0, image_masks="per_document")
     args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True)
@@ -416,11 +447,18 @@ def test_per_document_masks_elsewhere_are_refused(tmp_path):
     with pytest.raises(
         PackingError, match=r"image_masks='per_document'.*'packtools_sdpa'.*image_masks='dense'"
     ):
-        prepare_trainer(trainer)
+        prepare_trainer(trainer, segmented_sdpa=False)
     guard_model(model)
     batch = collate([_packed_row(rows)])
     with pytest.raises(PackingError, match=r"per document.*attn_implementation='sdpa'.*image_masks='dense'"):
         model(**batch)
+    # unguarded, plain sdpa hands it to torch's kernel: a PackingError naming the fix (main: torch's TypeError
+    # "argument 'attn_mask' must be Tensor, not DocumentBlockMask" from inside transformers)
+    unguarded = tiny_gemma3("sdpa")
+    with pytest.raises(
+        PackingError, match=r"scaled_dot_product_attention.*'packtools_sdpa'.*image_masks='dense'"
+    ):
+        unguarded(**{k: v for k, v in batch.items() if k != "labels"})
     # a backend that indexes it as a tensor (eager) gets a PackingError, never another mask
     with pytest.raises(PackingError, match="reads masks as whole-row tensors"):
         batch["attention_mask"]["full_attention"][:, :, :, :3]
@@ -433,6 +471,49 @@ def test_per_document_masks_elsewhere_are_refused(tmp_path):
     batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.cat([cu[:1], cu[2:]])  # two documents as one
     with pytest.raises(PackingError, match="are not the documents of its per-document masks"):
         segmented(**batch)
+
+
+def test_per_document_blocks_are_built_once_per_forward():
+    # packtools_sdpa built each image document's block in every layer, and autograd kept each layer's copy for the
+    # backward (torch's float form of it): one block per document and layer type now, shared by that type's
+    # layers, and the logits and every gradient equal those with the dense masks
+    from packtools.integrations.attention.segmented import register
+
+    layers = ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
+    model = tiny_gemma3("sdpa", layers).train()
+    model.set_attn_implementation(register())
+    dense_model = copy.deepcopy(model)
+    rows = samples()
+    batch = MultimodalCollator(model, 0)([_packed_row(rows)])
+    masks = batch["attention_mask"]
+    bounds = batch["cu_seq_lens_q"].tolist()
+    blocks = sum(not plain for m in masks.values() for plain in m.plain_causal(bounds))
+    assert blocks > 0
+    held: dict[int, tuple] = {}
+
+    def pack(t):
+        if t.dim() == 4 and t.shape[:2] == (1, 1) and t.shape[-1] == t.shape[-2] > 1:
+            held[t.untyped_storage().data_ptr()] = tuple(t.shape)
+        return t
+
+    labels = batch.pop("labels")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(**batch).logits
+    assert len(held) == blocks, (len(held), blocks)  # main: one per document and layer (2 layers a type)
+    dense_batch = MultimodalCollator(dense_model, 0, image_masks="dense")([_packed_row(rows)])
+    dense_batch.pop("labels")
+    dense_logits = dense_model(**dense_batch).logits
+    assert float((logits - dense_logits).detach().abs().max()) < 1e-6
+    for out in (logits, dense_logits):
+        torch.nn.functional.cross_entropy(out[0, :-1], labels[0, 1:], ignore_index=-100).backward()
+    dense_grads = dict(dense_model.named_parameters())
+    compared = 0
+    for name, p in model.named_parameters():
+        assert (p.grad is None) == (dense_grads[name].grad is None), name
+        if p.grad is not None:
+            assert float((p.grad - dense_grads[name].grad).abs().max()) < 1e-6, name
+            compared += 1
+    assert compared > len(layers) * 4
 
 
 @pytest.mark.parametrize(

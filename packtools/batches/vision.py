@@ -159,9 +159,9 @@ class DocumentBlockMask:
     tokens are image tokens (``T`` bytes instead of the ``T²`` of the dense mask).  Each document's block is
     :func:`document_block` of it alone, and nothing crosses a boundary: what ``packtools_sdpa`` reads
     (:mod:`packtools.integrations.attention.segmented`).  Any other backend that slices it or adds it to its
-    scores as a tensor (``flex_attention``, ``eager``) is stopped with a :class:`~packtools.errors.PackingError`
-    naming the fix (never a silently different mask); plain ``sdpa`` with a ``TypeError`` (``guard_model`` and
-    ``prepare_trainer`` refuse it by name first).
+    scores as a tensor (``flex_attention``, ``eager``), or hands it to a torch function (plain ``sdpa``), is stopped
+    with a :class:`~packtools.errors.PackingError` naming the fix (never a silently different mask;
+    ``guard_model`` and ``prepare_trainer`` refuse it by name first).
 
     >>> m = DocumentBlockMask([0, 3, 5], np.array([0, 1, 1, 0, 1], bool), None)
     >>> m.shape, m.dense()[0, 0].astype(int).tolist()
@@ -180,6 +180,7 @@ class DocumentBlockMask:
         self.shape = (1, 1, total, total)
         self._ends = dict(zip(self.bounds, self.bounds[1:]))
         self._on: dict[str, Any] = {}
+        self._built: dict[tuple[int, Any], Any] = {}  # additive blocks, on the device of ``_on``
 
     def __repr__(self) -> str:
         return (
@@ -206,15 +207,26 @@ class DocumentBlockMask:
                 param="attention_mask",
             )
 
-    def block(self, start: int, end: int, device: Any = None) -> Any:
-        """The ``[1, 1, L, L]`` block of the document ``start:end`` (torch boolean, on ``device``)."""
+    def block(self, start: int, end: int, device: Any = None, dtype: Any = None) -> Any:
+        """The ``[1, 1, L, L]`` block of the document ``start:end`` on ``device``: torch boolean (True: attend),
+        built at each call; or, given a floating ``dtype``, its additive form (0 where it attends, ``-inf``
+        elsewhere: what ``scaled_dot_product_attention`` turns a boolean mask into, so the same result), built once
+        per document, device and dtype and kept on this mask.  Every layer of the type shares that one tensor:
+        autograd saves a layer's mask for its backward, one copy per layer when each builds its own."""
         if self._ends.get(start) != end:
             raise PackingError(f"tokens {start}:{end} are not one document of {self.bounds}.")
         key = str(device)
         if key not in self._on:
             torch = require("torch", "MultimodalCollator's per-document masks")
             self._on = {key: torch.from_numpy(self.is_image).to(device)}  # one device at a time
-        return document_block(self._on[key][start:end], self.sliding_window)
+            self._built = {}
+        if dtype is None:
+            return document_block(self._on[key][start:end], self.sliding_window)
+        if (start, dtype) not in self._built:
+            keep = document_block(self._on[key][start:end], self.sliding_window)
+            additive = keep.new_zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf"))
+            self._built[start, dtype] = additive
+        return self._built[start, dtype]
 
     def dense(self) -> np.ndarray:
         """The whole row's boolean ``[1, 1, T, T]`` mask (``T²`` bytes: for checks and small rows)."""
@@ -229,18 +241,29 @@ class DocumentBlockMask:
         return torch.from_numpy(self.dense()).to(device)
 
     def __getitem__(self, item: Any) -> Any:
-        raise PackingError(
-            "a per-document Gemma 3 mask (MultimodalCollator(image_masks='per_document')) reached an attention "
-            "backend that reads masks as whole-row tensors, which it is not: load the model with "
-            "attn_implementation='packtools_sdpa' (packtools.integrations.attention.segmented.register()), or "
-            "collate with image_masks='dense' on 'sdpa'.",
-            param="attention_mask",
-        )
+        raise _whole_row_refusal("")
 
-    def __add__(self, other: Any) -> Any:  # a backend adding it to its scores (Gemma 3's eager): same refusal
-        return self[...]
+    def __add__(self, other: Any) -> Any:  # a backend adding it to its scores: same refusal
+        raise _whole_row_refusal("")
 
     __radd__ = __add__
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """A torch function handed the mask as a tensor (plain ``sdpa`` passes it to
+        ``scaled_dot_product_attention`` as ``attn_mask``, ``eager`` adds it to its scores): refused by name,
+        naming the fix (torch raised a ``TypeError`` from inside transformers)."""
+        raise _whole_row_refusal(f" (it handed it to torch's {getattr(func, '__name__', func)}())")
+
+
+def _whole_row_refusal(how: str) -> PackingError:
+    return PackingError(
+        f"a per-document Gemma 3 mask (MultimodalCollator(image_masks='per_document')) reached an attention "
+        f"backend that reads masks as whole-row tensors{how}, which it is not: load the model with "
+        f"attn_implementation='packtools_sdpa' (packtools.integrations.attention.segmented.register(); "
+        f"prepare_trainer switches 'sdpa' to it), or collate with image_masks='dense' on 'sdpa'.",
+        param="attention_mask",
+    )
 
 
 class MultimodalCollator:

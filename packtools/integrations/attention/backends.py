@@ -413,22 +413,44 @@ def uses_alibi(model: Any) -> bool:
     return bool(getattr(config, "alibi", False)) or getattr(config, "model_type", None) in ALIBI_MODEL_TYPES
 
 
-def use_segmented_sdpa(model: Any, *, owner: Any = None) -> bool:
-    """Switch a text model from ``sdpa`` to packtools' per-sequence ``sdpa``
-    (:mod:`packtools.integrations.attention.segmented`); returns whether it switched.
+def switches_to_segmented_sdpa(model: Any) -> bool:
+    """Whether :func:`use_segmented_sdpa` switches ``model``: one on ``sdpa`` with ``set_attn_implementation``,
+    a text model or one of :data:`~packtools.batches.mrope.IMAGE_BLOCK_TYPES` (Gemma 3: its vision tower's calls
+    carry no ``cu_seq_lens`` and go to transformers' ``sdpa`` unchanged, its text model reads the collator's masks
+    per document, exact, ``tests/test_vision_gemma3.py``), and no ALiBi model (:func:`uses_alibi`).  Other
+    composite (multimodal) configs are not verified on ``packtools_sdpa`` and stay on ``sdpa``.
 
-    Other backends, composite (multimodal) configs, ALiBi models (:func:`uses_alibi`) and models without
-    ``set_attn_implementation`` are left as they are.  With an ``owner`` (``prepare_trainer`` passes the trainer)
-    the switch and the registration are recorded, so :func:`packtools.integrations.unprepare` switches back;
-    otherwise ``model.set_attn_implementation("sdpa")`` does.  The name is not saved with the config.
+    >>> switches_to_segmented_sdpa(object())
+    False
     """
     base = base_model(model)
     config = getattr(base, "config", None)
     if attention_implementation(model) != "sdpa" or not hasattr(base, "set_attn_implementation"):
         return False
-    if getattr(config, "sub_configs", None) or uses_alibi(model):  # ALiBi: check_attention_implementation
+    parts = getattr(config, "sub_configs", None)
+    if parts and getattr(config, "model_type", None) not in mrope.IMAGE_BLOCK_TYPES:
         return False
-    set_attention(base, register(owner=owner), owner=owner)
+    # every part on sdpa (a vision tower loaded on another backend keeps it: the switch names one for all)
+    if parts and any(
+        getattr(getattr(config, name, None), "_attn_implementation", "sdpa") != "sdpa" for name in parts
+    ):
+        return False
+    return not uses_alibi(model)  # ALiBi: check_attention_implementation
+
+
+def use_segmented_sdpa(model: Any, *, owner: Any = None) -> bool:
+    """Switch a text model (or Gemma 3 with images) from ``sdpa`` to packtools' per-sequence ``sdpa``
+    (:mod:`packtools.integrations.attention.segmented`); returns whether it switched.
+
+    Models :func:`switches_to_segmented_sdpa` leaves out (other backends, other composite configs, ALiBi models,
+    models without ``set_attn_implementation``) are left as they are.  With an ``owner`` (``prepare_trainer``
+    passes the trainer) the switch and the registration are recorded, so :func:`packtools.integrations.unprepare`
+    switches back; otherwise ``model.set_attn_implementation("sdpa")`` does.  The name is not saved with the
+    config.
+    """
+    if not switches_to_segmented_sdpa(model):
+        return False
+    set_attention(base_model(model), register(owner=owner), owner=owner)
     return attention_implementation(model) == SEGMENTED_SDPA  # some models keep their own (e.g. Falcon)
 
 

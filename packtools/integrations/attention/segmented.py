@@ -20,7 +20,9 @@ on a GPU without flash-attn, this backend gets the same order:
   per-sequence loop needs the boundaries on the host, a graph break whose Python ints would recompile the graph
   for every new set of boundaries; the compiled step is exact, at the masked ``(sum L_i)²`` cost;
 * the boundaries are read back to the host once per forward and which blocks are plain causal once per
-  mask (:data:`_LAST_BOUNDS`, :meth:`DocumentMask.plain_causal`, :func:`_causal_blocks`).
+  mask (:data:`_LAST_BOUNDS`, :meth:`DocumentMask.plain_causal`, :func:`_causal_blocks`); Gemma 3's per-document
+  masks (:class:`~packtools.batches.vision.DocumentBlockMask`) build each image document's block once per forward
+  when autograd records it, shared by the layers of its type (``benchmarks/bench_document_masks.py``).
 
 Memory: a forward over one padding-free row holds no ``T × T`` tensor and no copy of the row's keys, values or
 output (docs/training.md has both the memory figures and the ``torch.compile`` detail).
@@ -382,7 +384,9 @@ def _segmented_sdpa(call: AttentionCall) -> tuple[Any, None]:
         elif plain[i]:
             block, use_causal = None, True
         elif blocks:
-            block, use_causal = attention_mask.block(start, end, query.device), False
+            # tracked: one additive block per document for all the layers of the type (each saves it for backward)
+            block = attention_mask.block(start, end, query.device, query.dtype if tracked else None)
+            use_causal = False
         elif lazy:
             block, use_causal = attention_mask.block(start, end), False
         else:

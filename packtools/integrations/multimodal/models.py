@@ -37,9 +37,11 @@ def refuse_multimodal(models: Sequence[Any], what: str) -> None:
             )
 
 
-def check_multimodal_model(model: Any, collator: Any) -> MropeSpec | None:
+def check_multimodal_model(model: Any, collator: Any, backend: str | None = None) -> MropeSpec | None:
     """``None`` for a text model; the positions spec of a verified multimodal model fed by a
-    ``MultimodalCollator``; :class:`PackingError` otherwise (naming the model type and the fix).
+    ``MultimodalCollator``; :class:`PackingError` otherwise (naming the model type and the fix).  ``backend`` is
+    the attention implementation the model will train on (``prepare_trainer`` switches Gemma 3 from ``sdpa`` to
+    ``packtools_sdpa`` after this check); ``None``: the one it has.
 
     >>> check_multimodal_model(object(), None) is None
     True
@@ -60,7 +62,7 @@ def check_multimodal_model(model: Any, collator: Any) -> MropeSpec | None:
             param="data_collator",
         )
     spec = MropeSpec.from_config(base.config)
-    check_image_block_backend(model, spec, inner.image_masks)
+    check_image_block_backend(model, spec, inner.image_masks, backend)
     if inner.spec != spec:
         raise PackingError(
             f"the MultimodalCollator was built for {inner.spec} but the model is {spec}; build it from this model.",
@@ -69,11 +71,14 @@ def check_multimodal_model(model: Any, collator: Any) -> MropeSpec | None:
     return spec
 
 
-def check_image_block_backend(model: Any, spec: MropeSpec, image_masks: str = "dense") -> None:
+def check_image_block_backend(
+    model: Any, spec: MropeSpec, image_masks: str = "dense", backend: str | None = None
+) -> None:
     """Refuse a model of :data:`~packtools.batches.mrope.IMAGE_BLOCK_TYPES` (Gemma 3) on an attention backend that
     cannot read the collator's ready-made boolean masks (``eager`` adds them to its scores), or its per-document
-    masks (``image_masks='per_document'``: ``packtools_sdpa`` only)."""
-    impl = attention_implementation(model)
+    masks (``image_masks='per_document'``: ``packtools_sdpa`` only).  ``backend``: the one it will train on
+    (``None``: the one it has)."""
+    impl = backend or attention_implementation(model)
     if spec.image_blocks and image_masks == "per_document" and impl != "packtools_sdpa":
         raise PackingError(
             f"{type(base_model(model)).__name__} with attn_implementation={impl!r} and a MultimodalCollator with "

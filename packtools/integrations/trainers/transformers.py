@@ -53,6 +53,7 @@ from ..attention.backends import (
     check_attention_implementation,
     segmented_sdpa_until_checked,
     switch_back,
+    switches_to_segmented_sdpa,
 )
 from ..attention.isolation import check_isolation as _check_isolation
 from ..attention.isolation import trainer_autocast
@@ -335,7 +336,9 @@ def prepare_trainer(
             param="trainer",
         )
     check_attention_implementation(trainer.model)
-    spec = check_multimodal_model(trainer.model, trainer.data_collator)
+    # Gemma 3 on sdpa goes to packtools_sdpa below (use_segmented_sdpa): its collator is checked for that backend
+    backend = SEGMENTED_SDPA if segmented_sdpa and switches_to_segmented_sdpa(trainer.model) else None
+    spec = check_multimodal_model(trainer.model, trainer.data_collator, backend)
     vision = spec is not None
     if vision and spec.image_blocks and is_sft_trainer(trainer):
         raise PackingError(
