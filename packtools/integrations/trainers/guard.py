@@ -724,55 +724,66 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
     return handle
 
 
-def _guard_hook(model: Any, check_isolation: bool) -> Any:
+def _guard_hook(model: Any, check_isolation: bool) -> GuardHook:
     """:func:`guard_model`'s checks of ``model`` itself (refusing it by name), then its hook."""
     refuse_encoder_decoder(model, "guard_model")
     check_row_pooling(model)  # a leak the probe's short rows cannot measure: refused from the config
     check_recurrent(model)  # its state runs across documents and nothing can split it: refused by type
     if check_isolation:
         check_sharded_probe(model)
-    mixers = tuple(token_mixing_layers(model))
-    probe = FirstPackedProbe() if check_isolation else None
-    rope = length_dependent_rope(model)
-    # The model type decides two checks; read once here, not on every forward.
-    model_type = getattr(getattr(base_model(model), "config", None), "model_type", None)
-    positionless, text_row = model_type in POSITIONLESS_MASKS, model_type in NO_TEXT_ROW_FROM_2D
-    multimodal = bool(multimodal_parts(model))  # its packed rows' placeholder tokens need their pixels
-    try:  # an unverified multimodal model: its text-only forwards pass, its image inputs are refused
-        check_multimodal(model)
-        images_checked = model_type in mrope.IMAGE_BLOCK_TYPES  # Gemma 3: its images need their masks
-        image_blocks = images_checked
-    except PackingError:
-        images_checked, image_blocks = True, False
+    return GuardHook(model, check_isolation)
 
-    def hook(
-        module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+
+class GuardHook:
+    """:func:`guard_model`'s forward pre-hook: a module-level class holding its state (what it read of the model
+    once), so a guarded model pickles (``torch.save(model)``) and deep-copies (``copy.deepcopy``, TRL's
+    ``create_reference_model``) with its guard.  A copy's hook holds the copy's own layers (the deep copy maps
+    them) and a copy of the probe's state: the copy is guarded as the model was, checks included."""
+
+    def __init__(self, model: Any, check_isolation: bool) -> None:
+        self.mixers = tuple(token_mixing_layers(model))
+        self.probe = FirstPackedProbe() if check_isolation else None
+        self.rope = length_dependent_rope(model)
+        # The model type decides two checks; read once here, not on every forward.
+        self.model_type = getattr(getattr(base_model(model), "config", None), "model_type", None)
+        self.positionless = self.model_type in POSITIONLESS_MASKS
+        self.text_row = self.model_type in NO_TEXT_ROW_FROM_2D
+        self.multimodal = bool(multimodal_parts(model))  # its packed rows' placeholder tokens need their pixels
+        try:  # an unverified multimodal model: its text-only forwards pass, its image inputs are refused
+            check_multimodal(model)
+            self.images_checked = self.model_type in mrope.IMAGE_BLOCK_TYPES  # Gemma 3: its images need masks
+            self.image_blocks = self.images_checked
+        except PackingError:
+            self.images_checked, self.image_blocks = True, False
+
+    def __call__(
+        self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         impl = attention_implementation(module)
         done = document_mixers(module)  # run_mixers_per_document after the guard: its layers are handled now
-        left = mixers if done is None else tuple(m for m in mixers if m not in done.modes)
+        left = self.mixers if done is None else tuple(m for m in self.mixers if m not in done.modes)
         check_packed_ids_forward(args, kwargs)  # first: the other checks judge the keys the call was given
         check_unhandled_mixers(module, kwargs, left)  # without kernels, seq_idx alone is no fix
         check_forward_inputs(kwargs, impl, left)
         # a sample alone is built right by the model itself, and a generation step is no packed row; but one
         # document with the collator's masks (Gemma 3) is read as they say, so the backend must read them
-        if images_checked and (packed_training_input(kwargs) or (image_blocks and ready_made_masks(kwargs))):
+        if self.images_checked and (
+            packed_training_input(kwargs) or (self.image_blocks and ready_made_masks(kwargs))
+        ):
             check_image_inputs(module, kwargs, impl)  # refused by name (the probe packs text only)
-        if multimodal and packed_training_input(kwargs):  # a placeholder token without its pixels
+        if self.multimodal and packed_training_input(kwargs):  # a placeholder token without its pixels
             check_image_placeholders(module, kwargs)
-        if positionless:
+        if self.positionless:
             check_positionless_masks(module, kwargs, impl)
-        if text_row:
+        if self.text_row:
             check_text_row(module, kwargs, impl)
-        check_length_dependent_rope(rope, kwargs)
-        check_unshifted_labels(kwargs, model_type)
-        if probe is not None:
-            probe(module, kwargs)
+        check_length_dependent_rope(self.rope, kwargs)
+        check_unshifted_labels(kwargs, self.model_type)
+        if self.probe is not None:
+            self.probe(module, kwargs)
         if passed_cache(kwargs) is None and (kwargs.get("use_cache") is None or module.training):
             kwargs["use_cache"] = False
         return args, kwargs
-
-    return hook
 
 
 def watch_model(model: Any, *, owner: Any) -> None:
@@ -784,24 +795,31 @@ def watch_model(model: Any, *, owner: Any) -> None:
     (:func:`packed_training_input`) on by the whole guard of :func:`guard_model`, the isolation probe included:
     a model it would refuse is refused then, at that forward, not before -- a model never given a packed row is
     never refused, and its forwards are left as they are (no ``use_cache`` set) until then.  Nothing is done for
-    a model :func:`guard_model` guards already; the hook is recorded on ``owner`` (``unprepare`` removes it)."""
+    a model :func:`guard_model` guards already; the hook is recorded on ``owner`` (``unprepare`` removes it).
+    The hook (:class:`WatchHook`) pickles and deep-copies with the model, as :class:`GuardHook` does."""
     if _HOOK_ATTR in vars(model) or _WATCH_ATTR in vars(model):
         return
-    full: list[Any] = []  # the guard's hook, built at the first packed input
+    set_attr(model, _WATCH_ATTR, forward_pre_hook(model, WatchHook(), owner=owner), owner=owner)
 
-    def hook(
-        module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+
+class WatchHook:
+    """:func:`watch_model`'s forward pre-hook: the packed-ids check until the first packed input, the whole
+    :class:`GuardHook` (built then) from it on."""
+
+    def __init__(self) -> None:
+        self.full: GuardHook | None = None
+
+    def __call__(
+        self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if _HOOK_ATTR in vars(module):  # guarded since (guard_model): its guard checks
             return args, kwargs
-        if not full:
+        if self.full is None:
             check_packed_ids_forward(args, kwargs)
             if not packed_training_input(kwargs):
                 return args, kwargs
-            full.append(_guard_hook(module, check_isolation=True))
-        return full[0](module, args, kwargs)
-
-    set_attr(model, _WATCH_ATTR, forward_pre_hook(model, hook, owner=owner), owner=owner)
+            self.full = _guard_hook(module, check_isolation=True)
+        return self.full(module, args, kwargs)
 
 
 def refuse_encoder_decoder(model: Any, caller: str) -> None:
