@@ -748,7 +748,9 @@ class GuardHook:
         self.model_type = getattr(getattr(base_model(model), "config", None), "model_type", None)
         self.positionless = self.model_type in POSITIONLESS_MASKS
         self.text_row = self.model_type in NO_TEXT_ROW_FROM_2D
-        self.multimodal = bool(multimodal_parts(model))  # its packed rows' placeholder tokens need their pixels
+        self.multimodal = bool(
+            multimodal_parts(model)
+        )  # its packed rows' placeholder tokens need their pixels
         try:  # an unverified multimodal model: its text-only forwards pass, its image inputs are refused
             check_multimodal(model)
             self.images_checked = self.model_type in mrope.IMAGE_BLOCK_TYPES  # Gemma 3: its images need masks
