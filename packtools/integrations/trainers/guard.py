@@ -19,7 +19,7 @@ from ..._optional import is_instance
 from ...batches import mrope
 from ...batches.vision import DocumentBlockMask
 from ...compat import set_attr
-from ...compat.torch import forward_pre_hook
+from ...compat.torch import forward_hook, forward_pre_hook
 from ...constants import VARLEN_KEYS
 from ...errors import PackingError
 from ..attention.backends import (
@@ -53,6 +53,9 @@ _WATCH_ATTR = "_packtools_watch"  # watch_model's hook
 _LOSS_BATCH: ContextVar[tuple[Mapping[str, Any], str] | None] = ContextVar(
     "packtools_loss_batch", default=None
 )
+#: The token inputs of the watched models' forwards running now, innermost last (:func:`watch_model`): their
+#: backbones' own hook leaves a call of the very same input to them (checked once, by the model's hook).
+_WATCHED_INPUTS: ContextVar[tuple[Any, ...]] = ContextVar("packtools_watched_inputs", default=())
 
 
 @contextlib.contextmanager
@@ -797,21 +800,57 @@ def watch_model(model: Any, *, owner: Any) -> None:
     (:func:`packed_training_input`) on by the whole guard of :func:`guard_model`, the isolation probe included:
     a model it would refuse is refused then, at that forward, not before -- a model never given a packed row is
     never refused, and its forwards are left as they are (no ``use_cache`` set) until then.  Nothing is done for
-    a model :func:`guard_model` guards already; the hook is recorded on ``owner`` (``unprepare`` removes it).
-    The hook (:class:`WatchHook`) pickles and deep-copies with the model, as :class:`GuardHook` does."""
+    a model :func:`guard_model` guards already; the hooks are recorded on ``owner`` (``unprepare`` removes them).
+    Its backbone (``judge.model``) called on its own gets the same checks (:class:`BackboneHook`), judged as the
+    model's; from inside the model's forward it is not checked twice.  The hooks (:class:`WatchHook`) pickle
+    and deep-copy with the model, as :class:`GuardHook` does."""
     if _HOOK_ATTR in vars(model) or _WATCH_ATTR in vars(model):
         return
-    set_attr(model, _WATCH_ATTR, forward_pre_hook(model, WatchHook(), owner=owner), owner=owner)
+    backbone = _backbone(model)
+    watch = WatchHook(tracks=backbone is not None)
+    set_attr(model, _WATCH_ATTR, forward_pre_hook(model, watch, owner=owner), owner=owner)
+    if backbone is not None:  # self.judge.model(input_ids=...): the backbone called on its own is watched too
+        forward_hook(model, _LeaveWatched(), owner=owner)
+        forward_pre_hook(backbone, BackboneHook(model, watch), owner=owner)
+
+
+def _backbone(model: Any) -> Any:
+    """The transformers backbone of ``model`` (``LlamaForCausalLM.model``: ``PreTrainedModel.base_model``), or
+    ``None`` where it is the model itself."""
+    base = base_model(model)
+    inner = getattr(base, "base_model", None)
+    if (
+        inner is None
+        or inner is base
+        or inner is model
+        or not callable(getattr(inner, "register_forward_pre_hook", None))
+    ):
+        return None
+    return inner
+
+
+def _token_input(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    return ids if ids is not None else kwargs.get("inputs_embeds")
 
 
 class WatchHook:
     """:func:`watch_model`'s forward pre-hook: the packed-ids check until the first packed input, the whole
     :class:`GuardHook` (built then) from it on."""
 
-    def __init__(self) -> None:
+    def __init__(self, tracks: bool = False) -> None:
         self.full: GuardHook | None = None
+        #: the model's backbone is watched too (:class:`BackboneHook`): each forward's token input is recorded
+        self.tracks = tracks
 
     def __call__(
+        self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.tracks:  # popped by _LeaveWatched, even when a check below refuses
+            _WATCHED_INPUTS.set((*_WATCHED_INPUTS.get(), _token_input(args, kwargs)))
+        return self.check(module, args, kwargs)
+
+    def check(
         self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if _HOOK_ATTR in vars(module):  # guarded since (guard_model): its guard checks
@@ -822,6 +861,32 @@ class WatchHook:
                 return args, kwargs
             self.full = _guard_hook(module, check_isolation=True)
         return self.full(module, args, kwargs)
+
+
+class _LeaveWatched:
+    """After a watched model's forward (called even when it raised): its token input off :data:`_WATCHED_INPUTS`."""
+
+    def __call__(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
+        if running := _WATCHED_INPUTS.get():
+            _WATCHED_INPUTS.set(running[:-1])
+
+
+class BackboneHook:
+    """The forward pre-hook of a watched model's backbone: a call of it on its own (not from inside the model's
+    forward, told by the very token input) gets the model's checks (:meth:`WatchHook.check`, judged as the
+    model's), so ``self.judge.model(input_ids=packed_ids)`` without the batch's positions is refused as
+    ``self.judge(input_ids=packed_ids)`` is; from inside the model's forward it does nothing (checked there)."""
+
+    def __init__(self, model: Any, watch: WatchHook) -> None:
+        self.model, self.watch = model, watch
+
+    def __call__(
+        self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        token = _token_input(args, kwargs)
+        if token is not None and any(token is t for t in _WATCHED_INPUTS.get()):
+            return args, kwargs
+        return self.watch.check(self.model, args, kwargs)
 
 
 def refuse_encoder_decoder(model: Any, caller: str) -> None:
