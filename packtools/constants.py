@@ -26,6 +26,23 @@ VIDEO_COLUMNS = ("pixel_values_videos", "video_grid_thw")
 #: Per-sample pixel columns (images and videos): left out of a batch or a packing, each image's or video's
 #: placeholder tokens would stay in ``input_ids`` and train without pixels, so no path drops them silently.
 PIXEL_COLUMNS = (*IMAGE_COLUMNS, *VIDEO_COLUMNS)
+#: The audio processors' per-sample feature columns (Qwen2-Audio / Qwen-Omni ``input_features`` +
+#: ``feature_attention_mask``, Gemma / Voxtral / Granite-style ``input_features_mask``, Phi-4-multimodal
+#: ``audio_*``, raw-waveform ``input_values``): packtools packs no audio, so rows holding them are refused by name on
+#: every path, ``leave_out`` and ``columns=`` included, as videos are (left out, each clip's placeholder tokens would
+#: stay in ``input_ids`` and train with no audio).
+AUDIO_COLUMNS = (
+    "input_features",
+    "feature_attention_mask",
+    "input_features_mask",
+    "audio_input_features",
+    "audio_embed_sizes",
+    "audio_attention_mask",
+    "input_values",
+    "input_values_mask",
+)
+#: Per-sample media columns (pixels and audio) that no path may leave out of a batch or a packing silently.
+MEDIA_COLUMNS = (*PIXEL_COLUMNS, *AUDIO_COLUMNS)
 #: Columns packed rows carry that a model's ``forward`` does not name (kept through ``remove_unused_columns``).
 PACKED_COLUMNS = (SEQ_LENGTHS, *MASK_COLUMNS)
 #: The keyword arguments that carry a padding-free row's document boundaries to a varlen attention call

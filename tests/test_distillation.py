@@ -281,3 +281,17 @@ def test_a_multimodal_teacher_is_refused_by_name(tmp_path, monkeypatch):
         with pytest.raises(PackingError, match="Qwen2VLForConditionalGeneration is a multimodal model"):
             prepare_distillation_trainer(trainer, check_isolation=check)
         assert type(trainer) is trl.DistillationTrainer
+
+
+def test_several_gpus_in_one_process_are_refused_before_anything_changes(tmp_path):
+    """``args.n_gpu > 1``: Trainer wraps the student in torch.nn.DataParallel, which chunks the packed row's tensors
+    apart from their cu_seq_lens and runs the replicas in threads where the forward check is off.  prepare_trainer,
+    prepare_grpo_trainer and the preference prepare_* refused it; prepare_distillation_trainer prepared the trainer
+    with no error.  Refused by name now, the trainer left as TRL built it."""
+    trainer = build(tmp_path)
+    trainer.args._n_gpu = 2  # what TrainingArguments counts on a machine with two visible GPUs
+    with pytest.raises(PackingError, match=r"prepare_distillation_trainer: n_gpu=2.*DataParallel.*torchrun"):
+        prepare_distillation_trainer(trainer)
+    assert type(trainer) is trl.DistillationTrainer
+    trainer.args._n_gpu = 1
+    assert prepare_distillation_trainer(trainer) is trainer

@@ -439,3 +439,13 @@ def test_neftune_is_refused_by_name(tmp_path):
     ) as err:
         prepare_dpo_trainer(trainer)
     assert err.value.param == "neftune_noise_alpha"
+
+
+def test_several_gpus_in_one_process_are_refused_by_name(tmp_path):
+    """``args.n_gpu > 1`` (torch.nn.DataParallel) is refused as by prepare_trainer, the message naming the
+    prepare_* that refused it (it named none)."""
+    trainer = build(tmp_path)
+    trainer.args._n_gpu = 2
+    with pytest.raises(PackingError, match=r"prepare_dpo_trainer: n_gpu=2.*DataParallel.*torchrun"):
+        prepare_dpo_trainer(trainer)
+    assert type(trainer) is trl.DPOTrainer

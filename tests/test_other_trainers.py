@@ -666,3 +666,43 @@ def test_one_token_a_row_is_not_searched_for(monkeypatch):
         guard.check_packed_ids_forward((), {"input_ids": torch.tensor([[5], [6]])})
         with pytest.raises(PackingError, match="Mine.compute_loss called the model"):
             guard.check_packed_ids_forward((), {"input_ids": torch.tensor([[5, 6]])})
+
+
+class JudgedByBackbone(Judged):
+    """The held judge's backbone called on its own on the packed input_ids, without the batch's positions."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
+        with torch.no_grad():
+            score = self.judge.model(input_ids=inputs["input_ids"]).last_hidden_state.mean()
+        loss = outputs.loss + 0.0 * score
+        return (loss, outputs) if return_outputs else loss
+
+
+class JudgedByBackboneWithPositions(Judged):
+    """The backbone given the batch's positions (and the judge itself): nothing mixes, nothing to refuse."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
+        kept = {k: v for k, v in inputs.items() if k != "labels"}
+        with torch.no_grad():
+            score = self.judge.model(**kept).last_hidden_state.mean() + self.judge(**kept).logits.mean()
+        loss = outputs.loss + 0.0 * score
+        return (loss, outputs) if return_outputs else loss
+
+
+def test_a_held_models_backbone_called_on_its_own_is_checked(tmp_path):
+    """``self.judge.model(input_ids=packed_ids)`` -- the backbone of a held judge called on its own -- skipped the
+    judge's hook: its documents attended to each other, with no error.  Refused now as the judge's own call is;
+    the backbone given the positions passes, and unprepare takes its hook off."""
+    with pytest.raises(PackingError, match=r"JudgedByBackbone.compute_loss called the model.*position_ids"):
+        _held(tmp_path, JudgedByBackbone, _as_reward_model)
+    trainer, model, start, recorder = _held(
+        tmp_path, JudgedByBackboneWithPositions, _as_reward_model, steps=2
+    )
+    gap, moved = one_by_one_gap(model, start, recorder.batches, accumulation=2, lr=LR)
+    assert moved > 1e-2 and gap < 1e-5, (gap, moved)
+    from packtools.integrations import unprepare
+
+    unprepare(trainer)
+    assert not trainer.judge.model._forward_pre_hooks and not trainer.judge._forward_hooks

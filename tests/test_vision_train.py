@@ -324,7 +324,7 @@ def test_dpo_refuses_a_vision_language_model(monkeypatch):
     from packtools.integrations.preference import dpo as trl
 
     for checked_before in ("_check_trainer", "check_loss_path", "check_step_methods"):  # a real DPOTrainer's
-        monkeypatch.setattr(trl, checked_before, lambda trainer: None)
+        monkeypatch.setattr(trl, checked_before, lambda trainer, *caller: None)
     # TrainingArguments as a real DPOTrainer has them (NEFTune off: prepare_dpo_trainer reads it first)
     args = SimpleNamespace(neftune_noise_alpha=None)
     trainer = SimpleNamespace(model=tiny_vl("qwen2_vl"), ref_model=None, args=args)

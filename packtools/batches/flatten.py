@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..constants import MASK_COLUMNS, PIXEL_COLUMNS, SEQ_LENGTHS, TOKEN_COLUMNS, VIDEO_COLUMNS
+from ..constants import AUDIO_COLUMNS, MASK_COLUMNS, MEDIA_COLUMNS, SEQ_LENGTHS, TOKEN_COLUMNS, VIDEO_COLUMNS
 from ..errors import PackingError
 from .labels import masked_labels
 
@@ -218,8 +218,15 @@ def check_leave_out(leave_out: object) -> frozenset[str]:
 
 
 def image_columns_left_out(where: str, images: Sequence[str], who: str) -> str:
-    """The refusal of pixel columns (images or videos: :data:`~packtools.constants.PIXEL_COLUMNS`) that the text
-    collator ``who`` would drop, ``leave_out`` or not."""
+    """The refusal of media columns (images, videos or audio: :data:`~packtools.constants.MEDIA_COLUMNS`) that the
+    text collator ``who`` would drop, ``leave_out`` or not."""
+    if audio := [c for c in images if c in AUDIO_COLUMNS]:
+        return (
+            f"{where} has the audio column(s) {audio}, which {who} does not put in the batch: left out (even "
+            f"with leave_out=), each clip's audio placeholder tokens would stay in input_ids and train with no "
+            f"audio features. packtools packs no audio: remove the audio samples (their columns and placeholder "
+            f"tokens) from the rows first, or train them unpacked."
+        )
     if videos := [c for c in images if c in VIDEO_COLUMNS]:
         return (
             f"{where} has the video column(s) {videos}, which {who} does not put in the batch: left out (even "
@@ -243,16 +250,16 @@ def check_carried(
     who: str = "PaddingFreeCollator",
 ) -> None:
     """Refuse, by name, a column of the rows that the batch would not carry and ``leave_out`` does not list.
-    An image or video column (:data:`~packtools.constants.PIXEL_COLUMNS`) the batch would not carry is refused even
-    when ``leave_out`` lists it: left out, each image's or video's placeholder tokens would train without pixels.
+    An image, video or audio column (:data:`~packtools.constants.MEDIA_COLUMNS`) the batch would not carry is refused
+    even when ``leave_out`` lists it: left out, its placeholder tokens would train without their pixels or audio.
 
     ``carried`` is the set of keys the collator ``who`` reads (``CARRIED_KEYS`` for the text collator).
     """
-    known = carried | (leave_out - frozenset(PIXEL_COLUMNS))
+    known = carried | (leave_out - frozenset(MEDIA_COLUMNS))
     for i, row in enumerate(features):
         if isinstance(row, Mapping) and not known.issuperset(row.keys()):
             extra = sorted(k for k in row.keys() if k not in known)
-            if images := [k for k in extra if k in PIXEL_COLUMNS]:
+            if images := [k for k in extra if k in MEDIA_COLUMNS]:
                 raise PackingError(image_columns_left_out(f"row {i}", images, who), param="leave_out")
             raise PackingError(
                 f"row {i} has the column(s) {extra}, which {who} does not put in the batch, so the "

@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from .._optional import is_instance
 from ..compat.datasets import dataset_table
-from ..constants import PIXEL_COLUMNS, SEQ_LENGTHS, TOKEN_COLUMNS
+from ..constants import MEDIA_COLUMNS, PIXEL_COLUMNS, SEQ_LENGTHS, TOKEN_COLUMNS
 from ..core.arrow import ListColumn, check_aligned, check_row_counts, read_list_column
 from ..errors import EmptyRowsWarning, PackingError, empty_rows_message
 from .arrow_rows import ArrowBatches, ArrowSource, check_integer
@@ -44,8 +44,8 @@ _IMAGE_COLUMNS = frozenset((*VISION_COLUMNS, *PIXEL_COLUMNS))
 
 def check_table_columns(names: Sequence[str], leave_out: frozenset[str], who: str) -> None:
     """Refuse, by name, a column of the data that the batch would not carry and ``leave_out`` does not list (an
-    image column even when it does: :func:`~packtools.batches.flatten.check_carried`)."""
-    if found := sorted(c for c in names if c in PIXEL_COLUMNS):
+    image, video or audio column even when it does: :func:`~packtools.batches.flatten.check_carried`)."""
+    if found := sorted(c for c in names if c in MEDIA_COLUMNS):
         raise PackingError(image_columns_left_out("the data", found, who), param="leave_out")
     extra = sorted(c for c in names if c not in CARRIED_KEYS and c not in leave_out)
     if not extra:

@@ -64,16 +64,26 @@ def patches_of(owner: Any) -> Patches:
 def set_attr(obj: Any, name: str, value: Any, *, owner: Any) -> None:
     """``setattr(obj, name, value)``, recorded on ``owner`` so :func:`undo` restores (or deletes) it."""
     old = obj.__dict__.get(name, _MISSING) if hasattr(obj, "__dict__") else getattr(obj, name, _MISSING)
-
-    def restore() -> None:
-        if old is _MISSING:
-            if name in getattr(obj, "__dict__", {}):
-                delattr(obj, name)
-        else:
-            setattr(obj, name, old)
-
     setattr(obj, name, value)
-    patches_of(owner).add(f"{type(obj).__name__}.{name}", restore)
+    patches_of(owner).add(f"{type(obj).__name__}.{name}", RestoreAttr(obj, name, old))
+
+
+class RestoreAttr:
+    """The undo of :func:`set_attr`: ``obj.name`` set back to ``old`` (deleted where it had none).  A class, not a
+    closure, so an owner holding it (a guarded model's own record) pickles and deep-copies: a copy's undo restores
+    the copy."""
+
+    def __init__(self, obj: Any, name: str, old: Any) -> None:
+        self.obj, self.name = obj, name
+        self.missing = old is _MISSING
+        self.old = None if self.missing else old
+
+    def __call__(self) -> None:
+        if self.missing:
+            if self.name in getattr(self.obj, "__dict__", {}):
+                delattr(self.obj, self.name)
+        else:
+            setattr(self.obj, self.name, self.old)
 
 
 def record(owner: Any, what: str, undo_fn: Callable[[], None]) -> None:

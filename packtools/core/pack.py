@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..constants import IMAGE_COLUMNS, SEQ_LENGTHS, VIDEO_COLUMNS
+from ..constants import AUDIO_COLUMNS, IMAGE_COLUMNS, SEQ_LENGTHS, VIDEO_COLUMNS
 from ..errors import EmptyRowsWarning, PackingError, TokensDroppedWarning, empty_rows_message
 from . import buffers
 from .arrow import (
@@ -271,9 +271,13 @@ def pack_columns(
     return pa.Table.from_arrays(arrays, names=names)
 
 
-def refuse_video_columns(names: Sequence[str], what: str, param: str) -> None:
-    """Refuse rows holding video columns (:data:`~packtools.constants.VIDEO_COLUMNS`; ``names``: the rows' column
-    names) in ``what``, which packs token columns (or images) only, whatever ``columns=`` says."""
+def refuse_unpacked_media(names: Sequence[str], what: str, param: str) -> None:
+    """Refuse rows holding video or audio columns (:data:`~packtools.constants.VIDEO_COLUMNS`,
+    :data:`~packtools.constants.AUDIO_COLUMNS`; ``names``: the rows' column names) in ``what``, which packs token
+    columns (or images) only, whatever ``columns=`` says.
+
+    >>> refuse_unpacked_media(["input_ids", "labels"], "pack_table", "table")
+    """
     if videos := [c for c in VIDEO_COLUMNS if c in names]:
         raise PackingError(
             f"{what}: the rows hold video column(s) {videos}, and packtools packs images only (video positions "
@@ -282,18 +286,26 @@ def refuse_video_columns(names: Sequence[str], what: str, param: str) -> None:
             f"tokens) first, or train them unpacked.",
             param=param,
         )
+    if audio := [c for c in AUDIO_COLUMNS if c in names]:
+        raise PackingError(
+            f"{what}: the rows hold audio column(s) {audio}, and packtools packs no audio: packed without them "
+            f"(whatever columns= names), each clip's audio placeholder tokens would stay in input_ids with no "
+            f"audio features. Remove the audio samples (their columns and placeholder tokens) first, or train "
+            f"them unpacked.",
+            param=param,
+        )
 
 
 def refuse_pixel_columns(names: Sequence[str], what: str, param: str = "table") -> None:
     """Refuse processed vision-language rows (:data:`~packtools.constants.PIXEL_COLUMNS`: images, and videos, which
-    no path packs; ``names``: the rows' column names) in ``what``, a path that packs or plans its token columns
+    no path packs, as audio (:data:`~packtools.constants.AUDIO_COLUMNS`) is not; ``names``: the rows' column names) in ``what``, a path that packs or plans its token columns
     alone: left out, as ``columns=[...]`` naming the token columns would leave them, each image's placeholder
     tokens would stay in ``input_ids`` with no pixels and the training data would change with no error.  Refused
     whatever ``columns=`` says (``pack_dataset`` packs such rows whole with their images).
 
     >>> refuse_pixel_columns(["input_ids"], "pack_ray_dataset", "ds")
     """
-    refuse_video_columns(names, what, param)
+    refuse_unpacked_media(names, what, param)
     found = [c for c in IMAGE_COLUMNS if c in names]
     if found:
         raise PackingError(

@@ -32,7 +32,7 @@ import pyarrow as pa
 
 from ..constants import IMAGE_COLUMNS, SEQ_LENGTHS
 from ..core.arrow import is_list_type
-from ..core.pack import BOUNDARY_COLUMNS, refuse_video_columns
+from ..core.pack import BOUNDARY_COLUMNS, refuse_unpacked_media
 from ..errors import PackingError
 from ..io.discover import InputFile
 from ..io.files import Part, iter_part, read_schema, reading
@@ -239,7 +239,7 @@ def refuse_image_columns(files: Sequence[InputFile], config: PipelineConfig) -> 
     (their ``input_ids`` count the image tokens)."""
     for f in files:
         names = read_schema(f).names
-        refuse_video_columns(names, repr(f.path), "columns")
+        refuse_unpacked_media(names, repr(f.path), "columns")
         images = [c for c in IMAGE_COLUMNS if c in names]
         if images:
             named = f" (columns={list(config.columns)} would leave them out)" if config.columns else ""

@@ -46,6 +46,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import threading
+import types
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -283,6 +284,24 @@ class _PerDocument:
         self.layer = weakref.ref(layer) if layer is not None else None
         #: the documents of the call of ``layer`` running now, set around it by :func:`_layer_hooks`
         self.from_layer: Segments | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled and deep-copied with its model: the decoder layer held strongly there (a weak reference can be
+        neither pickled nor mapped to the copy's layer), weakly again after (:meth:`__setstate__`); the layer's
+        own ``forward`` as its function and module (pickle would look ``forward`` up again: this wrapper)."""
+        state = dict(vars(self))
+        state["layer"] = None if self.layer is None else self.layer()
+        state["from_layer"] = None
+        if isinstance(self.original, types.MethodType):  # pickled as getattr(module, "forward"): this wrapper
+            state["original"] = (self.original.__func__, self.original.__self__)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        layer = state.pop("layer")
+        if isinstance(state["original"], tuple):
+            state["original"] = types.MethodType(*state["original"])
+        vars(self).update(state)
+        self.layer = weakref.ref(layer) if layer is not None else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         segments = kwargs.pop(SEGMENTS_KEY, None)
@@ -533,45 +552,8 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
             f"whose forward packtools can read the documents from. Do not pack for this model."
         )
 
-    #: per thread, the running forwards of the model above its decoder, innermost last (a probe may run one
-    #: inside another, from a pre-hook): their documents, and the inputs they came from (_BOUNDARY_KEYS,
-    #: _INPUT_KEYS).  An entry outlives its forward when a KeyboardInterrupt (no Exception: always-called hooks
-    #: do not run) stops it; _decoder_segments uses an entry only for the very input tensor it came from.
-    running = threading.local()
-
-    def stack() -> list[dict[str, Any]]:
-        if not hasattr(running, "outer"):
-            running.outer = []
-        return running.outer
-
-    def top(
-        module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        entry = {k: kwargs.get(k) for k in _BOUNDARY_KEYS}
-        entry["input"] = _input_of(args, kwargs)
-        entry["segments"] = segments_of(kwargs)
-        stack().append(entry)
-        return args, kwargs
-
-    def top_done(module: Any, args: tuple[Any, ...], output: Any) -> None:
-        outer = stack()
-        if outer:  # called even when the forward raised an Exception (forward_hook)
-            outer.pop()
-
-    def hook(
-        module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        outer = stack()
-        segments = _decoder_segments(args, kwargs, outer[-1] if outer else None)
-        if mixers:  # None too: the layers then know the row has no documents to split (_layer_hooks)
-            kwargs[SEGMENTS_KEY] = segments
-        if segments is None:
-            return args, kwargs
-        if masks and kwargs.get("attention_mask") is None and kwargs.get("position_ids") is not None:
-            kwargs["attention_mask"] = packed_position_masks(
-                base, _stand_in(base, kwargs, args), kwargs["position_ids"]
-            )
-        return args, kwargs
+    running = _Running()
+    hook = _DecoderHook(running, base, bool(mixers), masks)
 
     result = DocumentMixers(type(base).__name__, {}, masks)  # what the changes are recorded on (_use)
     try:
@@ -581,8 +563,8 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
         if (
             mixers and decoder is not base
         ):  # a model that does not hand its decoder the position_ids (Mamba-1)
-            forward_pre_hook(base, top, owner=result)
-            forward_hook(base, top_done, owner=result)
+            forward_pre_hook(base, _TopHook(running), owner=result)
+            forward_hook(base, _TopDone(running), owner=result)
         for name in mixers:
             module = modules[name]
             param = next(iter(module.parameters()), None)
@@ -603,6 +585,84 @@ def run_mixers_per_document(model: Any, *, owner: Any = None, kernels: bool = Tr
     _use(result, owner)
     logging.getLogger("packtools").info("packtools: %s", result.summary())
     return result
+
+
+class _Running:
+    """Per thread, the running forwards of a model above its decoder, innermost last (a probe may run one inside
+    another, from a pre-hook): their documents, and the inputs they came from (_BOUNDARY_KEYS, _INPUT_KEYS).  An
+    entry outlives its forward when a KeyboardInterrupt (no Exception: always-called hooks do not run) stops it;
+    _decoder_segments uses an entry only for the very input tensor it came from.  Pickled or deep-copied (with
+    its model), it starts empty."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"local": None}  # not empty: pickle calls __setstate__ only for a true state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.local = threading.local()
+
+    def stack(self) -> list[dict[str, Any]]:
+        if not hasattr(self.local, "outer"):
+            self.local.outer = []
+        return self.local.outer
+
+
+# The hooks below are module-level classes holding their state, not closures: a prepared model pickles
+# (torch.save(model)) and deep-copies (TRL's create_reference_model) with them, the copy's hooks holding its own
+# layers and wrappers.
+
+
+class _TopHook:
+    """Before the model's forward (above its decoder): push that forward's documents and inputs."""
+
+    def __init__(self, running: _Running) -> None:
+        self.running = running
+
+    def __call__(
+        self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        entry = {k: kwargs.get(k) for k in _BOUNDARY_KEYS}
+        entry["input"] = _input_of(args, kwargs)
+        entry["segments"] = segments_of(kwargs)
+        self.running.stack().append(entry)
+        return args, kwargs
+
+
+class _TopDone:
+    """After the model's forward, called even when it raised an Exception (``forward_hook``): pop its entry."""
+
+    def __init__(self, running: _Running) -> None:
+        self.running = running
+
+    def __call__(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
+        outer = self.running.stack()
+        if outer:
+            outer.pop()
+
+
+class _DecoderHook:
+    """Before the decoder's forward: hand its layers the documents (:data:`SEGMENTS_KEY`; ``split``: the model has
+    per-document layers), and build the masks from ``position_ids`` (``masks``: :data:`POSITIONLESS_MASKS`)."""
+
+    def __init__(self, running: _Running, base: Any, split: bool, masks: bool) -> None:
+        self.running, self.base, self.split, self.masks = running, base, split, masks
+
+    def __call__(
+        self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        outer = self.running.stack()
+        segments = _decoder_segments(args, kwargs, outer[-1] if outer else None)
+        if self.split:  # None too: the layers then know the row has no documents to split (_layer_hooks)
+            kwargs[SEGMENTS_KEY] = segments
+        if segments is None:
+            return args, kwargs
+        if self.masks and kwargs.get("attention_mask") is None and kwargs.get("position_ids") is not None:
+            kwargs["attention_mask"] = packed_position_masks(
+                self.base, _stand_in(self.base, kwargs, args), kwargs["position_ids"]
+            )
+        return args, kwargs
 
 
 #: The inputs :func:`segments_of` reads the documents from.
@@ -639,18 +699,26 @@ def _decoder_segments(
 def _use(done: DocumentMixers, owner: Any) -> None:
     """Count ``owner`` as a user of the model's per-document layers (once); undoing its changes
     (``packtools.integrations.unprepare``) takes it off, and the last user's undo takes the layers off."""
-    from ...compat import record, undo
+    from ...compat import record
 
     if id(owner) in done.users:
         return
     done.users.add(id(owner))
+    record(owner, f"{done.model} per-document token-mixing layers (a user)", _Release(done, id(owner)))
 
-    def release() -> None:
-        done.users.discard(id(owner))
-        if not done.users:
-            undo(done)
 
-    record(owner, f"{done.model} per-document token-mixing layers (a user)", release)
+class _Release:
+    """The undo of one user's :func:`_use`: take it off, and the layers off with the last user."""
+
+    def __init__(self, done: DocumentMixers, user: int) -> None:
+        self.done, self.user = done, user
+
+    def __call__(self) -> None:
+        from ...compat import undo
+
+        self.done.users.discard(self.user)
+        if not self.done.users:
+            undo(self.done)
 
 
 def _layer_hooks(wrapper: _PerDocument, *, owner: Any) -> None:
@@ -661,14 +729,28 @@ def _layer_hooks(wrapper: _PerDocument, *, owner: Any) -> None:
     (a checkpointed layer's recomputation included, with the arguments it saved) and cleared after it."""
     from ...compat.torch import forward_hook
 
-    def take(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        wrapper.from_layer = kwargs[SEGMENTS_KEY] if SEGMENTS_KEY in kwargs else segments_of(kwargs)
+    forward_pre_hook(wrapper.layer(), _TakeSegments(wrapper), owner=owner)
+    forward_hook(wrapper.layer(), _DropSegments(wrapper), owner=owner)
 
-    def drop(module: Any, args: tuple[Any, ...], output: Any) -> None:
-        wrapper.from_layer = None
 
-    forward_pre_hook(wrapper.layer(), take, owner=owner)
-    forward_hook(wrapper.layer(), drop, owner=owner)
+class _TakeSegments:
+    """Before a decoder layer's call: its documents to its token-mixing layer's ``wrapper`` (:func:`_layer_hooks`)."""
+
+    def __init__(self, wrapper: _PerDocument) -> None:
+        self.wrapper = wrapper
+
+    def __call__(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.wrapper.from_layer = kwargs[SEGMENTS_KEY] if SEGMENTS_KEY in kwargs else segments_of(kwargs)
+
+
+class _DropSegments:
+    """After a decoder layer's call (even one that raised): its documents cleared from ``wrapper``."""
+
+    def __init__(self, wrapper: _PerDocument) -> None:
+        self.wrapper = wrapper
+
+    def __call__(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
+        self.wrapper.from_layer = None
 
 
 def _enclosing_layer(modules: dict[str, Any], name: str) -> Any:

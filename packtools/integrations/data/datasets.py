@@ -26,7 +26,7 @@ from ...constants import IMAGE_COLUMNS, SEQ_LENGTHS
 from ...core.arrow import check_row_counts, column_lengths, is_list_type
 from ...core.cp_budget import check_context_parallel, plan_for_cp
 from ...core.nested import gather_whole_samples, plan_whole_samples
-from ...core.pack import check_no_images, pack_columns, read_columns, refuse_video_columns, truncate_table
+from ...core.pack import check_no_images, pack_columns, read_columns, refuse_unpacked_media, truncate_table
 from ...core.plan import PackPlan, Strategy, check_max_length, check_strategy
 from ...errors import PackingError
 from .drops import DropReport, untrained_pieces, warn_dropped, warn_empty, warn_untrained
@@ -424,8 +424,9 @@ def has_images(dataset_or_table: Any) -> bool:
 
 
 def _refuse_videos(dataset_or_table: Any, what: str) -> None:
-    """Refuse rows with video columns (:data:`~packtools.constants.VIDEO_COLUMNS`) whatever ``columns=`` says."""
-    refuse_video_columns(getattr(dataset_or_table, "column_names", None) or [], what, "dataset")
+    """Refuse rows with video or audio columns (:data:`~packtools.constants.VIDEO_COLUMNS`,
+    :data:`~packtools.constants.AUDIO_COLUMNS`) whatever ``columns=`` says."""
+    refuse_unpacked_media(getattr(dataset_or_table, "column_names", None) or [], what, "dataset")
 
 
 def _refuse_streamed_images() -> None:

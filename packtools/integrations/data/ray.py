@@ -22,9 +22,10 @@ def pack_ray_dataset(
     """A lazy ``ray.data.Dataset`` of packed rows: every block of ``ds`` packed into rows of ``max_length``.
 
     ``columns`` as in :func:`packtools.pack_table` (default: all columns, which must all be list columns).
-    Processed vision-language rows (:data:`~packtools.constants.PIXEL_COLUMNS`) are refused whatever ``columns``
-    says, here when ``ds`` knows its schema, else by ``pack_table`` at the first block: left out, their image
-    placeholder tokens would train without pixels.
+    Processed vision-language rows (:data:`~packtools.constants.PIXEL_COLUMNS`) and audio rows
+    (:data:`~packtools.constants.AUDIO_COLUMNS`) are refused whatever ``columns`` says, here when ``ds`` knows its
+    schema, else by ``pack_table`` at the first block: left out, their placeholder tokens would train without their
+    pixels or audio.
 
     >>> import ray  # doctest: +SKIP
     >>> ds = ray.data.read_parquet("tokenized/")  # doctest: +SKIP

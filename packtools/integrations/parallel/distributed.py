@@ -49,15 +49,16 @@ def sharded_by(model: Any) -> str | None:
     return None
 
 
-def check_loss_path(trainer: Any) -> None:
-    """Refuse trainers whose loss scaling packtools cannot read from the installed ``Trainer``."""
+def check_loss_path(trainer: Any, caller: str = "") -> None:
+    """Refuse trainers whose loss scaling packtools cannot read from the installed ``Trainer``, and those it would
+    wrap in ``torch.nn.DataParallel`` (:func:`refuse_data_parallel`; ``caller``: the ``prepare_*`` named there)."""
     if "loss_is_scaled_for_ga" not in dir(type(trainer)):
         raise PackingError(
             f"this transformers version's Trainer has no loss_is_scaled_for_ga, the predicate packtools reads to "
             f"know whether {type(trainer).__name__} divides each micro-batch's loss by the accumulation steps; "
             f"packtools handles transformers >= 5.x with that attribute. Upgrade transformers."
         )
-    refuse_data_parallel(trainer)
+    refuse_data_parallel(trainer, caller)
 
 
 def refuse_data_parallel(trainer: Any, caller: str = "") -> None:

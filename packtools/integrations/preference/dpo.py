@@ -239,7 +239,7 @@ def prepare_dpo_trainer(
     """
     require("trl", "packtools.prepare_dpo_trainer")
     _check_trainer(trainer)
-    check_loss_path(trainer)
+    check_loss_path(trainer, "prepare_dpo_trainer")
     refuse_neftune(trainer, "padding-free DPO rows", "prepare_dpo_trainer")
     if plan_of(trainer) is not None:
         raise PackingError("prepare_dpo_trainer was already called on this trainer.")

@@ -112,7 +112,7 @@ def prepare_kto_trainer(trainer: Any, *, check_isolation: bool = True, segmented
     """
     require("trl", "packtools.prepare_kto_trainer")
     _check_trainer(trainer)
-    check_loss_path(trainer)
+    check_loss_path(trainer, "prepare_kto_trainer")
     refuse_neftune(trainer, "padding-free KTO rows", "prepare_kto_trainer")
     models = [m for m in (trainer.model, trainer.ref_model) if m is not None]
     if any(vars(base_model(m)).get(_WRAPPED) for m in models):

@@ -226,7 +226,7 @@ def prepare_reward_trainer(
     """
     require("trl", "packtools.prepare_reward_trainer")
     _check_trainer(trainer)
-    check_loss_path(trainer)
+    check_loss_path(trainer, "prepare_reward_trainer")
     refuse_neftune(trainer, "packed reward pairs", "prepare_reward_trainer")
     check_step_methods(trainer)
     layout = rank_layout(trainer)

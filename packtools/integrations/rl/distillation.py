@@ -42,7 +42,7 @@ from ..attention.isolation import (
 from ..attention.isolation import check_isolation as _check_isolation
 from ..attention.mixers import POSITIONLESS_MASKS
 from ..multimodal.models import refuse_multimodal
-from ..parallel.distributed import is_sharded
+from ..parallel.distributed import is_sharded, refuse_data_parallel
 from ..trainers.guard import check_forward_inputs, check_length_dependent_rope, length_dependent_rope
 from ..trainers.sft import refuse_neftune
 from ..trainers.step import STEP_METHODS, install_step, overriding_classes, plan_of, qualified_name
@@ -217,6 +217,7 @@ def prepare_distillation_trainer(trainer: Any, *, check_isolation: bool = True) 
     if plan_of(trainer) is not None:
         return trainer
     _check_subclass(trainer)
+    refuse_data_parallel(trainer, "prepare_distillation_trainer")
     refuse_neftune(trainer, "padding-free rows", "prepare_distillation_trainer")
     if getattr(trainer, "_is_vlm", False):
         raise PackingError(

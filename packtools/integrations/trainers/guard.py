@@ -19,7 +19,7 @@ from ..._optional import is_instance
 from ...batches import mrope
 from ...batches.vision import DocumentBlockMask
 from ...compat import set_attr
-from ...compat.torch import forward_pre_hook
+from ...compat.torch import forward_hook, forward_pre_hook
 from ...constants import VARLEN_KEYS
 from ...errors import PackingError
 from ..attention.backends import (
@@ -53,6 +53,9 @@ _WATCH_ATTR = "_packtools_watch"  # watch_model's hook
 _LOSS_BATCH: ContextVar[tuple[Mapping[str, Any], str] | None] = ContextVar(
     "packtools_loss_batch", default=None
 )
+#: The token inputs of the watched models' forwards running now, innermost last (:func:`watch_model`): their
+#: backbones' own hook leaves a call of the very same input to them (checked once, by the model's hook).
+_WATCHED_INPUTS: ContextVar[tuple[Any, ...]] = ContextVar("packtools_watched_inputs", default=())
 
 
 @contextlib.contextmanager
@@ -724,55 +727,68 @@ def guard_model(model: Any, *, owner: Any = None, check_isolation: bool = True) 
     return handle
 
 
-def _guard_hook(model: Any, check_isolation: bool) -> Any:
+def _guard_hook(model: Any, check_isolation: bool) -> GuardHook:
     """:func:`guard_model`'s checks of ``model`` itself (refusing it by name), then its hook."""
     refuse_encoder_decoder(model, "guard_model")
     check_row_pooling(model)  # a leak the probe's short rows cannot measure: refused from the config
     check_recurrent(model)  # its state runs across documents and nothing can split it: refused by type
     if check_isolation:
         check_sharded_probe(model)
-    mixers = tuple(token_mixing_layers(model))
-    probe = FirstPackedProbe() if check_isolation else None
-    rope = length_dependent_rope(model)
-    # The model type decides two checks; read once here, not on every forward.
-    model_type = getattr(getattr(base_model(model), "config", None), "model_type", None)
-    positionless, text_row = model_type in POSITIONLESS_MASKS, model_type in NO_TEXT_ROW_FROM_2D
-    multimodal = bool(multimodal_parts(model))  # its packed rows' placeholder tokens need their pixels
-    try:  # an unverified multimodal model: its text-only forwards pass, its image inputs are refused
-        check_multimodal(model)
-        images_checked = model_type in mrope.IMAGE_BLOCK_TYPES  # Gemma 3: its images need their masks
-        image_blocks = images_checked
-    except PackingError:
-        images_checked, image_blocks = True, False
+    return GuardHook(model, check_isolation)
 
-    def hook(
-        module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+
+class GuardHook:
+    """:func:`guard_model`'s forward pre-hook: a module-level class holding its state (what it read of the model
+    once), so a guarded model pickles (``torch.save(model)``) and deep-copies (``copy.deepcopy``, TRL's
+    ``create_reference_model``) with its guard.  A copy's hook holds the copy's own layers (the deep copy maps
+    them) and a copy of the probe's state: the copy is guarded as the model was, checks included."""
+
+    def __init__(self, model: Any, check_isolation: bool) -> None:
+        self.mixers = tuple(token_mixing_layers(model))
+        self.probe = FirstPackedProbe() if check_isolation else None
+        self.rope = length_dependent_rope(model)
+        # The model type decides two checks; read once here, not on every forward.
+        self.model_type = getattr(getattr(base_model(model), "config", None), "model_type", None)
+        self.positionless = self.model_type in POSITIONLESS_MASKS
+        self.text_row = self.model_type in NO_TEXT_ROW_FROM_2D
+        self.multimodal = bool(
+            multimodal_parts(model)
+        )  # its packed rows' placeholder tokens need their pixels
+        try:  # an unverified multimodal model: its text-only forwards pass, its image inputs are refused
+            check_multimodal(model)
+            self.images_checked = self.model_type in mrope.IMAGE_BLOCK_TYPES  # Gemma 3: its images need masks
+            self.image_blocks = self.images_checked
+        except PackingError:
+            self.images_checked, self.image_blocks = True, False
+
+    def __call__(
+        self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         impl = attention_implementation(module)
         done = document_mixers(module)  # run_mixers_per_document after the guard: its layers are handled now
-        left = mixers if done is None else tuple(m for m in mixers if m not in done.modes)
+        left = self.mixers if done is None else tuple(m for m in self.mixers if m not in done.modes)
         check_packed_ids_forward(args, kwargs)  # first: the other checks judge the keys the call was given
         check_unhandled_mixers(module, kwargs, left)  # without kernels, seq_idx alone is no fix
         check_forward_inputs(kwargs, impl, left)
         # a sample alone is built right by the model itself, and a generation step is no packed row; but one
         # document with the collator's masks (Gemma 3) is read as they say, so the backend must read them
-        if images_checked and (packed_training_input(kwargs) or (image_blocks and ready_made_masks(kwargs))):
+        if self.images_checked and (
+            packed_training_input(kwargs) or (self.image_blocks and ready_made_masks(kwargs))
+        ):
             check_image_inputs(module, kwargs, impl)  # refused by name (the probe packs text only)
-        if multimodal and packed_training_input(kwargs):  # a placeholder token without its pixels
+        if self.multimodal and packed_training_input(kwargs):  # a placeholder token without its pixels
             check_image_placeholders(module, kwargs)
-        if positionless:
+        if self.positionless:
             check_positionless_masks(module, kwargs, impl)
-        if text_row:
+        if self.text_row:
             check_text_row(module, kwargs, impl)
-        check_length_dependent_rope(rope, kwargs)
-        check_unshifted_labels(kwargs, model_type)
-        if probe is not None:
-            probe(module, kwargs)
+        check_length_dependent_rope(self.rope, kwargs)
+        check_unshifted_labels(kwargs, self.model_type)
+        if self.probe is not None:
+            self.probe(module, kwargs)
         if passed_cache(kwargs) is None and (kwargs.get("use_cache") is None or module.training):
             kwargs["use_cache"] = False
         return args, kwargs
-
-    return hook
 
 
 def watch_model(model: Any, *, owner: Any) -> None:
@@ -784,24 +800,93 @@ def watch_model(model: Any, *, owner: Any) -> None:
     (:func:`packed_training_input`) on by the whole guard of :func:`guard_model`, the isolation probe included:
     a model it would refuse is refused then, at that forward, not before -- a model never given a packed row is
     never refused, and its forwards are left as they are (no ``use_cache`` set) until then.  Nothing is done for
-    a model :func:`guard_model` guards already; the hook is recorded on ``owner`` (``unprepare`` removes it)."""
+    a model :func:`guard_model` guards already; the hooks are recorded on ``owner`` (``unprepare`` removes them).
+    Its backbone (``judge.model``) called on its own gets the same checks (:class:`BackboneHook`), judged as the
+    model's; from inside the model's forward it is not checked twice.  The hooks (:class:`WatchHook`) pickle
+    and deep-copy with the model, as :class:`GuardHook` does."""
     if _HOOK_ATTR in vars(model) or _WATCH_ATTR in vars(model):
         return
-    full: list[Any] = []  # the guard's hook, built at the first packed input
+    backbone = _backbone(model)
+    watch = WatchHook(tracks=backbone is not None)
+    set_attr(model, _WATCH_ATTR, forward_pre_hook(model, watch, owner=owner), owner=owner)
+    if backbone is not None:  # self.judge.model(input_ids=...): the backbone called on its own is watched too
+        forward_hook(model, _LeaveWatched(), owner=owner)
+        forward_pre_hook(backbone, BackboneHook(model, watch), owner=owner)
 
-    def hook(
-        module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+
+def _backbone(model: Any) -> Any:
+    """The transformers backbone of ``model`` (``LlamaForCausalLM.model``: ``PreTrainedModel.base_model``), or
+    ``None`` where it is the model itself."""
+    base = base_model(model)
+    inner = getattr(base, "base_model", None)
+    if (
+        inner is None
+        or inner is base
+        or inner is model
+        or not callable(getattr(inner, "register_forward_pre_hook", None))
+    ):
+        return None
+    return inner
+
+
+def _token_input(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    return ids if ids is not None else kwargs.get("inputs_embeds")
+
+
+class WatchHook:
+    """:func:`watch_model`'s forward pre-hook: the packed-ids check until the first packed input, the whole
+    :class:`GuardHook` (built then) from it on."""
+
+    def __init__(self, tracks: bool = False) -> None:
+        self.full: GuardHook | None = None
+        #: the model's backbone is watched too (:class:`BackboneHook`): each forward's token input is recorded
+        self.tracks = tracks
+
+    def __call__(
+        self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.tracks:  # popped by _LeaveWatched, even when a check below refuses
+            _WATCHED_INPUTS.set((*_WATCHED_INPUTS.get(), _token_input(args, kwargs)))
+        return self.check(module, args, kwargs)
+
+    def check(
+        self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if _HOOK_ATTR in vars(module):  # guarded since (guard_model): its guard checks
             return args, kwargs
-        if not full:
+        if self.full is None:
             check_packed_ids_forward(args, kwargs)
             if not packed_training_input(kwargs):
                 return args, kwargs
-            full.append(_guard_hook(module, check_isolation=True))
-        return full[0](module, args, kwargs)
+            self.full = _guard_hook(module, check_isolation=True)
+        return self.full(module, args, kwargs)
 
-    set_attr(model, _WATCH_ATTR, forward_pre_hook(model, hook, owner=owner), owner=owner)
+
+class _LeaveWatched:
+    """After a watched model's forward (called even when it raised): its token input off :data:`_WATCHED_INPUTS`."""
+
+    def __call__(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
+        if running := _WATCHED_INPUTS.get():
+            _WATCHED_INPUTS.set(running[:-1])
+
+
+class BackboneHook:
+    """The forward pre-hook of a watched model's backbone: a call of it on its own (not from inside the model's
+    forward, told by the very token input) gets the model's checks (:meth:`WatchHook.check`, judged as the
+    model's), so ``self.judge.model(input_ids=packed_ids)`` without the batch's positions is refused as
+    ``self.judge(input_ids=packed_ids)`` is; from inside the model's forward it does nothing (checked there)."""
+
+    def __init__(self, model: Any, watch: WatchHook) -> None:
+        self.model, self.watch = model, watch
+
+    def __call__(
+        self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        token = _token_input(args, kwargs)
+        if token is not None and any(token is t for t in _WATCHED_INPUTS.get()):
+            return args, kwargs
+        return self.watch.check(self.model, args, kwargs)
 
 
 def refuse_encoder_decoder(model: Any, caller: str) -> None:

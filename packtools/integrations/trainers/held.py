@@ -11,7 +11,9 @@ table, a backbone) is.
 :func:`watch_held_models` guards each lazily (:func:`~.guard.watch_model`): refused only at a forward of packed
 input, never for what it does on inputs of its own.  ``prepare_trainer`` runs it once, and packtools' step before
 each ``compute_loss`` / ``prediction_step`` (a model set on the trainer after ``prepare_trainer`` is seen too).
-A sub-module of ``trainer.model`` called on its own (``self.model.model(...)``, its backbone) is not watched.
+A held model's backbone called on its own (``self.judge.model(...)``) is watched with it
+(:class:`~.guard.BackboneHook`); a sub-module of ``trainer.model`` called on its own (``self.model.model(...)``, its
+backbone) is not.
 """
 
 from __future__ import annotations

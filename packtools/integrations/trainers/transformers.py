@@ -45,7 +45,7 @@ from typing import Any
 from ..._optional import is_instance, require
 from ...batches.vision import image_columns
 from ...compat import all_or_nothing, set_attr
-from ...constants import PIXEL_COLUMNS
+from ...constants import AUDIO_COLUMNS, MEDIA_COLUMNS
 from ...errors import PackingError
 from ..attention.backends import (
     adapt_collator,
@@ -231,18 +231,31 @@ def refuse_unknown_trl_step(trainer: Any) -> None:
     )
 
 
-def check_no_pixel_columns(trainer: Any) -> None:
-    """Refuse a text model's train or eval dataset holding image or video columns
-    (:data:`~packtools.constants.PIXEL_COLUMNS`): ``Trainer``'s ``remove_unused_columns`` drops every column its
-    model's ``forward`` does not name before the collator sees the rows, so the images would go with no error and
-    their placeholder tokens train without pixels (the collator refuses them only with it off)."""
+def check_no_media_columns(trainer: Any, vision: bool) -> None:
+    """Refuse a text model's train or eval dataset holding image, video or audio columns
+    (:data:`~packtools.constants.MEDIA_COLUMNS`), and a vision-language model's holding audio columns (packtools
+    packs no audio): ``Trainer``'s ``remove_unused_columns`` drops every column its model's ``forward`` does not
+    name before the collator sees the rows, so the media would go with no error and their placeholder tokens train
+    without pixels or audio (the collator refuses them only with it off)."""
     datasets = {"train_dataset": trainer.train_dataset}
     if isinstance(trainer.eval_dataset, dict):
         datasets.update({f"eval_dataset[{k!r}]": v for k, v in trainer.eval_dataset.items()})
     else:
         datasets["eval_dataset"] = trainer.eval_dataset
     for name, dataset in datasets.items():
-        found = [c for c in PIXEL_COLUMNS if c in (getattr(dataset, "column_names", None) or [])]
+        found = [
+            c
+            for c in (AUDIO_COLUMNS if vision else MEDIA_COLUMNS)
+            if c in (getattr(dataset, "column_names", None) or [])
+        ]
+        if audio := [c for c in found if c in AUDIO_COLUMNS]:
+            raise PackingError(
+                f"the {name} holds the audio column(s) {audio}, which packtools does not batch: "
+                f"Trainer's remove_unused_columns would drop them with no error, each clip's audio placeholder "
+                f"tokens training with no audio. packtools packs no audio: remove the audio samples (their columns "
+                f"and placeholder tokens) first, or train them unpacked.",
+                param="trainer",
+            )
         if found:
             raise PackingError(
                 f"the {name} holds the image/video column(s) {found}, and {type(trainer.model).__name__} is a text "
@@ -375,8 +388,7 @@ def prepare_trainer(
             f"weights are not checked against MultimodalCollator batches (3-D positions); use loss='token'.",
             param="loss",
         )
-    if not vision:
-        check_no_pixel_columns(trainer)
+    check_no_media_columns(trainer, vision)
     layout = rank_layout(trainer, context_parallel)  # refuses a context_parallel that is no positive int
     check_loss_owner(trainer, loss)
     check_train_loader(trainer, max_tokens)
