@@ -1,9 +1,10 @@
 """One process of the 2-process vision-language check of ``tests/test_vision_ddp.py`` (torchrun, gloo, CPU).
 
-Usage: ``torchrun --nproc_per_node 2 tests/_vision_ddp_worker.py OUT_DIR FAMILY`` (a Qwen family of
+Usage: ``torchrun --nproc_per_node 2 tests/_vision_ddp_worker.py OUT_DIR FAMILY[,FAMILY...]`` (a Qwen family of
 ``packtools.testing.VL_FAMILIES``, ``gemma3-sdpa`` or ``gemma3-packtools_sdpa``).  Trains a tiny VL model one
 SGD step (lr 1, no clipping) through ``Trainer`` + ``prepare_trainer`` on packed multimodal rows, and saves
-the rows of its micro-batch and the parameter change to ``OUT_DIR/rank{r}.pt``.
+the rows of its micro-batch and the parameter change to ``OUT_DIR/rank{r}.pt`` (several families: one after
+the other in the one launch, each a new model and ``Trainer``, into ``OUT_DIR/FAMILY/rank{r}.pt``).
 """
 
 from __future__ import annotations
@@ -54,7 +55,19 @@ def gemma3_samples():
     return [s for seed in (11, 12, 13) for s in gemma3(seed)]
 
 
-def main(out: str, family: str) -> None:
+def main(out: str, families: str) -> None:
+    names = families.split(",")
+    for family in names:
+        folder = os.path.join(out, family) if len(names) > 1 else out
+        os.makedirs(folder, exist_ok=True)
+        train_one(folder, family)
+    # The group torn down before the interpreter exits (CI on d0271a1: rank 0 aborted at its exit, 'terminate
+    # called without an active exception', -6, after its results were saved), as tests/_ddp_worker.py does.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def train_one(out: str, family: str) -> None:
     rank = int(os.environ["RANK"])
     if family.startswith("gemma3"):  # gemma3-sdpa (dense masks), gemma3-packtools_sdpa (per-document masks)
         from test_vision_refusals import tiny_gemma3
@@ -81,10 +94,6 @@ def main(out: str, family: str) -> None:
     trainer.train()
     delta = {k: before[k] - p.detach() for k, p in model.named_parameters()}
     torch.save({"batches": recorder.batches, "delta": delta}, os.path.join(out, f"rank{rank}.pt"))
-    # The group torn down before the interpreter exits (CI on d0271a1: rank 0 aborted at its exit, 'terminate
-    # called without an active exception', -6, after its results were saved), as tests/_ddp_worker.py does.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

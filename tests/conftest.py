@@ -25,12 +25,18 @@ def rng():
 def pytest_configure(config):
     """Keep packtools' user caches (the stage cache `packtools profile` fills, the tokenizer reference verdicts)
     out of the home folder and fresh for every run: a cache left by an earlier run, or by an earlier test of
-    this one through another name, must never decide what a test sees. Subprocesses inherit the variables."""
+    this one through another name, must never decide what a test sees. Subprocesses inherit the variables.
+    Under pytest-xdist each worker gets folders of its own: the workers inherit the controller's environment, and
+    two processes filling one stage cache would each see the other's entries (a caller's own setting is kept)."""
     import tempfile
 
     root = tempfile.mkdtemp(prefix="packtools-test-caches-")
-    os.environ.setdefault("PACKTOOLS_STAGE_CACHE", os.path.join(root, "stage"))
-    os.environ.setdefault("PACKTOOLS_CACHE_DIR", os.path.join(root, "cache"))
+    inherited = os.environ.get("PACKTOOLS_TEST_CACHES")  # the folders an xdist controller chose
+    for name, sub in (("PACKTOOLS_STAGE_CACHE", "stage"), ("PACKTOOLS_CACHE_DIR", "cache")):
+        if inherited and os.environ.get(name) == os.path.join(inherited, sub):
+            del os.environ[name]
+        os.environ.setdefault(name, os.path.join(root, sub))
+    os.environ["PACKTOOLS_TEST_CACHES"] = root
 
 
 @pytest.fixture(autouse=True)

@@ -73,7 +73,8 @@ def _zebra_after_first_file(tmp_path):
 EXECUTORS = [
     "local",
     pytest.param("pool", marks=pytest.mark.slow),
-    pytest.param("ray", marks=pytest.mark.slow),
+    # one xdist group: one local Ray cluster at a time
+    pytest.param("ray", marks=[pytest.mark.slow, pytest.mark.xdist_group("ray")]),
 ]
 
 

@@ -13,7 +13,9 @@ import pytest
 
 from packtools.integrations import pack_ray_dataset
 
-pytestmark = pytest.mark.slow  # Ray starts worker processes; in .ci/run, not in the README's quick command
+# Ray starts worker processes; in .ci/run, not in the README's quick command.  One xdist group: one local Ray
+# cluster at a time (the module keeps its cluster for all its tests)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")

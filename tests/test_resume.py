@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -162,16 +163,36 @@ def test_resumed_trainer_trains_what_the_straight_run_trains(tmp_path, name):
         assert_resumed_like_straight(full, resumed, case["k"])
 
 
+# The refusal tests' run: token budget, 64 documents, a checkpoint at step 2 of 3.  Each process count's run is
+# launched once for the module (saved_run); each test resumes a copy of it, so a refused resume's leftovers never
+# reach another test.  One xdist group keeps the tests sharing the one-process run in one process.
+REFUSAL_CASE = {"data": "rows", "prepare": {"max_tokens": 64}, "k": 2, "n": 64, "max_steps": 3}
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    runs = {}
+
+    def saved(nproc: int, into: Path) -> Path:
+        if nproc not in runs:
+            runs[nproc] = tmp_path_factory.mktemp(f"refusal-saved-{nproc}")
+            launch(runs[nproc], REFUSAL_CASE, "full", nproc)
+        shutil.copytree(runs[nproc], into, dirs_exist_ok=True)
+        return into
+
+    return saved
+
+
 @pytest.mark.slow
+@pytest.mark.xdist_group("resume_refusals")
 @pytest.mark.parametrize(("saved", "resumed"), [(2, 1), (1, 2)])
-def test_resuming_under_another_process_count_is_refused_by_name(tmp_path, saved, resumed):
+def test_resuming_under_another_process_count_is_refused_by_name(tmp_path, saved_run, saved, resumed):
     """Trainer resumes by the step count alone, skipping that many batches of the epoch laid out for the new
     process count; packtools' batches depend on it, so under another count (token budget, 64 documents, saved
     4 steps in) rows of the interrupted epoch were silently trained twice (2 -> 1: 32 of 64 documents trained
     3 or 4 times in 2 epochs) or never (1 -> 2: 26 documents trained once).  Refused, naming both counts."""
-    case = {"data": "rows", "prepare": {"max_tokens": 64}, "k": 2, "n": 64, "max_steps": 3}
-    launch(tmp_path, case, "full", saved)
-    out = launch(tmp_path, case, "resume", resumed, fails=True)
+    saved_run(saved, tmp_path)
+    out = launch(tmp_path, REFUSAL_CASE, "resume", resumed, fails=True)
     assert f"saved under {saved} process(es) ({saved} data-parallel)" in out, out[-3000:]
     assert f"resumed under {resumed} process(es)" in out and "--nproc_per_node" in out
 
@@ -197,13 +218,13 @@ def test_context_parallel_checkpoint_resumed_on_one_process_trains_the_straight_
 
 
 @pytest.mark.slow
-def test_resuming_with_another_shuffle_seed_is_refused_by_name(tmp_path):
+@pytest.mark.xdist_group("resume_refusals")
+def test_resuming_with_another_shuffle_seed_is_refused_by_name(tmp_path, saved_run):
     """packtools' epoch shuffle is a function of (data_seed or seed, epoch): resumed with another seed, Trainer
     skipped the saved step count of another shuffle, so rows of the interrupted epoch were trained twice or
     never, with no error (the record held no seed).  Refused, naming the saved and the new seed."""
-    case = {"data": "rows", "prepare": {"max_tokens": 64}, "k": 2, "max_steps": 3}
-    launch(tmp_path, case, "full")
-    out = launch(tmp_path, {**case, "seed": 4}, "resume", fails=True)
+    saved_run(1, tmp_path)
+    out = launch(tmp_path, {**REFUSAL_CASE, "seed": 4}, "resume", fails=True)
     assert "saved with data_seed (or seed)=3 (now 4)" in out, out[-3000:]
 
 
@@ -232,12 +253,12 @@ def test_the_shuffle_seed_is_recorded_where_packtools_shuffles(tmp_path):
 
 
 @pytest.mark.slow
-def test_resuming_with_another_token_budget_is_refused_by_name(tmp_path):
+@pytest.mark.xdist_group("resume_refusals")
+def test_resuming_with_another_token_budget_is_refused_by_name(tmp_path, saved_run):
     """A lower max_tokens after an out-of-memory error: Trainer skips the saved step count of smaller batches,
     so rows of the interrupted epoch were trained again, silently.  Refused, naming the saved and new budget."""
-    case = {"data": "rows", "prepare": {"max_tokens": 64}, "k": 2, "max_steps": 3}
-    launch(tmp_path, case, "full")
-    out = launch(tmp_path, {**case, "resume_prepare": {"max_tokens": 32}}, "resume", fails=True)
+    saved_run(1, tmp_path)
+    out = launch(tmp_path, {**REFUSAL_CASE, "resume_prepare": {"max_tokens": 32}}, "resume", fails=True)
     assert "saved with max_tokens=64 (now 32)" in out, out[-3000:]
 
 

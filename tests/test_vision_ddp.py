@@ -55,15 +55,28 @@ def _split_flat(row: dict) -> list[dict]:
     return out
 
 
-def _run_workers(family: str, tmp_path: Path) -> list[dict]:
+# Every family's 2-process run, one after the other in one torchrun launch (each a new model and Trainer): the
+# launch's start (two interpreters importing torch and transformers) is paid once for the module's five cases.
+# packtools_sdpa last: it registers an attention implementation in the processes.
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3-sdpa", "gemma3-packtools_sdpa"]
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("vision-ddp")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(_free_port()), str(ROOT / "tests" / "_vision_ddp_worker.py"), str(tmp_path), family,
+        "--master_port", str(_free_port()), str(ROOT / "tests" / "_vision_ddp_worker.py"), str(out),
+        ",".join(FAMILIES),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return out
+
+
+def _run_workers(family: str, runs: Path) -> list[dict]:
+    return [torch.load(runs / family / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
 def _first_rows(ranks: list[dict]) -> list[dict]:
@@ -73,11 +86,12 @@ def _first_rows(ranks: list[dict]) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("vision_ddp")  # one worker: the module's one launch serves the five cases
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
-def test_two_processes_equal_one_by_one(family, tmp_path):
+def test_two_processes_equal_one_by_one(family, ddp_runs):
     from test_vision_train import one_by_one
 
-    ranks = _run_workers(family, tmp_path)
+    ranks = _run_workers(family, ddp_runs)
     samples = [s for row in _first_rows(ranks) for s in _split(row)]
     assert sum("pixel_values" in s for s in samples) >= 2 and any("pixel_values" not in s for s in samples)
     _, grads = one_by_one(tiny_vl(family, "sdpa"), samples)
@@ -87,15 +101,16 @@ def test_two_processes_equal_one_by_one(family, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("vision_ddp")
 @pytest.mark.parametrize("impl", ["sdpa", "packtools_sdpa"])
-def test_gemma3_two_processes_equal_one_by_one(impl, tmp_path):
+def test_gemma3_two_processes_equal_one_by_one(impl, ddp_runs):
     # Gemma 3 (flat image runs, bidirectional image blocks, a sliding layer shorter than the documents) under
     # DDP: dense masks on sdpa, per-document masks on packtools_sdpa; each rank's step equals one process running
     # both ranks' samples one by one
     from test_vision_gemma3 import one_by_one
     from test_vision_refusals import tiny_gemma3
 
-    ranks = _run_workers(f"gemma3-{impl}", tmp_path)
+    ranks = _run_workers(f"gemma3-{impl}", ddp_runs)
     rows = _first_rows(ranks)
     samples = [s for row in rows for s in _split_flat(row)]
     assert sum("pixel_values" in s for s in samples) >= 2 and any(len(r["seq_lengths"]) > 1 for r in rows)

@@ -122,7 +122,12 @@ def _error(tmp_path, proc, capsys, rows, *extra) -> str:
 
 
 def test_bad_inputs_are_named_by_file_line_and_image(tmp_path, proc, capsys):
-    Image.fromarray(np.zeros((1, 300, 3), np.uint8)).save(tmp_path / "thin.png")
+    # the refused image under a folder of a long name: its path (over 80 characters wherever tmp_path is) was
+    # cut to its first 80 characters, the file's name lost (under pytest-xdist's longer tmp_path too)
+    (tmp_path / ("a-folder-of-a-long-name-" * 4)).mkdir()
+    Image.fromarray(np.zeros((1, 300, 3), np.uint8)).save(
+        tmp_path / ("a-folder-of-a-long-name-" * 4) / "thin.png"
+    )
     Image.fromarray(np.zeros((56, 56, 3), np.uint8)).save(tmp_path / "ok.png")
     noise = np.random.default_rng(3).integers(0, 255, (56, 56, 3), dtype=np.uint8)
     Image.fromarray(noise).save(tmp_path / "noise.png")
@@ -131,7 +136,9 @@ def test_bad_inputs_are_named_by_file_line_and_image(tmp_path, proc, capsys):
     ok = _row([str(tmp_path / "ok.png")])
     where = str(tmp_path / "bad" / "data.jsonl")
 
-    err = _error(tmp_path, proc, capsys, [ok, _row([str(tmp_path / "thin.png")])])
+    err = _error(
+        tmp_path, proc, capsys, [ok, _row([str(tmp_path / ("a-folder-of-a-long-name-" * 4) / "thin.png")])]
+    )
     assert f"{where}:2: image 0" in err and "thin.png" in err and "300x1" in err and "aspect ratio" in err
     err = _error(tmp_path, proc, capsys, [_row([str(tmp_path / "cut.png")])])
     assert f"{where}:1: cannot open image" in err and "cut.png" in err and "truncated" in err

@@ -142,8 +142,10 @@ def _image_features(vp: VisionProcessor, images: list[Any], names: Sequence[Any]
             try:
                 vp.image_processor(images=[img], return_tensors="np")
             except (ValueError, OSError, TypeError) as one:
+                # a long path keeps its end, the file's name (its head was kept, cutting the name off)
+                shown = str(name) if len(str(name)) <= 80 else "..." + str(name)[-77:]
                 raise PackingError(
-                    f"{where_of(row)}: image {k} ({str(name)[:80]!r}, {img.width}x{img.height} pixels): the image "
+                    f"{where_of(row)}: image {k} ({shown!r}, {img.width}x{img.height} pixels): the image "
                     f"processor refuses it: {one}. Fix or remove that image (and its image part).",
                     param="images",
                 ) from one
