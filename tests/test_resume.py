@@ -208,9 +208,9 @@ def test_resuming_with_another_shuffle_seed_is_refused_by_name(tmp_path):
 
 
 def test_the_shuffle_seed_is_recorded_where_packtools_shuffles(tmp_path):
-    """The seed of packtools' shuffle (data_seed, else seed) is recorded and compared where packtools' sampler
-    lays out the epoch (max_tokens, or several processes); Trainer's own sampler (one process, rows) records
-    none; a record written without it is not compared on it."""
+    """The seed of the epoch shuffle (data_seed, else seed) is recorded and compared, where packtools' sampler
+    lays out the epoch (max_tokens, or several processes) and where Trainer's own sampler is kept (one process,
+    rows); a record written without it, or with None for Trainer's sampler (5545339), is not compared on it."""
     from types import SimpleNamespace as N
 
     from packtools.errors import PackingError
@@ -224,11 +224,45 @@ def test_the_shuffle_seed_is_recorded_where_packtools_shuffles(tmp_path):
     check_resume(str(tmp_path), layout(seed=3, data_seed=None))
     with pytest.raises(PackingError, match=r"data_seed \(or seed\)=3 \(now 5\)"):
         check_resume(str(tmp_path), layout(seed=3, data_seed=5))
-    assert layout(None, seed=3)["shuffle_seed"] is None and layout(None, 2, seed=3)["shuffle_seed"] == 3
+    assert layout(None, seed=3)["shuffle_seed"] == 3 and layout(None, 2, seed=3)["shuffle_seed"] == 3
     old = layout(seed=3)
     del old["shuffle_seed"]
     save_layout(str(tmp_path), old)
     check_resume(str(tmp_path), layout(seed=9))
+    save_layout(str(tmp_path), {**layout(None, seed=3), "shuffle_seed": None})  # Trainer's sampler, before
+    check_resume(str(tmp_path), layout(None, seed=9))
+
+
+@pytest.mark.parametrize(
+    "changed, said",
+    [
+        ({"seed": 2}, r"data_seed \(or seed\)=1 \(now 2\)"),
+        ({"data_seed": 7}, r"data_seed \(or seed\)=1 \(now 7\)"),
+        (
+            {"train_sampling_strategy": "group_by_length"},
+            r"train_sampling_strategy=random \(now group_by_length\)",
+        ),
+        ({"dataloader_drop_last": True}, r"dataloader_drop_last=False \(now True\)"),
+    ],
+)
+def test_trainers_own_sampler_resumed_with_another_order_is_refused(tmp_path, changed, said):
+    """One process without max_tokens keeps Trainer's own sampler, which accelerate shuffles each epoch by
+    data_seed (else the seed Trainer set): resumed with another seed, Trainer skipped the saved steps of
+    another shuffle (steps 3-4 of 8 were other rows than the straight run's) and 5545339 accepted it silently
+    (it recorded no seed there); another sampling strategy or drop_last moves the batches the same way.  The
+    same settings resume."""
+    from packtools import prepare_trainer
+    from packtools.errors import PackingError
+
+    def trainer(max_steps, **extra):
+        options = {"seed": 1, "auto_find_batch_size": False, "fail": False, **extra}
+        return prepare_trainer(oom_once_trainer(tmp_path, max_steps, **options))
+
+    trainer(2).train()
+    checkpoint = str(tmp_path / "checkpoint-2")
+    with pytest.raises(PackingError, match=said):
+        trainer(3, **changed).train(resume_from_checkpoint=checkpoint)
+    trainer(3).train(resume_from_checkpoint=checkpoint)
 
 
 @pytest.mark.slow
