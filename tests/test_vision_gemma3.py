@@ -521,6 +521,7 @@ def test_per_document_blocks_are_not_held_after_the_backward():
     # of an accumulation window (and the last one after it), so blocks kept on the mask were held through the
     # optimizer step, N windows' worth (main after 746353d: all still held by the mask)
     import gc
+    import pickle
     import weakref
 
     from packtools.integrations.attention.segmented import register
@@ -551,6 +552,8 @@ def test_per_document_blocks_are_not_held_after_the_backward():
     with torch.no_grad():  # a later forward over the same batch builds them again
         again = model(**batch).logits
     assert torch.isfinite(again).all()
+    copied = pickle.loads(pickle.dumps(batch["attention_mask"]))  # after a forward too
+    assert copied["full_attention"].bounds == batch["attention_mask"]["full_attention"].bounds
 
 
 @pytest.mark.parametrize(

@@ -185,6 +185,10 @@ class DocumentBlockMask:
         # as long as the batch (Trainer keeps an accumulation window's batches through the optimizer step)
         self._built: dict[tuple[int, Any], Any] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        # pickled (a DataLoader worker's batch, torch.save) without the blocks built in a forward (weak references)
+        return {**vars(self), "_on": {}, "_built": {}}
+
     def __repr__(self) -> str:
         return (
             f"DocumentBlockMask({len(self.bounds) - 1} documents, {self.shape[-1]} tokens, "
