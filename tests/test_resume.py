@@ -243,20 +243,24 @@ def test_the_shuffle_seed_is_recorded_where_packtools_shuffles(tmp_path):
             r"train_sampling_strategy=random \(now group_by_length\)",
         ),
         ({"dataloader_drop_last": True}, r"dataloader_drop_last=False \(now True\)"),
+        ({"rows": 30}, r"the training dataset's rows=32 \(now 30\)"),
     ],
 )
-def test_trainers_own_sampler_resumed_with_another_order_is_refused(tmp_path, changed, said):
+def test_resumed_with_another_order_or_dataset_is_refused(tmp_path, changed, said):
     """One process without max_tokens keeps Trainer's own sampler, which accelerate shuffles each epoch by
     data_seed (else the seed Trainer set): resumed with another seed, Trainer skipped the saved steps of
     another shuffle (steps 3-4 of 8 were other rows than the straight run's) and 5545339 accepted it silently
     (it recorded no seed there); another sampling strategy or drop_last moves the batches the same way.  The
-    same settings resume."""
+    same settings resume.  So does another training dataset (packed again with another max_length, filtered
+    otherwise: 32 rows -> 30), laid out in other batches."""
     from packtools import prepare_trainer
     from packtools.errors import PackingError
 
-    def trainer(max_steps, **extra):
+    def trainer(max_steps, rows=32, **extra):
         options = {"seed": 1, "auto_find_batch_size": False, "fail": False, **extra}
-        return prepare_trainer(oom_once_trainer(tmp_path, max_steps, **options))
+        made = oom_once_trainer(tmp_path, max_steps, **options)
+        made.train_dataset = made.train_dataset.select(range(rows))
+        return prepare_trainer(made)
 
     trainer(2).train()
     checkpoint = str(tmp_path / "checkpoint-2")

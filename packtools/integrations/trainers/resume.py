@@ -49,10 +49,14 @@ def run_layout(trainer: Any, layout: Any, max_tokens: int | None) -> dict[str, A
 
     >>> from types import SimpleNamespace as N
     >>> args = N(world_size=4, per_device_train_batch_size=2, gradient_accumulation_steps=1, seed=42)
-    >>> run_layout(N(args=args), N(dp_size=2), None)
-    {'processes': 4, 'data_parallel': 2, 'max_tokens': None, 'rows_per_batch': 2, 'accumulation': 1, 'shuffle_seed': 42}
+    >>> r = run_layout(N(args=args, train_dataset=range(10)), N(dp_size=2), None)
+    >>> r["processes"], r["data_parallel"], r["max_tokens"], r["rows_per_batch"], r["accumulation"]
+    (4, 2, None, 2, 1)
+    >>> r["shuffle_seed"], r["dataset_rows"]
+    (42, 10)
 
-    ``shuffle_seed``: the seed of the epoch shuffle (``data_seed``, else ``seed``): packtools' sampler, and
+    ``dataset_rows``: the training dataset's row count (``None`` for a stream).  ``shuffle_seed``: the seed of
+    the epoch shuffle (``data_seed``, else ``seed``): packtools' sampler, and
     ``Trainer``'s own where it is kept (one process without ``max_tokens``: accelerate's seedable sampler
     shuffles each epoch by it).  There, ``rows_per_batch`` is the size ``Trainer``'s loader is built with
     (``_train_batch_size``: lowered by ``auto_find_batch_size`` after an out-of-memory error, or restored from
@@ -74,11 +78,21 @@ def run_layout(trainer: Any, layout: Any, max_tokens: int | None) -> dict[str, A
         "rows_per_batch": rows if max_tokens is None else None,
         "accumulation": int(args.gradient_accumulation_steps),
         "shuffle_seed": int(args.seed) if seed is None else int(seed),
+        "dataset_rows": _rows(getattr(trainer, "train_dataset", None)),
     }
     if not ours:  # Trainer's own sampler: its order and its batches per epoch follow these too
         record["sampling"] = _sampling(args)
         record["drop_last"] = bool(getattr(args, "dataloader_drop_last", False))
     return record
+
+
+def _rows(dataset: Any) -> int | None:
+    """The training dataset's row count (``None``: a stream): another (a dataset packed again with another
+    ``max_length``, filtered otherwise) is laid out in other batches, whose saved step count ``Trainer`` skips."""
+    try:
+        return None if dataset is None else int(len(dataset))
+    except (TypeError, NotImplementedError):  # no __len__ (an IterableDataset)
+        return None
 
 
 def _sampling(args: Any) -> str:
@@ -208,6 +222,7 @@ def check_resume(folder: str | None, current: dict[str, Any]) -> None:
     names["shuffle_seed"] = "data_seed (or seed)"
     names["sampling"] = "train_sampling_strategy"
     names["drop_last"] = "dataloader_drop_last"
+    names["dataset_rows"] = "the training dataset's rows"
     said = ", ".join(f"{names.get(k, k)}={old} (now {new})" for k, (old, new) in changed.items())
     raise PackingError(
         f"resume_from_checkpoint={folder!r} was saved with {said}: Trainer skips the saved number of steps of "
