@@ -229,9 +229,9 @@ def test_resuming_with_another_shuffle_seed_is_refused_by_name(tmp_path, saved_r
 
 
 def test_the_shuffle_seed_is_recorded_where_packtools_shuffles(tmp_path):
-    """The seed of packtools' shuffle (data_seed, else seed) is recorded and compared where packtools' sampler
-    lays out the epoch (max_tokens, or several processes); Trainer's own sampler (one process, rows) records
-    none; a record written without it is not compared on it."""
+    """The seed of the epoch shuffle (data_seed, else seed) is recorded and compared, where packtools' sampler
+    lays out the epoch (max_tokens, or several processes) and where Trainer's own sampler is kept (one process,
+    rows); a record written without it, or with None for Trainer's sampler (5545339), is not compared on it."""
     from types import SimpleNamespace as N
 
     from packtools.errors import PackingError
@@ -245,11 +245,49 @@ def test_the_shuffle_seed_is_recorded_where_packtools_shuffles(tmp_path):
     check_resume(str(tmp_path), layout(seed=3, data_seed=None))
     with pytest.raises(PackingError, match=r"data_seed \(or seed\)=3 \(now 5\)"):
         check_resume(str(tmp_path), layout(seed=3, data_seed=5))
-    assert layout(None, seed=3)["shuffle_seed"] is None and layout(None, 2, seed=3)["shuffle_seed"] == 3
+    assert layout(None, seed=3)["shuffle_seed"] == 3 and layout(None, 2, seed=3)["shuffle_seed"] == 3
     old = layout(seed=3)
     del old["shuffle_seed"]
     save_layout(str(tmp_path), old)
     check_resume(str(tmp_path), layout(seed=9))
+    save_layout(str(tmp_path), {**layout(None, seed=3), "shuffle_seed": None})  # Trainer's sampler, before
+    check_resume(str(tmp_path), layout(None, seed=9))
+
+
+@pytest.mark.parametrize(
+    "changed, said",
+    [
+        ({"seed": 2}, r"data_seed \(or seed\)=1 \(now 2\)"),
+        ({"data_seed": 7}, r"data_seed \(or seed\)=1 \(now 7\)"),
+        (
+            {"train_sampling_strategy": "group_by_length"},
+            r"train_sampling_strategy=random \(now group_by_length\)",
+        ),
+        ({"dataloader_drop_last": True}, r"dataloader_drop_last=False \(now True\)"),
+        ({"rows": 30}, r"the training dataset's rows=32 \(now 30\)"),
+    ],
+)
+def test_resumed_with_another_order_or_dataset_is_refused(tmp_path, changed, said):
+    """One process without max_tokens keeps Trainer's own sampler, which accelerate shuffles each epoch by
+    data_seed (else the seed Trainer set): resumed with another seed, Trainer skipped the saved steps of
+    another shuffle (steps 3-4 of 8 were other rows than the straight run's) and 5545339 accepted it silently
+    (it recorded no seed there); another sampling strategy or drop_last moves the batches the same way.  The
+    same settings resume.  So does another training dataset (packed again with another max_length, filtered
+    otherwise: 32 rows -> 30), laid out in other batches."""
+    from packtools import prepare_trainer
+    from packtools.errors import PackingError
+
+    def trainer(max_steps, rows=32, **extra):
+        options = {"seed": 1, "auto_find_batch_size": False, "fail": False, **extra}
+        made = oom_once_trainer(tmp_path, max_steps, **options)
+        made.train_dataset = made.train_dataset.select(range(rows))
+        return prepare_trainer(made)
+
+    trainer(2).train()
+    checkpoint = str(tmp_path / "checkpoint-2")
+    with pytest.raises(PackingError, match=said):
+        trainer(3, **changed).train(resume_from_checkpoint=checkpoint)
+    trainer(3).train(resume_from_checkpoint=checkpoint)
 
 
 @pytest.mark.slow

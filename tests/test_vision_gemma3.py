@@ -516,6 +516,46 @@ def test_per_document_blocks_are_built_once_per_forward():
     assert compared > len(layers) * 4
 
 
+def test_per_document_blocks_are_not_held_after_the_backward():
+    # the shared blocks live as long as autograd needs them, not as long as the batch: Trainer keeps every batch
+    # of an accumulation window (and the last one after it), so blocks kept on the mask were held through the
+    # optimizer step, N windows' worth (main after 746353d: all still held by the mask)
+    import gc
+    import pickle
+    import weakref
+
+    from packtools.integrations.attention.segmented import register
+
+    model = tiny_gemma3("sdpa", ("sliding_attention", "full_attention")).train()
+    model.set_attn_implementation(register())
+    batch = MultimodalCollator(model, 0)([_packed_row(samples())])
+    labels = batch.pop("labels")
+    saved: list = []
+
+    def pack(t):
+        if (
+            t.dim() == 4
+            and t.shape[:2] == (1, 1)
+            and t.shape[-1] == t.shape[-2] > 1
+            and t.is_floating_point()
+        ):
+            saved.append(weakref.ref(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(**batch).logits
+    assert saved and all(r() is not None for r in saved)  # held for the backward
+    torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100).backward()
+    del logits
+    gc.collect()
+    assert all(r() is None for r in saved), sum(r() is not None for r in saved)  # the batch is still alive
+    with torch.no_grad():  # a later forward over the same batch builds them again
+        again = model(**batch).logits
+    assert torch.isfinite(again).all()
+    copied = pickle.loads(pickle.dumps(batch["attention_mask"]))  # after a forward too
+    assert copied["full_attention"].bounds == batch["attention_mask"]["full_attention"].bounds
+
+
 @pytest.mark.parametrize(
     "impl, layers, window",
     [

@@ -12,6 +12,7 @@ are refused by name (docs/vision.md).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -180,7 +181,13 @@ class DocumentBlockMask:
         self.shape = (1, 1, total, total)
         self._ends = dict(zip(self.bounds, self.bounds[1:]))
         self._on: dict[str, Any] = {}
-        self._built: dict[tuple[int, Any], Any] = {}  # additive blocks, on the device of ``_on``
+        # additive blocks on the device of ``_on``, weakly: each lives while autograd holds it for a backward, not
+        # as long as the batch (Trainer keeps an accumulation window's batches through the optimizer step)
+        self._built: dict[tuple[int, Any], Any] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # pickled (a DataLoader worker's batch, torch.save) without the blocks built in a forward (weak references)
+        return {**vars(self), "_on": {}, "_built": {}}
 
     def __repr__(self) -> str:
         return (
@@ -211,8 +218,9 @@ class DocumentBlockMask:
         """The ``[1, 1, L, L]`` block of the document ``start:end`` on ``device``: torch boolean (True: attend),
         built at each call; or, given a floating ``dtype``, its additive form (0 where it attends, ``-inf``
         elsewhere: what ``scaled_dot_product_attention`` turns a boolean mask into, so the same result), built once
-        per document, device and dtype and kept on this mask.  Every layer of the type shares that one tensor:
-        autograd saves a layer's mask for its backward, one copy per layer when each builds its own."""
+        per document, device and dtype while autograd holds it (a weak reference on this mask: freed by the
+        backward, not kept with the batch).  Every layer of the type shares that one tensor: autograd saves a
+        layer's mask for its backward, one copy per layer when each builds its own."""
         if self._ends.get(start) != end:
             raise PackingError(f"tokens {start}:{end} are not one document of {self.bounds}.")
         key = str(device)
@@ -222,11 +230,13 @@ class DocumentBlockMask:
             self._built = {}
         if dtype is None:
             return document_block(self._on[key][start:end], self.sliding_window)
-        if (start, dtype) not in self._built:
+        held = self._built.get((start, dtype))
+        additive = None if held is None else held()
+        if additive is None:
             keep = document_block(self._on[key][start:end], self.sliding_window)
             additive = keep.new_zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf"))
-            self._built[start, dtype] = additive
-        return self._built[start, dtype]
+            self._built[start, dtype] = weakref.ref(additive)
+        return additive
 
     def dense(self) -> np.ndarray:
         """The whole row's boolean ``[1, 1, T, T]`` mask (``T²`` bytes: for checks and small rows)."""

@@ -16,9 +16,10 @@ checkpoint resumed unchecked).  :func:`check_resume` compares it with the resumi
 (after a hyperparameter trial set its arguments, before the first step) and refuses a change, naming both and
 the fix.  The token budget, the rows per batch (the size ``Trainer`` trains with, ``auto_find_batch_size``'s
 included, where its own sampler is kept) and the accumulation steps are recorded and compared too: a change of
-any of them moves the batches ``Trainer`` skips in the same way, and so does the seed of packtools' epoch
-shuffle.  ``packtools_layout.json`` in the checkpoint folder (what earlier packtools wrote, or written by hand
-with :func:`save_layout`) is read where ``trainer_state.json`` holds no record.  A checkpoint with a
+any of them moves the batches ``Trainer`` skips in the same way, and so does the seed of the epoch shuffle
+(packtools' or ``Trainer``'s own), and with ``Trainer``'s own sampler its sampling strategy and ``drop_last``.
+``packtools_layout.json`` in the checkpoint folder (what earlier packtools wrote, or written by hand with
+:func:`save_layout`) is read where ``trainer_state.json`` holds no record.  A checkpoint with a
 ``trainer_state.json`` and no record anywhere (saved without ``prepare_*``, or by a packtools before the record)
 is refused, the message giving the record to write if the run is known to have the checkpoint's layout; one
 without ``trainer_state.json`` is resumed from step 0 by ``Trainer`` (nothing skipped) and not checked.
@@ -48,13 +49,20 @@ def run_layout(trainer: Any, layout: Any, max_tokens: int | None) -> dict[str, A
 
     >>> from types import SimpleNamespace as N
     >>> args = N(world_size=4, per_device_train_batch_size=2, gradient_accumulation_steps=1, seed=42)
-    >>> run_layout(N(args=args), N(dp_size=2), None)
-    {'processes': 4, 'data_parallel': 2, 'max_tokens': None, 'rows_per_batch': 2, 'accumulation': 1, 'shuffle_seed': 42}
+    >>> r = run_layout(N(args=args, train_dataset=range(10)), N(dp_size=2), None)
+    >>> r["processes"], r["data_parallel"], r["max_tokens"], r["rows_per_batch"], r["accumulation"]
+    (4, 2, None, 2, 1)
+    >>> r["shuffle_seed"], r["dataset_rows"]
+    (42, 10)
 
-    ``shuffle_seed``: the seed of packtools' epoch shuffle (``data_seed``, else ``seed``; ``None`` where
-    ``Trainer``'s own sampler is kept, one process without ``max_tokens``).  There, ``rows_per_batch`` is the
-    size ``Trainer``'s loader is built with (``_train_batch_size``: lowered by ``auto_find_batch_size`` after an
-    out-of-memory error, or restored from the resumed checkpoint's state), which its own sampler follows.
+    ``dataset_rows``: the training dataset's row count (``None`` for a stream).  ``shuffle_seed``: the seed of
+    the epoch shuffle (``data_seed``, else ``seed``): packtools' sampler, and
+    ``Trainer``'s own where it is kept (one process without ``max_tokens``: accelerate's seedable sampler
+    shuffles each epoch by it).  There, ``rows_per_batch`` is the size ``Trainer``'s loader is built with
+    (``_train_batch_size``: lowered by ``auto_find_batch_size`` after an out-of-memory error, or restored from
+    the resumed checkpoint's state), which its own sampler follows, and ``sampling``
+    (``train_sampling_strategy``) and ``drop_last`` (``dataloader_drop_last``: the batches of an epoch) are
+    recorded too (packtools' sampler refuses the first and does not apply the second).
     """
     args = trainer.args
     processes = max(int(args.world_size), 1)
@@ -63,14 +71,35 @@ def run_layout(trainer: Any, layout: Any, max_tokens: int | None) -> dict[str, A
     rows = int(args.per_device_train_batch_size)
     if not ours:
         rows = found_train_batch_size(trainer) or rows
-    return {
+    record = {
         "processes": processes,
         "data_parallel": int(layout.dp_size),
         "max_tokens": None if max_tokens is None else int(max_tokens),  # a numpy int too (json writes ints)
         "rows_per_batch": rows if max_tokens is None else None,
         "accumulation": int(args.gradient_accumulation_steps),
-        "shuffle_seed": (int(args.seed) if seed is None else int(seed)) if ours else None,
+        "shuffle_seed": int(args.seed) if seed is None else int(seed),
+        "dataset_rows": _rows(getattr(trainer, "train_dataset", None)),
     }
+    if not ours:  # Trainer's own sampler: its order and its batches per epoch follow these too
+        record["sampling"] = _sampling(args)
+        record["drop_last"] = bool(getattr(args, "dataloader_drop_last", False))
+    return record
+
+
+def _rows(dataset: Any) -> int | None:
+    """The training dataset's row count (``None``: a stream): another (a dataset packed again with another
+    ``max_length``, filtered otherwise) is laid out in other batches, whose saved step count ``Trainer`` skips."""
+    try:
+        return None if dataset is None else int(len(dataset))
+    except (TypeError, NotImplementedError):  # no __len__ (an IterableDataset)
+        return None
+
+
+def _sampling(args: Any) -> str:
+    """``Trainer``'s training sampler (``train_sampling_strategy``; ``group_by_length`` before it existed)."""
+    if getattr(args, "group_by_length", False) is True:
+        return "group_by_length"
+    return str(getattr(args, "train_sampling_strategy", "random"))
 
 
 def save_layout(folder: str, layout: dict[str, Any]) -> None:
@@ -149,7 +178,8 @@ def check_resume(folder: str | None, current: dict[str, Any]) -> None:
             f"resume_from_checkpoint={folder!r} records no data layout (saved without prepare_*, or by a "
             f"packtools before the record): Trainer would skip its saved step count of batches laid out for "
             f"this run, and if the processes, max_tokens, per_device_train_batch_size, "
-            f"gradient_accumulation_steps or data_seed/seed differ from the saved run's, rows of the "
+            f"gradient_accumulation_steps, data_seed/seed (or, with Trainer's own sampler, train_sampling_strategy or "
+            f"dataloader_drop_last) differ from the saved run's, rows of the "
             f"interrupted epoch would be trained twice and others never, without an error. If the checkpoint was "
             f"saved under this run's layout, record it and resume: write {json.dumps(current)} to "
             f"{os.path.join(folder, LAYOUT_FILE)} (packtools.integrations.trainers.resume.save_layout); "
@@ -157,8 +187,13 @@ def check_resume(folder: str | None, current: dict[str, Any]) -> None:
             f"resume_from_checkpoint).",
             param="resume_from_checkpoint",
         )
-    # a key the record lacks (written before packtools recorded it) is not compared
-    changed = {k: (saved[k], value) for k, value in current.items() if k in saved and saved[k] != value}
+    # a key the record lacks (written before packtools recorded it) is not compared, nor a seed it held as None
+    # (Trainer's own sampler, before packtools recorded its seed)
+    changed = {
+        k: (saved[k], value)
+        for k, value in current.items()
+        if k in saved and saved[k] != value and not (k == "shuffle_seed" and saved[k] is None)
+    }
     if "processes" in changed and _trainers_sampler(saved) == _trainers_sampler(current):
         # the batches follow the data-parallel processes (compared on their own), not the process count: the
         # processes of a context- or tensor-parallel group read one batch, so CP=2 on 2 processes resumed on 1
@@ -185,6 +220,9 @@ def check_resume(folder: str | None, current: dict[str, Any]) -> None:
     names = {"max_tokens": "max_tokens", "rows_per_batch": "per_device_train_batch_size"}
     names["accumulation"] = "gradient_accumulation_steps"
     names["shuffle_seed"] = "data_seed (or seed)"
+    names["sampling"] = "train_sampling_strategy"
+    names["drop_last"] = "dataloader_drop_last"
+    names["dataset_rows"] = "the training dataset's rows"
     said = ", ".join(f"{names.get(k, k)}={old} (now {new})" for k, (old, new) in changed.items())
     raise PackingError(
         f"resume_from_checkpoint={folder!r} was saved with {said}: Trainer skips the saved number of steps of "
