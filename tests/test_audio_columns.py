@@ -118,3 +118,43 @@ def test_prepare_trainer_refuses_audio_columns(tmp_path, where):
     ):
         prepare_trainer(given)
     prepare_trainer(trainer(text, text))
+
+
+@pytest.mark.parametrize("media", ["input_features", "pixel_values"])
+def test_prepare_trainer_keeps_streamed_media_for_the_collator_to_refuse(tmp_path, media):
+    """A streamed IterableDataset's columns are unknown when prepared (column_names None), so prepare_trainer could
+    not refuse its audio or image column by name, and Trainer's remove_unused_columns (RemoveColumnsCollator, row by
+    row) dropped it before PaddingFreeCollator saw the rows: a text model trained on the placeholders with no
+    error.  The media columns are kept through the removal now, and the collator refuses them by name."""
+    datasets = pytest.importorskip("datasets")
+    transformers = pytest.importorskip("transformers")
+    from _hf_models import tiny_llama
+
+    from packtools import PaddingFreeCollator, prepare_trainer
+
+    def rows(with_media):
+        def gen():
+            for n in (4, 5, 6, 7):
+                yield {
+                    "input_ids": list(range(3, 3 + n)),
+                    "seq_lengths": [n],
+                    **({media: [0.5]} if with_media else {}),
+                }
+
+        return datasets.IterableDataset.from_generator(gen)
+
+    def trainer(with_media):
+        args = transformers.TrainingArguments(
+            str(tmp_path), use_cpu=True, report_to=[], max_steps=1, per_device_train_batch_size=2,
+            accelerator_config={"dispatch_batches": False},
+        )  # fmt: skip
+        found = transformers.Trainer(
+            tiny_llama(), args=args, train_dataset=rows(with_media), data_collator=PaddingFreeCollator(0)
+        )
+        assert found.train_dataset.column_names is None  # nothing to refuse by name when prepared
+        return prepare_trainer(found) or found
+
+    with pytest.raises(PackingError, match=rf"row 0 has the \w+ column\(s\) \['{media}'\]"):
+        next(iter(trainer(True).get_train_dataloader()))  # (prepare_trainer's own look at a batch refuses)
+    batch = next(iter(trainer(False).get_train_dataloader()))  # the same rows without it still batch
+    assert batch["input_ids"].shape == (1, 9)
