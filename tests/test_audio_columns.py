@@ -158,3 +158,29 @@ def test_prepare_trainer_keeps_streamed_media_for_the_collator_to_refuse(tmp_pat
         next(iter(trainer(True).get_train_dataloader()))  # (prepare_trainer's own look at a batch refuses)
     batch = next(iter(trainer(False).get_train_dataloader()))  # the same rows without it still batch
     assert batch["input_ids"].shape == (1, 9)
+
+
+@pytest.mark.parametrize("media", ["pixel_values", "input_features", "images"])
+@pytest.mark.parametrize("packer", ["pack_preference", "pack_reward_pairs", "pack_groups"])
+def test_preference_packers_refuse_media_columns(packer, media):
+    """pack_preference / pack_reward_pairs / pack_groups pack token columns only and dropped every other column with
+    no error: vision-language DPO rows tokenized with their images (prompt_ids beside pixel_values, or TRL's raw
+    images column) or audio rows lost their media, their placeholder tokens kept.  Refused by name now, whatever columns= names; the same rows without the
+    media still pack."""
+    from packtools.integrations.preference import data
+
+    rows = {
+        "pack_preference": {
+            "prompt_ids": [[1, 2], [3]],
+            "chosen_ids": [[4, 5], [6]],
+            "rejected_ids": [[7], [8, 9]],
+        },
+        "pack_reward_pairs": {"chosen_ids": [[1, 4, 5], [3, 6]], "rejected_ids": [[1, 7], [3, 8, 9]]},
+        "pack_groups": {"prompt_ids": [[1, 2], [3]], "completion_ids": [[[4], [5, 6]], [[7, 8], [9]]]},
+    }[packer]
+    pack = getattr(data, packer)
+    with pytest.raises(PackingError, match=rf"{packer}: the rows hold the media column\(s\) \['{media}'\]"):
+        pack(pa.table({**rows, media: [[0.5], [0.25]]}), 16)
+    assert pack(pa.table(rows), 16).num_rows == 1
+    if media == "images":  # a text dataset's empty images column (no row holds one) is no media
+        assert pack(pa.table({**rows, media: [[], None]}), 16).num_rows == 1
