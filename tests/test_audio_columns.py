@@ -184,3 +184,23 @@ def test_preference_packers_refuse_media_columns(packer, media):
     assert pack(pa.table(rows), 16).num_rows == 1
     if media == "images":  # a text dataset's empty images column (no row holds one) is no media
         assert pack(pa.table({**rows, media: [[], None]}), 16).num_rows == 1
+
+
+@pytest.mark.parametrize("media", ["feature_attention_mask", "pixel_values_videos"])
+@pytest.mark.parametrize("columns", [None, ["input_ids"]])
+def test_truncation_refuses_video_and_audio_columns(media, columns):
+    """truncate_table / truncate_dataset cut every list column to max_length: an audio feature mask or a video's
+    patches lost positions (or, named out of columns=, stayed whole while their placeholder tokens were cut), with
+    a warning about tokens only.  Refused by name now; the rows without them still truncate."""
+    datasets = pytest.importorskip("datasets")
+    from packtools.core.pack import truncate_table
+    from packtools.integrations import truncate_dataset
+
+    text = {"input_ids": [[1, 5, 5, 2, 3, 4]], "labels": [[1, 5, 5, 2, 3, 4]]}
+    table = pa.table({**text, media: [[[0.5]] * 6 if media == "pixel_values_videos" else [1] * 6]})
+    with pytest.raises(PackingError, match=rf"truncate_table \(truncate_dataset\): .*\['{media}'\]"):
+        truncate_table(table, 3, columns)
+    with pytest.raises(PackingError, match=rf"\['{media}'\]"):
+        truncate_dataset(datasets.Dataset(table), 3, columns)
+    with pytest.warns(UserWarning):
+        assert truncate_dataset(datasets.Dataset(pa.table(text)), 3, columns)[0]["input_ids"] == [1, 5, 5]
