@@ -118,3 +118,89 @@ def test_prepare_trainer_refuses_audio_columns(tmp_path, where):
     ):
         prepare_trainer(given)
     prepare_trainer(trainer(text, text))
+
+
+@pytest.mark.parametrize("media", ["input_features", "pixel_values"])
+def test_prepare_trainer_keeps_streamed_media_for_the_collator_to_refuse(tmp_path, media):
+    """A streamed IterableDataset's columns are unknown when prepared (column_names None), so prepare_trainer could
+    not refuse its audio or image column by name, and Trainer's remove_unused_columns (RemoveColumnsCollator, row by
+    row) dropped it before PaddingFreeCollator saw the rows: a text model trained on the placeholders with no
+    error.  The media columns are kept through the removal now, and the collator refuses them by name."""
+    datasets = pytest.importorskip("datasets")
+    transformers = pytest.importorskip("transformers")
+    from _hf_models import tiny_llama
+
+    from packtools import PaddingFreeCollator, prepare_trainer
+
+    def rows(with_media):
+        def gen():
+            for n in (4, 5, 6, 7):
+                yield {
+                    "input_ids": list(range(3, 3 + n)),
+                    "seq_lengths": [n],
+                    **({media: [0.5]} if with_media else {}),
+                }
+
+        return datasets.IterableDataset.from_generator(gen)
+
+    def trainer(with_media):
+        args = transformers.TrainingArguments(
+            str(tmp_path), use_cpu=True, report_to=[], max_steps=1, per_device_train_batch_size=2,
+            accelerator_config={"dispatch_batches": False},
+        )  # fmt: skip
+        found = transformers.Trainer(
+            tiny_llama(), args=args, train_dataset=rows(with_media), data_collator=PaddingFreeCollator(0)
+        )
+        assert found.train_dataset.column_names is None  # nothing to refuse by name when prepared
+        return prepare_trainer(found) or found
+
+    with pytest.raises(PackingError, match=rf"row 0 has the \w+ column\(s\) \['{media}'\]"):
+        next(iter(trainer(True).get_train_dataloader()))  # (prepare_trainer's own look at a batch refuses)
+    batch = next(iter(trainer(False).get_train_dataloader()))  # the same rows without it still batch
+    assert batch["input_ids"].shape == (1, 9)
+
+
+@pytest.mark.parametrize("media", ["pixel_values", "input_features", "images"])
+@pytest.mark.parametrize("packer", ["pack_preference", "pack_reward_pairs", "pack_groups"])
+def test_preference_packers_refuse_media_columns(packer, media):
+    """pack_preference / pack_reward_pairs / pack_groups pack token columns only and dropped every other column with
+    no error: vision-language DPO rows tokenized with their images (prompt_ids beside pixel_values, or TRL's raw
+    images column) or audio rows lost their media, their placeholder tokens kept.  Refused by name now, whatever columns= names; the same rows without the
+    media still pack."""
+    from packtools.integrations.preference import data
+
+    rows = {
+        "pack_preference": {
+            "prompt_ids": [[1, 2], [3]],
+            "chosen_ids": [[4, 5], [6]],
+            "rejected_ids": [[7], [8, 9]],
+        },
+        "pack_reward_pairs": {"chosen_ids": [[1, 4, 5], [3, 6]], "rejected_ids": [[1, 7], [3, 8, 9]]},
+        "pack_groups": {"prompt_ids": [[1, 2], [3]], "completion_ids": [[[4], [5, 6]], [[7, 8], [9]]]},
+    }[packer]
+    pack = getattr(data, packer)
+    with pytest.raises(PackingError, match=rf"{packer}: the rows hold the media column\(s\) \['{media}'\]"):
+        pack(pa.table({**rows, media: [[0.5], [0.25]]}), 16)
+    assert pack(pa.table(rows), 16).num_rows == 1
+    if media == "images":  # a text dataset's empty images column (no row holds one) is no media
+        assert pack(pa.table({**rows, media: [[], None]}), 16).num_rows == 1
+
+
+@pytest.mark.parametrize("media", ["feature_attention_mask", "pixel_values_videos"])
+@pytest.mark.parametrize("columns", [None, ["input_ids"]])
+def test_truncation_refuses_video_and_audio_columns(media, columns):
+    """truncate_table / truncate_dataset cut every list column to max_length: an audio feature mask or a video's
+    patches lost positions (or, named out of columns=, stayed whole while their placeholder tokens were cut), with
+    a warning about tokens only.  Refused by name now; the rows without them still truncate."""
+    datasets = pytest.importorskip("datasets")
+    from packtools.core.pack import truncate_table
+    from packtools.integrations import truncate_dataset
+
+    text = {"input_ids": [[1, 5, 5, 2, 3, 4]], "labels": [[1, 5, 5, 2, 3, 4]]}
+    table = pa.table({**text, media: [[[0.5]] * 6 if media == "pixel_values_videos" else [1] * 6]})
+    with pytest.raises(PackingError, match=rf"truncate_table \(truncate_dataset\): .*\['{media}'\]"):
+        truncate_table(table, 3, columns)
+    with pytest.raises(PackingError, match=rf"\['{media}'\]"):
+        truncate_dataset(datasets.Dataset(table), 3, columns)
+    with pytest.warns(UserWarning):
+        assert truncate_dataset(datasets.Dataset(pa.table(text)), 3, columns)[0]["input_ids"] == [1, 5, 5]

@@ -125,3 +125,30 @@ def test_a_copy_of_a_hybrid_keeps_its_documents_apart(clone):
     collator = PaddingFreeCollator(0, return_seq_idx=False, return_flash_attn_kwargs=False)
     report = check_isolation(copied, collator, raise_on_leak=False)
     assert not report.leaks and max(report.alone_diff) < 1e-5
+
+
+@pytest.mark.parametrize("clone", [round_trip, copy.deepcopy], ids=["torch.save", "deepcopy"])
+def test_unprepare_of_a_copys_only_user_takes_its_per_document_layers_off(clone):
+    """A copy of a hybrid prepared for one owner kept that owner's id among its per-document layers' users, so
+    unprepare of the copy's own (only) user left the copy's layers and hooks on: the original's user, whose undo
+    record holds the original, was counted for the copy forever.  A copy starts with no users."""
+    from _hf_models import tiny_arch
+
+    from packtools.integrations.attention.backends import token_mixing_layers
+    from packtools.integrations.attention.mixers import document_mixers, run_mixers_per_document
+
+    class Owner:
+        pass
+
+    model = tiny_arch("Nemotron-H", "sdpa")
+    name = token_mixing_layers(model)[0]
+    first, second = Owner(), Owner()
+    run_mixers_per_document(model, owner=first)
+    copied = clone(model)
+    run_mixers_per_document(copied, owner=second)
+    assert unprepare(second)
+    assert document_mixers(copied) is None
+    assert "forward" not in vars(dict(copied.named_modules())[name])
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in copied.modules())
+    assert document_mixers(model) is not None  # the original's user still has its layers
+    assert unprepare(first) and document_mixers(model) is None

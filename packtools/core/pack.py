@@ -488,6 +488,14 @@ def truncate_table(table: pa.Table, max_length: int, columns: Sequence[str] | No
     {'input_ids': [[1, 2], [4]], 'id': [0, 1]}
     """
     max_length = check_max_length(max_length)
+    if media := [c for c in (*VIDEO_COLUMNS, *AUDIO_COLUMNS) if c in table.column_names]:
+        raise PackingError(
+            f"truncate_table (truncate_dataset): the rows hold video or audio column(s) {media}, which truncation "
+            f"cannot keep with their samples: cut to max_length={max_length} values they lose frames or feature-mask positions (and "
+            f"named out of columns=, their placeholder tokens are cut apart from them), with no error. packtools "
+            f"packs images only: remove the video or audio samples (their columns and placeholder tokens) first.",
+            param="columns",
+        )
     if SEQ_LENGTHS in table.column_names:
         raise PackingError(
             f"the table has a {SEQ_LENGTHS!r} column, so its rows are packed: truncating them would cut "

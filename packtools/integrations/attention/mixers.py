@@ -500,6 +500,13 @@ class DocumentMixers:
     #: install them are recorded on this object and undone when the last user goes
     users: set[int] = field(default_factory=set, repr=False, compare=False)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled and deep-copied with its model, without its users: they are the original's (each user's undo
+        record holds the original), so a copy keeping their ids would outlive every user it gets itself
+        (``unprepare`` of its last one would leave its layers on) and take an owner whose id is reused for one
+        already counted (nothing recorded for it)."""
+        return {**vars(self), "users": set()}
+
     def summary(self) -> str:
         """One line for ``prepare_trainer``'s report: which layers run per document, which with kernels."""
         parts = []

@@ -16,12 +16,45 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from ...compat.datasets import dataset_table
+from ...constants import MEDIA_COLUMNS
 from ...core.arrow import check_columns
 from ...errors import PackingError
 from ..data.datasets import datasets_module, derived_fingerprint, each_split
 from ..data.drops import TokensDroppedWarning
+
+
+def refuse_media(table: pa.Table, what: str) -> None:
+    """Refuse rows holding image, video or audio columns (:data:`~packtools.constants.MEDIA_COLUMNS`: TRL's tokenized
+    vision-language preference rows carry ``pixel_values`` beside ``prompt_ids``) in ``what``, which packs token
+    columns only: packed without them (whatever ``columns=`` names), their placeholder tokens would stay in the
+    rows with no pixels or audio and train with no error.  Raw ``images`` / ``image`` columns (TRL's vision
+    format, the images its collator processes) are refused where any row holds one.
+
+    >>> refuse_media(pa.table({"prompt_ids": [[1]], "pixel_values": [[0.5]]}), "pack_preference")
+    Traceback (most recent call last):
+    ...
+    packtools.errors.PackingError: pack_preference: the rows hold the media column(s) ['pixel_values'] ...
+    """
+    found = [c for c in table.column_names if c in MEDIA_COLUMNS]
+    found += [c for c in ("images", "image") if c in table.column_names and _any_set(table.column(c))]
+    if found:
+        raise PackingError(
+            f"{what}: the rows hold the media column(s) {found} (images, videos or audio), and packtools packs "
+            f"preference pairs and groups as text only: packed without them (whatever columns= names), each "
+            f"sample's placeholder tokens would stay in its token ids with no pixels or audio. Train these rows "
+            f"unpacked, or remove the media samples (their columns and placeholder tokens) first.",
+            param="dataset",
+        )
+
+
+def _any_set(column: pa.ChunkedArray) -> bool:
+    """Whether any row of ``column`` holds a value (a non-empty list, for a list column)."""
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        return bool(pc.any(pc.greater(pc.list_value_length(column), 0)).as_py())
+    return column.null_count < len(column)
 
 
 def _warn_fitted(
@@ -95,6 +128,7 @@ def pack_preference(
 
     def one(split: Any) -> tuple[Any, Any]:
         table, indices = (split, None) if isinstance(split, pa.Table) else dataset_table(split)
+        refuse_media(table, "pack_preference")
         packed, report = pack_pairs(
             table,
             max_length,
@@ -160,6 +194,7 @@ def pack_reward_pairs(
 
     table, indices = (dataset, None) if isinstance(dataset, pa.Table) else dataset_table(dataset)
     what = "reward pairs (TRL's RewardTrainer format)"
+    refuse_media(table, "pack_reward_pairs")
     check_columns(
         table, ("chosen_ids", "rejected_ids"), what, "Pack trainer.train_dataset, which TRL tokenized."
     )
@@ -215,6 +250,7 @@ def pack_groups(
 
     options = UnitOptions(overlong=overlong, shuffle=shuffle, seed=seed)
     table, indices = (dataset, None) if isinstance(dataset, pa.Table) else dataset_table(dataset)
+    refuse_media(table, "pack_groups")
     packed, report = pack_table_groups(
         table, max_length, columns, completion_columns, options=options, row_indices=indices
     )

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..._optional import is_instance, require
 from ...compat.transformers import keep_signature_columns
-from ...constants import IGNORE_INDEX, PACKED_COLUMNS
+from ...constants import IGNORE_INDEX, MEDIA_COLUMNS, PACKED_COLUMNS
 from ...errors import PackingError
 
 
@@ -65,9 +65,12 @@ def summed_next_token_loss(logits: Any, labels: Any) -> tuple[Any, Any]:
 
 def keep_packed_columns(trainer: Any, extra: Sequence[str] = (), *, owner: Any = None) -> None:
     """Keep ``seq_lengths``, the loss-mask columns and ``extra`` (a vision collator's image columns) through the
-    trainer's ``remove_unused_columns``."""
+    trainer's ``remove_unused_columns``, and the media columns (:data:`~packtools.constants.MEDIA_COLUMNS`) too: a
+    dataset whose columns are unknown until its rows come (a streamed ``IterableDataset``) is not refused by name
+    when prepared, and the trainer's column removal would drop its pixels or audio from each row before the collator
+    sees them, their placeholder tokens training with no error; kept, the collator refuses them by name."""
     if trainer.args.remove_unused_columns:
-        keep_signature_columns(trainer, (*PACKED_COLUMNS, *extra), owner=owner)
+        keep_signature_columns(trainer, (*PACKED_COLUMNS, *MEDIA_COLUMNS, *extra), owner=owner)
 
 
 def check_sft(trainer: Any) -> None:
