@@ -1,4 +1,5 @@
 import os
+import time
 
 # One intra-op thread for torch and BLAS in the test process and the processes it starts (set before numpy and torch
 # are imported): the exactness tests compare a packed run with a padded or one-by-one run of other shapes, and with
@@ -37,6 +38,51 @@ def pytest_configure(config):
             del os.environ[name]
         os.environ.setdefault(name, os.path.join(root, sub))
     os.environ["PACKTOOLS_TEST_CACHES"] = root
+    from packtools.io.fingerprint import source_hash
+
+    config.stash[_SOURCES] = (source_hash.__wrapped__(), time.time_ns())
+
+
+#: packtools' source hash and the time when the session began (pytest_configure).
+_SOURCES = pytest.StashKey[tuple[str, int]]()
+
+
+def sources_changed_note(root: str, start_hash: str, started_ns: int, now_hash: str) -> str | None:
+    """What to tell the tester when packtools' sources (the ``.py`` files under ``root``) hash to ``now_hash``
+    at the end of the session but to ``start_hash`` at its start (else None).  Every cache key, stage file name,
+    shard name and manifest fingerprint includes that hash (``packtools.io.fingerprint.source_hash``), so a
+    file edited, added or removed while the tests ran makes a rerun differ from a reference run made before the
+    edit: the kill-and-rerun tests then fail with other shard names and no part reused (10 did so under
+    pytest-xdist while a source file was edited in the checkout being tested), though nothing is wrong."""
+    if start_hash == now_hash:
+        return None
+    newer = sorted(
+        os.path.relpath(os.path.join(folder, n), root)
+        for folder, _, names in os.walk(root)
+        for n in names
+        if n.endswith(".py") and os.stat(os.path.join(folder, n)).st_mtime_ns >= started_ns
+    )
+    which = f" (changed since the start: {', '.join(newer[:5])})" if newer else " (a file added or removed)"
+    return (
+        f"packtools' sources under {root} changed while the tests ran{which}: runs before and after the change "
+        f"have other fingerprints, so tests comparing a rerun with an earlier reference run (kill-and-rerun, "
+        f"caches) fail without a bug. Run the tests again on a tree nobody edits meanwhile."
+    )
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _SOURCES not in config.stash:
+        return
+    import packtools
+    from packtools.io.fingerprint import source_hash
+
+    start_hash, started = config.stash[_SOURCES]
+    note = sources_changed_note(
+        os.path.dirname(os.path.abspath(packtools.__file__)), start_hash, started, source_hash.__wrapped__()
+    )
+    if note:
+        terminalreporter.write_sep("=", "packtools sources changed during the run", red=True)
+        terminalreporter.write_line(note, red=True)
 
 
 @pytest.fixture(autouse=True)
