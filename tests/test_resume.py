@@ -570,3 +570,25 @@ def test_the_trainers_that_keep_trls_loader_change_no_loader_method():
     assert not loader & set(vars(PackedDistillationStep))
     assert loader & set(vars(PackedRLStep)) == {"_get_train_sampler"}
     assert "install_step" not in vars(kto)  # no class swap: the trainer's own methods run
+
+
+def test_a_checkpoint_saved_by_a_plain_run_resumed_from_a_prepared_ones_is_refused(tmp_path):
+    """The record rides in trainer_state.json, which Trainer loads on resume and writes again into every later
+    checkpoint: a run without packtools (unprepared) resumed from a prepared run's checkpoint carried that run's
+    record into its own checkpoints, so a prepared resume from them was checked against a layout that did not
+    lay out their steps (here Trainer's loader of 4 rows, not the recorded max_tokens=64) and accepted, silently.
+    The record names the step it was written at; a checkpoint of another step is refused as one with none."""
+    from packtools import prepare_trainer
+    from packtools.errors import PackingError
+    from packtools.integrations import unprepare
+
+    def trainer(max_steps, **prepare):
+        made = oom_once_trainer(tmp_path, max_steps, seed=1, auto_find_batch_size=False, fail=False)
+        return prepare_trainer(made, **prepare)
+
+    trainer(2, max_tokens=64).train()
+    plain = unprepare(trainer(4, max_tokens=64))
+    plain.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    with pytest.raises(PackingError, match="records no data layout"):
+        trainer(6, max_tokens=64).train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    trainer(4, max_tokens=64).train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))  # its own: resumed

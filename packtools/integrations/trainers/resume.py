@@ -21,7 +21,9 @@ any of them moves the batches ``Trainer`` skips in the same way, and so does the
 ``packtools_layout.json`` in the checkpoint folder (what earlier packtools wrote, or written by hand with
 :func:`save_layout`) is read where ``trainer_state.json`` holds no record.  A checkpoint with a
 ``trainer_state.json`` and no record anywhere (saved without ``prepare_*``, or by a packtools before the record)
-is refused, the message giving the record to write if the run is known to have the checkpoint's layout; one
+is refused, and so is one whose record names another step than its own (carried over by a run without
+packtools resumed from a prepared run's checkpoint: ``Trainer`` writes the state it loaded back), the message
+giving the record to write if the run is known to have the checkpoint's layout; one
 without ``trainer_state.json`` is resumed from step 0 by ``Trainer`` (nothing skipped) and not checked.
 """
 
@@ -134,9 +136,20 @@ def saved_layout(folder: str) -> dict[str, Any] | None:
     if state is not None:
         record = state.get("stateful_callbacks") if isinstance(state, dict) else None
         if isinstance(record, dict) and STATE_KEY in record:
-            return _checked(folder, STATE_FILE, record[STATE_KEY])
+            layout = _checked(folder, STATE_FILE, record[STATE_KEY])
+            # a record stamped at another step than the checkpoint's was carried over by a run without
+            # packtools resumed from a prepared run's checkpoint (Trainer writes the loaded state back): not this
+            # checkpoint's layout
+            if "step" not in layout or layout["step"] == state.get("global_step"):
+                return layout
+            return _fallback(folder)
         if not isinstance(state, dict):
             _checked(folder, STATE_FILE, state)
+    return _fallback(folder)
+
+
+def _fallback(folder: str) -> dict[str, Any] | None:
+    """``packtools_layout.json`` of checkpoint ``folder`` (earlier packtools' record, or one written by hand)."""
     record = _read(folder, LAYOUT_FILE)
     return None if record is None else _checked(folder, LAYOUT_FILE, record)
 
@@ -252,5 +265,12 @@ def layout_record(current: Any, folder: str | None) -> Any:
             layout = current()
             check_resume(folder, layout)
             state.stateful_callbacks[STATE_KEY] = layout
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            # the step a checkpoint saved now holds (saved after on_step_end): a plain run resumed from it writes
+            # the loaded record into checkpoints of later steps, which saved_layout then reads as no record
+            record = state.stateful_callbacks.get(STATE_KEY)
+            if isinstance(record, dict):
+                record["step"] = int(state.global_step)
 
     return LayoutRecord()
