@@ -23,6 +23,10 @@ IMAGE_COLUMNS = ("pixel_values", "image_grid_thw")
 #: companions ``second_per_grid_ts`` / ``video_metadata`` are ordinary columns there: a text dataset may name a
 #: column so, and left out alone they drop no pixels; ``MultimodalCollator`` refuses them too.)
 VIDEO_COLUMNS = ("pixel_values_videos", "video_grid_thw")
+#: The any-resolution processors' (LLaVA-NeXT, LLaVA-OneVision) per-sample columns beside ``pixel_values``
+#: ``(images, tiles, channels, size, size)``: each image's original ``(height, width)`` (its token count follows from
+#: it) and, OneVision, the images of each sample.  Packed whole with the sample, in row order, like the pixels.
+ANYRES_COLUMNS = ("image_sizes", "batch_num_images")
 #: Per-sample pixel columns (images and videos): left out of a batch or a packing, each image's or video's
 #: placeholder tokens would stay in ``input_ids`` and train without pixels, so no path drops them silently.
 PIXEL_COLUMNS = (*IMAGE_COLUMNS, *VIDEO_COLUMNS)

@@ -52,7 +52,9 @@ def test_spec_from_config_and_refusals():
     with pytest.raises(PackingError, match="runs of"):  # image tokens without a grid
         document_positions([1, IMAGE, 2], None, spec)
     with pytest.raises(PackingError, match="not verified"):
-        MropeSpec("llava_next", IMAGE, None, 2)
+        MropeSpec("mistral3", IMAGE, None, 2)
+    with pytest.raises(PackingError, match="AnyresGrid"):  # llava_next is verified, with its tiling
+        MropeSpec("llava_next", IMAGE, None, 1, image_tokens=4)
     with pytest.raises(PackingError, match="image_tokens"):  # llava is verified, with its tokens per image
         MropeSpec("llava", IMAGE, None, 1)
 

@@ -7,8 +7,8 @@ transformers release that changes them fails a test instead of leaving a stale r
   document is far from it run alone); full-attention layers only, or a per-document mask given ready-made, are
   exact -- the mask is the whole difference, which is why ``MultimodalCollator`` gives Gemma 3 its masks
   ready-made (tests/test_vision_gemma3.py) and ``guard_model`` refuses its packed images without them.
-* LLaVA-NeXT / LLaVA-OneVision: the model's own forward over a packed row is exact (tiles, image_sizes and
-  newline tokens included); what is missing is the collator's side, so they stay refused by name.
+* LLaVA-NeXT / LLaVA-OneVision (verified since, tests/test_vision_llava_anyres.py): the model's own forward over a
+  packed row is exact (tiles, image_sizes and newline tokens included), which is what their collator side builds on.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ transformers = pytest.importorskip("transformers")
 from packtools import PackingError  # noqa: E402
 from packtools.batches import MultimodalCollator  # noqa: E402
 from packtools.batches.mrope import UNVERIFIED_REASONS, MropeSpec  # noqa: E402
-from packtools.integrations.multimodal.models import check_multimodal_model  # noqa: E402
 from packtools.integrations.trainers.guard import guard_model  # noqa: E402
 
 IMAGE = 299  # the image token of the tiny models below (vocabulary of 300)
@@ -173,7 +172,7 @@ def tiny_llava_any_resolution(kind: str, impl: str):
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("kind", ["llava_next", "llava_onevision"])
-def test_llava_any_resolution_forward_is_exact_packed_but_refused(kind, impl):
+def test_llava_any_resolution_forward_is_exact_packed(kind, impl):
     model = tiny_llava_any_resolution(kind, impl)
     config = model.config
     g = torch.Generator().manual_seed(0)
@@ -218,12 +217,34 @@ def test_llava_any_resolution_forward_is_exact_packed_but_refused(kind, impl):
     for d, a in zip(docs, alone):
         assert float((packed[at : at + len(d)] - a).abs().max()) <= 1e-5
         at += len(d)
-    # still refused, by name, with the collator's missing side as the reason
-    reason = rf"{kind!r}.*verified.*any-resolution images are a different number of tokens each.*image_sizes"
-    with pytest.raises(PackingError, match=reason):
-        check_multimodal_model(model, None)
-    with pytest.raises(PackingError, match=reason):
-        MultimodalCollator(model, 0)
+    # the collator builds the same batch from the documents' rows (tiles padded to the most, image_sizes in order)
+    rows = []
+    for i, d in enumerate(docs):
+        mine = [x for x in images if x[0] == i]
+        rows.append({"input_ids": d.tolist()})
+        if mine:
+            rows[-1].update(
+                pixel_values=[t.numpy() for _, t, _ in mine], image_sizes=[s[0].tolist() for _, _, s in mine]
+            )
+            rows[-1]["batch_num_images"] = [len(mine)]
+    row = {
+        "input_ids": sum((r["input_ids"] for r in rows), []),
+        "seq_lengths": [len(r["input_ids"]) for r in rows],
+        "pixel_values": sum((r.get("pixel_values", []) for r in rows), []),
+        "image_sizes": sum((r.get("image_sizes", []) for r in rows), []),
+        "batch_num_images": sum((r.get("batch_num_images", []) for r in rows), []),
+    }
+    if kind == "llava_onevision":
+        # the forward above (no batch_num_images) tiled every image; OneVision's processor gives an image of a
+        # sample of two its base tile alone, and the collator passes batch_num_images: such a row is refused
+        with pytest.raises(PackingError, match=r"row 0, document 1: its image tokens"):
+            MultimodalCollator(model, 0)([row])
+        return
+    batch = MultimodalCollator(model, 0)([row])
+    assert torch.equal(batch["pixel_values"], pixels) and torch.equal(batch["image_sizes"], sizes)
+    with torch.no_grad():
+        collated = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[0]
+    assert float((collated - packed).abs().max()) <= 1e-5
 
 
 @pytest.mark.parametrize(
@@ -232,8 +253,6 @@ def test_llava_any_resolution_forward_is_exact_packed_but_refused(kind, impl):
         ("idefics3", "pixel_attention_mask"),
         ("smolvlm", "pixel_attention_mask"),
         ("mistral3", "Pixtral tower reads images of any size"),
-        ("llava_next", "image_sizes"),
-        ("llava_onevision", "image_sizes"),
     ],
 )
 def test_unverified_families_say_why(model_type, says):

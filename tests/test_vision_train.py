@@ -209,7 +209,7 @@ def test_refusals_by_name(tmp_path):
     with pytest.raises(PackingError, match="context_parallel=2 with a vision-language model"):
         prepare_trainer(trainer_for(model, rows, tmp_path), context_parallel=2)
     # Llava (verified: 1-D positions, tests/test_vision_llava.py) with another collator, and an unverified
-    # vision-language model (LlavaNext: tiles of any resolution) of the same tiny sizes
+    # vision-language model (Mistral 3: Pixtral's images of any size) of the same tiny sizes
     sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
     text = transformers.LlamaConfig(vocab_size=64, **sizes)
     vision = transformers.CLIPVisionConfig(image_size=8, patch_size=4, **sizes)
@@ -221,11 +221,15 @@ def test_refusals_by_name(tmp_path):
         PackingError, match="LlavaForConditionalGeneration is a vision-language model.*MultimodalCollator"
     ):
         prepare_trainer(trainer_for(llava, rows, tmp_path, collator=PaddingFreeCollator(0)))
-    llava_next = transformers.LlavaNextForConditionalGeneration(
-        transformers.LlavaNextConfig(text_config=text, vision_config=vision, image_token_id=60)
+    mistral3 = transformers.Mistral3ForConditionalGeneration(
+        transformers.Mistral3Config(
+            text_config=transformers.MistralConfig(vocab_size=64, head_dim=16, **sizes),
+            vision_config=transformers.PixtralVisionConfig(image_size=8, patch_size=4, head_dim=16, **sizes),
+            image_token_index=60,
+        )
     )
-    with pytest.raises(PackingError, match="'llava_next'.*not verified"):
-        prepare_trainer(trainer_for(llava_next, rows, tmp_path, collator=PaddingFreeCollator(0)))
+    with pytest.raises(PackingError, match="'mistral3'.*not verified"):
+        prepare_trainer(trainer_for(mistral3, rows, tmp_path, collator=PaddingFreeCollator(0)))
 
 
 def _dataset(samples: list[dict]):

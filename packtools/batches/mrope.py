@@ -15,11 +15,15 @@ Videos are refused by name (their temporal spacing differs per family); two imag
 them are refused too (the models group consecutive image tokens as one image and fail on them).
 
 LLaVA and InternVL (:data:`FLAT_MODEL_TYPES`) have 1-D positions: its :class:`MropeSpec` (``flat``) carries the tokens of one
-image and the pixel shape, and a packed row's positions are the text row alone.
+image and the pixel shape, and a packed row's positions are the text row alone.  LLaVA-NeXT and LLaVA-OneVision
+(:data:`ANYRES_MODEL_TYPES`) too, but each image is as many tokens as :func:`anyres_image_tokens` counts from its
+``image_sizes`` (the spec's :class:`AnyresGrid`).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,23 +65,32 @@ IMAGE_BLOCK_REASON = (
 #: Whether each vision tower of :data:`FLAT_VISION_TYPES` puts a class token before its patches (CLIP does, SigLIP does
 #: not): the ``"default"`` strategy drops the first token either way, so SigLIP's images are one token short.
 _CLASS_TOKEN = {"clip_vision_model": 1, "siglip_vision_model": 0, "internvl_vision": 1}
+#: Any-resolution LLaVA types: 1-D positions like :data:`FLAT_MODEL_TYPES`, but each image is a base tile plus a grid
+#: of tiles picked from its original size (``image_sizes``), unpadded and ended by a newline token per row of features
+#: (OneVision: pooled down past ``vision_aspect_ratio``'s tiles; an image of a sample of several is its base tile and
+#: one newline), so a different number of tokens each (:func:`anyres_image_tokens`).  ``MultimodalCollator`` carries
+#: ``image_sizes`` and ``pixel_values`` ``(images, tiles, channels, size, size)`` padded to the batch's most tiles.
+ANYRES_MODEL_TYPES = ("llava_next", "llava_onevision")
+#: The vision towers verified with each of :data:`ANYRES_MODEL_TYPES` (each tile's features are
+#: ``(image_size / patch_size)²``: CLIP under ``"default"``, SigLIP under ``"full"``).
+ANYRES_VISION_TYPES = {
+    "llava_next": {"clip_vision_model": "default"},
+    "llava_onevision": {"siglip_vision_model": "full"},
+}
 #: Qwen3.5 and Qwen3.5-MoE (``qwen3_5``, ``qwen3_5_moe``) place their positions as Qwen3-VL does; their text model
 #: is a hybrid whose gated DeltaNet layers run per document (``packtools.integrations.attention.mixers``).
-VERIFIED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", *FLAT_MODEL_TYPES)
+VERIFIED_MODEL_TYPES = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_5",
+    "qwen3_5_moe",
+    *FLAT_MODEL_TYPES,
+    *ANYRES_MODEL_TYPES,
+)
 #: Why popular multimodal types outside :data:`VERIFIED_MODEL_TYPES` are refused, measured on transformers 5.25
 #: (``tests/test_vision_refusals.py``); the refusals of :class:`MropeSpec` and ``prepare_trainer`` say it.
 UNVERIFIED_REASONS = {
-    "llava_next": (
-        "LLaVA-NeXT's any-resolution images are a different number of tokens each (tiles, unpadding and newline "
-        "tokens from image_sizes), which MultimodalCollator does not check, and it does not carry image_sizes "
-        "or pad pixel_values' tiles across documents (the model's forward alone is exact on such rows, measured)."
-    ),
-    "llava_onevision": (
-        "LLaVA-OneVision's any-resolution images are a different number of tokens each (tiles, unpadding and "
-        "newline tokens from image_sizes), which MultimodalCollator does not check, and it does not carry "
-        "image_sizes or pad pixel_values' tiles across documents (the model's forward alone is exact on such "
-        "rows, measured)."
-    ),
     "idefics3": (
         "Idefics3's images are split into tiles with row/column tokens and read with a pixel_attention_mask, "
         "which MultimodalCollator does not carry or check."
@@ -104,6 +117,74 @@ def unverified_reason(model_type: Any) -> str:
 
 
 @dataclass(frozen=True)
+class AnyresGrid:
+    """How an any-resolution model (:data:`ANYRES_MODEL_TYPES`) tiles an image: tiles of ``tile`` pixels a side,
+    each ``side x side`` features; the grid resolutions ``(height, width)`` it picks from; OneVision's most tiles
+    before its features are pooled (``vision_aspect_ratio`` ``anyres_max_N``; ``None``: LLaVA-NeXT, never pooled)."""
+
+    tile: int
+    side: int
+    pinpoints: tuple[tuple[int, int], ...]
+    max_tiles: int | None = None
+
+
+def best_resolution(height: int, width: int, pinpoints: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """The grid resolution an image of ``height x width`` is resized into: the one that keeps the most of its
+    pixels once scaled to fit (never more than it has), then wastes the least area, the first of equals.
+
+    >>> best_resolution(30, 70, [(28, 28), (28, 56), (56, 28), (56, 56)])
+    (28, 56)
+    """
+    best, kept_most, waste_least = pinpoints[0], -1, math.inf
+    for h, w in pinpoints:
+        scale = min(w / width, h / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        waste = h * w - kept
+        if kept > kept_most or (kept == kept_most and waste < waste_least):
+            best, kept_most, waste_least = (h, w), kept, waste
+    return best
+
+
+def anyres_tiles(grid: AnyresGrid, height: int, width: int, tiled: bool = True) -> int:
+    """The tiles the vision tower reads for an image of ``height x width`` (its base tile, then the grid's);
+    ``tiled=False`` (an image of a OneVision sample of several): its base tile alone.
+
+    >>> anyres_tiles(AnyresGrid(28, 2, ((28, 28), (28, 56), (56, 28), (56, 56))), 30, 70)
+    3
+    """
+    if not tiled:
+        return 1
+    h, w = best_resolution(height, width, grid.pinpoints)
+    return -(-h // grid.tile) * -(-w // grid.tile) + 1
+
+
+def anyres_image_tokens(grid: AnyresGrid, height: int, width: int, tiled: bool = True) -> int:
+    """The ``<image>`` tokens of an image of ``height x width`` (its original size, ``image_sizes``): the base tile's
+    ``side²`` features, then the grid's features cut back to the image's aspect ratio (the grid holds it resized
+    to fit and centred), OneVision's pooled down when they pass ``max_tiles`` tiles by more than 10% in each
+    direction, one newline token ending each row of them.  ``tiled=False``: the base tile and one newline.
+
+    >>> grid = AnyresGrid(28, 2, ((28, 28), (28, 56), (56, 28), (56, 56)))
+    >>> anyres_image_tokens(grid, 30, 70), anyres_image_tokens(grid, 56, 56), anyres_image_tokens(grid, 9, 9, False)
+    (14, 24, 5)
+    """
+    base = grid.side * grid.side
+    if not tiled:
+        return base + 1
+    best_h, best_w = best_resolution(height, width, grid.pinpoints)
+    rows, cols = best_h // grid.tile * grid.side, best_w // grid.tile * grid.side
+    if width * rows > cols * height:  # wider than the grid: the rows above and below it are padding
+        rows -= (rows - height * cols // width) // 2 * 2
+    else:
+        cols -= (cols - width * rows // height) // 2 * 2
+    if grid.max_tiles is not None:
+        ratio = math.sqrt(rows * cols / (grid.max_tiles * base))
+        if ratio > 1.1:
+            rows, cols = int(rows // ratio), int(cols // ratio)
+    return base + rows * (cols + 1)
+
+
+@dataclass(frozen=True)
 class MropeSpec:
     """What the positions of one model family depend on: the vision token ids and the spatial merge size."""
 
@@ -121,11 +202,14 @@ class MropeSpec:
     image_shape: tuple[int, int, int] | None = field(default=None, compare=False)
     #: :data:`IMAGE_BLOCK_TYPES` only: the text model's sliding window (``None``: no sliding layers).
     sliding_window: int | None = None
+    #: :data:`ANYRES_MODEL_TYPES` only: how an image is tiled, so how many tokens it is (``image_tokens``: its base
+    #: tile's; ``image_shape``: one tile's).
+    anyres: AnyresGrid | None = None
 
     @property
     def flat(self) -> bool:
-        """1-D positions (the text row): a LLaVA-style model (:data:`FLAT_MODEL_TYPES`)."""
-        return self.model_type in FLAT_MODEL_TYPES
+        """1-D positions (the text row): a LLaVA-style model (:data:`FLAT_MODEL_TYPES`, :data:`ANYRES_MODEL_TYPES`)."""
+        return self.model_type in FLAT_MODEL_TYPES or self.model_type in ANYRES_MODEL_TYPES
 
     @property
     def image_blocks(self) -> bool:
@@ -140,6 +224,12 @@ class MropeSpec:
                 f"{list(VERIFIED_MODEL_TYPES)}; other multimodal models are not verified."
                 f"{unverified_reason(self.model_type)}",
                 param="model_type",
+            )
+        if (self.model_type in ANYRES_MODEL_TYPES) != (self.anyres is not None):
+            raise PackingError(
+                f"model_type {self.model_type!r}: anyres (an AnyresGrid) is given for {list(ANYRES_MODEL_TYPES)} "
+                f"and only for them, got {self.anyres!r}.",
+                param="anyres",
             )
         if self.flat and (not isinstance(self.image_tokens, int) or self.image_tokens < 1):
             raise PackingError(
@@ -167,6 +257,8 @@ class MropeSpec:
                 f"{unverified_reason(model_type)} Train it unpacked, with its processor's collator.",
                 param="model",
             )
+        if model_type in ANYRES_MODEL_TYPES:
+            return cls._anyres_from_config(config, model_type, vision, image)
         if model_type in FLAT_MODEL_TYPES:
             return cls._flat_from_config(config, model_type, vision, image)
         video = getattr(config, "video_token_id", None)
@@ -223,6 +315,66 @@ class MropeSpec:
             )
         shape = (int(getattr(vision, "num_channels", 3)), size, size)
         return cls(model_type, image, None, 1, image_tokens=tokens, image_shape=shape)
+
+    @classmethod
+    def _anyres_from_config(cls, config: Any, model_type: str, vision: Any, image: int) -> MropeSpec:
+        """LLaVA-NeXT / LLaVA-OneVision: tiles of the tower's ``image_size``, ``(image_size / patch_size)²`` features
+        each (the verified tower and strategy of :data:`ANYRES_VISION_TYPES`), grids from ``image_grid_pinpoints``."""
+        name = type(config).__name__
+        size, patch = (
+            _square(getattr(vision, "image_size", None)),
+            _square(getattr(vision, "patch_size", None)),
+        )
+        tower = getattr(vision, "model_type", None)
+        strategy = getattr(config, "vision_feature_select_strategy", None)
+        verified = ANYRES_VISION_TYPES[model_type]
+        if tower not in verified or strategy != verified[tower] or not size or not patch or size % patch:
+            raise PackingError(
+                f"{name} with a {tower!r} vision tower, vision_feature_select_strategy {strategy!r}, image_size "
+                f"{getattr(vision, 'image_size', None)!r} and patch_size {getattr(vision, 'patch_size', None)!r}: "
+                f"packtools has verified {model_type!r} packed with {verified} (tower: strategy) and square tiles a "
+                f"whole number of patches a side only; train this one unpacked.",
+                param="model",
+            )
+        points = getattr(config, "image_grid_pinpoints", None)
+        pairs = [tuple(p) for p in points] if isinstance(points, (list, tuple)) else []
+        if not pairs or any(
+            len(p) != 2 or not all(isinstance(v, int) and v > 0 and v % size == 0 for v in p) for p in pairs
+        ):
+            raise PackingError(
+                f"{name}: image_grid_pinpoints {points!r} must be (height, width) pairs, each a whole number of "
+                f"{size}-pixel tiles.",
+                param="model",
+            )
+        max_tiles = None
+        if model_type == "llava_onevision":
+            aspect = getattr(config, "vision_aspect_ratio", None)
+            digits = aspect[len("anyres_max_") :] if isinstance(aspect, str) else ""
+            if (
+                not isinstance(aspect, str)
+                or not aspect.startswith("anyres_max_")
+                or not digits.isdigit()
+                or int(digits) < 1
+            ):
+                raise PackingError(
+                    f"{name}: vision_aspect_ratio {aspect!r} is not 'anyres_max_N' (N >= 1).", param="model"
+                )
+            max_tiles = int(digits)
+            video = getattr(config, "video_token_id", None)
+        else:
+            video = None
+        side = size // patch
+        grid = AnyresGrid(size, side, tuple(pairs), max_tiles)  # type: ignore[arg-type]
+        shape = (int(getattr(vision, "num_channels", 3)), size, size)
+        return cls(
+            model_type,
+            image,
+            video if isinstance(video, int) else None,
+            1,
+            image_tokens=side * side,
+            image_shape=shape,
+            anyres=grid,
+        )
 
     @classmethod
     def _gemma3_from_config(cls, config: Any, vision: Any, image: int, size: int, patch: int) -> MropeSpec:

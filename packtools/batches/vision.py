@@ -20,11 +20,18 @@ import numpy as np
 
 from .._optional import require
 from ..compat.transformers import attn_implementation
-from ..constants import IGNORE_INDEX, IMAGE_COLUMNS, VIDEO_COLUMNS
+from ..constants import ANYRES_COLUMNS, IGNORE_INDEX, IMAGE_COLUMNS, VIDEO_COLUMNS
 from ..errors import PackingError
 from .collate import PaddingFreeCollator, to_tensors
 from .flatten import CARRIED_KEYS, check_carried, check_leave_out, flatten_rows
-from .mrope import MropeSpec, check_grid, document_positions, image_token_runs
+from .mrope import (
+    MropeSpec,
+    anyres_image_tokens,
+    anyres_tiles,
+    check_grid,
+    document_positions,
+    image_token_runs,
+)
 
 #: The per-row image columns this collator consumes (everything else goes to the text collator; Gemma 3's
 #: ``token_type_ids`` too, :func:`image_columns`).
@@ -32,7 +39,7 @@ VISION_COLUMNS = (*IMAGE_COLUMNS, "mm_token_type_ids")
 
 #: The processors' video columns (:data:`~packtools.constants.VIDEO_COLUMNS` and what travels with them): refused
 #: by name (videos are not verified; see :mod:`.mrope`), even when ``leave_out`` lists them.
-VIDEO_ROW_COLUMNS = (*VIDEO_COLUMNS, "second_per_grid_ts", "video_metadata")
+VIDEO_ROW_COLUMNS = (*VIDEO_COLUMNS, "second_per_grid_ts", "video_metadata", "image_sizes_videos")
 
 
 def image_columns(spec: MropeSpec) -> tuple[str, ...]:
@@ -42,7 +49,8 @@ def image_columns(spec: MropeSpec) -> tuple[str, ...]:
     >>> image_columns(MropeSpec("qwen2_vl", 9, 8, 2))
     ('pixel_values', 'image_grid_thw', 'mm_token_type_ids')
     """
-    return (*VISION_COLUMNS, *(("token_type_ids",) if spec.image_blocks else ()))
+    extra = ("token_type_ids",) if spec.image_blocks else ANYRES_COLUMNS if spec.anyres is not None else ()
+    return (*VISION_COLUMNS, *extra)
 
 
 def check_no_video(features: Sequence[Mapping[str, Any]]) -> None:
@@ -391,6 +399,11 @@ class MultimodalCollator:
         ]
         flat = flatten_rows(text_rows, self.text.mask_keys)
         batch = self.text.collate_flat(flat)
+        if self.spec.anyres is not None:  # LLaVA-NeXT / OneVision: 1-D positions, images of any size
+            is_image = batch["input_ids"][0] == self.spec.image_token_id
+            batch["labels"][0, is_image] = IGNORE_INDEX
+            batch.update(anyres_images(features, flat, self.spec))
+            return to_tensors(batch, self.return_tensors)
         if self.spec.flat:  # 1-D positions: the text row's, restarting at every document
             pixels = self._flat_images(features, flat)
             is_image = batch["input_ids"][0] == self.spec.image_token_id
@@ -535,3 +548,175 @@ class MultimodalCollator:
                     f"{self.spec.image_token_id}) of its input_ids; re-process the row.",
                     param=name,
                 )
+
+
+def _anyres_pixels(value: Any, row: int, count: int, spec: MropeSpec) -> list[np.ndarray]:
+    """A row's ``pixel_values`` as ``count`` arrays ``(tiles, channels, size, size)``: the processor's
+    ``(images, tiles, ...)`` (tiles padded to its most) or a packed row's list of them (tiles differ by image)."""
+    if value is None:
+        items: list[Any] = []
+    elif isinstance(value, np.ndarray) and value.dtype != object:
+        if value.size and value.ndim != 5:
+            raise PackingError(
+                f"row {row}: 'pixel_values' has shape {value.shape} but {spec.model_type!r} reads (images, tiles, "
+                f"channels, size, size), as its processor gives: process the row with this model's processor.",
+                param="pixel_values",
+            )
+        items = list(value)
+    else:
+        items = list(value)
+    out = [np.asarray(item) for item in items]
+    shape = spec.image_shape
+    for arr in out:
+        if arr.ndim != 4 or arr.dtype.kind != "f" or (shape is not None and tuple(arr.shape[1:]) != shape):
+            raise PackingError(
+                f"row {row}: 'pixel_values' holds an image of shape {arr.shape} ({arr.dtype}) but "
+                f"{spec.model_type!r} reads float images of tiles (images, tiles, "
+                f"{'channels, size, size' if shape is None else ', '.join(map(str, shape))}): process the row "
+                f"with this model's processor.",
+                param="pixel_values",
+            )
+    if len(out) != count:
+        raise PackingError(
+            f"row {row}: 'pixel_values' holds {len(out)} image(s) but its 'image_sizes' {count}: every image "
+            f"travels with its size (re-process the row).",
+            param="pixel_values",
+        )
+    return out
+
+
+def _anyres_sizes(value: Any, row: int, spec: MropeSpec) -> np.ndarray:
+    sizes = np.zeros((0, 2), np.int64) if value is None else np.asarray(value)
+    if sizes.size == 0:
+        return np.zeros((0, 2), np.int64)
+    if sizes.ndim != 2 or sizes.shape[1] != 2 or sizes.dtype.kind not in "iu" or sizes.min() < 1:
+        raise PackingError(
+            f"row {row}: 'image_sizes' must be one positive (height, width) per image, got {sizes.tolist()}: "
+            f"pass the processor's image_sizes for the row.",
+            param="image_sizes",
+        )
+    return sizes.astype(np.int64)
+
+
+def anyres_images(features: Sequence[Mapping[str, Any]], flat: Any, spec: MropeSpec) -> dict[str, np.ndarray]:
+    """The images of any-resolution rows (:data:`~.mrope.ANYRES_MODEL_TYPES`) as the model reads a batch of them:
+    ``pixel_values`` ``(images, tiles, channels, size, size)`` in row order, each image's own tiles then zeros up to
+    the batch's most (the model reads each image's first :func:`~.mrope.anyres_tiles`), ``image_sizes``, and for
+    OneVision ``batch_num_images`` (the images of each document that has any: an image is tiled only when its
+    document has one).  Every document's image tokens are checked against its images'
+    :func:`~.mrope.anyres_image_tokens`, by row: a wrong count would put image features on other tokens."""
+    grid = spec.anyres
+    assert grid is not None
+    onevision = spec.model_type == "llava_onevision"
+    tiles: list[np.ndarray] = []
+    sizes: list[np.ndarray] = []
+    per_doc: list[int] = []
+    for i, row, ids, _, documents in _row_walk(features, flat):
+        if row.get("image_grid_thw") is not None and np.asarray(row["image_grid_thw"]).size:
+            raise PackingError(
+                f"row {i} has 'image_grid_thw' but {spec.model_type!r} takes no image grid: the row was processed "
+                f"for another model; process it again with this model's processor.",
+                param="image_grid_thw",
+            )
+        if spec.video_token_id is not None and np.any(ids == spec.video_token_id):
+            raise PackingError(
+                f"row {i} holds video tokens (id {spec.video_token_id}): packtools packs {spec.model_type!r} images "
+                f"only (videos are not verified). Drop the video samples or train them unpacked.",
+                param="input_ids",
+            )
+        row_sizes = _anyres_sizes(row.get("image_sizes"), i, spec)
+        image_tokens = int(np.count_nonzero(ids == spec.image_token_id))
+        if image_tokens and not row_sizes.shape[0]:
+            raise PackingError(
+                f"row {i} has {image_tokens} image tokens but no 'image_sizes': {spec.model_type!r} reads each "
+                f"image's tokens from its original size. Keep the processor's image_sizes column with the rows "
+                f"(prepare_trainer keeps it through remove_unused_columns).",
+                param="image_sizes",
+            )
+        pixels = _anyres_pixels(row.get("pixel_values"), i, row_sizes.shape[0], spec)
+        counts = _documents_images(row, i, ids, documents, row_sizes, spec) if len(ids) else []
+        if sum(counts) != row_sizes.shape[0]:
+            raise PackingError(
+                f"row {i}: its documents' image tokens hold {sum(counts)} image(s) but 'image_sizes' has "
+                f"{row_sizes.shape[0]}: every image must travel with its sample (re-process the row).",
+                param="image_sizes",
+            )
+        at = 0
+        for k in counts:
+            for j in range(at, at + k):
+                need = anyres_tiles(grid, *row_sizes[j].tolist(), tiled=k == 1 or not onevision)
+                if pixels[j].shape[0] < need:
+                    raise PackingError(
+                        f"row {i}: image {j} of size {row_sizes[j].tolist()} has {pixels[j].shape[0]} tile(s) in "
+                        f"'pixel_values' but {spec.model_type!r} reads {need} for it: re-process the row.",
+                        param="pixel_values",
+                    )
+                tiles.append(pixels[j][:need])
+            at += k
+        sizes.append(row_sizes)
+        per_doc += [k for k in counts if k]
+    if not tiles:
+        return {}
+    most = max(t.shape[0] for t in tiles)
+    out = np.zeros((len(tiles), most, *tiles[0].shape[1:]), np.result_type(*tiles))
+    for j, t in enumerate(tiles):
+        out[j, : t.shape[0]] = t
+    batch = {"pixel_values": out, "image_sizes": np.concatenate(sizes)}
+    if onevision:
+        batch["batch_num_images"] = np.asarray(per_doc, np.int64)
+    return batch
+
+
+def _documents_images(
+    row: Mapping[str, Any], i: int, ids: np.ndarray, documents: Any, sizes: np.ndarray, spec: MropeSpec
+) -> list[int]:
+    """How many of the row's images (in order) each document holds, its image tokens checked against their counts.
+    OneVision: from the row's ``batch_num_images`` (the processor's images per sample); LLaVA-NeXT: the images whose
+    counts add up to the document's image tokens."""
+    grid = spec.anyres
+    assert grid is not None
+    onevision = spec.model_type == "llava_onevision"
+    runs = []
+    for _, start, length in documents:
+        starts, stops = image_token_runs(ids[start : start + length], spec.image_token_id)
+        runs.append((stops - starts).tolist())
+    if onevision:
+        given = row.get("batch_num_images")
+        numbers = [] if given is None else [int(n) for n in np.asarray(given).reshape(-1) if int(n)]
+        with_images = [d for d, r in enumerate(runs) if r]
+        if len(numbers) != len(with_images):
+            raise PackingError(
+                f"row {i}: {len(with_images)} document(s) hold image tokens but 'batch_num_images' gives "
+                f"{numbers or given!r}: LLaVA-OneVision tiles an image only when its sample has one, so each "
+                f"sample's image count is needed. Keep the processor's batch_num_images column with the rows.",
+                param="batch_num_images",
+            )
+        counts = [0] * len(runs)
+        for d, n in zip(with_images, numbers):
+            counts[d] = n
+    counts_out: list[int] = []
+    at = 0
+    for d, doc_runs in enumerate(runs):
+        total = sum(doc_runs)
+        if onevision:
+            k = counts[d]
+        else:  # the images whose tokens add up to the document's
+            k, got = 0, 0
+            while got < total and at + k < sizes.shape[0]:
+                got += anyres_image_tokens(grid, *sizes[at + k].tolist())
+                k += 1
+        expected = [
+            anyres_image_tokens(grid, *s, tiled=k == 1 or not onevision) for s in sizes[at : at + k].tolist()
+        ]
+        if at + k > sizes.shape[0] or sum(expected) != total or (len(doc_runs) == k and doc_runs != expected):
+            raise PackingError(
+                f"row {i}, document {d}: its image tokens (id {spec.image_token_id}) form runs of {doc_runs} "
+                f"tokens, but its image(s) of sizes {sizes[at : at + k].tolist()} (image_sizes) are {expected} "
+                f"tokens for {spec.model_type!r} (tiles, unpadding and newline tokens from the size): each image "
+                f"needs exactly its own tokens. Process the sample with this model's own processor, and keep its "
+                f"image_sizes with it.",
+                param="input_ids",
+            )
+        counts_out.append(k)
+        at += k
+    return counts_out

@@ -22,7 +22,7 @@ import pyarrow as pa
 from ..._optional import require
 from ...compat.datasets import dataset_table, format_type, memory_mapped_table, temporary_cache_directory
 from ...compat.datasets import fingerprint as datasets_fingerprint
-from ...constants import IMAGE_COLUMNS, SEQ_LENGTHS
+from ...constants import ANYRES_COLUMNS, IMAGE_COLUMNS, SEQ_LENGTHS
 from ...core.arrow import check_row_counts, column_lengths, is_list_type
 from ...core.cp_budget import check_context_parallel, plan_for_cp
 from ...core.nested import gather_whole_samples, plan_whole_samples
@@ -443,6 +443,8 @@ def _check_patches(table: pa.Table) -> None:
     # LLaVA-style rows: whole images, no grid (MultimodalCollator checks them per row)
     if missing == ["image_grid_thw"]:
         depth, kind = _list_depth(table.schema.field("pixel_values").type)
+        if depth == 5 and "image_sizes" in table.column_names:  # any-resolution: (images, tiles, c, h, w)
+            return
         if depth != 4 and (pa.types.is_floating(kind) or pa.types.is_integer(kind)):
             raise PackingError(
                 f"'pixel_values' holds {depth}-D values per sample but there is no 'image_grid_thw' column: rows "
@@ -500,14 +502,15 @@ def pack_vision_table(
             param="strategy",
         )
     names = list(table.column_names) if columns is None else list(columns)
-    left_out = [c for c in IMAGE_COLUMNS if c in table.column_names and c not in names]
+    whole = (*IMAGE_COLUMNS, *ANYRES_COLUMNS)  # per-sample image columns, gathered whole in row order
+    left_out = [c for c in whole if c in table.column_names and c not in names]
     if left_out:
         raise PackingError(
             f"columns={names} leaves out {left_out}: the packed rows would lose their images. Include them.",
             param="columns",
         )
     _check_patches(table)
-    token_names = [n for n in names if n not in IMAGE_COLUMNS]
+    token_names = [n for n in names if n not in whole]
     non_list = [
         n for n in token_names if n in table.column_names and not is_list_type(table.schema.field(n).type)
     ]
@@ -522,7 +525,7 @@ def pack_vision_table(
         lengths = lengths[indices]
     p = plan_whole_samples(lengths, max_length, shuffle=shuffle, seed=seed, where=lambda i: f"sample {i}")
     packed = pack_columns(cols, p, indices)
-    for name in IMAGE_COLUMNS:
+    for name in whole:
         if name in table.column_names:  # LLaVA-style rows have no image_grid_thw (_check_patches)
             packed = packed.append_column(name, gather_whole_samples(table.column(name), p, indices))
     return packed, p

@@ -11,7 +11,13 @@ from typing import Any
 import numpy as np
 
 from ..._optional import require
-from ...batches.mrope import IMAGE_BLOCK_BACKENDS, IMAGE_BLOCK_REASON, MropeSpec
+from ...batches.mrope import (
+    IMAGE_BLOCK_BACKENDS,
+    IMAGE_BLOCK_REASON,
+    MropeSpec,
+    anyres_image_tokens,
+    anyres_tiles,
+)
 from ...errors import PackingError
 from ..attention.backends import attention_implementation, base_model, check_multimodal, multimodal_parts
 from ..attention.isolation import (
@@ -101,6 +107,8 @@ def probe_samples(model: Any, rng: np.random.Generator) -> list[dict[str, Any]]:
     base = base_model(model)
     config = base.config
     spec = MropeSpec.from_config(config)
+    if spec.anyres is not None:
+        return _anyres_probe_samples(config, spec, rng)
     if spec.flat:
         return _flat_probe_samples(config, spec, rng)
     vision = config.vision_config
@@ -156,6 +164,38 @@ def _flat_probe_samples(config: Any, spec: MropeSpec, rng: np.random.Generator) 
     return [sample(1, 4), sample(0, 6), sample(2, 3)]
 
 
+def _anyres_probe_samples(config: Any, spec: MropeSpec, rng: np.random.Generator) -> list[dict[str, Any]]:
+    """The probe's samples for LLaVA-NeXT / OneVision: one image, none, two, of different sizes (each its own
+    number of tokens and tiles; OneVision's two are a base tile each), pixels padded to each sample's most tiles."""
+    grid = spec.anyres
+    assert grid is not None
+    text = config.get_text_config()
+    special = {spec.image_token_id, spec.video_token_id} | {
+        getattr(text, n, None) for n in ("pad_token_id", "bos_token_id", "eos_token_id")
+    }
+    allowed = np.setdiff1d(np.arange(int(text.vocab_size)), [s for s in special if isinstance(s, int)])
+    shape = spec.image_shape or (3, grid.tile, grid.tile)
+    tiled_alone = spec.model_type != "llava_onevision"
+
+    def sample(sizes: list[tuple[int, int]], words: int) -> dict[str, Any]:
+        ids = list(rng.choice(allowed, words))
+        tiled = len(sizes) == 1 or tiled_alone
+        for h, w in sizes:
+            ids += [spec.image_token_id] * anyres_image_tokens(grid, h, w, tiled) + list(
+                rng.choice(allowed, 3)
+            )
+        row: dict[str, Any] = {"input_ids": np.asarray(ids, np.int64)}
+        if sizes:
+            most = max(anyres_tiles(grid, h, w, tiled) for h, w in sizes)
+            row["pixel_values"] = rng.standard_normal((len(sizes), most, *shape)).astype(np.float32)
+            row["image_sizes"] = np.asarray(sizes, np.int64)
+            row["batch_num_images"] = np.asarray([len(sizes)], np.int64)
+        return row
+
+    t = grid.tile
+    return [sample([(t + 3, 2 * t + 5)], 4), sample([], 6), sample([(2 * t, t), (t // 2 + 1, t)], 3)]
+
+
 def _packed_rows(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The first two samples packed in one row, the third alone (with its seq_lengths)."""
     first, second = samples[0], samples[1]
@@ -164,7 +204,11 @@ def _packed_rows(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         "seq_lengths": [len(first["input_ids"]), len(second["input_ids"])],
     }
     images = [s for s in (first, second) if "pixel_values" in s]
-    if images:
+    if images and "image_sizes" in images[0]:  # any-resolution: each image its own tiles
+        row["pixel_values"] = [image for s in images for image in s["pixel_values"]]
+        row["image_sizes"] = np.concatenate([s["image_sizes"] for s in images])
+        row["batch_num_images"] = np.concatenate([s["batch_num_images"] for s in images])
+    elif images:
         row["pixel_values"] = np.concatenate([s["pixel_values"] for s in images])
         if "image_grid_thw" in images[0]:
             row["image_grid_thw"] = np.concatenate([s["image_grid_thw"] for s in images])
@@ -211,7 +255,11 @@ def check_vision_isolation(
     def run_alone(sample: dict[str, Any]) -> Any:
         ids = torch.as_tensor(sample["input_ids"][None])
         extra = {}
-        if "pixel_values" in sample and "image_grid_thw" not in sample:  # LLaVA-style: the images alone
+        if "image_sizes" in sample:  # any-resolution: the images, their sizes (and OneVision's count)
+            extra = {k: torch.as_tensor(sample[k]) for k in ("pixel_values", "image_sizes")}
+            if MropeSpec.from_config(base.config).model_type == "llava_onevision":
+                extra["batch_num_images"] = torch.as_tensor(sample["batch_num_images"])
+        elif "pixel_values" in sample and "image_grid_thw" not in sample:  # LLaVA-style: the images alone
             extra = {"pixel_values": torch.as_tensor(sample["pixel_values"])}
             if MropeSpec.from_config(base.config).image_blocks:  # Gemma 3: its images' blocks, as processed
                 extra["token_type_ids"] = (ids == image_id).to(torch.int64)
