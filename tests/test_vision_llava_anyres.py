@@ -327,3 +327,28 @@ def test_other_towers_strategies_and_grids_are_refused():
     config.vision_aspect_ratio = "anyres"
     with pytest.raises(PackingError, match="vision_aspect_ratio"):
         MropeSpec.from_config(config)
+
+
+@pytest.mark.parametrize("kind", ["llava_next", "llava_onevision"])
+def test_guarded_loop_of_ones_own_equals_one_by_one(kind):
+    # guard_model refused these types' image inputs by name (unverified); a guarded forward of the collator's batch
+    # now runs, and each document's logits equal the document alone through the model's own path
+    from packtools.integrations.trainers.guard import guard_model
+
+    model = tiny(kind).eval()
+    rows = [samples(kind)[i] for i in (0, 1, 2)]
+    with torch.no_grad():
+        alone = [
+            model(
+                input_ids=torch.tensor([s["input_ids"]]), use_cache=False,
+                **{k: torch.tensor(s[k]) for k in ("pixel_values", "image_sizes", "batch_num_images") if k in s},
+            ).logits[0]
+            for s in rows
+        ]  # fmt: skip
+        guard_model(model)
+        batch = MultimodalCollator(model, 0)([packed_row(kind)])
+        packed = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[0]
+    at = 0
+    for s, a in zip(rows, alone):
+        assert float((packed[at : at + len(s["input_ids"])] - a).abs().max()) <= 1e-5
+        at += len(s["input_ids"])
