@@ -150,14 +150,15 @@ def test_image_tokens_from_the_config_equal_the_processors_expanded_prompt(kind,
         assert out["pixel_values"].shape[1] == 1 and out["batch_num_images"].tolist() == [3]
 
 
-def samples(kind: str, seed: int = 0) -> list[dict]:
+def samples(kind: str, seed: int = 0, one_by_one: bool = False) -> list[dict]:
     """Samples as the processor gives them: 1, 0, 2, 1 and 0 images of different sizes, pixel_values
-    (images, tiles, 3, 28, 28) padded to the sample's most tiles, image_sizes, OneVision's batch_num_images."""
+    (images, tiles, 3, 28, 28) padded to the sample's most tiles, image_sizes, OneVision's batch_num_images
+    (``one_by_one``: a sample's images given to OneVision's processor one by one, [1, 1], each tiled)."""
     grid = MropeSpec.from_config(tiny_config(kind)).anyres
     rng = np.random.default_rng(seed)
     out = []
     for sizes, words in (([(30, 70)], 5), ([], 9), ([(56, 56), (20, 90)], 4), ([(90, 20)], 11), ([], 6)):
-        tiled = len(sizes) == 1 or kind == "llava_next"
+        tiled = len(sizes) == 1 or kind == "llava_next" or one_by_one
         ids = rng.integers(3, 290, words).tolist()
         for h, w in sizes:
             ids += [IMAGE] * anyres_image_tokens(grid, h, w, tiled) + rng.integers(3, 290, 3).tolist()
@@ -169,7 +170,7 @@ def samples(kind: str, seed: int = 0) -> list[dict]:
                 pixels[j, anyres_tiles(grid, h, w, tiled) :] = 0
             row.update(pixel_values=pixels.tolist(), image_sizes=[list(s) for s in sizes])
             if kind == "llava_onevision":
-                row["batch_num_images"] = [len(sizes)]
+                row["batch_num_images"] = [1] * len(sizes) if one_by_one else [len(sizes)]
         out.append(row)
     return out
 
@@ -234,6 +235,14 @@ def trainer_step_equals_one_by_one(model, rows: list[dict], tmp_path, sft: bool 
 @pytest.mark.parametrize("kind", ["llava_next", "llava_onevision"])
 def test_packed_training_step_equals_one_by_one(kind, impl, tmp_path):
     trainer_step_equals_one_by_one(tiny(kind, impl), samples(kind), tmp_path)
+
+
+def test_onevision_images_processed_one_by_one_are_each_tiled(tmp_path):
+    # a sample's two images given to the processor as a flat list: batch_num_images [1, 1], each image tiled (its
+    # own count); the collator passes the rows' entries, so the model tiles them as the processor did
+    trainer_step_equals_one_by_one(
+        tiny("llava_onevision"), samples("llava_onevision", one_by_one=True), tmp_path
+    )
 
 
 def test_llava_next_through_sft_trainer_keeps_image_sizes(tmp_path):

@@ -602,15 +602,14 @@ def anyres_images(features: Sequence[Mapping[str, Any]], flat: Any, spec: MropeS
     """The images of any-resolution rows (:data:`~.mrope.ANYRES_MODEL_TYPES`) as the model reads a batch of them:
     ``pixel_values`` ``(images, tiles, channels, size, size)`` in row order, each image's own tiles then zeros up to
     the batch's most (the model reads each image's first :func:`~.mrope.anyres_tiles`), ``image_sizes``, and for
-    OneVision ``batch_num_images`` (the images of each document that has any: an image is tiled only when its
-    document has one).  Every document's image tokens are checked against its images'
+    OneVision ``batch_num_images``, the rows' own entries in order (the model tiles an image only when its entry is
+    1, as the processor did).  Every document's image tokens are checked against its images'
     :func:`~.mrope.anyres_image_tokens`, by row: a wrong count would put image features on other tokens."""
     grid = spec.anyres
     assert grid is not None
-    onevision = spec.model_type == "llava_onevision"
     tiles: list[np.ndarray] = []
     sizes: list[np.ndarray] = []
-    per_doc: list[int] = []
+    numbers: list[int] = []
     for i, row, ids, _, documents in _row_walk(features, flat):
         if row.get("image_grid_thw") is not None and np.asarray(row["image_grid_thw"]).size:
             raise PackingError(
@@ -634,27 +633,25 @@ def anyres_images(features: Sequence[Mapping[str, Any]], flat: Any, spec: MropeS
                 param="image_sizes",
             )
         pixels = _anyres_pixels(row.get("pixel_values"), i, row_sizes.shape[0], spec)
-        counts = _documents_images(row, i, ids, documents, row_sizes, spec) if len(ids) else []
-        if sum(counts) != row_sizes.shape[0]:
+        tiled, entries = _tiled(row, i, row_sizes.shape[0], spec)
+        used = _check_documents(i, ids, documents, row_sizes, tiled, spec) if len(ids) else 0
+        if used != row_sizes.shape[0]:
             raise PackingError(
-                f"row {i}: its documents' image tokens hold {sum(counts)} image(s) but 'image_sizes' has "
+                f"row {i}: its documents' image tokens hold {used} image(s) but 'image_sizes' has "
                 f"{row_sizes.shape[0]}: every image must travel with its sample (re-process the row).",
                 param="image_sizes",
             )
-        at = 0
-        for k in counts:
-            for j in range(at, at + k):
-                need = anyres_tiles(grid, *row_sizes[j].tolist(), tiled=k == 1 or not onevision)
-                if pixels[j].shape[0] < need:
-                    raise PackingError(
-                        f"row {i}: image {j} of size {row_sizes[j].tolist()} has {pixels[j].shape[0]} tile(s) in "
-                        f"'pixel_values' but {spec.model_type!r} reads {need} for it: re-process the row.",
-                        param="pixel_values",
-                    )
-                tiles.append(pixels[j][:need])
-            at += k
+        for j, (h, w) in enumerate(row_sizes.tolist()):
+            need = anyres_tiles(grid, h, w, tiled[j])
+            if pixels[j].shape[0] < need:
+                raise PackingError(
+                    f"row {i}: image {j} of size {[h, w]} has {pixels[j].shape[0]} tile(s) in 'pixel_values' but "
+                    f"{spec.model_type!r} reads {need} for it: re-process the row.",
+                    param="pixel_values",
+                )
+            tiles.append(pixels[j][:need])
         sizes.append(row_sizes)
-        per_doc += [k for k in counts if k]
+        numbers += entries
     if not tiles:
         return {}
     most = max(t.shape[0] for t in tiles)
@@ -662,61 +659,60 @@ def anyres_images(features: Sequence[Mapping[str, Any]], flat: Any, spec: MropeS
     for j, t in enumerate(tiles):
         out[j, : t.shape[0]] = t
     batch = {"pixel_values": out, "image_sizes": np.concatenate(sizes)}
-    if onevision:
-        batch["batch_num_images"] = np.asarray(per_doc, np.int64)
+    if spec.model_type == "llava_onevision":
+        batch["batch_num_images"] = np.asarray(numbers, np.int64)
     return batch
 
 
-def _documents_images(
-    row: Mapping[str, Any], i: int, ids: np.ndarray, documents: Any, sizes: np.ndarray, spec: MropeSpec
-) -> list[int]:
-    """How many of the row's images (in order) each document holds, its image tokens checked against their counts.
-    OneVision: from the row's ``batch_num_images`` (the processor's images per sample); LLaVA-NeXT: the images whose
-    counts add up to the document's image tokens."""
+def _tiled(row: Mapping[str, Any], i: int, images: int, spec: MropeSpec) -> tuple[list[bool], list[int]]:
+    """Whether each of the row's images is tiled, and the row's ``batch_num_images`` entries (non-zero).
+    LLaVA-NeXT tiles every image; OneVision an image whose processor call gave its sample one image (the row's
+    ``batch_num_images``: a sample's images given as a list of their own count as one sample of several, given one
+    by one as samples of one)."""
+    if spec.model_type != "llava_onevision":
+        return [True] * images, []
+    given = row.get("batch_num_images")
+    entries = [] if given is None else [int(n) for n in np.asarray(given).reshape(-1) if int(n)]
+    if sum(entries) != images or any(n < 0 for n in entries):
+        raise PackingError(
+            f"row {i}: 'batch_num_images' {given!r} does not count its {images} image(s) (image_sizes): "
+            f"LLaVA-OneVision tiles an image only when its sample has one, so the processor's count of images per "
+            f"sample is needed. Keep the processor's batch_num_images column with the rows.",
+            param="batch_num_images",
+        )
+    return [n == 1 for n in entries for _ in range(n)], entries
+
+
+def _check_documents(
+    i: int, ids: np.ndarray, documents: Any, sizes: np.ndarray, tiled: list[bool], spec: MropeSpec
+) -> int:
+    """Check each document's image tokens against the counts of the row's next images (in order, as many as add
+    up to its tokens); the images the documents hold."""
     grid = spec.anyres
     assert grid is not None
-    onevision = spec.model_type == "llava_onevision"
-    runs = []
-    for _, start, length in documents:
-        starts, stops = image_token_runs(ids[start : start + length], spec.image_token_id)
-        runs.append((stops - starts).tolist())
-    if onevision:
-        given = row.get("batch_num_images")
-        numbers = [] if given is None else [int(n) for n in np.asarray(given).reshape(-1) if int(n)]
-        with_images = [d for d, r in enumerate(runs) if r]
-        if len(numbers) != len(with_images):
-            raise PackingError(
-                f"row {i}: {len(with_images)} document(s) hold image tokens but 'batch_num_images' gives "
-                f"{numbers or given!r}: LLaVA-OneVision tiles an image only when its sample has one, so each "
-                f"sample's image count is needed. Keep the processor's batch_num_images column with the rows.",
-                param="batch_num_images",
-            )
-        counts = [0] * len(runs)
-        for d, n in zip(with_images, numbers):
-            counts[d] = n
-    counts_out: list[int] = []
     at = 0
-    for d, doc_runs in enumerate(runs):
-        total = sum(doc_runs)
-        if onevision:
-            k = counts[d]
-        else:  # the images whose tokens add up to the document's
-            k, got = 0, 0
-            while got < total and at + k < sizes.shape[0]:
-                got += anyres_image_tokens(grid, *sizes[at + k].tolist())
-                k += 1
-        expected = [
-            anyres_image_tokens(grid, *s, tiled=k == 1 or not onevision) for s in sizes[at : at + k].tolist()
-        ]
-        if at + k > sizes.shape[0] or sum(expected) != total or (len(doc_runs) == k and doc_runs != expected):
+    for d, start, length in documents:
+        starts, stops = image_token_runs(ids[start : start + length], spec.image_token_id)
+        runs = (stops - starts).tolist()
+        total, got, k = sum(runs), 0, 0
+        expected: list[int] = []
+        while got < total and at + k < sizes.shape[0]:
+            expected.append(anyres_image_tokens(grid, *sizes[at + k].tolist(), tiled[at + k]))
+            got += expected[-1]
+            k += 1
+        if got != total or (len(runs) == k and runs != expected):
+            hint = (
+                " (OneVision: an image is tiled only when its batch_num_images entry is 1)"
+                if spec.model_type == "llava_onevision"
+                else ""
+            )
             raise PackingError(
-                f"row {i}, document {d}: its image tokens (id {spec.image_token_id}) form runs of {doc_runs} "
-                f"tokens, but its image(s) of sizes {sizes[at : at + k].tolist()} (image_sizes) are {expected} "
-                f"tokens for {spec.model_type!r} (tiles, unpadding and newline tokens from the size): each image "
-                f"needs exactly its own tokens. Process the sample with this model's own processor, and keep its "
-                f"image_sizes with it.",
+                f"row {i}, document {d}: its image tokens (id {spec.image_token_id}) form runs of {runs} tokens, "
+                f"but its image(s) of sizes {sizes[at : at + k].tolist()} (image_sizes) are {expected} tokens for "
+                f"{spec.model_type!r} (tiles, unpadding and newline tokens from the size){hint}: each image needs "
+                f"exactly its own tokens. Process the sample with this model's own processor, and keep its "
+                f"image_sizes and batch_num_images with it.",
                 param="input_ids",
             )
-        counts_out.append(k)
         at += k
-    return counts_out
+    return at
