@@ -361,3 +361,14 @@ def test_guarded_loop_of_ones_own_equals_one_by_one(kind):
     for s, a in zip(rows, alone):
         assert float((packed[at : at + len(s["input_ids"])] - a).abs().max()) <= 1e-5
         at += len(s["input_ids"])
+
+
+def test_pack_dataset_refuses_tiles_without_their_image_sizes():
+    rows = samples("llava_next")
+    with pytest.raises(PackingError, match=r"5-D values per sample .* no 'image_sizes' column"):
+        pack_dataset(
+            datasets.Dataset.from_list([{k: v for k, v in r.items() if k != "image_sizes"} for r in rows]),
+            160,
+        )
+    with pytest.raises(PackingError, match=r"leaves out \['image_sizes'\]"):
+        pack_dataset(datasets.Dataset.from_list(rows), 160, columns=["input_ids", "pixel_values"])

@@ -443,7 +443,14 @@ def _check_patches(table: pa.Table) -> None:
     # LLaVA-style rows: whole images, no grid (MultimodalCollator checks them per row)
     if missing == ["image_grid_thw"]:
         depth, kind = _list_depth(table.schema.field("pixel_values").type)
-        if depth == 5 and "image_sizes" in table.column_names:  # any-resolution: (images, tiles, c, h, w)
+        if depth == 5:  # any-resolution (LLaVA-NeXT, OneVision): (images, tiles, c, h, w), with image_sizes
+            if "image_sizes" not in table.column_names:
+                raise PackingError(
+                    "'pixel_values' holds 5-D values per sample (images, tiles, channels, size, size: LLaVA-NeXT / "
+                    "LLaVA-OneVision) but there is no 'image_sizes' column: each image's tokens follow from its "
+                    "original size. Keep the processor's image_sizes (and batch_num_images) columns with the rows.",
+                    param="columns",
+                )
             return
         if depth != 4 and (pa.types.is_floating(kind) or pa.types.is_integer(kind)):
             raise PackingError(
