@@ -372,3 +372,30 @@ def test_pack_dataset_refuses_tiles_without_their_image_sizes():
         )
     with pytest.raises(PackingError, match=r"leaves out \['image_sizes'\]"):
         pack_dataset(datasets.Dataset.from_list(rows), 160, columns=["input_ids", "pixel_values"])
+
+
+@pytest.mark.parametrize(
+    ("kind", "aspect"),
+    [
+        ("llava_next", "anyres_max_9"),
+        ("llava_onevision", "anyres_max_9"),
+        ("llava_onevision", "anyres_max_1"),
+    ],
+)
+def test_image_tokens_from_the_config_equal_the_models_features(kind, aspect):
+    # the model's own count (its image features, newline tokens and OneVision's pooling included) for many sizes
+    model = tiny(kind, aspect=aspect) if kind == "llava_onevision" else tiny(kind)
+    grid = MropeSpec.from_config(model.config).anyres
+    rng = np.random.default_rng(3)
+    pooled = 0
+    for h, w in [(int(h), int(w)) for h, w in rng.integers(1, 200, (12, 2))]:
+        tiles = torch.randn(1, anyres_tiles(grid, h, w), 3, 28, 28)
+        with torch.no_grad():
+            features = model.model.get_image_features(
+                tiles, torch.tensor([[h, w]]), return_dict=True
+            ).pooler_output
+        assert features[0].shape[0] == anyres_image_tokens(grid, h, w), (h, w)
+        pooled += anyres_image_tokens(grid, h, w) < anyres_image_tokens(
+            dataclasses.replace(grid, max_tiles=None), h, w
+        )
+    assert (pooled > 0) == (aspect == "anyres_max_1")
