@@ -288,7 +288,9 @@ class MultimodalCollator:
     """Collate processed vision-language rows (packed or one sample each) into one padding-free batch.
 
     ``model`` is the model, its config or an :class:`~packtools.batches.mrope.MropeSpec` (Qwen2-VL,
-    Qwen2.5-VL, Qwen3-VL, Qwen3.5, LLaVA, InternVL, Gemma 3; others are refused by name).  For the last three (``spec.flat``) ``position_ids`` are
+    Qwen2.5-VL, Qwen3-VL, Qwen3.5, LLaVA, InternVL, Gemma 3, LLaVA-NeXT, LLaVA-OneVision; others are refused by name).
+    LLaVA-NeXT and LLaVA-OneVision (``spec.anyres``) get the text row as ``position_ids`` and :func:`anyres_images`'
+    ``pixel_values`` (tiles padded to the batch's most), ``image_sizes`` and OneVision's ``batch_num_images``.  For the last three (``spec.flat``) ``position_ids`` are
     the text row ``[1, T]``, ``pixel_values`` ``(images, channels, size, size)``, and there is no
     ``image_grid_thw`` / ``mm_token_type_ids``; Gemma 3 (``spec.image_blocks``) also gets ``token_type_ids`` (1 on
     image tokens) and ``attention_mask``, each document's own masks by layer type: ``image_masks='dense'``
