@@ -556,9 +556,16 @@ class MultimodalCollator:
                     param="pixel_values",
                 )
             if count != images:
+                padded = (
+                    " (a processor called on several samples at once pads each to the most tiles with all-zero "
+                    "tiles: process one sample at a time)"
+                    if spec.tiles and count > images
+                    else ""
+                )
                 raise PackingError(
                     f"row {i}: 'pixel_values' holds {count} image(s) but its input_ids hold {images} "
-                    f"({per} image tokens each); every image must travel with its sample (re-process the row).",
+                    f"({per} image tokens each); every image must travel with its sample (re-process the "
+                    f"row){padded}.",
                     param="pixel_values",
                 )
             if count:
