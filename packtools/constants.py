@@ -18,6 +18,9 @@ TOKEN_COLUMNS = ("input_ids", "labels", *MASK_COLUMNS)
 #: Per-sample image columns of processed vision-language rows: they travel whole with their sample (never cut per
 #: token), so only the vision path of ``pack_dataset`` packs them (``docs/vision.md``).
 IMAGE_COLUMNS = ("pixel_values", "image_grid_thw")
+#: The per-tile mask of Idefics3 / SmolVLM rows (``(tiles, size, size)``, 1 on an image's pixels): packed whole with
+#: ``pixel_values`` (``pack_dataset``) and carried by ``MultimodalCollator`` for those types.
+PIXEL_MASK = "pixel_attention_mask"
 #: The processors' per-sample video pixel columns: packtools packs images only (video positions are not verified),
 #: so rows holding them are refused by name on every path, ``leave_out`` and ``columns=`` included.  (Their
 #: companions ``second_per_grid_ts`` / ``video_metadata`` are ordinary columns there: a text dataset may name a

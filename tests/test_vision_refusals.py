@@ -246,8 +246,6 @@ def test_llava_any_resolution_forward_is_exact_packed(kind, impl):
 @pytest.mark.parametrize(
     ("model_type", "says"),
     [
-        ("idefics3", "pixel_attention_mask"),
-        ("smolvlm", "pixel_attention_mask"),
         ("mistral3", "Pixtral tower reads images of any size"),
     ],
 )

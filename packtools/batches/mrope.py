@@ -14,10 +14,10 @@ from), then t/h/w (why this layout, and the negative controls: docs/vision.md).
 Videos are refused by name (their temporal spacing differs per family); two images with no text token between
 them are refused too (the models group consecutive image tokens as one image and fail on them).
 
-LLaVA and InternVL (:data:`FLAT_MODEL_TYPES`) have 1-D positions: its :class:`MropeSpec` (``flat``) carries the tokens of one
-image and the pixel shape, and a packed row's positions are the text row alone.  LLaVA-NeXT and LLaVA-OneVision
-(:data:`ANYRES_MODEL_TYPES`) too, but each image is as many tokens as :func:`anyres_image_tokens` counts from its
-``image_sizes`` (the spec's :class:`AnyresGrid`).
+LLaVA, InternVL, Gemma 3, Idefics3 and SmolVLM (:data:`FLAT_MODEL_TYPES`) have 1-D positions: its :class:`MropeSpec`
+(``flat``) carries the tokens of one image (one tile, for Idefics3 and SmolVLM) and the pixel shape, and a packed row's
+positions are the text row alone.  LLaVA-NeXT and LLaVA-OneVision (:data:`ANYRES_MODEL_TYPES`) too, but each image is
+as many tokens as :func:`anyres_image_tokens` counts from its ``image_sizes`` (the spec's :class:`AnyresGrid`).
 """
 
 from __future__ import annotations
@@ -37,13 +37,15 @@ from ..errors import PackingError
 #: Of these, the LLaVA-style types: a language model with 1-D rotary positions over a fixed run of image tokens per
 #: image (or InternVL tile), from a vision tower at one image size.  Their packed positions are the text row, restarting at every
 #: document; the images travel in row order (``pixel_values`` ``(images, channels, size, size)``).
-FLAT_MODEL_TYPES = ("llava", "internvl", "gemma3")
+FLAT_MODEL_TYPES = ("llava", "internvl", "gemma3", "idefics3", "smolvlm")
 #: The vision towers verified with each of :data:`FLAT_MODEL_TYPES` (one fixed image size, each image -- each
 #: InternVL tile -- seen alone).
 FLAT_VISION_TYPES = {
     "llava": ("clip_vision_model", "siglip_vision_model"),
     "internvl": ("internvl_vision",),
     "gemma3": ("siglip_vision_model",),
+    "idefics3": ("idefics3_vision",),
+    "smolvlm": ("smolvlm_vision",),
 }
 #: The ``vision_feature_select_strategy`` values verified with each of :data:`FLAT_MODEL_TYPES`.
 FLAT_STRATEGIES = {"llava": ("default", "full"), "internvl": ("default",)}  # Gemma 3 has no strategy
@@ -53,6 +55,13 @@ FLAT_STRATEGIES = {"llava": ("default", "full"), "internvl": ("default",)}  # Ge
 #: of boolean ``[1, 1, T, T]`` masks, which ``sdpa`` and ``packtools_sdpa`` read and ``eager`` cannot, or, on
 #: ``packtools_sdpa``, of per-document ``DocumentBlockMask``s: ``image_masks``).
 IMAGE_BLOCK_TYPES = ("gemma3",)
+#: Of :data:`FLAT_MODEL_TYPES`, those whose images are tiles read with a ``pixel_attention_mask`` (Idefics3,
+#: SmolVLM): the processor splits an image into ``image_size`` tiles plus a global one, each tile a run of
+#: ``(image_size / patch_size)² / scale_factor²`` tokens between row/column tokens; the model takes ``pixel_values``
+#: ``(batch, tiles, channels, size, size)`` and ``pixel_attention_mask`` ``(batch, tiles, size, size)`` and drops
+#: all-zero tiles as padding.  Packed, a row's tiles are concatenated in document order under one batch entry
+#: (measured exact on transformers 5.25: ``tests/test_vision_idefics3.py``).
+TILE_MODEL_TYPES = ("idefics3", "smolvlm")
 #: The attention implementations verified with the ready-made masks of :data:`IMAGE_BLOCK_TYPES`.
 IMAGE_BLOCK_BACKENDS = ("sdpa", "packtools_sdpa")
 #: Why :data:`IMAGE_BLOCK_TYPES` need their masks ready-made, measured on transformers 5.25.
@@ -91,14 +100,6 @@ VERIFIED_MODEL_TYPES = (
 #: Why popular multimodal types outside :data:`VERIFIED_MODEL_TYPES` are refused, measured on transformers 5.25
 #: (``tests/test_vision_refusals.py``); the refusals of :class:`MropeSpec` and ``prepare_trainer`` say it.
 UNVERIFIED_REASONS = {
-    "idefics3": (
-        "Idefics3's images are split into tiles with row/column tokens and read with a pixel_attention_mask, "
-        "which MultimodalCollator does not carry or check."
-    ),
-    "smolvlm": (
-        "SmolVLM's images are split into tiles with row/column tokens and read with a pixel_attention_mask, "
-        "which MultimodalCollator does not carry or check."
-    ),
     "mistral3": (
         "Mistral 3's Pixtral tower reads images of any size (a different number of tokens each, with "
         "[IMG_BREAK] rows, from image_sizes), which MultimodalCollator does not carry or check."
@@ -212,6 +213,12 @@ class MropeSpec:
         return self.model_type in FLAT_MODEL_TYPES or self.model_type in ANYRES_MODEL_TYPES
 
     @property
+    def tiles(self) -> bool:
+        """Images are tiles read with a ``pixel_attention_mask`` (:data:`TILE_MODEL_TYPES`): the collator carries
+        it, and gives ``pixel_values`` / ``pixel_attention_mask`` one batch entry of all the row's tiles."""
+        return self.model_type in TILE_MODEL_TYPES
+
+    @property
     def image_blocks(self) -> bool:
         """Images attend bidirectionally within themselves (:data:`IMAGE_BLOCK_TYPES`): the collator gives
         ``token_type_ids`` and each document's masks ready-made."""
@@ -246,7 +253,8 @@ class MropeSpec:
     @classmethod
     def from_config(cls, config: Any) -> MropeSpec:
         """The spec of a transformers config (``Qwen2VLConfig``, ``Qwen2_5_VLConfig``, ``Qwen3VLConfig``,
-        ``Qwen3_5Config``, ``Qwen3_5MoeConfig``, ``LlavaConfig``, ``InternVLConfig``)."""
+        ``Qwen3_5Config``, ``Qwen3_5MoeConfig``, ``LlavaConfig``, ``InternVLConfig``, ``Gemma3Config``,
+        ``Idefics3Config``, ``SmolVLMConfig``)."""
         model_type = getattr(config, "model_type", None)
         vision = getattr(config, "vision_config", None)
         image = getattr(config, "image_token_id", None)
@@ -282,6 +290,8 @@ class MropeSpec:
         tower = getattr(vision, "model_type", None)
         if model_type == "gemma3" and tower in FLAT_VISION_TYPES[model_type] and size and patch:
             return cls._gemma3_from_config(config, vision, image, size, patch)
+        if model_type in TILE_MODEL_TYPES and tower in FLAT_VISION_TYPES[model_type] and size and patch:
+            return cls._tiles_from_config(config, model_type, vision, image, size, patch)
         if tower not in FLAT_VISION_TYPES[model_type] or size is None or patch is None:
             raise PackingError(
                 f"{type(config).__name__} with a {tower!r} vision tower: packtools has verified {model_type!r} "
@@ -377,6 +387,15 @@ class MropeSpec:
         )
 
     @classmethod
+    def _tiles_from_config(
+        cls, config: Any, model_type: str, vision: Any, image: int, size: int, patch: int
+    ) -> MropeSpec:
+        """Idefics3 / SmolVLM: :func:`_tile_tokens` tokens a tile, tiles of ``(channels, size, size)``."""
+        shape = (int(getattr(vision, "num_channels", 3)), size, size)
+        tokens = _tile_tokens(config, size, patch)
+        return cls(model_type, image, None, 1, image_tokens=tokens, image_shape=shape)
+
+    @classmethod
     def _gemma3_from_config(cls, config: Any, vision: Any, image: int, size: int, patch: int) -> MropeSpec:
         """Gemma 3: ``mm_tokens_per_image`` tokens an image (the tower's ``side x side`` patches average-pooled to
         a square of them), and the text model's sliding window."""
@@ -401,6 +420,19 @@ class MropeSpec:
             raise PackingError(f"{type(text).__name__}: sliding_window {window!r} is not a positive int.")
         shape = (int(getattr(vision, "num_channels", 3)), size, size)
         return cls("gemma3", image, None, 1, image_tokens=tokens, image_shape=shape, sliding_window=window)
+
+
+def _tile_tokens(config: Any, size: int, patch: int) -> int:
+    """The tokens of one Idefics3 / SmolVLM tile: ``(size / patch)²`` patches, pixel-shuffled by ``scale_factor``
+    a side (what the model's ``image_seq_len`` and the processor's ``image_seq_len`` count)."""
+    side, scale = size // patch, getattr(config, "scale_factor", None)
+    if not isinstance(scale, int) or scale < 1 or size % patch or side % scale:
+        raise PackingError(
+            f"{type(config).__name__}: {size // patch} patches a side (image_size {size}, patch_size {patch}) is "
+            f"not a whole number of scale_factor {scale!r} squares.",
+            param="model",
+        )
+    return (side // scale) ** 2
 
 
 def _square(value: Any) -> int | None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from .._optional import require
 from ..compat.transformers import attn_implementation
-from ..constants import ANYRES_COLUMNS, IGNORE_INDEX, IMAGE_COLUMNS, VIDEO_COLUMNS
+from ..constants import ANYRES_COLUMNS, IGNORE_INDEX, IMAGE_COLUMNS, PIXEL_MASK, VIDEO_COLUMNS
 from ..errors import PackingError
 from .collate import PaddingFreeCollator, to_tensors
 from .flatten import CARRIED_KEYS, check_carried, check_leave_out, flatten_rows
@@ -49,8 +49,9 @@ def image_columns(spec: MropeSpec) -> tuple[str, ...]:
     >>> image_columns(MropeSpec("qwen2_vl", 9, 8, 2))
     ('pixel_values', 'image_grid_thw', 'mm_token_type_ids')
     """
-    extra = ("token_type_ids",) if spec.image_blocks else ANYRES_COLUMNS if spec.anyres is not None else ()
-    return (*VISION_COLUMNS, *extra)
+    blocks = ("token_type_ids",) if spec.image_blocks else ()
+    anyres = ANYRES_COLUMNS if spec.anyres is not None else ()
+    return (*VISION_COLUMNS, *blocks, *anyres, *((PIXEL_MASK,) if spec.tiles else ()))
 
 
 def check_no_video(features: Sequence[Mapping[str, Any]]) -> None:
@@ -88,6 +89,39 @@ def _pixels(value: Any, row: int, patches: int, width: int | None) -> np.ndarray
             param="pixel_values",
         )
     return arr
+
+
+def _tile_masks(value: Any, pixels: np.ndarray, row: int, model_type: str) -> np.ndarray:
+    """A row's ``pixel_attention_mask`` for its ``pixels`` (Idefics3 / SmolVLM tiles), checked: one
+    ``(size, size)`` mask of 0/1 per tile, no tile masked whole, and no tile all zeros (the model drops an all-zero
+    tile as padding: its tokens would then have no features)."""
+    tiles = pixels.shape[0]
+    if value is None:
+        raise PackingError(
+            f"row {row} has {tiles} image tile(s) but no 'pixel_attention_mask': {model_type!r} reads each tile "
+            f"with its mask (the padded pixels of a tile are masked out). Keep the processor's "
+            f"pixel_attention_mask column with the rows (pack_dataset carries it).",
+            param=PIXEL_MASK,
+        )
+    mask = np.asarray(value)
+    if mask.shape != (tiles, *pixels.shape[2:]) or not np.isin(mask, (0, 1)).all():
+        raise PackingError(
+            f"row {row}: 'pixel_attention_mask' has shape {mask.shape} ({mask.dtype}) but its pixel_values hold "
+            f"{tiles} tile(s) of {tuple(pixels.shape[2:])} pixels: one 0/1 mask per tile, as the processor gives "
+            f"it; re-process the row.",
+            param=PIXEL_MASK,
+        )
+    empty = [t for t in range(tiles) if not mask[t].any()]
+    zero = [t for t in range(tiles) if not pixels[t].any()]
+    if empty or zero:
+        what = f"tile(s) {empty} fully masked" if empty else f"tile(s) {zero} all zeros"
+        raise PackingError(
+            f"row {row}: {what}: {model_type!r} takes an all-zero tile for padding and drops it (and a fully "
+            f"masked tile has no pixels to read), so its image tokens would have no features. Re-process the row "
+            f"with the model's processor.",
+            param=PIXEL_MASK if empty else "pixel_values",
+        )
+    return mask.astype(np.int64)
 
 
 def _row_walk(features: Sequence[Mapping[str, Any]], flat: Any) -> Any:
@@ -288,11 +322,14 @@ class MultimodalCollator:
     """Collate processed vision-language rows (packed or one sample each) into one padding-free batch.
 
     ``model`` is the model, its config or an :class:`~packtools.batches.mrope.MropeSpec` (Qwen2-VL,
-    Qwen2.5-VL, Qwen3-VL, Qwen3.5, LLaVA, InternVL, Gemma 3, LLaVA-NeXT, LLaVA-OneVision; others are refused by name).
-    LLaVA-NeXT and LLaVA-OneVision (``spec.anyres``) get the text row as ``position_ids`` and :func:`anyres_images`'
-    ``pixel_values`` (tiles padded to the batch's most), ``image_sizes`` and OneVision's ``batch_num_images``.  For the last three (``spec.flat``) ``position_ids`` are
-    the text row ``[1, T]``, ``pixel_values`` ``(images, channels, size, size)``, and there is no
-    ``image_grid_thw`` / ``mm_token_type_ids``; Gemma 3 (``spec.image_blocks``) also gets ``token_type_ids`` (1 on
+    Qwen2.5-VL, Qwen3-VL, Qwen3.5, LLaVA, InternVL, Gemma 3, Idefics3, SmolVLM, LLaVA-NeXT, LLaVA-OneVision; others are
+    refused by name).  LLaVA-NeXT and LLaVA-OneVision (``spec.anyres``) get the text row as ``position_ids`` and
+    :func:`anyres_images`' ``pixel_values`` (tiles padded to the batch's most), ``image_sizes`` and OneVision's
+    ``batch_num_images``.  For LLaVA, InternVL, Gemma 3, Idefics3 and SmolVLM (``spec.flat``) ``position_ids`` are
+    the text row ``[1, T]``, ``pixel_values`` ``(images, channels, size, size)``, and there is no ``image_grid_thw`` /
+    ``mm_token_type_ids``; Idefics3 and SmolVLM (``spec.tiles``) get ``pixel_values`` ``(1, tiles, channels, size,
+    size)`` and ``pixel_attention_mask`` ``(1, tiles, size, size)``, every tile of the batch in row order, each row's
+    mask required and checked; Gemma 3 (``spec.image_blocks``) also gets ``token_type_ids`` (1 on
     image tokens) and ``attention_mask``, each document's own masks by layer type: ``image_masks='dense'``
     (:func:`image_block_masks`, ``T²`` bytes each, what ``sdpa`` reads) or ``'per_document'``
     (:class:`DocumentBlockMask`, ``T`` bytes each, what ``packtools_sdpa`` reads); ``None`` picks
@@ -407,11 +444,14 @@ class MultimodalCollator:
             batch.update(anyres_images(features, flat, self.spec))
             return to_tensors(batch, self.return_tensors)
         if self.spec.flat:  # 1-D positions: the text row's, restarting at every document
-            pixels = self._flat_images(features, flat)
+            pixels, masks = self._flat_images(features, flat)
             is_image = batch["input_ids"][0] == self.spec.image_token_id
             batch["labels"][0, is_image] = IGNORE_INDEX
             if pixels:
                 batch["pixel_values"] = np.concatenate(pixels) if len(pixels) > 1 else pixels[0]
+            if pixels and self.spec.tiles:  # one batch entry holding every tile of the batch, in row order
+                batch["pixel_values"] = batch["pixel_values"][None]
+                batch[PIXEL_MASK] = np.concatenate(masks)[None]
             if not self.spec.image_blocks:
                 return to_tensors(batch, self.return_tensors)
             batch["token_type_ids"] = is_image.astype(np.int64)[None]
@@ -484,12 +524,17 @@ class MultimodalCollator:
                 pixels.append(pix)
         return grids, pixels
 
-    def _flat_images(self, features: Sequence[Mapping[str, Any]], flat: Any) -> list[np.ndarray]:
+    def _flat_images(
+        self, features: Sequence[Mapping[str, Any]], flat: Any
+    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """The rows' ``(images, channels, size, size)`` pixels, in row order, each document's image tokens checked
-        against them: runs of ``image_tokens`` tokens per image (a LLaVA-style spec)."""
+        against them: runs of ``image_tokens`` tokens per image (a LLaVA-style spec); and, for
+        :data:`~.mrope.TILE_MODEL_TYPES`, the rows' ``pixel_attention_mask`` ``(tiles, size, size)`` (empty
+        otherwise)."""
         spec = self.spec
         per = int(spec.image_tokens or 0)
         pixels: list[np.ndarray] = []
+        masks: list[np.ndarray] = []
         for i, row, ids, _, documents in _row_walk(features, flat):
             if row.get("image_grid_thw") is not None and np.asarray(row["image_grid_thw"]).size:
                 raise PackingError(
@@ -527,14 +572,28 @@ class MultimodalCollator:
                     param="pixel_values",
                 )
             if count != images:
+                padded = (
+                    " (a processor called on several samples at once pads each to the most tiles with all-zero "
+                    "tiles: process one sample at a time)"
+                    if spec.tiles and count > images
+                    else ""
+                )
                 raise PackingError(
                     f"row {i}: 'pixel_values' holds {count} image(s) but its input_ids hold {images} "
-                    f"({per} image tokens each); every image must travel with its sample (re-process the row).",
+                    f"({per} image tokens each); every image must travel with its sample (re-process the "
+                    f"row){padded}.",
                     param="pixel_values",
                 )
             if count:
                 pixels.append(arr)
-        return pixels
+                if spec.tiles:
+                    masks.append(_tile_masks(row.get(PIXEL_MASK), arr, i, spec.model_type))
+            elif spec.tiles and row.get(PIXEL_MASK) is not None and np.asarray(row[PIXEL_MASK]).size:
+                raise PackingError(
+                    f"row {i} has a 'pixel_attention_mask' but no images; re-process the row.",
+                    param=PIXEL_MASK,
+                )
+        return pixels, masks
 
     def _check_types(self, row: Mapping[str, Any], i: int, ids: np.ndarray) -> None:
         for name in (

@@ -140,6 +140,18 @@ def check_image_inputs(model: Any, kwargs: Any, impl: str | None = None) -> None
         return
     check_multimodal(model)
     model_type = getattr(getattr(base_model(model), "config", None), "model_type", None)
+    if (
+        model_type in mrope.TILE_MODEL_TYPES
+        and "pixel_values" in given
+        and "pixel_attention_mask" not in given
+    ):
+        raise PackingError(
+            f"{type(base_model(model)).__name__} (model_type {model_type!r}) got a packed batch with pixel_values "
+            f"but no pixel_attention_mask: the model would read every tile as unpadded (a padded tile's zero "
+            f"pixels as image). Collate its packed rows with packtools.batches.MultimodalCollator(model, "
+            f"pad_token_id), which carries each row's masks.",
+            param="pixel_attention_mask",
+        )
     if model_type not in mrope.IMAGE_BLOCK_TYPES:
         return
     ready = isinstance(kwargs.get("attention_mask"), dict)

@@ -22,7 +22,7 @@ import pyarrow as pa
 from ..._optional import require
 from ...compat.datasets import dataset_table, format_type, memory_mapped_table, temporary_cache_directory
 from ...compat.datasets import fingerprint as datasets_fingerprint
-from ...constants import ANYRES_COLUMNS, IMAGE_COLUMNS, SEQ_LENGTHS
+from ...constants import ANYRES_COLUMNS, IMAGE_COLUMNS, PIXEL_MASK, SEQ_LENGTHS
 from ...core.arrow import check_row_counts, column_lengths, is_list_type
 from ...core.cp_budget import check_context_parallel, plan_for_cp
 from ...core.nested import gather_whole_samples, plan_whole_samples
@@ -480,6 +480,24 @@ def _check_patches(table: pa.Table) -> None:
     check_row_counts(patches, expected, "'pixel_values' holds {} patches", "its image_grid_thw gives {}", fix)
 
 
+def _check_tile_masks(table: pa.Table) -> None:
+    """Idefics3 / SmolVLM rows: every sample's ``pixel_attention_mask`` holds one mask per tile of its
+    ``pixel_values`` (packed, the masks of a row are matched to its tiles by order alone)."""
+    if PIXEL_MASK not in table.column_names:
+        return
+    if "pixel_values" not in table.column_names:
+        raise PackingError(
+            f"the rows have '{PIXEL_MASK}' but no 'pixel_values': keep the processor's pixel_values column.",
+            param="columns",
+        )
+    counts = [
+        np.asarray(table.column(n).combine_chunks().value_lengths().fill_null(0), np.int64)
+        for n in (PIXEL_MASK, "pixel_values")
+    ]
+    fix = "pass the processor's output for every sample unchanged (one mask per tile, in order)."
+    check_row_counts(*counts, f"'{PIXEL_MASK}' holds {{}} masks", "'pixel_values' holds {} tiles", fix)
+
+
 def _list_depth(kind: pa.DataType) -> tuple[int, pa.DataType]:
     """How many list levels a column type nests, and the type inside them."""
     depth = 0
@@ -509,7 +527,7 @@ def pack_vision_table(
             param="strategy",
         )
     names = list(table.column_names) if columns is None else list(columns)
-    whole = (*IMAGE_COLUMNS, *ANYRES_COLUMNS)  # per-sample image columns, gathered whole in row order
+    whole = (*IMAGE_COLUMNS, *ANYRES_COLUMNS, PIXEL_MASK)  # per-sample image columns, gathered whole in row order
     left_out = [c for c in whole if c in table.column_names and c not in names]
     if left_out:
         raise PackingError(
@@ -517,6 +535,7 @@ def pack_vision_table(
             param="columns",
         )
     _check_patches(table)
+    _check_tile_masks(table)
     token_names = [n for n in names if n not in whole]
     non_list = [
         n for n in token_names if n in table.column_names and not is_list_type(table.schema.field(n).type)
@@ -533,6 +552,6 @@ def pack_vision_table(
     p = plan_whole_samples(lengths, max_length, shuffle=shuffle, seed=seed, where=lambda i: f"sample {i}")
     packed = pack_columns(cols, p, indices)
     for name in whole:
-        if name in table.column_names:  # LLaVA-style rows have no image_grid_thw (_check_patches)
+        if name in table.column_names:  # LLaVA-style rows have no image_grid_thw, only tiles a pixel mask
             packed = packed.append_column(name, gather_whole_samples(table.column(name), p, indices))
     return packed, p

@@ -18,6 +18,7 @@ from ...batches.mrope import (
     anyres_image_tokens,
     anyres_tiles,
 )
+from ...constants import PIXEL_MASK
 from ...errors import PackingError
 from ..attention.backends import attention_implementation, base_model, check_multimodal, multimodal_parts
 from ..attention.isolation import (
@@ -159,6 +160,8 @@ def _flat_probe_samples(config: Any, spec: MropeSpec, rng: np.random.Generator) 
         row: dict[str, Any] = {"input_ids": np.asarray(ids, np.int64)}
         if images:
             row["pixel_values"] = rng.standard_normal((images, *shape)).astype(np.float32)
+            if spec.tiles:  # Idefics3 / SmolVLM: whole tiles, each read with its mask
+                row[PIXEL_MASK] = np.ones((images, *shape[1:]), np.int64)
         return row
 
     return [sample(1, 4), sample(0, 6), sample(2, 3)]
@@ -210,6 +213,8 @@ def _packed_rows(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["batch_num_images"] = np.concatenate([s["batch_num_images"] for s in images])
     elif images:
         row["pixel_values"] = np.concatenate([s["pixel_values"] for s in images])
+        if PIXEL_MASK in images[0]:
+            row[PIXEL_MASK] = np.concatenate([s[PIXEL_MASK] for s in images])
         if "image_grid_thw" in images[0]:
             row["image_grid_thw"] = np.concatenate([s["image_grid_thw"] for s in images])
     return [row, {**samples[2], "seq_lengths": [len(samples[2]["input_ids"])]}]
@@ -261,6 +266,11 @@ def check_vision_isolation(
                 extra["batch_num_images"] = torch.as_tensor(sample["batch_num_images"])
         elif "pixel_values" in sample and "image_grid_thw" not in sample:  # LLaVA-style: the images alone
             extra = {"pixel_values": torch.as_tensor(sample["pixel_values"])}
+            if (
+                PIXEL_MASK in sample
+            ):  # Idefics3 / SmolVLM: one batch entry of the sample's tiles, with their masks
+                extra = {"pixel_values": extra["pixel_values"][None]}
+                extra[PIXEL_MASK] = torch.as_tensor(sample[PIXEL_MASK])[None]
             if MropeSpec.from_config(base.config).image_blocks:  # Gemma 3: its images' blocks, as processed
                 extra["token_type_ids"] = (ids == image_id).to(torch.int64)
         elif "pixel_values" in sample:

@@ -106,8 +106,9 @@ def load_vision_processor(path: str | os.PathLike[str]) -> VisionProcessor:
         raise PackingError(
             f"processor={path!r}: its image processor ({type(image_processor).__name__}) has no merge_size; "
             f"packtools processes rows with the Qwen-VL image processors only (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, "
-            f"Qwen3.5). LLaVA and InternVL rows pack already processed (input_ids with each image's tokens "
-            f"expanded, pixel_values one entry per image or tile): pack_dataset(ds, max_length) without "
+            f"Qwen3.5). LLaVA and InternVL rows, and those of Gemma 3, Idefics3 and SmolVLM, pack already "
+            f"processed (input_ids with each image's tokens expanded, pixel_values one entry per image or tile, "
+            f"Idefics3's and SmolVLM's pixel_attention_mask with them): pack_dataset(ds, max_length) without "
             f"processor= (docs/vision.md).",
             param="processor",
         )
