@@ -527,7 +527,11 @@ def pack_vision_table(
             param="strategy",
         )
     names = list(table.column_names) if columns is None else list(columns)
-    whole = (*IMAGE_COLUMNS, *ANYRES_COLUMNS, PIXEL_MASK)  # per-sample image columns, gathered whole in row order
+    whole = (
+        *IMAGE_COLUMNS,
+        *ANYRES_COLUMNS,
+        PIXEL_MASK,
+    )  # per-sample image columns, gathered whole in row order
     left_out = [c for c in whole if c in table.column_names and c not in names]
     if left_out:
         raise PackingError(
