@@ -97,6 +97,7 @@ def test_two_processes_of_one_run_never_hold_the_launch_lock_together(tmp_path, 
         go.touch()
         holder.kill()
     assert log.read_text().splitlines() == ["enter holder", "waiting", "exit holder", "enter waiter"]
+    _launch.lock_path().unlink()  # this test's own run id: no one else uses its lock file
     monkeypatch.delenv("PYTEST_XDIST_TESTRUNUID")
     assert _launch.lock_path() is None
 
