@@ -12,12 +12,9 @@ is loud, under gloo), and models whose ``forward`` has no ``use_cache``.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
+import _launch
 import pytest
 from _hf_models import PAD, params, reference_training, tiny_llama, torch
 from test_hf import LR, run_trainer
@@ -110,12 +107,6 @@ def test_forward_without_use_cache_gets_no_key():
     assert adapt_collator(collator, tiny_llama("sdpa")) is collator
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 WORKER = """
 import os, sys, accelerate, torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -145,13 +136,10 @@ def test_dispatch_batches_refuses_the_key_loudly(tmp_path):
     pytest.importorskip("accelerate")
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     out = {}
     for flag in ("1", "0"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-        cmd += [f"--master_port={_free_port()}", str(script), flag]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        out[flag] = proc.stdout
+        log = tmp_path / f"torchrun-{flag}.log"
+        out[flag] = _launch.torchrun(2, script, flag, log=log, timeout=300, check=False)[1]
     assert "TYPEERROR 0" in out["1"] and "bool" in out["1"], out["1"]  # accelerate names the type
     assert "KEYS 0" not in out["1"]
     for rank in (0, 1):

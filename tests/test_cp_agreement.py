@@ -10,9 +10,8 @@ from the layout they share (tests/test_family_sweep.py).  Two processes, gloo, C
 from __future__ import annotations
 
 import datetime
-import os
-import socket
 
+import _launch
 import pytest
 
 pytestmark = pytest.mark.slow  # two spawned processes (gloo)
@@ -46,11 +45,14 @@ def _model(family):
 SCENARIOS = (("opt", -1, ""), ("llama", 0, "refuse"), ("llama", -1, ""), ("llama", 0, "crash"))
 
 
-def _worker(rank, port, queue):
+def _worker(rank, store, queue):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    # a file store in the test's own folder: no port to pick, none another process could take or share
+    init = f"file://{store}"
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
     from packtools import PaddingFreeCollator
     from packtools.batches.context_parallel import ContextParallelCollator
     from packtools.errors import PackingError
@@ -103,7 +105,7 @@ def _worker(rank, port, queue):
     dist.destroy_process_group()
 
 
-def test_every_rank_of_the_cp_group_refuses_or_none_does():
+def test_every_rank_of_the_cp_group_refuses_or_none_does(tmp_path):
     """OPT (which the probe refuses) is refused on both ranks, rank 1's positions restarting nowhere; a refusal
     of rank 0's probe alone is agreed on by rank 1, and so is any other error of it (a RuntimeError: before,
     rank 0 raised past the agreement and rank 1 waited in its all-reduce until gloo's timeout); a model the
@@ -112,22 +114,22 @@ def test_every_rank_of_the_cp_group_refuses_or_none_does():
     the test's timeout a hang)."""
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
+    procs = [ctx.Process(target=_worker, args=(r, tmp_path / "store", queue)) for r in range(2)]
     got = {}
-    try:
-        while len(got) < 2 * (len(SCENARIOS) + 1):
-            index, rank, what, detail = queue.get(timeout=240)  # nothing within it: a hang, the test fails
-            got[index, rank] = (what, detail)
-    finally:
+    with _launch.launch_lock():  # never alongside another multi-process job of the run (tests/_launch.py)
         for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
+            p.start()
+        try:
+            while len(got) < 2 * (len(SCENARIOS) + 1):
+                index, rank, what, detail = queue.get(
+                    timeout=240
+                )  # nothing within it: a hang, the test fails
+                got[index, rank] = (what, detail)
+        finally:
+            for p in procs:
+                p.join(60)
+                if p.is_alive():
+                    p.kill()
     for rank in (0, 1):
         what, detail = got[0, rank]
         assert what == "PackingError" and "OPTForCausalLM does not keep packed sequences apart" in detail, got

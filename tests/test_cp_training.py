@@ -10,12 +10,9 @@ refused by name.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
+import _launch
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -29,27 +26,8 @@ from packtools import PaddingFreeCollator  # noqa: E402
 from packtools.integrations.attention import segmented  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(tmp_path, nproc: int, cp: int, worker: str = "_cp_worker.py", *extra: str) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--master_port={_free_port()}",
-        str(ROOT / "tests" / worker),
-        str(cp),
-        *extra,
-        str(tmp_path),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _launch.torchrun(nproc, worker, str(cp), *extra, str(tmp_path), log=tmp_path / "torchrun.log")
     name = "trainer.pt" if "trainer" in worker else "result.pt"
     return torch.load(tmp_path / name, weights_only=False)
 

@@ -8,10 +8,7 @@ of the row seeing each other) must fail the same comparison.
 """
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from _hf_models import word_tokenizer
@@ -235,18 +232,9 @@ def test_prepared_block_dispatches_the_distillation_trainer(tmp_path):
 def test_two_processes_equal_trl(tmp_path):
     """DDP over two processes (gloo): two optimizer steps with accumulation end with TRL's padded weights and logs
     on every rank (a Qwen3 teacher for a Llama student)."""
-    here = Path(__file__).parent
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(here.parent), str(here), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    done = subprocess.run(
-        [*cmd, str(here / "_distillation_worker.py"), str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    import _launch
+
+    _launch.torchrun(2, "_distillation_worker.py", str(tmp_path), log=tmp_path / "torchrun.log")
     for rank in (0, 1):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert record["world"] == 2 and record["type"] == "PackedDistillationTrainer"

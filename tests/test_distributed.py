@@ -13,12 +13,9 @@ global mean, and the repeated rows of Trainer's own loader under DDP are caught 
 from __future__ import annotations
 
 import collections
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
+import _launch as launcher
 import pytest
 from _hf_models import PAD, sequences, tiny_llama, torch
 
@@ -34,22 +31,11 @@ TOL = 1e-5
 GA = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(out, *only):
     """Run tests/_ddp_worker.py on 2 processes (only the named checks, when given); the per-rank results."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-        str(ROOT / "tests" / "_ddp_worker.py"), str(out), *([",".join(only)] if only else []),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    launcher.torchrun(
+        2, "_ddp_worker.py", str(out), *([",".join(only)] if only else []), log=out / "torchrun.log"
+    )
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 

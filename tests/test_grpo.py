@@ -729,22 +729,9 @@ class Sized(torch.utils.data.IterableDataset):
 
 def torchrun(worker, out):
     """Run ``tests/<worker> <out>`` on 2 CPU processes (torchrun, gloo); raise with its stderr unless it succeeds."""
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
+    import _launch
 
-    root = Path(__file__).resolve().parents[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]), OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(port), str(root / "tests" / worker), str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _launch.torchrun(2, worker, str(out), log=out / "torchrun.log")
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _launch
 import pytest
 
 JOBS = Path(__file__).parents[1] / "docs" / "jobs"
@@ -116,11 +117,12 @@ def test_multi_gpu_page_runs_under_accelerate_launch_on_two_cpu_processes(tmp_pa
         config += f"use_cpu: true\nmain_process_port: {port}\n"
         assert "distributed_type: MULTI_GPU" in config
         (tmp_path / "accelerate.yaml").write_text(config)
-        run = subprocess.run(
-            [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "accelerate.yaml"),
-             str(script), str(tmp_path / "out")],
-            capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
-        )  # fmt: skip
+        with _launch.launch_lock():  # never alongside another multi-process job of the run (tests/_launch.py)
+            run = subprocess.run(
+                [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                 str(tmp_path / "accelerate.yaml"), str(script), str(tmp_path / "out")],
+                capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
+            )  # fmt: skip
         if run.returncode == 0 or "terminate called without an active exception" not in run.stderr:
             break
     assert run.returncode == 0, run.stderr[-3000:]

@@ -134,32 +134,17 @@ def test_two_processes_with_and_without_an_attention_mask_count_every_token(tmp_
     ``attention_mask``, a packed row's none.  The step owner's count ran its gather only on processes whose batch
     had no mask, so at the first step where the two differed the other process never joined it: the run hung
     (killed at the timeout on main).  Every rank logs the tokens of both ranks' rows, 24 per step."""
-    import os
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
+    import _launch
 
-    root = Path(__file__).resolve().parents[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]), OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(port), str(root / "tests" / "_logged_tokens_worker.py"), str(tmp_path),
-    ]  # fmt: skip
-    # torchrun's workers run in sessions of their own: on a hang, SIGTERM to torchrun stops them (it forwards
-    # the signal); output goes to a file, which no leftover process can keep the test waiting on
-    log = tmp_path / "torchrun.log"
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
-        try:
-            proc.wait(timeout=240)
-        except subprocess.TimeoutExpired:
-            proc.terminate()
-            proc.wait(timeout=60)
+    # on a hang torchrun gets SIGTERM at the timeout (it forwards it to its workers, which run in sessions of their
+    # own); the output goes to files, which no leftover process can keep the test waiting on
+    try:
+        _launch.torchrun(
+            2, "_logged_tokens_worker.py", str(tmp_path), log=tmp_path / "torchrun.log", timeout=240
+        )
+    except AssertionError as err:
+        if "timed out" in str(err).splitlines()[0]:
             pytest.fail("2 processes hung in the logged token count (a gather on some processes only)")
-    assert proc.returncode == 0, log.read_text()[-4000:]
+        raise
     logged = torch.load(tmp_path / "tokens.pt")
     assert logged == [[24.0, 48.0, 72.0, 96.0]] * 2

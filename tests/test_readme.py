@@ -36,6 +36,6 @@ def test_ci_runs_the_readme_test_command():
     # the README's command is the quick set; CI runs the slow set after it, so every test runs in CI
     assert test_cmd.endswith('python -m pytest -q -n 2 --dist loadgroup -m "not slow"')
     lines = [ln.strip() for ln in ci.splitlines()]
-    slow = "python -m pytest -q -m slow"
+    slow = "python -m pytest -q -n 2 --dist loadgroup -m slow"
     assert slow in lines
     assert lines.index(slow) > next(i for i, ln in enumerate(lines) if test_cmd in ln)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
+import _launch
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -63,18 +63,16 @@ def test_skip_first_batches_then_set_epoch_resumes_that_epochs_shuffle(kind):
 
 # -- Trainer: a run resumed from its checkpoint against the run straight through ------------------------------
 def launch(out: Path, case: dict, phase: str, nproc: int = 1, fails: bool = False) -> list | str:
-    root = str(HERE.parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, str(HERE), os.environ.get("PYTHONPATH", "")]))
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable]
+    args = (str(out), json.dumps(case), phase)
     if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    cmd += [str(HERE / "_resume_worker.py"), str(out), json.dumps(case), phase]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        cmd = _launch.torchrun_command(nproc, HERE / "_resume_worker.py", *args)
+    else:
+        cmd = [sys.executable, str(HERE / "_resume_worker.py"), *args]
+    log = out.parent / f"{out.name}-{phase}.log"
+    code, stdout, stderr = _launch.run(cmd, log, timeout=600, check=not fails, lock=nproc > 1)
     if fails:  # the run must stop with an error: its output, to read the message from
-        assert done.returncode != 0, "the run did not fail"
-        return done.stdout + done.stderr
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+        assert code != 0, "the run did not fail"
+        return stdout + stderr
     return torch.load(out / f"{phase}.pt", weights_only=False)
 
 

@@ -12,12 +12,9 @@ different numbers of pairs, the mean of per-rank means (DDP over TRL's loss alon
 from __future__ import annotations
 
 import collections
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
+import _launch
 import pytest
 
 pytestmark = pytest.mark.slow  # several processes (torchrun)
@@ -31,23 +28,10 @@ GA = 2
 NAMES = ("unpacked", "packed", "packed_budget")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("reward_ddp")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-        str(ROOT / "tests" / "_reward_worker.py"), str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _launch.torchrun(2, "_reward_worker.py", str(out), log=out / "torchrun.log")
     results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     for r, res in enumerate(results):
         for name in (*NAMES, "kto", "kto_padded"):

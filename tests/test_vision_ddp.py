@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
+import _launch
 import numpy as np
 import pytest
 from _vl_models import IMAGE, tiny_vl, torch
@@ -15,12 +12,6 @@ from test_vision_refusals import IMAGE as GEMMA3_IMAGE
 
 pytest.importorskip("datasets")
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _split(row: dict) -> list[dict]:
@@ -64,14 +55,9 @@ FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3-sdpa", "gemma3-packtool
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("vision-ddp")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(_free_port()), str(ROOT / "tests" / "_vision_ddp_worker.py"), str(out),
-        ",".join(FAMILIES),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _launch.torchrun(
+        2, "_vision_ddp_worker.py", str(out), ",".join(FAMILIES), log=out / "torchrun.log", timeout=900
+    )
     return out
 
 
