@@ -15,6 +15,8 @@ found, so the jobs take turns (docs/development.md).
 The whole output of a launch goes to a file; a failure names the file and shows the first error lines of every
 rank (``torchrun``'s own summary is the last lines, the cause usually far above it), with Python's
 faulthandler on in the workers so a fatal signal prints every thread's stack.
+A launch expected to pass whose worker died of SIGABRT from native code (torch's C++ side: "terminate called
+...") is launched once more (``native_abort``); the same abort was seen under load in one process too.
 """
 
 from __future__ import annotations
@@ -143,4 +145,19 @@ def torchrun(nproc: int, script: str | Path, *args: str, log: Path, timeout: flo
     script = Path(script)
     if not script.is_absolute():
         script = TESTS / script
-    return run(torchrun_command(nproc, script, *args), log, timeout, environ, check)
+    cmd = torchrun_command(nproc, script, *args)
+    if not check:  # a launch expected to fail: never retried
+        return run(cmd, log, timeout, environ, check)
+    code, stdout, stderr = run(cmd, log, timeout, environ, check=False)
+    if code != 0 and native_abort(stdout + "\n" + stderr):
+        # One more launch, only for a worker killed by torch's C++ side (SIGABRT, "terminate called ..."): seen
+        # under load on the 2-core CI machine, never alone (docs/development.md). The first log is kept beside.
+        log.rename(log.with_name(log.name + ".aborted"))
+        code, stdout, stderr = run(cmd, log, timeout, environ, check=False)
+    assert code == 0, failure(log, stdout + "\n" + stderr)
+    return code, stdout, stderr
+
+
+def native_abort(text: str) -> bool:
+    """Whether a launch's output says a worker died of SIGABRT from native code (not a Python exception)."""
+    return "terminate called" in text or "Signal 6 (SIGABRT)" in text or "exitcode  : -6" in text

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import _launch
+import pytest
 
 HERE = Path(__file__).resolve().parent
 
@@ -42,6 +43,7 @@ import os, sys, time
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 import _launch
+import pytest
 log, go = Path(sys.argv[1]), Path(sys.argv[2])
 with _launch.launch_lock():
     with open(log, "a") as f:
@@ -57,6 +59,7 @@ import sys
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 import _launch
+import pytest
 log = Path(sys.argv[1])
 with open(log, "a") as f:
     f.write("waiting\\n")
@@ -117,3 +120,35 @@ def test_a_failed_launch_shows_its_first_error_lines_and_keeps_the_whole_output(
     first = message.split("-- tail:")[0]
     assert "RuntimeError: the cause" in first and str(log) in first
     assert "RuntimeError: the cause" in log.read_text() and log.read_text().count("x\n") >= 5000
+
+
+_ABORTS_ONCE = """import os, sys
+from pathlib import Path
+marks = Path(sys.argv[1])
+rank = os.environ["RANK"]
+(marks / f"{rank}-{len(list(marks.glob(rank + '-*')))}").touch()
+if rank == "0" and len(list(marks.glob("0-*"))) == 1 and sys.argv[2] == "abort":
+    os.abort()  # what torch's C++ side does on "terminate called ..."
+if sys.argv[2] == "raise":
+    raise RuntimeError("a Python error")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["abort", "raise"])
+def test_a_launch_is_retried_once_after_a_native_abort_and_never_after_a_python_error(tmp_path, how):
+    """A worker killed by SIGABRT (native code) gets one more launch, its first log kept beside; a Python
+    exception fails the test at once."""
+    script = tmp_path / "worker.py"
+    script.write_text(_ABORTS_ONCE)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    log = tmp_path / "run.log"
+    if how == "abort":
+        _launch.torchrun(2, script, str(marks), how, log=log, timeout=300)
+        assert len(list(marks.glob("0-*"))) == 2  # launched twice
+        assert "SIGABRT" in (tmp_path / "run.log.aborted").read_text()
+    else:
+        with pytest.raises(AssertionError, match="a Python error"):
+            _launch.torchrun(2, script, str(marks), how, log=log, timeout=300)
+        assert len(list(marks.glob("0-*"))) == 1  # not retried
