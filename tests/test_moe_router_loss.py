@@ -189,3 +189,52 @@ def test_filler_beside_a_router_loss_is_refused_by_name(tmp_path, collator, name
 def test_trl_collator_pad_to_multiple_of_beside_a_router_loss_is_refused(tmp_path):
     with pytest.raises(PackingError, match="MoE router loss.*pad_to_multiple_of=64"):
         prepare_trainer(build(tmp_path, trl.SFTTrainer, pad_to_multiple_of=64))
+
+
+def _dpo(tmp_path, n=16):
+    from test_dpo import build as build_dpo
+
+    return build_dpo(tmp_path, n=n, arch="Qwen3-MoE", router_aux_loss_coef=COEF)
+
+
+def _packed_pairs(trainer, share_prompt):
+    from packtools.dpo import pack_preference
+
+    indexed = trainer.train_dataset.add_column("pair", list(range(len(trainer.train_dataset))))
+    return pack_preference(indexed, 64, columns=["pair"], share_prompt=share_prompt)
+
+
+def test_dpo_router_loss_equals_trls_padded_batch(tmp_path):
+    """prepare_dpo_trainer on TRL's pairs and on packed pair rows: the loss, the logged aux_loss and every
+    gradient equal TRL's padded batch of the same pairs (the router sees only real tokens either way)."""
+    from test_dpo import assert_same, loss_metrics_grads, trl_batch
+
+    from packtools import prepare_dpo_trainer
+
+    padded = _dpo(tmp_path)
+    assert padded.aux_loss_enabled
+    prepared = prepare_dpo_trainer(_dpo(tmp_path))
+    batch = padded.data_collator([padded.train_dataset[i] for i in range(4)])
+    want = loss_metrics_grads(padded, batch)
+    assert want[1]["aux_loss"] > 1.0
+    assert_same(want, loss_metrics_grads(prepared, batch))
+    trainer = _dpo(tmp_path)
+    packed = _packed_pairs(trainer, share_prompt=False)
+    prepared = prepare_dpo_trainer(trainer, train_dataset=packed)
+    rows = [packed[0], packed[1]]
+    pairs = [i for r in rows for i in r["pair"]]
+    padded = _dpo(tmp_path)  # a fresh one: TRL's num_tokens metric counts on from the first batch
+    want = loss_metrics_grads(padded, trl_batch(padded, pairs))
+    assert_same(want, loss_metrics_grads(prepared, prepared.data_collator(rows)))
+
+
+def test_dpo_shared_prompt_beside_a_router_loss_is_refused(tmp_path):
+    """A shared prompt is routed once, TRL routes it twice (chosen, rejected): measured, the aux loss moved by
+    5e-4 and gradients by 2e-3 on this batch.  Refused by name, also when pack_preference's rows ask for it."""
+    from packtools import prepare_dpo_trainer
+
+    trainer = _dpo(tmp_path)
+    with pytest.raises(PackingError, match="share_prompt=True with the MoE router loss"):
+        prepare_dpo_trainer(trainer, train_dataset=_packed_pairs(trainer, share_prompt=True))
+    with pytest.raises(PackingError, match="share_prompt=True with the MoE router loss"):
+        prepare_dpo_trainer(_dpo(tmp_path), share_prompt=True)
