@@ -180,7 +180,7 @@ def test_filler_beside_a_router_loss_is_refused_by_name(tmp_path, collator, name
     with pytest.raises(PackingError, match=f"MoE router loss.*{named}.*router_aux_loss_coef=0.0"):
         prepare_trainer(build(tmp_path, transformers.Trainer, collator))
     model = moe()
-    model.config.router_aux_loss_coef = 0.0
+    model.config.output_router_logits = False
     prepare_trainer(
         build(tmp_path, transformers.Trainer, collator, model)
     )  # no router loss: the filler is not counted anywhere
@@ -238,3 +238,29 @@ def test_dpo_shared_prompt_beside_a_router_loss_is_refused(tmp_path):
         prepare_dpo_trainer(trainer, train_dataset=_packed_pairs(trainer, share_prompt=True))
     with pytest.raises(PackingError, match="share_prompt=True with the MoE router loss"):
         prepare_dpo_trainer(_dpo(tmp_path), share_prompt=True)
+
+
+def test_guard_model_refuses_filler_beside_a_router_loss_in_a_loop_of_ones_own():
+    """guard_model sees no collator: a packed row ending in filler (pad_token_id, no label) while the model
+    computes its router loss is refused at the forward; the same row without filler, the filler with
+    output_router_logits=False, and filler of 1 token (not told from a 1-token document) pass."""
+    from packtools.integrations.trainers.guard import guard_model
+
+    docs = documents(
+        [{"input_ids": s["input_ids"], "seq_lengths": [len(s["input_ids"])]} for s in sequences(6)]
+    )
+    row = {"input_ids": sum((d[0] for d in docs), []), "seq_lengths": [len(d[0]) for d in docs]}
+    model = moe()
+    guard_model(model, check_isolation=False)
+    for collator in (
+        PaddingFreeCollator(PAD, pad_to_multiple_of=64),
+        PaddingFreeCollator(PAD, pad_to_buckets=[128]),
+        PaddingFreeCollator(PAD, padding_free=False, attn_implementation="sdpa"),
+    ):
+        rows = [row, {"input_ids": row["input_ids"][:5], "seq_lengths": [5]}]
+        with pytest.raises(PackingError, match="ends in .* filler tokens .*MoE router loss"):
+            model(**collator(rows))
+        model(**collator(rows), output_router_logits=False)
+    model(**PaddingFreeCollator(PAD)([row]))
+    length = len(row["input_ids"])
+    model(**PaddingFreeCollator(PAD, pad_to_multiple_of=length + 1)([row]))  # one filler token

@@ -38,6 +38,7 @@ from .guard import UNSHIFTED_LOSS, packed_loss_inputs
 from .held import watch_held_models
 from .loader import train_loader
 from .resume import checkpoint_folder, layout_record, run_layout
+from .router import router_loss_on
 from .sft import causal_lm_loss
 from .step_loss import targets_and_documents, token_weights, weighted_token_loss
 
@@ -507,13 +508,6 @@ def unknown_trl_step(trainer: Any) -> tuple[str, list[str]] | None:
     return None
 
 
-def router_loss_on(model: Any) -> bool:
-    """Whether ``model``'s own loss adds a MoE router (load-balancing) loss: its text config has
-    ``output_router_logits`` and a non-zero ``router_aux_loss_coef``."""
-    config = getattr(getattr(model, "config", None), "get_text_config", lambda: None)()
-    return bool(getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0))
-
-
 def other_losses(trainer: Any) -> list[str]:
     """What shapes ``trainer``'s loss besides its model's causal-LM loss, each named for a refusal: a
     ``compute_loss_func`` of the user's own, ``Trainer``'s label smoother, a MoE router loss; ``[]`` if none."""
@@ -557,7 +551,7 @@ def check_router_padding(trainer: Any, max_tokens: int | None) -> None:
             f"{type(collator).__name__}: a packed batch has no attention_mask, so transformers counts every "
             f"filler token in the router's load-balancing statistics and the loss and gradients differ from the "
             f"padded batch's. Drop the padding (padding-free batches without filler are exact), or set "
-            f"router_aux_loss_coef=0.0 (or output_router_logits=False) in the model's config.",
+            f"output_router_logits=False in the model's config (or build it with router_aux_loss_coef=0.0).",
             param="router_aux_loss_coef",
         )
 
