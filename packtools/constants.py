@@ -35,9 +35,11 @@ ANYRES_COLUMNS = ("image_sizes", "batch_num_images")
 PIXEL_COLUMNS = (*IMAGE_COLUMNS, *VIDEO_COLUMNS)
 #: The audio processors' per-sample feature columns (Qwen2-Audio / Qwen-Omni ``input_features`` +
 #: ``feature_attention_mask``, Gemma / Voxtral / Granite-style ``input_features_mask``, Phi-4-multimodal
-#: ``audio_*``, raw-waveform ``input_values``): packtools packs no audio, so rows holding them are refused by name on
-#: every path, ``leave_out`` and ``columns=`` included, as videos are (left out, each clip's placeholder tokens would
-#: stay in ``input_ids`` and train with no audio).
+#: ``audio_*``, raw-waveform ``input_values`` with its ``padding_mask`` (Apertus 1.5, OmniASR, VibeVoice-ASR,
+#: MOSS-Transcribe-Diarize in transformers 5.25), audio codes ``audio_input_ids`` + ``audio_input_ids_mask``
+#: (Higgs Audio V2, Inkling)): packtools packs no audio, so rows holding them are refused by name on every path,
+#: ``leave_out`` and ``columns=`` included, as videos are (left out, each clip's placeholder tokens would stay in
+#: ``input_ids`` and train with no audio).
 AUDIO_COLUMNS = (
     "input_features",
     "feature_attention_mask",
@@ -47,6 +49,9 @@ AUDIO_COLUMNS = (
     "audio_attention_mask",
     "input_values",
     "input_values_mask",
+    "padding_mask",
+    "audio_input_ids",
+    "audio_input_ids_mask",
 )
 #: Per-sample media columns (pixels and audio) that no path may leave out of a batch or a packing silently.
 MEDIA_COLUMNS = (*PIXEL_COLUMNS, *AUDIO_COLUMNS)

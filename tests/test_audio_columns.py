@@ -204,3 +204,34 @@ def test_truncation_refuses_video_and_audio_columns(media, columns):
         truncate_dataset(datasets.Dataset(table), 3, columns)
     with pytest.warns(UserWarning):
         assert truncate_dataset(datasets.Dataset(pa.table(text)), 3, columns)[0]["input_ids"] == [1, 5, 5]
+
+
+@pytest.mark.parametrize(
+    "audio",
+    [
+        ["audio_input_ids", "audio_input_ids_mask"],  # Higgs Audio V2, Inkling: audio codes per clip
+        [
+            "input_values",
+            "padding_mask",
+        ],  # Apertus 1.5, OmniASR, VibeVoice-ASR: waveform samples + their mask
+        ["padding_mask"],  # the waveform's mask alone in leave_out
+    ],
+)
+def test_audio_codes_and_waveform_masks_are_refused_even_in_leave_out(tmp_path, audio):
+    """transformers 5.25's audio language models take ``audio_input_ids`` (+ ``audio_input_ids_mask``) or
+    ``input_values`` + ``padding_mask`` beside ``input_ids`` holding each clip's placeholder tokens: with
+    leave_out=['audio_input_ids', 'audio_input_ids_mask'] PaddingFreeCollator and PackedRows dropped the codes
+    with no error, and pack_table(columns=...) packed the tokens without them."""
+    from packtools import PaddingFreeCollator, pack_table
+    from packtools.batches import PackedRows
+
+    extra = {c: [[[3, 4], [5, 6]], [[7, 8]]] if c == "audio_input_ids" else [[1, 1], [1]] for c in audio}
+    table = pa.table({"input_ids": [[1, 5, 5, 2], [1, 5, 2]], "labels": [[1, 5, 5, 2], [1, 5, 2]], **extra})
+    rows = [dict(r, seq_lengths=[len(r["input_ids"])]) for r in table.to_pylist()]
+    named = r"audio column\(s\) \[.*'" + audio[0] + r"'.*\].*placeholder tokens"
+    with pytest.raises(PackingError, match="row 0 has the " + named):
+        PaddingFreeCollator(0, leave_out=audio)(rows)
+    with pytest.raises(PackingError, match="the data has the " + named):
+        PackedRows(table, leave_out=audio)
+    with pytest.raises(PackingError, match="pack_table: the rows hold " + named):
+        pack_table(table, 8, columns=["input_ids", "labels"])

@@ -19,7 +19,7 @@ import _launch
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
 from packtools.batches import TokenBudgetBatchSampler  # noqa: E402
@@ -590,3 +590,69 @@ def test_a_checkpoint_saved_by_a_plain_run_resumed_from_a_prepared_ones_is_refus
     with pytest.raises(PackingError, match="records no data layout"):
         trainer(6, max_tokens=64).train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
     trainer(4, max_tokens=64).train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))  # its own: resumed
+
+
+def test_a_checkpoint_at_step_zero_is_resumed_without_a_record(tmp_path):
+    """trainer_state.json at global_step 0 (saved before the first step) skips no batch under any layout: no
+    record needed, and a record of another layout is no reason to refuse; at step 3 both are refused."""
+    import json
+    from types import SimpleNamespace as N
+
+    from packtools.errors import PackingError
+    from packtools.integrations.trainers.resume import STATE_FILE, check_resume, run_layout, save_layout
+
+    args = N(world_size=1, per_device_train_batch_size=2, gradient_accumulation_steps=1, seed=3)
+    current = run_layout(N(args=args), N(dp_size=1), 64)
+    for step in (0, 3):
+        (tmp_path / STATE_FILE).write_text(json.dumps({"global_step": step, "stateful_callbacks": {}}))
+        if step == 0:
+            check_resume(str(tmp_path), current)
+            save_layout(str(tmp_path), {**current, "max_tokens": 32})
+            check_resume(str(tmp_path), current)
+            (tmp_path / "packtools_layout.json").unlink()
+        else:
+            with pytest.raises(PackingError, match="records no data layout"):
+                check_resume(str(tmp_path), current)
+
+
+@pytest.mark.parametrize("sampling", ["sequential", "random", "group_by_length"])
+@pytest.mark.parametrize("rows", [10, None])
+def test_a_seed_change_is_refused_only_where_trainers_sampler_shuffles_by_it(tmp_path, sampling, rows):
+    """With Trainer's own sampler (one process, no max_tokens), a data_seed/seed change moves the batches only
+    where the sampler shuffles by it: train_sampling_strategy='sequential' or a dataset without a length
+    (IterableDataset: no sampler) keep the dataset's order, so the change is accepted; 'random' and
+    'group_by_length' over a sized dataset shuffle by it and are refused, and so is a subclass's own sampler."""
+    from types import SimpleNamespace as N
+
+    from packtools.errors import PackingError
+    from packtools.integrations.trainers.resume import check_resume, run_layout, save_layout
+
+    class Rows:
+        def __len__(self):
+            return rows
+
+    class OwnSampler(transformers.Trainer):
+        def _get_train_sampler(self, dataset=None):
+            return None
+
+    def layout(seed, cls=transformers.Trainer):
+        trainer = cls.__new__(cls)  # run_layout reads its args, its dataset and its class only
+        trainer.args = N(
+            world_size=1, per_device_train_batch_size=2, gradient_accumulation_steps=1, seed=seed
+        )
+        trainer.args.train_sampling_strategy = sampling
+        trainer.train_dataset = Rows() if rows is not None else iter(())
+        return run_layout(trainer, N(dp_size=1), None)
+
+    save_layout(str(tmp_path), layout(3))
+    check_resume(str(tmp_path), layout(3))
+    if sampling == "sequential" or rows is None:
+        check_resume(str(tmp_path), layout(4))
+        save_layout(str(tmp_path), {**layout(3), "shuffle_seed": 3})  # recorded by a packtools before this
+        check_resume(str(tmp_path), layout(4))
+    else:
+        with pytest.raises(PackingError, match=r"data_seed \(or seed\)=3 \(now 4\)"):
+            check_resume(str(tmp_path), layout(4))
+    save_layout(str(tmp_path), layout(3, OwnSampler))
+    with pytest.raises(PackingError, match=r"data_seed \(or seed\)=3 \(now 4\)"):
+        check_resume(str(tmp_path), layout(4, OwnSampler))

@@ -265,6 +265,15 @@ def prepare_dpo_trainer(
         layout = rank_layout(trainer, context_parallel)  # refuses what it cannot account for, by name
         if layout.cp_size > 1:
             check_cp_dpo(trainer, layout, shared)
+        if shared and getattr(trainer, "aux_loss_enabled", False):
+            raise PackingError(
+                "share_prompt=True with the MoE router loss on (aux_loss_enabled: router_aux_loss_coef != 0): a "
+                "shared prompt runs through the router once, where TRL's padded batch routes it for the chosen "
+                "and for the rejected completion, so the load-balancing loss and its gradients would change. "
+                "Pack without sharing (pack_preference(..., share_prompt=False), or prepare_dpo_trainer(..., "
+                "share_prompt=False)), or set router_aux_loss_coef=0.0 in DPOConfig.",
+                param="share_prompt",
+            )
         if shared:  # the tree's own refusal, by name, before any generic probe runs
             for model in models:
                 check_tree_model(model)

@@ -43,6 +43,7 @@ from ..attention.mixers import (
     passed_cache,
 )
 from ..parallel.distributed import sharded_by
+from .router import check_router_filler
 
 _HOOK_ATTR = "_packtools_guard"
 _WATCH_ATTR = "_packtools_watch"  # watch_model's hook
@@ -785,6 +786,8 @@ class GuardHook:
             check_text_row(module, kwargs, impl)
         check_length_dependent_rope(self.rope, kwargs)
         check_unshifted_labels(kwargs, self.model_type)
+        if packed_training_input(kwargs):
+            check_router_filler(module, kwargs)
         if self.probe is not None:
             self.probe(module, kwargs)
         if passed_cache(kwargs) is None and (kwargs.get("use_cache") is None or module.training):

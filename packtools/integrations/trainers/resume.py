@@ -24,7 +24,10 @@ any of them moves the batches ``Trainer`` skips in the same way, and so does the
 is refused, and so is one whose record names another step than its own (carried over by a run without
 packtools resumed from a prepared run's checkpoint: ``Trainer`` writes the state it loaded back), the message
 giving the record to write if the run is known to have the checkpoint's layout; one
-without ``trainer_state.json`` is resumed from step 0 by ``Trainer`` (nothing skipped) and not checked.
+without ``trainer_state.json``, or whose ``global_step`` is 0, is resumed from step 0 by ``Trainer`` (nothing
+skipped) and not checked.  With ``Trainer``'s own sampler taking the rows in the dataset's order
+(``train_sampling_strategy="sequential"``, or an ``IterableDataset``), the seed is recorded as ``None`` and not
+compared.
 """
 
 from __future__ import annotations
@@ -85,7 +88,20 @@ def run_layout(trainer: Any, layout: Any, max_tokens: int | None) -> dict[str, A
     if not ours:  # Trainer's own sampler: its order and its batches per epoch follow these too
         record["sampling"] = _sampling(args)
         record["drop_last"] = bool(getattr(args, "dataloader_drop_last", False))
+        if not _shuffled_by_seed(trainer, record["sampling"], record["dataset_rows"]):
+            record["shuffle_seed"] = None  # the order is the dataset's: another seed skips the same batches
     return record
+
+
+def _shuffled_by_seed(trainer: Any, sampling: str, rows: int | None) -> bool:
+    """Whether ``Trainer``'s own sampler orders the rows by the seed: not where ``transformers.Trainer``'s own
+    ``_get_train_sampler`` (no subclass's) takes them in the dataset's order -- ``train_sampling_strategy=
+    "sequential"``, or a dataset without a length (an ``IterableDataset``: no sampler at all)."""
+    for cls in type(trainer).__mro__:
+        if "_get_train_sampler" in vars(cls) and not cls.__module__.startswith("packtools."):
+            ordered = sampling == "sequential" or rows is None
+            return not (ordered and f"{cls.__module__}.{cls.__qualname__}" == "transformers.trainer.Trainer")
+    return True  # no sampler of transformers' own: assume it shuffles
 
 
 def _rows(dataset: Any) -> int | None:
@@ -183,6 +199,9 @@ def check_resume(folder: str | None, current: dict[str, Any]) -> None:
     records none while ``Trainer`` would skip its saved step count (see the module docstring)."""
     if not folder or not os.path.isdir(folder):
         return
+    state = _read(folder, STATE_FILE)
+    if isinstance(state, dict) and state.get("global_step") == 0:
+        return  # Trainer skips no batch of a checkpoint at step 0, under any layout
     saved = saved_layout(folder)
     if saved is None:
         if not os.path.isfile(os.path.join(folder, STATE_FILE)):
@@ -205,7 +224,7 @@ def check_resume(folder: str | None, current: dict[str, Any]) -> None:
     changed = {
         k: (saved[k], value)
         for k, value in current.items()
-        if k in saved and saved[k] != value and not (k == "shuffle_seed" and saved[k] is None)
+        if k in saved and saved[k] != value and not (k == "shuffle_seed" and None in (saved[k], value))
     }
     if "processes" in changed and _trainers_sampler(saved) == _trainers_sampler(current):
         # the batches follow the data-parallel processes (compared on their own), not the process count: the

@@ -38,6 +38,7 @@ from .guard import UNSHIFTED_LOSS, packed_loss_inputs
 from .held import watch_held_models
 from .loader import train_loader
 from .resume import checkpoint_folder, layout_record, run_layout
+from .router import router_loss_on
 from .sft import causal_lm_loss
 from .step_loss import targets_and_documents, token_weights, weighted_token_loss
 
@@ -510,15 +511,49 @@ def unknown_trl_step(trainer: Any) -> tuple[str, list[str]] | None:
 def other_losses(trainer: Any) -> list[str]:
     """What shapes ``trainer``'s loss besides its model's causal-LM loss, each named for a refusal: a
     ``compute_loss_func`` of the user's own, ``Trainer``'s label smoother, a MoE router loss; ``[]`` if none."""
-    config = getattr(getattr(trainer.model, "config", None), "get_text_config", lambda: None)()
     found = [
         "a compute_loss_func of your own" if trainer.compute_loss_func not in (None, causal_lm_loss) else "",
         "label_smoothing_factor > 0 (Trainer's label smoother)" if trainer.label_smoother is not None else "",
         "a MoE router loss (output_router_logits with router_aux_loss_coef)"
-        if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0)
+        if router_loss_on(trainer.model)
         else "",
     ]
     return [f for f in found if f]
+
+
+def check_router_padding(trainer: Any, max_tokens: int | None) -> None:
+    """Refuse, by name, a MoE router loss beside a collator that adds filler tokens to a packed batch.
+
+    transformers' ``load_balancing_loss_func`` leaves padding out of the router statistics only through
+    ``attention_mask``, and a packed batch has none (it would merge the packed sequences): every filler token of
+    ``pad_to_multiple_of``, ``pad_to_buckets`` or the right-padding of ``padding_free=False`` rows would count
+    as routed, and the aux loss and every gradient would differ from the padded batch's without an error.  A
+    padding-free batch without filler holds the padded batch's real tokens, so its router loss is the same."""
+    if not router_loss_on(trainer.model):
+        return
+    collator = getattr(trainer.data_collator, "collator", trainer.data_collator)  # packtools' wrappers
+    rows = int(getattr(trainer.args, "per_device_train_batch_size", 1) or 1)
+    found = [
+        f"pad_to_multiple_of={collator.pad_to_multiple_of}"
+        if getattr(collator, "pad_to_multiple_of", None)
+        else "",
+        f"pad_to_buckets={list(collator.pad_to_buckets)}"
+        if getattr(collator, "pad_to_buckets", None)
+        else "",
+        "padding_free=False with several rows per batch (the shorter rows are right-padded)"
+        if getattr(collator, "padding_free", True) is False and (max_tokens is not None or rows > 1)
+        else "",
+    ]
+    found = [f for f in found if f]
+    if found:
+        raise PackingError(
+            f"a MoE router loss (output_router_logits with router_aux_loss_coef) beside {'; '.join(found)} in "
+            f"{type(collator).__name__}: a packed batch has no attention_mask, so transformers counts every "
+            f"filler token in the router's load-balancing statistics and the loss and gradients differ from the "
+            f"padded batch's. Drop the padding (padding-free batches without filler are exact), or set "
+            f"output_router_logits=False in the model's config (or build it with router_aux_loss_coef=0.0).",
+            param="router_aux_loss_coef",
+        )
 
 
 def check_loss_owner(trainer: Any, loss: str) -> None:

@@ -72,6 +72,7 @@ from .step import (
     SFTStep,
     StepPlan,
     check_loss_owner,
+    check_router_padding,
     install_step,
     plan_of,
     unknown_trl_step,
@@ -391,6 +392,7 @@ def prepare_trainer(
     check_no_media_columns(trainer, vision)
     layout = rank_layout(trainer, context_parallel)  # refuses a context_parallel that is no positive int
     check_loss_owner(trainer, loss)
+    check_router_padding(trainer, max_tokens)
     check_train_loader(trainer, max_tokens)
     check_rope_rows(
         trainer.model,

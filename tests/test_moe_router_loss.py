@@ -1,0 +1,266 @@
+"""The MoE router (load-balancing) loss of a packed batch against the padded batch of the same documents.
+
+transformers' MoE models add ``router_aux_loss_coef * load_balancing_loss_func(router_logits, ...,
+attention_mask)`` to their loss, a statistic of every token the batch routes; a padded batch keeps its padding
+out through ``attention_mask``.  A padding-free row holds the same real tokens and no mask, so its router loss,
+per layer and in total, is the padded batch's; filler tokens (``pad_to_multiple_of``, ``pad_to_buckets``, the
+right-padding of ``padding_free=False`` rows) would enter the statistics, so ``prepare_trainer`` refuses them
+beside a router loss.  Reference: every micro-batch of the recorded training run as one padded batch with its
+``attention_mask`` (fp32, CPU, SGD), the token loss over the accumulation window plus the router loss of each
+micro-batch, as ``Trainer`` sums them.
+"""
+
+import copy
+
+import pytest
+from _hf_models import PAD, Recorder, params, sequences
+from test_hf import LR, packed_dataset, train_args
+from test_sft_config_alone import labelled_rows
+
+from packtools import PaddingFreeCollator, prepare_trainer
+from packtools.errors import PackingError
+from packtools.integrations import packed_sft_config
+from packtools.testing import tiny_model
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+trl = pytest.importorskip("trl")
+
+COEF = 0.5  # large, so that a router loss left out or changed shows in every parameter
+TOL = 1e-5
+
+
+def moe(family="Qwen3-MoE"):
+    model = tiny_model(family)
+    model.config.output_router_logits = True
+    model.config.router_aux_loss_coef = COEF
+    model.router_aux_loss_coef = COEF  # the model reads its copy taken at construction
+    return model
+
+
+def documents(rows):
+    """The documents of packed rows, each ``(tokens, labels)`` as the padded batch trains them."""
+    out = []
+    for row in rows:
+        start = 0
+        for n in row["seq_lengths"]:
+            ids = row["input_ids"][start : start + n]
+            mask = row.get("completion_mask", [1] * len(row["input_ids"]))[start : start + n]
+            labels = row["labels"][start : start + n] if "labels" in row else None
+            out.append((ids, labels or [t if m else -100 for t, m in zip(ids, mask)]))
+            start += n
+    return out
+
+
+def padded(docs):
+    width = max(len(ids) for ids, _ in docs)
+    ids = torch.tensor([i + [PAD] * (width - len(i)) for i, _ in docs])
+    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in docs])
+    mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i, _ in docs])
+    return ids, labels, mask
+
+
+def padded_training(model, batches, accumulation, aux_share=1.0):
+    """Plain SGD over padded micro-batches: the window's token-summed loss over its trained tokens, plus
+    ``COEF * aux_share`` times each micro-batch's router loss (counting only attention_mask's tokens):
+    ``Trainer`` adds each micro-batch's whole router loss (``aux_share=1``), TRL's ``SFTTrainer`` its share of
+    the window (``1 / accumulation``)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for w in range(0, len(batches), accumulation):
+        window = [padded(documents(b)) for b in batches[w : w + accumulation]]
+        n_items = sum(int((lab[:, 1:] != -100).sum()) for _, lab, _ in window)
+        optimizer.zero_grad()
+        for ids, labels, mask in window:
+            out = model(input_ids=ids, attention_mask=mask, output_router_logits=True, use_cache=False)
+            logits, target = out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+            token_sum = torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
+            (token_sum / n_items + COEF * aux_share * out.aux_loss).backward()
+        optimizer.step()
+
+
+def gap(trained, reference):
+    return max((trained[k] - reference[k]).abs().max().item() for k in trained)
+
+
+@pytest.mark.parametrize("family", ["Qwen3-MoE", "Mixtral"])
+def test_router_loss_of_a_padding_free_row_is_the_padded_batchs_per_layer(family):
+    """Per layer: the router logits of the real tokens, and the router loss of each layer, equal the padded
+    batch's; in total: the loss, the router loss and every gradient (within 1e-5 / fp32 rounding)."""
+    docs = documents(
+        [{"input_ids": s["input_ids"], "seq_lengths": [len(s["input_ids"])]} for s in sequences(6)]
+    )
+    ids, labels, mask = padded(docs)
+    model = moe(family)
+    ref = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    ref.loss.backward()
+    ref_grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    row = {"input_ids": sum((d[0] for d in docs), []), "seq_lengths": [len(d[0]) for d in docs]}
+    row["labels"] = sum((d[1] for d in docs), [])
+    out = model(**PaddingFreeCollator(PAD)([row]))
+    out.loss.backward()
+    loss_fn = transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func
+    experts = getattr(model.config, "num_local_experts", None) or model.config.num_experts
+    top_k = model.config.num_experts_per_tok
+    for layer, (packed_logits, padded_logits) in enumerate(zip(out.router_logits, ref.router_logits)):
+        real = padded_logits[mask.flatten().bool()]
+        assert (packed_logits - real).abs().max().item() < TOL, layer
+        one = loss_fn((packed_logits,), experts, top_k).item()
+        assert abs(one - loss_fn((padded_logits,), experts, top_k, mask).item()) < TOL, layer
+    assert abs(out.aux_loss.item() - ref.aux_loss.item()) < TOL
+    assert abs(out.loss.item() - ref.loss.item()) < TOL
+    grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    assert gap(grads, ref_grads) < TOL
+    # negative control: filler of pad_to_multiple_of counted as routed tokens moves the router loss
+    model.zero_grad()
+    filled = model(**PaddingFreeCollator(PAD, pad_to_multiple_of=64)([row]))
+    assert abs(filled.aux_loss.item() - ref.aux_loss.item()) > 1e-4
+
+
+def build(tmp_path, trainer_cls, collator=None, model=None, **overrides):
+    model = moe() if model is None else model
+    if trainer_cls is transformers.Trainer:
+        args = train_args(tmp_path, **overrides)
+        return transformers.Trainer(
+            model=model, args=args, train_dataset=packed_dataset(), data_collator=collator
+        )
+    args = train_args(tmp_path, cls=packed_sft_config, bf16=False, **overrides)
+    return trl.SFTTrainer(
+        model=model, args=args, train_dataset=labelled_rows(), processing_class=_tokenizer(),
+        **({} if collator is None else {"data_collator": collator}),
+    )  # fmt: skip
+
+
+def run(tmp_path, trainer_cls, collator=None, prepare=True, family="Qwen3-MoE", **overrides):
+    model = moe(family)
+    reference = copy.deepcopy(model)
+    trainer = build(tmp_path, trainer_cls, collator, model, **overrides)
+    recorder = Recorder(trainer.data_collator)
+    trainer.data_collator = recorder
+    if prepare:
+        prepare_trainer(trainer)
+    trainer.train()
+    accumulation = trainer.args.gradient_accumulation_steps
+    share = 1.0 if trainer_cls is transformers.Trainer else 1 / accumulation
+    padded_training(reference, recorder.batches, accumulation, share)
+    moved = gap(params(model), params(moe(family)))
+    return gap(params(model), params(reference)), moved
+
+
+def _tokenizer():
+    from _hf_models import word_tokenizer
+
+    return word_tokenizer()
+
+
+@pytest.mark.parametrize("family", ["Qwen3-MoE", "Mixtral"])
+def test_trainer_with_accumulation_trains_the_padded_router_loss(tmp_path, family):
+    off, moved = run(tmp_path, transformers.Trainer, PaddingFreeCollator(PAD), family=family)
+    assert moved > 1e-2 and off < TOL
+
+
+@pytest.mark.parametrize("prepare", [False, True])
+def test_sft_trainer_packed_sft_config_trains_the_padded_router_loss(tmp_path, prepare):
+    off, moved = run(tmp_path, trl.SFTTrainer, prepare=prepare, gradient_checkpointing=False)
+    assert moved > 1e-2 and off < TOL
+
+
+@pytest.mark.parametrize(
+    ("collator", "named"),
+    [
+        (PaddingFreeCollator(PAD, pad_to_multiple_of=64), "pad_to_multiple_of=64"),
+        (PaddingFreeCollator(PAD, pad_to_buckets=[64, 128]), r"pad_to_buckets=\[64, 128\]"),
+        (PaddingFreeCollator(PAD, padding_free=False, attn_implementation="sdpa"), "padding_free=False"),
+    ],
+)
+def test_filler_beside_a_router_loss_is_refused_by_name(tmp_path, collator, named):
+    """Each collator that adds filler tokens to a packed batch would count them in the router statistics (the
+    negative control of the per-layer test): refused with the fix, and fine without the router loss."""
+    with pytest.raises(PackingError, match=f"MoE router loss.*{named}.*router_aux_loss_coef=0.0"):
+        prepare_trainer(build(tmp_path, transformers.Trainer, collator))
+    model = moe()
+    model.config.output_router_logits = False
+    prepare_trainer(
+        build(tmp_path, transformers.Trainer, collator, model)
+    )  # no router loss: the filler is not counted anywhere
+
+
+def test_trl_collator_pad_to_multiple_of_beside_a_router_loss_is_refused(tmp_path):
+    with pytest.raises(PackingError, match="MoE router loss.*pad_to_multiple_of=64"):
+        prepare_trainer(build(tmp_path, trl.SFTTrainer, pad_to_multiple_of=64))
+
+
+def _dpo(tmp_path, n=16):
+    from test_dpo import build as build_dpo
+
+    return build_dpo(tmp_path, n=n, arch="Qwen3-MoE", router_aux_loss_coef=COEF)
+
+
+def _packed_pairs(trainer, share_prompt):
+    from packtools.dpo import pack_preference
+
+    indexed = trainer.train_dataset.add_column("pair", list(range(len(trainer.train_dataset))))
+    return pack_preference(indexed, 64, columns=["pair"], share_prompt=share_prompt)
+
+
+def test_dpo_router_loss_equals_trls_padded_batch(tmp_path):
+    """prepare_dpo_trainer on TRL's pairs and on packed pair rows: the loss, the logged aux_loss and every
+    gradient equal TRL's padded batch of the same pairs (the router sees only real tokens either way)."""
+    from test_dpo import assert_same, loss_metrics_grads, trl_batch
+
+    from packtools import prepare_dpo_trainer
+
+    padded = _dpo(tmp_path)
+    assert padded.aux_loss_enabled
+    prepared = prepare_dpo_trainer(_dpo(tmp_path))
+    batch = padded.data_collator([padded.train_dataset[i] for i in range(4)])
+    want = loss_metrics_grads(padded, batch)
+    assert want[1]["aux_loss"] > 1.0
+    assert_same(want, loss_metrics_grads(prepared, batch))
+    trainer = _dpo(tmp_path)
+    packed = _packed_pairs(trainer, share_prompt=False)
+    prepared = prepare_dpo_trainer(trainer, train_dataset=packed)
+    rows = [packed[0], packed[1]]
+    pairs = [i for r in rows for i in r["pair"]]
+    padded = _dpo(tmp_path)  # a fresh one: TRL's num_tokens metric counts on from the first batch
+    want = loss_metrics_grads(padded, trl_batch(padded, pairs))
+    assert_same(want, loss_metrics_grads(prepared, prepared.data_collator(rows)))
+
+
+def test_dpo_shared_prompt_beside_a_router_loss_is_refused(tmp_path):
+    """A shared prompt is routed once, TRL routes it twice (chosen, rejected): measured, the aux loss moved by
+    5e-4 and gradients by 2e-3 on this batch.  Refused by name, also when pack_preference's rows ask for it."""
+    from packtools import prepare_dpo_trainer
+
+    trainer = _dpo(tmp_path)
+    with pytest.raises(PackingError, match="share_prompt=True with the MoE router loss"):
+        prepare_dpo_trainer(trainer, train_dataset=_packed_pairs(trainer, share_prompt=True))
+    with pytest.raises(PackingError, match="share_prompt=True with the MoE router loss"):
+        prepare_dpo_trainer(_dpo(tmp_path), share_prompt=True)
+
+
+def test_guard_model_refuses_filler_beside_a_router_loss_in_a_loop_of_ones_own():
+    """guard_model sees no collator: a packed row ending in filler (pad_token_id, no label) while the model
+    computes its router loss is refused at the forward; the same row without filler, the filler with
+    output_router_logits=False, and filler of 1 token (not told from a 1-token document) pass."""
+    from packtools.integrations.trainers.guard import guard_model
+
+    docs = documents(
+        [{"input_ids": s["input_ids"], "seq_lengths": [len(s["input_ids"])]} for s in sequences(6)]
+    )
+    row = {"input_ids": sum((d[0] for d in docs), []), "seq_lengths": [len(d[0]) for d in docs]}
+    model = moe()
+    guard_model(model, check_isolation=False)
+    for collator in (
+        PaddingFreeCollator(PAD, pad_to_multiple_of=64),
+        PaddingFreeCollator(PAD, pad_to_buckets=[128]),
+        PaddingFreeCollator(PAD, padding_free=False, attn_implementation="sdpa"),
+    ):
+        rows = [row, {"input_ids": row["input_ids"][:5], "seq_lengths": [5]}]
+        with pytest.raises(PackingError, match="ends in .* filler tokens .*MoE router loss"):
+            model(**collator(rows))
+        model(**collator(rows), output_router_logits=False)
+    model(**PaddingFreeCollator(PAD)([row]))
+    length = len(row["input_ids"])
+    model(**PaddingFreeCollator(PAD, pad_to_multiple_of=length + 1)([row]))  # one filler token
