@@ -374,6 +374,27 @@ def test_pack_dataset_refuses_tiles_without_their_image_sizes():
         pack_dataset(datasets.Dataset.from_list(rows), 160, columns=["input_ids", "pixel_values"])
 
 
+@pytest.mark.parametrize("kind", ["llava_next", "llava_onevision"])
+def test_pack_dataset_refuses_a_sample_whose_sizes_do_not_match_its_images(kind):
+    # packed, a row's image_sizes are matched to its images by order alone: a sample holding a later sample's image
+    # (and that one none) packed into one row collated with no error, the later sample's tokens reading the other's
+    rows = samples(kind)
+    first = dict(rows[0], pixel_values=rows[0]["pixel_values"] * 2)
+    second = {k: v for k, v in rows[0].items() if k != "pixel_values"}
+    with pytest.raises(
+        PackingError, match=r"row 0: 'image_sizes' holds 1 sizes but 'pixel_values' holds 2 images"
+    ):
+        pack_dataset(datasets.Dataset.from_list([first, second]), 160)
+    if kind == "llava_onevision":  # its counts of images per processor sample likewise
+        rows[2]["batch_num_images"] = [1]
+        with pytest.raises(
+            PackingError, match=r"row 2: 'batch_num_images' counts 1 images but 'pixel_values' holds 2"
+        ):
+            pack_dataset(datasets.Dataset.from_list(rows), 160)
+    rows = samples(kind)  # unchanged rows (samples without images among them) pack
+    assert len(pack_dataset(datasets.Dataset.from_list(rows), 160)) < len(rows)
+
+
 @pytest.mark.parametrize(
     ("kind", "aspect"),
     [
