@@ -363,6 +363,21 @@ def test_guarded_loop_of_ones_own_equals_one_by_one(kind):
         at += len(s["input_ids"])
 
 
+@pytest.mark.parametrize("kind", ["llava_next", "llava_onevision"])
+def test_guard_model_refuses_a_packed_forward_without_image_sizes(kind):
+    # a collator of one's own that drops image_sizes: the model failed inside its image path with a TypeError
+    from packtools.integrations.trainers.guard import guard_model
+
+    model = tiny(kind).eval()
+    batch = MultimodalCollator(model, 0)([packed_row(kind)])
+    batch.pop("labels")
+    guard_model(model)
+    with torch.no_grad():
+        model(**batch)  # the collator's batch passes
+        with pytest.raises(PackingError, match="pixel_values but no image_sizes"):
+            model(**{k: v for k, v in batch.items() if k != "image_sizes"})
+
+
 def test_pack_dataset_refuses_tiles_without_their_image_sizes():
     rows = samples("llava_next")
     with pytest.raises(PackingError, match=r"5-D values per sample .* no 'image_sizes' column"):
