@@ -364,6 +364,17 @@ def test_guarded_loop_of_ones_own_equals_one_by_one(kind):
 
 
 @pytest.mark.parametrize("kind", ["llava_next", "llava_onevision"])
+def test_the_isolation_probe_passes(kind):
+    # the probe packs samples of one image, none and two (OneVision's two untiled), each of its own size
+    from packtools.integrations.multimodal.models import check_vision_isolation
+
+    model = tiny(kind)
+    report = check_vision_isolation(model, MultimodalCollator(model, 0))
+    assert not report.leaks and "image_sizes" in report.keys
+    assert ("batch_num_images" in report.keys) == (kind == "llava_onevision")
+
+
+@pytest.mark.parametrize("kind", ["llava_next", "llava_onevision"])
 def test_guard_model_refuses_a_packed_forward_without_image_sizes(kind):
     # a collator of one's own that drops image_sizes: the model failed inside its image path with a TypeError
     from packtools.integrations.trainers.guard import guard_model
