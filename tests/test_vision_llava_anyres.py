@@ -309,6 +309,30 @@ def test_rows_whose_image_tokens_do_not_match_their_sizes_are_refused(kind):
         collate([dict(row, pixel_values=row["pixel_values"][1:])])
 
 
+@pytest.mark.parametrize("kind", ["llava_next", "llava_onevision"])
+def test_an_image_whose_tokens_are_split_by_text_is_refused(kind):
+    # its run of tokens cut in two by a text token (the count unchanged) collated with no error: the model put the
+    # image's features around the text token, its rows of features shifted by one
+    row = packed_row(kind, chosen=(0,))
+    ids = list(row["input_ids"])
+    first = ids.index(IMAGE)
+    cut = dict(row, input_ids=ids[: first + 3] + [7] + ids[first + 3 :], seq_lengths=[len(ids) + 1])
+    with pytest.raises(PackingError, match=r"row 0, document 0: its image tokens .* runs of \[3, "):
+        MultimodalCollator(tiny_config(kind), 0)([cut])
+    # two images with no text between them (one run) still pass: each ends where the run does
+    rows = samples(kind)
+    both = rows[2]
+    ids = list(both["input_ids"])
+    last = len(ids) - 1 - ids[::-1].index(IMAGE)  # the second image's run ends at `last`; its 3 words follow
+    start = last
+    while ids[start - 1] == IMAGE:
+        start -= 1
+    adjacent = ids[: start - 3] + ids[start:]  # the 3 words between the two images dropped
+    row = {k: v for k, v in both.items()}
+    row.update(input_ids=adjacent, seq_lengths=[len(adjacent)])
+    assert MultimodalCollator(tiny_config(kind), 0)([row])["image_sizes"].tolist() == both["image_sizes"]
+
+
 def test_onevision_needs_batch_num_images_and_refuses_videos():
     collate = MultimodalCollator(tiny_config("llava_onevision"), 0)
     row = packed_row("llava_onevision")
