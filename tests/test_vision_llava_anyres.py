@@ -333,6 +333,17 @@ def test_an_image_whose_tokens_are_split_by_text_is_refused(kind):
     assert MultimodalCollator(tiny_config(kind), 0)([row])["image_sizes"].tolist() == both["image_sizes"]
 
 
+def test_any_resolution_rows_reaching_a_tile_or_llava_collator_are_refused_by_name():
+    # a packed row's images of different tile counts failed in numpy ("inhomogeneous shape"), naming no row
+    from test_vision_idefics3 import tiny as tiny_tiles
+    from test_vision_llava import tiny_llava
+
+    row = packed_row("llava_next")
+    for model in (tiny_tiles("smolvlm", "sdpa"), tiny_llava("sdpa")):
+        with pytest.raises(PackingError, match="row 0: 'pixel_values' holds images of different shapes"):
+            MultimodalCollator(model, 0, leave_out=["image_sizes"])([row])
+
+
 def test_onevision_needs_batch_num_images_and_refuses_videos():
     collate = MultimodalCollator(tiny_config("llava_onevision"), 0)
     row = packed_row("llava_onevision")

@@ -557,7 +557,14 @@ class MultimodalCollator:
                     )
                 images += int(runs.sum()) // per
             value = row.get("pixel_values")
-            arr = None if value is None else np.asarray(value)
+            try:
+                arr = None if value is None else np.asarray(value)
+            except ValueError:  # images of different shapes (any-resolution tiles: another model's rows)
+                raise PackingError(
+                    f"row {i}: 'pixel_values' holds images of different shapes but {spec.model_type!r} reads "
+                    f"(images, channels, size, size): process the row with this model's processor.",
+                    param="pixel_values",
+                ) from None
             count = 0 if arr is None or arr.size == 0 else int(arr.shape[0])
             shape = spec.image_shape  # None (a spec built by hand): any (channels, size, size) is taken
             if count and (
