@@ -309,6 +309,41 @@ def test_rows_whose_image_tokens_do_not_match_their_sizes_are_refused(kind):
         collate([dict(row, pixel_values=row["pixel_values"][1:])])
 
 
+@pytest.mark.parametrize("kind", ["llava_next", "llava_onevision"])
+def test_an_image_whose_tokens_are_split_by_text_is_refused(kind):
+    # its run of tokens cut in two by a text token (the count unchanged) collated with no error: the model put the
+    # image's features around the text token, its rows of features shifted by one
+    row = packed_row(kind, chosen=(0,))
+    ids = list(row["input_ids"])
+    first = ids.index(IMAGE)
+    cut = dict(row, input_ids=ids[: first + 3] + [7] + ids[first + 3 :], seq_lengths=[len(ids) + 1])
+    with pytest.raises(PackingError, match=r"row 0, document 0: its image tokens .* runs of \[3, "):
+        MultimodalCollator(tiny_config(kind), 0)([cut])
+    # two images with no text between them (one run) still pass: each ends where the run does
+    rows = samples(kind)
+    both = rows[2]
+    ids = list(both["input_ids"])
+    last = len(ids) - 1 - ids[::-1].index(IMAGE)  # the second image's run ends at `last`; its 3 words follow
+    start = last
+    while ids[start - 1] == IMAGE:
+        start -= 1
+    adjacent = ids[: start - 3] + ids[start:]  # the 3 words between the two images dropped
+    row = {k: v for k, v in both.items()}
+    row.update(input_ids=adjacent, seq_lengths=[len(adjacent)])
+    assert MultimodalCollator(tiny_config(kind), 0)([row])["image_sizes"].tolist() == both["image_sizes"]
+
+
+def test_any_resolution_rows_reaching_a_tile_or_llava_collator_are_refused_by_name():
+    # a packed row's images of different tile counts failed in numpy ("inhomogeneous shape"), naming no row
+    from test_vision_idefics3 import tiny as tiny_tiles
+    from test_vision_llava import tiny_llava
+
+    row = packed_row("llava_next")
+    for model in (tiny_tiles("smolvlm", "sdpa"), tiny_llava("sdpa")):
+        with pytest.raises(PackingError, match="row 0: 'pixel_values' holds images of different shapes"):
+            MultimodalCollator(model, 0, leave_out=["image_sizes"])([row])
+
+
 def test_onevision_needs_batch_num_images_and_refuses_videos():
     collate = MultimodalCollator(tiny_config("llava_onevision"), 0)
     row = packed_row("llava_onevision")
@@ -363,6 +398,32 @@ def test_guarded_loop_of_ones_own_equals_one_by_one(kind):
         at += len(s["input_ids"])
 
 
+@pytest.mark.parametrize("kind", ["llava_next", "llava_onevision"])
+def test_the_isolation_probe_passes(kind):
+    # the probe packs samples of one image, none and two (OneVision's two untiled), each of its own size
+    from packtools.integrations.multimodal.models import check_vision_isolation
+
+    model = tiny(kind)
+    report = check_vision_isolation(model, MultimodalCollator(model, 0))
+    assert not report.leaks and "image_sizes" in report.keys
+    assert ("batch_num_images" in report.keys) == (kind == "llava_onevision")
+
+
+@pytest.mark.parametrize("kind", ["llava_next", "llava_onevision"])
+def test_guard_model_refuses_a_packed_forward_without_image_sizes(kind):
+    # a collator of one's own that drops image_sizes: the model failed inside its image path with a TypeError
+    from packtools.integrations.trainers.guard import guard_model
+
+    model = tiny(kind).eval()
+    batch = MultimodalCollator(model, 0)([packed_row(kind)])
+    batch.pop("labels")
+    guard_model(model)
+    with torch.no_grad():
+        model(**batch)  # the collator's batch passes
+        with pytest.raises(PackingError, match="pixel_values but no image_sizes"):
+            model(**{k: v for k, v in batch.items() if k != "image_sizes"})
+
+
 def test_pack_dataset_refuses_tiles_without_their_image_sizes():
     rows = samples("llava_next")
     with pytest.raises(PackingError, match=r"5-D values per sample .* no 'image_sizes' column"):
@@ -372,6 +433,27 @@ def test_pack_dataset_refuses_tiles_without_their_image_sizes():
         )
     with pytest.raises(PackingError, match=r"leaves out \['image_sizes'\]"):
         pack_dataset(datasets.Dataset.from_list(rows), 160, columns=["input_ids", "pixel_values"])
+
+
+@pytest.mark.parametrize("kind", ["llava_next", "llava_onevision"])
+def test_pack_dataset_refuses_a_sample_whose_sizes_do_not_match_its_images(kind):
+    # packed, a row's image_sizes are matched to its images by order alone: a sample holding a later sample's image
+    # (and that one none) packed into one row collated with no error, the later sample's tokens reading the other's
+    rows = samples(kind)
+    first = dict(rows[0], pixel_values=rows[0]["pixel_values"] * 2)
+    second = {k: v for k, v in rows[0].items() if k != "pixel_values"}
+    with pytest.raises(
+        PackingError, match=r"row 0: 'image_sizes' holds 1 sizes but 'pixel_values' holds 2 images"
+    ):
+        pack_dataset(datasets.Dataset.from_list([first, second]), 160)
+    if kind == "llava_onevision":  # its counts of images per processor sample likewise
+        rows[2]["batch_num_images"] = [1]
+        with pytest.raises(
+            PackingError, match=r"row 2: 'batch_num_images' counts 1 images but 'pixel_values' holds 2"
+        ):
+            pack_dataset(datasets.Dataset.from_list(rows), 160)
+    rows = samples(kind)  # unchanged rows (samples without images among them) pack
+    assert len(pack_dataset(datasets.Dataset.from_list(rows), 160)) < len(rows)
 
 
 @pytest.mark.parametrize(

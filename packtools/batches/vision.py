@@ -557,7 +557,14 @@ class MultimodalCollator:
                     )
                 images += int(runs.sum()) // per
             value = row.get("pixel_values")
-            arr = None if value is None else np.asarray(value)
+            try:
+                arr = None if value is None else np.asarray(value)
+            except ValueError:  # images of different shapes (any-resolution tiles: another model's rows)
+                raise PackingError(
+                    f"row {i}: 'pixel_values' holds images of different shapes but {spec.model_type!r} reads "
+                    f"(images, channels, size, size): process the row with this model's processor.",
+                    param="pixel_values",
+                ) from None
             count = 0 if arr is None or arr.size == 0 else int(arr.shape[0])
             shape = spec.image_shape  # None (a spec built by hand): any (channels, size, size) is taken
             if count and (
@@ -748,7 +755,7 @@ def _check_documents(
     i: int, ids: np.ndarray, documents: Any, sizes: np.ndarray, tiled: list[bool], spec: MropeSpec
 ) -> int:
     """Check each document's image tokens against the counts of the row's next images (in order, as many as add
-    up to its tokens); the images the documents hold."""
+    up to its tokens, each run of them ending where an image ends); the images the documents hold."""
     grid = spec.anyres
     assert grid is not None
     at = 0
@@ -761,7 +768,9 @@ def _check_documents(
             expected.append(anyres_image_tokens(grid, *sizes[at + k].tolist(), tiled[at + k]))
             got += expected[-1]
             k += 1
-        if got != total or (len(runs) == k and runs != expected):
+        # every run ends where an image ends (images may be adjacent, one run; an image is never split by text)
+        ends = set(np.cumsum(expected).tolist())
+        if got != total or not set(np.cumsum(runs).tolist()) <= ends:
             hint = (
                 " (OneVision: an image is tiled only when its batch_num_images entry is 1)"
                 if spec.model_type == "llava_onevision"

@@ -130,8 +130,10 @@ def check_image_inputs(model: Any, kwargs: Any, impl: str | None = None) -> None
     (:func:`check_multimodal`'s error: ``guard_model``'s probe packs text only, which such a model may keep apart
     while its image path does not), or into one of :data:`~packtools.batches.mrope.IMAGE_BLOCK_TYPES` (Gemma 3)
     without its documents' masks ready-made (``attention_mask``, a dict by layer type, as ``MultimodalCollator``
-    gives it) on a backend that reads them.  Text-only forwards pass, and so does a Gemma 3 forward whose only
-    image input is an all-zero ``token_type_ids`` without ready-made masks (:func:`_text_only_image_blocks`).
+    gives it) on a backend that reads them, or into Idefics3 / SmolVLM without its ``pixel_attention_mask``, or
+    LLaVA-NeXT / OneVision without its ``image_sizes``.  Text-only forwards pass, and so does a Gemma 3 forward
+    whose only image input is an all-zero ``token_type_ids`` without ready-made masks
+    (:func:`_text_only_image_blocks`).
 
     >>> check_image_inputs(object(), {"pixel_values": 1})
     """
@@ -151,6 +153,14 @@ def check_image_inputs(model: Any, kwargs: Any, impl: str | None = None) -> None
             f"pixels as image). Collate its packed rows with packtools.batches.MultimodalCollator(model, "
             f"pad_token_id), which carries each row's masks.",
             param="pixel_attention_mask",
+        )
+    if model_type in mrope.ANYRES_MODEL_TYPES and "pixel_values" in given and "image_sizes" not in given:
+        raise PackingError(
+            f"{type(base_model(model)).__name__} (model_type {model_type!r}) got a packed batch with pixel_values "
+            f"but no image_sizes: each image's tiles and tokens follow from its original size. Collate its packed "
+            f"rows with packtools.batches.MultimodalCollator(model, pad_token_id), which carries each row's "
+            f"image_sizes (and OneVision's batch_num_images).",
+            param="image_sizes",
         )
     if model_type not in mrope.IMAGE_BLOCK_TYPES:
         return

@@ -451,6 +451,7 @@ def _check_patches(table: pa.Table) -> None:
                     "original size. Keep the processor's image_sizes (and batch_num_images) columns with the rows.",
                     param="columns",
                 )
+            _check_anyres_counts(table)
             return
         if depth != 4 and (pa.types.is_floating(kind) or pa.types.is_integer(kind)):
             raise PackingError(
@@ -478,6 +479,44 @@ def _check_patches(table: pa.Table) -> None:
     patches = np.asarray(table.column("pixel_values").combine_chunks().value_lengths().fill_null(0), np.int64)
     fix = "pass the processor's output for every sample unchanged."
     check_row_counts(patches, expected, "'pixel_values' holds {} patches", "its image_grid_thw gives {}", fix)
+
+
+def _check_anyres_counts(table: pa.Table) -> None:
+    """LLaVA-NeXT / OneVision rows: every sample's ``image_sizes`` holds one size per image of its ``pixel_values``,
+    and OneVision's ``batch_num_images`` counts them (packed, a row's sizes are matched to its images by order
+    alone: a sample short of an image and a later one holding it would give the later one's tokens another image)."""
+
+    def lengths(name: str) -> np.ndarray:
+        return np.asarray(table.column(name).combine_chunks().value_lengths().fill_null(0), np.int64)
+
+    images = lengths("pixel_values")
+    fix = "pass the processor's output for every sample unchanged (one size per image, in order)."
+    check_row_counts(
+        lengths("image_sizes"),
+        images,
+        "'image_sizes' holds {} sizes",
+        "'pixel_values' holds {} images",
+        fix,
+        param="image_sizes",
+    )
+    if "batch_num_images" not in table.column_names:
+        return
+    counts = table.column("batch_num_images").combine_chunks()
+    values = np.asarray(counts.flatten().fill_null(0), np.int64) if len(counts) else np.zeros(0, np.int64)
+    per = lengths("batch_num_images")
+    total = np.zeros(images.shape[0], np.int64)
+    np.add.at(total, np.repeat(np.arange(images.shape[0]), per), values)
+    fix = (
+        "pass the processor's batch_num_images for every sample unchanged (its images per processor sample)."
+    )
+    check_row_counts(
+        total,
+        images,
+        "'batch_num_images' counts {} images",
+        "'pixel_values' holds {}",
+        fix,
+        param="batch_num_images",
+    )
 
 
 def _check_tile_masks(table: pa.Table) -> None:

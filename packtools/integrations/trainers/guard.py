@@ -757,8 +757,13 @@ class GuardHook:
         )  # its packed rows' placeholder tokens need their pixels
         try:  # an unverified multimodal model: its text-only forwards pass, its image inputs are refused
             check_multimodal(model)
-            # Gemma 3: its images need masks; Idefics3 / SmolVLM: their tiles need their pixel_attention_mask
-            self.images_checked = self.model_type in (*mrope.IMAGE_BLOCK_TYPES, *mrope.TILE_MODEL_TYPES)
+            # Gemma 3: its images need masks; Idefics3 / SmolVLM: their tiles need their pixel_attention_mask;
+            # LLaVA-NeXT / OneVision: their images need their image_sizes
+            self.images_checked = self.model_type in (
+                *mrope.IMAGE_BLOCK_TYPES,
+                *mrope.TILE_MODEL_TYPES,
+                *mrope.ANYRES_MODEL_TYPES,
+            )
             self.image_blocks = self.model_type in mrope.IMAGE_BLOCK_TYPES
         except PackingError:
             self.images_checked, self.image_blocks = True, False
