@@ -264,3 +264,61 @@ def test_guard_model_refuses_filler_beside_a_router_loss_in_a_loop_of_ones_own()
     model(**PaddingFreeCollator(PAD)([row]))
     length = len(row["input_ids"])
     model(**PaddingFreeCollator(PAD, pad_to_multiple_of=length + 1)([row]))  # one filler token
+
+
+def _jetmoe():
+    """JetMoE weighs its router loss by ``aux_loss_coef`` (its own copy and its config's), not
+    ``router_aux_loss_coef``."""
+    from _hf_models import VOCAB
+
+    config = transformers.JetMoeConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        kv_channels=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, aux_loss_coef=COEF, pad_token_id=PAD,
+    )  # fmt: skip
+    return transformers.JetMoeForCausalLM(config)
+
+
+def test_jetmoe_router_loss_beside_filler_is_refused(tmp_path):
+    """Its forward adds ``aux_loss_coef * aux_loss`` (measured: the filler moves it), so a collator's filler and a
+    packed row ending in filler are refused as for the models that name it ``router_aux_loss_coef``."""
+    from packtools.integrations.trainers.guard import guard_model
+
+    model = _jetmoe()
+    row = {"input_ids": list(range(2, 12)) + list(range(3, 9)), "seq_lengths": [10, 6]}
+    ref = model(**PaddingFreeCollator(PAD)([row]), output_router_logits=True)
+    filled = model(**PaddingFreeCollator(PAD, pad_to_multiple_of=32)([row]), output_router_logits=True)
+    assert abs(filled.aux_loss.item() - ref.aux_loss.item()) > 1e-4
+    with pytest.raises(PackingError, match="MoE router loss.*pad_to_multiple_of=64"):
+        prepare_trainer(
+            build(tmp_path, transformers.Trainer, PaddingFreeCollator(PAD, pad_to_multiple_of=64), model)
+        )
+    guard_model(model, check_isolation=False)
+    with pytest.raises(PackingError, match="ends in .* filler tokens .*MoE router loss"):
+        model(**PaddingFreeCollator(PAD, pad_to_multiple_of=32)([row]))
+    model.config.output_router_logits = False
+    model(
+        **PaddingFreeCollator(PAD, pad_to_multiple_of=32)([row])
+    )  # no router loss: the filler is not counted
+
+
+def test_trls_own_router_coefficient_beside_filler_is_refused(tmp_path):
+    """TRL's trainers decide the router loss themselves (``aux_loss_enabled`` from SFTConfig's
+    ``router_aux_loss_coef``), pass ``output_router_logits=True`` to every forward and weight ``outputs.aux_loss``
+    with their own coefficient: a model built with ``router_aux_loss_coef=0.0`` still trains it, so filler beside
+    it is refused by prepare_trainer and, at the forward, by guard_model."""
+    from packtools.integrations.trainers.guard import guard_model
+
+    model = moe()
+    model.config.router_aux_loss_coef = model.router_aux_loss_coef = 0.0
+    model.config.output_router_logits = False
+    trainer = build(tmp_path, trl.SFTTrainer, model=model, pad_to_multiple_of=64, router_aux_loss_coef=COEF)
+    assert trainer.aux_loss_enabled and model.router_aux_loss_coef == 0.0
+    with pytest.raises(PackingError, match="MoE router loss.*pad_to_multiple_of=64"):
+        prepare_trainer(trainer)
+    guard_model(model, check_isolation=False)
+    row = {"input_ids": list(range(2, 12)) + list(range(3, 9)), "seq_lengths": [10, 6]}
+    batch = PaddingFreeCollator(PAD, pad_to_multiple_of=32)([row])
+    with pytest.raises(PackingError, match="ends in .* filler tokens .*MoE router loss"):
+        model(**batch, output_router_logits=True)
+    model(**PaddingFreeCollator(PAD)([row]), output_router_logits=True)  # no filler

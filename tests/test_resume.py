@@ -624,6 +624,8 @@ def test_a_seed_change_is_refused_only_where_trainers_sampler_shuffles_by_it(tmp
     'group_by_length' over a sized dataset shuffle by it and are refused, and so is a subclass's own sampler."""
     from types import SimpleNamespace as N
 
+    import datasets
+
     from packtools.errors import PackingError
     from packtools.integrations.trainers.resume import check_resume, run_layout, save_layout
 
@@ -641,7 +643,7 @@ def test_a_seed_change_is_refused_only_where_trainers_sampler_shuffles_by_it(tmp
             world_size=1, per_device_train_batch_size=2, gradient_accumulation_steps=1, seed=seed
         )
         trainer.args.train_sampling_strategy = sampling
-        trainer.train_dataset = Rows() if rows is not None else iter(())
+        trainer.train_dataset = Rows() if rows is not None else datasets.IterableDataset.from_generator(list)
         return run_layout(trainer, N(dp_size=1), None)
 
     save_layout(str(tmp_path), layout(3))
@@ -656,3 +658,40 @@ def test_a_seed_change_is_refused_only_where_trainers_sampler_shuffles_by_it(tmp
     save_layout(str(tmp_path), layout(3, OwnSampler))
     with pytest.raises(PackingError, match=r"data_seed \(or seed\)=3 \(now 4\)"):
         check_resume(str(tmp_path), layout(4, OwnSampler))
+
+
+def test_a_seed_change_over_a_stream_of_ones_own_is_still_refused(tmp_path):
+    """A torch IterableDataset of one's own may shuffle with the process's random state, which Trainer seeds with
+    ``seed`` (its __init__) before the resumed epoch's iterator starts: another seed, another order, other rows
+    in the skipped batches (shown below).  Only a datasets.IterableDataset (its own generators) is accepted."""
+    import random
+    from types import SimpleNamespace as N
+
+    from packtools.errors import PackingError
+    from packtools.integrations.trainers.resume import check_resume, run_layout, save_layout
+
+    class Shuffled(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            rows = list(range(16))
+            random.shuffle(rows)
+            return iter(rows)
+
+    def order(seed):
+        transformers.set_seed(seed)  # what Trainer does with args.seed
+        return list(Shuffled())
+
+    assert order(3) == order(3) != order(4)
+
+    def layout(seed, dataset):
+        trainer = transformers.Trainer.__new__(transformers.Trainer)
+        trainer.args = N(
+            world_size=1, per_device_train_batch_size=2, gradient_accumulation_steps=1, seed=seed
+        )
+        trainer.args.train_sampling_strategy = "random"
+        trainer.train_dataset = dataset
+        return run_layout(trainer, N(dp_size=1), None)
+
+    save_layout(str(tmp_path), layout(3, Shuffled()))
+    check_resume(str(tmp_path), layout(3, Shuffled()))
+    with pytest.raises(PackingError, match=r"data_seed \(or seed\)=3 \(now 4\)"):
+        check_resume(str(tmp_path), layout(4, Shuffled()))

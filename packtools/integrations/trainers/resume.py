@@ -26,8 +26,8 @@ packtools resumed from a prepared run's checkpoint: ``Trainer`` writes the state
 giving the record to write if the run is known to have the checkpoint's layout; one
 without ``trainer_state.json``, or whose ``global_step`` is 0, is resumed from step 0 by ``Trainer`` (nothing
 skipped) and not checked.  With ``Trainer``'s own sampler taking the rows in the dataset's order
-(``train_sampling_strategy="sequential"``, or an ``IterableDataset``), the seed is recorded as ``None`` and not
-compared.
+(``train_sampling_strategy="sequential"``, or a ``datasets.IterableDataset``; not a stream of one's own, which
+may shuffle with the random state ``Trainer`` seeds), the seed is recorded as ``None`` and not compared.
 """
 
 from __future__ import annotations
@@ -88,18 +88,31 @@ def run_layout(trainer: Any, layout: Any, max_tokens: int | None) -> dict[str, A
     if not ours:  # Trainer's own sampler: its order and its batches per epoch follow these too
         record["sampling"] = _sampling(args)
         record["drop_last"] = bool(getattr(args, "dataloader_drop_last", False))
-        if not _shuffled_by_seed(trainer, record["sampling"], record["dataset_rows"]):
+        dataset = getattr(trainer, "train_dataset", None)
+        if not _shuffled_by_seed(trainer, record["sampling"], record["dataset_rows"], dataset):
             record["shuffle_seed"] = None  # the order is the dataset's: another seed skips the same batches
     return record
 
 
-def _shuffled_by_seed(trainer: Any, sampling: str, rows: int | None) -> bool:
-    """Whether ``Trainer``'s own sampler orders the rows by the seed: not where ``transformers.Trainer``'s own
+def _datasets_stream(dataset: Any) -> bool:
+    """Whether ``dataset`` is a ``datasets.IterableDataset``: its shuffles draw from generators of its own (its
+    ``shuffle(seed)`` + the epoch ``Trainer`` sets), never from the process's random state."""
+    return any(
+        c.__name__ == "IterableDataset" and c.__module__.startswith("datasets.")
+        for c in type(dataset).__mro__
+    )
+
+
+def _shuffled_by_seed(trainer: Any, sampling: str, rows: int | None, dataset: Any = None) -> bool:
+    """Whether the training rows' order may follow the seed: not where ``transformers.Trainer``'s own
     ``_get_train_sampler`` (no subclass's) takes them in the dataset's order -- ``train_sampling_strategy=
-    "sequential"``, or a dataset without a length (an ``IterableDataset``: no sampler at all)."""
+    "sequential"``, or a ``datasets.IterableDataset`` (no sampler at all, and shuffled by its own generators).
+    A stream of one's own (a ``torch`` ``IterableDataset``) may shuffle with ``random`` / ``numpy`` / ``torch``,
+    which ``Trainer`` seeds with ``seed`` before the resumed epoch's iterator starts (its checkpoint's random state
+    is loaded only after the skipped batches): its seed is still compared."""
     for cls in type(trainer).__mro__:
         if "_get_train_sampler" in vars(cls) and not cls.__module__.startswith("packtools."):
-            ordered = sampling == "sequential" or rows is None
+            ordered = sampling == "sequential" or (rows is None and _datasets_stream(dataset))
             return not (ordered and f"{cls.__module__}.{cls.__qualname__}" == "transformers.trainer.Trainer")
     return True  # no sampler of transformers' own: assume it shuffles
 

@@ -16,6 +16,11 @@ from typing import Any
 from ...errors import PackingError
 from ..attention.backends import base_model
 
+#: The names transformers 5.25's MoE models give the router loss's weight (their own copy, and their config's):
+#: ``router_aux_loss_coef`` for most (Dbrx copies ``ffn_config.moe_loss_weight`` into it), ``aux_loss_coef`` for
+#: JetMoE.
+COEFFICIENTS = ("router_aux_loss_coef", "aux_loss_coef")
+
 
 def _text_config(model: Any) -> Any:
     config = getattr(base_model(model), "config", None)
@@ -23,15 +28,19 @@ def _text_config(model: Any) -> Any:
 
 
 def router_coefficient(model: Any) -> float:
-    """The weight ``model``'s forward gives its router loss: the model's own copy (``router_aux_loss_coef``,
-    taken from its config when it was built, and read by its forward), else its text config's; 0 if none.
+    """The weight ``model``'s forward gives its router loss: the model's own copy (``router_aux_loss_coef``, or
+    JetMoE's ``aux_loss_coef``, taken from its config when it was built, and read by its forward), else its text
+    config's; 0 if none.
 
     >>> from types import SimpleNamespace as N
     >>> router_coefficient(N(config=N(router_aux_loss_coef=0.01))), router_coefficient(N(config=N()))
     (0.01, 0)
     """
-    fallback = getattr(_text_config(model), "router_aux_loss_coef", 0)
-    return getattr(base_model(model), "router_aux_loss_coef", fallback) or 0
+    owner, config = base_model(model), _text_config(model)
+    for name in COEFFICIENTS:
+        if hasattr(owner, name) or hasattr(config, name):
+            return getattr(owner, name, getattr(config, name, 0)) or 0
+    return 0
 
 
 def router_loss_on(model: Any) -> bool:
@@ -45,19 +54,35 @@ def router_loss_on(model: Any) -> bool:
     return bool(getattr(_text_config(model), "output_router_logits", False) and router_coefficient(model))
 
 
+def trainer_router_loss_on(trainer: Any) -> bool:
+    """Whether ``trainer`` trains a MoE router loss: TRL's trainers decide it themselves (``aux_loss_enabled``:
+    their own ``router_aux_loss_coef``, with ``output_router_logits=True`` passed to every forward and
+    ``coef * outputs.aux_loss`` added to the loss, whatever the model's own copy of the coefficient), else the
+    model's :func:`router_loss_on`.
+
+    >>> from types import SimpleNamespace as N
+    >>> trainer_router_loss_on(N(aux_loss_enabled=True, model=N(config=N(router_aux_loss_coef=0.0))))
+    True
+    """
+    return bool(getattr(trainer, "aux_loss_enabled", False)) or router_loss_on(trainer.model)
+
+
 def check_router_filler(model: Any, kwargs: Mapping[str, Any]) -> None:
     """Refuse a packed forward (``kwargs``) whose rows end in filler while ``model`` computes its router loss
-    (``output_router_logits`` given, else its config's, with a :func:`router_coefficient` other than 0).  Filler: the last document of a row (from
+    (``output_router_logits=True`` given, as TRL's trainers do, which weight ``outputs.aux_loss`` themselves;
+    else its config's, with a :func:`router_coefficient` other than 0).  Filler: the last document of a row (from
     ``cu_seq_lens_q`` for one row, else where ``position_ids`` last restart) of at least 2 tokens, all of them the
     model's ``pad_token_id`` with no label trained -- what packtools' collators append.  A 1-token tail is not
     told from a 1-token document and passes; without a ``pad_token_id`` nothing is checked."""
     routed = kwargs.get("output_router_logits")
     config = _text_config(model)
-    if routed is None:
-        routed = getattr(config, "output_router_logits", False)
+    if routed is None:  # the model's own setting: its loss adds the router loss with its own coefficient
+        routed = bool(getattr(config, "output_router_logits", False) and router_coefficient(model))
+    # given at the forward (TRL's trainers), the caller weights outputs.aux_loss itself: on whatever the model's
+    # own coefficient
     pad = getattr(config, "pad_token_id", None)
     ids, labels, pos = kwargs.get("input_ids"), kwargs.get("labels"), kwargs.get("position_ids")
-    if not routed or not router_coefficient(model) or pad is None or getattr(ids, "ndim", 0) != 2:
+    if not routed or pad is None or getattr(ids, "ndim", 0) != 2:
         return
     cu = kwargs.get("cu_seq_lens_q")
     for row in range(ids.shape[0]):

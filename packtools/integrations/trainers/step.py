@@ -38,7 +38,7 @@ from .guard import UNSHIFTED_LOSS, packed_loss_inputs
 from .held import watch_held_models
 from .loader import train_loader
 from .resume import checkpoint_folder, layout_record, run_layout
-from .router import router_loss_on
+from .router import trainer_router_loss_on
 from .sft import causal_lm_loss
 from .step_loss import targets_and_documents, token_weights, weighted_token_loss
 
@@ -515,7 +515,7 @@ def other_losses(trainer: Any) -> list[str]:
         "a compute_loss_func of your own" if trainer.compute_loss_func not in (None, causal_lm_loss) else "",
         "label_smoothing_factor > 0 (Trainer's label smoother)" if trainer.label_smoother is not None else "",
         "a MoE router loss (output_router_logits with router_aux_loss_coef)"
-        if router_loss_on(trainer.model)
+        if trainer_router_loss_on(trainer)
         else "",
     ]
     return [f for f in found if f]
@@ -529,7 +529,7 @@ def check_router_padding(trainer: Any, max_tokens: int | None) -> None:
     ``pad_to_multiple_of``, ``pad_to_buckets`` or the right-padding of ``padding_free=False`` rows would count
     as routed, and the aux loss and every gradient would differ from the padded batch's without an error.  A
     padding-free batch without filler holds the padded batch's real tokens, so its router loss is the same."""
-    if not router_loss_on(trainer.model):
+    if not trainer_router_loss_on(trainer):
         return
     collator = getattr(trainer.data_collator, "collator", trainer.data_collator)  # packtools' wrappers
     rows = int(getattr(trainer.args, "per_device_train_batch_size", 1) or 1)
