@@ -322,3 +322,22 @@ def test_trls_own_router_coefficient_beside_filler_is_refused(tmp_path):
     with pytest.raises(PackingError, match="ends in .* filler tokens .*MoE router loss"):
         model(**batch, output_router_logits=True)
     model(**PaddingFreeCollator(PAD)([row]), output_router_logits=True)  # no filler
+
+
+def test_a_multimodal_collators_padding_beside_a_router_loss_is_refused():
+    """``MultimodalCollator(pad_to_multiple_of=)`` keeps the setting on its text collator: seen there too."""
+    from types import SimpleNamespace
+
+    from packtools.batches import MultimodalCollator
+    from packtools.batches.mrope import MropeSpec
+    from packtools.integrations.trainers.step import check_router_padding
+
+    def trainer(collator):
+        return SimpleNamespace(
+            model=moe(), data_collator=collator, args=SimpleNamespace(per_device_train_batch_size=1)
+        )
+
+    spec = MropeSpec("qwen2_vl", 9, 8, 2)
+    with pytest.raises(PackingError, match="router loss.*pad_to_multiple_of=64 in MultimodalCollator"):
+        check_router_padding(trainer(MultimodalCollator(spec, PAD, pad_to_multiple_of=64)), None)
+    check_router_padding(trainer(MultimodalCollator(spec, PAD)), None)  # no filler: accepted

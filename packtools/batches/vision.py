@@ -54,6 +54,17 @@ def image_columns(spec: MropeSpec) -> tuple[str, ...]:
     return (*VISION_COLUMNS, *blocks, *anyres, *((PIXEL_MASK,) if spec.tiles else ()))
 
 
+def _refuse_image_grid(i: int, row: Mapping[str, Any], spec: MropeSpec) -> None:
+    """Refuse row ``i``'s ``image_grid_thw`` for a model of 1-D positions (``spec.flat``), which takes no image
+    grid: the row was processed for another model."""
+    if row.get("image_grid_thw") is not None and np.asarray(row["image_grid_thw"]).size:
+        raise PackingError(
+            f"row {i} has 'image_grid_thw' but {spec.model_type!r} takes no image grid: the row was processed "
+            f"for another model; process it again with this model's processor.",
+            param="image_grid_thw",
+        )
+
+
 def check_no_video(features: Sequence[Mapping[str, Any]]) -> None:
     """Refuse, by name, a row with a video column."""
     for i, row in enumerate(features):
@@ -536,12 +547,7 @@ class MultimodalCollator:
         pixels: list[np.ndarray] = []
         masks: list[np.ndarray] = []
         for i, row, ids, _, documents in _row_walk(features, flat):
-            if row.get("image_grid_thw") is not None and np.asarray(row["image_grid_thw"]).size:
-                raise PackingError(
-                    f"row {i} has 'image_grid_thw' but {spec.model_type!r} takes no image grid: the row was "
-                    f"processed for another model; process it again with this model's processor.",
-                    param="image_grid_thw",
-                )
+            _refuse_image_grid(i, row, spec)
             images = 0
             if len(ids):
                 self._check_types(row, i, ids)
@@ -679,12 +685,7 @@ def anyres_images(features: Sequence[Mapping[str, Any]], flat: Any, spec: MropeS
     sizes: list[np.ndarray] = []
     numbers: list[int] = []
     for i, row, ids, _, documents in _row_walk(features, flat):
-        if row.get("image_grid_thw") is not None and np.asarray(row["image_grid_thw"]).size:
-            raise PackingError(
-                f"row {i} has 'image_grid_thw' but {spec.model_type!r} takes no image grid: the row was processed "
-                f"for another model; process it again with this model's processor.",
-                param="image_grid_thw",
-            )
+        _refuse_image_grid(i, row, spec)
         if spec.video_token_id is not None and np.any(ids == spec.video_token_id):
             raise PackingError(
                 f"row {i} holds video tokens (id {spec.video_token_id}): packtools packs {spec.model_type!r} images "

@@ -531,7 +531,13 @@ def check_router_padding(trainer: Any, max_tokens: int | None) -> None:
     padding-free batch without filler holds the padded batch's real tokens, so its router loss is the same."""
     if not trainer_router_loss_on(trainer):
         return
-    collator = getattr(trainer.data_collator, "collator", trainer.data_collator)  # packtools' wrappers
+    collator = trainer.data_collator
+    for attr in (
+        "collator",
+        "text",
+    ):  # packtools' wrappers: ArrowCollator's, then MultimodalCollator's text one
+        inner = getattr(collator, attr, None)
+        collator = inner if callable(inner) else collator
     rows = int(getattr(trainer.args, "per_device_train_batch_size", 1) or 1)
     found = [
         f"pad_to_multiple_of={collator.pad_to_multiple_of}"
@@ -548,7 +554,7 @@ def check_router_padding(trainer: Any, max_tokens: int | None) -> None:
     if found:
         raise PackingError(
             f"a MoE router loss (output_router_logits with router_aux_loss_coef) beside {'; '.join(found)} in "
-            f"{type(collator).__name__}: a packed batch has no attention_mask, so transformers counts every "
+            f"{type(trainer.data_collator).__name__}: a packed batch has no attention_mask, so transformers counts every "
             f"filler token in the router's load-balancing statistics and the loss and gradients differ from the "
             f"padded batch's. Drop the padding (padding-free batches without filler are exact), or set "
             f"output_router_logits=False in the model's config (or build it with router_aux_loss_coef=0.0).",
