@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from importlib.metadata import version
 
 import numpy as np
@@ -40,7 +41,12 @@ def vocab(request, tmp_path_factory):
             if not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
                 tmp = path + f".tmp-{os.getpid()}"
                 _real_vocab.build(name, tmp)
-                os.replace(tmp, path)
+                try:
+                    os.replace(tmp, path)
+                except OSError:  # the other xdist worker built it first (a folder replaces only an empty one)
+                    if not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+                        raise
+                    shutil.rmtree(tmp)
             built[name] = path
         return built[name]
 
