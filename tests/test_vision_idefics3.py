@@ -10,9 +10,9 @@ import copy
 
 import numpy as np
 import pytest
-from _hf_models import plain_sgd_options
+from test_vision_llava import trainer_step_equals_one_by_one as llava_step
 
-from packtools import pack_dataset, prepare_trainer
+from packtools import pack_dataset
 from packtools.batches.mrope import MropeSpec
 from packtools.batches.vision import MultimodalCollator
 from packtools.errors import PackingError
@@ -173,44 +173,12 @@ def one_by_one(model, rows: list[dict]) -> tuple[float, dict]:
 
 
 def trainer_step_equals_one_by_one(model, rows: list[dict], tmp_path, sft: bool = False) -> None:
-    reference = copy.deepcopy(model)
-    packed = pack_dataset(datasets.Dataset.from_list(rows), 80)
+    """``tests/test_vision_llava.py``'s step, with this file's rows, lengths and reference."""
+    packed, _ = llava_step(
+        model, rows, tmp_path, sft, max_length=80, alone=one_by_one, tower="vision_model"
+    )
     assert len(packed) < len(rows) and "pixel_attention_mask" in packed.column_names
     assert sum(len(r["pixel_attention_mask"] or []) for r in packed) == 7  # every tile's mask, whole
-    options = dict(
-        output_dir=str(tmp_path), per_device_train_batch_size=len(packed), max_steps=1, optim="sgd",
-        **plain_sgd_options(),
-    )  # fmt: skip
-    collator = MultimodalCollator(model, 0)
-    if sft:
-        trl = pytest.importorskip("trl")
-        from _hf_models import word_tokenizer
-
-        from packtools.integrations.trainers.sft import packed_sft_config
-
-        args = packed_sft_config(**options, bf16=False, max_length=None, padding_free=False)
-        assert args.remove_unused_columns
-        trainer = trl.SFTTrainer(
-            model=model,
-            args=args,
-            train_dataset=packed,
-            processing_class=word_tokenizer(),
-            data_collator=collator,
-        )
-        trainer = prepare_trainer(trainer)
-    else:
-        args = transformers.TrainingArguments(**options)
-        trainer = prepare_trainer(
-            transformers.Trainer(model, args, train_dataset=packed, data_collator=collator)
-        )
-    before = {k: p.detach().clone() for k, p in model.named_parameters()}
-    result = trainer.train()
-    ref_loss, ref_grads = one_by_one(reference, rows)
-    assert abs(result.training_loss - ref_loss) < 1e-5
-    diffs = [float((before[k] - p.detach() - g).abs().max()) for k, p in model.named_parameters() if (g := ref_grads.get(k)) is not None]  # fmt: skip
-    assert len(diffs) == len(ref_grads) and max(diffs) < 1e-5
-    tower = [k for k in ref_grads if "vision_model" in k]
-    assert tower and any(float(ref_grads[k].abs().max()) > 0 for k in tower)  # the vision tower learns
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -118,9 +118,22 @@ def test_llava_through_sft_trainer_keeps_its_images(tmp_path):
     trainer_step_equals_one_by_one(tiny_llava("sdpa"), samples(), tmp_path, sft=True)
 
 
-def trainer_step_equals_one_by_one(model, rows: list[dict], tmp_path, sft: bool = False) -> None:
+def trainer_step_equals_one_by_one(
+    model,
+    rows: list[dict],
+    tmp_path,
+    sft: bool = False,
+    *,
+    max_length: int = 48,
+    alone=None,
+    tower="vision_tower",
+):
+    """One Trainer (or TRL SFTTrainer) step through ``pack_dataset``, ``prepare_trainer`` and ``MultimodalCollator``
+    equals ``alone(model, rows)`` (each sample run by itself; this file's ``one_by_one`` by default), vision tower
+    (parameters named with ``tower``) included; the other vision-language test files call it with their own.
+    Returns the packed dataset and the reference gradients for their own checks."""
     reference = copy.deepcopy(model)
-    packed = pack_dataset(datasets.Dataset.from_list(rows), 48)
+    packed = pack_dataset(datasets.Dataset.from_list(rows), max_length)
     assert len(packed) < len(rows)  # documents with images share rows
     options = dict(
         output_dir=str(tmp_path), per_device_train_batch_size=len(packed), max_steps=1, optim="sgd",
@@ -150,12 +163,13 @@ def trainer_step_equals_one_by_one(model, rows: list[dict], tmp_path, sft: bool 
         )
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
     result = trainer.train()
-    ref_loss, ref_grads = one_by_one(reference, rows)
+    ref_loss, ref_grads = (alone or one_by_one)(reference, rows)
     assert abs(result.training_loss - ref_loss) < 1e-5
     diffs = [float((before[k] - p.detach() - g).abs().max()) for k, p in model.named_parameters() if (g := ref_grads.get(k)) is not None]  # fmt: skip
     assert len(diffs) == len(ref_grads) and max(diffs) < 1e-5
-    tower = [k for k in ref_grads if "vision_tower" in k]
-    assert tower and any(float(ref_grads[k].abs().max()) > 0 for k in tower)  # the vision tower learns
+    learned = [k for k in ref_grads if tower in k]
+    assert learned and any(float(ref_grads[k].abs().max()) > 0 for k in learned)  # the vision tower learns
+    return packed, ref_grads
 
 
 def test_llava_batch_positions_restart_and_images_follow_in_row_order():
