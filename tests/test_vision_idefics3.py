@@ -174,9 +174,7 @@ def one_by_one(model, rows: list[dict]) -> tuple[float, dict]:
 
 def trainer_step_equals_one_by_one(model, rows: list[dict], tmp_path, sft: bool = False) -> None:
     """``tests/test_vision_llava.py``'s step, with this file's rows, lengths and reference."""
-    packed, _ = llava_step(
-        model, rows, tmp_path, sft, max_length=80, alone=one_by_one, tower="vision_model"
-    )
+    packed, _ = llava_step(model, rows, tmp_path, sft, max_length=80, alone=one_by_one, tower="vision_model")
     assert len(packed) < len(rows) and "pixel_attention_mask" in packed.column_names
     assert sum(len(r["pixel_attention_mask"] or []) for r in packed) == 7  # every tile's mask, whole
 
