@@ -89,6 +89,36 @@ def check_sft(out):
     }
 
 
+#: The MoE router loss's weight in ``check_moe`` (large: a router loss left out or miscounted shows in every
+#: parameter); ``tests/test_moe_router_loss.py`` uses the same.
+MOE_COEF = 0.5
+
+
+def moe_model():
+    """The tiny Qwen3-MoE of ``check_moe`` (seed 0), its router loss on with :data:`MOE_COEF`."""
+    from packtools.testing import tiny_model
+
+    model = tiny_model("Qwen3-MoE")
+    model.config.output_router_logits = True
+    model.config.router_aux_loss_coef = model.router_aux_loss_coef = MOE_COEF
+    return model
+
+
+def check_moe(out):
+    """One optimizer step of Trainer + PaddingFreeCollator + prepare_trainer on the MoE model (2 accumulation
+    steps): the test compares it with the padded micro-batches of both ranks, each with its router loss."""
+    model = moe_model()
+    recorder = Recorder(
+        PaddingFreeCollator(PAD),
+        lambda f: {"input_ids": list(f["input_ids"]), "seq_lengths": list(f["seq_lengths"])},
+    )
+    trainer = transformers.Trainer(
+        model=model, args=args(out, max_steps=1), train_dataset=packed_rows(), data_collator=recorder
+    )
+    prepare_trainer(trainer)
+    return train_recorded(trainer, recorder, model)
+
+
 def check_resume(out):
     """Token-budget batches, two epochs; a second trainer resumes from the checkpoint in the middle of epoch 1."""
     rows = packed_rows()
@@ -433,6 +463,7 @@ def main(out: str) -> None:
     tmp = os.path.join(out, "work")  # shared by the ranks (rank 0 writes the checkpoints)
     checks = (
         ("sft", check_sft),
+        ("moe", check_moe),
         ("dpo", check_dpo),
         ("resume", check_resume),
         ("refusal", check_refusal),

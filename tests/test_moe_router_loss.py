@@ -61,12 +61,12 @@ def padded(docs):
     return ids, labels, mask
 
 
-def padded_training(model, batches, accumulation, aux_share=1.0):
+def padded_training(model, batches, accumulation, aux_share=1.0, lr=LR):
     """Plain SGD over padded micro-batches: the window's token-summed loss over its trained tokens, plus
     ``COEF * aux_share`` times each micro-batch's router loss (counting only attention_mask's tokens):
     ``Trainer`` adds each micro-batch's whole router loss (``aux_share=1``), TRL's ``SFTTrainer`` its share of
     the window (``1 / accumulation``)."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for w in range(0, len(batches), accumulation):
         window = [padded(documents(b)) for b in batches[w : w + accumulation]]
         n_items = sum(int((lab[:, 1:] != -100).sum()) for _, lab, _ in window)
