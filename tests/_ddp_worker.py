@@ -1,7 +1,7 @@
 """One process of the data-parallel harness of ``tests/test_distributed.py`` (run by ``torchrun``, gloo, CPU).
 
 Usage: ``torchrun --nproc_per_node 2 tests/_ddp_worker.py OUT_DIR``.  Every check trains on a tiny Llama
-(fp32, SGD, lr 1, no clipping) and records, per rank: the rows of every micro-batch in the order the
+(``check_moe`` on a tiny Qwen3-MoE; fp32, SGD, lr 1, no clipping) and records, per rank: the rows of every micro-batch in the order the
 trainer drew them, the parameter change of the first optimizer step (``-lr * gradient``) and the number of
 optimizer steps.  The results of rank ``r`` go to ``OUT_DIR/rank{r}.pt``; the test compares them with one
 process on the same global batches.  Launching once and running every check in it keeps the cost to one
