@@ -120,9 +120,9 @@ def check_router_filler(model: Any, kwargs: Mapping[str, Any]) -> None:
     cu = kwargs.get("cu_seq_lens_q")
     for row in range(ids.shape[0]):
         if cu is not None and ids.shape[0] == 1 and len(cu) > 2:
-            starts = [int(c) for c in cu[:-1]]
+            starts = [int(c) for c in (cu.tolist() if hasattr(cu, "tolist") else cu)[:-1]]  # one host copy
         elif getattr(pos, "ndim", 0) == 2 and pos.shape == ids.shape:
-            starts = [int(z) for z in (pos[row] == 0).nonzero().flatten()]
+            starts = (pos[row] == 0).nonzero().flatten().tolist()
         else:
             return
         end, filler = ids.shape[1], 0
