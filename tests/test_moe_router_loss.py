@@ -337,7 +337,8 @@ def test_guard_refuses_a_single_filler_token_and_trls_padding():
 def test_guard_without_a_pad_token_id_refuses_an_unlabelled_last_document():
     """A config without ``pad_token_id`` (the collator's is not known to the model): a row whose last document
     has no label trained may end in filler, so it is refused naming ``pad_token_id`` (before: nothing checked);
-    with the config's ``pad_token_id`` set, filler is told by its tokens and a trained row passes."""
+    with another ``pad_token_id`` than the collator's, an untrained last document of one repeated id is refused
+    the same way (before: passed); with the collator's, filler is told by its tokens; a trained row passes."""
     from packtools.integrations.trainers.guard import guard_model
 
     row, _ = _row_and_padded()
@@ -348,8 +349,12 @@ def test_guard_without_a_pad_token_id_refuses_an_unlabelled_last_document():
     with pytest.raises(PackingError, match="no pad_token_id: it may be the collator's filler"):
         model(**filled)
     model(**PaddingFreeCollator(PAD)([row]))  # its last document is trained: no filler
+    model.config.pad_token_id = PAD + 1  # another id than the collator's: its filler is not the config's pad
+    with pytest.raises(PackingError, match=f"57 times token {PAD}, not the config's pad_token_id={PAD + 1}"):
+        model(**filled)
+    model(**PaddingFreeCollator(PAD)([row]))
     model.config.pad_token_id = PAD
-    with pytest.raises(PackingError, match="filler tokens"):
+    with pytest.raises(PackingError, match="ends in 57 filler tokens"):
         model(**filled)
 
 

@@ -105,9 +105,11 @@ def check_router_filler(model: Any, kwargs: Mapping[str, Any]) -> None:
     is the run of documents that ends a row (never its first), each made of the model's ``pad_token_id`` only,
     with no label trained: packtools' padding segment (positions 0, 1, 2, ...) and TRL's padding (one 1-token
     document per pad token), however short.  A real document of nothing but ``pad_token_id`` at a row's end is
-    refused with them: it trains no token, and is not told from filler.  Without a ``pad_token_id`` in the
-    config, a row whose last document has no label trained is refused (it may be filler, and nothing tells),
-    naming the fix; a batch without ``labels`` is then not judged."""
+    refused with them: it trains no token, and is not told from filler.  A row whose last document has no label
+    trained and is not the config's pad is refused too, naming ``pad_token_id``, where it may be filler of a pad
+    id the config does not know: any such document when the config has no ``pad_token_id``, one of at least 2
+    tokens all the same id when it names another (a collator padding with another id; 1 such token is not told
+    from a 1-token document and passes).  A batch without ``labels`` is judged by the pad id alone."""
     routed = kwargs.get("output_router_logits")
     if routed is None:  # the model's own setting: its loss adds the router loss with its own coefficient
         routed = router_loss_on(model)
@@ -127,14 +129,18 @@ def check_router_filler(model: Any, kwargs: Mapping[str, Any]) -> None:
             return
         end, filler = ids.shape[1], 0
         for start in reversed(starts[1:]):  # a row starts with a document
-            trained = labels is not None and bool((labels[row, start:end] != -100).any())
-            if trained or (pad is not None and not bool((ids[row, start:end] == pad).all())):
-                break
-            if pad is None:
-                if labels is not None:
-                    _refuse_unknown_pad(model, row, end - start)
-                break
-            filler, end = filler + end - start, start
+            if labels is not None and bool((labels[row, start:end] != -100).any()):
+                break  # trained: a document
+            tokens = ids[row, start:end]
+            if pad is not None and bool((tokens == pad).all()):
+                filler, end = filler + end - start, start
+                continue
+            if not filler and labels is not None:  # an untrained last document that is not the config's pad
+                if pad is None:
+                    _refuse_unknown_pad(model, row, end - start, None)
+                if end - start >= 2 and bool((tokens == tokens[0]).all()):  # filler of another pad id?
+                    _refuse_unknown_pad(model, row, end - start, (pad, int(tokens[0])))
+            break
         if filler:
             raise PackingError(
                 f"row {row} of a packed batch ends in {filler} filler tokens (pad_token_id={pad}, no label) "
@@ -149,14 +155,21 @@ def check_router_filler(model: Any, kwargs: Mapping[str, Any]) -> None:
             )
 
 
-def _refuse_unknown_pad(model: Any, row: int, tokens: int) -> None:
+def _refuse_unknown_pad(model: Any, row: int, tokens: int, ids: tuple[int, int] | None) -> None:
+    """Refuse a row's untrained last document that may be filler of a pad id the config does not name (``ids``:
+    the config's ``pad_token_id`` and the document's one token id; ``None``: the config has no pad id)."""
+    why = (
+        "its config has no pad_token_id"
+        if ids is None
+        else f"it is {tokens} times token {ids[1]}, not the config's pad_token_id={ids[0]}"
+    )
     raise PackingError(
         f"row {row} of a packed batch ends in a document of {tokens} tokens with no label trained while "
-        f"{type(base_model(model)).__name__} computes its MoE router loss (output_router_logits), and its config "
-        f"has no pad_token_id: it may be the collator's filler, which transformers would count in the router's "
-        f"load-balancing statistics (a packed batch has no attention_mask), and nothing tells it from a "
-        f"document. Set model.config.pad_token_id to the collator's pad_token_id, or set "
-        f"output_router_logits=False (or router_aux_loss_coef=0.0).",
+        f"{type(base_model(model)).__name__} computes its MoE router loss (output_router_logits), and {why}: "
+        f"it may be the collator's filler, which transformers would count in the router's load-balancing "
+        f"statistics (a packed batch has no attention_mask), and nothing tells it from a document. Set "
+        f"model.config.pad_token_id to the collator's pad_token_id, or set output_router_logits=False (or "
+        f"router_aux_loss_coef=0.0).",
         param="pad_token_id",
     )
 
