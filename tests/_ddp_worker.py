@@ -1,7 +1,7 @@
 """One process of the data-parallel harness of ``tests/test_distributed.py`` (run by ``torchrun``, gloo, CPU).
 
 Usage: ``torchrun --nproc_per_node 2 tests/_ddp_worker.py OUT_DIR``.  Every check trains on a tiny Llama
-(fp32, SGD, lr 1, no clipping) and records, per rank: the rows of every micro-batch in the order the
+(``check_moe`` on a tiny Qwen3-MoE; fp32, SGD, lr 1, no clipping) and records, per rank: the rows of every micro-batch in the order the
 trainer drew them, the parameter change of the first optimizer step (``-lr * gradient``) and the number of
 optimizer steps.  The results of rank ``r`` go to ``OUT_DIR/rank{r}.pt``; the test compares them with one
 process on the same global batches.  Launching once and running every check in it keeps the cost to one
@@ -87,6 +87,36 @@ def check_sft(out):
         "sft_view": run_sft(out, view, prepare={"max_tokens": 64}, remove_unused_columns=False),
         "sft_plain_trainer": run_sft(out, rows, prepare=None, remove_unused_columns=False),
     }
+
+
+#: The MoE router loss's weight in ``check_moe`` (large: a router loss left out or miscounted shows in every
+#: parameter); ``tests/test_moe_router_loss.py`` uses the same.
+MOE_COEF = 0.5
+
+
+def moe_model():
+    """The tiny Qwen3-MoE of ``check_moe`` (seed 0), its router loss on with :data:`MOE_COEF`."""
+    from packtools.testing import tiny_model
+
+    model = tiny_model("Qwen3-MoE")
+    model.config.output_router_logits = True
+    model.config.router_aux_loss_coef = model.router_aux_loss_coef = MOE_COEF
+    return model
+
+
+def check_moe(out):
+    """One optimizer step of Trainer + PaddingFreeCollator + prepare_trainer on the MoE model (2 accumulation
+    steps): the test compares it with the padded micro-batches of both ranks, each with its router loss."""
+    model = moe_model()
+    recorder = Recorder(
+        PaddingFreeCollator(PAD),
+        lambda f: {"input_ids": list(f["input_ids"]), "seq_lengths": list(f["seq_lengths"])},
+    )
+    trainer = transformers.Trainer(
+        model=model, args=args(out, max_steps=1), train_dataset=packed_rows(), data_collator=recorder
+    )
+    prepare_trainer(trainer)
+    return train_recorded(trainer, recorder, model)
 
 
 def check_resume(out):
@@ -433,6 +463,7 @@ def main(out: str) -> None:
     tmp = os.path.join(out, "work")  # shared by the ranks (rank 0 writes the checkpoints)
     checks = (
         ("sft", check_sft),
+        ("moe", check_moe),
         ("dpo", check_dpo),
         ("resume", check_resume),
         ("refusal", check_refusal),

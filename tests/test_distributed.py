@@ -221,6 +221,33 @@ def test_sft_step_equals_one_process_and_epoch_covers_every_row_once(ranks, rows
         assert rel(per_rank_mean, whole) > 1e-3
 
 
+def test_moe_router_loss_step_equals_the_padded_micro_batches_of_both_processes(ranks):
+    """The MoE router loss under 2 processes (Trainer, PaddingFreeCollator, prepare_trainer, 2 accumulation
+    steps): the first step equals plain SGD over the padded micro-batches of both ranks with their
+    ``attention_mask``, the token mean over all four plus each micro-batch's whole router loss (``Trainer`` adds
+    it per micro-batch and scales by the processes, DDP averages).  Negative control: the router loss left out
+    is another step."""
+    import copy
+
+    from _ddp_worker import LR, MOE_COEF, moe_model
+    from test_moe_router_loss import COEF, padded_training
+
+    ok(ranks, "moe")
+    assert MOE_COEF == COEF
+    batches = [b for res in ranks for b in res["moe"]["batches"][:GA]]
+    assert len(batches) == 2 * GA and ranks[0]["moe"]["steps"] == 1
+    start = moe_model()
+    deltas = []
+    for share in (1.0, 0.0):
+        model = copy.deepcopy(start)
+        padded_training(model, batches, 2 * GA, aux_share=share, lr=LR)
+        deltas.append({k: p0 - p1 for (k, p0), p1 in zip(start.named_parameters(), model.parameters())})
+    for res in ranks:
+        delta = res["moe"]["delta"]
+        assert max((delta[k] - deltas[0][k]).abs().max().item() for k in delta) < TOL
+        assert max((delta[k] - deltas[1][k]).abs().max().item() for k in delta) > 1e-3
+
+
 def test_trainer_own_loader_repeats_rows_under_ddp_and_the_check_catches_it(ranks, rows):
     """Negative control for the coverage check: Trainer's even_batches padding trains some rows twice."""
     ok(ranks, "sft_plain_trainer")

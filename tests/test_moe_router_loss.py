@@ -61,12 +61,12 @@ def padded(docs):
     return ids, labels, mask
 
 
-def padded_training(model, batches, accumulation, aux_share=1.0):
+def padded_training(model, batches, accumulation, aux_share=1.0, lr=LR):
     """Plain SGD over padded micro-batches: the window's token-summed loss over its trained tokens, plus
     ``COEF * aux_share`` times each micro-batch's router loss (counting only attention_mask's tokens):
     ``Trainer`` adds each micro-batch's whole router loss (``aux_share=1``), TRL's ``SFTTrainer`` its share of
     the window (``1 / accumulation``)."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for w in range(0, len(batches), accumulation):
         window = [padded(documents(b)) for b in batches[w : w + accumulation]]
         n_items = sum(int((lab[:, 1:] != -100).sum()) for _, lab, _ in window)
@@ -187,8 +187,39 @@ def test_filler_beside_a_router_loss_is_refused_by_name(tmp_path, collator, name
 
 
 def test_trl_collator_pad_to_multiple_of_beside_a_router_loss_is_refused(tmp_path):
+    """TRL's own collator (``padding_free=False`` hands it over, as a user's ``data_collator``) padding to a
+    multiple beside the router loss: refused by ``prepare_trainer``."""
+    collator = trl.trainer.sft_trainer.DataCollatorForLanguageModeling(
+        PAD, padding_free=True, pad_to_multiple_of=64
+    )
     with pytest.raises(PackingError, match="MoE router loss.*pad_to_multiple_of=64"):
-        prepare_trainer(build(tmp_path, trl.SFTTrainer, pad_to_multiple_of=64))
+        prepare_trainer(build(tmp_path, trl.SFTTrainer, collator, padding_free=False))
+
+
+def _sft_config_unchecked(**kwargs):
+    """What ``packed_sft_config`` built before it refused ``pad_to_multiple_of``: TRL's ``SFTConfig`` with the
+    packed-dataset settings."""
+    kwargs.update(
+        packing=False, padding_free=True, max_length=None, dataset_kwargs={"skip_prepare_dataset": True}
+    )
+    return trl.SFTConfig(**kwargs)
+
+
+def test_packed_sft_config_pad_to_multiple_of_beside_a_router_loss_is_refused(tmp_path, monkeypatch):
+    """``SFTTrainer(args=packed_sft_config(pad_to_multiple_of=64))`` without ``prepare_trainer``: TRL trains the
+    router loss of a MoE model by default and its collator's pad tokens (one 1-token document each) count in it.
+    Measured here: such a trainer lands away from the padded micro-batches; ``packed_sft_config`` refuses it by
+    name, and takes it with ``router_aux_loss_coef=0.0`` (no router loss)."""
+    with pytest.raises(
+        PackingError, match="pad_to_multiple_of=64 under padding_free=True.*router_aux_loss_coef=0.0"
+    ):
+        packed_sft_config(output_dir=str(tmp_path), pad_to_multiple_of=64, bf16=False)
+    packed_sft_config(output_dir=str(tmp_path), pad_to_multiple_of=64, router_aux_loss_coef=0.0, bf16=False)
+    monkeypatch.setitem(globals(), "packed_sft_config", _sft_config_unchecked)
+    off, moved = run(
+        tmp_path, trl.SFTTrainer, prepare=False, gradient_checkpointing=False, pad_to_multiple_of=64
+    )
+    assert moved > 1e-2 and off > 1e-4  # the silent gap the refusal closes
 
 
 def _dpo(tmp_path, n=16):
@@ -242,8 +273,8 @@ def test_dpo_shared_prompt_beside_a_router_loss_is_refused(tmp_path):
 
 def test_guard_model_refuses_filler_beside_a_router_loss_in_a_loop_of_ones_own():
     """guard_model sees no collator: a packed row ending in filler (pad_token_id, no label) while the model
-    computes its router loss is refused at the forward; the same row without filler, the filler with
-    output_router_logits=False, and filler of 1 token (not told from a 1-token document) pass."""
+    computes its router loss is refused at the forward; the same row without filler and the filler with
+    output_router_logits=False pass."""
     from packtools.integrations.trainers.guard import guard_model
 
     docs = documents(
@@ -262,8 +293,69 @@ def test_guard_model_refuses_filler_beside_a_router_loss_in_a_loop_of_ones_own()
             model(**collator(rows))
         model(**collator(rows), output_router_logits=False)
     model(**PaddingFreeCollator(PAD)([row]))
+
+
+def _row_and_padded(n=6):
+    docs = documents(
+        [{"input_ids": s["input_ids"], "seq_lengths": [len(s["input_ids"])]} for s in sequences(n)]
+    )
+    row = {"input_ids": sum((d[0] for d in docs), []), "seq_lengths": [len(d[0]) for d in docs]}
+    row["labels"] = sum((d[1] for d in docs), [])
+    return row, padded(docs)
+
+
+def test_guard_refuses_a_single_filler_token_and_trls_padding():
+    """One filler token (``pad_to_multiple_of`` one past the row) and TRL's padding (each pad token its own
+    1-token document, positions 0) move the router loss away from the padded batch's: both refused at the
+    forward (before, a tail shorter than 2 tokens, and so TRL's padding, passed)."""
+    from packtools.integrations.trainers.guard import guard_model
+
+    row, (ids, labels, mask) = _row_and_padded()
+    model = moe()
+    want = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).aux_loss.item()
     length = len(row["input_ids"])
-    model(**PaddingFreeCollator(PAD, pad_to_multiple_of=length + 1)([row]))  # one filler token
+    one = PaddingFreeCollator(PAD, pad_to_multiple_of=length + 1)([row])
+    collate = trl.trainer.sft_trainer.DataCollatorForLanguageModeling(
+        PAD, padding_free=True, pad_to_multiple_of=64
+    )
+    trls = collate(
+        [{"input_ids": row["input_ids"], "labels": row["labels"], "seq_lengths": row["seq_lengths"]}]
+    )
+    fill = trls["input_ids"].shape[1] - length
+    assert fill > 1 and int((trls["position_ids"][0, length:] == 0).sum()) == fill  # 1-token documents
+    for batch in (one, trls):
+        assert abs(model(**batch).aux_loss.item() - want) > 1e-7  # counted: another router loss
+    guard_model(model, check_isolation=False)
+    with pytest.raises(PackingError, match="ends in 1 filler tokens .*MoE router loss"):
+        model(**one)
+    with pytest.raises(PackingError, match=f"ends in {fill} filler tokens .*MoE router loss"):
+        model(**trls)
+    assert abs(model(**PaddingFreeCollator(PAD)([row])).aux_loss.item() - want) < TOL  # no filler: exact
+    model(**one, output_router_logits=False)
+
+
+def test_guard_without_a_pad_token_id_refuses_an_unlabelled_last_document():
+    """A config without ``pad_token_id`` (the collator's is not known to the model): a row whose last document
+    has no label trained may end in filler, so it is refused naming ``pad_token_id`` (before: nothing checked);
+    with another ``pad_token_id`` than the collator's, an untrained last document of one repeated id is refused
+    the same way (before: passed); with the collator's, filler is told by its tokens; a trained row passes."""
+    from packtools.integrations.trainers.guard import guard_model
+
+    row, _ = _row_and_padded()
+    model = moe()
+    model.config.pad_token_id = None
+    guard_model(model, check_isolation=False)
+    filled = PaddingFreeCollator(PAD, pad_to_multiple_of=64)([row])
+    with pytest.raises(PackingError, match="no pad_token_id: it may be the collator's filler"):
+        model(**filled)
+    model(**PaddingFreeCollator(PAD)([row]))  # its last document is trained: no filler
+    model.config.pad_token_id = PAD + 1  # another id than the collator's: its filler is not the config's pad
+    with pytest.raises(PackingError, match=f"57 times token {PAD}, not the config's pad_token_id={PAD + 1}"):
+        model(**filled)
+    model(**PaddingFreeCollator(PAD)([row]))
+    model.config.pad_token_id = PAD
+    with pytest.raises(PackingError, match="ends in 57 filler tokens"):
+        model(**filled)
 
 
 def _jetmoe():
@@ -312,7 +404,10 @@ def test_trls_own_router_coefficient_beside_filler_is_refused(tmp_path):
     model = moe()
     model.config.router_aux_loss_coef = model.router_aux_loss_coef = 0.0
     model.config.output_router_logits = False
-    trainer = build(tmp_path, trl.SFTTrainer, model=model, pad_to_multiple_of=64, router_aux_loss_coef=COEF)
+    collator = trl.trainer.sft_trainer.DataCollatorForLanguageModeling(
+        PAD, padding_free=True, pad_to_multiple_of=64
+    )
+    trainer = build(tmp_path, trl.SFTTrainer, collator, model, padding_free=False, router_aux_loss_coef=COEF)
     assert trainer.aux_loss_enabled and model.router_aux_loss_coef == 0.0
     with pytest.raises(PackingError, match="MoE router loss.*pad_to_multiple_of=64"):
         prepare_trainer(trainer)
@@ -341,3 +436,83 @@ def test_a_multimodal_collators_padding_beside_a_router_loss_is_refused():
     with pytest.raises(PackingError, match="router loss.*pad_to_multiple_of=64 in MultimodalCollator"):
         check_router_padding(trainer(MultimodalCollator(spec, PAD, pad_to_multiple_of=64)), None)
     check_router_padding(trainer(MultimodalCollator(spec, PAD)), None)  # no filler: accepted
+
+
+def test_llama4_returns_no_router_loss_so_its_padding_is_accepted(tmp_path):
+    """Llama 4's forward returns its router logits and no ``aux_loss`` (transformers 5.25), whatever its config's
+    ``output_router_logits`` and ``router_aux_loss_coef``: filler changes none of its loss, so
+    ``pad_to_multiple_of`` beside it is accepted (before: refused as a router loss it does not have)."""
+    from packtools.integrations.trainers.guard import guard_model
+    from packtools.integrations.trainers.router import router_loss_on
+
+    model = tiny_model("Llama 4")
+    model.config.output_router_logits = True
+    assert model.config.router_aux_loss_coef and not router_loss_on(model)
+    row, (ids, labels, mask) = _row_and_padded()
+    ref = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    filled = PaddingFreeCollator(PAD, pad_to_multiple_of=64)([row])
+    guard_model(model, check_isolation=False)
+    out = model(**filled, output_router_logits=True)
+    assert ref.aux_loss is None and out.aux_loss is None and out.router_logits
+    assert abs(out.loss.item() - ref.loss.item()) < TOL  # the filler is in no loss
+    prepare_trainer(
+        build(tmp_path, transformers.Trainer, PaddingFreeCollator(PAD, pad_to_multiple_of=64), model)
+    )
+
+
+def test_the_families_without_a_router_loss_are_those_of_the_installed_transformers():
+    """:data:`~packtools.integrations.trainers.router.NO_ROUTER_LOSS` re-derived from transformers' sources: the
+    models whose config declares ``output_router_logits`` and a router coefficient while their modeling file
+    computes no load-balancing loss."""
+    import re
+    from pathlib import Path
+
+    from packtools.integrations.trainers.router import COEFFICIENTS, NO_ROUTER_LOSS
+
+    found = set()
+    for config in sorted(Path(transformers.__file__).parent.glob("models/*/configuration_*.py")):
+        text = config.read_text()
+        if "output_router_logits" not in text or not any(f"{c}:" in text for c in COEFFICIENTS):
+            continue
+        modeling = config.with_name(config.name.replace("configuration_", "modeling_"))
+        if modeling.exists() and "load_balancing_loss_func(" not in modeling.read_text():
+            found |= {t for t in re.findall(r'model_type = "(\w+)"', text) if "vision" not in t}
+    assert found == NO_ROUTER_LOSS
+
+
+def _bamba(z):
+    from packtools.integrations.attention.mixers import run_mixers_per_document
+
+    model = tiny_model("Bamba")
+    model.config.z_loss_coefficient = model.z_loss_coefficient = z
+    run_mixers_per_document(model)
+    return model
+
+
+def test_bambas_z_loss_beside_packed_rows_is_refused(tmp_path):
+    """Bamba's z-loss is a mean of logsumexp(logits)^2 over every position of the batch: the padded batch counts
+    its padding, a padding-free row only its real tokens, a row with filler its filler.  Measured: three
+    different losses (the cross-entropy the same); refused by prepare_trainer and at the forward by the guard
+    (before: trained silently); ``z_loss_coefficient=0.0`` (the default) passes."""
+    from packtools.integrations.trainers.guard import guard_model
+
+    row, (ids, labels, mask) = _row_and_padded()
+    model = _bamba(0.5)
+    ref = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.item()
+    free = model(**PaddingFreeCollator(PAD)([row])).loss.item()
+    filled = model(**PaddingFreeCollator(PAD, pad_to_multiple_of=64)([row])).loss.item()
+    assert abs(free - ref) > 1e-3 and abs(filled - ref) > 1e-3 and abs(filled - free) > 1e-3
+    with pytest.raises(PackingError, match="z_loss_coefficient=0.5 on BambaForCausalLM"):
+        prepare_trainer(build(tmp_path, transformers.Trainer, PaddingFreeCollator(PAD), model))
+    guard_model(model, check_isolation=False)
+    with pytest.raises(PackingError, match="z_loss_coefficient=0.5.*padding included"):
+        model(**PaddingFreeCollator(PAD)([row]))
+    model.z_loss_coefficient = model.config.z_loss_coefficient = 0.0
+    model(**PaddingFreeCollator(PAD)([row]))
+    assert (
+        abs(
+            model(**PaddingFreeCollator(PAD)([row])).loss.item()
+            - model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.item()
+        )
+        < TOL
+    )

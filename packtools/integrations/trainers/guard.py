@@ -43,7 +43,7 @@ from ..attention.mixers import (
     passed_cache,
 )
 from ..parallel.distributed import sharded_by
-from .router import check_router_filler
+from .router import check_logits_z_loss, check_router_filler
 
 _HOOK_ATTR = "_packtools_guard"
 _WATCH_ATTR = "_packtools_watch"  # watch_model's hook
@@ -793,6 +793,8 @@ class GuardHook:
         check_unshifted_labels(kwargs, self.model_type)
         if packed_training_input(kwargs):
             check_router_filler(module, kwargs)
+            if kwargs.get("labels") is not None:  # the z-loss is added to the loss of labels
+                check_logits_z_loss(module)
         if self.probe is not None:
             self.probe(module, kwargs)
         if passed_cache(kwargs) is None and (kwargs.get("use_cache") is None or module.training):

@@ -21,6 +21,12 @@ from ..attention.backends import base_model
 #: JetMoE.
 COEFFICIENTS = ("router_aux_loss_coef", "aux_loss_coef")
 
+#: The ``model_type`` of transformers 5.25's models whose config declares ``output_router_logits`` and a router
+#: coefficient while their forward computes no router loss (it returns the router logits, ``aux_loss`` stays
+#: ``None``): Llama 4 (its text config ``llama4_text``, and the multimodal ``llama4``) and OpenAI's privacy filter
+#: (token classification).  ``tests/test_moe_router_loss.py`` re-derives it from the installed transformers.
+NO_ROUTER_LOSS = frozenset({"llama4", "llama4_text", "openai_privacy_filter"})
+
 
 def _text_config(model: Any) -> Any:
     config = getattr(base_model(model), "config", None)
@@ -43,15 +49,33 @@ def router_coefficient(model: Any) -> float:
     return 0
 
 
+def computes_router_loss(model: Any) -> bool:
+    """Whether ``model``'s forward computes a router loss at all when asked for its router logits: not for the
+    :data:`NO_ROUTER_LOSS` families (Llama 4 returns its router logits and no ``aux_loss``), whose config or
+    outer model (``llama4``) names the type.
+
+    >>> from types import SimpleNamespace as N
+    >>> computes_router_loss(N(config=N(model_type="llama4_text"))), computes_router_loss(N(config=N()))
+    (False, True)
+    """
+    types = {getattr(getattr(base_model(model), "config", None), "model_type", None)}
+    types.add(getattr(_text_config(model), "model_type", None))
+    return not types & NO_ROUTER_LOSS
+
+
 def router_loss_on(model: Any) -> bool:
-    """Whether ``model``'s own loss adds a MoE router loss: its text config has ``output_router_logits`` and its
-    :func:`router_coefficient` is not 0.
+    """Whether ``model``'s own loss adds a MoE router loss: its text config has ``output_router_logits``, its
+    :func:`router_coefficient` is not 0, and it :func:`computes_router_loss` (Llama 4 does not).
 
     >>> from types import SimpleNamespace as N
     >>> router_loss_on(N(config=N(output_router_logits=True, router_aux_loss_coef=0.01)))
     True
     """
-    return bool(getattr(_text_config(model), "output_router_logits", False) and router_coefficient(model))
+    return bool(
+        getattr(_text_config(model), "output_router_logits", False)
+        and router_coefficient(model)
+        and computes_router_loss(model)
+    )
 
 
 def trainer_router_loss_on(trainer: Any) -> bool:
@@ -64,47 +88,109 @@ def trainer_router_loss_on(trainer: Any) -> bool:
     >>> trainer_router_loss_on(N(aux_loss_enabled=True, model=N(config=N(router_aux_loss_coef=0.0))))
     True
     """
+    if not computes_router_loss(
+        trainer.model
+    ):  # no aux_loss to count filler in (TRL's own step fails on None)
+        return False
     return bool(getattr(trainer, "aux_loss_enabled", False)) or router_loss_on(trainer.model)
 
 
 def check_router_filler(model: Any, kwargs: Mapping[str, Any]) -> None:
     """Refuse a packed forward (``kwargs``) whose rows end in filler while ``model`` computes its router loss
     (``output_router_logits=True`` given, as TRL's trainers do, which weight ``outputs.aux_loss`` themselves;
-    else its config's, with a :func:`router_coefficient` other than 0).  Filler: the last document of a row (from
-    ``cu_seq_lens_q`` for one row, else where ``position_ids`` last restart) of at least 2 tokens, all of them the
-    model's ``pad_token_id`` with no label trained -- what packtools' collators append.  A 1-token tail is not
-    told from a 1-token document and passes; without a ``pad_token_id`` nothing is checked."""
+    else its config's, with a :func:`router_coefficient` other than 0; never for a model that
+    :func:`computes_router_loss` not).
+
+    The documents of a row come from ``cu_seq_lens_q`` (one row) or from where ``position_ids`` restart.  Filler
+    is the run of documents that ends a row (never its first), each made of the model's ``pad_token_id`` only,
+    with no label trained: packtools' padding segment (positions 0, 1, 2, ...) and TRL's padding (one 1-token
+    document per pad token), however short.  A real document of nothing but ``pad_token_id`` at a row's end is
+    refused with them: it trains no token, and is not told from filler.  A row whose last document has no label
+    trained and is not the config's pad is refused too, naming ``pad_token_id``, where it may be filler of a pad
+    id the config does not know: any such document when the config has no ``pad_token_id``, one of at least 2
+    tokens all the same id when it names another (a collator padding with another id; 1 such token is not told
+    from a 1-token document and passes).  A batch without ``labels`` is judged by the pad id alone."""
     routed = kwargs.get("output_router_logits")
-    config = _text_config(model)
     if routed is None:  # the model's own setting: its loss adds the router loss with its own coefficient
-        routed = bool(getattr(config, "output_router_logits", False) and router_coefficient(model))
+        routed = router_loss_on(model)
     # given at the forward (TRL's trainers), the caller weights outputs.aux_loss itself: on whatever the model's
     # own coefficient
-    pad = getattr(config, "pad_token_id", None)
     ids, labels, pos = kwargs.get("input_ids"), kwargs.get("labels"), kwargs.get("position_ids")
-    if not routed or pad is None or getattr(ids, "ndim", 0) != 2:
+    if not routed or not computes_router_loss(model) or getattr(ids, "ndim", 0) != 2:
         return
+    pad = getattr(_text_config(model), "pad_token_id", None)
     cu = kwargs.get("cu_seq_lens_q")
     for row in range(ids.shape[0]):
         if cu is not None and ids.shape[0] == 1 and len(cu) > 2:
-            start = int(cu[-2])
+            starts = [int(c) for c in (cu.tolist() if hasattr(cu, "tolist") else cu)[:-1]]  # one host copy
         elif getattr(pos, "ndim", 0) == 2 and pos.shape == ids.shape:
-            zeros = (pos[row] == 0).nonzero()
-            if len(zeros) < 2:  # one document in the row: the model's own, nothing appended
-                continue
-            start = int(zeros[-1])
+            starts = (pos[row] == 0).nonzero().flatten().tolist()
         else:
             return
-        tail = ids[row, start:]
-        trained = labels is not None and bool((labels[row, start:] != -100).any())
-        if tail.shape[0] >= 2 and not trained and bool((tail == pad).all()):
+        end, filler = ids.shape[1], 0
+        for start in reversed(starts[1:]):  # a row starts with a document
+            if labels is not None and bool((labels[row, start:end] != -100).any()):
+                break  # trained: a document
+            tokens = ids[row, start:end]
+            if pad is not None and bool((tokens == pad).all()):
+                filler, end = filler + end - start, start
+                continue
+            if not filler and labels is not None:  # an untrained last document that is not the config's pad
+                if pad is None:
+                    _refuse_unknown_pad(model, row, end - start, None)
+                if end - start >= 2 and bool((tokens == tokens[0]).all()):  # filler of another pad id?
+                    _refuse_unknown_pad(model, row, end - start, (pad, int(tokens[0])))
+            break
+        if filler:
             raise PackingError(
-                f"row {row} of a packed batch ends in {tail.shape[0]} filler tokens (pad_token_id={pad}, no "
-                f"label) while {type(base_model(model)).__name__} computes its MoE router loss "
-                f"(output_router_logits): with no attention_mask in a packed batch, transformers counts them in "
-                f"the router's load-balancing statistics, and the loss and gradients differ from the padded "
-                f"batch's. Collate without padding (PaddingFreeCollator without pad_to_multiple_of / "
-                f"pad_to_buckets, padding_free=True), or set output_router_logits=False (or "
-                f"router_aux_loss_coef=0.0).",
+                f"row {row} of a packed batch ends in {filler} filler tokens (pad_token_id={pad}, no label) "
+                f"while {type(base_model(model)).__name__} computes its MoE router loss (output_router_logits): "
+                f"with no attention_mask in a packed batch, transformers counts them in the router's "
+                f"load-balancing statistics, and the loss and gradients differ from the padded batch's. Collate "
+                f"without padding (PaddingFreeCollator without pad_to_multiple_of / pad_to_buckets, "
+                f"padding_free=True; TRL's collator without pad_to_multiple_of), or set "
+                f"output_router_logits=False (or router_aux_loss_coef=0.0). A document of nothing but "
+                f"pad_token_id there trains no token: leave it out of the rows.",
                 param="output_router_logits",
             )
+
+
+def _refuse_unknown_pad(model: Any, row: int, tokens: int, ids: tuple[int, int] | None) -> None:
+    """Refuse a row's untrained last document that may be filler of a pad id the config does not name (``ids``:
+    the config's ``pad_token_id`` and the document's one token id; ``None``: the config has no pad id)."""
+    why = (
+        "its config has no pad_token_id"
+        if ids is None
+        else f"it is {tokens} times token {ids[1]}, not the config's pad_token_id={ids[0]}"
+    )
+    raise PackingError(
+        f"row {row} of a packed batch ends in a document of {tokens} tokens with no label trained while "
+        f"{type(base_model(model)).__name__} computes its MoE router loss (output_router_logits), and {why}: "
+        f"it may be the collator's filler, which transformers would count in the router's load-balancing "
+        f"statistics (a packed batch has no attention_mask), and nothing tells it from a document. Set "
+        f"model.config.pad_token_id to the collator's pad_token_id, or set output_router_logits=False (or "
+        f"router_aux_loss_coef=0.0).",
+        param="pad_token_id",
+    )
+
+
+def check_logits_z_loss(model: Any) -> None:
+    """Refuse a model whose loss adds a logits z-loss (Bamba's ``z_loss_coefficient`` > 0) beside packed batches.
+
+    transformers 5.25's Bamba adds ``z_loss_coefficient * logits.logsumexp(-1).pow(2).mean()``: a mean over every
+    position of the batch, its padding included (no mask, no label reads it).  A padded batch counts its padding
+    positions, a padding-free row only its real tokens, and a row ending in filler its filler too: measured on
+    the tiny Bamba (6 documents), z = 21.4020 padded, 21.3697 padding-free, 21.3384 with ``pad_to_multiple_of=64``
+    (and another value for each document alone), so no packed batch trains the padded batch's loss."""
+    coefficient = getattr(base_model(model), "z_loss_coefficient", None)
+    if coefficient is None:
+        coefficient = getattr(_text_config(model), "z_loss_coefficient", 0)
+    if coefficient:
+        raise PackingError(
+            f"z_loss_coefficient={coefficient} on {type(base_model(model)).__name__}: its z-loss is a mean of "
+            f"logsumexp(logits)^2 over every position of the batch, padding included, so packed rows (real "
+            f"tokens only, or with filler) give another loss and other gradients than the padded batch, with no "
+            f"error. Set z_loss_coefficient=0.0 on the model and its config (transformers' default), or train "
+            f"without packing.",
+            param="z_loss_coefficient",
+        )

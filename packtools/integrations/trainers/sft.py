@@ -95,7 +95,10 @@ def packed_sft_config(**kwargs: Any) -> Any:
     without :func:`~packtools.prepare_trainer`, on models whose masks come from ``position_ids`` and that have
     no token-mixing layers (GPT-OSS and hybrids need :func:`~packtools.prepare_trainer`: docs/training.md).  ``padding_free=False`` is for passing
     ``data_collator=PaddingFreeCollator(pad)`` (its options, ``context_parallel``, ``max_tokens``), which TRL
-    refuses under ``padding_free=True`` (docs/training.md).  Other arguments pass through.
+    refuses under ``padding_free=True`` (docs/training.md).  ``pad_to_multiple_of`` under ``padding_free=True``
+    needs ``router_aux_loss_coef=0.0``: TRL's SFTTrainer trains a MoE model's router loss by default, and its
+    collator's pad tokens would count in it (silently without :func:`~packtools.prepare_trainer`).  Other
+    arguments pass through.
     """
     trl = require("trl", "packtools.integrations.packed_sft_config")
     if kwargs.get("packing"):
@@ -121,6 +124,17 @@ def packed_sft_config(**kwargs: Any) -> Any:
             "max_length under padding_free=True without packing. Leave max_length out (rows are never "
             "truncated again).",
             param="max_length",
+        )
+    if padding_free and kwargs.get("pad_to_multiple_of") and kwargs.get("router_aux_loss_coef") != 0.0:
+        # TRL builds its collator from these arguments, and nothing of packtools sees it without prepare_trainer
+        raise PackingError(
+            f"pad_to_multiple_of={kwargs['pad_to_multiple_of']} under padding_free=True: TRL's collator pads the "
+            f"packed row with pad tokens (one 1-token document each), and SFTTrainer trains a MoE model's router "
+            f"loss by default (router_aux_loss_coef=None takes the model config's), in which transformers counts "
+            f"every one of them (a packed batch has no attention_mask): the loss and gradients differ from the "
+            f"padded batch's with no error. Leave pad_to_multiple_of out, or pass router_aux_loss_coef=0.0 (no "
+            f"router loss; a dense model has none, and TRL accepts 0.0 for it).",
+            param="pad_to_multiple_of",
         )
     dataset_kwargs = dict(kwargs.pop("dataset_kwargs", None) or {})
     if dataset_kwargs.get("skip_prepare_dataset") is False:

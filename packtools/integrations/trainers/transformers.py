@@ -67,6 +67,7 @@ from .guard import guard_model
 from .held import watch_held_models
 from .loader import check_train_loader
 from .rope_rows import check_rope_rows, rows_per_forward
+from .router import check_logits_z_loss
 from .sft import check_sft, is_sft_trainer, keep_packed_columns, refuse_neftune
 from .step import (
     SFTStep,
@@ -393,6 +394,7 @@ def prepare_trainer(
     layout = rank_layout(trainer, context_parallel)  # refuses a context_parallel that is no positive int
     check_loss_owner(trainer, loss)
     check_router_padding(trainer, max_tokens)
+    check_logits_z_loss(trainer.model)
     check_train_loader(trainer, max_tokens)
     check_rope_rows(
         trainer.model,
