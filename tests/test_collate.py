@@ -302,6 +302,11 @@ def test_bad_rows_raise_packing_error(rows, match):
     "kwargs, match",
     [
         ({"pad_token_id": None}, "pad_token_id must be an int"),
+        # the labels' ignore index as the pad id: the padding reached the model's embedding (IndexError there)
+        (
+            {"pad_token_id": -100, "pad_to_multiple_of": 8},
+            "pad_token_id=-100 is not a token id.*ignore index",
+        ),
         ({"pad_token_id": 0, "pad_to_multiple_of": 0}, "pad_to_multiple_of"),
         ({"pad_token_id": 0, "return_tensors": "tf"}, "return_tensors"),
     ],

@@ -55,6 +55,19 @@ def test_bad_tokenizer_folders(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["broken", "in.jsonl", "model"]
 
 
+@pytest.mark.parametrize("column, rows", [
+    ("text", [{"text": "a b"}, {"txt": "c d"}]),  # the key left out of the row
+    ("text", [{"text": "a b"}, {"text": None}]),  # an explicit null
+    ("completion", [{"prompt": "a", "completion": "b"}, {"prompt": "c"}]),
+])  # fmt: skip
+def test_a_row_missing_its_text_column_is_named_missing_not_a_type(tmp_path, tok_dir, capsys, column, rows):
+    """Arrow reads a key a JSON row leaves out as null: the refusal said "column 'text' is NoneType, not a
+    string", naming a Python type the user never wrote (newcomer's JSONL with a misspelled key)."""
+    src = jsonl(tmp_path / "in.jsonl", rows)
+    err = fails(["pack", src, "--out", str(tmp_path / "out"), "--tokenizer", tok_dir], capsys)
+    assert f"in.jsonl' line 2: column '{column}' is missing or null" in err and "NoneType" not in err
+
+
 def test_bad_json_names_file_and_real_line(tmp_path, tok_dir, capsys):
     rows = [{"text": f"row {i}"} for i in range(600)]
     src = tmp_path / "bad.jsonl"

@@ -170,6 +170,13 @@ def check_pad_args(pad_token_id: object, pad_to_multiple_of: object) -> tuple[in
             f"pad_token_id must be an int, got {pad_token_id!r}; use tokenizer.pad_token_id "
             f"(or tokenizer.eos_token_id when the tokenizer has no pad token)."
         )
+    if pad_token_id < 0:  # the padding is a token the model embeds: a negative id fails there, far from here
+        raise PackingError(
+            f"pad_token_id={int(pad_token_id)} is not a token id (ids are >= 0; -100 is the labels' ignore index, "
+            f"which the collator puts in the labels of padding by itself); use tokenizer.pad_token_id (or "
+            f"tokenizer.eos_token_id when the tokenizer has no pad token).",
+            param="pad_token_id",
+        )
     if pad_to_multiple_of is not None and (
         isinstance(pad_to_multiple_of, bool)
         or not isinstance(pad_to_multiple_of, (int, np.integer))

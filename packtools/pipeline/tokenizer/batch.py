@@ -47,6 +47,11 @@ CHECKED_REFERENCE = "tokenizers (checked equal to transformers)"
 def _strings(table: pa.Table, name: str, first_row: Row, values: list | None = None) -> list[str]:
     values = cells(table, name) if values is None else values
     for i, v in enumerate(values):
+        if v is None:  # Arrow reads a key a row leaves out as null, like an explicit null
+            raise PackingError(
+                f"{at(first_row, i)}: column {name!r} is missing or null; every row needs a string there: fix or "
+                f"filter that row."
+            )
         if not isinstance(v, str):
             raise PackingError(
                 f"{at(first_row, i)}: column {name!r} is {type(v).__name__}, not a string; fix or filter that row."
