@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any
 
+import numpy as np
+
 from ..._optional import is_instance
 from ...batches import mrope
 from ...batches.vision import DocumentBlockMask, check_batch_images
@@ -836,8 +838,6 @@ def check_document_images(model: Any, spec: Any, kwargs: Mapping[str, Any]) -> N
         or all(kwargs.get(n) is None for n in _PER_IMAGE_INPUTS)
     ):
         return
-    import numpy as np
-
     flat_ids = np.asarray(ids.detach().cpu() if hasattr(ids, "detach") else ids).reshape(-1)
     width = int(ids.shape[-1]) if getattr(ids, "ndim", 0) else 1
     starts = set(range(0, flat_ids.shape[0], max(width, 1)))  # each row starts a document
