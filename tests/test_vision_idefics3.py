@@ -302,3 +302,25 @@ def test_guard_model_refuses_a_packed_forward_without_the_tile_masks():
     model(**batch)  # the collator's batch passes
     with pytest.raises(PackingError, match="no pixel_attention_mask"):
         model(**{k: v for k, v in batch.items() if k != "pixel_attention_mask"})
+
+
+def test_the_switch_to_packtools_sdpa_is_undone_by_unprepare(tmp_path):
+    # prepare_trainer records the switch of both towers: unprepare puts the whole model back on sdpa
+    from packtools import prepare_trainer
+    from packtools.integrations import unprepare
+    from packtools.integrations.attention.backends import attention_implementation, switches_to_segmented_sdpa
+
+    model = tiny("smolvlm", "sdpa")
+    assert switches_to_segmented_sdpa(model) and not switches_to_segmented_sdpa(tiny("smolvlm", "eager"))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, report_to=[]
+    )
+    packed = pack_dataset(datasets.Dataset.from_list(samples()), 80)
+    trainer = prepare_trainer(
+        transformers.Trainer(model, args, train_dataset=packed, data_collator=MultimodalCollator(model, 0))
+    )
+    assert (
+        attention_implementation(model) == model.config.vision_config._attn_implementation == "packtools_sdpa"
+    )
+    unprepare(trainer)
+    assert attention_implementation(model) == model.config.vision_config._attn_implementation == "sdpa"
