@@ -29,6 +29,10 @@ VIDEO_COLUMNS = ("pixel_values_videos", "video_grid_thw")
 #: The any-resolution processors' (LLaVA-NeXT, LLaVA-OneVision) per-sample columns beside ``pixel_values``
 #: ``(images, tiles, channels, size, size)``: each image's original ``(height, width)`` (its token count follows from
 #: it) and, OneVision, the images of each sample.  Packed whole with the sample, in row order, like the pixels.
+#: Like ``PIXEL_MASK`` and the video companions, they are ordinary columns to the text collators (``leave_out`` may list
+#: them): no collator drops them while keeping the pixels (``pixel_values`` is refused there even when listed, and
+#: ``MultimodalCollator`` carries them for the types that read them whatever ``leave_out`` says), so left out alone they
+#: drop no pixels (``tests/test_vision_guard_images.py``).
 ANYRES_COLUMNS = ("image_sizes", "batch_num_images")
 #: Per-sample pixel columns (images and videos): left out of a batch or a packing, each image's or video's
 #: placeholder tokens would stay in ``input_ids`` and train without pixels, so no path drops them silently.

@@ -146,10 +146,24 @@ def test_the_models_own_forward_over_a_packed_row_equals_each_document_alone(fam
         assert float((whole[spans[1] :] - torch.cat(alone[1:])).abs().max()) > 1e-2
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize(
+    "impl, segmented, used",
+    [
+        # loaded on sdpa, prepare_trainer switches both towers to packtools_sdpa, as it does text models and Gemma 3
+        # (main left these types on sdpa)
+        ("sdpa", True, "packtools_sdpa"),
+        ("sdpa", False, "sdpa"),
+        ("eager", True, "eager"),
+    ],
+)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_packed_training_step_equals_one_by_one(family, impl, tmp_path):
-    trainer_step_equals_one_by_one(tiny(family, impl), samples(), tmp_path)
+def test_packed_training_step_equals_one_by_one(family, impl, segmented, used, tmp_path):
+    from packtools.integrations.attention.backends import attention_implementation
+
+    model = tiny(family, impl)
+    trainer_step_equals_one_by_one(model, samples(), tmp_path, segmented_sdpa=segmented)
+    assert attention_implementation(model) == used
+    assert model.config.vision_config._attn_implementation == used  # the vision tower too
 
 
 def test_smolvlm_through_sft_trainer_keeps_its_tiles_and_masks(tmp_path):
@@ -172,9 +186,14 @@ def one_by_one(model, rows: list[dict]) -> tuple[float, dict]:
     return loss, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-def trainer_step_equals_one_by_one(model, rows: list[dict], tmp_path, sft: bool = False) -> None:
+def trainer_step_equals_one_by_one(
+    model, rows: list[dict], tmp_path, sft: bool = False, segmented_sdpa: bool = True
+) -> None:
     """``tests/test_vision_llava.py``'s step, with this file's rows, lengths and reference."""
-    packed, _ = llava_step(model, rows, tmp_path, sft, max_length=80, alone=one_by_one, tower="vision_model")
+    packed, _ = llava_step(
+        model, rows, tmp_path, sft, max_length=80, alone=one_by_one, tower="vision_model",
+        segmented_sdpa=segmented_sdpa,
+    )  # fmt: skip
     assert len(packed) < len(rows) and "pixel_attention_mask" in packed.column_names
     assert sum(len(r["pixel_attention_mask"] or []) for r in packed) == 7  # every tile's mask, whole
 
@@ -283,3 +302,25 @@ def test_guard_model_refuses_a_packed_forward_without_the_tile_masks():
     model(**batch)  # the collator's batch passes
     with pytest.raises(PackingError, match="no pixel_attention_mask"):
         model(**{k: v for k, v in batch.items() if k != "pixel_attention_mask"})
+
+
+def test_the_switch_to_packtools_sdpa_is_undone_by_unprepare(tmp_path):
+    # prepare_trainer records the switch of both towers: unprepare puts the whole model back on sdpa
+    from packtools import prepare_trainer
+    from packtools.integrations import unprepare
+    from packtools.integrations.attention.backends import attention_implementation, switches_to_segmented_sdpa
+
+    model = tiny("smolvlm", "sdpa")
+    assert switches_to_segmented_sdpa(model) and not switches_to_segmented_sdpa(tiny("smolvlm", "eager"))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, report_to=[]
+    )
+    packed = pack_dataset(datasets.Dataset.from_list(samples()), 80)
+    trainer = prepare_trainer(
+        transformers.Trainer(model, args, train_dataset=packed, data_collator=MultimodalCollator(model, 0))
+    )
+    assert (
+        attention_implementation(model) == model.config.vision_config._attn_implementation == "packtools_sdpa"
+    )
+    unprepare(trainer)
+    assert attention_implementation(model) == model.config.vision_config._attn_implementation == "sdpa"

@@ -127,6 +127,7 @@ def trainer_step_equals_one_by_one(
     max_length: int = 48,
     alone=None,
     tower="vision_tower",
+    segmented_sdpa: bool = True,
 ):
     """One Trainer (or TRL SFTTrainer) step through ``pack_dataset``, ``prepare_trainer`` and ``MultimodalCollator``
     equals ``alone(model, rows)`` (each sample run by itself; this file's ``one_by_one`` by default), vision tower
@@ -155,11 +156,12 @@ def trainer_step_equals_one_by_one(
             processing_class=word_tokenizer(),
             data_collator=collator,
         )
-        trainer = prepare_trainer(trainer)
+        trainer = prepare_trainer(trainer, segmented_sdpa=segmented_sdpa)
     else:
         args = transformers.TrainingArguments(**options)
         trainer = prepare_trainer(
-            transformers.Trainer(model, args, train_dataset=packed, data_collator=collator)
+            transformers.Trainer(model, args, train_dataset=packed, data_collator=collator),
+            segmented_sdpa=segmented_sdpa,
         )
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
     result = trainer.train()

@@ -62,6 +62,12 @@ IMAGE_BLOCK_TYPES = ("gemma3",)
 #: all-zero tiles as padding.  Packed, a row's tiles are concatenated in document order under one batch entry
 #: (measured exact on transformers 5.25: ``tests/test_vision_idefics3.py``).
 TILE_MODEL_TYPES = ("idefics3", "smolvlm")
+#: The vision-language types ``prepare_trainer`` switches from ``sdpa`` to ``packtools_sdpa`` as it does text models
+#: (each document's attention on its own, no ``T x T`` mask): those measured exact on it with both towers switched,
+#: their vision tower's calls carrying no ``cu_seq_lens`` (so they run as on ``sdpa``): Gemma 3 (its ready-made masks,
+#: ``tests/test_vision_gemma3.py``), Idefics3 and SmolVLM (``tests/test_vision_idefics3.py``).  The other types stay
+#: on ``sdpa`` (not verified on ``packtools_sdpa``).
+SEGMENTED_SDPA_TYPES = (*IMAGE_BLOCK_TYPES, *TILE_MODEL_TYPES)
 #: The attention implementations verified with the ready-made masks of :data:`IMAGE_BLOCK_TYPES`.
 IMAGE_BLOCK_BACKENDS = ("sdpa", "packtools_sdpa")
 #: Why :data:`IMAGE_BLOCK_TYPES` need their masks ready-made, measured on transformers 5.25.
@@ -471,16 +477,18 @@ def image_token_runs(ids: np.ndarray, image_token_id: int) -> tuple[np.ndarray, 
     return edges[0::2], edges[1::2]
 
 
-def document_positions(input_ids: Any, image_grid_thw: Any, spec: MropeSpec, *, doc: int = 0) -> np.ndarray:
-    """The ``(3, n)`` t/h/w positions of one document, as the model's ``get_rope_index`` computes them.
+def grid_runs(
+    ids: np.ndarray, grid: np.ndarray, spec: MropeSpec, *, doc: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """The runs of image tokens of one document (:func:`image_token_runs`), checked against its ``image_grid_thw``
+    rows ``grid`` (:func:`check_grid`): one run of ``t*h*w / merge²`` tokens per image, in order, and no video
+    token.  The one rule of a Qwen-VL document's images (``MultimodalCollator`` and ``guard_model`` apply it).
 
     >>> spec = MropeSpec("qwen2_vl", image_token_id=9, video_token_id=8, spatial_merge_size=2)
-    >>> document_positions([1, 9, 9, 9, 9, 9, 9, 2], [[1, 4, 6]], spec).tolist()
-    [[0, 1, 1, 1, 1, 1, 1, 4], [0, 1, 1, 1, 2, 2, 2, 4], [0, 1, 2, 3, 1, 2, 3, 4]]
+    >>> [r.tolist() for r in grid_runs(np.array([1, 9, 9, 2]), np.array([[1, 2, 4]]), spec)]
+    [[1], [3]]
     """
-    ids = np.asarray(input_ids)
     merge = int(spec.spatial_merge_size)
-    grid = check_grid(image_grid_thw, "image_grid_thw", doc)
     if spec.video_token_id is not None and np.any(ids == spec.video_token_id):
         raise PackingError(
             f"document {doc} holds video tokens (id {spec.video_token_id}): packtools packs images only; "
@@ -493,8 +501,23 @@ def document_positions(input_ids: Any, image_grid_thw: Any, spec: MropeSpec, *, 
             f"document {doc}: its image tokens (id {spec.image_token_id}) form runs of "
             f"{(run_stops - run_starts).tolist()} tokens but its image_grid_thw {grid.tolist()} gives "
             f"{counts.tolist()} (t*h*w / {merge}²): each image needs exactly its own run, with text between two "
-            f"images. Process the sample with the model's own processor."
+            f"images. Process the sample with the model's own processor.",
+            param="image_grid_thw",
         )
+    return run_starts, run_stops
+
+
+def document_positions(input_ids: Any, image_grid_thw: Any, spec: MropeSpec, *, doc: int = 0) -> np.ndarray:
+    """The ``(3, n)`` t/h/w positions of one document, as the model's ``get_rope_index`` computes them.
+
+    >>> spec = MropeSpec("qwen2_vl", image_token_id=9, video_token_id=8, spatial_merge_size=2)
+    >>> document_positions([1, 9, 9, 9, 9, 9, 9, 2], [[1, 4, 6]], spec).tolist()
+    [[0, 1, 1, 1, 1, 1, 1, 4], [0, 1, 1, 1, 2, 2, 2, 4], [0, 1, 2, 3, 1, 2, 3, 4]]
+    """
+    ids = np.asarray(input_ids)
+    merge = int(spec.spatial_merge_size)
+    grid = check_grid(image_grid_thw, "image_grid_thw", doc)
+    run_starts, run_stops = grid_runs(ids, grid, spec, doc=doc)
     out = np.empty((3, ids.shape[0]), np.int64)
     pos = 0
     cursor = 0

@@ -30,6 +30,7 @@ from .mrope import (
     anyres_tiles,
     check_grid,
     document_positions,
+    grid_runs,
     image_token_runs,
 )
 
@@ -525,11 +526,7 @@ class MultimodalCollator:
                     raise PackingError(f"row {i}: {err}") from None
                 positions[1:, tok_at + start : tok_at + start + length] = pos
                 used += k
-            if used != grid.shape[0]:
-                raise PackingError(
-                    f"row {i}: image_grid_thw has {grid.shape[0]} images but the row's input_ids hold {used} "
-                    f"runs of image tokens; every image must travel with its sample (re-process the row)."
-                )
+            _check_all_used(f"row {i}", used, grid.shape[0], "image_grid_thw", "runs of image tokens")
             if grid.shape[0]:
                 grids.append(grid)
                 pixels.append(pix)
@@ -552,16 +549,7 @@ class MultimodalCollator:
             if len(ids):
                 self._check_types(row, i, ids)
             for d, start, length in documents:
-                run_starts, run_stops = image_token_runs(ids[start : start + length], spec.image_token_id)
-                runs = run_stops - run_starts
-                if np.any(runs % per):
-                    raise PackingError(
-                        f"row {i}, document {d}: its image tokens (id {spec.image_token_id}) form runs of "
-                        f"{runs.tolist()} tokens, but each image of {spec.model_type!r} is {per} tokens: process "
-                        f"the sample with the model's own processor.",
-                        param="input_ids",
-                    )
-                images += int(runs.sum()) // per
+                images += fixed_runs(ids[start : start + length], spec, f"row {i}, document {d}")
             value = row.get("pixel_values")
             try:
                 arr = None if value is None else np.asarray(value)
@@ -704,12 +692,7 @@ def anyres_images(features: Sequence[Mapping[str, Any]], flat: Any, spec: MropeS
         pixels = _anyres_pixels(row.get("pixel_values"), i, row_sizes.shape[0], spec)
         tiled, entries = _tiled(row, i, row_sizes.shape[0], spec)
         used = _check_documents(i, ids, documents, row_sizes, tiled, spec) if len(ids) else 0
-        if used != row_sizes.shape[0]:
-            raise PackingError(
-                f"row {i}: its documents' image tokens hold {used} image(s) but 'image_sizes' has "
-                f"{row_sizes.shape[0]}: every image must travel with its sample (re-process the row).",
-                param="image_sizes",
-            )
+        _check_all_used(f"row {i}", used, row_sizes.shape[0], "image_sizes", "images")
         for j, (h, w) in enumerate(row_sizes.tolist()):
             need = anyres_tiles(grid, h, w, tiled[j])
             if pixels[j].shape[0] < need:
@@ -787,3 +770,78 @@ def _check_documents(
             )
         at += k
     return at
+
+
+def fixed_runs(ids: np.ndarray, spec: MropeSpec, where: str) -> int:
+    """The images (tiles, for :data:`~.mrope.TILE_MODEL_TYPES`) one document's image tokens ``ids`` hold under a
+    LLaVA-style spec (``flat``: a fixed ``image_tokens`` per image), refusing runs that are not whole images: the
+    one rule ``MultimodalCollator`` and ``guard_model`` apply (a run cut short or grown moves every later image's
+    features onto other tokens)."""
+    per = int(spec.image_tokens or 0)
+    run_starts, run_stops = image_token_runs(ids, spec.image_token_id)
+    runs = run_stops - run_starts
+    if per < 1 or np.any(runs % per):
+        raise PackingError(
+            f"{where}: its image tokens (id {spec.image_token_id}) form runs of {runs.tolist()} tokens, but each "
+            f"image of {spec.model_type!r} is {per} tokens: process the sample with the model's own processor.",
+            param="input_ids",
+        )
+    return int(runs.sum()) // per
+
+
+def _check_all_used(where: str, used: int, given: int, column: str, what: str) -> None:
+    """Refuse images given in ``column`` that the documents' image tokens do not all use, or too few."""
+    if used != given:
+        raise PackingError(
+            f"{where}: {column!r} has {given} image(s) but the input_ids hold {used} {what}: every image must "
+            f"travel with its sample (re-process the row).",
+            param=column,
+        )
+
+
+def check_batch_images(
+    spec: MropeSpec, ids: np.ndarray, starts: Sequence[int], inputs: Mapping[str, Any]
+) -> None:
+    """Check a packed batch's per-image inputs against each document's image tokens by the collator's own rules
+    (what ``guard_model`` applies to a forward built by a collator of one's own): Qwen-VL's ``image_grid_thw``
+    (:func:`~.mrope.grid_runs`), LLaVA-NeXT's / OneVision's ``image_sizes`` (and ``batch_num_images``:
+    :func:`_check_documents`), and the LLaVA-style types' fixed runs (Idefics3 / SmolVLM tiles included:
+    :func:`fixed_runs`).  ``ids``: the batch's ``input_ids`` as one sequence (rows in order), ``starts``: its
+    documents' first tokens (0 first).  Images are matched to image tokens by order alone, so two images' sizes or
+    grids swapped, or a document's token count off, would give features to the wrong document, with no error.
+
+    >>> spec = MropeSpec("qwen2_vl", image_token_id=9, video_token_id=8, spatial_merge_size=2)
+    >>> check_batch_images(spec, np.array([1, 9, 9, 0, 9, 9, 9, 9]), [0, 3], {"image_grid_thw": [[1, 2, 4], [1, 4, 4]]})
+    >>> check_batch_images(spec, np.array([1, 9, 9, 0, 9, 9, 9, 9]), [0, 3], {"image_grid_thw": [[1, 4, 4], [1, 2, 4]]})
+    Traceback (most recent call last):
+    packtools.errors.PackingError: document 0: its image tokens (id 9) form runs of [2] tokens but its image_grid_thw [[1, 4, 4]] gives [4] ...
+    """
+    bounds = [*starts, int(ids.shape[0])]
+    documents = [(d, a, b - a) for d, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b > a]
+    if spec.anyres is not None:
+        sizes = _anyres_sizes(_numpy(inputs.get("image_sizes")), 0, spec)
+        if inputs.get("batch_num_images") is None:  # the model then tiles every image (its own default)
+            tiled = [True] * sizes.shape[0]
+        else:
+            numbers = {"batch_num_images": _numpy(inputs["batch_num_images"])}
+            tiled = _tiled(numbers, 0, sizes.shape[0], spec)[0]
+        used = _check_documents(0, ids, documents, sizes, tiled, spec)
+        _check_all_used("the batch", used, sizes.shape[0], "image_sizes", "images")
+    elif spec.flat:
+        for d, a, n in documents:
+            fixed_runs(ids[a : a + n], spec, f"document {d}")
+    else:
+        grid = check_grid(_numpy(inputs.get("image_grid_thw")), "image_grid_thw")
+        used = 0
+        for d, a, n in documents:
+            doc = ids[a : a + n]
+            k = len(image_token_runs(doc, spec.image_token_id)[0])
+            grid_runs(doc, grid[used : used + k], spec, doc=d)
+            used += k
+        _check_all_used("the batch", used, grid.shape[0], "image_grid_thw", "runs of image tokens")
+
+
+def _numpy(value: Any) -> Any:
+    """A tensor's values as a NumPy array (a small per-image input: sizes, grids, counts), else ``value``."""
+    to_cpu = getattr(value, "cpu", None)
+    return value.detach().cpu().numpy() if callable(to_cpu) else value

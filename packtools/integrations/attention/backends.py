@@ -437,10 +437,11 @@ def uses_alibi(model: Any) -> bool:
 
 def switches_to_segmented_sdpa(model: Any) -> bool:
     """Whether :func:`use_segmented_sdpa` switches ``model``: one on ``sdpa`` with ``set_attn_implementation``,
-    a text model or one of :data:`~packtools.batches.mrope.IMAGE_BLOCK_TYPES` (Gemma 3: its vision tower's calls
-    carry no ``cu_seq_lens`` and go to transformers' ``sdpa`` unchanged, its text model reads the collator's masks
-    per document, exact, ``tests/test_vision_gemma3.py``), and no ALiBi model (:func:`uses_alibi`).  Other
-    composite (multimodal) configs are not verified on ``packtools_sdpa`` and stay on ``sdpa``.
+    a text model or one of :data:`~packtools.batches.mrope.SEGMENTED_SDPA_TYPES` (Gemma 3, Idefics3, SmolVLM: their
+    vision towers' calls carry no ``cu_seq_lens`` and go to transformers' ``sdpa`` unchanged, their text models run
+    each document alone, exact: ``tests/test_vision_gemma3.py``, ``tests/test_vision_idefics3.py``), and no ALiBi
+    model (:func:`uses_alibi`).  Other composite (multimodal) configs are not verified on ``packtools_sdpa`` and stay
+    on ``sdpa``.
 
     >>> switches_to_segmented_sdpa(object())
     False
@@ -450,7 +451,7 @@ def switches_to_segmented_sdpa(model: Any) -> bool:
     if attention_implementation(model) != "sdpa" or not hasattr(base, "set_attn_implementation"):
         return False
     parts = getattr(config, "sub_configs", None)
-    if parts and getattr(config, "model_type", None) not in mrope.IMAGE_BLOCK_TYPES:
+    if parts and getattr(config, "model_type", None) not in mrope.SEGMENTED_SDPA_TYPES:
         return False
     # every part on sdpa (a vision tower loaded on another backend keeps it: the switch names one for all)
     if parts and any(
@@ -461,7 +462,7 @@ def switches_to_segmented_sdpa(model: Any) -> bool:
 
 
 def use_segmented_sdpa(model: Any, *, owner: Any = None) -> bool:
-    """Switch a text model (or Gemma 3 with images) from ``sdpa`` to packtools' per-sequence ``sdpa``
+    """Switch a text model (or Gemma 3, Idefics3, SmolVLM with images) from ``sdpa`` to packtools' per-sequence ``sdpa``
     (:mod:`packtools.integrations.attention.segmented`); returns whether it switched.
 
     Models :func:`switches_to_segmented_sdpa` leaves out (other backends, other composite configs, ALiBi models,

@@ -15,9 +15,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any
 
+import numpy as np
+
 from ..._optional import is_instance
 from ...batches import mrope
-from ...batches.vision import DocumentBlockMask
+from ...batches.vision import DocumentBlockMask, check_batch_images
 from ...compat import set_attr
 from ...compat.torch import forward_hook, forward_pre_hook
 from ...constants import VARLEN_KEYS
@@ -767,6 +769,7 @@ class GuardHook:
             self.image_blocks = self.model_type in mrope.IMAGE_BLOCK_TYPES
         except PackingError:
             self.images_checked, self.image_blocks = True, False
+        self.image_spec = _image_spec(model, self.model_type)
 
     def __call__(
         self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -785,6 +788,7 @@ class GuardHook:
             check_image_inputs(module, kwargs, impl)  # refused by name (the probe packs text only)
         if self.multimodal and packed_training_input(kwargs):  # a placeholder token without its pixels
             check_image_placeholders(module, kwargs)
+            check_document_images(module, self.image_spec, kwargs)  # each document's images its own
         if self.positionless:
             check_positionless_masks(module, kwargs, impl)
         if self.text_row:
@@ -800,6 +804,60 @@ class GuardHook:
         if passed_cache(kwargs) is None and (kwargs.get("use_cache") is None or module.training):
             kwargs["use_cache"] = False
         return args, kwargs
+
+
+def _image_spec(model: Any, model_type: Any) -> Any:
+    """The :class:`~packtools.batches.mrope.MropeSpec` of a verified vision-language model (what its collator reads
+    from the config), or ``None`` (another model, or a config the collator refuses: no batch of it is built)."""
+    if model_type not in mrope.VERIFIED_MODEL_TYPES:
+        return None
+    try:
+        return mrope.MropeSpec.from_config(base_model(model).config)
+    except (PackingError, AttributeError):
+        return None
+
+
+#: The forward inputs that give a verified vision-language model's images, by which :func:`check_document_images`
+#: matches them to the image tokens.
+_PER_IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes")
+
+
+def check_document_images(model: Any, spec: Any, kwargs: Mapping[str, Any]) -> None:
+    """Refuse a packed forward into a verified vision-language model (``spec``, its
+    :class:`~packtools.batches.mrope.MropeSpec`) whose images do not match each document's image tokens, by the
+    collator's own rules (:func:`~packtools.batches.vision.check_batch_images`): Qwen-VL's ``image_grid_thw``
+    against each document's runs, LLaVA-NeXT's / OneVision's ``image_sizes`` (and ``batch_num_images``) against
+    each document's tokens, the LLaVA-style types' (Idefics3 / SmolVLM tiles included) runs whole images.  The
+    models match images to image tokens by order and check only the totals, so two images' sizes or grids swapped
+    (a collator of one's own) gave features to the wrong document with no error.  Documents are told by the
+    batch's positions restarting (or its ``cu_seq_lens_q``); only ``input_ids``, the positions and the small
+    per-image inputs are read (one host copy each), never the pixels."""
+    ids = kwargs.get("input_ids")
+    if (
+        spec is None
+        or ids is None
+        or not hasattr(ids, "shape")
+        or all(kwargs.get(n) is None for n in _PER_IMAGE_INPUTS)
+    ):
+        return
+    flat_ids = np.asarray(ids.detach().cpu() if hasattr(ids, "detach") else ids).reshape(-1)
+    width = int(ids.shape[-1]) if getattr(ids, "ndim", 0) else 1
+    starts = set(range(0, flat_ids.shape[0], max(width, 1)))  # each row starts a document
+    positions = _document_positions(kwargs, kwargs.get("position_ids"))
+    if positions is not None:
+        pos = np.asarray(positions.detach().cpu() if hasattr(positions, "detach") else positions).reshape(-1)
+        starts.update(np.flatnonzero(pos == 0).tolist())
+    try:
+        check_batch_images(spec, flat_ids, sorted(starts), kwargs)
+    except PackingError as err:
+        raise PackingError(
+            f"{type(base_model(model)).__name__} (model_type {spec.model_type!r}) got a packed forward whose images "
+            f"do not match its documents' image tokens: {err} The model matches images to image tokens by order "
+            f"alone, so it would give their features to the wrong tokens (another document's, or other tiles) with "
+            f"no error. Collate packed rows with packtools.batches.MultimodalCollator(model, pad_token_id), which "
+            f"keeps each document's images with it in row order.",
+            param=err.param,
+        ) from None
 
 
 def watch_model(model: Any, *, owner: Any) -> None:
