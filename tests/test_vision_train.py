@@ -232,6 +232,44 @@ def test_refusals_by_name(tmp_path):
         prepare_trainer(trainer_for(mistral3, rows, tmp_path, collator=PaddingFreeCollator(0)))
 
 
+def test_a_users_wrapper_around_the_multimodal_collator(tmp_path):
+    """A wrapper of one's own (here: recording each batch) is opaque to packtools: refused with the way to show
+    what it wraps, and with the MultimodalCollator as its ``.collator`` it trains exactly as the collator alone."""
+    samples = mixed_samples(3)
+    model = tiny_vl("qwen2_5_vl")
+    reference = copy.deepcopy(model)
+    inner = MultimodalCollator(model, 0)
+    seen = []
+
+    def recording(features):
+        seen.append(len(features))
+        return inner(features)
+
+    with pytest.raises(PackingError, match="wraps one of your own.*`.collator` attribute"):
+        prepare_trainer(trainer_for(model, packed_rows(samples), tmp_path, collator=recording))
+
+    class Recording:
+        def __init__(self, collator):
+            self.collator = collator
+
+        def __call__(self, features):
+            return recording(features)
+
+    trainer = prepare_trainer(trainer_for(model, packed_rows(samples), tmp_path, collator=Recording(inner)))
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    result = trainer.train()
+    ref_loss, ref_grads = one_by_one(reference, samples)
+    assert seen and abs(result.training_loss - ref_loss) < 1e-5
+    params = dict(model.named_parameters())
+    diffs = [float((before[k] - params[k].detach() - g).abs().max()) for k, g in ref_grads.items()]
+    assert len(diffs) > 10
+    assert max(diffs) < 1e-5
+    # packtools' own collator needs no hint
+    with pytest.raises(PackingError, match="MultimodalCollator") as refused:
+        prepare_trainer(trainer_for(model, packed_rows(samples), tmp_path, collator=PaddingFreeCollator(0)))
+    assert "wraps one of your own" not in str(refused.value)
+
+
 def _dataset(samples: list[dict]):
     return datasets.Dataset.from_list(
         [{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in s.items()} for s in samples]

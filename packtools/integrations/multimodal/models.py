@@ -65,7 +65,7 @@ def check_multimodal_model(model: Any, collator: Any, backend: str | None = None
             f"{type(base).__name__} is a vision-language model but the trainer's data_collator is "
             f"{type(inner).__name__}: packed rows then get 2-D positions, which give image tokens text positions "
             f"and (Qwen2-VL, Qwen2.5-VL) let documents attend to each other. Use "
-            f"data_collator=packtools.batches.MultimodalCollator(model, pad_token_id).",
+            f"data_collator=packtools.batches.MultimodalCollator(model, pad_token_id){_wrapper_hint(inner)}.",
             param="data_collator",
         )
     spec = MropeSpec.from_config(base.config)
@@ -76,6 +76,18 @@ def check_multimodal_model(model: Any, collator: Any, backend: str | None = None
             param="data_collator",
         )
     return spec
+
+
+def _wrapper_hint(collator: Any) -> str:
+    """The refusal's last words for a data_collator that is neither a packtools collator nor a known one: most
+    often the user's own wrapper (logging, recording) around a ``MultimodalCollator``, which packtools cannot see
+    inside."""
+    if type(collator).__module__.split(".")[0] in ("packtools", "transformers", "trl"):
+        return ""
+    return (
+        f"; if {type(collator).__name__} wraps one of your own, keep the MultimodalCollator it calls as its "
+        f"`.collator` attribute: packtools checks the collator found there"
+    )
 
 
 def check_image_block_backend(
