@@ -215,6 +215,10 @@ def test_an_id_that_does_not_fit_the_column_type_names_its_own_line(tmp_path, ki
     ):
         pack_files([first, src], str(tmp_path / "out"), max_length=8)
     assert not (tmp_path / "out").exists()
+    if kind == "jsonl":  # alone, a JSON file's ids are int32 by the run's rule, not by a "first input file"
+        with pytest.raises(PackingError, match=r"line 4: .*int32 when the first input is JSON") as alone:
+            pack_files([src], str(tmp_path / "out"), max_length=8)
+        assert "check the ids there" in str(alone.value)
 
 
 def test_labels_only_after_the_first_jsonl_block_stop_the_run(tmp_path, monkeypatch):

@@ -212,8 +212,9 @@ def check_token_column(table: pa.Table, name: str, value_type: pa.DataType, wher
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
             row = _first_row_out_of(col, value_type)
             raise PackingError(
-                f"{where(row or 0)}: column {name!r} ({t}) does not fit list<{value_type}>, the type of the first "
-                f"input file ({exc}); cast the files to one type first."
+                f"{where(row or 0)}: column {name!r} ({t}) does not fit list<{value_type}>, the type this run "
+                f"stores its token ids in (int32 when the first input is JSON: no vocabulary has 2**31 ids; else "
+                f"the first input file's own) ({exc}); check the ids there, or cast the files to one type first."
             ) from None
     return col
 
