@@ -358,6 +358,28 @@ def test_guard_without_a_pad_token_id_refuses_an_unlabelled_last_document():
         model(**filled)
 
 
+
+def test_guard_without_a_pad_token_id_passes_an_untrained_last_document_of_several_ids():
+    """A real last document that trains no token (``bfd`` keeps a document whose kept part trains nothing), the
+    batch without filler: no collator pads with several ids, so it is no filler and passes (before: refused
+    naming ``pad_token_id`` whenever the config had none -- Mixtral's, Qwen3-MoE's default -- mid-training,
+    the batch exact); one of one repeated id is still refused."""
+    from packtools.integrations.trainers.guard import guard_model
+
+    row, (ids, labels, mask) = _row_and_padded()
+    n = row["seq_lengths"][-1]
+    assert len(set(row["input_ids"][-n:])) > 1
+    row["labels"] = row["labels"][:-n] + [-100] * n
+    labels[-1] = -100
+    model = moe()
+    model.config.pad_token_id = None
+    want = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).aux_loss.item()
+    guard_model(model, check_isolation=False)
+    assert abs(model(**PaddingFreeCollator(PAD)([row])).aux_loss.item() - want) < TOL  # exact, and passes
+    row["input_ids"] = row["input_ids"][:-n] + [7] * n  # one id repeated: may be filler, refused
+    with pytest.raises(PackingError, match="no pad_token_id: it may be the collator's filler"):
+        model(**PaddingFreeCollator(PAD)([row]))
+
 def _jetmoe():
     """JetMoE weighs its router loss by ``aux_loss_coef`` (its own copy and its config's), not
     ``router_aux_loss_coef``."""
