@@ -358,7 +358,6 @@ def test_guard_without_a_pad_token_id_refuses_an_unlabelled_last_document():
         model(**filled)
 
 
-
 def test_guard_without_a_pad_token_id_passes_an_untrained_last_document_of_several_ids():
     """A real last document that trains no token (``bfd`` keeps a document whose kept part trains nothing), the
     batch without filler: no collator pads with several ids, so it is no filler and passes (before: refused
@@ -379,6 +378,7 @@ def test_guard_without_a_pad_token_id_passes_an_untrained_last_document_of_sever
     row["input_ids"] = row["input_ids"][:-n] + [7] * n  # one id repeated: may be filler, refused
     with pytest.raises(PackingError, match="no pad_token_id: it may be the collator's filler"):
         model(**PaddingFreeCollator(PAD)([row]))
+
 
 def _jetmoe():
     """JetMoE weighs its router loss by ``aux_loss_coef`` (its own copy and its config's), not
