@@ -101,7 +101,8 @@ def check_router_filler(model: Any, kwargs: Mapping[str, Any]) -> None:
     else its config's, with a :func:`router_coefficient` other than 0; never for a model that
     :func:`computes_router_loss` not).
 
-    The documents of a row come from ``cu_seq_lens_q`` (one row) or from where ``position_ids`` restart.  Filler
+    The documents of a row come from ``cu_seq_lens_q`` (one row) or from where ``position_ids`` restart (of Qwen-VL's
+    ``(4, B, T)`` ones, their text row).  Filler
     is the run of documents that ends a row (never its first), each made of the model's ``pad_token_id`` only,
     with no label trained: packtools' padding segment (positions 0, 1, 2, ...) and TRL's padding (one 1-token
     document per pad token), however short.  A real document of nothing but ``pad_token_id`` at a row's end is
@@ -122,6 +123,8 @@ def check_router_filler(model: Any, kwargs: Mapping[str, Any]) -> None:
         return
     pad = getattr(_text_config(model), "pad_token_id", None)
     cu = kwargs.get("cu_seq_lens_q")
+    if getattr(pos, "ndim", 0) == 3 and pos.shape[0] == 4:  # Qwen-VL's (4, B, T): its text row
+        pos = pos[0]  # ((3, B, T) without cu_seq_lens_q is refused by the guard: no per-document mask)
     for row in range(ids.shape[0]):
         if cu is not None and ids.shape[0] == 1 and len(cu) > 2:
             starts = [int(c) for c in (cu.tolist() if hasattr(cu, "tolist") else cu)[:-1]]  # one host copy
