@@ -358,6 +358,28 @@ def test_guard_without_a_pad_token_id_refuses_an_unlabelled_last_document():
         model(**filled)
 
 
+def test_guard_without_a_pad_token_id_passes_an_untrained_last_document_of_several_ids():
+    """A real last document that trains no token (``bfd`` keeps a document whose kept part trains nothing), the
+    batch without filler: no collator pads with several ids, so it is no filler and passes (before: refused
+    naming ``pad_token_id`` whenever the config had none -- Mixtral's, Qwen3-MoE's default -- mid-training,
+    the batch exact); one of one repeated id is still refused."""
+    from packtools.integrations.trainers.guard import guard_model
+
+    row, (ids, labels, mask) = _row_and_padded()
+    n = row["seq_lengths"][-1]
+    assert len(set(row["input_ids"][-n:])) > 1
+    row["labels"] = row["labels"][:-n] + [-100] * n
+    labels[-1] = -100
+    model = moe()
+    model.config.pad_token_id = None
+    want = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).aux_loss.item()
+    guard_model(model, check_isolation=False)
+    assert abs(model(**PaddingFreeCollator(PAD)([row])).aux_loss.item() - want) < TOL  # exact, and passes
+    row["input_ids"] = row["input_ids"][:-n] + [7] * n  # one id repeated: may be filler, refused
+    with pytest.raises(PackingError, match="no pad_token_id: it may be the collator's filler"):
+        model(**PaddingFreeCollator(PAD)([row]))
+
+
 def _jetmoe():
     """JetMoE weighs its router loss by ``aux_loss_coef`` (its own copy and its config's), not
     ``router_aux_loss_coef``."""
@@ -516,3 +538,31 @@ def test_bambas_z_loss_beside_packed_rows_is_refused(tmp_path):
         )
         < TOL
     )
+
+
+def test_guard_refuses_filler_beside_qwen_vl_rotary_positions_without_cu_seq_lens():
+    """A Qwen-VL MoE (Qwen3.5-MoE) batch carries ``(4, B, T)`` positions: without
+    ``cu_seq_lens_q`` (``return_flash_attn_kwargs=False``, a collator of one's own) its filler moved the router
+    loss and the guard, reading only 2-D positions, checked nothing (before: passed); with them it is refused."""
+    from _vl_models import mixed_samples, tiny_vl
+    from test_vision_train import packed_rows
+
+    from packtools.batches.vision import MultimodalCollator
+    from packtools.integrations.attention.mixers import run_mixers_per_document
+    from packtools.integrations.trainers.guard import guard_model
+
+    model = tiny_vl("qwen3_5_moe", "sdpa").eval()
+    text = model.config.text_config
+    text.output_router_logits, text.router_aux_loss_coef, text.pad_token_id = True, COEF, 0
+    run_mixers_per_document(model)
+    docs = packed_rows(mixed_samples(3))[:1]
+    exact = MultimodalCollator(model, 0, return_flash_attn_kwargs=False)(docs)
+    filled = MultimodalCollator(model, 0, pad_to_multiple_of=64, return_flash_attn_kwargs=False)(docs)
+    assert "cu_seq_lens_q" not in filled and filled["position_ids"].shape[0] == 4
+    with torch.no_grad():
+        want = model(**exact).aux_loss.item()
+        assert abs(model(**filled).aux_loss.item() - want) > 1e-7  # the filler is counted: silent
+        guard_model(model, check_isolation=False)
+        assert abs(model(**exact).aux_loss.item() - want) < TOL  # no filler: passes
+        with pytest.raises(PackingError, match="ends in 16 filler tokens .*MoE router loss"):
+            model(**filled)

@@ -101,15 +101,18 @@ def check_router_filler(model: Any, kwargs: Mapping[str, Any]) -> None:
     else its config's, with a :func:`router_coefficient` other than 0; never for a model that
     :func:`computes_router_loss` not).
 
-    The documents of a row come from ``cu_seq_lens_q`` (one row) or from where ``position_ids`` restart.  Filler
+    The documents of a row come from ``cu_seq_lens_q`` (one row) or from where ``position_ids`` restart (of Qwen-VL's
+    ``(4, B, T)`` ones, their text row).  Filler
     is the run of documents that ends a row (never its first), each made of the model's ``pad_token_id`` only,
     with no label trained: packtools' padding segment (positions 0, 1, 2, ...) and TRL's padding (one 1-token
     document per pad token), however short.  A real document of nothing but ``pad_token_id`` at a row's end is
     refused with them: it trains no token, and is not told from filler.  A row whose last document has no label
     trained and is not the config's pad is refused too, naming ``pad_token_id``, where it may be filler of a pad
-    id the config does not know: any such document when the config has no ``pad_token_id``, one of at least 2
-    tokens all the same id when it names another (a collator padding with another id; 1 such token is not told
-    from a 1-token document and passes).  A batch without ``labels`` is judged by the pad id alone."""
+    id the config does not know (a collator's filler is one id repeated): such a document of one id, however
+    short, when the config has no ``pad_token_id``, one of at least 2 tokens when it names another (1 such token
+    is not told from a 1-token document and passes).  An untrained last document of several ids is no filler and
+    passes (``bfd`` keeps documents whose kept part trains nothing).  A batch without ``labels`` is judged by the
+    pad id alone."""
     routed = kwargs.get("output_router_logits")
     if routed is None:  # the model's own setting: its loss adds the router loss with its own coefficient
         routed = router_loss_on(model)
@@ -120,6 +123,8 @@ def check_router_filler(model: Any, kwargs: Mapping[str, Any]) -> None:
         return
     pad = getattr(_text_config(model), "pad_token_id", None)
     cu = kwargs.get("cu_seq_lens_q")
+    if getattr(pos, "ndim", 0) == 3 and pos.shape[0] == 4:  # Qwen-VL's (4, B, T): its text row
+        pos = pos[0]  # ((3, B, T) without cu_seq_lens_q is refused by the guard: no per-document mask)
     for row in range(ids.shape[0]):
         if cu is not None and ids.shape[0] == 1 and len(cu) > 2:
             starts = [int(c) for c in (cu.tolist() if hasattr(cu, "tolist") else cu)[:-1]]  # one host copy
@@ -135,10 +140,12 @@ def check_router_filler(model: Any, kwargs: Mapping[str, Any]) -> None:
             if pad is not None and bool((tokens == pad).all()):
                 filler, end = filler + end - start, start
                 continue
-            if not filler and labels is not None:  # an untrained last document that is not the config's pad
+            if not filler and labels is not None and bool((tokens == tokens[0]).all()):
+                # an untrained last document of one repeated id, not the config's pad: filler of another pad id?
+                # (a collator's filler is one id: a document of several ids is none and passes)
                 if pad is None:
                     _refuse_unknown_pad(model, row, end - start, None)
-                if end - start >= 2 and bool((tokens == tokens[0]).all()):  # filler of another pad id?
+                if end - start >= 2:  # (1 token of another id than the config's: not told from a document)
                     _refuse_unknown_pad(model, row, end - start, (pad, int(tokens[0])))
             break
         if filler:
