@@ -854,6 +854,9 @@ def test_continuous_batching_generation_is_refused_on_packtools_attention_and_ru
         loss_type="grpo",
         beta=0.1,
         use_transformers_continuous_batching=True,
+        # The KV cache sized for these 16 short sequences: left to itself transformers sizes it from the
+        # machine's memory (TRL asks for half of it: 12 GB and most of the test's time on a 24 GB CPU machine).
+        transformers_continuous_batching_config=dict(num_blocks=4, max_batch_tokens=256),
         max_steps=1,
         max_completion_length=4,
     )
