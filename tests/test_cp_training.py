@@ -70,14 +70,24 @@ def test_cp2_step_equals_one_process(tmp_path):
     check(launch(tmp_path, 2, 2), 2)
 
 
-@pytest.mark.slow
-def test_cp4_step_equals_one_process(tmp_path):
-    check(launch(tmp_path, 4, 4), 4)
+@pytest.fixture(scope="module")
+def four_process_runs(tmp_path_factory):
+    """CP = 4, then CP = 2 × DP = 2, on 4 processes in one launch (one xdist group: one worker launches it)."""
+    out = tmp_path_factory.mktemp("cp-4")
+    _launch.torchrun(4, "_cp_worker.py", "4,2", str(out), log=out / "torchrun.log")
+    return {cp: torch.load(out / f"result-{cp}.pt", weights_only=False) for cp in (4, 2)}
 
 
 @pytest.mark.slow
-def test_cp2_dp2_step_equals_one_process(tmp_path):
-    check(launch(tmp_path, 4, 2), 2)
+@pytest.mark.xdist_group("cp_4")
+def test_cp4_step_equals_one_process(four_process_runs):
+    check(four_process_runs[4], 4)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("cp_4")
+def test_cp2_dp2_step_equals_one_process(four_process_runs):
+    check(four_process_runs[2], 2)
 
 
 def trainer_runs(out: Path, nproc: int, cp: int, *gas: int) -> dict[int, list[dict]]:
