@@ -1,12 +1,14 @@
 """One process of the Trainer half of ``tests/test_cp_dpo.py``: ``prepare_dpo_trainer(context_parallel=CP)``.
 
-Usage: ``torchrun --nproc_per_node W tests/_cp_dpo_trainer_worker.py CP GA [local] OUT_DIR``.  The 4 packed
-pair rows of ``_cp_fixtures.PAIR_BATCHES`` are the global batch of one optimizer step (``W / CP`` DP
-ranks, ``GA`` micro-batches of ``4 / DP / GA`` rows each) of TRL's ``DPOTrainer`` (sigmoid loss, beta 0.5, a
-reference model of other weights, fp32, SGD lr 1, no clipping); rank 0 writes every rank's parameter change to
-``OUT_DIR/trainer.pt``, with the step's logged loss and the refusal of a call on different rows per rank.
-``local``: the negative control, each rank's per-token outputs never summed over the CP group (TRL's loss on
-partial sums).
+Usage: ``torchrun --nproc_per_node W tests/_cp_dpo_trainer_worker.py CP RUNS OUT_DIR``.  ``RUNS``: runs of
+one launch, one after the other, comma-separated: ``GA`` or ``GA-local``.  The 4 packed pair rows of
+``_cp_fixtures.PAIR_BATCHES`` are the global batch of one optimizer step (``W / CP`` DP ranks, ``GA``
+micro-batches of ``4 / DP / GA`` rows each) of TRL's ``DPOTrainer`` (sigmoid loss, beta 0.5, a reference model
+of other weights, fp32, SGD lr 1, no clipping), a new model and trainer for each run; rank 0 writes every rank's
+parameter change to ``OUT_DIR/trainer-RUN.pt``, with the step's logged loss and the refusal of a call on
+different rows per rank.  ``local``: the negative control, each rank's per-token outputs never summed over the
+CP group (TRL's loss on partial sums; the sum is put back after the run).  One launch runs several so the tests
+pay torchrun's start and the imports once (tests/_launch.py: the launches of a test run take turns).
 """
 
 from __future__ import annotations
@@ -21,17 +23,30 @@ from _workers import run_worker, save_gathered
 
 
 def main() -> None:
+    import packtools.integrations.preference.context_parallel as cp_dpo
+
+    cp, runs, out = int(sys.argv[1]), sys.argv[2].split(","), Path(sys.argv[3])
+    summed = cp_dpo.sum_over_group
+    for run in runs:
+        ga, _, variant = run.partition("-")
+        if variant == "local":  # the negative control: no sum over the CP group
+            cp_dpo.sum_over_group = lambda x, group=None: x
+        elif variant:
+            raise ValueError(f"unknown run {run!r}")
+        try:
+            result = one_run(cp, int(ga), out / f"run-{run}")
+        finally:
+            cp_dpo.sum_over_group = summed
+        save_gathered(result, out / f"trainer-{run}.pt")
+
+
+def one_run(cp: int, ga: int, out: Path) -> dict:
     import datasets
     import trl
     from _hf_models import exact_step_args, text_pairs, word_tokenizer
 
     from packtools import prepare_dpo_trainer
 
-    cp, ga, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[-1])
-    if len(sys.argv) == 5 and sys.argv[3] == "local":  # the negative control: no sum over the CP group
-        import packtools.integrations.preference.context_parallel as cp_dpo
-
-        cp_dpo.sum_over_group = lambda x, group=None: x
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     dp = world // cp
     rows = [row for batch in PAIR_BATCHES for row in batch]
@@ -71,14 +86,13 @@ def main() -> None:
         eval_refused = ""
     except Exception as err:  # noqa: BLE001 - recorded for the test to assert on
         eval_refused = f"{type(err).__name__}: {err}"
-    result = {
+    return {
         "delta": delta,
         "impl": model.config._attn_implementation,
         "loss": loss,
         "refused": refused,
         "eval_refused": eval_refused,
     }
-    save_gathered(result, out / "trainer.pt")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 """One process of the context-parallel harness of ``tests/test_cp_training.py`` (torchrun, gloo, CPU).
 
-Usage: ``torchrun --nproc_per_node W tests/_cp_worker.py CP OUT_DIR``.  ``W / CP`` data-parallel groups of
+Usage: ``torchrun --nproc_per_node W tests/_cp_worker.py CP OUT_DIR``; ``CP`` may be a comma-separated list, the
+sizes run one after the other in one launch (torchrun's start and the imports paid once).  ``W / CP`` data-parallel groups of
 ``CP`` consecutive ranks; DP group ``d`` reads ``BATCHES[d :: W / CP]`` (all of them with one DP group).
 Each variant runs one SGD step (lr 1) of a tiny Llama (fp32) from the same weights on its CP shard, the loss
 being each rank's summed next-token loss divided by the step's target count over all ranks, the gradients
 summed over all ranks (``plain_cp_step`` in ``benchmarks/cp_loop.py``), and records the parameter change.
 Variants: ``cp`` (packtools' layout), ``cp_balanced`` (its chunk pairs balanced per document), ``whole_row`` (the row split as one sequence), ``shift_after``
 (labels shifted after the split), ``rank_mean`` (each rank's own token mean, averaged over ranks).
-Rank 0 writes ``OUT_DIR/result.pt``.
+Rank 0 writes ``OUT_DIR/result.pt`` (one ``CP``), ``OUT_DIR/result-CP.pt`` for each of a list.
 """
 
 from __future__ import annotations
@@ -42,8 +43,15 @@ def variant_batches(name, rows, cp, rank, collator, bound=None):
 
 
 def main() -> None:
-    cp, out = int(sys.argv[1]), Path(sys.argv[2])
+    cps, out = sys.argv[1].split(","), Path(sys.argv[2])
     dist.init_process_group("gloo")
+    for cp in cps:
+        result = one_size(int(cp))
+        save_gathered(result, out / ("result.pt" if len(cps) == 1 else f"result-{cp}.pt"))
+    dist.destroy_process_group()
+
+
+def one_size(cp: int) -> dict:
     world = dist.get_world_size()
     recipe = script("cp_loop")  # the documented loop under test
     layout = recipe.cp_layout(cp)  # the layout owns the CP group; every shard below carries it
@@ -73,8 +81,7 @@ def main() -> None:
         (variant_batches("cp", rows, cp, cp_rank, collator)["shift_labels"] != -100).sum()
     )
     assert CPShard.build(layout, cp_rank).layout.cp_size == cp
-    save_gathered({k: v for k, v in result.items()}, out / "result.pt")
-    dist.destroy_process_group()
+    return result
 
 
 if __name__ == "__main__":

@@ -454,7 +454,8 @@ ON_REQUEST = (
     "eval_order",
     "guard_probe",
     "fsdp",
-)  # refusals, run only when named (tests/test_distributed.py launches them apart)
+)  # refusals, the guard's probe, FSDP2: run only when named (tests/test_distributed.py launches them together,
+#   apart from the default checks)
 
 
 def main(out: str) -> None:

@@ -1,6 +1,8 @@
 """One process of ``tests/test_loss_modes.py``: ``prepare_trainer(..., loss=MODE)`` under torchrun.
 
-Usage: ``torchrun --nproc_per_node 2 tests/_loss_modes_trainer_worker.py CP GA OUT_DIR``.  The rows of
+Usage: ``torchrun --nproc_per_node 2 tests/_loss_modes_trainer_worker.py CP GA OUT_DIR``; ``CP`` may be a
+comma-separated list, run one after the other in one launch (torchrun's start and the imports paid once), each
+written to ``OUT_DIR/trainer-CP.pt``.  The rows of
 ``tests/_cp_fixtures.BATCHES`` are the global batch of one optimizer step (``2 / CP`` DP ranks, ``GA``
 micro-batches), SGD lr 1, no clipping: the parameter change is the gradient.  For each loss mode rank 0 writes
 every rank's parameter change and the step's loss to ``OUT_DIR/trainer.pt``.  With ``CP > 1`` it also runs
@@ -73,10 +75,16 @@ def run_step(
 
 
 def main() -> None:
+    cps, ga, out = sys.argv[1].split(","), int(sys.argv[2]), Path(sys.argv[3])
+    for cp in cps:
+        result = one_size(int(cp), ga, out / f"cp-{cp}" if len(cps) > 1 else out)
+        save_gathered(result, out / ("trainer.pt" if len(cps) == 1 else f"trainer-{cp}.pt"))
+
+
+def one_size(cp: int, ga: int, out: Path) -> dict:
     import datasets
     import transformers
 
-    cp, ga, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     world = int(os.environ["WORLD_SIZE"])
     dp = world // cp
 
@@ -107,7 +115,7 @@ def main() -> None:
             result["predict"] = ""
         except Exception as err:  # noqa: BLE001 - recorded for the test to assert on
             result["predict"] = f"{type(err).__name__}: {err}"
-    save_gathered(result, out / "trainer.pt")
+    return result
 
 
 if __name__ == "__main__":

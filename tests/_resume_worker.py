@@ -1,7 +1,7 @@
 """One run of the resume oracle of ``tests/test_resume.py``: a straight run, or a run resumed from its checkpoint.
 
 Usage: ``python tests/_resume_worker.py OUT CASE PHASE`` (or under ``torchrun --nproc_per_node 2``).  ``CASE`` is
-a JSON object of options: ``data`` (``rows``: ``pack_dataset`` output, ``plain``: unpacked sequences),
+a JSON object of options (or a JSON list of ``[name, case]`` pairs, run one after the other in ``OUT/name``): ``data`` (``rows``: ``pack_dataset`` output, ``plain``: unpacked sequences),
 ``prepare`` (``prepare_trainer``'s options, ``null``: not prepared), ``trainer`` (``sft``: TRL's ``SFTTrainer``
 with ``packed_sft_config``), ``collator`` (``flat``: transformers' ``DataCollatorWithFlattening``), ``stream``
 (an ``IterableDataset``), ``k``, ``save_every``, ``bs``, ``ga``, ``epochs``, ``max_steps``, ``dropout``,
@@ -234,14 +234,22 @@ def main() -> None:
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
     datasets.disable_progress_bars()
-    result = run(out, case, phase)
-    if "RANK" in os.environ:
-        from _workers import end_process_group, save_gathered
+    # A list of [name, case] pairs: the cases one after the other in this launch (torchrun's start and the
+    # imports paid once), each in OUT/name with a new model and trainer.
+    cases = [(os.path.join(out, name), c) for name, c in case] if isinstance(case, list) else [(out, case)]
+    for folder, one in cases:
+        os.makedirs(folder, exist_ok=True)
+        result = run(folder, one, phase)
+        if "RANK" in os.environ:
+            from _workers import save_gathered
 
-        save_gathered(result, os.path.join(out, f"{phase}.pt"))
+            save_gathered(result, os.path.join(folder, f"{phase}.pt"))
+        else:
+            torch.save([result], os.path.join(folder, f"{phase}.pt"))
+    if "RANK" in os.environ:
+        from _workers import end_process_group
+
         end_process_group()
-    else:
-        torch.save([result], os.path.join(out, f"{phase}.pt"))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import _launch
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -84,15 +85,35 @@ def test_cp2_dp2_dpo_step_equals_one_process(tmp_path):
     check(launch(tmp_path, 4, 2, "_cp_dpo_worker.py"), dp=2)
 
 
+def trainer_runs(out: Path, nproc: int, *runs: str) -> dict[str, list[dict]]:
+    """``runs`` of ``tests/_cp_dpo_trainer_worker.py`` (``GA`` or ``GA-local``) in one launch of ``nproc``."""
+    _launch.torchrun(
+        nproc, "_cp_dpo_trainer_worker.py", "2", ",".join(runs), str(out), log=out / "torchrun.log"
+    )
+    return {run: torch.load(out / f"trainer-{run}.pt", weights_only=False) for run in runs}
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """The 2-process Trainer runs (GA 1, GA 2, the negative control) of one launch, a new model and trainer each:
+    the tests below share it (one xdist group, so one worker launches it)."""
+    pytest.importorskip("trl")
+    return trainer_runs(tmp_path_factory.mktemp("cp-dpo-trainer-2"), 2, "1", "2", "1-local")
+
+
 @pytest.mark.slow
+@pytest.mark.xdist_group("cp_dpo_trainer_2")
 @pytest.mark.parametrize(("nproc", "ga"), [(2, 1), (2, 2), (4, 1)])
-def test_dpo_trainer_cp2_step_equals_one_process(tmp_path, nproc, ga):
+def test_dpo_trainer_cp2_step_equals_one_process(tmp_path, request, nproc, ga):
     """prepare_dpo_trainer(trainer, train_dataset=packed pairs, context_parallel=2) under torchrun: CP=2 (with
     and without gradient accumulation) and CP=2 x DP=2, TRL's DPOTrainer (sigmoid loss, beta 0.5), one step
     equal to one process on the same global batch."""
     pytest.importorskip("trl")
     want, _, loss = one_process([row for b in PAIR_BATCHES for row in b])
-    results = launch(tmp_path, nproc, 2, "_cp_dpo_trainer_worker.py", str(ga))
+    if nproc == 2:
+        results = request.getfixturevalue("two_process_runs")[str(ga)]
+    else:
+        results = trainer_runs(tmp_path, nproc, str(ga))[str(ga)]
     assert all(r["impl"] == "packtools_cp" for r in results)
     for r in results:
         assert rel(r["delta"], want) < 1e-5
@@ -108,12 +129,12 @@ def test_dpo_trainer_cp2_step_equals_one_process(tmp_path, nproc, ga):
 
 
 @pytest.mark.slow
-def test_dpo_trainer_cp2_without_the_sum_over_the_group_is_another_step(tmp_path):
-    """Negative control of the Trainer path: TRL's loss on each rank's partial per-sequence sums moves the step."""
-    pytest.importorskip("trl")
+@pytest.mark.xdist_group("cp_dpo_trainer_2")
+def test_dpo_trainer_cp2_without_the_sum_over_the_group_is_another_step(two_process_runs):
+    """Negative control of the Trainer path: TRL's loss on each rank's partial per-sequence sums moves the step
+    (run in the same launch as the runs above, after them; the sum is put back after it)."""
     want, _, _ = one_process([row for b in PAIR_BATCHES for row in b])
-    results = launch(tmp_path, 2, 2, "_cp_dpo_trainer_worker.py", "1", "local")
-    assert all(rel(r["delta"], want) > 1e-2 for r in results)
+    assert all(rel(r["delta"], want) > 1e-2 for r in two_process_runs["1-local"])
 
 
 def test_dpo_context_parallel_refuses_what_it_does_not_run_by_name(tmp_path):

@@ -70,23 +70,50 @@ def test_cp2_step_equals_one_process(tmp_path):
     check(launch(tmp_path, 2, 2), 2)
 
 
-@pytest.mark.slow
-def test_cp4_step_equals_one_process(tmp_path):
-    check(launch(tmp_path, 4, 4), 4)
+@pytest.fixture(scope="module")
+def four_process_runs(tmp_path_factory):
+    """CP = 4, then CP = 2 × DP = 2, on 4 processes in one launch (one xdist group: one worker launches it)."""
+    out = tmp_path_factory.mktemp("cp-4")
+    _launch.torchrun(4, "_cp_worker.py", "4,2", str(out), log=out / "torchrun.log")
+    return {cp: torch.load(out / f"result-{cp}.pt", weights_only=False) for cp in (4, 2)}
 
 
 @pytest.mark.slow
-def test_cp2_dp2_step_equals_one_process(tmp_path):
-    check(launch(tmp_path, 4, 2), 2)
+@pytest.mark.xdist_group("cp_4")
+def test_cp4_step_equals_one_process(four_process_runs):
+    check(four_process_runs[4], 4)
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("cp_4")
+def test_cp2_dp2_step_equals_one_process(four_process_runs):
+    check(four_process_runs[2], 2)
+
+
+def trainer_runs(out: Path, nproc: int, cp: int, *gas: int) -> dict[int, list[dict]]:
+    """``tests/_cp_trainer_worker.py``'s runs, one per accumulation count, in one launch of ``nproc``."""
+    _launch.torchrun(nproc, "_cp_trainer_worker.py", str(cp), ",".join(map(str, gas)), str(out),
+                     log=out / "torchrun.log")  # fmt: skip
+    return {ga: torch.load(out / f"trainer-{ga}.pt", weights_only=False) for ga in gas}
+
+
+@pytest.fixture(scope="module")
+def two_process_trainer_runs(tmp_path_factory):
+    """CP=2 on 2 processes, GA 1 and GA 2, in one launch (one xdist group: one worker launches it)."""
+    return trainer_runs(tmp_path_factory.mktemp("cp-trainer-2"), 2, 2, 1, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("cp_trainer_2")
 @pytest.mark.parametrize(("nproc", "cp", "ga"), [(2, 2, 1), (2, 2, 2), (4, 2, 1)])
-def test_trainer_cp_step_equals_one_process(tmp_path, nproc, cp, ga):
+def test_trainer_cp_step_equals_one_process(tmp_path, request, nproc, cp, ga):
     """prepare_trainer(trainer, context_parallel=CP) under torchrun: CP=2 (with and without gradient
     accumulation) and CP=2 x DP=2, one Trainer step equal to one process on the same global batch."""
     want, _ = reference_step()
-    results = launch(tmp_path, nproc, cp, "_cp_trainer_worker.py", str(ga))
+    if nproc == 2:
+        results = request.getfixturevalue("two_process_trainer_runs")[ga]
+    else:
+        results = trainer_runs(tmp_path, nproc, cp, ga)[ga]
     assert all(r["impl"] == "packtools_cp" for r in results)
     assert all(rel(r["delta"], want) < 1e-5 for r in results)
 

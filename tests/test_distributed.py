@@ -44,11 +44,24 @@ def ranks(tmp_path_factory):
     return _launch(tmp_path_factory.mktemp("ddp"))
 
 
-@pytest.mark.slow
-def test_a_stream_and_a_single_row_under_two_processes_are_refused_with_the_fix(tmp_path):
+ON_REQUEST = ("stream", "eval", "eval_order", "guard_probe", "fsdp")
+
+
+@pytest.fixture(scope="module")
+def on_request(tmp_path_factory):
+    """The worker's checks run only when named (refusals, the guard's probe, FSDP2), in one launch of their own
+    apart from ``ranks``' (one xdist group: one worker launches it): each check's result or traceback per rank."""
+    return _launch(tmp_path_factory.mktemp("ddp-on-request"), *ON_REQUEST)
+
+
+on_request_group = pytest.mark.xdist_group("ddp_on_request")
+
+
+@on_request_group
+def test_a_stream_and_a_single_row_under_two_processes_are_refused_with_the_fix(on_request):
     """A packed IterableDataset under 2 processes (was: TypeError inside packtools), and one packed row on 2
     processes (was: Trainer's "args.max_steps must be set"): each refused by prepare_trainer naming the fix."""
-    for res in _launch(tmp_path, "stream"):
+    for res in on_request:
         got = res["stream"]
         assert "error" not in got, got.get("error")
         assert got["stream"].startswith(
@@ -58,7 +71,8 @@ def test_a_stream_and_a_single_row_under_two_processes_are_refused_with_the_fix(
         assert got["one_row"].startswith("1 training row(s) cannot give each of 2 processes a batch")
 
 
-def test_token_mean_loss_counts_each_row_once_under_two_processes(tmp_path):
+@on_request_group
+def test_token_mean_loss_counts_each_row_once_under_two_processes(tmp_path, on_request):
     """5 evaluation rows on 2 processes: accelerate repeats rows from the start of the set to give both the same
     number of batches; token_mean_loss counts every row once, so it equals one process's (< 1e-5), flat
     (padding-free) and padded batches alike.  Failed before: the repeated rows were counted (batch 1: 4.57782,
@@ -68,7 +82,7 @@ def test_token_mean_loss_counts_each_row_once_under_two_processes(tmp_path):
 
     from packtools.integrations.trainers.evaluation import token_mean_loss
 
-    ranks = _launch(tmp_path, "eval")
+    ranks = on_request
     rows, one = eval_rows(), {}
     for name, (padding_free, batch) in EVAL_CASES.items():
         one[name] = token_mean_loss(eval_trainer(str(tmp_path / "one"), rows, padding_free, batch))
@@ -79,12 +93,12 @@ def test_token_mean_loss_counts_each_row_once_under_two_processes(tmp_path):
     assert abs(ranks[0]["eval"]["flat, batch 1"][1] - one["flat, batch 1"]) > 1e-2  # transformers' figure
 
 
-@pytest.mark.slow  # a torchrun launch of 2 processes
-def test_an_evaluation_order_that_changes_is_refused_on_every_process(tmp_path):
+@on_request_group
+def test_an_evaluation_order_that_changes_is_refused_on_every_process(on_request):
     """token_mean_loss finds the change where a batch mixes rows and repeats, on one process only (here rank 0):
     that process raised alone, and the other waited for it in the all_reduce of the sums (a gloo error once rank
     0 was gone, or a hang while it lived).  The refusal now travels with the sums: both processes raise it."""
-    for rank, res in enumerate(_launch(tmp_path, "eval_order")):
+    for rank, res in enumerate(on_request):
         got = res["eval_order"]
         assert got.startswith(
             "PackingError: token_mean_loss: the evaluation loader's sampler gave another order"
@@ -95,17 +109,19 @@ def test_an_evaluation_order_that_changes_is_refused_on_every_process(tmp_path):
         assert "(Reshuffled)" in got
 
 
-def test_the_guards_probe_on_a_ddp_wrapper_runs_no_collective(tmp_path):
+@on_request_group
+def test_the_guards_probe_on_a_ddp_wrapper_runs_no_collective(on_request):
     """guard_model(DistributedDataParallel(model)) in a loop of one's own, the ranks reaching their first packed
     batch at different steps: the probe's DDP forwards broadcast buffers that the other rank never matched (gloo
     aborted the processes).  The probe now runs the module DDP wraps: both ranks train their two steps."""
-    for rank, res in enumerate(_launch(tmp_path, "guard_probe")):
+    for rank, res in enumerate(on_request):
         losses = res["guard_probe"]
         assert not isinstance(losses, dict), (rank, losses)
         assert len(losses) == 2 and all(0 < loss < 20 for loss in losses), (rank, losses)
 
 
-def test_fsdp2_own_loop_refuses_the_probe_and_trains_the_global_token_mean(tmp_path):
+@on_request_group
+def test_fsdp2_own_loop_refuses_the_probe_and_trains_the_global_token_mean(on_request):
     """fully_shard in a loop of one's own on 2 processes, rank 0's batch one packed row, rank 1's two: with
     guard_model(model) the probe's gathers on one process met the other's real forward (a hang, no error, when
     the ranks reached their first packed batch at different steps); now both refuse it by name before any
@@ -114,7 +130,7 @@ def test_fsdp2_own_loop_refuses_the_probe_and_trains_the_global_token_mean(tmp_p
     from _ddp_worker import fsdp_rows
     from _hf_models import split_rows
 
-    ranks = _launch(tmp_path, "fsdp")
+    ranks = on_request
     for res in ranks:
         assert "error" not in res["fsdp"], res["fsdp"]["error"]
     model = tiny_llama("sdpa").train()

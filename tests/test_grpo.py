@@ -734,15 +734,26 @@ def torchrun(worker, out):
     _launch.torchrun(2, worker, str(out), log=out / "torchrun.log")
 
 
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """Both 2-process checks below in one launch (``tests/_grpo_ddp_both_worker.py``; one xdist group: one worker
+    launches it): ``OUT/trl`` holds ``_grpo_ddp_worker.py``'s files, ``OUT/two`` ``_grpo_ddp_global_worker.py``'s."""
+    out = tmp_path_factory.mktemp("grpo-ddp")
+    (out / "two").mkdir()
+    (out / "trl").mkdir()
+    torchrun("_grpo_ddp_both_worker.py", out)
+    return out
+
+
 @pytest.mark.slow
-def test_two_processes_equal_trl_on_two_processes(tmp_path):
+@pytest.mark.xdist_group("grpo_ddp")
+def test_two_processes_equal_trl_on_two_processes(two_process_runs):
     """torchrun, 2 CPU processes (gloo), GRPO and RLOO: the prepared trainers (plain rows and prompt-shared) end each
     rank with TRL's weights and logs (TRL's gathers, its group advantages across ranks and its loss normalizations
     as they are); GRPO as dapo, as GSPO (sequence-level ratios) with the entropy quantile TRL gathers across the
     ranks, and with truncated completions masked while generation runs a step ahead of the optimizer."""
-    torchrun("_grpo_ddp_worker.py", tmp_path)
     for rank in (0, 1):
-        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        got = torch.load(two_process_runs / "trl" / f"rank{rank}.pt", weights_only=False)
         for kind in sorted({kind for kind, _ in got}):  # GRPOTrainer's cases and RLOOTrainer
             theirs = got[kind, "trl"]
             assert theirs["world"] == 2
@@ -778,7 +789,8 @@ def _update_gap(a, b):
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path):
+@pytest.mark.xdist_group("grpo_ddp")
+def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path, two_process_runs):
     """One optimizer step on 2 processes (torchrun, gloo; per-device batch B) against one process (batch 2B) on
     the same global batch: the generation is replaced by fixed completions per (prompt, copy) (the sampler's
     prompts, TRL's ``num_items_in_batch`` gather, the reference forward kept).  grpo and dapo (B = 2G): TRL's own
@@ -789,9 +801,7 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(tmp_path):
     across the ranks (TRL's order: "auto" says why) and prompt sharing (within one forward) is still exact."""
     import _grpo_ddp_global_worker as W
 
-    (tmp_path / "two").mkdir()
-    torchrun("_grpo_ddp_global_worker.py", tmp_path / "two")
-    two = [torch.load(tmp_path / "two" / f"global-rank{r}.pt", weights_only=False) for r in (0, 1)]
+    two = [torch.load(two_process_runs / "two" / f"global-rank{r}.pt", weights_only=False) for r in (0, 1)]
     one = W.run(tmp_path / "one", 1)
     gaps, balance = {}, {}
     for case, _, per_device in W.CASES:
@@ -854,6 +864,9 @@ def test_continuous_batching_generation_is_refused_on_packtools_attention_and_ru
         loss_type="grpo",
         beta=0.1,
         use_transformers_continuous_batching=True,
+        # The KV cache sized for these 16 short sequences: left to itself transformers sizes it from the
+        # machine's memory (TRL asks for half of it: 12 GB and most of the test's time on a 24 GB CPU machine).
+        transformers_continuous_batching_config=dict(num_blocks=4, max_batch_tokens=256),
         max_steps=1,
         max_completion_length=4,
     )

@@ -18,9 +18,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
+import _launch  # noqa: E402
 from _cp_fixtures import BATCHES, tiny_llama_fp32  # noqa: E402
 from _loss_modes_trainer_worker import run_step  # noqa: E402
-from test_cp_training import launch  # noqa: E402
 
 from packtools.errors import PackingError  # noqa: E402
 
@@ -108,13 +108,24 @@ def test_context_parallel_must_be_a_positive_int(tmp_path, bad):
         trainer_step(tmp_path, "token", context_parallel=bad)
 
 
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """DP=2 and CP=2, both with accumulation 2, in one torchrun launch (one xdist group: one worker launches it)."""
+    out = tmp_path_factory.mktemp("loss-modes-2")
+    _launch.torchrun(2, "_loss_modes_trainer_worker.py", "1,2", "2", str(out), log=out / "torchrun.log")
+    return {cp: torch.load(out / f"trainer-{cp}.pt", weights_only=False) for cp in (1, 2)}
+
+
+@pytest.mark.xdist_group("loss_modes_2")
 @pytest.mark.parametrize(("cp", "ga"), [(1, 2), (2, 2)])
-def test_modes_under_two_processes_equal_the_unpacked_computation(tmp_path, reference, cp, ga):
+def test_modes_under_two_processes_equal_the_unpacked_computation(
+    tmp_path, reference, two_process_runs, cp, ga
+):
     """torchrun, 2 processes: DP=2 with accumulation, and CP=2 with accumulation.  The parameters every rank
     ends with equal the unpacked step in every mode; the sample mean is not the token mean (negative control).
     Under CP=2 also: a subclass's compute_loss of ``loss * 0.0`` moves no parameter (it moved them by 0.16:
     finding 1), ``loss * 0.25`` gives a quarter of the step, and predict is refused by name (finding 2)."""
-    results = launch(tmp_path, 2, cp, "_loss_modes_trainer_worker.py", str(ga))
+    results = two_process_runs[cp]
     for mode in P:
         want_loss, want = reference[mode]
         for r in results:

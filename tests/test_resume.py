@@ -148,17 +148,47 @@ CASES = {
 }
 
 
+TWO_PROCESSES = [name for name, (_, nproc) in CASES.items() if nproc == 2]
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """The two-process cases' straight runs in one torchrun launch, then their resumed runs in another (each case
+    a new model and trainer in a folder of its own; the resumed runs in processes that never ran the straight
+    ones, as with one launch per case), so the launches' start and imports are paid twice, not ten times."""
+    out = tmp_path_factory.mktemp("resume-two-processes")
+    cases = json.dumps([[name, CASES[name][0]] for name in TWO_PROCESSES])
+    for phase in ("full", "resume"):
+        cmd = _launch.torchrun_command(2, HERE / "_resume_worker.py", str(out), cases, phase)
+        _launch.run(cmd, out / f"{phase}.log", timeout=1200)
+    load = lambda name, phase: torch.load(out / name / f"{phase}.pt", weights_only=False)  # noqa: E731
+    return {name: (load(name, "full"), load(name, "resume")) for name in TWO_PROCESSES}
+
+
+def resumed_like_straight_and_the_control_fails(full: list, resumed: list, k: int) -> None:
+    assert_resumed_like_straight(full, resumed, k)
+    resumed = [dict(resumed[0]), *resumed[1:]]  # a copy: the module's runs stay as they came
+    steps = resumed[0]["steps"]  # the comparison sees a resumed run that trains its steps in another order
+    resumed[0]["steps"] = [(steps[0][0], steps[1][1]), (steps[1][0], steps[0][1]), *steps[2:]]
+    with pytest.raises(AssertionError):
+        assert_resumed_like_straight(full, resumed, k)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [name for name in CASES if name not in TWO_PROCESSES])
 def test_resumed_trainer_trains_what_the_straight_run_trains(tmp_path, name):
     case, nproc = CASES[name]
     full = launch(tmp_path, case, "full", nproc)
     resumed = launch(tmp_path, case, "resume", nproc)
-    assert_resumed_like_straight(full, resumed, case["k"])
-    steps = resumed[0]["steps"]  # the comparison sees a resumed run that trains its steps in another order
-    resumed[0]["steps"] = [(steps[0][0], steps[1][1]), (steps[1][0], steps[0][1]), *steps[2:]]
-    with pytest.raises(AssertionError):
-        assert_resumed_like_straight(full, resumed, case["k"])
+    resumed_like_straight_and_the_control_fails(full, resumed, case["k"])
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("resume_two_processes")
+@pytest.mark.parametrize("name", TWO_PROCESSES)
+def test_resumed_trainer_under_two_processes_trains_what_the_straight_run_trains(two_process_runs, name):
+    full, resumed = two_process_runs[name]
+    resumed_like_straight_and_the_control_fails(full, resumed, CASES[name][0]["k"])
 
 
 # The refusal tests' run: token budget, 64 documents, a checkpoint at step 2 of 3.  Each process count's run is
