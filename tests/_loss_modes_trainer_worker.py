@@ -119,11 +119,16 @@ def one_size(cp: int, ga: int, out: Path) -> dict:
                 )
                 return loss / num_items_in_batch * self.accelerator.num_processes
 
-        try:
-            step("token", OwnShift)
-            result["own_shift"] = ""
-        except Exception as err:  # noqa: BLE001 - recorded for the test to assert on
-            result["own_shift"] = f"{type(err).__name__}: {err}"
+        class OwnMean(transformers.Trainer):  # the model's loss without num_items_in_batch: the shard's mean
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                return model(**inputs).loss
+
+        for name, cls in (("own_shift", OwnShift), ("own_mean", OwnMean)):
+            try:
+                step("token", cls)
+                result[name] = ""
+            except Exception as err:  # noqa: BLE001 - recorded for the test to assert on
+                result[name] = f"{type(err).__name__}: {err}"
         test = datasets.Dataset.from_dict(
             {"input_ids": [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25]], "seq_lengths": [[5], [5]]}
         )

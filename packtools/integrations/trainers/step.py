@@ -284,7 +284,8 @@ def model_given_labels(model: Any, owner: str | None) -> Iterator[None]:
     """While a compute_loss of the user's own (class ``owner``; ``None``: nothing checked) runs on a CP shard,
     refuse a forward of the shard without ``labels``: that loss is computed outside the model, from the batch's
     labels, which under CP are the shard's already-shifted targets (its chunks are not adjacent), so the causal
-    shift such a loss makes would train each token on the token two ahead, with no error."""
+    shift such a loss makes would train each token on the token two ahead, with no error.  Refuse one without
+    ``num_items_in_batch`` too (TRL's fused forward aside): the model's loss is then the shard's own mean."""
     if owner is None:
         yield
         return
@@ -298,6 +299,22 @@ def model_given_labels(model: Any, owner: str | None) -> Iterator[None]:
                 f"loss that shifts the labels itself trains each token on the token two ahead, with no error. "
                 f"Pass the labels to the model (model(**inputs), or super().compute_loss(...)) and build on "
                 f"outputs.loss, or train without context_parallel.",
+                param="context_parallel",
+            )
+        if (
+            kwargs.get(CP_KEY) is not None
+            and kwargs.get("num_items_in_batch") is None
+            and not kwargs.get(
+                "fused_lm_head"  # TRL's SFTTrainer: per-token log-probs, divided by the step's targets by TRL
+            )
+        ):
+            raise PackingError(
+                f"{owner}.compute_loss called the model on a context-parallel shard without num_items_in_batch: "
+                f"the model's loss is then the mean over this rank's shard, and the step the mean of the shards' "
+                f"means (weighted by how CP cut the row), not the row's token mean, with no error. Call "
+                f"super().compute_loss(model, inputs, return_outputs, num_items_in_batch), or pass "
+                f"num_items_in_batch=num_items_in_batch to the model and multiply its loss by "
+                f"self.accelerator.num_processes as Trainer does; or train without context_parallel.",
                 param="context_parallel",
             )
 
