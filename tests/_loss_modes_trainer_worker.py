@@ -7,7 +7,8 @@ written to ``OUT_DIR/trainer-CP.pt``.  The rows of
 micro-batches), SGD lr 1, no clipping: the parameter change is the gradient.  For each loss mode rank 0 writes
 every rank's parameter change and the step's loss to ``OUT_DIR/trainer.pt``.  With ``CP > 1`` it also runs
 the regressions of the adversarial round: a ``Trainer`` subclass whose ``compute_loss`` returns ``loss * 0.0``
-(and ``* 0.25``) under CP, and ``predict`` under CP.
+(and ``* 0.25``) under CP, ``predict`` under CP, and a subclass computing its loss from the logits with
+its own label shift (refused by name).
 """
 
 from __future__ import annotations
@@ -107,6 +108,27 @@ def one_size(cp: int, ga: int, out: Path) -> dict:
         result["frozen"], _ = step("token", Frozen)
         result["quarter"], _ = step("token", Quarter)
         result["dft"], _ = step("token", dft=True)  # SFTTrainer(loss_type="dft"): TRL's loss, honoured
+
+        class OwnShift(transformers.Trainer):  # the loss computed from the logits, the labels shifted here
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                labels = inputs.pop("labels")
+                inputs.pop("shift_labels", None)
+                logits = model(**inputs).logits[:, :-1]
+                loss = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), reduction="sum"
+                )
+                return loss / num_items_in_batch * self.accelerator.num_processes
+
+        class OwnMean(transformers.Trainer):  # the model's loss without num_items_in_batch: the shard's mean
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                return model(**inputs).loss
+
+        for name, cls in (("own_shift", OwnShift), ("own_mean", OwnMean)):
+            try:
+                step("token", cls)
+                result[name] = ""
+            except Exception as err:  # noqa: BLE001 - recorded for the test to assert on
+                result[name] = f"{type(err).__name__}: {err}"
         test = datasets.Dataset.from_dict(
             {"input_ids": [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25]], "seq_lengths": [[5], [5]]}
         )

@@ -124,7 +124,8 @@ def test_modes_under_two_processes_equal_the_unpacked_computation(
     """torchrun, 2 processes: DP=2 with accumulation, and CP=2 with accumulation.  The parameters every rank
     ends with equal the unpacked step in every mode; the sample mean is not the token mean (negative control).
     Under CP=2 also: a subclass's compute_loss of ``loss * 0.0`` moves no parameter (it moved them by 0.16:
-    finding 1), ``loss * 0.25`` gives a quarter of the step, and predict is refused by name (finding 2)."""
+    finding 1), ``loss * 0.25`` gives a quarter of the step, predict is refused by name (finding 2), and a
+    compute_loss that shifts the labels itself is refused by name."""
     results = two_process_runs[cp]
     for mode in P:
         want_loss, want = reference[mode]
@@ -139,6 +140,11 @@ def test_modes_under_two_processes_equal_the_unpacked_computation(
             quarter = {k: v * 0.25 for k, v in r["token"]["delta"].items()}
             assert rel(r["quarter"]["delta"], quarter) < 1e-5
             assert r["predict"].startswith("PackingError: predict() under context_parallel")
+            # a compute_loss of its own shifting the labels again (CP's are the shard's shifted targets) trained
+            # each token on the token two ahead without an error (1.23 relative off the step): refused by name
+            assert r["own_shift"].startswith("PackingError: OwnShift.compute_loss called the model"), r[
+                "own_shift"
+            ]
         # TRL's SFTTrainer(loss_type="dft") under CP=2 trains DFT (it trained plain NLL: finding 1), equal to
         # the same trainer in one process without CP; negative control: DFT is not the NLL step.
         want_dft = run_step(tmp_path, None, ga, 1, dft=True)[0]["delta"]

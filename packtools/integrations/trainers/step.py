@@ -21,6 +21,7 @@ changes, each calling ``super()``) and ``install_step(trainer, TheMixin, plan)``
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -278,6 +279,53 @@ def cp_loss_inputs(inputs: dict[str, Any], plan: StepPlan) -> dict[str, Any]:
     }
 
 
+@contextmanager
+def model_given_labels(model: Any, owner: str | None) -> Iterator[None]:
+    """While a compute_loss of the user's own (class ``owner``; ``None``: nothing checked) runs on a CP shard,
+    refuse a forward of the shard without ``labels``: that loss is computed outside the model, from the batch's
+    labels, which under CP are the shard's already-shifted targets (its chunks are not adjacent), so the causal
+    shift such a loss makes would train each token on the token two ahead, with no error.  Refuse one without
+    ``num_items_in_batch`` too (TRL's fused forward aside): the model's loss is then the shard's own mean."""
+    if owner is None:
+        yield
+        return
+
+    def check(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if kwargs.get(CP_KEY) is not None and kwargs.get("labels") is None:
+            raise PackingError(
+                f"{owner}.compute_loss called the model on a context-parallel shard without labels, to compute "
+                f"the loss itself: under context_parallel the batch's labels (and shift_labels) are already the "
+                f"next-token targets of the rank's shard, whose chunks are not adjacent tokens of the row, so a "
+                f"loss that shifts the labels itself trains each token on the token two ahead, with no error. "
+                f"Pass the labels to the model (model(**inputs), or super().compute_loss(...)) and build on "
+                f"outputs.loss, or train without context_parallel.",
+                param="context_parallel",
+            )
+        if (
+            kwargs.get(CP_KEY) is not None
+            and kwargs.get("num_items_in_batch") is None
+            and not kwargs.get(
+                "fused_lm_head"  # TRL's SFTTrainer: per-token log-probs, divided by the step's targets by TRL
+            )
+        ):
+            raise PackingError(
+                f"{owner}.compute_loss called the model on a context-parallel shard without num_items_in_batch: "
+                f"the model's loss is then the mean over this rank's shard, and the step the mean of the shards' "
+                f"means (weighted by how CP cut the row), not the row's token mean, with no error. Call "
+                f"super().compute_loss(model, inputs, return_outputs, num_items_in_batch), or pass "
+                f"num_items_in_batch=num_items_in_batch to the model and multiply its loss by "
+                f"self.accelerator.num_processes as Trainer does; or train without context_parallel.",
+                param="context_parallel",
+            )
+
+    inner = getattr(model, "module", model)  # DDP's module: a call of the wrapper or of the model itself
+    handle = inner.register_forward_pre_hook(check, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 class SFTStep(StepOwner):
     """The step of a ``transformers.Trainer`` or TRL ``SFTTrainer`` on packed rows (see the module docstring)."""
 
@@ -300,12 +348,17 @@ class SFTStep(StepOwner):
         self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
         plan = _plan(self)
+        own = None
         if CP_KEY in inputs:
             inputs = cp_loss_inputs(inputs, plan)
+            own = own_compute_loss(self)
         if plan.loss != "token":
             return _weighted_loss(self, model, inputs, return_outputs, num_items_in_batch)
         watch_held_models(self)  # a model set on the trainer since prepare_trainer: checked too
-        with packed_loss_inputs(inputs, f"{loss_owner(self)}.compute_loss"):  # its forwards keep positions
+        with (
+            packed_loss_inputs(inputs, f"{loss_owner(self)}.compute_loss"),  # its forwards keep positions
+            model_given_labels(model, own),
+        ):
             result = super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
