@@ -102,3 +102,27 @@ def test_tools_with_a_plain_text_prompt_are_refused(tmp_path, tok_dir):
 def test_tools_that_are_not_schemas_are_refused(tmp_path, tok_dir):
     with pytest.raises(PackingError, match="column 'tools' is str"):
         _pack(tmp_path, [{"messages": CONV, "tools": "get_weather"}], tok_dir)
+
+
+PROMPT, REPLY = CONV[:1], CONV[1:]
+KWARGS_ROWS = {
+    "messages": {"messages": CONV},
+    "prompt_completion": {"prompt": PROMPT, "completion": REPLY},
+    "preference": {"prompt": PROMPT, "chosen": REPLY, "rejected": [{"role": "assistant", "content": "no"}]},
+}
+
+
+@pytest.mark.parametrize("fmt", list(KWARGS_ROWS))
+def test_chat_template_kwargs_are_refused_not_left_out(tmp_path, tok_dir, fmt):
+    """TRL renders a row with its `chat_template_kwargs` (Qwen 3's enable_thinking=False moves the empty think
+    block into the untrained prompt); packtools does not pass them, and left out they trained other tokens."""
+    rows = [dict(KWARGS_ROWS[fmt], chat_template_kwargs={"enable_thinking": False}), KWARGS_ROWS[fmt]]
+    with pytest.raises(PackingError, match="'chat_template_kwargs' column: TRL passes each row's"):
+        _pack(tmp_path, rows, tok_dir)
+
+
+def test_empty_chat_template_kwargs_change_nothing(tmp_path, tok_dir):
+    rows = [{"messages": CONV, "chat_template_kwargs": {}}, {"messages": CONV, "chat_template_kwargs": None}]
+    res, seqs = _pack(tmp_path, rows, tok_dir)
+    assert seqs.num_rows == 2
+    assert res.stats["columns_left_out"] == ["chat_template_kwargs"]

@@ -81,7 +81,30 @@ def data_format(files: Sequence[InputFile], config: PipelineConfig, command: str
     fmt = config.format or next(iter(seen))
     if fmt != "tokenized":
         _refuse_images(files, [s.names for s in schemas], config.tokenizer)
+    if fmt in ("messages", "prompt_completion", "preference"):
+        _refuse_template_kwargs(files, [s.names for s in schemas])
     return fmt
+
+
+#: TRL's per-row chat template arguments (``SFTTrainer``/``DPOTrainer`` pass a row's dict to
+#: ``apply_chat_template``, e.g. Qwen 3's ``enable_thinking``).
+TEMPLATE_KWARGS = "chat_template_kwargs"
+
+
+def _refuse_template_kwargs(files: Sequence[InputFile], columns: Sequence[list[str]]) -> None:
+    """A ``chat_template_kwargs`` column with a value on some row is refused naming the file: TRL renders each
+    row with those arguments, which change the ids or what is trained (Qwen 3's ``enable_thinking=False`` puts
+    the empty think block in the prompt, untrained), and packtools does not pass them, so leaving the column
+    out would train other tokens without a word.  Null or empty on every row, it changes nothing."""
+    for f, names in zip(files, columns):
+        if TEMPLATE_KWARGS in names and _column_set(f, TEMPLATE_KWARGS, empty_struct=False):
+            raise PackingError(
+                f"input {f.path!r} has a {TEMPLATE_KWARGS!r} column: TRL passes each row's to the chat template "
+                f"(apply_chat_template(..., **chat_template_kwargs), e.g. enable_thinking), which changes the ids "
+                f"and the trained tokens, and packtools does not; write those settings into the tokenizer "
+                f"folder's chat template (or pack the rows of each setting with its own template), then drop the "
+                f"column."
+            )
 
 
 def _refuse_images(files: Sequence[InputFile], columns: Sequence[list[str]], tokenizer: str | None) -> None:
@@ -131,8 +154,9 @@ def _refuse_images(files: Sequence[InputFile], columns: Sequence[list[str]], tok
         )
 
 
-def _column_set(file: InputFile, column: str) -> bool:
-    """Whether a row of ``file`` has a value in ``column`` (not null, not an empty list): text-only rows of a
+def _column_set(file: InputFile, column: str, empty_struct: bool = True) -> bool:
+    """Whether a row of ``file`` has a value in ``column`` (not null, not an empty list; with
+    ``empty_struct=False`` not an object without keys either): text-only rows of a
     vision dataset (``images: []``) lose nothing as text.  Parquet says it in its footer (:func:`_parquet_set`);
     otherwise read up to the first such row, that column alone (a JSON file whose rows have no image is parsed
     whole)."""
@@ -147,6 +171,8 @@ def _column_set(file: InputFile, column: str) -> bool:
         if is_list_type(col.type):
             if pc.any(pc.greater(pc.fill_null(pc.list_value_length(col), 0), 0)).as_py():
                 return True
+        elif pa.types.is_struct(col.type) and col.type.num_fields == 0 and not empty_struct:
+            continue  # {} on every row (null or not): no key, nothing to pass
         elif col.null_count < len(col):
             return True
     return False
