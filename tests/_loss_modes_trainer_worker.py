@@ -8,7 +8,7 @@ micro-batches), SGD lr 1, no clipping: the parameter change is the gradient.  Fo
 every rank's parameter change and the step's loss to ``OUT_DIR/trainer.pt``.  With ``CP > 1`` it also runs
 the regressions of the adversarial round: a ``Trainer`` subclass whose ``compute_loss`` returns ``loss * 0.0``
 (and ``* 0.25``) under CP, ``predict`` under CP, and a subclass computing its loss from the logits with
-its own label shift (refused by name).
+its own label shift, or forwarding the shard without its CP key (each refused by name).
 """
 
 from __future__ import annotations
@@ -123,7 +123,13 @@ def one_size(cp: int, ga: int, out: Path) -> dict:
             def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
                 return model(**inputs).loss
 
-        for name, cls in (("own_shift", OwnShift), ("own_mean", OwnMean)):
+        class OwnNoKey(transformers.Trainer):  # the shard forwarded without its CP key: wrong attention
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                kept = {k: v for k, v in inputs.items() if k != "packtools_cp"}
+                loss = model(**kept, num_items_in_batch=num_items_in_batch).loss
+                return loss * self.accelerator.num_processes
+
+        for name, cls in (("own_shift", OwnShift), ("own_mean", OwnMean), ("own_nokey", OwnNoKey)):
             try:
                 step("token", cls)
                 result[name] = ""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from _pipeline_data import build_tokenizer, load
 
@@ -126,3 +128,16 @@ def test_empty_chat_template_kwargs_change_nothing(tmp_path, tok_dir):
     res, seqs = _pack(tmp_path, rows, tok_dir)
     assert seqs.num_rows == 2
     assert res.stats["columns_left_out"] == ["chat_template_kwargs"]
+
+
+def test_template_kwargs_of_null_values_refused_in_parquet_as_in_jsonl(tmp_path, tok_dir):
+    """{"enable_thinking": null} on every row: TRL passes enable_thinking=None to the template (a template may
+    test `is defined`), and a JSON file of such rows is refused; the same rows in Parquet were left out without
+    a word (its footer counts a null field of a set struct as a null)."""
+    kwargs = pa.array([{"enable_thinking": None}] * 2, pa.struct([("enable_thinking", pa.bool_())]))
+    pq.write_table(
+        pa.table({"messages": [CONV] * 2, "chat_template_kwargs": kwargs}), tmp_path / "rows.parquet"
+    )
+    config = PipelineConfig(max_length=512, tokenizer=tok_dir, strategy="bfd_split")
+    with pytest.raises(PackingError, match="'chat_template_kwargs' column: TRL passes each row's"):
+        run_pipeline([str(tmp_path / "rows.parquet")], str(tmp_path / "out"), config)

@@ -145,6 +145,11 @@ def test_modes_under_two_processes_equal_the_unpacked_computation(
             assert r["own_shift"].startswith("PackingError: OwnShift.compute_loss called the model"), r[
                 "own_shift"
             ]
+            # the shard forwarded without its CP key attended as if its chunks were adjacent (loss 4.49 for 4.52
+            # on rank 0), with no error: refused by name
+            assert r["own_nokey"].startswith("PackingError: OwnNoKey.compute_loss called the model"), r[
+                "own_nokey"
+            ]
         # TRL's SFTTrainer(loss_type="dft") under CP=2 trains DFT (it trained plain NLL: finding 1), equal to
         # the same trainer in one process without CP; negative control: DFT is not the NLL step.
         want_dft = run_step(tmp_path, None, ga, 1, dft=True)[0]["delta"]

@@ -156,13 +156,14 @@ def _refuse_images(files: Sequence[InputFile], columns: Sequence[list[str]], tok
 
 def _column_set(file: InputFile, column: str, empty_struct: bool = True) -> bool:
     """Whether a row of ``file`` has a value in ``column`` (not null, not an empty list; with
-    ``empty_struct=False`` not an object without keys either): text-only rows of a
+    ``empty_struct=False`` not an object without keys either, but an object of null values is a value, as
+    it is in a JSON file: TRL passes ``key=None``): text-only rows of a
     vision dataset (``images: []``) lose nothing as text.  Parquet says it in its footer (:func:`_parquet_set`);
     otherwise read up to the first such row, that column alone (a JSON file whose rows have no image is parsed
     whole)."""
     import pyarrow.compute as pc
 
-    if file.kind == "parquet":
+    if file.kind == "parquet" and empty_struct:  # a footer counts a null leaf of a set struct as a null
         told = _parquet_set(file.path, column)
         if told is not None:
             return told
