@@ -819,11 +819,11 @@ def check_batch_images(
     bounds = [*starts, int(ids.shape[0])]
     documents = [(d, a, b - a) for d, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b > a]
     if spec.anyres is not None:
-        sizes = _anyres_sizes(_numpy(inputs.get("image_sizes")), 0, spec)
+        sizes = _anyres_sizes(host_numpy(inputs.get("image_sizes")), 0, spec)
         if inputs.get("batch_num_images") is None:  # the model then tiles every image (its own default)
             tiled = [True] * sizes.shape[0]
         else:
-            numbers = {"batch_num_images": _numpy(inputs["batch_num_images"])}
+            numbers = {"batch_num_images": host_numpy(inputs["batch_num_images"])}
             tiled = _tiled(numbers, 0, sizes.shape[0], spec)[0]
         used = _check_documents(0, ids, documents, sizes, tiled, spec)
         _check_all_used("the batch", used, sizes.shape[0], "image_sizes", "images")
@@ -831,7 +831,7 @@ def check_batch_images(
         for d, a, n in documents:
             fixed_runs(ids[a : a + n], spec, f"document {d}")
     else:
-        grid = check_grid(_numpy(inputs.get("image_grid_thw")), "image_grid_thw")
+        grid = check_grid(host_numpy(inputs.get("image_grid_thw")), "image_grid_thw")
         used = 0
         for d, a, n in documents:
             doc = ids[a : a + n]
@@ -841,7 +841,7 @@ def check_batch_images(
         _check_all_used("the batch", used, grid.shape[0], "image_grid_thw", "runs of image tokens")
 
 
-def _numpy(value: Any) -> Any:
+def host_numpy(value: Any) -> Any:
     """A tensor's values as a NumPy array (a small per-image input: sizes, grids, counts), else ``value``."""
     to_cpu = getattr(value, "cpu", None)
     return value.detach().cpu().numpy() if callable(to_cpu) else value

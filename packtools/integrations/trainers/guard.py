@@ -19,7 +19,7 @@ import numpy as np
 
 from ..._optional import is_instance
 from ...batches import mrope
-from ...batches.vision import DocumentBlockMask, check_batch_images
+from ...batches.vision import DocumentBlockMask, check_batch_images, host_numpy
 from ...compat import set_attr
 from ...compat.torch import forward_hook, forward_pre_hook
 from ...constants import VARLEN_KEYS
@@ -840,12 +840,12 @@ def check_document_images(model: Any, spec: Any, kwargs: Mapping[str, Any]) -> N
         or all(kwargs.get(n) is None for n in _PER_IMAGE_INPUTS)
     ):
         return
-    flat_ids = np.asarray(ids.detach().cpu() if hasattr(ids, "detach") else ids).reshape(-1)
+    flat_ids = np.asarray(host_numpy(ids)).reshape(-1)
     width = int(ids.shape[-1]) if getattr(ids, "ndim", 0) else 1
     starts = set(range(0, flat_ids.shape[0], max(width, 1)))  # each row starts a document
     positions = _document_positions(kwargs, kwargs.get("position_ids"))
     if positions is not None:
-        pos = np.asarray(positions.detach().cpu() if hasattr(positions, "detach") else positions).reshape(-1)
+        pos = np.asarray(host_numpy(positions)).reshape(-1)
         starts.update(np.flatnonzero(pos == 0).tolist())
     try:
         check_batch_images(spec, flat_ids, sorted(starts), kwargs)

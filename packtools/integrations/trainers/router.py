@@ -88,9 +88,8 @@ def trainer_router_loss_on(trainer: Any) -> bool:
     >>> trainer_router_loss_on(N(aux_loss_enabled=True, model=N(config=N(router_aux_loss_coef=0.0))))
     True
     """
-    if not computes_router_loss(
-        trainer.model
-    ):  # no aux_loss to count filler in (TRL's own step fails on None)
+    # no aux_loss to count filler in (TRL's own step fails on None)
+    if not computes_router_loss(trainer.model):
         return False
     return bool(getattr(trainer, "aux_loss_enabled", False)) or router_loss_on(trainer.model)
 
