@@ -8,7 +8,8 @@ micro-batches), SGD lr 1, no clipping: the parameter change is the gradient.  Fo
 every rank's parameter change and the step's loss to ``OUT_DIR/trainer.pt``.  With ``CP > 1`` it also runs
 the regressions of the adversarial round: a ``Trainer`` subclass whose ``compute_loss`` returns ``loss * 0.0``
 (and ``* 0.25``) under CP, ``predict`` under CP, and a subclass computing its loss from the logits with
-its own label shift, or forwarding the shard without its CP key (each refused by name).
+its own label shift, or forwarding the shard's tokens without its CP key -- the ids, their embeddings, a sliced
+copy, into a teacher, from a training_step of its own (each refused by name) -- and a teacher given the key.
 """
 
 from __future__ import annotations
@@ -129,7 +130,68 @@ def one_size(cp: int, ga: int, out: Path) -> dict:
                 loss = model(**kept, num_items_in_batch=num_items_in_batch).loss
                 return loss * self.accelerator.num_processes
 
-        for name, cls in (("own_shift", OwnShift), ("own_mean", OwnMean), ("own_nokey", OwnNoKey)):
+        class OwnEmbeds(transformers.Trainer):  # NEFTune-style: the shard's embeddings, without its CP key
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                kept = {k: v for k, v in inputs.items() if k not in ("packtools_cp", "input_ids")}
+                embeds = self.model.get_input_embeddings()(inputs["input_ids"])
+                loss = model(inputs_embeds=embeds, **kept, num_items_in_batch=num_items_in_batch).loss
+                return loss * self.accelerator.num_processes
+
+        class OwnSlice(transformers.Trainer):  # a sliced copy of the shard's ids, with their positions
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                cut = {k: inputs[k][:, :-1].clone() for k in ("input_ids", "position_ids", "labels")}
+                loss = model(**cut, num_items_in_batch=num_items_in_batch).loss
+                return loss * self.accelerator.num_processes
+
+        class Taught(
+            transformers.Trainer
+        ):  # a teacher (the student's weights) run on the shard beside the loss
+            keyed = False
+
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.teacher = tiny_llama_fp32()
+                if self.keyed:
+                    from packtools.integrations import use_cp_attention
+
+                    use_cp_attention(self.teacher)
+
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                loss, out = super().compute_loss(model, inputs, True, num_items_in_batch)
+                keys = (
+                    ("input_ids", "position_ids", "packtools_cp")
+                    if self.keyed
+                    else ("input_ids", "position_ids")
+                )
+                with torch.no_grad():
+                    taught = self.teacher(**{k: inputs[k] for k in keys}).logits
+                self.teacher_gap = max(
+                    getattr(self, "teacher_gap", 0.0), float((taught - out.logits).abs().max())
+                )
+                return loss
+
+        class TaughtKeyed(Taught):
+            keyed = True
+
+        class OwnStep(
+            transformers.Trainer
+        ):  # a training_step of its own forwarding the shard without its key
+            def training_step(self, model, inputs, num_items_in_batch=None):
+                with torch.no_grad():
+                    model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"])
+                return super().training_step(model, inputs, num_items_in_batch)
+
+        result["taught_keyed"], keyed = step("token", TaughtKeyed)  # the key given: right, and not refused
+        result["taught_keyed"]["gap"] = keyed.teacher_gap
+        for name, cls in (
+            ("own_shift", OwnShift),
+            ("own_mean", OwnMean),
+            ("own_nokey", OwnNoKey),
+            ("own_embeds", OwnEmbeds),
+            ("own_slice", OwnSlice),
+            ("taught", Taught),
+            ("own_step", OwnStep),
+        ):
             try:
                 step("token", cls)
                 result[name] = ""

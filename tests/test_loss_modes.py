@@ -125,7 +125,8 @@ def test_modes_under_two_processes_equal_the_unpacked_computation(
     ends with equal the unpacked step in every mode; the sample mean is not the token mean (negative control).
     Under CP=2 also: a subclass's compute_loss of ``loss * 0.0`` moves no parameter (it moved them by 0.16:
     finding 1), ``loss * 0.25`` gives a quarter of the step, predict is refused by name (finding 2), and a
-    compute_loss that shifts the labels itself is refused by name."""
+    compute_loss that shifts the labels itself is refused by name, and so is any forward of the shard's tokens
+    without its CP key (a compute_loss's, a teacher's, a training_step's); a teacher given the key is not."""
     results = two_process_runs[cp]
     for mode in P:
         want_loss, want = reference[mode]
@@ -150,6 +151,22 @@ def test_modes_under_two_processes_equal_the_unpacked_computation(
             assert r["own_nokey"].startswith("PackingError: OwnNoKey.compute_loss called the model"), r[
                 "own_nokey"
             ]
+            # the shard's tokens without the key in other forms and from other places trained with wrong
+            # attention too, with no error (before: the embeddings 0.78 relative off the step of one process; a
+            # sliced copy, a teacher given the shard's ids and positions, a training_step's forward: logits 0.5
+            # off the keyed forward's): the guard refuses them all by name (check_packed_ids_forward)
+            for name, owner in (
+                ("own_embeds", "OwnEmbeds.compute_loss"),
+                ("own_slice", "OwnSlice.compute_loss"),
+                ("taught", "Taught.compute_loss"),
+                ("own_step", "OwnStep.training_step"),
+            ):
+                assert r[name].startswith(f"PackingError: {owner} called the model on a context-parallel"), r[
+                    name
+                ]
+            # a teacher on packtools_cp given the key is right (the student's logits) and trains the token step
+            assert r["taught_keyed"]["gap"] < 1e-5
+            assert rel(r["taught_keyed"]["delta"], r["token"]["delta"]) < 1e-6
         # TRL's SFTTrainer(loss_type="dft") under CP=2 trains DFT (it trained plain NLL: finding 1), equal to
         # the same trainer in one process without CP; negative control: DFT is not the NLL step.
         want_dft = run_step(tmp_path, None, ga, 1, dft=True)[0]["delta"]

@@ -249,6 +249,34 @@ def test_a_compute_loss_that_keeps_the_positions_trains_like_one_by_one(tmp_path
     assert moved > 1e-2 and gap < 1e-5, (gap, moved)
 
 
+class SteppedWithoutPositions(transformers.Trainer):
+    """A ``training_step`` of the user's own that forwards the packed row itself (a statistic of its logits),
+    outside ``compute_loss``, without its positions."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        with torch.no_grad():
+            self.seen = model(input_ids=inputs["input_ids"]).logits.mean()
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+class SteppedWithPositions(transformers.Trainer):
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        with torch.no_grad():
+            self.seen = model(**{k: v for k, v in inputs.items() if k != "labels"}).logits.mean()
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def test_a_training_step_that_drops_the_positions_is_refused(tmp_path):
+    """Its forward ran every packed row as one sequence with no error (only ``compute_loss`` and
+    ``prediction_step`` set the batch the guard judges by): refused, naming it; the same method passing the
+    batch's keys trains like the documents one by one."""
+    with pytest.raises(PackingError, match=r"SteppedWithoutPositions.training_step called the model"):
+        _run(tmp_path, SteppedWithoutPositions)
+    model, start, recorder = _run(tmp_path, SteppedWithPositions)
+    gap, moved = one_by_one_gap(model, start, recorder.batches, accumulation=2, lr=LR)
+    assert moved > 1e-2 and gap < 1e-5, (gap, moved)
+
+
 class EvaluatedWithoutPositions(transformers.Trainer):
     """An evaluation of the user's own: ``prediction_step`` forwards the packed row without its positions."""
 
@@ -307,6 +335,55 @@ def test_which_forwards_of_the_packed_tokens_are_refused():
         )
         check_packed_ids_forward((), {"inputs_embeds": torch.zeros(1, 5, 4)})
     check_packed_ids_forward((), {"input_ids": ids})  # outside a loss: not this check's
+
+
+def test_a_context_parallel_shards_tokens_without_its_key_are_refused():
+    """Under context parallelism the loss batch is this rank's shard: chunks of the row that are not adjacent,
+    placed by its ``packtools_cp`` key alone.  ``guard.check_packed_ids_forward`` refuses its tokens without the
+    key -- the tensor, a view, a sliced copy, their embeddings -- whatever positions or ``cu_seq_lens_q`` the call
+    passes; with the key they pass, and so do the first tokens of a document (right alone) and other tokens.
+    Before, only a forward of tokens of the shard's shape, from a compute_loss of one's own into the trained
+    model, was refused (``step.model_given_labels``); the embeddings trained 0.78 relative off the step of one
+    process, a sliced copy or a teacher given the shard's ids and positions got logits 0.5 off
+    (tests/test_loss_modes.py), with no error."""
+    from _cp_fixtures import BATCHES
+
+    from packtools.batches.context_parallel import CP_KEY, ContextParallelCollator
+    from packtools.integrations.parallel.layout import RankLayout
+    from packtools.integrations.trainers.guard import check_packed_ids_forward, packed_loss_inputs
+
+    layout = RankLayout(dp_rank=0, dp_size=1, cp_rank=1, cp_size=2)  # cut here; nothing gathered
+    cut = ContextParallelCollator(PaddingFreeCollator(PAD), layout=layout)(BATCHES[0])
+    ids, pos, shard = cut["input_ids"], cut["position_ids"], cut[CP_KEY]
+    batch = {"input_ids": ids, "position_ids": pos, CP_KEY: shard, "labels": cut["shift_labels"]}
+    head = slice(2, 12)  # the first 10 tokens of a document, wholly on this rank
+    assert pos[0, head].tolist() == list(range(10)) and pos[0, 12] == 30
+    whole = torch.tensor([0, ids.shape[1]], dtype=torch.int32)
+    refused = [
+        ((), {"input_ids": ids, "position_ids": pos}),
+        ((ids.clone(),), {"position_ids": pos}),
+        ((), {"input_ids": ids[:, :-1], "position_ids": pos[:, :-1]}),
+        ((), {"input_ids": ids[:, :-1].clone(), "position_ids": pos[:, :-1].clone()}),
+        ((), {"input_ids": ids[:, 2:13].contiguous()}),
+        ((), {"input_ids": ids.clone(), "position_ids": pos, "cu_seq_lens_q": whole, "cu_seq_lens_k": whole}),
+        ((), {"inputs_embeds": torch.zeros(1, ids.shape[1], 4), "position_ids": pos}),
+    ]
+    with packed_loss_inputs(batch, "Mine.compute_loss"):
+        for args, kwargs in refused:
+            with pytest.raises(
+                PackingError, match="Mine.compute_loss called the model on a context-parallel"
+            ):
+                check_packed_ids_forward(args, kwargs)
+        check_packed_ids_forward((), {"input_ids": ids, "position_ids": pos, CP_KEY: shard})
+        check_packed_ids_forward((), {"input_ids": ids.clone(), "position_ids": pos.clone(), CP_KEY: shard})
+        check_packed_ids_forward(
+            (), {"inputs_embeds": torch.zeros(1, ids.shape[1], 4), "position_ids": pos, CP_KEY: shard}
+        )
+        check_packed_ids_forward((), {"input_ids": ids[:, head].clone()})  # a document's head: right alone
+        check_packed_ids_forward((), {"input_ids": torch.arange(100, 110)[None]})  # no token of the shard
+        with pytest.raises(PackingError, match="without the batch's position_ids"):  # the key, no positions
+            check_packed_ids_forward((), {"input_ids": ids, CP_KEY: shard})
+    check_packed_ids_forward((), {"input_ids": ids, "position_ids": pos})  # outside a loss: not this check's
 
 
 def test_several_gpus_in_one_process_are_refused_before_anything_changes(tmp_path):

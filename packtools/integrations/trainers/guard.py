@@ -19,6 +19,7 @@ import numpy as np
 
 from ..._optional import is_instance
 from ...batches import mrope
+from ...batches.context_parallel import CP_KEY
 from ...batches.vision import DocumentBlockMask, check_batch_images, host_numpy
 from ...compat import set_attr
 from ...compat.torch import forward_hook, forward_pre_hook
@@ -50,9 +51,10 @@ from .router import check_logits_z_loss, check_router_filler
 _HOOK_ATTR = "_packtools_guard"
 _WATCH_ATTR = "_packtools_watch"  # watch_model's hook
 
-#: ``(batch, owner)`` of the batch whose loss a trainer's own ``compute_loss`` is computing (set by
-#: :func:`packed_loss_inputs` around it), else ``None``: a guarded forward of its packed ``input_ids`` without what
-#: separates their documents is refused (:func:`check_packed_ids_forward`).
+#: ``(batch, owner)`` of the batch a trainer's ``compute_loss``, ``training_step`` or ``prediction_step`` is working
+#: on (set by :func:`packed_loss_inputs` around it), else ``None``: a guarded forward of its packed ``input_ids``
+#: without what separates their documents, or of a CP shard's without its key, is refused
+#: (:func:`check_packed_ids_forward`).
 _LOSS_BATCH: ContextVar[tuple[Mapping[str, Any], str] | None] = ContextVar(
     "packtools_loss_batch", default=None
 )
@@ -64,8 +66,8 @@ _WATCHED_INPUTS: ContextVar[tuple[Any, ...]] = ContextVar("packtools_watched_inp
 @contextlib.contextmanager
 def packed_loss_inputs(inputs: Mapping[str, Any], owner: str) -> Iterator[None]:
     """While the block runs, a guarded model called on ``inputs["input_ids"]`` of a packed batch must get what
-    separates its documents (:func:`check_packed_ids_forward`); ``owner`` names the method that builds the call
-    (``"MyTrainer.compute_loss"``)."""
+    separates its documents, and on a CP shard's its :data:`CP_KEY` (:func:`check_packed_ids_forward`); ``owner``
+    names the method that builds the call (``"MyTrainer.compute_loss"``)."""
     token = _LOSS_BATCH.set((inputs, owner) if isinstance(inputs, Mapping) else None)
     try:
         yield
@@ -226,25 +228,36 @@ def check_packed_ids_forward(args: Sequence[Any], kwargs: Mapping[str, Any]) -> 
     recognized as the tensor itself, a view of it, or a copy of any block of it or a wider row holding it
     (:func:`_batch_positions_of`), and ``inputs_embeds`` of the row's shape as its embedding; such a call is refused
     when the tokens it holds span two documents of the batch (told by its ``position_ids``, or by its
-    ``cu_seq_lens_q`` where they are no ``[B, T]`` text positions: :func:`_document_positions`).  The batch's own keys pass from their identity; only
-    another call's values are read (host syncs)."""
+    ``cu_seq_lens_q`` where they are no ``[B, T]`` text positions: :func:`_document_positions`).  The batch's own
+    keys pass from their identity; only another call's values are read (host syncs).  A context-parallel shard's
+    tokens (the batch carries :data:`CP_KEY`) are held to a stricter rule first: without the shard's key no
+    positions make them right (:func:`_check_cp_key`)."""
     found = _LOSS_BATCH.get()
     if found is None:
         return
     batch, owner = found
     ids = kwargs.get("input_ids", args[0] if args else None)
     batch_ids = batch.get("input_ids")
-    if batch_ids is None or kwargs.get("cu_seq_lens_q") is not None:
-        return
-    given, own = kwargs.get("position_ids"), batch.get("position_ids")
-    if given is not None and own is not None and _same_tensor(given, own):
+    if batch_ids is None:
         return
     embeds = kwargs.get("inputs_embeds") if ids is None else None
     if embeds is not None:  # the embedded packed row (a noise of one's own, NEFTune-style): one per token
         ids = batch_ids if tuple(getattr(embeds, "shape", ())[:2]) == tuple(batch_ids.shape) else None
     if ids is None:
         return
-    derived, positions = _batch_positions_of(ids, batch_ids, lambda: _document_positions(batch, own))
+    own = batch.get("position_ids")
+
+    def positions_of() -> Any:
+        return _document_positions(batch, own)
+
+    if batch.get(CP_KEY) is not None and kwargs.get(CP_KEY) is None:
+        _check_cp_key(ids, batch_ids, positions_of, owner)
+    if kwargs.get("cu_seq_lens_q") is not None:
+        return
+    given = kwargs.get("position_ids")
+    if given is not None and own is not None and _same_tensor(given, own):
+        return
+    derived, positions = _batch_positions_of(ids, batch_ids, positions_of)
     if not derived or is_packed(kwargs):
         return
     if not (is_packed(batch) if positions is None else is_packed({"position_ids": positions})):
@@ -257,6 +270,43 @@ def check_packed_ids_forward(args: Sequence[Any], kwargs: Mapping[str, Any]) -> 
         f"cu_seq_lens_q/k, max_length_q/k when the batch has them) -- model(**inputs) does -- or train unpacked, "
         f"without prepare_trainer."
     )
+
+
+def _check_cp_key(ids: Any, batch_ids: Any, positions_of: Callable[[], Any], owner: str) -> None:
+    """Refuse a forward, without :data:`CP_KEY`, of a context-parallel shard's tokens (``ids``: the shard's
+    ``input_ids``, a view or a copy of any block of them, as :func:`_batch_positions_of` tells; the shard's row
+    itself for its embeddings).  The shard holds chunks of the row that are not adjacent (a head-tail pair of each
+    document), and only the key makes the attention gather the other ranks' keys and place each chunk: without it
+    every token attends to the wrong tokens, whatever ``position_ids`` or ``cu_seq_lens`` the call passes, with no
+    error.  Only a block of document heads (positions ``0..w-1`` in every row) attends right alone: left to pass."""
+    derived, positions = _batch_positions_of(ids, batch_ids, positions_of)
+    if not derived or (positions is not None and _document_heads(positions)):
+        return
+    raise PackingError(
+        f"{owner} called the model on a context-parallel shard's tokens (its input_ids, a view or a copy of them, "
+        f"or their embeddings) without its {CP_KEY!r} input: the shard's chunks are not adjacent tokens of the row, "
+        f"and that key is what tells the attention where each chunk sits (and gathers the other ranks' keys), so "
+        f"without it every token attends to the wrong tokens, whatever positions are passed, with no error. Pass "
+        f"the inputs whole (model(**inputs), or super().compute_loss(...)); a second model run on the shard needs "
+        f"the key too, and packtools_cp attention (packtools.integrations.use_cp_attention(model)); or train "
+        f"without context_parallel.",
+        param="context_parallel",
+    )
+
+
+def _document_heads(positions: Any) -> bool:
+    """Whether every row of ``[B, w]`` ``positions`` is ``0, 1, ..., w-1``: the first tokens of one document.
+
+    >>> import torch
+    >>> _document_heads(torch.tensor([[0, 1, 2], [0, 1, 2]])), _document_heads(torch.tensor([[0, 1, 0]]))
+    (True, False)
+    """
+    if getattr(positions, "ndim", 0) != 2:
+        return False
+    import torch
+
+    head = torch.arange(positions.shape[1], device=positions.device)
+    return bool((positions == head).all())
 
 
 def has_restarts(position_ids: Any, attention_mask: Any = None) -> bool:

@@ -280,35 +280,19 @@ def cp_loss_inputs(inputs: dict[str, Any], plan: StepPlan) -> dict[str, Any]:
 
 
 @contextmanager
-def model_given_labels(model: Any, owner: str | None, inputs: Any = None) -> Iterator[None]:
+def model_given_labels(model: Any, owner: str | None) -> Iterator[None]:
     """While a compute_loss of the user's own (class ``owner``; ``None``: nothing checked) runs on a CP shard,
     refuse a forward of the shard without ``labels``: that loss is computed outside the model, from the batch's
     labels, which under CP are the shard's already-shifted targets (its chunks are not adjacent), so the causal
     shift such a loss makes would train each token on the token two ahead, with no error.  Refuse one without
-    ``num_items_in_batch`` too (TRL's fused forward aside): the model's loss is then the shard's own mean.  And
-    refuse a forward of the shard's ``input_ids`` (``inputs``' own) without the shard's :data:`CP_KEY`: its
-    attention would treat the rank's chunks as adjacent tokens, with no error."""
+    ``num_items_in_batch`` too (TRL's fused forward aside): the model's loss is then the shard's own mean.  (A
+    forward of the shard's tokens without its :data:`CP_KEY`, from any method and into any guarded model, is the
+    guard's to refuse: :func:`~packtools.integrations.trainers.guard.check_packed_ids_forward`.)"""
     if owner is None:
         yield
         return
-    shard_ids = inputs.get("input_ids") if inputs is not None else None
 
     def check(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if (
-            kwargs.get(CP_KEY) is None
-            and shard_ids is not None
-            and getattr(ids, "shape", None) == shard_ids.shape
-            and bool((ids == shard_ids).all())
-        ):
-            raise PackingError(
-                f"{owner}.compute_loss called the model on a context-parallel shard without its {CP_KEY!r} "
-                f"input: the shard's chunks are not adjacent tokens of the row, and that key is what tells the "
-                f"attention where each chunk sits, so without it every token attends to the wrong tokens, with "
-                f"no error. Pass the inputs whole (model(**inputs), or super().compute_loss(...)), or train "
-                f"without context_parallel.",
-                param="context_parallel",
-            )
         if kwargs.get(CP_KEY) is not None and kwargs.get("labels") is None:
             raise PackingError(
                 f"{owner}.compute_loss called the model on a context-parallel shard without labels, to compute "
@@ -362,6 +346,12 @@ class SFTStep(StepOwner):
         with packed_loss_inputs(inputs, f"{loss_owner(self, 'prediction_step')}.prediction_step"):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
+    def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        # a training_step of the trainer's own may forward the batch itself, outside compute_loss: its forwards
+        # keep positions (and a CP shard its key) too
+        with packed_loss_inputs(inputs, f"{loss_owner(self, 'training_step')}.training_step"):
+            return super().training_step(model, inputs, *args, **kwargs)
+
     def compute_loss(
         self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
@@ -371,11 +361,12 @@ class SFTStep(StepOwner):
             inputs = cp_loss_inputs(inputs, plan)
             own = own_compute_loss(self)
         if plan.loss != "token":
-            return _weighted_loss(self, model, inputs, return_outputs, num_items_in_batch)
+            with packed_loss_inputs(inputs, "packtools' loss"):  # its forward: the inputs' own keys
+                return _weighted_loss(self, model, inputs, return_outputs, num_items_in_batch)
         watch_held_models(self)  # a model set on the trainer since prepare_trainer: checked too
         with (
             packed_loss_inputs(inputs, f"{loss_owner(self)}.compute_loss"),  # its forwards keep positions
-            model_given_labels(model, own, inputs),
+            model_given_labels(model, own),
         ):
             result = super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
