@@ -33,16 +33,34 @@ SUFFIX_KINDS = {
 
 @dataclass(frozen=True)
 class InputFile:
-    """One input file: its absolute path, reader kind (``json``, ``parquet``, ``arrow``), size and mtime."""
+    """One input file: its absolute path, reader kind (``json``, ``parquet``, ``arrow``), size, mtime, inode
+    and ctime."""
 
     path: str
     kind: str
     size: int
     mtime_ns: int
+    ino: int = 0
+    ctime_ns: int = 0
 
     def fingerprint(self) -> dict[str, object]:
-        """``{"path", "size", "mtime_ns"}`` of the file, taken when it was found."""
-        return {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns}
+        """``{"path", "size", "mtime_ns", "ino", "ctime_ns"}`` of the file, taken when it was found.  The inode
+        and the status-change time are there because size and mtime alone miss a file rewritten with its old
+        mtime put back (``cp -p``, ``rsync -a``, ``tar x``, ``touch -d``: the same size after a one-byte fix
+        or a swapped pair): the kernel sets ctime to now on every write and ``utime`` call, and a file moved
+        into place has another inode, so such a file is a miss, never a stale hit."""
+        return {
+            "path": self.path,
+            "size": self.size,
+            "mtime_ns": self.mtime_ns,
+            "ino": self.ino,
+            "ctime_ns": self.ctime_ns,
+        }
+
+
+def input_file_of(path: str, kind: str, st: os.stat_result) -> InputFile:
+    """The :class:`InputFile` of ``path`` from its ``os.stat`` result (absolute path, every field taken)."""
+    return InputFile(os.path.abspath(path), kind, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
 
 
 def _input_file(path: str) -> InputFile:
@@ -61,7 +79,7 @@ def _input_file(path: str) -> InputFile:
         )
     if not stat.S_ISREG(st.st_mode):
         raise PackingError(_not_a_file(path))
-    return InputFile(os.path.abspath(path), kind, st.st_size, st.st_mtime_ns)
+    return input_file_of(path, kind, st)
 
 
 def _not_a_file(path: str) -> str:

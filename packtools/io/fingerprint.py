@@ -3,8 +3,10 @@
 A key is the SHA-256 of canonical JSON (sorted keys) holding what it is for (``kind``), the packtools version,
 a hash of packtools' own sources (:func:`source_hash`), that kind's format version, and the parts that decide
 the cached content.  A new packtools version or format version, or a code change in a development checkout
-under the same version number, therefore never reuses anything cached before it.  Files are fingerprinted by absolute path, size and
-modification time (:meth:`packtools.io.discover.InputFile.fingerprint`), never by reading their content.
+under the same version number, therefore never reuses anything cached before it.  Files are fingerprinted by
+absolute path, size, modification time, inode and status-change time (ctime, which the kernel sets on every write
+and ``utime``, so a file rewritten with its old size and mtime put back is a miss;
+:meth:`packtools.io.discover.InputFile.fingerprint`), never by reading their content.
 
 >>> a = cache_key("example", 1, rows=[1, 2])
 >>> a == cache_key("example", 1, rows=[1, 2]), a == cache_key("example", 2, rows=[1, 2]), len(a)

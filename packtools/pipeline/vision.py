@@ -28,7 +28,7 @@ from ..core.nested import gather_whole_samples, plan_whole_samples
 from ..core.pack import pack_columns
 from ..core.plan import PackPlan, WholeLengths, check_max_length
 from ..errors import PackingError
-from ..io.discover import InputFile
+from ..io.discover import InputFile, input_file_of
 from ..io.files import mapped_table
 from ..io.json import is_json_array, iter_json_array
 from ..io.json_cells import CHAT_COLUMNS, cells
@@ -70,7 +70,7 @@ class VisionPackResult:
 
 def _input_file(path: str) -> InputFile:
     st = os.stat(path)
-    return InputFile(os.path.abspath(path), "json", st.st_size, st.st_mtime_ns)
+    return input_file_of(path, "json", st)
 
 
 def shard_bounds(p: PackPlan, patches: np.ndarray, dim: int, shard_bytes: int) -> list[tuple[int, int]]:

@@ -153,7 +153,8 @@ def block_damage(target: str) -> str | None:
 
 def _input_key(path: str) -> str:
     st = os.stat(path)
-    return f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}"
+    # inode and ctime too: a file rewritten with its old mtime put back is a miss (InputFile.fingerprint)
+    return f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}"
 
 
 def blocks(
