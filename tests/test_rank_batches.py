@@ -2,6 +2,7 @@
 
 import collections
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -107,3 +108,38 @@ def test_token_budget_fill_and_imbalance_are_reported():
     stats = samplers[0].imbalance()
     assert 0.8 < stats["fill"] <= 1.0 and stats["step_cost"] < 0.5
     assert len(samplers[0]) == len(samplers[1])
+
+
+def test_token_budget_loader_never_repeats_rows_when_batches_cannot_split():
+    """prepare_trainer(max_tokens=N) under 2 processes, 5 packed rows of ~30 tokens and max_tokens=48: every batch
+    holds one row, so 5 batches cannot be evened out by splitting. The sampler repeated a row (trained twice per
+    epoch, with no warning); the training loader now leaves a different row out each epoch, warning, as
+    ``RowBatchSampler`` does."""
+    datasets = pytest.importorskip("datasets")
+    from packtools.integrations.trainers.loader import make_sampler
+
+    lengths = [32, 32, 31, 28, 24]
+    ds = datasets.Dataset.from_dict(
+        {"input_ids": [[1] * n for n in lengths], "seq_lengths": [[n] for n in lengths]}
+    )
+    args = types.SimpleNamespace(seed=0, data_seed=None, per_device_train_batch_size=1)
+    trainer = types.SimpleNamespace(args=args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        samplers = [
+            make_sampler(trainer, ds, 48, types.SimpleNamespace(dp_size=2, dp_rank=r)) for r in (0, 1)
+        ]
+    missing = set()
+    for e in range(4):
+        for s in samplers:
+            s.set_epoch(e)
+        assert len(samplers[0]) == len(samplers[1])
+        seen = collections.Counter(i for b in epoch(samplers) for i in b)
+        assert max(seen.values()) == 1, seen  # main: row 0 twice in epoch 0
+        assert len(seen) == 4
+        missing |= set(range(5)) - set(seen)
+    assert len(missing) > 1  # other rows sit out in other epochs
+    said = [str(w.message) for w in caught]
+    assert (
+        len(said) == 1 and "1 row(s) of each epoch's shuffle" in said[0] and "sit that epoch out" in said[0]
+    )
