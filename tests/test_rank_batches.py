@@ -143,3 +143,30 @@ def test_token_budget_loader_never_repeats_rows_when_batches_cannot_split():
     assert (
         len(said) == 1 and "1 row(s) of each epoch's shuffle" in said[0] and "sit that epoch out" in said[0]
     )
+
+
+def test_row_sampler_sharded_again_by_accelerate_is_refused():
+    """RowBatchSampler(num_replicas=2) given to accelerator.prepare in a loop of one's own: accelerate's
+    BatchSamplerShard shards its per-rank batches again, and each rank kept every other batch of its own: 4 of 8
+    batches of 15 rows trained per epoch, no error. Refused now, as TokenBudgetBatchSampler is."""
+    torch = pytest.importorskip("torch")
+    data_loader = pytest.importorskip("accelerate.data_loader")
+    rows = list(range(15))
+    for rank in (0, 1):
+        loader = torch.utils.data.DataLoader(
+            rows, batch_sampler=RowBatchSampler(15, 2, num_replicas=2, rank=rank)
+        )
+        with pytest.raises(PackingError, match=r"RowBatchSampler\(num_replicas=2\) is already sharded"):
+            data_loader.prepare_data_loader(loader, num_processes=2, process_index=rank, put_on_device=False)
+    # one replica: accelerate shards it itself; every row reaches a process
+    shards = [
+        data_loader.prepare_data_loader(
+            torch.utils.data.DataLoader(rows, batch_sampler=RowBatchSampler(15, 2, seed=1)),
+            num_processes=2,
+            process_index=r,
+            put_on_device=False,
+        )
+        for r in (0, 1)
+    ]
+    assert {int(i) for s in shards for b in s for i in b} == set(rows)
+    assert RowBatchSampler(15, 2, num_replicas=2, rank=0).rows_per_batch == 2

@@ -124,7 +124,7 @@ def make_sampler(trainer: Any, dataset: Any, max_tokens: int | None, layout: Any
         )
         if sampler.dropped and rank == 0:
             warnings.warn(
-                f"{len(dataset)} training rows in batches of {sampler.batch_size} cannot give {world} processes "
+                f"{len(dataset)} training rows in batches of {sampler.rows_per_batch} cannot give {world} processes "
                 f"the same number of batches without repeating rows: {sampler.dropped} row(s) of each epoch's "
                 f"shuffle (different ones every epoch) sit that epoch out. Use a row count divisible by "
                 f"{world}, or max_tokens=N (token-budget batches split rows evenly).",
