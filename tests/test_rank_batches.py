@@ -170,3 +170,24 @@ def test_row_sampler_sharded_again_by_accelerate_is_refused():
     ]
     assert {int(i) for s in shards for b in s for i in b} == set(rows)
     assert RowBatchSampler(15, 2, num_replicas=2, rank=0).rows_per_batch == 2
+
+
+def test_token_budget_sampler_says_when_it_repeats_rows():
+    """The sampler alone (the plain DDP loop of docs/training.md) keeps DistributedSampler's repeats by default,
+    but says so once on rank 0; it repeated row 0 with no warning."""
+    lengths = [32, 32, 31, 28, 24]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        samplers = [TokenBudgetBatchSampler(lengths, 48, num_replicas=2, rank=r) for r in (0, 1)]
+        seen = collections.Counter(i for b in epoch(samplers) for i in b)
+        for s in samplers:
+            s.set_epoch(1)
+        epoch(samplers)
+    assert max(seen.values()) == 2  # the default still repeats
+    said = [str(w.message) for w in caught]
+    assert (
+        len(said) == 1 and "1 row(s) of each epoch are repeated" in said[0] and "repeat_rows=False" in said[0]
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sum(len(b) for b in TokenBudgetBatchSampler(lengths, 64, num_replicas=2, rank=0)) > 0

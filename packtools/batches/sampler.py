@@ -161,6 +161,7 @@ class TokenBudgetBatchSampler:
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
         self.repeat_rows = bool(repeat_rows)
+        self._warned_repeats = False
         too_long = np.flatnonzero(self.lengths > self.max_tokens)
         if too_long.size:
             i = int(too_long[0])
@@ -294,6 +295,15 @@ class TokenBudgetBatchSampler:
             out = np.sort(rng.choice(len(batches), size=r - need, replace=False))
             return [b for i, b in enumerate(batches) if i not in set(out.tolist())]
         # every batch is one row: repeat batches, as DistributedSampler repeats samples
+        if need and self.rank == 0 and not self._warned_repeats:
+            self._warned_repeats = True
+            warnings.warn(
+                f"TokenBudgetBatchSampler: {need} row(s) of each epoch are repeated to give {r} replicas the same "
+                f"number of batches (every batch holds one row, so none can be split): those rows train twice per "
+                f"epoch. Pass repeat_rows=False (they sit the epoch out, other rows every epoch) or drop_last=True, "
+                f"raise max_tokens so that batches hold several rows, or use a row count divisible by {r}.",
+                stacklevel=3,
+            )
         return batches + [batches[k % len(batches)] for k in range(need)]
 
     def _plan(self) -> list[list[np.ndarray]]:
