@@ -2,6 +2,7 @@
 
 import collections
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -107,3 +108,86 @@ def test_token_budget_fill_and_imbalance_are_reported():
     stats = samplers[0].imbalance()
     assert 0.8 < stats["fill"] <= 1.0 and stats["step_cost"] < 0.5
     assert len(samplers[0]) == len(samplers[1])
+
+
+def test_token_budget_loader_never_repeats_rows_when_batches_cannot_split():
+    """prepare_trainer(max_tokens=N) under 2 processes, 5 packed rows of ~30 tokens and max_tokens=48: every batch
+    holds one row, so 5 batches cannot be evened out by splitting. The sampler repeated a row (trained twice per
+    epoch, with no warning); the training loader now leaves a different row out each epoch, warning, as
+    ``RowBatchSampler`` does."""
+    datasets = pytest.importorskip("datasets")
+    from packtools.integrations.trainers.loader import make_sampler
+
+    lengths = [32, 32, 31, 28, 24]
+    ds = datasets.Dataset.from_dict(
+        {"input_ids": [[1] * n for n in lengths], "seq_lengths": [[n] for n in lengths]}
+    )
+    args = types.SimpleNamespace(seed=0, data_seed=None, per_device_train_batch_size=1)
+    trainer = types.SimpleNamespace(args=args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        samplers = [
+            make_sampler(trainer, ds, 48, types.SimpleNamespace(dp_size=2, dp_rank=r)) for r in (0, 1)
+        ]
+    missing = set()
+    for e in range(4):
+        for s in samplers:
+            s.set_epoch(e)
+        assert len(samplers[0]) == len(samplers[1])
+        seen = collections.Counter(i for b in epoch(samplers) for i in b)
+        assert max(seen.values()) == 1, seen  # main: row 0 twice in epoch 0
+        assert len(seen) == 4
+        missing |= set(range(5)) - set(seen)
+    assert len(missing) > 1  # other rows sit out in other epochs
+    said = [str(w.message) for w in caught]
+    assert (
+        len(said) == 1 and "1 row(s) of each epoch's shuffle" in said[0] and "sit that epoch out" in said[0]
+    )
+
+
+def test_row_sampler_sharded_again_by_accelerate_is_refused():
+    """RowBatchSampler(num_replicas=2) given to accelerator.prepare in a loop of one's own: accelerate's
+    BatchSamplerShard shards its per-rank batches again, and each rank kept every other batch of its own: 4 of 8
+    batches of 15 rows trained per epoch, no error. Refused now, as TokenBudgetBatchSampler is."""
+    torch = pytest.importorskip("torch")
+    data_loader = pytest.importorskip("accelerate.data_loader")
+    rows = list(range(15))
+    for rank in (0, 1):
+        loader = torch.utils.data.DataLoader(
+            rows, batch_sampler=RowBatchSampler(15, 2, num_replicas=2, rank=rank)
+        )
+        with pytest.raises(PackingError, match=r"RowBatchSampler\(num_replicas=2\) is already sharded"):
+            data_loader.prepare_data_loader(loader, num_processes=2, process_index=rank, put_on_device=False)
+    # one replica: accelerate shards it itself; every row reaches a process
+    shards = [
+        data_loader.prepare_data_loader(
+            torch.utils.data.DataLoader(rows, batch_sampler=RowBatchSampler(15, 2, seed=1)),
+            num_processes=2,
+            process_index=r,
+            put_on_device=False,
+        )
+        for r in (0, 1)
+    ]
+    assert {int(i) for s in shards for b in s for i in b} == set(rows)
+    assert RowBatchSampler(15, 2, num_replicas=2, rank=0).rows_per_batch == 2
+
+
+def test_token_budget_sampler_says_when_it_repeats_rows():
+    """The sampler alone (the plain DDP loop of docs/training.md) keeps DistributedSampler's repeats by default,
+    but says so once on rank 0; it repeated row 0 with no warning."""
+    lengths = [32, 32, 31, 28, 24]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        samplers = [TokenBudgetBatchSampler(lengths, 48, num_replicas=2, rank=r) for r in (0, 1)]
+        seen = collections.Counter(i for b in epoch(samplers) for i in b)
+        for s in samplers:
+            s.set_epoch(1)
+        epoch(samplers)
+    assert max(seen.values()) == 2  # the default still repeats
+    said = [str(w.message) for w in caught]
+    assert (
+        len(said) == 1 and "1 row(s) of each epoch are repeated" in said[0] and "repeat_rows=False" in said[0]
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sum(len(b) for b in TokenBudgetBatchSampler(lengths, 64, num_replicas=2, rank=0)) > 0

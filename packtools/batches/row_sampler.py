@@ -10,6 +10,11 @@ rows are spread over micro-batches).  Batch ``i`` goes to rank ``i % num_replica
 work (``batch_size=1`` and a row count that is not a multiple of ``num_replicas``: no batch can be split),
 the last ``dropped`` rows of the epoch's shuffle (fewer than ``num_replicas * batch_size``, different rows
 every epoch) sit that epoch out; :attr:`dropped` says how many, and the trainer adapter warns.
+
+A sampler with ``num_replicas > 1`` already shards: reading its ``batch_size``, as accelerate's
+``BatchSamplerShard`` does when ``accelerator.prepare`` wraps its loader, raises (each rank would keep
+``1/num_replicas`` of its own batches: half the rows of every epoch never trained at 2 processes, no error);
+:attr:`rows_per_batch` holds the size.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ class RowBatchSampler:
         rank: int = 0,
     ) -> None:
         self.num_rows = _positive_int(num_rows, "num_rows", minimum=0)
-        self.batch_size = _positive_int(batch_size, "batch_size")
+        #: rows per batch (``batch_size`` reads it only where nothing would shard the batches again)
+        self.rows_per_batch = _positive_int(batch_size, "batch_size")
         self.num_replicas = _positive_int(num_replicas, "num_replicas")
         self.rank = _positive_int(rank, "rank", minimum=0)
         if self.rank >= self.num_replicas:
@@ -53,12 +59,29 @@ class RowBatchSampler:
 
     def _rows_kept(self) -> int:
         """The most rows (``<= num_rows``) that split into a multiple of ``num_replicas`` non-empty batches."""
-        b, r = self.batch_size, self.num_replicas
+        b, r = self.rows_per_batch, self.num_replicas
         for n in range(self.num_rows, -1, -1):
             batches = -(-n // b)
             if -(-batches // r) * r <= n:  # enough rows to split up to a multiple of r batches
                 return n
         return 0
+
+    @property
+    def batch_size(self) -> int:
+        """``rows_per_batch``.  With ``num_replicas > 1`` reading it raises: its readers are sharding wrappers
+        (accelerate's ``BatchSamplerShard``), and sharding these per-rank batches again would keep
+        ``1/num_replicas`` of each rank's batches."""
+        if self.num_replicas > 1:
+            raise PackingError(
+                f"RowBatchSampler(num_replicas={self.num_replicas}) is already sharded across ranks and is being "
+                f"wrapped by a sampler that shards again (accelerate's BatchSamplerShard, through "
+                f"accelerator.prepare or Trainer): each rank would keep 1/{self.num_replicas} of its batches and "
+                f"never train the rest. Under Trainer use packtools.prepare_trainer(trainer), whose loader shards "
+                f"rows this way; in your own accelerate loop do not pass this DataLoader to accelerator.prepare "
+                f"(move batches to the device yourself).",
+                param="batch_sampler",
+            )
+        return self.rows_per_batch
 
     def set_epoch(self, epoch: int) -> None:
         """Use the shuffle of ``epoch`` (call on every rank before iterating)."""
@@ -75,7 +98,8 @@ class RowBatchSampler:
         if self.shuffle:
             rows = np.random.default_rng([self.seed, self.epoch]).permutation(rows)
         rows = rows[: self.kept]  # the shuffle's last `dropped` rows sit this epoch out
-        out = [rows[i : i + self.batch_size] for i in range(0, self.kept, self.batch_size)]
+        b = self.rows_per_batch
+        out = [rows[i : i + b] for i in range(0, self.kept, b)]
         while len(out) % self.num_replicas:
             i = max(range(len(out)), key=lambda j: (out[j].size, -j))
             half = (out[i].size + 1) // 2
@@ -87,11 +111,11 @@ class RowBatchSampler:
             yield batch.tolist()
 
     def __len__(self) -> int:
-        n = -(-self.kept // self.batch_size)
+        n = -(-self.kept // self.rows_per_batch)
         return -(-n // self.num_replicas)
 
     def __repr__(self) -> str:
         return (
-            f"RowBatchSampler(rows={self.num_rows}, batch_size={self.batch_size}, shuffle={self.shuffle}, "
+            f"RowBatchSampler(rows={self.num_rows}, batch_size={self.rows_per_batch}, shuffle={self.shuffle}, "
             f"seed={self.seed}, epoch={self.epoch}, num_replicas={self.num_replicas}, rank={self.rank})"
         )

@@ -8,8 +8,9 @@ Pure NumPy (plus the Numba best-fit-decreasing kernel); it works as
    packs sequences), so batches are as full as possible; the batch structure depends only on the multiset of
    lengths, so the number of batches is the same every epoch.
 2. The number of batches is made a multiple of ``num_replicas``: the biggest batches are split in two (rows
-   are repeated, as ``DistributedSampler`` does, only once every batch is one row), or with ``drop_last`` the
-   smallest are dropped.
+   are repeated, as ``DistributedSampler`` does, only once every batch is one row; with ``repeat_rows=False``
+   those rows sit the epoch out instead, different ones every epoch), or with ``drop_last`` the smallest are
+   dropped.
 3. Batches are sorted by attention cost (sum of squared sequence lengths, per packed segment when
    ``seq_lengths`` is given) and cut into *steps* of ``num_replicas`` batches, so the ranks of a step get
    similar work; inside a step, batches go to ranks longest-processing-time first on the running totals,
@@ -117,7 +118,10 @@ class TokenBudgetBatchSampler:
     A row longer than ``max_tokens`` is an error (it would break the memory budget the batch size stands
     for): raise ``max_tokens`` or pack with ``max_length <= max_tokens``.  Rows with no tokens are never
     yielded.  With ``num_replicas > 1`` each rank yields the same number of batches; pass the rank's
-    ``rank`` and call :meth:`set_epoch` every epoch on every rank.
+    ``rank`` and call :meth:`set_epoch` every epoch on every rank.  Where the batch count cannot be evened out
+    by splitting batches (every batch down to one row), rows are repeated, as ``DistributedSampler`` does;
+    ``repeat_rows=False`` leaves them out of the epoch instead (drawn from the epoch's shuffle, so other rows
+    every epoch; :attr:`dropped` counts them): a repeated row weighs twice in the gradient.
 
     Static shapes: ``buckets=K`` picks at most ``K`` batch sizes in tokens (:attr:`buckets`) that cost the least
     padding on epoch 0's batches, with ``max_tokens`` (rounded up to ``bucket_multiple_of``) the largest, so
@@ -145,6 +149,7 @@ class TokenBudgetBatchSampler:
         seq_lengths: Any = None,
         buckets: int | Sequence[int] | None = None,
         bucket_multiple_of: int = 1,
+        repeat_rows: bool = True,
     ) -> None:
         self.lengths = as_lengths(lengths)
         self.max_tokens = _positive_int(max_tokens, "max_tokens")
@@ -155,6 +160,8 @@ class TokenBudgetBatchSampler:
         self.seed = _positive_int(seed, "seed", minimum=0)
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
+        self.repeat_rows = bool(repeat_rows)
+        self._warned_repeats = False
         too_long = np.flatnonzero(self.lengths > self.max_tokens)
         if too_long.size:
             i = int(too_long[0])
@@ -238,6 +245,18 @@ class TokenBudgetBatchSampler:
         """What accelerate's loader reaches under ``skip_first_batches`` to set the epoch (:class:`EpochHandle`)."""
         return EpochHandle(self)
 
+    @property
+    def dropped(self) -> int:
+        """Rows with tokens that no rank's batch holds in this epoch (``drop_last``, or ``repeat_rows=False``
+        where the batches could not be evened out); the same count every epoch, other rows."""
+        held = sum(int(b.size) for step in self._plan() for b in step)
+        return int(np.count_nonzero(self.lengths > 0)) - held if not self._repeats() else 0
+
+    def _repeats(self) -> bool:
+        """Whether this epoch's batches hold a row more than once (``repeat_rows=True`` evening out)."""
+        rows = np.concatenate([b for step in self._plan() for b in step] or [np.zeros(0, np.int64)])
+        return rows.size != np.unique(rows).size
+
     # -- planning --------------------------------------------------------------------------------
     def _batches(self, rng: np.random.Generator) -> list[np.ndarray]:
         rows = np.flatnonzero(self.lengths > 0)
@@ -250,7 +269,7 @@ class TokenBudgetBatchSampler:
         ordered = rows[item_order]
         return [ordered[offsets[b] : offsets[b + 1]] for b in range(offsets.shape[0] - 1)]
 
-    def _even_out(self, batches: list[np.ndarray]) -> list[np.ndarray]:
+    def _even_out(self, batches: list[np.ndarray], rng: np.random.Generator) -> list[np.ndarray]:
         r = self.num_replicas
         extra = len(batches) % r
         if extra == 0:
@@ -270,7 +289,21 @@ class TokenBudgetBatchSampler:
             batches[i] = first
             batches.append(second)
             need -= 1
+        if need and not self.repeat_rows:
+            # every batch is one row: the r - need rows over a multiple of r sit this epoch out, drawn from the
+            # epoch's generator (other rows every epoch); nothing is repeated
+            out = np.sort(rng.choice(len(batches), size=r - need, replace=False))
+            return [b for i, b in enumerate(batches) if i not in set(out.tolist())]
         # every batch is one row: repeat batches, as DistributedSampler repeats samples
+        if need and self.rank == 0 and not self._warned_repeats:
+            self._warned_repeats = True
+            warnings.warn(
+                f"TokenBudgetBatchSampler: {need} row(s) of each epoch are repeated to give {r} replicas the same "
+                f"number of batches (every batch holds one row, so none can be split): those rows train twice per "
+                f"epoch. Pass repeat_rows=False (they sit the epoch out, other rows every epoch) or drop_last=True, "
+                f"raise max_tokens so that batches hold several rows, or use a row count divisible by {r}.",
+                stacklevel=3,
+            )
         return batches + [batches[k % len(batches)] for k in range(need)]
 
     def _plan(self) -> list[list[np.ndarray]]:
@@ -278,7 +311,7 @@ class TokenBudgetBatchSampler:
         if self._cache is not None and self._cache[0] == self.epoch:
             return self._cache[1]
         rng = np.random.default_rng([self.seed, self.epoch])
-        batches = self._even_out(self._batches(rng))
+        batches = self._even_out(self._batches(rng), rng)
         r = self.num_replicas
         tokens = np.array([self.lengths[b].sum() for b in batches], np.float64)
         costs = np.array([self.costs[b].sum() for b in batches], np.float64)

@@ -124,7 +124,7 @@ def make_sampler(trainer: Any, dataset: Any, max_tokens: int | None, layout: Any
         )
         if sampler.dropped and rank == 0:
             warnings.warn(
-                f"{len(dataset)} training rows in batches of {sampler.batch_size} cannot give {world} processes "
+                f"{len(dataset)} training rows in batches of {sampler.rows_per_batch} cannot give {world} processes "
                 f"the same number of batches without repeating rows: {sampler.dropped} row(s) of each epoch's "
                 f"shuffle (different ones every epoch) sit that epoch out. Use a row count divisible by "
                 f"{world}, or max_tokens=N (token-budget batches split rows evenly).",
@@ -138,9 +138,20 @@ def make_sampler(trainer: Any, dataset: Any, max_tokens: int | None, layout: Any
             f"repeating rows; use more data or fewer processes.",
             param="train_dataset",
         )
-    return TokenBudgetBatchSampler(
-        lengths, max_tokens, seed=seed, num_replicas=world, rank=rank, seq_lengths=segments
+    # repeat_rows=False: a row the batches cannot be evened out with sits the epoch out, as in RowBatchSampler;
+    # repeated (the sampler's default, as DistributedSampler does) it trained twice per epoch with no warning
+    sampler = TokenBudgetBatchSampler(
+        lengths, max_tokens, seed=seed, num_replicas=world, rank=rank, seq_lengths=segments, repeat_rows=False
     )
+    if sampler.dropped and rank == 0:
+        warnings.warn(
+            f"{int((lengths > 0).sum())} training rows in token-budget batches of max_tokens={max_tokens} cannot "
+            f"give {world} processes the same number of batches without repeating rows (every batch holds one "
+            f"row): {sampler.dropped} row(s) of each epoch's shuffle (different ones every epoch) sit that epoch "
+            f"out. Raise max_tokens so that batches hold several rows, or use a row count divisible by {world}.",
+            stacklevel=4,
+        )
+    return sampler
 
 
 def _passthrough(prepared: Any, ours: RankBatches) -> Any:
