@@ -483,12 +483,12 @@ class Critic(torch.nn.Module):
         return self.backbone(input_ids=input_ids)
 
 
-def _held(tmp_path, cls, place, *, after=False, steps=1):
+def _held(tmp_path, cls, place, *, after=False, steps=1, accumulation=2):
     model = tiny_llama()
     start = copy.deepcopy(model)
     recorder = Recorder(PaddingFreeCollator(PAD))
     rows = pack_dataset(datasets.Dataset.from_list(sequences(24, seed=5)), 32)
-    args = sgd_train_args(str(tmp_path), LR, max_steps=steps)
+    args = sgd_train_args(str(tmp_path), LR, max_steps=steps, gradient_accumulation_steps=accumulation)
     trainer = cls(model=model, args=args, train_dataset=rows, data_collator=recorder)
     if not after:
         place(trainer)
@@ -497,6 +497,29 @@ def _held(tmp_path, cls, place, *, after=False, steps=1):
         place(trainer)
     trainer.train()
     return trainer, model, start, recorder
+
+
+class JudgedInItsStep(transformers.Trainer):
+    """A ``training_step`` of the user's own that scores the packed row with a model it holds, before the step's
+    ``compute_loss``, without the batch's positions."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        with torch.no_grad():
+            self.score = self.judge(input_ids=inputs["input_ids"]).logits.mean()
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def test_a_model_set_after_prepare_trainer_is_checked_in_a_training_step_of_ones_own(tmp_path):
+    """Held models set on the trainer since ``prepare_trainer`` were watched from the first ``compute_loss`` (or
+    ``prediction_step``) on: a ``training_step`` of one's own forwarding one before it, on the packed input_ids
+    without positions, scored rows whose documents attended to each other with no error in a run of one micro-batch
+    (and in every micro-batch under ``loss="sample"``, whose step watched none).  Watched at the step's start now."""
+
+    def place(trainer):
+        trainer.judge = tiny_llama(seed=1).eval()
+
+    with pytest.raises(PackingError, match=r"JudgedInItsStep.training_step called the model.*position_ids"):
+        _held(tmp_path, JudgedInItsStep, place, after=True, accumulation=1)
 
 
 def _as_reward_model(trainer):
