@@ -386,6 +386,37 @@ def test_a_context_parallel_shards_tokens_without_its_key_are_refused():
     check_packed_ids_forward((), {"input_ids": ids, "position_ids": pos})  # outside a loss: not this check's
 
 
+def test_a_context_parallel_shard_read_as_document_heads_through_its_padding_is_refused():
+    """A shard's padding tokens take positions that restart at 0 after their document's last real token
+    (``CPLayout.positions``), so a block of a shard can read ``0, 1, ..., w-1`` without being the first tokens of
+    one document: rank 0 of a row of documents of 2 and 6 tokens under CP=2 holds document 0's token, a padding
+    token, then document 1's tokens 2..5, positions ``0..5``.  Forwarded without the shard's key, as one sequence,
+    document 1's tokens attend to document 0's and miss their own first two (on rank 1), with no error: the
+    whole shard passed as "a block of document heads".  Padding is no document's head: refused, as every other
+    forward of the shard's tokens without the key (a true head passes:
+    test_a_context_parallel_shards_tokens_without_its_key_are_refused)."""
+    from packtools.batches.context_parallel import CP_KEY, ContextParallelCollator
+    from packtools.integrations.parallel.layout import RankLayout
+    from packtools.integrations.trainers.guard import check_packed_ids_forward, packed_loss_inputs
+
+    layout = RankLayout(dp_rank=0, dp_size=1, cp_rank=0, cp_size=2)  # cut here; nothing gathered
+    row = {"input_ids": [11, 12, 21, 22, 23, 24, 25, 26], "seq_lengths": [2, 6]}
+    cut = ContextParallelCollator(PaddingFreeCollator(PAD), layout=layout)([row])
+    ids, pos, shard = cut["input_ids"], cut["position_ids"], cut[CP_KEY]
+    assert ids.tolist() == [[11, PAD, 23, 24, 25, 26]] and pos.tolist() == [list(range(6))]
+    batch = {"input_ids": ids, "position_ids": pos, CP_KEY: shard, "labels": cut["shift_labels"]}
+    with packed_loss_inputs(batch, "Mine.compute_loss"):
+        for kwargs in (
+            {"input_ids": ids, "position_ids": pos},
+            {"input_ids": ids[:, :3].clone()},  # document 0's token, a padding token, document 1's third
+        ):
+            with pytest.raises(
+                PackingError, match="Mine.compute_loss called the model on a context-parallel"
+            ):
+                check_packed_ids_forward((), kwargs)
+        check_packed_ids_forward((), {"input_ids": ids, "position_ids": pos, CP_KEY: shard})
+
+
 def test_several_gpus_in_one_process_are_refused_before_anything_changes(tmp_path):
     """``args.n_gpu > 1`` makes ``Trainer`` wrap the model in ``torch.nn.DataParallel``: it chunks each tensor of
     the batch on its own (``cu_seq_lens_q`` apart from its tokens) and runs each replica in a thread of its own,
@@ -452,12 +483,12 @@ class Critic(torch.nn.Module):
         return self.backbone(input_ids=input_ids)
 
 
-def _held(tmp_path, cls, place, *, after=False, steps=1):
+def _held(tmp_path, cls, place, *, after=False, steps=1, accumulation=2):
     model = tiny_llama()
     start = copy.deepcopy(model)
     recorder = Recorder(PaddingFreeCollator(PAD))
     rows = pack_dataset(datasets.Dataset.from_list(sequences(24, seed=5)), 32)
-    args = sgd_train_args(str(tmp_path), LR, max_steps=steps)
+    args = sgd_train_args(str(tmp_path), LR, max_steps=steps, gradient_accumulation_steps=accumulation)
     trainer = cls(model=model, args=args, train_dataset=rows, data_collator=recorder)
     if not after:
         place(trainer)
@@ -466,6 +497,29 @@ def _held(tmp_path, cls, place, *, after=False, steps=1):
         place(trainer)
     trainer.train()
     return trainer, model, start, recorder
+
+
+class JudgedInItsStep(transformers.Trainer):
+    """A ``training_step`` of the user's own that scores the packed row with a model it holds, before the step's
+    ``compute_loss``, without the batch's positions."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        with torch.no_grad():
+            self.score = self.judge(input_ids=inputs["input_ids"]).logits.mean()
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def test_a_model_set_after_prepare_trainer_is_checked_in_a_training_step_of_ones_own(tmp_path):
+    """Held models set on the trainer since ``prepare_trainer`` were watched from the first ``compute_loss`` (or
+    ``prediction_step``) on: a ``training_step`` of one's own forwarding one before it, on the packed input_ids
+    without positions, scored rows whose documents attended to each other with no error in a run of one micro-batch
+    (and in every micro-batch under ``loss="sample"``, whose step watched none).  Watched at the step's start now."""
+
+    def place(trainer):
+        trainer.judge = tiny_llama(seed=1).eval()
+
+    with pytest.raises(PackingError, match=r"JudgedInItsStep.training_step called the model.*position_ids"):
+        _held(tmp_path, JudgedInItsStep, place, after=True, accumulation=1)
 
 
 def _as_reward_model(trainer):
@@ -657,6 +711,28 @@ def test_copies_within_a_document_pass_where_the_batch_has_cu_seq_lens_alone():
         for tokens in (ids[:, 3:7].clone(), torch.tensor(ids.tolist()), ids):
             with pytest.raises(PackingError, match="Mine.compute_loss called the model"):
                 check_packed_ids_forward((), {"input_ids": tokens})
+
+
+def test_copies_within_a_document_pass_on_the_padding_free_collators_own_batch():
+    """The same on ``PaddingFreeCollator(return_position_ids=False)``'s own batch, whose ``[1, T]`` row has
+    strides ``(0, 1)``: the positions read from ``cu_seq_lens_q`` (a fresh ``(T, 1)`` tensor) were taken as laid
+    out otherwise than the row, so a copy inside one document was judged by the whole batch and refused (as a
+    CP shard's head was: ``test_a_context_parallel_shards_tokens_without_its_key_are_refused``).  Strides of a
+    dimension of one element place nothing: it passes; a copy across the boundary is still refused."""
+    from packtools.integrations.trainers.guard import check_packed_ids_forward, packed_loss_inputs
+
+    batch = PaddingFreeCollator(PAD, return_position_ids=False)(
+        [
+            {"input_ids": [10, 11, 12, 13, 14], "seq_lengths": [5]},
+            {"input_ids": [20, 21, 22], "seq_lengths": [3]},
+        ]
+    )
+    ids = batch["input_ids"]
+    assert "position_ids" not in batch and ids.stride() == (0, 1)
+    with packed_loss_inputs(batch, "Mine.compute_loss"):
+        check_packed_ids_forward((), {"input_ids": ids[:, 1:4].clone()})
+        with pytest.raises(PackingError, match="Mine.compute_loss called the model"):
+            check_packed_ids_forward((), {"input_ids": ids[:, 3:7].clone()})
 
 
 def _sharing_a_table(trainer):

@@ -150,7 +150,7 @@ def _batch_positions_of(ids: Any, batch_ids: Any, positions_of: Callable[[], Any
             positions is not None
             and getattr(positions, "ndim", 0) == 2
             and tuple(positions.shape) == tuple(batch_ids.shape)
-            and positions.stride() == batch_ids.stride()
+            and _same_strides(positions, batch_ids)
         )
         return positions if same_layout else None
 
@@ -188,6 +188,18 @@ def _batch_positions_of(ids: Any, batch_ids: Any, positions_of: Callable[[], Any
     if h >= big_h and w >= big_w and _windows_equal(ids, batch_ids):  # the whole batch, and more
         return True, laid_out()
     return False, None
+
+
+def _same_strides(a: Any, b: Any) -> bool:
+    """Whether tensors ``a`` and ``b`` of one shape put every element at the same offset: their strides agree on
+    each dimension longer than 1 (a collator's ``[1, T]`` row has stride ``(0, 1)``, a fresh one ``(T, 1)``).
+
+    >>> import torch
+    >>> row, square = torch.zeros(1, 4), torch.zeros(2, 2)
+    >>> _same_strides(row.as_strided((1, 4), (0, 1)), row), _same_strides(square.t(), square)
+    (True, False)
+    """
+    return all(n == 1 or x == y for n, x, y in zip(a.shape, a.stride(), b.stride(), strict=True))
 
 
 def _cu_positions(batch: Mapping[str, Any]) -> Any:
@@ -230,8 +242,8 @@ def check_packed_ids_forward(args: Sequence[Any], kwargs: Mapping[str, Any]) -> 
     when the tokens it holds span two documents of the batch (told by its ``position_ids``, or by its
     ``cu_seq_lens_q`` where they are no ``[B, T]`` text positions: :func:`_document_positions`).  The batch's own
     keys pass from their identity; only another call's values are read (host syncs).  A context-parallel shard's
-    tokens (the batch carries :data:`CP_KEY`) are held to a stricter rule first: without the shard's key no
-    positions make them right (:func:`_check_cp_key`)."""
+    tokens (the batch carries :data:`CP_KEY`) forwarded without the shard's key are judged by a stricter rule
+    instead: no positions make them right, only a block of document heads passes (:func:`_check_cp_key`)."""
     found = _LOSS_BATCH.get()
     if found is None:
         return
@@ -245,19 +257,18 @@ def check_packed_ids_forward(args: Sequence[Any], kwargs: Mapping[str, Any]) -> 
         ids = batch_ids if tuple(getattr(embeds, "shape", ())[:2]) == tuple(batch_ids.shape) else None
     if ids is None:
         return
-    own = batch.get("position_ids")
-
-    def positions_of() -> Any:
-        return _document_positions(batch, own)
-
-    if batch.get(CP_KEY) is not None and kwargs.get(CP_KEY) is None:
-        _check_cp_key(ids, batch_ids, positions_of, owner)
+    own, shard = batch.get("position_ids"), batch.get(CP_KEY)
+    if (
+        shard is not None and kwargs.get(CP_KEY) is None
+    ):  # heads pass (no packed block either), the rest refused
+        _check_cp_key(ids, batch_ids, lambda: _real_positions(_document_positions(batch, own), shard), owner)
+        return
     if kwargs.get("cu_seq_lens_q") is not None:
         return
     given = kwargs.get("position_ids")
     if given is not None and own is not None and _same_tensor(given, own):
         return
-    derived, positions = _batch_positions_of(ids, batch_ids, positions_of)
+    derived, positions = _batch_positions_of(ids, batch_ids, lambda: _document_positions(batch, own))
     if not derived or is_packed(kwargs):
         return
     if not (is_packed(batch) if positions is None else is_packed({"position_ids": positions})):
@@ -278,7 +289,9 @@ def _check_cp_key(ids: Any, batch_ids: Any, positions_of: Callable[[], Any], own
     itself for its embeddings).  The shard holds chunks of the row that are not adjacent (a head-tail pair of each
     document), and only the key makes the attention gather the other ranks' keys and place each chunk: without it
     every token attends to the wrong tokens, whatever ``position_ids`` or ``cu_seq_lens`` the call passes, with no
-    error.  Only a block of document heads (positions ``0..w-1`` in every row) attends right alone: left to pass."""
+    error.  Only a block of document heads (positions ``0..w-1`` in every row, no padding among them:
+    ``positions_of`` gives the shard's with its padding's as ``-1``, :func:`_real_positions`) attends right alone:
+    left to pass."""
     derived, positions = _batch_positions_of(ids, batch_ids, positions_of)
     if not derived or (positions is not None and _document_heads(positions)):
         return
@@ -292,6 +305,27 @@ def _check_cp_key(ids: Any, batch_ids: Any, positions_of: Callable[[], Any], own
         f"without context_parallel.",
         param="context_parallel",
     )
+
+
+def _real_positions(positions: Any, shard: Any) -> Any:
+    """A CP shard's ``[1, T]`` ``positions`` with its padding tokens' as ``-1`` (``None`` stays ``None``).  Padding
+    positions restart at 0 after their document's last real token (``CPLayout.positions``), so a block of a shard
+    could read ``0..w-1`` across a padding token into the next document's chunk: no document's head.  The real
+    tokens are the shard's queries (``CPShard.q_index``), read on the host (no device sync).
+
+    >>> import torch
+    >>> from packtools.batches.context_parallel import CPLayout, CPShard
+    >>> shard = CPShard.build(CPLayout.build([2, 6], 2, balance=True), 0)  # a token, padding, tokens 2..5
+    >>> _real_positions(torch.arange(6)[None], shard).tolist()
+    [[0, -1, 2, 3, 4, 5]]
+    """
+    if positions is None:
+        return None
+    import torch
+
+    real = torch.zeros(positions.numel(), dtype=torch.bool)
+    real[torch.as_tensor(shard.q_index, dtype=torch.long)] = True
+    return positions.masked_fill(~real.reshape(positions.shape).to(positions.device), -1)
 
 
 def _document_heads(positions: Any) -> bool:

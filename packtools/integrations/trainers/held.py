@@ -9,8 +9,8 @@ items, nested at most 3 deep) or a module of the user's own, outermost first; th
 (one holding ``trainer.model`` itself) are not others -- a model that only shares some modules with it (an embedding
 table, a backbone) is.
 :func:`watch_held_models` guards each lazily (:func:`~.guard.watch_model`): refused only at a forward of packed
-input, never for what it does on inputs of its own.  ``prepare_trainer`` runs it once, and packtools' step before
-each ``compute_loss`` / ``prediction_step`` (a model set on the trainer after ``prepare_trainer`` is seen too).
+input, never for what it does on inputs of its own.  ``prepare_trainer`` runs it once, and packtools' step at the start
+of each ``training_step`` / ``prediction_step`` (a model set on the trainer after ``prepare_trainer`` is seen too).
 A held model's backbone called on its own (``self.judge.model(...)``) is watched with it
 (:class:`~.guard.BackboneHook`); a sub-module of ``trainer.model`` called on its own (``self.model.model(...)``, its
 backbone) is not.

@@ -348,7 +348,8 @@ class SFTStep(StepOwner):
 
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         # a training_step of the trainer's own may forward the batch itself, outside compute_loss: its forwards
-        # keep positions (and a CP shard its key) too
+        # keep positions (and a CP shard its key) too, into a model set on the trainer since prepare_trainer too
+        watch_held_models(self)
         with packed_loss_inputs(inputs, f"{loss_owner(self, 'training_step')}.training_step"):
             return super().training_step(model, inputs, *args, **kwargs)
 
@@ -363,7 +364,6 @@ class SFTStep(StepOwner):
         if plan.loss != "token":
             with packed_loss_inputs(inputs, "packtools' loss"):  # its forward: the inputs' own keys
                 return _weighted_loss(self, model, inputs, return_outputs, num_items_in_batch)
-        watch_held_models(self)  # a model set on the trainer since prepare_trainer: checked too
         with (
             packed_loss_inputs(inputs, f"{loss_owner(self)}.compute_loss"),  # its forwards keep positions
             model_given_labels(model, own),
