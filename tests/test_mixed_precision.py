@@ -207,28 +207,50 @@ def accelerate_wrapped(model):
     return model
 
 
-def test_tree_and_reward_probes_called_directly_in_accelerates_autocast_judge_at_its_precision():
+def test_tree_and_reward_probes_called_directly_in_accelerates_autocast_judge_at_its_precision(monkeypatch):
     """``check_tree_isolation`` and ``check_reward_isolation`` on a model whose forward accelerate wrapped:
     read the precision from inside the forward, as check_isolation does.  Failed before: refused at float32's
     tolerance (tree: 1.95e-03 > 1e-4; reward: 4.88e-04 > 1e-5).  Controls: unwrapped, both are exact in
-    float32; a real leak (the reward probe's rows with no positions) is still refused wrapped."""
+    float32; a real leak (the reward probe's rows with no positions) is still refused wrapped.
+
+    The precision each probe judged at is read from its ``compute_dtype`` call, not inferred from a rounding
+    difference: how far bfloat16 moves the logits depends on the CPU's kernels (on an AVX512-BF16 CPU the tree
+    probe's packed and alone logits are bit-equal, 0.0; under ``ATEN_CPU_CAPABILITY=avx2`` 1.95e-03)."""
+    from packtools.integrations.attention import tree
     from packtools.integrations.attention.tree import check_tree_isolation, use_tree_attention
     from packtools.integrations.preference import reward_scores
     from packtools.integrations.preference.reward_scores import check_reward_isolation
+
+    judged = []
+
+    def spy(module):
+        real = module.compute_dtype
+
+        def compute_dtype(*args, **kwargs):
+            judged.append(real(*args, **kwargs))
+            return judged[-1]
+
+        monkeypatch.setattr(module, "compute_dtype", compute_dtype)
+
+    spy(tree)
+    spy(reward_scores)
 
     def tree_model(wrapped):
         model = tiny_llama("sdpa")
         use_tree_attention(accelerate_wrapped(model) if wrapped else model, check_isolation=False)
         return model
 
-    assert check_tree_isolation(tree_model(False)) < 1e-6
-    assert 1e-4 < check_tree_isolation(tree_model(True)) < 3e-2  # bfloat16's rounding, accepted
+    assert check_tree_isolation(tree_model(False)) < 1e-6 and judged == ["float32"]
+    assert check_tree_isolation(tree_model(True)) < 3e-2  # bfloat16's rounding (if any), accepted
+    assert judged[1:] == ["bfloat16"]
 
     def reward_model():
         return tiny_preference_model("llama", "sdpa", 0, num_labels=1)
 
-    assert check_reward_isolation(reward_model()) < 1e-6
-    assert 1e-5 < check_reward_isolation(accelerate_wrapped(reward_model())) < 3e-2
+    del judged[:]
+    assert check_reward_isolation(reward_model()) < 1e-6 and judged == ["float32"]
+    assert check_reward_isolation(accelerate_wrapped(reward_model())) < 3e-2
+    assert judged[1:] == ["bfloat16"]
     real = reward_scores.reward_batch
 
     def no_positions(inputs, send=False):
