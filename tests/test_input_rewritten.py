@@ -82,3 +82,22 @@ def test_profile_parts_of_the_old_content_are_not_adopted(tok, cache, tmp_path):
     os.environ[stage_cache.CACHE_ENV] = cache
     assert _ids(res.out) == _ids(fresh.out)
     assert _ids(res.out) != _ids(tmp_path / "hit")
+
+
+@pytest.mark.parametrize("how", ["in-place", "renamed"])
+def test_an_input_rewritten_with_its_old_mtime_while_packing_is_refused(tmp_path, how):
+    """The mid-run check (``files.changed_since_found``, after each part is read) compared size and mtime alone:
+    a file rewritten while the run read it, its old size and mtime put back, passed it, and the run packed parts
+    read from the old content with parts read from the new, without a word.  It compares inode and ctime too."""
+    from packtools.errors import PackingError
+    from packtools.io import files
+    from packtools.io.discover import discover
+
+    src = str(tmp_path / "data.jsonl")
+    _write(src, [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
+    (found,) = discover([src])
+    _rewrite_keeping_size_and_mtime(src, [{"input_ids": [4, 5, 6]}, {"input_ids": [1, 2]}], how)
+    with pytest.raises(PackingError, match=r"changed while packing \(rewritten: .*(another file|status)"):
+        list(files.iter_part(files.Part(found)))
+    (again,) = discover([src])  # found again: read as it is now
+    assert sum(t.num_rows for _, t in files.iter_part(files.Part(again))) == 2

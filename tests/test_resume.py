@@ -725,3 +725,41 @@ def test_a_seed_change_over_a_stream_of_ones_own_is_still_refused(tmp_path):
     check_resume(str(tmp_path), layout(3, Shuffled()))
     with pytest.raises(PackingError, match=r"data_seed \(or seed\)=3 \(now 4\)"):
         check_resume(str(tmp_path), layout(4, Shuffled()))
+
+
+def test_a_checkpoint_whose_token_batches_repeated_rows_is_refused_where_they_now_sit_out(tmp_path):
+    """prepare_trainer(max_tokens) under 2 processes, 5 rows of one batch each: packtools before repeat_rows=False
+    repeated a row (3 batches a rank per epoch), now the row sits out (2 a rank).  Its checkpoint records the same
+    layout, so a resume passed the check and Trainer skipped the saved steps of the new, shorter epoch: rows of
+    the interrupted epoch trained twice or never, and the epoch count off.  The record now says how many rows sit
+    out; a record without it whose run leaves rows out is refused by name."""
+    import types
+    import warnings
+
+    datasets = pytest.importorskip("datasets")
+    from packtools.errors import PackingError
+    from packtools.integrations.trainers.loader import make_sampler
+    from packtools.integrations.trainers.resume import check_resume, run_layout, save_layout
+
+    lengths = [32, 32, 31, 28, 24]
+    ds = datasets.Dataset.from_dict({"input_ids": [[1] * n for n in lengths]})
+    args = types.SimpleNamespace(
+        seed=0, data_seed=None, per_device_train_batch_size=1, world_size=2, gradient_accumulation_steps=1
+    )
+    trainer = types.SimpleNamespace(args=args, train_dataset=ds)
+    layout = types.SimpleNamespace(dp_size=2, dp_rank=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_sampler(trainer, ds, 48, layout)  # Trainer builds its loader before the record is taken
+    current = run_layout(trainer, layout, 48)
+    assert current["rows_left_out"] == 1
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    old = {k: v for k, v in current.items() if k != "rows_left_out"}  # what the earlier packtools recorded
+    save_layout(str(tmp_path), old)
+    with pytest.raises(
+        PackingError, match=r"repeated row\(s\) of each epoch.*now 1 row\(s\) of each epoch sit it out"
+    ):
+        check_resume(str(tmp_path), current)
+    check_resume(str(tmp_path), {**current, "rows_left_out": 0})  # no row repeated then: the same batches
+    save_layout(str(tmp_path), current)
+    check_resume(str(tmp_path), current)

@@ -248,7 +248,10 @@ class Where:
 
 
 def changed_since_found(file: InputFile) -> str | None:
-    """How ``file`` differs on disk from when it was found (None: same size and mtime)."""
+    """How ``file`` differs on disk from when it was found (None: same size, mtime, inode and ctime).  The inode
+    and ctime catch a file rewritten with its old size and mtime put back (``rsync -a``, ``cp -p``): parts read
+    before and after it would mix its old and new rows.  A ``chmod`` or a new hard link of the file while it is
+    read also changes its ctime, and is refused the same way: a rerun finds it as it is then."""
     try:
         st = os.stat(file.path)
     except OSError:
@@ -257,6 +260,13 @@ def changed_since_found(file: InputFile) -> str | None:
         return f"{file.size} bytes when the run started, {st.st_size} now"
     if st.st_mtime_ns != file.mtime_ns:
         return "rewritten: same size, new modification time"
+    if file.ino and st.st_ino != file.ino:
+        return "rewritten: another file moved into place with the same size and modification time"
+    if file.ctime_ns and st.st_ctime_ns != file.ctime_ns:
+        return (
+            "rewritten: same size and modification time, but its status changed (written with its old "
+            "modification time put back, or a chmod or hard link of it)"
+        )
     return None
 
 

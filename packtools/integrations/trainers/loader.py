@@ -143,6 +143,9 @@ def make_sampler(trainer: Any, dataset: Any, max_tokens: int | None, layout: Any
     sampler = TokenBudgetBatchSampler(
         lengths, max_tokens, seed=seed, num_replicas=world, rank=rank, seq_lengths=segments, repeat_rows=False
     )
+    # the checkpoint's layout record says it (resume.run_layout): a packtools before repeat_rows=False repeated
+    # these rows, in longer epochs whose saved step count must not be skipped in these
+    trainer._packtools_rows_left_out = int(sampler.dropped)
     if sampler.dropped and rank == 0:
         warnings.warn(
             f"{int((lengths > 0).sum())} training rows in token-budget batches of max_tokens={max_tokens} cannot "

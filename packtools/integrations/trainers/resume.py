@@ -85,6 +85,11 @@ def run_layout(trainer: Any, layout: Any, max_tokens: int | None) -> dict[str, A
         "shuffle_seed": int(args.seed) if seed is None else int(seed),
         "dataset_rows": _rows(getattr(trainer, "train_dataset", None)),
     }
+    left_out = getattr(trainer, "_packtools_rows_left_out", None)  # set by the loader built before this
+    if max_tokens is not None and left_out is not None:
+        # rows the token-budget batches leave out of each epoch rather than repeat (repeat_rows=False); a record
+        # without it (an earlier packtools) repeated them, in epochs of other batches
+        record["rows_left_out"] = int(left_out)
     if not ours:  # Trainer's own sampler: its order and its batches per epoch follow these too
         record["sampling"] = _sampling(args)
         record["drop_last"] = bool(getattr(args, "dataloader_drop_last", False))
@@ -239,6 +244,8 @@ def check_resume(folder: str | None, current: dict[str, Any]) -> None:
         for k, value in current.items()
         if k in saved and saved[k] != value and not (k == "shuffle_seed" and None in (saved[k], value))
     }
+    if current.get("rows_left_out") and "rows_left_out" not in saved and saved.get("max_tokens") is not None:
+        changed["rows_left_out"] = ("repeated", current["rows_left_out"])
     if "processes" in changed and _trainers_sampler(saved) == _trainers_sampler(current):
         # the batches follow the data-parallel processes (compared on their own), not the process count: the
         # processes of a context- or tensor-parallel group read one batch, so CP=2 on 2 processes resumed on 1
@@ -268,7 +275,14 @@ def check_resume(folder: str | None, current: dict[str, Any]) -> None:
     names["sampling"] = "train_sampling_strategy"
     names["drop_last"] = "dataloader_drop_last"
     names["dataset_rows"] = "the training dataset's rows"
-    said = ", ".join(f"{names.get(k, k)}={old} (now {new})" for k, (old, new) in changed.items())
+    names["rows_left_out"] = "rows left out of each epoch"
+    said = ", ".join(
+        f"token-budget batches that repeated row(s) of each epoch to give every process as many batches "
+        f"(packtools before repeat_rows=False; now {new} row(s) of each epoch sit it out instead)"
+        if k == "rows_left_out" and old == "repeated"
+        else f"{names.get(k, k)}={old} (now {new})"
+        for k, (old, new) in changed.items()
+    )
     raise PackingError(
         f"resume_from_checkpoint={folder!r} was saved with {said}: Trainer skips the saved number of steps of "
         f"batches laid out with the new setting, so rows of the interrupted epoch would be trained twice and "
