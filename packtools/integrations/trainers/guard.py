@@ -948,8 +948,9 @@ def watch_model(model: Any, *, owner: Any) -> None:
     """Guard ``model`` lazily: a model the trainer holds besides the ones packtools prepares (a reward model, a
     judge, a critic of the user's ``compute_loss``), which may well run only on unpacked inputs of its own.
 
-    Its forwards are checked by :func:`check_packed_ids_forward` (inside a trainer's ``compute_loss``, the packed
-    batch's tokens without what separates their documents are refused), and from its first packed input
+    Its forwards are checked by :func:`check_packed_ids_forward` (inside a trainer's ``compute_loss``,
+    ``training_step`` or ``prediction_step``, the packed batch's tokens without what separates their documents,
+    or a CP shard's without its key, are refused), and from its first packed input
     (:func:`packed_training_input`) on by the whole guard of :func:`guard_model`, the isolation probe included:
     a model it would refuse is refused then, at that forward, not before -- a model never given a packed row is
     never refused, and its forwards are left as they are (no ``use_cache`` set) until then.  Nothing is done for
