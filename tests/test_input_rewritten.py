@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import _stage_fixtures
 import datasets
@@ -35,6 +36,11 @@ def _rewrite_keeping_size_and_mtime(path, rows, how):
     _write(target, rows)
     assert os.path.getsize(target) == st.st_size
     os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    for _ in range(500):  # a kernel with coarse timestamps (no multigrain ctime) ticks every few ms: the
+        if how == "renamed" or os.stat(target).st_ctime_ns != st.st_ctime_ns:  # rewrite must land after one
+            break
+        time.sleep(0.01)
+        os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))  # (sets ctime to now, as the rewrite did)
     if how == "renamed":
         os.replace(target, path)
     after = os.stat(path)
