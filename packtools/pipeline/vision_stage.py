@@ -32,6 +32,7 @@ from .._atomic import fsync_dir, fsync_file
 from ..constants import __version__
 from ..core.arrow import numeric_array
 from ..errors import PackingError
+from ..io.discover import input_file_of
 from ..io.fingerprint import source_hash
 from .gather import write_shard
 from .tokenizer.folder import file_sha256
@@ -151,10 +152,9 @@ def block_damage(target: str) -> str | None:
     return None
 
 
-def _input_key(path: str) -> str:
-    st = os.stat(path)
-    # inode and ctime too: a file rewritten with its old mtime put back is a miss (InputFile.fingerprint)
-    return f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}"
+def _input_key(path: str) -> dict[str, object]:
+    # the one rule of what identifies an input file (a rewrite with its old size and mtime put back is a miss)
+    return input_file_of(path, "json", os.stat(path)).fingerprint()
 
 
 def blocks(
