@@ -44,13 +44,13 @@ def derived_fingerprint(dataset: Any, operation: str, **params: Any) -> str:
     Besides ``datasets``' own fingerprint it takes the size, mtime, inode and ctime of the Arrow files behind the
     dataset: files replaced under an unchanged ``state.json`` (same fingerprint, other rows), even with their old
     size and mtime put back, must not reuse the packing of the old rows."""
+    from ...io.discover import input_file_of
     from ...io.fingerprint import cache_key
 
     files = []
     for f in getattr(dataset, "cache_files", None) or []:
         try:
-            st = os.stat(f["filename"])
-            files.append([f["filename"], st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns])
+            files.append(input_file_of(f["filename"], "arrow", os.stat(f["filename"])).fingerprint())
         except (OSError, KeyError, TypeError):
             files.append([str(f), None, None])
     return cache_key(operation, 1, dataset=datasets_fingerprint(dataset), files=files, params=params)[:16]
