@@ -11,7 +11,6 @@ from packtools.batches import TokenBudgetBatchSampler
 from packtools.batches.row_sampler import RowBatchSampler
 from packtools.errors import PackingError
 from packtools.integrations.parallel.distributed import check_loss_path, trainer_divides_by_accumulation
-from packtools.integrations.trainers.loader import check_sharding
 
 
 def epoch(samplers):
@@ -63,11 +62,6 @@ def test_double_sharding_is_refused():
             sampler, "batch_size", None
         )  # what accelerate's BatchSamplerShard reads when it wraps a batch sampler
     assert TokenBudgetBatchSampler([5, 7], 12).batch_size is None
-    shard = types.SimpleNamespace(batch_sampler=TokenBudgetBatchSampler([5, 7], 12), num_processes=2)
-    check_sharding(types.SimpleNamespace(batch_sampler=shard))  # one replica: nothing sharded twice
-    object.__setattr__(shard.batch_sampler, "num_replicas", 2)
-    with pytest.raises(PackingError, match="sharded again"):
-        check_sharding(types.SimpleNamespace(batch_sampler=shard))
 
 
 def test_divides_by_accumulation_reads_trainer_predicate():

@@ -178,25 +178,6 @@ def _passthrough(prepared: Any, ours: RankBatches) -> Any:
     return prepared
 
 
-def check_sharding(loader: Any) -> None:
-    """Raise if a ``TokenBudgetBatchSampler`` with ``num_replicas > 1`` sits under accelerate's sharding."""
-    shard = getattr(loader, "batch_sampler", None)
-    inner = getattr(shard, "batch_sampler", None)
-    if (
-        isinstance(inner, TokenBudgetBatchSampler)
-        and inner.num_replicas > 1
-        and getattr(shard, "num_processes", 1) > 1
-    ):
-        raise PackingError(
-            f"TokenBudgetBatchSampler(num_replicas={inner.num_replicas}) is sharded again by accelerate's "
-            f"{type(shard).__name__}: each process would keep 1/{shard.num_processes} of its own batches and "
-            f"skip the rest of the epoch. Under Trainer use packtools.prepare_trainer(trainer, max_tokens=N) "
-            f"(or prepare_dpo_trainer(..., max_tokens=N)); in your own accelerate loop, do not pass that "
-            f"DataLoader to accelerator.prepare (move batches to the device yourself).",
-            param="batch_sampler",
-        )
-
-
 def is_stream(dataset: Any) -> bool:
     """Whether ``dataset`` is a stream (an ``IterableDataset``, or anything without a length)."""
     return (
@@ -274,13 +255,11 @@ def train_loader(trainer: Any, max_tokens: int | None, layout: Any, default: Any
     ``get_train_dataloader`` (:mod:`packtools.integrations.trainers.step`).
 
     Without ``max_tokens`` and with one process, ``Trainer``'s own loader (``default()``) is kept (it repeats
-    nothing) and only checked.  ``layout``: the run's
+    nothing; a token-budget sampler sharded again by accelerate refuses in its ``batch_size``).  ``layout``: the run's
     :class:`~packtools.integrations.parallel.layout.RankLayout` (the sampler shards over its DP group).
     """
     if max_tokens is None and max(int(trainer.args.world_size), 1) == 1:
-        loader = default()
-        check_sharding(loader)
-        return loader
+        return default()
     torch = require("torch", "packtools.prepare_trainer(max_tokens=...)")
     if trainer.train_dataset is None:
         raise ValueError("Trainer: training requires a train_dataset.")
