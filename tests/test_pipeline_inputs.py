@@ -91,13 +91,13 @@ def test_a_folder_or_a_failed_system_read_is_not_called_a_corrupted_file(tmp_pat
         folder = tmp_path / f"x.{kind}"
         folder.mkdir()
         with pytest.raises(PackingError) as err:
-            read_schema(InputFile(str(folder), kind, 0, 0))
+            read_schema(InputFile(str(folder), kind, 0, 0, 0, 0))
         assert f"input {str(folder)!r} is a folder, not {name} file; pass a file" in str(err.value)
         assert "corrupted" not in str(err.value)
     with pytest.raises(PackingError, match=r"x\.arrow' is a folder, not an Arrow IPC file"):
         read_table(tmp_path / "x.arrow")
     with pytest.raises(FileNotFoundError):
-        read_schema(InputFile(str(tmp_path / "missing.parquet"), "parquet", 0, 0))
+        read_schema(InputFile(str(tmp_path / "missing.parquet"), "parquet", 0, 0, 0, 0))
 
 
 def test_a_folder_that_a_saved_datasets_state_lists_as_a_data_file_is_named_as_a_folder(tmp_path):
@@ -131,7 +131,7 @@ def test_an_io_error_of_the_system_names_it_not_corruption(tmp_path):
     else:
         pytest.skip("reading /proc/self/mem succeeds here")
     with pytest.raises(PackingError) as err:
-        list(read_part(Part(InputFile(str(link), "arrow", 0, 0))))
+        list(read_part(Part(InputFile(str(link), "arrow", 0, 0, 0, 0))))
     assert f"input {str(link)!r} could not be read: the system's read failed (EIO: " in str(err.value)
     assert "corrupted" not in str(err.value)
 

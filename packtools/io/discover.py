@@ -40,8 +40,8 @@ class InputFile:
     kind: str
     size: int
     mtime_ns: int
-    ino: int = 0
-    ctime_ns: int = 0
+    ino: int
+    ctime_ns: int
 
     def fingerprint(self) -> dict[str, object]:
         """``{"path", "size", "mtime_ns", "ino", "ctime_ns"}`` of the file, taken when it was found.  The inode
@@ -58,8 +58,10 @@ class InputFile:
         }
 
 
-def input_file_of(path: str, kind: str, st: os.stat_result) -> InputFile:
-    """The :class:`InputFile` of ``path`` from its ``os.stat`` result (absolute path, every field taken)."""
+def input_file_of(path: str, kind: str, st: os.stat_result | None = None) -> InputFile:
+    """The :class:`InputFile` of ``path`` (absolute path, every field taken) from its ``os.stat`` result, taken
+    here when not given."""
+    st = os.stat(path) if st is None else st
     return InputFile(os.path.abspath(path), kind, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
 
 

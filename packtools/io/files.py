@@ -260,9 +260,9 @@ def changed_since_found(file: InputFile) -> str | None:
         return f"{file.size} bytes when the run started, {st.st_size} now"
     if st.st_mtime_ns != file.mtime_ns:
         return "rewritten: same size, new modification time"
-    if file.ino and st.st_ino != file.ino:
+    if st.st_ino != file.ino:
         return "rewritten: another file moved into place with the same size and modification time"
-    if file.ctime_ns and st.st_ctime_ns != file.ctime_ns:
+    if st.st_ctime_ns != file.ctime_ns:
         return (
             "rewritten: same size and modification time, but its status changed (written with its old "
             "modification time put back, or a chmod or hard link of it)"

@@ -28,7 +28,7 @@ from ..core.nested import gather_whole_samples, plan_whole_samples
 from ..core.pack import pack_columns
 from ..core.plan import PackPlan, WholeLengths, check_max_length
 from ..errors import PackingError
-from ..io.discover import InputFile, input_file_of
+from ..io.discover import input_file_of
 from ..io.files import mapped_table
 from ..io.json import is_json_array, iter_json_array
 from ..io.json_cells import CHAT_COLUMNS, cells
@@ -66,11 +66,6 @@ class VisionPackResult:
     samples_untrained: int = 0
     #: what the run says beside its numbers (a damaged output packed again), as ``PipelineResult.notes``
     notes: list[str] = field(default_factory=list)
-
-
-def _input_file(path: str) -> InputFile:
-    st = os.stat(path)
-    return input_file_of(path, "json", st)
 
 
 def shard_bounds(p: PackPlan, patches: np.ndarray, dim: int, shard_bytes: int) -> list[tuple[int, int]]:
@@ -127,7 +122,7 @@ def pack_vision_files(
                 f"input {p!r}: pass JSON-lines files (.jsonl) of TRL vision rows.", param="inputs"
             )
     out = os.path.abspath(os.fspath(out))
-    check_out(out, paths, [_input_file(p) for p in paths])
+    check_out(out, paths, [input_file_of(p, "json") for p in paths])
     vp = load_vision_processor(processor)
     dim = (
         3

@@ -154,7 +154,7 @@ def block_damage(target: str) -> str | None:
 
 def _input_key(path: str) -> dict[str, object]:
     # the one rule of what identifies an input file (a rewrite with its old size and mtime put back is a miss)
-    return input_file_of(path, "json", os.stat(path)).fingerprint()
+    return input_file_of(path, "json").fingerprint()
 
 
 def blocks(

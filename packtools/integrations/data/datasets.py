@@ -50,7 +50,7 @@ def derived_fingerprint(dataset: Any, operation: str, **params: Any) -> str:
     files = []
     for f in getattr(dataset, "cache_files", None) or []:
         try:
-            files.append(input_file_of(f["filename"], "arrow", os.stat(f["filename"])).fingerprint())
+            files.append(input_file_of(f["filename"], "arrow").fingerprint())
         except (OSError, KeyError, TypeError):
             files.append([str(f), None, None])
     return cache_key(operation, 1, dataset=datasets_fingerprint(dataset), files=files, params=params)[:16]
