@@ -249,13 +249,10 @@ class TokenBudgetBatchSampler:
     def dropped(self) -> int:
         """Rows with tokens that no rank's batch holds in this epoch (``drop_last``, or ``repeat_rows=False``
         where the batches could not be evened out); the same count every epoch, other rows."""
-        held = sum(int(b.size) for step in self._plan() for b in step)
-        return int(np.count_nonzero(self.lengths > 0)) - held if not self._repeats() else 0
-
-    def _repeats(self) -> bool:
-        """Whether this epoch's batches hold a row more than once (``repeat_rows=True`` evening out)."""
-        rows = np.concatenate([b for step in self._plan() for b in step] or [np.zeros(0, np.int64)])
-        return rows.size != np.unique(rows).size
+        held = np.concatenate([b for step in self._plan() for b in step] or [np.zeros(0, np.int64)])
+        return int(np.count_nonzero(self.lengths > 0)) - int(
+            np.unique(held).size
+        )  # (a repeated row counts once)
 
     # -- planning --------------------------------------------------------------------------------
     def _batches(self, rng: np.random.Generator) -> list[np.ndarray]:
@@ -292,8 +289,8 @@ class TokenBudgetBatchSampler:
         if need and not self.repeat_rows:
             # every batch is one row: the r - need rows over a multiple of r sit this epoch out, drawn from the
             # epoch's generator (other rows every epoch); nothing is repeated
-            out = np.sort(rng.choice(len(batches), size=r - need, replace=False))
-            return [b for i, b in enumerate(batches) if i not in set(out.tolist())]
+            out = set(rng.choice(len(batches), size=r - need, replace=False).tolist())
+            return [b for i, b in enumerate(batches) if i not in out]
         # every batch is one row: repeat batches, as DistributedSampler repeats samples
         if need and self.rank == 0 and not self._warned_repeats:
             self._warned_repeats = True

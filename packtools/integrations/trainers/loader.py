@@ -122,14 +122,13 @@ def make_sampler(trainer: Any, dataset: Any, max_tokens: int | None, layout: Any
         sampler = RowBatchSampler(
             len(dataset), args.per_device_train_batch_size, seed=seed, num_replicas=world, rank=rank
         )
-        if sampler.dropped and rank == 0:
-            warnings.warn(
-                f"{len(dataset)} training rows in batches of {sampler.rows_per_batch} cannot give {world} processes "
-                f"the same number of batches without repeating rows: {sampler.dropped} row(s) of each epoch's "
-                f"shuffle (different ones every epoch) sit that epoch out. Use a row count divisible by "
-                f"{world}, or max_tokens=N (token-budget batches split rows evenly).",
-                stacklevel=4,
-            )
+        _warn_left_out(
+            sampler.dropped,
+            rank,
+            f"{len(dataset)} training rows in batches of {sampler.rows_per_batch} cannot give {world} processes "
+            f"the same number of batches without repeating rows",
+            f"Use a row count divisible by {world}, or max_tokens=N (token-budget batches split rows evenly).",
+        )
         return sampler
     lengths, segments = row_lengths_and_segments(dataset)
     if int((lengths > 0).sum()) < world:
@@ -145,16 +144,24 @@ def make_sampler(trainer: Any, dataset: Any, max_tokens: int | None, layout: Any
     )
     # the checkpoint's layout record says it (resume.run_layout): a packtools before repeat_rows=False repeated
     # these rows, in longer epochs whose saved step count must not be skipped in these
-    trainer._packtools_rows_left_out = int(sampler.dropped)
-    if sampler.dropped and rank == 0:
-        warnings.warn(
-            f"{int((lengths > 0).sum())} training rows in token-budget batches of max_tokens={max_tokens} cannot "
-            f"give {world} processes the same number of batches without repeating rows (every batch holds one "
-            f"row): {sampler.dropped} row(s) of each epoch's shuffle (different ones every epoch) sit that epoch "
-            f"out. Raise max_tokens so that batches hold several rows, or use a row count divisible by {world}.",
-            stacklevel=4,
-        )
+    trainer._packtools_rows_left_out = left_out = sampler.dropped
+    _warn_left_out(
+        left_out,
+        rank,
+        f"{int((lengths > 0).sum())} training rows in token-budget batches of max_tokens={max_tokens} cannot "
+        f"give {world} processes the same number of batches without repeating rows (every batch holds one row)",
+        f"Raise max_tokens so that batches hold several rows, or use a row count divisible by {world}.",
+    )
     return sampler
+
+
+def _warn_left_out(left_out: int, rank: int, why: str, fix: str) -> None:
+    """Warn once (rank 0) that ``left_out`` rows of each epoch sit it out, because ``why``; ``fix``: what avoids it."""
+    if left_out and rank == 0:
+        warnings.warn(
+            f"{why}: {left_out} row(s) of each epoch's shuffle (different ones every epoch) sit that epoch out. {fix}",
+            stacklevel=5,
+        )
 
 
 def _passthrough(prepared: Any, ours: RankBatches) -> Any:
